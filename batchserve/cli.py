@@ -1,0 +1,71 @@
+"""`batchserve serve`: flags generated from `config.Settings`, each with a BATCHSERVE_* twin."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from batchserve.config import Settings, cli_fields, env_defaults, env_name
+
+log = logging.getLogger("batchserve")
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = Settings()
+    for f in cli_fields():
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {getattr(defaults, f.name)!r}]"
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=None, choices=f.metadata.get("choices"),
+                                help=help_text)
+
+
+def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
+    """Defaults, then BATCHSERVE_* variables, then flags."""
+    values = env_defaults(environ)
+    for f in cli_fields():
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    settings = Settings(**values)
+    if settings.config:
+        from batchserve.config_file import apply_config_file
+
+        apply_config_file(settings, settings.config)
+    settings.check()
+    return settings
+
+
+def effective(settings: Settings) -> str:
+    shown = {f.name: getattr(settings, f.name) for f in cli_fields() if f.name != "config" or settings.config}
+    shown["models"] = [m.id for m in settings.models]
+    return " ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchserve", description="Dynamic-batching inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = sub.add_parser("serve", help="run the HTTP server")
+    add_settings_flags(serve_parser)
+    args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        try:
+            settings = settings_from(args)
+        except (ValueError, OSError) as exc:
+            parser.error(str(exc))
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        log.info("settings: %s", effective(settings))
+        from batchserve.server import serve
+
+        serve(settings)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Every knob of the server in one dataclass, with its flag and its BATCHSERVE_* twin.
+
+Each field's metadata carries its help text; `cli.py` turns the fields into argparse flags so the flag
+list, the environment names and the defaults cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+TIERS = ("enterprise", "paid", "free", "batch")  # highest priority first
+
+
+def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ModelSpec:
+    """One servable model version; batches never mix two of these."""
+
+    name: str
+    version: str = "v1"
+    backend: str = "sim"
+    sim_batch_ms: float = 100.0
+    weight: float = 100.0  # share of its name's traffic among versions (canary split)
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass
+class Settings:
+    host: str = knob("127.0.0.1", "address to listen on")
+    port: int = knob(8000, "port to listen on (0 picks a free one)")
+    backend: str = knob("sim", "backend of the default model", ("sim", "smollm2"))
+    model_name: str = knob("", "name of the default model (default: the backend's name)")
+    model_version: str = knob("v1", "version of the default model")
+    devices: int = knob(0, "worker devices: sim devices, or CUDA devices to use (0 = all GPUs, or 1 CPU)")
+    max_batch_size: int = knob(100, "most inputs in one batch")
+    slo_ms: float = knob(200.0, "latency objective (p95) that paces dispatch and admission")
+    dispatch_margin_ms: float = knob(5.0, "slack kept between the dispatch deadline and the SLO")
+    timeout_ms: float = knob(2000.0, "default request deadline when the body gives no timeout_ms")
+    max_timeout_ms: float = knob(60000.0, "largest timeout_ms a caller may ask for")
+    gpu_timeout_ms: float = knob(0.0, "a batch running longer marks its worker unhealthy (0 = derived: "
+                                       "max(1000, 10 x observed batch time))")
+    max_queue: int = knob(10000, "most items waiting per model before 503 SERVICE_OVERLOADED")
+    admission_slack: float = knob(1.25, "refuse at the door when the predicted latency passes slo_ms x this "
+                                         "(per-tier factors in the config file override it)")
+    max_body_bytes: int = knob(1 << 20, "largest request body; larger gets 413 before it is buffered")
+    max_input_chars: int = knob(16384, "longest input string; longer gets 413")
+    sim_batch_ms: float = knob(100.0, "sim: time one batch takes, whatever its size")
+    sim_fail_marker: str = knob("", "sim: a batch holding an input containing this raises")
+    sim_hang_marker: str = knob("", "sim: a batch holding an input containing this blocks for sim_hang_ms")
+    sim_hang_ms: float = knob(60000.0, "sim: how long a hung batch blocks")
+    sim_bad_output_marker: str = knob("", "sim: a batch holding an input containing this returns one output too few")
+    max_new_tokens: int = knob(64, "smollm2: tokens generated per input")
+    drain_timeout_s: float = knob(30.0, "on SIGTERM, longest wait for queued and running work before 503s")
+    request_history: int = knob(10000, "recent requests kept for GET /v1/requests/{id}")
+    config: str = knob("", "TOML file with models, tiers and API keys")
+    allow_anonymous: bool = knob(False, "serve callers without a key on a non-loopback address")
+    log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
+
+    models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            self.model_name = self.backend
+        if not self.models:
+            self.models = [ModelSpec(self.model_name, self.model_version, self.backend, self.sim_batch_ms)]
+
+    def check(self) -> None:
+        """Refuse settings that cannot work, with a sentence a person can act on."""
+        problems = []
+        if not 1 <= self.max_batch_size <= 100_000:
+            problems.append("max_batch_size must be between 1 and 100000")
+        if self.slo_ms <= 0 or self.timeout_ms <= 0:
+            problems.append("slo_ms and timeout_ms must be positive")
+        if self.devices < 0:
+            problems.append("devices must be 0 (auto) or more")
+        if self.max_queue < 1 or self.max_body_bytes < 64:
+            problems.append("max_queue must be >= 1 and max_body_bytes >= 64")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(Settings) if f.metadata.get("cli", True)]
+
+
+def env_name(field_name: str) -> str:
+    return "BATCHSERVE_" + field_name.upper()
+
+
+def coerce(f: dataclasses.Field, raw: str) -> Any:
+    kind = type(f.default)
+    if kind is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return kind(raw)
+
+
+def env_defaults(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Values from BATCHSERVE_* variables; flags given on the command line win over these."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for f in cli_fields():
+        if env_name(f.name) in environ:
+            out[f.name] = coerce(f, environ[env_name(f.name)])
+    return out

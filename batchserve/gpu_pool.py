@@ -1,0 +1,229 @@
+"""Device workers: one thread per device, each pulling one batch at a time from the batcher (DESIGN §4).
+
+A worker thread asks the batcher for its next batch only when it is free (pull, never push), calls the
+backend in its own thread, and hands the outcome back to the event loop, where every future is resolved.
+On the loop, an output is checked (a list of strings, one per input); a batch that raised or answered
+malformed is split in two and both halves retried (bisection), so a poison input fails alone with 500 and its
+batch-mates get their answers; a single input that fails is retried once on another worker (transient faults).
+A watchdog marks a worker whose batch runs past `gpu_timeout` unhealthy: its thread cannot be killed, so it is
+abandoned (and taken back if the call ever returns) and the batch's items are retried on a healthy worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from batchserve import errors
+from batchserve.backends import Backend
+from batchserve.batcher import Batch, Batcher, Item
+from batchserve.metrics import Metrics
+
+log = logging.getLogger("batchserve.pool")
+
+GPU_TIMEOUT_FLOOR_S = 1.0
+GPU_TIMEOUT_BATCHES = 10  # derived gpu_timeout: this many learned batch times, at least the floor
+
+
+@dataclass(slots=True)
+class ItemResult:
+    output: str
+    queue_s: float
+    compute_s: float
+    batch_size: int
+
+
+@dataclass(eq=False)
+class Worker:
+    index: int
+    name: str
+    healthy: bool = True
+    batch: Batch | None = None
+    started: float = 0.0
+    busy_s: float = 0.0  # completed batch time, for the busy ratio
+    batches: int = 0
+    generation: int = 0  # bumped when the worker is abandoned, so a late answer is recognised and dropped
+    thread: threading.Thread | None = None
+
+    def busy_total(self, now: float) -> float:
+        return self.busy_s + (now - self.started if self.batch is not None else 0.0)
+
+
+def check_outputs(outputs: object, n: int) -> str | None:
+    """Why `outputs` is not a valid answer to n inputs, or None when it is."""
+    if not isinstance(outputs, list):
+        return f"backend returned {type(outputs).__name__}, not a list"
+    if len(outputs) != n:
+        return f"backend returned {len(outputs)} outputs for {n} inputs"
+    if not all(isinstance(o, str) for o in outputs):
+        return "backend returned a non-string output"
+    return None
+
+
+@dataclass
+class GpuPool:
+    backends: dict[str, Backend]  # model id -> backend
+    batcher: Batcher
+    metrics: Metrics
+    loop: asyncio.AbstractEventLoop
+    device_names: list[str]
+    gpu_timeout_s: float = 0.0  # 0 = derived from the learned batch times
+    workers: list[Worker] = field(default_factory=list)
+    _watchdog: asyncio.Task | None = None
+
+    def start(self) -> None:
+        for i, name in enumerate(self.device_names):
+            w = Worker(i, name)
+            w.thread = threading.Thread(target=self._work, args=(w,), name=f"worker-{name}", daemon=True)
+            self.workers.append(w)
+            self.metrics.worker_healthy.labels(name).set(1)
+        self._update_health()
+        for w in self.workers:
+            assert w.thread is not None
+            w.thread.start()
+        self._watchdog = self.loop.create_task(self._watch())
+
+    def stop(self) -> None:
+        self.batcher.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    # -- capacity, for admission and health ----------------------------------------------------------------
+    def healthy_count(self) -> int:
+        return sum(1 for w in self.workers if w.healthy)
+
+    def seconds_until_free(self, now: float) -> float:
+        """Time until the first healthy worker should be free again (0 when one is idle)."""
+        waits = [
+            0.0 if w.batch is None else max(0.0, w.started + self.batcher.batch_s[w.batch.model] - now)
+            for w in self.workers
+            if w.healthy
+        ]
+        return min(waits) if waits else float("inf")
+
+    def timeout_s(self) -> float:
+        if self.gpu_timeout_s > 0:
+            return self.gpu_timeout_s
+        return max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * max(self.batcher.batch_s.values()))
+
+    # -- the worker thread -----------------------------------------------------------------------------------
+    def _work(self, w: Worker) -> None:
+        while True:
+            try:
+                batch = asyncio.run_coroutine_threadsafe(self._take(w), self.loop).result()
+            except (RuntimeError, asyncio.CancelledError):  # the loop is closing
+                return
+            if batch is None:
+                return
+            generation = w.generation
+            started = time.monotonic()
+            outputs: object = None
+            error: BaseException | None = None
+            try:
+                outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
+            except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
+                error = exc
+            elapsed = time.monotonic() - started
+            try:
+                self.loop.call_soon_threadsafe(self._finish, w, generation, batch, outputs, error, elapsed)
+            except RuntimeError:  # the loop is closed: the process is exiting
+                return
+
+    async def _take(self, w: Worker) -> Batch | None:
+        batch = await self.batcher.next_batch(w.index)
+        if batch is not None:
+            w.batch, w.started = batch, time.monotonic()
+            self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
+            wait = self.metrics.queue_wait.labels(batch.model)
+            for item in batch.items:
+                wait.observe(batch.formed - item.arrived)
+        return batch
+
+    # -- back on the event loop --------------------------------------------------------------------------
+    def _finish(self, w: Worker, generation: int, batch: Batch, outputs: object,
+                error: BaseException | None, elapsed: float) -> None:
+        if generation != w.generation:
+            # An abandoned (hung) call came back: its items were already retried or answered.
+            log.warning("worker %s returned after %.1fs and is taken back", w.name, elapsed)
+            w.healthy = True
+            self.metrics.worker_healthy.labels(w.name).set(1)
+            self._update_health()
+            return
+        w.batch = None
+        w.busy_s += elapsed
+        w.batches += 1
+        n = len(batch.items)
+        problem = f"{type(error).__name__}: {error}" if error is not None else check_outputs(outputs, n)
+        if problem is not None:
+            log.warning("batch of %d on %s failed: %s", n, w.name, problem)
+            self._retry_or_fail(batch, w, problem, "error")
+            return
+        self.batcher.observe_batch(batch.model, elapsed)
+        self.metrics.batch_compute.labels(batch.model).observe(elapsed)
+        assert isinstance(outputs, list)
+        for item, output in zip(batch.items, outputs):
+            if not item.future.done():
+                item.future.set_result(ItemResult(output, batch.formed - item.arrived, elapsed, n))
+
+    def _retry_or_fail(self, batch: Batch, w: Worker, problem: str, cause: str) -> None:
+        """Bisect a failed batch; a lone item gets one more try elsewhere, then 500."""
+        now = time.monotonic()
+        items = [i for i in batch.items if i.alive(now)]
+        if not items:
+            return
+        self.metrics.batch_retries.labels(batch.model, cause).inc()
+        if len(items) > 1:
+            mid = len(items) // 2
+            for half in (items[:mid], items[mid:]):
+                self.batcher.requeue(Batch(batch.model, half, now, "retry", w.index, batch.after_hang))
+            return
+        item = items[0]
+        if item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
+            item.attempts += 1
+            self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index))
+            return
+        err = errors.deadline_exceeded() if cause == "hang" else errors.inference_failed(problem)
+        item.future.set_exception(err)
+
+    # -- hung workers ----------------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.05, self.timeout_s() / 10))
+            now = time.monotonic()
+            limit = self.timeout_s()
+            for w in self.workers:
+                if w.healthy and w.batch is not None and now - w.started > limit:
+                    self._abandon(w, now, limit)
+
+    def _abandon(self, w: Worker, now: float, limit: float) -> None:
+        batch = w.batch
+        assert batch is not None
+        log.error("worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
+                  w.name, len(batch.items), now - w.started, limit)
+        w.healthy = False
+        w.generation += 1
+        w.busy_s += now - w.started
+        w.batch = None
+        self.metrics.worker_healthy.labels(w.name).set(0)
+        self._update_health()
+        if batch.after_hang or self.healthy_count() == 0:
+            # These items already hung one worker (or none is left): answer them rather than risk another.
+            for item in batch.items:
+                if not item.future.done():
+                    item.future.set_exception(errors.deadline_exceeded())
+            return
+        batch.after_hang = True
+        self._retry_or_fail(batch, w, "worker hung", "hang")
+
+    def _update_health(self) -> None:
+        self.batcher.healthy_workers = self.healthy_count()
+        self.batcher.wake()
+
+
+def fail_items(items: list[Item], err: errors.ApiError) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(err)

@@ -1,0 +1,51 @@
+"""Which model version serves a request: `"name"` picks a version by weight, `"name@version"` names one."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+from batchserve.config import ModelSpec
+
+
+@dataclass
+class ModelRegistry:
+    specs: list[ModelSpec]
+    by_id: dict[str, ModelSpec] = field(default_factory=dict)
+    by_name: dict[str, list[ModelSpec]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for spec in self.specs:
+            if spec.id in self.by_id:
+                raise ValueError(f"model {spec.id} is configured twice")
+            self.by_id[spec.id] = spec
+            self.by_name.setdefault(spec.name, []).append(spec)
+
+    @property
+    def default(self) -> ModelSpec:
+        return self.specs[0]
+
+    def resolve(self, requested: str | None, sticky_key: str = "") -> ModelSpec | None:
+        """The version to serve, or None when unknown. A caller with a key always lands on the same version
+        of a name (sticky canary split); an anonymous caller is split at random by weight."""
+        if not requested:
+            requested = self.default.name
+        if "@" in requested:
+            return self.by_id.get(requested)
+        versions = self.by_name.get(requested)
+        if not versions:
+            return None
+        if len(versions) == 1:
+            return versions[0]
+        total = sum(v.weight for v in versions)
+        if sticky_key:
+            digest = hashlib.sha256(f"{sticky_key}|{requested}".encode()).digest()
+            point = int.from_bytes(digest[:8], "big") / 2**64 * total
+        else:
+            point = random.random() * total
+        for v in versions:
+            point -= v.weight
+            if point < 0:
+                return v
+        return versions[-1]

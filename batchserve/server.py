@@ -1,0 +1,62 @@
+"""Run the app on uvicorn + uvloop, with a graceful drain on SIGTERM/SIGINT (DESIGN §4).
+
+uvicorn's own handling closes the listening socket at the first signal; we keep serving instead, so
+`/readyz` can say 503 and new requests get a JSON 503 DRAINING while queued and running work is answered.
+Only then is uvicorn told to exit. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from batchserve.app import create_app
+from batchserve.config import Settings
+
+log = logging.getLogger("batchserve")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None:
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            return
+        log.info("received %s: draining", signal.Signals(sig).name)
+        loop = asyncio.get_event_loop()
+        self._drain_task = loop.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        app = self.config.loaded_app
+        while hasattr(app, "app") and not hasattr(app, "state"):  # unwrap uvicorn's middleware
+            app = app.app
+        runtime = getattr(getattr(app, "state", None), "rt", None)
+        try:
+            if runtime is not None:
+                await runtime.drain()
+        finally:
+            self.should_exit = True
+
+
+def serve(settings: Settings) -> None:
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+        backlog=4096,
+    )
+    DrainingServer(config).run()

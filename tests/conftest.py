@@ -1,0 +1,97 @@
+"""A real server process on an ephemeral port, and real HTTP clients against it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+PORT_LINE = re.compile(r"Uvicorn running on http://[\d.]+:(\d+)")
+
+
+@dataclass
+class LiveServer:
+    proc: subprocess.Popen
+    url: str
+    log_lines: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return "\n".join(self.log_lines)
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 30), **kw)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(*args: str, ready: bool = True, env: dict[str, str] | None = None,
+                 timeout: float = 60) -> LiveServer:
+    """Start `batchserve serve` on port 0 and return once it listens (and, if `ready`, once /readyz is 200)."""
+    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--log-level", "info", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    lines: list[str] = []
+    port: list[int] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            m = PORT_LINE.search(line)
+            if m:
+                port.append(int(m.group(1)))
+
+    threading.Thread(target=pump, daemon=True).start()
+    give_up = time.monotonic() + timeout
+    while not port:
+        if proc.poll() is not None or time.monotonic() > give_up:
+            proc.kill()
+            raise RuntimeError("server did not start:\n" + "\n".join(lines))
+        time.sleep(0.02)
+    server = LiveServer(proc, f"http://127.0.0.1:{port[0]}", lines)
+    if ready:
+        with server.client() as c:
+            while c.get("/readyz").status_code != 200:
+                if proc.poll() is not None or time.monotonic() > give_up:
+                    server.stop()
+                    raise RuntimeError("server did not become ready:\n" + server.log())
+                time.sleep(0.05)
+    return server
+
+
+@pytest.fixture
+def server_factory():
+    started: list[LiveServer] = []
+
+    def make(*args: str, **kw) -> LiveServer:
+        s = start_server(*args, **kw)
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop(signal.SIGKILL if s.proc.poll() is None else signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def sim_server():
+    """A shared sim server: 4 devices, 100 ms batches, roomy SLO so bursts are admitted."""
+    s = start_server("--devices", "4", "--slo-ms", "3000", "--timeout-ms", "10000")
+    yield s
+    s.stop()
