@@ -16,15 +16,24 @@ from batchserve.batcher import Batcher
 from batchserve.gpu_pool import GpuPool
 
 
-def predicted_latency_s(batcher: Batcher, pool: GpuPool, model: str, now: float) -> float:
+# Multiplies `slo_ms x admission_slack` per tier (enterprise, paid, free, batch): under pressure the lower
+# tiers pass their bound first and are refused first.
+TIER_SHED = (1.2, 1.0, 0.8, 0.8)
+
+
+def predicted_latency_s(batcher: Batcher, pool: GpuPool, model: str, tier: int, tenant: str, now: float) -> float:
     healthy = max(1, pool.healthy_count())
     batch_s = batcher.batch_s[model]
-    ahead = batcher.total_depth()
+    ahead = batcher.ahead_of(tier, tenant)
     return pool.seconds_until_free(now) + (ahead // batcher.max_batch_size) * batch_s / healthy + batch_s
 
 
+def tier_bound_s(slo_ms: float, slack: float, tier: int) -> float:
+    return slo_ms * slack * TIER_SHED[tier] / 1000
+
+
 def admit(batcher: Batcher, pool: GpuPool | None, model: str, max_queue: int, bound_s: float,
-          deadline_s: float) -> None:
+          deadline_s: float, tier: int = 1, tenant: str = "") -> None:
     """Raise the 503 that fits, or return when the item may join the queue.
 
     `bound_s` is the tier's latency bound (slo x slack); `deadline_s` the time left before the request's
@@ -39,7 +48,7 @@ def admit(batcher: Batcher, pool: GpuPool | None, model: str, max_queue: int, bo
     if batcher.depth.get(model, 0) >= max_queue:
         raise errors.overloaded(f"the queue for {model} is full ({max_queue} items)",
                                 retry_after_ms=batcher.batch_s[model] * 1000)
-    predicted = predicted_latency_s(batcher, pool, model, time.monotonic())
+    predicted = predicted_latency_s(batcher, pool, model, tier, tenant, time.monotonic())
     if predicted > min(bound_s, deadline_s):
         limit = "deadline" if deadline_s < bound_s else "latency objective"
         raise errors.overloaded(

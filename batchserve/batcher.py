@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve import errors
+from batchserve.fairqueue import FairQueue
 
 EWMA_ALPHA = 0.2  # weight of the newest batch in the learned batch time
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
@@ -70,8 +71,11 @@ class Batcher:
     slo_s: float
     margin_s: float
     batch_s: dict[str, float]  # learned batch time per model id, seeded from the backend's guess
-    queues: dict[tuple[str, int], deque[Item]] = field(default_factory=dict)
+    queues: dict[tuple[str, int], FairQueue] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)  # queued items per model
+    tier_depth: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # queued items per tier
+    tenant_depth: dict[tuple[int, str], int] = field(default_factory=dict)
+    active_tenants: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # tenants with queued items, per tier
     retries: deque[Batch] = field(default_factory=deque)
     healthy_workers: int = 1
     draining: bool = False
@@ -86,14 +90,32 @@ class Batcher:
         key = (item.model, item.bucket)
         q = self.queues.get(key)
         if q is None:
-            q = self.queues[key] = deque()
-        q.append(item)
-        self.depth[item.model] = self.depth.get(item.model, 0) + 1
+            q = self.queues[key] = FairQueue()
+        q.push(item)
+        self._count(item, +1)
         if self._waiting and (len(q) == 1 or len(q) >= self.max_batch_size):
             self._wake.set()
 
     def total_depth(self) -> int:
         return sum(self.depth.values())
+
+    def ahead_of(self, tier: int, tenant: str) -> int:
+        """Items a new item of this tier and tenant would wait behind: every higher tier, and its fair share
+        of its own tier (tenants take turns, so it waits behind one item of each busy tenant per own item)."""
+        same = self.tier_depth[tier]
+        own = self.tenant_depth.get((tier, tenant), 0)
+        return sum(self.tier_depth[:tier]) + min(same, (own + 1) * max(1, self.active_tenants[tier]))
+
+    def _count(self, item: Item, sign: int) -> None:
+        self.depth[item.model] = self.depth.get(item.model, 0) + sign
+        self.tier_depth[item.tier] += sign
+        key = (item.tier, item.tenant)
+        before = self.tenant_depth.get(key, 0)
+        after = self.tenant_depth[key] = before + sign
+        if before == 0 and after > 0:
+            self.active_tenants[item.tier] += 1
+        elif before > 0 and after == 0:
+            self.active_tenants[item.tier] -= 1
 
     # -- the workers' side -------------------------------------------------------------------------------
     async def next_batch(self, worker: int) -> Batch | None:
@@ -149,8 +171,8 @@ class Batcher:
         """Answer every queued item with `err` (drain timeout); returns how many were answered."""
         answered = 0
         for q in self.queues.values():
-            while q:
-                item = q.popleft()
+            for item in q.drain_all():
+                self._count(item, -1)
                 if not item.future.done():
                     item.future.set_exception(err)
                     answered += 1
@@ -160,7 +182,6 @@ class Batcher:
                     item.future.set_exception(err)
                     answered += 1
         self.retries.clear()
-        self.depth = {m: 0 for m in self.depth}
         return answered
 
     # -- policy ------------------------------------------------------------------------------------------
@@ -173,10 +194,11 @@ class Batcher:
         best_rank = (float("inf"), float("inf"))
         best_cause = ""
         for key, q in self.queues.items():
-            self._prune_head(q, key[0], now)
-            if not q:
+            for item in q.prune(lambda i: i.alive(now)):
+                self._count(item, -1)
+            head = q.oldest()
+            if head is None:
                 continue
-            head = q[0]
             if len(q) >= self.max_batch_size:
                 due, cause = now, "full"
             elif self.draining:
@@ -185,22 +207,19 @@ class Batcher:
                 deadline_due = head.arrived + self.dispatch_delay(key[0])
                 pace_due = self.last_dispatch + self.batch_s[key[0]] / max(1, self.healthy_workers)
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
-            rank = (max(due, now), head.deadline)
+            rank = (max(due, now), q.earliest_deadline())
             if rank < best_rank:
                 best, best_rank, best_cause = key, rank, cause
         return best, best_rank[0], best_cause
 
-    def _prune_head(self, q: deque[Item], model: str, now: float) -> None:
-        while q and not q[0].alive(now):
-            q.popleft()
-            self.depth[model] -= 1
-
     def _form(self, key: tuple[str, int], now: float, cause: str) -> Batch | None:
         q = self.queues[key]
         items: list[Item] = []
-        while q and len(items) < self.max_batch_size:
-            item = q.popleft()
-            self.depth[key[0]] -= 1
+        while len(items) < self.max_batch_size:
+            item = q.pop()
+            if item is None:
+                break
+            self._count(item, -1)
             if item.alive(now):
                 items.append(item)
         if not items:

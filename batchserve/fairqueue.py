@@ -1,0 +1,91 @@
+"""One model's waiting items, ordered by tier with aging, and fairly shared between tenants of a tier.
+
+A batch is filled by repeatedly taking the lane head with the smallest `arrived + TIER_AGING_S[tier]`:
+a higher tier goes first, but an item of a lower tier that has waited longer than the gap between the two
+tiers' offsets overtakes, so no tier waits forever. Inside a tier, tenants take turns (round-robin, one item
+a turn), so one tenant's flood cannot push another tenant's items back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from batchserve.batcher import Item
+
+# Seconds of waiting a lower tier needs to overtake a fresh item of tier 0 (enterprise, paid, free, batch).
+TIER_AGING_S = (0.0, 0.1, 0.5, 30.0)
+
+
+@dataclass
+class Lane:
+    tier: int
+    tenant: str
+    items: deque[Item] = field(default_factory=deque)
+
+
+@dataclass
+class FairQueue:
+    lanes: dict[tuple[int, str], Lane] = field(default_factory=dict)
+    turn: dict[int, deque[str]] = field(default_factory=dict)  # per tier: tenants in round-robin order
+    size: int = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def push(self, item: Item) -> None:
+        key = (item.tier, item.tenant)
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = Lane(item.tier, item.tenant)
+            self.turn.setdefault(item.tier, deque()).append(item.tenant)
+        lane.items.append(item)
+        self.size += 1
+
+    def prune(self, alive: Callable[[Item], bool]) -> list[Item]:
+        """Drop dead items from the lane heads; returns them (the caller keeps its counts)."""
+        dropped = []
+        for lane in self.lanes.values():
+            while lane.items and not alive(lane.items[0]):
+                dropped.append(lane.items.popleft())
+        self.size -= len(dropped)
+        return dropped
+
+    def oldest(self) -> Item | None:
+        heads = [lane.items[0] for lane in self.lanes.values() if lane.items]
+        return min(heads, key=lambda i: i.arrived) if heads else None
+
+    def earliest_deadline(self) -> float:
+        return min((lane.items[0].deadline for lane in self.lanes.values() if lane.items), default=float("inf"))
+
+    def _next_lane(self) -> Lane | None:
+        """The lane to take from next: per tier the tenant whose turn it is, then the best aged head."""
+        best: Lane | None = None
+        best_key = float("inf")
+        for tier, order in self.turn.items():
+            for _ in range(len(order)):
+                lane = self.lanes[(tier, order[0])]
+                if lane.items:
+                    key = lane.items[0].arrived + TIER_AGING_S[tier]
+                    if key < best_key:
+                        best, best_key = lane, key
+                    break
+                order.rotate(-1)  # an empty lane passes its turn
+        return best
+
+    def pop(self) -> Item | None:
+        lane = self._next_lane()
+        if lane is None:
+            return None
+        self.turn[lane.tier].rotate(-1)  # this tenant had its turn
+        self.size -= 1
+        return lane.items.popleft()
+
+    def drain_all(self) -> list[Item]:
+        out = [item for lane in self.lanes.values() for item in lane.items]
+        for lane in self.lanes.values():
+            lane.items.clear()
+        self.size = 0
+        return out
