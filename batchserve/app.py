@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from batchserve import admission, errors
+from batchserve import admission, errors, openapi
 from batchserve.batcher import Item
 from batchserve.config import Settings
 from batchserve.errors import ApiError
@@ -255,5 +255,6 @@ def create_app(settings: Settings) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/internal/health", internal_health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
