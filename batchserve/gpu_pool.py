@@ -12,6 +12,7 @@ abandoned (and taken back if the call ever returns) and the batch's items are re
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -114,7 +115,7 @@ class GpuPool:
         while True:
             try:
                 batch = asyncio.run_coroutine_threadsafe(self._take(w), self.loop).result()
-            except (RuntimeError, asyncio.CancelledError):  # the loop is closing
+            except (RuntimeError, concurrent.futures.CancelledError):  # the loop is closing
                 return
             if batch is None:
                 return
