@@ -103,21 +103,26 @@ async def inference(request: Request) -> Response:
     arrived = time.monotonic()
     request_id = request_id_of(request)
     model_id = "unknown"
+    limit_headers: dict[str, str] = {}
     try:
+        caller = rt.tenancy.identify(request.headers.get("authorization"))
+        limit_headers = rt.tenancy.take_token(caller)
         try:
             body = await read_body(request, s.max_body_bytes)
         except ClientDisconnect:
             return Response(status_code=499)
         text, requested_model, timeout_s = parse_inference(body, request.headers.get("content-type", ""), s)
-        spec = rt.registry.resolve(requested_model)
+        spec = rt.registry.resolve(requested_model, caller.key_id or caller.tenant)
         if spec is None:
             raise ApiError(404, "MODEL_NOT_FOUND", f"no model {requested_model!r} is served here (see /v1/models)")
         model_id = spec.id
-        admission.admit(rt.batcher, rt.pool, model_id, s.max_queue, s.slo_ms * s.admission_slack / 1000, timeout_s)
+        admission.admit(rt.batcher, rt.pool, model_id, s.max_queue,
+                        admission.tier_bound_s(s.slo_ms, s.admission_slack, caller.tier), timeout_s,
+                        caller.tier, caller.tenant)
         backend = rt.backends[model_id]
         record = rt.requests.add(request_id, model_id)
         item = Item(text, model_id, backend.bucket_of(text), asyncio.get_running_loop().create_future(),
-                    arrived, arrived + timeout_s, record)
+                    arrived, arrived + timeout_s, record, caller.tier, caller.tenant)
         rt.batcher.submit(item)
         rt.inflight += 1
         rt.metrics.inflight.inc()
@@ -148,13 +153,16 @@ async def inference(request: Request) -> Response:
              "latency_ms": round(latency_ms), "queue_ms": round(queue_ms), "compute_ms": round(compute_ms),
              "batch_size": result.batch_size},
             headers={"X-Request-ID": request_id,
-                     "Server-Timing": f"queue;dur={queue_ms:.1f}, compute;dur={compute_ms:.1f}"},
+                     "Server-Timing": f"queue;dur={queue_ms:.1f}, compute;dur={compute_ms:.1f}",
+                     **limit_headers},
         )
     except ApiError as err:
         rt.answered += 1
         rt.metrics.requests.labels(model_id, str(err.status)).inc()
-        if err.status in (413, 503):
+        if err.status in (401, 413, 429, 503):
             rt.metrics.rejected.labels(err.code).inc()
+        if limit_headers and not err.headers:
+            err.headers = limit_headers
         return errors.error_response(err, request_id)
 
 

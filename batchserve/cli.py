@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from batchserve.config import Settings, cli_fields, env_defaults, env_name
+from batchserve.config import TIERS, Settings, cli_fields, env_defaults, env_name
 
 log = logging.getLogger("batchserve")
 
@@ -51,7 +51,25 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = sub.add_parser("serve", help="run the HTTP server")
     add_settings_flags(serve_parser)
+    keys_parser = sub.add_parser("keys", help="manage API keys in the config file")
+    keys_sub = keys_parser.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="create a key, print it once, store only its SHA-256 digest")
+    add.add_argument("--config", required=True, help="TOML config file to append the key to")
+    add.add_argument("--tenant", required=True)
+    add.add_argument("--tier", required=True, choices=TIERS[:3])
+    add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
     args = parser.parse_args(argv)
+
+    if args.command == "keys":
+        from batchserve.config_file import append_key
+        from batchserve.tenancy import digest, new_key
+
+        key = new_key()
+        append_key(args.config, args.tenant, args.tier, digest(key), args.rate)
+        print(key)
+        print(f"(stored only its SHA-256 digest in {args.config}; this is the one time the key is shown)",
+              file=sys.stderr)
+        return 0
 
     if args.command == "serve":
         try:

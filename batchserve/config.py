@@ -7,6 +7,7 @@ list, the environment names and the defaults cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +63,14 @@ class Settings:
     drain_timeout_s: float = knob(30.0, "on SIGTERM, longest wait for queued and running work before 503s")
     request_history: int = knob(10000, "recent requests kept for GET /v1/requests/{id}")
     config: str = knob("", "TOML file with models, tiers and API keys")
-    allow_anonymous: bool = knob(False, "serve callers without a key on a non-loopback address")
+    allow_anonymous: bool = knob(False, "serve callers without a key on a non-loopback address, or beside "
+                                         "configured keys")
+    anonymous_tier: str = knob("paid", "tier of callers without a key", TIERS[:3])
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
+    keys: list[dict] = field(default_factory=list, metadata={"cli": False})  # [[keys]] of the config file
+    tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -84,8 +89,20 @@ class Settings:
             problems.append("devices must be 0 (auto) or more")
         if self.max_queue < 1 or self.max_body_bytes < 64:
             problems.append("max_queue must be >= 1 and max_body_bytes >= 64")
+        if not self.keys and not self.allow_anonymous and not is_loopback(self.host):
+            problems.append(f"serving on {self.host} with no API keys needs --allow-anonymous "
+                            f"(or [[keys]] in --config)")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cli_fields() -> list[dataclasses.Field]:

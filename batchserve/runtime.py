@@ -15,6 +15,7 @@ from batchserve.gpu_pool import GpuPool
 from batchserve.metrics import Metrics, make_metrics
 from batchserve.models import ModelRegistry
 from batchserve.requests_log import RequestLog
+from batchserve.tenancy import Tenancy
 
 log = logging.getLogger("batchserve")
 
@@ -28,6 +29,7 @@ class Runtime:
     metrics: Metrics
     requests: RequestLog
     batcher: Batcher
+    tenancy: Tenancy
     pool: GpuPool | None = None
     backends: dict[str, Backend] = field(default_factory=dict)
     ready: bool = False
@@ -48,7 +50,8 @@ class Runtime:
             margin_s=settings.dispatch_margin_ms / 1000,
             batch_s={spec.id: spec.sim_batch_ms / 1000 for spec in settings.models},
         )
-        return cls(settings, registry, make_metrics(), RequestLog(settings.request_history), batcher)
+        return cls(settings, registry, make_metrics(), RequestLog(settings.request_history), batcher,
+                   Tenancy.from_settings(settings))
 
     @property
     def draining(self) -> bool:
