@@ -66,6 +66,14 @@ class Settings:
     allow_anonymous: bool = knob(False, "serve callers without a key on a non-loopback address, or beside "
                                          "configured keys")
     anonymous_tier: str = knob("paid", "tier of callers without a key", TIERS[:3])
+    jobs_db: str = knob("batchserve-jobs.db", "SQLite file of the batch jobs (/v1/batches), created on the first "
+                                              "job; empty disables batch jobs")
+    jobs_max_items: int = knob(50000, "most inputs in one batch job; more gets 400")
+    jobs_max_body_bytes: int = knob(64 << 20, "largest POST /v1/batches body; larger gets 413 before it is buffered")
+    jobs_max_inflight: int = knob(0, "job items queued or running at once (0 = 2 x max_batch_size x healthy "
+                                     "workers: enough to fill the places interactive requests leave)")
+    jobs_max_attempts: int = knob(5, "runs of a job item on transient errors before it is recorded failed")
+    jobs_retry_base_ms: float = knob(500.0, "first retry delay of a job item; doubles with each attempt")
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
