@@ -74,6 +74,15 @@ class Settings:
                                      "workers: enough to fill the places interactive requests leave)")
     jobs_max_attempts: int = knob(5, "runs of a job item on transient errors before it is recorded failed")
     jobs_retry_base_ms: float = knob(500.0, "first retry delay of a job item; doubles with each attempt")
+    generation: str = knob("auto", "token generation (/v1/chat/completions, /v1/completions) with continuous "
+                                   "batching: auto = on with the smollm2 backend", ("auto", "on", "off"))
+    generation_model: str = knob("SmolLM2-135M-Instruct", "model id of the generation endpoints")
+    generation_max_tokens: int = knob(512, "cap on a generation request's max_tokens, and its default")
+    generation_kv_tokens: int = knob(0, "KV-cache capacity in tokens, the admission resource of generation "
+                                        "(0 = auto: from free GPU memory, 16384 on a CPU)")
+    generation_max_seqs: int = knob(64, "most sequences generating at once")
+    generation_queue_timeout_ms: float = knob(30000.0, "longest wait for KV-cache capacity before a sequence "
+                                                       "starts; a longer predicted wait gets 503 at the door")
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
