@@ -49,6 +49,9 @@ def admit(batcher: Batcher, pool: GpuPool | None, model: str, max_queue: int, bo
         raise errors.overloaded(f"the queue for {model} is full ({max_queue} items)",
                                 retry_after_ms=batcher.batch_s[model] * 1000)
     predicted = predicted_latency_s(batcher, pool, model, tier, tenant, time.monotonic())
+    # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
+    # then allow at most one batch ahead of this one.
+    bound_s = max(bound_s, 2 * batcher.batch_s[model])
     if predicted > min(bound_s, deadline_s):
         limit = "deadline" if deadline_s < bound_s else "latency objective"
         raise errors.overloaded(

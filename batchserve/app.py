@@ -130,6 +130,7 @@ async def inference(request: Request) -> Response:
         try:
             result: ItemResult = await asyncio.wait_for(item.future, timeout_s - (time.monotonic() - arrived))
         except asyncio.TimeoutError:
+            record.status, record.error = "failed", "DEADLINE_EXCEEDED"
             raise errors.deadline_exceeded() from None
         except ClientGone:
             record.status, record.error = "failed", "CLIENT_DISCONNECTED"
