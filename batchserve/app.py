@@ -243,6 +243,12 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return errors.error_response(ApiError(exc.status_code, code, str(exc.detail)), request_id_of(request))
 
 
+def job_routes() -> list[Route]:
+    from batchserve.jobs.api import ROUTES  # here, not at the top: jobs.api imports this module
+
+    return ROUTES
+
+
 def create_app(settings: Settings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -265,5 +271,6 @@ def create_app(settings: Settings) -> Starlette:
         Route("/internal/health", internal_health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
+        *job_routes(),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

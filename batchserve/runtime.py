@@ -12,6 +12,7 @@ from batchserve.backends import Backend, make_backend
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
 from batchserve.gpu_pool import GpuPool
+from batchserve.jobs.service import JobService
 from batchserve.metrics import Metrics, make_metrics
 from batchserve.models import ModelRegistry
 from batchserve.requests_log import RequestLog
@@ -31,6 +32,7 @@ class Runtime:
     batcher: Batcher
     tenancy: Tenancy
     pool: GpuPool | None = None
+    jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     backends: dict[str, Backend] = field(default_factory=dict)
     ready: bool = False
     startup_error: str = ""
@@ -74,6 +76,7 @@ class Runtime:
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000)
             self.pool.start()
+            self.jobs = await JobService.start(self)
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),
@@ -128,6 +131,8 @@ class Runtime:
         log.info("drained")
 
     async def stop(self) -> None:
+        if self.jobs is not None:
+            await self.jobs.stop()
         for task in self._tasks:
             task.cancel()
         if self.pool is not None:

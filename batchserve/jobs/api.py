@@ -1,0 +1,213 @@
+"""`/v1/batches`: submit a batch job, follow it, read its results in input order, cancel it, list your jobs.
+
+Every route identifies the caller first (`caller_of`: API key, or anonymous where allowed) and takes one token
+from its rate bucket; a caller only ever sees its own jobs (another tenant's job id answers 404, as an unknown
+one does). A job is validated whole before anything is stored, so a limit breached by any item refuses the
+job (400/413) and no partial job exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import orjson
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from batchserve import errors
+from batchserve.app import json_response, read_body, request_id_of
+from batchserve.errors import ApiError
+from batchserve.jobs import schema
+from batchserve.jobs.service import JobService
+from batchserve.jobs.store import IdempotencyConflict, JobStore, NewJob, Progress
+from batchserve.runtime import Runtime
+from batchserve.tenancy import Caller
+
+RESULTS_PAGE = 2000  # rows read from the store per step of the NDJSON stream
+MAX_METADATA_BYTES = 16 << 10
+MAX_IDEMPOTENCY_KEY = 255
+LIST_DEFAULT, LIST_MAX = 20, 100
+
+Handler = Callable[[Request, Runtime, JobService, Caller], Awaitable[Response]]
+
+schema.register()
+
+
+def caller_of(request: Request) -> Caller:
+    """Who is calling (401 when keys are configured and the key is missing or wrong)."""
+    rt: Runtime = request.app.state.rt
+    return rt.tenancy.identify(request.headers.get("authorization"))
+
+
+def not_found(job_id: str) -> ApiError:
+    return ApiError(404, "BATCH_NOT_FOUND", f"no batch job {job_id[:80]!r} belongs to this caller")
+
+
+def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Identify and rate-limit the caller, find the job service, and render any ApiError in the one shape."""
+
+    async def endpoint(request: Request) -> Response:
+        request_id = request_id_of(request)
+        limit_headers: dict[str, str] = {}
+        try:
+            rt: Runtime = request.app.state.rt
+            caller = caller_of(request)
+            limit_headers = rt.tenancy.take_token(caller)
+            if not rt.settings.jobs_db:
+                raise ApiError(404, "NOT_FOUND", "batch jobs are disabled on this server (--jobs-db is empty)")
+            svc = rt.jobs
+            if svc is None:
+                raise ApiError(503, "NO_HEALTHY_WORKER", "the server is warming up", retry_after_ms=1000)
+            response = await handler(request, rt, svc, caller)
+            response.headers.update({"X-Request-ID": request_id, **limit_headers})
+            return response
+        except ApiError as err:
+            if limit_headers and not err.headers:
+                err.headers = limit_headers
+            return errors.error_response(err, request_id)
+
+    return endpoint
+
+
+# -- POST /v1/batches ----------------------------------------------------------------------------------------
+def parse_job(body: bytes, content_type: str, rt: Runtime) -> tuple[list[str], str | None, dict | None]:
+    """(inputs, requested model, metadata), or 400/413 naming the first offending item."""
+    s = rt.settings
+    if content_type and "json" not in content_type.split(";")[0].lower():
+        raise errors.invalid(f"Content-Type must be application/json, not {content_type[:60]!r}")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise errors.invalid(f"the body is not valid JSON in UTF-8: {exc}") from None
+    if not isinstance(data, dict):
+        raise errors.invalid("the body must be a JSON object")
+    inputs = data.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise errors.invalid('"inputs" must be a non-empty array of strings')
+    if len(inputs) > s.jobs_max_items:
+        raise errors.invalid(f'"inputs" has {len(inputs)} items; a job takes at most {s.jobs_max_items}')
+    limit = s.max_input_chars
+    for i, text in enumerate(inputs):
+        if not isinstance(text, str) or not text:
+            raise errors.invalid(f'"inputs"[{i}] must be a non-empty string')
+        if len(text) > limit:
+            raise ApiError(413, "PAYLOAD_TOO_LARGE", f'"inputs"[{i}] is over the {limit}-character limit')
+    model = data.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise errors.invalid('"model" must be a non-empty string when given')
+    metadata = data.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise errors.invalid('"metadata" must be an object when given')
+        if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+            raise ApiError(413, "PAYLOAD_TOO_LARGE", f'"metadata" is over {MAX_METADATA_BYTES} bytes')
+    return inputs, model, metadata
+
+
+def idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isprintable():
+        raise errors.invalid(f"Idempotency-Key must be 1..{MAX_IDEMPOTENCY_KEY} printable characters")
+    return key
+
+
+def request_hash(inputs: list[str], model: str | None, metadata: dict | None) -> str:
+    """The body's meaning, not its bytes: key order and spacing do not make a repeat a different request."""
+    canon = orjson.dumps({"inputs": inputs, "model": model, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(canon).hexdigest()
+
+
+async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+    if rt.draining:
+        raise ApiError(503, "DRAINING", "the server is shutting down; retry on another node", retry_after_ms=1000)
+    key = idempotency_key(request)
+    try:
+        body = await read_body(request, rt.settings.jobs_max_body_bytes)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    inputs, requested, metadata = parse_job(body, request.headers.get("content-type", ""), rt)
+    spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
+    if spec is None:
+        raise ApiError(404, "MODEL_NOT_FOUND", f"no model {requested!r} is served here (see /v1/models)")
+    store = await svc.open_store()
+    new = NewJob("batch_" + secrets.token_hex(12), caller.tenant, spec.id, inputs, metadata, key,
+                 request_hash(inputs, requested, metadata), time.time())
+    try:
+        job, created = await store.create(new)
+    except IdempotencyConflict:
+        raise ApiError(409, "CONFLICT", "this Idempotency-Key was used before with a different body") from None
+    if created:
+        svc.metrics.created.inc()
+        svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
+        assert svc.scheduler is not None
+        svc.scheduler.add(job)
+    return json_response(job.public(), status=202 if created else 200,
+                         headers={"Location": f"/v1/batches/{job.id}"})
+
+
+# -- reads and cancel ----------------------------------------------------------------------------------------
+async def get_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+    job_id = request.path_params["batch_id"]
+    store = await svc.existing_store()
+    job = await store.get(caller.tenant, job_id) if store is not None else None
+    if job is None:
+        raise not_found(job_id)
+    return json_response(job.public())
+
+
+async def batch_results(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+    job_id = request.path_params["batch_id"]
+    store = await svc.existing_store()
+    job = await store.get(caller.tenant, job_id) if store is not None else None
+    if job is None or store is None:
+        raise not_found(job_id)
+    return StreamingResponse(ndjson_lines(store, job_id), media_type="application/x-ndjson")
+
+
+async def ndjson_lines(store: JobStore, job_id: str) -> AsyncIterator[bytes]:
+    after = -1
+    while True:
+        rows = await store.results(job_id, after, RESULTS_PAGE)
+        if not rows:
+            return
+        yield b"".join(orjson.dumps(r.public()) + b"\n" for r in rows)
+        after = rows[-1].index
+
+
+async def cancel_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+    job_id = request.path_params["batch_id"]
+    store = await svc.existing_store()
+    job = await store.cancel(caller.tenant, job_id, time.time()) if store is not None else None
+    if job is None:
+        raise not_found(job_id)
+    if svc.scheduler is not None:
+        svc.scheduler.cancel(job_id)
+    return json_response(job.public())
+
+
+async def list_batches(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+    raw_limit = request.query_params.get("limit", str(LIST_DEFAULT))
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LIST_MAX:
+        raise errors.invalid(f"limit must be an integer in [1, {LIST_MAX}]")
+    limit = int(raw_limit)
+    after = request.query_params.get("after")
+    store = await svc.existing_store()
+    jobs = await store.list_jobs(caller.tenant, limit + 1, after) if store is not None else []
+    data: list[dict[str, Any]] = [j.public() for j in jobs[:limit]]
+    return json_response({"object": "list", "data": data, "has_more": len(jobs) > limit,
+                          "last_id": data[-1]["id"] if data else None})
+
+
+ROUTES = [
+    Route("/v1/batches", route(create_batch), methods=["POST"]),
+    Route("/v1/batches", route(list_batches), methods=["GET"]),
+    Route("/v1/batches/{batch_id}", route(get_batch), methods=["GET"]),
+    Route("/v1/batches/{batch_id}/results", route(batch_results), methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", route(cancel_batch), methods=["POST"]),
+]

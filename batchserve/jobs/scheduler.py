@@ -1,0 +1,291 @@
+"""Feeds batch-job items into the batcher from spare capacity, and writes their results back.
+
+Job items enter the batcher at tier `batch` (the lowest; `fairqueue` takes them last), with the job's owner as
+tenant, so they only fill the places interactive requests leave in each batch. Only a bounded number are in
+the batcher or on a worker at once (`jobs_max_inflight`, by default 2 x max_batch_size x healthy workers: one
+batch's worth running and one waiting per worker), so the queue never holds more job items than a batch can
+take and interactive admission and latency see no difference. Free places are shared round-robin between
+tenants; a tenant's jobs run oldest first.
+
+Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once;
+anything else (deadline, drain, a lost worker) is transient and retried with exponential backoff and jitter,
+up to `jobs_max_attempts` runs. Results are buffered and written in batches of rows (`record`), every
+`FLUSH_S` or `FLUSH_ROWS`, which keeps SQLite commits cheap. An item whose result was not yet written when the
+process died is still `pending` in the store and runs again after a restart (at-least-once execution, results
+recorded once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import heapq
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from batchserve.batcher import Item
+from batchserve.config import TIERS
+from batchserve.errors import ApiError
+from batchserve.jobs.metrics import JobMetrics
+from batchserve.jobs.store import Job, JobStore, Outcome
+
+if TYPE_CHECKING:
+    from batchserve.runtime import Runtime
+
+log = logging.getLogger("batchserve.jobs")
+
+BATCH_TIER = TIERS.index("batch")
+ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
+FEED_TICK_S = 0.1  # the feeder looks again at least this often (healthy workers, drain)
+CLAIM_CHUNK = 512  # pending items read from the store at a time, per job
+FLUSH_S = 0.05
+FLUSH_ROWS = 1000
+RETRY_CAP_S = 60.0
+
+
+@dataclass(eq=False)
+class JobState:
+    """What the scheduler holds for one unfinished job on this node."""
+
+    id: str
+    tenant: str
+    model: str
+    cursor: int = -1  # highest index read from the store
+    exhausted: bool = False  # no pending item left in the store after `cursor`
+    buffer: deque[tuple[int, str]] = field(default_factory=deque)  # read, not yet submitted
+    inflight: dict[int, Item] = field(default_factory=dict)
+    attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
+    retrying: int = 0
+    cancelled: bool = False
+
+    def has_work(self) -> bool:
+        return not self.cancelled and (bool(self.buffer) or not self.exhausted)
+
+    def idle(self) -> bool:
+        return self.cancelled or (self.exhausted and not self.buffer and not self.inflight and not self.retrying)
+
+
+@dataclass(order=True)
+class Retry:
+    due: float
+    seq: int
+    job: JobState = field(compare=False)
+    index: int = field(compare=False)
+    text: str = field(compare=False)
+
+
+@dataclass(eq=False)
+class Scheduler:
+    store: JobStore
+    rt: Runtime
+    metrics: JobMetrics
+    jobs: dict[str, JobState] = field(default_factory=dict)  # unfinished, oldest first
+    retries: list[Retry] = field(default_factory=list)  # a heap by due time
+    outcomes: list[Outcome] = field(default_factory=list)  # waiting to be recorded
+    inflight: int = 0
+    _seq: int = 0
+    _turn: int = 0  # rotates which tenant is served first
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _flush_now: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def start(self) -> None:
+        """Resume every unfinished job on a model served here, then start feeding and flushing."""
+        for job in await self.store.active(list(self.rt.registry.by_id)):
+            self.add(job)
+        if self.jobs:
+            log.info("resuming %d unfinished batch job(s)", len(self.jobs))
+        self._tasks = [asyncio.create_task(self._feed_loop(), name="jobs-feed"),
+                       asyncio.create_task(self._flush_loop(), name="jobs-flush")]
+
+    async def stop(self) -> None:
+        """Stop feeding, forget what is in flight (it stays pending, and runs again on restart), write the rest."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for job in self.jobs.values():
+            for item in list(job.inflight.values()):
+                item.future.cancel()
+        await self.flush()
+
+    def add(self, job: Job) -> None:
+        if job.id not in self.jobs:
+            self.jobs[job.id] = JobState(job.id, job.tenant, job.model)
+            self.metrics.active_jobs.set(len(self.jobs))
+            self._wake.set()
+
+    def cancel(self, job_id: str) -> None:
+        """The store has cancelled the job: drop its queued items from the batcher (running ones finish unrecorded)."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return
+        job.cancelled = True
+        job.buffer.clear()
+        for item in list(job.inflight.values()):
+            item.future.cancel()
+        self.metrics.active_jobs.set(len(self.jobs))
+        self._wake.set()
+
+    def limit(self) -> int:
+        s = self.rt.settings
+        if s.jobs_max_inflight > 0:
+            return s.jobs_max_inflight
+        healthy = self.rt.pool.healthy_count() if self.rt.pool is not None else 0
+        return 2 * s.max_batch_size * healthy
+
+    # -- feeding ---------------------------------------------------------------------------------------------
+    async def _feed_loop(self) -> None:
+        while True:
+            timeout = FEED_TICK_S
+            if self.retries:
+                timeout = min(timeout, max(0.0, self.retries[0].due - time.monotonic()))
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                if self.rt.draining:
+                    self._release_queued()
+                    continue
+                await self._refill()
+            except Exception:  # noqa: BLE001 - a store hiccup must not end feeding; the next tick tries again
+                log.exception("batch job feeding failed; retrying")
+                await asyncio.sleep(1.0)
+
+    async def _refill(self) -> None:
+        free = self.limit() - self.inflight
+        if free <= 0:
+            return
+        now = time.monotonic()
+        while free > 0 and self.retries and self.retries[0].due <= now:
+            r = heapq.heappop(self.retries)
+            r.job.retrying -= 1
+            if not r.job.cancelled:
+                self._submit(r.job, r.index, r.text)
+                free -= 1
+        by_tenant: dict[str, list[JobState]] = {}
+        for job in list(self.jobs.values()):
+            if job.idle():
+                del self.jobs[job.id]
+                self.metrics.active_jobs.set(len(self.jobs))
+            elif job.has_work():
+                by_tenant.setdefault(job.tenant, []).append(job)
+        if free <= 0 or not by_tenant:
+            return
+        share = -(-free // len(by_tenant))
+        for tenant_jobs in by_tenant.values():  # read enough of each tenant's oldest jobs for its share
+            need = share
+            for job in tenant_jobs:
+                if need <= 0:
+                    break
+                if len(job.buffer) < need and not job.exhausted:
+                    await self._read(job, max(CLAIM_CHUNK, need))
+                need -= len(job.buffer)
+        queues = [deque(j for j in jobs if j.buffer) for jobs in by_tenant.values()]
+        rotation = deque(q for q in queues if q)
+        rotation.rotate(-(self._turn % max(1, len(rotation))))
+        self._turn += 1
+        while free > 0 and rotation:
+            q = rotation.popleft()
+            job = q[0]
+            if job.cancelled or not job.buffer:
+                q.popleft()
+            else:
+                index, text = job.buffer.popleft()
+                self._submit(job, index, text)
+                free -= 1
+            if q:
+                rotation.append(q)
+
+    async def _read(self, job: JobState, n: int) -> None:
+        rows = await self.store.claim(job.id, job.cursor, n, time.time())
+        if job.cancelled:
+            return
+        if rows:
+            job.cursor = rows[-1][0]
+            job.buffer.extend(rows)
+        if len(rows) < n:
+            job.exhausted = True
+
+    def _submit(self, job: JobState, index: int, text: str) -> None:
+        backend = self.rt.backends[job.model]
+        now = time.monotonic()
+        item = Item(text, job.model, backend.bucket_of(text), asyncio.get_running_loop().create_future(),
+                    now, now + ITEM_DEADLINE_S, None, BATCH_TIER, job.tenant)
+        job.inflight[index] = item
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+        item.future.add_done_callback(functools.partial(self._done, job, index, text))
+        self.rt.batcher.submit(item)
+
+    def _release_queued(self) -> None:
+        """Draining: take back the items no batch has taken yet (they stay pending for the next start)."""
+        for job in self.jobs.values():
+            for item in list(job.inflight.values()):
+                if not item.dispatched:
+                    item.future.cancel()
+
+    # -- outcomes --------------------------------------------------------------------------------------------
+    def _done(self, job: JobState, index: int, text: str, fut: asyncio.Future) -> None:
+        job.inflight.pop(index, None)
+        self.inflight -= 1
+        self.metrics.inflight.set(self.inflight)
+        self._wake.set()
+        if fut.cancelled() or job.cancelled:
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._outcome(job, Outcome(job.id, index, "completed", output=fut.result().output))
+            return
+        code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
+        message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
+        attempts = job.attempts.get(index, 0) + 1
+        if isinstance(exc, ApiError) and exc.status == 500 or attempts >= self.rt.settings.jobs_max_attempts:
+            self._outcome(job, Outcome(job.id, index, "failed", error=code, message=message))
+            return
+        job.attempts[index] = attempts
+        job.retrying += 1
+        delay = min(RETRY_CAP_S, self.rt.settings.jobs_retry_base_ms / 1000 * 2 ** (attempts - 1))
+        self._seq += 1
+        heapq.heappush(self.retries, Retry(time.monotonic() + delay * random.uniform(0.5, 1.0), self._seq,
+                                           job, index, text))
+        self.metrics.processed.labels(job.model, "retried").inc()
+        log.info("batch %s item %d: %s, retry %d in %.1fs", job.id, index, code, attempts, delay)
+
+    def _outcome(self, job: JobState, outcome: Outcome) -> None:
+        job.attempts.pop(outcome.index, None)
+        self.metrics.processed.labels(job.model, outcome.status).inc()
+        self.outcomes.append(outcome)
+        if len(self.outcomes) >= FLUSH_ROWS:
+            self._flush_now.set()
+
+    # -- writing ---------------------------------------------------------------------------------------------
+    async def _flush_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._flush_now.wait(), FLUSH_S)
+            except asyncio.TimeoutError:
+                pass
+            self._flush_now.clear()
+            try:
+                await self.flush()
+            except Exception:  # noqa: BLE001 - the rows are kept and written on the next try
+                log.exception("writing batch job results failed; retrying")
+                await asyncio.sleep(1.0)
+
+    async def flush(self) -> None:
+        if not self.outcomes:
+            return
+        rows, self.outcomes = self.outcomes, []
+        try:
+            progress = await self.store.record(rows, time.time())
+        except BaseException:
+            self.outcomes[:0] = rows
+            raise
+        for p in progress:
+            self.metrics.progress(p)

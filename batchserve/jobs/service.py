@@ -1,0 +1,87 @@
+"""Batch jobs as one object the runtime starts and stops: the store, the scheduler and their metrics.
+
+The store file is created by the first job, not at start-up, so a server that never sees a job leaves no file
+behind; when the file exists at start-up, its unfinished jobs resume at once. A store that cannot be opened
+(another process holds it, a bad path) makes `/v1/batches` answer 503 with the reason, and is tried again on
+the next request: interactive serving never depends on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from batchserve.errors import ApiError
+from batchserve.jobs.metrics import JobMetrics
+from batchserve.jobs.scheduler import Scheduler
+from batchserve.jobs.sqlite_store import SQLiteStore, StoreBusy
+from batchserve.jobs.store import JobStore
+
+if TYPE_CHECKING:
+    from batchserve.runtime import Runtime
+
+log = logging.getLogger("batchserve.jobs")
+
+
+@dataclass(eq=False)
+class JobService:
+    rt: Runtime
+    metrics: JobMetrics
+    store: JobStore | None = None
+    scheduler: Scheduler | None = None
+    problem: str = ""  # why the store could not be opened, for the 503
+    _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @classmethod
+    async def start(cls, rt: Runtime) -> "JobService":
+        svc = cls(rt, JobMetrics.create(rt.metrics.registry))
+        path = rt.settings.jobs_db
+        if path and os.path.exists(path):
+            try:
+                await svc.open_store()
+            except ApiError:
+                pass  # logged; the routes answer 503 and try again
+        return svc
+
+    @property
+    def path(self) -> str:
+        return self.rt.settings.jobs_db
+
+    async def existing_store(self) -> JobStore | None:
+        """The store for reads: None while no job was ever stored here (so every job id is unknown)."""
+        if self.store is None and os.path.exists(self.path):
+            return await self.open_store()
+        return self.store
+
+    async def open_store(self) -> JobStore:
+        """The store, opening (and creating) it on first use."""
+        if self.store is not None:
+            return self.store
+        async with self._opening:
+            if self.store is None:
+                try:
+                    store = await SQLiteStore.open(self.path)
+                except (StoreBusy, sqlite3.Error, OSError) as exc:
+                    self.problem = f"the job store {self.path} cannot be opened: {exc}"
+                    log.error("%s", self.problem)
+                    raise self._unavailable() from None
+                scheduler = Scheduler(store, self.rt, self.metrics)
+                await scheduler.start()
+                self.store, self.scheduler, self.problem = store, scheduler, ""
+                log.info("batch jobs stored in %s", os.path.abspath(self.path))
+        assert self.store is not None
+        return self.store
+
+    def _unavailable(self) -> ApiError:
+        return ApiError(503, "JOBS_UNAVAILABLE", self.problem, retry_after_ms=5000)
+
+    async def stop(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        if self.store is not None:
+            await self.store.close()
+            self.store = None

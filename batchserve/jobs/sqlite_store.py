@@ -1,0 +1,275 @@
+"""`JobStore` on one SQLite file in WAL mode: the default, for a single node.
+
+Every call runs on one dedicated thread that owns the connection, never on the event loop: SQLite calls
+block, and one thread means one writer, so transactions never wait on each other inside the process. The file
+is also `flock`ed, so a second server process pointed at the same file refuses it instead of running the
+same items twice. `synchronous=FULL`: a committed job survives a power cut, not only a killed process.
+
+A trigger refuses any second write of an item's result (an item leaves `pending` once), and `writes` counts
+the result writes per item, so tests can prove "recorded exactly once" from the file itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import sqlite3
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, TypeVar
+
+import orjson
+
+from batchserve.jobs.store import ACTIVE, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    model TEXT NOT NULL,
+    status TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    cancelled INTEGER NOT NULL DEFAULT 0,
+    metadata TEXT,
+    idempotency_key TEXT,
+    request_hash TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    UNIQUE (tenant, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq);
+CREATE INDEX IF NOT EXISTS jobs_active ON jobs (status) WHERE status IN ('queued', 'running');
+CREATE TABLE IF NOT EXISTS items (
+    job_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    input TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending',
+    output TEXT,
+    error TEXT,
+    message TEXT,
+    writes INTEGER NOT NULL DEFAULT 0,
+    finished_at REAL,
+    PRIMARY KEY (job_id, idx)
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS items_final_once BEFORE UPDATE OF status ON items
+WHEN OLD.status != 'pending'
+BEGIN
+    SELECT RAISE(ABORT, 'a job item left pending twice');
+END;
+"""
+
+JOB_COLUMNS = ("id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
+               "finished_at, metadata")
+
+
+class StoreBusy(Exception):
+    """Another process holds the jobs file."""
+
+
+def _job(row: sqlite3.Row) -> Job:
+    meta = row["metadata"]
+    return Job(row["id"], row["tenant"], row["model"], row["status"], row["total"], row["completed"],
+               row["failed"], row["cancelled"], row["created_at"], row["started_at"], row["finished_at"],
+               orjson.loads(meta) if meta is not None else None)
+
+
+class SQLiteStore:
+    """See the module docstring; build it with `await SQLiteStore.open(path)`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
+        self._conn: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
+
+    @classmethod
+    async def open(cls, path: str) -> "SQLiteStore":
+        store = cls(path)
+        try:
+            await store._run(store._open)
+        except BaseException:
+            store._exec.shutdown(wait=False)
+            raise
+        return store
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    # -- on the store thread ---------------------------------------------------------------------------------
+    def _open(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreBusy(f"{self.path} is in use by another batchserve process") from None
+        # The fd stays open while the connection lives: closing any fd of the file drops SQLite's POSIX locks.
+        self._lock_fd = fd
+        conn = sqlite3.connect(self.path, isolation_level=None)
+        conn.row_factory = sqlite3.Row
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise RuntimeError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.executescript(SCHEMA)
+        self._conn = conn
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        conn = self._conn
+        assert conn is not None, "the store is closed"
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _create(self, job: NewJob) -> tuple[Job, bool]:
+        with self._tx() as c:
+            if job.idempotency_key is not None:
+                row = c.execute(f"SELECT {JOB_COLUMNS}, request_hash FROM jobs WHERE tenant = ? "
+                                f"AND idempotency_key = ?", (job.tenant, job.idempotency_key)).fetchone()
+                if row is not None:
+                    if row["request_hash"] != job.request_hash:
+                        raise IdempotencyConflict(job.idempotency_key)
+                    return _job(row), False
+            meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
+            c.execute("INSERT INTO jobs (id, tenant, model, status, total, metadata, idempotency_key, "
+                      "request_hash, created_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
+                      (job.id, job.tenant, job.model, len(job.inputs), meta, job.idempotency_key,
+                       job.request_hash, job.created_at))
+            c.executemany("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
+                          ((job.id, i, text) for i, text in enumerate(job.inputs)))
+        return Job(job.id, job.tenant, job.model, "queued", len(job.inputs), 0, 0, 0, job.created_at, None,
+                   None, job.metadata), True
+
+    def _get(self, tenant: str, job_id: str) -> Job | None:
+        assert self._conn is not None
+        row = self._conn.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?",
+                                 (job_id, tenant)).fetchone()
+        return _job(row) if row is not None else None
+
+    def _list(self, tenant: str, limit: int, after: str | None) -> list[Job]:
+        assert self._conn is not None
+        if after is None:
+            rows = self._conn.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? ORDER BY seq DESC LIMIT ?",
+                                      (tenant, limit))
+        else:
+            rows = self._conn.execute(
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? AND seq < "
+                f"(SELECT seq FROM jobs WHERE id = ? AND tenant = ?) ORDER BY seq DESC LIMIT ?",
+                (tenant, after, tenant, limit))
+        return [_job(r) for r in rows]
+
+    def _results(self, job_id: str, after_index: int, limit: int) -> list[ItemRow]:
+        assert self._conn is not None
+        rows = self._conn.execute("SELECT idx, status, output, error, message FROM items WHERE job_id = ? "
+                                  "AND idx > ? ORDER BY idx LIMIT ?", (job_id, after_index, limit))
+        return [ItemRow(*r) for r in rows]
+
+    def _cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
+        with self._tx() as c:
+            row = c.execute("SELECT status FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
+            if row is None:
+                return None
+            if row["status"] in ACTIVE:
+                n = c.execute("UPDATE items SET status = 'cancelled', error = 'CANCELLED', "
+                              "message = 'the job was cancelled before this item ran', finished_at = ? "
+                              "WHERE job_id = ? AND status = 'pending'", (now, job_id)).rowcount
+                c.execute("UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ? "
+                          "WHERE id = ?", (n, now, job_id))
+        return self._get(tenant, job_id)
+
+    def _active(self, models: list[str]) -> list[Job]:
+        assert self._conn is not None
+        marks = ", ".join("?" * len(models))
+        rows = self._conn.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ('queued', 'running') "
+                                  f"AND model IN ({marks}) ORDER BY seq", models)
+        return [_job(r) for r in rows]
+
+    def _claim(self, job_id: str, after_index: int, limit: int, now: float) -> list[tuple[int, str]]:
+        assert self._conn is not None
+        rows = self._conn.execute("SELECT idx, input FROM items WHERE job_id = ? AND idx > ? "
+                                  "AND status = 'pending' ORDER BY idx LIMIT ?", (job_id, after_index, limit))
+        claimed = [(r[0], r[1]) for r in rows]
+        if claimed:
+            self._conn.execute("UPDATE jobs SET status = 'running', started_at = COALESCE(started_at, ?) "
+                               "WHERE id = ? AND status = 'queued'", (now, job_id))
+        return claimed
+
+    def _record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
+        written: dict[str, Counter[str]] = {}
+        with self._tx() as c:
+            for o in outcomes:
+                changed = c.execute(
+                    "UPDATE items SET status = ?, output = ?, error = ?, message = ?, writes = writes + 1, "
+                    "finished_at = ? WHERE job_id = ? AND idx = ? AND status = 'pending'",
+                    (o.status, o.output, o.error, o.message, now, o.job_id, o.index)).rowcount
+                counts = written.setdefault(o.job_id, Counter())
+                if changed:
+                    counts[o.status] += 1
+            for job_id, counts in written.items():
+                c.execute("UPDATE jobs SET completed = completed + ?, failed = failed + ? WHERE id = ?",
+                          (counts["completed"], counts["failed"], job_id))
+                c.execute("UPDATE jobs SET status = CASE WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
+                          "finished_at = ? WHERE id = ? AND status IN ('queued', 'running') "
+                          "AND completed + failed + cancelled >= total", (now, job_id))
+            marks = ", ".join("?" * len(written))
+            rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(written)).fetchall()
+        progress = []
+        for r in rows:
+            job = _job(r)
+            progress.append(Progress(job.id, job.model, job.status, {
+                "completed": job.completed, "failed": job.failed, "cancelled": job.cancelled,
+                "pending": job.pending}))
+        return progress
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- the JobStore interface, from the event loop ---------------------------------------------------------
+    async def create(self, job: NewJob) -> tuple[Job, bool]:
+        return await self._run(self._create, job)
+
+    async def get(self, tenant: str, job_id: str) -> Job | None:
+        return await self._run(self._get, tenant, job_id)
+
+    async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
+        return await self._run(self._list, tenant, limit, after)
+
+    async def results(self, job_id: str, after_index: int, limit: int) -> list[ItemRow]:
+        return await self._run(self._results, job_id, after_index, limit)
+
+    async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
+        return await self._run(self._cancel, tenant, job_id, now)
+
+    async def active(self, models: list[str]) -> list[Job]:
+        return await self._run(self._active, models)
+
+    async def claim(self, job_id: str, after_index: int, limit: int, now: float) -> list[tuple[int, str]]:
+        return await self._run(self._claim, job_id, after_index, limit, now)
+
+    async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
+        if not outcomes:
+            return []
+        return await self._run(self._record, outcomes, now)
+
+    async def close(self) -> None:
+        await self._run(self._close)
+        self._exec.shutdown(wait=True)
