@@ -233,14 +233,14 @@ class Batcher:
 
     def _take_retry(self, worker: int, now: float) -> Batch | None:
         """The oldest retry batch this worker may run: one that failed on it goes to another healthy worker,
-        unless none has taken it within one batch time."""
+        unless none has taken it within two batch times (any busy worker is free by then)."""
         for batch in list(self.retries):
             batch.items = [i for i in batch.items if i.alive(now)]
             if not batch.items:
                 self.retries.remove(batch)
                 continue
             if (batch.avoid_worker == worker and self.healthy_workers > 1
-                    and now - batch.formed < self.batch_s[batch.model]):
+                    and now - batch.formed < 2 * self.batch_s[batch.model]):
                 continue
             self.retries.remove(batch)
             batch.formed = now

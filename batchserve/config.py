@@ -59,6 +59,7 @@ class Settings:
     sim_hang_marker: str = knob("", "sim: a batch holding an input containing this blocks for sim_hang_ms")
     sim_hang_ms: float = knob(60000.0, "sim: how long a hung batch blocks")
     sim_bad_output_marker: str = knob("", "sim: a batch holding an input containing this returns one output too few")
+    sim_flaky_device: int = knob(-1, "sim: this device index raises on every batch (a broken GPU; -1 = none)")
     max_new_tokens: int = knob(64, "smollm2: tokens generated per input")
     drain_timeout_s: float = knob(30.0, "on SIGTERM, longest wait for queued and running work before 503s")
     request_history: int = knob(10000, "recent requests kept for GET /v1/requests/{id}")

@@ -15,12 +15,15 @@ from tests.conftest import start_server
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text, 0 when absent."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = re.compile(rf"^{re.escape(name)}(\{{{re.escape(want)}\}})? ([0-9.e+-]+)$" if want else
-                         rf"^{re.escape(name)} ([0-9.e+-]+)$", re.M)
-    m = pattern.search(text)
-    return float(m.group(m.lastindex)) if m else 0.0
+    """The value of one sample in Prometheus text (labels in any order), 0 when absent."""
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? ([0-9.e+-]+|NaN|[+-]Inf)$", line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if found == labels:
+            return float(m.group(3))
+    return 0.0
 
 
 async def burst(url: str, n: int) -> list[tuple[int, dict]]:

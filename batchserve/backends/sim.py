@@ -23,6 +23,7 @@ class SimBackend:
     hang_marker: str = ""
     hang_s: float = 60.0
     bad_output_marker: str = ""
+    flaky_device: int = -1
     _busy: list[threading.Lock] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -38,6 +39,7 @@ class SimBackend:
             hang_marker=s.sim_hang_marker,
             hang_s=s.sim_hang_ms / 1000,
             bad_output_marker=s.sim_bad_output_marker,
+            flaky_device=s.sim_flaky_device,
         )
 
     @property
@@ -51,7 +53,8 @@ class SimBackend:
         return 0
 
     def warm(self, device: int) -> None:
-        self.run(device, ["warm-up"])
+        if device != self.flaky_device:
+            self.run(device, ["warm-up"])
 
     def run(self, device: int, inputs: list[str]) -> list[str]:
         if not 1 <= len(inputs) <= self.max_batch_size:
@@ -63,6 +66,8 @@ class SimBackend:
             started = time.perf_counter()
             if self.hang_marker and any(self.hang_marker in s for s in inputs):
                 time.sleep(self.hang_s)
+            if device == self.flaky_device:
+                raise SimFault(f"device {device} is broken (--sim-flaky-device)")
             if self.fail_marker and any(self.fail_marker in s for s in inputs):
                 raise SimFault("fail marker in batch")
             outputs = [s[::-1] for s in inputs]
