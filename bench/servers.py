@@ -1,0 +1,125 @@
+"""Start and stop the servers a benchmark measures: batchserve on the sim backend, and the bare baseline.
+
+Why a module of its own: a benchmark that leaves a server behind poisons the next run (and the neighbours'
+CPU). Every server started here is recorded, started in its own session (so a Ctrl-C in the terminal does not
+half-kill it), and stopped by its PID: SIGTERM (batchserve drains), then SIGKILL after a bounded wait.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+
+
+class ServerFailed(RuntimeError):
+    """The server exited or never became ready; the message carries its log's tail."""
+
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    port: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+_started: list[Server] = []
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without BATCHSERVE_* variables, so only the flags on the command line apply."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("BATCHSERVE_")}
+
+
+def start(name: str, cmd: list[str], log_dir: Path) -> Server:
+    """Start `cmd`, read the port from uvicorn's "running on" line, wait for GET /readyz to answer 200."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = Server(name, cmd, log_dir / f"{name}.log")
+    log = open(server.log_path, "wb")
+    try:
+        server.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=clean_env(), start_new_session=True)
+    finally:
+        log.close()
+    _started.append(server)
+    give_up = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < give_up:
+        if server.proc.poll() is not None:
+            raise ServerFailed(f"{name} exited with {server.proc.returncode}:\n{server.log_tail()}")
+        if not server.port:
+            found = RUNNING.search(server.log_path.read_text(errors="replace"))
+            if found:
+                server.port = int(found.group(1))
+        if server.port and ready(server.base):
+            return server
+        time.sleep(0.1)
+    stop(server)
+    raise ServerFailed(f"{name} was not ready within {START_TIMEOUT_S:.0f}s:\n{server.log_tail()}")
+
+
+def ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/readyz", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def stop(server: Server) -> None:
+    """SIGTERM by PID, then SIGKILL if it has not exited within STOP_TIMEOUT_S."""
+    proc = server.proc
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except ProcessLookupError:
+        pass
+
+
+def stop_all() -> None:
+    """Stop every server this process started that is still running (safe to call more than once)."""
+    while _started:
+        stop(_started.pop())
+
+
+def batchserve_cmd(devices: int, sim_batch_ms: float, max_batch_size: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", "sim", "--devices",
+            str(devices), "--sim-batch-ms", f"{sim_batch_ms:g}", "--max-batch-size", str(max_batch_size), *extra]
+
+
+def bare_cmd() -> list[str]:
+    return [sys.executable, "-m", "bench.bare_app", "--port", "0"]
