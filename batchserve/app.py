@@ -112,7 +112,7 @@ async def inference(request: Request) -> Response:
         except ClientDisconnect:
             return Response(status_code=499)
         text, requested_model, timeout_s = parse_inference(body, request.headers.get("content-type", ""), s)
-        spec = rt.registry.resolve(requested_model, caller.key_id or caller.tenant)
+        spec = rt.registry.resolve(requested_model, caller.key_id)
         if spec is None:
             raise ApiError(404, "MODEL_NOT_FOUND", f"no model {requested_model!r} is served here (see /v1/models)")
         model_id = spec.id
