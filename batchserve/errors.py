@@ -31,6 +31,8 @@ def error_response(err: ApiError, request_id: str) -> Response:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
     if err.headers:
         headers.update(err.headers)
+    if err.code == "DRAINING":  # the client should reconnect elsewhere, not reuse a connection about to close
+        headers["Connection"] = "close"
     return Response(orjson.dumps(body), status_code=err.status, headers=headers, media_type="application/json")
 
 
