@@ -224,6 +224,8 @@ def markdown(report: dict, rows: list[Row]) -> str:
         f"{s['warmup']:g} s warm-up; seed {s['seed']}; client timeout {s['timeout']:g} s; "
         f"extra server args {s['server_arg'] or 'none'}.",
         "",
+        *([f"**Incomplete run**: {'interrupted' if report.get('interrupted') else report.get('error', '')}", ""]
+          if report.get("interrupted") or report.get("error") else []),
         "## Latency rows (open-loop Poisson; latency from the scheduled send time)",
         "",
         table(rows),
@@ -298,10 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     name = f"standard-{stamp}{'-' + a.tag if a.tag else ''}"
     log_dir = a.out_dir / "logs" / name
 
-    def on_term(signum: int, frame: object) -> None:
+    stopping: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        # Stop the servers here and now: a KeyboardInterrupt raised inside a callback (a weakref's, the event
+        # loop's) may be swallowed, and then no server should be left behind nor a new row started.
+        stopping.append(signum)
+        servers.stop_all()
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     report: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(), "git": git_info(),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
@@ -310,16 +319,20 @@ def main(argv: list[str] | None = None) -> int:
     cpu: dict = {}
     try:
         for devices, rate in a.rows:
+            if stopping:
+                raise KeyboardInterrupt
             print(f"-- devices {devices}, {rate:g} RPS: {a.warmup:g} s warm-up + {a.duration:g} s ...", flush=True)
             rows.append(run_row(devices, rate, a, log_dir))
             print_row(rows[-1])
             time.sleep(0.5)
-        if not a.skip_cpu:
+        if not a.skip_cpu and not stopping:
             same = next((r for r in rows if r.devices == 1 and r.rate == a.cpu_rate), None)
             if same is None:
                 print(f"-- CPU: batchserve, 1 device, {a.cpu_rate:g} RPS ...", flush=True)
                 same = run_row(1, a.cpu_rate, a, log_dir)
                 print_row(same)
+            if stopping:
+                raise KeyboardInterrupt
             print(f"-- CPU: bare Starlette, {a.cpu_rate:g} RPS ...", flush=True)
             bare = run_bare(a.cpu_rate, a, log_dir)
             print(f"   CPU {fmt(bare.server_cpu_ms_per_req, '.3f')} ms/req, achieved {bare.achieved_rps:.0f} RPS, "
@@ -341,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         report["error"] = str(exc)
     finally:
         servers.stop_all()
+    if stopping:
+        report["interrupted"] = True
     report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report["rows"] = [asdict(r) for r in rows]
     report["cpu"] = cpu
