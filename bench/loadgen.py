@@ -184,6 +184,10 @@ async def drive(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: st
                 error = f"conn:{type(exc).__name__}"
             except orjson.JSONDecodeError:
                 error = "non-JSON answer"
+            except OSError as exc:
+                error = f"conn:{type(exc).__name__}"
+            except Exception as exc:  # noqa: BLE001 - one odd answer must not end the whole measurement
+                error = f"client:{type(exc).__name__}"
             if error is not None:
                 errors.append((i, error))
 

@@ -18,9 +18,8 @@ import os
 import secrets
 
 import orjson
-from locust import constant, events
+from locust import constant, events, task
 from locust.contrib.fasthttp import FastHttpUser
-from locust import task
 
 WAIT_S = float(os.environ.get("BENCH_WAIT_S", "0.1"))
 TIMEOUT_MS = os.environ.get("BENCH_TIMEOUT_MS")
