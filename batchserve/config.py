@@ -51,7 +51,7 @@ class Settings:
                                        "max(1000, 10 x observed batch time))")
     max_queue: int = knob(10000, "most items waiting per model before 503 SERVICE_OVERLOADED")
     admission_slack: float = knob(1.25, "refuse at the door when the predicted latency passes slo_ms x this "
-                                         "(per-tier factors in the config file override it)")
+                                         "x the tier's factor (enterprise 1.2, paid 1.0, free and batch 0.8)")
     max_body_bytes: int = knob(1 << 20, "largest request body; larger gets 413 before it is buffered")
     max_input_chars: int = knob(16384, "longest input string; longer gets 413")
     sim_batch_ms: float = knob(100.0, "sim: time one batch takes, whatever its size")

@@ -1,0 +1,17 @@
+"""Print the markdown table of every `batchserve serve` flag, for README.md (kept in step by tests/test_docs.py)."""
+
+from batchserve.config import Settings, cli_fields, env_name
+
+
+def table() -> str:
+    defaults = Settings()
+    rows = ["| flag | environment | default | what it does |", "| --- | --- | --- | --- |"]
+    for f in cli_fields():
+        value = getattr(defaults, f.name)
+        shown = "(backend's name)" if f.name == "model_name" else repr(value)
+        rows.append(f"| `--{f.name.replace('_', '-')}` | `{env_name(f.name)}` | `{shown}` | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
