@@ -259,3 +259,25 @@ def test_sigkill_mid_job_then_restart_records_every_item_exactly_once(tmp_path, 
     assert [row["idx"] for row in rows] == list(range(400))
     assert all(row["status"] == "completed" and row["output"] == row["input"][::-1] for row in rows)
     assert [row["writes"] for row in rows] == [1] * 400  # recorded exactly once, across the crash
+
+
+def test_sigterm_mid_job_exits_promptly_and_the_job_resumes(tmp_path, server_factory):
+    """A drain does not wait for batch jobs (they are durable): the process exits at once, and the next one
+    finishes the job with nothing lost and nothing recorded twice."""
+    db = tmp_path / "jobs.db"
+    args = ("--devices", "1", "--sim-batch-ms", "50", "--max-batch-size", "10", "--jobs-db", str(db))
+    inputs = [f"term-{i:03d}" for i in range(300)]
+    first = server_factory(*args)
+    with first.client() as c:
+        job_id = c.post("/v1/batches", json={"inputs": inputs}).json()["id"]
+        wait_for(lambda: c.get(f"/v1/batches/{job_id}").json()["completed"] >= 40)
+    started = time.monotonic()
+    assert first.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - started < 5
+    assert sum(row["status"] == "completed" for row in db_items(db, job_id)) < 300
+    second = server_factory(*args)
+    with second.client() as c:
+        done = wait_for(lambda: finished(c, job_id), timeout=30)
+    assert (done["status"], done["completed"]) == ("completed", 300)
+    rows = db_items(db, job_id)
+    assert all(row["output"] == row["input"][::-1] and row["writes"] == 1 for row in rows)

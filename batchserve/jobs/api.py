@@ -9,7 +9,9 @@ job (400/413) and no partial job exists.
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
+import sqlite3
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -26,6 +28,8 @@ from batchserve.jobs.service import JobService
 from batchserve.jobs.store import IdempotencyConflict, JobStore, NewJob, Progress
 from batchserve.runtime import Runtime
 from batchserve.tenancy import Caller
+
+log = logging.getLogger("batchserve.jobs")
 
 RESULTS_PAGE = 2000  # rows read from the store per step of the NDJSON stream
 MAX_METADATA_BYTES = 16 << 10
@@ -65,6 +69,10 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             response = await handler(request, rt, svc, caller)
             response.headers.update({"X-Request-ID": request_id, **limit_headers})
             return response
+        except sqlite3.Error as exc:
+            log.exception("job store error")
+            err = ApiError(503, "JOBS_UNAVAILABLE", f"the job store failed: {exc}", retry_after_ms=1000)
+            return errors.error_response(err, request_id)
         except ApiError as err:
             if limit_headers and not err.headers:
                 err.headers = limit_headers
