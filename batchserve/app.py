@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from batchserve import admission, errors, openapi
+from batchserve import admission, errors, openai_api, openapi
 from batchserve.batcher import Item
 from batchserve.config import Settings
 from batchserve.errors import ApiError
@@ -234,6 +234,7 @@ async def list_models(request: Request) -> Response:
     data = [{"id": spec.id, "object": "model", "owned_by": "batchserve", "name": spec.name,
              "version": spec.version, "backend": spec.backend, "weight": spec.weight}
             for spec in rt.registry.specs]
+    data += openai_api.model_cards(rt)
     return json_response({"object": "list", "data": data})
 
 
@@ -272,5 +273,6 @@ def create_app(settings: Settings) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
         *job_routes(),
+        *openai_api.routes,
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -11,6 +11,7 @@ from batchserve import errors
 from batchserve.backends import Backend, make_backend
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
+from batchserve.generation import Engine, start_generation
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
 from batchserve.metrics import Metrics, make_metrics
@@ -33,6 +34,7 @@ class Runtime:
     tenancy: Tenancy
     pool: GpuPool | None = None
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
+    generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
     backends: dict[str, Backend] = field(default_factory=dict)
     ready: bool = False
     startup_error: str = ""
@@ -77,6 +79,7 @@ class Runtime:
                                 self.settings.gpu_timeout_ms / 1000)
             self.pool.start()
             self.jobs = await JobService.start(self)
+            self.generation = await start_generation(self)
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),
@@ -131,6 +134,8 @@ class Runtime:
         log.info("drained")
 
     async def stop(self) -> None:
+        if self.generation is not None:
+            await self.generation.stop()
         if self.jobs is not None:
             await self.jobs.stop()
         for task in self._tasks:
