@@ -169,10 +169,10 @@ def markdown(report: dict, scenarios: list[Scenario]) -> str:
     ]
     for sc in scenarios:
         r, j = sc.load, sc.job
+        job = (f"{fmt(j.items_per_s, '.0f')} ({fmt(j.steady_items_per_s, '.0f')}) | {fmt(j.submit_ms, '.0f')}"
+               if j else "n/a | n/a")
         lines.append(f"| {sc.name} | {r.achieved_rps:.0f} | {fmt(r.p50_ms)} | {fmt(r.p95_ms)} | {fmt(r.p99_ms)} | "
-                     f"{r.error_count} | {fmt(r.mean_batch)} | {fmt(r.batches_per_s)} | "
-                     f"{fmt(j.items_per_s if j else None, '.0f')} ({fmt(j.steady_items_per_s if j else None, '.0f')}) | "
-                     f"{fmt(j.submit_ms if j else None, '.0f')} |")
+                     f"{r.error_count} | {fmt(r.mean_batch)} | {fmt(r.batches_per_s)} | {job} |")
     v = report["verdict"]
     lines += ["", f"- interactive p95 with the job − without: **{fmt(v['p95_delta_ms'])} ms** (goal ≤ "
                   f"{P95_SLACK_MS:g} ms): {'met' if v['p95_met'] else 'MISSED'}",
