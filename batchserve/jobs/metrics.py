@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -25,6 +26,7 @@ class JobMetrics:
     inflight: Gauge
     created: Counter
     finished_ids: deque[str] = field(default_factory=deque)
+    _children: dict[tuple[str, str], Any] = field(default_factory=dict)  # labelled `processed`, looked up once
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> "JobMetrics":
@@ -38,6 +40,12 @@ class JobMetrics:
                            registry=registry),
             created=Counter("batchserve_jobs_submitted", "Batch jobs accepted", registry=registry),
         )
+
+    def count(self, model: str, outcome: str) -> None:
+        child = self._children.get((model, outcome))
+        if child is None:
+            child = self._children[(model, outcome)] = self.processed.labels(model, outcome)
+        child.inc()
 
     def progress(self, p: Progress) -> None:
         for status in COUNTED:

@@ -149,6 +149,7 @@ class Scheduler:
                 pass
             self._wake.clear()
             try:
+                self.metrics.inflight.set(self.inflight)  # here, not per item: the loop's time is the SLO's
                 if self.rt.draining:
                     self._release_queued()
                     continue
@@ -219,7 +220,6 @@ class Scheduler:
                     now, now + ITEM_DEADLINE_S, None, BATCH_TIER, job.tenant)
         job.inflight[index] = item
         self.inflight += 1
-        self.metrics.inflight.set(self.inflight)
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
         self.rt.batcher.submit(item)
 
@@ -234,7 +234,6 @@ class Scheduler:
     def _done(self, job: JobState, index: int, text: str, fut: asyncio.Future) -> None:
         job.inflight.pop(index, None)
         self.inflight -= 1
-        self.metrics.inflight.set(self.inflight)
         self._wake.set()
         if fut.cancelled() or job.cancelled:
             return
@@ -254,12 +253,12 @@ class Scheduler:
         self._seq += 1
         heapq.heappush(self.retries, Retry(time.monotonic() + delay * random.uniform(0.5, 1.0), self._seq,
                                            job, index, text))
-        self.metrics.processed.labels(job.model, "retried").inc()
+        self.metrics.count(job.model, "retried")
         log.info("batch %s item %d: %s, retry %d in %.1fs", job.id, index, code, attempts, delay)
 
     def _outcome(self, job: JobState, outcome: Outcome) -> None:
         job.attempts.pop(outcome.index, None)
-        self.metrics.processed.labels(job.model, outcome.status).inc()
+        self.metrics.count(job.model, outcome.status)
         self.outcomes.append(outcome)
         if len(self.outcomes) >= FLUSH_ROWS:
             self._flush_now.set()
