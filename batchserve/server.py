@@ -16,6 +16,7 @@ import uvicorn
 
 from batchserve.app import create_app
 from batchserve.config import Settings
+from batchserve.http_protocol import JsonErrorHttpToolsProtocol
 
 log = logging.getLogger("batchserve")
 
@@ -52,7 +53,7 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=JsonErrorHttpToolsProtocol,  # httptools, with JSON 400s for unparseable requests
         lifespan="on",
         access_log=False,
         log_level=settings.log_level,

@@ -311,16 +311,18 @@ def test_declared_10mb_body_gets_413_at_once(server):
     assert time.monotonic() - started < 2
 
 
-def test_malformed_http_is_refused_without_a_5xx(server, client):
-    """Requests broken at the HTTP level are answered by the HTTP parser (uvicorn), before the app: a 400,
-    never a 5xx, and the server goes on."""
+def test_malformed_http_gets_the_json_400(server, client):
+    """Requests broken at the HTTP level never reach the app: the HTTP protocol answers them (batchserve's
+    subclass of uvicorn's), with the same JSON 400 as the app, and the server goes on."""
     for raw in (b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nContent-Length: abc\r\n\r\n{}",
                 b"GARBAGE\r\n\r\n",
-                b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+                b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                b"POST /v1/inference HTTP/1.1\r\nHo st: t\r\n\r\n"):
         with socket.create_connection(("127.0.0.1", port_of(server))) as sock:
             sock.sendall(raw)
-            status, _, _ = read_response(sock)
-        assert status == 400, raw
+            status, headers, body = read_response(sock)
+        check_error(status, headers, body, 400, "INVALID_REQUEST")
+        assert headers["x-request-id"] == orjson.loads(body)["request_id"]
     assert_alive_and_correct(server, client)
 
 
