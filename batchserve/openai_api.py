@@ -286,7 +286,8 @@ async def generate(request: Request, chat: bool) -> Response:
     engine = engine_of(request)
     try:
         try:
-            caller = rt.tenancy.identify(request.headers.get("authorization"))
+            # OpenAI clients always send a key: with no keys configured, any key is anonymous (as vLLM does)
+            caller = rt.tenancy.identify(request.headers.get("authorization") if rt.tenancy.keys else None)
             headers.update(rt.tenancy.take_token(caller))
             body = await read_body(request, rt.settings.max_body_bytes)
         except ApiError as err:

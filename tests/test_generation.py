@@ -1,0 +1,206 @@
+"""Generation through a live server on the real model, driven by the official `openai` client (issue 6).
+
+One server for the module: SmolLM2 on the CPU, at most 4 sequences at once (so 6 concurrent streams must
+queue for a slot) and a 10 s queue timeout (so a request behind 4 long ones is refused at the door).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import LiveServer, start_server
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+CAPITALS = {"France": "Paris", "Germany": "Berlin", "Japan": "Tokyo", "England": "London", "Russia": "Moscow",
+            "China": "Beijing"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server("--backend", "smollm2", "--max-new-tokens", "8", "--generation-max-seqs", "4",
+                     "--generation-queue-timeout-ms", "10000", timeout=180)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def ask(country: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"What is the capital of {country}?"}]
+
+
+def engine_stats(server: LiveServer) -> dict:
+    return httpx.get(server.url + "/internal/generation").json()
+
+
+def metric(server: LiveServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_idle(server: LiveServer, within_s: float) -> dict:
+    give_up = time.monotonic() + within_s
+    while (stats := engine_stats(server))["running"] or stats["waiting"]:
+        assert time.monotonic() < give_up, stats
+        time.sleep(0.05)
+    return stats
+
+
+def test_models_lists_the_generation_model(client: openai.OpenAI) -> None:
+    assert MODEL in [m.id for m in client.models.list().data]
+
+
+def test_chat(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=ask("France"), temperature=0, max_tokens=24)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
+    choice = r.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert r.usage.prompt_tokens > 10 and 0 < r.usage.completion_tokens < 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask("France"), temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert "Paris" in r.choices[0].text
+    assert r.usage.completion_tokens == 5
+
+
+def test_completions_stream(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                            max_tokens=5, stream=True))
+    assert "Paris" in "".join(c.choices[0].text for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=ask("France"), temperature=0, max_tokens=24,
+                                       stop=["Paris"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content.startswith("The capital of France is")
+    assert "Paris" not in r.choices[0].message.content
+
+
+def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
+    def draw(seed: int) -> str:
+        r = client.chat.completions.create(model=MODEL, messages=ask("Japan"), temperature=1.0, top_p=0.95,
+                                           seed=seed, max_tokens=12, extra_body={"ignore_eos": True})
+        return r.choices[0].message.content
+
+    first = draw(7)
+    assert draw(7) == first
+    assert any(draw(seed) != first for seed in (8, 9))
+
+
+def test_concurrent_streams_all_complete_with_sensible_text(server: LiveServer) -> None:
+    async def one(c: openai.AsyncOpenAI, country: str) -> str:
+        stream = await c.chat.completions.create(model=MODEL, messages=ask(country), temperature=0, max_tokens=24,
+                                                 stream=True)
+        parts = [chunk.choices[0].delta.content or "" async for chunk in stream]
+        return "".join(parts)
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=90) as c:
+            return await asyncio.gather(*(one(c, country) for country in CAPITALS))
+
+    texts = asyncio.run(main())  # 6 streams, 4 slots: two wait for a slot, then run
+    for (country, capital), text in zip(CAPITALS.items(), texts):
+        assert capital in text, (country, text)
+    wait_idle(server, 5)
+
+
+def test_disconnect_mid_stream_frees_its_slot(server: LiveServer, client: openai.OpenAI) -> None:
+    before = metric(server, 'batchserve_generation_cancelled_total{reason="client_disconnect"}')
+    stream = client.chat.completions.create(model=MODEL, messages=ask("China"), temperature=0, max_tokens=400,
+                                            stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    stats = engine_stats(server)
+    assert stats["running"] == 1 and stats["kv_blocks_reserved"] > 0
+    stream.close()
+    hung_up = time.monotonic()
+    stats = wait_idle(server, 5)  # 400 tokens would take far longer than this
+    assert time.monotonic() - hung_up < 5
+    assert stats["kv_blocks_reserved"] == 0 and stats["cancelled"] >= 1
+    assert metric(server, 'batchserve_generation_cancelled_total{reason="client_disconnect"}') == before + 1
+    assert metric(server, "batchserve_generation_running_sequences") == 0
+
+
+def test_request_behind_full_slots_gets_503_not_a_long_wait(server: LiveServer, client: openai.OpenAI) -> None:
+    streams = [client.chat.completions.create(model=MODEL, messages=ask(c), temperature=0, max_tokens=500,
+                                              stream=True, extra_body={"ignore_eos": True})
+               for c in ("France", "Germany", "Japan", "England")]
+    try:
+        for s in streams:  # all 4 slots hold a 500-token sequence
+            next(iter(s))
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as err:
+            client.chat.completions.create(model=MODEL, messages=ask("Russia"), max_tokens=500)
+        assert time.monotonic() - started < 2
+        assert err.value.status_code == 503 and err.value.code == "service_overloaded"
+        assert int(err.value.response.headers["retry-after"]) >= 1
+        assert set(err.value.body) == {"message", "type", "param", "code"}
+    finally:
+        for s in streams:
+            s.close()
+    wait_idle(server, 5)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"logprobs": True}, "logprobs"),
+    ({"seed": "seven"}, "seed"),
+    ({"presence_penalty": 1.0}, "presence_penalty"),
+])
+def test_bad_parameters_get_400_in_openai_shape(client: openai.OpenAI, kwargs: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": ask("France"), "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**body)
+    assert err.value.status_code == 400
+    assert err.value.param == param and err.value.type == "invalid_request_error"
+    assert set(err.value.body) == {"message", "type", "param", "code"}
+
+
+def test_bad_completion_prompt_and_unknown_model(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="", max_tokens=4)
+    assert err.value.param == "prompt"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=ask("France"), max_tokens=4)
+    assert err.value.code == "model_not_found"
+
+
+def test_not_json_gets_openai_error_shape(server: LiveServer) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}

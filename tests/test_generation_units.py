@@ -1,0 +1,107 @@
+"""Generation's pure parts, without a server or weights: KV admission arithmetic, stop strings, sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+
+from batchserve.kv_budget import Claim, KvBudget, predicted_wait_s
+from batchserve.sampling import GREEDY, SAMPLE, TokenChoice, TopP, step_key
+from batchserve.textstream import TextStream
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz ,.!")
+
+
+def char_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARS)}, unk_token="!"))
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def stream_text(text: str, stops: tuple[str, ...]) -> tuple[list[str], TextStream]:
+    ts = TextStream(char_tokenizer(), stops)
+    return [ts.push(CHARS.index(c)) for c in text], ts
+
+
+# -- KV budget ----------------------------------------------------------------------------------------------
+def test_blocks_round_up_and_fit_counts_slots() -> None:
+    b = KvBudget(total_blocks=10, page_size=32, max_seqs=2)
+    assert b.blocks_for(1) == 1 and b.blocks_for(32) == 1 and b.blocks_for(33) == 2
+    b.take(4)
+    b.take(4)
+    assert not b.fits(1)  # no slot left, though blocks are
+    b.give(4)
+    assert b.fits(6) and not b.fits(7)
+
+
+def test_predicted_wait_replays_running_and_queued_sequences() -> None:
+    b = KvBudget(total_blocks=10, page_size=32, max_seqs=4)
+    for blocks in (4, 4):
+        b.take(blocks)
+    running = [Claim(4, steps=100), Claim(4, steps=10)]
+    step = 0.01
+    assert predicted_wait_s(b, running, [], Claim(2, 50), step) == 0  # fits now
+    assert predicted_wait_s(b, running, [], Claim(5, 50), step) == pytest.approx(0.1)  # after the 10-step one
+    # queued ahead: a 5-block sequence takes the first freed room, so this one waits for the 100-step one
+    assert predicted_wait_s(b, running, [Claim(5, 50)], Claim(5, 50), step) == pytest.approx(0.6)
+    assert math.isinf(predicted_wait_s(b, running, [], Claim(11, 1), step))
+
+
+# -- stop strings -------------------------------------------------------------------------------------------
+def test_stop_string_is_never_sent_even_in_part() -> None:
+    pieces, ts = stream_text("hello sto world stop here", ("stop",))
+    assert "".join(pieces) == "hello sto world "
+    assert ts.stopped and ts.flush() == ""
+
+
+def test_held_back_text_is_flushed_when_no_stop_string_follows() -> None:
+    pieces, ts = stream_text("abc st", ("stop",))
+    assert "".join(pieces) == "abc " and not ts.stopped
+    assert ts.flush() == "st"
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    pieces, _ = stream_text("one, two. three", (".", ","))
+    assert "".join(pieces) == "one"
+
+
+# -- sampling -----------------------------------------------------------------------------------------------
+def keys(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def floats(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).view(dtype=torch.int32)
+
+
+def test_greedy_rows_are_untouched() -> None:
+    scores = torch.randn(3, 50)
+    assert torch.equal(TokenChoice()(scores, keys(GREEDY, GREEDY, GREEDY)), scores)
+
+
+def test_seeded_draw_is_repeatable_and_follows_the_distribution() -> None:
+    scores = torch.log(torch.tensor([[0.1, 0.2, 0.7]])).repeat(4000, 1)
+    seeded = keys(*[step_key(7, i) for i in range(4000)])
+    a = TokenChoice()(scores, seeded).argmax(-1)
+    assert torch.equal(a, TokenChoice()(scores, seeded).argmax(-1))
+    share = torch.bincount(a, minlength=3) / 4000
+    assert torch.allclose(share, torch.tensor([0.1, 0.2, 0.7]), atol=0.03)
+    unseeded = TokenChoice()(scores, keys(*[SAMPLE] * 4000)).argmax(-1)
+    assert torch.allclose(torch.bincount(unseeded, minlength=3) / 4000, torch.tensor([0.1, 0.2, 0.7]), atol=0.03)
+
+
+def test_sampled_rows_keep_exactly_one_finite_score() -> None:
+    scores = torch.randn(2, 50)
+    out = TokenChoice()(scores, keys(GREEDY, SAMPLE))
+    assert torch.equal(out[0], scores[0])
+    assert int(torch.isfinite(out[1]).sum()) == 1
+
+
+def test_top_p_masks_the_tail_only_where_asked() -> None:
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    out = TopP()(scores, floats(0.7, 1.0))
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+    assert torch.equal(out[1], scores[1])
