@@ -25,6 +25,7 @@ from batchserve.metrics import Metrics
 
 log = logging.getLogger("batchserve.pool")
 
+BATCH_TIER = 3  # config.TIERS.index("batch")
 GPU_TIMEOUT_FLOOR_S = 1.0
 GPU_TIMEOUT_BATCHES = 10  # derived gpu_timeout: this many learned batch times, at least the floor
 
@@ -48,6 +49,7 @@ class Worker:
     batches: int = 0
     generation: int = 0  # bumped when the worker is abandoned, so a late answer is recognised and dropped
     thread: threading.Thread | None = None
+    watchdog: asyncio.TimerHandle | None = None  # fires at started + gpu_timeout unless the batch ends first
 
     def busy_total(self, now: float) -> float:
         return self.busy_s + (now - self.started if self.batch is not None else 0.0)
@@ -73,7 +75,6 @@ class GpuPool:
     device_names: list[str]
     gpu_timeout_s: float = 0.0  # 0 = derived from the learned batch times
     workers: list[Worker] = field(default_factory=list)
-    _watchdog: asyncio.Task | None = None
 
     def start(self) -> None:
         for i, name in enumerate(self.device_names):
@@ -85,12 +86,12 @@ class GpuPool:
         for w in self.workers:
             assert w.thread is not None
             w.thread.start()
-        self._watchdog = self.loop.create_task(self._watch())
 
     def stop(self) -> None:
         self.batcher.close()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for w in self.workers:
+            if w.watchdog is not None:
+                w.watchdog.cancel()
 
     # -- capacity, for admission and health ----------------------------------------------------------------
     def healthy_count(self) -> int:
@@ -112,9 +113,11 @@ class GpuPool:
 
     # -- the worker thread -----------------------------------------------------------------------------------
     def _work(self, w: Worker) -> None:
+        finished: tuple | None = None
         while True:
             try:
-                batch = asyncio.run_coroutine_threadsafe(self._take(w), self.loop).result()
+                # One hop to the loop per batch: hand back the last outcome and take the next batch.
+                batch = asyncio.run_coroutine_threadsafe(self._turnaround(w, finished), self.loop).result()
             except (RuntimeError, concurrent.futures.CancelledError):  # the loop is closing
                 return
             if batch is None:
@@ -127,20 +130,26 @@ class GpuPool:
                 outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
             except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
                 error = exc
-            elapsed = time.monotonic() - started
-            try:
-                self.loop.call_soon_threadsafe(self._finish, w, generation, batch, outputs, error, elapsed)
-            except RuntimeError:  # the loop is closed: the process is exiting
-                return
+            finished = (generation, batch, outputs, error, time.monotonic() - started)
+
+    async def _turnaround(self, w: Worker, finished: tuple | None) -> Batch | None:
+        """Resolve the batch just run, then wait for the next one. The answers' handlers run on the loop
+        after this returns, so the worker gets its next batch without waiting for them."""
+        if finished is not None:
+            self._finish(w, *finished)
+        return await self._take(w)
 
     async def _take(self, w: Worker) -> Batch | None:
         batch = await self.batcher.next_batch(w.index)
         if batch is not None:
             w.batch, w.started = batch, time.monotonic()
+            limit = self.timeout_s()
+            w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
             self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
             wait = self.metrics.queue_wait.labels(batch.model)
             for item in batch.items:
-                wait.observe(batch.formed - item.arrived)
+                if item.tier < BATCH_TIER:  # job items wait for spare capacity by design: not a queue delay
+                    wait.observe(batch.formed - item.arrived)
         return batch
 
     # -- back on the event loop --------------------------------------------------------------------------
@@ -153,6 +162,11 @@ class GpuPool:
             self.metrics.worker_healthy.labels(w.name).set(1)
             self._update_health()
             return
+        if w.watchdog is not None:
+            w.watchdog.cancel()
+        # The batch time as the loop sees it (hand-offs and GIL waits included) paces dispatch and admission;
+        # the backend's own time goes to the compute histogram and the answers.
+        cycle = time.monotonic() - w.started
         w.batch = None
         w.busy_s += elapsed
         w.batches += 1
@@ -162,24 +176,26 @@ class GpuPool:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
             return
-        self.batcher.observe_batch(batch.model, elapsed)
+        self.batcher.observe_batch(batch.model, cycle)
         self.metrics.batch_compute.labels(batch.model).observe(elapsed)
         assert isinstance(outputs, list)
         for item, output in zip(batch.items, outputs):
             if not item.future.done():
                 item.future.set_result(ItemResult(output, batch.formed - item.arrived, elapsed, n))
 
-    def _retry_or_fail(self, batch: Batch, w: Worker, problem: str, cause: str) -> None:
-        """Bisect a failed batch; a lone item gets one more try elsewhere, then 500."""
+    def _retry_or_fail(self, batch: Batch, w: Worker, problem: str, cause: str, parts: int = 2) -> None:
+        """Split a failed batch into `parts` and re-run each; a lone item gets one more try elsewhere, then
+        500 (or 504 after a hang)."""
         now = time.monotonic()
         items = [i for i in batch.items if i.alive(now)]
         if not items:
             return
         self.metrics.batch_retries.labels(batch.model, cause).inc()
         if len(items) > 1:
-            mid = len(items) // 2
-            for half in (items[:mid], items[mid:]):
-                self.batcher.requeue(Batch(batch.model, half, now, "retry", w.index, batch.after_hang))
+            parts = max(2, min(parts, len(items)))
+            for k in range(parts):
+                group = items[k * len(items) // parts:(k + 1) * len(items) // parts]
+                self.batcher.requeue(Batch(batch.model, group, now, "retry", w.index, batch.after_hang))
             return
         item = items[0]
         if item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
@@ -190,41 +206,33 @@ class GpuPool:
         item.future.set_exception(err)
 
     # -- hung workers ----------------------------------------------------------------------------------------
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(min(0.05, self.timeout_s() / 10))
-            now = time.monotonic()
-            limit = self.timeout_s()
-            for w in self.workers:
-                if w.healthy and w.batch is not None and now - w.started > limit:
-                    self._abandon(w, now, limit)
+    def _abandon(self, w: Worker, batch: Batch, limit: float) -> None:
+        """The batch ran past gpu_timeout: give up on this worker until its call returns.
 
-    def _abandon(self, w: Worker, now: float, limit: float) -> None:
-        batch = w.batch
-        assert batch is not None
+        Which input hung it cannot be known, so its items are re-run once, spread over every healthy worker
+        in one round: the groups without the culprit are answered one batch later, and the culprit can take
+        down at most one more worker and its own small group (answered 504 when that one hangs too)."""
+        if w.batch is not batch or not w.healthy:
+            return
         log.error("worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
-                  w.name, len(batch.items), now - w.started, limit)
+                  w.name, len(batch.items), time.monotonic() - w.started, limit)
         w.healthy = False
         w.generation += 1
-        w.busy_s += now - w.started
+        w.busy_s += time.monotonic() - w.started
         w.batch = None
+        w.watchdog = None
         self.metrics.worker_healthy.labels(w.name).set(0)
         self._update_health()
-        if batch.after_hang or self.healthy_count() == 0:
+        healthy = self.healthy_count()
+        if batch.after_hang or healthy == 0:
             # These items already hung one worker (or none is left): answer them rather than risk another.
             for item in batch.items:
                 if not item.future.done():
                     item.future.set_exception(errors.deadline_exceeded())
             return
         batch.after_hang = True
-        self._retry_or_fail(batch, w, "worker hung", "hang")
+        self._retry_or_fail(batch, w, "worker hung", "hang", parts=healthy)
 
     def _update_health(self) -> None:
         self.batcher.healthy_workers = self.healthy_count()
         self.batcher.wake()
-
-
-def fail_items(items: list[Item], err: errors.ApiError) -> None:
-    for item in items:
-        if not item.future.done():
-            item.future.set_exception(err)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from types import FrameType
 
 import uvicorn
@@ -19,6 +20,9 @@ from batchserve.config import Settings
 from batchserve.http_protocol import JsonErrorHttpToolsProtocol
 
 log = logging.getLogger("batchserve")
+
+
+DRAIN_LINGER_S = 0.5  # after the drain: listener closed, open connections still answered
 
 
 class DrainingServer(uvicorn.Server):
@@ -43,11 +47,22 @@ class DrainingServer(uvicorn.Server):
         try:
             if runtime is not None:
                 await runtime.drain()
+            # Stop accepting connections, but keep answering DRAINING (with Connection: close) a moment on the
+            # open keep-alive ones, so a request already on its way over one is answered, not reset.
+            for listener in self.servers:
+                listener.close()
+            await asyncio.sleep(DRAIN_LINGER_S)
         finally:
             self.should_exit = True
 
 
+# Worker threads sleep in the backend (GPU kernels, or the sim's timer) and must get the GIL back at once when
+# their batch ends; at the default 5 ms switch interval a busy event loop delays every batch by up to 5 ms.
+SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(settings: Settings) -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
