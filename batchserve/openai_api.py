@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from batchserve import openapi
+from batchserve import openai_schema
 from batchserve.errors import ApiError
 from batchserve.generation import Delta, Engine, SamplingParams, Sequence
 
@@ -427,3 +427,4 @@ routes = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/internal/generation", generation_status, methods=["GET"]),
 ]
+openai_schema.register()

@@ -204,3 +204,23 @@ def test_bad_completion_prompt_and_unknown_model(client: openai.OpenAI) -> None:
 def test_not_json_gets_openai_error_shape(server: LiveServer) -> None:
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_answers_match_the_published_openapi_schemas(server: LiveServer) -> None:
+    import jsonschema
+
+    doc = httpx.get(server.url + "/openapi.json").json()
+
+    def check(name: str, value: dict) -> None:
+        jsonschema.Draft202012Validator({**doc, "$ref": f"#/components/schemas/{name}"}).validate(value)
+
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                    json={"model": MODEL, "messages": ask("France"), "temperature": 0, "max_tokens": 4})
+    check("ChatCompletion", ok.json())
+    ok = httpx.post(server.url + "/v1/completions", timeout=30,
+                    json={"model": MODEL, "prompt": "Hi", "temperature": 0, "max_tokens": 2})
+    check("Completion", ok.json())
+    bad = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "top_p": 7})
+    assert bad.status_code == 400
+    check("OpenAIError", bad.json())
+    check("GenerationStatus", httpx.get(server.url + "/internal/generation").json())
