@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import re
 import secrets
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,7 +24,7 @@ from starlette.routing import Route
 from batchserve import admission, errors, openai_api, openapi
 from batchserve.batcher import Item
 from batchserve.config import Settings
-from batchserve.errors import ApiError
+from batchserve.errors import ApiError, ClientGone
 from batchserve.gpu_pool import ItemResult
 from batchserve.runtime import Runtime
 
@@ -30,24 +32,41 @@ REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 JSON = "application/json"
 
 
-class ClientGone(Exception):
-    """The caller disconnected before its answer was ready."""
-
-
 def json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status_code=status, headers=headers, media_type=JSON)
 
 
-def request_id_of(request: Request) -> str:
-    given = request.headers.get("x-request-id")
+# Generated ids: a random per-process prefix and a counter: unique across nodes, no syscall per request.
+_ID_PREFIX = "req_" + secrets.token_hex(5)
+_id_counter = itertools.count(1)
+
+
+def request_id_of(request: Request, given: str | None = None) -> str:
+    if given is None:
+        given = request.headers.get("x-request-id")
     if given and REQUEST_ID_OK.match(given):
         return given
-    return "req_" + secrets.token_hex(8)
+    return f"{_ID_PREFIX}{next(_id_counter):07x}"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+INFERENCE_HEADERS = {b"x-request-id": "x-request-id", b"authorization": "authorization",
+                     b"content-type": "content-type", b"content-length": "content-length"}
+
+
+def inference_headers(request: Request) -> dict[str, str]:
+    """The four headers the inference path reads, in one pass over the raw list (not four lookups)."""
+    found: dict[str, str] = {}
+    for name, value in request.scope["headers"]:
+        key = INFERENCE_HEADERS.get(name.lower())
+        if key is not None and key not in found:
+            found[key] = value.decode("latin-1")
+    return found
+
+
+async def read_body(request: Request, limit: int, declared: str | None = None) -> bytes:
     """The body, refused with 413 as soon as it passes `limit` (never buffered whole)."""
-    declared = request.headers.get("content-length")
+    if declared is None:
+        declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise errors.invalid("Content-Length is not a number")
@@ -87,8 +106,18 @@ def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, s
     return text, model, timeout_ms / 1000
 
 
+def disconnect_probe(request: Request) -> Callable[[], bool] | None:
+    """A cheap "has the caller hung up?" check, read when a batch is formed, so a queued item whose caller
+    left never takes a place in a batch. uvicorn's receive() is a method of its per-request cycle, which
+    flags the disconnect; other ASGI servers get a watcher task instead (`watch_disconnect`)."""
+    cycle = getattr(request.receive, "__self__", None)
+    if cycle is not None and isinstance(getattr(cycle, "disconnected", None), bool):
+        return functools.partial(getattr, cycle, "disconnected")
+    return None
+
+
 async def watch_disconnect(request: Request, item: Item) -> None:
-    """Fail the item's future when the caller hangs up, so a queued item frees its place."""
+    """Fail the item's future when the caller hangs up (for ASGI servers without a disconnect flag)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -97,21 +126,36 @@ async def watch_disconnect(request: Request, item: Item) -> None:
             return
 
 
+def expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(errors.deadline_exceeded())
+
+
+def count_ok(rt: Runtime, model_id: str, latency_s: float) -> None:
+    children = rt.ok_metrics.get(model_id)
+    if children is None:
+        children = rt.ok_metrics[model_id] = (rt.metrics.requests.labels(model_id, "200"),
+                                              rt.metrics.request_duration.labels(model_id))
+    children[0].inc()
+    children[1].observe(latency_s)
+
+
 async def inference(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
     s = rt.settings
     arrived = time.monotonic()
-    request_id = request_id_of(request)
+    headers = inference_headers(request)
+    request_id = request_id_of(request, headers.get("x-request-id", ""))
     model_id = "unknown"
     limit_headers: dict[str, str] = {}
     try:
-        caller = rt.tenancy.identify(request.headers.get("authorization"))
+        caller = rt.tenancy.identify(headers.get("authorization"))
         limit_headers = rt.tenancy.take_token(caller)
         try:
-            body = await read_body(request, s.max_body_bytes)
+            body = await read_body(request, s.max_body_bytes, headers.get("content-length"))
         except ClientDisconnect:
             return Response(status_code=499)
-        text, requested_model, timeout_s = parse_inference(body, request.headers.get("content-type", ""), s)
+        text, requested_model, timeout_s = parse_inference(body, headers.get("content-type", ""), s)
         spec = rt.registry.resolve(requested_model, caller.key_id)
         if spec is None:
             raise ApiError(404, "MODEL_NOT_FOUND", f"no model {requested_model!r} is served here (see /v1/models)")
@@ -121,17 +165,18 @@ async def inference(request: Request) -> Response:
                         caller.tier, caller.tenant)
         backend = rt.backends[model_id]
         record = rt.requests.add(request_id, model_id)
-        item = Item(text, model_id, backend.bucket_of(text), asyncio.get_running_loop().create_future(),
-                    arrived, arrived + timeout_s, record, caller.tier, caller.tenant)
+        loop = asyncio.get_running_loop()
+        item = Item(text, model_id, backend.bucket_of(text), loop.create_future(),
+                    arrived, arrived + timeout_s, record, caller.tier, caller.tenant,
+                    gone=disconnect_probe(request))
+        if item.gone is None:
+            asyncio.ensure_future(watch_disconnect(request, item))  # ends by itself with the response
         rt.batcher.submit(item)
         rt.inflight += 1
         rt.metrics.inflight.inc()
-        watcher = asyncio.create_task(watch_disconnect(request, item))
+        timer = loop.call_later(timeout_s - (time.monotonic() - arrived), expire, item.future)
         try:
-            result: ItemResult = await asyncio.wait_for(item.future, timeout_s - (time.monotonic() - arrived))
-        except asyncio.TimeoutError:
-            record.status, record.error = "failed", "DEADLINE_EXCEEDED"
-            raise errors.deadline_exceeded() from None
+            result: ItemResult = await item.future
         except ClientGone:
             record.status, record.error = "failed", "CLIENT_DISCONNECTED"
             return Response(status_code=499)
@@ -139,8 +184,7 @@ async def inference(request: Request) -> Response:
             record.status, record.error = "failed", err.code
             raise
         finally:
-            # No cancel: the watcher returns by itself once the response is complete (uvicorn's receive()
-            # then says http.disconnect), which is cheaper than a cancellation on every request.
+            timer.cancel()
             rt.inflight -= 1
             rt.metrics.inflight.dec()
         latency_ms = (time.monotonic() - arrived) * 1000
@@ -148,8 +192,7 @@ async def inference(request: Request) -> Response:
         record.status, record.latency_ms = "completed", round(latency_ms, 1)
         record.queue_ms, record.compute_ms, record.batch_size = round(queue_ms, 1), round(compute_ms, 1), result.batch_size
         rt.answered += 1
-        rt.metrics.requests.labels(model_id, "200").inc()
-        rt.metrics.request_duration.labels(model_id).observe(latency_ms / 1000)
+        count_ok(rt, model_id, latency_ms / 1000)
         return json_response(
             {"request_id": request_id, "output": result.output, "model": model_id,
              "latency_ms": round(latency_ms), "queue_ms": round(queue_ms), "compute_ms": round(compute_ms),

@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from batchserve import errors
 from batchserve.fairqueue import FairQueue
@@ -44,13 +44,17 @@ class Item:
     tenant: str = ""
     dispatched: float = 0.0
     attempts: int = 0  # failed single-item runs, for the one transient retry
+    gone: Callable[[], bool] | None = None  # True once the caller's connection is closed
 
     def alive(self, now: float) -> bool:
-        """False once the caller has an answer (or left); answers 504 when the deadline has passed."""
+        """False once the caller has an answer or left; answers 504 when the deadline has passed."""
         if self.future.done():
             return False
         if now >= self.deadline:
             self.future.set_exception(errors.deadline_exceeded())
+            return False
+        if self.gone is not None and self.gone():
+            self.future.set_exception(errors.ClientGone())
             return False
         return True
 
@@ -127,6 +131,20 @@ class Batcher:
                 return batch
             # A retry waits that should run on another worker: let the others take the turn first.
             await asyncio.sleep(RETRY_STEP_ASIDE_S)
+        return None
+
+    def take_now(self, worker: int) -> Batch | None:
+        """A batch for this worker if one is due at once and no other worker is waiting for its turn: the
+        fast path of a worker that just finished, taken without a trip through the event loop's queue."""
+        if self.closed or self._turn.locked():
+            return None
+        now = time.monotonic()
+        batch = self._take_retry(worker, now)
+        if batch is not None:
+            return batch
+        key, due, cause = self._most_urgent(now)
+        if key is not None and due <= now:
+            return self._form(key, now, cause)
         return None
 
     async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:

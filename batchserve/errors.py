@@ -23,6 +23,10 @@ class ApiError(Exception):
         return f"{self.status} {self.code}: {self.message}"
 
 
+class ClientGone(Exception):
+    """The caller disconnected before its answer was ready; nobody reads this answer."""
+
+
 def error_response(err: ApiError, request_id: str) -> Response:
     body: dict = {"error": err.code, "message": err.message, "request_id": request_id}
     headers = {"X-Request-ID": request_id}

@@ -12,8 +12,8 @@ abandoned (and taken back if the call ever returns) and the batch's items are re
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,6 +50,7 @@ class Worker:
     generation: int = 0  # bumped when the worker is abandoned, so a late answer is recognised and dropped
     thread: threading.Thread | None = None
     watchdog: asyncio.TimerHandle | None = None  # fires at started + gpu_timeout unless the batch ends first
+    inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # the loop hands batches to the thread
 
     def busy_total(self, now: float) -> float:
         return self.busy_s + (now - self.started if self.batch is not None else 0.0)
@@ -116,10 +117,11 @@ class GpuPool:
         finished: tuple | None = None
         while True:
             try:
-                # One hop to the loop per batch: hand back the last outcome and take the next batch.
-                batch = asyncio.run_coroutine_threadsafe(self._turnaround(w, finished), self.loop).result()
-            except (RuntimeError, concurrent.futures.CancelledError):  # the loop is closing
+                # One hop to the loop per batch: hand back the last outcome; the next batch arrives in the inbox.
+                self.loop.call_soon_threadsafe(self._turnaround, w, finished)
+            except RuntimeError:  # the loop is closed: the process is exiting
                 return
+            batch = w.inbox.get()
             if batch is None:
                 return
             generation = w.generation
@@ -132,15 +134,21 @@ class GpuPool:
                 error = exc
             finished = (generation, batch, outputs, error, time.monotonic() - started)
 
-    async def _turnaround(self, w: Worker, finished: tuple | None) -> Batch | None:
-        """Resolve the batch just run, then wait for the next one. The answers' handlers run on the loop
-        after this returns, so the worker gets its next batch without waiting for them."""
+    def _turnaround(self, w: Worker, finished: tuple | None) -> None:
+        """Settle the batch just run, and give the worker its next one at once when one is due. Resolving
+        futures only schedules the handlers, so the worker thread is woken before they run."""
         if finished is not None:
             self._finish(w, *finished)
-        return await self._take(w)
+        batch = self.batcher.take_now(w.index)
+        if batch is not None:
+            self._hand(w, batch)
+        else:
+            self.loop.create_task(self._wait_and_hand(w))
 
-    async def _take(self, w: Worker) -> Batch | None:
-        batch = await self.batcher.next_batch(w.index)
+    async def _wait_and_hand(self, w: Worker) -> None:
+        self._hand(w, await self.batcher.next_batch(w.index))
+
+    def _hand(self, w: Worker, batch: Batch | None) -> None:
         if batch is not None:
             w.batch, w.started = batch, time.monotonic()
             limit = self.timeout_s()
@@ -150,7 +158,7 @@ class GpuPool:
             for item in batch.items:
                 if item.tier < BATCH_TIER:  # job items wait for spare capacity by design: not a queue delay
                     wait.observe(batch.formed - item.arrived)
-        return batch
+        w.inbox.put(batch)
 
     # -- back on the event loop --------------------------------------------------------------------------
     def _finish(self, w: Worker, generation: int, batch: Batch, outputs: object,

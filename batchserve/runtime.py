@@ -43,6 +43,7 @@ class Runtime:
     requests_per_second: float = 0.0
     gpu_utilization: float = 0.0
     busy_ratios: dict[str, float] = field(default_factory=dict)
+    ok_metrics: dict[str, tuple] = field(default_factory=dict)  # per model: bound 200-counter and histogram
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
