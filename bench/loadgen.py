@@ -145,9 +145,12 @@ async def sleep_until(t: float) -> None:
 
 # -- the sending side (one per client process) -----------------------------------------------------------
 async def drive(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: str, timeout_s: float,
-                connections: int, window: tuple[float, float]) -> Part:
+                connections: int, window: tuple[float, float], headers: dict[str, str] | None = None,
+                extra: dict | None = None) -> Part:
     """Send request i at t0 + sched[i] for every i in idx, whatever the answers; bounded by the schedule's
-    length and the client timeout."""
+    length and the client timeout. `headers` (e.g. Authorization) and `extra` body fields (e.g. "model") go
+    with every request."""
+    req_headers = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
     k = len(idx)
     latency, lag, server_ms = np.full(k, np.nan), np.full(k, np.nan), np.full(k, np.nan)
     errors: list[tuple[int, str]] = []
@@ -159,11 +162,11 @@ async def drive(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: st
 
         async def send(j: int, i: int, due: float) -> None:
             text = input_for(tag, i)
-            body = orjson.dumps({"input": text})
+            body = orjson.dumps({"input": text, **extra} if extra else {"input": text})
             lag[j] = time.monotonic() - due
             error = None
             try:
-                async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+                async with session.post(url, data=body, headers=req_headers) as resp:
                     raw = await resp.read()
                     status = resp.status
                 end = time.monotonic()
@@ -220,7 +223,8 @@ def _quiet_gc_run(coro):  # noqa: ANN001, ANN202 - any coroutine
 
 
 def _client_process(conn, url: str, sched: np.ndarray, idx: np.ndarray, tag: str, timeout_s: float,  # noqa: ANN001
-                    connections: int, window_offsets: tuple[float, float]) -> None:
+                    connections: int, window_offsets: tuple[float, float], headers: dict[str, str] | None = None,
+                    extra: dict | None = None) -> None:
     """Entry point of an extra client process: say ready, get t0, drive its share, send back its Part."""
     raise_fd_limit()
     conn.send("ready")
@@ -228,7 +232,7 @@ def _client_process(conn, url: str, sched: np.ndarray, idx: np.ndarray, tag: str
         return
     t0 = conn.recv()
     window = (t0 + window_offsets[0], t0 + window_offsets[1])
-    conn.send(_quiet_gc_run(drive(url, sched, idx, t0, tag, timeout_s, connections, window)))
+    conn.send(_quiet_gc_run(drive(url, sched, idx, t0, tag, timeout_s, connections, window, headers, extra)))
     conn.close()
 
 
