@@ -3,13 +3,18 @@
 Predicted latency for a new item = time until the first healthy worker is free
                                  + (items queued ahead / batch size) x batch time / healthy workers
                                  + one batch time.
-It is checked against the request's own deadline and against `slo_ms x slack`, where the slack grows with the
-caller's tier, so under pressure the lower tiers are refused first.
+It is always checked against the request's own deadline. Under pressure — arrivals faster than the healthy
+workers can serve, or a worker lost — it is also checked against `slo_ms x slack x tier factor`, so the lower
+tiers are refused first and admitted requests stay near the objective. Without pressure a passing burst is
+queued, not refused: the queue drains by itself, and refusing the tail of a burst would turn a few slow answers
+into errors.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 from batchserve import errors
 from batchserve.batcher import Batcher
@@ -28,16 +33,36 @@ def predicted_latency_s(batcher: Batcher, pool: GpuPool, model: str, tier: int, 
     return pool.seconds_until_free(now) + (ahead // batcher.max_batch_size) * batch_s / healthy + batch_s
 
 
+@dataclass
+class RateMeter:
+    """Arrivals per second, an exponentially weighted average over about `tau_s` seconds."""
+
+    tau_s: float = 2.0
+    rate: float = 0.0
+    last: float = 0.0
+
+    def tick(self, now: float) -> float:
+        self.rate = self.rate * math.exp(-(now - self.last) / self.tau_s) + 1.0 / self.tau_s
+        self.last = now
+        return self.rate
+
+
+def under_pressure(batcher: Batcher, pool: GpuPool, model: str, arrival_rate: float) -> bool:
+    healthy = pool.healthy_count()
+    capacity = healthy * batcher.max_batch_size / batcher.batch_s[model]
+    return arrival_rate > capacity or healthy < len(pool.workers)
+
+
 def tier_bound_s(slo_ms: float, slack: float, tier: int) -> float:
     return slo_ms * slack * TIER_SHED[tier] / 1000
 
 
 def admit(batcher: Batcher, pool: GpuPool | None, model: str, max_queue: int, bound_s: float,
-          deadline_s: float, tier: int = 1, tenant: str = "") -> None:
+          deadline_s: float, tier: int = 1, tenant: str = "", arrival_rate: float = float("inf")) -> None:
     """Raise the 503 that fits, or return when the item may join the queue.
 
-    `bound_s` is the tier's latency bound (slo x slack); `deadline_s` the time left before the request's
-    deadline."""
+    `bound_s` is the tier's latency bound (slo x slack), applied under pressure; `deadline_s` the time left
+    before the request's deadline; `arrival_rate` the recent arrivals per second (RateMeter)."""
     if batcher.draining:
         raise errors.ApiError(503, "DRAINING", "the server is shutting down; retry on another node",
                               retry_after_ms=1000)
@@ -49,6 +74,8 @@ def admit(batcher: Batcher, pool: GpuPool | None, model: str, max_queue: int, bo
         raise errors.overloaded(f"the queue for {model} is full ({max_queue} items)",
                                 retry_after_ms=batcher.batch_s[model] * 1000)
     predicted = predicted_latency_s(batcher, pool, model, tier, tenant, time.monotonic())
+    if not under_pressure(batcher, pool, model, arrival_rate):
+        bound_s = float("inf")
     # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
     # then allow at most one batch ahead of this one.
     bound_s = max(bound_s, 2 * batcher.batch_s[model])

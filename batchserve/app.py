@@ -162,7 +162,7 @@ async def inference(request: Request) -> Response:
         model_id = spec.id
         admission.admit(rt.batcher, rt.pool, model_id, s.max_queue,
                         admission.tier_bound_s(s.slo_ms, s.admission_slack, caller.tier), timeout_s,
-                        caller.tier, caller.tenant)
+                        caller.tier, caller.tenant, rt.arrivals.tick(arrived))
         backend = rt.backends[model_id]
         record = rt.requests.add(request_id, model_id)
         loop = asyncio.get_running_loop()

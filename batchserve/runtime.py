@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from batchserve import errors
+from batchserve.admission import RateMeter
 from batchserve.backends import Backend, make_backend
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
@@ -44,6 +45,7 @@ class Runtime:
     gpu_utilization: float = 0.0
     busy_ratios: dict[str, float] = field(default_factory=dict)
     ok_metrics: dict[str, tuple] = field(default_factory=dict)  # per model: bound 200-counter and histogram
+    arrivals: RateMeter = field(default_factory=RateMeter)  # inference requests per second, for admission
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod

@@ -173,7 +173,8 @@ def test_lower_tiers_are_shed_first(tmp_path, server_factory):
         async with aiohttp.ClientSession() as s:
             hang = asyncio.ensure_future(post(s, server.url, "HANG"))
             await asyncio.sleep(0.3)
-            paid = [asyncio.ensure_future(post(s, server.url, f"p-{i}")) for i in range(10)]
+            # 30 arrivals in a moment against a capacity of 10/s: pressure, so the tiers' bounds apply.
+            paid = [asyncio.ensure_future(post(s, server.url, f"p-{i}")) for i in range(30)]
             await asyncio.sleep(0.2)
             free_answer = await post(s, server.url, "f", free)
             ent_answer = await post(s, server.url, "e", ent)
@@ -181,7 +182,8 @@ def test_lower_tiers_are_shed_first(tmp_path, server_factory):
             return free_answer, ent_answer, await asyncio.gather(*paid)
 
     free_answer, ent_answer, paid = asyncio.run(scenario())
-    assert all(s == 200 for s, _ in paid)  # anonymous callers are tier "paid" by default
+    # Anonymous callers are tier "paid" by default: admitted up to their bound (1250 ms), then refused.
+    assert sum(1 for s, _ in paid if s == 200) >= 10 and {s for s, _ in paid} <= {200, 503}
     assert free_answer[0] == 503 and free_answer[1]["error"] == "SERVICE_OVERLOADED"
     assert ent_answer[0] == 200 and ent_answer[1]["output"] == "e"
 
