@@ -1,0 +1,279 @@
+"""Static vs continuous batching on one model and one mixed workload. Needs only torch and transformers.
+
+Why: a static batch runs until its longest member is done, so a short reply waits for the longest one in its
+batch and a finished sequence frees nothing. Continuous batching (transformers' `ContinuousBatchingManager`)
+schedules per step. This measures both on the same requests: output tokens/s and the short requests' p50 latency.
+
+Workload: `requests` requests arrive together (t = 0), in a fixed shuffled order; 80 % ask for 16 tokens and 20 %
+for 256 (exactly, EOS ignored), all over prompts of the same length. Static: batches of `batch` in arrival
+order, each a greedy `generate` running to its longest member (the others are cut to their own length); a
+request's latency is its batch's end. Continuous: every request is queued at t = 0 with its own max_new_tokens,
+at most `batch` sequences at once (the same concurrency, so the same KV memory) unless --cb-seqs says otherwise.
+
+Self-contained on purpose: `bench/gpu_check.sh` runs it where only torch and transformers exist, with a
+LlamaForCausalLM of SmolLM2-135M's exact architecture and random weights (`--random`), prompts of random ids.
+
+    python bench/cb_compare.py --random --device cuda --requests 320 --batch 64 --out result.md
+    python bench/cb_compare.py --random --tiny          # a CPU smoke test, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
+    hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+    vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
+    hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]  # per request, in arrival order
+    short: int
+    long: int
+
+    @classmethod
+    def mixed(cls, prompts: list[list[int]], short: int = 16, long: int = 256, long_share: float = 0.2,
+              seed: int = 0) -> "Workload":
+        n = len(prompts)
+        n_long = round(n * long_share)
+        lengths = [long] * n_long + [short] * (n - n_long)
+        random.Random(seed).shuffle(lengths)
+        return cls(prompts, lengths, short, long)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+@dataclass
+class Result:
+    mode: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    latencies: list[float] = field(repr=False)
+    max_tokens: list[int] = field(repr=False)
+    short: int = 16
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def p50(self, which: str) -> float:
+        picked = [lat for lat, mt in zip(self.latencies, self.max_tokens) if (mt == self.short) == (which == "short")]
+        return statistics.median(picked) if picked else float("nan")
+
+    def row(self) -> dict[str, Any]:
+        return {"mode": self.mode, "concurrency": self.concurrency, "requests": self.requests,
+                "output_tokens": self.output_tokens, "seconds": round(self.seconds, 3),
+                "tokens_per_s": round(self.tokens_per_s, 1), "short_p50_s": round(self.p50("short"), 3),
+                "long_p50_s": round(self.p50("long"), 3)}
+
+
+def random_model(device: str, dtype: torch.dtype, tiny: bool = False, layers: int | None = None) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    arch = {**SMOLLM2_135M, **(TINY if tiny else {})}
+    if layers:
+        arch["num_hidden_layers"] = layers
+    torch.manual_seed(0)
+    config = LlamaConfig(**arch)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    for p in model.parameters():  # keep random logits from saturating: small weights, well-spread argmax
+        p.data.normal_(0, 0.02)
+    return model
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def run_static(model: Any, work: Workload, batch: int, pad_id: int) -> Result:
+    """Batches in arrival order; each runs to its longest member (the batchstring path's `generate`)."""
+    device = str(model.device)
+    latencies = [0.0] * len(work.prompts)
+    started = time.perf_counter()
+    for lo in range(0, len(work.prompts), batch):
+        idx = list(range(lo, min(lo + batch, len(work.prompts))))
+        width = max(len(work.prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):  # left padding: generation continues from the right edge
+            p = work.prompts[i]
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        longest = max(work.max_tokens[i] for i in idx)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                       min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+        sync(device)
+        done = time.perf_counter() - started
+        for i in idx:
+            latencies[i] = done
+    seconds = time.perf_counter() - started
+    return Result("static", batch, len(work.prompts), work.tokens, seconds, latencies, work.max_tokens, work.short)
+
+
+def make_manager(model: Any, max_seqs: int, page_size: int, kv_tokens: int, max_batch_tokens: int | None) -> Any:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=-1, pad_token_id=0)
+    # transformers >= 5.18 calls it page_size (block_size before); the GPU machine may hold either
+    size_field = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
+        else "block_size"
+    cb = ContinuousBatchingConfig(
+        **{size_field: page_size}, num_blocks=-(-kv_tokens // page_size) if kv_tokens else None,
+        max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_seqs, safety_margin=0.0,
+        max_memory_percent=None if model.device.type == "cpu" else 0.5,
+    )
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.warmup()
+    return manager
+
+
+def run_continuous(model: Any, work: Workload, max_seqs: int, page_size: int = 64, kv_tokens: int = 0,
+                   max_batch_tokens: int | None = None) -> Result:
+    """Every request queued at t = 0 with its own max_new_tokens; at most `max_seqs` decode at once.
+
+    Not under inference_mode: transformers 5.17 (the GPU machine's) builds tensors in warmup() that its thread,
+    outside inference mode, then updates in place; the library applies no_grad itself."""
+    manager = make_manager(model, max_seqs, page_size, kv_tokens, max_batch_tokens)
+    manager.start()
+    try:
+        warm = manager.add_request(work.prompts[0], request_id="warm", max_new_tokens=4, eos_token_id=-1)
+        while not ((r := manager.get_result(warm, timeout=1)) and r.is_finished()):
+            if not manager.is_running():
+                raise RuntimeError("the continuous batching thread died (see its log above)")
+        order = {f"r{i}": i for i in range(len(work.prompts))}
+        latencies = [0.0] * len(work.prompts)
+        tokens = 0
+        started = time.perf_counter()
+        for rid, i in order.items():
+            manager.add_request(work.prompts[i], request_id=rid, max_new_tokens=work.max_tokens[i], eos_token_id=-1)
+        left = len(order)
+        while left:
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("the continuous batching thread died (see its log above)")
+                continue
+            if out.request_id in order and out.is_finished():
+                if out.error:
+                    raise RuntimeError(f"{out.request_id} failed: {out.error}")
+                latencies[order[out.request_id]] = time.perf_counter() - started
+                tokens += len(out.generated_tokens)
+                left -= 1
+        seconds = time.perf_counter() - started
+    finally:
+        manager.stop(block=True, timeout=30)
+    return Result("continuous", max_seqs, len(order), tokens, seconds, latencies, work.max_tokens, work.short)
+
+
+def markdown(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
+    head = ["mode", "concurrency", "requests", "output_tokens", "seconds", "tokens_per_s", "short_p50_s",
+            "long_p50_s", "tokens/s vs static", "short p50 static / this"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        speed = r["tokens_per_s"] / base["tokens_per_s"]
+        short = base["short_p50_s"] / r["short_p50_s"] if r["short_p50_s"] else float("nan")
+        lines.append("| " + " | ".join(str(r[h]) for h in head[:-2]) + f" | {speed:.2f}x | {short:.2f}x |")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import subprocess
+
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--random", action="store_true", help="SmolLM2-135M architecture, random weights (required)")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model: a smoke test")
+    ap.add_argument("--layers", type=int, default=0, help="override the number of layers")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="", help="bfloat16 on CUDA, float32 on CPU by default")
+    ap.add_argument("--requests", type=int, default=320)
+    ap.add_argument("--batch", type=int, default=64, help="static batch size, and continuous max sequences")
+    ap.add_argument("--cb-seqs", default="", help="extra continuous rows with these max sequences, e.g. 256")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--short", type=int, default=16)
+    ap.add_argument("--long", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--kv-tokens", type=int, default=0, help="KV-cache capacity (0 = the library sizes it)")
+    ap.add_argument("--out", default="", help="also write the table (markdown) and a .json beside it")
+    args = ap.parse_args(argv)
+    if not args.random:
+        ap.error("only --random is supported here (bench/generation_bench.py runs the real weights)")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
+                                                           else torch.float32)
+    model = random_model(args.device, dtype, tiny=args.tiny, layers=args.layers or None)
+    prompts = random_prompts(args.requests, args.prompt_len, model.config.vocab_size)
+    work = Workload.mixed(prompts, args.short, args.long)
+    # warm the static path once (kernels, allocator) so neither mode pays start-up in its timing
+    run_static(model, Workload.mixed(prompts[: min(4, len(prompts))], 2, 2), 4, pad_id=0)
+    results = [run_static(model, work, args.batch, pad_id=0).row()]
+    print(f"static: {results[-1]}", flush=True)
+    for seqs in [args.batch, *(int(s) for s in args.cb_seqs.split(",") if s)]:
+        results.append(run_continuous(model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens).row())
+        print(f"continuous: {results[-1]}", flush=True)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings["architecture"] = {k: getattr(model.config, k) for k in ("hidden_size", "num_hidden_layers",
+                                                                      "num_attention_heads", "num_key_value_heads",
+                                                                      "intermediate_size", "vocab_size")}
+    table = markdown(results, results[0])
+    header = (f"Static vs continuous batching, {args.requests} requests (80 % x {args.short} tokens, 20 % x "
+              f"{args.long}), prompts of {args.prompt_len} random ids, random weights, {args.device} {dtype}\n")
+    print("\n" + header + "\n" + table + "\n", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(header + "\n" + table + "\n\n```\n" + json.dumps({"machine": machine(), "settings": settings},
+                                                                      indent=1, default=str) + "\n```\n")
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"machine": machine(), "settings": settings, "rows": results}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

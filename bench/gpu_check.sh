@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 6 GPU check: static vs continuous batching on CUDA, one call, about 2-3 minutes on an H100.
+#
+# A LlamaForCausalLM of SmolLM2-135M-Instruct's exact architecture with random weights (the weights cannot travel
+# there) and prompts of random token ids; 512 requests at t = 0, 80 % x 16 tokens and 20 % x 256 (EOS ignored).
+# Rows: static batches of 64 (`generate` to each batch's longest member), continuous batching with at most 64
+# sequences (same concurrency), and with 256 (KV-bound, the point of continuous batching). Needs python3 with
+# torch and transformers only (bench/cb_compare.py imports nothing else, never the GGUF loader).
+#
+#   bash bench/gpu_check.sh           # on the GPU machine: prints the table, writes it to $OUT (if set)
+#   bash bench/gpu_check.sh --tiny    # CPU smoke test of this same script (a 2-layer model, seconds)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+out=${OUT:-bench/results}
+mkdir -p "$out"
+
+"$PY" -c 'import platform, torch, transformers; print("python", platform.python_version(), "torch", torch.__version__,
+"transformers", transformers.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
+
+if [[ "${1:-}" == "--tiny" ]]; then
+  args=(--tiny --device cpu --requests 10 --batch 4 --long 32 --out "$out/gpu-check-tiny.md")
+else
+  nvidia-smi -L || true
+  args=(--device cuda --requests 512 --batch 64 --cb-seqs 256 --kv-tokens 131072 --out "$out/gpu-check.md")
+fi
+timeout 280 "$PY" bench/cb_compare.py --random "${args[@]}"
