@@ -149,7 +149,7 @@ class GenerationMetrics:
             itl=Histogram(p + "inter_token_latency_seconds", "Gap between consecutive tokens of one sequence",
                           buckets=ITL_BUCKETS, registry=registry),
             output_tokens=Counter(p + "output_tokens", "Generated tokens", registry=registry),
-            tokens_per_second=Gauge(p + "output_tokens_per_second", "Generated tokens per second, last second",
+            tokens_per_second=Gauge(p + "output_tokens_per_second", "Generated tokens per second over the last 0.25 s",
                                     registry=registry),
             running=Gauge(p + "running_sequences", "Sequences holding KV blocks in the engine", registry=registry),
             waiting=Gauge(p + "waiting_sequences", "Sequences waiting for KV capacity", registry=registry),
@@ -320,7 +320,7 @@ class Engine:
         return seq
 
     def predicted_wait_s(self, seq: Sequence) -> float:
-        ahead = [s.claim() for _, _, s in sorted(self.waiting) if s.tier <= seq.tier]
+        ahead = [s.claim() for _, _, s in sorted(self.waiting) if s.tier <= seq.tier]  # finished ones leave it
         return predicted_wait_s(self.budget, [s.claim() for s in self.running.values()], ahead, seq.claim(),
                                 self.step_s)
 
@@ -356,9 +356,6 @@ class Engine:
     def _admit_waiting(self) -> None:
         while self.waiting and not self.draining:
             _, _, seq = self.waiting[0]
-            if seq.finished:
-                heapq.heappop(self.waiting)
-                continue
             if not self.budget.fits(seq.blocks):
                 break
             heapq.heappop(self.waiting)
@@ -416,6 +413,9 @@ class Engine:
             self.running.pop(seq.id, None)
             self.budget.give(seq.blocks)
             forget_handler(self.manager, seq.id)
+        elif seq.state == WAITING:
+            self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
+            heapq.heapify(self.waiting)
         seq.state, seq.finish_reason = DONE, finish_reason
         seq.deltas.put_nowait(Delta(text, seq.tokens, finish_reason, error))
         self._admit_waiting()
@@ -428,14 +428,14 @@ class Engine:
             self.metrics.tokens_per_second.set((self.generated_tokens - self._tokens_at_tick) / (now - last))
             self._tokens_at_tick, last = self.generated_tokens, now
             for _, _, seq in list(self.waiting):
-                if not seq.finished and now > seq.deadline:
+                if now > seq.deadline:
                     self.metrics.rejected.labels("queue_timeout").inc()
                     self._finish(seq, error=errors.deadline_exceeded())
             self._gauges()
 
     def _gauges(self) -> None:
         self.metrics.running.set(len(self.running))
-        self.metrics.waiting.set(sum(1 for _, _, s in self.waiting if not s.finished))
+        self.metrics.waiting.set(len(self.waiting))
         self.metrics.kv_reserved.set(self.budget.reserved_ratio)
         processor = self.manager.batch_processor
         if processor is not None:
@@ -446,7 +446,7 @@ class Engine:
             "model": self.cfg.model_id,
             "healthy": self.healthy,
             "running": len(self.running),
-            "waiting": sum(1 for _, _, s in self.waiting if not s.finished),
+            "waiting": len(self.waiting),
             "running_ids": sorted(self.running),
             "kv_blocks": self.budget.total_blocks,
             "kv_blocks_reserved": self.budget.used_blocks,
@@ -469,7 +469,6 @@ def warm(manager: Any, tokenizer: Any, tokens: int = 8) -> float:
     """Run one short greedy request to the end; return the time per decode step it showed."""
     ids = list(tokenizer("Hello, how are you?", add_special_tokens=False)["input_ids"])
     kwargs = SamplingParams(max_tokens=tokens, temperature=0).processor_kwargs()
-    started = time.monotonic()
     request_id = manager.add_request(ids, request_id="warmup", max_new_tokens=tokens, streaming=True,
                                      eos_token_id=-1, **kwargs)
     first = None
@@ -480,7 +479,6 @@ def warm(manager: Any, tokenizer: Any, tokens: int = 8) -> float:
             if out.error:
                 raise RuntimeError(f"warm-up generation failed: {out.error}")
             break
-    done = time.monotonic()
     if first is None:
         raise RuntimeError("warm-up generation produced nothing")
-    return max(1e-4, (done - first) / max(1, tokens - 1)) if done > first else done - started
+    return max(1e-4, (time.monotonic() - first) / (tokens - 1))

@@ -296,6 +296,9 @@ async def generate(request: Request, chat: bool) -> Response:
             return Response(status_code=499)
         if engine is None:
             raise not_serving(rt)
+        if rt.draining:
+            raise OpenAIError(503, "the server is shutting down; retry on another node", None, "draining",
+                              headers={"Retry-After": "1"})
         req = parse(body, chat, engine.cfg.max_tokens)
         if req.model not in model_aliases(rt, engine):
             raise OpenAIError(404, f"the model '{req.model}' does not exist here (see GET /v1/models)", "model",
@@ -309,7 +312,8 @@ async def generate(request: Request, chat: bool) -> Response:
         try:
             seq = engine.submit(prompt_ids, req.params, tier=caller.tier)
         except ApiError as err:
-            rt.metrics.rejected.labels(err.code).inc()
+            if err.status == 503:
+                rt.metrics.rejected.labels(err.code).inc()
             raise OpenAIError.from_api(err) from None
     except OpenAIError as err:
         if engine is not None:

@@ -1,7 +1,8 @@
 """Generation through a live server on the real model, driven by the official `openai` client (issue 6).
 
 One server for the module: SmolLM2 on the CPU, at most 4 sequences at once (so 6 concurrent streams must
-queue for a slot) and a 10 s queue timeout (so a request behind 4 long ones is refused at the door).
+queue for a slot), a 10 s queue timeout (so a request behind 4 long ones is refused at the door), and one API
+key (the same tenancy as /v1/inference: a wrong key gets 401).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import LiveServer, start_server
+from tests.test_tenancy import add_key
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,16 +25,27 @@ CAPITALS = {"France": "Paris", "Germany": "Berlin", "Japan": "Tokyo", "England":
 
 
 @pytest.fixture(scope="module")
-def server():
+def key(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    config = tmp_path_factory.mktemp("gen") / "bs.toml"
+    return str(config), add_key(config, "gen-tests", "enterprise", "--rate", "10000")
+
+
+@pytest.fixture(scope="module")
+def server(key: tuple[str, str]):
     s = start_server("--backend", "smollm2", "--max-new-tokens", "8", "--generation-max-seqs", "4",
-                     "--generation-queue-timeout-ms", "10000", timeout=180)
+                     "--generation-queue-timeout-ms", "10000", "--config", key[0], timeout=180)
+    s.key = key[1]  # type: ignore[attr-defined]
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0, timeout=60)
+
+
+def auth(server: LiveServer) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.key}"}
 
 
 def ask(country: str) -> list[dict[str, str]]:
@@ -124,7 +137,8 @@ def test_concurrent_streams_all_complete_with_sensible_text(server: LiveServer) 
         return "".join(parts)
 
     async def main() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=90) as c:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0,
+                                      timeout=90) as c:
             return await asyncio.gather(*(one(c, country) for country in CAPITALS))
 
     texts = asyncio.run(main())  # 6 streams, 4 slots: two wait for a slot, then run
@@ -202,7 +216,8 @@ def test_bad_completion_prompt_and_unknown_model(client: openai.OpenAI) -> None:
 
 
 def test_not_json_gets_openai_error_shape(server: LiveServer) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{nope",
+                   headers={"content-type": "application/json", **auth(server)})
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -214,13 +229,22 @@ def test_answers_match_the_published_openapi_schemas(server: LiveServer) -> None
     def check(name: str, value: dict) -> None:
         jsonschema.Draft202012Validator({**doc, "$ref": f"#/components/schemas/{name}"}).validate(value)
 
-    ok = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=30, headers=auth(server),
                     json={"model": MODEL, "messages": ask("France"), "temperature": 0, "max_tokens": 4})
     check("ChatCompletion", ok.json())
-    ok = httpx.post(server.url + "/v1/completions", timeout=30,
+    ok = httpx.post(server.url + "/v1/completions", timeout=30, headers=auth(server),
                     json={"model": MODEL, "prompt": "Hi", "temperature": 0, "max_tokens": 2})
     check("Completion", ok.json())
-    bad = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "top_p": 7})
+    bad = httpx.post(server.url + "/v1/completions", headers=auth(server),
+                     json={"model": MODEL, "prompt": "Hi", "top_p": 7})
     assert bad.status_code == 400
     check("OpenAIError", bad.json())
     check("GenerationStatus", httpx.get(server.url + "/internal/generation").json())
+
+
+def test_wrong_key_gets_401_in_openai_shape(server: LiveServer) -> None:
+    stranger = openai.OpenAI(base_url=server.url + "/v1", api_key="bs_not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        stranger.chat.completions.create(model=MODEL, messages=ask("France"), max_tokens=4)
+    assert err.value.status_code == 401 and err.value.type == "authentication_error"
+    assert set(err.value.body) == {"message", "type", "param", "code"}
