@@ -17,6 +17,7 @@ Why this shape:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -185,8 +186,11 @@ def build_manager(model: Any, tokenizer: Any, cfg: EngineConfig) -> Any:
         do_sample=False, max_new_tokens=cfg.max_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
+    # transformers >= 5.18 calls it page_size, 5.17 block_size
+    size_field = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
+        else "block_size"
     cb_config = ContinuousBatchingConfig(
-        page_size=cfg.page_size,
+        **{size_field: cfg.page_size},
         num_blocks=math.ceil(kv_tokens / cfg.page_size) if kv_tokens else None,
         max_batch_tokens=cfg.max_batch_tokens or (CPU_MAX_BATCH_TOKENS if on_cpu else None),
         max_memory_percent=None if on_cpu else GPU_MEMORY_SHARE,
@@ -437,9 +441,7 @@ class Engine:
         self.metrics.running.set(len(self.running))
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.kv_reserved.set(self.budget.reserved_ratio)
-        processor = self.manager.batch_processor
-        if processor is not None:
-            self.metrics.kv_usage.set(1.0 - processor.cache.compute_free_capacity())
+        self.metrics.kv_usage.set(kv_usage(self.manager))
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -456,6 +458,16 @@ class Engine:
             "generated_tokens": self.generated_tokens,
             "cancelled": self.cancelled,
         }
+
+
+def kv_usage(manager: Any) -> float:
+    """Share of the cache the library has in use (its API moved between transformers 5.17 and 5.24)."""
+    cache = manager.batch_processor.cache if manager.batch_processor is not None else None
+    if cache is None:
+        return 0.0
+    if hasattr(cache, "compute_free_capacity"):
+        return 1.0 - cache.compute_free_capacity()
+    return 1.0 - cache.get_num_free_blocks() / cache.num_blocks
 
 
 def forget_handler(manager: Any, request_id: str) -> None:
