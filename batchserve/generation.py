@@ -72,7 +72,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (below 1e-5) = greedy
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -82,7 +82,7 @@ class SamplingParams:
         """Per-request arguments of the engine's logits processors (see sampling.py)."""
         from batchserve import sampling  # torch: imported only where generation runs
 
-        if self.temperature == 0:
+        if self.temperature < 1e-5:  # 0, or so close that scores / temperature would overflow: greedy
             return {"temperature": 1.0, "top_p": 1.0, sampling.SEED_KEY: sampling.GREEDY}
         choice = sampling.SAMPLE if self.seed is None else self.seed & sampling.MASK31
         return {"temperature": float(self.temperature), "top_p": float(self.top_p), sampling.SEED_KEY: choice}
