@@ -11,6 +11,7 @@ Run: `python -m bench.bare_app --port 0`; it logs "Uvicorn running on http://127
 from __future__ import annotations
 
 import argparse
+import asyncio
 import secrets
 
 import orjson
@@ -21,8 +22,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 
+HOLD_S = 0.0  # --hold-ms: answer after this long, to cost what holding a connection open costs a batcher
+
+
 async def inference(request: Request) -> Response:
     data = orjson.loads(await request.body())
+    if HOLD_S:
+        await asyncio.sleep(HOLD_S)
     text = data["input"]
     request_id = "req_" + secrets.token_hex(8)
     body = {"request_id": request_id, "output": text[::-1], "model": "bare@v1", "latency_ms": 0,
@@ -46,7 +52,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description="bare Starlette baseline for CPU per request")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--hold-ms", type=float, default=0.0,
+                   help="answer each request after this delay (the batcher's latency), to separate the CPU cost "
+                        "of many open, waiting connections from the cost of batching")
     a = p.parse_args()
+    global HOLD_S
+    HOLD_S = a.hold_ms / 1000
     # The same uvicorn settings as batchserve/server.py.
     uvicorn.run(create_app(), host=a.host, port=a.port, loop="uvloop", http="httptools", lifespan="on",
                 access_log=False, log_level="info", timeout_graceful_shutdown=5, backlog=4096)

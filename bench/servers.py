@@ -121,5 +121,5 @@ def batchserve_cmd(devices: int, sim_batch_ms: float, max_batch_size: int, extra
             str(devices), "--sim-batch-ms", f"{sim_batch_ms:g}", "--max-batch-size", str(max_batch_size), *extra]
 
 
-def bare_cmd() -> list[str]:
-    return [sys.executable, "-m", "bench.bare_app", "--port", "0"]
+def bare_cmd(hold_ms: float = 0.0) -> list[str]:
+    return [sys.executable, "-m", "bench.bare_app", "--port", "0", "--hold-ms", f"{hold_ms:g}"]
