@@ -21,8 +21,12 @@ mkdir -p "$out"
 
 if [[ "${1:-}" == "--tiny" ]]; then
   args=(--tiny --device cpu --requests 10 --batch 4 --long 32 --out "$out/gpu-check-tiny.md")
+  sweep=(--tiny --device cpu --sizes 1,4 --repeats 1 --out "$out/gpu-sweep-tiny.md")
 else
+  sweep=(--device cuda --out "$out/gpu-sweep.md")
   nvidia-smi -L || true
   args=(--device cuda --requests 512 --batch 64 --cb-seqs 256 --kv-tokens 131072 --out "$out/gpu-check.md")
 fi
+# The static batchstring path's batch time by batch size (what the batcher learns as S), then the comparison.
+timeout 90 "$PY" bench/gpu_batch_sweep.py "${sweep[@]}" || echo "batch sweep failed or timed out (exit $?)"
 timeout 280 "$PY" bench/cb_compare.py --random "${args[@]}"
