@@ -227,6 +227,17 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def save(out: str, header: str, rows: list[dict[str, Any]], info: dict[str, Any], settings: dict[str, Any]) -> None:
+    """The table as markdown at `out` and the rows as JSON beside it (nothing when `out` is empty)."""
+    if not out:
+        return
+    with open(out, "w") as f:
+        f.write(header + "\n" + markdown(rows, rows[0]) + "\n\n```\n" +
+                json.dumps({"machine": info, "settings": settings}, indent=1, default=str) + "\n```\n")
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump({"machine": info, "settings": settings, "rows": rows}, f, indent=1, default=str)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--random", action="store_true", help="SmolLM2-135M architecture, random weights (required)")
@@ -251,27 +262,23 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(args.device, dtype, tiny=args.tiny, layers=args.layers or None)
     prompts = random_prompts(args.requests, args.prompt_len, model.config.vocab_size)
     work = Workload.mixed(prompts, args.short, args.long)
-    # warm the static path once (kernels, allocator) so neither mode pays start-up in its timing
-    run_static(model, Workload.mixed(prompts[: min(4, len(prompts))], 2, 2), 4, pad_id=0)
-    results = [run_static(model, work, args.batch, pad_id=0).row()]
-    print(f"static: {results[-1]}", flush=True)
-    for seqs in [args.batch, *(int(s) for s in args.cb_seqs.split(",") if s)]:
-        results.append(run_continuous(model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens).row())
-        print(f"continuous: {results[-1]}", flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     settings["architecture"] = {k: getattr(model.config, k) for k in ("hidden_size", "num_hidden_layers",
                                                                       "num_attention_heads", "num_key_value_heads",
                                                                       "intermediate_size", "vocab_size")}
-    table = markdown(results, results[0])
     header = (f"Static vs continuous batching, {args.requests} requests (80 % x {args.short} tokens, 20 % x "
               f"{args.long}), prompts of {args.prompt_len} random ids, random weights, {args.device} {dtype}\n")
-    print("\n" + header + "\n" + table + "\n", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(header + "\n" + table + "\n\n```\n" + json.dumps({"machine": machine(), "settings": settings},
-                                                                      indent=1, default=str) + "\n```\n")
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"machine": machine(), "settings": settings, "rows": results}, f, indent=1, default=str)
+    info = machine()
+    # warm the static path once (kernels, allocator) so neither mode pays start-up in its timing
+    run_static(model, Workload.mixed(prompts[: min(4, len(prompts))], 2, 2), 4, pad_id=0)
+    results = [run_static(model, work, args.batch, pad_id=0).row()]
+    print(f"static: {results[-1]}", flush=True)
+    save(args.out, header, results, info, settings)
+    for seqs in [args.batch, *(int(s) for s in args.cb_seqs.split(",") if s)]:
+        results.append(run_continuous(model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens).row())
+        print(f"continuous: {results[-1]}", flush=True)
+        save(args.out, header, results, info, settings)  # after every row: a timeout still leaves the rows so far
+    print("\n" + header + "\n" + markdown(results, results[0]) + "\n", flush=True)
     return 0
 
 
