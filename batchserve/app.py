@@ -7,13 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
-import re
-import secrets
 import time
 from typing import AsyncIterator, Callable
 
-import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,71 +22,14 @@ from batchserve.batcher import Item
 from batchserve.config import Settings
 from batchserve.errors import ApiError, ClientGone
 from batchserve.gpu_pool import ItemResult
+from batchserve.http_io import inference_headers, json_response, parse_json_object, read_body, request_id_of
+from batchserve.jobs import api as jobs_api
 from batchserve.runtime import Runtime
-
-REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-JSON = "application/json"
-
-
-def json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status_code=status, headers=headers, media_type=JSON)
-
-
-# Generated ids: a random per-process prefix and a counter: unique across nodes, no syscall per request.
-_ID_PREFIX = "req_" + secrets.token_hex(5)
-_id_counter = itertools.count(1)
-
-
-def request_id_of(request: Request, given: str | None = None) -> str:
-    if given is None:
-        given = request.headers.get("x-request-id")
-    if given and REQUEST_ID_OK.match(given):
-        return given
-    return f"{_ID_PREFIX}{next(_id_counter):07x}"
-
-
-INFERENCE_HEADERS = {b"x-request-id": "x-request-id", b"authorization": "authorization",
-                     b"content-type": "content-type", b"content-length": "content-length"}
-
-
-def inference_headers(request: Request) -> dict[str, str]:
-    """The four headers the inference path reads, in one pass over the raw list (not four lookups)."""
-    found: dict[str, str] = {}
-    for name, value in request.scope["headers"]:
-        key = INFERENCE_HEADERS.get(name.lower())
-        if key is not None and key not in found:
-            found[key] = value.decode("latin-1")
-    return found
-
-
-async def read_body(request: Request, limit: int, declared: str | None = None) -> bytes:
-    """The body, refused with 413 as soon as it passes `limit` (never buffered whole)."""
-    if declared is None:
-        declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise errors.invalid("Content-Length is not a number")
-        if int(declared) > limit:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float]:
     """(input, model, timeout in seconds) from the body, or 400/413 with the reason."""
-    if content_type and "json" not in content_type.split(";")[0].lower():
-        raise errors.invalid(f"Content-Type must be application/json, not {content_type[:60]!r}")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise errors.invalid(f"the body is not valid JSON in UTF-8: {exc}") from None
-    if not isinstance(data, dict):
-        raise errors.invalid("the body must be a JSON object")
+    data = parse_json_object(body, content_type)
     text = data.get("input")
     if not isinstance(text, str) or not text:
         raise errors.invalid('"input" must be a non-empty string')
@@ -288,12 +227,6 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return errors.error_response(ApiError(exc.status_code, code, str(exc.detail)), request_id_of(request))
 
 
-def job_routes() -> list[Route]:
-    from batchserve.jobs.api import ROUTES  # here, not at the top: jobs.api imports this module
-
-    return ROUTES
-
-
 def create_app(settings: Settings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -316,7 +249,7 @@ def create_app(settings: Settings) -> Starlette:
         Route("/internal/health", internal_health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
-        *job_routes(),
+        *jobs_api.ROUTES,
         *openai_api.routes,
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

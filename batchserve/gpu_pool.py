@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from batchserve import errors
 from batchserve.backends import Backend
-from batchserve.batcher import Batch, Batcher, Item
+from batchserve.batcher import Batch, Batcher
 from batchserve.metrics import Metrics
 
 log = logging.getLogger("batchserve.pool")

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from batchserve import openai_schema
 from batchserve.errors import ApiError
+from batchserve.http_io import read_body, request_id_of
 from batchserve.generation import Delta, Engine, SamplingParams, Sequence
 
 JSON = "application/json"
@@ -277,8 +278,6 @@ async def completions(request: Request) -> Response:
 
 
 async def generate(request: Request, chat: bool) -> Response:
-    from batchserve.app import read_body, request_id_of  # app imports this module
-
     rt = request.app.state.rt
     endpoint = "chat" if chat else "completions"
     request_id = request_id_of(request)

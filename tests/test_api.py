@@ -8,7 +8,6 @@ import socket
 import time
 
 import aiohttp
-import httpx
 import pytest
 
 from tests.conftest import start_server

@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from batchserve import errors
-from batchserve.app import json_response, read_body, request_id_of
+from batchserve.http_io import json_response, parse_json_object, read_body, request_id_of
 from batchserve.errors import ApiError
 from batchserve.jobs import schema
 from batchserve.jobs.service import JobService
@@ -85,14 +85,7 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 def parse_job(body: bytes, content_type: str, rt: Runtime) -> tuple[list[str], str | None, dict | None]:
     """(inputs, requested model, metadata), or 400/413 naming the first offending item."""
     s = rt.settings
-    if content_type and "json" not in content_type.split(";")[0].lower():
-        raise errors.invalid(f"Content-Type must be application/json, not {content_type[:60]!r}")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise errors.invalid(f"the body is not valid JSON in UTF-8: {exc}") from None
-    if not isinstance(data, dict):
-        raise errors.invalid("the body must be a JSON object")
+    data = parse_json_object(body, content_type)
     inputs = data.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise errors.invalid('"inputs" must be a non-empty array of strings')
