@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from batchserve import errors
 from batchserve.backends import Backend
@@ -137,39 +138,44 @@ class GpuPool:
     def _turnaround(self, w: Worker, finished: tuple | None) -> None:
         """Settle the batch just run, and give the worker its next one at once when one is due. Resolving
         futures only schedules the handlers, so the worker thread is woken before they run."""
-        if finished is not None:
-            self._finish(w, *finished)
+        answer = self._finish(w, *finished) if finished is not None else None
         batch = self.batcher.take_now(w.index)
         if batch is not None:
             self._hand(w, batch)
         else:
             self.loop.create_task(self._wait_and_hand(w))
+        if answer is not None:  # after the hand-off: the worker runs its next batch while the loop answers
+            answer()
 
     async def _wait_and_hand(self, w: Worker) -> None:
         self._hand(w, await self.batcher.next_batch(w.index))
 
     def _hand(self, w: Worker, batch: Batch | None) -> None:
-        if batch is not None:
-            w.batch, w.started = batch, time.monotonic()
-            limit = self.timeout_s()
-            w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
-            self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
-            wait = self.metrics.queue_wait.labels(batch.model)
-            for item in batch.items:
-                if item.tier < BATCH_TIER:  # job items wait for spare capacity by design: not a queue delay
-                    wait.observe(batch.formed - item.arrived)
+        if batch is None:
+            w.inbox.put(None)
+            return
+        w.batch, w.started = batch, time.monotonic()
+        limit = self.timeout_s()
+        w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
         w.inbox.put(batch)
+        self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
+        wait = self.metrics.queue_wait.labels(batch.model)
+        for item in batch.items:
+            if item.tier < BATCH_TIER:  # job items wait for spare capacity by design: not a queue delay
+                wait.observe(batch.formed - item.arrived)
 
     # -- back on the event loop --------------------------------------------------------------------------
     def _finish(self, w: Worker, generation: int, batch: Batch, outputs: object,
-                error: BaseException | None, elapsed: float) -> None:
+                error: BaseException | None, elapsed: float) -> Callable[[], None] | None:
+        """Book the batch's outcome; a failure is re-queued here. For a success, returns the function that
+        answers its items, for the caller to run once the worker has its next batch."""
         if generation != w.generation:
             # An abandoned (hung) call came back: its items were already retried or answered.
             log.warning("worker %s returned after %.1fs and is taken back", w.name, elapsed)
             w.healthy = True
             self.metrics.worker_healthy.labels(w.name).set(1)
             self._update_health()
-            return
+            return None
         if w.watchdog is not None:
             w.watchdog.cancel()
         # The batch time as the loop sees it (hand-offs and GIL waits included) paces dispatch and admission;
@@ -183,13 +189,17 @@ class GpuPool:
         if problem is not None:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
-            return
+            return None
         self.batcher.observe_batch(batch.model, cycle)
-        self.metrics.batch_compute.labels(batch.model).observe(elapsed)
         assert isinstance(outputs, list)
-        for item, output in zip(batch.items, outputs):
-            if not item.future.done():
-                item.future.set_result(ItemResult(output, batch.formed - item.arrived, elapsed, n))
+
+        def answer() -> None:
+            for item, output in zip(batch.items, outputs):
+                if not item.future.done():
+                    item.future.set_result(ItemResult(output, batch.formed - item.arrived, elapsed, n))
+            self.metrics.batch_compute.labels(batch.model).observe(elapsed)
+
+        return answer
 
     def _retry_or_fail(self, batch: Batch, w: Worker, problem: str, cause: str, parts: int = 2) -> None:
         """Split a failed batch into `parts` and re-run each; a lone item gets one more try elsewhere, then
