@@ -144,7 +144,7 @@ class Batcher:
             return batch
         key, due, cause = self._most_urgent(now)
         if key is not None and due <= now:
-            return self._form(key, now, cause)
+            return self._form(key, now, cause, due)
         return None
 
     async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:
@@ -155,7 +155,7 @@ class Batcher:
                 return batch, False
             key, due, cause = self._most_urgent(now)
             if key is not None and due <= now:
-                batch = self._form(key, now, cause)
+                batch = self._form(key, now, cause, due)
                 if batch is not None:
                     return batch, False
                 continue
@@ -211,6 +211,7 @@ class Batcher:
         best: tuple[str, int] | None = None
         best_rank = (float("inf"), float("inf"))
         best_cause = ""
+        best_due = float("inf")
         for key, q in self.queues.items():
             for item in q.prune(lambda i: i.alive(now)):
                 self._count(item, -1)
@@ -227,10 +228,10 @@ class Batcher:
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
             rank = (max(due, now), q.earliest_deadline())
             if rank < best_rank:
-                best, best_rank, best_cause = key, rank, cause
-        return best, best_rank[0], best_cause
+                best, best_rank, best_cause, best_due = key, rank, cause, due
+        return best, (best_due if best is not None else best_rank[0]), best_cause
 
-    def _form(self, key: tuple[str, int], now: float, cause: str) -> Batch | None:
+    def _form(self, key: tuple[str, int], now: float, cause: str, due: float = 0.0) -> Batch | None:
         q = self.queues[key]
         items: list[Item] = []
         while len(items) < self.max_batch_size:
@@ -246,7 +247,10 @@ class Batcher:
             item.dispatched = now
             if item.record is not None:
                 item.record.status = "processing"
-        self.last_dispatch = now
+        # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
+        # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
+        interval = self.batch_s[key[0]] / max(1, self.healthy_workers)
+        self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
         return Batch(key[0], items, now, cause)
 
     def _take_retry(self, worker: int, now: float) -> Batch | None:
