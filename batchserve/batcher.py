@@ -67,6 +67,7 @@ class Batch:
     cause: str  # full | deadline | pace | drain | retry
     avoid_worker: int = -1  # a retry prefers another worker than the one that failed it
     after_hang: bool = False  # items of a batch whose worker hung: not retried a second time
+    held: list[Item] = field(default_factory=list)  # bisection: the other half, waiting on this one's outcome
 
 
 @dataclass
@@ -168,6 +169,21 @@ class Batcher:
         """Run these items again as they are (a half of a failed batch), before any new work."""
         batch.formed = time.monotonic()
         self.retries.append(batch)
+        self._wake.set()
+
+    def return_items(self, items: list[Item]) -> None:
+        """Put items back at the head of their queues, to ride in the next regular batch (the half of a
+        failed batch found clean)."""
+        now = time.monotonic()
+        for item in reversed(items):
+            if not item.alive(now):
+                continue
+            key = (item.model, item.bucket)
+            q = self.queues.get(key)
+            if q is None:
+                q = self.queues[key] = FairQueue()
+            q.push_front(item)
+            self._count(item, +1)
         self._wake.set()
 
     def observe_batch(self, model: str, seconds: float) -> None:

@@ -44,6 +44,12 @@ class FairQueue:
         lane.items.append(item)
         self.size += 1
 
+    def push_front(self, item: Item) -> None:
+        """Put an item back at the head of its lane (it already waited its turn once)."""
+        self.push(item)
+        lane = self.lanes[(item.tier, item.tenant)]
+        lane.items.rotate(1)  # the item just appended becomes the head
+
     def prune(self, alive: Callable[[Item], bool]) -> list[Item]:
         """Drop dead items from the lane heads; returns them (the caller keeps its counts)."""
         dropped = []

@@ -192,6 +192,8 @@ class GpuPool:
             return None
         self.batcher.observe_batch(batch.model, cycle)
         assert isinstance(outputs, list)
+        if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
+            self.batcher.requeue(Batch(batch.model, batch.held, time.monotonic(), "retry"))
 
         def answer() -> None:
             for item, output in zip(batch.items, outputs):
@@ -202,21 +204,33 @@ class GpuPool:
         return answer
 
     def _retry_or_fail(self, batch: Batch, w: Worker, problem: str, cause: str, parts: int = 2) -> None:
-        """Split a failed batch into `parts` and re-run each; a lone item gets one more try elsewhere, then
-        500 (or 504 after a hang)."""
+        """Find the input that broke a batch, re-running as little as possible.
+
+        After an error (exception or malformed output), bisect one half at a time: the first half runs alone
+        while the second is held. If the half fails, the held half is presumed clean and goes back to the head
+        of the queue to ride in the next regular batch (at no extra batch of its own); if it succeeds, the held
+        half runs alone next. A lone failing input is retried once on another worker (a transient fault), then
+        answered 500. Each retry prefers another worker than the one that failed (a broken device then fails
+        nothing alone). After a hang, see `_abandon`: the items are spread over `parts` groups at once."""
         now = time.monotonic()
+        if batch.held:
+            self.batcher.return_items(batch.held)
         items = [i for i in batch.items if i.alive(now)]
         if not items:
             return
         self.metrics.batch_retries.labels(batch.model, cause).inc()
-        if len(items) > 1:
+        if len(items) > 1 and cause == "hang":
             parts = max(2, min(parts, len(items)))
             for k in range(parts):
                 group = items[k * len(items) // parts:(k + 1) * len(items) // parts]
-                self.batcher.requeue(Batch(batch.model, group, now, "retry", w.index, batch.after_hang))
+                self.batcher.requeue(Batch(batch.model, group, now, "retry", w.index, after_hang=True))
+            return
+        if len(items) > 1:
+            mid = len(items) // 2
+            self.batcher.requeue(Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:]))
             return
         item = items[0]
-        if item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
+        if cause != "hang" and item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
             item.attempts += 1
             self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index))
             return
@@ -242,13 +256,15 @@ class GpuPool:
         self.metrics.worker_healthy.labels(w.name).set(0)
         self._update_health()
         healthy = self.healthy_count()
+        if batch.held:  # a bisection half hung: its held sibling is presumed clean
+            self.batcher.return_items(batch.held)
+            batch.held = []
         if batch.after_hang or healthy == 0:
             # These items already hung one worker (or none is left): answer them rather than risk another.
             for item in batch.items:
                 if not item.future.done():
                     item.future.set_exception(errors.deadline_exceeded())
             return
-        batch.after_hang = True
         self._retry_or_fail(batch, w, "worker hung", "hang", parts=healthy)
 
     def _update_health(self) -> None:
