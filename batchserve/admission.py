@@ -46,6 +46,9 @@ class RateMeter:
         self.last = now
         return self.rate
 
+    def current(self, now: float) -> float:
+        return self.rate * math.exp(-(now - self.last) / self.tau_s)
+
 
 def under_pressure(batcher: Batcher, pool: GpuPool, model: str, arrival_rate: float) -> bool:
     healthy = pool.healthy_count()

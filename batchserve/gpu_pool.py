@@ -77,6 +77,7 @@ class GpuPool:
     device_names: list[str]
     gpu_timeout_s: float = 0.0  # 0 = derived from the learned batch times
     workers: list[Worker] = field(default_factory=list)
+    demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
 
     def start(self) -> None:
         for i, name in enumerate(self.device_names):
@@ -243,7 +244,9 @@ class GpuPool:
 
         Which input hung it cannot be known, so its items are re-run once, spread over every healthy worker
         in one round: the groups without the culprit are answered one batch later, and the culprit can take
-        down at most one more worker and its own small group (answered 504 when that one hangs too)."""
+        down at most one more worker and its own small group (answered 504 when that one hangs too). That
+        second loss is risked only while the workers left after it could still serve twice the recent
+        arrival rate; otherwise the items are answered 504 at once and capacity is kept."""
         if w.batch is not batch or not w.healthy:
             return
         log.error("worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
@@ -259,8 +262,10 @@ class GpuPool:
         if batch.held:  # a bisection half hung: its held sibling is presumed clean
             self.batcher.return_items(batch.held)
             batch.held = []
-        if batch.after_hang or healthy == 0:
-            # These items already hung one worker (or none is left): answer them rather than risk another.
+        batch_s = self.batcher.batch_s[batch.model]
+        spare_after_loss = (healthy - 1) * self.batcher.max_batch_size / batch_s
+        if batch.after_hang or healthy == 0 or spare_after_loss < 2 * self.demand():
+            # Already hung once, no worker left, or too little spare capacity: answer rather than risk another.
             for item in batch.items:
                 if not item.future.done():
                     item.future.set_exception(errors.deadline_exceeded())

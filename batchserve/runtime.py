@@ -80,6 +80,7 @@ class Runtime:
                         self.batcher.batch_s[spec.id] = time.monotonic() - started
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000)
+            self.pool.demand = lambda: self.arrivals.current(time.monotonic())
             self.pool.start()
             self.jobs = await JobService.start(self)
             self.generation = await start_generation(self)
