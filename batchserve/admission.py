@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchserve import errors
 from batchserve.batcher import Batcher
@@ -50,10 +50,26 @@ class RateMeter:
         return self.rate * math.exp(-(now - self.last) / self.tau_s)
 
 
-def under_pressure(batcher: Batcher, pool: GpuPool, model: str, arrival_rate: float) -> bool:
+@dataclass
+class AdmissionState:
+    """What admission measures as it runs: the arrival rate on two horizons."""
+
+    arrivals: RateMeter = field(default_factory=RateMeter)
+    arrivals_fast: RateMeter = field(default_factory=lambda: RateMeter(tau_s=0.25))
+
+    def arrived(self, now: float) -> tuple[float, float]:
+        return self.arrivals.tick(now), self.arrivals_fast.tick(now)
+
+
+FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once
+
+
+def under_pressure(batcher: Batcher, pool: GpuPool, model: str, rate: float, fast_rate: float) -> bool:
+    """Arrivals over ~2 s above what the healthy workers serve, or over ~0.25 s well above it (the start of a
+    flood, before the slow average sees it), or a worker lost."""
     healthy = pool.healthy_count()
     capacity = healthy * batcher.max_batch_size / batcher.batch_s[model]
-    return arrival_rate > capacity or healthy < len(pool.workers)
+    return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < len(pool.workers)
 
 
 def tier_bound_s(slo_ms: float, slack: float, tier: int) -> float:
@@ -61,11 +77,11 @@ def tier_bound_s(slo_ms: float, slack: float, tier: int) -> float:
 
 
 def admit(batcher: Batcher, pool: GpuPool | None, model: str, max_queue: int, bound_s: float,
-          deadline_s: float, tier: int = 1, tenant: str = "", arrival_rate: float = float("inf")) -> None:
+          deadline_s: float, tier: int, tenant: str, state: AdmissionState) -> None:
     """Raise the 503 that fits, or return when the item may join the queue.
 
     `bound_s` is the tier's latency bound (slo x slack), applied under pressure; `deadline_s` the time left
-    before the request's deadline; `arrival_rate` the recent arrivals per second (RateMeter)."""
+    before the request's deadline."""
     if batcher.draining:
         raise errors.ApiError(503, "DRAINING", "the server is shutting down; retry on another node",
                               retry_after_ms=1000)
@@ -76,8 +92,10 @@ def admit(batcher: Batcher, pool: GpuPool | None, model: str, max_queue: int, bo
     if batcher.depth.get(model, 0) >= max_queue:
         raise errors.overloaded(f"the queue for {model} is full ({max_queue} items)",
                                 retry_after_ms=batcher.batch_s[model] * 1000)
-    predicted = predicted_latency_s(batcher, pool, model, tier, tenant, time.monotonic())
-    if not under_pressure(batcher, pool, model, arrival_rate):
+    now = time.monotonic()
+    arrival_rate, fast_rate = state.arrived(now)
+    predicted = predicted_latency_s(batcher, pool, model, tier, tenant, now)
+    if not under_pressure(batcher, pool, model, arrival_rate, fast_rate):
         bound_s = float("inf")
     # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
     # then allow at most one batch ahead of this one.

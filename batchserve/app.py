@@ -101,7 +101,7 @@ async def inference(request: Request) -> Response:
         model_id = spec.id
         admission.admit(rt.batcher, rt.pool, model_id, s.max_queue,
                         admission.tier_bound_s(s.slo_ms, s.admission_slack, caller.tier), timeout_s,
-                        caller.tier, caller.tenant, rt.arrivals.tick(arrived))
+                        caller.tier, caller.tenant, rt.admission)
         backend = rt.backends[model_id]
         record = rt.requests.add(request_id, model_id)
         loop = asyncio.get_running_loop()
@@ -203,6 +203,7 @@ async def internal_health(request: Request) -> Response:
         "inflight": rt.inflight,
         "batch_ms": {m: round(v * 1000, 1) for m, v in rt.batcher.batch_s.items()},
         "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
+        "arrivals_per_s": round(rt.admission.arrivals.current(now), 1),
         "workers": workers,
     })
 

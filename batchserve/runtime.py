@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from batchserve import errors
-from batchserve.admission import RateMeter
+from batchserve.admission import AdmissionState
 from batchserve.backends import Backend, make_backend
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
@@ -45,7 +45,7 @@ class Runtime:
     gpu_utilization: float = 0.0
     busy_ratios: dict[str, float] = field(default_factory=dict)
     ok_metrics: dict[str, tuple] = field(default_factory=dict)  # per model: bound 200-counter and histogram
-    arrivals: RateMeter = field(default_factory=RateMeter)  # inference requests per second, for admission
+    admission: AdmissionState = field(default_factory=AdmissionState)  # arrival rates, prediction error
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
@@ -80,7 +80,7 @@ class Runtime:
                         self.batcher.batch_s[spec.id] = time.monotonic() - started
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000)
-            self.pool.demand = lambda: self.arrivals.current(time.monotonic())
+            self.pool.demand = lambda: self.admission.arrivals.current(time.monotonic())
             self.pool.start()
             self.jobs = await JobService.start(self)
             self.generation = await start_generation(self)
