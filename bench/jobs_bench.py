@@ -26,7 +26,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -209,12 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"jobs-{stamp}{'-' + a.tag if a.tag else ''}"
     log_dir = a.out_dir / "logs" / name
 
-    def on_signal(signum: int, frame: object) -> None:
-        servers.stop_all()
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    servers.stop_on_signals()
     report: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(), "git": git_info(),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},

@@ -25,7 +25,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
@@ -308,17 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"standard-{stamp}{'-' + a.tag if a.tag else ''}"
     log_dir = a.out_dir / "logs" / name
 
-    stopping: list[int] = []
-
-    def on_signal(signum: int, frame: object) -> None:
-        # Stop the servers here and now: a KeyboardInterrupt raised inside a callback (a weakref's, the event
-        # loop's) may be swallowed, and then no server should be left behind nor a new row started.
-        stopping.append(signum)
-        servers.stop_all()
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = servers.stop_on_signals()
     report: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(), "git": git_info(),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},

@@ -123,3 +123,19 @@ def batchserve_cmd(devices: int, sim_batch_ms: float, max_batch_size: int, extra
 
 def bare_cmd(hold_ms: float = 0.0) -> list[str]:
     return [sys.executable, "-m", "bench.bare_app", "--port", "0", "--hold-ms", f"{hold_ms:g}"]
+
+
+def stop_on_signals() -> list[int]:
+    """On SIGTERM/SIGINT stop every server started here at once and raise KeyboardInterrupt; returns the list
+    the received signals are appended to, so a run loop can check it (an interrupt raised inside a callback of
+    the event loop may be swallowed, and then no new row should start)."""
+    stopping: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.append(signum)
+        stop_all()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stopping

@@ -43,7 +43,6 @@ import math  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
 import secrets  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -520,15 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     name = f"tenancy-{report.stamp()}{'-' + a.tag if a.tag else ''}"
     log_dir = a.out_dir / "logs" / name
-    stopping: list[int] = []
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopping.append(signum)
-        servers.stop_all()
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = servers.stop_on_signals()
     rep: dict = {**report.provenance(), "settings": {k: (str(v) if isinstance(v, Path) else v)
                                                      for k, v in vars(a).items()},
                  "goal_p95_ms": P95_GOAL_MS, "max_batch_size": batch_size(a), "server_log_dir": str(log_dir), "scenarios": []}
