@@ -86,6 +86,7 @@ class Batcher:
     draining: bool = False
     closed: bool = False
     last_dispatch: float = 0.0
+    served_at: dict[str, float] = field(default_factory=dict)  # per model: when a batch of it last went out
     _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _waiting: bool = False
@@ -225,7 +226,7 @@ class Batcher:
 
     def _most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
         best: tuple[str, int] | None = None
-        best_rank = (float("inf"), float("inf"))
+        best_rank = (float("inf"), float("inf"), float("inf"))
         best_cause = ""
         best_due = float("inf")
         for key, q in self.queues.items():
@@ -242,7 +243,10 @@ class Batcher:
                 deadline_due = head.arrived + self.dispatch_delay(key[0])
                 pace_due = self.last_dispatch + self.batch_s[key[0]] / max(1, self.healthy_workers)
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
-            rank = (max(due, now), q.earliest_deadline())
+            # Among queues due now, a model served least recently goes first (then the earliest deadline), so
+            # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
+            recency = self.served_at.get(key[0], 0.0) if due <= now and cause != "full" else 0.0
+            rank = (max(due, now), recency, q.earliest_deadline())
             if rank < best_rank:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause
@@ -267,6 +271,7 @@ class Batcher:
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
         interval = self.batch_s[key[0]] / max(1, self.healthy_workers)
         self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
+        self.served_at[key[0]] = now
         return Batch(key[0], items, now, cause)
 
     def _take_retry(self, worker: int, now: float) -> Batch | None:

@@ -243,3 +243,28 @@ def test_models_versions_and_batches_never_mix(tmp_path, server_factory):
         # which a batch holding two models would break.
         assert metric(text, "batchserve_batch_size_sum", model=model) == count
         assert metric(text, "batchserve_requests_total", model=model, status="200") == count
+
+
+def test_a_quiet_model_is_not_kept_behind_a_busy_one(tmp_path, server_factory):
+    config = tmp_path / "bs.toml"
+    config.write_text('[[models]]\nname = "busy"\n[[models]]\nname = "quiet"\n')
+    server = server_factory("--config", str(config), "--devices", "1", "--max-batch-size", "10",
+                            "--sim-hang-marker", "HANG", "--sim-hang-ms", "600", "--gpu-timeout-ms", "60000",
+                            "--slo-ms", "20000", "--timeout-ms", "20000")
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            hang = asyncio.ensure_future(post(s, server.url, "HANG", None, model="busy"))
+            await asyncio.sleep(0.2)
+            busy = [asyncio.ensure_future(post(s, server.url, f"b{i}", None, model="busy")) for i in range(5)]
+            await asyncio.sleep(0.1)
+            quiet = asyncio.ensure_future(post(s, server.url, "q", None, model="quiet"))
+            await hang
+            return await asyncio.gather(*busy), await quiet
+
+    busy, (q_status, q_body) = asyncio.run(scenario())
+    assert q_status == 200 and q_body["model"] == "quiet@v1" and q_body["output"] == "q"
+    assert all(s == 200 and b["model"] == "busy@v1" for s, b in busy)
+    # Both queues were due when the device came back; the busy model had just been served, so the quiet
+    # model's later item went first rather than waiting behind the busy model's older ones.
+    assert q_body["queue_ms"] < min(b["queue_ms"] for _, b in busy)
