@@ -112,7 +112,6 @@ async def inference(request: Request) -> Response:
             asyncio.ensure_future(watch_disconnect(request, item))  # ends by itself with the response
         rt.batcher.submit(item)
         rt.inflight += 1
-        rt.metrics.inflight.inc()
         timer = loop.call_later(timeout_s - (time.monotonic() - arrived), expire, item.future)
         try:
             result: ItemResult = await item.future
@@ -125,7 +124,6 @@ async def inference(request: Request) -> Response:
         finally:
             timer.cancel()
             rt.inflight -= 1
-            rt.metrics.inflight.dec()
         latency_ms = (time.monotonic() - arrived) * 1000
         queue_ms, compute_ms = result.queue_s * 1000, result.compute_s * 1000
         record.status, record.latency_ms = "completed", round(latency_ms, 1)

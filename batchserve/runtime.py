@@ -57,8 +57,10 @@ class Runtime:
             margin_s=settings.dispatch_margin_ms / 1000,
             batch_s={spec.id: spec.sim_batch_ms / 1000 for spec in settings.models},
         )
-        return cls(settings, registry, make_metrics(), RequestLog(settings.request_history), batcher,
-                   Tenancy.from_settings(settings))
+        rt = cls(settings, registry, make_metrics(), RequestLog(settings.request_history), batcher,
+                 Tenancy.from_settings(settings))
+        rt.metrics.inflight.set_function(lambda: rt.inflight)  # read at scrape time: nothing per request
+        return rt
 
     @property
     def draining(self) -> bool:
