@@ -160,6 +160,7 @@ class GpuPool:
         w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
         w.inbox.put(batch)
         self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
+        self.metrics.batches.labels(batch.model, batch.cause).inc()
         wait = self.metrics.queue_wait.labels(batch.model)
         for item in batch.items:
             if item.tier < BATCH_TIER:  # job items wait for spare capacity by design: not a queue delay

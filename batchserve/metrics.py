@@ -29,6 +29,7 @@ class Metrics:
     worker_healthy: Gauge
     rejected: Counter
     batch_retries: Counter
+    batches: Counter
 
 
 def make_metrics() -> Metrics:
@@ -53,4 +54,6 @@ def make_metrics() -> Metrics:
         rejected=Counter(p + "rejected", "Requests refused before reaching a batch", ["reason"], registry=r),
         batch_retries=Counter(p + "batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"],
                               registry=r),
+        batches=Counter(p + "batches", "Dispatched batches by what flushed them: full, deadline, pace, drain, retry",
+                        ["model", "cause"], registry=r),
     )

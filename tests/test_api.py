@@ -54,6 +54,37 @@ def test_thousand_concurrent_callers_each_get_their_own_answer(sim_server):
         after, "batchserve_batch_size_bucket", model="sim@v1", le="100.0")
     assert over_100 == 0
     assert max(b["batch_size"] for _, b in results) > 1  # it really batched
+    full = metric(after, "batchserve_batches_total", model="sim@v1", cause="full") - metric(
+        before, "batchserve_batches_total", model="sim@v1", cause="full")
+    assert full >= 1  # a burst fills batches to the brim: flushed because full
+
+
+async def steady(url: str, n: int, gap_s: float) -> list[tuple[int, dict]]:
+    """n requests leaving gap_s apart (open loop), answers gathered at the end."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n)) as session:
+        async def one(i: int) -> tuple[int, dict]:
+            async with session.post(url + "/v1/inference", json={"input": f"s{i}"}) as r:
+                return r.status, await r.json()
+
+        tasks = []
+        for i in range(n):
+            tasks.append(asyncio.ensure_future(one(i)))
+            await asyncio.sleep(gap_s)
+        return await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("devices,slo_ms,cause", [
+    ("4", "200", "pace"),  # dispatch delay 95 ms > S/G = 25 ms: batches go out paced S/G apart
+    ("2", "150", "deadline"),  # dispatch delay 45 ms < S/G = 50 ms: the oldest item's deadline sends it
+])
+def test_steady_load_flushes_by_pace_or_deadline(server_factory, devices, slo_ms, cause):
+    server = server_factory("--devices", devices, "--slo-ms", slo_ms)
+    results = asyncio.run(steady(server.url, 120, 0.005))
+    assert all(s == 200 and b["output"] == f"s{i}"[::-1] for i, (s, b) in enumerate(results))
+    with server.client() as c:
+        text = c.get("/metrics").text
+    assert metric(text, "batchserve_batches_total", model="sim@v1", cause=cause) >= 3
+    assert metric(text, "batchserve_batches_total", model="sim@v1", cause="full") == 0
 
 
 def test_answer_shape_headers_and_request_status(sim_server):
