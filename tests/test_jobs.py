@@ -56,7 +56,7 @@ def server(tmp_path_factory):
     """1 sim device, 20-item batches of 20 ms (1,000 items/s), small limits, a poison marker."""
     db = tmp_path_factory.mktemp("jobs") / "jobs.db"
     s = start_server("--devices", "1", "--sim-batch-ms", "20", "--max-batch-size", "20", "--jobs-db", str(db),
-                     "--jobs-max-items", "1000", "--max-input-chars", "100", "--jobs-max-body-bytes", "200000",
+                     "--jobs-max-items", "3000", "--max-input-chars", "100", "--jobs-max-body-bytes", "200000",
                      "--sim-fail-marker", "POISON")
     yield s
     s.stop()
@@ -84,6 +84,20 @@ def test_results_come_back_in_input_order(c):
     assert all(line["status"] == "completed" for line in lines)
     listed = c.get("/v1/batches").json()
     assert job["id"] in [j["id"] for j in listed["data"]]
+
+
+def test_results_of_a_long_job_page_through_in_input_order(c):
+    """Results are read from the store a page (2,000 rows) at a time: a 2,500-item job crosses a page boundary.
+    Cancelled at once, so its lines are a few completed items, then cancelled ones, every index exactly once."""
+    inputs = [f"long-{i:04d}" for i in range(2500)]
+    job = c.post("/v1/batches", json={"inputs": inputs}).json()
+    cancelled = c.post(f"/v1/batches/{job['id']}/cancel").json()
+    assert cancelled["status"] == "cancelled" and cancelled["cancelled"] > 2000
+    lines = results(c, job["id"])
+    assert [line["index"] for line in lines] == list(range(2500))
+    assert sum(line["status"] == "cancelled" for line in lines) == cancelled["cancelled"]
+    assert all(line["output"] == inputs[line["index"]][::-1] for line in lines if line["status"] == "completed")
+    assert all(line["error"]["error"] == "CANCELLED" for line in lines if line["status"] == "cancelled")
 
 
 def test_answers_match_the_published_schemas(c):
@@ -154,7 +168,7 @@ def test_cancel_stops_the_job_and_freezes_its_counts(c):
 
 
 @pytest.mark.parametrize("body, status", [
-    ({"inputs": [f"i{n}" for n in range(1001)]}, 400),  # over --jobs-max-items
+    ({"inputs": [f"i{n}" for n in range(3001)]}, 400),  # over --jobs-max-items
     ({"inputs": ["ok", "y" * 101]}, 413),  # an input over --max-input-chars
     ({"inputs": ["ok"] * 999 + ["z" * 1000]}, 413),
     ({"inputs": []}, 400),
@@ -190,7 +204,7 @@ def test_tenants_see_only_their_own_jobs(tmp_path, server_factory):
     config = tmp_path / "keys.toml"
     config.write_text("".join(f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n'
                               for t, k in keys.items()))
-    s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--config", str(config),
+    s = server_factory("--devices", "1", "--sim-batch-ms", "50", "--max-batch-size", "10", "--config", str(config),
                        "--jobs-db", str(tmp_path / "jobs.db"))
     acme = s.client(headers={"Authorization": f"Bearer {keys['acme']}"})
     globex = s.client(headers={"Authorization": f"Bearer {keys['globex']}"})
@@ -203,6 +217,15 @@ def test_tenants_see_only_their_own_jobs(tmp_path, server_factory):
             assert r.status_code == 404 and r.json()["error"] == "BATCH_NOT_FOUND"
         assert globex.get("/v1/batches").json()["data"] == []
         assert [j["id"] for j in acme.get("/v1/batches").json()["data"]] == [job["id"]]
+        # Nor can another tenant cancel a job that is still running (200 items at 200 items/s: about 1 s).
+        running = acme.post("/v1/batches", json={"inputs": [f"r{i}" for i in range(200)]}).json()
+        r = globex.post(f"/v1/batches/{running['id']}/cancel")
+        assert r.status_code == 404 and r.json()["error"] == "BATCH_NOT_FOUND"
+        assert acme.get(f"/v1/batches/{running['id']}").json()["status"] in ("queued", "running")
+        done = wait_for(lambda: finished(acme, running["id"]))
+        assert (done["status"], done["completed"], done["cancelled"]) == ("completed", 200, 0)
+        job_ids = [running["id"], job["id"]]
+        assert [j["id"] for j in acme.get("/v1/batches").json()["data"]] == job_ids
         # An idempotency key belongs to its tenant: the same key from another tenant is a new job.
         theirs = globex.post("/v1/batches", json={"inputs": ["other"]}, headers={"Idempotency-Key": "k"})
         assert theirs.status_code == 202 and theirs.json()["id"] != job["id"]
@@ -211,20 +234,33 @@ def test_tenants_see_only_their_own_jobs(tmp_path, server_factory):
 
 
 def test_transient_failures_retry_with_backoff(tmp_path, server_factory):
-    """A batch that hangs its only worker is answered 504 (transient): its items run again once the worker is
-    back; the hanging input keeps failing and ends failed after --jobs-max-attempts runs."""
+    """A batch that hangs its only worker is answered 504 (transient). The hanging input is retried only after
+    its backoff (0.75-1.5 s here), so the items behind it, which run as soon as the worker is back (0.3 s), all
+    finish while it is still pending; it keeps failing and ends failed after --jobs-max-attempts runs. Without
+    the backoff its retry would be first in line when the worker came back, and fail before they finish."""
     s = server_factory("--devices", "1", "--sim-batch-ms", "10", "--max-batch-size", "1",
-                       "--sim-hang-marker", "HANG", "--sim-hang-ms", "800", "--gpu-timeout-ms", "200",
-                       "--jobs-max-attempts", "2", "--jobs-retry-base-ms", "50", "--jobs-db", str(tmp_path / "j.db"))
+                       "--sim-hang-marker", "HANG", "--sim-hang-ms", "300", "--gpu-timeout-ms", "100",
+                       "--jobs-max-attempts", "2", "--jobs-retry-base-ms", "1500",
+                       "--jobs-db", str(tmp_path / "j.db"))
     inputs = [f"t{i}" for i in range(10)]
     inputs[3] = "HANG-3"
+
+    def others_done_while_the_hanging_one_waits(c: httpx.Client, job_id: str) -> bool:
+        job = c.get(f"/v1/batches/{job_id}").json()
+        assert job["failed"] == 0, f"the retry was not held back by its backoff: {job}"
+        return (job["completed"], job["pending"]) == (9, 1)
+
     with s.client() as c:
         job = c.post("/v1/batches", json={"inputs": inputs}).json()
+        wait_for(lambda: others_done_while_the_hanging_one_waits(c, job["id"]), timeout=30, every=0.02)
         done = wait_for(lambda: finished(c, job["id"]), timeout=30)
         lines = results(c, job["id"])
         metrics = c.get("/metrics").text
     assert (done["completed"], done["failed"]) == (9, 1)
     assert lines[3]["status"] == "failed" and lines[3]["error"]["error"] == "DEADLINE_EXCEEDED"
+    # Item 3 ended last (after its retry), yet the results are in input order, each its own answer.
+    assert [line["index"] for line in lines] == list(range(10))
+    assert all(line["output"] == inputs[i][::-1] for i, line in enumerate(lines) if i != 3)
     assert 'batchserve_job_items_processed_total{model="sim@v1",outcome="retried"} 1.0' in metrics
 
 

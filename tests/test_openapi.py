@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import Route
 
 from batchserve.app import create_app
@@ -102,7 +103,21 @@ def test_error_schema_is_exactly_the_contract(doc):
         validate(doc, response_schema(doc, "/v1/inference", "post", 503), {**ok, "error": "DRAINING"})
 
 
-def test_metrics_and_document_routes(server):
+def test_metrics_and_document_routes(server, doc):
+    """The two answers that are not JSON objects with a schema: each in its documented media type."""
     with server.client() as c:
-        assert c.get("/metrics").text.startswith("#")
-        assert httpx.get(server.url + "/openapi.json").json()["paths"]["/openapi.json"]
+        c.post("/v1/inference", json={"input": "count me"})
+        r = c.get("/metrics")
+        assert r.status_code == 200
+        assert r.headers["content-type"].split(";")[0] in response_content(doc, "/metrics")
+        families = {f.name: f for f in text_string_to_metric_families(r.text)}  # raises on malformed text
+        assert {"batchserve_requests", "batchserve_request_duration_seconds", "batchserve_queue_depth"} <= set(families)
+        assert any(s.name == "batchserve_requests_total" and s.labels.get("status") == "200" and s.value >= 1
+                   for s in families["batchserve_requests"].samples)
+        r = httpx.get(server.url + "/openapi.json")
+        assert r.headers["content-type"].split(";")[0] in response_content(doc, "/openapi.json")
+        assert r.json() == doc
+
+
+def response_content(doc: dict[str, Any], path: str) -> dict[str, Any]:
+    return doc["paths"][path]["get"]["responses"]["200"]["content"]
