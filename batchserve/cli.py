@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from batchserve.config import TIERS, Settings, cli_fields, env_defaults, env_name
+from batchserve.config import Settings, cli_fields, env_defaults, env_name
+from batchserve.core.tiers import CALLER_NAMES
 
 log = logging.getLogger("batchserve")
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     add = keys_sub.add_parser("add", help="create a key, print it once, store only its SHA-256 digest")
     add.add_argument("--config", required=True, help="TOML config file to append the key to")
     add.add_argument("--tenant", required=True)
-    add.add_argument("--tier", required=True, choices=TIERS[:3])
+    add.add_argument("--tier", required=True, choices=CALLER_NAMES)
     add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
     args = parser.parse_args(argv)
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
         log.info("settings: %s", effective(settings))
-        from batchserve.server import serve
+        from batchserve.http.server import serve
 
         serve(settings)
         return 0

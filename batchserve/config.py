@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-TIERS = ("enterprise", "paid", "free", "batch")  # highest priority first
+from batchserve.core.tiers import CALLER_NAMES
 
 
 def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -66,7 +66,7 @@ class Settings:
     config: str = knob("", "TOML file with models, tiers and API keys")
     allow_anonymous: bool = knob(False, "serve callers without a key on a non-loopback address, or beside "
                                          "configured keys")
-    anonymous_tier: str = knob("paid", "tier of callers without a key", TIERS[:3])
+    anonymous_tier: str = knob("paid", "tier of callers without a key", CALLER_NAMES)
     jobs_db: str = knob("batchserve-jobs.db", "SQLite file of the batch jobs (/v1/batches), created on the first "
                                               "job; empty disables batch jobs")
     jobs_max_items: int = knob(50000, "most inputs in one batch job; more gets 400")

@@ -6,9 +6,13 @@ is slow" can be told apart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from batchserve.errors import ApiError
+
+REFUSALS = (401, 413, 429, 503)  # answers counted in rejected_total too: refused before reaching a batch
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
                    1.0, 2.0, 5.0, 10.0)
@@ -30,6 +34,20 @@ class Metrics:
     rejected: Counter
     batch_retries: Counter
     batches: Counter
+    _ok: dict[str, tuple] = field(default_factory=dict)  # per model: its bound 200-counter and histogram
+
+    def count_ok(self, model: str, latency_s: float) -> None:
+        """One 200 answer: the hot path, so the labelled children are looked up once per model."""
+        children = self._ok.get(model)
+        if children is None:
+            children = self._ok[model] = (self.requests.labels(model, "200"), self.request_duration.labels(model))
+        children[0].inc()
+        children[1].observe(latency_s)
+
+    def count_error(self, model: str, err: ApiError) -> None:
+        self.requests.labels(model, str(err.status)).inc()
+        if err.status in REFUSALS:
+            self.rejected.labels(err.code).inc()
 
 
 def make_metrics() -> Metrics:

@@ -25,20 +25,30 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from batchserve.batcher import Item
-from batchserve.config import TIERS
+from batchserve.config import Settings
+from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome
 
-if TYPE_CHECKING:
-    from batchserve.runtime import Runtime
-
 log = logging.getLogger("batchserve.jobs")
 
-BATCH_TIER = TIERS.index("batch")
+
+class Door(Protocol):
+    """What the scheduler needs of the inference service (`core.service.InferenceService`): the one door to
+    the batcher, and the little it must know of the workers."""
+
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    def healthy_workers(self) -> int: ...
+    def models(self) -> list[str]: ...
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float) -> Item: ...
+
+
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
 FEED_TICK_S = 0.1  # the feeder looks again at least this often (healthy workers, drain)
 CLAIM_CHUNK = 512  # pending items read from the store at a time, per job
@@ -81,7 +91,8 @@ class Retry:
 @dataclass(eq=False)
 class Scheduler:
     store: JobStore
-    rt: Runtime
+    door: Door
+    settings: Settings
     metrics: JobMetrics
     jobs: dict[str, JobState] = field(default_factory=dict)  # unfinished, oldest first
     retries: list[Retry] = field(default_factory=list)  # a heap by due time
@@ -95,7 +106,7 @@ class Scheduler:
 
     async def start(self) -> None:
         """Resume every unfinished job on a model served here, then start feeding and flushing."""
-        for job in await self.store.active(list(self.rt.registry.by_id)):
+        for job in await self.store.active(self.door.models()):
             self.add(job)
         if self.jobs:
             log.info("resuming %d unfinished batch job(s)", len(self.jobs))
@@ -131,11 +142,9 @@ class Scheduler:
         self._wake.set()
 
     def limit(self) -> int:
-        s = self.rt.settings
-        if s.jobs_max_inflight > 0:
-            return s.jobs_max_inflight
-        healthy = self.rt.pool.healthy_count() if self.rt.pool is not None else 0
-        return 2 * s.max_batch_size * healthy
+        if self.settings.jobs_max_inflight > 0:
+            return self.settings.jobs_max_inflight
+        return 2 * self.door.max_batch_size * self.door.healthy_workers()
 
     # -- feeding ---------------------------------------------------------------------------------------------
     async def _feed_loop(self) -> None:
@@ -150,7 +159,7 @@ class Scheduler:
             self._wake.clear()
             try:
                 self.metrics.inflight.set(self.inflight)  # here, not per item: the loop's time is the SLO's
-                if self.rt.draining:
+                if self.door.draining:
                     self._release_queued()
                     continue
                 await self._refill()
@@ -214,14 +223,10 @@ class Scheduler:
             job.exhausted = True
 
     def _submit(self, job: JobState, index: int, text: str) -> None:
-        backend = self.rt.backends[job.model]
-        now = time.monotonic()
-        item = Item(text, job.model, backend.bucket_of(text), asyncio.get_running_loop().create_future(),
-                    now, now + ITEM_DEADLINE_S, None, BATCH_TIER, job.tenant)
+        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
         job.inflight[index] = item
         self.inflight += 1
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
-        self.rt.batcher.submit(item)
 
     def _release_queued(self) -> None:
         """Draining: take back the items no batch has taken yet (they stay pending for the next start)."""
@@ -244,12 +249,12 @@ class Scheduler:
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
         message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
         attempts = job.attempts.get(index, 0) + 1
-        if isinstance(exc, ApiError) and exc.status == 500 or attempts >= self.rt.settings.jobs_max_attempts:
+        if isinstance(exc, ApiError) and exc.status == 500 or attempts >= self.settings.jobs_max_attempts:
             self._outcome(job, Outcome(job.id, index, "failed", error=code, message=message))
             return
         job.attempts[index] = attempts
         job.retrying += 1
-        delay = min(RETRY_CAP_S, self.rt.settings.jobs_retry_base_ms / 1000 * 2 ** (attempts - 1))
+        delay = min(RETRY_CAP_S, self.settings.jobs_retry_base_ms / 1000 * 2 ** (attempts - 1))
         self._seq += 1
         heapq.heappush(self.retries, Retry(time.monotonic() + delay * random.uniform(0.5, 1.0), self._seq,
                                            job, index, text))

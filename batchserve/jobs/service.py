@@ -13,23 +13,24 @@ import logging
 import os
 import sqlite3
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry
+
+from batchserve import errors
+from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.jobs.metrics import JobMetrics
-from batchserve.jobs.scheduler import Scheduler
+from batchserve.jobs.scheduler import Door, Scheduler
 from batchserve.jobs.sqlite_store import SQLiteStore, StoreBusy
 from batchserve.jobs.store import JobStore
-
-if TYPE_CHECKING:
-    from batchserve.runtime import Runtime
 
 log = logging.getLogger("batchserve.jobs")
 
 
 @dataclass(eq=False)
 class JobService:
-    rt: Runtime
+    door: Door
+    settings: Settings
     metrics: JobMetrics
     store: JobStore | None = None
     scheduler: Scheduler | None = None
@@ -37,9 +38,9 @@ class JobService:
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @classmethod
-    async def start(cls, rt: Runtime) -> "JobService":
-        svc = cls(rt, JobMetrics.create(rt.metrics.registry))
-        path = rt.settings.jobs_db
+    async def start(cls, door: Door, settings: Settings, registry: CollectorRegistry) -> "JobService":
+        svc = cls(door, settings, JobMetrics.create(registry))
+        path = settings.jobs_db
         if path and os.path.exists(path):
             try:
                 await svc.open_store()
@@ -49,7 +50,7 @@ class JobService:
 
     @property
     def path(self) -> str:
-        return self.rt.settings.jobs_db
+        return self.settings.jobs_db
 
     async def existing_store(self) -> JobStore | None:
         """The store for reads: None while no job was ever stored here (so every job id is unknown)."""
@@ -69,7 +70,7 @@ class JobService:
                     self.problem = f"the job store {self.path} cannot be opened: {exc}"
                     log.error("%s", self.problem)
                     raise self._unavailable() from None
-                scheduler = Scheduler(store, self.rt, self.metrics)
+                scheduler = Scheduler(store, self.door, self.settings, self.metrics)
                 await scheduler.start()
                 self.store, self.scheduler, self.problem = store, scheduler, ""
                 log.info("batch jobs stored in %s", os.path.abspath(self.path))
@@ -77,7 +78,7 @@ class JobService:
         return self.store
 
     def _unavailable(self) -> ApiError:
-        return ApiError(503, "JOBS_UNAVAILABLE", self.problem, retry_after_ms=5000)
+        return errors.jobs_unavailable(self.problem)
 
     async def stop(self) -> None:
         if self.scheduler is not None:

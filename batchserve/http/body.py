@@ -1,8 +1,10 @@
-"""HTTP plumbing shared by every route module: request ids, bounded body reads, JSON in and out."""
+"""HTTP plumbing shared by every route module: request ids, bounded body reads, JSON in and out, and the
+one rendering of an `ApiError` (DESIGN §2's error shape)."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import secrets
 
@@ -19,6 +21,19 @@ JSON = "application/json"
 
 def json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status_code=status, headers=headers, media_type=JSON)
+
+
+def error_response(err: ApiError, request_id: str) -> Response:
+    body: dict = {"error": err.code, "message": err.message, "request_id": request_id}
+    headers = {"X-Request-ID": request_id}
+    if err.retry_after_ms is not None:
+        body["retry_after_ms"] = int(err.retry_after_ms)
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
+    if err.headers:
+        headers.update(err.headers)
+    if err.code == "DRAINING":  # the client should reconnect elsewhere, not reuse a connection about to close
+        headers["Connection"] = "close"
+    return json_response(body, err.status, headers)
 
 
 # Generated ids: a random per-process prefix and a counter: unique across nodes, no syscall per request.
@@ -56,12 +71,12 @@ async def read_body(request: Request, limit: int, declared: str | None = None) -
         if not declared.isdigit():
             raise errors.invalid("Content-Length is not a number")
         if int(declared) > limit:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over the {limit}-byte limit")
+            raise errors.payload_too_large(f"the body is over the {limit}-byte limit")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over the {limit}-byte limit")
+            raise errors.payload_too_large(f"the body is over the {limit}-byte limit")
         chunks.append(chunk)
     return b"".join(chunks)
 
