@@ -76,6 +76,10 @@ def inference_failed(detail: str) -> ApiError:
     return ApiError(500, "INFERENCE_FAILED", f"the backend failed on this input: {detail}")
 
 
+def internal_error() -> ApiError:
+    return ApiError(500, "INTERNAL_ERROR", "the server failed on this request; the error is in its log")
+
+
 def overloaded(message: str, retry_after_ms: float) -> ApiError:
     return ApiError(503, "SERVICE_OVERLOADED", message, retry_after_ms=max(1, int(retry_after_ms)))
 

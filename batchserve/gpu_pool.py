@@ -71,6 +71,7 @@ class GpuPool:
     workers: list[Worker] = field(default_factory=list)
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
     clock: Clock = time.monotonic  # injected in the policy's unit tests
+    _healthy: int = 0
 
     def start(self) -> None:
         for i, name in enumerate(self.device_names):
@@ -91,7 +92,8 @@ class GpuPool:
 
     # -- capacity, for admission and health ----------------------------------------------------------------
     def healthy_count(self) -> int:
-        return sum(1 for w in self.workers if w.healthy)
+        """Workers taking batches now (kept by `_update_health`: read on every admission)."""
+        return self._healthy
 
     def worker_count(self) -> int:
         return len(self.workers)
@@ -270,5 +272,6 @@ class GpuPool:
         self._retry_or_fail(batch, w, "worker hung", "hang", parts=healthy)
 
     def _update_health(self) -> None:
-        self.batcher.healthy_workers = self.healthy_count()
+        self._healthy = sum(1 for w in self.workers if w.healthy)
+        self.batcher.healthy_workers = self._healthy
         self.batcher.wake()

@@ -77,6 +77,9 @@ class Tenancy:
     anonymous_tier: str = "paid"
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._anonymous = Caller(ANONYMOUS, tiers.by_name(self.anonymous_tier).rank)
+
     @classmethod
     def from_settings(cls, s: Settings) -> "Tenancy":
         return cls(keys=[KeyEntry(**k) for k in s.keys], tier_rates={**DEFAULT_TIER_RATES, **s.tier_rates},
@@ -91,7 +94,7 @@ class Tenancy:
             token = token.strip()
         if not token:
             if self.anonymous_allowed:
-                return Caller(ANONYMOUS, tiers.by_name(self.anonymous_tier).rank)
+                return self._anonymous
             raise errors.unauthorized("an API key is required: 'Authorization: Bearer <key>'")
         wanted = digest(token)
         found: KeyEntry | None = None

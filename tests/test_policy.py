@@ -199,7 +199,7 @@ def make_pool(loop, b: Batcher, healthy: int = 2, demand: float = 0.0) -> GpuPoo
                    clock=b.clock)
     pool.workers = [Worker(i, f"d{i}") for i in range(healthy)]
     pool.demand = lambda: demand
-    b.healthy_workers = healthy
+    pool._update_health()
     return pool
 
 

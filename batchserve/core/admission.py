@@ -99,17 +99,18 @@ class Admission:
     def admit(self, model: str, tier: int, tenant: str, deadline_s: float) -> None:
         """Raise the 503 that fits, or return when the item may join the queue (`deadline_s`: the time left
         before the request's deadline)."""
-        self.check_open()
-        assert self.capacity is not None
-        batcher = self.batcher
+        batcher, capacity = self.batcher, self.capacity
+        if batcher.draining or capacity is None or capacity.healthy_count() == 0:
+            self.check_open()  # raises the 503 that says which
+        assert capacity is not None
         batch_s = batcher.batch_s[model]
         if batcher.depth.get(model, 0) >= self.max_queue:
             raise errors.overloaded(f"the queue for {model} is full ({self.max_queue} items)",
                                     retry_after_ms=batch_s * 1000)
         now = self.clock()
         rate, fast_rate = self.arrivals.tick(now), self.arrivals_fast.tick(now)
-        predicted = predicted_latency_s(self.capacity.seconds_until_free(now), batcher.ahead_of(tier, tenant),
-                                        batcher.max_batch_size, batch_s, self.capacity.healthy_count())
+        predicted = predicted_latency_s(capacity.seconds_until_free(now), batcher.ahead_of(tier, tenant),
+                                        batcher.max_batch_size, batch_s, capacity.healthy_count())
         bound_s = self.tier_bound_s(tier) if self.under_pressure(model, rate, fast_rate) else math.inf
         # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
         # then allow at most one batch ahead of this one.

@@ -18,6 +18,7 @@ from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
 from batchserve.batcher import Batcher
 from batchserve.core.admission import Admission, Capacity
+from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH
@@ -29,11 +30,6 @@ class Bucketer(Protocol):
     def bucket_of(self, text: str) -> int: ...
 
 
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(errors.deadline_exceeded())
-
-
 class InferenceService:
     def __init__(self, batcher: Batcher, admission: Admission, backends: Mapping[str, Bucketer],
                  requests: RequestLog, clock: Callable[[], float] = time.monotonic) -> None:
@@ -42,6 +38,7 @@ class InferenceService:
         self.requests = requests  # recent requests' status, for GET /v1/requests/{id}
         self.backends = backends  # model id -> backend; filled as the runtime loads them
         self.clock = clock
+        self.deadlines = DeadlineWatch(clock)
         self.inflight = 0  # callers admitted and not yet answered (inference and generation)
 
     # -- state the routes and the job scheduler read --------------------------------------------------------
@@ -91,8 +88,8 @@ class InferenceService:
         item = Item(text, model, self.backends[model].bucket_of(text), loop.create_future(), arrived,
                     arrived + timeout_s, record, tier, tenant, gone=gone)
         self.batcher.submit(item)
+        self.deadlines.watch(timeout_s, item.deadline, item.future)
         self.inflight += 1
-        timer = loop.call_at(loop.time() + item.deadline - self.clock(), _expire, item.future)
         try:
             result: ItemResult = await item.future
         except ApiError as err:
@@ -102,7 +99,6 @@ class InferenceService:
             record.status, record.error = "failed", "CLIENT_DISCONNECTED"
             raise
         finally:
-            timer.cancel()
             self.inflight -= 1
         record.completed((self.clock() - arrived) * 1000, result.queue_s * 1000, result.compute_s * 1000,
                          result.batch_size)

@@ -25,7 +25,7 @@ ERROR_CODES: dict[int, list[str]] = {
     409: ["CONFLICT"],
     413: ["PAYLOAD_TOO_LARGE"],
     429: ["RATE_LIMITED"],
-    500: ["INFERENCE_FAILED"],
+    500: ["INFERENCE_FAILED", "INTERNAL_ERROR"],
     503: ["SERVICE_OVERLOADED", "DRAINING", "NO_HEALTHY_WORKER"],
     504: ["DEADLINE_EXCEEDED"],
 }
@@ -37,7 +37,7 @@ ERROR_WHEN: dict[int, str] = {
     409: "the request conflicts with an earlier one (same idempotency key, different body)",
     413: "body or input over the configured limit (checked before the whole body is buffered)",
     429: "the caller's key or tier is over its rate",
-    500: "the backend failed on this input (after isolation and retry)",
+    500: "the backend failed on this input (after isolation and retry), or an unexpected server error",
     503: "admission refused: queue full, predicted wait past the deadline, no healthy worker, shutting down",
     504: "the request's deadline passed before it could be answered",
 }
