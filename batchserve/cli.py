@@ -7,6 +7,7 @@ import logging
 import sys
 
 from batchserve.config import TIERS, Settings, cli_fields, env_defaults, env_name
+from batchserve.jobs.store import redact_url
 
 log = logging.getLogger("batchserve")
 
@@ -42,6 +43,7 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
 def effective(settings: Settings) -> str:
     shown = {f.name: getattr(settings, f.name) for f in cli_fields() if f.name != "config" or settings.config}
     shown["models"] = [m.id for m in settings.models]
+    shown["jobs_db"] = redact_url(settings.jobs_db)  # a postgresql:// URL may carry a password
     return " ".join(f"{k}={v}" for k, v in shown.items())
 
 

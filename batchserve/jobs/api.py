@@ -25,7 +25,8 @@ from batchserve.http_io import json_response, parse_json_object, read_body, requ
 from batchserve.errors import ApiError
 from batchserve.jobs import schema
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import IdempotencyConflict, JobStore, NewJob, Progress
+from batchserve.jobs.store import (IdempotencyConflict, JobStore, NewJob, Progress, StoreUnavailable,
+                                   UnstorableInput)
 from batchserve.runtime import Runtime
 from batchserve.tenancy import Caller
 
@@ -69,7 +70,7 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             response = await handler(request, rt, svc, caller)
             response.headers.update({"X-Request-ID": request_id, **limit_headers})
             return response
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, StoreUnavailable) as exc:
             log.exception("job store error")
             err = ApiError(503, "JOBS_UNAVAILABLE", f"the job store failed: {exc}", retry_after_ms=1000)
             return errors.error_response(err, request_id)
@@ -143,6 +144,8 @@ async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: C
         job, created = await store.create(new)
     except IdempotencyConflict:
         raise ApiError(409, "CONFLICT", "this Idempotency-Key was used before with a different body") from None
+    except UnstorableInput as exc:
+        raise errors.invalid(str(exc)) from None
     if created:
         svc.metrics.created.inc()
         svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
