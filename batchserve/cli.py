@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from batchserve import plan
 from batchserve.config import TIERS, Settings, cli_fields, env_defaults, env_name
 from batchserve.jobs.store import redact_url
 
@@ -59,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("--tenant", required=True)
     add.add_argument("--tier", required=True, choices=TIERS[:3])
     add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
+    plan_parser = sub.add_parser("plan", help="nodes needed for a target rate at the SLO, predicted p50/p95 and "
+                                              "headroom (docs/capacity.md)")
+    plan.add_arguments(plan_parser)
     args = parser.parse_args(argv)
+
+    if args.command == "plan":
+        return plan.main(args)
 
     if args.command == "keys":
         from batchserve.config_file import append_key
