@@ -30,6 +30,8 @@ class Metrics:
     rejected: Counter
     batch_retries: Counter
     batches: Counter
+    load_ratio: Gauge  # autoscaling signals, computed at scrape time (batchserve/load_signal.py)
+    predicted_wait_ratio: Gauge
 
 
 def make_metrics() -> Metrics:
@@ -56,4 +58,9 @@ def make_metrics() -> Metrics:
                               registry=r),
         batches=Counter(p + "batches", "Dispatched batches by what flushed them: full, deadline, pace, drain, retry",
                         ["model", "cause"], registry=r),
+        load_ratio=Gauge(p + "load_ratio", "Arrivals over what the healthy workers serve at full batches (1 = "
+                         "the node's ceiling): the autoscaling signal", registry=r),
+        predicted_wait_ratio=Gauge(p + "predicted_wait_ratio", "Predicted wait of a request arriving now before "
+                                   "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
+                                   registry=r),
     )

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from batchserve import errors
+from batchserve import errors, load_signal
 from batchserve.admission import AdmissionState
 from batchserve.backends import Backend, make_backend
 from batchserve.batcher import Batcher
@@ -60,7 +60,18 @@ class Runtime:
         rt = cls(settings, registry, make_metrics(), RequestLog(settings.request_history), batcher,
                  Tenancy.from_settings(settings))
         rt.metrics.inflight.set_function(lambda: rt.inflight)  # read at scrape time: nothing per request
+        load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
         return rt
+
+    def load_reading(self) -> load_signal.Reading:
+        """What the autoscaling signals are computed from, now."""
+        now = time.monotonic()
+        pool = self.pool
+        healthy = pool.healthy_count() if pool is not None else 0
+        return load_signal.Reading(self.admission.arrivals.current(now), healthy, self.batcher.max_batch_size,
+                                   max(self.batcher.batch_s.values(), default=0.0),
+                                   pool.seconds_until_free(now) if pool is not None and healthy else 0.0,
+                                   self.batcher.total_depth(), self.batcher.slo_s)
 
     @property
     def draining(self) -> bool:
