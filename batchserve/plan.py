@@ -416,13 +416,13 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
 def render(plan: Plan, source: str) -> str:
     c, t = plan.contract, plan.at_target
     slo = c.slo_s * 1000
+    capped = plan.capacity >= c.max_busy * c.ceiling() * (1 - 1e-9)
+    bound = f"capped at {c.max_busy:.0%} of" if capped else "ceiling"
     lines = [
         f"target {plan.target_rate:g} requests/s at p95 <= {slo:g} ms",
         f"node: {c.devices} device(s), batches of 1..{c.max_batch}, batch time {c.batch_time.describe()} "
         f"({source}), dispatch margin {c.margin_s * 1000:g} ms, overhead {c.overhead_s * 1000:g} ms",
-        f"one node serves {plan.capacity:.0f} requests/s within the SLO "
-        f"({'capped at ' + format(c.max_busy, '.0%') + ' of' if plan.capacity >= c.max_busy * c.ceiling() * (1 - 1e-9) else 'ceiling'} "
-        f"{c.ceiling():.0f} at full batches)",
+        f"one node serves {plan.capacity:.0f} requests/s within the SLO ({bound} {c.ceiling():.0f} at full batches)",
         "",
         f"nodes needed      {plan.nodes}  ({plan.target_rate / plan.nodes:.0f} requests/s each)",
         f"predicted         p50 {t.p50_ms:.0f} ms, p95 {t.p95_ms:.0f} ms, p99 {t.p99_ms:.0f} ms; "
