@@ -115,6 +115,8 @@ class Metrics:
     rejected: Counter
     batch_retries: Counter
     batches: Counter
+    load_ratio: Gauge  # autoscaling signals, computed at scrape time (batchserve/core/load_signal.py)
+    predicted_wait_ratio: Gauge
     _ok: dict[str, tuple] = field(default_factory=dict)  # per model: its bound 200-counter and histogram
 
     def count_ok(self, model: str, latency_s: float) -> None:
@@ -155,4 +157,9 @@ def make_metrics() -> Metrics:
                               registry=r),
         batches=Counter(p + "batches", "Dispatched batches by what flushed them: full, deadline, pace, drain, retry",
                         ["model", "cause"], registry=r),
+        load_ratio=Gauge(p + "load_ratio", "Arrivals over what the healthy workers serve at full batches (1 = "
+                         "the node's ceiling): the autoscaling signal", registry=r),
+        predicted_wait_ratio=Gauge(p + "predicted_wait_ratio", "Predicted wait of a request arriving now before "
+                                   "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
+                                   registry=r),
     )

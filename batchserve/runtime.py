@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from batchserve import errors
+from batchserve.core import load_signal
 from batchserve.backends import Backend, make_backend
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
@@ -68,7 +69,18 @@ class Runtime:
         rt = cls(settings, ModelRegistry(settings.models), make_metrics(), requests, batcher, admission, service,
                  Tenancy.from_settings(settings), backends)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
+        load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
         return rt
+
+    def load_reading(self) -> load_signal.Reading:
+        """What the autoscaling signals are computed from, now."""
+        now = time.monotonic()
+        pool = self.pool
+        healthy = pool.healthy_count() if pool is not None else 0
+        return load_signal.Reading(self.admission.arrivals.current(now), healthy, self.batcher.max_batch_size,
+                                   max(self.batcher.batch_s.values(), default=0.0),
+                                   pool.seconds_until_free(now) if pool is not None and healthy else 0.0,
+                                   self.batcher.total_depth(), self.batcher.slo_s)
 
     @property
     def draining(self) -> bool:

@@ -49,6 +49,7 @@ async def internal_health(request: Request) -> Response:
                 "batches": w.batches, "busy_ratio": round(rt.busy_ratios.get(w.name, 0.0), 3),
             })
     healthy = sum(1 for w in workers if w["healthy"])
+    load = rt.load_reading()
     status = ("draining" if rt.draining else "starting" if not rt.ready else
               "ok" if healthy == len(workers) else "degraded" if healthy else "unavailable")
     return json_response({
@@ -60,6 +61,8 @@ async def internal_health(request: Request) -> Response:
         "batch_ms": {m: round(v * 1000, 1) for m, v in rt.batcher.batch_s.items()},
         "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
         "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
+        "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)
+        "predicted_wait_ratio": round(load.predicted_wait_ratio(), 3),
         "workers": workers,
     })
 

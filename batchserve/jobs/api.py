@@ -24,7 +24,8 @@ from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.http.body import error_response, json_response, parse_json_object, read_body, request_id_of
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import IdempotencyConflict, JobStore, NewJob, Progress
+from batchserve.jobs.store import (IdempotencyConflict, JobStore, NewJob, Progress, StoreUnavailable,
+                                   UnstorableInput)
 from batchserve.runtime import Runtime
 from batchserve.tenancy import Caller
 
@@ -61,7 +62,7 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             response = await handler(request, rt, svc, caller)
             response.headers.update({"X-Request-ID": request_id, **limit_headers})
             return response
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, StoreUnavailable) as exc:
             log.exception("job store error")
             return error_response(errors.jobs_unavailable(f"the job store failed: {exc}", 1000), request_id)
         except ApiError as err:
@@ -134,6 +135,8 @@ async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: C
         job, created = await store.create(new)
     except IdempotencyConflict:
         raise errors.conflict("this Idempotency-Key was used before with a different body") from None
+    except UnstorableInput as exc:
+        raise errors.invalid(str(exc)) from None
     if created:
         svc.metrics.created.inc()
         svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
