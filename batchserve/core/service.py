@@ -81,12 +81,12 @@ class InferenceService:
 
     # -- the door -----------------------------------------------------------------------------------------
     async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
-                    request_id: str, gone: Callable[[], bool] | None = None) -> ItemResult:
+                    request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
         504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
-        An admitted request is recorded under `request_id` with its status as it moves."""
+        An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves."""
         self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived))
-        record = self.requests.add(request_id, model)
+        record = self.requests.add(owner or tenant, request_id, model)
         loop = asyncio.get_running_loop()
         item = Item(text, model, self.backends[model].bucket_of(text), loop.create_future(), arrived,
                     arrived + timeout_s, record, tier, tenant, gone=gone)

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import resource
-import secrets
 from dataclasses import dataclass, field
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+from batchserve import errors
+from batchserve.errors import ApiError
+from batchserve.http.body import new_request_id
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,11 @@ class _Refused(Exception):
     """Raised from a parser callback to stop the parser; `send_400_response` then answers the refusal."""
 
 
-def json_error_head(status: int, code: str, message: str) -> bytes:
+def json_error_answer(err: ApiError) -> bytes:
     """A whole error answer in DESIGN §2's shape, written by the protocol itself (the app never saw it)."""
-    request_id = "req_" + secrets.token_hex(8)
-    body = orjson.dumps({"error": code, "message": message, "request_id": request_id})
-    return b"".join([STATUS_LINE[status], b"content-type: application/json\r\nx-request-id: ", request_id.encode(),
+    request_id = new_request_id()
+    body = orjson.dumps({"error": err.code, "message": err.message, "request_id": request_id})
+    return b"".join([STATUS_LINE[err.status], b"content-type: application/json\r\nx-request-id: ", request_id.encode(),
                      b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body])
 
 
@@ -139,7 +142,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.in_head = True  # reading a request head (or waiting for one), not a body
         self.head_bytes = 0
         self.deadline = 0.0  # loop time by which the head or body in progress must have arrived; 0 = none
-        self.refusal: tuple[int, str, str] | None = None
+        self.refusal: ApiError | None = None
 
     # -- connection life ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -186,8 +189,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(view[:room])
         if self.in_head:
             if self.parser is not None and not self.transport.is_closing():
-                self.refuse(431, "HEADERS_TOO_LARGE",
-                            f"the request head is over the {self.limits.max_header_bytes}-byte limit")
+                self.refuse(errors.headers_too_large(
+                    f"the request head is over the {self.limits.max_header_bytes}-byte limit"))
             return
         if self.parser is not None and not self.transport.is_closing():
             self.data_received(view[room:])
@@ -198,11 +201,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
         elif name == b"transfer-encoding" and value.strip().lower() != b"chunked":
-            self.refusal = (501, "NOT_IMPLEMENTED", "only the chunked transfer coding is supported")
+            self.refusal = errors.not_implemented("only the chunked transfer coding is supported")
             raise _Refused
         self.headers.append((name, value))
         if len(self.headers) > self.limits.max_headers:
-            self.refusal = (431, "HEADERS_TOO_LARGE", f"the request has over {self.limits.max_headers} headers")
+            self.refusal = errors.headers_too_large(f"the request has over {self.limits.max_headers} headers")
             raise _Refused
 
     def on_headers_complete(self) -> None:
@@ -238,23 +241,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # The app is waiting on the body: it sees a disconnect, and writes nothing after this answer.
             self.cycle.disconnected = True
             self.cycle.message_event.set()
-            self.refuse(408, "REQUEST_TIMEOUT",
-                        f"the request body did not arrive within {self.limits.body_timeout_s:g} s")
+            self.refuse(errors.request_timeout(
+                f"the request body did not arrive within {self.limits.body_timeout_s:g} s"))
             return
-        self.refuse(408, "REQUEST_TIMEOUT",
-                    f"the request head did not arrive within {self.limits.header_timeout_s:g} s")
+        self.refuse(errors.request_timeout(
+            f"the request head did not arrive within {self.limits.header_timeout_s:g} s"))
 
-    def refuse(self, status: int, code: str, message: str) -> None:
-        self.refusal = (status, code, message)
+    def refuse(self, err: ApiError) -> None:
+        self.refusal = err
         self.send_400_response("")
 
     def send_400_response(self, msg: str) -> None:
-        if self.refusal is not None:
-            status, code, message = self.refusal
-        else:
-            status, code, message = 400, "INVALID_REQUEST", f"malformed HTTP request: {msg}"
+        """uvicorn calls this on a parse error (and so, through `_Refused`, on a refusal from a callback)."""
+        err = self.refusal or errors.invalid(f"malformed HTTP request: {msg}")
         self.guard.waiting.pop(self, None)
         self.deadline = 0.0
         if not self.transport.is_closing():
-            self.transport.write(json_error_head(status, code, message))
+            self.transport.write(json_error_answer(err))
             self.transport.close()

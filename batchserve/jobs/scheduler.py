@@ -8,7 +8,9 @@ take and interactive admission and latency see no difference. Free places are sh
 tenants; a tenant's jobs run oldest first.
 
 Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once;
-anything else (deadline, drain, a lost worker) is transient and retried with exponential backoff and jitter,
+so is a hang once the item has been re-run after one (by the pool, or by a retry here): as on the interactive
+path, each try of a hanging input costs a worker. Anything else (deadline,
+drain, a first hang) is transient and retried with exponential backoff and jitter,
 up to `jobs_max_attempts` runs. Results are buffered and written in batches of rows (`record`), every
 `FLUSH_S` or `FLUSH_ROWS`, which keeps SQLite commits cheap. An item whose result was not yet written when the
 process died is still `pending` in the store and runs again after a restart (at-least-once execution, results
@@ -32,6 +34,7 @@ from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome
+from batchserve.tenancy import lane_of
 
 log = logging.getLogger("batchserve.jobs")
 
@@ -62,13 +65,14 @@ class JobState:
     """What the scheduler holds for one unfinished job on this node."""
 
     id: str
-    tenant: str
+    tenant: str  # the scheduling lane of the job's owner (`tenancy.lane_of`)
     model: str
     cursor: int = -1  # highest index read from the store
     exhausted: bool = False  # no pending item left in the store after `cursor`
     buffer: deque[tuple[int, str]] = field(default_factory=deque)  # read, not yet submitted
     inflight: dict[int, Item] = field(default_factory=dict)
     attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
+    hung: set[int] = field(default_factory=set)  # indexes that were in a hung batch once already
     retrying: int = 0
     cancelled: bool = False
 
@@ -125,7 +129,7 @@ class Scheduler:
 
     def add(self, job: Job) -> None:
         if job.id not in self.jobs:
-            self.jobs[job.id] = JobState(job.id, job.tenant, job.model)
+            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model)
             self.metrics.active_jobs.set(len(self.jobs))
             self._wake.set()
 
@@ -249,7 +253,13 @@ class Scheduler:
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
         message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
         attempts = job.attempts.get(index, 0) + 1
-        if isinstance(exc, ApiError) and exc.status == 500 or attempts >= self.settings.jobs_max_attempts:
+        final = attempts >= self.settings.jobs_max_attempts
+        if isinstance(exc, ApiError):
+            final = final or exc.status == 500 or exc.hung == "again" or (exc.hung == "once" and index in job.hung)
+            if exc.hung:
+                job.hung.add(index)
+        if final:
+            job.hung.discard(index)
             self._outcome(job, Outcome(job.id, index, "failed", error=code, message=message))
             return
         job.attempts[index] = attempts
