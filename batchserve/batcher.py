@@ -38,7 +38,7 @@ class Batch:
     model: str
     items: list[Item]
     formed: float
-    cause: str  # full | deadline | pace | drain | retry
+    cause: str  # full | deadline | pace | drain | retry | isolated
     avoid_worker: int = -1  # a retry prefers another worker than the one that failed it
     after_hang: bool = False  # items of a batch whose worker hung: not retried a second time
     held: list[Item] = field(default_factory=list)  # bisection: the other half, waiting on this one's outcome
@@ -155,6 +155,12 @@ class Batcher:
         batch.formed = self.clock()
         background = all(item.tier >= tiers.BATCH.rank for item in batch.items)
         (self.background_retries if background else self.retries).append(batch)
+        self._wake.set()
+
+    def submit_alone(self, item: Item) -> None:
+        """A batch-job item that runs in a batch of its own, once no interactive item waits (its job's items
+        keep failing: riding in interactive batches, each failure would cost the batch-mates a re-run)."""
+        self.background_retries.append(Batch(item.model, [item], self.clock(), "isolated"))
         self._wake.set()
 
     def interactive_waiting(self) -> int:

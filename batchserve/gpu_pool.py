@@ -231,6 +231,12 @@ class GpuPool:
                 self._retry_or_fail(Batch(batch.model, part, batch.formed, batch.cause, batch.avoid_worker,
                                           batch.after_hang), w, problem, cause, parts)
             return
+        if cause == "hang" and jobs:
+            # Job items are not re-run in groups here: the job scheduler retries each one alone (it is in no
+            # hurry), so its innocent items succeed and the hanging one costs one more worker at most.
+            for item in items:
+                item.future.set_exception(errors.worker_hung(again=batch.after_hang))
+            return
         self.metrics.batch_retries.labels(batch.model, cause).inc()
         if len(items) > 1 and cause == "hang":
             parts = max(2, min(parts, len(items)))

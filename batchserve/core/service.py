@@ -108,12 +108,17 @@ class InferenceService:
                          result.batch_size)
         return result
 
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float) -> Item:
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
+                          alone: bool = False) -> Item:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
         interactive work leaves, and the job scheduler bounds how many wait); its future carries an
-        `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet."""
+        `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet. `alone`: the item
+        runs in a batch of its own once no interactive item waits (the job's items keep failing)."""
         now = self.clock()
         item = Item(text, model, self.backends[model].bucket_of(text), asyncio.get_running_loop().create_future(),
                     now, now + deadline_s, None, BATCH.rank, tenant)
-        self.batcher.submit(item)
+        if alone:
+            self.batcher.submit_alone(item)
+        else:
+            self.batcher.submit(item)
         return item

@@ -49,7 +49,8 @@ class Door(Protocol):
     def max_batch_size(self) -> int: ...
     def healthy_workers(self) -> int: ...
     def models(self) -> list[str]: ...
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float) -> Item: ...
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
+                          alone: bool = False) -> Item: ...
 
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
@@ -58,6 +59,10 @@ CLAIM_CHUNK = 512  # pending items read from the store at a time, per job
 FLUSH_S = 0.05
 FLUSH_ROWS = 1000
 RETRY_CAP_S = 60.0
+# A job whose recent items mostly fail is isolated: its items run alone, after interactive work, instead of
+# riding in interactive batches, where each failure would cost the batch-mates a re-run (a batch time).
+FAILING_WINDOW = 16  # the last outcomes of a job looked at
+FAILING_SHARE = 0.5  # isolated while at least this share of them failed
 
 
 @dataclass(eq=False)
@@ -73,6 +78,11 @@ class JobState:
     inflight: dict[int, Item] = field(default_factory=dict)
     attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
     hung: set[int] = field(default_factory=set)  # indexes that were in a hung batch once already
+    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = failed
+
+    def failing(self) -> bool:
+        """Most of the job's recent items failed: run the rest alone, away from interactive batches."""
+        return sum(self.recent) >= FAILING_SHARE * FAILING_WINDOW
     retrying: int = 0
     cancelled: bool = False
 
@@ -227,7 +237,8 @@ class Scheduler:
             job.exhausted = True
 
     def _submit(self, job: JobState, index: int, text: str) -> None:
-        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
+        alone = job.failing() or index in job.hung  # after a hang, an item runs alone: the culprit hangs only itself
+        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S, alone=alone)
         job.inflight[index] = item
         self.inflight += 1
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
@@ -248,8 +259,10 @@ class Scheduler:
             return
         exc = fut.exception()
         if exc is None:
+            job.recent.append(False)
             self._outcome(job, Outcome(job.id, index, "completed", output=fut.result().output))
             return
+        job.recent.append(True)
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
         message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
         attempts = job.attempts.get(index, 0) + 1
@@ -259,7 +272,6 @@ class Scheduler:
             if exc.hung:
                 job.hung.add(index)
         if final:
-            job.hung.discard(index)
             self._outcome(job, Outcome(job.id, index, "failed", error=code, message=message))
             return
         job.attempts[index] = attempts
@@ -273,6 +285,7 @@ class Scheduler:
 
     def _outcome(self, job: JobState, outcome: Outcome) -> None:
         job.attempts.pop(outcome.index, None)
+        job.hung.discard(outcome.index)
         self.metrics.count(job.model, outcome.status)
         self.outcomes.append(outcome)
         if len(self.outcomes) >= FLUSH_ROWS:
