@@ -349,8 +349,9 @@ def test_a_repaired_jobs_database_opens_on_the_next_request(tmp_path, server_fac
     with s.client() as c:
         r = c.post("/v1/batches", json={"inputs": ["a"]})
         assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE"
-        db.unlink()
-        sqlite3.connect(db).close()  # repaired: an empty, valid database
+        with open(db, "r+b") as f:  # repaired in place (the same file): empty is a valid SQLite database
+            f.truncate(0)
+        sqlite3.connect(db).close()
         r = c.post("/v1/batches", json={"inputs": ["a"]})
         assert r.status_code == 202, r.text
         assert wait_for(lambda: finished(c, r.json()["id"]))["completed"] == 1
@@ -378,7 +379,7 @@ def test_a_hanging_job_item_costs_at_most_two_workers(tmp_path, server_factory):
 
 # -- 5. a stalled event loop -----------------------------------------------------------------------------------
 def test_a_huge_job_body_neither_stalls_the_loop_nor_marks_workers_hung(tmp_path, server_factory):
-    """16 MB of one-character inputs, parsed whole, held the loop (and the GIL) for about a second while a
+    """48 MB of one-character inputs, parsed whole, held the loop (and the GIL) for about a second while a
     batch ran: its watchdog fired late and marked a healthy worker hung. Now the body is parsed a slice at a
     time and refused after item 1,001; the watchdog reads the worker's own clock."""
     s = server_factory("--devices", "1", "--sim-batch-ms", "150", "--gpu-timeout-ms", "300",
@@ -396,11 +397,11 @@ def test_a_huge_job_body_neither_stalls_the_loop_nor_marks_workers_hung(tmp_path
         t.start()
     try:
         time.sleep(0.5)
-        body = b'{"inputs": [' + b",".join([b'"a"'] * (4 << 20)) + b"]}"
+        body = b'{"inputs": [' + b",".join([b'"a"'] * (12 << 20)) + b"]}"  # 48 MB
         with s.client() as c:
             for _ in range(2):
                 r = c.post("/v1/batches", content=body, headers={"Content-Type": "application/json"})
-                assert r.status_code == 400 and "more than 1000" in r.json()["message"]
+                assert r.status_code == 400 and "at most 1000" in r.json()["message"]
             time.sleep(0.5)
             text = c.get("/metrics").text
     finally:
