@@ -1,5 +1,9 @@
 # batchserve on the real model, on the node's GPUs. Build: docker build -t batchserve .
 # Run:  docker run --gpus all -p 8000:8000 -e BATCHSERVE_ALLOW_ANONYMOUS=true batchserve
+# Binding and keys: the server listens on 0.0.0.0 inside the container (its loopback is unreachable from
+# outside), so publish the port only where callers should reach it (-p 127.0.0.1:8000:8000 on one host), give
+# callers keys (BATCHSERVE_CONFIG=/path/to/keys.toml, mounted read-only) rather than BATCHSERVE_ALLOW_ANONYMOUS,
+# and set BATCHSERVE_METRICS_KEY so /metrics and /internal/* need a bearer token (docs/hardening.md).
 FROM nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
 
 ENV DEBIAN_FRONTEND=noninteractive PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \

@@ -89,6 +89,6 @@ def create_app(settings: Settings) -> FastPath:
             await rt.stop()
 
     app = Starlette(routes=[route for routes, _ in WINGS for route in routes], lifespan=lifespan,
-                    exception_handlers={HTTPException: ops.http_error})
+                    exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error})
     app.state.openapi = orjson.dumps(openapi_document())
     return FastPath(app, inference.FAST_ROUTES)

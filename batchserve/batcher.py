@@ -11,7 +11,8 @@ others queue behind it. The waiting worker takes a batch as soon as one of these
 - the server is draining.
 
 Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
-Retried sub-batches (bisection after a failure, see `gpu_pool`) go before new work.
+Retried sub-batches (bisection after a failure, see `gpu_pool`) of interactive items go before new work; those
+of batch-job items go after it, only while no interactive item waits (a failing job must not hold the workers).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Batch:
     model: str
     items: list[Item]
     formed: float
-    cause: str  # full | deadline | pace | drain | retry
+    cause: str  # full | deadline | pace | drain | retry | isolated
     avoid_worker: int = -1  # a retry prefers another worker than the one that failed it
     after_hang: bool = False  # items of a batch whose worker hung: not retried a second time
     held: list[Item] = field(default_factory=list)  # bisection: the other half, waiting on this one's outcome
@@ -54,7 +55,8 @@ class Batcher:
     tier_depth: list[int] = field(default_factory=tiers.counters)  # queued items per tier rank
     tenant_depth: dict[tuple[int, str], int] = field(default_factory=dict)
     active_tenants: list[int] = field(default_factory=tiers.counters)  # tenants with queued items, per tier
-    retries: deque[Batch] = field(default_factory=deque)
+    retries: deque[Batch] = field(default_factory=deque)  # re-runs holding interactive items: before new work
+    background_retries: deque[Batch] = field(default_factory=deque)  # re-runs of job items: after all of it
     healthy_workers: int = 1
     draining: bool = False
     closed: bool = False
@@ -121,6 +123,8 @@ class Batcher:
         key, due, cause = self.most_urgent(now)
         if key is not None and due <= now:
             return self.form(key, now, cause, due)
+        if self.background_retries and not self.interactive_waiting():
+            return self.take_retry(worker, now, self.background_retries)
         return None
 
     async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:
@@ -135,16 +139,33 @@ class Batcher:
                 if batch is not None:
                     return batch, False
                 continue
-            if self.retries:
+            background = bool(self.background_retries) and not self.interactive_waiting()
+            if background:
+                batch = self.take_retry(worker, now, self.background_retries)
+                if batch is not None:
+                    return batch, False
+            if self.retries or background:
                 return None, True
             await self._sleep(None if key is None else due - now)
         return None, False
 
     def requeue(self, batch: Batch) -> None:
-        """Run these items again as they are (a half of a failed batch), before any new work."""
+        """Run these items again as they are (a half of a failed batch): before any new work when it holds an
+        interactive item, else (only batch-job items) once no interactive item waits."""
         batch.formed = self.clock()
-        self.retries.append(batch)
+        background = all(item.tier >= tiers.BATCH.rank for item in batch.items)
+        (self.background_retries if background else self.retries).append(batch)
         self._wake.set()
+
+    def submit_alone(self, item: Item) -> None:
+        """A batch-job item that runs in a batch of its own, once no interactive item waits (its job's items
+        keep failing: riding in interactive batches, each failure would cost the batch-mates a re-run)."""
+        self.background_retries.append(Batch(item.model, [item], self.clock(), "isolated"))
+        self._wake.set()
+
+    def interactive_waiting(self) -> int:
+        """Interactive items queued (every tier above batch)."""
+        return sum(self.tier_depth[:tiers.BATCH.rank])
 
     def return_items(self, items: list[Item]) -> None:
         """Put items back at the head of their queues, to ride in the next regular batch (the half of a
@@ -185,12 +206,13 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(err)
                     answered += 1
-        for batch in self.retries:
+        for batch in (*self.retries, *self.background_retries):
             for item in batch.items:
                 if not item.future.done():
                     item.future.set_exception(err)
                     answered += 1
         self.retries.clear()
+        self.background_retries.clear()
         return answered
 
     # -- policy ------------------------------------------------------------------------------------------
@@ -248,18 +270,20 @@ class Batcher:
         self.served_at[key[0]] = now
         return Batch(key[0], items, now, cause)
 
-    def take_retry(self, worker: int, now: float) -> Batch | None:
-        """The oldest retry batch this worker may run: one that failed on it goes to another healthy worker,
-        unless none has taken it within two batch times (any busy worker is free by then)."""
-        for batch in list(self.retries):
+    def take_retry(self, worker: int, now: float, retries: deque[Batch] | None = None) -> Batch | None:
+        """The oldest retry batch this worker may run (of `retries`, by default the interactive ones): one
+        that failed on it goes to another healthy worker, unless none has taken it within two batch times
+        (any busy worker is free by then)."""
+        retries = self.retries if retries is None else retries
+        for batch in list(retries):
             batch.items = [i for i in batch.items if i.alive(now)]
             if not batch.items:
-                self.retries.remove(batch)
+                retries.remove(batch)
                 continue
             if (batch.avoid_worker == worker and self.healthy_workers > 1
                     and now - batch.formed < 2 * self.batch_s[batch.model]):
                 continue
-            self.retries.remove(batch)
+            retries.remove(batch)
             batch.formed = now
             for item in batch.items:
                 item.dispatched = now

@@ -54,6 +54,17 @@ class Settings:
                                          "x the tier's factor (enterprise 1.2, paid 1.0, free and batch 0.8)")
     max_body_bytes: int = knob(1 << 20, "largest request body; larger gets 413 before it is buffered")
     max_input_chars: int = knob(16384, "longest input string; longer gets 413")
+    max_header_bytes: int = knob(32768, "largest request head (request line and headers); larger gets 431")
+    max_headers: int = knob(100, "most header lines in a request; more gets 431")
+    header_timeout_s: float = knob(10.0, "a request head must arrive within this many seconds of its first byte "
+                                         "(or of the connection); later gets 408 and the connection closes")
+    body_timeout_s: float = knob(30.0, "a request body must arrive within this many seconds of its head; later "
+                                       "gets 408 and the connection closes")
+    keep_alive_timeout_s: float = knob(5.0, "an idle keep-alive connection is closed after this many seconds")
+    max_connections: int = knob(0, "most open connections; past it the longest idle one is closed (0 = the "
+                                   "descriptor limit less a reserve)")
+    metrics_key: str = knob("", "bearer token required on /metrics, /internal/health and /internal/generation "
+                                "(empty = open; set it whenever the port is reachable by callers)")
     sim_batch_ms: float = knob(100.0, "sim: time one batch takes, whatever its size")
     sim_fail_marker: str = knob("", "sim: a batch holding an input containing this raises")
     sim_hang_marker: str = knob("", "sim: a batch holding an input containing this blocks for sim_hang_ms")
@@ -71,7 +82,7 @@ class Settings:
                                               "first job) or a postgresql:// URL shared by many nodes; empty "
                                               "disables batch jobs")
     jobs_max_items: int = knob(50000, "most inputs in one batch job; more gets 400")
-    jobs_max_body_bytes: int = knob(64 << 20, "largest POST /v1/batches body; larger gets 413 before it is buffered")
+    jobs_max_body_bytes: int = knob(16 << 20, "largest POST /v1/batches body; larger gets 413 before it is buffered")
     jobs_max_inflight: int = knob(0, "job items queued or running at once (0 = 2 x max_batch_size x healthy "
                                      "workers: enough to fill the places interactive requests leave)")
     jobs_max_attempts: int = knob(5, "runs of a job item on transient errors before it is recorded failed")
@@ -114,6 +125,10 @@ class Settings:
             problems.append("jobs_lease_s and jobs_poll_s must be positive")
         if self.max_queue < 1 or self.max_body_bytes < 64:
             problems.append("max_queue must be >= 1 and max_body_bytes >= 64")
+        if self.max_header_bytes < 1024 or self.max_headers < 8:
+            problems.append("max_header_bytes must be >= 1024 and max_headers >= 8")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_timeout_s) <= 0:
+            problems.append("header_timeout_s, body_timeout_s and keep_alive_timeout_s must be positive")
         if not self.keys and not self.allow_anonymous and not is_loopback(self.host):
             problems.append(f"serving on {self.host} with no API keys needs --allow-anonymous "
                             f"(or [[keys]] in --config)")

@@ -21,6 +21,7 @@ class ApiError(Exception):
     message: str
     retry_after_ms: int | None = None
     headers: dict[str, str] | None = None
+    hung: str = ""  # for the server's own policy, never shown: "once" (its batch hung), "again" (its re-run too)
 
     def __str__(self) -> str:
         return f"{self.status} {self.code}: {self.message}"
@@ -71,13 +72,26 @@ def rate_limited(message: str, retry_after_ms: float, headers: dict[str, str]) -
     return ApiError(429, "RATE_LIMITED", message, retry_after_ms=max(1, int(retry_after_ms)), headers=headers)
 
 
+def request_timeout(message: str) -> ApiError:
+    return ApiError(408, "REQUEST_TIMEOUT", message)
+
+
+def headers_too_large(message: str) -> ApiError:
+    return ApiError(431, "HEADERS_TOO_LARGE", message)
+
+
 # -- 5xx: the server's state ------------------------------------------------------------------------------
+def internal_error() -> ApiError:
+    """An exception nobody expected: the answer says nothing of it (the log has the traceback)."""
+    return ApiError(500, "INTERNAL_ERROR", "the server failed on this request; it is logged")
+
+
+def not_implemented(message: str) -> ApiError:
+    return ApiError(501, "NOT_IMPLEMENTED", message)
+
+
 def inference_failed(detail: str) -> ApiError:
     return ApiError(500, "INFERENCE_FAILED", f"the backend failed on this input: {detail}")
-
-
-def internal_error() -> ApiError:
-    return ApiError(500, "INTERNAL_ERROR", "the server failed on this request; the error is in its log")
 
 
 def overloaded(message: str, retry_after_ms: float) -> ApiError:
@@ -102,6 +116,20 @@ def jobs_unavailable(message: str, retry_after_ms: int = 5000) -> ApiError:
 
 def deadline_exceeded() -> ApiError:
     return ApiError(504, "DEADLINE_EXCEEDED", "the request's deadline passed before it could be answered")
+
+
+def worker_hung(again: bool) -> ApiError:
+    """A 504 because the item's batch hung a worker; `again`: it had been re-run once after a hang already.
+    The job scheduler retries a job item after its first hang only (each try of a hanging input costs a
+    worker), as the pool re-runs an interactive item once."""
+    return ApiError(504, "DEADLINE_EXCEEDED", "the batch holding this request hung its worker",
+                    hung="again" if again else "once")
+
+
+def deadline_unmeetable(batch_ms: float) -> ApiError:
+    """The deadline is shorter than one batch of the model: no retry can meet it, so no retry hint."""
+    return ApiError(504, "DEADLINE_EXCEEDED", f"timeout_ms is shorter than one batch of this model "
+                                              f"(about {batch_ms:.0f} ms): it cannot be met")
 
 
 def short(value: object, limit: int = 80) -> str:

@@ -41,6 +41,11 @@ class Worker:
     busy_s: float = 0.0  # completed batch time, for the busy ratio
     batches: int = 0
     generation: int = 0  # bumped when the worker is abandoned, so a late answer is recognised and dropped
+    # Written by the worker thread, read by the watchdog: the batch it runs and when it began it, by the
+    # thread's own clock, and the last batch it finished (a stalled loop may not have heard of it yet).
+    running: Batch | None = None
+    running_since: float = 0.0
+    finished: Batch | None = None
     thread: threading.Thread | None = None
     watchdog: asyncio.TimerHandle | None = None  # fires at started + gpu_timeout unless the batch ends first
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # the loop hands batches to the thread
@@ -126,12 +131,14 @@ class GpuPool:
                 return
             generation = w.generation
             started = time.monotonic()
+            w.running_since, w.running = started, batch
             outputs: object = None
             error: BaseException | None = None
             try:
                 outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
             except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
                 error = exc
+            w.finished, w.running = batch, None
             finished = (generation, batch, outputs, error, time.monotonic() - started)
 
     def _turnaround(self, w: Worker, finished: tuple | None) -> None:
@@ -218,6 +225,20 @@ class GpuPool:
         items = [i for i in batch.items if i.alive(now)]
         if not items:
             return
+        jobs = [i for i in items if i.tier >= BATCH.rank]
+        if jobs and len(jobs) < len(items):
+            # Interactive items and job items are isolated apart: the job items' re-runs go behind interactive
+            # work (the batcher's background retries), so a job full of failing inputs cannot hold the workers.
+            for part in ([i for i in items if i.tier < BATCH.rank], jobs):
+                self._retry_or_fail(Batch(batch.model, part, batch.formed, batch.cause, batch.avoid_worker,
+                                          batch.after_hang), w, problem, cause, parts)
+            return
+        if cause == "hang" and jobs:
+            # Job items are not re-run in groups here: the job scheduler retries each one alone (it is in no
+            # hurry), so its innocent items succeed and the hanging one costs one more worker at most.
+            for item in items:
+                item.future.set_exception(errors.worker_hung(again=batch.after_hang))
+            return
         self.metrics.batch_retries.labels(batch.model, cause).inc()
         if len(items) > 1 and cause == "hang":
             parts = max(2, min(parts, len(items)))
@@ -234,7 +255,7 @@ class GpuPool:
             item.attempts += 1
             self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index))
             return
-        err = errors.deadline_exceeded() if cause == "hang" else errors.inference_failed(problem)
+        err = errors.worker_hung(again=batch.after_hang) if cause == "hang" else errors.inference_failed(problem)
         item.future.set_exception(err)
 
     # -- hung workers ----------------------------------------------------------------------------------------
@@ -247,6 +268,16 @@ class GpuPool:
         second loss is risked only while the workers left after it could still serve twice the recent
         arrival rate; otherwise the items are answered 504 at once and capacity is kept."""
         if w.batch is not batch or not w.healthy:
+            return
+        if w.finished is batch:
+            return  # it ended in time; the loop has not yet run its turnaround (it was busy, or stalled)
+        if w.running is batch:
+            ran = self.clock() - w.running_since  # when the thread began it: a late timer is no evidence
+            if ran < limit:
+                w.watchdog = self.loop.call_later(limit - ran, self._abandon, w, batch, limit)
+                return
+        else:  # handed over but not begun yet (the thread waited for the interpreter): its time starts later
+            w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
             return
         log.error("worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
                   w.name, len(batch.items), self.clock() - w.started, limit)
@@ -267,7 +298,7 @@ class GpuPool:
             # Already hung once, no worker left, or too little spare capacity: answer rather than risk another.
             for item in batch.items:
                 if not item.future.done():
-                    item.future.set_exception(errors.deadline_exceeded())
+                    item.future.set_exception(errors.worker_hung(again=batch.after_hang))
             return
         self._retry_or_fail(batch, w, "worker hung", "hang", parts=healthy)
 

@@ -19,6 +19,7 @@ from batchserve.config import Settings
 from batchserve.core import tiers
 
 ANONYMOUS = "anonymous"
+ANONYMOUS_OWNER = ANONYMOUS + "@"  # + the client's address: who owns an anonymous caller's jobs and records
 
 # Requests per second and burst of each tier unless the config file says otherwise.
 DEFAULT_TIER_RATES: dict[str, tuple[float, float]] = {t.name: (t.rate, t.burst) for t in tiers.TIERS}
@@ -26,9 +27,16 @@ DEFAULT_TIER_RATES: dict[str, tuple[float, float]] = {t.name: (t.rate, t.burst) 
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    tenant: str
+    tenant: str  # the lane it is scheduled and rate-limited in (all anonymous callers share one)
     tier: int  # a tiers.Tier rank
     key_id: str = ""  # first 12 hex digits of the key's digest (safe to log); "" for anonymous callers
+    owner: str = ""  # who its jobs and request records belong to: the tenant, or anonymous@<client address>
+
+
+def lane_of(owner: str) -> str:
+    """The scheduling lane of an owner: anonymous owners (one per client address) share the anonymous lane,
+    so the fair queue holds one lane per configured tenant, not one per address ever seen."""
+    return ANONYMOUS if owner.startswith(ANONYMOUS_OWNER) else owner
 
 
 @dataclass
@@ -78,14 +86,16 @@ class Tenancy:
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._anonymous = Caller(ANONYMOUS, tiers.by_name(self.anonymous_tier).rank)
+        self._anonymous_rank = tiers.by_name(self.anonymous_tier).rank
 
     @classmethod
     def from_settings(cls, s: Settings) -> "Tenancy":
         return cls(keys=[KeyEntry(**k) for k in s.keys], tier_rates={**DEFAULT_TIER_RATES, **s.tier_rates},
                    anonymous_allowed=not s.keys or s.allow_anonymous, anonymous_tier=s.anonymous_tier)
 
-    def identify(self, authorization: str | None) -> Caller:
+    def identify(self, authorization: str | None, client: str = "") -> Caller:
+        """The caller of a request, from its Authorization header; `client` (the peer's address) tells
+        anonymous callers apart as owners of jobs and request records."""
         token = ""
         if authorization:
             scheme, _, token = authorization.partition(" ")
@@ -94,7 +104,7 @@ class Tenancy:
             token = token.strip()
         if not token:
             if self.anonymous_allowed:
-                return self._anonymous
+                return Caller(ANONYMOUS, self._anonymous_rank, "", ANONYMOUS_OWNER + client)
             raise errors.unauthorized("an API key is required: 'Authorization: Bearer <key>'")
         wanted = digest(token)
         found: KeyEntry | None = None
@@ -103,7 +113,7 @@ class Tenancy:
                 found = entry
         if found is None:
             raise errors.unauthorized("unknown API key")
-        return Caller(found.tenant, tiers.by_name(found.tier).rank, wanted[:12])
+        return Caller(found.tenant, tiers.by_name(found.tier).rank, wanted[:12], found.tenant)
 
     def take_token(self, caller: Caller) -> dict[str, str]:
         """Spend one request from the caller's bucket; returns the X-RateLimit-* headers, or raises 429."""

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 import pytest
@@ -41,11 +42,12 @@ class LiveServer:
 
 
 def start_server(*args: str, ready: bool = True, env: dict[str, str] | None = None,
-                 timeout: float = 60) -> LiveServer:
-    """Start `batchserve serve` on port 0 and return once it listens (and, if `ready`, once /readyz is 200)."""
+                 timeout: float = 60, preexec_fn: Callable[[], None] | None = None) -> LiveServer:
+    """Start `batchserve serve` on port 0 and return once it listens (and, if `ready`, once /readyz is 200).
+    `preexec_fn` runs in the child before the server starts (e.g. to lower its descriptor limit)."""
     cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--log-level", "info", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, preexec_fn=preexec_fn)
     lines: list[str] = []
     port: list[int] = []
 

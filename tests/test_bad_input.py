@@ -75,9 +75,12 @@ def schemas(client: httpx.Client) -> Schemas:
 # -- the oracle: DESIGN §2, field by field ---------------------------------------------------------------------
 def allowed(body: bytes, content_type: str | None) -> set[int]:
     """Every status DESIGN §2 allows for this body: each problem found is a valid reason for its status.
-    A media type naming JSON (application/json, +json, any charset) or none at all means JSON; others 400."""
+    The media type application/json or application/<anything>+json (any parameters), or none at all, means
+    JSON; any other (text/json, application/notjson) 400."""
     content_type = (content_type or "").strip()  # HTTP trims header values; an empty one says nothing
-    if content_type and "json" not in content_type.split(";")[0].lower():
+    media = content_type.split(";")[0].strip().lower()
+    if media and media != "application/json" and not (
+            media.startswith("application/") and media.endswith("+json") and len(media) > len("application/+json")):
         return {400}
     if len(body) > MAX_BODY:
         return {413}
@@ -156,6 +159,7 @@ content_types = st.one_of(
     st.sampled_from(["application/json", "application/json; charset=utf-8", "APPLICATION/JSON",
                      "application/vnd.api+json", "text/json", "text/plain", "application/x-www-form-urlencoded",
                      "multipart/form-data; boundary=x", "application/octet-stream", "", ";", "json",
+                     "application/notjson", "application/+json", "application/problem+json; charset=utf-8",
                      "application/json;;;", "*/*"]),
     st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=40).map(str.strip),
 )  # stripped: HTTP trims header values and h11 refuses to send untrimmed ones

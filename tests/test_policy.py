@@ -264,7 +264,11 @@ def test_a_hung_batch_is_rerun_spread_over_the_workers_when_capacity_allows(loop
     w = pool.workers[0]
     batch = Batch("m", items, clock.now, "pace")
     w.batch, w.started = batch, clock.now
-    clock.now += 1.5
+    w.running, w.running_since = batch, clock.now  # what the worker thread notes as it begins the batch
+    clock.now += 0.5
+    pool._abandon(w, batch, 1.0)  # a timer firing early (or a stalled loop's late one) is no evidence
+    assert w.healthy and not b.retries
+    clock.now += 1.0
     pool._abandon(w, batch, 1.0)
     assert not w.healthy and pool.healthy_count() == 2
     assert len(b.retries) == 2 and all(r.after_hang for r in b.retries)
@@ -279,6 +283,8 @@ def test_a_hung_batch_is_answered_504_when_another_loss_would_not_be_absorbed(lo
     w = pool.workers[0]
     batch = Batch("m", items, clock.now, "pace")
     w.batch, w.started = batch, clock.now
+    w.running, w.running_since = batch, clock.now
+    clock.now += 1.5
     pool._abandon(w, batch, 1.0)
     assert not b.retries and all(i.future.exception().status == 504 for i in items)
 

@@ -104,6 +104,8 @@ class Admission:
             self.check_open()  # raises the 503 that says which
         assert capacity is not None
         batch_s = batcher.batch_s[model]
+        if deadline_s < batch_s:  # not even an idle worker could answer in time: retrying would not help
+            raise errors.deadline_unmeetable(batch_s * 1000)
         if batcher.depth.get(model, 0) >= self.max_queue:
             raise errors.overloaded(f"the queue for {model} is full ({self.max_queue} items)",
                                     retry_after_ms=batch_s * 1000)

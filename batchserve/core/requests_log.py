@@ -1,4 +1,8 @@
-"""Recent requests by id, for `GET /v1/requests/{id}`: a bounded, insertion-ordered map.
+"""Recent requests by owner and id, for `GET /v1/requests/{id}`: a bounded, insertion-ordered map.
+
+A record belongs to the tenant that made the request (for anonymous callers, their address): it is stored
+and found under (owner, id), so another tenant neither reads it nor, by sending the same `X-Request-ID`,
+overwrites it.
 
 In memory and per process: behind a load balancer a status lookup must reach the node that served the
 request (the answer's `X-Request-ID` and the node's logs are the durable record).
@@ -15,6 +19,7 @@ from dataclasses import asdict, dataclass
 class Record:
     request_id: str
     model: str
+    owner: str = ""  # the tenant (or anonymous@address) that made the request; not shown
     status: str = "queued"  # queued | processing | completed | failed
     created_at: float = 0.0  # wall clock, seconds since the epoch
     latency_ms: float | None = None
@@ -29,20 +34,24 @@ class Record:
         self.batch_size = batch_size
 
     def public(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["owner"]
+        return out
 
 
 class RequestLog:
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._records: OrderedDict[str, Record] = OrderedDict()
+        self._records: OrderedDict[tuple[str, str], Record] = OrderedDict()
 
-    def add(self, request_id: str, model: str) -> Record:
-        rec = Record(request_id, model, created_at=time.time())
-        self._records[request_id] = rec
+    def add(self, owner: str, request_id: str, model: str) -> Record:
+        rec = Record(request_id, model, owner, created_at=time.time())
+        key = (owner, request_id)
+        self._records.pop(key, None)  # a reused id is the owner's newest request: keep it the youngest
+        self._records[key] = rec
         if len(self._records) > self.capacity:
             self._records.popitem(last=False)
         return rec
 
-    def get(self, request_id: str) -> Record | None:
-        return self._records.get(request_id)
+    def get(self, owner: str, request_id: str) -> Record | None:
+        return self._records.get((owner, request_id))

@@ -78,12 +78,12 @@ class InferenceService:
 
     # -- the door -----------------------------------------------------------------------------------------
     async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
-                    request_id: str, gone: Callable[[], bool] | None = None) -> ItemResult:
+                    request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
         504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
-        An admitted request is recorded under `request_id` with its status as it moves."""
+        An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves."""
         self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived))
-        record = self.requests.add(request_id, model)
+        record = self.requests.add(owner or tenant, request_id, model)
         loop = asyncio.get_running_loop()
         item = Item(text, model, self.backends[model].bucket_of(text), loop.create_future(), arrived,
                     arrived + timeout_s, record, tier, tenant, gone=gone)
@@ -104,12 +104,17 @@ class InferenceService:
                          result.batch_size)
         return result
 
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float) -> Item:
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
+                          alone: bool = False) -> Item:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
         interactive work leaves, and the job scheduler bounds how many wait); its future carries an
-        `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet."""
+        `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet. `alone`: the item
+        runs in a batch of its own once no interactive item waits (the job's items keep failing)."""
         now = self.clock()
         item = Item(text, model, self.backends[model].bucket_of(text), asyncio.get_running_loop().create_future(),
                     now, now + deadline_s, None, BATCH.rank, tenant)
-        self.batcher.submit(item)
+        if alone:
+            self.batcher.submit_alone(item)
+        else:
+            self.batcher.submit(item)
         return item

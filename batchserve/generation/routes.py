@@ -13,6 +13,7 @@ from starlette.routing import Route
 from batchserve.generation.engine import Engine, enabled
 from batchserve.generation.protocol import JSON
 from batchserve.generation.serving import generate
+from batchserve.http.ops import operational
 from batchserve.runtime import Runtime
 
 
@@ -43,5 +44,5 @@ async def generation_status(request: Request) -> Response:
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
-    Route("/internal/generation", generation_status, methods=["GET"]),
+    Route("/internal/generation", operational(generation_status), methods=["GET"]),
 ]

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.engine import Delta, Engine, Sequence, enabled
@@ -82,7 +83,7 @@ async def generate(request: Request, chat: bool) -> Response:
             raise OpenAIError.from_api(err) from None
         req = parse(body, chat, engine.cfg.max_tokens)
         if req.model not in model_aliases(rt.settings, engine):
-            raise OpenAIError(404, f"the model '{req.model}' does not exist here (see GET /v1/models)", "model",
+            raise OpenAIError(404, f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)", "model",
                               "model_not_found")
         if chat:
             prompt_ids = engine.encode_chat(req.prompt)  # type: ignore[arg-type]

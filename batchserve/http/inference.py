@@ -23,8 +23,8 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError, ClientGone
 from batchserve.generation.routes import model_cards
-from batchserve.http.body import (error_body, error_response, inference_headers, json_response, parse_json_object,
-                                  read_body_from, request_id_from, send_json)
+from batchserve.http.body import (client_host, error_body, error_response, inference_headers, json_response,
+                                  new_request_id, parse_json_object, read_body_from, request_id_from, send_json)
 from batchserve.runtime import Runtime
 
 
@@ -86,7 +86,7 @@ class InferenceEndpoint:
         model_id = "unknown"
         limit_headers: dict[str, str] = {}
         try:
-            caller = rt.tenancy.identify(headers.get("authorization"))
+            caller = rt.tenancy.identify(headers.get("authorization"), client_host(scope))
             limit_headers = rt.tenancy.take_token(caller)
             try:
                 body = await read_body_from(receive, s.max_body_bytes, headers.get("content-length"))
@@ -99,7 +99,8 @@ class InferenceEndpoint:
             model_id = spec.id
             try:
                 result = await rt.service.infer(text, model_id, caller.tier, caller.tenant, timeout_s, arrived,
-                                                request_id, disconnect_probe(receive) or _Watcher(receive))
+                                                request_id, disconnect_probe(receive) or _Watcher(receive),
+                                                caller.owner)
             except ClientGone:
                 return  # nobody reads an answer: the connection is gone
             latency_s = time.monotonic() - arrived
@@ -125,12 +126,21 @@ class InferenceEndpoint:
 
 
 async def request_status(request: Request) -> Response:
+    """A recent request's status, to the tenant that made it only: the caller is identified as on the
+    inference route, and another tenant's id answers 404 exactly like an unknown one."""
     rt: Runtime = request.app.state.rt
-    request_id = request.path_params["request_id"]
-    record = rt.requests.get(request_id)
-    if record is None:
-        return error_response(errors.request_not_found(), request_id)
-    return json_response(record.public())
+    limit_headers: dict[str, str] = {}
+    try:
+        caller = rt.tenancy.identify(request.headers.get("authorization"), client_host(request.scope))
+        limit_headers = rt.tenancy.take_token(caller)
+        record = rt.requests.get(caller.owner, request.path_params["request_id"])
+        if record is None:
+            raise errors.request_not_found()
+    except ApiError as err:
+        if limit_headers and not err.headers:
+            err.headers = limit_headers
+        return error_response(err, new_request_id())  # never the path's id: it may be anything, of any length
+    return json_response(record.public(), headers=limit_headers or None)
 
 
 async def list_models(request: Request) -> Response:

@@ -4,6 +4,7 @@ plus the JSON rendering of the router's own 404/405."""
 from __future__ import annotations
 
 import time
+from typing import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -12,6 +13,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from batchserve import errors
+import hmac
+import logging
+
 from batchserve.http.body import JSON, error_response, json_response, request_id_of
 from batchserve.runtime import Runtime
 
@@ -76,6 +80,39 @@ async def openapi_json(request: Request) -> Response:
     return Response(request.app.state.openapi, media_type=JSON)
 
 
+log = logging.getLogger("batchserve")
+
+
+def check_ops_key(request: Request, rt: Runtime) -> None:
+    """401 unless the caller shows `--metrics-key` (when one is set): the operational routes name workers,
+    queue depths and rates that callers need not see."""
+    key = rt.settings.metrics_key
+    if not key:
+        return
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise errors.unauthorized("this route needs the metrics key: 'Authorization: Bearer <metrics key>'")
+
+
+def operational(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """An operational route: served only with the metrics key, when one is set."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            check_ops_key(request, request.app.state.rt)
+        except errors.ApiError as err:
+            return error_response(err, request_id_of(request))
+        return await handler(request)
+
+    return endpoint
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """Any exception no route expected: a JSON 500 that says nothing of it; the traceback goes to the log."""
+    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(errors.internal_error(), request_id_of(request))
+
+
 async def http_error(request: Request, exc: Exception) -> Response:
     """The router's own 404 and 405, in the one error shape."""
     assert isinstance(exc, HTTPException)
@@ -91,7 +128,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
 ROUTES = [
     Route("/healthz", healthz, methods=["GET"]),
     Route("/readyz", readyz, methods=["GET"]),
-    Route("/internal/health", internal_health, methods=["GET"]),
-    Route("/metrics", metrics, methods=["GET"]),
+    Route("/internal/health", operational(internal_health), methods=["GET"]),
+    Route("/metrics", operational(metrics), methods=["GET"]),
     Route("/openapi.json", openapi_json, methods=["GET"]),
 ]

@@ -1,28 +1,261 @@
-"""uvicorn's httptools protocol, with DESIGN §2's JSON error body for requests broken at the HTTP level.
+"""uvicorn's httptools protocol, hardened: DESIGN §2's JSON error body for requests broken at the HTTP level,
+bounded request heads, read timeouts and a connection cap (docs/hardening.md).
 
 A request the HTTP parser cannot read (a bad Content-Length, a malformed request line, bad chunk framing)
 never reaches the app: uvicorn answers it itself, in plain text. Clients and tests rely on one error shape, so
 this answers the same 400 as JSON `{"error": "INVALID_REQUEST", "message", "request_id"}` (and still closes
 the connection, as uvicorn does: after a parse error the stream cannot be trusted).
+
+What httptools and uvicorn leave open, and how it is closed here:
+- Head size. httptools buffers a header line whole before its callback sees it, so the head is measured in
+  `data_received`, in bytes as they arrive (one addition per read): past `max_header_bytes` (or past
+  `max_headers` header lines) the answer is 431 `HEADERS_TOO_LARGE` and the connection closes.
+- Slow heads and bodies. Each connection carries one deadline: the head must arrive within
+  `header_timeout_s` of its first byte (or of the connection, for a fresh one), the body within
+  `body_timeout_s` of the head. One sweep a fraction of a second apart closes the connections past theirs
+  (408 `REQUEST_TIMEOUT`, or silently when not a byte of a request came): no timer per request.
+- Idle floods. At most `max_connections` are open: a connection past the cap evicts the one that has waited
+  longest without a request in the app (idle keep-alive, or a head still trickling in), so a health check on
+  a fresh connection is always served and descriptors are never exhausted.
+- Unread bodies. An answer given before the request body was read whole (401, 413, any early refusal) says
+  `Connection: close` and closes, rather than reading (and discarding) the rest of a body that may never end.
+- Transfer codings other than `chunked` (e.g. `gzip, chunked`) are refused with 501: the body would reach
+  the app still encoded.
 """
 
 from __future__ import annotations
 
-import secrets
+import asyncio
+import resource
+from dataclasses import dataclass, field
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+
+from batchserve import errors
+from batchserve.errors import ApiError
+from batchserve.http.body import new_request_id
 
 
-class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The knobs, from Settings (`http/server.py` builds this)."""
+
+    max_header_bytes: int = 32768
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 0  # 0 = derived from the descriptor limit (`connection_cap`)
+
+
+def connection_cap(configured: int) -> int:
+    """The connection cap: as configured, or (0) the descriptor limit less a reserve for the process's own
+    files (the jobs database, logs, model weights, the listener). Raises the soft descriptor limit to the hard
+    one first, so the cap is as high as the system allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if configured > 0:
+        return configured
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(16, soft - max(32, soft // 8))
+
+
+@dataclass(eq=False)
+class ConnectionGuard:
+    """What the connections of one server share: the limits, the connections with no request in the app
+    (oldest first: the eviction order) and the deadline sweep."""
+
+    limits: ConnectionLimits
+    cap: int
+    waiting: dict["GuardedHttpToolsProtocol", None] = field(default_factory=dict)  # insertion-ordered
+    sweep_s: float = 1.0
+    _sweep: asyncio.TimerHandle | None = None
+    evicted: int = 0
+    timed_out: int = 0
+    refused: int = 0
+
+    @classmethod
+    def create(cls, limits: ConnectionLimits) -> "ConnectionGuard":
+        shortest = min(limits.header_timeout_s, limits.body_timeout_s)
+        return cls(limits, connection_cap(limits.max_connections), sweep_s=min(1.0, max(0.02, shortest / 5)))
+
+    def start_sweeping(self, loop: asyncio.AbstractEventLoop, connections: set) -> None:
+        if self._sweep is None:
+            self._sweep = loop.call_later(self.sweep_s, self._tick, loop, connections)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, connections: set) -> None:
+        now = loop.time()
+        for conn in list(connections):
+            deadline = getattr(conn, "deadline", 0.0)
+            if deadline and deadline <= now:
+                conn.expire()
+        self._sweep = loop.call_later(self.sweep_s, self._tick, loop, connections) if connections else None
+
+    def make_room(self, newcomer: "GuardedHttpToolsProtocol", open_now: int) -> bool:
+        """Past the cap: close the connection that has waited longest without a request, so the newcomer is
+        served. False when every other connection has a request in the app (the newcomer is then closed)."""
+        if open_now <= self.cap:
+            return True
+        for victim in self.waiting:
+            if victim is not newcomer:
+                self.evicted += 1
+                victim.close_quietly()
+                return True
+        return False
+
+
+class _UnreadBodyClosesCycle(RequestResponseCycle):
+    """uvicorn's request cycle, except that an answer started before the request body was read whole closes
+    the connection (`Connection: close`) instead of reading the rest of the body to reuse it."""
+
+    async def send(self, message):  # type: ignore[override]
+        if self.more_body and not self.response_started:
+            self.keep_alive = False
+        await super().send(message)
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop the parser; `send_400_response` then answers the refusal."""
+
+
+def json_error_answer(err: ApiError) -> bytes:
+    """A whole error answer in DESIGN §2's shape, written by the protocol itself (the app never saw it)."""
+    request_id = new_request_id()
+    body = orjson.dumps({"error": err.code, "message": err.message, "request_id": request_id})
+    return b"".join([STATUS_LINE[err.status], b"content-type: application/json\r\nx-request-id: ", request_id.encode(),
+                     b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body])
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """One connection. `guard` is bound per server with functools.partial (see `http/server.py`)."""
+
+    def __init__(self, *args, guard: ConnectionGuard, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.guard = guard
+        self.limits = guard.limits
+        self.in_head = True  # reading a request head (or waiting for one), not a body
+        self.head_bytes = 0
+        self.deadline = 0.0  # loop time by which the head or body in progress must have arrived; 0 = none
+        self.refusal: ApiError | None = None
+
+    # -- connection life ----------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        guard = self.guard
+        guard.waiting[self] = None
+        self.deadline = self.loop.time() + self.limits.header_timeout_s
+        guard.start_sweeping(self.loop, self.connections)
+        if not guard.make_room(self, len(self.connections)):
+            guard.refused += 1
+            self.close_quietly()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.waiting.pop(self, None)
+        self.deadline = 0.0
+        super().connection_lost(exc)
+
+    def close_quietly(self) -> None:
+        self.guard.waiting.pop(self, None)
+        self.deadline = 0.0
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and not self.pipeline:
+            self.guard.waiting[self] = None  # idle keep-alive: evictable, oldest first
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if not self.in_head:
+            super().data_received(data)
+            return
+        if self.head_bytes == 0 and not self.deadline:  # a head begins on a kept-alive connection
+            self.deadline = self.loop.time() + self.limits.header_timeout_s
+        room = self.limits.max_header_bytes - self.head_bytes
+        if len(data) <= room:
+            self.head_bytes += len(data)
+            super().data_received(data)
+            return
+        # The head may end inside this read: feed what fits; if the head is still open after that, it is too big.
+        view = memoryview(data)
+        self.head_bytes += room
+        super().data_received(view[:room])
+        if self.in_head:
+            if self.parser is not None and not self.transport.is_closing():
+                self.refuse(errors.headers_too_large(
+                    f"the request head is over the {self.limits.max_header_bytes}-byte limit"))
+            return
+        if self.parser is not None and not self.transport.is_closing():
+            self.data_received(view[room:])
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, plus the header count and the transfer coding (one comparison per header line).
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        elif name == b"transfer-encoding" and value.strip().lower() != b"chunked":
+            self.refusal = errors.not_implemented("only the chunked transfer coding is supported")
+            raise _Refused
+        self.headers.append((name, value))
+        if len(self.headers) > self.limits.max_headers:
+            self.refusal = errors.headers_too_large(f"the request has over {self.limits.max_headers} headers")
+            raise _Refused
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self.in_head = False
+        self.guard.waiting.pop(self, None)
+        self.deadline = self.loop.time() + self.limits.body_timeout_s
+        if self.cycle is not None and type(self.cycle) is RequestResponseCycle:
+            self.cycle.__class__ = _UnreadBodyClosesCycle  # same object, one method more: no allocation
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.in_head = True
+        self.head_bytes = 0
+        self.deadline = 0.0
+
+    # -- refusing -----------------------------------------------------------------------------------------
+    def expire(self) -> None:
+        """The sweep found this connection past its deadline."""
+        if self.in_head and self.cycle is not None and not self.cycle.response_complete:
+            # The next request of a pipelining client trickles in while the app still answers this one: its
+            # clock starts once the answer is out.
+            self.deadline = self.loop.time() + self.limits.header_timeout_s
+            return
+        self.guard.timed_out += 1
+        if self.in_head and self.head_bytes == 0:
+            self.close_quietly()  # not a byte of a request: nobody to answer
+            return
+        if not self.in_head and self.cycle is not None and not self.cycle.response_complete:
+            if self.cycle.response_started:
+                self.close_quietly()
+                return
+            # The app is waiting on the body: it sees a disconnect, and writes nothing after this answer.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+            self.refuse(errors.request_timeout(
+                f"the request body did not arrive within {self.limits.body_timeout_s:g} s"))
+            return
+        self.refuse(errors.request_timeout(
+            f"the request head did not arrive within {self.limits.header_timeout_s:g} s"))
+
+    def refuse(self, err: ApiError) -> None:
+        self.refusal = err
+        self.send_400_response("")
+
     def send_400_response(self, msg: str) -> None:
-        request_id = "req_" + secrets.token_hex(8)
-        body = orjson.dumps({"error": "INVALID_REQUEST", "message": f"malformed HTTP request: {msg}",
-                             "request_id": request_id})
-        head = [b"HTTP/1.1 400 Bad Request\r\n"]
-        for name, value in self.server_state.default_headers:
-            head.append(name + b": " + value + b"\r\n")
-        head += [b"content-type: application/json\r\n", b"x-request-id: " + request_id.encode() + b"\r\n",
-                 b"content-length: " + str(len(body)).encode() + b"\r\n", b"connection: close\r\n", b"\r\n"]
-        self.transport.write(b"".join(head) + body)
-        self.transport.close()
+        """uvicorn calls this on a parse error (and so, through `_Refused`, on a refusal from a callback)."""
+        err = self.refusal or errors.invalid(f"malformed HTTP request: {msg}")
+        self.guard.waiting.pop(self, None)
+        self.deadline = 0.0
+        if not self.transport.is_closing():
+            self.transport.write(json_error_answer(err))
+            self.transport.close()

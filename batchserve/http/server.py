@@ -8,6 +8,7 @@ Only then is uvicorn told to exit. A second SIGINT forces the exit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import sys
@@ -17,7 +18,7 @@ import uvicorn
 
 from batchserve.app import create_app
 from batchserve.config import Settings
-from batchserve.http.protocol import JsonErrorHttpToolsProtocol
+from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
 
 log = logging.getLogger("batchserve")
 
@@ -62,14 +63,28 @@ class DrainingServer(uvicorn.Server):
 SWITCH_INTERVAL_S = 0.0001
 
 
+def connection_guard(settings: Settings) -> ConnectionGuard:
+    """The limits every connection is held to (docs/hardening.md)."""
+    return ConnectionGuard.create(ConnectionLimits(
+        max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
+        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+        max_connections=settings.max_connections))
+
+
 def serve(settings: Settings) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    guard = connection_guard(settings)
+    log.info("connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
+             guard.cap, settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s,
+             settings.keep_alive_timeout_s)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=JsonErrorHttpToolsProtocol,  # httptools, with JSON 400s for unparseable requests
+        # httptools, with JSON errors, bounded heads, read timeouts and a connection cap
+        http=functools.partial(GuardedHttpToolsProtocol, guard=guard),  # type: ignore[arg-type]
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
         lifespan="on",
         access_log=False,
         log_level=settings.log_level,

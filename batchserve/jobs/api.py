@@ -22,7 +22,8 @@ from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.body import error_response, json_response, parse_json_object, read_body, request_id_of
+from batchserve.http.body import client_host, error_response, json_response, request_id_of
+from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import (IdempotencyConflict, JobStore, NewJob, Progress, StoreUnavailable,
                                    UnstorableInput)
@@ -32,7 +33,6 @@ from batchserve.tenancy import Caller
 log = logging.getLogger("batchserve.jobs")
 
 RESULTS_PAGE = 2000  # rows read from the store per step of the NDJSON stream
-MAX_METADATA_BYTES = 16 << 10
 MAX_IDEMPOTENCY_KEY = 255
 LIST_DEFAULT, LIST_MAX = 20, 100
 
@@ -41,7 +41,7 @@ Handler = Callable[[Request, Runtime, JobService, Caller], Awaitable[Response]]
 def caller_of(request: Request) -> Caller:
     """Who is calling (401 when keys are configured and the key is missing or wrong)."""
     rt: Runtime = request.app.state.rt
-    return rt.tenancy.identify(request.headers.get("authorization"))
+    return rt.tenancy.identify(request.headers.get("authorization"), client_host(request.scope))
 
 
 def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -74,33 +74,6 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 
 
 # -- POST /v1/batches ----------------------------------------------------------------------------------------
-def parse_job(body: bytes, content_type: str, rt: Runtime) -> tuple[list[str], str | None, dict | None]:
-    """(inputs, requested model, metadata), or 400/413 naming the first offending item."""
-    s = rt.settings
-    data = parse_json_object(body, content_type)
-    inputs = data.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise errors.invalid('"inputs" must be a non-empty array of strings')
-    if len(inputs) > s.jobs_max_items:
-        raise errors.invalid(f'"inputs" has {len(inputs)} items; a job takes at most {s.jobs_max_items}')
-    limit = s.max_input_chars
-    for i, text in enumerate(inputs):
-        if not isinstance(text, str) or not text:
-            raise errors.invalid(f'"inputs"[{i}] must be a non-empty string')
-        if len(text) > limit:
-            raise errors.payload_too_large(f'"inputs"[{i}] is over the {limit}-character limit')
-    model = data.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise errors.invalid('"model" must be a non-empty string when given')
-    metadata = data.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise errors.invalid('"metadata" must be an object when given')
-        if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
-            raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
-    return inputs, model, metadata
-
-
 def idempotency_key(request: Request) -> str | None:
     key = request.headers.get("idempotency-key")
     if key is None:
@@ -120,16 +93,20 @@ async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: C
     if rt.draining:
         raise errors.draining()
     key = idempotency_key(request)
+    s = rt.settings
     try:
-        body = await read_body(request, rt.settings.jobs_max_body_bytes)
+        body = await read_job_body(request, request.headers.get("content-type", ""), s.jobs_max_body_bytes,
+                                   s.jobs_max_items, s.max_input_chars)
     except ClientDisconnect:
         return Response(status_code=499)
-    inputs, requested, metadata = parse_job(body, request.headers.get("content-type", ""), rt)
+    inputs, requested, metadata = body.inputs, body.model, body.metadata
+    if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+        raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
     spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
     if spec is None:
         raise errors.model_not_found(requested)
     store = await svc.open_store()
-    new = NewJob("batch_" + secrets.token_hex(12), caller.tenant, spec.id, inputs, metadata, key,
+    new = NewJob("batch_" + secrets.token_hex(12), caller.owner, spec.id, inputs, metadata, key,
                  request_hash(inputs, requested, metadata), time.time())
     try:
         job, created = await store.create(new)
@@ -150,7 +127,7 @@ async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: C
 async def get_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
-    job = await store.get(caller.tenant, job_id) if store is not None else None
+    job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None:
         raise errors.batch_not_found(job_id)
     return json_response(job.public())
@@ -159,7 +136,7 @@ async def get_batch(request: Request, rt: Runtime, svc: JobService, caller: Call
 async def batch_results(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
-    job = await store.get(caller.tenant, job_id) if store is not None else None
+    job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None or store is None:
         raise errors.batch_not_found(job_id)
     return StreamingResponse(ndjson_lines(store, job_id), media_type="application/x-ndjson")
@@ -178,22 +155,23 @@ async def ndjson_lines(store: JobStore, job_id: str) -> AsyncIterator[bytes]:
 async def cancel_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
-    job = await store.cancel(caller.tenant, job_id, time.time()) if store is not None else None
+    job = await store.cancel(caller.owner, job_id, time.time()) if store is not None else None
     if job is None:
         raise errors.batch_not_found(job_id)
     if svc.scheduler is not None:
         svc.scheduler.cancel(job_id)
+    svc.metrics.progress(Progress(job.id, job.model, job.status, {}))  # a cancelled job leaves the gauges
     return json_response(job.public())
 
 
 async def list_batches(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
     raw_limit = request.query_params.get("limit", str(LIST_DEFAULT))
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= LIST_MAX:
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= LIST_MAX:
         raise errors.invalid(f"limit must be an integer in [1, {LIST_MAX}]")
     limit = int(raw_limit)
     after = request.query_params.get("after")
     store = await svc.existing_store()
-    jobs = await store.list_jobs(caller.tenant, limit + 1, after) if store is not None else []
+    jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
     data: list[dict[str, Any]] = [j.public() for j in jobs[:limit]]
     return json_response({"object": "list", "data": data, "has_more": len(jobs) > limit,
                           "last_id": data[-1]["id"] if data else None})

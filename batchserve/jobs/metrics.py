@@ -1,38 +1,41 @@
 """Prometheus metrics of batch jobs, on the app's own registry (so `/metrics` shows them beside DESIGN §6's).
 
-Per-job progress is a gauge labelled by job id; to keep the label set bounded, the series of finished jobs are
-kept only for the most recent `KEEP_FINISHED` of them (long enough for a scrape to see the final counts).
+No series names a job or a tenant: `/metrics` may be scraped by people who must not learn other tenants' job
+ids, and a label per job would let any caller grow the exposition without bound (issue 12, item 9). Progress
+is summed per model over the unfinished jobs; a finished or cancelled job leaves the sums at once (its items
+are counted for good in `batchserve_job_items_processed_total`). A job's own progress is on
+`GET /v1/batches/{id}`, to its owner.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter as Tally
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from batchserve.jobs.store import Progress
+from batchserve.jobs.store import ACTIVE, Progress
 
-KEEP_FINISHED = 100
 COUNTED = ("completed", "failed", "cancelled", "pending")
 
 
 @dataclass
 class JobMetrics:
-    items: Gauge  # {job, status}: one job's progress
+    items: Gauge  # {model, status}: items of the unfinished jobs of a model
     processed: Counter  # {model, outcome}: completed | failed | retried
     active_jobs: Gauge
     inflight: Gauge
     created: Counter
-    finished_ids: deque[str] = field(default_factory=deque)
+    unfinished: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)  # job id -> (model, counts)
     _children: dict[tuple[str, str], Any] = field(default_factory=dict)  # labelled `processed`, looked up once
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> "JobMetrics":
         p = "batchserve_job_"
         return cls(
-            items=Gauge(p + "items", "Items of one batch job by status", ["job", "status"], registry=registry),
+            items=Gauge(p + "items", "Items of the unfinished batch jobs of a model, by status", ["model", "status"],
+                        registry=registry),
             processed=Counter(p + "items_processed", "Batch job item runs by outcome (completed, failed, "
                               "retried)", ["model", "outcome"], registry=registry),
             active_jobs=Gauge("batchserve_jobs_active", "Batch jobs queued or running on this node", registry=registry),
@@ -48,14 +51,14 @@ class JobMetrics:
         child.inc()
 
     def progress(self, p: Progress) -> None:
+        """A job's new counts: kept while it is unfinished, dropped once it is final or cancelled."""
+        if p.status in ACTIVE:
+            self.unfinished[p.id] = (p.model, p.counts)
+        elif self.unfinished.pop(p.id, None) is None:
+            return
+        total: Tally[str] = Tally()
+        for model, counts in self.unfinished.values():
+            if model == p.model:
+                total.update(counts)
         for status in COUNTED:
-            self.items.labels(p.id, status).set(p.counts.get(status, 0))
-        if p.status not in ("queued", "running") and p.id not in self.finished_ids:
-            self.finished_ids.append(p.id)
-            while len(self.finished_ids) > KEEP_FINISHED:
-                old = self.finished_ids.popleft()
-                for status in COUNTED:
-                    try:
-                        self.items.remove(old, status)
-                    except KeyError:
-                        pass
+            self.items.labels(p.model, status).set(total.get(status, 0))

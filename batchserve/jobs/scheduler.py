@@ -8,7 +8,9 @@ take and interactive admission and latency see no difference. Free places are sh
 tenants; a tenant's jobs run oldest first.
 
 Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once;
-anything else (deadline, drain, a lost worker) is transient and retried with exponential backoff and jitter,
+so is a hang once the item has been re-run after one (by the pool, or by a retry here): as on the interactive
+path, each try of a hanging input costs a worker. Anything else (deadline,
+drain, a first hang) is transient and retried with exponential backoff and jitter,
 up to `jobs_max_attempts` runs. Results are buffered and written in batches of rows (`record`), every
 `FLUSH_S` or `FLUSH_ROWS`, which keeps commits cheap. An item whose result was not yet written when the
 process died is still `pending` in the store and runs again after a restart (at-least-once execution, results
@@ -39,6 +41,7 @@ from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome
+from batchserve.tenancy import lane_of
 
 log = logging.getLogger("batchserve.jobs")
 
@@ -53,7 +56,8 @@ class Door(Protocol):
     def max_batch_size(self) -> int: ...
     def healthy_workers(self) -> int: ...
     def models(self) -> list[str]: ...
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float) -> Item: ...
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
+                          alone: bool = False) -> Item: ...
 
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
@@ -62,6 +66,10 @@ CLAIM_CHUNK = 128  # fewest pending items claimed from the store at a time, per 
 FLUSH_S = 0.05
 FLUSH_ROWS = 1000
 RETRY_CAP_S = 60.0
+# A job whose recent items mostly fail is isolated: its items run alone, after interactive work, instead of
+# riding in interactive batches, where each failure would cost the batch-mates a re-run (a batch time).
+FAILING_WINDOW = 16  # the last outcomes of a job looked at
+FAILING_SHARE = 0.5  # isolated while at least this share of them failed
 
 
 @dataclass(eq=False)
@@ -69,7 +77,7 @@ class JobState:
     """What the scheduler holds for one unfinished job on this node."""
 
     id: str
-    tenant: str
+    tenant: str  # the scheduling lane of the job's owner (`tenancy.lane_of`)
     model: str
     exhausted: bool = False  # the last claim found nothing more to lease; the next poll of the store clears it
     buffer: deque[tuple[int, str]] = field(default_factory=deque)  # read, not yet submitted
@@ -77,6 +85,12 @@ class JobState:
     held: set[int] = field(default_factory=set)  # leased to this node and not yet recorded: renewed
     added: float = field(default_factory=time.monotonic)
     attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
+    hung: set[int] = field(default_factory=set)  # indexes that were in a hung batch once already
+    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = failed
+
+    def failing(self) -> bool:
+        """Most of the job's recent items failed: run the rest alone, away from interactive batches."""
+        return sum(self.recent) >= FAILING_SHARE * FAILING_WINDOW
     retrying: int = 0
     cancelled: bool = False
 
@@ -146,7 +160,7 @@ class Scheduler:
 
     def add(self, job: Job) -> None:
         if job.id not in self.jobs:
-            self.jobs[job.id] = JobState(job.id, job.tenant, job.model)
+            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model)
             self.metrics.active_jobs.set(len(self.jobs))
             self._wake.set()
 
@@ -245,7 +259,8 @@ class Scheduler:
             job.exhausted = True
 
     def _submit(self, job: JobState, index: int, text: str) -> None:
-        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
+        alone = job.failing() or index in job.hung  # after a hang, an item runs alone: the culprit hangs only itself
+        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S, alone=alone)
         job.inflight[index] = item
         self.inflight += 1
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
@@ -266,12 +281,19 @@ class Scheduler:
             return
         exc = fut.exception()
         if exc is None:
+            job.recent.append(False)
             self._outcome(job, Outcome(job.id, index, "completed", output=fut.result().output))
             return
+        job.recent.append(True)
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
         message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
         attempts = job.attempts.get(index, 0) + 1
-        if isinstance(exc, ApiError) and exc.status == 500 or attempts >= self.settings.jobs_max_attempts:
+        final = attempts >= self.settings.jobs_max_attempts
+        if isinstance(exc, ApiError):
+            final = final or exc.status == 500 or exc.hung == "again" or (exc.hung == "once" and index in job.hung)
+            if exc.hung:
+                job.hung.add(index)
+        if final:
             self._outcome(job, Outcome(job.id, index, "failed", error=code, message=message))
             return
         job.attempts[index] = attempts
@@ -285,6 +307,7 @@ class Scheduler:
 
     def _outcome(self, job: JobState, outcome: Outcome) -> None:
         job.attempts.pop(outcome.index, None)
+        job.hung.discard(outcome.index)
         self.metrics.count(job.model, outcome.status)
         self.outcomes.append(outcome)
         if len(self.outcomes) >= FLUSH_ROWS:

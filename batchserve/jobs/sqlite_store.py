@@ -111,6 +111,15 @@ class SQLiteStore:
 
     # -- on the store thread ---------------------------------------------------------------------------------
     def _open(self) -> None:
+        """Lock and open the file; on any failure (a corrupt file, a refused WAL) release both the lock and the
+        connection, so the next try (after a repair) starts clean instead of finding its own lock."""
+        try:
+            self._open_locked()
+        except BaseException:
+            self._close()
+            raise
+
+    def _open_locked(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -119,7 +128,7 @@ class SQLiteStore:
             raise StoreBusy(f"{self.path} is in use by another batchserve process") from None
         # The fd stays open while the connection lives: closing any fd of the file drops SQLite's POSIX locks.
         self._lock_fd = fd
-        conn = sqlite3.connect(self.path, isolation_level=None)
+        conn = self._conn = sqlite3.connect(self.path, isolation_level=None)
         conn.row_factory = sqlite3.Row
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
@@ -127,7 +136,6 @@ class SQLiteStore:
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(SCHEMA)
-        self._conn = conn
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

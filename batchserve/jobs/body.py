@@ -1,0 +1,160 @@
+"""Reading a `POST /v1/batches` body: parsed as it streams in, a slice at a time, never in one go.
+
+A job body may be megabytes. Parsed whole, 16 MB of one-character inputs (`"a",` × 4 M) holds the event loop
+(and, since the parser holds the GIL, every thread) for most of a second and takes a gigabyte before the item
+limit can refuse it; every caller's answer waits meanwhile. So the body is fed to an incremental parser
+(ijson's yajl2 C backend) as it arrives, in slices of `SLICE` bytes with a yield to the loop after each, and
+the item limit, the input length limit and the metadata bound are checked per value: a body with one item too
+many is refused after that item, without reading the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import ijson
+from starlette.requests import Request
+
+from batchserve import errors
+from batchserve.http.body import check_json_content_type
+
+SLICE = 64 << 10  # bytes parsed between two yields to the event loop (~1 ms of parsing)
+MAX_METADATA_BYTES = 16 << 10
+MAX_OTHER_EVENTS = 4 * MAX_METADATA_BYTES  # values outside "inputs" (metadata, unknown keys): a bound, not a target
+SCALARS = ("string", "number", "boolean", "null")
+
+
+def not_json(exc: Exception) -> errors.ApiError:
+    first = str(exc).split("\\n")[0].split("\n")[0].lstrip("b'\"")
+    return errors.invalid(f"the body is not valid JSON in UTF-8: {errors.short(first, 80)}")
+
+
+@dataclass
+class JobBody:
+    inputs: list[str]
+    model: str | None
+    metadata: dict | None
+
+
+@dataclass
+class JobBodyParser:
+    """Turns the parser's events into a `JobBody`, refusing (400/413) at the first value that breaks a limit."""
+
+    max_items: int
+    max_input_chars: int
+    inputs: list[str] = field(default_factory=list)
+    values: dict[str, object] = field(default_factory=dict)  # top-level keys other than "inputs"
+    _events: list = field(default_factory=ijson.sendable_list)
+    _coro: object = None
+    _depth: int = 0
+    _key: str | None = None
+    _builder: ijson.ObjectBuilder | None = None
+    _other_events: int = 0
+    _seen: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._coro = ijson.basic_parse_coro(self._events, use_float=True)
+
+    def feed(self, data: bytes) -> None:
+        try:
+            self._coro.send(data)  # type: ignore[attr-defined]
+        except ijson.JSONError as exc:
+            raise not_json(exc) from None
+        self._take()
+
+    def finish(self) -> JobBody:
+        try:
+            self._coro.close()  # type: ignore[attr-defined]
+        except ijson.JSONError as exc:
+            raise not_json(exc) from None
+        self._take()
+        if "inputs" not in self._seen or not self.inputs:
+            raise errors.invalid('"inputs" must be a non-empty array of strings')
+        model = self.values.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise errors.invalid('"model" must be a non-empty string when given')
+        metadata = self.values.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise errors.invalid('"metadata" must be an object when given')
+        return JobBody(self.inputs, model, metadata)  # type: ignore[arg-type]
+
+    def _take(self) -> None:
+        events, self._events[:] = list(self._events), []
+        for event, value in events:
+            self._event(event, value)
+
+    def _event(self, event: str, value: object) -> None:
+        depth = self._depth
+        if event in ("start_map", "start_array"):
+            self._depth += 1
+        elif event in ("end_map", "end_array"):
+            self._depth -= 1
+        if depth == 0:
+            if event != "start_map":
+                raise errors.invalid("the body must be a JSON object")
+            return
+        if depth == 1 and event == "end_map":  # the body's object closes
+            self._key = None
+            return
+        if depth == 1 and event == "map_key":
+            key = str(value)
+            if key in self._seen:
+                raise errors.invalid(f"the key {errors.short(key)!r} appears twice")
+            self._seen.add(key)
+            self._key = key
+            return
+        if self._key == "inputs":
+            self._input(depth, event, value)
+            return
+        self._other(depth, event, value)
+
+    def _input(self, depth: int, event: str, value: object) -> None:
+        if depth == 1:  # the value of "inputs" itself
+            if event != "start_array":
+                raise errors.invalid('"inputs" must be a non-empty array of strings')
+            return
+        if depth == 2 and event == "end_array":
+            return
+        i = len(self.inputs)
+        if depth > 2 or event != "string" or not value:
+            raise errors.invalid(f'"inputs"[{i}] must be a non-empty string')
+        if i >= self.max_items:
+            raise errors.invalid(f'"inputs" has more than {self.max_items} items; a job takes at most {self.max_items}')
+        text = str(value)
+        if len(text) > self.max_input_chars:
+            raise errors.payload_too_large(f'"inputs"[{i}] is over the {self.max_input_chars}-character limit')
+        self.inputs.append(text)
+
+    def _other(self, depth: int, event: str, value: object) -> None:
+        self._other_events += 1
+        if self._other_events > MAX_OTHER_EVENTS:
+            raise errors.payload_too_large(f'"metadata" (or other keys) is over {MAX_METADATA_BYTES} bytes')
+        if self._builder is None:
+            if depth == 1 and event in SCALARS:
+                self.values[self._key or ""] = value
+                return
+            self._builder = ijson.ObjectBuilder()
+        self._builder.event(event, value)
+        if self._depth == 1:  # the container just closed
+            self.values[self._key or ""] = self._builder.value
+            self._builder = None
+
+
+async def read_job_body(request: Request, content_type: str, body_limit: int, max_items: int,
+                        max_input_chars: int) -> JobBody:
+    """The job's inputs, model and metadata, parsed as the body streams in (see the module docstring)."""
+    check_json_content_type(content_type)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > body_limit:
+        raise errors.payload_too_large(f"the body is over the {body_limit}-byte limit")
+    parser = JobBodyParser(max_items, max_input_chars)
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > body_limit:
+            raise errors.payload_too_large(f"the body is over the {body_limit}-byte limit")
+        for at in range(0, len(chunk), SLICE):
+            parser.feed(chunk[at:at + SLICE])
+            await asyncio.sleep(0)
+    return parser.finish()
