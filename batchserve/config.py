@@ -62,6 +62,9 @@ class Settings:
     sim_flaky_device: int = knob(-1, "sim: this device index raises on every batch (a broken GPU; -1 = none)")
     max_new_tokens: int = knob(64, "smollm2: tokens generated per input")
     drain_timeout_s: float = knob(30.0, "on SIGTERM, longest wait for queued and running work before 503s")
+    drain_grace_s: float = knob(5.0, "on SIGTERM, how long the listener stays open answering 503 DRAINING "
+                                     "(with /readyz 503) so a load balancer takes the node out before "
+                                     "connections are refused")
     request_history: int = knob(10000, "recent requests kept for GET /v1/requests/{id}")
     config: str = knob("", "TOML file with models, tiers and API keys")
     allow_anonymous: bool = knob(False, "serve callers without a key on a non-loopback address, or beside "
@@ -105,6 +108,8 @@ class Settings:
             problems.append("slo_ms and timeout_ms must be positive")
         if self.devices < 0:
             problems.append("devices must be 0 (auto) or more")
+        if self.drain_timeout_s < 0 or self.drain_grace_s < 0:
+            problems.append("drain_timeout_s and drain_grace_s must be 0 or more")
         if self.max_queue < 1 or self.max_body_bytes < 64:
             problems.append("max_queue must be >= 1 and max_body_bytes >= 64")
         if not self.keys and not self.allow_anonymous and not is_loopback(self.host):
