@@ -110,8 +110,9 @@ class LocalNginx:
         path = self.dir / "error.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def stop(self, cleanup: bool = True) -> None:
-        """SIGQUIT (finish open requests), then SIGKILL after a bounded wait; then remove its directory."""
+    def stop(self, cleanup: bool = True, keep_logs_in: Path | None = None) -> None:
+        """SIGQUIT (finish open requests), then SIGKILL after a bounded wait; then copy its logs to
+        `keep_logs_in` (when given) and remove its directory."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGQUIT)
             try:
@@ -119,6 +120,11 @@ class LocalNginx:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
+        if keep_logs_in is not None:
+            keep_logs_in.mkdir(parents=True, exist_ok=True)
+            for name in ("error.log", "access.log", "batchserve.conf"):
+                if (self.dir / name).exists():
+                    shutil.copy(self.dir / name, keep_logs_in / f"nginx-{name}")
         if cleanup:
             shutil.rmtree(self.dir, ignore_errors=True)
 
