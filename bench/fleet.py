@@ -337,8 +337,10 @@ def headline(rows: list[FleetRow], a: argparse.Namespace) -> str:
     if alone is not None:
         parts.append(f"one server alone: {alone.load.achieved_rps:.0f} RPS at p95 {fmt(alone.load.p95_ms)} ms")
     if best is not None:
+        measured = (f", {best.load.achieved_rps / alone.load.achieved_rps:.2f}× the alone row's achieved rate"
+                    if alone is not None and alone.load.achieved_rps > 0 else "")
         parts.append(f"{best.servers} servers via nginx sustained {best.rate:g} RPS "
-                     f"({best.rate / a.rate:.2f}× one) within ideal + 10 ms")
+                     f"({best.rate / a.rate:.2f}× --rate{measured}) within ideal + 10 ms")
     elif fleet:
         parts.append(f"no fleet row met p95 ≤ ideal + 10 ms with 0 errors (goal: {GOAL_FACTOR:g}× one)")
     if restart is not None:
