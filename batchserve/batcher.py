@@ -20,43 +20,16 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from batchserve import errors
-from batchserve.fairqueue import FairQueue
+from batchserve.core import tiers
+from batchserve.core.fairqueue import FairQueue, Item
+
+Clock = Callable[[], float]
 
 EWMA_ALPHA = 0.2  # weight of the newest batch in the learned batch time
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
-
-
-@dataclass(slots=True, eq=False)
-class Item:
-    """One caller's input on its way through a batch; `future` carries its answer back."""
-
-    text: str
-    model: str
-    bucket: int
-    future: asyncio.Future
-    arrived: float  # time.monotonic()
-    deadline: float  # time.monotonic()
-    record: Any = None  # requests_log.Record, updated as the item moves
-    tier: int = 1  # index into config.TIERS
-    tenant: str = ""
-    dispatched: float = 0.0
-    attempts: int = 0  # failed single-item runs, for the one transient retry
-    gone: Callable[[], bool] | None = None  # True once the caller's connection is closed
-
-    def alive(self, now: float) -> bool:
-        """False once the caller has an answer or left; answers 504 when the deadline has passed."""
-        if self.future.done():
-            return False
-        if now >= self.deadline:
-            self.future.set_exception(errors.deadline_exceeded())
-            return False
-        if self.gone is not None and self.gone():
-            self.future.set_exception(errors.ClientGone())
-            return False
-        return True
 
 
 @dataclass(eq=False)
@@ -78,15 +51,16 @@ class Batcher:
     batch_s: dict[str, float]  # learned batch time per model id, seeded from the backend's guess
     queues: dict[tuple[str, int], FairQueue] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)  # queued items per model
-    tier_depth: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # queued items per tier
+    tier_depth: list[int] = field(default_factory=tiers.counters)  # queued items per tier rank
     tenant_depth: dict[tuple[int, str], int] = field(default_factory=dict)
-    active_tenants: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # tenants with queued items, per tier
+    active_tenants: list[int] = field(default_factory=tiers.counters)  # tenants with queued items, per tier
     retries: deque[Batch] = field(default_factory=deque)
     healthy_workers: int = 1
     draining: bool = False
     closed: bool = False
     last_dispatch: float = 0.0
     served_at: dict[str, float] = field(default_factory=dict)  # per model: when a batch of it last went out
+    clock: Clock = time.monotonic  # injected in the policy's unit tests
     _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _waiting: bool = False
@@ -140,24 +114,24 @@ class Batcher:
         fast path of a worker that just finished, taken without a trip through the event loop's queue."""
         if self.closed or self._turn.locked():
             return None
-        now = time.monotonic()
-        batch = self._take_retry(worker, now)
+        now = self.clock()
+        batch = self.take_retry(worker, now)
         if batch is not None:
             return batch
-        key, due, cause = self._most_urgent(now)
+        key, due, cause = self.most_urgent(now)
         if key is not None and due <= now:
-            return self._form(key, now, cause, due)
+            return self.form(key, now, cause, due)
         return None
 
     async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:
         while not self.closed:
-            now = time.monotonic()
-            batch = self._take_retry(worker, now)
+            now = self.clock()
+            batch = self.take_retry(worker, now)
             if batch is not None:
                 return batch, False
-            key, due, cause = self._most_urgent(now)
+            key, due, cause = self.most_urgent(now)
             if key is not None and due <= now:
-                batch = self._form(key, now, cause, due)
+                batch = self.form(key, now, cause, due)
                 if batch is not None:
                     return batch, False
                 continue
@@ -168,14 +142,14 @@ class Batcher:
 
     def requeue(self, batch: Batch) -> None:
         """Run these items again as they are (a half of a failed batch), before any new work."""
-        batch.formed = time.monotonic()
+        batch.formed = self.clock()
         self.retries.append(batch)
         self._wake.set()
 
     def return_items(self, items: list[Item]) -> None:
         """Put items back at the head of their queues, to ride in the next regular batch (the half of a
         failed batch found clean)."""
-        now = time.monotonic()
+        now = self.clock()
         for item in reversed(items):
             if not item.alive(now):
                 continue
@@ -224,7 +198,7 @@ class Batcher:
         """How long the oldest item may wait for company: the SLO less one batch and a margin."""
         return max(0.0, self.slo_s - self.batch_s[model] - self.margin_s)
 
-    def _most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
+    def most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
         best: tuple[str, int] | None = None
         best_rank = (float("inf"), float("inf"), float("inf"))
         best_cause = ""
@@ -251,7 +225,7 @@ class Batcher:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause
 
-    def _form(self, key: tuple[str, int], now: float, cause: str, due: float = 0.0) -> Batch | None:
+    def form(self, key: tuple[str, int], now: float, cause: str, due: float = 0.0) -> Batch | None:
         q = self.queues[key]
         items: list[Item] = []
         while len(items) < self.max_batch_size:
@@ -274,7 +248,7 @@ class Batcher:
         self.served_at[key[0]] = now
         return Batch(key[0], items, now, cause)
 
-    def _take_retry(self, worker: int, now: float) -> Batch | None:
+    def take_retry(self, worker: int, now: float) -> Batch | None:
         """The oldest retry batch this worker may run: one that failed on it goes to another healthy worker,
         unless none has taken it within two batch times (any busy worker is free by then)."""
         for batch in list(self.retries):

@@ -6,7 +6,10 @@ import argparse
 import logging
 import sys
 
-from batchserve.config import TIERS, Settings, cli_fields, env_defaults, env_name
+from batchserve import plan
+from batchserve.config import Settings, cli_fields, env_defaults, env_name
+from batchserve.core.tiers import CALLER_NAMES
+from batchserve.jobs.store import redact_url
 
 log = logging.getLogger("batchserve")
 
@@ -42,6 +45,7 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
 def effective(settings: Settings) -> str:
     shown = {f.name: getattr(settings, f.name) for f in cli_fields() if f.name != "config" or settings.config}
     shown["models"] = [m.id for m in settings.models]
+    shown["jobs_db"] = redact_url(settings.jobs_db)  # a postgresql:// URL may carry a password
     return " ".join(f"{k}={v}" for k, v in shown.items())
 
 
@@ -55,9 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     add = keys_sub.add_parser("add", help="create a key, print it once, store only its SHA-256 digest")
     add.add_argument("--config", required=True, help="TOML config file to append the key to")
     add.add_argument("--tenant", required=True)
-    add.add_argument("--tier", required=True, choices=TIERS[:3])
+    add.add_argument("--tier", required=True, choices=CALLER_NAMES)
     add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
+    plan_parser = sub.add_parser("plan", help="nodes needed for a target rate at the SLO, predicted p50/p95 and "
+                                              "headroom (docs/capacity.md)")
+    plan.add_arguments(plan_parser)
     args = parser.parse_args(argv)
+
+    if args.command == "plan":
+        return plan.main(args)
 
     if args.command == "keys":
         from batchserve.config_file import append_key
@@ -77,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
         log.info("settings: %s", effective(settings))
-        from batchserve.server import serve
+        from batchserve.http.server import serve
 
         serve(settings)
         return 0

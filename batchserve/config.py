@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-TIERS = ("enterprise", "paid", "free", "batch")  # highest priority first
+from batchserve.core.tiers import CALLER_NAMES
 
 
 def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -69,15 +69,20 @@ class Settings:
     config: str = knob("", "TOML file with models, tiers and API keys")
     allow_anonymous: bool = knob(False, "serve callers without a key on a non-loopback address, or beside "
                                          "configured keys")
-    anonymous_tier: str = knob("paid", "tier of callers without a key", TIERS[:3])
-    jobs_db: str = knob("batchserve-jobs.db", "SQLite file of the batch jobs (/v1/batches), created on the first "
-                                              "job; empty disables batch jobs")
+    anonymous_tier: str = knob("paid", "tier of callers without a key", CALLER_NAMES)
+    jobs_db: str = knob("batchserve-jobs.db", "job store of /v1/batches: a SQLite file (one node; created on the "
+                                              "first job) or a postgresql:// URL shared by many nodes; empty "
+                                              "disables batch jobs")
     jobs_max_items: int = knob(50000, "most inputs in one batch job; more gets 400")
     jobs_max_body_bytes: int = knob(64 << 20, "largest POST /v1/batches body; larger gets 413 before it is buffered")
     jobs_max_inflight: int = knob(0, "job items queued or running at once (0 = 2 x max_batch_size x healthy "
                                      "workers: enough to fill the places interactive requests leave)")
     jobs_max_attempts: int = knob(5, "runs of a job item on transient errors before it is recorded failed")
     jobs_retry_base_ms: float = knob(500.0, "first retry delay of a job item; doubles with each attempt")
+    jobs_lease_s: float = knob(30.0, "a claimed job item is this node's for this long, renewed every third of it; "
+                                     "a dead node's items are claimed again by another after it")
+    jobs_poll_s: float = knob(1.0, "how often the job store is read for jobs created on other nodes and items "
+                                   "whose lease ran out")
     generation: str = knob("auto", "token generation (/v1/chat/completions, /v1/completions) with continuous "
                                    "batching: auto = on with the smollm2 backend", ("auto", "on", "off"))
     generation_model: str = knob("SmolLM2-135M-Instruct", "model id of the generation endpoints")
@@ -110,6 +115,8 @@ class Settings:
             problems.append("devices must be 0 (auto) or more")
         if self.drain_timeout_s < 0 or self.drain_grace_s < 0:
             problems.append("drain_timeout_s and drain_grace_s must be 0 or more")
+        if self.jobs_lease_s <= 0 or self.jobs_poll_s <= 0:
+            problems.append("jobs_lease_s and jobs_poll_s must be positive")
         if self.max_queue < 1 or self.max_body_bytes < 64:
             problems.append("max_queue must be >= 1 and max_body_bytes >= 64")
         if not self.keys and not self.allow_anonymous and not is_loopback(self.host):

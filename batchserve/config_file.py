@@ -24,7 +24,8 @@ import json
 import re
 import tomllib
 
-from batchserve.config import TIERS, ModelSpec, Settings
+from batchserve.config import ModelSpec, Settings
+from batchserve.core import tiers
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -48,12 +49,12 @@ def apply_config_file(settings: Settings, path: str) -> None:
             for m in models
         ]
     for tier, limits in data.get("tiers", {}).items():
-        if tier not in TIERS:
-            raise ValueError(f"{path}: unknown tier {tier!r} (tiers: {', '.join(TIERS)})")
+        if tier not in tiers.NAMES:
+            raise ValueError(f"{path}: unknown tier {tier!r} (tiers: {', '.join(tiers.NAMES)})")
         settings.tier_rates[tier] = (float(limits["rate"]), float(limits.get("burst", limits["rate"])))
     for k in data.get("keys", []):
-        if k.get("tier") not in TIERS or not HEX64.match(str(k.get("sha256", ""))) or not k.get("tenant"):
-            raise ValueError(f"{path}: each [[keys]] needs tenant, tier (one of {', '.join(TIERS)}) and a "
+        if k.get("tier") not in tiers.NAMES or not HEX64.match(str(k.get("sha256", ""))) or not k.get("tenant"):
+            raise ValueError(f"{path}: each [[keys]] needs tenant, tier (one of {', '.join(tiers.NAMES)}) and a "
                              f"64-hex-digit sha256")
         settings.keys.append(dict(k))
 

@@ -1,17 +1,20 @@
-"""The one error shape of the API: `{"error", "message", "request_id"}` plus retry hints (DESIGN §2)."""
+"""Every error the API answers, as one exception type with a factory per code (DESIGN §2).
+
+`ApiError` is raised anywhere on the request path and rendered once, by the HTTP face
+(`http/body.error_response`, or the OpenAI shape on the generation routes). Building errors only through these
+factories keeps each code's status, wording and retry hint the same at every site that raises it.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import orjson
-from starlette.responses import Response
+RETRY_SOON_MS = 1000  # retry hint where another node (or this one in a moment) can serve
 
 
 @dataclass
 class ApiError(Exception):
-    """An answer other than 200; raised anywhere on the request path, rendered once in `app`."""
+    """An answer other than 200."""
 
     status: int
     code: str
@@ -27,30 +30,81 @@ class ClientGone(Exception):
     """The caller disconnected before its answer was ready; nobody reads this answer."""
 
 
-def error_response(err: ApiError, request_id: str) -> Response:
-    body: dict = {"error": err.code, "message": err.message, "request_id": request_id}
-    headers = {"X-Request-ID": request_id}
-    if err.retry_after_ms is not None:
-        body["retry_after_ms"] = int(err.retry_after_ms)
-        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
-    if err.headers:
-        headers.update(err.headers)
-    if err.code == "DRAINING":  # the client should reconnect elsewhere, not reuse a connection about to close
-        headers["Connection"] = "close"
-    return Response(orjson.dumps(body), status_code=err.status, headers=headers, media_type="application/json")
-
-
+# -- 4xx: the caller's request -----------------------------------------------------------------------------
 def invalid(message: str) -> ApiError:
     return ApiError(400, "INVALID_REQUEST", message)
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, "UNAUTHORIZED", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def model_not_found(requested: str | None) -> ApiError:
+    return ApiError(404, "MODEL_NOT_FOUND", f"no model {short(requested)!r} is served here (see /v1/models)")
+
+
+def request_not_found() -> ApiError:
+    return ApiError(404, "REQUEST_NOT_FOUND", "no recent request of yours has this id on this node")
+
+
+def batch_not_found(job_id: str) -> ApiError:
+    return ApiError(404, "BATCH_NOT_FOUND", f"no batch job {short(job_id)!r} belongs to this caller")
+
+
+def not_found(message: str) -> ApiError:
+    return ApiError(404, "NOT_FOUND", message)
+
+
+def method_not_allowed(message: str) -> ApiError:
+    return ApiError(405, "METHOD_NOT_ALLOWED", message)
+
+
+def conflict(message: str) -> ApiError:
+    return ApiError(409, "CONFLICT", message)
+
+
+def payload_too_large(message: str) -> ApiError:
+    return ApiError(413, "PAYLOAD_TOO_LARGE", message)
+
+
+def rate_limited(message: str, retry_after_ms: float, headers: dict[str, str]) -> ApiError:
+    return ApiError(429, "RATE_LIMITED", message, retry_after_ms=max(1, int(retry_after_ms)), headers=headers)
+
+
+# -- 5xx: the server's state ------------------------------------------------------------------------------
+def inference_failed(detail: str) -> ApiError:
+    return ApiError(500, "INFERENCE_FAILED", f"the backend failed on this input: {detail}")
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "INTERNAL_ERROR", "the server failed on this request; the error is in its log")
 
 
 def overloaded(message: str, retry_after_ms: float) -> ApiError:
     return ApiError(503, "SERVICE_OVERLOADED", message, retry_after_ms=max(1, int(retry_after_ms)))
 
 
+def draining(message: str = "the server is shutting down; retry on another node") -> ApiError:
+    return ApiError(503, "DRAINING", message, retry_after_ms=RETRY_SOON_MS)
+
+
+def no_healthy_worker(message: str = "no healthy worker can take this request now") -> ApiError:
+    return ApiError(503, "NO_HEALTHY_WORKER", message, retry_after_ms=RETRY_SOON_MS)
+
+
+def warming_up() -> ApiError:
+    return no_healthy_worker("the server is warming up")
+
+
+def jobs_unavailable(message: str, retry_after_ms: int = 5000) -> ApiError:
+    return ApiError(503, "JOBS_UNAVAILABLE", message, retry_after_ms=retry_after_ms)
+
+
 def deadline_exceeded() -> ApiError:
     return ApiError(504, "DEADLINE_EXCEEDED", "the request's deadline passed before it could be answered")
 
 
-def inference_failed(detail: str) -> ApiError:
-    return ApiError(500, "INFERENCE_FAILED", f"the backend failed on this input: {detail}")
+def short(value: object, limit: int = 80) -> str:
+    """A caller-supplied value as quoted in a message: never more than `limit` characters of it."""
+    text = "" if value is None else str(value)
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -21,22 +21,14 @@ from typing import Callable
 
 from batchserve import errors
 from batchserve.backends import Backend
-from batchserve.batcher import Batch, Batcher
+from batchserve.batcher import Batch, Batcher, Clock
+from batchserve.core.fairqueue import ItemResult
+from batchserve.core.tiers import BATCH
 from batchserve.metrics import Metrics
 
 log = logging.getLogger("batchserve.pool")
-
-BATCH_TIER = 3  # config.TIERS.index("batch")
 GPU_TIMEOUT_FLOOR_S = 1.0
 GPU_TIMEOUT_BATCHES = 10  # derived gpu_timeout: this many learned batch times, at least the floor
-
-
-@dataclass(slots=True)
-class ItemResult:
-    output: str
-    queue_s: float
-    compute_s: float
-    batch_size: int
 
 
 @dataclass(eq=False)
@@ -78,6 +70,8 @@ class GpuPool:
     gpu_timeout_s: float = 0.0  # 0 = derived from the learned batch times
     workers: list[Worker] = field(default_factory=list)
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
+    clock: Clock = time.monotonic  # injected in the policy's unit tests
+    _healthy: int = 0
 
     def start(self) -> None:
         for i, name in enumerate(self.device_names):
@@ -98,7 +92,11 @@ class GpuPool:
 
     # -- capacity, for admission and health ----------------------------------------------------------------
     def healthy_count(self) -> int:
-        return sum(1 for w in self.workers if w.healthy)
+        """Workers taking batches now (kept by `_update_health`: read on every admission)."""
+        return self._healthy
+
+    def worker_count(self) -> int:
+        return len(self.workers)
 
     def seconds_until_free(self, now: float) -> float:
         """Time until the first healthy worker should be free again (0 when one is idle)."""
@@ -155,7 +153,7 @@ class GpuPool:
         if batch is None:
             w.inbox.put(None)
             return
-        w.batch, w.started = batch, time.monotonic()
+        w.batch, w.started = batch, self.clock()
         limit = self.timeout_s()
         w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
         w.inbox.put(batch)
@@ -163,7 +161,7 @@ class GpuPool:
         self.metrics.batches.labels(batch.model, batch.cause).inc()
         wait = self.metrics.queue_wait.labels(batch.model)
         for item in batch.items:
-            if item.tier < BATCH_TIER:  # job items wait for spare capacity by design: not a queue delay
+            if item.tier < BATCH.rank:  # job items wait for spare capacity by design: not a queue delay
                 wait.observe(batch.formed - item.arrived)
 
     # -- back on the event loop --------------------------------------------------------------------------
@@ -182,7 +180,7 @@ class GpuPool:
             w.watchdog.cancel()
         # The batch time as the loop sees it (hand-offs and GIL waits included) paces dispatch and admission;
         # the backend's own time goes to the compute histogram and the answers.
-        cycle = time.monotonic() - w.started
+        cycle = self.clock() - w.started
         w.batch = None
         w.busy_s += elapsed
         w.batches += 1
@@ -195,7 +193,7 @@ class GpuPool:
         self.batcher.observe_batch(batch.model, cycle)
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
-            self.batcher.requeue(Batch(batch.model, batch.held, time.monotonic(), "retry"))
+            self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry"))
 
         def answer() -> None:
             for item, output in zip(batch.items, outputs):
@@ -214,7 +212,7 @@ class GpuPool:
         half runs alone next. A lone failing input is retried once on another worker (a transient fault), then
         answered 500. Each retry prefers another worker than the one that failed (a broken device then fails
         nothing alone). After a hang, see `_abandon`: the items are spread over `parts` groups at once."""
-        now = time.monotonic()
+        now = self.clock()
         if batch.held:
             self.batcher.return_items(batch.held)
         items = [i for i in batch.items if i.alive(now)]
@@ -251,10 +249,10 @@ class GpuPool:
         if w.batch is not batch or not w.healthy:
             return
         log.error("worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
-                  w.name, len(batch.items), time.monotonic() - w.started, limit)
+                  w.name, len(batch.items), self.clock() - w.started, limit)
         w.healthy = False
         w.generation += 1
-        w.busy_s += time.monotonic() - w.started
+        w.busy_s += self.clock() - w.started
         w.batch = None
         w.watchdog = None
         self.metrics.worker_healthy.labels(w.name).set(0)
@@ -274,5 +272,6 @@ class GpuPool:
         self._retry_or_fail(batch, w, "worker hung", "hang", parts=healthy)
 
     def _update_health(self) -> None:
-        self.batcher.healthy_workers = self.healthy_count()
+        self._healthy = sum(1 for w in self.workers if w.healthy)
+        self.batcher.healthy_workers = self._healthy
         self.batcher.wake()

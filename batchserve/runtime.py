@@ -1,4 +1,9 @@
-"""What one server process holds while it runs, and its life: load and warm, serve, drain, stop."""
+"""What one server process holds while it runs, and its life: load and warm, serve, drain, stop.
+
+The runtime wires the wings together: the batcher and its door (`core.service.InferenceService`, which owns
+admission), the worker pool, the batch jobs and the generation engine. Route modules read it from
+`app.state.rt`; the wings themselves receive only the narrow parts they need.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,18 @@ import time
 from dataclasses import dataclass, field
 
 from batchserve import errors
-from batchserve.admission import AdmissionState
+from batchserve.core import load_signal
 from batchserve.backends import Backend, make_backend
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
-from batchserve.generation import Engine, start_generation
+from batchserve.core.admission import Admission
+from batchserve.core.requests_log import RequestLog
+from batchserve.core.service import InferenceService
+from batchserve.generation.engine import Engine, start_generation
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
 from batchserve.metrics import Metrics, make_metrics
 from batchserve.models import ModelRegistry
-from batchserve.requests_log import RequestLog
 from batchserve.tenancy import Tenancy
 
 log = logging.getLogger("batchserve")
@@ -32,35 +39,48 @@ class Runtime:
     metrics: Metrics
     requests: RequestLog
     batcher: Batcher
+    admission: Admission
+    service: InferenceService
     tenancy: Tenancy
+    backends: dict[str, Backend]
     pool: GpuPool | None = None
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
-    backends: dict[str, Backend] = field(default_factory=dict)
     ready: bool = False
     startup_error: str = ""
-    inflight: int = 0
     answered: int = 0  # requests answered since start, any status
     requests_per_second: float = 0.0
     gpu_utilization: float = 0.0
     busy_ratios: dict[str, float] = field(default_factory=dict)
-    ok_metrics: dict[str, tuple] = field(default_factory=dict)  # per model: bound 200-counter and histogram
-    admission: AdmissionState = field(default_factory=AdmissionState)  # arrival rates, prediction error
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
     def create(cls, settings: Settings) -> "Runtime":
-        registry = ModelRegistry(settings.models)
         batcher = Batcher(
             max_batch_size=settings.max_batch_size,
             slo_s=settings.slo_ms / 1000,
             margin_s=settings.dispatch_margin_ms / 1000,
             batch_s={spec.id: spec.sim_batch_ms / 1000 for spec in settings.models},
         )
-        rt = cls(settings, registry, make_metrics(), RequestLog(settings.request_history), batcher,
-                 Tenancy.from_settings(settings))
-        rt.metrics.inflight.set_function(lambda: rt.inflight)  # read at scrape time: nothing per request
+        admission = Admission(batcher, None, settings.max_queue, settings.slo_ms / 1000, settings.admission_slack)
+        requests = RequestLog(settings.request_history)
+        backends: dict[str, Backend] = {}
+        service = InferenceService(batcher, admission, backends, requests)
+        rt = cls(settings, ModelRegistry(settings.models), make_metrics(), requests, batcher, admission, service,
+                 Tenancy.from_settings(settings), backends)
+        rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
+        load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
         return rt
+
+    def load_reading(self) -> load_signal.Reading:
+        """What the autoscaling signals are computed from, now."""
+        now = time.monotonic()
+        pool = self.pool
+        healthy = pool.healthy_count() if pool is not None else 0
+        return load_signal.Reading(self.admission.arrivals.current(now), healthy, self.batcher.max_batch_size,
+                                   max(self.batcher.batch_s.values(), default=0.0),
+                                   pool.seconds_until_free(now) if pool is not None and healthy else 0.0,
+                                   self.batcher.total_depth(), self.batcher.slo_s)
 
     @property
     def draining(self) -> bool:
@@ -82,10 +102,11 @@ class Runtime:
                         self.batcher.batch_s[spec.id] = time.monotonic() - started
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000)
-            self.pool.demand = lambda: self.admission.arrivals.current(time.monotonic())
+            self.pool.demand = self.admission.arrival_rate
             self.pool.start()
-            self.jobs = await JobService.start(self)
-            self.generation = await start_generation(self)
+            self.service.attach(self.pool)
+            self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry)
+            self.generation = await start_generation(self.settings, self.metrics.registry)
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),
@@ -118,14 +139,13 @@ class Runtime:
     # -- stop ----------------------------------------------------------------------------------------------
     async def drain(self) -> None:
         """Refuse new work, answer everything queued and running, within `drain_timeout_s`."""
-        log.info("draining: %d request(s) in flight", self.inflight)
+        log.info("draining: %d request(s) in flight", self.service.inflight)
         self.batcher.start_drain()
         give_up = time.monotonic() + self.settings.drain_timeout_s
-        while self.inflight > 0 and time.monotonic() < give_up:
+        while self.service.inflight > 0 and time.monotonic() < give_up:
             await asyncio.sleep(0.01)
-        if self.inflight > 0:
-            err = errors.ApiError(503, "DRAINING", "the server stopped before this request could run",
-                                  retry_after_ms=1000)
+        if self.service.inflight > 0:
+            err = errors.draining("the server stopped before this request could run")
             left = self.batcher.drop_all(err)
             if self.pool is not None:
                 for w in self.pool.workers:
@@ -135,7 +155,7 @@ class Runtime:
                                 item.future.set_exception(err)
                                 left += 1
             log.warning("drain timeout: %d request(s) answered 503 DRAINING", left)
-            while self.inflight > 0 and time.monotonic() < give_up + 1.0:
+            while self.service.inflight > 0 and time.monotonic() < give_up + 1.0:
                 await asyncio.sleep(0.01)
         log.info("drained")
 

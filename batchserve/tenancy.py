@@ -14,24 +14,20 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from batchserve.config import TIERS, Settings
-from batchserve.errors import ApiError
+from batchserve import errors
+from batchserve.config import Settings
+from batchserve.core import tiers
 
 ANONYMOUS = "anonymous"
 
 # Requests per second and burst of each tier unless the config file says otherwise.
-DEFAULT_TIER_RATES: dict[str, tuple[float, float]] = {
-    "enterprise": (1000.0, 2000.0),
-    "paid": (100.0, 200.0),
-    "free": (10.0, 20.0),
-    "batch": (10.0, 20.0),
-}
+DEFAULT_TIER_RATES: dict[str, tuple[float, float]] = {t.name: (t.rate, t.burst) for t in tiers.TIERS}
 
 
 @dataclass(frozen=True, slots=True)
 class Caller:
     tenant: str
-    tier: int  # index into config.TIERS
+    tier: int  # a tiers.Tier rank
     key_id: str = ""  # first 12 hex digits of the key's digest (safe to log); "" for anonymous callers
 
 
@@ -73,10 +69,6 @@ def new_key() -> str:
     return "bs_" + secrets.token_urlsafe(32)
 
 
-def unauthorized(message: str) -> ApiError:
-    return ApiError(401, "UNAUTHORIZED", message, headers={"WWW-Authenticate": "Bearer"})
-
-
 @dataclass
 class Tenancy:
     keys: list[KeyEntry] = field(default_factory=list)
@@ -84,6 +76,9 @@ class Tenancy:
     anonymous_allowed: bool = True
     anonymous_tier: str = "paid"
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._anonymous = Caller(ANONYMOUS, tiers.by_name(self.anonymous_tier).rank)
 
     @classmethod
     def from_settings(cls, s: Settings) -> "Tenancy":
@@ -95,20 +90,20 @@ class Tenancy:
         if authorization:
             scheme, _, token = authorization.partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
-                raise unauthorized("use 'Authorization: Bearer <key>'")
+                raise errors.unauthorized("use 'Authorization: Bearer <key>'")
             token = token.strip()
         if not token:
             if self.anonymous_allowed:
-                return Caller(ANONYMOUS, TIERS.index(self.anonymous_tier))
-            raise unauthorized("an API key is required: 'Authorization: Bearer <key>'")
+                return self._anonymous
+            raise errors.unauthorized("an API key is required: 'Authorization: Bearer <key>'")
         wanted = digest(token)
         found: KeyEntry | None = None
         for entry in self.keys:  # every digest compared, in constant time: no early exit to time
             if hmac.compare_digest(entry.sha256, wanted):
                 found = entry
         if found is None:
-            raise unauthorized("unknown API key")
-        return Caller(found.tenant, TIERS.index(found.tier), wanted[:12])
+            raise errors.unauthorized("unknown API key")
+        return Caller(found.tenant, tiers.by_name(found.tier).rank, wanted[:12])
 
     def take_token(self, caller: Caller) -> dict[str, str]:
         """Spend one request from the caller's bucket; returns the X-RateLimit-* headers, or raises 429."""
@@ -123,8 +118,7 @@ class Tenancy:
             return bucket.headers()
         headers = bucket.headers()
         retry_ms = (1.0 - bucket.tokens) / bucket.rate * 1000
-        raise ApiError(429, "RATE_LIMITED", f"over the rate of {bucket.rate:g} requests/s for this key",
-                       retry_after_ms=max(1, int(retry_ms)), headers=headers)
+        raise errors.rate_limited(f"over the rate of {bucket.rate:g} requests/s for this key", retry_ms, headers)
 
     def _limits(self, key_id: str) -> tuple[float, float]:
         entry = next(e for e in self.keys if e.sha256.startswith(key_id))

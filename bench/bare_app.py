@@ -58,7 +58,7 @@ def main() -> None:
     a = p.parse_args()
     global HOLD_S
     HOLD_S = a.hold_ms / 1000
-    # The same uvicorn settings as batchserve/server.py.
+    # The same uvicorn settings as batchserve/http/server.py.
     uvicorn.run(create_app(), host=a.host, port=a.port, loop="uvloop", http="httptools", lifespan="on",
                 access_log=False, log_level="info", timeout_graceful_shutdown=5, backlog=4096)
 

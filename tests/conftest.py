@@ -97,3 +97,6 @@ def sim_server():
     s = start_server("--devices", "4", "--slo-ms", "3000", "--timeout-ms", "10000")
     yield s
     s.stop()
+
+
+pytest_plugins = ["tests.pg_server"]  # the `pg_server` fixture: a real PostgreSQL server for the session

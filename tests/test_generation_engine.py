@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batchserve.errors import ApiError
-from batchserve.generation import Engine, EngineConfig, SamplingParams
+from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
 from tests.test_generation_units import CHARS, char_tokenizer
 
 EOS = CHARS.index("!")

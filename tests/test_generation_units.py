@@ -8,9 +8,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
 
-from batchserve.kv_budget import Claim, KvBudget, predicted_wait_s
-from batchserve.sampling import GREEDY, SAMPLE, TokenChoice, TopP, step_key
-from batchserve.textstream import TextStream
+from batchserve.generation.kv_budget import Claim, KvBudget, predicted_wait_s
+from batchserve.generation.sampling import GREEDY, SAMPLE, TokenChoice, TopP, step_key
+from batchserve.generation.textstream import TextStream
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz ,.!")
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from batchserve.config import cli_fields, env_name
-from batchserve.metrics import Metrics, make_metrics
+from batchserve.metrics import make_metrics
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 VERSIONS = ("1.29.0", kubernetes_validate.latest_version())  # the oldest we document, and the newest known
@@ -121,8 +121,6 @@ def test_hpa_scales_the_deployment_on_the_metric_the_adapter_serves():
     assert "<<.Series>>" in rule["metricsQuery"] and "<<.LabelMatchers>>" in rule["metricsQuery"]
 
 
-@pytest.mark.xfail("load_ratio" not in Metrics.__dataclass_fields__, strict=True,
-                   reason="the gauge comes from branch i14pg (issue 14 item 5); drop this mark once merged")
 def test_the_server_exports_the_hpa_metric():
     from prometheus_client import generate_latest
 

@@ -52,7 +52,7 @@ def test_document_is_openapi_3_1_with_valid_schemas(doc):
 
 
 def test_every_route_of_the_app_is_documented(doc):
-    """A route added to the app without a contributed path (openapi.add_paths) fails here."""
+    """A route added to the app without a contributed path (an openapi.Contribution of its wing) fails here."""
     app = create_app(Settings())
     missing = []
     for route in app.routes:

@@ -21,11 +21,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from batchserve import errors
-from batchserve.http_io import json_response, parse_json_object, read_body, request_id_of
 from batchserve.errors import ApiError
-from batchserve.jobs import schema
+from batchserve.http.body import error_response, json_response, parse_json_object, read_body, request_id_of
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import IdempotencyConflict, JobStore, NewJob, Progress
+from batchserve.jobs.store import (IdempotencyConflict, JobStore, NewJob, Progress, StoreUnavailable,
+                                   UnstorableInput)
 from batchserve.runtime import Runtime
 from batchserve.tenancy import Caller
 
@@ -38,17 +38,10 @@ LIST_DEFAULT, LIST_MAX = 20, 100
 
 Handler = Callable[[Request, Runtime, JobService, Caller], Awaitable[Response]]
 
-schema.register()
-
-
 def caller_of(request: Request) -> Caller:
     """Who is calling (401 when keys are configured and the key is missing or wrong)."""
     rt: Runtime = request.app.state.rt
     return rt.tenancy.identify(request.headers.get("authorization"))
-
-
-def not_found(job_id: str) -> ApiError:
-    return ApiError(404, "BATCH_NOT_FOUND", f"no batch job {job_id[:80]!r} belongs to this caller")
 
 
 def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -62,21 +55,20 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             caller = caller_of(request)
             limit_headers = rt.tenancy.take_token(caller)
             if not rt.settings.jobs_db:
-                raise ApiError(404, "NOT_FOUND", "batch jobs are disabled on this server (--jobs-db is empty)")
+                raise errors.not_found("batch jobs are disabled on this server (--jobs-db is empty)")
             svc = rt.jobs
             if svc is None:
-                raise ApiError(503, "NO_HEALTHY_WORKER", "the server is warming up", retry_after_ms=1000)
+                raise errors.warming_up()
             response = await handler(request, rt, svc, caller)
             response.headers.update({"X-Request-ID": request_id, **limit_headers})
             return response
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, StoreUnavailable) as exc:
             log.exception("job store error")
-            err = ApiError(503, "JOBS_UNAVAILABLE", f"the job store failed: {exc}", retry_after_ms=1000)
-            return errors.error_response(err, request_id)
+            return error_response(errors.jobs_unavailable(f"the job store failed: {exc}", 1000), request_id)
         except ApiError as err:
             if limit_headers and not err.headers:
                 err.headers = limit_headers
-            return errors.error_response(err, request_id)
+            return error_response(err, request_id)
 
     return endpoint
 
@@ -96,7 +88,7 @@ def parse_job(body: bytes, content_type: str, rt: Runtime) -> tuple[list[str], s
         if not isinstance(text, str) or not text:
             raise errors.invalid(f'"inputs"[{i}] must be a non-empty string')
         if len(text) > limit:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", f'"inputs"[{i}] is over the {limit}-character limit')
+            raise errors.payload_too_large(f'"inputs"[{i}] is over the {limit}-character limit')
     model = data.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise errors.invalid('"model" must be a non-empty string when given')
@@ -105,7 +97,7 @@ def parse_job(body: bytes, content_type: str, rt: Runtime) -> tuple[list[str], s
         if not isinstance(metadata, dict):
             raise errors.invalid('"metadata" must be an object when given')
         if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", f'"metadata" is over {MAX_METADATA_BYTES} bytes')
+            raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
     return inputs, model, metadata
 
 
@@ -126,7 +118,7 @@ def request_hash(inputs: list[str], model: str | None, metadata: dict | None) ->
 
 async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
     if rt.draining:
-        raise ApiError(503, "DRAINING", "the server is shutting down; retry on another node", retry_after_ms=1000)
+        raise errors.draining()
     key = idempotency_key(request)
     try:
         body = await read_body(request, rt.settings.jobs_max_body_bytes)
@@ -135,14 +127,16 @@ async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: C
     inputs, requested, metadata = parse_job(body, request.headers.get("content-type", ""), rt)
     spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
     if spec is None:
-        raise ApiError(404, "MODEL_NOT_FOUND", f"no model {requested!r} is served here (see /v1/models)")
+        raise errors.model_not_found(requested)
     store = await svc.open_store()
     new = NewJob("batch_" + secrets.token_hex(12), caller.tenant, spec.id, inputs, metadata, key,
                  request_hash(inputs, requested, metadata), time.time())
     try:
         job, created = await store.create(new)
     except IdempotencyConflict:
-        raise ApiError(409, "CONFLICT", "this Idempotency-Key was used before with a different body") from None
+        raise errors.conflict("this Idempotency-Key was used before with a different body") from None
+    except UnstorableInput as exc:
+        raise errors.invalid(str(exc)) from None
     if created:
         svc.metrics.created.inc()
         svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
@@ -158,7 +152,7 @@ async def get_batch(request: Request, rt: Runtime, svc: JobService, caller: Call
     store = await svc.existing_store()
     job = await store.get(caller.tenant, job_id) if store is not None else None
     if job is None:
-        raise not_found(job_id)
+        raise errors.batch_not_found(job_id)
     return json_response(job.public())
 
 
@@ -167,7 +161,7 @@ async def batch_results(request: Request, rt: Runtime, svc: JobService, caller: 
     store = await svc.existing_store()
     job = await store.get(caller.tenant, job_id) if store is not None else None
     if job is None or store is None:
-        raise not_found(job_id)
+        raise errors.batch_not_found(job_id)
     return StreamingResponse(ndjson_lines(store, job_id), media_type="application/x-ndjson")
 
 
@@ -186,7 +180,7 @@ async def cancel_batch(request: Request, rt: Runtime, svc: JobService, caller: C
     store = await svc.existing_store()
     job = await store.cancel(caller.tenant, job_id, time.time()) if store is not None else None
     if job is None:
-        raise not_found(job_id)
+        raise errors.batch_not_found(job_id)
     if svc.scheduler is not None:
         svc.scheduler.cancel(job_id)
     return json_response(job.public())

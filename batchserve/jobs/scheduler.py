@@ -10,9 +10,16 @@ tenants; a tenant's jobs run oldest first.
 Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once;
 anything else (deadline, drain, a lost worker) is transient and retried with exponential backoff and jitter,
 up to `jobs_max_attempts` runs. Results are buffered and written in batches of rows (`record`), every
-`FLUSH_S` or `FLUSH_ROWS`, which keeps SQLite commits cheap. An item whose result was not yet written when the
+`FLUSH_S` or `FLUSH_ROWS`, which keeps commits cheap. An item whose result was not yet written when the
 process died is still `pending` in the store and runs again after a restart (at-least-once execution, results
 recorded once).
+
+Many nodes may share one store. Items are claimed under a lease (`jobs_lease_s`) that this node renews every
+third of it for every item it holds (read, queued, running, waiting to retry or to be recorded), so another
+node never takes them while this one lives; when a node dies its leases run out and the others claim those
+items again. Every `jobs_poll_s` the store is read for unfinished jobs: that is how a node finds jobs created
+on other nodes, items whose lease ran out, and jobs cancelled elsewhere. On stop, the leases of items not run
+are released so another node takes them at once.
 """
 
 from __future__ import annotations
@@ -25,23 +32,33 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from batchserve.batcher import Item
-from batchserve.config import TIERS
+from batchserve.config import Settings
+from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome
 
-if TYPE_CHECKING:
-    from batchserve.runtime import Runtime
-
 log = logging.getLogger("batchserve.jobs")
 
-BATCH_TIER = TIERS.index("batch")
+
+class Door(Protocol):
+    """What the scheduler needs of the inference service (`core.service.InferenceService`): the one door to
+    the batcher, and the little it must know of the workers."""
+
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    def healthy_workers(self) -> int: ...
+    def models(self) -> list[str]: ...
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float) -> Item: ...
+
+
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
 FEED_TICK_S = 0.1  # the feeder looks again at least this often (healthy workers, drain)
-CLAIM_CHUNK = 512  # pending items read from the store at a time, per job
+CLAIM_CHUNK = 128  # fewest pending items claimed from the store at a time, per job (more leased = less shared)
 FLUSH_S = 0.05
 FLUSH_ROWS = 1000
 RETRY_CAP_S = 60.0
@@ -54,10 +71,11 @@ class JobState:
     id: str
     tenant: str
     model: str
-    cursor: int = -1  # highest index read from the store
-    exhausted: bool = False  # no pending item left in the store after `cursor`
+    exhausted: bool = False  # the last claim found nothing more to lease; the next poll of the store clears it
     buffer: deque[tuple[int, str]] = field(default_factory=deque)  # read, not yet submitted
     inflight: dict[int, Item] = field(default_factory=dict)
+    held: set[int] = field(default_factory=set)  # leased to this node and not yet recorded: renewed
+    added: float = field(default_factory=time.monotonic)
     attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
     retrying: int = 0
     cancelled: bool = False
@@ -66,7 +84,8 @@ class JobState:
         return not self.cancelled and (bool(self.buffer) or not self.exhausted)
 
     def idle(self) -> bool:
-        return self.cancelled or (self.exhausted and not self.buffer and not self.inflight and not self.retrying)
+        return self.cancelled or (self.exhausted and not self.buffer and not self.inflight and not self.retrying
+                                  and not self.held)
 
 
 @dataclass(order=True)
@@ -81,7 +100,8 @@ class Retry:
 @dataclass(eq=False)
 class Scheduler:
     store: JobStore
-    rt: Runtime
+    door: Door
+    settings: Settings
     metrics: JobMetrics
     jobs: dict[str, JobState] = field(default_factory=dict)  # unfinished, oldest first
     retries: list[Retry] = field(default_factory=list)  # a heap by due time
@@ -95,22 +115,34 @@ class Scheduler:
 
     async def start(self) -> None:
         """Resume every unfinished job on a model served here, then start feeding and flushing."""
-        for job in await self.store.active(list(self.rt.registry.by_id)):
+        for job in await self.store.active(self.door.models()):
             self.add(job)
         if self.jobs:
             log.info("resuming %d unfinished batch job(s)", len(self.jobs))
         self._tasks = [asyncio.create_task(self._feed_loop(), name="jobs-feed"),
-                       asyncio.create_task(self._flush_loop(), name="jobs-flush")]
+                       asyncio.create_task(self._flush_loop(), name="jobs-flush"),
+                       asyncio.create_task(self._lease_loop(), name="jobs-leases"),
+                       asyncio.create_task(self._poll_loop(), name="jobs-poll")]
 
     async def stop(self) -> None:
-        """Stop feeding, forget what is in flight (it stays pending, and runs again on restart), write the rest."""
+        """Stop feeding, forget what is in flight (it stays pending, and runs again on restart or on another
+        node), write the rest, and give back the leases of what was not recorded."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for job in self.jobs.values():
             for item in list(job.inflight.values()):
                 item.future.cancel()
-        await self.flush()
+        try:
+            await self.flush()
+        finally:
+            for job in self.jobs.values():
+                if job.held and not job.cancelled:
+                    try:
+                        await self.store.release(job.id, sorted(job.held))
+                    except Exception:  # noqa: BLE001 - the leases then run out by themselves
+                        log.warning("could not release the leases of batch %s; they expire in %.0fs", job.id,
+                                    self.settings.jobs_lease_s)
 
     def add(self, job: Job) -> None:
         if job.id not in self.jobs:
@@ -131,11 +163,9 @@ class Scheduler:
         self._wake.set()
 
     def limit(self) -> int:
-        s = self.rt.settings
-        if s.jobs_max_inflight > 0:
-            return s.jobs_max_inflight
-        healthy = self.rt.pool.healthy_count() if self.rt.pool is not None else 0
-        return 2 * s.max_batch_size * healthy
+        if self.settings.jobs_max_inflight > 0:
+            return self.settings.jobs_max_inflight
+        return 2 * self.door.max_batch_size * self.door.healthy_workers()
 
     # -- feeding ---------------------------------------------------------------------------------------------
     async def _feed_loop(self) -> None:
@@ -150,7 +180,7 @@ class Scheduler:
             self._wake.clear()
             try:
                 self.metrics.inflight.set(self.inflight)  # here, not per item: the loop's time is the SLO's
-                if self.rt.draining:
+                if self.door.draining:
                     self._release_queued()
                     continue
                 await self._refill()
@@ -185,7 +215,7 @@ class Scheduler:
                 if need <= 0:
                     break
                 if len(job.buffer) < need and not job.exhausted:
-                    await self._read(job, max(CLAIM_CHUNK, need))
+                    await self._read(job, max(CLAIM_CHUNK, need - len(job.buffer)))
                 need -= len(job.buffer)
         queues = [deque(j for j in jobs if j.buffer) for jobs in by_tenant.values()]
         rotation = deque(q for q in queues if q)
@@ -204,24 +234,21 @@ class Scheduler:
                 rotation.append(q)
 
     async def _read(self, job: JobState, n: int) -> None:
-        rows = await self.store.claim(job.id, job.cursor, n, time.time())
+        rows = await self.store.claim(job.id, n, self.settings.jobs_lease_s, time.time())
         if job.cancelled:
             return
-        if rows:
-            job.cursor = rows[-1][0]
-            job.buffer.extend(rows)
+        for index, text in rows:
+            if index not in job.held:  # not one of ours whose lease ran out under us: that one is still running
+                job.held.add(index)
+                job.buffer.append((index, text))
         if len(rows) < n:
             job.exhausted = True
 
     def _submit(self, job: JobState, index: int, text: str) -> None:
-        backend = self.rt.backends[job.model]
-        now = time.monotonic()
-        item = Item(text, job.model, backend.bucket_of(text), asyncio.get_running_loop().create_future(),
-                    now, now + ITEM_DEADLINE_S, None, BATCH_TIER, job.tenant)
+        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
         job.inflight[index] = item
         self.inflight += 1
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
-        self.rt.batcher.submit(item)
 
     def _release_queued(self) -> None:
         """Draining: take back the items no batch has taken yet (they stay pending for the next start)."""
@@ -244,12 +271,12 @@ class Scheduler:
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
         message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
         attempts = job.attempts.get(index, 0) + 1
-        if isinstance(exc, ApiError) and exc.status == 500 or attempts >= self.rt.settings.jobs_max_attempts:
+        if isinstance(exc, ApiError) and exc.status == 500 or attempts >= self.settings.jobs_max_attempts:
             self._outcome(job, Outcome(job.id, index, "failed", error=code, message=message))
             return
         job.attempts[index] = attempts
         job.retrying += 1
-        delay = min(RETRY_CAP_S, self.rt.settings.jobs_retry_base_ms / 1000 * 2 ** (attempts - 1))
+        delay = min(RETRY_CAP_S, self.settings.jobs_retry_base_ms / 1000 * 2 ** (attempts - 1))
         self._seq += 1
         heapq.heappush(self.retries, Retry(time.monotonic() + delay * random.uniform(0.5, 1.0), self._seq,
                                            job, index, text))
@@ -286,5 +313,52 @@ class Scheduler:
         except BaseException:
             self.outcomes[:0] = rows
             raise
+        for o in rows:
+            job = self.jobs.get(o.job_id)
+            if job is not None:
+                job.held.discard(o.index)  # final in the store: no lease to keep
         for p in progress:
             self.metrics.progress(p)
+
+    # -- leases and the shared store -------------------------------------------------------------------------
+    async def _lease_loop(self) -> None:
+        """Renew every held lease each third of the lease, so no other node takes an item this one still has."""
+        while True:
+            lease_s = self.settings.jobs_lease_s
+            await asyncio.sleep(lease_s / 3)
+            for job in list(self.jobs.values()):
+                if not job.held or job.cancelled:
+                    continue
+                try:
+                    kept = await self.store.renew(job.id, sorted(job.held), lease_s)
+                except Exception:  # noqa: BLE001 - the next round tries again, well inside the lease
+                    log.exception("renewing the leases of batch %s failed; retrying", job.id)
+                    continue
+                if kept < len(job.held):  # recorded meanwhile, or a lease ran out and another node took it
+                    log.debug("batch %s: %d of %d leases renewed", job.id, kept, len(job.held))
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.jobs_poll_s)
+            try:
+                await self.poll()
+            except Exception:  # noqa: BLE001 - the next poll tries again
+                log.exception("reading the unfinished batch jobs failed; retrying")
+
+    async def poll(self) -> None:
+        """Pick up jobs created on other nodes, look again at jobs whose items were all leased (a lease may
+        have run out), and drop jobs finished or cancelled elsewhere."""
+        started = time.monotonic()
+        active = await self.store.active(self.door.models())
+        ids = set()
+        for job in active:
+            ids.add(job.id)
+            state = self.jobs.get(job.id)
+            if state is None:
+                self.add(job)
+            else:
+                state.exhausted = False
+        for state in list(self.jobs.values()):
+            if state.id not in ids and state.added < started:
+                self.cancel(state.id)
+        self._wake.set()

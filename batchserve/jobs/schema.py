@@ -1,11 +1,11 @@
-"""The OpenAPI paths and schemas of `/v1/batches`, contributed to `/openapi.json` (see `batchserve.openapi`)."""
+"""The OpenAPI paths and schemas of `/v1/batches`, contributed to `/openapi.json` (see `batchserve.http.openapi`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from batchserve import openapi
-from batchserve.openapi import json_content, ref
+from batchserve.http import openapi
+from batchserve.http.openapi import Contribution, json_content, ok, ref
 
 # Error codes of these routes beyond the shared table (a narrowed Error schema per status, as openapi does).
 CODES = {404: ["BATCH_NOT_FOUND", "MODEL_NOT_FOUND", "NOT_FOUND"], 503: ["DRAINING", "NO_HEALTHY_WORKER",
@@ -80,10 +80,6 @@ def errors(*statuses: int) -> dict[str, Any]:
     return out
 
 
-def ok(schema: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": json_content(ref(schema))}
-
-
 BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 PATHS: dict[str, dict[str, Any]] = {
@@ -131,5 +127,4 @@ PATHS: dict[str, dict[str, Any]] = {
 }
 
 
-def register() -> None:
-    openapi.add_paths(PATHS, SCHEMAS)
+OPENAPI = Contribution(PATHS, SCHEMAS)

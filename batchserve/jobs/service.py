@@ -1,9 +1,11 @@
 """Batch jobs as one object the runtime starts and stops: the store, the scheduler and their metrics.
 
-The store file is created by the first job, not at start-up, so a server that never sees a job leaves no file
-behind; when the file exists at start-up, its unfinished jobs resume at once. A store that cannot be opened
-(another process holds it, a bad path) makes `/v1/batches` answer 503 with the reason, and is tried again on
-the next request: interactive serving never depends on it.
+`--jobs-db` is a SQLite file (one node) or a `postgresql://` URL (one store shared by many nodes). The SQLite
+file is created by the first job, not at start-up, so a server that never sees a job leaves no file behind;
+when the file exists at start-up, its unfinished jobs resume at once. A PostgreSQL store is opened at start-up,
+since other nodes may have jobs waiting there. A store that cannot be opened (another process holds the file,
+a bad path, the database is down) makes `/v1/batches` answer 503 with the reason, and is tried again on the
+next request: interactive serving never depends on it.
 """
 
 from __future__ import annotations
@@ -13,23 +15,24 @@ import logging
 import os
 import sqlite3
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry
+
+from batchserve import errors
+from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.jobs.metrics import JobMetrics
-from batchserve.jobs.scheduler import Scheduler
+from batchserve.jobs.scheduler import Door, Scheduler
 from batchserve.jobs.sqlite_store import SQLiteStore, StoreBusy
-from batchserve.jobs.store import JobStore
-
-if TYPE_CHECKING:
-    from batchserve.runtime import Runtime
+from batchserve.jobs.store import JobStore, StoreUnavailable, is_postgres_url, redact_url
 
 log = logging.getLogger("batchserve.jobs")
 
 
 @dataclass(eq=False)
 class JobService:
-    rt: Runtime
+    door: Door
+    settings: Settings
     metrics: JobMetrics
     store: JobStore | None = None
     scheduler: Scheduler | None = None
@@ -37,10 +40,10 @@ class JobService:
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @classmethod
-    async def start(cls, rt: Runtime) -> "JobService":
-        svc = cls(rt, JobMetrics.create(rt.metrics.registry))
-        path = rt.settings.jobs_db
-        if path and os.path.exists(path):
+    async def start(cls, door: Door, settings: Settings, registry: CollectorRegistry) -> "JobService":
+        svc = cls(door, settings, JobMetrics.create(registry))
+        path = settings.jobs_db
+        if path and (is_postgres_url(path) or os.path.exists(path)):
             try:
                 await svc.open_store()
             except ApiError:
@@ -49,11 +52,11 @@ class JobService:
 
     @property
     def path(self) -> str:
-        return self.rt.settings.jobs_db
+        return self.settings.jobs_db
 
     async def existing_store(self) -> JobStore | None:
         """The store for reads: None while no job was ever stored here (so every job id is unknown)."""
-        if self.store is None and os.path.exists(self.path):
+        if self.store is None and (is_postgres_url(self.path) or os.path.exists(self.path)):
             return await self.open_store()
         return self.store
 
@@ -64,20 +67,38 @@ class JobService:
         async with self._opening:
             if self.store is None:
                 try:
-                    store = await SQLiteStore.open(self.path)
-                except (StoreBusy, sqlite3.Error, OSError) as exc:
-                    self.problem = f"the job store {self.path} cannot be opened: {exc}"
+                    store, scheduler = await self._open_and_resume()
+                except (StoreBusy, StoreUnavailable, sqlite3.Error, OSError, ImportError) as exc:
+                    self.problem = f"the job store {redact_url(self.path)} cannot be opened: {exc}"
                     log.error("%s", self.problem)
                     raise self._unavailable() from None
-                scheduler = Scheduler(store, self.rt, self.metrics)
-                await scheduler.start()
                 self.store, self.scheduler, self.problem = store, scheduler, ""
-                log.info("batch jobs stored in %s", os.path.abspath(self.path))
+                where = redact_url(self.path) if is_postgres_url(self.path) else os.path.abspath(self.path)
+                log.info("batch jobs stored in %s", where)
         assert self.store is not None
         return self.store
 
+    async def _open_and_resume(self) -> tuple[JobStore, Scheduler]:
+        store = await self._open()
+        try:
+            scheduler = Scheduler(store, self.door, self.settings, self.metrics)
+            await scheduler.start()
+        except BaseException:
+            await store.close()
+            raise
+        return store, scheduler
+
+    async def _open(self) -> JobStore:
+        if not is_postgres_url(self.path):
+            return await SQLiteStore.open(self.path)
+        try:
+            from batchserve.jobs.pg_store import PostgresStore
+        except ImportError as exc:
+            raise ImportError(f"{exc}; a postgresql:// job store needs pip install 'batchserve[postgres]'") from None
+        return await PostgresStore.open(self.path)
+
     def _unavailable(self) -> ApiError:
-        return ApiError(503, "JOBS_UNAVAILABLE", self.problem, retry_after_ms=5000)
+        return errors.jobs_unavailable(self.problem)
 
     async def stop(self) -> None:
         if self.scheduler is not None:

@@ -7,6 +7,9 @@ same items twice. `synchronous=FULL`: a committed job survives a power cut, not 
 
 A trigger refuses any second write of an item's result (an item leaves `pending` once), and `writes` counts
 the result writes per item, so tests can prove "recorded exactly once" from the file itself.
+
+Leases are kept in memory, not in the file: the `flock` already makes this process the only one running the
+file's items, and a process that dies takes its leases with it, so a restart resumes every pending item at once.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import fcntl
 import os
 import sqlite3
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, TypeVar
@@ -59,6 +63,7 @@ CREATE TABLE IF NOT EXISTS items (
     finished_at REAL,
     PRIMARY KEY (job_id, idx)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS items_pending ON items (job_id, idx) WHERE status = 'pending';
 CREATE TRIGGER IF NOT EXISTS items_final_once BEFORE UPDATE OF status ON items
 WHEN OLD.status != 'pending'
 BEGIN
@@ -89,6 +94,7 @@ class SQLiteStore:
         self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
         self._conn: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
+        self._leases: dict[str, dict[int, float]] = {}  # job id -> index -> lease end (monotonic clock)
 
     @classmethod
     async def open(cls, path: str) -> "SQLiteStore":
@@ -189,6 +195,7 @@ class SQLiteStore:
                               "WHERE job_id = ? AND status = 'pending'", (now, job_id)).rowcount
                 c.execute("UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ? "
                           "WHERE id = ?", (n, now, job_id))
+                self._leases.pop(job_id, None)
         return self._get(tenant, job_id)
 
     def _active(self, models: list[str]) -> list[Job]:
@@ -198,15 +205,34 @@ class SQLiteStore:
                                   f"AND model IN ({marks}) ORDER BY seq", models)
         return [_job(r) for r in rows]
 
-    def _claim(self, job_id: str, after_index: int, limit: int, now: float) -> list[tuple[int, str]]:
+    def _claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
         assert self._conn is not None
-        rows = self._conn.execute("SELECT idx, input FROM items WHERE job_id = ? AND idx > ? "
-                                  "AND status = 'pending' ORDER BY idx LIMIT ?", (job_id, after_index, limit))
-        claimed = [(r[0], r[1]) for r in rows]
+        clock = time.monotonic()
+        leases = self._leases.setdefault(job_id, {})
+        for index in [i for i, until in leases.items() if until <= clock]:
+            del leases[index]  # expired: claimable again
+        rows = self._conn.execute("SELECT idx, input FROM items WHERE job_id = ? AND status = 'pending' "
+                                  "ORDER BY idx LIMIT ?", (job_id, limit + len(leases)))
+        claimed = [(r[0], r[1]) for r in rows if r[0] not in leases][:limit]
+        for index, _ in claimed:
+            leases[index] = clock + lease_s
         if claimed:
             self._conn.execute("UPDATE jobs SET status = 'running', started_at = COALESCE(started_at, ?) "
                                "WHERE id = ? AND status = 'queued'", (now, job_id))
         return claimed
+
+    def _renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
+        leases = self._leases.get(job_id, {})
+        until = time.monotonic() + lease_s
+        held = [i for i in indexes if i in leases]
+        for index in held:
+            leases[index] = until
+        return len(held)
+
+    def _release(self, job_id: str, indexes: list[int]) -> None:
+        leases = self._leases.get(job_id, {})
+        for index in indexes:
+            leases.pop(index, None)
 
     def _record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         written: dict[str, Counter[str]] = {}
@@ -217,9 +243,12 @@ class SQLiteStore:
                     "finished_at = ? WHERE job_id = ? AND idx = ? AND status = 'pending'",
                     (o.status, o.output, o.error, o.message, now, o.job_id, o.index)).rowcount
                 counts = written.setdefault(o.job_id, Counter())
+                self._leases.get(o.job_id, {}).pop(o.index, None)
                 if changed:
                     counts[o.status] += 1
             for job_id, counts in written.items():
+                if not self._leases.get(job_id, True):
+                    del self._leases[job_id]
                 c.execute("UPDATE jobs SET completed = completed + ?, failed = failed + ? WHERE id = ?",
                           (counts["completed"], counts["failed"], job_id))
                 c.execute("UPDATE jobs SET status = CASE WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
@@ -262,8 +291,14 @@ class SQLiteStore:
     async def active(self, models: list[str]) -> list[Job]:
         return await self._run(self._active, models)
 
-    async def claim(self, job_id: str, after_index: int, limit: int, now: float) -> list[tuple[int, str]]:
-        return await self._run(self._claim, job_id, after_index, limit, now)
+    async def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
+        return await self._run(self._claim, job_id, limit, lease_s, now)
+
+    async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
+        return await self._run(self._renew, job_id, indexes, lease_s)
+
+    async def release(self, job_id: str, indexes: list[int]) -> None:
+        await self._run(self._release, job_id, indexes)
 
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         if not outcomes:

@@ -3,23 +3,24 @@
 The contract every store keeps:
 - `create` commits the job and *all* its items before it returns (the 202 follows it), or nothing at all;
   a repeat of the same `(tenant, idempotency_key)` returns the first job, a different body under that key
-  raises `IdempotencyConflict`.
+  raises `IdempotencyConflict` (across every node sharing the store).
+- `claim` hands out pending items under a lease: an item leased to one holder is not handed to another until
+  the lease expires or is released, so nodes sharing a store do not run the same item at once, and the items
+  of a node that died are claimed again once their lease runs out (execution stays at-least-once).
 - `record` writes each item's result at most once: the update is keyed by `(job_id, index)` and only applies
-  to an item still `pending`, so running an item twice (execution is at-least-once) records it once. Job
-  counters move in the same transaction, and a job whose items are all final gets its final status there.
+  to an item still `pending`, so running an item twice records it once. Job counters move in the same
+  transaction, and a job whose items are all final gets its final status there.
 - Reads are scoped by tenant: a job of another tenant is indistinguishable from a missing one.
 
-`SQLiteStore` is the single-node implementation. A shared PostgreSQL store for many nodes fits the same
-methods: `create` in one transaction with `ON CONFLICT (tenant, idempotency_key)`, `claim` as
-`UPDATE ... SET lease_until = now() + lease WHERE ... FOR UPDATE SKIP LOCKED RETURNING`, so two nodes never
-run an item at the same time and an item whose node died is leased again after its lease expires (still
-at-least-once), and `record` exactly as here.
+`SQLiteStore` is the single-node implementation (its leases live in the process that holds the file's lock:
+when that process dies, its leases die with it). `PostgresStore` is the shared one for many nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 JOB_STATUSES = ("queued", "running", "completed", "failed", "cancelled")
 ACTIVE = ("queued", "running")
@@ -28,6 +29,36 @@ ITEM_STATUSES = ("pending", "completed", "failed", "cancelled")
 
 class IdempotencyConflict(Exception):
     """The idempotency key was used before, with a different body."""
+
+
+class StoreUnavailable(Exception):
+    """The store could not be reached, or a transaction failed: nothing was written; retrying later may work."""
+
+
+class UnstorableInput(ValueError):
+    """An input the store cannot hold (PostgreSQL text cannot hold a NUL character): the job is refused whole."""
+
+    def __init__(self, index: int, why: str) -> None:
+        super().__init__(f'"inputs"[{index}] {why}')
+        self.index = index
+
+
+def is_postgres_url(location: str) -> bool:
+    """`--jobs-db` names a PostgreSQL database (shared by many nodes) rather than a SQLite file."""
+    return location.startswith(("postgresql://", "postgres://"))
+
+
+def redact_url(location: str) -> str:
+    """The location with any password (in the user part or a `password=` parameter) hidden, for logs."""
+    if not is_postgres_url(location):
+        return location
+    parts = urlsplit(location)
+    if parts.password is not None:
+        user, host = parts.netloc.rsplit("@", 1)
+        parts = parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}")
+    query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    # Built by hand: urlunsplit drops the `//` of an empty host (postgresql:///db?host=/socket/dir).
+    return f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{urlencode(query, safe='*/')}" if query else "")
 
 
 @dataclass(slots=True)
@@ -127,11 +158,22 @@ class JobStore(Protocol):
         ...
 
     async def active(self, models: list[str]) -> list[Job]:
-        """Unfinished jobs on these models, oldest first (what a node resumes on start-up)."""
+        """Unfinished jobs on these models, oldest first (what a node resumes on start-up, and polls for jobs
+        created on other nodes)."""
         ...
 
-    async def claim(self, job_id: str, after_index: int, limit: int, now: float) -> list[tuple[int, str]]:
-        """Up to `limit` pending (index, input) after `after_index`, in order; marks the job running."""
+    async def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
+        """Up to `limit` pending (index, input) that no one holds a live lease on, lowest index first, leased
+        to this store for `lease_s` seconds; marks the job running (`now` is its start time)."""
+        ...
+
+    async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
+        """Extend this store's leases on these items (still pending) by `lease_s` from now; how many it still
+        held (fewer: a lease ran out and another holder took the item, which is then run twice, recorded once)."""
+        ...
+
+    async def release(self, job_id: str, indexes: list[int]) -> None:
+        """Give back leases on items this holder will not run (stopping), so another can claim them at once."""
         ...
 
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:

@@ -20,7 +20,7 @@ import uvicorn
 
 from batchserve.app import create_app
 from batchserve.config import Settings
-from batchserve.http_protocol import JsonErrorHttpToolsProtocol
+from batchserve.http.protocol import JsonErrorHttpToolsProtocol
 
 log = logging.getLogger("batchserve")
 

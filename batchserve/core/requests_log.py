@@ -23,6 +23,11 @@ class Record:
     batch_size: int | None = None
     error: str | None = None
 
+    def completed(self, latency_ms: float, queue_ms: float, compute_ms: float, batch_size: int) -> None:
+        self.status = "completed"
+        self.latency_ms, self.queue_ms, self.compute_ms = round(latency_ms, 1), round(queue_ms, 1), round(compute_ms, 1)
+        self.batch_size = batch_size
+
     def public(self) -> dict:
         return asdict(self)
 

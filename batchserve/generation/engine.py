@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
-from batchserve.kv_budget import Claim, KvBudget, predicted_wait_s
+from batchserve.generation.kv_budget import Claim, KvBudget, predicted_wait_s
 
 log = logging.getLogger("batchserve.generation")
 
@@ -80,7 +80,7 @@ class SamplingParams:
 
     def processor_kwargs(self) -> dict[str, Any]:
         """Per-request arguments of the engine's logits processors (see sampling.py)."""
-        from batchserve import sampling  # torch: imported only where generation runs
+        from batchserve.generation import sampling  # torch: imported only where generation runs
 
         if self.temperature < 1e-5:  # 0, or so close that scores / temperature would overflow: greedy
             return {"temperature": 1.0, "top_p": 1.0, sampling.SEED_KEY: sampling.GREEDY}
@@ -177,7 +177,7 @@ def build_manager(model: Any, tokenizer: Any, cfg: EngineConfig) -> Any:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from batchserve import sampling
+    from batchserve.generation import sampling
 
     on_cpu = model.device.type == "cpu"
     kv_tokens = cfg.kv_tokens or (CPU_KV_TOKENS if on_cpu else 0)
@@ -205,14 +205,13 @@ def build_manager(model: Any, tokenizer: Any, cfg: EngineConfig) -> Any:
     return manager
 
 
-async def start_generation(rt: Any) -> "Engine | None":
-    """The engine for a Runtime when generation is enabled, sharing the smollm2 backend's model if there is one."""
-    if not enabled(rt.settings):
+async def start_generation(settings: Settings, registry: CollectorRegistry) -> "Engine | None":
+    """The engine, when generation is enabled. It loads and owns its model replica: the continuous-batching
+    manager changes the model object it is given (its attention implementation and config), so a model shared
+    with the batch backend's `generate` would give that path wrong answers."""
+    if not enabled(settings):
         return None
-    backend = next((b for b in rt.backends.values() if getattr(b, "models", None) and hasattr(b, "tokenizer")),
-                   None)
-    return await Engine.start(rt.settings, rt.metrics.registry, backend.models[0] if backend else None,
-                              backend.tokenizer if backend else None)
+    return await Engine.start(settings, registry)
 
 
 class Engine:
@@ -241,16 +240,15 @@ class Engine:
 
     # -- life -----------------------------------------------------------------------------------------------
     @classmethod
-    async def start(cls, settings: Settings, registry: CollectorRegistry, model: Any = None,
-                    tokenizer: Any = None) -> "Engine":
-        """Load (or reuse) the model off the loop, build the manager, warm it with one request, start it."""
+    async def start(cls, settings: Settings, registry: CollectorRegistry) -> "Engine":
+        """Load its own model replica off the loop, build the manager, warm it with one request, start it."""
         cfg = EngineConfig.from_settings(settings)
 
         def load() -> tuple[Any, Any, Any, float]:
             from batchserve.backends.smollm2 import load_model, load_tokenizer
 
-            tok = tokenizer or load_tokenizer()
-            mdl = model if model is not None else load_model(default_device(settings))
+            tok = load_tokenizer()
+            mdl = load_model(default_device(settings))
             manager = build_manager(mdl, tok, cfg)
             manager.start()
             step_s = warm(manager, tok)
@@ -267,7 +265,7 @@ class Engine:
         self.draining = True
         if self._tick_task is not None:
             self._tick_task.cancel()
-        err = ApiError(503, "DRAINING", "the server stopped before this generation finished", retry_after_ms=1000)
+        err = errors.draining("the server stopped before this generation finished")
         for seq in [*self.running.values(), *(s for _, _, s in self.waiting)]:
             self._finish(seq, error=err)
         await asyncio.to_thread(self.manager.stop, block=True, timeout=10)
@@ -287,9 +285,9 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, tier: int = 1) -> Sequence:
         """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits."""
         if self.draining:
-            raise ApiError(503, "DRAINING", "the server is shutting down; retry on another node", retry_after_ms=1000)
+            raise errors.draining()
         if not self.healthy:
-            raise ApiError(503, "NO_HEALTHY_WORKER", "the generation engine has stopped", retry_after_ms=1000)
+            raise errors.no_healthy_worker("the generation engine has stopped")
         total = len(prompt_ids) + params.max_tokens
         if not prompt_ids:
             raise errors.invalid("the prompt is empty")
@@ -304,7 +302,7 @@ class Engine:
             self.metrics.rejected.labels("queue_full").inc()
             raise errors.overloaded(f"{len(self.waiting)} sequences are already waiting for KV-cache capacity",
                                     retry_after_ms=self.step_s * 1000 * 16)
-        from batchserve.textstream import TextStream
+        from batchserve.generation.textstream import TextStream
 
         now = time.monotonic()
         seq = Sequence(id="gen_" + secrets.token_hex(8), prompt_ids=prompt_ids, params=params, tier=tier,

@@ -1,6 +1,7 @@
 """One model's waiting items, ordered by tier with aging, and fairly shared between tenants of a tier.
 
-A batch is filled by repeatedly taking the lane head with the smallest `arrived + TIER_AGING_S[tier]`:
+`Item` (one caller's input and the future that carries its answer) lives here, with the queue that holds it.
+A batch is filled by repeatedly taking the lane head with the smallest `arrived + tiers.AGING_S[tier]`:
 a higher tier goes first, but an item of a lower tier that has waited longer than the gap between the two
 tiers' offsets overtakes, so no tier waits forever. Inside a tier, tenants take turns (round-robin, one item
 a turn), so one tenant's flood cannot push another tenant's items back.
@@ -8,15 +9,54 @@ a turn), so one tenant's flood cannot push another tenant's items back.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    from batchserve.batcher import Item
+from batchserve import errors
+from batchserve.core.requests_log import Record
+from batchserve.core.tiers import AGING_S
 
-# Seconds of waiting a lower tier needs to overtake a fresh item of tier 0 (enterprise, paid, free, batch).
-TIER_AGING_S = (0.0, 0.1, 0.5, 30.0)
+
+@dataclass(slots=True)
+class ItemResult:
+    """A caller's answer: its output and how long it waited and ran."""
+
+    output: object  # the JSON value the backend returned for this input
+    queue_s: float
+    compute_s: float
+    batch_size: int
+
+
+@dataclass(slots=True, eq=False)
+class Item:
+    """One caller's input on its way through a batch; `future` carries its answer back."""
+
+    text: str
+    model: str
+    bucket: int
+    future: asyncio.Future
+    arrived: float  # time.monotonic()
+    deadline: float  # time.monotonic()
+    record: Record | None = None  # the request's status, updated as the item moves
+    tier: int = 1  # a tiers.Tier rank
+    tenant: str = ""
+    dispatched: float = 0.0
+    attempts: int = 0  # failed single-item runs, for the one transient retry
+    gone: Callable[[], bool] | None = None  # True once the caller's connection is closed
+
+    def alive(self, now: float) -> bool:
+        """False once the caller has an answer or left; answers 504 when the deadline has passed."""
+        if self.future.done():
+            return False
+        if now >= self.deadline:
+            self.future.set_exception(errors.deadline_exceeded())
+            return False
+        if self.gone is not None and self.gone():
+            self.future.set_exception(errors.ClientGone())
+            return False
+        return True
 
 
 @dataclass
@@ -74,7 +114,7 @@ class FairQueue:
             for _ in range(len(order)):
                 lane = self.lanes[(tier, order[0])]
                 if lane.items:
-                    key = lane.items[0].arrived + TIER_AGING_S[tier]
+                    key = lane.items[0].arrived + AGING_S[tier]
                     if key < best_key:
                         best, best_key = lane, key
                     break

@@ -1,4 +1,4 @@
-"""OpenAPI paths and schemas of the generation routes (openai_api.py), contributed to /openapi.json.
+"""OpenAPI paths and schemas of the generation routes (`generation/routes.py`), contributed to /openapi.json.
 
 These routes follow OpenAI's API, not DESIGN §2: their errors are `{"error": {message, type, param, code}}`.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchserve import openapi
-from batchserve.openapi import json_content, ref
+from batchserve.http import openapi
+from batchserve.http.openapi import Contribution, json_content, ref
 
 _SAMPLING = {
     "max_tokens": {"type": "integer", "minimum": 1,
@@ -117,5 +117,4 @@ PATHS: dict[str, dict[str, Any]] = {
 }
 
 
-def register() -> None:
-    openapi.add_paths(PATHS, SCHEMAS)
+OPENAPI = Contribution(PATHS, SCHEMAS)

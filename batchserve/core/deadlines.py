@@ -1,0 +1,60 @@
+"""Answer 504 at each waiting caller's deadline, with one loop timer per timeout value instead of one per
+request.
+
+Callers that share a timeout (almost all use the server's default) arrive in deadline order, so each timeout
+value keeps a FIFO of (deadline, future) and one timer armed for its head: watching a request costs an append,
+and an answered request is simply skipped when its turn comes. A per-request `loop.call_at` + `cancel` costs
+about 4.5 µs on uvloop; this costs well under one. An entry that arrives out of order (its body took longer to
+read) is answered when the entry ahead of it is, a few milliseconds late at most: the batcher never puts an
+item past its deadline into a batch either way (`Item.alive`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Callable
+
+from batchserve import errors
+
+
+class DeadlineWatch:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lanes: dict[float, deque[tuple[float, asyncio.Future]]] = {}
+        self._timers: dict[float, asyncio.TimerHandle] = {}
+
+    def watch(self, timeout_s: float, deadline: float, future: asyncio.Future) -> None:
+        """Fail `future` with 504 DEADLINE_EXCEEDED at `deadline` unless it is done by then."""
+        key = round(timeout_s, 3)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = deque()
+        lane.append((deadline, future))
+        if key not in self._timers:
+            self._arm(key, deadline)
+
+    def _arm(self, key: float, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._timers[key] = loop.call_at(loop.time() + max(0.0, deadline - self.clock()), self._sweep, key)
+
+    def _sweep(self, key: float) -> None:
+        del self._timers[key]
+        lane = self._lanes[key]
+        now = self.clock()
+        while lane:
+            deadline, future = lane[0]
+            if future.done():
+                lane.popleft()
+            elif deadline <= now:
+                lane.popleft()
+                future.set_exception(errors.deadline_exceeded())
+            else:
+                self._arm(key, deadline)
+                return
+        del self._lanes[key]
+
+    def pending(self) -> int:
+        """Entries held, answered or not (for tests and the curious)."""
+        return sum(len(lane) for lane in self._lanes.values())

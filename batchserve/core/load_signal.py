@@ -1,0 +1,61 @@
+"""Autoscaling signals that lead the SLO, exported as gauges read at scrape time (nothing runs per request).
+
+Why not GPU busy or queue depth: with the paced batcher a device runs a batch every S/G whenever anything
+waits, so it is "busy" from a small fraction of its capacity on; and the queue stays under a batch until the
+node is already at its limit, so depth moves only once latency has. What leads is demand against capacity:
+
+- `batchserve_load_ratio` = arrivals/s (admission's ~2 s average, refused requests included: they are demand
+  too) over what the healthy workers serve at full batches (healthy x max_batch_size / learned batch time).
+  1.0 is the node's ceiling; latency degrades some way before it (the planner, docs/capacity.md, puts the SLO's
+  limit near 0.95 on the seed contract), so an autoscaler targets ~0.7-0.8.
+- `batchserve_predicted_wait_ratio` = the wait a new request would face before its batch leaves (the first
+  healthy worker's time to free + the full batches queued ahead of it) over the wait the SLO leaves it
+  (slo - batch time). Above 1 a request arriving now misses the SLO; it is instantaneous, so it spikes.
+
+With several models the slowest batch time is used (the lower capacity). With no healthy worker but demand,
+both read `SATURATED`, a large finite number (an autoscaler's arithmetic should not meet +Inf).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from prometheus_client import Gauge
+
+SATURATED = 100.0
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the signals are computed from, read from the runtime in one go."""
+
+    arrivals_per_s: float
+    healthy: int
+    max_batch: int
+    batch_s: float  # the slowest model's learned batch time
+    until_free_s: float  # until the first healthy worker is free
+    depth: int  # items queued, every model
+    slo_s: float
+
+    def load_ratio(self) -> float:
+        if self.arrivals_per_s <= 0:
+            return 0.0
+        if self.healthy <= 0 or self.batch_s <= 0:
+            return SATURATED
+        return min(SATURATED, self.arrivals_per_s * self.batch_s / (self.healthy * self.max_batch))
+
+    def predicted_wait_ratio(self) -> float:
+        if self.healthy <= 0:
+            return SATURATED if self.depth or self.arrivals_per_s > 0 else 0.0
+        wait = self.until_free_s + (self.depth // self.max_batch) * self.batch_s / self.healthy
+        budget = self.slo_s - self.batch_s
+        if budget <= 0:  # the batch alone takes the whole objective (a real model on a CPU)
+            return SATURATED if wait > 0 else 0.0
+        return min(SATURATED, wait / budget)
+
+
+def export(load_ratio: Gauge, predicted_wait_ratio: Gauge, read: Callable[[], Reading]) -> None:
+    """Compute both gauges from `read()` whenever /metrics is scraped."""
+    load_ratio.set_function(lambda: read().load_ratio())
+    predicted_wait_ratio.set_function(lambda: read().predicted_wait_ratio())

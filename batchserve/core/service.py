@@ -1,0 +1,115 @@
+"""The inference service: the one door to the batcher (in the spirit of TEI's `Infer`).
+
+Every piece of work that rides a batch enters here: `infer` for a caller waiting on the answer (the
+inference route, and the embeddings route), `submit_background` for batch-job items that fill the places
+interactive work leaves, and `check_open` for the generation routes, whose own admission is the KV cache but
+which must refuse in the same words while the server drains or has no worker. The service owns admission
+state, builds each `Item`, arms its deadline and counts what is in flight; nothing else calls
+`Batcher.submit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Mapping, Protocol
+
+from batchserve import errors
+from batchserve.errors import ApiError, ClientGone
+from batchserve.batcher import Batcher
+from batchserve.core.admission import Admission, Capacity
+from batchserve.core.deadlines import DeadlineWatch
+from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.requests_log import RequestLog
+from batchserve.core.tiers import BATCH
+
+
+class Bucketer(Protocol):
+    """What the door needs of a backend: which inputs may share a batch."""
+
+    def bucket_of(self, text: str) -> int: ...
+
+
+class InferenceService:
+    def __init__(self, batcher: Batcher, admission: Admission, backends: Mapping[str, Bucketer],
+                 requests: RequestLog, clock: Callable[[], float] = time.monotonic) -> None:
+        self.batcher = batcher
+        self.admission = admission
+        self.requests = requests  # recent requests' status, for GET /v1/requests/{id}
+        self.backends = backends  # model id -> backend; filled as the runtime loads them
+        self.clock = clock
+        self.deadlines = DeadlineWatch(clock)
+        self.inflight = 0  # callers admitted and not yet answered (inference and generation)
+
+    # -- state the routes and the job scheduler read --------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self.batcher.draining
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batcher.max_batch_size
+
+    def attach(self, capacity: Capacity) -> None:
+        """The workers have started: admission can see them from now on."""
+        self.admission.capacity = capacity
+
+    def healthy_workers(self) -> int:
+        capacity = self.admission.capacity
+        return capacity.healthy_count() if capacity is not None else 0
+
+    def models(self) -> list[str]:
+        return list(self.backends)
+
+    def check_open(self, needs_workers: bool = True) -> None:
+        """503 DRAINING (or, for work that runs on the batch workers, NO_HEALTHY_WORKER) when nothing can be
+        admitted now."""
+        if needs_workers:
+            self.admission.check_open()
+        elif self.batcher.draining:
+            raise errors.draining()
+
+    def hold(self) -> None:
+        """A caller served outside the batcher (a generation request) is in flight: the drain waits for it."""
+        self.inflight += 1
+
+    def release(self) -> None:
+        self.inflight -= 1
+
+    # -- the door -----------------------------------------------------------------------------------------
+    async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
+                    request_id: str, gone: Callable[[], bool] | None = None) -> ItemResult:
+        """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
+        504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
+        An admitted request is recorded under `request_id` with its status as it moves."""
+        self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived))
+        record = self.requests.add(request_id, model)
+        loop = asyncio.get_running_loop()
+        item = Item(text, model, self.backends[model].bucket_of(text), loop.create_future(), arrived,
+                    arrived + timeout_s, record, tier, tenant, gone=gone)
+        self.batcher.submit(item)
+        self.deadlines.watch(timeout_s, item.deadline, item.future)
+        self.inflight += 1
+        try:
+            result: ItemResult = await item.future
+        except ApiError as err:
+            record.status, record.error = "failed", err.code
+            raise
+        except ClientGone:
+            record.status, record.error = "failed", "CLIENT_DISCONNECTED"
+            raise
+        finally:
+            self.inflight -= 1
+        record.completed((self.clock() - arrived) * 1000, result.queue_s * 1000, result.compute_s * 1000,
+                         result.batch_size)
+        return result
+
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float) -> Item:
+        """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
+        interactive work leaves, and the job scheduler bounds how many wait); its future carries an
+        `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet."""
+        now = self.clock()
+        item = Item(text, model, self.backends[model].bucket_of(text), asyncio.get_running_loop().create_future(),
+                    now, now + deadline_s, None, BATCH.rank, tenant)
+        self.batcher.submit(item)
+        return item

@@ -1,0 +1,48 @@
+"""The priority tiers, in one table every module reads (DESIGN §3, §5).
+
+A tier is a caller's class of service: a higher tier is taken first into a batch (`aging_s`: the head start
+a lower tier needs before it overtakes), is shed last under pressure (`shed`: a factor of `slo x slack`), and
+gets a larger default rate limit per key (`rate`, `burst`). Adding a tier is one line here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    name: str
+    rank: int  # 0 = highest priority; items, lanes and counters are indexed by it
+    rate: float  # default requests per second per key
+    burst: float  # default bucket size per key
+    shed: float  # under pressure, refuse past slo x slack x this
+    aging_s: float  # seconds of waiting an item of this tier needs to overtake a fresh item of rank 0
+    interactive: bool = True  # False for work that only fills spare places (batch jobs)
+
+
+TIERS: tuple[Tier, ...] = (
+    Tier("enterprise", 0, rate=1000.0, burst=2000.0, shed=1.2, aging_s=0.0),
+    Tier("paid", 1, rate=100.0, burst=200.0, shed=1.0, aging_s=0.1),
+    Tier("free", 2, rate=10.0, burst=20.0, shed=0.8, aging_s=0.5),
+    Tier("batch", 3, rate=10.0, burst=20.0, shed=0.8, aging_s=30.0, interactive=False),
+)
+
+NAMES: tuple[str, ...] = tuple(t.name for t in TIERS)
+BY_NAME: dict[str, Tier] = {t.name: t for t in TIERS}
+CALLER_NAMES: tuple[str, ...] = tuple(t.name for t in TIERS if t.interactive)  # tiers an API key may have
+BATCH: Tier = BY_NAME["batch"]
+AGING_S: tuple[float, ...] = tuple(t.aging_s for t in TIERS)  # by rank, for the fair queue's hot loop
+SHED: tuple[float, ...] = tuple(t.shed for t in TIERS)
+
+
+def by_name(name: str) -> Tier:
+    tier = BY_NAME.get(name)
+    if tier is None:
+        raise ValueError(f"unknown tier {name!r} (tiers: {', '.join(NAMES)})")
+    return tier
+
+
+def counters() -> list[int]:
+    """A zeroed per-tier counter list."""
+    return [0] * len(TIERS)

@@ -1,0 +1,184 @@
+"""One generation request's walk: authenticate and rate-limit (the same tenancy as /v1/inference) → the door
+is open (not draining) → parse the OpenAI body → tokenize → `Engine.submit` (KV-cache admission: start now,
+wait, or 503) → deltas from the engine, as one JSON answer or as server-sent events ending in `data: [DONE]`.
+A caller that hangs up cancels its sequence, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import AsyncIterator, Callable
+
+import orjson
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from batchserve.config import Settings
+from batchserve.errors import ApiError
+from batchserve.generation.engine import Delta, Engine, Sequence, enabled
+from batchserve.generation.protocol import JSON, Answer, OpenAIError, bad, error_response, parse, sse
+from batchserve.http.body import read_body, request_id_of
+from batchserve.runtime import Runtime
+
+
+class SequenceStream(StreamingResponse):
+    """A streamed answer that always runs `cleanup` (cancel the sequence if unfinished, count it answered),
+    even when the caller hangs up before the first byte is sent."""
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], None], headers: dict[str, str]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+async def next_or_gone(request: Request, seq: Sequence) -> Delta | None:
+    """The sequence's next delta, or None if the caller hung up first."""
+    getter = asyncio.ensure_future(seq.deltas.get())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def generate(request: Request, chat: bool) -> Response:
+    rt: Runtime = request.app.state.rt
+    endpoint = "chat" if chat else "completions"
+    request_id = request_id_of(request)
+    headers = {"X-Request-ID": request_id}
+    engine = rt.generation
+    try:
+        try:
+            # OpenAI clients always send a key: with no keys configured, any key is anonymous (as vLLM does)
+            caller = rt.tenancy.identify(request.headers.get("authorization") if rt.tenancy.keys else None)
+            headers.update(rt.tenancy.take_token(caller))
+            body = await read_body(request, rt.settings.max_body_bytes)
+        except ApiError as err:
+            raise OpenAIError.from_api(err) from None
+        except ClientDisconnect:
+            return Response(status_code=499)
+        if engine is None:
+            raise not_serving(rt)
+        try:
+            rt.service.check_open(needs_workers=False)  # the engine is its own worker; draining still refuses
+        except ApiError as err:
+            raise OpenAIError.from_api(err) from None
+        req = parse(body, chat, engine.cfg.max_tokens)
+        if req.model not in model_aliases(rt.settings, engine):
+            raise OpenAIError(404, f"the model '{req.model}' does not exist here (see GET /v1/models)", "model",
+                              "model_not_found")
+        if chat:
+            prompt_ids = engine.encode_chat(req.prompt)  # type: ignore[arg-type]
+        else:
+            prompt_ids = engine.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        if any(t >= engine.vocab_size for t in prompt_ids):
+            raise bad("prompt", "a token id is outside the model's vocabulary")
+        try:
+            seq = engine.submit(prompt_ids, req.params, tier=caller.tier)
+        except ApiError as err:
+            if err.status == 503:
+                rt.metrics.rejected.labels(err.code).inc()
+            raise OpenAIError.from_api(err) from None
+    except OpenAIError as err:
+        if engine is not None:
+            engine.metrics.requests.labels(endpoint, str(err.status)).inc()
+        return error_response(err, headers)
+
+    answer = Answer(chat, ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), engine.cfg.model_id,
+                    int(time.time()), len(prompt_ids))
+    rt.service.hold()
+    done = False
+
+    def cleanup(status: str) -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        rt.service.release()
+        if not seq.finished:
+            engine.cancel(seq)
+            status = "499"
+        engine.metrics.requests.labels(endpoint, status).inc()
+
+    try:
+        first = await next_or_gone(request, seq)  # before any byte: a queue timeout can still be a 504
+        if first is None:
+            cleanup("499")
+            return Response(status_code=499)
+        if first.error is not None:
+            cleanup(str(first.error.status))
+            return error_response(OpenAIError.from_api(first.error), headers)
+        if req.stream:
+            return SequenceStream(stream_events(engine, seq, first, answer, req.include_usage),
+                                  lambda: cleanup("200"), headers)
+        text, delta = [first.text], first
+        while delta.finish_reason is None and delta.error is None:
+            nxt = await next_or_gone(request, seq)
+            if nxt is None:
+                cleanup("499")
+                return Response(status_code=499)
+            delta = nxt
+            text.append(delta.text)
+        if delta.error is not None:
+            cleanup(str(delta.error.status))
+            return error_response(OpenAIError.from_api(delta.error), headers)
+        cleanup("200")
+        return Response(orjson.dumps(answer.full("".join(text), delta.finish_reason or "stop", seq.tokens)),
+                        headers=headers, media_type=JSON)
+    except BaseException:
+        cleanup("500")
+        raise
+
+
+async def stream_events(engine: Engine, seq: Sequence, first: Delta, answer: Answer,
+                        include_usage: bool) -> AsyncIterator[bytes]:
+    yield sse(answer.chunk("", role=True) if answer.chat else answer.chunk(""))
+    delta = first
+    while True:
+        if delta.error is not None:
+            yield sse(OpenAIError.from_api(delta.error).body())
+            break
+        if delta.text:
+            yield sse(answer.chunk(delta.text))
+        if delta.finish_reason is not None:
+            yield sse(answer.chunk(None, delta.finish_reason) if answer.chat else answer.chunk("", delta.finish_reason))
+            if include_usage:
+                yield sse(answer.usage_chunk(seq.tokens))
+            break
+        delta = await seq.deltas.get()
+    yield b"data: [DONE]\n\n"
+
+
+def not_serving(rt: Runtime) -> OpenAIError:
+    if not enabled(rt.settings):
+        return OpenAIError(404, "generation is off on this server (start it with --backend smollm2 or "
+                                "--generation on)", "model", "model_not_found")
+    if rt.startup_error:
+        return OpenAIError(503, f"the server failed to start: {rt.startup_error}", None, "startup_failed")
+    return OpenAIError(503, "the generation model is still loading", None, "warming_up", headers={"Retry-After": "5"})
+
+
+def model_aliases(settings: Settings, engine: Engine) -> set[str]:
+    """Names a client may use for the generation model: its id, and the smollm2 registry ids."""
+    names = {engine.cfg.model_id, "HuggingFaceTB/" + engine.cfg.model_id}
+    for spec in settings.models:
+        if spec.backend == "smollm2":
+            names.update({spec.name, spec.id})
+    return names

@@ -1,0 +1,155 @@
+"""The inference routes (DESIGN §2): `POST /v1/inference` (and `/api/inference`), `GET /v1/requests/{id}`,
+`GET /v1/models`.
+
+`InferenceEndpoint.__call__` reads top to bottom as the request path: identify the caller and take a rate
+token → read and validate the body → pick the model version → through the door (`InferenceService.infer`:
+admission, the batcher's queue, a worker thread runs the batch) → answer with the output and its timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Callable
+
+import orjson
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from batchserve import errors
+from batchserve.config import Settings
+from batchserve.errors import ApiError, ClientGone
+from batchserve.generation.routes import model_cards
+from batchserve.http.body import (error_body, error_response, inference_headers, json_response, parse_json_object,
+                                  read_body_from, request_id_from, send_json)
+from batchserve.runtime import Runtime
+
+
+def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float]:
+    """(input, model, timeout in seconds) from the body, or 400/413 with the reason."""
+    data = parse_json_object(body, content_type)
+    text = data.get("input")
+    if not isinstance(text, str) or not text:
+        raise errors.invalid('"input" must be a non-empty string')
+    if len(text) > s.max_input_chars:
+        raise errors.payload_too_large(f'"input" is over the {s.max_input_chars}-character limit')
+    model = data.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise errors.invalid('"model" must be a non-empty string when given')
+    timeout_ms = data.get("timeout_ms", s.timeout_ms)
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not (
+            0 < timeout_ms <= s.max_timeout_ms):
+        raise errors.invalid(f'"timeout_ms" must be a number of milliseconds in (0, {s.max_timeout_ms:.0f}]')
+    return text, model, timeout_ms / 1000
+
+
+def disconnect_probe(receive: Receive) -> Callable[[], bool] | None:
+    """A cheap "has the caller hung up?" check, read when a batch is formed, so a queued item whose caller
+    left never takes a place in a batch. uvicorn's receive() is a method of its per-request cycle, which
+    flags the disconnect; other ASGI servers get a watcher task instead (`_Watcher`)."""
+    cycle = getattr(receive, "__self__", None)
+    if cycle is not None and isinstance(getattr(cycle, "disconnected", None), bool):
+        return functools.partial(getattr, cycle, "disconnected")
+    return None
+
+
+class _Watcher:
+    """For ASGI servers without a disconnect flag: a task that notes the caller hanging up."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self.task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+
+    def __call__(self) -> bool:
+        return self.gone
+
+
+class InferenceEndpoint:
+    """POST /v1/inference as a plain ASGI app: the hot path, so it reads the scope and writes the answer
+    itself instead of building Starlette's Request and Response (a third of a bare endpoint's CPU).
+    `app.FastPath` calls it directly, ahead of the router; the router's Route points here too (405s, OpenAPI)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rt: Runtime = scope["app"].state.rt
+        s = rt.settings
+        arrived = time.monotonic()
+        headers = inference_headers(scope["headers"])
+        request_id = request_id_from(headers.get("x-request-id"))
+        model_id = "unknown"
+        limit_headers: dict[str, str] = {}
+        try:
+            caller = rt.tenancy.identify(headers.get("authorization"))
+            limit_headers = rt.tenancy.take_token(caller)
+            try:
+                body = await read_body_from(receive, s.max_body_bytes, headers.get("content-length"))
+            except ClientDisconnect:
+                return
+            text, requested_model, timeout_s = parse_inference(body, headers.get("content-type", ""), s)
+            spec = rt.registry.resolve(requested_model, caller.key_id)
+            if spec is None:
+                raise errors.model_not_found(requested_model)
+            model_id = spec.id
+            try:
+                result = await rt.service.infer(text, model_id, caller.tier, caller.tenant, timeout_s, arrived,
+                                                request_id, disconnect_probe(receive) or _Watcher(receive))
+            except ClientGone:
+                return  # nobody reads an answer: the connection is gone
+            latency_s = time.monotonic() - arrived
+            queue_ms, compute_ms = result.queue_s * 1000, result.compute_s * 1000
+            rt.answered += 1
+            rt.metrics.count_ok(model_id, latency_s)
+            out = orjson.dumps({"request_id": request_id, "output": result.output, "model": model_id,
+                                "latency_ms": round(latency_s * 1000), "queue_ms": round(queue_ms),
+                                "compute_ms": round(compute_ms), "batch_size": result.batch_size})
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", b"%d" % len(out)),
+                (b"x-request-id", request_id.encode()),
+                (b"server-timing", b"queue;dur=%.1f, compute;dur=%.1f" % (queue_ms, compute_ms)),
+                *[(k.encode(), v.encode()) for k, v in limit_headers.items()]]})
+            await send({"type": "http.response.body", "body": out})
+        except ApiError as err:
+            rt.answered += 1
+            rt.metrics.count_error(model_id, err)
+            if limit_headers and not err.headers:
+                err.headers = limit_headers
+            out, err_headers = error_body(err, request_id)
+            await send_json(send, err.status, out, err_headers)
+
+
+async def request_status(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    request_id = request.path_params["request_id"]
+    record = rt.requests.get(request_id)
+    if record is None:
+        return error_response(errors.request_not_found(), request_id)
+    return json_response(record.public())
+
+
+async def list_models(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    data = [{"id": spec.id, "object": "model", "owned_by": "batchserve", "name": spec.name,
+             "version": spec.version, "backend": spec.backend, "weight": spec.weight}
+            for spec in rt.registry.specs]
+    data += model_cards(rt.generation)
+    return json_response({"object": "list", "data": data})
+
+
+inference = InferenceEndpoint()
+
+# (method, path) -> ASGI app, served by `app.FastPath` ahead of Starlette's router and middleware.
+FAST_ROUTES = {("POST", "/v1/inference"): inference, ("POST", "/api/inference"): inference}
+
+ROUTES = [
+    Route("/v1/inference", inference, methods=["POST"]),
+    Route("/api/inference", inference, methods=["POST"]),
+    Route("/v1/requests/{request_id}", request_status, methods=["GET"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+]

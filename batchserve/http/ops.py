@@ -1,0 +1,97 @@
+"""Operational routes: liveness, readiness, the node's health, Prometheus metrics and the OpenAPI document,
+plus the JSON rendering of the router's own 404/405."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from batchserve import errors
+from batchserve.http.body import JSON, error_response, json_response, request_id_of
+from batchserve.runtime import Runtime
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    healthy = rt.pool.healthy_count() if rt.pool else 0
+    if rt.draining:
+        reason = "draining"
+    elif rt.startup_error:
+        reason = f"start-up failed: {rt.startup_error}"
+    elif not rt.ready:
+        reason = "warming up"
+    elif healthy == 0:
+        reason = "no healthy worker"
+    else:
+        return json_response({"status": "ready", "healthy_workers": healthy})
+    return json_response({"status": "not_ready", "reason": reason, "healthy_workers": healthy}, status=503)
+
+
+async def internal_health(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    now = time.monotonic()
+    workers = []
+    if rt.pool is not None:
+        for w in rt.pool.workers:
+            workers.append({
+                "id": w.index, "device": w.name, "healthy": w.healthy, "busy": w.batch is not None,
+                "batch_size": len(w.batch.items) if w.batch is not None else 0,
+                "running_ms": round((now - w.started) * 1000) if w.batch is not None else 0,
+                "batches": w.batches, "busy_ratio": round(rt.busy_ratios.get(w.name, 0.0), 3),
+            })
+    healthy = sum(1 for w in workers if w["healthy"])
+    load = rt.load_reading()
+    status = ("draining" if rt.draining else "starting" if not rt.ready else
+              "ok" if healthy == len(workers) else "degraded" if healthy else "unavailable")
+    return json_response({
+        "status": status,
+        "gpu_utilization": round(rt.gpu_utilization, 3),
+        "queue_depth": rt.batcher.total_depth(),
+        "requests_per_second": round(rt.requests_per_second, 1),
+        "inflight": rt.service.inflight,
+        "batch_ms": {m: round(v * 1000, 1) for m, v in rt.batcher.batch_s.items()},
+        "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
+        "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
+        "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)
+        "predicted_wait_ratio": round(load.predicted_wait_ratio(), 3),
+        "workers": workers,
+    })
+
+
+async def metrics(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def openapi_json(request: Request) -> Response:
+    return Response(request.app.state.openapi, media_type=JSON)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """The router's own 404 and 405, in the one error shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err = errors.not_found(str(exc.detail))
+    elif exc.status_code == 405:
+        err = errors.method_not_allowed(str(exc.detail))
+    else:
+        err = errors.ApiError(exc.status_code, "HTTP_ERROR", str(exc.detail))
+    return error_response(err, request_id_of(request))
+
+
+ROUTES = [
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/readyz", readyz, methods=["GET"]),
+    Route("/internal/health", internal_health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/openapi.json", openapi_json, methods=["GET"]),
+]

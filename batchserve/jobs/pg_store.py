@@ -1,0 +1,328 @@
+"""`JobStore` on PostgreSQL: one job store shared by every node (`--jobs-db postgresql://...`).
+
+Any node accepts a job; any node runs its items. Why each part is as it is:
+- `create` is one transaction: the job row with `ON CONFLICT (tenant, idempotency_key) DO NOTHING`, then the
+  items by `COPY`. Two nodes that receive the same key at once: the second insert waits for the first to commit,
+  does nothing, and reads the first job back, so a key holds across nodes.
+- `claim` is `UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)`: pending items whose lease is absent or past
+  are leased to this store (`holder`, `lease_until`), skipping rows another node is claiming at that instant.
+  Lease times are the database's clock (`clock_timestamp()`), never a node's, so a node with a skewed clock can
+  neither keep nor steal leases. The holder renews its leases while the items are in flight; a node that dies
+  stops renewing, and once the lease is past another node claims the items again.
+- `record` updates each item only while it is still `pending` (`writes = writes + 1`, and a trigger refuses any
+  second change of a final item), so an item run twice — a lease that ran out under a slow node — is recorded
+  once; the job's counters move in the same transaction.
+Tables are prefixed `batchserve_` so the database can be shared with other applications; the schema is
+created at open, under an advisory lock so nodes starting together do not race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import socket
+from collections import Counter
+from typing import Any, Awaitable, Callable, TypeVar
+
+import orjson
+import psycopg
+from psycopg import AsyncConnection, errors
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from batchserve.jobs.store import (ACTIVE, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
+                                   StoreUnavailable, UnstorableInput)
+
+T = TypeVar("T")
+
+POOL_MAX = 4  # connections per node: the feeder, the writer, the lease keeper and the API rarely all at once
+OPEN_TIMEOUT_S = 10
+TX_ATTEMPTS = 3  # a deadlock or serialization failure is retried this many times before the caller sees it
+SCHEMA_LOCK = 0x6261746368  # pg_advisory_xact_lock key taken while the schema is created
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS batchserve_jobs (
+    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    model TEXT NOT NULL,
+    status TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    cancelled INTEGER NOT NULL DEFAULT 0,
+    metadata TEXT,
+    idempotency_key TEXT,
+    request_hash TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    started_at DOUBLE PRECISION,
+    finished_at DOUBLE PRECISION,
+    UNIQUE (tenant, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS batchserve_jobs_by_tenant ON batchserve_jobs (tenant, seq);
+CREATE INDEX IF NOT EXISTS batchserve_jobs_active ON batchserve_jobs (seq) WHERE status IN ('queued', 'running');
+CREATE TABLE IF NOT EXISTS batchserve_items (
+    job_id TEXT NOT NULL REFERENCES batchserve_jobs (id) ON DELETE CASCADE,
+    idx INTEGER NOT NULL,
+    input TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending',
+    output TEXT,
+    error TEXT,
+    message TEXT,
+    writes INTEGER NOT NULL DEFAULT 0,
+    finished_at DOUBLE PRECISION,
+    holder TEXT,
+    lease_until TIMESTAMPTZ,
+    PRIMARY KEY (job_id, idx)
+);
+CREATE INDEX IF NOT EXISTS batchserve_items_pending ON batchserve_items (job_id, idx) WHERE status = 'pending';
+CREATE OR REPLACE FUNCTION batchserve_items_final_once() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'job item %/% left pending twice', OLD.job_id, OLD.idx;
+END $$;
+CREATE OR REPLACE TRIGGER batchserve_items_final_once BEFORE UPDATE OF status ON batchserve_items
+FOR EACH ROW WHEN (OLD.status <> 'pending') EXECUTE FUNCTION batchserve_items_final_once();
+"""
+
+JOB_COLUMNS = ("id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
+               "finished_at, metadata")
+LEASE = "clock_timestamp() + %(lease_s)s * interval '1 second'"
+NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one is stored with this instead
+
+
+def _job(row: tuple[Any, ...]) -> Job:
+    meta = row[11]
+    return Job(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], row[10],
+               orjson.loads(meta) if meta is not None else None)
+
+
+def _text(value: str | None) -> str | None:
+    return value.replace("\x00", NUL_FREE) if value is not None and "\x00" in value else value
+
+
+class PostgresStore:
+    """See the module docstring; build it with `await PostgresStore.open(url)`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        # Who holds a lease: readable in the table, so an operator can tell which node runs (or ran) an item.
+        self.holder = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
+        self._pool = AsyncConnectionPool(url, min_size=1, max_size=POOL_MAX, open=False,
+                                         name="batchserve-jobs")
+
+    @classmethod
+    async def open(cls, url: str) -> "PostgresStore":
+        # One plain connection first: a database that is down or refuses us fails at once with the server's
+        # own words, where the pool would retry quietly until its timeout.
+        try:
+            async with await AsyncConnection.connect(url, connect_timeout=OPEN_TIMEOUT_S) as conn:
+                async with conn.transaction():
+                    await cls._create_schema(conn)
+        except psycopg.Error as exc:
+            raise StoreUnavailable(str(exc).strip() or type(exc).__name__) from None
+        store = cls(url)
+        try:
+            await store._pool.open(wait=True, timeout=OPEN_TIMEOUT_S)
+        except PoolTimeout as exc:
+            await store._pool.close()
+            raise StoreUnavailable(str(exc)) from None
+        return store
+
+    async def _tx(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """Run `fn` in one transaction; a deadlock or serialization failure runs it again (it wrote nothing)."""
+        for attempt in range(TX_ATTEMPTS):
+            try:
+                async with self._pool.connection() as conn:
+                    async with conn.transaction():
+                        return await fn(conn)
+            except (errors.DeadlockDetected, errors.SerializationFailure):
+                if attempt == TX_ATTEMPTS - 1:
+                    raise StoreUnavailable("the job store kept deadlocking; try again") from None
+                await asyncio.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+            except (PoolTimeout, psycopg.Error) as exc:
+                raise StoreUnavailable(f"the PostgreSQL job store failed: {exc}") from None
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    async def _create_schema(conn: AsyncConnection) -> None:
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+        await conn.execute(SCHEMA)
+
+    # -- the JobStore interface ------------------------------------------------------------------------------
+    async def create(self, job: NewJob) -> tuple[Job, bool]:
+        for i, text in enumerate(job.inputs):
+            if "\x00" in text:
+                raise UnstorableInput(i, "contains a NUL character (\\u0000), which the job store cannot hold")
+        meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
+
+        async def tx(conn: AsyncConnection) -> tuple[Job, bool]:
+            cur = await conn.execute(
+                "INSERT INTO batchserve_jobs (id, tenant, model, status, total, metadata, idempotency_key, "
+                "request_hash, created_at) VALUES (%s, %s, %s, 'queued', %s, %s, %s, %s, %s) "
+                "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq",
+                (job.id, job.tenant, job.model, len(job.inputs), meta, job.idempotency_key, job.request_hash,
+                 job.created_at))
+            if await cur.fetchone() is None:  # the key was used before (perhaps on another node just now)
+                cur = await conn.execute(f"SELECT {JOB_COLUMNS}, request_hash FROM batchserve_jobs "
+                                         f"WHERE tenant = %s AND idempotency_key = %s",
+                                         (job.tenant, job.idempotency_key))
+                row = await cur.fetchone()
+                assert row is not None
+                if row[12] != job.request_hash:
+                    raise IdempotencyConflict(job.idempotency_key)
+                return _job(row), False
+            async with conn.cursor() as items:
+                async with items.copy("COPY batchserve_items (job_id, idx, input) FROM STDIN") as copy:
+                    for i, text in enumerate(job.inputs):
+                        await copy.write_row((job.id, i, text))
+            return Job(job.id, job.tenant, job.model, "queued", len(job.inputs), 0, 0, 0, job.created_at, None,
+                       None, job.metadata), True
+
+        return await self._tx(tx)
+
+    async def get(self, tenant: str, job_id: str) -> Job | None:
+        async def tx(conn: AsyncConnection) -> Job | None:
+            cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s",
+                                     (job_id, tenant))
+            row = await cur.fetchone()
+            return _job(row) if row is not None else None
+
+        return await self._tx(tx)
+
+    async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
+        async def tx(conn: AsyncConnection) -> list[Job]:
+            if after is None:
+                cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s "
+                                         f"ORDER BY seq DESC LIMIT %s", (tenant, limit))
+            else:
+                cur = await conn.execute(
+                    f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s AND seq < "
+                    f"(SELECT seq FROM batchserve_jobs WHERE id = %s AND tenant = %s) ORDER BY seq DESC LIMIT %s",
+                    (tenant, after, tenant, limit))
+            return [_job(r) for r in await cur.fetchall()]
+
+        return await self._tx(tx)
+
+    async def results(self, job_id: str, after_index: int, limit: int) -> list[ItemRow]:
+        async def tx(conn: AsyncConnection) -> list[ItemRow]:
+            cur = await conn.execute("SELECT idx, status, output, error, message FROM batchserve_items "
+                                     "WHERE job_id = %s AND idx > %s ORDER BY idx LIMIT %s",
+                                     (job_id, after_index, limit))
+            return [ItemRow(*r) for r in await cur.fetchall()]
+
+        return await self._tx(tx)
+
+    async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
+        # Items first, then the job row: the order `record` takes its locks in, so the two never deadlock.
+        async def tx(conn: AsyncConnection) -> Job | None:
+            cur = await conn.execute("SELECT status FROM batchserve_jobs WHERE id = %s AND tenant = %s",
+                                     (job_id, tenant))
+            row = await cur.fetchone()
+            if row is None:
+                return None
+            if row[0] in ACTIVE:
+                cur = await conn.execute(
+                    "UPDATE batchserve_items SET status = 'cancelled', error = 'CANCELLED', "
+                    "message = 'the job was cancelled before this item ran', finished_at = %s, lease_until = NULL "
+                    "WHERE job_id = %s AND status = 'pending'", (now, job_id))
+                await conn.execute(
+                    "UPDATE batchserve_jobs SET status = 'cancelled', cancelled = cancelled + %s, finished_at = %s "
+                    "WHERE id = %s AND status IN ('queued', 'running')", (cur.rowcount, now, job_id))
+            cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s", (job_id,))
+            found = await cur.fetchone()
+            return _job(found) if found is not None else None
+
+        return await self._tx(tx)
+
+    async def active(self, models: list[str]) -> list[Job]:
+        async def tx(conn: AsyncConnection) -> list[Job]:
+            cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE status IN "
+                                     f"('queued', 'running') AND model = ANY(%s) ORDER BY seq", (models,))
+            return [_job(r) for r in await cur.fetchall()]
+
+        return await self._tx(tx)
+
+    async def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
+        async def tx(conn: AsyncConnection) -> list[tuple[int, str]]:
+            # FOR UPDATE re-checks the lease on the newest row version, so an item another node leased and
+            # committed while this statement ran is skipped, not leased twice. MATERIALIZED: the pick runs
+            # once; as a subquery the planner may rescan it, and each rescan would lease `limit` more.
+            cur = await conn.execute(
+                f"WITH c AS MATERIALIZED (SELECT idx FROM batchserve_items WHERE job_id = %(job)s "
+                f"    AND status = 'pending' AND (lease_until IS NULL OR lease_until <= clock_timestamp()) "
+                f"    ORDER BY idx LIMIT %(limit)s FOR UPDATE SKIP LOCKED) "
+                f"UPDATE batchserve_items AS i SET holder = %(holder)s, lease_until = {LEASE} "
+                f"FROM c WHERE i.job_id = %(job)s AND i.idx = c.idx RETURNING i.idx, i.input",
+                {"holder": self.holder, "lease_s": lease_s, "job": job_id, "limit": limit})
+            claimed = sorted((r[0], r[1]) for r in await cur.fetchall())
+            if claimed:
+                await conn.execute("UPDATE batchserve_jobs SET status = 'running', "
+                                   "started_at = COALESCE(started_at, %s) WHERE id = %s AND status = 'queued'",
+                                   (now, job_id))
+            return claimed
+
+        return await self._tx(tx)
+
+    async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
+        async def tx(conn: AsyncConnection) -> int:
+            cur = await conn.execute(
+                f"UPDATE batchserve_items SET lease_until = {LEASE} WHERE job_id = %(job)s AND idx = ANY(%(idx)s) "
+                f"AND status = 'pending' AND holder = %(holder)s",
+                {"lease_s": lease_s, "job": job_id, "idx": indexes, "holder": self.holder})
+            return cur.rowcount
+
+        return await self._tx(tx)
+
+    async def release(self, job_id: str, indexes: list[int]) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            await conn.execute("UPDATE batchserve_items SET lease_until = NULL WHERE job_id = %s "
+                               "AND idx = ANY(%s) AND status = 'pending' AND holder = %s",
+                               (job_id, indexes, self.holder))
+
+        await self._tx(tx)
+
+    async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
+        if not outcomes:
+            return []
+        columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
+        for o in outcomes:
+            for column, value in zip(columns, (o.job_id, o.index, o.status, _text(o.output), _text(o.error),
+                                               _text(o.message))):
+                column.append(value)
+        job_ids = sorted({o.job_id for o in outcomes})  # job rows locked in one order on every node
+
+        async def tx(conn: AsyncConnection) -> list[Progress]:
+            cur = await conn.execute(
+                "UPDATE batchserve_items AS i SET status = o.status, output = o.output, error = o.error, "
+                "message = o.message, writes = i.writes + 1, finished_at = %s, holder = %s, lease_until = NULL "
+                "FROM unnest(%s::text[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[]) "
+                "AS o(job_id, idx, status, output, error, message) "
+                "WHERE i.job_id = o.job_id AND i.idx = o.idx AND i.status = 'pending' "
+                "RETURNING i.job_id, i.status", (now, self.holder, *columns))
+            written: dict[str, Counter[str]] = {job_id: Counter() for job_id in job_ids}
+            for job_id, status in await cur.fetchall():
+                written[job_id][status] += 1
+            progress = []
+            for job_id in job_ids:
+                counts = written[job_id]
+                await conn.execute("UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s "
+                                   "WHERE id = %s", (counts["completed"], counts["failed"], job_id))
+                cur = await conn.execute(
+                    f"UPDATE batchserve_jobs SET status = CASE WHEN status NOT IN ('queued', 'running') "
+                    f"THEN status WHEN completed + failed + cancelled < total THEN status "
+                    f"WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
+                    f"finished_at = CASE WHEN status IN ('queued', 'running') AND completed + failed + cancelled "
+                    f">= total THEN %s ELSE finished_at END WHERE id = %s RETURNING {JOB_COLUMNS}", (now, job_id))
+                row = await cur.fetchone()
+                if row is not None:
+                    job = _job(row)
+                    progress.append(Progress(job.id, job.model, job.status, {
+                        "completed": job.completed, "failed": job.failed, "cancelled": job.cancelled,
+                        "pending": job.pending}))
+            return progress
+
+        return await self._tx(tx)
+
+    async def close(self) -> None:
+        await self._pool.close()

@@ -1,0 +1,453 @@
+"""`batchserve plan`: how many nodes a target rate needs at the SLO, and the latency they will give.
+
+Why a simulation and not a formula: what a request waits is set by the batcher's policy, which no queueing
+formula describes — a batch leaves when it is full (`max_batch_size`), when its oldest item's dispatch deadline
+arrives (`arrived + slo − S − margin`), or by pacing (`S/G` after the previous dispatch; S = learned batch time,
+G = devices), and only when a device is free. So the planner runs that policy, event by event, with zero
+overhead, on Poisson arrivals: the same model as `bench/ideal.py` (which the tests check it against), in pure
+Python so the package needs nothing more. The batch time may depend on the batch size (`BatchTime`); S is
+learned as the server learns it (an exponentially weighted average of the batch times, weight 0.2).
+
+A node's capacity at the SLO is the highest arrival rate whose simulated p95 stays within the SLO with nothing
+timing out; nodes = ceil(target / capacity), with the load balancer splitting arrivals evenly (a Poisson stream
+split at random stays Poisson). Every rate is simulated on the same unit-exponential gaps scaled by 1/rate
+(common random numbers), so p95 rises smoothly with the rate and the bisection for the capacity is stable.
+What the model leaves out — HTTP, the event loop, the client, admission's refusals near overload — makes
+measured latency higher; `--overhead-ms` adds a fixed per-request amount, and docs/capacity.md gives the error
+against the measured bench rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import json
+import math
+import random
+import statistics
+import sys
+import urllib.request
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+EWMA_ALPHA = 0.2  # as batcher.EWMA_ALPHA: weight of the newest batch in the learned batch time
+SIM_S = 30.0  # simulated seconds per point, after the warm-up
+WARMUP_S = 5.0
+BISECT_STEPS = 12  # capacity to ceiling / 4096
+TRICKLE = 0.05  # a capacity under this share of the ceiling is no plan: the SLO is missed at any real load
+
+
+@dataclass(frozen=True)
+class BatchTime:
+    """Seconds one batch takes, by its size: linear between the given sizes, flat beyond the ends."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def constant(cls, ms: float) -> "BatchTime":
+        return cls((1,), (ms / 1000,))
+
+    @classmethod
+    def parse(cls, text: str) -> "BatchTime":
+        """`1:100,100:100` (size:milliseconds pairs)."""
+        points: dict[int, float] = {}
+        for part in text.split(","):
+            size, sep, ms = part.strip().partition(":")
+            try:
+                if not sep or int(size) < 1 or float(ms) <= 0:
+                    raise ValueError
+                points[int(size)] = float(ms) / 1000
+            except ValueError:
+                raise ValueError(f"batch times must read size:ms,size:ms (sizes >= 1, times > 0), not {part!r}")
+        ordered = sorted(points.items())
+        return cls(tuple(s for s, _ in ordered), tuple(t for _, t in ordered))
+
+    def __call__(self, size: int) -> float:
+        i = bisect.bisect_left(self.sizes, size)
+        if i < len(self.sizes) and self.sizes[i] == size:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.sizes):
+            return self.seconds[-1]
+        s0, s1, t0, t1 = self.sizes[i - 1], self.sizes[i], self.seconds[i - 1], self.seconds[i]
+        return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
+
+    def describe(self) -> str:
+        if len(set(self.seconds)) == 1:
+            return f"{self.seconds[0] * 1000:g} ms at every size"
+        return ", ".join(f"{s}: {t * 1000:g} ms" for s, t in zip(self.sizes, self.seconds))
+
+
+@dataclass(frozen=True)
+class Contract:
+    """One node: what it runs and the objective it is held to."""
+
+    batch_time: BatchTime
+    devices: int = 1
+    max_batch: int = 100
+    slo_s: float = 0.2
+    margin_s: float = 0.005
+    timeout_s: float = 2.0
+    overhead_s: float = 0.0  # per request, outside the batcher (HTTP, event loop, network)
+    max_busy: float = 0.95  # the most device time a node is planned at (see `capacity`)
+
+    def ceiling(self) -> float:
+        """Requests/s one node serves at full batches on every device: no rate at or above it is stable."""
+        return self.devices * self.max_batch / self.batch_time(self.max_batch)
+
+
+@dataclass
+class Prediction:
+    rate: float  # per node
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    mean_batch: float
+    expired: float  # share of requests the model answers 504 (their deadline passed in the queue)
+    load: float  # rate over the ceiling (full batches on every device)
+
+    def meets(self, slo_s: float) -> bool:
+        return self.expired == 0 and self.p95_ms <= slo_s * 1000
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def simulate(arrivals: list[float], c: Contract) -> tuple[list[float], list[int]]:
+    """The batcher's policy on these arrival times (sorted, seconds): each arrival's answer time (NaN when it
+    expired in the queue) and the size of each batch.
+
+    One free device at a time waits for its batch and takes it at the first of: full; the oldest item's
+    dispatch deadline; `S/G` after the previous dispatch. The batch is formed at that instant, runs
+    `batch_time(size)`, and its items are answered at the end."""
+    n = len(arrivals)
+    done = [math.nan] * n
+    sizes: list[int] = []
+    free = [0.0] * max(1, c.devices)  # when each device is next free (a heap)
+    learned = c.batch_time(c.max_batch)  # S: the server starts from its guess and learns from every batch
+    last_dispatch = -math.inf
+    q: deque[int] = deque()
+    i, now = 0, 0.0
+    while True:
+        now = max(now, free[0])  # the first device to be free takes the turn
+        while True:  # it waits for its batch
+            while i < n and arrivals[i] <= now:
+                q.append(i)
+                i += 1
+            while q and arrivals[q[0]] + c.timeout_s <= now:
+                q.popleft()  # expired: answered 504, never dispatched
+            if not q:
+                if i >= n:
+                    return done, sizes
+                now = arrivals[i]
+                continue
+            if len(q) >= c.max_batch:
+                break
+            delay = max(0.0, c.slo_s - learned - c.margin_s)
+            due = min(arrivals[q[0]] + delay, last_dispatch + learned / max(1, c.devices))
+            if due <= now:
+                break
+            if i < n and arrivals[i] < due:
+                now = arrivals[i]  # an arrival may fill the batch before it is due
+                continue
+            now = due
+            break
+        batch: list[int] = []
+        while q and len(batch) < c.max_batch:
+            j = q.popleft()
+            if arrivals[j] + c.timeout_s > now:  # an expired item is dropped as the batch forms (the 504)
+                batch.append(j)
+        if batch:
+            run_s = c.batch_time(len(batch))
+            end = now + run_s
+            for j in batch:
+                done[j] = end
+            sizes.append(len(batch))
+            heapq.heapreplace(free, end)
+            last_dispatch = now
+            learned += EWMA_ALPHA * (run_s - learned)
+
+
+@dataclass
+class Arrivals:
+    """Unit-exponential gaps drawn once per seed; `at(rate, seconds)` scales them, so every rate sees the same
+    draws (common random numbers) and a prediction moves smoothly with the rate."""
+
+    seed: int = 1
+    gaps: list[float] = field(default_factory=list)
+    _rng: random.Random | None = None
+
+    def at(self, rate: float, seconds: float) -> list[float]:
+        if self._rng is None:
+            self._rng = random.Random(self.seed)
+        times: list[float] = []
+        t, k = 0.0, 0
+        while True:
+            if k == len(self.gaps):
+                self.gaps.extend(self._rng.expovariate(1.0) for _ in range(4096))
+            t += self.gaps[k] / rate
+            if t >= seconds:
+                return times
+            times.append(t)
+            k += 1
+
+
+def predict(rate: float, c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S,
+            warmup_s: float = WARMUP_S) -> Prediction:
+    """Latency percentiles of one node at `rate` requests/s, over `sim_s` seconds after a warm-up."""
+    if rate <= 0:
+        base = (c.batch_time(1) + c.overhead_s) * 1000
+        return Prediction(rate, base, base, base, 0.0, 0.0, 0.0)
+    times = (arrivals or Arrivals()).at(rate, warmup_s + sim_s)
+    done, sizes = simulate(times, c)
+    latencies, expired, counted = [], 0, 0
+    for t, d in zip(times, done):
+        if t < warmup_s:
+            continue
+        counted += 1
+        if math.isnan(d):
+            expired += 1
+        else:
+            latencies.append((d - t + c.overhead_s) * 1000)
+    latencies.sort()
+    return Prediction(rate, percentile(latencies, 50), percentile(latencies, 95), percentile(latencies, 99),
+                      statistics.fmean(sizes) if sizes else 0.0, expired / max(1, counted), rate / c.ceiling())
+
+
+def capacity(c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S,
+             steps: int = BISECT_STEPS) -> float:
+    """The highest rate (requests/s, one node) whose p95 stays within the SLO with nothing expired, and at
+    most `max_busy` of the ceiling; 0 when even a lone request misses the SLO.
+
+    Why the cap: close to the ceiling a queue's steady state takes far longer to reach than any window one
+    can simulate (or than the load stays Poisson), so a finite window would call a node that slowly drowns
+    healthy. With several devices the SLO alone binds only there: the dispatch deadline leaves room for
+    many paced batches, so p95 stays flat until the devices saturate."""
+    arrivals = arrivals or Arrivals()
+    lo, hi = 0.0, c.ceiling() * c.max_busy
+    if predict(hi, c, arrivals, sim_s).meets(c.slo_s):
+        return hi
+    if not predict(hi * 2 ** -steps, c, arrivals, sim_s).meets(c.slo_s):
+        return 0.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if predict(mid, c, arrivals, sim_s).meets(c.slo_s):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class Plan:
+    target_rate: float
+    contract: Contract
+    capacity: float  # per node, at the SLO
+    nodes: int
+    at_target: Prediction  # each node at target / nodes
+    headroom: float  # share of extra load the planned nodes take before p95 passes the SLO
+    one_down: Prediction | None  # each node at target / (nodes - 1): a node lost or restarting
+    nodes_for_one_down: int
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["contract"]["batch_time"] = {"sizes": list(self.contract.batch_time.sizes),
+                                       "ms": [t * 1000 for t in self.contract.batch_time.seconds]}
+        return d
+
+
+def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int = 1) -> Plan:
+    if target_rate <= 0:
+        raise ValueError("the target rate must be positive")
+    arrivals = Arrivals(seed)
+    cap = capacity(c, arrivals, sim_s)
+    if cap <= 0:
+        raise ValueError(f"no rate meets a {c.slo_s * 1000:g} ms SLO: one batch alone takes "
+                         f"{c.batch_time(1) * 1000:g} ms (+{c.overhead_s * 1000:g} ms overhead)")
+    if cap < TRICKLE * c.ceiling():
+        raise ValueError(
+            f"p95 meets {c.slo_s * 1000:g} ms only below {cap:.1f} requests/s a node ({cap / c.ceiling():.1%} of "
+            f"its {c.ceiling():.0f} at full batches): at any real load a request waits up to the pace interval "
+            f"S/G or its dispatch deadline (slo - S - margin) for a batch, then runs S, plus "
+            f"{c.overhead_s * 1000:g} ms overhead; it takes more devices per node, a shorter batch or a looser SLO")
+    nodes = max(1, math.ceil(target_rate / cap - 1e-9))
+    at_target = predict(target_rate / nodes, c, arrivals, sim_s)
+    one_down = predict(target_rate / (nodes - 1), c, arrivals, sim_s) if nodes > 1 else None
+    return Plan(target_rate, c, cap, nodes, at_target, nodes * cap / target_rate - 1, one_down, nodes + 1)
+
+
+# -- measuring a running server ------------------------------------------------------------------------------
+@dataclass
+class Measured:
+    devices: int
+    batch_time: BatchTime
+    source: str
+
+
+def _get(url: str, timeout: float = 10.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - an operator-given http(s) URL
+        return r.read()
+
+
+def histogram_mean(metrics_text: str, name: str, model: str) -> float | None:
+    """sum / count of a Prometheus histogram's series for `model`, from /metrics text."""
+    total = count = None
+    for line in metrics_text.splitlines():
+        if line.startswith(f'{name}_sum{{model="{model}"}}'):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f'{name}_count{{model="{model}"}}'):
+            count = float(line.rsplit(" ", 1)[1])
+    return total / count if total is not None and count else None
+
+
+def probe(base: str, sizes: list[int], api_key: str = "", rounds: int = 3) -> BatchTime:
+    """Batch time by size from the server's own answers: bursts of `size` concurrent requests, each answer
+    carrying the `batch_size` it ran in and its `compute_ms`; the median per observed size."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    body = json.dumps({"input": "batchserve plan probe"}).encode()
+
+    def one(_: int) -> tuple[int, float] | None:
+        req = urllib.request.Request(base + "/v1/inference", data=body, headers=headers, method="POST")
+        try:
+            answer = json.loads(_get_request(req))
+        except OSError:
+            return None
+        return int(answer["batch_size"]), float(answer["compute_ms"])
+
+    seen: dict[int, list[float]] = {}
+    with ThreadPoolExecutor(max_workers=max(sizes)) as pool:
+        for _ in range(rounds):
+            for size in sizes:
+                for got in pool.map(one, range(size)):
+                    if got is not None:
+                        seen.setdefault(got[0], []).append(got[1])
+    if not seen:
+        raise OSError(f"no probe request to {base} succeeded")
+    points = sorted((size, statistics.median(ms)) for size, ms in seen.items())
+    return BatchTime(tuple(s for s, _ in points), tuple(ms / 1000 for _, ms in points))
+
+
+def _get_request(req: urllib.request.Request) -> bytes:
+    with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - an operator-given http(s) URL
+        return r.read()
+
+
+def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str = "") -> Measured:
+    """Devices from /internal/health's workers; the batch time as the server learned it (its `batch_ms`, the
+    same at every size: true of the sim, a first guess for a real model), or by size from a probe."""
+    base = base.rstrip("/")
+    health = json.loads(_get(base + "/internal/health"))
+    devices = sum(1 for w in health.get("workers", []) if w.get("healthy")) or len(health.get("workers", []))
+    learned: dict[str, float] = health.get("batch_ms", {})
+    if not learned:
+        raise OSError(f"{base}/internal/health reports no batch_ms")
+    name = model if model is not None else next(iter(learned))
+    if name not in learned:
+        raise OSError(f"{base} serves {', '.join(learned)}, not {name}")
+    if probe_sizes:
+        return Measured(devices, probe(base, probe_sizes, api_key), f"probe of {base} ({name})")
+    mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
+    source = f"{base} ({name}): learned batch time {learned[name]:g} ms"
+    if mean_compute is not None:
+        source += f", mean batch compute {mean_compute * 1000:.1f} ms since start"
+    return Measured(devices, BatchTime.constant(learned[name]), source)
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rate", type=float, required=True, help="target requests/s across the service")
+    p.add_argument("--slo-ms", type=float, default=200.0, help="p95 latency objective")
+    p.add_argument("--devices", type=int, default=None, help="devices (GPUs) per node [1, or measured]")
+    p.add_argument("--max-batch", type=int, default=100, help="most inputs in one batch (--max-batch-size)")
+    p.add_argument("--batch-ms", type=float, default=None, help="batch time, the same at every size")
+    p.add_argument("--batch-ms-by-size", default=None, metavar="SIZE:MS,...",
+                   help="batch time by batch size, e.g. 1:40,32:60,100:100 (linear between)")
+    p.add_argument("--measure", default=None, metavar="URL",
+                   help="read devices and the batch time from a running server (/internal/health, /metrics)")
+    p.add_argument("--probe", default="", metavar="SIZES",
+                   help="with --measure: send bursts of these sizes (e.g. 1,50,100) to learn batch time by size")
+    p.add_argument("--api-key", default="", help="with --probe: the key to send")
+    p.add_argument("--model", default=None, help="with --measure: which model's batch time (default: the first)")
+    p.add_argument("--margin-ms", type=float, default=5.0, help="the server's --dispatch-margin-ms")
+    p.add_argument("--timeout-ms", type=float, default=2000.0, help="request deadline (--timeout-ms)")
+    p.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="per-request time outside the batcher (HTTP, event loop, network), added to every latency")
+    p.add_argument("--max-busy", type=float, default=0.95,
+                   help="the most device time a node is planned at, whatever the SLO allows")
+    p.add_argument("--sim-s", type=float, default=SIM_S, help="simulated seconds per point")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
+    given = [x for x in (a.batch_ms, a.batch_ms_by_size, a.measure) if x is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of --batch-ms, --batch-ms-by-size, --measure URL")
+    devices, source = a.devices, "given"
+    if a.measure is not None:
+        sizes = [int(x) for x in a.probe.split(",") if x.strip()] if a.probe else []
+        m = measure(a.measure, a.model, sizes, a.api_key)
+        batch_time, source = m.batch_time, m.source
+        devices = devices if devices is not None else m.devices
+    elif a.batch_ms_by_size is not None:
+        batch_time = BatchTime.parse(a.batch_ms_by_size)
+    else:
+        if a.batch_ms <= 0:
+            raise ValueError("--batch-ms must be positive")
+        batch_time = BatchTime.constant(a.batch_ms)
+    devices = 1 if devices is None else devices
+    if devices < 1 or a.max_batch < 1 or a.slo_ms <= 0 or not 0 < a.max_busy <= 1:
+        raise ValueError("--devices and --max-batch must be >= 1, --slo-ms positive, --max-busy in (0, 1]")
+    return Contract(batch_time, devices, a.max_batch, a.slo_ms / 1000, a.margin_ms / 1000, a.timeout_ms / 1000,
+                    a.overhead_ms / 1000, a.max_busy), source
+
+
+def render(plan: Plan, source: str) -> str:
+    c, t = plan.contract, plan.at_target
+    slo = c.slo_s * 1000
+    capped = plan.capacity >= c.max_busy * c.ceiling() * (1 - 1e-9)
+    bound = f"capped at {c.max_busy:.0%} of" if capped else "ceiling"
+    lines = [
+        f"target {plan.target_rate:g} requests/s at p95 <= {slo:g} ms",
+        f"node: {c.devices} device(s), batches of 1..{c.max_batch}, batch time {c.batch_time.describe()} "
+        f"({source}), dispatch margin {c.margin_s * 1000:g} ms, overhead {c.overhead_s * 1000:g} ms",
+        f"one node serves {plan.capacity:.0f} requests/s within the SLO ({bound} {c.ceiling():.0f} at full batches)",
+        "",
+        f"nodes needed      {plan.nodes}  ({plan.target_rate / plan.nodes:.0f} requests/s each)",
+        f"predicted         p50 {t.p50_ms:.0f} ms, p95 {t.p95_ms:.0f} ms, p99 {t.p99_ms:.0f} ms; "
+        f"mean batch {t.mean_batch:.1f}, {t.load:.0%} of the full-batch ceiling",
+        f"headroom          {plan.headroom:.1%} more load (to {plan.target_rate * (1 + plan.headroom):.0f} "
+        f"requests/s) before a node passes its {plan.capacity:.0f} requests/s",
+    ]
+    if plan.one_down is not None:
+        d = plan.one_down
+        verdict = "within the SLO" if d.meets(c.slo_s) else (
+            f"over the SLO{f', {d.expired:.0%} time out' if d.expired else ''}: plan "
+            f"{plan.nodes_for_one_down} nodes to lose one (or restart one at a time) safely")
+        lines.append(f"one node down     {plan.nodes - 1} nodes at {plan.target_rate / (plan.nodes - 1):.0f} "
+                     f"requests/s each: p95 {d.p95_ms:.0f} ms, {verdict}")
+    lines.append("(model: the batcher's policy on Poisson arrivals, no server overhead beyond --overhead-ms; "
+                 "see docs/capacity.md)")
+    return "\n".join(lines)
+
+
+def main(a: argparse.Namespace) -> int:
+    try:
+        contract, source = contract_from(a)
+        plan = make_plan(a.rate, contract, a.sim_s, a.seed)
+    except (ValueError, OSError) as exc:
+        print(f"batchserve plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.as_dict(), indent=1) if a.json else render(plan, source))
+    return 0

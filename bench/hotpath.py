@@ -1,0 +1,159 @@
+"""CPU per request of the inference route's own code, in-process, without sockets (issue 10 §6).
+
+Why: on a shared 2-core machine wall-clock latency swings with whatever else runs, but the CPU time the
+process spends per request moves little. This drives the ASGI apps directly (scope / receive / send, as
+uvicorn calls them, with uvicorn's per-request `disconnected` flag) with the same concurrency and body shape as
+the load bench, and reports process CPU per request for batchserve (sim backend, 100 ms batches of about `--concurrency`
+items, as at 900-1000 requests/s) beside the bare Starlette endpoint of `bench/bare_app.py`. The sockets and HTTP parsing (uvicorn +
+httptools) are left out: they cost both apps the same. `--profile` writes a pyinstrument report of the
+batchserve run. The ratio here is the route's overhead alone; the end-to-end ratio is `run_standard`'s CPU row.
+
+    python -m bench.hotpath                 # ~20 s: table of CPU µs per request
+    python -m bench.hotpath --profile /tmp/hotpath.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import time
+from typing import Any, Awaitable, Callable
+
+import orjson
+
+BATCH_MS = 100.0  # the seed contract's batch time: batches of ~concurrency items, as under load
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+class Cycle:
+    """Stands in for uvicorn's RequestResponseCycle: the body once, then a receive that waits, and the
+    `disconnected` flag batchserve reads instead of watching receive()."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.disconnected = False
+        self.sent = False
+        self.status = 0
+
+    async def receive(self) -> dict:
+        if not self.sent:
+            self.sent = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+
+
+def scope_for(body: bytes) -> dict[str, Any]:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/inference", "raw_path": b"/v1/inference", "query_string": b"",
+            "root_path": "", "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                                         (b"content-length", str(len(body)).encode()),
+                                         (b"user-agent", b"bench")],
+            "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), "state": {}}
+
+
+async def one(app: ASGIApp, i: int) -> int:
+    body = orjson.dumps({"input": f"hotpath input number {i:08d}"})
+    cycle = Cycle(body)
+    await app(scope_for(body), cycle.receive, cycle.send)
+    return cycle.status
+
+
+async def drive(app: ASGIApp, total: int, concurrency: int) -> tuple[float, float, int]:
+    """Send `total` requests, `concurrency` in flight; (CPU seconds, wall seconds, non-200 answers)."""
+    sem = asyncio.Semaphore(concurrency)
+    bad = 0
+
+    async def guarded(i: int) -> None:
+        nonlocal bad
+        async with sem:
+            if await one(app, i) != 200:
+                bad += 1
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(guarded(i) for i in range(total)))
+    return time.process_time() - cpu0, time.perf_counter() - wall0, bad
+
+
+@contextlib.asynccontextmanager
+async def running(app: Any) -> Any:
+    starlette = getattr(app, "app", app)  # batchserve's FastPath wraps its Starlette app
+    async with starlette.router.lifespan_context(starlette):
+        yield app
+
+
+async def batchserve_app() -> Any:
+    from batchserve.app import create_app
+    from batchserve.config import Settings
+
+    app = create_app(Settings(sim_batch_ms=BATCH_MS, slo_ms=5000, timeout_ms=30000, max_queue=100000))
+    return app
+
+
+async def prepare(make: Callable[[], Awaitable[Any]], stack: contextlib.AsyncExitStack) -> Any:
+    app = await make()
+    await stack.enter_async_context(running(app))
+    rt = getattr(app.state, "rt", None)
+    while rt is not None and not rt.ready:
+        await asyncio.sleep(0.01)
+    return app
+
+
+async def main_async(a: argparse.Namespace) -> None:
+    from bench import bare_app
+
+    async def bare() -> Any:
+        return bare_app.create_app()
+
+    async with contextlib.AsyncExitStack() as stack:
+        apps = {"bare Starlette": await prepare(bare, stack), "batchserve": await prepare(batchserve_app, stack)}
+        for app in apps.values():
+            await drive(app, min(a.requests, 2000), a.concurrency)  # warm-up
+        runs: dict[str, list[float]] = {name: [] for name in apps}
+        bad = dict.fromkeys(apps, 0)
+        profiler = None
+        for _ in range(a.repeats):  # interleaved, so a busy moment of the machine hits both alike
+            for name, app in apps.items():
+                if a.profile and name == "batchserve":
+                    from pyinstrument import Profiler
+
+                    profiler = profiler or Profiler(interval=0.0002, async_mode="disabled")
+                    profiler.start()
+                cpu, _, non_200 = await drive(app, a.requests, a.concurrency)
+                if profiler is not None and name == "batchserve":
+                    profiler.stop()
+                runs[name].append(cpu / a.requests * 1e6)
+                bad[name] += non_200
+    if profiler is not None:
+        with open(a.profile, "w") as fh:
+            fh.write(profiler.output_html() if a.profile.endswith(".html") else
+                     profiler.output_text(unicode=True, show_all=False))
+    base = statistics.median(runs["bare Starlette"])
+    print(f"{'app':<16} {'CPU µs/req (median)':>20} {'ratio':>6}  runs")
+    for name, values in runs.items():
+        med = statistics.median(values)
+        print(f"{name:<16} {med:>20.1f} {med / base:>6.2f}  {[round(v, 1) for v in values]}"
+              + (f"  non-200: {bad[name]}" if bad[name] else ""))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=3000, help="requests per run")
+    p.add_argument("--concurrency", type=int, default=100, help="requests in flight at once")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--profile", default="", help="write a pyinstrument profile of the batchserve runs here (.html, else text)")
+    a = p.parse_args()
+    import uvloop
+
+    uvloop.install()
+    asyncio.run(main_async(a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""The policy modules in-process, on an injected clock (issue 10 §5): no server, no threads, no sleeps.
+
+The fair queue's order and aging, the batcher's flush causes and pacing, the pool's retry and bisection
+choices, and admission's predictions. The live-server tests keep the contract; these pin the decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batchserve.batcher import Batch, Batcher
+from batchserve.core import tiers
+from batchserve.core.admission import Admission, predicted_latency_s
+from batchserve.core.fairqueue import FairQueue, Item
+from batchserve.errors import ApiError
+from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.metrics import make_metrics
+
+ENT, PAID, FREE, BATCH = (tiers.BY_NAME[n].rank for n in ("enterprise", "paid", "free", "batch"))
+S = 0.1  # the learned batch time of model "m"
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def make_item(loop, text: str = "x", arrived: float = 1000.0, tier: int = PAID, tenant: str = "t",
+              model: str = "m", deadline: float = 1e9) -> Item:
+    return Item(text, model, 0, loop.create_future(), arrived, deadline, None, tier, tenant)
+
+
+def make_batcher(clock: Clock, workers: int = 1, max_batch: int = 100, slo_s: float = 0.2,
+                 models: tuple[str, ...] = ("m",)) -> Batcher:
+    return Batcher(max_batch_size=max_batch, slo_s=slo_s, margin_s=0.005, batch_s={m: S for m in models},
+                   healthy_workers=workers, clock=clock)
+
+
+# -- fair queue -----------------------------------------------------------------------------------------------
+def test_fair_queue_takes_higher_tiers_first(loop):
+    q = FairQueue()
+    for tier, name in ((FREE, "free"), (PAID, "paid"), (ENT, "ent")):
+        q.push(make_item(loop, name, arrived=1000.0, tier=tier))
+    assert [q.pop().text for _ in range(3)] == ["ent", "paid", "free"]
+    assert q.pop() is None and len(q) == 0
+
+
+def test_fair_queue_aging_lets_a_lower_tier_overtake(loop):
+    q = FairQueue()
+    fresh = 1000.0
+    q.push(make_item(loop, "ent", arrived=fresh, tier=ENT))
+    # A free item that waited longer than free's aging offset (0.5 s) goes before a fresh enterprise one ...
+    q.push(make_item(loop, "old-free", arrived=fresh - tiers.BY_NAME["free"].aging_s - 0.01, tier=FREE))
+    assert q.pop().text == "old-free"
+    # ... one that waited less does not.
+    q.push(make_item(loop, "young-free", arrived=fresh - tiers.BY_NAME["free"].aging_s + 0.01, tier=FREE))
+    assert q.pop().text == "ent"
+
+
+def test_fair_queue_tenants_of_a_tier_take_turns(loop):
+    q = FairQueue()
+    for i in range(4):
+        q.push(make_item(loop, f"flood{i}", arrived=1000.0 + i * 0.001, tenant="flood"))
+    q.push(make_item(loop, "light", arrived=1000.01, tenant="light"))
+    taken = [q.pop().text for _ in range(3)]
+    assert taken == ["flood0", "light", "flood1"]
+
+
+def test_fair_queue_push_front_and_prune(loop):
+    q = FairQueue()
+    a, b = make_item(loop, "a"), make_item(loop, "b")
+    q.push(a)
+    q.push_front(b)
+    assert q.oldest() is not None and len(q) == 2
+    b.future.set_result(None)  # answered elsewhere: pruned from the head
+    dropped = q.prune(lambda i: not i.future.done())
+    assert dropped == [b] and len(q) == 1 and q.pop() is a
+
+
+# -- batcher: flush causes and pacing ---------------------------------------------------------------------
+def test_full_queue_is_due_now(loop):
+    clock = Clock()
+    b = make_batcher(clock, max_batch=3)
+    for i in range(3):
+        b.submit(make_item(loop, str(i), arrived=clock.now))
+    key, due, cause = b.most_urgent(clock.now)
+    assert key == ("m", 0) and due == clock.now and cause == "full"
+    batch = b.form(key, clock.now, cause, due)
+    assert batch is not None and [i.text for i in batch.items] == ["0", "1", "2"] and b.depth["m"] == 0
+
+
+def test_one_device_waits_for_the_dispatch_deadline(loop):
+    clock = Clock()
+    b = make_batcher(clock, workers=1)
+    b.last_dispatch = clock.now  # a batch just went out: pacing would wait S
+    b.submit(make_item(loop, arrived=clock.now))
+    key, due, cause = b.most_urgent(clock.now)
+    # slo 200 ms - S 100 ms - margin 5 ms = 95 ms of waiting for company, earlier than the pace (100 ms)
+    assert cause == "deadline" and due == pytest.approx(clock.now + 0.095)
+    assert b.take_now(0) is None  # not due yet
+    clock.now += 0.096
+    batch = b.take_now(0)
+    assert batch is not None and batch.cause == "deadline" and len(batch.items) == 1
+
+
+def test_several_devices_dispatch_paced_s_over_g_apart(loop):
+    clock = Clock()
+    b = make_batcher(clock, workers=4)
+    b.last_dispatch = clock.now
+    b.submit(make_item(loop, arrived=clock.now))
+    _, due, cause = b.most_urgent(clock.now)
+    assert cause == "pace" and due == pytest.approx(clock.now + S / 4)
+
+
+def test_a_slightly_late_paced_dispatch_keeps_its_slot(loop):
+    clock = Clock()
+    b = make_batcher(clock, workers=4)
+    b.last_dispatch = clock.now
+    b.submit(make_item(loop, arrived=clock.now))
+    _, due, cause = b.most_urgent(clock.now)
+    clock.now = due + 0.003  # 3 ms late, under half an interval (12.5 ms)
+    batch = b.take_now(0)
+    assert batch is not None and batch.cause == "pace"
+    assert b.last_dispatch == pytest.approx(due)  # the rhythm is kept, lateness does not pile up
+    b.submit(make_item(loop, arrived=clock.now))
+    _, due, cause = b.most_urgent(clock.now)
+    assert cause == "pace" and due == pytest.approx(b.last_dispatch + S / 4)
+    clock.now = due + 0.015  # a late one by more than half an interval (a stalled loop) starts a new rhythm
+    assert b.take_now(0) is not None
+    assert b.last_dispatch == pytest.approx(clock.now)
+
+
+def test_draining_flushes_at_once(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    b.last_dispatch = clock.now
+    b.submit(make_item(loop, arrived=clock.now))
+    b.start_drain()
+    _, due, cause = b.most_urgent(clock.now)
+    assert cause == "drain" and due == clock.now
+
+
+def test_expired_and_gone_items_never_reach_a_batch(loop):
+    clock = Clock()
+    b = make_batcher(clock, max_batch=3)
+    late = make_item(loop, "late", arrived=clock.now, deadline=clock.now + 0.01)
+    gone = make_item(loop, "gone", arrived=clock.now)
+    gone.gone = lambda: True
+    ok = make_item(loop, "ok", arrived=clock.now)
+    for item in (late, gone, ok):
+        b.submit(item)
+    clock.now += 0.02
+    batch = b.take_now(0)
+    assert batch is not None and [i.text for i in batch.items] == ["ok"]
+    assert isinstance(late.future.exception(), ApiError) and late.future.exception().status == 504
+    assert type(gone.future.exception()).__name__ == "ClientGone"
+    assert b.total_depth() == 0
+
+
+def test_the_least_recently_served_model_goes_first_among_due_queues(loop):
+    clock = Clock()
+    b = make_batcher(clock, models=("busy", "quiet"))
+    b.served_at = {"busy": clock.now - 0.05, "quiet": clock.now - 5.0}
+    b.submit(make_item(loop, "busy", arrived=clock.now - 1.0, model="busy"))  # older head
+    b.submit(make_item(loop, "quiet", arrived=clock.now - 0.5, model="quiet"))
+    key, due, _ = b.most_urgent(clock.now)
+    assert key == ("quiet", 0) and due <= clock.now
+
+
+def test_ahead_of_counts_higher_tiers_and_a_fair_share_of_its_own(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    for _ in range(5):
+        b.submit(make_item(loop, tier=ENT, tenant="e"))
+    for _ in range(30):
+        b.submit(make_item(loop, tier=PAID, tenant="flood"))
+    # a new paid item of a quiet tenant waits behind every enterprise item and the flood's one turn
+    assert b.ahead_of(PAID, "quiet") == 5 + 1
+    b.submit(make_item(loop, tier=PAID, tenant="quiet"))
+    assert b.ahead_of(PAID, "quiet") == 5 + 4  # its second item: two turns each of two busy tenants
+    assert b.ahead_of(ENT, "e") == 5
+
+
+# -- the pool: retries and bisection ------------------------------------------------------------------------
+def make_pool(loop, b: Batcher, healthy: int = 2, demand: float = 0.0) -> GpuPool:
+    pool = GpuPool({}, b, make_metrics(), loop, [f"d{i}" for i in range(healthy)], gpu_timeout_s=1.0,
+                   clock=b.clock)
+    pool.workers = [Worker(i, f"d{i}") for i in range(healthy)]
+    pool.demand = lambda: demand
+    pool._update_health()
+    return pool
+
+
+def test_a_failed_batch_runs_one_half_alone_and_holds_the_other(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    pool = make_pool(loop, b)
+    items = [make_item(loop, str(i), arrived=clock.now) for i in range(6)]
+    pool._retry_or_fail(Batch("m", items, clock.now, "pace"), pool.workers[0], "boom", "error")
+    (retry,) = b.retries
+    assert [i.text for i in retry.items] == ["0", "1", "2"] and [i.text for i in retry.held] == ["3", "4", "5"]
+    assert retry.avoid_worker == 0  # prefers another worker than the one that failed it
+
+
+def test_a_failing_half_returns_its_held_sibling_to_the_queue(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    pool = make_pool(loop, b)
+    half, held = [make_item(loop, "a"), make_item(loop, "b")], [make_item(loop, "c"), make_item(loop, "d")]
+    pool._retry_or_fail(Batch("m", half, clock.now, "retry", held=held), pool.workers[1], "boom", "error")
+    assert b.depth["m"] == 2  # the held half is presumed clean: back at the head of its queue
+    (retry,) = b.retries
+    assert [i.text for i in retry.items] == ["a"] and [i.text for i in retry.held] == ["b"]
+
+
+def test_a_lone_failing_item_is_retried_once_elsewhere_then_fails(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    pool = make_pool(loop, b, healthy=2)
+    item = make_item(loop, "poison")
+    pool._retry_or_fail(Batch("m", [item], clock.now, "retry"), pool.workers[0], "boom", "error")
+    assert len(b.retries) == 1 and item.attempts == 1 and not item.future.done()
+    b.retries.clear()
+    pool._retry_or_fail(Batch("m", [item], clock.now, "retry"), pool.workers[1], "boom", "error")
+    assert not b.retries and item.future.exception().status == 500
+
+
+def test_with_one_worker_a_lone_failing_item_fails_at_once(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    pool = make_pool(loop, b, healthy=1)
+    item = make_item(loop, "poison")
+    pool._retry_or_fail(Batch("m", [item], clock.now, "retry"), pool.workers[0], "boom", "error")
+    assert item.future.exception().status == 500
+
+
+def test_a_retry_avoids_the_worker_that_failed_it_for_two_batch_times(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    make_pool(loop, b, healthy=2)
+    b.requeue(Batch("m", [make_item(loop)], clock.now, "retry", avoid_worker=0))
+    assert b.take_retry(0, clock.now) is None
+    clock.now += 2 * S + 0.001  # nobody else took it: the failing worker may run it after all
+    assert b.take_retry(0, clock.now) is not None
+
+
+def test_a_hung_batch_is_rerun_spread_over_the_workers_when_capacity_allows(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    pool = make_pool(loop, b, healthy=3, demand=10.0)
+    items = [make_item(loop, str(i)) for i in range(9)]
+    w = pool.workers[0]
+    batch = Batch("m", items, clock.now, "pace")
+    w.batch, w.started = batch, clock.now
+    clock.now += 1.5
+    pool._abandon(w, batch, 1.0)
+    assert not w.healthy and pool.healthy_count() == 2
+    assert len(b.retries) == 2 and all(r.after_hang for r in b.retries)
+    assert sum(len(r.items) for r in b.retries) == 9
+
+
+def test_a_hung_batch_is_answered_504_when_another_loss_would_not_be_absorbed(loop):
+    clock = Clock()
+    b = make_batcher(clock)
+    pool = make_pool(loop, b, healthy=2, demand=5000.0)  # far more arrivals than one worker could serve
+    items = [make_item(loop, str(i)) for i in range(4)]
+    w = pool.workers[0]
+    batch = Batch("m", items, clock.now, "pace")
+    w.batch, w.started = batch, clock.now
+    pool._abandon(w, batch, 1.0)
+    assert not b.retries and all(i.future.exception().status == 504 for i in items)
+
+
+# -- admission ---------------------------------------------------------------------------------------------
+class FakeCapacity:
+    def __init__(self, healthy: int = 1, workers: int = 1, until_free: float = 0.0) -> None:
+        self.healthy, self.workers, self.until_free = healthy, workers, until_free
+
+    def healthy_count(self) -> int:
+        return self.healthy
+
+    def worker_count(self) -> int:
+        return self.workers
+
+    def seconds_until_free(self, now: float) -> float:
+        return self.until_free
+
+
+def test_predicted_latency_counts_full_batches_ahead_shared_by_the_workers():
+    assert predicted_latency_s(0.0, 0, 100, 0.1, 1) == pytest.approx(0.1)
+    assert predicted_latency_s(0.05, 250, 100, 0.1, 1) == pytest.approx(0.05 + 0.2 + 0.1)
+    assert predicted_latency_s(0.0, 400, 100, 0.1, 4) == pytest.approx(0.1 + 0.1)
+
+
+def make_admission(loop, clock: Clock, capacity: FakeCapacity, queued: int = 0, max_queue: int = 10000):
+    b = make_batcher(clock, workers=capacity.healthy)
+    for _ in range(queued):
+        b.submit(make_item(loop, arrived=clock.now))
+    return Admission(b, capacity, max_queue, slo_s=0.2, slack=1.25, clock=clock)
+
+
+def test_admission_refuses_what_would_miss_the_deadline(loop):
+    clock = Clock()
+    adm = make_admission(loop, clock, FakeCapacity(until_free=0.05), queued=300)
+    with pytest.raises(ApiError) as refused:
+        adm.admit("m", PAID, "t", deadline_s=0.3)  # predicted 0.05 + 0.3 + 0.1 = 0.45 s
+    assert refused.value.status == 503 and refused.value.code == "SERVICE_OVERLOADED"
+    assert refused.value.retry_after_ms > 0
+    adm.admit("m", PAID, "t", deadline_s=1.0)  # the same wait fits a longer deadline
+
+
+def test_a_burst_within_capacity_is_queued_not_shed(loop):
+    clock = Clock()
+    adm = make_admission(loop, clock, FakeCapacity(until_free=0.05), queued=150)
+    adm.admit("m", FREE, "t", deadline_s=2.0)  # predicted 0.25 s > free's bound 0.2 s, but no pressure
+
+
+def test_under_pressure_lower_tiers_are_shed_first(loop):
+    clock = Clock()
+    # A worker lost is pressure. Predicted 0.05 + 1 full batch (0.1) + 0.1 = 0.25 s:
+    adm = make_admission(loop, clock, FakeCapacity(healthy=1, workers=2, until_free=0.05), queued=150)
+    assert adm.tier_bound_s(FREE) < 0.25 < adm.tier_bound_s(ENT)
+    with pytest.raises(ApiError):
+        adm.admit("m", FREE, "t", deadline_s=2.0)  # bound 0.2 s
+    adm.admit("m", ENT, "t", deadline_s=2.0)  # bound 0.3 s
+
+
+def test_a_flood_is_pressure_within_a_quarter_second(loop):
+    clock = Clock()
+    adm = make_admission(loop, clock, FakeCapacity())  # capacity 100 / 0.1 s = 1000 per second
+    for _ in range(600):  # 600 arrivals in 0.2 s: 3000 per second
+        clock.now += 0.2 / 600
+        adm.arrivals.tick(clock.now)
+        adm.arrivals_fast.tick(clock.now)
+    slow, fast = adm.arrivals.current(clock.now), adm.arrivals_fast.current(clock.now)
+    assert slow < 1000 < fast  # the 2 s average has not seen it yet, the 0.25 s one has
+    assert adm.under_pressure("m", slow, fast)
+
+
+def test_admission_says_why_nothing_can_be_admitted(loop):
+    clock = Clock()
+    adm = make_admission(loop, clock, FakeCapacity(healthy=0, workers=2))
+    with pytest.raises(ApiError) as none:
+        adm.admit("m", PAID, "t", 1.0)
+    assert none.value.code == "NO_HEALTHY_WORKER"
+    adm.capacity = None
+    with pytest.raises(ApiError) as warming:
+        adm.admit("m", PAID, "t", 1.0)
+    assert warming.value.code == "NO_HEALTHY_WORKER" and "warming up" in warming.value.message
+    adm.batcher.start_drain()
+    with pytest.raises(ApiError) as draining:
+        adm.admit("m", PAID, "t", 1.0)
+    assert draining.value.code == "DRAINING"
+
+
+def test_a_full_queue_is_refused(loop):
+    clock = Clock()
+    adm = make_admission(loop, clock, FakeCapacity(), queued=5, max_queue=5)
+    with pytest.raises(ApiError) as full:
+        adm.admit("m", ENT, "t", 60.0)
+    assert "queue" in full.value.message
