@@ -26,6 +26,7 @@ ENV BATCHSERVE_HOST=0.0.0.0 BATCHSERVE_PORT=8000 BATCHSERVE_BACKEND=smollm2 HF_H
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
   CMD curl -fsS http://127.0.0.1:8000/healthz || exit 1
-# SIGTERM drains: /readyz 503 at once, queued and running requests answered, then exit.
+# SIGTERM drains: /readyz 503 at once, queued and running requests answered, the listener open for
+# --drain-grace-s (5 s), then exit. Stop with a timeout above grace + drain: docker stop -t 40 (docs/deploy.md).
 STOPSIGNAL SIGTERM
 CMD ["batchserve", "serve"]

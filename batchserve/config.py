@@ -73,6 +73,9 @@ class Settings:
     sim_flaky_device: int = knob(-1, "sim: this device index raises on every batch (a broken GPU; -1 = none)")
     max_new_tokens: int = knob(64, "smollm2: tokens generated per input")
     drain_timeout_s: float = knob(30.0, "on SIGTERM, longest wait for queued and running work before 503s")
+    drain_grace_s: float = knob(5.0, "on SIGTERM, how long the listener stays open answering 503 DRAINING "
+                                     "(with /readyz 503) so a load balancer takes the node out before "
+                                     "connections are refused")
     request_history: int = knob(10000, "recent requests kept for GET /v1/requests/{id}")
     config: str = knob("", "TOML file with models, tiers and API keys")
     allow_anonymous: bool = knob(False, "serve callers without a key on a non-loopback address, or beside "
@@ -121,6 +124,8 @@ class Settings:
             problems.append("slo_ms and timeout_ms must be positive")
         if self.devices < 0:
             problems.append("devices must be 0 (auto) or more")
+        if self.drain_timeout_s < 0 or self.drain_grace_s < 0:
+            problems.append("drain_timeout_s and drain_grace_s must be 0 or more")
         if self.jobs_lease_s <= 0 or self.jobs_poll_s <= 0:
             problems.append("jobs_lease_s and jobs_poll_s must be positive")
         if self.max_queue < 1 or self.max_body_bytes < 64:

@@ -35,6 +35,7 @@ import orjson
 import uvloop
 
 from bench.procstat import process_cpu_s, raise_fd_limit, self_cpu_s
+from bench.rawclient import drive_raw
 from bench.schedule import poisson_schedule
 
 INFERENCE_PATH = "/v1/inference"
@@ -210,6 +211,29 @@ async def drive(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: st
     return Part(idx, latency, lag, server_ms, errors, cpu[1] - cpu[0] if len(cpu) == 2 else math.nan)
 
 
+CLIENTS = ("aiohttp", "raw")  # raw: bench/rawclient.py, the same schedule and outcomes at a fraction of the CPU
+
+
+async def drive_with(client: str, url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: str,
+                     timeout_s: float, connections: int, window: tuple[float, float],
+                     headers: dict[str, str] | None = None, extra: dict | None = None) -> Part:
+    """`drive` with the chosen sender."""
+    if client == "aiohttp":
+        return await drive(url, sched, idx, t0, tag, timeout_s, connections, window, headers, extra)
+    cpu: list[float] = []
+
+    async def cpu_edges() -> None:
+        for edge in window:
+            await sleep_until(edge)
+            cpu.append(self_cpu_s())
+
+    edges = asyncio.create_task(cpu_edges())
+    out = await drive_raw(url, sched, idx, t0, lambda i: input_for(tag, i), timeout_s, connections, headers, extra)
+    await edges
+    return Part(idx, out.latency_s, out.lag_s, out.server_ms, out.errors,
+                cpu[1] - cpu[0] if len(cpu) == 2 else math.nan)
+
+
 def _quiet_gc_run(coro):  # noqa: ANN001, ANN202 - any coroutine
     """Run on uvloop with the cyclic GC off: a full collection over tens of thousands of live tasks stalls the
     client for tens of ms, which would show up as latency. Runs are bounded; refcounting frees the rest."""
@@ -224,7 +248,7 @@ def _quiet_gc_run(coro):  # noqa: ANN001, ANN202 - any coroutine
 
 def _client_process(conn, url: str, sched: np.ndarray, idx: np.ndarray, tag: str, timeout_s: float,  # noqa: ANN001
                     connections: int, window_offsets: tuple[float, float], headers: dict[str, str] | None = None,
-                    extra: dict | None = None) -> None:
+                    extra: dict | None = None, client: str = "aiohttp") -> None:
     """Entry point of an extra client process: say ready, get t0, drive its share, send back its Part."""
     raise_fd_limit()
     conn.send("ready")
@@ -232,7 +256,8 @@ def _client_process(conn, url: str, sched: np.ndarray, idx: np.ndarray, tag: str
         return
     t0 = conn.recv()
     window = (t0 + window_offsets[0], t0 + window_offsets[1])
-    conn.send(_quiet_gc_run(drive(url, sched, idx, t0, tag, timeout_s, connections, window, headers, extra)))
+    conn.send(_quiet_gc_run(drive_with(client, url, sched, idx, t0, tag, timeout_s, connections, window, headers,
+                                       extra)))
     conn.close()
 
 
@@ -262,9 +287,11 @@ async def window_snapshots(base: str, pid: int | None, with_metrics: bool, windo
 
 def measure(base: str, rate: float, duration_s: float, warmup_s: float, seed: int, server_pid: int | None = None,
             timeout_s: float = 10.0, connections: int = 4096, path: str = INFERENCE_PATH, metrics: bool = True,
-            procs: int = 1) -> LoadResult:
+            procs: int = 1, client: str = "aiohttp") -> LoadResult:
     """Send `poisson_schedule(rate, warmup_s + duration_s, seed)` to `base + path` from `procs` client processes
-    and measure the requests scheduled after `warmup_s`."""
+    and measure the requests scheduled after `warmup_s`, with the `client` sender (see CLIENTS)."""
+    if client not in CLIENTS:
+        raise ValueError(f"client must be one of {CLIENTS}")
     raise_fd_limit()
     base = base.rstrip("/")
     url = base + path
@@ -277,7 +304,7 @@ def measure(base: str, rate: float, duration_s: float, warmup_s: float, seed: in
     async def here(t0: float) -> tuple[Part, tuple[Snapshot, Snapshot]]:
         window = (t0 + offsets[0], t0 + offsets[1])
         snaps = asyncio.create_task(window_snapshots(base, server_pid, metrics, window))
-        part = await drive(url, sched, shares[0], t0, tag, timeout_s, connections, window)
+        part = await drive_with(client, url, sched, shares[0], t0, tag, timeout_s, connections, window)
         return part, await snaps
 
     ctx = mp.get_context("spawn")
@@ -286,7 +313,8 @@ def measure(base: str, rate: float, duration_s: float, warmup_s: float, seed: in
         for k in range(1, procs):
             parent_end, child_end = ctx.Pipe()
             child = ctx.Process(target=_client_process, daemon=True,
-                                args=(child_end, url, sched, shares[k], tag, timeout_s, connections, offsets))
+                                args=(child_end, url, sched, shares[k], tag, timeout_s, connections, offsets,
+                                      None, None, client))
             child.start()
             pipes.append(parent_end)
             children.append(child)
@@ -309,7 +337,7 @@ def measure(base: str, rate: float, duration_s: float, warmup_s: float, seed: in
                 child.kill()
     return combine(parts, sched, rate, duration_s, warmup_s, seed, first, last, procs,
                    {"url": url, "timeout_s": timeout_s, "connections": connections, "rate": rate,
-                    "duration_s": duration_s, "warmup_s": warmup_s, "seed": seed, "procs": procs})
+                    "duration_s": duration_s, "warmup_s": warmup_s, "seed": seed, "procs": procs, "client": client})
 
 
 def combine(parts: list[Part], sched: np.ndarray, rate: float, duration_s: float, warmup_s: float, seed: int,
@@ -389,6 +417,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
     p.add_argument("--connections", type=int, default=4096, help="connection limit per client process")
     p.add_argument("--procs", type=int, default=1, help="client processes sharing the schedule")
+    p.add_argument("--client", choices=CLIENTS, default="aiohttp", help="sender: aiohttp, or raw (bench/rawclient.py: "
+                                                                        "far less CPU per request)")
     p.add_argument("--path", default=INFERENCE_PATH)
     p.add_argument("--no-metrics", action="store_true", help="do not read /metrics (e.g. the bare app)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -396,7 +426,7 @@ def main() -> None:
     if not is_loopback(a.url):
         p.error("load tests run against the loopback address only")
     r = measure(a.url, a.rate, a.duration, a.warmup, a.seed, server_pid=a.server_pid, timeout_s=a.timeout,
-                connections=a.connections, path=a.path, metrics=not a.no_metrics, procs=a.procs)
+                connections=a.connections, path=a.path, metrics=not a.no_metrics, procs=a.procs, client=a.client)
     print(json.dumps(asdict(r), indent=2) if a.json else summary(r))
 
 

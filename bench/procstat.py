@@ -30,3 +30,48 @@ def raise_fd_limit() -> int:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle since boot (from /proc/stat): with the processes a bench knows,
+    it tells how much of the machine something else used."""
+    with open("/proc/stat", "rb") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / CLK_TCK
+
+
+class CpuSampler:
+    """CPU seconds of a changing set of processes over a run (a rolling restart replaces them): reads every
+    tracked PID now and then, and keeps the last value seen, so a process that has exited still counts."""
+
+    def __init__(self) -> None:
+        self.labels: dict[int, str] = {}
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    def track(self, pid: int, label: str) -> None:
+        """From now on (a process tracked after the start counts from its first sample)."""
+        if pid not in self.labels:
+            self.labels[pid] = label
+            self.sample_one(pid)
+
+    def sample_one(self, pid: int) -> None:
+        try:
+            value = process_cpu_s(pid)
+        except (OSError, IndexError, ValueError):
+            return  # gone: its last value stays
+        self.first.setdefault(pid, value)
+        self.last[pid] = value
+
+    def sample(self) -> None:
+        for pid in list(self.labels):
+            self.sample_one(pid)
+
+    def by_label(self) -> dict[str, float]:
+        """CPU seconds per label (processes sharing a label are summed)."""
+        out: dict[str, float] = {}
+        for pid, label in self.labels.items():
+            if pid in self.first:
+                out[label] = out.get(label, 0.0) + self.last[pid] - self.first[pid]
+        return out

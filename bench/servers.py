@@ -117,8 +117,10 @@ def stop_all() -> None:
 
 
 def batchserve_cmd(devices: int, sim_batch_ms: float, max_batch_size: int, extra: list[str]) -> list[str]:
+    # No drain grace (a bench stops its server with nobody left to answer); `extra` may give one.
     return [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", "sim", "--devices",
-            str(devices), "--sim-batch-ms", f"{sim_batch_ms:g}", "--max-batch-size", str(max_batch_size), *extra]
+            str(devices), "--sim-batch-ms", f"{sim_batch_ms:g}", "--max-batch-size", str(max_batch_size),
+            "--drain-grace-s", "0", *extra]
 
 
 def bare_cmd(hold_ms: float = 0.0) -> list[str]:

@@ -46,8 +46,11 @@ def start_server(*args: str, ready: bool = True, env: dict[str, str] | None = No
     """Start `batchserve serve` on port 0 and return once it listens (and, if `ready`, once /readyz is 200).
     `preexec_fn` runs in the child before the server starts (e.g. to lower its descriptor limit)."""
     cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--log-level", "info", *args]
+    # No drain grace unless a test asks for one (--drain-grace-s wins over the variable): most tests stop
+    # their servers with SIGTERM, and each would otherwise wait the default grace with nobody to answer.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, preexec_fn=preexec_fn)
+                            env={"BATCHSERVE_DRAIN_GRACE_S": "0", **os.environ, **(env or {})},
+                            preexec_fn=preexec_fn)
     lines: list[str] = []
     port: list[int] = []
 

@@ -2,7 +2,9 @@
 
 uvicorn's own handling closes the listening socket at the first signal; we keep serving instead, so
 `/readyz` can say 503 and new requests get a JSON 503 DRAINING while queued and running work is answered.
-Only then is uvicorn told to exit. A second SIGINT forces the exit.
+The listener stays open at least `--drain-grace-s` after the signal: a balancer that polls `/readyz` takes the
+node out meanwhile, and a client that still connects gets an answer it can retry elsewhere rather than a
+refused or reset connection. Only then is uvicorn told to exit. A second SIGINT forces the exit.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import functools
 import logging
 import signal
 import sys
+import time
 from types import FrameType
 
 import uvicorn
@@ -27,8 +30,9 @@ DRAIN_LINGER_S = 0.5  # after the drain: listener closed, open connections still
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, grace_s: float = 0.0) -> None:
         super().__init__(config)
+        self.grace_s = grace_s
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -41,6 +45,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = loop.create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
+        grace_over = time.monotonic() + self.grace_s
         app = self.config.loaded_app
         while hasattr(app, "app") and not hasattr(app, "state"):  # unwrap uvicorn's middleware
             app = app.app
@@ -48,6 +53,10 @@ class DrainingServer(uvicorn.Server):
         try:
             if runtime is not None:
                 await runtime.drain()
+            # Until the grace is over, new connections are still accepted and answered 503 DRAINING with
+            # Connection: close (a balancer retries those elsewhere: they never ran), never refused or reset.
+            await asyncio.sleep(max(0.0, grace_over - time.monotonic()))
+            log.info("drain grace over: closing the listener")
             # Stop accepting connections, but keep answering DRAINING (with Connection: close) a moment on the
             # open keep-alive ones, so a request already on its way over one is answered, not reset.
             for listener in self.servers:
@@ -91,4 +100,4 @@ def serve(settings: Settings) -> None:
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
-    DrainingServer(config).run()
+    DrainingServer(config, grace_s=settings.drain_grace_s).run()
