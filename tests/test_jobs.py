@@ -41,14 +41,17 @@ def finished(c: httpx.Client, job_id: str) -> dict | None:
     return job if job["status"] in ("completed", "failed", "cancelled") else None
 
 
-def db_items(path: Path, job_id: str) -> list[sqlite3.Row]:
+def db_items(path: Path, job_id: str) -> list[dict]:
+    """The job's items as the file holds them, each output decoded from its JSON text."""
     conn = sqlite3.connect(path)
     conn.row_factory = sqlite3.Row
     try:
-        return conn.execute("SELECT idx, input, status, output, error, writes FROM items WHERE job_id = ? "
+        rows = conn.execute("SELECT idx, input, status, output, error, writes FROM items WHERE job_id = ? "
                             "ORDER BY idx", (job_id,)).fetchall()
     finally:
         conn.close()
+    return [{**dict(row), "output": orjson.loads(row["output"]) if row["output"] is not None else None}
+            for row in rows]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
+
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
@@ -244,7 +246,8 @@ class Scheduler:
             return
         exc = fut.exception()
         if exc is None:
-            self._outcome(job, Outcome(job.id, index, "completed", output=fut.result().output))
+            output = orjson.dumps(fut.result().output).decode()  # any JSON value, stored as JSON text
+            self._outcome(job, Outcome(job.id, index, "completed", output=output))
             return
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
         message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
