@@ -16,6 +16,7 @@ import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 
+from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
@@ -38,10 +39,10 @@ def openapi_document() -> dict:
     return openapi.build(*(contribution for _, contribution in WINGS))
 
 
-def create_app(settings: Settings) -> Starlette:
+def create_app(settings: Settings, loaded: LoadedModels | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        rt = Runtime.create(settings)
+        rt = Runtime.create(settings, loaded)
         app.state.rt = rt
         starting = asyncio.create_task(rt.start())
         try:

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from batchserve import errors
-from batchserve.backends import Backend, make_backend
+from batchserve.backends import Backend
+from batchserve.backends.loading import LoadedModels, load_models
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
 from batchserve.core.admission import Admission
@@ -42,6 +43,7 @@ class Runtime:
     service: InferenceService
     tenancy: Tenancy
     backends: dict[str, Backend]
+    loaded: LoadedModels | None = None  # the backends, set up and warmed before the port opened (the CLI)
     pool: GpuPool | None = None
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
@@ -54,7 +56,7 @@ class Runtime:
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
-    def create(cls, settings: Settings) -> "Runtime":
+    def create(cls, settings: Settings, loaded: LoadedModels | None = None) -> "Runtime":
         batcher = Batcher(
             max_batch_size=settings.max_batch_size,
             slo_s=settings.slo_ms / 1000,
@@ -66,7 +68,7 @@ class Runtime:
         backends: dict[str, Backend] = {}
         service = InferenceService(batcher, admission, backends, requests)
         rt = cls(settings, ModelRegistry(settings.models), make_metrics(), requests, batcher, admission, service,
-                 Tenancy.from_settings(settings), backends)
+                 Tenancy.from_settings(settings), backends, loaded)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         return rt
 
@@ -76,20 +78,16 @@ class Runtime:
 
     # -- start ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load and warm every backend off the event loop, then start the workers; /readyz turns 200 after."""
+        """Start the workers on the backends the CLI loaded before listening (or, when the app was made without
+        them, load them here, off the event loop); /readyz turns 200 after."""
         try:
-            for spec in self.settings.models:
-                self.backends[spec.id] = await asyncio.to_thread(make_backend, spec, self.settings)
-            devices = next(iter(self.backends.values())).device_names()
-            for spec in self.settings.models:
-                backend = self.backends[spec.id]
-                for device in range(len(devices)):
-                    started = time.monotonic()
-                    await asyncio.to_thread(backend.warm, device)
-                    if spec.backend != "sim":  # a real model's batch time is learned, starting from warm-up
-                        self.batcher.batch_s[spec.id] = time.monotonic() - started
+            loaded = self.loaded or await asyncio.to_thread(load_models, self.settings)
+            self.backends.update(loaded.backends)
+            self.batcher.batch_s.update(loaded.batch_s)
+            self.batcher.model_limits.update(loaded.max_batch)
+            devices = loaded.devices
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
-                                self.settings.gpu_timeout_ms / 1000)
+                                self.settings.gpu_timeout_ms / 1000, threads=loaded.threads)
             self.pool.demand = self.admission.arrival_rate
             self.pool.start()
             self.service.attach(self.pool)

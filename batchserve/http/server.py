@@ -16,6 +16,7 @@ from types import FrameType
 import uvicorn
 
 from batchserve.app import create_app
+from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.http.protocol import JsonErrorHttpToolsProtocol
 
@@ -62,10 +63,10 @@ class DrainingServer(uvicorn.Server):
 SWITCH_INTERVAL_S = 0.0001
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, loaded: LoadedModels | None = None) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, loaded),
         host=settings.host,
         port=settings.port,
         loop="uvloop",
