@@ -18,6 +18,8 @@ from starlette.exceptions import HTTPException
 
 from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
+from batchserve.embeddings import routes as embeddings_routes
+from batchserve.embeddings import schema as embeddings_schema
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
 from batchserve.http import inference, ops, openapi
@@ -32,6 +34,7 @@ WINGS = (
     (ops.ROUTES, http_schema.OPS),
     (jobs_api.ROUTES, jobs_schema.OPENAPI),
     (generation_routes.ROUTES, generation_schema.OPENAPI),
+    (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
 )
 
 
