@@ -90,9 +90,11 @@ class Runtime:
                                 self.settings.gpu_timeout_ms / 1000, threads=loaded.threads)
             self.pool.demand = self.admission.arrival_rate
             self.pool.start()
+            # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
+            # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
+            self.generation = await start_generation(self.settings, self.metrics.registry)
             self.service.attach(self.pool)
             self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry)
-            self.generation = await start_generation(self.settings, self.metrics.registry)
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),
