@@ -302,7 +302,7 @@ def verdict(rows: list[Row], p95_target: float, skipped: str) -> list[str]:
     bs_rows = [r for r in rows if r.server == "batchserve"]
     best = max(bs_rows, key=lambda r: r.sustained_rps, default=None)
     if best is not None and best.goodput_share is not None:
-        lines.append(f"batchserve's best sustained rate {best.sustained_rps:.1f}/s at mean batch "
+        lines.append(f"batchserve's best sustained rate {best.sustained_rps:.1f}/s (offered {best.rate:g}/s) at mean batch "
                      f"{best.mean_batch:.1f} is {best.goodput_share:.2f}x the offline rate at that batch size "
                      f"({best.offline_at_batch:.1f}/s; goal >= 0.80: {'met' if best.goodput_share >= 0.8 else 'NOT met'})")
 

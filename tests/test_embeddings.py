@@ -173,6 +173,8 @@ def test_inference_route_returns_the_vector_as_output(server: LiveServer):
     r = httpx.post(server.url + "/v1/inference", json={"input": "four", "model": "embed"},
                    headers={"Authorization": f"Bearer {server.key}"})
     assert r.status_code == 200 and r.json()["output"] == vector("four", 1.0)
+    models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {server.key}"}).json()["data"]
+    assert {m["id"]: m["output_kind"] for m in models} == {"embed@v1": "embedding", "echo@v1": "text"}
 
 
 def test_live_answers_match_the_published_schemas(server: LiveServer):

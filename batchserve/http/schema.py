@@ -60,6 +60,9 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
             "version": {"type": "string"},
             "backend": {"type": "string"},
             "weight": {"type": "number"},
+            "output_kind": {"enum": ["text", "json", "embedding", None],
+                            "description": "what the backend's outputs are; embedding models also serve "
+                                           "POST /v1/embeddings (null while the backends load)"},
         },
     },
     "ModelList": {
