@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from batchserve.backends import PluginError, make_backend, resolve_backend
+from batchserve.backends import PluginError, resolve_backend
+from batchserve.backends.plugin import make_backend
 from batchserve.backends.sim import SimBackend
 from batchserve.config import ModelSpec, Settings, default_model_name
 from batchserve.gpu_pool import check_outputs

@@ -5,7 +5,8 @@
   `devices`, `warm`, `bucket_of`, `count_tokens`, `max_batch_size`, `output_kind`, `initial_batch_s`.
   The built-ins (`sim`, `smollm2`, `minilm`) are plugins too.
 - `Backend` below is what the worker pool, the batcher and the routes call: device indices, every method
-  present. `plugin.PluginBackend` adapts any plugin to it, checking signatures once at start-up.
+  present. `plugin.make_backend` builds a model's plugin and adapts it (`plugin.PluginBackend`), checking
+  signatures once at start-up.
 
 A backend name resolves in one place, `resolve_backend`: an entry point of the group `batchserve.backends`
 (the built-ins are registered so in pyproject.toml, and any installed package can add a name), or
@@ -18,10 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from batchserve.config import ModelSpec, Settings
+from typing import Protocol
 
 ENTRY_POINT_GROUP = "batchserve.backends"
 OUTPUT_KINDS = ("text", "json", "embedding")  # "embedding": each output is a list of floats (/v1/embeddings)
@@ -99,10 +97,3 @@ def resolve_backend(name: str) -> Resolved:
         except AttributeError:
             raise PluginError(name, module, attribute, f"the module has no attribute {part!r}") from None
     return Resolved(name, module, attribute, target)
-
-
-def make_backend(spec: "ModelSpec", settings: "Settings") -> Backend:
-    """Resolve, build and adapt the backend of one model version; PluginError when it cannot be served."""
-    from batchserve.backends.plugin import adapt
-
-    return adapt(resolve_backend(spec.backend), spec, settings)

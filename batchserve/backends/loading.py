@@ -12,7 +12,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from batchserve.backends import Backend, PluginError, describe, make_backend
+from batchserve.backends import Backend, PluginError, describe
+from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
 from batchserve.device_thread import DeviceThread
 

@@ -23,7 +23,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from batchserve.backends import OUTPUT_KINDS, Resolved, describe
+from batchserve.backends import OUTPUT_KINDS, Resolved, describe, resolve_backend
 from batchserve.config import ModelSpec, Settings
 
 WARM_UP_INPUTS = ["warm-up"]  # what a plugin without its own warm() is warmed with
@@ -219,3 +219,8 @@ def _devices(obj: object | None, settings: Settings, err: Callable[[str], Except
     if not isinstance(given, list | tuple) or not given or not all(isinstance(d, str) and d for d in given):
         raise err(f"devices must be a non-empty list of device names, not {given!r}")
     return list(given)
+
+
+def make_backend(spec: ModelSpec, settings: Settings) -> PluginBackend:
+    """Resolve, build and adapt the backend of one model version; PluginError when it cannot be served."""
+    return adapt(resolve_backend(spec.backend), spec, settings)
