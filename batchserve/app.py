@@ -20,7 +20,10 @@ from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
+from batchserve.embeddings import routes as embeddings_routes
+from batchserve.embeddings import schema as embeddings_schema
 from batchserve.http.body import internal_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
@@ -38,6 +41,7 @@ WINGS = (
     (ops.ROUTES, http_schema.OPS),
     (jobs_api.ROUTES, jobs_schema.OPENAPI),
     (generation_routes.ROUTES, generation_schema.OPENAPI),
+    (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
 )
 
 
@@ -76,10 +80,10 @@ class FastPath:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: Settings) -> FastPath:
+def create_app(settings: Settings, loaded: LoadedModels | None = None) -> FastPath:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        rt = Runtime.create(settings)
+        rt = Runtime.create(settings, loaded)
         app.state.rt = rt
         starting = asyncio.create_task(rt.start())
         try:

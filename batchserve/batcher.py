@@ -4,7 +4,7 @@ Batches are formed at the moment a free worker asks for one (`next_batch`), neve
 filling until a worker actually takes it. One worker at a time waits for "its" batch (the `_turn` lock); the
 others queue behind it. The waiting worker takes a batch as soon as one of these holds:
 
-- some queue holds a full batch (`max_batch_size` items);
+- some queue holds a full batch (`max_batch_size` items, or the model's own lower limit: `limit(model)`);
 - the oldest item's dispatch deadline arrives: `arrived + slo − expected batch time − margin`;
 - pacing: `S / G` has passed since the last dispatch (S = learned batch time, G = healthy workers), so with
   G devices dispatches are staggered about S/G apart and every device runs a full-as-possible batch;
@@ -50,6 +50,7 @@ class Batcher:
     slo_s: float
     margin_s: float
     batch_s: dict[str, float]  # learned batch time per model id, seeded from the backend's guess
+    model_limits: dict[str, int] = field(default_factory=dict)  # per model id: a plugin's max_batch_size, if lower
     queues: dict[tuple[str, int], FairQueue] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)  # queued items per model
     tier_depth: list[int] = field(default_factory=tiers.counters)  # queued items per tier rank
@@ -75,8 +76,12 @@ class Batcher:
             q = self.queues[key] = FairQueue()
         q.push(item)
         self._count(item, +1)
-        if self._waiting and (len(q) == 1 or len(q) >= self.max_batch_size):
+        if self._waiting and (len(q) == 1 or len(q) >= self.limit(item.model)):
             self._wake.set()
+
+    def limit(self, model: str) -> int:
+        """The most inputs in one batch of this model."""
+        return self.model_limits.get(model, self.max_batch_size)
 
     def total_depth(self) -> int:
         return sum(self.depth.values())
@@ -231,7 +236,7 @@ class Batcher:
             head = q.oldest()
             if head is None:
                 continue
-            if len(q) >= self.max_batch_size:
+            if len(q) >= self.limit(key[0]):
                 due, cause = now, "full"
             elif self.draining:
                 due, cause = now, "drain"
@@ -250,7 +255,8 @@ class Batcher:
     def form(self, key: tuple[str, int], now: float, cause: str, due: float = 0.0) -> Batch | None:
         q = self.queues[key]
         items: list[Item] = []
-        while len(items) < self.max_batch_size:
+        limit = self.limit(key[0])
+        while len(items) < limit:
             item = q.pop()
             if item is None:
                 break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from batchserve import plan
@@ -87,9 +88,20 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
         log.info("settings: %s", effective(settings))
+        from batchserve.backends.loading import PluginError, load_models
+
+        if os.getcwd() not in sys.path:  # `--backend mymodel:batch` finds mymodel.py here (searched last)
+            sys.path.append(os.getcwd())
+        # Backends are built, set up and warmed before the port opens: a plugin that cannot serve says why in
+        # one line and the process exits 2, instead of listening with /readyz 503 forever.
+        try:
+            loaded = load_models(settings)
+        except PluginError as exc:
+            print(f"batchserve: error: {exc}", file=sys.stderr)
+            return 2
         from batchserve.http.server import serve
 
-        serve(settings)
+        serve(settings, loaded)
         return 0
     return 2
 

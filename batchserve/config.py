@@ -28,6 +28,7 @@ class ModelSpec:
     backend: str = "sim"
     sim_batch_ms: float = 100.0
     weight: float = 100.0  # share of its name's traffic among versions (canary split)
+    options: dict[str, Any] = field(default_factory=dict)  # [models.options]: keyword arguments of the plugin
 
     @property
     def id(self) -> str:
@@ -38,8 +39,10 @@ class ModelSpec:
 class Settings:
     host: str = knob("127.0.0.1", "address to listen on")
     port: int = knob(8000, "port to listen on (0 picks a free one)")
-    backend: str = knob("sim", "backend of the default model", ("sim", "smollm2"))
-    model_name: str = knob("", "name of the default model (default: the backend's name)")
+    backend: str = knob("sim", "backend of the default model: sim, smollm2, minilm, an installed plugin's name, "
+                               "or package.module:attribute (docs/backends.md)")
+    model_name: str = knob("", "name of the default model (default: the backend's name; for "
+                                  "package.module:attribute, the module's last part)")
     model_version: str = knob("v1", "version of the default model")
     devices: int = knob(0, "worker devices: sim devices, or CUDA devices to use (0 = all GPUs, or 1 CPU)")
     max_batch_size: int = knob(100, "most inputs in one batch")
@@ -111,7 +114,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         if not self.model_name:
-            self.model_name = self.backend
+            self.model_name = default_model_name(self.backend)
         if not self.models:
             self.models = [ModelSpec(self.model_name, self.model_version, self.backend, self.sim_batch_ms)]
 
@@ -139,6 +142,14 @@ class Settings:
                             f"(or [[keys]] in --config)")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def default_model_name(backend: str) -> str:
+    """A model's name when none is given: the backend's name, or for `package.module:attribute` the module's
+    last part (`examples.sentiment:KeywordSentiment` serves as `sentiment`)."""
+    if ":" in backend:
+        return backend.partition(":")[0].rpartition(".")[2] or backend
+    return backend
 
 
 def is_loopback(host: str) -> bool:

@@ -4,9 +4,11 @@
 [[models]]             # one table per model version
 name = "echo"
 version = "v1"
-backend = "sim"        # or "smollm2"
+backend = "sim"        # or "smollm2", "minilm", an installed plugin's name, "package.module:attribute"
 sim_batch_ms = 100
 weight = 90            # share of its name's traffic among versions (canary), sticky per API key
+[models.options]       # keyword arguments for the plugin of the [[models]] table above (docs/backends.md)
+threshold = 0.5
 [tiers.free]           # also paid, enterprise: requests per second and burst per key
 rate = 10
 burst = 20
@@ -38,6 +40,9 @@ def apply_config_file(settings: Settings, path: str) -> None:
             raise ValueError(f"{path}: {exc}") from None
     models = data.get("models")
     if models:
+        for m in models:
+            if not isinstance(m.get("options", {}), dict):
+                raise ValueError(f"{path}: options of model {m.get('name')!r} must be a table ([models.options])")
         settings.models = [
             ModelSpec(
                 name=str(m["name"]),
@@ -45,6 +50,7 @@ def apply_config_file(settings: Settings, path: str) -> None:
                 backend=str(m.get("backend", "sim")),
                 sim_batch_ms=float(m.get("sim_batch_ms", settings.sim_batch_ms)),
                 weight=float(m.get("weight", 100)),
+                options=dict(m.get("options", {})),
             )
             for m in models
         ]

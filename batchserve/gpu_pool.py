@@ -2,9 +2,11 @@
 
 A worker thread asks the batcher for its next batch only when it is free (pull, never push), calls the
 backend in its own thread, and hands the outcome back to the event loop, where every future is resolved.
-On the loop, an output is checked (a list of strings, one per input); a batch that raised or answered
-malformed is split in two and both halves retried (bisection), so a poison input fails alone with 500 and its
-batch-mates get their answers; a single input that fails is retried once on another worker (transient faults).
+The worker thread checks the answer (a list, one JSON-encodable output per input); a batch that raised or
+answered a malformed list is split in two and both halves retried (bisection), so a poison input fails alone
+with 500 and its batch-mates get their answers; a single input that fails is retried once on another worker
+(transient faults). An output that cannot be JSON-encoded fails its own input (500) and no other: its index
+already names the culprit, so nothing is re-run.
 A watchdog marks a worker whose batch runs past `gpu_timeout` unhealthy: its thread cannot be killed, so it is
 abandoned (and taken back if the call ever returns) and the batch's items are retried on a healthy worker.
 """
@@ -14,16 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import orjson
 
 from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.batcher import Batch, Batcher, Clock
 from batchserve.core.fairqueue import ItemResult
 from batchserve.core.tiers import BATCH
+from batchserve.device_thread import DeviceThread
 from batchserve.metrics import Metrics
 
 log = logging.getLogger("batchserve.pool")
@@ -46,7 +50,7 @@ class Worker:
     running: Batch | None = None
     running_since: float = 0.0
     finished: Batch | None = None
-    thread: threading.Thread | None = None
+    thread: DeviceThread | None = None  # the device's own thread: setup and warm-up ran on it too
     watchdog: asyncio.TimerHandle | None = None  # fires at started + gpu_timeout unless the batch ends first
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # the loop hands batches to the thread
 
@@ -54,15 +58,28 @@ class Worker:
         return self.busy_s + (now - self.started if self.batch is not None else 0.0)
 
 
-def check_outputs(outputs: object, n: int) -> str | None:
-    """Why `outputs` is not a valid answer to n inputs, or None when it is."""
+def check_outputs(outputs: object, n: int) -> tuple[str | None, dict[int, str]]:
+    """Why `outputs` is not an answer to n inputs at all (None when it is), and the outputs among them that
+    cannot be JSON-encoded, by index. Called on the worker thread after each batch: one `orjson.dumps` of the
+    whole list in the common case; each output is encoded alone only when that fails, to name the culprit."""
     if not isinstance(outputs, list):
-        return f"backend returned {type(outputs).__name__}, not a list"
+        return f"backend returned {type(outputs).__name__}, not a list", {}
     if len(outputs) != n:
-        return f"backend returned {len(outputs)} outputs for {n} inputs"
-    if not all(isinstance(o, str) for o in outputs):
-        return "backend returned a non-string output"
-    return None
+        return f"backend returned {len(outputs)} outputs for {n} inputs", {}
+    try:
+        orjson.dumps(outputs)
+        return None, {}
+    except orjson.JSONEncodeError:
+        pass
+    bad: dict[int, str] = {}
+    for i, output in enumerate(outputs):
+        try:
+            orjson.dumps([output])  # nested one level, as in the answer's body
+        except orjson.JSONEncodeError as exc:
+            bad[i] = f"output {type(output).__name__} is not JSON-encodable ({exc})"
+    if not bad:  # only the whole fails (nesting depth): no single culprit
+        return "backend returned outputs that cannot be JSON-encoded together", {}
+    return None, bad
 
 
 @dataclass
@@ -73,21 +90,22 @@ class GpuPool:
     loop: asyncio.AbstractEventLoop
     device_names: list[str]
     gpu_timeout_s: float = 0.0  # 0 = derived from the learned batch times
+    threads: list[DeviceThread] = field(default_factory=list)  # one per device (made here when not given)
     workers: list[Worker] = field(default_factory=list)
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
     clock: Clock = time.monotonic  # injected in the policy's unit tests
     _healthy: int = 0
 
     def start(self) -> None:
+        if not self.threads:
+            self.threads = [DeviceThread(name) for name in self.device_names]
         for i, name in enumerate(self.device_names):
-            w = Worker(i, name)
-            w.thread = threading.Thread(target=self._work, args=(w,), name=f"worker-{name}", daemon=True)
-            self.workers.append(w)
+            self.workers.append(Worker(i, name, thread=self.threads[i]))
             self.metrics.worker_healthy.labels(name).set(1)
         self._update_health()
         for w in self.workers:
             assert w.thread is not None
-            w.thread.start()
+            w.thread.call(self._work, w)
 
     def stop(self) -> None:
         self.batcher.close()
@@ -133,13 +151,15 @@ class GpuPool:
             started = time.monotonic()
             w.running_since, w.running = started, batch
             outputs: object = None
-            error: BaseException | None = None
             try:
                 outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
+                elapsed = time.monotonic() - started
+                problem, bad = check_outputs(outputs, len(batch.items))
             except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
-                error = exc
+                elapsed = time.monotonic() - started
+                problem, bad = f"{type(exc).__name__}: {exc}", {}
             w.finished, w.running = batch, None
-            finished = (generation, batch, outputs, error, time.monotonic() - started)
+            finished = (generation, batch, outputs, problem, bad, elapsed)
 
     def _turnaround(self, w: Worker, finished: tuple | None) -> None:
         """Settle the batch just run, and give the worker its next one at once when one is due. Resolving
@@ -172,8 +192,8 @@ class GpuPool:
                 wait.observe(batch.formed - item.arrived)
 
     # -- back on the event loop --------------------------------------------------------------------------
-    def _finish(self, w: Worker, generation: int, batch: Batch, outputs: object,
-                error: BaseException | None, elapsed: float) -> Callable[[], None] | None:
+    def _finish(self, w: Worker, generation: int, batch: Batch, outputs: object, problem: str | None,
+                bad: dict[int, str], elapsed: float) -> Callable[[], None] | None:
         """Book the batch's outcome; a failure is re-queued here. For a success, returns the function that
         answers its items, for the caller to run once the worker has its next batch."""
         if generation != w.generation:
@@ -192,7 +212,6 @@ class GpuPool:
         w.busy_s += elapsed
         w.batches += 1
         n = len(batch.items)
-        problem = f"{type(error).__name__}: {error}" if error is not None else check_outputs(outputs, n)
         if problem is not None:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
@@ -202,10 +221,17 @@ class GpuPool:
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry"))
 
+        if bad:
+            log.warning("batch of %d on %s: %d output(s) not JSON-encodable: %s", n, w.name, len(bad),
+                        next(iter(bad.values())))
+
         def answer() -> None:
-            for item, output in zip(batch.items, outputs):
+            for i, (item, output) in enumerate(zip(batch.items, outputs)):
                 if not item.future.done():
-                    item.future.set_result(ItemResult(output, batch.formed - item.arrived, elapsed, n))
+                    if bad and i in bad:
+                        item.future.set_exception(errors.inference_failed(bad[i]))
+                    else:
+                        item.future.set_result(ItemResult(output, batch.formed - item.arrived, elapsed, n))
             self.metrics.batch_compute.labels(batch.model).observe(elapsed)
 
         return answer
@@ -293,7 +319,7 @@ class GpuPool:
             self.batcher.return_items(batch.held)
             batch.held = []
         batch_s = self.batcher.batch_s[batch.model]
-        spare_after_loss = (healthy - 1) * self.batcher.max_batch_size / batch_s
+        spare_after_loss = (healthy - 1) * self.batcher.limit(batch.model) / batch_s
         if batch.after_hang or healthy == 0 or spare_after_loss < 2 * self.demand():
             # Already hung once, no worker left, or too little spare capacity: answer rather than risk another.
             for item in batch.items:

@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from batchserve import errors
+from batchserve.backends import Backend
+from batchserve.backends.loading import LoadedModels, load_models
 from batchserve.core import load_signal
-from batchserve.backends import Backend, make_backend
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
 from batchserve.core.admission import Admission
@@ -43,6 +44,7 @@ class Runtime:
     service: InferenceService
     tenancy: Tenancy
     backends: dict[str, Backend]
+    loaded: LoadedModels | None = None  # the backends, set up and warmed before the port opened (the CLI)
     pool: GpuPool | None = None
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
@@ -55,7 +57,7 @@ class Runtime:
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
-    def create(cls, settings: Settings) -> "Runtime":
+    def create(cls, settings: Settings, loaded: LoadedModels | None = None) -> "Runtime":
         batcher = Batcher(
             max_batch_size=settings.max_batch_size,
             slo_s=settings.slo_ms / 1000,
@@ -67,7 +69,7 @@ class Runtime:
         backends: dict[str, Backend] = {}
         service = InferenceService(batcher, admission, backends, requests)
         rt = cls(settings, ModelRegistry(settings.models), make_metrics(), requests, batcher, admission, service,
-                 Tenancy.from_settings(settings), backends)
+                 Tenancy.from_settings(settings), backends, loaded)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
         return rt
@@ -88,25 +90,23 @@ class Runtime:
 
     # -- start ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load and warm every backend off the event loop, then start the workers; /readyz turns 200 after."""
+        """Start the workers on the backends the CLI loaded before listening (or, when the app was made without
+        them, load them here, off the event loop); /readyz turns 200 after."""
         try:
-            for spec in self.settings.models:
-                self.backends[spec.id] = await asyncio.to_thread(make_backend, spec, self.settings)
-            devices = next(iter(self.backends.values())).device_names()
-            for spec in self.settings.models:
-                backend = self.backends[spec.id]
-                for device in range(len(devices)):
-                    started = time.monotonic()
-                    await asyncio.to_thread(backend.warm, device)
-                    if spec.backend != "sim":  # a real model's batch time is learned, starting from warm-up
-                        self.batcher.batch_s[spec.id] = time.monotonic() - started
+            loaded = self.loaded or await asyncio.to_thread(load_models, self.settings)
+            self.backends.update(loaded.backends)
+            self.batcher.batch_s.update(loaded.batch_s)
+            self.batcher.model_limits.update(loaded.max_batch)
+            devices = loaded.devices
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
-                                self.settings.gpu_timeout_ms / 1000)
+                                self.settings.gpu_timeout_ms / 1000, threads=loaded.threads)
             self.pool.demand = self.admission.arrival_rate
             self.pool.start()
+            # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
+            # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
+            self.generation = await start_generation(self.settings, self.metrics.registry)
             self.service.attach(self.pool)
             self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry)
-            self.generation = await start_generation(self.settings, self.metrics.registry)
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),

@@ -55,11 +55,11 @@ class TokenBucket:
     tokens: float
     updated: float
 
-    def take(self, now: float) -> bool:
+    def take(self, now: float, count: int = 1) -> bool:
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if self.tokens >= count:
+            self.tokens -= count
             return True
         return False
 
@@ -115,8 +115,9 @@ class Tenancy:
             raise errors.unauthorized("unknown API key")
         return Caller(found.tenant, tiers.by_name(found.tier).rank, wanted[:12], found.tenant)
 
-    def take_token(self, caller: Caller) -> dict[str, str]:
-        """Spend one request from the caller's bucket; returns the X-RateLimit-* headers, or raises 429."""
+    def take_token(self, caller: Caller, count: int = 1) -> dict[str, str]:
+        """Spend `count` requests (the inputs of a list, on /v1/embeddings) from the caller's bucket; returns the
+        X-RateLimit-* headers, or raises 429."""
         if not caller.key_id:
             return {}
         bucket = self.buckets.get(caller.key_id)
@@ -124,10 +125,14 @@ class Tenancy:
         if bucket is None:
             rate, burst = self._limits(caller.key_id)
             bucket = self.buckets[caller.key_id] = TokenBucket(rate, burst, burst, now)
-        if bucket.take(now):
+        if bucket.take(now, count):
             return bucket.headers()
         headers = bucket.headers()
-        retry_ms = (1.0 - bucket.tokens) / bucket.rate * 1000
+        if count > bucket.burst:
+            raise errors.rate_limited(f"{count} inputs in one request are more than this key's burst of "
+                                      f"{bucket.burst:g}: send at most {int(bucket.burst)} per request",
+                                      count / bucket.rate * 1000, headers)
+        retry_ms = (count - bucket.tokens) / bucket.rate * 1000
         raise errors.rate_limited(f"over the rate of {bucket.rate:g} requests/s for this key", retry_ms, headers)
 
     def _limits(self, key_id: str) -> tuple[float, float]:

@@ -41,14 +41,17 @@ def finished(c: httpx.Client, job_id: str) -> dict | None:
     return job if job["status"] in ("completed", "failed", "cancelled") else None
 
 
-def db_items(path: Path, job_id: str) -> list[sqlite3.Row]:
+def db_items(path: Path, job_id: str) -> list[dict]:
+    """The job's items as the file holds them, each output decoded from its JSON text."""
     conn = sqlite3.connect(path)
     conn.row_factory = sqlite3.Row
     try:
-        return conn.execute("SELECT idx, input, status, output, error, writes FROM items WHERE job_id = ? "
+        rows = conn.execute("SELECT idx, input, status, output, error, writes FROM items WHERE job_id = ? "
                             "ORDER BY idx", (job_id,)).fetchall()
     finally:
         conn.close()
+    return [{**dict(row), "output": orjson.loads(row["output"]) if row["output"] is not None else None}
+            for row in rows]
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +319,31 @@ def test_sigterm_mid_job_exits_promptly_and_the_job_resumes(tmp_path, server_fac
     assert (done["status"], done["completed"]) == ("completed", 300)
     rows = db_items(db, job_id)
     assert all(row["output"] == row["input"][::-1] and row["writes"] == 1 for row in rows)
+
+
+def test_a_job_file_from_before_json_outputs_reads_back_the_same(tmp_path, server_factory):
+    """Files written before outputs were stored as JSON text held the string itself; opening one migrates it
+    (user_version 0 -> 1) so those items answer exactly what they answered before."""
+    from batchserve.jobs.sqlite_store import SCHEMA
+
+    db = tmp_path / "old.db"
+    legacy = ['olleh', 'say "hi"\\ ÿ→', '{"not": "an object"}']
+    conn = sqlite3.connect(db)
+    conn.executescript(SCHEMA)
+    conn.execute("INSERT INTO jobs (id, tenant, model, status, total, completed, request_hash, created_at, "
+                 "finished_at) VALUES ('batch_old', 'anonymous@127.0.0.1', 'sim@v1', 'completed', 3, 3, 'h', 1.0, 2.0)")
+    conn.executemany("INSERT INTO items (job_id, idx, input, status, output, writes) VALUES "
+                     "('batch_old', ?, ?, 'completed', ?, 1)", [(i, out[::-1], out) for i, out in enumerate(legacy)])
+    conn.commit()
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 0
+    conn.close()
+    server = server_factory("--devices", "1", "--sim-batch-ms", "20", "--jobs-db", str(db))
+    with server.client() as c:
+        lines = [orjson.loads(line) for line in c.get("/v1/batches/batch_old/results").text.splitlines()]
+        assert [line["output"] for line in lines] == legacy
+        new = c.post("/v1/batches", json={"inputs": ["abc"]}).json()
+        done = wait_for(lambda: finished(c, new["id"]))
+        assert done["status"] == "completed" and results(c, new["id"])[0]["output"] == "cba"
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    conn.close()

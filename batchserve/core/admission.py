@@ -84,7 +84,7 @@ class Admission:
         a flood, before the slow average sees it), or a worker lost."""
         assert self.capacity is not None
         healthy = self.capacity.healthy_count()
-        capacity = healthy * self.batcher.max_batch_size / self.batcher.batch_s[model]
+        capacity = healthy * self.batcher.limit(model) / self.batcher.batch_s[model]
         return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
 
     def check_open(self) -> None:
@@ -112,7 +112,7 @@ class Admission:
         now = self.clock()
         rate, fast_rate = self.arrivals.tick(now), self.arrivals_fast.tick(now)
         predicted = predicted_latency_s(capacity.seconds_until_free(now), batcher.ahead_of(tier, tenant),
-                                        batcher.max_batch_size, batch_s, capacity.healthy_count())
+                                        batcher.limit(model), batch_s, capacity.healthy_count())
         bound_s = self.tier_bound_s(tier) if self.under_pressure(model, rate, fast_rate) else math.inf
         # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
         # then allow at most one batch ahead of this one.

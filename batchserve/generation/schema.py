@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchserve.http import openapi
+from batchserve.http import openai_error
 from batchserve.http.openapi import Contribution, json_content, ref
 
 _SAMPLING = {
@@ -29,14 +29,7 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
 _FINISH = {"enum": ["stop", "length", None]}
 
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "OpenAIError": {
-        "type": "object", "required": ["error"], "additionalProperties": False,
-        "description": "OpenAI's error shape, on the generation routes only",
-        "properties": {"error": {
-            "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
-    },
+    "OpenAIError": openai_error.SCHEMA,
     "ChatCompletionRequest": {
         "type": "object", "required": ["model", "messages"],
         "properties": {
@@ -86,9 +79,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
-    return {str(s): {"description": "OpenAI error shape", "content": json_content(ref("OpenAIError"))}
-            for s in statuses}
+_errors = openai_error.responses
 
 
 def _operation(op_id: str, summary: str, request: str, answer: str) -> dict[str, Any]:

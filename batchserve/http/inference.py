@@ -146,7 +146,8 @@ async def request_status(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
     data = [{"id": spec.id, "object": "model", "owned_by": "batchserve", "name": spec.name,
-             "version": spec.version, "backend": spec.backend, "weight": spec.weight}
+             "version": spec.version, "backend": spec.backend, "weight": spec.weight,
+             "output_kind": b.output_kind if (b := rt.backends.get(spec.id)) is not None else None}
             for spec in rt.registry.specs]
     data += model_cards(rt.generation)
     return json_response({"object": "list", "data": data})

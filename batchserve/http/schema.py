@@ -25,7 +25,8 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["request_id", "output", "model", "latency_ms", "queue_ms", "compute_ms", "batch_size"],
         "properties": {
             "request_id": {"type": "string"},
-            "output": {"type": "string"},
+            "output": {"description": "the backend's output for this input, any JSON value: a string for text "
+                                      "models (sim, smollm2), 384 numbers for minilm, what a plugin returns"},
             "model": {"type": "string", "description": "name@version that served it"},
             "latency_ms": {"type": "integer", "minimum": 0},
             "queue_ms": {"type": "integer", "minimum": 0},
@@ -59,6 +60,9 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
             "version": {"type": "string"},
             "backend": {"type": "string"},
             "weight": {"type": "number"},
+            "output_kind": {"enum": ["text", "json", "embedding", None],
+                            "description": "what the backend's outputs are; embedding models also serve "
+                                           "POST /v1/embeddings (null while the backends load)"},
         },
     },
     "ModelList": {

@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 
 from batchserve.app import create_app
+from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
 
@@ -80,14 +81,14 @@ def connection_guard(settings: Settings) -> ConnectionGuard:
         max_connections=settings.max_connections))
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, loaded: LoadedModels | None = None) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     guard = connection_guard(settings)
     log.info("connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
              guard.cap, settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s,
              settings.keep_alive_timeout_s)
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, loaded),
         host=settings.host,
         port=settings.port,
         loop="uvloop",

@@ -36,6 +36,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
+
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
@@ -282,7 +284,8 @@ class Scheduler:
         exc = fut.exception()
         if exc is None:
             job.recent.append(False)
-            self._outcome(job, Outcome(job.id, index, "completed", output=fut.result().output))
+            output = orjson.dumps(fut.result().output).decode()  # any JSON value, stored as JSON text
+            self._outcome(job, Outcome(job.id, index, "completed", output=output))
             return
         job.recent.append(True)
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"

@@ -61,7 +61,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "index": {"type": "integer", "minimum": 0},
             "status": {"enum": ["completed", "failed", "pending", "cancelled"]},
-            "output": {"type": "string", "description": "when completed"},
+            "output": {"description": "when completed: the backend's output, any JSON value (as on /v1/inference)"},
             "error": {"type": "object", "description": "when failed or cancelled",
                       "properties": {"error": {"type": "string"}, "message": {"type": "string"}}},
         },

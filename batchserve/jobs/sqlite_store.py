@@ -30,6 +30,7 @@ from batchserve.jobs.store import ACTIVE, IdempotencyConflict, ItemRow, Job, New
 
 T = TypeVar("T")
 
+SCHEMA_VERSION = 1  # PRAGMA user_version; see SQLiteStore._migrate
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -56,7 +57,7 @@ CREATE TABLE IF NOT EXISTS items (
     idx INTEGER NOT NULL,
     input TEXT NOT NULL,
     status TEXT NOT NULL DEFAULT 'pending',
-    output TEXT,
+    output TEXT,  -- JSON text (since schema version 1)
     error TEXT,
     message TEXT,
     writes INTEGER NOT NULL DEFAULT 0,
@@ -136,6 +137,17 @@ class SQLiteStore:
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Version 1: outputs are stored as JSON text (any JSON value). A file from before held the string
+        output itself; quoting it as a JSON string keeps what the API answers for those items the same."""
+        assert self._conn is not None
+        if self._conn.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+            return
+        with self._tx() as c:
+            c.execute("UPDATE items SET output = json_quote(output) WHERE output IS NOT NULL")
+            c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+import orjson
+
 JOB_STATUSES = ("queued", "running", "completed", "failed", "cancelled")
 ACTIVE = ("queued", "running")
 ITEM_STATUSES = ("pending", "completed", "failed", "cancelled")
@@ -103,14 +105,14 @@ class Job:
 class ItemRow:
     index: int
     status: str
-    output: str | None
+    output: str | None  # the output as JSON text (any JSON value), embedded in the answer as it is
     error: str | None  # error code
     message: str | None
 
     def public(self) -> dict[str, Any]:
         line: dict[str, Any] = {"index": self.index, "status": self.status}
-        if self.status == "completed":
-            line["output"] = self.output
+        if self.status == "completed" and self.output is not None:
+            line["output"] = orjson.Fragment(self.output)
         elif self.status in ("failed", "cancelled"):
             line["error"] = {"error": self.error, "message": self.message}
         return line
@@ -123,7 +125,7 @@ class Outcome:
     job_id: str
     index: int
     status: str  # completed | failed
-    output: str | None = None
+    output: str | None = None  # JSON text: the backend's output, JSON-encoded
     error: str | None = None
     message: str | None = None
 

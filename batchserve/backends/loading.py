@@ -1,0 +1,75 @@
+"""Start-up of the models: build every backend, start one thread per device, and run each backend's `setup`
+and warm-up on that thread, all before the server listens (so a plugin that fails says so and the process
+exits with status 2, rather than opening a port that answers 503 forever).
+
+The warm-up's duration seeds the batcher's learned batch time of a backend that does not declare one; from the
+first real batch on, the batcher's moving average of the batch cycle as the event loop sees it takes over.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from batchserve.backends import Backend, PluginError, describe
+from batchserve.backends.plugin import make_backend
+from batchserve.config import Settings
+from batchserve.device_thread import DeviceThread
+
+
+@dataclass
+class LoadedModels:
+    backends: dict[str, Backend]  # model id -> backend, set up and warmed on every device
+    devices: list[str]  # the default model's devices: one worker each
+    threads: list[DeviceThread]  # one per device, where its setup, warm-up and batches run
+    batch_s: dict[str, float]  # model id -> batch time to start from
+    max_batch: dict[str, int]  # model id -> most inputs per batch (the server's, or the plugin's if lower)
+
+
+def load_models(settings: Settings) -> LoadedModels:
+    """Everything the workers need, ready to serve; PluginError (one line) when a backend cannot be served."""
+    backends = {spec.id: make_backend(spec, settings) for spec in settings.models}
+    default = backends[settings.models[0].id]
+    devices = default.device_names()
+    for model, backend in backends.items():
+        if len(backend.device_names()) < len(devices):
+            raise backend.source.error(
+                f"model {model} has {len(backend.device_names())} device(s) but the default model has "
+                f"{len(devices)}; each worker runs every model on its own device")
+    threads = [DeviceThread(name) for name in devices]
+    _on_every_device(threads, backends, "setup")
+    warm_s = _on_every_device(threads, backends, "warm")
+    batch_s = {model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
+               for model, b in backends.items()}
+    max_batch = {model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size)
+                 for model, b in backends.items()}
+    return LoadedModels(backends, devices, threads, batch_s, max_batch)
+
+
+def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend],
+                     step: str) -> dict[str, list[float]]:
+    """Run `setup` or `warm` of every backend on every device, each device on its own thread (devices in
+    parallel); the seconds each took, per model. The first failure raises PluginError."""
+    futures: list[Future[dict[str, float]]] = [t.call(_run_step, backends, i, step) for i, t in enumerate(threads)]
+    took: dict[str, list[float]] = {model: [] for model in backends}
+    for future in futures:
+        for model, seconds in future.result().items():
+            took[model].append(seconds)
+    return took
+
+
+def _run_step(backends: dict[str, Backend], device: int, step: str) -> dict[str, float]:
+    took = {}
+    for model, backend in backends.items():
+        started = time.perf_counter()
+        try:
+            getattr(backend, step)(device)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, before the port opens
+            where = backend.device_names()[device]
+            raise backend.source.error(f"{step} on {where} raised {describe(exc)}") from None
+        took[model] = time.perf_counter() - started
+    return took
+
+
+__all__ = ["LoadedModels", "PluginError", "load_models"]

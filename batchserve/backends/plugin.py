@@ -1,0 +1,226 @@
+"""The adapter from a user's plugin (docs/backends.md) to the server's `Backend` protocol.
+
+Everything a plugin may get wrong in its shape is found here, once, before the port opens: a class whose
+constructor does not take the `[models.options]`, a batch callable that does not take `(inputs)` or
+`(inputs, device)`, an optional method with the wrong parameters, a `max_batch_size` that is not a positive
+integer. What it may get wrong at run time (raising, a wrong-length list, an output that is not JSON) is the
+worker pool's business (`gpu_pool.check_outputs`).
+
+What the plugin names may be:
+- a function taking `inputs` (and optionally `device`): the batch function itself;
+- a function taking no positional argument: a factory, called with the options as keyword arguments;
+- a class: instantiated with the options as keyword arguments, or through its classmethod
+  `from_settings(spec, settings)` when it has one (batchserve-aware plugins, such as the built-ins, read the
+  server's flags so);
+- any other object: used as it is.
+The object's batch method is `batch`, or the object itself when it is callable.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from batchserve.backends import OUTPUT_KINDS, Resolved, describe, resolve_backend
+from batchserve.config import ModelSpec, Settings
+
+WARM_UP_INPUTS = ["warm-up"]  # what a plugin without its own warm() is warmed with
+
+
+def _accepts(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): trust it
+        return True
+    return True
+
+
+def _shows(fn: Callable[..., Any]) -> str:
+    try:
+        return f"{getattr(fn, '__qualname__', type(fn).__name__)}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return repr(fn)
+
+
+def _takes_device(fn: Callable[..., Any]) -> bool:
+    try:
+        return "device" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_batch_function(fn: Callable[..., Any]) -> bool:
+    return _accepts(fn, []) or _accepts(fn, [], device="")
+
+
+def _needs_an_argument(fn: Callable[..., Any]) -> bool:
+    """True for `def batch(inputs)`, False for a factory such as `def make(*, threshold=0.5)` or `make(**kw)`."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+
+
+def _is_function(obj: object) -> bool:
+    return inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.ismethod(obj)
+
+
+@dataclass
+class PluginBackend:
+    """`Backend` over a plugin object: device indices become the plugin's device names, missing optional
+    methods get their defaults."""
+
+    source: Resolved
+    plugin: object
+    devices: list[str]
+    batch_fn: Callable[..., list]
+    batch_takes_device: bool
+    output_kind: str = "text"
+    max_batch_size: int | None = None
+    initial_batch_s: float | None = None
+    setup_fn: Callable[[str], Any] | None = None
+    warm_fn: Callable[..., Any] | None = None
+    warm_takes_device: bool = False
+    bucket_fn: Callable[[str], int] | None = None
+    count_fn: Callable[[list[str]], list[int]] | None = None
+    _runs: list[Callable[[list[str]], list]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        # One bound callable per device, so a batch costs one call, not a signature decision.
+        self._runs = [functools.partial(self.batch_fn, device=d) if self.batch_takes_device else self.batch_fn
+                      for d in self.devices]
+        if self.bucket_fn is not None:
+            self.bucket_of = self.bucket_fn  # type: ignore[method-assign]  # the hot path: no extra frame
+
+    def device_names(self) -> list[str]:
+        return list(self.devices)
+
+    def setup(self, device: int) -> None:
+        if self.setup_fn is not None:
+            self.setup_fn(self.devices[device])
+
+    def warm(self, device: int) -> None:
+        if self.warm_fn is None:
+            self.run(device, list(WARM_UP_INPUTS))
+        elif self.warm_takes_device:
+            self.warm_fn(self.devices[device])
+        else:
+            self.warm_fn()
+
+    def run(self, device: int, inputs: list[str]) -> list:
+        return self._runs[device](inputs)
+
+    def bucket_of(self, text: str) -> int:
+        return 0
+
+    def count_tokens(self, texts: list[str]) -> list[int] | None:
+        return self.count_fn(texts) if self.count_fn is not None else None
+
+
+def build(resolved: Resolved, spec: ModelSpec, settings: Settings) -> object:
+    """The plugin object the name points at, built with the model's options."""
+    target, options = resolved.target, spec.options
+    if inspect.isclass(target):
+        if callable(getattr(target, "from_settings", None)):
+            maker: Callable[..., object] = functools.partial(target.from_settings, spec, settings)
+        else:
+            if not _accepts(target, **options):
+                raise resolved.error(f"the options {sorted(options)} do not fit the constructor "
+                                     f"{target.__name__}{inspect.signature(target)}")
+            maker = functools.partial(target, **options)
+    elif _is_function(target):
+        if _needs_an_argument(target):  # the batch function itself (its signature is checked in adapt)
+            if options:
+                raise resolved.error(f"a plain batch function takes no options, got {sorted(options)}")
+            return target
+        if not _accepts(target, **options):
+            raise resolved.error(f"wrong signature {_shows(target)}: a batch function takes (inputs) or "
+                                 f"(inputs, device); a factory takes the options {sorted(options)} as keywords")
+        maker = functools.partial(target, **options)
+    else:
+        if options:
+            raise resolved.error(f"an object instance takes no options, got {sorted(options)}")
+        return target
+    try:
+        return maker()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported in one line before the port opens
+        raise resolved.error(f"building the plugin raised {describe(exc)}") from None
+
+
+def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings) -> PluginBackend:
+    """Build the plugin and check its shape; PluginError names what does not fit."""
+    obj = build(resolved, spec, settings)
+    err = resolved.error
+    plain = _is_function(obj)
+    if plain:
+        batch_fn: Callable[..., list] = obj  # type: ignore[assignment]  # a plain function is the batch function
+    else:
+        found = getattr(obj, "batch", None)
+        if found is None and callable(obj) and not inspect.isclass(obj):
+            found = obj
+        if not callable(found):
+            raise err(f"{type(obj).__name__} has no batch(inputs) method and is not callable")
+        batch_fn = found
+    if not _is_batch_function(batch_fn):
+        raise err(f"wrong signature {_shows(batch_fn)}: the batch method takes (inputs) or (inputs, device)")
+
+    def optional(name: str, *args: Any) -> Callable[..., Any] | None:
+        fn = None if plain else getattr(obj, name, None)
+        if fn is None:
+            return None
+        if not callable(fn):
+            raise err(f"{name} is not callable")
+        if args and not _accepts(fn, *args):
+            raise err(f"wrong signature {_shows(fn)}: {name} takes ({', '.join(a for a in args)})")
+        return fn
+
+    setup_fn = optional("setup", "device")
+    bucket_fn = optional("bucket_of", "text")
+    count_fn = optional("count_tokens", "texts")
+    warm_fn = optional("warm")
+    warm_takes_device = warm_fn is not None and _accepts(warm_fn, "device")
+    if warm_fn is not None and not warm_takes_device and not _accepts(warm_fn):
+        raise err(f"wrong signature {_shows(warm_fn)}: warm takes () or (device)")
+
+    devices = _devices(None if plain else obj, settings, err)
+    max_batch = getattr(obj, "max_batch_size", None)
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        raise err(f"max_batch_size must be a positive integer, not {max_batch!r}")
+    kind = getattr(obj, "output_kind", "text")
+    if kind not in OUTPUT_KINDS:
+        raise err(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, not {kind!r}")
+    initial = getattr(obj, "initial_batch_s", None)
+    if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int | float) or initial <= 0):
+        raise err(f"initial_batch_s must be a positive number of seconds, not {initial!r}")
+    return PluginBackend(
+        source=resolved, plugin=obj, devices=devices, batch_fn=batch_fn,
+        batch_takes_device=_takes_device(batch_fn), output_kind=kind, max_batch_size=max_batch,
+        initial_batch_s=float(initial) if initial is not None else None, setup_fn=setup_fn, warm_fn=warm_fn,
+        warm_takes_device=warm_takes_device, bucket_fn=bucket_fn, count_fn=count_fn,
+    )
+
+
+def _devices(obj: object | None, settings: Settings, err: Callable[[str], Exception]) -> list[str]:
+    """The plugin's devices (a list, or a method returning one); by default `--devices` CPU workers."""
+    given = getattr(obj, "devices", None)
+    if given is None:
+        n = max(1, settings.devices)
+        return ["cpu"] if n == 1 else [f"cpu:{i}" for i in range(n)]
+    if callable(given):
+        try:
+            given = given()
+        except (Exception, SystemExit) as exc:  # noqa: BLE001
+            raise err(f"devices() raised {describe(exc)}") from None
+    if not isinstance(given, list | tuple) or not given or not all(isinstance(d, str) and d for d in given):
+        raise err(f"devices must be a non-empty list of device names, not {given!r}")
+    return list(given)
+
+
+def make_backend(spec: ModelSpec, settings: Settings) -> PluginBackend:
+    """Resolve, build and adapt the backend of one model version; PluginError when it cannot be served."""
+    return adapt(resolve_backend(spec.backend), spec, settings)

@@ -1,0 +1,1 @@
+"""The embeddings wing: OpenAI's `POST /v1/embeddings` on any model whose backend's outputs are vectors."""

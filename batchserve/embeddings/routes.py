@@ -1,0 +1,133 @@
+"""`POST /v1/embeddings` (OpenAI's shape), top to bottom: identify the caller → read and parse the body → pick
+an embedding model → take one rate-limit token per input → each input through the door on its own
+(`InferenceService.infer`), so inputs of concurrent callers share batches → count the tokens → answer.
+Errors are in OpenAI's shape; keys, tiers and rate limits are those of every other route."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from batchserve import errors
+from batchserve.backends import Backend
+from batchserve.config import ModelSpec
+from batchserve.core.fairqueue import ItemResult
+from batchserve.core.service import InferenceService
+from batchserve.embeddings.protocol import answer, parse
+from batchserve.errors import ApiError, ClientGone
+from batchserve.http.body import read_body, request_id_of
+from batchserve.http.inference import disconnect_probe
+from batchserve.http.openai_error import JSON, OpenAIError, error_response
+from batchserve.runtime import Runtime
+from batchserve.tenancy import Caller
+
+log = logging.getLogger("batchserve.embeddings")
+
+COUNT_INLINE_CHARS = 8192  # token counting of more text than this runs on a thread, beside the inference
+
+
+def embedding_models(rt: Runtime) -> list[ModelSpec]:
+    return [spec for spec in rt.registry.specs
+            if (b := rt.backends.get(spec.id)) is not None and b.output_kind == "embedding"]
+
+
+def pick_model(rt: Runtime, requested: str | None, key_id: str) -> tuple[ModelSpec, Backend]:
+    if requested is None:
+        served = embedding_models(rt)
+        if not served:
+            raise OpenAIError(404, "no model serves embeddings here (see GET /v1/models)", "model",
+                              "model_not_found")
+        requested = served[0].name
+    spec = rt.registry.resolve(requested, key_id)
+    if spec is None:
+        raise OpenAIError(404, f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)",
+                          "model", "model_not_found")
+    backend = rt.backends.get(spec.id)
+    if backend is None:
+        raise OpenAIError.from_api(errors.warming_up())
+    if backend.output_kind != "embedding":
+        raise OpenAIError(400, f"the model '{spec.id}' does not produce embeddings (its outputs are "
+                               f"{backend.output_kind}); use POST /v1/inference", "model", "model_not_embedding")
+    return spec, backend
+
+
+async def infer_all(service: InferenceService, inputs: list[str], model: str, caller: Caller, timeout_s: float,
+                    arrived: float, request_id: str, gone: Callable[[], bool] | None) -> list[ItemResult]:
+    """Every input as its own item; the first failure fails the request and withdraws the others (a queued
+    item whose future is cancelled never takes a place in a batch)."""
+    if len(inputs) == 1:
+        return [await service.infer(inputs[0], model, caller.tier, caller.tenant, timeout_s, arrived, request_id,
+                                    gone)]
+    tasks = [asyncio.ensure_future(service.infer(text, model, caller.tier, caller.tenant, timeout_s, arrived,
+                                                 request_id, gone)) for text in inputs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+async def prompt_tokens(backend: Backend, inputs: list[str], counting: asyncio.Future | None) -> int:
+    """usage.prompt_tokens from the backend's tokenizer; 0 when it cannot count (a plugin without
+    count_tokens, or one that failed: the vectors are still the answer)."""
+    try:
+        counts = await counting if counting is not None else backend.count_tokens(inputs)
+    except Exception:  # noqa: BLE001
+        log.warning("count_tokens of %s failed", backend.source.name, exc_info=True)
+        return 0
+    return sum(counts) if counts else 0
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def embeddings(request: Request) -> Response:
+    rt: Runtime = request.app.state.rt
+    s = rt.settings
+    arrived = time.monotonic()
+    request_id = request_id_of(request)
+    headers = {"X-Request-ID": request_id}
+    try:
+        try:
+            # OpenAI clients always send a key: with no keys configured, any key is anonymous (as vLLM does)
+            caller = rt.tenancy.identify(request.headers.get("authorization") if rt.tenancy.keys else None)
+            body = await read_body(request, s.max_body_bytes)
+        except ApiError as err:
+            raise OpenAIError.from_api(err) from None
+        except ClientDisconnect:
+            return Response(status_code=499)
+        req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
+        spec, backend = pick_model(rt, req.model, caller.key_id)
+        counting = None
+        if sum(map(len, req.inputs)) > COUNT_INLINE_CHARS:
+            counting = asyncio.ensure_future(asyncio.to_thread(backend.count_tokens, req.inputs))
+            counting.add_done_callback(_retrieve)  # when the request fails first, nobody awaits it
+        try:
+            headers.update(rt.tenancy.take_token(caller, len(req.inputs)))
+            results = await infer_all(rt.service, req.inputs, spec.id, caller, req.timeout_s, arrived, request_id,
+                                      disconnect_probe(request))
+        except ApiError as err:
+            rt.metrics.count_error(spec.id, err)
+            raise OpenAIError.from_api(err) from None
+        except ClientGone:
+            return Response(status_code=499)
+        body = answer([r.output for r in results], req.base64, spec.id,
+                      await prompt_tokens(backend, req.inputs, counting))
+        rt.answered += 1
+        rt.metrics.count_ok(spec.id, time.monotonic() - arrived)
+        return Response(body, media_type=JSON, headers=headers)
+    except OpenAIError as err:
+        rt.answered += 1
+        return error_response(err, headers)
+
+
+ROUTES = [Route("/v1/embeddings", embeddings, methods=["POST"])]

@@ -1,0 +1,125 @@
+"""Fast unit tests of the plugin adapter, the output check and the token bucket's count (issue 11). The same
+behaviour through a live server and the real CLI is in test_plugins.py."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from batchserve.backends import PluginError, resolve_backend
+from batchserve.backends.plugin import make_backend
+from batchserve.backends.sim import SimBackend
+from batchserve.config import ModelSpec, Settings, default_model_name
+from batchserve.gpu_pool import check_outputs
+from batchserve.tenancy import TokenBucket
+
+
+@pytest.fixture
+def module(monkeypatch: pytest.MonkeyPatch):
+    """A throwaway module `unitplug` the tests fill with plugin shapes."""
+    mod = types.ModuleType("unitplug")
+    monkeypatch.setitem(sys.modules, "unitplug", mod)
+    return mod
+
+
+def backend(attr: str, options: dict | None = None, **settings: object):
+    return make_backend(ModelSpec("m", backend=f"unitplug:{attr}", options=options or {}), Settings(**settings))
+
+
+def test_check_outputs_one_encode_for_a_good_batch_and_names_each_bad_output():
+    assert check_outputs(["a", [0.5, 1.0], {"k": None}, 3, True], 5) == (None, {})
+    assert check_outputs(("a",), 1)[0] == "backend returned tuple, not a list"
+    assert check_outputs(["a"], 2)[0] == "backend returned 1 outputs for 2 inputs"
+    problem, bad = check_outputs(["ok", {1, 2}, "fine", object(), "\ud800"], 5)
+    assert problem is None and sorted(bad) == [1, 3, 4]
+    assert "set is not JSON-encodable" in bad[1] and "str is not JSON-encodable" in bad[4]
+
+
+def test_token_bucket_takes_a_count_or_nothing():
+    bucket = TokenBucket(rate=1.0, burst=10.0, tokens=10.0, updated=0.0)
+    assert bucket.take(0.0, 7) and bucket.tokens == 3.0
+    assert not bucket.take(0.0, 4) and bucket.tokens == 3.0  # refused: nothing taken
+    assert bucket.take(1.0, 4) and bucket.tokens == 0.0  # a second later, one more token
+
+
+def test_a_function_gets_the_device_name_only_when_it_asks_for_it(module):
+    module.plain = lambda inputs: [len(inputs)] * len(inputs)
+
+    def named(inputs, device):
+        return [device] * len(inputs)
+
+    module.named = named
+    assert backend("plain").run(0, ["a", "b"]) == [2, 2]
+    b = backend("named", devices=3)
+    assert b.device_names() == ["cpu:0", "cpu:1", "cpu:2"] and b.run(2, ["x"]) == ["cpu:2"]
+
+
+def test_factory_class_instance_and_callable_shapes(module):
+    class Model:
+        output_kind = "embedding"
+        max_batch_size = 4
+        devices = ["gpu-a", "gpu-b"]  # a list attribute works as well as a method
+
+        def __init__(self, scale: float = 1.0) -> None:
+            self.scale = scale
+            self.set_up: list[str] = []
+
+        def setup(self, device: str) -> None:
+            self.set_up.append(device)
+
+        def warm(self, device: str) -> None:
+            assert device in self.set_up
+
+        def count_tokens(self, texts: list[str]) -> list[int]:
+            return [len(t) for t in texts]
+
+        def batch(self, inputs: list[str]) -> list[list[float]]:
+            return [[self.scale * len(t)] for t in inputs]
+
+    def make(*, scale: float = 1.0) -> Model:
+        return Model(scale)
+
+    class Call:
+        def __call__(self, inputs: list[str]) -> list[str]:
+            return [t + "!" for t in inputs]
+
+    module.Model, module.make, module.instance = Model, make, Call()
+    for attr in ("Model", "make"):
+        b = backend(attr, {"scale": 2.0})
+        b.setup(1)
+        b.warm(1)
+        assert b.run(1, ["abc"]) == [[6.0]] and b.device_names() == ["gpu-a", "gpu-b"]
+        assert (b.output_kind, b.max_batch_size, b.count_tokens(["ab", "c"])) == ("embedding", 4, [2, 1])
+    assert backend("instance").run(0, ["hi"]) == ["hi!"] and backend("instance").output_kind == "text"
+
+
+def test_shape_errors_name_module_attribute_and_cause(module):
+    class NoBatch:
+        pass
+
+    class BadWarm:
+        def warm(self, a, b):
+            pass
+
+        def batch(self, inputs):
+            return inputs
+
+    module.NoBatch, module.BadWarm, module.fn = NoBatch, BadWarm, lambda inputs: inputs
+    with pytest.raises(PluginError, match=r"module 'unitplug', attribute 'NoBatch': NoBatch has no batch"):
+        backend("NoBatch")
+    with pytest.raises(PluginError, match=r"warm takes \(\) or \(device\)"):
+        backend("BadWarm")
+    with pytest.raises(PluginError, match=r"a plain batch function takes no options, got \['x'\]"):
+        backend("fn", {"x": 1})
+
+
+def test_names_resolve_through_entry_points_or_module_attribute():
+    assert resolve_backend("sim").target is SimBackend
+    assert resolve_backend("batchserve.backends.sim:SimBackend").target is SimBackend
+    with pytest.raises(PluginError, match="unknown backend"):
+        resolve_backend("not-installed-anywhere")
+    assert default_model_name("examples.sentiment:KeywordSentiment") == "sentiment"
+    assert default_model_name("minilm") == "minilm"
+    assert Settings(backend="pkg.mod:batch").models[0].id == "mod@v1"
