@@ -206,13 +206,17 @@ def build_manager(model: Any, tokenizer: Any, cfg: EngineConfig) -> Any:
 
 
 async def start_generation(rt: Any) -> "Engine | None":
-    """The engine for a Runtime when generation is enabled, sharing the smollm2 backend's model if there is one."""
+    """The engine for a Runtime when generation is enabled, on a model replica and tokenizer of its own.
+
+    Never the batch backend's objects: transformers' forward wrapper writes each call's `is_causal` into the
+    shared `model.config` for the length of the call and restores it after (transformers/utils/generic.py). The
+    engine's steps pass `is_causal=False` (SDPA with an explicit mask) from their own thread, so a `generate` in a
+    worker thread that overlaps one builds a non-causal mask (garbage), and two overlapping restores can leave
+    `config.is_causal = False` for good (every later answer wrong). The tokenizer is not shared either: a padded
+    batch call sets padding on the fast tokenizer that an unpadded call from the loop then clears."""
     if not enabled(rt.settings):
         return None
-    backend = next((b for b in rt.backends.values() if getattr(b, "models", None) and hasattr(b, "tokenizer")),
-                   None)
-    return await Engine.start(rt.settings, rt.metrics.registry, backend.models[0] if backend else None,
-                              backend.tokenizer if backend else None)
+    return await Engine.start(rt.settings, rt.metrics.registry)
 
 
 class Engine:

@@ -67,7 +67,7 @@ def error_response(err: OpenAIError, headers: dict[str, str]) -> Response:
 # -- parsing ------------------------------------------------------------------------------------------------
 @dataclass
 class GenRequest:
-    model: str
+    model: str | None
     prompt: list[dict[str, str]] | str | list[int]  # chat messages, text, or token ids
     params: SamplingParams
     stream: bool
@@ -113,9 +113,9 @@ def parse(body: bytes, chat: bool, max_tokens_cap: int) -> GenRequest:
         raise bad(None, f"the body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
         raise bad(None, "the body must be a JSON object", "invalid_json")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "'model' must be a non-empty string (see GET /v1/models)")
+    model = data.get("model")  # optional: the one generation model served here (curl users leave it out)
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad("model", "'model' must be a non-empty string when given (see GET /v1/models)")
     prompt: Any
     if chat:
         messages = data.get("messages")
@@ -299,7 +299,7 @@ async def generate(request: Request, chat: bool) -> Response:
             raise OpenAIError(503, "the server is shutting down; retry on another node", None, "draining",
                               headers={"Retry-After": "1"})
         req = parse(body, chat, engine.cfg.max_tokens)
-        if req.model not in model_aliases(rt, engine):
+        if req.model is not None and req.model not in model_aliases(rt, engine):
             raise OpenAIError(404, f"the model '{req.model}' does not exist here (see GET /v1/models)", "model",
                               "model_not_found")
         if chat:

@@ -38,9 +38,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
     },
     "ChatCompletionRequest": {
-        "type": "object", "required": ["model", "messages"],
+        "type": "object", "required": ["messages"],
         "properties": {
-            "model": {"type": "string", "description": "the generation model id (GET /v1/models)"},
+            "model": {"type": "string", "description": "the generation model id (GET /v1/models); default: the "
+                                                       "one served here"},
             "messages": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "required": ["role", "content"],
                 "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
@@ -50,8 +51,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         },
     },
     "CompletionRequest": {
-        "type": "object", "required": ["model", "prompt"],
-        "properties": {"model": {"type": "string"},
+        "type": "object", "required": ["prompt"],
+        "properties": {"model": {"type": "string", "description": "default: the generation model served here"},
                        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                                             {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
                        **_SAMPLING},
