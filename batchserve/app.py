@@ -180,6 +180,7 @@ async def readyz(request: Request) -> Response:
 
 async def internal_health(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
+    s = rt.settings
     now = time.monotonic()
     workers = []
     if rt.pool is not None:
@@ -200,6 +201,7 @@ async def internal_health(request: Request) -> Response:
         "requests_per_second": round(rt.requests_per_second, 1),
         "inflight": rt.inflight,
         "batch_ms": {m: round(v * 1000, 1) for m, v in rt.batcher.batch_s.items()},
+        "slo_ms": s.slo_ms, "timeout_ms": s.timeout_ms,
         "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
         "arrivals_per_s": round(rt.admission.arrivals.current(now), 1),
         "workers": workers,
@@ -226,10 +228,11 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return errors.error_response(ApiError(exc.status_code, code, str(exc.detail)), request_id_of(request))
 
 
-def create_app(settings: Settings) -> Starlette:
+def create_app(settings: Settings, on_startup_failure: Callable[[str], None] | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         rt = Runtime.create(settings)
+        rt.on_startup_failure = on_startup_failure
         app.state.rt = rt
         starting = asyncio.create_task(rt.start())
         try:

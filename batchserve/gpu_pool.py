@@ -12,6 +12,7 @@ abandoned (and taken back if the call ever returns) and the batch's items are re
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batchserve import errors
-from batchserve.backends import Backend
-from batchserve.batcher import Batch, Batcher
+from batchserve.backends import Backend, running_batch
+from batchserve.batcher import Batch, Batcher, Item
 from batchserve.metrics import Metrics
 
 log = logging.getLogger("batchserve.pool")
@@ -55,6 +56,12 @@ class Worker:
 
     def busy_total(self, now: float) -> float:
         return self.busy_s + (now - self.started if self.batch is not None else 0.0)
+
+
+def callers_gone(items: list[Item]) -> bool:
+    """Read from the worker thread while its batch runs: has every caller an answer (a deadline, a drain) or
+    hung up? Reading a future's state from another thread is a plain attribute read."""
+    return all(item.future.done() or (item.gone is not None and item.gone()) for item in items)
 
 
 def check_outputs(outputs: object, n: int) -> str | None:
@@ -130,11 +137,12 @@ class GpuPool:
             started = time.monotonic()
             outputs: object = None
             error: BaseException | None = None
-            try:
-                outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
-            except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
-                error = exc
-            finished = (generation, batch, outputs, error, time.monotonic() - started)
+            with running_batch(functools.partial(callers_gone, batch.items)) as running:
+                try:
+                    outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
+                except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
+                    error = exc
+            finished = (generation, batch, outputs, error, time.monotonic() - started, running.stopped_early)
 
     def _turnaround(self, w: Worker, finished: tuple | None) -> None:
         """Settle the batch just run, and give the worker its next one at once when one is due. Resolving
@@ -168,7 +176,7 @@ class GpuPool:
 
     # -- back on the event loop --------------------------------------------------------------------------
     def _finish(self, w: Worker, generation: int, batch: Batch, outputs: object,
-                error: BaseException | None, elapsed: float) -> Callable[[], None] | None:
+                error: BaseException | None, elapsed: float, stopped_early: bool = False) -> Callable[[], None] | None:
         """Book the batch's outcome; a failure is re-queued here. For a success, returns the function that
         answers its items, for the caller to run once the worker has its next batch."""
         if generation != w.generation:
@@ -187,6 +195,15 @@ class GpuPool:
         w.busy_s += elapsed
         w.batches += 1
         n = len(batch.items)
+        if stopped_early:  # every caller had left: nobody to answer, nothing learned about the batch time
+            self.metrics.batches_stopped_early.labels(batch.model).inc()
+            self.batcher.freed_early(batch.model)
+            if batch.held:
+                self.batcher.return_items(batch.held)
+            for item in batch.items:
+                if not item.future.done():
+                    item.future.set_exception(errors.ClientGone())
+            return None
         problem = f"{type(error).__name__}: {error}" if error is not None else check_outputs(outputs, n)
         if problem is not None:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)

@@ -30,6 +30,7 @@ class Metrics:
     rejected: Counter
     batch_retries: Counter
     batches: Counter
+    batches_stopped_early: Counter
 
 
 def make_metrics() -> Metrics:
@@ -56,4 +57,6 @@ def make_metrics() -> Metrics:
                               registry=r),
         batches=Counter(p + "batches", "Dispatched batches by what flushed them: full, deadline, pace, drain, retry",
                         ["model", "cause"], registry=r),
+        batches_stopped_early=Counter(p + "batches_stopped_early", "Batches the backend cut short because every "
+                                      "caller had left (answered, timed out or hung up)", ["model"], registry=r),
     )

@@ -172,6 +172,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "inflight": {"type": "integer", "minimum": 0},
             "batch_ms": {"type": "object", "additionalProperties": {"type": "number"},
                          "description": "learned batch time per model id"},
+            "slo_ms": {"type": "number", "description": "the SLO in force (set, or derived from the warm-up)"},
+            "timeout_ms": {"type": "number", "description": "the default deadline in force (set, or derived)"},
             "gpu_timeout_ms": {"type": ["integer", "null"]},
             "workers": {"type": "array", "items": {"$ref": "#/components/schemas/Worker"}},
         },

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from batchserve import errors
 from batchserve.admission import AdmissionState
@@ -19,6 +21,7 @@ from batchserve.metrics import Metrics, make_metrics
 from batchserve.models import ModelRegistry
 from batchserve.requests_log import RequestLog
 from batchserve.tenancy import Tenancy
+from batchserve.warmup import derive_deadlines, warm_until_stable
 
 log = logging.getLogger("batchserve")
 
@@ -39,6 +42,7 @@ class Runtime:
     backends: dict[str, Backend] = field(default_factory=dict)
     ready: bool = False
     startup_error: str = ""
+    on_startup_failure: Callable[[str], None] | None = None  # the server exits (non-zero) when start-up fails
     inflight: int = 0
     answered: int = 0  # requests answered since start, any status
     requests_per_second: float = 0.0
@@ -73,13 +77,7 @@ class Runtime:
             for spec in self.settings.models:
                 self.backends[spec.id] = await asyncio.to_thread(make_backend, spec, self.settings)
             devices = next(iter(self.backends.values())).device_names()
-            for spec in self.settings.models:
-                backend = self.backends[spec.id]
-                for device in range(len(devices)):
-                    started = time.monotonic()
-                    await asyncio.to_thread(backend.warm, device)
-                    if spec.backend != "sim":  # a real model's batch time is learned, starting from warm-up
-                        self.batcher.batch_s[spec.id] = time.monotonic() - started
+            await self._warm(devices)
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000)
             self.pool.demand = lambda: self.admission.arrivals.current(time.monotonic())
@@ -90,9 +88,41 @@ class Runtime:
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),
                      ", ".join(self.registry.by_id))
-        except Exception as exc:  # noqa: BLE001 - reported on /readyz and in the log, the process stays up
+        except Exception as exc:  # noqa: BLE001 - one line, then the process exits (it could never serve)
             self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.exception("start-up failed; /readyz stays 503")
+            log.debug("start-up failed", exc_info=True)
+            log.error("start-up failed: %s", self.startup_error)
+            if self.on_startup_failure is not None:
+                self.on_startup_failure(self.startup_error)
+
+    async def _warm(self, devices: list[str]) -> None:
+        """Warm every model on every device. A real model is warmed until its batch time is stable, the learned
+        batch time starts from that, and the SLO and default timeout the user left unset follow from it."""
+        slowest = 0.0
+        for spec in self.settings.models:
+            backend = self.backends[spec.id]
+            times = []
+            for device in range(len(devices)):
+                if spec.backend == "sim":  # its batch time is a setting: once is enough
+                    await asyncio.to_thread(backend.warm, device)
+                    continue
+                warm = await asyncio.to_thread(warm_until_stable, functools.partial(backend.warm, device))
+                log.info("warmed %s on %s: %s ms%s", spec.id, devices[device],
+                         ", ".join(f"{t * 1000:.0f}" for t in warm.rounds_s), "" if warm.stable else " (not stable)")
+                times.append(warm.batch_s)
+            if times:
+                self.batcher.batch_s[spec.id] = max(times)
+                slowest = max(slowest, max(times))
+        if slowest:
+            derived = derive_deadlines(self.settings, slowest)
+            if derived.slo_ms is not None:
+                self.settings.slo_ms = derived.slo_ms
+                self.batcher.slo_s = derived.slo_ms / 1000
+            if derived.timeout_ms is not None:
+                self.settings.timeout_ms = derived.timeout_ms
+            log.info("deadlines from the warm-up batch time %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)",
+                     slowest * 1000, self.settings.slo_ms, "derived" if derived.slo_ms is not None else "set",
+                     self.settings.timeout_ms, "derived" if derived.timeout_ms is not None else "set")
 
     async def _tick(self) -> None:
         last_answered, last_time = self.answered, time.monotonic()

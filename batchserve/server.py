@@ -62,10 +62,18 @@ class DrainingServer(uvicorn.Server):
 SWITCH_INTERVAL_S = 0.0001
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings) -> int:
+    """Run until stopped: 0 after a drain, 1 when start-up failed (the process exits rather than answer 503
+    for ever: a supervisor restarts it or shows the failure)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    failed: list[str] = []
+
+    def startup_failed(reason: str) -> None:
+        failed.append(reason)
+        server.should_exit = True
+
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, on_startup_failure=startup_failed),
         host=settings.host,
         port=settings.port,
         loop="uvloop",
@@ -76,4 +84,6 @@ def serve(settings: Settings) -> None:
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
-    DrainingServer(config).run()
+    server = DrainingServer(config)
+    server.run()
+    return 1 if failed else 0
