@@ -123,6 +123,10 @@ class Runtime:
             log.info("deadlines from the warm-up batch time %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)",
                      slowest * 1000, self.settings.slo_ms, "derived" if derived.slo_ms is not None else "set",
                      self.settings.timeout_ms, "derived" if derived.timeout_ms is not None else "set")
+            if slowest * 1000 >= self.settings.max_timeout_ms:
+                log.warning("a batch takes %.0f ms, longer than --max-timeout-ms %.0f: every request will be "
+                            "refused (fewer --max-new-tokens, a GPU, or a larger --max-timeout-ms)",
+                            slowest * 1000, self.settings.max_timeout_ms)
 
     async def _tick(self) -> None:
         last_answered, last_time = self.answered, time.monotonic()
