@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import orjson
 from starlette.applications import Starlette
@@ -80,10 +80,12 @@ class FastPath:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: Settings, loaded: LoadedModels | None = None) -> FastPath:
+def create_app(settings: Settings, loaded: LoadedModels | None = None,
+               on_startup_failure: Callable[[str], None] | None = None) -> FastPath:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         rt = Runtime.create(settings, loaded)
+        rt.on_startup_failure = on_startup_failure
         app.state.rt = rt
         starting = asyncio.create_task(rt.start())
         try:

@@ -7,6 +7,7 @@ list, the environment names and the defaults cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import os
 from dataclasses import dataclass, field
@@ -46,9 +47,11 @@ class Settings:
     model_version: str = knob("v1", "version of the default model")
     devices: int = knob(0, "worker devices: sim devices, or CUDA devices to use (0 = all GPUs, or 1 CPU)")
     max_batch_size: int = knob(100, "most inputs in one batch")
-    slo_ms: float = knob(200.0, "latency objective (p95) that paces dispatch and admission")
+    slo_ms: float = knob(200.0, "latency objective (p95) that paces dispatch and admission (unset with a real "
+                                "model: derived from its warm-up batch time, 3 x it)")
     dispatch_margin_ms: float = knob(5.0, "slack kept between the dispatch deadline and the SLO")
-    timeout_ms: float = knob(2000.0, "default request deadline when the body gives no timeout_ms")
+    timeout_ms: float = knob(2000.0, "default request deadline when the body gives no timeout_ms (unset with a "
+                                     "real model: derived from its warm-up batch time, 10 x it, at least 2000)")
     max_timeout_ms: float = knob(60000.0, "largest timeout_ms a caller may ask for")
     gpu_timeout_ms: float = knob(0.0, "a batch running longer marks its worker unhealthy (0 = derived: "
                                        "max(1000, 10 x observed batch time))")
@@ -111,6 +114,9 @@ class Settings:
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
     keys: list[dict] = field(default_factory=list, metadata={"cli": False})  # [[keys]] of the config file
     tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict, metadata={"cli": False})
+    # Where each value the user set came from ("--port", "BATCHSERVE_PORT", "bs.toml:3 models[0].backend"):
+    # errors name it, and knobs the user did not set may be derived (slo_ms and timeout_ms from the warm-up).
+    given: dict[str, str] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -118,25 +124,43 @@ class Settings:
         if not self.models:
             self.models = [ModelSpec(self.model_name, self.model_version, self.backend, self.sim_batch_ms)]
 
+    def source(self, name: str) -> str:
+        """How the user names a knob: where its value came from, else its flag."""
+        return self.given.get(name) or flag_name(name)
+
     def check(self) -> None:
-        """Refuse settings that cannot work, with a sentence a person can act on."""
+        """Refuse settings that cannot work, with a sentence a person can act on that names the flag, variable
+        or config key the value came from."""
         problems = []
-        if not 1 <= self.max_batch_size <= 100_000:
-            problems.append("max_batch_size must be between 1 and 100000")
-        if self.slo_ms <= 0 or self.timeout_ms <= 0:
-            problems.append("slo_ms and timeout_ms must be positive")
-        if self.devices < 0:
-            problems.append("devices must be 0 (auto) or more")
-        if self.drain_timeout_s < 0 or self.drain_grace_s < 0:
-            problems.append("drain_timeout_s and drain_grace_s must be 0 or more")
-        if self.jobs_lease_s <= 0 or self.jobs_poll_s <= 0:
-            problems.append("jobs_lease_s and jobs_poll_s must be positive")
-        if self.max_queue < 1 or self.max_body_bytes < 64:
-            problems.append("max_queue must be >= 1 and max_body_bytes >= 64")
-        if self.max_header_bytes < 1024 or self.max_headers < 8:
-            problems.append("max_header_bytes must be >= 1024 and max_headers >= 8")
-        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_timeout_s) <= 0:
-            problems.append("header_timeout_s, body_timeout_s and keep_alive_timeout_s must be positive")
+
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                problems.append(f"{self.source(name)} must be {rule} (got {getattr(self, name)!r})")
+
+        need(0 <= self.port <= 65535, "port", "between 0 and 65535")
+        need(1 <= self.max_batch_size <= 100_000, "max_batch_size", "between 1 and 100000")
+        for name in ("slo_ms", "timeout_ms", "max_timeout_ms", "sim_batch_ms", "drain_timeout_s",
+                     "generation_queue_timeout_ms"):
+            need(getattr(self, name) > 0, name, "positive")
+        for name in ("dispatch_margin_ms", "gpu_timeout_ms", "sim_hang_ms", "jobs_retry_base_ms"):
+            need(getattr(self, name) >= 0, name, "0 or more")
+        need(self.timeout_ms <= self.max_timeout_ms, "timeout_ms",
+             f"at most --max-timeout-ms ({self.max_timeout_ms:g})")
+        need(self.devices >= 0, "devices", "0 (auto) or more")
+        need(self.max_queue >= 1, "max_queue", "1 or more")
+        need(self.max_body_bytes >= 64, "max_body_bytes", "64 or more")
+        for f in cli_fields():
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                problems.append(f"{self.source(f.name)} must be one of {', '.join(choices)} (got "
+                                f"{getattr(self, f.name)!r}){did_you_mean(str(getattr(self, f.name)), choices)}")
+        need(self.drain_grace_s >= 0, "drain_grace_s", "0 or more")
+        need(self.jobs_lease_s > 0, "jobs_lease_s", "positive")
+        need(self.jobs_poll_s > 0, "jobs_poll_s", "positive")
+        need(self.max_header_bytes >= 1024, "max_header_bytes", "1024 or more")
+        need(self.max_headers >= 8, "max_headers", "8 or more")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            need(getattr(self, name) > 0, name, "positive")
         if not self.keys and not self.allow_anonymous and not is_loopback(self.host):
             problems.append(f"serving on {self.host} with no API keys needs --allow-anonymous "
                             f"(or [[keys]] in --config)")
@@ -169,18 +193,50 @@ def env_name(field_name: str) -> str:
     return "BATCHSERVE_" + field_name.upper()
 
 
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """' (did you mean 'x'?)' when a choice is close to `word`, else ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
 def coerce(f: dataclasses.Field, raw: str) -> Any:
+    """A variable's text as the field's type; a ValueError says what was expected (the caller names where)."""
     kind = type(f.default)
     if kind is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    return kind(raw)
+        word = raw.strip().lower()
+        if word not in TRUE + FALSE:
+            raise ValueError(f"expected {KIND_NAMES[bool]} (1/0, yes/no, on/off)")
+        return word in TRUE
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"expected {KIND_NAMES[kind]}") from None
 
 
 def env_defaults(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Values from BATCHSERVE_* variables; flags given on the command line win over these."""
+    """Values from BATCHSERVE_* variables; flags given on the command line win over these. A bad value is a
+    ValueError that names the variable."""
     environ = os.environ if environ is None else environ
     out = {}
     for f in cli_fields():
-        if env_name(f.name) in environ:
-            out[f.name] = coerce(f, environ[env_name(f.name)])
+        name = env_name(f.name)
+        if name in environ:
+            try:
+                out[f.name] = coerce(f, environ[name])
+            except ValueError as exc:
+                raise ValueError(f"{name}={environ[name]!r}: {exc}") from None
     return out
+
+
+def env_sources(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The BATCHSERVE_* variable that set each knob."""
+    environ = os.environ if environ is None else environ
+    return {f.name: env_name(f.name) for f in cli_fields() if env_name(f.name) in environ}

@@ -4,7 +4,8 @@
 [[models]]             # one table per model version
 name = "echo"
 version = "v1"
-backend = "sim"        # or "smollm2", "minilm", an installed plugin's name, "package.module:attribute"
+backend = "sim"        # or "smollm2", "minilm", a plugin's name or package.module:attribute
+[models.options]       # keyword arguments for a plugin class or factory (docs/backends.md), "minilm", an installed plugin's name, "package.module:attribute"
 sim_batch_ms = 100
 weight = 90            # share of its name's traffic among versions (canary), sticky per API key
 [models.options]       # keyword arguments for the plugin of the [[models]] table above (docs/backends.md)
@@ -18,55 +19,240 @@ tier = "paid"
 sha256 = "<hex digest of the key>"
 rate = 50              # optional per-key override (and burst)
 ```
+
+Strict: an unknown table or key, or a value of the wrong kind, is an error that names the file, the line and
+the key (with a "did you mean" when a known key is close), so a misspelled `wieght` is not silently ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 import tomllib
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from batchserve.config import ModelSpec, Settings
+from batchserve.config import ModelSpec, Settings, cli_fields, did_you_mean, flag_name
 from batchserve.core import tiers
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+ARRAY_HEADER = re.compile(r"^\[\[\s*(.+?)\s*\]\]")
+TABLE_HEADER = re.compile(r"^\[\s*([^\[\]]+?)\s*\]")
+KEY_LINE = re.compile(r"""^((?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*'))*)\s*=""")
+KEY_PART = re.compile(r"""[A-Za-z0-9_-]+|"[^"]*"|'[^']*'""")
+
+Path = tuple[str | int, ...]  # ("models", 0, "weight"), ("tiers", "free", "rate")
+
+
+def _parts(dotted: str) -> list[str]:
+    return [p.strip("\"'") for p in KEY_PART.findall(dotted)]
+
+
+class Lines:
+    """The line of each table and key of a TOML file, for error messages (tomllib keeps no positions). A key
+    it cannot place (inside a multi-line value, an inline table) falls back to its enclosing table's line."""
+
+    def __init__(self, text: str) -> None:
+        self.at: dict[Path, int] = {}
+        table: Path = ()
+        arrays: dict[tuple[str, ...], int] = {}
+        for number, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if m := ARRAY_HEADER.match(line):
+                name = tuple(_parts(m.group(1)))
+                index = arrays.get(name, 0)
+                arrays[name] = index + 1
+                table = (*name, index)
+            elif m := TABLE_HEADER.match(line):
+                table = tuple(_parts(m.group(1)))
+            elif m := KEY_LINE.match(line):
+                self.at.setdefault((*table, *_parts(m.group(1))), number)
+                continue
+            else:
+                continue
+            self.at.setdefault(table, number)
+
+    def line(self, path: Path) -> int | None:
+        """The path's own line, else the first line inside it (`[a.b]` for a), else its table's line."""
+        if path in self.at:
+            return self.at[path]
+        inside = [n for p, n in self.at.items() if p[:len(path)] == path]
+        if inside:
+            return min(inside)
+        for end in range(len(path) - 1, 0, -1):
+            if path[:end] in self.at:
+                return self.at[path[:end]]
+        return None
+
+
+def show(path: Path) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+@dataclass
+class Checker:
+    """Reads one parsed file against the schema, raising the first problem as `file:line: key: problem`."""
+
+    path: str
+    lines: Lines
+
+    def fail(self, where: Path, problem: str) -> ValueError:
+        line = self.lines.line(where)
+        return ValueError(f"{self.path}:{line if line is not None else '?'}: {show(where)}: {problem}")
+
+    def known(self, table: dict, where: Path, allowed: dict[str, Any]) -> None:
+        for key in table:
+            if key not in allowed:
+                hint = did_you_mean(key, allowed)
+                if not hint and key in {f.name for f in cli_fields()}:
+                    hint = f" (server settings are flags or BATCHSERVE_* variables: {flag_name(key)})"
+                where_word = f"in {show(where)}" if where else "at the top level"
+                raise self.fail((*where, key), f"unknown key {key!r} {where_word}{hint}; known: "
+                                f"{', '.join(allowed)}")
+
+    def value(self, table: dict, where: Path, key: str, rule: Callable[[Any], str | None], default: Any = None,
+              required: bool = False) -> Any:
+        if key not in table:
+            if required:
+                raise self.fail(where, f"missing {key!r}")
+            return default
+        problem = rule(table[key])
+        if problem is not None:
+            raise self.fail((*where, key), f"{problem}, got {table[key]!r}")
+        return table[key]
+
+    def tables(self, data: dict, key: str) -> list[dict]:
+        items = data.get(key, [])
+        if not isinstance(items, list) or not all(isinstance(t, dict) for t in items):
+            raise self.fail((key,), f"must be tables written [[{key}]]")
+        return items
+
+
+def text(value: Any) -> str | None:
+    return None if isinstance(value, str) and value else "expected a non-empty string"
+
+
+def positive(value: Any) -> str | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return None if ok else "expected a positive number"
+
+
+def non_negative(value: Any) -> str | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return None if ok else "expected a number, 0 or more"
+
+
+def one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    def rule(value: Any) -> str | None:
+        if value in choices:
+            return None
+        return f"expected one of {', '.join(choices)}{did_you_mean(str(value), choices)}"
+    return rule
+
+
+def backend_name(value: Any) -> str | None:
+    from batchserve.backends import backend_name_problem
+
+    return text(value) or backend_name_problem(value)
+
+
+def a_table(value: Any) -> str | None:
+    return None if isinstance(value, dict) else "expected a table ([models.options])"
+
+
+def sha256_hex(value: Any) -> str | None:
+    return None if isinstance(value, str) and HEX64.match(value) else "expected 64 lowercase hex digits"
+
+
+TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
+MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
+TIER_KEYS = {"rate": positive, "burst": positive}
+KEY_KEYS = {"tenant": text, "tier": one_of(tiers.NAMES), "sha256": sha256_hex, "rate": positive, "burst": positive}
+
+
+@dataclass
+class ConfigFile:
+    models: list[ModelSpec]
+    tier_rates: dict[str, tuple[float, float]]
+    keys: list[dict]
+
+
+def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
+    """Parse and check the file; a ValueError names the file, the line and the key of the first problem."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    c = Checker(path, Lines(raw.decode("utf-8")))
+    c.known(data, (), TOP)
+
+    models = []
+    for i, m in enumerate(c.tables(data, "models")):
+        where: Path = ("models", i)
+        c.known(m, where, MODEL_KEYS)
+        models.append(ModelSpec(
+            name=c.value(m, where, "name", text, required=True),
+            version=c.value(m, where, "version", text, "v1"),
+            backend=c.value(m, where, "backend", backend_name, "sim"),
+            sim_batch_ms=float(c.value(m, where, "sim_batch_ms", positive, sim_batch_ms)),
+            weight=float(c.value(m, where, "weight", non_negative, 100)),
+            options=dict(c.value(m, where, "options", a_table, {})),
+        ))
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(models):
+        if spec.id in seen:
+            raise c.fail(("models", i), f"{spec.id} is already [[models]] number {seen[spec.id] + 1}")
+        seen[spec.id] = i
+
+    tier_tables = data.get("tiers", {})
+    if not isinstance(tier_tables, dict):
+        raise c.fail(("tiers",), "must be tables written [tiers.<tier>]")
+    tier_rates = {}
+    for tier, limits in tier_tables.items():
+        where = ("tiers", tier)
+        if tier not in tiers.NAMES:
+            raise c.fail(where, f"unknown tier {tier!r}{did_you_mean(tier, tiers.NAMES)} "
+                                f"(tiers: {', '.join(tiers.NAMES)})")
+        if not isinstance(limits, dict):
+            raise c.fail(where, "must be a table with rate (and burst)")
+        c.known(limits, where, TIER_KEYS)
+        rate = float(c.value(limits, where, "rate", positive, required=True))
+        tier_rates[tier] = (rate, float(c.value(limits, where, "burst", positive, rate)))
+
+    keys = []
+    for i, k in enumerate(c.tables(data, "keys")):
+        where = ("keys", i)
+        c.known(k, where, KEY_KEYS)
+        for name in ("tenant", "tier", "sha256"):
+            c.value(k, where, name, KEY_KEYS[name], required=True)
+        for name in ("rate", "burst"):
+            c.value(k, where, name, KEY_KEYS[name])
+        keys.append(dict(k))
+    return ConfigFile(models, tier_rates, keys)
 
 
 def apply_config_file(settings: Settings, path: str) -> None:
-    with open(path, "rb") as fh:
-        try:
-            data = tomllib.load(fh)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{path}: {exc}") from None
-    models = data.get("models")
-    if models:
-        for m in models:
-            if not isinstance(m.get("options", {}), dict):
-                raise ValueError(f"{path}: options of model {m.get('name')!r} must be a table ([models.options])")
-        settings.models = [
-            ModelSpec(
-                name=str(m["name"]),
-                version=str(m.get("version", "v1")),
-                backend=str(m.get("backend", "sim")),
-                sim_batch_ms=float(m.get("sim_batch_ms", settings.sim_batch_ms)),
-                weight=float(m.get("weight", 100)),
-                options=dict(m.get("options", {})),
-            )
-            for m in models
-        ]
-    for tier, limits in data.get("tiers", {}).items():
-        if tier not in tiers.NAMES:
-            raise ValueError(f"{path}: unknown tier {tier!r} (tiers: {', '.join(tiers.NAMES)})")
-        settings.tier_rates[tier] = (float(limits["rate"]), float(limits.get("burst", limits["rate"])))
-    for k in data.get("keys", []):
-        if k.get("tier") not in tiers.NAMES or not HEX64.match(str(k.get("sha256", ""))) or not k.get("tenant"):
-            raise ValueError(f"{path}: each [[keys]] needs tenant, tier (one of {', '.join(tiers.NAMES)}) and a "
-                             f"64-hex-digit sha256")
-        settings.keys.append(dict(k))
+    loaded = load(path, settings.sim_batch_ms)
+    if loaded.models:
+        settings.models = loaded.models
+    settings.tier_rates.update(loaded.tier_rates)
+    settings.keys.extend(loaded.keys)
 
 
 def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | None) -> None:
-    """Add a [[keys]] table to the file (created if missing); TOML basic strings are JSON strings."""
+    """Add a [[keys]] table to the file (created if missing); TOML basic strings are JSON strings. A file that
+    does not pass `load` is left alone (ValueError): appending would bury its mistake under a new key."""
+    try:
+        load(path)
+    except FileNotFoundError:
+        pass
     lines = ["", "[[keys]]", f"tenant = {json.dumps(tenant)}", f"tier = {json.dumps(tier)}",
              f"sha256 = {json.dumps(sha256)}"]
     if rate is not None:

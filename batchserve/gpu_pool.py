@@ -14,6 +14,7 @@ abandoned (and taken back if the call ever returns) and the batch's items are re
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import time
@@ -23,9 +24,9 @@ from typing import Callable
 import orjson
 
 from batchserve import errors
-from batchserve.backends import Backend
+from batchserve.backends import Backend, running_batch
 from batchserve.batcher import Batch, Batcher, Clock
-from batchserve.core.fairqueue import ItemResult
+from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.tiers import BATCH
 from batchserve.device_thread import DeviceThread
 from batchserve.metrics import Metrics
@@ -56,6 +57,12 @@ class Worker:
 
     def busy_total(self, now: float) -> float:
         return self.busy_s + (now - self.started if self.batch is not None else 0.0)
+
+
+def callers_gone(items: list[Item]) -> bool:
+    """Read from the worker thread while its batch runs: has every caller an answer (a deadline, a drain) or
+    hung up? Reading a future's state from another thread is a plain attribute read."""
+    return all(item.future.done() or (item.gone is not None and item.gone()) for item in items)
 
 
 def check_outputs(outputs: object, n: int) -> tuple[str | None, dict[int, str]]:
@@ -151,15 +158,16 @@ class GpuPool:
             started = time.monotonic()
             w.running_since, w.running = started, batch
             outputs: object = None
-            try:
-                outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
-                elapsed = time.monotonic() - started
-                problem, bad = check_outputs(outputs, len(batch.items))
-            except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
-                elapsed = time.monotonic() - started
-                problem, bad = f"{type(exc).__name__}: {exc}", {}
+            with running_batch(functools.partial(callers_gone, batch.items)) as running:
+                try:
+                    outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
+                    elapsed = time.monotonic() - started
+                    problem, bad = check_outputs(outputs, len(batch.items))
+                except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
+                    elapsed = time.monotonic() - started
+                    problem, bad = f"{type(exc).__name__}: {exc}", {}
             w.finished, w.running = batch, None
-            finished = (generation, batch, outputs, problem, bad, elapsed)
+            finished = (generation, batch, outputs, problem, bad, elapsed, running.stopped_early)
 
     def _turnaround(self, w: Worker, finished: tuple | None) -> None:
         """Settle the batch just run, and give the worker its next one at once when one is due. Resolving
@@ -193,7 +201,7 @@ class GpuPool:
 
     # -- back on the event loop --------------------------------------------------------------------------
     def _finish(self, w: Worker, generation: int, batch: Batch, outputs: object, problem: str | None,
-                bad: dict[int, str], elapsed: float) -> Callable[[], None] | None:
+                bad: dict[int, str], elapsed: float, stopped_early: bool = False) -> Callable[[], None] | None:
         """Book the batch's outcome; a failure is re-queued here. For a success, returns the function that
         answers its items, for the caller to run once the worker has its next batch."""
         if generation != w.generation:
@@ -212,6 +220,15 @@ class GpuPool:
         w.busy_s += elapsed
         w.batches += 1
         n = len(batch.items)
+        if stopped_early:  # every caller had left: nobody to answer, nothing learned about the batch time
+            self.metrics.batches_stopped_early.labels(batch.model).inc()
+            self.batcher.freed_early(batch.model)
+            if batch.held:
+                self.batcher.return_items(batch.held)
+            for item in batch.items:
+                if not item.future.done():
+                    item.future.set_exception(errors.ClientGone())
+            return None
         if problem is not None:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")

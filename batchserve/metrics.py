@@ -117,6 +117,7 @@ class Metrics:
     batches: Counter
     load_ratio: Gauge  # autoscaling signals, computed at scrape time (batchserve/core/load_signal.py)
     predicted_wait_ratio: Gauge
+    batches_stopped_early: Counter
     _ok: dict[str, tuple] = field(default_factory=dict)  # per model: its bound 200-counter and histogram
 
     def count_ok(self, model: str, latency_s: float) -> None:
@@ -162,4 +163,6 @@ def make_metrics() -> Metrics:
         predicted_wait_ratio=Gauge(p + "predicted_wait_ratio", "Predicted wait of a request arriving now before "
                                    "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
                                    registry=r),
+        batches_stopped_early=Counter(p + "batches_stopped_early", "Batches the backend cut short because every "
+                                      "caller had left (answered, timed out or hung up)", ["model"], registry=r),
     )

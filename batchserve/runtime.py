@@ -11,12 +11,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.backends.loading import LoadedModels, load_models
-from batchserve.core import load_signal
 from batchserve.batcher import Batcher
+from batchserve.core import load_signal
 from batchserve.config import Settings
 from batchserve.core.admission import Admission
 from batchserve.core.requests_log import RequestLog
@@ -50,6 +51,7 @@ class Runtime:
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
     ready: bool = False
     startup_error: str = ""
+    on_startup_failure: Callable[[str], None] | None = None  # the server exits (non-zero) when start-up fails
     answered: int = 0  # requests answered since start, any status
     requests_per_second: float = 0.0
     gpu_utilization: float = 0.0
@@ -94,6 +96,8 @@ class Runtime:
         them, load them here, off the event loop); /readyz turns 200 after."""
         try:
             loaded = self.loaded or await asyncio.to_thread(load_models, self.settings)
+            # The warm-up may have derived the SLO the user left unset (warmup.apply_deadlines).
+            self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000
             self.backends.update(loaded.backends)
             self.batcher.batch_s.update(loaded.batch_s)
             self.batcher.model_limits.update(loaded.max_batch)
@@ -111,9 +115,12 @@ class Runtime:
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),
                      ", ".join(self.registry.by_id))
-        except Exception as exc:  # noqa: BLE001 - reported on /readyz and in the log, the process stays up
+        except Exception as exc:  # noqa: BLE001 - one line, then the process exits (it could never serve)
             self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.exception("start-up failed; /readyz stays 503")
+            log.debug("start-up failed", exc_info=True)
+            log.error("start-up failed: %s", self.startup_error)
+            if self.on_startup_failure is not None:
+                self.on_startup_failure(self.startup_error)
 
     async def _tick(self) -> None:
         last_answered, last_time = self.answered, time.monotonic()

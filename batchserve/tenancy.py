@@ -64,9 +64,13 @@ class TokenBucket:
         return False
 
     def headers(self) -> dict[str, str]:
-        wait = 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / self.rate
-        return {"X-RateLimit-Limit": f"{self.rate:g}", "X-RateLimit-Remaining": str(int(self.tokens)),
-                "X-RateLimit-Reset": str(math.ceil(wait))}
+        """Limit is the bucket's size (the most requests the key may send at once), so Remaining (whole
+        requests left in it now) never passes it; Reset is the seconds until the bucket is full again. The rate
+        it refills at is the tier's (or the key's) requests per second; Retry-After on a 429 says when the next
+        request is allowed."""
+        refill = (self.burst - self.tokens) / self.rate
+        return {"X-RateLimit-Limit": f"{self.burst:g}", "X-RateLimit-Remaining": str(int(self.tokens)),
+                "X-RateLimit-Reset": str(math.ceil(refill))}
 
 
 def digest(key: str) -> str:

@@ -17,7 +17,8 @@ with one POISON input in every 500 requests and one HANG input at `--hang-at`, s
   batch of its batch's start, i.e. gpu_timeout + slo of its arrival, since a batch leaves within the slo);
 - 503 DRAINING only after the signal.
 
-Results (markdown + JSON with machine, git commit and settings, and the server log) go to bench/results/.
+Results (markdown + JSON with machine, git commit and settings, and the server log) are printed, and written to
+bench/results/ with `--record` (or to DIR with `--out DIR`).
 The server is stopped by PID whatever happens.
 """
 
@@ -334,6 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for batchserve serve")
     p.add_argument("--name", default="", help="result file name (default drill-<UTC time>)")
+    report.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -345,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, 100, extra)
     sched, inputs, kinds = plan(a.rate, a.duration, a.seed, a.poison_every, a.hang_at)
     prov = report.provenance()
-    server = servers.start(name + ".server", cmd, report.RESULTS)
+    logs = report.log_dir(a, name)
+    server = servers.start(name + ".server", cmd, logs)
     try:
         facts = server_facts(server.base)
         assert server.proc is not None
@@ -361,9 +364,8 @@ def main(argv: list[str] | None = None) -> int:
            "server_exit_code": server.proc.returncode if server.proc else None,
            "server_log": report.log_lines(server.log_path)}
     md = markdown(rep)
-    js_path, md_path = report.write(name, rep, md)
     print(md)
-    print(f"\nwritten: {md_path} {js_path} {server.log_path}")
+    print("\n" + report.written(report.write(name, rep, md, report.out_dir(a)), logs))
     return 0 if all(rep["result"]["goals"].values()) else 1
 
 

@@ -12,7 +12,7 @@ ignored, so every row generates exactly the same tokens), over the same chat pro
 - continuous, HTTP: a live `batchserve serve --backend smollm2` through the OpenAI API (AsyncOpenAI,
   non-streaming), the whole server path.
 Output tokens/s and the short requests' p50 latency for each, and their ratio to static, go to stdout and, with
-machine, commit and settings, to bench/results/generation-<time>.md/.json.
+`--record` (machine, commit and settings too), to bench/results/generation-<time>.md/.json.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="", help="default: the first CUDA device, else cpu")
     ap.add_argument("--no-http", action="store_true", help="skip the live-server row")
     ap.add_argument("--name", default="", help="results file name (default generation-<utc time>)")
+    report.add_output_args(ap)
     return ap.parse_args(argv)
 
 
@@ -137,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     results.append(asyncio.run(run_engine(model, tokenizer, work, a)))
     print(results[-1].row(), flush=True)
     del model
+    name = a.name or f"generation-{report.stamp()}"
+    log_dir = report.log_dir(a, name)
     if not a.no_http:
-        log_dir = report.RESULTS / "logs"
         server = servers.start("generation-bench", [sys.executable, "-m", "batchserve", "serve", "--port", "0",
                                                     "--backend", "smollm2", *engine_settings(a)], log_dir)
         try:
@@ -154,11 +156,10 @@ def main(argv: list[str] | None = None) -> int:
              f"{max(map(len, work.prompts))} tokens; static batch = continuous max sequences = {a.batch}.\n")
     print("\n" + title + "\n" + table, flush=True)
     prov = report.provenance()
-    name = a.name or f"generation-{report.stamp()}"
     md = (title + "\n" + table + "\n\nmachine: " + str(prov["machine"]) + "\n\ngit: " + str(prov["git"]) +
           "\n\nsettings: " + str(vars(a)) + "\n")
-    js, mdp = report.write(name, {**prov, "settings": vars(a), "device": device, "rows": rows}, md)
-    print(f"\nwritten: {mdp} and {js}")
+    paths = report.write(name, {**prov, "settings": vars(a), "device": device, "rows": rows}, md, report.out_dir(a))
+    print("\n" + report.written(paths, log_dir))
     return 0
 
 

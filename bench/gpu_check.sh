@@ -8,25 +8,27 @@
 # sequences (same concurrency), and with 256 (KV-bound, the point of continuous batching). Needs python3 with
 # torch and transformers only (bench/cb_compare.py imports nothing else, never the GGUF loader).
 #
-#   bash bench/gpu_check.sh           # on the GPU machine: prints the table, writes it to $OUT (if set)
+#   bash bench/gpu_check.sh           # on the GPU machine: prints the table, writes it to $OUT (only if set)
 #   bash bench/gpu_check.sh --tiny    # CPU smoke test of this same script (a 2-layer model, seconds)
+#   OUT=bench/results bash bench/gpu_check.sh   # record into the checkout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-out=${OUT:-bench/results}
-mkdir -p "$out"
+out=${OUT:-}
+if [[ -n "$out" ]]; then mkdir -p "$out"; fi
+to() { if [[ -n "$out" ]]; then echo --out "$out/$1"; fi; }  # --out FILE only when $OUT is set
 
 "$PY" -c 'import platform, torch, transformers; print("python", platform.python_version(), "torch", torch.__version__,
 "transformers", transformers.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
 
 if [[ "${1:-}" == "--tiny" ]]; then
-  args=(--tiny --device cpu --requests 10 --batch 4 --long 32 --out "$out/gpu-check-tiny.md")
-  sweep=(--tiny --device cpu --sizes 1,4 --repeats 1 --out "$out/gpu-sweep-tiny.md")
+  args=(--tiny --device cpu --requests 10 --batch 4 --long 32 $(to gpu-check-tiny.md))
+  sweep=(--tiny --device cpu --sizes 1,4 --repeats 1 $(to gpu-sweep-tiny.md))
 else
-  sweep=(--device cuda --out "$out/gpu-sweep.md")
+  sweep=(--device cuda $(to gpu-sweep.md))
   nvidia-smi -L || true
-  args=(--device cuda --requests 384 --batch 64 --cb-seqs 256 --kv-tokens 131072 --out "$out/gpu-check.md")
+  args=(--device cuda --requests 384 --batch 64 --cb-seqs 256 --kv-tokens 131072 $(to gpu-check.md))
 fi
 # The static batchstring path's batch time by batch size (what the batcher learns as S), then the comparison.
 timeout 90 "$PY" bench/gpu_batch_sweep.py "${sweep[@]}" || echo "batch sweep failed or timed out (exit $?)"

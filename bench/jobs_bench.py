@@ -33,12 +33,11 @@ import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
-from bench import servers  # noqa: E402
+from bench import report, servers  # noqa: E402
 from bench.loadgen import START_DELAY_S, LoadResult, measure  # noqa: E402
 from bench.run_standard import git_info, machine_info  # noqa: E402
 from bench.schedule import row_seed  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 P95_SLACK_MS = 10.0
 POLL_S = 0.5
 
@@ -198,7 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--procs", type=int, default=1, help="client processes sharing the schedule")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for batchserve (repeatable)")
     p.add_argument("--tag", default="", help="suffix of the result files")
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    report.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -206,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     name = f"jobs-{stamp}{'-' + a.tag if a.tag else ''}"
-    log_dir = a.out_dir / "logs" / name
+    log_dir = report.log_dir(a, name)
 
     servers.stop_on_signals()
-    report: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    rep: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(), "git": git_info(),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                     "server_log_dir": str(log_dir)}
@@ -226,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("interrupted: stopping servers", file=sys.stderr)
-        report["interrupted"] = True
+        rep["interrupted"] = True
     except servers.ServerFailed as exc:
         print(f"server failed: {exc}", file=sys.stderr)
-        report["error"] = str(exc)
+        rep["error"] = str(exc)
     finally:
         servers.stop_all()
     if len(scenarios) < 2:
@@ -239,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     assert job is not None
     idle = a.max_batch_size * 1000 / a.sim_batch_ms - a.rate
     delta = with_job.load.p95_ms - base.load.p95_ms
-    report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    report["verdict"] = {
+    rep["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    rep["verdict"] = {
         "p95_without_ms": base.load.p95_ms, "p95_with_ms": with_job.load.p95_ms, "p95_delta_ms": delta,
         "p95_met": delta <= P95_SLACK_MS, "job_items_per_s": job.items_per_s,
         "job_steady_items_per_s": job.steady_items_per_s, "idle_capacity": idle,
@@ -248,19 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         "outputs_checked": job.outputs_checked, "mismatches": job.mismatches,
         "interactive_errors": base.load.error_count + with_job.load.error_count,
     }
-    report["notes"] = [n for n in (job.error and f"job: {job.error}",
+    rep["notes"] = [n for n in (job.error and f"job: {job.error}",
                                    max(s.loadavg_before for s in scenarios) > 0.5
                                    and "the machine was not idle before a run (load average > 0.5): shared cores "
                                        "add latency to both runs alike, but noisily") if n]
-    report["scenarios"] = [asdict(s) for s in scenarios]
-    md = markdown(report, scenarios)
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    (a.out_dir / f"{name}.md").write_text(md + "\n")
-    (a.out_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    rep["scenarios"] = [asdict(s) for s in scenarios]
+    md = markdown(rep, scenarios)
     print()
     print(md)
-    print(f"written: {a.out_dir / (name + '.md')} and .json; server logs in {log_dir}")
-    return 0 if report["verdict"]["p95_met"] and not job.mismatches else 1
+    print(report.written(report.write(name, rep, md, report.out_dir(a)), log_dir))
+    return 0 if rep["verdict"]["p95_met"] and not job.mismatches else 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ One device of 100 ms batches serves at most ~1,000 RPS, so two thirds of the off
 admitted p95 (≤ 250 ms), refusal latency median (< 10 ms), client timeouts and requests left without an answer
 (0), and the server's resident memory sampled from /proc every 100 ms (flat: the growth over the second half of
 the run, when the queue is full, is judged). Latency is from the scheduled send time (open loop); refusal
-latency is also given from the actual send, to tell the client's lag apart. Results go to bench/results/.
+latency is also given from the actual send, to tell the client's lag apart. Results are printed, and written to
+bench/results/ with `--record` (or to DIR with `--out DIR`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for batchserve serve")
     p.add_argument("--name", default="", help="result file name (default overload-<UTC time>)")
+    report.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -158,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     tag = secrets.token_hex(3)
     inputs = [f"{tag}-{i:06d}-overload→" for i in range(len(sched))]
     prov = report.provenance()
-    server = servers.start(name + ".server", cmd, report.RESULTS)
+    logs = report.log_dir(a, name)
+    server = servers.start(name + ".server", cmd, logs)
     try:
         assert server.proc is not None
         result = run(server.base, sched, inputs, ["normal"] * len(sched), [], server.pid, server.proc,
@@ -174,9 +177,8 @@ def main(argv: list[str] | None = None) -> int:
            "server_log": report.log_lines(server.log_path)}
     rep["result"]["goals"]["server still ready after the run"] = alive_after
     md = markdown(rep)
-    js_path, md_path = report.write(name, rep, md)
     print(md)
-    print(f"\nwritten: {md_path} {js_path} {server.log_path}")
+    print("\n" + report.written(report.write(name, rep, md, report.out_dir(a)), logs))
     return 0 if all(rep["result"]["goals"].values()) else 1
 
 

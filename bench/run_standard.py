@@ -6,8 +6,9 @@
 For each row it starts a fresh `batchserve serve --backend sim` (its own process, port 0), sends open-loop
 Poisson load (`bench.loadgen`), stops the server, and prints the row beside the ideal batcher's p95 on the very
 same arrivals (`bench.ideal`) and the row's goal. Then it compares server CPU per request at 900 RPS with a
-bare Starlette endpoint (`bench.bare_app`) measured in the same run. The table goes to stdout and, as
-markdown and JSON with machine info, git commit, timestamp and every setting, to `bench/results/`.
+bare Starlette endpoint (`bench.bare_app`) measured in the same run. The table goes to stdout and, with
+`--record`, as markdown and JSON with machine info, git commit, timestamp and every setting, to `bench/results/`
+(`--out DIR`: to DIR).
 Every server it starts is stopped by PID, on success, error or Ctrl-C.
 """
 
@@ -21,7 +22,6 @@ if __package__ in (None, ""):  # run as `python bench/run_standard.py`
 
 import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -39,7 +39,6 @@ CPU_RATE = 900.0
 CPU_RATIO_GOAL = 1.5
 SINGLE_SLACK_MS = 5.0  # 1 device: p95 <= ideal + 5 ms
 MULTI_BOUND_BATCHES = 1.3  # several devices: p95 <= 1.3 x batch time (130 ms at 100 ms)
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -273,6 +272,8 @@ def parse_rows(spec: str) -> list[tuple[int, float]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench import report  # not at the top: bench.report imports this module's provenance helpers
+
     p = argparse.ArgumentParser(description="Run batchserve's standard bench table against a local sim server")
     p.add_argument("--duration", type=float, default=20.0, help="measured window per row, s (default 20)")
     p.add_argument("--warmup", type=float, default=5.0, help="warm-up before each window, not counted, s (default 5)")
@@ -293,7 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="client processes sharing each schedule (default 1; see bench/README.md)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra argument for `batchserve serve` (repeatable, e.g. --server-arg=--log-level=warning)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the markdown and JSON go")
+    report.add_output_args(p)
     p.add_argument("--tag", default="", help="suffix for the result file names")
     a = p.parse_args(argv)
     a.server_arg = [f"--slo-ms={a.slo_ms:g}", f"--dispatch-margin-ms={a.margin_ms:g}",
@@ -302,13 +303,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench import report
+
     a = parse_args(argv)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     name = f"standard-{stamp}{'-' + a.tag if a.tag else ''}"
-    log_dir = a.out_dir / "logs" / name
+    log_dir = report.log_dir(a, name)
 
     stopping = servers.stop_on_signals()
-    report: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    rep: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(), "git": git_info(),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                     "server_log_dir": str(log_dir)}
@@ -354,26 +357,23 @@ def main(argv: list[str] | None = None) -> int:
                    "batchserve_row": asdict(same)}
     except KeyboardInterrupt:
         print("interrupted: stopping servers", file=sys.stderr)
-        report["interrupted"] = True
+        rep["interrupted"] = True
     except servers.ServerFailed as exc:
         print(f"server failed: {exc}", file=sys.stderr)
-        report["error"] = str(exc)
+        rep["error"] = str(exc)
     finally:
         servers.stop_all()
     if stopping:
-        report["interrupted"] = True
-    report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    report["rows"] = [asdict(r) for r in rows]
-    report["cpu"] = cpu
-    report["all_passed"] = bool(rows) and all(r.passed for r in rows) and (a.skip_cpu or bool(cpu.get("passed")))
-    md = markdown(report, rows)
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    (a.out_dir / f"{name}.md").write_text(md + "\n")
-    (a.out_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        rep["interrupted"] = True
+    rep["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    rep["rows"] = [asdict(r) for r in rows]
+    rep["cpu"] = cpu
+    rep["all_passed"] = bool(rows) and all(r.passed for r in rows) and (a.skip_cpu or bool(cpu.get("passed")))
+    md = markdown(rep, rows)
     print()
     print(md)
-    print(f"written: {a.out_dir / (name + '.md')} and .json; server logs in {log_dir}")
-    return 0 if report["all_passed"] else 1
+    print(report.written(report.write(name, rep, md, report.out_dir(a)), log_dir))
+    return 0 if rep["all_passed"] else 1
 
 
 if __name__ == "__main__":

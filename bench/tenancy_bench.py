@@ -38,7 +38,6 @@ if __package__ in (None, ""):  # run as `python bench/tenancy_bench.py`
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
@@ -60,7 +59,6 @@ from bench.loadgen import (  # noqa: E402
 from bench.procstat import process_cpu_s, raise_fd_limit  # noqa: E402
 from bench.schedule import poisson_schedule, row_seed  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 P95_GOAL_MS = 210.0
 HEAVY_RPS = 1000.0  # streams at or above this rate are split over --heavy-procs client processes
 
@@ -501,7 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=4096, help="connection limit per client process")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra argument for `batchserve serve` (repeatable, e.g. --server-arg=--log-level=warning)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the markdown and JSON go")
+    report.add_output_args(p)
     p.add_argument("--tag", default="", help="suffix for the result file names")
     a = p.parse_args(argv)
     try:
@@ -518,7 +516,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     name = f"tenancy-{report.stamp()}{'-' + a.tag if a.tag else ''}"
-    log_dir = a.out_dir / "logs" / name
+    log_dir = report.log_dir(a, name)
     stopping = servers.stop_on_signals()
     rep: dict = {**report.provenance(), "settings": {k: (str(v) if isinstance(v, Path) else v)
                                                      for k, v in vars(a).items()},
@@ -547,12 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     rep["all_passed"] = (len(rep["scenarios"]) == len(chosen) and not rep.get("error")
                          and not rep.get("interrupted") and all(s["passed"] for s in rep["scenarios"]))
     md = markdown(rep)
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    (a.out_dir / f"{name}.json").write_text(json.dumps(report.clean(rep), indent=2, ensure_ascii=False,
-                                                       default=str) + "\n")
-    (a.out_dir / f"{name}.md").write_text(md + "\n")
-    print(f"{'ALL GOALS MET' if rep['all_passed'] else 'SOME GOALS MISSED'}; written: "
-          f"{a.out_dir / (name + '.md')} and .json; server logs in {log_dir}")
+    print(f"{'ALL GOALS MET' if rep['all_passed'] else 'SOME GOALS MISSED'}; "
+          + report.written(report.write(name, rep, md, report.out_dir(a)), log_dir))
     return 0 if rep["all_passed"] else 1
 
 

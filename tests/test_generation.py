@@ -249,3 +249,41 @@ def test_wrong_key_gets_401_in_openai_shape(server: LiveServer) -> None:
         stranger.chat.completions.create(model=MODEL, messages=ask("France"), max_tokens=4)
     assert err.value.status_code == 401 and err.value.type == "authentication_error"
     assert set(err.value.body) == {"message", "type", "param", "code"}
+
+
+def test_inference_during_and_after_a_long_stream_answers_right(server: LiveServer, client: openai.OpenAI) -> None:
+    """Generation and the batch path never corrupt each other (issue 9 §1): they once shared one model object,
+    and the engine's steps flipped `config.is_causal` under the batch's `generate` ("The capital of France is
+    France.", and so on for every later answer)."""
+    def inference(question: str) -> str:
+        r = httpx.post(server.url + "/v1/inference", json={"input": question, "timeout_ms": 60000},
+                       headers=auth(server), timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["output"]
+
+    wait_idle(server, 5)
+    stream = client.chat.completions.create(model=MODEL, messages=ask("Germany"), temperature=0, max_tokens=400,
+                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    text = [next(chunks).choices[0].delta.content or "" for _ in range(3)]
+    during = [inference("What is the capital of France?"), inference("What is the capital of Japan?")]
+    assert engine_stats(server)["running"] == 1, "the chat stopped before the inference ran: no overlap tested"
+    text += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    wait_idle(server, 5)
+    after = inference("What is the capital of France?")
+    assert "Paris" in during[0] and "Tokyo" in during[1], during
+    assert "Paris" in after, after
+    assert "Berlin" in "".join(text)[:200], "".join(text)[:200]
+
+
+def test_chat_and_completion_without_model_use_the_served_one(server: LiveServer) -> None:
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=auth(server), timeout=60,
+                      json={"messages": ask("France"), "temperature": 0, "max_tokens": 24})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == MODEL and "Paris" in chat.json()["choices"][0]["message"]["content"]
+    completion = httpx.post(server.url + "/v1/completions", headers=auth(server), timeout=60,
+                            json={"prompt": "The capital of France is", "temperature": 0, "max_tokens": 5})
+    assert completion.status_code == 200 and "Paris" in completion.json()["choices"][0]["text"]
+    empty = httpx.post(server.url + "/v1/chat/completions", headers=auth(server), timeout=60,
+                       json={"model": "", "messages": ask("France"), "max_tokens": 4})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "model"

@@ -308,8 +308,8 @@ def test_odd_query_values_and_unexpected_errors_are_json(tmp_path, server_factor
         "from batchserve.http import server\n"
         "real = server.create_app\n"
         "def boom(request): raise RuntimeError('secret detail')\n"
-        "def with_boom(settings, loaded=None):\n"
-        "    app = real(settings, loaded)\n"
+        "def with_boom(*args, **kwargs):\n"
+        "    app = real(*args, **kwargs)\n"
         "    app.routes.append(Route('/boom', boom))\n"
         "    return app\n"
         "server.create_app = with_boom\n"
@@ -444,8 +444,8 @@ def test_a_failing_job_does_not_hold_interactive_work(tmp_path, server_factory):
         job = c.post("/v1/batches", json={"inputs": [f"FAIL-{i}" for i in range(600)]}).json()
         statuses = asyncio.run(_interactive(s.url, rate=150, seconds=6))
         text = c.get("/metrics").text
-        progress = c.get(f"/v1/batches/{job['id']}").json()
-    assert progress["failed"] > 0  # the job really ran beside the interactive load
+    # The job really ran (and failed) beside the interactive load: its batches failed and were re-run then.
+    assert metric(text, "batchserve_batch_retries_total", model="sim@v1", cause="error") > 0, job
     bad = sum(1 for st in statuses if st != 200)
     assert bad <= len(statuses) // 100, f"{bad} of {len(statuses)} interactive answers were not 200"
     within = _share_within(text, "batchserve_queue_wait_seconds", "0.2", model="sim@v1")

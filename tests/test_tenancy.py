@@ -66,7 +66,7 @@ def test_rate_limit_429_with_headers(tmp_path, server_factory):
     with server.client() as c:
         answers = [c.post("/v1/inference", json={"input": "x"}, headers=bearer(key)) for _ in range(4)]
         assert [a.status_code for a in answers] == [200, 200, 200, 429]
-        assert answers[0].headers["x-ratelimit-limit"] == "1"
+        assert answers[0].headers["x-ratelimit-limit"] == "3"  # the bucket's size: the burst
         assert answers[0].headers["x-ratelimit-remaining"] == "2"
         limited = answers[3]
         assert limited.json()["error"] == "RATE_LIMITED" and limited.json()["retry_after_ms"] > 0
@@ -75,6 +75,21 @@ def test_rate_limit_429_with_headers(tmp_path, server_factory):
         # The per-key override and other keys are untouched by one key's limit.
         assert all(c.post("/v1/inference", json={"input": "y"}, headers=bearer(rich)).status_code == 200
                    for _ in range(5))
+
+
+def test_rate_limit_headers_never_show_more_remaining_than_the_limit(tmp_path, server_factory):
+    # The default paid tier: 100 requests/s, a bucket of 200. Limit is the bucket's size (what may be sent at
+    # once); it once said the rate (100) beside a Remaining of 199.
+    config = tmp_path / "bs.toml"
+    key = add_key(config, "acme", "paid")
+    server = server_factory("--config", str(config))
+    with server.client() as c:
+        answers = [c.post("/v1/inference", json={"input": "x"}, headers=bearer(key)) for _ in range(5)]
+    for a in answers:
+        assert a.status_code == 200
+        assert int(a.headers["x-ratelimit-remaining"]) <= int(a.headers["x-ratelimit-limit"]) == 200
+    assert answers[0].headers["x-ratelimit-remaining"] == "199"
+    assert int(answers[-1].headers["x-ratelimit-reset"]) >= 0
 
 
 def busy_worker_server(server_factory, config: Path, *extra: str):

@@ -12,17 +12,57 @@ A backend name resolves in one place, `resolve_backend`: an entry point of the g
 (the built-ins are registered so in pyproject.toml, and any installed package can add a name), or
 `package.module:attribute`. Every way that can fail raises `PluginError`, one line naming the module, the
 attribute and the cause, which the CLI prints before the port opens (exit status 2).
+
+While `run` executes, `all_callers_gone()` (called from the same thread) says whether every caller of the batch
+has its answer or has left; a backend that works in steps may check it between steps and return early, so an
+abandoned batch frees its device for the next one. Its outputs are then thrown away, so any will do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
+import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Iterator, Protocol
+
+from batchserve.config import did_you_mean
 
 ENTRY_POINT_GROUP = "batchserve.backends"
 OUTPUT_KINDS = ("text", "json", "embedding")  # "embedding": each output is a list of floats (/v1/embeddings)
+
+
+@dataclass
+class RunningBatch:
+    """The batch a worker thread is running: how to ask whether its callers are all gone, and whether the
+    backend asked and was told yes (then the batch stopped early and its time says nothing about the model)."""
+
+    callers_gone: Callable[[], bool]
+    stopped_early: bool = False
+
+
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def running_batch(callers_gone: Callable[[], bool]) -> Iterator[RunningBatch]:
+    """Set by the worker thread around `backend.run`: the batch `all_callers_gone` reports on."""
+    batch = RunningBatch(callers_gone)
+    _current.batch = batch
+    try:
+        yield batch
+    finally:
+        _current.batch = None
+
+
+def all_callers_gone() -> bool:
+    """True when no caller of the running batch waits for its output any more; False outside a batch."""
+    batch: RunningBatch | None = getattr(_current, "batch", None)
+    if batch is None or not batch.callers_gone():
+        return False
+    batch.stopped_early = True
+    return True
 
 
 class Backend(Protocol):
@@ -97,3 +137,12 @@ def resolve_backend(name: str) -> Resolved:
         except AttributeError:
             raise PluginError(name, module, attribute, f"the module has no attribute {part!r}") from None
     return Resolved(name, module, attribute, target)
+
+
+def backend_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a backend, or None: checked with the configuration file, before anything is
+    imported. A name with a ':' is left to `resolve_backend` (a `package.module:attribute` plugin)."""
+    installed = installed_names()
+    if ":" in name or name in installed:
+        return None
+    return f"unknown backend {name!r}{did_you_mean(name, installed)} (installed: {', '.join(installed)})"

@@ -2,12 +2,17 @@
 and warm-up on that thread, all before the server listens (so a plugin that fails says so and the process
 exits with status 2, rather than opening a port that answers 503 forever).
 
-The warm-up's duration seeds the batcher's learned batch time of a backend that does not declare one; from the
-first real batch on, the batcher's moving average of the batch cycle as the event loop sees it takes over.
+A backend that declares its batch time (`initial_batch_s`, as the sim does) is warmed once. Any other is warmed
+until two rounds agree (`warmup.warm_until_stable`: a cold first batch pays one-off costs), the batcher's
+learned batch time starts from the stable rounds, and the SLO and default timeout the user left unset follow
+from it (`warmup.apply_deadlines`). From the first real batch on, the batcher's moving average of the batch
+cycle as the event loop sees it takes over.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -16,6 +21,9 @@ from batchserve.backends import Backend, PluginError, describe
 from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
 from batchserve.device_thread import DeviceThread
+from batchserve.warmup import apply_deadlines, warm_until_stable
+
+log = logging.getLogger("batchserve")
 
 
 @dataclass
@@ -42,6 +50,9 @@ def load_models(settings: Settings) -> LoadedModels:
     warm_s = _on_every_device(threads, backends, "warm")
     batch_s = {model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
                for model, b in backends.items()}
+    measured = {model: batch_s[model] for model, b in backends.items() if b.initial_batch_s is None}
+    if measured:
+        apply_deadlines(settings, max(measured.values()))
     max_batch = {model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size)
                  for model, b in backends.items()}
     return LoadedModels(backends, devices, threads, batch_s, max_batch)
@@ -60,13 +71,21 @@ def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend],
 
 
 def _run_step(backends: dict[str, Backend], device: int, step: str) -> dict[str, float]:
+    """`setup` once; `warm` once for a backend that declares its batch time, else until it is stable (the
+    seconds returned are then the stable batch time)."""
     took = {}
     for model, backend in backends.items():
+        where = backend.device_names()[device]
         started = time.perf_counter()
         try:
+            if step == "warm" and backend.initial_batch_s is None:
+                warm = warm_until_stable(functools.partial(backend.warm, device))
+                log.info("warmed %s on %s: %s ms%s", model, where, ", ".join(f"{t * 1000:.0f}" for t in warm.rounds_s),
+                         "" if warm.stable else " (not stable)")
+                took[model] = warm.batch_s
+                continue
             getattr(backend, step)(device)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, before the port opens
-            where = backend.device_names()[device]
             raise backend.source.error(f"{step} on {where} raised {describe(exc)}") from None
         took[model] = time.perf_counter() - started
     return took

@@ -1,5 +1,6 @@
 """The seed contract, exactly: ~fixed time per batch whatever its size, 1..max inputs, one batch at a time
 per simulated device, each output the input reversed, plus fault hooks for tests and drills (DESIGN §7).
+A batch whose callers have all left ends early, as a real model's generation does; a hang never does.
 
 A plugin like any other (docs/backends.md), registered as the entry point `sim`; it reads the server's flags
 through `from_settings`."""
@@ -10,7 +11,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from batchserve.backends import all_callers_gone
 from batchserve.config import ModelSpec, Settings
+
+POLL_S = 0.02  # how often a running batch asks whether its callers are all gone
 
 
 class SimFault(RuntimeError):
@@ -76,10 +80,12 @@ class SimBackend:
             if self.fail_marker and any(self.fail_marker in s for s in inputs):
                 raise SimFault("fail marker in batch")
             outputs = [s[::-1] for s in inputs]
-            # Sleep to the batch time measured from the start, so per-batch overhead does not add up.
-            remaining = self.batch_s - (time.perf_counter() - started)
-            if remaining > 0:
-                time.sleep(remaining)
+            # Sleep to the batch time measured from the start, so per-batch overhead does not add up; like a
+            # model between generation steps, stop early once every caller has left (its outputs go unread).
+            while (remaining := self.batch_s - (time.perf_counter() - started)) > 0:
+                time.sleep(min(remaining, POLL_S))
+                if all_callers_gone():
+                    break
             if self.bad_output_marker and any(self.bad_output_marker in s for s in inputs):
                 return outputs[:-1]
             return outputs

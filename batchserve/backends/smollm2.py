@@ -2,18 +2,21 @@
 
 A plugin like any other (docs/backends.md), registered as the entry point `smollm2`. One model replica per
 device (each CUDA GPU, or the CPU when there is none); a worker thread runs greedy `generate` on a left-padded
-batch. Inputs are grouped in prompt-length buckets by the batcher so a short
-prompt is not padded to a long one.
+batch. Inputs are grouped in prompt-length buckets by the batcher so a short prompt is not padded to a long
+one. Between two generation steps, a batch whose callers have all left stops (`backends.all_callers_gone`), so
+it does not hold the device for the next one.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchserve.backends import all_callers_gone
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.smollm2")
@@ -68,6 +71,20 @@ def load_model(device: str) -> Any:
     return model.to(device).eval()
 
 
+@functools.cache
+def callers_gone_criteria() -> Any:
+    """A transformers StoppingCriteria that ends every sequence of the batch once its callers are all gone
+    (it reads the calling thread's batch, so one list serves every worker)."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class CallersGone(StoppingCriteria):
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+            return torch.full((input_ids.shape[0],), all_callers_gone(), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([CallersGone()])
+
+
 @dataclass
 class SmolLM2Backend:
     devices: list[str]
@@ -90,7 +107,8 @@ class SmolLM2Backend:
         return len(BUCKET_EDGES)
 
     def warm(self, device: str) -> None:
-        self.batch(["What is the capital of France?", "Hi"], device)
+        """Two prompts, each made to run to `max_new_tokens`: the batch time of the longest answers."""
+        self.generate(device, ["What is the capital of France?", "Hi"], full_length=True)
 
     def prompts(self, inputs: list[str]) -> list[str]:
         return [
@@ -101,6 +119,9 @@ class SmolLM2Backend:
         ]
 
     def batch(self, inputs: list[str], device: str) -> list[str]:
+        return self.generate(device, inputs)
+
+    def generate(self, device: str, inputs: list[str], full_length: bool = False) -> list[str]:
         import torch
 
         model = self.models[self.devices.index(device)]
@@ -109,8 +130,10 @@ class SmolLM2Backend:
             out = model.generate(
                 **enc,
                 max_new_tokens=self.max_new_tokens,
+                min_new_tokens=self.max_new_tokens if full_length else None,
                 do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id,
+                stopping_criteria=callers_gone_criteria(),
             )
         new_tokens = out[:, enc["input_ids"].shape[1]:]
         return [t.strip() for t in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]

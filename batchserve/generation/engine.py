@@ -206,9 +206,14 @@ def build_manager(model: Any, tokenizer: Any, cfg: EngineConfig) -> Any:
 
 
 async def start_generation(settings: Settings, registry: CollectorRegistry) -> "Engine | None":
-    """The engine, when generation is enabled. It loads and owns its model replica: the continuous-batching
-    manager changes the model object it is given (its attention implementation and config), so a model shared
-    with the batch backend's `generate` would give that path wrong answers."""
+    """The engine, when generation is enabled, on a model replica and tokenizer of its own.
+
+    Never the batch backend's objects: transformers' forward wrapper writes each call's `is_causal` into the
+    shared `model.config` for the length of the call and restores it after (transformers/utils/generic.py). The
+    engine's steps pass `is_causal=False` (SDPA with an explicit mask) from their own thread, so a `generate` in a
+    worker thread that overlaps one builds a non-causal mask (garbage), and two overlapping restores can leave
+    `config.is_causal = False` for good (every later answer wrong). The tokenizer is not shared either: a padded
+    batch call sets padding on the fast tokenizer that an unpadded call from the loop then clears."""
     if not enabled(settings):
         return None
     return await Engine.start(settings, registry)

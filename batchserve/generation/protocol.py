@@ -21,7 +21,7 @@ ROLES = ("system", "user", "assistant", "developer")
 # -- parsing ------------------------------------------------------------------------------------------------
 @dataclass
 class GenRequest:
-    model: str
+    model: str | None  # optional: the one generation model served here (curl users leave it out)
     prompt: list[dict[str, str]] | str | list[int]  # chat messages, text, or token ids
     params: SamplingParams
     stream: bool
@@ -67,9 +67,9 @@ def parse(body: bytes, chat: bool, max_tokens_cap: int) -> GenRequest:
         raise bad(None, f"the body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
         raise bad(None, "the body must be a JSON object", "invalid_json")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "'model' must be a non-empty string (see GET /v1/models)")
+    model = data.get("model")  # optional: the one generation model served here (curl users leave it out)
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad("model", "'model' must be a non-empty string when given (see GET /v1/models)")
     prompt: Any
     if chat:
         messages = data.get("messages")

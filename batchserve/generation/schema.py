@@ -31,9 +31,10 @@ _FINISH = {"enum": ["stop", "length", None]}
 SCHEMAS: dict[str, dict[str, Any]] = {
     "OpenAIError": openai_error.SCHEMA,
     "ChatCompletionRequest": {
-        "type": "object", "required": ["model", "messages"],
+        "type": "object", "required": ["messages"],
         "properties": {
-            "model": {"type": "string", "description": "the generation model id (GET /v1/models)"},
+            "model": {"type": "string", "description": "the generation model id (GET /v1/models); default: the "
+                                                       "one served here"},
             "messages": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "required": ["role", "content"],
                 "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
@@ -43,8 +44,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         },
     },
     "CompletionRequest": {
-        "type": "object", "required": ["model", "prompt"],
-        "properties": {"model": {"type": "string"},
+        "type": "object", "required": ["prompt"],
+        "properties": {"model": {"type": "string", "description": "default: the generation model served here"},
                        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                                             {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
                        **_SAMPLING},

@@ -82,7 +82,7 @@ async def generate(request: Request, chat: bool) -> Response:
         except ApiError as err:
             raise OpenAIError.from_api(err) from None
         req = parse(body, chat, engine.cfg.max_tokens)
-        if req.model not in model_aliases(rt.settings, engine):
+        if req.model is not None and req.model not in model_aliases(rt.settings, engine):
             raise OpenAIError(404, f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)", "model",
                               "model_not_found")
         if chat:

@@ -48,8 +48,11 @@ HEADER_REQUEST_ID = {"description": "the caller's X-Request-ID when it sent a va
 _HEADER_RETRY_AFTER = {"description": "seconds to wait before retrying (retry_after_ms rounded up)",
                        "schema": {"type": "integer", "minimum": 1}}
 _RATE_HEADERS = {
-    "X-RateLimit-Limit": {"description": "requests per second allowed to this key", "schema": {"type": "number"}},
-    "X-RateLimit-Remaining": {"description": "tokens left in the key's bucket", "schema": {"type": "number"}},
+    "X-RateLimit-Limit": {"description": "the key's bucket size: the most requests it may send at once (the "
+                                         "bucket refills at the tier's or key's rate per second)",
+                          "schema": {"type": "number"}},
+    "X-RateLimit-Remaining": {"description": "whole requests left in the key's bucket, never above the limit",
+                              "schema": {"type": "number"}},
     "X-RateLimit-Reset": {"description": "seconds until the bucket is full again", "schema": {"type": "number"}},
 }
 

@@ -63,6 +63,7 @@ async def internal_health(request: Request) -> Response:
         "requests_per_second": round(rt.requests_per_second, 1),
         "inflight": rt.service.inflight,
         "batch_ms": {m: round(v * 1000, 1) for m, v in rt.batcher.batch_s.items()},
+        "slo_ms": rt.settings.slo_ms, "timeout_ms": rt.settings.timeout_ms,  # set, or derived from the warm-up
         "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
         "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
         "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)

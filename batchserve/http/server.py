@@ -81,14 +81,22 @@ def connection_guard(settings: Settings) -> ConnectionGuard:
         max_connections=settings.max_connections))
 
 
-def serve(settings: Settings, loaded: LoadedModels | None = None) -> None:
+def serve(settings: Settings, loaded: LoadedModels | None = None) -> int:
+    """Run until stopped: 0 after a drain, 1 when start-up failed (the process exits rather than answer 503
+    for ever: a supervisor restarts it or shows the failure)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    failed: list[str] = []
+
+    def startup_failed(reason: str) -> None:
+        failed.append(reason)
+        server.should_exit = True
+
     guard = connection_guard(settings)
     log.info("connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
              guard.cap, settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s,
              settings.keep_alive_timeout_s)
     config = uvicorn.Config(
-        create_app(settings, loaded),
+        create_app(settings, loaded, on_startup_failure=startup_failed),
         host=settings.host,
         port=settings.port,
         loop="uvloop",
@@ -101,4 +109,6 @@ def serve(settings: Settings, loaded: LoadedModels | None = None) -> None:
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
-    DrainingServer(config, grace_s=settings.drain_grace_s).run()
+    server = DrainingServer(config, grace_s=settings.drain_grace_s)
+    server.run()
+    return 1 if failed else 0

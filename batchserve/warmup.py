@@ -1,0 +1,91 @@
+"""Warm a real model until its batch time is stable, and derive the deadlines it needs from that time.
+
+Why: the first batches of a real model pay one-off costs (allocator growth, kernel selection, lazy imports,
+CUDA context); seeding the learned batch time from them once made an idle server refuse requests with a
+25 s `retry_after_ms`. And the sim's defaults (200 ms SLO, 2 s timeout) cut a real model's longer answers off
+at 2 s. So warm-up rounds run until two in a row agree, the learned batch time starts from the stable rounds,
+and `--slo-ms` / `--timeout-ms`, when the user set neither flag nor variable, follow from it. The sim's batch
+time is known (`--sim-batch-ms`), so it keeps its defaults and is warmed once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from batchserve.config import Settings
+
+log = logging.getLogger("batchserve")
+
+STABLE_WITHIN = 0.15  # two rounds within 15% of each other: the one-off costs are paid
+MAX_ROUNDS = 8
+BUDGET_S = 120.0  # stop warming after this long (at least 2 rounds), stable or not
+SLO_BATCHES = 3  # a request may wait for the batch running when it arrives, then run in its own, plus headroom
+TIMEOUT_BATCHES = 10  # the default deadline: room for a queue of a few batches, and a fuller batch than warm-up's
+
+
+@dataclass
+class WarmUp:
+    rounds_s: list[float]
+    stable: bool
+
+    @property
+    def batch_s(self) -> float:
+        """The batch time to start from: the slower of the last two rounds (never a cold first one alone)."""
+        return max(self.rounds_s[-2:])
+
+
+def warm_until_stable(warm: Callable[[], None], clock: Callable[[], float] = time.monotonic,
+                      max_rounds: int = MAX_ROUNDS, budget_s: float = BUDGET_S) -> WarmUp:
+    """Run `warm` until two consecutive rounds agree within STABLE_WITHIN, at most `max_rounds` times and,
+    after the second round, no longer than `budget_s` in all."""
+    rounds: list[float] = []
+    began = clock()
+    while True:
+        started = clock()
+        warm()
+        rounds.append(clock() - started)
+        if len(rounds) >= 2:
+            last, previous = rounds[-1], rounds[-2]
+            if abs(last - previous) <= STABLE_WITHIN * min(last, previous):
+                return WarmUp(rounds, True)
+            if len(rounds) >= max_rounds or clock() - began >= budget_s:
+                return WarmUp(rounds, False)
+
+
+@dataclass(frozen=True)
+class Derived:
+    slo_ms: float | None  # None: the user set it
+    timeout_ms: float | None
+
+
+def derive_deadlines(settings: Settings, batch_s: float) -> Derived:
+    """SLO and default timeout from the measured batch time, for the ones the user left unset. Never below the
+    sim's defaults, and the timeout never past `--max-timeout-ms`."""
+    defaults = Settings()
+    batch_ms = batch_s * 1000
+    slo = None if "slo_ms" in settings.given else round(max(defaults.slo_ms, SLO_BATCHES * batch_ms))
+    timeout = None
+    if "timeout_ms" not in settings.given:
+        timeout = round(min(settings.max_timeout_ms, max(defaults.timeout_ms, TIMEOUT_BATCHES * batch_ms,
+                                                         slo or settings.slo_ms)))
+    return Derived(slo, timeout)
+
+
+def apply_deadlines(settings: Settings, batch_s: float) -> None:
+    """Set the SLO and default timeout the user left unset from the slowest model's stable warm-up batch time,
+    and say so in the log (with a warning when no request could ever be served in time)."""
+    derived = derive_deadlines(settings, batch_s)
+    if derived.slo_ms is not None:
+        settings.slo_ms = derived.slo_ms
+    if derived.timeout_ms is not None:
+        settings.timeout_ms = derived.timeout_ms
+    log.info("deadlines from the warm-up batch time %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)",
+             batch_s * 1000, settings.slo_ms, "derived" if derived.slo_ms is not None else "set",
+             settings.timeout_ms, "derived" if derived.timeout_ms is not None else "set")
+    if batch_s * 1000 >= settings.max_timeout_ms:
+        log.warning("a batch takes %.0f ms, longer than --max-timeout-ms %.0f: every request will be refused "
+                    "(fewer --max-new-tokens, a GPU, or a larger --max-timeout-ms)", batch_s * 1000,
+                    settings.max_timeout_ms)

@@ -1,0 +1,68 @@
+"""Bench runs write into the checkout only when asked (issue 9 §5): a plain run prints its table and leaves
+bench/results/ as it was; `--record` writes there, `--out DIR` into DIR."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+SCRIPTS = ["run_standard", "drill", "overload", "tenancy_bench", "jobs_bench", "generation_bench"]
+
+
+def listing() -> set[str]:
+    return {str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*")} if RESULTS.exists() else set()
+
+
+def bench(*args: str, tmp: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp), **(env or {})})
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_bench_defaults_to_print_only(script: str) -> None:
+    from bench import report
+
+    module = importlib.import_module(f"bench.{script}")
+    assert report.out_dir(module.parse_args([])) is None
+    assert report.out_dir(module.parse_args(["--record"])) == RESULTS
+    assert report.out_dir(module.parse_args(["--out", "/somewhere"])) == Path("/somewhere")
+
+
+def test_a_run_prints_and_writes_only_where_asked(tmp_path: Path) -> None:
+    before = listing()
+    run = bench(sys.executable, "-m", "bench.overload", "--duration", "1", "--rate", "50", tmp=tmp_path)
+    assert "# " in run.stdout and "not recorded" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    assert listing() == before
+    out = tmp_path / "out"
+    bench(sys.executable, "-m", "bench.overload", "--duration", "1", "--rate", "50", "--out", str(out),
+          "--name", "smoke", tmp=tmp_path)
+    assert (out / "smoke.md").exists() and (out / "smoke.json").exists()
+    assert list((out / "logs" / "smoke").glob("*.log"))
+    assert listing() == before
+
+
+def test_the_gpu_check_writes_only_into_out(tmp_path: Path) -> None:
+    # The script with a stand-in for python that records its arguments: the real runs need a GPU (or minutes).
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    fake.chmod(0o755)
+    before = listing()
+    for out in ("", str(tmp_path / "out")):
+        calls.write_text("")
+        run = bench("bash", "bench/gpu_check.sh", "--tiny", tmp=tmp_path, env={"OUT": out, "PYTHON": str(fake)})
+        assert run.returncode == 0, run.stderr
+        runs = [line for line in calls.read_text().splitlines() if line.startswith("bench/")]
+        assert len(runs) == 2, runs
+        if out:
+            assert all(f"--out {out}/" in line for line in runs) and (tmp_path / "out").is_dir()
+        else:
+            assert not any("--out" in line for line in runs)
+    assert listing() == before
