@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from batchserve import errors
 from batchserve.backends import Backend, make_backend
+from batchserve.batch_time import BatchTimes
 from batchserve.batcher import Batcher
 from batchserve.config import Settings
 from batchserve.core.admission import Admission
@@ -59,7 +60,8 @@ class Runtime:
             max_batch_size=settings.max_batch_size,
             slo_s=settings.slo_ms / 1000,
             margin_s=settings.dispatch_margin_ms / 1000,
-            batch_s={spec.id: spec.sim_batch_ms / 1000 for spec in settings.models},
+            batch_s=BatchTimes(settings.max_batch_size,
+                               {spec.id: spec.sim_batch_ms / 1000 for spec in settings.models}),
         )
         admission = Admission(batcher, None, settings.max_queue, settings.slo_ms / 1000, settings.admission_slack)
         requests = RequestLog(settings.request_history)
@@ -85,9 +87,10 @@ class Runtime:
                 backend = self.backends[spec.id]
                 for device in range(len(devices)):
                     started = time.monotonic()
-                    await asyncio.to_thread(backend.warm, device)
+                    timings = await asyncio.to_thread(backend.warm, device)
                     if spec.backend != "sim":  # a real model's batch time is learned, starting from warm-up
-                        self.batcher.batch_s[spec.id] = time.monotonic() - started
+                        for size, seconds in (timings or {1: time.monotonic() - started}).items():
+                            self.batcher.batch_s.observe(spec.id, size, seconds)
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000)
             self.pool.demand = self.admission.arrival_rate

@@ -4,7 +4,8 @@ A backend is any object with this shape (a Protocol, not a base class):
 - `device_names() -> list[str]`: the devices it can run on; the pool starts one worker thread per device.
 - `run(device: int, inputs: list[str]) -> list[str]`: one batch on one device, called from that device's thread.
 - `bucket_of(text: str) -> int`: inputs of different buckets never share a batch (prompt-length buckets).
-- `warm(device: int) -> None`: run once per device before the server reports ready.
+- `warm(device: int) -> dict[int, float] | None`: run once per device before the server reports ready; it may
+  return batch seconds by batch size measured while warming, which seed the learned batch time.
 - `initial_batch_s`: a first guess of the batch time, replaced by measurements as batches run.
 """
 
@@ -21,7 +22,7 @@ class Backend(Protocol):
     def device_names(self) -> list[str]: ...
     def run(self, device: int, inputs: list[str]) -> list[str]: ...
     def bucket_of(self, text: str) -> int: ...
-    def warm(self, device: int) -> None: ...
+    def warm(self, device: int) -> dict[int, float] | None: ...
 
 
 def make_backend(spec: ModelSpec, settings: Settings) -> Backend:

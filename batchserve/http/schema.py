@@ -103,7 +103,12 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
             "requests_per_second": {"type": "number", "minimum": 0},
             "inflight": {"type": "integer", "minimum": 0},
             "batch_ms": {"type": "object", "additionalProperties": {"type": "number"},
-                         "description": "learned batch time per model id"},
+                         "description": "learned batch time of a full batch, per model id"},
+            "batch_ms_by_size": {"type": "object",
+                                 "additionalProperties": {"type": "object",
+                                                          "additionalProperties": {"type": "number"}},
+                                 "description": "per model id: measured batch time by (mean) batch size, one "
+                                                "entry per power-of-two size bucket"},
             "gpu_timeout_ms": {"type": ["integer", "null"]},
             "workers": {"type": "array", "items": {"$ref": "#/components/schemas/Worker"}},
         },
