@@ -61,6 +61,9 @@ class Settings:
     sim_bad_output_marker: str = knob("", "sim: a batch holding an input containing this returns one output too few")
     sim_flaky_device: int = knob(-1, "sim: this device index raises on every batch (a broken GPU; -1 = none)")
     max_new_tokens: int = knob(64, "smollm2: tokens generated per input")
+    decode: str = knob("static", "smollm2: how a batch is decoded: static = one prefill, then a static-KV decode "
+                                 "loop (its step a CUDA graph on a GPU), stopping when every row has ended; "
+                                 "generate = transformers' generate (host-bound on a GPU)", ("static", "generate"))
     drain_timeout_s: float = knob(30.0, "on SIGTERM, longest wait for queued and running work before 503s")
     request_history: int = knob(10000, "recent requests kept for GET /v1/requests/{id}")
     config: str = knob("", "TOML file with models, tiers and API keys")
@@ -81,6 +84,8 @@ class Settings:
     generation_max_tokens: int = knob(512, "cap on a generation request's max_tokens, and its default")
     generation_kv_tokens: int = knob(0, "KV-cache capacity in tokens, the admission resource of generation "
                                         "(0 = auto: from free GPU memory, 16384 on a CPU)")
+    generation_cuda_graphs: bool = knob(True, "generation on CUDA: replay each decode step as a CUDA graph "
+                                              "(transformers' use_cuda_graph); no effect on a CPU")
     generation_max_seqs: int = knob(64, "most sequences generating at once")
     generation_queue_timeout_ms: float = knob(30000.0, "longest wait for KV-cache capacity before a sequence "
                                                        "starts; a longer predicted wait gets 503 at the door")

