@@ -26,6 +26,18 @@ class Backend(Protocol):
 
 
 def make_backend(spec: ModelSpec, settings: Settings) -> Backend:
+    """The backend of a model version, run in the server's worker threads (`--executor thread`) or in one
+    spawned process per device (`--executor process`, see process.py)."""
+    if settings.executor == "process":
+        from batchserve.backends.process import ProcessBackend
+
+        return ProcessBackend.start(spec, settings, make_local_backend(spec, settings, shell=True),
+                                    make_local_backend)
+    return make_local_backend(spec, settings)
+
+
+def make_local_backend(spec: ModelSpec, settings: Settings, shell: bool = False) -> Backend:
+    """The backend in this process; a `shell` knows its devices and buckets but loads no model."""
     if spec.backend == "sim":
         from batchserve.backends.sim import SimBackend
 
@@ -33,5 +45,5 @@ def make_backend(spec: ModelSpec, settings: Settings) -> Backend:
     if spec.backend == "smollm2":
         from batchserve.backends.smollm2 import SmolLM2Backend
 
-        return SmolLM2Backend.from_settings(spec, settings)
+        return SmolLM2Backend.shell(settings) if shell else SmolLM2Backend.from_settings(spec, settings)
     raise ValueError(f"unknown backend {spec.backend!r} (expected 'sim' or 'smollm2')")
