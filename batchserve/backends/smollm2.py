@@ -52,22 +52,34 @@ def pick_devices(requested: int) -> list[str]:
     return ["cpu"]
 
 
-def load_tokenizer() -> Any:
+def load_tokenizer(model_dir: str = "") -> Any:
+    """SmolLM2's tokenizer: from the GGUF, or from a transformers-format `model_dir` (`--smollm2-dir`)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
+    tok = AutoTokenizer.from_pretrained(model_dir) if model_dir else \
+        AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
     tok.padding_side = "left"  # decoder-only generation continues from the right edge
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_model(device: str) -> Any:
+def load_model(device: str, model_dir: str = "") -> Any:
+    """One replica on `device`: the GGUF's weights, or a transformers-format `model_dir`'s. A `model_dir` with a
+    config and no weight files gives random weights of that architecture (seeded): benchmarks on machines the
+    weights cannot reach (the GPU check), where speed matters and the answers do not."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=dtype)
+    if not model_dir:
+        model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=dtype)
+    elif any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model_dir)):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    else:
+        log.warning("no weights in %s: SmolLM2's architecture with RANDOM weights (benchmarks only)", model_dir)
+        torch.manual_seed(0)  # the library's own init: N(0, initializer_range) matrices, unit norms
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
     return model.to(device).eval()
 
 
@@ -95,8 +107,8 @@ class SmolLM2Backend:
     def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
         devices = pick_devices(s.devices)
         log.info("loading SmolLM2-135M-Instruct on %s (%s decoding)", ", ".join(devices), s.decode)
-        tokenizer = load_tokenizer()
-        models = [load_model(d) for d in devices]
+        tokenizer = load_tokenizer(s.smollm2_dir)
+        models = [load_model(d, s.smollm2_dir) for d in devices]
         decoders = []
         if s.decode == "static":
             from batchserve.backends.static_decode import StaticDecoder
@@ -105,6 +117,11 @@ class SmolLM2Backend:
                                       max_batch=s.max_batch_size) for m in models]
         return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, models=models,
                    decoders=decoders)
+
+    @classmethod
+    def shell(cls, s: Settings) -> "SmolLM2Backend":
+        """Devices and buckets, no model: the server's side of `--executor process`."""
+        return cls(devices=pick_devices(s.devices), max_new_tokens=s.max_new_tokens)
 
     def device_names(self) -> list[str]:
         return list(self.devices)

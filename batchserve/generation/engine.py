@@ -251,8 +251,8 @@ class Engine:
         def load() -> tuple[Any, Any, Any, float]:
             from batchserve.backends.smollm2 import load_model, load_tokenizer
 
-            tok = load_tokenizer()
-            mdl = load_model(default_device(settings))
+            tok = load_tokenizer(settings.smollm2_dir)
+            mdl = load_model(default_device(settings), settings.smollm2_dir)
             manager = build_manager(mdl, tok, cfg)
             manager.start()
             step_s = warm(manager, tok)
