@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--executors", default="thread,process")
     p.add_argument("--rates", default="1,2", help="offered requests per second, one row each")
+    p.add_argument("--process-rates", default="", help="rates for --executor process (default: --rates)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per row")
     p.add_argument("--sizes", default="1,2,4,8", help="offline batch sizes; the largest is the server's max batch")
     p.add_argument("--repeats", type=int, default=3)
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             server = servers.start(f"executor-{executor}", server_cmd(a, executor), RESULTS / "logs" / started,
                                    timeout_s=a.start_timeout_s)
             try:
-                for k, rate in enumerate(float(r) for r in a.rates.split(",")):
+                rates = a.process_rates if executor == "process" and a.process_rates else a.rates
+                for k, rate in enumerate(float(r) for r in rates.split(",")):
                     row: LoadRow = asyncio.run(run_load(server.base, rate, a.duration, server.pid, seed=k,
                                                         timeout_s=a.timeout_s))
                     d = row.as_dict()
