@@ -98,9 +98,9 @@ class GpuPool:
 
     def seconds_until_free(self, now: float) -> float:
         """Time until the first healthy worker should be free again (0 when one is idle)."""
+        times = self.batcher.batch_s  # a running batch takes the time of its own size
         waits = [
-            0.0 if w.batch is None else max(0.0, w.started + self.batcher.batch_s.at(w.batch.model, len(w.batch.items))
-                                            - now)
+            0.0 if w.batch is None else max(0.0, w.started + times.at(w.batch.model, len(w.batch.items)) - now)
             for w in self.workers
             if w.healthy
         ]

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--decode", default="static", choices=("static", "generate"))
-    p.add_argument("--smollm2-dir", default="", help="transformers-format SmolLM2 (random weights without weight files)")
+    p.add_argument("--smollm2-dir", default="",
+                   help="transformers-format SmolLM2 (random weights when it has no weight files)")
     p.add_argument("--slo-ms", type=float, default=10000.0)
     p.add_argument("--timeout-s", type=int, default=120)
     p.add_argument("--start-timeout-s", type=float, default=600.0)
