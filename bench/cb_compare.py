@@ -241,6 +241,7 @@ def machine() -> dict[str, Any]:
                                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    info["commit"] = info.get("commit") or os.environ.get("COMMIT", "")  # the GPU machine's copy has no .git
     return info
 
 

@@ -107,6 +107,7 @@ def machine() -> dict[str, Any]:
                                         timeout=5, cwd=RESULTS.parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    info["commit"] = info.get("commit") or os.environ.get("COMMIT", "")  # the GPU machine's copy has no .git
     return info
 
 

@@ -16,7 +16,8 @@
 #                 Goal: >= 20,000 tokens/s at 256.
 #
 # Prepare here first:  bash bench/gpu_prep.sh          (wheels into .whl/, tokenizer + config into .gpu/)
-# Device run (see bench/README.md):  command "bash bench/gpu_check.sh", carry [".whl", ".gpu"], timeout_s 330
+# Device run (see bench/README.md): command "COMMIT=<short hash> bash bench/gpu_check.sh", carry [".whl", ".gpu"],
+# timeout_s 330 (bench/gpu_prep.sh prints it with the current commit)
 # CPU smoke test of this same script (tiny sizes, under a minute):  bash bench/gpu_check.sh --cpu
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,8 @@ fi
 {
   "$PY" -c 'import platform, torch, transformers; print("python", platform.python_version(), "torch", torch.__version__,
 "transformers", transformers.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- batchserve bench 2>/dev/null || echo ' (dirty)')"
+  # The GPU machine's copy has no .git: the caller passes COMMIT (bench/gpu_prep.sh prints the call).
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nproc; [[ $cpu == 0 ]] && nvidia-smi -L
 } 2>&1 | tee "$out/info.txt"
 smol=.gpu/smollm2

@@ -22,3 +22,5 @@ echo "wheels: ${pins[*]}"
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${pins[@]}"
 "$PY" -m bench.gpu_prep .gpu/smollm2
 du -sh .whl .gpu
+echo
+echo "device call: run(command=\"COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- batchserve bench || echo +dirty) bash bench/gpu_check.sh\", carry=[\".whl\", \".gpu\"], timeout_s=330)"
