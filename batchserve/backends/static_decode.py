@@ -214,6 +214,8 @@ class Runner:
             if steps % check_every == 0 and steps >= min_tokens and steps < self.max_new:
                 if bool(self.done.all()) or (should_stop is not None and should_stop()):
                     break
+        if self.tokens.is_cuda:  # wait for the last steps with the interpreter lock released (tolist holds it)
+            torch.cuda.current_stream().synchronize()
         return self.tokens[:, :steps].tolist(), steps
 
 
