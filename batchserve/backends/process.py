@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ def serve_device(conn: Connection, factory: Factory, spec: ModelSpec, settings: 
     """The child's main: build the backend for this one device, then answer requests until the pipe closes."""
     if cuda_device:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device  # before torch is imported: this GPU is its cuda:0
+    # Ctrl-C reaches the whole process group: the server drains on it, and still needs its devices meanwhile.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s device{device} %(name)s %(message)s")
     try:
