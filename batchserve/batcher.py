@@ -8,6 +8,9 @@ others queue behind it. The waiting worker takes a batch as soon as one of these
 - the oldest item's dispatch deadline arrives: `arrived + slo − expected batch time − margin`;
 - pacing: `S / G` has passed since the last dispatch (S = learned batch time, G = healthy workers), so with
   G devices dispatches are staggered about S/G apart and every device runs a full-as-possible batch;
+
+S is learned by batch size (`batch_time.BatchTimes`): deadlines and pacing use the S of the batch that would be
+formed now, from the queue's length;
 - the server is draining.
 
 Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
@@ -24,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batchserve import errors
+from batchserve.batch_time import BatchTimes
 from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item
 
 Clock = Callable[[], float]
 
-EWMA_ALPHA = 0.2  # weight of the newest batch in the learned batch time
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
 
 
@@ -49,7 +52,7 @@ class Batcher:
     max_batch_size: int
     slo_s: float
     margin_s: float
-    batch_s: dict[str, float]  # learned batch time per model id, seeded from the backend's guess
+    batch_s: BatchTimes  # learned batch time per model id and batch size, seeded from the backend's guess
     model_limits: dict[str, int] = field(default_factory=dict)  # per model id: a plugin's max_batch_size, if lower
     queues: dict[tuple[str, int], FairQueue] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)  # queued items per model
@@ -187,9 +190,8 @@ class Batcher:
             self._count(item, +1)
         self._wake.set()
 
-    def observe_batch(self, model: str, seconds: float) -> None:
-        old = self.batch_s.get(model, seconds)
-        self.batch_s[model] = old + EWMA_ALPHA * (seconds - old)
+    def observe_batch(self, model: str, seconds: float, size: int) -> None:
+        self.batch_s.observe(model, size, seconds)
 
     def start_drain(self) -> None:
         self.draining = True
@@ -228,9 +230,9 @@ class Batcher:
         return answered
 
     # -- policy ------------------------------------------------------------------------------------------
-    def dispatch_delay(self, model: str) -> float:
-        """How long the oldest item may wait for company: the SLO less one batch and a margin."""
-        return max(0.0, self.slo_s - self.batch_s[model] - self.margin_s)
+    def dispatch_delay(self, model: str, size: int) -> float:
+        """How long the oldest item may wait for company: the SLO less one batch (of `size`) and a margin."""
+        return max(0.0, self.slo_s - self.batch_s.at(model, size) - self.margin_s)
 
     def most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
         best: tuple[str, int] | None = None
@@ -248,8 +250,9 @@ class Batcher:
             elif self.draining:
                 due, cause = now, "drain"
             else:
-                deadline_due = head.arrived + self.dispatch_delay(key[0])
-                pace_due = self.last_dispatch + self.batch_s[key[0]] / max(1, self.healthy_workers)
+                size = min(len(q), self.limit(key[0]))  # the batch formed now
+                deadline_due = head.arrived + self.dispatch_delay(key[0], size)
+                pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
             # Among queues due now, a model served least recently goes first (then the earliest deadline), so
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
@@ -278,7 +281,7 @@ class Batcher:
                 item.record.status = "processing"
         # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
-        interval = self.batch_s[key[0]] / max(1, self.healthy_workers)
+        interval = self.batch_s.at(key[0], len(items)) / max(1, self.healthy_workers)
         self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
         self.served_at[key[0]] = now
         return Batch(key[0], items, now, cause)
@@ -294,7 +297,7 @@ class Batcher:
                 retries.remove(batch)
                 continue
             if (batch.avoid_worker == worker and self.healthy_workers > 1
-                    and now - batch.formed < 2 * self.batch_s[batch.model]):
+                    and now - batch.formed < 2 * self.batch_s.at(batch.model, len(batch.items))):
                 continue
             retries.remove(batch)
             batch.formed = now

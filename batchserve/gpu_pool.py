@@ -130,8 +130,9 @@ class GpuPool:
 
     def seconds_until_free(self, now: float) -> float:
         """Time until the first healthy worker should be free again (0 when one is idle)."""
+        times = self.batcher.batch_s  # a running batch takes the time of its own size
         waits = [
-            0.0 if w.batch is None else max(0.0, w.started + self.batcher.batch_s[w.batch.model] - now)
+            0.0 if w.batch is None else max(0.0, w.started + times.at(w.batch.model, len(w.batch.items)) - now)
             for w in self.workers
             if w.healthy
         ]
@@ -233,7 +234,7 @@ class GpuPool:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
             return None
-        self.batcher.observe_batch(batch.model, cycle)
+        self.batcher.observe_batch(batch.model, cycle, n)
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry"))

@@ -16,6 +16,7 @@ from typing import Callable
 from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.backends.loading import LoadedModels, load_models
+from batchserve.batch_time import BatchTimes
 from batchserve.batcher import Batcher
 from batchserve.core import load_signal
 from batchserve.config import Settings
@@ -64,7 +65,8 @@ class Runtime:
             max_batch_size=settings.max_batch_size,
             slo_s=settings.slo_ms / 1000,
             margin_s=settings.dispatch_margin_ms / 1000,
-            batch_s={spec.id: spec.sim_batch_ms / 1000 for spec in settings.models},
+            batch_s=BatchTimes(settings.max_batch_size,
+                               {spec.id: spec.sim_batch_ms / 1000 for spec in settings.models}),
         )
         admission = Admission(batcher, None, settings.max_queue, settings.slo_ms / 1000, settings.admission_slack)
         requests = RequestLog(settings.request_history)
@@ -99,7 +101,11 @@ class Runtime:
             # The warm-up may have derived the SLO the user left unset (warmup.apply_deadlines).
             self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000
             self.backends.update(loaded.backends)
-            self.batcher.batch_s.update(loaded.batch_s)
+            for model, seconds in loaded.batch_s.items():
+                self.batcher.batch_s.seed(model, seconds)
+            for model, timings in loaded.batch_s_by_size.items():
+                for size, seconds in timings.items():
+                    self.batcher.batch_s.observe(model, size, seconds)
             self.batcher.model_limits.update(loaded.max_batch)
             devices = loaded.devices
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,

@@ -10,8 +10,9 @@ order, each a greedy `generate` running to its longest member (the others are cu
 request's latency is its batch's end. Continuous: every request is queued at t = 0 with its own max_new_tokens,
 at most `batch` sequences at once (the same concurrency, so the same KV memory) unless --cb-seqs says otherwise.
 
-Self-contained on purpose: `bench/gpu_check.sh` runs it where only torch and transformers exist, with a
-LlamaForCausalLM of SmolLM2-135M's exact architecture and random weights (`--random`), prompts of random ids.
+Needs only torch and transformers (and, with `--sampling ours`, this repository's batchserve package): the GPU
+check runs it with a LlamaForCausalLM of SmolLM2-135M's exact architecture and random weights (`--random`),
+prompts of random ids.
 
     python bench/cb_compare.py --random --device cuda --requests 320 --batch 64 --out result.md
     python bench/cb_compare.py --random --tiny          # a CPU smoke test, seconds
@@ -139,7 +140,14 @@ def run_static(model: Any, work: Workload, batch: int, pad_id: int) -> Result:
     return Result("static", batch, len(work.prompts), work.tokens, seconds, latencies, work.max_tokens, work.short)
 
 
-def make_manager(model: Any, max_seqs: int, page_size: int, kv_tokens: int, max_batch_tokens: int | None) -> Any:
+def tristate(value: str) -> bool | None:
+    return {"on": True, "off": False}.get(value)
+
+
+def make_manager(model: Any, max_seqs: int, page_size: int, kv_tokens: int, max_batch_tokens: int | None,
+                 cuda_graphs: str = "auto", async_batching: str = "auto", sampling: str = "library") -> Any:
+    """`cuda_graphs`/`async_batching`: on, off or auto (the library decides); `sampling`: library (plain greedy)
+    or ours (batchserve's per-request processors, sync-free on CUDA: what the server's engine runs)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -151,19 +159,27 @@ def make_manager(model: Any, max_seqs: int, page_size: int, kv_tokens: int, max_
         **{size_field: page_size}, num_blocks=-(-kv_tokens // page_size) if kv_tokens else None,
         max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_seqs, safety_margin=0.0,
         max_memory_percent=None if model.device.type == "cpu" else 0.5,
+        **({"use_cuda_graph": tristate(cuda_graphs)} if cuda_graphs != "auto" else {}),
+        **({"use_async_batching": tristate(async_batching)} if async_batching != "auto" else {}),
+        **({"per_request_processors": True} if sampling == "ours" else {}),
     )
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    if sampling == "ours":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from batchserve.generation import sampling as ours
+
+        manager.logit_processor = ours.processors(sync_free=model.device.type != "cpu")
     manager.warmup()
     return manager
 
 
 def run_continuous(model: Any, work: Workload, max_seqs: int, page_size: int = 64, kv_tokens: int = 0,
-                   max_batch_tokens: int | None = None) -> Result:
+                   max_batch_tokens: int | None = None, **options: str) -> Result:
     """Every request queued at t = 0 with its own max_new_tokens; at most `max_seqs` decode at once.
 
     Not under inference_mode: transformers 5.17 (the GPU machine's) builds tensors in warmup() that its thread,
     outside inference mode, then updates in place; the library applies no_grad itself."""
-    manager = make_manager(model, max_seqs, page_size, kv_tokens, max_batch_tokens)
+    manager = make_manager(model, max_seqs, page_size, kv_tokens, max_batch_tokens, **options)
     manager.start()
     try:
         warm = manager.add_request(work.prompts[0], request_id="warm", max_new_tokens=4, eos_token_id=-1)
@@ -196,8 +212,9 @@ def run_continuous(model: Any, work: Workload, max_seqs: int, page_size: int = 6
 
 
 def markdown(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
+    first = "static" if base["mode"] == "static" else "first row"
     head = ["mode", "concurrency", "requests", "output_tokens", "seconds", "tokens_per_s", "short_p50_s",
-            "long_p50_s", "tokens/s vs static", "short p50 static / this"]
+            "long_p50_s", f"tokens/s vs {first}", f"short p50 {first} / this"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         speed = r["tokens_per_s"] / base["tokens_per_s"]
@@ -224,6 +241,7 @@ def machine() -> dict[str, Any]:
                                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    info["commit"] = info.get("commit") or os.environ.get("COMMIT", "")  # the GPU machine's copy has no .git
     return info
 
 
@@ -254,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--kv-tokens", type=int, default=0, help="KV-cache capacity (0 = the library sizes it)")
     ap.add_argument("--out", default="", help="also write the table (markdown) and a .json beside it")
+    ap.add_argument("--skip-static", action="store_true", help="continuous rows only (ratios to the first)")
+    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--async-batching", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--sampling", default="library", choices=("library", "ours"),
+                    help="ours: batchserve's per-request sampling processors, as the server's engine runs them")
     args = ap.parse_args(argv)
     if not args.random:
         ap.error("only --random is supported here (bench/generation_bench.py runs the real weights)")
@@ -269,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Static vs continuous batching, {args.requests} requests (80 % x {args.short} tokens, 20 % x "
               f"{args.long}), prompts of {args.prompt_len} random ids, random weights, {args.device} {dtype}\n")
     info = machine()
-    # warm the static path once (kernels, allocator) so neither mode pays start-up in its timing
-    run_static(model, Workload.mixed(prompts[: min(4, len(prompts))], 2, 2), 4, pad_id=0)
-    results = [run_static(model, work, args.batch, pad_id=0).row()]
-    print(f"static: {results[-1]}", flush=True)
-    save(args.out, header, results, info, settings)
+    results = []
+    if not args.skip_static:
+        # warm the static path once (kernels, allocator) so neither mode pays start-up in its timing
+        run_static(model, Workload.mixed(prompts[: min(4, len(prompts))], 2, 2), 4, pad_id=0)
+        results.append(run_static(model, work, args.batch, pad_id=0).row())
+        print(f"static: {results[-1]}", flush=True)
+        save(args.out, header, results, info, settings)
+    options = {"cuda_graphs": args.cuda_graphs, "async_batching": args.async_batching, "sampling": args.sampling}
     for seqs in [args.batch, *(int(s) for s in args.cb_seqs.split(",") if s)]:
-        results.append(run_continuous(model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens).row())
+        results.append(run_continuous(model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens,
+                                      **options).row())
         print(f"continuous: {results[-1]}", flush=True)
         save(args.out, header, results, info, settings)  # after every row: a timeout still leaves the rows so far
     print("\n" + header + "\n" + markdown(results, results[0]) + "\n", flush=True)

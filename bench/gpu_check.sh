@@ -1,35 +1,67 @@
 #!/usr/bin/env bash
-# Issue 6 GPU check: static vs continuous batching on CUDA, one call, about 2-3 minutes on an H100 (capped:
-# 90 s for the batch-time sweep + 190 s for the comparison, under 5 minutes in all).
+# Issue 13's GPU check: one call, at most 5 minutes (each part under its own timeout), every table written to
+# $OUT as soon as it has a row. SmolLM2-135M's exact architecture with random weights (the GGUF cannot travel).
 #
-# A LlamaForCausalLM of SmolLM2-135M-Instruct's exact architecture with random weights (the weights cannot travel
-# there) and prompts of random token ids; 384 requests at t = 0, 80 % x 16 tokens and 20 % x 256 (EOS ignored).
-# Rows: static batches of 64 (`generate` to each batch's longest member), continuous batching with at most 64
-# sequences (same concurrency), and with 256 (KV-bound, the point of continuous batching). Needs python3 with
-# torch and transformers only (bench/cb_compare.py imports nothing else, never the GGUF loader).
+#   1. static.md  offline batch time by batch size (1, 8, 32, 64, 100; 32-id prompts x 64 new tokens, EOS
+#                 ignored): transformers generate (the old path), our static decoder eager and with CUDA graphs
+#                 (the new path), and the shared anchor's graph loop (bench/anchor/, a verbatim copy).
+#                 Goal: graph <= 1.3 x anchor at 100.
+#   2. server.md  `batchserve serve --backend smollm2 --smollm2-dir .gpu/smollm2` (static decode, thread
+#                 executor) under open-loop load at 100, 200 and 300 requests/s, then the process executor at
+#                 300: achieved rate, p95 (client and server), mean batch, batch time in the server vs offline,
+#                 server CPU, /healthz latency during the load. Goals: in-server within 1.1 x offline; >= 300/s
+#                 at p95 <= 3 x the batch time.
+#   3. cb.md      continuous batching (transformers' manager with CUDA graphs and batchserve's sampling), 384
+#                 requests (80 % x 16 tokens, 20 % x 256), at most 64 and 256 sequences: output tokens/s.
+#                 Goal: >= 20,000 tokens/s at 256.
 #
-#   bash bench/gpu_check.sh           # on the GPU machine: prints the table, writes it to $OUT (only if set)
-#   bash bench/gpu_check.sh --tiny    # CPU smoke test of this same script (a 2-layer model, seconds)
-#   OUT=bench/results bash bench/gpu_check.sh   # record into the checkout
-set -euo pipefail
+# Prepare here first:  bash bench/gpu_prep.sh          (wheels into .whl/, tokenizer + config into .gpu/)
+# Device run (see bench/README.md): command "COMMIT=<short hash> bash bench/gpu_check.sh", carry [".whl", ".gpu"],
+# timeout_s 330 (bench/gpu_prep.sh prints it with the current commit)
+# CPU smoke test of this same script (tiny sizes, under a minute):  bash bench/gpu_check.sh --cpu
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-out=${OUT:-}
-if [[ -n "$out" ]]; then mkdir -p "$out"; fi
-to() { if [[ -n "$out" ]]; then echo --out "$out/$1"; fi; }  # --out FILE only when $OUT is set
-
-"$PY" -c 'import platform, torch, transformers; print("python", platform.python_version(), "torch", torch.__version__,
-"transformers", transformers.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
-
-if [[ "${1:-}" == "--tiny" ]]; then
-  args=(--tiny --device cpu --requests 10 --batch 4 --long 32 $(to gpu-check-tiny.md))
-  sweep=(--tiny --device cpu --sizes 1,4 --repeats 1 $(to gpu-sweep-tiny.md))
-else
-  sweep=(--device cuda $(to gpu-sweep.md))
-  nvidia-smi -L || true
-  args=(--device cuda --requests 384 --batch 64 --cb-seqs 256 --kv-tokens 131072 $(to gpu-check.md))
+# Tables go to $OUT (on the GPU machine, what comes back); without it to a temporary folder, never the checkout.
+out=${OUT:-$(mktemp -d -t gpu-check.XXXXXX)}
+mkdir -p "$out"
+echo "tables in $out"
+cpu=0
+[[ "${1:-}" == "--cpu" || "${1:-}" == "--tiny" ]] && cpu=1
+if [[ $cpu == 0 ]] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# The static batchstring path's batch time by batch size (what the batcher learns as S), then the comparison.
-timeout 90 "$PY" bench/gpu_batch_sweep.py "${sweep[@]}" || echo "batch sweep failed or timed out (exit $?)"
-timeout 190 "$PY" bench/cb_compare.py --random "${args[@]}"
+{
+  "$PY" -c 'import platform, torch, transformers; print("python", platform.python_version(), "torch", torch.__version__,
+"transformers", transformers.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))'
+  # The GPU machine's copy has no .git: the caller passes COMMIT (bench/gpu_prep.sh prints the call).
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  nproc; [[ $cpu == 0 ]] && nvidia-smi -L
+} 2>&1 | tee "$out/info.txt"
+smol=.gpu/smollm2
+if [[ $cpu == 1 ]]; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  timeout 30 "$PY" bench/gpu_static_bench.py --device cpu --tiny --sizes 1,4 --repeats 1 --new-tokens 8 \
+    --out "$out/static.md" || echo "static bench failed or timed out (exit $?)"
+  if [[ -f $smol/config.json ]]; then
+    timeout 60 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors thread --rates 2 --duration 4 \
+      --sizes 1,2 --repeats 1 --max-new-tokens 2 --start-timeout-s 50 --out "$out/server.md" \
+      || echo "server bench failed or timed out (exit $?)"
+  else
+    echo "no $smol (run bash bench/gpu_prep.sh): server part skipped"
+  fi
+  timeout 30 "$PY" bench/cb_compare.py --random --tiny --device cpu --requests 10 --batch 4 --long 32 --cb-seqs 8 --kv-tokens 2048 \
+    --skip-static --sampling ours --out "$out/cb.md" || echo "continuous batching bench failed (exit $?)"
+  exit 0
+fi
+[[ -f $smol/config.json ]] || echo "no $smol: carry .gpu (made by bash bench/gpu_prep.sh); the server part will fail"
+timeout 85 "$PY" bench/gpu_static_bench.py --sizes 1,8,32,64,100 --repeats 3 --out "$out/static.md" \
+  || echo "static bench failed or timed out (exit $?)"
+timeout 125 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors thread,process --rates 100,200,300 \
+  --process-rates 300 --duration 6 --sizes 1,8,32,64,100 --repeats 2 --max-new-tokens 64 --slo-ms 1000 \
+  --timeout-s 30 --start-timeout-s 60 --out "$out/server.md" || echo "server bench failed or timed out (exit $?)"
+timeout 75 "$PY" bench/cb_compare.py --random --device cuda --requests 384 --batch 64 --cb-seqs 256 \
+  --kv-tokens 131072 --skip-static --cuda-graphs on --sampling ours --out "$out/cb.md" \
+  || echo "continuous batching bench failed or timed out (exit $?)"

@@ -61,7 +61,7 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("BATCHSERVE_")}
 
 
-def start(name: str, cmd: list[str], log_dir: Path) -> Server:
+def start(name: str, cmd: list[str], log_dir: Path, timeout_s: float = START_TIMEOUT_S) -> Server:
     """Start `cmd`, read the port from uvicorn's "running on" line, wait for GET /readyz to answer 200."""
     log_dir.mkdir(parents=True, exist_ok=True)
     server = Server(name, cmd, log_dir / f"{name}.log")
@@ -72,7 +72,7 @@ def start(name: str, cmd: list[str], log_dir: Path) -> Server:
     finally:
         log.close()
     _started.append(server)
-    give_up = time.monotonic() + START_TIMEOUT_S
+    give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
         if server.proc.poll() is not None:
             raise ServerFailed(f"{name} exited with {server.proc.returncode}:\n{server.log_tail()}")
@@ -84,7 +84,7 @@ def start(name: str, cmd: list[str], log_dir: Path) -> Server:
             return server
         time.sleep(0.1)
     stop(server)
-    raise ServerFailed(f"{name} was not ready within {START_TIMEOUT_S:.0f}s:\n{server.log_tail()}")
+    raise ServerFailed(f"{name} was not ready within {timeout_s:.0f}s:\n{server.log_tail()}")
 
 
 def ready(base: str) -> bool:

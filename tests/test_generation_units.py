@@ -105,3 +105,33 @@ def test_top_p_masks_the_tail_only_where_asked() -> None:
     out = TopP()(scores, floats(0.7, 1.0))
     assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
     assert torch.equal(out[1], scores[1])
+
+
+def test_sync_free_processors_give_the_same_tokens_over_all_rows_at_once() -> None:
+    """The CUDA form (every row in one tensor op, no host sync) against the CPU form (only the rows that ask):
+    same masks, same seeded draws, greedy rows untouched."""
+    torch.manual_seed(0)
+    scores = torch.randn(6, 300)
+    top_p = floats(0.5, 1.0, 0.9, 1.0, 0.2, 1.0)
+    choice = keys(step_key(3, 0), GREEDY, step_key(3, 1), GREEDY, step_key(9, 4), step_key(1, 2))
+    assert torch.equal(TopP(sync_free=True)(scores, top_p), TopP()(scores, top_p))
+    masked = TopP()(scores, top_p)
+    assert torch.equal(TokenChoice(sync_free=True)(masked, choice), TokenChoice()(masked, choice))
+    out = TokenChoice(sync_free=True)(masked, choice)
+    assert torch.equal(out[1], scores[1]) and torch.equal(out[3], scores[3])
+    assert all(int(torch.isfinite(out[i]).sum()) == 1 for i in (0, 2, 4, 5))
+
+
+def test_sync_free_processors_trace_as_one_graph() -> None:
+    """What the manager's CUDA graph capture needs: torch.compile(fullgraph=True) fails on any host sync or
+    branch on values, which the CPU form has by design and the CUDA form must not."""
+    scores = torch.randn(4, 100)
+    top_p, choice = floats(0.5, 1.0, 0.9, 1.0), keys(step_key(3, 0), GREEDY, SAMPLE, GREEDY)
+
+    def step(s: torch.Tensor) -> torch.Tensor:
+        return TokenChoice(sync_free=True)(TopP(sync_free=True)(s, top_p), choice)
+
+    out = torch.compile(step, backend="eager", fullgraph=True)(scores)
+    assert torch.equal(out[1], scores[1]) and int(torch.isfinite(out[0]).sum()) == 1
+    with pytest.raises(Exception, match="(?i)data-dependent|graph break|dynamic"):
+        torch.compile(lambda s: TokenChoice()(s, choice), backend="eager", fullgraph=True)(scores)

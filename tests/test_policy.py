@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from batchserve.batch_time import BatchTimes
 from batchserve.batcher import Batch, Batcher
 from batchserve.core import tiers
 from batchserve.core.admission import Admission, predicted_latency_s
@@ -44,8 +45,8 @@ def make_item(loop, text: str = "x", arrived: float = 1000.0, tier: int = PAID, 
 
 def make_batcher(clock: Clock, workers: int = 1, max_batch: int = 100, slo_s: float = 0.2,
                  models: tuple[str, ...] = ("m",)) -> Batcher:
-    return Batcher(max_batch_size=max_batch, slo_s=slo_s, margin_s=0.005, batch_s={m: S for m in models},
-                   healthy_workers=workers, clock=clock)
+    return Batcher(max_batch_size=max_batch, slo_s=slo_s, margin_s=0.005,
+                   batch_s=BatchTimes(max_batch, {m: S for m in models}), healthy_workers=workers, clock=clock)
 
 
 # -- fair queue -----------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ cycle as the event loop sees it takes over.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from concurrent.futures import Future
@@ -32,6 +31,7 @@ class LoadedModels:
     devices: list[str]  # the default model's devices: one worker each
     threads: list[DeviceThread]  # one per device, where its setup, warm-up and batches run
     batch_s: dict[str, float]  # model id -> batch time to start from
+    batch_s_by_size: dict[str, dict[int, float]]  # model id -> batch seconds by size the warm-up measured
     max_batch: dict[str, int]  # model id -> most inputs per batch (the server's, or the plugin's if lower)
 
 
@@ -47,7 +47,8 @@ def load_models(settings: Settings) -> LoadedModels:
                 f"{len(devices)}; each worker runs every model on its own device")
     threads = [DeviceThread(name) for name in devices]
     _on_every_device(threads, backends, "setup")
-    warm_s = _on_every_device(threads, backends, "warm")
+    by_size: dict[str, dict[int, float]] = {model: {} for model in backends}
+    warm_s = _on_every_device(threads, backends, "warm", by_size)
     batch_s = {model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
                for model, b in backends.items()}
     measured = {model: batch_s[model] for model, b in backends.items() if b.initial_batch_s is None}
@@ -55,14 +56,15 @@ def load_models(settings: Settings) -> LoadedModels:
         apply_deadlines(settings, max(measured.values()))
     max_batch = {model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size)
                  for model, b in backends.items()}
-    return LoadedModels(backends, devices, threads, batch_s, max_batch)
+    return LoadedModels(backends, devices, threads, batch_s, by_size, max_batch)
 
 
-def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend],
-                     step: str) -> dict[str, list[float]]:
+def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend], step: str,
+                     by_size: dict[str, dict[int, float]] | None = None) -> dict[str, list[float]]:
     """Run `setup` or `warm` of every backend on every device, each device on its own thread (devices in
     parallel); the seconds each took, per model. The first failure raises PluginError."""
-    futures: list[Future[dict[str, float]]] = [t.call(_run_step, backends, i, step) for i, t in enumerate(threads)]
+    futures: list[Future[dict[str, float]]] = [t.call(_run_step, backends, i, step, by_size)
+                                               for i, t in enumerate(threads)]
     took: dict[str, list[float]] = {model: [] for model in backends}
     for future in futures:
         for model, seconds in future.result().items():
@@ -70,19 +72,30 @@ def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend],
     return took
 
 
-def _run_step(backends: dict[str, Backend], device: int, step: str) -> dict[str, float]:
+def _run_step(backends: dict[str, Backend], device: int, step: str,
+              by_size: dict[str, dict[int, float]] | None = None) -> dict[str, float]:
     """`setup` once; `warm` once for a backend that declares its batch time, else until it is stable (the
-    seconds returned are then the stable batch time)."""
+    seconds returned are then the stable batch time). Batch times by size that the last warm-up round
+    returned go to `by_size` (the slowest device's, per size)."""
     took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]
         started = time.perf_counter()
         try:
             if step == "warm" and backend.initial_batch_s is None:
-                warm = warm_until_stable(functools.partial(backend.warm, device))
+                last: list[dict[int, float] | None] = [None]
+
+                def round_(backend: Backend = backend) -> None:
+                    last[0] = backend.warm(device)
+
+                warm = warm_until_stable(round_)
                 log.info("warmed %s on %s: %s ms%s", model, where, ", ".join(f"{t * 1000:.0f}" for t in warm.rounds_s),
                          "" if warm.stable else " (not stable)")
                 took[model] = warm.batch_s
+                if by_size is not None and last[0]:
+                    sizes = by_size[model]  # the dicts are per model; devices run in parallel threads
+                    for size, seconds in last[0].items():
+                        sizes[size] = max(seconds, sizes.get(size, 0.0))
                 continue
             getattr(backend, step)(device)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, before the port opens

@@ -23,7 +23,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from batchserve.backends import OUTPUT_KINDS, Resolved, describe, resolve_backend
+from batchserve.backends import OUTPUT_KINDS, Backend, PluginError, Resolved, describe, resolve_backend
 from batchserve.config import ModelSpec, Settings
 
 WARM_UP_INPUTS = ["warm-up"]  # what a plugin without its own warm() is warmed with
@@ -104,13 +104,16 @@ class PluginBackend:
         if self.setup_fn is not None:
             self.setup_fn(self.devices[device])
 
-    def warm(self, device: int) -> None:
+    def warm(self, device: int) -> dict[int, float] | None:
+        """Warm the device; the plugin's warm may return batch seconds by batch size it measured."""
         if self.warm_fn is None:
             self.run(device, list(WARM_UP_INPUTS))
-        elif self.warm_takes_device:
-            self.warm_fn(self.devices[device])
-        else:
-            self.warm_fn()
+            return None
+        timings = self.warm_fn(self.devices[device]) if self.warm_takes_device else self.warm_fn()
+        if isinstance(timings, dict) and all(isinstance(k, int) and isinstance(v, int | float)
+                                             for k, v in timings.items()):
+            return {k: float(v) for k, v in timings.items()}
+        return None
 
     def run(self, device: int, inputs: list[str]) -> list:
         return self._runs[device](inputs)
@@ -122,12 +125,16 @@ class PluginBackend:
         return self.count_fn(texts) if self.count_fn is not None else None
 
 
-def build(resolved: Resolved, spec: ModelSpec, settings: Settings) -> object:
-    """The plugin object the name points at, built with the model's options."""
+def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool = False) -> object:
+    """The plugin object the name points at, built with the model's options. A `shell` is the server-side
+    twin of a plugin whose batches run in device processes (`--executor process`): a class's `shell(settings)`
+    when it has one (it knows devices and buckets but loads no model), else the plugin itself."""
     target, options = resolved.target, spec.options
     if inspect.isclass(target):
-        if callable(getattr(target, "from_settings", None)):
-            maker: Callable[..., object] = functools.partial(target.from_settings, spec, settings)
+        if shell and callable(getattr(target, "shell", None)):
+            maker: Callable[..., object] = functools.partial(target.shell, settings)
+        elif callable(getattr(target, "from_settings", None)):
+            maker = functools.partial(target.from_settings, spec, settings)
         else:
             if not _accepts(target, **options):
                 raise resolved.error(f"the options {sorted(options)} do not fit the constructor "
@@ -152,9 +159,9 @@ def build(resolved: Resolved, spec: ModelSpec, settings: Settings) -> object:
         raise resolved.error(f"building the plugin raised {describe(exc)}") from None
 
 
-def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings) -> PluginBackend:
+def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool = False) -> PluginBackend:
     """Build the plugin and check its shape; PluginError names what does not fit."""
-    obj = build(resolved, spec, settings)
+    obj = build(resolved, spec, settings, shell)
     err = resolved.error
     plain = _is_function(obj)
     if plain:
@@ -221,6 +228,23 @@ def _devices(obj: object | None, settings: Settings, err: Callable[[str], Except
     return list(given)
 
 
-def make_backend(spec: ModelSpec, settings: Settings) -> PluginBackend:
-    """Resolve, build and adapt the backend of one model version; PluginError when it cannot be served."""
+def make_backend(spec: ModelSpec, settings: Settings) -> Backend:
+    """Resolve, build and adapt the backend of one model version; PluginError when it cannot be served. With
+    `--executor process` its batches run in one spawned process per device (process.py)."""
+    resolved = resolve_backend(spec.backend)
+    if settings.executor == "process":
+        from batchserve.backends.process import ProcessBackend
+
+        try:
+            return ProcessBackend.start(spec, settings, adapt(resolved, spec, settings, shell=True),
+                                        make_local_backend)
+        except PluginError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a child that could not build the backend: one line
+            raise resolved.error(f"the device process failed: {describe(exc)}") from None
+    return adapt(resolved, spec, settings)
+
+
+def make_local_backend(spec: ModelSpec, settings: Settings) -> PluginBackend:
+    """The backend in this process (what a device process builds for its one device)."""
     return adapt(resolve_backend(spec.backend), spec, settings)

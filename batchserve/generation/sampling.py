@@ -1,14 +1,21 @@
-"""Per-request temperature, top_p, greedy and seed for transformers' continuous batching.
+"""Per-request temperature, top_p, greedy and seed for transformers' continuous batching, computed on the device.
 
-The library has per-request temperature and top_p processors, but with them every row of every step pays a full
-vocabulary sort (top_p) and a `torch.multinomial`: measured on this CPU, 34 ms + 16 ms for 16 rows, more than the
-model's own forward pass. And its sampling is one draw for the whole batch: no greedy request beside a sampled
-one, no per-request seed. So the manager runs greedy (argmax) and these processors make the argmax a sample:
+The library has per-request temperature and top_p processors, but its sampling is one draw for the whole batch:
+no greedy request beside a sampled one, no per-request seed. So the manager runs greedy (argmax) and these
+processors make the argmax a sample:
 - temperature: the library's per-request processor (one cheap division);
-- `TopP`: masks the tail only in rows that ask for top_p < 1;
+- `TopP`: masks the tail of the rows that ask for top_p < 1;
 - `TokenChoice`: draws the token of each sampling row by inverse CDF (one uniform per row, against the cumulative
   softmax) and leaves only that token's score finite. A seeded row's uniform is a hash of (seed, token index), so it
   gets the same tokens whatever else shares its batches. Greedy rows are left alone.
+
+Where the work happens (issue 13): per request, on the host, only each row's argument is gathered, as the
+library's own processors do (`prepare_tensor_args`: a top_p, or the seeded row's hash key); the library copies
+those arguments to the device in one block. The sampling itself is tensor work over all rows at once (a sort,
+a softmax, a cumulative sum, a search, a scatter), run on the device inside the manager's step. On CUDA the
+processors are built `sync_free`: no host sync and no branch on values, so the manager can capture them in its
+CUDA graph with the forward. On a CPU, where a sync is free and a vocabulary sort is not (34 ms for 16 rows), they
+first look which rows asked and work on those only.
 """
 
 from __future__ import annotations
@@ -43,11 +50,36 @@ def _floats(values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device="cpu").view(dtype=torch.int32)
 
 
+def mask_top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filtering, row by row: beyond the smallest set of top tokens holding `top_p` of the probability
+    the scores become -inf (the top token is always kept). Rows with top_p >= 1 are returned unchanged."""
+    ordered, order = scores.sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs > top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+    return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
+def choose_tokens(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each row's token drawn by inverse CDF and left as its only finite score; GREEDY rows come back as they
+    were. A seeded row's uniform is its key (+ 0.5) / 2^31, an unseeded row's comes from the default generator
+    of the scores' device (CUDA graphs replay it with fresh offsets)."""
+    seeded = keys >= 0
+    fresh = torch.rand(keys.shape, dtype=torch.float64, device=scores.device)
+    u = torch.where(seeded, (keys.to(torch.float64) + 0.5) / (MASK31 + 1), fresh).to(torch.float32)
+    cdf = scores.softmax(dim=-1).cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:]).clamp_(max=scores.size(-1) - 1)
+    chosen = torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
+    return torch.where((keys == GREEDY).unsqueeze(-1), scores, chosen)
+
+
 class TopP(ContinuousBatchingLogitsProcessor):
-    """Nucleus filtering, computed only for the rows that ask for it."""
+    """Nucleus filtering per request (`top_p`)."""
 
     supported_kwargs: dict[str, type] = {"top_p": float}
     ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, sync_free: bool = False) -> None:
+        self.sync_free = sync_free
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.copy_(torch.ones_like(int32_tensor, dtype=torch.float32).view(dtype=torch.int32))
@@ -57,15 +89,13 @@ class TopP(ContinuousBatchingLogitsProcessor):
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         top_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32).to(scores.device)
+        if self.sync_free:
+            return mask_top_p(scores, top_p)
         rows = (top_p < 1.0).nonzero().squeeze(-1)
         if rows.numel() == 0:
             return scores
-        sub = scores[rows]
-        ordered, order = sub.sort(dim=-1, descending=True)
-        probs = ordered.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > top_p[rows].unsqueeze(-1)  # the top token is always kept
         out = scores.clone()
-        out[rows] = sub.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        out[rows] = mask_top_p(scores[rows], top_p[rows])
         return out
 
 
@@ -74,6 +104,9 @@ class TokenChoice(ContinuousBatchingLogitsProcessor):
 
     supported_kwargs: dict[str, type] = {SEED_KEY: int}
     ignored_kwargs: tuple[str, ...] = (STEP_KEY,)
+
+    def __init__(self, sync_free: bool = False) -> None:
+        self.sync_free = sync_free
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(GREEDY)
@@ -91,31 +124,26 @@ class TokenChoice(ContinuousBatchingLogitsProcessor):
         return torch.tensor(keys, dtype=torch.int32, device="cpu")
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        keys = tensor_arg[: scores.size(0)].tolist()
-        rows = [i for i, k in enumerate(keys) if k != GREEDY]
-        if not rows:
+        keys = tensor_arg[: scores.size(0)].to(scores.device)
+        if self.sync_free:
+            return choose_tokens(scores, keys)
+        rows = (keys != GREEDY).nonzero().squeeze(-1)
+        if rows.numel() == 0:
             return scores
-        # One uniform per row: the global generator's, or a pure function of (seed, token index).
-        u = torch.tensor([(keys[i] + 0.5) / (MASK31 + 1) if keys[i] >= 0 else float("nan") for i in rows])
-        unseeded = u.isnan()
-        u[unseeded] = torch.rand(int(unseeded.sum()))
-        index = torch.tensor(rows, device=scores.device)
-        cdf = scores[index].softmax(dim=-1).cumsum(dim=-1)
-        drawn = torch.searchsorted(cdf, u.to(cdf.device).unsqueeze(-1) * cdf[:, -1:]).clamp_(max=scores.size(-1) - 1)
-        chosen = torch.full_like(cdf, float("-inf")).scatter_(-1, drawn, 0.0)
         out = scores.clone()
-        out[index] = chosen
+        out[rows] = choose_tokens(scores[rows], keys[rows])
         return out
 
 
-def processors() -> ContinuousBatchingLogitsProcessorList:
+def processors(sync_free: bool = False) -> ContinuousBatchingLogitsProcessorList:
     """The per-request processor list for a greedy manager: temperature (the library's), TopP, TokenChoice.
+    `sync_free` (for CUDA) keeps every step free of host syncs, so a CUDA graph can hold it.
 
     Assign it to `manager.logit_processor` before the manager builds its batch processor, which sizes the
     per-request argument tensor from `tensors_required`."""
     plist = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([TemperatureLogitsWarper(0.5)]),
                                                   per_request_processors=True)
-    for proc in (TopP(), TokenChoice()):
+    for proc in (TopP(sync_free), TokenChoice(sync_free)):
         plist.logits_processor.append(proc)
         plist.tensors_required += 1
         plist.supported_keys.update(proc.supported_kwargs)

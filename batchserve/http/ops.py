@@ -64,6 +64,8 @@ async def internal_health(request: Request) -> Response:
         "inflight": rt.service.inflight,
         "batch_ms": {m: round(v * 1000, 1) for m, v in rt.batcher.batch_s.items()},
         "slo_ms": rt.settings.slo_ms, "timeout_ms": rt.settings.timeout_ms,  # set, or derived from the warm-up
+        "batch_ms_by_size": {m: {str(n): round(v * 1000, 1) for n, v in rt.batcher.batch_s.by_size(m).items()}
+                             for m in rt.batcher.batch_s.models()},
         "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
         "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
         "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)

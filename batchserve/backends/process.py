@@ -1,0 +1,213 @@
+"""`--executor process`: each device's backend runs in its own spawned process (issue 13).
+
+Why: a worker thread shares the server's interpreter lock. A backend whose batch holds it for long stretches
+(transformers' `generate` launching ~600 kernels a step from Python, a CPU model's per-op dispatch, tokenizing
+and detokenizing) slows the event loop, and the event loop slows the batch. In its own process a device's batch
+holds only its own interpreter: the server's worker thread just waits on a pipe, with the lock released.
+
+The pool's contract is unchanged: `ProcessBackend` is a Backend, so the worker threads still pull one batch at
+a time per device, and bisection, the watchdog and hang handling work as before (a hung child keeps its worker
+thread waiting, exactly like a hung call in a thread). The batch and its outputs travel over a pipe (pickled
+lists of strings: microseconds to a few milliseconds, beside a batch of tens of milliseconds or more).
+
+Each child is spawned (never forked: CUDA and threads do not survive a fork), sees only its own GPU
+(`CUDA_VISIBLE_DEVICES`), builds the backend for one device and answers `warm` and `run` requests until the pipe
+closes. A failure in a batch comes back as an exception in the parent (bisection takes it from there); a child
+that dies is respawned by the next batch sent to its device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from batchserve.config import ModelSpec, Settings
+
+log = logging.getLogger("batchserve.process")
+
+Factory = Callable[[ModelSpec, Settings], Any]  # builds the backend in the child (a module-level function)
+
+
+class DeviceProcessError(RuntimeError):
+    """A batch failed inside a device process (the child's exception type and message), or the process died."""
+
+
+def child_settings(settings: Settings, device: int) -> Settings:
+    """The settings a device's child builds its backend with: one device, which is its device 0."""
+    return dataclasses.replace(settings, devices=1,
+                               sim_flaky_device=0 if settings.sim_flaky_device == device else -1,
+                               models=list(settings.models))
+
+
+def serve_device(conn: Connection, factory: Factory, spec: ModelSpec, settings: Settings, device: int,
+                 cuda_device: str) -> None:
+    """The child's main: build the backend for this one device, then answer requests until the pipe closes."""
+    if cuda_device:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device  # before torch is imported: this GPU is its cuda:0
+    # Ctrl-C reaches the whole process group: the server drains on it, and still needs its devices meanwhile.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s device{device} %(name)s %(message)s")
+    try:
+        backend = factory(spec, child_settings(settings, device))
+        setup = getattr(backend, "setup", None)
+        if setup is not None:
+            setup(0)  # in the child, on the thread that will run its batches
+        conn.send(("ok", None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails its start-up
+        conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the server is gone
+            return
+        op, args = request
+        try:
+            result = backend.warm(0) if op == "warm" else backend.run(0, args)
+            conn.send(("ok", result))
+        except BaseException as exc:  # noqa: BLE001 - one batch's failure is the parent's to handle
+            conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+@dataclass
+class DeviceProcess:
+    """One device's child process and the parent's end of its pipe. Used by one thread at a time (the device's
+    worker, or start-up before the workers exist)."""
+
+    factory: Factory
+    spec: ModelSpec
+    settings: Settings
+    index: int
+    cuda_device: str  # "" on a CPU or for the sim
+    conn: Connection | None = None
+    proc: Any = None  # multiprocessing.Process
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve_device, name=f"batchserve-device{self.index}", daemon=True,
+                                args=(child, self.factory, self.spec, self.settings, self.index, self.cuda_device))
+        self.proc.start()
+        child.close()
+        self.conn = parent
+
+    def ready(self) -> None:
+        """Wait for the child to have built its backend; raise its error if it could not."""
+        self._answer()
+
+    def call(self, op: str, args: Any = None) -> Any:
+        with self.lock:
+            if self.conn is None or not self.proc.is_alive():
+                log.warning("device %d's process is gone: starting a new one", self.index)
+                self.stop()
+                self.start()
+                self.ready()
+                self._send(("warm", None))  # a fresh process pays its one-time costs before the batch
+                self._answer()
+            self._send((op, args))
+            return self._answer()
+
+    def _send(self, message: tuple) -> None:
+        assert self.conn is not None
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError) as exc:
+            self.conn = None
+            raise DeviceProcessError(f"device {self.index}'s process is gone ({exc})") from None
+
+    def _answer(self) -> Any:
+        assert self.conn is not None
+        try:
+            reply = self.conn.recv()  # blocks with the interpreter lock released
+        except (EOFError, OSError):
+            self.conn = None
+            code = self.proc.exitcode if self.proc is not None else None
+            raise DeviceProcessError(f"device {self.index}'s process exited (code {code})") from None
+        if reply[0] == "ok":
+            return reply[1]
+        log.debug("device %d: %s", self.index, reply[2])
+        raise DeviceProcessError(reply[1])
+
+    def stop(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.join(timeout=5)
+            if self.proc.is_alive():
+                self.proc.terminate()
+
+
+@dataclass
+class ProcessBackend:
+    """A Backend whose batches run in one child process per device. `local` answers what needs no model
+    (device names, buckets, the first guess of the batch time) in the server process."""
+
+    local: Any  # the backend's lightweight twin: never asked to run a batch here
+    devices: list[DeviceProcess]
+
+    @classmethod
+    def start(cls, spec: ModelSpec, settings: Settings, local: Any, factory: Factory) -> "ProcessBackend":
+        """Spawn a child per device of `local`, each building its backend with `factory`."""
+        names = local.device_names()
+        cuda = [name.split(":", 1)[1] if name.startswith("cuda:") else "" for name in names]
+        devices = [DeviceProcess(factory, spec, settings, i, cuda[i]) for i in range(len(names))]
+        for d in devices:  # every child loads its model at once
+            d.start()
+        try:
+            for d in devices:
+                d.ready()
+        except BaseException:
+            for d in devices:
+                d.stop()
+            raise
+        log.info("%s runs in %d device process(es)", spec.id, len(devices))
+        return cls(local, devices)
+
+    @property
+    def initial_batch_s(self) -> float | None:
+        return self.local.initial_batch_s
+
+    @property
+    def source(self) -> Any:
+        return self.local.source
+
+    @property
+    def output_kind(self) -> str:
+        return self.local.output_kind
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.local.max_batch_size
+
+    def setup(self, device: int) -> None:
+        """Done in the device's process when it starts."""
+
+    def count_tokens(self, texts: list[str]) -> list[int] | None:
+        return self.local.count_tokens(texts)
+
+    def device_names(self) -> list[str]:
+        return list(self.local.device_names())
+
+    def bucket_of(self, text: str) -> int:
+        return int(self.local.bucket_of(text))
+
+    def warm(self, device: int) -> dict[int, float] | None:
+        return self.devices[device].call("warm")
+
+    def run(self, device: int, inputs: list[str]) -> list[str]:
+        return self.devices[device].call("run", inputs)
+
+    def stop(self) -> None:
+        for d in self.devices:
+            d.stop()

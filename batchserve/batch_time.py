@@ -1,0 +1,114 @@
+"""The learned batch time S, per model and by batch size (issue 13).
+
+Why by size: the sim takes the same time for 1 input as for 100, but a real model on a GPU does not (a batch of 1
+decodes in a fraction of a batch of 100's time), and one S per model, learned from whatever sizes happened to
+run, is wrong for every other size: a deadline computed with a full batch's S dispatches a lone item far too
+early, one computed with a lone item's S too late.
+
+How: sizes fall in power-of-two buckets (1, 2, 3-4, 5-8, ..., 65-128); each bucket keeps an exponentially
+weighted mean of the sizes it saw and of their batch times, one point (n, S) per bucket. S at any size is read
+off the line through the measured points:
+- between two points: linear interpolation;
+- below the smallest: that point's S (a smaller batch is not slower; no guess at how much faster);
+- above the largest: the line through the smallest and largest points (the widest baseline, so two noisy
+  neighbours cannot fake a steep slope), never falling and never steeper than proportional growth from the
+  largest point (S(n) <= S(largest) x n / largest: a batch costs at most its inputs one by one);
+- no point yet: the model's seed (the backend's first guess, or a warm-up measurement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+EWMA_ALPHA = 0.2  # weight of the newest batch in a bucket's mean
+DEFAULT_SEED_S = 1.0  # a model with neither a seed nor a measurement
+
+
+def size_bucket(n: int) -> int:
+    """0 for 1, 1 for 2, 2 for 3-4, 3 for 5-8, ...: the power of two at or above n."""
+    return max(0, (max(1, n) - 1).bit_length())
+
+
+@dataclass
+class Point:
+    size: float  # mean batch size seen in the bucket
+    seconds: float  # mean batch time seen in the bucket
+
+
+@dataclass
+class BatchTimes:
+    """S(n) per model. Indexing (`times[model]`) gives a full batch's S, the one number for callers that do not
+    know a size (capacity, timeouts, retry hints)."""
+
+    max_batch_size: int
+    seeds: dict[str, float] = field(default_factory=dict)
+    points: dict[str, dict[int, Point]] = field(default_factory=dict)
+    alpha: float = EWMA_ALPHA
+    # S by (model, size), read on every request and batch decision, changed only once per batch: kept until
+    # the next observation or seed (at most models x max_batch_size entries).
+    _memo: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)
+
+    def seed(self, model: str, seconds: float) -> None:
+        """The batch time to assume before any batch of `model` is measured."""
+        self.seeds[model] = seconds
+        self._memo.clear()
+
+    def observe(self, model: str, size: int, seconds: float) -> None:
+        """One batch of `size` inputs took `seconds`."""
+        self._memo.clear()
+        buckets = self.points.setdefault(model, {})
+        p = buckets.get(size_bucket(size))
+        if p is None:
+            buckets[size_bucket(size)] = Point(float(size), seconds)
+            return
+        p.size += self.alpha * (size - p.size)
+        p.seconds += self.alpha * (seconds - p.seconds)
+
+    def at(self, model: str, size: int) -> float:
+        """The expected time of a batch of `size` inputs (clamped to 1..max_batch_size)."""
+        key = (model, size)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = self._at(model, size)
+        return found
+
+    def _at(self, model: str, size: int) -> float:
+        n = float(min(max(1, size), self.max_batch_size))
+        pts = sorted(self.points.get(model, {}).values(), key=lambda p: p.size)
+        if not pts:
+            return self.seeds.get(model, DEFAULT_SEED_S)
+        below = [p for p in pts if p.size <= n]
+        above = [p for p in pts if p.size >= n]
+        if not below:
+            return above[0].seconds
+        lo = below[-1]
+        if above:
+            hi = above[0]
+            if hi.size == lo.size:
+                return lo.seconds
+            return lo.seconds + (hi.seconds - lo.seconds) * (n - lo.size) / (hi.size - lo.size)
+        first = pts[0]
+        slope = (lo.seconds - first.seconds) / (lo.size - first.size) if lo.size > first.size else 0.0
+        slope = min(max(0.0, slope), lo.seconds / lo.size)
+        return lo.seconds + slope * (n - lo.size)
+
+    def by_size(self, model: str) -> dict[int, float]:
+        """The measured points, mean size (rounded) to seconds: what /internal/health shows."""
+        return {round(p.size): p.seconds for p in sorted(self.points.get(model, {}).values(), key=lambda p: p.size)}
+
+    # -- one number per model: a full batch's S --------------------------------------------------------------
+    def __getitem__(self, model: str) -> float:
+        return self.at(model, self.max_batch_size)
+
+    def models(self) -> list[str]:
+        return sorted(set(self.seeds) | set(self.points))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.models())
+
+    def values(self) -> list[float]:
+        return [self[m] for m in self.models()]
+
+    def items(self) -> list[tuple[str, float]]:
+        return [(m, self[m]) for m in self.models()]

@@ -1,0 +1,176 @@
+"""In-server batch time against offline batch time, and the event loop's responsiveness, for the real model
+under open-loop load, with each executor (issue 13, item 2).
+
+Why: the worker thread that runs a batch shares the server's interpreter lock (and, on a CPU, its cores) with
+the event loop. If they slow each other, a batch takes longer in the server than alone (the learned S and every
+deadline and admission decision built on it get worse), and the loop answers late while batches run. This puts
+numbers on both, for `--executor thread` and `--executor process`:
+
+1. offline: the smollm2 backend in this process, no server, `run()` on batches of each `--sizes`, median of
+   `--repeats` (after one warm-up run per size);
+2. for each executor, a fresh `batchserve serve --backend smollm2` (generation off), and for each rate an
+   open-loop Poisson load (`model_load.py`): achieved rate, p50/p95, mean batch size, the mean in-server batch
+   time (`batchserve_batch_compute_seconds`) beside the offline time at that mean size, server CPU (device
+   processes included), and GET /healthz latency sampled every 50 ms during the load.
+
+    python -m bench.executor_bench                                   # CPU, real weights, ~10 minutes
+    python -m bench.executor_bench --duration 10 --rates 1 --sizes 1,2 --max-new-tokens 4   # a smoke run
+    python -m bench.executor_bench --smollm2-dir .gpu/smollm2 --rates 100,200,300 --sizes 1,8,32,64,100 \\
+        --max-new-tokens 64 --out $OUT/server.md                   # on a GPU (gpu_check.sh does this)
+
+Writes results to bench/results/ only with --record (or to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import servers  # noqa: E402
+from bench.model_load import LoadRow, inputs, interpolate, run_load  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def offline(a: argparse.Namespace) -> dict[int, float]:
+    """Median seconds of `backend.run` per batch size, in this process (no server)."""
+    from batchserve.backends.smollm2 import SmolLM2Backend
+    from batchserve.config import ModelSpec, Settings
+
+    settings = Settings(backend="smollm2", max_new_tokens=a.max_new_tokens, smollm2_dir=a.smollm2_dir,
+                        decode=a.decode, max_batch_size=max(a.sizes))
+    backend = SmolLM2Backend.from_settings(ModelSpec("smollm2", backend="smollm2"), settings)
+    backend.warm(0)
+    times = {}
+    for size in a.sizes:
+        batch = inputs(size)
+        backend.run(0, batch)
+        runs = []
+        for _ in range(a.repeats):
+            started = time.perf_counter()
+            backend.run(0, batch)
+            runs.append(time.perf_counter() - started)
+        times[size] = statistics.median(runs)
+        print(f"offline batch of {size}: {times[size] * 1000:.1f} ms", flush=True)
+    del backend
+    gc.collect()
+    return times
+
+
+def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
+    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", "smollm2", "--generation", "off",
+           "--executor", executor, "--decode", a.decode, "--max-new-tokens", str(a.max_new_tokens),
+           "--max-batch-size", str(max(a.sizes)), "--slo-ms", str(a.slo_ms), "--timeout-ms", str(a.timeout_s * 1000),
+           "--max-timeout-ms", str(a.timeout_s * 1000), "--jobs-db", ""]
+    return cmd + (["--smollm2-dir", a.smollm2_dir] if a.smollm2_dir else [])
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ["executor", "rate", "achieved/s", "ok/sent", "errors", "p50 ms", "p95 ms", "server p95 ms", "mean batch",
+            "batch ms in server", "batch ms offline", "in/off", "server cores", "healthz p50/p99/max ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
+        lines.append(f"| {r['executor']} | {r['rate']:g} | {r['achieved_rps']} | {r['ok']}/{r['sent']} | {errors} | "
+                     f"{r['p50_ms']} | {r['p95_ms']} | {r['server_p95_ms']} | {r['mean_batch']} | {r['batch_ms']} | "
+                     f"{r['offline_ms']} | {r['ratio']} | {r['server_cores']} | "
+                     f"{r['healthz_p50_ms']}/{r['healthz_p99_ms']}/{r['healthz_max_ms']} |")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                            "platform": platform.platform(), "load_avg": os.getloadavg()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        timeout=5, cwd=RESULTS.parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    info["commit"] = info.get("commit") or os.environ.get("COMMIT", "")  # the GPU machine's copy has no .git
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--executors", default="thread,process")
+    p.add_argument("--rates", default="1,2", help="offered requests per second, one row each")
+    p.add_argument("--process-rates", default="", help="rates for --executor process (default: --rates)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per row")
+    p.add_argument("--sizes", default="1,2,4,8", help="offline batch sizes; the largest is the server's max batch")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--decode", default="static", choices=("static", "generate"))
+    p.add_argument("--smollm2-dir", default="",
+                   help="transformers-format SmolLM2 (random weights when it has no weight files)")
+    p.add_argument("--slo-ms", type=float, default=10000.0)
+    p.add_argument("--timeout-s", type=int, default=120)
+    p.add_argument("--start-timeout-s", type=float, default=600.0)
+    p.add_argument("--record", action="store_true", help="write bench/results/executor-<time>.{md,json}")
+    p.add_argument("--out", default="", help="write the table (markdown) here and a .json beside it")
+    a = p.parse_args(argv)
+    a.sizes = [int(s) for s in a.sizes.split(",")]
+    stopping = servers.stop_on_signals()
+    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    settings = {k: v for k, v in vars(a).items() if k not in ("record", "out")}
+    off = offline(a)
+    rows: list[dict[str, Any]] = []
+    out = a.out or (str(RESULTS / f"executor-{started}.md") if a.record else "")
+    try:
+        for executor in a.executors.split(","):
+            if stopping:
+                break
+            server = servers.start(f"executor-{executor}", server_cmd(a, executor), RESULTS / "logs" / started,
+                                   timeout_s=a.start_timeout_s)
+            try:
+                rates = a.process_rates if executor == "process" and a.process_rates else a.rates
+                for k, rate in enumerate(float(r) for r in rates.split(",")):
+                    row: LoadRow = asyncio.run(run_load(server.base, rate, a.duration, server.pid, seed=k,
+                                                        timeout_s=a.timeout_s))
+                    d = row.as_dict()
+                    d["executor"] = executor
+                    d["offline_ms"] = round(interpolate(off, row.mean_batch) * 1000, 1)
+                    d["ratio"] = round(d["batch_ms"] / d["offline_ms"], 2) if d["offline_ms"] else math.nan
+                    rows.append(d)
+                    print(table(rows[-1:]), flush=True)
+            finally:
+                servers.stop(server)
+    finally:
+        servers.stop_all()
+    offline_rows = "\n".join(f"| {n} | {s * 1000:.1f} |" for n, s in off.items())
+    text = (f"# In-server vs offline batch time, smollm2 ({a.decode}, {a.max_new_tokens} new tokens)\n\n"
+            f"Offline (no server, median of {a.repeats}):\n\n| batch size | ms |\n|---|---|\n{offline_rows}\n\n"
+            f"Under open-loop load, {a.duration:g} s a row (batch ms in server = mean backend time of a batch; "
+            f"offline = the offline time at that mean size; healthz = GET /healthz latency during the load):\n\n"
+            f"{table(rows)}\n\n```\n{json.dumps({'machine': machine(), 'settings': settings}, indent=1)}\n```\n")
+    print("\n" + text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+        Path(out).with_suffix(".json").write_text(json.dumps(
+            {"machine": machine(), "settings": settings, "offline_s": off, "rows": rows}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
