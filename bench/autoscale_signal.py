@@ -34,7 +34,6 @@ if __package__ in (None, ""):  # run as `python bench/autoscale_signal.py`
 import argparse  # noqa: E402
 import math  # noqa: E402
 import secrets  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
@@ -42,7 +41,7 @@ from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench import report, servers  # noqa: E402
+from bench import common, report, servers  # noqa: E402
 from bench.faultload import run  # noqa: E402
 from bench.loadgen import parse_metrics  # noqa: E402
 
@@ -205,10 +204,7 @@ def markdown(rep: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="How far batchserve_load_ratio leads p95 breaking the SLO")
-    p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--sim-batch-ms", type=float, default=100.0)
-    p.add_argument("--max-batch-size", type=int, default=25)
-    p.add_argument("--slo-ms", type=float, default=200.0)
+    common.add_sim_flags(p, devices=4, max_batch_size=25, server_arg=False)
     p.add_argument("--start-load", type=float, default=0.3, help="share of capacity at the start")
     p.add_argument("--end-load", type=float, default=1.3, help="share of capacity at the end of the ramp")
     p.add_argument("--warmup-s", type=float, default=5.0, help="seconds at the start load before the ramp")
@@ -216,9 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every-s", type=float, default=0.25, help="how often /metrics is read")
     p.add_argument("--window-s", type=float, default=2.0, help="p95 over the requests sent in this window")
     p.add_argument("--sustain-s", type=float, default=1.0, help="a crossing or a breach must hold this long")
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--seed", type=int, default=14)
-    p.add_argument("--record", action="store_true", help="write bench/results/autoscale-<time>.{md,json}")
+    common.add_load_flags(p, duration=None, warmup=None, seed=14)
+    common.add_output_flags(p)
     return p.parse_args(argv)
 
 
@@ -228,31 +223,28 @@ def main(argv: list[str] | None = None) -> int:
     sched = ramp_schedule(a.start_load * cap, a.end_load * cap, a.warmup_s, a.ramp_s, a.seed)
     tag = secrets.token_hex(3)
     inputs = [f"{tag}-{i:06d}-autoscale→" for i in range(len(sched))]
-    name = f"autoscale-{report.stamp()}"
+    name = common.run_name(a, "autoscale")
     prov = report.provenance()
-    cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, a.max_batch_size, [f"--slo-ms={a.slo_ms:g}"])
-    log_dir = report.RESULTS / "logs" if a.record else Path(tempfile.mkdtemp(prefix="batchserve-autoscale-"))
-    servers.stop_on_signals()
-    server = servers.start(name + ".server", cmd, log_dir)
+    cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, a.max_batch_size, common.sim_server_flags(a))
+    log_dir = common.log_dir(a, name)
     scrapes: list[Scrape] = []
     stop = threading.Event()
-    sampler = threading.Thread(target=scrape_loop, args=(server.base, a.every_s, stop, scrapes), daemon=True)
-    try:
-        assert server.proc is not None
-        sampler.start()
-        result = run(server.base, sched, inputs, ["normal"] * len(sched), [], server.pid, server.proc,
-                     timeout_s=a.timeout, sample_until=float(sched[-1]) + 1.0)
-    finally:
-        stop.set()
-        sampler.join(timeout=5)
-        servers.stop(server)
+    with common.guarded():
+        server = servers.start(name + ".server", cmd, log_dir)
+        sampler = threading.Thread(target=scrape_loop, args=(server.base, a.every_s, stop, scrapes), daemon=True)
+        try:
+            assert server.proc is not None
+            sampler.start()
+            result = run(server.base, sched, inputs, ["normal"] * len(sched), [], server.pid, server.proc,
+                         timeout_s=a.timeout, sample_until=float(sched[-1]) + 1.0)
+        finally:
+            stop.set()
+            sampler.join(timeout=5)
     rep = {**prov, "settings": {**vars(a), "server_cmd": cmd[1:]}, "result": analyse(a, result, scrapes),
            "server_log": report.log_lines(server.log_path)}
     md = markdown(rep)
     print(md)
-    if a.record:
-        js_path, md_path = report.write(name, rep, md)
-        print(f"\nwritten: {md_path} {js_path} {server.log_path}")
+    print("\n" + report.written(report.write(name, rep, md, common.out_dir(a)), log_dir))
     return 0
 
 

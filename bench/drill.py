@@ -41,7 +41,7 @@ from collections import Counter  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench import report, servers  # noqa: E402
+from bench import common, report, servers  # noqa: E402
 from bench.faultload import Run, run, signal_event  # noqa: E402
 from bench.report import fmt, pct, table  # noqa: E402
 from bench.schedule import poisson_schedule  # noqa: E402
@@ -323,40 +323,32 @@ def markdown(rep: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Reliability drill: poison, hang and SIGTERM under open-loop load")
-    p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--sim-batch-ms", type=float, default=100.0)
-    p.add_argument("--slo-ms", type=float, default=200.0, help="the server's --slo-ms (its default)")
+    common.add_sim_flags(p, devices=4, max_batch_size=None)
     p.add_argument("--rate", type=float, default=1500.0, help="offered requests per second")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
+    common.add_load_flags(p, duration=30.0, warmup=None, seed=3)
     p.add_argument("--poison-every", type=int, default=500, help="one POISON input in every N requests")
     p.add_argument("--hang-at", type=float, default=10.0, help="send the HANG input at this second")
     p.add_argument("--signal-at", type=float, default=25.0, help="send SIGTERM to the server at this second")
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--seed", type=int, default=3)
-    p.add_argument("--server-arg", action="append", default=[], help="extra flag for batchserve serve")
-    p.add_argument("--name", default="", help="result file name (default drill-<UTC time>)")
-    report.add_output_args(p)
+    common.add_output_flags(p, name="drill")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    name = a.name or f"drill-{report.stamp()}"
+    name = common.run_name(a, "drill")
     extra = ["--slo-ms", f"{a.slo_ms:g}", "--sim-fail-marker", POISON, "--sim-hang-marker", HANG,
              "--sim-hang-ms", "60000", *a.server_arg]
     cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, 100, extra)
     sched, inputs, kinds = plan(a.rate, a.duration, a.seed, a.poison_every, a.hang_at)
     prov = report.provenance()
-    logs = report.log_dir(a, name)
-    server = servers.start(name + ".server", cmd, logs)
-    try:
+    logs = common.log_dir(a, name)
+    with common.guarded():
+        server = servers.start(name + ".server", cmd, logs)
         facts = server_facts(server.base)
         assert server.proc is not None
         result = run(server.base, sched, inputs, kinds, [signal_event(a.signal_at, server.pid, signal.SIGTERM,
                                                                       "SIGTERM")],
                      server.pid, server.proc, timeout_s=a.timeout)
-    finally:
-        servers.stop(server)
     rep = {**prov,
            "settings": {**vars(a), "command": " ".join(["python -m bench.drill", *(argv or sys.argv[1:])]),
                         "server_cmd": cmd[1:], "server": facts, "requests": len(sched)},
@@ -365,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
            "server_log": report.log_lines(server.log_path)}
     md = markdown(rep)
     print(md)
-    print("\n" + report.written(report.write(name, rep, md, report.out_dir(a)), logs))
+    print("\n" + report.written(report.write(name, rep, md, common.out_dir(a)), logs))
     return 0 if all(rep["result"]["goals"].values()) else 1
 
 

@@ -41,7 +41,6 @@ import os  # noqa: E402
 import random  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
@@ -50,7 +49,7 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 
-from bench import report, servers  # noqa: E402
+from bench import common, report, servers  # noqa: E402
 from bench.procstat import process_cpu_s, raise_fd_limit  # noqa: E402
 from bench.schedule import poisson_schedule  # noqa: E402
 
@@ -327,18 +326,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rates", default="", help="offered RPS, comma-separated (default: fractions of the offline "
                                                "peak: 0.25 0.5 0.75 0.9 1.0 1.2)")
-    p.add_argument("--duration", type=float, default=20.0, help="measured window per row, s")
-    p.add_argument("--warmup", type=float, default=5.0, help="load before the window (not counted), s")
+    common.add_load_flags(p, seed=11)
     p.add_argument("--batch-sizes", default="1,8,32,64", help="offline batch sizes")
     p.add_argument("--offline-seconds", type=float, default=5.0, help="offline time per batch size, s")
     p.add_argument("--threads", type=int, default=torch_threads(), help="torch threads for every part")
     p.add_argument("--p95-target", type=float, default=250.0, help="p95 bound for 'sustained rate', ms")
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--seed", type=int, default=11)
     p.add_argument("--infinity-venv", type=Path, default=INFINITY_VENV)
     p.add_argument("--no-infinity", action="store_true", help="skip the Infinity part")
     p.add_argument("--smoke", action="store_true", help="a quick check: 2 s windows, batch sizes 1 and 8, 2 rates")
-    p.add_argument("--record", action="store_true", help="write bench/results/embed-<time>.{md,json}")
+    common.add_output_flags(p)
     p.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.smoke:
@@ -365,9 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     fractions = (0.5, 1.0) if a.smoke else (0.25, 0.5, 0.75, 0.9, 1.0, 1.2)
     rates = [float(x) for x in a.rates.split(",") if x] or [max(1.0, round(f * peak)) for f in fractions]
     texts = corpus(20000, seed=a.seed)
-    # Server logs go under bench/results/ only with --record: a check run leaves the checkout clean.
-    log_dir = (REPO / "bench" / "results" / "logs" / f"embed-{report.stamp()}" if a.record
-               else Path(tempfile.mkdtemp(prefix="embed-bench-")))
+    out_name = common.run_name(a, "embed")
+    log_dir = common.log_dir(a, out_name)
     skipped = ""
     if a.no_infinity:
         skipped = "skipped (--no-infinity)"
@@ -376,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                    f".venv-infinity/bin/pip install torch==2.13.0 && .venv-infinity/bin/pip install "
                    f"\"infinity-emb[server,torch]\")")
     rows: list[Row] = []
-    stopping = servers.stop_on_signals()
-    try:
+    with common.guarded() as stopping:
         starters = [("batchserve", lambda: start_batchserve(a.threads, log_dir))]
         if not skipped:
             starters.append(("infinity", lambda: start_infinity(a.infinity_venv, model, a.threads, log_dir)))
@@ -400,11 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
             finally:
                 servers.stop(target.server)
-    finally:
-        servers.stop_all()
     if skipped:
         print(f"infinity: {skipped}")
-    print(f"server logs: {log_dir}")
     rep = {"provenance": report.provenance(), "offline": limits, "rows": [asdict(r) for r in rows],
            "settings": {"rates": rates, "duration_s": a.duration, "warmup_s": a.warmup, "threads": a.threads,
                         "max_batch": MAX_BATCH, "p95_target_ms": a.p95_target, "seed": a.seed, "smoke": a.smoke,
@@ -413,9 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rep, rows, limits)
     print()
     print(text)
-    if a.record:
-        js, md = report.write(f"embed-{report.stamp()}", rep, text)
-        print(f"\nwrote {md} and {js}")
+    print("\n" + report.written(report.write(out_name, rep, text, common.out_dir(a)), log_dir))
     return 0
 
 

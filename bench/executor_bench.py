@@ -33,16 +33,15 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import servers  # noqa: E402
+from bench import common, servers  # noqa: E402
 from bench.model_load import LoadRow, inputs, interpolate, run_load  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def offline(a: argparse.Namespace) -> dict[int, float]:
@@ -104,7 +103,7 @@ def machine() -> dict[str, Any]:
         pass
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        timeout=5, cwd=RESULTS.parent).stdout.strip()
+                                        timeout=5, cwd=common.RESULTS.parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     info["commit"] = info.get("commit") or os.environ.get("COMMIT", "")  # the GPU machine's copy has no .git
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--executors", default="thread,process")
     p.add_argument("--rates", default="1,2", help="offered requests per second, one row each")
     p.add_argument("--process-rates", default="", help="rates for --executor process (default: --rates)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per row")
+    common.add_load_flags(p, duration=30.0, warmup=None, seed=None, timeout=None)
     p.add_argument("--sizes", default="1,2,4,8", help="offline batch sizes; the largest is the server's max batch")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -130,17 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="write the table (markdown) here and a .json beside it")
     a = p.parse_args(argv)
     a.sizes = [int(s) for s in a.sizes.split(",")]
-    stopping = servers.stop_on_signals()
-    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    started = common.stamp()
     settings = {k: v for k, v in vars(a).items() if k not in ("record", "out")}
     off = offline(a)
     rows: list[dict[str, Any]] = []
-    out = a.out or (str(RESULTS / f"executor-{started}.md") if a.record else "")
-    try:
+    out = a.out or (str(common.RESULTS / f"executor-{started}.md") if a.record else "")
+    # Server logs beside the table when it is written, else in a temporary folder: never the checkout unasked.
+    logs = Path(out).parent / "logs" / f"executor-{started}" if out else Path(tempfile.mkdtemp(prefix="executor-"))
+    with common.guarded() as stopping:
         for executor in a.executors.split(","):
             if stopping:
                 break
-            server = servers.start(f"executor-{executor}", server_cmd(a, executor), RESULTS / "logs" / started,
+            server = servers.start(f"executor-{executor}", server_cmd(a, executor), logs,
                                    timeout_s=a.start_timeout_s)
             try:
                 rates = a.process_rates if executor == "process" and a.process_rates else a.rates
@@ -155,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
                     print(table(rows[-1:]), flush=True)
             finally:
                 servers.stop(server)
-    finally:
-        servers.stop_all()
     offline_rows = "\n".join(f"| {n} | {s * 1000:.1f} |" for n, s in off.items())
     text = (f"# In-server vs offline batch time, smollm2 ({a.decode}, {a.max_new_tokens} new tokens)\n\n"
             f"Offline (no server, median of {a.repeats}):\n\n| batch size | ms |\n|---|---|\n{offline_rows}\n\n"

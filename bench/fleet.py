@@ -30,11 +30,9 @@ if __package__ in (None, ""):  # run as `python bench/fleet.py`
 
 import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
@@ -42,15 +40,15 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench import servers  # noqa: E402
+from bench import common, servers  # noqa: E402
 from bench.ideal import IdealResult, ideal, simulate  # noqa: E402
 from bench.loadgen import CLIENTS, LoadResult, measure, parse_metrics  # noqa: E402
 from bench.procstat import CpuSampler, machine_busy_s  # noqa: E402
+from bench.report import write, written  # noqa: E402
 from bench.run_standard import fmt, git_info, machine_info  # noqa: E402
 from bench.schedule import poisson_schedule, row_seed  # noqa: E402
 from deploy.nginx.local import LocalNginx, free_port, start_nginx  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FLEET_SLACK_MS = 10.0  # fleet rows: p95 <= ideal + 10 ms
 GOAL_FACTOR = 2.5  # ... at 2.5 x one server's rate
 REFUSALS = ("503 DRAINING", "503 SERVICE_OVERLOADED", "503 NO_HEALTHY_WORKER")  # answers that say why
@@ -165,8 +163,7 @@ def judge_lost(load: LoadResult) -> tuple[int, dict[str, int]]:
 # -- rows ----------------------------------------------------------------------------------------------------
 def server_cmd(a: argparse.Namespace, port: int) -> list[str]:
     return servers.batchserve_cmd(1, a.sim_batch_ms, a.max_batch_size, [
-        "--port", str(port), f"--slo-ms={a.slo_ms:g}", f"--dispatch-margin-ms={a.margin_ms:g}",
-        f"--timeout-ms={a.request_timeout_ms:g}", f"--drain-grace-s={a.grace:g}"])
+        "--port", str(port), *common.sim_server_flags(a), f"--drain-grace-s={a.grace:g}"])
 
 
 def ideal_kw(a: argparse.Namespace) -> dict:
@@ -403,21 +400,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-restart", action="store_true")
     p.add_argument("--grace", type=float, default=5.0, help="--drain-grace-s of the servers (default 5, "
                                                              "the server's default)")
-    p.add_argument("--duration", type=float, default=20.0, help="measured window of the rate rows, s")
-    p.add_argument("--warmup", type=float, default=5.0, help="warm-up before each window, s")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sim-batch-ms", type=float, default=100.0)
-    p.add_argument("--max-batch-size", type=int, default=100)
-    p.add_argument("--slo-ms", type=float, default=200.0)
-    p.add_argument("--margin-ms", type=float, default=5.0)
-    p.add_argument("--request-timeout-ms", type=float, default=2000.0)
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--procs", type=int, default=1, help="load-generator processes (default 1)")
+    common.add_load_flags(p, procs=True)
+    common.add_sim_flags(p, deadlines=True, server_arg=False)
     p.add_argument("--client", choices=CLIENTS, default="raw",
                    help="load generator's sender (default raw: bench/rawclient.py, the cheapest on CPU)")
     p.add_argument("--nginx-workers", type=int, default=1)
-    p.add_argument("--record", action="store_true", help="write the table to bench/results/ (else print only)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    common.add_output_flags(p)
     a = p.parse_args(argv)
     if a.servers < 1 or a.rate <= 0:
         p.error("--servers must be >= 1 and --rate > 0")
@@ -436,44 +424,36 @@ def nginx_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    name = f"fleet-{stamp}"
-    log_dir = a.out_dir / "logs" / name if a.record else Path(tempfile.mkdtemp(prefix="batchserve-fleet-"))
-    stopping = servers.stop_on_signals()
+    name = common.run_name(a, "fleet")
+    log_dir = common.log_dir(a, name)
     report: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(), "git": git_info(), "nginx_version": nginx_version(),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                     "server_log_dir": str(log_dir)}
     rows: list[FleetRow] = []
     nginx: LocalNginx | None = None
-    try:
-        print(f"-- one server alone, {a.rate:g} RPS: {a.warmup:g} s warm-up + {a.duration:g} s ...", flush=True)
-        rows.append(run_alone(a, log_dir))
-        print_row(rows[-1])
-        ports = [free_port() for _ in range(a.servers)]
-        members = [servers.start(f"fleet-{k + 1}", server_cmd(a, port), log_dir) for k, port in enumerate(ports)]
-        nginx = start_nginx([f"127.0.0.1:{p}" for p in ports], workers=a.nginx_workers)
-        for factor in a.factors:
-            if stopping:
-                raise KeyboardInterrupt
-            print(f"-- {a.servers} servers via nginx, {factor * a.rate:g} RPS ...", flush=True)
-            rows.append(run_fleet_rate(a, factor, members, nginx))
+    with common.guarded(report, catch=(servers.ServerFailed, RuntimeError)) as stopping:
+        try:
+            print(f"-- one server alone, {a.rate:g} RPS: {a.warmup:g} s warm-up + {a.duration:g} s ...", flush=True)
+            rows.append(run_alone(a, log_dir))
             print_row(rows[-1])
-        if not a.skip_restart and not stopping:
-            print(f"-- rolling restart of {a.servers} via nginx under {a.restart_rate:g} RPS: "
-                  f"{a.warmup:g} s warm-up + {a.restart_window:g} s ...", flush=True)
-            rows.append(run_rolling_restart(a, members, nginx, log_dir))
-            print_row(rows[-1])
-    except KeyboardInterrupt:
-        print("interrupted: stopping servers and nginx", file=sys.stderr)
-        report["interrupted"] = True
-    except (servers.ServerFailed, RuntimeError) as exc:
-        print(f"failed: {exc}", file=sys.stderr)
-        report["error"] = str(exc)
-    finally:
-        if nginx is not None:
-            nginx.stop(keep_logs_in=log_dir)
-        servers.stop_all()
+            ports = [free_port() for _ in range(a.servers)]
+            members = [servers.start(f"fleet-{k + 1}", server_cmd(a, port), log_dir) for k, port in enumerate(ports)]
+            nginx = start_nginx([f"127.0.0.1:{p}" for p in ports], workers=a.nginx_workers)
+            for factor in a.factors:
+                if stopping:
+                    raise KeyboardInterrupt
+                print(f"-- {a.servers} servers via nginx, {factor * a.rate:g} RPS ...", flush=True)
+                rows.append(run_fleet_rate(a, factor, members, nginx))
+                print_row(rows[-1])
+            if not a.skip_restart and not stopping:
+                print(f"-- rolling restart of {a.servers} via nginx under {a.restart_rate:g} RPS: "
+                      f"{a.warmup:g} s warm-up + {a.restart_window:g} s ...", flush=True)
+                rows.append(run_rolling_restart(a, members, nginx, log_dir))
+                print_row(rows[-1])
+        finally:
+            if nginx is not None:
+                nginx.stop(keep_logs_in=log_dir)
     for row in rows:
         diagnose(row)
     report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -482,13 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(report, rows, a)
     print()
     print(md)
-    if a.record:
-        a.out_dir.mkdir(parents=True, exist_ok=True)
-        (a.out_dir / f"{name}.md").write_text(md + "\n")
-        (a.out_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-        print(f"written: {a.out_dir / (name + '.md')} and .json; server logs in {log_dir}")
-    else:
-        print(f"(not recorded: pass --record to write bench/results/; server logs in {log_dir})")
+    print(written(write(name, report, md, common.out_dir(a)), log_dir))
     return 0 if report["all_passed"] else 1
 
 

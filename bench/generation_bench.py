@@ -28,7 +28,7 @@ import asyncio  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench import cb_compare, report, servers  # noqa: E402
+from bench import cb_compare, common, report, servers  # noqa: E402
 from bench.cb_compare import Result, Workload  # noqa: E402
 
 QUESTIONS = [
@@ -114,8 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--long", type=int, default=256)
     ap.add_argument("--device", default="", help="default: the first CUDA device, else cpu")
     ap.add_argument("--no-http", action="store_true", help="skip the live-server row")
-    ap.add_argument("--name", default="", help="results file name (default generation-<utc time>)")
-    report.add_output_args(ap)
+    common.add_output_flags(ap, name="generation")
     return ap.parse_args(argv)
 
 
@@ -138,16 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     results.append(asyncio.run(run_engine(model, tokenizer, work, a)))
     print(results[-1].row(), flush=True)
     del model
-    name = a.name or f"generation-{report.stamp()}"
-    log_dir = report.log_dir(a, name)
+    name = common.run_name(a, "generation")
+    log_dir = common.log_dir(a, name)
     if not a.no_http:
-        server = servers.start("generation-bench", [sys.executable, "-m", "batchserve", "serve", "--port", "0",
-                                                    "--backend", "smollm2", *engine_settings(a)], log_dir)
-        try:
+        with common.guarded():
+            server = servers.start("generation-bench", [sys.executable, "-m", "batchserve", "serve", "--port", "0",
+                                                        "--backend", "smollm2", *engine_settings(a)], log_dir)
             results.append(asyncio.run(run_http(server.base, work, a)))
             print(results[-1].row(), flush=True)
-        finally:
-            servers.stop_all()
     rows = [r.row() for r in results]
     table = cb_compare.markdown(rows, rows[0])
     title = (f"# Generation: static vs continuous batching, SmolLM2-135M-Instruct on {device}\n\n"
@@ -158,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = report.provenance()
     md = (title + "\n" + table + "\n\nmachine: " + str(prov["machine"]) + "\n\ngit: " + str(prov["git"]) +
           "\n\nsettings: " + str(vars(a)) + "\n")
-    paths = report.write(name, {**prov, "settings": vars(a), "device": device, "rows": rows}, md, report.out_dir(a))
+    paths = report.write(name, {**prov, "settings": vars(a), "device": device, "rows": rows}, md, common.out_dir(a))
     print("\n" + report.written(paths, log_dir))
     return 0
 

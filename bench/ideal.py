@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bench import common
 from bench.schedule import poisson_schedule, row_seed
 
 POLICIES = ("paced", "idle")
@@ -110,9 +111,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description="p50/p95/p99 of the ideal batcher on a Poisson schedule")
     p.add_argument("--rate", type=float, action="append", help="offered RPS (repeatable)")
     p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--duration", type=float, default=20.0, help="measured window, s")
-    p.add_argument("--warmup", type=float, default=5.0, help="warm-up before the window, s")
-    p.add_argument("--seed", type=int, default=1, help="base seed (same as run_standard's)")
+    common.add_load_flags(p, timeout=None)  # run_standard's window and seed: the same arrivals
     p.add_argument("--batch-ms", type=float, default=100.0)
     p.add_argument("--max-batch", type=int, default=100)
     p.add_argument("--slo-ms", type=float, default=200.0)

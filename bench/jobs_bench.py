@@ -33,7 +33,7 @@ import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
-from bench import report, servers  # noqa: E402
+from bench import common, report, servers  # noqa: E402
 from bench.loadgen import START_DELAY_S, LoadResult, measure  # noqa: E402
 from bench.run_standard import git_info, machine_info  # noqa: E402
 from bench.schedule import row_seed  # noqa: E402
@@ -187,33 +187,23 @@ def markdown(report: dict, scenarios: list[Scenario]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", type=float, default=500.0, help="interactive requests per second")
-    p.add_argument("--duration", type=float, default=20.0, help="measured window, s")
-    p.add_argument("--warmup", type=float, default=5.0, help="warm-up before the window, s")
     p.add_argument("--job-items", type=int, default=20000)
-    p.add_argument("--sim-batch-ms", type=float, default=100.0)
-    p.add_argument("--max-batch-size", type=int, default=100)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--procs", type=int, default=1, help="client processes sharing the schedule")
-    p.add_argument("--server-arg", action="append", default=[], help="extra flag for batchserve (repeatable)")
-    p.add_argument("--tag", default="", help="suffix of the result files")
-    report.add_output_args(p)
+    common.add_load_flags(p, procs=True)
+    common.add_sim_flags(p, slo_ms=None)
+    common.add_output_flags(p, tag=True)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    name = f"jobs-{stamp}{'-' + a.tag if a.tag else ''}"
-    log_dir = report.log_dir(a, name)
-
-    servers.stop_on_signals()
+    name = common.run_name(a, "jobs")
+    log_dir = common.log_dir(a, name)
     rep: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(), "git": git_info(),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                     "server_log_dir": str(log_dir)}
     scenarios: list[Scenario] = []
-    try:
+    with common.guarded(rep):
         for label, with_job in (("interactive only", False), ("interactive + job", True)):
             print(f"-- {label}: {a.rate:g} RPS, {a.warmup:g} s warm-up + {a.duration:g} s ...", flush=True)
             scenarios.append(run_scenario(label.replace(" ", "-").replace("+", "plus"), with_job, a, log_dir))
@@ -223,14 +213,6 @@ def main(argv: list[str] | None = None) -> int:
                                                   f"{' ' + sc.job.error if sc.job.error else ''}" if sc.job else ""),
                   flush=True)
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("interrupted: stopping servers", file=sys.stderr)
-        rep["interrupted"] = True
-    except servers.ServerFailed as exc:
-        print(f"server failed: {exc}", file=sys.stderr)
-        rep["error"] = str(exc)
-    finally:
-        servers.stop_all()
     if len(scenarios) < 2:
         return 1
     base, with_job = scenarios
@@ -255,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(rep, scenarios)
     print()
     print(md)
-    print(report.written(report.write(name, rep, md, report.out_dir(a)), log_dir))
+    print(report.written(report.write(name, rep, md, common.out_dir(a)), log_dir))
     return 0 if rep["verdict"]["p95_met"] and not job.mismatches else 1
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import orjson
 import uvloop
 
+from bench import common
 from bench.procstat import process_cpu_s, raise_fd_limit, self_cpu_s
 from bench.rawclient import drive_raw
 from bench.schedule import poisson_schedule
@@ -410,13 +411,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description="Open-loop Poisson load on a running batchserve (127.0.0.1 only)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--rate", type=float, required=True, help="offered requests per second")
-    p.add_argument("--duration", type=float, default=20.0, help="measured window, s")
-    p.add_argument("--warmup", type=float, default=5.0, help="warm-up before the window (not counted), s")
-    p.add_argument("--seed", type=int, default=1)
+    common.add_load_flags(p, procs=True, connections=True)
     p.add_argument("--server-pid", type=int, help="server PID, for CPU per request from /proc")
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--connections", type=int, default=4096, help="connection limit per client process")
-    p.add_argument("--procs", type=int, default=1, help="client processes sharing the schedule")
     p.add_argument("--client", choices=CLIENTS, default="aiohttp", help="sender: aiohttp, or raw (bench/rawclient.py: "
                                                                         "far less CPU per request)")
     p.add_argument("--path", default=INFERENCE_PATH)

@@ -26,7 +26,7 @@ from collections import Counter  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench import report, servers  # noqa: E402
+from bench import common, report, servers  # noqa: E402
 from bench.faultload import Run, run  # noqa: E402
 from bench.report import fmt, pct, table  # noqa: E402
 from bench.schedule import poisson_schedule  # noqa: E402
@@ -140,35 +140,28 @@ def markdown(rep: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Overload run: far more load than one device can serve")
-    p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--sim-batch-ms", type=float, default=100.0)
+    common.add_sim_flags(p, devices=1, max_batch_size=None, slo_ms=None)
     p.add_argument("--rate", type=float, default=3000.0, help="offered requests per second")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of load")
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--seed", type=int, default=5)
-    p.add_argument("--server-arg", action="append", default=[], help="extra flag for batchserve serve")
-    p.add_argument("--name", default="", help="result file name (default overload-<UTC time>)")
-    report.add_output_args(p)
+    common.add_load_flags(p, warmup=None, seed=5)
+    common.add_output_flags(p, name="overload")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    name = a.name or f"overload-{report.stamp()}"
+    name = common.run_name(a, "overload")
     cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, 100, a.server_arg)
     sched = poisson_schedule(a.rate, a.duration, a.seed)
     tag = secrets.token_hex(3)
     inputs = [f"{tag}-{i:06d}-overload→" for i in range(len(sched))]
     prov = report.provenance()
-    logs = report.log_dir(a, name)
-    server = servers.start(name + ".server", cmd, logs)
-    try:
+    logs = common.log_dir(a, name)
+    with common.guarded():
+        server = servers.start(name + ".server", cmd, logs)
         assert server.proc is not None
         result = run(server.base, sched, inputs, ["normal"] * len(sched), [], server.pid, server.proc,
                      timeout_s=a.timeout)
         alive_after = server.proc.poll() is None and servers.ready(server.base)
-    finally:
-        servers.stop(server)
     rep = {**prov,
            "settings": {**vars(a), "command": " ".join(["python -m bench.overload", *(argv or sys.argv[1:])]),
                         "server_cmd": cmd[1:], "requests": len(sched)},
@@ -178,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     rep["result"]["goals"]["server still ready after the run"] = alive_after
     md = markdown(rep)
     print(md)
-    print("\n" + report.written(report.write(name, rep, md, report.out_dir(a)), logs))
+    print("\n" + report.written(report.write(name, rep, md, common.out_dir(a)), logs))
     return 0 if all(rep["result"]["goals"].values()) else 1
 
 

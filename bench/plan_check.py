@@ -27,10 +27,11 @@ import json  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
 from batchserve.plan import Arrivals, BatchTime, Contract, Prediction, predict  # noqa: E402
+from bench import common  # noqa: E402
+from bench.report import write, written  # noqa: E402
 from bench.run_standard import git_info, parse_rows  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_FILE = RESULTS / "standard-20261126T031012Z.json"
+DEFAULT_FILE = common.RESULTS / "standard-20261126T031012Z.json"
 DEFAULT_ROWS = "1:500,1:900,4:400,4:2000"
 GOAL_PCT = 10.0  # the bar: predicted p95 within 10 % of the measured row
 
@@ -103,14 +104,18 @@ def table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="batchserve plan's predictions against a recorded standard bench")
     p.add_argument("--file", type=Path, default=DEFAULT_FILE, help=f"a standard-*.json (default {DEFAULT_FILE.name})")
     p.add_argument("--rows", type=parse_rows, default=parse_rows(DEFAULT_ROWS), help=f"DEVICES:RPS,... ({DEFAULT_ROWS})")
     p.add_argument("--sim-s", type=float, default=60.0, help="simulated seconds per prediction")
     p.add_argument("--seed", type=int, default=1, help="the planner's seed (its own draws, not the bench's)")
-    p.add_argument("--record", action="store_true", help="write bench/results/plan-check-<time>.{md,json}")
-    a = p.parse_args(argv)
+    common.add_output_flags(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     report = json.loads(a.file.read_text())
     checks = check(report, a.rows, a.sim_s, a.seed)
     worst = max(abs(c.p95_error_pct) for c in checks)
@@ -128,16 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{'met' if worst <= GOAL_PCT else 'NOT met'}).",
     ])
     print(text)
-    if a.record:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"plan-check-{stamp}.md").write_text(text + "\n")
-        (RESULTS / f"plan-check-{stamp}.json").write_text(json.dumps({
-            "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
-            "source": str(a.file.name), "settings": {"sim_s": a.sim_s, "seed": a.seed},
-            "rows": [{**asdict(c), "p95_error_pct": c.p95_error_pct, "p50_error_pct": c.p50_error_pct,
-                      "as_run_error_pct": c.as_run_error_pct} for c in checks]}, indent=1) + "\n")
-        print(f"\nwritten to bench/results/plan-check-{stamp}.{{md,json}}")
+    rep = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
+           "source": str(a.file.name), "settings": {"sim_s": a.sim_s, "seed": a.seed},
+           "rows": [{**asdict(c), "p95_error_pct": c.p95_error_pct, "p50_error_pct": c.p50_error_pct,
+                     "as_run_error_pct": c.as_run_error_pct} for c in checks]}
+    print("\n" + written(write(common.run_name(a, "plan-check"), rep, text, common.out_dir(a))))
     return 0
 
 

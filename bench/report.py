@@ -1,25 +1,20 @@
-"""Shared pieces of the bench reports: percentiles, markdown tables, where results go.
+"""Shared pieces of the bench reports: percentiles, markdown tables, provenance, writing the files.
 
 Why a module: every report must carry the same provenance (machine, git commit, settings, time) and write
-markdown + JSON side by side, so a number can always be traced to its run. And a run writes only when asked
-(`--record`: bench/results/, `--out DIR`: DIR); otherwise it prints its table and keeps the server logs in a
-temporary directory, so trying a bench never dirties the checkout.
+markdown + JSON side by side, so a number can always be traced to its run. Where it writes (`--record`,
+`--out DIR`, else nowhere) is decided by the flags in bench/common.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import math
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from bench.run_standard import git_info, machine_info
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def pct(values: np.ndarray, q: float) -> float:
@@ -37,10 +32,6 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def stamp() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
 def provenance() -> dict:
@@ -61,26 +52,6 @@ def clean(value: object) -> object:
     return value
 
 
-def add_output_args(p: argparse.ArgumentParser) -> None:
-    """--record / --out DIR: the only ways a bench writes its results (default: print only)."""
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--record", action="store_true",
-                       help="write the results (markdown + JSON) and the server logs to bench/results/")
-    where.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=None,
-                       help="write them to this directory instead (default: print only)")
-
-
-def out_dir(a: argparse.Namespace) -> Path | None:
-    """Where the results go, or None: print only."""
-    return RESULTS if a.record else a.out_dir
-
-
-def log_dir(a: argparse.Namespace, name: str) -> Path:
-    """Server logs: beside the results when they are written, else in a fresh temporary directory."""
-    base = out_dir(a)
-    return base / "logs" / name if base is not None else Path(tempfile.mkdtemp(prefix=f"{name}-logs-"))
-
-
 def write(name: str, report: dict, markdown: str, directory: Path | None) -> tuple[Path, Path] | None:
     """Markdown and JSON side by side in `directory`; nothing (None) when it is None."""
     if directory is None:
@@ -92,11 +63,12 @@ def write(name: str, report: dict, markdown: str, directory: Path | None) -> tup
     return js, md
 
 
-def written(paths: tuple[Path, Path] | None, logs: Path) -> str:
+def written(paths: tuple[Path, Path] | None, logs: Path | None = None) -> str:
     """The closing line of a run: what was written, or how to write it."""
+    where = f"; server logs in {logs}" if logs is not None else ""
     if paths is None:
-        return f"not recorded (--record writes bench/results/, --out DIR elsewhere); server logs in {logs}"
-    return f"written: {paths[1]} and {paths[0]}; server logs in {logs}"
+        return f"not recorded (--record writes bench/results/, --out DIR elsewhere){where}"
+    return f"written: {paths[1]} and {paths[0]}{where}"
 
 
 def log_lines(path: Path, levels: tuple[str, ...] = ("WARNING", "ERROR", "CRITICAL", "Traceback"),

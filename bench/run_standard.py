@@ -29,7 +29,7 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
-from bench import servers  # noqa: E402
+from bench import common, servers  # noqa: E402
 from bench.ideal import IdealResult, ideal  # noqa: E402
 from bench.loadgen import LoadResult, measure  # noqa: E402
 from bench.schedule import row_seed  # noqa: E402
@@ -272,33 +272,16 @@ def parse_rows(spec: str) -> list[tuple[int, float]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench import report  # not at the top: bench.report imports this module's provenance helpers
-
     p = argparse.ArgumentParser(description="Run batchserve's standard bench table against a local sim server")
-    p.add_argument("--duration", type=float, default=20.0, help="measured window per row, s (default 20)")
-    p.add_argument("--warmup", type=float, default=5.0, help="warm-up before each window, not counted, s (default 5)")
+    common.add_load_flags(p, procs=True, connections=True)
     p.add_argument("--rows", type=parse_rows, default=list(STANDARD_ROWS),
                    help="rows as DEVICES:RPS,... (default: the standard six: 1:100,1:500,1:900,1:950,4:400,4:2000)")
     p.add_argument("--cpu-rate", type=float, default=CPU_RATE, help="rate of the CPU comparison (default 900)")
     p.add_argument("--skip-cpu", action="store_true", help="skip the CPU-per-request comparison with the bare app")
-    p.add_argument("--seed", type=int, default=1, help="base seed; each row derives its own (default 1)")
-    p.add_argument("--sim-batch-ms", type=float, default=100.0)
-    p.add_argument("--max-batch-size", type=int, default=100)
-    p.add_argument("--slo-ms", type=float, default=200.0, help="passed to the server and the ideal model")
-    p.add_argument("--margin-ms", type=float, default=5.0, help="dispatch margin, server and ideal model")
-    p.add_argument("--request-timeout-ms", type=float, default=2000.0,
-                   help="request deadline, server default and ideal model (default 2000)")
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--connections", type=int, default=4096, help="client connection limit per client process")
-    p.add_argument("--procs", type=int, default=1,
-                   help="client processes sharing each schedule (default 1; see bench/README.md)")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra argument for `batchserve serve` (repeatable, e.g. --server-arg=--log-level=warning)")
-    report.add_output_args(p)
-    p.add_argument("--tag", default="", help="suffix for the result file names")
+    common.add_sim_flags(p, deadlines=True)  # the ideal model gets the same SLO, margin and deadline
+    common.add_output_flags(p, tag=True)
     a = p.parse_args(argv)
-    a.server_arg = [f"--slo-ms={a.slo_ms:g}", f"--dispatch-margin-ms={a.margin_ms:g}",
-                    f"--timeout-ms={a.request_timeout_ms:g}", *a.server_arg]
+    a.server_arg = [*common.sim_server_flags(a), *a.server_arg]
     return a
 
 
@@ -306,18 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     from bench import report
 
     a = parse_args(argv)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    name = f"standard-{stamp}{'-' + a.tag if a.tag else ''}"
-    log_dir = report.log_dir(a, name)
-
-    stopping = servers.stop_on_signals()
+    name = common.run_name(a, "standard")
+    log_dir = common.log_dir(a, name)
     rep: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine_info(), "git": git_info(),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                     "server_log_dir": str(log_dir)}
     rows: list[Row] = []
     cpu: dict = {}
-    try:
+    with common.guarded(rep) as stopping:
         for devices, rate in a.rows:
             if stopping:
                 raise KeyboardInterrupt
@@ -355,14 +335,6 @@ def main(argv: list[str] | None = None) -> int:
                    "ratio_vs_hold": bs_ms / hold_cpu if bs_ms and hold_cpu else math.nan,
                    "batchserve_from_row": any(r is same for r in rows),
                    "batchserve_row": asdict(same)}
-    except KeyboardInterrupt:
-        print("interrupted: stopping servers", file=sys.stderr)
-        rep["interrupted"] = True
-    except servers.ServerFailed as exc:
-        print(f"server failed: {exc}", file=sys.stderr)
-        rep["error"] = str(exc)
-    finally:
-        servers.stop_all()
     if stopping:
         rep["interrupted"] = True
     rep["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -372,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(rep, rows)
     print()
     print(md)
-    print(report.written(report.write(name, rep, md, report.out_dir(a)), log_dir))
+    print(report.written(report.write(name, rep, md, common.out_dir(a)), log_dir))
     return 0 if rep["all_passed"] else 1
 
 

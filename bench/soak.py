@@ -10,7 +10,7 @@ One sim server (2 devices by default) on 127.0.0.1; for `--duration` seconds, al
 Goals: interactive p95 within the SLO, 0 connection resets or failures on interactive requests, 0 false hang
 detections (`batchserve_worker_healthy` never 0, no `batch_retries{cause="hang"}`), server RSS bounded
 (`--rss-growth-mb` over its start). Prints a table; writes bench/results/soak-<time>.{md,json} only with
-`--record`. Bounded: every loop ends with the window, every request has a client timeout.
+`--record` (to DIR with `--out DIR`). Bounded: every loop ends with the window, every request has a client timeout.
 
     python -m bench.soak                       # ~1 minute
     python -m bench.soak --duration 10 --idle 500 --slowloris 50   # a quick smoke
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import subprocess
 import sys
@@ -34,11 +33,8 @@ import numpy as np
 import orjson
 import uvloop
 
-from bench import servers
+from bench import common, report, servers
 from bench.procstat import raise_fd_limit
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 @dataclass
 class Tally:
@@ -241,13 +237,10 @@ def table(s: dict) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--duration", type=float, default=45.0)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--sim-batch-ms", type=float, default=100.0)
-    p.add_argument("--max-batch-size", type=int, default=20)
-    p.add_argument("--slo-ms", type=float, default=200.0)
+    common.add_load_flags(p, duration=45.0, warmup=None, seed=None, timeout=None)
+    common.add_sim_flags(p, devices=2, max_batch_size=20, server_arg=False)
     p.add_argument("--load", type=float, default=0.5, help="interactive rate as a share of capacity")
     p.add_argument("--idle", type=int, default=3000)
     p.add_argument("--slowloris", type=int, default=200)
@@ -255,32 +248,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-items", type=int, default=5000)
     p.add_argument("--max-connections", type=int, default=2000)
     p.add_argument("--rss-growth-mb", type=float, default=200.0)
-    p.add_argument("--record", action="store_true", help="write bench/results/soak-<time>.{md,json}")
-    a = p.parse_args(argv)
+    common.add_output_flags(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     raise_fd_limit()
-    servers.stop_on_signals()
-    workdir = Path(tempfile.mkdtemp(prefix="soak-"))
+    stamp = common.stamp()
+    name = f"soak-{stamp}"
+    logs = common.log_dir(a, name)
+    workdir = Path(tempfile.mkdtemp(prefix="soak-"))  # the job store: never kept
     cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, a.max_batch_size, [
         "--slo-ms", f"{a.slo_ms:g}", "--sim-fail-marker", "FAIL", "--jobs-db", str(workdir / "jobs.db"),
         "--header-timeout-s", "5", "--body-timeout-s", "5", "--keep-alive-timeout-s", "5",
         "--max-connections", str(a.max_connections)])
-    server = servers.start("soak", cmd, workdir)
-    try:
+    with common.guarded():
+        server = servers.start("soak", cmd, logs)
         tally, metrics = uvloop.run(run(a, server))
-    finally:
-        servers.stop_all()
     summary = summarize(a, tally, metrics)
     text = table(summary)
     print(text)
-    if a.record:
+    directory = common.out_dir(a)
+    if directory is not None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         summary.update(commit=commit, dirty=dirty, command=" ".join(sys.argv))
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"soak-{stamp}.json").write_text(json.dumps(summary, indent=1, default=str))
-        (RESULTS / f"soak-{stamp}.md").write_text(f"# Soak {stamp} (commit {commit}{', dirty' if dirty else ''})\n\n"
-                                                   f"`{' '.join(sys.argv)}`\n\n{text}\n")
+        text = (f"# Soak {stamp} (commit {commit}{', dirty' if dirty else ''})\n\n"
+                f"`{' '.join(sys.argv)}`\n\n{text}")
+    print("\n" + report.written(report.write(name, summary, text, directory), logs))
     return 0 if summary["passed"] else 1
 
 

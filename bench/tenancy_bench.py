@@ -51,7 +51,7 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 import uvloop  # noqa: E402
 
-from bench import report, servers  # noqa: E402
+from bench import common, report, servers  # noqa: E402
 from bench.loadgen import (  # noqa: E402
     INFERENCE_PATH, SPAWN_TIMEOUT_S, START_DELAY_S, LoadResult, Part, Snapshot, _client_process, combine,
     parse_metrics, sleep_until,
@@ -382,8 +382,7 @@ def run_scenario(sc: Scenario, a: argparse.Namespace, log_dir: Path) -> dict:
         cfg.write_text(config_text(sc, a.sim_batch_ms))
         keys = {s.name: add_key(cfg, s) for s in sc.streams}
         config_used = cfg.read_text()  # digests only: the keys themselves are never written down
-        extra = ["--config", str(cfg), f"--slo-ms={a.slo_ms:g}", f"--dispatch-margin-ms={a.margin_ms:g}",
-                 f"--timeout-ms={a.request_timeout_ms:g}", *a.server_arg]
+        extra = ["--config", str(cfg), *common.sim_server_flags(a), *a.server_arg]
         server = servers.start(f"tenancy-s{sc.number}",
                                servers.batchserve_cmd(sc.devices, a.sim_batch_ms, batch_size(a), extra), log_dir)
         try:
@@ -467,10 +466,8 @@ def markdown(rep: dict) -> str:
 # -- main ----------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Issue 4's tenancy scenarios against local sim servers (127.0.0.1)")
-    p.add_argument("--duration", type=float, default=20.0, help="measured window per scenario, s (default 20)")
-    p.add_argument("--warmup", type=float, default=5.0, help="warm-up load before each window, s (default 5)")
+    common.add_load_flags(p, connections=True)
     p.add_argument("--scenarios", default="1,2,3", help="which scenarios, e.g. 1,3 (default 1,2,3)")
-    p.add_argument("--seed", type=int, default=1, help="base seed; each stream derives its own (default 1)")
     p.add_argument("--s1-free-rps", type=float, default=3000.0)
     p.add_argument("--s1-paid-rps", type=float, default=50.0)
     p.add_argument("--free-tier-rate", type=float, default=2000.0,
@@ -490,17 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="multiply every rate (offered, tier, key) and the max batch size by this: e.g. 0.1 gives "
                         "the same queueing (same batch time, same load ratios) at a tenth of the CPU, for smoke "
                         "runs on a busy machine; the issue's goals are for 1 (default 1)")
-    p.add_argument("--sim-batch-ms", type=float, default=100.0)
-    p.add_argument("--max-batch-size", type=int, default=100)
-    p.add_argument("--slo-ms", type=float, default=200.0)
-    p.add_argument("--margin-ms", type=float, default=5.0, help="server's --dispatch-margin-ms")
-    p.add_argument("--request-timeout-ms", type=float, default=2000.0, help="server's --timeout-ms")
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout per request, s")
-    p.add_argument("--connections", type=int, default=4096, help="connection limit per client process")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra argument for `batchserve serve` (repeatable, e.g. --server-arg=--log-level=warning)")
-    report.add_output_args(p)
-    p.add_argument("--tag", default="", help="suffix for the result file names")
+    common.add_sim_flags(p, deadlines=True)
+    common.add_output_flags(p, tag=True)
     a = p.parse_args(argv)
     try:
         a.scenarios = sorted({int(x) for x in a.scenarios.split(",") if x.strip()})
@@ -515,14 +503,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    name = f"tenancy-{report.stamp()}{'-' + a.tag if a.tag else ''}"
-    log_dir = report.log_dir(a, name)
-    stopping = servers.stop_on_signals()
+    name = common.run_name(a, "tenancy")
+    log_dir = common.log_dir(a, name)
     rep: dict = {**report.provenance(), "settings": {k: (str(v) if isinstance(v, Path) else v)
                                                      for k, v in vars(a).items()},
                  "goal_p95_ms": P95_GOAL_MS, "max_batch_size": batch_size(a), "server_log_dir": str(log_dir), "scenarios": []}
     chosen = [sc for sc in scenarios(a) if sc.number in a.scenarios]
-    try:
+    with common.guarded(rep, catch=(servers.ServerFailed, RuntimeError)) as stopping:
         for sc in chosen:
             if stopping:
                 raise KeyboardInterrupt
@@ -533,20 +520,12 @@ def main(argv: list[str] | None = None) -> int:
             rep["scenarios"].append(result)
             print(scenario_markdown(result), flush=True)
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("interrupted: stopping servers", file=sys.stderr)
-        rep["interrupted"] = True
-    except (servers.ServerFailed, RuntimeError) as exc:
-        print(f"failed: {exc}", file=sys.stderr)
-        rep["error"] = str(exc)
-    finally:
-        servers.stop_all()
     rep["machine"]["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
     rep["all_passed"] = (len(rep["scenarios"]) == len(chosen) and not rep.get("error")
                          and not rep.get("interrupted") and all(s["passed"] for s in rep["scenarios"]))
     md = markdown(rep)
     print(f"{'ALL GOALS MET' if rep['all_passed'] else 'SOME GOALS MISSED'}; "
-          + report.written(report.write(name, rep, md, report.out_dir(a)), log_dir))
+          + report.written(report.write(name, rep, md, common.out_dir(a)), log_dir))
     return 0 if rep["all_passed"] else 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SCRIPTS = ["run_standard", "drill", "overload", "tenancy_bench", "jobs_bench", "generation_bench"]
+SCRIPTS = ["run_standard", "drill", "overload", "tenancy_bench", "jobs_bench", "generation_bench", "fleet", "soak",
+           "autoscale_signal", "embed_bench", "plan_check"]
 
 
 def listing() -> set[str]:
@@ -27,12 +29,36 @@ def bench(*args: str, tmp: Path, env: dict[str, str] | None = None) -> subproces
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_bench_defaults_to_print_only(script: str) -> None:
-    from bench import report
+    from bench import common
 
     module = importlib.import_module(f"bench.{script}")
-    assert report.out_dir(module.parse_args([])) is None
-    assert report.out_dir(module.parse_args(["--record"])) == RESULTS
-    assert report.out_dir(module.parse_args(["--out", "/somewhere"])) == Path("/somewhere")
+    assert common.out_dir(module.parse_args([])) is None
+    assert common.out_dir(module.parse_args(["--record"])) == RESULTS
+    assert common.out_dir(module.parse_args(["--out", "/somewhere"])) == Path("/somewhere")
+    assert common.out_dir(module.parse_args(["--out-dir", "/somewhere"])) == Path("/somewhere")
+
+
+def test_the_run_guard_stops_its_servers_and_says_why(tmp_path: Path) -> None:
+    from bench import common, servers
+
+    def sleeper() -> servers.Server:  # stands in for a server: stop() only needs the process
+        server = servers.Server("sleeper", [], tmp_path / "sleeper.log")
+        server.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        servers._started.append(server)
+        return server
+
+    handler = signal.getsignal(signal.SIGINT)
+    rep: dict = {}
+    with common.guarded(rep) as stopping:
+        server = sleeper()
+        assert stopping == [] and signal.getsignal(signal.SIGINT) is not handler
+        raise servers.ServerFailed("boom")
+    assert server.proc is not None and server.proc.poll() is not None
+    assert rep == {"error": "boom"} and signal.getsignal(signal.SIGINT) is handler
+    with pytest.raises(KeyboardInterrupt), common.guarded():  # without a report the interrupt goes on
+        server = sleeper()
+        raise KeyboardInterrupt
+    assert server.proc is not None and server.proc.poll() is not None
 
 
 def test_a_run_prints_and_writes_only_where_asked(tmp_path: Path) -> None:
