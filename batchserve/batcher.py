@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batchserve import errors
-from batchserve.batch_time import BatchTimes
+from batchserve.core.batch_time import BatchTimes
 from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item
 

@@ -28,7 +28,7 @@ from batchserve.backends import Backend, running_batch
 from batchserve.batcher import Batch, Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.tiers import BATCH
-from batchserve.device_thread import DeviceThread
+from batchserve.backends.device_thread import DeviceThread
 from batchserve.metrics import Metrics
 
 log = logging.getLogger("batchserve.pool")

@@ -16,7 +16,7 @@ from typing import Callable
 from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.backends.loading import LoadedModels, load_models
-from batchserve.batch_time import BatchTimes
+from batchserve.core.batch_time import BatchTimes
 from batchserve.batcher import Batcher
 from batchserve.core import load_signal
 from batchserve.config import Settings

@@ -10,6 +10,7 @@ batchserve run. The ratio here is the route's overhead alone; the end-to-end rat
 
     python -m bench.hotpath                 # ~20 s: table of CPU µs per request
     python -m bench.hotpath --profile /tmp/hotpath.html
+    python -m bench.hotpath --record        # the table and a text profile into bench/results/hotpath-<time>.*
 """
 
 from __future__ import annotations
@@ -130,16 +131,28 @@ async def main_async(a: argparse.Namespace) -> None:
                     profiler.stop()
                 runs[name].append(cpu / a.requests * 1e6)
                 bad[name] += non_200
+    profile_text = ""
     if profiler is not None:
-        with open(a.profile, "w") as fh:
-            fh.write(profiler.output_html() if a.profile.endswith(".html") else
-                     profiler.output_text(unicode=True, show_all=False))
+        profile_text = profiler.output_text(unicode=True, show_all=False)
+        if a.profile != "-":
+            with open(a.profile, "w") as fh:
+                fh.write(profiler.output_html() if a.profile.endswith(".html") else profile_text)
     base = statistics.median(runs["bare Starlette"])
-    print(f"{'app':<16} {'CPU µs/req (median)':>20} {'ratio':>6}  runs")
+    lines = [f"| app | CPU µs/req (median of {a.repeats}) | ratio | runs |", "|---|---|---|---|"]
     for name, values in runs.items():
         med = statistics.median(values)
-        print(f"{name:<16} {med:>20.1f} {med / base:>6.2f}  {[round(v, 1) for v in values]}"
-              + (f"  non-200: {bad[name]}" if bad[name] else ""))
+        lines.append(f"| {name} | {med:.1f} | {med / base:.2f} | {[round(v, 1) for v in values]}"
+                     + (f" (non-200: {bad[name]})" if bad[name] else "") + " |")
+    md = "\n".join(["# CPU per request of the inference route, in-process (bench/hotpath.py)", "",
+                    f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of {BATCH_MS:g} ms; "
+                    "runs interleaved; process CPU time (the worker thread included).", "", *lines])
+    if profile_text:
+        md += "\n\n## Profile of the batchserve runs (pyinstrument)\n\n```\n" + profile_text + "\n```"
+    print(md)
+    from bench import common, report
+
+    rep = {"provenance": report.provenance(), "settings": vars(a), "runs_us": runs, "non_200": bad}
+    print(report.written(report.write(common.run_name(a, "hotpath"), rep, md, common.out_dir(a))))
 
 
 def main() -> None:
@@ -147,7 +160,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3000, help="requests per run")
     p.add_argument("--concurrency", type=int, default=100, help="requests in flight at once")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--profile", default="", help="write a pyinstrument profile of the batchserve runs here (.html, else text)")
+    p.add_argument("--profile", default="", help="profile the batchserve runs with pyinstrument: write it here "
+                   "(.html, else text; '-' only into the report)")
+    from bench import common
+
+    common.add_output_flags(p, tag=True)
     a = p.parse_args()
     import uvloop
 

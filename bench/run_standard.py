@@ -37,6 +37,7 @@ from bench.schedule import row_seed  # noqa: E402
 STANDARD_ROWS = ((1, 100.0), (1, 500.0), (1, 900.0), (1, 950.0), (4, 400.0), (4, 2000.0))
 CPU_RATE = 900.0
 CPU_RATIO_GOAL = 1.5
+REFERENCE_SLACK_MS = 5.0  # 1 device at CPU_RATE: p95 within this of the minimal asyncio batcher's
 SINGLE_SLACK_MS = 5.0  # 1 device: p95 <= ideal + 5 ms
 MULTI_BOUND_BATCHES = 1.3  # several devices: p95 <= 1.3 x batch time (130 ms at 100 ms)
 
@@ -160,8 +161,13 @@ def run_row(devices: int, rate: float, a: argparse.Namespace, log_dir: Path) -> 
     return row
 
 
-def run_bare(rate: float, a: argparse.Namespace, log_dir: Path, hold_ms: float = 0.0) -> LoadResult:
-    server = servers.start(f"bare-starlette-hold{hold_ms:g}", servers.bare_cmd(hold_ms), log_dir)
+def run_bare(rate: float, a: argparse.Namespace, log_dir: Path, hold_ms: float = 0.0,
+             minimal: bool = False) -> LoadResult:
+    """The bare app (answering at once, or after `hold_ms`), or with `minimal` the minimal asyncio batcher, at
+    `rate` on the same arrivals as batchserve's 1-device row."""
+    name, cmd = ("minimal-batcher", servers.minimal_cmd()) if minimal else (
+        f"bare-starlette-hold{hold_ms:g}", servers.bare_cmd(hold_ms))
+    server = servers.start(name, cmd, log_dir)
     try:
         return measure(server.base, rate, a.duration, a.warmup, row_seed(a.seed, 1, rate), server_pid=server.pid,
                        timeout_s=a.timeout, connections=a.connections, metrics=False, procs=a.procs)
@@ -202,6 +208,8 @@ def cpu_section(cpu: dict) -> str:
         f"| {cpu['batchserve_rps']:.0f} | {cpu['batchserve_errors']} |",
         f"| bare Starlette | {fmt(cpu['bare_ms'], '.3f')} | {fmt(cpu['bare_cores'], '.2f')} | {cpu['bare_rps']:.0f} "
         f"| {cpu['bare_errors']} |",
+        f"| minimal asyncio batcher (`bench/minimal_batcher.py`) | {fmt(cpu.get('minimal_ms'), '.3f')} "
+        f"| {fmt(cpu.get('minimal_cores'), '.2f')} | {cpu.get('minimal_rps', 0):.0f} | {cpu.get('minimal_errors', '–')} |",
         f"| bare Starlette answering after {cpu.get('hold_ms', 0):.0f} ms (batchserve's median latency) "
         f"| {fmt(cpu.get('bare_hold_ms'), '.3f')} | {fmt(cpu.get('bare_hold_cores'), '.2f')} "
         f"| {cpu.get('bare_hold_rps', 0):.0f} | {cpu.get('bare_hold_errors', '–')} |",
@@ -214,6 +222,10 @@ def cpu_section(cpu: dict) -> str:
         f"Ratio {fmt(cpu['ratio'], '.2f')} (goal ≤ {CPU_RATIO_GOAL:g}): **{'PASS' if cpu['passed'] else 'FAIL'}**"
         + (f" — batchserve refused {cpu['batchserve_errors']} of those requests, and a refusal costs less CPU than"
            " an answer, so this ratio flatters it." if cpu["batchserve_errors"] else ""),
+        "",
+        f"p95 at {cpu['rate']:g} RPS on one device: batchserve {fmt(cpu.get('batchserve_p95_ms'))} ms, the minimal "
+        f"asyncio batcher {fmt(cpu.get('minimal_p95_ms'))} ms on the same arrivals (goal: within "
+        f"{REFERENCE_SLACK_MS:g} ms): **{'PASS' if cpu.get('reference_passed') else 'FAIL'}**",
     ])
 
 
@@ -321,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"-- CPU: bare Starlette answering after {hold_ms:.0f} ms, {a.cpu_rate:g} RPS ...", flush=True)
             bare_hold = run_bare(a.cpu_rate, a, log_dir, hold_ms)
             print(f"   CPU {fmt(bare_hold.server_cpu_ms_per_req, '.3f')} ms/req", flush=True)
+            print(f"-- reference: the minimal asyncio batcher, 1 device, {a.cpu_rate:g} RPS ...", flush=True)
+            minimal = run_bare(a.cpu_rate, a, log_dir, minimal=True)
+            print(f"   p95 {minimal.p95_ms:.1f} ms, CPU {fmt(minimal.server_cpu_ms_per_req, '.3f')} ms/req", flush=True)
             bs_ms, bare_ms = same.load.server_cpu_ms_per_req, bare.server_cpu_ms_per_req
             hold_cpu = bare_hold.server_cpu_ms_per_req
             ratio = bs_ms / bare_ms if bs_ms is not None and bare_ms else math.nan
@@ -333,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
                    "bare_hold_rps": bare_hold.achieved_rps, "bare_hold_errors": bare_hold.error_count,
                    "hold_cost_ratio": hold_cpu / bare_ms if hold_cpu and bare_ms else math.nan,
                    "ratio_vs_hold": bs_ms / hold_cpu if bs_ms and hold_cpu else math.nan,
+                   "minimal_p95_ms": minimal.p95_ms, "batchserve_p95_ms": same.load.p95_ms,
+                   "minimal_ms": minimal.server_cpu_ms_per_req, "minimal_rps": minimal.achieved_rps,
+                   "minimal_errors": minimal.error_count, "minimal_cores": minimal.server_cores,
+                   "reference_passed": same.load.p95_ms <= minimal.p95_ms + REFERENCE_SLACK_MS
+                   and same.load.error_count == 0, "minimal_load": asdict(minimal),
                    "batchserve_from_row": any(r is same for r in rows),
                    "batchserve_row": asdict(same)}
     if stopping:
@@ -340,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     rep["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     rep["rows"] = [asdict(r) for r in rows]
     rep["cpu"] = cpu
-    rep["all_passed"] = bool(rows) and all(r.passed for r in rows) and (a.skip_cpu or bool(cpu.get("passed")))
+    rep["all_passed"] = bool(rows) and all(r.passed for r in rows) and (
+        a.skip_cpu or (bool(cpu.get("passed")) and bool(cpu.get("reference_passed"))))
     md = markdown(rep, rows)
     print()
     print(md)

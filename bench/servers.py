@@ -127,6 +127,11 @@ def bare_cmd(hold_ms: float = 0.0) -> list[str]:
     return [sys.executable, "-m", "bench.bare_app", "--port", "0", "--hold-ms", f"{hold_ms:g}"]
 
 
+def minimal_cmd() -> list[str]:
+    """The minimal asyncio batcher (bench/minimal_batcher.py): the reference row for one device."""
+    return [sys.executable, "-m", "bench.minimal_batcher", "--port", "0"]
+
+
 def stop_on_signals() -> list[int]:
     """On SIGTERM/SIGINT stop every server started here at once and raise KeyboardInterrupt; returns the list
     the received signals are appended to, so a run loop can check it (an interrupt raised inside a callback of

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from batchserve.batch_time import BatchTimes, size_bucket
+from batchserve.core.batch_time import BatchTimes, size_bucket
 from batchserve.errors import ApiError
 from batchserve.batcher import Batch, Batcher
 from batchserve.core.admission import Admission, predicted_latency_s

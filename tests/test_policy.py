@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from batchserve.batch_time import BatchTimes
+from batchserve.core.batch_time import BatchTimes
 from batchserve.batcher import Batch, Batcher
 from batchserve.core import tiers
 from batchserve.core.admission import Admission, predicted_latency_s

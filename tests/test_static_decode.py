@@ -181,5 +181,6 @@ def test_smollm2_static_path_gives_generates_answers_on_the_real_weights() -> No
     tokens = backend.decoders[0].generate(backend.encode(inputs))
     assert any(len(t) < 48 for t in tokens) and any(len(t) == 48 for t in tokens)  # some end before the limit
     texts = [t.strip() for t in backend.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
-    assert texts == backend.run_generate(0, inputs)
-    assert backend.run(0, inputs[:1]) == texts[:1]  # the backend's own path: encode, decode, decode text
+    device = backend.devices[0]
+    assert texts == backend.run_generate(device, inputs)
+    assert backend.batch(inputs[:1], device) == texts[:1]  # the backend's own path: encode, decode, decode text

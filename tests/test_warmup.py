@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from batchserve.config import Settings
-from batchserve.warmup import MAX_ROUNDS, derive_deadlines, warm_until_stable
+from batchserve.backends.warmup import MAX_ROUNDS, derive_deadlines, warm_until_stable
 from tests.test_api import metric
 
 

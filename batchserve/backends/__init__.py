@@ -18,7 +18,7 @@ has its answer or has left; a backend that works in steps may check it between s
 abandoned batch frees its device for the next one. Its outputs are then thrown away, so any will do.
 
 `warm` may return batch seconds by batch size measured while warming (a GPU backend times each of its batch
-buckets), which seed the learned batch time by size (`batch_time.py`).
+buckets), which seed the learned batch time by size (`core/batch_time.py`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from batchserve.backends import Backend, PluginError, describe
 from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
-from batchserve.device_thread import DeviceThread
-from batchserve.warmup import apply_deadlines, warm_until_stable
+from batchserve.backends.device_thread import DeviceThread
+from batchserve.backends.warmup import apply_deadlines, warm_until_stable
 
 log = logging.getLogger("batchserve")
 
