@@ -48,6 +48,7 @@ class BatchTimes:
     # S by (model, size), read on every request and batch decision, changed only once per batch: kept until
     # the next observation or seed (at most models x max_batch_size entries).
     _memo: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)
+    _sorted: dict[str, list[Point]] = field(default_factory=dict, repr=False)  # each model's points by size
 
     def seed(self, model: str, seconds: float) -> None:
         """The batch time to assume before any batch of `model` is measured."""
@@ -57,6 +58,7 @@ class BatchTimes:
     def observe(self, model: str, size: int, seconds: float) -> None:
         """One batch of `size` inputs took `seconds`."""
         self._memo.clear()
+        self._sorted.pop(model, None)
         buckets = self.points.setdefault(model, {})
         p = buckets.get(size_bucket(size))
         if p is None:
@@ -75,7 +77,9 @@ class BatchTimes:
 
     def _at(self, model: str, size: int) -> float:
         n = float(min(max(1, size), self.max_batch_size))
-        pts = sorted(self.points.get(model, {}).values(), key=lambda p: p.size)
+        pts = self._sorted.get(model)
+        if pts is None:
+            pts = self._sorted[model] = sorted(self.points.get(model, {}).values(), key=lambda p: p.size)
         if not pts:
             return self.seeds.get(model, DEFAULT_SEED_S)
         below = [p for p in pts if p.size <= n]
