@@ -26,6 +26,7 @@ What httptools and uvicorn leave open, and how it is closed here:
 from __future__ import annotations
 
 import asyncio
+import random
 import resource
 from dataclasses import dataclass, field
 
@@ -149,7 +150,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         guard = self.guard
         guard.waiting[self] = None
-        self.deadline = self.loop.time() + self.limits.header_timeout_s
+        # A fresh connection's first head is due within 1 to 1.5 header timeouts, spread at random: a flood
+        # of connections opened at once that never speak is then closed, and comes back, over half a timeout
+        # rather than in one burst of accepts that would stall the loop.
+        self.deadline = self.loop.time() + self.limits.header_timeout_s * (1.0 + 0.5 * random.random())
         guard.start_sweeping(self.loop, self.connections)
         if not guard.make_room(self, len(self.connections)):
             guard.refused += 1
