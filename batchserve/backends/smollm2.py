@@ -16,6 +16,8 @@ import functools
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +31,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Prompt-length bucket edges in characters (about 4 characters a token): inputs in different buckets never
 # share a batch, so padding stays under ~4x the shortest prompt of a batch.
 BUCKET_EDGES = (128, 512, 2048)
+CONVERTED_FORMAT = 1  # bump when `converted_dir` writes its copy differently: old copies are then ignored
 
 
 def weights_dir() -> str:
@@ -54,6 +57,58 @@ def pick_devices(requested: int) -> list[str]:
             raise ValueError(f"--devices {n} but only {count} CUDA devices are visible")
         return [f"cuda:{i}" for i in range(n)]
     return ["cpu"]
+
+
+def converted_dir(cache: str) -> str:
+    """The GGUF's weights and tokenizer in transformers' format, converted once into `cache` (a directory per
+    GGUF file and transformers version) and read from there afterwards: de-quantizing the GGUF costs ~30 s of
+    CPU at every start otherwise, and the server loads it once per replica (batch model and generation engine).
+    "" when `cache` is empty or cannot be written (the caller then reads the GGUF itself)."""
+    if not cache:
+        return ""
+    import transformers
+
+    source = os.path.join(weights_dir(), GGUF_FILE)
+    stat = os.stat(source)
+    root = os.path.expanduser(cache)
+    target = os.path.join(root, f"{GGUF_FILE.removesuffix('.gguf')}-{stat.st_size}-{int(stat.st_mtime)}"
+                                f"-transformers{transformers.__version__}-v{CONVERTED_FORMAT}")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to transformers' format in %s (once; later starts read it from there)",
+             GGUF_FILE, target)
+    try:
+        os.makedirs(root, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=root, prefix=".converting-")
+    except OSError as err:
+        log.warning("weights cache %s not writable (%s): reading the GGUF at every start", root, err)
+        return ""
+    try:
+        # float32 holds the de-quantized values exactly: the copy answers as the GGUF does. The GGUF "quantizer"
+        # only de-quantized at load time (the weights are plain tensors now); it is dropped so the model saves.
+        model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE).save_pretrained(staging)
+        os.replace(staging, target)  # atomic: a reader sees the whole copy or none
+    except OSError as err:
+        if not os.path.exists(os.path.join(target, "config.json")):  # not merely another process first
+            log.warning("could not keep the converted weights in %s (%s): reading the GGUF", target, err)
+            return ""
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def source_dir(s: Settings) -> str:
+    """Where this server's replicas load from: `--smollm2-dir`, else the converted copy of the GGUF ("" = the
+    GGUF itself)."""
+    return s.smollm2_dir or converted_dir(s.weights_cache)
 
 
 def load_tokenizer(model_dir: str = "") -> Any:
@@ -124,8 +179,9 @@ class SmolLM2Backend:
     def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
         devices = pick_devices(s.devices)
         log.info("loading SmolLM2-135M-Instruct on %s (%s decoding)", ", ".join(devices), s.decode)
-        tokenizer = load_tokenizer(s.smollm2_dir)
-        models = [load_model(d, s.smollm2_dir) for d in devices]
+        source = source_dir(s)
+        tokenizer = load_tokenizer(source)
+        models = [load_model(d, source) for d in devices]
         decoders = []
         if s.decode == "static":
             from batchserve.backends.static_decode import StaticDecoder

@@ -254,10 +254,11 @@ class Engine:
         cfg = EngineConfig.from_settings(settings)
 
         def load() -> tuple[Any, Any, Any, float]:
-            from batchserve.backends.smollm2 import load_model, load_tokenizer
+            from batchserve.backends.smollm2 import load_model, load_tokenizer, source_dir
 
-            tok = load_tokenizer(settings.smollm2_dir)
-            mdl = load_model(default_device(settings), settings.smollm2_dir)
+            source = source_dir(settings)
+            tok = load_tokenizer(source)
+            mdl = load_model(default_device(settings), source)
             manager = build_manager(mdl, tok, cfg)
             manager.start()
             step_s = warm(manager, tok)

@@ -1,0 +1,72 @@
+"""SmolLM2's GGUF is converted to transformers' format once (`--weights-cache`) and read from there afterwards:
+the copy must hold exactly the GGUF's weights, tokenizer and generation settings, be made once, appear
+atomically, and never stop a server from starting when the cache cannot be written."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from batchserve.backends import smollm2
+from batchserve.config import Settings
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch):
+    import transformers
+
+    gguf_model = smollm2.load_model("cpu", "")  # read from the GGUF itself
+    from_gguf = smollm2.load_tokenizer("")
+    read_model = transformers.AutoModelForCausalLM.from_pretrained
+    read_tokenizer = transformers.AutoTokenizer.from_pretrained
+
+    # The conversion gets the model and tokenizer read above (35 s of CI spared), nothing else changes.
+    def model_already_read(path, *args, **kwargs):
+        return gguf_model if kwargs.get("gguf_file") else read_model(path, *args, **kwargs)
+
+    def tokenizer_already_read(path, *args, **kwargs):
+        return from_gguf if kwargs.get("gguf_file") else read_tokenizer(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_already_read)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_already_read)
+    copy_dir = smollm2.converted_dir(str(tmp_path / "cache"))
+    monkeypatch.undo()
+    assert copy_dir.startswith(str(tmp_path / "cache")) and "transformers" in copy_dir
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [copy_dir.rsplit("/", 1)[1]]  # no staging left
+
+    copy = smollm2.load_model("cpu", copy_dir)
+    expected, got = gguf_model.state_dict(), copy.state_dict()
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, got[name]), name
+    assert copy.lm_head.weight.data_ptr() == copy.model.embed_tokens.weight.data_ptr()  # still tied
+    assert smollm2.eos_ids(copy) == smollm2.eos_ids(gguf_model)
+
+    from_copy = smollm2.load_tokenizer(copy_dir)
+    prompts = ["What is the capital of France?", "Ünïcödé and\ttabs", "x" * 300]
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    assert [from_copy.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats] == \
+        [from_gguf.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    assert from_copy(prompts)["input_ids"] == from_gguf(prompts)["input_ids"]
+    assert from_copy.pad_token_id == from_gguf.pad_token_id and from_copy.padding_side == "left"
+
+    # Made once: a second start reads the copy and never the GGUF.
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_gguf)
+    assert smollm2.converted_dir(str(tmp_path / "cache")) == copy_dir
+    assert smollm2.source_dir(Settings(weights_cache=str(tmp_path / "cache"))) == copy_dir
+    assert smollm2.source_dir(Settings(weights_cache=str(tmp_path / "cache"), smollm2_dir="/x")) == "/x"
+
+
+def test_no_cache_or_an_unwritable_one_reads_the_gguf(tmp_path, caplog):
+    assert smollm2.converted_dir("") == ""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="batchserve.smollm2"):
+        assert smollm2.converted_dir(str(blocker / "cache")) == ""
+    assert "not writable" in caplog.text
