@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
+from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol, whole_answer_sender
 
 
 class RecordingTransport(asyncio.Transport):
@@ -45,7 +45,9 @@ async def exchange(app, request: bytes, settle: int = 20) -> RecordingTransport:
     config = uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning")
     config.load()
     guard = ConnectionGuard.create(ConnectionLimits())
-    protocol = GuardedHttpToolsProtocol(config=config, server_state=ServerState(), app_state={}, guard=guard)
+    state = ServerState()
+    state.default_headers = [(b"date", b"Thu, 26 Nov 2026 09:00:00 GMT"), (b"server", b"uvicorn")]
+    protocol = GuardedHttpToolsProtocol(config=config, server_state=state, app_state={}, guard=guard)
     transport = RecordingTransport()
     protocol.connection_made(transport)
     protocol.data_received(request)
@@ -140,3 +142,55 @@ def test_an_answer_before_the_body_closes_after_one_write():
     t = asyncio.run(exchange(refuse, b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"))
     assert len(t.writes) == 1 and b"connection: close" in t.writes[0] and t.writes[0].endswith(b"{}")
     assert t.closed_by_answer
+
+
+# -- send_whole: the inference route's answer, written without the ASGI messages -----------------------------
+HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"abc-1"),
+           (b"server-timing", b"queue;dur=1.0, compute;dur=100.2")]
+
+
+def asgi_app(body: bytes):
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*HEADERS, (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+    return app
+
+
+def whole_app(body: bytes, read_body: bool = True):
+    async def app(scope, receive, send):
+        if read_body:
+            await receive()
+        send_whole = whole_answer_sender(send)
+        assert send_whole is not None
+        await send_whole(200, b"".join(b"%s: %s\r\n" % h for h in HEADERS), body)
+    return app
+
+
+@pytest.mark.parametrize("request_bytes", [
+    GET,
+    b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"GET / HTTP/1.0\r\n\r\n",  # no keep-alive: connection: close, and the connection closes
+    b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello",
+])
+def test_send_whole_writes_the_bytes_send_would_in_one_write(request_bytes):
+    body = b'{"output":"olleh"}'
+    expected = asyncio.run(exchange(asgi_app(body), request_bytes))
+    got = asyncio.run(exchange(whole_app(body), request_bytes))
+    assert len(got.writes) == 1 and b"date: Thu, 26 Nov 2026" in got.writes[0]
+    assert got.writes[0] == b"".join(expected.writes)
+    assert got.closed_by_answer == expected.closed_by_answer
+
+
+def test_send_whole_before_the_body_was_read_closes_the_connection():
+    t = asyncio.run(exchange(whole_app(b"{}", read_body=False),
+                             b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"))
+    assert len(t.writes) == 1 and b"connection: close\r\n" in t.writes[0] and t.closed_by_answer
+
+
+def test_other_servers_get_the_asgi_messages():
+    async def plain_send(message):
+        pass
+
+    assert whole_answer_sender(plain_send) is None

@@ -18,6 +18,7 @@ off the line through the measured points:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -36,6 +37,24 @@ class Point:
     seconds: float  # mean batch time seen in the bucket
 
 
+@dataclass(frozen=True)
+class _Line:
+    """A model's measured points by size, and the slope to read past the largest."""
+
+    sizes: list[float]
+    seconds: list[float]
+    slope: float
+
+    @classmethod
+    def through(cls, points: list[Point]) -> "_Line":
+        if not points:
+            return cls([], [], 0.0)
+        first, last = points[0], points[-1]
+        slope = (last.seconds - first.seconds) / (last.size - first.size) if last.size > first.size else 0.0
+        slope = min(max(0.0, slope), last.seconds / last.size)
+        return cls([p.size for p in points], [p.seconds for p in points], slope)
+
+
 @dataclass
 class BatchTimes:
     """S(n) per model. Indexing (`times[model]`) gives a full batch's S, the one number for callers that do not
@@ -45,20 +64,17 @@ class BatchTimes:
     seeds: dict[str, float] = field(default_factory=dict)
     points: dict[str, dict[int, Point]] = field(default_factory=dict)
     alpha: float = EWMA_ALPHA
-    # S by (model, size), read on every request and batch decision, changed only once per batch: kept until
-    # the next observation or seed (at most models x max_batch_size entries).
-    _memo: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)
-    _sorted: dict[str, list[Point]] = field(default_factory=dict, repr=False)  # each model's points by size
+    # Each model's line, read on every request (at its own size, which changes with every arrival: a memo by
+    # size missed nearly always) and rebuilt only after an observation.
+    _lines: dict[str, "_Line"] = field(default_factory=dict, repr=False)
 
     def seed(self, model: str, seconds: float) -> None:
         """The batch time to assume before any batch of `model` is measured."""
         self.seeds[model] = seconds
-        self._memo.clear()
 
     def observe(self, model: str, size: int, seconds: float) -> None:
         """One batch of `size` inputs took `seconds`."""
-        self._memo.clear()
-        self._sorted.pop(model, None)
+        self._lines.pop(model, None)
         buckets = self.points.setdefault(model, {})
         p = buckets.get(size_bucket(size))
         if p is None:
@@ -69,33 +85,23 @@ class BatchTimes:
 
     def at(self, model: str, size: int) -> float:
         """The expected time of a batch of `size` inputs (clamped to 1..max_batch_size)."""
-        key = (model, size)
-        found = self._memo.get(key)
-        if found is None:
-            found = self._memo[key] = self._at(model, size)
-        return found
-
-    def _at(self, model: str, size: int) -> float:
         n = float(min(max(1, size), self.max_batch_size))
-        pts = self._sorted.get(model)
-        if pts is None:
-            pts = self._sorted[model] = sorted(self.points.get(model, {}).values(), key=lambda p: p.size)
-        if not pts:
+        line = self._lines.get(model)
+        if line is None:
+            line = self._lines[model] = _Line.through(sorted(self.points.get(model, {}).values(),
+                                                             key=lambda p: p.size))
+        sizes, secs = line.sizes, line.seconds
+        if not sizes:
             return self.seeds.get(model, DEFAULT_SEED_S)
-        below = [p for p in pts if p.size <= n]
-        above = [p for p in pts if p.size >= n]
-        if not below:
-            return above[0].seconds
-        lo = below[-1]
-        if above:
-            hi = above[0]
-            if hi.size == lo.size:
-                return lo.seconds
-            return lo.seconds + (hi.seconds - lo.seconds) * (n - lo.size) / (hi.size - lo.size)
-        first = pts[0]
-        slope = (lo.seconds - first.seconds) / (lo.size - first.size) if lo.size > first.size else 0.0
-        slope = min(max(0.0, slope), lo.seconds / lo.size)
-        return lo.seconds + slope * (n - lo.size)
+        i = bisect.bisect_right(sizes, n)  # the points at or below n: sizes[:i]
+        if i == 0:
+            return secs[0]
+        lo = i - 1
+        if sizes[lo] == n:
+            return secs[lo]
+        if i < len(sizes):
+            return secs[lo] + (secs[i] - secs[lo]) * (n - sizes[lo]) / (sizes[i] - sizes[lo])
+        return secs[lo] + line.slope * (n - sizes[lo])
 
     def by_size(self, model: str) -> dict[int, float]:
         """The measured points, mean size (rounded) to seconds: what /internal/health shows."""

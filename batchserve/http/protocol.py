@@ -29,6 +29,7 @@ import asyncio
 import random
 import resource
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
@@ -192,6 +193,47 @@ class _GuardedCycle(RequestResponseCycle):
         finally:
             self.transport = transport
             first.flush()  # a HEAD answer, or an error: the head still goes out, in order
+
+
+    async def send_whole(self, status: int, head: bytes, body: bytes) -> None:
+        """A whole answer of known length in one write, for a route that builds its headers itself from values
+        it knows are safe (`head`: its header lines, each ending in CRLF, no Content-Length): the same bytes
+        `send` would write, without its per-header regular expressions and message dicts (the inference
+        route's answer; a measurable share of its CPU at 900 requests/s)."""
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        if self.response_started:
+            raise RuntimeError("the response has already started")
+        if self.more_body:
+            self.keep_alive = False
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        parts = [STATUS_LINE[status]]
+        for name, value in self.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts += (head, b"content-length: %d\r\n" % len(body))
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        if self.scope["method"] != "HEAD":
+            parts.append(body)
+        self.transport.write(b"".join(parts))
+        self.response_complete = True
+        self.message_event.set()
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+
+
+def whole_answer_sender(send: object) -> Callable[[int, bytes, bytes], Awaitable[None]] | None:
+    """`send_whole` of the guarded cycle behind an ASGI `send`, or None under another server (or a test's
+    in-process transport): the caller then sends the ASGI messages."""
+    cycle = getattr(send, "__self__", None)
+    if isinstance(cycle, _GuardedCycle) and not cycle.access_log:
+        return cycle.send_whole
+    return None
 
 
 class _Refused(Exception):
