@@ -31,7 +31,14 @@ from bench import common  # noqa: E402
 from bench.report import write, written  # noqa: E402
 from bench.run_standard import git_info, parse_rows  # noqa: E402
 
-DEFAULT_FILE = common.RESULTS / "standard-20261126T031012Z.json"
+
+
+def newest_standard() -> Path | None:
+    """The newest recorded standard table (the file names sort by time)."""
+    found = sorted(common.RESULTS.glob("standard-*.json"))
+    return found[-1] if found else None
+
+
 DEFAULT_ROWS = "1:500,1:900,4:400,4:2000"
 GOAL_PCT = 10.0  # the issue's bar: predicted p95 within 10 % of the measured row
 
@@ -106,7 +113,8 @@ def table(checks: list[Check]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="batchserve plan's predictions against a recorded standard bench")
-    p.add_argument("--file", type=Path, default=DEFAULT_FILE, help=f"a standard-*.json (default {DEFAULT_FILE.name})")
+    p.add_argument("--file", type=Path, default=newest_standard(),
+                   help="a standard-*.json (default: the newest in bench/results/)")
     p.add_argument("--rows", type=parse_rows, default=parse_rows(DEFAULT_ROWS), help=f"DEVICES:RPS,... ({DEFAULT_ROWS})")
     p.add_argument("--sim-s", type=float, default=60.0, help="simulated seconds per prediction")
     p.add_argument("--seed", type=int, default=1, help="the planner's seed (its own draws, not the bench's)")
