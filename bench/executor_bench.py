@@ -52,15 +52,16 @@ def offline(a: argparse.Namespace) -> dict[int, float]:
     settings = Settings(backend="smollm2", max_new_tokens=a.max_new_tokens, smollm2_dir=a.smollm2_dir,
                         decode=a.decode, max_batch_size=max(a.sizes))
     backend = SmolLM2Backend.from_settings(ModelSpec("smollm2", backend="smollm2"), settings)
-    backend.warm(0)
+    device = backend.devices[0]
+    backend.warm(device)
     times = {}
     for size in a.sizes:
         batch = inputs(size)
-        backend.run(0, batch)
+        backend.batch(batch, device)
         runs = []
         for _ in range(a.repeats):
             started = time.perf_counter()
-            backend.run(0, batch)
+            backend.batch(batch, device)
             runs.append(time.perf_counter() - started)
         times[size] = statistics.median(runs)
         print(f"offline batch of {size}: {times[size] * 1000:.1f} ms", flush=True)

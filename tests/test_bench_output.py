@@ -93,3 +93,15 @@ def test_the_gpu_check_writes_only_into_out(tmp_path: Path) -> None:
         else:  # a temporary folder, never the checkout
             assert all(os.path.isabs(o) and not o.startswith(str(ROOT)) for o in outs), outs
     assert listing() == before
+
+
+@pytest.mark.slow
+def test_the_executor_bench_times_the_real_backend_offline() -> None:
+    # The GPU check runs this part first on the lent machine: a backend API change must fail here, not there.
+    import argparse
+
+    from bench import executor_bench
+
+    a = argparse.Namespace(max_new_tokens=2, smollm2_dir="", decode="static", sizes=[1, 2], repeats=1)
+    times = executor_bench.offline(a)
+    assert sorted(times) == [1, 2] and all(0 < t < 60 for t in times.values())
