@@ -266,13 +266,22 @@ class Batcher:
         q = self.queues[key]
         items: list[Item] = []
         limit = self.limit(key[0])
+        # An item whose deadline falls before a batch formed now would end is answered 504 here, not sent: its
+        # answer would come too late, and its place goes to an item that can still make it (under overload,
+        # batches of items that expire while they run would serve nobody: goodput would collapse).
+        ends = now + self.batch_s.at(key[0], min(limit, len(q)))
         while len(items) < limit:
             item = q.pop()
             if item is None:
                 break
             self._count(item, -1)
-            if item.alive(now):
-                items.append(item)
+            if not item.alive(now):
+                continue
+            if item.deadline < ends:
+                item.future.set_exception(errors.deadline_exceeded(
+                    "the request's deadline would pass before its batch could end"))
+                continue
+            items.append(item)
         if not items:
             return None
         for item in items:

@@ -114,8 +114,8 @@ def jobs_unavailable(message: str, retry_after_ms: int = 5000) -> ApiError:
     return ApiError(503, "JOBS_UNAVAILABLE", message, retry_after_ms=retry_after_ms)
 
 
-def deadline_exceeded() -> ApiError:
-    return ApiError(504, "DEADLINE_EXCEEDED", "the request's deadline passed before it could be answered")
+def deadline_exceeded(message: str = "the request's deadline passed before it could be answered") -> ApiError:
+    return ApiError(504, "DEADLINE_EXCEEDED", message)
 
 
 def worker_hung(again: bool) -> ApiError:

@@ -170,6 +170,22 @@ def test_expired_and_gone_items_never_reach_a_batch(loop):
     assert b.total_depth() == 0
 
 
+def test_an_item_that_would_expire_while_its_batch_runs_gives_its_place_away(loop):
+    clock = Clock()
+    b = make_batcher(clock, max_batch=2)  # S = 0.1 s
+    doomed = make_item(loop, "doomed", arrived=clock.now, deadline=clock.now + 0.05)  # ends before a batch would
+    edge = make_item(loop, "edge", arrived=clock.now, deadline=clock.now + 0.1)  # its batch ends right at it
+    later = make_item(loop, "later", arrived=clock.now)
+    for item in (doomed, edge, later):
+        b.submit(item)
+    batch = b.take_now(0)
+    assert batch is not None and [i.text for i in batch.items] == ["edge", "later"]
+    err = doomed.future.exception()
+    assert isinstance(err, ApiError) and (err.status, err.code) == (504, "DEADLINE_EXCEEDED")
+    assert "before its batch could end" in err.message
+    assert b.total_depth() == 0
+
+
 def test_the_least_recently_served_model_goes_first_among_due_queues(loop):
     clock = Clock()
     b = make_batcher(clock, models=("busy", "quiet"))
