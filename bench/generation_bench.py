@@ -120,7 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from batchserve.backends.smollm2 import load_model, load_tokenizer, pick_devices
+    from batchserve.backends import pick_devices
+    from batchserve.backends.smollm2 import load_model, load_tokenizer
 
     device = a.device or pick_devices(1)[0]
     tokenizer, model = load_tokenizer(), load_model(device)

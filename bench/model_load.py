@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.loadgen import parse_metrics
 from bench.procstat import process_cpu_s, raise_fd_limit
 from bench.schedule import poisson_schedule
 
@@ -53,22 +54,6 @@ def family_cpu_s(pid: int) -> float:
         except OSError:
             pass
     return total
-
-
-def metric_sums(text: str) -> dict[str, float]:
-    """Prometheus text to {sample name: value summed over labels} (histogram buckets skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        key, _, value = line.rpartition(" ")
-        name = key.split("{", 1)[0]
-        if not name.endswith("_bucket"):
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                pass
-    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -115,7 +100,7 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
             aiohttp.ClientSession() as probe_session:
-        m0 = metric_sums(await (await s.get(base + "/metrics")).text())
+        m0 = parse_metrics(await (await s.get(base + "/metrics")).text())
         cpu0, t_start = family_cpu_s(pid), time.monotonic()
         t0 = t_start + 0.1
 
@@ -152,7 +137,7 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
         await prober
         window = time.monotonic() - t_start
         cpu1 = family_cpu_s(pid)
-        m1 = metric_sums(await (await s.get(base + "/metrics")).text())
+        m1 = parse_metrics(await (await s.get(base + "/metrics")).text())
         health = await (await s.get(base + "/internal/health")).json()
 
     def delta(name: str) -> float:

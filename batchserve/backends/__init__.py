@@ -59,6 +59,20 @@ def running_batch(callers_gone: Callable[[], bool]) -> Iterator[RunningBatch]:
         _current.batch = None
 
 
+def pick_devices(requested: int) -> list[str]:
+    """The devices a built-in torch backend runs on: the first `requested` CUDA GPUs (0 = all of them), or
+    the CPU when there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        n = requested or count
+        if n > count:
+            raise ValueError(f"--devices {n} but only {count} CUDA devices are visible")
+        return [f"cuda:{i}" for i in range(n)]
+    return ["cpu"]
+
+
 def all_callers_gone() -> bool:
     """True when no caller of the running batch waits for its output any more; False outside a batch."""
     batch: RunningBatch | None = getattr(_current, "batch", None)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchserve.backends import pick_devices
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.minilm")
@@ -106,18 +107,6 @@ def load_tokenizer(path: Path) -> Any:
 
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
-def pick_devices(requested: int) -> list[str]:
-    import torch
-
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        n = requested or count
-        if n > count:
-            raise ValueError(f"--devices {n} but only {count} CUDA devices are visible")
-        return [f"cuda:{i}" for i in range(n)]
-    return ["cpu"]
 
 
 @dataclass

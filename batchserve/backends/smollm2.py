@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from batchserve.backends import all_callers_gone
+from batchserve.backends import all_callers_gone, pick_devices
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.smollm2")
@@ -45,18 +45,6 @@ def weights_dir() -> str:
     if not os.path.exists(os.path.join(path, GGUF_FILE)):
         raise RuntimeError(f"{GGUF_FILE} not found in {path}")
     return path
-
-
-def pick_devices(requested: int) -> list[str]:
-    import torch
-
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        n = requested or count
-        if n > count:
-            raise ValueError(f"--devices {n} but only {count} CUDA devices are visible")
-        return [f"cuda:{i}" for i in range(n)]
-    return ["cpu"]
 
 
 def converted_dir(cache: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from batchserve.http.openai_error import OpenAIError, bad
+from batchserve.http.openai_error import OpenAIError, bad, json_object
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 ENCODINGS = ("float", "base64")
@@ -27,12 +27,7 @@ class EmbeddingRequest:
 
 
 def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms: float) -> EmbeddingRequest:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad(None, f"the body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad(None, "the body must be a JSON object", "invalid_json")
+    data = json_object(body)
     raw = data.get("input")
     inputs = [raw] if isinstance(raw, str) else raw
     if not isinstance(inputs, list) or not inputs:

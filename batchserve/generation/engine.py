@@ -168,7 +168,7 @@ class GenerationMetrics:
 
 
 def default_device(settings: Settings) -> str:
-    from batchserve.backends.smollm2 import pick_devices
+    from batchserve.backends import pick_devices
 
     return pick_devices(settings.devices)[0]
 

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from batchserve.generation.engine import SamplingParams
-from batchserve.http.openai_error import JSON, OpenAIError, bad, error_response
+from batchserve.http.openai_error import JSON, OpenAIError, bad, error_response, json_object
 
 __all__ = ["JSON", "OpenAIError", "bad", "error_response", "parse", "Answer", "sse"]
 
@@ -61,12 +61,7 @@ def _text(content: Any, where: str) -> str:
 
 
 def parse(body: bytes, chat: bool, max_tokens_cap: int) -> GenRequest:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad(None, f"the body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad(None, "the body must be a JSON object", "invalid_json")
+    data = json_object(body)
     model = data.get("model")  # optional: the one generation model served here (curl users leave it out)
     if model is not None and (not isinstance(model, str) or not model):
         raise bad("model", "'model' must be a non-empty string when given (see GET /v1/models)")

@@ -43,6 +43,17 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> OpenAIE
     return OpenAIError(400, message, param, code)
 
 
+def json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or the OpenAI-shaped 400 that says why not."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad(None, f"the body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad(None, "the body must be a JSON object", "invalid_json")
+    return data
+
+
 def error_response(err: OpenAIError, headers: dict[str, str]) -> Response:
     return Response(orjson.dumps(err.body()), status_code=err.status, headers={**headers, **(err.headers or {})},
                     media_type=JSON)
