@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import signal
 import sys
@@ -73,6 +74,22 @@ class DrainingServer(uvicorn.Server):
 SWITCH_INTERVAL_S = 0.0001
 
 
+# The cyclic garbage collector, tuned for a server that allocates a few dozen short-lived objects per request.
+# With CPython's default thresholds (700, 10, 10) the sim server at 900 requests/s spent ~0.7 s in the collector
+# per 20 s (460 young collections of ~0.8 ms, 3 full ones of 55-70 ms): a full collection stalls the loop and
+# delays the running batch's hand-back, one such batch teaches the learned batch time a 46 ms outlier, and the
+# capacity estimate falls below the arrival rate (the 503s of the 900 RPS row). Freezing what start-up built
+# (modules, app, models: never garbage) and collecting the young generation every 50,000 allocations instead of
+# 700 cut the collector's time to ~40 ms per 20 s and the longest pause to ~4 ms (same load, one run each).
+GC_THRESHOLDS = (50_000, 10, 10)
+
+
+def tune_gc() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def connection_guard(settings: Settings) -> ConnectionGuard:
     """The limits every connection is held to (docs/hardening.md)."""
     return ConnectionGuard.create(ConnectionLimits(
@@ -110,5 +127,6 @@ def serve(settings: Settings, loaded: LoadedModels | None = None) -> int:
         backlog=4096,
     )
     server = DrainingServer(config, grace_s=settings.drain_grace_s)
+    tune_gc()  # after the models are loaded, before the first request
     server.run()
     return 1 if failed else 0
