@@ -33,6 +33,9 @@ from batchserve.core.fairqueue import FairQueue, Item
 
 Clock = Callable[[], float]
 
+# The learned S is a mean of measured cycles, so about half the batches end a little before it: a worker that
+# asks for its next batch this close to the pace (several devices) takes it at once instead of idling.
+PACE_EARLY_S = 0.002
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
 
 
@@ -253,6 +256,11 @@ class Batcher:
                 size = min(len(q), self.limit(key[0]))  # the batch formed now
                 deadline_due = head.arrived + self.dispatch_delay(key[0], size)
                 pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
+                if self.healthy_workers <= 1 or pace_due - now <= PACE_EARLY_S:
+                    # One device: the worker asking is the device, free now, and there is nothing to stagger
+                    # (the pace S only estimated when it would free: a smaller or quicker batch frees sooner).
+                    # Several: a worker that frees a hair before the learned pace goes at once.
+                    pace_due = min(pace_due, now)
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
             # Among queues due now, a model served least recently goes first (then the earliest deadline), so
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.

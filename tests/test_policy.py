@@ -102,18 +102,42 @@ def test_full_queue_is_due_now(loop):
     assert batch is not None and [i.text for i in batch.items] == ["0", "1", "2"] and b.depth["m"] == 0
 
 
-def test_one_device_waits_for_the_dispatch_deadline(loop):
+def test_the_dispatch_deadline_comes_before_a_later_pace(loop):
     clock = Clock()
-    b = make_batcher(clock, workers=1)
-    b.last_dispatch = clock.now  # a batch just went out: pacing would wait S
+    b = make_batcher(clock, workers=2, slo_s=0.14)
+    b.last_dispatch = clock.now  # a batch just went out: pacing would wait S/2 = 50 ms
     b.submit(make_item(loop, arrived=clock.now))
     key, due, cause = b.most_urgent(clock.now)
-    # slo 200 ms - S 100 ms - margin 5 ms = 95 ms of waiting for company, earlier than the pace (100 ms)
-    assert cause == "deadline" and due == pytest.approx(clock.now + 0.095)
+    # slo 140 ms - S 100 ms - margin 5 ms = 35 ms of waiting for company, earlier than the pace (50 ms)
+    assert cause == "deadline" and due == pytest.approx(clock.now + 0.035)
     assert b.take_now(0) is None  # not due yet
-    clock.now += 0.096
+    clock.now += 0.036
     batch = b.take_now(0)
     assert batch is not None and batch.cause == "deadline" and len(batch.items) == 1
+
+
+def test_one_device_takes_what_waits_as_soon_as_it_frees(loop):
+    clock = Clock()
+    b = make_batcher(clock, workers=1)
+    b.last_dispatch = clock.now - 0.03  # its batch ended after 30 ms, well before the learned S of 100
+    for text in ("a", "b"):
+        b.submit(make_item(loop, text, arrived=clock.now - 0.02))
+    batch = b.take_now(0)
+    assert batch is not None and [i.text for i in batch.items] == ["a", "b"]
+
+
+def test_a_worker_freed_just_before_the_pace_takes_its_batch_at_once(loop):
+    clock = Clock()
+    b = make_batcher(clock, workers=2)
+    b.last_dispatch = clock.now - (S / 2 - 0.001)  # 1 ms before the pace of S/G
+    b.submit(make_item(loop, "a", arrived=clock.now - 0.05))
+    batch = b.take_now(0)
+    assert batch is not None and batch.cause == "pace"
+    b.last_dispatch = clock.now - (S / 2 - 0.004)  # 4 ms before it: pacing still waits
+    b.submit(make_item(loop, "b", arrived=clock.now - 0.01))
+    assert b.take_now(0) is None
+    _, due, cause = b.most_urgent(clock.now)
+    assert cause == "pace" and due == pytest.approx(clock.now + 0.004)
 
 
 def test_several_devices_dispatch_paced_s_over_g_apart(loop):
