@@ -155,7 +155,9 @@ def simulate(arrivals: list[float], c: Contract) -> tuple[list[float], list[int]
             if len(q) >= c.max_batch:
                 break
             delay = max(0.0, c.slo_s - learned - c.margin_s)
-            due = min(arrivals[q[0]] + delay, last_dispatch + learned / max(1, c.devices))
+            # One device takes what waits as soon as it frees (batcher.most_urgent); several are paced S/G apart.
+            pace = now if c.devices <= 1 else last_dispatch + learned / c.devices
+            due = min(arrivals[q[0]] + delay, pace)
             if due <= now:
                 break
             if i < n and arrivals[i] < due:
