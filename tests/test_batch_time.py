@@ -110,7 +110,7 @@ def batcher(clock: Clock, times: BatchTimes, slo_s: float = 1.0, workers: int = 
 
 def test_the_dispatch_deadline_uses_the_time_of_the_batch_formed_now(loop) -> None:
     clock = Clock()
-    b = batcher(clock, gpu_like())
+    b = batcher(clock, gpu_like(), workers=2)  # (one device would take its batch as soon as it frees)
     b.last_dispatch = clock.t + 60  # pacing out of the way: the deadline decides
     b.submit(items(loop, 1, clock.t)[0])
     _, due, cause = b.most_urgent(clock.t)
