@@ -123,3 +123,20 @@ def test_names_resolve_through_entry_points_or_module_attribute():
     assert default_model_name("examples.sentiment:KeywordSentiment") == "sentiment"
     assert default_model_name("minilm") == "minilm"
     assert Settings(backend="pkg.mod:batch").models[0].id == "mod@v1"
+
+
+def test_the_built_in_names_match_pyproject_and_resolve_without_installed_metadata(monkeypatch):
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    from batchserve import backends
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert backends.BUILTIN == pyproject["project"]["entry-points"][backends.ENTRY_POINT_GROUP]
+    # A source tree never pip-installed (the copy the GPU check runs on) has no entry points at all.
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kwargs: [])
+    assert resolve_backend("sim").target is SimBackend
+    assert backends.installed_names() == ["minilm", "sim", "smollm2"]
+    with pytest.raises(PluginError, match="unknown backend"):
+        resolve_backend("not-installed-anywhere")

@@ -126,8 +126,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# The built-in backends, as pyproject.toml registers them: also found when batchserve runs from a source tree
+# that was never pip-installed (no entry-point metadata; e.g. the copy the GPU check runs on), and checked
+# against pyproject.toml by a test.
+BUILTIN = {
+    "sim": "batchserve.backends.sim:SimBackend",
+    "smollm2": "batchserve.backends.smollm2:SmolLM2Backend",
+    "minilm": "batchserve.backends.minilm:MiniLM",
+}
+
+
 def installed_names() -> list[str]:
-    return sorted({ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+    return sorted({ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)} | set(BUILTIN))
 
 
 def resolve_backend(name: str) -> Resolved:
@@ -139,11 +149,14 @@ def resolve_backend(name: str) -> Resolved:
             raise PluginError(name, module, attribute, "expected package.module:attribute")
     else:
         found = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=name))
-        if not found:
+        if found:
+            module, attribute = found[0].module, found[0].attr
+        elif name in BUILTIN:
+            module, _, attribute = BUILTIN[name].partition(":")
+        else:
             raise PluginError(name, "", "", f"unknown backend: not an installed entry point of group "
                                             f"{ENTRY_POINT_GROUP!r} (installed: {', '.join(installed_names())}), "
                                             f"nor package.module:attribute")
-        module, attribute = found[0].module, found[0].attr
     try:
         target: object = importlib.import_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is reported, not raised
