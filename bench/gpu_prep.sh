@@ -2,7 +2,7 @@
 # Prepare, on this machine, what bench/gpu_check.sh needs on the GPU machine (issue 13). That machine receives
 # only this repository (64 MiB at most, plus the folders named in `carry`) and reaches no package registry, so:
 #   .whl/          wheels (Python 3.12, manylinux x86-64) of what it lacks or has too old: starlette, uvicorn,
-#                  orjson, httptools (the server), transformers 5.24 and regex (the StaticCache API the static
+#                  orjson, httptools, ijson (the server), transformers 5.24 and regex (the StaticCache API the static
 #                  decoder is written against; the machine had 5.17); the versions installed here (~15 MB)
 #   .gpu/smollm2/  SmolLM2's tokenizer, chat template and config read from the GGUF (~4 MB); no weights: the
 #                  GPU check serves SmolLM2's architecture with random weights (--smollm2-dir)
@@ -15,7 +15,7 @@ PY=${PYTHON:-python3}
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 rm -rf .whl && mkdir -p .whl
 pins=()
-for pkg in starlette uvicorn orjson httptools transformers regex; do pins+=("$pkg==$(version "$pkg")"); done
+for pkg in starlette uvicorn orjson httptools ijson transformers regex; do pins+=("$pkg==$(version "$pkg")"); done
 echo "wheels: ${pins[*]}"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
