@@ -140,3 +140,26 @@ def test_the_built_in_names_match_pyproject_and_resolve_without_installed_metada
     assert backends.installed_names() == ["minilm", "sim", "smollm2"]
     with pytest.raises(PluginError, match="unknown backend"):
         resolve_backend("not-installed-anywhere")
+
+
+def test_a_warm_up_that_times_its_batches_by_size_gives_the_batch_time_not_the_round(module):
+    # smollm2 on a GPU captures graphs, then times a batch of each bucket in one warm-up round: the round takes
+    # far longer than any batch, and deadlines derived from it were ~20x too long on an H100.
+    import time as _time
+
+    from batchserve.backends.loading import load_models
+
+    class Timed:
+        def batch(self, inputs: list[str]) -> list[str]:
+            return inputs
+
+        def warm(self) -> dict[int, float]:
+            _time.sleep(0.3)  # a round that captures, then times each size
+            return {1: 0.01, 8: 0.05}
+
+    module.Timed = Timed
+    settings = Settings(backend="unitplug:Timed")
+    loaded = load_models(settings)
+    model = settings.models[0].id
+    assert loaded.batch_s[model] == pytest.approx(0.05)
+    assert loaded.batch_s_by_size[model] == {1: 0.01, 8: 0.05}

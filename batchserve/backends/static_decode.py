@@ -283,8 +283,9 @@ class StaticDecoder:
 
     # -- life ---------------------------------------------------------------------------------------------
     def warm(self) -> None:
-        """Make the runner of every fixed shape over one KV pool, and capture its decode step on CUDA."""
-        if not self.fixed_shapes:
+        """Make the runner of every fixed shape over one KV pool, and capture its decode step on CUDA (once:
+        warm-up rounds repeat until the batch time is stable, and re-capturing took ~4-6 s a round on an H100)."""
+        if not self.fixed_shapes or self.runners:
             return
         shapes = self.graphed_shapes()
         started = time.monotonic()
