@@ -85,15 +85,16 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
             if step == "warm" and backend.initial_batch_s is None:
                 last: list[dict[int, float] | None] = [None]
 
-                def round_(backend: Backend = backend) -> None:
+                def round_(backend: Backend = backend) -> float | None:
+                    # A backend that timed its batches by size (smollm2 on a GPU captures graphs, then times a
+                    # batch of each bucket) says what a batch takes: its slowest size, not the whole round.
                     last[0] = backend.warm(device)
+                    return max(last[0].values()) if last[0] else None
 
                 warm = warm_until_stable(round_)
                 log.info("warmed %s on %s: %s ms%s", model, where, ", ".join(f"{t * 1000:.0f}" for t in warm.rounds_s),
                          "" if warm.stable else " (not stable)")
-                # A backend that timed its batches by size (smollm2 on a GPU times every batch bucket after
-                # capturing its graphs) says what a batch takes: the slowest size, not the whole round.
-                took[model] = max(last[0].values()) if last[0] else warm.batch_s
+                took[model] = warm.batch_s
                 if by_size is not None and last[0]:
                     sizes = by_size[model]  # the dicts are per model; devices run in parallel threads
                     for size, seconds in last[0].items():

@@ -37,16 +37,17 @@ class WarmUp:
         return max(self.rounds_s[-2:])
 
 
-def warm_until_stable(warm: Callable[[], None], clock: Callable[[], float] = time.monotonic,
+def warm_until_stable(warm: Callable[[], float | None], clock: Callable[[], float] = time.monotonic,
                       max_rounds: int = MAX_ROUNDS, budget_s: float = BUDGET_S) -> WarmUp:
     """Run `warm` until two consecutive rounds agree within STABLE_WITHIN, at most `max_rounds` times and,
-    after the second round, no longer than `budget_s` in all."""
+    after the second round, no longer than `budget_s` in all. A round is the time `warm` took, or the batch time
+    it returns when it timed its batches itself (a round that also captures graphs takes far longer)."""
     rounds: list[float] = []
     began = clock()
     while True:
         started = clock()
-        warm()
-        rounds.append(clock() - started)
+        reported = warm()
+        rounds.append(reported if reported is not None else clock() - started)
         if len(rounds) >= 2:
             last, previous = rounds[-1], rounds[-2]
             if abs(last - previous) <= STABLE_WITHIN * min(last, previous):
