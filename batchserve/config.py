@@ -117,11 +117,18 @@ class Settings:
                                    "batching: auto = on with the smollm2 backend", ("auto", "on", "off"))
     generation_model: str = knob("SmolLM2-135M-Instruct", "model id of the generation endpoints")
     generation_max_tokens: int = knob(512, "cap on a generation request's max_tokens, and its default")
+    generation_engine: str = knob("slots", "what runs generation's steps: slots = batchserve's slot KV cache "
+                                           "with CUDA-graph steps and sampling on the device; manager = "
+                                           "transformers' ContinuousBatchingManager (paged KV cache)",
+                                  ("slots", "manager"))
     generation_kv_tokens: int = knob(0, "KV-cache capacity in tokens, the admission resource of generation "
-                                        "(0 = auto: from free GPU memory, 16384 on a CPU)")
-    generation_cuda_graphs: bool = knob(True, "generation on CUDA: replay each decode step as a CUDA graph "
-                                              "(transformers' use_cuda_graph); no effect on a CPU")
-    generation_max_seqs: int = knob(64, "most sequences generating at once")
+                                        "(0 = auto: half the free GPU memory, 16384 on a CPU)")
+    generation_max_context: int = knob(2048, "slots engine: most tokens in one sequence (prompt + max_tokens); "
+                                             "each slot holds this many")
+    generation_cuda_graphs: bool = knob(True, "generation on CUDA: replay each decode step as a CUDA graph; "
+                                              "no effect on a CPU")
+    generation_max_seqs: int = knob(0, "most sequences generating at once (0 = auto: 256 on a GPU; on a CPU "
+                                       "what the KV capacity holds, 8 with the slots engine)")
     generation_queue_timeout_ms: float = knob(30000.0, "longest wait for KV-cache capacity before a sequence "
                                                        "starts; a longer predicted wait gets 503 at the door")
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
@@ -174,6 +181,10 @@ class Settings:
         need(self.jobs_poll_s > 0, "jobs_poll_s", "positive")
         need(self.max_header_bytes >= 1024, "max_header_bytes", "1024 or more")
         need(self.max_headers >= 8, "max_headers", "8 or more")
+        need(self.generation_max_context >= 16, "generation_max_context", "16 or more")
+        need(self.generation_max_tokens >= 1, "generation_max_tokens", "1 or more")
+        for name in ("generation_max_seqs", "generation_kv_tokens"):
+            need(getattr(self, name) >= 0, name, "0 (auto) or more")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             need(getattr(self, name) > 0, name, "positive")
         if not self.keys and not self.allow_anonymous and not is_loopback(self.host):

@@ -1,12 +1,11 @@
-"""The Engine's scheduling around the manager, with a fake manager: KV admission, tiers, cancel, expiry, stops.
+"""The Engine's scheduling around its stepper, with a fake stepper: KV admission, tiers, cancel, expiry, stops.
 
-The fake records what the engine adds and cancels, and the test plays the generation thread by calling the
-result handlers the engine registered (as the library does, on the loop)."""
+The fake records what the engine adds and cancels, and the test plays the stepper's thread by delivering
+steps' tokens to the engine (as a stepper does, on the loop)."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,43 +14,54 @@ from prometheus_client import CollectorRegistry
 
 from batchserve.errors import ApiError
 from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
+from batchserve.generation.stepper import Capacity, TokenUpdate
 from tests.test_generation_units import CHARS, char_tokenizer
 
 EOS = CHARS.index("!")
 
 
-class FakeManager:
-    def __init__(self, blocks: int) -> None:
-        self.batch_processor = SimpleNamespace(cache=SimpleNamespace(num_blocks=blocks,
-                                                                     compute_free_capacity=lambda: 1.0))
-        self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096, vocab_size=len(CHARS)))
-        self.output_router = SimpleNamespace(_lock=threading.Lock(), result_handlers={})
+class FakeStepper:
+    """Records what the engine adds and cancels; `emit` plays a step's output, on the loop as a stepper does."""
+
+    def __init__(self, blocks: int, max_seqs: int, page_size: int) -> None:
+        self.capacity = Capacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
+                                 max_sequence_tokens=blocks * page_size)
+        self.step_s = 0.01
+        self.description = "fake"
         self.added: list[str] = []
         self.cancelled: list[str] = []
+        self.deliver: Any = None
+
+    def start(self, loop: Any, deliver: Any) -> None:
+        self.deliver = deliver
+
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.added.append(seq_id)
+
+    def cancel(self, seq_id: str) -> None:
+        self.cancelled.append(seq_id)
 
     def is_running(self) -> bool:
         return True
 
-    def register_result_handler(self, request_id: str, callback: Any) -> None:
-        self.output_router.result_handlers[request_id] = callback
+    def kv_usage(self) -> float:
+        return 0.0
 
-    def add_request(self, ids: list[int], request_id: str, **kwargs: Any) -> str:
-        self.added.append(request_id)
-        return request_id
+    def stop(self, timeout: float) -> None:
+        pass
 
-    def cancel_request(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
-
-    def emit(self, request_id: str, text: str, finished: bool = False) -> None:
-        out = SimpleNamespace(generated_tokens=[CHARS.index(c) for c in text], error=None,
-                              is_finished=lambda: finished)
-        self.output_router.result_handlers[request_id](out)
+    def emit(self, seq_id: str, text: str, finished: bool = False) -> None:
+        self.deliver([TokenUpdate(seq_id, [CHARS.index(c) for c in text], finished)])
 
 
 def engine(blocks: int = 8, max_seqs: int = 1, step_s: float = 0.01, queue_timeout_s: float = 5.0) -> Engine:
     cfg = EngineConfig(max_tokens=64, max_seqs=max_seqs, page_size=16, queue_timeout_s=queue_timeout_s)
     tokenizer = SimpleNamespace(backend_tokenizer=char_tokenizer(), eos_token_id=EOS)
-    return Engine(cfg, tokenizer, FakeManager(blocks), CollectorRegistry(), step_s)
+    stepper = FakeStepper(blocks, max_seqs, page_size=16)
+    stepper.step_s = step_s
+    e = Engine(cfg, tokenizer, stepper, CollectorRegistry(), max_position=4096, vocab_size=len(CHARS))
+    stepper.start(None, e._on_updates)
+    return e
 
 
 def params(max_tokens: int = 10, **kw: Any) -> SamplingParams:
@@ -73,9 +83,9 @@ def test_a_sequence_waits_for_a_slot_and_starts_when_one_frees() -> None:
     async def main() -> None:
         e = engine()
         a, b = e.submit([1, 2], params()), e.submit([1, 2], params())
-        assert (a.state, b.state) == ("running", "waiting") and e.manager.added == [a.id]
-        e.manager.emit(a.id, "hi!", finished=True)
-        assert b.state == "running" and e.manager.added == [a.id, b.id]
+        assert (a.state, b.state) == ("running", "waiting") and e.stepper.added == [a.id]
+        e.stepper.emit(a.id, "hi!", finished=True)
+        assert b.state == "running" and e.stepper.added == [a.id, b.id]
         deltas = drain(a)
         # "!" is this tokenizer's EOS id: the finish reason says stop (it is no special token, so it is text)
         assert "".join(d.text for d in deltas) == "hi!" and deltas[-1].finish_reason == "stop"
@@ -89,7 +99,7 @@ def test_kv_blocks_not_sequence_count_can_be_the_limit() -> None:
         big = e.submit([1] * 20, params(40))  # 60 tokens: 4 blocks of 16
         small = e.submit([1], params(1))
         assert big.state == "running" and small.state == "waiting"
-        e.manager.emit(big.id, "a" * 40, finished=True)
+        e.stepper.emit(big.id, "a" * 40, finished=True)
         assert small.state == "running"
 
     run(main())
@@ -101,7 +111,7 @@ def test_higher_tier_waiting_sequence_starts_first() -> None:
         first = e.submit([1], params())
         low = e.submit([1], params(), tier=3)
         high = e.submit([1], params(), tier=0)
-        e.manager.emit(first.id, "ab!", finished=True)
+        e.stepper.emit(first.id, "ab!", finished=True)
         assert (high.state, low.state) == ("running", "waiting")
 
     run(main())
@@ -123,11 +133,11 @@ def test_cancel_frees_the_slot_for_the_next_and_drops_the_handler() -> None:
         e = engine()
         a, b = e.submit([1], params()), e.submit([1], params())
         e.cancel(a)
-        assert e.manager.cancelled == [a.id] and a.id not in e.manager.output_router.result_handlers
+        assert e.stepper.cancelled == [a.id]
         assert b.state == "running" and e.budget.running == 1
         waiting = e.submit([1], params())
         e.cancel(waiting)
-        assert not e.waiting and waiting.id not in e.manager.added
+        assert not e.waiting and waiting.id not in e.stepper.added
 
     run(main())
 
@@ -145,15 +155,15 @@ def test_a_sequence_still_waiting_at_its_deadline_gets_504() -> None:
     run(main())
 
 
-def test_stop_string_ends_the_sequence_and_cancels_it_in_the_manager() -> None:
+def test_stop_string_ends_the_sequence_and_cancels_it_in_the_stepper() -> None:
     async def main() -> None:
         e = engine()
         seq = e.submit([1], params(stop=("c",)))
-        e.manager.emit(seq.id, "ab")
-        e.manager.emit(seq.id, "abcd")
+        e.stepper.emit(seq.id, "ab")
+        e.stepper.emit(seq.id, "cd")
         deltas = drain(seq)
         assert "".join(d.text for d in deltas) == "ab" and deltas[-1].finish_reason == "stop"
-        assert e.manager.cancelled == [seq.id] and e.budget.running == 0
+        assert e.stepper.cancelled == [seq.id] and e.budget.running == 0
 
     run(main())
 
@@ -162,8 +172,8 @@ def test_length_finish_and_token_counts() -> None:
     async def main() -> None:
         e = engine()
         seq = e.submit([1], params(3))
-        e.manager.emit(seq.id, "a")
-        e.manager.emit(seq.id, "abc", finished=True)
+        e.stepper.emit(seq.id, "a")
+        e.stepper.emit(seq.id, "bc", finished=True)
         deltas = drain(seq)
         assert deltas[-1].finish_reason == "length" and seq.tokens == 3 and e.generated_tokens == 3
 

@@ -1,23 +1,23 @@
-"""Token generation with continuous batching: transformers' `ContinuousBatchingManager`, bridged to asyncio.
+"""Token generation with continuous batching: who runs, decided on the event loop; a stepper runs them.
 
 Why this shape:
-- The manager runs its own generation thread that schedules at the iteration level: a finished sequence frees
-  its place at the next step, a new one joins mid-flight. We only feed it and read it.
-- Results come back through the library's own bridge (`register_result_handler`): its thread hands each step's
-  outputs to the event loop with one `call_soon_threadsafe`, so the loop never blocks on model work and never
-  polls. Every sequence is submitted as `streaming=True`, so the loop sees each token as it is made (time to
-  first token, inter-token latency, stop strings, early cancel) even when the HTTP answer is not streamed.
-- KV-cache capacity is the admission resource (`kv_budget.py`): a sequence enters the manager only when its
+- A stepper (`stepper.py`) runs the sequences on the device on a thread of its own and schedules at the
+  iteration level: a finished sequence frees its place at the next step, a new one joins mid-flight. The
+  default is batchserve's slot stepper (`slot_stepper.py`: a slot KV cache and CUDA-graph steps with sampling on
+  the device); `--generation-engine manager` runs transformers' `ContinuousBatchingManager` instead.
+- Each step's new tokens come back to the loop with one `call_soon_threadsafe`, so the loop never blocks on
+  model work and never polls. The loop sees each token as it is made (time to first token, inter-token
+  latency, stop strings, early cancel) even when the HTTP answer is not streamed.
+- KV-cache capacity is the admission resource (`kv_budget.py`): a sequence enters the stepper only when its
   worst case fits; otherwise it waits here, highest tier first, and is refused at the door (503) when the
   predicted wait passes its deadline.
-- Cancelling (client gone, stop string reached) tells the manager to drop the sequence and frees its blocks
-  and slot at once for the next waiting sequence.
+- Cancelling (client gone, stop string reached) tells the stepper to drop the sequence and frees its place at
+  once for the next waiting sequence.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import heapq
 import itertools
 import logging
@@ -33,13 +33,18 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.kv_budget import Claim, KvBudget, predicted_wait_s
+from batchserve.generation.stepper import SamplingParams, Stepper, TokenUpdate
+
+__all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "Sequence", "enabled", "start_generation"]
 
 log = logging.getLogger("batchserve.generation")
 
 TICK_S = 0.25  # gauges, tokens/s and queue expiry are refreshed this often
 CPU_KV_TOKENS = 16384  # KV capacity on a CPU when none is configured (~720 MB for SmolLM2 in float32)
-CPU_MAX_BATCH_TOKENS = 512  # tokens per forward step on a CPU: bounds a prefill chunk's latency hit on decodes
-GPU_MEMORY_SHARE = 0.5  # share of free GPU memory the library may give the KV cache (the static path needs room)
+CPU_MAX_BATCH_TOKENS = 512  # prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes
+GPU_MAX_BATCH_TOKENS = 8192  # the same on a GPU
+GPU_MAX_SEQS = 256  # slots on a GPU when none is configured (fewer when half the free memory cannot hold them)
+GPU_MEMORY_SHARE = 0.5  # share of free GPU memory the KV cache may take (the batch path's model needs room)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
@@ -56,37 +61,21 @@ class EngineConfig:
     model_id: str = "SmolLM2-135M-Instruct"
     max_tokens: int = 512  # cap on a request's max_tokens, and its default
     kv_tokens: int = 0  # KV capacity in tokens; 0 = auto (GPU: from free memory, CPU: CPU_KV_TOKENS)
-    max_seqs: int = 64  # sequences decoding at once
-    max_batch_tokens: int = 0  # tokens per forward step; 0 = auto
-    page_size: int = 32  # tokens per KV block: the granularity of reservations
+    max_seqs: int = 0  # sequences decoding at once; 0 = auto (GPU: GPU_MAX_SEQS; CPU: what kv_tokens holds)
+    max_context: int = 2048  # slot stepper: tokens of one sequence (prompt + max_tokens)
+    max_batch_tokens: int = 0  # prompt tokens per prefill forward; 0 = auto
+    page_size: int = 32  # manager stepper: tokens per KV block, the granularity of reservations
     queue_timeout_s: float = 30.0  # longest wait for KV capacity before a sequence starts
     max_waiting: int = 1000  # sequences waiting for capacity before 503
-    cuda_graphs: bool = True  # on CUDA, the manager replays its step as CUDA graphs
+    cuda_graphs: bool = True  # on CUDA, decode steps are replayed as CUDA graphs
+    stepper: str = "slots"  # slots (batchserve's) or manager (transformers')
 
     @classmethod
     def from_settings(cls, s: Settings) -> "EngineConfig":
         return cls(model_id=s.generation_model, max_tokens=s.generation_max_tokens, kv_tokens=s.generation_kv_tokens,
-                   max_seqs=s.generation_max_seqs, queue_timeout_s=s.generation_queue_timeout_ms / 1000,
-                   max_waiting=s.max_queue, cuda_graphs=s.generation_cuda_graphs)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0  # 0 (below 1e-5) = greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def processor_kwargs(self) -> dict[str, Any]:
-        """Per-request arguments of the engine's logits processors (see sampling.py)."""
-        from batchserve.generation import sampling  # torch: imported only where generation runs
-
-        if self.temperature < 1e-5:  # 0, or so close that scores / temperature would overflow: greedy
-            return {"temperature": 1.0, "top_p": 1.0, sampling.SEED_KEY: sampling.GREEDY}
-        choice = sampling.SAMPLE if self.seed is None else self.seed & sampling.MASK31
-        return {"temperature": float(self.temperature), "top_p": float(self.top_p), sampling.SEED_KEY: choice}
+                   max_seqs=s.generation_max_seqs, max_context=s.generation_max_context,
+                   queue_timeout_s=s.generation_queue_timeout_ms / 1000, max_waiting=s.max_queue,
+                   cuda_graphs=s.generation_cuda_graphs, stepper=s.generation_engine)
 
 
 @dataclass
@@ -110,7 +99,7 @@ class Sequence:
     tier: int
     blocks: int
     arrived: float
-    deadline: float  # latest start (admission into the manager)
+    deadline: float  # latest start (admission into the stepper)
     text: Any  # textstream.TextStream
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: str = WAITING
@@ -155,7 +144,7 @@ class GenerationMetrics:
                                     registry=registry),
             running=Gauge(p + "running_sequences", "Sequences holding KV blocks in the engine", registry=registry),
             waiting=Gauge(p + "waiting_sequences", "Sequences waiting for KV capacity", registry=registry),
-            kv_usage=Gauge(p + "kv_cache_usage_ratio", "Share of KV-cache blocks in use by the library",
+            kv_usage=Gauge(p + "kv_cache_usage_ratio", "Share of the KV cache in use",
                            registry=registry),
             kv_reserved=Gauge(p + "kv_cache_reserved_ratio", "Share of KV-cache blocks reserved by admitted sequences",
                               registry=registry),
@@ -173,40 +162,44 @@ def default_device(settings: Settings) -> str:
     return pick_devices(settings.devices)[0]
 
 
-def build_manager(model: Any, tokenizer: Any, cfg: EngineConfig) -> Any:
-    """A started-ready (not started) manager with per-request temperature, top_p, greedy and seed."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+def slot_plan(cfg: EngineConfig, on_gpu: bool, free_bytes: int, bytes_per_token: int,
+              max_position: int) -> tuple[int, int]:
+    """(slots, tokens per slot) of the slot stepper: the context a sequence may have (`max_context`, within the
+    model's positions), and as many slots as asked (auto: GPU_MAX_SEQS on a GPU, else what kv_tokens holds),
+    fewer where kv_tokens (or, on a GPU by default, half the free memory) cannot hold them."""
+    slot_tokens = max(16, min(cfg.max_context, max_position))
+    kv_tokens = cfg.kv_tokens
+    if not kv_tokens:
+        kv_tokens = int(free_bytes * GPU_MEMORY_SHARE) // bytes_per_token if on_gpu else CPU_KV_TOKENS
+    slots = cfg.max_seqs or (GPU_MAX_SEQS if on_gpu else kv_tokens // slot_tokens)
+    return max(1, min(slots, kv_tokens // slot_tokens)), slot_tokens
 
-    from batchserve.generation import sampling
 
-    on_cpu = model.device.type == "cpu"
-    kv_tokens = cfg.kv_tokens or (CPU_KV_TOKENS if on_cpu else 0)
-    # Greedy: sampling.py's processors turn the argmax into each request's own draw.
-    generation_config = GenerationConfig(
-        do_sample=False, max_new_tokens=cfg.max_tokens,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    # transformers >= 5.18 calls it page_size, 5.17 block_size
-    size_field = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
-        else "block_size"
-    cb_config = ContinuousBatchingConfig(
-        **{size_field: cfg.page_size},
-        num_blocks=math.ceil(kv_tokens / cfg.page_size) if kv_tokens else None,
-        max_batch_tokens=cfg.max_batch_tokens or (CPU_MAX_BATCH_TOKENS if on_cpu else None),
-        max_memory_percent=None if on_cpu else GPU_MEMORY_SHARE,
-        max_requests_per_batch=cfg.max_seqs,
-        safety_margin=0.0,  # admission already guarantees every admitted sequence's worst case fits
-        per_request_processors=True,
-        # On CUDA the step (forward, our sampling, the pick) is replayed as a CUDA graph, one per padded shape;
-        # the library would leave graphs off with SDPA (its masks make the padding cost more).
-        use_cuda_graph=False if on_cpu else cfg.cuda_graphs,
-    )
-    manager = model.init_continuous_batching(generation_config=generation_config,
-                                             continuous_batching_config=cb_config)
-    manager.logit_processor = sampling.processors(sync_free=not on_cpu)
-    manager.warmup()  # builds the cache and batch processor (and CUDA graphs where used)
-    return manager
+def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
+    """The configured stepper on `model`, warmed (CUDA graphs captured) and ready to start."""
+    on_gpu = model.device.type == "cuda"
+    max_batch_tokens = cfg.max_batch_tokens or (GPU_MAX_BATCH_TOKENS if on_gpu else CPU_MAX_BATCH_TOKENS)
+    if cfg.stepper == "manager":
+        from batchserve.generation.manager_stepper import ManagerStepper, build_manager, warm
+
+        max_seqs = cfg.max_seqs or (GPU_MAX_SEQS if on_gpu else 64)
+        manager = build_manager(model, tokenizer, cfg.max_tokens, cfg.kv_tokens or (0 if on_gpu else CPU_KV_TOKENS),
+                                cfg.page_size, max_seqs, max_batch_tokens, cfg.cuda_graphs)
+        manager.start()
+        return ManagerStepper(manager, cfg.page_size, max_seqs, warm(manager, tokenizer))
+    import torch
+
+    from batchserve.generation.slot_stepper import build_slot_stepper
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
+    free = torch.cuda.mem_get_info(model.device)[0] if on_gpu else 0
+    slots, slot_tokens = slot_plan(cfg, on_gpu, free, per_token,
+                                   int(getattr(c, "max_position_embeddings", 8192)))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return build_slot_stepper(model, [tokenizer.eos_token_id], pad, slots, slot_tokens, max_batch_tokens,
+                              cfg.cuda_graphs)
 
 
 async def start_generation(settings: Settings, registry: CollectorRegistry) -> "Engine | None":
@@ -214,8 +207,8 @@ async def start_generation(settings: Settings, registry: CollectorRegistry) -> "
 
     Never the batch backend's objects: transformers' forward wrapper writes each call's `is_causal` into the
     shared `model.config` for the length of the call and restores it after (transformers/utils/generic.py). The
-    engine's steps pass `is_causal=False` (SDPA with an explicit mask) from their own thread, so a `generate` in a
-    worker thread that overlaps one builds a non-causal mask (garbage), and two overlapping restores can leave
+    manager stepper's steps pass `is_causal=False` (SDPA with an explicit mask) from their own thread, so a
+    `generate` in a worker thread that overlaps one builds a non-causal mask (garbage), and two overlapping restores can leave
     `config.is_causal = False` for good (every later answer wrong). The tokenizer is not shared either: a padded
     batch call sets padding on the fast tokenizer that an unpadded call from the loop then clears."""
     if not enabled(settings):
@@ -224,19 +217,19 @@ async def start_generation(settings: Settings, registry: CollectorRegistry) -> "
 
 
 class Engine:
-    """One continuous-batching manager on one device, fed and read from the event loop."""
+    """Continuous batching on one device: admission and streams on the event loop, steps in a stepper."""
 
-    def __init__(self, cfg: EngineConfig, tokenizer: Any, manager: Any, registry: CollectorRegistry,
-                 step_s: float) -> None:
+    def __init__(self, cfg: EngineConfig, tokenizer: Any, stepper: Stepper, registry: CollectorRegistry,
+                 max_position: int, vocab_size: int) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.manager = manager
+        self.stepper = stepper
         self.metrics = GenerationMetrics.create(registry)
-        cache = manager.batch_processor.cache
-        self.budget = KvBudget(total_blocks=cache.num_blocks, page_size=cfg.page_size, max_seqs=cfg.max_seqs)
-        self.max_context = int(getattr(manager.model.config, "max_position_embeddings", 8192))
-        self.vocab_size = int(manager.model.config.vocab_size)
-        self.step_s = step_s  # time per decode step, learned from every inter-token gap
+        cap = stepper.capacity
+        self.budget = KvBudget(total_blocks=cap.blocks, page_size=cap.page_size, max_seqs=cap.max_seqs)
+        self.max_context = min(max_position, cap.max_sequence_tokens)
+        self.vocab_size = vocab_size
+        self.step_s = stepper.step_s  # time per decode step, learned from every inter-token gap
         self.eos_ids = {tokenizer.eos_token_id}
         self.running: dict[str, Sequence] = {}
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (tier, arrival order, sequence)
@@ -250,25 +243,25 @@ class Engine:
     # -- life -----------------------------------------------------------------------------------------------
     @classmethod
     async def start(cls, settings: Settings, registry: CollectorRegistry) -> "Engine":
-        """Load its own model replica off the loop, build the manager, warm it with one request, start it."""
+        """Load its own model replica off the loop, build and warm the stepper, start it."""
         cfg = EngineConfig.from_settings(settings)
 
-        def load() -> tuple[Any, Any, Any, float]:
+        def load() -> tuple[Any, Any, Stepper]:
             from batchserve.backends.smollm2 import load_model, load_tokenizer, source_dir
 
             source = source_dir(settings)
             tok = load_tokenizer(source)
             mdl = load_model(default_device(settings), source)
-            manager = build_manager(mdl, tok, cfg)
-            manager.start()
-            step_s = warm(manager, tok)
-            return tok, mdl, manager, step_s
+            return tok, mdl, build_stepper(mdl, tok, cfg)
 
-        tok, mdl, manager, step_s = await asyncio.to_thread(load)
-        engine = cls(cfg, tok, manager, registry, step_s)
+        tok, mdl, stepper = await asyncio.to_thread(load)
+        engine = cls(cfg, tok, stepper, registry, int(getattr(mdl.config, "max_position_embeddings", 8192)),
+                     int(mdl.config.vocab_size))
+        stepper.start(asyncio.get_running_loop(), engine._on_updates)
         engine._tick_task = asyncio.create_task(engine._tick())
-        log.info("generation ready: %s on %s, KV %d blocks x %d tokens, %d sequences at most, %.1f ms/step",
-                 cfg.model_id, mdl.device, engine.budget.total_blocks, cfg.page_size, cfg.max_seqs, step_s * 1000)
+        log.info("generation ready: %s, %s; %d sequences at most, %d tokens each at most, %.1f ms/step",
+                 cfg.model_id, stepper.description, engine.budget.max_seqs, engine.max_context,
+                 engine.step_s * 1000)
         return engine
 
     async def stop(self) -> None:
@@ -278,11 +271,11 @@ class Engine:
         err = errors.draining("the server stopped before this generation finished")
         for seq in [*self.running.values(), *(s for _, _, s in self.waiting)]:
             self._finish(seq, error=err)
-        await asyncio.to_thread(self.manager.stop, block=True, timeout=10)
+        await asyncio.to_thread(self.stepper.stop, 10)
 
     @property
     def healthy(self) -> bool:
-        return self.manager.is_running()
+        return self.stepper.is_running()
 
     # -- requests -------------------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -303,11 +296,9 @@ class Engine:
             raise errors.invalid("the prompt is empty")
         if total > self.max_context:
             raise errors.invalid(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                                 f"over the model's context of {self.max_context} tokens")
+                                 f"over the {self.max_context} tokens one sequence may hold here "
+                                 "(--generation-max-context)")
         blocks = self.budget.blocks_for(total)
-        if blocks > self.budget.total_blocks:
-            raise errors.invalid(f"the prompt plus max_tokens ({total} tokens) is over this server's KV-cache "
-                                 f"capacity of {self.budget.capacity_tokens} tokens")
         if len(self.waiting) >= self.cfg.max_waiting:
             self.metrics.rejected.labels("queue_full").inc()
             raise errors.overloaded(f"{len(self.waiting)} sequences are already waiting for KV-cache capacity",
@@ -342,8 +333,6 @@ class Engine:
             return
         self.cancelled += 1
         self.metrics.cancelled.labels(reason).inc()
-        if seq.state == RUNNING:
-            self.manager.cancel_request(seq.id)
         self._finish(seq, finish_reason="cancelled")
 
     async def stream(self, seq: Sequence) -> AsyncIterator[Delta]:
@@ -359,10 +348,7 @@ class Engine:
         self.budget.take(seq.blocks)
         seq.state, seq.started = RUNNING, time.monotonic()
         self.running[seq.id] = seq
-        self.manager.register_result_handler(seq.id, lambda out, s=seq: self._on_output(s, out))
-        self.manager.add_request(seq.prompt_ids, request_id=seq.id, max_new_tokens=seq.params.max_tokens,
-                                 streaming=True, eos_token_id=-1 if seq.params.ignore_eos else None,
-                                 **seq.params.processor_kwargs())
+        self.stepper.add(seq.id, seq.prompt_ids, seq.params)
         self._gauges()
 
     def _admit_waiting(self) -> None:
@@ -374,25 +360,27 @@ class Engine:
             self._start(seq)
         self._gauges()
 
-    def _on_output(self, seq: Sequence, out: Any) -> None:
-        """Runs on the loop (via the library's call_soon_threadsafe) with the sequence's tokens so far."""
-        try:
-            self._take_output(seq, out)
-        except Exception as exc:  # noqa: BLE001 - one sequence's failure must not stop the others' callbacks
-            log.exception("generation output handling failed for %s", seq.id)
-            self._finish(seq, error=errors.inference_failed(f"{type(exc).__name__}: {exc}"))
+    def _on_updates(self, updates: list[TokenUpdate]) -> None:
+        """Runs on the loop (via the stepper's call_soon_threadsafe) with one step's new tokens."""
+        for update in updates:
+            seq = self.running.get(update.seq_id)
+            if seq is None:  # cancelled or finished here already
+                continue
+            try:
+                self._take(seq, update)
+            except Exception as exc:  # noqa: BLE001 - one sequence's failure must not stop the others'
+                log.exception("generation output handling failed for %s", seq.id)
+                self._finish(seq, error=errors.inference_failed(f"{type(exc).__name__}: {exc}"))
 
-    def _take_output(self, seq: Sequence, out: Any) -> None:
-        if seq.state != RUNNING:
-            return
-        if out.error is not None:
-            self._finish(seq, error=errors.inference_failed(out.error))
+    def _take(self, seq: Sequence, update: TokenUpdate) -> None:
+        if update.error is not None:
+            self._finish(seq, error=errors.inference_failed(update.error), ended=True)
             return
         now = time.monotonic()
-        new = out.generated_tokens[seq.tokens:]
+        new = update.tokens
         if not new:
-            if out.is_finished():
-                self._finish(seq, finish_reason="length")
+            if update.finished:
+                self._finish(seq, finish_reason="length", ended=True)
             return
         if seq.tokens == 0:
             seq.first_token = now
@@ -408,23 +396,25 @@ class Engine:
         self.metrics.output_tokens.inc(len(new))
         text = "".join(seq.text.push(t) for t in new)
         if seq.text.stopped:
-            self.manager.cancel_request(seq.id)
             self.metrics.cancelled.labels("stop_string").inc()
-            self._finish(seq, text=text, finish_reason="stop")
-        elif out.is_finished():
+            self._finish(seq, text=text, finish_reason="stop", ended=update.finished)
+        elif update.finished:
             eos = new[-1] in self.eos_ids and not seq.params.ignore_eos
-            self._finish(seq, text=text + seq.text.flush(), finish_reason="stop" if eos else "length")
+            self._finish(seq, text=text + seq.text.flush(), finish_reason="stop" if eos else "length", ended=True)
         elif text:
             seq.deltas.put_nowait(Delta(text, seq.tokens))
 
     def _finish(self, seq: Sequence, text: str = "", finish_reason: str | None = None,
-                error: ApiError | None = None) -> None:
+                error: ApiError | None = None, ended: bool = False) -> None:
+        """Hand the caller its last delta and free the sequence's place; `ended`: the stepper ended it itself
+        (else it is told to drop it)."""
         if seq.finished:
             return
         if seq.state == RUNNING:
             self.running.pop(seq.id, None)
             self.budget.give(seq.blocks)
-            forget_handler(self.manager, seq.id)
+            if not ended:
+                self.stepper.cancel(seq.id)
         elif seq.state == WAITING:
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
             heapq.heapify(self.waiting)
@@ -449,11 +439,12 @@ class Engine:
         self.metrics.running.set(len(self.running))
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.kv_reserved.set(self.budget.reserved_ratio)
-        self.metrics.kv_usage.set(kv_usage(self.manager))
+        self.metrics.kv_usage.set(self.stepper.kv_usage())
 
     def stats(self) -> dict[str, Any]:
         return {
             "model": self.cfg.model_id,
+            "engine": self.stepper.description,
             "healthy": self.healthy,
             "running": len(self.running),
             "waiting": len(self.waiting),
@@ -467,38 +458,3 @@ class Engine:
             "cancelled": self.cancelled,
         }
 
-
-def kv_usage(manager: Any) -> float:
-    """Share of the cache the library has in use (its API moved between transformers 5.17 and 5.24)."""
-    cache = manager.batch_processor.cache if manager.batch_processor is not None else None
-    if cache is None:
-        return 0.0
-    if hasattr(cache, "compute_free_capacity"):
-        return 1.0 - cache.compute_free_capacity()
-    return 1.0 - cache.get_num_free_blocks() / cache.num_blocks
-
-
-def forget_handler(manager: Any, request_id: str) -> None:
-    """Drop a sequence's result handler; the library removes it only on a finished output, never on cancel."""
-    router = manager.output_router
-    with router._lock:
-        router.result_handlers.pop(request_id, None)
-
-
-def warm(manager: Any, tokenizer: Any, tokens: int = 8) -> float:
-    """Run one short greedy request to the end; return the time per decode step it showed."""
-    ids = list(tokenizer("Hello, how are you?", add_special_tokens=False)["input_ids"])
-    kwargs = SamplingParams(max_tokens=tokens, temperature=0).processor_kwargs()
-    request_id = manager.add_request(ids, request_id="warmup", max_new_tokens=tokens, streaming=True,
-                                     eos_token_id=-1, **kwargs)
-    first = None
-    for out in manager.request_id_iter(request_id):
-        if first is None and out.generated_tokens:
-            first = time.monotonic()
-        if out.is_finished():
-            if out.error:
-                raise RuntimeError(f"warm-up generation failed: {out.error}")
-            break
-    if first is None:
-        raise RuntimeError("warm-up generation produced nothing")
-    return max(1e-4, (time.monotonic() - first) / (tokens - 1))

@@ -1,0 +1,138 @@
+"""transformers' `ContinuousBatchingManager` as a stepper (`--generation-engine manager`): the library's own
+continuous batching, kept beside batchserve's slot stepper so the two can be measured side by side
+(`bench/cb_compare.py`).
+
+The manager runs its own generation thread with a paged KV cache and hands each step's outputs to the event
+loop through `register_result_handler` (one `call_soon_threadsafe` per output). Every sequence is submitted
+`streaming=True`, so the loop sees each token as it is made. The manager samples greedily; batchserve's
+per-request processors (`sampling.py`) turn the argmax into each request's own draw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from typing import Any
+
+from batchserve.generation.stepper import Capacity, Deliver, SamplingParams, TokenUpdate
+
+GPU_MEMORY_SHARE = 0.5  # share of free GPU memory the library may give the KV cache (the static path needs room)
+
+
+def processor_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """Per-request arguments of the manager's logits processors (see sampling.py)."""
+    from batchserve.generation import sampling  # torch: imported only where generation runs
+
+    if params.greedy:
+        return {"temperature": 1.0, "top_p": 1.0, sampling.SEED_KEY: sampling.GREEDY}
+    choice = sampling.SAMPLE if params.seed is None else params.seed & sampling.MASK31
+    return {"temperature": float(params.temperature), "top_p": float(params.top_p), sampling.SEED_KEY: choice}
+
+
+def build_manager(model: Any, tokenizer: Any, max_tokens: int, kv_tokens: int, page_size: int, max_seqs: int,
+                  max_batch_tokens: int, cuda_graphs: bool) -> Any:
+    """A ready (not started) manager with per-request temperature, top_p, greedy and seed."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from batchserve.generation import sampling
+
+    on_cpu = model.device.type == "cpu"
+    # Greedy: sampling.py's processors turn the argmax into each request's own draw.
+    generation_config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    # transformers >= 5.18 calls it page_size, 5.17 block_size
+    size_field = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
+        else "block_size"
+    cb_config = ContinuousBatchingConfig(
+        **{size_field: page_size},
+        num_blocks=math.ceil(kv_tokens / page_size) if kv_tokens else None,
+        max_batch_tokens=max_batch_tokens or None,
+        max_memory_percent=None if on_cpu else GPU_MEMORY_SHARE,
+        max_requests_per_batch=max_seqs,
+        safety_margin=0.0,  # admission already guarantees every admitted sequence's worst case fits
+        per_request_processors=True,
+        # On CUDA the step (forward, our sampling, the pick) is replayed as a CUDA graph, one per padded shape;
+        # the library would leave graphs off with SDPA (its masks make the padding cost more).
+        use_cuda_graph=False if on_cpu else cuda_graphs,
+    )
+    manager = model.init_continuous_batching(generation_config=generation_config,
+                                             continuous_batching_config=cb_config)
+    manager.logit_processor = sampling.processors(sync_free=not on_cpu)
+    manager.warmup()  # builds the cache and batch processor (and CUDA graphs where used)
+    return manager
+
+
+def warm(manager: Any, tokenizer: Any, tokens: int = 8) -> float:
+    """Run one short greedy request to the end; return the time per decode step it showed."""
+    ids = list(tokenizer("Hello, how are you?", add_special_tokens=False)["input_ids"])
+    kwargs = processor_kwargs(SamplingParams(max_tokens=tokens, temperature=0))
+    request_id = manager.add_request(ids, request_id="warmup", max_new_tokens=tokens, streaming=True,
+                                     eos_token_id=-1, **kwargs)
+    first = None
+    for out in manager.request_id_iter(request_id):
+        if first is None and out.generated_tokens:
+            first = time.monotonic()
+        if out.is_finished():
+            if out.error:
+                raise RuntimeError(f"warm-up generation failed: {out.error}")
+            break
+    if first is None:
+        raise RuntimeError("warm-up generation produced nothing")
+    return max(1e-4, (time.monotonic() - first) / (tokens - 1))
+
+
+class ManagerStepper:
+    """The manager behind the `Stepper` interface: cumulative outputs become new tokens."""
+
+    def __init__(self, manager: Any, page_size: int, max_seqs: int, step_s: float) -> None:
+        self.manager = manager
+        blocks = int(manager.batch_processor.cache.num_blocks)
+        self.capacity = Capacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
+                                 max_sequence_tokens=blocks * page_size)
+        self.step_s = step_s
+        self.description = f"transformers' ContinuousBatchingManager on {manager.model.device}"
+        self._deliver: Deliver | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
+        self._deliver = deliver  # the manager itself was started (and warmed) when it was built
+
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        seen = 0
+
+        def on_output(out: Any) -> None:  # on the loop, via the library's call_soon_threadsafe
+            nonlocal seen
+            new = list(out.generated_tokens[seen:])
+            seen += len(new)
+            assert self._deliver is not None
+            self._deliver([TokenUpdate(seq_id, new, out.is_finished() or out.error is not None,
+                                       None if out.error is None else str(out.error))])
+
+        self.manager.register_result_handler(seq_id, on_output)
+        self.manager.add_request(prompt_ids, request_id=seq_id, max_new_tokens=params.max_tokens, streaming=True,
+                                 eos_token_id=-1 if params.ignore_eos else None, **processor_kwargs(params))
+
+    def cancel(self, seq_id: str) -> None:
+        self.manager.cancel_request(seq_id)
+        router = self.manager.output_router  # the library drops a handler only on a finished output
+        with router._lock:
+            router.result_handlers.pop(seq_id, None)
+
+    def is_running(self) -> bool:
+        return bool(self.manager.is_running())
+
+    def kv_usage(self) -> float:
+        """Share of the cache the library has in use (its API moved between transformers 5.17 and 5.24)."""
+        cache = self.manager.batch_processor.cache if self.manager.batch_processor is not None else None
+        if cache is None:
+            return 0.0
+        if hasattr(cache, "compute_free_capacity"):
+            return 1.0 - cache.compute_free_capacity()
+        return 1.0 - cache.get_num_free_blocks() / cache.num_blocks
+
+    def stop(self, timeout: float) -> None:
+        self.manager.stop(block=True, timeout=timeout)

@@ -1,0 +1,198 @@
+"""The thread that runs a `SlotDecoder`: sequences join free slots, every step advances them all, each step's
+new tokens go to the event loop in one `call_soon_threadsafe`.
+
+Per step the host does: take the joins and cancels the loop queued, prefill the joins (grouped so one prefill
+forward holds at most `max_prefill_tokens` prompt tokens, which bounds how long running sequences wait for it),
+replay one graph, copy the new tokens back (the one sync of the step, with the interpreter lock released),
+hand them over. Which slots are live, and each one's position, is kept here as plain ints, so choosing the
+step's shape needs nothing from the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from batchserve.generation.slot_decoder import SlotDecoder
+from batchserve.generation.stepper import Capacity, Deliver, SamplingParams, TokenUpdate
+
+log = logging.getLogger("batchserve.generation")
+
+
+@dataclass
+class Live:
+    """A sequence in a slot, as the host tracks it."""
+
+    seq_id: str
+    pos: int  # the position its next input token is written at
+    sampling: bool
+
+
+@dataclass(frozen=True)
+class Join:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class SlotStepper:
+    """Continuous batching over a `SlotDecoder`'s slots, on a thread of its own."""
+
+    def __init__(self, decoder: SlotDecoder, max_prefill_tokens: int, step_s: float) -> None:
+        self.decoder = decoder
+        self.max_prefill_tokens = max_prefill_tokens
+        self.step_s = step_s
+        self.capacity = Capacity(blocks=decoder.slots, page_size=decoder.slot_tokens, max_seqs=decoder.slots,
+                                 max_sequence_tokens=decoder.slot_tokens)
+        self.description = (f"slots: {decoder.slots} x {decoder.slot_tokens} tokens, "
+                            f"{'CUDA graphs' if decoder.use_graphs else 'eager'} on {decoder.device}")
+        self._cond = threading.Condition()
+        self._joins: list[Join] = []
+        self._cancels: list[str] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._live: dict[int, Live] = {}  # slot -> sequence (stepper thread only)
+        self._slot_of: dict[str, int] = {}
+        self._free = list(range(decoder.slots))  # a heap: the lowest free slot first keeps the step's rows few
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Deliver | None = None
+        self.failure: BaseException | None = None
+
+    # -- the loop's side ----------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
+        self._loop, self._deliver = loop, deliver
+        self._thread = threading.Thread(target=self._run, name="batchserve-generation", daemon=True)
+        self._thread.start()
+
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        with self._cond:
+            self._joins.append(Join(seq_id, prompt_ids, params))
+            self._cond.notify()
+
+    def cancel(self, seq_id: str) -> None:
+        with self._cond:
+            self._cancels.append(seq_id)
+            self._cond.notify()
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def kv_usage(self) -> float:
+        return len(self._live) / self.decoder.slots
+
+    def stop(self, timeout: float) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the stepper thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._joins or self._cancels or self._live or self._stopping):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    cancels, self._cancels = self._cancels, []
+                    if cancels:  # a sequence cancelled before it joined never starts
+                        gone = set(cancels)
+                        self._joins = [j for j in self._joins if j.seq_id not in gone]
+                    room = len(self._free) + sum(1 for c in cancels if c in self._slot_of)
+                    joins, self._joins = self._joins[:room], self._joins[room:]
+                updates: list[TokenUpdate] = []
+                self._drop(cancels)
+                if joins:
+                    updates += self._prefill(joins)
+                if self._live:
+                    updates += self._step()
+                if updates:
+                    self._send(updates)
+        except BaseException as exc:  # noqa: BLE001 - reported to every sequence; is_running() turns False
+            log.exception("the generation stepper stopped")
+            self.failure = exc
+            with self._cond:
+                waiting, self._joins = [j.seq_id for j in self._joins], []
+            error = f"the generation stepper stopped: {type(exc).__name__}: {exc}"
+            self._send([TokenUpdate(seq_id, [], True, error)
+                        for seq_id in [*(live.seq_id for live in self._live.values()), *waiting]])
+
+    def _send(self, updates: list[TokenUpdate]) -> None:
+        assert self._loop is not None and self._deliver is not None
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, updates)
+        except RuntimeError:  # the loop has closed: nobody is waiting
+            pass
+
+    def _drop(self, seq_ids: list[str]) -> None:
+        slots = [self._slot_of[s] for s in seq_ids if s in self._slot_of]
+        self.decoder.release(slots)
+        for slot in slots:
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        live = self._live.pop(slot)
+        del self._slot_of[live.seq_id]
+        heapq.heappush(self._free, slot)
+
+    def _prefill(self, joins: list[Join]) -> list[TokenUpdate]:
+        """Start the joins in the lowest free slots, shortest prompts first, in groups whose padded prompt
+        tokens stay within max_prefill_tokens."""
+        updates: list[TokenUpdate] = []
+        joins = sorted(joins, key=lambda j: len(j.prompt_ids))
+        group: list[Join] = []
+        for join in joins:
+            if group and len(join.prompt_ids) * (len(group) + 1) > self.max_prefill_tokens:
+                updates += self._prefill_group(group)
+                group = []
+            group.append(join)
+        if group:
+            updates += self._prefill_group(group)
+        return updates
+
+    def _prefill_group(self, group: list[Join]) -> list[TokenUpdate]:
+        slots = [heapq.heappop(self._free) for _ in group]
+        try:
+            first, done = self.decoder.prefill(slots, [j.prompt_ids for j in group], [j.params for j in group])
+        except Exception as exc:  # noqa: BLE001 - these sequences fail, the running ones go on
+            log.exception("prefill of %d sequences failed", len(group))
+            self.decoder.release(slots)
+            for slot in slots:
+                heapq.heappush(self._free, slot)
+            return [TokenUpdate(j.seq_id, [], True, f"{type(exc).__name__}: {exc}") for j in group]
+        updates = []
+        for slot, join, token, ended in zip(slots, group, first, done):
+            self._live[slot] = Live(join.seq_id, len(join.prompt_ids), not join.params.greedy)
+            self._slot_of[join.seq_id] = slot
+            updates.append(TokenUpdate(join.seq_id, [token], ended))
+            if ended:
+                self._free_slot(slot)
+        return updates
+
+    def _step(self) -> list[TokenUpdate]:
+        rows = max(self._live) + 1
+        span = max(live.pos for live in self._live.values()) + 1
+        self.decoder.step(rows, span, any(live.sampling for live in self._live.values()))
+        tokens, done = self.decoder.read(rows)
+        updates = []
+        for slot, live in list(self._live.items()):
+            live.pos += 1
+            updates.append(TokenUpdate(live.seq_id, [tokens[slot]], done[slot]))
+            if done[slot]:
+                self._free_slot(slot)
+        return updates
+
+
+def build_slot_stepper(model: Any, eos_ids: list[int], pad_id: int, slots: int, slot_tokens: int,
+                       max_prefill_tokens: int, use_graphs: bool) -> SlotStepper:
+    """A warmed stepper (graphs captured on CUDA) for `model`."""
+    decoder = SlotDecoder(model, slots, slot_tokens, eos_ids, pad_id,
+                          use_graphs=use_graphs and model.device.type == "cuda")
+    step_s = decoder.warm()
+    return SlotStepper(decoder, max_prefill_tokens, step_s)

@@ -1,0 +1,259 @@
+"""The slot decoder and its stepper thread (issue 13): continuous batching whose greedy tokens are `generate`'s
+whatever joins, leaves or shares the step; per-request sampling on the device; a step that can be captured.
+
+The fast tests use a 2-layer Llama with random weights; the slow one SmolLM2's real weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from batchserve.generation.engine import EngineConfig, slot_plan
+from batchserve.generation.sampling import step_key
+from batchserve.generation.slot_decoder import SlotDecoder, bucket_up, device_step_key
+from batchserve.generation.slot_stepper import SlotStepper
+from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from tests.test_static_decode import PAD, an_eos, model, prompts, reference  # noqa: F401 - model is a fixture
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def alone(model: Any, prompt: list[int], eos: int | None, new: int) -> list[int]:
+    """`generate` on the prompt by itself (no padding), cut after its first eos."""
+    return reference(model, [prompt], eos, new)[0]
+
+
+def drive(dec: SlotDecoder, work: list[tuple[int, list[int], SamplingParams]]) -> dict[int, list[int]]:
+    """Play a stepper by hand: work item i joins at step `join` into the lowest free slot; every step advances
+    all live slots. Returns each item's tokens."""
+    free, live, got = list(range(dec.slots)), {}, {i: [] for i in range(len(work))}
+    pending = sorted(range(len(work)), key=lambda i: work[i][0])
+    step = 0
+    while pending or live:
+        while pending and work[pending[0]][0] <= step and free:
+            i = pending.pop(0)
+            slot = free.pop(0)
+            first, done = dec.prefill([slot], [work[i][1]], [work[i][2]])
+            got[i].append(first[0])
+            if done[0]:
+                free.append(slot)
+                free.sort()
+            else:
+                live[slot] = [i, len(work[i][1])]
+        if live:
+            dec.step(max(live) + 1, max(p for _, p in live.values()) + 1,
+                     any(not work[i][2].greedy for i, _ in live.values()))
+            tokens, done = dec.read(max(live) + 1)
+            for slot in list(live):
+                got[live[slot][0]].append(tokens[slot])
+                live[slot][1] += 1
+                if done[slot]:
+                    del live[slot]
+                    free.append(slot)
+                    free.sort()
+        step += 1
+    return got
+
+
+def test_greedy_tokens_are_generates_whatever_joins_and_leaves(model: Any) -> None:
+    """Six prompts of mixed lengths through three slots: they join at different steps, reuse freed slots, end
+    at an EOS or at their own max_tokens, and each gets exactly what `generate` gives it alone."""
+    batch = prompts(model, (5, 9, 3, 12, 1, 7))
+    eos = an_eos(model, batch)
+    limits = [12, 5, 12, 9, 12, 3]
+    work = [(join, p, SamplingParams(max_tokens=n, temperature=0))
+            for join, p, n in zip((0, 0, 2, 3, 3, 7), batch, limits)]
+    dec = SlotDecoder(model, slots=3, slot_tokens=32, eos_ids=[eos], pad_id=PAD)
+    dec.warm()
+    got = drive(dec, work)
+    want = [alone(model, p, eos, n) for p, n in zip(batch, limits)]
+    assert any(len(w) < n for w, n in zip(want, limits))  # some end at the eos, some at their limit
+    assert [got[i] for i in range(len(batch))] == want
+
+
+def test_prefill_of_several_prompts_at_once_gives_the_same_tokens(model: Any) -> None:
+    batch = prompts(model, (4, 11, 2))
+    dec = SlotDecoder(model, slots=4, slot_tokens=32, eos_ids=[], pad_id=PAD)
+    first, done = dec.prefill([2, 0, 3], batch, [GREEDY] * 3)
+    assert first == [alone(model, p, None, 1)[0] for p in batch] and done == [False] * 3
+
+
+def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> None:
+    prompt = prompts(model, (6,))[0]
+    seeded = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.95, seed=1234)
+    dec = SlotDecoder(model, slots=4, slot_tokens=32, eos_ids=[], pad_id=PAD)
+    by_itself = drive(dec, [(0, prompt, seeded)])[0]
+    crowd = [(0, p, SamplingParams(max_tokens=10, temperature=1.0)) for p in prompts(model, (3, 8), seed=5)]
+    beside = drive(dec, [*crowd, (2, prompt, seeded)])[2]  # joins later, into another slot, beside draws
+    assert by_itself == beside
+    other = drive(dec, [(0, prompt, SamplingParams(max_tokens=10, temperature=1.5, top_p=0.95, seed=99))])[0]
+    assert other != by_itself  # 10 draws at temperature 1.5 over this vocabulary: a clash is ~impossible
+    assert by_itself != alone(model, prompt, None, 10)  # and it is not simply the greedy answer
+
+
+def test_greedy_rows_beside_sampled_rows_keep_generates_tokens(model: Any) -> None:
+    batch = prompts(model, (5, 7, 2))
+    work = [(0, batch[0], GREEDY), (0, batch[1], SamplingParams(max_tokens=12, temperature=1.0)),
+            (1, batch[2], SamplingParams(max_tokens=12, temperature=0.7, top_p=1e-6))]
+    got = drive(SlotDecoder(model, slots=3, slot_tokens=32, eos_ids=[], pad_id=PAD), work)
+    assert got[0] == alone(model, batch[0], None, 12)
+    assert got[2] == alone(model, batch[2], None, 12)  # top_p that small keeps only the top token: greedy
+
+
+def test_device_step_key_is_the_hosts() -> None:
+    rng = random.Random(3)
+    pairs = [(rng.randrange(0, 2**31), rng.randrange(0, 5000)) for _ in range(200)] + [(2**31 - 1, 4999), (0, 0)]
+    seeds = torch.tensor([s for s, _ in pairs])
+    steps = torch.tensor([t for _, t in pairs])
+    assert device_step_key(seeds, steps).tolist() == [step_key(s, t) for s, t in pairs]
+
+
+def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
+    """What a CUDA graph capture needs of the step (greedy and sampling variants): no host sync and no branch
+    on tensor values anywhere in it, transformers' forward included. torch.compile(fullgraph=True) fails on
+    exactly those."""
+    batch = prompts(model, (3, 6))
+    for sampling in (False, True):
+        traced = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD)
+        eager = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD)
+        params = [SamplingParams(max_tokens=8, temperature=0.0 if not sampling else 1.0, seed=7)] * 2
+        with torch.inference_mode():
+            for dec in (traced, eager):
+                dec.prefill([0, 1], batch, params)
+            torch.compile(traced._decode_step, backend="eager", fullgraph=True)(4, 16, sampling)
+            eager._decode_step(4, 16, sampling)
+        assert traced.out.tolist() == eager.out.tolist() and traced.pos.tolist() == eager.pos.tolist()
+
+
+def test_no_cuda_capture_without_cuda(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*a: Any, **kw: Any) -> None:
+        raise AssertionError("a CUDA graph was asked for on the CPU")
+
+    for name in ("CUDAGraph", "graph", "graph_pool_handle", "Stream"):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+    dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
+    assert not dec.use_graphs and dec.warm() > 0 and not dec.graphs
+    assert dec.shape(3, 17) == (3, 17)  # exact shapes on a CPU
+    with pytest.raises(ValueError, match="CUDA"):
+        SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD, use_graphs=True)
+
+
+def test_buckets_and_slot_plan() -> None:
+    assert bucket_up(5, (1, 8, 16), 256) == 8 and bucket_up(17, (1, 8, 16), 12) == 12
+    assert bucket_up(300, (128, 256, 512), 2048) == 512 and bucket_up(3000, (128, 256), 2048) == 2048
+    mb = 1 << 20
+    gpu, cpu = True, False
+    # CPU, auto: what 16384 tokens hold at 2048 each
+    assert slot_plan(EngineConfig(), cpu, 0, 100, 8192) == (8, 2048)
+    # GPU, auto: 256 slots if half the free memory holds them, else fewer
+    assert slot_plan(EngineConfig(), gpu, 80_000 * mb, 23040, 8192) == (256, 2048)
+    assert slot_plan(EngineConfig(), gpu, 2_000 * mb, 23040, 8192) == (22, 2048)
+    # asked for: the model's positions and kv_tokens bound them
+    assert slot_plan(EngineConfig(max_seqs=64, max_context=4096), gpu, 80_000 * mb, 23040, 1024) == (64, 1024)
+    assert slot_plan(EngineConfig(max_seqs=64, kv_tokens=10_000, max_context=1000), cpu, 0, 1, 8192) == (10, 1000)
+
+
+def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_ones(model: Any) -> None:
+    """Through the thread, with an event loop: 7 sequences, 2 slots, small prefill groups; one is cancelled
+    while it runs and one before it could join. The rest end with `generate`'s tokens, one update per token."""
+    batch = prompts(model, (5, 9, 3, 12, 1, 7, 4), seed=2)
+    dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
+    stepper = SlotStepper(dec, max_prefill_tokens=8, step_s=dec.warm())
+
+    async def main() -> dict[str, list[TokenUpdate]]:
+        seen: dict[str, list[TokenUpdate]] = {}
+        done = asyncio.Event()
+        live = {f"s{i}" for i in range(len(batch))} - {"s5"}
+
+        def deliver(updates: list[TokenUpdate]) -> None:
+            for u in updates:
+                seen.setdefault(u.seq_id, []).append(u)
+                if u.seq_id == "s0" and len(seen["s0"]) == 3:
+                    stepper.cancel("s0")
+                    live.discard("s0")
+                if u.finished:
+                    live.discard(u.seq_id)
+            if not live:
+                done.set()
+
+        stepper.start(asyncio.get_running_loop(), deliver)
+        for i, p in enumerate(batch):
+            stepper.add(f"s{i}", p, SamplingParams(max_tokens=10, temperature=0))
+        stepper.cancel("s5")  # 2 slots: s5 is still waiting to join
+        await asyncio.wait_for(done.wait(), 60)
+        await asyncio.sleep(0.05)
+        stepper.stop(5)
+        return seen
+
+    seen = asyncio.run(main())
+    assert not stepper.is_running() and stepper.failure is None and stepper.kv_usage() == 0
+    assert "s5" not in seen
+    assert 3 <= len(seen["s0"]) < 10 and not any(u.finished for u in seen["s0"])
+    for i in (1, 2, 3, 4, 6):
+        updates = seen[f"s{i}"]
+        assert all(len(u.tokens) == 1 for u in updates) and updates[-1].finished
+        assert [t for u in updates for t in u.tokens] == alone(model, batch[i], None, 10)
+
+
+def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
+    dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
+    stepper = SlotStepper(dec, max_prefill_tokens=64, step_s=0.01)
+    good = prompts(model, (4,))[0]
+
+    async def main() -> dict[str, list[TokenUpdate]]:
+        seen: dict[str, list[TokenUpdate]] = {}
+        finished = asyncio.Event()
+
+        def deliver(updates: list[TokenUpdate]) -> None:
+            for u in updates:
+                seen.setdefault(u.seq_id, []).append(u)
+            if all(seen.get(k) and seen[k][-1].finished for k in ("bad", "good")):
+                finished.set()
+
+        stepper.start(asyncio.get_running_loop(), deliver)
+        stepper.add("bad", [model.config.vocab_size + 5], SamplingParams(max_tokens=4, temperature=0))
+        await asyncio.sleep(0.2)
+        stepper.add("good", good, SamplingParams(max_tokens=4, temperature=0))
+        await asyncio.wait_for(finished.wait(), 30)
+        stepper.stop(5)
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen["bad"][-1].error and seen["bad"][-1].tokens == []
+    assert [t for u in seen["good"] for t in u.tokens] == alone(model, good, None, 4)
+
+
+@pytest.mark.slow
+def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
+    """SmolLM2's real weights: chat prompts of mixed lengths joining at different steps through fewer slots
+    than prompts, each against `generate` on that prompt alone, token for token (EOS ends included)."""
+    from batchserve.backends.smollm2 import load_model, load_tokenizer, source_dir
+    from batchserve.config import Settings
+
+    source = source_dir(Settings(backend="smollm2"))
+    tok = load_tokenizer(source)
+    mdl = load_model("cpu", source)
+    questions = ["What is the capital of France?", "Hi",
+                 "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
+                 "List three prime numbers.", "2+2=", "Name a colour."]
+    chats = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"]) for q in questions]
+    new = 24
+    want = []
+    with torch.inference_mode():
+        for ids in chats:
+            out = mdl.generate(input_ids=torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+            row = out[0, len(ids):].tolist()
+            want.append(row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
+    assert any(len(w) < new for w in want) and any(len(w) == new for w in want)
+    dec = SlotDecoder(mdl, slots=4, slot_tokens=256, eos_ids=[tok.eos_token_id], pad_id=tok.eos_token_id)
+    work = [(join, ids, SamplingParams(max_tokens=new, temperature=0))
+            for join, ids in zip((0, 0, 1, 1, 4, 9), chats)]
+    got = drive(dec, work)
+    assert [got[i] for i in range(len(chats))] == want
