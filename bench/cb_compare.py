@@ -208,7 +208,63 @@ def run_continuous(model: Any, work: Workload, max_seqs: int, page_size: int = 6
         seconds = time.perf_counter() - started
     finally:
         manager.stop(block=True, timeout=30)
-    return Result("continuous", max_seqs, len(order), tokens, seconds, latencies, work.max_tokens, work.short)
+    return Result("manager", max_seqs, len(order), tokens, seconds, latencies, work.max_tokens, work.short)
+
+
+def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048, max_prefill_tokens: int = 0,
+              cuda_graphs: str = "auto") -> Result:
+    """batchserve's slot stepper (the server's default generation engine) on the same requests: every request
+    handed to the stepper at t = 0, at most `max_seqs` in slots at once, tokens delivered to an event loop."""
+    import asyncio
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.generation.stepper import SamplingParams, TokenUpdate
+
+    on_gpu = model.device.type == "cuda"
+    graphs = on_gpu and cuda_graphs != "off"
+    slot_tokens = max(max_context, max(map(len, work.prompts)) + max(work.max_tokens))
+    started = time.perf_counter()
+    decoder = SlotDecoder(model, max_seqs, slot_tokens, eos_ids=[], pad_id=0, use_graphs=graphs)
+    step_s = decoder.warm()
+    print(f"slots: {max_seqs} x {slot_tokens} tokens, {len(decoder.graphs)} graphs captured in "
+          f"{time.perf_counter() - started:.1f} s, a full step {step_s * 1000:.2f} ms", flush=True)
+    stepper = SlotStepper(decoder, max_prefill_tokens or (8192 if on_gpu else 512), step_s)
+    latencies = [0.0] * len(work.prompts)
+    counted = [0]
+
+    async def main() -> float:
+        done = asyncio.Event()
+        left = [len(work.prompts)]
+
+        def deliver(updates: list[TokenUpdate]) -> None:
+            now = time.perf_counter()
+            for u in updates:
+                if u.error:
+                    raise RuntimeError(f"{u.seq_id} failed: {u.error}")
+                counted[0] += len(u.tokens)
+                if u.finished:
+                    latencies[int(u.seq_id)] = now - t0
+                    left[0] -= 1
+            if not left[0]:
+                done.set()
+
+        stepper.start(asyncio.get_running_loop(), deliver)
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(work.prompts):
+            stepper.add(str(i), prompt, SamplingParams(max_tokens=work.max_tokens[i], temperature=0,
+                                                       ignore_eos=True))
+        await done.wait()
+        return time.perf_counter() - t0
+
+    try:
+        seconds = asyncio.run(main())
+    finally:
+        stepper.stop(30)
+    if counted[0] != work.tokens:
+        raise RuntimeError(f"{counted[0]} tokens came back, {work.tokens} were asked for")
+    return Result("slots", max_seqs, len(work.prompts), counted[0], seconds, latencies, work.max_tokens, work.short)
 
 
 def markdown(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
@@ -276,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--async-batching", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--sampling", default="library", choices=("library", "ours"),
-                    help="ours: batchserve's per-request sampling processors, as the server's engine runs them")
+                    help="manager: ours = batchserve's per-request sampling processors (as --generation-engine "
+                         "manager runs them)")
+    ap.add_argument("--engines", default="manager",
+                    help="continuous rows to run, in order: slots (batchserve's slot stepper, the server's "
+                         "default) and/or manager (transformers'), e.g. slots,manager")
+    ap.add_argument("--max-context", type=int, default=2048, help="slots: tokens per slot (the server's default)")
     args = ap.parse_args(argv)
     if not args.random:
         ap.error("only --random is supported here (bench/generation_bench.py runs the real weights)")
@@ -300,11 +361,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"static: {results[-1]}", flush=True)
         save(args.out, header, results, info, settings)
     options = {"cuda_graphs": args.cuda_graphs, "async_batching": args.async_batching, "sampling": args.sampling}
-    for seqs in [args.batch, *(int(s) for s in args.cb_seqs.split(",") if s)]:
-        results.append(run_continuous(model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens,
-                                      **options).row())
-        print(f"continuous: {results[-1]}", flush=True)
-        save(args.out, header, results, info, settings)  # after every row: a timeout still leaves the rows so far
+    for engine in args.engines.split(","):
+        for seqs in [args.batch, *(int(s) for s in args.cb_seqs.split(",") if s)]:
+            if engine == "slots":
+                result = run_slots(model, work, seqs, args.max_context, cuda_graphs=args.cuda_graphs)
+            elif engine == "manager":
+                result = run_continuous(model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens,
+                                        **options)
+            else:
+                ap.error(f"unknown engine {engine!r} (slots or manager)")
+            results.append(result.row())
+            print(f"{engine}: {results[-1]}", flush=True)
+            save(args.out, header, results, info, settings)  # after every row: a timeout leaves the rows so far
     print("\n" + header + "\n" + markdown(results, results[0]) + "\n", flush=True)
     return 0
 

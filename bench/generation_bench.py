@@ -7,8 +7,10 @@ Workload (bench/cb_compare.py): all requests arrive at t = 0, 80 % ask for 16 to
 ignored, so every row generates exactly the same tokens), over the same chat prompts. Rows:
 - static: batches of --batch in arrival order, each a greedy `generate` to its longest member: the call the
   smollm2 backend (the /v1/inference batchstring path) makes;
-- continuous, manager: transformers' ContinuousBatchingManager alone, at most --batch sequences at once;
-- continuous, engine: batchserve's Engine in-process (admission, per-request sampling, asyncio bridge);
+- manager: transformers' ContinuousBatchingManager alone, at most --batch sequences at once;
+- slots: batchserve's slot stepper alone (the server's default generation engine), --batch slots;
+- continuous, engine: batchserve's Engine in-process (admission, text streams, asyncio bridge) on the stepper
+  --generation-engine names (slots by default);
 - continuous, HTTP: a live `batchserve serve --backend smollm2` through the OpenAI API (AsyncOpenAI,
   non-streaming), the whole server path.
 Output tokens/s and the short requests' p50 latency for each, and their ratio to static, go to stdout and, with
@@ -50,7 +52,7 @@ def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 def engine_settings(a: argparse.Namespace) -> list[str]:
     return ["--generation-max-seqs", str(a.batch), "--generation-max-tokens", str(max(a.long, a.short)),
-            "--generation-queue-timeout-ms", "600000"]
+            "--generation-queue-timeout-ms", "600000", "--generation-engine", a.generation_engine]
 
 
 async def run_engine(model: Any, tokenizer: Any, work: Workload, a: argparse.Namespace) -> Result:
@@ -114,6 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--long", type=int, default=256)
     ap.add_argument("--device", default="", help="default: the first CUDA device, else cpu")
     ap.add_argument("--no-http", action="store_true", help="skip the live-server row")
+    ap.add_argument("--generation-engine", default="slots", choices=("slots", "manager"),
+                    help="the stepper of the engine and HTTP rows")
     common.add_output_flags(ap, name="generation")
     return ap.parse_args(argv)
 
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     print(results[-1].row(), flush=True)
     results.append(cb_compare.run_continuous(model, work, a.batch, page_size=32, kv_tokens=16384,
                                              max_batch_tokens=512 if device == "cpu" else None))
-    results[-1].mode = "continuous, manager"
+    print(results[-1].row(), flush=True)
+    results.append(cb_compare.run_slots(model, work, a.batch))
     print(results[-1].row(), flush=True)
     results.append(asyncio.run(run_engine(model, tokenizer, work, a)))
     print(results[-1].row(), flush=True)

@@ -6,15 +6,20 @@
 #                 ignored): transformers generate (the old path), our static decoder eager and with CUDA graphs
 #                 (the new path), and the shared anchor's graph loop (bench/anchor/, a verbatim copy).
 #                 Goal: graph <= 1.3 x anchor at 100.
-#   2. server.md  `batchserve serve --backend smollm2 --smollm2-dir .gpu/smollm2` (static decode, thread
+#   2. cb.md      continuous batching, 384 requests (80 % x 16 tokens, 20 % x 256), prompts of 64 random ids, at
+#                 most 64 and 256 sequences: batchserve's slot stepper (the server's default generation engine:
+#                 slot KV cache, CUDA-graph steps, sampling on the device), then transformers' manager with CUDA
+#                 graphs and batchserve's sampling processors (--generation-engine manager). Output tokens/s.
+#                 cb-steady.md: the slot stepper on 1,536 such requests, so 256 sequences run most of the time
+#                 (with 384, 77 long ones make most of the run). Goal: >= 20,000 tokens/s at 256.
+#   3. server.md  `batchserve serve --backend smollm2 --smollm2-dir .gpu/smollm2` (static decode, thread
 #                 executor) under open-loop load at 100, 200 and 300 requests/s, then the process executor at
 #                 300: achieved rate, p95 (client and server), mean batch, batch time in the server vs offline,
 #                 server CPU, /healthz latency during the load. Goals: in-server within 1.1 x offline; >= 300/s
 #                 at p95 <= 3 x the batch time.
-#   3. cb.md      continuous batching (transformers' manager with CUDA graphs and batchserve's sampling), 384
-#                 requests (80 % x 16 tokens, 20 % x 256), at most 64 and 256 sequences: output tokens/s.
-#                 Goal: >= 20,000 tokens/s at 256.
 #
+# PARTS picks and orders the parts (default "static,cb,server"); each runs under its own timeout, so the whole
+# call stays within 5 minutes. PARTS=process (a second call) measures the process executor alone at 300/s.
 # Prepare here first:  bash bench/gpu_prep.sh          (wheels into .whl/, tokenizer + config into .gpu/)
 # Device run (see bench/README.md): command "COMMIT=<short hash> bash bench/gpu_check.sh", carry [".whl", ".gpu"],
 # timeout_s 330 (bench/gpu_prep.sh prints it with the current commit)
@@ -52,17 +57,34 @@ if [[ $cpu == 1 ]]; then
   else
     echo "no $smol (run bash bench/gpu_prep.sh): server part skipped"
   fi
-  timeout 30 "$PY" bench/cb_compare.py --random --tiny --device cpu --requests 10 --batch 4 --long 32 --cb-seqs 8 --kv-tokens 2048 \
-    --skip-static --sampling ours --out "$out/cb.md" || echo "continuous batching bench failed (exit $?)"
+  timeout 60 "$PY" bench/cb_compare.py --random --tiny --device cpu --requests 10 --batch 4 --long 32 --cb-seqs 8 \
+    --kv-tokens 2048 --skip-static --engines slots,manager --sampling ours --out "$out/cb.md" \
+    || echo "continuous batching bench failed (exit $?)"
   exit 0
 fi
 [[ -f $smol/config.json ]] || echo "no $smol: carry .gpu (made by bash bench/gpu_prep.sh); the server part will fail"
-timeout 85 "$PY" bench/gpu_static_bench.py --sizes 100,64,1 --repeats 2 --out "$out/static.md" \
-  || echo "static bench failed or timed out (exit $?)"
-timeout 125 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors thread,process --rates 100,200,300 \
-  --process-rates 300 --duration 6 --sizes 1,8,32,64,100 --repeats 2 --max-new-tokens 64 --slo-ms 1000 \
-  --timeout-s 30 --start-timeout-s 60 --out "$out/server.md" || echo "server bench failed or timed out (exit $?)"
-[[ ${CB:-1} == 0 ]] && exit 0  # CB=0: the continuous-batching part is skipped (a rerun of the first two)
-timeout 75 "$PY" bench/cb_compare.py --random --device cuda --requests 384 --batch 64 --cb-seqs 256 \
-  --kv-tokens 131072 --skip-static --cuda-graphs on --sampling ours --out "$out/cb.md" \
-  || echo "continuous batching bench failed or timed out (exit $?)"
+IFS=, read -ra parts <<< "${PARTS:-static,cb,server}"
+[[ ${CB:-1} == 0 ]] && parts=(static server)  # CB=0: the continuous-batching part is skipped (older calls)
+for part in "${parts[@]}"; do
+  case $part in
+    static)
+      timeout 80 "$PY" bench/gpu_static_bench.py --sizes 100,64,1 --repeats 2 --out "$out/static.md" \
+        || echo "static bench failed or timed out (exit $?)" ;;
+    cb)  # steady state first (1,536 requests keep 256 slots full), then slots vs manager on 384
+      timeout 40 "$PY" bench/cb_compare.py --random --device cuda --requests 1536 --batch 256 --skip-static \
+        --engines slots --out "$out/cb-steady.md" || echo "steady continuous batching failed or timed out (exit $?)"
+      timeout 70 "$PY" bench/cb_compare.py --random --device cuda --requests 384 --batch 64 --cb-seqs 256 \
+        --kv-tokens 131072 --skip-static --engines slots,manager --cuda-graphs on --sampling ours \
+        --out "$out/cb.md" || echo "continuous batching bench failed or timed out (exit $?)" ;;
+    server)
+      timeout 110 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors thread,process \
+        --rates 100,200,300 --process-rates 300 --duration 6 --sizes 1,8,32,64,100 --repeats 2 \
+        --max-new-tokens 64 --slo-ms 1000 --timeout-s 30 --start-timeout-s 60 --out "$out/server.md" \
+        || echo "server bench failed or timed out (exit $?)" ;;
+    process)  # the process executor alone at 300 requests/s (its start did not fit beside the thread rows)
+      timeout 120 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors process --rates 300 \
+        --duration 6 --sizes 1,8,32,64,100 --repeats 2 --max-new-tokens 64 --slo-ms 1000 --timeout-s 30 \
+        --start-timeout-s 90 --out "$out/process.md" || echo "process executor bench failed or timed out (exit $?)" ;;
+    *) echo "unknown part $part (static, cb, server, process)" ;;
+  esac
+done

@@ -46,9 +46,8 @@ def drive(dec: SlotDecoder, work: list[tuple[int, list[int], SamplingParams]]) -
             else:
                 live[slot] = [i, len(work[i][1])]
         if live:
-            dec.step(max(live) + 1, max(p for _, p in live.values()) + 1,
-                     any(not work[i][2].greedy for i, _ in live.values()))
-            tokens, done = dec.read(max(live) + 1)
+            tokens, done = dec.collect(dec.launch(max(live) + 1, max(p for _, p in live.values()) + 1,
+                                                  any(not work[i][2].greedy for i, _ in live.values())))
             for slot in list(live):
                 got[live[slot][0]].append(tokens[slot])
                 live[slot][1] += 1
@@ -74,6 +73,18 @@ def test_greedy_tokens_are_generates_whatever_joins_and_leaves(model: Any) -> No
     want = [alone(model, p, eos, n) for p, n in zip(batch, limits)]
     assert any(len(w) < n for w, n in zip(want, limits))  # some end at the eos, some at their limit
     assert [got[i] for i in range(len(batch))] == want
+
+
+def test_the_gpu_layout_pads_rows_and_spans_without_changing_a_token(model: Any) -> None:
+    """The shapes CUDA graphs use, checked on the CPU: rows padded up to a row bucket (idle slots run along,
+    held by their done flag) and the attended span up to a span bucket (masked)."""
+    batch = prompts(model, (5, 9, 3, 12, 1, 7, 2, 6, 4, 8), seed=4)
+    work = [(join, p, SamplingParams(max_tokens=10, temperature=0)) for join, p in zip(range(0, 20, 2), batch)]
+    dec = SlotDecoder(model, slots=12, slot_tokens=160, eos_ids=[], pad_id=PAD, fixed_shapes=True)
+    assert dec.shape(3, 17) == (8, 128) and dec.shape(9, 129) == (12, 160) and not dec.use_graphs
+    assert (12, 160) in dec.shapes() and (8, 128) in dec.shapes() and all(r <= 12 for r, _ in dec.shapes())
+    got = drive(dec, work)
+    assert [got[i] for i in range(len(batch))] == [alone(model, p, None, 10) for p in batch]
 
 
 def test_prefill_of_several_prompts_at_once_gives_the_same_tokens(model: Any) -> None:

@@ -208,8 +208,8 @@ async def start_generation(settings: Settings, registry: CollectorRegistry) -> "
     Never the batch backend's objects: transformers' forward wrapper writes each call's `is_causal` into the
     shared `model.config` for the length of the call and restores it after (transformers/utils/generic.py). The
     manager stepper's steps pass `is_causal=False` (SDPA with an explicit mask) from their own thread, so a
-    `generate` in a worker thread that overlaps one builds a non-causal mask (garbage), and two overlapping restores can leave
-    `config.is_causal = False` for good (every later answer wrong). The tokenizer is not shared either: a padded
+    `generate` in a worker thread that overlaps one builds a non-causal mask (garbage), and two overlapping
+    restores can leave `config.is_causal = False` for good (every later answer wrong). The tokenizer is not shared either: a padded
     batch call sets padding on the fast tokenizer that an unpadded call from the loop then clears."""
     if not enabled(settings):
         return None
@@ -242,16 +242,18 @@ class Engine:
 
     # -- life -----------------------------------------------------------------------------------------------
     @classmethod
-    async def start(cls, settings: Settings, registry: CollectorRegistry) -> "Engine":
-        """Load its own model replica off the loop, build and warm the stepper, start it."""
+    async def start(cls, settings: Settings, registry: CollectorRegistry, model: Any = None,
+                    tokenizer: Any = None) -> "Engine":
+        """Load its own model replica off the loop (or use the one given: benchmarks), build and warm the
+        stepper, start it."""
         cfg = EngineConfig.from_settings(settings)
 
         def load() -> tuple[Any, Any, Stepper]:
             from batchserve.backends.smollm2 import load_model, load_tokenizer, source_dir
 
             source = source_dir(settings)
-            tok = load_tokenizer(source)
-            mdl = load_model(default_device(settings), source)
+            tok = tokenizer if tokenizer is not None else load_tokenizer(source)
+            mdl = model if model is not None else load_model(default_device(settings), source)
             return tok, mdl, build_stepper(mdl, tok, cfg)
 
         tok, mdl, stepper = await asyncio.to_thread(load)

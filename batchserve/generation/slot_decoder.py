@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -63,6 +64,15 @@ def row_key(params: SamplingParams) -> int:
     if params.greedy:
         return GREEDY
     return SAMPLE if params.seed is None else params.seed & MASK31
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A launched step: its rows, the host buffer its tokens are copied into, and (CUDA) the event after that copy."""
+
+    rows: int
+    buffer: int
+    event: Any = None  # torch.cuda.Event
 
 
 class SlotCache:
@@ -112,7 +122,9 @@ class SlotDecoder:
     on one model replica. Not thread-safe: one thread (the engine's stepper) calls it."""
 
     def __init__(self, model: Any, slots: int, slot_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                 use_graphs: bool | None = None) -> None:
+                 use_graphs: bool | None = None, fixed_shapes: bool | None = None) -> None:
+        """`use_graphs` (default: on CUDA) captures every bucket's step; `fixed_shapes` (default: when graphs
+        are used; tests turn it on for the CPU) pads rows and spans up to the buckets."""
         self.model = model
         self.device = model.device
         self.slots, self.slot_tokens = slots, slot_tokens
@@ -120,6 +132,7 @@ class SlotDecoder:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        self.fixed_shapes = self.use_graphs if fixed_shapes is None else fixed_shapes or self.use_graphs
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.head = model.get_output_embeddings()
         self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "flash_attention_2")
@@ -139,13 +152,16 @@ class SlotDecoder:
         self.pad = torch.tensor(self.pad_id, dtype=torch.long, device=dev)
         self.positions = torch.arange(slot_tokens, device=dev)
         self.graphs: dict[tuple[int, int, bool], Any] = {}  # (rows, span, sampling) -> torch.cuda.CUDAGraph
-        self.out_host = torch.empty(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        self.done_host = torch.empty(n, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        # Two host copies of a step's tokens and done flags: one step can run while the last one's are read.
+        pinned = self.device.type == "cuda"
+        self.out_host = torch.empty((2, n), dtype=torch.long, pin_memory=pinned)
+        self.done_host = torch.empty((2, n), dtype=torch.bool, pin_memory=pinned)
+        self._buffer = 0
 
     # -- shapes -------------------------------------------------------------------------------------------
     def shape(self, rows: int, span: int) -> tuple[int, int]:
         """Exact on a CPU; padded up to the captured buckets on a GPU."""
-        if not self.use_graphs:
+        if not self.fixed_shapes:
             return rows, span
         return bucket_up(rows, ROW_BUCKETS, self.slots), bucket_up(span, SPAN_BUCKETS, self.slot_tokens)
 
@@ -198,27 +214,34 @@ class SlotDecoder:
         self._advance(slice(0, rows), self._pick(logits, slice(0, rows), sampling), live)
         self.pos[:rows] = pos + live.long()
 
-    def step(self, rows: int, span: int, sampling: bool) -> None:
-        """Run one decode step over the first `rows` slots (every live row's position < `span`); the tokens are
-        in `self.out` (read them with `read`)."""
-        rows, span = self.shape(rows, span)
+    def launch(self, rows: int, span: int, sampling: bool) -> Ticket:
+        """Run one decode step over the first `rows` slots (every live row's position < `span`) and queue the
+        copy of its tokens to the host. On CUDA this only enqueues work: the host may launch the next step
+        before it `collect`s this one (two buffers), so the GPU is not idle while the host hands tokens over."""
+        shape = self.shape(rows, span)
+        buffer, self._buffer = self._buffer, self._buffer ^ 1
         with torch.inference_mode(), self._device():
-            graph = self.graphs.get((rows, span, sampling))
+            graph = self.graphs.get((*shape, sampling))
             if graph is not None:
                 graph.replay()
             else:
-                self._decode_step(rows, span, sampling)
+                self._decode_step(*shape, sampling)
+            cuda = self.device.type == "cuda"
+            self.out_host[buffer, :rows].copy_(self.out[:rows], non_blocking=cuda)
+            self.done_host[buffer, :rows].copy_(self.done[:rows], non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+        return Ticket(rows, buffer, event)
 
-    def read(self, rows: int) -> tuple[list[int], list[bool]]:
-        """The last step's token and done flag of the first `rows` slots (waits for the step, with the
-        interpreter lock released on a GPU)."""
-        with torch.inference_mode():
-            if self.device.type == "cuda":
-                self.out_host[:rows].copy_(self.out[:rows], non_blocking=True)
-                self.done_host[:rows].copy_(self.done[:rows], non_blocking=True)
-                torch.cuda.current_stream(self.device).synchronize()
-                return self.out_host[:rows].tolist(), self.done_host[:rows].tolist()
-            return self.out[:rows].tolist(), self.done[:rows].tolist()
+    def collect(self, ticket: Ticket) -> tuple[list[int], list[bool]]:
+        """A launched step's token and done flag of its rows (waits for it; on CUDA with the interpreter lock
+        released)."""
+        if ticket.event is not None:
+            ticket.event.synchronize()
+        return (self.out_host[ticket.buffer, :ticket.rows].tolist(),
+                self.done_host[ticket.buffer, :ticket.rows].tolist())
 
     # -- joining ------------------------------------------------------------------------------------------
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
@@ -295,8 +318,7 @@ class SlotDecoder:
             timings = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                self.step(self.slots, min(self.slot_tokens, 256), False)
-                self.read(1)
+                self.collect(self.launch(self.slots, min(self.slot_tokens, 256), False))
                 timings.append(time.perf_counter() - t0)
         log.info("%s %d decode steps for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, %.1f ms a full step)",
                  "captured" if self.use_graphs else "checked", len(self.graphs), self.slots, self.slot_tokens,

@@ -3,9 +3,13 @@ new tokens go to the event loop in one `call_soon_threadsafe`.
 
 Per step the host does: take the joins and cancels the loop queued, prefill the joins (grouped so one prefill
 forward holds at most `max_prefill_tokens` prompt tokens, which bounds how long running sequences wait for it),
-replay one graph, copy the new tokens back (the one sync of the step, with the interpreter lock released),
-hand them over. Which slots are live, and each one's position, is kept here as plain ints, so choosing the
-step's shape needs nothing from the device.
+launch the next step (one graph replay and an async copy of its tokens), then collect the previous step's tokens
+(the one wait, with the interpreter lock released) and hand them over. So one step runs on the GPU while the
+host reads the last one and the event loop takes the interpreter lock to stream it: the host's work and the
+loop's hide behind the GPU's. The price is one step of lag: a sequence that ended in step N is still in step
+N+1 (its row held by its done flag, its token ignored), and a position here can run one ahead of the device's,
+which only rounds the attended span up. Which slots are live, and each one's position, is kept here as plain
+ints, so choosing the step's shape needs nothing from the device.
 """
 
 from __future__ import annotations
@@ -17,19 +21,21 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from batchserve.generation.slot_decoder import SlotDecoder
+from batchserve.generation.slot_decoder import SlotDecoder, Ticket
 from batchserve.generation.stepper import Capacity, Deliver, SamplingParams, TokenUpdate
 
 log = logging.getLogger("batchserve.generation")
 
 
-@dataclass
+@dataclass(eq=False)
 class Live:
     """A sequence in a slot, as the host tracks it."""
 
     seq_id: str
-    pos: int  # the position its next input token is written at
+    slot: int
+    pos: int  # the position its next input token is written at (counting the steps launched)
     sampling: bool
+    ended: bool = False  # its slot was freed: later steps' tokens for it are ignored
 
 
 @dataclass(frozen=True)
@@ -93,10 +99,11 @@ class SlotStepper:
 
     # -- the stepper thread -------------------------------------------------------------------------------
     def _run(self) -> None:
+        pending: tuple[Ticket, list[Live]] | None = None  # the launched step not yet collected
         try:
             while True:
                 with self._cond:
-                    while not (self._joins or self._cancels or self._live or self._stopping):
+                    while not (self._joins or self._cancels or self._live or pending or self._stopping):
                         self._cond.wait()
                     if self._stopping:
                         return
@@ -110,8 +117,10 @@ class SlotStepper:
                 self._drop(cancels)
                 if joins:
                     updates += self._prefill(joins)
-                if self._live:
-                    updates += self._step()
+                launched = self._launch() if self._live else None
+                if pending is not None:
+                    updates += self._collect(*pending)
+                pending = launched
                 if updates:
                     self._send(updates)
         except BaseException as exc:  # noqa: BLE001 - reported to every sequence; is_running() turns False
@@ -138,6 +147,7 @@ class SlotStepper:
 
     def _free_slot(self, slot: int) -> None:
         live = self._live.pop(slot)
+        live.ended = True
         del self._slot_of[live.seq_id]
         heapq.heappush(self._free, slot)
 
@@ -168,24 +178,33 @@ class SlotStepper:
             return [TokenUpdate(j.seq_id, [], True, f"{type(exc).__name__}: {exc}") for j in group]
         updates = []
         for slot, join, token, ended in zip(slots, group, first, done):
-            self._live[slot] = Live(join.seq_id, len(join.prompt_ids), not join.params.greedy)
+            self._live[slot] = Live(join.seq_id, slot, len(join.prompt_ids), not join.params.greedy)
             self._slot_of[join.seq_id] = slot
             updates.append(TokenUpdate(join.seq_id, [token], ended))
             if ended:
                 self._free_slot(slot)
         return updates
 
-    def _step(self) -> list[TokenUpdate]:
+    def _launch(self) -> tuple[Ticket, list[Live]]:
+        """Start a step over the live slots; returns it with who was in it."""
+        members = list(self._live.values())
         rows = max(self._live) + 1
-        span = max(live.pos for live in self._live.values()) + 1
-        self.decoder.step(rows, span, any(live.sampling for live in self._live.values()))
-        tokens, done = self.decoder.read(rows)
-        updates = []
-        for slot, live in list(self._live.items()):
+        span = max(live.pos for live in members) + 1
+        ticket = self.decoder.launch(rows, span, any(live.sampling for live in members))
+        for live in members:
             live.pos += 1
-            updates.append(TokenUpdate(live.seq_id, [tokens[slot]], done[slot]))
-            if done[slot]:
-                self._free_slot(slot)
+        return ticket, members
+
+    def _collect(self, ticket: Ticket, members: list[Live]) -> list[TokenUpdate]:
+        """The step's token for each member still live; members whose row the device marked done leave."""
+        tokens, done = self.decoder.collect(ticket)
+        updates = []
+        for live in members:
+            if live.ended:
+                continue
+            updates.append(TokenUpdate(live.seq_id, [tokens[live.slot]], done[live.slot]))
+            if done[live.slot]:
+                self._free_slot(live.slot)
         return updates
 
 
