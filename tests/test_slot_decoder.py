@@ -154,6 +154,22 @@ def test_no_cuda_capture_without_cuda(model: Any, monkeypatch: pytest.MonkeyPatc
         SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD, use_graphs=True)
 
 
+def test_a_failed_capture_leaves_the_steps_eager(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
+    dec.use_graphs = dec.fixed_shapes = True  # as on CUDA
+
+    def broken() -> None:
+        dec.graphs[(1, 32, False)] = "half-made"
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(dec, "_capture", broken)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    assert dec.warm() > 0 and not dec.graphs and not dec.use_graphs and dec.shape(3, 17) == (3, 17)
+    batch = prompts(model, (4, 6))
+    got = drive(dec, [(0, p, SamplingParams(max_tokens=6, temperature=0)) for p in batch])
+    assert [got[0], got[1]] == [alone(model, p, None, 6) for p in batch]
+
+
 def test_buckets_and_slot_plan() -> None:
     assert bucket_up(5, (1, 8, 16), 256) == 8 and bucket_up(17, (1, 8, 16), 12) == 12
     assert bucket_up(300, (128, 256, 512), 2048) == 512 and bucket_up(3000, (128, 256), 2048) == 2048

@@ -292,27 +292,18 @@ class SlotDecoder:
 
     # -- warm-up ------------------------------------------------------------------------------------------
     def warm(self) -> float:
-        """Capture every (rows, span, sampling) step on CUDA (each warmed on a side stream first, as the
-        PyTorch docs and the shared anchor do), or run one eager step on a CPU. Returns seconds a step of all
-        slots takes (its best of a few), for the engine's first wait predictions."""
+        """Capture every (rows, span, sampling) step on CUDA (a failed capture logs why and leaves the steps
+        eager), then time a step of all slots (best of three), for the engine's first wait predictions."""
         started = time.monotonic()
+        if self.use_graphs:
+            try:
+                self._capture()
+            except Exception:  # noqa: BLE001 - serve eagerly rather than not at all; the log says why
+                log.exception("capturing the decode steps failed: generation runs them eagerly (slower)")
+                self.graphs.clear()
+                self.use_graphs = self.fixed_shapes = False
+                torch.cuda.synchronize(self.device)
         with torch.inference_mode(), self._device():
-            if self.use_graphs:
-                pool = torch.cuda.graph_pool_handle()
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for rows, span in self.shapes():
-                        for sampling in (False, True):
-                            self._decode_step(rows, span, sampling)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                for rows, span in self.shapes():
-                    for sampling in (False, True):
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                            self._decode_step(rows, span, sampling)
-                        self.graphs[(rows, span, sampling)] = graph
-                torch.cuda.current_stream(self.device).synchronize()
             self.done.fill_(True)
             self.pos.zero_()
             timings = []
@@ -324,3 +315,24 @@ class SlotDecoder:
                  "captured" if self.use_graphs else "checked", len(self.graphs), self.slots, self.slot_tokens,
                  self.device, time.monotonic() - started, self.cache.nbytes / 1e9, min(timings) * 1000)
         return min(timings)
+
+    def _capture(self) -> None:
+        """Warm each step's kernels on a side stream (as the PyTorch docs and the shared anchor do), then capture
+        every (rows, span, sampling) step into one memory pool. Safe to share: every graph writes only the
+        decoder's own buffers, its temporaries are its own, and a device runs one step at a time."""
+        with torch.inference_mode(), self._device():
+            pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for rows, span in self.shapes():
+                    for sampling in (False, True):
+                        self._decode_step(rows, span, sampling)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            for rows, span in self.shapes():
+                for sampling in (False, True):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        self._decode_step(rows, span, sampling)
+                    self.graphs[(rows, span, sampling)] = graph
+            torch.cuda.current_stream(self.device).synchronize()
