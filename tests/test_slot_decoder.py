@@ -16,7 +16,7 @@ import torch
 from batchserve.generation.engine import EngineConfig, slot_plan
 from batchserve.generation.sampling import step_key
 from batchserve.generation.slot_decoder import SlotDecoder, bucket_up, device_step_key
-from batchserve.generation.slot_stepper import SlotStepper
+from batchserve.generation.slot_stepper import SlotStepper, join_now
 from batchserve.generation.stepper import SamplingParams, TokenUpdate
 from tests.test_static_decode import PAD, an_eos, model, prompts, reference  # noqa: F401 - model is a fixture
 
@@ -183,6 +183,16 @@ def test_buckets_and_slot_plan() -> None:
     # asked for: the model's positions and kv_tokens bound them
     assert slot_plan(EngineConfig(max_seqs=64, max_context=4096), gpu, 80_000 * mb, 23040, 1024) == (64, 1024)
     assert slot_plan(EngineConfig(max_seqs=64, kv_tokens=10_000, max_context=1000), cpu, 0, 1, 8192) == (10, 1000)
+
+
+def test_joins_gather_while_others_run_and_start_at_once_when_none_do() -> None:
+    # (waiting, room, live, waited steps, join batch, delay steps) -> how many to prefill now
+    assert join_now(3, 10, 0, 0, 16, 8) == 3  # nothing running: at once
+    assert join_now(3, 10, 50, 0, 16, 8) == 0  # others running: gather...
+    assert join_now(3, 10, 50, 8, 16, 8) == 3  # ...until the oldest has waited 8 steps
+    assert join_now(20, 10, 50, 0, 16, 8) == 10  # or a batch's worth waits (as many as there is room for)
+    assert join_now(20, 0, 50, 99, 16, 8) == 0  # no room
+    assert join_now(1, 4, 3, 0, 1, 8) == 1  # a join batch of 1 (few slots): never held back
 
 
 def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_ones(model: Any) -> None:
