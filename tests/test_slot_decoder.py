@@ -190,7 +190,9 @@ def test_joins_gather_while_others_run_and_start_at_once_when_none_do() -> None:
     assert join_now(3, 10, 0, 0, 16, 8) == 3  # nothing running: at once
     assert join_now(3, 10, 50, 0, 16, 8) == 0  # others running: gather...
     assert join_now(3, 10, 50, 8, 16, 8) == 3  # ...until the oldest has waited 8 steps
-    assert join_now(20, 10, 50, 0, 16, 8) == 10  # or a batch's worth waits (as many as there is room for)
+    assert join_now(20, 30, 50, 0, 16, 8) == 20  # or a batch's worth waits and has room
+    assert join_now(20, 10, 50, 0, 16, 8) == 0  # room for fewer than a batch: wait for more room...
+    assert join_now(20, 10, 50, 9, 16, 8) == 10  # ...or the delay
     assert join_now(20, 0, 50, 99, 16, 8) == 0  # no room
     assert join_now(1, 4, 3, 0, 1, 8) == 1  # a join batch of 1 (few slots): never held back
 
