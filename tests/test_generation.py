@@ -1,7 +1,7 @@
 """Generation through a live server on the real model, driven by the official `openai` client (issue 6).
 
 One server for the module: SmolLM2 on the CPU, at most 4 sequences at once (so 6 concurrent streams must
-queue for a slot), a 10 s queue timeout (so a request behind 4 long ones is refused at the door), and one API
+queue for a slot) of at most 512 tokens each, a 10 s queue timeout (so a request behind 4 long ones is refused at the door), and one API
 key (the same tenancy as /v1/inference: a wrong key gets 401).
 """
 
@@ -33,7 +33,8 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def server(key: tuple[str, str]):
     s = start_server("--backend", "smollm2", "--max-new-tokens", "8", "--generation-max-seqs", "4",
-                     "--generation-queue-timeout-ms", "10000", "--config", key[0], timeout=180)
+                     "--generation-max-context", "512", "--generation-queue-timeout-ms", "10000",
+                     "--config", key[0], timeout=180)
     s.key = key[1]  # type: ignore[attr-defined]
     yield s
     s.stop()
@@ -167,15 +168,15 @@ def test_disconnect_mid_stream_frees_its_slot(server: LiveServer, client: openai
 
 
 def test_request_behind_full_slots_gets_503_not_a_long_wait(server: LiveServer, client: openai.OpenAI) -> None:
-    streams = [client.chat.completions.create(model=MODEL, messages=ask(c), temperature=0, max_tokens=500,
+    streams = [client.chat.completions.create(model=MODEL, messages=ask(c), temperature=0, max_tokens=450,
                                               stream=True, extra_body={"ignore_eos": True})
                for c in ("France", "Germany", "Japan", "England")]
     try:
-        for s in streams:  # all 4 slots hold a 500-token sequence
+        for s in streams:  # all 4 slots hold a 450-token sequence
             next(iter(s))
         with pytest.raises(openai.InternalServerError) as err:
-            client.chat.completions.create(model=MODEL, messages=ask("Russia"), max_tokens=500)
-        # Refused at the door: the four 500-token sequences still hold every slot, so it did not wait for one.
+            client.chat.completions.create(model=MODEL, messages=ask("Russia"), max_tokens=450)
+        # Refused at the door: the four 450-token sequences still hold every slot, so it did not wait for one.
         assert engine_stats(server)["running"] == 4
         assert err.value.status_code == 503 and err.value.code == "service_overloaded"
         assert int(err.value.response.headers["retry-after"]) >= 1
@@ -205,6 +206,17 @@ def test_bad_parameters_get_400_in_openai_shape(client: openai.OpenAI, kwargs: d
     assert err.value.status_code == 400
     assert err.value.param == param and err.value.type == "invalid_request_error"
     assert set(err.value.body) == {"message", "type", "param", "code"}
+
+
+def test_a_long_prompt_without_max_tokens_runs_to_the_end_of_the_context(client: openai.OpenAI) -> None:
+    """Each sequence holds 512 tokens here: 500 prompt tokens leave 12 (OpenAI's rule when max_tokens is not
+    given); asking for more than fits is a 400 that says so."""
+    prompt = [(i * 7919) % 40000 + 100 for i in range(500)]
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+    assert "512 tokens one sequence may hold" in err.value.message
 
 
 def test_bad_completion_prompt_and_unknown_model(client: openai.OpenAI) -> None:

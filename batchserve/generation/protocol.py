@@ -26,6 +26,7 @@ class GenRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    max_tokens_given: bool = True  # False: params.max_tokens is the cap, and may shrink to fit the context
 
 
 def _number(data: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -130,7 +131,8 @@ def parse(body: bytes, chat: bool, max_tokens_cap: int) -> GenRequest:
         top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
     )
-    return GenRequest(model, prompt, params, stream, bool(options and options.get("include_usage")))
+    return GenRequest(model, prompt, params, stream, bool(options and options.get("include_usage")),
+                      max_tokens is not None)
 
 
 # -- answers ------------------------------------------------------------------------------------------------

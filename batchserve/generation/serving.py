@@ -7,6 +7,7 @@ A caller that hangs up cancels its sequence, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from typing import AsyncIterator, Callable
@@ -91,8 +92,12 @@ async def generate(request: Request, chat: bool) -> Response:
             prompt_ids = engine.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         if any(t >= engine.vocab_size for t in prompt_ids):
             raise bad("prompt", "a token id is outside the model's vocabulary")
+        params = req.params
+        if not req.max_tokens_given and 0 < engine.max_context - len(prompt_ids) < params.max_tokens:
+            # as OpenAI does: without max_tokens the answer may run to the end of the context
+            params = dataclasses.replace(params, max_tokens=engine.max_context - len(prompt_ids))
         try:
-            seq = engine.submit(prompt_ids, req.params, tier=caller.tier)
+            seq = engine.submit(prompt_ids, params, tier=caller.tier)
         except ApiError as err:
             if err.status == 503:
                 rt.metrics.rejected.labels(err.code).inc()
