@@ -363,22 +363,25 @@ class Engine:
         self._gauges()
 
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
-        """Runs on the loop (via the stepper's call_soon_threadsafe) with one step's new tokens."""
+        """Runs on the loop (via the stepper's call_soon_threadsafe) with one step's new tokens: at 256
+        sequences that is ~20,000 tokens a second through here, so per-step work is done once a step."""
+        now = time.monotonic()
+        before = self.generated_tokens
         for update in updates:
             seq = self.running.get(update.seq_id)
             if seq is None:  # cancelled or finished here already
                 continue
             try:
-                self._take(seq, update)
+                self._take(seq, update, now)
             except Exception as exc:  # noqa: BLE001 - one sequence's failure must not stop the others'
                 log.exception("generation output handling failed for %s", seq.id)
                 self._finish(seq, error=errors.inference_failed(f"{type(exc).__name__}: {exc}"))
+        self.metrics.output_tokens.inc(self.generated_tokens - before)
 
-    def _take(self, seq: Sequence, update: TokenUpdate) -> None:
+    def _take(self, seq: Sequence, update: TokenUpdate, now: float) -> None:
         if update.error is not None:
             self._finish(seq, error=errors.inference_failed(update.error), ended=True)
             return
-        now = time.monotonic()
         new = update.tokens
         if not new:
             if update.finished:
@@ -395,7 +398,6 @@ class Engine:
         seq.last_token = now
         seq.tokens += len(new)
         self.generated_tokens += len(new)
-        self.metrics.output_tokens.inc(len(new))
         text = "".join(seq.text.push(t) for t in new)
         if seq.text.stopped:
             self.metrics.cancelled.labels("stop_string").inc()
