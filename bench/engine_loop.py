@@ -6,8 +6,9 @@ On a GPU the slot stepper makes a step of 256 tokens every ~4-5 ms (50,000+ toke
 through the Engine on the event loop (ITL and TTFT metrics, incremental detokenization with stop strings, a
 delta on the sequence's queue, the caller's coroutine waking to take it). If the loop could not keep up, the
 GPU's speed would not reach the callers. This feeds the real Engine (SmolLM2's tokenizer, random token ids) from
-a stand-in stepper, one step's updates per loop turn, with one consumer per sequence reading its stream as a
-non-streaming HTTP handler does, and reports tokens per CPU-second of the loop (median of the repeats).
+a stand-in stepper, one step's updates per loop turn, with one consumer per sequence reading its deltas, and
+reports tokens per CPU-second of the loop (median of the repeats) two ways: streamed (a delta per token, as for
+`stream: true`) and whole (one delta at the end, as for a plain answer).
 With `--record` (machine, commit and settings too) it writes bench/results/engine-loop-<time>.md/.json.
 """
 
@@ -60,7 +61,7 @@ class FeedStepper:
         pass
 
 
-async def one_run(tokenizer: Any, sequences: int, steps: int, seed: int) -> tuple[float, float]:
+async def one_run(tokenizer: Any, sequences: int, steps: int, seed: int, streamed: bool) -> tuple[float, float]:
     """(wall s, loop CPU s) to take sequences x steps tokens."""
     from prometheus_client import CollectorRegistry
 
@@ -70,7 +71,8 @@ async def one_run(tokenizer: Any, sequences: int, steps: int, seed: int) -> tupl
     stepper = FeedStepper(sequences)
     engine = Engine(EngineConfig(max_tokens=steps), tokenizer, stepper, CollectorRegistry(), 8192, 49152)
     stepper.start(None, engine._on_updates)
-    seqs = [engine.submit([1, 2, 3], SamplingParams(max_tokens=steps, temperature=0)) for _ in range(sequences)]
+    seqs = [engine.submit([1, 2, 3], SamplingParams(max_tokens=steps, temperature=0), streamed=streamed)
+            for _ in range(sequences)]
 
     async def consume(seq: Any) -> str:
         return "".join([d.text async for d in engine.stream(seq)])
@@ -104,15 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(source_dir(Settings(backend="smollm2")))
     tokens = a.sequences * a.steps
     runs = []
-    for i in range(a.repeats):
-        wall, cpu = asyncio.run(one_run(tokenizer, a.sequences, a.steps, seed=i))
-        runs.append({"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "tokens_per_cpu_s": round(tokens / cpu)})
-        print(runs[-1], flush=True)
-    median = statistics.median(r["tokens_per_cpu_s"] for r in runs)
+    for i in range(a.repeats):  # the two modes interleaved: this machine's noise falls on both alike
+        for mode in ("streamed", "whole"):
+            wall, cpu = asyncio.run(one_run(tokenizer, a.sequences, a.steps, seed=i, streamed=mode == "streamed"))
+            runs.append({"mode": mode, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                         "tokens_per_cpu_s": round(tokens / cpu)})
+            print(runs[-1], flush=True)
+    median = {mode: statistics.median(r["tokens_per_cpu_s"] for r in runs if r["mode"] == mode)
+              for mode in ("streamed", "whole")}
     title = (f"# Generation's loop side: {a.sequences} sequences x {a.steps} steps ({tokens} tokens), "
-             f"{a.repeats} runs\n\nmedian {median:,.0f} tokens per CPU-second of the event loop\n")
-    table = report.table(["run", "wall s", "loop CPU s", "tokens per CPU-second"],
-                         [[i + 1, r["wall_s"], r["cpu_s"], r["tokens_per_cpu_s"]] for i, r in enumerate(runs)])
+             f"{a.repeats} runs a mode\n\nmedian tokens per CPU-second of the event loop: "
+             f"{median['streamed']:,.0f} streamed (a delta per token), {median['whole']:,.0f} whole (one delta)\n")
+    table = report.table(["run", "mode", "wall s", "loop CPU s", "tokens per CPU-second"],
+                         [[i // 2 + 1, r["mode"], r["wall_s"], r["cpu_s"], r["tokens_per_cpu_s"]]
+                          for i, r in enumerate(runs)])
     print("\n" + title + "\n" + table, flush=True)
     prov = report.provenance()
     md = title + "\n" + table + "\n\nmachine: " + str(prov["machine"]) + "\n\ngit: " + str(prov["git"]) + "\n"

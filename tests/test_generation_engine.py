@@ -178,3 +178,20 @@ def test_length_finish_and_token_counts() -> None:
         assert deltas[-1].finish_reason == "length" and seq.tokens == 3 and e.generated_tokens == 3
 
     run(main())
+
+
+def test_a_sequence_not_streamed_gets_its_whole_text_in_one_delta() -> None:
+    async def main() -> None:
+        e = engine(max_seqs=2)
+        whole = e.submit([1], params(8, stop=("z",)), streamed=False)
+        streamed = e.submit([1], params(8))
+        for text in ("he", "ll", "o"):
+            e.stepper.emit(whole.id, text)
+            e.stepper.emit(streamed.id, text)
+        assert whole.deltas.empty() and streamed.deltas.qsize() == 3  # nothing to wake the first caller for
+        e.stepper.emit(whole.id, " z!", finished=True)  # the stop string ends it: its text and what follows go
+        deltas = drain(whole)
+        assert len(deltas) == 1 and deltas[0].text == "hello " and deltas[0].finish_reason == "stop"
+        assert deltas[0].tokens == 8
+
+    run(main())

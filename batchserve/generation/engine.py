@@ -108,6 +108,8 @@ class Sequence:
     first_token: float = 0.0
     last_token: float = 0.0
     finish_reason: str | None = None
+    streamed: bool = True  # False: the caller wants the whole text once, so no delta per token
+    held: list[str] = field(default_factory=list)  # text of a sequence that is not streamed, until it ends
 
     @property
     def finished(self) -> bool:
@@ -287,8 +289,11 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, tier: int = 1) -> Sequence:
-        """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, tier: int = 1,
+               streamed: bool = True) -> Sequence:
+        """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits.
+        `streamed` False: its caller gets one delta, the whole text, when it ends (a per-token delta wakes the
+        caller's coroutine each time: at tens of thousands of tokens a second that is the loop's main cost)."""
         if self.draining:
             raise errors.draining()
         if not self.healthy:
@@ -310,7 +315,7 @@ class Engine:
         now = time.monotonic()
         seq = Sequence(id="gen_" + secrets.token_hex(8), prompt_ids=prompt_ids, params=params, tier=tier,
                        blocks=blocks, arrived=now, deadline=now + self.cfg.queue_timeout_s,
-                       text=TextStream(self.tokenizer.backend_tokenizer, params.stop))
+                       text=TextStream(self.tokenizer.backend_tokenizer, params.stop), streamed=streamed)
         if not (self.waiting or not self.budget.fits(blocks)):
             self._start(seq)
             return seq
@@ -406,7 +411,10 @@ class Engine:
             eos = new[-1] in self.eos_ids and not seq.params.ignore_eos
             self._finish(seq, text=text + seq.text.flush(), finish_reason="stop" if eos else "length", ended=True)
         elif text:
-            seq.deltas.put_nowait(Delta(text, seq.tokens))
+            if seq.streamed:
+                seq.deltas.put_nowait(Delta(text, seq.tokens))
+            else:
+                seq.held.append(text)
 
     def _finish(self, seq: Sequence, text: str = "", finish_reason: str | None = None,
                 error: ApiError | None = None, ended: bool = False) -> None:
@@ -423,6 +431,9 @@ class Engine:
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
             heapq.heapify(self.waiting)
         seq.state, seq.finish_reason = DONE, finish_reason
+        if seq.held:
+            text = "".join(seq.held) + text
+            seq.held.clear()
         seq.deltas.put_nowait(Delta(text, seq.tokens, finish_reason, error))
         self._admit_waiting()
 

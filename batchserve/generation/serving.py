@@ -97,7 +97,7 @@ async def generate(request: Request, chat: bool) -> Response:
             # as OpenAI does: without max_tokens the answer may run to the end of the context
             params = dataclasses.replace(params, max_tokens=engine.max_context - len(prompt_ids))
         try:
-            seq = engine.submit(prompt_ids, params, tier=caller.tier)
+            seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream)
         except ApiError as err:
             if err.status == 503:
                 rt.metrics.rejected.labels(err.code).inc()
