@@ -31,15 +31,14 @@ from bench import common, report  # noqa: E402
 
 
 class FeedStepper:
-    """A stepper that runs nothing: the bench hands the engine each step's tokens itself."""
+    """A stepper that runs nothing: whoever holds it hands the engine each step's tokens (`deliver`) itself.
+    The engine's unit tests use it too."""
 
-    description = "none (bench)"
-    step_s = 0.005
+    description = "none (fed by hand)"
 
-    def __init__(self, slots: int) -> None:
-        from batchserve.generation.stepper import Capacity
-
-        self.capacity = Capacity(blocks=slots, page_size=4096, max_seqs=slots, max_sequence_tokens=4096)
+    def __init__(self, capacity: Any, step_s: float = 0.005) -> None:
+        self.capacity = capacity
+        self.step_s = step_s
         self.deliver: Any = None
 
     def start(self, loop: Any, deliver: Any) -> None:
@@ -68,7 +67,9 @@ async def one_run(tokenizer: Any, sequences: int, steps: int, seed: int, streame
     from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
     from batchserve.generation.stepper import TokenUpdate
 
-    stepper = FeedStepper(sequences)
+    from batchserve.generation.stepper import Capacity
+
+    stepper = FeedStepper(Capacity(blocks=sequences, page_size=4096, max_seqs=sequences, max_sequence_tokens=4096))
     engine = Engine(EngineConfig(max_tokens=steps), tokenizer, stepper, CollectorRegistry(), 8192, 49152)
     stepper.start(None, engine._on_updates)
     seqs = [engine.submit([1, 2, 3], SamplingParams(max_tokens=steps, temperature=0), streamed=streamed)

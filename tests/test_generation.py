@@ -1,8 +1,8 @@
 """Generation through a live server on the real model, driven by the official `openai` client (issue 6).
 
 One server for the module: SmolLM2 on the CPU, at most 4 sequences at once (so 6 concurrent streams must
-queue for a slot) of at most 512 tokens each, a 10 s queue timeout (so a request behind 4 long ones is refused at the door), and one API
-key (the same tenancy as /v1/inference: a wrong key gets 401).
+queue for a slot) of at most 512 tokens each, a 10 s queue timeout (so a request behind 4 long ones is
+refused at the door), and one API key (the same tenancy as /v1/inference: a wrong key gets 401).
 """
 
 from __future__ import annotations

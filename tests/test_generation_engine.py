@@ -15,40 +15,26 @@ from prometheus_client import CollectorRegistry
 from batchserve.errors import ApiError
 from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
 from batchserve.generation.stepper import Capacity, TokenUpdate
+from bench.engine_loop import FeedStepper
 from tests.test_generation_units import CHARS, char_tokenizer
 
 EOS = CHARS.index("!")
 
 
-class FakeStepper:
+class FakeStepper(FeedStepper):
     """Records what the engine adds and cancels; `emit` plays a step's output, on the loop as a stepper does."""
 
     def __init__(self, blocks: int, max_seqs: int, page_size: int) -> None:
-        self.capacity = Capacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
-                                 max_sequence_tokens=blocks * page_size)
-        self.step_s = 0.01
-        self.description = "fake"
+        super().__init__(Capacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
+                                  max_sequence_tokens=blocks * page_size), step_s=0.01)
         self.added: list[str] = []
         self.cancelled: list[str] = []
-        self.deliver: Any = None
-
-    def start(self, loop: Any, deliver: Any) -> None:
-        self.deliver = deliver
 
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.added.append(seq_id)
 
     def cancel(self, seq_id: str) -> None:
         self.cancelled.append(seq_id)
-
-    def is_running(self) -> bool:
-        return True
-
-    def kv_usage(self) -> float:
-        return 0.0
-
-    def stop(self, timeout: float) -> None:
-        pass
 
     def emit(self, seq_id: str, text: str, finished: bool = False) -> None:
         self.deliver([TokenUpdate(seq_id, [CHARS.index(c) for c in text], finished)])

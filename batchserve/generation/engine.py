@@ -211,8 +211,9 @@ async def start_generation(settings: Settings, registry: CollectorRegistry) -> "
     shared `model.config` for the length of the call and restores it after (transformers/utils/generic.py). The
     manager stepper's steps pass `is_causal=False` (SDPA with an explicit mask) from their own thread, so a
     `generate` in a worker thread that overlaps one builds a non-causal mask (garbage), and two overlapping
-    restores can leave `config.is_causal = False` for good (every later answer wrong). The tokenizer is not shared either: a padded
-    batch call sets padding on the fast tokenizer that an unpadded call from the loop then clears."""
+    restores can leave `config.is_causal = False` for good (every later answer wrong). The tokenizer is not
+    shared either: a padded batch call sets padding on the fast tokenizer that an unpadded call from the loop
+    then clears."""
     if not enabled(settings):
         return None
     return await Engine.start(settings, registry)
