@@ -239,6 +239,53 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
         assert [t for u in updates for t in u.tokens] == alone(model, batch[i], None, 10)
 
 
+def run_stepper(stepper: SlotStepper, work: list[tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Every item added at once through the stepper's thread; each one's tokens."""
+    async def main() -> dict[str, list[int]]:
+        got: dict[str, list[int]] = {}
+        left = {str(i) for i in range(len(work))}
+        done = asyncio.Event()
+
+        def deliver(updates: list[TokenUpdate]) -> None:
+            for u in updates:
+                assert u.error is None, u.error
+                got.setdefault(u.seq_id, []).extend(u.tokens)
+                if u.finished:
+                    left.discard(u.seq_id)
+            if not left:
+                done.set()
+
+        stepper.start(asyncio.get_running_loop(), deliver)
+        for i, (prompt, params) in enumerate(work):
+            stepper.add(str(i), prompt, params)
+        await asyncio.wait_for(done.wait(), 60)
+        stepper.stop(5)
+        return got
+
+    return asyncio.run(main())
+
+
+def test_long_sequences_left_in_high_slots_move_down_without_changing_a_token(model: Any) -> None:
+    """Six short sequences and two long ones (one greedy, one seeded draw) join at once; the long ones have the
+    longest prompts, so they take the highest slots. Once the short ones end, the two fit a quarter of the
+    rows: they move down into free slots (K/V and row state) mid-flight, and every token is what it would
+    have been."""
+    short = prompts(model, (1, 2, 3, 4, 5, 6), seed=8)
+    long = prompts(model, (9, 12), seed=9)
+    seeded = SamplingParams(max_tokens=14, temperature=1.3, seed=42)
+    work = [(p, SamplingParams(max_tokens=3, temperature=0)) for p in short]
+    work += [(long[0], SamplingParams(max_tokens=14, temperature=0)), (long[1], seeded)]
+    dec = SlotDecoder(model, slots=8, slot_tokens=32, eos_ids=[], pad_id=PAD)
+    stepper = SlotStepper(dec, max_prefill_tokens=512, step_s=0.01)
+    got = run_stepper(stepper, work)
+    assert stepper.moved == 2
+    for i, p in enumerate(short):
+        assert got[str(i)] == alone(model, p, None, 3)
+    assert got["6"] == alone(model, long[0], None, 14)
+    by_itself = drive(SlotDecoder(model, slots=1, slot_tokens=32, eos_ids=[], pad_id=PAD), [(0, long[1], seeded)])
+    assert got["7"] == by_itself[0]
+
+
 def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     stepper = SlotStepper(dec, max_prefill_tokens=64, step_s=0.01)

@@ -290,6 +290,22 @@ class SlotDecoder:
             with torch.inference_mode(), self._device():
                 self.done[torch.tensor(list(slots), dtype=torch.long, device=self.device)] = True
 
+    def move(self, sources: Sequence[int], targets: Sequence[int], span: int) -> None:
+        """Move sequences to other (free) slots: their first `span` cache positions and all their row state;
+        the sources are left held. Stream-ordered after any step in flight, so what that step writes moves too."""
+        if not sources:
+            return
+        with torch.inference_mode(), self._device():
+            src = torch.tensor(list(sources), dtype=torch.long, device=self.device)
+            dst = torch.tensor(list(targets), dtype=torch.long, device=self.device)
+            for buffers in (self.cache.keys, self.cache.values):
+                for layer in buffers:
+                    layer[dst, :, :span] = layer[src, :, :span]
+            for row in (self.ids, self.pos, self.count, self.max_tokens, self.done, self.stop_at_eos,
+                        self.temperature, self.top_p, self.seed, self.out):
+                row[dst] = row[src]
+            self.done[src] = True
+
     # -- warm-up ------------------------------------------------------------------------------------------
     def warm(self) -> float:
         """Capture every (rows, span, sampling) step on CUDA (a failed capture logs why and leaves the steps

@@ -10,6 +10,10 @@ loop's hide behind the GPU's. The price is one step of lag: a sequence that ende
 N+1 (its row held by its done flag, its token ignored), and a position here can run one ahead of the device's,
 which only rounds the attended span up. Which slots are live, and each one's position, is kept here as plain
 ints, so choosing the step's shape needs nothing from the device.
+
+Rows: a step covers the slots up to the highest live one, padded up to a bucket, and new sequences take the
+lowest free slot. When the live sequences would fit a bucket half the size or less (the long sequences of a
+burst, left in high slots after the short ones ended), they are moved down into free low slots first.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class Live:
     """A sequence in a slot, as the host tracks it."""
 
     seq_id: str
-    slot: int
+    slot: int  # where it is now (a step launched earlier remembers where it was then)
     pos: int  # the position its next input token is written at (counting the steps launched)
     sampling: bool
     ended: bool = False  # its slot was freed: later steps' tokens for it are ignored
@@ -71,6 +75,7 @@ class SlotStepper:
         self.join_batch = join_batch or max(1, decoder.slots // 16)
         self.join_delay_steps = join_delay_steps
         self.steps = 0  # steps launched
+        self.moved = 0  # sequences moved to lower slots
         self.capacity = Capacity(blocks=decoder.slots, page_size=decoder.slot_tokens, max_seqs=decoder.slots,
                                  max_sequence_tokens=decoder.slot_tokens)
         self.description = (f"slots: {decoder.slots} x {decoder.slot_tokens} tokens, "
@@ -118,7 +123,7 @@ class SlotStepper:
 
     # -- the stepper thread -------------------------------------------------------------------------------
     def _run(self) -> None:
-        pending: tuple[Ticket, list[Live]] | None = None  # the launched step not yet collected
+        pending: tuple[Ticket, list[tuple[Live, int]]] | None = None  # the launched step not yet collected
         try:
             while True:
                 with self._cond:
@@ -140,6 +145,7 @@ class SlotStepper:
                 self._drop(cancels)
                 if joins:
                     updates += self._prefill(joins)
+                self._compact()
                 launched = self._launch() if self._live else None
                 if pending is not None:
                     updates += self._collect(*pending)
@@ -208,26 +214,46 @@ class SlotStepper:
                 self._free_slot(slot)
         return updates
 
-    def _launch(self) -> tuple[Ticket, list[Live]]:
-        """Start a step over the live slots; returns it with who was in it."""
-        members = list(self._live.values())
+    def _compact(self) -> None:
+        """Move the live sequences in slots at or past the bucket their number needs into free slots below it,
+        when that bucket is at most half the one the step would otherwise cover."""
+        if not self._live:
+            return
+        need = self.decoder.shape(len(self._live), 1)[0]
+        if 2 * need > self.decoder.shape(max(self._live) + 1, 1)[0]:
+            return
+        movers = sorted(slot for slot in self._live if slot >= need)
+        targets = sorted(slot for slot in self._free if slot < need)[: len(movers)]
+        span = max(self._live[slot].pos for slot in movers) + 1
+        self.decoder.move(movers, targets, span)
+        for source, target in zip(movers, targets):
+            live = self._live.pop(source)
+            live.slot = target
+            self._live[target] = live
+            self._slot_of[live.seq_id] = target
+        self._free = sorted(set(self._free) - set(targets) | set(movers))  # a sorted list is a heap
+        self.moved += len(movers)
+
+    def _launch(self) -> tuple[Ticket, list[tuple[Live, int]]]:
+        """Start a step over the live slots; returns it with who was in it, and where."""
+        members = [(live, slot) for slot, live in self._live.items()]
         rows = max(self._live) + 1
-        span = max(live.pos for live in members) + 1
-        ticket = self.decoder.launch(rows, span, any(live.sampling for live in members))
+        span = max(live.pos for live, _ in members) + 1
+        ticket = self.decoder.launch(rows, span, any(live.sampling for live, _ in members))
         self.steps += 1
-        for live in members:
+        for live, _ in members:
             live.pos += 1
         return ticket, members
 
-    def _collect(self, ticket: Ticket, members: list[Live]) -> list[TokenUpdate]:
+    def _collect(self, ticket: Ticket, members: list[tuple[Live, int]]) -> list[TokenUpdate]:
         """The step's token for each member still live; members whose row the device marked done leave."""
         tokens, done = self.decoder.collect(ticket)
         updates = []
-        for live in members:
+        for live, slot in members:
             if live.ended:
                 continue
-            updates.append(TokenUpdate(live.seq_id, [tokens[live.slot]], done[live.slot]))
-            if done[live.slot]:
+            updates.append(TokenUpdate(live.seq_id, [tokens[slot]], done[slot]))
+            if done[slot]:
                 self._free_slot(live.slot)
         return updates
 
