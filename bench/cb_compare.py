@@ -226,11 +226,13 @@ def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048
     graphs = on_gpu and cuda_graphs != "off"
     slot_tokens = max(max_context, max(map(len, work.prompts)) + max(work.max_tokens))
     started = time.perf_counter()
-    decoder = SlotDecoder(model, max_seqs, slot_tokens, eos_ids=[], pad_id=0, use_graphs=graphs)
+    decoder = SlotDecoder(model, max_seqs, slot_tokens, eos_ids=[], pad_id=0, use_graphs=graphs,
+                          prefill_tokens=max_prefill_tokens or (8192 if on_gpu else 512))
     step_s = decoder.warm()
-    print(f"slots: {max_seqs} x {slot_tokens} tokens, {len(decoder.graphs)} graphs captured in "
+    graphs_made = len(decoder.graphs) + len(decoder.prefill_graphs)
+    print(f"slots: {max_seqs} x {slot_tokens} tokens, {graphs_made} graphs captured in "
           f"{time.perf_counter() - started:.1f} s, a full step {step_s * 1000:.2f} ms", flush=True)
-    stepper = SlotStepper(decoder, max_prefill_tokens or (8192 if on_gpu else 512), step_s)
+    stepper = SlotStepper(decoder, step_s)
     latencies = [0.0] * len(work.prompts)
     counted = [0]
 

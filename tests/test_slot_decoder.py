@@ -94,6 +94,27 @@ def test_prefill_of_several_prompts_at_once_gives_the_same_tokens(model: Any) ->
     assert first == [alone(model, p, None, 1)[0] for p in batch] and done == [False] * 3
 
 
+def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model: Any) -> None:
+    """The GPU's prefill layout on the CPU: three joins padded up to 4 rows and 16 tokens; the padding row
+    writes into the scratch slot past the last real one, and the three sequences decode as `generate` does."""
+    batch = prompts(model, (4, 11, 2), seed=12)
+    dec = SlotDecoder(model, slots=6, slot_tokens=48, eos_ids=[], pad_id=PAD, fixed_shapes=True)
+    assert dec.prefill_shape(3, 11) == (4, 32) and dec.scratch == 6
+    assert dec.prefill_rows == (1, 4, 6) and dec.prefill_shape(6, 20) == (6, 32)
+    assert dec.prefill_shape(7, 8) is None and not dec.prefill_fits(7, 8) and dec.prefill_fits(6, 48)
+    first, done = dec.prefill([4, 0, 2], batch, [SamplingParams(max_tokens=10, temperature=0)] * 3)
+    assert first == [alone(model, p, None, 1)[0] for p in batch] and done == [False] * 3
+    assert dec.done[[1, 3, 5]].all()  # untouched slots stay held
+    got = {slot: [tok] for slot, tok in zip((4, 0, 2), first)}
+    pos = {4: 4, 0: 11, 2: 2}
+    for _ in range(9):
+        tokens, _ = dec.collect(dec.launch(5, max(pos.values()) + 1, False))
+        for slot in got:
+            got[slot].append(tokens[slot])
+            pos[slot] += 1
+    assert [got[4], got[0], got[2]] == [alone(model, p, None, 10) for p in batch]
+
+
 def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> None:
     prompt = prompts(model, (6,))[0]
     seeded = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.95, seed=1234)
@@ -138,6 +159,18 @@ def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
                 dec.prefill([0, 1], batch, params)
             torch.compile(traced._decode_step, backend="eager", fullgraph=True)(4, 16, sampling)
             eager._decode_step(4, 16, sampling)
+        assert traced.out.tolist() == eager.out.tolist() and traced.pos.tolist() == eager.pos.tolist()
+
+
+def test_the_prefill_traces_as_one_graph(model: Any) -> None:
+    batch = prompts(model, (3, 6))
+    for sampling in (False, True):
+        params = [SamplingParams(max_tokens=8, temperature=0.0 if not sampling else 1.0, seed=7)] * 2
+        traced = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD, fixed_shapes=True)
+        eager = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD, fixed_shapes=True)
+        eager.prefill([0, 2], batch, params)
+        traced._prefill_step = torch.compile(traced._prefill_step, backend="eager", fullgraph=True)
+        traced.prefill([0, 2], batch, params)
         assert traced.out.tolist() == eager.out.tolist() and traced.pos.tolist() == eager.pos.tolist()
 
 
@@ -201,8 +234,8 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
     """Through the thread, with an event loop: 7 sequences, 2 slots, small prefill groups; one is cancelled
     while it runs and one before it could join. The rest end with `generate`'s tokens, one update per token."""
     batch = prompts(model, (5, 9, 3, 12, 1, 7, 4), seed=2)
-    dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
-    stepper = SlotStepper(dec, max_prefill_tokens=8, step_s=dec.warm())
+    dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD, prefill_tokens=8)
+    stepper = SlotStepper(dec, step_s=dec.warm())
 
     async def main() -> dict[str, list[TokenUpdate]]:
         seen: dict[str, list[TokenUpdate]] = {}
@@ -276,7 +309,7 @@ def test_long_sequences_left_in_high_slots_move_down_without_changing_a_token(mo
     work = [(p, SamplingParams(max_tokens=3, temperature=0)) for p in short]
     work += [(long[0], SamplingParams(max_tokens=14, temperature=0)), (long[1], seeded)]
     dec = SlotDecoder(model, slots=8, slot_tokens=32, eos_ids=[], pad_id=PAD)
-    stepper = SlotStepper(dec, max_prefill_tokens=512, step_s=0.01)
+    stepper = SlotStepper(dec, step_s=0.01)
     got = run_stepper(stepper, work)
     assert stepper.moved == 2
     for i, p in enumerate(short):
@@ -286,9 +319,29 @@ def test_long_sequences_left_in_high_slots_move_down_without_changing_a_token(mo
     assert got["7"] == by_itself[0]
 
 
+def test_the_gpu_configuration_end_to_end_on_the_cpu(model: Any) -> None:
+    """Everything a GPU runs but the capture: padded rows, spans and prefills (scratch rows), joins gathered
+    and grouped by the prefill buckets, moves, through the stepper's thread; 20 sequences through 12 slots,
+    greedy and seeded, each against its reference."""
+    batch = prompts(model, tuple(1 + (i * 7) % 15 for i in range(20)), seed=21)
+    limits = [4 if i % 3 else 14 for i in range(20)]
+    params = [SamplingParams(max_tokens=n, temperature=1.1 if i % 4 == 0 else 0, seed=i)
+              for i, n in enumerate(limits)]
+    dec = SlotDecoder(model, slots=12, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=True,
+                      prefill_tokens=128)
+    stepper = SlotStepper(dec, step_s=0.01, join_batch=3)
+    got = run_stepper(stepper, list(zip(batch, params)))
+    for i, (p, q) in enumerate(zip(batch, params)):
+        if q.greedy:
+            assert got[str(i)] == alone(model, p, None, q.max_tokens), i
+        else:
+            solo = drive(SlotDecoder(model, slots=1, slot_tokens=40, eos_ids=[], pad_id=PAD), [(0, p, q)])
+            assert got[str(i)] == solo[0], i
+
+
 def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
-    stepper = SlotStepper(dec, max_prefill_tokens=64, step_s=0.01)
+    stepper = SlotStepper(dec, step_s=0.01)
     good = prompts(model, (4,))[0]
 
     async def main() -> dict[str, list[TokenUpdate]]:

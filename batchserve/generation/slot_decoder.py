@@ -17,8 +17,10 @@ joins, so a step is one graph replay plus one copy of the new tokens back:
 - Sampling is tensor work inside the step, per row: temperature, top_p and a seeded or unseeded draw
   (`sampling.mask_top_p`, `sampling.choose_tokens`, and the seeded key hashed on the device from the seed and
   the token index, the same key the host computed before). Greedy-only steps use a graph without the sort.
-- Prefill (a sequence joining) runs eagerly: the joining prompts right-padded into one forward that writes
-  each prompt's K/V into its slot, then the first token is drawn the same way as in a step.
+- Prefill (sequences joining): the joining prompts right-padded into one forward that writes each prompt's K/V
+  into its slot, then each first token drawn the same way as in a step. It too reads only the decoder's
+  buffers, so on CUDA it is a graph per (joins, width) bucket (eagerly, a forward is ~20 ms of host work on an
+  H100 whatever its size); padding rows write into a scratch slot past the last real one, which no step reads.
 
 On a CPU the same code runs eagerly with exact row and span counts.
 """
@@ -40,6 +42,8 @@ log = logging.getLogger("batchserve.slot_decoder")
 
 ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512)  # decode rows are padded up to one of these (and to the slots)
 SPAN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # attended positions, padded up likewise
+PREFILL_ROWS = (1, 4, 16, 64)  # joining prompts in one prefill, padded up to one of these
+PREFILL_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # their longest prompt, padded up likewise
 
 
 def bucket_up(n: int, buckets: Sequence[int], top: int) -> int:
@@ -122,12 +126,17 @@ class SlotDecoder:
     on one model replica. Not thread-safe: one thread (the engine's stepper) calls it."""
 
     def __init__(self, model: Any, slots: int, slot_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                 use_graphs: bool | None = None, fixed_shapes: bool | None = None) -> None:
-        """`use_graphs` (default: on CUDA) captures every bucket's step; `fixed_shapes` (default: when graphs
-        are used; tests turn it on for the CPU) pads rows and spans up to the buckets."""
+                 use_graphs: bool | None = None, fixed_shapes: bool | None = None,
+                 prefill_tokens: int = 8192) -> None:
+        """`use_graphs` (default: on CUDA) captures every bucket's step and prefill; `fixed_shapes` (default: when
+        graphs are used; tests turn it on for the CPU) pads rows, spans and prefills up to the buckets;
+        `prefill_tokens`: the most padded prompt tokens (joins x width) in one prefill."""
         self.model = model
         self.device = model.device
         self.slots, self.slot_tokens = slots, slot_tokens
+        self.prefill_tokens = prefill_tokens
+        # joins in one prefill: PREFILL_ROWS below the slots, and the slots themselves if fewer than the largest
+        self.prefill_rows = tuple(sorted({r for r in PREFILL_ROWS if r < slots} | {min(slots, max(PREFILL_ROWS))}))
         self.pad_id = int(pad_id)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
@@ -136,8 +145,9 @@ class SlotDecoder:
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.head = model.get_output_embeddings()
         self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "flash_attention_2")
-        dev, n = self.device, slots
-        self.cache = SlotCache(model.config, slots, slot_tokens, model.dtype, dev)
+        dev, n = self.device, slots + 1  # + the scratch slot that prefill's padding rows write into
+        self.scratch = slots
+        self.cache = SlotCache(model.config, n, slot_tokens, model.dtype, dev)
         self.ids = torch.full((n, 1), self.pad_id, dtype=torch.long, device=dev)  # each row's input token
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)  # its position (= the slot it writes)
         self.count = torch.zeros(n, dtype=torch.long, device=dev)  # tokens made so far
@@ -152,6 +162,12 @@ class SlotDecoder:
         self.pad = torch.tensor(self.pad_id, dtype=torch.long, device=dev)
         self.positions = torch.arange(slot_tokens, device=dev)
         self.graphs: dict[tuple[int, int, bool], Any] = {}  # (rows, span, sampling) -> torch.cuda.CUDAGraph
+        # Prefill's inputs, read by its graphs: prompts (right-padded), their lengths, their slots.
+        most_rows = max(PREFILL_ROWS)
+        self.prompt_ids = torch.full((most_rows, slot_tokens), self.pad_id, dtype=torch.long, device=dev)
+        self.prompt_len = torch.ones(most_rows, dtype=torch.long, device=dev)
+        self.prompt_slot = torch.full((most_rows,), self.scratch, dtype=torch.long, device=dev)
+        self.prefill_graphs: dict[tuple[int, int, bool], Any] = {}  # (joins, width, sampling) -> graph
         # Two host copies of a step's tokens and done flags: one step can run while the last one's are read.
         pinned = self.device.type == "cuda"
         self.out_host = torch.empty((2, n), dtype=torch.long, pin_memory=pinned)
@@ -169,6 +185,27 @@ class SlotDecoder:
         rows = sorted({bucket_up(r, ROW_BUCKETS, self.slots) for r in (*ROW_BUCKETS, self.slots)})
         spans = sorted({bucket_up(s, SPAN_BUCKETS, self.slot_tokens) for s in (*SPAN_BUCKETS, self.slot_tokens)})
         return [(r, s) for r in rows for s in spans]
+
+    def prefill_shape(self, joins: int, width: int) -> tuple[int, int] | None:
+        """The (joins, width) a prefill runs at: exact on a CPU; on a GPU padded up to a captured bucket, or
+        None when none holds it (then it runs eagerly at its exact shape)."""
+        if not self.fixed_shapes:
+            return joins, width
+        rows = next((r for r in self.prefill_rows if joins <= r), None)
+        wide = next((w for w in (*PREFILL_WIDTHS, self.slot_tokens) if width <= w <= self.slot_tokens), None)
+        if rows is None or wide is None or rows * wide > self.prefill_tokens:
+            return None
+        return rows, wide
+
+    def prefill_fits(self, joins: int, width: int) -> bool:
+        """Whether `joins` prompts of up to `width` tokens go in one prefill (the stepper groups joins so)."""
+        if self.fixed_shapes:
+            return self.prefill_shape(joins, width) is not None
+        return joins * width <= self.prefill_tokens
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        widths = sorted({w for w in (*PREFILL_WIDTHS, self.slot_tokens) if w <= self.slot_tokens})
+        return [(r, w) for r in self.prefill_rows for w in widths if r * w <= self.prefill_tokens]
 
     def _device(self) -> contextlib.AbstractContextManager:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -251,22 +288,20 @@ class SlotDecoder:
         k, width = len(slots), max(len(p) for p in prompts)
         if any(len(p) + q.max_tokens > self.slot_tokens for p, q in zip(prompts, params)):
             raise ValueError(f"a prompt plus its max_tokens is over the slot's {self.slot_tokens} tokens")
+        if k > len(self.prompt_slot) and self.fixed_shapes:
+            raise ValueError(f"{k} joins in one prefill: at most {len(self.prompt_slot)}")
+        shape = self.prefill_shape(k, width)
+        rows, wide = shape if shape is not None else (k, width)
         dev = self.device
-        ids = torch.full((k, width), self.pad_id, dtype=torch.long)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        for row, p in enumerate(prompts):  # right padding: each prompt starts at position 0 of its slot
+        ids = torch.full((rows, wide), self.pad_id, dtype=torch.long)
+        lengths = torch.ones(rows, dtype=torch.long)
+        where = torch.full((rows,), self.scratch, dtype=torch.long)
+        for row, (slot, p) in enumerate(zip(slots, prompts)):  # right padding: a prompt starts at position 0
             ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
+            lengths[row], where[row] = len(p), slot
+        sampling = any(not q.greedy for q in params)
         with torch.inference_mode(), self._device():
             index = torch.tensor(list(slots), dtype=torch.long, device=dev)
-            lengths_d = lengths.to(dev)
-            at = torch.arange(width, device=dev)
-            allowed = (at[None, :] <= at[:, None])[None] & (at[None, None, :] < lengths_d[:, None, None])
-            self.cache.prefill(index)
-            hidden = self.base(input_ids=ids.to(dev), attention_mask=self._mask(allowed[:, None]),
-                               position_ids=at[None, :].expand(k, width), cache=self.cache,
-                               use_cache=True).last_hidden_state
-            last = hidden[torch.arange(k, device=dev), lengths_d - 1]
-            logits = self.head(last).float()
             row_values = {
                 self.max_tokens: [q.max_tokens for q in params],
                 self.stop_at_eos: [not q.ignore_eos for q in params],
@@ -278,11 +313,36 @@ class SlotDecoder:
                 tensor[index] = torch.tensor(values, dtype=tensor.dtype).to(dev)
             self.count[index] = 0
             self.done[index] = False
-            sampling = any(not q.greedy for q in params)
-            self._advance(index, self._pick(logits, index, sampling), torch.ones(k, dtype=torch.bool, device=dev))
-            self.pos[index] = lengths_d
+            graph = self.prefill_graphs.get((rows, wide, sampling)) if shape is not None else None
+            if graph is not None or k <= len(self.prompt_slot):
+                self.prompt_ids[:rows, :wide] = ids.to(dev)
+                self.prompt_len[:rows] = lengths.to(dev)
+                self.prompt_slot[:rows] = where.to(dev)
+            if graph is not None:
+                graph.replay()
+            elif k <= len(self.prompt_slot):
+                self._prefill_step(rows, wide, sampling)
+            else:  # more joins than the buffers hold (a CPU caller's choice): the same step on its own tensors
+                self._prefill_step(rows, wide, sampling, (ids.to(dev), lengths.to(dev), where.to(dev)))
             first, done = self.out[index].tolist(), self.done[index].tolist()
         return first, done
+
+    def _prefill_step(self, rows: int, wide: int, sampling: bool,
+                      inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The prefill over the first `rows` prompts of the prefill buffers, `wide` tokens each (so it can be
+        captured): causal attention within each prompt, its K/V into its slot, its first token drawn."""
+        ids, lengths, where = inputs or (self.prompt_ids[:rows, :wide], self.prompt_len[:rows],
+                                         self.prompt_slot[:rows])
+        at = self.positions[:wide]
+        allowed = (at[None, :] <= at[:, None])[None] & (at[None, None, :] < lengths[:, None, None])
+        self.cache.prefill(where)
+        hidden = self.base(input_ids=ids, attention_mask=self._mask(allowed[:, None]),
+                           position_ids=at[None, :].expand(rows, wide), cache=self.cache,
+                           use_cache=True).last_hidden_state
+        last = hidden[torch.arange(rows, device=ids.device), lengths - 1]
+        logits = self.head(last).float()
+        self._advance(where, self._pick(logits, where, sampling), torch.ones_like(where, dtype=torch.bool))
+        self.pos[where] = lengths
 
     def release(self, slots: Sequence[int]) -> None:
         """Hold these slots' rows still (their sequences were cancelled or ended)."""
@@ -317,6 +377,7 @@ class SlotDecoder:
             except Exception:  # noqa: BLE001 - serve eagerly rather than not at all; the log says why
                 log.exception("capturing the decode steps failed: generation runs them eagerly (slower)")
                 self.graphs.clear()
+                self.prefill_graphs.clear()
                 self.use_graphs = self.fixed_shapes = False
                 torch.cuda.synchronize(self.device)
         with torch.inference_mode(), self._device():
@@ -327,9 +388,10 @@ class SlotDecoder:
                 t0 = time.perf_counter()
                 self.collect(self.launch(self.slots, min(self.slot_tokens, 256), False))
                 timings.append(time.perf_counter() - t0)
-        log.info("%s %d decode steps for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, %.1f ms a full step)",
-                 "captured" if self.use_graphs else "checked", len(self.graphs), self.slots, self.slot_tokens,
-                 self.device, time.monotonic() - started, self.cache.nbytes / 1e9, min(timings) * 1000)
+        log.info("%s %d decode steps and %d prefills for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, "
+                 "%.1f ms a full step)", "captured" if self.use_graphs else "checked", len(self.graphs),
+                 len(self.prefill_graphs), self.slots, self.slot_tokens, self.device, time.monotonic() - started,
+                 self.cache.nbytes / 1e9, min(timings) * 1000)
         return min(timings)
 
     def _capture(self) -> None:
@@ -344,6 +406,9 @@ class SlotDecoder:
                 for rows, span in self.shapes():
                     for sampling in (False, True):
                         self._decode_step(rows, span, sampling)
+                for rows, wide in self.prefill_shapes():  # the buffers hold padding: scratch slot, length 1
+                    for sampling in (False, True):
+                        self._prefill_step(rows, wide, sampling)
             torch.cuda.current_stream(self.device).wait_stream(side)
             for rows, span in self.shapes():
                 for sampling in (False, True):
@@ -351,4 +416,10 @@ class SlotDecoder:
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         self._decode_step(rows, span, sampling)
                     self.graphs[(rows, span, sampling)] = graph
+            for rows, wide in self.prefill_shapes():
+                for sampling in (False, True):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        self._prefill_step(rows, wide, sampling)
+                    self.prefill_graphs[(rows, wide, sampling)] = graph
             torch.cuda.current_stream(self.device).synchronize()

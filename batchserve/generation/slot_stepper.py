@@ -2,7 +2,7 @@
 new tokens go to the event loop in one `call_soon_threadsafe`.
 
 Per step the host does: take the joins and cancels the loop queued, prefill the joins (grouped so one prefill
-forward holds at most `max_prefill_tokens` prompt tokens, which bounds how long running sequences wait for it),
+holds at most the decoder's `prefill_tokens` prompt tokens, which bounds how long running sequences wait),
 launch the next step (one graph replay and an async copy of its tokens), then collect the previous step's tokens
 (the one wait, with the interpreter lock released) and hand them over. So one step runs on the GPU while the
 host reads the last one and the event loop takes the interpreter lock to stream it: the host's work and the
@@ -30,14 +30,14 @@ from batchserve.generation.stepper import Capacity, Deliver, SamplingParams, Tok
 
 log = logging.getLogger("batchserve.generation")
 
-JOIN_DELAY_STEPS = 8  # a waiting sequence joins within this many steps even when few others wait with it
+JOIN_DELAY_STEPS = 4  # a waiting sequence joins within this many steps even when few others wait with it
 
 
 def join_now(waiting: int, room: int, live: int, waited_steps: int, join_batch: int, delay_steps: int) -> int:
-    """How many waiting sequences to prefill before the next step. A prefill is one eager forward, host-bound
-    on a GPU (~20 ms on an H100 whatever its size, against ~4.5 ms for a graph-replayed step), so while others
-    run, joins are gathered until `join_batch` wait or the oldest has waited `delay_steps` steps; with nothing
-    running there is nothing to protect, and they start at once."""
+    """How many waiting sequences to prefill before the next step. Every prefill pauses the running sequences
+    for a forward over its padded shape (a graph replay on a GPU, a few joins cost about what many do), so
+    while others run, joins are gathered until `join_batch` wait or the oldest has waited `delay_steps` steps;
+    with nothing running there is nothing to protect, and they start at once."""
     n = min(waiting, room)
     if n == 0 or live == 0 or n >= join_batch or waited_steps >= delay_steps:
         return n
@@ -66,11 +66,10 @@ class Join:
 class SlotStepper:
     """Continuous batching over a `SlotDecoder`'s slots, on a thread of its own."""
 
-    def __init__(self, decoder: SlotDecoder, max_prefill_tokens: int, step_s: float, join_batch: int = 0,
+    def __init__(self, decoder: SlotDecoder, step_s: float, join_batch: int = 0,
                  join_delay_steps: int = JOIN_DELAY_STEPS) -> None:
         """`join_batch` (default: a sixteenth of the slots, at least 1) and `join_delay_steps`: see join_now."""
         self.decoder = decoder
-        self.max_prefill_tokens = max_prefill_tokens
         self.step_s = step_s
         self.join_batch = join_batch or max(1, decoder.slots // 16)
         self.join_delay_steps = join_delay_steps
@@ -181,13 +180,13 @@ class SlotStepper:
         heapq.heappush(self._free, slot)
 
     def _prefill(self, joins: list[Join]) -> list[TokenUpdate]:
-        """Start the joins in the lowest free slots, shortest prompts first, in groups whose padded prompt
-        tokens stay within max_prefill_tokens."""
+        """Start the joins in the lowest free slots, shortest prompts first, in groups that one prefill holds
+        (the decoder's prefill_tokens, and on a GPU a captured shape)."""
         updates: list[TokenUpdate] = []
         joins = sorted(joins, key=lambda j: len(j.prompt_ids))
         group: list[Join] = []
         for join in joins:
-            if group and len(join.prompt_ids) * (len(group) + 1) > self.max_prefill_tokens:
+            if group and not self.decoder.prefill_fits(len(group) + 1, len(join.prompt_ids)):
                 updates += self._prefill_group(group)
                 group = []
             group.append(join)
@@ -262,6 +261,6 @@ def build_slot_stepper(model: Any, eos_ids: list[int], pad_id: int, slots: int, 
                        max_prefill_tokens: int, use_graphs: bool) -> SlotStepper:
     """A warmed stepper (graphs captured on CUDA) for `model`."""
     decoder = SlotDecoder(model, slots, slot_tokens, eos_ids, pad_id,
-                          use_graphs=use_graphs and model.device.type == "cuda")
+                          use_graphs=use_graphs and model.device.type == "cuda", prefill_tokens=max_prefill_tokens)
     step_s = decoder.warm()
-    return SlotStepper(decoder, max_prefill_tokens, step_s)
+    return SlotStepper(decoder, step_s)
