@@ -117,13 +117,13 @@ def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model
 
 def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> None:
     prompt = prompts(model, (6,))[0]
-    seeded = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.95, seed=1234)
+    seeded = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.9, seed=1234)
     dec = SlotDecoder(model, slots=4, slot_tokens=32, eos_ids=[], pad_id=PAD)
     by_itself = drive(dec, [(0, prompt, seeded)])[0]
     crowd = [(0, p, SamplingParams(max_tokens=10, temperature=1.0)) for p in prompts(model, (3, 8), seed=5)]
     beside = drive(dec, [*crowd, (2, prompt, seeded)])[2]  # joins later, into another slot, beside draws
     assert by_itself == beside
-    other = drive(dec, [(0, prompt, SamplingParams(max_tokens=10, temperature=1.5, top_p=0.95, seed=99))])[0]
+    other = drive(dec, [(0, prompt, SamplingParams(max_tokens=10, temperature=1.5, top_p=0.9, seed=99))])[0]
     assert other != by_itself  # 10 draws at temperature 1.5 over this vocabulary: a clash is ~impossible
     assert by_itself != alone(model, prompt, None, 10)  # and it is not simply the greedy answer
 
@@ -305,7 +305,7 @@ def test_long_sequences_left_in_high_slots_move_down_without_changing_a_token(mo
     have been."""
     short = prompts(model, (1, 2, 3, 4, 5, 6), seed=8)
     long = prompts(model, (9, 12), seed=9)
-    seeded = SamplingParams(max_tokens=14, temperature=1.3, seed=42)
+    seeded = SamplingParams(max_tokens=14, temperature=1.3, top_p=0.9, seed=42)
     work = [(p, SamplingParams(max_tokens=3, temperature=0)) for p in short]
     work += [(long[0], SamplingParams(max_tokens=14, temperature=0)), (long[1], seeded)]
     dec = SlotDecoder(model, slots=8, slot_tokens=32, eos_ids=[], pad_id=PAD)
@@ -325,7 +325,9 @@ def test_the_gpu_configuration_end_to_end_on_the_cpu(model: Any) -> None:
     greedy and seeded, each against its reference."""
     batch = prompts(model, tuple(1 + (i * 7) % 15 for i in range(20)), seed=21)
     limits = [4 if i % 3 else 14 for i in range(20)]
-    params = [SamplingParams(max_tokens=n, temperature=1.1 if i % 4 == 0 else 0, seed=i)
+    # seeded draws at top_p 0.9: among the likely tokens, where the rounding differences between batch shapes
+    # cannot move a draw to a neighbouring token (in a flat tail they can: see sampling.choose_tokens)
+    params = [SamplingParams(max_tokens=n, temperature=1.1 if i % 4 == 0 else 0, top_p=0.9, seed=i)
               for i, n in enumerate(limits)]
     dec = SlotDecoder(model, slots=12, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=True,
                       prefill_tokens=128)

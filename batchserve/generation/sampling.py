@@ -54,7 +54,7 @@ def mask_top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Nucleus filtering, row by row: beyond the smallest set of top tokens holding `top_p` of the probability
     the scores become -inf (the top token is always kept). Rows with top_p >= 1 are returned unchanged."""
     ordered, order = scores.sort(dim=-1, descending=True)
-    probs = ordered.softmax(dim=-1)
+    probs = ordered.softmax(dim=-1, dtype=torch.float64)  # see choose_tokens: sums over the whole vocabulary
     drop = (probs.cumsum(dim=-1) - probs > top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
     return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
@@ -65,8 +65,12 @@ def choose_tokens(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     of the scores' device (CUDA graphs replay it with fresh offsets)."""
     seeded = keys >= 0
     fresh = torch.rand(keys.shape, dtype=torch.float64, device=scores.device)
-    u = torch.where(seeded, (keys.to(torch.float64) + 0.5) / (MASK31 + 1), fresh).to(torch.float32)
-    cdf = scores.softmax(dim=-1).cumsum(dim=-1)
+    u = torch.where(seeded, (keys.to(torch.float64) + 0.5) / (MASK31 + 1), fresh)
+    # float64: a float32 running sum over ~50,000 tokens drifts by ~1e-5, as much as a tail token's own
+    # probability, and differently for each batch shape, so the same seed could land on a neighbouring token
+    # depending on what shared the step. (The logits themselves still differ by rounding between batch shapes:
+    # a draw within that of a boundary can still go either way.)
+    cdf = scores.softmax(dim=-1, dtype=torch.float64).cumsum(dim=-1)
     drawn = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:]).clamp_(max=scores.size(-1) - 1)
     chosen = torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
     return torch.where((keys == GREEDY).unsqueeze(-1), scores, chosen)
