@@ -146,11 +146,11 @@ def test_device_step_key_is_the_hosts() -> None:
 
 
 def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
-    """What a CUDA graph capture needs of the step (greedy and sampling variants): no host sync and no branch
-    on tensor values anywhere in it, transformers' forward included. torch.compile(fullgraph=True) fails on
-    exactly those."""
+    """What a CUDA graph capture needs of the step: no host sync and no branch on tensor values anywhere in it,
+    transformers' forward included. torch.compile(fullgraph=True) fails on exactly those. The sampling variant
+    runs every op the greedy one does (its last op is the same argmax)."""
     batch = prompts(model, (3, 6))
-    for sampling in (False, True):
+    for sampling in (True,):
         traced = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD)
         eager = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD)
         params = [SamplingParams(max_tokens=8, temperature=0.0 if not sampling else 1.0, seed=7)] * 2
@@ -164,7 +164,7 @@ def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
 
 def test_the_prefill_traces_as_one_graph(model: Any) -> None:
     batch = prompts(model, (3, 6))
-    for sampling in (False, True):
+    for sampling in (True,):  # as for the step: the greedy variant's ops are a subset
         params = [SamplingParams(max_tokens=8, temperature=0.0 if not sampling else 1.0, seed=7)] * 2
         traced = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD, fixed_shapes=True)
         eager = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD, fixed_shapes=True)
@@ -372,7 +372,8 @@ def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
 @pytest.mark.slow
 def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
     """SmolLM2's real weights: chat prompts of mixed lengths joining at different steps through fewer slots
-    than prompts, each against `generate` on that prompt alone, token for token (EOS ends included)."""
+    than prompts (one waits for a freed slot), each against `generate` on that prompt alone, token for token
+    (EOS ends included)."""
     from batchserve.backends.smollm2 import load_model, load_tokenizer, source_dir
     from batchserve.config import Settings
 
@@ -381,7 +382,7 @@ def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
     mdl = load_model("cpu", source)
     questions = ["What is the capital of France?", "Hi",
                  "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
-                 "List three prime numbers.", "2+2=", "Name a colour."]
+                 "2+2="]
     chats = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           tokenize=True, return_dict=True)["input_ids"]) for q in questions]
     new = 24
@@ -393,8 +394,7 @@ def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
             row = out[0, len(ids):].tolist()
             want.append(row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
     assert any(len(w) < new for w in want) and any(len(w) == new for w in want)
-    dec = SlotDecoder(mdl, slots=4, slot_tokens=256, eos_ids=[tok.eos_token_id], pad_id=tok.eos_token_id)
-    work = [(join, ids, SamplingParams(max_tokens=new, temperature=0))
-            for join, ids in zip((0, 0, 1, 1, 4, 9), chats)]
+    dec = SlotDecoder(mdl, slots=3, slot_tokens=256, eos_ids=[tok.eos_token_id], pad_id=tok.eos_token_id)
+    work = [(join, ids, SamplingParams(max_tokens=new, temperature=0)) for join, ids in zip((0, 0, 1, 4), chats)]
     got = drive(dec, work)
     assert [got[i] for i in range(len(chats))] == want
