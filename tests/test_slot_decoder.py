@@ -7,6 +7,7 @@ The fast tests use a 2-layer Llama with random weights; the slow one SmolLM2's r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from typing import Any
 
@@ -201,6 +202,43 @@ def test_a_failed_capture_leaves_the_steps_eager(model: Any, monkeypatch: pytest
     batch = prompts(model, (4, 6))
     got = drive(dec, [(0, p, SamplingParams(max_tokens=6, temperature=0)) for p in batch])
     assert [got[0], got[1]] == [alone(model, p, None, 6) for p in batch]
+
+
+def test_the_capture_records_every_bucket_of_step_and_prefill(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture's bookkeeping, run on the CPU with CUDA's graph calls stood in for: every (rows, span) step and
+    every (joins, width) prefill, greedy and sampling, warmed once and recorded once (on a GPU a slip here
+    would only show as the eager fallback's log line)."""
+    recorded: list[str] = []
+
+    class Stream:
+        def wait_stream(self, other: Any) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    class Graph:
+        def replay(self) -> None:
+            raise AssertionError("not replayed in this test")
+
+    @contextlib.contextmanager
+    def graph(g: Any, pool: Any = None, capture_error_mode: str = "") -> Any:
+        recorded.append("capture")
+        yield
+
+    for name, fake in (("graph_pool_handle", lambda: "pool"), ("Stream", lambda *a: Stream()),
+                       ("current_stream", lambda *a: Stream()), ("stream", lambda s: contextlib.nullcontext()),
+                       ("graph", graph), ("CUDAGraph", Graph)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    dec = SlotDecoder(model, slots=20, slot_tokens=300, eos_ids=[], pad_id=PAD, fixed_shapes=True,
+                      prefill_tokens=2048)
+    dec._capture()
+    assert set(dec.graphs) == {(r, s, g) for r, s in dec.shapes() for g in (False, True)}
+    assert set(dec.prefill_graphs) == {(r, w, g) for r, w in dec.prefill_shapes() for g in (False, True)}
+    assert len(recorded) == len(dec.graphs) + len(dec.prefill_graphs)
+    assert dec.shapes() == [(r, s) for r in (1, 8, 16, 20) for s in (128, 256, 300)]
+    assert (16, 128) in dec.prefill_shapes() and (20, 128) not in dec.prefill_shapes()  # 20 x 128 > 2048 tokens
+    assert dec.done[:20].all()  # the warm-up runs left every slot held
 
 
 def test_buckets_and_slot_plan() -> None:

@@ -395,31 +395,27 @@ class SlotDecoder:
         return min(timings)
 
     def _capture(self) -> None:
-        """Warm each step's kernels on a side stream (as the PyTorch docs and the shared anchor do), then capture
-        every (rows, span, sampling) step into one memory pool. Safe to share: every graph writes only the
-        decoder's own buffers, its temporaries are its own, and a device runs one step at a time."""
+        """Warm each step's and prefill's kernels on a side stream (as the PyTorch docs and the shared anchor
+        do), then capture every bucket of both into one memory pool. Safe to share: every graph writes only the
+        decoder's own buffers, its temporaries are its own, and a device runs one graph at a time."""
+        # (graph table, the function captured, its shapes); the prefill buffers hold padding: scratch slot, length 1
+        kinds = ((self.graphs, self._decode_step, self.shapes()),
+                 (self.prefill_graphs, self._prefill_step, self.prefill_shapes()))
         with torch.inference_mode(), self._device():
             pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                for rows, span in self.shapes():
-                    for sampling in (False, True):
-                        self._decode_step(rows, span, sampling)
-                for rows, wide in self.prefill_shapes():  # the buffers hold padding: scratch slot, length 1
-                    for sampling in (False, True):
-                        self._prefill_step(rows, wide, sampling)
+                for _, run, shapes in kinds:
+                    for a, b in shapes:
+                        for sampling in (False, True):
+                            run(a, b, sampling)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            for rows, span in self.shapes():
-                for sampling in (False, True):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        self._decode_step(rows, span, sampling)
-                    self.graphs[(rows, span, sampling)] = graph
-            for rows, wide in self.prefill_shapes():
-                for sampling in (False, True):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        self._prefill_step(rows, wide, sampling)
-                    self.prefill_graphs[(rows, wide, sampling)] = graph
+            for table, run, shapes in kinds:
+                for a, b in shapes:
+                    for sampling in (False, True):
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                            run(a, b, sampling)
+                        table[(a, b, sampling)] = graph
             torch.cuda.current_stream(self.device).synchronize()
