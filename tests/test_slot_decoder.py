@@ -103,6 +103,10 @@ def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model
     assert dec.prefill_shape(3, 11) == (4, 32) and dec.scratch == 6
     assert dec.prefill_rows == (1, 4, 6) and dec.prefill_shape(6, 20) == (6, 32)
     assert dec.prefill_shape(7, 8) is None and not dec.prefill_fits(7, 8) and dec.prefill_fits(6, 48)
+    exact = SlotDecoder(model, slots=100, slot_tokens=48, eos_ids=[], pad_id=PAD, prefill_tokens=10_000)
+    assert exact.prefill_fits(64, 8) and not exact.prefill_fits(65, 8)  # no more joins than the buffers hold
+    with pytest.raises(ValueError, match="65 joins"):
+        exact.prefill(list(range(65)), [[5]] * 65, [GREEDY] * 65)
     first, done = dec.prefill([4, 0, 2], batch, [SamplingParams(max_tokens=10, temperature=0)] * 3)
     assert first == [alone(model, p, None, 1)[0] for p in batch] and done == [False] * 3
     assert dec.done[[1, 3, 5]].all()  # untouched slots stay held

@@ -201,7 +201,7 @@ class SlotDecoder:
         """Whether `joins` prompts of up to `width` tokens go in one prefill (the stepper groups joins so)."""
         if self.fixed_shapes:
             return self.prefill_shape(joins, width) is not None
-        return joins * width <= self.prefill_tokens
+        return joins <= len(self.prompt_slot) and joins * width <= self.prefill_tokens
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         widths = sorted({w for w in (*PREFILL_WIDTHS, self.slot_tokens) if w <= self.slot_tokens})
@@ -288,8 +288,8 @@ class SlotDecoder:
         k, width = len(slots), max(len(p) for p in prompts)
         if any(len(p) + q.max_tokens > self.slot_tokens for p, q in zip(prompts, params)):
             raise ValueError(f"a prompt plus its max_tokens is over the slot's {self.slot_tokens} tokens")
-        if k > len(self.prompt_slot) and self.fixed_shapes:
-            raise ValueError(f"{k} joins in one prefill: at most {len(self.prompt_slot)}")
+        if k > len(self.prompt_slot):
+            raise ValueError(f"{k} joins in one prefill: at most {len(self.prompt_slot)} (see prefill_fits)")
         shape = self.prefill_shape(k, width)
         rows, wide = shape if shape is not None else (k, width)
         dev = self.device
@@ -313,26 +313,21 @@ class SlotDecoder:
                 tensor[index] = torch.tensor(values, dtype=tensor.dtype).to(dev)
             self.count[index] = 0
             self.done[index] = False
+            self.prompt_ids[:rows, :wide] = ids.to(dev)
+            self.prompt_len[:rows] = lengths.to(dev)
+            self.prompt_slot[:rows] = where.to(dev)
             graph = self.prefill_graphs.get((rows, wide, sampling)) if shape is not None else None
-            if graph is not None or k <= len(self.prompt_slot):
-                self.prompt_ids[:rows, :wide] = ids.to(dev)
-                self.prompt_len[:rows] = lengths.to(dev)
-                self.prompt_slot[:rows] = where.to(dev)
             if graph is not None:
                 graph.replay()
-            elif k <= len(self.prompt_slot):
+            else:
                 self._prefill_step(rows, wide, sampling)
-            else:  # more joins than the buffers hold (a CPU caller's choice): the same step on its own tensors
-                self._prefill_step(rows, wide, sampling, (ids.to(dev), lengths.to(dev), where.to(dev)))
             first, done = self.out[index].tolist(), self.done[index].tolist()
         return first, done
 
-    def _prefill_step(self, rows: int, wide: int, sampling: bool,
-                      inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _prefill_step(self, rows: int, wide: int, sampling: bool) -> None:
         """The prefill over the first `rows` prompts of the prefill buffers, `wide` tokens each (so it can be
         captured): causal attention within each prompt, its K/V into its slot, its first token drawn."""
-        ids, lengths, where = inputs or (self.prompt_ids[:rows, :wide], self.prompt_len[:rows],
-                                         self.prompt_slot[:rows])
+        ids, lengths, where = self.prompt_ids[:rows, :wide], self.prompt_len[:rows], self.prompt_slot[:rows]
         at = self.positions[:wide]
         allowed = (at[None, :] <= at[:, None])[None] & (at[None, None, :] < lengths[:, None, None])
         self.cache.prefill(where)
