@@ -120,6 +120,16 @@ def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model
     assert [got[4], got[0], got[2]] == [alone(model, p, None, 10) for p in batch]
 
 
+def test_a_released_slot_is_held_still(model: Any) -> None:
+    """A cancelled sequence's row stops where it is (a row left running would walk its position past the slot)."""
+    dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
+    dec.prefill([0, 1], prompts(model, (3, 4)), [GREEDY] * 2)
+    dec.release([1])
+    before = dec.pos.tolist()
+    tokens, done = dec.collect(dec.launch(2, 6, False))
+    assert dec.pos.tolist()[:2] == [before[0] + 1, before[1]] and tokens[1] == PAD and done == [False, True]
+
+
 def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> None:
     prompt = prompts(model, (6,))[0]
     seeded = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.9, seed=1234)
