@@ -33,7 +33,7 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.kv_budget import Claim, KvBudget, predicted_wait_s
-from batchserve.generation.stepper import SamplingParams, Stepper, TokenUpdate
+from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
 
 __all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "Sequence", "enabled", "start_generation"]
 
@@ -44,7 +44,6 @@ CPU_KV_TOKENS = 16384  # KV capacity on a CPU when none is configured (~720 MB f
 CPU_MAX_BATCH_TOKENS = 512  # prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes
 GPU_MAX_BATCH_TOKENS = 8192  # the same on a GPU
 GPU_MAX_SEQS = 256  # slots on a GPU when none is configured (fewer when half the free memory cannot hold them)
-GPU_MEMORY_SHARE = 0.5  # share of free GPU memory the KV cache may take (the batch path's model needs room)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 

@@ -16,9 +16,7 @@ import math
 import time
 from typing import Any
 
-from batchserve.generation.stepper import Capacity, Deliver, SamplingParams, TokenUpdate
-
-GPU_MEMORY_SHARE = 0.5  # share of free GPU memory the library may give the KV cache (the static path needs room)
+from batchserve.generation.stepper import GPU_MEMORY_SHARE, Capacity, Deliver, SamplingParams, TokenUpdate
 
 
 def processor_kwargs(params: SamplingParams) -> dict[str, Any]:
@@ -27,8 +25,8 @@ def processor_kwargs(params: SamplingParams) -> dict[str, Any]:
 
     if params.greedy:
         return {"temperature": 1.0, "top_p": 1.0, sampling.SEED_KEY: sampling.GREEDY}
-    choice = sampling.SAMPLE if params.seed is None else params.seed & sampling.MASK31
-    return {"temperature": float(params.temperature), "top_p": float(params.top_p), sampling.SEED_KEY: choice}
+    return {"temperature": float(params.temperature), "top_p": float(params.top_p),
+            sampling.SEED_KEY: sampling.choice_key(params)}
 
 
 def build_manager(model: Any, tokenizer: Any, max_tokens: int, kv_tokens: int, page_size: int, max_seqs: int,

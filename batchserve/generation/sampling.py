@@ -20,7 +20,7 @@ first look which rows asked and work on those only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import (
@@ -34,6 +34,17 @@ GREEDY = -2  # argmax
 SEED_KEY = "choice_seed"  # per-request kwarg: SAMPLE, GREEDY or a seed >= 0
 STEP_KEY = "choice_step"  # tokens drawn so far by a seeded request (kept in its kwargs: survives offloading)
 MASK31 = 0x7FFFFFFF
+
+
+if TYPE_CHECKING:
+    from batchserve.generation.stepper import SamplingParams
+
+
+def choice_key(params: "SamplingParams") -> int:
+    """A request's draw: GREEDY, SAMPLE (a fresh uniform each token) or its seed (31 bits)."""
+    if params.greedy:
+        return GREEDY
+    return SAMPLE if params.seed is None else params.seed & MASK31
 
 
 def step_key(seed: int, step: int) -> int:

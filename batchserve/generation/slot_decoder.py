@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from batchserve.generation.sampling import GREEDY, MASK31, SAMPLE, choose_tokens, mask_top_p
+from batchserve.generation.sampling import GREEDY, MASK31, choice_key, choose_tokens, mask_top_p
 from batchserve.generation.stepper import SamplingParams
 
 log = logging.getLogger("batchserve.slot_decoder")
@@ -61,13 +61,6 @@ def device_step_key(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
     x = x ^ (x >> 12)
     return x & MASK31
-
-
-def row_key(params: SamplingParams) -> int:
-    """A row's seed column: GREEDY, SAMPLE (-1, a fresh draw) or its seed."""
-    if params.greedy:
-        return GREEDY
-    return SAMPLE if params.seed is None else params.seed & MASK31
 
 
 @dataclass(frozen=True)
@@ -307,7 +300,7 @@ class SlotDecoder:
                 self.stop_at_eos: [not q.ignore_eos for q in params],
                 self.temperature: [1.0 if q.greedy else float(q.temperature) for q in params],
                 self.top_p: [1.0 if q.greedy else float(q.top_p) for q in params],
-                self.seed: [row_key(q) for q in params],
+                self.seed: [choice_key(q) for q in params],
             }
             for tensor, values in row_values.items():
                 tensor[index] = torch.tensor(values, dtype=tensor.dtype).to(dev)

@@ -12,6 +12,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+GPU_MEMORY_SHARE = 0.5  # share of free GPU memory a stepper's KV cache may take (the batch path's model needs room)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
