@@ -35,17 +35,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from batchserve import metrics  # noqa: E402
 from bench import common, servers  # noqa: E402
 from bench.model_load import LoadRow, inputs, interpolate, run_load  # noqa: E402
 
 
-def offline(a: argparse.Namespace) -> dict[int, float]:
-    """Median seconds of `backend.run` per batch size, in this process (no server)."""
+@dataclass
+class Offline:
+    seconds: dict[int, float]  # median seconds of a batch, by size
+    padded_to: tuple[int, ...]  # the sizes a batch is padded up to (CUDA graphs), or () when it runs at its own
+
+
+def offline(a: argparse.Namespace) -> Offline:
+    """Median seconds of `backend.run` per batch size, in this process (no server), and the backend's padding."""
     from batchserve.backends.smollm2 import SmolLM2Backend
     from batchserve.config import ModelSpec, Settings
 
@@ -54,6 +62,8 @@ def offline(a: argparse.Namespace) -> dict[int, float]:
     backend = SmolLM2Backend.from_settings(ModelSpec("smollm2", backend="smollm2"), settings)
     device = backend.devices[0]
     backend.warm(device)
+    decoder = backend.decoders[0] if backend.decoders else None
+    padded_to = tuple(decoder.batch_buckets) if decoder is not None and decoder.fixed_shapes else ()
     times = {}
     for size in a.sizes:
         batch = inputs(size)
@@ -65,9 +75,28 @@ def offline(a: argparse.Namespace) -> dict[int, float]:
             runs.append(time.perf_counter() - started)
         times[size] = statistics.median(runs)
         print(f"offline batch of {size}: {times[size] * 1000:.1f} ms", flush=True)
-    del backend
+    del backend, decoder
     gc.collect()
-    return times
+    return Offline(times, padded_to)
+
+
+def offline_reference_s(off: Offline, batch_sizes: dict[str, int], mean_batch: float) -> tuple[float, str]:
+    """The offline time of the batches the server ran, and how it was read. A padding backend runs a batch at
+    the padded size, so the offline time at the mean size (between two padded sizes) understates what those
+    batches cost alone: each size bin of the server's histogram is read at the padded size of its upper bound
+    (a bin holds one padded size when no padding size falls strictly inside it: true of the static decoder's
+    1/8/16/32/64/100 and the histogram's bounds). Otherwise, or without padding: the time at the mean size."""
+    counts = {float(bound): n for bound, n in batch_sizes.items()}
+    if off.padded_to and counts:
+        bounds = sorted(float(b) for b in metrics.BATCH_SIZE_BUCKETS)
+        lower = {b: max([x for x in bounds if x < b], default=0.0) for b in counts}
+        if all(not any(lower[b] < p < b for p in off.padded_to) for b in counts):
+            total = 0.0
+            for bound, n in counts.items():
+                padded = next((p for p in off.padded_to if p >= bound), off.padded_to[-1])
+                total += n * interpolate(off.seconds, padded)
+            return total / sum(counts.values()), "padded"
+    return interpolate(off.seconds, mean_batch), "mean size"
 
 
 def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
@@ -80,13 +109,15 @@ def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["executor", "rate", "achieved/s", "ok/sent", "errors", "p50 ms", "p95 ms", "server p95 ms", "mean batch",
-            "batch ms in server", "batch ms offline", "in/off", "server cores", "healthz p50/p99/max ms"]
+            "batch ms in server", "batch ms offline", "in/off", "offline at mean size", "server cores",
+            "healthz p50/p99/max ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
         lines.append(f"| {r['executor']} | {r['rate']:g} | {r['achieved_rps']} | {r['ok']}/{r['sent']} | {errors} | "
                      f"{r['p50_ms']} | {r['p95_ms']} | {r['server_p95_ms']} | {r['mean_batch']} | {r['batch_ms']} | "
-                     f"{r['offline_ms']} | {r['ratio']} | {r['server_cores']} | "
+                     f"{r['offline_ms']} | {r['ratio']} | {r.get('offline_mean_size_ms', '')} | "
+                     f"{r['server_cores']} | "
                      f"{r['healthz_p50_ms']}/{r['healthz_p99_ms']}/{r['healthz_max_ms']} |")
     return "\n".join(lines)
 
@@ -150,24 +181,30 @@ def main(argv: list[str] | None = None) -> int:
                                                         timeout_s=a.timeout_s))
                     d = row.as_dict()
                     d["executor"] = executor
-                    d["offline_ms"] = round(interpolate(off, row.mean_batch) * 1000, 1)
+                    reference, d["offline_read"] = offline_reference_s(off, row.batch_sizes, row.mean_batch)
+                    d["offline_ms"] = round(reference * 1000, 1)
+                    d["offline_mean_size_ms"] = round(interpolate(off.seconds, row.mean_batch) * 1000, 1)
                     d["ratio"] = round(d["batch_ms"] / d["offline_ms"], 2) if d["offline_ms"] else math.nan
                     rows.append(d)
                     print(table(rows[-1:]), flush=True)
             finally:
                 servers.stop(server)
-    offline_rows = "\n".join(f"| {n} | {s * 1000:.1f} |" for n, s in off.items())
+    offline_rows = "\n".join(f"| {n} | {s * 1000:.1f} |" for n, s in off.seconds.items())
+    padding = (f"each read at the size it is padded to ({', '.join(map(str, off.padded_to))}), from the server's "
+               "batch-size histogram" if off.padded_to else "the offline time at the mean size")
     text = (f"# In-server vs offline batch time, smollm2 ({a.decode}, {a.max_new_tokens} new tokens)\n\n"
             f"Offline (no server, median of {a.repeats}):\n\n| batch size | ms |\n|---|---|\n{offline_rows}\n\n"
             f"Under open-loop load, {a.duration:g} s a row (batch ms in server = mean backend time of a batch; "
-            f"offline = the offline time at that mean size; healthz = GET /healthz latency during the load):\n\n"
+            f"offline = the offline time of the same batches: {padding}; healthz = GET /healthz latency during "
+            "the load):\n\n"
             f"{table(rows)}\n\n```\n{json.dumps({'machine': machine(), 'settings': settings}, indent=1)}\n```\n")
     print("\n" + text)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
         Path(out).with_suffix(".json").write_text(json.dumps(
-            {"machine": machine(), "settings": settings, "offline_s": off, "rows": rows}, indent=1, default=str))
+            {"machine": machine(), "settings": settings, "offline_s": off.seconds, "padded_to": off.padded_to,
+             "rows": rows}, indent=1, default=str))
     return 0
 
 

@@ -78,12 +78,12 @@ for part in "${parts[@]}"; do
         --out "$out/cb.md" || echo "continuous batching bench failed or timed out (exit $?)" ;;
     server)
       timeout 110 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors thread,process \
-        --rates 100,200,300 --process-rates 300 --duration 6 --sizes 1,8,32,64,100 --repeats 2 \
+        --rates 100,200,300 --process-rates 300 --duration 6 --sizes 1,8,16,32,64,100 --repeats 2 \
         --max-new-tokens 64 --slo-ms 1000 --timeout-s 30 --start-timeout-s 60 --out "$out/server.md" \
         || echo "server bench failed or timed out (exit $?)" ;;
     process)  # the process executor alone at 300 requests/s (its start did not fit beside the thread rows)
       timeout 120 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors process --rates 300 \
-        --duration 6 --sizes 1,8,32,64,100 --repeats 2 --max-new-tokens 64 --slo-ms 1000 --timeout-s 30 \
+        --duration 6 --sizes 1,8,16,32,64,100 --repeats 2 --max-new-tokens 64 --slo-ms 1000 --timeout-s 30 \
         --start-timeout-s 90 --out "$out/process.md" || echo "process executor bench failed or timed out (exit $?)" ;;
     *) echo "unknown part $part (static, cb, server, process)" ;;
   esac

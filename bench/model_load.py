@@ -56,6 +56,31 @@ def family_cpu_s(pid: int) -> float:
     return total
 
 
+def histogram_counts(text: str, name: str) -> dict[float, float]:
+    """Prometheus text -> {`le` bound: cumulative count} of histogram `name`, summed over its labels."""
+    out: dict[float, float] = {}
+    prefix = name + "_bucket{"
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, value = line.rpartition(" ")
+            le = key.split('le="', 1)[1].split('"', 1)[0]
+            bound = math.inf if le == "+Inf" else float(le)
+            out[bound] = out.get(bound, 0.0) + float(value)
+    return out
+
+
+def bins(before: dict[float, float], after: dict[float, float]) -> dict[float, int]:
+    """What was observed between two readings of a histogram, per bin: {upper bound: count of values in
+    (the bound below, bound]}, empty bins left out."""
+    out, below = {}, 0.0
+    for bound in sorted(after):
+        cumulative = after[bound] - before.get(bound, 0.0)
+        if cumulative > below:
+            out[bound] = int(round(cumulative - below))
+        below = cumulative
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
@@ -72,6 +97,7 @@ class LoadRow:
     p95_ms: float
     server_p95_ms: float  # the answers' own latency_ms
     mean_batch: float
+    batch_sizes: dict[str, int]  # batches over the window by size bin: {the bin's upper bound: count} (/metrics)
     batch_ms: float  # mean backend time of one batch over the window (/metrics)
     batch_ms_by_size: dict[str, float]  # the server's learned batch time by size at the end (/internal/health)
     server_cores: float  # server (and device processes) CPU seconds / window
@@ -100,7 +126,8 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
             aiohttp.ClientSession() as probe_session:
-        m0 = parse_metrics(await (await s.get(base + "/metrics")).text())
+        text0 = await (await s.get(base + "/metrics")).text()
+        m0 = parse_metrics(text0)
         cpu0, t_start = family_cpu_s(pid), time.monotonic()
         t0 = t_start + 0.1
 
@@ -137,7 +164,8 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
         await prober
         window = time.monotonic() - t_start
         cpu1 = family_cpu_s(pid)
-        m1 = parse_metrics(await (await s.get(base + "/metrics")).text())
+        text1 = await (await s.get(base + "/metrics")).text()
+        m1 = parse_metrics(text1)
         health = await (await s.get(base + "/internal/health")).json()
 
     def delta(name: str) -> float:
@@ -150,6 +178,8 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
         achieved_rps=round(len(latency) / window, 2), p50_ms=round(pct(latency, 50) * 1000, 1),
         p95_ms=round(pct(latency, 95) * 1000, 1), server_p95_ms=round(pct(server_ms, 95), 1),
         mean_batch=round(delta("batchserve_batch_size_sum") / batches, 2) if batches else math.nan,
+        batch_sizes={f"{bound:g}": n for bound, n in bins(histogram_counts(text0, "batchserve_batch_size"),
+                                                          histogram_counts(text1, "batchserve_batch_size")).items()},
         batch_ms=round(delta("batchserve_batch_compute_seconds_sum") / batches * 1000, 1) if batches else math.nan,
         batch_ms_by_size=by_size, server_cores=round((cpu1 - cpu0) / window, 2),
         healthz_p50_ms=round(pct(probes, 50) * 1000, 2), healthz_p99_ms=round(pct(probes, 99) * 1000, 2),
