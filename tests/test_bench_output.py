@@ -4,6 +4,7 @@ bench/results/ as it was; `--record` writes there, `--out DIR` into DIR."""
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import signal
 import subprocess
@@ -103,5 +104,39 @@ def test_the_executor_bench_times_the_real_backend_offline() -> None:
     from bench import executor_bench
 
     a = argparse.Namespace(max_new_tokens=2, smollm2_dir="", decode="static", sizes=[1, 2], repeats=1)
-    times = executor_bench.offline(a)
-    assert sorted(times) == [1, 2] and all(0 < t < 60 for t in times.values())
+    off = executor_bench.offline(a)
+    assert sorted(off.seconds) == [1, 2] and all(0 < t < 60 for t in off.seconds.values())
+    assert off.padded_to == ()  # the CPU runs a batch at its own size
+
+
+def test_the_server_histogram_gives_the_batches_of_each_size_bin() -> None:
+    from prometheus_client import generate_latest
+
+    from batchserve.metrics import make_metrics
+    from bench.model_load import bins, histogram_counts
+
+    m = make_metrics()
+    for size in (3, 20, 24, 1):
+        m.batch_size.labels("a").observe(size)
+    before = histogram_counts(generate_latest(m.registry).decode(), "batchserve_batch_size")
+    for size in (1, 20, 24, 100, 100, 100):
+        m.batch_size.labels("a").observe(size)
+    m.batch_size.labels("b").observe(7)  # another model's batches count too
+    after = histogram_counts(generate_latest(m.registry).decode(), "batchserve_batch_size")
+    assert before[math.inf] == 4 and after[24.0] == 8
+    assert bins(before, after) == {1.0: 1, 8.0: 1, 24.0: 2, 100.0: 3}
+
+
+def test_a_padding_backend_is_compared_at_the_sizes_its_batches_ran() -> None:
+    from bench.executor_bench import Offline, offline_reference_s
+
+    off = Offline({1: 0.2, 8: 0.23, 16: 0.24, 32: 0.25, 64: 0.27, 100: 0.28}, padded_to=(1, 8, 16, 32, 64, 100))
+    # 3 batches of 17-24 (run at 32) and one of 2-4 (run at 8): not the time at their mean size, 18.25
+    seconds, how = offline_reference_s(off, {"24": 3, "4": 1}, mean_batch=18.25)
+    assert how == "padded" and seconds == pytest.approx((3 * 0.25 + 0.23) / 4)
+    # no padding (a CPU): the time at the mean size, between the measured sizes
+    seconds, how = offline_reference_s(Offline(off.seconds, ()), {"24": 3, "4": 1}, mean_batch=24)
+    assert how == "mean size" and seconds == pytest.approx(0.24 + 0.01 * 8 / 16)
+    # a padded size inside a bin (a max batch of 40: bin 33-48 holds batches run at 40 and at 48): the mean size
+    seconds, how = offline_reference_s(Offline({32: 0.25, 40: 0.26}, (1, 8, 16, 32, 40)), {"48": 2}, 36)
+    assert how == "mean size"
