@@ -114,6 +114,40 @@ def test_predicted_wait_past_the_timeout_is_refused_at_the_door() -> None:
     run(main())
 
 
+def test_the_kept_replay_of_the_queue_predicts_what_replaying_everything_predicts(monkeypatch: Any) -> None:
+    # The engine continues one replay of the queue per tier from arrival to arrival (a burst would otherwise cost
+    # n^2/2 placements); across tiers, admissions and its time limit it must agree with a replay from scratch.
+    from batchserve.generation import engine as engine_module
+    from batchserve.generation.kv_budget import Claim, predicted_wait_s
+
+    clock = [100.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    e = engine(blocks=64, max_seqs=2, step_s=0.01, queue_timeout_s=1000)
+    first, _ = e.submit([1], params(30)), e.submit([1], params(50))
+
+    def probe(tier: int) -> Any:
+        return SimpleNamespace(tier=tier, claim=lambda: Claim(2, 20))
+
+    def fresh(seq: Any) -> float:
+        ahead = [s.claim() for _, _, s in sorted(e.waiting) if s.tier <= seq.tier]
+        return predicted_wait_s(e.budget, [s.claim() for s in e.running.values()], ahead, seq.claim(), e.step_s)
+
+    def agree() -> None:
+        for tier in range(4):
+            assert e.predicted_wait_s(probe(tier)) == pytest.approx(fresh(probe(tier)), abs=1e-12), tier
+
+    for i, tier in enumerate([1, 1, 3, 1, 0, 3, 2, 1, 0]):
+        agree()
+        e.submit([1], params(10 + 7 * i), tier=tier)
+    agree()
+    assert e.predicted_wait_s(probe(3)) > e.predicted_wait_s(probe(0)) > 0
+    e.stepper.emit(first.id, "ab!", finished=True)  # a slot frees: the queue's head starts
+    agree()
+    clock[0] += engine_module.REPLAY_TTL_S + 0.01  # past its time limit a replay is made afresh
+    e.stepper.emit(next(iter(e.running)), "a")  # its tokens move on
+    agree()
+
+
 def test_cancel_frees_the_slot_for_the_next_and_drops_the_handler() -> None:
     async def main() -> None:
         e = engine()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
 
-from batchserve.generation.kv_budget import Claim, KvBudget, predicted_wait_s
+from batchserve.generation.kv_budget import Claim, KvBudget, Replay, predicted_wait_s
 from batchserve.generation.sampling import GREEDY, SAMPLE, TokenChoice, TopP, step_key
 from batchserve.generation.textstream import TextStream
 
@@ -48,6 +49,24 @@ def test_predicted_wait_replays_running_and_queued_sequences() -> None:
     # queued ahead: a 5-block sequence takes the first freed room, so this one waits for the 100-step one
     assert predicted_wait_s(b, running, [Claim(5, 50)], Claim(5, 50), step) == pytest.approx(0.6)
     assert math.isinf(predicted_wait_s(b, running, [], Claim(11, 1), step))
+
+
+def test_a_kept_replay_continued_gives_what_a_fresh_one_gives() -> None:
+    rng = random.Random(7)
+    b = KvBudget(total_blocks=40, page_size=32, max_seqs=6)
+    running = []
+    for _ in range(5):
+        running.append(Claim(rng.randint(1, 8), steps=rng.randint(1, 200)))
+        b.take(running[-1].blocks)
+    queue = [Claim(rng.randint(1, 12), steps=rng.randint(1, 200)) for _ in range(60)]
+    kept = Replay(b, running, 0.01)
+    for n, claim in enumerate(queue):
+        fresh = predicted_wait_s(b, running, queue[:n], claim, 0.01)
+        assert kept.place(claim, commit=False) == fresh  # a look leaves the replay as it was
+        assert kept.place(claim, commit=False) == fresh
+        assert kept.place(claim) == fresh
+    assert math.isinf(kept.place(Claim(41, 1), commit=False))  # never fits: the replay is not stuck by a look
+    assert kept.place(Claim(1, 1)) == predicted_wait_s(b, running, queue, Claim(1, 1), 0.01)
 
 
 # -- stop strings -------------------------------------------------------------------------------------------

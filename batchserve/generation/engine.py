@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
-from batchserve.generation.kv_budget import Claim, KvBudget, predicted_wait_s
+from batchserve.generation.kv_budget import Claim, KvBudget, Replay
 from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
 
 __all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "Sequence", "enabled", "start_generation"]
@@ -40,6 +40,7 @@ __all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "Sequence", "ena
 log = logging.getLogger("batchserve.generation")
 
 TICK_S = 0.25  # gauges, tokens/s and queue expiry are refreshed this often
+REPLAY_TTL_S = 0.1  # a kept replay of the queue answers arrivals this long (see Engine.predicted_wait_s)
 CPU_KV_TOKENS = 16384  # KV capacity on a CPU when none is configured (~720 MB for SmolLM2 in float32)
 CPU_MAX_BATCH_TOKENS = 512  # prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes
 GPU_MAX_BATCH_TOKENS = 8192  # the same on a GPU
@@ -235,6 +236,8 @@ class Engine:
         self.eos_ids = {tokenizer.eos_token_id}
         self.running: dict[str, Sequence] = {}
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (tier, arrival order, sequence)
+        # tier -> (when made, the replay of the future after every waiting sequence of that tier or one served before)
+        self._replays: dict[int, tuple[float, Replay]] = {}
         self.draining = False
         self._order = itertools.count()
         self._tick_task: asyncio.Task | None = None
@@ -326,13 +329,30 @@ class Engine:
             raise errors.overloaded(f"predicted wait for KV-cache capacity {wait_s:.1f} s would pass the "
                                     f"{self.cfg.queue_timeout_s:.0f} s limit", retry_after_ms=max(retry_ms, 100))
         heapq.heappush(self.waiting, (tier, next(self._order), seq))
+        self.predicted_wait_s(seq, queued=True)
         self.metrics.waiting.set(len(self.waiting))
         return seq
 
-    def predicted_wait_s(self, seq: Sequence) -> float:
-        ahead = [s.claim() for _, _, s in sorted(self.waiting) if s.tier <= seq.tier]  # finished ones leave it
-        return predicted_wait_s(self.budget, [s.claim() for s in self.running.values()], ahead, seq.claim(),
-                                self.step_s)
+    def predicted_wait_s(self, seq: Sequence, queued: bool = False) -> float:
+        """Seconds until `seq` would start, behind the waiting sequences of its tier and of the tiers served
+        before it (`kv_budget.Replay`). The replay is kept per tier and continued by the next arrival of that tier, so a
+        burst of n queued arrivals costs n placements rather than n^2/2. `queued`: `seq` has just joined the
+        queue's tail, and the kept replay takes it. A kept replay is dropped when a sequence leaves the queue or
+        one of a tier served earlier joins ahead, and is used for REPLAY_TTL_S at most (its running sequences may end
+        early: that only makes it pessimistic meanwhile)."""
+        now = time.monotonic()
+        kept = self._replays.get(seq.tier)
+        if kept is None or now - kept[0] > REPLAY_TTL_S:
+            replay = Replay(self.budget, [s.claim() for s in self.running.values()], self.step_s)
+            for _, _, ahead in sorted(self.waiting):
+                if ahead.tier <= seq.tier and ahead is not seq:
+                    replay.place(ahead.claim())
+            kept = self._replays[seq.tier] = (now, replay)
+        if queued:
+            for tier in [t for t in self._replays if t > seq.tier]:
+                del self._replays[tier]
+        made, replay = kept
+        return max(0.0, replay.place(seq.claim(), commit=queued) - (now - made))
 
     def cancel(self, seq: Sequence, reason: str = "client_disconnect") -> None:
         """Drop a sequence that nobody will read: its KV blocks and slot go to the next waiting sequence now."""
@@ -364,6 +384,7 @@ class Engine:
             if not self.budget.fits(seq.blocks):
                 break
             heapq.heappop(self.waiting)
+            self._replays.clear()
             self._start(seq)
         self._gauges()
 
@@ -430,6 +451,7 @@ class Engine:
         elif seq.state == WAITING:
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
             heapq.heapify(self.waiting)
+            self._replays.clear()
         seq.state, seq.finish_reason = DONE, finish_reason
         if seq.held:
             text = "".join(seq.held) + text

@@ -56,25 +56,51 @@ class Claim:
     steps: int
 
 
+class Replay:
+    """The future as `predicted_wait_s` replays it, kept so that the queue's next arrival continues it instead of
+    replaying every sequence ahead again (a burst of n queued arrivals would cost n^2/2 placements)."""
+
+    def __init__(self, budget: KvBudget, running: list[Claim], step_s: float) -> None:
+        self.total_blocks = budget.total_blocks
+        self.free_blocks = budget.total_blocks - budget.used_blocks
+        self.free_slots = budget.max_seqs - budget.running
+        self.ends = [(c.steps * step_s, c.blocks) for c in running]  # (time it frees its blocks, blocks): a heap
+        heapq.heapify(self.ends)
+        self.step_s = step_s
+        self.now = 0.0
+        self.stuck = False  # a claim could never start: so could none after it
+
+    def place(self, claim: Claim, commit: bool = True) -> float:
+        """When `claim` starts, after everything placed before it; `commit` False leaves the replay as it was."""
+        if self.stuck or claim.blocks > self.total_blocks:
+            self.stuck = self.stuck or commit
+            return math.inf
+        freed: list[tuple[float, int]] = []
+        free_blocks, free_slots, now = self.free_blocks, self.free_slots, self.now
+        while free_blocks < claim.blocks or free_slots < 1:
+            if not self.ends:
+                for end in freed:
+                    heapq.heappush(self.ends, end)
+                self.stuck = commit
+                return math.inf
+            end = heapq.heappop(self.ends)
+            freed.append(end)
+            now = max(now, end[0])
+            free_blocks += end[1]
+            free_slots += 1
+        if not commit:
+            for end in freed:
+                heapq.heappush(self.ends, end)
+            return now
+        self.free_blocks, self.free_slots, self.now = free_blocks - claim.blocks, free_slots - 1, now
+        heapq.heappush(self.ends, (now + claim.steps * self.step_s, claim.blocks))
+        return now
+
+
 def predicted_wait_s(budget: KvBudget, running: list[Claim], ahead: list[Claim], need: Claim,
                      step_s: float) -> float:
     """Seconds until `need` would be admitted, after every claim in `ahead` (in queue order)."""
-    free_blocks = budget.total_blocks - budget.used_blocks
-    free_slots = budget.max_seqs - budget.running
-    ends = [(c.steps * step_s, c.blocks) for c in running]  # (time it frees its blocks, blocks)
-    heapq.heapify(ends)
-    now = 0.0
-    for claim in [*ahead, need]:
-        if claim.blocks > budget.total_blocks:
-            return math.inf
-        while free_blocks < claim.blocks or free_slots < 1:
-            if not ends:
-                return math.inf
-            ends_at, blocks = heapq.heappop(ends)
-            now = max(now, ends_at)
-            free_blocks += blocks
-            free_slots += 1
-        free_blocks -= claim.blocks
-        free_slots -= 1
-        heapq.heappush(ends, (now + claim.steps * step_s, claim.blocks))
-    return now
+    replay = Replay(budget, running, step_s)
+    for claim in ahead:
+        replay.place(claim)
+    return replay.place(need)
