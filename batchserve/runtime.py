@@ -23,6 +23,7 @@ from batchserve.config import Settings
 from batchserve.core.admission import Admission
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.service import InferenceService
+from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.generation.engine import Engine, start_generation
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
@@ -117,6 +118,7 @@ class Runtime:
             self.generation = await start_generation(self.settings, self.metrics.registry)
             self.service.attach(self.pool)
             self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry)
+            freeze_late_startup_objects()  # the generation replica and whatever else loaded here: never garbage
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),

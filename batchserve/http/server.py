@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
 import signal
 import sys
@@ -23,6 +22,7 @@ import uvicorn
 from batchserve.app import create_app
 from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
+from batchserve.gc_tuning import tune_gc
 from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
 
 log = logging.getLogger("batchserve")
@@ -72,22 +72,6 @@ class DrainingServer(uvicorn.Server):
 # their batch ends; at the default 5 ms switch interval a busy event loop delays every batch by up to 5 ms
 # (measured on the sim at 900 RPS: 0.5 ms gave batches of 100.6 ms, 0.1 ms gave 100.2 ms).
 SWITCH_INTERVAL_S = 0.0001
-
-
-# The cyclic garbage collector, tuned for a server that allocates a few dozen short-lived objects per request.
-# With CPython's default thresholds (700, 10, 10) the sim server at 900 requests/s spent ~0.7 s in the collector
-# per 20 s (460 young collections of ~0.8 ms, 3 full ones of 55-70 ms): a full collection stalls the loop and
-# delays the running batch's hand-back, one such batch teaches the learned batch time a 46 ms outlier, and the
-# capacity estimate falls below the arrival rate (the 503s of the 900 RPS row). Freezing what start-up built
-# (modules, app, models: never garbage) and collecting the young generation every 50,000 allocations instead of
-# 700 cut the collector's time to ~40 ms per 20 s and the longest pause to ~4 ms (same load, one run each).
-GC_THRESHOLDS = (50_000, 10, 10)
-
-
-def tune_gc() -> None:
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def connection_guard(settings: Settings) -> ConnectionGuard:
