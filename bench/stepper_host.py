@@ -1,0 +1,225 @@
+"""Whether the host keeps a GPU's continuous-batching steps fed: the real slot stepper thread and the real Engine
+(event loop, detokenization, one reader per sequence), with the GPU stood in by a clock.
+
+    python -m bench.stepper_host                 # 256 slots, 4.0 ms a step, 1,536 mixed requests; ~1 minute
+    python -m bench.stepper_host --step-ms 0     # the host's own ceiling (a device that takes no time)
+
+Why: on a GPU a graph-replayed step of 256 sequences takes ~4 ms (the shared anchor: 260 ms for 64 steps of
+256 on an H200), so 20,000+ output tokens/s is there only if the host does each step's work (launch, collect,
+hand-over, the Engine's per-token work on the loop, the readers waking) within the device's time, while the
+stepper thread and the loop share one interpreter lock. `engine_loop.py` measures the loop's side alone; this
+runs both sides together on this machine's CPU, with no model and no GPU:
+
+- `DeviceStandIn` has `SlotDecoder`'s interface and shapes (its bucket rules are the decoder's own); a step
+  takes `--step-ms` of "device" time after the previous one ends (a GPU runs them in launch order), a prefill
+  `--prefill-ms`; waiting for either sleeps (the lock released, as a CUDA event's wait does). Its per-row
+  bookkeeping is numpy, about what `collect`'s two `.tolist()` cost the real one.
+- The work is cb-steady's (the GPU check's steady row): `--requests` requests (80 % ask 16 tokens, 20 % 256,
+  EOS ignored) over 64-token prompts, all submitted at t = 0 through `Engine.submit`; the Engine admits
+  `--slots` at a time and the rest wait for a slot, as in the server.
+
+Columns: output tokens/s (wall, first submit to last answer); device busy (the stand-in's busy time over the
+wall: 1.0 = every step's host work hid behind the device); host CPU-ms per 1,000 tokens (both threads).
+Rows: streamed (a delta per token, `stream: true`) and whole (one delta at the end), interleaved over
+`--repeats`; the medians are printed. With `--record` (machine, commit and settings) it writes
+bench/results/stepper-host-<time>.md/.json.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python bench/stepper_host.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from batchserve.generation.slot_decoder import PREFILL_ROWS, SlotDecoder  # noqa: E402
+from batchserve.generation.stepper import SamplingParams  # noqa: E402
+from batchserve.gc_tuning import tune_gc  # noqa: E402
+from batchserve.http.server import SWITCH_INTERVAL_S  # noqa: E402
+from bench import common, report  # noqa: E402
+
+
+@dataclass(frozen=True)
+class StandInTicket:
+    rows: int
+    due: float  # when the stood-in device finishes the step
+    tokens: np.ndarray
+    done: np.ndarray
+
+
+class DeviceStandIn:
+    """`SlotDecoder` as the stepper sees it, with the device's time stood in by a clock (see the module doc)."""
+
+    use_graphs = True
+    fixed_shapes = True
+    device = "a stood-in GPU"
+    # the real decoder's shape rules, run on this object's attributes
+    shape = SlotDecoder.shape
+    prefill_shape = SlotDecoder.prefill_shape
+    prefill_fits = SlotDecoder.prefill_fits
+
+    def __init__(self, slots: int, slot_tokens: int, step_s: float, prefill_s: float,
+                 prefill_tokens: int = 8192) -> None:
+        self.slots, self.slot_tokens, self.prefill_tokens = slots, slot_tokens, prefill_tokens
+        self.prefill_rows = tuple(sorted({r for r in PREFILL_ROWS if r < slots} | {min(slots, max(PREFILL_ROWS))}))
+        self.step_s, self.prefill_s = step_s, prefill_s
+        self.count = np.zeros(slots, dtype=np.int64)
+        self.max_tokens = np.ones(slots, dtype=np.int64)
+        self.done = np.ones(slots, dtype=bool)
+        self.free_at = 0.0  # when the device has run everything launched so far
+        self.busy_s = 0.0
+        self.steps = self.prefills = 0
+
+    def _enqueue(self, seconds: float) -> float:
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + seconds
+        self.busy_s += seconds
+        return self.free_at
+
+    @staticmethod
+    def _wait(due: float) -> None:
+        left = due - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def _advance(self, rows: np.ndarray | slice) -> None:
+        live = ~self.done[rows]
+        self.count[rows] += live
+        self.done[rows] |= self.count[rows] >= self.max_tokens[rows]
+
+    def _tokens(self, rows: np.ndarray | slice) -> np.ndarray:
+        return 100 + (self.count[rows] * 7919) % 30000  # any valid ids; the tokenizer decodes them
+
+    def launch(self, rows: int, span: int, sampling: bool) -> StandInTicket:
+        self.steps += 1
+        due = self._enqueue(self.step_s)
+        self._advance(slice(0, rows))
+        return StandInTicket(rows, due, self._tokens(slice(0, rows)), self.done[:rows].copy())
+
+    def collect(self, ticket: StandInTicket) -> tuple[list[int], list[bool]]:
+        self._wait(ticket.due)
+        return ticket.tokens.tolist(), ticket.done.tolist()
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                params: Sequence[SamplingParams]) -> tuple[list[int], list[bool]]:
+        self.prefills += 1
+        index = np.asarray(slots)
+        self.count[index] = 0
+        self.max_tokens[index] = [q.max_tokens for q in params]
+        self.done[index] = False
+        self._wait(self._enqueue(self.prefill_s))  # a prefill's first tokens are read at once (as the real one)
+        self._advance(index)
+        return self._tokens(index).tolist(), self.done[index].tolist()
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.done[np.asarray(slots, dtype=np.int64)] = True
+
+    def move(self, sources: Sequence[int], targets: Sequence[int], span: int) -> None:
+        src, dst = np.asarray(sources), np.asarray(targets)
+        for row in (self.count, self.max_tokens, self.done):
+            row[dst] = row[src]
+        self.done[src] = True
+
+
+def workload(requests: int, seed: int) -> list[int]:
+    """cb-steady's max_tokens: 80 % 16, 20 % 256, shuffled."""
+    n_long = round(requests * 0.2)
+    lengths = [256] * n_long + [16] * (requests - n_long)
+    random.Random(seed).shuffle(lengths)
+    return lengths
+
+
+async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: int) -> dict[str, Any]:
+    from prometheus_client import CollectorRegistry
+
+    from batchserve.generation.engine import Engine, EngineConfig
+    from batchserve.generation.slot_stepper import SlotStepper
+
+    device = DeviceStandIn(a.slots, 2048, a.step_ms / 1000, a.prefill_ms / 1000)
+    stepper = SlotStepper(device, a.step_ms / 1000)  # type: ignore[arg-type]  # the stand-in has its interface
+    engine = Engine(EngineConfig(max_tokens=256, max_waiting=a.requests, queue_timeout_s=3600), tokenizer, stepper,
+                    CollectorRegistry(), 8192, 49152)
+    stepper.start(asyncio.get_running_loop(), engine._on_updates)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 40000) for _ in range(64)] for _ in range(a.requests)]
+
+    async def read(seq: Any) -> int:
+        return sum([1 async for d in engine.stream(seq) if d.text or d.finish_reason])
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        seqs = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), streamed=streamed)
+                for p, n in zip(prompts, workload(a.requests, seed))]
+        await asyncio.gather(*(read(s) for s in seqs))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        await asyncio.to_thread(stepper.stop, 10)
+    tokens = sum(s.tokens for s in seqs)
+    assert tokens == sum(s.params.max_tokens for s in seqs) and all(s.finish_reason == "length" for s in seqs)
+    return {"mode": "streamed" if streamed else "whole", "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall), "device_busy": round(device.busy_s / wall, 3),
+            "host_cpu_ms_per_1k_tokens": round(cpu / tokens * 1e6, 1), "steps": device.steps,
+            "prefills": device.prefills, "moved": stepper.moved}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--step-ms", type=float, default=4.0, help="device time of one decode step (0: none)")
+    ap.add_argument("--prefill-ms", type=float, default=5.0, help="device time of one prefill")
+    ap.add_argument("--requests", type=int, default=1536)
+    ap.add_argument("--repeats", type=int, default=3)
+    common.add_output_flags(ap, name="stepper-host")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from batchserve.backends.smollm2 import load_tokenizer, source_dir
+    from batchserve.config import Settings
+
+    tokenizer = load_tokenizer(source_dir(Settings(backend="smollm2")))
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `batchserve serve` runs: the stepper thread gets the lock back soon
+    tune_gc()  # and its collector: what start-up built frozen, young collections every 50,000 allocations
+    runs = []
+    for i in range(a.repeats):  # the two modes interleaved: this machine's noise falls on both alike
+        for streamed in (True, False):
+            runs.append(asyncio.run(one_run(tokenizer, a, streamed, seed=i)))
+            print(runs[-1], flush=True)
+    median = {mode: {k: statistics.median(r[k] for r in runs if r["mode"] == mode)
+                     for k in ("tokens_per_s", "device_busy", "host_cpu_ms_per_1k_tokens")}
+              for mode in ("streamed", "whole")}
+    ceiling = a.slots / (a.step_ms / 1000) if a.step_ms else float("inf")
+    title = (f"# Continuous batching's host side with the device stood in: {a.slots} slots, {a.step_ms:g} ms a "
+             f"step, {a.prefill_ms:g} ms a prefill, {a.requests} requests (80 % x 16 tokens, 20 % x 256)\n\n"
+             f"Medians of {a.repeats} runs a mode: streamed {median['streamed']['tokens_per_s']:,.0f} output "
+             f"tokens/s (device busy {median['streamed']['device_busy']:.2f}), whole "
+             f"{median['whole']['tokens_per_s']:,.0f} (device busy {median['whole']['device_busy']:.2f}); "
+             f"a full step's ceiling {ceiling:,.0f} tokens/s\n")
+    table = report.table(["run", "mode", "tokens", "wall s", "output tokens/s", "device busy",
+                          "host CPU-ms / 1k tokens", "steps", "prefills", "moved"],
+                         [[i // 2 + 1, r["mode"], r["tokens"], r["wall_s"], r["tokens_per_s"], f"{r['device_busy']:.2f}",
+                           r["host_cpu_ms_per_1k_tokens"], r["steps"], r["prefills"], r["moved"]]
+                          for i, r in enumerate(runs)])
+    print("\n" + title + "\n" + table, flush=True)
+    prov = report.provenance()
+    md = title + "\n" + table + "\n\nmachine: " + str(prov["machine"]) + "\n\ngit: " + str(prov["git"]) + "\n"
+    paths = report.write(common.run_name(a, "stepper-host"), {**prov, "settings": vars(a), "runs": runs,
+                                                              "medians": median}, md, common.out_dir(a))
+    print("\n" + report.written(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
