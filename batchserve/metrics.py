@@ -29,7 +29,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100, 128, 256)
 
 
-class _HistogramChild:
+class HistogramChild:
+    """One label set's bucket counts and sum (a `LoopHistogram`'s child, or a label-less one's only one)."""
+
     __slots__ = ("bounds", "counts", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
@@ -48,13 +50,13 @@ class LoopHistogram(Collector):
     def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],
                  registry: CollectorRegistry) -> None:
         self.name, self.documentation, self.labelnames, self.buckets = name, documentation, labelnames, buckets
-        self._children: dict[tuple[str, ...], _HistogramChild] = {}
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
         registry.register(self)
 
-    def labels(self, *values: str) -> _HistogramChild:
+    def labels(self, *values: str) -> HistogramChild:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = _HistogramChild(self.buckets)
+            child = self._children[values] = HistogramChild(self.buckets)
         return child
 
     def collect(self) -> Iterator[Metric]:

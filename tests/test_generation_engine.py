@@ -40,12 +40,13 @@ class FakeStepper(FeedStepper):
         self.deliver([TokenUpdate(seq_id, [CHARS.index(c) for c in text], finished)])
 
 
-def engine(blocks: int = 8, max_seqs: int = 1, step_s: float = 0.01, queue_timeout_s: float = 5.0) -> Engine:
+def engine(blocks: int = 8, max_seqs: int = 1, step_s: float = 0.01, queue_timeout_s: float = 5.0,
+           registry: CollectorRegistry | None = None) -> Engine:
     cfg = EngineConfig(max_tokens=64, max_seqs=max_seqs, page_size=16, queue_timeout_s=queue_timeout_s)
     tokenizer = SimpleNamespace(backend_tokenizer=char_tokenizer(), eos_token_id=EOS)
     stepper = FakeStepper(blocks, max_seqs, page_size=16)
     stepper.step_s = step_s
-    e = Engine(cfg, tokenizer, stepper, CollectorRegistry(), max_position=4096, vocab_size=len(CHARS))
+    e = Engine(cfg, tokenizer, stepper, registry or CollectorRegistry(), max_position=4096, vocab_size=len(CHARS))
     stepper.start(None, e._on_updates)
     return e
 
@@ -213,5 +214,27 @@ def test_a_sequence_not_streamed_gets_its_whole_text_in_one_delta() -> None:
         deltas = drain(whole)
         assert len(deltas) == 1 and deltas[0].text == "hello " and deltas[0].finish_reason == "stop"
         assert deltas[0].tokens == 8
+
+    run(main())
+
+
+def test_token_timings_reach_the_metrics_exposition() -> None:
+    from prometheus_client import generate_latest
+
+    from bench.loadgen import parse_metrics
+
+    async def main() -> None:
+        registry = CollectorRegistry()
+        e = engine(max_seqs=2, registry=registry)
+        text = generate_latest(registry).decode()
+        assert 'batchserve_generation_inter_token_latency_seconds_bucket{le="0.002"} 0.0' in text  # before any
+        a, b = e.submit([1], params()), e.submit([1], params())
+        e.stepper.deliver([TokenUpdate(a.id, [CHARS.index("x")]), TokenUpdate(b.id, [CHARS.index("y")])])
+        for step in range(3):
+            e.stepper.deliver([TokenUpdate(a.id, [CHARS.index("z")], step == 2)])
+        m = parse_metrics(generate_latest(registry).decode())
+        assert m["batchserve_generation_time_to_first_token_seconds_count"] == 2  # a's and b's first tokens
+        assert m["batchserve_generation_inter_token_latency_seconds_count"] == 3  # a's later three
+        assert m["batchserve_generation_output_tokens_total"] == 5
 
     run(main())
