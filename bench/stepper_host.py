@@ -3,6 +3,7 @@
 
     python -m bench.stepper_host                 # 256 slots, 4.0 ms a step, 1,536 mixed requests; ~1 minute
     python -m bench.stepper_host --step-ms 0     # the host's own ceiling (a device that takes no time)
+    python -m bench.stepper_host --http          # the same through a live server's /v1/completions
 
 Why: on a GPU a graph-replayed step of 256 sequences takes ~4 ms (the shared anchor: 260 ms for 64 steps of
 256 on an H200), so 20,000+ output tokens/s is there only if the host does each step's work (launch, collect,
@@ -17,6 +18,12 @@ runs both sides together on this machine's CPU, with no model and no GPU:
 - The work is cb-steady's (the GPU check's steady row): `--requests` requests (80 % ask 16 tokens, 20 % 256,
   EOS ignored) over 64-token prompts, all submitted at t = 0 through `Engine.submit`; the Engine admits
   `--slots` at a time and the rest wait for a slot, as in the server.
+
+With `--http` the same requests go through a live `batchserve serve --backend sim --generation on` (its own
+process; its generation engine's stepper drives the same stand-in: `python -m bench.stepper_host serve ...`
+patches the model loader and the stepper builder, nothing else) as OpenAI completions from an aiohttp client in
+this process, all sent at once; streamed ones ask for the usage chunk, and every answer's completion tokens are
+checked. Then host CPU is the server process's.
 
 Columns: output tokens/s (wall, first submit to last answer); device busy (the stand-in's busy time over the
 wall: 1.0 = every step's host work hid behind the device); host CPU-ms per 1,000 tokens (both threads).
@@ -37,6 +44,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
@@ -47,7 +55,7 @@ from batchserve.generation.slot_decoder import PREFILL_ROWS, SlotDecoder  # noqa
 from batchserve.generation.stepper import SamplingParams  # noqa: E402
 from batchserve.gc_tuning import tune_gc  # noqa: E402
 from batchserve.http.server import SWITCH_INTERVAL_S  # noqa: E402
-from bench import common, report  # noqa: E402
+from bench import common, report, servers  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -173,6 +181,66 @@ async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: i
             "prefills": device.prefills, "moved": stepper.moved}
 
 
+def serve_stand_in(argv: list[str]) -> int:
+    """`serve STEP_MS PREFILL_MS -- <batchserve serve flags>`: a server whose generation engine drives a
+    DeviceStandIn (slots: --generation-max-seqs) instead of loading a model."""
+    from types import SimpleNamespace
+
+    import batchserve.backends.smollm2 as smollm2
+    import batchserve.generation.engine as engine_module
+    from batchserve.cli import main as cli_main
+    from batchserve.generation.slot_stepper import SlotStepper
+
+    step_s, prefill_s = float(argv[0]) / 1000, float(argv[1]) / 1000
+    rest = argv[argv.index("--") + 1:]
+
+    def stand_in_stepper(model: Any, tokenizer: Any, cfg: Any) -> SlotStepper:
+        device = DeviceStandIn(cfg.max_seqs or 256, cfg.max_context, step_s, prefill_s)
+        return SlotStepper(device, step_s)  # type: ignore[arg-type]  # the stand-in has its interface
+
+    smollm2.load_model = lambda device, source: SimpleNamespace(  # type: ignore[assignment]
+        config=SimpleNamespace(max_position_embeddings=8192, vocab_size=49152))
+    engine_module.build_stepper = stand_in_stepper  # type: ignore[assignment]
+    return cli_main(["serve", *rest])
+
+
+async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: bool, seed: int) -> dict[str, Any]:
+    """The workload as OpenAI completions against a live server, all sent at once."""
+    import aiohttp
+    import orjson
+
+    from bench.procstat import process_cpu_s
+
+    rng = random.Random(seed)
+    lengths = workload(a.requests, seed)
+    bodies = [{"prompt": [rng.randrange(100, 40000) for _ in range(64)], "max_tokens": n, "temperature": 0,
+               "stream": streamed, **({"stream_options": {"include_usage": True}} if streamed else {})}
+              for n in lengths]
+
+    async def one(session: aiohttp.ClientSession, body: dict[str, Any]) -> int:
+        async with session.post(base + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{r.status}: {(await r.text())[:300]}")
+            if not streamed:
+                return int((await r.json())["usage"]["completion_tokens"])
+            usage = 0
+            async for line in r.content:
+                if line.startswith(b"data: {") and b'"usage"' in line:
+                    usage = int(orjson.loads(line[6:])["usage"]["completion_tokens"])
+            return usage
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        cpu, wall = process_cpu_s(server_pid), time.perf_counter()
+        tokens = await asyncio.gather(*(one(session, b) for b in bodies))
+        wall, cpu = time.perf_counter() - wall, process_cpu_s(server_pid) - cpu
+    assert tokens == lengths, "an answer's completion tokens differ from its max_tokens"
+    total = sum(tokens)
+    return {"mode": "streamed" if streamed else "whole", "tokens": total, "wall_s": round(wall, 3),
+            "tokens_per_s": round(total / wall), "device_busy": float("nan"),
+            "host_cpu_ms_per_1k_tokens": round(cpu / total * 1e6, 1), "steps": None, "prefills": None, "moved": None}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", type=int, default=256)
@@ -180,37 +248,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill-ms", type=float, default=5.0, help="device time of one prefill")
     ap.add_argument("--requests", type=int, default=1536)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--http", action="store_true", help="through a live server's /v1/completions")
     common.add_output_flags(ap, name="stepper-host")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve_stand_in(argv[1:])
     a = parse_args(argv)
     from batchserve.backends.smollm2 import load_tokenizer, source_dir
     from batchserve.config import Settings
 
-    tokenizer = load_tokenizer(source_dir(Settings(backend="smollm2")))
+    tokenizer = None if a.http else load_tokenizer(source_dir(Settings(backend="smollm2")))
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `batchserve serve` runs: the stepper thread gets the lock back soon
     tune_gc()  # and its collector: what start-up built frozen, young collections every 50,000 allocations
     runs = []
-    for i in range(a.repeats):  # the two modes interleaved: this machine's noise falls on both alike
-        for streamed in (True, False):
-            runs.append(asyncio.run(one_run(tokenizer, a, streamed, seed=i)))
-            print(runs[-1], flush=True)
+    with common.guarded() as stopping:
+        server = None
+        if a.http:
+            cmd = [sys.executable, "-m", "bench.stepper_host", "serve", str(a.step_ms), str(a.prefill_ms), "--",
+                   "--port", "0", "--backend", "sim", "--generation", "on", "--generation-max-seqs", str(a.slots),
+                   "--generation-max-tokens", "256", "--max-queue", str(a.requests * 2),
+                   "--generation-queue-timeout-ms", "600000", "--jobs-db", "", "--drain-grace-s", "0"]
+            server = servers.start("stepper-host", cmd, Path(tempfile.mkdtemp(prefix="stepper-host-")))
+        try:
+            for i in range(a.repeats):  # the two modes interleaved: this machine's noise falls on both alike
+                for streamed in (True, False):
+                    if stopping:
+                        break
+                    run = (http_run(server.base, server.pid, a, streamed, seed=i) if server is not None
+                           else one_run(tokenizer, a, streamed, seed=i))
+                    runs.append(asyncio.run(run))
+                    print(runs[-1], flush=True)
+        finally:
+            if server is not None:
+                servers.stop(server)
     median = {mode: {k: statistics.median(r[k] for r in runs if r["mode"] == mode)
                      for k in ("tokens_per_s", "device_busy", "host_cpu_ms_per_1k_tokens")}
               for mode in ("streamed", "whole")}
     ceiling = a.slots / (a.step_ms / 1000) if a.step_ms else float("inf")
-    title = (f"# Continuous batching's host side with the device stood in: {a.slots} slots, {a.step_ms:g} ms a "
-             f"step, {a.prefill_ms:g} ms a prefill, {a.requests} requests (80 % x 16 tokens, 20 % x 256)\n\n"
-             f"Medians of {a.repeats} runs a mode: streamed {median['streamed']['tokens_per_s']:,.0f} output "
-             f"tokens/s (device busy {median['streamed']['device_busy']:.2f}), whole "
-             f"{median['whole']['tokens_per_s']:,.0f} (device busy {median['whole']['device_busy']:.2f}); "
-             f"a full step's ceiling {ceiling:,.0f} tokens/s\n")
+    where = "through a live server's /v1/completions" if a.http else "in process"
+    title = (f"# Continuous batching's host side with the device stood in ({where}): {a.slots} slots, "
+             f"{a.step_ms:g} ms a step, {a.prefill_ms:g} ms a prefill, {a.requests} requests (80 % x 16 tokens, "
+             f"20 % x 256)\n\nMedians of {a.repeats} runs a mode: "
+             + ", ".join(f"{mode} {m['tokens_per_s']:,.0f} output tokens/s"
+                         + ("" if a.http else f" (device busy {m['device_busy']:.2f})") for mode, m in median.items())
+             + f"; a full step's ceiling {ceiling:,.0f} tokens/s\n")
     table = report.table(["run", "mode", "tokens", "wall s", "output tokens/s", "device busy",
                           "host CPU-ms / 1k tokens", "steps", "prefills", "moved"],
-                         [[i // 2 + 1, r["mode"], r["tokens"], r["wall_s"], r["tokens_per_s"], f"{r['device_busy']:.2f}",
-                           r["host_cpu_ms_per_1k_tokens"], r["steps"], r["prefills"], r["moved"]]
+                         [[i // 2 + 1, r["mode"], r["tokens"], r["wall_s"], r["tokens_per_s"],
+                           report.fmt(r["device_busy"], ".2f"), r["host_cpu_ms_per_1k_tokens"], r["steps"],
+                           r["prefills"], r["moved"]]
                           for i, r in enumerate(runs)])
     print("\n" + title + "\n" + table, flush=True)
     prov = report.provenance()
