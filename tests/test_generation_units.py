@@ -154,3 +154,51 @@ def test_sync_free_processors_trace_as_one_graph() -> None:
     assert torch.equal(out[1], scores[1]) and int(torch.isfinite(out[0]).sum()) == 1
     with pytest.raises(Exception, match="(?i)data-dependent|graph break|dynamic"):
         torch.compile(lambda s: TokenChoice()(s, choice), backend="eager", fullgraph=True)(scores)
+
+
+# -- streaming ------------------------------------------------------------------------------------------------
+def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    import orjson
+
+    from batchserve import errors
+    from batchserve.generation.engine import Delta
+    from batchserve.generation.protocol import Answer
+    from batchserve.generation.serving import stream_events
+
+    async def events(deltas: list[Delta], later: list[Delta]) -> list[dict]:
+        seq = SimpleNamespace(deltas=asyncio.Queue(), tokens=len(deltas) + len(later))
+        for d in deltas[1:]:
+            seq.deltas.put_nowait(d)  # queued before the stream runs: the loop was behind
+        out = []
+
+        async def feed() -> None:
+            for d in later:
+                await asyncio.sleep(0.01)
+                seq.deltas.put_nowait(d)
+
+        feeder = asyncio.create_task(feed())
+        async for raw in stream_events(None, seq, deltas[0], Answer(True, "c", "m", 0, 3), include_usage=True):
+            assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+            out.append("[DONE]" if raw == b"data: [DONE]\n\n" else orjson.loads(raw[6:]))
+        await feeder
+        return out
+
+    text = lambda chunks: "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks  # noqa: E731
+                                  if isinstance(c, dict) and c.get("choices"))
+    # three waiting at once, then one at a time, then the end
+    out = asyncio.run(events([Delta("He", 1), Delta("llo", 2), Delta(",", 3)],
+                             [Delta(" wor", 4), Delta("ld", 5), Delta("", 5, "stop")]))
+    assert text(out) == "Hello, world"
+    contents = [c["choices"][0]["delta"]["content"] for c in out[1:] if isinstance(c, dict) and c.get("choices")
+                and c["choices"][0]["delta"].get("content")]
+    assert contents == ["Hello,", " wor", "ld"]
+    assert out[-3]["choices"][0]["finish_reason"] == "stop" and out[-2]["usage"]["completion_tokens"] == 6
+    assert out[-1] == "[DONE]"
+    # text waiting ahead of the end, and of an error, is sent before it
+    out = asyncio.run(events([Delta("a", 1), Delta("b", 2), Delta("", 2, "length")], []))
+    assert text(out) == "ab" and out[-3]["choices"][0]["finish_reason"] == "length"
+    out = asyncio.run(events([Delta("a", 1), Delta("b", 2), Delta("", 2, error=errors.inference_failed("x"))], []))
+    assert text(out) == "ab" and "error" in out[-2] and out[-1] == "[DONE]"
