@@ -19,7 +19,9 @@
 #                 at p95 <= 3 x the batch time.
 #
 # PARTS picks and orders the parts (default "static,cb,server"); each runs under its own timeout, so the whole
-# call stays within 5 minutes. PARTS=process (a second call) measures the process executor alone at 300/s.
+# call stays within 5 minutes. A second call, PARTS=process,cbhttp (~4.5 minutes), measures the process executor
+# alone at 300/s, and generation end to end: `bench/stepper_host.py --http --real-model` (a live server with
+# --generation on, the cb-steady work as OpenAI completions, streamed and whole; stepper-host-*.md).
 # Prepare here first:  bash bench/gpu_prep.sh          (wheels into .whl/, tokenizer + config into .gpu/)
 # Device run (see bench/README.md): command "COMMIT=<short hash> bash bench/gpu_check.sh", carry [".whl", ".gpu"],
 # timeout_s 330 (bench/gpu_prep.sh prints it with the current commit)
@@ -81,10 +83,13 @@ for part in "${parts[@]}"; do
         --rates 100,200,300 --process-rates 300 --duration 6 --sizes 1,8,16,32,64,100 --repeats 2 \
         --max-new-tokens 64 --slo-ms 1000 --timeout-s 30 --start-timeout-s 60 --out "$out/server.md" \
         || echo "server bench failed or timed out (exit $?)" ;;
+    cbhttp)  # generation end to end: a live server's /v1/completions on the model, 1,536 requests at once
+      timeout 150 "$PY" -m bench.stepper_host --http --real-model "$smol" --repeats 1 --start-timeout-s 100 \
+        --out "$out" || echo "continuous batching over HTTP failed or timed out (exit $?)" ;;
     process)  # the process executor alone at 300 requests/s (its start did not fit beside the thread rows)
       timeout 120 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors process --rates 300 \
         --duration 6 --sizes 1,8,16,32,64,100 --repeats 2 --max-new-tokens 64 --slo-ms 1000 --timeout-s 30 \
         --start-timeout-s 90 --out "$out/process.md" || echo "process executor bench failed or timed out (exit $?)" ;;
-    *) echo "unknown part $part (static, cb, server, process)" ;;
+    *) echo "unknown part $part (static, cb, server, process, cbhttp)" ;;
   esac
 done

@@ -4,6 +4,7 @@
     python -m bench.stepper_host                 # 256 slots, 4.0 ms a step, 1,536 mixed requests; ~1 minute
     python -m bench.stepper_host --step-ms 0     # the host's own ceiling (a device that takes no time)
     python -m bench.stepper_host --http          # the same through a live server's /v1/completions
+    python -m bench.stepper_host --http --real-model .gpu/smollm2 --out $OUT/cb-http.md   # a real model (GPU)
 
 Why: on a GPU a graph-replayed step of 256 sequences takes ~4 ms (the shared anchor: 260 ms for 64 steps of
 256 on an H200), so 20,000+ output tokens/s is there only if the host does each step's work (launch, collect,
@@ -23,7 +24,10 @@ With `--http` the same requests go through a live `batchserve serve --backend si
 process; its generation engine's stepper drives the same stand-in: `python -m bench.stepper_host serve ...`
 patches the model loader and the stepper builder, nothing else) as OpenAI completions from an aiohttp client in
 this process, all sent at once; streamed ones ask for the usage chunk, and every answer's completion tokens are
-checked. Then host CPU is the server process's.
+checked. Then host CPU is the server process's. `--real-model DIR` (`auto`: the server's default weights) serves
+a real model instead of the stand-in (`--generation on --smollm2-dir DIR`, no patches): the same work end to end
+on a GPU, the goal's own measure; a model may end a request early at its EOS, so there the tokens counted are the
+answers' own.
 
 Columns: output tokens/s (wall, first submit to last answer); device busy (the stand-in's busy time over the
 wall: 1.0 = every step's host work hid behind the device); host CPU-ms per 1,000 tokens (both threads).
@@ -42,6 +46,7 @@ if __package__ in (None, ""):  # run as `python bench/stepper_host.py`
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import math  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -204,7 +209,8 @@ def serve_stand_in(argv: list[str]) -> int:
     return cli_main(["serve", *rest])
 
 
-async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: bool, seed: int) -> dict[str, Any]:
+async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: bool,
+                   seed: int) -> dict[str, Any]:
     """The workload as OpenAI completions against a live server, all sent at once."""
     import aiohttp
     import orjson
@@ -234,7 +240,10 @@ async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: 
         cpu, wall = process_cpu_s(server_pid), time.perf_counter()
         tokens = await asyncio.gather(*(one(session, b) for b in bodies))
         wall, cpu = time.perf_counter() - wall, process_cpu_s(server_pid) - cpu
-    assert tokens == lengths, "an answer's completion tokens differ from its max_tokens"
+    if a.real_model:  # a model's EOS may end an answer early; never late
+        assert all(0 < t <= n for t, n in zip(tokens, lengths)), "an answer's completion tokens are off"
+    else:
+        assert tokens == lengths, "an answer's completion tokens differ from its max_tokens"
     total = sum(tokens)
     return {"mode": "streamed" if streamed else "whole", "tokens": total, "wall_s": round(wall, 3),
             "tokens_per_s": round(total / wall), "device_busy": float("nan"),
@@ -249,8 +258,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=1536)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--http", action="store_true", help="through a live server's /v1/completions")
+    ap.add_argument("--real-model", default="", metavar="DIR",
+                    help="with --http: serve a real model from DIR (auto: the server's default), not the stand-in")
+    ap.add_argument("--start-timeout-s", type=float, default=60.0, help="--http: how long the server may take to start")
     common.add_output_flags(ap, name="stepper-host")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.real_model and not a.http:
+        ap.error("--real-model serves the model: it goes with --http")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,11 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     with common.guarded() as stopping:
         server = None
         if a.http:
-            cmd = [sys.executable, "-m", "bench.stepper_host", "serve", str(a.step_ms), str(a.prefill_ms), "--",
-                   "--port", "0", "--backend", "sim", "--generation", "on", "--generation-max-seqs", str(a.slots),
-                   "--generation-max-tokens", "256", "--max-queue", str(a.requests * 2),
-                   "--generation-queue-timeout-ms", "600000", "--jobs-db", "", "--drain-grace-s", "0"]
-            server = servers.start("stepper-host", cmd, Path(tempfile.mkdtemp(prefix="stepper-host-")))
+            flags = ["--port", "0", "--backend", "sim", "--generation", "on", "--generation-max-seqs", str(a.slots),
+                     "--generation-max-tokens", "256", "--max-queue", str(a.requests * 2),
+                     "--generation-queue-timeout-ms", "600000", "--jobs-db", "", "--drain-grace-s", "0"]
+            if a.real_model:
+                model = [] if a.real_model == "auto" else ["--smollm2-dir", a.real_model]
+                cmd = [sys.executable, "-m", "batchserve", "serve", *flags, *model]
+            else:
+                cmd = [sys.executable, "-m", "bench.stepper_host", "serve", str(a.step_ms), str(a.prefill_ms), "--",
+                       *flags]
+            server = servers.start("stepper-host", cmd, Path(tempfile.mkdtemp(prefix="stepper-host-")),
+                                   timeout_s=a.start_timeout_s)
         try:
             for i in range(a.repeats):  # the two modes interleaved: this machine's noise falls on both alike
                 for streamed in (True, False):
@@ -288,14 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     median = {mode: {k: statistics.median(r[k] for r in runs if r["mode"] == mode)
                      for k in ("tokens_per_s", "device_busy", "host_cpu_ms_per_1k_tokens")}
               for mode in ("streamed", "whole")}
-    ceiling = a.slots / (a.step_ms / 1000) if a.step_ms else float("inf")
+    ceiling = a.slots / (a.step_ms / 1000) if a.step_ms and not a.real_model else float("nan")
     where = "through a live server's /v1/completions" if a.http else "in process"
-    title = (f"# Continuous batching's host side with the device stood in ({where}): {a.slots} slots, "
-             f"{a.step_ms:g} ms a step, {a.prefill_ms:g} ms a prefill, {a.requests} requests (80 % x 16 tokens, "
+    device = (f"the real model ({a.real_model})" if a.real_model else
+              f"the device stood in ({a.step_ms:g} ms a step, {a.prefill_ms:g} ms a prefill)")
+    title = (f"# Continuous batching, {device}, {where}: {a.slots} slots, {a.requests} requests (80 % x 16 tokens, "
              f"20 % x 256)\n\nMedians of {a.repeats} runs a mode: "
              + ", ".join(f"{mode} {m['tokens_per_s']:,.0f} output tokens/s"
                          + ("" if a.http else f" (device busy {m['device_busy']:.2f})") for mode, m in median.items())
-             + f"; a full step's ceiling {ceiling:,.0f} tokens/s\n")
+             + ("" if math.isnan(ceiling) else f"; a full step's ceiling {ceiling:,.0f} tokens/s") + "\n")
     table = report.table(["run", "mode", "tokens", "wall s", "output tokens/s", "device busy",
                           "host CPU-ms / 1k tokens", "steps", "prefills", "moved"],
                          [[i // 2 + 1, r["mode"], r["tokens"], r["wall_s"], r["tokens_per_s"],
