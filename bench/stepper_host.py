@@ -4,7 +4,7 @@
     python -m bench.stepper_host                 # 256 slots, 4.0 ms a step, 1,536 mixed requests; ~1 minute
     python -m bench.stepper_host --step-ms 0     # the host's own ceiling (a device that takes no time)
     python -m bench.stepper_host --http          # the same through a live server's /v1/completions
-    python -m bench.stepper_host --http --real-model .gpu/smollm2 --out $OUT/cb-http.md   # a real model (GPU)
+    python -m bench.stepper_host --http --real-model .gpu/smollm2 --out $OUT   # a real model (the GPU check)
 
 Why: on a GPU a graph-replayed step of 256 sequences takes ~4 ms (the shared anchor: 260 ms for 64 steps of
 256 on an H200), so 20,000+ output tokens/s is there only if the host does each step's work (launch, collect,
