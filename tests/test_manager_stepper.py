@@ -3,12 +3,12 @@ as `generate`, as new-token updates on the event loop, and cancel. A 2-layer Lla
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from batchserve.generation.engine import EngineConfig, build_stepper
 from batchserve.generation.manager_stepper import ManagerStepper
 from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from tests.test_slot_decoder import run_updates
 from tests.test_static_decode import PAD, model, prompts, reference  # noqa: F401 - model is a fixture
 
 
@@ -31,26 +31,13 @@ def test_manager_stepper_gives_generates_tokens_as_updates_and_cancels(model: An
     stepper = build_stepper(model, FakeTokenizer(model.config.vocab_size), cfg)
     assert isinstance(stepper, ManagerStepper) and stepper.capacity.max_sequence_tokens == 1024
 
-    async def main() -> dict[str, list[TokenUpdate]]:
-        seen: dict[str, list[TokenUpdate]] = {}
-        done = asyncio.Event()
+    def cancel_c(u: TokenUpdate, seen: dict[str, list[TokenUpdate]], waiting_for: set[str]) -> None:
+        if u.seq_id == "c" and sum(len(x.tokens) for x in seen["c"]) >= 2 and not u.finished:
+            stepper.cancel("c")
 
-        def deliver(updates: list[TokenUpdate]) -> None:
-            for u in updates:
-                seen.setdefault(u.seq_id, []).append(u)
-                if u.seq_id == "c" and sum(len(x.tokens) for x in seen["c"]) >= 2 and not u.finished:
-                    stepper.cancel("c")
-            if all(seen.get(k) and seen[k][-1].finished for k in ("a", "b")):
-                done.set()
-
-        stepper.start(asyncio.get_running_loop(), deliver)
-        for name, p in zip("abc", batch):
-            stepper.add(name, p, SamplingParams(max_tokens=8 if name != "c" else 16, temperature=0))
-        await asyncio.wait_for(done.wait(), 60)
-        await asyncio.to_thread(stepper.stop, 10)
-        return seen
-
-    seen = asyncio.run(main())
+    adds = [(name, p, SamplingParams(max_tokens=8 if name != "c" else 16, temperature=0))
+            for name, p in zip("abc", batch)]
+    seen = run_updates(stepper, adds, {"a", "b"}, react=cancel_c)
     for name, p in zip("ab", batch):
         assert [t for u in seen[name] for t in u.tokens] == reference(model, [p], None, 8)[0]
     assert not any(u.finished for u in seen.get("c", []))  # dropped, never finished

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -289,32 +289,14 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD, prefill_tokens=8)
     stepper = SlotStepper(dec, step_s=dec.warm())
 
-    async def main() -> dict[str, list[TokenUpdate]]:
-        seen: dict[str, list[TokenUpdate]] = {}
-        done = asyncio.Event()
-        live = {f"s{i}" for i in range(len(batch))} - {"s5"}
+    def cancel_s0(u: TokenUpdate, seen: dict[str, list[TokenUpdate]], waiting_for: set[str]) -> None:
+        if u.seq_id == "s0" and len(seen["s0"]) == 3:
+            stepper.cancel("s0")
+            waiting_for.discard("s0")
 
-        def deliver(updates: list[TokenUpdate]) -> None:
-            for u in updates:
-                seen.setdefault(u.seq_id, []).append(u)
-                if u.seq_id == "s0" and len(seen["s0"]) == 3:
-                    stepper.cancel("s0")
-                    live.discard("s0")
-                if u.finished:
-                    live.discard(u.seq_id)
-            if not live:
-                done.set()
-
-        stepper.start(asyncio.get_running_loop(), deliver)
-        for i, p in enumerate(batch):
-            stepper.add(f"s{i}", p, SamplingParams(max_tokens=10, temperature=0))
-        stepper.cancel("s5")  # 2 slots: s5 is still waiting to join
-        await asyncio.wait_for(done.wait(), 60)
-        await asyncio.sleep(0.05)
-        stepper.stop(5)
-        return seen
-
-    seen = asyncio.run(main())
+    adds = [(f"s{i}", p, SamplingParams(max_tokens=10, temperature=0)) for i, p in enumerate(batch)]
+    seen = run_updates(stepper, adds, {f"s{i}" for i in range(len(batch))} - {"s5"}, react=cancel_s0,
+                       after_adds=lambda: stepper.cancel("s5"))  # 2 slots: s5 is still waiting to join
     assert not stepper.is_running() and stepper.failure is None and stepper.kv_usage() == 0
     assert "s5" not in seen
     assert 3 <= len(seen["s0"]) < 10 and not any(u.finished for u in seen["s0"])
@@ -324,30 +306,46 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
         assert [t for u in updates for t in u.tokens] == alone(model, batch[i], None, 10)
 
 
-def run_stepper(stepper: SlotStepper, work: list[tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
-    """Every item added at once through the stepper's thread; each one's tokens."""
-    async def main() -> dict[str, list[int]]:
-        got: dict[str, list[int]] = {}
-        left = {str(i) for i in range(len(work))}
+def run_updates(stepper: Any, adds: list[tuple[str, list[int], SamplingParams]], waiting_for: set[str],
+                react: Callable[[TokenUpdate, dict[str, list[TokenUpdate]], set[str]], None] | None = None,
+                after_adds: Callable[[], None] | None = None, pause_s: float = 0.0) -> dict[str, list[TokenUpdate]]:
+    """Run a stepper (either kind) on an event loop: add each (id, prompt, params), `pause_s` apart, then call
+    `after_adds`; hand every update to `react` (which may cancel, and take the id out of `waiting_for`); stop
+    once every id in `waiting_for` has finished. Each id's updates."""
+    async def main() -> dict[str, list[TokenUpdate]]:
+        seen: dict[str, list[TokenUpdate]] = {}
         done = asyncio.Event()
 
         def deliver(updates: list[TokenUpdate]) -> None:
             for u in updates:
-                assert u.error is None, u.error
-                got.setdefault(u.seq_id, []).extend(u.tokens)
+                seen.setdefault(u.seq_id, []).append(u)
+                if react is not None:
+                    react(u, seen, waiting_for)
                 if u.finished:
-                    left.discard(u.seq_id)
-            if not left:
+                    waiting_for.discard(u.seq_id)
+            if not waiting_for:
                 done.set()
 
         stepper.start(asyncio.get_running_loop(), deliver)
-        for i, (prompt, params) in enumerate(work):
-            stepper.add(str(i), prompt, params)
+        for seq_id, prompt, params in adds:
+            stepper.add(seq_id, prompt, params)
+            if pause_s:
+                await asyncio.sleep(pause_s)
+        if after_adds is not None:
+            after_adds()
         await asyncio.wait_for(done.wait(), 60)
-        stepper.stop(5)
-        return got
+        await asyncio.sleep(0.05)  # what the stepper still sends for cancelled ones arrives (and must not finish)
+        await asyncio.to_thread(stepper.stop, 10)
+        return seen
 
     return asyncio.run(main())
+
+
+def run_stepper(stepper: SlotStepper, work: list[tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Every item added at once through the stepper's thread; each one's tokens."""
+    seen = run_updates(stepper, [(str(i), p, q) for i, (p, q) in enumerate(work)], {str(i) for i in range(len(work))})
+    assert all(u.error is None for updates in seen.values() for u in updates)
+    return {seq_id: [t for u in updates for t in u.tokens] for seq_id, updates in seen.items()}
 
 
 def test_long_sequences_left_in_high_slots_move_down_without_changing_a_token(model: Any) -> None:
@@ -397,26 +395,9 @@ def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     stepper = SlotStepper(dec, step_s=0.01)
     good = prompts(model, (4,))[0]
-
-    async def main() -> dict[str, list[TokenUpdate]]:
-        seen: dict[str, list[TokenUpdate]] = {}
-        finished = asyncio.Event()
-
-        def deliver(updates: list[TokenUpdate]) -> None:
-            for u in updates:
-                seen.setdefault(u.seq_id, []).append(u)
-            if all(seen.get(k) and seen[k][-1].finished for k in ("bad", "good")):
-                finished.set()
-
-        stepper.start(asyncio.get_running_loop(), deliver)
-        stepper.add("bad", [model.config.vocab_size + 5], SamplingParams(max_tokens=4, temperature=0))
-        await asyncio.sleep(0.2)
-        stepper.add("good", good, SamplingParams(max_tokens=4, temperature=0))
-        await asyncio.wait_for(finished.wait(), 30)
-        stepper.stop(5)
-        return seen
-
-    seen = asyncio.run(main())
+    adds = [("bad", [model.config.vocab_size + 5], SamplingParams(max_tokens=4, temperature=0)),
+            ("good", good, SamplingParams(max_tokens=4, temperature=0))]
+    seen = run_updates(stepper, adds, {"bad", "good"}, pause_s=0.2)
     assert seen["bad"][-1].error and seen["bad"][-1].tokens == []
     assert [t for u in seen["good"] for t in u.tokens] == alone(model, good, None, 4)
 
