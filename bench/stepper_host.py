@@ -47,7 +47,6 @@ if __package__ in (None, ""):  # run as `python bench/stepper_host.py`
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import math  # noqa: E402
-import random  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -61,6 +60,7 @@ from batchserve.generation.stepper import SamplingParams  # noqa: E402
 from batchserve.gc_tuning import tune_gc  # noqa: E402
 from batchserve.http.server import SWITCH_INTERVAL_S  # noqa: E402
 from bench import common, report, servers  # noqa: E402
+from bench.cb_compare import Workload, random_prompts  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -145,12 +145,9 @@ class DeviceStandIn:
         self.done[src] = True
 
 
-def workload(requests: int, seed: int) -> list[int]:
-    """cb-steady's max_tokens: 80 % 16, 20 % 256, shuffled."""
-    n_long = round(requests * 0.2)
-    lengths = [256] * n_long + [16] * (requests - n_long)
-    random.Random(seed).shuffle(lengths)
-    return lengths
+def workload(requests: int, seed: int) -> Workload:
+    """cb-steady's requests (cb_compare's mix: 80 % ask 16 tokens, 20 % 256), prompts of 64 random ids."""
+    return Workload.mixed(random_prompts(requests, 64, 40000, seed), seed=seed)
 
 
 async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: int) -> dict[str, Any]:
@@ -164,8 +161,7 @@ async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: i
     engine = Engine(EngineConfig(max_tokens=256, max_waiting=a.requests, queue_timeout_s=3600), tokenizer, stepper,
                     CollectorRegistry(), 8192, 49152)
     stepper.start(asyncio.get_running_loop(), engine._on_updates)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 40000) for _ in range(64)] for _ in range(a.requests)]
+    work = workload(a.requests, seed)
 
     async def read(seq: Any) -> int:
         return sum([1 async for d in engine.stream(seq) if d.text or d.finish_reason])
@@ -173,7 +169,7 @@ async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: i
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         seqs = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), streamed=streamed)
-                for p, n in zip(prompts, workload(a.requests, seed))]
+                for p, n in zip(work.prompts, work.max_tokens)]
         await asyncio.gather(*(read(s) for s in seqs))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
@@ -217,11 +213,11 @@ async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: 
 
     from bench.procstat import process_cpu_s
 
-    rng = random.Random(seed)
-    lengths = workload(a.requests, seed)
-    bodies = [{"prompt": [rng.randrange(100, 40000) for _ in range(64)], "max_tokens": n, "temperature": 0,
-               "stream": streamed, **({"stream_options": {"include_usage": True}} if streamed else {})}
-              for n in lengths]
+    work = workload(a.requests, seed)
+    lengths = work.max_tokens
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, "stream": streamed,
+               **({"stream_options": {"include_usage": True}} if streamed else {})}
+              for p, n in zip(work.prompts, lengths)]
 
     async def one(session: aiohttp.ClientSession, body: dict[str, Any]) -> int:
         async with session.post(base + "/v1/completions", json=body) as r:
