@@ -180,7 +180,7 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
                 seq.deltas.put_nowait(d)
 
         feeder = asyncio.create_task(feed())
-        async for raw in stream_events(None, seq, deltas[0], Answer(True, "c", "m", 0, 3), include_usage=True):
+        async for raw in stream_events(seq, deltas[0], Answer(True, "c", "m", 0, 3), include_usage=True):
             assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
             out.append("[DONE]" if raw == b"data: [DONE]\n\n" else orjson.loads(raw[6:]))
         await feeder

@@ -132,7 +132,7 @@ async def generate(request: Request, chat: bool) -> Response:
             cleanup(str(first.error.status))
             return error_response(OpenAIError.from_api(first.error), headers)
         if req.stream:
-            return SequenceStream(stream_events(engine, seq, first, answer, req.include_usage),
+            return SequenceStream(stream_events(seq, first, answer, req.include_usage),
                                   lambda: cleanup("200"), headers)
         text, delta = [first.text], first
         while delta.finish_reason is None and delta.error is None:
@@ -153,8 +153,7 @@ async def generate(request: Request, chat: bool) -> Response:
         raise
 
 
-async def stream_events(engine: Engine, seq: Sequence, first: Delta, answer: Answer,
-                        include_usage: bool) -> AsyncIterator[bytes]:
+async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usage: bool) -> AsyncIterator[bytes]:
     yield sse(answer.chunk("", role=True) if answer.chat else answer.chunk(""))
     delta = first
     while True:
