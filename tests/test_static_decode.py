@@ -114,6 +114,31 @@ def test_the_loop_stops_once_every_row_has_ended(model: Any) -> None:
     assert c.calls == 1 + max(ends)  # the prefill, then one step per token up to the last row's eos, not 39
 
 
+def test_a_lagged_check_costs_steps_only_when_the_last_row_ends_on_a_checks_step(model: Any) -> None:
+    """On a GPU a check reads the flags copied before its own step (so the device never waits for the host):
+    the same answers, the same stop, but for a batch whose last row ends on a check's very step, which stops
+    one check later. Run on the CPU with the lag turned on, all that differs on a GPU but the copy's event."""
+    row = prompts(model, (4,))[0]
+    free = reference(model, [row], eos=None, new=40)[0]
+    firsts = [k for k in range(4, 30) if free[k] not in free[:k]]  # token k may be the row's eos
+    on_a_check = next(k for k in firsts if (k + 1) % 4 == 0)  # the eos is made by a check's step
+    between = next(k for k in firsts if (k + 1) % 4 != 0)
+    for k, late in ((between, 0), (on_a_check, 4)):
+        answers, calls = {}, {}
+        for lagged in (False, True):
+            dec = StaticDecoder(model, 40, [free[k]], PAD, max_batch=3, fixed_shapes=True, prompt_buckets=(16,))
+            dec.warm()
+            dec.check_every = 4
+            for runner in dec.runners.values():
+                runner.lagged = lagged
+            with Counting(model) as c:
+                answers[lagged] = dec.generate([row] * 3)
+            calls[lagged] = c.calls  # the prefill (token 1) and a step per further token
+        assert answers[True] == answers[False] == [free[:k + 1]] * 3
+        assert calls[False] == -(-(k + 1) // 4) * 4, (k, calls)  # the first check after the eos
+        assert calls[True] == calls[False] + late, (k, calls)
+
+
 def test_a_stop_callback_ends_the_batch_between_steps(model: Any) -> None:
     asked = []
 
