@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib
 import json
 import math
 import os
@@ -57,9 +58,13 @@ def offline(a: argparse.Namespace) -> Offline:
     from batchserve.backends.smollm2 import SmolLM2Backend
     from batchserve.config import ModelSpec, Settings
 
-    settings = Settings(backend="smollm2", max_new_tokens=a.max_new_tokens, smollm2_dir=a.smollm2_dir,
+    settings = Settings(backend=a.backend, max_new_tokens=a.max_new_tokens, smollm2_dir=a.smollm2_dir,
                         decode=a.decode, max_batch_size=max(a.sizes))
-    backend = SmolLM2Backend.from_settings(ModelSpec("smollm2", backend="smollm2"), settings)
+    backend_class = SmolLM2Backend
+    if a.backend != "smollm2":  # package.module:Class, a SmolLM2Backend built by its from_settings
+        module, _, name = a.backend.partition(":")
+        backend_class = getattr(importlib.import_module(module), name)
+    backend = backend_class.from_settings(ModelSpec("smollm2", backend=a.backend), settings)
     device = backend.devices[0]
     backend.warm(device)
     decoder = backend.decoders[0] if backend.decoders else None
@@ -100,7 +105,7 @@ def offline_reference_s(off: Offline, batch_sizes: dict[str, int], mean_batch: f
 
 
 def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", "smollm2", "--generation", "off",
+    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", a.backend, "--generation", "off",
            "--executor", executor, "--decode", a.decode, "--max-new-tokens", str(a.max_new_tokens),
            "--max-batch-size", str(max(a.sizes)), "--slo-ms", str(a.slo_ms), "--timeout-ms", str(a.timeout_s * 1000),
            "--max-timeout-ms", str(a.timeout_s * 1000), "--jobs-db", ""]
@@ -152,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--decode", default="static", choices=("static", "generate"))
+    p.add_argument("--backend", default="smollm2",
+                   help="smollm2, or package.module:Class for a SmolLM2Backend subclass (bench/static_host.py's "
+                        "stood-in device)")
     p.add_argument("--smollm2-dir", default="",
                    help="transformers-format SmolLM2 (random weights when it has no weight files)")
     p.add_argument("--slo-ms", type=float, default=10000.0)
@@ -163,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     a.sizes = [int(s) for s in a.sizes.split(",")]
     started = common.stamp()
     settings = {k: v for k, v in vars(a).items() if k not in ("record", "out")}
+    if a.backend != "smollm2":
+        settings["STATIC_STAND_IN"] = os.environ.get("STATIC_STAND_IN", "")  # bench/static_host.py's device
     off = offline(a)
     rows: list[dict[str, Any]] = []
     out = a.out or (str(common.RESULTS / f"executor-{started}.md") if a.record else "")
@@ -192,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     offline_rows = "\n".join(f"| {n} | {s * 1000:.1f} |" for n, s in off.seconds.items())
     padding = (f"each read at the size it is padded to ({', '.join(map(str, off.padded_to))}), from the server's "
                "batch-size histogram" if off.padded_to else "the offline time at the mean size")
-    text = (f"# In-server vs offline batch time, smollm2 ({a.decode}, {a.max_new_tokens} new tokens)\n\n"
+    text = (f"# In-server vs offline batch time, {a.backend} ({a.decode}, {a.max_new_tokens} new tokens)\n\n"
             f"Offline (no server, median of {a.repeats}):\n\n| batch size | ms |\n|---|---|\n{offline_rows}\n\n"
             f"Under open-loop load, {a.duration:g} s a row (batch ms in server = mean backend time of a batch; "
             f"offline = the offline time of the same batches: {padding}; healthz = GET /healthz latency during "

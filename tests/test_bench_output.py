@@ -103,10 +103,27 @@ def test_the_executor_bench_times_the_real_backend_offline() -> None:
 
     from bench import executor_bench
 
-    a = argparse.Namespace(max_new_tokens=2, smollm2_dir="", decode="static", sizes=[1, 2], repeats=1)
+    a = argparse.Namespace(max_new_tokens=2, smollm2_dir="", decode="static", backend="smollm2", sizes=[1, 2], repeats=1)
     off = executor_bench.offline(a)
     assert sorted(off.seconds) == [1, 2] and all(0 < t < 60 for t in off.seconds.values())
     assert off.padded_to == ()  # the CPU runs a batch at its own size
+
+
+@pytest.mark.parametrize("lagged", ["0", "1"])
+def test_the_stood_in_gpu_runs_the_real_decode_loop(lagged: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/static_host.py: the smollm2 backend and `Runner.run` with a clock for a device. A batch takes at
+    least its device time (a prefill and a step per further token), padded to the GPU's buckets."""
+    import argparse
+
+    from bench import executor_bench
+
+    monkeypatch.setenv("STATIC_STAND_IN", f"step_ms=5,step_ms_per_row=0,prefill_ms=3,prefill_ms_per_row=0,"
+                                          f"host_prefill_ms=1,lagged={lagged}")
+    a = argparse.Namespace(max_new_tokens=9, smollm2_dir="", decode="static",
+                           backend="bench.static_host:StandInSmolLM2", sizes=[1, 8], repeats=1)
+    off = executor_bench.offline(a)
+    assert off.padded_to == (1, 8)
+    assert all(0.044 <= t < 5 for t in off.seconds.values()), off.seconds  # 3 + 1 ms, then 8 steps of 5 ms
 
 
 def test_the_server_histogram_gives_the_batches_of_each_size_bin() -> None:
