@@ -38,6 +38,7 @@ from batchserve.backends import all_callers_gone, pick_devices
 from batchserve.backends.smollm2 import SmolLM2Backend, load_tokenizer, source_dir
 from batchserve.backends.static_decode import PROMPT_BUCKETS, Runner, Shape, StaticDecoder, batch_buckets
 from batchserve.config import ModelSpec, Settings
+from bench.device_clock import DeviceClock
 
 ENV = "STATIC_STAND_IN"
 
@@ -65,26 +66,6 @@ class StandInParams:
         return p
 
 
-class Clock:
-    """The stood-in device's queue: when it has run everything launched so far, and how long it was busy."""
-
-    def __init__(self) -> None:
-        self.free_at = 0.0
-        self.busy_s = 0.0
-
-    def enqueue(self, seconds: float) -> float:
-        start = max(time.perf_counter(), self.free_at)
-        self.free_at = start + seconds
-        self.busy_s += seconds
-        return self.free_at
-
-    @staticmethod
-    def wait(due: float) -> None:
-        left = due - time.perf_counter()
-        if left > 0:
-            time.sleep(left)  # the lock released, as a CUDA event's or stream's wait
-
-
 def hold_lock_for(seconds: float, scratch: torch.Tensor) -> None:
     """Host work that holds the interpreter lock: tiny torch ops, as an eager forward's launches are."""
     until = time.perf_counter() + seconds
@@ -95,7 +76,7 @@ def hold_lock_for(seconds: float, scratch: torch.Tensor) -> None:
 class StandInRunner(Runner):
     """`Runner` with its device work stood in; `Runner.run` (the loop and its checks) is the real one."""
 
-    def __init__(self, shape: Shape, max_new: int, pad_id: int, clock: Clock, params: StandInParams) -> None:
+    def __init__(self, shape: Shape, max_new: int, pad_id: int, clock: DeviceClock, params: StandInParams) -> None:
         self.shape, self.max_new, self.pad_id = shape, max_new, pad_id
         self.clock, self.params = clock, params
         self.lagged = params.lagged
@@ -144,7 +125,7 @@ class StandInDecoder(StaticDecoder):
         self.kv_tokens = max_batch * (self.prompt_buckets[4] + self.max_new)
         self.check_every = 4  # GPU_CHECK_EVERY
         self.runners = {}
-        self.clock, self.params = Clock(), params
+        self.clock, self.params = DeviceClock(), params
 
     def warm(self) -> None:
         if not self.runners:

@@ -58,6 +58,7 @@ import numpy as np  # noqa: E402
 from batchserve.generation.slot_decoder import PREFILL_ROWS, SlotDecoder  # noqa: E402
 from batchserve.generation.stepper import SamplingParams  # noqa: E402
 from batchserve.gc_tuning import tune_gc  # noqa: E402
+from bench.device_clock import DeviceClock  # noqa: E402
 from batchserve.http.server import SWITCH_INTERVAL_S  # noqa: E402
 from bench import common, report, servers  # noqa: E402
 from bench.cb_compare import Workload, random_prompts  # noqa: E402
@@ -90,21 +91,12 @@ class DeviceStandIn:
         self.count = np.zeros(slots, dtype=np.int64)
         self.max_tokens = np.ones(slots, dtype=np.int64)
         self.done = np.ones(slots, dtype=bool)
-        self.free_at = 0.0  # when the device has run everything launched so far
-        self.busy_s = 0.0
+        self.clock = DeviceClock()
         self.steps = self.prefills = 0
 
-    def _enqueue(self, seconds: float) -> float:
-        start = max(time.perf_counter(), self.free_at)
-        self.free_at = start + seconds
-        self.busy_s += seconds
-        return self.free_at
-
-    @staticmethod
-    def _wait(due: float) -> None:
-        left = due - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+    @property
+    def busy_s(self) -> float:
+        return self.clock.busy_s
 
     def _advance(self, rows: np.ndarray | slice) -> None:
         live = ~self.done[rows]
@@ -116,12 +108,12 @@ class DeviceStandIn:
 
     def launch(self, rows: int, span: int, sampling: bool) -> StandInTicket:
         self.steps += 1
-        due = self._enqueue(self.step_s)
+        due = self.clock.enqueue(self.step_s)
         self._advance(slice(0, rows))
         return StandInTicket(rows, due, self._tokens(slice(0, rows)), self.done[:rows].copy())
 
     def collect(self, ticket: StandInTicket) -> tuple[list[int], list[bool]]:
-        self._wait(ticket.due)
+        self.clock.wait(ticket.due)
         return ticket.tokens.tolist(), ticket.done.tolist()
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
@@ -131,7 +123,8 @@ class DeviceStandIn:
         self.count[index] = 0
         self.max_tokens[index] = [q.max_tokens for q in params]
         self.done[index] = False
-        self._wait(self._enqueue(self.prefill_s))  # a prefill's first tokens are read at once (as the real one)
+        # a prefill's first tokens are read at once (as the real one)
+        self.clock.wait(self.clock.enqueue(self.prefill_s))
         self._advance(index)
         return self._tokens(index).tolist(), self.done[index].tolist()
 
