@@ -30,13 +30,14 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
 
 from batchserve.backends import all_callers_gone, pick_devices
 from batchserve.backends.smollm2 import SmolLM2Backend, load_tokenizer, source_dir
-from batchserve.backends.static_decode import PROMPT_BUCKETS, Runner, Shape, StaticDecoder, batch_buckets
+from batchserve.backends.static_decode import GPU_CHECK_EVERY, Runner, Shape, StaticDecoder
 from batchserve.config import ModelSpec, Settings
 from bench.device_clock import DeviceClock
 
@@ -114,17 +115,10 @@ class StandInDecoder(StaticDecoder):
 
     def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, max_batch: int,
                  params: StandInParams) -> None:
-        self.device = torch.device("cpu")
-        self.max_new = max(1, max_new_tokens)
-        self.eos_ids = sorted({int(e) for e in eos_ids})
-        self.pad_id = int(pad_id)
-        self.max_batch = max_batch
-        self.batch_buckets = batch_buckets(max_batch)
-        self.prompt_buckets = PROMPT_BUCKETS
-        self.use_graphs = self.fixed_shapes = True
-        self.kv_tokens = max_batch * (self.prompt_buckets[4] + self.max_new)
-        self.check_every = 4  # GPU_CHECK_EVERY
-        self.runners = {}
+        super().__init__(SimpleNamespace(device=torch.device("cpu")), max_new_tokens, eos_ids, pad_id,
+                         max_batch=max_batch, use_graphs=False, fixed_shapes=True)
+        self.use_graphs = True  # as on a GPU: the backend's warm() times every batch bucket
+        self.check_every = GPU_CHECK_EVERY
         self.clock, self.params = DeviceClock(), params
 
     def warm(self) -> None:
