@@ -86,7 +86,7 @@ class Settings:
                                 "architecture (benchmarks where the weights cannot go)")
     weights_cache: str = knob("~/.cache/batchserve", "smollm2: where the GGUF's weights and tokenizer are kept "
                                                    "once converted to transformers' format, so a restart loads "
-                                                   "them in seconds (the conversion takes ~30 s on a CPU); "
+                                                   "them in seconds (the conversion takes ~15 s on a CPU); "
                                                    "empty = convert at every start")
     decode: str = knob("static", "smollm2: how a batch is decoded: static = one prefill, then a static-KV decode "
                                  "loop (its step a CUDA graph on a GPU), stopping when every row has ended; "

@@ -12,15 +12,17 @@ padded to a long one. Between two decode steps, a batch whose callers have all l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from batchserve.backends import all_callers_gone, pick_devices
 from batchserve.config import ModelSpec, Settings
@@ -47,10 +49,43 @@ def weights_dir() -> str:
     return path
 
 
+_GGUF_LOAD = threading.Lock()
+
+
+@contextlib.contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """Within it, the GGUF is parsed once. transformers parses a GGUF's metadata afresh for each thing it reads
+    from it (config, weights, tokenizer: ~10 s each here, SmolLM2's 49,152-token vocabulary being fields) and
+    builds gguf's tensor-name map afresh for each of its ~400 tensors (~13 s); both are pure functions of their
+    arguments, so they are memoized on the `gguf` package (where transformers imports them from at each call)
+    for the duration, then put back. Loads inside it are serialized. Without the `gguf` package, a no-op."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    with _GGUF_LOAD:
+        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple[str, str], Any] = {}
+
+        def reader(path: Any, mode: str = "r") -> Any:
+            key = (os.path.realpath(os.fspath(path)), mode)
+            if key not in readers:
+                readers[key] = real_reader(path, mode)
+            return readers[key]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 def converted_dir(cache: str) -> str:
     """The GGUF's weights and tokenizer in transformers' format, converted once into `cache` (a directory per
-    GGUF file and transformers version) and read from there afterwards: de-quantizing the GGUF costs ~30 s of
-    CPU at every start otherwise, and the server loads it once per replica (batch model and generation engine).
+    GGUF file and transformers version) and read from there afterwards: reading the GGUF costs ~20 s of CPU at
+    every start otherwise (~1-2 s from the copy), and the server loads it once per replica (batch model and
+    generation engine).
     "" when `cache` is empty or cannot be written (the caller then reads the GGUF itself)."""
     if not cache:
         return ""
@@ -77,12 +112,14 @@ def converted_dir(cache: str) -> str:
     try:
         # float32 holds the de-quantized values exactly: the copy answers as the GGUF does. The GGUF "quantizer"
         # only de-quantized at load time (the weights are plain tensors now); it is dropped so the model saves.
-        model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
+        with gguf_read_once():
+            model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
         os.replace(staging, target)  # atomic: a reader sees the whole copy or none
     except OSError as err:
         if not os.path.exists(os.path.join(target, "config.json")):  # not merely another process first
@@ -103,8 +140,11 @@ def load_tokenizer(model_dir: str = "") -> Any:
     """SmolLM2's tokenizer: from the GGUF, or from a transformers-format `model_dir` (`--smollm2-dir`)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir) if model_dir else \
-        AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
+    if model_dir:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    else:
+        with gguf_read_once():
+            tok = AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
     tok.padding_side = "left"  # decoder-only generation continues from the right edge
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -120,7 +160,8 @@ def load_model(device: str, model_dir: str = "") -> Any:
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if not model_dir:
-        model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=dtype)
+        with gguf_read_once():
+            model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=dtype)
     elif any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model_dir)):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:
