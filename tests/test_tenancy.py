@@ -182,10 +182,13 @@ def test_lower_tiers_are_shed_first(tmp_path, server_factory):
     ent = add_key(config, "e", "enterprise")
     server = server_factory("--config", str(config), "--allow-anonymous", "--devices", "1",
                             "--max-batch-size", "1", "--slo-ms", "1000", "--sim-hang-marker", "HANG",
-                            "--sim-hang-ms", "800", "--gpu-timeout-ms", "60000", "--timeout-ms", "20000")
+                            "--sim-hang-ms", "2500", "--gpu-timeout-ms", "60000", "--timeout-ms", "20000")
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
+            # The hang holds the device while the burst arrives, and must not end before it: its 2.5 s batch,
+            # once finished, is learned as the batch time and would refuse all but one (seen once, 800 ms long,
+            # on a loaded machine).
             hang = asyncio.ensure_future(post(s, server.url, "HANG"))
             await asyncio.sleep(0.3)
             # 30 arrivals in a moment against a capacity of 10/s: pressure, so the tiers' bounds apply.
