@@ -31,13 +31,13 @@ import os
 import time
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from batchserve.backends import all_callers_gone, pick_devices
 from batchserve.backends.smollm2 import SmolLM2Backend, load_tokenizer, source_dir
-from batchserve.backends.static_decode import GPU_CHECK_EVERY, Runner, Shape, StaticDecoder
+from batchserve.backends.static_decode import GPU_CHECK_EVERY, FlagsCopy, Runner, Shape, StaticDecoder
 from batchserve.config import ModelSpec, Settings
 from bench.device_clock import DeviceClock
 
@@ -74,6 +74,17 @@ def hold_lock_for(seconds: float, scratch: torch.Tensor) -> None:
         scratch.add_(1)
 
 
+@dataclass
+class FlagsDue:
+    """A stood-in copy of the finished flags: there once the device has run the step it was queued behind."""
+
+    clock: DeviceClock
+    due: float
+
+    def synchronize(self) -> None:
+        self.clock.wait(self.due)
+
+
 class StandInRunner(Runner):
     """`Runner` with its device work stood in; `Runner.run` (the loop and its checks) is the real one."""
 
@@ -98,12 +109,12 @@ class StandInRunner(Runner):
         p = self.params
         self.clock.enqueue((p.step_ms + p.step_ms_per_row * self.shape.batch) / 1000)
 
-    def snapshot_finished(self) -> Any:
-        return self.clock.free_at  # the flags of the newest step launched
+    def snapshot_finished(self) -> "FlagsDue":
+        return FlagsDue(self.clock, self.clock.free_at)  # the flags of the newest step launched
 
-    def all_finished(self, snapshot: Any) -> bool:
-        self.clock.wait(snapshot)
-        return False
+    def all_finished(self, snapshot: FlagsCopy) -> bool:
+        snapshot.synchronize()
+        return False  # rows never end early here
 
     def finish(self, steps: int) -> list[list[int]]:
         self.clock.wait(self.clock.free_at)

@@ -38,7 +38,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -49,6 +49,20 @@ PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # prompt tokens; the chat temp
 GPU_CHECK_EVERY = 4  # decode steps between "all finished?" checks on a GPU (each is a host sync)
 
 StopCheck = Callable[[], bool]
+
+
+class FlagsCopy(Protocol):
+    """A copy of the finished flags on its way to the host: a CUDA event recorded behind it, or one already
+    made."""
+
+    def synchronize(self) -> None: ...
+
+
+class MadeAlready:
+    """The copy was made at once (a CPU): nothing to wait for."""
+
+    def synchronize(self) -> None:
+        return None
 
 
 def bucket_up(n: int, buckets: Sequence[int]) -> int | None:
@@ -213,21 +227,19 @@ class Runner:
         else:
             self.decode_step()
 
-    def snapshot_finished(self) -> Any:
-        """Queue a copy of the rows' finished flags to the host; what `all_finished` later waits for and
-        reads. On a CPU the copy is made at once (nothing to wait for)."""
+    def snapshot_finished(self) -> FlagsCopy:
+        """Queue a copy of the rows' finished flags to the host, for `all_finished` to wait for and read."""
         if not self.done.is_cuda:
             self.done_host.copy_(self.done)
-            return None
+            return MadeAlready()
         self.done_host.copy_(self.done, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return event
 
-    def all_finished(self, snapshot: Any) -> bool:
+    def all_finished(self, snapshot: FlagsCopy) -> bool:
         """Whether every row had finished when `snapshot` was taken (waits for it with the lock released)."""
-        if snapshot is not None:
-            snapshot.synchronize()
+        snapshot.synchronize()
         return bool(self.done_host.all())
 
     def finish(self, steps: int) -> list[list[int]]:
@@ -245,12 +257,11 @@ class Runner:
         steps = 1
         while steps < self.max_new:
             checks = (steps + 1) % check_every == 0 and steps + 1 >= min_tokens and steps + 1 < self.max_new
-            snapshot = self.snapshot_finished() if checks and self.lagged else None
+            earlier = self.snapshot_finished() if checks and self.lagged else None
             self.step_once()
             steps += 1
             if checks:
-                if not self.lagged:
-                    snapshot = self.snapshot_finished()
+                snapshot = earlier if earlier is not None else self.snapshot_finished()
                 if self.all_finished(snapshot) or (should_stop is not None and should_stop()):
                     break
         return self.finish(steps), steps
