@@ -66,9 +66,9 @@ def gguf_read_once() -> Iterator[None]:
         return
     with _GGUF_LOAD:
         real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-        readers: dict[tuple[str, str], Any] = {}
+        readers: dict[tuple[str, str], gguf.GGUFReader] = {}
 
-        def reader(path: Any, mode: str = "r") -> Any:
+        def reader(path: os.PathLike[str] | str, mode: str = "r") -> gguf.GGUFReader:
             key = (os.path.realpath(os.fspath(path)), mode)
             if key not in readers:
                 readers[key] = real_reader(path, mode)
