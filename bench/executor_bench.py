@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib
 import json
 import math
 import os
@@ -55,15 +54,14 @@ class Offline:
 
 def offline(a: argparse.Namespace) -> Offline:
     """Median seconds of `backend.run` per batch size, in this process (no server), and the backend's padding."""
+    from batchserve.backends import resolve_backend
     from batchserve.backends.smollm2 import SmolLM2Backend
     from batchserve.config import ModelSpec, Settings
 
     settings = Settings(backend=a.backend, max_new_tokens=a.max_new_tokens, smollm2_dir=a.smollm2_dir,
                         decode=a.decode, max_batch_size=max(a.sizes))
-    backend_class = SmolLM2Backend
-    if a.backend != "smollm2":  # package.module:Class, a SmolLM2Backend built by its from_settings
-        module, _, name = a.backend.partition(":")
-        backend_class = getattr(importlib.import_module(module), name)
+    backend_class = resolve_backend(a.backend).target  # smollm2, or a SmolLM2Backend subclass (static_host)
+    assert isinstance(backend_class, type) and issubclass(backend_class, SmolLM2Backend), a.backend
     backend = backend_class.from_settings(ModelSpec("smollm2", backend=a.backend), settings)
     device = backend.devices[0]
     backend.warm(device)
