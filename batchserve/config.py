@@ -128,8 +128,9 @@ class Settings:
     generation_cuda_graphs: bool = knob(True, "generation on CUDA: replay each decode step as a CUDA graph; "
                                               "no effect on a CPU")
     generation_max_seqs: int = knob(0, "most sequences generating at once (0 = auto: 256 on a GPU, fewer where "
-                                       "the KV capacity holds fewer slots; on a CPU 8 with the slots engine, what "
-                                       "the 16384-token KV capacity holds, and 64 with the manager)")
+                                       "the KV capacity holds fewer slots; on a CPU the slots engine has as many "
+                                       "slots as its 16384-token KV capacity holds, 8 of --generation-max-context "
+                                       "2048, and the manager 64)")
     generation_queue_timeout_ms: float = knob(30000.0, "longest wait for KV-cache capacity before a sequence "
                                                        "starts; a longer predicted wait gets 503 at the door")
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
