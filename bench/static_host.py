@@ -57,13 +57,12 @@ class StandInParams:
     def from_env(cls) -> "StandInParams":
         """`STATIC_STAND_IN="step_ms=3.4,lagged=0"`: any of the fields, comma-separated."""
         p = cls()
-        names = {f.name: f.type for f in fields(cls)}
+        names = [f.name for f in fields(cls)]
         for item in filter(None, os.environ.get(ENV, "").split(",")):
-            key, _, value = item.partition("=")
-            if key.strip() not in names:
+            key, _, value = (part.strip() for part in item.partition("="))
+            if key not in names:
                 raise ValueError(f"{ENV}: unknown {key!r} (known: {', '.join(names)})")
-            setattr(p, key.strip(), value.strip() not in ("0", "false") if key.strip() == "lagged"
-                    else float(value))
+            setattr(p, key, value not in ("0", "false") if key == "lagged" else float(value))
         return p
 
 
