@@ -23,5 +23,5 @@ echo "wheels: ${pins[*]}"
 "$PY" -m bench.gpu_prep .gpu/smollm2
 du -sh .whl .gpu
 echo
-echo "device call: run(command=\"COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- batchserve bench || echo +dirty) bash bench/gpu_check.sh\", carry=[\".whl\", \".gpu\"], timeout_s=330)"
+echo "device call: run(command=\"COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- batchserve bench || echo +dirty) bash bench/gpu_check.sh\", carry=[\".whl\", \".gpu\"], timeout_s=370)"
 echo "second call (process executor, generation over HTTP): run(command=\"COMMIT=$(git rev-parse --short HEAD) PARTS=process,cbhttp bash bench/gpu_check.sh\", carry=[\".whl\", \".gpu\"], timeout_s=300)"

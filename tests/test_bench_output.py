@@ -157,3 +157,40 @@ def test_a_padding_backend_is_compared_at_the_sizes_its_batches_ran() -> None:
     # a padded size inside a bin (a max batch of 40: bin 33-48 holds batches run at 40 and at 48): the mean size
     seconds, how = offline_reference_s(Offline({32: 0.25, 40: 0.26}, (1, 8, 16, 32, 40)), {"48": 2}, 36)
     assert how == "mean size"
+
+
+def test_the_agreement_check_tells_a_broken_path_from_rounding() -> None:
+    """bench/gpu_agree.py (the GPU check's first part): every greedy request must match the reference; a seeded
+    sampled one may part where a draw sits on a boundary, but only rarely."""
+    from bench.gpu_agree import compare, differences
+
+    assert [vars(d) for d in differences([[1, 2, 3], [4, 5]], [[1, 2, 3], [4]])] == [
+        {"index": 1, "first": 1, "reference_len": 2, "candidate_len": 1}]
+    reference = [[7, i, 2] for i in range(20)]
+    sampled = set(range(10, 20))
+    same = compare("slots", "graphs", reference, [list(r) for r in reference], sampled, [2])
+    assert same["agree"] and same["ended_at_eos"] == 20 and same["greedy_identical"] == 10
+    one_greedy = [list(r) for r in reference]
+    one_greedy[3][1] = 99
+    row = compare("slots", "graphs", reference, one_greedy, sampled, [2])
+    assert not row["agree"] and row["first_diffs"][0]["index"] == 3 and row["first_diffs"][0]["first"] == 1
+    one_sampled = [list(r) for r in reference]
+    one_sampled[12][2] = 5
+    assert compare("slots", "graphs", reference, one_sampled, sampled, [2])["agree"]  # 9 of 10 sampled
+    one_sampled[15][0] = 5
+    assert not compare("slots", "graphs", reference, one_sampled, sampled, [2])["agree"]  # 8 of 10
+
+
+def test_the_agreement_check_runs_both_paths_on_the_cpu(tmp_path: Path) -> None:
+    # On a CPU the candidate is the same code at exact shapes against the GPU's padded ones: they must agree,
+    # and the run must exercise what it claims (rows ending at EOS, sampled requests, more requests than slots).
+    import json
+
+    from bench import gpu_agree
+
+    out = tmp_path / "agree.md"
+    assert gpu_agree.main(["--device", "cpu", "--tiny", "--slots", "8", "--requests", "16", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["path"] for r in rows] == ["static", "slots"] and all(r["agree"] for r in rows)
+    assert all(r["ended_at_eos"] > 0 for r in rows) and rows[1]["sampled"] > 0 and rows[1]["requests"] == 16
+    assert "**yes**" in out.read_text()
