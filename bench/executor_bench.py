@@ -113,7 +113,7 @@ def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["executor", "rate", "achieved/s", "ok/sent", "errors", "p50 ms", "p95 ms", "server p95 ms", "mean batch",
             "batch ms in server", "batch ms offline", "in/off", "offline at mean size", "server cores",
-            "healthz p50/p99/max ms"]
+            "healthz p50/p99/max ms", "ready s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
@@ -121,7 +121,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{r['p50_ms']} | {r['p95_ms']} | {r['server_p95_ms']} | {r['mean_batch']} | {r['batch_ms']} | "
                      f"{r['offline_ms']} | {r['ratio']} | {r.get('offline_mean_size_ms', '')} | "
                      f"{r['server_cores']} | "
-                     f"{r['healthz_p50_ms']}/{r['healthz_p99_ms']}/{r['healthz_max_ms']} |")
+                     f"{r['healthz_p50_ms']}/{r['healthz_p99_ms']}/{r['healthz_max_ms']} | {r.get('ready_s', '')} |")
     return "\n".join(lines)
 
 
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         timeout_s=a.timeout_s))
                     d = row.as_dict()
                     d["executor"] = executor
+                    d["ready_s"] = round(server.ready_s, 1)  # start to /readyz: a spawned child loads and warms
                     reference, d["offline_read"] = offline_reference_s(off, row.batch_sizes, row.mean_batch)
                     d["offline_ms"] = round(reference * 1000, 1)
                     d["offline_mean_size_ms"] = round(interpolate(off.seconds, row.mean_batch) * 1000, 1)
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Offline (no server, median of {a.repeats}):\n\n| batch size | ms |\n|---|---|\n{offline_rows}\n\n"
             f"Under open-loop load, {a.duration:g} s a row (batch ms in server = mean backend time of a batch; "
             f"offline = the offline time of the same batches: {padding}; healthz = GET /healthz latency during "
-            "the load):\n\n"
+            "the load; ready s = from the server's start to /readyz 200):\n\n"
             f"{table(rows)}\n\n```\n{json.dumps({'machine': machine(), 'settings': settings}, indent=1)}\n```\n")
     print("\n" + text)
     if out:

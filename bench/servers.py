@@ -36,6 +36,7 @@ class Server:
     proc: subprocess.Popen | None = None
     port: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    ready_s: float = 0.0  # from the process's start to /readyz answering 200 (loading, warm-up, graph capture)
 
     @property
     def pid(self) -> int:
@@ -81,6 +82,7 @@ def start(name: str, cmd: list[str], log_dir: Path, timeout_s: float = START_TIM
             if found:
                 server.port = int(found.group(1))
         if server.port and ready(server.base):
+            server.ready_s = time.monotonic() - server.started_at
             return server
         time.sleep(0.1)
     stop(server)
