@@ -17,18 +17,20 @@
 #                 cb-steady.md: the slot stepper on 1,536 such requests, so 256 sequences run most of the time
 #                 (with 384, 77 long ones make most of the run). Goal: >= 20,000 tokens/s at 256.
 #   3. server.md  `batchserve serve --backend smollm2 --smollm2-dir .gpu/smollm2` (static decode, thread
-#                 executor) under open-loop load at 100, 200 and 300 requests/s: achieved rate, p95 (client and server), mean batch, batch time in the server vs offline,
-#                 server CPU, /healthz latency during the load. Goals: in-server within 1.1 x offline; >= 300/s
+#                 executor) under open-loop load at 100, 200 and 300 requests/s: achieved rate, p95 (client
+#                 and server), mean batch, batch time in the server vs offline, server CPU, /healthz latency
+#                 during the load, seconds to ready. Goals: in-server within 1.1 x offline; >= 300/s
 #                 at p95 <= 3 x the batch time.
 #
 # PARTS picks and orders the parts (default "agree,static,cb,server"); each runs under its own timeout, so the
-# whole call stays within about 6 minutes. A second call, PARTS=process,cbhttp (~4.5 minutes), measures the process executor
-# alone at 300/s, and generation end to end: `bench/stepper_host.py --http --real-model` (a live server with
-# --generation on, the cb-steady work as OpenAI completions, streamed and whole; stepper-host-*.md).
+# whole call stays within about 6 minutes. A second call, PARTS=process,cbhttp (~4.5 minutes), measures the
+# process executor alone at 300/s, and generation end to end: `bench/stepper_host.py --http --real-model` (a
+# live server with --generation on, the cb-steady work as OpenAI completions, streamed and whole;
+# stepper-host-*.md).
 # Prepare here first:  bash bench/gpu_prep.sh          (wheels into .whl/, tokenizer + config into .gpu/)
 # Device run (see bench/README.md): command "COMMIT=<short hash> bash bench/gpu_check.sh", carry [".whl", ".gpu"],
 # timeout_s 370 (bench/gpu_prep.sh prints it with the current commit)
-# CPU smoke test of this same script (tiny sizes, under a minute):  bash bench/gpu_check.sh --cpu
+# CPU smoke test of this same script (tiny sizes, ~80 s):  bash bench/gpu_check.sh --cpu
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
