@@ -16,10 +16,22 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch):
+    import gguf
     import transformers
 
+    parses: list[str] = []
+
+    class CountedReader(gguf.GGUFReader):  # the real parser, counted (gguf_read_once memoizes it)
+        def __init__(self, path, *args, **kwargs):
+            parses.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
     gguf_model = smollm2.load_model("cpu", "")  # read from the GGUF itself
+    assert len(parses) == 1, parses  # config and weights from one parse (transformers alone parses per read)
     from_gguf = smollm2.load_tokenizer("")
+    assert len(parses) == 2, parses
+    monkeypatch.undo()
     read_model = transformers.AutoModelForCausalLM.from_pretrained
     read_tokenizer = transformers.AutoTokenizer.from_pretrained
 
