@@ -276,8 +276,10 @@ class Batcher:
         limit = self.limit(key[0])
         # An item whose deadline falls before a batch formed now would end is answered 504 here, not sent: its
         # answer would come too late, and its place goes to an item that can still make it (under overload,
-        # batches of items that expire while they run would serve nobody: goodput would collapse).
-        ends = now + self.batch_s.at(key[0], min(limit, len(q)))
+        # batches of items that expire while they run would serve nobody: goodput would collapse). The batch's
+        # least expected time (`lower_bound`), so that a time learned from one slow batch cannot drop every item
+        # and leave nothing running to correct it.
+        ends = now + self.batch_s.lower_bound(key[0], min(limit, len(q)))
         while len(items) < limit:
             item = q.pop()
             if item is None:

@@ -40,6 +40,18 @@ def test_the_seed_holds_until_a_batch_is_measured() -> None:
     assert times.at(M, 1) == times.at(M, 100) == 0.2  # one point: flat both ways, the seed is forgotten
 
 
+def test_the_least_expected_time_is_never_above_the_seed() -> None:
+    # One slow first batch must not make every deadline look unmeetable: nothing would run to correct it.
+    times = BatchTimes(100, {M: 0.1})
+    assert times.lower_bound(M, 1) == 0.1
+    times.observe(M, 1, 2.5)  # a cold or hung first batch
+    assert times.at(M, 1) == times.at(M, 100) == 2.5 and times.lower_bound(M, 1) == times.lower_bound(M, 100) == 0.1
+    for _ in range(30):
+        times.observe(M, 1, 0.04)
+    assert times.lower_bound(M, 1) == times.at(M, 1) < 0.1  # faster than the seed: what was learned
+    assert BatchTimes(100).lower_bound(M, 1) == BatchTimes(100).at(M, 1)  # no seed: the learned (or default)
+
+
 def test_between_points_the_time_is_interpolated_by_size() -> None:
     times = gpu_like()
     assert times.at(M, 1) == pytest.approx(0.020)

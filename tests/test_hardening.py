@@ -242,6 +242,18 @@ def test_small_refusals_json_type_echoes_and_unmeetable_deadlines(server_factory
         assert r.status_code == 504 and "retry_after_ms" not in r.json() and "retry-after" not in r.headers
 
 
+def test_one_slow_first_batch_does_not_shut_the_door_for_good(server_factory):
+    # The first batch hangs past the default 2 s timeout and is learned as the batch time of a lone input; a
+    # deadline shorter than that is still not "unmeetable": the next request runs and answers in ~100 ms.
+    s = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2500",
+                       "--gpu-timeout-ms", "60000")
+    with s.client() as c:
+        assert c.post("/v1/inference", json={"input": "HANG"}).status_code == 504
+        wait_for(lambda: c.get("/internal/health").json()["batch_ms_by_size"]["sim@v1"].get("1", 0) > 2000)
+        r = c.post("/v1/inference", json={"input": "hello"})
+        assert r.status_code == 200 and r.json()["output"] == "olleh", r.text
+
+
 # -- 10. operational routes --------------------------------------------------------------------------------------
 def test_operational_routes_need_the_metrics_key(server_factory):
     s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--metrics-key", "ops-secret")

@@ -210,6 +210,18 @@ def test_an_item_that_would_expire_while_its_batch_runs_gives_its_place_away(loo
     assert b.total_depth() == 0
 
 
+def test_a_batch_time_learned_from_one_slow_batch_does_not_drop_what_the_seed_allows(loop):
+    # S(1) learned as 2.5 s from one slow batch; the seed (0.1 s) says a batch may well take 0.1 s: an item with
+    # 1 s left runs (and its batch corrects S), where dropping it would leave nothing to ever correct it.
+    clock = Clock()
+    b = make_batcher(clock, max_batch=2)
+    b.batch_s.observe("m", 1, 2.5)
+    item = make_item(loop, "a", arrived=clock.now, deadline=clock.now + 1.0)
+    b.submit(item)
+    batch = b.take_now(0)
+    assert batch is not None and batch.items == [item] and not item.future.done()
+
+
 def test_the_least_recently_served_model_goes_first_among_due_queues(loop):
     clock = Clock()
     b = make_batcher(clock, models=("busy", "quiet"))
@@ -366,6 +378,23 @@ def test_admission_refuses_what_would_miss_the_deadline(loop):
     assert refused.value.status == 503 and refused.value.code == "SERVICE_OVERLOADED"
     assert refused.value.retry_after_ms > 0
     adm.admit("m", PAID, "t", deadline_s=1.0)  # the same wait fits a longer deadline
+
+
+def test_a_stale_slow_batch_time_does_not_refuse_what_a_free_worker_can_try(loop):
+    # S learned from one slow batch (2.5 s) against a seed of 0.1 s: a 1 s deadline is not unmeetable, and with
+    # a free worker and nothing ahead the item is admitted (its run corrects S); with work ahead it is refused.
+    clock = Clock()
+    adm = make_admission(loop, clock, FakeCapacity())
+    adm.batcher.batch_s.observe("m", 1, 2.5)
+    adm.admit("m", PAID, "t", deadline_s=1.0)
+    with pytest.raises(ApiError) as refused:
+        adm.admit("m", PAID, "t", deadline_s=0.05)  # below even the seed: no batch can meet it
+    assert refused.value.status == 504
+    busy = make_admission(loop, clock, FakeCapacity(until_free=0.05))
+    busy.batcher.batch_s.observe("m", 1, 2.5)
+    with pytest.raises(ApiError) as refused:
+        busy.admit("m", PAID, "t", deadline_s=1.0)
+    assert refused.value.status == 503
 
 
 def test_a_burst_within_capacity_is_queued_not_shed(loop):

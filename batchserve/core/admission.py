@@ -8,7 +8,8 @@ It is always checked against the request's own deadline. Under pressure — arri
 workers can serve, or a worker lost — it is also checked against `slo_ms x slack x tier factor`, so the lower
 tiers are refused first and admitted requests stay near the objective. Without pressure a passing burst is
 queued, not refused: the queue drains by itself, and refusing the tail of a burst would turn a few slow answers
-into errors.
+into errors. A free worker with nothing queued ahead admits what its deadline might allow (the quickest a
+batch of one may take, `BatchTimes.lower_bound`): only running corrects a batch time learned from one slow batch.
 
 Everything here is policy over numbers: the clock is injected, the pool is seen through `Capacity`, so the
 unit tests drive it without a server, threads or sleeps.
@@ -106,7 +107,7 @@ class Admission:
             self.check_open()  # raises the 503 that says which
         assert capacity is not None
         batch_s = batcher.batch_s[model]
-        fastest_s = batcher.batch_s.at(model, 1)  # a batch of one: the quickest any answer can come
+        fastest_s = batcher.batch_s.lower_bound(model, 1)  # a batch of one: the quickest any answer can come
         if deadline_s < fastest_s:  # not even an idle worker could answer in time: retrying would not help
             raise errors.deadline_unmeetable(fastest_s * 1000)
         if batcher.depth.get(model, 0) >= self.max_queue:
@@ -123,7 +124,10 @@ class Admission:
         # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
         # then allow at most one batch ahead of this one.
         bound_s = max(bound_s, 2 * batch_s)
-        if predicted > min(bound_s, deadline_s):
+        # A free worker and nothing ahead: this item runs now, and running is what corrects a stale estimate
+        # (refused, a batch time learned from one slow batch would refuse every request for good).
+        idle = ahead == 0 and capacity.seconds_until_free(now) <= 0
+        if predicted > min(bound_s, deadline_s) and not idle:
             limit = "deadline" if deadline_s < bound_s else "latency objective"
             raise errors.overloaded(
                 f"predicted latency {predicted * 1000:.0f} ms would miss the request's {limit}",

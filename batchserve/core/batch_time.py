@@ -103,6 +103,16 @@ class BatchTimes:
             return secs[lo] + (secs[i] - secs[lo]) * (n - sizes[lo]) / (sizes[i] - sizes[lo])
         return secs[lo] + line.slope * (n - sizes[lo])
 
+    def lower_bound(self, model: str, size: int) -> float:
+        """The least a batch of `size` may be expected to take, for refusing or dropping work that could not
+        finish in time: the learned S(size), or the seed (the backend's own guess, or its warm-up time) where
+        that is lower. Not the learned S alone: one slow first batch (a cold start, a hang that ended) set it,
+        every request was then refused at the door or dropped before its batch, and with nothing running
+        nothing could teach it otherwise: the model refused all traffic for good."""
+        learned = self.at(model, size)
+        seed = self.seeds.get(model)
+        return learned if seed is None else min(learned, seed)
+
     def by_size(self, model: str) -> dict[int, float]:
         """The measured points, mean size (rounded) to seconds: what /internal/health shows."""
         return {round(p.size): p.seconds for p in sorted(self.points.get(model, {}).values(), key=lambda p: p.size)}
