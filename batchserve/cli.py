@@ -1,7 +1,11 @@
 """`batchserve serve`: flags generated from `config.Settings`, each with a BATCHSERVE_* twin.
 
 Exit codes: 0 after a clean stop, 1 when the server could not start (one line says why), 2 for a usage or
-configuration mistake (caught before the port opens) and for `batchserve` with no command (it prints help).
+configuration mistake (caught before the port opens), for a backend that cannot load or warm (after the port
+opened: /healthz answers while the models load) and for `batchserve` with no command (it prints help).
+
+A mistake prints one line (`batchserve serve: error: ...`) and a hint to `-h`, never the whole usage: with ~60
+flags the usage buried the line that matters.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import importlib.metadata
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from batchserve import plan
 from batchserve.config import Settings, cli_fields, env_defaults, env_name, env_sources, flag_name
@@ -71,10 +76,33 @@ def version() -> str:
         return __version__
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is its one line and a pointer to -h (the usage only on -h)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, f"{message} (see '{self.prog} -h')")
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """One line on stderr, exit status 2 (a usage or configuration mistake)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def quiet_progress_bars(stderr_is_tty: bool) -> None:
+    """No tqdm bars (the hub's downloads, transformers' "Loading weights") in a log file or a container's log:
+    each redraw is a line there. Before transformers is imported (it reads the variable once); a terminal
+    keeps them. An explicit setting in the environment wins."""
+    if stderr_is_tty:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="batchserve", description="Dynamic-batching inference server")
+    parser = Parser(prog="batchserve", description="Dynamic-batching inference server")
     parser.add_argument("--version", action="version", version=f"batchserve {version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,keys,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,keys,plan,infer,jobs}", parser_class=Parser)
     serve_parser = sub.add_parser("serve", help="run the HTTP server")
     add_settings_flags(serve_parser)
     keys_parser = sub.add_parser("keys", help="manage API keys in the config file")
@@ -119,23 +147,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from(args)
     except (ValueError, OSError) as exc:
-        parsers["serve"].error(str(exc))
+        fail(parsers["serve"].prog, str(exc))
+    quiet_progress_bars(sys.stderr.isatty())
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log.info("settings: %s", effective(settings))
-    from batchserve.backends.loading import PluginError, load_models
-
     if os.getcwd() not in sys.path:  # `--backend mymodel:batch` finds mymodel.py here (searched last)
         sys.path.append(os.getcwd())
-    # Backends are built, set up and warmed before the port opens: a plugin that cannot serve says why in one
-    # line and the process exits 2, instead of listening with /readyz 503 forever.
-    try:
-        loaded = load_models(settings)
+    # The port opens at once and the backends are built, set up and warmed behind it (/healthz 200, /readyz
+    # 503 "warming up"): a plugin that cannot serve still says why in one line and the process exits 2, rather
+    # than listening with /readyz 503 forever.
+    from batchserve.backends import PluginError, resolve_backend
+
+    try:  # a name that cannot be imported is known in a moment: said before the port opens
+        for spec in settings.models:
+            resolve_backend(spec.backend)
     except PluginError as exc:
         print(f"batchserve: error: {exc}", file=sys.stderr)
         return 2
     from batchserve.http.server import serve
 
-    return serve(settings, loaded)
+    return serve(settings)
 
 
 if __name__ == "__main__":

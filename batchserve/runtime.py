@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 from batchserve import errors
-from batchserve.backends import Backend
+from batchserve.backends import Backend, PluginError
 from batchserve.backends.loading import LoadedModels, load_models
 from batchserve.core.batch_time import BatchTimes
 from batchserve.batcher import Batcher
@@ -34,6 +35,40 @@ from batchserve.tenancy import Tenancy
 log = logging.getLogger("batchserve")
 
 TICK_S = 1.0  # how often rates and busy ratios are refreshed
+EXIT_STARTUP_FAILED = 1  # the server could not start (a store, a port, the generation engine)
+EXIT_BACKEND_FAILED = 2  # a backend that cannot be served (PluginError): the same status as a usage mistake
+
+T = TypeVar("T")
+
+
+async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
+    """`fn()` on a daemon thread of its own, awaited. Not `asyncio.to_thread`: the loop's default executor is
+    joined at exit, so a SIGTERM during a minutes-long model load would wait for the load to finish before
+    the process could stop."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: object) -> None:
+        if done.done():  # cancelled: the server stopped while this ran
+            return
+        if ok:
+            done.set_result(value)  # type: ignore[arg-type]
+        else:
+            done.set_exception(value)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result: object = fn()
+            ok = True
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, result)
+        except RuntimeError:  # the loop closed meanwhile (the server stopped while loading): nobody waits
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await done
 
 
 @dataclass
@@ -53,7 +88,8 @@ class Runtime:
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
     ready: bool = False
     startup_error: str = ""
-    on_startup_failure: Callable[[str], None] | None = None  # the server exits (non-zero) when start-up fails
+    # the server exits with this status (EXIT_*) when start-up fails
+    on_startup_failure: Callable[[str, int], None] | None = None
     answered: int = 0  # requests answered since start, any status
     requests_per_second: float = 0.0
     gpu_utilization: float = 0.0
@@ -95,10 +131,11 @@ class Runtime:
 
     # -- start ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the workers on the backends the CLI loaded before listening (or, when the app was made without
-        them, load them here, off the event loop); /readyz turns 200 after."""
+        """Load and warm the backends off the event loop while the port is already open (or take the ones the
+        caller loaded), then start the workers; /healthz is 200 throughout, /readyz turns 200 after."""
         try:
-            loaded = self.loaded or await asyncio.to_thread(load_models, self.settings)
+            loaded = self.loaded or await in_daemon_thread(lambda: load_models(self.settings), "load-models")
+            self.loaded = loaded
             # The warm-up may have derived the SLO the user left unset (warmup.apply_deadlines).
             self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000
             self.backends.update(loaded.backends)
@@ -123,12 +160,17 @@ class Runtime:
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),
                      ", ".join(self.registry.by_id))
+        except PluginError as exc:  # the backend's own one line (the CLI prints it last), then exit 2
+            self.startup_error = str(exc)
+            log.error("start-up failed: %s", self.startup_error)
+            if self.on_startup_failure is not None:
+                self.on_startup_failure(self.startup_error, EXIT_BACKEND_FAILED)
         except Exception as exc:  # noqa: BLE001 - one line, then the process exits (it could never serve)
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.debug("start-up failed", exc_info=True)
             log.error("start-up failed: %s", self.startup_error)
             if self.on_startup_failure is not None:
-                self.on_startup_failure(self.startup_error)
+                self.on_startup_failure(self.startup_error, EXIT_STARTUP_FAILED)
 
     async def _tick(self) -> None:
         last_answered, last_time = self.answered, time.monotonic()

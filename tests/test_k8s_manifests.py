@@ -5,12 +5,16 @@ preStop + drain, selectors that select the pods, the HPA's metric served by the 
 from __future__ import annotations
 
 import copy
+import re
+import shlex
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from batchserve.backends import NEEDS_MODEL_EXTRA
 from batchserve.config import cli_fields, env_name
 from batchserve.metrics import make_metrics
 
@@ -125,3 +129,82 @@ def test_the_server_exports_the_hpa_metric():
     from prometheus_client import generate_latest
 
     assert f"# TYPE {LOAD_SIGNAL} gauge" in generate_latest(make_metrics().registry).decode()
+
+
+# -- the image serves every store the manifests configure (issue 24 item 1) ----------------------------------
+ROOT = K8S.parent.parent
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def image_extras(dockerfile: str | None = None) -> set[str]:
+    """The extras of the Dockerfile's `pip install '.[a,b]'` line: what the image can serve."""
+    text = DOCKERFILE.read_text() if dockerfile is None else dockerfile
+    found = re.findall(r"pip install\s+['\"]?\.\[([^\]]*)\]", text)
+    assert len(found) == 1, f"one `pip install '.[extras]'` line expected in the Dockerfile, found {found}"
+    return {extra.strip() for extra in found[0].split(",")}
+
+
+def image_env() -> dict[str, str]:
+    """The Dockerfile's ENV settings (`ENV A=1 B=2`, continued lines joined)."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env.update(item.split("=", 1) for item in shlex.split(line[4:]))
+    return env
+
+
+def documented_secrets() -> dict[tuple[str, str], str]:
+    """(secret, key) -> value of the `kubectl create secret generic NAME --from-literal=KEY=VALUE` lines of
+    docs/deploy.md: what an operator following the docs puts in the Secrets the Deployment reads."""
+    secrets = {}
+    for line in (ROOT / "docs" / "deploy.md").read_text().splitlines():
+        if line.startswith("kubectl create secret generic"):
+            words = shlex.split(line)
+            for word in words[4:]:
+                if word.startswith("--from-literal="):
+                    key, _, value = word.removeprefix("--from-literal=").partition("=")
+                    secrets[(words[4], key)] = value
+    return secrets
+
+
+def rendered_env() -> dict[str, str]:
+    """The container's environment as the pod sees it: the image's ENV, then the manifest's values, with every
+    secretKeyRef resolved from the documented `kubectl create secret` commands."""
+    env = image_env()
+    secrets = documented_secrets()
+    for name, item in env_of(container()).items():
+        if "value" in item:
+            env[name] = item["value"]
+        else:
+            ref = item["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) in secrets, f"{name}: secret {ref} is not in docs/deploy.md"
+            env[name] = secrets[(ref["name"], ref["key"])]
+    return env
+
+
+def extras_needed(env: dict[str, str]) -> set[str]:
+    """Which of batchserve's extras the configured server imports."""
+    needed = set()
+    if env.get("BATCHSERVE_JOBS_DB", "").startswith(("postgresql://", "postgres://")):
+        needed.add("postgres")
+    if env.get("BATCHSERVE_BACKEND", "sim") in NEEDS_MODEL_EXTRA:
+        needed.add("model")
+    return needed
+
+
+def test_the_image_installs_every_extra_the_manifests_configure():
+    env = rendered_env()
+    assert env["BATCHSERVE_JOBS_DB"].startswith("postgresql://")  # the shared store the docs set up
+    needed = extras_needed(env)
+    assert {"postgres", "model"} <= needed
+    assert needed <= image_extras(), f"the image lacks {needed - image_extras()} for deploy/k8s"
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert image_extras() <= declared.keys()
+
+
+def test_the_extras_check_sees_a_missing_postgres_extra():
+    """The check above fails for the image as it was (`.[model]`, a postgresql:// store)."""
+    before = DOCKERFILE.read_text().replace(".[model,postgres]", ".[model]")
+    assert image_extras(before) == {"model"}
+    assert extras_needed(rendered_env()) - image_extras(before) == {"postgres"}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
@@ -169,10 +170,29 @@ def resolve_backend(name: str) -> Resolved:
     return Resolved(name, module, attribute, target)
 
 
+# What each built-in model backend imports from the `model` extra: missing, the start fails at once with the
+# install command rather than, minutes later, with "No module named 'torch'".
+NEEDS_MODEL_EXTRA = {
+    "smollm2": ("torch", "transformers", "gguf"),
+    "minilm": ("torch", "transformers", "tokenizers"),
+}
+MODEL_EXTRA_HINT = "pip install 'batchserve[model]' (README: Install)"
+
+
+def missing_extra(name: str) -> str | None:
+    """The one line saying which package the built-in backend `name` lacks and how to install it, or None."""
+    missing = [m for m in NEEDS_MODEL_EXTRA.get(name, ()) if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f"backend {name!r} needs {', '.join(missing)}, not installed here: {MODEL_EXTRA_HINT}"
+
+
 def backend_name_problem(name: str) -> str | None:
     """Why `name` cannot name a backend, or None: checked with the configuration file, before anything is
     imported. A name with a ':' is left to `resolve_backend` (a `package.module:attribute` plugin)."""
     installed = installed_names()
-    if ":" in name or name in installed:
+    if ":" in name:
         return None
+    if name in installed:
+        return missing_extra(name)
     return f"unknown backend {name!r}{did_you_mean(name, installed)} (installed: {', '.join(installed)})"

@@ -1,6 +1,8 @@
 """Start-up of the models: build every backend, start one thread per device, and run each backend's `setup`
-and warm-up on that thread, all before the server listens (so a plugin that fails says so and the process
-exits with status 2, rather than opening a port that answers 503 forever).
+and warm-up on that thread. The server runs this behind an open port (`Runtime.start`, /healthz 200 and
+/readyz 503 meanwhile); a plugin that fails says so in one line and the process exits with status 2, rather
+than answering 503 forever. Each stage logs a line as it ends (building, setup, every warm-up round with its
+time): a real model's start takes minutes on a CPU and must not look hung.
 
 A backend that declares its batch time (`initial_batch_s`, as the sim does) is warmed once. Any other is warmed
 until two rounds agree (`warmup.warm_until_stable`: a cold first batch pays one-off costs), the batcher's
@@ -37,7 +39,12 @@ class LoadedModels:
 
 def load_models(settings: Settings) -> LoadedModels:
     """Everything the workers need, ready to serve; PluginError (one line) when a backend cannot be served."""
-    backends = {spec.id: make_backend(spec, settings) for spec in settings.models}
+    backends: dict[str, Backend] = {}
+    for spec in settings.models:
+        log.info("loading %s (backend %s)", spec.id, spec.backend)
+        started = time.perf_counter()
+        backends[spec.id] = make_backend(spec, settings)
+        log.info("loaded %s in %.1f s", spec.id, time.perf_counter() - started)
     default = backends[settings.models[0].id]
     devices = default.device_names()
     for model, backend in backends.items():
@@ -85,10 +92,16 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
             if step == "warm" and backend.initial_batch_s is None:
                 last: list[dict[int, float] | None] = [None]
 
-                def round_(backend: Backend = backend) -> float | None:
+                rounds = [0]
+
+                def round_(backend: Backend = backend, model: str = model, where: str = where) -> float | None:
                     # A backend that timed its batches by size (smollm2 on a GPU captures graphs, then times a
                     # batch of each bucket) says what a batch takes: its slowest size, not the whole round.
+                    began = time.perf_counter()
                     last[0] = backend.warm(device)
+                    rounds[0] += 1
+                    log.info("warm-up round %d of %s on %s: %.0f ms", rounds[0], model, where,
+                             (time.perf_counter() - began) * 1000)
                     return max(last[0].values()) if last[0] else None
 
                 warm = warm_until_stable(round_)
@@ -101,6 +114,8 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
                         sizes[size] = max(seconds, sizes.get(size, 0.0))
                 continue
             getattr(backend, step)(device)
+            log.info("%s %s on %s: %.0f ms", "set up" if step == "setup" else "warmed", model, where,
+                     (time.perf_counter() - started) * 1000)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, before the port opens
             raise backend.source.error(f"{step} on {where} raised {describe(exc)}") from None
         took[model] = time.perf_counter() - started

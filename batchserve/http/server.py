@@ -24,6 +24,7 @@ from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.gc_tuning import tune_gc
 from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
+from batchserve.runtime import EXIT_BACKEND_FAILED
 
 log = logging.getLogger("batchserve")
 
@@ -83,13 +84,17 @@ def connection_guard(settings: Settings) -> ConnectionGuard:
 
 
 def serve(settings: Settings, loaded: LoadedModels | None = None) -> int:
-    """Run until stopped: 0 after a drain, 1 when start-up failed (the process exits rather than answer 503
-    for ever: a supervisor restarts it or shows the failure)."""
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    failed: list[str] = []
+    """Run until stopped: 0 after a drain; when start-up failed, 2 for a backend that cannot be served (its one
+    line, `batchserve: error: ...`, printed last on stderr) and 1 for anything else. The process exits rather
+    than answer 503 for ever: a supervisor restarts it or shows the failure.
 
-    def startup_failed(reason: str) -> None:
-        failed.append(reason)
+    The port opens at once: the models load and warm (`Runtime.start`) while /healthz answers 200 and /readyz
+    and every model route 503 "warming up"."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    failed: list[tuple[str, int]] = []
+
+    def startup_failed(reason: str, status: int) -> None:
+        failed.append((reason, status))
         server.should_exit = True
 
     guard = connection_guard(settings)
@@ -111,6 +116,11 @@ def serve(settings: Settings, loaded: LoadedModels | None = None) -> int:
         backlog=4096,
     )
     server = DrainingServer(config, grace_s=settings.drain_grace_s)
-    tune_gc()  # after the models are loaded, before the first request
+    tune_gc()  # before the first request (objects the models leave are frozen once they are up)
     server.run()
-    return 1 if failed else 0
+    if not failed:
+        return 0
+    reason, status = failed[0]
+    if status == EXIT_BACKEND_FAILED:
+        print(f"batchserve: error: {reason}", file=sys.stderr)
+    return status
