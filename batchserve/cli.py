@@ -25,11 +25,16 @@ from batchserve.jobs.store import redact_url
 log = logging.getLogger("batchserve")
 
 
+def shown_default(name: str) -> str:
+    """A setting's default as `-h` and the README's flag table show it. The model's name follows the backend
+    (Settings() would say 'sim', the default backend's)."""
+    return "the backend's name" if name == "model_name" else repr(getattr(Settings(), name))
+
+
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    defaults = Settings()
     for f in cli_fields():
         flag = flag_name(f.name)
-        help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {getattr(defaults, f.name)!r}]"
+        help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {shown_default(f.name)}]"
         if isinstance(f.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
@@ -120,7 +125,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 def main(argv: list[str] | None = None) -> int:
     parser, parsers = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, whose -h lists its flags
+        parsers.get(args.command or "", parser).error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command is None or (args.command == "keys" and args.keys_command is None):
         # A bare command shows what it can do, on stderr, with the usage-error status.
