@@ -17,7 +17,7 @@ import os
 import sys
 from typing import NoReturn
 
-from batchserve import plan
+from batchserve import client_cli, plan
 from batchserve.config import Settings, cli_fields, env_defaults, env_name, env_sources, flag_name
 from batchserve.core.tiers import CALLER_NAMES
 from batchserve.jobs.store import redact_url
@@ -120,22 +120,35 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     plan_parser = sub.add_parser("plan", help="nodes needed for a target rate at the SLO, predicted p50/p95 and "
                                               "headroom (docs/capacity.md)")
     plan.add_arguments(plan_parser)
-    return parser, {"serve": serve_parser, "keys": keys_parser, "add": add}
+    infer_parser = sub.add_parser("infer", help="send one input to a server, print its output (retries 503/429 "
+                                                "as the server asks)")
+    client_cli.add_infer_arguments(infer_parser)
+    jobs_parser = sub.add_parser("jobs", help="batch jobs on a server: submit a file (--wait: watch it to the end), "
+                                              "get, results, cancel")
+    jobs_parsers = client_cli.add_jobs_arguments(jobs_parser)
+    return parser, {"serve": serve_parser, "keys": keys_parser, "add": add, "infer": infer_parser,
+                    "jobs": jobs_parser, **{f"jobs {k}": v for k, v in jobs_parsers.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, parsers = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the command's own parser, whose -h lists its flags
-        parsers.get(args.command or "", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        name = f"jobs {args.jobs_command}" if getattr(args, "jobs_command", None) else args.command or ""
+        parsers.get(name, parser).error(f"unrecognized arguments: {' '.join(extra)}")
 
-    if args.command is None or (args.command == "keys" and args.keys_command is None):
+    if (args.command is None or (args.command == "keys" and args.keys_command is None)
+            or (args.command == "jobs" and args.jobs_command is None)):
         # A bare command shows what it can do, on stderr, with the usage-error status.
-        (parser if args.command is None else parsers["keys"]).print_help(sys.stderr)
+        (parser if args.command is None else parsers[args.command]).print_help(sys.stderr)
         return 2
 
     if args.command == "plan":
         return plan.main(args)
+
+    if args.command in ("infer", "jobs"):
+        name = args.command if args.command == "infer" else f"jobs {args.jobs_command}"
+        return client_cli.run(parsers[name].prog, args)
 
     if args.command == "keys":
         from batchserve.config_file import append_key

@@ -1,0 +1,287 @@
+"""A small Python client for batchserve's own routes: `/v1/inference`, `/v1/embeddings` and the native batch
+jobs (`/v1/batches`), sync (`Client`) and async (`AsyncClient`), on httpx.
+
+Why: every caller otherwise writes the same retry loop by hand. The server says when a retry can help (503
+overloaded / draining / warming up, 429 rate limited) and how long to wait (`retry_after_ms` in the JSON body,
+`Retry-After` in seconds as a header); the client waits that long and retries, at most `Retry.attempts` times
+and never past `Retry.deadline_s` from the first try. A refused connection (a node restarting) is retried the
+same way: the request never reached a server. Any other error raises `BatchserveError` with the server's
+`error` code, `message` and `request_id`.
+
+    from batchserve.client import Client
+    with Client("http://127.0.0.1:8000") as bs:
+        print(bs.infer("E equals ")["output"])
+        job = bs.wait_job(bs.submit_job(["a", "b"])["id"])
+        print(bs.job_results(job["id"]))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import httpx
+
+RETRY_STATUSES = frozenset({429, 503})
+JOB_DONE = frozenset({"completed", "failed", "cancelled"})
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How long to keep trying. `attempts` counts every try (1 = never retry); without a server hint the
+    wait doubles from `backoff_s` up to `max_wait_s`; a hint is honoured as given (plus up to `jitter` of it,
+    so a crowd told the same wait does not come back in one burst), and a wait past the deadline is not
+    taken: the error is raised at once."""
+
+    attempts: int = 8
+    deadline_s: float = 60.0
+    backoff_s: float = 0.1
+    max_wait_s: float = 10.0
+    jitter: float = 0.1
+
+
+class BatchserveError(Exception):
+    """A refusal or failure as the server described it ({"error", "message", "request_id"}), or a connection
+    that failed (status 0, error "CONNECTION_FAILED")."""
+
+    def __init__(self, status: int, error: str, message: str, request_id: str = "",
+                 retry_after_ms: int | None = None) -> None:
+        super().__init__(f"{status} {error}: {message}" + (f" (request {request_id})" if request_id else ""))
+        self.status, self.error, self.message = status, error, message
+        self.request_id, self.retry_after_ms = request_id, retry_after_ms
+
+
+def error_of(response: httpx.Response) -> BatchserveError:
+    """The server's JSON error, or a stand-in for a body that is not one (a proxy's HTML 502)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        hint = body.get("retry_after_ms")
+        return BatchserveError(response.status_code, body["error"], str(body.get("message", "")),
+                               str(body.get("request_id", "")), hint if isinstance(hint, int) else None)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):  # the OpenAI-shaped routes
+        err = body["error"]
+        return BatchserveError(response.status_code, str(err.get("code") or err.get("type")),
+                               str(err.get("message", "")))
+    return BatchserveError(response.status_code, f"HTTP_{response.status_code}", response.text[:200])
+
+
+def server_wait_s(response: httpx.Response) -> float | None:
+    """The wait the server asked for: `retry_after_ms` in the body, else the `Retry-After` header (seconds)."""
+    hint = error_of(response).retry_after_ms
+    if hint is not None:
+        return max(0.0, hint / 1000)
+    header = response.headers.get("Retry-After", "")
+    try:
+        return max(0.0, float(header))
+    except ValueError:
+        return None
+
+
+def next_wait_s(policy: Retry, attempt: int, hint_s: float | None, remaining_s: float,
+                rand: Callable[[], float] = random.random) -> float | None:
+    """Seconds to wait before try `attempt + 1` (attempt counts from 1), or None to give up: tries used up, or
+    the wait would end past the deadline."""
+    if attempt >= policy.attempts:
+        return None
+    if hint_s is None:
+        wait = min(policy.max_wait_s, policy.backoff_s * 2 ** (attempt - 1)) * (0.5 + rand() / 2)
+    else:
+        wait = hint_s * (1 + policy.jitter * rand())
+    return wait if wait < remaining_s else None
+
+
+def _raise_for(response: httpx.Response) -> httpx.Response:
+    if response.status_code >= 400:
+        raise error_of(response)
+    return response
+
+
+def _ndjson(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _inference_body(text: str, model: str | None, timeout_ms: int | None) -> dict:
+    body: dict = {"input": text}
+    if model:
+        body["model"] = model
+    if timeout_ms is not None:
+        body["timeout_ms"] = timeout_ms
+    return body
+
+
+def _job_body(inputs: Iterable[str], model: str | None, metadata: Mapping[str, str] | None) -> dict:
+    body: dict = {"inputs": list(inputs)}
+    if model:
+        body["model"] = model
+    if metadata:
+        body["metadata"] = dict(metadata)
+    return body
+
+
+class Client:
+    """Sync client; one connection pool, reuse it (a `with` block closes it). `on_retry(attempt, wait_s,
+    error)` is told about every retry (for logs or tests)."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 retry: Retry = Retry(), timeout_s: float = 120.0,
+                 on_retry: Callable[[int, float, BatchserveError], None] | None = None) -> None:
+        self.retry, self.on_retry = retry, on_retry
+        self.http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout_s)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def request(self, method: str, path: str, **kw: object) -> httpx.Response:
+        """One call, retried while the server says a retry can help; the 2xx response, else BatchserveError."""
+        began = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = self.http.request(method, path, **kw)  # type: ignore[arg-type]
+            except httpx.ConnectError as exc:
+                err, hint = BatchserveError(0, "CONNECTION_FAILED", str(exc)), None
+            else:
+                if response.status_code not in RETRY_STATUSES:
+                    return _raise_for(response)
+                err, hint = error_of(response), server_wait_s(response)
+            wait = next_wait_s(self.retry, attempt, hint, self.retry.deadline_s - (time.monotonic() - began))
+            if wait is None:
+                raise err
+            if self.on_retry is not None:
+                self.on_retry(attempt, wait, err)
+            time.sleep(wait)
+
+    def infer(self, text: str, model: str | None = None, timeout_ms: int | None = None) -> dict:
+        """`POST /v1/inference`: {"output", "model", "latency_ms", "queue_ms", "compute_ms", ...}."""
+        return self.request("POST", "/v1/inference", json=_inference_body(text, model, timeout_ms)).json()
+
+    def embed(self, inputs: str | list[str], model: str) -> list[list[float]]:
+        """`POST /v1/embeddings`: one vector per input, in input order."""
+        data = self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model}).json()["data"]
+        return [item["embedding"] for item in sorted(data, key=lambda item: item["index"])]
+
+    def submit_job(self, inputs: Iterable[str], model: str | None = None,
+                   metadata: Mapping[str, str] | None = None, idempotency_key: str | None = None) -> dict:
+        """`POST /v1/batches`: the job as stored (durable before this returns). With `idempotency_key`, a retry
+        of a submit whose answer was lost returns the same job."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self.request("POST", "/v1/batches", json=_job_body(inputs, model, metadata), headers=headers).json()
+
+    def get_job(self, job_id: str) -> dict:
+        return self.request("GET", f"/v1/batches/{job_id}").json()
+
+    def job_results(self, job_id: str) -> list[dict]:
+        """Every item in input order: {"index", "status", "output"} or {"index", "status", "error"}."""
+        return _ndjson(self.request("GET", f"/v1/batches/{job_id}/results").text)
+
+    def cancel_job(self, job_id: str) -> dict:
+        return self.request("POST", f"/v1/batches/{job_id}/cancel").json()
+
+    def wait_job(self, job_id: str, poll_s: float = 0.5, timeout_s: float | None = None,
+                 on_progress: Callable[[dict], None] | None = None) -> dict:
+        """Poll until the job is completed, failed or cancelled; `on_progress(job)` after every poll."""
+        give_up = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            job = self.get_job(job_id)
+            if on_progress is not None:
+                on_progress(job)
+            if job["status"] in JOB_DONE:
+                return job
+            if give_up is not None and time.monotonic() > give_up:
+                raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s} s")
+            time.sleep(poll_s)
+
+
+class AsyncClient:
+    """The same calls as `Client`, for asyncio code (`async with AsyncClient(...) as bs`)."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 retry: Retry = Retry(), timeout_s: float = 120.0,
+                 on_retry: Callable[[int, float, BatchserveError], None] | None = None) -> None:
+        self.retry, self.on_retry = retry, on_retry
+        self.http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout_s)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def request(self, method: str, path: str, **kw: object) -> httpx.Response:
+        began = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await self.http.request(method, path, **kw)  # type: ignore[arg-type]
+            except httpx.ConnectError as exc:
+                err, hint = BatchserveError(0, "CONNECTION_FAILED", str(exc)), None
+            else:
+                if response.status_code not in RETRY_STATUSES:
+                    return _raise_for(response)
+                err, hint = error_of(response), server_wait_s(response)
+            wait = next_wait_s(self.retry, attempt, hint, self.retry.deadline_s - (time.monotonic() - began))
+            if wait is None:
+                raise err
+            if self.on_retry is not None:
+                self.on_retry(attempt, wait, err)
+            await asyncio.sleep(wait)
+
+    async def infer(self, text: str, model: str | None = None, timeout_ms: int | None = None) -> dict:
+        return (await self.request("POST", "/v1/inference", json=_inference_body(text, model, timeout_ms))).json()
+
+    async def embed(self, inputs: str | list[str], model: str) -> list[list[float]]:
+        data = (await self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model})).json()["data"]
+        return [item["embedding"] for item in sorted(data, key=lambda item: item["index"])]
+
+    async def submit_job(self, inputs: Iterable[str], model: str | None = None,
+                         metadata: Mapping[str, str] | None = None, idempotency_key: str | None = None) -> dict:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return (await self.request("POST", "/v1/batches", json=_job_body(inputs, model, metadata),
+                                   headers=headers)).json()
+
+    async def get_job(self, job_id: str) -> dict:
+        return (await self.request("GET", f"/v1/batches/{job_id}")).json()
+
+    async def job_results(self, job_id: str) -> list[dict]:
+        return _ndjson((await self.request("GET", f"/v1/batches/{job_id}/results")).text)
+
+    async def cancel_job(self, job_id: str) -> dict:
+        return (await self.request("POST", f"/v1/batches/{job_id}/cancel")).json()
+
+    async def wait_job(self, job_id: str, poll_s: float = 0.5, timeout_s: float | None = None,
+                       on_progress: Callable[[dict], None] | None = None) -> dict:
+        give_up = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            job = await self.get_job(job_id)
+            if on_progress is not None:
+                on_progress(job)
+            if job["status"] in JOB_DONE:
+                return job
+            if give_up is not None and time.monotonic() > give_up:
+                raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s} s")
+            await asyncio.sleep(poll_s)
+
+
+__all__ = ["AsyncClient", "BatchserveError", "Client", "Retry"]
