@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 
 from bench import common, report, servers  # noqa: E402
+from bench.plot import Curves, Point  # noqa: E402
 from bench.procstat import process_cpu_s, raise_fd_limit  # noqa: E402
 from bench.schedule import poisson_schedule  # noqa: E402
 
@@ -343,6 +344,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def curves_of(rows: list[Row]) -> Curves:
+    """p95 and sustained rate per offered rate, a line per server (batchserve, Infinity)."""
+    curves: Curves = {}
+    for r in rows:
+        curves.setdefault(r.server, []).append(Point(r.rate, r.p95_ms, r.sustained_rps))
+    return curves
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     sizes = [int(x) for x in a.batch_sizes.split(",") if x]
@@ -404,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rep, rows, limits)
     print()
     print(text)
-    print("\n" + report.written(report.write(out_name, rep, text, common.out_dir(a)), log_dir))
+    print("\n" + report.written(report.write(out_name, rep, text, common.out_dir(a), curves=curves_of(rows),
+                                             plot_title="embeddings: batchserve beside its peers"), log_dir))
     return 0
 
 

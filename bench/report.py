@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import plot
+from bench.plot import Curves
 from bench.run_standard import git_info, machine_info
 
 
@@ -52,12 +54,18 @@ def clean(value: object) -> object:
     return value
 
 
-def write(name: str, report: dict, markdown: str, directory: Path | None) -> tuple[Path, Path] | None:
-    """Markdown and JSON side by side in `directory`; nothing (None) when it is None."""
+def write(name: str, report: dict, markdown: str, directory: Path | None, curves: Curves | None = None,
+          plot_title: str = "", plot_unit: str = "req/s") -> tuple[Path, Path] | None:
+    """Markdown and JSON side by side in `directory`; nothing (None) when it is None. With `curves` (a load
+    bench's p95 and goodput per offered rate, per server), also `<name>.png`, shown in the markdown."""
     if directory is None:
         return None
     directory.mkdir(parents=True, exist_ok=True)
     js, md = directory / f"{name}.json", directory / f"{name}.md"
+    if curves:
+        png = directory / f"{name}.png"
+        png.write_bytes(plot.load_png(curves, plot_title or name, unit=plot_unit))
+        markdown += f"\n\n![p95 latency and goodput versus offered load]({png.name})"
     js.write_text(json.dumps(clean(report), indent=2, ensure_ascii=False, default=str) + "\n")
     md.write_text(markdown + "\n")
     return js, md
@@ -68,7 +76,8 @@ def written(paths: tuple[Path, Path] | None, logs: Path | None = None) -> str:
     where = f"; server logs in {logs}" if logs is not None else ""
     if paths is None:
         return f"not recorded (--record writes bench/results/, --out DIR elsewhere){where}"
-    return f"written: {paths[1]} and {paths[0]}{where}"
+    png = paths[1].with_suffix(".png")
+    return f"written: {paths[1]}{f', {png}' if png.exists() else ''} and {paths[0]}{where}"
 
 
 def log_lines(path: Path, levels: tuple[str, ...] = ("WARNING", "ERROR", "CRITICAL", "Traceback"),

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 
 from bench import common, servers  # noqa: E402
 from bench.ideal import IdealResult, ideal  # noqa: E402
+from bench.plot import Curves, Point  # noqa: E402
 from bench.loadgen import LoadResult, measure  # noqa: E402
 from bench.schedule import row_seed  # noqa: E402
 
@@ -365,8 +366,22 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(rep, rows)
     print()
     print(md)
-    print(report.written(report.write(name, rep, md, common.out_dir(a)), log_dir))
+    print(report.written(report.write(name, rep, md, common.out_dir(a), curves=curves_of(rows),
+                                      plot_title="sim: batchserve beside the ideal batcher"), log_dir))
     return 0 if rep["all_passed"] else 1
+
+
+def curves_of(rows: list[Row]) -> Curves:
+    """batchserve's p95 and goodput beside the ideal batcher's on the same arrivals, per device count (the
+    ideal's goodput: the offered rate less the requests it would have let expire)."""
+    curves: Curves = {}
+    for r in rows:
+        curves.setdefault(f"batchserve, {r.devices} device(s)", []).append(
+            Point(r.rate, r.load.p95_ms, r.load.achieved_rps))
+        served = (r.ideal.count - r.ideal.expired) / r.ideal.count if r.ideal.count else math.nan
+        curves.setdefault(f"ideal batcher, {r.devices} device(s)", []).append(
+            Point(r.rate, r.ideal.p95_ms, r.rate * served))
+    return curves
 
 
 if __name__ == "__main__":

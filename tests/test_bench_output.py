@@ -194,3 +194,36 @@ def test_the_agreement_check_runs_both_paths_on_the_cpu(tmp_path: Path) -> None:
     assert [r["path"] for r in rows] == ["static", "slots"] and all(r["agree"] for r in rows)
     assert all(r["ended_at_eos"] > 0 for r in rows) and rows[1]["sampled"] > 0 and rows[1]["requests"] == 16
     assert "**yes**" in out.read_text()
+
+
+def test_a_recorded_load_table_gets_its_plot_beside_it(tmp_path: Path) -> None:
+    """p95 and goodput versus offered load, batchserve beside the ideal batcher: a PNG next to the table,
+    shown in the markdown; a plain run still writes nothing (test_a_run_prints_and_writes_only_where_asked)."""
+    import json
+
+    from matplotlib.image import imread
+
+    out = tmp_path / "out"
+    run = bench(sys.executable, "-m", "bench.run_standard", "--rows", "1:50,1:150", "--duration", "1.5", "--warmup",
+                "0.5", "--skip-cpu", "--out", str(out), "--tag", "plot", tmp=tmp_path)
+    pngs = list(out.glob("standard-*-plot.png"))
+    assert len(pngs) == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    md = pngs[0].with_suffix(".md").read_text()
+    assert f"]({pngs[0].name})" in md and str(pngs[0]) in run.stdout
+    height, width, _ = imread(pngs[0]).shape
+    assert width > height > 200
+    assert len(json.loads(pngs[0].with_suffix(".json").read_text())["rows"]) == 2
+
+
+def test_the_load_curves_put_batchserve_beside_its_peers() -> None:
+    from bench import embed_bench, report
+    from bench.plot import PNG_MAGIC, load_png
+
+    rows = [embed_bench.Row(server=s, rate=r, sustained_rps=r * f, count=10, ok=10, p50_ms=1, p95_ms=p, p99_ms=p,
+                            errors={}, server_cores=None)
+            for s, f, p in (("batchserve", 1.0, 50.0), ("infinity", 0.8, 400.0)) for r in (20.0, 40.0)]
+    curves = embed_bench.curves_of(rows)
+    assert sorted(curves) == ["batchserve", "infinity"]
+    assert [(p.offered, p.p95_ms, p.goodput) for p in curves["infinity"]] == [(20.0, 400.0, 16.0), (40.0, 400.0, 32.0)]
+    assert load_png(curves, "t").startswith(PNG_MAGIC)
+    assert report.write("x", {}, "md", None, curves=curves) is None  # print only: no file
