@@ -7,9 +7,9 @@ capacity estimate falls below the arrival rate (the 503s of the 900 RPS row). Fr
 (modules, app, models: never garbage) and collecting the young generation every 50,000 allocations instead of
 700 cut the collector's time to ~40 ms per 20 s and the longest pause to ~4 ms (same load, one run each).
 
-Start-up builds in two places: the CLI loads the batch backends before the port opens (`tune_gc`, in
-`batchserve serve`), and the lifespan loads the rest (the generation engine's own model replica; the backends
-too when the app was made without them). What the lifespan loads is frozen once it is up
+Start-up builds in two places: `batchserve serve` imports and builds the app before the port opens
+(`tune_gc`), and the lifespan loads the models behind the open port (the batch backends, on a start-up thread,
+and the generation engine's own model replica). What the lifespan loads is frozen once it is up
 (`freeze_late_startup_objects`): measured with SmolLM2 on this 2-core CPU, its ~370,000 objects left in the
 collector's reach made each full collection take 230-285 ms, and in a run of the slot stepper with the GPU
 stood in (`bench/stepper_host.py`) such a pause left the device idle for 250-290 ms (device busy 0.81 -> 0.94).

@@ -82,7 +82,7 @@ class Runtime:
     service: InferenceService
     tenancy: Tenancy
     backends: dict[str, Backend]
-    loaded: LoadedModels | None = None  # the backends, set up and warmed before the port opened (the CLI)
+    loaded: LoadedModels | None = None  # the backends, set up and warmed (given by an embedder, or start's)
     pool: GpuPool | None = None
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled

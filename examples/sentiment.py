@@ -14,9 +14,9 @@ batch limit. Serve it with its options from a config file:
     {"request_id":"req_…","output":{"label":"positive","score":1.0,"hits":1},…}
 
 What batchserve calls, and where (docs/backends.md):
-- `KeywordSentiment(**options)` once, in the main thread, before the port opens;
+- `KeywordSentiment(**options)` once, on the start-up thread (the port is open, /readyz 503 until warm);
 - `devices()` once: one worker thread per name;
-- `setup(device)` once per device, on that device's worker thread, before the port opens (load weights here);
+- `setup(device)` once per device, on that device's worker thread, before the server is ready (load weights here);
 - `warm(device)` once per device on the same thread: its duration seeds the learned batch time;
 - `batch(inputs, device)` on the device's thread, one batch at a time per device, at most `max_batch_size`
   inputs; `bucket_of(text)` on the event loop for each input (inputs of different buckets never share a batch).

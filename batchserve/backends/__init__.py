@@ -11,7 +11,8 @@
 A backend name resolves in one place, `resolve_backend`: an entry point of the group `batchserve.backends`
 (the built-ins are registered so in pyproject.toml, and any installed package can add a name), or
 `package.module:attribute`. Every way that can fail raises `PluginError`, one line naming the module, the
-attribute and the cause, which the CLI prints before the port opens (exit status 2).
+attribute and the cause, printed as the process's last line (exit status 2): by the CLI before the port opens
+when the name cannot be imported, by the server when building, setup or warm-up fails behind the open port.
 
 While `run` executes, `all_callers_gone()` (called from the same thread) says whether every caller of the batch
 has its answer or has left; a backend that works in steps may check it between steps and return early, so an

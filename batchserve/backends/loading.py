@@ -116,7 +116,7 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
             getattr(backend, step)(device)
             log.info("%s %s on %s: %.0f ms", "set up" if step == "setup" else "warmed", model, where,
                      (time.perf_counter() - started) * 1000)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, before the port opens
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, then the process exits 2
             raise backend.source.error(f"{step} on {where} raised {describe(exc)}") from None
         took[model] = time.perf_counter() - started
     return took

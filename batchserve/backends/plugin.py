@@ -1,6 +1,6 @@
 """The adapter from a user's plugin (docs/backends.md) to the server's `Backend` protocol.
 
-Everything a plugin may get wrong in its shape is found here, once, before the port opens: a class whose
+Everything a plugin may get wrong in its shape is found here, once, before the server turns ready: a class whose
 constructor does not take the `[models.options]`, a batch callable that does not take `(inputs)` or
 `(inputs, device)`, an optional method with the wrong parameters, a `max_batch_size` that is not a positive
 integer. What it may get wrong at run time (raising, a wrong-length list, an output that is not JSON) is the
@@ -155,7 +155,7 @@ def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
         return target
     try:
         return maker()
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported in one line before the port opens
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported in one line, then exit 2
         raise resolved.error(f"building the plugin raised {describe(exc)}") from None
 
 
