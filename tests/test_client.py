@@ -218,3 +218,26 @@ def test_the_readme_client_example_runs_as_written(small_queue: LiveServer, caps
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == " slauqe E"
     assert [r["output"] for r in ast.literal_eval(printed[1])] == ["tac a", "god a"]
+
+
+def test_embed_returns_one_vector_per_input_in_order(tmp_path: Path):
+    (tmp_path / "vec.py").write_text("class Model:\n    output_kind = 'embedding'\n"
+                                     "    def batch(self, inputs):\n"
+                                     "        return [[float(len(s)), 1.0] for s in inputs]\n")
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    server = start_server("--backend", "vec:Model", "--jobs-db", "", env={"PYTHONPATH": path})
+    try:
+        with Client(server.url) as bs:
+            assert bs.embed(["a", "bcd", "fg"], model="vec") == [[1.0, 1.0], [3.0, 1.0], [2.0, 1.0]]
+            assert bs.embed("hello", model="vec") == [[5.0, 1.0]]
+            with pytest.raises(BatchserveError) as missing:
+                bs.embed("x", model="nope")
+        assert missing.value.status == 404 and missing.value.error == "model_not_found"
+
+        async def main() -> list[list[float]]:
+            async with AsyncClient(server.url) as abs_:
+                return await abs_.embed(["xy"], model="vec")
+
+        assert asyncio.run(main()) == [[2.0, 1.0]]
+    finally:
+        server.stop()
