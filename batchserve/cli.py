@@ -4,8 +4,10 @@ Exit codes: 0 after a clean stop, 1 when the server could not start (one line sa
 configuration mistake (caught before the port opens), for a backend that cannot load or warm (after the port
 opened: /healthz answers while the models load) and for `batchserve` with no command (it prints help).
 
-A mistake prints one line (`batchserve serve: error: ...`) and a hint to `-h`, never the whole usage: with ~60
-flags the usage buried the line that matters.
+A mistake prints one line (`batchserve serve: error: ...`; argparse's own, such as a mistyped flag, end with a
+pointer to `-h`), never the whole usage: with ~60 flags the usage buried the line that matters.
+
+`batchserve infer` and `batchserve jobs` are the client side (client_cli.py).
 """
 
 from __future__ import annotations
