@@ -8,11 +8,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Protocol, TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO
 
-import httpx
-
-from batchserve.client import BatchserveError, Client, Retry
+if TYPE_CHECKING:  # imported when a command runs: `batchserve serve` need not load httpx
+    from batchserve.client import Client
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -124,7 +123,9 @@ def progress_for(stream: TextIO, use_tqdm: bool | None = None) -> Progress:
     return TqdmProgress(stream) if use_tqdm else LineProgress(stream)
 
 
-def client_of(args: argparse.Namespace) -> Client:
+def client_of(args: argparse.Namespace) -> "Client":
+    from batchserve.client import Client, Retry
+
     return Client(args.url, api_key=args.api_key, retry=Retry(deadline_s=args.deadline_s))
 
 
@@ -173,6 +174,10 @@ def jobs_main(args: argparse.Namespace) -> int:
 
 def run(prog: str, args: argparse.Namespace) -> int:
     """The command, with the server's refusal (or an unreachable server) as one line and status 1."""
+    import httpx
+
+    from batchserve.client import BatchserveError
+
     try:
         return infer_main(args) if args.command == "infer" else jobs_main(args)
     except (BatchserveError, httpx.HTTPError) as exc:
