@@ -41,6 +41,14 @@ EXIT_BACKEND_FAILED = 2  # a backend that cannot be served (PluginError): the sa
 T = TypeVar("T")
 
 
+LOAD_THREAD = "load-models"  # the daemon thread the models load and warm on (in_daemon_thread's name)
+
+
+def loading_abandoned() -> bool:
+    """Whether a model load is still running (the server stopped before it finished)."""
+    return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
     """`fn()` on a daemon thread of its own, awaited. Not `asyncio.to_thread`: the loop's default executor is
     joined at exit, so a SIGTERM during a minutes-long model load would wait for the load to finish before
@@ -134,7 +142,7 @@ class Runtime:
         """Load and warm the backends off the event loop while the port is already open (or take the ones the
         caller loaded), then start the workers; /healthz is 200 throughout, /readyz turns 200 after."""
         try:
-            loaded = self.loaded or await in_daemon_thread(lambda: load_models(self.settings), "load-models")
+            loaded = self.loaded or await in_daemon_thread(lambda: load_models(self.settings), LOAD_THREAD)
             self.loaded = loaded
             # The warm-up may have derived the SLO the user left unset (warmup.apply_deadlines).
             self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000

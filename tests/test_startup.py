@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import start_server
 
 GATED = """
@@ -72,16 +74,35 @@ def test_healthz_answers_and_readyz_says_warming_up_until_the_warm_up_ends(tmp_p
         assert server.stop() == 0
 
 
-def test_sigterm_during_the_warm_up_stops_the_process_without_waiting_for_it(tmp_path: Path):
+# A warm-up inside torch when the process stops: the interpreter finalizing under that thread once made torch's
+# C++ runtime abort the process (SIGABRT, "terminate called without an active exception").
+TORCH_WARM = """
+import torch
+
+class Model:
+    def warm(self):
+        a = torch.randn(400, 400)
+        while True:
+            a = torch.tanh(a @ a)
+
+    def batch(self, inputs):
+        return inputs
+"""
+
+
+@pytest.mark.parametrize("plugin", ["gated", "torchwarm"])
+def test_sigterm_during_the_warm_up_stops_the_process_at_once_and_cleanly(tmp_path: Path, plugin: str):
     env, _gate = gated_env(tmp_path)  # the gate never opens: the warm-up would run for ever
-    server = start_server("--backend", "gated:Model", "--jobs-db", "", env=env, ready=False)
+    (tmp_path / "torchwarm.py").write_text(TORCH_WARM)
+    server = start_server("--backend", f"{plugin}:Model", "--jobs-db", "", env=env, ready=False)
     with server.client() as c:
         assert c.get("/healthz").status_code == 200
-    wait_for(lambda: "set up gated@v1" in server.log())
+    wait_for(lambda: f"set up {plugin}@v1" in server.log())
+    time.sleep(0.5)  # well inside the warm-up
     started = time.monotonic()
     assert server.stop(signal.SIGTERM, timeout=20) == 0, server.log()
     assert time.monotonic() - started < 20
-    assert "draining" in server.log()
+    assert "draining" in server.log() and "terminate called" not in server.log()
 
 
 def test_a_backend_that_fails_its_warm_up_exits_2_with_its_line_last(tmp_path: Path):

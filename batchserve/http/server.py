@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.gc_tuning import tune_gc
 from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
-from batchserve.runtime import EXIT_BACKEND_FAILED
+from batchserve.runtime import EXIT_BACKEND_FAILED, loading_abandoned
 
 log = logging.getLogger("batchserve")
 
@@ -118,9 +119,18 @@ def serve(settings: Settings, loaded: LoadedModels | None = None) -> int:
     server = DrainingServer(config, grace_s=settings.drain_grace_s)
     tune_gc()  # before the first request (objects the models leave are frozen once they are up)
     server.run()
-    if not failed:
-        return 0
-    reason, status = failed[0]
-    if status == EXIT_BACKEND_FAILED:
-        print(f"batchserve: error: {reason}", file=sys.stderr)
+    status = 0
+    if failed:
+        reason, status = failed[0]
+        if status == EXIT_BACKEND_FAILED:
+            print(f"batchserve: error: {reason}", file=sys.stderr)
+    if loading_abandoned():
+        # Stopped (SIGTERM) while the models were still loading or warming: that thread may be inside torch,
+        # whose C++ runtime aborts the process (SIGABRT, "terminate called without an active exception") when
+        # the interpreter finalizes under it. Nothing is left that the OS does not clean up: leave without
+        # finalizing, with the status the stop deserves.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     return status
