@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import sys
@@ -22,7 +23,7 @@ from typing import NoReturn
 from batchserve import client_cli, plan
 from batchserve.config import Settings, cli_fields, env_defaults, env_name, env_sources, flag_name
 from batchserve.core.tiers import CALLER_NAMES
-from batchserve.jobs.store import redact_url
+from batchserve.jobs.store import is_postgres_url, redact_url
 
 log = logging.getLogger("batchserve")
 
@@ -63,6 +64,10 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
     problem = backend_name_problem(settings.backend)
     if problem:
         raise ValueError(f"{settings.source('backend')}: {problem}")
+    if is_postgres_url(settings.jobs_db) and importlib.util.find_spec("psycopg") is None:
+        # said now, not as a 503 on every /v1/batches of a server that turned ready
+        raise ValueError(f"{settings.source('jobs_db')}: a postgresql:// job store needs psycopg, not installed "
+                         f"here: pip install 'batchserve[postgres]'")
     settings.check()
     return settings
 

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-NO_TORCH = ("import importlib.util as u, sys\n"
-            "real = u.find_spec\n"
-            "u.find_spec = lambda name, *a, **k: None if name == 'torch' else real(name, *a, **k)\n"
-            "from batchserve.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
+WITHOUT = ("import importlib.util as u, sys\n"
+           "real = u.find_spec\n"
+           "u.find_spec = lambda name, *a, **k: None if name == {missing!r} else real(name, *a, **k)\n"
+           "from batchserve.cli import main\n"
+           "sys.exit(main(sys.argv[1:]))\n")
 
 
 def run(*args: str, env: dict[str, str] | None = None, code: str | None = None) -> subprocess.CompletedProcess:
@@ -48,8 +48,16 @@ def test_help_still_shows_the_usage():
 
 @pytest.mark.parametrize("backend", ["smollm2", "minilm"])
 def test_a_model_backend_without_torch_says_what_to_install(backend: str):
-    done = run("serve", "--backend", backend, code=NO_TORCH)
+    done = run("serve", "--backend", backend, code=WITHOUT.format(missing="torch"))
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert f"backend {backend!r} needs torch" in lines[0] and "pip install 'batchserve[model]'" in lines[0]
+
+
+def test_a_postgresql_job_store_without_psycopg_says_what_to_install():
+    done = run("serve", "--jobs-db", "postgresql://u@db/jobs", code=WITHOUT.format(missing="psycopg"))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("batchserve serve: error: --jobs-db: a postgresql://"), lines
+    assert "pip install 'batchserve[postgres]'" in lines[0]
