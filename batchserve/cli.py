@@ -122,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         parsers["serve"].error(str(exc))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log.info("settings: %s", effective(settings))
+    if settings.processes > 1:  # the children load the models, each on its share of the devices
+        from batchserve.http.processes import serve_processes
+
+        try:
+            return serve_processes(settings)
+        except (ValueError, OSError) as exc:
+            print(f"batchserve: error: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, ValueError) else 1
     from batchserve.backends.loading import PluginError, load_models
 
     if os.getcwd() not in sys.path:  # `--backend mymodel:batch` finds mymodel.py here (searched last)
