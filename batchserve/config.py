@@ -188,6 +188,11 @@ class Settings:
         need(1 <= self.processes <= 256, "processes", "between 1 and 256")
         need(0 <= self.process_port_base <= 65535 - max(0, self.processes - 1), "process_port_base",
              f"0 or a port with {self.processes} free ports from it")
+        if (self.processes > 1 and "jobs_db" in self.given and self.jobs_db
+                and not self.jobs_db.startswith(("postgresql://", "postgres://"))):
+            problems.append(f"{self.source('jobs_db')} is a SQLite file, which belongs to one process: with "
+                            f"{self.source('processes')} {self.processes} use a postgresql:// URL the processes "
+                            f"share, or an empty value (no batch jobs)")
         if self.processes > 1 and self.devices and self.devices % self.processes:
             problems.append(f"{self.source('devices')} {self.devices} does not split evenly over "
                             f"{self.source('processes')} {self.processes} (each process gets the same number)")

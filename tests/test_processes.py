@@ -59,6 +59,7 @@ def test_two_processes_share_the_port_each_on_its_own_device(server_factory):
         own = f"http://127.0.0.1:{d['process']['own_port']}"
         assert httpx.get(own + "/internal/health", timeout=5).json()["pid"] == pid  # its own port: it alone
         assert "process_cpu_seconds_total" in httpx.get(own + "/metrics", timeout=5).text
+    assert "batch jobs are off" in server.log()  # the default SQLite store is one process's
     with server.client() as c:
         r = c.post("/v1/inference", json={"input": "abc"})
         assert r.status_code == 200 and r.json()["output"] == "cba"
@@ -147,6 +148,13 @@ def test_uneven_device_split_is_refused_before_anything_starts():
     r = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2",
                         "--devices", "3"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "does not split evenly over --processes 2" in r.stderr
+
+
+def test_a_sqlite_job_store_is_refused_with_several_processes():
+    """A SQLite file belongs to one process, and the shared port would send a job's GET to another."""
+    r = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2",
+                        "--jobs-db", "jobs.db"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--jobs-db is a SQLite file, which belongs to one process" in r.stderr
 
 
 def test_a_child_that_cannot_listen_stops_the_group_with_its_status():

@@ -40,6 +40,7 @@ from multiprocessing.synchronize import Event
 from types import FrameType
 
 from batchserve.config import ProcessSlot, Settings
+from batchserve.jobs.store import is_postgres_url
 
 log = logging.getLogger("batchserve")
 
@@ -157,6 +158,12 @@ def serve_processes(settings: Settings) -> int:
     """Start the children, replace any that exits on its own, drain them all on SIGTERM/SIGINT. 0 after a
     clean drain; a child's status when one could not start."""
     shares = device_shares(settings)
+    if settings.jobs_db and not is_postgres_url(settings.jobs_db):
+        # The default SQLite job store belongs to one process, and the shared port would send a job's GET to a
+        # process that never saw it (an explicit SQLite --jobs-db is refused by Settings.check).
+        log.warning("--processes %d: batch jobs are off (the default SQLite job store belongs to one process); "
+                    "give --jobs-db postgresql://... to serve /v1/batches from every process", settings.processes)
+        settings = replace(settings, jobs_db="")
     # The port, reserved by the parent (bound with SO_REUSEPORT, never listening: it takes no connection) so
     # that port 0 names one port for every child, and a replacement can always bind it again.
     reserve = bind_socket(settings.host, settings.port, reuse_port=True)
