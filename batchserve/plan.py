@@ -105,7 +105,7 @@ class Contract:
     max_busy: float = 0.95  # the most device time a node is planned at (see `capacity`)
     cpu_s_per_request: float = 0.0  # one process's CPU per request (0 = leave the CPU out)
     processes: int = 1  # server processes per node, the devices split evenly between them
-    cores: int = 0  # cores the node's server processes may use (0 = one per process)
+    cores: float = 0.0  # cores the node's server processes may use (0 = one per process; a sidecar may leave 1.5)
     max_cpu_busy: float = 0.9  # the most of a core one process is planned at
 
     def __post_init__(self) -> None:
@@ -119,7 +119,7 @@ class Contract:
 
     def per_process(self) -> "Contract":
         """One of the node's processes: its share of the devices, its own batcher (the simulation's unit)."""
-        return replace(self, devices=self.devices // self.processes, processes=1, cores=0)
+        return replace(self, devices=self.devices // self.processes, processes=1, cores=0.0)
 
     def cpu_ceiling(self) -> float:
         """Requests/s the node's CPU allows: each process's loop at `max_cpu_busy` of one core, on at most
@@ -540,7 +540,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --measure: seconds between the two /metrics reads that give CPU per request")
     p.add_argument("--processes", type=int, default=1,
                    help="server processes per node (batchserve serve --processes), the devices split evenly")
-    p.add_argument("--cores", type=int, default=0,
+    p.add_argument("--cores", type=float, default=0.0,
                    help="cores the node's server processes may use (0 = one per process)")
     p.add_argument("--max-cpu-busy", type=float, default=0.9,
                    help="the most of a core one process is planned at")
@@ -593,7 +593,7 @@ def prices_from(a: argparse.Namespace) -> Prices | None:
 def limits_line(plan: Plan) -> str:
     """Which limit binds, beside the other."""
     c = plan.contract
-    procs = f"{c.processes} process(es)" + (f" on {c.cores} core(s)" if c.cores and c.cores < c.processes else
+    procs = f"{c.processes} process(es)" + (f" on {c.cores:g} core(s)" if c.cores and c.cores < c.processes else
                                              ", a core each")
     cpu = ("CPU not modelled (give --cpu-us-per-request, or --measure a loaded server)" if math.isinf(
         plan.cpu_capacity) else f"CPU {plan.cpu_capacity:.0f} ({procs} at {c.max_cpu_busy:.0%}, "
