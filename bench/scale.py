@@ -203,9 +203,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sim-batch-ms", type=float, default=10.0)
     p.add_argument("--max-batch-size", type=int, default=100)
     p.add_argument("--slo-ms", type=float, default=200.0)
-    p.add_argument("--start-rate", type=float, default=2000.0, help="the one-process ramp's first rate")
+    p.add_argument("--start-rate", type=float, default=3000.0, help="the one-process ramp's first rate")
     p.add_argument("--ramp-step", type=float, default=1.25, help="the ramp's factor from row to row")
-    p.add_argument("--max-ramp-rows", type=int, default=8)
+    p.add_argument("--max-ramp-rows", type=int, default=10)
     p.add_argument("--factors", default="0.7,0.8,0.9,0.95,1.0,1.05,1.1,1.2",
                    help="rows at these multiples of each configuration's predicted ceiling")
     p.add_argument("--plan-rate", type=float, default=10000.0)
