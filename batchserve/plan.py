@@ -384,6 +384,7 @@ class Measured:
     batch_time: BatchTime
     source: str
     cpu_s_per_request: float | None = None  # from the process's own counters over a window under load
+    processes: int = 1  # a `serve --processes` node: `devices` is then the node's, every process's together
 
 
 def metric_sum(metrics_text: str, name: str) -> float | None:
@@ -493,6 +494,8 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
     base = base.rstrip("/")
     health = json.loads(_get(base + "/internal/health"))
     devices = sum(1 for w in health.get("workers", []) if w.get("healthy")) or len(health.get("workers", []))
+    processes = int((health.get("process") or {}).get("of", 1))  # one process answered: its siblings match it
+    devices *= processes
     learned: dict[str, float] = health.get("batch_ms", {})
     if not learned:
         raise OSError(f"{base}/internal/health reports no batch_ms")
@@ -502,14 +505,16 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
     cpu_s, cpu_note = cpu_per_request(base, cpu_window_s, api_key) if cpu_window_s > 0 else (None, "")
     if probe_sizes:
         return Measured(devices, probe(base, probe_sizes, api_key),
-                        "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x), cpu_s)
+                        "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x), cpu_s, processes)
     mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
     source = f"{base} ({name}): learned batch time {learned[name]:g} ms"
     if mean_compute is not None:
         source += f", mean batch compute {mean_compute * 1000:.1f} ms since start"
     if cpu_note:
         source += f"; {cpu_note}"
-    return Measured(devices, BatchTime.constant(learned[name]), source, cpu_s)
+    if processes > 1:
+        source += f"; {processes} processes of {devices // processes} device(s)"
+    return Measured(devices, BatchTime.constant(learned[name]), source, cpu_s, processes)
 
 
 # -- the command ---------------------------------------------------------------------------------------------
@@ -538,8 +543,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server's own counters over --cpu-window-s unless given)")
     p.add_argument("--cpu-window-s", type=float, default=5.0,
                    help="with --measure: seconds between the two /metrics reads that give CPU per request")
-    p.add_argument("--processes", type=int, default=1,
-                   help="server processes per node (batchserve serve --processes), the devices split evenly")
+    p.add_argument("--processes", type=int, default=None,
+                   help="server processes per node (batchserve serve --processes), the devices split evenly "
+                        "[1, or measured]")
     p.add_argument("--cores", type=float, default=0.0,
                    help="cores the node's server processes may use (0 = one per process)")
     p.add_argument("--max-cpu-busy", type=float, default=0.9,
@@ -556,7 +562,7 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
     given = [x for x in (a.batch_ms, a.batch_ms_by_size, a.measure) if x is not None]
     if len(given) != 1:
         raise ValueError("give exactly one of --batch-ms, --batch-ms-by-size, --measure URL")
-    devices, source = a.devices, "given"
+    devices, processes, source = a.devices, a.processes, "given"
     if a.cpu_us_per_request is not None and a.cpu_us_per_request <= 0:
         raise ValueError("--cpu-us-per-request must be positive")
     cpu_s = a.cpu_us_per_request / 1e6 if a.cpu_us_per_request is not None else 0.0
@@ -566,6 +572,7 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
         m = measure(a.measure, a.model, sizes, a.api_key, window)
         batch_time, source = m.batch_time, m.source
         devices = devices if devices is not None else m.devices
+        processes = processes if processes is not None else m.processes
         cpu_s = cpu_s or (m.cpu_s_per_request or 0.0)
     elif a.batch_ms_by_size is not None:
         batch_time = BatchTime.parse(a.batch_ms_by_size)
@@ -574,14 +581,15 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
             raise ValueError("--batch-ms must be positive")
         batch_time = BatchTime.constant(a.batch_ms)
     devices = 1 if devices is None else devices
+    processes = 1 if processes is None else processes
     if devices < 1 or a.max_batch < 1 or a.slo_ms <= 0 or not 0 < a.max_busy <= 1:
         raise ValueError("--devices and --max-batch must be >= 1, --slo-ms positive, --max-busy in (0, 1]")
-    if a.processes < 1 or a.cores < 0 or not 0 < a.max_cpu_busy <= 1:
+    if processes < 1 or a.cores < 0 or not 0 < a.max_cpu_busy <= 1:
         raise ValueError("--processes must be >= 1, --cores 0 or more, --max-cpu-busy in (0, 1]")
     if a.gpu_cost_per_hour < 0 or a.node_cost_per_hour < 0:
         raise ValueError("--gpu-cost-per-hour and --node-cost-per-hour must be 0 or more")
     return Contract(batch_time, devices, a.max_batch, a.slo_ms / 1000, a.margin_ms / 1000, a.timeout_ms / 1000,
-                    a.overhead_ms / 1000, a.max_busy, cpu_s, a.processes, a.cores, a.max_cpu_busy), source
+                    a.overhead_ms / 1000, a.max_busy, cpu_s, processes, a.cores, a.max_cpu_busy), source
 
 
 def prices_from(a: argparse.Namespace) -> Prices | None:

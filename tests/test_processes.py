@@ -16,6 +16,7 @@ from collections import Counter
 import httpx
 import pytest
 
+from batchserve.plan import measure
 from tests.conftest import LiveServer
 
 
@@ -60,6 +61,8 @@ def test_two_processes_share_the_port_each_on_its_own_device(server_factory):
         assert httpx.get(own + "/internal/health", timeout=5).json()["pid"] == pid  # its own port: it alone
         assert "process_cpu_seconds_total" in httpx.get(own + "/metrics", timeout=5).text
     assert "batch jobs are off" in server.log()  # the default SQLite store is one process's
+    m = measure(server.url, None, [])  # `batchserve plan --measure` sees the node: 2 processes of 1 device
+    assert m.processes == 2 and m.devices == 2
     with server.client() as c:
         r = c.post("/v1/inference", json={"input": "abc"})
         assert r.status_code == 200 and r.json()["output"] == "cba"
@@ -71,7 +74,7 @@ def test_one_process_drained_alone_under_load_loses_nothing_and_is_replaced(serv
     ran) and its retry on a new connection reaches the sibling. Every request ends in its right answer, no
     connection fails, and the parent starts a replacement that joins the port."""
     server = server_factory("--processes", "2", "--devices", "2", "--sim-batch-ms", "20", "--slo-ms", "2000",
-                            "--timeout-ms", "10000")
+                            "--timeout-ms", "10000", "--drain-grace-s", "5")
     kids = children(server)
     stop = threading.Event()
     outcomes: Counter[str] = Counter()
@@ -114,6 +117,15 @@ def test_one_process_drained_alone_under_load_loses_nothing_and_is_replaced(serv
         before = outcomes["200"]
         victim = min(kids)
         os.kill(victim, signal.SIGTERM)
+        # Its share of the port closed at once (no grace for a lone drain, though --drain-grace-s is 5): every
+        # new connection goes to the sibling, none is answered DRAINING.
+        time.sleep(0.2)
+        fresh = Counter()
+        for _ in range(40):
+            with httpx.Client(base_url=server.url, timeout=10) as c:
+                r = c.get("/internal/health")
+                fresh[(r.json()["pid"], r.json()["status"])] += 1
+        assert set(fresh) == {(max(kids), "ok")}, fresh
         give_up = time.monotonic() + 30
         while time.monotonic() < give_up:
             try:
