@@ -15,12 +15,14 @@ CPU is the only limit left, which is the point. Steps:
    shared by more requests), so it is read where the process is busiest, as `plan --measure` should be.
 2. Predictions: `batchserve.plan.make_plan` for each process count, with that CPU per request, the planner's
    default 90 % of a core per process, and the cores the servers can have: one per process, and on this host
-   no more than its cores less what the rest of the machine used in that row and the load generator's share
+   no more than its cores less what the rest of the machine used (the ramp's median) and the load generator's share
    at the predicted rate (it runs on the same cores here; on a real host it does not). That share depends on
    the rate, so the cores and the prediction are iterated.
 3. The ceiling search, interleaved so both configurations see the same machine: for each factor of
    `--factors`, every configuration still passing runs at factor x its prediction; a row passes with
-   p95 <= the SLO, 0 errors and at least 97 % answered. A configuration's ceiling is its highest passing row.
+   p95 <= the SLO, 0 errors and at least 97 % answered; past the listed factors the grid goes on in
+   `--extend-step` steps to `--max-factor` until every configuration has failed once. A configuration's
+   ceiling is its highest passing row before its first failure.
 4. The plan for `--plan-rate` (10,000) on nodes of `--plan-devices` GPUs of `--plan-batch-ms`, with the
    measured CPU per request and the example prices `--gpu-cost-per-hour` / `--node-cost-per-hour`.
 
@@ -41,6 +43,7 @@ if __package__ in (None, ""):  # run as `python bench/scale.py`
 import argparse  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 import json  # noqa: E402
@@ -163,8 +166,9 @@ def markdown(rep: dict) -> str:
           for r in rep["ramp"]],
         "",
         "The planner's predictions below take that CPU per request, 90 % of a core per process (its default), "
-        "and as cores the host's less what the rest of the machine used at that ceiling row and what the load "
-        "generator uses at the predicted rate (it shares these cores; on a real host it would not).",
+        "and as cores the host's less what the rest of the machine used (the median over the ramp: "
+        f"{rep.get('others_for_plan', math.nan):.2f} cores) and what the load generator uses at the predicted "
+        "rate (it shares these cores; on a real host it would not).",
         "",
         "## Ceilings against the planner",
         "",
@@ -173,6 +177,8 @@ def markdown(rep: dict) -> str:
     ]
     for c in rep["ceilings"]:
         err = f"{(c['measured'] / c['predicted'] - 1) * 100:+.1f} %" if c["measured"] else "–"
+        if c["measured"] and not c.get("failed", True):
+            err += " (a lower bound: no row failed)"
         lines.append(f"| {c['processes']} | {c['predicted']:.0f} | {c['cores']:.2f} | "
                      f"{c['measured']:.0f} | {err} |" if c["measured"] else
                      f"| {c['processes']} | {c['predicted']:.0f} | {c['cores']:.2f} | none passed | – |")
@@ -208,8 +214,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start-rate", type=float, default=3000.0, help="the one-process ramp's first rate")
     p.add_argument("--ramp-step", type=float, default=1.25, help="the ramp's factor from row to row")
     p.add_argument("--max-ramp-rows", type=int, default=10)
-    p.add_argument("--factors", default="0.7,0.8,0.9,0.95,1.0,1.05,1.1,1.2",
+    p.add_argument("--factors", default="0.8,0.9,0.95,1.0,1.05,1.1,1.2",
                    help="rows at these multiples of each configuration's predicted ceiling")
+    p.add_argument("--extend-step", type=float, default=0.1, help="past --factors, step by this until a fail")
+    p.add_argument("--max-factor", type=float, default=2.0)
     p.add_argument("--plan-rate", type=float, default=10000.0)
     p.add_argument("--plan-devices", type=int, default=8)
     p.add_argument("--plan-batch-ms", type=float, default=100.0)
@@ -262,10 +270,20 @@ def main(argv: list[str] | None = None) -> int:
                         "server_cores": top.server_cores, "client_us_per_req": client_s * 1e6,
                         "p95_ms": top.p95_ms, "errors": top.errors, "others_cores": top.others_cores,
                         "first_failing": asdict(ramp[-1]) if not ramp[-1].passed else None}
-        predicted = {n: predict_host(a, n, cpu_s, client_s, top.others_cores) for n in counts}
+        # What the rest of the machine used: the median over the ramp, not the one row's (it swings 0.3-1.6 cores).
+        others = statistics.median(r.others_cores for r in ramp)
+        rep["others_for_plan"] = others
+        predicted = {n: predict_host(a, n, cpu_s, client_s, others) for n in counts}
         best: dict[int, float] = {}
         failed: set[int] = set()
-        for f in factors:
+        # The listed factors, then on in --extend-step steps to --max-factor while any configuration passes:
+        # a ceiling is where a configuration first fails, not where the grid ran out.
+        grid = list(factors)
+        while grid[-1] + a.extend_step <= a.max_factor + 1e-9:
+            grid.append(round(grid[-1] + a.extend_step, 6))
+        for f in grid:
+            if len(failed) == len(counts):
+                break
             for n in counts:
                 if n in failed or stopping:
                     continue
@@ -280,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     failed.add(n)
         rep["ceilings"] = [{"processes": n, "predicted": predicted[n][0], "cores": predicted[n][1],
-                            "measured": best.get(n, 0.0)} for n in counts]
+                            "measured": best.get(n, 0.0), "failed": n in failed} for n in counts]
     prices = Prices(a.gpu_cost_per_hour, a.node_cost_per_hour)
     cpu = rep.get("probe", {}).get("server_us_per_req")
     if cpu:
