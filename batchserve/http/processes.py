@@ -20,8 +20,9 @@ listening socket to it, and the kernel deals each new connection to one of them 
   free one), logged and shown in /internal/health (`process`), where its /metrics, /readyz and
   /internal/health are its alone; scrape each. (Prometheus' multiprocess mode was not used: the server's
   per-request counters are plain loop-owned counts, and a merged view would hide one child's readiness.)
-- A child that exits on its own after it once listened is replaced; one that never listened (a model that
-  cannot load, a port in use) stops the group with its exit status.
+- A child that exits after it listened, or is killed by a signal, is replaced (at most one start a second);
+  one that exits by itself before it ever listened (a model that cannot load, a port in use) stops the group
+  with its exit status.
 """
 
 from __future__ import annotations
@@ -216,7 +217,10 @@ def serve_processes(settings: Settings) -> int:
                     status = status or (proc.exitcode if proc.exitcode > 0 else 0)
                     continue
                 assert slot.listening is not None
-                if not slot.listening.is_set():  # it never served: a replacement would fail the same way
+                # It never served and exited by itself (a model that cannot load, a port taken): a replacement
+                # would fail the same way. Killed by a signal while warming (a lone SIGTERM, the OOM killer), it
+                # is replaced like any child.
+                if not slot.listening.is_set() and proc.exitcode > 0:
                     log.error("process %d (pid %s) exited with %s before it listened: stopping the others",
                               slot.index, proc.pid, proc.exitcode)
                     status = proc.exitcode if proc.exitcode and proc.exitcode > 0 else 1

@@ -78,7 +78,7 @@ class DrainingServer(uvicorn.Server):
         # connections to its siblings (a grace would only send them 503s: no balancer polls this process's
         # /readyz to take it out, the kernel does at the close). Its own port stays open for /readyz.
         alone = self.group is not None and not self.group.draining()
-        if alone and self.servers:
+        if alone and getattr(self, "servers", None):  # (none yet when the signal comes during start-up)
             log.info("draining this process alone: its listener on the shared port is closed; the other "
                      "processes take new connections")
             self.servers[0].close()
