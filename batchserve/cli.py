@@ -178,6 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     quiet_progress_bars(sys.stderr.isatty())
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log.info("settings: %s", effective(settings))
+    if settings.processes > 1:  # the children load the models, each on its share of the devices
+        from batchserve.http.processes import serve_processes
+
+        try:
+            return serve_processes(settings)
+        except (ValueError, OSError) as exc:
+            print(f"batchserve: error: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, ValueError) else 1
     if os.getcwd() not in sys.path:  # `--backend mymodel:batch` finds mymodel.py here (searched last)
         sys.path.append(os.getcwd())
     # The port opens at once and the backends are built, set up and warmed behind it (/healthz 200, /readyz

@@ -36,6 +36,15 @@ class ModelSpec:
         return f"{self.name}@{self.version}"
 
 
+@dataclass(frozen=True)
+class ProcessSlot:
+    """Which of `--processes` this server is, and the port where it alone answers."""
+
+    index: int
+    of: int
+    own_port: int
+
+
 @dataclass
 class Settings:
     host: str = knob("127.0.0.1", "address to listen on")
@@ -46,6 +55,10 @@ class Settings:
                                   "package.module:attribute, the module's last part)")
     model_version: str = knob("v1", "version of the default model")
     devices: int = knob(0, "worker devices: sim devices, or CUDA devices to use (0 = all GPUs, or 1 CPU)")
+    processes: int = knob(1, "server processes sharing the port (SO_REUSEPORT), the devices split evenly between "
+                             "them: one event loop is one core, the ceiling of one process (docs/deploy.md)")
+    process_port_base: int = knob(0, "with --processes: process k also listens on this port + k for its own "
+                                     "/metrics, /readyz and /internal/health (0 = a free port each, logged)")
     max_batch_size: int = knob(100, "most inputs in one batch")
     slo_ms: float = knob(200.0, "latency objective (p95) that paces dispatch and admission (unset with a real "
                                 "model: derived from its warm-up batch time, 3 x it)")
@@ -138,6 +151,7 @@ class Settings:
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
     keys: list[dict] = field(default_factory=list, metadata={"cli": False})  # [[keys]] of the config file
     tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict, metadata={"cli": False})
+    process_slot: "ProcessSlot | None" = field(default=None, metadata={"cli": False})  # set in --processes' children
     # Where each value the user set came from ("--port", "BATCHSERVE_PORT", "bs.toml:3 models[0].backend"):
     # errors name it, and knobs the user did not set may be derived (slo_ms and timeout_ms from the warm-up).
     given: dict[str, str] = field(default_factory=dict, metadata={"cli": False})
@@ -171,6 +185,17 @@ class Settings:
         need(self.timeout_ms <= self.max_timeout_ms, "timeout_ms",
              f"at most --max-timeout-ms ({self.max_timeout_ms:g})")
         need(self.devices >= 0, "devices", "0 (auto) or more")
+        need(1 <= self.processes <= 256, "processes", "between 1 and 256")
+        need(0 <= self.process_port_base <= 65535 - max(0, self.processes - 1), "process_port_base",
+             f"0 or a port with {self.processes} free ports from it")
+        if (self.processes > 1 and "jobs_db" in self.given and self.jobs_db
+                and not self.jobs_db.startswith(("postgresql://", "postgres://"))):
+            problems.append(f"{self.source('jobs_db')} is a SQLite file, which belongs to one process: with "
+                            f"{self.source('processes')} {self.processes} use a postgresql:// URL the processes "
+                            f"share, or an empty value (no batch jobs)")
+        if self.processes > 1 and self.devices and self.devices % self.processes:
+            problems.append(f"{self.source('devices')} {self.devices} does not split evenly over "
+                            f"{self.source('processes')} {self.processes} (each process gets the same number)")
         need(self.max_queue >= 1, "max_queue", "1 or more")
         need(self.max_body_bytes >= 64, "max_body_bytes", "64 or more")
         for f in cli_fields():

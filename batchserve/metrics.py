@@ -16,7 +16,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -138,6 +138,9 @@ class Metrics:
 
 def make_metrics() -> Metrics:
     r = CollectorRegistry()
+    # process_cpu_seconds_total, process_resident_memory_bytes, ...: read from /proc at scrape time, nothing per
+    # request. `batchserve plan --measure` divides the CPU by the requests answered (docs/capacity.md).
+    ProcessCollector(registry=r)
     p = "batchserve_"
     return Metrics(
         registry=r,

@@ -15,6 +15,13 @@ split at random stays Poisson). Every rate is simulated on the same unit-exponen
 What the model leaves out — HTTP, the event loop, the client, admission's refusals near overload — makes
 measured latency higher; `--overhead-ms` adds a fixed per-request amount, and docs/capacity.md gives the error
 against the measured bench rows.
+
+The host's CPU is the other ceiling: one server process runs one event loop, on one core, and every request
+costs it a fixed amount of CPU (parsing, admission, answering), so a process serves at most
+`max_cpu_busy / cpu per request` whatever its devices. With `--processes P` a node is P such processes, each
+with devices/P devices (`batchserve serve --processes`); the node's capacity is the lower of the devices' (the
+simulation, per process) and the CPU's, and the plan says which binds. Prices turn the node count into a cost
+per 1,000 requests and per month.
 """
 
 from __future__ import annotations
@@ -30,13 +37,15 @@ import sys
 import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 EWMA_ALPHA = 0.2  # as batcher.EWMA_ALPHA: weight of the newest batch in the learned batch time
 SIM_S = 30.0  # simulated seconds per point, after the warm-up
 WARMUP_S = 5.0
 BISECT_STEPS = 12  # capacity to ceiling / 4096
 TRICKLE = 0.05  # a capacity under this share of the ceiling is no plan: the SLO is missed at any real load
+HOURS_PER_MONTH = 730.0  # 365 x 24 / 12
+MIN_CPU_SAMPLE = 50  # requests a --measure window must see before its CPU per request is believed
 
 
 @dataclass(frozen=True)
@@ -94,10 +103,31 @@ class Contract:
     timeout_s: float = 2.0
     overhead_s: float = 0.0  # per request, outside the batcher (HTTP, event loop, network)
     max_busy: float = 0.95  # the most device time a node is planned at (see `capacity`)
+    cpu_s_per_request: float = 0.0  # one process's CPU per request (0 = leave the CPU out)
+    processes: int = 1  # server processes per node, the devices split evenly between them
+    cores: float = 0.0  # cores the node's server processes may use (0 = one per process; a sidecar may leave 1.5)
+    max_cpu_busy: float = 0.9  # the most of a core one process is planned at
+
+    def __post_init__(self) -> None:
+        if self.processes < 1 or self.devices % self.processes:
+            raise ValueError(f"{self.devices} device(s) do not split evenly over {self.processes} processes "
+                             f"(each process runs the same number)")
 
     def ceiling(self) -> float:
         """Requests/s one node serves at full batches on every device: no rate at or above it is stable."""
         return self.devices * self.max_batch / self.batch_time(self.max_batch)
+
+    def per_process(self) -> "Contract":
+        """One of the node's processes: its share of the devices, its own batcher (the simulation's unit)."""
+        return replace(self, devices=self.devices // self.processes, processes=1, cores=0.0)
+
+    def cpu_ceiling(self) -> float:
+        """Requests/s the node's CPU allows: each process's loop at `max_cpu_busy` of one core, on at most
+        `cores` cores (processes beyond the cores share them); infinite when the CPU is left out."""
+        if self.cpu_s_per_request <= 0:
+            return math.inf
+        cores = min(self.processes, self.cores) if self.cores else self.processes
+        return cores * self.max_cpu_busy / self.cpu_s_per_request
 
 
 @dataclass
@@ -251,42 +281,100 @@ def capacity(c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S
     return lo
 
 
+@dataclass(frozen=True)
+class Prices:
+    """What a node costs an hour: its GPUs and the rest of it (CPUs, memory, network)."""
+
+    gpu_per_hour: float = 0.0
+    node_per_hour: float = 0.0
+
+    def node_hour(self, devices: int) -> float:
+        return devices * self.gpu_per_hour + self.node_per_hour
+
+
+@dataclass
+class Cost:
+    per_node_hour: float
+    per_hour: float  # all the planned nodes
+    per_1000_requests: float  # at the target rate, the nodes fully paid
+    per_month: float  # HOURS_PER_MONTH of the planned nodes
+
+
 @dataclass
 class Plan:
     target_rate: float
     contract: Contract
-    capacity: float  # per node, at the SLO
+    capacity: float  # per node, at the SLO: the lower of the two below
+    device_capacity: float  # what the node's devices serve within the SLO (P processes x the simulation)
+    cpu_capacity: float  # what the node's CPU serves (inf when the CPU is left out)
+    binding: str  # "slo", "devices" (the full-batch cap) or "cpu"
     nodes: int
-    at_target: Prediction  # each node at target / nodes
+    at_target: Prediction  # each process at target / (nodes x processes)
     headroom: float  # share of extra load the planned nodes take before p95 passes the SLO
     one_down: Prediction | None  # each node at target / (nodes - 1): a node lost or restarting
     nodes_for_one_down: int
+    cost: Cost | None = None
+    processes_for_cpu: int | None = None  # when the CPU binds: processes per node that lift it above the devices
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["contract"]["batch_time"] = {"sizes": list(self.contract.batch_time.sizes),
                                        "ms": [t * 1000 for t in self.contract.batch_time.seconds]}
+        if math.isinf(self.cpu_capacity):
+            d["cpu_capacity"] = None  # JSON has no infinity
         return d
 
 
-def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int = 1) -> Plan:
+def processes_for_cpu(c: Contract) -> int | None:
+    """The fewest processes (dividing the devices, within `cores`) whose CPU ceiling reaches the devices' cap,
+    when the CPU binds now; None when it does not bind or no split lifts it."""
+    if c.cpu_ceiling() >= c.max_busy * c.ceiling():
+        return None
+    for p in range(c.processes + 1, c.devices + 1):
+        if c.devices % p == 0 and (not c.cores or p <= c.cores):
+            if replace(c, processes=p).cpu_ceiling() >= c.max_busy * c.ceiling():
+                return p
+    return None
+
+
+def plan_cost(target_rate: float, nodes: int, c: Contract, prices: Prices) -> Cost:
+    node_hour = prices.node_hour(c.devices)
+    per_hour = nodes * node_hour
+    return Cost(node_hour, per_hour, per_hour / (target_rate * 3600) * 1000, per_hour * HOURS_PER_MONTH)
+
+
+def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int = 1,
+              prices: Prices | None = None) -> Plan:
     if target_rate <= 0:
         raise ValueError("the target rate must be positive")
     arrivals = Arrivals(seed)
-    cap = capacity(c, arrivals, sim_s)
-    if cap <= 0:
+    proc = c.per_process()
+    device_cap = capacity(proc, arrivals, sim_s) * c.processes
+    if device_cap <= 0:
         raise ValueError(f"no rate meets a {c.slo_s * 1000:g} ms SLO: one batch alone takes "
                          f"{c.batch_time(1) * 1000:g} ms (+{c.overhead_s * 1000:g} ms overhead)")
-    if cap < TRICKLE * c.ceiling():
+    if device_cap < TRICKLE * c.ceiling():
         raise ValueError(
-            f"p95 meets {c.slo_s * 1000:g} ms only below {cap:.1f} requests/s a node ({cap / c.ceiling():.1%} of "
-            f"its {c.ceiling():.0f} at full batches): at any real load a request waits up to the pace interval "
-            f"S/G or its dispatch deadline (slo - S - margin) for a batch, then runs S, plus "
-            f"{c.overhead_s * 1000:g} ms overhead; it takes more devices per node, a shorter batch or a looser SLO")
+            f"p95 meets {c.slo_s * 1000:g} ms only below {device_cap:.1f} requests/s a node "
+            f"({device_cap / c.ceiling():.1%} of its {c.ceiling():.0f} at full batches): at any real load a request "
+            f"waits up to the pace interval S/G or its dispatch deadline (slo - S - margin) for a batch, then runs "
+            f"S, plus {c.overhead_s * 1000:g} ms overhead; it takes more devices per node, a shorter batch or a "
+            f"looser SLO")
+    cpu_cap = c.cpu_ceiling()
+    cap = min(device_cap, cpu_cap)
+    if cpu_cap < device_cap:
+        binding = "cpu"
+    elif device_cap >= c.max_busy * c.ceiling() * (1 - 1e-9):
+        binding = "devices"
+    else:
+        binding = "slo"
     nodes = max(1, math.ceil(target_rate / cap - 1e-9))
-    at_target = predict(target_rate / nodes, c, arrivals, sim_s)
-    one_down = predict(target_rate / (nodes - 1), c, arrivals, sim_s) if nodes > 1 else None
-    return Plan(target_rate, c, cap, nodes, at_target, nodes * cap / target_rate - 1, one_down, nodes + 1)
+    per_proc = nodes * c.processes
+    at_target = predict(target_rate / per_proc, proc, arrivals, sim_s)
+    one_down = (predict(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None)
+    return Plan(target_rate, c, cap, device_cap, cpu_cap, binding, nodes, at_target, nodes * cap / target_rate - 1,
+                one_down, nodes + 1, plan_cost(target_rate, nodes, c, prices) if prices else None,
+                processes_for_cpu(c) if binding == "cpu" else None)
 
 
 # -- measuring a running server ------------------------------------------------------------------------------
@@ -295,6 +383,59 @@ class Measured:
     devices: int
     batch_time: BatchTime
     source: str
+    cpu_s_per_request: float | None = None  # from the process's own counters over a window under load
+    processes: int = 1  # a `serve --processes` node: `devices` is then the node's, every process's together
+
+
+def metric_sum(metrics_text: str, name: str) -> float | None:
+    """The sum of every series of `name` (all label sets) in /metrics text; None when there is none."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
+
+
+def cpu_per_request(base: str, window_s: float, api_key: str = "") -> tuple[float | None, str]:
+    """CPU seconds per answered request of one server process, from its own counters: `process_cpu_seconds_total`
+    over `batchserve_requests_total` (every status: a refusal costs CPU too), read twice `window_s` apart on
+    ONE connection, so both readings come from the same process behind a shared (`--processes`) port.
+    Totals since start would count the start-up (imports, model loading); the window counts only the load
+    the server carries now, so measure a node under its real traffic."""
+    import http.client
+    import time
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(u.hostname or "127.0.0.1", u.port, timeout=10)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def read() -> tuple[float | None, float | None]:
+        conn.request("GET", (u.path.rstrip("/") or "") + "/metrics", headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        if resp.status != 200:
+            raise OSError(f"{base}/metrics answered {resp.status}")
+        return metric_sum(text, "process_cpu_seconds_total"), metric_sum(text, "batchserve_requests_total")
+
+    try:
+        cpu0, req0 = read()
+        time.sleep(window_s)
+        cpu1, req1 = read()
+    finally:
+        conn.close()
+    if cpu0 is None or cpu1 is None:
+        return None, "no process_cpu_seconds_total in /metrics"
+    answered = (req1 or 0.0) - (req0 or 0.0)
+    if answered < MIN_CPU_SAMPLE:
+        return None, (f"{answered:.0f} requests answered in the {window_s:g} s window (fewer than "
+                      f"{MIN_CPU_SAMPLE}): CPU per request not measured; measure under load or give "
+                      f"--cpu-us-per-request")
+    per = (cpu1 - cpu0) / answered
+    return per, (f"CPU {per * 1e6:.0f} us per request ({cpu1 - cpu0:.2f} CPU-s over {answered:.0f} requests "
+                 f"in {window_s:g} s)")
 
 
 def _get(url: str, timeout: float = 10.0) -> bytes:
@@ -345,25 +486,35 @@ def _get_request(req: urllib.request.Request) -> bytes:
         return r.read()
 
 
-def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str = "") -> Measured:
+def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str = "",
+            cpu_window_s: float = 0.0) -> Measured:
     """Devices from /internal/health's workers; the batch time as the server learned it (its `batch_ms`, the
-    same at every size: true of the sim, a first guess for a real model), or by size from a probe."""
+    same at every size: true of the sim, a first guess for a real model), or by size from a probe; with a
+    `cpu_window_s`, the process's CPU per request over that window (`cpu_per_request`)."""
     base = base.rstrip("/")
     health = json.loads(_get(base + "/internal/health"))
     devices = sum(1 for w in health.get("workers", []) if w.get("healthy")) or len(health.get("workers", []))
+    processes = int((health.get("process") or {}).get("of", 1))  # one process answered: its siblings match it
+    devices *= processes
     learned: dict[str, float] = health.get("batch_ms", {})
     if not learned:
         raise OSError(f"{base}/internal/health reports no batch_ms")
     name = model if model is not None else next(iter(learned))
     if name not in learned:
         raise OSError(f"{base} serves {', '.join(learned)}, not {name}")
+    cpu_s, cpu_note = cpu_per_request(base, cpu_window_s, api_key) if cpu_window_s > 0 else (None, "")
     if probe_sizes:
-        return Measured(devices, probe(base, probe_sizes, api_key), f"probe of {base} ({name})")
+        return Measured(devices, probe(base, probe_sizes, api_key),
+                        "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x), cpu_s, processes)
     mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
     source = f"{base} ({name}): learned batch time {learned[name]:g} ms"
     if mean_compute is not None:
         source += f", mean batch compute {mean_compute * 1000:.1f} ms since start"
-    return Measured(devices, BatchTime.constant(learned[name]), source)
+    if cpu_note:
+        source += f"; {cpu_note}"
+    if processes > 1:
+        source += f"; {processes} processes of {devices // processes} device(s)"
+    return Measured(devices, BatchTime.constant(learned[name]), source, cpu_s, processes)
 
 
 # -- the command ---------------------------------------------------------------------------------------------
@@ -387,6 +538,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-request time outside the batcher (HTTP, event loop, network), added to every latency")
     p.add_argument("--max-busy", type=float, default=0.95,
                    help="the most device time a node is planned at, whatever the SLO allows")
+    p.add_argument("--cpu-us-per-request", type=float, default=None,
+                   help="one server process's CPU per request, microseconds (with --measure: read from the "
+                        "server's own counters over --cpu-window-s unless given)")
+    p.add_argument("--cpu-window-s", type=float, default=5.0,
+                   help="with --measure: seconds between the two /metrics reads that give CPU per request")
+    p.add_argument("--processes", type=int, default=None,
+                   help="server processes per node (batchserve serve --processes), the devices split evenly "
+                        "[1, or measured]")
+    p.add_argument("--cores", type=float, default=0.0,
+                   help="cores the node's server processes may use (0 = one per process)")
+    p.add_argument("--max-cpu-busy", type=float, default=0.9,
+                   help="the most of a core one process is planned at")
+    p.add_argument("--gpu-cost-per-hour", type=float, default=0.0, help="price of one device (GPU) an hour")
+    p.add_argument("--node-cost-per-hour", type=float, default=0.0,
+                   help="price of a node an hour beside its GPUs (CPUs, memory, network)")
     p.add_argument("--sim-s", type=float, default=SIM_S, help="simulated seconds per point")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -396,12 +562,18 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
     given = [x for x in (a.batch_ms, a.batch_ms_by_size, a.measure) if x is not None]
     if len(given) != 1:
         raise ValueError("give exactly one of --batch-ms, --batch-ms-by-size, --measure URL")
-    devices, source = a.devices, "given"
+    devices, processes, source = a.devices, a.processes, "given"
+    if a.cpu_us_per_request is not None and a.cpu_us_per_request <= 0:
+        raise ValueError("--cpu-us-per-request must be positive")
+    cpu_s = a.cpu_us_per_request / 1e6 if a.cpu_us_per_request is not None else 0.0
     if a.measure is not None:
         sizes = [int(x) for x in a.probe.split(",") if x.strip()] if a.probe else []
-        m = measure(a.measure, a.model, sizes, a.api_key)
+        window = a.cpu_window_s if a.cpu_us_per_request is None else 0.0
+        m = measure(a.measure, a.model, sizes, a.api_key, window)
         batch_time, source = m.batch_time, m.source
         devices = devices if devices is not None else m.devices
+        processes = processes if processes is not None else m.processes
+        cpu_s = cpu_s or (m.cpu_s_per_request or 0.0)
     elif a.batch_ms_by_size is not None:
         batch_time = BatchTime.parse(a.batch_ms_by_size)
     else:
@@ -409,22 +581,52 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
             raise ValueError("--batch-ms must be positive")
         batch_time = BatchTime.constant(a.batch_ms)
     devices = 1 if devices is None else devices
+    processes = 1 if processes is None else processes
     if devices < 1 or a.max_batch < 1 or a.slo_ms <= 0 or not 0 < a.max_busy <= 1:
         raise ValueError("--devices and --max-batch must be >= 1, --slo-ms positive, --max-busy in (0, 1]")
+    if processes < 1 or a.cores < 0 or not 0 < a.max_cpu_busy <= 1:
+        raise ValueError("--processes must be >= 1, --cores 0 or more, --max-cpu-busy in (0, 1]")
+    if a.gpu_cost_per_hour < 0 or a.node_cost_per_hour < 0:
+        raise ValueError("--gpu-cost-per-hour and --node-cost-per-hour must be 0 or more")
     return Contract(batch_time, devices, a.max_batch, a.slo_ms / 1000, a.margin_ms / 1000, a.timeout_ms / 1000,
-                    a.overhead_ms / 1000, a.max_busy), source
+                    a.overhead_ms / 1000, a.max_busy, cpu_s, processes, a.cores, a.max_cpu_busy), source
+
+
+def prices_from(a: argparse.Namespace) -> Prices | None:
+    if not a.gpu_cost_per_hour and not a.node_cost_per_hour:
+        return None
+    return Prices(a.gpu_cost_per_hour, a.node_cost_per_hour)
+
+
+def limits_line(plan: Plan) -> str:
+    """Which limit binds, beside the other."""
+    c = plan.contract
+    procs = f"{c.processes} process(es)" + (f" on {c.cores:g} core(s)" if c.cores and c.cores < c.processes else
+                                             ", a core each")
+    cpu = ("CPU not modelled (give --cpu-us-per-request, or --measure a loaded server)" if math.isinf(
+        plan.cpu_capacity) else f"CPU {plan.cpu_capacity:.0f} ({procs} at {c.max_cpu_busy:.0%}, "
+                                f"{c.cpu_s_per_request * 1e6:.0f} us per request)")
+    devices = f"devices {plan.device_capacity:.0f}"
+    name = {"cpu": "the CPU", "devices": "the devices (full-batch cap)", "slo": "the SLO on the devices"}
+    return f"limits            {devices}; {cpu}: {name[plan.binding]} binds"
 
 
 def render(plan: Plan, source: str) -> str:
     c, t = plan.contract, plan.at_target
     slo = c.slo_s * 1000
-    capped = plan.capacity >= c.max_busy * c.ceiling() * (1 - 1e-9)
+    capped = plan.device_capacity >= c.max_busy * c.ceiling() * (1 - 1e-9)
     bound = f"capped at {c.max_busy:.0%} of" if capped else "ceiling"
+    split = f" in {c.processes} processes of {c.devices // c.processes}" if c.processes > 1 else ""
+    serves = (f"one node serves {plan.capacity:.0f} requests/s within the SLO, bound by its CPU (devices alone: "
+              f"{plan.device_capacity:.0f}, {bound} {c.ceiling():.0f} at full batches)" if plan.binding == "cpu" else
+              f"one node serves {plan.capacity:.0f} requests/s within the SLO ({bound} {c.ceiling():.0f} at full "
+              f"batches)")
     lines = [
         f"target {plan.target_rate:g} requests/s at p95 <= {slo:g} ms",
-        f"node: {c.devices} device(s), batches of 1..{c.max_batch}, batch time {c.batch_time.describe()} "
+        f"node: {c.devices} device(s){split}, batches of 1..{c.max_batch}, batch time {c.batch_time.describe()} "
         f"({source}), dispatch margin {c.margin_s * 1000:g} ms, overhead {c.overhead_s * 1000:g} ms",
-        f"one node serves {plan.capacity:.0f} requests/s within the SLO ({bound} {c.ceiling():.0f} at full batches)",
+        serves,
+        limits_line(plan),
         "",
         f"nodes needed      {plan.nodes}  ({plan.target_rate / plan.nodes:.0f} requests/s each)",
         f"predicted         p50 {t.p50_ms:.0f} ms, p95 {t.p95_ms:.0f} ms, p99 {t.p99_ms:.0f} ms; "
@@ -434,20 +636,35 @@ def render(plan: Plan, source: str) -> str:
     ]
     if plan.one_down is not None:
         d = plan.one_down
-        verdict = "within the SLO" if d.meets(c.slo_s) else (
-            f"over the SLO{f', {d.expired:.0%} time out' if d.expired else ''}: plan "
+        each = plan.target_rate / (plan.nodes - 1)
+        over_cpu = each > plan.cpu_capacity
+        verdict = "within the SLO" if d.meets(c.slo_s) and not over_cpu else (
+            f"{'past the CPU ceiling' if over_cpu else 'over the SLO'}"
+            f"{f', {d.expired:.0%} time out' if d.expired else ''}: plan "
             f"{plan.nodes_for_one_down} nodes to lose one (or restart one at a time) safely")
-        lines.append(f"one node down     {plan.nodes - 1} nodes at {plan.target_rate / (plan.nodes - 1):.0f} "
-                     f"requests/s each: p95 {d.p95_ms:.0f} ms, {verdict}")
-    lines.append("(model: the batcher's policy on Poisson arrivals, no server overhead beyond --overhead-ms; "
-                 "see docs/capacity.md)")
+        lines.append(f"one node down     {plan.nodes - 1} nodes at {each:.0f} requests/s each: "
+                     f"p95 {d.p95_ms:.0f} ms, {verdict}")
+    if plan.processes_for_cpu:
+        p = plan.processes_for_cpu
+        lines.append(f"processes         the CPU binds: --processes {p} ({c.devices // p} device(s) each) lifts "
+                     f"it to {replace(c, processes=p).cpu_ceiling():.0f} requests/s a node")
+    elif plan.binding == "cpu":
+        lines.append("processes         the CPU binds and no split of the devices lifts it: more nodes, or less "
+                     "CPU per request")
+    if plan.cost is not None:
+        k = plan.cost
+        lines.append(f"cost              {k.per_hour:,.2f} an hour for {plan.nodes} node(s) ({k.per_node_hour:,.2f} "
+                     f"each); {k.per_1000_requests:.4f} per 1,000 requests at {plan.target_rate:g} requests/s; "
+                     f"{k.per_month:,.0f} a month ({HOURS_PER_MONTH:g} h)")
+    lines.append("(model: the batcher's policy on Poisson arrivals, no server overhead beyond --overhead-ms, and "
+                 "a process's CPU as a ceiling, not a latency; see docs/capacity.md)")
     return "\n".join(lines)
 
 
 def main(a: argparse.Namespace) -> int:
     try:
         contract, source = contract_from(a)
-        plan = make_plan(a.rate, contract, a.sim_s, a.seed)
+        plan = make_plan(a.rate, contract, a.sim_s, a.seed, prices_from(a))
     except (ValueError, OSError) as exc:
         print(f"batchserve plan: {exc}", file=sys.stderr)
         return 2

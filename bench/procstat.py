@@ -18,6 +18,36 @@ def process_cpu_s(pid: int) -> float:
     return (utime + stime) / CLK_TCK
 
 
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and its descendants (a `serve --processes` parent and its children), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().decode().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parents.get(p, []))
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and its live descendants (children that exited are not counted)."""
+    total = 0.0
+    for p in tree_pids(pid):
+        try:
+            total += process_cpu_s(p)
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 def self_cpu_s() -> float:
     """CPU seconds of this process (the load generator), to tell when the client itself is the bottleneck."""
     ru = resource.getrusage(resource.RUSAGE_SELF)

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from batchserve import cli
-from batchserve.plan import (Arrivals, BatchTime, Contract, capacity, make_plan, measure, percentile, predict,
-                             simulate)
+from batchserve.plan import (HOURS_PER_MONTH, Arrivals, BatchTime, Contract, Prices, capacity, cpu_per_request,
+                             make_plan, measure, metric_sum, percentile, predict, simulate)
 
 SEED = Contract(BatchTime.constant(100))  # the seed contract: 100 ms per batch of 1..100, SLO 200 ms
 
@@ -114,6 +114,9 @@ def test_the_plan_command_prints_the_seed_plan(capsys):
     (["--rate", "100", "--batch-ms-by-size", "1:x"], "size:ms"),
     (["--rate", "100", "--batch-ms", "100", "--overhead-ms", "10"], "it takes more devices per node"),
     (["--rate", "100", "--measure", "http://127.0.0.1:9"], "refused"),
+    (["--rate", "100", "--batch-ms", "100", "--devices", "3", "--processes", "2"], "do not split evenly"),
+    (["--rate", "100", "--batch-ms", "100", "--cpu-us-per-request", "0"], "--cpu-us-per-request must be positive"),
+    (["--rate", "100", "--batch-ms", "100", "--gpu-cost-per-hour", "-1"], "must be 0 or more"),
 ])
 def test_bad_plan_arguments_say_why(capsys, args, message):
     assert cli.main(["plan", *args]) == 2
@@ -126,3 +129,119 @@ def test_measure_reads_devices_and_batch_time_from_a_running_server(server_facto
     assert m.devices == 2 and m.batch_time == BatchTime.constant(40)
     probed = measure(server.url, "sim@v1", [1, 8]).batch_time
     assert 1 in probed.sizes and all(0.039 <= t <= 0.08 for t in probed.seconds)
+
+
+# -- the host's CPU and the cost -------------------------------------------------------------------------------
+def test_the_cpu_ceiling_is_a_core_per_process_over_cpu_per_request():
+    one = Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=125e-6, max_cpu_busy=0.9)
+    assert one.cpu_ceiling() == pytest.approx(0.9 / 125e-6)  # 7,200 requests/s on one core
+    assert Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=125e-6, max_cpu_busy=0.9,
+                    processes=4).cpu_ceiling() == pytest.approx(4 * 7200)
+    # Four processes on two cores share them: the cores, not the processes, set the ceiling.
+    assert Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=125e-6, max_cpu_busy=0.9,
+                    processes=4, cores=2).cpu_ceiling() == pytest.approx(2 * 7200)
+    assert math.isinf(Contract(BatchTime.constant(100)).cpu_ceiling())  # left out: never binds
+    with pytest.raises(ValueError, match="split evenly"):
+        Contract(BatchTime.constant(100), devices=6, processes=4)
+
+
+def test_one_process_on_eight_devices_is_bound_by_its_cpu():
+    """The issue's case: 8 devices of 100 ms batches serve 7,600 requests/s at the 95 % cap, but one process at
+    ~130 us a request saturates its core first; the plan says so, counts nodes on the CPU's figure, and names
+    the split that lifts it."""
+    c = Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=130e-6, max_cpu_busy=0.9)
+    plan = make_plan(10000, c, sim_s=10)
+    assert plan.device_capacity == pytest.approx(7600)
+    assert plan.cpu_capacity == pytest.approx(0.9 / 130e-6)
+    assert plan.binding == "cpu" and plan.capacity == plan.cpu_capacity
+    assert plan.nodes == math.ceil(10000 / plan.cpu_capacity)
+    assert plan.processes_for_cpu == 2  # 2 x 6,923 clears 7,600
+    split = make_plan(10000, Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=130e-6,
+                                      max_cpu_busy=0.9, processes=2), sim_s=10)
+    assert split.binding == "devices" and split.capacity == pytest.approx(7600)
+    assert split.processes_for_cpu is None
+    without = make_plan(10000, Contract(BatchTime.constant(100), devices=8), sim_s=10)
+    assert without.binding == "devices" and math.isinf(without.cpu_capacity)
+
+
+def test_processes_split_the_devices_and_each_runs_its_own_batcher():
+    """Two processes of 2 devices are two batchers: the node's capacity is twice one of them, and its latency
+    that of one 2-device process at half the node's rate (pacing S/2, not S/4)."""
+    arrivals = Arrivals(1)
+    two = Contract(BatchTime.constant(100), devices=4, processes=2, max_busy=0.99)
+    half = Contract(BatchTime.constant(100), devices=2, max_busy=0.99)
+    plan = make_plan(3000, two, sim_s=10)
+    assert plan.device_capacity == pytest.approx(2 * capacity(half, Arrivals(1), sim_s=10))
+    assert plan.at_target.p95_ms == pytest.approx(predict(3000 / plan.nodes / 2, half, arrivals, sim_s=10).p95_ms)
+    four = make_plan(3000, Contract(BatchTime.constant(100), devices=4, max_busy=0.99), sim_s=10)
+    assert four.at_target.p95_ms < plan.at_target.p95_ms  # one batcher over 4 devices paces 25 ms apart
+
+
+def test_the_slo_or_the_full_batch_cap_is_named_when_the_cpu_does_not_bind():
+    assert make_plan(2000, Contract(BatchTime.constant(100), max_busy=0.99), sim_s=10).binding == "slo"
+    assert make_plan(2000, Contract(BatchTime.constant(100), devices=4), sim_s=10).binding == "devices"
+
+
+def test_cost_per_thousand_requests_and_per_month():
+    c = Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=130e-6, processes=2)
+    plan = make_plan(10000, c, sim_s=10, prices=Prices(gpu_per_hour=2.5, node_per_hour=1.0))
+    assert plan.nodes == 2 and plan.cost is not None
+    assert plan.cost.per_node_hour == pytest.approx(8 * 2.5 + 1.0)
+    assert plan.cost.per_hour == pytest.approx(2 * 21.0)
+    # 42 an hour buys 36,000,000 requests at 10,000/s: 0.00117 per 1,000
+    assert plan.cost.per_1000_requests == pytest.approx(42.0 / 36_000_000 * 1000)
+    assert plan.cost.per_month == pytest.approx(42.0 * HOURS_PER_MONTH) and HOURS_PER_MONTH == 730
+    assert make_plan(10000, c, sim_s=10).cost is None
+
+
+def test_the_plan_command_prints_the_binding_limit_and_the_cost(capsys):
+    assert cli.main(["plan", "--rate", "10000", "--batch-ms", "100", "--devices", "8", "--sim-s", "10",
+                     "--cpu-us-per-request", "130", "--gpu-cost-per-hour", "2.5", "--node-cost-per-hour", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "the CPU binds" in out and "--processes 2 (4 device(s) each)" in out
+    assert "nodes needed      2 " in out
+    assert "42.00 an hour for 2 node(s) (21.00 each); 0.0012 per 1,000 requests" in out
+    assert cli.main(["plan", "--rate", "10000", "--batch-ms", "100", "--devices", "8", "--sim-s", "10",
+                     "--cpu-us-per-request", "130", "--processes", "2", "--json"]) == 0
+    import json
+
+    d = json.loads(capsys.readouterr().out)
+    assert d["binding"] == "devices" and d["contract"]["processes"] == 2 and d["cpu_capacity"] > 13000
+
+
+def test_metric_sum_adds_every_label_set_of_one_name_only():
+    text = ('batchserve_requests_total{model="a",status="200"} 7.0\n'
+            'batchserve_requests_total{model="a",status="503"} 3.0\n'
+            'batchserve_requests_created{model="a"} 1.7e9\n'
+            'process_cpu_seconds_total 12.5\n')
+    assert metric_sum(text, "batchserve_requests_total") == 10.0
+    assert metric_sum(text, "process_cpu_seconds_total") == 12.5
+    assert metric_sum(text, "process_cpu_seconds") is None
+
+
+def test_measure_reads_cpu_per_request_from_the_server_under_load(server_factory):
+    """process_cpu_seconds_total over the requests answered in a window, from a real server carrying load from
+    two client threads; with no load in the window it says so instead of a figure."""
+    import threading
+
+    server = server_factory("--devices", "2", "--sim-batch-ms", "5", "--max-batch-size", "16")
+    idle, note = cpu_per_request(server.url, 0.5)
+    assert idle is None and "CPU per request not measured" in note
+    stop = threading.Event()
+
+    def load() -> None:
+        with server.client() as c:
+            while not stop.is_set():
+                assert c.post("/v1/inference", json={"input": "cpu"}).status_code == 200
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        m = measure(server.url, None, [], cpu_window_s=2.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert m.cpu_s_per_request is not None and 10e-6 < m.cpu_s_per_request < 20e-3
+    assert "us per request" in m.source

@@ -3,6 +3,7 @@ plus the JSON rendering of the router's own 404/405."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Awaitable, Callable
 
@@ -71,6 +72,11 @@ async def internal_health(request: Request) -> Response:
         "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)
         "predicted_wait_ratio": round(load.predicted_wait_ratio(), 3),
         "workers": workers,
+        # Which process answered: with --processes the shared port reaches any of them; each one's own port
+        # reaches it alone (batchserve/http/processes.py).
+        "pid": os.getpid(),
+        "process": ({"index": slot.index, "of": slot.of, "own_port": slot.own_port}
+                    if (slot := rt.settings.process_slot) is not None else None),
     })
 
 

@@ -121,6 +121,13 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
             "predicted_wait_ratio": {"type": "number", "minimum": 0,
                                      "description": "a new request's predicted wait for its batch over slo - batch time"},
             "workers": {"type": "array", "items": {"$ref": "#/components/schemas/Worker"}},
+            "pid": {"type": "integer", "description": "the server process that answered"},
+            "process": {"type": ["object", "null"],
+                        "description": "with --processes: which child answered, of how many, and the port where "
+                                       "it alone answers (its own /metrics, /readyz, /internal/health)",
+                        "properties": {"index": {"type": "integer", "minimum": 0},
+                                       "of": {"type": "integer", "minimum": 1},
+                                       "own_port": {"type": "integer", "minimum": 1}}},
         },
     },
 }

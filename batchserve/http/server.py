@@ -14,9 +14,11 @@ import functools
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from types import FrameType
+from typing import Protocol
 
 import uvicorn
 
@@ -33,11 +35,31 @@ log = logging.getLogger("batchserve")
 DRAIN_LINGER_S = 0.5  # after the drain: listener closed, open connections still answered
 
 
+class Group(Protocol):
+    """The `--processes` group a child server belongs to (batchserve/http/processes.py)."""
+
+    def draining(self) -> bool:
+        """True when the whole group drains (SIGTERM to the parent), False when this process drains alone."""
+
+    def listening(self) -> None:
+        """Called once the server has started and listens."""
+
+
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, grace_s: float = 0.0) -> None:
+    def __init__(self, config: uvicorn.Config, grace_s: float = 0.0, group: Group | None = None) -> None:
         super().__init__(config)
         self.grace_s = grace_s
+        self.group = group
         self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets is not None and not self.should_exit:  # uvicorn says where it listens only for its own sockets
+            host, port = sockets[0].getsockname()[:2]
+            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                    f"[{host}]" if ":" in host else host, port)
+        if self.group is not None and not self.should_exit:
+            self.group.listening()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None:
@@ -54,6 +76,15 @@ class DrainingServer(uvicorn.Server):
         while hasattr(app, "app") and not hasattr(app, "state"):  # unwrap uvicorn's middleware
             app = app.app
         runtime = getattr(getattr(app, "state", None), "rt", None)
+        # One of --processes drained alone: its share of the shared port closes now, so the kernel gives new
+        # connections to its siblings (a grace would only send them 503s: no balancer polls this process's
+        # /readyz to take it out, the kernel does at the close). Its own port stays open for /readyz.
+        alone = self.group is not None and not self.group.draining()
+        if alone and getattr(self, "servers", None):  # (none yet when the signal comes during start-up)
+            log.info("draining this process alone: its listener on the shared port is closed; the other "
+                     "processes take new connections")
+            self.servers[0].close()
+            grace_over = time.monotonic()
         try:
             if runtime is not None:
                 await runtime.drain()
@@ -84,10 +115,12 @@ def connection_guard(settings: Settings) -> ConnectionGuard:
         max_connections=settings.max_connections))
 
 
-def serve(settings: Settings, loaded: LoadedModels | None = None) -> int:
+def serve(settings: Settings, loaded: LoadedModels | None = None, sockets: list[socket.socket] | None = None,
+          group: Group | None = None) -> int:
     """Run until stopped: 0 after a drain; when start-up failed, 2 for a backend that cannot be served (its one
     line, `batchserve: error: ...`, printed last on stderr) and 1 for anything else. The process exits rather
-    than answer 503 for ever: a supervisor restarts it or shows the failure.
+    than answer 503 for ever: a supervisor restarts it or shows the failure. `sockets` (bound, not listening)
+    replace host:port: one of `--processes` gets its share of the shared port first, then its own port.
 
     The port opens at once: the models load and warm (`Runtime.start`) while /healthz answers 200 and /readyz
     and every model route 503 "warming up"."""
@@ -116,9 +149,9 @@ def serve(settings: Settings, loaded: LoadedModels | None = None) -> int:
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
-    server = DrainingServer(config, grace_s=settings.drain_grace_s)
+    server = DrainingServer(config, grace_s=settings.drain_grace_s, group=group)
     tune_gc()  # before the first request (objects the models leave are frozen once they are up)
-    server.run()
+    server.run(sockets=sockets)
     status = 0
     if failed:
         reason, status = failed[0]

@@ -1,0 +1,239 @@
+"""`batchserve serve --processes N`: N whole servers on one port, the devices split evenly between them.
+
+Why: a server process runs one event loop on one core, and every request costs that loop a fixed amount of
+CPU, so one process saturates its core before a host with many GPUs runs out of devices (docs/capacity.md).
+Each child here is the design's "one server, pull-based pool" unchanged — its own batcher, admission and
+workers over its share of the devices — and the port is shared with SO_REUSEPORT: every child binds its own
+listening socket to it, and the kernel deals each new connection to one of them by a hash of its addresses
+(a keep-alive connection stays with the child that accepted it).
+
+- Devices: `--devices D` gives each child D/N (they must split evenly). On CUDA each child sees only its GPUs
+  (CUDA_VISIBLE_DEVICES); sim and plugin devices are counts.
+- Drain: SIGTERM or SIGINT to the parent drains the group: the parent raises the group's flag and sends each
+  child SIGTERM, each drains as a lone server does (listener open for `--drain-grace-s` answering 503
+  DRAINING, /readyz 503), and the parent exits 0 once all have. SIGTERM to one child alone (flag down): it
+  closes its share of the port at once — the kernel gives new connections to its siblings — answers what it
+  holds, and exits; the parent starts a replacement on the same devices, which joins the port once warm. A
+  request that arrives meanwhile on one of its open keep-alive connections gets 503 DRAINING with
+  Connection: close: it never ran, and its retry on a new connection reaches a sibling.
+- Metrics and readiness: each child also listens on a port of its own (`--process-port-base` + index, or a
+  free one), logged and shown in /internal/health (`process`), where its /metrics, /readyz and
+  /internal/health are its alone; scrape each. (Prometheus' multiprocess mode was not used: the server's
+  per-request counters are plain loop-owned counts, and a merged view would hide one child's readiness.)
+- A child that exits after it listened, or is killed by a signal, is replaced (at most one start a second);
+  one that exits by itself before it ever listened (a model that cannot load, a port in use) stops the group
+  with its exit status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import wait
+from multiprocessing.synchronize import Event
+from types import FrameType
+
+from batchserve.config import ProcessSlot, Settings
+from batchserve.jobs.store import is_postgres_url
+
+log = logging.getLogger("batchserve")
+
+RESPAWN_GAP_S = 1.0  # the least time between two starts of one child: a crashing child does not spin
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class Share:
+    """One child's devices: how many, and (on CUDA) which GPUs it may see."""
+
+    devices: int
+    cuda_visible: str | None
+
+
+def device_shares(settings: Settings) -> list[Share]:
+    """Split the devices evenly over the processes (`Settings.check` refused an uneven split of a given
+    count). CUDA GPUs are split by index; anything else (the sim, plugins, a CPU) is a count per child."""
+    n = settings.processes
+    if all(m.backend == "sim" for m in settings.models):
+        return [Share(max(1, settings.devices // n) if settings.devices else 1, None)] * n
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        gpus = 0
+    if not gpus:
+        return [Share(settings.devices // n if settings.devices else 0, None)] * n
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in visible.split(",")] if visible else [str(i) for i in range(gpus)]
+    total = settings.devices or gpus
+    if total > len(ids) or total % n:
+        raise ValueError(f"{total} CUDA device(s) do not split evenly over --processes {n}")
+    per = total // n
+    return [Share(per, ",".join(ids[k * per:(k + 1) * per])) for k in range(n)]
+
+
+def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A bound TCP socket (not yet listening: uvicorn listens once the app has started)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(False)
+    return sock
+
+
+class ChildGroup:
+    """What a child knows of its group (batchserve.http.server.Group)."""
+
+    def __init__(self, draining: Event, listening: Event) -> None:
+        self._draining, self._listening = draining, listening
+
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def listening(self) -> None:
+        self._listening.set()
+
+
+def _die_with_parent() -> None:
+    """SIGTERM (a drain) when the parent dies, even by SIGKILL: no child outlives its group."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def child_main(settings: Settings, index: int, share: Share, port: int, own_port: int, draining: Event,
+               listening: Event) -> None:
+    """One child: load and warm its models on its devices, then serve the shared port and its own."""
+    _die_with_parent()
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only, which drains the group in order
+    if share.cuda_visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = share.cuda_visible
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s [process {index} pid {os.getpid()}] %(message)s")
+    from batchserve.backends.loading import PluginError, load_models
+    from batchserve.http.server import serve
+
+    try:
+        shared = bind_socket(settings.host, port, reuse_port=True)
+        own = bind_socket(settings.host, own_port, reuse_port=False)
+    except OSError as exc:
+        print(f"batchserve: error: process {index}: cannot bind {settings.host}: {exc}", file=sys.stderr)
+        sys.exit(1)
+    own_port = own.getsockname()[1]
+    settings = replace(settings, port=port, devices=share.devices, processes=1,
+                       process_slot=ProcessSlot(index, settings.processes, own_port))
+    try:
+        loaded = load_models(settings)
+    except PluginError as exc:
+        print(f"batchserve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    log.info("process %d of %d (pid %d): %d device(s)%s; its own port %s:%d (/metrics, /readyz, /internal/health "
+             "of this process alone)", index, settings.process_slot.of, os.getpid(), share.devices,
+             f" (CUDA_VISIBLE_DEVICES={share.cuda_visible})" if share.cuda_visible is not None else "",
+             settings.host, own_port)
+    sys.exit(serve(settings, loaded, sockets=[shared, own], group=ChildGroup(draining, listening)))
+
+
+@dataclass
+class Slot:
+    index: int
+    share: Share
+    process: mp.process.BaseProcess | None = None
+    listening: Event | None = None
+    started_at: float = 0.0
+
+
+def serve_processes(settings: Settings) -> int:
+    """Start the children, replace any that exits on its own, drain them all on SIGTERM/SIGINT. 0 after a
+    clean drain; a child's status when one could not start."""
+    shares = device_shares(settings)
+    if settings.jobs_db and not is_postgres_url(settings.jobs_db):
+        # The default SQLite job store belongs to one process, and the shared port would send a job's GET to a
+        # process that never saw it (an explicit SQLite --jobs-db is refused by Settings.check).
+        log.warning("--processes %d: batch jobs are off (the default SQLite job store belongs to one process); "
+                    "give --jobs-db postgresql://... to serve /v1/batches from every process", settings.processes)
+        settings = replace(settings, jobs_db="")
+    # The port, reserved by the parent (bound with SO_REUSEPORT, never listening: it takes no connection) so
+    # that port 0 names one port for every child, and a replacement can always bind it again.
+    reserve = bind_socket(settings.host, settings.port, reuse_port=True)
+    port = reserve.getsockname()[1]
+    ctx = mp.get_context("spawn")  # a fresh interpreter per child: no threads or event loop forked half-way
+    draining = ctx.Event()
+    slots = [Slot(k, shares[k]) for k in range(settings.processes)]
+    stopping: list[int] = []
+
+    def start(slot: Slot) -> None:
+        slot.listening = ctx.Event()
+        own = settings.process_port_base + slot.index if settings.process_port_base else 0
+        slot.process = ctx.Process(target=child_main, name=f"batchserve-{slot.index}",
+                                   args=(settings, slot.index, slot.share, port, own, draining, slot.listening))
+        slot.started_at = time.monotonic()
+        slot.process.start()
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        if stopping:
+            if sig == signal.SIGINT:  # a second Ctrl-C: the children stop at once
+                for s in slots:
+                    if s.process is not None and s.process.pid and s.process.is_alive():
+                        os.kill(s.process.pid, signal.SIGINT)
+            return
+        stopping.append(sig)
+        log.info("received %s: draining all %d processes", signal.Signals(sig).name, len(slots))
+        draining.set()
+        for s in slots:
+            if s.process is not None and s.process.pid and s.process.is_alive():
+                os.kill(s.process.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("%d processes on %s:%d (SO_REUSEPORT), %s device(s) each", len(slots), settings.host, port,
+             shares[0].devices or "auto")
+    for slot in slots:
+        start(slot)
+    status = 0
+    try:
+        while True:
+            alive = [s.process.sentinel for s in slots if s.process is not None and s.process.exitcode is None]
+            if not alive:
+                break
+            wait(alive, timeout=0.5)
+            for slot in slots:
+                proc = slot.process
+                if proc is None or proc.exitcode is None:
+                    continue
+                if stopping:
+                    status = status or (proc.exitcode if proc.exitcode > 0 else 0)
+                    continue
+                assert slot.listening is not None
+                # It never served and exited by itself (a model that cannot load, a port taken): a replacement
+                # would fail the same way. Killed by a signal while warming (a lone SIGTERM, the OOM killer), it
+                # is replaced like any child.
+                if not slot.listening.is_set() and proc.exitcode > 0:
+                    log.error("process %d (pid %s) exited with %s before it listened: stopping the others",
+                              slot.index, proc.pid, proc.exitcode)
+                    status = proc.exitcode if proc.exitcode and proc.exitcode > 0 else 1
+                    on_signal(signal.SIGTERM, None)
+                    continue
+                log.info("process %d (pid %s) exited with %s: starting a replacement", slot.index, proc.pid,
+                         proc.exitcode)
+                time.sleep(max(0.0, slot.started_at + RESPAWN_GAP_S - time.monotonic()))
+                if not stopping:
+                    start(slot)
+            if stopping and all(s.process is None or s.process.exitcode is not None for s in slots):
+                break
+    finally:
+        reserve.close()
+    log.info("all processes stopped")
+    return status
