@@ -31,6 +31,8 @@ from batchserve.http import inference, ops, openapi
 from batchserve.http import schema as http_schema
 from batchserve.jobs import api as jobs_api
 from batchserve.jobs import schema as jobs_schema
+from batchserve.kserve import routes as kserve_routes
+from batchserve.kserve import schema as kserve_schema
 from batchserve.runtime import Runtime
 
 log = logging.getLogger("batchserve")
@@ -42,6 +44,7 @@ WINGS = (
     (jobs_api.ROUTES, jobs_schema.OPENAPI),
     (generation_routes.ROUTES, generation_schema.OPENAPI),
     (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
+    (kserve_routes.ROUTES, kserve_schema.OPENAPI),
 )
 
 
