@@ -77,7 +77,25 @@ class Runtime:
                  Tenancy.from_settings(settings), backends, loaded)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
+        load_signal.GatewayGauges(rt.model_loads, rt.metrics.registry)
         return rt
+
+    def model_loads(self) -> dict[str, load_signal.ModelLoad]:
+        """Each model's waiting and running requests now (the gateway gauges, read at scrape time): items
+        queued and items in the batches the workers run; for the generation model, its sequences and KV cache.
+        An element of a multi-input request (embeddings, KServe v2) counts as one."""
+        counts = {model: [self.batcher.depth.get(model, 0), 0] for model in self.registry.by_id}
+        if self.pool is not None:
+            for w in self.pool.workers:
+                batch = w.batch
+                if batch is not None:
+                    counts.setdefault(batch.model, [0, 0])[1] += len(batch.items)
+        loads = {model: load_signal.ModelLoad(waiting, running) for model, (waiting, running) in counts.items()}
+        engine = self.generation
+        if engine is not None:
+            loads[engine.cfg.model_id] = load_signal.ModelLoad(len(engine.waiting), len(engine.running),
+                                                               engine.stepper.kv_usage())
+        return loads
 
     def load_reading(self) -> load_signal.Reading:
         """What the autoscaling signals are computed from, now."""
