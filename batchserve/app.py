@@ -27,7 +27,7 @@ from batchserve.embeddings import schema as embeddings_schema
 from batchserve.http.body import internal_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
-from batchserve.http import inference, ops, openapi
+from batchserve.http import docs_page, inference, ops, openapi
 from batchserve.http import schema as http_schema
 from batchserve.jobs import api as jobs_api
 from batchserve.jobs import schema as jobs_schema
@@ -45,6 +45,7 @@ WINGS = (
     (generation_routes.ROUTES, generation_schema.OPENAPI),
     (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
     (kserve_routes.ROUTES, kserve_schema.OPENAPI),
+    (docs_page.ROUTES, docs_page.OPENAPI),
 )
 
 
