@@ -34,6 +34,7 @@ from batchserve.jobs import schema as jobs_schema
 from batchserve.kserve import routes as kserve_routes
 from batchserve.kserve import schema as kserve_schema
 from batchserve.runtime import Runtime
+from batchserve.tracing import RequestSpans, Tracing
 
 log = logging.getLogger("batchserve")
 
@@ -85,11 +86,16 @@ class FastPath:
 
 
 def create_app(settings: Settings, loaded: LoadedModels | None = None,
-               on_startup_failure: Callable[[str], None] | None = None) -> FastPath:
+               on_startup_failure: Callable[[str], None] | None = None) -> FastPath | RequestSpans:
+    """The app; wrapped in a span per request when OpenTelemetry is on (an OTLP endpoint in the environment),
+    and not touched at all when it is off."""
+    tracing = Tracing.from_env()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         rt = Runtime.create(settings, loaded)
         rt.on_startup_failure = on_startup_failure
+        rt.tracing = rt.service.tracing = tracing
         app.state.rt = rt
         starting = asyncio.create_task(rt.start())
         try:
@@ -97,8 +103,11 @@ def create_app(settings: Settings, loaded: LoadedModels | None = None,
         finally:
             starting.cancel()
             await rt.stop()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # export the last spans (the SDK blocks on it)
 
     app = Starlette(routes=[route for routes, _ in WINGS for route in routes], lifespan=lifespan,
                     exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error})
     app.state.openapi = orjson.dumps(openapi_document())
-    return FastPath(app, inference.FAST_ROUTES)
+    fast = FastPath(app, inference.FAST_ROUTES)
+    return tracing.wrap(fast) if tracing is not None else fast

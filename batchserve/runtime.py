@@ -30,6 +30,7 @@ from batchserve.jobs.service import JobService
 from batchserve.metrics import Metrics, make_metrics
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Tenancy
+from batchserve.tracing import Tracing
 
 log = logging.getLogger("batchserve")
 
@@ -51,6 +52,7 @@ class Runtime:
     pool: GpuPool | None = None
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
+    tracing: Tracing | None = None  # OpenTelemetry, when an OTLP endpoint is configured (batchserve/tracing.py)
     ready: bool = False
     startup_error: str = ""
     on_startup_failure: Callable[[str], None] | None = None  # the server exits (non-zero) when start-up fails
@@ -130,6 +132,7 @@ class Runtime:
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000, threads=loaded.threads)
             self.pool.demand = self.admission.arrival_rate
+            self.pool.tracing = self.tracing
             self.pool.start()
             # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
