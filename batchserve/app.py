@@ -55,13 +55,15 @@ def openapi_document() -> dict:
 
 
 class FastPath:
-    """The hot routes (`inference.FAST_ROUTES`) answered ahead of Starlette's middleware and router, which cost
+    """The hot routes (`inference.FAST_ROUTES`, and KServe v2's infer by its path's shape) answered ahead of Starlette's middleware and router, which cost
     as much CPU as the rest of a bare endpoint; everything else goes to the Starlette app as usual. The hot
     endpoints render their own errors, so the error middleware has nothing to add for them."""
 
-    def __init__(self, app: Starlette, fast: dict[tuple[str, str], ASGIApp]) -> None:
+    def __init__(self, app: Starlette, fast: dict[tuple[str, str], ASGIApp],
+                 patterns: tuple[Callable[[str, str], ASGIApp | None], ...] = ()) -> None:
         self.app = app
         self.fast = fast
+        self.patterns = patterns  # (method, path) -> endpoint or None: hot routes with path parameters
 
     @property
     def state(self) -> State:  # for code that unwraps the app to reach the runtime
@@ -74,6 +76,10 @@ class FastPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             endpoint = self.fast.get((scope["method"], scope["path"]))
+            if endpoint is None:
+                for match in self.patterns:
+                    if (endpoint := match(scope["method"], scope["path"])) is not None:
+                        break
             if endpoint is not None:
                 scope["app"] = self.app
                 try:
@@ -109,5 +115,5 @@ def create_app(settings: Settings, loaded: LoadedModels | None = None,
     app = Starlette(routes=[route for routes, _ in WINGS for route in routes], lifespan=lifespan,
                     exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error})
     app.state.openapi = orjson.dumps(openapi_document())
-    fast = FastPath(app, inference.FAST_ROUTES)
+    fast = FastPath(app, inference.FAST_ROUTES, (kserve_routes.fast_route,))
     return tracing.wrap(fast) if tracing is not None else fast

@@ -163,3 +163,16 @@ def test_answers_match_the_published_schemas(server):
         validate(doc, {"$ref": "#/components/schemas/V2InferResponse"}, r.json())
         assert r.json()["outputs"][0]["data"] == [1.0, 1.0, 0.5, -1.25]
         validate(doc, {"$ref": "#/components/schemas/V2Error"}, c.get("/v2/models/nope").json())
+
+
+def test_infer_paths_of_another_shape_are_not_v2_infers(server):
+    from batchserve.kserve.routes import infer_path_params
+
+    assert infer_path_params("/v2/models/sim/infer") == {"model": "sim"}
+    assert infer_path_params("/v2/models/sim/versions/v1/infer") == {"model": "sim", "version": "v1"}
+    for path in ("/v2/models//infer", "/v2/models/a/b/infer", "/v2/models/a/versions//infer", "/v2/models/infer"):
+        assert infer_path_params(path) is None, path
+        r = httpx.post(server.url + path, json={})
+        # the router's answer in the main error shape (404, or 405 where a GET route has that shape), not an infer
+        assert r.status_code in (404, 405) and r.json()["error"] in ("NOT_FOUND", "METHOD_NOT_ALLOWED"), path
+    assert httpx.get(server.url + "/v2/models/echo/infer").status_code == 405
