@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, ParamSpec, T
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span, SpanContext, Tracer
+    from opentelemetry.trace import SpanContext, Tracer
 
 P = ParamSpec("P")
 R = TypeVar("R")
