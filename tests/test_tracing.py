@@ -157,6 +157,16 @@ def test_v2_infer_and_a_refusal_are_traced_by_route(server, receiver):
     assert attrs(refused[0])["http.response.status_code"] == 404
 
 
+def test_openai_routes_carry_the_genai_operation(server, receiver):
+    trace_id = secrets.token_hex(16)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"},  # the sim makes no vectors: 404/400
+                   headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+    assert r.status_code in (400, 404)
+    found, _ = wait_for(receiver, lambda spans: [s for s in spans if s.trace_id.hex() == trace_id])
+    assert found and attrs(found[0])["gen_ai.operation.name"] == "embeddings"
+    assert attrs(found[0])["http.response.status_code"] == r.status_code
+
+
 def test_off_without_an_endpoint():
     assert Tracing.from_env({}) is None
     assert Tracing.from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:1/v1/traces"}) is not None
