@@ -55,9 +55,10 @@ def openapi_document() -> dict:
 
 
 class FastPath:
-    """The hot routes (`inference.FAST_ROUTES`, and KServe v2's infer by its path's shape) answered ahead of Starlette's middleware and router, which cost
-    as much CPU as the rest of a bare endpoint; everything else goes to the Starlette app as usual. The hot
-    endpoints render their own errors, so the error middleware has nothing to add for them."""
+    """The hot routes (`inference.FAST_ROUTES`, and KServe v2's infer by its path's shape) answered ahead of
+    Starlette's middleware and router, which cost as much CPU as the rest of a bare endpoint; everything else goes
+    to the Starlette app as usual. The hot endpoints render their own errors, so the error middleware has nothing
+    to add for them."""
 
     def __init__(self, app: Starlette, fast: dict[tuple[str, str], ASGIApp],
                  patterns: tuple[Callable[[str, str], ASGIApp | None], ...] = ()) -> None:

@@ -203,8 +203,8 @@ def run_row(row: str, run: int, a: argparse.Namespace, log_dir: Path, sink_port:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"} if row.startswith("v1+otel") else {}
     if row == "v1+otel10%":  # the SDK's own sampler variables: one trace in ten recorded
         env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.1")
-    server = servers.start(f"{row.replace('+', '-').replace('%', '')}-{run}", servers.batchserve_cmd(1, 100, 100, extra), log_dir,
-                           env=env)
+    name = f"{row.replace('+', '-').replace('%', '')}-{run}"
+    server = servers.start(name, servers.batchserve_cmd(1, 100, 100, extra), log_dir, env=env)
     protos = {"v2": [v2_protocol()], "mixed": [v1_protocol(), v2_protocol()]}.get(row, [v1_protocol()])
     try:
         sched = poisson_schedule(a.rate, a.warmup + a.duration, row_seed(a.seed, 1, a.rate))

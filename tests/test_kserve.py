@@ -138,7 +138,8 @@ def test_binary_body_that_lies_about_its_size(server):
         r = httpx.post(server.url + "/v2/models/echo/infer", content=head + tail,
                        headers={"Inference-Header-Content-Length": str(len(head))})
         assert r.status_code == 400 and words in r.json()["error"], r.text
-    r = httpx.post(server.url + "/v2/models/echo/infer", content=b"{}", headers={"Inference-Header-Content-Length": "99"})
+    r = httpx.post(server.url + "/v2/models/echo/infer", content=b"{}",
+                   headers={"Inference-Header-Content-Length": "99"})
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"]
 
 

@@ -1,9 +1,9 @@
 """KServe Open Inference Protocol v2 over HTTP (`/v2/...`), the protocol of Triton's clients and KServe.
 
-`InferEndpoint` top to bottom: identify the caller → read the body (bounded) → parse the v2 tensor (`protocol.py`) →
-the model by name (and version) → one rate-limit token per element → each element through the door
-(`InferenceService.infer`) as its own item, so v2 clients share batches with every other route → the output
-tensor, JSON or binary as asked. Errors are v2's `{"error": message}`, with X-Request-ID and, where retrying
+`InferEndpoint` top to bottom: identify the caller → read the body (bounded) → parse the v2 tensor
+(`protocol.py`) → the model by name (and version) → one rate-limit token per element → each element through the
+door (`InferenceService.infer`) as its own item, so v2 clients share batches with every other route → the
+output tensor, JSON or binary as asked. Errors are v2's `{"error": message}`, with X-Request-ID and, where retrying
 later helps, Retry-After; keys, tiers and rate limits are those of every other route.
 """
 
@@ -162,7 +162,8 @@ class InferEndpoint:
             return
         except V2Error as err:
             rt.answered += 1
-            rt.metrics.count_error(model_id, ApiError(err.status, CODES.get(err.status, "INFERENCE_FAILED"), err.message))
+            code = CODES.get(err.status, "INFERENCE_FAILED")
+            rt.metrics.count_error(model_id, ApiError(err.status, code, err.message))
             await send_error(send, err, answer_headers)
             return
         if header_length is None:
