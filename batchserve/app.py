@@ -27,11 +27,14 @@ from batchserve.embeddings import schema as embeddings_schema
 from batchserve.http.body import internal_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
-from batchserve.http import inference, ops, openapi
+from batchserve.http import docs_page, inference, ops, openapi
 from batchserve.http import schema as http_schema
 from batchserve.jobs import api as jobs_api
 from batchserve.jobs import schema as jobs_schema
+from batchserve.kserve import routes as kserve_routes
+from batchserve.kserve import schema as kserve_schema
 from batchserve.runtime import Runtime
+from batchserve.tracing import RequestSpans, Tracing
 
 log = logging.getLogger("batchserve")
 
@@ -42,6 +45,8 @@ WINGS = (
     (jobs_api.ROUTES, jobs_schema.OPENAPI),
     (generation_routes.ROUTES, generation_schema.OPENAPI),
     (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
+    (kserve_routes.ROUTES, kserve_schema.OPENAPI),
+    (docs_page.ROUTES, docs_page.OPENAPI),
 )
 
 
@@ -50,13 +55,16 @@ def openapi_document() -> dict:
 
 
 class FastPath:
-    """The hot routes (`inference.FAST_ROUTES`) answered ahead of Starlette's middleware and router, which cost
-    as much CPU as the rest of a bare endpoint; everything else goes to the Starlette app as usual. The hot
-    endpoints render their own errors, so the error middleware has nothing to add for them."""
+    """The hot routes (`inference.FAST_ROUTES`, and KServe v2's infer by its path's shape) answered ahead of
+    Starlette's middleware and router, which cost as much CPU as the rest of a bare endpoint; everything else goes
+    to the Starlette app as usual. The hot endpoints render their own errors, so the error middleware has nothing
+    to add for them."""
 
-    def __init__(self, app: Starlette, fast: dict[tuple[str, str], ASGIApp]) -> None:
+    def __init__(self, app: Starlette, fast: dict[tuple[str, str], ASGIApp],
+                 patterns: tuple[Callable[[str, str], ASGIApp | None], ...] = ()) -> None:
         self.app = app
         self.fast = fast
+        self.patterns = patterns  # (method, path) -> endpoint or None: hot routes with path parameters
 
     @property
     def state(self) -> State:  # for code that unwraps the app to reach the runtime
@@ -69,6 +77,10 @@ class FastPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             endpoint = self.fast.get((scope["method"], scope["path"]))
+            if endpoint is None:
+                for match in self.patterns:
+                    if (endpoint := match(scope["method"], scope["path"])) is not None:
+                        break
             if endpoint is not None:
                 scope["app"] = self.app
                 try:
@@ -81,11 +93,16 @@ class FastPath:
 
 
 def create_app(settings: Settings, loaded: LoadedModels | None = None,
-               on_startup_failure: Callable[[str, int], None] | None = None) -> FastPath:
+               on_startup_failure: Callable[[str, int], None] | None = None) -> FastPath | RequestSpans:
+    """The app; wrapped in a span per request when OpenTelemetry is on (an OTLP endpoint in the environment),
+    and not touched at all when it is off."""
+    tracing = Tracing.from_env()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         rt = Runtime.create(settings, loaded)
         rt.on_startup_failure = on_startup_failure
+        rt.tracing = rt.service.tracing = tracing
         app.state.rt = rt
         starting = asyncio.create_task(rt.start())
         try:
@@ -93,8 +110,11 @@ def create_app(settings: Settings, loaded: LoadedModels | None = None,
         finally:
             starting.cancel()
             await rt.stop()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # export the last spans (the SDK blocks on it)
 
     app = Starlette(routes=[route for routes, _ in WINGS for route in routes], lifespan=lifespan,
                     exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error})
     app.state.openapi = orjson.dumps(openapi_document())
-    return FastPath(app, inference.FAST_ROUTES)
+    fast = FastPath(app, inference.FAST_ROUTES, (kserve_routes.fast_route,))
+    return tracing.wrap(fast) if tracing is not None else fast

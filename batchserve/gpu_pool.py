@@ -19,7 +19,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
 import orjson
 
@@ -89,6 +89,13 @@ def check_outputs(outputs: object, n: int) -> tuple[str | None, dict[int, str]]:
     return None, bad
 
 
+class BatchTracer(Protocol):
+    """What the workers ask of tracing (`batchserve.tracing.Tracing`, present only when it is on)."""
+
+    def batch(self, model: str, size: int, worker: str, cause: str, started: float, ended: float,
+              requests: Iterable[object], failed: str | None = None) -> object: ...
+
+
 @dataclass
 class GpuPool:
     backends: dict[str, Backend]  # model id -> backend
@@ -101,6 +108,7 @@ class GpuPool:
     workers: list[Worker] = field(default_factory=list)
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
     clock: Clock = time.monotonic  # injected in the policy's unit tests
+    tracing: BatchTracer | None = None  # OpenTelemetry on: a span per batch, linked to its requests
     _healthy: int = 0
 
     def start(self) -> None:
@@ -217,6 +225,11 @@ class GpuPool:
         # The batch time as the loop sees it (hand-offs and GIL waits included) paces dispatch and admission;
         # the backend's own time goes to the compute histogram and the answers.
         cycle = self.clock() - w.started
+        if self.tracing is not None and not stopped_early:
+            span = self.tracing.batch(batch.model, len(batch.items), w.name, batch.cause, w.started, self.clock(),
+                                      (item.trace for item in batch.items), problem)
+            for item in batch.items:
+                item.batch_trace = span
         w.batch = None
         w.busy_s += elapsed
         w.batches += 1

@@ -31,6 +31,7 @@ from batchserve.jobs.service import JobService
 from batchserve.metrics import Metrics, make_metrics
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Tenancy
+from batchserve.tracing import Tracing
 
 log = logging.getLogger("batchserve")
 
@@ -94,6 +95,7 @@ class Runtime:
     pool: GpuPool | None = None
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
+    tracing: Tracing | None = None  # OpenTelemetry, when an OTLP endpoint is configured (batchserve/tracing.py)
     ready: bool = False
     startup_error: str = ""
     # the server exits with this status (EXIT_*) when start-up fails
@@ -121,7 +123,25 @@ class Runtime:
                  Tenancy.from_settings(settings), backends, loaded)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
+        load_signal.GatewayGauges(rt.model_loads, rt.metrics.registry)
         return rt
+
+    def model_loads(self) -> dict[str, load_signal.ModelLoad]:
+        """Each model's waiting and running requests now (the gateway gauges, read at scrape time): items
+        queued and items in the batches the workers run; for the generation model, its sequences and KV cache.
+        An element of a multi-input request (embeddings, KServe v2) counts as one."""
+        counts = {model: [self.batcher.depth.get(model, 0), 0] for model in self.registry.by_id}
+        if self.pool is not None:
+            for w in self.pool.workers:
+                batch = w.batch
+                if batch is not None:
+                    counts.setdefault(batch.model, [0, 0])[1] += len(batch.items)
+        loads = {model: load_signal.ModelLoad(waiting, running) for model, (waiting, running) in counts.items()}
+        engine = self.generation
+        if engine is not None:
+            loads[engine.cfg.model_id] = load_signal.ModelLoad(len(engine.waiting), len(engine.running),
+                                                               engine.stepper.kv_usage())
+        return loads
 
     def load_reading(self) -> load_signal.Reading:
         """What the autoscaling signals are computed from, now."""
@@ -157,6 +177,7 @@ class Runtime:
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000, threads=loaded.threads)
             self.pool.demand = self.admission.arrival_rate
+            self.pool.tracing = self.tracing
             self.pool.start()
             # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.

@@ -62,14 +62,16 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("BATCHSERVE_")}
 
 
-def start(name: str, cmd: list[str], log_dir: Path, timeout_s: float = START_TIMEOUT_S) -> Server:
-    """Start `cmd`, read the port from uvicorn's "running on" line, wait for GET /readyz to answer 200."""
+def start(name: str, cmd: list[str], log_dir: Path, timeout_s: float = START_TIMEOUT_S,
+          env: dict[str, str] | None = None) -> Server:
+    """Start `cmd`, read the port from uvicorn's "running on" line, wait for GET /readyz to answer 200. `env`:
+    variables added to the (BATCHSERVE_*-free) environment."""
     log_dir.mkdir(parents=True, exist_ok=True)
     server = Server(name, cmd, log_dir / f"{name}.log")
     log = open(server.log_path, "wb")
     try:
         server.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=clean_env(), start_new_session=True)
+                                       env={**clean_env(), **(env or {})}, start_new_session=True)
     finally:
         log.close()
     _started.append(server)

@@ -45,6 +45,8 @@ class Item:
     dispatched: float = 0.0
     attempts: int = 0  # failed single-item runs, for the one transient retry
     gone: Callable[[], bool] | None = None  # True once the caller's connection is closed
+    trace: object = None  # the request's span context, when tracing is on (batchserve/tracing.py)
+    batch_trace: object = None  # the span context of the batch that answered it, when tracing is on
 
     def alive(self, now: float) -> bool:
         """False once the caller has an answer or left; answers 504 when the deadline has passed."""

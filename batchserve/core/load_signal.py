@@ -19,9 +19,11 @@ both read `SATURATED`, a large finite number (an autoscaler's arithmetic should 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
-from prometheus_client import Gauge
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 SATURATED = 100.0
 
@@ -59,3 +61,51 @@ def export(load_ratio: Gauge, predicted_wait_ratio: Gauge, read: Callable[[], Re
     """Compute both gauges from `read()` whenever /metrics is scraped."""
     load_ratio.set_function(lambda: read().load_ratio())
     predicted_wait_ratio.set_function(lambda: read().predicted_wait_ratio())
+
+
+# -- gateway gauges -------------------------------------------------------------------------------------------
+# Kubernetes' Gateway API Inference Extension (its endpoint picker) sends each request to the replica with the
+# fewest waiting and running requests and the emptiest KV cache, reading gauges named as vLLM's
+# (`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`); docs/deploy.md shows
+# the picker's flags that point it at these.
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's requests now: queued for a batch (or, for generation, for KV capacity), and running."""
+
+    waiting: int
+    running: int
+    kv_usage: float | None = None  # share of the KV cache in use (0..1), generation models only
+
+
+class GatewayGauges(Collector):
+    """`batchserve_num_requests_waiting{model}`, `batchserve_num_requests_running{model}` and
+    `batchserve_kv_cache_usage_perc{model}` (a 0..1 share, as vLLM's), computed from `read()` at scrape time:
+    nothing is counted per request."""
+
+    def __init__(self, read: Callable[[], dict[str, ModelLoad]], registry: CollectorRegistry) -> None:
+        self.read = read
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:  # registering must not call `read` (the runtime is not up yet)
+        return iter(self._families({}))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(self.read()))
+
+    @staticmethod
+    def _families(loads: dict[str, ModelLoad]) -> list[Metric]:
+        p = "batchserve_"
+        waiting = GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting for a batch (generation: for KV "
+                                    "capacity), per model", labels=["model"])
+        running = GaugeMetricFamily(p + "num_requests_running", "Requests in a running batch (generation: "
+                                    "decoding), per model", labels=["model"])
+        kv = GaugeMetricFamily(p + "kv_cache_usage_perc", "Share of the generation model's KV cache in use (0..1)",
+                               labels=["model"])
+        for model, load in sorted(loads.items()):
+            waiting.add_metric([model], load.waiting)
+            running.add_metric([model], load.running)
+            if load.kv_usage is not None:
+                kv.add_metric([model], load.kv_usage)
+        return [waiting, running, kv]

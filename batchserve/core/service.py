@@ -21,13 +21,21 @@ from batchserve.core.admission import Admission, Capacity
 from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.requests_log import RequestLog
-from batchserve.core.tiers import BATCH
+from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 
 
 class Bucketer(Protocol):
     """What the door needs of a backend: which inputs may share a batch."""
 
     def bucket_of(self, text: str) -> int: ...
+
+
+class ItemTracer(Protocol):
+    """What the door asks of tracing (`batchserve.tracing.Tracing`, present only when it is on)."""
+
+    def admitted(self, model: str, tier: str) -> object: ...
+
+    def answered(self, model: str, arrived: float, queue_s: float, batch: object, outcome: str) -> None: ...
 
 
 class InferenceService:
@@ -40,6 +48,7 @@ class InferenceService:
         self.clock = clock
         self.deadlines = DeadlineWatch(clock)
         self.inflight = 0  # callers admitted and not yet answered (inference and generation)
+        self.tracing: ItemTracer | None = None  # set when OpenTelemetry is on: spans per request and queue wait
 
     # -- state the routes and the job scheduler read --------------------------------------------------------
     @property
@@ -82,11 +91,18 @@ class InferenceService:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
         504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
         An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves."""
-        self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived))
+        tracing = self.tracing
+        trace = tracing.admitted(model, TIER_NAMES[tier]) if tracing is not None else None
+        try:
+            self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived))
+        except ApiError as err:
+            if tracing is not None:
+                tracing.answered(model, arrived, 0.0, None, err.code)
+            raise
         record = self.requests.add(owner or tenant, request_id, model)
         loop = asyncio.get_running_loop()
         item = Item(text, model, self.backends[model].bucket_of(text), loop.create_future(), arrived,
-                    arrived + timeout_s, record, tier, tenant, gone=gone)
+                    arrived + timeout_s, record, tier, tenant, gone=gone, trace=trace)
         self.batcher.submit(item)
         self.deadlines.watch(timeout_s, item.deadline, item.future)
         self.inflight += 1
@@ -94,6 +110,8 @@ class InferenceService:
             result: ItemResult = await item.future
         except ApiError as err:
             record.status, record.error = "failed", err.code
+            if tracing is not None:
+                tracing.answered(model, arrived, 0.0, item.batch_trace, err.code)
             raise
         except ClientGone:
             record.status, record.error = "failed", "CLIENT_DISCONNECTED"
@@ -102,6 +120,8 @@ class InferenceService:
             self.inflight -= 1
         record.completed((self.clock() - arrived) * 1000, result.queue_s * 1000, result.compute_s * 1000,
                          result.batch_size)
+        if tracing is not None:
+            tracing.answered(model, arrived, result.queue_s, item.batch_trace, "ok")
         return result
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,

@@ -132,7 +132,9 @@ def build(*contributions: Contribution) -> dict[str, Any]:
                  "description": "Dynamic-batching inference server: single synchronous requests in, GPU batches "
                                 "inside. Every error is JSON {error, message, request_id} plus retry_after_ms "
                                 "and Retry-After where retrying later can help."},
-        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        # OAS 3.1's own dialect (JSON Schema 2020-12 plus OpenAPI's vocabulary), its default: tools such as
+        # Swagger UI refuse any other value with a warning.
+        "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",
         "paths": paths,
         "components": {
             "schemas": schemas,

@@ -25,18 +25,24 @@ async def healthz(request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
+def not_ready_reason(rt: Runtime) -> str | None:
+    """Why the node should not be sent traffic now, or None when it is ready (also KServe v2's ready)."""
+    if rt.draining:
+        return "draining"
+    if rt.startup_error:
+        return f"start-up failed: {rt.startup_error}"
+    if not rt.ready:
+        return "warming up"
+    if (rt.pool.healthy_count() if rt.pool else 0) == 0:
+        return "no healthy worker"
+    return None
+
+
 async def readyz(request: Request) -> Response:
     rt: Runtime = request.app.state.rt
     healthy = rt.pool.healthy_count() if rt.pool else 0
-    if rt.draining:
-        reason = "draining"
-    elif rt.startup_error:
-        reason = f"start-up failed: {rt.startup_error}"
-    elif not rt.ready:
-        reason = "warming up"
-    elif healthy == 0:
-        reason = "no healthy worker"
-    else:
+    reason = not_ready_reason(rt)
+    if reason is None:
         return json_response({"status": "ready", "healthy_workers": healthy})
     return json_response({"status": "not_ready", "reason": reason, "healthy_workers": healthy}, status=503)
 

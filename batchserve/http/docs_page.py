@@ -1,0 +1,103 @@
+"""`GET /docs`: Swagger UI over `/openapi.json`, every asset served by batchserve itself.
+
+The UI's files come from the `swagger-ui-py` package (Swagger UI 5, which reads OpenAPI 3.1), never from a
+CDN: the page must work on a host with no way out, and a docs page should not tell a third party who reads
+it. A Content-Security-Policy of `'self'` makes the browser refuse anything else (the initializer is a file
+of ours, not an inline script, so the policy needs no `unsafe-inline` for scripts); Swagger UI's validator
+badge, which calls validator.swagger.io, is switched off.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import Route
+
+from batchserve import errors
+from batchserve.http.body import error_response, request_id_of
+from batchserve.http.openapi import Contribution
+
+# The files the page loads, and nothing else of the package's directory (its editor bundle is not served).
+ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css",
+          "favicon-32x32.png": "image/png", "favicon-16x16.png": "image/png"}
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "connect-src 'self'; frame-ancestors 'none'")
+CACHE = "public, max-age=86400"
+
+PAGE = b"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>batchserve API</title>
+<link rel="stylesheet" href="/docs/assets/swagger-ui.css">
+<link rel="icon" type="image/png" href="/docs/assets/favicon-32x32.png" sizes="32x32">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="/docs/assets/swagger-ui-bundle.js"></script>
+<script src="/docs/init.js"></script>
+</body>
+</html>
+"""
+
+INIT = b"""window.ui = SwaggerUIBundle({
+  url: "/openapi.json",
+  dom_id: "#swagger-ui",
+  deepLinking: true,
+  validatorUrl: null,
+  presets: [SwaggerUIBundle.presets.apis],
+  layout: "BaseLayout"
+});
+"""
+
+
+def assets_dir() -> Path:
+    return Path(str(importlib.resources.files("swagger_ui") / "static"))
+
+
+def _headers() -> dict[str, str]:
+    return {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"}
+
+
+async def page(request: Request) -> Response:
+    return Response(PAGE, media_type="text/html; charset=utf-8", headers=_headers())
+
+
+async def init(request: Request) -> Response:
+    return Response(INIT, media_type="text/javascript", headers={**_headers(), "Cache-Control": CACHE})
+
+
+async def asset(request: Request) -> Response:
+    name = request.path_params["name"]
+    media = ASSETS.get(name)
+    if media is None:
+        return error_response(errors.not_found(f"no asset {errors.short(name)!r} under /docs/assets"),
+                              request_id_of(request))
+    return FileResponse(assets_dir() / name, media_type=media, headers={**_headers(), "Cache-Control": CACHE})
+
+
+ROUTES = [
+    Route("/docs", page, methods=["GET"]),
+    Route("/docs/init.js", init, methods=["GET"]),
+    Route("/docs/assets/{name}", asset, methods=["GET"]),
+]
+
+_HTML = {"text/html": {"schema": {"type": "string"}}}
+OPENAPI = Contribution({
+    "/docs": {"get": {"operationId": "docs", "summary": "Swagger UI over /openapi.json (assets served locally)",
+                      "responses": {"200": {"description": "the page", "content": _HTML}}}},
+    "/docs/init.js": {"get": {"operationId": "docsInit", "summary": "the page's Swagger UI initializer",
+                              "responses": {"200": {"description": "JavaScript",
+                                                    "content": {"text/javascript": {"schema": {"type": "string"}}}}}}},
+    "/docs/assets/{name}": {"get": {
+        "operationId": "docsAsset", "summary": "Swagger UI's files, from the swagger-ui-py package",
+        "parameters": [{"name": "name", "in": "path", "required": True,
+                        "schema": {"enum": sorted(ASSETS)}}],
+        "responses": {"200": {"description": "the file", "content": {m: {"schema": {"type": "string"}}
+                                                                     for m in sorted(set(ASSETS.values()))}},
+                      "404": {"description": "NOT_FOUND: not one of the page's files",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}},
+})

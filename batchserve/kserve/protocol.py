@@ -1,0 +1,215 @@
+"""KServe's Open Inference Protocol v2 (the REST flavour Triton's clients speak): the shapes in and out, and
+the binary tensor data extension, with no HTTP and no server state here.
+
+A batchserve model looks to a v2 client like a model with one BYTES input named `input` (any shape: every
+element is one string, one item on the batcher) and one output named `output`: BYTES for text and JSON
+outputs (a JSON output that is not a string is sent as its JSON text), FP32 `[*input shape, dim]` for
+embedding models. Inputs and outputs may be JSON (`data`) or binary (`parameters.binary_data_size`, the body
+holding a JSON header of `Inference-Header-Content-Length` bytes followed by the raw tensors): tritonclient and
+perf_analyzer send binary by default.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+INPUT_NAME = "input"
+OUTPUT_NAME = "output"
+MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
+MAX_DIMS = 8
+HEADER_LENGTH = "inference-header-content-length"
+EXTENSIONS = ["binary_tensor_data"]
+
+
+class V2Error(Exception):
+    """A refusal in v2's words: `{"error": message}` with this HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def bad(message: str) -> V2Error:
+    return V2Error(400, message)
+
+
+@dataclass
+class InferRequest:
+    """One parsed `infer` body: the strings (row-major), the shape they came in, and how to answer."""
+
+    id: str | None
+    texts: list[str]
+    shape: list[int]
+    binary_output: bool
+    timeout_us: float | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    """(JSON header, binary tail) of an infer body; the whole body is JSON when no header length is given."""
+    if header_length is None:
+        return body, b""
+    if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
+        raise bad(f"Inference-Header-Content-Length must be a byte count within the body ({len(body)} bytes)")
+    n = int(header_length)
+    return body[:n], body[n:]
+
+
+def _shape(value: object) -> list[int]:
+    if (not isinstance(value, list) or len(value) > MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in value)):
+        raise bad(f"'shape' must be a list of at most {MAX_DIMS} non-negative integers")
+    return value
+
+
+def _flatten(data: object, out: list[object], depth: int = 0) -> None:
+    """Row-major elements of `data` (v2 allows the tensor flat or nested by its shape)."""
+    if isinstance(data, list):
+        if depth > MAX_DIMS:
+            raise bad(f"'data' is nested deeper than {MAX_DIMS} levels")
+        for element in data:
+            _flatten(element, out, depth + 1)
+            if len(out) > MAX_ELEMENTS:
+                raise bad(f"at most {MAX_ELEMENTS} elements per request")
+    else:
+        out.append(data)
+
+
+def _bytes_elements(raw: bytes, count: int) -> list[bytes]:
+    """BYTES in the binary extension: each element a 4-byte little-endian length, then its bytes."""
+    out: list[bytes] = []
+    at = 0
+    while at < len(raw):
+        if at + 4 > len(raw):
+            raise bad("binary BYTES data ends inside an element's length prefix")
+        (n,) = struct.unpack_from("<I", raw, at)
+        at += 4
+        if at + n > len(raw):
+            raise bad("binary BYTES data ends inside an element")
+        out.append(raw[at:at + n])
+        at += n
+    if len(out) != count:
+        raise bad(f"the binary data holds {len(out)} element(s), the shape says {count}")
+    return out
+
+
+def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> InferRequest:
+    """The request's strings and answer format, or a 400 saying what is wrong."""
+    head, tail = split_body(body, header_length)
+    try:
+        data = orjson.loads(head)
+    except orjson.JSONDecodeError as exc:
+        raise bad(f"the body is not valid JSON in UTF-8: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad("the body must be a JSON object")
+    request_id = data.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise bad("'id' must be a string")
+    params = data.get("parameters") or {}
+    inputs = data.get("inputs")
+    if not isinstance(params, dict):
+        raise bad("'parameters' must be an object")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise bad(f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see GET /v2/models/{{model}})")
+    tensor = inputs[0]
+    if tensor.get("name") != INPUT_NAME:
+        raise bad(f"unknown input '{str(tensor.get('name'))[:64]}': this model's one input is '{INPUT_NAME}'")
+    if tensor.get("datatype") != "BYTES":
+        raise bad(f"input '{INPUT_NAME}' must have datatype BYTES (strings), not {str(tensor.get('datatype'))[:16]}")
+    shape = _shape(tensor.get("shape"))
+    count = math.prod(shape)
+    if count < 1 or count > MAX_ELEMENTS:
+        raise bad(f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} holds {count}")
+    tparams = tensor.get("parameters") or {}
+    if not isinstance(tparams, dict):
+        raise bad("an input's 'parameters' must be an object")
+    binary_size = tparams.get("binary_data_size")
+    if binary_size is not None:
+        if not isinstance(binary_size, int) or isinstance(binary_size, bool) or binary_size != len(tail):
+            raise bad(f"'binary_data_size' must equal the {len(tail)} bytes after the JSON header")
+        try:
+            texts = [b.decode() for b in _bytes_elements(tail, count)]
+        except UnicodeDecodeError:
+            raise bad("a BYTES element is not valid UTF-8") from None
+    else:
+        if tail:
+            raise bad("binary data follows the JSON header but no input declares 'binary_data_size'")
+        elements: list[object] = []
+        _flatten(tensor.get("data"), elements)
+        if len(elements) != count or not all(isinstance(e, str) for e in elements):
+            raise bad(f"input '{INPUT_NAME}' 'data' must hold {count} string(s), as its shape {shape} says")
+        texts = elements  # type: ignore[assignment]
+    for text in texts:
+        if not text:
+            raise bad("every element must be a non-empty string")
+        if len(text) > max_chars:
+            raise V2Error(413, f"an element is over the {max_chars}-character limit")
+    binary_output = params.get("binary_data_output") is True
+    outputs = data.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
+            raise bad("'outputs' must be a list of objects")
+        for o in outputs:
+            if o.get("name") != OUTPUT_NAME:
+                raise bad(f"unknown output '{str(o.get('name'))[:64]}': this model's one output is '{OUTPUT_NAME}'")
+            oparams = o.get("parameters") or {}
+            binary_output = isinstance(oparams, dict) and oparams.get("binary_data") is True
+    timeout = params.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
+        raise bad("'parameters.timeout' must be a positive number of microseconds")
+    return InferRequest(request_id, texts, shape, binary_output, timeout, params)
+
+
+def output_tensor(outputs: list[object], shape: list[int], kind: str) -> tuple[dict[str, Any], list[object] | bytes]:
+    """The output tensor's descriptor and its data, flat: FP32 for embeddings, BYTES otherwise. Raises
+    V2Error(500) when the vectors of an embedding model do not share one length."""
+    if kind == "embedding":
+        dims = {len(v) if isinstance(v, list) else -1 for v in outputs}
+        if len(dims) != 1 or -1 in dims:
+            raise V2Error(500, "the model's vectors do not share one length")
+        dim = dims.pop()
+        flat = [float(x) for v in outputs for x in v]  # type: ignore[union-attr]
+        return {"name": OUTPUT_NAME, "datatype": "FP32", "shape": [*shape, dim]}, flat
+    texts = [o if isinstance(o, str) else orjson.dumps(o).decode() for o in outputs]
+    return {"name": OUTPUT_NAME, "datatype": "BYTES", "shape": shape}, texts  # type: ignore[return-value]
+
+
+def to_binary(datatype: str, flat: list[object]) -> bytes:
+    if datatype == "FP32":
+        packed = array.array("f", flat)  # type: ignore[arg-type]
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return packed.tobytes()
+    encoded = [str(s).encode() for s in flat]
+    return b"".join(struct.pack("<I", len(b)) + b for b in encoded)
+
+
+def infer_answer(req: InferRequest, model_name: str, model_version: str, outputs: list[object],
+                 kind: str) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when the tensor follows in binary (else None)."""
+    tensor, flat = output_tensor(outputs, req.shape, kind)
+    answer: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": [tensor]}
+    if req.id is not None:
+        answer["id"] = req.id
+    if not req.binary_output:
+        tensor["data"] = flat
+        return orjson.dumps(answer), None
+    raw = to_binary(tensor["datatype"], flat)  # type: ignore[arg-type]
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    head = orjson.dumps(answer)
+    return head + raw, len(head)
+
+
+def model_metadata(name: str, versions: list[str], backend: str, kind: str) -> dict[str, Any]:
+    out_type, out_shape = ("FP32", [-1, -1]) if kind == "embedding" else ("BYTES", [-1])
+    return {"name": name, "versions": versions, "platform": f"batchserve_{backend.rsplit(':', 1)[-1]}",
+            "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
+            "outputs": [{"name": OUTPUT_NAME, "datatype": out_type, "shape": out_shape}]}
