@@ -5,8 +5,10 @@ backend in its own thread, and hands the outcome back to the event loop, where e
 The worker thread checks the answer (a list, one JSON-encodable output per input); a batch that raised or
 answered a malformed list is split in two and both halves retried (bisection), so a poison input fails alone
 with 500 and its batch-mates get their answers; a single input that fails is retried once on another worker
-(transient faults). An output that cannot be JSON-encoded fails its own input (500) and no other: its index
-already names the culprit, so nothing is re-run.
+(transient faults); an input isolated so is quarantined (`core/quarantine.py`: a retry of it is answered at the
+door, not run). A backend may report a failure per input, an exception object in place of that input's output:
+that input alone is answered 500 and nothing is re-run, as for an output that cannot be JSON-encoded: its index
+already names the culprit, so bisection is only for backends that cannot say which input failed.
 A watchdog marks a worker whose batch runs past `gpu_timeout` unhealthy: its thread cannot be killed, so it is
 abandoned (and taken back if the call ever returns) and the batch's items are retried on a healthy worker.
 """
@@ -27,6 +29,7 @@ from batchserve import errors
 from batchserve.backends import Backend, running_batch
 from batchserve.batcher import Batch, Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.quarantine import Quarantine
 from batchserve.core.tiers import BATCH
 from batchserve.backends.device_thread import DeviceThread
 from batchserve.metrics import Metrics
@@ -80,6 +83,9 @@ def check_outputs(outputs: object, n: int) -> tuple[str | None, dict[int, str]]:
         pass
     bad: dict[int, str] = {}
     for i, output in enumerate(outputs):
+        if isinstance(output, BaseException):  # the backend's own verdict on this input (docs/backends.md)
+            bad[i] = f"{type(output).__name__}: {output}"
+            continue
         try:
             orjson.dumps([output])  # nested one level, as in the answer's body
         except orjson.JSONEncodeError as exc:
@@ -101,6 +107,7 @@ class GpuPool:
     workers: list[Worker] = field(default_factory=list)
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
     clock: Clock = time.monotonic  # injected in the policy's unit tests
+    quarantine: Quarantine | None = None  # where an input that failed alone is remembered (the door reads it)
     _healthy: int = 0
 
     def start(self) -> None:
@@ -240,8 +247,8 @@ class GpuPool:
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry"))
 
         if bad:
-            log.warning("batch of %d on %s: %d output(s) not JSON-encodable: %s", n, w.name, len(bad),
-                        next(iter(bad.values())))
+            log.warning("batch of %d on %s: %d input(s) failed or gave output that is not JSON: %s", n, w.name,
+                        len(bad), next(iter(bad.values())))
 
         def answer() -> None:
             for i, (item, output) in enumerate(zip(batch.items, outputs)):
@@ -299,8 +306,12 @@ class GpuPool:
             item.attempts += 1
             self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index))
             return
-        err = errors.worker_hung(again=batch.after_hang) if cause == "hang" else errors.inference_failed(problem)
-        item.future.set_exception(err)
+        if cause == "hang":
+            item.future.set_exception(errors.worker_hung(again=batch.after_hang))
+            return
+        if self.quarantine is not None:
+            self.quarantine.add(batch.model, item.text, problem)
+        item.future.set_exception(errors.inference_failed(problem))
 
     # -- hung workers ----------------------------------------------------------------------------------------
     def _abandon(self, w: Worker, batch: Batch, limit: float) -> None:

@@ -112,6 +112,7 @@ class Runtime:
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000, threads=loaded.threads)
             self.pool.demand = self.admission.arrival_rate
+            self.pool.quarantine = self.service.quarantine
             self.pool.start()
             # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.

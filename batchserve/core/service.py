@@ -20,6 +20,7 @@ from batchserve.batcher import Batcher
 from batchserve.core.admission import Admission, Capacity
 from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.quarantine import Quarantine
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH
 
@@ -32,13 +33,16 @@ class Bucketer(Protocol):
 
 class InferenceService:
     def __init__(self, batcher: Batcher, admission: Admission, backends: Mapping[str, Bucketer],
-                 requests: RequestLog, clock: Callable[[], float] = time.monotonic) -> None:
+                 requests: RequestLog, clock: Callable[[], float] = time.monotonic,
+                 quarantine: Quarantine | None = None) -> None:
         self.batcher = batcher
         self.admission = admission
         self.requests = requests  # recent requests' status, for GET /v1/requests/{id}
         self.backends = backends  # model id -> backend; filled as the runtime loads them
         self.clock = clock
         self.deadlines = DeadlineWatch(clock)
+        # Inputs that failed alone lately (the worker pool fills it): answered 500 here, never queued again.
+        self.quarantine = quarantine if quarantine is not None else Quarantine(clock=clock)
         self.inflight = 0  # callers admitted and not yet answered (inference and generation)
 
     # -- state the routes and the job scheduler read --------------------------------------------------------
@@ -76,12 +80,19 @@ class InferenceService:
     def release(self) -> None:
         self.inflight -= 1
 
+    def _check_quarantine(self, model: str, text: str) -> None:
+        why = self.quarantine.reason(model, text)
+        if why is not None:
+            raise errors.inference_failed(f"{why} (this input failed alone lately and is quarantined for up to "
+                                          f"{self.quarantine.ttl_s:.0f} s: not run again)")
+
     # -- the door -----------------------------------------------------------------------------------------
     async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
                     request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
         504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
         An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves."""
+        self._check_quarantine(model, text)
         self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived))
         record = self.requests.add(owner or tenant, request_id, model)
         loop = asyncio.get_running_loop()
@@ -113,6 +124,11 @@ class InferenceService:
         now = self.clock()
         item = Item(text, model, self.backends[model].bucket_of(text), asyncio.get_running_loop().create_future(),
                     now, now + deadline_s, None, BATCH.rank, tenant)
+        try:
+            self._check_quarantine(model, text)
+        except ApiError as err:  # answered at once: the scheduler's callback records it failed
+            item.future.set_exception(err)
+            return item
         if alone:
             self.batcher.submit_alone(item)
         else:

