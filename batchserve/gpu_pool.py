@@ -244,7 +244,7 @@ class GpuPool:
         self.batcher.observe_batch(batch.model, cycle, n)
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
-            self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry"))
+            self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))
 
         if bad:
             log.warning("batch of %d on %s: %d input(s) failed or gave output that is not JSON: %s", n, w.name,
@@ -272,7 +272,10 @@ class GpuPool:
         nothing alone). After a hang, see `_abandon`: the items are spread over `parts` groups at once."""
         now = self.clock()
         if batch.held:
-            self.batcher.return_items(batch.held)
+            if batch.isolated:  # a failing job's half stays in its own batches: it may hold a culprit too
+                self.batcher.requeue(Batch(batch.model, batch.held, now, "retry", isolated=True))
+            else:
+                self.batcher.return_items(batch.held)
         items = [i for i in batch.items if i.alive(now)]
         if not items:
             return
@@ -282,7 +285,7 @@ class GpuPool:
             # work (the batcher's background retries), so a job full of failing inputs cannot hold the workers.
             for part in ([i for i in items if i.tier < BATCH.rank], jobs):
                 self._retry_or_fail(Batch(batch.model, part, batch.formed, batch.cause, batch.avoid_worker,
-                                          batch.after_hang), w, problem, cause, parts)
+                                          batch.after_hang, isolated=batch.isolated), w, problem, cause, parts)
             return
         if cause == "hang" and jobs:
             # Job items are not re-run in groups here: the job scheduler retries each one alone (it is in no
@@ -299,19 +302,22 @@ class GpuPool:
             return
         if len(items) > 1:
             mid = len(items) // 2
-            self.batcher.requeue(Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:]))
+            self.batcher.requeue(Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:],
+                                       isolated=batch.isolated))
             return
         item = items[0]
         if cause != "hang" and item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
             item.attempts += 1
-            self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index))
+            self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index, isolated=batch.isolated))
             return
         if cause == "hang":
             item.future.set_exception(errors.worker_hung(again=batch.after_hang))
             return
         if self.quarantine is not None:
             self.quarantine.add(batch.model, item.text, problem)
-        item.future.set_exception(errors.inference_failed(problem))
+        err = errors.inference_failed(problem)
+        err.costly = True  # found by failing batches, not named by the backend: the job scheduler isolates such jobs
+        item.future.set_exception(err)
 
     # -- hung workers ----------------------------------------------------------------------------------------
     def _abandon(self, w: Worker, batch: Batch, limit: float) -> None:
@@ -345,7 +351,10 @@ class GpuPool:
         self._update_health()
         healthy = self.healthy_count()
         if batch.held:  # a bisection half hung: its held sibling is presumed clean
-            self.batcher.return_items(batch.held)
+            if batch.isolated:
+                self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=True))
+            else:
+                self.batcher.return_items(batch.held)
             batch.held = []
         batch_s = self.batcher.batch_s[batch.model]
         spare_after_loss = (healthy - 1) * self.batcher.limit(batch.model) / batch_s

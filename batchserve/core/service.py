@@ -120,7 +120,25 @@ class InferenceService:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
         interactive work leaves, and the job scheduler bounds how many wait); its future carries an
         `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet. `alone`: the item
-        runs in a batch of its own once no interactive item waits (the job's items keep failing)."""
+        runs in a batch of its own, in the background share (after a hang)."""
+        if alone:
+            return self.submit_group([text], model, tenant, deadline_s)[0]
+        item = self._background_item(text, model, tenant, deadline_s)
+        if not item.future.done():
+            self.batcher.submit(item)
+        return item
+
+    def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]:
+        """Batch-job items of one job, run as one batch of their own in the background share (at most one
+        dispatch in a few while other work waits, never while an interactive item waits): the job's inputs
+        fail often, and in a shared batch each failure costs the batch-mates re-runs (issue 28, item 3)."""
+        items = [self._background_item(text, model, tenant, deadline_s) for text in texts]
+        queued = [item for item in items if not item.future.done()]
+        if queued:
+            self.batcher.submit_group(queued)
+        return items
+
+    def _background_item(self, text: str, model: str, tenant: str, deadline_s: float) -> Item:
         now = self.clock()
         item = Item(text, model, self.backends[model].bucket_of(text), asyncio.get_running_loop().create_future(),
                     now, now + deadline_s, None, BATCH.rank, tenant)
@@ -128,9 +146,4 @@ class InferenceService:
             self._check_quarantine(model, text)
         except ApiError as err:  # answered at once: the scheduler's callback records it failed
             item.future.set_exception(err)
-            return item
-        if alone:
-            self.batcher.submit_alone(item)
-        else:
-            self.batcher.submit(item)
         return item
