@@ -299,10 +299,15 @@ class Batcher:
         # least expected time (`lower_bound`), so that a time learned from one slow batch cannot drop every item
         # and leave nothing running to correct it.
         ends = now + self.batch_s.lower_bound(key[0], min(limit, len(q)))
+        # Job places go to one tenant per batch (tenants take turns batch by batch), so one tenant's failing
+        # job inputs never fail, and drag into bisection, another tenant's job items.
+        stick: dict[int, str] = {}
         while len(items) < limit:
-            item = q.pop()
+            item = q.pop(stick)
             if item is None:
                 break
+            if item.tier == tiers.BATCH.rank and not stick:
+                stick[item.tier] = item.tenant
             self._count(item, -1)
             if not item.alive(now):
                 continue

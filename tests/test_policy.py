@@ -79,6 +79,26 @@ def test_fair_queue_tenants_of_a_tier_take_turns(loop):
     assert taken == ["flood0", "light", "flood1"]
 
 
+def test_a_batch_takes_job_items_of_one_tenant_and_job_tenants_take_turns_by_batch(loop):
+    """Issue 28, item 3: one tenant's failing job inputs must not fail another tenant's job items, so the
+    batch tier's places in a batch go to one tenant (interactive items still fill first), turn by turn."""
+    clock = Clock()
+    b = make_batcher(clock, max_batch=6)
+    for i in range(2):
+        b.submit(make_item(loop, f"live-{i}", arrived=clock.now, tier=PAID, tenant="live"))
+    for i in range(7):
+        if i < 6:
+            b.submit(make_item(loop, f"a-{i}", arrived=clock.now, tier=BATCH, tenant="acme"))
+        b.submit(make_item(loop, f"g-{i}", arrived=clock.now, tier=BATCH, tenant="globex"))
+    first = b.form(("m", 0), clock.now, "full")
+    second = b.form(("m", 0), clock.now, "full")
+    assert first is not None and second is not None
+    assert [i.text for i in first.items] == ["live-0", "live-1", "a-0", "a-1", "a-2", "a-3"]
+    assert [i.text for i in second.items] == ["g-0", "g-1", "g-2", "g-3", "g-4", "g-5"]
+    third = b.form(("m", 0), clock.now, "full")
+    assert third is not None and [i.text for i in third.items] == ["a-4", "a-5"]  # not topped up with g-6
+
+
 def test_fair_queue_push_front_and_prune(loop):
     q = FairQueue()
     a, b = make_item(loop, "a"), make_item(loop, "b")

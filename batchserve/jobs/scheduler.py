@@ -253,10 +253,16 @@ class Scheduler:
                     by_tenant.setdefault(job.tenant, []).append(job)
         if iso_free > 0 and isolated:
             await self._refill_isolated(isolated, iso_free)
-        if free <= 0 or not by_tenant:
+        if not by_tenant or self.limit() <= 0:
+            return
+        # A batch takes job items of one tenant only (`FairQueue.pop(stick=...)`), so each tenant needs a batch
+        # running and one waiting of its own: with many tenants the places grow to 2 batches per tenant.
+        total = max(self.limit(), 2 * self.door.max_batch_size * len(by_tenant))
+        free = total - self.inflight
+        if free <= 0:
             return
         # A tenant's fair share of the places: no tenant holds more while others wait for theirs.
-        cap = -(-self.limit() // len(by_tenant))
+        cap = -(-total // len(by_tenant))
         allowed = {t: max(0, cap - self.tenant_inflight.get(t, 0)) for t in by_tenant}
         share = -(-free // len(by_tenant))
         for tenant, tenant_jobs in by_tenant.items():  # read enough of each tenant's oldest jobs for its share
