@@ -449,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         embed = None
         if a.embed_clients:
             embed = servers.start("soak-minilm", [sys.executable, "-m", "batchserve", "serve", "--port", "0",
-                                                  "--backend", "minilm", "--drain-grace-s", "0"], logs, timeout_s=180)
+                                                  "--backend", "minilm", "--drain-grace-s", "0", "--jobs-db", ""],
+                                  logs, timeout_s=180)
         tally, metrics = uvloop.run(run(a, server, keys, embed))
     summary = summarize(a, tally, metrics)
     text = table(summary)

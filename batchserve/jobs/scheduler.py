@@ -256,8 +256,11 @@ class Scheduler:
         if not by_tenant or self.limit() <= 0:
             return
         # A batch takes job items of one tenant only (`FairQueue.pop(stick=...)`), so each tenant needs a batch
-        # running and one waiting of its own: with many tenants the places grow to 2 batches per tenant.
-        total = max(self.limit(), 2 * self.door.max_batch_size * len(by_tenant))
+        # running and one waiting of its own: with many tenants the automatic places grow to 2 batches per
+        # tenant (a --jobs-max-inflight the operator set is kept as it is).
+        total = self.limit()
+        if self.settings.jobs_max_inflight <= 0:
+            total = max(total, 2 * self.door.max_batch_size * len(by_tenant))
         free = total - self.inflight
         if free <= 0:
             return
