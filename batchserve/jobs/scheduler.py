@@ -261,15 +261,17 @@ class Scheduler:
         total = self.limit()
         if self.settings.jobs_max_inflight <= 0:
             total = max(total, 2 * self.door.max_batch_size * len(by_tenant))
-        free = total - self.inflight
-        if free <= 0:
-            return
-        # A tenant's fair share of the places: no tenant holds more while others wait for theirs.
+        # A tenant's fair share of the places: no tenant holds more while others wait for theirs, and each may
+        # fill its share whatever the others hold now (places taken before it came, and held in slow re-runs,
+        # must not keep it waiting), so the places held pass `total` for a while by what others hold beyond
+        # their shares, never more.
         cap = -(-total // len(by_tenant))
         allowed = {t: max(0, cap - self.tenant_inflight.get(t, 0)) for t in by_tenant}
-        share = -(-free // len(by_tenant))
+        free = sum(allowed.values())
+        if free <= 0:
+            return
         for tenant, tenant_jobs in by_tenant.items():  # read enough of each tenant's oldest jobs for its share
-            need = min(share, allowed[tenant])
+            need = allowed[tenant]
             for job in tenant_jobs:
                 if need <= 0:
                     break
