@@ -177,3 +177,31 @@ def test_a_database_outage_answers_503_at_once_and_recovers_within_seconds(serve
         assert done["completed"] == 2
     finally:
         pg.stop()
+
+
+def test_a_database_down_at_start_up_is_tried_once_a_second_and_used_once_it_is_up(server_factory):
+    """The node starts while PostgreSQL is down: it serves inference, answers /v1/batches 503 at once, and
+    takes jobs within seconds of the database's start (the open's own breaker, which retries it at most once
+    a second, closes again: a guard for that path, which passed before it too)."""
+    from tests.pg_server import PgServer
+
+    pg = PgServer.start()
+    try:
+        url = pg.fresh_url()
+        pg.halt()
+        s = server_factory(*NODE, "--jobs-db", url)
+        with s.client(timeout=10) as c:
+            for i in range(10):
+                started = time.monotonic()
+                r = c.get("/v1/batches")
+                assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text
+                assert time.monotonic() - started < 2.0
+            assert c.post("/v1/inference", json={"input": "up"}).json()["output"] == "pu"
+            pg.resume()
+            back = time.monotonic()
+            r = wait_for(lambda: (lambda r: r if r.status_code == 202 else None)(
+                c.post("/v1/batches", json={"inputs": ["late"]})), timeout=10, every=0.1)
+            assert time.monotonic() - back < 5.0
+            assert wait_for(lambda: finished(c, r.json()["id"]), timeout=20)["completed"] == 1
+    finally:
+        pg.stop()
