@@ -16,6 +16,9 @@ formed now, from the queue's length;
 Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
 Retried sub-batches (bisection after a failure, see `gpu_pool`) of interactive items go before new work; those
 of batch-job items go after it, only while no interactive item waits (a failing job must not hold the workers).
+These background batches (job re-runs, and the groups of a job isolated for failing: `submit_group`) take at
+most one dispatch in `BACKGROUND_EVERY + 1` while other work is due, so another tenant's clean job keeps most
+of the workers, and the failing job still moves (issue 28, item 3).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ Clock = Callable[[], float]
 # asks for its next batch this close to the pace (several devices) takes it at once instead of idling.
 PACE_EARLY_S = 0.002
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
+BACKGROUND_EVERY = 4  # regular dispatches between two background batches while both wait (a 1/5 share)
 
 
 @dataclass(eq=False)
@@ -48,6 +52,7 @@ class Batch:
     avoid_worker: int = -1  # a retry prefers another worker than the one that failed it
     after_hang: bool = False  # items of a batch whose worker hung: not retried a second time
     held: list[Item] = field(default_factory=list)  # bisection: the other half, waiting on this one's outcome
+    isolated: bool = False  # items of a job isolated for failing: never mixed into regular batches, halves included
 
 
 @dataclass
@@ -73,6 +78,7 @@ class Batcher:
     _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _waiting: bool = False
+    _since_background: int = 0  # dispatches since the last background batch
 
     # -- the handlers' side ------------------------------------------------------------------------------
     def submit(self, item: Item) -> None:
@@ -131,6 +137,10 @@ class Batcher:
         batch = self.take_retry(worker, now)
         if batch is not None:
             return batch
+        if self._background_turn():
+            batch = self.take_retry(worker, now, self.background_retries)
+            if batch is not None:
+                return batch
         key, due, cause = self.most_urgent(now)
         if key is not None and due <= now:
             return self.form(key, now, cause, due)
@@ -138,12 +148,21 @@ class Batcher:
             return self.take_retry(worker, now, self.background_retries)
         return None
 
+    def _background_turn(self) -> bool:
+        """A background batch goes before due regular work: its share is due and no interactive item waits."""
+        return (self._since_background >= BACKGROUND_EVERY and bool(self.background_retries)
+                and not self.interactive_waiting())
+
     async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:
         while not self.closed:
             now = self.clock()
             batch = self.take_retry(worker, now)
             if batch is not None:
                 return batch, False
+            if self._background_turn():
+                batch = self.take_retry(worker, now, self.background_retries)
+                if batch is not None:
+                    return batch, False
             key, due, cause = self.most_urgent(now)
             if key is not None and due <= now:
                 batch = self.form(key, now, cause, due)
@@ -168,10 +187,10 @@ class Batcher:
         (self.background_retries if background else self.retries).append(batch)
         self._wake.set()
 
-    def submit_alone(self, item: Item) -> None:
-        """A batch-job item that runs in a batch of its own, once no interactive item waits (its job's items
-        keep failing: riding in interactive batches, each failure would cost the batch-mates a re-run)."""
-        self.background_retries.append(Batch(item.model, [item], self.clock(), "isolated"))
+    def submit_group(self, items: list[Item]) -> None:
+        """Batch-job items of one job that run as a batch of their own, in the background share (their job
+        fails often: in a shared batch each failure would cost the batch-mates of other jobs a re-run)."""
+        self.background_retries.append(Batch(items[0].model, items, self.clock(), "isolated", isolated=True))
         self._wake.set()
 
     def interactive_waiting(self) -> int:
@@ -280,10 +299,15 @@ class Batcher:
         # least expected time (`lower_bound`), so that a time learned from one slow batch cannot drop every item
         # and leave nothing running to correct it.
         ends = now + self.batch_s.lower_bound(key[0], min(limit, len(q)))
+        # Job places go to one tenant per batch (tenants take turns batch by batch), so one tenant's failing
+        # job inputs never fail, and drag into bisection, another tenant's job items.
+        stick: dict[int, str] = {}
         while len(items) < limit:
-            item = q.pop()
+            item = q.pop(stick)
             if item is None:
                 break
+            if item.tier == tiers.BATCH.rank and not stick:
+                stick[item.tier] = item.tenant
             self._count(item, -1)
             if not item.alive(now):
                 continue
@@ -303,6 +327,7 @@ class Batcher:
         interval = self.batch_s.at(key[0], len(items)) / max(1, self.healthy_workers)
         self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
         self.served_at[key[0]] = now
+        self._since_background += 1
         return Batch(key[0], items, now, cause)
 
     def take_retry(self, worker: int, now: float, retries: deque[Batch] | None = None) -> Batch | None:
@@ -323,6 +348,10 @@ class Batcher:
             for item in batch.items:
                 item.dispatched = now
             self.last_dispatch = now
+            if retries is self.background_retries:
+                self._since_background = 0
+            else:
+                self._since_background += 1
             return batch
         return None
 

@@ -22,6 +22,7 @@ class ApiError(Exception):
     retry_after_ms: int | None = None
     headers: dict[str, str] | None = None
     hung: str = ""  # for the server's own policy, never shown: "once" (its batch hung), "again" (its re-run too)
+    costly: bool = False  # for the server's own policy, never shown: a failure found by failing batches (re-runs)
 
     def __str__(self) -> str:
         return f"{self.status} {self.code}: {self.message}"

@@ -5,8 +5,10 @@ backend in its own thread, and hands the outcome back to the event loop, where e
 The worker thread checks the answer (a list, one JSON-encodable output per input); a batch that raised or
 answered a malformed list is split in two and both halves retried (bisection), so a poison input fails alone
 with 500 and its batch-mates get their answers; a single input that fails is retried once on another worker
-(transient faults). An output that cannot be JSON-encoded fails its own input (500) and no other: its index
-already names the culprit, so nothing is re-run.
+(transient faults); an input isolated so is quarantined (`core/quarantine.py`: a retry of it is answered at the
+door, not run). A backend may report a failure per input, an exception object in place of that input's output:
+that input alone is answered 500 and nothing is re-run, as for an output that cannot be JSON-encoded: its index
+already names the culprit, so bisection is only for backends that cannot say which input failed.
 A watchdog marks a worker whose batch runs past `gpu_timeout` unhealthy: its thread cannot be killed, so it is
 abandoned (and taken back if the call ever returns) and the batch's items are retried on a healthy worker.
 """
@@ -27,6 +29,7 @@ from batchserve import errors
 from batchserve.backends import Backend, running_batch
 from batchserve.batcher import Batch, Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.quarantine import Quarantine
 from batchserve.core.tiers import BATCH
 from batchserve.backends.device_thread import DeviceThread
 from batchserve.metrics import Metrics
@@ -80,6 +83,9 @@ def check_outputs(outputs: object, n: int) -> tuple[str | None, dict[int, str]]:
         pass
     bad: dict[int, str] = {}
     for i, output in enumerate(outputs):
+        if isinstance(output, BaseException):  # the backend's own verdict on this input (docs/backends.md)
+            bad[i] = f"{type(output).__name__}: {output}"
+            continue
         try:
             orjson.dumps([output])  # nested one level, as in the answer's body
         except orjson.JSONEncodeError as exc:
@@ -109,6 +115,7 @@ class GpuPool:
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
     clock: Clock = time.monotonic  # injected in the policy's unit tests
     tracing: BatchTracer | None = None  # OpenTelemetry on: a span per batch, linked to its requests
+    quarantine: Quarantine | None = None  # where an input that failed alone is remembered (the door reads it)
     _healthy: int = 0
 
     def start(self) -> None:
@@ -250,11 +257,11 @@ class GpuPool:
         self.batcher.observe_batch(batch.model, cycle, n)
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
-            self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry"))
+            self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))
 
         if bad:
-            log.warning("batch of %d on %s: %d output(s) not JSON-encodable: %s", n, w.name, len(bad),
-                        next(iter(bad.values())))
+            log.warning("batch of %d on %s: %d input(s) failed or gave output that is not JSON: %s", n, w.name,
+                        len(bad), next(iter(bad.values())))
 
         def answer() -> None:
             for i, (item, output) in enumerate(zip(batch.items, outputs)):
@@ -278,7 +285,10 @@ class GpuPool:
         nothing alone). After a hang, see `_abandon`: the items are spread over `parts` groups at once."""
         now = self.clock()
         if batch.held:
-            self.batcher.return_items(batch.held)
+            if batch.isolated:  # a failing job's half stays in its own batches: it may hold a culprit too
+                self.batcher.requeue(Batch(batch.model, batch.held, now, "retry", isolated=True))
+            else:
+                self.batcher.return_items(batch.held)
         items = [i for i in batch.items if i.alive(now)]
         if not items:
             return
@@ -288,7 +298,7 @@ class GpuPool:
             # work (the batcher's background retries), so a job full of failing inputs cannot hold the workers.
             for part in ([i for i in items if i.tier < BATCH.rank], jobs):
                 self._retry_or_fail(Batch(batch.model, part, batch.formed, batch.cause, batch.avoid_worker,
-                                          batch.after_hang), w, problem, cause, parts)
+                                          batch.after_hang, isolated=batch.isolated), w, problem, cause, parts)
             return
         if cause == "hang" and jobs:
             # Job items are not re-run in groups here: the job scheduler retries each one alone (it is in no
@@ -305,14 +315,21 @@ class GpuPool:
             return
         if len(items) > 1:
             mid = len(items) // 2
-            self.batcher.requeue(Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:]))
+            self.batcher.requeue(Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:],
+                                       isolated=batch.isolated))
             return
         item = items[0]
         if cause != "hang" and item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
             item.attempts += 1
-            self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index))
+            self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index, isolated=batch.isolated))
             return
-        err = errors.worker_hung(again=batch.after_hang) if cause == "hang" else errors.inference_failed(problem)
+        if cause == "hang":
+            item.future.set_exception(errors.worker_hung(again=batch.after_hang))
+            return
+        if self.quarantine is not None:
+            self.quarantine.add(batch.model, item.text, problem)
+        err = errors.inference_failed(problem)
+        err.costly = True  # found by failing batches, not named by the backend: the job scheduler isolates such jobs
         item.future.set_exception(err)
 
     # -- hung workers ----------------------------------------------------------------------------------------
@@ -347,7 +364,10 @@ class GpuPool:
         self._update_health()
         healthy = self.healthy_count()
         if batch.held:  # a bisection half hung: its held sibling is presumed clean
-            self.batcher.return_items(batch.held)
+            if batch.isolated:
+                self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=True))
+            else:
+                self.batcher.return_items(batch.held)
             batch.held = []
         batch_s = self.batcher.batch_s[batch.model]
         spare_after_loss = (healthy - 1) * self.batcher.limit(batch.model) / batch_s

@@ -178,6 +178,7 @@ class Runtime:
                                 self.settings.gpu_timeout_ms / 1000, threads=loaded.threads)
             self.pool.demand = self.admission.arrival_rate
             self.pool.tracing = self.tracing
+            self.pool.quarantine = self.service.quarantine
             self.pool.start()
             # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.

@@ -47,6 +47,7 @@ class PgServer:
     root: Path  # holds data/ and the socket
     port: int = 5432  # only names the socket file: nothing listens on TCP
     as_user: list[str] = field(default_factory=list)  # runuser prefix when running as root
+    running: bool = False
     _schemas: int = 0
 
     @classmethod
@@ -63,11 +64,22 @@ class PgServer:
         server._run("initdb", "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--locale=C",
                     "--no-sync")
         # Durability settings off: a test database need not survive a power cut, and fsync is slow on CI disks.
-        options = (f"-k {root} -c listen_addresses='' -p {server.port} -c fsync=off -c synchronous_commit=off "
-                   f"-c full_page_writes=off -c max_connections=200")
-        server._run("pg_ctl", "-D", str(data), "-o", options, "-l", str(root / "server.log"), "-w", "-t", "60",
-                    "start")
+        server.resume()
         return server
+
+    def resume(self) -> None:
+        """Start the server (again, after `halt`), on the same data and socket."""
+        options = (f"-k {self.root} -c listen_addresses='' -p {self.port} -c fsync=off -c synchronous_commit=off "
+                   f"-c full_page_writes=off -c max_connections=200")
+        self._run("pg_ctl", "-D", str(self.root / "data"), "-o", options, "-l", str(self.root / "server.log"), "-w",
+                  "-t", "60", "start")
+        self.running = True
+
+    def halt(self) -> None:
+        """Stop the server as an outage would (connections cut, new ones refused), keeping its data (a fast
+        stop: with fsync and synchronous_commit off, an immediate one loses the last commits)."""
+        self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "fast", "-w", "stop")
+        self.running = False
 
     def _run(self, program: str, *args: str) -> None:
         cmd = [*self.as_user, str(self.bin_dir / program), *args]
@@ -92,7 +104,8 @@ class PgServer:
 
     def stop(self) -> None:
         try:
-            self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "immediate", "-w", "stop")
+            if self.running:
+                self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "immediate", "-w", "stop")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -286,3 +286,28 @@ def test_an_unreachable_postgres_is_a_clear_store_error(tmp_path: Path):
             await PostgresStore.open(f"postgresql://nobody@/none?host={tmp_path}&port=1&connect_timeout=1")
 
     asyncio.run(scenario())
+
+
+# -- the store's circuit breaker (issue 28, item 5), with an injected clock --------------------------------------
+def test_the_breaker_refuses_while_open_lets_one_probe_through_and_closes_on_its_success():
+    from batchserve.jobs.breaker import CircuitBreaker
+    from batchserve.jobs.store import StoreDown
+
+    now = [0.0]
+    b = CircuitBreaker(open_s=1.0, clock=lambda: now[0])
+    assert b.before() is False and b.closed  # closed: every call goes through, none is a probe
+    b.failure("connection refused")
+    with pytest.raises(StoreDown, match="connection refused"):
+        b.before()
+    now[0] = 1.0
+    assert b.before() is True  # the probe
+    with pytest.raises(StoreDown):  # the others are still refused while it runs
+        b.before()
+    b.failure("still refused")
+    now[0] = 1.5
+    with pytest.raises(StoreDown, match="still refused"):
+        b.before()
+    now[0] = 2.0
+    assert b.before() is True
+    b.success()
+    assert b.closed and b.before() is False

@@ -5,6 +5,7 @@ items; the other claims them once their lease runs out and finishes the job, eve
 from __future__ import annotations
 
 import signal
+import time
 
 import orjson
 import psycopg
@@ -140,3 +141,67 @@ def test_leases_are_renewed_so_two_live_nodes_never_run_an_item_twice(pg_server,
 def gauge_sum(metrics: str, name: str, label: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith(name + "{") and label in line)
+
+
+def test_a_database_outage_answers_503_at_once_and_recovers_within_seconds(server_factory):
+    """Issue 28, item 5: the database stops under a serving node. Every /v1/batches call answers 503
+    `JOBS_UNAVAILABLE` fast (each waited for a pooled connection for 30 s before), interactive inference is
+    untouched, and within a few seconds of the database's return jobs are accepted and run again."""
+    from tests.pg_server import PgServer
+
+    pg = PgServer.start()  # its own server: this test stops it
+    try:
+        s = server_factory(*NODE, "--jobs-db", pg.fresh_url())
+        with s.client(timeout=10) as c:  # a call that waits out the pool (30 s) fails the test here
+            before = c.post("/v1/batches", json={"inputs": ["a", "b"]}).json()
+            assert wait_for(lambda: finished(c, before["id"]))["completed"] == 2
+            pg.halt()
+            slowest = 0.0
+            for i in range(20):
+                started = time.monotonic()
+                r = (c.get("/v1/batches") if i % 2 else c.post("/v1/batches", json={"inputs": ["x"]}))
+                slowest = max(slowest, time.monotonic() - started)
+                assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text
+                assert r.json()["retry_after_ms"] > 0
+                inference = c.post("/v1/inference", json={"input": f"still-{i}"})
+                assert inference.status_code == 200 and inference.json()["output"] == f"still-{i}"[::-1]
+                time.sleep(0.1)
+            assert slowest < 2.0, f"a /v1/batches call took {slowest:.1f} s while the database was down"
+            pg.resume()
+            back = time.monotonic()
+            r = wait_for(lambda: (lambda r: r if r.status_code == 202 else None)(
+                c.post("/v1/batches", json={"inputs": ["after-1", "after-2"]})), timeout=10, every=0.1)
+            recovered = time.monotonic() - back
+            done = wait_for(lambda: finished(c, r.json()["id"]), timeout=20)
+        assert recovered < 5.0, f"jobs were accepted again {recovered:.1f} s after the database returned"
+        assert done["completed"] == 2
+    finally:
+        pg.stop()
+
+
+def test_a_database_down_at_start_up_is_tried_once_a_second_and_used_once_it_is_up(server_factory):
+    """The node starts while PostgreSQL is down: it serves inference, answers /v1/batches 503 at once, and
+    takes jobs within seconds of the database's start (the open's own breaker, which retries it at most once
+    a second, closes again: a guard for that path, which passed before it too)."""
+    from tests.pg_server import PgServer
+
+    pg = PgServer.start()
+    try:
+        url = pg.fresh_url()
+        pg.halt()
+        s = server_factory(*NODE, "--jobs-db", url)
+        with s.client(timeout=10) as c:
+            for i in range(10):
+                started = time.monotonic()
+                r = c.get("/v1/batches")
+                assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text
+                assert time.monotonic() - started < 2.0
+            assert c.post("/v1/inference", json={"input": "up"}).json()["output"] == "pu"
+            pg.resume()
+            back = time.monotonic()
+            r = wait_for(lambda: (lambda r: r if r.status_code == 202 else None)(
+                c.post("/v1/batches", json={"inputs": ["late"]})), timeout=10, every=0.1)
+            assert time.monotonic() - back < 5.0
+            assert wait_for(lambda: finished(c, r.json()["id"]), timeout=20)["completed"] == 1
+    finally:
+        pg.stop()

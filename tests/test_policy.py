@@ -79,6 +79,71 @@ def test_fair_queue_tenants_of_a_tier_take_turns(loop):
     assert taken == ["flood0", "light", "flood1"]
 
 
+def test_a_batch_takes_job_items_of_one_tenant_and_job_tenants_take_turns_by_batch(loop):
+    """Issue 28, item 3: one tenant's failing job inputs must not fail another tenant's job items, so the
+    batch tier's places in a batch go to one tenant (interactive items still fill first), turn by turn."""
+    clock = Clock()
+    b = make_batcher(clock, max_batch=6)
+    for i in range(2):
+        b.submit(make_item(loop, f"live-{i}", arrived=clock.now, tier=PAID, tenant="live"))
+    for i in range(7):
+        if i < 6:
+            b.submit(make_item(loop, f"a-{i}", arrived=clock.now, tier=BATCH, tenant="acme"))
+        b.submit(make_item(loop, f"g-{i}", arrived=clock.now, tier=BATCH, tenant="globex"))
+    first = b.form(("m", 0), clock.now, "full")
+    second = b.form(("m", 0), clock.now, "full")
+    assert first is not None and second is not None
+    assert [i.text for i in first.items] == ["live-0", "live-1", "a-0", "a-1", "a-2", "a-3"]
+    assert [i.text for i in second.items] == ["g-0", "g-1", "g-2", "g-3", "g-4", "g-5"]
+    third = b.form(("m", 0), clock.now, "full")
+    assert third is not None and [i.text for i in third.items] == ["a-4", "a-5"]  # not topped up with g-6
+
+
+def test_background_batches_take_one_dispatch_in_five_while_job_work_is_due_and_none_while_interactive_waits(loop):
+    """Issue 28, item 3: an isolated job's groups (and job re-runs) get a small share of the workers while
+    other job work is due, so they move without slowing the others much; never ahead of interactive items."""
+    from batchserve.batcher import BACKGROUND_EVERY
+
+    clock = Clock()
+    b = make_batcher(clock, max_batch=2)
+    for i in range(40):
+        b.submit(make_item(loop, f"g-{i}", arrived=clock.now, tier=BATCH, tenant="globex"))
+    for i in range(3):
+        b.submit_group([make_item(loop, f"iso-{i}", arrived=clock.now, tier=BATCH, tenant="acme")])
+    kinds = []
+    for _ in range(3 * (BACKGROUND_EVERY + 1)):
+        batch = b.take_now(0)
+        assert batch is not None
+        kinds.append("iso" if batch.isolated else "regular")
+    assert kinds == (["regular"] * BACKGROUND_EVERY + ["iso"]) * 3
+    b.submit_group([make_item(loop, "iso-late", arrived=clock.now, tier=BATCH, tenant="acme")])
+    b.submit(make_item(loop, "live", arrived=clock.now, tier=PAID, tenant="live"))
+    for _ in range(BACKGROUND_EVERY + 1):  # its turn is due, but an interactive item waits: never ahead of it
+        batch = b.take_now(0)
+        assert batch is not None and not batch.isolated
+        if any(i.tier == PAID for i in batch.items):
+            break
+    else:
+        raise AssertionError("the interactive item never went")
+
+
+def test_an_isolated_jobs_group_size_follows_its_failure_rate():
+    from batchserve.jobs.scheduler import FAILING_WINDOW, JobState
+
+    job = JobState("batch_x", "acme", "m@v1")
+    job.recent.extend([False] * FAILING_WINDOW)
+    assert job.group_size(20) == 0  # clean: rides in shared batches
+    job.recent.extend([True] + [False] * (FAILING_WINDOW - 1))
+    assert job.group_size(20) == 0  # one costly failure is not a pattern
+    job.recent.extend(([True] + [False] * 9) * 7)  # about 10 % in the window
+    assert job.group_size(20) == 5
+    job.recent.extend([True, False] * (FAILING_WINDOW // 2))
+    assert job.group_size(20) == 1  # half fail: alone
+    job.recent.extend([True] * 2 + [False] * (FAILING_WINDOW - 2))
+    assert job.group_size(20) == 16  # rare failures: large groups, capped by the batch limit
+    assert job.group_size(8) == 8
+
+
 def test_fair_queue_push_front_and_prune(loop):
     q = FairQueue()
     a, b = make_item(loop, "a"), make_item(loop, "b")

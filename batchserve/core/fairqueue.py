@@ -4,7 +4,10 @@
 A batch is filled by repeatedly taking the lane head with the smallest `arrived + tiers.AGING_S[tier]`:
 a higher tier goes first, but an item of a lower tier that has waited longer than the gap between the two
 tiers' offsets overtakes, so no tier waits forever. Inside a tier, tenants take turns (round-robin, one item
-a turn), so one tenant's flood cannot push another tenant's items back.
+a turn), so one tenant's flood cannot push another tenant's items back. A tier may be made to stick to the
+tenant it started a batch with (`pop(stick=...)`, the batch-job tier): that tier's places in the batch then go
+to that tenant only, and tenants take turns batch by batch instead, so one tenant's failing inputs never fail
+the batches of another tenant's job (issue 28, item 3).
 """
 
 from __future__ import annotations
@@ -108,11 +111,19 @@ class FairQueue:
     def earliest_deadline(self) -> float:
         return min((lane.items[0].deadline for lane in self.lanes.values() if lane.items), default=float("inf"))
 
-    def _next_lane(self) -> Lane | None:
-        """The lane to take from next: per tier the tenant whose turn it is, then the best aged head."""
+    def _next_lane(self, stick: dict[int, str] | None = None) -> Lane | None:
+        """The lane to take from next: per tier the tenant whose turn it is (or the one the tier sticks to,
+        while it has items), then the best aged head."""
         best: Lane | None = None
         best_key = float("inf")
         for tier, order in self.turn.items():
+            if stick and tier in stick:  # only that tenant's lane, even when it is empty
+                lane = self.lanes.get((tier, stick[tier]))
+                if lane is not None and lane.items:
+                    key = lane.items[0].arrived + AGING_S[tier]
+                    if key < best_key:
+                        best, best_key = lane, key
+                continue
             for _ in range(len(order)):
                 lane = self.lanes[(tier, order[0])]
                 if lane.items:
@@ -123,11 +134,12 @@ class FairQueue:
                 order.rotate(-1)  # an empty lane passes its turn
         return best
 
-    def pop(self) -> Item | None:
-        lane = self._next_lane()
+    def pop(self, stick: dict[int, str] | None = None) -> Item | None:
+        lane = self._next_lane(stick)
         if lane is None:
             return None
-        self.turn[lane.tier].rotate(-1)  # this tenant had its turn
+        if not (stick and stick.get(lane.tier) == lane.tenant):
+            self.turn[lane.tier].rotate(-1)  # this tenant had its turn
         self.size -= 1
         return lane.items.popleft()
 

@@ -20,6 +20,7 @@ from batchserve.batcher import Batcher
 from batchserve.core.admission import Admission, Capacity
 from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.quarantine import Quarantine
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 
@@ -40,13 +41,16 @@ class ItemTracer(Protocol):
 
 class InferenceService:
     def __init__(self, batcher: Batcher, admission: Admission, backends: Mapping[str, Bucketer],
-                 requests: RequestLog, clock: Callable[[], float] = time.monotonic) -> None:
+                 requests: RequestLog, clock: Callable[[], float] = time.monotonic,
+                 quarantine: Quarantine | None = None) -> None:
         self.batcher = batcher
         self.admission = admission
         self.requests = requests  # recent requests' status, for GET /v1/requests/{id}
         self.backends = backends  # model id -> backend; filled as the runtime loads them
         self.clock = clock
         self.deadlines = DeadlineWatch(clock)
+        # Inputs that failed alone lately (the worker pool fills it): answered 500 here, never queued again.
+        self.quarantine = quarantine if quarantine is not None else Quarantine(clock=clock)
         self.inflight = 0  # callers admitted and not yet answered (inference and generation)
         self.tracing: ItemTracer | None = None  # set when OpenTelemetry is on: spans per request and queue wait
 
@@ -85,6 +89,12 @@ class InferenceService:
     def release(self) -> None:
         self.inflight -= 1
 
+    def _check_quarantine(self, model: str, text: str) -> None:
+        why = self.quarantine.reason(model, text)
+        if why is not None:
+            raise errors.inference_failed(f"{why} (this input failed alone lately and is quarantined for up to "
+                                          f"{self.quarantine.ttl_s:.0f} s: not run again)")
+
     # -- the door -----------------------------------------------------------------------------------------
     async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
                     request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
@@ -94,6 +104,7 @@ class InferenceService:
         tracing = self.tracing
         trace = tracing.admitted(model, TIER_NAMES[tier]) if tracing is not None else None
         try:
+            self._check_quarantine(model, text)
             self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived))
         except ApiError as err:
             if tracing is not None:
@@ -129,12 +140,30 @@ class InferenceService:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
         interactive work leaves, and the job scheduler bounds how many wait); its future carries an
         `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet. `alone`: the item
-        runs in a batch of its own once no interactive item waits (the job's items keep failing)."""
+        runs in a batch of its own, in the background share (after a hang)."""
+        if alone:
+            return self.submit_group([text], model, tenant, deadline_s)[0]
+        item = self._background_item(text, model, tenant, deadline_s)
+        if not item.future.done():
+            self.batcher.submit(item)
+        return item
+
+    def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]:
+        """Batch-job items of one job, run as one batch of their own in the background share (at most one
+        dispatch in a few while other work waits, never while an interactive item waits): the job's inputs
+        fail often, and in a shared batch each failure costs the batch-mates re-runs (issue 28, item 3)."""
+        items = [self._background_item(text, model, tenant, deadline_s) for text in texts]
+        queued = [item for item in items if not item.future.done()]
+        if queued:
+            self.batcher.submit_group(queued)
+        return items
+
+    def _background_item(self, text: str, model: str, tenant: str, deadline_s: float) -> Item:
         now = self.clock()
         item = Item(text, model, self.backends[model].bucket_of(text), asyncio.get_running_loop().create_future(),
                     now, now + deadline_s, None, BATCH.rank, tenant)
-        if alone:
-            self.batcher.submit_alone(item)
-        else:
-            self.batcher.submit(item)
+        try:
+            self._check_quarantine(model, text)
+        except ApiError as err:  # answered at once: the scheduler's callback records it failed
+            item.future.set_exception(err)
         return item

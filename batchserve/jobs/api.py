@@ -25,7 +25,7 @@ from batchserve.errors import ApiError
 from batchserve.http.body import client_host, error_response, json_response, request_id_of
 from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import (IdempotencyConflict, JobStore, NewJob, Progress, StoreUnavailable,
+from batchserve.jobs.store import (IdempotencyConflict, JobStore, NewJob, Progress, StoreDown, StoreUnavailable,
                                    UnstorableInput)
 from batchserve.runtime import Runtime
 from batchserve.tenancy import Caller
@@ -62,8 +62,10 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             response = await handler(request, rt, svc, caller)
             response.headers.update({"X-Request-ID": request_id, **limit_headers})
             return response
+        except StoreDown as exc:  # refused by the breaker in microseconds: the outage was logged once already
+            return error_response(errors.jobs_unavailable(str(exc), 1000), request_id)
         except (sqlite3.Error, StoreUnavailable) as exc:
-            log.exception("job store error")
+            log.error("job store error: %s", exc)  # no traceback: an outage would write one per request
             return error_response(errors.jobs_unavailable(f"the job store failed: {exc}", 1000), request_id)
         except ApiError as err:
             if limit_headers and not err.headers:

@@ -14,6 +14,12 @@ Any node accepts a job; any node runs its items. Why each part is as it is:
   once; the job's counters move in the same transaction.
 Tables are prefixed `batchserve_` so the database can be shared with other applications; the schema is
 created at open, under an advisory lock so nodes starting together do not race.
+- Outages (issue 28, item 5): every connection has a short connect timeout, a statement timeout and TCP
+  keepalives, and waiting for a pooled connection is bounded, so no call blocks for long; a failure that says
+  the database is unreachable opens a circuit breaker (`breaker.py`) that refuses every call at once (503)
+  while one probe per second tries a fresh connection. When the probe gets through, a fresh pool replaces the
+  old one (whose connections are dead, and whose reconnection backoff can grow to minutes), so the store is in
+  use again about a second after the database returns.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from typing import Any, Awaitable, Callable, TypeVar
 import orjson
 import psycopg
 from psycopg import AsyncConnection, errors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from batchserve.jobs.breaker import CircuitBreaker
 
 from batchserve.jobs.store import (ACTIVE, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
                                    StoreUnavailable, UnstorableInput)
@@ -37,7 +46,11 @@ from batchserve.jobs.store import (ACTIVE, IdempotencyConflict, ItemRow, Job, Ne
 T = TypeVar("T")
 
 POOL_MAX = 4  # connections per node: the feeder, the writer, the lease keeper and the API rarely all at once
-OPEN_TIMEOUT_S = 10
+OPEN_TIMEOUT_S = 10  # the first pool's connections at start-up
+CONNECT_TIMEOUT_S = 2  # libpq's connect_timeout (its least): an unreachable host fails in 2 s, not the OS's minutes
+STATEMENT_TIMEOUT_MS = 5000  # the longest statement (a 50,000-item COPY takes well under a second)
+POOL_WAIT_S = 5  # longest wait for a pooled connection (was the pool's 30 s, which every caller waited out)
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 TX_ATTEMPTS = 3  # a deadlock or serialization failure is retried this many times before the caller sees it
 SCHEMA_LOCK = 0x6261746368  # pg_advisory_xact_lock key taken while the schema is created
 
@@ -101,22 +114,36 @@ def _text(value: str | None) -> str | None:
     return value.replace("\x00", NUL_FREE) if value is not None and "\x00" in value else value
 
 
+def with_timeouts(url: str) -> str:
+    """The connection string with the short connect and statement timeouts and keepalives added (options the
+    URL already sets, such as a search_path, are kept)."""
+    options = conninfo_to_dict(url).get("options") or ""
+    return make_conninfo(url, connect_timeout=CONNECT_TIMEOUT_S,
+                         options=f"{options} -c statement_timeout={STATEMENT_TIMEOUT_MS}".strip(), **KEEPALIVES)
+
+
 class PostgresStore:
     """See the module docstring; build it with `await PostgresStore.open(url)`."""
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.conninfo = with_timeouts(url)
         # Who holds a lease: readable in the table, so an operator can tell which node runs (or ran) an item.
         self.holder = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
-        self._pool = AsyncConnectionPool(url, min_size=1, max_size=POOL_MAX, open=False,
-                                         name="batchserve-jobs")
+        self.breaker = CircuitBreaker()
+        self._pool = self._new_pool()
+        self._closing: set[asyncio.Task] = set()  # old pools being closed after a recovery
+
+    def _new_pool(self) -> AsyncConnectionPool:
+        return AsyncConnectionPool(self.conninfo, min_size=1, max_size=POOL_MAX, open=False, timeout=POOL_WAIT_S,
+                                   name="batchserve-jobs")
 
     @classmethod
     async def open(cls, url: str) -> "PostgresStore":
         # One plain connection first: a database that is down or refuses us fails at once with the server's
         # own words, where the pool would retry quietly until its timeout.
         try:
-            async with await AsyncConnection.connect(url, connect_timeout=OPEN_TIMEOUT_S) as conn:
+            async with await AsyncConnection.connect(with_timeouts(url)) as conn:
                 async with conn.transaction():
                     await cls._create_schema(conn)
         except psycopg.Error as exc:
@@ -130,19 +157,59 @@ class PostgresStore:
         return store
 
     async def _tx(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-        """Run `fn` in one transaction; a deadlock or serialization failure runs it again (it wrote nothing)."""
-        for attempt in range(TX_ATTEMPTS):
-            try:
-                async with self._pool.connection() as conn:
-                    async with conn.transaction():
-                        return await fn(conn)
-            except (errors.DeadlockDetected, errors.SerializationFailure):
-                if attempt == TX_ATTEMPTS - 1:
-                    raise StoreUnavailable("the job store kept deadlocking; try again") from None
-                await asyncio.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
-            except (PoolTimeout, psycopg.Error) as exc:
-                raise StoreUnavailable(f"the PostgreSQL job store failed: {exc}") from None
-        raise AssertionError("unreachable")
+        """Run `fn` in one transaction; a deadlock or serialization failure runs it again (it wrote nothing).
+        Refused at once (`StoreDown`) while the breaker is open; an unreachable database opens it."""
+        probe = self.breaker.before()
+        verdict = False
+        try:
+            if probe:
+                await self._reopen()
+            for attempt in range(TX_ATTEMPTS):
+                try:
+                    async with self._pool.connection() as conn:
+                        async with conn.transaction():
+                            result = await fn(conn)
+                    verdict = True
+                    self.breaker.success()
+                    return result
+                except (errors.DeadlockDetected, errors.SerializationFailure):
+                    if attempt == TX_ATTEMPTS - 1:
+                        raise StoreUnavailable("the job store kept deadlocking; try again") from None
+                    await asyncio.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+                except (PoolTimeout, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                    verdict = True
+                    self.breaker.failure(_first_line(exc))
+                    raise StoreUnavailable(f"the PostgreSQL job store failed: {exc}") from None
+                except psycopg.Error as exc:  # the database answered (a constraint, a trigger): it is up
+                    verdict = True
+                    self.breaker.success()
+                    raise StoreUnavailable(f"the PostgreSQL job store failed: {exc}") from None
+            raise AssertionError("unreachable")
+        finally:
+            if probe and not verdict:
+                self.breaker.abandon_probe()
+
+    async def _reopen(self) -> None:
+        """The probe after an outage: one fresh connection (fails in milliseconds while the server refuses, in
+        `CONNECT_TIMEOUT_S` at most), then a fresh pool in place of the old, whose connections died with the
+        server and whose reconnection backoff may have grown long."""
+        try:
+            conn = await AsyncConnection.connect(self.conninfo)
+            await conn.close()
+        except psycopg.Error as exc:
+            self.breaker.failure(_first_line(exc))
+            raise StoreUnavailable(f"the PostgreSQL job store is unreachable: {_first_line(exc)}") from None
+        pool = self._new_pool()
+        try:
+            await pool.open(wait=True, timeout=CONNECT_TIMEOUT_S + 1)
+        except PoolTimeout as exc:
+            await pool.close()
+            self.breaker.failure(_first_line(exc))
+            raise StoreUnavailable(f"the PostgreSQL job store is unreachable: {exc}") from None
+        old, self._pool = self._pool, pool
+        task = asyncio.create_task(old.close(timeout=1.0))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     @staticmethod
     async def _create_schema(conn: AsyncConnection) -> None:
@@ -326,3 +393,10 @@ class PostgresStore:
 
     async def close(self) -> None:
         await self._pool.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -5,7 +5,15 @@ tenant, so they only fill the places interactive requests leave in each batch. O
 the batcher or on a worker at once (`jobs_max_inflight`, by default 2 x max_batch_size x healthy workers: one
 batch's worth running and one waiting per worker), so the queue never holds more job items than a batch can
 take and interactive admission and latency see no difference. Free places are shared round-robin between
-tenants; a tenant's jobs run oldest first.
+tenants, and no tenant holds more than its share of them while others wait (so a tenant whose items take
+longer, failing or retried, cannot crowd the others out); a tenant's jobs run oldest first.
+
+A job whose inputs fail often enough to cost re-runs (failures found by failing batches, not named by the
+backend) is isolated: its items run in small groups of their own (`Door.submit_group`), sized to its failure
+rate (about 1 / (2 x rate): a group with no culprit answers all of it in one run; alone at 50 %), in the
+background share of the workers (at most one batch in `BACKGROUND_EVERY + 1` while other work waits, never
+while an interactive item waits), with a budget of its own (`isolated_limit`). So another tenant's clean job
+never shares a batch with the failing inputs and keeps most of the workers, and the failing job still moves.
 
 Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once;
 so is a hang once the item has been re-run after one (by the pool, or by a retry here): as on the interactive
@@ -60,6 +68,7 @@ class Door(Protocol):
     def models(self) -> list[str]: ...
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
                           alone: bool = False) -> Item: ...
+    def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
 
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
@@ -68,10 +77,10 @@ CLAIM_CHUNK = 128  # fewest pending items claimed from the store at a time, per 
 FLUSH_S = 0.05
 FLUSH_ROWS = 1000
 RETRY_CAP_S = 60.0
-# A job whose recent items mostly fail is isolated: its items run alone, after interactive work, instead of
-# riding in interactive batches, where each failure would cost the batch-mates a re-run (a batch time).
-FAILING_WINDOW = 16  # the last outcomes of a job looked at
-FAILING_SHARE = 0.5  # isolated while at least this share of them failed
+# A job whose recent items fail at a cost (found by failing batches: each costs the batch-mates re-runs) is
+# isolated: its items run in groups of their own, in the background share, instead of riding in shared batches.
+FAILING_WINDOW = 64  # the last outcomes of a job looked at
+ISOLATE_FAILURES = 2  # isolated while at least this many of them were costly failures
 
 
 @dataclass(eq=False)
@@ -88,13 +97,19 @@ class JobState:
     added: float = field(default_factory=time.monotonic)
     attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
     hung: set[int] = field(default_factory=set)  # indexes that were in a hung batch once already
-    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = failed
-
-    def failing(self) -> bool:
-        """Most of the job's recent items failed: run the rest alone, away from interactive batches."""
-        return sum(self.recent) >= FAILING_SHARE * FAILING_WINDOW
+    shared: set[int] = field(default_factory=set)  # indexes in flight on the shared path (`Scheduler._submit`)
+    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = costly failure
     retrying: int = 0
     cancelled: bool = False
+
+    def group_size(self, limit: int) -> int:
+        """0 while the job rides in shared batches; once isolated, how many of its items share one batch of
+        their own: about 1 / (2 x failure rate), so most groups hold no culprit and answer in one run (alone
+        from 50 % on; a group of g with one culprit costs about 2 log2 g more runs)."""
+        failed = sum(self.recent)
+        if failed < ISOLATE_FAILURES:
+            return 0
+        return max(1, min(limit, int(0.5 * len(self.recent) / failed)))
 
     def has_work(self) -> bool:
         return not self.cancelled and (bool(self.buffer) or not self.exhausted)
@@ -122,7 +137,9 @@ class Scheduler:
     jobs: dict[str, JobState] = field(default_factory=dict)  # unfinished, oldest first
     retries: list[Retry] = field(default_factory=list)  # a heap by due time
     outcomes: list[Outcome] = field(default_factory=list)  # waiting to be recorded
-    inflight: int = 0
+    inflight: int = 0  # items of jobs riding in shared batches, in the batcher or on a worker
+    isolated_inflight: int = 0  # items of isolated jobs (their own budget, `isolated_limit`)
+    tenant_inflight: dict[str, int] = field(default_factory=dict)  # `inflight` by tenant, for the fair share
     _seq: int = 0
     _turn: int = 0  # rotates which tenant is served first
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -183,6 +200,11 @@ class Scheduler:
             return self.settings.jobs_max_inflight
         return 2 * self.door.max_batch_size * self.door.healthy_workers()
 
+    def isolated_limit(self) -> int:
+        """Items of isolated jobs in flight at once, all of them together: a batch's worth per worker (their
+        batches take a small share of the workers anyway; more waiting would only hold leases and memory)."""
+        return min(self.limit(), self.door.max_batch_size * max(1, self.door.healthy_workers()))
+
     # -- feeding ---------------------------------------------------------------------------------------------
     async def _feed_loop(self) -> None:
         while True:
@@ -195,7 +217,7 @@ class Scheduler:
                 pass
             self._wake.clear()
             try:
-                self.metrics.inflight.set(self.inflight)  # here, not per item: the loop's time is the SLO's
+                self.metrics.inflight.set(self.inflight + self.isolated_inflight)  # here, not per item: the loop's time is the SLO's
                 if self.door.draining:
                     self._release_queued()
                     continue
@@ -206,39 +228,62 @@ class Scheduler:
 
     async def _refill(self) -> None:
         free = self.limit() - self.inflight
-        if free <= 0:
-            return
+        iso_free = self.isolated_limit() - self.isolated_inflight
         now = time.monotonic()
-        while free > 0 and self.retries and self.retries[0].due <= now:
+        while self.retries and self.retries[0].due <= now and (free > 0 or iso_free > 0):
             r = heapq.heappop(self.retries)
             r.job.retrying -= 1
             if not r.job.cancelled:
-                self._submit(r.job, r.index, r.text)
-                free -= 1
+                if self._isolated(r.job):
+                    self._submit_group(r.job, [(r.index, r.text)])
+                    iso_free -= 1
+                else:
+                    self._submit(r.job, r.index, r.text)
+                    free -= 1
         by_tenant: dict[str, list[JobState]] = {}
+        isolated: list[JobState] = []
         for job in list(self.jobs.values()):
             if job.idle():
                 del self.jobs[job.id]
                 self.metrics.active_jobs.set(len(self.jobs))
             elif job.has_work():
-                by_tenant.setdefault(job.tenant, []).append(job)
-        if free <= 0 or not by_tenant:
+                if self._isolated(job):
+                    isolated.append(job)
+                else:
+                    by_tenant.setdefault(job.tenant, []).append(job)
+        if iso_free > 0 and isolated:
+            await self._refill_isolated(isolated, iso_free)
+        if not by_tenant or self.limit() <= 0:
             return
-        share = -(-free // len(by_tenant))
-        for tenant_jobs in by_tenant.values():  # read enough of each tenant's oldest jobs for its share
-            need = share
+        # A batch takes job items of one tenant only (`FairQueue.pop(stick=...)`), so each tenant needs a batch
+        # running and one waiting of its own: with many tenants the automatic places grow to 2 batches per
+        # tenant (a --jobs-max-inflight the operator set is kept as it is).
+        total = self.limit()
+        if self.settings.jobs_max_inflight <= 0:
+            total = max(total, 2 * self.door.max_batch_size * len(by_tenant))
+        # A tenant's fair share of the places: no tenant holds more while others wait for theirs, and each may
+        # fill its share whatever the others hold now (places taken before it came, and held in slow re-runs,
+        # must not keep it waiting), so the places held pass `total` for a while by what others hold beyond
+        # their shares, never more.
+        cap = -(-total // len(by_tenant))
+        allowed = {t: max(0, cap - self.tenant_inflight.get(t, 0)) for t in by_tenant}
+        free = sum(allowed.values())
+        if free <= 0:
+            return
+        for tenant, tenant_jobs in by_tenant.items():  # read enough of each tenant's oldest jobs for its share
+            need = allowed[tenant]
             for job in tenant_jobs:
                 if need <= 0:
                     break
                 if len(job.buffer) < need and not job.exhausted:
                     await self._read(job, max(CLAIM_CHUNK, need - len(job.buffer)))
                 need -= len(job.buffer)
-        queues = [deque(j for j in jobs if j.buffer) for jobs in by_tenant.values()]
-        rotation = deque(q for q in queues if q)
+        queues = [(t, deque(j for j in jobs if j.buffer and not self._isolated(j))) for t, jobs in by_tenant.items()]
+        rotation = deque((t, q) for t, q in queues if q and allowed[t] > 0)
         rotation.rotate(-(self._turn % max(1, len(rotation))))
         self._turn += 1
         while free > 0 and rotation:
-            q = rotation.popleft()
+            tenant, q = rotation.popleft()
             job = q[0]
             if job.cancelled or not job.buffer:
                 q.popleft()
@@ -246,8 +291,29 @@ class Scheduler:
                 index, text = job.buffer.popleft()
                 self._submit(job, index, text)
                 free -= 1
-            if q:
-                rotation.append(q)
+                allowed[tenant] -= 1
+            if q and allowed[tenant] > 0:
+                rotation.append((tenant, q))
+
+    async def _refill_isolated(self, jobs: list[JobState], free: int) -> None:
+        """Feed isolated jobs in turn, a group of their own at a time, within their budget."""
+        rotation = deque(jobs)
+        rotation.rotate(-(self._turn % len(rotation)))
+        while free > 0 and rotation:
+            job = rotation.popleft()
+            size = min(free, job.group_size(self.door.max_batch_size) or 1)
+            if len(job.buffer) < size and not job.exhausted:
+                await self._read(job, max(CLAIM_CHUNK, size))
+            group = [job.buffer.popleft() for _ in range(min(size, len(job.buffer)))]
+            if job.cancelled or not group:
+                continue
+            self._submit_group(job, group)
+            free -= len(group)
+            if job.buffer or not job.exhausted:
+                rotation.append(job)
+
+    def _isolated(self, job: JobState) -> bool:
+        return job.group_size(self.door.max_batch_size) > 0
 
     async def _read(self, job: JobState, n: int) -> None:
         rows = await self.store.claim(job.id, n, self.settings.jobs_lease_s, time.time())
@@ -261,11 +327,48 @@ class Scheduler:
             job.exhausted = True
 
     def _submit(self, job: JobState, index: int, text: str) -> None:
-        alone = job.failing() or index in job.hung  # after a hang, an item runs alone: the culprit hangs only itself
-        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S, alone=alone)
+        if index in job.hung:  # after a hang, an item runs alone: the culprit hangs only itself
+            self._submit_group(job, [(index, text)])
+            return
+        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
         job.inflight[index] = item
-        self.inflight += 1
+        job.shared.add(index)
+        self._count_shared(job, +1)
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
+
+    def _count_shared(self, job: JobState, sign: int) -> None:
+        self.inflight += sign
+        left = self.tenant_inflight.get(job.tenant, 0) + sign
+        if left:
+            self.tenant_inflight[job.tenant] = left
+        else:
+            self.tenant_inflight.pop(job.tenant, None)
+
+    def _submit_group(self, job: JobState, rows: list[tuple[int, str]]) -> None:
+        """Items of one job as a batch of their own, in the background share (isolated job, or after a hang)."""
+        items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
+        for (index, text), item in zip(rows, items):
+            job.inflight[index] = item
+            self.isolated_inflight += 1
+            item.future.add_done_callback(functools.partial(self._done, job, index, text))
+
+    def _reroute(self, job: JobState) -> None:
+        """The job was just isolated: take its items no batch has taken yet off the shared path (each would
+        cost its batch-mates re-runs there) and give them back to the job, to run in groups of its own."""
+        back = []
+        for index in sorted(job.shared):
+            item = job.inflight[index]
+            self._count_shared(job, -1)
+            if not item.dispatched and not item.future.done():
+                del job.inflight[index]
+                item.future.cancel()  # the batcher drops it
+                back.append((index, item.text))
+            else:  # running, or in a bisection re-run (background batches): counted with the isolated now
+                self.isolated_inflight += 1
+        job.shared.clear()
+        job.buffer.extendleft(reversed(back))
+        log.info("batch %s: isolated after %d costly failures in its last %d items; %d queued item(s) moved to "
+                 "its own batches", job.id, sum(job.recent), len(job.recent), len(back))
 
     def _release_queued(self) -> None:
         """Draining: take back the items no batch has taken yet (they stay pending for the next start)."""
@@ -276,8 +379,15 @@ class Scheduler:
 
     # -- outcomes --------------------------------------------------------------------------------------------
     def _done(self, job: JobState, index: int, text: str, fut: asyncio.Future) -> None:
-        job.inflight.pop(index, None)
-        self.inflight -= 1
+        current = job.inflight.get(index)
+        if current is None or current.future is not fut:
+            return  # taken off the shared path by `_reroute` (which settled its counts), perhaps resubmitted
+        del job.inflight[index]
+        if index in job.shared:
+            job.shared.discard(index)
+            self._count_shared(job, -1)
+        else:
+            self.isolated_inflight -= 1
         self._wake.set()
         if fut.cancelled() or job.cancelled:
             return
@@ -287,7 +397,11 @@ class Scheduler:
             output = orjson.dumps(fut.result().output).decode()  # any JSON value, stored as JSON text
             self._outcome(job, Outcome(job.id, index, "completed", output=output))
             return
-        job.recent.append(True)
+        costly = isinstance(exc, ApiError) and exc.costly
+        was_isolated = self._isolated(job)
+        job.recent.append(costly)
+        if costly and not was_isolated and self._isolated(job):
+            self._reroute(job)
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
         message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
         attempts = job.attempts.get(index, 0) + 1

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
+from batchserve.jobs.breaker import CircuitBreaker
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.scheduler import Door, Scheduler
 from batchserve.jobs.sqlite_store import SQLiteStore, StoreBusy
@@ -38,6 +39,10 @@ class JobService:
     scheduler: Scheduler | None = None
     problem: str = ""  # why the store could not be opened, for the 503
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # PostgreSQL: after a failed open, the next try waits a second; the requests meanwhile get the 503 at once
+    # instead of queueing on `_opening` behind one connect attempt each (the database may be down for minutes).
+    # A SQLite file is tried again on every request (opening it is local and quick: a repair shows at once).
+    _open_breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @classmethod
     async def start(cls, door: Door, settings: Settings, registry: CollectorRegistry) -> "JobService":
@@ -64,14 +69,23 @@ class JobService:
         """The store, opening (and creating) it on first use."""
         if self.store is not None:
             return self.store
+        if self._opening.locked() and self.problem and is_postgres_url(self.path):  # another one is trying now
+            raise self._unavailable()
         async with self._opening:
             if self.store is None:
+                try:
+                    if is_postgres_url(self.path):
+                        self._open_breaker.before()
+                except StoreUnavailable:
+                    raise self._unavailable() from None
                 try:
                     store, scheduler = await self._open_and_resume()
                 except (StoreBusy, StoreUnavailable, sqlite3.Error, OSError, ImportError) as exc:
                     self.problem = f"the job store {redact_url(self.path)} cannot be opened: {exc}"
+                    self._open_breaker.failure(self.problem)
                     log.error("%s", self.problem)
                     raise self._unavailable() from None
+                self._open_breaker.success()
                 self.store, self.scheduler, self.problem = store, scheduler, ""
                 where = redact_url(self.path) if is_postgres_url(self.path) else os.path.abspath(self.path)
                 log.info("batch jobs stored in %s", where)

@@ -37,6 +37,10 @@ class StoreUnavailable(Exception):
     """The store could not be reached, or a transaction failed: nothing was written; retrying later may work."""
 
 
+class StoreDown(StoreUnavailable):
+    """Refused without trying: the store failed as unreachable a moment ago (`breaker.CircuitBreaker`)."""
+
+
 class UnstorableInput(ValueError):
     """An input the store cannot hold (PostgreSQL text cannot hold a NUL character): the job is refused whole."""
 
