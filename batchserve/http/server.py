@@ -21,7 +21,7 @@ import uvicorn
 
 from batchserve.app import create_app
 from batchserve.backends.loading import LoadedModels
-from batchserve.config import Settings
+from batchserve.config import Settings, proxy_list
 from batchserve.gc_tuning import tune_gc
 from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
 
@@ -103,6 +103,10 @@ def serve(settings: Settings, loaded: LoadedModels | None = None) -> int:
         loop="uvloop",
         # httptools, with JSON errors, bounded heads, read timeouts and a connection cap
         http=functools.partial(GuardedHttpToolsProtocol, guard=guard),  # type: ignore[arg-type]
+        # Proxy headers are believed only from the proxies the operator names (uvicorn's default believes
+        # loopback, so any local caller could pose as another address and own its anonymous jobs).
+        proxy_headers=bool(proxy_list(settings.forwarded_allow_ips)),
+        forwarded_allow_ips=proxy_list(settings.forwarded_allow_ips) or ["127.0.0.1"],
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
         lifespan="on",
         access_log=False,
