@@ -92,7 +92,7 @@ def test_factory_class_instance_and_callable_shapes(module):
         b.warm(1)
         assert b.run(1, ["abc"]) == [[6.0]] and b.device_names() == ["gpu-a", "gpu-b"]
         assert (b.output_kind, b.max_batch_size, b.count_tokens(["ab", "c"])) == ("embedding", 4, [2, 1])
-    assert backend("instance").run(0, ["hi"]) == ["hi!"] and backend("instance").output_kind == "text"
+    assert backend("instance").run(0, ["hi"]) == ["hi!"] and backend("instance").output_kind == "json"
 
 
 def test_shape_errors_name_module_attribute_and_cause(module):
