@@ -162,3 +162,105 @@ def test_a_backends_exception_text_is_bounded(kinds_server: LiveServer):
     assert len(r.content) < 2000, len(r.content)  # the 5 MB message, cut to 1,000 characters for the caller
     assert "ValueError: xxxx" in r.json()["message"]
     assert len(kinds_server.log()) < 200_000  # and to a few KB in the log, however often it is logged
+
+
+# -- item 7: absurd numbers and nesting, one input rule, no paths ---------------------------------------------------
+def test_absurd_numbers_nesting_and_lone_surrogates_are_4xx(tmp_path, server_factory):
+    s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--jobs-db", str(tmp_path / "j.db"))
+    digits = "9" * 5000  # Python refuses int() of more than 4,300 digits: once a 500 with a traceback
+    for path in ("/v1/inference", "/v1/batches"):
+        sock = connect(s)
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {digits}\r\n\r\n".encode())
+        status, _, body, _ = read_answer(sock)
+        sock.close()
+        # httptools itself refuses a length past 64 bits (400); the app's checks answer 413 (a shorter one)
+        assert status in (400, 413) and orjson.loads(body)["error"] in ("INVALID_REQUEST", "PAYLOAD_TOO_LARGE")
+    with s.client() as c:
+        r = c.get("/v1/batches", params={"limit": digits})
+        assert r.status_code == 400 and r.json()["error"] == "INVALID_REQUEST", r.text
+        r = c.post("/v1/batches", content=_deep_body(300),
+                   headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "nested" in r.json()["message"], r.text
+        # One input rule everywhere: a lone surrogate is a 400 on /v1/batches as on /v1/inference.
+        for path, body in (("/v1/inference", b'{"input": "a\\ud800b"}'), ("/v1/batches", b'{"inputs": ["a\\ud800b"]}'),
+                           ("/v1/batches", b'{"inputs": ["a"], "metadata": {"k": "\\udc00"}}')):
+            r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"] == "INVALID_REQUEST", (path, r.text)
+        assert c.get("/v1/batches").json()["data"] == []  # nothing was stored with a "?" in its place
+
+
+def _deep_body(depth: int) -> bytes:
+    return b'{"inputs": ["x"], "metadata": ' + b'{"a": ' * depth + b"1" + b"}" * depth + b"}"
+
+
+def test_the_corrupt_jobs_database_503_names_no_path(tmp_path, server_factory):
+    db = tmp_path / "secret-place" / "j.db"
+    db.parent.mkdir()
+    db.write_bytes(b"this is not a database" * 100)
+    s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--jobs-db", str(db))
+    with s.client() as c:
+        r = c.post("/v1/batches", json={"inputs": ["a"]})
+    assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text
+    assert "secret-place" not in r.text and str(tmp_path) not in r.text, r.text
+    assert "secret-place" in s.log()  # the operator still learns which file
+
+
+def test_a_500_keeps_the_connection_for_the_next_request(tmp_path):
+    """An unexpected exception answered 500 used to close the keep-alive connection after the answer, so the
+    client's next request, already on its way, was reset."""
+    script = (
+        "import sys\n"
+        "from starlette.routing import Route\n"
+        "from batchserve.config import Settings\n"
+        "from batchserve.http import server\n"
+        "real = server.create_app\n"
+        "def boom(request): raise RuntimeError('secret detail')\n"
+        "def with_boom(*args, **kwargs):\n"
+        "    app = real(*args, **kwargs)\n"
+        "    app.routes.append(Route('/boom', boom))\n"
+        "    return app\n"
+        "server.create_app = with_boom\n"
+        "server.serve(Settings(port=int(sys.argv[1]), devices=1, sim_batch_ms=5))\n"
+    )
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", script, str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: _try_get(f"http://127.0.0.1:{port}/healthz"), timeout=30)
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while b"INTERNAL_ERROR" not in data:
+            data += sock.recv(65536)
+        assert data.startswith(b"HTTP/1.1 500") and b"secret" not in data
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        sock.close()
+    finally:
+        proc.kill()
+        log = proc.communicate()[0]
+    assert "secret detail" in log
+
+
+def test_the_job_parser_finds_a_lone_surrogate_in_any_slicing():
+    from batchserve.errors import ApiError
+    from batchserve.jobs.body import JobBodyParser
+
+    def parse(body: bytes, step: int) -> list[str] | str:
+        parser = JobBodyParser(10, 100)
+        try:
+            for at in range(0, len(body), step):
+                parser.feed(body[at:at + step])
+            return parser.finish().inputs
+        except ApiError as err:
+            return err.code
+
+    for step in (1, 2, 5, 7, 1000):
+        assert parse(rb'{"inputs": ["a\ud800b"]}', step) == "INVALID_REQUEST"  # yajl made it "a?b"
+        assert parse(rb'{"inputs": ["a\ud800"]}', step) == "INVALID_REQUEST"
+        assert parse(rb'{"inputs": ["x"], "metadata": {"k": "\udc00"}}', step) == "INVALID_REQUEST"
+        assert parse(rb'{"inputs": ["odd \\\ud800"]}', step) == "INVALID_REQUEST"
+        assert parse(rb'{"inputs": ["ok \ud83d\ude00"]}', step) == ["ok \U0001f600"]  # a pair is fine
+        assert parse(rb'{"inputs": ["lit \\ud800"]}', step) == ["lit \\ud800"]  # an escaped backslash
