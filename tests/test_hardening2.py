@@ -264,3 +264,20 @@ def test_the_job_parser_finds_a_lone_surrogate_in_any_slicing():
         assert parse(rb'{"inputs": ["odd \\\ud800"]}', step) == "INVALID_REQUEST"
         assert parse(rb'{"inputs": ["ok \ud83d\ude00"]}', step) == ["ok \U0001f600"]  # a pair is fine
         assert parse(rb'{"inputs": ["lit \\ud800"]}', step) == ["lit \\ud800"]  # an escaped backslash
+
+
+# -- item 6: a refused body is read and discarded, so the client reads its 413 ------------------------------------
+def test_a_client_that_writes_the_whole_body_first_reads_its_413(server_factory):
+    s = server_factory("--devices", "1", "--sim-batch-ms", "5")
+
+    async def post_big() -> list[int]:
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            statuses = []
+            for _ in range(3):
+                r = await c.post("/v1/inference", content=b'{"input": "' + b"a" * (10 << 20) + b'"}',
+                                 headers={"Content-Type": "application/json"})
+                statuses.append(r.status_code)
+                assert r.json()["error"] == "PAYLOAD_TOO_LARGE"
+            return statuses
+
+    assert asyncio.run(post_big()) == [413, 413, 413]

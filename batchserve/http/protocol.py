@@ -18,7 +18,11 @@ What httptools and uvicorn leave open, and how it is closed here:
   longest without a request in the app (idle keep-alive, or a head still trickling in), so a health check on
   a fresh connection is always served and descriptors are never exhausted.
 - Unread bodies. An answer given before the request body was read whole (401, 413, any early refusal) says
-  `Connection: close` and closes, rather than reading (and discarding) the rest of a body that may never end.
+  `Connection: close`, and the connection is not reused. It lingers, as nginx's does: the answer goes out
+  followed by a FIN, the rest of the body is read and thrown away (`LINGER_BYTES` at most, within
+  `LINGER_S`), and the connection closes once the body ends. Closing at once, with the body still arriving,
+  made the kernel reset the connection, and a client that writes its whole body before reading (httpx's
+  async client) got a reset instead of its 413.
 - Transfer codings other than `chunked` (e.g. `gzip, chunked`) are refused with 501: the body would reach
   the app still encoded.
 """
@@ -113,6 +117,38 @@ class ConnectionGuard:
 
 
 COALESCE_MAX_BYTES = 65536  # a larger body is not copied to go out with its head
+LINGER_BYTES = 64 << 20  # most bytes of a refused body read and discarded after the answer (then: close)
+LINGER_S = 5.0  # longest the rest of a refused body is waited for after the answer
+
+
+def _can_write_eof(transport: asyncio.Transport) -> bool:
+    try:
+        return transport.can_write_eof()
+    except NotImplementedError:  # a transport that cannot half-close: close at once, as before
+        return False
+
+
+class _Lingering:
+    """Stands in for the transport of a cycle answered before its body was read whole: `close` lingers
+    (`GuardedHttpToolsProtocol.linger`) instead of closing with the body still arriving."""
+
+    __slots__ = ("transport", "protocol")
+
+    def __init__(self, transport: asyncio.Transport, protocol: "GuardedHttpToolsProtocol") -> None:
+        self.transport = transport
+        self.protocol = protocol
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.protocol.linger()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.transport, name)
 
 
 class _HeadHeld:
@@ -165,10 +201,17 @@ class _GuardedCycle(RequestResponseCycle):
       instead of reading the rest of the body to reuse it."""
 
     held_head: bytes | None = None
+    guarded: "GuardedHttpToolsProtocol | None" = None  # the connection, set when the head is complete
+
+    def answer_before_body(self) -> None:
+        """The answer starts before the body was read whole: no keep-alive, and the close lingers."""
+        self.keep_alive = False
+        if self.guarded is not None and not isinstance(self.transport, _Lingering):
+            self.transport = _Lingering(self.transport, self.guarded)  # type: ignore[assignment]
 
     async def send(self, message):  # type: ignore[override]
         if self.more_body and not self.response_started:
-            self.keep_alive = False
+            self.answer_before_body()
         transport = self.transport
         if not self.response_started:
             self.transport = held = _HeadHeld()  # type: ignore[assignment]
@@ -207,7 +250,7 @@ class _GuardedCycle(RequestResponseCycle):
         if self.response_started:
             raise RuntimeError("the response has already started")
         if self.more_body:
-            self.keep_alive = False
+            self.answer_before_body()
         self.response_started = True
         self.waiting_for_100_continue = False
         parts = [STATUS_LINE[status]]
@@ -259,6 +302,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.head_bytes = 0
         self.deadline = 0.0  # loop time by which the head or body in progress must have arrived; 0 = none
         self.refusal: ApiError | None = None
+        self.lingering = False  # answered before its body was read: the rest is read and discarded, then close
+        self.linger_left = 0
 
     # -- connection life ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -291,7 +336,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.guard.waiting[self] = None  # idle keep-alive: evictable, oldest first
 
     # -- reading ------------------------------------------------------------------------------------------
+    def linger(self) -> None:
+        """Close after an answer given before the body was read whole, nginx's lingering close: the answer is
+        followed by a FIN, the rest of the body is parsed and discarded until it ends (then close), up to
+        LINGER_BYTES or LINGER_S (then close anyway)."""
+        transport = self.transport
+        if self.lingering or transport.is_closing():
+            return
+        if self.in_head or not _can_write_eof(transport):  # the body has ended already: nothing to wait for
+            transport.close()
+            return
+        self.lingering = True
+        self.linger_left = LINGER_BYTES
+        self.guard.waiting.pop(self, None)
+        self.deadline = self.loop.time() + LINGER_S
+        transport.write_eof()
+        self.flow.resume_reading()  # reading was paused while the unread body filled its buffer
+
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            self.linger_left -= len(data)
+            if self.linger_left < 0:
+                self.close_quietly()
+                return
+            super().data_received(data)  # parsed only to see where the body ends (`on_message_complete`)
+            return
         if not self.in_head:
             super().data_received(data)
             return
@@ -334,9 +403,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.deadline = self.loop.time() + self.limits.body_timeout_s
         if self.cycle is not None and type(self.cycle) is RequestResponseCycle:
             self.cycle.__class__ = _GuardedCycle  # same object, one method more: no allocation
+            self.cycle.guarded = self
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        if self.lingering:  # the refused body has ended: every byte of it was read, so the close is clean
+            self.close_quietly()
+            return
         self.in_head = True
         self.head_bytes = 0
         self.deadline = 0.0
@@ -344,6 +417,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- refusing -----------------------------------------------------------------------------------------
     def expire(self) -> None:
         """The sweep found this connection past its deadline."""
+        if self.lingering:
+            self.close_quietly()
+            return
         if self.in_head and self.cycle is not None and not self.cycle.response_complete:
             # The next request of a pipelining client trickles in while the app still answers this one: its
             # clock starts once the answer is out.
@@ -372,6 +448,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn calls this on a parse error (and so, through `_Refused`, on a refusal from a callback)."""
+        if self.lingering:  # the answer is out already: the discarded rest did not parse
+            self.close_quietly()
+            return
         err = self.refusal or errors.invalid(f"malformed HTTP request: {msg}")
         self.guard.waiting.pop(self, None)
         self.deadline = 0.0
