@@ -40,6 +40,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from batchserve import errors
 from batchserve.errors import ApiError
+from batchserve.heap import release_free_memory
 from batchserve.http.body import new_request_id
 
 
@@ -85,6 +86,8 @@ class ConnectionGuard:
     evicted: int = 0
     timed_out: int = 0
     refused: int = 0
+    peak: int = 0  # most connections open at once since the last heap trim
+    trims: int = 0
 
     @classmethod
     def create(cls, limits: ConnectionLimits) -> "ConnectionGuard":
@@ -101,7 +104,18 @@ class ConnectionGuard:
             deadline = getattr(conn, "deadline", 0.0)
             if deadline and deadline <= now:
                 conn.expire()
+        self._after_a_flood(loop, len(connections))
         self._sweep = loop.call_later(self.sweep_s, self._tick, loop, connections) if connections else None
+
+    def _after_a_flood(self, loop: asyncio.AbstractEventLoop, open_now: int) -> None:
+        """Once the open connections fall to a quarter of a peak of TRIM_PEAK or more, give the heap they freed
+        back to the OS (`heap.py`: a flood of 18,000 idle connections otherwise left +70-90 MB for good)."""
+        if open_now > self.peak:
+            self.peak = open_now
+        elif self.peak >= TRIM_PEAK and open_now <= self.peak // 4:
+            self.peak = open_now
+            self.trims += 1
+            loop.run_in_executor(None, release_free_memory)
 
     def make_room(self, newcomer: "GuardedHttpToolsProtocol", open_now: int) -> bool:
         """Past the cap: close the connection that has waited longest without a request, so the newcomer is
@@ -116,6 +130,7 @@ class ConnectionGuard:
         return False
 
 
+TRIM_PEAK = 1024  # open connections that make a peak worth trimming the heap after
 COALESCE_MAX_BYTES = 65536  # a larger body is not copied to go out with its head
 LINGER_BYTES = 64 << 20  # most bytes of a refused body read and discarded after the answer (then: close)
 LINGER_S = 5.0  # longest the rest of a refused body is waited for after the answer
