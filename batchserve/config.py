@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.core.tiers import CALLER_NAMES
+from batchserve.errors import short
 
 
 def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -195,7 +196,7 @@ class Settings:
         bad_proxies = [p for p in proxy_list(self.forwarded_allow_ips) if not is_address_or_network(p)]
         if bad_proxies:
             problems.append(f"{self.source('forwarded_allow_ips')} must list addresses or networks (10.0.0.0/8) "
-                            f"or *, separated by commas (not {errors_short(bad_proxies[0])!r})")
+                            f"or *, separated by commas (not {short(bad_proxies[0])!r})")
         if not self.keys and not self.allow_anonymous and not is_loopback(self.host):
             problems.append(f"serving on {self.host} with no API keys needs --allow-anonymous "
                             f"(or [[keys]] in --config)")
@@ -233,10 +234,6 @@ def is_address_or_network(entry: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def errors_short(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def cli_fields() -> list[dataclasses.Field]:
