@@ -99,7 +99,9 @@ def _not_finite_json(output: object) -> str:
 
 def _bad_vectors(outputs: list, dims: int | None) -> dict[int, str]:
     bad: dict[int, str] = {}
-    want = dims if dims is not None else (len(outputs[0]) if outputs and isinstance(outputs[0], list) else None)
+    # No dimension known (the warm-up check raised): the batch's first vector sets it, so at least a batch
+    # never mixes lengths.
+    want = dims if dims is not None else next((len(o) for o in outputs if isinstance(o, list)), 0)
     for i, v in enumerate(outputs):
         if not isinstance(v, list):
             bad[i] = f"output is {type(v).__name__}, not a vector (a list of floats)"
