@@ -216,13 +216,15 @@ class _GuardedCycle(RequestResponseCycle):
       instead of reading the rest of the body to reuse it."""
 
     held_head: bytes | None = None
-    guarded: "GuardedHttpToolsProtocol | None" = None  # the connection, set when the head is complete
 
     def answer_before_body(self) -> None:
-        """The answer starts before the body was read whole: no keep-alive, and the close lingers."""
+        """The answer starts before the body was read whole: no keep-alive, and the close lingers. The
+        connection is found through `on_response` (its bound method) rather than kept on the cycle, which would
+        make a reference cycle per request for the garbage collector."""
         self.keep_alive = False
-        if self.guarded is not None and not isinstance(self.transport, _Lingering):
-            self.transport = _Lingering(self.transport, self.guarded)  # type: ignore[assignment]
+        protocol = getattr(self.on_response, "__self__", None)
+        if isinstance(protocol, GuardedHttpToolsProtocol) and not isinstance(self.transport, _Lingering):
+            self.transport = _Lingering(self.transport, protocol)  # type: ignore[assignment]
 
     async def send(self, message):  # type: ignore[override]
         if self.more_body and not self.response_started:
@@ -335,6 +337,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.close_quietly()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.cycle is not None and isinstance(self.cycle.transport, _Lingering):
+            self.cycle.transport = self.transport  # no cycle -> wrapper -> protocol -> cycle left behind
         self.guard.waiting.pop(self, None)
         self.deadline = 0.0
         super().connection_lost(exc)
@@ -418,7 +422,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.deadline = self.loop.time() + self.limits.body_timeout_s
         if self.cycle is not None and type(self.cycle) is RequestResponseCycle:
             self.cycle.__class__ = _GuardedCycle  # same object, one method more: no allocation
-            self.cycle.guarded = self
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
