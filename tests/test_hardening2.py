@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
-import subprocess
 import statistics
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -386,3 +387,41 @@ def test_the_request_history_evicts_the_largest_owners_oldest():
         log.add("a", f"a{i + 1}", "m")
     assert len(log) == 10 and log.get("b", "b0") and log.get("c", "c29") and log.get("a", "a8")
     assert log.get("a", "a0") is None or log.get("c", "c25") is None
+
+
+# -- item 7 (low): connections waiting in the listen backlog when drain closes the listener ----------------------
+def test_connections_in_the_backlog_when_the_listener_closes_are_answered_not_reset(server_factory):
+    s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--drain-grace-s", "1")
+    port = int(s.url.rsplit(":", 1)[1])
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def reconnect() -> None:  # a new connection per request, as fast as it is answered
+        while not stop.is_set():
+            sock = socket.socket()
+            sock.settimeout(10)
+            try:
+                sock.connect(("127.0.0.1", port))
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                outcomes.append("answered" if sock.recv(4096).startswith(b"HTTP/1.1 ") else "closed")
+            except ConnectionRefusedError:
+                outcomes.append("refused")  # the listener is closed: nothing was sent, the client knows it
+                time.sleep(0.001)
+            except ConnectionResetError:
+                outcomes.append("reset")  # accepted by the kernel, then dropped: was it run?
+            finally:
+                sock.close()
+
+    clients = [threading.Thread(target=reconnect) for _ in range(8)]
+    for t in clients:
+        t.start()
+    time.sleep(1)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(3)  # the grace (1 s), the listener's close, the linger after it
+    stop.set()
+    for t in clients:
+        t.join(15)
+    counts = {k: outcomes.count(k) for k in set(outcomes)}
+    # Before: 7 resets at every drain (the connections the kernel had completed but the loop not yet accepted).
+    assert counts.get("reset", 0) == 0 and counts.get("closed", 0) == 0, counts
+    assert counts["answered"] > 0 and counts["refused"] > 0, counts
