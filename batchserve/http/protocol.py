@@ -88,6 +88,7 @@ class ConnectionGuard:
     refused: int = 0
     peak: int = 0  # most connections open at once since the last heap trim
     trims: int = 0
+    _last_open: int = 0  # open connections at the previous sweep
 
     @classmethod
     def create(cls, limits: ConnectionLimits) -> "ConnectionGuard":
@@ -108,11 +109,14 @@ class ConnectionGuard:
         self._sweep = loop.call_later(self.sweep_s, self._tick, loop, connections) if connections else None
 
     def _after_a_flood(self, loop: asyncio.AbstractEventLoop, open_now: int) -> None:
-        """Once the open connections fall to a quarter of a peak of TRIM_PEAK or more, give the heap they freed
-        back to the OS (`heap.py`: a flood of 18,000 idle connections otherwise left +70-90 MB for good)."""
+        """Once the open connections have fallen to a quarter of a peak of TRIM_PEAK or more and stopped
+        falling (or are all gone: the sweep then stops), give the heap they freed back to the OS (`heap.py`: a
+        flood of 18,000 idle connections otherwise left +70-90 MB for good). Trimming while they still close
+        returns only part of it."""
+        falling, self._last_open = open_now < self._last_open, open_now
         if open_now > self.peak:
             self.peak = open_now
-        elif self.peak >= TRIM_PEAK and open_now <= self.peak // 4:
+        elif self.peak >= TRIM_PEAK and open_now <= self.peak // 4 and (open_now == 0 or not falling):
             self.peak = open_now
             self.trims += 1
             loop.run_in_executor(None, release_free_memory)
