@@ -89,7 +89,16 @@ class FastPath:
                     log.exception("unhandled error on %s %s", scope["method"], scope["path"])
                     await internal_error(send)
                 return
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except Exception:  # noqa: BLE001 - logged here, answered JSON 500 by Starlette's error middleware
+            if scope["type"] != "http":
+                raise
+            # Starlette answers the 500, then re-raises for the server to log; uvicorn would then close the
+            # connection, resetting a request the client had already sent on it (keep-alive). Logged here
+            # instead, the connection lives on (uvicorn still closes it when the answer was left unfinished).
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            await internal_error(send)  # when nothing was answered yet; nothing when it was
 
 
 def create_app(settings: Settings, loaded: LoadedModels | None = None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.core.tiers import CALLER_NAMES
+from batchserve.errors import short
 
 
 def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -85,6 +86,9 @@ class Settings:
     keep_alive_timeout_s: float = knob(5.0, "an idle keep-alive connection is closed after this many seconds")
     max_connections: int = knob(0, "most open connections; past it the longest idle one is closed (0 = the "
                                    "descriptor limit less a reserve)")
+    forwarded_allow_ips: str = knob("", "proxies whose X-Forwarded-For / X-Forwarded-Proto are believed: comma-"
+                                        "separated addresses or networks (10.0.0.0/8), or * (empty = none: "
+                                        "every caller is its own peer address)")
     metrics_key: str = knob("", "bearer token required on /metrics, /internal/health and /internal/generation "
                                 "(empty = open; set it whenever the port is reachable by callers)")
     sim_batch_ms: float = knob(100.0, "sim: time one batch takes, whatever its size")
@@ -214,6 +218,10 @@ class Settings:
             need(getattr(self, name) >= 0, name, "0 (auto) or more")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             need(getattr(self, name) > 0, name, "positive")
+        bad_proxies = [p for p in proxy_list(self.forwarded_allow_ips) if not is_address_or_network(p)]
+        if bad_proxies:
+            problems.append(f"{self.source('forwarded_allow_ips')} must list addresses or networks (10.0.0.0/8) "
+                            f"or *, separated by commas (not {short(bad_proxies[0])!r})")
         if not self.keys and not self.allow_anonymous and not is_loopback(self.host):
             problems.append(f"serving on {self.host} with no API keys needs --allow-anonymous "
                             f"(or [[keys]] in --config)")
@@ -234,6 +242,21 @@ def is_loopback(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def proxy_list(value: str) -> list[str]:
+    """`--forwarded-allow-ips` as its entries (blanks dropped)."""
+    return [p.strip() for p in value.split(",") if p.strip()]
+
+
+def is_address_or_network(entry: str) -> bool:
+    if entry == "*":
+        return True
+    try:
+        ipaddress.ip_network(entry, strict=False)
+        return True
     except ValueError:
         return False
 

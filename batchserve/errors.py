@@ -91,8 +91,11 @@ def not_implemented(message: str) -> ApiError:
     return ApiError(501, "NOT_IMPLEMENTED", message)
 
 
+CLIENT_DETAIL_CHARS = 1000  # most characters of a backend's failure shown to the caller (the log keeps more)
+
+
 def inference_failed(detail: str) -> ApiError:
-    return ApiError(500, "INFERENCE_FAILED", f"the backend failed on this input: {detail}")
+    return ApiError(500, "INFERENCE_FAILED", f"the backend failed on this input: {short(detail, CLIENT_DETAIL_CHARS)}")
 
 
 def overloaded(message: str, retry_after_ms: float) -> ApiError:

@@ -2,13 +2,15 @@
 
 A worker thread asks the batcher for its next batch only when it is free (pull, never push), calls the
 backend in its own thread, and hands the outcome back to the event loop, where every future is resolved.
-The worker thread checks the answer (a list, one JSON-encodable output per input); a batch that raised or
+The worker thread checks the answer (a list, one output per input that fits the model's output kind:
+`backends/outputs.py`); a batch that raised or
 answered a malformed list is split in two and both halves retried (bisection), so a poison input fails alone
 with 500 and its batch-mates get their answers; a single input that fails is retried once on another worker
 (transient faults); an input isolated so is quarantined (`core/quarantine.py`: a retry of it is answered at the
 door, not run). A backend may report a failure per input, an exception object in place of that input's output:
 that input alone is answered 500 and nothing is re-run, as for an output that cannot be JSON-encoded: its index
-already names the culprit, so bisection is only for backends that cannot say which input failed.
+already names the culprit, so bisection is only for backends that cannot say which input failed. A backend's
+exception text is cut to `LOGGED_CHARS` for the log (and shorter again for the caller, `errors.inference_failed`).
 A watchdog marks a worker whose batch runs past `gpu_timeout` unhealthy: its thread cannot be killed, so it is
 abandoned (and taken back if the call ever returns) and the batch's items are retried on a healthy worker.
 """
@@ -23,10 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
-import orjson
-
 from batchserve import errors
 from batchserve.backends import Backend, running_batch
+from batchserve.backends.outputs import OutputRule, check_outputs
 from batchserve.batcher import Batch, Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
@@ -37,6 +38,7 @@ from batchserve.metrics import Metrics
 log = logging.getLogger("batchserve.pool")
 GPU_TIMEOUT_FLOOR_S = 1.0
 GPU_TIMEOUT_BATCHES = 10  # derived gpu_timeout: this many learned batch times, at least the floor
+LOGGED_CHARS = 4096  # most characters of a backend's exception text kept (the log line; the retry's reason)
 
 
 @dataclass(eq=False)
@@ -68,33 +70,6 @@ def callers_gone(items: list[Item]) -> bool:
     return all(item.future.done() or (item.gone is not None and item.gone()) for item in items)
 
 
-def check_outputs(outputs: object, n: int) -> tuple[str | None, dict[int, str]]:
-    """Why `outputs` is not an answer to n inputs at all (None when it is), and the outputs among them that
-    cannot be JSON-encoded, by index. Called on the worker thread after each batch: one `orjson.dumps` of the
-    whole list in the common case; each output is encoded alone only when that fails, to name the culprit."""
-    if not isinstance(outputs, list):
-        return f"backend returned {type(outputs).__name__}, not a list", {}
-    if len(outputs) != n:
-        return f"backend returned {len(outputs)} outputs for {n} inputs", {}
-    try:
-        orjson.dumps(outputs)
-        return None, {}
-    except orjson.JSONEncodeError:
-        pass
-    bad: dict[int, str] = {}
-    for i, output in enumerate(outputs):
-        if isinstance(output, BaseException):  # the backend's own verdict on this input (docs/backends.md)
-            bad[i] = f"{type(output).__name__}: {output}"
-            continue
-        try:
-            orjson.dumps([output])  # nested one level, as in the answer's body
-        except orjson.JSONEncodeError as exc:
-            bad[i] = f"output {type(output).__name__} is not JSON-encodable ({exc})"
-    if not bad:  # only the whole fails (nesting depth): no single culprit
-        return "backend returned outputs that cannot be JSON-encoded together", {}
-    return None, bad
-
-
 class BatchTracer(Protocol):
     """What the workers ask of tracing (`batchserve.tracing.Tracing`, present only when it is on)."""
 
@@ -116,9 +91,12 @@ class GpuPool:
     clock: Clock = time.monotonic  # injected in the policy's unit tests
     tracing: BatchTracer | None = None  # OpenTelemetry on: a span per batch, linked to its requests
     quarantine: Quarantine | None = None  # where an input that failed alone is remembered (the door reads it)
+    rules: dict[str, OutputRule] = field(default_factory=dict)  # model id -> its outputs' rule (warm-up's)
     _healthy: int = 0
 
     def start(self) -> None:
+        for model, backend in self.backends.items():
+            self.rules.setdefault(model, OutputRule(backend.output_kind))
         if not self.threads:
             self.threads = [DeviceThread(name) for name in self.device_names]
         for i, name in enumerate(self.device_names):
@@ -178,10 +156,10 @@ class GpuPool:
                 try:
                     outputs = self.backends[batch.model].run(w.index, [item.text for item in batch.items])
                     elapsed = time.monotonic() - started
-                    problem, bad = check_outputs(outputs, len(batch.items))
+                    problem, bad = check_outputs(outputs, len(batch.items), self.rules[batch.model])
                 except BaseException as exc:  # noqa: BLE001 - any backend failure is isolated, never fatal
                     elapsed = time.monotonic() - started
-                    problem, bad = f"{type(exc).__name__}: {exc}", {}
+                    problem, bad = errors.short(f"{type(exc).__name__}: {exc}", LOGGED_CHARS), {}
             w.finished, w.running = batch, None
             finished = (generation, batch, outputs, problem, bad, elapsed, running.stopped_early)
 
@@ -260,8 +238,8 @@ class GpuPool:
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))
 
         if bad:
-            log.warning("batch of %d on %s: %d input(s) failed or gave output that is not JSON: %s", n, w.name,
-                        len(bad), next(iter(bad.values())))
+            log.warning("batch of %d on %s: %d input(s) failed or broke the model's output rule: %s", n, w.name, len(bad),
+                        next(iter(bad.values())))
 
         def answer() -> None:
             for i, (item, output) in enumerate(zip(batch.items, outputs)):

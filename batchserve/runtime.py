@@ -175,7 +175,8 @@ class Runtime:
             self.batcher.model_limits.update(loaded.max_batch)
             devices = loaded.devices
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
-                                self.settings.gpu_timeout_ms / 1000, threads=loaded.threads)
+                                self.settings.gpu_timeout_ms / 1000, threads=loaded.threads,
+                                rules=dict(loaded.rules or {}))
             self.pool.demand = self.admission.arrival_rate
             self.pool.tracing = self.tracing
             self.pool.quarantine = self.service.quarantine

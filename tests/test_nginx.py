@@ -28,7 +28,8 @@ from tests.conftest import LiveServer, start_server
 SERVERS = 3
 RATE = 100.0  # requests per second through nginx during the rolling restart
 GRACE_S = 1.0  # --drain-grace-s of the servers under test (the default, 5 s, would only make the test slower)
-SERVER_ARGS = ("--devices", "1", "--sim-batch-ms", "50", "--drain-grace-s", str(GRACE_S))
+SERVER_ARGS = ("--devices", "1", "--sim-batch-ms", "50", "--drain-grace-s", str(GRACE_S),
+               "--forwarded-allow-ips", "127.0.0.1")  # nginx's address, as the template's comment says
 
 
 @dataclass

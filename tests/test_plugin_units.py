@@ -37,6 +37,22 @@ def test_check_outputs_one_encode_for_a_good_batch_and_names_each_bad_output():
     assert "set is not JSON-encodable" in bad[1] and "str is not JSON-encodable" in bad[4]
 
 
+def test_outputs_are_held_to_their_kind():
+    from batchserve.backends.outputs import OutputRule, check_warm_answer
+
+    nan, inf = float("nan"), float("inf")
+    assert check_outputs(["a", 5, None], 3, OutputRule("text"))[1].keys() == {1, 2}
+    problem, bad = check_outputs([{"a": nan}, None, {"a": None}, [1.0, [inf]], "fine"], 5, OutputRule("json"))
+    assert problem is None and bad.keys() == {0, 1, 3} and "null" in bad[1]
+    vectors = [[1.0, 2, 3], [1.0, 2.0], ["a", "b", "c"], [True, 1.0, 2.0], [nan, 1.0, 1.0],
+               [1e308, 1e308, 1e308], "x", [0.5, 0.5, 0.5]]
+    problem, bad = check_outputs(vectors, len(vectors), OutputRule("embedding", dims=3))
+    assert problem is None and bad.keys() == {1, 2, 3, 4, 6}  # 1e308 x 3: finite, though their sum is not
+    rule = OutputRule("embedding")
+    assert check_warm_answer([[0.1] * 4, [0.2] * 4], 2, rule) is None and rule.dims == 4
+    assert "3 outputs for 2 inputs" in (check_warm_answer(["a", "b", "c"], 2, OutputRule("text")) or "")
+
+
 def test_token_bucket_takes_a_count_or_nothing():
     bucket = TokenBucket(rate=1.0, burst=10.0, tokens=10.0, updated=0.0)
     assert bucket.take(0.0, 7) and bucket.tokens == 3.0
@@ -92,7 +108,7 @@ def test_factory_class_instance_and_callable_shapes(module):
         b.warm(1)
         assert b.run(1, ["abc"]) == [[6.0]] and b.device_names() == ["gpu-a", "gpu-b"]
         assert (b.output_kind, b.max_batch_size, b.count_tokens(["ab", "c"])) == ("embedding", 4, [2, 1])
-    assert backend("instance").run(0, ["hi"]) == ["hi!"] and backend("instance").output_kind == "text"
+    assert backend("instance").run(0, ["hi"]) == ["hi!"] and backend("instance").output_kind == "json"
 
 
 def test_shape_errors_name_module_attribute_and_cause(module):

@@ -200,6 +200,13 @@ BROKEN = {
     "strict_ctor": "class Model:\n    def __init__(self, size=1):\n        pass\n    def batch(self, inputs):\n"
                    "        return inputs\n",
     "bad_limit": "class Model:\n    max_batch_size = 0\n    def batch(self, inputs):\n        return inputs\n",
+    # Wrong answers, caught by the warm-up's answer check (issue 22 item 5) rather than by the first callers:
+    "one_too_many": "def batch(inputs):\n    return inputs + ['extra']\n",
+    "nan_json": ("class Model:\n    output_kind = 'json'\n    def warm(self):\n        pass\n"
+                 "    def batch(self, inputs):\n        return [{'score': float('nan')} for _ in inputs]\n"),
+    "ragged_vectors": ("class Model:\n    output_kind = 'embedding'\n"
+                       "    def batch(self, inputs):\n        return [[0.5] * (i + 1) for i, _ in enumerate(inputs)]\n"),
+    "text_not_str": "class Model:\n    output_kind = 'text'\n    def batch(self, inputs):\n        return [1 for _ in inputs]\n",
 }
 
 CASES = [
@@ -214,6 +221,12 @@ CASES = [
     ("strict_ctor:Model", {"colour": "red"}, ["'strict_ctor'", "'Model'", "options ['colour'] do not fit"]),
     ("bad_limit:Model", None, ["'bad_limit'", "'Model'", "max_batch_size must be a positive integer"]),
     ("no_such_backend", None, ["'no_such_backend'", "unknown backend", "minilm, sim, smollm2"]),
+    ("one_too_many:batch", None, ["'one_too_many'", "warm-up batch of 2 input(s) got a wrong answer",
+                                  "backend returned 3 outputs for 2 inputs", "on cpu"]),
+    ("nan_json:Model", None, ["'nan_json'", "wrong answer for input 0 of 2 (output kind 'json')", "nan"]),
+    ("ragged_vectors:Model", None, ["'ragged_vectors'", "input 1 of 2 (output kind 'embedding')",
+                                    "a vector of 2 numbers; this model's have 1"]),
+    ("text_not_str:Model", None, ["'text_not_str'", "(output kind 'text'): output is int, not text"]),
 ]
 
 

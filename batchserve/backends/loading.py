@@ -19,12 +19,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from batchserve.backends import Backend, PluginError, describe
+from batchserve.errors import short as errors_short
+from batchserve.backends.outputs import OutputRule, check_warm_answer
 from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
 from batchserve.backends.device_thread import DeviceThread
 from batchserve.backends.warmup import apply_deadlines, warm_until_stable
 
 log = logging.getLogger("batchserve")
+
+# The batch whose answer is checked before the port opens: two inputs, so an answer of the wrong length (n+1,
+# or always one) shows. Checked once per device after the warm-up.
+CHECK_INPUTS = ("warm-up check", "a second warm-up input")
 
 
 @dataclass
@@ -35,6 +41,7 @@ class LoadedModels:
     batch_s: dict[str, float]  # model id -> batch time to start from
     batch_s_by_size: dict[str, dict[int, float]]  # model id -> batch seconds by size the warm-up measured
     max_batch: dict[str, int]  # model id -> most inputs per batch (the server's, or the plugin's if lower)
+    rules: dict[str, OutputRule] | None = None  # model id -> its outputs' rule, checked on the warm-up answers
 
 
 def load_models(settings: Settings) -> LoadedModels:
@@ -56,6 +63,8 @@ def load_models(settings: Settings) -> LoadedModels:
     _on_every_device(threads, backends, "setup")
     by_size: dict[str, dict[int, float]] = {model: {} for model in backends}
     warm_s = _on_every_device(threads, backends, "warm", by_size)
+    rules = {model: OutputRule(b.output_kind) for model, b in backends.items()}
+    _on_every_device(threads, backends, "check", rules=rules)
     batch_s = {model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
                for model, b in backends.items()}
     measured = {model: batch_s[model] for model, b in backends.items() if b.initial_batch_s is None}
@@ -63,14 +72,15 @@ def load_models(settings: Settings) -> LoadedModels:
         apply_deadlines(settings, max(measured.values()))
     max_batch = {model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size)
                  for model, b in backends.items()}
-    return LoadedModels(backends, devices, threads, batch_s, by_size, max_batch)
+    return LoadedModels(backends, devices, threads, batch_s, by_size, max_batch, rules)
 
 
 def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend], step: str,
-                     by_size: dict[str, dict[int, float]] | None = None) -> dict[str, list[float]]:
-    """Run `setup` or `warm` of every backend on every device, each device on its own thread (devices in
-    parallel); the seconds each took, per model. The first failure raises PluginError."""
-    futures: list[Future[dict[str, float]]] = [t.call(_run_step, backends, i, step, by_size)
+                     by_size: dict[str, dict[int, float]] | None = None,
+                     rules: dict[str, OutputRule] | None = None) -> dict[str, list[float]]:
+    """Run `setup`, `warm` or the answer check of every backend on every device, each device on its own thread
+    (devices in parallel); the seconds each took, per model. The first failure raises PluginError."""
+    futures: list[Future[dict[str, float]]] = [t.call(_run_step, backends, i, step, by_size, rules)
                                                for i, t in enumerate(threads)]
     took: dict[str, list[float]] = {model: [] for model in backends}
     for future in futures:
@@ -80,14 +90,28 @@ def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend], 
 
 
 def _run_step(backends: dict[str, Backend], device: int, step: str,
-              by_size: dict[str, dict[int, float]] | None = None) -> dict[str, float]:
+              by_size: dict[str, dict[int, float]] | None = None,
+              rules: dict[str, OutputRule] | None = None) -> dict[str, float]:
     """`setup` once; `warm` once for a backend that declares its batch time, else until it is stable (the
     seconds returned are then the stable batch time). Batch times by size that the last warm-up round
-    returned go to `by_size` (the slowest device's, per size)."""
+    returned go to `by_size` (the slowest device's, per size). `check`: one batch of CHECK_INPUTS, whose answer
+    must fit the model's output rule as every later batch's will (`backends/outputs.py`)."""
     took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]
         started = time.perf_counter()
+        if step == "check" and rules is not None:
+            try:
+                outputs = backend.run(device, list(CHECK_INPUTS))
+            except Exception as exc:  # noqa: BLE001 - a batch that raises is the pool's to isolate (a flaky device)
+                log.warning("the warm-up answer check of %s on %s raised %s; its answers are checked as they come",
+                            model, where, errors_short(describe(exc)))
+                continue
+            wrong = check_warm_answer(outputs, len(CHECK_INPUTS), rules[model])
+            if wrong is not None:
+                raise backend.source.error(f"{wrong} on {where}")
+            took[model] = time.perf_counter() - started
+            continue
         try:
             if step == "warm" and backend.initial_batch_s is None:
                 last: list[dict[int, float] | None] = [None]

@@ -80,7 +80,7 @@ class PluginBackend:
     devices: list[str]
     batch_fn: Callable[..., list]
     batch_takes_device: bool
-    output_kind: str = "text"
+    output_kind: str = "json"
     max_batch_size: int | None = None
     initial_batch_s: float | None = None
     setup_fn: Callable[[str], Any] | None = None
@@ -198,7 +198,7 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     max_batch = getattr(obj, "max_batch_size", None)
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
         raise err(f"max_batch_size must be a positive integer, not {max_batch!r}")
-    kind = getattr(obj, "output_kind", "text")
+    kind = getattr(obj, "output_kind", "json")  # undeclared: any JSON value (a plugin may answer objects)
     if kind not in OUTPUT_KINDS:
         raise err(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, not {kind!r}")
     initial = getattr(obj, "initial_batch_s", None)

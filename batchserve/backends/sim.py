@@ -23,6 +23,7 @@ class SimFault(RuntimeError):
 
 @dataclass
 class SimBackend:
+    output_kind = "text"  # (a class attribute, not a field) each output is its input reversed
     batch_s: float = 0.1
     max_batch_size: int = 100
     device_count: int = 1

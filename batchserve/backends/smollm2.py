@@ -196,6 +196,7 @@ def eos_ids(model: Any) -> list[int]:
 
 @dataclass
 class SmolLM2Backend:
+    output_kind = "text"  # (a class attribute, not a field) the generated reply
     devices: list[str]
     max_new_tokens: int = 64
     tokenizer: Any = None

@@ -40,18 +40,42 @@ class Record:
 
 
 class RequestLog:
+    """At most `capacity` records in all, kept per owner. When full, the owner holding the most records loses
+    its oldest one: a tenant that floods the history evicts its own records, never another's that holds fewer
+    (one shared buffer let any tenant's traffic push every other tenant's records out). The flooder is almost
+    always the one adding, so the common eviction is O(1); otherwise the largest owner is found by a scan."""
+
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._records: OrderedDict[tuple[str, str], Record] = OrderedDict()
+        self._by_owner: dict[str, OrderedDict[str, Record]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
 
     def add(self, owner: str, request_id: str, model: str) -> Record:
         rec = Record(request_id, model, owner, created_at=time.time())
-        key = (owner, request_id)
-        self._records.pop(key, None)  # a reused id is the owner's newest request: keep it the youngest
-        self._records[key] = rec
-        if len(self._records) > self.capacity:
-            self._records.popitem(last=False)
+        mine = self._by_owner.get(owner)
+        if mine is None:
+            mine = self._by_owner[owner] = OrderedDict()
+        if mine.pop(request_id, None) is not None:  # a reused id is the owner's newest request: the youngest
+            self._count -= 1
+        mine[request_id] = rec
+        self._count += 1
+        if self._count > self.capacity:
+            self._evict(owner, mine)
         return rec
 
+    def _evict(self, adding: str, mine: OrderedDict[str, Record]) -> None:
+        if len(mine) * len(self._by_owner) >= self._count:  # the adder holds at least its share: its own oldest
+            victim, records = adding, mine
+        else:
+            victim, records = max(self._by_owner.items(), key=lambda kv: len(kv[1]))
+        records.popitem(last=False)
+        self._count -= 1
+        if not records:
+            del self._by_owner[victim]
+
     def get(self, owner: str, request_id: str) -> Record | None:
-        return self._records.get((owner, request_id))
+        mine = self._by_owner.get(owner)
+        return mine.get(request_id) if mine is not None else None

@@ -74,7 +74,8 @@ def answer(vectors: list[Any], as_base64: bool, model: str, prompt_tokens: int) 
                 raise TypeError(f"output {i} is {type(vector).__name__}, not a list of floats")
             data.append({"object": "embedding", "index": i,
                          "embedding": to_base64(vector) if as_base64 else vector})
-    except (TypeError, struct.error) as exc:
-        raise OpenAIError(500, f"the model's output is not a vector: {exc}", None, "inference_failed") from None
+    except (TypeError, struct.error, OverflowError) as exc:  # OverflowError: a component past float32 (1e300)
+        raise OpenAIError(500, f"the model's output is not a vector of float32: {str(exc)[:200]}", None,
+                          "inference_failed") from None
     return orjson.dumps({"object": "list", "data": data, "model": model,
                          "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})

@@ -24,6 +24,7 @@ import logging
 import math
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -42,6 +43,8 @@ log = logging.getLogger("batchserve.generation")
 
 TICK_S = 0.25  # gauges, tokens/s and queue expiry are refreshed this often
 REPLAY_TTL_S = 0.1  # a kept replay of the queue answers arrivals this long (see Engine.predicted_wait_s)
+TOKENIZE_THREADS = 2  # chat templating and tokenization run here, off the event loop (the tokenizer frees the GIL)
+UNKNOWN_TOKEN_CHARS = 1 << 30  # a tokenizer without a vocabulary to measure: no bound from characters
 CPU_KV_TOKENS = 16384  # KV capacity on a CPU when none is configured (~720 MB for SmolLM2 in float32)
 CPU_MAX_BATCH_TOKENS = 512  # prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes
 GPU_MAX_BATCH_TOKENS = 8192  # the same on a GPU
@@ -220,6 +223,18 @@ async def start_generation(settings: Settings, registry: CollectorRegistry) -> "
     return await Engine.start(settings, registry)
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of this tokenizer stands for (81 for SmolLM2's: a vocabulary entry in
+    byte-level BPE spells one character per byte, so this bounds characters too)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return UNKNOWN_TOKEN_CHARS
+    try:
+        return max(1, max((len(token) for token in get_vocab()), default=UNKNOWN_TOKEN_CHARS))
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot list its vocabulary: no bound from characters
+        return UNKNOWN_TOKEN_CHARS
+
+
 class Engine:
     """Continuous batching on one device: admission and streams on the event loop, steps in a stepper."""
 
@@ -235,6 +250,8 @@ class Engine:
         self.vocab_size = vocab_size
         self.step_s = stepper.step_s  # time per decode step, learned from every inter-token gap
         self.eos_ids = {tokenizer.eos_token_id}
+        self.longest_token_chars = longest_token_chars(tokenizer)
+        self._tokenize_pool: ThreadPoolExecutor | None = None  # made on first use
         self.running: dict[str, Sequence] = {}
         self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (tier, arrival order, sequence)
         # tier -> (when made, the replay of the future after every waiting sequence of that tier or one served before)
@@ -280,12 +297,33 @@ class Engine:
         for seq in [*self.running.values(), *(s for _, _, s in self.waiting)]:
             self._finish(seq, error=err)
         await asyncio.to_thread(self.stepper.stop, 10)
+        if self._tokenize_pool is not None:
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
         return self.stepper.is_running()
 
     # -- requests -------------------------------------------------------------------------------------------
+    def check_prompt_chars(self, chars: int, max_tokens: int) -> None:
+        """400 when a prompt of `chars` characters cannot fit however it tokenizes: no token covers more than
+        `longest_token_chars` characters, so it is at least chars / that many tokens. Checked before any
+        tokenizer runs: a 1 MB prompt once took the tokenizer ~0.3 s of the event loop to be refused."""
+        fewest = -(-chars // self.longest_token_chars)
+        if fewest + max_tokens > self.max_context:
+            raise errors.invalid(f"the prompt ({chars} characters, so at least {fewest} tokens) plus max_tokens "
+                                 f"({max_tokens}) is over the {self.max_context} tokens one sequence may hold here "
+                                 "(--generation-max-context)")
+
+    async def tokenize(self, prompt: list[dict[str, str]] | str) -> list[int]:
+        """The prompt's token ids (chat messages through the chat template), computed on the engine's small
+        thread pool: templating and tokenizing a long prompt take tens of milliseconds, which every other
+        caller would wait on if they ran on the event loop."""
+        if self._tokenize_pool is None:
+            self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        fn = self.encode if isinstance(prompt, str) else self.encode_chat
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, prompt)  # type: ignore[arg-type]
+
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(enc["input_ids"] if hasattr(enc, "keys") else enc)

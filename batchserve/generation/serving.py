@@ -86,10 +86,16 @@ async def generate(request: Request, chat: bool) -> Response:
         if req.model is not None and req.model not in model_aliases(rt.settings, engine):
             raise OpenAIError(404, f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)", "model",
                               "model_not_found")
-        if chat:
-            prompt_ids = engine.encode_chat(req.prompt)  # type: ignore[arg-type]
-        else:
-            prompt_ids = engine.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        try:
+            if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+                prompt_ids = list(req.prompt)  # type: ignore[arg-type]
+            else:
+                # The size first, on characters (cheap), then the tokenizer, off the event loop.
+                engine.check_prompt_chars(prompt_chars(req.prompt), req.params.max_tokens if
+                                          req.max_tokens_given else 1)
+                prompt_ids = await engine.tokenize(req.prompt)  # type: ignore[arg-type]
+        except ApiError as err:  # as `submit` answers a prompt over the context
+            raise OpenAIError.from_api(err) from None
         if any(t >= engine.vocab_size for t in prompt_ids):
             raise bad("prompt", "a token id is outside the model's vocabulary")
         params = req.params
@@ -176,6 +182,13 @@ async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usa
             break
         delta = await seq.deltas.get()
     yield b"data: [DONE]\n\n"
+
+
+def prompt_chars(prompt: list[dict[str, str]] | str) -> int:
+    """Characters of a text prompt, or of every message's content of a chat."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m.get("content") or "") for m in prompt)
 
 
 def not_serving(rt: Runtime) -> OpenAIError:

@@ -82,13 +82,47 @@ def inference_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return found
 
 
+def check_input(text: object, name: str, max_chars: int) -> str:
+    """One rule for an input, on every route that takes one: a non-empty string of at most `max_chars`
+    characters, valid Unicode (no lone surrogate: orjson refuses `"\\ud800"` in a body, but the streaming job
+    parser passes it on, and it was once silently stored as "?")."""
+    if not isinstance(text, str) or not text:
+        raise errors.invalid(f"{name} must be a non-empty string")
+    if len(text) > max_chars:
+        raise errors.payload_too_large(f"{name} is over the {max_chars}-character limit")
+    check_unicode(text, name)
+    return text
+
+
+def check_unicode(text: str, name: str) -> None:
+    """400 when `text` holds a lone surrogate (it cannot be UTF-8, so it could be neither stored nor echoed)."""
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise errors.invalid(f"{name} is not valid Unicode text (it holds a lone surrogate)") from None
+
+
+def ascii_count(text: str, cap: int) -> int | None:
+    """A count written in ASCII digits (a Content-Length, a `?limit=`), or None when it is not one; a value
+    past `cap` comes back as `cap + 1`. Why not `int(text)`: Python refuses to convert more than 4,300 digits
+    (ValueError, a 500), and a count that long is only ever "too large"."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(cap)):
+        return cap + 1
+    return min(int(digits), cap + 1)
+
+
 async def read_body_from(receive: Receive, limit: int, declared: str | None) -> bytes:
     """The body, refused with 413 as soon as it passes `limit` (never buffered whole); ClientDisconnect
     when the caller hangs up first."""
     if declared is not None:
-        if not (declared.isascii() and declared.isdigit()):
+        size = ascii_count(declared, limit)
+        if size is None:
             raise errors.invalid("Content-Length is not a number")
-        if int(declared) > limit:
+        if size > limit:
             raise errors.payload_too_large(f"the body is over the {limit}-byte limit")
     message = await receive()
     if message["type"] == "http.request" and not message.get("more_body", False):

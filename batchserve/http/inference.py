@@ -23,7 +23,7 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError, ClientGone
 from batchserve.generation.routes import model_cards
-from batchserve.http.body import (client_host, error_body, error_response, inference_headers, json_response,
+from batchserve.http.body import (check_input, client_host, error_body, error_response, inference_headers, json_response,
                                   new_request_id, parse_json_object, read_body_from, request_id_from, send_json)
 from batchserve.http.protocol import whole_answer_sender
 from batchserve.runtime import Runtime
@@ -32,11 +32,7 @@ from batchserve.runtime import Runtime
 def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float]:
     """(input, model, timeout in seconds) from the body, or 400/413 with the reason."""
     data = parse_json_object(body, content_type)
-    text = data.get("input")
-    if not isinstance(text, str) or not text:
-        raise errors.invalid('"input" must be a non-empty string')
-    if len(text) > s.max_input_chars:
-        raise errors.payload_too_large(f'"input" is over the {s.max_input_chars}-character limit')
+    text = check_input(data.get("input"), '"input"', s.max_input_chars)
     model = data.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise errors.invalid('"model" must be a non-empty string when given')

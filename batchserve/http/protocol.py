@@ -18,7 +18,11 @@ What httptools and uvicorn leave open, and how it is closed here:
   longest without a request in the app (idle keep-alive, or a head still trickling in), so a health check on
   a fresh connection is always served and descriptors are never exhausted.
 - Unread bodies. An answer given before the request body was read whole (401, 413, any early refusal) says
-  `Connection: close` and closes, rather than reading (and discarding) the rest of a body that may never end.
+  `Connection: close`, and the connection is not reused. It lingers, as nginx's does: the answer goes out
+  followed by a FIN, the rest of the body is read and thrown away (`LINGER_BYTES` at most, within
+  `LINGER_S`), and the connection closes once the body ends. Closing at once, with the body still arriving,
+  made the kernel reset the connection, and a client that writes its whole body before reading (httpx's
+  async client) got a reset instead of its 413.
 - Transfer codings other than `chunked` (e.g. `gzip, chunked`) are refused with 501: the body would reach
   the app still encoded.
 """
@@ -36,6 +40,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from batchserve import errors
 from batchserve.errors import ApiError
+from batchserve.heap import release_free_memory
 from batchserve.http.body import new_request_id
 
 
@@ -81,6 +86,9 @@ class ConnectionGuard:
     evicted: int = 0
     timed_out: int = 0
     refused: int = 0
+    peak: int = 0  # most connections open at once since the last heap trim
+    trims: int = 0
+    _last_open: int = 0  # open connections at the previous sweep
 
     @classmethod
     def create(cls, limits: ConnectionLimits) -> "ConnectionGuard":
@@ -97,7 +105,21 @@ class ConnectionGuard:
             deadline = getattr(conn, "deadline", 0.0)
             if deadline and deadline <= now:
                 conn.expire()
+        self._after_a_flood(loop, len(connections))
         self._sweep = loop.call_later(self.sweep_s, self._tick, loop, connections) if connections else None
+
+    def _after_a_flood(self, loop: asyncio.AbstractEventLoop, open_now: int) -> None:
+        """Once the open connections have fallen to a quarter of a peak of TRIM_PEAK or more and stopped
+        falling (or are all gone: the sweep then stops), give the heap they freed back to the OS (`heap.py`: a
+        flood of 18,000 idle connections otherwise left +70-90 MB for good). Trimming while they still close
+        returns only part of it."""
+        falling, self._last_open = open_now < self._last_open, open_now
+        if open_now > self.peak:
+            self.peak = open_now
+        elif self.peak >= TRIM_PEAK and open_now <= self.peak // 4 and (open_now == 0 or not falling):
+            self.peak = open_now
+            self.trims += 1
+            loop.run_in_executor(None, release_free_memory)
 
     def make_room(self, newcomer: "GuardedHttpToolsProtocol", open_now: int) -> bool:
         """Past the cap: close the connection that has waited longest without a request, so the newcomer is
@@ -112,7 +134,40 @@ class ConnectionGuard:
         return False
 
 
+TRIM_PEAK = 1024  # open connections that make a peak worth trimming the heap after
 COALESCE_MAX_BYTES = 65536  # a larger body is not copied to go out with its head
+LINGER_BYTES = 64 << 20  # most bytes of a refused body read and discarded after the answer (then: close)
+LINGER_S = 5.0  # longest the rest of a refused body is waited for after the answer
+
+
+def _can_write_eof(transport: asyncio.Transport) -> bool:
+    try:
+        return transport.can_write_eof()
+    except NotImplementedError:  # a transport that cannot half-close: close at once, as before
+        return False
+
+
+class _Lingering:
+    """Stands in for the transport of a cycle answered before its body was read whole: `close` lingers
+    (`GuardedHttpToolsProtocol.linger`) instead of closing with the body still arriving."""
+
+    __slots__ = ("transport", "protocol")
+
+    def __init__(self, transport: asyncio.Transport, protocol: "GuardedHttpToolsProtocol") -> None:
+        self.transport = transport
+        self.protocol = protocol
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.protocol.linger()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.transport, name)
 
 
 class _HeadHeld:
@@ -166,9 +221,18 @@ class _GuardedCycle(RequestResponseCycle):
 
     held_head: bytes | None = None
 
+    def answer_before_body(self) -> None:
+        """The answer starts before the body was read whole: no keep-alive, and the close lingers. The
+        connection is found through `on_response` (its bound method) rather than kept on the cycle, which would
+        make a reference cycle per request for the garbage collector."""
+        self.keep_alive = False
+        protocol = getattr(self.on_response, "__self__", None)
+        if isinstance(protocol, GuardedHttpToolsProtocol) and not isinstance(self.transport, _Lingering):
+            self.transport = _Lingering(self.transport, protocol)  # type: ignore[assignment]
+
     async def send(self, message):  # type: ignore[override]
         if self.more_body and not self.response_started:
-            self.keep_alive = False
+            self.answer_before_body()
         transport = self.transport
         if not self.response_started:
             self.transport = held = _HeadHeld()  # type: ignore[assignment]
@@ -207,7 +271,7 @@ class _GuardedCycle(RequestResponseCycle):
         if self.response_started:
             raise RuntimeError("the response has already started")
         if self.more_body:
-            self.keep_alive = False
+            self.answer_before_body()
         self.response_started = True
         self.waiting_for_100_continue = False
         parts = [STATUS_LINE[status]]
@@ -259,6 +323,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.head_bytes = 0
         self.deadline = 0.0  # loop time by which the head or body in progress must have arrived; 0 = none
         self.refusal: ApiError | None = None
+        self.lingering = False  # answered before its body was read: the rest is read and discarded, then close
+        self.linger_left = 0
 
     # -- connection life ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -275,6 +341,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.close_quietly()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.cycle is not None and isinstance(self.cycle.transport, _Lingering):
+            self.cycle.transport = self.transport  # no cycle -> wrapper -> protocol -> cycle left behind
         self.guard.waiting.pop(self, None)
         self.deadline = 0.0
         super().connection_lost(exc)
@@ -291,7 +359,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.guard.waiting[self] = None  # idle keep-alive: evictable, oldest first
 
     # -- reading ------------------------------------------------------------------------------------------
+    def linger(self) -> None:
+        """Close after an answer given before the body was read whole, nginx's lingering close: the answer is
+        followed by a FIN, the rest of the body is parsed and discarded until it ends (then close), up to
+        LINGER_BYTES or LINGER_S (then close anyway)."""
+        transport = self.transport
+        if self.lingering or transport.is_closing():
+            return
+        if self.in_head or not _can_write_eof(transport):  # the body has ended already: nothing to wait for
+            transport.close()
+            return
+        self.lingering = True
+        self.linger_left = LINGER_BYTES
+        self.guard.waiting.pop(self, None)
+        self.deadline = self.loop.time() + LINGER_S
+        transport.write_eof()
+        self.flow.resume_reading()  # reading was paused while the unread body filled its buffer
+
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            self.linger_left -= len(data)
+            if self.linger_left < 0:
+                self.close_quietly()
+                return
+            super().data_received(data)  # parsed only to see where the body ends (`on_message_complete`)
+            return
         if not self.in_head:
             super().data_received(data)
             return
@@ -337,6 +429,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        if self.lingering:  # the refused body has ended: every byte of it was read, so the close is clean
+            self.close_quietly()
+            return
         self.in_head = True
         self.head_bytes = 0
         self.deadline = 0.0
@@ -344,6 +439,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- refusing -----------------------------------------------------------------------------------------
     def expire(self) -> None:
         """The sweep found this connection past its deadline."""
+        if self.lingering:
+            self.close_quietly()
+            return
         if self.in_head and self.cycle is not None and not self.cycle.response_complete:
             # The next request of a pipelining client trickles in while the app still answers this one: its
             # clock starts once the answer is out.
@@ -372,6 +470,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn calls this on a parse error (and so, through `_Refused`, on a refusal from a callback)."""
+        if self.lingering:  # the answer is out already: the discarded rest did not parse
+            self.close_quietly()
+            return
         err = self.refusal or errors.invalid(f"malformed HTTP request: {msg}")
         self.guard.waiting.pop(self, None)
         self.deadline = 0.0

@@ -4,7 +4,9 @@ uvicorn's own handling closes the listening socket at the first signal; we keep 
 `/readyz` can say 503 and new requests get a JSON 503 DRAINING while queued and running work is answered.
 The listener stays open at least `--drain-grace-s` after the signal: a balancer that polls `/readyz` takes the
 node out meanwhile, and a client that still connects gets an answer it can retry elsewhere rather than a
-refused or reset connection. Only then is uvicorn told to exit. A second SIGINT forces the exit.
+refused or reset connection. When it closes, the connections still waiting in the listen backlog are
+accepted and answered first (they would be reset). Only then is uvicorn told to exit. A second SIGINT forces
+the exit.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import uvicorn
 
 from batchserve.app import create_app
 from batchserve.backends.loading import LoadedModels
-from batchserve.config import Settings
+from batchserve.config import Settings, proxy_list
 from batchserve.gc_tuning import tune_gc
 from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
 from batchserve.runtime import EXIT_BACKEND_FAILED, loading_abandoned
@@ -32,6 +34,7 @@ from batchserve.runtime import EXIT_BACKEND_FAILED, loading_abandoned
 log = logging.getLogger("batchserve")
 
 
+BACKLOG = 4096  # the listen backlog (uvicorn.Config below): the most connections waiting to be accepted
 DRAIN_LINGER_S = 0.5  # after the drain: listener closed, open connections still answered
 
 
@@ -95,10 +98,41 @@ class DrainingServer(uvicorn.Server):
             # Stop accepting connections, but keep answering DRAINING (with Connection: close) a moment on the
             # open keep-alive ones, so a request already on its way over one is answered, not reset.
             for listener in self.servers:
+                self.serve_the_backlog(listener)
                 listener.close()
             await asyncio.sleep(DRAIN_LINGER_S)
         finally:
             self.should_exit = True
+
+
+    def serve_the_backlog(self, listener: asyncio.AbstractServer) -> int:
+        """Connections the kernel has completed but the loop has not accepted yet are reset when the listening
+        socket closes (7 of every drain, with 8 clients reconnecting in a loop): accept them here, in the same
+        turn of the loop as the close, and serve them (503 DRAINING, `Connection: close`). Returns how many."""
+        loop = asyncio.get_running_loop()
+        config, state, app_state = self.config, self.server_state, self.lifespan.state
+
+        def protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(config=config, server_state=state, app_state=app_state)  # type: ignore[call-arg]
+
+        served = 0
+        for listening in getattr(listener, "sockets", None) or ():
+            sock = socket.socket(fileno=os.dup(listening.fileno()))  # a duplicate: closing it leaves the listener
+            try:
+                sock.setblocking(False)
+                while served < BACKLOG:
+                    try:
+                        conn, _ = sock.accept()
+                    except OSError:  # BlockingIOError: the backlog is empty
+                        break
+                    conn.setblocking(False)
+                    loop.create_task(loop.connect_accepted_socket(protocol, conn))
+                    served += 1
+            finally:
+                sock.close()
+        if served:
+            log.info("drain: %d connection(s) accepted from the backlog as the listener closed", served)
+        return served
 
 
 # Worker threads sleep in the backend (GPU kernels, or the sim's timer) and must get the GIL back at once when
@@ -142,12 +176,16 @@ def serve(settings: Settings, loaded: LoadedModels | None = None, sockets: list[
         loop="uvloop",
         # httptools, with JSON errors, bounded heads, read timeouts and a connection cap
         http=functools.partial(GuardedHttpToolsProtocol, guard=guard),  # type: ignore[arg-type]
+        # Proxy headers are believed only from the proxies the operator names (uvicorn's default believes
+        # loopback, so any local caller could pose as another address and own its anonymous jobs).
+        proxy_headers=bool(proxy_list(settings.forwarded_allow_ips)),
+        forwarded_allow_ips=proxy_list(settings.forwarded_allow_ips) or ["127.0.0.1"],
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
         lifespan="on",
         access_log=False,
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
-        backlog=4096,
+        backlog=BACKLOG,
     )
     server = DrainingServer(config, grace_s=settings.drain_grace_s, group=group)
     tune_gc()  # before the first request (objects the models leave are frozen once they are up)

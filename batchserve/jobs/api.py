@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.body import client_host, error_response, json_response, request_id_of
+from batchserve.http.body import ascii_count, client_host, error_response, json_response, request_id_of
 from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import (IdempotencyConflict, JobStore, NewJob, Progress, StoreDown, StoreUnavailable,
@@ -66,7 +66,9 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             return error_response(errors.jobs_unavailable(str(exc), 1000), request_id)
         except (sqlite3.Error, StoreUnavailable) as exc:
             log.error("job store error: %s", exc)  # no traceback: an outage would write one per request
-            return error_response(errors.jobs_unavailable(f"the job store failed: {exc}", 1000), request_id)
+            return error_response(errors.jobs_unavailable(  # no store text to the caller: it may name paths
+                f"the job store failed on this request ({type(exc).__name__}; the server log says more)", 1000),
+                request_id)
         except ApiError as err:
             if limit_headers and not err.headers:
                 err.headers = limit_headers
@@ -168,9 +170,9 @@ async def cancel_batch(request: Request, rt: Runtime, svc: JobService, caller: C
 
 async def list_batches(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
     raw_limit = request.query_params.get("limit", str(LIST_DEFAULT))
-    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= LIST_MAX:
+    limit = ascii_count(raw_limit, LIST_MAX)
+    if limit is None or not 1 <= limit <= LIST_MAX:
         raise errors.invalid(f"limit must be an integer in [1, {LIST_MAX}]")
-    limit = int(raw_limit)
     after = request.query_params.get("after")
     store = await svc.existing_store()
     jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []

@@ -11,18 +11,25 @@ many is refused after that item, without reading the rest.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 
 import ijson
 from starlette.requests import Request
 
 from batchserve import errors
-from batchserve.http.body import check_json_content_type
+from batchserve.http.body import ascii_count, check_input, check_json_content_type, check_unicode
 
 SLICE = 64 << 10  # bytes parsed between two yields to the event loop (~1 ms of parsing)
 MAX_METADATA_BYTES = 16 << 10
+MAX_METADATA_DEPTH = 32  # containers nested inside "metadata" (orjson cannot encode 255 deep: it was a 500)
 MAX_OTHER_EVENTS = 4 * MAX_METADATA_BYTES  # values outside "inputs" (metadata, unknown keys): a bound, not a target
 SCALARS = ("string", "number", "boolean", "null")
+# A `\uD800`-`\uDBFF` escape (at the start of a run of backslashes of odd length, so not an escaped backslash
+# followed by "u") that no `\uDC00`-`\uDFFF` escape follows: a lone high surrogate. yajl turns it into "?"
+# without a word (a lone low one it refuses), so it is looked for in the bytes, before the parser sees them.
+LONE_HIGH = re.compile(rb"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+SCAN_TAIL = 12  # bytes of a slice scanned again with the next one: an escape pair may straddle the two
 
 
 def not_json(exc: Exception) -> errors.ApiError:
@@ -52,22 +59,30 @@ class JobBodyParser:
     _builder: ijson.ObjectBuilder | None = None
     _other_events: int = 0
     _seen: set[str] = field(default_factory=set)
+    _tail: bytes = b""  # the last bytes fed, scanned again with the next slice (`_scan`)
 
     def __post_init__(self) -> None:
         self._coro = ijson.basic_parse_coro(self._events, use_float=True)
 
     def feed(self, data: bytes) -> None:
+        self._scan(data)
         try:
             self._coro.send(data)  # type: ignore[attr-defined]
         except ijson.JSONError as exc:
             raise not_json(exc) from None
+        except UnicodeDecodeError:  # yajl's escape of a lone surrogate: the parser is dead after it (once a
+            # silent loss: the job was stored without the values after it)
+            raise errors.invalid("the body holds a string that is not valid Unicode text (a lone surrogate)") from None
         self._take()
 
     def finish(self) -> JobBody:
+        self._scan(b"", final=True)
         try:
             self._coro.close()  # type: ignore[attr-defined]
         except ijson.JSONError as exc:
             raise not_json(exc) from None
+        except UnicodeDecodeError:
+            raise errors.invalid("the body holds a string that is not valid Unicode text (a lone surrogate)") from None
         self._take()
         if "inputs" not in self._seen or not self.inputs:
             raise errors.invalid('"inputs" must be a non-empty array of strings')
@@ -78,6 +93,21 @@ class JobBodyParser:
         if metadata is not None and not isinstance(metadata, dict):
             raise errors.invalid('"metadata" must be an object when given')
         return JobBody(self.inputs, model, metadata)  # type: ignore[arg-type]
+
+    def _scan(self, data: bytes, final: bool = False) -> None:
+        """400 at a lone high surrogate escape. A match within 6 bytes of the end may yet be followed by its low
+        half in the next slice: it is judged then (the tail, widened over a run of backslashes, is kept)."""
+        text = self._tail + data
+        if b"\\u" in text:
+            for match in LONE_HIGH.finditer(text):
+                if final or match.end() + 6 <= len(text):
+                    raise errors.invalid("the body holds a string that is not valid Unicode text (a lone "
+                                         "surrogate)")
+        start = max(0, len(text) - SCAN_TAIL)
+        floor = max(0, start - 64)  # a longer run of backslashes (absurd in a job) is not followed further
+        while start > floor and text[start - 1:start] == b"\\":
+            start -= 1
+        self._tail = text[start:]
 
     def _take(self) -> None:
         events, self._events[:] = list(self._events), []
@@ -97,6 +127,8 @@ class JobBodyParser:
         if depth == 1 and event == "end_map":  # the body's object closes
             self._key = None
             return
+        if event == "map_key":
+            check_unicode(str(value), "a key")
         if depth == 1 and event == "map_key":
             key = str(value)
             if key in self._seen:
@@ -117,19 +149,20 @@ class JobBodyParser:
         if depth == 2 and event == "end_array":
             return
         i = len(self.inputs)
-        if depth > 2 or event != "string" or not value:
+        if depth > 2 or event != "string":
             raise errors.invalid(f'"inputs"[{i}] must be a non-empty string')
         if i >= self.max_items:
             raise errors.invalid(f'"inputs" has more than {self.max_items} items; a job takes at most {self.max_items}')
-        text = str(value)
-        if len(text) > self.max_input_chars:
-            raise errors.payload_too_large(f'"inputs"[{i}] is over the {self.max_input_chars}-character limit')
-        self.inputs.append(text)
+        self.inputs.append(check_input(value, f'"inputs"[{i}]', self.max_input_chars))
 
     def _other(self, depth: int, event: str, value: object) -> None:
         self._other_events += 1
         if self._other_events > MAX_OTHER_EVENTS:
             raise errors.payload_too_large(f'"metadata" (or other keys) is over {MAX_METADATA_BYTES} bytes')
+        if self._depth > MAX_METADATA_DEPTH + 1:
+            raise errors.invalid(f'"metadata" (or another key) is nested more than {MAX_METADATA_DEPTH} deep')
+        if isinstance(value, str):
+            check_unicode(value, f'a string in {errors.short(self._key, 40)!r}')
         if self._builder is None:
             if depth == 1 and event in SCALARS:
                 self.values[self._key or ""] = value
@@ -146,7 +179,7 @@ async def read_job_body(request: Request, content_type: str, body_limit: int, ma
     """The job's inputs, model and metadata, parsed as the body streams in (see the module docstring)."""
     check_json_content_type(content_type)
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > body_limit:
+    if declared is not None and (ascii_count(declared, body_limit) or 0) > body_limit:
         raise errors.payload_too_large(f"the body is over the {body_limit}-byte limit")
     parser = JobBodyParser(max_items, max_input_chars)
     size = 0

@@ -112,7 +112,9 @@ class JobService:
         return await PostgresStore.open(self.path)
 
     def _unavailable(self) -> ApiError:
-        return errors.jobs_unavailable(self.problem)
+        # The caller learns that the store is down, not where it lives or what it said (a file path, a host):
+        # the log has `self.problem` in full.
+        return errors.jobs_unavailable("the job store cannot be opened now (the server log says why)")
 
     async def stop(self) -> None:
         if self.scheduler is not None:
