@@ -47,6 +47,8 @@ class Settings:
     model_version: str = knob("v1", "version of the default model")
     devices: int = knob(0, "worker devices: sim devices, or CUDA devices to use (0 = all GPUs, or 1 CPU)")
     max_batch_size: int = knob(100, "most inputs in one batch")
+    max_batch_tokens: int = knob(0, "most a batch may cost: padded tokens (rows x longest) for the built-in "
+                                    "models, inputs for a plugin that declares no cost_of (0 = no budget)")
     slo_ms: float = knob(200.0, "latency objective (p95) that paces dispatch and admission (unset with a real "
                                 "model: derived from its warm-up batch time, 3 x it)")
     dispatch_margin_ms: float = knob(5.0, "slack kept between the dispatch deadline and the SLO")
@@ -163,6 +165,7 @@ class Settings:
 
         need(0 <= self.port <= 65535, "port", "between 0 and 65535")
         need(1 <= self.max_batch_size <= 100_000, "max_batch_size", "between 1 and 100000")
+        need(self.max_batch_tokens >= 0, "max_batch_tokens", "0 (no budget) or more")
         for name in ("slo_ms", "timeout_ms", "max_timeout_ms", "sim_batch_ms", "drain_timeout_s",
                      "generation_queue_timeout_ms"):
             need(getattr(self, name) > 0, name, "positive")
