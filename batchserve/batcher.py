@@ -18,7 +18,8 @@ that declares none) and a batch's cost is rows x its longest row. S is read at t
 question; a batch stops filling at `--max-batch-tokens` (the cost budget) as well as at the batch size; inputs
 are grouped by length through the backend's `bucket_of`, so a short input does not pay for a long batch-mate.
 When a full batch would outlast half the longest allowed timeout, the model's budget is lowered to what fits
-(one log line), and the points learned above it are forgotten so the budget can grow back when they were wrong.
+(one log line), and the points learned above it are forgotten so the budget can grow back when they were wrong;
+a model whose inputs have costs also has it lowered to fit half the latency objective (`fit_budget`).
 
 Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
 Retried sub-batches (bisection after a failure, see `gpu_pool`) of interactive items go before new work; those
@@ -75,8 +76,10 @@ class Batcher:
     model_limits: dict[str, int] = field(default_factory=dict)  # per model id: a plugin's max_batch_size, if lower
     max_batch_cost: float = 0.0  # --max-batch-tokens: the cost budget of one batch (0 = none)
     max_batch_s: float = math.inf  # a full batch expected longer than this lowers the model's budget to fit
-    cost_limits: dict[str, float] = field(default_factory=dict)  # per model: a budget lowered to fit max_batch_s
+    latency_fit_s: float = math.inf  # a full batch longer than this lowers the budget where throughput allows
+    cost_limits: dict[str, float] = field(default_factory=dict)  # per model: a budget lowered to fit (fit_budget)
     unit: dict[str, float] = field(default_factory=dict)  # per model: mean cost of an input (1 until one costs more)
+    widest: dict[str, float] = field(default_factory=dict)  # per model: the costliest input seen
     queues: dict[tuple[str, int], FairQueue] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)  # queued items per model
     tier_depth: list[int] = field(default_factory=tiers.counters)  # queued items per tier rank
@@ -89,7 +92,9 @@ class Batcher:
     closed: bool = False
     last_dispatch: float = 0.0
     served_at: dict[str, float] = field(default_factory=dict)  # per model: when a batch of it last went out
+    bucket_served_at: dict[tuple[str, int], float] = field(default_factory=dict)  # the same per queue
     clock: Clock = time.monotonic  # injected in the policy's unit tests
+    _budget_logged: set[str] = field(default_factory=set)
     _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _waiting: bool = False
@@ -133,6 +138,11 @@ class Batcher:
             self.batch_s.caps[model] = math.inf  # a costed model's batches are bounded by cost, not by count
         unit += UNIT_ALPHA * (cost - unit)
         self.unit[model] = unit
+        if cost > self.widest.get(model, 1.0):
+            # A longer input than any before: a full batch of such inputs may not fit, so fit the budget now,
+            # before that batch forms and runs (not after, when it has held the worker for seconds).
+            self.widest[model] = cost
+            self.fit_budget(model)
         self.batch_s.full[model] = self.full_n(model) * unit
 
     def estimate_cost(self, model: str, n: int, unit: float | None = None) -> float:
@@ -140,27 +150,55 @@ class Batcher:
         return min(n * (self.unit.get(model, 1.0) if unit is None else unit), max(1.0, self.budget(model)))
 
     def fit_budget(self, model: str) -> None:
-        """Lower the model's cost budget when a full batch would outlast `max_batch_s` (one log line), or
-        raise it back toward the configured one once the times learned say a larger batch fits."""
-        if self.max_batch_s == math.inf:
-            return
+        """Lower the model's cost budget so a full batch fits: within `max_batch_s` (half the longest allowed
+        timeout) always, and, for a model whose inputs have costs (tokens), within `latency_fit_s` (half the
+        latency objective with its slack): one batch of long inputs must not hold the worker for seconds while
+        other callers' short inputs wait behind it, and a CPU model's batch time grows with its tokens, so
+        smaller batches serve about as many tokens a second. Raised back toward the configured budget once a
+        larger batch fits. One log line the first time a model's budget is lowered (later moves: debug)."""
         unit = self.unit.get(model, 1.0)
-        top = min(self.limit(model) * unit, self.max_batch_cost if self.max_batch_cost > 0 else math.inf)
-        fitted = self.batch_s.fit(model, self.max_batch_s, unit, top)
+        configured = self.max_batch_cost if self.max_batch_cost > 0 else math.inf
+        top = min(self.limit(model) * max(unit, self.widest.get(model, 1.0)), configured)  # a batch of the longest
+        times = self.batch_s
+        full_s = times.at(model, top)
+        hard = times.fit(model, self.max_batch_s, unit, top) if self.max_batch_s < math.inf else top
+        fitted = hard
+        if self.latency_fit_s < math.inf and model in self.unit:
+            # Down to its mean input at least: when even that does not fit (a busy machine), a long input runs
+            # alone, never a whole request of them in one batch.
+            fitted = times.fit(model, self.latency_fit_s, unit, hard)
+        if hard < top:
+            times.forget_above(model, hard)  # a slow point above the budget would hold it down for good
         before = self.cost_limits.get(model, math.inf)
         if fitted >= top:
             if before != math.inf:
                 del self.cost_limits[model]
-                log.info("model %s: a full batch fits %.0f ms again; its batch budget is back to %g",
-                         model, self.max_batch_s * 1000, top)
+                log.debug("model %s: a full batch fits; its batch budget is back to %g", model, top)
         elif fitted != before:
             self.cost_limits[model] = fitted
-            self.batch_s.forget_above(model, fitted)
-            log.warning("model %s: a full batch would take %.0f ms, past %.0f ms (half the longest allowed "
-                        "timeout): its batches are limited to cost %g (%d inputs)", model,
-                        self.batch_s.at(model, top) * 1000, self.max_batch_s * 1000, fitted, self.full_n(model))
+            first = model not in self._budget_logged
+            self._budget_logged.add(model)
+            log.log(logging.WARNING if first or hard < top else logging.DEBUG,
+                    "model %s: a full batch would take %.0f ms: its batches are limited to cost %g (%d inputs) "
+                    "to fit %.0f ms", model, full_s * 1000, fitted, self.full_n(model),
+                    (self.max_batch_s if hard < top else self.latency_fit_s) * 1000)
         if model in self.unit:
             self.batch_s.full[model] = self.full_n(model) * unit
+
+    def too_costly(self, model: str, cost: float) -> str | None:
+        """Why an input of this cost can never run (None when it can): it costs more than the configured
+        --max-batch-tokens, or alone it is expected to outlast half the longest allowed timeout."""
+        if 0 < self.max_batch_cost < cost:
+            return f"an input costs {cost:g} (tokens), more than one batch of {model} may cost " \
+                   f"(--max-batch-tokens {self.max_batch_cost:g})"
+        if cost == 1.0:
+            return None  # a count model's input: one input is the least a batch can be
+        self.batch_s.caps[model] = math.inf  # a costed model (note_cost may not have seen one yet)
+        alone_s = self.batch_s.at(model, cost)  # learned (a wrong point above the budget is forgotten: fit_budget)
+        if alone_s > self.max_batch_s:
+            return f"an input costs {cost:g} (tokens): alone it would take about {alone_s * 1000:.0f} ms, more " \
+                   f"than a batch may ({self.max_batch_s * 1000:.0f} ms)"
+        return None
 
     def total_depth(self) -> int:
         return sum(self.depth.values())
@@ -315,7 +353,7 @@ class Batcher:
 
     def most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
         best: tuple[str, int] | None = None
-        best_rank = (float("inf"), float("inf"), float("inf"))
+        best_rank = (float("inf"), float("inf"), float("inf"), float("inf"))
         best_cause = ""
         best_due = float("inf")
         for key, q in self.queues.items():
@@ -324,7 +362,8 @@ class Batcher:
             head = q.oldest()
             if head is None:
                 continue
-            if len(q) >= self.limit(key[0]) or q.cost_sum >= self.budget(key[0]):
+            full_count = len(q) >= self.limit(key[0])
+            if full_count or q.cost_sum >= self.budget(key[0]):
                 due, cause = now, "full"
             elif self.draining:
                 due, cause = now, "drain"
@@ -340,8 +379,11 @@ class Batcher:
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
             # Among queues due now, a model served least recently goes first (then the earliest deadline), so
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
-            recency = self.served_at.get(key[0], 0.0) if due <= now and cause != "full" else 0.0
-            rank = (max(due, now), recency, q.earliest_deadline())
+            # Inside a model, its length classes (buckets) take turns the same way: a queue of long inputs is
+            # always full by cost, and must not keep a short input waiting until its deadline.
+            recency = self.served_at.get(key[0], 0.0) if due <= now and not full_count else 0.0
+            turn = self.bucket_served_at.get(key, 0.0) if due <= now else 0.0
+            rank = (max(due, now), recency, turn, q.earliest_deadline())
             if rank < best_rank:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause
@@ -389,6 +431,7 @@ class Batcher:
         interval = self.batch_s.at(key[0], batch.cost) / max(1, self.healthy_workers)
         self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
         self.served_at[key[0]] = now
+        self.bucket_served_at[key] = now
         return batch
 
     def take_retry(self, worker: int, now: float, retries: deque[Batch] | None = None) -> Batch | None:

@@ -103,6 +103,7 @@ class Runtime:
             loaded = self.loaded or await asyncio.to_thread(load_models, self.settings)
             # The warm-up may have derived the SLO the user left unset (warmup.apply_deadlines).
             self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000
+            self.batcher.latency_fit_s = self.admission.slo_s * self.settings.admission_slack / 2
             self.backends.update(loaded.backends)
             for model, seconds in loaded.batch_s.items():
                 self.batcher.batch_s.seed(model, seconds)

@@ -5,11 +5,12 @@ Predicted by the cost of the work ahead (issue 22). For a request of n inputs of
     ahead  = items it would wait behind (every higher tier, and its tenant's fair share of its own tier)
     F      = inputs in a full batch of the model (`Batcher.full_n`: the batch size, or what its cost budget holds)
     the first of its inputs is answered at  until_free + (ahead // F) x S(full) / healthy + S(its batch)
-    the last                              at  until_free + (k - 1) x S(full) / healthy + S(the last batch)
-                                          with k = ceil((ahead + n) / F) batches up to and including its own,
+    the last                              at  until_free + (ahead // F) x S(full) / healthy
+                                              + (k - 1) x S(one of its batches) / healthy + S(its last batch)
+                                          with k its own batches: as many of its inputs as the budget holds each,
 
-where S is the learned batch time at a batch's cost (`batch_time.BatchTimes`; its batch costs rows x the
-longest of its mean input and the request's own longest). The last input is checked against the request's
+where S is the learned batch time at a batch's cost (`batch_time.BatchTimes`; its own batches cost rows x its
+longest input: inputs of like length share a batch, `bucket_of`). The last input is checked against the request's
 deadline: a many-input request is predicted as the batches it will make and served when they fit its timeout.
 Under pressure — arrivals faster than the healthy workers serve, or a worker lost — the first input is also
 checked against `slo_ms x slack x tier factor`, so lower tiers are refused first and admitted requests stay near
@@ -19,7 +20,8 @@ before another's short ones do, and are shed first. Without pressure a passing b
 No lock-out: a free worker with nothing queued ahead admits what its deadline might allow (the quickest a batch
 may take, `BatchTimes.lower_bound`), and when even that says no, one request now and then (`PROBE_EVERY_S`) is
 let through as a probe that runs whatever the figure says: only running corrects a batch time learned wrong.
-An input that costs more than a whole batch may (the model's cost budget) is refused with 413: it can never run.
+An input that costs more than a whole batch may (`--max-batch-tokens`, or alone longer than half the longest
+allowed timeout) is refused with 413: it can never run in time.
 
 Everything here is policy over numbers: the clock is injected, the pool is seen through `Capacity`, so the
 unit tests drive it without a server, threads or sleeps.
@@ -66,19 +68,26 @@ class Prediction:
 
 def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahead: int,
             costs: Sequence[float]) -> Prediction:
-    """The batches ahead and the request's own, at their costs (module docstring)."""
+    """The batches ahead (full ones of the model's mean input) and the request's own (rows of its longest
+    input, as many as the budget holds), each at its cost (module docstring)."""
     times = batcher.batch_s
-    full_n = batcher.full_n(model)
-    full_s = times[model]
-    unit = max(batcher.unit.get(model, 1.0), max(costs, default=1.0))  # its batches' rows are at least its longest
+    full_n, limit, budget = batcher.full_n(model), batcher.limit(model), batcher.budget(model)
+    unit = batcher.unit.get(model, 1.0)
+    # Its own batches: inputs of like length (the backend groups them, `bucket_of`), padded to its longest.
+    own_unit = max(costs, default=1.0)
+    per_batch = limit if budget == math.inf else max(1, min(limit, int(budget // own_unit)))
     share = max(1, healthy)
-    first_rows = ahead % full_n + 1
-    first = until_free_s + (ahead // full_n) * full_s / share + times.at(model, batcher.estimate_cost(
-        model, first_rows, unit))
-    total = ahead + max(1, len(costs))
-    k = -(-total // full_n)
-    last_rows = total - (k - 1) * full_n
-    last = until_free_s + (k - 1) * full_s / share + times.at(model, batcher.estimate_cost(model, last_rows, unit))
+    base = until_free_s + (ahead // full_n) * times[model] / share
+    rem = ahead % full_n
+    if rem + 1 > per_batch:  # the partial batch ahead leaves without it
+        base += times.at(model, batcher.estimate_cost(model, rem, unit)) / share
+        rem = 0
+    first = base + times.at(model, batcher.estimate_cost(model, rem + 1, own_unit))
+    total = rem + max(1, len(costs))
+    k = -(-total // per_batch)
+    last_rows = total - (k - 1) * per_batch
+    last = (base + (k - 1) * times.at(model, batcher.estimate_cost(model, per_batch, own_unit)) / share
+            + times.at(model, batcher.estimate_cost(model, last_rows, own_unit)))
     return Prediction(first, max(first, last))
 
 
@@ -148,11 +157,9 @@ class Admission:
         assert capacity is not None
         n = max(1, len(costs))
         widest = max(costs, default=1.0)
-        budget = batcher.budget(model)
-        if widest > budget:
-            raise errors.payload_too_large(
-                f"an input costs {widest:g} (tokens), more than one batch of {model} may cost ({budget:g}): "
-                f"shorten it")
+        too_costly = batcher.too_costly(model, widest)
+        if too_costly is not None:
+            raise errors.payload_too_large(f"{too_costly}: shorten it")
         batch_s = batcher.batch_s[model]
         now = self.clock()
         until_free = capacity.seconds_until_free(now)
