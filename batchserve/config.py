@@ -58,8 +58,9 @@ class Settings:
     executor: str = knob("thread", "where each device's batches run: thread = a worker thread of the server "
                                    "process; process = a spawned process per device (its own interpreter lock: "
                                    "the batch and the event loop never wait on each other)", ("thread", "process"))
-    gpu_timeout_ms: float = knob(0.0, "a batch running longer marks its worker unhealthy (0 = derived: "
-                                       "max(1000, 10 x observed batch time))")
+    gpu_timeout_ms: float = knob(0.0, "a batch running longer marks its worker unhealthy (0 = derived per batch: "
+                                       "10 x its expected time at its cost, at least 1000, at most "
+                                       "--max-timeout-ms)")
     max_queue: int = knob(10000, "most items waiting per model before 503 SERVICE_OVERLOADED")
     admission_slack: float = knob(1.25, "refuse at the door when the predicted latency passes slo_ms x this "
                                          "x the tier's factor (enterprise 1.2, paid 1.0, free and batch 0.8)")
