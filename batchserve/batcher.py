@@ -76,7 +76,7 @@ class Batcher:
     model_limits: dict[str, int] = field(default_factory=dict)  # per model id: a plugin's max_batch_size, if lower
     max_batch_cost: float = 0.0  # --max-batch-tokens: the cost budget of one batch (0 = none)
     max_batch_s: float = math.inf  # a full batch expected longer than this lowers the model's budget to fit
-    latency_fit_s: float = math.inf  # a full batch longer than this lowers the budget where throughput allows
+    latency_fit_s: float = math.inf  # a costed model's full batch longer than this lowers its budget (slo x slack / 2)
     cost_limits: dict[str, float] = field(default_factory=dict)  # per model: a budget lowered to fit (fit_budget)
     unit: dict[str, float] = field(default_factory=dict)  # per model: mean cost of an input (1 until one costs more)
     widest: dict[str, float] = field(default_factory=dict)  # per model: the costliest input seen
@@ -151,10 +151,11 @@ class Batcher:
 
     def fit_budget(self, model: str) -> None:
         """Lower the model's cost budget so a full batch fits: within `max_batch_s` (half the longest allowed
-        timeout) always, and, for a model whose inputs have costs (tokens), within `latency_fit_s` (half the
-        latency objective with its slack): one batch of long inputs must not hold the worker for seconds while
-        other callers' short inputs wait behind it, and a CPU model's batch time grows with its tokens, so
-        smaller batches serve about as many tokens a second. Raised back toward the configured budget once a
+        timeout) always, and, for a model whose inputs have costs (tokens), within `latency_fit_s` (half the latency
+        objective with its slack: an input may wait for the batch running, then run in its own): one batch of
+        long inputs must not hold the worker for seconds while other callers' short inputs wait behind it. The
+        price on a CPU, where a batch has a large fixed part: fewer inputs a second than batches of 64 would
+        serve (bench/cost_bench.py measures it). Raised back toward the configured budget once a
         larger batch fits. One log line the first time a model's budget is lowered (later moves: debug)."""
         unit = self.unit.get(model, 1.0)
         configured = self.max_batch_cost if self.max_batch_cost > 0 else math.inf
