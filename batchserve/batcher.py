@@ -13,6 +13,14 @@ S is learned by batch size (`batch_time.BatchTimes`): deadlines and pacing use t
 formed now, from the queue's length;
 - the server is draining.
 
+Cost, not count (issue 22): every item carries its cost (the backend's `cost_of`, e.g. tokens; 1 for a plugin
+that declares none) and a batch's cost is rows x its longest row. S is read at the cost of the batch in
+question; a batch stops filling at `--max-batch-tokens` (the cost budget) as well as at the batch size; inputs
+are grouped by length through the backend's `bucket_of`, so a short input does not pay for a long batch-mate.
+When a full batch would outlast half the longest allowed timeout, the model's budget is lowered to what fits
+(one log line), and the points learned above it are forgotten so the budget can grow back when they were wrong;
+a model whose inputs have costs also has it lowered to fit half the latency objective (`fit_budget`).
+
 Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
 Retried sub-batches (bisection after a failure, see `gpu_pool`) of interactive items go before new work; those
 of batch-job items go after it, only while no interactive item waits (a failing job must not hold the workers).
@@ -24,6 +32,8 @@ of the workers, and the failing job still moves (issue 28, item 3).
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +45,8 @@ from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item
 
 Clock = Callable[[], float]
+log = logging.getLogger("batchserve")
+UNIT_ALPHA = 0.02  # weight of the newest input in a model's mean input cost (a full batch's cost is read off it)
 
 # The learned S is a mean of measured cycles, so about half the batches end a little before it: a worker that
 # asks for its next batch this close to the pace (several devices) takes it at once instead of idling.
@@ -54,6 +66,11 @@ class Batch:
     held: list[Item] = field(default_factory=list)  # bisection: the other half, waiting on this one's outcome
     isolated: bool = False  # items of a job isolated for failing: never mixed into regular batches, halves included
 
+    @property
+    def cost(self) -> float:
+        """What this batch costs to run: rows x the longest row (padded), 1 per input when inputs cost 1."""
+        return len(self.items) * max((item.cost for item in self.items), default=1.0)
+
 
 @dataclass
 class Batcher:
@@ -62,6 +79,12 @@ class Batcher:
     margin_s: float
     batch_s: BatchTimes  # learned batch time per model id and batch size, seeded from the backend's guess
     model_limits: dict[str, int] = field(default_factory=dict)  # per model id: a plugin's max_batch_size, if lower
+    max_batch_cost: float = 0.0  # --max-batch-tokens: the cost budget of one batch (0 = none)
+    max_batch_s: float = math.inf  # a full batch expected longer than this lowers the model's budget to fit
+    latency_fit_s: float = math.inf  # a costed model's full batch longer than this lowers its budget (slo x slack / 2)
+    cost_limits: dict[str, float] = field(default_factory=dict)  # per model: a budget lowered to fit (fit_budget)
+    unit: dict[str, float] = field(default_factory=dict)  # per model: mean cost of an input (1 until one costs more)
+    widest: dict[str, float] = field(default_factory=dict)  # per model: the costliest input seen
     queues: dict[tuple[str, int], FairQueue] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)  # queued items per model
     tier_depth: list[int] = field(default_factory=tiers.counters)  # queued items per tier rank
@@ -74,7 +97,9 @@ class Batcher:
     closed: bool = False
     last_dispatch: float = 0.0
     served_at: dict[str, float] = field(default_factory=dict)  # per model: when a batch of it last went out
+    bucket_served_at: dict[tuple[str, int], float] = field(default_factory=dict)  # the same per queue
     clock: Clock = time.monotonic  # injected in the policy's unit tests
+    _budget_logged: set[str] = field(default_factory=set)
     _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _waiting: bool = False
@@ -94,6 +119,93 @@ class Batcher:
     def limit(self, model: str) -> int:
         """The most inputs in one batch of this model."""
         return self.model_limits.get(model, self.max_batch_size)
+
+    def budget(self, model: str) -> float:
+        """The most one batch of this model may cost (inf: no budget)."""
+        own = self.max_batch_cost if self.max_batch_cost > 0 else math.inf
+        return min(own, self.cost_limits.get(model, math.inf))
+
+    def full_n(self, model: str) -> int:
+        """Inputs in a full batch of this model: the batch size, or fewer when its budget holds fewer of its
+        mean input. Capacity (inputs per second) is this over a full batch's S."""
+        budget, limit = self.budget(model), self.limit(model)
+        if budget == math.inf:
+            return limit
+        return max(1, min(limit, int(budget // self.unit.get(model, 1.0))))
+
+    def note_cost(self, model: str, cost: float) -> None:
+        """An input of this cost was admitted: keep the model's mean input cost, and with it the cost of a full
+        batch (`batch_s[model]`). A model whose inputs all cost 1 is left exactly as before."""
+        unit = self.unit.get(model)
+        if unit is None:
+            if cost == 1.0 and self.budget(model) == math.inf:
+                return
+            unit = cost
+            self.batch_s.caps[model] = math.inf  # a costed model's batches are bounded by cost, not by count
+        unit += UNIT_ALPHA * (cost - unit)
+        self.unit[model] = unit
+        if cost > self.widest.get(model, 1.0):
+            # A longer input than any before: a full batch of such inputs may not fit, so fit the budget now,
+            # before that batch forms and runs (not after, when it has held the worker for seconds).
+            self.widest[model] = cost
+            self.fit_budget(model)
+        self.batch_s.full[model] = self.full_n(model) * unit
+
+    def estimate_cost(self, model: str, n: int, unit: float | None = None) -> float:
+        """The cost of a batch of n inputs of mean cost `unit` (default: the model's), within its budget."""
+        return min(n * (self.unit.get(model, 1.0) if unit is None else unit), max(1.0, self.budget(model)))
+
+    def fit_budget(self, model: str) -> None:
+        """Lower the model's cost budget so a full batch fits: within `max_batch_s` (half the longest allowed
+        timeout) always, and, for a model whose inputs have costs (tokens), within `latency_fit_s` (half the latency
+        objective with its slack: an input may wait for the batch running, then run in its own): one batch of
+        long inputs must not hold the worker for seconds while other callers' short inputs wait behind it. The
+        price on a CPU, where a batch has a large fixed part: fewer inputs a second than batches of 64 would
+        serve (bench/cost_bench.py measures it). Raised back toward the configured budget once a
+        larger batch fits. One log line the first time a model's budget is lowered (later moves: debug)."""
+        unit = self.unit.get(model, 1.0)
+        configured = self.max_batch_cost if self.max_batch_cost > 0 else math.inf
+        top = min(self.limit(model) * max(unit, self.widest.get(model, 1.0)), configured)  # a batch of the longest
+        times = self.batch_s
+        full_s = times.at(model, top)
+        hard = times.fit(model, self.max_batch_s, unit, top) if self.max_batch_s < math.inf else top
+        fitted = hard
+        if self.latency_fit_s < math.inf and model in self.unit:
+            # Down to its mean input at least: when even that does not fit (a busy machine), a long input runs
+            # alone, never a whole request of them in one batch.
+            fitted = times.fit(model, self.latency_fit_s, unit, hard)
+        if hard < top:
+            times.forget_above(model, hard)  # a slow point above the budget would hold it down for good
+        before = self.cost_limits.get(model, math.inf)
+        if fitted >= top:
+            if before != math.inf:
+                del self.cost_limits[model]
+                log.debug("model %s: a full batch fits; its batch budget is back to %g", model, top)
+        elif fitted != before:
+            self.cost_limits[model] = fitted
+            first = model not in self._budget_logged
+            self._budget_logged.add(model)
+            log.log(logging.WARNING if first or hard < top else logging.DEBUG,
+                    "model %s: a full batch would take %.0f ms: its batches are limited to cost %g (%d inputs) "
+                    "to fit %.0f ms", model, full_s * 1000, fitted, self.full_n(model),
+                    (self.max_batch_s if hard < top else self.latency_fit_s) * 1000)
+        if model in self.unit:
+            self.batch_s.full[model] = self.full_n(model) * unit
+
+    def too_costly(self, model: str, cost: float) -> str | None:
+        """Why an input of this cost can never run (None when it can): it costs more than the configured
+        --max-batch-tokens, or alone it is expected to outlast half the longest allowed timeout."""
+        if 0 < self.max_batch_cost < cost:
+            return f"an input costs {cost:g} (tokens), more than one batch of {model} may cost " \
+                   f"(--max-batch-tokens {self.max_batch_cost:g})"
+        if cost == 1.0:
+            return None  # a count model's input: one input is the least a batch can be
+        self.batch_s.caps[model] = math.inf  # a costed model (note_cost may not have seen one yet)
+        alone_s = self.batch_s.at(model, cost)  # learned (a wrong point above the budget is forgotten: fit_budget)
+        if alone_s > self.max_batch_s:
+            return f"an input costs {cost:g} (tokens): alone it would take about {alone_s * 1000:.0f} ms, more " \
+                   f"than a batch may ({self.max_batch_s * 1000:.0f} ms)"
+        return None
 
     def total_depth(self) -> int:
         return sum(self.depth.values())
@@ -212,8 +324,10 @@ class Batcher:
             self._count(item, +1)
         self._wake.set()
 
-    def observe_batch(self, model: str, seconds: float, size: int) -> None:
-        self.batch_s.observe(model, size, seconds)
+    def observe_batch(self, model: str, seconds: float, cost: float) -> None:
+        """A batch of this cost took `seconds`: learn it, and keep the model's budget within max_batch_s."""
+        self.batch_s.observe(model, cost, seconds)
+        self.fit_budget(model)
 
     def start_drain(self) -> None:
         self.draining = True
@@ -252,13 +366,14 @@ class Batcher:
         return answered
 
     # -- policy ------------------------------------------------------------------------------------------
-    def dispatch_delay(self, model: str, size: int) -> float:
-        """How long the oldest item may wait for company: the SLO less one batch (of `size`) and a margin."""
+    def dispatch_delay(self, model: str, size: float) -> float:
+        """How long the oldest item may wait for company: the SLO less one batch (of cost `size`) and a
+        margin."""
         return max(0.0, self.slo_s - self.batch_s.at(model, size) - self.margin_s)
 
     def most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
         best: tuple[str, int] | None = None
-        best_rank = (float("inf"), float("inf"), float("inf"))
+        best_rank = (float("inf"), float("inf"), float("inf"), float("inf"))
         best_cause = ""
         best_due = float("inf")
         for key, q in self.queues.items():
@@ -267,12 +382,13 @@ class Batcher:
             head = q.oldest()
             if head is None:
                 continue
-            if len(q) >= self.limit(key[0]):
+            full_count = len(q) >= self.limit(key[0])
+            if full_count or q.cost_sum >= self.budget(key[0]):
                 due, cause = now, "full"
             elif self.draining:
                 due, cause = now, "drain"
             else:
-                size = min(len(q), self.limit(key[0]))  # the batch formed now
+                size = self.estimate_cost(key[0], min(len(q), self.limit(key[0])), q.mean_cost())  # formed now
                 deadline_due = head.arrived + self.dispatch_delay(key[0], size)
                 pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
                 if self.healthy_workers <= 1 or pace_due - now <= PACE_EARLY_S:
@@ -283,8 +399,11 @@ class Batcher:
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
             # Among queues due now, a model served least recently goes first (then the earliest deadline), so
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
-            recency = self.served_at.get(key[0], 0.0) if due <= now and cause != "full" else 0.0
-            rank = (max(due, now), recency, q.earliest_deadline())
+            # Inside a model, its length classes (buckets) take turns the same way: a queue of long inputs is
+            # always full by cost, and must not keep a short input waiting until its deadline.
+            recency = self.served_at.get(key[0], 0.0) if due <= now and not full_count else 0.0
+            turn = self.bucket_served_at.get(key, 0.0) if due <= now else 0.0
+            rank = (max(due, now), recency, turn, q.earliest_deadline())
             if rank < best_rank:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause
@@ -298,24 +417,33 @@ class Batcher:
         # batches of items that expire while they run would serve nobody: goodput would collapse). The batch's
         # least expected time (`lower_bound`), so that a time learned from one slow batch cannot drop every item
         # and leave nothing running to correct it.
-        ends = now + self.batch_s.lower_bound(key[0], min(limit, len(q)))
+        budget = self.budget(key[0])
+        ends = now + self.batch_s.lower_bound(key[0], self.estimate_cost(key[0], min(limit, len(q)), q.mean_cost()))
+        widest = 0.0
         # Job places go to one tenant per batch (tenants take turns batch by batch), so one tenant's failing
         # job inputs never fail, and drag into bisection, another tenant's job items.
         stick: dict[int, str] = {}
         while len(items) < limit:
-            item = q.pop(stick)
-            if item is None:
+            head = q.peek(stick)
+            if head is None:
                 break
+            # The budget: rows x the longest row. The first input always goes (one alone over the budget was
+            # refused at the door, or the budget was lowered after it was admitted: it still runs).
+            if items and (len(items) + 1) * max(widest, head.cost) > budget:
+                break
+            item = q.pop(stick)
+            assert item is head
             if item.tier == tiers.BATCH.rank and not stick:
                 stick[item.tier] = item.tenant
             self._count(item, -1)
             if not item.alive(now):
                 continue
-            if item.deadline < ends:
+            if item.deadline < ends and not item.probe:
                 item.future.set_exception(errors.deadline_exceeded(
                     "the request's deadline would pass before its batch could end"))
                 continue
             items.append(item)
+            widest = max(widest, item.cost)
         if not items:
             return None
         for item in items:
@@ -324,11 +452,13 @@ class Batcher:
                 item.record.status = "processing"
         # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
-        interval = self.batch_s.at(key[0], len(items)) / max(1, self.healthy_workers)
+        batch = Batch(key[0], items, now, cause)
+        interval = self.batch_s.at(key[0], batch.cost) / max(1, self.healthy_workers)
         self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
         self.served_at[key[0]] = now
         self._since_background += 1
-        return Batch(key[0], items, now, cause)
+        self.bucket_served_at[key] = now
+        return batch
 
     def take_retry(self, worker: int, now: float, retries: deque[Batch] | None = None) -> Batch | None:
         """The oldest retry batch this worker may run (of `retries`, by default the interactive ones): one
@@ -341,7 +471,7 @@ class Batcher:
                 retries.remove(batch)
                 continue
             if (batch.avoid_worker == worker and self.healthy_workers > 1
-                    and now - batch.formed < 2 * self.batch_s.at(batch.model, len(batch.items))):
+                    and now - batch.formed < 2 * self.batch_s.at(batch.model, batch.cost)):
                 continue
             retries.remove(batch)
             batch.formed = now

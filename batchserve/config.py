@@ -61,6 +61,8 @@ class Settings:
     process_port_base: int = knob(0, "with --processes: process k also listens on this port + k for its own "
                                      "/metrics, /readyz and /internal/health (0 = a free port each, logged)")
     max_batch_size: int = knob(100, "most inputs in one batch")
+    max_batch_tokens: int = knob(0, "most a batch may cost: padded tokens (rows x longest) for the built-in "
+                                    "models, inputs for a plugin that declares no cost_of (0 = no budget)")
     slo_ms: float = knob(200.0, "latency objective (p95) that paces dispatch and admission (unset with a real "
                                 "model: derived from its warm-up batch time, 3 x it)")
     dispatch_margin_ms: float = knob(5.0, "slack kept between the dispatch deadline and the SLO")
@@ -70,8 +72,9 @@ class Settings:
     executor: str = knob("thread", "where each device's batches run: thread = a worker thread of the server "
                                    "process; process = a spawned process per device (its own interpreter lock: "
                                    "the batch and the event loop never wait on each other)", ("thread", "process"))
-    gpu_timeout_ms: float = knob(0.0, "a batch running longer marks its worker unhealthy (0 = derived: "
-                                       "max(1000, 10 x observed batch time))")
+    gpu_timeout_ms: float = knob(0.0, "a batch running longer marks its worker unhealthy (0 = derived per batch: "
+                                       "10 x its expected time at its cost, at least 1000, at most "
+                                       "--max-timeout-ms)")
     max_queue: int = knob(10000, "most items waiting per model before 503 SERVICE_OVERLOADED")
     admission_slack: float = knob(1.25, "refuse at the door when the predicted latency passes slo_ms x this "
                                          "x the tier's factor (enterprise 1.2, paid 1.0, free and batch 0.8)")
@@ -181,6 +184,7 @@ class Settings:
 
         need(0 <= self.port <= 65535, "port", "between 0 and 65535")
         need(1 <= self.max_batch_size <= 100_000, "max_batch_size", "between 1 and 100000")
+        need(self.max_batch_tokens >= 0, "max_batch_tokens", "0 (no budget) or more")
         for name in ("slo_ms", "timeout_ms", "max_timeout_ms", "sim_batch_ms", "drain_timeout_s",
                      "generation_queue_timeout_ms"):
             need(getattr(self, name) > 0, name, "positive")

@@ -11,7 +11,9 @@ door, not run). A backend may report a failure per input, an exception object in
 that input alone is answered 500 and nothing is re-run, as for an output that cannot be JSON-encoded: its index
 already names the culprit, so bisection is only for backends that cannot say which input failed. A backend's
 exception text is cut to `LOGGED_CHARS` for the log (and shorter again for the caller, `errors.inference_failed`).
-A watchdog marks a worker whose batch runs past `gpu_timeout` unhealthy: its thread cannot be killed, so it is
+A watchdog marks a worker whose batch runs past its limit unhealthy — `--gpu-timeout-ms` when set, else
+GPU_TIMEOUT_BATCHES x that batch's expected time at its cost, between a floor and a ceiling (issue 28: a batch
+of long inputs is expected to be slow and is not taken for a hang): its thread cannot be killed, so it is
 abandoned (and taken back if the call ever returns) and the batch's items are retried on a healthy worker.
 """
 
@@ -84,7 +86,8 @@ class GpuPool:
     metrics: Metrics
     loop: asyncio.AbstractEventLoop
     device_names: list[str]
-    gpu_timeout_s: float = 0.0  # 0 = derived from the learned batch times
+    gpu_timeout_s: float = 0.0  # 0 = derived per batch from its expected time
+    gpu_timeout_ceiling_s: float = 60.0  # a derived limit never passes this (the longest allowed timeout)
     threads: list[DeviceThread] = field(default_factory=list)  # one per device (made here when not given)
     workers: list[Worker] = field(default_factory=list)
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
@@ -125,16 +128,22 @@ class GpuPool:
         """Time until the first healthy worker should be free again (0 when one is idle)."""
         times = self.batcher.batch_s  # a running batch takes the time of its own size
         waits = [
-            0.0 if w.batch is None else max(0.0, w.started + times.at(w.batch.model, len(w.batch.items)) - now)
+            0.0 if w.batch is None else max(0.0, w.started + times.at(w.batch.model, w.batch.cost) - now)
             for w in self.workers
             if w.healthy
         ]
         return min(waits) if waits else float("inf")
 
-    def timeout_s(self) -> float:
+    def timeout_s(self, batch: Batch | None = None) -> float:
+        """How long `batch` may run before its worker is taken for hung: --gpu-timeout-ms when set, else
+        GPU_TIMEOUT_BATCHES x its expected time at its cost (without a batch: the slowest model's full batch),
+        at least the floor and at most the ceiling."""
         if self.gpu_timeout_s > 0:
             return self.gpu_timeout_s
-        return max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * max(self.batcher.batch_s.values()))
+        times = self.batcher.batch_s
+        expected = times.at(batch.model, batch.cost) if batch is not None else max(times.values(), default=0.0)
+        return min(max(GPU_TIMEOUT_FLOOR_S, self.gpu_timeout_ceiling_s),
+                   max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * expected))
 
     # -- the worker thread -----------------------------------------------------------------------------------
     def _work(self, w: Worker) -> None:
@@ -183,7 +192,7 @@ class GpuPool:
             w.inbox.put(None)
             return
         w.batch, w.started = batch, self.clock()
-        limit = self.timeout_s()
+        limit = self.timeout_s(batch)
         w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
         w.inbox.put(batch)
         self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
@@ -232,14 +241,14 @@ class GpuPool:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
             return None
-        self.batcher.observe_batch(batch.model, cycle, n)
+        self.batcher.observe_batch(batch.model, cycle, batch.cost)
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))
 
         if bad:
-            log.warning("batch of %d on %s: %d input(s) failed or broke the model's output rule: %s", n, w.name, len(bad),
-                        next(iter(bad.values())))
+            log.warning("batch of %d on %s: %d input(s) failed or broke the model's output rule: %s", n, w.name,
+                        len(bad), next(iter(bad.values())))
 
         def answer() -> None:
             for i, (item, output) in enumerate(zip(batch.items, outputs)):
@@ -348,7 +357,7 @@ class GpuPool:
                 self.batcher.return_items(batch.held)
             batch.held = []
         batch_s = self.batcher.batch_s[batch.model]
-        spare_after_loss = (healthy - 1) * self.batcher.limit(batch.model) / batch_s
+        spare_after_loss = (healthy - 1) * self.batcher.full_n(batch.model) / batch_s
         if batch.after_hang or healthy == 0 or spare_after_loss < 2 * self.demand():
             # Already hung once, no worker left, or too little spare capacity: answer rather than risk another.
             for item in batch.items:

@@ -114,6 +114,8 @@ class Runtime:
             margin_s=settings.dispatch_margin_ms / 1000,
             batch_s=BatchTimes(settings.max_batch_size,
                                {spec.id: spec.sim_batch_ms / 1000 for spec in settings.models}),
+            max_batch_cost=settings.max_batch_tokens,
+            max_batch_s=settings.max_timeout_ms / 1000 / 2,
         )
         admission = Admission(batcher, None, settings.max_queue, settings.slo_ms / 1000, settings.admission_slack)
         requests = RequestLog(settings.request_history)
@@ -166,6 +168,7 @@ class Runtime:
             self.loaded = loaded
             # The warm-up may have derived the SLO the user left unset (warmup.apply_deadlines).
             self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000
+            self.batcher.latency_fit_s = self.admission.slo_s * self.settings.admission_slack / 2
             self.backends.update(loaded.backends)
             for model, seconds in loaded.batch_s.items():
                 self.batcher.batch_s.seed(model, seconds)
@@ -173,10 +176,13 @@ class Runtime:
                 for size, seconds in timings.items():
                     self.batcher.batch_s.observe(model, size, seconds)
             self.batcher.model_limits.update(loaded.max_batch)
+            for model in loaded.backends:  # a full batch the warm-up says would outlast the timeouts: fewer
+                self.batcher.fit_budget(model)
             devices = loaded.devices
             self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
                                 self.settings.gpu_timeout_ms / 1000, threads=loaded.threads,
-                                rules=dict(loaded.rules or {}))
+                                rules=dict(loaded.rules or {}),
+                                gpu_timeout_ceiling_s=self.settings.max_timeout_ms / 1000)
             self.pool.demand = self.admission.arrival_rate
             self.pool.tracing = self.tracing
             self.pool.quarantine = self.service.quarantine

@@ -13,7 +13,7 @@ import pytest
 from batchserve.core.batch_time import BatchTimes
 from batchserve.batcher import Batch, Batcher
 from batchserve.core import tiers
-from batchserve.core.admission import Admission, predicted_latency_s
+from batchserve.core.admission import PROBE_EVERY_S, Admission, predicted_latency_s
 from batchserve.core.fairqueue import FairQueue, Item
 from batchserve.errors import ApiError
 from batchserve.gpu_pool import GpuPool, Worker
@@ -451,10 +451,15 @@ def test_a_stale_slow_batch_time_does_not_refuse_what_a_free_worker_can_try(loop
     clock = Clock()
     adm = make_admission(loop, clock, FakeCapacity())
     adm.batcher.batch_s.observe("m", 1, 2.5)
-    adm.admit("m", PAID, "t", deadline_s=1.0)
+    assert adm.admit("m", PAID, "t", deadline_s=1.0) is False  # admitted, not as a probe
+    # Below even the seed: no batch can meet it, unless the seed is wrong too; one such request now and then
+    # (an idle worker, none in the last PROBE_EVERY_S) runs as a probe, and the figure learns from it.
+    assert adm.admit("m", PAID, "t", deadline_s=0.05) is True
     with pytest.raises(ApiError) as refused:
-        adm.admit("m", PAID, "t", deadline_s=0.05)  # below even the seed: no batch can meet it
+        adm.admit("m", PAID, "t", deadline_s=0.05)  # the next one within the interval is refused
     assert refused.value.status == 504
+    clock.now += PROBE_EVERY_S
+    assert adm.admit("m", PAID, "t", deadline_s=0.05) is True
     busy = make_admission(loop, clock, FakeCapacity(until_free=0.05))
     busy.batcher.batch_s.observe("m", 1, 2.5)
     with pytest.raises(ApiError) as refused:

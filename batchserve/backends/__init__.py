@@ -2,7 +2,7 @@
 
 - The plugin contract (docs/backends.md, "Serve your own model") is what a user writes: a plain function
   `batch(inputs: list[str]) -> list`, or an object with `batch(inputs[, device])` and, optionally, `setup`,
-  `devices`, `warm`, `bucket_of`, `count_tokens`, `max_batch_size`, `output_kind`, `initial_batch_s`.
+  `devices`, `warm`, `bucket_of`, `cost_of`, `count_tokens`, `max_batch_size`, `output_kind`, `initial_batch_s`.
   The built-ins (`sim`, `smollm2`, `minilm`) are plugins too.
 - `Backend` below is what the worker pool, the batcher and the routes call: device indices, every method
   present. `plugin.make_backend` builds a model's plugin and adapts it (`plugin.PluginBackend`), checking
@@ -18,8 +18,10 @@ While `run` executes, `all_callers_gone()` (called from the same thread) says wh
 has its answer or has left; a backend that works in steps may check it between steps and return early, so an
 abandoned batch frees its device for the next one. Its outputs are then thrown away, so any will do.
 
-`warm` may return batch seconds by batch size measured while warming (a GPU backend times each of its batch
-buckets), which seed the learned batch time by size (`core/batch_time.py`).
+`warm` may return batch seconds by batch cost measured while warming (a GPU backend times each of its batch
+buckets; minilm times two batches of different token counts), which seed the learned batch time by cost
+(`core/batch_time.py`). `cost_of(text)` says what one input costs to run (tokens for the built-ins; a plugin
+that declares none costs 1 per input): batches are budgeted, timed and admitted by cost (issue 22).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class Backend(Protocol):
     def warm(self, device: int) -> dict[int, float] | None: ...
     def run(self, device: int, inputs: list[str]) -> list: ...
     def bucket_of(self, text: str) -> int: ...
+    def cost_of(self, text: str) -> float: ...
     def count_tokens(self, texts: list[str]) -> list[int] | None: ...
 
 

@@ -6,7 +6,8 @@ time): a real model's start takes minutes on a CPU and must not look hung.
 
 A backend that declares its batch time (`initial_batch_s`, as the sim does) is warmed once. Any other is warmed
 until two rounds agree (`warmup.warm_until_stable`: a cold first batch pays one-off costs), the batcher's
-learned batch time starts from the stable rounds, and the SLO and default timeout the user left unset follow
+learned batch time starts from the median of the rounds after the first (per batch size or cost when the
+backend timed them), and the SLO and default timeout the user left unset follow
 from it (`warmup.apply_deadlines`). From the first real batch on, the batcher's moving average of the batch
 cycle as the event loop sees it takes over.
 """
@@ -24,7 +25,7 @@ from batchserve.backends.outputs import OutputRule, check_warm_answer
 from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
 from batchserve.backends.device_thread import DeviceThread
-from batchserve.backends.warmup import apply_deadlines, warm_until_stable
+from batchserve.backends.warmup import apply_deadlines, robust, warm_until_stable
 
 log = logging.getLogger("batchserve")
 
@@ -114,27 +115,31 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
             continue
         try:
             if step == "warm" and backend.initial_batch_s is None:
-                last: list[dict[int, float] | None] = [None]
+                reported: list[dict[int, float]] = []
 
                 rounds = [0]
 
                 def round_(backend: Backend = backend, model: str = model, where: str = where) -> float | None:
-                    # A backend that timed its batches by size (smollm2 on a GPU captures graphs, then times a
-                    # batch of each bucket) says what a batch takes: its slowest size, not the whole round.
+                    # A backend that timed its batches by size or cost (smollm2 on a GPU captures graphs, then
+                    # times a batch of each bucket; minilm times two token counts) says what a batch takes: its
+                    # slowest, not the whole round.
                     began = time.perf_counter()
-                    last[0] = backend.warm(device)
+                    timings = backend.warm(device)
                     rounds[0] += 1
                     log.info("warm-up round %d of %s on %s: %.0f ms", rounds[0], model, where,
                              (time.perf_counter() - began) * 1000)
-                    return max(last[0].values()) if last[0] else None
+                    if timings:
+                        reported.append(timings)
+                    return max(timings.values()) if timings else None
 
                 warm = warm_until_stable(round_)
                 log.info("warmed %s on %s: %s ms%s", model, where, ", ".join(f"{t * 1000:.0f}" for t in warm.rounds_s),
                          "" if warm.stable else " (not stable)")
                 took[model] = warm.batch_s
-                if by_size is not None and last[0]:
+                if by_size is not None and reported:
                     sizes = by_size[model]  # the dicts are per model; devices run in parallel threads
-                    for size, seconds in last[0].items():
+                    for size in reported[-1]:  # per size or cost: the median of its rounds after the first
+                        seconds = robust([r[size] for r in reported if size in r])
                         sizes[size] = max(seconds, sizes.get(size, 0.0))
                 continue
             getattr(backend, step)(device)

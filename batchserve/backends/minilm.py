@@ -11,6 +11,10 @@ docs/backends.md for the measurement. The vectors equal sentence-transformers' `
 - Inside a batch, inputs are sorted by token length and run in forward passes of at most `pass_tokens`
   padded tokens (rows × the longest row), so a short input is padded only to its neighbours' length and a
   long one runs with few others; the outputs go back in input order.
+- Cost (issue 22): an input costs its tokens (`cost_of`, counted once and cached: it runs at the door, on the
+  event loop), so the server learns batch time by padded tokens and budgets batches by them; `bucket_of` puts
+  inputs of like length in one queue (token counts up to 16, 32, 64, 128, 256), so a short input is not padded
+  to a long batch-mate's length (option `group_by_length = false` turns it off, for measuring what it buys).
 - One model replica per device, made in `setup` on that device's own thread; float16 on CUDA.
 - On a CPU, torch's intra-op threads are one fewer than the cores this process may use: the event loop needs
   a core, and an OpenMP thread that spins while the loop holds its core stalls every matrix product (measured
@@ -25,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +46,8 @@ MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model (senten
 DIMENSIONS = 384
 CPU_PASS_TOKENS = 1024  # padded tokens per forward pass on a CPU: more gains nothing there, padding costs
 GPU_PASS_TOKENS = 65536  # on a GPU one wide pass is cheapest
+COST_CACHE = 16384  # texts whose token count is remembered (cleared when full: a cache, not a store)
+LENGTH_CLASSES = (16, 32, 64, 128)  # bucket_of: token counts up to each bound share a queue; longer, the last
 WARM_UP = ["A man is eating food.", "The quick brown fox jumps over the lazy dog, again and again.",
            "Embeddings map text to vectors."] * 4
 
@@ -117,13 +124,15 @@ class MiniLM:
     threads: int = 0  # torch intra-op threads on a CPU; 0 = one fewer than the usable cores
     pass_tokens: int = 0  # padded tokens per forward pass; 0 = CPU_PASS_TOKENS on a CPU, GPU_PASS_TOKENS on CUDA
     path: Path = field(default_factory=model_dir)
+    group_by_length: bool = True  # one queue per length class (bucket_of); False: one queue for all
     output_kind: str = "embedding"
     tokenizer: Any = None
     models: dict[str, Any] = field(default_factory=dict)
+    _costs: dict[str, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, settings: Settings) -> "MiniLM":
-        """[models.options] may set `threads` and `pass_tokens`."""
+        """[models.options] may set `threads`, `pass_tokens` and `group_by_length`."""
         return cls(pick_devices(settings.devices), **spec.options)
 
     def __post_init__(self) -> None:
@@ -142,11 +151,41 @@ class MiniLM:
         model = AutoModel.from_pretrained(str(self.path), dtype=dtype)
         self.models[device] = model.to(device).eval()
 
-    def warm(self, device: str) -> None:
-        self.batch(WARM_UP, device)
+    def warm(self, device: str) -> dict[int, float]:
+        """Two batches of different token counts, timed: the seconds by batch cost (padded tokens) that start
+        the server's learned batch time, so a batch of another cost is read off a line, not a single point. The
+        slower (the round's figure, from which unset deadlines are derived) is the whole warm-up batch, as before."""
+        timings: dict[int, float] = {}
+        for batch in (WARM_UP[:3], WARM_UP):
+            started = time.perf_counter()
+            self.batch(batch, device)
+            timings[round(self.padded_cost(batch))] = time.perf_counter() - started
+        return timings
+
+    def tokens(self, text: str) -> int:
+        """Tokens of one input after truncation, cached by text."""
+        n = self._costs.get(text)
+        if n is None:
+            if len(self._costs) >= COST_CACHE:
+                self._costs.clear()
+            n = self._costs[text] = len(self.tokenizer.encode(text).ids)
+        return n
+
+    def cost_of(self, text: str) -> float:
+        return float(self.tokens(text))
+
+    def padded_cost(self, texts: list[str]) -> float:
+        """Rows x the longest row: what the server counts a batch of these inputs as."""
+        return float(len(texts) * max((self.tokens(t) for t in texts), default=1))
 
     def bucket_of(self, text: str) -> int:
-        return 0  # one queue: sorting inside the batch already keeps padding low
+        if not self.group_by_length:
+            return 0
+        n = self.tokens(text)
+        for i, bound in enumerate(LENGTH_CLASSES):
+            if n <= bound:
+                return i
+        return len(LENGTH_CLASSES)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens each input is embedded from (after truncation at MAX_TOKENS), for usage.prompt_tokens."""

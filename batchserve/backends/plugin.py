@@ -88,6 +88,7 @@ class PluginBackend:
     warm_takes_device: bool = False
     bucket_fn: Callable[[str], int] | None = None
     count_fn: Callable[[list[str]], list[int]] | None = None
+    cost_fn: Callable[[str], float] | None = None
     _runs: list[Callable[[list[str]], list]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +97,8 @@ class PluginBackend:
                       for d in self.devices]
         if self.bucket_fn is not None:
             self.bucket_of = self.bucket_fn  # type: ignore[method-assign]  # the hot path: no extra frame
+        if self.cost_fn is not None:
+            self.cost_of = self.cost_fn  # type: ignore[method-assign]  # the hot path too
 
     def device_names(self) -> list[str]:
         return list(self.devices)
@@ -120,6 +123,10 @@ class PluginBackend:
 
     def bucket_of(self, text: str) -> int:
         return 0
+
+    def cost_of(self, text: str) -> float:
+        """What one input costs to run; a plugin that declares no `cost_of` costs 1 per input."""
+        return 1.0
 
     def count_tokens(self, texts: list[str]) -> list[int] | None:
         return self.count_fn(texts) if self.count_fn is not None else None
@@ -189,6 +196,7 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     setup_fn = optional("setup", "device")
     bucket_fn = optional("bucket_of", "text")
     count_fn = optional("count_tokens", "texts")
+    cost_fn = optional("cost_of", "text")
     warm_fn = optional("warm")
     warm_takes_device = warm_fn is not None and _accepts(warm_fn, "device")
     if warm_fn is not None and not warm_takes_device and not _accepts(warm_fn):
@@ -208,7 +216,7 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
         source=resolved, plugin=obj, devices=devices, batch_fn=batch_fn,
         batch_takes_device=_takes_device(batch_fn), output_kind=kind, max_batch_size=max_batch,
         initial_batch_s=float(initial) if initial is not None else None, setup_fn=setup_fn, warm_fn=warm_fn,
-        warm_takes_device=warm_takes_device, bucket_fn=bucket_fn, count_fn=count_fn,
+        warm_takes_device=warm_takes_device, bucket_fn=bucket_fn, count_fn=count_fn, cost_fn=cost_fn,
     )
 
 

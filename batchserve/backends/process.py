@@ -202,6 +202,9 @@ class ProcessBackend:
     def bucket_of(self, text: str) -> int:
         return int(self.local.bucket_of(text))
 
+    def cost_of(self, text: str) -> float:
+        return float(self.local.cost_of(text))
+
     def warm(self, device: int) -> dict[int, float] | None:
         return self.devices[device].call("warm")
 

@@ -3,7 +3,7 @@
 Why: the first batches of a real model pay one-off costs (allocator growth, kernel selection, lazy imports,
 CUDA context); seeding the learned batch time from them once made an idle server refuse requests with a
 25 s `retry_after_ms`. And the sim's defaults (200 ms SLO, 2 s timeout) cut a real model's longer answers off
-at 2 s. So warm-up rounds run until two in a row agree, the learned batch time starts from the stable rounds,
+at 2 s. So warm-up rounds run until two in a row agree, the learned batch time starts from the median of the rounds after the cold first one,
 and `--slo-ms` / `--timeout-ms`, when the user set neither flag nor variable, follow from it. The sim's batch
 time is known (`--sim-batch-ms`), so it keeps its defaults and is warmed once.
 """
@@ -11,6 +11,7 @@ time is known (`--sim-batch-ms`), so it keeps its defaults and is warmed once.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -33,8 +34,15 @@ class WarmUp:
 
     @property
     def batch_s(self) -> float:
-        """The batch time to start from: the slower of the last two rounds (never a cold first one alone)."""
-        return max(self.rounds_s[-2:])
+        """The batch time to start from: the median of the rounds after the cold first one (issue 22). Not the
+        slower of the last two: one round slowed by a busy machine (a 100 s round among 5-20 s ones) then made
+        the model refuse every request it could have served; the median shrugs off one outlier either way."""
+        return robust(self.rounds_s)
+
+
+def robust(rounds: list[float]) -> float:
+    """The median of the rounds after the first (the first alone when there is only one)."""
+    return statistics.median(rounds[1:] or rounds)
 
 
 def warm_until_stable(warm: Callable[[], float | None], clock: Callable[[], float] = time.monotonic,

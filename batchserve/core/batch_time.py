@@ -1,4 +1,10 @@
-"""The learned batch time S, per model and by batch size (issue 13).
+"""The learned batch time S, per model and by batch cost (issues 13 and 22).
+
+Cost, not count (issue 22): a batch's cost is what the backend says it costs to run — for the built-ins its
+padded tokens (rows x the longest row's tokens); for a plugin that says nothing, 1 per input, so its cost is
+its size and everything below reads as "by size". One axis serves both: the sim and plain plugins learn S by
+size exactly as before, a tokenizing model learns S by tokens, and a batch of 60 long inputs is expected to take
+what such batches took, not what a batch of 60 short ones did.
 
 Why by size: the sim takes the same time for 1 input as for 100, but a real model on a GPU does not (a batch of 1
 decodes in a fraction of a batch of 100's time), and one S per model, learned from whatever sizes happened to
@@ -19,6 +25,7 @@ off the line through the measured points:
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -26,9 +33,9 @@ EWMA_ALPHA = 0.2  # weight of the newest batch in a bucket's mean
 DEFAULT_SEED_S = 1.0  # a model with neither a seed nor a measurement
 
 
-def size_bucket(n: int) -> int:
+def size_bucket(n: float) -> int:
     """0 for 1, 1 for 2, 2 for 3-4, 3 for 5-8, ...: the power of two at or above n."""
-    return max(0, (max(1, n) - 1).bit_length())
+    return max(0, (max(1, math.ceil(n)) - 1).bit_length())
 
 
 @dataclass
@@ -62,6 +69,10 @@ class BatchTimes:
 
     max_batch_size: int
     seeds: dict[str, float] = field(default_factory=dict)
+    # Per model: the cost of a full batch (what `times[model]` reads S at) and the highest cost `at` reads
+    # (a costed model's batches are not bounded by the batch size). Both default to max_batch_size: one per input.
+    full: dict[str, float] = field(default_factory=dict)
+    caps: dict[str, float] = field(default_factory=dict)
     points: dict[str, dict[int, Point]] = field(default_factory=dict)
     alpha: float = EWMA_ALPHA
     # Each model's line, read on every request (at its own size, which changes with every arrival: a memo by
@@ -72,8 +83,8 @@ class BatchTimes:
         """The batch time to assume before any batch of `model` is measured."""
         self.seeds[model] = seconds
 
-    def observe(self, model: str, size: int, seconds: float) -> None:
-        """One batch of `size` inputs took `seconds`."""
+    def observe(self, model: str, size: float, seconds: float) -> None:
+        """One batch of cost `size` (its inputs, for a plugin that declares no cost) took `seconds`."""
         self._lines.pop(model, None)
         buckets = self.points.setdefault(model, {})
         p = buckets.get(size_bucket(size))
@@ -83,9 +94,18 @@ class BatchTimes:
         p.size += self.alpha * (size - p.size)
         p.seconds += self.alpha * (seconds - p.seconds)
 
-    def at(self, model: str, size: int) -> float:
-        """The expected time of a batch of `size` inputs (clamped to 1..max_batch_size)."""
-        n = float(min(max(1, size), self.max_batch_size))
+    def forget_above(self, model: str, cost: float) -> None:
+        """Drop the points of batches costlier than `cost` (the model's budget was lowered below them): a
+        slow point nothing will run at again must not keep the budget low for good; the line above the
+        points left is extrapolated, and a budget raised on it is measured again."""
+        buckets = self.points.get(model, {})
+        for key in [k for k, p in buckets.items() if p.size > cost]:
+            del buckets[key]
+        self._lines.pop(model, None)
+
+    def at(self, model: str, size: float) -> float:
+        """The expected time of a batch of cost `size` (clamped to 1..the model's cap)."""
+        n = max(1.0, float(min(size, self.caps.get(model, self.max_batch_size))))
         line = self._lines.get(model)
         if line is None:
             line = self._lines[model] = _Line.through(sorted(self.points.get(model, {}).values(),
@@ -103,7 +123,7 @@ class BatchTimes:
             return secs[lo] + (secs[i] - secs[lo]) * (n - sizes[lo]) / (sizes[i] - sizes[lo])
         return secs[lo] + line.slope * (n - sizes[lo])
 
-    def lower_bound(self, model: str, size: int) -> float:
+    def lower_bound(self, model: str, size: float) -> float:
         """The least a batch of `size` may be expected to take, for refusing or dropping work that could not
         finish in time: the learned S(size), or the seed (the backend's own guess, or its warm-up time) where
         that is lower. Not the learned S alone: one slow first batch (a cold start, a hang that ended) set it,
@@ -117,9 +137,17 @@ class BatchTimes:
         """The measured points, mean size (rounded) to seconds: what /internal/health shows."""
         return {round(p.size): p.seconds for p in sorted(self.points.get(model, {}).values(), key=lambda p: p.size)}
 
+    def fit(self, model: str, seconds: float, floor: float, top: float) -> float:
+        """The largest cost in [floor, top] whose batch is expected within `seconds` (halving from `top`): what a
+        model's cost budget is lowered to when a full batch would outlast the longest allowed timeout."""
+        cost = top
+        while cost > floor and self.at(model, cost) > seconds:
+            cost = max(floor, cost / 2)
+        return cost
+
     # -- one number per model: a full batch's S --------------------------------------------------------------
     def __getitem__(self, model: str) -> float:
-        return self.at(model, self.max_batch_size)
+        return self.at(model, self.full.get(model, self.max_batch_size))
 
     def models(self) -> list[str]:
         return sorted(set(self.seeds) | set(self.points))

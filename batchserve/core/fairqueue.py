@@ -50,6 +50,8 @@ class Item:
     gone: Callable[[], bool] | None = None  # True once the caller's connection is closed
     trace: object = None  # the request's span context, when tracing is on (batchserve/tracing.py)
     batch_trace: object = None  # the span context of the batch that answered it, when tracing is on
+    cost: float = 1.0  # what the backend says this input costs (its tokens; 1 when it says nothing)
+    probe: bool = False  # admitted to correct a batch time that refused everything: runs even if it is late
 
     def alive(self, now: float) -> bool:
         """False once the caller has an answer or left; answers 504 when the deadline has passed."""
@@ -76,6 +78,10 @@ class FairQueue:
     lanes: dict[tuple[int, str], Lane] = field(default_factory=dict)
     turn: dict[int, deque[str]] = field(default_factory=dict)  # per tier: tenants in round-robin order
     size: int = 0
+    cost_sum: float = 0.0  # the queued items' costs: a batch formed now is estimated from their mean
+
+    def mean_cost(self) -> float:
+        return self.cost_sum / self.size if self.size else 1.0
 
     def __len__(self) -> int:
         return self.size
@@ -88,6 +94,7 @@ class FairQueue:
             self.turn.setdefault(item.tier, deque()).append(item.tenant)
         lane.items.append(item)
         self.size += 1
+        self.cost_sum += item.cost
 
     def push_front(self, item: Item) -> None:
         """Put an item back at the head of its lane (it already waited its turn once)."""
@@ -102,6 +109,9 @@ class FairQueue:
             while lane.items and not alive(lane.items[0]):
                 dropped.append(lane.items.popleft())
         self.size -= len(dropped)
+        self.cost_sum -= sum(item.cost for item in dropped)
+        if not self.size:
+            self.cost_sum = 0.0  # no float drift left behind
         return dropped
 
     def oldest(self) -> Item | None:
@@ -141,11 +151,19 @@ class FairQueue:
         if not (stick and stick.get(lane.tier) == lane.tenant):
             self.turn[lane.tier].rotate(-1)  # this tenant had its turn
         self.size -= 1
-        return lane.items.popleft()
+        item = lane.items.popleft()
+        self.cost_sum = self.cost_sum - item.cost if self.size else 0.0
+        return item
+
+    def peek(self, stick: dict[int, str] | None = None) -> Item | None:
+        """The item `pop(stick)` would return next, left in place."""
+        lane = self._next_lane(stick)
+        return lane.items[0] if lane is not None else None
 
     def drain_all(self) -> list[Item]:
         out = [item for lane in self.lanes.values() for item in lane.items]
         for lane in self.lanes.values():
             lane.items.clear()
         self.size = 0
+        self.cost_sum = 0.0
         return out

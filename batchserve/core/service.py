@@ -26,9 +26,10 @@ from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 
 
 class Bucketer(Protocol):
-    """What the door needs of a backend: which inputs may share a batch."""
+    """What the door needs of a backend: which inputs may share a batch, and what each costs to run."""
 
     def bucket_of(self, text: str) -> int: ...
+    def cost_of(self, text: str) -> float: ...
 
 
 class ItemTracer(Protocol):
@@ -101,39 +102,64 @@ class InferenceService:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
         504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
         An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves."""
+        return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone, owner))[0]
+
+    async def infer_many(self, texts: list[str], model: str, tier: int, tenant: str, timeout_s: float,
+                         arrived: float, request_id: str, gone: Callable[[], bool] | None = None,
+                         owner: str = "") -> list[ItemResult]:
+        """`infer` for a request of several inputs: one admission decision for all of them, predicted as the
+        batches they will make (so a request of 2,048 inputs is served when they fit its timeout), then each
+        input as its own item, so they share batches with other callers' inputs. The first failure fails the
+        request and withdraws the others (a cancelled item never takes a place in a batch)."""
         tracing = self.tracing
         trace = tracing.admitted(model, TIER_NAMES[tier]) if tracing is not None else None
+        backend = self.backends[model]
         try:
-            self._check_quarantine(model, text)
-            self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived))
+            for text in texts:
+                self._check_quarantine(model, text)
+            costs = [float(backend.cost_of(text)) for text in texts]
+            probe = self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived), costs)
         except ApiError as err:
             if tracing is not None:
                 tracing.answered(model, arrived, 0.0, None, err.code)
             raise
         record = self.requests.add(owner or tenant, request_id, model)
         loop = asyncio.get_running_loop()
-        item = Item(text, model, self.backends[model].bucket_of(text), loop.create_future(), arrived,
-                    arrived + timeout_s, record, tier, tenant, gone=gone, trace=trace)
-        self.batcher.submit(item)
-        self.deadlines.watch(timeout_s, item.deadline, item.future)
+        deadline = arrived + timeout_s
+        items = []
+        for text, cost in zip(texts, costs):
+            item = Item(text, model, backend.bucket_of(text), loop.create_future(), arrived, deadline, record, tier,
+                        tenant, gone=gone, trace=trace, cost=cost, probe=probe)
+            self.batcher.note_cost(model, cost)
+            self.batcher.submit(item)
+            self.deadlines.watch(timeout_s, item.deadline, item.future)
+            items.append(item)
         self.inflight += 1
         try:
-            result: ItemResult = await item.future
+            if len(items) == 1:
+                results: list[ItemResult] = [await items[0].future]
+            else:
+                results = list(await asyncio.gather(*(item.future for item in items)))
         except ApiError as err:
             record.status, record.error = "failed", err.code
             if tracing is not None:
-                tracing.answered(model, arrived, 0.0, item.batch_trace, err.code)
+                tracing.answered(model, arrived, 0.0, next((i.batch_trace for i in items if i.batch_trace), None),
+                                 err.code)
             raise
         except ClientGone:
             record.status, record.error = "failed", "CLIENT_DISCONNECTED"
             raise
         finally:
             self.inflight -= 1
-        record.completed((self.clock() - arrived) * 1000, result.queue_s * 1000, result.compute_s * 1000,
-                         result.batch_size)
+            for item in items:
+                if not item.future.done():
+                    item.future.cancel()
+        last = results[-1]
+        record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
+                         last.batch_size)
         if tracing is not None:
-            tracing.answered(model, arrived, result.queue_s, item.batch_trace, "ok")
-        return result
+            tracing.answered(model, arrived, last.queue_s, items[-1].batch_trace, "ok")
+        return results
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
                           alone: bool = False) -> Item:
@@ -160,8 +186,9 @@ class InferenceService:
 
     def _background_item(self, text: str, model: str, tenant: str, deadline_s: float) -> Item:
         now = self.clock()
-        item = Item(text, model, self.backends[model].bucket_of(text), asyncio.get_running_loop().create_future(),
-                    now, now + deadline_s, None, BATCH.rank, tenant)
+        backend = self.backends[model]
+        item = Item(text, model, backend.bucket_of(text), asyncio.get_running_loop().create_future(),
+                    now, now + deadline_s, None, BATCH.rank, tenant, cost=float(backend.cost_of(text)))
         try:
             self._check_quarantine(model, text)
         except ApiError as err:  # answered at once: the scheduler's callback records it failed

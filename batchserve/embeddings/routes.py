@@ -1,6 +1,7 @@
 """`POST /v1/embeddings` (OpenAI's shape), top to bottom: identify the caller → read and parse the body → pick
 an embedding model → take one rate-limit token per input → each input through the door on its own
-(`InferenceService.infer`), so inputs of concurrent callers share batches → count the tokens → answer.
+(`InferenceService.infer_many`: one admission for the request, then each input its own item), so inputs of
+concurrent callers share batches → count the tokens → answer.
 Errors are in OpenAI's shape; keys, tiers and rate limits are those of every other route."""
 
 from __future__ import annotations
@@ -59,19 +60,8 @@ def pick_model(rt: Runtime, requested: str | None, key_id: str) -> tuple[ModelSp
 
 async def infer_all(service: InferenceService, inputs: list[str], model: str, caller: Caller, timeout_s: float,
                     arrived: float, request_id: str, gone: Callable[[], bool] | None) -> list[ItemResult]:
-    """Every input as its own item; the first failure fails the request and withdraws the others (a queued
-    item whose future is cancelled never takes a place in a batch)."""
-    if len(inputs) == 1:
-        return [await service.infer(inputs[0], model, caller.tier, caller.tenant, timeout_s, arrived, request_id,
-                                    gone)]
-    tasks = [asyncio.ensure_future(service.infer(text, model, caller.tier, caller.tenant, timeout_s, arrived,
-                                                 request_id, gone)) for text in inputs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
+    """Every input as its own item, admitted together: the door predicts the batches they will make."""
+    return await service.infer_many(inputs, model, caller.tier, caller.tenant, timeout_s, arrived, request_id, gone)
 
 
 async def prompt_tokens(backend: Backend, inputs: list[str], counting: asyncio.Future | None) -> int:

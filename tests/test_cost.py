@@ -1,0 +1,314 @@
+"""Cost, not count (issue 22; issue 28 item 1): the learned batch time by cost, batches formed within a cost
+budget, the door predicting a request as the batches it will make, a budget lowered to fit the longest timeout,
+and the watchdog's limit following each batch's expected time.
+
+Pure policy: an injected clock, no server, no threads. The model below is a CPU-like token model: a batch takes
+10 ms plus 0.5 ms per padded token, so a batch of 60 long inputs (256 tokens) takes 7.7 s and one of 60 short
+inputs (16 tokens) 0.49 s — one time per batch size is wrong for both."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import pytest
+
+from batchserve.batcher import Batch, Batcher
+from batchserve.core.admission import Admission, predict
+from batchserve.core.batch_time import BatchTimes
+from batchserve.core.fairqueue import Item
+from batchserve.errors import ApiError
+from batchserve.gpu_pool import GPU_TIMEOUT_BATCHES, GPU_TIMEOUT_FLOOR_S, GpuPool
+
+M = "minilm@v1"
+
+
+def token_s(cost: float) -> float:
+    return 0.010 + 0.0005 * cost
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Capacity:
+    def __init__(self, until_free: float = 0.0, healthy: int = 1) -> None:
+        self.until_free, self.healthy = until_free, healthy
+
+    def healthy_count(self) -> int:
+        return self.healthy
+
+    def worker_count(self) -> int:
+        return 1
+
+    def seconds_until_free(self, now: float) -> float:
+        return self.until_free
+
+
+@pytest.fixture
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+def learned(max_batch: int = 100) -> BatchTimes:
+    """Two measured points, as minilm's warm-up gives them: a small and a large token count."""
+    times = BatchTimes(max_batch, {M: token_s(200)})
+    times.observe(M, 200, token_s(200))
+    times.observe(M, 3200, token_s(3200))
+    return times
+
+
+def make_batcher(clock: Clock, budget: float = 0, max_batch: int = 100, slo_s: float = 0.2,
+                 max_batch_s: float = math.inf) -> Batcher:
+    return Batcher(max_batch_size=max_batch, slo_s=slo_s, margin_s=0.005, batch_s=learned(max_batch),
+                   max_batch_cost=budget, max_batch_s=max_batch_s, clock=clock)
+
+
+def item(loop, cost: float, at: float = 100.0, tenant: str = "t", deadline: float = 1e9, bucket: int = 0) -> Item:
+    return Item(f"x{cost}", M, bucket, loop.create_future(), at, deadline, None, 1, tenant, cost=cost)
+
+
+def submit(b: Batcher, it: Item) -> None:
+    b.note_cost(M, it.cost)  # as the door does for every admitted input
+    b.submit(it)
+
+
+# -- the cost model ---------------------------------------------------------------------------------------------
+def test_batch_time_is_read_at_the_batch_cost_not_its_size(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock)
+    for _ in range(3):
+        submit(b, item(loop, 256))
+    long3 = Batch(M, [item(loop, 256) for _ in range(3)], clock.t, "full")
+    short3 = Batch(M, [item(loop, 16) for _ in range(3)], clock.t, "full")
+    assert long3.cost == 3 * 256 and short3.cost == 3 * 16
+    mixed = Batch(M, [item(loop, 16), item(loop, 16), item(loop, 200)], clock.t, "full")
+    assert mixed.cost == 3 * 200  # padded: rows x the longest row
+    # interpolated on the line through the measured points, well above the 100-input clamp of a count model
+    assert b.batch_s.at(M, long3.cost) == pytest.approx(token_s(768))
+    assert b.batch_s.at(M, 3200) > 10 * b.batch_s.at(M, 200)
+
+
+def test_a_model_whose_inputs_cost_one_keeps_its_count_model(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock)
+    b.note_cost(M, 1.0)
+    assert M not in b.unit and M not in b.batch_s.caps and M not in b.batch_s.full  # nothing changed
+    assert b.full_n(M) == 100 and b.batch_s[M] == b.batch_s.at(M, 100)
+
+
+def test_a_full_batch_is_read_at_the_mean_input_cost(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock)
+    for _ in range(500):
+        b.note_cost(M, 30.0)
+    assert b.unit[M] == pytest.approx(30.0)
+    assert b.full_n(M) == 100
+    assert b.batch_s[M] == pytest.approx(token_s(100 * 30), rel=1e-3)  # capacity reads S at a full batch's cost
+
+
+# -- budgeted formation -------------------------------------------------------------------------------------
+def test_a_batch_stops_filling_at_the_cost_budget(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock, budget=100)
+    for _ in range(5):
+        submit(b, item(loop, 30))
+    batch = b.form((M, 0), clock.t, "full")
+    assert batch is not None and len(batch.items) == 3 and batch.cost == 90  # a fourth would cost 120
+    assert b.depth[M] == 2  # the rest wait for the next batch, counted
+    assert len(b.form((M, 0), clock.t, "full").items) == 2
+
+
+def test_the_budget_counts_padding_and_an_input_alone_still_runs(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock, budget=100)
+    for cost in (10, 10, 50, 10):
+        submit(b, item(loop, cost))
+    first = b.form((M, 0), clock.t, "full")
+    assert [i.cost for i in first.items] == [10, 10]  # with the 50 the batch would cost 3 x 50 = 150
+    second = b.form((M, 0), clock.t, "full")
+    assert [i.cost for i in second.items] == [50, 10] and second.cost == 100  # padded to the 50: just fits
+    b.max_batch_cost = 40
+    submit(b, item(loop, 60))
+    alone = b.form((M, 0), clock.t, "full")
+    assert [i.cost for i in alone.items] == [60]  # over the budget alone (lowered since it was admitted): runs
+
+
+def test_a_queue_at_its_budget_is_full(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock, budget=100)
+    b.last_dispatch = clock.t + 60
+    submit(b, item(loop, 60))
+    _, _, cause = b.most_urgent(clock.t)
+    assert cause != "full"
+    submit(b, item(loop, 60))
+    _, due, cause = b.most_urgent(clock.t)
+    assert cause == "full" and due == clock.t
+
+
+def test_inputs_of_another_length_class_wait_in_their_own_queue(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock)
+    submit(b, item(loop, 10, bucket=0))
+    submit(b, item(loop, 250, bucket=4))
+    submit(b, item(loop, 12, bucket=0))
+    batch = b.form((M, 0), clock.t, "full")
+    assert sorted(i.cost for i in batch.items) == [10, 12] and batch.cost == 24  # not 3 x 250
+
+
+def test_a_queue_full_by_cost_takes_turns_with_a_short_one(loop) -> None:
+    # Long inputs fill their queue's budget at every turn; a short input in its own length class must not wait
+    # for them until its deadline (issue 28: one tenant's long inputs, another's short ones).
+    clock = Clock()
+    b = make_batcher(clock, budget=300)
+    for _ in range(20):
+        submit(b, item(loop, 256, bucket=4))
+    formed = []
+    for _ in range(2):
+        key, due, cause = b.most_urgent(clock.t)
+        formed.append(b.form(key, clock.t, cause, due))
+        clock.t += 0.1
+        if len(formed) == 1:
+            submit(b, item(loop, 10, at=clock.t, bucket=0))
+    assert [len(x.items) for x in formed] == [1, 1]  # a long input alone: two would cost 512
+    assert [x.items[0].bucket for x in formed] == [4, 0]  # then the short one, not the next long one
+
+
+def test_the_dispatch_deadline_reads_the_cost_of_the_batch_formed_now(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock, slo_s=5.0)
+    b.healthy_workers = 2
+    b.last_dispatch = clock.t + 60  # pacing out of the way
+    for _ in range(10):
+        submit(b, item(loop, 200, bucket=3))
+    _, due, cause = b.most_urgent(clock.t)
+    assert cause == "deadline"
+    assert due == pytest.approx(clock.t + 5.0 - token_s(10 * 200) - 0.005, rel=1e-3)
+
+
+# -- the budget lowered to fit the longest timeout, and raised back ----------------------------------------------
+def test_a_full_batch_past_the_longest_timeout_lowers_the_budget_then_it_comes_back(loop, caplog) -> None:
+    clock = Clock()
+    b = make_batcher(clock, max_batch_s=1.0)
+    for _ in range(200):
+        b.note_cost(M, 100.0)  # a full batch: 100 x 100 tokens, expected 5 s
+    with caplog.at_level(logging.WARNING, logger="batchserve"):
+        b.observe_batch(M, token_s(3200), 3200)
+    limited = b.cost_limits[M]
+    assert b.batch_s.at(M, limited) <= 1.0 and limited >= 100
+    assert b.full_n(M) < 100 and b.batch_s[M] <= 1.0
+    assert sum("its batches are limited to cost" in r.getMessage() for r in caplog.records) == 1
+    b.observe_batch(M, token_s(3200), 3200)  # the same figure again: no second line
+    assert sum("its batches are limited to cost" in r.getMessage() for r in caplog.records) == 1
+    # The figure was wrong (the machine was busy): batches within the budget run ten times faster, the line
+    # above them no longer says a full batch misses, and the budget goes back.
+    for _ in range(30):
+        b.observe_batch(M, token_s(limited) / 10, limited)
+        b.observe_batch(M, token_s(100) / 10, 100)
+    assert M not in b.cost_limits and b.full_n(M) == 100
+
+
+# -- the door -------------------------------------------------------------------------------------------------
+def door(b: Batcher, clock: Clock, capacity: Capacity | None = None, slo_s: float = 0.2) -> Admission:
+    return Admission(b, capacity or Capacity(), max_queue=100_000, slo_s=slo_s, slack=1.25, clock=clock)
+
+
+def test_a_request_of_many_inputs_is_predicted_as_the_batches_it_will_make(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock)
+    for _ in range(200):
+        b.note_cost(M, 12.0)
+    p = predict(b, M, 0.0, 1, 0, [12.0] * 2048)
+    full_s = b.batch_s[M]
+    assert p.first_s == pytest.approx(b.batch_s.at(M, 12.0))
+    assert p.last_s == pytest.approx(20 * full_s + b.batch_s.at(M, 48 * 12.0))  # 20 full batches, then 48
+    d = door(b, clock, Capacity(until_free=0.01))
+    assert d.admit(M, 1, "t", deadline_s=60.0, costs=[12.0] * 2048) is False  # fits its 60 s: served
+    with pytest.raises(ApiError) as refused:
+        d.admit(M, 1, "t", deadline_s=p.last_s / 2, costs=[12.0] * 2048)
+    assert refused.value.status == 503 and refused.value.code == "SERVICE_OVERLOADED"
+
+
+def test_a_flood_of_many_inputs_still_admits_what_fits_its_deadline(loop) -> None:
+    # 2,048 arrivals at once look like a spike (pressure); the objective bounds when its first input is answered,
+    # its deadline when its last is: an idle server serves it.
+    clock = Clock()
+    b = make_batcher(clock)
+    for _ in range(200):
+        b.note_cost(M, 12.0)
+    d = door(b, clock, Capacity(until_free=0.01))
+    d.admit(M, 1, "t", deadline_s=60.0, costs=[12.0] * 2048)
+    assert d.under_pressure(M, d.arrivals.current(clock.t), d.arrivals_fast.current(clock.t))
+    d.admit(M, 1, "t2", deadline_s=60.0, costs=[12.0] * 10)  # behind the first: its objective, not its size
+
+
+def test_refusal_is_by_the_cost_of_the_work_ahead_with_a_truthful_retry(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock)
+    for _ in range(300):
+        submit(b, item(loop, 200))  # 300 long inputs queued: 3 batches of 100 x 200 tokens, ~10 s each
+    d = door(b, clock, Capacity(until_free=0.5))
+    ahead_s = 0.5 + 3 * b.batch_s[M]
+    assert b.batch_s[M] > 9
+    with pytest.raises(ApiError) as refused:
+        d.admit(M, 1, "t", deadline_s=2.0, costs=[10.0])
+    retry_ms = refused.value.retry_after_ms
+    assert retry_ms is not None and 0 < retry_ms <= (ahead_s + b.batch_s[M]) * 1000
+    d.admit(M, 1, "t", deadline_s=ahead_s + b.batch_s[M] + 1.0, costs=[10.0])  # a deadline past it: admitted
+    # Another tenant waits behind one input of each busy tenant (its fair share), not the whole queue.
+    d.admit(M, 1, "new", deadline_s=2.0, costs=[10.0])
+
+
+def test_an_input_costlier_than_a_whole_batch_is_refused_413(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock, budget=1000)
+    with pytest.raises(ApiError) as refused:
+        door(b, clock).admit(M, 1, "t", deadline_s=60.0, costs=[12.0, 1500.0])
+    assert refused.value.status == 413 and "1500" in refused.value.message
+    door(b, clock).admit(M, 1, "t", deadline_s=60.0, costs=[12.0, 1000.0])
+    # No budget set, but alone it would outlast half the longest timeout (1 s here): it can never run in time.
+    unbounded = make_batcher(clock, max_batch_s=1.0)
+    with pytest.raises(ApiError) as refused:
+        door(unbounded, clock).admit(M, 1, "t", deadline_s=60.0, costs=[2500.0])
+    assert refused.value.status == 413
+    door(unbounded, clock).admit(M, 1, "t", deadline_s=60.0, costs=[1500.0])  # 0.76 s alone: it runs
+
+
+def test_one_tenants_long_inputs_are_shed_before_anothers_short_ones(loop) -> None:
+    # The issue-28 scenario: one tenant floods long inputs, another sends a short one now and then.
+    clock = Clock()
+    b = make_batcher(clock, budget=1024, slo_s=0.4)
+    for _ in range(30):
+        submit(b, item(loop, 256, tenant="long"))
+    d = door(b, clock, Capacity(until_free=0.1), slo_s=0.4)
+    d.arrivals_fast.tick(clock.t, 200)  # a flood: pressure
+    assert d.under_pressure(M, 0.0, d.arrivals_fast.current(clock.t))
+    with pytest.raises(ApiError) as refused:
+        d.admit(M, 1, "long", deadline_s=30.0, costs=[256.0] * 4)
+    assert refused.value.status == 503 and "latency objective" in refused.value.message
+    d.admit(M, 1, "short", deadline_s=30.0, costs=[16.0])
+
+
+# -- the watchdog's limit per batch -------------------------------------------------------------------------
+def test_the_watchdog_limit_follows_the_batch_cost_between_floor_and_ceiling(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock)
+    b.note_cost(M, 256.0)
+    pool = GpuPool({}, b, None, loop, ["cpu"], clock=clock, gpu_timeout_ceiling_s=60.0)  # type: ignore[arg-type]
+    short = Batch(M, [item(loop, 16) for _ in range(4)], clock.t, "full")
+    long = Batch(M, [item(loop, 256) for _ in range(30)], clock.t, "full")
+    assert pool.timeout_s(short) == pytest.approx(max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * b.batch_s.at(M, 64)))
+    assert pool.timeout_s(short) < 2.0
+    assert pool.timeout_s(long) == pytest.approx(GPU_TIMEOUT_BATCHES * token_s(30 * 256), rel=1e-3)
+    assert pool.timeout_s(long) > 30 * token_s(256)  # not the short batch's limit: no false hang mark
+    huge = Batch(M, [item(loop, 256) for _ in range(100)], clock.t, "full")
+    assert pool.timeout_s(huge) == 60.0  # the ceiling
+    pool.gpu_timeout_s = 3.0
+    assert pool.timeout_s(long) == 3.0  # set by hand: as set
