@@ -113,8 +113,10 @@ class InferenceService:
         request and withdraws the others (a cancelled item never takes a place in a batch)."""
         tracing = self.tracing
         trace = tracing.admitted(model, TIER_NAMES[tier]) if tracing is not None else None
-        backend = self.backends[model]
+        backend = self.backends.get(model)
         try:
+            if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
+                raise errors.warming_up()
             for text in texts:
                 self._check_quarantine(model, text)
             costs = [float(backend.cost_of(text)) for text in texts]
@@ -157,8 +159,9 @@ class InferenceService:
         last = results[-1]
         record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
                          last.batch_size)
-        if tracing is not None:
-            tracing.answered(model, arrived, last.queue_s, items[-1].batch_trace, "ok")
+        if tracing is not None:  # a queue-wait span per input, each linked to the batch that carried it
+            for item, result in zip(items, results):
+                tracing.answered(model, arrived, result.queue_s, item.batch_trace, "ok")
         return results
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
