@@ -30,6 +30,7 @@ from batchserve.generation import schema as generation_schema
 from batchserve.http import inference, ops, openapi
 from batchserve.http import schema as http_schema
 from batchserve.jobs import api as jobs_api
+from batchserve.jobs import files_api
 from batchserve.jobs import schema as jobs_schema
 from batchserve.runtime import Runtime
 
@@ -39,7 +40,7 @@ log = logging.getLogger("batchserve")
 WINGS = (
     (inference.ROUTES, http_schema.INFERENCE),
     (ops.ROUTES, http_schema.OPS),
-    (jobs_api.ROUTES, jobs_schema.OPENAPI),
+    (jobs_api.ROUTES + files_api.ROUTES, jobs_schema.OPENAPI),
     (generation_routes.ROUTES, generation_schema.OPENAPI),
     (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
 )
