@@ -105,7 +105,7 @@ class Settings:
                                               "disables batch jobs")
     jobs_max_items: int = knob(50000, "most inputs in one batch job; more gets 400")
     jobs_max_body_bytes: int = knob(16 << 20, "largest POST /v1/batches body; larger gets 413 before it is buffered")
-    files_max_bytes: int = knob(64 << 20, "largest file uploaded to POST /v1/files (OpenAI's Batch API input); "
+    files_max_bytes: int = knob(60 << 20, "largest file uploaded to POST /v1/files (OpenAI's Batch API input); "
                                           "larger gets 413 while it streams in")
     files_max_count: int = knob(100, "most files one caller keeps in the job store (POST /v1/files gets 409 "
                                      "beyond; DELETE frees a place)")
