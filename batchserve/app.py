@@ -30,6 +30,7 @@ from batchserve.generation import schema as generation_schema
 from batchserve.http import docs_page, inference, ops, openapi
 from batchserve.http import schema as http_schema
 from batchserve.jobs import api as jobs_api
+from batchserve.jobs import files_api
 from batchserve.jobs import schema as jobs_schema
 from batchserve.kserve import routes as kserve_routes
 from batchserve.kserve import schema as kserve_schema
@@ -42,7 +43,7 @@ log = logging.getLogger("batchserve")
 WINGS = (
     (inference.ROUTES, http_schema.INFERENCE),
     (ops.ROUTES, http_schema.OPS),
-    (jobs_api.ROUTES, jobs_schema.OPENAPI),
+    (jobs_api.ROUTES + files_api.ROUTES, jobs_schema.OPENAPI),
     (generation_routes.ROUTES, generation_schema.OPENAPI),
     (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
     (kserve_routes.ROUTES, kserve_schema.OPENAPI),

@@ -159,6 +159,17 @@ class Runtime:
     def draining(self) -> bool:
         return self.batcher.draining
 
+    def prompt_tokens(self, model: str, texts: list[str]) -> int:
+        """The model's token count of these texts (0 when its backend cannot count): OpenAI's usage, for the
+        embeddings lines of batch jobs, as the embeddings route reports it."""
+        backend = self.backends.get(model)
+        try:
+            counts = backend.count_tokens(texts) if backend is not None else None
+        except Exception:  # noqa: BLE001 - the vectors are still the answer
+            log.warning("count_tokens of %s failed", model, exc_info=True)
+            return 0
+        return sum(counts) if counts else 0
+
     # -- start ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Load and warm the backends off the event loop while the port is already open (or take the ones the
@@ -191,7 +202,7 @@ class Runtime:
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
             self.generation = await start_generation(self.settings, self.metrics.registry)
             self.service.attach(self.pool)
-            self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry)
+            self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry, self.prompt_tokens)
             freeze_late_startup_objects()  # the generation replica and whatever else loaded here: never garbage
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))

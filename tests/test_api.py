@@ -248,6 +248,8 @@ def test_health_endpoints_and_metrics_names(sim_server):
     with sim_server.client() as c:
         assert c.get("/healthz").json() == {"status": "ok"}
         assert c.get("/readyz").status_code == 200
+        health = c.get("/health")  # the name vLLM/TGI/TEI clients (guidellm) probe: the same answer as /readyz
+        assert health.status_code == 200 and health.json() == c.get("/readyz").json()
         c.post("/v1/inference", json={"input": "abc"})
         h = c.get("/internal/health").json()
         assert h["status"] == "ok" and len(h["workers"]) == 4

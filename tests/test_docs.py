@@ -81,7 +81,7 @@ def test_nginx_accepts_every_body_batchserve_would():
     number, unit = re.search(r"client_max_body_size (\d+)([km])", template).groups()
     nginx = int(number) * {"k": 1 << 10, "m": 1 << 20}[unit]
     defaults = Settings()
-    assert nginx > max(defaults.jobs_max_body_bytes, defaults.max_body_bytes)
+    assert nginx > max(defaults.jobs_max_body_bytes, defaults.max_body_bytes, defaults.files_max_bytes)
 
 
 def test_serve_help_shows_each_default_as_the_server_applies_it():

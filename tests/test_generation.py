@@ -71,8 +71,11 @@ def wait_idle(server: LiveServer, within_s: float) -> dict:
     return stats
 
 
-def test_models_lists_the_generation_model(client: openai.OpenAI) -> None:
-    assert MODEL in [m.id for m in client.models.list().data]
+def test_models_lists_the_generation_model_first_under_a_usable_name(client: openai.OpenAI) -> None:
+    first = client.models.list().data[0].id  # what guidellm and other clients take when no model is named
+    assert first == MODEL
+    r = client.chat.completions.create(model=first, messages=ask("France"), temperature=0, max_tokens=4)
+    assert r.model == MODEL
 
 
 def test_chat(client: openai.OpenAI) -> None:

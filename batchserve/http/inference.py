@@ -20,27 +20,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
-from batchserve.config import Settings
 from batchserve.errors import ApiError, ClientGone
 from batchserve.generation.routes import model_cards
-from batchserve.http.body import (check_input, client_host, error_body, error_response, inference_headers, json_response,
-                                  new_request_id, parse_json_object, read_body_from, request_id_from, send_json)
+from batchserve.http.body import (client_host, error_body, error_response, inference_headers, json_response,
+                                  new_request_id, read_body_from, request_id_from, send_json)
+from batchserve.http.inference_body import parse_inference
 from batchserve.http.protocol import whole_answer_sender
 from batchserve.runtime import Runtime
-
-
-def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float]:
-    """(input, model, timeout in seconds) from the body, or 400/413 with the reason."""
-    data = parse_json_object(body, content_type)
-    text = check_input(data.get("input"), '"input"', s.max_input_chars)
-    model = data.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise errors.invalid('"model" must be a non-empty string when given')
-    timeout_ms = data.get("timeout_ms", s.timeout_ms)
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not (
-            0 < timeout_ms <= s.max_timeout_ms):
-        raise errors.invalid(f'"timeout_ms" must be a number of milliseconds in (0, {s.max_timeout_ms:.0f}]')
-    return text, model, timeout_ms / 1000
 
 
 def disconnect_probe(receive: Receive) -> Callable[[], bool] | None:
@@ -150,7 +136,9 @@ async def list_models(request: Request) -> Response:
              "version": spec.version, "backend": spec.backend, "weight": spec.weight,
              "output_kind": b.output_kind if (b := rt.backends.get(spec.id)) is not None else None}
             for spec in rt.registry.specs]
-    data += model_cards(rt.generation)
+    # The chat model first: clients that take the first id as the model to chat with (guidellm, many UIs)
+    # get one that /v1/chat/completions accepts.
+    data = model_cards(rt.generation) + data
     return json_response({"object": "list", "data": data})
 
 

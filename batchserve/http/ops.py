@@ -143,6 +143,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
 ROUTES = [
     Route("/healthz", healthz, methods=["GET"]),
     Route("/readyz", readyz, methods=["GET"]),
+    Route("/health", readyz, methods=["GET"]),  # what clients of vLLM/TGI/TEI probe: 200 only when serving
     Route("/internal/health", operational(internal_health), methods=["GET"]),
     Route("/metrics", operational(metrics), methods=["GET"]),
     Route("/openapi.json", openapi_json, methods=["GET"]),

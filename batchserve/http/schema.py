@@ -184,6 +184,13 @@ _PATHS: dict[str, dict[str, Any]] = {
         "responses": {"200": ok("Readiness", "ready"),
                       "503": ok("Readiness", "not ready (status not_ready, with the reason)")},
     }},
+    "/health": {"get": {
+        "operationId": "health", "security": [],
+        "summary": "Serving: the name vLLM, TGI, TEI and Infinity use (load generators such as guidellm probe it); "
+                   "the same answer as /readyz",
+        "responses": {"200": ok("Readiness", "serving"),
+                      "503": ok("Readiness", "not serving (status not_ready, with the reason)")},
+    }},
     "/internal/health": {"get": {
         "operationId": "internalHealth", "summary": "Workers, queue depth, utilisation and rate", "security": [],
         "responses": {"200": ok("InternalHealth", "the node's health")},

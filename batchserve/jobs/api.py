@@ -24,8 +24,10 @@ from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.http.body import ascii_count, client_host, error_response, json_response, request_id_of
 from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
+from batchserve.jobs.lines import EMBEDDINGS
+from batchserve.jobs.openai_batch import batch_object, check_batch_request, parse_input_file
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import (IdempotencyConflict, JobStore, NewJob, Progress, StoreDown, StoreUnavailable,
+from batchserve.jobs.store import (IdempotencyConflict, Job, JobStore, NewJob, Progress, StoreDown, StoreUnavailable,
                                    UnstorableInput)
 from batchserve.runtime import Runtime
 from batchserve.tenancy import Caller
@@ -41,7 +43,9 @@ Handler = Callable[[Request, Runtime, JobService, Caller], Awaitable[Response]]
 def caller_of(request: Request) -> Caller:
     """Who is calling (401 when keys are configured and the key is missing or wrong)."""
     rt: Runtime = request.app.state.rt
-    return rt.tenancy.identify(request.headers.get("authorization"), client_host(request.scope))
+    # OpenAI clients always send a key: with no keys configured, any key is anonymous (as on /v1/embeddings)
+    authorization = request.headers.get("authorization") if rt.tenancy.keys else None
+    return rt.tenancy.identify(authorization, client_host(request.scope))
 
 
 def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -103,6 +107,8 @@ async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: C
                                    s.jobs_max_items, s.max_input_chars)
     except ClientDisconnect:
         return Response(status_code=499)
+    if body.openai:
+        return await create_openai_batch(body.values, key, rt, svc, caller)
     inputs, requested, metadata = body.inputs, body.model, body.metadata
     if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
         raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
@@ -118,13 +124,62 @@ async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: C
         raise errors.conflict("this Idempotency-Key was used before with a different body") from None
     except UnstorableInput as exc:
         raise errors.invalid(str(exc)) from None
+    return accepted(svc, job, created)
+
+
+def accepted(svc: JobService, job: Job, created: bool) -> Response:
+    """A stored job: start running it (when new), and answer 202 (200 for a repeat of an idempotent one)."""
     if created:
         svc.metrics.created.inc()
         svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
         assert svc.scheduler is not None
         svc.scheduler.add(job)
-    return json_response(job.public(), status=202 if created else 200,
-                         headers={"Location": f"/v1/batches/{job.id}"})
+    return json_response(public(job), status=202 if created else 200, headers={"Location": f"/v1/batches/{job.id}"})
+
+
+def public(job: Job) -> dict[str, Any]:
+    """The job in the shape it was created in: OpenAI's batch object, or batchserve's own."""
+    return batch_object(job) if job.openai is not None else job.public()
+
+
+async def create_openai_batch(values: dict[str, Any], key: str | None, rt: Runtime, svc: JobService,
+                              caller: Caller) -> Response:
+    """OpenAI's `POST /v1/batches`: the input file's lines become the job's items (`openai_batch.py`)."""
+    file_id, endpoint, window, metadata = check_batch_request(values)
+    if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+        raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
+    store = await svc.open_store()
+    meta = await store.get_file(caller.owner, file_id)
+    content = await store.file_content(caller.owner, file_id) if meta is not None else None
+    if meta is None or content is None or meta.purpose != "batch":
+        raise ApiError(404, "FILE_NOT_FOUND", f"no file {errors.short(file_id)!r} with purpose 'batch' "
+                                              f"(upload it with POST /v1/files)")
+    parsed = parse_input_file(content, endpoint, rt.settings.jobs_max_items)
+    named = {m for m in parsed.models if m is not None}
+    if len(named) > 1:
+        raise errors.invalid("the lines name different models; one batch runs on one model")
+    requested = next(iter(named), None)
+    spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
+    if spec is None and requested is None and endpoint == EMBEDDINGS:
+        spec = next((s for s in rt.registry.specs if output_kind(rt, s.id) == "embedding"), None)
+    if spec is None:
+        raise errors.model_not_found(requested)
+    if endpoint == EMBEDDINGS and output_kind(rt, spec.id) != "embedding":
+        raise errors.invalid(f"the model {spec.id!r} does not produce embeddings; batch it on /v1/inference")
+    openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": window}
+    canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
+    new = NewJob("batch_" + secrets.token_hex(12), caller.owner, spec.id, parsed.items, metadata, key,
+                 hashlib.sha256(canon).hexdigest(), time.time(), openai)
+    try:
+        job, created = await store.create(new)
+    except IdempotencyConflict:
+        raise errors.conflict("this Idempotency-Key was used before with a different body") from None
+    return accepted(svc, job, created)
+
+
+def output_kind(rt: Runtime, model_id: str) -> str | None:
+    backend = rt.backends.get(model_id)
+    return backend.output_kind if backend is not None else None
 
 
 # -- reads and cancel ----------------------------------------------------------------------------------------
@@ -134,7 +189,7 @@ async def get_batch(request: Request, rt: Runtime, svc: JobService, caller: Call
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None:
         raise errors.batch_not_found(job_id)
-    return json_response(job.public())
+    return json_response(public(job))
 
 
 async def batch_results(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
@@ -165,20 +220,24 @@ async def cancel_batch(request: Request, rt: Runtime, svc: JobService, caller: C
     if svc.scheduler is not None:
         svc.scheduler.cancel(job_id)
     svc.metrics.progress(Progress(job.id, job.model, job.status, {}))  # a cancelled job leaves the gauges
-    return json_response(job.public())
+    return json_response(public(job))
+
+
+def list_limit(request: Request, default: int, most: int) -> int:
+    limit = ascii_count(request.query_params.get("limit", str(default)), most)
+    if limit is None or not 1 <= limit <= most:
+        raise errors.invalid(f"limit must be an integer in [1, {most}]")
+    return limit
 
 
 async def list_batches(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
-    raw_limit = request.query_params.get("limit", str(LIST_DEFAULT))
-    limit = ascii_count(raw_limit, LIST_MAX)
-    if limit is None or not 1 <= limit <= LIST_MAX:
-        raise errors.invalid(f"limit must be an integer in [1, {LIST_MAX}]")
+    limit = list_limit(request, LIST_DEFAULT, LIST_MAX)
     after = request.query_params.get("after")
     store = await svc.existing_store()
     jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
-    data: list[dict[str, Any]] = [j.public() for j in jobs[:limit]]
+    data: list[dict[str, Any]] = [public(j) for j in jobs[:limit]]
     return json_response({"object": "list", "data": data, "has_more": len(jobs) > limit,
-                          "last_id": data[-1]["id"] if data else None})
+                          "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
 ROUTES = [

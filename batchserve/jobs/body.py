@@ -42,6 +42,12 @@ class JobBody:
     inputs: list[str]
     model: str | None
     metadata: dict | None
+    values: dict[str, object] = field(default_factory=dict)  # every top-level key but "inputs"
+
+    @property
+    def openai(self) -> bool:
+        """OpenAI's Batch API body (`input_file_id`, `endpoint`, ...), not batchserve's own."""
+        return "input_file_id" in self.values
 
 
 @dataclass
@@ -84,6 +90,10 @@ class JobBodyParser:
         except UnicodeDecodeError:
             raise errors.invalid("the body holds a string that is not valid Unicode text (a lone surrogate)") from None
         self._take()
+        if "input_file_id" in self._seen:  # OpenAI's shape: checked by jobs/openai_batch.py
+            if "inputs" in self._seen:
+                raise errors.invalid('give either "inputs" or "input_file_id", not both')
+            return JobBody([], None, None, self.values)
         if "inputs" not in self._seen or not self.inputs:
             raise errors.invalid('"inputs" must be a non-empty array of strings')
         model = self.values.get("model")
@@ -92,7 +102,7 @@ class JobBodyParser:
         metadata = self.values.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise errors.invalid('"metadata" must be an object when given')
-        return JobBody(self.inputs, model, metadata)  # type: ignore[arg-type]
+        return JobBody(self.inputs, model, metadata, self.values)  # type: ignore[arg-type]
 
     def _scan(self, data: bytes, final: bool = False) -> None:
         """400 at a lone high surrogate escape. A match within 6 bytes of the end may yet be followed by its low

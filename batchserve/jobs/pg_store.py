@@ -39,6 +39,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from batchserve.jobs.breaker import CircuitBreaker
+from batchserve.jobs.files import FileLimitReached, StoredFile
 
 from batchserve.jobs.store import (ACTIVE, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
                                    StoreUnavailable, UnstorableInput)
@@ -96,10 +97,23 @@ BEGIN
 END $$;
 CREATE OR REPLACE TRIGGER batchserve_items_final_once BEFORE UPDATE OF status ON batchserve_items
 FOR EACH ROW WHEN (OLD.status <> 'pending') EXECUTE FUNCTION batchserve_items_final_once();
+ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS openai TEXT;
+CREATE TABLE IF NOT EXISTS batchserve_files (
+    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    bytes BIGINT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    content BYTEA NOT NULL
+);
+CREATE INDEX IF NOT EXISTS batchserve_files_by_tenant ON batchserve_files (tenant, seq);
 """
 
 JOB_COLUMNS = ("id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
-               "finished_at, metadata")
+               "finished_at, metadata, openai")
+FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at"
 LEASE = "clock_timestamp() + %(lease_s)s * interval '1 second'"
 NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one is stored with this instead
 
@@ -107,7 +121,11 @@ NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one i
 def _job(row: tuple[Any, ...]) -> Job:
     meta = row[11]
     return Job(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], row[10],
-               orjson.loads(meta) if meta is not None else None)
+               orjson.loads(meta) if meta is not None else None, orjson.loads(row[12]) if row[12] is not None else None)
+
+
+def _file(row: tuple[Any, ...]) -> StoredFile:
+    return StoredFile(*row)
 
 
 def _text(value: str | None) -> str | None:
@@ -222,21 +240,22 @@ class PostgresStore:
             if "\x00" in text:
                 raise UnstorableInput(i, "contains a NUL character (\\u0000), which the job store cannot hold")
         meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
+        openai = orjson.dumps(job.openai).decode() if job.openai is not None else None
 
         async def tx(conn: AsyncConnection) -> tuple[Job, bool]:
             cur = await conn.execute(
                 "INSERT INTO batchserve_jobs (id, tenant, model, status, total, metadata, idempotency_key, "
-                "request_hash, created_at) VALUES (%s, %s, %s, 'queued', %s, %s, %s, %s, %s) "
+                "request_hash, created_at, openai) VALUES (%s, %s, %s, 'queued', %s, %s, %s, %s, %s, %s) "
                 "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq",
                 (job.id, job.tenant, job.model, len(job.inputs), meta, job.idempotency_key, job.request_hash,
-                 job.created_at))
+                 job.created_at, openai))
             if await cur.fetchone() is None:  # the key was used before (perhaps on another node just now)
                 cur = await conn.execute(f"SELECT {JOB_COLUMNS}, request_hash FROM batchserve_jobs "
                                          f"WHERE tenant = %s AND idempotency_key = %s",
                                          (job.tenant, job.idempotency_key))
                 row = await cur.fetchone()
                 assert row is not None
-                if row[12] != job.request_hash:
+                if row[13] != job.request_hash:
                     raise IdempotencyConflict(job.idempotency_key)
                 return _job(row), False
             async with conn.cursor() as items:
@@ -244,7 +263,7 @@ class PostgresStore:
                     for i, text in enumerate(job.inputs):
                         await copy.write_row((job.id, i, text))
             return Job(job.id, job.tenant, job.model, "queued", len(job.inputs), 0, 0, 0, job.created_at, None,
-                       None, job.metadata), True
+                       None, job.metadata, job.openai), True
 
         return await self._tx(tx)
 
@@ -271,12 +290,69 @@ class PostgresStore:
 
         return await self._tx(tx)
 
-    async def results(self, job_id: str, after_index: int, limit: int) -> list[ItemRow]:
+    async def results(self, job_id: str, after_index: int, limit: int, with_input: bool = False) -> list[ItemRow]:
+        extra = ", input" if with_input else ""
+
         async def tx(conn: AsyncConnection) -> list[ItemRow]:
-            cur = await conn.execute("SELECT idx, status, output, error, message FROM batchserve_items "
+            cur = await conn.execute(f"SELECT idx, status, output, error, message{extra} FROM batchserve_items "
                                      "WHERE job_id = %s AND idx > %s ORDER BY idx LIMIT %s",
                                      (job_id, after_index, limit))
             return [ItemRow(*r) for r in await cur.fetchall()]
+
+        return await self._tx(tx)
+
+    async def put_file(self, meta: StoredFile, content: bytes, max_count: int) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            # Serialize one tenant's uploads, so two at once cannot both pass the count.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ("batchserve-files/" + meta.tenant,))
+            cur = await conn.execute("SELECT count(*) FROM batchserve_files WHERE tenant = %s", (meta.tenant,))
+            row = await cur.fetchone()
+            if row is not None and row[0] >= max_count:
+                raise FileLimitReached(meta.tenant)
+            await conn.execute("INSERT INTO batchserve_files (id, tenant, filename, purpose, bytes, created_at, "
+                               "content) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                               (meta.id, meta.tenant, meta.filename, meta.purpose, meta.bytes, meta.created_at,
+                                content))
+
+        await self._tx(tx)
+
+    async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
+        async def tx(conn: AsyncConnection) -> StoredFile | None:
+            cur = await conn.execute(f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s",
+                                     (file_id, tenant))
+            row = await cur.fetchone()
+            return _file(row) if row is not None else None
+
+        return await self._tx(tx)
+
+    async def file_content(self, tenant: str, file_id: str) -> bytes | None:
+        async def tx(conn: AsyncConnection) -> bytes | None:
+            cur = await conn.execute("SELECT content FROM batchserve_files WHERE id = %s AND tenant = %s",
+                                     (file_id, tenant))
+            row = await cur.fetchone()
+            return bytes(row[0]) if row is not None else None
+
+        return await self._tx(tx)
+
+    async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
+        where, args = "tenant = %s", [tenant]
+        if purpose is not None:
+            where, args = where + " AND purpose = %s", args + [purpose]
+        if after is not None:
+            where += " AND seq < (SELECT seq FROM batchserve_files WHERE id = %s AND tenant = %s)"
+            args += [after, tenant]
+
+        async def tx(conn: AsyncConnection) -> list[StoredFile]:
+            cur = await conn.execute(f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE {where} "
+                                     f"ORDER BY seq DESC LIMIT %s", (*args, limit))
+            return [_file(r) for r in await cur.fetchall()]
+
+        return await self._tx(tx)
+
+    async def delete_file(self, tenant: str, file_id: str) -> bool:
+        async def tx(conn: AsyncConnection) -> bool:
+            cur = await conn.execute("DELETE FROM batchserve_files WHERE id = %s AND tenant = %s", (file_id, tenant))
+            return cur.rowcount > 0
 
         return await self._tx(tx)
 

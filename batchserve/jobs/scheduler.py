@@ -49,6 +49,7 @@ import orjson
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
+from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome
 from batchserve.tenancy import lane_of
@@ -90,9 +91,10 @@ class JobState:
     id: str
     tenant: str  # the scheduling lane of the job's owner (`tenancy.lane_of`)
     model: str
+    endpoint: str | None = None  # an OpenAI Batch API job: each item is a line for this endpoint (`lines.py`)
     exhausted: bool = False  # the last claim found nothing more to lease; the next poll of the store clears it
     buffer: deque[tuple[int, str]] = field(default_factory=deque)  # read, not yet submitted
-    inflight: dict[int, Item] = field(default_factory=dict)
+    inflight: dict[int, Item | LineRun] = field(default_factory=dict)
     held: set[int] = field(default_factory=set)  # leased to this node and not yet recorded: renewed
     added: float = field(default_factory=time.monotonic)
     attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
@@ -134,6 +136,7 @@ class Scheduler:
     door: Door
     settings: Settings
     metrics: JobMetrics
+    lines: LineRunner | None = None  # runs the lines of OpenAI Batch API jobs
     jobs: dict[str, JobState] = field(default_factory=dict)  # unfinished, oldest first
     retries: list[Retry] = field(default_factory=list)  # a heap by due time
     outcomes: list[Outcome] = field(default_factory=list)  # waiting to be recorded
@@ -179,7 +182,8 @@ class Scheduler:
 
     def add(self, job: Job) -> None:
         if job.id not in self.jobs:
-            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model)
+            endpoint = job.openai.get("endpoint") if job.openai else None
+            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model, endpoint)
             self.metrics.active_jobs.set(len(self.jobs))
             self._wake.set()
 
@@ -330,7 +334,11 @@ class Scheduler:
         if index in job.hung:  # after a hang, an item runs alone: the culprit hangs only itself
             self._submit_group(job, [(index, text)])
             return
-        item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
+        item: Item | LineRun
+        if job.endpoint is not None and self.lines is not None:  # an OpenAI Batch API line
+            item = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, alone=False)
+        else:
+            item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
         job.inflight[index] = item
         job.shared.add(index)
         self._count_shared(job, +1)
@@ -346,7 +354,12 @@ class Scheduler:
 
     def _submit_group(self, job: JobState, rows: list[tuple[int, str]]) -> None:
         """Items of one job as a batch of their own, in the background share (isolated job, or after a hang)."""
-        items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
+        items: list[Item] | list[LineRun]
+        if job.endpoint is not None and self.lines is not None:  # OpenAI lines: each its own run, alone
+            items = [self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, alone=True)
+                     for _, text in rows]
+        else:
+            items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
         for (index, text), item in zip(rows, items):
             job.inflight[index] = item
             self.isolated_inflight += 1
@@ -393,8 +406,14 @@ class Scheduler:
             return
         exc = fut.exception()
         if exc is None:
-            job.recent.append(False)
-            output = orjson.dumps(fut.result().output).decode()  # any JSON value, stored as JSON text
+            result = fut.result()
+            job.recent.append(False)  # a line refused for its body (4xx) is no sign the inputs fail batches
+            if isinstance(result, LineResult):
+                status = "completed" if result.error is None else "failed"
+                self._outcome(job, Outcome(job.id, index, status, output=result.response_json(),
+                                           error=result.error, message=result.message))
+                return
+            output = orjson.dumps(result.output).decode()  # any JSON value, stored as JSON text
             self._outcome(job, Outcome(job.id, index, "completed", output=output))
             return
         costly = isinstance(exc, ApiError) and exc.costly
@@ -411,7 +430,10 @@ class Scheduler:
             if exc.hung:
                 job.hung.add(index)
         if final:
-            self._outcome(job, Outcome(job.id, index, "failed", error=code, message=message))
+            output = None
+            if job.endpoint is not None and isinstance(exc, ApiError):  # the line's response, for the error file
+                output = failed_response(exc, job.endpoint)
+            self._outcome(job, Outcome(job.id, index, "failed", output=output, error=code, message=message))
             return
         job.attempts[index] = attempts
         job.retrying += 1

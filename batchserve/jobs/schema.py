@@ -8,7 +8,7 @@ from batchserve.http import openapi
 from batchserve.http.openapi import Contribution, json_content, ok, ref
 
 # Error codes of these routes beyond the shared table (a narrowed Error schema per status, as openapi does).
-CODES = {404: ["BATCH_NOT_FOUND", "MODEL_NOT_FOUND", "NOT_FOUND"], 503: ["DRAINING", "NO_HEALTHY_WORKER",
+CODES = {404: ["BATCH_NOT_FOUND", "MODEL_NOT_FOUND", "NOT_FOUND", "FILE_NOT_FOUND"], 503: ["DRAINING", "NO_HEALTHY_WORKER",
                                                                         "JOBS_UNAVAILABLE"]}
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -46,11 +46,63 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "metadata": {"type": ["object", "null"]},
         },
     },
+    "OpenAIBatchRequest": {
+        "type": "object",
+        "description": "OpenAI's Batch API (told apart from BatchRequest by input_file_id)",
+        "required": ["input_file_id", "endpoint"],
+        "properties": {
+            "input_file_id": {"type": "string", "description": "a file uploaded with POST /v1/files, purpose batch"},
+            "endpoint": {"enum": ["/v1/embeddings", "/v1/inference", "/v1/chat/completions", "/v1/completions"],
+                         "description": "/v1/chat/completions and /v1/completions are refused (400) for now"},
+            "completion_window": {"const": "24h"},
+            "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+        },
+    },
+    "OpenAIBatch": {
+        "type": "object",
+        "description": "OpenAI's batch object, for a job created with input_file_id",
+        "required": ["id", "object", "endpoint", "input_file_id", "completion_window", "status", "created_at",
+                     "request_counts"],
+        "properties": {
+            "id": {"type": "string", "pattern": "^batch_"},
+            "object": {"const": "batch"},
+            "endpoint": {"type": "string"},
+            "input_file_id": {"type": "string"},
+            "completion_window": {"type": "string"},
+            "status": {"enum": ["in_progress", "completed", "cancelled"]},
+            "output_file_id": {"type": ["string", "null"], "description": "the 2xx lines, once finished"},
+            "error_file_id": {"type": ["string", "null"], "description": "the other lines, once finished"},
+            "created_at": {"type": "integer"},
+            "request_counts": {"type": "object", "required": ["total", "completed", "failed"],
+                               "properties": {"total": {"type": "integer"}, "completed": {"type": "integer"},
+                                              "failed": {"type": "integer"}}},
+            "metadata": {"type": ["object", "null"]},
+        },
+    },
+    "File": {
+        "type": "object",
+        "required": ["id", "object", "bytes", "created_at", "filename", "purpose"],
+        "properties": {"id": {"type": "string", "pattern": "^file-"}, "object": {"const": "file"},
+                       "bytes": {"type": "integer", "minimum": 0}, "created_at": {"type": "integer"},
+                       "filename": {"type": "string"}, "purpose": {"enum": ["batch", "batch_output"]},
+                       "status": {"const": "processed"}},
+    },
+    "FileList": {
+        "type": "object",
+        "required": ["object", "data", "has_more"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": ref("File")},
+                       "has_more": {"type": "boolean"}, "first_id": {"type": ["string", "null"]},
+                       "last_id": {"type": ["string", "null"], "description": "pass as ?after= for the next page"}},
+    },
+    "FileDeleted": {
+        "type": "object", "required": ["id", "object", "deleted"],
+        "properties": {"id": {"type": "string"}, "object": {"const": "file"}, "deleted": {"const": True}},
+    },
     "BatchJobList": {
         "type": "object",
         "required": ["object", "data", "has_more"],
         "properties": {"object": {"const": "list"},
-                       "data": {"type": "array", "items": ref("BatchJob")},
+                       "data": {"type": "array", "items": {"anyOf": [ref("BatchJob"), ref("OpenAIBatch")]}},
                        "has_more": {"type": "boolean"},
                        "last_id": {"type": ["string", "null"], "description": "pass as ?after= for the next page"}},
     },
@@ -81,6 +133,13 @@ def errors(*statuses: int) -> dict[str, Any]:
 
 
 BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
+FILE_ID = {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def either(description: str) -> dict[str, Any]:
+    """A job in the shape it was created in."""
+    return {"description": description, "content": json_content({"anyOf": [ref("BatchJob"), ref("OpenAIBatch")]})}
+
 
 PATHS: dict[str, dict[str, Any]] = {
     "/v1/batches": {
@@ -91,9 +150,10 @@ PATHS: dict[str, dict[str, Any]] = {
                             "schema": {"type": "string", "maxLength": 255},
                             "description": "a repeat with the same key and body returns the same job (200); "
                                            "the same key with another body gets 409"}],
-            "requestBody": {"required": True, "content": json_content(ref("BatchRequest"))},
-            "responses": {"202": ok("BatchJob", "the new job"),
-                          "200": ok("BatchJob", "the job created earlier with this Idempotency-Key"),
+            "requestBody": {"required": True, "content": json_content(
+                {"anyOf": [ref("BatchRequest"), ref("OpenAIBatchRequest")]})},
+            "responses": {"202": either("the new job"),
+                          "200": either("the job created earlier with this Idempotency-Key"),
                           **errors(400, 401, 404, 409, 413, 429, 503)},
         },
         "get": {
@@ -109,7 +169,7 @@ PATHS: dict[str, dict[str, Any]] = {
     "/v1/batches/{batch_id}": {"get": {
         "operationId": "getBatch", "summary": "A job's status and counts",
         "parameters": [BATCH_ID],
-        "responses": {"200": ok("BatchJob", "the job"), **errors(401, 404, 429, 503)},
+        "responses": {"200": either("the job"), **errors(401, 404, 429, 503)},
     }},
     "/v1/batches/{batch_id}/results": {"get": {
         "operationId": "batchResults", "summary": "One NDJSON line per item, in input order",
@@ -122,7 +182,41 @@ PATHS: dict[str, dict[str, Any]] = {
         "operationId": "cancelBatch",
         "summary": "Cancel the items not yet run (a finished job is returned as it is)",
         "parameters": [BATCH_ID],
-        "responses": {"200": ok("BatchJob", "the job after cancelling"), **errors(401, 404, 429, 503)},
+        "responses": {"200": either("the job after cancelling"), **errors(401, 404, 429, 503)},
+    }},
+    "/v1/files": {
+        "post": {
+            "operationId": "createFile",
+            "summary": "Upload a JSONL batch input file (multipart: file, purpose=batch), OpenAI's Files API",
+            "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+                "type": "object", "required": ["file", "purpose"],
+                "properties": {"file": {"type": "string", "format": "binary",
+                                        "description": "at most --files-max-bytes (413 beyond)"},
+                               "purpose": {"const": "batch"}}}}}},
+            "responses": {"200": ok("File", "the stored file"), **errors(400, 401, 409, 413, 429, 503)},
+        },
+        "get": {
+            "operationId": "listFiles", "summary": "The caller's uploaded files, newest first",
+            "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
+                                                                       "maximum": 100, "default": 20}},
+                           {"name": "after", "in": "query", "schema": {"type": "string"}},
+                           {"name": "purpose", "in": "query", "schema": {"type": "string"}}],
+            "responses": {"200": ok("FileList", "the caller's files"), **errors(400, 401, 429, 503)},
+        },
+    },
+    "/v1/files/{file_id}": {
+        "get": {"operationId": "getFile", "summary": "A file's metadata (uploads, and finished jobs' output and "
+                                                     "error files)",
+                "parameters": [FILE_ID], "responses": {"200": ok("File", "the file"), **errors(401, 404, 429, 503)}},
+        "delete": {"operationId": "deleteFile", "summary": "Delete an uploaded file (frees a --files-max-count place)",
+                   "parameters": [FILE_ID],
+                   "responses": {"200": ok("FileDeleted", "deleted"), **errors(401, 404, 429, 503)}},
+    },
+    "/v1/files/{file_id}/content": {"get": {
+        "operationId": "fileContent", "summary": "The file's bytes: JSONL",
+        "parameters": [FILE_ID],
+        "responses": {"200": {"description": "the file", "content": {"application/jsonl": {"schema": {
+            "type": "string"}}}}, **errors(401, 404, 429, 503)},
     }},
 }
 

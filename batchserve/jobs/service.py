@@ -22,6 +22,7 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.jobs.breaker import CircuitBreaker
+from batchserve.jobs.lines import LineRunner, TokenCounter
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.scheduler import Door, Scheduler
 from batchserve.jobs.sqlite_store import SQLiteStore, StoreBusy
@@ -38,6 +39,7 @@ class JobService:
     store: JobStore | None = None
     scheduler: Scheduler | None = None
     problem: str = ""  # why the store could not be opened, for the 503
+    count_tokens: TokenCounter = lambda model, texts: 0  # usage of OpenAI embeddings lines
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
     # PostgreSQL: after a failed open, the next try waits a second; the requests meanwhile get the 503 at once
     # instead of queueing on `_opening` behind one connect attempt each (the database may be down for minutes).
@@ -45,8 +47,11 @@ class JobService:
     _open_breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @classmethod
-    async def start(cls, door: Door, settings: Settings, registry: CollectorRegistry) -> "JobService":
+    async def start(cls, door: Door, settings: Settings, registry: CollectorRegistry,
+                    count_tokens: TokenCounter | None = None) -> "JobService":
         svc = cls(door, settings, JobMetrics.create(registry))
+        if count_tokens is not None:
+            svc.count_tokens = count_tokens
         path = settings.jobs_db
         if path and (is_postgres_url(path) or os.path.exists(path)):
             try:
@@ -95,7 +100,8 @@ class JobService:
     async def _open_and_resume(self) -> tuple[JobStore, Scheduler]:
         store = await self._open()
         try:
-            scheduler = Scheduler(store, self.door, self.settings, self.metrics)
+            scheduler = Scheduler(store, self.door, self.settings, self.metrics,
+                                  LineRunner(self.door, self.settings, self.count_tokens))
             await scheduler.start()
         except BaseException:
             await store.close()

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import orjson
 
+from batchserve.jobs.files import FileLimitReached, StoredFile
 from batchserve.jobs.store import ACTIVE, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress
 
 T = TypeVar("T")
@@ -70,10 +71,22 @@ WHEN OLD.status != 'pending'
 BEGIN
     SELECT RAISE(ABORT, 'a job item left pending twice');
 END;
+CREATE TABLE IF NOT EXISTS files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    content BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS files_by_tenant ON files (tenant, seq);
 """
 
 JOB_COLUMNS = ("id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
-               "finished_at, metadata")
+               "finished_at, metadata, openai")
+FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at"
 
 
 class StoreBusy(Exception):
@@ -84,7 +97,12 @@ def _job(row: sqlite3.Row) -> Job:
     meta = row["metadata"]
     return Job(row["id"], row["tenant"], row["model"], row["status"], row["total"], row["completed"],
                row["failed"], row["cancelled"], row["created_at"], row["started_at"], row["finished_at"],
-               orjson.loads(meta) if meta is not None else None)
+               orjson.loads(meta) if meta is not None else None,
+               orjson.loads(row["openai"]) if row["openai"] is not None else None)
+
+
+def _file(row: sqlite3.Row) -> StoredFile:
+    return StoredFile(row["id"], row["tenant"], row["filename"], row["purpose"], row["bytes"], row["created_at"])
 
 
 class SQLiteStore:
@@ -138,6 +156,8 @@ class SQLiteStore:
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(SCHEMA)
         self._migrate()
+        if "openai" not in {r["name"] for r in conn.execute("PRAGMA table_info(jobs)")}:
+            conn.execute("ALTER TABLE jobs ADD COLUMN openai TEXT")  # OpenAI Batch API jobs (a file from before)
 
     def _migrate(self) -> None:
         """Version 1: outputs are stored as JSON text (any JSON value). A file from before held the string
@@ -171,14 +191,15 @@ class SQLiteStore:
                         raise IdempotencyConflict(job.idempotency_key)
                     return _job(row), False
             meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
+            openai = orjson.dumps(job.openai).decode() if job.openai is not None else None
             c.execute("INSERT INTO jobs (id, tenant, model, status, total, metadata, idempotency_key, "
-                      "request_hash, created_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
+                      "request_hash, created_at, openai) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
                       (job.id, job.tenant, job.model, len(job.inputs), meta, job.idempotency_key,
-                       job.request_hash, job.created_at))
+                       job.request_hash, job.created_at, openai))
             c.executemany("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
                           ((job.id, i, text) for i, text in enumerate(job.inputs)))
         return Job(job.id, job.tenant, job.model, "queued", len(job.inputs), 0, 0, 0, job.created_at, None,
-                   None, job.metadata), True
+                   None, job.metadata, job.openai), True
 
     def _get(self, tenant: str, job_id: str) -> Job | None:
         assert self._conn is not None
@@ -198,11 +219,48 @@ class SQLiteStore:
                 (tenant, after, tenant, limit))
         return [_job(r) for r in rows]
 
-    def _results(self, job_id: str, after_index: int, limit: int) -> list[ItemRow]:
+    def _results(self, job_id: str, after_index: int, limit: int, with_input: bool) -> list[ItemRow]:
         assert self._conn is not None
-        rows = self._conn.execute("SELECT idx, status, output, error, message FROM items WHERE job_id = ? "
+        extra = ", input" if with_input else ""
+        rows = self._conn.execute(f"SELECT idx, status, output, error, message{extra} FROM items WHERE job_id = ? "
                                   "AND idx > ? ORDER BY idx LIMIT ?", (job_id, after_index, limit))
         return [ItemRow(*r) for r in rows]
+
+    def _put_file(self, meta: StoredFile, content: bytes, max_count: int) -> None:
+        with self._tx() as c:
+            held = c.execute("SELECT count(*) FROM files WHERE tenant = ?", (meta.tenant,)).fetchone()[0]
+            if held >= max_count:
+                raise FileLimitReached(meta.tenant)
+            c.execute("INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, content) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?)", (meta.id, meta.tenant, meta.filename, meta.purpose,
+                                                       meta.bytes, meta.created_at, content))
+
+    def _get_file(self, tenant: str, file_id: str) -> StoredFile | None:
+        assert self._conn is not None
+        row = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ?",
+                                 (file_id, tenant)).fetchone()
+        return _file(row) if row is not None else None
+
+    def _file_content(self, tenant: str, file_id: str) -> bytes | None:
+        assert self._conn is not None
+        row = self._conn.execute("SELECT content FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)).fetchone()
+        return bytes(row[0]) if row is not None else None
+
+    def _list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
+        assert self._conn is not None
+        where, args = "tenant = ?", [tenant]
+        if purpose is not None:
+            where, args = where + " AND purpose = ?", args + [purpose]
+        if after is not None:
+            where += " AND seq < (SELECT seq FROM files WHERE id = ? AND tenant = ?)"
+            args += [after, tenant]
+        rows = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files WHERE {where} ORDER BY seq DESC LIMIT ?",
+                                  (*args, limit))
+        return [_file(r) for r in rows]
+
+    def _delete_file(self, tenant: str, file_id: str) -> bool:
+        with self._tx() as c:
+            return c.execute("DELETE FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)).rowcount > 0
 
     def _cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         with self._tx() as c:
@@ -302,8 +360,23 @@ class SQLiteStore:
     async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
         return await self._run(self._list, tenant, limit, after)
 
-    async def results(self, job_id: str, after_index: int, limit: int) -> list[ItemRow]:
-        return await self._run(self._results, job_id, after_index, limit)
+    async def results(self, job_id: str, after_index: int, limit: int, with_input: bool = False) -> list[ItemRow]:
+        return await self._run(self._results, job_id, after_index, limit, with_input)
+
+    async def put_file(self, meta: StoredFile, content: bytes, max_count: int) -> None:
+        await self._run(self._put_file, meta, content, max_count)
+
+    async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
+        return await self._run(self._get_file, tenant, file_id)
+
+    async def file_content(self, tenant: str, file_id: str) -> bytes | None:
+        return await self._run(self._file_content, tenant, file_id)
+
+    async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
+        return await self._run(self._list_files, tenant, limit, after, purpose)
+
+    async def delete_file(self, tenant: str, file_id: str) -> bool:
+        return await self._run(self._delete_file, tenant, file_id)
 
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         return await self._run(self._cancel, tenant, job_id, now)

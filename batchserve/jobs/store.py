@@ -24,6 +24,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import orjson
 
+from batchserve.jobs.files import FileStore
+
 JOB_STATUSES = ("queued", "running", "completed", "failed", "cancelled")
 ACTIVE = ("queued", "running")
 ITEM_STATUSES = ("pending", "completed", "failed", "cancelled")
@@ -77,6 +79,7 @@ class NewJob:
     idempotency_key: str | None
     request_hash: str  # of the canonical body, to tell a repeat from a conflicting reuse of the key
     created_at: float  # seconds since the epoch
+    openai: dict[str, Any] | None = None  # an OpenAI Batch API job: endpoint, input_file_id, completion_window
 
 
 @dataclass(slots=True)
@@ -93,6 +96,7 @@ class Job:
     started_at: float | None
     finished_at: float | None
     metadata: dict[str, Any] | None = None
+    openai: dict[str, Any] | None = None  # set for a job made by OpenAI's Batch API (`openai_batch.py`)
 
     @property
     def pending(self) -> int:
@@ -112,6 +116,7 @@ class ItemRow:
     output: str | None  # the output as JSON text (any JSON value), embedded in the answer as it is
     error: str | None  # error code
     message: str | None
+    input: str | None = None  # only when asked for (`results(..., with_input=True)`)
 
     def public(self) -> dict[str, Any]:
         line: dict[str, Any] = {"index": self.index, "status": self.status}
@@ -144,7 +149,7 @@ class Progress:
     counts: dict[str, int] = field(default_factory=dict)  # completed, failed, cancelled, pending
 
 
-class JobStore(Protocol):
+class JobStore(FileStore, Protocol):
     async def create(self, job: NewJob) -> tuple[Job, bool]:
         """Commit the job and all its items; (job, True), or (the earlier job, False) on a repeat."""
         ...
@@ -155,8 +160,9 @@ class JobStore(Protocol):
         """The tenant's jobs, newest first, starting after the job `after` (a cursor)."""
         ...
 
-    async def results(self, job_id: str, after_index: int, limit: int) -> list[ItemRow]:
-        """Items in input order, from `after_index + 1` (the caller has checked the tenant)."""
+    async def results(self, job_id: str, after_index: int, limit: int, with_input: bool = False) -> list[ItemRow]:
+        """Items in input order, from `after_index + 1` (the caller has checked the tenant); their inputs too
+        when `with_input` (an OpenAI job's output file names each line's custom_id)."""
         ...
 
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:

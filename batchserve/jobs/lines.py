@@ -1,0 +1,158 @@
+"""Running one line of an OpenAI batch input file: the same body the online route would answer, built by the
+same code (the embeddings route's `parse`/`answer`, the inference route's `parse_inference`), with each input
+entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item.
+
+A line's outcome is OpenAI's `response` object, `{status_code, request_id, body}`. A body the online route
+would refuse with a 4xx is answered here the same way, at once and for good (running it again cannot help).
+An error from the door (deadline, drain, a worker lost; a 500 after bisection) is raised instead, so the
+scheduler retries or records it as it does every job item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import orjson
+
+from batchserve.config import Settings
+from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.embeddings.protocol import answer as embeddings_answer
+from batchserve.embeddings.protocol import parse as parse_embeddings
+from batchserve.errors import ApiError
+from batchserve.http.inference_body import parse_inference
+from batchserve.http.openai_error import OpenAIError
+
+EMBEDDINGS, INFERENCE = "/v1/embeddings", "/v1/inference"
+RUNNABLE = (EMBEDDINGS, INFERENCE)  # endpoints whose lines ride the batcher (see docs/batch-jobs.md)
+
+TokenCounter = Callable[[str, list[str]], int]  # (model id, texts) -> prompt tokens (0 when it cannot count)
+
+
+class Submitter(Protocol):
+    """The one door, as a line needs it (`core.service.InferenceService.submit_background`)."""
+
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
+                          alone: bool = False) -> Item: ...
+
+
+@dataclass(slots=True)
+class LineResult:
+    """A line's `response` (status, request id, body as JSON text) and, when not 2xx, its error code."""
+
+    status_code: int
+    request_id: str
+    body: bytes
+    error: str | None = None
+    message: str | None = None
+
+    def response_json(self) -> str:
+        return orjson.dumps({"status_code": self.status_code, "request_id": self.request_id,
+                             "body": orjson.Fragment(self.body)}).decode()
+
+
+@dataclass(eq=False)
+class LineRun:
+    """One line in flight: its inputs' items in the batcher and the future of its `LineResult`. Looks like an
+    `Item` to the scheduler (`future`, `dispatched`); cancelling the future withdraws every input."""
+
+    future: asyncio.Future
+    items: list[Item] = field(default_factory=list)
+    text: str = ""  # the line itself: an isolated job takes back the lines no batch has taken yet
+
+    @property
+    def dispatched(self) -> float:
+        return max((i.dispatched for i in self.items), default=0.0)
+
+
+def refused(err: OpenAIError | ApiError, request_id: str, openai_shape: bool) -> LineResult:
+    """A 4xx answer for a line, in the error shape of the endpoint it names."""
+    if isinstance(err, ApiError):
+        body = (OpenAIError.from_api(err).body() if openai_shape else
+                {"error": err.code, "message": err.message, "request_id": request_id})
+        code = err.code
+    else:
+        body, code = err.body(), (err.code or "invalid_request").upper()
+    return LineResult(err.status, request_id, orjson.dumps(body), code, err.message)
+
+
+def failed_response(err: ApiError, endpoint: str) -> str:
+    """The `response` recorded for a line that failed for good at the door (a 500, or out of retries)."""
+    request_id = "req_" + secrets.token_hex(8)
+    return refused(err, request_id, endpoint != INFERENCE).response_json()
+
+
+@dataclass(eq=False)
+class LineRunner:
+    door: Submitter
+    settings: Settings
+    count_tokens: TokenCounter
+
+    def start(self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float, alone: bool) -> LineRun:
+        """Put the line's inputs in the batcher now; the run's future resolves to its LineResult."""
+        loop = asyncio.get_running_loop()
+        request_id = "req_" + secrets.token_hex(8)
+        body = orjson.dumps(orjson.loads(line)["body"])
+        try:
+            if endpoint == EMBEDDINGS:
+                req = parse_embeddings(body, self.settings.max_input_chars, self.settings.timeout_ms,
+                                       self.settings.max_timeout_ms)
+                texts, finish = req.inputs, self._embeddings(model, req.inputs, req.base64, request_id)
+            elif endpoint == INFERENCE:
+                text, _, _ = parse_inference(body, "application/json", self.settings)
+                texts, finish = [text], self._inference(model, request_id)
+            else:
+                raise AssertionError(f"{endpoint} lines are refused when the batch is created")
+        except (OpenAIError, ApiError) as err:
+            done = loop.create_future()
+            done.set_result(refused(err, request_id, endpoint != INFERENCE))
+            return LineRun(done, text=line)
+        items = [self.door.submit_background(t, model, tenant, deadline_s, alone=alone) for t in texts]
+        run = LineRun(loop.create_future(), items, line)
+        task = asyncio.ensure_future(self._gather(items, finish))
+        task.add_done_callback(lambda t: _settle(run.future, t))
+        run.future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
+        return run
+
+    async def _gather(self, items: list[Item], finish: Callable[[list[ItemResult]], Any]) -> LineResult:
+        try:
+            results = await asyncio.gather(*(i.future for i in items))
+        except BaseException:
+            for i in items:
+                i.future.cancel()  # the first failure fails the line; its other inputs leave the queue
+            raise
+        return await finish(list(results))
+
+    def _embeddings(self, model: str, texts: list[str], as_base64: bool, request_id: str
+                    ) -> Callable[[list[ItemResult]], Any]:
+        async def finish(results: list[ItemResult]) -> LineResult:
+            tokens = await asyncio.to_thread(self.count_tokens, model, texts)
+            try:
+                body = embeddings_answer([r.output for r in results], as_base64, model, tokens)
+            except OpenAIError as err:  # the backend's outputs are not vectors: as the online route, a 500
+                return refused(err, request_id, True)
+            return LineResult(200, request_id, body)
+        return finish
+
+    def _inference(self, model: str, request_id: str) -> Callable[[list[ItemResult]], Any]:
+        async def finish(results: list[ItemResult]) -> LineResult:
+            r = results[0]
+            queue_ms, compute_ms = r.queue_s * 1000, r.compute_s * 1000
+            body = orjson.dumps({"request_id": request_id, "output": r.output, "model": model,
+                                 "latency_ms": round(queue_ms + compute_ms), "queue_ms": round(queue_ms),
+                                 "compute_ms": round(compute_ms), "batch_size": r.batch_size})
+            return LineResult(200, request_id, body)
+        return finish
+
+
+def _settle(future: asyncio.Future, task: asyncio.Future) -> None:
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif (exc := task.exception()) is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(task.result())
