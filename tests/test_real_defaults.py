@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import socket
 import time
 
@@ -48,7 +49,8 @@ def test_deadlines_are_derived_from_the_stable_warm_up(server: LiveServer) -> No
     derived = re.search(r"batch time (\d+) ms: slo_ms=(\d+) \(derived\) timeout_ms=(\d+) \(derived\)", line)
     assert derived, line
     batch_ms, slo_ms, timeout_ms = (float(x) for x in derived.groups())
-    assert len(rounds) >= 2 and batch_ms == pytest.approx(max(rounds[-2:]), abs=1), (rounds, batch_ms)
+    # the median of the rounds after the cold first one (issue 22: one slow round no longer sets it)
+    assert len(rounds) >= 2 and batch_ms == pytest.approx(statistics.median(rounds[1:]), abs=1), (rounds, batch_ms)
     assert slo_ms == pytest.approx(max(200, 3 * batch_ms), abs=2)
     assert timeout_ms == pytest.approx(min(60000, max(2000, 10 * batch_ms, slo_ms)), abs=5)
     h = health(server)
