@@ -207,6 +207,27 @@ class Batcher:
                    f"than a batch may ({self.max_batch_s * 1000:.0f} ms)"
         return None
 
+    def other_classes_s(self, model: str, bucket: int, part: float) -> tuple[float, int]:
+        """What `part` of the model's queued items outside length class `bucket` take to run, and how many they
+        are: each class's queue as the batches it forms (the budget holds fewer of its longer inputs), the last
+        one partial, each at its cost."""
+        total_s, count = 0.0, 0
+        limit, budget = self.limit(model), self.budget(model)
+        for (m, b), q in self.queues.items():
+            if m != model or b == bucket or not len(q):
+                continue
+            rows = math.ceil(len(q) * part)
+            if rows <= 0:
+                continue
+            unit = q.mean_cost()
+            per = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
+            full, rest = divmod(rows, per)
+            total_s += full * self.batch_s.at(model, self.estimate_cost(model, per, unit))
+            if rest:
+                total_s += self.batch_s.at(model, self.estimate_cost(model, rest, unit))
+            count += rows
+        return total_s, count
+
     def total_depth(self) -> int:
         return sum(self.depth.values())
 

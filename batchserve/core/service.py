@@ -120,7 +120,9 @@ class InferenceService:
             for text in texts:
                 self._check_quarantine(model, text)
             costs = [float(backend.cost_of(text)) for text in texts]
-            probe = self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived), costs)
+            buckets = [backend.bucket_of(text) for text in texts]
+            probe = self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived), costs,
+                                         buckets[0])
         except ApiError as err:
             if tracing is not None:
                 tracing.answered(model, arrived, 0.0, None, err.code)
@@ -129,8 +131,8 @@ class InferenceService:
         loop = asyncio.get_running_loop()
         deadline = arrived + timeout_s
         items = []
-        for text, cost in zip(texts, costs):
-            item = Item(text, model, backend.bucket_of(text), loop.create_future(), arrived, deadline, record, tier,
+        for text, cost, bucket in zip(texts, costs, buckets):
+            item = Item(text, model, bucket, loop.create_future(), arrived, deadline, record, tier,
                         tenant, gone=gone, trace=trace, cost=cost, probe=probe)
             self.batcher.note_cost(model, cost)
             self.batcher.submit(item)
