@@ -207,10 +207,11 @@ class Batcher:
                    f"than a batch may ({self.max_batch_s * 1000:.0f} ms)"
         return None
 
-    def other_classes_s(self, model: str, bucket: int, part: float) -> tuple[float, int]:
-        """What `part` of the model's queued items outside length class `bucket` take to run, and how many they
-        are: each class's queue as the batches it forms (the budget holds fewer of its longer inputs), the last
-        one partial, each at its cost."""
+    def other_classes_s(self, model: str, bucket: int, part: float, rounds: int) -> tuple[float, int]:
+        """What runs of `part` of the model's queued items outside length class `bucket` before a batch of that
+        class that waits `rounds` turns, and how many those items are in all. Each class's queue forms batches of
+        its own (the budget holds fewer of its longer inputs), and the classes take turns, a batch each: at most
+        `rounds` of each other class's batches go first, each at its cost."""
         total_s, count = 0.0, 0
         limit, budget = self.limit(model), self.budget(model)
         for (m, b), q in self.queues.items():
@@ -219,13 +220,13 @@ class Batcher:
             rows = math.ceil(len(q) * part)
             if rows <= 0:
                 continue
+            count += rows
             unit = q.mean_cost()
             per = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
             full, rest = divmod(rows, per)
-            total_s += full * self.batch_s.at(model, self.estimate_cost(model, per, unit))
-            if rest:
+            total_s += min(full, rounds) * self.batch_s.at(model, self.estimate_cost(model, per, unit))
+            if rest and full < rounds:
                 total_s += self.batch_s.at(model, self.estimate_cost(model, rest, unit))
-            count += rows
         return total_s, count
 
     def total_depth(self) -> int:

@@ -237,22 +237,24 @@ def test_a_request_of_many_inputs_is_predicted_as_the_batches_it_will_make(loop)
 
 
 def test_other_length_classes_ahead_count_as_the_batches_they_will_make(loop) -> None:
-    # 30 short and 30 long inputs queued under a budget of 1,000 tokens: the short class (10 tokens) makes one
-    # batch of 30, the long one (100 tokens) three of 10. Counted as one queue of 60 mean-cost inputs, the wait
-    # ahead looked like ~2 batches; the classes really make 4 (what admitted minilm requests then waited).
+    # 60 short and 30 long inputs queued under a budget of 1,000 tokens: the short class (10 tokens) makes one
+    # batch of 60, the long one (100 tokens) three of 10. Counted as one queue of 90 inputs of the mean cost, the
+    # wait was neither: the classes take turns, so a short input waits for one long batch (never all three)
+    # and then its class's batch, and a long one for its class's 3 batches and the short class's one.
     clock = Clock()
     b = make_batcher(clock, budget=1000)
-    for _ in range(30):
+    for i in range(60):
         submit(b, item(loop, 10.0, bucket=0))
-        submit(b, item(loop, 100.0, bucket=1))
+        if i < 30:
+            submit(b, item(loop, 100.0, bucket=1))
     ahead = b.ahead_of(1, "t")  # the same tenant: behind every queued input
-    blind = predict(b, M, 0.0, 1, ahead, [10.0])
-    by_class = predict(b, M, 0.0, 1, ahead, [10.0], bucket=0)
-    long_batches_s = 3 * b.batch_s.at(M, 1000.0)
-    assert by_class.first_s >= long_batches_s + b.batch_s.at(M, 10.0)  # behind the long class's 3 batches
-    assert by_class.first_s > blind.first_s
-    others_s, others_n = b.other_classes_s(M, 0, 1.0)
-    assert others_n == 30 and others_s == pytest.approx(long_batches_s)
+    short = predict(b, M, 0.0, 1, ahead, [10.0], bucket=0)
+    long_batch_s = b.batch_s.at(M, 1000.0)
+    assert short.first_s == pytest.approx(long_batch_s + b.batch_s.at(M, 610.0))  # one long batch, then its own
+    # A long input waits behind its own class's 3 batches and the short class's one batch (turns again).
+    long = predict(b, M, 0.0, 1, ahead, [100.0], bucket=1)
+    assert long.first_s == pytest.approx(b.batch_s.at(M, 600.0) + 3 * long_batch_s + b.batch_s.at(M, 100.0))
+    assert b.other_classes_s(M, 0, 1.0, rounds=5) == (pytest.approx(3 * long_batch_s), 30)
     # A model of one class (the sim, any plugin without bucket_of) is predicted exactly as before.
     one = make_batcher(clock, budget=1000)
     for _ in range(60):

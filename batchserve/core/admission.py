@@ -84,10 +84,16 @@ def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahe
     if bucket is not None:
         depth = batcher.depth.get(model, 0)
         part = min(1.0, ahead / depth) if depth else 0.0  # of the queued items, the share ahead by tier
-        others_s, others_n = batcher.other_classes_s(model, bucket, part)
+        own = batcher.queues.get((model, bucket))
+        rounds = math.ceil(len(own) * part) // per_batch + 1 if own is not None else 1  # its class's turns
+        others_s, others_n = batcher.other_classes_s(model, bucket, part, rounds)
         base += others_s / share
         ahead = max(0, ahead - others_n)
-    base += (ahead // full_n) * times[model] / share
+        if own is not None and len(own):  # its own class's batches: rows of that class's inputs
+            unit = own.mean_cost()
+            full_n = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
+    full_s = times.at(model, batcher.estimate_cost(model, full_n, unit)) if bucket is not None else times[model]
+    base += (ahead // full_n) * full_s / share
     rem = ahead % full_n
     if rem + 1 > per_batch:  # the partial batch ahead leaves without it
         base += times.at(model, batcher.estimate_cost(model, rem, unit)) / share
