@@ -53,6 +53,7 @@ UNIT_ALPHA = 0.02  # weight of the newest input in a model's mean input cost (a 
 PACE_EARLY_S = 0.002
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
 BACKGROUND_EVERY = 4  # regular dispatches between two background batches while both wait (a 1/5 share)
+SERVED_ALPHA = 0.2  # weight of the newest batch in the served-rate average (`Batcher.served_rate`)
 
 
 @dataclass(eq=False)
@@ -104,6 +105,7 @@ class Batcher:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _waiting: bool = False
     _since_background: int = 0  # dispatches since the last background batch
+    served: dict[str, tuple[float, float]] = field(default_factory=dict)  # per costed model: EWMA rows, seconds
 
     # -- the handlers' side ------------------------------------------------------------------------------
     def submit(self, item: Item) -> None:
@@ -346,10 +348,23 @@ class Batcher:
             self._count(item, +1)
         self._wake.set()
 
-    def observe_batch(self, model: str, seconds: float, cost: float) -> None:
-        """A batch of this cost took `seconds`: learn it, and keep the model's budget within max_batch_s."""
+    def observe_batch(self, model: str, seconds: float, cost: float, rows: int = 0) -> None:
+        """A batch of this cost (and `rows` inputs) took `seconds`: learn it, and keep the model's budget within
+        max_batch_s. For a model whose inputs have costs, also the inputs a worker served per second of batch
+        time (`served_rate`)."""
         self.batch_s.observe(model, cost, seconds)
         self.fit_budget(model)
+        if rows > 0 and model in self.unit:
+            r, t = self.served.get(model, (float(rows), seconds))
+            self.served[model] = (r + SERVED_ALPHA * (rows - r), t + SERVED_ALPHA * (seconds - t))
+
+    def served_rate(self, model: str) -> float | None:
+        """Inputs one worker served per second of batch time, lately (None: not measured; count models). A
+        costed model's full batch (`full_n` at S of a full batch) overstates it: its length classes make
+        smaller batches, each padded to its longest input. When the worker keeps up, this is at least the
+        arrival rate; past capacity, it is the capacity."""
+        got = self.served.get(model)
+        return got[0] / got[1] if got is not None and got[1] > 0 else None
 
     def start_drain(self) -> None:
         self.draining = True

@@ -241,7 +241,7 @@ class GpuPool:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
             return None
-        self.batcher.observe_batch(batch.model, cycle, batch.cost)
+        self.batcher.observe_batch(batch.model, cycle, batch.cost, len(batch.items))
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))

@@ -263,6 +263,26 @@ def test_other_length_classes_ahead_count_as_the_batches_they_will_make(loop) ->
     assert predict(one, M, 0.0, 1, ahead, [10.0], bucket=0) == predict(one, M, 0.0, 1, ahead, [10.0])
 
 
+def test_pressure_reads_what_a_costed_models_batches_really_serve(loop) -> None:
+    # The full batch says 1,000 tokens of 10-token inputs, 100 inputs in ~0.5 s: 200 a second. Its length
+    # classes and padding made batches of 10 taking 0.2 s: 50 a second. 80 arrivals a second is overload.
+    clock = Clock()
+    b = make_batcher(clock, budget=1000)
+    for _ in range(50):
+        b.note_cost(M, 10.0)
+    d = door(b, clock)
+    assert b.full_n(M) / b.batch_s[M] > 150
+    assert not d.under_pressure(M, 80.0, 80.0)  # nothing measured yet: the full batch's figure
+    for _ in range(20):
+        b.observe_batch(M, 0.2, 10 * 10.0, rows=10)
+    assert b.served_rate(M) == pytest.approx(50.0)
+    assert d.under_pressure(M, 80.0, 80.0) and not d.under_pressure(M, 40.0, 40.0)
+    # A model whose inputs all cost 1 (the sim, a plugin without cost_of) keeps the full batch's figure.
+    sim = Batcher(max_batch_size=100, slo_s=0.2, margin_s=0.005, batch_s=BatchTimes(100, {"sim": 0.1}), clock=clock)
+    sim.observe_batch("sim", 0.1, 10, rows=10)
+    assert sim.served_rate("sim") is None
+
+
 def test_a_flood_of_many_inputs_still_admits_what_fits_its_deadline(loop) -> None:
     # 2,048 arrivals at once look like a spike (pressure); the objective bounds when its first input is answered,
     # its deadline when its last is: an idle server serves it.

@@ -151,6 +151,9 @@ class Admission:
         assert self.capacity is not None
         healthy = self.capacity.healthy_count()
         capacity = healthy * self.batcher.full_n(model) / self.batcher.batch_s[model]
+        served = self.batcher.served_rate(model)  # a costed model's batches as they really are
+        if served is not None:
+            capacity = min(capacity, healthy * served)
         return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
 
     def check_open(self) -> None:
