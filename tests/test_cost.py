@@ -396,3 +396,33 @@ def test_the_watchdog_reads_a_declared_batch_cost(loop) -> None:
     expected = max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * b.batch_s.at(M, 256 + 29 * 4))
     assert pool.timeout_s(summed) == pytest.approx(expected)
     assert expected < GPU_TIMEOUT_BATCHES * token_s(30 * 256) / 2  # not the padded batch's limit
+
+
+# -- smollm2's cost: prompt tokens + the new tokens it decodes -------------------------------------------------
+class WordTokenizer:
+    """Stands in for SmolLM2's tokenizer (loading the real one means the GGUF): a word is a token, and the chat
+    template adds three; counts how often it is asked."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
+        return "system user assistant " + messages[0]["content"]
+
+    def __call__(self, prompts: list[str]) -> dict[str, list[list[str]]]:
+        self.calls += 1
+        return {"input_ids": [p.split() for p in prompts]}
+
+
+def test_smollm2_costs_prompt_tokens_plus_new_tokens_counted_once() -> None:
+    from batchserve.backends.smollm2 import SHELL_PROMPT_TOKENS, SmolLM2Backend
+
+    tok = WordTokenizer()
+    backend = SmolLM2Backend(devices=["cpu"], max_new_tokens=64, tokenizer=tok)
+    assert backend.cost_of("one two three") == 3 + 3 + 64
+    assert backend.cost_of("one two three") == 70 and tok.calls == 1  # cached: the door does not tokenize again
+    long = " ".join(["w"] * 40)
+    # The static decoder's padded shape: every row runs to the longest prompt plus max_new_tokens.
+    assert backend.padded_cost(["hi", long]) == 2 * (3 + 40 + 64)
+    shell = SmolLM2Backend(devices=["cpu"], max_new_tokens=64)  # --executor process: no tokenizer here
+    assert shell.cost_of("x" * 400) == SHELL_PROMPT_TOKENS + 100 + 64
