@@ -69,7 +69,11 @@ class Batch:
 
     @property
     def cost(self) -> float:
-        """What this batch costs to run: rows x the longest row (padded), 1 per input when inputs cost 1."""
+        """What this batch costs to run: the backend's `cost_of_batch` when it declares one (e.g. the sum of
+        tokens, or quadratic attention), else rows x the longest row (padded), 1 per input when inputs cost 1."""
+        fn = self.items[0].batch_cost if self.items else None
+        if fn is not None:
+            return float(fn([item.text for item in self.items]))
         return len(self.items) * max((item.cost for item in self.items), default=1.0)
 
 
@@ -466,7 +470,10 @@ class Batcher:
                 break
             # The budget: rows x the longest row. The first input always goes (one alone over the budget was
             # refused at the door, or the budget was lowered after it was admitted: it still runs).
-            if items and (len(items) + 1) * max(widest, head.cost) > budget:
+            # A backend's own batch cost is asked only when it declares one and a budget applies.
+            if items and budget != math.inf and (
+                    head.batch_cost([*(i.text for i in items), head.text]) > budget if head.batch_cost is not None
+                    else (len(items) + 1) * max(widest, head.cost) > budget):
                 break
             item = q.pop(stick)
             assert item is head

@@ -359,3 +359,117 @@ def test_the_watchdog_limit_follows_the_batch_cost_between_floor_and_ceiling(loo
     assert pool.timeout_s(huge) == 60.0  # the ceiling
     pool.gpu_timeout_s = 3.0
     assert pool.timeout_s(long) == 3.0  # set by hand: as set
+
+
+# -- a backend's own batch cost (cost_of_batch) -----------------------------------------------------------------
+def words_sum(texts: list[str]) -> float:
+    """A backend whose batch costs the sum of its inputs' tokens (no padding): a word is a token here."""
+    return float(sum(len(t.split()) for t in texts))
+
+
+def words_item(loop, words: int, deadline: float = 1e9) -> Item:
+    text = " ".join(["w"] * words)
+    return Item(text, M, 0, loop.create_future(), 100.0, deadline, None, 1, "t",
+                cost=words_sum([text]), batch_cost=words_sum)
+
+
+def test_a_declared_batch_cost_is_what_the_batch_costs_and_what_fills_it(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock, budget=100)
+    submit(b, words_item(loop, 30))
+    for _ in range(20):
+        submit(b, words_item(loop, 5))
+    batch = b.form((M, 0), clock.t, "full")
+    # Padded (rows x longest) a fourth row would pass 100: 3 inputs. Summed: 30 + 14 x 5 = 100: 15 inputs.
+    assert batch is not None and len(batch.items) == 15
+    assert batch.cost == 100.0
+    assert b.depth[M] == 6
+    padded = Batch(M, [item(loop, 30)] + [item(loop, 5) for _ in range(14)], clock.t, "full")
+    assert padded.cost == 15 * 30  # a backend that declares nothing keeps the padded formula
+
+
+def test_without_a_budget_a_declared_batch_cost_is_asked_once_per_batch(loop) -> None:
+    calls: list[int] = []
+
+    def counted(texts: list[str]) -> float:
+        calls.append(len(texts))
+        return words_sum(texts)
+
+    clock = Clock()
+    b = make_batcher(clock)  # no budget: formation asks nothing of the backend
+    for _ in range(10):
+        it = words_item(loop, 5)
+        it.batch_cost = counted
+        submit(b, it)
+    batch = b.form((M, 0), clock.t, "full")
+    # No per-input call while filling: one call for the whole batch (its cost, read to pace the next one).
+    assert batch is not None and len(batch.items) == 10 and calls == [10]
+    assert batch.cost == 50.0
+
+
+def test_the_door_costs_inputs_by_the_declared_batch_cost(loop) -> None:
+    from batchserve.core.service import batch_cost_of
+
+    class Summed:
+        def cost_of(self, text: str) -> float:
+            return 1.0
+
+        def cost_of_batch(self, texts: list[str]) -> float:
+            return words_sum(texts)
+
+    class Plain:
+        def cost_of(self, text: str) -> float:
+            return 1.0
+
+    assert batch_cost_of(Plain()) is None
+    fn = batch_cost_of(Summed())
+    assert fn is not None and fn(["a b", "c"]) == 3.0
+    # Admission reads the costs the door got from it: an input alone over the budget is refused 413.
+    clock = Clock()
+    b = make_batcher(clock, budget=100)
+    d = door(b, clock)
+    with pytest.raises(ApiError) as refused:
+        d.admit(M, 1, "t", deadline_s=30.0, costs=[fn([" ".join(["w"] * 120)])])
+    assert refused.value.status == 413
+
+
+def test_the_watchdog_reads_a_declared_batch_cost(loop) -> None:
+    clock = Clock()
+    b = make_batcher(clock)
+    b.note_cost(M, 256.0)
+    pool = GpuPool({}, b, None, loop, ["cpu"], clock=clock, gpu_timeout_ceiling_s=60.0)  # type: ignore[arg-type]
+    summed = Batch(M, [words_item(loop, 256)] + [words_item(loop, 4) for _ in range(29)], clock.t, "full")
+    assert summed.cost == 256 + 29 * 4
+    expected = max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * b.batch_s.at(M, 256 + 29 * 4))
+    assert pool.timeout_s(summed) == pytest.approx(expected)
+    assert expected < GPU_TIMEOUT_BATCHES * token_s(30 * 256) / 2  # not the padded batch's limit
+
+
+# -- smollm2's cost: prompt tokens + the new tokens it decodes -------------------------------------------------
+class WordTokenizer:
+    """Stands in for SmolLM2's tokenizer (loading the real one means the GGUF): a word is a token, and the chat
+    template adds three; counts how often it is asked."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
+        return "system user assistant " + messages[0]["content"]
+
+    def __call__(self, prompts: list[str]) -> dict[str, list[list[str]]]:
+        self.calls += 1
+        return {"input_ids": [p.split() for p in prompts]}
+
+
+def test_smollm2_costs_prompt_tokens_plus_new_tokens_counted_once() -> None:
+    from batchserve.backends.smollm2 import SHELL_PROMPT_TOKENS, SmolLM2Backend
+
+    tok = WordTokenizer()
+    backend = SmolLM2Backend(devices=["cpu"], max_new_tokens=64, tokenizer=tok)
+    assert backend.cost_of("one two three") == 3 + 3 + 64
+    assert backend.cost_of("one two three") == 70 and tok.calls == 1  # cached: the door does not tokenize again
+    long = " ".join(["w"] * 40)
+    # The static decoder's padded shape: every row runs to the longest prompt plus max_new_tokens.
+    assert backend.padded_cost(["hi", long]) == 2 * (3 + 40 + 64)
+    shell = SmolLM2Backend(devices=["cpu"], max_new_tokens=64)  # --executor process: no tokenizer here
+    assert shell.cost_of("x" * 400) == SHELL_PROMPT_TOKENS + 100 + 64

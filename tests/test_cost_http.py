@@ -117,3 +117,51 @@ def test_minilm_many_inputs_are_served_and_long_inputs_do_not_take_the_worker_fr
         assert long_codes and 500 not in long_codes and 504 not in long_codes, long_codes
     finally:
         server.stop()
+
+
+
+# A backend whose batch costs the sum of its inputs' words (no padding), declared as cost_of_batch. A batch with
+# "slow" in it takes 0.6 s, so the inputs sent meanwhile queue together and the test sees how they are batched.
+SUMMED = '''
+import time
+
+
+class Summed:
+    def cost_of_batch(self, texts):
+        return float(sum(len(t.split()) for t in texts))
+
+    def batch(self, inputs):
+        time.sleep(0.6 if "slow" in inputs else 0.02)
+        return [s.upper() for s in inputs]
+'''
+
+
+def test_a_plugin_declaring_cost_of_batch_is_budgeted_and_admitted_by_it(tmp_path: Path) -> None:
+    env = write_plugins(tmp_path, summed=SUMMED)
+    server = start_server("--backend", "summed:Summed", "--max-batch-tokens", "100", "--slo-ms", "5000",
+                          env=env, timeout=120)  # a long objective: the 0.6 s batch lowers no budget
+    try:
+        async def queued_together() -> list[tuple[int, int]]:
+            async with aiohttp.ClientSession() as session:
+                async def one(text: str, delay: float) -> tuple[int, int]:
+                    await asyncio.sleep(delay)
+                    async with session.post(server.url + "/v1/inference",
+                                            json={"input": text, "timeout_ms": 20000}) as r:
+                        body = await r.json()
+                        return r.status, body.get("batch_size", 0)
+                # While "slow" runs, one input of 40 words and ten of 4 queue. Summed they cost 80, within the
+                # budget: one batch of 11. Padded (rows x longest) the long input's batch would hold 2.
+                texts = [" ".join(["w"] * 40)] + ["a b c d"] * 10
+                return list(await asyncio.gather(one("slow", 0.0), *(one(t, 0.2) for t in texts)))
+        answers = asyncio.run(queued_together())
+        assert [status for status, _ in answers] == [200] * 12, (answers, server.log())
+        assert [size for _, size in answers[1:]] == [11] * 11, (answers, server.log())
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            # An input that alone costs more than a batch may (by its declared cost): 413 at the door, and the
+            # server goes on serving.
+            r = c.post("/v1/inference", json={"input": " ".join(["w"] * 120)})
+            assert r.status_code == 413, r.text
+            assert set(r.json()) >= {"error", "message", "request_id"}
+            assert c.post("/v1/inference", json={"input": "still here"}).status_code == 200
+    finally:
+        server.stop()

@@ -21,7 +21,9 @@ abandoned batch frees its device for the next one. Its outputs are then thrown a
 `warm` may return batch seconds by batch cost measured while warming (a GPU backend times each of its batch
 buckets; minilm times two batches of different token counts), which seed the learned batch time by cost
 (`core/batch_time.py`). `cost_of(text)` says what one input costs to run (tokens for the built-ins; a plugin
-that declares none costs 1 per input): batches are budgeted, timed and admitted by cost (issue 22).
+that declares none costs 1 per input): batches are budgeted, timed and admitted by cost (issue 22). A backend
+may also declare `cost_of_batch(texts)` (optional, not in the protocol: `core/service.BatchCoster`) when a
+batch's cost is not rows x its longest input's.
 """
 
 from __future__ import annotations

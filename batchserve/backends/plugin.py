@@ -89,6 +89,7 @@ class PluginBackend:
     bucket_fn: Callable[[str], int] | None = None
     count_fn: Callable[[list[str]], list[int]] | None = None
     cost_fn: Callable[[str], float] | None = None
+    batch_cost_fn: Callable[[list[str]], float] | None = None
     _runs: list[Callable[[list[str]], list]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +100,9 @@ class PluginBackend:
             self.bucket_of = self.bucket_fn  # type: ignore[method-assign]  # the hot path: no extra frame
         if self.cost_fn is not None:
             self.cost_of = self.cost_fn  # type: ignore[method-assign]  # the hot path too
+        if self.batch_cost_fn is not None:
+            # Only a plugin that declares it has the attribute: the door's BatchCoster check finds it.
+            self.cost_of_batch = self.batch_cost_fn
 
     def device_names(self) -> list[str]:
         return list(self.devices)
@@ -197,6 +201,7 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     bucket_fn = optional("bucket_of", "text")
     count_fn = optional("count_tokens", "texts")
     cost_fn = optional("cost_of", "text")
+    batch_cost_fn = optional("cost_of_batch", "texts")
     warm_fn = optional("warm")
     warm_takes_device = warm_fn is not None and _accepts(warm_fn, "device")
     if warm_fn is not None and not warm_takes_device and not _accepts(warm_fn):
@@ -217,6 +222,7 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
         batch_takes_device=_takes_device(batch_fn), output_kind=kind, max_batch_size=max_batch,
         initial_batch_s=float(initial) if initial is not None else None, setup_fn=setup_fn, warm_fn=warm_fn,
         warm_takes_device=warm_takes_device, bucket_fn=bucket_fn, count_fn=count_fn, cost_fn=cost_fn,
+        batch_cost_fn=batch_cost_fn,
     )
 
 

@@ -156,6 +156,12 @@ class ProcessBackend:
     local: Any  # the backend's lightweight twin: never asked to run a batch here
     devices: list[DeviceProcess]
 
+    def __post_init__(self) -> None:
+        # The twin's batch-level cost, when it declares one, answered here like cost_of (no child involved).
+        batch_cost = getattr(self.local, "cost_of_batch", None)
+        if batch_cost is not None:
+            self.cost_of_batch = batch_cost
+
     @classmethod
     def start(cls, spec: ModelSpec, settings: Settings, local: Any, factory: Factory) -> "ProcessBackend":
         """Spawn a child per device of `local`, each building its backend with `factory`."""

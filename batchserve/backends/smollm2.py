@@ -33,6 +33,14 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Prompt-length bucket edges in characters (about 4 characters a token): inputs in different buckets never
 # share a batch, so padding stays under ~4x the shortest prompt of a batch.
 BUCKET_EDGES = (128, 512, 2048)
+# Cost (issue 22): an input costs its prompt tokens (chat template applied) plus the new tokens it may decode, so
+# a batch costs rows x (longest prompt + max_new_tokens): the static decoder's padded shape (prefill left-pads to
+# the longest prompt; every step of the decode loop runs all rows, over a cache of that length). On a CPU that
+# is what the time grows with. On a GPU the decode loop dominates and a step's time is nearly flat in rows and
+# cache length (weight reads and launches, rows padded up to a graph's batch bucket), so the learned line there
+# is flat: the cost still orders batches truthfully, the learned S says what they take.
+COST_CACHE = 16384  # texts whose prompt token count is remembered (cleared when full: a cache, not a store)
+SHELL_PROMPT_TOKENS = 32  # without a tokenizer (the `--executor process` shell): the chat template's tokens, about
 CONVERTED_FORMAT = 1  # bump when `converted_dir` writes its copy differently: old copies are then ignored
 
 
@@ -204,6 +212,7 @@ class SmolLM2Backend:
     decoders: list[Any] = field(default_factory=list)  # a StaticDecoder per device; empty: `generate`
     # Asked between decode steps; True stops the batch where it is (its callers are all gone). None: never.
     should_stop: Callable[[], bool] | None = None
+    _prompt_tokens: dict[str, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
@@ -232,10 +241,32 @@ class SmolLM2Backend:
                 return i
         return len(BUCKET_EDGES)
 
+    def prompt_tokens(self, text: str) -> int:
+        """The input's prompt tokens (chat template applied), counted once per distinct text: it runs on the
+        event loop, at the door. Without a tokenizer (the process executor's shell) about 4 characters a token."""
+        n = self._prompt_tokens.get(text)
+        if n is None:
+            if len(self._prompt_tokens) >= COST_CACHE:
+                self._prompt_tokens.clear()
+            if self.tokenizer is None:
+                n = SHELL_PROMPT_TOKENS + max(1, len(text) // 4)
+            else:
+                n = len(self.encode([text])[0])
+            self._prompt_tokens[text] = n
+        return n
+
+    def cost_of(self, text: str) -> float:
+        """Prompt tokens plus the most new tokens it decodes: rows x the longest of these is the padded shape."""
+        return float(self.prompt_tokens(text) + self.max_new_tokens)
+
+    def padded_cost(self, texts: list[str]) -> int:
+        """What the server counts a batch of these inputs as (rows x the costliest), the key of warm's timings."""
+        return round(len(texts) * max((self.cost_of(t) for t in texts), default=1.0))
+
     def warm(self, device: str) -> dict[int, float]:
         """Capture the decode graphs (GPU), run a real batch of full-length answers (the batch time of the
         longest answers, which the stable warm-up and the derived deadlines start from), and on a GPU time a
-        full-length batch of each batch bucket (on a CPU that would take minutes): batch seconds by size."""
+        full-length batch of each batch bucket (on a CPU that would take minutes): batch seconds by batch cost."""
         timings: dict[int, float] = {}
         index = self.devices.index(device)
         decoder = self.decoders[index] if self.decoders else None
@@ -246,13 +277,13 @@ class SmolLM2Backend:
             decoder.generate(self.encode(WARM_INPUTS), min_tokens=self.max_new_tokens)
         else:
             self.run_generate(device, WARM_INPUTS, full_length=True)
-        timings[len(WARM_INPUTS)] = time.monotonic() - started
+        timings[self.padded_cost(WARM_INPUTS)] = time.monotonic() - started
         if decoder is not None and decoder.use_graphs:
             ids = self.encode(WARM_INPUTS[:1])
             for size in decoder.batch_buckets:
                 started = time.monotonic()
                 decoder.generate(ids * size, min_tokens=self.max_new_tokens)
-                timings[size] = time.monotonic() - started
+                timings[self.padded_cost(WARM_INPUTS[:1] * size)] = time.monotonic() - started
         return timings
 
     def prompts(self, inputs: list[str]) -> list[str]:

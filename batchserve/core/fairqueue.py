@@ -52,6 +52,9 @@ class Item:
     batch_trace: object = None  # the span context of the batch that answered it, when tracing is on
     cost: float = 1.0  # what the backend says this input costs (its tokens; 1 when it says nothing)
     probe: bool = False  # admitted to correct a batch time that refused everything: runs even if it is late
+    # The backend's `cost_of_batch(texts)` when it declares one (None: rows x the longest row). Carried by the
+    # item, so every batch made of it (formed, halved, retried, isolated) is costed the same way.
+    batch_cost: Callable[[list[str]], float] | None = None
 
     def alive(self, now: float) -> bool:
         """False once the caller has an answer or left; answers 504 when the deadline has passed."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, runtime_checkable
 
 from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
@@ -30,6 +30,19 @@ class Bucketer(Protocol):
 
     def bucket_of(self, text: str) -> int: ...
     def cost_of(self, text: str) -> float: ...
+
+
+@runtime_checkable
+class BatchCoster(Protocol):
+    """A backend whose batch cost is its own formula (the sum of tokens, quadratic attention, ...) rather than
+    rows x the longest row: `cost_of_batch(texts)`. Its inputs are costed alone by it too."""
+
+    def cost_of_batch(self, texts: list[str]) -> float: ...
+
+
+def batch_cost_of(backend: object) -> Callable[[list[str]], float] | None:
+    """The backend's `cost_of_batch`, or None when it declares none (the padded formula applies)."""
+    return backend.cost_of_batch if isinstance(backend, BatchCoster) else None
 
 
 class ItemTracer(Protocol):
@@ -54,6 +67,8 @@ class InferenceService:
         self.quarantine = quarantine if quarantine is not None else Quarantine(clock=clock)
         self.inflight = 0  # callers admitted and not yet answered (inference and generation)
         self.tracing: ItemTracer | None = None  # set when OpenTelemetry is on: spans per request and queue wait
+        # Per model: the backend's cost_of_batch or None, looked up once (the protocol check is not free).
+        self._batch_costs: dict[str, Callable[[list[str]], float] | None] = {}
 
     # -- state the routes and the job scheduler read --------------------------------------------------------
     @property
@@ -90,6 +105,12 @@ class InferenceService:
     def release(self) -> None:
         self.inflight -= 1
 
+    def _batch_cost(self, model: str, backend: object) -> Callable[[list[str]], float] | None:
+        """The model's batch-level cost function (None: rows x the longest row), found once per model."""
+        if model not in self._batch_costs:
+            self._batch_costs[model] = batch_cost_of(backend)
+        return self._batch_costs[model]
+
     def _check_quarantine(self, model: str, text: str) -> None:
         why = self.quarantine.reason(model, text)
         if why is not None:
@@ -119,7 +140,9 @@ class InferenceService:
                 raise errors.warming_up()
             for text in texts:
                 self._check_quarantine(model, text)
-            costs = [float(backend.cost_of(text)) for text in texts]
+            batch_cost = self._batch_cost(model, backend)
+            costs = ([float(backend.cost_of(text)) for text in texts] if batch_cost is None
+                     else [float(batch_cost([text])) for text in texts])
             buckets = [backend.bucket_of(text) for text in texts]
             probe = self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived), costs,
                                          buckets[0])
@@ -133,7 +156,7 @@ class InferenceService:
         items = []
         for text, cost, bucket in zip(texts, costs, buckets):
             item = Item(text, model, bucket, loop.create_future(), arrived, deadline, record, tier,
-                        tenant, gone=gone, trace=trace, cost=cost, probe=probe)
+                        tenant, gone=gone, trace=trace, cost=cost, probe=probe, batch_cost=batch_cost)
             self.batcher.note_cost(model, cost)
             self.batcher.submit(item)
             self.deadlines.watch(timeout_s, item.deadline, item.future)
@@ -192,8 +215,10 @@ class InferenceService:
     def _background_item(self, text: str, model: str, tenant: str, deadline_s: float) -> Item:
         now = self.clock()
         backend = self.backends[model]
+        batch_cost = self._batch_cost(model, backend)
+        cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
         item = Item(text, model, backend.bucket_of(text), asyncio.get_running_loop().create_future(),
-                    now, now + deadline_s, None, BATCH.rank, tenant, cost=float(backend.cost_of(text)))
+                    now, now + deadline_s, None, BATCH.rank, tenant, cost=cost, batch_cost=batch_cost)
         try:
             self._check_quarantine(model, text)
         except ApiError as err:  # answered at once: the scheduler's callback records it failed
