@@ -202,7 +202,8 @@ class Runtime:
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
             self.generation = await start_generation(self.settings, self.metrics.registry)
             self.service.attach(self.pool)
-            self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry, self.prompt_tokens)
+            self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry, self.prompt_tokens,
+                                              self.generation)
             freeze_late_startup_objects()  # the generation replica and whatever else loaded here: never garbage
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))

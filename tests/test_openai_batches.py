@@ -187,7 +187,7 @@ def test_file_retrieve_content_and_delete(client: openai.OpenAI):
       {"custom_id": "b", "url": "/v1/embeddings", "body": {"input": "x", "model": "echo"}}], "/v1/embeddings",
      "different models"),
     ([{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": []}}], "/v1/chat/completions",
-     "not run here yet"),
+     "generation engine, which is off"),
 ])
 def test_a_bad_input_file_is_refused_whole(client: openai.OpenAI, server: LiveServer, lines, endpoint, says):
     file_id = upload(client, lines)

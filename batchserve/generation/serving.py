@@ -1,13 +1,12 @@
 """One generation request's walk: authenticate and rate-limit (the same tenancy as /v1/inference) → the door
-is open (not draining) → parse the OpenAI body → tokenize → `Engine.submit` (KV-cache admission: start now,
-wait, or 503) → deltas from the engine, as one JSON answer or as server-sent events ending in `data: [DONE]`.
-A caller that hangs up cancels its sequence, which frees its KV blocks.
+is open (not draining) → parse the OpenAI body → tokenize (`complete.prepare`, shared with batch lines) →
+`Engine.submit` (KV-cache admission: start now, wait, or 503) → deltas from the engine, as one JSON answer or
+as server-sent events ending in `data: [DONE]`. A caller that hangs up cancels its sequence, which frees its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import secrets
 import time
 from typing import AsyncIterator, Callable
@@ -20,8 +19,9 @@ from starlette.types import Receive, Scope, Send
 from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
-from batchserve.generation.engine import Delta, Engine, Sequence, enabled
-from batchserve.generation.protocol import JSON, Answer, OpenAIError, bad, error_response, parse, sse
+from batchserve.generation.complete import prepare
+from batchserve.generation.engine import Delta, Sequence, enabled
+from batchserve.generation.protocol import JSON, Answer, OpenAIError, error_response, sse
 from batchserve.http.body import read_body, request_id_of
 from batchserve.runtime import Runtime
 
@@ -82,26 +82,8 @@ async def generate(request: Request, chat: bool) -> Response:
             rt.service.check_open(needs_workers=False)  # the engine is its own worker; draining still refuses
         except ApiError as err:
             raise OpenAIError.from_api(err) from None
-        req = parse(body, chat, engine.cfg.max_tokens)
-        if req.model is not None and req.model not in model_aliases(rt.settings, engine):
-            raise OpenAIError(404, f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)", "model",
-                              "model_not_found")
-        try:
-            if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
-                prompt_ids = list(req.prompt)  # type: ignore[arg-type]
-            else:
-                # The size first, on characters (cheap), then the tokenizer, off the event loop.
-                engine.check_prompt_chars(prompt_chars(req.prompt), req.params.max_tokens if
-                                          req.max_tokens_given else 1)
-                prompt_ids = await engine.tokenize(req.prompt)  # type: ignore[arg-type]
-        except ApiError as err:  # as `submit` answers a prompt over the context
-            raise OpenAIError.from_api(err) from None
-        if any(t >= engine.vocab_size for t in prompt_ids):
-            raise bad("prompt", "a token id is outside the model's vocabulary")
-        params = req.params
-        if not req.max_tokens_given and 0 < engine.max_context - len(prompt_ids) < params.max_tokens:
-            # as OpenAI does: without max_tokens the answer may run to the end of the context
-            params = dataclasses.replace(params, max_tokens=engine.max_context - len(prompt_ids))
+        prep = await prepare(rt.settings, engine, body, chat)
+        req, prompt_ids, params = prep.req, prep.prompt_ids, prep.params
         try:
             seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream)
         except ApiError as err:
@@ -184,13 +166,6 @@ async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usa
     yield b"data: [DONE]\n\n"
 
 
-def prompt_chars(prompt: list[dict[str, str]] | str) -> int:
-    """Characters of a text prompt, or of every message's content of a chat."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(m.get("content") or "") for m in prompt)
-
-
 def not_serving(rt: Runtime) -> OpenAIError:
     if not enabled(rt.settings):
         return OpenAIError(404, "generation is off on this server (start it with --backend smollm2 or "
@@ -198,12 +173,3 @@ def not_serving(rt: Runtime) -> OpenAIError:
     if rt.startup_error:
         return OpenAIError(503, f"the server failed to start: {rt.startup_error}", None, "startup_failed")
     return OpenAIError(503, "the generation model is still loading", None, "warming_up", headers={"Retry-After": "5"})
-
-
-def model_aliases(settings: Settings, engine: Engine) -> set[str]:
-    """Names a client may use for the generation model: its id, and the smollm2 registry ids."""
-    names = {engine.cfg.model_id, "HuggingFaceTB/" + engine.cfg.model_id}
-    for spec in settings.models:
-        if spec.backend == "smollm2":
-            names.update({spec.name, spec.id})
-    return names

@@ -22,9 +22,10 @@ from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.errors import ApiError
+from batchserve.generation.complete import model_aliases
 from batchserve.http.body import ascii_count, client_host, error_response, json_response, request_id_of
 from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
-from batchserve.jobs.lines import EMBEDDINGS
+from batchserve.jobs.lines import EMBEDDINGS, GENERATION
 from batchserve.jobs.openai_batch import batch_object, check_batch_request, parse_input_file
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import (IdempotencyConflict, Job, JobStore, NewJob, Progress, StoreDown, StoreUnavailable,
@@ -145,7 +146,7 @@ def public(job: Job) -> dict[str, Any]:
 async def create_openai_batch(values: dict[str, Any], key: str | None, rt: Runtime, svc: JobService,
                               caller: Caller) -> Response:
     """OpenAI's `POST /v1/batches`: the input file's lines become the job's items (`openai_batch.py`)."""
-    file_id, endpoint, window, metadata = check_batch_request(values)
+    file_id, endpoint, window, metadata = check_batch_request(values, rt.generation is not None)
     if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
         raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
     store = await svc.open_store()
@@ -159,6 +160,12 @@ async def create_openai_batch(values: dict[str, Any], key: str | None, rt: Runti
     if len(named) > 1:
         raise errors.invalid("the lines name different models; one batch runs on one model")
     requested = next(iter(named), None)
+    if endpoint in GENERATION:
+        assert rt.generation is not None  # checked by check_batch_request
+        if requested is not None and requested not in model_aliases(rt.settings, rt.generation):
+            raise errors.model_not_found(requested)
+        return await store_openai_batch(svc, store, caller, key, rt.generation.cfg.model_id, parsed.items,
+                                        endpoint, file_id, window, metadata)
     spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
     if spec is None and requested is None and endpoint == EMBEDDINGS:
         spec = next((s for s in rt.registry.specs if output_kind(rt, s.id) == "embedding"), None)
@@ -166,9 +173,16 @@ async def create_openai_batch(values: dict[str, Any], key: str | None, rt: Runti
         raise errors.model_not_found(requested)
     if endpoint == EMBEDDINGS and output_kind(rt, spec.id) != "embedding":
         raise errors.invalid(f"the model {spec.id!r} does not produce embeddings; batch it on /v1/inference")
+    return await store_openai_batch(svc, store, caller, key, spec.id, parsed.items, endpoint, file_id, window,
+                                    metadata)
+
+
+async def store_openai_batch(svc: JobService, store: JobStore, caller: Caller, key: str | None, model: str,
+                             items: list[str], endpoint: str, file_id: str, window: str,
+                             metadata: dict | None) -> Response:
     openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": window}
     canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
-    new = NewJob("batch_" + secrets.token_hex(12), caller.owner, spec.id, parsed.items, metadata, key,
+    new = NewJob("batch_" + secrets.token_hex(12), caller.owner, model, items, metadata, key,
                  hashlib.sha256(canon).hexdigest(), time.time(), openai)
     try:
         job, created = await store.create(new)

@@ -2,6 +2,11 @@
 same code (the embeddings route's `parse`/`answer`, the inference route's `parse_inference`), with each input
 entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item.
 
+A line of /v1/chat/completions or /v1/completions runs on the generation engine instead (it has its own
+continuous batching, not the batcher): `generation.complete.complete`, the online route's own code, at tier
+`batch`, so it waits behind interactive sequences for KV-cache capacity; a refusal for capacity (503) or a
+wait that ran out (504) is raised like a door error, and the scheduler runs the line again later.
+
 A line's outcome is OpenAI's `response` object, `{status_code, request_id, body}`. A body the online route
 would refuse with a 4xx is answered here the same way, at once and for good (running it again cannot help).
 An error from the door (deadline, drain, a worker lost; a 500 after bisection) is raised instead, so the
@@ -19,14 +24,20 @@ import orjson
 
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.tiers import BATCH
 from batchserve.embeddings.protocol import answer as embeddings_answer
 from batchserve.embeddings.protocol import parse as parse_embeddings
+from batchserve import errors
 from batchserve.errors import ApiError
+from batchserve.generation.complete import complete
+from batchserve.generation.engine import Engine
 from batchserve.http.inference_body import parse_inference
 from batchserve.http.openai_error import OpenAIError
 
 EMBEDDINGS, INFERENCE = "/v1/embeddings", "/v1/inference"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 RUNNABLE = (EMBEDDINGS, INFERENCE)  # endpoints whose lines ride the batcher (see docs/batch-jobs.md)
+GENERATION = (CHAT, COMPLETIONS)  # endpoints whose lines run on the generation engine, when it is on
 
 TokenCounter = Callable[[str, list[str]], int]  # (model id, texts) -> prompt tokens (0 when it cannot count)
 
@@ -89,12 +100,19 @@ class LineRunner:
     door: Submitter
     settings: Settings
     count_tokens: TokenCounter
+    engine: Engine | None = None  # the generation engine, when it is on: runs chat and completions lines
+
+    def models(self) -> list[str]:
+        """The generation model, when it is on: its jobs' lines run here too."""
+        return [self.engine.cfg.model_id] if self.engine is not None else []
 
     def start(self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float, alone: bool) -> LineRun:
         """Put the line's inputs in the batcher now; the run's future resolves to its LineResult."""
         loop = asyncio.get_running_loop()
         request_id = "req_" + secrets.token_hex(8)
         body = orjson.dumps(orjson.loads(line)["body"])
+        if endpoint in GENERATION:
+            return self._generate(body, endpoint == CHAT, request_id, line)
         try:
             if endpoint == EMBEDDINGS:
                 req = parse_embeddings(body, self.settings.max_input_chars, self.settings.timeout_ms,
@@ -112,6 +130,26 @@ class LineRunner:
         items = [self.door.submit_background(t, model, tenant, deadline_s, alone=alone) for t in texts]
         run = LineRun(loop.create_future(), items, line)
         task = asyncio.ensure_future(self._gather(items, finish))
+        task.add_done_callback(lambda t: _settle(run.future, t))
+        run.future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
+        return run
+
+    def _generate(self, body: bytes, chat: bool, request_id: str, line: str) -> LineRun:
+        loop = asyncio.get_running_loop()
+        run = LineRun(loop.create_future(), text=line)
+        engine = self.engine
+        if engine is None:  # a job stored while generation was on, read by a node started without it: retried
+            run.future.set_exception(errors.no_healthy_worker(
+                "generation is off on this node (start it with --backend smollm2 or --generation on)"))
+            return run
+
+        async def answer() -> LineResult:
+            try:
+                return LineResult(200, request_id, await complete(self.settings, engine, body, chat, BATCH.rank))
+            except OpenAIError as err:  # what the route answers with a 4xx: the line's answer, for good
+                return refused(err, request_id, True)
+
+        task = asyncio.ensure_future(answer())
         task.add_done_callback(lambda t: _settle(run.future, t))
         run.future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
         return run

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from batchserve import errors
-from batchserve.jobs.lines import RUNNABLE
+from batchserve.jobs.lines import GENERATION, RUNNABLE
 from batchserve.jobs.store import ItemRow, Job
 
 ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/inference")
@@ -77,17 +77,18 @@ def parse_input_file(content: bytes, endpoint: str, max_lines: int) -> InputFile
     return InputFile(items, models)
 
 
-def check_batch_request(values: dict[str, Any]) -> tuple[str, str, str, dict | None]:
-    """(input_file_id, endpoint, completion_window, metadata) of a `POST /v1/batches` in OpenAI's shape."""
+def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, str, str, dict | None]:
+    """(input_file_id, endpoint, completion_window, metadata) of a `POST /v1/batches` in OpenAI's shape.
+    `generating`: the generation engine is on here, so chat and completions lines can run."""
     file_id, endpoint = values.get("input_file_id"), values.get("endpoint")
     window, metadata = values.get("completion_window", "24h"), values.get("metadata")
     if not isinstance(file_id, str) or not file_id:
         raise errors.invalid("'input_file_id' must be the id of a file uploaded with purpose 'batch'")
     if endpoint not in ENDPOINTS:
         raise errors.invalid(f"'endpoint' must be one of {', '.join(ENDPOINTS)}")
-    if endpoint not in RUNNABLE:
-        raise errors.invalid(f"batches for {endpoint} are not run here yet; use the online route, or "
-                                     f"batch {' or '.join(RUNNABLE)}")
+    if endpoint in GENERATION and not generating:
+        raise errors.invalid(f"batches for {endpoint} run on the generation engine, which is off on this server "
+                             f"(start it with --backend smollm2 or --generation on); batch {' or '.join(RUNNABLE)}")
     if window not in COMPLETION_WINDOWS:
         raise errors.invalid(f"'completion_window' must be one of {', '.join(COMPLETION_WINDOWS)}")
     if metadata is not None and (not isinstance(metadata, dict)

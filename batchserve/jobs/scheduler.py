@@ -151,7 +151,7 @@ class Scheduler:
 
     async def start(self) -> None:
         """Resume every unfinished job on a model served here, then start feeding and flushing."""
-        for job in await self.store.active(self.door.models()):
+        for job in await self.store.active(self.models()):
             self.add(job)
         if self.jobs:
             log.info("resuming %d unfinished batch job(s)", len(self.jobs))
@@ -198,6 +198,10 @@ class Scheduler:
             item.future.cancel()
         self.metrics.active_jobs.set(len(self.jobs))
         self._wake.set()
+
+    def models(self) -> list[str]:
+        """Models whose jobs run here: the door's, and the generation model (its chat and completions lines)."""
+        return self.door.models() + (self.lines.models() if self.lines is not None else [])
 
     def limit(self) -> int:
         if self.settings.jobs_max_inflight > 0:
@@ -511,7 +515,7 @@ class Scheduler:
         """Pick up jobs created on other nodes, look again at jobs whose items were all leased (a lease may
         have run out), and drop jobs finished or cancelled elsewhere."""
         started = time.monotonic()
-        active = await self.store.active(self.door.models())
+        active = await self.store.active(self.models())
         ids = set()
         for job in active:
             ids.add(job.id)

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
+from batchserve.generation.engine import Engine
 from batchserve.jobs.breaker import CircuitBreaker
 from batchserve.jobs.lines import LineRunner, TokenCounter
 from batchserve.jobs.metrics import JobMetrics
@@ -40,6 +41,7 @@ class JobService:
     scheduler: Scheduler | None = None
     problem: str = ""  # why the store could not be opened, for the 503
     count_tokens: TokenCounter = lambda model, texts: 0  # usage of OpenAI embeddings lines
+    generation: Engine | None = None  # runs OpenAI chat and completions lines, when generation is on
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
     # PostgreSQL: after a failed open, the next try waits a second; the requests meanwhile get the 503 at once
     # instead of queueing on `_opening` behind one connect attempt each (the database may be down for minutes).
@@ -48,8 +50,8 @@ class JobService:
 
     @classmethod
     async def start(cls, door: Door, settings: Settings, registry: CollectorRegistry,
-                    count_tokens: TokenCounter | None = None) -> "JobService":
-        svc = cls(door, settings, JobMetrics.create(registry))
+                    count_tokens: TokenCounter | None = None, generation: Engine | None = None) -> "JobService":
+        svc = cls(door, settings, JobMetrics.create(registry), generation=generation)
         if count_tokens is not None:
             svc.count_tokens = count_tokens
         path = settings.jobs_db
@@ -101,7 +103,7 @@ class JobService:
         store = await self._open()
         try:
             scheduler = Scheduler(store, self.door, self.settings, self.metrics,
-                                  LineRunner(self.door, self.settings, self.count_tokens))
+                                  LineRunner(self.door, self.settings, self.count_tokens, self.generation))
             await scheduler.start()
         except BaseException:
             await store.close()

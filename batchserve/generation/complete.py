@@ -1,0 +1,102 @@
+"""The non-HTTP part of a generation request, shared by the online route (`serving.py`) and the lines of an
+OpenAI batch (`jobs/lines.py`), so a batch line gets exactly the body the route would send: parse the OpenAI
+body → check the model → size the prompt → tokenize (off the event loop) → the default max_tokens.
+`complete` then runs one non-streamed sequence through `Engine.submit` (the same KV-cache admission).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from dataclasses import dataclass
+
+import orjson
+
+from batchserve import errors
+from batchserve.config import Settings
+from batchserve.errors import ApiError
+from batchserve.generation.engine import Engine, SamplingParams
+from batchserve.generation.protocol import Answer, GenRequest, OpenAIError, bad, parse
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A parsed body and its prompt, ready for `Engine.submit`."""
+
+    req: GenRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -> Prepared:
+    """The body as the engine takes it, or the OpenAIError (4xx) the route answers."""
+    req = parse(body, chat, engine.cfg.max_tokens)
+    if req.model is not None and req.model not in model_aliases(settings, engine):
+        raise OpenAIError(404, f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)",
+                          "model", "model_not_found")
+    try:
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+            prompt_ids = list(req.prompt)  # type: ignore[arg-type]
+        else:
+            # The size first, on characters (cheap), then the tokenizer, off the event loop.
+            engine.check_prompt_chars(prompt_chars(req.prompt), req.params.max_tokens if  # type: ignore[arg-type]
+                                      req.max_tokens_given else 1)
+            prompt_ids = await engine.tokenize(req.prompt)  # type: ignore[arg-type]
+    except ApiError as err:  # as `submit` answers a prompt over the context
+        raise OpenAIError.from_api(err) from None
+    if any(t >= engine.vocab_size for t in prompt_ids):
+        raise bad("prompt", "a token id is outside the model's vocabulary")
+    params = req.params
+    if not req.max_tokens_given and 0 < engine.max_context - len(prompt_ids) < params.max_tokens:
+        # as OpenAI does: without max_tokens the answer may run to the end of the context
+        params = dataclasses.replace(params, max_tokens=engine.max_context - len(prompt_ids))
+    return Prepared(req, prompt_ids, params)
+
+
+async def complete(settings: Settings, engine: Engine, body: bytes, chat: bool, tier: int) -> bytes:
+    """The non-streamed answer's JSON for `body`, as the route sends it.
+
+    Raises OpenAIError for what the route answers with a 4xx (running it again cannot help), and the engine's
+    ApiError otherwise (503 no KV capacity now, 504 waited too long, draining, 500): a batch line's caller
+    retries those later rather than failing the line. Cancelling the caller frees the sequence's KV blocks.
+    """
+    prep = await prepare(settings, engine, body, chat)
+    if prep.req.stream:
+        raise bad("stream", "a batch line is answered whole; leave out 'stream'")
+    try:
+        seq = engine.submit(prep.prompt_ids, prep.params, tier=tier, streamed=False)
+    except ApiError as err:
+        if err.status < 500:
+            raise OpenAIError.from_api(err) from None
+        raise
+    answer = Answer(chat, ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), engine.cfg.model_id,
+                    int(time.time()), len(prep.prompt_ids))
+    try:
+        text: list[str] = []
+        while True:
+            delta = await seq.deltas.get()
+            if delta.error is not None:
+                raise delta.error
+            text.append(delta.text)
+            if delta.finish_reason is not None:
+                return orjson.dumps(answer.full("".join(text), delta.finish_reason, seq.tokens))
+    finally:
+        if not seq.finished:
+            engine.cancel(seq, "batch_cancelled")
+
+
+def prompt_chars(prompt: list[dict[str, str]] | str) -> int:
+    """Characters of a text prompt, or of every message's content of a chat."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m.get("content") or "") for m in prompt)
+
+
+def model_aliases(settings: Settings, engine: Engine) -> set[str]:
+    """Names a client may use for the generation model: its id, and the smollm2 registry ids."""
+    names = {engine.cfg.model_id, "HuggingFaceTB/" + engine.cfg.model_id}
+    for spec in settings.models:
+        if spec.backend == "smollm2":
+            names.update({spec.name, spec.id})
+    return names
