@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.debian import ensure_installed
+
 INSTALL_CMD = "apt-get update && apt-get install -y --no-install-recommends chromium"
 NAMES = ("chromium", "chromium-browser")
 RENDER_BUDGET_MS = 15000  # virtual time the page gets to run its scripts before the DOM is read
@@ -52,19 +54,7 @@ def find_chromium() -> str | None:
 
 def ensure_chromium() -> str:
     """The chromium binary; installs Debian's package first when it is missing (root only)."""
-    found = find_chromium()
-    if found:
-        return found
-    if not shutil.which("apt-get") or os.geteuid() != 0:
-        raise ChromiumUnavailable(f"chromium is not installed and cannot be installed by this user; run as root: "
-                                  f"{INSTALL_CMD}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(["bash", "-c", INSTALL_CMD], env=env, capture_output=True, text=True, timeout=900)
-    found = find_chromium()
-    if done.returncode != 0 or not found:
-        raise ChromiumUnavailable(f"`{INSTALL_CMD}` failed ({done.returncode}):\n{done.stdout[-2000:]}"
-                                  f"\n{done.stderr[-2000:]}")
-    return found
+    return ensure_installed(find_chromium, INSTALL_CMD, "chromium", ChromiumUnavailable, timeout=900)
 
 
 def run_headless(url: str, *actions: str, width: int = 1280, height: int = 1400,

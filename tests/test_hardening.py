@@ -28,6 +28,23 @@ from tests.test_jobs import finished, results, wait_for
 from tests.test_tenancy import add_key, bearer
 
 
+# A real server (the real serve function) with a route added that raises: `python -c BOOM_SERVER PORT`.
+BOOM_SERVER = (
+    "import sys\n"
+    "from starlette.routing import Route\n"
+    "from batchserve.config import Settings\n"
+    "from batchserve.http import server\n"
+    "real = server.create_app\n"
+    "def boom(request): raise RuntimeError('secret detail')\n"
+    "def with_boom(*args, **kwargs):\n"
+    "    app = real(*args, **kwargs)\n"
+    "    app.routes.append(Route('/boom', boom))\n"
+    "    return app\n"
+    "server.create_app = with_boom\n"
+    "server.serve(Settings(port=int(sys.argv[1]), devices=1, sim_batch_ms=5))\n"
+)
+
+
 # -- raw sockets: what an HTTP client library would not send -------------------------------------------------
 def connect(server: LiveServer, source: str = "127.0.0.1") -> socket.socket:
     host, port = server.url.removeprefix("http://").split(":")
@@ -313,20 +330,7 @@ def test_odd_query_values_and_unexpected_errors_are_json(tmp_path, server_factor
             assert r.status_code == 400 and r.json()["error"] == "INVALID_REQUEST", (limit, r.text)
     # Any exception no route expected: a JSON 500 without a traceback (the log has it). A route that raises
     # is added to the real app, served by the real server function.
-    script = (
-        "import sys\n"
-        "from starlette.routing import Route\n"
-        "from batchserve.config import Settings\n"
-        "from batchserve.http import server\n"
-        "real = server.create_app\n"
-        "def boom(request): raise RuntimeError('secret detail')\n"
-        "def with_boom(*args, **kwargs):\n"
-        "    app = real(*args, **kwargs)\n"
-        "    app.routes.append(Route('/boom', boom))\n"
-        "    return app\n"
-        "server.create_app = with_boom\n"
-        "server.serve(Settings(port=int(sys.argv[1]), devices=1, sim_batch_ms=5))\n"
-    )
+    script = BOOM_SERVER
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", script, str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from tests.conftest import LiveServer
-from tests.test_hardening import _free_port, _try_get, connect, read_answer
+from tests.test_hardening import BOOM_SERVER, _free_port, _try_get, connect, read_answer
 from tests.test_jobs import wait_for
 
 
@@ -210,20 +210,7 @@ def test_the_corrupt_jobs_database_503_names_no_path(tmp_path, server_factory):
 def test_a_500_keeps_the_connection_for_the_next_request(tmp_path):
     """An unexpected exception answered 500 used to close the keep-alive connection after the answer, so the
     client's next request, already on its way, was reset."""
-    script = (
-        "import sys\n"
-        "from starlette.routing import Route\n"
-        "from batchserve.config import Settings\n"
-        "from batchserve.http import server\n"
-        "real = server.create_app\n"
-        "def boom(request): raise RuntimeError('secret detail')\n"
-        "def with_boom(*args, **kwargs):\n"
-        "    app = real(*args, **kwargs)\n"
-        "    app.routes.append(Route('/boom', boom))\n"
-        "    return app\n"
-        "server.create_app = with_boom\n"
-        "server.serve(Settings(port=int(sys.argv[1]), devices=1, sim_batch_ms=5))\n"
-    )
+    script = BOOM_SERVER
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", script, str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

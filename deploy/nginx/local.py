@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.nginx.render import render
+from scripts.debian import ensure_installed
 
 INSTALL_CMD = "apt-get update && apt-get install -y --no-install-recommends nginx"
 START_TIMEOUT_S = 10.0
@@ -60,19 +61,7 @@ def find_nginx() -> str | None:
 
 def ensure_nginx() -> str:
     """The nginx binary; installs Debian's package first when it is missing (root only)."""
-    found = find_nginx()
-    if found:
-        return found
-    if not shutil.which("apt-get") or os.geteuid() != 0:
-        raise NginxUnavailable(f"nginx is not installed and cannot be installed by this user; run as root: "
-                               f"{INSTALL_CMD}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(["bash", "-c", INSTALL_CMD], env=env, capture_output=True, text=True, timeout=600)
-    found = find_nginx()
-    if done.returncode != 0 or not found:
-        raise NginxUnavailable(f"`{INSTALL_CMD}` failed ({done.returncode}):\n{done.stdout[-2000:]}"
-                               f"\n{done.stderr[-2000:]}")
-    return found
+    return ensure_installed(find_nginx, INSTALL_CMD, "nginx", NginxUnavailable, timeout=600)
 
 
 def free_port() -> int:
