@@ -37,6 +37,7 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
+import urllib.request  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
 import aiohttp  # noqa: E402
@@ -45,6 +46,7 @@ import orjson  # noqa: E402
 
 from bench import common, report, servers  # noqa: E402
 from bench.embed_bench import INFINITY_VENV, WORDS, Target, free_port, start, start_infinity, torch_threads  # noqa: E402
+from bench.model_load import bins, histogram_counts  # noqa: E402
 from bench.procstat import raise_fd_limit  # noqa: E402
 from bench.schedule import poisson_schedule  # noqa: E402
 
@@ -123,6 +125,11 @@ class Row:
     refused_503: int
     late_504: int
     other_errors: dict[str, int] = field(default_factory=dict)
+    # batchserve's own view over the row, from its /metrics histograms (the bucket holding the 95th percentile,
+    # as its upper bound): arrival to answer, and queue wait. Beside the client's p95 they split the time the
+    # server knows of from the time spent before it reads a request or after it writes the answer.
+    server_p95_ms: float = float("nan")
+    server_queue_p95_ms: float = float("nan")
 
 
 async def drive(target: Target, fraction: float, rate: float, duration: float, warmup: float, seed: int,
@@ -207,9 +214,13 @@ def markdown(rep: dict, rows: list[Row]) -> str:
            "", f"## Open loop, one input per request (deadline {rep['settings']['deadline_ms']:.0f} ms, "
                f"SLO {rep['settings']['slo_ms']:.0f} ms)", "",
            report.table(["x capacity", "offered/s", "server", "answered/s", "goodput/s", "p50 ms", "p95 ms",
-                         "503", "504", "other errors"],
+                         "server's p95 ms (bucket)", "server's queue p95 ms (bucket)", "503", "504", "other errors"],
                         [[r.fraction, r.rate, r.server, r.answered_per_s, r.goodput_per_s, r.p50_ms, r.p95_ms,
-                          r.refused_503, r.late_504, sum(r.other_errors.values())] for r in rows]),
+                          r.server_p95_ms, r.server_queue_p95_ms, r.refused_503, r.late_504,
+                          sum(r.other_errors.values())] for r in rows]),
+           "", "The server's columns are batchserve's own histograms over the row (upper bound of the bucket "
+               "holding the 95th percentile): arrival at the route to answer, and arrival to dispatch in a batch; "
+               "the client's p95 adds what happens before the server reads a request and after it writes the answer.",
            "", "## Verdict", ""]
     out += [f"- {line}" for line in rep["verdict"]]
     return "\n".join(out)
@@ -229,6 +240,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.smoke:
         a.duration, a.warmup, a.capacity_seconds = 3.0, 1.0, 4.0
     return a
+
+
+def scrape(target: Target) -> str:
+    """batchserve's /metrics text ("" for a server without it)."""
+    if not target.metrics:
+        return ""
+    base = target.url.rsplit("/v1/", 1)[0]
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def bucket_p95_ms(before: str, after: str, name: str) -> float:
+    """The upper bound (ms) of the histogram bucket that holds the 95th percentile of what was observed between
+    two scrapes; nan when nothing was."""
+    counts = bins(histogram_counts(before, name), histogram_counts(after, name))
+    total = sum(counts.values())
+    seen = 0
+    for bound in sorted(counts):
+        seen += counts[bound]
+        if total and seen >= 0.95 * total:
+            return bound * 1000
+    return float("nan")
+
+
+def with_server_view(row: Row, before: str, after: str) -> Row:
+    if before and after:
+        row.server_p95_ms = bucket_p95_ms(before, after, "batchserve_request_duration_seconds")
+        row.server_queue_p95_ms = bucket_p95_ms(before, after, "batchserve_queue_wait_seconds")
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,8 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                 for k, (f, rate) in enumerate(zip(FRACTIONS, rates)):
                     if stopping:
                         break
-                    rows.append(asyncio.run(drive(target, f, rate, a.duration, a.warmup, a.seed + k, texts,
-                                                  deadline_ms / 1000, a.timeout)))
+                    before = scrape(target)
+                    row = asyncio.run(drive(target, f, rate, a.duration, a.warmup, a.seed + k, texts,
+                                            deadline_ms / 1000, a.timeout))
+                    rows.append(with_server_view(row, before, scrape(target)))
                     print_row(rows[-1])
                 after = health(target)
             finally:
@@ -303,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_row(r: Row) -> None:
     print(f"  {r.server:<10} {r.fraction:g}x = {r.rate:6.1f}/s: answered {r.answered_per_s:6.1f}/s, goodput "
-          f"{r.goodput_per_s:6.1f}/s, p50 {r.p50_ms:7.1f} p95 {r.p95_ms:7.1f} ms, 503 {r.refused_503}, 504 "
+          f"{r.goodput_per_s:6.1f}/s, p50 {r.p50_ms:7.1f} p95 {r.p95_ms:7.1f} ms (server's {r.server_p95_ms:g}, "
+          f"queue {r.server_queue_p95_ms:g}), 503 {r.refused_503}, 504 "
           f"{r.late_504}, other {r.other_errors or 0}", flush=True)
 
 
