@@ -21,7 +21,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 import httpx
@@ -129,6 +129,31 @@ def _job_body(inputs: Iterable[str], model: str | None, metadata: Mapping[str, s
     return body
 
 
+@dataclass
+class _Tries:
+    """The retry bookkeeping both clients share: which try this is, and how long to wait before the next."""
+
+    retry: Retry
+    on_retry: Callable[[int, float, BatchserveError], None] | None
+    began: float = field(default_factory=time.monotonic)
+    attempt: int = 0
+
+    def wait_after(self, failed: httpx.Response | httpx.ConnectError) -> float:
+        """Seconds to wait before trying again after `failed` (a retryable answer, or no connection); raises
+        its BatchserveError when no retry is left within the deadline."""
+        self.attempt += 1
+        if isinstance(failed, httpx.ConnectError):
+            err, hint = BatchserveError(0, "CONNECTION_FAILED", str(failed)), None
+        else:
+            err, hint = error_of(failed), server_wait_s(failed)
+        wait = next_wait_s(self.retry, self.attempt, hint, self.retry.deadline_s - (time.monotonic() - self.began))
+        if wait is None:
+            raise err
+        if self.on_retry is not None:
+            self.on_retry(self.attempt, wait, err)
+        return wait
+
+
 class Client:
     """Sync client; one connection pool, reuse it (a `with` block closes it). `on_retry(attempt, wait_s,
     error)` is told about every retry (for logs or tests)."""
@@ -150,24 +175,16 @@ class Client:
 
     def request(self, method: str, path: str, **kw: object) -> httpx.Response:
         """One call, retried while the server says a retry can help; the 2xx response, else BatchserveError."""
-        began = time.monotonic()
-        attempt = 0
+        tries = _Tries(self.retry, self.on_retry)
         while True:
-            attempt += 1
+            response: httpx.Response | httpx.ConnectError
             try:
                 response = self.http.request(method, path, **kw)  # type: ignore[arg-type]
             except httpx.ConnectError as exc:
-                err, hint = BatchserveError(0, "CONNECTION_FAILED", str(exc)), None
-            else:
-                if response.status_code not in RETRY_STATUSES:
-                    return _raise_for(response)
-                err, hint = error_of(response), server_wait_s(response)
-            wait = next_wait_s(self.retry, attempt, hint, self.retry.deadline_s - (time.monotonic() - began))
-            if wait is None:
-                raise err
-            if self.on_retry is not None:
-                self.on_retry(attempt, wait, err)
-            time.sleep(wait)
+                response = exc
+            if isinstance(response, httpx.Response) and response.status_code not in RETRY_STATUSES:
+                return _raise_for(response)
+            time.sleep(tries.wait_after(response))
 
     def infer(self, text: str, model: str | None = None, timeout_ms: int | None = None) -> dict:
         """`POST /v1/inference`: {"output", "model", "latency_ms", "queue_ms", "compute_ms", ...}."""
@@ -229,24 +246,16 @@ class AsyncClient:
         await self.http.aclose()
 
     async def request(self, method: str, path: str, **kw: object) -> httpx.Response:
-        began = time.monotonic()
-        attempt = 0
+        tries = _Tries(self.retry, self.on_retry)
         while True:
-            attempt += 1
+            response: httpx.Response | httpx.ConnectError
             try:
                 response = await self.http.request(method, path, **kw)  # type: ignore[arg-type]
             except httpx.ConnectError as exc:
-                err, hint = BatchserveError(0, "CONNECTION_FAILED", str(exc)), None
-            else:
-                if response.status_code not in RETRY_STATUSES:
-                    return _raise_for(response)
-                err, hint = error_of(response), server_wait_s(response)
-            wait = next_wait_s(self.retry, attempt, hint, self.retry.deadline_s - (time.monotonic() - began))
-            if wait is None:
-                raise err
-            if self.on_retry is not None:
-                self.on_retry(attempt, wait, err)
-            await asyncio.sleep(wait)
+                response = exc
+            if isinstance(response, httpx.Response) and response.status_code not in RETRY_STATUSES:
+                return _raise_for(response)
+            await asyncio.sleep(tries.wait_after(response))
 
     async def infer(self, text: str, model: str | None = None, timeout_ms: int | None = None) -> dict:
         return (await self.request("POST", "/v1/inference", json=_inference_body(text, model, timeout_ms))).json()
