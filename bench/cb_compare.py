@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -386,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result.row())
             print(f"{engine}: {results[-1]}", flush=True)
             save(args.out, header, results, info, settings)  # after every row: a timeout leaves the rows so far
+            del result
+            gc.collect()  # the last row's slot cache and graph pool go before the next row's (KV of 1,024 slots
+            if torch.cuda.is_available():  # of 2,048 tokens is 48 GB: two rows' at once would not fit an H100)
+                torch.cuda.empty_cache()
     print("\n" + header + "\n" + markdown(results, results[0]) + "\n", flush=True)
     return 0
 
