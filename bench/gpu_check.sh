@@ -102,12 +102,12 @@ else
 fi
 for part in "${parts[@]}"; do
   case $part:$cpu in
-    agree:0) stage agree 50 "$PY" bench/gpu_agree.py --out "$work/agree.md" ;;
+    agree:0) stage agree 45 "$PY" bench/gpu_agree.py --out "$work/agree.md" ;;
     agree:1) stage agree 60 "$PY" bench/gpu_agree.py --device cpu --tiny --slots 8 --requests 16 --out "$work/agree.md" ;;
     paths:*)
       if [[ -f $paths_script ]]; then
         if [[ $cpu == 0 ]]; then
-          stage paths 50 "$PY" "$paths_script" --device cuda --smollm2-dir "$smol" --out "$work/paths"
+          stage paths 45 "$PY" "$paths_script" --device cuda --smollm2-dir "$smol" --out "$work/paths"
         else
           stage paths 90 "$PY" "$paths_script" --device cpu --tiny --out "$work/paths"
         fi
@@ -115,11 +115,11 @@ for part in "${parts[@]}"; do
         echo "## paths: skipped, no $paths_script (issue 25 item 1's static vs stepper bench) in this copy" \
           | tee -a "$out/check.md"
       fi ;;
-    rows:0) stage rows 75 "$PY" bench/cb_compare.py --random --device cuda --requests 6144 --batch 256 \
+    rows:0) stage rows 70 "$PY" bench/cb_compare.py --random --device cuda --requests 6144 --batch 256 \
         --cb-seqs 512,1024 --kv-tokens 2097152 --skip-static --engines slots --out "$work/rows.md" ;;
     rows:1) stage rows 90 "$PY" bench/cb_compare.py --random --tiny --device cpu --requests 24 --batch 4 --long 32 \
         --cb-seqs 8,16 --kv-tokens 4096 --skip-static --engines slots --out "$work/rows.md" ;;
-    server:0) stage server 90 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors thread --generation on \
+    server:0) stage server 110 "$PY" -m bench.executor_bench --smollm2-dir "$smol" --executors thread --generation on \
         --rates 400,800,1400 --duration 5 --sizes 1,32,100 --repeats 1 --max-new-tokens 64 --slo-ms 1000 \
         --timeout-s 30 --start-timeout-s 75 --out "$work/server.md" ;;
     server:1)
@@ -129,8 +129,8 @@ for part in "${parts[@]}"; do
       else
         echo "## server: skipped, no $smol (bash bench/gpu_prep.sh makes it)" | tee -a "$out/check.md"
       fi ;;
-    embed:0) stage embed 70 "$PY" -m bench.gpu_embed --device cuda ${minilm_dir:+--minilm-dir "$minilm_dir"} \
-        --texts 20000 --inputs 1,32 --concurrency 256 --seconds 6 --start-timeout-s 50 --out "$work/embed" \
+    embed:0) stage embed 60 "$PY" -m bench.gpu_embed --device cuda ${minilm_dir:+--minilm-dir "$minilm_dir"} \
+        --texts 20000 --inputs 1,32 --concurrency 256 --seconds 5 --start-timeout-s 40 --out "$work/embed" \
         --name embed ;;
     embed:1) stage embed 90 "$PY" -m bench.gpu_embed --device cpu --tiny ${minilm_dir:+--minilm-dir "$minilm_dir"} \
         --out "$work/embed" --name embed ;;
