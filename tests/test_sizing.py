@@ -149,3 +149,23 @@ def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model
         between = 0 if kind == "step" else between + tokens
         worst = max(worst, between)
     assert 0 < worst <= 10
+
+
+def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> None:  # noqa: F811
+    """Driven by hand (no thread): a 13-token prompt prefilled 4 tokens a step is cancelled after its first
+    piece; its slot is free and held, nothing is reported for it, and the next sequence in that slot gets
+    `generate`'s tokens."""
+    from batchserve.generation.slot_stepper import Join
+
+    dec = SlotDecoder(model, slots=2, slot_tokens=48, eos_ids=[], pad_id=PAD, chunk_tokens=4)
+    stepper = SlotStepper(dec, step_s=0.01, prefill_step_tokens=4)
+    long, short = prompts(model, (13, 5), seed=51)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    stepper._take_slots([Join("long", long, greedy, 0)])
+    assert stepper._prefill() == [] and stepper._filling[0].done == 4  # one piece, no token yet
+    assert stepper.kv_usage() == 0.5
+    stepper._drop(["long"])
+    assert stepper._filling == [] and sorted(stepper._free) == [0, 1] and stepper.kv_usage() == 0
+    assert bool(dec.done[0])
+    got = run_stepper(stepper, [(short, greedy)])
+    assert got["0"] == alone(model, short, None, 6)
