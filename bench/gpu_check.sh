@@ -7,14 +7,16 @@
 #   agree      first, as wrong tokens would make every figure after it moot: the static decoder and the slot
 #              stepper with CUDA graphs (and eagerly on CUDA) against the same code eager on the CPU
 #              (bench/gpu_agree.py). Goal: every greedy request identical, 90 % of the sampled ones.
-#   paths      /v1/inference on the static batch path vs the slot stepper (bench/inference_paths.py, issue 25
-#              item 1, another engineer's script: run when present, skipped with a note when not).
+#   paths      the server at 3 offered rates up to overload (500, 1,000, 2,000 req/s x 64 new tokens), for
+#              /v1/inference on the slot stepper and then on the static batch path (bench/inference_paths.py,
+#              issue 25 item 1's script): answered/s, p95, 503s at the door, seconds to ready (the stepper's
+#              slots sized from free memory, so their capture is part of it). Goal: >= 1,000 req/s (H200; 800 on
+#              an H100) at p95 <= 1 s, overload answered with 503. Without that script in the copy, the
+#              `server` stage runs in its place.
 #   rows       the slot stepper at 256, 512 and 1,024 rows (bench/cb_compare.py, 6,144 requests, 80 % x 16 and
 #              20 % x 256 tokens). Goal: >= 80,000 output tokens/s at 1,024.
-#   server     `batchserve serve --backend smollm2` at 3 offered rates up to overload (bench/executor_bench.py):
-#              achieved rate, p95, 503s at the door, seconds to ready (the generation engine's slots now sized
-#              from free memory, so its capture is part of it). Goal: >= 1,000 req/s (H200; 800 on an H100) at
-#              p95 <= 1 s, overload answered with 503.
+#   server     `batchserve serve --backend smollm2 --generation on` at 400, 800 and 1,400 req/s
+#              (bench/executor_bench.py; the static path's batch time in the server vs offline).
 #   embed      minilm served vs sentence-transformers offline on the same GPU (bench/gpu_embed.py, the fp16 copy
 #              unzipped and named with $BATCHSERVE_MINILM_DIR). Goal: in-server >= 0.9 x offline.
 # Older parts, by PARTS only: static (offline batch time by size vs the anchor), cbmix (slots vs transformers'
@@ -93,12 +95,13 @@ if [[ -f .gpu/minilm-fp16.zip ]]; then
   mkdir -p "$minilm_dir" && (cd "$minilm_dir" && unzip -q -o "$OLDPWD/.gpu/minilm-fp16.zip") || minilm_dir=""
 fi
 paths_script=bench/inference_paths.py
+default_parts=agree,paths,rows,embed  # paths is the server under load, both /v1/inference paths
+[[ -f $paths_script ]] || default_parts=agree,paths,rows,server,embed
+IFS=, read -ra parts <<< "${PARTS:-$default_parts}"
 if [[ $cpu == 1 ]]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  IFS=, read -ra parts <<< "${PARTS:-agree,paths,rows,server,embed}"
 else
-  IFS=, read -ra parts <<< "${PARTS:-agree,paths,rows,server,embed}"
-  [[ -f $smol/config.json ]] || echo "no $smol: carry .gpu (made by bash bench/gpu_prep.sh); the server stage will fail"
+  [[ -f $smol/config.json ]] || echo "no $smol: carry .gpu (made by bash bench/gpu_prep.sh); the server stages will fail"
 fi
 for part in "${parts[@]}"; do
   case $part:$cpu in
@@ -107,9 +110,10 @@ for part in "${parts[@]}"; do
     paths:*)
       if [[ -f $paths_script ]]; then
         if [[ $cpu == 0 ]]; then
-          stage paths 45 "$PY" "$paths_script" --device cuda --smollm2-dir "$smol" --out "$work/paths"
+          stage paths 140 "$PY" "$paths_script" --device cuda --smollm2-dir "$smol" --paths stepper,static \
+            --rates 500,1000,2000 --duration 4 --start-timeout-s 70 --out "$work/paths"
         else
-          stage paths 90 "$PY" "$paths_script" --device cpu --tiny --out "$work/paths"
+          stage paths 150 "$PY" "$paths_script" --device cpu --tiny --out "$work/paths"
         fi
       else
         echo "## paths: skipped, no $paths_script (issue 25 item 1's static vs stepper bench) in this copy" \
