@@ -1,8 +1,8 @@
 """The ASGI app: every wing's routes on one Starlette router, the OpenAPI document built from their
 contributions, and the runtime's life (load and warm at start-up, drain and stop at shutdown).
 
-Where the request path lives: `http/inference.py` (POST /v1/inference, top to bottom), `core/service.py`
-(the door: admission, the batcher's queue, the deadline), `batcher.py` (which items form the next batch, and
+Where the request path lives: `inference/routes.py` (POST /v1/inference, top to bottom), `core/service.py`
+(the door: admission, the batcher's queue, the deadline), `core/batcher.py` (which items form the next batch, and
 when), `gpu_pool.py` (the worker thread per device that runs it and resolves the futures).
 """
 
@@ -27,8 +27,10 @@ from batchserve.embeddings import schema as embeddings_schema
 from batchserve.http.body import internal_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
-from batchserve.http import docs_page, inference, ops, openapi
-from batchserve.http import schema as http_schema
+from batchserve.http import docs_page, openapi
+from batchserve.inference import ops
+from batchserve.inference import routes as inference
+from batchserve.inference import schema as http_schema
 from batchserve.jobs import api as jobs_api
 from batchserve.jobs import files_api
 from batchserve.jobs import schema as jobs_schema

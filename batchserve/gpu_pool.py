@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Protocol
 from batchserve import errors
 from batchserve.backends import Backend, running_batch
 from batchserve.backends.outputs import OutputRule, check_outputs
-from batchserve.batcher import Batch, Batcher, Clock
+from batchserve.core.batcher import Batch, Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.tiers import BATCH

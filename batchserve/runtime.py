@@ -18,7 +18,7 @@ from batchserve import errors
 from batchserve.backends import Backend, PluginError
 from batchserve.backends.loading import LoadedModels, load_models
 from batchserve.core.batch_time import BatchTimes
-from batchserve.batcher import Batcher
+from batchserve.core.batcher import Batcher
 from batchserve.core import load_signal
 from batchserve.config import Settings
 from batchserve.core.admission import Admission

@@ -4,7 +4,7 @@ Why: a measured p95 means little alone. Fed the very arrivals the load generator
 length), this model says what the policy itself costs, so the gap between a measured row and this number is
 the server's own overhead (event loop, threads, HTTP), not the policy or the luck of the draw.
 
-It mirrors `batchserve/batcher.py`: one free device at a time waits for "its" batch (the turn lock), and
+It mirrors `batchserve/core/batcher.py`: one free device at a time waits for "its" batch (the turn lock), and
 takes it as soon as (a) `max_batch` items wait, (b) the oldest item's dispatch deadline arrives
 (`arrived + slo − S − margin`), or (c) pacing: `S / G` has passed since the last dispatch. The batch is formed
 at that instant (it keeps filling until taken), runs S seconds, and its items are answered at the end.

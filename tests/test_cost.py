@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from batchserve.batcher import Batch, Batcher
+from batchserve.core.batcher import Batch, Batcher
 from batchserve.core.admission import Admission, predict
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item

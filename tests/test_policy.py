@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from batchserve.core.batch_time import BatchTimes
-from batchserve.batcher import Batch, Batcher
+from batchserve.core.batcher import Batch, Batcher
 from batchserve.core import tiers
 from batchserve.core.admission import PROBE_EVERY_S, Admission, predicted_latency_s
 from batchserve.core.fairqueue import FairQueue, Item
@@ -102,7 +102,7 @@ def test_a_batch_takes_job_items_of_one_tenant_and_job_tenants_take_turns_by_bat
 def test_background_batches_take_one_dispatch_in_five_while_job_work_is_due_and_none_while_interactive_waits(loop):
     """Issue 28, item 3: an isolated job's groups (and job re-runs) get a small share of the workers while
     other job work is due, so they move without slowing the others much; never ahead of interactive items."""
-    from batchserve.batcher import BACKGROUND_EVERY
+    from batchserve.core.batcher import BACKGROUND_EVERY
 
     clock = Clock()
     b = make_batcher(clock, max_batch=2)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from batchserve import errors
-from batchserve.batcher import Batcher
+from batchserve.core.batcher import Batcher
 from batchserve.core.tiers import SHED
 
 FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once

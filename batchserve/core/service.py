@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Protocol, runtime_checkable
 
 from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
-from batchserve.batcher import Batcher
+from batchserve.core.batcher import Batcher
 from batchserve.core.admission import Admission, Capacity
 from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult

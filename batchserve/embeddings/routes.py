@@ -23,7 +23,7 @@ from batchserve.core.service import InferenceService
 from batchserve.embeddings.protocol import answer, parse
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import read_body, request_id_of
-from batchserve.http.inference import disconnect_probe
+from batchserve.inference.routes import disconnect_probe
 from batchserve.http.openai_error import JSON, OpenAIError, error_response
 from batchserve.runtime import Runtime
 from batchserve.tenancy import Caller

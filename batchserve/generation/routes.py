@@ -13,7 +13,7 @@ from starlette.routing import Route
 from batchserve.generation.engine import Engine, enabled
 from batchserve.generation.protocol import JSON
 from batchserve.generation.serving import generate
-from batchserve.http.ops import operational
+from batchserve.inference.ops import operational
 from batchserve.runtime import Runtime
 
 

@@ -2,7 +2,7 @@
 
 Written by hand, next to the contract, so that the schemas say exactly what DESIGN §2 promises (tests check
 live answers against them). Each route module declares its own paths and schemas as a `Contribution`
-(`http/schema.py`, `jobs/schema.py`, `generation/schema.py`), and `app.create_app` builds the document from the
+(`inference/schema.py`, `jobs/schema.py`, `generation/schema.py`), and `app.create_app` builds the document from the
 contributions of the routes it mounts: nothing is registered by importing a module. Contributions refer to
 the shared pieces with `ref("Error")` and `error_responses(400, 404, ...)`.
 """

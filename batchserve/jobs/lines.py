@@ -31,7 +31,7 @@ from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.generation.complete import complete
 from batchserve.generation.engine import Engine
-from batchserve.http.inference_body import parse_inference
+from batchserve.inference.body import parse_inference
 from batchserve.http.openai_error import OpenAIError
 
 EMBEDDINGS, INFERENCE = "/v1/embeddings", "/v1/inference"

@@ -23,9 +23,9 @@ from batchserve.config import ModelSpec
 from batchserve.embeddings.routes import infer_all
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import client_host, read_body_from, request_id_from, send_json
-from batchserve.http.inference import disconnect_probe
+from batchserve.inference.routes import disconnect_probe
 from batchserve.http.protocol import whole_answer_sender
-from batchserve.http.ops import not_ready_reason
+from batchserve.inference.ops import not_ready_reason
 from batchserve.kserve.protocol import (EXTENSIONS, HEADER_LENGTH, V2Error, infer_answer, model_metadata,
                                         parse_infer)
 from batchserve.runtime import Runtime

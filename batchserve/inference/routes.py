@@ -24,7 +24,7 @@ from batchserve.errors import ApiError, ClientGone
 from batchserve.generation.routes import model_cards
 from batchserve.http.body import (client_host, error_body, error_response, inference_headers, json_response,
                                   new_request_id, read_body_from, request_id_from, send_json)
-from batchserve.http.inference_body import parse_inference
+from batchserve.inference.body import parse_inference
 from batchserve.http.protocol import whole_answer_sender
 from batchserve.runtime import Runtime
 
