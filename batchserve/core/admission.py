@@ -15,8 +15,10 @@ a model of length classes has its classes' turns replayed instead (`class_turns.
 batch whenever their turn comes with items — those arriving while the request waits included (their admitted
 rate, `class_arrivals`) — and every class's batches are read at the padded cost of a row (`Batcher.row_cost`).
 Under pressure the queue part of the prediction is multiplied by what such predictions really turned out to be
-lately (`wait_calibration.WaitCalibration`, fed by the service with each admitted request's first batch). The last input is checked against the request's
-deadline: a many-input request is predicted as the batches it will make and served when they fit its timeout.
+lately (`wait_calibration.WaitCalibration`, fed by the service with each admitted request's first batch).
+
+The last input is checked against the request's deadline: a many-input request is predicted as the batches it
+will make and served when they fit its timeout.
 Under pressure — arrivals faster than the healthy workers serve, or a worker lost — the first input is also
 checked against `slo_ms x slack x tier factor`, so lower tiers are refused first and admitted requests stay near
 the objective; since a long input makes its own batch costlier, one tenant's long inputs pass that bound
