@@ -101,9 +101,19 @@ def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahe
     own_unit = max(costs, default=1.0)
     per_batch = per(own_unit)
     share = max(1, healthy)
-    if bucket is not None:
+    if bucket is not None and any(m == model and b != bucket and (len(q) or (rates and rates.get(b)))
+                                  for (m, b), q in batcher.queues.items()):
         return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {}, per)
+    # One queue (the sim, a plugin without bucket_of, or a costed model whose other classes are quiet): FIFO
+    # batches, the formula above; a class's batches at the padded cost of a row, as in the replay.
     full_s = times[model]
+    if bucket is not None:
+        row = batcher.row_cost.get((model, bucket), 0.0)
+        own_q = batcher.queues.get((model, bucket))
+        unit = max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
+        own_unit = max(own_unit, row)
+        full_n, per_batch = per(unit), per(own_unit)
+        full_s = times.at(model, batcher.estimate_cost(model, full_n, unit))
     base = until_free_s + (ahead // full_n) * full_s / share
     rem = ahead % full_n
     if rem + 1 > per_batch:  # the partial batch ahead leaves without it
@@ -144,9 +154,9 @@ def _by_turns(batcher: Batcher, model: str, until_free_s: float, share: int, ahe
     ahead_unit = max(own_q.mean_cost() if own_q is not None and queued else own_unit, row)
     own = Own(math.ceil(queued * part), ahead_unit, per(ahead_unit), max(1, len(costs)), own_unit, per(own_unit),
               rates.get(bucket, 0.0), served.get((model, bucket), 0.0))
-    times = batcher.batch_s
+    times, cap = batcher.batch_s, max(1.0, batcher.budget(model))  # a batch's cost: rows x cost, within the budget
     d = drain(batcher.clock(), until_free_s, share, own, others,
-              lambda rows, cost: times.at(model, batcher.estimate_cost(model, rows, cost)))
+              lambda rows, cost: times.at(model, min(rows * cost, cap)))
     return Prediction(d.first_s, d.last_s, d.wait_s)
 
 

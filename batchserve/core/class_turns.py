@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 MIN_ROWS = 0.5  # a class expected to hold at least this many items takes its turn (a Poisson queue: likely)
-MAX_TURNS = 256  # turns replayed; past them the rest of the request is extrapolated at the pace replayed so far
+MAX_TURNS = 64  # turns replayed (each a few us: the door runs this per request); past them, extrapolated
 
 BatchSeconds = Callable[[float, float], float]  # (rows, mean cost of a row) -> expected batch time, s
 
@@ -68,6 +68,14 @@ def drain(now: float, until_free_s: float, share: int, own: Own, others: list[Cl
     of a worker's time; `until_free_s`: the time until the first of them is free."""
     share = max(1, share)
     t = max(0.0, until_free_s)
+    memo: dict[tuple[float, float], float] = {}  # most turns are full batches of a few classes: read S once each
+
+    def seconds(rows: float, unit: float) -> float:
+        got = memo.get((rows, unit))
+        if got is None:
+            got = memo[(rows, unit)] = batch_s(rows, unit)
+        return got
+
     for q in others:
         q.rows += q.rate * t
     own_last, ahead, left = own.last, own.ahead, max(1, own.n)
@@ -81,12 +89,12 @@ def drain(now: float, until_free_s: float, share: int, own: Own, others: list[Cl
                 pick = q
         if pick is not None:
             rows = min(float(pick.per), max(1.0, pick.rows))
-            dt = batch_s(rows, pick.unit) / share
+            dt = seconds(rows, pick.unit) / share
             pick.rows = max(0.0, pick.rows - rows)
             pick.last = now + t
         elif ahead and ahead + 1 > own.per:  # a batch of the rows ahead leaves without it
             rows = min(own.ahead_per, ahead)
-            dt = batch_s(rows, own.ahead_unit) / share
+            dt = seconds(rows, own.ahead_unit) / share
             ahead -= rows
             own_last, own_turns = now + t, own_turns + 1
         else:  # a batch holding its inputs: the rows ahead, as many of its own as fit, later arrivals
@@ -94,12 +102,12 @@ def drain(now: float, until_free_s: float, share: int, own: Own, others: list[Cl
             rows = ahead + mine
             if mine == left:
                 rows = min(float(own.per), rows + own.rate * t)
-            took = batch_s(rows, own.unit)
+            took = seconds(rows, own.unit)
             if wait_s < 0:
                 # Its first input as `admission.predict` has always counted it: in a batch of the rows ahead and
                 # itself (a request of many inputs is bounded by the objective at its first, the deadline at its
                 # last: an idle server serves 2,048 inputs whose batches fit the timeout).
-                wait_s, first_s = t, t + (took if left == 1 else batch_s(ahead + 1, own.unit))
+                wait_s, first_s = t, t + (took if left == 1 else seconds(ahead + 1, own.unit))
             left -= mine
             ahead = 0
             if not left:
@@ -116,5 +124,5 @@ def drain(now: float, until_free_s: float, share: int, own: Own, others: list[Cl
     end = t + rest * pace
     if wait_s < 0:
         wait_s = t + math.ceil(ahead / max(1, own.ahead_per)) * pace
-        first_s = wait_s + batch_s(min(own.per, left), own.unit)
+        first_s = wait_s + seconds(min(own.per, left), own.unit)
     return Drained(wait_s, first_s, max(first_s, end))
