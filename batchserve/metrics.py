@@ -106,9 +106,10 @@ class AdmissionWaitCollector(Collector):
     """Admission's prediction against what happened, per model, read at scrape time (nothing per request):
     the queue waits predicted and observed for requests admitted under pressure, summed (their increase over a
     window, divided, is how far the door's model of the queue was off), and the factor it applies now
-    (`core/wait_calibration.py`). `read` gives per model (predicted s, observed s, requests, factor)."""
+    (`core/wait_calibration.py`) and the margin it keeps below its latency bound. `read` gives per model
+    (predicted s, observed s, requests, factor, margin s)."""
 
-    def __init__(self, read: Callable[[], Mapping[str, tuple[float, float, int, float]]],
+    def __init__(self, read: Callable[[], Mapping[str, tuple[float, float, int, float, float]]],
                  registry: CollectorRegistry) -> None:
         self.read = read
         registry.register(self)
@@ -123,12 +124,15 @@ class AdmissionWaitCollector(Collector):
                                     "was compared with the prediction", labels=["model"])
         factor = GaugeMetricFamily(p + "wait_factor", "What admission multiplies its predicted queue wait by: "
                                    "the observed over predicted waits lately, clamped", labels=["model"])
-        for model, (pred_s, actual_s, n, f) in sorted(self.read().items()):
+        margin = GaugeMetricFamily(p + "wait_margin_seconds", "What admission keeps below its latency bound under "
+                                   "pressure: the 95th percentile of its corrected wait error", labels=["model"])
+        for model, (pred_s, actual_s, n, f, m) in sorted(self.read().items()):
             predicted.add_metric([model], pred_s)
             actual.add_metric([model], actual_s)
             count.add_metric([model], n)
             factor.add_metric([model], f)
-        yield from (predicted, actual, count, factor)
+            margin.add_metric([model], m)
+        yield from (predicted, actual, count, factor, margin)
 
 
 @dataclass

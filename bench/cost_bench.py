@@ -138,6 +138,7 @@ class Row:
     wait_ratio: float = float("nan")
     calibrated: int = 0
     wait_factor: float = float("nan")
+    wait_margin_ms: float = float("nan")
 
 
 async def drive(target: Target, fraction: float, rate: float, duration: float, warmup: float, seed: int,
@@ -223,16 +224,18 @@ def markdown(rep: dict, rows: list[Row]) -> str:
                f"SLO {rep['settings']['slo_ms']:.0f} ms)", "",
            report.table(["x capacity", "offered/s", "server", "answered/s", "goodput/s", "p50 ms", "p95 ms",
                          "server's p95 ms (bucket)", "server's queue p95 ms (bucket)", "503", "504", "other errors",
-                         "wait observed/predicted", "compared", "factor"],
+                         "wait observed/predicted", "compared", "factor", "margin ms"],
                         [[r.fraction, r.rate, r.server, r.answered_per_s, r.goodput_per_s, r.p50_ms, r.p95_ms,
                           r.server_p95_ms, r.server_queue_p95_ms, r.refused_503, r.late_504,
-                          sum(r.other_errors.values()), r.wait_ratio, r.calibrated, r.wait_factor] for r in rows]),
+                          sum(r.other_errors.values()), r.wait_ratio, r.calibrated, r.wait_factor, r.wait_margin_ms]
+                         for r in rows]),
            "", "The server's columns are batchserve's own histograms over the row (upper bound of the bucket "
                "holding the 95th percentile): arrival at the route to answer, and arrival to dispatch in a batch; "
                "the client's p95 adds what happens before the server reads a request and after it writes the answer. "
                "'wait observed/predicted': for the requests admitted under pressure in the row, their queue waits "
                "(admission to their first batch) summed over what admission predicted before calibration; "
-               "'factor': the calibration admission applied at the end of the row (core/wait_calibration.py).",
+               "'factor' and 'margin': the calibration admission applied at the end of the row "
+               "(core/wait_calibration.py).",
            "", "## Verdict", ""]
     out += [f"- {line}" for line in rep["verdict"]]
     return "\n".join(out)
@@ -301,6 +304,7 @@ def with_server_view(row: Row, before: str, after: str) -> Row:
         if predicted > 0:
             row.wait_ratio = delta.get("batchserve_admission_actual_wait_seconds_total", 0.0) / predicted
         row.wait_factor = a.get("batchserve_admission_wait_factor", float("nan"))
+        row.wait_margin_ms = a.get("batchserve_admission_wait_margin_seconds", float("nan")) * 1000
     return row
 
 
@@ -385,7 +389,7 @@ def print_row(r: Row) -> None:
           f"{r.goodput_per_s:6.1f}/s, p50 {r.p50_ms:7.1f} p95 {r.p95_ms:7.1f} ms (server's {r.server_p95_ms:g}, "
           f"queue {r.server_queue_p95_ms:g}), 503 {r.refused_503}, 504 "
           f"{r.late_504}, other {r.other_errors or 0}; wait observed/predicted {r.wait_ratio:.2f} over "
-          f"{r.calibrated}, factor {r.wait_factor:.2f}", flush=True)
+          f"{r.calibrated}, factor {r.wait_factor:.2f}, margin {r.wait_margin_ms:.0f} ms", flush=True)
 
 
 if __name__ == "__main__":

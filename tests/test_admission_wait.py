@@ -213,6 +213,44 @@ def test_a_door_that_predicted_half_the_wait_learns_it_and_refuses_what_would_be
     assert quiet.admit_ticket(M, 1, "t", 2.0, (2.0,), bucket=0).wait_s is None
 
 
+def test_the_margin_follows_the_95th_percentile_of_the_error_left() -> None:
+    # Predicted 0.1 s each; one in ten waited 0.2 s: the mean (the factor, 1.1) leaves an error of +0.09 s for
+    # those, -0.01 s for the rest; 10 % above 0.09 s minus a hair, none above it: the 95th percentile is 0.09 s.
+    c = WaitCalibration()
+    waits = [0.2 if k % 10 == 9 else 0.1 for k in range(3000)]
+    for actual in waits[:MIN_OBSERVED]:
+        c.observe(M, 0.1, actual)
+    assert c.margin(M) == 0.0  # nothing learned before the factor is
+    for actual in waits[MIN_OBSERVED:]:
+        c.observe(M, 0.1, actual)
+    assert c.factor(M) == pytest.approx(1.1, abs=0.02)
+    assert c.margin(M) == pytest.approx(0.09, abs=0.012)
+    # Errors that all vanish: the margin falls back toward 0.
+    for _ in range(3000):
+        c.observe(M, 0.1, 0.1)
+    assert c.margin(M) < 0.01
+
+
+def test_under_pressure_the_door_keeps_its_margin_below_the_bound(loop) -> None:
+    clock = Clock()
+    b = batcher(clock, budget=0)
+    for _ in range(50):  # predicted to start in 0.1 s, answered in ~0.16 s: within 0.25 s
+        submit(b, loop, 2.0, 0, clock.t)
+    d = Admission(b, Capacity(until_free=0.1), max_queue=100_000, slo_s=0.2, slack=1.25, clock=clock)
+    d.arrivals.rate = d.arrivals_fast.rate = 1000.0
+    d.arrivals.last = d.arrivals_fast.last = clock.t
+    ticket = d.admit_ticket(M, 1, "t", 2.0, (2.0,), bucket=0)
+    assert ticket.wait_s == pytest.approx(0.1)
+    for k in range(2000):  # right on average, one in ten 0.12 s late: its 95th percentile error
+        d.observed(M, ticket, ticket.at + (0.208 if k % 10 == 9 else 0.088))
+    assert d.calibration.factor(M) == pytest.approx(1.0, abs=0.02)
+    assert d.calibration.margin(M) > 0.09
+    with pytest.raises(ApiError):
+        d.admit_ticket(M, 1, "t", 2.0, (2.0,), bucket=0)  # 0.16 s + its margin: past 0.25 s
+    d.calibration.models[M].tail = 0.0
+    d.admit_ticket(M, 1, "t", 2.0, (2.0,), bucket=0)  # the same without it: admitted
+
+
 def test_scaled_moves_only_the_queue_part() -> None:
     p = Prediction(first_s=0.3, last_s=0.5, wait_s=0.2)
     q = p.scaled(1.5)

@@ -246,10 +246,12 @@ class Admission:
         if ticket.wait_s is not None:
             self.calibration.observe(model, ticket.wait_s, max(0.0, started_s - ticket.at))
 
-    def wait_totals(self) -> dict[str, tuple[float, float, int, float]]:
-        """Per model: predicted and observed queue waits summed (s), requests compared, the factor now."""
-        return {model: (pred, actual, n, self.calibration.factor(model))
-                for model, (pred, actual, n) in self.calibration.totals().items()}
+    def wait_totals(self) -> dict[str, tuple[float, float, int, float, float]]:
+        """Per model: predicted and observed queue waits summed (s), requests compared, the factor and the
+        margin (s) now."""
+        c = self.calibration
+        return {model: (pred, actual, n, c.factor(model), c.margin(model))
+                for model, (pred, actual, n) in c.totals().items()}
 
     def admit_ticket(self, model: str, tier: int, tenant: str, deadline_s: float,
                      costs: Sequence[float] = (1.0,), bucket: int | None = None) -> "Ticket":
@@ -298,6 +300,8 @@ class Admission:
         if idle and n <= batcher.full_n(model):
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
+        if pressure:  # 95 % of admitted requests within the bound, not half of those near it; never half of it
+            bound_s -= min(self.calibration.margin(model), bound_s / 2)
         late_s = max(p.first_s - bound_s, p.last_s - deadline_s)
         if late_s > 0:
             limit = "deadline" if p.last_s - deadline_s >= p.first_s - bound_s else "latency objective"
