@@ -139,6 +139,7 @@ class Row:
     calibrated: int = 0
     wait_factor: float = float("nan")
     wait_margin_ms: float = float("nan")
+    rows_per_batch: float = float("nan")  # inputs per batch over the row (batchserve_batch_size): what it runs at
 
 
 async def drive(target: Target, fraction: float, rate: float, duration: float, warmup: float, seed: int,
@@ -224,10 +225,11 @@ def markdown(rep: dict, rows: list[Row]) -> str:
                f"SLO {rep['settings']['slo_ms']:.0f} ms)", "",
            report.table(["x capacity", "offered/s", "server", "answered/s", "goodput/s", "p50 ms", "p95 ms",
                          "server's p95 ms (bucket)", "server's queue p95 ms (bucket)", "503", "504", "other errors",
-                         "wait observed/predicted", "compared", "factor", "margin ms"],
+                         "rows/batch", "wait observed/predicted", "compared", "factor", "margin ms"],
                         [[r.fraction, r.rate, r.server, r.answered_per_s, r.goodput_per_s, r.p50_ms, r.p95_ms,
                           r.server_p95_ms, r.server_queue_p95_ms, r.refused_503, r.late_504,
-                          sum(r.other_errors.values()), r.wait_ratio, r.calibrated, r.wait_factor, r.wait_margin_ms]
+                          sum(r.other_errors.values()), r.rows_per_batch, r.wait_ratio, r.calibrated, r.wait_factor,
+                          r.wait_margin_ms]
                          for r in rows]),
            "", "The server's columns are batchserve's own histograms over the row (upper bound of the bucket "
                "holding the 95th percentile): arrival at the route to answer, and arrival to dispatch in a batch; "
@@ -298,6 +300,11 @@ def with_server_view(row: Row, before: str, after: str) -> Row:
         row.server_p95_ms = bucket_p95_ms(before, after, "batchserve_request_duration_seconds")
         row.server_queue_p95_ms = bucket_p95_ms(before, after, "batchserve_queue_wait_seconds")
         a, b = samples(after), samples(before)
+        size_a, size_b = samples(after, "batchserve_batch_size_"), samples(before, "batchserve_batch_size_")
+        batches = size_a.get("batchserve_batch_size_count", 0.0) - size_b.get("batchserve_batch_size_count", 0.0)
+        if batches > 0:
+            row.rows_per_batch = (size_a.get("batchserve_batch_size_sum", 0.0)
+                                  - size_b.get("batchserve_batch_size_sum", 0.0)) / batches
         delta = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
         predicted = delta.get("batchserve_admission_predicted_wait_seconds_total", 0.0)
         row.calibrated = int(delta.get("batchserve_admission_calibrated_requests_total", 0.0))
@@ -388,7 +395,8 @@ def print_row(r: Row) -> None:
     print(f"  {r.server:<10} {r.fraction:g}x = {r.rate:6.1f}/s: answered {r.answered_per_s:6.1f}/s, goodput "
           f"{r.goodput_per_s:6.1f}/s, p50 {r.p50_ms:7.1f} p95 {r.p95_ms:7.1f} ms (server's {r.server_p95_ms:g}, "
           f"queue {r.server_queue_p95_ms:g}), 503 {r.refused_503}, 504 "
-          f"{r.late_504}, other {r.other_errors or 0}; wait observed/predicted {r.wait_ratio:.2f} over "
+          f"{r.late_504}, other {r.other_errors or 0}; {r.rows_per_batch:.1f} rows/batch; wait observed/predicted "
+          f"{r.wait_ratio:.2f} over "
           f"{r.calibrated}, factor {r.wait_factor:.2f}, margin {r.wait_margin_ms:.0f} ms", flush=True)
 
 
