@@ -4,8 +4,8 @@ A costed model's queue is one queue per length class (`bucket_of`), and the batc
 the classes with items waiting, the one served least recently goes next (`Batcher.most_urgent`), one batch a
 turn. So a new input waits for its own class's batches ahead of it, and between two of them, for one batch of
 every other class that has items at that moment — including items that arrive while it waits. Counting only
-the other classes' items queued at admission (a fixed number of batches each) predicted ~0.75 of the wait on
-minilm at 1.3x its capacity, and half of it at the tail (bench/cost_bench.py): under sustained load a class
+the other classes' items queued at admission (a fixed number of batches each) predicted ~2/3 of the wait on
+minilm at 1.3x its capacity, about half of it in the longest class (bench/cost_bench.py): under sustained load a class
 that is drained refills, so it takes a turn in every round, and a queue of long inputs (few a batch) waits
 through more rounds than a short one.
 
