@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from batchserve.errors import ApiError
@@ -100,6 +100,39 @@ class LoopCounter(Collector):
         for values, child in list(self._children.items()):
             family.add_metric(list(values), child.value)
         yield family
+
+
+class AdmissionWaitCollector(Collector):
+    """Admission's prediction against what happened, per model, read at scrape time (nothing per request):
+    the queue waits predicted and observed for requests admitted under pressure, summed (their increase over a
+    window, divided, is how far the door's model of the queue was off), and the factor it applies now
+    (`core/wait_calibration.py`) and the margin it keeps below its latency bound. `read` gives per model
+    (predicted s, observed s, requests, factor, margin s)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, tuple[float, float, int, float, float]]],
+                 registry: CollectorRegistry) -> None:
+        self.read = read
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        p = "batchserve_admission_"
+        predicted = CounterMetricFamily(p + "predicted_wait_seconds", "Queue wait admission predicted for "
+                                        "requests admitted under pressure (before calibration)", labels=["model"])
+        actual = CounterMetricFamily(p + "actual_wait_seconds", "Queue wait those requests had, admission to "
+                                     "their first batch", labels=["model"])
+        count = CounterMetricFamily(p + "calibrated_requests", "Requests admitted under pressure whose wait "
+                                    "was compared with the prediction", labels=["model"])
+        factor = GaugeMetricFamily(p + "wait_factor", "What admission multiplies its predicted queue wait by: "
+                                   "the observed over predicted waits lately, clamped", labels=["model"])
+        margin = GaugeMetricFamily(p + "wait_margin_seconds", "What admission keeps below its latency bound under "
+                                   "pressure: the 95th percentile of its corrected wait error", labels=["model"])
+        for model, (pred_s, actual_s, n, f, m) in sorted(self.read().items()):
+            predicted.add_metric([model], pred_s)
+            actual.add_metric([model], actual_s)
+            count.add_metric([model], n)
+            factor.add_metric([model], f)
+            margin.add_metric([model], m)
+        yield from (predicted, actual, count, factor, margin)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.generation.engine import Engine, start_generation
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
-from batchserve.metrics import Metrics, make_metrics
+from batchserve.metrics import AdmissionWaitCollector, Metrics, make_metrics
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Tenancy
 from batchserve.tracing import Tracing
@@ -126,6 +126,7 @@ class Runtime:
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
         load_signal.GatewayGauges(rt.model_loads, rt.metrics.registry)
+        AdmissionWaitCollector(admission.wait_totals, rt.metrics.registry)
         return rt
 
     def model_loads(self) -> dict[str, load_signal.ModelLoad]:

@@ -3,6 +3,7 @@
     python -m bench.cost_bench                 # about 6 minutes on 2 cores; prints the table
     python -m bench.cost_bench --record        # the same, and writes bench/results/cost-<time>.{md,json}
     python -m bench.cost_bench --smoke         # a quick check of the whole path (not a measurement)
+    python -m bench.cost_bench --capacity 112 --fractions 1.3 --no-infinity   # one row, ~30 s: a quick look
 
 One run, all-MiniLM-L6-v2 on the CPU (`--backend minilm`), one input of 8 to 40 words per `POST /v1/embeddings`:
 
@@ -43,6 +44,7 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench import common, report, servers  # noqa: E402
 from bench.embed_bench import INFINITY_VENV, WORDS, Target, free_port, start, start_infinity, torch_threads  # noqa: E402
@@ -130,6 +132,14 @@ class Row:
     # server knows of from the time spent before it reads a request or after it writes the answer.
     server_p95_ms: float = float("nan")
     server_queue_p95_ms: float = float("nan")
+    # Admission's own check (batchserve_admission_*_wait_seconds_total over the row): the queue wait of requests
+    # admitted under pressure, observed over predicted (before its calibration), and the factor it applied at
+    # the end. Less sensitive to a busy machine than the latencies: both sides see the same slowdown.
+    wait_ratio: float = float("nan")
+    calibrated: int = 0
+    wait_factor: float = float("nan")
+    wait_margin_ms: float = float("nan")
+    rows_per_batch: float = float("nan")  # inputs per batch over the row (batchserve_batch_size): what it runs at
 
 
 async def drive(target: Target, fraction: float, rate: float, duration: float, warmup: float, seed: int,
@@ -214,13 +224,20 @@ def markdown(rep: dict, rows: list[Row]) -> str:
            "", f"## Open loop, one input per request (deadline {rep['settings']['deadline_ms']:.0f} ms, "
                f"SLO {rep['settings']['slo_ms']:.0f} ms)", "",
            report.table(["x capacity", "offered/s", "server", "answered/s", "goodput/s", "p50 ms", "p95 ms",
-                         "server's p95 ms (bucket)", "server's queue p95 ms (bucket)", "503", "504", "other errors"],
+                         "server's p95 ms (bucket)", "server's queue p95 ms (bucket)", "503", "504", "other errors",
+                         "rows/batch", "wait observed/predicted", "compared", "factor", "margin ms"],
                         [[r.fraction, r.rate, r.server, r.answered_per_s, r.goodput_per_s, r.p50_ms, r.p95_ms,
                           r.server_p95_ms, r.server_queue_p95_ms, r.refused_503, r.late_504,
-                          sum(r.other_errors.values())] for r in rows]),
+                          sum(r.other_errors.values()), r.rows_per_batch, r.wait_ratio, r.calibrated, r.wait_factor,
+                          r.wait_margin_ms]
+                         for r in rows]),
            "", "The server's columns are batchserve's own histograms over the row (upper bound of the bucket "
                "holding the 95th percentile): arrival at the route to answer, and arrival to dispatch in a batch; "
-               "the client's p95 adds what happens before the server reads a request and after it writes the answer.",
+               "the client's p95 adds what happens before the server reads a request and after it writes the answer. "
+               "'wait observed/predicted': for the requests admitted under pressure in the row, their queue waits "
+               "(admission to their first batch) summed over what admission predicted before calibration; "
+               "'factor' and 'margin': the calibration admission applied at the end of the row "
+               "(core/wait_calibration.py).",
            "", "## Verdict", ""]
     out += [f"- {line}" for line in rep["verdict"]]
     return "\n".join(out)
@@ -235,6 +252,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--infinity-venv", type=Path, default=INFINITY_VENV)
     p.add_argument("--no-infinity", action="store_true", help="skip the Infinity rows")
     p.add_argument("--smoke", action="store_true", help="a quick check: short windows, no count mode")
+    p.add_argument("--fractions", type=lambda v: tuple(float(x) for x in v.split(",")), default=FRACTIONS,
+                   help="open-loop rates as fractions of capacity, comma-separated (default %(default)s)")
+    p.add_argument("--capacity", type=float, default=0.0,
+                   help="inputs/s to take as the capacity instead of measuring it (skips both closed loops)")
     common.add_output_flags(p)
     a = p.parse_args(argv)
     if a.smoke:
@@ -264,10 +285,33 @@ def bucket_p95_ms(before: str, after: str, name: str) -> float:
     return float("nan")
 
 
+def samples(text: str, prefix: str = "batchserve_admission_") -> dict[str, float]:
+    """The samples of /metrics whose name starts with `prefix`, summed over their labels."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
 def with_server_view(row: Row, before: str, after: str) -> Row:
     if before and after:
         row.server_p95_ms = bucket_p95_ms(before, after, "batchserve_request_duration_seconds")
         row.server_queue_p95_ms = bucket_p95_ms(before, after, "batchserve_queue_wait_seconds")
+        a, b = samples(after), samples(before)
+        size_a, size_b = samples(after, "batchserve_batch_size_"), samples(before, "batchserve_batch_size_")
+        batches = size_a.get("batchserve_batch_size_count", 0.0) - size_b.get("batchserve_batch_size_count", 0.0)
+        if batches > 0:
+            row.rows_per_batch = (size_a.get("batchserve_batch_size_sum", 0.0)
+                                  - size_b.get("batchserve_batch_size_sum", 0.0)) / batches
+        delta = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
+        predicted = delta.get("batchserve_admission_predicted_wait_seconds_total", 0.0)
+        row.calibrated = int(delta.get("batchserve_admission_calibrated_requests_total", 0.0))
+        if predicted > 0:
+            row.wait_ratio = delta.get("batchserve_admission_actual_wait_seconds_total", 0.0) / predicted
+        row.wait_factor = a.get("batchserve_admission_wait_factor", float("nan"))
+        row.wait_margin_ms = a.get("batchserve_admission_wait_margin_seconds", float("nan")) * 1000
     return row
 
 
@@ -289,11 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     rep: dict = {}
     with common.guarded(rep) as stopping:
-        for mode in ("count", "cost") if not a.smoke else ("cost",):
+        for mode in ("count", "cost") if not (a.smoke or a.capacity) else ("cost",):
             print(f"batchserve ({mode}): starting", flush=True)
             target = start_batchserve(mode, a.threads, log_dir)
             try:
-                caps[mode] = asyncio.run(capacity(target, a.capacity_seconds, a.concurrency, texts))
+                if a.capacity:
+                    caps[mode] = {"inputs_per_s": a.capacity, "ok": 0, "refused": 0, "window_s": 0.0}
+                else:
+                    caps[mode] = asyncio.run(capacity(target, a.capacity_seconds, a.concurrency, texts))
                 print(f"  capacity ({mode}): {caps[mode]['inputs_per_s']:.1f} inputs/s "
                       f"({caps[mode]['refused']} x 503 waited out)", flush=True)
                 if mode != "cost":
@@ -301,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                 h = health(target)
                 slo_ms, deadline_ms = float(h["slo_ms"]), float(h["timeout_ms"])
                 cap = caps["cost"]["inputs_per_s"]
-                rates = [round(f * cap, 1) for f in FRACTIONS]
-                for k, (f, rate) in enumerate(zip(FRACTIONS, rates)):
+                rates = [round(f * cap, 1) for f in a.fractions]
+                for k, (f, rate) in enumerate(zip(a.fractions, rates)):
                     if stopping:
                         break
                     before = scrape(target)
@@ -317,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             print("infinity: starting", flush=True)
             target = start_infinity(a.infinity_venv, model, a.threads, log_dir)
             try:
-                for k, (f, rate) in enumerate(zip(FRACTIONS, rates)):
+                for k, (f, rate) in enumerate(zip(a.fractions, rates)):
                     if stopping:
                         break
                     rows.append(asyncio.run(drive(target, f, rate, a.duration, a.warmup, a.seed + k, texts,
@@ -329,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         caps["count"] = {"inputs_per_s": 0.0, "ok": 0, "refused": 0, "window_s": 0.0}
     rep.update({"provenance": report.provenance(), "capacity": caps, "rows": [asdict(r) for r in rows],
                 "batch_ms_by_size_after": after.get("batch_ms_by_size"),
-                "settings": {"fractions": FRACTIONS, "rates": rates, "duration_s": a.duration, "warmup_s": a.warmup,
+                "settings": {"fractions": a.fractions, "capacity_given": a.capacity, "rates": rates,
+                             "duration_s": a.duration, "warmup_s": a.warmup,
                              "capacity_seconds": a.capacity_seconds, "concurrency": a.concurrency,
                              "threads": a.threads, "seed": a.seed, "smoke": a.smoke, "slo_ms": slo_ms,
                              "deadline_ms": deadline_ms, "slack": SLACK, "words": "8-40",
@@ -347,7 +395,9 @@ def print_row(r: Row) -> None:
     print(f"  {r.server:<10} {r.fraction:g}x = {r.rate:6.1f}/s: answered {r.answered_per_s:6.1f}/s, goodput "
           f"{r.goodput_per_s:6.1f}/s, p50 {r.p50_ms:7.1f} p95 {r.p95_ms:7.1f} ms (server's {r.server_p95_ms:g}, "
           f"queue {r.server_queue_p95_ms:g}), 503 {r.refused_503}, 504 "
-          f"{r.late_504}, other {r.other_errors or 0}", flush=True)
+          f"{r.late_504}, other {r.other_errors or 0}; {r.rows_per_batch:.1f} rows/batch; wait observed/predicted "
+          f"{r.wait_ratio:.2f} over "
+          f"{r.calibrated}, factor {r.wait_factor:.2f}, margin {r.wait_margin_ms:.0f} ms", flush=True)
 
 
 if __name__ == "__main__":

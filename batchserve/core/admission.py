@@ -10,8 +10,15 @@ Predicted by the cost of the work ahead (issue 22). For a request of n inputs of
                                           with k its own batches: as many of its inputs as the budget holds each,
 
 where S is the learned batch time at a batch's cost (`batch_time.BatchTimes`; its own batches cost rows x its
-longest input: inputs of like length share a batch, `bucket_of`). The last input is checked against the request's
-deadline: a many-input request is predicted as the batches it will make and served when they fit its timeout.
+longest input: inputs of like length share a batch, `bucket_of`). That is the formula for a model of one queue;
+a model of length classes has its classes' turns replayed instead (`class_turns.drain`): other classes take a
+batch whenever their turn comes with items — those arriving while the request waits included (their admitted
+rate, `class_arrivals`) — and every class's batches are read at the padded cost of a row (`Batcher.row_cost`).
+Under pressure the queue part of the prediction is multiplied by what such predictions really turned out to be
+lately (`wait_calibration.WaitCalibration`, fed by the service with each admitted request's first batch).
+
+The last input is checked against the request's deadline: a many-input request is predicted as the batches it
+will make and served when they fit its timeout.
 Under pressure — arrivals faster than the healthy workers serve, or a worker lost — the first input is also
 checked against `slo_ms x slack x tier factor`, so lower tiers are refused first and admitted requests stay near
 the objective; since a long input makes its own batch costlier, one tenant's long inputs pass that bound
@@ -32,11 +39,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from batchserve import errors
 from batchserve.core.batcher import Batcher
+from batchserve.core.class_turns import ClassQueue, Own, drain
 from batchserve.core.tiers import SHED
+from batchserve.core.wait_calibration import WaitCalibration
 
 FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once
 PROBE_EVERY_S = 5.0  # an idle model that refuses everything on its learned time lets one request run this often
@@ -60,40 +69,52 @@ def predicted_latency_s(until_free_s: float, ahead: int, max_batch_size: int, ba
 
 @dataclass(frozen=True)
 class Prediction:
-    """When a request's first and last inputs would be answered, seconds from now."""
+    """Seconds from now: the request's first batch starts (`wait_s`, the queue part), its first and last
+    inputs are answered."""
 
     first_s: float
     last_s: float
+    wait_s: float = 0.0
+
+    def scaled(self, factor: float) -> "Prediction":
+        """The same with its queue part multiplied by `factor` (the door's learned error, `WaitCalibration`)."""
+        extra = self.wait_s * (factor - 1.0)
+        return Prediction(self.first_s + extra, self.last_s + extra, self.wait_s + extra)
 
 
 def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahead: int,
-            costs: Sequence[float], bucket: int | None = None) -> Prediction:
+            costs: Sequence[float], bucket: int | None = None,
+            rates: Mapping[int, float] | None = None) -> Prediction:
     """The batches ahead (full ones of the model's mean input) and the request's own (rows of its longest
     input, as many as the budget holds), each at its cost (module docstring). With `bucket` (the request's
-    length class), the model's other classes count as the batches they will really make: each class forms
-    batches of its own, so a queue of mixed lengths drains in more, smaller batches than its count says (on
-    minilm, counting them as one queue predicted a third of the wait admitted requests then had)."""
+    length class), the classes' turns are replayed (`class_turns.drain`), with `rates` the inputs per second
+    joining each class: each class forms batches of its own and takes a turn whenever it has items, those that
+    arrive while the request waits included."""
     times = batcher.batch_s
     full_n, limit, budget = batcher.full_n(model), batcher.limit(model), batcher.budget(model)
     unit = batcher.unit.get(model, 1.0)
+
+    def per(cost: float) -> int:  # rows of inputs of this cost in one batch
+        return limit if budget == math.inf else max(1, min(limit, int(budget // cost)))
+
     # Its own batches: inputs of like length (the backend groups them, `bucket_of`), padded to its longest.
     own_unit = max(costs, default=1.0)
-    per_batch = limit if budget == math.inf else max(1, min(limit, int(budget // own_unit)))
+    per_batch = per(own_unit)
     share = max(1, healthy)
-    base = until_free_s
+    if bucket is not None and any(m == model and b != bucket and (len(q) or (rates and rates.get(b)))
+                                  for (m, b), q in batcher.queues.items()):
+        return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {}, per)
+    # One queue (the sim, a plugin without bucket_of, or a costed model whose other classes are quiet): FIFO
+    # batches, the formula above; a class's batches at the padded cost of a row, as in the replay.
+    full_s = times[model]
     if bucket is not None:
-        depth = batcher.depth.get(model, 0)
-        part = min(1.0, ahead / depth) if depth else 0.0  # of the queued items, the share ahead by tier
-        own = batcher.queues.get((model, bucket))
-        rounds = math.ceil(len(own) * part) // per_batch + 1 if own is not None else 1  # its class's turns
-        others_s, others_n = batcher.other_classes_s(model, bucket, part, rounds)
-        base += others_s / share
-        ahead = max(0, ahead - others_n)
-        if own is not None and len(own):  # its own class's batches: rows of that class's inputs
-            unit = own.mean_cost()
-            full_n = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
-    full_s = times.at(model, batcher.estimate_cost(model, full_n, unit)) if bucket is not None else times[model]
-    base += (ahead // full_n) * full_s / share
+        row = batcher.row_cost.get((model, bucket), 0.0)
+        own_q = batcher.queues.get((model, bucket))
+        unit = max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
+        own_unit = max(own_unit, row)
+        full_n, per_batch = per(unit), per(own_unit)
+        full_s = times.at(model, batcher.estimate_cost(model, full_n, unit))
+    base = until_free_s + (ahead // full_n) * full_s / share
     rem = ahead % full_n
     if rem + 1 > per_batch:  # the partial batch ahead leaves without it
         base += times.at(model, batcher.estimate_cost(model, rem, unit)) / share
@@ -104,7 +125,39 @@ def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahe
     last_rows = total - (k - 1) * per_batch
     last = (base + (k - 1) * times.at(model, batcher.estimate_cost(model, per_batch, own_unit)) / share
             + times.at(model, batcher.estimate_cost(model, last_rows, own_unit)))
-    return Prediction(first, max(first, last))
+    return Prediction(first, max(first, last), base)
+
+
+def _by_turns(batcher: Batcher, model: str, until_free_s: float, share: int, ahead: int, costs: Sequence[float],
+              bucket: int, rates: Mapping[int, float], per: Callable[[float], int]) -> Prediction:
+    """`predict` for a model of length classes: their queues as the request sees them (its tier's share of
+    each, `ahead` of the model's depth), replayed turn by turn."""
+    depth = batcher.depth.get(model, 0)
+    part = min(1.0, ahead / depth) if depth else 0.0  # of the queued items, the share ahead by tier
+    served, unit, padded = batcher.bucket_served_at, batcher.unit.get(model, 1.0), batcher.row_cost
+    others: list[ClassQueue] = []
+    own_q = None
+    for (m, b), q in batcher.queues.items():
+        if m != model:
+            continue
+        if b == bucket:
+            own_q = q
+            continue
+        rate = rates.get(b, 0.0)
+        if len(q) or rate > 0:
+            # A row of its batches costs what the batch's longest input does (padding), not its mean input.
+            cost = max(q.mean_cost() if len(q) else unit, padded.get((m, b), 0.0))
+            others.append(ClassQueue(float(math.ceil(len(q) * part)), cost, per(cost), rate, served.get((m, b), 0.0)))
+    row = padded.get((model, bucket), 0.0)
+    own_unit = max(max(costs, default=1.0), row)
+    queued = len(own_q) if own_q is not None else 0
+    ahead_unit = max(own_q.mean_cost() if own_q is not None and queued else own_unit, row)
+    own = Own(math.ceil(queued * part), ahead_unit, per(ahead_unit), max(1, len(costs)), own_unit, per(own_unit),
+              rates.get(bucket, 0.0), served.get((model, bucket), 0.0))
+    times, cap = batcher.batch_s, max(1.0, batcher.budget(model))  # a batch's cost: rows x cost, within the budget
+    d = drain(batcher.clock(), until_free_s, share, own, others,
+              lambda rows, cost: times.at(model, min(rows * cost, cap)))
+    return Prediction(d.first_s, d.last_s, d.wait_s)
 
 
 @dataclass
@@ -137,6 +190,9 @@ class Admission:
     arrivals: RateMeter = field(default_factory=RateMeter)
     arrivals_fast: RateMeter = field(default_factory=lambda: RateMeter(tau_s=0.25))
     probed: dict[str, float] = field(default_factory=dict)  # per model: when a probe was last let through
+    # Per (model, length class): admitted inputs per second, for the class turns the prediction replays.
+    class_arrivals: dict[tuple[str, int], RateMeter] = field(default_factory=dict)
+    calibration: WaitCalibration = field(default_factory=WaitCalibration)  # the prediction's learned error
 
     def tier_bound_s(self, tier: int) -> float:
         """The tier's latency bound under pressure: slo x slack x the tier's shed factor."""
@@ -171,6 +227,35 @@ class Admission:
         (`deadline_s`: the time left before the request's deadline; `costs`: what each input costs). True when
         the request goes as a probe: its inputs run even if the learned time says they will be late.
         `bucket`: the length class of its first input, so the other classes' queues count as their batches."""
+        return self.admit_ticket(model, tier, tenant, deadline_s, costs, bucket).probe
+
+    def class_rates(self, model: str, now: float) -> dict[int, float]:
+        """Admitted inputs per second joining each of the model's length classes, lately."""
+        return {b: meter.current(now) for (m, b), meter in self.class_arrivals.items() if m == model}
+
+    def _joined(self, model: str, bucket: int | None, now: float, n: int) -> None:
+        if bucket is not None:
+            meter = self.class_arrivals.get((model, bucket))
+            if meter is None:
+                meter = self.class_arrivals[(model, bucket)] = RateMeter()
+            meter.tick(now, n)
+
+    def observed(self, model: str, ticket: "Ticket", started_s: float) -> None:
+        """The first batch of a request admitted with `ticket` started at `started_s` (this clock): learn the
+        prediction's error from it (`WaitCalibration`), when its prediction was one the door decided by."""
+        if ticket.wait_s is not None:
+            self.calibration.observe(model, ticket.wait_s, max(0.0, started_s - ticket.at))
+
+    def wait_totals(self) -> dict[str, tuple[float, float, int, float, float]]:
+        """Per model: predicted and observed queue waits summed (s), requests compared, the factor and the
+        margin (s) now."""
+        c = self.calibration
+        return {model: (pred, actual, n, c.factor(model), c.margin(model))
+                for model, (pred, actual, n) in c.totals().items()}
+
+    def admit_ticket(self, model: str, tier: int, tenant: str, deadline_s: float,
+                     costs: Sequence[float] = (1.0,), bucket: int | None = None) -> "Ticket":
+        """`admit`, returning what the door predicted, for `observed` to compare with what happened."""
         batcher, capacity = self.batcher, self.capacity
         if batcher.draining or capacity is None or capacity.healthy_count() == 0:
             self.check_open()  # raises the 503 that says which
@@ -193,22 +278,30 @@ class Admission:
             # ...unless the figure is wrong: a probe now and then runs anyway, and what it takes is learned
             self.probed[model] = now
             self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
-            return True
+            self._joined(model, bucket, now, n)
+            return Ticket(True, now)
         if queued + n > self.max_queue:
             raise errors.overloaded(f"the queue for {model} is full ({self.max_queue} items)",
                                     retry_after_ms=batch_s * 1000)
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
         ahead = batcher.ahead_of(tier, tenant)
         healthy = capacity.healthy_count()
-        p = predict(batcher, model, until_free, healthy, ahead, costs, bucket)
-        bound_s = self.tier_bound_s(tier) if self.under_pressure(model, rate, fast_rate) else math.inf
+        p = predict(batcher, model, until_free, healthy, ahead, costs, bucket, self.class_rates(model, now))
+        pressure = self.under_pressure(model, rate, fast_rate)
+        raw_wait_s = p.wait_s
+        if pressure:  # the queue part as long as such predictions really turned out lately
+            p = p.scaled(self.calibration.factor(model))
+        bound_s = self.tier_bound_s(tier) if pressure else math.inf
         # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
         # then allow at most one batch ahead of this one.
         bound_s = max(bound_s, 2 * batch_s)
         # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
         # (refused, a batch time learned from one slow batch would refuse every request for good).
         if idle and n <= batcher.full_n(model):
-            return False
+            self._joined(model, bucket, now, n)
+            return Ticket(False, now)
+        if pressure:  # 95 % of admitted requests within the bound, not half of those near it; never half of it
+            bound_s -= min(self.calibration.margin(model), bound_s / 2)
         late_s = max(p.first_s - bound_s, p.last_s - deadline_s)
         if late_s > 0:
             limit = "deadline" if p.last_s - deadline_s >= p.first_s - bound_s else "latency objective"
@@ -219,4 +312,16 @@ class Admission:
                 f"predicted latency {p.last_s * 1000:.0f} ms would miss the request's {limit}",
                 retry_after_ms=min(late_s + batch_s, wait_ahead_s) * 1000,
             )
-        return False
+        self._joined(model, bucket, now, n)
+        return Ticket(False, now, raw_wait_s if pressure else None)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted request: a probe or not, when it was admitted (the door's clock), and the queue wait its
+    prediction said before calibration (None where the door did not decide by it: no pressure, an idle worker,
+    a probe)."""
+
+    probe: bool
+    at: float
+    wait_s: float | None = None

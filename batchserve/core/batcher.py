@@ -47,6 +47,7 @@ from batchserve.core.fairqueue import FairQueue, Item
 Clock = Callable[[], float]
 log = logging.getLogger("batchserve")
 UNIT_ALPHA = 0.02  # weight of the newest input in a model's mean input cost (a full batch's cost is read off it)
+ROW_ALPHA = 0.2  # weight of the newest batch in a length class's padded cost per row (`row_cost`)
 
 # The learned S is a mean of measured cycles, so about half the batches end a little before it: a worker that
 # asks for its next batch this close to the pace (several devices) takes it at once instead of idling.
@@ -110,6 +111,9 @@ class Batcher:
     _waiting: bool = False
     _since_background: int = 0  # dispatches since the last background batch
     served: dict[str, tuple[float, float]] = field(default_factory=dict)  # per costed model: EWMA rows, seconds
+    # Per queue (model, length class): what a row of its batches costs as they ran, padded to the batch's longest
+    # input (EWMA of that input's cost). Above the queue's mean input cost: admission reads batches at this.
+    row_cost: dict[tuple[str, int], float] = field(default_factory=dict)
 
     # -- the handlers' side ------------------------------------------------------------------------------
     def submit(self, item: Item) -> None:
@@ -157,7 +161,7 @@ class Batcher:
             self.fit_budget(model)
         self.batch_s.full[model] = self.full_n(model) * unit
 
-    def estimate_cost(self, model: str, n: int, unit: float | None = None) -> float:
+    def estimate_cost(self, model: str, n: float, unit: float | None = None) -> float:
         """The cost of a batch of n inputs of mean cost `unit` (default: the model's), within its budget."""
         return min(n * (self.unit.get(model, 1.0) if unit is None else unit), max(1.0, self.budget(model)))
 
@@ -212,28 +216,6 @@ class Batcher:
             return f"an input costs {cost:g} (tokens): alone it would take about {alone_s * 1000:.0f} ms, more " \
                    f"than a batch may ({self.max_batch_s * 1000:.0f} ms)"
         return None
-
-    def other_classes_s(self, model: str, bucket: int, part: float, rounds: int) -> tuple[float, int]:
-        """What runs of `part` of the model's queued items outside length class `bucket` before a batch of that
-        class that waits `rounds` turns, and how many those items are in all. Each class's queue forms batches of
-        its own (the budget holds fewer of its longer inputs), and the classes take turns, a batch each: at most
-        `rounds` of each other class's batches go first, each at its cost."""
-        total_s, count = 0.0, 0
-        limit, budget = self.limit(model), self.budget(model)
-        for (m, b), q in self.queues.items():
-            if m != model or b == bucket or not len(q):
-                continue
-            rows = math.ceil(len(q) * part)
-            if rows <= 0:
-                continue
-            count += rows
-            unit = q.mean_cost()
-            per = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
-            full, rest = divmod(rows, per)
-            total_s += min(full, rounds) * self.batch_s.at(model, self.estimate_cost(model, per, unit))
-            if rest and full < rounds:
-                total_s += self.batch_s.at(model, self.estimate_cost(model, rest, unit))
-        return total_s, count
 
     def total_depth(self) -> int:
         return sum(self.depth.values())
@@ -497,6 +479,9 @@ class Batcher:
         # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
         batch = Batch(key[0], items, now, cause)
+        if widest > 1.0 or key in self.row_cost:  # padded: every row costs the longest input's cost
+            before = self.row_cost.get(key, widest)
+            self.row_cost[key] = before + ROW_ALPHA * (widest - before)
         interval = self.batch_s.at(key[0], batch.cost) / max(1, self.healthy_workers)
         self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
         self.served_at[key[0]] = now

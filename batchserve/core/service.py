@@ -144,8 +144,8 @@ class InferenceService:
             costs = ([float(backend.cost_of(text)) for text in texts] if batch_cost is None
                      else [float(batch_cost([text])) for text in texts])
             buckets = [backend.bucket_of(text) for text in texts]
-            probe = self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived), costs,
-                                         buckets[0])
+            ticket = self.admission.admit_ticket(model, tier, tenant, timeout_s - (self.clock() - arrived), costs,
+                                                 buckets[0])
         except ApiError as err:
             if tracing is not None:
                 tracing.answered(model, arrived, 0.0, None, err.code)
@@ -156,7 +156,7 @@ class InferenceService:
         items = []
         for text, cost, bucket in zip(texts, costs, buckets):
             item = Item(text, model, bucket, loop.create_future(), arrived, deadline, record, tier,
-                        tenant, gone=gone, trace=trace, cost=cost, probe=probe, batch_cost=batch_cost)
+                        tenant, gone=gone, trace=trace, cost=cost, probe=ticket.probe, batch_cost=batch_cost)
             self.batcher.note_cost(model, cost)
             self.batcher.submit(item)
             self.deadlines.watch(timeout_s, item.deadline, item.future)
@@ -182,6 +182,8 @@ class InferenceService:
                 if not item.future.done():
                     item.future.cancel()
         last = results[-1]
+        # When its first batch started against what the door predicted: the door learns its own error.
+        self.admission.observed(model, ticket, arrived + results[0].queue_s)
         record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
                          last.batch_size)
         if tracing is not None:  # a queue-wait span per input, each linked to the batch that carried it
