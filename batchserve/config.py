@@ -96,6 +96,8 @@ class Settings:
                                 "(empty = open; set it whenever the port is reachable by callers)")
     sim_batch_ms: float = knob(100.0, "sim: time one batch takes, whatever its size")
     sim_fail_marker: str = knob("", "sim: a batch holding an input containing this raises")
+    sim_input_fail_marker: str = knob("", "sim: an input containing this fails alone (an exception in place of its "
+                                          "output, as a backend that can tell which input failed reports it)")
     sim_hang_marker: str = knob("", "sim: a batch holding an input containing this blocks for sim_hang_ms")
     sim_hang_ms: float = knob(60000.0, "sim: how long a hung batch blocks")
     sim_bad_output_marker: str = knob("", "sim: a batch holding an input containing this returns one output too few")
