@@ -423,14 +423,16 @@ class Batcher:
             head = q.oldest()
             if head is None:
                 continue
-            full_count = len(q) >= self.limit(key[0])
-            if full_count or q.cost_sum >= self.budget(key[0]):
+            paced, head = self._paced_by_jobs(q, key[0], head)
+            full_count = len(q) >= self.limit(key[0]) and not paced
+            if full_count or (q.cost_sum >= self.budget(key[0]) and not paced):
                 due, cause = now, "full"
             elif self.draining:
                 due, cause = now, "drain"
             else:
                 size = self.estimate_cost(key[0], min(len(q), self.limit(key[0])), q.mean_cost())  # formed now
-                deadline_due = head.arrived + self.dispatch_delay(key[0], size)
+                deadline_due = head.arrived + self.dispatch_delay(key[0], size) if head.tier < tiers.BATCH.rank \
+                    else math.inf  # job items only: in no hurry, they go at the pace
                 pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
                 if self.healthy_workers <= 1 or pace_due - now <= PACE_EARLY_S:
                     # One device: the worker asking is the device, free now, and there is nothing to stagger
@@ -448,6 +450,29 @@ class Batcher:
             if rank < best_rank:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause
+
+    def _paced_by_jobs(self, q: FairQueue, model: str, head: Item) -> tuple[bool, Item]:
+        """Whether batch-job items are what makes this queue due at once (full by count or cost, or an old
+        job item's deadline), and the head whose deadline counts. With several workers such a queue goes at
+        the pace instead: job items fill batches but never hurry them. Taking every job-filled batch the moment
+        a worker frees lets the workers fall into step (both free, both take, both run), and an interactive
+        item then waits for the next of them up to a whole batch time instead of half of it (issue 28: a clean
+        job beside interactive load at half the capacity moved that p95 from 150 to 196 ms)."""
+        if self.healthy_workers <= 1 or self.draining:
+            return False, head
+        jobs, jobs_cost = 0, 0.0
+        first: Item | None = None
+        for lane in q.lanes.values():
+            if not lane.items:
+                continue
+            if lane.tier >= tiers.BATCH.rank:
+                jobs += len(lane.items)
+                jobs_cost += sum(item.cost for item in lane.items)
+            elif first is None or lane.items[0].arrived < first.arrived:
+                first = lane.items[0]
+        if not jobs or len(q) - jobs >= self.limit(model) or q.cost_sum - jobs_cost >= self.budget(model):
+            return False, head  # no job items, or the interactive ones fill a batch by themselves
+        return True, first if first is not None else head
 
     def form(self, key: tuple[str, int], now: float, cause: str, due: float = 0.0) -> Batch | None:
         q = self.queues[key]
