@@ -99,3 +99,23 @@ def test_one_worker_takes_a_job_filled_batch_at_once(loop):
         b.submit(item(loop, f"job-{i}", clock.now, tier=BATCH, tenant="acme"))
     _, due, cause = b.most_urgent(clock.now)
     assert cause == "full" and due == clock.now
+
+
+def test_under_steady_interactive_load_a_background_batch_still_gets_its_floor(loop):
+    """An isolated job's groups went only in gaps: with interactive items always waiting they never ran (the
+    soak's 10 %-failing job with a pass/fail backend). Now one dispatch in BACKGROUND_FLOOR_EVERY + 1."""
+    from batchserve.batcher import BACKGROUND_FLOOR_EVERY
+
+    clock = Clock()
+    b = batcher(clock, workers=1, max_batch=2)
+    b.submit_group([item(loop, "iso", clock.now, tier=BATCH, tenant="acme")])
+    kinds = []
+    for i in range(2 * (BACKGROUND_FLOOR_EVERY + 1)):
+        for j in range(2):  # the interactive queue is never empty
+            b.submit(item(loop, f"live-{i}-{j}", clock.now))
+        if i == BACKGROUND_FLOOR_EVERY + 1:
+            b.submit_group([item(loop, "iso-2", clock.now, tier=BATCH, tenant="acme")])
+        batch = b.take_now(0)
+        assert batch is not None
+        kinds.append("iso" if batch.isolated else "live")
+    assert kinds == (["live"] * BACKGROUND_FLOOR_EVERY + ["iso"]) * 2

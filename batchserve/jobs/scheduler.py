@@ -13,8 +13,9 @@ longer, failing or retried, cannot crowd the others out); a tenant's jobs run ol
 A job whose inputs fail often enough to cost re-runs (failures found by failing batches, not named by the
 backend) is isolated: its items run in small groups of their own (`Door.submit_group`), sized to its failure
 rate (about 1 / (2 x rate): a group with no culprit answers all of it in one run; alone at 50 %), in the
-background share of the workers (at most one batch in `BACKGROUND_EVERY + 1` while other work waits, never
-while an interactive item waits), with a budget of its own (`isolated_limit`). So another tenant's clean job
+background share of the workers (at most one batch in `BACKGROUND_EVERY + 1` while other work waits, one in
+`BACKGROUND_FLOOR_EVERY + 1` while interactive items wait: a floor, so it moves under steady load), with a
+budget of its own (`isolated_limit`). So another tenant's clean job
 never shares a batch with the failing inputs and keeps most of the workers, and the failing job still moves.
 
 Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once;
