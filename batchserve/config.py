@@ -80,6 +80,10 @@ class Settings:
                                          "x the tier's factor (enterprise 1.2, paid 1.0, free and batch 0.8)")
     max_body_bytes: int = knob(1 << 20, "largest request body; larger gets 413 before it is buffered")
     max_input_chars: int = knob(16384, "longest input string; longer gets 413")
+    refused_per_s: float = knob(20.0, "a caller's requests refused for what they hold (4xx) per second, burst "
+                                      "twice that, before its next generation request waits (up to 1 s) before "
+                                      "its body is read: a client looping refused bodies slows itself, not the "
+                                      "server (0 = no limit)")
     max_header_bytes: int = knob(32768, "largest request head (request line and headers); larger gets 431")
     max_headers: int = knob(100, "most header lines in a request; more gets 431")
     header_timeout_s: float = knob(10.0, "a request head must arrive within this many seconds of its first byte "
@@ -96,6 +100,8 @@ class Settings:
                                 "(empty = open; set it whenever the port is reachable by callers)")
     sim_batch_ms: float = knob(100.0, "sim: time one batch takes, whatever its size")
     sim_fail_marker: str = knob("", "sim: a batch holding an input containing this raises")
+    sim_input_fail_marker: str = knob("", "sim: an input containing this fails alone (an exception in place of its "
+                                          "output, as a backend that can tell which input failed reports it)")
     sim_hang_marker: str = knob("", "sim: a batch holding an input containing this blocks for sim_hang_ms")
     sim_hang_ms: float = knob(60000.0, "sim: how long a hung batch blocks")
     sim_bad_output_marker: str = knob("", "sim: a batch holding an input containing this returns one output too few")

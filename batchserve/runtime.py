@@ -22,6 +22,7 @@ from batchserve.core.batcher import Batcher
 from batchserve.core import load_signal
 from batchserve.config import Settings
 from batchserve.core.admission import Admission
+from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.gc_tuning import freeze_late_startup_objects
@@ -96,6 +97,7 @@ class Runtime:
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
     tracing: Tracing | None = None  # OpenTelemetry, when an OTLP endpoint is configured (batchserve/tracing.py)
+    refusals: RefusalThrottle = field(default_factory=lambda: RefusalThrottle(0.0))  # set from the settings
     ready: bool = False
     startup_error: str = ""
     # the server exits with this status (EXIT_*) when start-up fails
@@ -123,6 +125,7 @@ class Runtime:
         service = InferenceService(batcher, admission, backends, requests)
         rt = cls(settings, ModelRegistry(settings.models), make_metrics(), requests, batcher, admission, service,
                  Tenancy.from_settings(settings), backends, loaded)
+        rt.refusals = RefusalThrottle(settings.refused_per_s)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
         load_signal.GatewayGauges(rt.model_loads, rt.metrics.registry)

@@ -67,6 +67,29 @@ def test_a_backend_that_names_the_failing_input_fails_it_alone_without_bisection
     assert batches_run(after, "perinput@v1") == batches_run(text, "perinput@v1") + 1
 
 
+def test_the_sims_input_fail_marker_fails_that_input_alone_and_its_job_completes_unisolated(tmp_path,
+                                                                                            server_factory):
+    """`--sim-input-fail-marker` (the soak's failing job): the sim names the failing input as a backend that
+    can tell does, so a job with 10 % such inputs rides shared batches at a clean job's pace (no bisection,
+    no isolation) and completes with exactly those inputs failed."""
+    s = server_factory("--devices", "2", "--sim-batch-ms", "20", "--max-batch-size", "20", "--slo-ms", "2000",
+                       "--sim-input-fail-marker", "FAIL", "--jobs-db", str(tmp_path / "j.db"))
+    inputs = ["FAIL-1" if i == 5 else f"mate-{i}" for i in range(20)]
+    first = asyncio.run(post_all(s.url, inputs))
+    assert first[5][0] == 500 and "input fail marker" in first[5][1]["message"], first[5]
+    assert all(st == 200 and body["output"] == inputs[i][::-1] for i, (st, body) in enumerate(first) if i != 5)
+    failing = [f"FAIL-{i}" if i % 10 == 0 else f"ok-{i}" for i in range(500)]
+    with s.client() as c:
+        job = c.post("/v1/batches", json={"inputs": failing}).json()
+        done = wait_for(lambda: finished(c, job["id"]), timeout=60, every=0.05)
+        lines = results(c, job["id"])
+        text = c.get("/metrics").text
+    assert (done["completed"], done["failed"]) == (450, 50)
+    assert all((line["status"] == "failed") == failing[i].startswith("FAIL") for i, line in enumerate(lines))
+    assert metric(text, "batchserve_batch_retries_total", model="sim@v1", cause="error") == 0
+    assert metric(text, "batchserve_batches_total", model="sim@v1", cause="isolated") == 0
+
+
 def test_an_input_that_failed_alone_is_answered_at_once_on_retry(tmp_path, server_factory):
     s = server_factory("--devices", "2", "--sim-batch-ms", "30", "--max-batch-size", "20", "--slo-ms", "2000",
                        "--timeout-ms", "10000", "--sim-fail-marker", "POISON",

@@ -28,6 +28,7 @@ class SimBackend:
     max_batch_size: int = 100
     device_count: int = 1
     fail_marker: str = ""
+    input_fail_marker: str = ""  # an input holding it fails alone: an exception in its output's place
     hang_marker: str = ""
     hang_s: float = 60.0
     bad_output_marker: str = ""
@@ -46,6 +47,7 @@ class SimBackend:
             max_batch_size=s.max_batch_size,
             device_count=s.devices or 1,
             fail_marker=s.sim_fail_marker,
+            input_fail_marker=s.sim_input_fail_marker,
             hang_marker=s.sim_hang_marker,
             hang_s=s.sim_hang_ms / 1000,
             bad_output_marker=s.sim_bad_output_marker,
@@ -66,7 +68,7 @@ class SimBackend:
         if device != self._flaky:
             self.batch(["warm-up"], device)
 
-    def batch(self, inputs: list[str], device: str) -> list[str]:
+    def batch(self, inputs: list[str], device: str) -> list[str | Exception]:
         if not 1 <= len(inputs) <= self.max_batch_size:
             raise SimFault(f"batch of {len(inputs)} inputs; the contract takes 1..{self.max_batch_size}")
         lock = self._busy[device]
@@ -80,7 +82,9 @@ class SimBackend:
                 raise SimFault(f"device {device} is broken (--sim-flaky-device)")
             if self.fail_marker and any(self.fail_marker in s for s in inputs):
                 raise SimFault("fail marker in batch")
-            outputs = [s[::-1] for s in inputs]
+            outputs: list[str | Exception] = [
+                SimFault("input fail marker") if self.input_fail_marker and self.input_fail_marker in s else s[::-1]
+                for s in inputs]
             # Sleep to the batch time measured from the start, so per-batch overhead does not add up; like a
             # model between generation steps, stop early once every caller has left (its outputs go unread).
             while (remaining := self.batch_s - (time.perf_counter() - started)) > 0:

@@ -22,7 +22,7 @@ from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
 from batchserve.generation.engine import Delta, Sequence, enabled
 from batchserve.generation.protocol import JSON, Answer, OpenAIError, error_response, sse
-from batchserve.http.body import read_body, request_id_of
+from batchserve.http.body import client_host, read_body, request_id_of
 from batchserve.runtime import Runtime
 
 
@@ -66,10 +66,14 @@ async def generate(request: Request, chat: bool) -> Response:
     request_id = request_id_of(request)
     headers = {"X-Request-ID": request_id}
     engine = rt.generation
+    who = "anonymous@" + client_host(request.scope)  # whose refusals count (`core/refusals.py`)
     try:
         try:
             # OpenAI clients always send a key: with no keys configured, any key is anonymous (as vLLM does)
             caller = rt.tenancy.identify(request.headers.get("authorization") if rt.tenancy.keys else None)
+            who = caller.tenant if caller.key_id else who
+            if wait_s := rt.refusals.wait_s(who):  # refused often of late: its body waits in the socket
+                await asyncio.sleep(wait_s)
             headers.update(rt.tenancy.take_token(caller))
             body = await read_body(request, rt.settings.max_body_bytes)
         except ApiError as err:
@@ -93,6 +97,8 @@ async def generate(request: Request, chat: bool) -> Response:
     except OpenAIError as err:
         if engine is not None:
             engine.metrics.requests.labels(endpoint, str(err.status)).inc()
+        if 400 <= err.status < 500 and err.status != 429:  # refused for what it sent (429 has its own limit)
+            rt.refusals.refused(who)
         return error_response(err, headers)
 
     answer = Answer(chat, ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), engine.cfg.model_id,
