@@ -20,7 +20,7 @@ from batchserve.backends import Backend
 from batchserve.config import ModelSpec
 from batchserve.core.fairqueue import ItemResult
 from batchserve.core.service import InferenceService
-from batchserve.embeddings.protocol import answer, parse
+from batchserve.embeddings.wire import answer, parse
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import read_body, request_id_of
 from batchserve.inference.routes import disconnect_probe

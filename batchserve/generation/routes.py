@@ -11,7 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from batchserve.generation.engine import Engine, enabled
-from batchserve.generation.protocol import JSON
+from batchserve.generation.wire import JSON
 from batchserve.generation.serving import generate
 from batchserve.inference.ops import operational
 from batchserve.runtime import Runtime

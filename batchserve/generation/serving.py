@@ -21,7 +21,7 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
 from batchserve.generation.engine import Delta, Sequence, enabled
-from batchserve.generation.protocol import JSON, Answer, OpenAIError, error_response, sse
+from batchserve.generation.wire import JSON, Answer, OpenAIError, error_response, sse
 from batchserve.http.body import read_body, request_id_of
 from batchserve.runtime import Runtime
 

@@ -28,7 +28,7 @@ from batchserve.app import create_app
 from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings, proxy_list
 from batchserve.gc_tuning import tune_gc
-from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
+from batchserve.http.uvicorn_protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
 from batchserve.runtime import EXIT_BACKEND_FAILED, loading_abandoned
 
 log = logging.getLogger("batchserve")

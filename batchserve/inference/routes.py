@@ -25,7 +25,7 @@ from batchserve.generation.routes import model_cards
 from batchserve.http.body import (client_host, error_body, error_response, inference_headers, json_response,
                                   new_request_id, read_body_from, request_id_from, send_json)
 from batchserve.inference.body import parse_inference
-from batchserve.http.protocol import whole_answer_sender
+from batchserve.http.uvicorn_protocol import whole_answer_sender
 from batchserve.runtime import Runtime
 
 

@@ -1,7 +1,7 @@
 """KServe Open Inference Protocol v2 over HTTP (`/v2/...`), the protocol of Triton's clients and KServe.
 
 `InferEndpoint` top to bottom: identify the caller → read the body (bounded) → parse the v2 tensor
-(`protocol.py`) → the model by name (and version) → one rate-limit token per element → each element through the
+(`wire.py`) → the model by name (and version) → one rate-limit token per element → each element through the
 door (`InferenceService.infer`) as its own item, so v2 clients share batches with every other route → the
 output tensor, JSON or binary as asked. Errors are v2's `{"error": message}`, with X-Request-ID and, where retrying
 later helps, Retry-After; keys, tiers and rate limits are those of every other route.
@@ -24,9 +24,9 @@ from batchserve.embeddings.routes import infer_all
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import client_host, read_body_from, request_id_from, send_json
 from batchserve.inference.routes import disconnect_probe
-from batchserve.http.protocol import whole_answer_sender
+from batchserve.http.uvicorn_protocol import whole_answer_sender
 from batchserve.inference.ops import not_ready_reason
-from batchserve.kserve.protocol import (EXTENSIONS, HEADER_LENGTH, V2Error, infer_answer, model_metadata,
+from batchserve.kserve.wire import (EXTENSIONS, HEADER_LENGTH, V2Error, infer_answer, model_metadata,
                                         parse_infer)
 from batchserve.runtime import Runtime
 
