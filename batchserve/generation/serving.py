@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -20,10 +20,23 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
-from batchserve.generation.engine import Delta, Sequence, enabled
+from batchserve.core.service import InferenceService
+from batchserve.generation.engine import Delta, Engine, Sequence, enabled
 from batchserve.generation.wire import JSON, Answer, OpenAIError, error_response, sse
-from batchserve.http.body import read_body, request_id_of
-from batchserve.runtime import Runtime
+from batchserve.http.body import client_host, read_body, request_id_of
+from batchserve.http.guards import Guard
+from batchserve.metrics import Metrics
+
+
+class GenerationHost(Protocol):
+    """What the generation routes read from `app.state.rt` (the runtime, which app.py wires): this much only."""
+
+    settings: Settings
+    guard: Guard
+    service: InferenceService  # the door: asked only whether the server is open (draining)
+    metrics: Metrics
+    generation: Engine | None  # None until loaded, or when generation is off
+    startup_error: str
 
 
 class SequenceStream(StreamingResponse):
@@ -61,16 +74,16 @@ async def _disconnected(request: Request) -> None:
 
 
 async def generate(request: Request, chat: bool) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: GenerationHost = request.app.state.rt
     endpoint = "chat" if chat else "completions"
     request_id = request_id_of(request)
     headers = {"X-Request-ID": request_id}
     engine = rt.generation
     try:
         try:
-            # OpenAI clients always send a key: with no keys configured, any key is anonymous (as vLLM does)
-            caller = rt.tenancy.identify(request.headers.get("authorization") if rt.tenancy.keys else None)
-            headers.update(rt.tenancy.take_token(caller))
+            caller, limits = rt.guard.admit(request.headers.get("authorization"), client_host(request.scope),
+                                            openai=True)
+            headers.update(limits)
             body = await read_body(request, rt.settings.max_body_bytes)
         except ApiError as err:
             raise OpenAIError.from_api(err) from None
@@ -91,6 +104,7 @@ async def generate(request: Request, chat: bool) -> Response:
                 rt.metrics.rejected.labels(err.code).inc()
             raise OpenAIError.from_api(err) from None
     except OpenAIError as err:
+        rt.guard.counted()
         if engine is not None:
             engine.metrics.requests.labels(endpoint, str(err.status)).inc()
         return error_response(err, headers)
@@ -105,6 +119,7 @@ async def generate(request: Request, chat: bool) -> Response:
         if done:
             return
         done = True
+        rt.guard.counted()
         rt.service.release()
         if not seq.finished:
             engine.cancel(seq)
@@ -166,7 +181,7 @@ async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usa
     yield b"data: [DONE]\n\n"
 
 
-def not_serving(rt: Runtime) -> OpenAIError:
+def not_serving(rt: GenerationHost) -> OpenAIError:
     if not enabled(rt.settings):
         return OpenAIError(404, "generation is off on this server (start it with --backend smollm2 or "
                                 "--generation on)", "model", "model_not_found")
