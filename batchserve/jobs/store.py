@@ -27,9 +27,7 @@ import orjson
 from batchserve.config import is_postgres_url  # noqa: F401 - jobs/service.py and cli.py read it here
 from batchserve.jobs.files import FileStore
 
-JOB_STATUSES = ("queued", "running", "completed", "failed", "cancelled")
 ACTIVE = ("queued", "running")
-ITEM_STATUSES = ("pending", "completed", "failed", "cancelled")
 
 
 class IdempotencyConflict(Exception):
