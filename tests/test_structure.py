@@ -154,3 +154,15 @@ def test_only_the_door_submits_to_the_batcher():
                     and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "batcher"):
                 callers.append(name)
     assert callers and set(callers) == {"batchserve.core.service"}, callers
+
+
+def test_the_architecture_page_names_only_modules_that_exist():
+    """docs/architecture.md follows requests through the code by module path: a moved module must move there too."""
+    import re
+
+    root = PACKAGE.parent
+    text = (root / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_0-9]+\.py)\b", text))
+    assert "core/batcher.py" in named and "http/guards.py" in named
+    missing = sorted(p for p in named if not (PACKAGE / p).exists() and not (root / p).exists())
+    assert not missing, missing
