@@ -58,8 +58,11 @@ def test_every_answer_is_counted_once_and_the_model_ones_in_the_metrics():
     g.refused("m", errors.overloaded("busy", 100))
     g.refused("unknown", errors.unauthorized("no"))
     g.counted()
+    g.shed(errors.ApiError(503, "KV_CAPACITY", "full"))  # counted when its answer goes out, not here
     assert g.answered == 4
     assert sample(g, "m", "200") == 1 and sample(g, "m", "503") == 1 and sample(g, "unknown", "401") == 1
+    rejected = g.metrics.registry.get_sample_value
+    assert rejected("batchserve_rejected_total", {"reason": "KV_CAPACITY"}) == 1
 
 
 def test_the_operational_key():

@@ -25,7 +25,6 @@ from batchserve.generation.engine import Delta, Engine, Sequence, enabled
 from batchserve.generation.wire import JSON, Answer, OpenAIError, error_response, sse
 from batchserve.http.body import client_host, read_body, request_id_of
 from batchserve.http.guards import Guard
-from batchserve.metrics import Metrics
 
 
 class GenerationHost(Protocol):
@@ -34,7 +33,6 @@ class GenerationHost(Protocol):
     settings: Settings
     guard: Guard
     service: InferenceService  # the door: asked only whether the server is open (draining)
-    metrics: Metrics
     generation: Engine | None  # None until loaded, or when generation is off
     startup_error: str
 
@@ -101,7 +99,7 @@ async def generate(request: Request, chat: bool) -> Response:
             seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream)
         except ApiError as err:
             if err.status == 503:
-                rt.metrics.rejected.labels(err.code).inc()
+                rt.guard.shed(err)
             raise OpenAIError.from_api(err) from None
     except OpenAIError as err:
         rt.guard.counted()

@@ -56,6 +56,11 @@ class Guard:
         self.answered += 1
         self.metrics.count_error(model, err)
 
+    def shed(self, err: ApiError) -> None:
+        """A refusal of work outside the batcher (the generation engine's 503s): `batchserve_rejected_total`
+        by its code, as the door's refusals are; the answer itself is counted when it goes out."""
+        self.metrics.rejected.labels(err.code).inc()
+
     def counted(self) -> None:
         """An answer went out that the model metrics do not count (a route's own refusal shape, a job route)."""
         self.answered += 1
