@@ -1,13 +1,15 @@
 """The package's shape (issues 10 and 23): no import circles between modules or between packages (a package
 being `batchserve.X`: a subpackage or a top-level module), TYPE_CHECKING imports included; the wiring (app, cli,
-runtime) imported by nothing it wires; no wing importing another's routes; and one door to the batcher. Read from the source with `ast`, and the module list from `pkgutil`, so a new module is covered
-without editing this test."""
+runtime) imported by nothing it wires; no wing importing another's routes; and one door to the batcher. Read
+from the source with `ast`, and the module list from `pkgutil`, so a new module is covered without editing this
+test."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import pkgutil
+import re
 from pathlib import Path
 
 import batchserve
@@ -158,8 +160,6 @@ def test_only_the_door_submits_to_the_batcher():
 
 def test_the_architecture_page_names_only_modules_that_exist():
     """docs/architecture.md follows requests through the code by module path: a moved module must move there too."""
-    import re
-
     root = PACKAGE.parent
     text = (root / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_0-9]+\.py)\b", text))
