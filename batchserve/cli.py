@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         from batchserve.http.processes import serve_processes
 
         try:
-            return serve_processes(settings)
+            from batchserve.app import create_app
+
+            return serve_processes(settings, create_app)
         except (ValueError, OSError) as exc:
             print(f"batchserve: error: {exc}", file=sys.stderr)
             return 2 if isinstance(exc, ValueError) else 1
@@ -199,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as exc:
         print(f"batchserve: error: {exc}", file=sys.stderr)
         return 2
+    from batchserve.app import create_app
     from batchserve.http.server import serve
 
-    return serve(settings)
+    return serve(settings, create_app)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ from batchserve.core.tiers import CALLER_NAMES
 from batchserve.errors import short
 
 
+def is_postgres_url(location: str) -> bool:
+    """`--jobs-db` names a PostgreSQL database (shared by many nodes) rather than a SQLite file."""
+    return location.startswith(("postgresql://", "postgres://"))
+
+
 def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 

@@ -2,7 +2,8 @@
 
 The runtime wires the wings together: the batcher and its door (`core.service.InferenceService`, which owns
 admission), the worker pool, the batch jobs and the generation engine. Route modules read it from
-`app.state.rt`; the wings themselves receive only the narrow parts they need.
+`app.state.rt` through a Protocol of their own wing (`inference.routes.InferenceHost`, `jobs.api.JobsHost`, ...),
+so no wing imports this module; the wings' services receive only the narrow parts they need.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Callable, TypeVar
 
 from batchserve import errors
 from batchserve.backends import Backend, PluginError
-from batchserve.backends.loading import LoadedModels, load_models
+from batchserve.backends.loading import (EXIT_BACKEND_FAILED, EXIT_STARTUP_FAILED, LOAD_THREAD, LoadedModels,
+                                        load_models)
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core import load_signal
@@ -27,28 +29,19 @@ from batchserve.core.requests_log import RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.generation.engine import Engine, start_generation
+from batchserve.generation.routes import model_cards
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
 from batchserve.metrics import AdmissionWaitCollector, Metrics, make_metrics
 from batchserve.models import ModelRegistry
+from batchserve.http.guards import Guard
 from batchserve.tenancy import Tenancy
 from batchserve.tracing import Tracing
 
 log = logging.getLogger("batchserve")
 
 TICK_S = 1.0  # how often rates and busy ratios are refreshed
-EXIT_STARTUP_FAILED = 1  # the server could not start (a store, a port, the generation engine)
-EXIT_BACKEND_FAILED = 2  # a backend that cannot be served (PluginError): the same status as a usage mistake
-
 T = TypeVar("T")
-
-
-LOAD_THREAD = "load-models"  # the daemon thread the models load and warm on (in_daemon_thread's name)
-
-
-def loading_abandoned() -> bool:
-    """Whether a model load is still running (the server stopped before it finished)."""
-    return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
@@ -90,7 +83,7 @@ class Runtime:
     batcher: Batcher
     admission: Admission
     service: InferenceService
-    tenancy: Tenancy
+    guard: Guard  # who is calling and whether they may; the count of answers (http/guards.py)
     backends: dict[str, Backend]
     loaded: LoadedModels | None = None  # the backends, set up and warmed (given by an embedder, or start's)
     pool: GpuPool | None = None
@@ -102,7 +95,6 @@ class Runtime:
     startup_error: str = ""
     # the server exits with this status (EXIT_*) when start-up fails
     on_startup_failure: Callable[[str, int], None] | None = None
-    answered: int = 0  # requests answered since start, any status
     requests_per_second: float = 0.0
     gpu_utilization: float = 0.0
     busy_ratios: dict[str, float] = field(default_factory=dict)
@@ -123,8 +115,9 @@ class Runtime:
         requests = RequestLog(settings.request_history)
         backends: dict[str, Backend] = {}
         service = InferenceService(batcher, admission, backends, requests)
-        rt = cls(settings, ModelRegistry(settings.models), make_metrics(), requests, batcher, admission, service,
-                 Tenancy.from_settings(settings), backends, loaded)
+        metrics = make_metrics()
+        rt = cls(settings, ModelRegistry(settings.models), metrics, requests, batcher, admission, service,
+                 Guard(Tenancy.from_settings(settings), metrics, settings.metrics_key), backends, loaded)
         rt.refusals = RefusalThrottle(settings.refused_per_s)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
@@ -162,6 +155,22 @@ class Runtime:
     @property
     def draining(self) -> bool:
         return self.batcher.draining
+
+    def not_ready_reason(self) -> str | None:
+        """Why the node should not be sent traffic now, or None when it is ready (/readyz, KServe v2's ready)."""
+        if self.draining:
+            return "draining"
+        if self.startup_error:
+            return f"start-up failed: {self.startup_error}"
+        if not self.ready:
+            return "warming up"
+        if (self.pool.healthy_count() if self.pool else 0) == 0:
+            return "no healthy worker"
+        return None
+
+    def model_cards(self) -> list[dict[str, object]]:
+        """GET /v1/models' entries for the models outside the batcher (the generation engine's)."""
+        return model_cards(self.generation)
 
     def prompt_tokens(self, model: str, texts: list[str]) -> int:
         """The model's token count of these texts (0 when its backend cannot count): OpenAI's usage, for the
@@ -226,14 +235,14 @@ class Runtime:
                 self.on_startup_failure(self.startup_error, EXIT_STARTUP_FAILED)
 
     async def _tick(self) -> None:
-        last_answered, last_time = self.answered, time.monotonic()
+        last_answered, last_time = self.guard.answered, time.monotonic()
         last_busy: dict[str, float] = {}
         while True:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
             elapsed = now - last_time
-            self.requests_per_second = (self.answered - last_answered) / elapsed
-            last_answered, last_time = self.answered, now
+            self.requests_per_second = (self.guard.answered - last_answered) / elapsed
+            last_answered, last_time = self.guard.answered, now
             if self.pool is not None:
                 for w in self.pool.workers:
                     total = w.busy_total(now)

@@ -67,9 +67,9 @@ async def one_run(tokenizer: Any, sequences: int, steps: int, seed: int, streame
     from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
     from batchserve.generation.stepper import TokenUpdate
 
-    from batchserve.generation.stepper import Capacity
+    from batchserve.generation.stepper import KvCapacity
 
-    stepper = FeedStepper(Capacity(blocks=sequences, page_size=4096, max_seqs=sequences, max_sequence_tokens=4096))
+    stepper = FeedStepper(KvCapacity(blocks=sequences, page_size=4096, max_seqs=sequences, max_sequence_tokens=4096))
     engine = Engine(EngineConfig(max_tokens=steps), tokenizer, stepper, CollectorRegistry(), 8192, 49152)
     stepper.start(None, engine._on_updates)
     seqs = [engine.submit([1, 2, 3], SamplingParams(max_tokens=steps, temperature=0), streamed=streamed)

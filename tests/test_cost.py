@@ -36,7 +36,7 @@ class Clock:
         return self.t
 
 
-class Capacity:
+class FakeWorkers:
     def __init__(self, until_free: float = 0.0, healthy: int = 1) -> None:
         self.until_free, self.healthy = until_free, healthy
 
@@ -216,8 +216,8 @@ def test_a_full_batch_past_the_longest_timeout_lowers_the_budget_then_it_comes_b
 
 
 # -- the door -------------------------------------------------------------------------------------------------
-def door(b: Batcher, clock: Clock, capacity: Capacity | None = None, slo_s: float = 0.2) -> Admission:
-    return Admission(b, capacity or Capacity(), max_queue=100_000, slo_s=slo_s, slack=1.25, clock=clock)
+def door(b: Batcher, clock: Clock, capacity: FakeWorkers | None = None, slo_s: float = 0.2) -> Admission:
+    return Admission(b, capacity or FakeWorkers(), max_queue=100_000, slo_s=slo_s, slack=1.25, clock=clock)
 
 
 def test_a_request_of_many_inputs_is_predicted_as_the_batches_it_will_make(loop) -> None:
@@ -229,7 +229,7 @@ def test_a_request_of_many_inputs_is_predicted_as_the_batches_it_will_make(loop)
     full_s = b.batch_s[M]
     assert p.first_s == pytest.approx(b.batch_s.at(M, 12.0))
     assert p.last_s == pytest.approx(20 * full_s + b.batch_s.at(M, 48 * 12.0))  # 20 full batches, then 48
-    d = door(b, clock, Capacity(until_free=0.01))
+    d = door(b, clock, FakeWorkers(until_free=0.01))
     assert d.admit(M, 1, "t", deadline_s=60.0, costs=[12.0] * 2048) is False  # fits its 60 s: served
     with pytest.raises(ApiError) as refused:
         d.admit(M, 1, "t", deadline_s=p.last_s / 2, costs=[12.0] * 2048)
@@ -289,7 +289,7 @@ def test_a_flood_of_many_inputs_still_admits_what_fits_its_deadline(loop) -> Non
     b = make_batcher(clock)
     for _ in range(200):
         b.note_cost(M, 12.0)
-    d = door(b, clock, Capacity(until_free=0.01))
+    d = door(b, clock, FakeWorkers(until_free=0.01))
     d.admit(M, 1, "t", deadline_s=60.0, costs=[12.0] * 2048)
     assert d.under_pressure(M, d.arrivals.current(clock.t), d.arrivals_fast.current(clock.t))
     d.admit(M, 1, "t2", deadline_s=60.0, costs=[12.0] * 10)  # behind the first: its objective, not its size
@@ -300,7 +300,7 @@ def test_refusal_is_by_the_cost_of_the_work_ahead_with_a_truthful_retry(loop) ->
     b = make_batcher(clock)
     for _ in range(300):
         submit(b, item(loop, 200))  # 300 long inputs queued: 3 batches of 100 x 200 tokens, ~10 s each
-    d = door(b, clock, Capacity(until_free=0.5))
+    d = door(b, clock, FakeWorkers(until_free=0.5))
     ahead_s = 0.5 + 3 * b.batch_s[M]
     assert b.batch_s[M] > 9
     with pytest.raises(ApiError) as refused:
@@ -333,7 +333,7 @@ def test_one_tenants_long_inputs_are_shed_before_anothers_short_ones(loop) -> No
     b = make_batcher(clock, budget=1024, slo_s=0.4)
     for _ in range(30):
         submit(b, item(loop, 256, tenant="long"))
-    d = door(b, clock, Capacity(until_free=0.1), slo_s=0.4)
+    d = door(b, clock, FakeWorkers(until_free=0.1), slo_s=0.4)
     d.arrivals_fast.tick(clock.t, 200)  # a flood: pressure
     assert d.under_pressure(M, 0.0, d.arrivals_fast.current(clock.t))
     with pytest.raises(ApiError) as refused:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from batchserve.errors import ApiError
 from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
-from batchserve.generation.stepper import Capacity, TokenUpdate
+from batchserve.generation.stepper import KvCapacity, TokenUpdate
 from bench.engine_loop import FeedStepper
 from tests.test_generation_units import CHARS, char_tokenizer
 
@@ -25,7 +25,7 @@ class FakeStepper(FeedStepper):
     """Records what the engine adds and cancels; `emit` plays a step's output, on the loop as a stepper does."""
 
     def __init__(self, blocks: int, max_seqs: int, page_size: int) -> None:
-        super().__init__(Capacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
+        super().__init__(KvCapacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
                                   max_sequence_tokens=blocks * page_size), step_s=0.01)
         self.added: list[str] = []
         self.cancelled: list[str] = []

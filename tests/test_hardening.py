@@ -33,15 +33,14 @@ BOOM_SERVER = (
     "import sys\n"
     "from starlette.routing import Route\n"
     "from batchserve.config import Settings\n"
+    "from batchserve.app import create_app\n"
     "from batchserve.http import server\n"
-    "real = server.create_app\n"
     "def boom(request): raise RuntimeError('secret detail')\n"
     "def with_boom(*args, **kwargs):\n"
-    "    app = real(*args, **kwargs)\n"
+    "    app = create_app(*args, **kwargs)\n"
     "    app.routes.append(Route('/boom', boom))\n"
     "    return app\n"
-    "server.create_app = with_boom\n"
-    "server.serve(Settings(port=int(sys.argv[1]), devices=1, sim_batch_ms=5))\n"
+    "server.serve(Settings(port=int(sys.argv[1]), devices=1, sim_batch_ms=5), with_boom)\n"
 )
 
 

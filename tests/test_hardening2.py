@@ -342,7 +342,7 @@ def test_the_heap_an_idle_flood_freed_goes_back_to_the_os(server_factory):
 
 
 def test_the_heap_is_trimmed_once_per_flood_not_per_close():
-    from batchserve.http.protocol import TRIM_PEAK, ConnectionGuard, ConnectionLimits
+    from batchserve.http.uvicorn_protocol import TRIM_PEAK, ConnectionGuard, ConnectionLimits
 
     class Loop:
         def __init__(self) -> None:

@@ -517,3 +517,13 @@ def test_a_full_queue_is_refused(loop):
     with pytest.raises(ApiError) as full:
         adm.admit("m", ENT, "t", 60.0)
     assert "queue" in full.value.message
+
+
+def test_a_batch_freed_early_makes_the_next_dispatch_due_on_the_injected_clock():
+    """`freed_early` once read time.monotonic() past the injected clock: on any clock but the real one the pace
+    was left where it was (issue 23)."""
+    clock = Clock(now=1e9)  # far from the real monotonic clock, so reading it shows
+    b = make_batcher(clock, workers=2)
+    b.last_dispatch = clock()
+    b.freed_early("m")
+    assert b.last_dispatch == pytest.approx(clock() - S / 2)  # one pace interval back: due now

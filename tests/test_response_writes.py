@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol, whole_answer_sender
+from batchserve.http.uvicorn_protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol, whole_answer_sender
 
 
 class RecordingTransport(asyncio.Transport):

@@ -1,12 +1,15 @@
-"""The package's shape (issue 10): no import circles, TYPE_CHECKING imports included, and one door to the
-batcher. Read from the source with `ast`, and the module list from `pkgutil`, so a new module is covered
-without editing this test."""
+"""The package's shape (issues 10 and 23): no import circles between modules or between packages (a package
+being `batchserve.X`: a subpackage or a top-level module), TYPE_CHECKING imports included; the wiring (app, cli,
+runtime) imported by nothing it wires; no wing importing another's routes; and one door to the batcher. Read
+from the source with `ast`, and the module list from `pkgutil`, so a new module is covered without editing this
+test."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import pkgutil
+import re
 from pathlib import Path
 
 import batchserve
@@ -69,12 +72,73 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycles():
+def import_graph() -> dict[str, set[str]]:
     mods = modules()
-    graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def package_of(module: str) -> str:
+    """`batchserve.X`: the subpackage (or top-level module) a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph seen from afar: an edge between two packages when any module of one imports the other's."""
+    out: dict[str, set[str]] = {package_of(m): set() for m in graph}
+    for module, targets in graph.items():
+        out[package_of(module)].update(package_of(t) for t in targets if package_of(t) != package_of(module))
+    return out
+
+
+def importers_of(graph: dict[str, set[str]], targets: set[str]) -> dict[str, set[str]]:
+    return {m: ts & targets for m, ts in graph.items() if ts & targets}
+
+
+def test_no_import_cycles():
+    graph = import_graph()
     assert graph["batchserve.app"], "the import graph came out empty: the test is not reading imports"
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycles_between_packages():
+    """core/ and the batcher, http/ and the wings, the wings and the runtime once imported each other in loops
+    (issue 23): a package may lean on one below it, never on one that leans on it."""
+    graph = package_graph(import_graph())
+    assert {"batchserve.core", "batchserve.http", "batchserve.inference", "batchserve.app"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle)
+
+
+def test_the_package_graph_sees_a_loop_the_module_graph_does_not():
+    modules_only = {"p.a.x": {"p.b.y"}, "p.b.y": set(), "p.b.z": {"p.a.w"}, "p.a.w": set()}
+    assert find_cycle(modules_only) is None
+    assert find_cycle(package_graph(modules_only)) == ["p.a", "p.b", "p.a"]
+
+
+WIRING = {"batchserve.app", "batchserve.cli", "batchserve.runtime"}
+
+
+def test_the_wiring_is_imported_by_nothing_it_wires():
+    """app.py, cli.py and runtime.py put the wings together; a wing (or http/, core/) that imported them would
+    depend on everything. Routes read the runtime through a Protocol of their own wing instead."""
+    allowed = WIRING | {"batchserve.__main__"}
+    wrong = {m: ts for m, ts in importers_of(import_graph(), WIRING).items() if m not in allowed}
+    assert not wrong, wrong
+
+
+def test_no_wing_imports_another_wings_routes():
+    graph = import_graph()
+    routes = {m for m in graph if m.endswith(".routes") or m.endswith(".api") or m.endswith("_api")}
+    assert "batchserve.inference.routes" in routes and "batchserve.jobs.api" in routes
+    wrong = {m: {t for t in ts if package_of(t) != package_of(m)}
+             for m, ts in importers_of(graph, routes).items() if m not in WIRING}
+    assert not any(wrong.values()), wrong
+
+
+def test_nothing_in_the_package_imports_the_batcher_shim():
+    """batchserve/batcher.py re-exports core/batcher.py for the design card's sake only."""
+    assert not importers_of(import_graph(), {"batchserve.batcher"})
 
 
 def test_the_cycle_finder_finds_one():
@@ -92,3 +156,13 @@ def test_only_the_door_submits_to_the_batcher():
                     and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "batcher"):
                 callers.append(name)
     assert callers and set(callers) == {"batchserve.core.service"}, callers
+
+
+def test_the_architecture_page_names_only_modules_that_exist():
+    """docs/architecture.md follows requests through the code by module path: a moved module must move there too."""
+    root = PACKAGE.parent
+    text = (root / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_0-9]+\.py)\b", text))
+    assert "core/batcher.py" in named and "http/guards.py" in named
+    missing = sorted(p for p in named if not (PACKAGE / p).exists() and not (root / p).exists())
+    assert not missing, missing

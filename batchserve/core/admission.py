@@ -30,7 +30,7 @@ let through as a probe that runs whatever the figure says: only running corrects
 An input that costs more than a whole batch may (`--max-batch-tokens`, or alone longer than half the longest
 allowed timeout) is refused with 413: it can never run in time.
 
-Everything here is policy over numbers: the clock is injected, the pool is seen through `Capacity`, so the
+Everything here is policy over numbers: the clock is injected, the pool is seen through `WorkerCapacity`, so the
 unit tests drive it without a server, threads or sleeps.
 """
 
@@ -51,7 +51,7 @@ FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pres
 PROBE_EVERY_S = 5.0  # an idle model that refuses everything on its learned time lets one request run this often
 
 
-class Capacity(Protocol):
+class WorkerCapacity(Protocol):
     """What admission needs to know of the workers."""
 
     def healthy_count(self) -> int: ...
@@ -182,7 +182,7 @@ class Admission:
     """Admission state (the arrival rate on two horizons) and the decision for each new item."""
 
     batcher: Batcher
-    capacity: Capacity | None  # None until the workers have started
+    capacity: WorkerCapacity | None  # None until the workers have started
     max_queue: int
     slo_s: float
     slack: float

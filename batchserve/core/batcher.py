@@ -375,7 +375,7 @@ class Batcher:
         """A batch stopped early (its callers had all left), so its worker is free before the pace assumed: the
         next dispatch is due now, not a batch time after the last one."""
         interval = self.batch_s[model] / max(1, self.healthy_workers)
-        self.last_dispatch = min(self.last_dispatch, time.monotonic() - interval)
+        self.last_dispatch = min(self.last_dispatch, self.clock() - interval)
         self._wake.set()
 
     def drop_all(self, err: errors.ApiError) -> int:

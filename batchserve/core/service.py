@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Protocol, runtime_checkable
 from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
 from batchserve.core.batcher import Batcher
-from batchserve.core.admission import Admission, Capacity
+from batchserve.core.admission import Admission, WorkerCapacity
 from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
@@ -79,7 +79,7 @@ class InferenceService:
     def max_batch_size(self) -> int:
         return self.batcher.max_batch_size
 
-    def attach(self, capacity: Capacity) -> None:
+    def attach(self, capacity: WorkerCapacity) -> None:
         """The workers have started: admission can see them from now on."""
         self.admission.capacity = capacity
 

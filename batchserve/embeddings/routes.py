@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Protocol
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -17,28 +17,37 @@ from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.backends import Backend
-from batchserve.config import ModelSpec
-from batchserve.core.fairqueue import ItemResult
+from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
-from batchserve.embeddings.protocol import answer, parse
+from batchserve.embeddings.wire import answer, parse
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import read_body, request_id_of
-from batchserve.inference.routes import disconnect_probe
+from batchserve.http.body import client_host, read_body, request_id_of
+from batchserve.http.disconnect import disconnect_probe
+from batchserve.http.guards import Guard
 from batchserve.http.openai_error import JSON, OpenAIError, error_response
-from batchserve.runtime import Runtime
-from batchserve.tenancy import Caller
+from batchserve.models import ModelRegistry
 
 log = logging.getLogger("batchserve.embeddings")
 
 COUNT_INLINE_CHARS = 8192  # token counting of more text than this runs on a thread, beside the inference
 
 
-def embedding_models(rt: Runtime) -> list[ModelSpec]:
+class EmbeddingsHost(Protocol):
+    """What the embeddings route reads from `app.state.rt` (the runtime, which app.py wires): this much only."""
+
+    settings: Settings
+    guard: Guard
+    registry: ModelRegistry
+    service: InferenceService
+    backends: dict[str, Backend]
+
+
+def embedding_models(rt: EmbeddingsHost) -> list[ModelSpec]:
     return [spec for spec in rt.registry.specs
             if (b := rt.backends.get(spec.id)) is not None and b.output_kind == "embedding"]
 
 
-def pick_model(rt: Runtime, requested: str | None, key_id: str) -> tuple[ModelSpec, Backend]:
+def pick_model(rt: EmbeddingsHost, requested: str | None, key_id: str) -> tuple[ModelSpec, Backend]:
     if requested is None:
         served = embedding_models(rt)
         if not served:
@@ -58,12 +67,6 @@ def pick_model(rt: Runtime, requested: str | None, key_id: str) -> tuple[ModelSp
     return spec, backend
 
 
-async def infer_all(service: InferenceService, inputs: list[str], model: str, caller: Caller, timeout_s: float,
-                    arrived: float, request_id: str, gone: Callable[[], bool] | None) -> list[ItemResult]:
-    """Every input as its own item, admitted together: the door predicts the batches they will make."""
-    return await service.infer_many(inputs, model, caller.tier, caller.tenant, timeout_s, arrived, request_id, gone)
-
-
 async def prompt_tokens(backend: Backend, inputs: list[str], counting: asyncio.Future | None) -> int:
     """usage.prompt_tokens from the backend's tokenizer; 0 when it cannot count (a plugin without
     count_tokens, or one that failed: the vectors are still the answer)."""
@@ -81,15 +84,16 @@ def _retrieve(task: asyncio.Future) -> None:
 
 
 async def embeddings(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: EmbeddingsHost = request.app.state.rt
     s = rt.settings
+    guard = rt.guard
     arrived = time.monotonic()
     request_id = request_id_of(request)
     headers = {"X-Request-ID": request_id}
+    refused: tuple[str, ApiError] | None = None
     try:
         try:
-            # OpenAI clients always send a key: with no keys configured, any key is anonymous (as vLLM does)
-            caller = rt.tenancy.identify(request.headers.get("authorization") if rt.tenancy.keys else None)
+            caller = guard.identify(request.headers.get("authorization"), client_host(request.scope), openai=True)
             body = await read_body(request, s.max_body_bytes)
         except ApiError as err:
             raise OpenAIError.from_api(err) from None
@@ -102,21 +106,24 @@ async def embeddings(request: Request) -> Response:
             counting = asyncio.ensure_future(asyncio.to_thread(backend.count_tokens, req.inputs))
             counting.add_done_callback(_retrieve)  # when the request fails first, nobody awaits it
         try:
-            headers.update(rt.tenancy.take_token(caller, len(req.inputs)))
-            results = await infer_all(rt.service, req.inputs, spec.id, caller, req.timeout_s, arrived, request_id,
-                                      disconnect_probe(request))
+            headers.update(guard.take(caller, len(req.inputs)))
+            # Every input as its own item, admitted together: the door predicts the batches they will make.
+            results = await rt.service.infer_many(req.inputs, spec.id, caller.tier, caller.tenant, req.timeout_s,
+                                                  arrived, request_id, disconnect_probe(request))
         except ApiError as err:
-            rt.metrics.count_error(spec.id, err)
+            refused = (spec.id, err)  # counted by its code in the model's metrics, as on every route
             raise OpenAIError.from_api(err) from None
         except ClientGone:
             return Response(status_code=499)
         body = answer([r.output for r in results], req.base64, spec.id,
                       await prompt_tokens(backend, req.inputs, counting))
-        rt.answered += 1
-        rt.metrics.count_ok(spec.id, time.monotonic() - arrived)
+        guard.ok(spec.id, time.monotonic() - arrived)
         return Response(body, media_type=JSON, headers=headers)
     except OpenAIError as err:
-        rt.answered += 1
+        if refused is not None:
+            guard.refused(*refused)
+        else:
+            guard.counted()
         return error_response(err, headers)
 
 

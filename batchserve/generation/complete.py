@@ -17,7 +17,7 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.engine import Engine, SamplingParams
-from batchserve.generation.protocol import Answer, GenRequest, OpenAIError, bad, parse
+from batchserve.generation.wire import Answer, GenRequest, OpenAIError, bad, parse
 
 
 @dataclass(slots=True)

@@ -110,7 +110,6 @@ class Sequence:
     state: str = WAITING
     tokens: int = 0
     started: float = 0.0
-    first_token: float = 0.0
     last_token: float = 0.0
     finish_reason: str | None = None
     streamed: bool = True  # False: the caller wants the whole text once, so no delta per token
@@ -459,7 +458,6 @@ class Engine:
                 self._finish(seq, finish_reason="length", ended=True)
             return
         if seq.tokens == 0:
-            seq.first_token = now
             self.metrics.ttft.observe(now - seq.arrived)
         else:
             gap = (now - seq.last_token) / len(new)

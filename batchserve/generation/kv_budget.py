@@ -28,10 +28,6 @@ class KvBudget:
     def blocks_for(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.page_size))
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.total_blocks * self.page_size
-
     def fits(self, blocks: int) -> bool:
         return self.running < self.max_seqs and self.used_blocks + blocks <= self.total_blocks
 

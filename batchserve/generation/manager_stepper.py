@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any
 
-from batchserve.generation.stepper import GPU_MEMORY_SHARE, Capacity, Deliver, SamplingParams, TokenUpdate
+from batchserve.generation.stepper import GPU_MEMORY_SHARE, KvCapacity, Deliver, SamplingParams, TokenUpdate
 
 
 def processor_kwargs(params: SamplingParams) -> dict[str, Any]:
@@ -90,7 +90,7 @@ class ManagerStepper:
     def __init__(self, manager: Any, page_size: int, max_seqs: int, step_s: float) -> None:
         self.manager = manager
         blocks = int(manager.batch_processor.cache.num_blocks)
-        self.capacity = Capacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
+        self.capacity = KvCapacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
                                  max_sequence_tokens=blocks * page_size)
         self.step_s = step_s
         self.description = f"transformers' ContinuousBatchingManager on {manager.model.device}"

@@ -11,10 +11,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from batchserve.generation.engine import Engine, enabled
-from batchserve.generation.protocol import JSON
-from batchserve.generation.serving import generate
-from batchserve.inference.ops import operational
-from batchserve.runtime import Runtime
+from batchserve.generation.wire import JSON
+from batchserve.generation.serving import GenerationHost, generate
+from batchserve.http.guards import operational
 
 
 async def chat_completions(request: Request) -> Response:
@@ -34,7 +33,7 @@ def model_cards(engine: Engine | None) -> list[dict[str, Any]]:
 
 
 async def generation_status(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: GenerationHost = request.app.state.rt
     engine = rt.generation
     if engine is None:
         return Response(orjson.dumps({"enabled": enabled(rt.settings), "ready": False}), media_type=JSON)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -20,10 +20,23 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
-from batchserve.generation.engine import Delta, Sequence, enabled
-from batchserve.generation.protocol import JSON, Answer, OpenAIError, error_response, sse
+from batchserve.core.refusals import RefusalThrottle
+from batchserve.core.service import InferenceService
+from batchserve.generation.engine import Delta, Engine, Sequence, enabled
+from batchserve.generation.wire import JSON, Answer, OpenAIError, error_response, sse
 from batchserve.http.body import client_host, read_body, request_id_of
-from batchserve.runtime import Runtime
+from batchserve.http.guards import Guard
+
+
+class GenerationHost(Protocol):
+    """What the generation routes read from `app.state.rt` (the runtime, which app.py wires): this much only."""
+
+    settings: Settings
+    guard: Guard
+    service: InferenceService  # the door: asked only whether the server is open (draining)
+    generation: Engine | None  # None until loaded, or when generation is off
+    startup_error: str
+    refusals: RefusalThrottle  # callers refused often of late wait before their next body is read
 
 
 class SequenceStream(StreamingResponse):
@@ -61,7 +74,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def generate(request: Request, chat: bool) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: GenerationHost = request.app.state.rt
     endpoint = "chat" if chat else "completions"
     request_id = request_id_of(request)
     headers = {"X-Request-ID": request_id}
@@ -69,12 +82,12 @@ async def generate(request: Request, chat: bool) -> Response:
     who = "anonymous@" + client_host(request.scope)  # whose refusals count (`core/refusals.py`)
     try:
         try:
-            # OpenAI clients always send a key: with no keys configured, any key is anonymous (as vLLM does)
-            caller = rt.tenancy.identify(request.headers.get("authorization") if rt.tenancy.keys else None)
+            caller, limits = rt.guard.admit(request.headers.get("authorization"), client_host(request.scope),
+                                            openai=True)
             who = caller.tenant if caller.key_id else who
             if wait_s := rt.refusals.wait_s(who):  # refused often of late: its body waits in the socket
                 await asyncio.sleep(wait_s)
-            headers.update(rt.tenancy.take_token(caller))
+            headers.update(limits)
             body = await read_body(request, rt.settings.max_body_bytes)
         except ApiError as err:
             raise OpenAIError.from_api(err) from None
@@ -92,9 +105,10 @@ async def generate(request: Request, chat: bool) -> Response:
             seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream)
         except ApiError as err:
             if err.status == 503:
-                rt.metrics.rejected.labels(err.code).inc()
+                rt.guard.shed(err)
             raise OpenAIError.from_api(err) from None
     except OpenAIError as err:
+        rt.guard.counted()
         if engine is not None:
             engine.metrics.requests.labels(endpoint, str(err.status)).inc()
         if 400 <= err.status < 500 and err.status != 429:  # refused for what it sent (429 has its own limit)
@@ -111,6 +125,7 @@ async def generate(request: Request, chat: bool) -> Response:
         if done:
             return
         done = True
+        rt.guard.counted()
         rt.service.release()
         if not seq.finished:
             engine.cancel(seq)
@@ -172,7 +187,7 @@ async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usa
     yield b"data: [DONE]\n\n"
 
 
-def not_serving(rt: Runtime) -> OpenAIError:
+def not_serving(rt: GenerationHost) -> OpenAIError:
     if not enabled(rt.settings):
         return OpenAIError(404, "generation is off on this server (start it with --backend smollm2 or "
                                 "--generation on)", "model", "model_not_found")

@@ -33,7 +33,7 @@ from typing import Any
 
 from batchserve.generation.sizing import Piece, plan_prefill
 from batchserve.generation.slot_decoder import SlotDecoder, Ticket
-from batchserve.generation.stepper import Capacity, Deliver, SamplingParams, TokenUpdate
+from batchserve.generation.stepper import KvCapacity, Deliver, SamplingParams, TokenUpdate
 
 log = logging.getLogger("batchserve.generation")
 
@@ -97,7 +97,7 @@ class SlotStepper:
         self.join_delay_steps = join_delay_steps
         self.steps = 0  # steps launched
         self.moved = 0  # sequences moved to lower slots
-        self.capacity = Capacity(blocks=decoder.slots, page_size=decoder.slot_tokens, max_seqs=decoder.slots,
+        self.capacity = KvCapacity(blocks=decoder.slots, page_size=decoder.slot_tokens, max_seqs=decoder.slots,
                                  max_sequence_tokens=decoder.slot_tokens)
         self.description = (f"slots: {decoder.slots} x {decoder.slot_tokens} tokens, "
                             f"{'CUDA graphs' if decoder.use_graphs else 'eager'} on {decoder.device}")

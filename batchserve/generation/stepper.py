@@ -44,7 +44,7 @@ Deliver = Callable[[list[TokenUpdate]], None]
 
 
 @dataclass(frozen=True)
-class Capacity:
+class KvCapacity:
     """The admission resource a stepper offers: `blocks` KV blocks of `page_size` tokens, at most `max_seqs`
     sequences, and at most `max_sequence_tokens` (prompt + max_tokens) in one sequence."""
 
@@ -55,7 +55,7 @@ class Capacity:
 
 
 class Stepper(Protocol):
-    capacity: Capacity
+    capacity: KvCapacity
     step_s: float  # time per decode step seen at warm-up
     description: str  # for logs and /internal/generation
 

@@ -39,9 +39,13 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from multiprocessing.synchronize import Event
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from batchserve.config import ProcessSlot, Settings
-from batchserve.jobs.store import is_postgres_url
+from batchserve.config import is_postgres_url
+
+if TYPE_CHECKING:
+    from batchserve.http.server import AppFactory
 
 log = logging.getLogger("batchserve")
 
@@ -113,8 +117,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def child_main(settings: Settings, index: int, share: Share, port: int, own_port: int, draining: Event,
-               listening: Event) -> None:
+def child_main(settings: Settings, app_factory: AppFactory, index: int, share: Share, port: int, own_port: int,
+               draining: Event, listening: Event) -> None:
     """One child: load and warm its models on its devices, then serve the shared port and its own."""
     _die_with_parent()
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only, which drains the group in order
@@ -143,7 +147,7 @@ def child_main(settings: Settings, index: int, share: Share, port: int, own_port
              "of this process alone)", index, settings.process_slot.of, os.getpid(), share.devices,
              f" (CUDA_VISIBLE_DEVICES={share.cuda_visible})" if share.cuda_visible is not None else "",
              settings.host, own_port)
-    sys.exit(serve(settings, loaded, sockets=[shared, own], group=ChildGroup(draining, listening)))
+    sys.exit(serve(settings, app_factory, loaded, sockets=[shared, own], group=ChildGroup(draining, listening)))
 
 
 @dataclass
@@ -155,7 +159,7 @@ class Slot:
     started_at: float = 0.0
 
 
-def serve_processes(settings: Settings) -> int:
+def serve_processes(settings: Settings, app_factory: AppFactory) -> int:
     """Start the children, replace any that exits on its own, drain them all on SIGTERM/SIGINT. 0 after a
     clean drain; a child's status when one could not start."""
     shares = device_shares(settings)
@@ -178,7 +182,7 @@ def serve_processes(settings: Settings) -> int:
         slot.listening = ctx.Event()
         own = settings.process_port_base + slot.index if settings.process_port_base else 0
         slot.process = ctx.Process(target=child_main, name=f"batchserve-{slot.index}",
-                                   args=(settings, slot.index, slot.share, port, own, draining, slot.listening))
+                                   args=(settings, app_factory, slot.index, slot.share, port, own, draining, slot.listening))
         slot.started_at = time.monotonic()
         slot.process.start()
 

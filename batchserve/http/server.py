@@ -20,16 +20,15 @@ import socket
 import sys
 import time
 from types import FrameType
-from typing import Protocol
+from typing import Callable, Protocol
 
 import uvicorn
+from starlette.types import ASGIApp
 
-from batchserve.app import create_app
-from batchserve.backends.loading import LoadedModels
+from batchserve.backends.loading import EXIT_BACKEND_FAILED, LoadedModels, loading_abandoned
 from batchserve.config import Settings, proxy_list
 from batchserve.gc_tuning import tune_gc
-from batchserve.http.protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
-from batchserve.runtime import EXIT_BACKEND_FAILED, loading_abandoned
+from batchserve.http.uvicorn_protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
 
 log = logging.getLogger("batchserve")
 
@@ -46,6 +45,13 @@ class Group(Protocol):
 
     def listening(self) -> None:
         """Called once the server has started and listens."""
+
+
+class AppFactory(Protocol):
+    """`app.create_app`, handed in by the wiring (cli.py): the HTTP layer imports no wing and not the app."""
+
+    def __call__(self, settings: Settings, loaded: LoadedModels | None = None,
+                 on_startup_failure: Callable[[str, int], None] | None = None) -> ASGIApp: ...
 
 
 class DrainingServer(uvicorn.Server):
@@ -149,8 +155,8 @@ def connection_guard(settings: Settings) -> ConnectionGuard:
         max_connections=settings.max_connections))
 
 
-def serve(settings: Settings, loaded: LoadedModels | None = None, sockets: list[socket.socket] | None = None,
-          group: Group | None = None) -> int:
+def serve(settings: Settings, app_factory: AppFactory, loaded: LoadedModels | None = None,
+          sockets: list[socket.socket] | None = None, group: Group | None = None) -> int:
     """Run until stopped: 0 after a drain; when start-up failed, 2 for a backend that cannot be served (its one
     line, `batchserve: error: ...`, printed last on stderr) and 1 for anything else. The process exits rather
     than answer 503 for ever: a supervisor restarts it or shows the failure. `sockets` (bound, not listening)
@@ -170,7 +176,7 @@ def serve(settings: Settings, loaded: LoadedModels | None = None, sockets: list[
              guard.cap, settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s,
              settings.keep_alive_timeout_s)
     config = uvicorn.Config(
-        create_app(settings, loaded, on_startup_failure=startup_failed),
+        app_factory(settings, loaded, on_startup_failure=startup_failed),
         host=settings.host,
         port=settings.port,
         loop="uvloop",

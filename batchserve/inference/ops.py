@@ -3,9 +3,10 @@ plus the JSON rendering of the router's own 404/405."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from typing import Awaitable, Callable
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -14,41 +15,54 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from batchserve import errors
-import hmac
-import logging
-
+from batchserve.config import Settings
+from batchserve.core.admission import Admission
+from batchserve.core.batcher import Batcher
+from batchserve.core.load_signal import Reading
+from batchserve.core.service import InferenceService
+from batchserve.gpu_pool import GpuPool
 from batchserve.http.body import JSON, error_response, json_response, request_id_of
-from batchserve.runtime import Runtime
+from batchserve.http.guards import operational
+from batchserve.metrics import Metrics
+
+
+class OpsHost(Protocol):
+    """What the operational routes read from `app.state.rt` (the runtime): the node's state, to report it."""
+
+    settings: Settings
+    metrics: Metrics
+    batcher: Batcher
+    admission: Admission
+    service: InferenceService
+    pool: GpuPool | None
+    ready: bool
+    gpu_utilization: float
+    requests_per_second: float
+    busy_ratios: dict[str, float]
+
+    @property
+    def draining(self) -> bool: ...
+
+    def not_ready_reason(self) -> str | None: ...
+
+    def load_reading(self) -> Reading: ...
 
 
 async def healthz(request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
-def not_ready_reason(rt: Runtime) -> str | None:
-    """Why the node should not be sent traffic now, or None when it is ready (also KServe v2's ready)."""
-    if rt.draining:
-        return "draining"
-    if rt.startup_error:
-        return f"start-up failed: {rt.startup_error}"
-    if not rt.ready:
-        return "warming up"
-    if (rt.pool.healthy_count() if rt.pool else 0) == 0:
-        return "no healthy worker"
-    return None
-
-
 async def readyz(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: OpsHost = request.app.state.rt
     healthy = rt.pool.healthy_count() if rt.pool else 0
-    reason = not_ready_reason(rt)
+    reason = rt.not_ready_reason()
     if reason is None:
         return json_response({"status": "ready", "healthy_workers": healthy})
     return json_response({"status": "not_ready", "reason": reason, "healthy_workers": healthy}, status=503)
 
 
 async def internal_health(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: OpsHost = request.app.state.rt
     now = time.monotonic()
     workers = []
     if rt.pool is not None:
@@ -87,7 +101,7 @@ async def internal_health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: OpsHost = request.app.state.rt
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -96,30 +110,6 @@ async def openapi_json(request: Request) -> Response:
 
 
 log = logging.getLogger("batchserve")
-
-
-def check_ops_key(request: Request, rt: Runtime) -> None:
-    """401 unless the caller shows `--metrics-key` (when one is set): the operational routes name workers,
-    queue depths and rates that callers need not see."""
-    key = rt.settings.metrics_key
-    if not key:
-        return
-    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise errors.unauthorized("this route needs the metrics key: 'Authorization: Bearer <metrics key>'")
-
-
-def operational(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """An operational route: served only with the metrics key, when one is set."""
-
-    async def endpoint(request: Request) -> Response:
-        try:
-            check_ops_key(request, request.app.state.rt)
-        except errors.ApiError as err:
-            return error_response(err, request_id_of(request))
-        return await handler(request)
-
-    return endpoint
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:

@@ -8,10 +8,8 @@ admission, the batcher's queue, a worker thread runs the batch) → answer with 
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import time
-from typing import Callable
+from typing import Protocol
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -20,39 +18,33 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
+from batchserve.backends import Backend
+from batchserve.config import Settings
+from batchserve.core.requests_log import RequestLog
+from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.generation.routes import model_cards
 from batchserve.http.body import (client_host, error_body, error_response, inference_headers, json_response,
                                   new_request_id, read_body_from, request_id_from, send_json)
+from batchserve.http.disconnect import Watcher, disconnect_probe
+from batchserve.http.guards import Guard
 from batchserve.inference.body import parse_inference
-from batchserve.http.protocol import whole_answer_sender
-from batchserve.runtime import Runtime
+from batchserve.http.uvicorn_protocol import whole_answer_sender
+from batchserve.models import ModelRegistry
 
 
-def disconnect_probe(receive: Receive) -> Callable[[], bool] | None:
-    """A cheap "has the caller hung up?" check, read when a batch is formed, so a queued item whose caller
-    left never takes a place in a batch. uvicorn's receive() is a method of its per-request cycle, which
-    flags the disconnect; other ASGI servers get a watcher task instead (`_Watcher`)."""
-    cycle = getattr(receive, "__self__", None)
-    if cycle is not None and isinstance(getattr(cycle, "disconnected", None), bool):
-        return functools.partial(getattr, cycle, "disconnected")
-    return None
+class InferenceHost(Protocol):
+    """What the inference routes read from `app.state.rt` (the runtime, which app.py wires): this much only."""
 
+    settings: Settings
+    guard: Guard
+    registry: ModelRegistry
+    service: InferenceService
+    requests: RequestLog
+    backends: dict[str, Backend]
 
-class _Watcher:
-    """For ASGI servers without a disconnect flag: a task that notes the caller hanging up."""
-
-    def __init__(self, receive: Receive) -> None:
-        self.gone = False
-        self.task = asyncio.ensure_future(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gone = True
-
-    def __call__(self) -> bool:
-        return self.gone
+    def model_cards(self) -> list[dict[str, object]]:
+        """GET /v1/models' entries for the models outside the batcher (the generation engine's)."""
+        ...
 
 
 class InferenceEndpoint:
@@ -61,16 +53,16 @@ class InferenceEndpoint:
     `app.FastPath` calls it directly, ahead of the router; the router's Route points here too (405s, OpenAPI)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        rt: Runtime = scope["app"].state.rt
+        rt: InferenceHost = scope["app"].state.rt
         s = rt.settings
+        guard = rt.guard
         arrived = time.monotonic()
         headers = inference_headers(scope["headers"])
         request_id = request_id_from(headers.get("x-request-id"))
         model_id = "unknown"
         limit_headers: dict[str, str] = {}
         try:
-            caller = rt.tenancy.identify(headers.get("authorization"), client_host(scope))
-            limit_headers = rt.tenancy.take_token(caller)
+            caller, limit_headers = guard.admit(headers.get("authorization"), client_host(scope))
             try:
                 body = await read_body_from(receive, s.max_body_bytes, headers.get("content-length"))
             except ClientDisconnect:
@@ -82,14 +74,13 @@ class InferenceEndpoint:
             model_id = spec.id
             try:
                 result = await rt.service.infer(text, model_id, caller.tier, caller.tenant, timeout_s, arrived,
-                                                request_id, disconnect_probe(receive) or _Watcher(receive),
+                                                request_id, disconnect_probe(receive) or Watcher(receive),
                                                 caller.owner)
             except ClientGone:
                 return  # nobody reads an answer: the connection is gone
             latency_s = time.monotonic() - arrived
             queue_ms, compute_ms = result.queue_s * 1000, result.compute_s * 1000
-            rt.answered += 1
-            rt.metrics.count_ok(model_id, latency_s)
+            guard.ok(model_id, latency_s)
             out = orjson.dumps({"request_id": request_id, "output": result.output, "model": model_id,
                                 "latency_ms": round(latency_s * 1000), "queue_ms": round(queue_ms),
                                 "compute_ms": round(compute_ms), "batch_size": result.batch_size})
@@ -104,8 +95,7 @@ class InferenceEndpoint:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": out})
         except ApiError as err:
-            rt.answered += 1
-            rt.metrics.count_error(model_id, err)
+            guard.refused(model_id, err)
             if limit_headers and not err.headers:
                 err.headers = limit_headers
             out, err_headers = error_body(err, request_id)
@@ -115,30 +105,31 @@ class InferenceEndpoint:
 async def request_status(request: Request) -> Response:
     """A recent request's status, to the tenant that made it only: the caller is identified as on the
     inference route, and another tenant's id answers 404 exactly like an unknown one."""
-    rt: Runtime = request.app.state.rt
+    rt: InferenceHost = request.app.state.rt
     limit_headers: dict[str, str] = {}
     try:
-        caller = rt.tenancy.identify(request.headers.get("authorization"), client_host(request.scope))
-        limit_headers = rt.tenancy.take_token(caller)
+        caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), client_host(request.scope))
         record = rt.requests.get(caller.owner, request.path_params["request_id"])
         if record is None:
             raise errors.request_not_found()
     except ApiError as err:
+        rt.guard.counted()
         if limit_headers and not err.headers:
             err.headers = limit_headers
         return error_response(err, new_request_id())  # never the path's id: it may be anything, of any length
+    rt.guard.counted()
     return json_response(record.public(), headers=limit_headers or None)
 
 
 async def list_models(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: InferenceHost = request.app.state.rt
     data = [{"id": spec.id, "object": "model", "owned_by": "batchserve", "name": spec.name,
              "version": spec.version, "backend": spec.backend, "weight": spec.weight,
              "output_kind": b.output_kind if (b := rt.backends.get(spec.id)) is not None else None}
             for spec in rt.registry.specs]
     # The chat model first: clients that take the first id as the model to chat with (guidellm, many UIs)
     # get one that /v1/chat/completions accepts.
-    data = model_cards(rt.generation) + data
+    data = rt.model_cards() + data
     return json_response({"object": "list", "data": data})
 
 

@@ -1,6 +1,6 @@
 """`/v1/batches`: submit a batch job, follow it, read its results in input order, cancel it, list your jobs.
 
-Every route identifies the caller first (`caller_of`: API key, or anonymous where allowed) and takes one token
+Every route identifies the caller first (`http/guards.Guard`: API key, or anonymous where allowed) and takes one token
 from its rate bucket; a caller only ever sees its own jobs (another tenant's job id answers 404, as an unknown
 one does). A job is validated whole before anything is stored, so a limit breached by any item refuses the
 job (400/413) and no partial job exists.
@@ -13,7 +13,7 @@ import logging
 import secrets
 import sqlite3
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -21,16 +21,20 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from batchserve import errors
+from batchserve.backends import Backend
+from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import model_aliases
+from batchserve.generation.engine import Engine
 from batchserve.http.body import ascii_count, client_host, error_response, json_response, request_id_of
+from batchserve.http.guards import Guard
 from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
 from batchserve.jobs.openai_batch import batch_object, check_batch_request, parse_input_file
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import (IdempotencyConflict, Job, JobStore, NewJob, Progress, StoreDown, StoreUnavailable,
                                    UnstorableInput)
-from batchserve.runtime import Runtime
+from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
 log = logging.getLogger("batchserve.jobs")
@@ -39,14 +43,23 @@ RESULTS_PAGE = 2000  # rows read from the store per step of the NDJSON stream
 MAX_IDEMPOTENCY_KEY = 255
 LIST_DEFAULT, LIST_MAX = 20, 100
 
-Handler = Callable[[Request, Runtime, JobService, Caller], Awaitable[Response]]
 
-def caller_of(request: Request) -> Caller:
-    """Who is calling (401 when keys are configured and the key is missing or wrong)."""
-    rt: Runtime = request.app.state.rt
-    # OpenAI clients always send a key: with no keys configured, any key is anonymous (as on /v1/embeddings)
-    authorization = request.headers.get("authorization") if rt.tenancy.keys else None
-    return rt.tenancy.identify(authorization, client_host(request.scope))
+
+class JobsHost(Protocol):
+    """What the job and file routes read from `app.state.rt` (the runtime, which app.py wires): this much only."""
+
+    settings: Settings
+    guard: Guard
+    registry: ModelRegistry
+    backends: dict[str, Backend]
+    jobs: JobService | None  # None until the workers are up
+    generation: Engine | None  # for OpenAI batches of chat lines
+
+    @property
+    def draining(self) -> bool: ...
+
+
+Handler = Callable[[Request, JobsHost, JobService, Caller], Awaitable[Response]]
 
 
 def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -55,10 +68,12 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         request_id = request_id_of(request)
         limit_headers: dict[str, str] = {}
+        rt: JobsHost = request.app.state.rt
+        rt.guard.counted()  # every answer below, whatever its status
         try:
-            rt: Runtime = request.app.state.rt
-            caller = caller_of(request)
-            limit_headers = rt.tenancy.take_token(caller)
+            # OpenAI clients always send a key: with no keys configured, any key is anonymous (as on /v1/embeddings)
+            caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), client_host(request.scope),
+                                                   openai=True)
             if not rt.settings.jobs_db:
                 raise errors.not_found("batch jobs are disabled on this server (--jobs-db is empty)")
             svc = rt.jobs
@@ -98,7 +113,7 @@ def request_hash(inputs: list[str], model: str | None, metadata: dict | None) ->
     return hashlib.sha256(canon).hexdigest()
 
 
-async def create_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def create_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     if rt.draining:
         raise errors.draining()
     key = idempotency_key(request)
@@ -143,7 +158,7 @@ def public(job: Job) -> dict[str, Any]:
     return batch_object(job) if job.openai is not None else job.public()
 
 
-async def create_openai_batch(values: dict[str, Any], key: str | None, rt: Runtime, svc: JobService,
+async def create_openai_batch(values: dict[str, Any], key: str | None, rt: JobsHost, svc: JobService,
                               caller: Caller) -> Response:
     """OpenAI's `POST /v1/batches`: the input file's lines become the job's items (`openai_batch.py`)."""
     file_id, endpoint, window, metadata = check_batch_request(values, rt.generation is not None)
@@ -191,13 +206,13 @@ async def store_openai_batch(svc: JobService, store: JobStore, caller: Caller, k
     return accepted(svc, job, created)
 
 
-def output_kind(rt: Runtime, model_id: str) -> str | None:
+def output_kind(rt: JobsHost, model_id: str) -> str | None:
     backend = rt.backends.get(model_id)
     return backend.output_kind if backend is not None else None
 
 
 # -- reads and cancel ----------------------------------------------------------------------------------------
-async def get_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def get_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
     job = await store.get(caller.owner, job_id) if store is not None else None
@@ -206,7 +221,7 @@ async def get_batch(request: Request, rt: Runtime, svc: JobService, caller: Call
     return json_response(public(job))
 
 
-async def batch_results(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def batch_results(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
     job = await store.get(caller.owner, job_id) if store is not None else None
@@ -225,7 +240,7 @@ async def ndjson_lines(store: JobStore, job_id: str) -> AsyncIterator[bytes]:
         after = rows[-1].index
 
 
-async def cancel_batch(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
     job = await store.cancel(caller.owner, job_id, time.time()) if store is not None else None
@@ -244,7 +259,7 @@ def list_limit(request: Request, default: int, most: int) -> int:
     return limit
 
 
-async def list_batches(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def list_batches(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     limit = list_limit(request, LIST_DEFAULT, LIST_MAX)
     after = request.query_params.get("after")
     store = await svc.existing_store()

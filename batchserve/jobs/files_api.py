@@ -21,12 +21,11 @@ from starlette.routing import Route
 from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.http.body import json_response, read_body
-from batchserve.jobs.api import LIST_DEFAULT, LIST_MAX, RESULTS_PAGE, list_limit, route
+from batchserve.jobs.api import LIST_DEFAULT, LIST_MAX, RESULTS_PAGE, JobsHost, list_limit, route
 from batchserve.jobs.files import FileLimitReached, StoredFile
 from batchserve.jobs.openai_batch import OUTPUT, file_line, job_of_file
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import JobStore
-from batchserve.runtime import Runtime
 from batchserve.tenancy import Caller
 
 PURPOSES = ("batch",)
@@ -42,7 +41,7 @@ async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
 
-async def create_file(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     limit = rt.settings.files_max_bytes
     ctype = request.headers.get("content-type", "")
     if not ctype.lower().startswith("multipart/form-data"):
@@ -99,7 +98,7 @@ async def generated(store: JobStore, caller: Caller, file_id: str) -> tuple[Stor
     return StoredFile(file_id, caller.owner, name, "batch_output", len(content), job.finished_at or job.created_at), content
 
 
-async def get_file(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     file_id = request.path_params["file_id"]
     store = await svc.existing_store()
     if store is not None:
@@ -112,7 +111,7 @@ async def get_file(request: Request, rt: Runtime, svc: JobService, caller: Calle
     raise not_found(file_id)
 
 
-async def file_content(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def file_content(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     file_id = request.path_params["file_id"]
     store = await svc.existing_store()
     if store is not None:
@@ -124,7 +123,7 @@ async def file_content(request: Request, rt: Runtime, svc: JobService, caller: C
     raise not_found(file_id)
 
 
-async def delete_file(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def delete_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     file_id = request.path_params["file_id"]
     store = await svc.existing_store()
     if store is None or not await store.delete_file(caller.owner, file_id):
@@ -132,7 +131,7 @@ async def delete_file(request: Request, rt: Runtime, svc: JobService, caller: Ca
     return json_response({"id": file_id, "object": "file", "deleted": True})
 
 
-async def list_files(request: Request, rt: Runtime, svc: JobService, caller: Caller) -> Response:
+async def list_files(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     limit = list_limit(request, LIST_DEFAULT, LIST_MAX)
     after, purpose = request.query_params.get("after"), request.query_params.get("purpose")
     store = await svc.existing_store()

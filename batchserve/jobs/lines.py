@@ -25,8 +25,8 @@ import orjson
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.tiers import BATCH
-from batchserve.embeddings.protocol import answer as embeddings_answer
-from batchserve.embeddings.protocol import parse as parse_embeddings
+from batchserve.embeddings.wire import answer as embeddings_answer
+from batchserve.embeddings.wire import parse as parse_embeddings
 from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.generation.complete import complete

@@ -24,11 +24,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import orjson
 
+from batchserve.config import is_postgres_url  # noqa: F401 - jobs/service.py and cli.py read it here
 from batchserve.jobs.files import FileStore
 
-JOB_STATUSES = ("queued", "running", "completed", "failed", "cancelled")
 ACTIVE = ("queued", "running")
-ITEM_STATUSES = ("pending", "completed", "failed", "cancelled")
 
 
 class IdempotencyConflict(Exception):
@@ -49,11 +48,6 @@ class UnstorableInput(ValueError):
     def __init__(self, index: int, why: str) -> None:
         super().__init__(f'"inputs"[{index}] {why}')
         self.index = index
-
-
-def is_postgres_url(location: str) -> bool:
-    """`--jobs-db` names a PostgreSQL database (shared by many nodes) rather than a SQLite file."""
-    return location.startswith(("postgresql://", "postgres://"))
 
 
 def redact_url(location: str) -> str:

@@ -1,7 +1,7 @@
 """KServe Open Inference Protocol v2 over HTTP (`/v2/...`), the protocol of Triton's clients and KServe.
 
 `InferEndpoint` top to bottom: identify the caller → read the body (bounded) → parse the v2 tensor
-(`protocol.py`) → the model by name (and version) → one rate-limit token per element → each element through the
+(`wire.py`) → the model by name (and version) → one rate-limit token per element → each element through the
 door (`InferenceService.infer`) as its own item, so v2 clients share batches with every other route → the
 output tensor, JSON or binary as asked. Errors are v2's `{"error": message}`, with X-Request-ID and, where retrying
 later helps, Retry-After; keys, tiers and rate limits are those of every other route.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Protocol
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -19,19 +20,34 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from batchserve import __version__, errors
-from batchserve.config import ModelSpec
-from batchserve.embeddings.routes import infer_all
+from batchserve.backends import Backend
+from batchserve.config import ModelSpec, Settings
+from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import client_host, read_body_from, request_id_from, send_json
-from batchserve.inference.routes import disconnect_probe
-from batchserve.http.protocol import whole_answer_sender
-from batchserve.inference.ops import not_ready_reason
-from batchserve.kserve.protocol import (EXTENSIONS, HEADER_LENGTH, V2Error, infer_answer, model_metadata,
+from batchserve.http.disconnect import disconnect_probe
+from batchserve.http.guards import Guard
+from batchserve.http.uvicorn_protocol import whole_answer_sender
+from batchserve.kserve.wire import (EXTENSIONS, HEADER_LENGTH, V2Error, infer_answer, model_metadata,
                                         parse_infer)
-from batchserve.runtime import Runtime
+from batchserve.models import ModelRegistry
 
 JSON = "application/json"
 CODES = {400: "INVALID_REQUEST", 404: "MODEL_NOT_FOUND", 413: "PAYLOAD_TOO_LARGE"}  # v2 refusals, for the metrics
+
+
+class KServeHost(Protocol):
+    """What the v2 routes read from `app.state.rt` (the runtime, which app.py wires): this much only."""
+
+    settings: Settings
+    guard: Guard
+    registry: ModelRegistry
+    service: InferenceService
+    backends: dict[str, Backend]
+
+    def not_ready_reason(self) -> str | None:
+        """Why the node takes no traffic now (None when ready): /readyz's reason."""
+        ...
 
 
 def v2_error(err: V2Error | ApiError, headers: dict[str, str]) -> Response:
@@ -43,7 +59,7 @@ def v2_error(err: V2Error | ApiError, headers: dict[str, str]) -> Response:
     return Response(orjson.dumps({"error": err.message}), err.status, headers, JSON)
 
 
-def find_model(rt: Runtime, name: str, version: str | None) -> ModelSpec:
+def find_model(rt: KServeHost, name: str, version: str | None) -> ModelSpec:
     """The model the path names: `name` (its versions split by weight, as `model` on /v1/inference) or
     `name` + `version`; 404 in v2's words when unknown."""
     spec = rt.registry.by_id.get(f"{name}@{version}") if version is not None else rt.registry.resolve(name)
@@ -59,7 +75,8 @@ async def live(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     """200 when the server takes traffic; v2 says a false answer is a 4xx (this one: 400, with the reason)."""
-    reason = not_ready_reason(request.app.state.rt)
+    rt: KServeHost = request.app.state.rt
+    reason = rt.not_ready_reason()
     if reason is None:
         return Response(orjson.dumps({"ready": True}), media_type=JSON)
     return Response(orjson.dumps({"ready": False, "reason": reason}), 400, media_type=JSON)
@@ -71,7 +88,7 @@ async def server_metadata(request: Request) -> Response:
 
 
 async def metadata(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: KServeHost = request.app.state.rt
     try:
         spec = find_model(rt, request.path_params["model"], request.path_params.get("version"))
     except V2Error as err:
@@ -83,12 +100,12 @@ async def metadata(request: Request) -> Response:
 
 
 async def model_ready(request: Request) -> Response:
-    rt: Runtime = request.app.state.rt
+    rt: KServeHost = request.app.state.rt
     try:
         spec = find_model(rt, request.path_params["model"], request.path_params.get("version"))
     except V2Error as err:
         return v2_error(err, {})
-    reason = not_ready_reason(rt) or (None if spec.id in rt.backends else "warming up")
+    reason = rt.not_ready_reason() or (None if spec.id in rt.backends else "warming up")
     body = {"name": spec.name, "ready": reason is None, **({"reason": reason} if reason else {})}
     return Response(orjson.dumps(body), 200 if reason is None else 400, media_type=JSON)
 
@@ -116,8 +133,9 @@ class InferEndpoint:
     server about what it costs through v1 (bench/protocols.py)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        rt: Runtime = scope["app"].state.rt
+        rt: KServeHost = scope["app"].state.rt
         s = rt.settings
+        guard = rt.guard
         arrived = time.monotonic()
         params = scope.get("path_params") or infer_path_params(scope["path"]) or {}
         scope["path_params"] = params  # for the request span's route name (tracing.py)
@@ -130,7 +148,7 @@ class InferEndpoint:
         answer_headers = {"X-Request-ID": request_id}
         model_id = "unknown"
         try:
-            caller = rt.tenancy.identify(headers.get("authorization"), client_host(scope))
+            caller = guard.identify(headers.get("authorization"), client_host(scope))
             try:
                 body = await read_body_from(receive, s.max_body_bytes, headers.get("content-length"))
             except ClientDisconnect:
@@ -145,25 +163,22 @@ class InferEndpoint:
             if timeout_ms > s.max_timeout_ms:
                 raise V2Error(400, f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms = "
                                    f"{s.max_timeout_ms * 1000:.0f} microseconds)")
-            answer_headers.update(rt.tenancy.take_token(caller, len(req.texts)))
-            try:
-                results = await infer_all(rt.service, req.texts, spec.id, caller, timeout_ms / 1000, arrived,
-                                          request_id, disconnect_probe(receive))
+            answer_headers.update(guard.take(caller, len(req.texts)))
+            try:  # every element its own item, admitted together (as the inputs of /v1/embeddings)
+                results = await rt.service.infer_many(req.texts, spec.id, caller.tier, caller.tenant,
+                                                      timeout_ms / 1000, arrived, request_id, disconnect_probe(receive))
             except ClientGone:
                 return
             out, header_length = infer_answer(req, spec.name, spec.version, [r.output for r in results],
                                               backend.output_kind)
-            rt.answered += 1
-            rt.metrics.count_ok(model_id, time.monotonic() - arrived)
+            guard.ok(model_id, time.monotonic() - arrived)
         except ApiError as err:
-            rt.answered += 1
-            rt.metrics.count_error(model_id, err)
+            guard.refused(model_id, err)
             await send_error(send, err, answer_headers)
             return
         except V2Error as err:
-            rt.answered += 1
             code = CODES.get(err.status, "INFERENCE_FAILED")
-            rt.metrics.count_error(model_id, ApiError(err.status, code, err.message))
+            guard.refused(model_id, ApiError(err.status, code, err.message))
             await send_error(send, err, answer_headers)
             return
         if header_length is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchserve.http.openapi import Contribution, json_content, ref
-from batchserve.kserve.protocol import MAX_ELEMENTS
+from batchserve.kserve.wire import MAX_ELEMENTS
 
 TENSOR_META = {"type": "object", "required": ["name", "datatype", "shape"],
                "properties": {"name": {"type": "string"}, "datatype": {"type": "string"},

@@ -83,9 +83,6 @@ class ConnectionGuard:
     waiting: dict["GuardedHttpToolsProtocol", None] = field(default_factory=dict)  # insertion-ordered
     sweep_s: float = 1.0
     _sweep: asyncio.TimerHandle | None = None
-    evicted: int = 0
-    timed_out: int = 0
-    refused: int = 0
     peak: int = 0  # most connections open at once since the last heap trim
     trims: int = 0
     _last_open: int = 0  # open connections at the previous sweep
@@ -128,7 +125,6 @@ class ConnectionGuard:
             return True
         for victim in self.waiting:
             if victim is not newcomer:
-                self.evicted += 1
                 victim.close_quietly()
                 return True
         return False
@@ -337,7 +333,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.deadline = self.loop.time() + self.limits.header_timeout_s * (1.0 + 0.5 * random.random())
         guard.start_sweeping(self.loop, self.connections)
         if not guard.make_room(self, len(self.connections)):
-            guard.refused += 1
             self.close_quietly()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -447,7 +442,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # clock starts once the answer is out.
             self.deadline = self.loop.time() + self.limits.header_timeout_s
             return
-        self.guard.timed_out += 1
         if self.in_head and self.head_bytes == 0:
             self.close_quietly()  # not a byte of a request: nobody to answer
             return

@@ -14,7 +14,6 @@ from batchserve.http.openai_error import JSON, OpenAIError, bad, error_response,
 
 __all__ = ["JSON", "OpenAIError", "bad", "error_response", "parse", "Answer", "sse"]
 
-IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "ignore_eos"}
 ROLES = ("system", "user", "assistant", "developer")
 
 

@@ -1,0 +1,100 @@
+"""Who is calling and whether they may, in one place for every route (issue 23): the caller from its key and
+its client address, its rate-limit tokens, the metrics key of the operational routes, and the count of what was
+answered. The policy (keys, tiers, token buckets) is `tenancy.py`'s; the guard is where the routes meet it, so
+they identify, limit and count alike (the OpenAI routes once passed no client address, and each route counted
+its own answers)."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from batchserve import errors
+from batchserve.errors import ApiError
+from batchserve.http.body import error_response, request_id_of
+from batchserve.metrics import Metrics
+from batchserve.tenancy import Caller, Tenancy
+
+
+@dataclass
+class Guard:
+    tenancy: Tenancy
+    metrics: Metrics
+    metrics_key: str = ""  # --metrics-key: what the operational routes ask for ("" = open)
+    answered: int = 0  # requests answered since start, any status (the 1 s tick's requests per second)
+
+    def identify(self, authorization: str | None, client: str, openai: bool = False) -> Caller:
+        """The caller (401 when keys are configured and its key is missing or wrong). `client`, the peer's
+        address, tells anonymous callers apart as owners of jobs and request records. On the OpenAI routes
+        (`openai`) a key is always sent by the clients: with no keys configured, any key is anonymous (as vLLM
+        does)."""
+        if openai and not self.tenancy.keys:
+            authorization = None
+        return self.tenancy.identify(authorization, client)
+
+    def take(self, caller: Caller, count: int = 1) -> dict[str, str]:
+        """Spend `count` tokens (the inputs of a list) from the caller's bucket: the X-RateLimit-* headers, or 429."""
+        return self.tenancy.take_token(caller, count)
+
+    def admit(self, authorization: str | None, client: str, count: int = 1,
+              openai: bool = False) -> tuple[Caller, dict[str, str]]:
+        """Identify, then take `count` tokens: the caller and its rate-limit headers."""
+        caller = self.identify(authorization, client, openai)
+        return caller, self.tenancy.take_token(caller, count)
+
+    def ok(self, model: str, latency_s: float) -> None:
+        """A model's answer went out."""
+        self.answered += 1
+        self.metrics.count_ok(model, latency_s)
+
+    def refused(self, model: str, err: ApiError) -> None:
+        """An error went out, counted by its code (`model` is "unknown" before one was picked)."""
+        self.answered += 1
+        self.metrics.count_error(model, err)
+
+    def shed(self, err: ApiError) -> None:
+        """A refusal of work outside the batcher (the generation engine's 503s): `batchserve_rejected_total`
+        by its code, as the door's refusals are; the answer itself is counted when it goes out."""
+        self.metrics.rejected.labels(err.code).inc()
+
+    def counted(self) -> None:
+        """An answer went out that the model metrics do not count (a route's own refusal shape, a job route)."""
+        self.answered += 1
+
+    def check_ops_key(self, authorization: str | None) -> None:
+        """401 unless the caller shows `--metrics-key` (when one is set): the operational routes name workers,
+        queue depths and rates that callers need not see."""
+        key = self.metrics_key
+        if not key:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise errors.unauthorized("this route needs the metrics key: 'Authorization: Bearer <metrics key>'")
+
+
+class Guarded(Protocol):
+    """What the guard's helpers need of the server on `app.state.rt`."""
+
+    guard: Guard
+
+
+def guard_of(request: Request) -> Guard:
+    host: Guarded = request.app.state.rt
+    return host.guard
+
+
+def operational(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """An operational route: served only with the metrics key, when one is set."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            guard_of(request).check_ops_key(request.headers.get("authorization"))
+        except ApiError as err:
+            return error_response(err, request_id_of(request))
+        return await handler(request)
+
+    return endpoint

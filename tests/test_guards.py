@@ -1,0 +1,98 @@
+"""The one guard every route goes through (issue 23, `http/guards.py`): in-process, on the real tenancy and
+metrics. And, read from the source, that no route identifies, limits or counts answers on its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import batchserve
+from batchserve import errors
+from batchserve.http.guards import Guard
+from batchserve.metrics import make_metrics
+from batchserve.tenancy import ANONYMOUS_OWNER, KeyEntry, Tenancy, digest
+
+KEY = "bs_test-key"
+
+
+def guard(with_key: bool = False, metrics_key: str = "") -> Guard:
+    keys = [KeyEntry("acme", "free", digest(KEY), rate=1, burst=2)] if with_key else []
+    return Guard(Tenancy(keys=keys, anonymous_allowed=True), make_metrics(), metrics_key)
+
+
+def sample(g: Guard, model: str, status: str) -> float:
+    return g.metrics.registry.get_sample_value("batchserve_requests_total", {"model": model, "status": status}) or 0
+
+
+def test_openai_routes_take_any_key_as_anonymous_when_none_are_configured_and_keep_the_client_address():
+    g = guard()
+    caller = g.identify("Bearer sk-whatever", "10.1.2.3", openai=True)
+    assert caller.key_id == "" and caller.owner == ANONYMOUS_OWNER + "10.1.2.3"
+    with pytest.raises(errors.ApiError) as refused:  # the native routes do not: an unknown key is a mistake
+        g.identify("Bearer sk-whatever", "10.1.2.3")
+    assert refused.value.status == 401
+
+
+def test_a_configured_key_is_checked_on_every_route_alike():
+    g = guard(with_key=True)
+    for openai in (False, True):
+        assert g.identify(f"Bearer {KEY}", "10.0.0.1", openai=openai).owner == "acme"
+        with pytest.raises(errors.ApiError):
+            g.identify("Bearer bs_wrong", "10.0.0.1", openai=openai)
+
+
+def test_admit_takes_count_tokens_and_says_the_limits():
+    g = guard(with_key=True)
+    caller, headers = g.admit(f"Bearer {KEY}", "10.0.0.1", count=2)
+    assert caller.tenant == "acme" and headers["X-RateLimit-Remaining"] == "0"
+    with pytest.raises(errors.ApiError) as limited:
+        g.admit(f"Bearer {KEY}", "10.0.0.1")
+    assert limited.value.status == 429 and limited.value.code == "RATE_LIMITED"
+
+
+def test_every_answer_is_counted_once_and_the_model_ones_in_the_metrics():
+    g = guard()
+    g.ok("m", 0.01)
+    g.refused("m", errors.overloaded("busy", 100))
+    g.refused("unknown", errors.unauthorized("no"))
+    g.counted()
+    g.shed(errors.ApiError(503, "KV_CAPACITY", "full"))  # counted when its answer goes out, not here
+    assert g.answered == 4
+    assert sample(g, "m", "200") == 1 and sample(g, "m", "503") == 1 and sample(g, "unknown", "401") == 1
+    rejected = g.metrics.registry.get_sample_value
+    assert rejected("batchserve_rejected_total", {"reason": "KV_CAPACITY"}) == 1
+
+
+def test_the_operational_key():
+    guard().check_ops_key(None)  # none set: open
+    g = guard(metrics_key="ops-secret")
+    g.check_ops_key("Bearer ops-secret")
+    for wrong in (None, "Bearer nope", "ops-secret", "Basic ops-secret"):
+        with pytest.raises(errors.ApiError) as refused:
+            g.check_ops_key(wrong)
+        assert refused.value.status == 401
+
+
+def calls_outside_the_guard() -> list[str]:
+    """Every place in the package, the guard aside, that identifies a caller, takes rate tokens, checks the ops
+    key or counts an answer by itself."""
+    package = Path(batchserve.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "guards.py" and path.parent.name == "http":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("identify", "take_token", "count_ok", "count_error")
+                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "guard"))):
+                found.append(f"{path.relative_to(package)}:{node.lineno} {node.func.attr}")
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Attribute) \
+                    and node.target.attr == "answered":
+                found.append(f"{path.relative_to(package)}:{node.lineno} answered +=")
+    return found
+
+
+def test_no_route_identifies_limits_or_counts_on_its_own():
+    assert calls_outside_the_guard() == []
