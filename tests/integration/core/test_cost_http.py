@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import pytest
 
 from tests.conftest import start_server
 from tests.integration.backends.test_plugin import write_plugins
@@ -71,6 +72,7 @@ def test_a_burst_within_capacity_right_after_start_is_queued(tmp_path: Path) -> 
         server.stop()
 
 
+@pytest.mark.slow
 def test_minilm_many_inputs_are_served_and_long_inputs_do_not_take_the_worker_from_short_ones(
         tmp_path: Path) -> None:
     config = tmp_path / "bs.toml"

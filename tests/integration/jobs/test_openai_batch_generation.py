@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import LiveServer, start_server
 
+pytestmark = pytest.mark.slow  # the real model
+
 MODEL = "SmolLM2-135M-Instruct"
 COUNTRIES = ("France", "Italy", "Japan", "Peru")
 PROMPTS = ("The capital of Spain is", "One, two, three,")
