@@ -2,7 +2,7 @@
 durable job store, SQLite and PostgreSQL alike: a 300-line embeddings batch from input file to output file
 (each line answered with the body the online route gives), a bad line in the error file, /v1/inference lines,
 cancel, list with a cursor, the file limits, and refusals of a bad input file. The embeddings come from a small
-plugin (exact float32 values, no model to load), as in test_embeddings.py."""
+plugin (exact float32 values, no model to load), as in tests/integration/embeddings/test_routes.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Fast unit tests of the plugin adapter, the output check and the token bucket's count (issue 11). The same
-behaviour through a live server and the real CLI is in test_plugins.py."""
+behaviour through a live server and the real CLI is in tests/integration/backends/test_plugin.py."""
 
 from __future__ import annotations
 
