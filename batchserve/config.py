@@ -151,8 +151,10 @@ class Settings:
                                              "each slot holds this many")
     generation_cuda_graphs: bool = knob(True, "generation on CUDA: replay each decode step as a CUDA graph; "
                                               "no effect on a CPU")
-    generation_max_seqs: int = knob(0, "most sequences generating at once (0 = auto: 256 on a GPU, fewer where "
-                                       "the KV capacity holds fewer slots; on a CPU the slots engine has as many "
+    generation_max_seqs: int = knob(0, "most sequences generating at once (0 = auto: on a GPU as many slots as "
+                                       "half the free device memory holds, a multiple of 64 up to 2048, e.g. "
+                                       "~1,400 on an H200 for SmolLM2; the manager 256; on a CPU the slots "
+                                       "engine has as many "
                                        "slots as its 16384-token KV capacity holds, 8 of --generation-max-context "
                                        "2048, and the manager 64)")
     generation_queue_timeout_ms: float = knob(30000.0, "longest wait for KV-cache capacity before a sequence "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -73,6 +74,9 @@ class Result:
     latencies: list[float] = field(repr=False)
     max_tokens: list[int] = field(repr=False)
     short: int = 16
+    ttft: list[float] = field(default_factory=list, repr=False)  # slots: each request's first token, from t = 0
+    graphs: int = 0  # slots: CUDA graphs captured
+    step_ms: float = float("nan")  # slots: a step of every slot at warm-up
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,7 +90,10 @@ class Result:
         return {"mode": self.mode, "concurrency": self.concurrency, "requests": self.requests,
                 "output_tokens": self.output_tokens, "seconds": round(self.seconds, 3),
                 "tokens_per_s": round(self.tokens_per_s, 1), "short_p50_s": round(self.p50("short"), 3),
-                "long_p50_s": round(self.p50("long"), 3)}
+                "long_p50_s": round(self.p50("long"), 3),
+                "ttft_p50_s": round(statistics.median(self.ttft), 3) if self.ttft else "",
+                "ttft_p95_s": round(statistics.quantiles(self.ttft, n=20)[-1], 3) if len(self.ttft) > 1 else "",
+                "graphs": self.graphs, "full_step_ms": round(self.step_ms, 2)}
 
 
 def random_model(device: str, dtype: torch.dtype, tiny: bool = False, layers: int | None = None) -> Any:
@@ -229,11 +236,12 @@ def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048
     decoder = SlotDecoder(model, max_seqs, slot_tokens, eos_ids=[], pad_id=0, use_graphs=graphs,
                           prefill_tokens=max_prefill_tokens or (8192 if on_gpu else 512))
     step_s = decoder.warm()
-    graphs_made = len(decoder.graphs) + len(decoder.prefill_graphs)
+    graphs_made = len(decoder.graphs) + len(decoder.prefill_graphs) + len(decoder.chunk_graphs)
     print(f"slots: {max_seqs} x {slot_tokens} tokens, {graphs_made} graphs captured in "
           f"{time.perf_counter() - started:.1f} s, a full step {step_s * 1000:.2f} ms", flush=True)
     stepper = SlotStepper(decoder, step_s)
     latencies = [0.0] * len(work.prompts)
+    first_token = [0.0] * len(work.prompts)
     counted = [0]
 
     async def main() -> float:
@@ -245,6 +253,8 @@ def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048
             for u in updates:
                 if u.error:
                     raise RuntimeError(f"{u.seq_id} failed: {u.error}")
+                if u.tokens and not first_token[int(u.seq_id)]:
+                    first_token[int(u.seq_id)] = now - t0
                 counted[0] += len(u.tokens)
                 if u.finished:
                     latencies[int(u.seq_id)] = now - t0
@@ -266,18 +276,20 @@ def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048
         stepper.stop(30)
     if counted[0] != work.tokens:
         raise RuntimeError(f"{counted[0]} tokens came back, {work.tokens} were asked for")
-    return Result("slots", max_seqs, len(work.prompts), counted[0], seconds, latencies, work.max_tokens, work.short)
+    return Result("slots", max_seqs, len(work.prompts), counted[0], seconds, latencies, work.max_tokens, work.short,
+                  first_token, graphs_made, step_s * 1000)
 
 
 def markdown(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
     first = "static" if base["mode"] == "static" else "first row"
     head = ["mode", "concurrency", "requests", "output_tokens", "seconds", "tokens_per_s", "short_p50_s",
-            "long_p50_s", f"tokens/s vs {first}", f"short p50 {first} / this"]
+            "long_p50_s", "ttft_p50_s", "ttft_p95_s", "full_step_ms", f"tokens/s vs {first}",
+            f"short p50 {first} / this"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         speed = r["tokens_per_s"] / base["tokens_per_s"]
         short = base["short_p50_s"] / r["short_p50_s"] if r["short_p50_s"] else float("nan")
-        lines.append("| " + " | ".join(str(r[h]) for h in head[:-2]) + f" | {speed:.2f}x | {short:.2f}x |")
+        lines.append("| " + " | ".join(str(r.get(h, "")) for h in head[:-2]) + f" | {speed:.2f}x | {short:.2f}x |")
     return "\n".join(lines)
 
 
@@ -375,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result.row())
             print(f"{engine}: {results[-1]}", flush=True)
             save(args.out, header, results, info, settings)  # after every row: a timeout leaves the rows so far
+            del result
+            gc.collect()  # the last row's slot cache and graph pool go before the next row's (KV of 1,024 slots
+            if torch.cuda.is_available():  # of 2,048 tokens is 48 GB: two rows' at once would not fit an H100)
+                torch.cuda.empty_cache()
     print("\n" + header + "\n" + markdown(results, results[0]) + "\n", flush=True)
     return 0
 

@@ -103,7 +103,8 @@ def offline_reference_s(off: Offline, batch_sizes: dict[str, int], mean_batch: f
 
 
 def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", a.backend, "--generation", "off",
+    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", a.backend, "--generation",
+           a.generation,
            "--executor", executor, "--decode", a.decode, "--max-new-tokens", str(a.max_new_tokens),
            "--max-batch-size", str(max(a.sizes)), "--slo-ms", str(a.slo_ms), "--timeout-ms", str(a.timeout_s * 1000),
            "--max-timeout-ms", str(a.timeout_s * 1000), "--jobs-db", ""]
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="smollm2",
                    help="smollm2, or package.module:Class for a SmolLM2Backend subclass (bench/static_host.py's "
                         "stood-in device)")
+    p.add_argument("--generation", default="off", choices=("off", "on"),
+                   help="the server's generation engine (on: /v1/inference may run on the slot stepper, issue 25)")
     p.add_argument("--smollm2-dir", default="",
                    help="transformers-format SmolLM2 (random weights when it has no weight files)")
     p.add_argument("--slo-ms", type=float, default=10000.0)
@@ -190,9 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                     d = row.as_dict()
                     d["executor"] = executor
                     d["ready_s"] = round(server.ready_s, 1)  # start to /readyz: a spawned child loads and warms
-                    reference, d["offline_read"] = offline_reference_s(off, row.batch_sizes, row.mean_batch)
+                    try:  # no static batches (/v1/inference on the stepper): no offline reference
+                        reference, d["offline_read"] = offline_reference_s(off, row.batch_sizes, row.mean_batch)
+                        d["offline_mean_size_ms"] = round(interpolate(off.seconds, row.mean_batch) * 1000, 1)
+                    except (TypeError, ValueError, ZeroDivisionError):
+                        reference, d["offline_read"] = 0.0, "none"
                     d["offline_ms"] = round(reference * 1000, 1)
-                    d["offline_mean_size_ms"] = round(interpolate(off.seconds, row.mean_batch) * 1000, 1)
                     d["ratio"] = round(d["batch_ms"] / d["offline_ms"], 2) if d["offline_ms"] else math.nan
                     rows.append(d)
                     print(table(rows[-1:]), flush=True)

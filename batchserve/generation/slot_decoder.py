@@ -21,6 +21,11 @@ joins, so a step is one graph replay plus one copy of the new tokens back:
   into its slot, then each first token drawn the same way as in a step. It too reads only the decoder's
   buffers, so on CUDA it is a graph per (joins, width) bucket (eagerly, a forward is ~20 ms of host work on an
   H100 whatever its size); padding rows write into a scratch slot past the last real one, which no step reads.
+- Chunked prefill (issue 25): a prompt may be prefilled in pieces, each a forward over the next tokens that
+  attends to the slot's earlier positions as well as its own (`starts`); only its last piece draws a first
+  token. Between pieces the slot's row is held (done) with its position at the next piece's start, so the
+  decode steps that run meanwhile write only where that piece will write. On CUDA continuation pieces have
+  graphs of their own (`chunk_graphs`, widths up to `chunk_tokens`, attending to the whole slot).
 
 On a CPU the same code runs eagerly with exact row and span counts.
 """
@@ -36,13 +41,13 @@ from typing import Any, Sequence
 import torch
 
 from batchserve.generation.sampling import GREEDY, MASK31, choice_key, choose_tokens, mask_top_p
+from batchserve.generation.sizing import ROW_BUCKETS, row_buckets
 from batchserve.generation.stepper import SamplingParams
 
 log = logging.getLogger("batchserve.slot_decoder")
 
-ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512)  # decode rows are padded up to one of these (and to the slots)
 SPAN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # attended positions, padded up likewise
-PREFILL_ROWS = (1, 4, 16, 64)  # joining prompts in one prefill, padded up to one of these
+PREFILL_ROWS = (1, 4, 16, 64, 128)  # joining prompts in one prefill, padded up to one of these
 PREFILL_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # their longest prompt, padded up likewise
 
 
@@ -88,6 +93,7 @@ class SlotCache:
         self._mode = "decode"
         self._rows, self._span = slots, slot_tokens
         self._index: torch.Tensor | None = None  # decode: pos as a scatter index; prefill: the slots
+        self._at: torch.Tensor | None = None  # continuation prefill: each row's positions written, [rows, width]
 
     @property
     def nbytes(self) -> int:
@@ -100,9 +106,19 @@ class SlotCache:
     def prefill(self, slots: torch.Tensor) -> None:
         self._mode, self._index = "prefill", slots
 
+    def continuation(self, slots: torch.Tensor, at: torch.Tensor, span: int) -> None:
+        """A prefill piece that follows earlier ones: write at positions `at` of each slot, attend to the
+        first `span` positions of the slot (earlier pieces and this one)."""
+        self._mode, self._index, self._at, self._span = "continue", slots, at, span
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.keys[layer_idx], self.values[layer_idx]
+        if self._mode == "continue":
+            rows = self._index[:, None]
+            k[rows, :, self._at] = key_states.transpose(1, 2)
+            v[rows, :, self._at] = value_states.transpose(1, 2)
+            return k[self._index, :, :self._span], v[self._index, :, :self._span]
         if self._mode == "prefill":
             width = key_states.shape[2]
             k[self._index, :, :width] = key_states
@@ -120,14 +136,16 @@ class SlotDecoder:
 
     def __init__(self, model: Any, slots: int, slot_tokens: int, eos_ids: Sequence[int], pad_id: int,
                  use_graphs: bool | None = None, fixed_shapes: bool | None = None,
-                 prefill_tokens: int = 8192) -> None:
+                 prefill_tokens: int = 8192, chunk_tokens: int = 0) -> None:
         """`use_graphs` (default: on CUDA) captures every bucket's step and prefill; `fixed_shapes` (default: when
         graphs are used; tests turn it on for the CPU) pads rows, spans and prefills up to the buckets;
-        `prefill_tokens`: the most padded prompt tokens (joins x width) in one prefill."""
+        `prefill_tokens`: the most padded prompt tokens (joins x width) in one prefill; `chunk_tokens`: the
+        most tokens of one prompt in one prefill piece (default: 512, or prefill_tokens if fewer)."""
         self.model = model
         self.device = model.device
         self.slots, self.slot_tokens = slots, slot_tokens
         self.prefill_tokens = prefill_tokens
+        self.chunk_tokens = max(1, min(chunk_tokens or 512, prefill_tokens, slot_tokens))
         # joins in one prefill: PREFILL_ROWS below the slots, and the slots themselves if fewer than the largest
         self.prefill_rows = tuple(sorted({r for r in PREFILL_ROWS if r < slots} | {min(slots, max(PREFILL_ROWS))}))
         self.pad_id = int(pad_id)
@@ -160,7 +178,10 @@ class SlotDecoder:
         self.prompt_ids = torch.full((most_rows, slot_tokens), self.pad_id, dtype=torch.long, device=dev)
         self.prompt_len = torch.ones(most_rows, dtype=torch.long, device=dev)
         self.prompt_slot = torch.full((most_rows,), self.scratch, dtype=torch.long, device=dev)
+        self.prompt_start = torch.zeros(most_rows, dtype=torch.long, device=dev)  # a piece's first position
+        self.prompt_last = torch.ones(most_rows, dtype=torch.bool, device=dev)  # the piece ends its prompt
         self.prefill_graphs: dict[tuple[int, int, bool], Any] = {}  # (joins, width, sampling) -> graph
+        self.chunk_graphs: dict[tuple[int, int, bool], Any] = {}  # continuation pieces: the same keys
         # Two host copies of a step's tokens and done flags: one step can run while the last one's are read.
         pinned = self.device.type == "cuda"
         self.out_host = torch.empty((2, n), dtype=torch.long, pin_memory=pinned)
@@ -175,29 +196,33 @@ class SlotDecoder:
         return bucket_up(rows, ROW_BUCKETS, self.slots), bucket_up(span, SPAN_BUCKETS, self.slot_tokens)
 
     def shapes(self) -> list[tuple[int, int]]:
-        rows = sorted({bucket_up(r, ROW_BUCKETS, self.slots) for r in (*ROW_BUCKETS, self.slots)})
+        rows = row_buckets(self.slots)
         spans = sorted({bucket_up(s, SPAN_BUCKETS, self.slot_tokens) for s in (*SPAN_BUCKETS, self.slot_tokens)})
         return [(r, s) for r in rows for s in spans]
 
-    def prefill_shape(self, joins: int, width: int) -> tuple[int, int] | None:
+    def prefill_shape(self, joins: int, width: int, continued: bool = False) -> tuple[int, int] | None:
         """The (joins, width) a prefill runs at: exact on a CPU; on a GPU padded up to a captured bucket, or
-        None when none holds it (then it runs eagerly at its exact shape)."""
+        None when none holds it (then it runs eagerly at its exact shape). `continued`: a piece after the
+        first of its prompt (its widths stop at `chunk_tokens`)."""
         if not self.fixed_shapes:
             return joins, width
+        top = self.chunk_tokens if continued else self.slot_tokens
         rows = next((r for r in self.prefill_rows if joins <= r), None)
-        wide = next((w for w in (*PREFILL_WIDTHS, self.slot_tokens) if width <= w <= self.slot_tokens), None)
+        wide = next((w for w in (*PREFILL_WIDTHS, top) if width <= w <= top), None)
         if rows is None or wide is None or rows * wide > self.prefill_tokens:
             return None
         return rows, wide
 
-    def prefill_fits(self, joins: int, width: int) -> bool:
-        """Whether `joins` prompts of up to `width` tokens go in one prefill (the stepper groups joins so)."""
+    def prefill_fits(self, joins: int, width: int, continued: bool = False) -> bool:
+        """Whether `joins` prompts (or pieces) of up to `width` tokens go in one prefill (the stepper groups
+        them so)."""
         if self.fixed_shapes:
-            return self.prefill_shape(joins, width) is not None
+            return self.prefill_shape(joins, width, continued) is not None
         return joins <= len(self.prompt_slot) and joins * width <= self.prefill_tokens
 
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        widths = sorted({w for w in (*PREFILL_WIDTHS, self.slot_tokens) if w <= self.slot_tokens})
+    def prefill_shapes(self, continued: bool = False) -> list[tuple[int, int]]:
+        top = self.chunk_tokens if continued else self.slot_tokens
+        widths = sorted({w for w in (*PREFILL_WIDTHS, top) if w <= top})
         return [(r, w) for r in self.prefill_rows for w in widths if r * w <= self.prefill_tokens]
 
     def _device(self) -> contextlib.AbstractContextManager:
@@ -274,24 +299,38 @@ class SlotDecoder:
                 self.done_host[ticket.buffer, :ticket.rows].tolist())
 
     # -- joining ------------------------------------------------------------------------------------------
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                params: Sequence[SamplingParams]) -> tuple[list[int], list[bool]]:
-        """Start sequences in free slots: write their prompts' K/V, draw each one's first token. Returns the
-        first tokens and whether each sequence is already done (EOS or max_tokens 1)."""
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                starts: Sequence[int] | None = None,
+                last: Sequence[bool] | None = None) -> tuple[list[int], list[bool]]:
+        """Start sequences in free slots, or carry their prefill on: write these prompt pieces' K/V (piece i holds
+        the prompt's tokens from position `starts[i]`, default 0: the whole prompt) and, for each piece that
+        ends its prompt (`last`, default all), draw the first token. Returns each row's first token and whether
+        its sequence is already done (EOS or max_tokens 1); for a piece that is not last, (pad, True): its row
+        is held until its last piece."""
         k, width = len(slots), max(len(p) for p in prompts)
-        if any(len(p) + q.max_tokens > self.slot_tokens for p, q in zip(prompts, params)):
+        starts = list(starts) if starts is not None else [0] * k
+        last = list(last) if last is not None else [True] * k
+        if any(s + len(p) + (q.max_tokens if end else 0) > self.slot_tokens
+               for s, p, q, end in zip(starts, prompts, params, last)):
             raise ValueError(f"a prompt plus its max_tokens is over the slot's {self.slot_tokens} tokens")
         if k > len(self.prompt_slot):
             raise ValueError(f"{k} joins in one prefill: at most {len(self.prompt_slot)} (see prefill_fits)")
-        shape = self.prefill_shape(k, width)
+        continued = any(starts)
+        shape = self.prefill_shape(k, width, continued)
         rows, wide = shape if shape is not None else (k, width)
+        span = 0  # a first piece attends to itself only
+        if continued:  # a captured shape attends to the whole slot; an exact one to what it needs
+            span = self.slot_tokens if shape is not None and self.fixed_shapes else max(
+                s + len(p) for s, p in zip(starts, prompts))
         dev = self.device
         ids = torch.full((rows, wide), self.pad_id, dtype=torch.long)
         lengths = torch.ones(rows, dtype=torch.long)
         where = torch.full((rows,), self.scratch, dtype=torch.long)
-        for row, (slot, p) in enumerate(zip(slots, prompts)):  # right padding: a prompt starts at position 0
+        first = torch.zeros(rows, dtype=torch.long)
+        ends = torch.ones(rows, dtype=torch.bool)
+        for row, (slot, p) in enumerate(zip(slots, prompts)):  # right padding: a piece starts at its start
             ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
-            lengths[row], where[row] = len(p), slot
+            lengths[row], where[row], first[row], ends[row] = len(p), slot, starts[row], last[row]
         sampling = any(not q.greedy for q in params)
         with torch.inference_mode(), self._device():
             index = torch.tensor(list(slots), dtype=torch.long, device=dev)
@@ -309,28 +348,40 @@ class SlotDecoder:
             self.prompt_ids[:rows, :wide] = ids.to(dev)
             self.prompt_len[:rows] = lengths.to(dev)
             self.prompt_slot[:rows] = where.to(dev)
-            graph = self.prefill_graphs.get((rows, wide, sampling)) if shape is not None else None
+            self.prompt_start[:rows] = first.to(dev)
+            self.prompt_last[:rows] = ends.to(dev)
+            table = self.chunk_graphs if continued else self.prefill_graphs
+            graph = table.get((rows, wide, sampling)) if shape is not None else None
             if graph is not None:
                 graph.replay()
             else:
-                self._prefill_step(rows, wide, sampling)
-            first, done = self.out[index].tolist(), self.done[index].tolist()
-        return first, done
+                self._prefill_step(rows, wide, sampling, span)
+            tokens, done = self.out[index].tolist(), self.done[index].tolist()
+        return tokens, done
 
-    def _prefill_step(self, rows: int, wide: int, sampling: bool) -> None:
-        """The prefill over the first `rows` prompts of the prefill buffers, `wide` tokens each (so it can be
-        captured): causal attention within each prompt, its K/V into its slot, its first token drawn."""
+    def _prefill_step(self, rows: int, wide: int, sampling: bool, span: int = 0) -> None:
+        """The prefill over the first `rows` pieces of the prefill buffers, `wide` tokens each (so it can be
+        captured): causal attention within each piece (and, `span` > 0, to the slot's first `span` positions,
+        which hold its earlier pieces), its K/V into its slot, and for a last piece its first token drawn."""
         ids, lengths, where = self.prompt_ids[:rows, :wide], self.prompt_len[:rows], self.prompt_slot[:rows]
+        start, ends = self.prompt_start[:rows], self.prompt_last[:rows]
         at = self.positions[:wide]
-        allowed = (at[None, :] <= at[:, None])[None] & (at[None, None, :] < lengths[:, None, None])
-        self.cache.prefill(where)
-        hidden = self.base(input_ids=ids, attention_mask=self._mask(allowed[:, None]),
-                           position_ids=at[None, :].expand(rows, wide), cache=self.cache,
-                           use_cache=True).last_hidden_state
+        if span:
+            pos = start[:, None] + at[None, :]  # each query's position in its sequence
+            keys = self.positions[:span]
+            allowed = ((keys[None, None, :] <= pos[:, :, None])
+                       & (keys[None, None, :] < (start + lengths)[:, None, None]))
+            self.cache.continuation(where, pos.clamp(max=self.slot_tokens - 1), span)
+        else:
+            pos = at[None, :].expand(rows, wide)
+            allowed = (at[None, :] <= at[:, None])[None] & (at[None, None, :] < lengths[:, None, None])
+            self.cache.prefill(where)
+        hidden = self.base(input_ids=ids, attention_mask=self._mask(allowed[:, None]), position_ids=pos,
+                           cache=self.cache, use_cache=True).last_hidden_state
         last = hidden[torch.arange(rows, device=ids.device), lengths - 1]
         logits = self.head(last).float()
-        self._advance(where, self._pick(logits, where, sampling), torch.ones_like(where, dtype=torch.bool))
-        self.pos[where] = lengths
+        self._advance(where, self._pick(logits, where, sampling), ends)
+        self.pos[where] = start + lengths
 
     def release(self, slots: Sequence[int]) -> None:
         """Hold these slots' rows still (their sequences were cancelled or ended)."""
@@ -366,6 +417,7 @@ class SlotDecoder:
                 log.exception("capturing the decode steps failed: generation runs them eagerly (slower)")
                 self.graphs.clear()
                 self.prefill_graphs.clear()
+                self.chunk_graphs.clear()
                 self.use_graphs = self.fixed_shapes = False
                 torch.cuda.synchronize(self.device)
         with torch.inference_mode(), self._device():
@@ -378,8 +430,8 @@ class SlotDecoder:
                 timings.append(time.perf_counter() - t0)
         log.info("%s %d decode steps and %d prefills for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, "
                  "%.1f ms a full step)", "captured" if self.use_graphs else "checked", len(self.graphs),
-                 len(self.prefill_graphs), self.slots, self.slot_tokens, self.device, time.monotonic() - started,
-                 self.cache.nbytes / 1e9, min(timings) * 1000)
+                 len(self.prefill_graphs) + len(self.chunk_graphs), self.slots, self.slot_tokens, self.device,
+                 time.monotonic() - started, self.cache.nbytes / 1e9, min(timings) * 1000)
         return min(timings)
 
     def _capture(self) -> None:
@@ -387,8 +439,12 @@ class SlotDecoder:
         do), then capture every bucket of both into one memory pool. Safe to share: every graph writes only the
         decoder's own buffers, its temporaries are its own, and a device runs one graph at a time."""
         # (graph table, the function captured, its shapes); the prefill buffers hold padding: scratch slot, length 1
+        def continued(rows: int, wide: int, sampling: bool) -> None:
+            self._prefill_step(rows, wide, sampling, self.slot_tokens)
+
         kinds = ((self.graphs, self._decode_step, self.shapes()),
-                 (self.prefill_graphs, self._prefill_step, self.prefill_shapes()))
+                 (self.prefill_graphs, self._prefill_step, self.prefill_shapes()),
+                 (self.chunk_graphs, continued, self.prefill_shapes(continued=True)))
         with torch.inference_mode(), self._device():
             pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(self.device)

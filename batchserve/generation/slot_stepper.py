@@ -11,6 +11,12 @@ N+1 (its row held by its done flag, its token ignored), and a position here can 
 which only rounds the attended span up. Which slots are live, and each one's position, is kept here as plain
 ints, so choosing the step's shape needs nothing from the device.
 
+Prefill (issue 25): joins take their slots at once and are prefilled over the following steps, at most
+`prefill_step_tokens` prompt tokens a step, oldest first, each prompt in pieces of the decoder's `chunk_tokens`
+(`sizing.plan_prefill`). So a burst of new sequences, or one long prompt, costs the running sequences a bounded
+pause per step rather than all of its prefill before their next token; a sequence being prefilled holds its slot
+(its row held still by the decoder) and is live from its last piece on.
+
 Rows: a step covers the slots up to the highest live one, padded up to a bucket, and new sequences take the
 lowest free slot. When the live sequences would fit a bucket half the size or less (the long sequences of a
 burst, left in high slots after the short ones ended), they are moved down into free low slots first.
@@ -25,6 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from batchserve.generation.sizing import Piece, plan_prefill
 from batchserve.generation.slot_decoder import SlotDecoder, Ticket
 from batchserve.generation.stepper import Capacity, Deliver, SamplingParams, TokenUpdate
 
@@ -63,13 +70,28 @@ class Join:
     step: int  # steps launched when it was added
 
 
+@dataclass(eq=False)
+class Filling:
+    """A sequence in its slot whose prompt is being prefilled, piece by piece."""
+
+    join: Join
+    slot: int
+    done: int = 0  # prompt tokens whose K/V are in the slot
+    over: bool = False  # live now, or failed: leaves the prefilling list
+
+
 class SlotStepper:
     """Continuous batching over a `SlotDecoder`'s slots, on a thread of its own."""
 
     def __init__(self, decoder: SlotDecoder, step_s: float, join_batch: int = 0,
-                 join_delay_steps: int = JOIN_DELAY_STEPS) -> None:
-        """`join_batch` (default: a sixteenth of the slots, at least 1) and `join_delay_steps`: see join_now."""
+                 join_delay_steps: int = JOIN_DELAY_STEPS, prefill_step_tokens: int = 0) -> None:
+        """`join_batch` (default: a sixteenth of the slots, at least 1) and `join_delay_steps`: see join_now;
+        `prefill_step_tokens`: prompt tokens prefilled between two steps at most (default: the decoder's
+        prefill_tokens, what one prefill forward holds)."""
         self.decoder = decoder
+        self.prefill_step_tokens = prefill_step_tokens or decoder.prefill_tokens
+        self.prefills = 0  # prefill forwards run
+        self.pieces = 0  # prompt pieces prefilled (more than the sequences when prompts were chunked)
         self.step_s = step_s
         self.join_batch = join_batch or max(1, decoder.slots // 16)
         self.join_delay_steps = join_delay_steps
@@ -85,6 +107,7 @@ class SlotStepper:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._live: dict[int, Live] = {}  # slot -> sequence (stepper thread only)
+        self._filling: list[Filling] = []  # sequences in their slots, being prefilled, oldest first
         self._slot_of: dict[str, int] = {}
         self._free = list(range(decoder.slots))  # a heap: the lowest free slot first keeps the step's rows few
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,7 +134,7 @@ class SlotStepper:
         return self._thread is not None and self._thread.is_alive()
 
     def kv_usage(self) -> float:
-        return len(self._live) / self.decoder.slots
+        return (len(self._live) + len(self._filling)) / self.decoder.slots
 
     def stop(self, timeout: float) -> None:
         with self._cond:
@@ -126,7 +149,8 @@ class SlotStepper:
         try:
             while True:
                 with self._cond:
-                    while not (self._joins or self._cancels or self._live or pending or self._stopping):
+                    while not (self._joins or self._cancels or self._live or self._filling or pending
+                               or self._stopping):
                         self._cond.wait()
                     if self._stopping:
                         return
@@ -143,7 +167,9 @@ class SlotStepper:
                 updates: list[TokenUpdate] = []
                 self._drop(cancels)
                 if joins:
-                    updates += self._prefill(joins)
+                    self._take_slots(joins)
+                if self._filling:
+                    updates += self._prefill()
                 self._compact()
                 launched = self._launch() if self._live else None
                 if pending is not None:
@@ -158,7 +184,8 @@ class SlotStepper:
                 waiting, self._joins = [j.seq_id for j in self._joins], []
             error = f"the generation stepper stopped: {type(exc).__name__}: {exc}"
             self._send([TokenUpdate(seq_id, [], True, error)
-                        for seq_id in [*(live.seq_id for live in self._live.values()), *waiting]])
+                        for seq_id in [*(live.seq_id for live in self._live.values()),
+                                       *(f.join.seq_id for f in self._filling if not f.over), *waiting]])
 
     def _send(self, updates: list[TokenUpdate]) -> None:
         assert self._loop is not None and self._deliver is not None
@@ -170,8 +197,16 @@ class SlotStepper:
     def _drop(self, seq_ids: list[str]) -> None:
         slots = [self._slot_of[s] for s in seq_ids if s in self._slot_of]
         self.decoder.release(slots)
+        filling = {f.slot: f for f in self._filling}
         for slot in slots:
-            self._free_slot(slot)
+            if slot in filling:  # cancelled while its prompt was being prefilled
+                filling[slot].over = True
+                del self._slot_of[filling[slot].join.seq_id]
+                heapq.heappush(self._free, slot)
+            else:
+                self._free_slot(slot)
+        if slots and filling:
+            self._filling = [f for f in self._filling if not f.over]
 
     def _free_slot(self, slot: int) -> None:
         live = self._live.pop(slot)
@@ -179,38 +214,58 @@ class SlotStepper:
         del self._slot_of[live.seq_id]
         heapq.heappush(self._free, slot)
 
-    def _prefill(self, joins: list[Join]) -> list[TokenUpdate]:
-        """Start the joins in the lowest free slots, shortest prompts first, in groups that one prefill holds
-        (the decoder's prefill_tokens, and on a GPU a captured shape)."""
+    def _take_slots(self, joins: list[Join]) -> None:
+        """The joins take the lowest free slots, shortest prompts first, and queue for prefill."""
+        for join in sorted(joins, key=lambda j: len(j.prompt_ids)):
+            slot = heapq.heappop(self._free)
+            self._slot_of[join.seq_id] = slot
+            self._filling.append(Filling(join, slot))
+
+    def _prefill(self) -> list[TokenUpdate]:
+        """This step's share of the prefill (`plan_prefill`), in forwards that one prefill holds (the decoder's
+        prefill_tokens, and on a GPU a captured shape): first pieces and later pieces apart, shortest first."""
+        pieces = plan_prefill([(f.done, len(f.join.prompt_ids)) for f in self._filling], self.prefill_step_tokens,
+                              self.decoder.chunk_tokens)
         updates: list[TokenUpdate] = []
-        joins = sorted(joins, key=lambda j: len(j.prompt_ids))
-        group: list[Join] = []
-        for join in joins:
-            if group and not self.decoder.prefill_fits(len(group) + 1, len(join.prompt_ids)):
+        for continued in (False, True):
+            group: list[Piece] = []
+            for piece in sorted((p for p in pieces if (p.start > 0) == continued), key=lambda p: p.length):
+                if group and not self.decoder.prefill_fits(len(group) + 1, piece.length, continued):
+                    updates += self._prefill_group(group)
+                    group = []
+                group.append(piece)
+            if group:
                 updates += self._prefill_group(group)
-                group = []
-            group.append(join)
-        if group:
-            updates += self._prefill_group(group)
+        self._filling = [f for f in self._filling if not f.over]
         return updates
 
-    def _prefill_group(self, group: list[Join]) -> list[TokenUpdate]:
-        slots = [heapq.heappop(self._free) for _ in group]
+    def _prefill_group(self, group: list[Piece]) -> list[TokenUpdate]:
+        fills = [self._filling[p.index] for p in group]
+        slots = [f.slot for f in fills]
         try:
-            first, done = self.decoder.prefill(slots, [j.prompt_ids for j in group], [j.params for j in group])
+            first, done = self.decoder.prefill(
+                slots, [f.join.prompt_ids[p.start:p.start + p.length] for f, p in zip(fills, group)],
+                [f.join.params for f in fills], [p.start for p in group], [p.last for p in group])
         except Exception as exc:  # noqa: BLE001 - these sequences fail, the running ones go on
             log.exception("prefill of %d sequences failed", len(group))
             self.decoder.release(slots)
-            for slot in slots:
-                heapq.heappush(self._free, slot)
-            return [TokenUpdate(j.seq_id, [], True, f"{type(exc).__name__}: {exc}") for j in group]
+            for f in fills:
+                f.over = True
+                del self._slot_of[f.join.seq_id]
+                heapq.heappush(self._free, f.slot)
+            return [TokenUpdate(f.join.seq_id, [], True, f"{type(exc).__name__}: {exc}") for f in fills]
+        self.prefills += 1
+        self.pieces += len(group)
         updates = []
-        for slot, join, token, ended in zip(slots, group, first, done):
-            self._live[slot] = Live(join.seq_id, slot, len(join.prompt_ids), not join.params.greedy)
-            self._slot_of[join.seq_id] = slot
-            updates.append(TokenUpdate(join.seq_id, [token], ended))
+        for f, piece, token, ended in zip(fills, group, first, done):
+            f.done += piece.length
+            if not piece.last:
+                continue
+            f.over = True
+            self._live[f.slot] = Live(f.join.seq_id, f.slot, len(f.join.prompt_ids), not f.join.params.greedy)
+            updates.append(TokenUpdate(f.join.seq_id, [token], ended))
             if ended:
-                self._free_slot(slot)
+                self._free_slot(f.slot)
         return updates
 
     def _compact(self) -> None:
@@ -221,8 +276,11 @@ class SlotStepper:
         need = self.decoder.shape(len(self._live), 1)[0]
         if 2 * need > self.decoder.shape(max(self._live) + 1, 1)[0]:
             return
-        movers = sorted(slot for slot in self._live if slot >= need)
-        targets = sorted(slot for slot in self._free if slot < need)[: len(movers)]
+        targets = sorted(slot for slot in self._free if slot < need)
+        movers = sorted(slot for slot in self._live if slot >= need)[: len(targets)]  # prefilling slots take some
+        targets = targets[: len(movers)]
+        if not movers:
+            return
         span = max(self._live[slot].pos for slot in movers) + 1
         self.decoder.move(movers, targets, span)
         for source, target in zip(movers, targets):
@@ -258,9 +316,11 @@ class SlotStepper:
 
 
 def build_slot_stepper(model: Any, eos_ids: list[int], pad_id: int, slots: int, slot_tokens: int,
-                       max_prefill_tokens: int, use_graphs: bool) -> SlotStepper:
-    """A warmed stepper (graphs captured on CUDA) for `model`."""
+                       max_prefill_tokens: int, use_graphs: bool, chunk_tokens: int = 0) -> SlotStepper:
+    """A warmed stepper (graphs captured on CUDA) for `model`: one prefill forward, and the prefill between two
+    steps, hold `max_prefill_tokens` prompt tokens at most; a prompt is prefilled in pieces of `chunk_tokens`."""
     decoder = SlotDecoder(model, slots, slot_tokens, eos_ids, pad_id,
-                          use_graphs=use_graphs and model.device.type == "cuda", prefill_tokens=max_prefill_tokens)
+                          use_graphs=use_graphs and model.device.type == "cuda", prefill_tokens=max_prefill_tokens,
+                          chunk_tokens=chunk_tokens)
     step_s = decoder.warm()
     return SlotStepper(decoder, step_s)

@@ -100,10 +100,10 @@ def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model
     assert dec.prefill_shape(3, 11) == (4, 32) and dec.scratch == 6
     assert dec.prefill_rows == (1, 4, 6) and dec.prefill_shape(6, 20) == (6, 32)
     assert dec.prefill_shape(7, 8) is None and not dec.prefill_fits(7, 8) and dec.prefill_fits(6, 48)
-    exact = SlotDecoder(model, slots=100, slot_tokens=48, eos_ids=[], pad_id=PAD, prefill_tokens=10_000)
-    assert exact.prefill_fits(64, 8) and not exact.prefill_fits(65, 8)  # no more joins than the buffers hold
-    with pytest.raises(ValueError, match="65 joins"):
-        exact.prefill(list(range(65)), [[5]] * 65, [GREEDY] * 65)
+    exact = SlotDecoder(model, slots=200, slot_tokens=48, eos_ids=[], pad_id=PAD, prefill_tokens=10_000)
+    assert exact.prefill_fits(128, 8) and not exact.prefill_fits(129, 8)  # no more joins than the buffers hold
+    with pytest.raises(ValueError, match="129 joins"):
+        exact.prefill(list(range(129)), [[5]] * 129, [GREEDY] * 129)
     first, done = dec.prefill([4, 0, 2], batch, [SamplingParams(max_tokens=10, temperature=0)] * 3)
     assert first == [alone(model, p, None, 1)[0] for p in batch] and done == [False] * 3
     assert dec.done[[1, 3, 5]].all()  # untouched slots stay held
@@ -238,7 +238,10 @@ def test_the_capture_records_every_bucket_of_step_and_prefill(model: Any, monkey
     dec._capture()
     assert set(dec.graphs) == {(r, s, g) for r, s in dec.shapes() for g in (False, True)}
     assert set(dec.prefill_graphs) == {(r, w, g) for r, w in dec.prefill_shapes() for g in (False, True)}
-    assert len(recorded) == len(dec.graphs) + len(dec.prefill_graphs)
+    # later pieces of chunked prompts: widths up to the chunk (256: the default 512 is over the 300-token slots)
+    assert set(dec.chunk_graphs) == {(r, w, g) for r, w in dec.prefill_shapes(continued=True) for g in (False, True)}
+    assert dec.chunk_tokens == 300 and max(w for _, w in dec.prefill_shapes(continued=True)) == 300
+    assert len(recorded) == len(dec.graphs) + len(dec.prefill_graphs) + len(dec.chunk_graphs)
     assert dec.shapes() == [(r, s) for r in (1, 8, 16, 20) for s in (128, 256, 300)]
     assert (16, 128) in dec.prefill_shapes() and (20, 128) not in dec.prefill_shapes()  # 20 x 128 > 2048 tokens
     assert dec.done[:20].all()  # the warm-up runs left every slot held

@@ -29,8 +29,9 @@ def test_buckets_and_slot_plan() -> None:
     gpu, cpu = True, False
     # CPU, auto: what 16384 tokens hold at 2048 each
     assert slot_plan(EngineConfig(), cpu, 0, 100, 8192) == (8, 2048)
-    # GPU, auto: 256 slots if half the free memory holds them, else fewer
-    assert slot_plan(EngineConfig(), gpu, 80_000 * mb, 23040, 8192) == (256, 2048)
+    # GPU, auto: what half the free memory holds, a multiple of 64 (the H200's and H100's:
+    # tests/unit/generation/test_sizing.py)
+    assert slot_plan(EngineConfig(), gpu, 80_000 * mb, 23040, 8192) == (832, 2048)
     assert slot_plan(EngineConfig(), gpu, 2_000 * mb, 23040, 8192) == (22, 2048)
     # asked for: the model's positions and kv_tokens bound them
     assert slot_plan(EngineConfig(max_seqs=64, max_context=4096), gpu, 80_000 * mb, 23040, 1024) == (64, 1024)
