@@ -9,7 +9,7 @@
 # torch from PyPI for Linux x86_64 is a CUDA build that carries its own CUDA and cuDNN libraries (the nvidia-*
 # wheels), so the base needs only Python; the host needs the NVIDIA driver and container toolkit (--gpus).
 # The pin is the torch CI tests with (README's commands) and must satisfy pyproject's range and transformers'
-# floor (>= 2.6: below it transformers disables PyTorch and the model never loads); tests/test_packaging.py
+# floor (>= 2.6: below it transformers disables PyTorch and the model never loads); tests/unit/test_packaging.py
 # checks both.
 FROM python:3.11-slim-bookworm
 
@@ -20,7 +20,7 @@ WORKDIR /app
 RUN pip install "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 COPY batchserve ./batchserve
-# [postgres]: deploy/k8s configures a postgresql:// job store (tests/test_k8s_manifests.py checks that every
+# [postgres]: deploy/k8s configures a postgresql:// job store (tests/unit/test_k8s_manifests.py checks that every
 # store the manifests configure has its extra here). pip check: nothing broken but the weights packages'
 # deliberately missing dependencies; and transformers must accept this torch (it disables an older one with
 # only a warning).

@@ -1,4 +1,4 @@
-"""Print the markdown table of every `batchserve serve` flag, for README.md (kept in step by tests/test_docs.py)."""
+"""Print the markdown table of every `batchserve serve` flag, for README.md (kept in step by tests/unit/test_docs.py)."""
 
 from batchserve.config import Settings, cli_fields, env_name
 

@@ -1,0 +1,116 @@
+"""Rows to the memory and prefill in pieces (issue 25): the slot count and KV budget from free device memory
+(made-up free-memory figures, no device), the row buckets up to it, the per-step prefill plan; and on the
+CPU, that a prompt prefilled in pieces, between the decode steps of others, still gives `generate`'s greedy
+tokens, and that a burst of joins never puts more than one step's prefill budget between two steps.
+
+In process (no server), on the 2-layer random Llama of tests/integration/backends/test_static_decode.py; the parts
+without a model are tests/unit/generation/test_sizing.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from batchserve.generation.slot_decoder import SlotDecoder
+from batchserve.generation.slot_stepper import SlotStepper
+from batchserve.generation.stepper import SamplingParams
+from tests.integration.generation.test_slot_decoder import alone, run_stepper
+from tests.integration.backends.test_static_decode import PAD, model, prompts  # noqa: F401 - model is a fixture
+
+
+def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:  # noqa: F811
+    dec = SlotDecoder(model, slots=1100, slot_tokens=128, eos_ids=[], pad_id=PAD, fixed_shapes=True)
+    rows = sorted({r for r, _ in dec.shapes()})
+    assert rows[-3:] == [768, 1024, 1100] and dec.shape(1025, 5) == (1100, 128) and dec.shape(300, 5) == (384, 128)
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["exact", "gpu-layout"])
+def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: Any, fixed: bool) -> None:  # noqa: F811
+    """A 23-token prompt prefilled in pieces of 7, 7, 7, 2 while another sequence decodes in a lower slot
+    (and its held row runs along in the steps between pieces), then both decode to the end: each gets what
+    `generate` gives it alone. `gpu-layout`: padded rows, widths and spans as CUDA graphs run them, later
+    pieces attending to the whole slot."""
+    short, long = prompts(model, (5, 23), seed=31)
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    dec = SlotDecoder(model, slots=4, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=fixed, chunk_tokens=7)
+    got = {0: [], 2: []}
+    first, _ = dec.prefill([0], [short], [greedy])
+    got[0] += first
+    done_tokens = 0
+    steps = 0
+    while len(got[0]) < 10 or len(got[2]) < 10:
+        if done_tokens < len(long):
+            n = min(7, len(long) - done_tokens)
+            first, ended = dec.prefill([2], [long[done_tokens:done_tokens + n]], [greedy], [done_tokens],
+                                       [done_tokens + n == len(long)])
+            done_tokens += n
+            if done_tokens == len(long):
+                got[2] += first
+            else:
+                assert ended == [True]  # held until its last piece
+        live = [s for s in got if got[s] and len(got[s]) < 10]
+        if live:
+            span = max(len(short) + len(got[0]), len(long) + len(got[2]))
+            tokens, done = dec.collect(dec.launch(max(live) + 1, span, False))
+            for s in live:
+                got[s].append(tokens[s])
+            # slot 2's held row runs along (rows 0..2) while it is prefilled, and its tokens are ignored
+            steps += 1
+    assert steps >= 10
+    assert got[0] == alone(model, short, None, 10)
+    assert got[2] == alone(model, long, None, 10)
+
+
+def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model: Any) -> None:  # noqa: F811
+    """One sequence runs; then a burst of eight joins, two of them longer than a piece, arrives with more
+    sequences than slots. Between two decode steps the stepper prefills at most its step budget (the old
+    behaviour prefilled the whole burst before the next step), long prompts go in pieces, and every sequence
+    ends with `generate`'s tokens."""
+    batch = prompts(model, (3, 6, 5, 19, 4, 7, 22, 2, 5), seed=41)
+    limits = [14, 6, 6, 6, 6, 6, 6, 6, 6]
+    dec = SlotDecoder(model, slots=6, slot_tokens=48, eos_ids=[], pad_id=PAD, prefill_tokens=64, chunk_tokens=8)
+    stepper = SlotStepper(dec, step_s=0.01, join_batch=1, prefill_step_tokens=10)
+    events: list[tuple[str, int]] = []
+    real_prefill, real_launch = dec.prefill, dec.launch
+
+    def prefill(slots: Any, pieces: Any, *args: Any) -> Any:
+        events.append(("prefill", sum(len(p) for p in pieces)))
+        return real_prefill(slots, pieces, *args)
+
+    def launch(*args: Any) -> Any:
+        events.append(("step", 0))
+        return real_launch(*args)
+
+    dec.prefill, dec.launch = prefill, launch  # type: ignore[method-assign]
+    work = [(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(batch, limits)]
+    got = run_stepper(stepper, work)
+    for i, (p, n) in enumerate(zip(batch, limits)):
+        assert got[str(i)] == alone(model, p, None, n), i
+    assert stepper.pieces > len(batch)  # the 19- and 22-token prompts went in pieces of 8
+    between, worst = 0, 0
+    for kind, tokens in events[events.index(("step", 0)):]:
+        between = 0 if kind == "step" else between + tokens
+        worst = max(worst, between)
+    assert 0 < worst <= 10
+
+
+def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> None:  # noqa: F811
+    """Driven by hand (no thread): a 13-token prompt prefilled 4 tokens a step is cancelled after its first
+    piece; its slot is free and held, nothing is reported for it, and the next sequence in that slot gets
+    `generate`'s tokens."""
+    from batchserve.generation.slot_stepper import Join
+
+    dec = SlotDecoder(model, slots=2, slot_tokens=48, eos_ids=[], pad_id=PAD, chunk_tokens=4)
+    stepper = SlotStepper(dec, step_s=0.01, prefill_step_tokens=4)
+    long, short = prompts(model, (13, 5), seed=51)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    stepper._take_slots([Join("long", long, greedy, 0)])
+    assert stepper._prefill() == [] and stepper._filling[0].done == 4  # one piece, no token yet
+    assert stepper.kv_usage() == 0.5
+    stepper._drop(["long"])
+    assert stepper._filling == [] and sorted(stepper._free) == [0, 1] and stepper.kv_usage() == 0
+    assert bool(dec.done[0])
+    got = run_stepper(stepper, [(short, greedy)])
+    assert got["0"] == alone(model, short, None, 6)

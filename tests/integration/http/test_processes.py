@@ -1,0 +1,205 @@
+"""`batchserve serve --processes N` (batchserve/http/processes.py): real processes on one port shared with
+SO_REUSEPORT, each a whole server on its share of the devices; one drained alone under load with nothing
+lost and replaced; the group drained by SIGTERM to the parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from batchserve.plan import measure
+from tests.conftest import LiveServer
+
+
+def children(server: LiveServer, want: int = 2, timeout: float = 60.0) -> dict[int, dict]:
+    """pid -> /internal/health of each child, found through the shared port (a new connection each time, so
+    the kernel deals them over the children) and checked ready on each child's own port."""
+    seen: dict[int, dict] = {}
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        try:
+            with httpx.Client(base_url=server.url, timeout=5) as c:
+                d = c.get("/internal/health").json()
+        except httpx.HTTPError:
+            time.sleep(0.05)
+            continue
+        if d["status"] == "ok":
+            seen[d["pid"]] = d
+        if len(seen) >= want:
+            ready = {}
+            for pid, d in seen.items():
+                own = f"http://127.0.0.1:{d['process']['own_port']}"
+                try:
+                    if httpx.get(own + "/readyz", timeout=5).status_code == 200:
+                        ready[pid] = d
+                except httpx.HTTPError:
+                    pass
+            if len(ready) >= want:
+                return ready
+            seen = ready
+        time.sleep(0.02)
+    raise AssertionError(f"found {len(seen)} ready children of {want}:\n" + server.log())
+
+
+def test_two_processes_share_the_port_each_on_its_own_device(server_factory):
+    server = server_factory("--processes", "2", "--devices", "2", "--sim-batch-ms", "20")
+    kids = children(server)
+    assert len(kids) == 2 and server.proc.pid not in kids
+    assert sorted(d["process"]["index"] for d in kids.values()) == [0, 1]
+    for pid, d in kids.items():
+        assert d["process"]["of"] == 2 and len(d["workers"]) == 1  # 2 devices split: one each
+        own = f"http://127.0.0.1:{d['process']['own_port']}"
+        assert httpx.get(own + "/internal/health", timeout=5).json()["pid"] == pid  # its own port: it alone
+        assert "process_cpu_seconds_total" in httpx.get(own + "/metrics", timeout=5).text
+    assert "batch jobs are off" in server.log()  # the default SQLite store is one process's
+    m = measure(server.url, None, [])  # `batchserve plan --measure` sees the node: 2 processes of 1 device
+    assert m.processes == 2 and m.devices == 2
+    with server.client() as c:
+        r = c.post("/v1/inference", json={"input": "abc"})
+        assert r.status_code == 200 and r.json()["output"] == "cba"
+
+
+def test_one_process_drained_alone_under_load_loses_nothing_and_is_replaced(server_factory):
+    """SIGTERM to one child while 6 clients send back to back: it closes its share of the port, answers what
+    it holds, and exits; a request reaching it on an open keep-alive connection gets 503 DRAINING (it never
+    ran) and its retry on a new connection reaches the sibling. Every request ends in its right answer, no
+    connection fails, and the parent starts a replacement that joins the port."""
+    server = server_factory("--processes", "2", "--devices", "2", "--sim-batch-ms", "20", "--slo-ms", "2000",
+                            "--timeout-ms", "10000", "--drain-grace-s", "5")
+    kids = children(server)
+    stop = threading.Event()
+    outcomes: Counter[str] = Counter()
+    failures: list[str] = []
+    answered_by: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        i = 0
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            while not stop.is_set():
+                text = f"drain-{k}-{i}"
+                i += 1
+                for _ in range(3):
+                    try:
+                        r = c.post("/v1/inference", json={"input": text})
+                    except httpx.HTTPError as exc:
+                        with lock:
+                            failures.append(f"{text}: {type(exc).__name__}: {exc}")
+                        break
+                    if r.status_code == 503 and r.json()["error"] == "DRAINING":
+                        with lock:
+                            outcomes["503 DRAINING, retried"] += 1
+                        continue
+                    with lock:
+                        if r.status_code == 200 and r.json()["output"] == text[::-1]:
+                            outcomes["200"] += 1
+                        else:
+                            failures.append(f"{text}: {r.status_code} {r.text[:200]}")
+                    break
+                else:
+                    with lock:
+                        failures.append(f"{text}: DRAINING three times")
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)
+        before = outcomes["200"]
+        victim = min(kids)
+        os.kill(victim, signal.SIGTERM)
+        # Its share of the port closed at once (no grace for a lone drain, though --drain-grace-s is 5): every
+        # new connection goes to the sibling (or, once up, the replacement), none to it, none answered DRAINING.
+        time.sleep(0.2)
+        fresh = Counter()
+        for _ in range(40):
+            with httpx.Client(base_url=server.url, timeout=10) as c:
+                r = c.get("/internal/health")
+                fresh[(r.json()["pid"], r.json()["status"])] += 1
+        assert fresh and all(pid != victim and status == "ok" for pid, status in fresh), fresh
+        give_up = time.monotonic() + 30
+        while time.monotonic() < give_up:
+            try:
+                os.kill(victim, 0)  # still there (or not yet reaped by the parent)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the drained process did not exit:\n" + server.log())
+        after_exit = outcomes["200"]
+        replaced = children(server)  # the survivor and a replacement, both ready
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert failures == [], failures[:5]
+    assert victim not in replaced and len(replaced) == 2
+    assert before > 50 and outcomes["200"] > after_exit  # load before, and answered through and after the drain
+    assert "draining this process alone" in server.log()
+    assert "starting a replacement" in server.log()
+    # SIGTERM to the parent drains the whole group and exits 0; no child outlives it.
+    pids = list(replaced)
+    assert server.stop(signal.SIGTERM) == 0
+    time.sleep(0.2)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_child_killed_outright_is_replaced(server_factory):
+    """SIGKILL: no drain, its requests lost with it (as with any process killed so); the parent starts another
+    on the same devices, and the port has two ready processes again."""
+    server = server_factory("--processes", "2", "--devices", "2", "--sim-batch-ms", "20")
+    kids = children(server)
+    victim = min(kids)
+    os.kill(victim, signal.SIGKILL)
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up:
+        now = children(server)
+        if victim not in now:
+            break
+        time.sleep(0.1)
+    assert victim not in now and len(now) == 2
+    assert sorted(d["process"]["index"] for d in now.values()) == [0, 1]  # the same slot, filled again
+    assert "starting a replacement" in server.log()
+
+
+def test_uneven_device_split_is_refused_before_anything_starts():
+    r = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2",
+                        "--devices", "3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "does not split evenly over --processes 2" in r.stderr
+
+
+def test_a_sqlite_job_store_is_refused_with_several_processes():
+    """A SQLite file belongs to one process, and the shared port would send a job's GET to another."""
+    r = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2",
+                        "--jobs-db", "jobs.db"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--jobs-db is a SQLite file, which belongs to one process" in r.stderr
+
+
+def test_a_child_that_cannot_listen_stops_the_group_with_its_status():
+    """Its own port is taken: it exits before it ever listened, so a replacement would fail the same way; the
+    parent stops the other child and exits non-zero instead of respawning for ever."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        r = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2",
+                            "--devices", "2", "--process-port-base", str(taken.getsockname()[1]),
+                            "--drain-grace-s", "0"], capture_output=True, text=True, timeout=90)
+    finally:
+        taken.close()
+    assert r.returncode == 1, r.stderr
+    assert "cannot bind" in r.stderr and "before it listened: stopping the others" in r.stderr
+
+

@@ -1,0 +1,41 @@
+"""`batchserve plan`'s measure against a running server (the model itself is tests/unit/test_plan.py)."""
+
+from __future__ import annotations
+
+from batchserve.plan import BatchTime, cpu_per_request, measure
+
+
+def test_measure_reads_devices_and_batch_time_from_a_running_server(server_factory):
+    server = server_factory("--devices", "2", "--sim-batch-ms", "40", "--max-batch-size", "16")
+    m = measure(server.url, None, [])
+    assert m.devices == 2 and m.batch_time == BatchTime.constant(40)
+    probed = measure(server.url, "sim@v1", [1, 8]).batch_time
+    assert 1 in probed.sizes and all(0.039 <= t <= 0.08 for t in probed.seconds)
+
+
+def test_measure_reads_cpu_per_request_from_the_server_under_load(server_factory):
+    """process_cpu_seconds_total over the requests answered in a window, from a real server carrying load from
+    two client threads; with no load in the window it says so instead of a figure."""
+    import threading
+
+    server = server_factory("--devices", "2", "--sim-batch-ms", "5", "--max-batch-size", "16")
+    idle, note = cpu_per_request(server.url, 0.5)
+    assert idle is None and "CPU per request not measured" in note
+    stop = threading.Event()
+
+    def load() -> None:
+        with server.client() as c:
+            while not stop.is_set():
+                assert c.post("/v1/inference", json={"input": "cpu"}).status_code == 200
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        m = measure(server.url, None, [], cpu_window_s=2.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert m.cpu_s_per_request is not None and 10e-6 < m.cpu_s_per_request < 20e-3
+    assert "us per request" in m.source

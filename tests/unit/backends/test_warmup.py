@@ -1,0 +1,57 @@
+"""Defaults that fit the backend (issue 9 §3): the warm-up runs until the batch time is stable, SLO and timeout
+follow from it where the user set neither, and a batch whose callers all left stops early and frees its worker.
+
+The policy has unit tests with an injected clock; the early stop runs through a live sim server (the sim honours
+the same hook as the real model's generation, which tests/integration/backends/test_real_defaults.py checks on the weights).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+
+from batchserve.config import Settings
+from batchserve.backends.warmup import MAX_ROUNDS, derive_deadlines, warm_until_stable
+
+
+class FakeModel:
+    """A warm-up whose rounds take the given times on a clock that only it moves."""
+
+    def __init__(self, rounds: list[float]) -> None:
+        self.rounds, self.now, self.calls = list(rounds), 0.0, 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def warm(self) -> None:
+        self.now += self.rounds[min(self.calls, len(self.rounds) - 1)]
+        self.calls += 1
+
+
+def test_a_cold_first_batch_is_not_the_batch_time() -> None:
+    model = FakeModel([15.0, 2.0, 1.1, 1.0, 9.0])
+    warm = warm_until_stable(model.warm, model.clock)
+    assert warm.stable and model.calls == 4
+    assert warm.batch_s == pytest.approx(1.1)  # the slower of the two that agree, never the cold 15 s
+
+
+def test_an_unsteady_warm_up_stops_at_its_bound() -> None:
+    model = FakeModel([1.0, 2.0] * 10)
+    warm = warm_until_stable(model.warm, model.clock)
+    assert not warm.stable and model.calls == MAX_ROUNDS and warm.batch_s == 2.0
+    slow = FakeModel([100.0, 50.0, 20.0, 10.0])
+    assert len(warm_until_stable(slow.warm, slow.clock, budget_s=120).rounds_s) == 2  # 150 s spent: stop
+
+
+def test_deadlines_derive_from_the_batch_time_unless_set() -> None:
+    derived = derive_deadlines(Settings(backend="smollm2"), batch_s=1.5)
+    assert (derived.slo_ms, derived.timeout_ms) == (4500, 15000)
+    fast = derive_deadlines(Settings(backend="smollm2"), batch_s=0.01)  # never under the sim's defaults
+    assert (fast.slo_ms, fast.timeout_ms) == (200, 2000)
+    capped = derive_deadlines(Settings(backend="smollm2", max_timeout_ms=8000), batch_s=1.5)
+    assert capped.timeout_ms == 8000
+    chosen = derive_deadlines(Settings(backend="smollm2", given={"slo_ms": "--slo-ms",
+                                                                "timeout_ms": "BATCHSERVE_TIMEOUT_MS"}), 1.5)
+    assert (chosen.slo_ms, chosen.timeout_ms) == (None, None)
+
+

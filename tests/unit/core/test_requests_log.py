@@ -1,0 +1,19 @@
+"""The request history in process (issue 28's second hardening round): it evicts the largest owner's oldest records."""
+
+from __future__ import annotations
+
+
+def test_the_request_history_evicts_the_largest_owners_oldest():
+    from batchserve.core.requests_log import RequestLog
+
+    log = RequestLog(10)
+    log.add("a", "a0", "m")
+    log.add("b", "b0", "m")
+    for i in range(30):  # c floods: only its own oldest records go
+        log.add("c", f"c{i}", "m")
+    assert len(log) == 10 and log.get("a", "a0") and log.get("b", "b0")
+    assert log.get("c", "c29") and not log.get("c", "c21")
+    for i in range(8):  # now a grows past c: the largest owner is the one that loses
+        log.add("a", f"a{i + 1}", "m")
+    assert len(log) == 10 and log.get("b", "b0") and log.get("c", "c29") and log.get("a", "a8")
+    assert log.get("a", "a0") is None or log.get("c", "c25") is None

@@ -1,0 +1,51 @@
+"""batchserve.client's retry policy as pure functions and client_cli's progress lines, in process; the clients against a
+live server are tests/integration/test_client.py."""
+
+from __future__ import annotations
+from io import StringIO
+import httpx
+import pytest
+from batchserve.client import Retry, next_wait_s, server_wait_s
+from batchserve.client_cli import LineProgress, NoProgress, progress_for
+
+
+# -- the policy ------------------------------------------------------------------------------------------------
+def test_the_server_hint_is_honoured_with_a_little_jitter():
+    policy = Retry(attempts=5, deadline_s=30, jitter=0.1)
+    assert next_wait_s(policy, 1, 0.4, remaining_s=30, rand=lambda: 0.0) == 0.4
+    assert next_wait_s(policy, 1, 0.4, remaining_s=30, rand=lambda: 1.0) == pytest.approx(0.44)
+
+
+def test_without_a_hint_the_wait_doubles_up_to_its_cap():
+    policy = Retry(attempts=10, backoff_s=0.1, max_wait_s=0.5)
+    waits = [next_wait_s(policy, n, None, remaining_s=60, rand=lambda: 1.0) for n in range(1, 6)]
+    assert waits == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
+
+
+def test_no_wait_past_the_deadline_or_the_last_attempt():
+    policy = Retry(attempts=3, deadline_s=5)
+    assert next_wait_s(policy, 1, 2.0, remaining_s=1.5, rand=lambda: 0.0) is None  # would end past the deadline
+    assert next_wait_s(policy, 3, 0.1, remaining_s=5, rand=lambda: 0.0) is None  # tries used up
+    assert next_wait_s(policy, 2, 0.1, remaining_s=5, rand=lambda: 0.0) == 0.1
+
+
+def test_the_hint_comes_from_the_body_else_the_header():
+    body = httpx.Response(503, json={"error": "SERVICE_OVERLOADED", "message": "m", "request_id": "r",
+                                     "retry_after_ms": 250}, headers={"Retry-After": "1"})
+    assert server_wait_s(body) == 0.25
+    assert server_wait_s(httpx.Response(429, text="slow down", headers={"Retry-After": "3"})) == 3.0
+    assert server_wait_s(httpx.Response(503, text="<html>bad gateway</html>")) is None
+
+
+def test_progress_is_a_plain_line_without_tqdm_and_nothing_off_a_terminal():
+    class Terminal(StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    line = progress_for(screen, use_tqdm=False)
+    assert isinstance(line, LineProgress)
+    line.update({"id": "batch_1", "status": "running", "total": 10, "completed": 3, "failed": 1, "cancelled": 0})
+    line.close()
+    assert screen.getvalue() == "\rbatch_1: running 4/10 (1 failed)\n"
+    assert isinstance(progress_for(StringIO()), NoProgress)
