@@ -68,17 +68,22 @@ async def one(app: ASGIApp, i: int) -> int:
 
 async def drive(app: ASGIApp, total: int, concurrency: int) -> tuple[float, float, int]:
     """Send `total` requests, `concurrency` in flight; (CPU seconds, wall seconds, non-200 answers)."""
-    sem = asyncio.Semaphore(concurrency)
+    # `concurrency` senders, each taking the next request number as it finishes one, and running each request
+    # in a task of its own as uvicorn does. No semaphore: one with thousands of waiters cost the harness itself
+    # ~5 µs a request on the batched app only (CPython 3.11's `_wake_up_next` scans past the waiters already
+    # woken, ~50 per release when a batch answers 100 at once), and that was counted as the route's.
     bad = 0
+    numbers = iter(range(total))
+    loop = asyncio.get_running_loop()
 
-    async def guarded(i: int) -> None:
+    async def sender() -> None:
         nonlocal bad
-        async with sem:
-            if await one(app, i) != 200:
+        for i in numbers:
+            if await loop.create_task(one(app, i)) != 200:
                 bad += 1
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(guarded(i) for i in range(total)))
+    await asyncio.gather(*(sender() for _ in range(concurrency)))
     return time.process_time() - cpu0, time.perf_counter() - wall0, bad
 
 
