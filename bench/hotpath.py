@@ -4,9 +4,11 @@ Why: on a shared 2-core machine wall-clock latency swings with whatever else run
 process spends per request moves little. This drives the ASGI apps directly (scope / receive / send, as
 uvicorn calls them, with uvicorn's per-request `disconnected` flag) with the same concurrency and body shape as
 the load bench, and reports process CPU per request for batchserve (sim backend, 100 ms batches of about `--concurrency`
-items, as at 900-1000 requests/s) beside the bare Starlette endpoint of `bench/bare_app.py`. The sockets and HTTP parsing (uvicorn +
+items, as at 900-1000 requests/s) beside the bare Starlette endpoint of `bench/bare_app.py` and the minimal batcher of
+`bench/minimal_batcher.py` (a future per request and one task taking the waiting inputs: the least any batcher
+on this stack pays for holding a request across a batch). The sockets and HTTP parsing (uvicorn +
 httptools) are left out: they cost both apps the same. `--profile` writes a pyinstrument report of the
-batchserve run. The ratio here is the route's overhead alone; the end-to-end ratio is `run_standard`'s CPU row.
+batchserve run. The ratio here is the route's overhead alone; the end-to-end ratio is `bench/cpu_compare.py`'s.
 
     python -m bench.hotpath                 # ~20 s: table of CPU µs per request
     python -m bench.hotpath --profile /tmp/hotpath.html
@@ -112,13 +114,25 @@ async def prepare(make: Callable[[], Awaitable[Any]], stack: contextlib.AsyncExi
 
 
 async def main_async(a: argparse.Namespace) -> None:
-    from bench import bare_app
+    from bench import bare_app, minimal_batcher
 
     async def bare() -> Any:
         return bare_app.create_app()
 
+    async def minimal() -> Any:
+        return minimal_batcher.create_app()
+
     async with contextlib.AsyncExitStack() as stack:
-        apps = {"bare Starlette": await prepare(bare, stack), "batchserve": await prepare(batchserve_app, stack)}
+        apps = {"bare Starlette": await prepare(bare, stack), "minimal batcher": await prepare(minimal, stack),
+                "batchserve": await prepare(batchserve_app, stack)}
+        if not a.default_gc:
+            # As `batchserve serve` runs (http/server.py): start-up frozen, young collections every 50,000
+            # allocations. With CPython's default 700, a hundred requests held across a batch keep their objects
+            # in the young generation's scans: ~25 µs a request of collector time for any batcher in-process
+            # (the minimal one too), none for the bare app, whose requests end before a collection comes.
+            from batchserve.gc_tuning import tune_gc
+
+            tune_gc()
         for app in apps.values():
             await drive(app, min(a.requests, 2000), a.concurrency)  # warm-up
         runs: dict[str, list[float]] = {name: [] for name in apps}
@@ -165,6 +179,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3000, help="requests per run")
     p.add_argument("--concurrency", type=int, default=100, help="requests in flight at once")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--default-gc", action="store_true", help="keep CPython's collector thresholds (700) instead of "
+                   "the server's (`batchserve.gc_tuning.tune_gc`)")
     p.add_argument("--profile", default="", help="profile the batchserve runs with pyinstrument: write it here "
                    "(.html, else text; '-' only into the report)")
     from bench import common
