@@ -1,0 +1,69 @@
+"""What the request path must not pay per request (issue 23, item 5): in-process, no server, injected clock.
+
+Admission asks the pool, for every request, how long the running batch has left. That batch's cost is fixed
+once it is handed to its worker; computing it again walked every item of the batch (~100 at 900 requests/s),
+or, for a model with `cost_of_batch`, ran the backend's costing over all its texts, once per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batchserve.batcher import Batch, Batcher
+from batchserve.core.batch_time import BatchTimes
+from batchserve.core.fairqueue import Item
+from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.metrics import make_metrics
+
+M = "m@v1"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+class CountingCost:
+    """A backend's `cost_of_batch` that counts its calls: 1 per token-ish character."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, texts: list[str]) -> float:
+        self.calls += 1
+        return float(sum(len(t) for t in texts))
+
+
+def test_the_running_batch_is_costed_once_when_handed_not_on_every_admission(loop) -> None:
+    clock = Clock()
+    times = BatchTimes(100, {M: 0.1})
+    batcher = Batcher(max_batch_size=100, slo_s=1.0, margin_s=0.01, batch_s=times, clock=clock)
+    pool = GpuPool({}, batcher, make_metrics(), loop, ["gpu:0"], clock=clock)
+    worker = Worker(0, "gpu:0")
+    pool.workers.append(worker)
+    costing = CountingCost()
+    items = [Item(f"input {i:03d}", M, 0, loop.create_future(), arrived=clock.t, deadline=clock.t + 60,
+                  batch_cost=costing) for i in range(100)]
+    batch = Batch(M, items, clock.t, "full")
+    pool._hand(worker, batch)
+    handed = costing.calls
+    assert handed >= 1  # the hand-off costs it (the watchdog's limit, and what the worker runs)
+    expected = times.at(M, batch.cost)
+    clock.t += 0.03
+    for _ in range(50):  # fifty admissions while the batch runs
+        assert pool.seconds_until_free(clock.t) == pytest.approx(expected - 0.03)
+    assert costing.calls == handed + 1  # the one `batch.cost` above, not one per admission
+    assert worker.watchdog is not None
+    worker.watchdog.cancel()
