@@ -3,8 +3,8 @@
 Why: on a shared 2-core machine wall-clock latency swings with whatever else runs, but the CPU time the
 process spends per request moves little. This drives the ASGI apps directly (scope / receive / send, as
 uvicorn calls them, with uvicorn's per-request `disconnected` flag) with the same concurrency and body shape as
-the load bench, and reports process CPU per request for batchserve (sim backend, 100 ms batches of about `--concurrency`
-items, as at 900-1000 requests/s) beside the bare Starlette endpoint of `bench/bare_app.py` and the minimal batcher of
+the load bench, and reports process CPU per request for batchserve (sim backend, 100 ms batches of at most 100, with
+`--concurrency` 150 in flight as at 900 requests/s: ~0.16 s each x 900/s, so a batch runs while the next one queues) beside the bare Starlette endpoint of `bench/bare_app.py` and the minimal batcher of
 `bench/minimal_batcher.py` (a future per request and one task taking the waiting inputs: the least any batcher
 on this stack pays for holding a request across a batch). The sockets and HTTP parsing (uvicorn +
 httptools) are left out: they cost both apps the same. `--profile` writes a pyinstrument report of the
@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-BATCH_MS = 100.0  # the seed contract's batch time: batches of ~concurrency items, as under load
+BATCH_MS = 100.0  # the seed contract's batch time (batches of at most 100: the sim default)
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
@@ -114,6 +114,9 @@ async def prepare(make: Callable[[], Awaitable[Any]], stack: contextlib.AsyncExi
 
 
 async def main_async(a: argparse.Namespace) -> None:
+    import os
+
+    load_start = round(os.getloadavg()[0], 2)
     from bench import bare_app, minimal_batcher
 
     async def bare() -> Any:
@@ -164,20 +167,24 @@ async def main_async(a: argparse.Namespace) -> None:
                      + (f" (non-200: {bad[name]})" if bad[name] else "") + " |")
     md = "\n".join(["# CPU per request of the inference route, in-process (bench/hotpath.py)", "",
                     f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of {BATCH_MS:g} ms; "
-                    "runs interleaved; process CPU time (the worker thread included).", "", *lines])
+                    "runs interleaved; process CPU time (the worker thread included); "
+                    f"{'default' if a.default_gc else 'the server'}'s GC settings; load average {load_start} at "
+                    "the start.", "", *lines])
     if profile_text:
         md += "\n\n## Profile of the batchserve runs (pyinstrument)\n\n```\n" + profile_text + "\n```"
     print(md)
     from bench import common, report
 
-    rep = {"provenance": report.provenance(), "settings": vars(a), "runs_us": runs, "non_200": bad}
+    rep = {"provenance": report.provenance(), "settings": vars(a), "runs_us": runs, "non_200": bad,
+           "loadavg_start": load_start}
     print(report.written(report.write(common.run_name(a, "hotpath"), rep, md, common.out_dir(a))))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=3000, help="requests per run")
-    p.add_argument("--concurrency", type=int, default=100, help="requests in flight at once")
+    p.add_argument("--concurrency", type=int, default=150, help="requests in flight at once (default %(default)s: "
+                   "900 requests/s x ~0.16 s; at 100 every request arrived while the worker was between batches)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--default-gc", action="store_true", help="keep CPython's collector thresholds (700) instead of "
                    "the server's (`batchserve.gc_tuning.tune_gc`)")
