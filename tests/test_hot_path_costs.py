@@ -2,7 +2,8 @@
 
 Admission asks the pool, for every request, how long the running batch has left. That batch's cost is fixed
 once it is handed to its worker; computing it again walked every item of the batch (~100 at 900 requests/s),
-or, for a model with `cost_of_batch`, ran the backend's costing over all its texts, once per request.
+or, for a model with `cost_of_batch`, ran the backend's costing over all its texts, once per request. And an
+anonymous caller's identity is the same object for every request from its address.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item
 from batchserve.gpu_pool import GpuPool, Worker
 from batchserve.metrics import make_metrics
+from batchserve.tenancy import ANONYMOUS_CACHE, Tenancy
 
 M = "m@v1"
 
@@ -67,3 +69,15 @@ def test_the_running_batch_is_costed_once_when_handed_not_on_every_admission(loo
     assert costing.calls == handed + 1  # the one `batch.cost` above, not one per admission
     assert worker.watchdog is not None
     worker.watchdog.cancel()
+
+
+def test_an_anonymous_caller_is_built_once_per_address_and_the_cache_stays_bounded() -> None:
+    tenancy = Tenancy()
+    first = tenancy.identify(None, "10.0.0.1")
+    assert first.owner == "anonymous@10.0.0.1" and first.tenant == "anonymous" and first.key_id == ""
+    assert tenancy.identify(None, "10.0.0.1") is first  # no new Caller per request
+    assert tenancy.identify("", "10.0.0.1") is first  # an empty Authorization header is no key either
+    for i in range(ANONYMOUS_CACHE + 10):  # a sweep of addresses
+        assert tenancy.identify(None, f"10.1.{i // 256}.{i % 256}").owner == f"anonymous@10.1.{i // 256}.{i % 256}"
+    assert len(tenancy._anonymous) <= ANONYMOUS_CACHE
+    assert tenancy.identify(None, "10.0.0.2").owner == "anonymous@10.0.0.2"
