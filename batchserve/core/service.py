@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Mapping, Protocol, runtime_checkable
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
@@ -21,7 +21,7 @@ from batchserve.core.admission import Admission, Capacity
 from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
-from batchserve.core.requests_log import RequestLog
+from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 
 
@@ -117,6 +117,17 @@ class InferenceService:
             raise errors.inference_failed(f"{why} (this input failed alone lately and is quarantined for up to "
                                           f"{self.quarantine.ttl_s:.0f} s: not run again)")
 
+    def _admit(self, model: str, tier: int, tenant: str, timeout_s: float, arrived: float, costs: Sequence[float],
+               bucket: int) -> bool:
+        """The door for a request of inputs costing `costs` (its first in length class `bucket`), for `infer` and
+        `infer_many` alike: raises the 503 / 413 that fits, or says whether the request goes as a probe."""
+        return self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived), costs, bucket)
+
+    def _answered(self, record: Record, arrived: float, last: ItemResult) -> None:
+        """A request has all its answers (`last`: its last input's), for `infer` and `infer_many` alike."""
+        record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
+                         last.batch_size)
+
     # -- the door -----------------------------------------------------------------------------------------
     async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
                     request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
@@ -125,7 +136,9 @@ class InferenceService:
         An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves.
 
         `infer_many` for one input, written out: the hot path of /v1/inference, where its lists, zips and
-        gather cost ~3 µs a request (bench/hotpath.py). With tracing on, `infer_many` serves it (the spans)."""
+        gather cost ~3 µs a request (bench/hotpath.py). With tracing on, `infer_many` serves it (the spans).
+        Both paths pass the same door (`_admit`) and book the same answer (`_answered`): what admission decides
+        or learns per request goes there, never into one path only."""
         if self.tracing is not None:
             return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone,
                                           owner))[0]
@@ -136,7 +149,7 @@ class InferenceService:
         batch_cost = self._batch_costs[model] if model in self._batch_costs else self._batch_cost(model, backend)
         cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
         bucket = backend.bucket_of(text)
-        probe = self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived), (cost,), bucket)
+        probe = self._admit(model, tier, tenant, timeout_s, arrived, (cost,), bucket)
         record = self.requests.add(owner or tenant, request_id, model)
         future = asyncio.get_running_loop().create_future()
         deadline = arrived + timeout_s
@@ -158,8 +171,7 @@ class InferenceService:
             self.inflight -= 1
             if not future.done():
                 future.cancel()
-        record.completed((self.clock() - arrived) * 1000, result.queue_s * 1000, result.compute_s * 1000,
-                         result.batch_size)
+        self._answered(record, arrived, result)
         return result
 
     async def infer_many(self, texts: list[str], model: str, tier: int, tenant: str, timeout_s: float,
@@ -181,8 +193,7 @@ class InferenceService:
             costs = ([float(backend.cost_of(text)) for text in texts] if batch_cost is None
                      else [float(batch_cost([text])) for text in texts])
             buckets = [backend.bucket_of(text) for text in texts]
-            probe = self.admission.admit(model, tier, tenant, timeout_s - (self.clock() - arrived), costs,
-                                         buckets[0])
+            probe = self._admit(model, tier, tenant, timeout_s, arrived, costs, buckets[0])
         except ApiError as err:
             if tracing is not None:
                 tracing.answered(model, arrived, 0.0, None, err.code)
@@ -218,9 +229,7 @@ class InferenceService:
             for item in items:
                 if not item.future.done():
                     item.future.cancel()
-        last = results[-1]
-        record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
-                         last.batch_size)
+        self._answered(record, arrived, results[-1])
         if tracing is not None:  # a queue-wait span per input, each linked to the batch that carried it
             for item, result in zip(items, results):
                 tracing.answered(model, arrived, result.queue_s, item.batch_trace, "ok")
