@@ -473,18 +473,20 @@ class Batcher:
         # job inputs never fail, and drag into bisection, another tenant's job items.
         stick: dict[int, str] = {}
         while len(items) < limit:
-            head = q.peek(stick)
-            if head is None:
-                break
             # The budget: rows x the longest row. The first input always goes (one alone over the budget was
             # refused at the door, or the budget was lowered after it was admitted: it still runs).
-            # A backend's own batch cost is asked only when it declares one and a budget applies.
-            if items and budget != math.inf and (
-                    head.batch_cost([*(i.text for i in items), head.text]) > budget if head.batch_cost is not None
-                    else (len(items) + 1) * max(widest, head.cost) > budget):
-                break
+            # A backend's own batch cost is asked only when it declares one and a budget applies. Without a
+            # budget the head is taken without a peek first (each looks for the lane whose turn it is).
+            if items and budget != math.inf:
+                head = q.peek(stick)
+                if head is None:
+                    break
+                if (head.batch_cost([*(i.text for i in items), head.text]) > budget if head.batch_cost is not None
+                        else (len(items) + 1) * max(widest, head.cost) > budget):
+                    break
             item = q.pop(stick)
-            assert item is head
+            if item is None:
+                break
             if item.tier == tiers.BATCH.rank and not stick:
                 stick[item.tier] = item.tenant
             self._count(item, -1)
