@@ -3,17 +3,21 @@
 Admission asks the pool, for every request, how long the running batch has left. That batch's cost is fixed
 once it is handed to its worker; computing it again walked every item of the batch (~100 at 900 requests/s),
 or, for a model with `cost_of_batch`, ran the backend's costing over all its texts, once per request. And an
-anonymous caller's identity is the same object for every request from its address.
+anonymous caller's identity is the same object for every request from its address, and a deadline's lane
+is keyed once per timeout value.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from batchserve.batcher import Batch, Batcher
+from batchserve.errors import ApiError
 from batchserve.core.batch_time import BatchTimes
+from batchserve.core.deadlines import KEYS_KEPT, DeadlineWatch
 from batchserve.core.fairqueue import Item
 from batchserve.gpu_pool import GpuPool, Worker
 from batchserve.metrics import make_metrics
@@ -81,3 +85,27 @@ def test_an_anonymous_caller_is_built_once_per_address_and_the_cache_stays_bound
         assert tenancy.identify(None, f"10.1.{i // 256}.{i % 256}").owner == f"anonymous@10.1.{i // 256}.{i % 256}"
     assert len(tenancy._anonymous) <= ANONYMOUS_CACHE
     assert tenancy.identify(None, "10.0.0.2").owner == "anonymous@10.0.0.2"
+
+
+def test_deadlines_group_callers_by_timeout_and_answer_504_at_the_deadline(loop) -> None:
+    async def scenario() -> None:
+        watch = DeadlineWatch()
+        now = time.monotonic()
+        late, answered, close, later = (loop.create_future() for _ in range(4))
+        watch.watch(0.05, now + 0.05, late)
+        watch.watch(0.05, now + 0.05, answered)
+        watch.watch(0.0504, now + 0.0504, close)  # the same lane as 0.05 (timeouts are keyed to the ms)
+        watch.watch(5.0, now + 5.0, later)
+        answered.set_result("ok")
+        assert len(watch._timers) == 2  # one timer per timeout value, not per caller
+        await asyncio.sleep(0.15)
+        for fut in (late, close):
+            assert isinstance(fut.exception(), ApiError) and fut.exception().code == "DEADLINE_EXCEEDED"
+        assert answered.result() == "ok" and not later.done()
+        for i in range(KEYS_KEPT + 50):  # callers may send any timeout: what is remembered stays bounded
+            watch.watch(10 + i / 1000, now + 10, later)
+        assert len(watch._keys) <= KEYS_KEPT
+        for timer in watch._timers.values():
+            timer.cancel()
+
+    loop.run_until_complete(scenario())
