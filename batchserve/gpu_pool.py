@@ -50,6 +50,9 @@ class Worker:
     healthy: bool = True
     batch: Batch | None = None
     started: float = 0.0
+    # `batch.cost`, read once when the batch is handed: admission asks every request how long the running
+    # batch has left, and the property walks every item (or tokenizes, for a model with cost_of_batch).
+    batch_cost: float = 1.0
     busy_s: float = 0.0  # completed batch time, for the busy ratio
     batches: int = 0
     generation: int = 0  # bumped when the worker is abandoned, so a late answer is recognised and dropped
@@ -128,20 +131,23 @@ class GpuPool:
         """Time until the first healthy worker should be free again (0 when one is idle)."""
         times = self.batcher.batch_s  # a running batch takes the time of its own size
         waits = [
-            0.0 if w.batch is None else max(0.0, w.started + times.at(w.batch.model, w.batch.cost) - now)
+            0.0 if w.batch is None else max(0.0, w.started + times.at(w.batch.model, w.batch_cost) - now)
             for w in self.workers
             if w.healthy
         ]
         return min(waits) if waits else float("inf")
 
-    def timeout_s(self, batch: Batch | None = None) -> float:
+    def timeout_s(self, batch: Batch | None = None, cost: float | None = None) -> float:
         """How long `batch` may run before its worker is taken for hung: --gpu-timeout-ms when set, else
-        GPU_TIMEOUT_BATCHES x its expected time at its cost (without a batch: the slowest model's full batch),
-        at least the floor and at most the ceiling."""
+        GPU_TIMEOUT_BATCHES x its expected time at its cost (`cost` when known, else `batch.cost`; without a
+        batch: the slowest model's full batch), at least the floor and at most the ceiling."""
         if self.gpu_timeout_s > 0:
             return self.gpu_timeout_s
         times = self.batcher.batch_s
-        expected = times.at(batch.model, batch.cost) if batch is not None else max(times.values(), default=0.0)
+        if batch is not None:
+            expected = times.at(batch.model, batch.cost if cost is None else cost)
+        else:
+            expected = max(times.values(), default=0.0)
         return min(max(GPU_TIMEOUT_FLOOR_S, self.gpu_timeout_ceiling_s),
                    max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * expected))
 
@@ -191,8 +197,8 @@ class GpuPool:
         if batch is None:
             w.inbox.put(None)
             return
-        w.batch, w.started = batch, self.clock()
-        limit = self.timeout_s(batch)
+        w.batch, w.started, w.batch_cost = batch, self.clock(), batch.cost
+        limit = self.timeout_s(batch, w.batch_cost)
         w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
         w.inbox.put(batch)
         self.metrics.batch_size.labels(batch.model).observe(len(batch.items))

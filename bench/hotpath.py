@@ -3,10 +3,12 @@
 Why: on a shared 2-core machine wall-clock latency swings with whatever else runs, but the CPU time the
 process spends per request moves little. This drives the ASGI apps directly (scope / receive / send, as
 uvicorn calls them, with uvicorn's per-request `disconnected` flag) with the same concurrency and body shape as
-the load bench, and reports process CPU per request for batchserve (sim backend, 100 ms batches of about `--concurrency`
-items, as at 900-1000 requests/s) beside the bare Starlette endpoint of `bench/bare_app.py`. The sockets and HTTP parsing (uvicorn +
+the load bench, and reports process CPU per request for batchserve (sim backend, 100 ms batches of at most 100, with
+`--concurrency` 150 in flight as at 900 requests/s: ~0.16 s each x 900/s, so a batch runs while the next one queues) beside the bare Starlette endpoint of `bench/bare_app.py` and the minimal batcher of
+`bench/minimal_batcher.py` (a future per request and one task taking the waiting inputs: the least any batcher
+on this stack pays for holding a request across a batch). The sockets and HTTP parsing (uvicorn +
 httptools) are left out: they cost both apps the same. `--profile` writes a pyinstrument report of the
-batchserve run. The ratio here is the route's overhead alone; the end-to-end ratio is `run_standard`'s CPU row.
+batchserve run. The ratio here is the route's overhead alone; the end-to-end ratio is `bench/cpu_compare.py`'s.
 
     python -m bench.hotpath                 # ~20 s: table of CPU µs per request
     python -m bench.hotpath --profile /tmp/hotpath.html
@@ -24,7 +26,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-BATCH_MS = 100.0  # the seed contract's batch time: batches of ~concurrency items, as under load
+BATCH_MS = 100.0  # the seed contract's batch time (batches of at most 100: the sim default)
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
@@ -68,17 +70,22 @@ async def one(app: ASGIApp, i: int) -> int:
 
 async def drive(app: ASGIApp, total: int, concurrency: int) -> tuple[float, float, int]:
     """Send `total` requests, `concurrency` in flight; (CPU seconds, wall seconds, non-200 answers)."""
-    sem = asyncio.Semaphore(concurrency)
+    # `concurrency` senders, each taking the next request number as it finishes one, and running each request
+    # in a task of its own as uvicorn does. No semaphore: one with thousands of waiters cost the harness itself
+    # ~5 µs a request on the batched app only (CPython 3.11's `_wake_up_next` scans past the waiters already
+    # woken, ~50 per release when a batch answers 100 at once), and that was counted as the route's.
     bad = 0
+    numbers = iter(range(total))
+    loop = asyncio.get_running_loop()
 
-    async def guarded(i: int) -> None:
+    async def sender() -> None:
         nonlocal bad
-        async with sem:
-            if await one(app, i) != 200:
+        for i in numbers:
+            if await loop.create_task(one(app, i)) != 200:
                 bad += 1
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(guarded(i) for i in range(total)))
+    await asyncio.gather(*(sender() for _ in range(concurrency)))
     return time.process_time() - cpu0, time.perf_counter() - wall0, bad
 
 
@@ -107,13 +114,28 @@ async def prepare(make: Callable[[], Awaitable[Any]], stack: contextlib.AsyncExi
 
 
 async def main_async(a: argparse.Namespace) -> None:
-    from bench import bare_app
+    import os
+
+    load_start = round(os.getloadavg()[0], 2)
+    from bench import bare_app, minimal_batcher
 
     async def bare() -> Any:
         return bare_app.create_app()
 
+    async def minimal() -> Any:
+        return minimal_batcher.create_app()
+
     async with contextlib.AsyncExitStack() as stack:
-        apps = {"bare Starlette": await prepare(bare, stack), "batchserve": await prepare(batchserve_app, stack)}
+        apps = {"bare Starlette": await prepare(bare, stack), "minimal batcher": await prepare(minimal, stack),
+                "batchserve": await prepare(batchserve_app, stack)}
+        if not a.default_gc:
+            # As `batchserve serve` runs (http/server.py): start-up frozen, young collections every 50,000
+            # allocations. With CPython's default 700, a hundred requests held across a batch keep their objects
+            # in the young generation's scans: ~25 µs a request of collector time for any batcher in-process
+            # (the minimal one too), none for the bare app, whose requests end before a collection comes.
+            from batchserve.gc_tuning import tune_gc
+
+            tune_gc()
         for app in apps.values():
             await drive(app, min(a.requests, 2000), a.concurrency)  # warm-up
         runs: dict[str, list[float]] = {name: [] for name in apps}
@@ -145,21 +167,27 @@ async def main_async(a: argparse.Namespace) -> None:
                      + (f" (non-200: {bad[name]})" if bad[name] else "") + " |")
     md = "\n".join(["# CPU per request of the inference route, in-process (bench/hotpath.py)", "",
                     f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of {BATCH_MS:g} ms; "
-                    "runs interleaved; process CPU time (the worker thread included).", "", *lines])
+                    "runs interleaved; process CPU time (the worker thread included); "
+                    f"{'default' if a.default_gc else 'the server'}'s GC settings; load average {load_start} at "
+                    "the start.", "", *lines])
     if profile_text:
         md += "\n\n## Profile of the batchserve runs (pyinstrument)\n\n```\n" + profile_text + "\n```"
     print(md)
     from bench import common, report
 
-    rep = {"provenance": report.provenance(), "settings": vars(a), "runs_us": runs, "non_200": bad}
+    rep = {"provenance": report.provenance(), "settings": vars(a), "runs_us": runs, "non_200": bad,
+           "loadavg_start": load_start}
     print(report.written(report.write(common.run_name(a, "hotpath"), rep, md, common.out_dir(a))))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=3000, help="requests per run")
-    p.add_argument("--concurrency", type=int, default=100, help="requests in flight at once")
+    p.add_argument("--concurrency", type=int, default=150, help="requests in flight at once (default %(default)s: "
+                   "900 requests/s x ~0.16 s; at 100 every request arrived while the worker was between batches)")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--default-gc", action="store_true", help="keep CPython's collector thresholds (700) instead of "
+                   "the server's (`batchserve.gc_tuning.tune_gc`)")
     p.add_argument("--profile", default="", help="profile the batchserve runs with pyinstrument: write it here "
                    "(.html, else text; '-' only into the report)")
     from bench import common

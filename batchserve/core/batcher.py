@@ -136,9 +136,13 @@ class Batcher:
         return self.model_limits.get(model, self.max_batch_size)
 
     def budget(self, model: str) -> float:
-        """The most one batch of this model may cost (inf: no budget)."""
-        own = self.max_batch_cost if self.max_batch_cost > 0 else math.inf
-        return min(own, self.cost_limits.get(model, math.inf))
+        """The most one batch of this model may cost (inf: no budget). Called ~10 times per admitted request:
+        a comparison rather than min() and two infinities."""
+        own = self.max_batch_cost
+        lowered = self.cost_limits.get(model)
+        if lowered is None:
+            return own if own > 0 else math.inf
+        return lowered if own <= 0 or lowered < own else own
 
     def full_n(self, model: str) -> int:
         """Inputs in a full batch of this model: the batch size, or fewer when its budget holds fewer of its
@@ -168,7 +172,11 @@ class Batcher:
 
     def estimate_cost(self, model: str, n: float, unit: float | None = None) -> float:
         """The cost of a batch of n inputs of mean cost `unit` (default: the model's), within its budget."""
-        return min(n * (self.unit.get(model, 1.0) if unit is None else unit), max(1.0, self.budget(model)))
+        cost = n * (self.unit.get(model, 1.0) if unit is None else unit)
+        budget = self.budget(model)
+        if budget == math.inf:  # a count model (the common case): no budget to clamp to
+            return cost
+        return min(cost, max(1.0, budget))
 
     def fit_budget(self, model: str) -> None:
         """Lower the model's cost budget so a full batch fits: within `max_batch_s` (half the longest allowed
@@ -480,18 +488,20 @@ class Batcher:
         # job inputs never fail, and drag into bisection, another tenant's job items.
         stick: dict[int, str] = {}
         while len(items) < limit:
-            head = q.peek(stick)
-            if head is None:
-                break
             # The budget: rows x the longest row. The first input always goes (one alone over the budget was
             # refused at the door, or the budget was lowered after it was admitted: it still runs).
-            # A backend's own batch cost is asked only when it declares one and a budget applies.
-            if items and budget != math.inf and (
-                    head.batch_cost([*(i.text for i in items), head.text]) > budget if head.batch_cost is not None
-                    else (len(items) + 1) * max(widest, head.cost) > budget):
-                break
+            # A backend's own batch cost is asked only when it declares one and a budget applies. Without a
+            # budget the head is taken without a peek first (each looks for the lane whose turn it is).
+            if items and budget != math.inf:
+                head = q.peek(stick)
+                if head is None:
+                    break
+                if (head.batch_cost([*(i.text for i in items), head.text]) > budget if head.batch_cost is not None
+                        else (len(items) + 1) * max(widest, head.cost) > budget):
+                    break
             item = q.pop(stick)
-            assert item is head
+            if item is None:
+                break
             if item.tier == tiers.BATCH.rank and not stick:
                 stick[item.tier] = item.tenant
             self._count(item, -1)

@@ -19,15 +19,23 @@ from typing import Callable
 from batchserve import errors
 
 
+KEYS_KEPT = 1024  # distinct timeouts whose lane key is remembered (callers may send any timeout_ms)
+
+
 class DeadlineWatch:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._lanes: dict[float, deque[tuple[float, asyncio.Future]]] = {}
         self._timers: dict[float, asyncio.TimerHandle] = {}
+        self._keys: dict[float, float] = {}  # timeout -> its lane key, so round() runs once per timeout value
 
     def watch(self, timeout_s: float, deadline: float, future: asyncio.Future) -> None:
         """Fail `future` with 504 DEADLINE_EXCEEDED at `deadline` unless it is done by then."""
-        key = round(timeout_s, 3)
+        key = self._keys.get(timeout_s)
+        if key is None:  # round() costs ~0.2-0.5 us: once per distinct timeout (at most KEYS_KEPT kept)
+            key = round(timeout_s, 3)
+            if len(self._keys) < KEYS_KEPT:
+                self._keys[timeout_s] = key
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = deque()

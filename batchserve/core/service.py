@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Mapping, Protocol, runtime_checkable
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
 from batchserve.core.batcher import Batcher
-from batchserve.core.admission import Admission, WorkerCapacity
+from batchserve.core.admission import Admission, Ticket, WorkerCapacity
 from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
-from batchserve.core.requests_log import RequestLog
+from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 
 
@@ -117,13 +117,67 @@ class InferenceService:
             raise errors.inference_failed(f"{why} (this input failed alone lately and is quarantined for up to "
                                           f"{self.quarantine.ttl_s:.0f} s: not run again)")
 
+    def _admit(self, model: str, tier: int, tenant: str, timeout_s: float, arrived: float, costs: Sequence[float],
+               bucket: int) -> Ticket:
+        """The door for a request of inputs costing `costs` (its first in length class `bucket`), for `infer` and
+        `infer_many` alike: raises the 503 / 413 that fits, or returns its ticket (a probe or not; what the door
+        predicted, for `_answered` to learn from)."""
+        return self.admission.admit_ticket(model, tier, tenant, timeout_s - (self.clock() - arrived), costs, bucket)
+
+    def _answered(self, record: Record, model: str, ticket: Ticket, arrived: float, first: ItemResult,
+                  last: ItemResult) -> None:
+        """A request has all its answers (`first` / `last`: its first and last input's), for `infer` and
+        `infer_many` alike. When its first batch started against what the door predicted: the door learns its
+        own error."""
+        self.admission.observed(model, ticket, arrived + first.queue_s)
+        record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
+                         last.batch_size)
+
     # -- the door -----------------------------------------------------------------------------------------
     async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
                     request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
         504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
-        An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves."""
-        return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone, owner))[0]
+        An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves.
+
+        `infer_many` for one input, written out: the hot path of /v1/inference, where its lists, zips and
+        gather cost ~3 µs a request (bench/hotpath.py). With tracing on, `infer_many` serves it (the spans).
+        Both paths pass the same door (`_admit`) and book the same answer (`_answered`): what admission decides
+        or learns per request goes there, never into one path only."""
+        if self.tracing is not None:
+            return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone,
+                                          owner))[0]
+        backend = self.backends.get(model)
+        if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
+            raise errors.warming_up()
+        self._check_quarantine(model, text)
+        batch_cost = self._batch_costs[model] if model in self._batch_costs else self._batch_cost(model, backend)
+        cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
+        bucket = backend.bucket_of(text)
+        ticket = self._admit(model, tier, tenant, timeout_s, arrived, (cost,), bucket)
+        record = self.requests.add(owner or tenant, request_id, model)
+        future = asyncio.get_running_loop().create_future()
+        deadline = arrived + timeout_s
+        item = Item(text, model, bucket, future, arrived, deadline, record, tier, tenant, gone=gone, cost=cost,
+                    probe=ticket.probe, batch_cost=batch_cost)
+        self.batcher.note_cost(model, cost)
+        self.batcher.submit(item)
+        self.deadlines.watch(timeout_s, deadline, future)
+        self.inflight += 1
+        try:
+            result: ItemResult = await future
+        except ApiError as err:
+            record.status, record.error = "failed", err.code
+            raise
+        except ClientGone:
+            record.status, record.error = "failed", "CLIENT_DISCONNECTED"
+            raise
+        finally:
+            self.inflight -= 1
+            if not future.done():
+                future.cancel()
+        self._answered(record, model, ticket, arrived, result, result)
+        return result
 
     async def infer_many(self, texts: list[str], model: str, tier: int, tenant: str, timeout_s: float,
                          arrived: float, request_id: str, gone: Callable[[], bool] | None = None,
@@ -144,8 +198,7 @@ class InferenceService:
             costs = ([float(backend.cost_of(text)) for text in texts] if batch_cost is None
                      else [float(batch_cost([text])) for text in texts])
             buckets = [backend.bucket_of(text) for text in texts]
-            ticket = self.admission.admit_ticket(model, tier, tenant, timeout_s - (self.clock() - arrived), costs,
-                                                 buckets[0])
+            ticket = self._admit(model, tier, tenant, timeout_s, arrived, costs, buckets[0])
         except ApiError as err:
             if tracing is not None:
                 tracing.answered(model, arrived, 0.0, None, err.code)
@@ -181,11 +234,7 @@ class InferenceService:
             for item in items:
                 if not item.future.done():
                     item.future.cancel()
-        last = results[-1]
-        # When its first batch started against what the door predicted: the door learns its own error.
-        self.admission.observed(model, ticket, arrived + results[0].queue_s)
-        record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
-                         last.batch_size)
+        self._answered(record, model, ticket, arrived, results[0], results[-1])
         if tracing is not None:  # a queue-wait span per input, each linked to the batch that carried it
             for item, result in zip(items, results):
                 tracing.answered(model, arrived, result.queue_s, item.batch_trace, "ok")

@@ -185,6 +185,8 @@ def error_body(err: ApiError, request_id: str) -> tuple[bytes, dict[str, str]]:
 def is_json_media_type(content_type: str) -> bool:
     """application/json or a structured `+json` type (application/problem+json), any parameters; none given
     counts as JSON. Not any type that merely contains "json" (application/notjson)."""
+    if content_type == JSON:  # what nearly every client sends: no parsing
+        return True
     media = content_type.partition(";")[0].strip().lower()
     if not media or media == JSON:
         return True

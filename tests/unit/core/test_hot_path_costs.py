@@ -1,0 +1,111 @@
+"""What the request path must not pay per request (issue 23, item 5): in-process, no server, injected clock.
+
+Admission asks the pool, for every request, how long the running batch has left. That batch's cost is fixed
+once it is handed to its worker; computing it again walked every item of the batch (~100 at 900 requests/s),
+or, for a model with `cost_of_batch`, ran the backend's costing over all its texts, once per request. And an
+anonymous caller's identity is the same object for every request from its address, and a deadline's lane
+is keyed once per timeout value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from batchserve.core.batcher import Batch, Batcher
+from batchserve.errors import ApiError
+from batchserve.core.batch_time import BatchTimes
+from batchserve.core.deadlines import KEYS_KEPT, DeadlineWatch
+from batchserve.core.fairqueue import Item
+from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.metrics import make_metrics
+from batchserve.tenancy import ANONYMOUS_CACHE, Tenancy
+
+M = "m@v1"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+class CountingCost:
+    """A backend's `cost_of_batch` that counts its calls: 1 per token-ish character."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, texts: list[str]) -> float:
+        self.calls += 1
+        return float(sum(len(t) for t in texts))
+
+
+def test_the_running_batch_is_costed_once_when_handed_not_on_every_admission(loop) -> None:
+    clock = Clock()
+    times = BatchTimes(100, {M: 0.1})
+    batcher = Batcher(max_batch_size=100, slo_s=1.0, margin_s=0.01, batch_s=times, clock=clock)
+    pool = GpuPool({}, batcher, make_metrics(), loop, ["gpu:0"], clock=clock)
+    worker = Worker(0, "gpu:0")
+    pool.workers.append(worker)
+    costing = CountingCost()
+    items = [Item(f"input {i:03d}", M, 0, loop.create_future(), arrived=clock.t, deadline=clock.t + 60,
+                  batch_cost=costing) for i in range(100)]
+    batch = Batch(M, items, clock.t, "full")
+    pool._hand(worker, batch)
+    handed = costing.calls
+    assert handed >= 1  # the hand-off costs it (the watchdog's limit, and what the worker runs)
+    expected = times.at(M, batch.cost)
+    clock.t += 0.03
+    for _ in range(50):  # fifty admissions while the batch runs
+        assert pool.seconds_until_free(clock.t) == pytest.approx(expected - 0.03)
+    assert costing.calls == handed + 1  # the one `batch.cost` above, not one per admission
+    assert worker.watchdog is not None
+    worker.watchdog.cancel()
+
+
+def test_an_anonymous_caller_is_built_once_per_address_and_the_cache_stays_bounded() -> None:
+    tenancy = Tenancy()
+    first = tenancy.identify(None, "10.0.0.1")
+    assert first.owner == "anonymous@10.0.0.1" and first.tenant == "anonymous" and first.key_id == ""
+    assert tenancy.identify(None, "10.0.0.1") is first  # no new Caller per request
+    assert tenancy.identify("", "10.0.0.1") is first  # an empty Authorization header is no key either
+    for i in range(ANONYMOUS_CACHE + 10):  # a sweep of addresses
+        assert tenancy.identify(None, f"10.1.{i // 256}.{i % 256}").owner == f"anonymous@10.1.{i // 256}.{i % 256}"
+    assert len(tenancy._anonymous) <= ANONYMOUS_CACHE
+    assert tenancy.identify(None, "10.0.0.2").owner == "anonymous@10.0.0.2"
+
+
+def test_deadlines_group_callers_by_timeout_and_answer_504_at_the_deadline(loop) -> None:
+    async def scenario() -> None:
+        watch = DeadlineWatch()
+        now = time.monotonic()
+        late, answered, close, later = (loop.create_future() for _ in range(4))
+        watch.watch(0.05, now + 0.05, late)
+        watch.watch(0.05, now + 0.05, answered)
+        watch.watch(0.0504, now + 0.0504, close)  # the same lane as 0.05 (timeouts are keyed to the ms)
+        watch.watch(5.0, now + 5.0, later)
+        answered.set_result("ok")
+        assert len(watch._timers) == 2  # one timer per timeout value, not per caller
+        await asyncio.sleep(0.15)
+        for fut in (late, close):
+            assert isinstance(fut.exception(), ApiError) and fut.exception().code == "DEADLINE_EXCEEDED"
+        assert answered.result() == "ok" and not later.done()
+        for i in range(KEYS_KEPT + 50):  # callers may send any timeout: what is remembered stays bounded
+            watch.watch(10 + i / 1000, now + 10, later)
+        assert len(watch._keys) <= KEYS_KEPT
+        for timer in watch._timers.values():
+            timer.cancel()
+
+    loop.run_until_complete(scenario())
