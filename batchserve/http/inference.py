@@ -20,6 +20,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
+from batchserve.core.handler import InferenceHandler
 from batchserve.errors import ApiError, ClientGone
 from batchserve.generation.routes import model_cards
 from batchserve.http.body import (client_host, error_body, error_response, inference_headers, json_response,
@@ -80,10 +81,13 @@ class InferenceEndpoint:
             if spec is None:
                 raise errors.model_not_found(requested_model)
             model_id = spec.id
+            # The one door, read as the narrow handler: it answers on the batcher, or hands a generative model
+            # to the generation engine's stepper (`--inference-path`, generation/inference.py).
+            handler: InferenceHandler = rt.service
             try:
-                result = await rt.service.infer(text, model_id, caller.tier, caller.tenant, timeout_s, arrived,
-                                                request_id, disconnect_probe(receive) or _Watcher(receive),
-                                                caller.owner)
+                result = await handler.infer(text, model_id, caller.tier, caller.tenant, timeout_s, arrived,
+                                             request_id, disconnect_probe(receive) or _Watcher(receive),
+                                             caller.owner)
             except ClientGone:
                 return  # nobody reads an answer: the connection is gone
             latency_s = time.monotonic() - arrived
