@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ["run_standard", "drill", "overload", "tenancy_bench", "jobs_bench", "generation_bench", "fleet", "soak",
-           "autoscale_signal", "embed_bench", "plan_check", "engine_loop", "stepper_host", "startup", "scale", "protocols", "ecosystem_clients"]
+           "autoscale_signal", "embed_bench", "plan_check", "engine_loop", "stepper_host", "startup", "scale", "protocols", "ecosystem_clients", "inference_paths"]
 
 
 def listing() -> set[str]:

@@ -78,7 +78,7 @@ def test_more_inputs_than_slots_wait_for_one_and_report_their_step(clock: Clock)
         clock.now += 0.5
         engine.stepper.emit(second, "yo!", finished=True)
         engine.stepper.emit(engine.stepper.added[2], "abcd", finished=True)  # max_new_tokens reached
-        ra, rb, rc = await asyncio.gather(a, b, c)
+        ra, rb, rc = await asyncio.wait_for(asyncio.gather(a, b, c), 2)
         assert (ra.output, rb.output, rc.output) == ("hi!", "yo!", "abcd")
         assert (ra.batch_size, rb.batch_size, rc.batch_size) == (1, 2, 2)  # the rows of the step each joined
         assert ra.queue_s == rb.queue_s == 0 and rc.queue_s == pytest.approx(0.3)
@@ -92,7 +92,7 @@ def test_a_predicted_wait_past_the_deadline_is_refused_at_the_door_with_retry_af
         engine, h = make(clock, max_seqs=1, step_s=0.1)
         engine.submit([1], SamplingParams(max_tokens=100, temperature=0))  # holds the one slot ~10 s
         with pytest.raises(ApiError) as err:
-            await ask(h, clock, "ab", timeout_s=5.0)  # needs 0.6 s once started: may wait 4.4 s, not 10
+            await asyncio.wait_for(ask(h, clock, "ab", timeout_s=5.0), 2)  # needs 0.6 s once started: may wait 4.4 s
         assert err.value.status == 503 and err.value.code == "SERVICE_OVERLOADED"
         assert err.value.retry_after_ms == pytest.approx(10_000 - 4_400, abs=1)
         assert not engine.waiting
@@ -107,7 +107,7 @@ def test_a_timeout_shorter_than_the_answer_itself_is_504_at_the_door(clock: Cloc
     async def main() -> None:
         engine, h = make(clock, step_s=0.1)
         with pytest.raises(ApiError) as err:
-            await ask(h, clock, "ab", timeout_s=0.5)  # (4 + 2) steps of 0.1 s cannot fit 0.5 s
+            await asyncio.wait_for(ask(h, clock, "ab", timeout_s=0.5), 2)  # (4 + 2) steps of 0.1 s cannot fit 0.5 s
         assert err.value.status == 504 and err.value.retry_after_ms is None
         assert engine.stepper.added == []
 
@@ -121,7 +121,7 @@ def test_once_started_an_answer_is_given_even_past_the_deadline(clock: Clock) ->
         await until(lambda: engine.running)
         clock.now += 5.0  # the steps ran slower than predicted: still answered, never cut off with 504
         engine.stepper.emit(engine.stepper.added[0], "ok!", finished=True)
-        result = await task
+        result = await asyncio.wait_for(task, 2)
         assert result.output == "ok!" and result.compute_s == pytest.approx(5.0)
 
     asyncio.run(main())

@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from batchserve import errors
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.handler import InferenceHandler
