@@ -5,7 +5,8 @@ inference route, and the embeddings route), `submit_background` for batch-job it
 interactive work leaves, and `check_open` for the generation routes, whose own admission is the KV cache but
 which must refuse in the same words while the server drains or has no worker. The service owns admission
 state, builds each `Item`, arms its deadline and counts what is in flight; nothing else calls
-`Batcher.submit`.
+`Batcher.submit`. A model registered with `serve_with` (smollm2 on the generation engine's stepper,
+`generation/inference.py`) is handed to its own `InferenceHandler` instead: same door, another path.
 """
 
 from __future__ import annotations
