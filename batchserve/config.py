@@ -122,6 +122,10 @@ class Settings:
     decode: str = knob("static", "smollm2: how a batch is decoded: static = one prefill, then a static-KV decode "
                                  "loop (its step a CUDA graph on a GPU), stopping when every row has ended; "
                                  "generate = transformers' generate (host-bound on a GPU)", ("static", "generate"))
+    inference_path: str = knob("stepper", "smollm2: what answers /v1/inference (and its batch jobs) while the "
+                                          "generation engine is on: stepper = each input joins the engine's "
+                                          "continuous batch and leaves at its end; static = static batches "
+                                          "through the batcher (--decode)", ("stepper", "static"))
     drain_timeout_s: float = knob(30.0, "on SIGTERM, longest wait for queued and running work before 503s")
     drain_grace_s: float = knob(5.0, "on SIGTERM, how long the listener stays open answering 503 DRAINING "
                                      "(with /readyz 503) so a load balancer takes the node out before "

@@ -30,6 +30,7 @@ from batchserve.core.service import InferenceService
 from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.generation.engine import Engine, start_generation
 from batchserve.generation.routes import model_cards
+from batchserve.generation.inference import serve_on_stepper
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
 from batchserve.metrics import AdmissionWaitCollector, Metrics, make_metrics
@@ -214,6 +215,8 @@ class Runtime:
             # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
             self.generation = await start_generation(self.settings, self.metrics.registry)
+            if self.generation is not None:
+                serve_on_stepper(self.service, self.generation, self.settings)
             self.service.attach(self.pool)
             self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry, self.prompt_tokens,
                                               self.generation)

@@ -202,6 +202,18 @@ def eos_ids(model: Any) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
+def chat_prompts(tokenizer: Any, inputs: list[str]) -> list[str]:
+    """Each input as the user's turn of a chat, ready for the assistant's answer."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                          add_generation_prompt=True) for text in inputs]
+
+
+def prompt_ids(tokenizer: Any, inputs: list[str]) -> list[list[int]]:
+    """The prompts `/v1/inference` decodes from, whichever path runs them (the static batch here, or the
+    generation engine's stepper, `generation/inference.py`): the same ids give the same greedy answer."""
+    return list(tokenizer(chat_prompts(tokenizer, inputs))["input_ids"])
+
+
 @dataclass
 class SmolLM2Backend:
     output_kind = "text"  # (a class attribute, not a field) the generated reply
@@ -287,15 +299,10 @@ class SmolLM2Backend:
         return timings
 
     def prompts(self, inputs: list[str]) -> list[str]:
-        return [
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-            for text in inputs
-        ]
+        return chat_prompts(self.tokenizer, inputs)
 
     def encode(self, inputs: list[str]) -> list[list[int]]:
-        return list(self.tokenizer(self.prompts(inputs))["input_ids"])
+        return prompt_ids(self.tokenizer, inputs)
 
     def batch(self, inputs: list[str], device: str) -> list[str]:
         if not self.decoders:

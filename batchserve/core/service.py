@@ -5,7 +5,8 @@ inference route, and the embeddings route), `submit_background` for batch-job it
 interactive work leaves, and `check_open` for the generation routes, whose own admission is the KV cache but
 which must refuse in the same words while the server drains or has no worker. The service owns admission
 state, builds each `Item`, arms its deadline and counts what is in flight; nothing else calls
-`Batcher.submit`.
+`Batcher.submit`. A model registered with `serve_with` (smollm2 on the generation engine's stepper,
+`generation/inference.py`) is handed to its own `InferenceHandler` instead: same door, another path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from batchserve.core.batcher import Batcher
 from batchserve.core.admission import Admission, Ticket, WorkerCapacity
 from batchserve.core.deadlines import DeadlineWatch
 from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.handler import InferenceHandler
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
@@ -69,6 +71,9 @@ class InferenceService:
         self.tracing: ItemTracer | None = None  # set when OpenTelemetry is on: spans per request and queue wait
         # Per model: the backend's cost_of_batch or None, looked up once (the protocol check is not free).
         self._batch_costs: dict[str, Callable[[list[str]], float] | None] = {}
+        # Models whose inputs another handler answers instead of the batcher (a generative model on the
+        # generation engine's stepper, `--inference-path stepper`): the door hands their work over.
+        self.handlers: dict[str, InferenceHandler] = {}
 
     # -- state the routes and the job scheduler read --------------------------------------------------------
     @property
@@ -104,6 +109,10 @@ class InferenceService:
 
     def release(self) -> None:
         self.inflight -= 1
+
+    def serve_with(self, model: str, handler: InferenceHandler) -> None:
+        """From now on `model`'s inputs (requests and batch-job items) are answered by `handler`."""
+        self.handlers[model] = handler
 
     def _batch_cost(self, model: str, backend: object) -> Callable[[list[str]], float] | None:
         """The model's batch-level cost function (None: rows x the longest row), found once per model."""
@@ -144,7 +153,7 @@ class InferenceService:
         gather cost ~3 µs a request (bench/hotpath.py). With tracing on, `infer_many` serves it (the spans).
         Both paths pass the same door (`_admit`) and book the same answer (`_answered`): what admission decides
         or learns per request goes there, never into one path only."""
-        if self.tracing is not None:
+        if self.tracing is not None or model in self.handlers:  # spans, or a model answered elsewhere
             return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone,
                                           owner))[0]
         backend = self.backends.get(model)
@@ -186,6 +195,10 @@ class InferenceService:
         batches they will make (so a request of 2,048 inputs is served when they fit its timeout), then each
         input as its own item, so they share batches with other callers' inputs. The first failure fails the
         request and withdraws the others (a cancelled item never takes a place in a batch)."""
+        handler = self.handlers.get(model)
+        if handler is not None:
+            return await self._elsewhere(handler, texts, model, tier, tenant, timeout_s, arrived, request_id, gone,
+                                         owner)
         tracing = self.tracing
         trace = tracing.admitted(model, TIER_NAMES[tier]) if tracing is not None else None
         backend = self.backends.get(model)
@@ -240,12 +253,28 @@ class InferenceService:
                 tracing.answered(model, arrived, result.queue_s, item.batch_trace, "ok")
         return results
 
+    async def _elsewhere(self, handler: InferenceHandler, texts: list[str], model: str, tier: int, tenant: str,
+                         timeout_s: float, arrived: float, request_id: str, gone: Callable[[], bool] | None,
+                         owner: str) -> list[ItemResult]:
+        """A request for a model another handler answers: refused while draining, counted in flight (the
+        drain waits for it), then the handler's own admission and answer."""
+        if self.batcher.draining:
+            raise errors.draining()
+        self.inflight += 1
+        try:
+            return await handler.infer_many(texts, model, tier, tenant, timeout_s, arrived, request_id, gone, owner)
+        finally:
+            self.inflight -= 1
+
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
                           alone: bool = False) -> Item:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
         interactive work leaves, and the job scheduler bounds how many wait); its future carries an
         `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet. `alone`: the item
         runs in a batch of its own, in the background share (after a hang)."""
+        handler = self.handlers.get(model)
+        if handler is not None:
+            return handler.submit_background(text, model, tenant, deadline_s, alone)
         if alone:
             return self.submit_group([text], model, tenant, deadline_s)[0]
         item = self._background_item(text, model, tenant, deadline_s)
@@ -257,6 +286,9 @@ class InferenceService:
         """Batch-job items of one job, run as one batch of their own in the background share (at most one
         dispatch in a few while other work waits, never while an interactive item waits): the job's inputs
         fail often, and in a shared batch each failure costs the batch-mates re-runs (issue 28, item 3)."""
+        handler = self.handlers.get(model)
+        if handler is not None:
+            return handler.submit_group(texts, model, tenant, deadline_s)
         items = [self._background_item(text, model, tenant, deadline_s) for text in texts]
         queued = [item for item in items if not item.future.done()]
         if queued:

@@ -26,7 +26,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -114,6 +114,8 @@ class Sequence:
     finish_reason: str | None = None
     streamed: bool = True  # False: the caller wants the whole text once, so no delta per token
     held: list[str] = field(default_factory=list)  # text of a sequence that is not streamed, until it ends
+    token_ids: list[int] | None = None  # every token generated, when the caller asked to keep them
+    on_start: Callable[["Sequence"], None] | None = None  # called as it joins the stepper (leaves the queue)
 
     @property
     def finished(self) -> bool:
@@ -337,10 +339,16 @@ class Engine:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, tier: int = 1,
-               streamed: bool = True) -> Sequence:
+               streamed: bool = True, max_wait_s: float | None = None, start_by_s: float | None = None,
+               keep_tokens: bool = False, on_start: Callable[[Sequence], None] | None = None) -> Sequence:
         """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits.
         `streamed` False: its caller gets one delta, the whole text, when it ends (a per-token delta wakes the
-        caller's coroutine each time: at tens of thousands of tokens a second that is the loop's main cost)."""
+        caller's coroutine each time: at tens of thousands of tokens a second that is the loop's main cost).
+        `max_wait_s`: the longest predicted wait admitted (default `--generation-queue-timeout-ms`);
+        `start_by_s`: how long it may then wait before it gets 504 (default `max_wait_s`). A caller with a
+        deadline of its own (`/v1/inference` on the stepper, `inference.py`) sets both. `keep_tokens`: the
+        generated ids are kept in `token_ids`; `on_start` is called when it joins the stepper."""
+        wait_limit = self.cfg.queue_timeout_s if max_wait_s is None else max_wait_s
         if self.draining:
             raise errors.draining()
         if not self.healthy:
@@ -361,17 +369,18 @@ class Engine:
 
         now = time.monotonic()
         seq = Sequence(id="gen_" + secrets.token_hex(8), prompt_ids=prompt_ids, params=params, tier=tier,
-                       blocks=blocks, arrived=now, deadline=now + self.cfg.queue_timeout_s,
-                       text=TextStream(self.tokenizer.backend_tokenizer, params.stop), streamed=streamed)
+                       blocks=blocks, arrived=now, deadline=now + (wait_limit if start_by_s is None else start_by_s),
+                       text=TextStream(self.tokenizer.backend_tokenizer, params.stop), streamed=streamed,
+                       token_ids=[] if keep_tokens else None, on_start=on_start)
         if not (self.waiting or not self.budget.fits(blocks)):
             self._start(seq)
             return seq
         wait_s = self.predicted_wait_s(seq)
-        if wait_s > self.cfg.queue_timeout_s:
+        if wait_s > wait_limit:
             self.metrics.rejected.labels("kv_capacity").inc()
-            retry_ms = 1000 * (self.step_s * 16 if math.isinf(wait_s) else wait_s - self.cfg.queue_timeout_s)
+            retry_ms = 1000 * (self.step_s * 16 if math.isinf(wait_s) else wait_s - wait_limit)
             raise errors.overloaded(f"predicted wait for KV-cache capacity {wait_s:.1f} s would pass the "
-                                    f"{self.cfg.queue_timeout_s:.0f} s limit", retry_after_ms=max(retry_ms, 100))
+                                    f"{wait_limit:.1f} s limit", retry_after_ms=max(retry_ms, 100))
         heapq.heappush(self.waiting, (tier, next(self._order), seq))
         self.predicted_wait_s(seq, queued=True)
         self.metrics.waiting.set(len(self.waiting))
@@ -420,6 +429,8 @@ class Engine:
         seq.state, seq.started = RUNNING, time.monotonic()
         self.running[seq.id] = seq
         self.stepper.add(seq.id, seq.prompt_ids, seq.params)
+        if seq.on_start is not None:
+            seq.on_start(seq)
         self._gauges()
 
     def _admit_waiting(self) -> None:
@@ -466,6 +477,8 @@ class Engine:
             self.step_s = 0.98 * self.step_s + 0.02 * gap
         seq.last_token = now
         seq.tokens += len(new)
+        if seq.token_ids is not None:
+            seq.token_ids.extend(new)
         self.generated_tokens += len(new)
         text = seq.text.push(new[0]) if len(new) == 1 else "".join(seq.text.push(t) for t in new)
         if seq.text.stopped:

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.config import Settings
+from batchserve.core.handler import InferenceHandler
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
@@ -77,10 +78,13 @@ class InferenceEndpoint:
             if spec is None:
                 raise errors.model_not_found(requested_model)
             model_id = spec.id
+            # The one door, read as the narrow handler: it answers on the batcher, or hands a generative model
+            # to the generation engine's stepper (`--inference-path`, generation/inference.py).
+            handler: InferenceHandler = rt.service
             try:
-                result = await rt.service.infer(text, model_id, caller.tier, caller.tenant, timeout_s, arrived,
-                                                request_id, disconnect_probe(receive) or Watcher(receive),
-                                                caller.owner)
+                result = await handler.infer(text, model_id, caller.tier, caller.tenant, timeout_s, arrived,
+                                             request_id, disconnect_probe(receive) or Watcher(receive),
+                                             caller.owner)
             except ClientGone:
                 return  # nobody reads an answer: the connection is gone
             latency_s = time.monotonic() - arrived

@@ -32,9 +32,11 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def server(key: tuple[str, str]):
+    # /v1/inference on the static batch path (not the stepper, the default): the overlap test below is about
+    # the batch path's model and the engine's never corrupting each other.
     s = start_server("--backend", "smollm2", "--max-new-tokens", "8", "--generation-max-seqs", "4",
                      "--generation-max-context", "512", "--generation-queue-timeout-ms", "10000",
-                     "--config", key[0], timeout=180)
+                     "--inference-path", "static", "--config", key[0], timeout=180)
     s.key = key[1]  # type: ignore[attr-defined]
     yield s
     s.stop()

@@ -1,0 +1,253 @@
+"""`/v1/inference` for a generative model on the generation engine's slot stepper (`--inference-path stepper`).
+
+Why: on the static batch path (`backends/static_decode.py`) a batch of up to 100 inputs runs to its longest
+answer and a new input waits for the whole batch ahead of it; on an H200 that path gets a third of what the same
+GPU does for `/v1/completions` (issue 25). Here each input joins the engine's running continuous batch as one
+sequence with the model's `--max-new-tokens` and leaves at its end-of-sequence token, so a short answer never
+waits for a long batch-mate and a freed slot is refilled at the next step.
+
+The answer is the static path's, token for token: the same prompt shaping (`smollm2.prompt_ids`: the chat
+template around the input, tokenized as the batch backend does), greedy decoding, the same cut at the first
+end-of-sequence token and the same `skip_special_tokens` decode, stripped.
+
+The response contract is kept: `queue_ms` is arrival to joining the stepper (waiting for a slot), `compute_ms`
+joining to the last token (prefill and decode), `batch_size` the sequences in the continuous batch of the step it
+joined (itself included).
+
+Admission is the engine's (KV capacity, `kv_budget.py`) with this request's own deadline: the answer needs about
+(max_new_tokens + 2) decode steps once started, so the predicted wait for a slot may be at most `timeout_ms` less
+that; a longer predicted wait is refused at the door with 503 and `retry_after_ms`, and a timeout shorter than
+the generation itself with 504 at once (no retry can meet it, as on the batch path). Once admitted a request is
+answered: a sequence that has started runs to its end even if the prediction was short (DESIGN §5). Only a
+sequence still waiting when the whole deadline has passed gets 504 (it could not be answered in time at all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from batchserve.config import Settings
+from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.handler import InferenceHandler
+from batchserve.core.requests_log import RequestLog
+from batchserve.core.tiers import BATCH
+from batchserve.errors import ApiError, ClientGone
+from batchserve.generation.engine import Engine, SamplingParams, Sequence
+
+log = logging.getLogger("batchserve.generation")
+
+RUN_SLACK_STEPS = 2  # steps beyond max_new_tokens an answer is expected to take: the prefill and the join delay
+GONE_POLL_S = 0.1  # how often the callers of running sequences are asked whether they hung up
+TOKENIZE_THREADS = 1  # chat templating and tokenizing, off the event loop
+
+
+class Door(Protocol):
+    """What the wiring needs of the door (`core.service.InferenceService`): its request log, and where to
+    register the handler of a model."""
+
+    requests: RequestLog
+
+    def serve_with(self, model: str, handler: InferenceHandler) -> None: ...
+
+
+def stepper_models(settings: Settings) -> list[str]:
+    """The model ids whose `/v1/inference` the generation engine answers when the path is the stepper: the
+    smollm2 models (the engine's own model, loaded from the same weights)."""
+    if settings.inference_path != "stepper":
+        return []
+    return [spec.id for spec in settings.models if spec.backend == "smollm2"]
+
+
+@dataclass
+class Joined:
+    """When a sequence joined the stepper and how many sequences shared the step it joined."""
+
+    at: float = 0.0
+    rows: int = 0
+
+
+class StepperInference:
+    """An `InferenceHandler` (core/handler.py) whose inputs run as sequences of the generation engine."""
+
+    def __init__(self, engine: Engine, max_new_tokens: int, requests: RequestLog | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 encode: Callable[[list[str]], list[list[int]]] | None = None) -> None:
+        """`encode` (default: `smollm2.prompt_ids` with the engine's tokenizer) shapes inputs into prompts."""
+        self.engine = engine
+        self.params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+        self.requests = requests
+        self.clock = clock
+        if encode is None:
+            from batchserve.backends.smollm2 import prompt_ids
+
+            tokenizer = engine.tokenizer
+            encode = lambda texts: prompt_ids(tokenizer, texts)  # noqa: E731
+        self._encode = encode
+        self._pool: ThreadPoolExecutor | None = None
+        self._watched: dict[Sequence, Callable[[], bool]] = {}  # running for a caller that may hang up
+        self._watcher: asyncio.Task | None = None
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def run_s(self) -> float:
+        """How long an answer takes once it has joined: its new tokens at the engine's measured step time."""
+        return (self.params.max_tokens + RUN_SLACK_STEPS) * self.engine.step_s
+
+    async def prompts(self, texts: list[str]) -> list[list[int]]:
+        """The inputs as the batch backend shapes them, tokenized on a thread of their own (a long prompt's
+        tokenizer would otherwise hold every other caller)."""
+        for text in texts:  # a bound from characters first: a huge input is refused before any tokenizer runs
+            self.engine.check_prompt_chars(len(text), self.params.max_tokens)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inference-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts)
+
+    def _submit(self, ids: list[int], tier: int, left_s: float, joined: Joined) -> Sequence:
+        """Admit one prompt with `left_s` of its deadline left, or raise the 503 / 504 that fits."""
+        run_s = self.run_s()
+        if run_s >= left_s:
+            raise ApiError(504, "DEADLINE_EXCEEDED", f"timeout_ms leaves {left_s * 1000:.0f} ms, less than the "
+                                                     f"{run_s * 1000:.0f} ms an answer of up to "
+                                                     f"{self.params.max_tokens} tokens takes here: it cannot be met")
+
+        def started(seq: Sequence) -> None:
+            joined.at, joined.rows = seq.started, len(self.engine.running)
+
+        return self.engine.submit(ids, self.params, tier=tier, streamed=False, max_wait_s=left_s - run_s,
+                                  start_by_s=left_s, keep_tokens=True, on_start=started)
+
+    async def _answer(self, seq: Sequence, joined: Joined, arrived: float) -> ItemResult:
+        """Wait for the sequence's one delta (its end) and make the batch path's answer of it."""
+        delta = await seq.deltas.get()
+        if delta.error is not None:
+            raise delta.error
+        if delta.finish_reason == "cancelled":
+            raise ClientGone()
+        text = self.engine.tokenizer.decode(seq.token_ids or [], skip_special_tokens=True).strip()
+        end = max(seq.last_token, joined.at)  # its last token, as the engine saw it arrive
+        return ItemResult(text, max(0.0, joined.at - arrived), end - joined.at, joined.rows)
+
+    # -- InferenceHandler ------------------------------------------------------------------------------------
+    async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
+                    request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
+        return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone, owner))[0]
+
+    async def infer_many(self, texts: list[str], model: str, tier: int, tenant: str, timeout_s: float,
+                         arrived: float, request_id: str, gone: Callable[[], bool] | None = None,
+                         owner: str = "") -> list[ItemResult]:
+        """Every input as a sequence of its own, admitted together (one refused: the others are withdrawn)."""
+        prompts = await self.prompts(texts)
+        deadline = arrived + timeout_s
+        seqs: list[tuple[Sequence, Joined]] = []
+        try:
+            for ids in prompts:
+                joined = Joined()
+                seqs.append((self._submit(ids, tier, deadline - self.clock(), joined), joined))
+        except ApiError:
+            for seq, _ in seqs:
+                self.engine.cancel(seq, "withdrawn")
+            raise
+        record = self.requests.add(owner or tenant, request_id, model) if self.requests is not None else None
+        if gone is not None:
+            for seq, _ in seqs:
+                self._watch(seq, gone)
+        try:
+            results = list(await asyncio.gather(*(self._answer(seq, joined, arrived) for seq, joined in seqs)))
+        except ApiError as err:
+            if record is not None:
+                record.status, record.error = "failed", err.code
+            raise
+        except ClientGone:
+            if record is not None:
+                record.status, record.error = "failed", "CLIENT_DISCONNECTED"
+            raise
+        finally:
+            for seq, _ in seqs:
+                self._watched.pop(seq, None)
+                if not seq.finished:
+                    self.engine.cancel(seq, "withdrawn")
+        if record is not None:
+            last = results[-1]
+            record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
+                             last.batch_size)
+        return results
+
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
+                          alone: bool = False) -> Item:
+        """A batch-job input as a sequence at the batch tier (interactive sequences start first); `dispatched`
+        is set when it joins the stepper, and cancelling its future withdraws it. `alone` changes nothing
+        here: a sequence never shares a failure with another."""
+        loop = asyncio.get_running_loop()
+        now = self.clock()
+        item = Item(text, model, 0, loop.create_future(), now, now + deadline_s, None, BATCH.rank, tenant)
+        task = loop.create_task(self._background(item))
+        item.future.add_done_callback(lambda fut: task.cancel() if fut.cancelled() else None)
+        return item
+
+    def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]:
+        return [self.submit_background(text, model, tenant, deadline_s) for text in texts]
+
+    async def _background(self, item: Item) -> None:
+        seq: Sequence | None = None
+        try:
+            ids = (await self.prompts([item.text]))[0]
+            joined = Joined()
+
+            def started(s: Sequence) -> None:
+                joined.at, joined.rows = s.started, len(self.engine.running)
+                item.dispatched = s.started
+
+            left_s = item.deadline - self.clock()
+            seq = self.engine.submit(ids, self.params, tier=item.tier, streamed=False,
+                                     max_wait_s=max(0.0, left_s - self.run_s()), start_by_s=left_s,
+                                     keep_tokens=True, on_start=started)
+            result = await self._answer(seq, joined, item.arrived)
+            if not item.future.done():
+                item.future.set_result(result)
+        except asyncio.CancelledError:  # the scheduler took the item back
+            pass
+        except Exception as exc:  # noqa: BLE001 - the scheduler's callback records or retries it
+            if not item.future.done():
+                item.future.set_exception(exc)
+        finally:
+            if seq is not None and not seq.finished:
+                self.engine.cancel(seq, "batch_cancelled")
+
+    # -- callers that hang up --------------------------------------------------------------------------------
+    def _watch(self, seq: Sequence, gone: Callable[[], bool]) -> None:
+        self._watched[seq] = gone
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_loop())
+
+    async def _watch_loop(self) -> None:
+        """Every GONE_POLL_S, cancel the sequences whose caller has left: their slot goes to the next waiting
+        sequence (the batch path drops such an input when a batch forms). Ends when nothing is watched."""
+        while self._watched:
+            await asyncio.sleep(GONE_POLL_S)
+            for seq, gone in list(self._watched.items()):
+                if not seq.finished and gone():
+                    self._watched.pop(seq, None)
+                    self.engine.cancel(seq, "client_disconnect")
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def serve_on_stepper(door: Door, engine: Engine, settings: Settings) -> StepperInference | None:
+    """Hand the stepper models' `/v1/inference` (and batch-job items) to the engine, through the door."""
+    models = stepper_models(settings)
+    if not models:
+        return None
+    handler = StepperInference(engine, settings.max_new_tokens, door.requests)
+    for model in models:
+        door.serve_with(model, handler)
+    log.info("/v1/inference of %s on the generation engine's stepper (--inference-path stepper)",
+             ", ".join(models))
+    return handler

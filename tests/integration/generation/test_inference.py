@@ -1,0 +1,130 @@
+"""`/v1/inference` of SmolLM2 on the generation engine's slot stepper (issue 25, item 1), on live servers with
+the real weights on the CPU: the answers are transformers `generate`'s, greedy, token for token (as text, the
+same decode), for prompts of mixed lengths sent together, more of them than the engine has slots; a batch job
+of `/v1/inference` inputs runs there too; a request whose deadline cannot be met is refused at the door; and
+`--inference-path static` still answers through the batcher's static batches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import LiveServer, start_server
+from tests.test_jobs import finished, results, wait_for
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 24
+SLOTS = 2
+PROMPTS = [
+    "Hi",
+    "What is the capital of France?",
+    "Name three colours.",
+    "Write one sentence about the sea, the wind and the small boats that sail on it every morning before dawn.",
+    "What is 2 + 2?",
+    "Explain in a few words why the sky is blue, as you would to a child who keeps asking why, again and again, "
+    "on a long summer afternoon in the garden.",
+]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    """Each prompt alone through transformers `generate`, greedy, shaped and decoded as the batch backend does."""
+    import torch
+
+    from batchserve.backends.smollm2 import load_model, load_tokenizer, prompt_ids, source_dir
+    from batchserve.config import Settings
+
+    source = source_dir(Settings(backend="smollm2"))
+    tokenizer, model = load_tokenizer(source), load_model("cpu", source)
+    out = {}
+    with torch.inference_mode():
+        for text in PROMPTS:
+            ids = torch.tensor(prompt_ids(tokenizer, [text]))
+            new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+            out[text] = tokenizer.decode(new, skip_special_tokens=True).strip()
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW), "--generation-max-seqs", str(SLOTS),
+                     "--generation-max-context", "512", "--timeout-ms", "120000", "--max-timeout-ms", "300000",
+                     "--jobs-db", str(tmp_path_factory.mktemp("jobs") / "jobs.db"), timeout=300)
+    yield s
+    s.stop()
+
+
+def engine(server: LiveServer) -> dict:
+    return httpx.get(server.url + "/internal/generation").json()
+
+
+def infer(server: LiveServer, text: str, timeout_ms: int = 120000) -> httpx.Response:
+    return httpx.post(server.url + "/v1/inference", json={"input": text, "timeout_ms": timeout_ms}, timeout=180)
+
+
+def test_mixed_prompts_beyond_the_slots_answer_as_generate_does(server: LiveServer,
+                                                                reference: dict[str, str]) -> None:
+    before = engine(server)["generated_tokens"]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda t: infer(server, t), PROMPTS))
+    for text, r in zip(PROMPTS, answers):
+        assert r.status_code == 200, r.text
+        assert r.json()["output"] == reference[text], text
+    bodies = [r.json() for r in answers]
+    assert all(1 <= b["batch_size"] <= SLOTS for b in bodies), bodies  # the rows of the step each joined
+    assert max(b["queue_ms"] for b in bodies) > 0, bodies  # more requests than slots: some waited for one
+    assert all(b["compute_ms"] > 0 and b["latency_ms"] >= b["queue_ms"] for b in bodies), bodies
+    assert engine(server)["generated_tokens"] > before  # the engine made them, not the batcher
+    status = httpx.get(server.url + f"/v1/requests/{bodies[0]['request_id']}").json()
+    assert status["status"] == "completed" and status["batch_size"] == bodies[0]["batch_size"]
+
+
+def test_a_batch_job_of_inference_inputs_runs_on_the_stepper(server: LiveServer,
+                                                              reference: dict[str, str]) -> None:
+    inputs = PROMPTS[:4]
+    before = engine(server)["generated_tokens"]
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        job = c.post("/v1/batches", json={"inputs": inputs})
+        assert job.status_code == 202, job.text
+        done = wait_for(lambda: finished(c, job.json()["id"]), timeout=240, every=0.2)
+        assert done["status"] == "completed" and done["completed"] == len(inputs), done
+        assert [line["output"] for line in results(c, done["id"])] == [reference[t] for t in inputs]
+    assert engine(server)["generated_tokens"] > before
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_at_the_door(server: LiveServer) -> None:
+    r = infer(server, "Hi", timeout_ms=1)  # shorter than the answer's own generation: no retry can meet it
+    assert r.status_code == 504 and r.json()["error"] == "DEADLINE_EXCEEDED" and "retry_after_ms" not in r.json()
+    # Both slots held by long generations (~400 steps): a request that must be answered within 5 s would wait
+    # for one longer than that, so it is refused now with a hint, rather than failing with 504 later.
+    long = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
+        held = [pool.submit(httpx.post, server.url + "/v1/chat/completions", json=long, timeout=300)
+                for _ in range(SLOTS)]
+        wait_for(lambda: engine(server)["running"] == SLOTS and engine(server)["generated_tokens"] > 0, timeout=60)
+        time.sleep(0.5)  # a few steps: the engine's step time is measured under this load
+        refused = infer(server, "Hi", timeout_ms=5000)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"] == "SERVICE_OVERLOADED" and refused.json()["retry_after_ms"] > 0
+        assert "Retry-After" in refused.headers
+        for f in held:
+            assert f.result().status_code == 200
+
+
+def test_the_static_path_stays_selectable(reference: dict[str, str]) -> None:
+    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW), "--inference-path", "static",
+                     "--generation-max-seqs", "1", "--generation-max-context", "256", "--timeout-ms", "120000",
+                     "--max-timeout-ms", "300000", "--jobs-db", "", timeout=300)
+    try:
+        for text in PROMPTS[:2]:  # one at a time: batches of one, as `generate` ran them
+            r = infer(s, text)
+            assert r.status_code == 200 and r.json()["output"] == reference[text], r.text
+        assert engine(s)["generated_tokens"] == 0  # the engine is on, and untouched: the batcher answered
+    finally:
+        s.stop()
