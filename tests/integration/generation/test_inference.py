@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer, start_server
-from tests.test_jobs import finished, results, wait_for
+from tests.integration.jobs.test_api import finished, results, wait_for
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24

@@ -16,8 +16,8 @@ from batchserve.errors import ApiError, ClientGone
 from batchserve.generation import engine as engine_module
 from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
 from batchserve.generation.inference import StepperInference, stepper_models
-from tests.test_generation_engine import FakeStepper
-from tests.test_generation_units import CHARS, char_tokenizer
+from tests.unit.generation.test_engine import FakeStepper
+from tests.unit.generation.test_units import CHARS, char_tokenizer
 
 EOS = CHARS.index("!")
 MAX_NEW = 4  # an answer takes (4 + 2) steps once it joins
