@@ -109,7 +109,8 @@ async def embeddings(request: Request) -> Response:
             headers.update(guard.take(caller, len(req.inputs)))
             # Every input as its own item, admitted together: the door predicts the batches they will make.
             results = await rt.service.infer_many(req.inputs, spec.id, caller.tier, caller.tenant, req.timeout_s,
-                                                  arrived, request_id, disconnect_probe(request))
+                                                  arrived, request_id, disconnect_probe(request.receive),
+                                                  caller.owner)
         except ApiError as err:
             refused = (spec.id, err)  # counted by its code in the model's metrics, as on every route
             raise OpenAIError.from_api(err) from None

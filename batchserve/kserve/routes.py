@@ -166,7 +166,8 @@ class InferEndpoint:
             answer_headers.update(guard.take(caller, len(req.texts)))
             try:  # every element its own item, admitted together (as the inputs of /v1/embeddings)
                 results = await rt.service.infer_many(req.texts, spec.id, caller.tier, caller.tenant,
-                                                      timeout_ms / 1000, arrived, request_id, disconnect_probe(receive))
+                                                      timeout_ms / 1000, arrived, request_id, disconnect_probe(receive),
+                                                      caller.owner)
             except ClientGone:
                 return
             out, header_length = infer_answer(req, spec.name, spec.version, [r.output for r in results],

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import socket
 import struct
+import time
 from typing import Any
 
 import aiohttp
@@ -187,3 +189,54 @@ def test_live_answers_match_the_published_schemas(server: LiveServer):
     validate(doc, {"$ref": "#/components/schemas/EmbeddingRequest"}, {"input": ["a"], "model": "embed"})
 
 
+
+
+HANG_PLUGIN = '''
+import time
+
+
+class Embed:
+    """Two numbers per input; an input "HANG" holds the worker 0.8 s."""
+
+    output_kind = "embedding"
+    max_batch_size = 8
+
+    def batch(self, inputs):
+        time.sleep(0.8 if "HANG" in inputs else 0.005)
+        return [[float(len(text)), 1.0] for text in inputs]
+'''
+
+
+def test_an_embeddings_caller_who_hangs_up_never_takes_a_place_in_a_batch(tmp_path, server_factory) -> None:
+    """The route hands the door uvicorn's disconnect flag (it passed the Request itself, so the probe was always
+    None and a queued input whose caller had left still ran)."""
+
+    (tmp_path / "hangplug.py").write_text(HANG_PLUGIN)
+    config = tmp_path / "bs.toml"
+    config.write_text('[[models]]\nname = "embed"\nbackend = "hangplug:Embed"\n')
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    server = server_factory("--config", str(config), "--devices", "1", "--slo-ms", "2000", "--timeout-ms", "10000",
+                            env=env)
+    host, port = server.url.removeprefix("http://").split(":")
+
+    async def scenario() -> int:
+        async with aiohttp.ClientSession() as s:
+            hang = asyncio.ensure_future(s.post(server.url + "/v1/embeddings", json={"model": "embed", "input": "HANG"}))
+            await asyncio.sleep(0.2)  # the worker is busy: what comes now waits in the queue
+            body = b'{"model": "embed", "input": "gone"}'
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nX-Request-ID: gone-e\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await asyncio.sleep(0.2)
+            sock.close()
+            r = await hang
+            return r.status
+
+    assert asyncio.run(scenario()) == 200
+    time.sleep(0.3)
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        record = c.get("/v1/requests/gone-e").json()
+        text = c.get("/metrics").text
+    assert record.get("status") == "failed" and record.get("error") == "CLIENT_DISCONNECTED", record
+    sizes = [line for line in text.splitlines() if line.startswith("batchserve_batch_size_sum")]
+    assert any(line.split()[-1] in ("1.0", "1") for line in sizes), sizes  # only HANG's batch ran after warm-up
