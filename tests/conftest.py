@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -78,6 +79,16 @@ def start_server(*args: str, ready: bool = True, env: dict[str, str] | None = No
                     raise RuntimeError("server did not become ready:\n" + server.log())
                 time.sleep(0.05)
     return server
+
+
+def send_and_hang_up(url: str, path: str, body: bytes, request_id: str) -> socket.socket:
+    """POST `body` to `path` with `request_id` on a raw socket and return it: the caller closes it to hang up
+    while the request waits (a client library would wait for the answer)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nX-Request-ID: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), request_id.encode(), len(body), body))
+    return sock
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import socket
 import struct
 import time
 from typing import Any
@@ -18,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import LiveServer, start_server
+from tests.conftest import LiveServer, send_and_hang_up, start_server
 from tests.integration.http.test_openapi import response_schema, validate
 from tests.integration.test_tenancy import add_key
 
@@ -217,16 +216,12 @@ def test_an_embeddings_caller_who_hangs_up_never_takes_a_place_in_a_batch(tmp_pa
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     server = server_factory("--config", str(config), "--devices", "1", "--slo-ms", "2000", "--timeout-ms", "10000",
                             env=env)
-    host, port = server.url.removeprefix("http://").split(":")
 
     async def scenario() -> int:
         async with aiohttp.ClientSession() as s:
             hang = asyncio.ensure_future(s.post(server.url + "/v1/embeddings", json={"model": "embed", "input": "HANG"}))
             await asyncio.sleep(0.2)  # the worker is busy: what comes now waits in the queue
-            body = b'{"model": "embed", "input": "gone"}'
-            sock = socket.create_connection((host, int(port)))
-            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nX-Request-ID: gone-e\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock = send_and_hang_up(server.url, "/v1/embeddings", b'{"model": "embed", "input": "gone"}', "gone-e")
             await asyncio.sleep(0.2)
             sock.close()
             r = await hang

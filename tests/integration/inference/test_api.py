@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import send_and_hang_up, start_server
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -197,16 +197,12 @@ def test_deadline_in_queue_gives_504_and_never_reaches_backend(server_factory):
 def test_disconnected_caller_frees_its_place(server_factory):
     server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "800",
                             "--gpu-timeout-ms", "60000")
-    host, port = server.url.removeprefix("http://").split(":")
 
     async def scenario() -> int:
         async with aiohttp.ClientSession() as s:
             hang = asyncio.ensure_future(s.post(server.url + "/v1/inference", json={"input": "HANG"}))
             await asyncio.sleep(0.2)
-            body = b'{"input": "gone"}'
-            sock = socket.create_connection((host, int(port)))
-            sock.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nX-Request-ID: gone-1\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock = send_and_hang_up(server.url, "/v1/inference", b'{"input": "gone"}', "gone-1")
             await asyncio.sleep(0.2)
             sock.close()
             r = await hang

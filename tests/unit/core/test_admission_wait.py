@@ -12,7 +12,6 @@ Also the door's learned error (`WaitCalibration`): a prediction 2x low is scaled
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
@@ -24,41 +23,9 @@ from batchserve.core.class_turns import ClassQueue, Own, drain
 from batchserve.core.fairqueue import Item
 from batchserve.core.wait_calibration import MIN_OBSERVED, WaitCalibration
 from batchserve.errors import ApiError
+from tests.unit.fakes import Clock, Workers as Capacity, token_s
 
 M = "minilm@v1"
-
-
-def token_s(cost: float) -> float:
-    return 0.010 + 0.0005 * cost
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Capacity:
-    def __init__(self, until_free: float = 0.0) -> None:
-        self.until_free = until_free
-
-    def healthy_count(self) -> int:
-        return 1
-
-    def worker_count(self) -> int:
-        return 1
-
-    def seconds_until_free(self, now: float) -> float:
-        return self.until_free
-
-
-@pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
 
 
 def batcher(clock: Clock, budget: float) -> Batcher:

@@ -16,6 +16,7 @@ from batchserve.core.batcher import Batch, Batcher
 from batchserve.core.admission import Admission, predicted_latency_s
 from batchserve.core.fairqueue import Item
 from batchserve.gpu_pool import GpuPool, Worker
+from tests.unit.fakes import Clock
 
 M = "m@v1"
 
@@ -95,19 +96,6 @@ def test_each_bucket_is_a_moving_mean_of_its_own_batches() -> None:
 
 
 # -- the batcher ----------------------------------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
 
 
 def items(loop: asyncio.AbstractEventLoop, n: int, at: float, bucket: int = 0) -> list[Item]:

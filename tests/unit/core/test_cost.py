@@ -8,7 +8,6 @@ inputs (16 tokens) 0.49 s — one time per batch size is wrong for both."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 
@@ -20,41 +19,9 @@ from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
 from batchserve.gpu_pool import GPU_TIMEOUT_BATCHES, GPU_TIMEOUT_FLOOR_S, GpuPool
+from tests.unit.fakes import Clock, Workers as FakeWorkers, token_s
 
 M = "minilm@v1"
-
-
-def token_s(cost: float) -> float:
-    return 0.010 + 0.0005 * cost
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class FakeWorkers:
-    def __init__(self, until_free: float = 0.0, healthy: int = 1) -> None:
-        self.until_free, self.healthy = until_free, healthy
-
-    def healthy_count(self) -> int:
-        return self.healthy
-
-    def worker_count(self) -> int:
-        return 1
-
-    def seconds_until_free(self, now: float) -> float:
-        return self.until_free
-
-
-@pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
 
 
 def learned(max_batch: int = 100) -> BatchTimes:

@@ -22,23 +22,9 @@ from batchserve.core.fairqueue import Item
 from batchserve.gpu_pool import GpuPool, Worker
 from batchserve.metrics import make_metrics
 from batchserve.tenancy import ANONYMOUS_CACHE, Tenancy
+from tests.unit.fakes import Clock
 
 M = "m@v1"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
 
 
 class CountingCost:

@@ -8,7 +8,6 @@ one (the soak: a clean 5,000-item job beside interactive load at half the capaci
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
@@ -16,24 +15,10 @@ from batchserve.core.batcher import Batcher
 from batchserve.core import tiers
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item
+from tests.unit.fakes import Clock
 
 PAID, BATCH = tiers.BY_NAME["paid"].rank, tiers.BATCH.rank
 S = 0.1  # the learned batch time
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def item(loop, text: str, arrived: float, tier: int = PAID, tenant: str = "live") -> Item:
@@ -48,7 +33,7 @@ def batcher(clock: Clock, workers: int, max_batch: int = 4) -> Batcher:
 
 
 def test_a_queue_full_only_by_job_items_waits_for_the_pace(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = batcher(clock, workers=2)
     b.submit(item(loop, "live", clock.now))
     for i in range(6):  # old job items: full by count, and their deadline long passed
@@ -62,7 +47,7 @@ def test_a_queue_full_only_by_job_items_waits_for_the_pace(loop):
 
 
 def test_job_items_alone_go_at_the_pace(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = batcher(clock, workers=2)
     for i in range(6):
         b.submit(item(loop, f"job-{i}", clock.now - 5.0, tier=BATCH, tenant="acme"))
@@ -71,7 +56,7 @@ def test_job_items_alone_go_at_the_pace(loop):
 
 
 def test_the_interactive_items_deadline_still_comes_before_a_later_pace(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = batcher(clock, workers=2)
     b.slo_s = 0.14  # 140 ms - S - 5 ms margin: 35 ms of waiting for company, before the pace (50 ms)
     b.submit(item(loop, "live", clock.now))
@@ -82,7 +67,7 @@ def test_the_interactive_items_deadline_still_comes_before_a_later_pace(loop):
 
 
 def test_interactive_items_that_fill_a_batch_go_at_once_beside_jobs(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = batcher(clock, workers=2)
     for i in range(4):
         b.submit(item(loop, f"live-{i}", clock.now))
@@ -93,7 +78,7 @@ def test_interactive_items_that_fill_a_batch_go_at_once_beside_jobs(loop):
 
 def test_one_worker_takes_a_job_filled_batch_at_once(loop):
     # One device: the worker asking is the device; there is nothing to stagger.
-    clock = Clock()
+    clock = Clock(1000.0)
     b = batcher(clock, workers=1)
     for i in range(4):
         b.submit(item(loop, f"job-{i}", clock.now, tier=BATCH, tenant="acme"))
@@ -106,7 +91,7 @@ def test_under_steady_interactive_load_a_background_batch_still_gets_its_floor(l
     soak's 10 %-failing job with a pass/fail backend). Now one dispatch in BACKGROUND_FLOOR_EVERY + 1."""
     from batchserve.core.batcher import BACKGROUND_FLOOR_EVERY
 
-    clock = Clock()
+    clock = Clock(1000.0)
     b = batcher(clock, workers=1, max_batch=2)
     b.submit_group([item(loop, "iso", clock.now, tier=BATCH, tenant="acme")])
     kinds = []

@@ -6,7 +6,6 @@ choices, and admission's predictions. The live-server tests keep the contract; t
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
@@ -18,24 +17,10 @@ from batchserve.core.fairqueue import FairQueue, Item
 from batchserve.errors import ApiError
 from batchserve.gpu_pool import GpuPool, Worker
 from batchserve.metrics import make_metrics
+from tests.unit.fakes import Clock
 
 ENT, PAID, FREE, BATCH = (tiers.BY_NAME[n].rank for n in ("enterprise", "paid", "free", "batch"))
 S = 0.1  # the learned batch time of model "m"
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def make_item(loop, text: str = "x", arrived: float = 1000.0, tier: int = PAID, tenant: str = "t",
@@ -82,7 +67,7 @@ def test_fair_queue_tenants_of_a_tier_take_turns(loop):
 def test_a_batch_takes_job_items_of_one_tenant_and_job_tenants_take_turns_by_batch(loop):
     """Issue 28, item 3: one tenant's failing job inputs must not fail another tenant's job items, so the
     batch tier's places in a batch go to one tenant (interactive items still fill first), turn by turn."""
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=6)
     for i in range(2):
         b.submit(make_item(loop, f"live-{i}", arrived=clock.now, tier=PAID, tenant="live"))
@@ -104,7 +89,7 @@ def test_background_batches_take_one_dispatch_in_five_while_job_work_is_due_and_
     other job work is due, so they move without slowing the others much; never ahead of interactive items."""
     from batchserve.core.batcher import BACKGROUND_EVERY
 
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=2)
     for i in range(40):
         b.submit(make_item(loop, f"g-{i}", arrived=clock.now, tier=BATCH, tenant="globex"))
@@ -157,7 +142,7 @@ def test_fair_queue_push_front_and_prune(loop):
 
 # -- batcher: flush causes and pacing ---------------------------------------------------------------------
 def test_full_queue_is_due_now(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=3)
     for i in range(3):
         b.submit(make_item(loop, str(i), arrived=clock.now))
@@ -168,7 +153,7 @@ def test_full_queue_is_due_now(loop):
 
 
 def test_the_dispatch_deadline_comes_before_a_later_pace(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, workers=2, slo_s=0.14)
     b.last_dispatch = clock.now  # a batch just went out: pacing would wait S/2 = 50 ms
     b.submit(make_item(loop, arrived=clock.now))
@@ -182,7 +167,7 @@ def test_the_dispatch_deadline_comes_before_a_later_pace(loop):
 
 
 def test_one_device_takes_what_waits_as_soon_as_it_frees(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, workers=1)
     b.last_dispatch = clock.now - 0.03  # its batch ended after 30 ms, well before the learned S of 100
     for text in ("a", "b"):
@@ -192,7 +177,7 @@ def test_one_device_takes_what_waits_as_soon_as_it_frees(loop):
 
 
 def test_a_worker_freed_just_before_the_pace_takes_its_batch_at_once(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, workers=2)
     b.last_dispatch = clock.now - (S / 2 - 0.001)  # 1 ms before the pace of S/G
     b.submit(make_item(loop, "a", arrived=clock.now - 0.05))
@@ -206,7 +191,7 @@ def test_a_worker_freed_just_before_the_pace_takes_its_batch_at_once(loop):
 
 
 def test_several_devices_dispatch_paced_s_over_g_apart(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, workers=4)
     b.last_dispatch = clock.now
     b.submit(make_item(loop, arrived=clock.now))
@@ -215,7 +200,7 @@ def test_several_devices_dispatch_paced_s_over_g_apart(loop):
 
 
 def test_a_slightly_late_paced_dispatch_keeps_its_slot(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, workers=4)
     b.last_dispatch = clock.now
     b.submit(make_item(loop, arrived=clock.now))
@@ -233,7 +218,7 @@ def test_a_slightly_late_paced_dispatch_keeps_its_slot(loop):
 
 
 def test_draining_flushes_at_once(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     b.last_dispatch = clock.now
     b.submit(make_item(loop, arrived=clock.now))
@@ -243,7 +228,7 @@ def test_draining_flushes_at_once(loop):
 
 
 def test_expired_and_gone_items_never_reach_a_batch(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=3)
     late = make_item(loop, "late", arrived=clock.now, deadline=clock.now + 0.01)
     gone = make_item(loop, "gone", arrived=clock.now)
@@ -260,7 +245,7 @@ def test_expired_and_gone_items_never_reach_a_batch(loop):
 
 
 def test_an_item_that_would_expire_while_its_batch_runs_gives_its_place_away(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=2)  # S = 0.1 s
     doomed = make_item(loop, "doomed", arrived=clock.now, deadline=clock.now + 0.05)  # ends before a batch would
     edge = make_item(loop, "edge", arrived=clock.now, deadline=clock.now + 0.1)  # its batch ends right at it
@@ -278,7 +263,7 @@ def test_an_item_that_would_expire_while_its_batch_runs_gives_its_place_away(loo
 def test_a_batch_time_learned_from_one_slow_batch_does_not_drop_what_the_seed_allows(loop):
     # S(1) learned as 2.5 s from one slow batch; the seed (0.1 s) says a batch may well take 0.1 s: an item with
     # 1 s left runs (and its batch corrects S), where dropping it would leave nothing to ever correct it.
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=2)
     b.batch_s.observe("m", 1, 2.5)
     item = make_item(loop, "a", arrived=clock.now, deadline=clock.now + 1.0)
@@ -288,7 +273,7 @@ def test_a_batch_time_learned_from_one_slow_batch_does_not_drop_what_the_seed_al
 
 
 def test_the_least_recently_served_model_goes_first_among_due_queues(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock, models=("busy", "quiet"))
     b.served_at = {"busy": clock.now - 0.05, "quiet": clock.now - 5.0}
     b.submit(make_item(loop, "busy", arrived=clock.now - 1.0, model="busy"))  # older head
@@ -298,7 +283,7 @@ def test_the_least_recently_served_model_goes_first_among_due_queues(loop):
 
 
 def test_ahead_of_counts_higher_tiers_and_a_fair_share_of_its_own(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     for _ in range(5):
         b.submit(make_item(loop, tier=ENT, tenant="e"))
@@ -322,7 +307,7 @@ def make_pool(loop, b: Batcher, healthy: int = 2, demand: float = 0.0) -> GpuPoo
 
 
 def test_a_failed_batch_runs_one_half_alone_and_holds_the_other(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     pool = make_pool(loop, b)
     items = [make_item(loop, str(i), arrived=clock.now) for i in range(6)]
@@ -333,7 +318,7 @@ def test_a_failed_batch_runs_one_half_alone_and_holds_the_other(loop):
 
 
 def test_a_failing_half_returns_its_held_sibling_to_the_queue(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     pool = make_pool(loop, b)
     half, held = [make_item(loop, "a"), make_item(loop, "b")], [make_item(loop, "c"), make_item(loop, "d")]
@@ -344,7 +329,7 @@ def test_a_failing_half_returns_its_held_sibling_to_the_queue(loop):
 
 
 def test_a_lone_failing_item_is_retried_once_elsewhere_then_fails(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     pool = make_pool(loop, b, healthy=2)
     item = make_item(loop, "poison")
@@ -356,7 +341,7 @@ def test_a_lone_failing_item_is_retried_once_elsewhere_then_fails(loop):
 
 
 def test_with_one_worker_a_lone_failing_item_fails_at_once(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     pool = make_pool(loop, b, healthy=1)
     item = make_item(loop, "poison")
@@ -365,7 +350,7 @@ def test_with_one_worker_a_lone_failing_item_fails_at_once(loop):
 
 
 def test_a_retry_avoids_the_worker_that_failed_it_for_two_batch_times(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     make_pool(loop, b, healthy=2)
     b.requeue(Batch("m", [make_item(loop)], clock.now, "retry", avoid_worker=0))
@@ -375,7 +360,7 @@ def test_a_retry_avoids_the_worker_that_failed_it_for_two_batch_times(loop):
 
 
 def test_a_hung_batch_is_rerun_spread_over_the_workers_when_capacity_allows(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     pool = make_pool(loop, b, healthy=3, demand=10.0)
     items = [make_item(loop, str(i)) for i in range(9)]
@@ -394,7 +379,7 @@ def test_a_hung_batch_is_rerun_spread_over_the_workers_when_capacity_allows(loop
 
 
 def test_a_hung_batch_is_answered_504_when_another_loss_would_not_be_absorbed(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     b = make_batcher(clock)
     pool = make_pool(loop, b, healthy=2, demand=5000.0)  # far more arrivals than one worker could serve
     items = [make_item(loop, str(i)) for i in range(4)]
@@ -436,7 +421,7 @@ def make_admission(loop, clock: Clock, capacity: FakeCapacity, queued: int = 0, 
 
 
 def test_admission_refuses_what_would_miss_the_deadline(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity(until_free=0.05), queued=300)
     with pytest.raises(ApiError) as refused:
         adm.admit("m", PAID, "t", deadline_s=0.3)  # predicted 0.05 + 0.3 + 0.1 = 0.45 s
@@ -448,7 +433,7 @@ def test_admission_refuses_what_would_miss_the_deadline(loop):
 def test_a_stale_slow_batch_time_does_not_refuse_what_a_free_worker_can_try(loop):
     # S learned from one slow batch (2.5 s) against a seed of 0.1 s: a 1 s deadline is not unmeetable, and with
     # a free worker and nothing ahead the item is admitted (its run corrects S); with work ahead it is refused.
-    clock = Clock()
+    clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity())
     adm.batcher.batch_s.observe("m", 1, 2.5)
     assert adm.admit("m", PAID, "t", deadline_s=1.0) is False  # admitted, not as a probe
@@ -468,13 +453,13 @@ def test_a_stale_slow_batch_time_does_not_refuse_what_a_free_worker_can_try(loop
 
 
 def test_a_burst_within_capacity_is_queued_not_shed(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity(until_free=0.05), queued=150)
     adm.admit("m", FREE, "t", deadline_s=2.0)  # predicted 0.25 s > free's bound 0.2 s, but no pressure
 
 
 def test_under_pressure_lower_tiers_are_shed_first(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     # A worker lost is pressure. Predicted 0.05 + 1 full batch (0.1) + 0.1 = 0.25 s:
     adm = make_admission(loop, clock, FakeCapacity(healthy=1, workers=2, until_free=0.05), queued=150)
     assert adm.tier_bound_s(FREE) < 0.25 < adm.tier_bound_s(ENT)
@@ -484,7 +469,7 @@ def test_under_pressure_lower_tiers_are_shed_first(loop):
 
 
 def test_a_flood_is_pressure_within_a_quarter_second(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity())  # capacity 100 / 0.1 s = 1000 per second
     for _ in range(600):  # 600 arrivals in 0.2 s: 3000 per second
         clock.now += 0.2 / 600
@@ -496,7 +481,7 @@ def test_a_flood_is_pressure_within_a_quarter_second(loop):
 
 
 def test_admission_says_why_nothing_can_be_admitted(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity(healthy=0, workers=2))
     with pytest.raises(ApiError) as none:
         adm.admit("m", PAID, "t", 1.0)
@@ -512,7 +497,7 @@ def test_admission_says_why_nothing_can_be_admitted(loop):
 
 
 def test_a_full_queue_is_refused(loop):
-    clock = Clock()
+    clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity(), queued=5, max_queue=5)
     with pytest.raises(ApiError) as full:
         adm.admit("m", ENT, "t", 60.0)

@@ -18,22 +18,15 @@ from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
 from batchserve.generation.inference import StepperInference, stepper_models
 from tests.unit.generation.test_engine import FakeStepper
 from tests.unit.generation.test_units import CHARS, char_tokenizer
+from tests.unit.fakes import Clock
 
 EOS = CHARS.index("!")
 MAX_NEW = 4  # an answer takes (4 + 2) steps once it joins
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
+    c = Clock(1000.0)
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=c))
     return c
 
