@@ -137,6 +137,10 @@ class BatchTimes:
         """The measured points, mean size (rounded) to seconds: what /internal/health shows."""
         return {round(p.size): p.seconds for p in sorted(self.points.get(model, {}).values(), key=lambda p: p.size)}
 
+    def largest(self, model: str) -> float:
+        """The cost of the costliest batch measured (0: none yet)."""
+        return max((p.size for p in self.points.get(model, {}).values()), default=0.0)
+
     def fit(self, model: str, seconds: float, floor: float, top: float) -> float:
         """The largest cost in [floor, top] whose batch is expected within `seconds` (halving from `top`): what a
         model's cost budget is lowered to when a full batch would outlast the longest allowed timeout."""

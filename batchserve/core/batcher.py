@@ -200,6 +200,13 @@ class Batcher:
         if hard < top:
             times.forget_above(model, hard)  # a slow point above the budget would hold it down for good
         before = self.cost_limits.get(model, math.inf)
+        if before < fitted:
+            # A lowered budget rises by at most twice the costliest batch measured (slow start). Past the points
+            # the time is a line's guess, and one cheap long-input batch can flatten that line enough to promise
+            # that a batch a hundred times costlier fits: it then held the only worker for seconds (the soak's
+            # first request of 60 long inputs: 4.3 s, the worker marked hung). Each batch that fits lets the next
+            # be twice as costly.
+            fitted = min(fitted, max(before, 2 * times.largest(model)))
         if fitted >= top:
             if before != math.inf:
                 del self.cost_limits[model]

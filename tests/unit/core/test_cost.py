@@ -175,11 +175,36 @@ def test_a_full_batch_past_the_longest_timeout_lowers_the_budget_then_it_comes_b
     b.observe_batch(M, token_s(3200), 3200)  # the same figure again: no second line
     assert sum("its batches are limited to cost" in r.getMessage() for r in caplog.records) == 1
     # The figure was wrong (the machine was busy): batches within the budget run ten times faster, the line
-    # above them no longer says a full batch misses, and the budget goes back.
+    # above them no longer says a full batch misses, and the budget goes back: step by step, each step at most
+    # twice the costliest batch that ran (batches fill to the budget of the moment, as traffic would fill them).
+    rises = []
     for _ in range(30):
-        b.observe_batch(M, token_s(limited) / 10, limited)
+        now_limit = b.cost_limits.get(M, 100 * 100.0)
+        rises.append(now_limit)
+        b.observe_batch(M, token_s(now_limit) / 10, now_limit)
         b.observe_batch(M, token_s(100) / 10, 100)
+    assert all(b2 <= 2 * a2 for a2, b2 in zip(rises, rises[1:]))
     assert M not in b.cost_limits and b.full_n(M) == 100
+
+
+def test_a_lowered_budget_rises_no_faster_than_twice_the_costliest_batch_measured(loop) -> None:
+    """The soak's first request of 60 long inputs: after one cheap long-input batch the line past the points said
+    a batch of 59 of them fitted the latency objective; it took 4.3 s and the only worker was marked hung."""
+    clock = Clock()
+    b = Batcher(max_batch_size=100, slo_s=0.2, margin_s=0.005, batch_s=BatchTimes(100, {M: 0.045}),
+                latency_fit_s=0.125, clock=clock)
+    b.batch_s.observe(M, 300, 0.045)  # warm-up: short inputs, batches costing 300 and 1,200 tokens
+    b.batch_s.observe(M, 1200, 0.060)
+    for _ in range(50):
+        b.note_cost(M, 12.0)
+    b.note_cost(M, 256.0)  # a long input: a full batch of them would not fit, the budget is lowered
+    lowered = b.cost_limits[M]
+    assert lowered < 100 * 256
+    b.observe_batch(M, 0.058, 256)  # one long input alone, about as slow as the big short batch: a flat line...
+    assert b.batch_s.at(M, 100 * 256) <= 0.125  # ...which promises that a whole batch of them fits
+    assert b.cost_limits.get(M, math.inf) <= max(lowered, 2 * 1200)  # but the budget rises to twice what ran
+    b.observe_batch(M, 0.09, 2400)  # a batch that costly ran in time: the next may be twice as costly
+    assert b.cost_limits.get(M, math.inf) <= max(lowered, 2 * 2400)
 
 
 # -- the door -------------------------------------------------------------------------------------------------
