@@ -81,14 +81,28 @@ def start_server(*args: str, ready: bool = True, env: dict[str, str] | None = No
     return server
 
 
-def send_and_hang_up(url: str, path: str, body: bytes, request_id: str) -> socket.socket:
-    """POST `body` to `path` with `request_id` on a raw socket and return it: the caller closes it to hang up
-    while the request waits (a client library would wait for the answer)."""
+def hang_up_behind_a_busy_worker(url: str, path: str, busy: dict, gone: bytes, request_id: str) -> int:
+    """POST `busy` to `path` (an input that holds the only worker), then, while it runs, send `gone` with
+    `request_id` on a raw socket and hang up before it is answered. Returns the busy request's status."""
+    import asyncio
+
+    import aiohttp
+
     host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nX-Request-ID: %s\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), request_id.encode(), len(body), body))
-    return sock
+
+    async def scenario() -> int:
+        async with aiohttp.ClientSession() as s:
+            held = asyncio.ensure_future(s.post(url + path, json=busy))
+            await asyncio.sleep(0.2)  # the worker is busy: what comes now waits in the queue
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nX-Request-ID: %s\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (path.encode(), request_id.encode(), len(gone), gone))
+            await asyncio.sleep(0.2)
+            sock.close()
+            r = await held
+            return r.status
+
+    return asyncio.run(scenario())
 
 
 @pytest.fixture

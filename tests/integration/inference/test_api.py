@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.conftest import send_and_hang_up, start_server
+from tests.conftest import hang_up_behind_a_busy_worker, start_server
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -198,17 +198,8 @@ def test_disconnected_caller_frees_its_place(server_factory):
     server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "800",
                             "--gpu-timeout-ms", "60000")
 
-    async def scenario() -> int:
-        async with aiohttp.ClientSession() as s:
-            hang = asyncio.ensure_future(s.post(server.url + "/v1/inference", json={"input": "HANG"}))
-            await asyncio.sleep(0.2)
-            sock = send_and_hang_up(server.url, "/v1/inference", b'{"input": "gone"}', "gone-1")
-            await asyncio.sleep(0.2)
-            sock.close()
-            r = await hang
-            return r.status
-
-    assert asyncio.run(scenario()) == 200
+    assert hang_up_behind_a_busy_worker(server.url, "/v1/inference", {"input": "HANG"}, b'{"input": "gone"}',
+                                        "gone-1") == 200
     time.sleep(0.3)
     with server.client() as c:
         record = c.get("/v1/requests/gone-1").json()
