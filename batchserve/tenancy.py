@@ -56,10 +56,14 @@ class TokenBucket:
     tokens: float
     updated: float
 
-    def take(self, now: float, count: int = 1) -> bool:
+    def has(self, now: float, count: int = 1) -> bool:
+        """Whether `count` tokens are there now (refilled to `now`), none taken."""
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
-        if self.tokens >= count:
+        return self.tokens >= count
+
+    def take(self, now: float, count: int = 1) -> bool:
+        if self.has(now, count):
             self.tokens -= count
             return True
         return False
@@ -134,20 +138,37 @@ class Tenancy:
         X-RateLimit-* headers, or raises 429."""
         if not caller.key_id:
             return {}
-        bucket = self.buckets.get(caller.key_id)
-        now = time.monotonic()
-        if bucket is None:
-            rate, burst = self._limits(caller.key_id)
-            bucket = self.buckets[caller.key_id] = TokenBucket(rate, burst, burst, now)
-        if bucket.take(now, count):
+        bucket = self._bucket(caller.key_id)
+        if bucket.take(time.monotonic(), count):
             return bucket.headers()
+        raise self._over(bucket, count)
+
+    def check_token(self, caller: Caller, count: int = 1) -> None:
+        """429 unless `count` tokens could be taken now; none are taken. For a route whose cost is known only
+        from its body (a list of inputs): a caller with an empty bucket is refused before its body is read."""
+        if not caller.key_id:
+            return
+        bucket = self._bucket(caller.key_id)
+        if not bucket.has(time.monotonic(), count):
+            raise self._over(bucket, count)
+
+    def _bucket(self, key_id: str) -> TokenBucket:
+        bucket = self.buckets.get(key_id)
+        if bucket is None:
+            rate, burst = self._limits(key_id)
+            bucket = self.buckets[key_id] = TokenBucket(rate, burst, burst, time.monotonic())
+        return bucket
+
+    @staticmethod
+    def _over(bucket: TokenBucket, count: int) -> errors.ApiError:
+        """The 429 for `count` tokens the bucket cannot give."""
         headers = bucket.headers()
         if count > bucket.burst:
-            raise errors.rate_limited(f"{count} inputs in one request are more than this key's burst of "
-                                      f"{bucket.burst:g}: send at most {int(bucket.burst)} per request",
-                                      count / bucket.rate * 1000, headers)
+            return errors.rate_limited(f"{count} inputs in one request are more than this key's burst of "
+                                       f"{bucket.burst:g}: send at most {int(bucket.burst)} per request",
+                                       count / bucket.rate * 1000, headers)
         retry_ms = (count - bucket.tokens) / bucket.rate * 1000
-        raise errors.rate_limited(f"over the rate of {bucket.rate:g} requests/s for this key", retry_ms, headers)
+        return errors.rate_limited(f"over the rate of {bucket.rate:g} requests/s for this key", retry_ms, headers)
 
     def _limits(self, key_id: str) -> tuple[float, float]:
         entry = next(e for e in self.keys if e.sha256.startswith(key_id))

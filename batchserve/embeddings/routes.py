@@ -1,7 +1,9 @@
-"""`POST /v1/embeddings` (OpenAI's shape), top to bottom: identify the caller → read and parse the body → pick
-an embedding model → take one rate-limit token per input → each input through the door on its own
-(`InferenceService.infer_many`: one admission for the request, then each input its own item), so inputs of
-concurrent callers share batches → count the tokens → answer.
+"""`POST /v1/embeddings` (OpenAI's shape), top to bottom: identify the caller (401, or 429 when its bucket is
+empty: before the body is read) → read and parse the body (`body.py`) → pick an embedding model → take one
+rate-limit token per input → each input through the door on its own (`InferenceService.infer_many`: one
+admission for the request, then each input its own item), so inputs of concurrent callers share batches → count
+the tokens → answer (`wire.py`). Each module is entered once but the guard, which is left for the body and
+entered again to take the tokens and to count the answer (tests/unit/http/test_request_path.py).
 Errors are in OpenAI's shape; keys, tiers and rate limits are those of every other route."""
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
-from batchserve.embeddings.wire import answer, parse
+from batchserve.embeddings.body import parse
+from batchserve.embeddings.wire import answer
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import client_host, read_body, request_id_of
+from batchserve.http.body import read_body, request_id_of
 from batchserve.http.disconnect import disconnect_probe
 from batchserve.http.guards import Guard
 from batchserve.http.openai_error import JSON, OpenAIError, error_response
@@ -47,7 +50,8 @@ def embedding_models(rt: EmbeddingsHost) -> list[ModelSpec]:
             if (b := rt.backends.get(spec.id)) is not None and b.output_kind == "embedding"]
 
 
-def pick_model(rt: EmbeddingsHost, requested: str | None, key_id: str) -> tuple[ModelSpec, Backend]:
+def pick_model(rt: EmbeddingsHost, requested: str | None, key_id: str) -> tuple[str, Backend]:
+    """The id of the model version that answers (404, or 400 when it does not embed) and its backend."""
     if requested is None:
         served = embedding_models(rt)
         if not served:
@@ -58,13 +62,14 @@ def pick_model(rt: EmbeddingsHost, requested: str | None, key_id: str) -> tuple[
     if spec is None:
         raise OpenAIError(404, f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)",
                           "model", "model_not_found")
-    backend = rt.backends.get(spec.id)
+    model_id = spec.id
+    backend = rt.backends.get(model_id)
     if backend is None:
         raise OpenAIError.from_api(errors.warming_up())
     if backend.output_kind != "embedding":
-        raise OpenAIError(400, f"the model '{spec.id}' does not produce embeddings (its outputs are "
+        raise OpenAIError(400, f"the model '{model_id}' does not produce embeddings (its outputs are "
                                f"{backend.output_kind}); use POST /v1/inference", "model", "model_not_embedding")
-    return spec, backend
+    return model_id, backend
 
 
 async def prompt_tokens(backend: Backend, inputs: list[str], counting: asyncio.Future | None) -> int:
@@ -88,19 +93,23 @@ async def embeddings(request: Request) -> Response:
     s = rt.settings
     guard = rt.guard
     arrived = time.monotonic()
+    try:
+        caller = guard.enter(request.headers.get("authorization"), request.scope, openai=True)
+    except ApiError as err:  # refused before its body is read; the caller's request id, as on every answer
+        guard.counted()
+        return error_response(OpenAIError.from_api(err), {"X-Request-ID": request_id_of(request)})
     request_id = request_id_of(request)
     headers = {"X-Request-ID": request_id}
     refused: tuple[str, ApiError] | None = None
     try:
         try:
-            caller = guard.identify(request.headers.get("authorization"), client_host(request.scope), openai=True)
             body = await read_body(request, s.max_body_bytes)
         except ApiError as err:
             raise OpenAIError.from_api(err) from None
         except ClientDisconnect:
             return Response(status_code=499)
         req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
-        spec, backend = pick_model(rt, req.model, caller.key_id)
+        model_id, backend = pick_model(rt, req.model, caller.key_id)
         counting = None
         if sum(map(len, req.inputs)) > COUNT_INLINE_CHARS:
             counting = asyncio.ensure_future(asyncio.to_thread(backend.count_tokens, req.inputs))
@@ -108,17 +117,17 @@ async def embeddings(request: Request) -> Response:
         try:
             headers.update(guard.take(caller, len(req.inputs)))
             # Every input as its own item, admitted together: the door predicts the batches they will make.
-            results = await rt.service.infer_many(req.inputs, spec.id, caller.tier, caller.tenant, req.timeout_s,
+            results = await rt.service.infer_many(req.inputs, model_id, caller.tier, caller.tenant, req.timeout_s,
                                                   arrived, request_id, disconnect_probe(request.receive),
                                                   caller.owner)
         except ApiError as err:
-            refused = (spec.id, err)  # counted by its code in the model's metrics, as on every route
+            refused = (model_id, err)  # counted by its code in the model's metrics, as on every route
             raise OpenAIError.from_api(err) from None
         except ClientGone:
             return Response(status_code=499)
-        body = answer([r.output for r in results], req.base64, spec.id,
+        body = answer([r.output for r in results], req.base64, model_id,
                       await prompt_tokens(backend, req.inputs, counting))
-        guard.ok(spec.id, time.monotonic() - arrived)
+        guard.ok(model_id, time.monotonic() - arrived)
         return Response(body, media_type=JSON, headers=headers)
     except OpenAIError as err:
         if refused is not None:

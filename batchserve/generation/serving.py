@@ -82,7 +82,7 @@ async def generate(request: Request, chat: bool) -> Response:
     who = "anonymous@" + client_host(request.scope)  # whose refusals count (`core/refusals.py`)
     try:
         try:
-            caller, limits = rt.guard.admit(request.headers.get("authorization"), client_host(request.scope),
+            caller, limits = rt.guard.admit(request.headers.get("authorization"), request.scope,
                                             openai=True)
             who = caller.tenant if caller.key_id else who
             if wait_s := rt.refusals.wait_s(who):  # refused often of late: its body waits in the socket

@@ -12,10 +12,11 @@ from typing import Awaitable, Callable, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Scope
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.body import error_response, request_id_of
+from batchserve.http.body import client_host, error_response, request_id_of
 from batchserve.metrics import Metrics
 from batchserve.tenancy import Caller, Tenancy
 
@@ -27,23 +28,31 @@ class Guard:
     metrics_key: str = ""  # --metrics-key: what the operational routes ask for ("" = open)
     answered: int = 0  # requests answered since start, any status (the 1 s tick's requests per second)
 
-    def identify(self, authorization: str | None, client: str, openai: bool = False) -> Caller:
-        """The caller (401 when keys are configured and its key is missing or wrong). `client`, the peer's
-        address, tells anonymous callers apart as owners of jobs and request records. On the OpenAI routes
-        (`openai`) a key is always sent by the clients: with no keys configured, any key is anonymous (as vLLM
-        does)."""
+    def identify(self, authorization: str | None, scope: Scope, openai: bool = False) -> Caller:
+        """The caller (401 when keys are configured and its key is missing or wrong). The peer's address, read
+        from the request's `scope` here so no route can forget it, tells anonymous callers apart as owners of
+        jobs and request records. On the OpenAI routes (`openai`) a key is always sent by the clients: with no
+        keys configured, any key is anonymous (as vLLM does)."""
         if openai and not self.tenancy.keys:
             authorization = None
-        return self.tenancy.identify(authorization, client)
+        return self.tenancy.identify(authorization, client_host(scope))
+
+    def enter(self, authorization: str | None, scope: Scope, openai: bool = False) -> Caller:
+        """Identify, and refuse (429) a caller whose bucket holds not even one token, taking none: for a route
+        whose cost is known only from its body (a list of N inputs costs N), so a caller who may not send is
+        refused before its body is read, and its tokens are taken (`take`) once the body says how many."""
+        caller = self.identify(authorization, scope, openai)
+        self.tenancy.check_token(caller)
+        return caller
 
     def take(self, caller: Caller, count: int = 1) -> dict[str, str]:
         """Spend `count` tokens (the inputs of a list) from the caller's bucket: the X-RateLimit-* headers, or 429."""
         return self.tenancy.take_token(caller, count)
 
-    def admit(self, authorization: str | None, client: str, count: int = 1,
+    def admit(self, authorization: str | None, scope: Scope, count: int = 1,
               openai: bool = False) -> tuple[Caller, dict[str, str]]:
         """Identify, then take `count` tokens: the caller and its rate-limit headers."""
-        caller = self.identify(authorization, client, openai)
+        caller = self.identify(authorization, scope, openai)
         return caller, self.tenancy.take_token(caller, count)
 
     def ok(self, model: str, latency_s: float) -> None:

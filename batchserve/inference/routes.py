@@ -24,7 +24,7 @@ from batchserve.core.handler import InferenceHandler
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import (client_host, error_body, error_response, inference_headers, json_response,
+from batchserve.http.body import (error_body, error_response, inference_headers, json_response,
                                   new_request_id, read_body_from, request_id_from, send_json)
 from batchserve.http.disconnect import Watcher, disconnect_probe
 from batchserve.http.guards import Guard
@@ -68,7 +68,7 @@ class InferenceEndpoint:
         model_id = "unknown"
         limit_headers: dict[str, str] = {}
         try:
-            caller, limit_headers = guard.admit(headers.get("authorization"), client_host(scope))
+            caller, limit_headers = guard.admit(headers.get("authorization"), scope)
             try:
                 body = await read_body_from(receive, s.max_body_bytes, headers.get("content-length"))
             except ClientDisconnect:
@@ -120,7 +120,7 @@ async def request_status(request: Request) -> Response:
     rt: InferenceHost = request.app.state.rt
     limit_headers: dict[str, str] = {}
     try:
-        caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), client_host(request.scope))
+        caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), request.scope)
         record = rt.requests.get(caller.owner, request.path_params["request_id"])
         if record is None:
             raise errors.request_not_found()

@@ -26,7 +26,7 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import model_aliases
 from batchserve.generation.engine import Engine
-from batchserve.http.body import ascii_count, client_host, error_response, json_response, request_id_of
+from batchserve.http.body import ascii_count, error_response, json_response, request_id_of
 from batchserve.http.guards import Guard
 from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
@@ -72,7 +72,7 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         rt.guard.counted()  # every answer below, whatever its status
         try:
             # OpenAI clients always send a key: with no keys configured, any key is anonymous (as on /v1/embeddings)
-            caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), client_host(request.scope),
+            caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), request.scope,
                                                    openai=True)
             if not rt.settings.jobs_db:
                 raise errors.not_found("batch jobs are disabled on this server (--jobs-db is empty)")

@@ -1,6 +1,6 @@
 """Running one line of an OpenAI batch input file: the same body the online route would answer, built by the
-same code (the embeddings route's `parse`/`answer`, the inference route's `parse_inference`), with each input
-entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item.
+same code (the embeddings wing's `body.parse` and `wire.answer`, the inference route's `parse_inference`), with
+each input entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item.
 
 A line of /v1/chat/completions or /v1/completions runs on the generation engine instead (it has its own
 continuous batching, not the batcher): `generation.complete.complete`, the online route's own code, at tier
@@ -25,8 +25,8 @@ import orjson
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.tiers import BATCH
+from batchserve.embeddings.body import parse as parse_embeddings
 from batchserve.embeddings.wire import answer as embeddings_answer
-from batchserve.embeddings.wire import parse as parse_embeddings
 from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.generation.complete import complete

@@ -24,7 +24,7 @@ from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import client_host, read_body_from, request_id_from, send_json
+from batchserve.http.body import read_body_from, request_id_from, send_json
 from batchserve.http.disconnect import disconnect_probe
 from batchserve.http.guards import Guard
 from batchserve.http.uvicorn_protocol import whole_answer_sender
@@ -148,7 +148,7 @@ class InferEndpoint:
         answer_headers = {"X-Request-ID": request_id}
         model_id = "unknown"
         try:
-            caller = guard.identify(headers.get("authorization"), client_host(scope))
+            caller = guard.identify(headers.get("authorization"), scope)
             try:
                 body = await read_body_from(receive, s.max_body_bytes, headers.get("content-length"))
             except ClientDisconnect:

@@ -22,34 +22,52 @@ def guard(with_key: bool = False, metrics_key: str = "") -> Guard:
     return Guard(Tenancy(keys=keys, anonymous_allowed=True), make_metrics(), metrics_key)
 
 
+def peer(address: str) -> dict:
+    """A request's scope as the guard reads it: the peer's address."""
+    return {"type": "http", "client": (address, 50000)}
+
+
 def sample(g: Guard, model: str, status: str) -> float:
     return g.metrics.registry.get_sample_value("batchserve_requests_total", {"model": model, "status": status}) or 0
 
 
 def test_openai_routes_take_any_key_as_anonymous_when_none_are_configured_and_keep_the_client_address():
     g = guard()
-    caller = g.identify("Bearer sk-whatever", "10.1.2.3", openai=True)
+    caller = g.identify("Bearer sk-whatever", peer("10.1.2.3"), openai=True)
     assert caller.key_id == "" and caller.owner == ANONYMOUS_OWNER + "10.1.2.3"
     with pytest.raises(errors.ApiError) as refused:  # the native routes do not: an unknown key is a mistake
-        g.identify("Bearer sk-whatever", "10.1.2.3")
+        g.identify("Bearer sk-whatever", peer("10.1.2.3"))
     assert refused.value.status == 401
 
 
 def test_a_configured_key_is_checked_on_every_route_alike():
     g = guard(with_key=True)
     for openai in (False, True):
-        assert g.identify(f"Bearer {KEY}", "10.0.0.1", openai=openai).owner == "acme"
+        assert g.identify(f"Bearer {KEY}", peer("10.0.0.1"), openai=openai).owner == "acme"
         with pytest.raises(errors.ApiError):
-            g.identify("Bearer bs_wrong", "10.0.0.1", openai=openai)
+            g.identify("Bearer bs_wrong", peer("10.0.0.1"), openai=openai)
 
 
 def test_admit_takes_count_tokens_and_says_the_limits():
     g = guard(with_key=True)
-    caller, headers = g.admit(f"Bearer {KEY}", "10.0.0.1", count=2)
+    caller, headers = g.admit(f"Bearer {KEY}", peer("10.0.0.1"), count=2)
     assert caller.tenant == "acme" and headers["X-RateLimit-Remaining"] == "0"
     with pytest.raises(errors.ApiError) as limited:
-        g.admit(f"Bearer {KEY}", "10.0.0.1")
+        g.admit(f"Bearer {KEY}", peer("10.0.0.1"))
     assert limited.value.status == 429 and limited.value.code == "RATE_LIMITED"
+
+
+def test_enter_refuses_an_empty_bucket_before_the_body_and_takes_nothing():
+    g = guard(with_key=True)  # a burst of 2
+    caller = g.enter(f"Bearer {KEY}", peer("10.0.0.1"))
+    g.enter(f"Bearer {KEY}", peer("10.0.0.1"))
+    assert g.take(caller, 2)["X-RateLimit-Remaining"] == "0"  # entering took none of the 2
+    with pytest.raises(errors.ApiError) as limited:
+        g.enter(f"Bearer {KEY}", peer("10.0.0.1"))
+    assert limited.value.status == 429 and limited.value.headers["X-RateLimit-Remaining"] == "0"
+    with pytest.raises(errors.ApiError) as unknown:
+        g.enter("Bearer bs_wrong", peer("10.0.0.1"))
+    assert unknown.value.status == 401
 
 
 def test_every_answer_is_counted_once_and_the_model_ones_in_the_metrics():
