@@ -46,8 +46,10 @@ class EmbeddingsHost(Protocol):
 
 
 def embedding_models(rt: EmbeddingsHost) -> list[ModelSpec]:
-    return [spec for spec in rt.registry.specs
-            if (b := rt.backends.get(spec.id)) is not None and b.output_kind == "embedding"]
+    """The versions whose backend makes vectors, in the configured order (read by id: `ModelSpec.id` is
+    computed at each use)."""
+    return [spec for model_id, spec in rt.registry.by_id.items()
+            if (b := rt.backends.get(model_id)) is not None and b.output_kind == "embedding"]
 
 
 def pick_model(rt: EmbeddingsHost, requested: str | None, key_id: str) -> tuple[str, Backend]:

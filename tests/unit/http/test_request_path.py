@@ -147,15 +147,17 @@ async def running() -> AsyncIterator[Any]:
 
 
 async def traced_paths() -> dict[str, tuple[list[str], Cycle]]:
-    requests = {"inference/routes": ("/v1/inference", {"input": "hello", "model": "echo"}),
-                "embeddings/routes": ("/v1/embeddings", {"input": ["one two", "three"], "model": "embed"})}
+    """The path of each request, by the route and body that made it."""
+    requests = [("inference/routes", "/v1/inference", {"input": "hello", "model": "echo"}),
+                ("embeddings/routes", "/v1/embeddings", {"input": ["one two", "three"], "model": "embed"}),
+                ("embeddings/routes", "/v1/embeddings", {"input": "no model named"})]  # the first that embeds
     traced = {}
     async with running() as app:
-        for route, (url, body) in requests.items():
+        for route, url, body in requests:
             await post(app, url, body)  # warm: the path of a request in the steady state
             with route_path(route) as path:
                 cycle = await post(app, url, body)
-            traced[route] = (path, cycle)
+            traced[f"{route} {orjson.dumps(body).decode()}"] = (path, cycle)
     return traced
 
 
