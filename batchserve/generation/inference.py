@@ -37,7 +37,7 @@ from batchserve.core.handler import InferenceHandler
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH
 from batchserve.errors import ApiError, ClientGone
-from batchserve.generation.engine import Engine, SamplingParams, Sequence
+from batchserve.generation.engine import Engine, SamplingParams, Sequence, enabled
 
 log = logging.getLogger("batchserve.generation")
 
@@ -56,9 +56,10 @@ class Door(Protocol):
 
 
 def stepper_models(settings: Settings) -> list[str]:
-    """The model ids whose `/v1/inference` the generation engine answers when the path is the stepper: the
-    smollm2 models (the engine's own model, loaded from the same weights)."""
-    if settings.inference_path != "stepper":
+    """The model ids whose `/v1/inference` the generation engine answers when the path is the stepper and the
+    engine is on: the smollm2 models (the engine's own model, loaded from the same weights). The runtime builds
+    only their backends' shells (no static batch decoder, no warm-up: `backends/loading.py`)."""
+    if settings.inference_path != "stepper" or not enabled(settings):
         return []
     return [spec.id for spec in settings.models if spec.backend == "smollm2"]
 
