@@ -32,6 +32,7 @@ from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.generation.engine import Engine, start_generation
 from batchserve.generation.routes import model_cards
 from batchserve.generation.inference import serve_on_stepper, stepper_models
+from batchserve.generation.inference_records import StepperRecords
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
 from batchserve.metrics import AdmissionWaitCollector, Metrics, make_metrics
@@ -217,7 +218,8 @@ class Runtime:
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
             self.generation = await start_generation(self.settings, self.metrics.registry)
             if self.generation is not None:
-                stepper = serve_on_stepper(self.service, self.generation, self.settings)
+                stepper = serve_on_stepper(self.service, self.generation, self.settings,
+                                           StepperRecords(self.metrics, self.tracing))
                 if stepper is not None:  # no warm-up batch of theirs: the deadlines follow the stepper's answer
                     run_s = stepper.run_s()
                     apply_deadlines(self.settings, max(loaded.measured_s, run_s), "the warm-up batch time"
