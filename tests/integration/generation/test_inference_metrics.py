@@ -137,3 +137,16 @@ def test_stepper_answers_make_the_batch_paths_spans(server: LiveServer, receiver
     assert 1 <= b["gen_ai.usage.output_tokens"] <= MAX_NEW
     assert (batch.end_time_unix_nano - batch.start_time_unix_nano) / 1e6 == pytest.approx(r.json()["compute_ms"],
                                                                                          abs=2.0)
+
+
+def test_each_process_of_a_group_leaves_the_static_backend_unloaded(server_factory) -> None:
+    # `--processes N` loads its models in each child before the runtime starts: the wiring hands them the choice.
+    s = server_factory("--backend", "smollm2", "--processes", "2", "--devices", "2", "--max-new-tokens",
+                       str(MAX_NEW), "--generation-max-seqs", "1", "--generation-max-context", "256",
+                       "--jobs-db", "", timeout=300)
+    with httpx.Client(base_url=s.url, timeout=120) as c:
+        wait_until(lambda: c.get("/readyz").status_code == 200, timeout=240, every=0.2)
+        r = c.post("/v1/inference", json={"input": "Hi", "timeout_ms": 60000})
+        assert r.status_code == 200 and r.json()["output"], r.text
+    wait_until(lambda: s.log().count("not loading smollm2@v1's batch backend") == 2, timeout=240, every=0.2)
+    assert "loading smollm2@v1 (backend smollm2)" not in s.log() and "warm-up round" not in s.log(), s.log()
