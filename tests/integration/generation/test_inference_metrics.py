@@ -69,6 +69,18 @@ def test_the_static_batch_backend_is_neither_loaded_nor_warmed(server: LiveServe
     assert r.status_code == 200 and r.json()["output"], r.text
 
 
+def test_kserve_reads_the_shell_and_answers_through_the_stepper(server: LiveServer) -> None:
+    name = model_id(server).split("@")[0]
+    assert httpx.get(server.url + f"/v2/models/{name}/ready").status_code == 200
+    assert httpx.get(server.url + f"/v2/models/{name}").json()["outputs"][0]["datatype"] == "BYTES"
+    generated = httpx.get(server.url + "/internal/generation").json()["generated_tokens"]
+    body = {"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}],
+            "parameters": {"timeout": 60_000_000}}
+    r = httpx.post(server.url + f"/v2/models/{name}/infer", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"][0], r.text
+    assert httpx.get(server.url + "/internal/generation").json()["generated_tokens"] > generated  # the engine's
+
+
 def test_a_batch_job_runs_with_no_static_backend(server: LiveServer) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as c:
         job = c.post("/v1/batches", json={"inputs": PROMPTS[:2]})
