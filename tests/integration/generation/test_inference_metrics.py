@@ -7,6 +7,7 @@ stay as they were). A live server with the real weights on the CPU, tracing to a
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import secrets
 
 import httpx
@@ -55,6 +56,7 @@ def infer(server: LiveServer, text: str, **kw: object) -> httpx.Response:
 
 
 def test_the_static_batch_backend_is_neither_loaded_nor_warmed(server: LiveServer) -> None:
+    wait_until(lambda: "batchserve ready: " in server.log(), timeout=10)  # the log reader may be a line behind /readyz
     log = server.log()
     model = model_id(server)
     assert f"not loading {model}'s batch backend" in log, log
@@ -63,8 +65,17 @@ def test_the_static_batch_backend_is_neither_loaded_nor_warmed(server: LiveServe
     card = next(c for c in httpx.get(server.url + "/v1/models").json()["data"] if c["id"] == model)
     assert card["output_kind"] == "text"
     assert httpx.get(server.url + "/readyz").status_code == 200
-    timeout_ms = httpx.get(server.url + "/internal/health").json()["timeout_ms"]
-    assert timeout_ms > 2000, timeout_ms  # derived from the stepper's answer time, past the sim's default
+    # The deadlines left unset follow an answer's time on the stepper: (max_new_tokens + 2) warm-up steps.
+    step = re.search(r"generation ready: .*, ([\d.]+) ms/step", log)
+    derived = re.search(r"deadlines from the stepper's answer time (\d+) ms: slo_ms=(\d+) \(derived\) "
+                        r"timeout_ms=(\d+) \(derived\)", log)
+    assert step and derived, log
+    answer_ms, slo_ms, timeout_ms = (float(x) for x in derived.groups())
+    assert answer_ms == pytest.approx((MAX_NEW + 2) * float(step.group(1)), abs=MAX_NEW + 2)  # ms/step rounded
+    assert slo_ms == pytest.approx(max(200, 3 * answer_ms), abs=2)
+    assert timeout_ms == pytest.approx(min(60000, max(2000, 10 * answer_ms, slo_ms)), abs=5)
+    h = httpx.get(server.url + "/internal/health").json()
+    assert (h["slo_ms"], h["timeout_ms"]) == (slo_ms, timeout_ms)
     r = infer(server, "Hi")  # the body names no timeout: the derived default must leave room for the answer
     assert r.status_code == 200 and r.json()["output"], r.text
 
