@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             from batchserve.app import create_app
+            from batchserve.generation.inference import stepper_models
 
-            return serve_processes(settings, create_app)
+            return serve_processes(settings, create_app, tuple(stepper_models(settings)))
         except (ValueError, OSError) as exc:
             print(f"batchserve: error: {exc}", file=sys.stderr)
             return 2 if isinstance(exc, ValueError) else 1

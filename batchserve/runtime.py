@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 
 from batchserve import errors
 from batchserve.backends import Backend, PluginError
+from batchserve.backends.warmup import apply_deadlines
 from batchserve.backends.loading import (EXIT_BACKEND_FAILED, EXIT_STARTUP_FAILED, LOAD_THREAD, LoadedModels,
                                         load_models)
 from batchserve.core.batch_time import BatchTimes
@@ -30,7 +31,8 @@ from batchserve.core.service import InferenceService
 from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.generation.engine import Engine, start_generation
 from batchserve.generation.routes import model_cards
-from batchserve.generation.inference import serve_on_stepper
+from batchserve.generation.inference import serve_on_stepper, stepper_models
+from batchserve.generation.inference_records import StepperRecords
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
 from batchserve.metrics import AdmissionWaitCollector, Metrics, make_metrics
@@ -189,11 +191,11 @@ class Runtime:
         """Load and warm the backends off the event loop while the port is already open (or take the ones the
         caller loaded), then start the workers; /healthz is 200 throughout, /readyz turns 200 after."""
         try:
-            loaded = self.loaded or await in_daemon_thread(lambda: load_models(self.settings), LOAD_THREAD)
+            elsewhere = stepper_models(self.settings)  # answered by the engine: their batch backends stay shells
+            loaded = self.loaded or await in_daemon_thread(lambda: load_models(self.settings, elsewhere),
+                                                          LOAD_THREAD)
             self.loaded = loaded
-            # The warm-up may have derived the SLO the user left unset (warmup.apply_deadlines).
-            self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000
-            self.batcher.latency_fit_s = self.admission.slo_s * self.settings.admission_slack / 2
+            self._deadlines_changed()  # the warm-up may have derived the SLO the user left unset
             self.backends.update(loaded.backends)
             for model, seconds in loaded.batch_s.items():
                 self.batcher.batch_s.seed(model, seconds)
@@ -216,7 +218,13 @@ class Runtime:
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
             self.generation = await start_generation(self.settings, self.metrics.registry)
             if self.generation is not None:
-                serve_on_stepper(self.service, self.generation, self.settings)
+                stepper = serve_on_stepper(self.service, self.generation, self.settings,
+                                           StepperRecords(self.metrics, self.tracing))
+                if stepper is not None:  # no warm-up batch of theirs: the deadlines follow the stepper's answer
+                    run_s = stepper.run_s()
+                    apply_deadlines(self.settings, max(loaded.measured_s, run_s), "the warm-up batch time"
+                                    if loaded.measured_s > run_s else "the stepper's answer time")
+                    self._deadlines_changed()
             self.service.attach(self.pool)
             self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry, self.prompt_tokens,
                                               self.generation)
@@ -236,6 +244,12 @@ class Runtime:
             log.error("start-up failed: %s", self.startup_error)
             if self.on_startup_failure is not None:
                 self.on_startup_failure(self.startup_error, EXIT_STARTUP_FAILED)
+
+    def _deadlines_changed(self) -> None:
+        """The SLO (and default timeout) may have been derived from a measured batch or answer time
+        (`warmup.apply_deadlines`): the batcher and admission pace by it."""
+        self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000
+        self.batcher.latency_fit_s = self.admission.slo_s * self.settings.admission_slack / 2
 
     async def _tick(self) -> None:
         last_answered, last_time = self.guard.answered, time.monotonic()

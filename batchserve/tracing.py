@@ -14,6 +14,9 @@ skip one `is None` test (the SDK is not even imported, so the `otel` extra is op
 - The workers (`gpu_pool.py`) record a span per batch, `batch <model>`, from hand-off to outcome, linked to the
   request span of every item it carried (a batch serves many traces: links, not a parent), with its size,
   worker and flush cause; each item's `queue` span links back to it.
+- A generative model's `/v1/inference` on the generation engine's stepper (`generation/inference_records.py`)
+  gets the same spans: the request span's attributes, a `queue` span, and a `batch <model>` span per sequence
+  (worker `stepper`, cause `joined`, size the rows of the step it joined, `batchserve.path` = `stepper`).
 
 Everything the SDK's environment variables configure (endpoint, headers, sampler, service name, batch export
 delay) is left to them. The exporter runs on the SDK's own thread; spans are handed to it in batches.
@@ -129,15 +132,17 @@ class Tracing:
     # -- the workers ---------------------------------------------------------------------------------------------
     @_never_raises
     def batch(self, model: str, size: int, worker: str, cause: str, started: float, ended: float,
-              requests: Iterable[object], failed: str | None = None) -> "SpanContext | None":
-        """A span for one batch run, linked to the request spans of the items it carried."""
+              requests: Iterable[object], failed: str | None = None,
+              attributes: Mapping[str, str | int | float] | None = None) -> "SpanContext | None":
+        """A span for one batch run, linked to the request spans of the items it carried (`attributes`: the
+        path's own, e.g. a stepper sequence's rows and tokens)."""
         contexts = {c.span_id: c for c in requests if c is not None}  # type: ignore[attr-defined]
         links = [self._link(c) for c in contexts.values()]
         span = self.tracer.start_span(f"batch {model}", start_time=wall_ns(started), links=links,
                                       kind=self._kind.INTERNAL, attributes={
                                           "batchserve.model": model, "gen_ai.request.model": model,
                                           "batchserve.batch.size": size, "batchserve.worker": worker,
-                                          "batchserve.batch.cause": cause})
+                                          "batchserve.batch.cause": cause, **(attributes or {})})
         if failed is not None:
             span.set_status(self._error, failed[:200])
         span.end(end_time=wall_ns(ended))

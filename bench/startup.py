@@ -1,6 +1,7 @@
 """How a server starts, as an operator's probes see it: seconds from the process's start to the port opening
 (uvicorn's "running on" line), to the first `/healthz` 200 (liveness) and to the first `/readyz` 200 (loaded
-and warmed), and the log's stage lines with their times. With `--code DIR` (repeatable) the same start is
+and warmed), the resident memory of the server's process tree when it turned ready, and the log's stage lines
+with their times. With `--code DIR` (repeatable) the same start is
 measured for another tree of the code (e.g. `git archive <commit> | tar -x -C DIR`), run before this
 checkout's, so a change to the start-up order is seen on the same machine in one run.
 
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from bench import common, report, servers  # noqa: E402
 
 STAGE = re.compile(r"^(\S+ \S+) INFO batchserve\S* (converting .*|loading .*|loaded .*|set up .*|warm-up round .*|"
-                   r"warmed .*|deadlines .*|ready: .*)$")
+                   r"warmed .*|deadlines .*|not loading .*|generation ready: .*|ready: .*)$")
 
 
 @dataclass
@@ -38,7 +39,23 @@ class Start:
     ready_s: float = float("nan")  # first GET /readyz 200
     healthz_refused: int = 0  # /healthz tries refused before the port opened (one every poll interval)
     readyz_503: int = 0  # /readyz answered 503 (the port open, the models not ready)
+    rss_mb: float = float("nan")  # resident memory of the server and its children at the first /readyz 200
     stages: list[str] = field(default_factory=list)
+
+
+def tree_rss_mb(pid: int) -> float:
+    """VmRSS of the process and its descendants (a `--executor process` server's device processes), MiB."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status", "rb") as f:
+                total += next((int(line.split()[1]) for line in f if line.startswith(b"VmRSS:")), 0) / 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # exited meanwhile
+            continue
+    return total
 
 
 def status(url: str) -> int:
@@ -81,6 +98,7 @@ def measure(code: str, cmd: list[str], pythonpath: str, log_path: Path, poll_s: 
                 ready = status(server.base + "/readyz")
                 if ready == 200:
                     out.ready_s = time.monotonic() - began
+                    out.rss_mb = tree_rss_mb(server.proc.pid)
                     break
                 out.readyz_503 += ready == 503
             time.sleep(poll_s)
@@ -99,8 +117,8 @@ def markdown(rep: dict, runs: list[Start]) -> str:
              f"Machine: {prov['machine']}.", f"Code: {prov['git']}.",
              f"Settings: {rep['settings']}.", "",
              report.table(["code", "port open s", "first /healthz 200 s", "first /readyz 200 s",
-                           "/healthz refused (polls)", "/readyz 503 (polls)"],
-                          [[r.code, r.port_s, r.healthz_s, r.ready_s, r.healthz_refused, r.readyz_503]
+                           "RSS at ready MiB", "/healthz refused (polls)", "/readyz 503 (polls)"],
+                          [[r.code, r.port_s, r.healthz_s, r.ready_s, r.rss_mb, r.healthz_refused, r.readyz_503]
                            for r in runs])]
     for r in runs:
         lines += ["", f"Stages logged ({r.code}):", "", "```", *r.stages, "```"]
@@ -134,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, (label, path) in enumerate(trees):
             print(f"-- {label}: {a.backend} ...", flush=True)
             run = measure(label, cmd, path, logs / f"{i}-{a.backend}.log", a.poll_s, a.timeout)
-            print(f"   port {run.port_s:.2f} s, /healthz {run.healthz_s:.2f} s, /readyz {run.ready_s:.2f} s",
-                  flush=True)
+            print(f"   port {run.port_s:.2f} s, /healthz {run.healthz_s:.2f} s, /readyz {run.ready_s:.2f} s, "
+                  f"RSS {run.rss_mb:.0f} MiB", flush=True)
             runs.append(run)
     rep["runs"] = [asdict(r) for r in runs]
     md = markdown(rep, runs)

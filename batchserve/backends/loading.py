@@ -10,6 +10,12 @@ learned batch time starts from the median of the rounds after the first (per bat
 backend timed them), and the SLO and default timeout the user left unset follow
 from it (`warmup.apply_deadlines`). From the first real batch on, the batcher's moving average of the batch
 cycle as the event loop sees it takes over.
+
+A model whose batches never reach the workers (`elsewhere`: smollm2 while the generation engine's stepper answers
+its `/v1/inference`, `generation/inference.py`) is built as its plugin's `shell` only (devices, buckets, costs,
+output kind: what the routes, the door and the model cards read of it) and neither set up, warmed nor checked:
+loading and warming SmolLM2's static batch decoder cost start-up time and a model replica's memory for batches
+that never come.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Collection
 
 from batchserve.backends import Backend, PluginError, describe
 from batchserve.errors import short as errors_short
@@ -53,19 +60,33 @@ class LoadedModels:
     batch_s_by_size: dict[str, dict[int, float]]  # model id -> batch seconds by size the warm-up measured
     max_batch: dict[str, int]  # model id -> most inputs per batch (the server's, or the plugin's if lower)
     rules: dict[str, OutputRule] | None = None  # model id -> its outputs' rule, checked on the warm-up answers
+    measured_s: float = 0.0  # the slowest measured warm-up batch time (the deadlines were derived from it); 0: none
 
 
-def load_models(settings: Settings) -> LoadedModels:
-    """Everything the workers need, ready to serve; PluginError (one line) when a backend cannot be served."""
+def load_models(settings: Settings, elsewhere: Collection[str] = ()) -> LoadedModels:
+    """Everything the workers need, ready to serve; PluginError (one line) when a backend cannot be served.
+    The models in `elsewhere` are answered by another path: their backend is a shell, not loaded or warmed."""
     backends: dict[str, Backend] = {}
+    shells: dict[str, Backend] = {}
     for spec in settings.models:
+        if spec.id in elsewhere:
+            shells[spec.id] = make_backend(spec, settings, shell=True)
+            log.info("not loading %s's batch backend: its /v1/inference runs elsewhere (--inference-path)", spec.id)
+            continue
         log.info("loading %s (backend %s)", spec.id, spec.backend)
         started = time.perf_counter()
         backends[spec.id] = make_backend(spec, settings)
         log.info("loaded %s in %.1f s", spec.id, time.perf_counter() - started)
-    default = backends[settings.models[0].id]
+    loaded = _load(settings, backends, {**shells, **backends})
+    loaded.backends = {spec.id: loaded.backends[spec.id] for spec in settings.models}  # the models' order
+    return loaded
+
+
+def _load(settings: Settings, backends: dict[str, Backend], every: dict[str, Backend]) -> LoadedModels:
+    """Set up, warm and check `backends` on the default model's devices; `every` adds the shells."""
+    default = every[settings.models[0].id]
     devices = default.device_names()
-    for model, backend in backends.items():
+    for model, backend in every.items():
         if len(backend.device_names()) < len(devices):
             raise backend.source.error(
                 f"model {model} has {len(backend.device_names())} device(s) but the default model has "
@@ -74,7 +95,7 @@ def load_models(settings: Settings) -> LoadedModels:
     _on_every_device(threads, backends, "setup")
     by_size: dict[str, dict[int, float]] = {model: {} for model in backends}
     warm_s = _on_every_device(threads, backends, "warm", by_size)
-    rules = {model: OutputRule(b.output_kind) for model, b in backends.items()}
+    rules = {model: OutputRule(b.output_kind) for model, b in every.items()}
     _on_every_device(threads, backends, "check", rules=rules)
     batch_s = {model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
                for model, b in backends.items()}
@@ -82,8 +103,9 @@ def load_models(settings: Settings) -> LoadedModels:
     if measured:
         apply_deadlines(settings, max(measured.values()))
     max_batch = {model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size)
-                 for model, b in backends.items()}
-    return LoadedModels(backends, devices, threads, batch_s, by_size, max_batch, rules)
+                 for model, b in every.items()}
+    return LoadedModels(dict(every), devices, threads, batch_s, by_size, max_batch, rules,
+                        max(measured.values(), default=0.0))
 
 
 def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend], step: str,

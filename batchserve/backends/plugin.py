@@ -242,10 +242,13 @@ def _devices(obj: object | None, settings: Settings, err: Callable[[str], Except
     return list(given)
 
 
-def make_backend(spec: ModelSpec, settings: Settings) -> Backend:
+def make_backend(spec: ModelSpec, settings: Settings, shell: bool = False) -> Backend:
     """Resolve, build and adapt the backend of one model version; PluginError when it cannot be served. With
-    `--executor process` its batches run in one spawned process per device (process.py)."""
+    `--executor process` its batches run in one spawned process per device (process.py). `shell`: the
+    plugin's `shell(settings)` only (no model; its batches run elsewhere), in this process."""
     resolved = resolve_backend(spec.backend)
+    if shell:
+        return adapt(resolved, spec, settings, shell=True)
     if settings.executor == "process":
         from batchserve.backends.process import ProcessBackend
 

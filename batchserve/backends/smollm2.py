@@ -244,7 +244,10 @@ class SmolLM2Backend:
 
     @classmethod
     def shell(cls, s: Settings) -> "SmolLM2Backend":
-        """Devices and buckets, no model: the server's side of `--executor process`."""
+        """Devices and buckets, no model: the server's side of `--executor process`, or the model while the
+        generation engine's stepper answers its `/v1/inference`. The weights are looked up (and converted once)
+        all the same: missing ones fail the start here, in one line (exit 2), as the full backend's load does."""
+        source_dir(s)
         return cls(devices=pick_devices(s.devices), max_new_tokens=s.max_new_tokens)
 
     def bucket_of(self, text: str) -> int:
@@ -305,6 +308,8 @@ class SmolLM2Backend:
         return prompt_ids(self.tokenizer, inputs)
 
     def batch(self, inputs: list[str], device: str) -> list[str]:
+        if not self.models and not self.decoders:  # a shell (`--executor process`'s server side, or the stepper answers the model)
+            raise RuntimeError("this smollm2 backend is a shell with no model: its batches run elsewhere")
         if not self.decoders:
             return self.run_generate(device, inputs)
         tokens = self.decoders[self.devices.index(device)].generate(self.encode(inputs), should_stop=self.should_stop)

@@ -83,16 +83,16 @@ def derive_deadlines(settings: Settings, batch_s: float) -> Derived:
     return Derived(slo, timeout)
 
 
-def apply_deadlines(settings: Settings, batch_s: float) -> None:
-    """Set the SLO and default timeout the user left unset from the slowest model's stable warm-up batch time,
+def apply_deadlines(settings: Settings, batch_s: float, measured: str = "the warm-up batch time") -> None:
+    """Set the SLO and default timeout the user left unset from the slowest model's stable warm-up batch time
+    (or, for a model the generation engine's stepper answers, an answer's time there: `measured` says which),
     and say so in the log (with a warning when no request could ever be served in time)."""
     derived = derive_deadlines(settings, batch_s)
     if derived.slo_ms is not None:
         settings.slo_ms = derived.slo_ms
     if derived.timeout_ms is not None:
         settings.timeout_ms = derived.timeout_ms
-    log.info("deadlines from the warm-up batch time %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)",
-             batch_s * 1000, settings.slo_ms, "derived" if derived.slo_ms is not None else "set",
+    log.info("deadlines from %s %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)", measured, batch_s * 1000, settings.slo_ms, "derived" if derived.slo_ms is not None else "set",
              settings.timeout_ms, "derived" if derived.timeout_ms is not None else "set")
     if batch_s * 1000 >= settings.max_timeout_ms:
         log.warning("a batch takes %.0f ms, longer than --max-timeout-ms %.0f: every request will be refused "

@@ -37,7 +37,8 @@ from batchserve.core.handler import InferenceHandler
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH
 from batchserve.errors import ApiError, ClientGone
-from batchserve.generation.engine import Engine, SamplingParams, Sequence
+from batchserve.generation.engine import Engine, SamplingParams, Sequence, enabled
+from batchserve.generation.inference_records import StepperRecords
 
 log = logging.getLogger("batchserve.generation")
 
@@ -56,19 +57,22 @@ class Door(Protocol):
 
 
 def stepper_models(settings: Settings) -> list[str]:
-    """The model ids whose `/v1/inference` the generation engine answers when the path is the stepper: the
-    smollm2 models (the engine's own model, loaded from the same weights)."""
-    if settings.inference_path != "stepper":
+    """The model ids whose `/v1/inference` the generation engine answers when the path is the stepper and the
+    engine is on: the smollm2 models (the engine's own model, loaded from the same weights). The runtime builds
+    only their backends' shells (no static batch decoder, no warm-up: `backends/loading.py`)."""
+    if settings.inference_path != "stepper" or not enabled(settings):
         return []
     return [spec.id for spec in settings.models if spec.backend == "smollm2"]
 
 
 @dataclass
 class Joined:
-    """When a sequence joined the stepper and how many sequences shared the step it joined."""
+    """When a sequence joined the stepper and how many sequences shared the step it joined; its span, once
+    traced (for the request's `queue` span to link to)."""
 
     at: float = 0.0
     rows: int = 0
+    span: object = None
 
 
 class StepperInference:
@@ -76,12 +80,15 @@ class StepperInference:
 
     def __init__(self, engine: Engine, max_new_tokens: int, requests: RequestLog | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 encode: Callable[[list[str]], list[list[int]]] | None = None) -> None:
-        """`encode` (default: `smollm2.prompt_ids` with the engine's tokenizer) shapes inputs into prompts."""
+                 encode: Callable[[list[str]], list[list[int]]] | None = None,
+                 records: StepperRecords | None = None) -> None:
+        """`encode` (default: `smollm2.prompt_ids` with the engine's tokenizer) shapes inputs into prompts;
+        `records`: the metrics and spans each answer feeds (`inference_records.py`)."""
         self.engine = engine
         self.params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
         self.requests = requests
         self.clock = clock
+        self.records = records if records is not None else StepperRecords()
         if encode is None:
             from batchserve.backends.smollm2 import prompt_ids
 
@@ -106,7 +113,8 @@ class StepperInference:
             self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inference-tokenize")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts)
 
-    def _submit(self, ids: list[int], tier: int, left_s: float, joined: Joined) -> Sequence:
+    def _submit(self, ids: list[int], model: str, tier: int, arrived: float, left_s: float,
+                joined: Joined) -> Sequence:
         """Admit one prompt with `left_s` of its deadline left, or raise the 503 / 504 that fits."""
         run_s = self.run_s()
         if run_s >= left_s:
@@ -116,19 +124,26 @@ class StepperInference:
 
         def started(seq: Sequence) -> None:
             joined.at, joined.rows = seq.started, len(self.engine.running)
+            self.records.joined(model, tier, joined.at - arrived, joined.rows)
 
         return self.engine.submit(ids, self.params, tier=tier, streamed=False, max_wait_s=left_s - run_s,
                                   start_by_s=left_s, keep_tokens=True, on_start=started)
 
-    async def _answer(self, seq: Sequence, joined: Joined, arrived: float) -> ItemResult:
-        """Wait for the sequence's one delta (its end) and make the batch path's answer of it."""
+    async def _answer(self, seq: Sequence, joined: Joined, arrived: float, model: str,
+                      trace: object = None) -> ItemResult:
+        """Wait for the sequence's one delta (its end) and make the batch path's answer of it; its compute time
+        and span go to `records` (`trace`: the request's span context)."""
         delta = await seq.deltas.get()
+        end = max(seq.last_token, joined.at)  # its last token, as the engine saw it arrive
         if delta.error is not None:
+            if joined.at:  # it ran: its span says how it ended
+                joined.span = self.records.ended(model, joined.at, end, joined.rows, len(seq.token_ids or []),
+                                                 trace, str(delta.error))
             raise delta.error
         if delta.finish_reason == "cancelled":
             raise ClientGone()
         text = self.engine.tokenizer.decode(seq.token_ids or [], skip_special_tokens=True).strip()
-        end = max(seq.last_token, joined.at)  # its last token, as the engine saw it arrive
+        joined.span = self.records.ended(model, joined.at, end, joined.rows, len(seq.token_ids or []), trace)
         return ItemResult(text, max(0.0, joined.at - arrived), end - joined.at, joined.rows)
 
     # -- InferenceHandler ------------------------------------------------------------------------------------
@@ -140,26 +155,30 @@ class StepperInference:
                          arrived: float, request_id: str, gone: Callable[[], bool] | None = None,
                          owner: str = "") -> list[ItemResult]:
         """Every input as a sequence of its own, admitted together (one refused: the others are withdrawn)."""
-        prompts = await self.prompts(texts)
+        trace = self.records.admitted(model, tier)
         deadline = arrived + timeout_s
         seqs: list[tuple[Sequence, Joined]] = []
         try:
+            prompts = await self.prompts(texts)
             for ids in prompts:
                 joined = Joined()
-                seqs.append((self._submit(ids, tier, deadline - self.clock(), joined), joined))
-        except ApiError:
+                seqs.append((self._submit(ids, model, tier, arrived, deadline - self.clock(), joined), joined))
+        except ApiError as err:
             for seq, _ in seqs:
                 self.engine.cancel(seq, "withdrawn")
+            self.records.refused(model, arrived, err.code)
             raise
         record = self.requests.add(owner or tenant, request_id, model) if self.requests is not None else None
         if gone is not None:
             for seq, _ in seqs:
                 self._watch(seq, gone)
         try:
-            results = list(await asyncio.gather(*(self._answer(seq, joined, arrived) for seq, joined in seqs)))
+            results = list(await asyncio.gather(*(self._answer(seq, joined, arrived, model, trace)
+                                                  for seq, joined in seqs)))
         except ApiError as err:
             if record is not None:
                 record.status, record.error = "failed", err.code
+            self.records.refused(model, arrived, err.code, next((j.span for _, j in seqs if j.span), None))
             raise
         except ClientGone:
             if record is not None:
@@ -170,6 +189,8 @@ class StepperInference:
                 self._watched.pop(seq, None)
                 if not seq.finished:
                     self.engine.cancel(seq, "withdrawn")
+        for (_, joined), result in zip(seqs, results):  # a `queue` span per input, linked to its sequence's
+            self.records.answered(model, arrived, result.queue_s, joined.span)
         if record is not None:
             last = results[-1]
             record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
@@ -200,12 +221,13 @@ class StepperInference:
             def started(s: Sequence) -> None:
                 joined.at, joined.rows = s.started, len(self.engine.running)
                 item.dispatched = s.started
+                self.records.joined(item.model, item.tier, joined.at - item.arrived, joined.rows)
 
             left_s = item.deadline - self.clock()
             seq = self.engine.submit(ids, self.params, tier=item.tier, streamed=False,
                                      max_wait_s=max(0.0, left_s - self.run_s()), start_by_s=left_s,
                                      keep_tokens=True, on_start=started)
-            result = await self._answer(seq, joined, item.arrived)
+            result = await self._answer(seq, joined, item.arrived, item.model)
             if not item.future.done():
                 item.future.set_result(result)
         except asyncio.CancelledError:  # the scheduler took the item back
@@ -240,12 +262,14 @@ class StepperInference:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def serve_on_stepper(door: Door, engine: Engine, settings: Settings) -> StepperInference | None:
-    """Hand the stepper models' `/v1/inference` (and batch-job items) to the engine, through the door."""
+def serve_on_stepper(door: Door, engine: Engine, settings: Settings,
+                     records: StepperRecords | None = None) -> StepperInference | None:
+    """Hand the stepper models' `/v1/inference` (and batch-job items) to the engine, through the door; their
+    answers feed `records` (the batch path's histograms and spans)."""
     models = stepper_models(settings)
     if not models:
         return None
-    handler = StepperInference(engine, settings.max_new_tokens, door.requests)
+    handler = StepperInference(engine, settings.max_new_tokens, door.requests, records=records)
     for model in models:
         door.serve_with(model, handler)
     log.info("/v1/inference of %s on the generation engine's stepper (--inference-path stepper)",

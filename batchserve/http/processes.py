@@ -118,8 +118,9 @@ def _die_with_parent() -> None:
 
 
 def child_main(settings: Settings, app_factory: AppFactory, index: int, share: Share, port: int, own_port: int,
-               draining: Event, listening: Event) -> None:
-    """One child: load and warm its models on its devices, then serve the shared port and its own."""
+               draining: Event, listening: Event, elsewhere: tuple[str, ...] = ()) -> None:
+    """One child: load and warm its models on its devices (`elsewhere`: those answered by another path, built as
+    shells: `backends/loading.py`), then serve the shared port and its own."""
     _die_with_parent()
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only, which drains the group in order
     if share.cuda_visible is not None:
@@ -139,7 +140,7 @@ def child_main(settings: Settings, app_factory: AppFactory, index: int, share: S
     settings = replace(settings, port=port, devices=share.devices, processes=1,
                        process_slot=ProcessSlot(index, settings.processes, own_port))
     try:
-        loaded = load_models(settings)
+        loaded = load_models(settings, elsewhere)
     except PluginError as exc:
         print(f"batchserve: error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -159,9 +160,10 @@ class Slot:
     started_at: float = 0.0
 
 
-def serve_processes(settings: Settings, app_factory: AppFactory) -> int:
+def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tuple[str, ...] = ()) -> int:
     """Start the children, replace any that exits on its own, drain them all on SIGTERM/SIGINT. 0 after a
-    clean drain; a child's status when one could not start."""
+    clean drain; a child's status when one could not start. `elsewhere`: the models whose batch backends the
+    children build as shells (the wiring's choice: smollm2 on the generation engine's stepper)."""
     shares = device_shares(settings)
     if settings.jobs_db and not is_postgres_url(settings.jobs_db):
         # The default SQLite job store belongs to one process, and the shared port would send a job's GET to a
@@ -182,7 +184,8 @@ def serve_processes(settings: Settings, app_factory: AppFactory) -> int:
         slot.listening = ctx.Event()
         own = settings.process_port_base + slot.index if settings.process_port_base else 0
         slot.process = ctx.Process(target=child_main, name=f"batchserve-{slot.index}",
-                                   args=(settings, app_factory, slot.index, slot.share, port, own, draining, slot.listening))
+                                   args=(settings, app_factory, slot.index, slot.share, port, own, draining, slot.listening,
+                                         elsewhere))
         slot.started_at = time.monotonic()
         slot.process.start()
 

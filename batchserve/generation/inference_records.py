@@ -1,0 +1,109 @@
+"""What a `/v1/inference` input answered on the generation engine's stepper (`generation/inference.py`) books in
+the server's metrics and traces, so that it shows in the same series and spans as one answered by a batch.
+
+Why: an operator's dashboards and alerts read `batchserve_queue_wait_seconds`, `batchserve_batch_compute_seconds`
+and `batchserve_batch_size` per model, and a trace of a `/v1/inference` request has a `queue` span linked to the
+`batch <model>` span that carried it. With `--inference-path stepper` (the default for smollm2) none of it was
+recorded: the model looked idle while it answered.
+
+On the stepper a sequence is its own "batch": it joins the running continuous batch and leaves at its end.
+- `batchserve_queue_wait_seconds{model}`: arrival to joining the stepper (interactive tiers only: batch-job items
+  wait for spare capacity by design, as on the batch path), observed when it joins;
+- `batchserve_batch_size{model}`: the rows of the step it joined (itself included), observed when it joins: one
+  observation per sequence, not per batch;
+- `batchserve_batch_compute_seconds{model}`: joining to its last token, observed when it is answered;
+- `batchserve_requests_total` and `batchserve_request_duration_seconds` are the route's, as on the batch path.
+
+Traces: the request span gets the model, tier and outcome (`Tracing.admitted` / `answered`, as the door does), a
+`queue` child span linked to a `batch <model>` span per sequence (worker `stepper`, cause `joined`, size the rows
+it joined) with the stepper's own attributes: `batchserve.path` = `stepper`, `batchserve.stepper.rows` (the
+rows sharing the step it joined) and `gen_ai.usage.output_tokens`.
+
+Everything here runs on the event loop (the engine calls a sequence's `on_start` there), the only writer of the
+loop-owned histograms (`metrics.LoopHistogram`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Protocol
+
+from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
+
+WORKER = "stepper"  # the `batchserve.worker` of a sequence's span: the engine's stepper, not a batch worker
+CAUSE = "joined"  # its `batchserve.batch.cause`: it joined the running batch (no flush made it leave)
+
+
+class Histogram(Protocol):
+    def observe(self, value: float) -> None: ...
+
+
+class LabelledHistogram(Protocol):
+    def labels(self, *values: str) -> Histogram: ...
+
+
+class InferenceHistograms(Protocol):
+    """The batch path's per-model histograms (`batchserve.metrics.Metrics`)."""
+
+    @property
+    def queue_wait(self) -> LabelledHistogram: ...
+
+    @property
+    def batch_compute(self) -> LabelledHistogram: ...
+
+    @property
+    def batch_size(self) -> LabelledHistogram: ...
+
+
+class SequenceTracer(Protocol):
+    """What is asked of tracing (`batchserve.tracing.Tracing`, present only when it is on)."""
+
+    def admitted(self, model: str, tier: str) -> object: ...
+
+    def answered(self, model: str, arrived: float, queue_s: float, batch: object, outcome: str) -> None: ...
+
+    def batch(self, model: str, size: int, worker: str, cause: str, started: float, ended: float,
+              requests: Iterable[object], failed: str | None = None,
+              attributes: Mapping[str, str | int | float] | None = None) -> object: ...
+
+
+@dataclass
+class StepperRecords:
+    """The metrics and tracing a stepper answer feeds; either may be absent (a unit test, tracing off)."""
+
+    metrics: InferenceHistograms | None = None
+    tracing: SequenceTracer | None = None
+
+    def admitted(self, model: str, tier: int) -> object:
+        """A request arrived at the stepper: its span context for its sequences' spans (None: no tracing)."""
+        return self.tracing.admitted(model, TIER_NAMES[tier]) if self.tracing is not None else None
+
+    def joined(self, model: str, tier: int, queue_s: float, rows: int) -> None:
+        """A sequence joined the running batch after waiting `queue_s`, sharing its step with `rows` - 1 others."""
+        if self.metrics is None:
+            return
+        self.metrics.batch_size.labels(model).observe(rows)
+        if tier < BATCH.rank:  # job items wait for spare capacity by design: not a queue delay
+            self.metrics.queue_wait.labels(model).observe(queue_s)
+
+    def ended(self, model: str, started: float, ended: float, rows: int, tokens: int, trace: object,
+              failed: str | None = None) -> object:
+        """A sequence that joined at `started` ended at `ended` with `tokens` new tokens (or `failed`): its compute
+        time, and its span linked to the request's; that span's context (for the request's `queue` span)."""
+        if self.metrics is not None and failed is None:
+            self.metrics.batch_compute.labels(model).observe(max(0.0, ended - started))
+        if self.tracing is None:
+            return None
+        return self.tracing.batch(model, rows, WORKER, CAUSE, started, ended, (trace,), failed,
+                                  {"batchserve.path": WORKER, "batchserve.stepper.rows": rows,
+                                   "gen_ai.usage.output_tokens": tokens})
+
+    def answered(self, model: str, arrived: float, queue_s: float, span: object) -> None:
+        """One input of a request answered: its queue wait as a child span of the request, linked to its own."""
+        if self.tracing is not None:
+            self.tracing.answered(model, arrived, queue_s, span, "ok")
+
+    def refused(self, model: str, arrived: float, code: str, span: object = None) -> None:
+        """The request failed with `code` (at the door, or after joining: `span` is then its sequence's)."""
+        if self.tracing is not None:
+            self.tracing.answered(model, arrived, 0.0, span, code)
