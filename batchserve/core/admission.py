@@ -67,7 +67,7 @@ def predicted_latency_s(until_free_s: float, ahead: int, max_batch_size: int, ba
     return until_free_s + (ahead // max_batch_size) * batch_s / max(1, healthy) + own
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass is built through object.__setattr__, ~3x slower per request
 class Prediction:
     """Seconds from now: the request's first batch starts (`wait_s`, the queue part), its first and last
     inputs are answered."""
@@ -262,6 +262,17 @@ class Admission:
                 return True
         return False
 
+    def _surely_in_time(self, model: str, until_free: float, ahead: int, deadline_s: float) -> bool:
+        """Whether a one-input request of a model of one queue is answered before `deadline_s` by any
+        prediction `predict` could make: its batches ahead (at least `limit` inputs each without a budget, at
+        least 1 with one), a partial one and its own, each at most the model's longest batch (`BatchTimes.most`).
+        A request with a deadline this far needs no prediction (the sim's or a count model's usual case);
+        a costed model's line has no top, so it is always predicted."""
+        batcher = self.batcher
+        rows = batcher.limit(model) if batcher.budget(model) == math.inf else 1
+        worst = until_free + (ahead // rows + 2) * batcher.batch_s.most(model)
+        return worst < deadline_s * (1 - 1e-9) - 1e-6  # clear of float rounding in the sums it bounds
+
     def _joined(self, model: str, bucket: int | None, now: float, n: int) -> None:
         if bucket is not None:
             meter = self.class_arrivals.get((model, bucket))
@@ -322,10 +333,17 @@ class Admission:
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
         ahead = batcher.ahead_of(tier, tenant)
-        # The classes' rates only where the prediction can read them: another class of the model is known.
-        rates = self.class_rates(model, now) if bucket is not None and self._classes(model, bucket) else None
-        p = predict(batcher, model, until_free, healthy, ahead, costs, bucket, rates)
         pressure = self._pressure(model, rate, fast_rate, healthy, full_n, batch_s)
+        other_classes = bucket is not None and self._classes(model, bucket)
+        if not pressure and n == 1 and not other_classes and self._surely_in_time(model, until_free, ahead,
+                                                                                   deadline_s):
+            # Without pressure only the deadline can refuse, and no prediction could reach it: admitted as the
+            # prediction would admit it (nothing learned from a request admitted without pressure).
+            self._joined(model, bucket, now, n)
+            return Ticket(False, now)
+        # The classes' rates only where the prediction can read them: another class of the model is known.
+        rates = self.class_rates(model, now) if other_classes else None
+        p = predict(batcher, model, until_free, healthy, ahead, costs, bucket, rates)
         raw_wait_s = p.wait_s
         if pressure:  # the queue part as long as such predictions really turned out lately
             p = p.scaled(self.calibration.factor(model))
@@ -349,7 +367,7 @@ class Admission:
         return Ticket(False, now, raw_wait_s if pressure else None)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built for every admitted request (see Prediction)
 class Ticket:
     """An admitted request: a probe or not, when it was admitted (the door's clock), and the queue wait its
     prediction said before calibration (None where the door did not decide by it: no pressure, an idle worker,

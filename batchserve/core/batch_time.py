@@ -141,6 +141,22 @@ class BatchTimes:
         got = memo[n] = line.read(n)
         return got
 
+    def most(self, model: str) -> float:
+        """The longest any batch of this model is expected to take (`at` of any cost is at most this): the
+        slowest point, or the line read at the model's cap where it rises past them (inf: a costed model's
+        batches are capped by no count, so a rising line has no top). Lets the door skip a prediction that could
+        not matter."""
+        cap = self.caps.get(model, self.max_batch_size)
+        line = self._lines.get(model)
+        if line is None:
+            self.at(model, 1.0)  # builds the line
+            line = self._lines[model]
+        if not line.sizes:
+            return self.seeds.get(model, DEFAULT_SEED_S)
+        if cap == math.inf:
+            return math.inf if line.slope > 0 else max(line.seconds)
+        return max(max(line.seconds), self.at(model, cap))
+
     def lower_bound(self, model: str, size: float) -> float:
         """The least a batch of `size` may be expected to take, for refusing or dropping work that could not
         finish in time: the learned S(size), or the seed (the backend's own guess, or its warm-up time) where

@@ -2,7 +2,8 @@
 
 The hot path's admission was cut by reading less per request: S is remembered per batch cost between two
 batches (`BatchTimes.at`), a one-input request skips the many-batches part of the prediction, the classes' arrival
-rates are read only when the model has another length class, and an idle worker admits before the prediction.
+rates are read only when the model has another length class, an idle worker admits before the prediction, and
+without pressure a request whose deadline no prediction could reach is admitted without one.
 Each is meant to change no decision. Here the prediction as it was written before those cuts (`reference`, copied
 from batchserve at ebee825) and the door with every class rate read are run beside today's code over random
 queues, budgets, learned lines and requests, and must give the same numbers and the same refusals.
@@ -144,9 +145,14 @@ def admit_all(d: Admission, rng: random.Random, clock: Clock) -> list[object]:
     return out
 
 
-def test_the_door_decides_the_same_with_every_class_rate_read(loop, monkeypatch) -> None:
-    """Rates read lazily (only with another class) and the idle worker's early yes change no decision: the same
-    random requests, on twin doors, one forced to read every rate."""
+@pytest.mark.parametrize("forced", ["_classes", "_surely_in_time"])
+def test_the_door_decides_the_same_as_with_every_prediction_made(loop, monkeypatch, forced: str) -> None:
+    """Rates read lazily (only with another class), the idle worker's early yes and the skipped prediction of a
+    request that no prediction could make late change no decision: the same random requests on twin doors, one
+    forced to read every rate and predict every request."""
+    answer = forced == "_classes"  # True: every rate read (and no skip); False: never surely in time
+    skipped = 0
+    real = Admission._surely_in_time
     for seed in range(120):
         results = []
         for force in (False, True):
@@ -159,10 +165,19 @@ def test_the_door_decides_the_same_with_every_class_rate_read(loop, monkeypatch)
                 for bucket in range(rng.randint(1, 3)):
                     d._joined(M, bucket, clock.t, rng.randint(1, 50))
             if force:
-                monkeypatch.setattr(Admission, "_classes", lambda self, model, bucket: True)
+                monkeypatch.setattr(Admission, forced, lambda self, *args: answer)
+            else:
+                def counted(self: Admission, *args: object) -> bool:
+                    nonlocal skipped
+                    got = real(self, *args)
+                    skipped += got
+                    return got
+
+                monkeypatch.setattr(Admission, "_surely_in_time", counted)
             results.append(admit_all(d, rng, clock))
             monkeypatch.undo()
         assert results[0] == results[1], seed
+    assert skipped >= 5  # the shortcut was taken, not only its fallback
 
 
 def test_the_reference_is_not_trivially_equal(loop) -> None:
@@ -172,3 +187,18 @@ def test_the_reference_is_not_trivially_equal(loop) -> None:
     real = predict(b, M, 0.05, 1, 150, [1.0], None, None)
     shifted = reference(b, M, 0.05, 1, 150 + b.full_n(M), [1.0], None, None)
     assert real != shifted
+
+
+def test_the_longest_batch_bounds_every_read(loop) -> None:
+    """`BatchTimes.most` is at least S at any cost (what lets the door skip a prediction), and no bound at all
+    for a costed model whose line rises without a cap."""
+    rng = random.Random(7)
+    for _ in range(200):
+        times = BatchTimes(100, {M: rng.uniform(0.01, 0.3)})
+        for _ in range(rng.randint(0, 5)):
+            times.observe(M, rng.uniform(1, 100), rng.uniform(0.005, 0.5))
+        top = times.most(M)
+        assert all(times.at(M, c) <= top for c in [rng.uniform(0, 300) for _ in range(50)] + [1, 100, 1e9])
+        times.caps[M] = math.inf
+        line = times._lines[M]
+        assert times.most(M) == (math.inf if line.slope > 0 else max(line.seconds, default=times.seeds[M]))
