@@ -180,11 +180,12 @@ async def main_async(a: argparse.Namespace) -> None:
                 fh.write(profiler.output_html() if a.profile.endswith(".html") else profile_text)
     base = statistics.median(runs["bare Starlette"])
     minimal_med = statistics.median(runs["minimal batcher"])
-    lines = [f"| app | CPU µs/req (median of {a.repeats}) | ratio | ÷ minimal batcher | runs |", "|---|---|---|---|---|"]
+    lines = [f"| app | CPU µs/req (median of {a.repeats}) | ratio | ÷ minimal batcher | runs |",
+             "|---|---|---|---|---|"]
     for name, values in runs.items():
         med = statistics.median(values)
-        lines.append(f"| {name} | {med:.1f} | {med / base:.2f} | {med / minimal_med:.2f} | {[round(v, 1) for v in values]}"
-                     + (f" (non-200: {bad[name]})" if bad[name] else "") + " |")
+        lines.append(f"| {name} | {med:.1f} | {med / base:.2f} | {med / minimal_med:.2f} | "
+                     f"{[round(v, 1) for v in values]}" + (f" (non-200: {bad[name]})" if bad[name] else "") + " |")
     md = "\n".join(["# CPU per request of the inference route, in-process (bench/hotpath.py)", "",
                     f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of {BATCH_MS:g} ms; "
                     "runs interleaved; process CPU time (the worker thread included); "
