@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import queue
 import time
 from dataclasses import dataclass, field
@@ -130,12 +131,15 @@ class GpuPool:
     def seconds_until_free(self, now: float) -> float:
         """Time until the first healthy worker should be free again (0 when one is idle)."""
         times = self.batcher.batch_s  # a running batch takes the time of its own size
-        waits = [
-            0.0 if w.batch is None else max(0.0, w.started + times.at(w.batch.model, w.batch_cost) - now)
-            for w in self.workers
-            if w.healthy
-        ]
-        return min(waits) if waits else float("inf")
+        soonest = math.inf  # read on every admission: a loop, not a list and min()
+        for w in self.workers:
+            if w.healthy:
+                if w.batch is None:
+                    return 0.0
+                wait = w.started + times.at(w.batch.model, w.batch_cost) - now
+                if wait < soonest:
+                    soonest = wait
+        return max(0.0, soonest) if soonest != math.inf else soonest
 
     def timeout_s(self, batch: Batch | None = None, cost: float | None = None) -> float:
         """How long `batch` may run before its worker is taken for hung: --gpu-timeout-ms when set, else

@@ -13,6 +13,8 @@ batchserve run. The ratio here is the route's overhead alone; the end-to-end rat
     python -m bench.hotpath                 # ~20 s: table of CPU µs per request
     python -m bench.hotpath --profile /tmp/hotpath.html
     python -m bench.hotpath --record        # the table and a text profile into bench/results/hotpath-<time>.*
+    python -m bench.hotpath --floor         # also the bare endpoint and the minimal batcher as plain ASGI apps
+                                            # (bench/raw_apps.py): the floor without Starlette's machinery
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ async def drive(app: ASGIApp, total: int, concurrency: int) -> tuple[float, floa
 @contextlib.asynccontextmanager
 async def running(app: Any) -> Any:
     starlette = getattr(app, "app", app)  # batchserve's FastPath wraps its Starlette app
+    if not hasattr(starlette, "router"):  # a plain ASGI app of bench/raw_apps.py: no lifespan
+        yield app
+        stop = getattr(app, "stop", None)
+        if stop is not None:
+            stop()
+        return
     async with starlette.router.lifespan_context(starlette):
         yield app
 
@@ -107,7 +115,7 @@ async def batchserve_app() -> Any:
 async def prepare(make: Callable[[], Awaitable[Any]], stack: contextlib.AsyncExitStack) -> Any:
     app = await make()
     await stack.enter_async_context(running(app))
-    rt = getattr(app.state, "rt", None)
+    rt = getattr(getattr(app, "state", None), "rt", None)
     while rt is not None and not rt.ready:
         await asyncio.sleep(0.01)
     return app
@@ -128,6 +136,17 @@ async def main_async(a: argparse.Namespace) -> None:
     async with contextlib.AsyncExitStack() as stack:
         apps = {"bare Starlette": await prepare(bare, stack), "minimal batcher": await prepare(minimal, stack),
                 "batchserve": await prepare(batchserve_app, stack)}
+        if a.floor:
+            from bench import raw_apps
+
+            async def bare_asgi() -> Any:
+                return raw_apps.BareAsgi()
+
+            async def minimal_asgi() -> Any:
+                return raw_apps.MinimalAsgi()
+
+            apps["bare ASGI"] = await prepare(bare_asgi, stack)
+            apps["minimal batcher, ASGI"] = await prepare(minimal_asgi, stack)
         if not a.default_gc:
             # As `batchserve serve` runs (http/server.py): start-up frozen, young collections every 50,000
             # allocations. With CPython's default 700, a hundred requests held across a batch keep their objects
@@ -160,11 +179,13 @@ async def main_async(a: argparse.Namespace) -> None:
             with open(a.profile, "w") as fh:
                 fh.write(profiler.output_html() if a.profile.endswith(".html") else profile_text)
     base = statistics.median(runs["bare Starlette"])
-    lines = [f"| app | CPU µs/req (median of {a.repeats}) | ratio | runs |", "|---|---|---|---|"]
+    minimal_med = statistics.median(runs["minimal batcher"])
+    lines = [f"| app | CPU µs/req (median of {a.repeats}) | ratio | ÷ minimal batcher | runs |",
+             "|---|---|---|---|---|"]
     for name, values in runs.items():
         med = statistics.median(values)
-        lines.append(f"| {name} | {med:.1f} | {med / base:.2f} | {[round(v, 1) for v in values]}"
-                     + (f" (non-200: {bad[name]})" if bad[name] else "") + " |")
+        lines.append(f"| {name} | {med:.1f} | {med / base:.2f} | {med / minimal_med:.2f} | "
+                     f"{[round(v, 1) for v in values]}" + (f" (non-200: {bad[name]})" if bad[name] else "") + " |")
     md = "\n".join(["# CPU per request of the inference route, in-process (bench/hotpath.py)", "",
                     f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of {BATCH_MS:g} ms; "
                     "runs interleaved; process CPU time (the worker thread included); "
@@ -186,6 +207,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=150, help="requests in flight at once (default %(default)s: "
                    "900 requests/s x ~0.16 s; at 100 every request arrived while the worker was between batches)")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--floor", action="store_true", help="also run the bare endpoint and the minimal batcher as "
+                   "plain ASGI apps (bench/raw_apps.py), as batchserve's route is: the floor under its hot path")
     p.add_argument("--default-gc", action="store_true", help="keep CPython's collector thresholds (700) instead of "
                    "the server's (`batchserve.gc_tuning.tune_gc`)")
     p.add_argument("--profile", default="", help="profile the batchserve runs with pyinstrument: write it here "

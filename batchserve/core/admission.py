@@ -67,7 +67,7 @@ def predicted_latency_s(until_free_s: float, ahead: int, max_batch_size: int, ba
     return until_free_s + (ahead // max_batch_size) * batch_s / max(1, healthy) + own
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass is built through object.__setattr__, ~3x slower per request
 class Prediction:
     """Seconds from now: the request's first batch starts (`wait_s`, the queue part), its first and last
     inputs are answered."""
@@ -91,41 +91,56 @@ def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahe
     joining each class: each class forms batches of its own and takes a turn whenever it has items, those that
     arrive while the request waits included."""
     times = batcher.batch_s
-    full_n, limit, budget = batcher.full_n(model), batcher.limit(model), batcher.budget(model)
+    limit, budget = batcher.limit(model), batcher.budget(model)
     unit = batcher.unit.get(model, 1.0)
-
-    def per(cost: float) -> int:  # rows of inputs of this cost in one batch
-        return limit if budget == math.inf else max(1, min(limit, int(budget // cost)))
-
     # Its own batches: inputs of like length (the backend groups them, `bucket_of`), padded to its longest.
     own_unit = max(costs, default=1.0)
-    per_batch = per(own_unit)
     share = max(1, healthy)
-    if bucket is not None and any(m == model and b != bucket and (len(q) or (rates and rates.get(b)))
-                                  for (m, b), q in batcher.queues.items()):
-        return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {}, per)
+    if bucket is not None and _other_class_busy(batcher, model, bucket, rates):
+        return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {},
+                         lambda cost: _rows(limit, budget, cost))
     # One queue (the sim, a plugin without bucket_of, or a costed model whose other classes are quiet): FIFO
     # batches, the formula above; a class's batches at the padded cost of a row, as in the replay.
-    full_s = times[model]
     if bucket is not None:
         row = batcher.row_cost.get((model, bucket), 0.0)
         own_q = batcher.queues.get((model, bucket))
         unit = max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
         own_unit = max(own_unit, row)
-        full_n, per_batch = per(unit), per(own_unit)
+        full_n = _rows(limit, budget, unit)
         full_s = times.at(model, batcher.estimate_cost(model, full_n, unit))
+    else:
+        full_n, full_s = batcher.full_n(model), times[model]
+    per_batch = _rows(limit, budget, own_unit)
+    # A batch's cost is rows x cost within the budget (`Batcher.estimate_cost`), written out: this runs per request.
+    cap = math.inf if budget == math.inf else max(1.0, budget)
     base = until_free_s + (ahead // full_n) * full_s / share
     rem = ahead % full_n
     if rem + 1 > per_batch:  # the partial batch ahead leaves without it
-        base += times.at(model, batcher.estimate_cost(model, rem, unit)) / share
+        base += times.at(model, min(rem * unit, cap)) / share
         rem = 0
-    first = base + times.at(model, batcher.estimate_cost(model, rem + 1, own_unit))
-    total = rem + max(1, len(costs))
+    first = base + times.at(model, min((rem + 1) * own_unit, cap))
+    if len(costs) <= 1:  # one input (nearly every request): the last is the first (the formula gives the same)
+        return Prediction(first, first, base)
+    total = rem + len(costs)
     k = -(-total // per_batch)
     last_rows = total - (k - 1) * per_batch
-    last = (base + (k - 1) * times.at(model, batcher.estimate_cost(model, per_batch, own_unit)) / share
-            + times.at(model, batcher.estimate_cost(model, last_rows, own_unit)))
+    last = (base + (k - 1) * times.at(model, min(per_batch * own_unit, cap)) / share
+            + times.at(model, min(last_rows * own_unit, cap)))
     return Prediction(first, max(first, last), base)
+
+
+def _rows(limit: int, budget: float, cost: float) -> int:
+    """Rows of inputs of this cost in one batch of a model: its limit, or what its budget holds."""
+    return limit if budget == math.inf else max(1, min(limit, int(budget // cost)))
+
+
+def _other_class_busy(batcher: Batcher, model: str, bucket: int, rates: Mapping[int, float] | None) -> bool:
+    """Whether another length class of the model has items queued or inputs joining (then the turns are
+    replayed)."""
+    for (m, b), q in batcher.queues.items():
+        if m == model and b != bucket and (len(q) or (rates and rates.get(b))):
+            return True
+    return False
 
 
 def _by_turns(batcher: Batcher, model: str, until_free_s: float, share: int, ahead: int, costs: Sequence[float],
@@ -205,8 +220,14 @@ class Admission:
         """Arrivals over ~2 s above what the healthy workers serve, or over ~0.25 s well above it (the start of
         a flood, before the slow average sees it), or a worker lost."""
         assert self.capacity is not None
-        healthy = self.capacity.healthy_count()
-        capacity = healthy * self.batcher.full_n(model) / self.batcher.batch_s[model]
+        return self._pressure(model, rate, fast_rate, self.capacity.healthy_count(), self.batcher.full_n(model),
+                              self.batcher.batch_s[model])
+
+    def _pressure(self, model: str, rate: float, fast_rate: float, healthy: int, full_n: int, full_s: float) -> bool:
+        """`under_pressure` with the figures the door has already read: healthy workers, a full batch's inputs
+        and its S."""
+        assert self.capacity is not None
+        capacity = healthy * full_n / full_s
         served = self.batcher.served_rate(model)  # a costed model's batches as they really are
         if served is not None:
             capacity = min(capacity, healthy * served)
@@ -232,6 +253,25 @@ class Admission:
     def class_rates(self, model: str, now: float) -> dict[int, float]:
         """Admitted inputs per second joining each of the model's length classes, lately."""
         return {b: meter.current(now) for (m, b), meter in self.class_arrivals.items() if m == model}
+
+    def _classes(self, model: str, bucket: int) -> bool:
+        """Whether the model has a queue of a length class besides `bucket`: else no class rate can change a
+        prediction (`predict` reads them only for another class's queue, and then replays the turns)."""
+        for m, b in self.batcher.queues:
+            if m == model and b != bucket:
+                return True
+        return False
+
+    def _surely_in_time(self, model: str, until_free: float, ahead: int, deadline_s: float) -> bool:
+        """Whether a one-input request of a model of one queue is answered before `deadline_s` by any
+        prediction `predict` could make: its batches ahead (at least `limit` inputs each without a budget, at
+        least 1 with one), a partial one and its own, each at most the model's longest batch (`BatchTimes.most`).
+        A request with a deadline this far needs no prediction (the sim's or a count model's usual case);
+        a costed model's line has no top, so it is always predicted."""
+        batcher = self.batcher
+        rows = batcher.limit(model) if batcher.budget(model) == math.inf else 1
+        worst = until_free + (ahead // rows + 2) * batcher.batch_s.most(model)
+        return worst < deadline_s * (1 - 1e-9) - 1e-6  # clear of float rounding in the sums it bounds
 
     def _joined(self, model: str, bucket: int | None, now: float, n: int) -> None:
         if bucket is not None:
@@ -260,6 +300,7 @@ class Admission:
         if batcher.draining or capacity is None or capacity.healthy_count() == 0:
             self.check_open()  # raises the 503 that says which
         assert capacity is not None
+        healthy = capacity.healthy_count()  # read once: nothing below changes it
         n = max(1, len(costs))
         widest = max(costs, default=1.0)
         too_costly = batcher.too_costly(model, widest)
@@ -284,10 +325,25 @@ class Admission:
             raise errors.overloaded(f"the queue for {model} is full ({self.max_queue} items)",
                                     retry_after_ms=batch_s * 1000)
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
+        full_n = batcher.full_n(model)
+        # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
+        # (refused, a batch time learned from one slow batch would refuse every request for good). Decided
+        # before the prediction, which cannot change it.
+        if idle and n <= full_n:
+            self._joined(model, bucket, now, n)
+            return Ticket(False, now)
         ahead = batcher.ahead_of(tier, tenant)
-        healthy = capacity.healthy_count()
-        p = predict(batcher, model, until_free, healthy, ahead, costs, bucket, self.class_rates(model, now))
-        pressure = self.under_pressure(model, rate, fast_rate)
+        pressure = self._pressure(model, rate, fast_rate, healthy, full_n, batch_s)
+        other_classes = bucket is not None and self._classes(model, bucket)
+        if not pressure and n == 1 and not other_classes and self._surely_in_time(model, until_free, ahead,
+                                                                                   deadline_s):
+            # Without pressure only the deadline can refuse, and no prediction could reach it: admitted as the
+            # prediction would admit it (nothing learned from a request admitted without pressure).
+            self._joined(model, bucket, now, n)
+            return Ticket(False, now)
+        # The classes' rates only where the prediction can read them: another class of the model is known.
+        rates = self.class_rates(model, now) if other_classes else None
+        p = predict(batcher, model, until_free, healthy, ahead, costs, bucket, rates)
         raw_wait_s = p.wait_s
         if pressure:  # the queue part as long as such predictions really turned out lately
             p = p.scaled(self.calibration.factor(model))
@@ -295,11 +351,6 @@ class Admission:
         # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
         # then allow at most one batch ahead of this one.
         bound_s = max(bound_s, 2 * batch_s)
-        # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
-        # (refused, a batch time learned from one slow batch would refuse every request for good).
-        if idle and n <= batcher.full_n(model):
-            self._joined(model, bucket, now, n)
-            return Ticket(False, now)
         if pressure:  # 95 % of admitted requests within the bound, not half of those near it; never half of it
             bound_s -= min(self.calibration.margin(model), bound_s / 2)
         late_s = max(p.first_s - bound_s, p.last_s - deadline_s)
@@ -307,7 +358,7 @@ class Admission:
             limit = "deadline" if p.last_s - deadline_s >= p.first_s - bound_s else "latency objective"
             # Truthful: the work ahead drains at its own pace, so this much later the same request fits; never
             # more than the whole queue ahead takes to run.
-            wait_ahead_s = max(p.first_s, until_free + (ahead // batcher.full_n(model) + 1) * batch_s / max(1, healthy))
+            wait_ahead_s = max(p.first_s, until_free + (ahead // full_n + 1) * batch_s / max(1, healthy))
             raise errors.overloaded(
                 f"predicted latency {p.last_s * 1000:.0f} ms would miss the request's {limit}",
                 retry_after_ms=min(late_s + batch_s, wait_ahead_s) * 1000,
@@ -316,7 +367,7 @@ class Admission:
         return Ticket(False, now, raw_wait_s if pressure else None)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built for every admitted request (see Prediction)
 class Ticket:
     """An admitted request: a probe or not, when it was admitted (the door's clock), and the queue wait its
     prediction said before calibration (None where the door did not decide by it: no pressure, an idle worker,

@@ -31,6 +31,7 @@ from typing import Iterator
 
 EWMA_ALPHA = 0.2  # weight of the newest batch in a bucket's mean
 DEFAULT_SEED_S = 1.0  # a model with neither a seed nor a measurement
+MEMO_KEPT = 1024  # costs whose S a line remembers (then it starts over)
 
 
 def size_bucket(n: float) -> int:
@@ -51,6 +52,10 @@ class _Line:
     sizes: list[float]
     seconds: list[float]
     slope: float
+    # S read off this line by cost: a count model's batches (1..100 inputs) are read again and again, ~8 times
+    # per admitted request, between two batches; a new line (an observation) starts empty. Bounded, since a
+    # costed model's costs are floats that rarely repeat.
+    memo: dict[float, float] = field(default_factory=dict, compare=False)
 
     @classmethod
     def through(cls, points: list[Point]) -> "_Line":
@@ -60,6 +65,19 @@ class _Line:
         slope = (last.seconds - first.seconds) / (last.size - first.size) if last.size > first.size else 0.0
         slope = min(max(0.0, slope), last.seconds / last.size)
         return cls([p.size for p in points], [p.seconds for p in points], slope)
+
+    def read(self, n: float) -> float:
+        """S at cost n (>= 1) off the points (module docstring); at least one point."""
+        sizes, secs = self.sizes, self.seconds
+        i = bisect.bisect_right(sizes, n)  # the points at or below n: sizes[:i]
+        if i == 0:
+            return secs[0]
+        lo = i - 1
+        if sizes[lo] == n:
+            return secs[lo]
+        if i < len(sizes):
+            return secs[lo] + (secs[i] - secs[lo]) * (n - sizes[lo]) / (sizes[i] - sizes[lo])
+        return secs[lo] + self.slope * (n - sizes[lo])
 
 
 @dataclass
@@ -105,23 +123,39 @@ class BatchTimes:
 
     def at(self, model: str, size: float) -> float:
         """The expected time of a batch of cost `size` (clamped to 1..the model's cap)."""
-        n = max(1.0, float(min(size, self.caps.get(model, self.max_batch_size))))
+        cap = self.caps.get(model, self.max_batch_size)  # clamped to 1..cap: comparisons, not min() and max()
+        n = size if size < cap else cap
+        n = float(n) if n > 1.0 else 1.0
         line = self._lines.get(model)
         if line is None:
             line = self._lines[model] = _Line.through(sorted(self.points.get(model, {}).values(),
                                                              key=lambda p: p.size))
-        sizes, secs = line.sizes, line.seconds
-        if not sizes:
+        memo = line.memo
+        got = memo.get(n)
+        if got is not None:
+            return got
+        if not line.sizes:
+            return self.seeds.get(model, DEFAULT_SEED_S)  # not kept: a seed may be set again
+        if len(memo) >= MEMO_KEPT:
+            memo.clear()
+        got = memo[n] = line.read(n)
+        return got
+
+    def most(self, model: str) -> float:
+        """The longest any batch of this model is expected to take (`at` of any cost is at most this): the
+        slowest point, or the line read at the model's cap where it rises past them (inf: a costed model's
+        batches are capped by no count, so a rising line has no top). Lets the door skip a prediction that could
+        not matter."""
+        cap = self.caps.get(model, self.max_batch_size)
+        line = self._lines.get(model)
+        if line is None:
+            self.at(model, 1.0)  # builds the line
+            line = self._lines[model]
+        if not line.sizes:
             return self.seeds.get(model, DEFAULT_SEED_S)
-        i = bisect.bisect_right(sizes, n)  # the points at or below n: sizes[:i]
-        if i == 0:
-            return secs[0]
-        lo = i - 1
-        if sizes[lo] == n:
-            return secs[lo]
-        if i < len(sizes):
-            return secs[lo] + (secs[i] - secs[lo]) * (n - sizes[lo]) / (sizes[i] - sizes[lo])
-        return secs[lo] + line.slope * (n - sizes[lo])
+        if cap == math.inf:
+            return math.inf if line.slope > 0 else max(line.seconds)
+        return max(max(line.seconds), self.at(model, cap))
 
     def lower_bound(self, model: str, size: float) -> float:
         """The least a batch of `size` may be expected to take, for refusing or dropping work that could not
