@@ -35,6 +35,7 @@ log = logging.getLogger("batchserve")
 
 BACKLOG = 4096  # the listen backlog (uvicorn.Config below): the most connections waiting to be accepted
 DRAIN_LINGER_S = 0.5  # after the drain: listener closed, open connections still answered
+LINGER_POLL_S = 0.02  # how often the linger looks whether any connection is still open
 
 
 class Group(Protocol):
@@ -103,13 +104,23 @@ class DrainingServer(uvicorn.Server):
             log.info("drain grace over: closing the listener")
             # Stop accepting connections, but keep answering DRAINING (with Connection: close) a moment on the
             # open keep-alive ones, so a request already on its way over one is answered, not reset.
+            served = 0
             for listener in self.servers:
-                self.serve_the_backlog(listener)
+                served += self.serve_the_backlog(listener)
                 listener.close()
-            await asyncio.sleep(DRAIN_LINGER_S)
+            await self.linger(served)
         finally:
             self.should_exit = True
 
+
+    async def linger(self, served: int) -> None:
+        """Wait DRAIN_LINGER_S for the open connections, or less once none is open: with the listener closed
+        no new one can come, so a drain with nobody connected (every test server's stop, an idle node) ends at
+        once instead of 0.5 s later. Connections taken from the backlog are waited for in full: their protocols
+        are still being made."""
+        over = time.monotonic() + DRAIN_LINGER_S
+        while time.monotonic() < over and (served or self.server_state.connections):
+            await asyncio.sleep(min(LINGER_POLL_S, max(0.0, over - time.monotonic())))
 
     def serve_the_backlog(self, listener: asyncio.AbstractServer) -> int:
         """Connections the kernel has completed but the loop has not accepted yet are reset when the listening
