@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import pytest
 
-from batchserve.core import admission as adm
 from batchserve.core.admission import Admission, Prediction, _by_turns, predict
 from batchserve.core.batch_time import MEMO_KEPT, BatchTimes
 from batchserve.core.batcher import Batcher
