@@ -134,10 +134,20 @@ def test_one_tenants_failing_job_leaves_anothers_clean_job_near_its_own_speed(tm
     """A job with 10 % failing inputs (the sim raises for the whole batch: bisection is the only way to find
     them) beside another tenant's clean job: the clean job takes at most a few times its solo time (here 0.5 s
     alone; beside a 1,000-item failing job 18 s before the fix, 0.65 s after; 500 items here), and the failing
-    job itself completes, every clean item of it answered."""
+    job itself completes, every clean item of it answered.
+
+    Each rule of the fix (2fa881f) must show when undone, not only both at once. With the automatic job places
+    (two batches per worker) each covers for the other: the failing job's held places leave it no room to
+    crowd the clean job, isolated or not. With 200 places (`--jobs-max-inflight`) the failing job holds 200 in
+    slow re-runs when the clean job comes: with one pool of places for all tenants (the per-tenant share
+    undone) the clean job got places one at a time as re-runs ended, 3.1 s against 0.5 s alone (0.6 s with
+    the share). Isolation undone, the clean job's time barely moves here (the per-tenant share and the
+    background share of re-runs bound it: 0.6-0.8 s), and whether the failing job is isolated at all turns on
+    the order its outcomes come back in (2 costly failures among its last 64), so it is not asserted here:
+    tests/unit/jobs/test_failing_job_policy.py checks each rule alone, in-process."""
     config, keys = _tenants(tmp_path, "acme", "globex")
     s = server_factory("--devices", "1", "--sim-batch-ms", "20", "--max-batch-size", "20", "--config", config,
-                       "--sim-fail-marker", "FAIL", "--jobs-db", str(tmp_path / "j.db"))
+                       "--sim-fail-marker", "FAIL", "--jobs-max-inflight", "200", "--jobs-db", str(tmp_path / "j.db"))
     clean = [f"clean-{i}" for i in range(400)]
     failing = [f"FAIL-{i}" if i % 10 == 0 else f"ok-{i}" for i in range(500)]  # its bisection runs ~5 s
     acme = s.client(headers=bearer(keys["acme"]))

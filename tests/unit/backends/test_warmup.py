@@ -55,3 +55,17 @@ def test_deadlines_derive_from_the_batch_time_unless_set() -> None:
     assert (chosen.slo_ms, chosen.timeout_ms) == (None, None)
 
 
+
+
+def test_one_slow_last_round_does_not_become_the_batch_time() -> None:
+    """Issue 22: a round slowed by a busy machine (here the last, 100 s among 50-80 ms ones) set the figure when
+    it was the slower of the last two rounds, and the model refused every request it could have served. The
+    median of the rounds after the cold first shrugs it off, whichever round it is."""
+    rounds = [0.05, 0.08] * 3 + [0.05, 100.0]
+    model = FakeModel(rounds)
+    warm = warm_until_stable(model.warm, model.clock)
+    assert not warm.stable and warm.rounds_s == pytest.approx(rounds)
+    assert warm.batch_s == pytest.approx(0.08)
+    for at in range(1, 7):  # the outlier anywhere after the first round
+        shifted = FakeModel(rounds[:at] + [100.0] + rounds[at:-1])
+        assert warm_until_stable(shifted.warm, shifted.clock).batch_s <= 0.08
