@@ -35,7 +35,8 @@ def run_batch(texts: list[str]) -> list[str]:
     return [t[::-1] for t in texts]
 
 
-async def batcher() -> None:
+async def batcher(waiting: list[tuple[str, asyncio.Future]] = waiting, arrived: asyncio.Event = arrived) -> None:
+    """Take what waits (up to MAX_BATCH) whenever the device is free; `bench/raw_apps.py` runs it on its own list."""
     while True:
         await arrived.wait()
         batch, waiting[:] = waiting[:MAX_BATCH], waiting[MAX_BATCH:]

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 import orjson
 
-from bench.minimal_batcher import MAX_BATCH, run_batch  # the same device as the Starlette twin's
+from bench.minimal_batcher import batcher  # the same batch loop and device as the Starlette twin's
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -60,22 +60,9 @@ class MinimalAsgi:
         self.arrived = asyncio.Event()
         self.task: asyncio.Task | None = None
 
-    async def _batcher(self) -> None:
-        while True:
-            await self.arrived.wait()
-            batch, self.waiting[:] = self.waiting[:MAX_BATCH], self.waiting[MAX_BATCH:]
-            if not self.waiting:
-                self.arrived.clear()
-            started = time.perf_counter()
-            outputs = await asyncio.to_thread(run_batch, [text for text, _ in batch])
-            compute_ms = (time.perf_counter() - started) * 1000
-            for (_, future), output in zip(batch, outputs):
-                if not future.done():
-                    future.set_result((output, compute_ms, len(batch)))
-
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._batcher())
+            self.task = asyncio.get_running_loop().create_task(batcher(self.waiting, self.arrived))
         started = time.perf_counter()
         text = orjson.loads(await _body(receive))["input"]
         future = asyncio.get_running_loop().create_future()

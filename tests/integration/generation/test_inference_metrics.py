@@ -16,23 +16,12 @@ import pytest
 from tests.conftest import LiveServer, start_server
 from tests.integration.inference.test_api import metric
 from tests.integration.jobs.test_api import finished, wait_for as wait_until
-from tests.integration.test_tracing import Receiver, attrs, wait_for
+from tests.integration.test_tracing import Receiver, attrs, receiver, wait_for  # noqa: F401 (receiver: the fixture)
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 8
 SLOTS = 2
 PROMPTS = ["Hi", "What is 2 + 2?", "Name a colour.", "Say yes."]
-
-
-@pytest.fixture(scope="module")
-def receiver():
-    import threading
-
-    r = Receiver()
-    threading.Thread(target=r.serve_forever, daemon=True).start()
-    yield r
-    r.shutdown()
-    r.server_close()
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import orjson
 
+from bench.hotpath import Cycle as HotpathCycle
 from batchserve.app import create_app
 from batchserve.config import ModelSpec, Settings
 from batchserve.tenancy import digest
@@ -86,23 +87,13 @@ def returns(path: list[str]) -> list[str]:
     return back
 
 
-class Cycle:
-    """uvicorn's request cycle as the routes see it: the body once, a `disconnected` flag, the answer kept."""
+class Cycle(HotpathCycle):
+    """uvicorn's request cycle as the routes see it (bench/hotpath.py's), the answer's headers and body kept."""
 
     def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.disconnected = False
-        self.sent = False
-        self.status = 0
+        super().__init__(body)
         self.answer = b""
         self.headers: list[tuple[bytes, bytes]] = []
-
-    async def receive(self) -> dict:
-        if not self.sent:
-            self.sent = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
