@@ -104,8 +104,8 @@ def test_a_recorded_load_table_gets_its_plot_beside_it(tmp_path: Path) -> None:
     from matplotlib.image import imread
 
     out = tmp_path / "out"
-    run = bench(sys.executable, "-m", "bench.run_standard", "--rows", "1:50,1:150", "--duration", "1.5", "--warmup",
-                "0.5", "--skip-cpu", "--out", str(out), "--tag", "plot", tmp=tmp_path)
+    run = bench(sys.executable, "-m", "bench.run_standard", "--rows", "1:50,1:150", "--duration", "1", "--warmup",
+                "0.25", "--skip-cpu", "--out", str(out), "--tag", "plot", tmp=tmp_path)
     pngs = list(out.glob("standard-*-plot.png"))
     assert len(pngs) == 1, run.stdout[-2000:] + run.stderr[-2000:]
     md = pngs[0].with_suffix(".md").read_text()

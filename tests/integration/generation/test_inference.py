@@ -1,8 +1,9 @@
 """`/v1/inference` of SmolLM2 on the generation engine's slot stepper (issue 25, item 1), on live servers with
 the real weights on the CPU: the answers are transformers `generate`'s, greedy, token for token (as text, the
 same decode), for prompts of mixed lengths sent together, more of them than the engine has slots; a batch job
-of `/v1/inference` inputs runs there too; a request whose deadline cannot be met is refused at the door; and
-`--inference-path static` still answers through the batcher's static batches.
+of `/v1/inference` inputs runs there too; and a request whose deadline cannot be met is refused at the door.
+(`--inference-path static` answering through the batcher's static batches, as `generate` does, is checked on
+the static-path server of tests/integration/generation/test_routes.py.)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer, start_server
+from tests.integration.generation.conftest import Reference
 from tests.integration.inference.test_api import metric
 from tests.integration.jobs.test_api import finished, results, wait_for
 
@@ -33,23 +35,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, str]:
-    """Each prompt alone through transformers `generate`, greedy, shaped and decoded as the batch backend does."""
-    import torch
-
-    from batchserve.backends.smollm2 import load_model, load_tokenizer, prompt_ids, source_dir
-    from batchserve.config import Settings
-
-    source = source_dir(Settings(backend="smollm2"))
-    tokenizer, model = load_tokenizer(source), load_model("cpu", source)
-    out = {}
-    with torch.inference_mode():
-        for text in PROMPTS:
-            ids = torch.tensor(prompt_ids(tokenizer, [text]))
-            new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
-            out[text] = tokenizer.decode(new, skip_special_tokens=True).strip()
-    return out
+def reference(generate_reference: Reference) -> dict[str, str]:
+    return generate_reference(PROMPTS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -126,16 +113,3 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_the_door(server: LiveServer
         assert engine(server)["running"] == SLOTS  # still held when refused: the refusal was about them
     wait_for(lambda: engine(server)["running"] == 0, timeout=30, every=0.05)
     assert cancelled() == before + SLOTS  # freed by the hang-ups, not run out
-
-
-def test_the_static_path_stays_selectable(reference: dict[str, str]) -> None:
-    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW), "--inference-path", "static",
-                     "--generation-max-seqs", "1", "--generation-max-context", "256", "--timeout-ms", "120000",
-                     "--max-timeout-ms", "300000", "--jobs-db", "", timeout=300)
-    try:
-        for text in PROMPTS[:2]:  # one at a time: batches of one, as `generate` ran them
-            r = infer(s, text)
-            assert r.status_code == 200 and r.json()["output"] == reference[text], r.text
-        assert engine(s)["generated_tokens"] == 0  # the engine is on, and untouched: the batcher answered
-    finally:
-        s.stop()

@@ -16,10 +16,12 @@ import openai
 import pytest
 
 from tests.conftest import LiveServer, start_server
+from tests.integration.generation.conftest import Reference
 from tests.integration.test_tenancy import add_key
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
+MAX_NEW_TOKENS = 8
 CAPITALS = {"France": "Paris", "Germany": "Berlin", "Japan": "Tokyo", "England": "London", "Russia": "Moscow",
             "China": "Beijing"}
 
@@ -34,7 +36,7 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def server(key: tuple[str, str]):
     # /v1/inference on the static batch path (not the stepper, the default): the overlap test below is about
     # the batch path's model and the engine's never corrupting each other.
-    s = start_server("--backend", "smollm2", "--max-new-tokens", "8", "--generation-max-seqs", "4",
+    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--generation-max-seqs", "4",
                      "--generation-max-context", "512", "--generation-queue-timeout-ms", "10000",
                      "--inference-path", "static", "--config", key[0], timeout=180)
     s.key = key[1]  # type: ignore[attr-defined]
@@ -308,3 +310,17 @@ def test_chat_and_completion_without_model_use_the_served_one(server: LiveServer
     empty = httpx.post(server.url + "/v1/chat/completions", headers=auth(server), timeout=60,
                        json={"model": "", "messages": ask("France"), "max_tokens": 4})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "model"
+
+
+def test_the_static_path_answers_as_generate_does(server: LiveServer, generate_reference: Reference) -> None:
+    """`--inference-path static` stays selectable (issue 25, item 1): with the engine on, /v1/inference answers
+    through the batcher's static batches, each prompt as transformers `generate` answers it alone, greedy. On
+    this module's static-path server rather than one started for it (a real-model start, ~10 s of the suite)."""
+    prompts = ["Hi", "What is the capital of France?"]
+    reference = generate_reference(prompts, MAX_NEW_TOKENS)
+    before = wait_idle(server, 5)["generated_tokens"]
+    for text in prompts:  # one at a time: batches of one, as `generate` ran them
+        r = httpx.post(server.url + "/v1/inference", json={"input": text, "timeout_ms": 60000}, headers=auth(server),
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["output"] == reference[text], (r.text, reference[text])
+    assert engine_stats(server)["generated_tokens"] == before  # the engine is on, and untouched: the batcher answered

@@ -20,7 +20,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, start_server
 from tests.integration.http.test_hardening import BOOM_SERVER, _free_port, _try_get, connect, read_answer
 from tests.integration.jobs.test_api import wait_for
 
@@ -29,9 +29,19 @@ def owned_by(address: str) -> dict[str, str]:
     return {"X-Forwarded-For": address}
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory):
+    """One sim server with no option under test (1 device, 5 ms batches, its own jobs store), for the tests that
+    need only a server: a start and stop each is ~0.7 s of the suite. They leave nothing another reads: no
+    batch job (one test checks that none was stored), request ids of their own."""
+    s = start_server("--devices", "1", "--sim-batch-ms", "5", "--jobs-db",
+                     str(tmp_path_factory.mktemp("plain") / "j.db"))
+    yield s
+    s.stop()
+
+
 # -- item 4: proxy headers only from the proxies the operator names ----------------------------------------------
-def test_forwarded_for_is_believed_only_from_named_proxies(server_factory):
-    plain = server_factory("--devices", "1", "--sim-batch-ms", "5")
+def test_forwarded_for_is_believed_only_from_named_proxies(plain: LiveServer, server_factory):
     with plain.client() as c:
         # A local caller poses as 10.0.0.9: by default that header is ignored, the record is its own address's.
         assert c.post("/v1/inference", json={"input": "ab"},
@@ -166,8 +176,8 @@ def test_a_backends_exception_text_is_bounded(kinds_server: LiveServer):
 
 
 # -- item 7: absurd numbers and nesting, one input rule, no paths ---------------------------------------------------
-def test_absurd_numbers_nesting_and_lone_surrogates_are_4xx(tmp_path, server_factory):
-    s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--jobs-db", str(tmp_path / "j.db"))
+def test_absurd_numbers_nesting_and_lone_surrogates_are_4xx(plain: LiveServer):
+    s = plain
     digits = "9" * 5000  # Python refuses int() of more than 4,300 digits: once a 500 with a traceback
     for path in ("/v1/inference", "/v1/batches"):
         sock = connect(s)
@@ -233,8 +243,8 @@ def test_a_500_keeps_the_connection_for_the_next_request(tmp_path):
 
 
 # -- item 6: a refused body is read and discarded, so the client reads its 413 ------------------------------------
-def test_a_client_that_writes_the_whole_body_first_reads_its_413(server_factory):
-    s = server_factory("--devices", "1", "--sim-batch-ms", "5")
+def test_a_client_that_writes_the_whole_body_first_reads_its_413(plain: LiveServer):
+    s = plain
 
     async def post_big() -> list[int]:
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:

@@ -18,6 +18,7 @@ import pytest
 
 from batchserve.plan import measure
 from tests.conftest import LiveServer
+from tests.integration.jobs.test_api import wait_for
 
 
 def children(server: LiveServer, want: int = 2, timeout: float = 60.0) -> dict[int, dict]:
@@ -113,7 +114,8 @@ def test_one_process_drained_alone_under_load_loses_nothing_and_is_replaced(serv
     for t in threads:
         t.start()
     try:
-        time.sleep(1.5)
+        # Load before the drain: until 60 answers are in (what a fixed 1.5 s waited for; ~1 s on a quiet machine).
+        wait_for(lambda: outcomes["200"] > 60, timeout=30, every=0.02)
         before = outcomes["200"]
         victim = min(kids)
         os.kill(victim, signal.SIGTERM)
@@ -137,7 +139,8 @@ def test_one_process_drained_alone_under_load_loses_nothing_and_is_replaced(serv
             pytest.fail("the drained process did not exit:\n" + server.log())
         after_exit = outcomes["200"]
         replaced = children(server)  # the survivor and a replacement, both ready
-        time.sleep(1.0)
+        # Answered after the exit too: 40 more answers (what a fixed 1 s waited for), not a fixed time.
+        wait_for(lambda: outcomes["200"] > after_exit + 40 or failures, timeout=30, every=0.02)
     finally:
         stop.set()
         for t in threads:
