@@ -497,6 +497,12 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
     processes = int((health.get("process") or {}).get("of", 1))  # one process answered: its siblings match it
     devices *= processes
     learned: dict[str, float] = health.get("batch_ms", {})
+    stepper: dict[str, float] = health.get("answer_ms", {})  # answered by the generation engine, not batches
+    if model in stepper or (model is None and not learned and stepper):
+        name = model or next(iter(stepper))
+        raise OSError(f"{base} answers {name} on the generation engine's stepper ({stepper[name]:g} ms an answer), "
+                      "not in batches: this planner models the batcher; size it by the engine's slots and "
+                      "batchserve_load_ratio (docs/capacity.md)")
     if not learned:
         raise OSError(f"{base}/internal/health reports no batch_ms")
     name = model if model is not None else next(iter(learned))

@@ -31,7 +31,7 @@ from batchserve.core.service import InferenceService
 from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.generation.engine import Engine, start_generation
 from batchserve.generation.routes import model_cards
-from batchserve.generation.inference import serve_on_stepper, stepper_models
+from batchserve.generation.inference import StepperInference, serve_on_stepper, stepper_models
 from batchserve.generation.inference_records import StepperRecords
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
@@ -92,6 +92,7 @@ class Runtime:
     pool: GpuPool | None = None
     jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
     generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
+    stepper: StepperInference | None = None  # /v1/inference of the stepper models, on the engine
     tracing: Tracing | None = None  # OpenTelemetry, when an OTLP endpoint is configured (batchserve/tracing.py)
     refusals: RefusalThrottle = field(default_factory=lambda: RefusalThrottle(0.0))  # set from the settings
     ready: bool = False
@@ -146,14 +147,34 @@ class Runtime:
         return loads
 
     def load_reading(self) -> load_signal.Reading:
-        """What the autoscaling signals are computed from, now."""
+        """What the autoscaling signals are computed from, now: the batcher's models (not those another handler
+        answers: their learned batch time is an unused seed) and the generation engine's sequences."""
         now = time.monotonic()
         pool = self.pool
         healthy = pool.healthy_count() if pool is not None else 0
         return load_signal.Reading(self.admission.arrivals.current(now), healthy, self.batcher.max_batch_size,
-                                   max(self.batcher.batch_s.values(), default=0.0),
+                                   max(self.batch_times().values(), default=0.0),
                                    pool.seconds_until_free(now) if pool is not None and healthy else 0.0,
-                                   self.batcher.total_depth(), self.batcher.slo_s)
+                                   self.batcher.total_depth(), self.batcher.slo_s, self.engine_load())
+
+    def engine_load(self) -> load_signal.EngineLoad | None:
+        """The generation engine's demand against its slots, and its predicted wait for a new sequence of
+        `--max-new-tokens` (None when the engine is off)."""
+        engine = self.generation
+        if engine is None:
+            return None
+        return load_signal.EngineLoad(len(engine.running), len(engine.waiting), engine.budget.max_seqs,
+                                      engine.predicted_start_s(self.settings.max_new_tokens),
+                                      self.stepper.run_s() if self.stepper is not None else 0.0, engine.healthy)
+
+    def batch_times(self) -> dict[str, float]:
+        """The learned full-batch time of each model the batcher serves."""
+        return {m: v for m, v in self.batcher.batch_s.items() if m not in self.service.handlers}
+
+    def answer_times(self) -> dict[str, float]:
+        """The answer time of each model the generation engine's stepper serves (`StepperInference.run_s`)."""
+        stepper = self.stepper
+        return {m: stepper.run_s() for m, h in self.service.handlers.items() if h is stepper} if stepper else {}
 
     @property
     def draining(self) -> bool:
@@ -220,6 +241,7 @@ class Runtime:
             if self.generation is not None:
                 stepper = serve_on_stepper(self.service, self.generation, self.settings,
                                            StepperRecords(self.metrics, self.tracing))
+                self.stepper = stepper
                 if stepper is not None:  # no warm-up batch of theirs: the deadlines follow the stepper's answer
                     run_s = stepper.run_s()
                     apply_deadlines(self.settings, max(loaded.measured_s, run_s), "the warm-up batch time"

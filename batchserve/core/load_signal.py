@@ -14,6 +14,12 @@ node is already at its limit, so depth moves only once latency has. What leads i
 
 With several models the slowest batch time is used (the lower capacity). With no healthy worker but demand,
 both read `SATURATED`, a large finite number (an autoscaler's arithmetic should not meet +Inf).
+
+The generation engine's work (`/v1/chat/completions`, and `/v1/inference` of a model on its stepper, which never
+reaches the batcher or its arrival count) is read as its own demand against its own capacity (`EngineLoad`):
+sequences running and waiting over its slots, and the engine's predicted wait for a new sequence over what the
+SLO leaves after its answer time. Each signal is the larger of the batcher's and the engine's: the node needs
+more replicas when either is short.
 """
 
 from __future__ import annotations
@@ -29,6 +35,35 @@ SATURATED = 100.0
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """The generation engine's side of the reading: the sequences it holds, its slots, the wait its admission
+    predicts for a new sequence (`Engine.predicted_start_s`) and the answer time a sequence takes once started."""
+
+    running: int
+    waiting: int
+    slots: int
+    wait_s: float
+    answer_s: float
+    healthy: bool = True
+
+    def load_ratio(self) -> float:
+        demand = self.running + self.waiting
+        if demand <= 0:
+            return 0.0
+        if not self.healthy or self.slots <= 0:
+            return SATURATED
+        return min(SATURATED, demand / self.slots)
+
+    def predicted_wait_ratio(self, slo_s: float) -> float:
+        if not self.healthy:
+            return SATURATED if self.running or self.waiting else 0.0
+        budget = slo_s - self.answer_s
+        if budget <= 0:  # the answer alone takes the whole objective
+            return SATURATED if self.wait_s > 0 else 0.0
+        return min(SATURATED, self.wait_s / budget)
+
+
+@dataclass(frozen=True)
 class Reading:
     """What the signals are computed from, read from the runtime in one go."""
 
@@ -39,15 +74,24 @@ class Reading:
     until_free_s: float  # until the first healthy worker is free
     depth: int  # items queued, every model
     slo_s: float
+    engine: EngineLoad | None = None  # the generation engine, when it is on
 
     def load_ratio(self) -> float:
+        batcher = self.batcher_load_ratio()
+        return batcher if self.engine is None else max(batcher, self.engine.load_ratio())
+
+    def predicted_wait_ratio(self) -> float:
+        batcher = self.batcher_predicted_wait_ratio()
+        return batcher if self.engine is None else max(batcher, self.engine.predicted_wait_ratio(self.slo_s))
+
+    def batcher_load_ratio(self) -> float:
         if self.arrivals_per_s <= 0:
             return 0.0
         if self.healthy <= 0 or self.batch_s <= 0:
             return SATURATED
         return min(SATURATED, self.arrivals_per_s * self.batch_s / (self.healthy * self.max_batch))
 
-    def predicted_wait_ratio(self) -> float:
+    def batcher_predicted_wait_ratio(self) -> float:
         if self.healthy <= 0:
             return SATURATED if self.depth or self.arrivals_per_s > 0 else 0.0
         wait = self.until_free_s + (self.depth // self.max_batch) * self.batch_s / self.healthy

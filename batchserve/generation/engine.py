@@ -407,6 +407,18 @@ class Engine:
         made, replay = kept
         return max(0.0, replay.place(seq.claim(), commit=queued) - (now - made))
 
+    def predicted_start_s(self, max_tokens: int) -> float:
+        """Seconds until a new sequence of up to `max_tokens` new tokens (and a prompt within one KV block) would
+        start behind everything running and waiting now, as admission would predict it; queues nothing. The load
+        signal's predicted wait (`core/load_signal.py`), read at scrape time: one replay of the queue."""
+        blocks = self.budget.blocks_for(max_tokens + 1)
+        if not self.waiting and self.budget.fits(blocks):
+            return 0.0
+        replay = Replay(self.budget, [s.claim() for s in self.running.values()], self.step_s)
+        for _, _, ahead in sorted(self.waiting):
+            replay.place(ahead.claim())
+        return replay.place(Claim(blocks, max_tokens), commit=False)
+
     def cancel(self, seq: Sequence, reason: str = "client_disconnect") -> None:
         """Drop a sequence that nobody will read: its KV blocks and slot go to the next waiting sequence now."""
         if seq.finished:

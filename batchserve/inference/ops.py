@@ -47,6 +47,10 @@ class OpsHost(Protocol):
 
     def load_reading(self) -> Reading: ...
 
+    def batch_times(self) -> dict[str, float]: ...
+
+    def answer_times(self) -> dict[str, float]: ...
+
 
 async def healthz(request: Request) -> Response:
     return json_response({"status": "ok"})
@@ -75,6 +79,7 @@ async def internal_health(request: Request) -> Response:
             })
     healthy = sum(1 for w in workers if w["healthy"])
     load = rt.load_reading()
+    batch_times, answer_times = rt.batch_times(), rt.answer_times()
     status = ("draining" if rt.draining else "starting" if not rt.ready else
               "ok" if healthy == len(workers) else "degraded" if healthy else "unavailable")
     return json_response({
@@ -83,10 +88,14 @@ async def internal_health(request: Request) -> Response:
         "queue_depth": rt.batcher.total_depth(),
         "requests_per_second": round(rt.requests_per_second, 1),
         "inflight": rt.service.inflight,
-        "batch_ms": {m: round(v * 1000, 1) for m, v in rt.batcher.batch_s.items()},
+        # The batcher's models by their learned batch time; the stepper's (their /v1/inference runs on the
+        # generation engine, docs/capacity.md) by their answer time, and each model by the path that answers it.
+        "batch_ms": {m: round(v * 1000, 1) for m, v in batch_times.items()},
+        "answer_ms": {m: round(v * 1000, 1) for m, v in answer_times.items()},
+        "inference_path": {**{m: "batcher" for m in batch_times}, **{m: "stepper" for m in answer_times}},
         "slo_ms": rt.settings.slo_ms, "timeout_ms": rt.settings.timeout_ms,  # set, or derived from the warm-up
         "batch_ms_by_size": {m: {str(n): round(v * 1000, 1) for n, v in rt.batcher.batch_s.by_size(m).items()}
-                             for m in rt.batcher.batch_s.models()},
+                             for m in rt.batcher.batch_s.models() if m in batch_times},
         "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
         "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
         "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)

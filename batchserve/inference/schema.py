@@ -107,7 +107,13 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
             "requests_per_second": {"type": "number", "minimum": 0},
             "inflight": {"type": "integer", "minimum": 0},
             "batch_ms": {"type": "object", "additionalProperties": {"type": "number"},
-                         "description": "learned batch time of a full batch, per model id"},
+                         "description": "learned batch time of a full batch, per model id the batcher serves"},
+            "answer_ms": {"type": "object", "additionalProperties": {"type": "number"},
+                          "description": "per model id whose /v1/inference the generation engine's stepper answers "
+                                         "(--inference-path stepper): the time an answer takes once it has "
+                                         "started, (--max-new-tokens + 2) decode steps at the learned step time"},
+            "inference_path": {"type": "object", "additionalProperties": {"enum": ["batcher", "stepper"]},
+                               "description": "per model id: what answers its /v1/inference"},
             "batch_ms_by_size": {"type": "object",
                                  "additionalProperties": {"type": "object",
                                                           "additionalProperties": {"type": "number"}},
@@ -117,9 +123,13 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
             "timeout_ms": {"type": "number", "description": "the default deadline in force (set, or derived)"},
             "gpu_timeout_ms": {"type": ["integer", "null"]},
             "load_ratio": {"type": "number", "minimum": 0,
-                           "description": "arrivals over the healthy workers' full-batch capacity (1 = the ceiling)"},
+                           "description": "arrivals over the healthy workers' full-batch capacity, or (when "
+                                          "larger) the generation engine's sequences over its slots (1 = the "
+                                          "ceiling)"},
             "predicted_wait_ratio": {"type": "number", "minimum": 0,
-                                     "description": "a new request's predicted wait for its batch over slo - batch time"},
+                                     "description": "a new request's predicted wait for its batch over slo - "
+                                                    "batch time, or (when larger) a new sequence's predicted wait "
+                                                    "for an engine slot over slo - answer time"},
             "workers": {"type": "array", "items": {"$ref": "#/components/schemas/Worker"}},
             "pid": {"type": "integer", "description": "the server process that answered"},
             "process": {"type": ["object", "null"],

@@ -210,3 +210,16 @@ def test_metric_sum_adds_every_label_set_of_one_name_only():
     assert metric_sum(text, "process_cpu_seconds") is None
 
 
+
+
+def test_measure_of_a_model_on_the_generation_engines_stepper_says_it_has_no_batch_time(monkeypatch):
+    import json
+
+    from batchserve import plan
+
+    health = {"workers": [{"healthy": True}], "batch_ms": {}, "answer_ms": {"smollm2": 780.0},
+              "inference_path": {"smollm2": "stepper"}}
+    monkeypatch.setattr(plan, "_get", lambda url, timeout=10.0: json.dumps(health).encode())
+    for model in (None, "smollm2"):
+        with pytest.raises(OSError, match="smollm2 on the generation engine's stepper .780 ms"):
+            plan.measure("http://127.0.0.1:1", model, [])

@@ -113,3 +113,29 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_the_door(server: LiveServer
         assert engine(server)["running"] == SLOTS  # still held when refused: the refusal was about them
     wait_for(lambda: engine(server)["running"] == 0, timeout=30, every=0.05)
     assert cancelled() == before + SLOTS  # freed by the hang-ups, not run out
+
+
+def test_health_and_the_load_signals_describe_the_stepper_that_answers(server: LiveServer) -> None:
+    """/internal/health gives the stepper model's answer time (not the batcher's unused seed) and says which
+    path answers it; a node busy only with stepper /v1/inference reads its engine's load, not ~0."""
+    health = httpx.get(server.url + "/internal/health").json()
+    assert health["answer_ms"] and health["batch_ms"] == {} and health["batch_ms_by_size"] == {}, health
+    assert health["inference_path"] == {m: "stepper" for m in health["answer_ms"]}
+    step_ms = engine(server)["step_ms"]
+    for ms in health["answer_ms"].values():  # --max-new-tokens (+2) steps at the engine's step time
+        assert ms == pytest.approx((MAX_NEW + 2) * step_ms, rel=0.5)
+    seen: list[tuple[float, float, float]] = []  # health's load_ratio, its predicted_wait_ratio, /metrics' gauge
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = [pool.submit(infer, server, text) for text in PROMPTS * 2]  # 12 inputs for 2 slots
+        while not all(a.done() for a in answers):
+            h = httpx.get(server.url + "/internal/health").json()
+            gauge = metric(httpx.get(server.url + "/metrics").text, "batchserve_load_ratio")
+            seen.append((h["load_ratio"], h["predicted_wait_ratio"], gauge))
+            time.sleep(0.05)
+    assert all(a.result().status_code == 200 for a in answers)
+    # the slots were full with more waiting: demand at or past the engine's capacity, and a wait predicted
+    assert max(s[0] for s in seen) >= 1.0, seen
+    assert max(s[2] for s in seen) >= 1.0, seen
+    assert max(s[1] for s in seen) > 0, seen
+    idle = httpx.get(server.url + "/internal/health").json()
+    assert idle["load_ratio"] == 0 and idle["predicted_wait_ratio"] == 0, idle

@@ -260,3 +260,20 @@ def test_token_timings_reach_the_metrics_exposition() -> None:
         assert m["batchserve_generation_output_tokens_total"] == 5
 
     run(main())
+
+
+def test_predicted_start_of_a_new_sequence_is_zero_with_a_free_slot_and_the_queue_replayed_without_one() -> None:
+    async def main() -> None:
+        e = engine(max_seqs=2, step_s=0.01)
+        assert e.predicted_start_s(10) == 0  # an empty engine: it would start at once
+        e.submit([1], params(10))
+        assert e.predicted_start_s(10) == 0  # a slot is still free
+        e.submit([1], params(30))
+        # both slots held: the next starts when the 10-token one ends (~10 steps of 10 ms)
+        first = e.predicted_start_s(10)
+        assert 0.05 < first <= 0.11
+        e.submit([1], params(10))  # one waiting ahead: it takes the first free slot, a new one the next
+        assert e.predicted_start_s(10) > first
+        assert len(e.waiting) == 1  # reading the prediction queued nothing
+
+    run(main())
