@@ -69,10 +69,12 @@ class Settings:
     max_batch_tokens: int = knob(0, "most a batch may cost: padded tokens (rows x longest) for the built-in "
                                     "models, inputs for a plugin that declares no cost_of (0 = no budget)")
     slo_ms: float = knob(200.0, "latency objective (p95) that paces dispatch and admission (unset with a real "
-                                "model: derived from its warm-up batch time, 3 x it)")
+                                "model: derived from its warm-up batch time, 3 x it; a model on the generation "
+                                "engine's stepper: from its answer time)")
     dispatch_margin_ms: float = knob(5.0, "slack kept between the dispatch deadline and the SLO")
     timeout_ms: float = knob(2000.0, "default request deadline when the body gives no timeout_ms (unset with a "
-                                     "real model: derived from its warm-up batch time, 10 x it, at least 2000)")
+                                     "real model: derived from its warm-up batch time, or a stepper model's answer "
+                                     "time, 10 x it, at least 2000)")
     max_timeout_ms: float = knob(60000.0, "largest timeout_ms a caller may ask for")
     executor: str = knob("thread", "where each device's batches run: thread = a worker thread of the server "
                                    "process; process = a spawned process per device (its own interpreter lock: "
@@ -167,8 +169,8 @@ class Settings:
     generation_cuda_graphs: bool = knob(True, "generation on CUDA: replay each decode step as a CUDA graph; "
                                               "no effect on a CPU")
     generation_max_seqs: int = knob(0, "most sequences generating at once (0 = auto: on a GPU as many slots as "
-                                       "half the free device memory holds, a multiple of 64 up to 2048, e.g. "
-                                       "~1,400 on an H200 for SmolLM2; the manager 256; on a CPU the slots "
+                                       "half the free device memory holds, a multiple of 64 up to 2048: by that "
+                                       "arithmetic ~1,400 on an H200 for SmolLM2, not yet run on one; the manager 256; on a CPU the slots "
                                        "engine has as many "
                                        "slots as its 16384-token KV capacity holds, 8 of --generation-max-context "
                                        "2048, and the manager 64)")
