@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import httpx
 import pytest
@@ -79,6 +80,16 @@ def start_server(*args: str, ready: bool = True, env: dict[str, str] | None = No
                     raise RuntimeError("server did not become ready:\n" + server.log())
                 time.sleep(0.05)
     return server
+
+
+async def open_loop(rate: float, stop: threading.Event, one: Callable[[int], Awaitable[None]]) -> None:
+    """Open-loop load: `one(i)` started every 1/rate s whatever the answers, until `stop`; then waits for all."""
+    tasks, start, i = [], time.monotonic(), 0
+    while not stop.is_set():
+        await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+        tasks.append(asyncio.create_task(one(i)))
+        i += 1
+    await asyncio.gather(*tasks)
 
 
 def hang_up_behind_a_busy_worker(url: str, path: str, busy: dict, gone: bytes, request_id: str) -> int:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from deploy.nginx.local import LocalNginx, free_port, start_nginx
-from tests.conftest import LiveServer, start_server
+from tests.conftest import LiveServer, open_loop, start_server
 
 SERVERS = 3
 RATE = 100.0  # requests per second through nginx during the rolling restart
@@ -99,12 +99,7 @@ async def steady_load(url: str, rate: float, stop: threading.Event, outcomes: li
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 outcomes.append(("exception", type(exc).__name__))
 
-        tasks, start, i = [], time.monotonic(), 0
-        while not stop.is_set():
-            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
-            tasks.append(asyncio.create_task(one(i)))
-            i += 1
-        await asyncio.gather(*tasks)
+        await open_loop(rate, stop, one)
 
 
 def test_rolling_restart_under_load_loses_nothing(fleet):

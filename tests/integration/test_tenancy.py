@@ -99,23 +99,30 @@ def busy_worker_server(server_factory, config: Path, *extra: str):
                           "--slo-ms", "20000", "--timeout-ms", "20000", *extra)
 
 
+def behind_a_hang(url: str, first: list[tuple[str, str]], then: list[tuple[str, str]]
+                  ) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
+    """A HANG batch takes the one device; `first` (input, key) queue behind it, `then` 0.1 s later: their answers."""
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            hang = asyncio.ensure_future(post(s, url, "HANG"))
+            await asyncio.sleep(0.2)
+            early = [asyncio.ensure_future(post(s, url, text, key)) for text, key in first]
+            await asyncio.sleep(0.1)
+            late = [asyncio.ensure_future(post(s, url, text, key)) for text, key in then]
+            await hang
+            return await asyncio.gather(*early), await asyncio.gather(*late)
+
+    return asyncio.run(scenario())
+
+
 def test_higher_tier_is_batched_first(tmp_path, server_factory):
     config = tmp_path / "bs.toml"
     free = add_key(config, "f", "free")
     ent = add_key(config, "e", "enterprise")
     server = busy_worker_server(server_factory, config, "--max-batch-size", "4")
 
-    async def scenario():
-        async with aiohttp.ClientSession() as s:
-            hang = asyncio.ensure_future(post(s, server.url, "HANG"))
-            await asyncio.sleep(0.2)
-            frees = [asyncio.ensure_future(post(s, server.url, f"free-{i}", free)) for i in range(4)]
-            await asyncio.sleep(0.1)
-            ents = [asyncio.ensure_future(post(s, server.url, f"ent-{i}", ent)) for i in range(4)]
-            await hang
-            return await asyncio.gather(*frees), await asyncio.gather(*ents)
-
-    frees, ents = asyncio.run(scenario())
+    frees, ents = behind_a_hang(server.url, [(f"free-{i}", free) for i in range(4)],
+                                [(f"ent-{i}", ent) for i in range(4)])
     assert all(s == 200 for s, _ in frees + ents)
     # Enterprise arrived later yet ran in the first batch after the hang; free waited one batch more.
     assert max(b["queue_ms"] for _, b in ents) < min(b["queue_ms"] for _, b in frees)
@@ -127,17 +134,8 @@ def test_tenants_of_a_tier_take_turns(tmp_path, server_factory):
     light = add_key(config, "light", "paid")
     server = busy_worker_server(server_factory, config, "--max-batch-size", "4")
 
-    async def scenario():
-        async with aiohttp.ClientSession() as s:
-            hang = asyncio.ensure_future(post(s, server.url, "HANG"))
-            await asyncio.sleep(0.2)
-            flood = [asyncio.ensure_future(post(s, server.url, f"h-{i}", heavy)) for i in range(16)]
-            await asyncio.sleep(0.1)
-            lights = [asyncio.ensure_future(post(s, server.url, f"l-{i}", light)) for i in range(2)]
-            await hang
-            return await asyncio.gather(*flood), await asyncio.gather(*lights)
-
-    flood, lights = asyncio.run(scenario())
+    flood, lights = behind_a_hang(server.url, [(f"h-{i}", heavy) for i in range(16)],
+                                  [(f"l-{i}", light) for i in range(2)])
     assert all(s == 200 for s, _ in flood + lights)
     # The light tenant arrived after 16 heavy items but shares the first batch half and half.
     first_batch_heavy = sorted(b["queue_ms"] for _, b in flood)[:2]

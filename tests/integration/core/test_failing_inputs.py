@@ -11,7 +11,7 @@ import time
 
 import aiohttp
 
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, open_loop
 from tests.integration.inference.test_api import metric
 from tests.integration.jobs.test_api import finished, results, wait_for
 from tests.integration.backends.test_plugin import write_plugins
@@ -175,12 +175,7 @@ def _interactive_until(url: str, key: str, rate: float, stop: threading.Event, s
                 async with session.post(url + "/v1/inference", json={"input": f"live-{i}"}) as r:
                     statuses.append(r.status)
 
-            tasks, start, i = [], time.monotonic(), 0
-            while not stop.is_set():
-                await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
-                tasks.append(asyncio.create_task(one(i)))
-                i += 1
-            await asyncio.gather(*tasks)
+            await open_loop(rate, stop, one)
 
     asyncio.run(main())
 

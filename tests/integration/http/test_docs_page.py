@@ -10,14 +10,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from scripts.chromium import ChromiumUnavailable, ensure_chromium, load_page
-from tests.conftest import LiveServer, start_server
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = start_server("--devices", "1", "--sim-batch-ms", "5")
-    yield s
-    s.stop()
+from tests.conftest import LiveServer
+from tests.integration.http.test_openapi import server  # noqa: F401 (the fixture: a plain sim server)
 
 
 @pytest.fixture(scope="module")
