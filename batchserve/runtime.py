@@ -164,7 +164,7 @@ class Runtime:
         if engine is None:
             return None
         return load_signal.EngineLoad(len(engine.running), len(engine.waiting), engine.budget.max_seqs,
-                                      engine.predicted_start_s(self.settings.max_new_tokens),
+                                      lambda: engine.predicted_start_s(self.settings.max_new_tokens),
                                       self.stepper.run_s() if self.stepper is not None else 0.0, engine.healthy)
 
     def batch_times(self) -> dict[str, float]:

@@ -37,12 +37,13 @@ SATURATED = 100.0
 @dataclass(frozen=True)
 class EngineLoad:
     """The generation engine's side of the reading: the sequences it holds, its slots, the wait its admission
-    predicts for a new sequence (`Engine.predicted_start_s`) and the answer time a sequence takes once started."""
+    predicts for a new sequence (`Engine.predicted_start_s`: a replay of its queue, so asked only by the signal
+    that needs it, not by the load ratio) and the answer time a sequence takes once started."""
 
     running: int
     waiting: int
     slots: int
-    wait_s: float
+    predicted_start_s: Callable[[], float]
     answer_s: float
     healthy: bool = True
 
@@ -57,10 +58,11 @@ class EngineLoad:
     def predicted_wait_ratio(self, slo_s: float) -> float:
         if not self.healthy:
             return SATURATED if self.running or self.waiting else 0.0
+        wait_s = self.predicted_start_s()
         budget = slo_s - self.answer_s
         if budget <= 0:  # the answer alone takes the whole objective
-            return SATURATED if self.wait_s > 0 else 0.0
-        return min(SATURATED, self.wait_s / budget)
+            return SATURATED if wait_s > 0 else 0.0
+        return min(SATURATED, wait_s / budget)
 
 
 @dataclass(frozen=True)

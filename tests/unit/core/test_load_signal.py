@@ -37,9 +37,16 @@ def test_predicted_wait_ratio_is_the_wait_for_a_batch_over_what_the_slo_leaves()
 
 
 # -- the generation engine's side (its stepper answers /v1/inference of a model the batcher never sees) ------
-def engine(**kw) -> EngineLoad:
-    base = dict(running=2, waiting=0, slots=4, wait_s=0.0, answer_s=0.5)
+def engine(wait_s: float = 0.0, **kw) -> EngineLoad:
+    base = dict(running=2, waiting=0, slots=4, predicted_start_s=lambda: wait_s, answer_s=0.5)
     return EngineLoad(**{**base, **kw})
+
+
+def test_the_load_ratio_does_not_replay_the_engines_queue():
+    def replay() -> float:
+        raise AssertionError("the load ratio asked for the predicted wait")
+
+    assert engine(running=4, waiting=4, predicted_start_s=replay).load_ratio() == pytest.approx(2.0)
 
 
 def test_engine_load_is_sequences_running_and_waiting_over_its_slots():
