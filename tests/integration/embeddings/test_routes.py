@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import socket
 import struct
 import time
 from typing import Any
@@ -136,6 +137,15 @@ def test_a_list_of_n_inputs_costs_n_rate_limit_tokens(server: LiveServer):
     too_many = post(11)  # more than the key's whole burst: never fits
     assert too_many.status_code == 429 and "burst of 10" in too_many.json()["error"]["message"]
     assert post(3).status_code == 200  # the refusals took nothing
+    # The bucket is empty now: the next request is refused from its head alone, before its body is read (the
+    # client announces 100 kB and never sends them; a server that waited for the body would not answer).
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer %s\r\nContent-Length: 100000\r\n\r\n" % server.small_key.encode())
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 429"), head[:200]
+    assert b"rate_limit_error" in head and b"x-request-id:" in head.lower()
 
 
 @pytest.mark.parametrize("body,status,param,code", [
