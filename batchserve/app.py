@@ -117,10 +117,17 @@ def create_app(settings: Settings, loaded: LoadedModels | None = None,
         rt.tracing = rt.service.tracing = tracing
         app.state.rt = rt
         starting = asyncio.create_task(rt.start())
+        grpc_server = None
+        if settings.grpc_port >= 0:  # its port opens with the HTTP one: health answers while the models warm
+            from batchserve.kserve.grpc_service import start_grpc  # grpc loads only when it is asked for
+
+            grpc_server, _ = await start_grpc(rt, settings.host, settings.grpc_port)
         try:
             yield
         finally:
             starting.cancel()
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
             await rt.stop()
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # export the last spans (the SDK blocks on it)

@@ -55,6 +55,8 @@ class ProcessSlot:
 class Settings:
     host: str = knob("127.0.0.1", "address to listen on")
     port: int = knob(8000, "port to listen on (0 picks a free one)")
+    grpc_port: int = knob(-1, "also serve KServe v2 over gRPC (Triton's gRPC clients) on this port, same host "
+                              "(-1 = off, 0 = a free one, logged)")
     backend: str = knob("sim", "backend of the default model: sim, smollm2, minilm, an installed plugin's name, "
                                "or package.module:attribute (docs/backends.md)")
     model_name: str = knob("", "name of the default model (default: the backend's name; for "

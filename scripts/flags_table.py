@@ -1,11 +1,17 @@
-"""Print the markdown table of every `batchserve serve` flag, for README.md (kept in step by tests/unit/test_docs.py)."""
+"""Print the markdown table of every `batchserve serve` flag, for README.md (kept in step by tests/unit/test_docs.py);
+`--write` puts it in README.md in place of the table there."""
+
+import sys
+from pathlib import Path
 
 from batchserve.config import Settings, cli_fields, env_name
+
+HEADER = "| flag | environment | default | what it does |"
 
 
 def table() -> str:
     defaults = Settings()
-    rows = ["| flag | environment | default | what it does |", "| --- | --- | --- | --- |"]
+    rows = [HEADER, "| --- | --- | --- | --- |"]
     for f in cli_fields():
         value = getattr(defaults, f.name)
         shown = "(backend's name)" if f.name == "model_name" else repr(value)
@@ -13,5 +19,17 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def write(readme: Path) -> None:
+    lines = readme.read_text().splitlines()
+    start = lines.index(HEADER)
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    readme.write_text("\n".join([*lines[:start], table(), *lines[end:]]) + "\n")
+
+
 if __name__ == "__main__":
-    print(table())
+    if "--write" in sys.argv[1:]:
+        write(Path(__file__).resolve().parent.parent / "README.md")
+    else:
+        print(table())

@@ -1,0 +1,265 @@
+"""KServe Open Inference Protocol v2 over gRPC (`--grpc-port`): the service Triton's gRPC clients call.
+
+The same model view as the HTTP v2 routes (`wire.py`: one BYTES input `input`, one output `output`, BYTES or
+FP32) and the same request path: identify the caller (the `authorization` metadata), one rate-limit token per
+element, every element through the door (`InferenceService.infer_many`) as its own item, so gRPC callers share
+batches with every HTTP route, and each answer counted by the guard. The messages come from
+`grpc_inference.proto`, loaded at start (grpcio-tools), never generated into the tree.
+
+Refusals are gRPC status codes (400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 413
+INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 5xx INTERNAL) with the message
+as details and, where retrying later helps, `retry-after-ms` in the trailing metadata.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import math
+import struct
+import sys
+import time
+from typing import TYPE_CHECKING, NoReturn, Protocol
+
+import grpc
+from grpc import aio
+
+from batchserve import __version__, errors
+from batchserve.backends import Backend
+from batchserve.config import ModelSpec, Settings
+from batchserve.core.service import InferenceService
+from batchserve.errors import ApiError, ClientGone
+from batchserve.http.body import request_id_from
+from batchserve.http.guards import Guard
+from batchserve.kserve.wire import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME, V2Error, model_metadata
+from batchserve.models import ModelRegistry
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+log = logging.getLogger("batchserve.grpc")
+PROTO = "batchserve/kserve/grpc_inference.proto"
+protos, services = grpc.protos_and_services(PROTO)
+
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+                429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+                504: grpc.StatusCode.DEADLINE_EXCEEDED}
+V2_CODES = {400: "INVALID_REQUEST", 404: "MODEL_NOT_FOUND", 413: "PAYLOAD_TOO_LARGE"}  # for the metrics
+
+
+class GrpcHost(Protocol):
+    """What the gRPC service reads of the runtime: the same few attributes as the HTTP v2 routes."""
+
+    settings: Settings
+    guard: Guard
+    registry: ModelRegistry
+    service: InferenceService
+    backends: dict[str, Backend]
+
+    def not_ready_reason(self) -> str | None:
+        """Why the node takes no traffic now (None when ready)."""
+        ...
+
+
+def find_model(rt: GrpcHost, name: str, version: str) -> ModelSpec:
+    """The model named (its versions split by weight when `version` is empty), or a 404 in v2's words."""
+    spec = rt.registry.by_id.get(f"{name}@{version}") if version else rt.registry.resolve(name)
+    if spec is None:
+        raise V2Error(404, f"unknown model '{errors.short(name)}'" +
+                      (f" version '{errors.short(version)}'" if version else ""))
+    return spec
+
+
+def bytes_elements(raw: bytes, count: int) -> list[bytes]:
+    """BYTES as raw contents: each element a 4-byte little-endian length, then its bytes."""
+    out: list[bytes] = []
+    at = 0
+    while at < len(raw):
+        if at + 4 > len(raw):
+            raise V2Error(400, "raw BYTES contents end inside an element's length prefix")
+        (n,) = struct.unpack_from("<I", raw, at)
+        at += 4
+        if at + n > len(raw):
+            raise V2Error(400, "raw BYTES contents end inside an element")
+        out.append(raw[at:at + n])
+        at += n
+    if len(out) != count:
+        raise V2Error(400, f"the raw contents hold {len(out)} element(s), the shape says {count}")
+    return out
+
+
+def parse_request(req: object, max_chars: int) -> tuple[list[str], list[int], float | None]:
+    """The request's strings (row-major), its shape, and its `timeout` parameter in microseconds (or None)."""
+    inputs = req.inputs  # type: ignore[attr-defined]
+    if len(inputs) != 1:
+        raise V2Error(400, f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see ModelMetadata)")
+    tensor = inputs[0]
+    if tensor.name != INPUT_NAME:
+        raise V2Error(400, f"unknown input '{tensor.name[:64]}': this model's one input is '{INPUT_NAME}'")
+    if tensor.datatype != "BYTES":
+        raise V2Error(400, f"input '{INPUT_NAME}' must have datatype BYTES (strings), not {tensor.datatype[:16]}")
+    shape = list(tensor.shape)
+    if len(shape) > 8 or any(d < 0 or d > MAX_ELEMENTS for d in shape):
+        raise V2Error(400, "'shape' must be at most 8 non-negative dimensions")
+    count = math.prod(shape)
+    if count < 1 or count > MAX_ELEMENTS:
+        raise V2Error(400, f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} "
+                           f"holds {count}")
+    raw_contents = req.raw_input_contents  # type: ignore[attr-defined]
+    if raw_contents:
+        if len(raw_contents) != 1 or tensor.contents.bytes_contents:
+            raise V2Error(400, "give the input either as raw_input_contents (one entry) or as contents, not both")
+        elements = bytes_elements(raw_contents[0], count)
+    else:
+        elements = list(tensor.contents.bytes_contents)
+        if len(elements) != count:
+            raise V2Error(400, f"input '{INPUT_NAME}' holds {len(elements)} element(s), its shape {shape} "
+                               f"says {count}")
+    try:
+        texts = [e.decode() for e in elements]
+    except UnicodeDecodeError:
+        raise V2Error(400, "a BYTES element is not valid UTF-8") from None
+    for text in texts:
+        if not text:
+            raise V2Error(400, "every element must be a non-empty string")
+        if len(text) > max_chars:
+            raise V2Error(413, f"an element is over the {max_chars}-character limit")
+    for out in req.outputs:  # type: ignore[attr-defined]
+        if out.name != OUTPUT_NAME:
+            raise V2Error(400, f"unknown output '{out.name[:64]}': this model's one output is '{OUTPUT_NAME}'")
+    timeout_us: float | None = None
+    if "timeout" in req.parameters:  # type: ignore[attr-defined]
+        param = req.parameters["timeout"]  # type: ignore[attr-defined]
+        if param.WhichOneof("parameter_choice") != "int64_param" or param.int64_param <= 0:
+            raise V2Error(400, "'parameters.timeout' must be a positive int64 of microseconds")
+        timeout_us = float(param.int64_param)
+    return texts, shape, timeout_us
+
+
+def output_tensor(outputs: Sequence[object], shape: list[int], kind: str) -> tuple[str, list[int], bytes]:
+    """(datatype, shape, raw contents) of the answer: FP32 `[*shape, dim]` for embeddings, BYTES otherwise."""
+    if kind == "embedding":
+        dims = {len(v) if isinstance(v, list) else -1 for v in outputs}
+        if len(dims) != 1 or -1 in dims:
+            raise V2Error(500, "the model's vectors do not share one length")
+        dim = dims.pop()
+        packed = array.array("f", [float(x) for v in outputs for x in v])  # type: ignore[attr-defined]
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return "FP32", [*shape, dim], packed.tobytes()
+    import orjson  # the JSON text of a plugin's non-string outputs, as the HTTP route sends them
+
+    encoded = [(o if isinstance(o, str) else orjson.dumps(o).decode()).encode() for o in outputs]
+    return "BYTES", shape, b"".join(struct.pack("<I", len(b)) + b for b in encoded)
+
+
+class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[name-defined,misc]
+    """The six v2 methods over the runtime's door; everything else is the generated base's UNIMPLEMENTED."""
+
+    def __init__(self, rt: GrpcHost) -> None:
+        self.rt = rt
+
+    async def ServerLive(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802 - v2's names
+        return protos.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+        return protos.ServerReadyResponse(ready=self.rt.not_ready_reason() is None)
+
+    async def ModelReady(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+        try:
+            spec = find_model(self.rt, request.name, request.version)  # type: ignore[attr-defined]
+        except V2Error:
+            return protos.ModelReadyResponse(ready=False)  # as HTTP's tritonclient reads a 404: not ready
+        ready = self.rt.not_ready_reason() is None and spec.id in self.rt.backends
+        return protos.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+        return protos.ServerMetadataResponse(name="batchserve", version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+        try:
+            spec = find_model(self.rt, request.name, request.version)  # type: ignore[attr-defined]
+        except V2Error as err:
+            await abort(context, err)
+        backend = self.rt.backends.get(spec.id)
+        kind = backend.output_kind if backend is not None else "text"
+        versions = [s.version for s in self.rt.registry.by_name.get(spec.name, [])]
+        meta = model_metadata(spec.name, versions, spec.backend, kind)
+        tensors = protos.ModelMetadataResponse.TensorMetadata
+        return protos.ModelMetadataResponse(
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+            inputs=[tensors(**t) for t in meta["inputs"]], outputs=[tensors(**t) for t in meta["outputs"]])
+
+    async def ModelInfer(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+        rt = self.rt
+        s = rt.settings
+        guard = rt.guard
+        arrived = time.monotonic()
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        request_id = request_id_from(metadata.get("x-request-id"))
+        model_id = "unknown"
+        try:
+            caller = guard.identify(metadata.get("authorization"), {"client": peer_address(context.peer())})
+            texts, shape, timeout_us = parse_request(request, s.max_input_chars)
+            spec = find_model(rt, request.model_name, request.model_version)  # type: ignore[attr-defined]
+            model_id = spec.id
+            backend = rt.backends.get(spec.id)
+            if backend is None:
+                raise errors.warming_up()
+            timeout_ms = s.timeout_ms if timeout_us is None else timeout_us / 1000
+            remaining = context.time_remaining()  # the client's own gRPC deadline, when it set one
+            if remaining is not None:
+                timeout_ms = min(timeout_ms, remaining * 1000)
+            if timeout_ms > s.max_timeout_ms:
+                raise V2Error(400, f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms)")
+            guard.take(caller, len(texts))
+            try:
+                results = await rt.service.infer_many(texts, spec.id, caller.tier, caller.tenant, timeout_ms / 1000,
+                                                      arrived, request_id, context.cancelled, caller.owner)
+            except ClientGone:
+                return protos.ModelInferResponse()  # nobody reads it: the call was cancelled
+            datatype, out_shape, raw = output_tensor([r.output for r in results], shape, backend.output_kind)
+            guard.ok(model_id, time.monotonic() - arrived)
+        except ApiError as err:
+            guard.refused(model_id, err)
+            await abort(context, err, request_id)
+        except V2Error as err:
+            guard.refused(model_id, ApiError(err.status, V2_CODES.get(err.status, "INFERENCE_FAILED"), err.message))
+            await abort(context, err, request_id)
+        await context.send_initial_metadata((("x-request-id", request_id),))
+        tensor = protos.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
+        return protos.ModelInferResponse(model_name=spec.name, model_version=spec.version,
+                                         id=request.id, outputs=[tensor],  # type: ignore[attr-defined]
+                                         raw_output_contents=[raw])
+
+
+def peer_address(peer: str) -> tuple[str, int] | None:
+    """(host, port) of gRPC's peer string (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000`), None when it names none."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = rest.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else 0
+
+
+async def abort(context: aio.ServicerContext, err: V2Error | ApiError, request_id: str = "") -> NoReturn:
+    """End the call with the status that fits the refusal (raises, as `context.abort` does)."""
+    status = err.status
+    trailing: list[tuple[str, str]] = [("x-request-id", request_id)] if request_id else []
+    if isinstance(err, ApiError) and err.retry_after_ms is not None:
+        trailing.append(("retry-after-ms", str(err.retry_after_ms)))
+    code = STATUS_CODES.get(status, grpc.StatusCode.INTERNAL)
+    await context.abort(code, err.message, tuple(trailing))
+    raise AssertionError("context.abort returned")  # it raises; this keeps the type checker told
+
+
+async def start_grpc(rt: GrpcHost, host: str, port: int) -> tuple[aio.Server, int]:
+    """The gRPC server on `host:port` (0 = a free port), on the running event loop: (server, bound port)."""
+    server = aio.server(options=[("grpc.max_receive_message_length", rt.settings.max_body_bytes)])
+    services.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(rt), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    await server.start()
+    log.info("gRPC (KServe v2) listening on %s:%d", host, bound)
+    return server, bound
