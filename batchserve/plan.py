@@ -29,15 +29,18 @@ from __future__ import annotations
 import argparse
 import bisect
 import heapq
+import http.client
 import json
 import math
 import random
 import statistics
 import sys
+import time
 import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
+from urllib.parse import urlsplit
 
 EWMA_ALPHA = 0.2  # as batcher.EWMA_ALPHA: weight of the newest batch in the learned batch time
 SIM_S = 30.0  # simulated seconds per point, after the warm-up
@@ -46,6 +49,8 @@ BISECT_STEPS = 12  # capacity to ceiling / 4096
 TRICKLE = 0.05  # a capacity under this share of the ceiling is no plan: the SLO is missed at any real load
 HOURS_PER_MONTH = 730.0  # 365 x 24 / 12
 MIN_CPU_SAMPLE = 50  # requests a --measure window must see before its CPU per request is believed
+KEEP_ALIVE_PING_S = 1.0  # a GET /healthz this often holds the CPU window's connection open (see cpu_per_request)
+CPU_WINDOW_TRIES = 3  # windows started over on a fresh connection when the server closes it all the same
 
 
 @dataclass(frozen=True)
@@ -402,30 +407,23 @@ def cpu_per_request(base: str, window_s: float, api_key: str = "") -> tuple[floa
     over `batchserve_requests_total` (every status: a refusal costs CPU too), read twice `window_s` apart on
     ONE connection, so both readings come from the same process behind a shared (`--processes`) port.
     Totals since start would count the start-up (imports, model loading); the window counts only the load
-    the server carries now, so measure a node under its real traffic."""
-    import http.client
-    import time
-    from urllib.parse import urlsplit
+    the server carries now, so measure a node under its real traffic.
 
-    u = urlsplit(base)
-    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(u.hostname or "127.0.0.1", u.port, timeout=10)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def read() -> tuple[float | None, float | None]:
-        conn.request("GET", (u.path.rstrip("/") or "") + "/metrics", headers=headers)
-        resp = conn.getresponse()
-        text = resp.read().decode()
-        if resp.status != 200:
-            raise OSError(f"{base}/metrics answered {resp.status}")
-        return metric_sum(text, "process_cpu_seconds_total"), metric_sum(text, "batchserve_requests_total")
-
-    try:
-        cpu0, req0 = read()
-        time.sleep(window_s)
-        cpu1, req1 = read()
-    finally:
-        conn.close()
+    Why the pings: the server closes a connection idle for `--keep-alive-timeout-s` (5 s by default, as long as
+    the default window), so the connection is kept busy with a `GET /healthz` (counted in neither counter) every
+    `KEEP_ALIVE_PING_S`. Should the server close it all the same (a shorter keep-alive), the window starts over
+    on a fresh connection with pings twice as often, a few times, before it gives up with the reason."""
+    ping_s = KEEP_ALIVE_PING_S
+    for attempt in range(1, CPU_WINDOW_TRIES + 1):
+        try:
+            cpu0, req0, cpu1, req1 = _cpu_window(base, window_s, api_key, ping_s)
+            break
+        except (http.client.RemoteDisconnected, ConnectionError) as exc:
+            if attempt == CPU_WINDOW_TRIES:
+                raise OSError(f"{base} closed the connection held for the {window_s:g} s CPU window "
+                              f"{CPU_WINDOW_TRIES} times (pinged every {ping_s:g} s): {exc}; give "
+                              f"--cpu-us-per-request or a shorter --cpu-window-s") from exc
+            ping_s /= 2
     if cpu0 is None or cpu1 is None:
         return None, "no process_cpu_seconds_total in /metrics"
     answered = (req1 or 0.0) - (req0 or 0.0)
@@ -436,6 +434,40 @@ def cpu_per_request(base: str, window_s: float, api_key: str = "") -> tuple[floa
     per = (cpu1 - cpu0) / answered
     return per, (f"CPU {per * 1e6:.0f} us per request ({cpu1 - cpu0:.2f} CPU-s over {answered:.0f} requests "
                  f"in {window_s:g} s)")
+
+
+def _cpu_window(base: str, window_s: float, api_key: str, ping_s: float
+                ) -> tuple[float | None, float | None, float | None, float | None]:
+    """Both /metrics readings (CPU, requests) `window_s` apart on one connection, pinged every `ping_s`."""
+    u = urlsplit(base)
+    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(u.hostname or "127.0.0.1", u.port, timeout=10)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    prefix = u.path.rstrip("/")
+
+    def get(path: str) -> str:
+        conn.request("GET", prefix + path, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        if resp.status != 200:
+            raise OSError(f"{base}{path} answered {resp.status}")
+        return text
+
+    def read() -> tuple[float | None, float | None]:
+        text = get("/metrics")
+        return metric_sum(text, "process_cpu_seconds_total"), metric_sum(text, "batchserve_requests_total")
+
+    try:
+        cpu0, req0 = read()
+        end = time.monotonic() + window_s
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(ping_s, left))
+            if end - time.monotonic() > 0:
+                get("/healthz")  # keeps the connection from idling out; counted in neither reading
+        cpu1, req1 = read()
+    finally:
+        conn.close()
+    return cpu0, req0, cpu1, req1
 
 
 def _get(url: str, timeout: float = 10.0) -> bytes:
