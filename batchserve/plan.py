@@ -46,6 +46,9 @@ EWMA_ALPHA = 0.2  # as batcher.EWMA_ALPHA: weight of the newest batch in the lea
 SIM_S = 30.0  # simulated seconds per point, after the warm-up
 WARMUP_S = 5.0
 BISECT_STEPS = 12  # capacity to ceiling / 4096
+CHECK_POINTS = 8  # rates under a bisected capacity checked to meet the SLO too (see `capacity`)
+RECHECKS = 6  # searches started over beneath a rate that missed, before no capacity is trusted
+PLAN_RETRIES = 8  # plans redone with a capacity below the per-node rate whose prediction missed
 TRICKLE = 0.05  # a capacity under this share of the ceiling is no plan: the SLO is missed at any real load
 HOURS_PER_MONTH = 730.0  # 365 x 24 / 12
 MIN_CPU_SAMPLE = 50  # requests a --measure window must see before its CPU per request is believed
@@ -263,19 +266,44 @@ def predict(rate: float, c: Contract, arrivals: Arrivals | None = None, sim_s: f
 
 
 def capacity(c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S,
-             steps: int = BISECT_STEPS) -> float:
-    """The highest rate (requests/s, one node) whose p95 stays within the SLO with nothing expired, and at
-    most `max_busy` of the ceiling; 0 when even a lone request misses the SLO.
+             steps: int = BISECT_STEPS, below: float | None = None) -> float:
+    """The highest rate (requests/s, one node) whose p95 stays within the SLO with nothing expired — at that
+    rate and at every rate checked below it — and at most `max_busy` of the ceiling (and under `below`, a rate
+    known to miss); 0 when even a lone request misses the SLO.
 
     Why the cap: close to the ceiling a queue's steady state takes far longer to reach than any window one
     can simulate (or than the load stays Poisson), so a finite window would call a node that slowly drowns
     healthy. With several devices the SLO alone binds only there: the dispatch deadline leaves room for
-    many paced batches, so p95 stays flat until the devices saturate."""
+    many paced batches, so p95 stays flat until the devices saturate.
+
+    Why the check below: when a big batch takes much longer than a small one (a batch time that jumps with
+    the size), the queue is bistable: one burst forms a slow batch, during which enough arrive to form the
+    next slow one, and it stays slow. Whether a finite window tips depends on its draws, so p95 is not
+    monotone in the rate and a bisection can land on a lucky rate just above unlucky ones. The rates of a
+    grid under the bisected one are checked, and a miss among them starts the search over beneath it."""
     arrivals = arrivals or Arrivals()
-    lo, hi = 0.0, c.ceiling() * c.max_busy
-    if predict(hi, c, arrivals, sim_s).meets(c.slo_s):
+    top = c.ceiling() * c.max_busy if below is None else min(below, c.ceiling() * c.max_busy)
+    for _ in range(RECHECKS):
+        cap = _bisect_capacity(c, arrivals, sim_s, steps, top, top_known_to_miss=below is not None)
+        if cap <= 0:
+            return 0.0
+        missed = next((r for r in (cap * k / CHECK_POINTS for k in range(1, CHECK_POINTS))
+                       if not predict(r, c, arrivals, sim_s).meets(c.slo_s)), None)
+        if missed is None:
+            return cap
+        top, below = missed, missed
+    return 0.0  # it keeps tipping lower: no rate can be trusted
+
+
+def _bisect_capacity(c: Contract, arrivals: Arrivals, sim_s: float, steps: int, top: float,
+                     top_known_to_miss: bool) -> float:
+    lo, hi = 0.0, top
+    if not top_known_to_miss and predict(hi, c, arrivals, sim_s).meets(c.slo_s):
         return hi
-    if not predict(hi * 2 ** -steps, c, arrivals, sim_s).meets(c.slo_s):
+    low = predict(hi * 2 ** -steps, c, arrivals, sim_s)
+    if math.isnan(low.p95_ms):  # so low a rate that nothing arrived in the window: a request alone
+        low = predict(0.0, c)
+    if not low.meets(c.slo_s):
         return 0.0
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -320,6 +348,7 @@ class Plan:
     nodes_for_one_down: int
     cost: Cost | None = None
     processes_for_cpu: int | None = None  # when the CPU binds: processes per node that lift it above the devices
+    note: str = ""  # why the capacity is lower than a rate that met the SLO, when it is
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -355,6 +384,37 @@ def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int =
     arrivals = Arrivals(seed)
     proc = c.per_process()
     device_cap = capacity(proc, arrivals, sim_s) * c.processes
+    notes: list[str] = []
+    for _ in range(PLAN_RETRIES):
+        _check_device_capacity(device_cap, c)
+        cap, binding = _binding(device_cap, c)
+        nodes = max(1, math.ceil(target_rate / cap - 1e-9))
+        per_proc = nodes * c.processes
+        at_target = predict(target_rate / per_proc, proc, arrivals, sim_s)
+        if at_target.meets(c.slo_s):
+            break
+        # The plan's own rate misses although a higher one met: p95 is not monotone in the rate here (see
+        # `capacity`), so the capacity is what meets beneath the rate that missed.
+        missed = target_rate / per_proc
+        notes.append(f"at {missed:.0f} requests/s a process, p95 is {at_target.p95_ms:.0f} ms"
+                     + (f", {at_target.expired:.0%} time out" if at_target.expired else ""))
+        device_cap = capacity(proc, arrivals, sim_s, below=missed * (1 - 1e-6)) * c.processes
+    note = ""
+    if notes:
+        note = ("p95 is not monotone in the rate with this batch time (a slow big batch lets enough arrive to "
+                "form the next, and the queue stays slow): " + "; ".join(notes) + " although a higher rate met the "
+                "SLO in its window, so the capacity is what meets beneath them")
+        if not at_target.meets(c.slo_s):
+            note += f"; after {PLAN_RETRIES} tries the plan still misses the SLO at its own rate: do not trust it"
+    one_down = (predict(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None)
+    return Plan(target_rate, c, cap, device_cap, c.cpu_ceiling(), binding, nodes, at_target,
+                nodes * cap / target_rate - 1, one_down, nodes + 1,
+                plan_cost(target_rate, nodes, c, prices) if prices else None,
+                processes_for_cpu(c) if binding == "cpu" else None, note)
+
+
+def _check_device_capacity(device_cap: float, c: Contract) -> None:
+    """No plan when no rate, or only a trickle, meets the SLO: say why."""
     if device_cap <= 0:
         raise ValueError(f"no rate meets a {c.slo_s * 1000:g} ms SLO: one batch alone takes "
                          f"{c.batch_time(1) * 1000:g} ms (+{c.overhead_s * 1000:g} ms overhead)")
@@ -365,21 +425,16 @@ def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int =
             f"waits up to the pace interval S/G or its dispatch deadline (slo - S - margin) for a batch, then runs "
             f"S, plus {c.overhead_s * 1000:g} ms overhead; it takes more devices per node, a shorter batch or a "
             f"looser SLO")
+
+
+def _binding(device_cap: float, c: Contract) -> tuple[float, str]:
+    """The node's capacity (the lower of the devices' and the CPU's) and which of them binds."""
     cpu_cap = c.cpu_ceiling()
-    cap = min(device_cap, cpu_cap)
     if cpu_cap < device_cap:
-        binding = "cpu"
-    elif device_cap >= c.max_busy * c.ceiling() * (1 - 1e-9):
-        binding = "devices"
-    else:
-        binding = "slo"
-    nodes = max(1, math.ceil(target_rate / cap - 1e-9))
-    per_proc = nodes * c.processes
-    at_target = predict(target_rate / per_proc, proc, arrivals, sim_s)
-    one_down = (predict(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None)
-    return Plan(target_rate, c, cap, device_cap, cpu_cap, binding, nodes, at_target, nodes * cap / target_rate - 1,
-                one_down, nodes + 1, plan_cost(target_rate, nodes, c, prices) if prices else None,
-                processes_for_cpu(c) if binding == "cpu" else None)
+        return cpu_cap, "cpu"
+    if device_cap >= c.max_busy * c.ceiling() * (1 - 1e-9):
+        return device_cap, "devices"
+    return device_cap, "slo"
 
 
 # -- measuring a running server ------------------------------------------------------------------------------
@@ -672,6 +727,8 @@ def render(plan: Plan, source: str) -> str:
         f"headroom          {plan.headroom:.1%} more load (to {plan.target_rate * (1 + plan.headroom):.0f} "
         f"requests/s) before a node passes its {plan.capacity:.0f} requests/s",
     ]
+    if plan.note:
+        lines.append(f"note              {plan.note}")
     if plan.one_down is not None:
         d = plan.one_down
         each = plan.target_rate / (plan.nodes - 1)
