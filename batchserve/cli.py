@@ -125,7 +125,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add.add_argument("--tier", required=True, choices=CALLER_NAMES)
     add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
     plan_parser = sub.add_parser("plan", help="nodes needed for a target rate at the SLO, predicted p50/p95 and "
-                                              "headroom (docs/capacity.md)")
+                                              "headroom (docs/capacity.md)",
+                                 description=plan.DESCRIPTION, formatter_class=plan.HelpFormatter)
     plan.add_arguments(plan_parser)
     infer_parser = sub.add_parser("infer", help="send one input to a server, print its output (retries 503/429 "
                                                 "as the server asks)")
@@ -133,7 +134,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     jobs_parser = sub.add_parser("jobs", help="batch jobs on a server: submit a file (--wait: watch it to the end), "
                                               "get, results, cancel")
     jobs_parsers = client_cli.add_jobs_arguments(jobs_parser)
-    return parser, {"serve": serve_parser, "keys": keys_parser, "add": add, "infer": infer_parser,
+    return parser, {"serve": serve_parser, "keys": keys_parser, "add": add, "plan": plan_parser, "infer": infer_parser,
                     "jobs": jobs_parser, **{f"jobs {k}": v for k, v in jobs_parsers.items()}}
 
 

@@ -611,16 +611,34 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
 
 
 # -- the command ---------------------------------------------------------------------------------------------
+DESCRIPTION = ("Nodes needed for a target rate at the SLO. Required: --rate, and exactly one of --batch-ms, "
+               "--batch-ms-by-size or --measure URL (a running server). Defaults are shown beside each flag.")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default beside it, `(required)` on a required one; no default shown where there is none to
+    show (None, False, "": the help text says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required:
+            return f"{action.help} (required)"
+        if action.default in (None, False, "") or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, required=True, help="target requests/s across the service")
     p.add_argument("--slo-ms", type=float, default=200.0, help="p95 latency objective")
     p.add_argument("--devices", type=int, default=None, help="devices (GPUs) per node [1, or measured]")
     p.add_argument("--max-batch", type=int, default=100, help="most inputs in one batch (--max-batch-size)")
-    p.add_argument("--batch-ms", type=float, default=None, help="batch time, the same at every size")
+    p.add_argument("--batch-ms", type=float, default=None, help="batch time, the same at every size (this, --batch-ms-by-size or --measure is required)")
     p.add_argument("--batch-ms-by-size", default=None, metavar="SIZE:MS,...",
-                   help="batch time by batch size, e.g. 1:40,32:60,100:100 (linear between)")
+                   help="batch time by batch size, e.g. 1:40,32:60,100:100 (linear between; this, --batch-ms or "
+                        "--measure is required)")
     p.add_argument("--measure", default=None, metavar="URL",
-                   help="read devices and the batch time from a running server (/internal/health, /metrics)")
+                   help="read devices and the batch time from a running server (/internal/health, /metrics; this, "
+                        "--batch-ms or --batch-ms-by-size is required)")
     p.add_argument("--probe", default="", metavar="SIZES",
                    help="with --measure: send bursts of these sizes (e.g. 1,50,100) to learn batch time by size")
     p.add_argument("--api-key", default="", help="with --probe: the key to send")

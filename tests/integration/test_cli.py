@@ -61,3 +61,12 @@ def test_a_postgresql_job_store_without_psycopg_says_what_to_install():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("batchserve serve: error: --jobs-db: a postgresql://"), lines
     assert "pip install 'batchserve[postgres]'" in lines[0]
+
+
+def test_plan_help_shows_its_defaults_and_what_is_required():
+    done = run("plan", "-h")
+    text = " ".join(done.stdout.split())  # argparse wraps to the terminal's width
+    assert done.returncode == 0
+    assert "target requests/s across the service (required)" in text
+    assert "p95 latency objective (default: 200.0)" in text and "(default: 5.0)" in text
+    assert "exactly one of --batch-ms, --batch-ms-by-size or --measure URL" in text
