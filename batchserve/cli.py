@@ -21,7 +21,7 @@ import sys
 from typing import NoReturn
 
 from batchserve import client_cli, plan
-from batchserve.config import Settings, cli_fields, env_defaults, env_name, env_sources, flag_name
+from batchserve.config import Settings, cli_fields, did_you_mean, env_defaults, env_name, env_sources, flag_name
 from batchserve.core.tiers import CALLER_NAMES
 from batchserve.jobs.store import is_postgres_url, redact_url
 
@@ -95,6 +95,13 @@ class Parser(argparse.ArgumentParser):
         fail(self.prog, f"{message} (see '{self.prog} -h')")
 
 
+def flag_hints(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """' (did you mean '--max-batch-size'?)' for each mistyped flag close to one the parser knows (Python 3.11's
+    argparse suggests nothing; config keys and backend names already do)."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    return "".join(did_you_mean(word.split("=", 1)[0], known) for word in extra if word.startswith("--"))
+
+
 def fail(prog: str, message: str) -> NoReturn:
     """One line on stderr, exit status 2 (a usage or configuration mistake)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
@@ -143,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the command's own parser, whose -h lists its flags
         name = f"jobs {args.jobs_command}" if getattr(args, "jobs_command", None) else args.command or ""
-        parsers.get(name, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        own = parsers.get(name, parser)
+        own.error(f"unrecognized arguments: {' '.join(extra)}{flag_hints(own, extra)}")
 
     if (args.command is None or (args.command == "keys" and args.keys_command is None)
             or (args.command == "jobs" and args.jobs_command is None)):
