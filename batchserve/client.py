@@ -56,7 +56,8 @@ class BatchserveError(Exception):
                  retry_after_ms: float | None = None) -> None:
         if len(message) > MAX_MESSAGE_CHARS:
             message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
-        super().__init__(f"{status} {error}: {message}" + (f" (request {request_id})" if request_id else ""))
+        said = f"{status} {error}" if status else error  # status 0: no answer, so no status to show
+        super().__init__(f"{said}: {message}" + (f" (request {request_id})" if request_id else ""))
         self.status, self.error, self.message = status, error, message
         self.request_id, self.retry_after_ms = request_id, retry_after_ms
 
@@ -160,7 +161,13 @@ class _Tries:
         its BatchserveError when no retry is left within the deadline."""
         self.attempt += 1
         if isinstance(failed, httpx.ConnectError):
-            err, hint = BatchserveError(0, "CONNECTION_FAILED", str(failed)), None
+            try:
+                url = str(failed.request.url)
+            except RuntimeError:  # an error raised without its request
+                url = "the server"
+            err = BatchserveError(0, "CONNECTION_FAILED", f"could not connect to {url} ({failed}; "
+                                                          f"{self.attempt} tr{'y' if self.attempt == 1 else 'ies'})")
+            hint = None
         else:
             err, hint = error_of(failed), server_wait_s(failed)
         wait = next_wait_s(self.retry, self.attempt, hint, self.retry.deadline_s - (time.monotonic() - self.began))
