@@ -25,6 +25,7 @@ OUTPUT_NAME = "output"
 MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
 MAX_DIMS = 8
 HEADER_LENGTH = "inference-header-content-length"
+MAX_LENGTH_DIGITS = 19  # of Inference-Header-Content-Length: more than any body holds
 EXTENSIONS = ["binary_tensor_data"]
 
 
@@ -57,7 +58,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """(JSON header, binary tail) of an infer body; the whole body is JSON when no header length is given."""
     if header_length is None:
         return body, b""
-    if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
+    # At most 19 digits, checked before int(): 4,301 digits pass Python's int-string limit and raised (a 500).
+    if (len(header_length) > MAX_LENGTH_DIGITS or not (header_length.isascii() and header_length.isdigit())
+            or int(header_length) > len(body)):
         raise bad(f"Inference-Header-Content-Length must be a byte count within the body ({len(body)} bytes)")
     n = int(header_length)
     return body[:n], body[n:]

@@ -141,6 +141,10 @@ def test_binary_body_that_lies_about_its_size(server):
     r = httpx.post(server.url + "/v2/models/echo/infer", content=b"{}",
                    headers={"Inference-Header-Content-Length": "99"})
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"]
+    # 4,301 digits: past Python's int-from-string limit, which raised a ValueError (a 500)
+    r = httpx.post(server.url + "/v2/models/echo/infer", content=b"{}",
+                   headers={"Inference-Header-Content-Length": "9" * 4301})
+    assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"], r.text
 
 
 def test_unknown_model_and_the_server_still_serves(server, client):
