@@ -20,7 +20,7 @@ import os
 import sys
 from typing import NoReturn
 
-from batchserve import client_cli, plan
+from batchserve import client_cli, logsafe, plan
 from batchserve.config import Settings, cli_fields, did_you_mean, env_defaults, env_name, env_sources, flag_name
 from batchserve.core.tiers import CALLER_NAMES
 from batchserve.jobs.store import is_postgres_url, redact_url
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(parsers["serve"].prog, str(exc))
     quiet_progress_bars(sys.stderr.isatty())
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logsafe.install()  # one record, one line: a caller's control characters are escaped
     log.info("settings: %s", effective(settings))
     if settings.processes > 1:  # the children load the models, each on its share of the devices
         from batchserve.http.processes import serve_processes

