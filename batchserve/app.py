@@ -128,6 +128,9 @@ def create_app(settings: Settings, loaded: LoadedModels | None = None,
 
     app = Starlette(routes=[route for routes, _ in WINGS for route in routes], lifespan=lifespan,
                     exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error})
+    # No 307 to the path without its trailing slash: Starlette builds that Location from the caller's Host
+    # header (an open redirect off any proxy that passes Host through). A 404 that names the path instead.
+    app.router.redirect_slashes = False
     app.state.openapi = orjson.dumps(openapi_document())
     fast = FastPath(app, inference.FAST_ROUTES, (kserve_routes.fast_route,))
     return tracing.wrap(fast) if tracing is not None else fast

@@ -132,7 +132,9 @@ async def http_error(request: Request, exc: Exception) -> Response:
     """The router's own 404 and 405, in the one error shape."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        err = errors.not_found(str(exc.detail))
+        path = request.url.path
+        slash = f": paths take no trailing slash ({printable(path.rstrip('/'), 200)})" if path.endswith("/") else ""
+        err = errors.not_found(f"{exc.detail}{slash}")
     elif exc.status_code == 405:
         err = errors.method_not_allowed(str(exc.detail))
     else:

@@ -50,3 +50,23 @@ def test_an_encoded_newline_in_a_path_cannot_forge_a_log_line():
     assert "secret detail" in log  # the traceback still reaches the operator
     assert not any(line.startswith(FORGED) for line in log.splitlines()), log
     assert "unhandled error on GET /boom/x\\x0a" + FORGED + "\\x0d\\x1b[31m" in log and "\x1b" not in log
+
+
+@pytest.fixture(scope="module")
+def plain():
+    s = start_server("--devices", "1", "--sim-batch-ms", "5")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/readyz/"), ("POST", "/v1/inference/"), ("GET", "/v1/models/"),
+                                         ("GET", "/nope/")])
+def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_the_host_header(plain: LiveServer, method, path):
+    """It was a 307 whose Location was `http://<the caller's Host>/readyz`: an open redirect off any proxy
+    that passes Host through. Now a JSON 404 that names the path without its slash, and no Location."""
+    import httpx
+
+    r = httpx.request(method, plain.url + path, headers={"Host": "evil.example"}, json={"input": "x"},
+                      follow_redirects=False)
+    assert r.status_code == 404 and "location" not in r.headers, (r.status_code, r.headers)
+    assert r.json()["error"] == "NOT_FOUND" and f"no trailing slash ({path.rstrip('/')})" in r.json()["message"]
