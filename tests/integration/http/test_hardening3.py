@@ -70,3 +70,22 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_the_host_header(pla
                       follow_redirects=False)
     assert r.status_code == 404 and "location" not in r.headers, (r.status_code, r.headers)
     assert r.json()["error"] == "NOT_FOUND" and f"no trailing slash ({path.rstrip('/')})" in r.json()["message"]
+
+
+def test_rate_limit_headers_have_one_case_on_a_200_and_a_429(tmp_path, server_factory):
+    """`X-RateLimit-*` came Title-Case on /v1/inference's 200 (written by the route itself) and lower-case on a
+    429 (and on every other route): one spelling now, lower-case like every other header batchserve writes."""
+    import httpx
+
+    from tests.integration.test_tenancy import add_key, bearer
+
+    config = tmp_path / "bs.toml"
+    config.write_text("[tiers.free]\nrate = 1\nburst = 2\n")
+    key = add_key(config, "cheap", "free")
+    server = server_factory("--config", str(config))
+    with httpx.Client(base_url=server.url) as c:
+        answers = [c.post("/v1/inference", json={"input": "x"}, headers=bearer(key)) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    for answer in (answers[0], answers[2]):
+        names = {name for name, _ in answer.headers.raw if name.lower().startswith(b"x-ratelimit-")}
+        assert names == {b"x-ratelimit-limit", b"x-ratelimit-remaining", b"x-ratelimit-reset"}, answer.headers.raw
