@@ -72,11 +72,21 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
     return settings
 
 
+DERIVABLE = ("slo_ms", "timeout_ms")  # left unset, derived from a model's measured warm-up (backends/warmup.py)
+
+
 def effective(settings: Settings) -> str:
+    """The settings line. An unset SLO or timeout is marked provisional: a model whose warm-up is measured
+    replaces it (the 'deadlines from ...' line), so the figure shown here may not be the one in force."""
     shown = {f.name: getattr(settings, f.name) for f in cli_fields() if f.name != "config" or settings.config}
     shown["models"] = [m.id for m in settings.models]
     shown["jobs_db"] = redact_url(settings.jobs_db)  # a postgresql:// URL may carry a password
-    return " ".join(f"{k}={v}" for k, v in shown.items())
+    provisional = [name for name in DERIVABLE if name not in settings.given]
+    for name in provisional:
+        shown[name] = f"{shown[name]}(provisional)"
+    note = (f"; {' and '.join(provisional)} provisional: unset, derived from a measured warm-up where a model has "
+            f"one ('deadlines from ...' below)" if provisional else "")
+    return " ".join(f"{k}={v}" for k, v in shown.items()) + note
 
 
 def version() -> str:
