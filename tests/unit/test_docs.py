@@ -107,3 +107,13 @@ def test_the_docs_quote_no_test_counts_or_suite_times():
                         r"|whole suite \d")
     found = [f"{page.name}: {m.group(0)}" for page in pages for m in quoted.finditer(page.read_text())]
     assert not found, "quoted test counts or suite times:\n" + "\n".join(found)
+
+
+def test_generation_examples_send_temperature_0_and_say_why():
+    """OpenAI's default temperature (1) makes SmolLM2-135M answer nonsense, which reads as a broken server: the
+    README and docs/generation.md show temperature=0 in every chat example, and say why."""
+    for page in (ROOT / "README.md", ROOT / "docs" / "generation.md"):
+        text = page.read_text()
+        calls = re.findall(r"chat\.completions\.create\(model=[^)]*", text)
+        assert calls and all("temperature=0" in call for call in calls), (page.name, calls)
+        assert "nonsense" in text, page.name
