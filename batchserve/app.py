@@ -33,6 +33,7 @@ from batchserve.inference import routes as inference
 from batchserve.inference import schema as http_schema
 from batchserve.jobs import api as jobs_api
 from batchserve.jobs import files_api
+from batchserve.logsafe import printable
 from batchserve.jobs import schema as jobs_schema
 from batchserve.kserve import routes as kserve_routes
 from batchserve.kserve import schema as kserve_schema
@@ -89,7 +90,7 @@ class FastPath:
                 try:
                     await endpoint(scope, receive, send)
                 except Exception:  # noqa: BLE001 - as Starlette's ServerErrorMiddleware: log, answer JSON 500
-                    log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+                    log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
                     await internal_error(send)
                 return
         try:
@@ -100,7 +101,7 @@ class FastPath:
             # Starlette answers the 500, then re-raises for the server to log; uvicorn would then close the
             # connection, resetting a request the client had already sent on it (keep-alive). Logged here
             # instead, the connection lives on (uvicorn still closes it when the answer was left unfinished).
-            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
             await internal_error(send)  # when nothing was answered yet; nothing when it was
 
 
@@ -134,6 +135,9 @@ def create_app(settings: Settings, loaded: LoadedModels | None = None,
 
     app = Starlette(routes=[route for routes, _ in WINGS for route in routes], lifespan=lifespan,
                     exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error})
+    # No 307 to the path without its trailing slash: Starlette builds that Location from the caller's Host
+    # header (an open redirect off any proxy that passes Host through). A 404 that names the path instead.
+    app.router.redirect_slashes = False
     app.state.openapi = orjson.dumps(openapi_document())
     fast = FastPath(app, inference.FAST_ROUTES, (kserve_routes.fast_route,))
     return tracing.wrap(fast) if tracing is not None else fast

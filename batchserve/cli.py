@@ -20,8 +20,8 @@ import os
 import sys
 from typing import NoReturn
 
-from batchserve import client_cli, plan
-from batchserve.config import Settings, cli_fields, env_defaults, env_name, env_sources, flag_name
+from batchserve import client_cli, logsafe, plan
+from batchserve.config import Settings, cli_fields, did_you_mean, env_defaults, env_name, env_sources, flag_name
 from batchserve.core.tiers import CALLER_NAMES
 from batchserve.jobs.store import is_postgres_url, redact_url
 
@@ -72,11 +72,21 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
     return settings
 
 
+DERIVABLE = ("slo_ms", "timeout_ms")  # left unset, derived from a model's measured warm-up (backends/warmup.py)
+
+
 def effective(settings: Settings) -> str:
+    """The settings line. An unset SLO or timeout is marked provisional: a model whose warm-up is measured
+    replaces it (the 'deadlines from ...' line), so the figure shown here may not be the one in force."""
     shown = {f.name: getattr(settings, f.name) for f in cli_fields() if f.name != "config" or settings.config}
     shown["models"] = [m.id for m in settings.models]
     shown["jobs_db"] = redact_url(settings.jobs_db)  # a postgresql:// URL may carry a password
-    return " ".join(f"{k}={v}" for k, v in shown.items())
+    provisional = [name for name in DERIVABLE if name not in settings.given]
+    for name in provisional:
+        shown[name] = f"{shown[name]}(provisional)"
+    note = (f"; {' and '.join(provisional)} provisional: unset, derived from a measured warm-up where a model has "
+            f"one ('deadlines from ...' below)" if provisional else "")
+    return " ".join(f"{k}={v}" for k, v in shown.items()) + note
 
 
 def version() -> str:
@@ -93,6 +103,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         fail(self.prog, f"{message} (see '{self.prog} -h')")
+
+
+def flag_hints(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """' (did you mean '--max-batch-size'?)' for each mistyped flag close to one the parser knows (Python 3.11's
+    argparse suggests nothing; config keys and backend names already do)."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    return "".join(did_you_mean(word.split("=", 1)[0], known) for word in extra if word.startswith("--"))
 
 
 def fail(prog: str, message: str) -> NoReturn:
@@ -125,7 +142,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add.add_argument("--tier", required=True, choices=CALLER_NAMES)
     add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
     plan_parser = sub.add_parser("plan", help="nodes needed for a target rate at the SLO, predicted p50/p95 and "
-                                              "headroom (docs/capacity.md)")
+                                              "headroom (docs/capacity.md)",
+                                 description=plan.DESCRIPTION, formatter_class=plan.HelpFormatter)
     plan.add_arguments(plan_parser)
     infer_parser = sub.add_parser("infer", help="send one input to a server, print its output (retries 503/429 "
                                                 "as the server asks)")
@@ -133,7 +151,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     jobs_parser = sub.add_parser("jobs", help="batch jobs on a server: submit a file (--wait: watch it to the end), "
                                               "get, results, cancel")
     jobs_parsers = client_cli.add_jobs_arguments(jobs_parser)
-    return parser, {"serve": serve_parser, "keys": keys_parser, "add": add, "infer": infer_parser,
+    return parser, {"serve": serve_parser, "keys": keys_parser, "add": add, "plan": plan_parser, "infer": infer_parser,
                     "jobs": jobs_parser, **{f"jobs {k}": v for k, v in jobs_parsers.items()}}
 
 
@@ -142,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the command's own parser, whose -h lists its flags
         name = f"jobs {args.jobs_command}" if getattr(args, "jobs_command", None) else args.command or ""
-        parsers.get(name, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        own = parsers.get(name, parser)
+        own.error(f"unrecognized arguments: {' '.join(extra)}{flag_hints(own, extra)}")
 
     if (args.command is None or (args.command == "keys" and args.keys_command is None)
             or (args.command == "jobs" and args.jobs_command is None)):
@@ -177,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(parsers["serve"].prog, str(exc))
     quiet_progress_bars(sys.stderr.isatty())
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logsafe.install()  # one record, one line: a caller's control characters are escaped
     log.info("settings: %s", effective(settings))
     if settings.processes > 1:  # the children load the models, each on its share of the devices
         from batchserve.http.processes import serve_processes

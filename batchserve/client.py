@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, Mapping
 import httpx
 
 RETRY_STATUSES = frozenset({429, 503})
+MAX_MESSAGE_CHARS = 2000  # of a server's error message kept in the raised error (a proxy may send megabytes)
 JOB_DONE = frozenset({"completed", "failed", "cancelled"})
 
 
@@ -34,14 +36,16 @@ JOB_DONE = frozenset({"completed", "failed", "cancelled"})
 class Retry:
     """How long to keep trying. `attempts` counts every try (1 = never retry); without a server hint the
     wait doubles from `backoff_s` up to `max_wait_s`; a hint is honoured as given (plus up to `jitter` of it,
-    so a crowd told the same wait does not come back in one burst), and a wait past the deadline is not
-    taken: the error is raised at once."""
+    so a crowd told the same wait does not come back in one burst), but never below `min_wait_s`, doubled at
+    each try (a hint of 0, negative or not a number would otherwise spend every try in a few milliseconds);
+    and a wait past the deadline is not taken: the error is raised at once."""
 
     attempts: int = 8
     deadline_s: float = 60.0
     backoff_s: float = 0.1
     max_wait_s: float = 10.0
     jitter: float = 0.1
+    min_wait_s: float = 0.05
 
 
 class BatchserveError(Exception):
@@ -49,8 +53,11 @@ class BatchserveError(Exception):
     that failed (status 0, error "CONNECTION_FAILED")."""
 
     def __init__(self, status: int, error: str, message: str, request_id: str = "",
-                 retry_after_ms: int | None = None) -> None:
-        super().__init__(f"{status} {error}: {message}" + (f" (request {request_id})" if request_id else ""))
+                 retry_after_ms: float | None = None) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+        said = f"{status} {error}" if status else error  # status 0: no answer, so no status to show
+        super().__init__(f"{said}: {message}" + (f" (request {request_id})" if request_id else ""))
         self.status, self.error, self.message = status, error, message
         self.request_id, self.retry_after_ms = request_id, retry_after_ms
 
@@ -64,7 +71,8 @@ def error_of(response: httpx.Response) -> BatchserveError:
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         hint = body.get("retry_after_ms")
         return BatchserveError(response.status_code, body["error"], str(body.get("message", "")),
-                               str(body.get("request_id", "")), hint if isinstance(hint, int) else None)
+                               str(body.get("request_id", "")),
+                               hint if isinstance(hint, (int, float)) and not isinstance(hint, bool) else None)
     if isinstance(body, dict) and isinstance(body.get("error"), dict):  # the OpenAI-shaped routes
         err = body["error"]
         return BatchserveError(response.status_code, str(err.get("code") or err.get("type")),
@@ -76,12 +84,20 @@ def server_wait_s(response: httpx.Response) -> float | None:
     """The wait the server asked for: `retry_after_ms` in the body, else the `Retry-After` header (seconds)."""
     hint = error_of(response).retry_after_ms
     if hint is not None:
-        return max(0.0, hint / 1000)
+        if isinstance(hint, int) and abs(hint) > 10**300:  # JSON allows 10**400: past float, and any deadline
+            return math.inf if hint > 0 else 0.0
+        return _seconds(hint / 1000)
     header = response.headers.get("Retry-After", "")
     try:
-        return max(0.0, float(header))
+        return _seconds(float(header))
     except ValueError:
         return None
+
+
+def _seconds(wait: float) -> float | None:
+    """A hint as a wait: negative is 0 (the floor in `next_wait_s` applies), not a number is no hint, and an
+    infinite one stays infinite (past any deadline: the error is raised, never an OverflowError)."""
+    return None if math.isnan(wait) else max(0.0, wait)
 
 
 def next_wait_s(policy: Retry, attempt: int, hint_s: float | None, remaining_s: float,
@@ -90,10 +106,12 @@ def next_wait_s(policy: Retry, attempt: int, hint_s: float | None, remaining_s: 
     the wait would end past the deadline."""
     if attempt >= policy.attempts:
         return None
-    if hint_s is None:
-        wait = min(policy.max_wait_s, policy.backoff_s * 2 ** (attempt - 1)) * (0.5 + rand() / 2)
+    doubling = 2 ** min(attempt - 1, 64)
+    if hint_s is None or not hint_s >= 0:  # no hint, or one that is not a number
+        wait = min(policy.max_wait_s, policy.backoff_s * doubling) * (0.5 + rand() / 2)
     else:
         wait = hint_s * (1 + policy.jitter * rand())
+    wait = max(wait, min(policy.max_wait_s, policy.min_wait_s * doubling))
     return wait if wait < remaining_s else None
 
 
@@ -143,7 +161,13 @@ class _Tries:
         its BatchserveError when no retry is left within the deadline."""
         self.attempt += 1
         if isinstance(failed, httpx.ConnectError):
-            err, hint = BatchserveError(0, "CONNECTION_FAILED", str(failed)), None
+            try:
+                url = str(failed.request.url)
+            except RuntimeError:  # an error raised without its request
+                url = "the server"
+            err = BatchserveError(0, "CONNECTION_FAILED", f"could not connect to {url} ({failed}; "
+                                                          f"{self.attempt} tr{'y' if self.attempt == 1 else 'ies'})")
+            hint = None
         else:
             err, hint = error_of(failed), server_wait_s(failed)
         wait = next_wait_s(self.retry, self.attempt, hint, self.retry.deadline_s - (time.monotonic() - self.began))

@@ -122,7 +122,9 @@ class Settings:
     weights_cache: str = knob("~/.cache/batchserve", "smollm2: where the GGUF's weights and tokenizer are kept "
                                                    "once converted to transformers' format, so a restart loads "
                                                    "them in seconds (the conversion takes ~15 s on a CPU); "
-                                                   "empty = convert at every start")
+                                                   "empty = convert at every start. minilm: where its weights are "
+                                                   "extracted once (unset: $BATCHSERVE_CACHE_DIR, its older "
+                                                   "name, else $XDG_CACHE_HOME/batchserve)")
     decode: str = knob("static", "smollm2: how a batch is decoded: static = one prefill, then a static-KV decode "
                                  "loop (its step a CUDA graph on a GPU), stopping when every row has ended; "
                                  "generate = transformers' generate (host-bound on a GPU)", ("static", "generate"))

@@ -29,23 +29,31 @@ from __future__ import annotations
 import argparse
 import bisect
 import heapq
+import http.client
 import json
 import math
 import random
 import statistics
 import sys
+import time
 import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
+from urllib.parse import urlsplit
 
 EWMA_ALPHA = 0.2  # as batcher.EWMA_ALPHA: weight of the newest batch in the learned batch time
 SIM_S = 30.0  # simulated seconds per point, after the warm-up
 WARMUP_S = 5.0
 BISECT_STEPS = 12  # capacity to ceiling / 4096
+CHECK_POINTS = 8  # rates under a bisected capacity checked to meet the SLO too (see `capacity`)
+RECHECKS = 6  # searches started over beneath a rate that missed, before no capacity is trusted
+PLAN_RETRIES = 8  # plans redone with a capacity below the per-node rate whose prediction missed
 TRICKLE = 0.05  # a capacity under this share of the ceiling is no plan: the SLO is missed at any real load
 HOURS_PER_MONTH = 730.0  # 365 x 24 / 12
 MIN_CPU_SAMPLE = 50  # requests a --measure window must see before its CPU per request is believed
+KEEP_ALIVE_PING_S = 1.0  # a GET /healthz this often holds the CPU window's connection open (see cpu_per_request)
+CPU_WINDOW_TRIES = 3  # windows started over on a fresh connection when the server closes it all the same
 
 
 @dataclass(frozen=True)
@@ -258,19 +266,44 @@ def predict(rate: float, c: Contract, arrivals: Arrivals | None = None, sim_s: f
 
 
 def capacity(c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S,
-             steps: int = BISECT_STEPS) -> float:
-    """The highest rate (requests/s, one node) whose p95 stays within the SLO with nothing expired, and at
-    most `max_busy` of the ceiling; 0 when even a lone request misses the SLO.
+             steps: int = BISECT_STEPS, below: float | None = None) -> float:
+    """The highest rate (requests/s, one node) whose p95 stays within the SLO with nothing expired — at that
+    rate and at every rate checked below it — and at most `max_busy` of the ceiling (and under `below`, a rate
+    known to miss); 0 when even a lone request misses the SLO.
 
     Why the cap: close to the ceiling a queue's steady state takes far longer to reach than any window one
     can simulate (or than the load stays Poisson), so a finite window would call a node that slowly drowns
     healthy. With several devices the SLO alone binds only there: the dispatch deadline leaves room for
-    many paced batches, so p95 stays flat until the devices saturate."""
+    many paced batches, so p95 stays flat until the devices saturate.
+
+    Why the check below: when a big batch takes much longer than a small one (a batch time that jumps with
+    the size), the queue is bistable: one burst forms a slow batch, during which enough arrive to form the
+    next slow one, and it stays slow. Whether a finite window tips depends on its draws, so p95 is not
+    monotone in the rate and a bisection can land on a lucky rate just above unlucky ones. The rates of a
+    grid under the bisected one are checked, and a miss among them starts the search over beneath it."""
     arrivals = arrivals or Arrivals()
-    lo, hi = 0.0, c.ceiling() * c.max_busy
-    if predict(hi, c, arrivals, sim_s).meets(c.slo_s):
+    top = c.ceiling() * c.max_busy if below is None else min(below, c.ceiling() * c.max_busy)
+    for _ in range(RECHECKS):
+        cap = _bisect_capacity(c, arrivals, sim_s, steps, top, top_known_to_miss=below is not None)
+        if cap <= 0:
+            return 0.0
+        missed = next((r for r in (cap * k / CHECK_POINTS for k in range(1, CHECK_POINTS))
+                       if not predict(r, c, arrivals, sim_s).meets(c.slo_s)), None)
+        if missed is None:
+            return cap
+        top, below = missed, missed
+    return 0.0  # it keeps tipping lower: no rate can be trusted
+
+
+def _bisect_capacity(c: Contract, arrivals: Arrivals, sim_s: float, steps: int, top: float,
+                     top_known_to_miss: bool) -> float:
+    lo, hi = 0.0, top
+    if not top_known_to_miss and predict(hi, c, arrivals, sim_s).meets(c.slo_s):
         return hi
-    if not predict(hi * 2 ** -steps, c, arrivals, sim_s).meets(c.slo_s):
+    low = predict(hi * 2 ** -steps, c, arrivals, sim_s)
+    if math.isnan(low.p95_ms):  # so low a rate that nothing arrived in the window: a request alone
+        low = predict(0.0, c)
+    if not low.meets(c.slo_s):
         return 0.0
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -315,6 +348,7 @@ class Plan:
     nodes_for_one_down: int
     cost: Cost | None = None
     processes_for_cpu: int | None = None  # when the CPU binds: processes per node that lift it above the devices
+    note: str = ""  # why the capacity is lower than a rate that met the SLO, when it is
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -350,6 +384,37 @@ def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int =
     arrivals = Arrivals(seed)
     proc = c.per_process()
     device_cap = capacity(proc, arrivals, sim_s) * c.processes
+    notes: list[str] = []
+    for _ in range(PLAN_RETRIES):
+        _check_device_capacity(device_cap, c)
+        cap, binding = _binding(device_cap, c)
+        nodes = max(1, math.ceil(target_rate / cap - 1e-9))
+        per_proc = nodes * c.processes
+        at_target = predict(target_rate / per_proc, proc, arrivals, sim_s)
+        if at_target.meets(c.slo_s):
+            break
+        # The plan's own rate misses although a higher one met: p95 is not monotone in the rate here (see
+        # `capacity`), so the capacity is what meets beneath the rate that missed.
+        missed = target_rate / per_proc
+        notes.append(f"at {missed:.0f} requests/s a process, p95 is {at_target.p95_ms:.0f} ms"
+                     + (f", {at_target.expired:.0%} time out" if at_target.expired else ""))
+        device_cap = capacity(proc, arrivals, sim_s, below=missed * (1 - 1e-6)) * c.processes
+    note = ""
+    if notes:
+        note = ("p95 is not monotone in the rate with this batch time (a slow big batch lets enough arrive to "
+                "form the next, and the queue stays slow): " + "; ".join(notes) + " although a higher rate met the "
+                "SLO in its window, so the capacity is what meets beneath them")
+        if not at_target.meets(c.slo_s):
+            note += f"; after {PLAN_RETRIES} tries the plan still misses the SLO at its own rate: do not trust it"
+    one_down = (predict(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None)
+    return Plan(target_rate, c, cap, device_cap, c.cpu_ceiling(), binding, nodes, at_target,
+                nodes * cap / target_rate - 1, one_down, nodes + 1,
+                plan_cost(target_rate, nodes, c, prices) if prices else None,
+                processes_for_cpu(c) if binding == "cpu" else None, note)
+
+
+def _check_device_capacity(device_cap: float, c: Contract) -> None:
+    """No plan when no rate, or only a trickle, meets the SLO: say why."""
     if device_cap <= 0:
         raise ValueError(f"no rate meets a {c.slo_s * 1000:g} ms SLO: one batch alone takes "
                          f"{c.batch_time(1) * 1000:g} ms (+{c.overhead_s * 1000:g} ms overhead)")
@@ -360,21 +425,16 @@ def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int =
             f"waits up to the pace interval S/G or its dispatch deadline (slo - S - margin) for a batch, then runs "
             f"S, plus {c.overhead_s * 1000:g} ms overhead; it takes more devices per node, a shorter batch or a "
             f"looser SLO")
+
+
+def _binding(device_cap: float, c: Contract) -> tuple[float, str]:
+    """The node's capacity (the lower of the devices' and the CPU's) and which of them binds."""
     cpu_cap = c.cpu_ceiling()
-    cap = min(device_cap, cpu_cap)
     if cpu_cap < device_cap:
-        binding = "cpu"
-    elif device_cap >= c.max_busy * c.ceiling() * (1 - 1e-9):
-        binding = "devices"
-    else:
-        binding = "slo"
-    nodes = max(1, math.ceil(target_rate / cap - 1e-9))
-    per_proc = nodes * c.processes
-    at_target = predict(target_rate / per_proc, proc, arrivals, sim_s)
-    one_down = (predict(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None)
-    return Plan(target_rate, c, cap, device_cap, cpu_cap, binding, nodes, at_target, nodes * cap / target_rate - 1,
-                one_down, nodes + 1, plan_cost(target_rate, nodes, c, prices) if prices else None,
-                processes_for_cpu(c) if binding == "cpu" else None)
+        return cpu_cap, "cpu"
+    if device_cap >= c.max_busy * c.ceiling() * (1 - 1e-9):
+        return device_cap, "devices"
+    return device_cap, "slo"
 
 
 # -- measuring a running server ------------------------------------------------------------------------------
@@ -402,30 +462,23 @@ def cpu_per_request(base: str, window_s: float, api_key: str = "") -> tuple[floa
     over `batchserve_requests_total` (every status: a refusal costs CPU too), read twice `window_s` apart on
     ONE connection, so both readings come from the same process behind a shared (`--processes`) port.
     Totals since start would count the start-up (imports, model loading); the window counts only the load
-    the server carries now, so measure a node under its real traffic."""
-    import http.client
-    import time
-    from urllib.parse import urlsplit
+    the server carries now, so measure a node under its real traffic.
 
-    u = urlsplit(base)
-    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(u.hostname or "127.0.0.1", u.port, timeout=10)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def read() -> tuple[float | None, float | None]:
-        conn.request("GET", (u.path.rstrip("/") or "") + "/metrics", headers=headers)
-        resp = conn.getresponse()
-        text = resp.read().decode()
-        if resp.status != 200:
-            raise OSError(f"{base}/metrics answered {resp.status}")
-        return metric_sum(text, "process_cpu_seconds_total"), metric_sum(text, "batchserve_requests_total")
-
-    try:
-        cpu0, req0 = read()
-        time.sleep(window_s)
-        cpu1, req1 = read()
-    finally:
-        conn.close()
+    Why the pings: the server closes a connection idle for `--keep-alive-timeout-s` (5 s by default, as long as
+    the default window), so the connection is kept busy with a `GET /healthz` (counted in neither counter) every
+    `KEEP_ALIVE_PING_S`. Should the server close it all the same (a shorter keep-alive), the window starts over
+    on a fresh connection with pings twice as often, a few times, before it gives up with the reason."""
+    ping_s = KEEP_ALIVE_PING_S
+    for attempt in range(1, CPU_WINDOW_TRIES + 1):
+        try:
+            cpu0, req0, cpu1, req1 = _cpu_window(base, window_s, api_key, ping_s)
+            break
+        except (http.client.RemoteDisconnected, ConnectionError) as exc:
+            if attempt == CPU_WINDOW_TRIES:
+                raise OSError(f"{base} closed the connection held for the {window_s:g} s CPU window "
+                              f"{CPU_WINDOW_TRIES} times (pinged every {ping_s:g} s): {exc}; give "
+                              f"--cpu-us-per-request or a shorter --cpu-window-s") from exc
+            ping_s /= 2
     if cpu0 is None or cpu1 is None:
         return None, "no process_cpu_seconds_total in /metrics"
     answered = (req1 or 0.0) - (req0 or 0.0)
@@ -436,6 +489,40 @@ def cpu_per_request(base: str, window_s: float, api_key: str = "") -> tuple[floa
     per = (cpu1 - cpu0) / answered
     return per, (f"CPU {per * 1e6:.0f} us per request ({cpu1 - cpu0:.2f} CPU-s over {answered:.0f} requests "
                  f"in {window_s:g} s)")
+
+
+def _cpu_window(base: str, window_s: float, api_key: str, ping_s: float
+                ) -> tuple[float | None, float | None, float | None, float | None]:
+    """Both /metrics readings (CPU, requests) `window_s` apart on one connection, pinged every `ping_s`."""
+    u = urlsplit(base)
+    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(u.hostname or "127.0.0.1", u.port, timeout=10)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    prefix = u.path.rstrip("/")
+
+    def get(path: str) -> str:
+        conn.request("GET", prefix + path, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        if resp.status != 200:
+            raise OSError(f"{base}{path} answered {resp.status}")
+        return text
+
+    def read() -> tuple[float | None, float | None]:
+        text = get("/metrics")
+        return metric_sum(text, "process_cpu_seconds_total"), metric_sum(text, "batchserve_requests_total")
+
+    try:
+        cpu0, req0 = read()
+        end = time.monotonic() + window_s
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(ping_s, left))
+            if end - time.monotonic() > 0:
+                get("/healthz")  # keeps the connection from idling out; counted in neither reading
+        cpu1, req1 = read()
+    finally:
+        conn.close()
+    return cpu0, req0, cpu1, req1
 
 
 def _get(url: str, timeout: float = 10.0) -> bytes:
@@ -524,16 +611,34 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
 
 
 # -- the command ---------------------------------------------------------------------------------------------
+DESCRIPTION = ("Nodes needed for a target rate at the SLO. Required: --rate, and exactly one of --batch-ms, "
+               "--batch-ms-by-size or --measure URL (a running server). Defaults are shown beside each flag.")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default beside it, `(required)` on a required one; no default shown where there is none to
+    show (None, False, "": the help text says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required:
+            return f"{action.help} (required)"
+        if action.default in (None, False, "") or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, required=True, help="target requests/s across the service")
     p.add_argument("--slo-ms", type=float, default=200.0, help="p95 latency objective")
     p.add_argument("--devices", type=int, default=None, help="devices (GPUs) per node [1, or measured]")
     p.add_argument("--max-batch", type=int, default=100, help="most inputs in one batch (--max-batch-size)")
-    p.add_argument("--batch-ms", type=float, default=None, help="batch time, the same at every size")
+    p.add_argument("--batch-ms", type=float, default=None, help="batch time, the same at every size (this, --batch-ms-by-size or --measure is required)")
     p.add_argument("--batch-ms-by-size", default=None, metavar="SIZE:MS,...",
-                   help="batch time by batch size, e.g. 1:40,32:60,100:100 (linear between)")
+                   help="batch time by batch size, e.g. 1:40,32:60,100:100 (linear between; this, --batch-ms or "
+                        "--measure is required)")
     p.add_argument("--measure", default=None, metavar="URL",
-                   help="read devices and the batch time from a running server (/internal/health, /metrics)")
+                   help="read devices and the batch time from a running server (/internal/health, /metrics; this, "
+                        "--batch-ms or --batch-ms-by-size is required)")
     p.add_argument("--probe", default="", metavar="SIZES",
                    help="with --measure: send bursts of these sizes (e.g. 1,50,100) to learn batch time by size")
     p.add_argument("--api-key", default="", help="with --probe: the key to send")
@@ -640,6 +745,8 @@ def render(plan: Plan, source: str) -> str:
         f"headroom          {plan.headroom:.1%} more load (to {plan.target_rate * (1 + plan.headroom):.0f} "
         f"requests/s) before a node passes its {plan.capacity:.0f} requests/s",
     ]
+    if plan.note:
+        lines.append(f"note              {plan.note}")
     if plan.one_down is not None:
         d = plan.one_down
         each = plan.target_rate / (plan.nodes - 1)

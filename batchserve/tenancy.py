@@ -74,8 +74,10 @@ class TokenBucket:
         it refills at is the tier's (or the key's) requests per second; Retry-After on a 429 says when the next
         request is allowed."""
         refill = (self.burst - self.tokens) / self.rate
-        return {"X-RateLimit-Limit": f"{self.burst:g}", "X-RateLimit-Remaining": str(int(self.tokens)),
-                "X-RateLimit-Reset": str(math.ceil(refill))}
+        # Lower-case, as every other header batchserve writes (Starlette lower-cases what it sends; the hot
+        # route writes these names as given): one spelling on a 200 and a 429.
+        return {"x-ratelimit-limit": f"{self.burst:g}", "x-ratelimit-remaining": str(int(self.tokens)),
+                "x-ratelimit-reset": str(math.ceil(refill))}
 
 
 def digest(key: str) -> str:

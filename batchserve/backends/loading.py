@@ -33,7 +33,7 @@ from batchserve.backends.outputs import OutputRule, check_warm_answer
 from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
 from batchserve.backends.device_thread import DeviceThread
-from batchserve.backends.warmup import apply_deadlines, robust, warm_until_stable
+from batchserve.backends.warmup import apply_deadlines, ms, robust, warm_until_stable
 
 log = logging.getLogger("batchserve")
 
@@ -158,14 +158,14 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
                     began = time.perf_counter()
                     timings = backend.warm(device)
                     rounds[0] += 1
-                    log.info("warm-up round %d of %s on %s: %.0f ms", rounds[0], model, where,
-                             (time.perf_counter() - began) * 1000)
+                    log.info("warm-up round %d of %s on %s: %s ms", rounds[0], model, where,
+                             ms(time.perf_counter() - began))
                     if timings:
                         reported.append(timings)
                     return max(timings.values()) if timings else None
 
                 warm = warm_until_stable(round_)
-                log.info("warmed %s on %s: %s ms%s", model, where, ", ".join(f"{t * 1000:.0f}" for t in warm.rounds_s),
+                log.info("warmed %s on %s: %s ms%s", model, where, ", ".join(ms(t) for t in warm.rounds_s),
                          "" if warm.stable else " (not stable)")
                 took[model] = warm.batch_s
                 if by_size is not None and reported:

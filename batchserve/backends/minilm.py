@@ -67,9 +67,12 @@ WARM_UP = ["A man is eating food.", "The quick brown fox jumps over the lazy dog
            "Embeddings map text to vectors."] * 4
 
 
-def cache_root() -> Path:
-    """Where extracted weights live: $BATCHSERVE_CACHE_DIR, else $XDG_CACHE_HOME/batchserve, else
+def cache_root(settings: Settings | None = None) -> Path:
+    """Where extracted weights live: `--weights-cache` when set (as smollm2's converted copy), else
+    $BATCHSERVE_CACHE_DIR (its older name, kept as an alias), else $XDG_CACHE_HOME/batchserve, else
     ~/.cache/batchserve."""
+    if settings is not None and "weights_cache" in settings.given and settings.weights_cache:
+        return Path(os.path.expanduser(settings.weights_cache))
     if os.environ.get("BATCHSERVE_CACHE_DIR"):
         return Path(os.environ["BATCHSERVE_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -87,14 +90,14 @@ def model_zip() -> Path:
     return path
 
 
-def model_dir() -> Path:
+def model_dir(settings: Settings | None = None) -> Path:
     """The extracted model directory, extracting it on first use. Two processes starting at once both
     extract, into their own temporary directories; the first rename wins and the other copy is removed."""
     try:
         version = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    target = cache_root() / f"all-MiniLM-L6-v2-{version}"
+    target = cache_root(settings) / f"all-MiniLM-L6-v2-{version}"
     if (target / "model.safetensors").exists():
         return target
     source = model_zip()
@@ -115,10 +118,11 @@ def model_dir() -> Path:
     return target
 
 
-def weights_path() -> Path:
-    """The folder the weights load from: $BATCHSERVE_MINILM_DIR when set, else the package's, extracted."""
+def weights_path(settings: Settings | None = None) -> Path:
+    """The folder the weights load from: $BATCHSERVE_MINILM_DIR when set, else the package's, extracted (into
+    `cache_root(settings)`)."""
     given = os.environ.get(DIR_ENV)
-    return Path(given) if given else model_dir()
+    return Path(given) if given else model_dir(settings)
 
 
 def check_weights_dir(path: Path) -> None:
@@ -212,7 +216,10 @@ class MiniLM:
         """[models.options] may set `threads`, `pass_tokens`, `group_by_length` and `path`."""
         devices = pick_devices(settings.devices)
         size_for_device(settings, devices)
-        return cls(devices, **spec.options)
+        options = dict(spec.options)
+        if "path" not in options:
+            options["path"] = weights_path(settings)  # extracted under --weights-cache when it is set
+        return cls(devices, **options)
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)

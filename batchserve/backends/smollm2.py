@@ -111,6 +111,7 @@ def converted_dir(cache: str) -> str:
 
     log.info("converting %s to transformers' format in %s (once; later starts read it from there)",
              GGUF_FILE, target)
+    began = time.monotonic()
     try:
         os.makedirs(root, exist_ok=True)
         staging = tempfile.mkdtemp(dir=root, prefix=".converting-")
@@ -129,6 +130,7 @@ def converted_dir(cache: str) -> str:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         os.replace(staging, target)  # atomic: a reader sees the whole copy or none
+        log.info("converted %s in %.1f s", GGUF_FILE, time.monotonic() - began)
     except OSError as err:
         if not os.path.exists(os.path.join(target, "config.json")):  # not merely another process first
             log.warning("could not keep the converted weights in %s (%s): reading the GGUF", target, err)

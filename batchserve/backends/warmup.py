@@ -21,6 +21,7 @@ from batchserve.config import Settings
 log = logging.getLogger("batchserve")
 
 STABLE_WITHIN = 0.15  # two rounds within 15% of each other: the one-off costs are paid
+STABLE_ABS_S = 0.001  # or within 1 ms: sub-millisecond rounds jitter by more than 15 % and never settle
 MAX_ROUNDS = 8
 BUDGET_S = 120.0  # stop warming after this long (at least 2 rounds), stable or not
 SLO_BATCHES = 3  # a request may wait for the batch running when it arrives, then run in its own, plus headroom
@@ -45,6 +46,12 @@ def robust(rounds: list[float]) -> float:
     return statistics.median(rounds[1:] or rounds)
 
 
+def ms(seconds: float) -> str:
+    """A duration for the log in milliseconds, with the precision a sub-millisecond one needs ("0.042 ms")."""
+    value = seconds * 1000
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}" if value >= 0.01 else f"{value:.1g}"
+
+
 def warm_until_stable(warm: Callable[[], float | None], clock: Callable[[], float] = time.monotonic,
                       max_rounds: int = MAX_ROUNDS, budget_s: float = BUDGET_S) -> WarmUp:
     """Run `warm` until two consecutive rounds agree within STABLE_WITHIN, at most `max_rounds` times and,
@@ -58,7 +65,7 @@ def warm_until_stable(warm: Callable[[], float | None], clock: Callable[[], floa
         rounds.append(reported if reported is not None else clock() - started)
         if len(rounds) >= 2:
             last, previous = rounds[-1], rounds[-2]
-            if abs(last - previous) <= STABLE_WITHIN * min(last, previous):
+            if abs(last - previous) <= max(STABLE_WITHIN * min(last, previous), STABLE_ABS_S):
                 return WarmUp(rounds, True)
             if len(rounds) >= max_rounds or clock() - began >= budget_s:
                 return WarmUp(rounds, False)

@@ -68,6 +68,14 @@ def device_step_key(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return x & MASK31
 
 
+def warm_summary(graphs: bool, steps: int, prefills: int) -> str:
+    """What the warm-up did, for its log line: without CUDA graphs nothing is captured, and "checked 0 decode
+    steps and 0 prefills" read as if nothing had warmed."""
+    if graphs:
+        return f"captured {steps} decode steps and {prefills} prefills as CUDA graphs"
+    return "warmed the decode steps and prefills eagerly (no CUDA graphs: timed a full step)"
+
+
 @dataclass(frozen=True)
 class Ticket:
     """A launched step: its rows, the host buffer its tokens are copied into, and (CUDA) the event after that copy."""
@@ -428,10 +436,10 @@ class SlotDecoder:
                 t0 = time.perf_counter()
                 self.collect(self.launch(self.slots, min(self.slot_tokens, 256), False))
                 timings.append(time.perf_counter() - t0)
-        log.info("%s %d decode steps and %d prefills for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, "
-                 "%.1f ms a full step)", "captured" if self.use_graphs else "checked", len(self.graphs),
-                 len(self.prefill_graphs) + len(self.chunk_graphs), self.slots, self.slot_tokens, self.device,
-                 time.monotonic() - started, self.cache.nbytes / 1e9, min(timings) * 1000)
+        log.info("%s for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, %.1f ms a full step)",
+                 warm_summary(self.use_graphs, len(self.graphs), len(self.prefill_graphs) + len(self.chunk_graphs)),
+                 self.slots, self.slot_tokens, self.device, time.monotonic() - started, self.cache.nbytes / 1e9,
+                 min(timings) * 1000)
         return min(timings)
 
     def _capture(self) -> None:

@@ -23,6 +23,7 @@ from batchserve.core.service import InferenceService
 from batchserve.gpu_pool import GpuPool
 from batchserve.http.body import JSON, error_response, json_response, request_id_of
 from batchserve.http.guards import operational
+from batchserve.logsafe import printable
 from batchserve.metrics import Metrics
 
 
@@ -123,7 +124,7 @@ log = logging.getLogger("batchserve")
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     """Any exception no route expected: a JSON 500 that says nothing of it; the traceback goes to the log."""
-    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    log.error("unexpected error on %s %s", request.method, printable(request.url.path), exc_info=exc)
     return error_response(errors.internal_error(), request_id_of(request))
 
 
@@ -131,7 +132,9 @@ async def http_error(request: Request, exc: Exception) -> Response:
     """The router's own 404 and 405, in the one error shape."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        err = errors.not_found(str(exc.detail))
+        path = request.url.path
+        slash = f": paths take no trailing slash ({printable(path.rstrip('/'), 200)})" if path.endswith("/") else ""
+        err = errors.not_found(f"{exc.detail}{slash}")
     elif exc.status_code == 405:
         err = errors.method_not_allowed(str(exc.detail))
     else:

@@ -37,6 +37,16 @@ def not_found(file_id: str) -> ApiError:
     return ApiError(404, "FILE_NOT_FOUND", f"no file {errors.short(file_id)!r} (files are visible to their owner only)")
 
 
+def upload_filename(given: str | None) -> str:
+    """The name an upload is stored under: the part's filename cut to MAX_FILENAME, or a refusal (400) for one
+    holding a control character. A NUL is refused by PostgreSQL's text type (it was a 503 JOBS_UNAVAILABLE
+    with a retry hint and an ERROR line per request), and a newline or escape would reach logs and listings."""
+    name = given or "upload.jsonl"
+    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in name):
+        raise errors.invalid("the file's name holds a control character (NUL, newline, ...): rename it")
+    return name[:MAX_FILENAME]
+
+
 async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
@@ -62,7 +72,7 @@ async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: C
         if purpose not in PURPOSES:
             raise errors.invalid(f"'purpose' must be one of {', '.join(PURPOSES)}")
         content = await upload.read()
-        filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME]
+        filename = upload_filename(upload.filename)
     finally:
         await form.close()
     if len(content) > limit:

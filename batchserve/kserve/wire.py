@@ -25,6 +25,7 @@ OUTPUT_NAME = "output"
 MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
 MAX_DIMS = 8
 HEADER_LENGTH = "inference-header-content-length"
+MAX_LENGTH_DIGITS = 19  # of Inference-Header-Content-Length: more than any body holds
 EXTENSIONS = ["binary_tensor_data"]
 
 
@@ -57,7 +58,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """(JSON header, binary tail) of an infer body; the whole body is JSON when no header length is given."""
     if header_length is None:
         return body, b""
-    if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
+    # At most 19 digits, checked before int(): 4,301 digits pass Python's int-string limit and raised (a 500).
+    if (len(header_length) > MAX_LENGTH_DIGITS or not (header_length.isascii() and header_length.isdigit())
+            or int(header_length) > len(body)):
         raise bad(f"Inference-Header-Content-Length must be a byte count within the body ({len(body)} bytes)")
     n = int(header_length)
     return body[:n], body[n:]
@@ -70,17 +73,30 @@ def _shape(value: object) -> list[int]:
     return value
 
 
-def _flatten(data: object, out: list[object], depth: int = 0) -> None:
-    """Row-major elements of `data` (v2 allows the tensor flat or nested by its shape)."""
-    if isinstance(data, list):
-        if depth > MAX_DIMS:
-            raise bad(f"'data' is nested deeper than {MAX_DIMS} levels")
-        for element in data:
-            _flatten(element, out, depth + 1)
-            if len(out) > MAX_ELEMENTS:
-                raise bad(f"at most {MAX_ELEMENTS} elements per request")
-    else:
-        out.append(data)
+def _elements(data: object, shape: list[int]) -> list[object]:
+    """Row-major elements of `data`: v2 allows the tensor flat (a list of `prod(shape)` elements) or nested by
+    its shape — exactly: `[["a"], ["b", "c", "d"]]` is not a [2, 2] tensor, though it holds four elements."""
+    if not isinstance(data, list):
+        return [data]
+    if not any(isinstance(e, list) for e in data):
+        return data  # flat; its length is checked against the shape by the caller
+    out: list[object] = []
+
+    def walk(node: object, depth: int) -> None:
+        if depth == len(shape):
+            if isinstance(node, list):
+                raise bad(f"'data' is nested deeper than its shape {shape}")
+            out.append(node)
+            return
+        if not isinstance(node, list) or len(node) != shape[depth]:
+            size = f"{len(node)} element(s)" if isinstance(node, list) else "a single element"
+            raise bad(f"'data' is nested unlike its shape {shape}: {size} at depth {depth}, where the shape "
+                      f"says {shape[depth]}")
+        for element in node:
+            walk(element, depth + 1)
+
+    walk(data, 0)
+    return out
 
 
 def _bytes_elements(raw: bytes, count: int) -> list[bytes]:
@@ -142,8 +158,7 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
     else:
         if tail:
             raise bad("binary data follows the JSON header but no input declares 'binary_data_size'")
-        elements: list[object] = []
-        _flatten(tensor.get("data"), elements)
+        elements = _elements(tensor.get("data"), shape)
         if len(elements) != count or not all(isinstance(e, str) for e in elements):
             raise bad(f"input '{INPUT_NAME}' 'data' must hold {count} string(s), as its shape {shape} says")
         texts = elements  # type: ignore[assignment]

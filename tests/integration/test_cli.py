@@ -61,3 +61,23 @@ def test_a_postgresql_job_store_without_psycopg_says_what_to_install():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("batchserve serve: error: --jobs-db: a postgresql://"), lines
     assert "pip install 'batchserve[postgres]'" in lines[0]
+
+
+@pytest.mark.parametrize("args,hint", [
+    (["serve", "--max-batch-sise", "10"], "(did you mean '--max-batch-size'?)"),
+    (["plan", "--rate", "1", "--batchms", "3"], "(did you mean '--batch-ms'?)"),
+    (["infer", "--urll", "http://x"], "(did you mean '--url'?)"),
+], ids=["serve", "plan", "infer"])
+def test_a_mistyped_flag_gets_a_did_you_mean(args: list[str], hint: str):
+    done = run(*args)
+    assert done.returncode == 2 and hint in done.stderr, done.stderr
+    assert done.stderr.startswith(f"batchserve {args[0]}: error: unrecognized arguments:"), done.stderr
+
+
+def test_plan_help_shows_its_defaults_and_what_is_required():
+    done = run("plan", "-h")
+    text = " ".join(done.stdout.split())  # argparse wraps to the terminal's width
+    assert done.returncode == 0
+    assert "target requests/s across the service (required)" in text
+    assert "p95 latency objective (default: 200.0)" in text and "(default: 5.0)" in text
+    assert "exactly one of --batch-ms, --batch-ms-by-size or --measure URL" in text

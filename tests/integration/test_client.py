@@ -196,3 +196,18 @@ def test_embed_returns_one_vector_per_input_in_order(tmp_path: Path):
         assert asyncio.run(main()) == [[2.0, 1.0]]
     finally:
         server.stop()
+
+
+def test_cli_infer_against_a_dead_port_names_the_url_without_a_status_0():
+    """It printed `error: 0 CONNECTION_FAILED: [Errno 111] Connection refused`: no URL, and a status no server
+    gave. --deadline-s 1 keeps the retries short."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    done = cli("infer", "hello", "--url", url, "--deadline-s", "1")
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"batchserve infer: error: CONNECTION_FAILED: could not connect to {url}/v1/inference")
+    assert " 0 " not in done.stderr

@@ -39,3 +39,33 @@ def test_measure_reads_cpu_per_request_from_the_server_under_load(server_factory
             t.join()
     assert m.cpu_s_per_request is not None and 10e-6 < m.cpu_s_per_request < 20e-3
     assert "us per request" in m.source
+
+
+def test_plan_measure_with_its_defaults_against_a_live_server(server_factory):
+    """`batchserve plan --rate 10000 --measure URL` as a new user types it: the default CPU window (5 s) is as
+    long as the server's default keep-alive timeout (5 s), so the connection that holds both /metrics readings
+    must not idle out between them (it did: "Remote end closed connection without response")."""
+    import subprocess
+    import sys
+    import threading
+
+    server = server_factory("--sim-batch-ms", "5", "--max-batch-size", "16")  # keep-alive left at its default
+    stop = threading.Event()
+
+    def load() -> None:
+        with server.client() as c:
+            while not stop.is_set():
+                assert c.post("/v1/inference", json={"input": "plan"}).status_code == 200
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        run = subprocess.run([sys.executable, "-m", "batchserve", "plan", "--rate", "10000", "--measure", server.url],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert run.returncode == 0, run.stderr
+    assert "us per request" in run.stdout and "nodes needed" in run.stdout

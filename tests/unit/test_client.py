@@ -49,3 +49,54 @@ def test_progress_is_a_plain_line_without_tqdm_and_nothing_off_a_terminal():
     line.close()
     assert screen.getvalue() == "\rbatch_1: running 4/10 (1 failed)\n"
     assert isinstance(progress_for(StringIO()), NoProgress)
+
+
+# -- hostile or broken hints ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hint", [0, -5, "0", float("nan"), None], ids=["zero", "negative", "string", "nan", "none"])
+def test_a_zero_negative_or_garbage_hint_still_waits_a_doubling_floor(hint):
+    """A hint of 0, negative, "0" or NaN spent all 8 tries in 40-90 ms: the floor (`min_wait_s`, doubled per
+    try) holds whatever the server says."""
+    body = {"error": "SERVICE_OVERLOADED", "message": "m", "request_id": "r"}
+    if hint is not None:
+        body["retry_after_ms"] = hint
+    response = httpx.Response(503, content=__import__("json").dumps(body).encode(),
+                              headers={"Content-Type": "application/json", "Retry-After": "0"})
+    policy = Retry(attempts=8, deadline_s=600)
+    waits = [next_wait_s(policy, n, server_wait_s(response), remaining_s=600, rand=lambda: 0.0) for n in range(1, 8)]
+    assert waits == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2])
+
+
+def test_a_huge_hint_gives_up_at_once_without_an_overflow():
+    """retry_after_ms of 10**400 (valid JSON) raised OverflowError; now it is a wait past any deadline."""
+    response = httpx.Response(503, content=b'{"error": "SERVICE_OVERLOADED", "message": "m", "retry_after_ms": 1'
+                                           + b"0" * 400 + b"}", headers={"Content-Type": "application/json"})
+    assert server_wait_s(response) == float("inf")
+    assert next_wait_s(Retry(), 1, server_wait_s(response), remaining_s=60) is None
+
+
+def test_a_huge_error_message_is_cut_in_the_raised_error():
+    from batchserve.client import MAX_MESSAGE_CHARS, Client, BatchserveError
+
+    big = "x" * 5_000_000
+    client = Client(retry=Retry(attempts=1))
+    client.http = httpx.Client(base_url="http://test", transport=httpx.MockTransport(
+        lambda request: httpx.Response(400, json={"error": "INVALID_REQUEST", "message": big, "request_id": "r"})))
+    with client, pytest.raises(BatchserveError) as raised:
+        client.infer("a")
+    assert len(raised.value.message) < MAX_MESSAGE_CHARS + 100 and len(str(raised.value)) < MAX_MESSAGE_CHARS + 200
+    assert "more characters" in raised.value.message
+
+
+def test_a_zero_hint_spaces_the_client_s_retries():
+    """End to end through the sync client: three retries of a 503 with retry_after_ms 0 take at least
+    0.05 + 0.1 + 0.2 s."""
+    from batchserve.client import Client, BatchserveError
+
+    waits: list[float] = []
+    client = Client(retry=Retry(attempts=4), on_retry=lambda attempt, wait, err: waits.append(wait))
+    client.http = httpx.Client(base_url="http://test", transport=httpx.MockTransport(
+        lambda request: httpx.Response(503, json={"error": "SERVICE_OVERLOADED", "message": "m",
+                                                  "retry_after_ms": 0})))
+    with client, pytest.raises(BatchserveError):
+        client.infer("a")
+    assert len(waits) == 3 and sum(waits) >= 0.35

@@ -5,6 +5,7 @@ atomically, and never stop a server from starting when the cache cannot be writt
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from batchserve.config import Settings
 pytestmark = pytest.mark.slow
 
 
-def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch):
+def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch, caplog):
     import gguf
     import transformers
 
@@ -44,8 +45,10 @@ def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_already_read)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_already_read)
-    copy_dir = smollm2.converted_dir(str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="batchserve.smollm2"):
+        copy_dir = smollm2.converted_dir(str(tmp_path / "cache"))
     monkeypatch.undo()
+    assert re.search(r"converted \S+\.gguf in \d+\.\d s", caplog.text), caplog.text  # the time it took, logged
     assert copy_dir.startswith(str(tmp_path / "cache")) and "transformers" in copy_dir
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [copy_dir.rsplit("/", 1)[1]]  # no staging left
 

@@ -122,6 +122,13 @@ def test_concurrent_v2_callers_share_batches(server):
      b' "parameters": {"timeout": -5}}', 400, "microseconds"),
     (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["' + b"x" * 70000 + b'"]}]}',
      413, "limit"),
+    # ragged: four strings, but not nested as a [2, 2] tensor (it was accepted)
+    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2, 2], "data": [["a"], ["b", "c", "d"]]}]}',
+     400, "nested unlike its shape [2, 2]"),
+    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2, 2], "data": [["a", "b"], "c", "d"]}]}',
+     400, "nested unlike its shape"),
+    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2], "data": [["a"], ["b"]]}]}',
+     400, "nested deeper than its shape [2]"),
 ])
 def test_bad_requests_get_v2_errors(server, body, status, words):
     r = httpx.post(server.url + "/v2/models/echo/infer", content=body)
@@ -141,6 +148,10 @@ def test_binary_body_that_lies_about_its_size(server):
     r = httpx.post(server.url + "/v2/models/echo/infer", content=b"{}",
                    headers={"Inference-Header-Content-Length": "99"})
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"]
+    # 4,301 digits: past Python's int-from-string limit, which raised a ValueError (a 500)
+    r = httpx.post(server.url + "/v2/models/echo/infer", content=b"{}",
+                   headers={"Inference-Header-Content-Length": "9" * 4301})
+    assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"], r.text
 
 
 def test_unknown_model_and_the_server_still_serves(server, client):

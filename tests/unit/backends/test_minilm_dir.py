@@ -40,3 +40,25 @@ def test_on_cuda_unset_limits_are_sized_for_the_device(monkeypatch: pytest.Monke
     monkeypatch.setattr(minilm, "pick_devices", lambda n: ["cpu"])
     minilm.MiniLM.from_settings(cpu.models[0], cpu)
     assert (cpu.max_batch_size, cpu.max_batch_tokens) == (100, 0)  # the CPU's defaults
+
+
+def test_the_cache_folder_is_weights_cache_as_for_smollm2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """It was `--weights-cache` for smollm2 but only $BATCHSERVE_CACHE_DIR for minilm: `--weights-cache` (set)
+    now places minilm's extracted weights too, $BATCHSERVE_CACHE_DIR stays an alias, XDG the fallback."""
+    monkeypatch.delenv("BATCHSERVE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("BATCHSERVE_MINILM_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    given = Settings(backend="minilm", weights_cache=str(tmp_path / "wc"), given={"weights_cache": "--weights-cache"})
+    assert minilm.cache_root(given) == tmp_path / "wc"
+    assert minilm.cache_root(Settings(backend="minilm")) == tmp_path / "xdg" / "batchserve"
+    monkeypatch.setenv("BATCHSERVE_CACHE_DIR", str(tmp_path / "alias"))
+    assert minilm.cache_root(Settings(backend="minilm")) == tmp_path / "alias"
+    assert minilm.cache_root(given) == tmp_path / "wc"  # the flag wins over the alias
+    # from_settings extracts under it: model_dir is asked with the settings
+    asked: list[Settings | None] = []
+    monkeypatch.setattr(minilm, "model_dir", lambda settings=None: asked.append(settings) or tmp_path / "m")
+    monkeypatch.setattr(minilm, "check_weights_dir", lambda path: None)
+    monkeypatch.setattr(minilm, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(minilm, "pick_devices", lambda n: ["cpu"])
+    built = minilm.MiniLM.from_settings(given.models[0], given)
+    assert asked == [given] and built.path == tmp_path / "m"

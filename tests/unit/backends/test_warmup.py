@@ -69,3 +69,14 @@ def test_one_slow_last_round_does_not_become_the_batch_time() -> None:
     for at in range(1, 7):  # the outlier anywhere after the first round
         shifted = FakeModel(rounds[:at] + [100.0] + rounds[at:-1])
         assert warm_until_stable(shifted.warm, shifted.clock).batch_s <= 0.08
+
+
+def test_sub_millisecond_rounds_are_stable_and_logged_with_their_digits() -> None:
+    """A plugin whose batch takes ~0.1 ms jittered by more than 15 % from round to round: eight "0 ms" rounds
+    and "(not stable)". Rounds within 1 ms of each other now agree, and the log shows their digits."""
+    from batchserve.backends.warmup import ms
+
+    model = FakeModel([0.004, 0.0001, 0.0003])
+    warm = warm_until_stable(model.warm, model.clock)
+    assert warm.stable and model.calls == 3
+    assert [ms(t) for t in (0.0001, 0.00042, 0.0042, 0.042, 1.5)] == ["0.1", "0.42", "4.2", "42", "1500"]

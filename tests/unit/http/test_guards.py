@@ -51,7 +51,7 @@ def test_a_configured_key_is_checked_on_every_route_alike():
 def test_admit_takes_count_tokens_and_says_the_limits():
     g = guard(with_key=True)
     caller, headers = g.admit(f"Bearer {KEY}", peer("10.0.0.1"), count=2)
-    assert caller.tenant == "acme" and headers["X-RateLimit-Remaining"] == "0"
+    assert caller.tenant == "acme" and headers["x-ratelimit-remaining"] == "0"
     with pytest.raises(errors.ApiError) as limited:
         g.admit(f"Bearer {KEY}", peer("10.0.0.1"))
     assert limited.value.status == 429 and limited.value.code == "RATE_LIMITED"
@@ -61,10 +61,10 @@ def test_enter_refuses_an_empty_bucket_before_the_body_and_takes_nothing():
     g = guard(with_key=True)  # a burst of 2
     caller = g.enter(f"Bearer {KEY}", peer("10.0.0.1"))
     g.enter(f"Bearer {KEY}", peer("10.0.0.1"))
-    assert g.take(caller, 2)["X-RateLimit-Remaining"] == "0"  # entering took none of the 2
+    assert g.take(caller, 2)["x-ratelimit-remaining"] == "0"  # entering took none of the 2
     with pytest.raises(errors.ApiError) as limited:
         g.enter(f"Bearer {KEY}", peer("10.0.0.1"))
-    assert limited.value.status == 429 and limited.value.headers["X-RateLimit-Remaining"] == "0"
+    assert limited.value.status == 429 and limited.value.headers["x-ratelimit-remaining"] == "0"
     with pytest.raises(errors.ApiError) as unknown:
         g.enter("Bearer bs_wrong", peer("10.0.0.1"))
     assert unknown.value.status == 401
