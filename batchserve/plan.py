@@ -600,7 +600,8 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
         return Measured(devices, probe(base, probe_sizes, api_key),
                         "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x), cpu_s, processes)
     mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
-    source = f"{base} ({name}): learned batch time {learned[name]:g} ms"
+    source = (f"{base} ({name}): learned batch time {learned[name]:g} ms, taken as the same at every size "
+              f"(--probe 1,50,100 measures it by size, which a model whose big batches are slower needs)")
     if mean_compute is not None:
         source += f", mean batch compute {mean_compute * 1000:.1f} ms since start"
     if cpu_note:

@@ -130,8 +130,10 @@ def build(*contributions: Contribution) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "batchserve", "version": VERSION,
                  "description": "Dynamic-batching inference server: single synchronous requests in, GPU batches "
-                                "inside. Every error is JSON {error, message, request_id} plus retry_after_ms "
-                                "and Retry-After where retrying later can help."},
+                                "inside. Every error is JSON: {error, message, request_id} (plus retry_after_ms) "
+                                "on batchserve's own routes, OpenAI's {error: {message, type, param, code}} on "
+                                "/v1/embeddings, /v1/chat/completions and /v1/completions, KServe v2's {error} on "
+                                "/v2; a Retry-After header wherever retrying later can help."},
         # OAS 3.1's own dialect (JSON Schema 2020-12 plus OpenAPI's vocabulary), its default: tools such as
         # Swagger UI refuse any other value with a warning.
         "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",

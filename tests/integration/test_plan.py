@@ -9,6 +9,7 @@ def test_measure_reads_devices_and_batch_time_from_a_running_server(server_facto
     server = server_factory("--devices", "2", "--sim-batch-ms", "40", "--max-batch-size", "16")
     m = measure(server.url, None, [])
     assert m.devices == 2 and m.batch_time == BatchTime.constant(40)
+    assert "the same at every size (--probe" in m.source  # says what it assumed, and how to measure instead
     probed = measure(server.url, "sim@v1", [1, 8]).batch_time
     assert 1 in probed.sizes and all(0.039 <= t <= 0.08 for t in probed.seconds)
 
