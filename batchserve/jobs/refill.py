@@ -81,20 +81,21 @@ def batch_rows(room: Room, job_unit: float) -> int:
     return max(1, min(room.rows, int(room.budget // mean)))
 
 
-def model_cap(room: Room, job_unit: float, configured: int = 0) -> int:
-    """The most job inputs of one model queued or running at once: two full batches per healthy worker (by
-    cost, `batch_rows`), or the operator's --jobs-max-inflight; never more than `BATCH_QUEUE_SHARE` of the
-    model's --max-queue. 0 with no healthy worker."""
+def model_cap(room: Room, job_unit: float, configured: int = 0, tenants: int = 1) -> int:
+    """The most job inputs of one model queued or running at once: two full batches (by cost, `batch_rows`)
+    per healthy worker, grown to two per tenant with work on the model as `places` grows (a batch takes job
+    inputs of one tenant only), or the operator's --jobs-max-inflight; never more than `BATCH_QUEUE_SHARE` of
+    the model's --max-queue. 0 with no healthy worker."""
     if room.healthy <= 0:
         return 0
-    cap = configured if configured > 0 else 2 * batch_rows(room, job_unit) * room.healthy
+    cap = configured if configured > 0 else 2 * batch_rows(room, job_unit) * max(room.healthy, tenants)
     return min(cap, max(1, int(room.max_queue * BATCH_QUEUE_SHARE)))
 
 
-def model_spare(room: Room, job_unit: float, held: int, configured: int = 0) -> int:
+def model_spare(room: Room, job_unit: float, held: int, configured: int = 0, tenants: int = 1) -> int:
     """Job inputs of this model that may be added now: what its cap leaves beside the `held` job inputs in
     flight, and what its queue's share leaves beside every input queued now (interactive ones included)."""
-    by_cost = model_cap(room, job_unit, configured) - held
+    by_cost = model_cap(room, job_unit, configured, tenants) - held
     by_queue = max(1, int(room.max_queue * BATCH_QUEUE_SHARE)) - room.depth
     return max(0, min(by_cost, by_queue))
 

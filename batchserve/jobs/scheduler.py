@@ -153,6 +153,7 @@ class Scheduler:
     outcomes: list[Outcome] = field(default_factory=list)  # waiting to be recorded
     ledger: Ledger = field(default_factory=Ledger)  # job inputs in flight, by path, tenant and model
     job_unit: dict[str, float] = field(default_factory=dict)  # per model: the mean cost of its job inputs
+    _model_tenants: dict[str, set[str]] = field(default_factory=dict)  # per model: tenants with work, this refill
     _seq: int = 0
     _turn: int = 0  # rotates which tenant is served first
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -240,7 +241,7 @@ class Scheduler:
         if room is None:
             return None
         return model_spare(room, self.job_unit.get(model, 1.0), self.ledger.models.get(model, 0),
-                           self.settings.jobs_max_inflight)
+                           self.settings.jobs_max_inflight, len(self._model_tenants.get(model, ())))
 
     # -- feeding ---------------------------------------------------------------------------------------------
     async def _feed_loop(self) -> None:
@@ -284,6 +285,9 @@ class Scheduler:
                     isolated.append(job)
                 else:
                     by_tenant.setdefault(job.tenant, []).append(job)
+        self._model_tenants = {}
+        for job in isolated + [j for jobs in by_tenant.values() for j in jobs]:
+            self._model_tenants.setdefault(job.model, set()).add(job.tenant)
         iso_free = self.isolated_limit() - self.ledger.isolated
         if iso_free > 0 and isolated:
             await self._refill_isolated(isolated, Budget(iso_free, self.model_room))

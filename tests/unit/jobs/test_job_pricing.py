@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import orjson
@@ -236,3 +237,23 @@ def test_jobs_max_items_counts_the_inputs_of_an_input_file(inputs: list[int], li
         parse_input_file(content, EMBEDDINGS, limit)
     assert err.value.status == 400
     assert "line 2 brings them to 6" in err.value.message and "--jobs-max-items" in err.value.message
+
+
+def test_a_tenant_that_comes_later_gets_room_on_the_model_the_first_fills() -> None:
+    """acme's job holds the model's whole job room (2 batches for the one worker); globex's job, coming later,
+    gets its own 2 batches at once: the model's room grows with the tenants that have work on it, as the places
+    do (a batch takes job inputs of one tenant only). Undone (the room by workers alone), globex got nothing
+    until acme's inputs were answered."""
+    async def main() -> dict[str, int]:
+        door = QueueDoor()
+        store = RowsStore({"a": [(i, f"a{i}") for i in range(500)], "g": [(i, f"g{i}") for i in range(500)]})
+        s = Scheduler(store, door, Settings(), JobMetrics.create(CollectorRegistry()))  # type: ignore[arg-type]
+        s.add(Job("a", "acme", "m", "in_progress", 500, 0, 0, 0, 0.0, None, None))
+        for _ in range(3):
+            await s._refill()
+        s.add(Job("g", "globex", "m", "in_progress", 500, 0, 0, 0, 0.0, None, None))
+        for _ in range(3):
+            await s._refill()
+        return dict(Counter(i.tenant for i in door.queue))
+
+    assert asyncio.run(main()) == {"acme": 128, "globex": 128}

@@ -40,6 +40,7 @@ def test_a_full_batch_is_what_the_cost_budget_holds_of_the_costlier_mean_input()
 
 def test_a_models_cap_is_two_full_batches_per_worker_within_a_quarter_of_its_queue() -> None:
     assert model_cap(Room(healthy=2), 1.0) == 256
+    assert model_cap(Room(), 1.0, tenants=3) == 384  # two batches per tenant with work, as the places
     assert model_cap(Room(healthy=0), 1.0) == 0
     assert model_cap(Room(max_queue=400), 1.0) == 100
     assert model_cap(Room(), 1.0, configured=100_000) == 2500
