@@ -1,14 +1,17 @@
 """Feeds batch-job items into the batcher from spare capacity, and writes their results back.
 
 Job items enter the batcher at tier `batch` (the lowest; `fairqueue` takes them last), with the job's owner as
-tenant, so they only fill the places interactive requests leave in each batch. Only a bounded number are in
-the batcher or on a worker at once (`jobs_max_inflight`, by default 2 x max_batch_size x healthy workers: one
-batch's worth running and one waiting per worker), so the queue never holds more job items than a batch can
-take and interactive admission sees no difference; job items never make a batch go sooner than the workers'
-pace (`Batcher._paced_by_jobs`), so the workers stay staggered and interactive latency sees none either (issue
-28: it used to, +30 % p95 in the soak while a clean job ran). Free places are shared round-robin between
-tenants, and no tenant holds more than its share of them while others wait (so a tenant whose items take
-longer, failing or retried, cannot crowd the others out); a tenant's jobs run oldest first.
+tenant, so they only fill the places interactive requests leave in each batch. Job work is priced by the inputs
+it holds (an OpenAI batch line of 2,048 embeddings inputs is 2,048, fed to the door an input at a time), and
+only a bounded number of inputs are in the batcher or on a worker at once: the places (`jobs_max_inflight`, by
+default 2 x max_batch_size x healthy workers: one batch's worth running and one waiting per worker), the
+model's spare capacity by cost, and a quarter of its `--max-queue` (the policy: `refill.py`), so the queue never
+holds more job inputs than a batch or two can take and interactive admission sees no difference; job items
+never make a batch go sooner than the workers' pace (`Batcher._paced_by_jobs`), so the workers stay staggered
+and interactive latency sees none either (issue 28: it used to, +30 % p95 in the soak while a clean job ran).
+Free places are shared round-robin between tenants, and no tenant holds more than its share of them while
+others wait (so a tenant whose items take longer, failing or retried, cannot crowd the others out); a tenant's
+jobs run oldest first.
 
 A job whose inputs fail often enough to cost re-runs (failures found by failing batches, not named by the
 backend) is isolated: its items run in small groups of their own (`Door.submit_group`), sized to its failure
