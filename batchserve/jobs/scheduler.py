@@ -44,6 +44,7 @@ import asyncio
 import functools
 import heapq
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -82,7 +83,8 @@ class Door(Protocol):
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
 FEED_TICK_S = 0.1  # the feeder looks again at least this often (healthy workers, drain)
-CLAIM_CHUNK = 128  # fewest pending items claimed from the store at a time, per job (more leased = less shared)
+CLAIM_CHUNK = 128  # fewest pending inputs claimed from the store at a time, per job (more leased = less shared)
+FIRST_LINES = 4  # lines of an OpenAI batch claimed before any of its lines has shown how many inputs a line holds
 FLUSH_S = 0.05
 FLUSH_ROWS = 1000
 RETRY_CAP_S = 60.0
@@ -110,6 +112,8 @@ class JobState:
     shared: set[int] = field(default_factory=set)  # indexes in flight on the shared path (`Scheduler._feed`)
     open: dict[int, LineRun] = field(default_factory=dict)  # lines in flight with inputs not fed yet, oldest first
     charged: dict[int, int] = field(default_factory=dict)  # per index in flight: its inputs holding places
+    line_inputs: float = 1.0  # the mean inputs of its lines started so far (1 for a native job): a row's price
+    lines_seen: int = 0
     recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = costly failure
     retrying: int = 0
     cancelled: bool = False
@@ -125,6 +129,18 @@ class JobState:
 
     def has_work(self) -> bool:
         return not self.cancelled and (bool(self.buffer) or bool(self.open) or not self.exhausted)
+
+    def ready_inputs(self) -> float:
+        """Inputs read and waiting to be fed: its open lines' unfed inputs, and its rows at their mean price."""
+        return len(self.buffer) * self.line_inputs + sum(run.unfed for run in self.open.values())
+
+    def claim_size(self, deficit: float) -> int:
+        """Rows to claim for `deficit` more inputs: at least `CLAIM_CHUNK` inputs' worth, as rows of its mean
+        price, so a node leases a few lines of 2,048 inputs, not 128 of them; `FIRST_LINES` while the price
+        of its lines is unknown."""
+        if self.endpoint is not None and not self.lines_seen:
+            return FIRST_LINES
+        return max(1, math.ceil(deficit / self.line_inputs), math.ceil(CLAIM_CHUNK / self.line_inputs))
 
     def ready(self) -> bool:
         """Something read is waiting to be fed: a row, or a line's next inputs."""
@@ -309,10 +325,10 @@ class Scheduler:
             for job in tenant_jobs:
                 if need <= 0:
                     break
-                ready = len(job.buffer) + sum(run.unfed for run in job.open.values())
+                ready = job.ready_inputs()
                 if ready < need and not job.exhausted:
-                    await self._read(job, max(CLAIM_CHUNK, need - ready))
-                need -= len(job.buffer) + sum(run.unfed for run in job.open.values())
+                    await self._read(job, job.claim_size(need - ready))
+                need -= job.ready_inputs()
         queues = [(t, deque(j for j in jobs if j.ready() and not self._isolated(j))) for t, jobs in by_tenant.items()]
         rotation = deque((t, q) for t, q in queues if q and allowed[t] > 0)
         rotation.rotate(-(self._turn % max(1, len(rotation))))
@@ -341,8 +357,8 @@ class Scheduler:
             if can <= 0:
                 continue
             size = min(can, job.group_size(self.door.max_batch_size) or 1)
-            if len(job.buffer) < size and not job.exhausted:
-                await self._read(job, max(CLAIM_CHUNK, size))
+            if job.ready_inputs() < size and not job.exhausted:
+                await self._read(job, job.claim_size(size))
             if job.cancelled:
                 continue
             if job.endpoint is not None and self.lines is not None:  # lines: fed an input at a time, alone
@@ -424,8 +440,12 @@ class Scheduler:
         job.charged[index] = 0
         if shared:
             job.shared.add(index)
-        if isinstance(item, LineRun) and item.unfed:
-            job.open[index] = item
+        if isinstance(item, LineRun):
+            if item.inputs:  # a line's price, learned: how many rows to claim for the inputs wanted
+                job.lines_seen += 1
+                job.line_inputs += (item.inputs - job.line_inputs) / min(job.lines_seen, 20)
+            if item.unfed:
+                job.open[index] = item
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
 
     def _priced(self, job: JobState, index: int, item: Item | None, n: int) -> None:

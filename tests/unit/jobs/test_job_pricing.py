@@ -257,3 +257,26 @@ def test_a_tenant_that_comes_later_gets_room_on_the_model_the_first_fills() -> N
         return dict(Counter(i.tenant for i in door.queue))
 
     assert asyncio.run(main()) == {"acme": 128, "globex": 128}
+
+
+def test_a_node_leases_the_lines_it_can_feed_soon_not_128_of_them() -> None:
+    """Rows are claimed from the store (and leased: no other node may run them) by the inputs they hold: a few
+    lines first, then as many as the inputs wanted need. Undone (128 rows a claim whatever they hold), this
+    node leased all 20 lines (40,960 inputs) to feed 128 of them, and held them from every other node."""
+    async def main() -> tuple[int, int]:
+        door = QueueDoor()
+        s = scheduler(door, [embeddings_line(i, 2048) for i in range(20)])
+        for _ in range(3):
+            await s._refill()
+        leased = 20 - len(s.store.rows["j"])  # type: ignore[attr-defined]
+        while door.queue:  # the first lines done: later claims are a line at a time
+            door.serve(64)
+            await settle()
+            await s._refill()
+            if len(s.outcomes) >= 5:
+                break
+        return leased, 20 - len(s.store.rows["j"])  # type: ignore[attr-defined]
+
+    first, later = asyncio.run(main())
+    assert first == 4, first
+    assert later <= 7, later  # the 5 lines done, the one being fed, and at most one read ahead
