@@ -321,7 +321,7 @@ class Scheduler:
         if budget.free <= 0:
             return
         for tenant, tenant_jobs in by_tenant.items():  # read enough of each tenant's oldest jobs for its share
-            need = allowed[tenant]
+            need: float = allowed[tenant]
             for job in tenant_jobs:
                 if need <= 0:
                     break
