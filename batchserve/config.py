@@ -144,14 +144,17 @@ class Settings:
     jobs_db: str = knob("batchserve-jobs.db", "job store of /v1/batches: a SQLite file (one node; created on the "
                                               "first job) or a postgresql:// URL shared by many nodes; empty "
                                               "disables batch jobs")
-    jobs_max_items: int = knob(50000, "most inputs in one batch job; more gets 400")
+    jobs_max_items: int = knob(50000, "most inputs in one batch job, counted as inputs, not lines (an OpenAI "
+                                      "/v1/embeddings line with 2,048 inputs counts 2,048); more gets 400")
     jobs_max_body_bytes: int = knob(16 << 20, "largest POST /v1/batches body; larger gets 413 before it is buffered")
     files_max_bytes: int = knob(60 << 20, "largest file uploaded to POST /v1/files (OpenAI's Batch API input); "
                                           "larger gets 413 while it streams in")
     files_max_count: int = knob(100, "most files one caller keeps in the job store (POST /v1/files gets 409 "
                                      "beyond; DELETE frees a place)")
-    jobs_max_inflight: int = knob(0, "job items queued or running at once (0 = 2 x max_batch_size x healthy "
-                                     "workers: enough to fill the places interactive requests leave)")
+    jobs_max_inflight: int = knob(0, "job inputs queued or running at once, a line counting the inputs it holds "
+                                     "(0 = 2 x max_batch_size x healthy workers: enough to fill the places "
+                                     "interactive requests leave); never more than a quarter of --max-queue "
+                                     "per model")
     jobs_max_attempts: int = knob(5, "runs of a job item on transient errors before it is recorded failed")
     jobs_retry_base_ms: float = knob(500.0, "first retry delay of a job item; doubles with each attempt")
     jobs_lease_s: float = knob(30.0, "a claimed job item is this node's for this long, renewed every third of it; "

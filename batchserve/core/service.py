@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from batchserve import errors
@@ -55,6 +56,19 @@ class ItemTracer(Protocol):
     def answered(self, model: str, arrived: float, queue_s: float, batch: object, outcome: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class JobRoom:
+    """What the job scheduler reads of one model's queue and batches to price job inputs by cost and feed them
+    from spare capacity only (`jobs/refill.py`)."""
+
+    depth: int  # inputs queued for the model now, every tier
+    max_queue: int  # --max-queue: past it the door refuses interactive callers with 503
+    rows: int  # the most inputs in one batch of the model
+    budget: float  # the most one batch may cost (math.inf: no cost budget)
+    unit: float  # the mean cost of an input, as the batcher learns it
+    healthy: int  # healthy workers
+
+
 class InferenceService:
     def __init__(self, batcher: Batcher, admission: Admission, backends: Mapping[str, Bucketer],
                  requests: RequestLog, clock: Callable[[], float] = time.monotonic,
@@ -94,6 +108,15 @@ class InferenceService:
 
     def models(self) -> list[str]:
         return list(self.backends)
+
+    def job_room(self, model: str) -> JobRoom | None:
+        """The model's queue and batches as the job scheduler prices job inputs (None for a model whose inputs
+        another handler answers: it admits its own work)."""
+        if model in self.handlers or model not in self.backends:
+            return None
+        b = self.batcher
+        return JobRoom(b.depth.get(model, 0), self.admission.max_queue, b.limit(model), b.budget(model),
+                       b.unit.get(model, 1.0), self.healthy_workers())
 
     def check_open(self, needs_workers: bool = True) -> None:
         """503 DRAINING (or, for work that runs on the batch workers, NO_HEALTHY_WORKER) when nothing can be

@@ -162,7 +162,8 @@ class JobBodyParser:
         if depth > 2 or event != "string":
             raise errors.invalid(f'"inputs"[{i}] must be a non-empty string')
         if i >= self.max_items:
-            raise errors.invalid(f'"inputs" has more than {self.max_items} items; a job takes at most {self.max_items}')
+            raise errors.invalid(f'"inputs" has more than {self.max_items} inputs; a job takes at most '
+                                 f'{self.max_items} inputs (--jobs-max-items)')
         self.inputs.append(check_input(value, f'"inputs"[{i}]', self.max_input_chars))
 
     def _other(self, depth: int, event: str, value: object) -> None:

@@ -1,6 +1,8 @@
 """Running one line of an OpenAI batch input file: the same body the online route would answer, built by the
 same code (the embeddings wing's `body.parse` and `wire.answer`, the inference route's `parse_inference`), with
-each input entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item.
+each input entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item,
+an input at a time as the job scheduler finds room for it (`LineRun.feed`: a line is priced by the inputs it
+holds, `line_inputs`, and never floods the model's queue; `refill.py`).
 
 A line of /v1/chat/completions or /v1/completions runs on the generation engine instead (it has its own
 continuous batching, not the batcher): `generation.complete.complete`, the online route's own code, at tier
@@ -17,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import orjson
 
@@ -66,16 +69,85 @@ class LineResult:
 
 @dataclass(eq=False)
 class LineRun:
-    """One line in flight: its inputs' items in the batcher and the future of its `LineResult`. Looks like an
-    `Item` to the scheduler (`future`, `dispatched`); cancelling the future withdraws every input."""
+    """One line in flight, fed to the door an input at a time by the scheduler (`feed`), which prices it by the
+    inputs it holds (`inputs`) and stops feeding while the model has no room (`jobs/refill.py`). Looks like an
+    `Item` to the scheduler (`future`, `dispatched`, `text`); cancelling the future withdraws every input fed
+    and feeds no more. The first input that fails fails the line (its other inputs leave the queue)."""
 
     future: asyncio.Future
-    items: list[Item] = field(default_factory=list)
     text: str = ""  # the line itself: an isolated job takes back the lines no batch has taken yet
+    inputs: int = 0  # what the line holds, its price (0: answered at once, a 4xx)
+    items: list[Item] = field(default_factory=list)  # its inputs fed so far, in input order
+    pending: deque[str] = field(default_factory=deque)  # its inputs not fed yet
+    submit: Callable[[str, bool], Item] | None = None  # one input through the door (`alone`: a batch of its own)
+    begin: Callable[[], None] | None = None  # a generation line: starts it on the engine (one input, no Item)
+    finish: Callable[[list[ItemResult]], Awaitable[LineResult]] | None = None  # every input answered: the body
+    _answered: int = 0
+    _task: asyncio.Future | None = None
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._withdraw)
 
     @property
     def dispatched(self) -> float:
         return max((i.dispatched for i in self.items), default=0.0)
+
+    @property
+    def unfed(self) -> int:
+        """Inputs still to feed (0 once the line is answered, failed or cancelled)."""
+        if self.future.done():
+            return 0
+        return len(self.pending) + (self.begin is not None)
+
+    def feed(self, alone: bool) -> Item | None:
+        """Put the line's next input through the door (None for a generation line, or when nothing is left)."""
+        if self.begin is not None:
+            begin, self.begin = self.begin, None
+            if not self.future.done():
+                begin()
+            return None
+        if not self.pending or self.future.done() or self.submit is None:
+            return None
+        item = self.submit(self.pending.popleft(), alone)
+        self.items.append(item)
+        item.future.add_done_callback(self._input_done)
+        return item
+
+    def _input_done(self, fut: asyncio.Future) -> None:
+        if self.future.done():
+            return
+        if fut.cancelled():  # withdrawn by someone else (never by the line while it runs): the line goes too
+            self.future.cancel()
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.future.set_exception(exc)  # `_withdraw` takes its other inputs out of the queue
+            return
+        self._answered += 1
+        if self._answered == self.inputs and not self.pending and self.finish is not None:
+            task = asyncio.ensure_future(self.finish([i.future.result() for i in self.items]))
+            task.add_done_callback(lambda t: _settle(self.future, t))
+            self._task = task
+
+    def _withdraw(self, fut: asyncio.Future) -> None:
+        self.pending.clear()
+        self.begin = None
+        for item in self.items:
+            if not item.future.done():
+                item.future.cancel()
+        if fut.cancelled() and self._task is not None:
+            self._task.cancel()
+
+
+def line_inputs(endpoint: str, body: object) -> int:
+    """The inputs a line's body holds, its price: an `/v1/embeddings` line's `input` list counts each of its
+    inputs (up to 2,048), any other line one. A body its route will refuse still counts what it names (at
+    least 1), so `--jobs-max-items` bounds what a file may bring."""
+    if endpoint == EMBEDDINGS and isinstance(body, dict):
+        raw = body.get("input")
+        if isinstance(raw, list):
+            return max(1, len(raw))
+    return 1
 
 
 def refused(err: OpenAIError | ApiError, request_id: str, openai_shape: bool) -> LineResult:
@@ -106,8 +178,9 @@ class LineRunner:
         """The generation model, when it is on: its jobs' lines run here too."""
         return [self.engine.cfg.model_id] if self.engine is not None else []
 
-    def start(self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float, alone: bool) -> LineRun:
-        """Put the line's inputs in the batcher now; the run's future resolves to its LineResult."""
+    def start(self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float) -> LineRun:
+        """Parse the line; its inputs go to the door as the scheduler feeds them (`LineRun.feed`), and the
+        run's future resolves to its LineResult."""
         loop = asyncio.get_running_loop()
         request_id = "req_" + secrets.token_hex(8)
         body = orjson.dumps(orjson.loads(line)["body"])
@@ -127,16 +200,16 @@ class LineRunner:
             done = loop.create_future()
             done.set_result(refused(err, request_id, endpoint != INFERENCE))
             return LineRun(done, text=line)
-        items = [self.door.submit_background(t, model, tenant, deadline_s, alone=alone) for t in texts]
-        run = LineRun(loop.create_future(), items, line)
-        task = asyncio.ensure_future(self._gather(items, finish))
-        task.add_done_callback(lambda t: _settle(run.future, t))
-        run.future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
-        return run
+        door = self.door
+
+        def submit(text: str, alone: bool) -> Item:
+            return door.submit_background(text, model, tenant, deadline_s, alone=alone)
+
+        return LineRun(loop.create_future(), line, len(texts), pending=deque(texts), submit=submit, finish=finish)
 
     def _generate(self, body: bytes, chat: bool, request_id: str, line: str) -> LineRun:
         loop = asyncio.get_running_loop()
-        run = LineRun(loop.create_future(), text=line)
+        run = LineRun(loop.create_future(), text=line, inputs=1)
         engine = self.engine
         if engine is None:  # a job stored while generation was on, read by a node started without it: retried
             run.future.set_exception(errors.no_healthy_worker(
@@ -149,19 +222,13 @@ class LineRunner:
             except OpenAIError as err:  # what the route answers with a 4xx: the line's answer, for good
                 return refused(err, request_id, True)
 
-        task = asyncio.ensure_future(answer())
-        task.add_done_callback(lambda t: _settle(run.future, t))
-        run.future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
-        return run
+        def begin() -> None:  # fed by the scheduler: the line starts on the engine
+            task = asyncio.ensure_future(answer())
+            task.add_done_callback(lambda t: _settle(run.future, t))
+            run.future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
 
-    async def _gather(self, items: list[Item], finish: Callable[[list[ItemResult]], Any]) -> LineResult:
-        try:
-            results = await asyncio.gather(*(i.future for i in items))
-        except BaseException:
-            for i in items:
-                i.future.cancel()  # the first failure fails the line; its other inputs leave the queue
-            raise
-        return await finish(list(results))
+        run.begin = begin
+        return run
 
     def _embeddings(self, model: str, texts: list[str], as_base64: bool, request_id: str
                     ) -> Callable[[list[ItemResult]], Any]:

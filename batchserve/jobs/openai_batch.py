@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from batchserve import errors
-from batchserve.jobs.lines import GENERATION, RUNNABLE
+from batchserve.jobs.lines import GENERATION, RUNNABLE, line_inputs
 from batchserve.jobs.store import ItemRow, Job
 
 ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/inference")
@@ -36,19 +36,20 @@ STATUS = {"queued": "in_progress", "running": "in_progress", "completed": "compl
 class InputFile:
     items: list[str]  # per line: {"custom_id", "body"} as JSON text
     models: set[str | None]  # the body models named (None: a line named none)
+    inputs: int = 0  # the inputs the lines hold (`lines.line_inputs`): what --jobs-max-items bounds
 
 
-def parse_input_file(content: bytes, endpoint: str, max_lines: int) -> InputFile:
-    """The file's lines as job items, or 400 naming the first line that is not a request for `endpoint`."""
+def parse_input_file(content: bytes, endpoint: str, max_inputs: int) -> InputFile:
+    """The file's lines as job items, or 400 naming the first line that is not a request for `endpoint`, or
+    the line whose inputs bring the file past `max_inputs` (--jobs-max-items counts inputs, not lines: an
+    embeddings line with a list of 2,048 inputs counts 2,048)."""
     items: list[str] = []
     models: set[str | None] = set()
     seen: set[str] = set()
+    inputs = 0
     for n, raw in enumerate(content.splitlines(), 1):
         if not raw.strip():
             continue
-        if len(items) >= max_lines:
-            raise errors.invalid(f"the input file has more than {max_lines} requests; a batch takes at most "
-                                 f"{max_lines} (--jobs-max-items)")
         try:
             line = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -69,12 +70,17 @@ def parse_input_file(content: bytes, endpoint: str, max_lines: int) -> InputFile
         body = line.get("body")
         if not isinstance(body, dict):
             raise errors.invalid(f"line {n}: 'body' must be a JSON object")
+        inputs += line_inputs(endpoint, body)
+        if inputs > max_inputs:
+            raise errors.invalid(f"the input file holds more than {max_inputs} inputs: line {n} brings them to "
+                                 f"{inputs}; a batch takes at most {max_inputs} inputs (--jobs-max-items), each "
+                                 f"item of an 'input' list counting as one")
         model = body.get("model")
         models.add(model if isinstance(model, str) and model else None)
         items.append(orjson.dumps({"custom_id": custom_id, "body": body}).decode())  # no raw NUL: escaped
     if not items:
         raise errors.invalid("the input file holds no requests")
-    return InputFile(items, models)
+    return InputFile(items, models, inputs)
 
 
 def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, str, str, dict | None]:

@@ -1,14 +1,17 @@
 """Feeds batch-job items into the batcher from spare capacity, and writes their results back.
 
 Job items enter the batcher at tier `batch` (the lowest; `fairqueue` takes them last), with the job's owner as
-tenant, so they only fill the places interactive requests leave in each batch. Only a bounded number are in
-the batcher or on a worker at once (`jobs_max_inflight`, by default 2 x max_batch_size x healthy workers: one
-batch's worth running and one waiting per worker), so the queue never holds more job items than a batch can
-take and interactive admission sees no difference; job items never make a batch go sooner than the workers'
-pace (`Batcher._paced_by_jobs`), so the workers stay staggered and interactive latency sees none either (issue
-28: it used to, +30 % p95 in the soak while a clean job ran). Free places are shared round-robin between
-tenants, and no tenant holds more than its share of them while others wait (so a tenant whose items take
-longer, failing or retried, cannot crowd the others out); a tenant's jobs run oldest first.
+tenant, so they only fill the places interactive requests leave in each batch. Job work is priced by the inputs
+it holds (an OpenAI batch line of 2,048 embeddings inputs is 2,048, fed to the door an input at a time), and
+only a bounded number of inputs are in the batcher or on a worker at once: the places (`jobs_max_inflight`, by
+default 2 x max_batch_size x healthy workers: one batch's worth running and one waiting per worker), the
+model's spare capacity by cost, and a quarter of its `--max-queue` (the policy: `refill.py`), so the queue never
+holds more job inputs than a batch or two can take and interactive admission sees no difference; job items
+never make a batch go sooner than the workers' pace (`Batcher._paced_by_jobs`), so the workers stay staggered
+and interactive latency sees none either (issue 28: it used to, +30 % p95 in the soak while a clean job ran).
+Free places are shared round-robin between tenants, and no tenant holds more than its share of them while
+others wait (so a tenant whose items take longer, failing or retried, cannot crowd the others out); a tenant's
+jobs run oldest first.
 
 A job whose inputs fail often enough to cost re-runs (failures found by failing batches, not named by the
 backend) is isolated: its items run in small groups of their own (`Door.submit_group`), sized to its failure
@@ -41,6 +44,7 @@ import asyncio
 import functools
 import heapq
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -53,6 +57,7 @@ from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
 from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response
+from batchserve.jobs.refill import Budget, Ledger, Room, mean_cost, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome
 from batchserve.tenancy import lane_of
@@ -73,11 +78,13 @@ class Door(Protocol):
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
                           alone: bool = False) -> Item: ...
     def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
+    def job_room(self, model: str) -> Room | None: ...
 
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
 FEED_TICK_S = 0.1  # the feeder looks again at least this often (healthy workers, drain)
-CLAIM_CHUNK = 128  # fewest pending items claimed from the store at a time, per job (more leased = less shared)
+CLAIM_CHUNK = 128  # fewest pending inputs claimed from the store at a time, per job (more leased = less shared)
+FIRST_LINES = 4  # lines of an OpenAI batch claimed before any of its lines has shown how many inputs a line holds
 FLUSH_S = 0.05
 FLUSH_ROWS = 1000
 RETRY_CAP_S = 60.0
@@ -102,7 +109,11 @@ class JobState:
     added: float = field(default_factory=time.monotonic)
     attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
     hung: set[int] = field(default_factory=set)  # indexes that were in a hung batch once already
-    shared: set[int] = field(default_factory=set)  # indexes in flight on the shared path (`Scheduler._submit`)
+    shared: set[int] = field(default_factory=set)  # indexes in flight on the shared path (`Scheduler._feed`)
+    open: dict[int, LineRun] = field(default_factory=dict)  # lines in flight with inputs not fed yet, oldest first
+    charged: dict[int, int] = field(default_factory=dict)  # per index in flight: its inputs holding places
+    line_inputs: float = 1.0  # the mean inputs of its lines started so far (1 for a native job): a row's price
+    lines_seen: int = 0
     recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = costly failure
     retrying: int = 0
     cancelled: bool = False
@@ -117,7 +128,23 @@ class JobState:
         return max(1, min(limit, int(0.5 * len(self.recent) / failed)))
 
     def has_work(self) -> bool:
-        return not self.cancelled and (bool(self.buffer) or not self.exhausted)
+        return not self.cancelled and (bool(self.buffer) or bool(self.open) or not self.exhausted)
+
+    def ready_inputs(self) -> float:
+        """Inputs read and waiting to be fed: its open lines' unfed inputs, and its rows at their mean price."""
+        return len(self.buffer) * self.line_inputs + sum(run.unfed for run in self.open.values())
+
+    def claim_size(self, deficit: float) -> int:
+        """Rows to claim for `deficit` more inputs: at least `CLAIM_CHUNK` inputs' worth, as rows of its mean
+        price, so a node leases a few lines of 2,048 inputs, not 128 of them; `FIRST_LINES` while the price
+        of its lines is unknown."""
+        if self.endpoint is not None and not self.lines_seen:
+            return FIRST_LINES
+        return max(1, math.ceil(deficit / self.line_inputs), math.ceil(CLAIM_CHUNK / self.line_inputs))
+
+    def ready(self) -> bool:
+        """Something read is waiting to be fed: a row, or a line's next inputs."""
+        return not self.cancelled and (bool(self.buffer) or bool(self.open))
 
     def idle(self) -> bool:
         return self.cancelled or (self.exhausted and not self.buffer and not self.inflight and not self.retrying
@@ -143,9 +170,9 @@ class Scheduler:
     jobs: dict[str, JobState] = field(default_factory=dict)  # unfinished, oldest first
     retries: list[Retry] = field(default_factory=list)  # a heap by due time
     outcomes: list[Outcome] = field(default_factory=list)  # waiting to be recorded
-    inflight: int = 0  # items of jobs riding in shared batches, in the batcher or on a worker
-    isolated_inflight: int = 0  # items of isolated jobs (their own budget, `isolated_limit`)
-    tenant_inflight: dict[str, int] = field(default_factory=dict)  # `inflight` by tenant, for the fair share
+    ledger: Ledger = field(default_factory=Ledger)  # job inputs in flight, by path, tenant and model
+    job_unit: dict[str, float] = field(default_factory=dict)  # per model: the mean cost of its job inputs
+    _model_tenants: dict[str, set[str]] = field(default_factory=dict)  # per model: tenants with work, this refill
     _seq: int = 0
     _turn: int = 0  # rotates which tenant is served first
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -197,6 +224,7 @@ class Scheduler:
             return
         job.cancelled = True
         job.buffer.clear()
+        job.open.clear()
         for item in list(job.inflight.values()):
             item.future.cancel()
         self.metrics.active_jobs.set(len(self.jobs))
@@ -207,14 +235,32 @@ class Scheduler:
         return self.door.models() + (self.lines.models() if self.lines is not None else [])
 
     def limit(self) -> int:
-        if self.settings.jobs_max_inflight > 0:
-            return self.settings.jobs_max_inflight
-        return 2 * self.door.max_batch_size * self.door.healthy_workers()
+        """Job inputs queued or running at once, one tenant's view (`refill.places`)."""
+        return places(self.settings.jobs_max_inflight, self.door.max_batch_size, self.door.healthy_workers())
 
     def isolated_limit(self) -> int:
-        """Items of isolated jobs in flight at once, all of them together: a batch's worth per worker (their
+        """Inputs of isolated jobs in flight at once, all of them together: a batch's worth per worker (their
         batches take a small share of the workers anyway; more waiting would only hold leases and memory)."""
         return min(self.limit(), self.door.max_batch_size * max(1, self.door.healthy_workers()))
+
+    @property
+    def inflight(self) -> int:
+        """Job inputs riding in shared batches, in the batcher or on a worker."""
+        return self.ledger.shared
+
+    @property
+    def isolated_inflight(self) -> int:
+        """Inputs of isolated jobs in flight (their own budget, `isolated_limit`)."""
+        return self.ledger.isolated
+
+    def model_room(self, model: str) -> int | None:
+        """Job inputs of `model` that may be added now (`refill.model_spare`); None where the door queues
+        nothing of it (the generation engine admits its own work)."""
+        room = self.door.job_room(model)
+        if room is None:
+            return None
+        return model_spare(room, self.job_unit.get(model, 1.0), self.ledger.models.get(model, 0),
+                           self.settings.jobs_max_inflight, len(self._model_tenants.get(model, ())))
 
     # -- feeding ---------------------------------------------------------------------------------------------
     async def _feed_loop(self) -> None:
@@ -228,7 +274,7 @@ class Scheduler:
                 pass
             self._wake.clear()
             try:
-                self.metrics.inflight.set(self.inflight + self.isolated_inflight)  # here, not per item: the loop's time is the SLO's
+                self.metrics.inflight.set(self.ledger.total)  # here, not per item: the loop's time is the SLO's
                 if self.door.draining:
                     self._release_queued()
                     continue
@@ -238,19 +284,15 @@ class Scheduler:
                 await asyncio.sleep(1.0)
 
     async def _refill(self) -> None:
-        free = self.limit() - self.inflight
-        iso_free = self.isolated_limit() - self.isolated_inflight
+        """Feed what the bounds allow (`refill.py`): retries that are due go back to the front of their job,
+        isolated jobs take their own budget, the others take turns by tenant within their shares; every input
+        fed takes a place, its tenant's share and its model's room, and a line is fed an input at a time."""
         now = time.monotonic()
-        while self.retries and self.retries[0].due <= now and (free > 0 or iso_free > 0):
+        while self.retries and self.retries[0].due <= now:
             r = heapq.heappop(self.retries)
             r.job.retrying -= 1
             if not r.job.cancelled:
-                if self._isolated(r.job):
-                    self._submit_group(r.job, [(r.index, r.text)])
-                    iso_free -= 1
-                else:
-                    self._submit(r.job, r.index, r.text)
-                    free -= 1
+                r.job.buffer.appendleft((r.index, r.text))
         by_tenant: dict[str, list[JobState]] = {}
         isolated: list[JobState] = []
         for job in list(self.jobs.values()):
@@ -262,66 +304,79 @@ class Scheduler:
                     isolated.append(job)
                 else:
                     by_tenant.setdefault(job.tenant, []).append(job)
+        self._model_tenants = {}
+        for job in isolated + [j for jobs in by_tenant.values() for j in jobs]:
+            self._model_tenants.setdefault(job.model, set()).add(job.tenant)
+        iso_free = self.isolated_limit() - self.ledger.isolated
         if iso_free > 0 and isolated:
-            await self._refill_isolated(isolated, iso_free)
-        if not by_tenant or self.limit() <= 0:
+            await self._refill_isolated(isolated, Budget(iso_free, self.model_room))
+        if not by_tenant:
             return
-        # A batch takes job items of one tenant only (`FairQueue.pop(stick=...)`), so each tenant needs a batch
-        # running and one waiting of its own: with many tenants the automatic places grow to 2 batches per
-        # tenant (a --jobs-max-inflight the operator set is kept as it is).
-        total = self.limit()
-        if self.settings.jobs_max_inflight <= 0:
-            total = max(total, 2 * self.door.max_batch_size * len(by_tenant))
-        # A tenant's fair share of the places: no tenant holds more while others wait for theirs, and each may
-        # fill its share whatever the others hold now (places taken before it came, and held in slow re-runs,
-        # must not keep it waiting), so the places held pass `total` for a while by what others hold beyond
-        # their shares, never more.
-        cap = -(-total // len(by_tenant))
-        allowed = {t: max(0, cap - self.tenant_inflight.get(t, 0)) for t in by_tenant}
-        free = sum(allowed.values())
-        if free <= 0:
+        total = places(self.settings.jobs_max_inflight, self.door.max_batch_size, self.door.healthy_workers(),
+                       len(by_tenant))
+        if total <= 0:
+            return
+        allowed = shares(total, self.ledger.tenants, list(by_tenant))
+        budget = Budget(sum(allowed.values()), self.model_room, allowed)
+        if budget.free <= 0:
             return
         for tenant, tenant_jobs in by_tenant.items():  # read enough of each tenant's oldest jobs for its share
-            need = allowed[tenant]
+            need: float = allowed[tenant]
             for job in tenant_jobs:
                 if need <= 0:
                     break
-                if len(job.buffer) < need and not job.exhausted:
-                    await self._read(job, max(CLAIM_CHUNK, need - len(job.buffer)))
-                need -= len(job.buffer)
-        queues = [(t, deque(j for j in jobs if j.buffer and not self._isolated(j))) for t, jobs in by_tenant.items()]
+                ready = job.ready_inputs()
+                if ready < need and not job.exhausted:
+                    await self._read(job, job.claim_size(need - ready))
+                need -= job.ready_inputs()
+        queues = [(t, deque(j for j in jobs if j.ready() and not self._isolated(j))) for t, jobs in by_tenant.items()]
         rotation = deque((t, q) for t, q in queues if q and allowed[t] > 0)
         rotation.rotate(-(self._turn % max(1, len(rotation))))
         self._turn += 1
-        while free > 0 and rotation:
+        while rotation:
             tenant, q = rotation.popleft()
             job = q[0]
-            if job.cancelled or not job.buffer:
+            if job.cancelled or not job.ready():
                 q.popleft()
             else:
-                index, text = job.buffer.popleft()
-                self._submit(job, index, text)
-                free -= 1
-                allowed[tenant] -= 1
-            if q and allowed[tenant] > 0:
+                can = min(budget.can(tenant, job.model), self._chunk(job.model))
+                if can <= 0:
+                    continue  # its share, the places or its model's room are spent: its turn is over
+                budget.take(tenant, self._feed(job, can, alone=False))
+            if q:
                 rotation.append((tenant, q))
 
-    async def _refill_isolated(self, jobs: list[JobState], free: int) -> None:
-        """Feed isolated jobs in turn, a group of their own at a time, within their budget."""
+    async def _refill_isolated(self, jobs: list[JobState], budget: Budget) -> None:
+        """Feed isolated jobs in turn, a group of their own at a time (a line's inputs each alone), within
+        their budget."""
         rotation = deque(jobs)
         rotation.rotate(-(self._turn % len(rotation)))
-        while free > 0 and rotation:
+        while rotation:
             job = rotation.popleft()
-            size = min(free, job.group_size(self.door.max_batch_size) or 1)
-            if len(job.buffer) < size and not job.exhausted:
-                await self._read(job, max(CLAIM_CHUNK, size))
-            group = [job.buffer.popleft() for _ in range(min(size, len(job.buffer)))]
-            if job.cancelled or not group:
+            can = min(budget.can(job.tenant, job.model), self._chunk(job.model))
+            if can <= 0:
                 continue
-            self._submit_group(job, group)
-            free -= len(group)
-            if job.buffer or not job.exhausted:
+            size = min(can, job.group_size(self.door.max_batch_size) or 1)
+            if job.ready_inputs() < size and not job.exhausted:
+                await self._read(job, job.claim_size(size))
+            if job.cancelled:
+                continue
+            if job.endpoint is not None and self.lines is not None:  # lines: fed an input at a time, alone
+                fed = self._feed(job, size, alone=True)
+            else:
+                group = [job.buffer.popleft() for _ in range(min(size, len(job.buffer)))]
+                if not group:
+                    continue
+                self._submit_group(job, group)
+                fed = len(group)
+            budget.take(job.tenant, fed)
+            if fed and job.ready():
                 rotation.append(job)
+
+    def _chunk(self, model: str) -> int:
+        """Inputs fed in one turn: a batch's worth; one while the model's job inputs have no known cost yet,
+        so the room (which reads their cost) is read again once it is known."""
+        return self.door.max_batch_size if model in self.job_unit else 1
 
     def _isolated(self, job: JobState) -> bool:
         return job.group_size(self.door.max_batch_size) > 0
@@ -337,40 +392,95 @@ class Scheduler:
         if len(rows) < n:
             job.exhausted = True
 
-    def _submit(self, job: JobState, index: int, text: str) -> None:
-        if index in job.hung:  # after a hang, an item runs alone: the culprit hangs only itself
-            self._submit_group(job, [(index, text)])
-            return
-        item: Item | LineRun
-        if job.endpoint is not None and self.lines is not None:  # an OpenAI Batch API line
-            item = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, alone=False)
-        else:
+    def _feed(self, job: JobState, n: int, alone: bool) -> int:
+        """Feed up to `n` of the job's inputs: its open lines' next inputs first, then its next rows (a row
+        after a hang goes alone, in the isolated count). Returns the inputs fed on this budget."""
+        fed = 0
+        while fed < n:
+            if job.open:
+                index, run = next(iter(job.open.items()))
+                fed += self._feed_line(job, index, run, n - fed, alone or index not in job.shared)
+                continue
+            if not job.buffer:
+                break
+            index, text = job.buffer.popleft()
+            if index in job.hung:  # after a hang, an item runs alone: the culprit hangs only itself
+                self._submit_group(job, [(index, text)])
+                continue
+            if job.endpoint is not None and self.lines is not None:  # an OpenAI Batch API line
+                self._track(job, index, text, self.lines.start(job.endpoint, text, job.model, job.tenant,
+                                                               ITEM_DEADLINE_S), shared=not alone)
+                continue
+            if alone:
+                self._submit_group(job, [(index, text)])
+                fed += 1
+                continue
             item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
+            self._track(job, index, text, item, shared=True)
+            self._priced(job, index, item, 1)
+            fed += 1
+        return fed
+
+    def _feed_line(self, job: JobState, index: int, run: LineRun, n: int, alone: bool) -> int:
+        """Feed up to `n` inputs of one line, each priced as it goes in (its place held until it is answered)."""
+        fed = 0
+        while fed < n and run.unfed:
+            item = run.feed(alone)
+            self._priced(job, index, item, 1)
+            if item is not None:
+                item.future.add_done_callback(functools.partial(self._input_done, job, index, run))
+            fed += 1
+        if not run.unfed:
+            job.open.pop(index, None)
+        return fed
+
+    def _track(self, job: JobState, index: int, text: str, item: Item | LineRun, shared: bool) -> None:
+        """The row is in flight (its inputs priced as they are fed); a line with inputs to feed is open."""
         job.inflight[index] = item
-        job.shared.add(index)
-        self._count_shared(job, +1)
+        job.charged[index] = 0
+        if shared:
+            job.shared.add(index)
+        if isinstance(item, LineRun):
+            if item.inputs:  # a line's price, learned: how many rows to claim for the inputs wanted
+                job.lines_seen += 1
+                job.line_inputs += (item.inputs - job.line_inputs) / min(job.lines_seen, 20)
+            if item.unfed:
+                job.open[index] = item
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
 
-    def _count_shared(self, job: JobState, sign: int) -> None:
-        self.inflight += sign
-        left = self.tenant_inflight.get(job.tenant, 0) + sign
-        if left:
-            self.tenant_inflight[job.tenant] = left
-        else:
-            self.tenant_inflight.pop(job.tenant, None)
+    def _priced(self, job: JobState, index: int, item: Item | None, n: int) -> None:
+        """`n` inputs of the row are in flight: they take places (shared, or isolated) and their model's room."""
+        job.charged[index] = job.charged.get(index, 0) + n
+        self.ledger.add(job.tenant, job.model, n, index in job.shared)
+        self.job_unit[job.model] = mean_cost(self.job_unit.get(job.model), item.cost if item is not None else 1.0)
+
+    def _release(self, job: JobState, index: int, n: int | None = None) -> None:
+        """`n` (None: all) of the row's priced inputs are answered or withdrawn: their places are free."""
+        held = job.charged.get(index, 0)
+        n = held if n is None else min(n, held)
+        if n <= 0:
+            return
+        job.charged[index] = held - n
+        self.ledger.add(job.tenant, job.model, -n, index in job.shared)
+        self._wake.set()
+
+    def _input_done(self, job: JobState, index: int, run: LineRun, fut: asyncio.Future) -> None:
+        if job.inflight.get(index) is run:  # not a line taken back (`_reroute`) or answered already
+            self._release(job, index, 1)
 
     def _submit_group(self, job: JobState, rows: list[tuple[int, str]]) -> None:
-        """Items of one job as a batch of their own, in the background share (isolated job, or after a hang)."""
-        items: list[Item] | list[LineRun]
+        """Items of one job as a batch of their own, in the background share (isolated job, or after a hang);
+        a line is started and fed alone, an input at a time, by the isolated path (`_feed`)."""
         if job.endpoint is not None and self.lines is not None:  # OpenAI lines: each its own run, alone
-            items = [self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, alone=True)
-                     for _, text in rows]
-        else:
-            items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
+            for index, text in rows:
+                run = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S)
+                self._track(job, index, text, run, shared=False)
+                self._feed_line(job, index, run, 1, alone=True)
+            return
+        items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
         for (index, text), item in zip(rows, items):
-            job.inflight[index] = item
-            self.isolated_inflight += 1
-            item.future.add_done_callback(functools.partial(self._done, job, index, text))
+            self._track(job, index, text, item, shared=False)
+            self._priced(job, index, item, 1)
 
     def _reroute(self, job: JobState) -> None:
         """The job was just isolated: take its items no batch has taken yet off the shared path (each would
@@ -378,13 +488,15 @@ class Scheduler:
         back = []
         for index in sorted(job.shared):
             item = job.inflight[index]
-            self._count_shared(job, -1)
             if not item.dispatched and not item.future.done():
+                self._release(job, index)
                 del job.inflight[index]
-                item.future.cancel()  # the batcher drops it
+                job.charged.pop(index, None)
+                job.open.pop(index, None)
+                item.future.cancel()  # the batcher drops it (a line: every input it fed)
                 back.append((index, item.text))
             else:  # running, or in a bisection re-run (background batches): counted with the isolated now
-                self.isolated_inflight += 1
+                self.ledger.isolate(job.tenant, job.charged.get(index, 0))
         job.shared.clear()
         job.buffer.extendleft(reversed(back))
         log.info("batch %s: isolated after %d costly failures in its last %d items; %d queued item(s) moved to "
@@ -402,12 +514,11 @@ class Scheduler:
         current = job.inflight.get(index)
         if current is None or current.future is not fut:
             return  # taken off the shared path by `_reroute` (which settled its counts), perhaps resubmitted
+        self._release(job, index)
         del job.inflight[index]
-        if index in job.shared:
-            job.shared.discard(index)
-            self._count_shared(job, -1)
-        else:
-            self.isolated_inflight -= 1
+        job.charged.pop(index, None)
+        job.open.pop(index, None)
+        job.shared.discard(index)
         self._wake.set()
         if fut.cancelled() or job.cancelled:
             return
