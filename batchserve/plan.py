@@ -288,26 +288,30 @@ def capacity(c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S
         if cap <= 0:
             return 0.0
         missed = next((r for r in (cap * k / CHECK_POINTS for k in range(1, CHECK_POINTS))
-                       if not predict(r, c, arrivals, sim_s).meets(c.slo_s)), None)
+                       if not _meets(r, c, arrivals, sim_s)), None)
         if missed is None:
             return cap
         top, below = missed, missed
     return 0.0  # it keeps tipping lower: no rate can be trusted
 
 
+def _meets(rate: float, c: Contract, arrivals: Arrivals, sim_s: float) -> bool:
+    """Whether one node meets the SLO at `rate`; a rate so low that nothing arrived in the window is a
+    request alone (p95 NaN is no evidence of a miss)."""
+    p = predict(rate, c, arrivals, sim_s)
+    return (predict(0.0, c) if math.isnan(p.p95_ms) else p).meets(c.slo_s)
+
+
 def _bisect_capacity(c: Contract, arrivals: Arrivals, sim_s: float, steps: int, top: float,
                      top_known_to_miss: bool) -> float:
     lo, hi = 0.0, top
-    if not top_known_to_miss and predict(hi, c, arrivals, sim_s).meets(c.slo_s):
+    if not top_known_to_miss and _meets(hi, c, arrivals, sim_s):
         return hi
-    low = predict(hi * 2 ** -steps, c, arrivals, sim_s)
-    if math.isnan(low.p95_ms):  # so low a rate that nothing arrived in the window: a request alone
-        low = predict(0.0, c)
-    if not low.meets(c.slo_s):
+    if not _meets(hi * 2 ** -steps, c, arrivals, sim_s):
         return 0.0
     for _ in range(steps):
         mid = (lo + hi) / 2
-        if predict(mid, c, arrivals, sim_s).meets(c.slo_s):
+        if _meets(mid, c, arrivals, sim_s):
             lo = mid
         else:
             hi = mid

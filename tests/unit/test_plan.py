@@ -239,3 +239,12 @@ def test_a_plan_meets_its_own_prediction_where_p95_is_not_monotone_in_the_rate()
     assert "not monotone" in plan.note
     arrivals = Arrivals(1)
     assert all(predict(plan.capacity * k / 8, c, arrivals).meets(c.slo_s) for k in range(1, 9))
+
+
+def test_a_rate_so_low_that_nothing_arrives_is_no_evidence_of_a_miss():
+    """A 126 ms batch against a 200 ms SLO on one device (a sim's 5 ms batch as a loaded machine learned it):
+    the capacity is a trickle, and the plan must say so. The check beneath the bisected capacity met rates at
+    which no request arrived in the window (p95 NaN) and counted them as misses, searched lower and lower and
+    ended with "no rate meets ... one batch alone takes 125.9 ms", which a lone request plainly does."""
+    with pytest.raises(ValueError, match=r"p95 meets 200 ms only below 0\.\d requests/s a node"):
+        make_plan(10000, Contract(BatchTime.constant(125.9)))
