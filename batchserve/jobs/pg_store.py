@@ -65,7 +65,9 @@ CONNECT_TIMEOUT_S = 2  # libpq's connect_timeout (its least): an unreachable hos
 STATEMENT_TIMEOUT_MS = 5000  # the server's own bound on a statement (a 50,000-item COPY takes well under a second)
 CALL_BOUND_S = 2.0  # the longest a store call takes on the client, pool wait and statements included
 BODY_BYTES_PER_S = 20 << 20  # a call carrying a body gets 1 s more per 20 MiB of it (`body_bound`)
-FILE_CONTENT_BOUND_S = CALL_BOUND_S + (60 << 20) / BODY_BYTES_PER_S  # a file as large as --files-max-bytes' default: 5 s
+# A read whose size is not known before it runs (a file's content, a page of results, claimed items' inputs):
+# as for a body of the default --files-max-bytes (60 MiB): 5 s.
+BULK_READ_BOUND_S = CALL_BOUND_S + (60 << 20) / BODY_BYTES_PER_S
 CUT_GRACE_S = 0.5  # after its socket is shut down, how long a call is given to fail before it is left behind
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 TX_ATTEMPTS = 3  # a deadlock or serialization failure is retried this many times before the caller sees it
@@ -409,7 +411,7 @@ class PostgresStore:
                                      (job_id, after_index, limit))
             return [ItemRow(*r) for r in await cur.fetchall()]
 
-        return await self._tx(tx)
+        return await self._tx(tx, BULK_READ_BOUND_S)
 
     async def put_file(self, meta: StoredFile, content: bytes, max_count: int) -> None:
         async def tx(conn: AsyncConnection) -> None:
@@ -442,7 +444,7 @@ class PostgresStore:
             row = await cur.fetchone()
             return bytes(row[0]) if row is not None else None
 
-        return await self._tx(tx, FILE_CONTENT_BOUND_S)
+        return await self._tx(tx, BULK_READ_BOUND_S)
 
     async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
         where, args = "tenant = %s", [tenant]
@@ -515,7 +517,7 @@ class PostgresStore:
                                    (now, job_id))
             return claimed
 
-        return await self._tx(tx)
+        return await self._tx(tx, BULK_READ_BOUND_S)  # the claimed items' inputs come back with it
 
     async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
         async def tx(conn: AsyncConnection) -> int:
@@ -575,7 +577,8 @@ class PostgresStore:
                         "pending": job.pending}))
             return progress
 
-        return await self._tx(tx)
+        written = sum(len(v) for column in columns[3:] for v in column if v is not None)
+        return await self._tx(tx, body_bound(written))
 
     async def close(self) -> None:
         await self._pool.close()

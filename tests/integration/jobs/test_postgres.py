@@ -197,6 +197,9 @@ def test_a_database_down_at_start_up_is_tried_once_a_second_and_used_once_it_is_
                 r = c.get("/v1/batches")
                 assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text
                 assert time.monotonic() - started < 2.0
+                time.sleep(0.3)  # 3 s: the open is tried again about three times
+            # Logged once, not once per try (issue 34, item 4; checked: three lines before).
+            assert s.log().count("cannot be opened") == 1, s.log()[-3000:]
             assert c.post("/v1/inference", json={"input": "up"}).json()["output"] == "pu"
             pg.resume()
             back = time.monotonic()
