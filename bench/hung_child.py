@@ -6,7 +6,7 @@
 
 It starts `batchserve serve --processes 2 --devices 2 --sim-batch-ms 20` (`--process-hang-s` from `--hang-s`),
 sends open-loop Poisson load (latency from the scheduled send time; a new request whatever the earlier ones
-are doing) over keep-alive connections, and at `--stop-at` sends SIGSTOP to one child, SIGCONT `--stop-s`
+are doing) over keep-alive connections (`--fresh-connections`: a new one per request, as from many clients), and at `--stop-at` sends SIGSTOP to one child, SIGCONT `--stop-s`
 later (nothing, once it was killed). Each request whose connection breaks with no answer (the stopped child
 killed under it) is sent once more on a new connection, as a balancer retries an idempotent request; the
 report counts those apart. A prober asks the shared port's /readyz on a new connection every 0.5 s, with no
@@ -94,11 +94,15 @@ def watch_gone(pid: int, t0: float, out: list[float], stop: threading.Event) -> 
         time.sleep(0.02)
 
 
-async def drive(base: str, d: Drill, t0: float, stop_at: float, stop_s: float, victim: int, timeout_s: float) -> None:
+async def drive(base: str, d: Drill, t0: float, stop_at: float, stop_s: float, victim: int, timeout_s: float,
+                fresh_connections: bool = False) -> None:
     """The load, the SIGSTOP / SIGCONT and the /readyz prober, all timed from t0 (time.monotonic())."""
     url = base + "/v1/inference"
     tag = os.urandom(3).hex()
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    # Keep-alive: a request takes an idle connection, so those stuck on the stopped child take no new ones. Fresh:
+    # a new connection per request (many independent clients), each dealt by the kernel, half to the stopped child.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True) if fresh_connections else \
+        aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
 
         async def send(i: int) -> None:
@@ -179,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                             "the behaviour before; default %(default)g)")
     p.add_argument("--sim-batch-ms", type=float, default=20.0, help="default %(default)g")
     p.add_argument("--timeout", type=float, default=30.0, help="client timeout per request, s (default %(default)g)")
+    p.add_argument("--fresh-connections", action="store_true",
+                   help="a new connection per request (default: keep-alive connections, an idle one reused)")
     p.add_argument("--seed", type=int, default=34)
     common.add_output_flags(p, name="hung-child", tag=True)
     return p.parse_args(argv)
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             t0 = time.monotonic() + 0.2
             threading.Thread(target=watch_gone, args=(victim, t0, gone, stop_watch), daemon=True).start()
-            uvloop.run(drive(server.base, d, t0, a.stop_at, a.stop_s, victim, a.timeout))
+            uvloop.run(drive(server.base, d, t0, a.stop_at, a.stop_s, victim, a.timeout, a.fresh_connections))
             after_kids = children(server.base)
         finally:
             stop_watch.set()
@@ -232,10 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [[label, int(mask.sum()), int((mask & ok).sum()), fmt(pct(lat[mask & ok], 50)), fmt(pct(lat[mask & ok], 95)),
              fmt(float(np.nanmax(lat[mask])) if np.any(mask & ~np.isnan(lat)) else float("nan"))]
             for label, mask in (("before the stop", before), ("during (stop to kill, or to SIGCONT)", during),
-                                ("after the kill", after))]
+                                ("after (the kill, or SIGCONT)", after))]
     md = [f"# Hung child drill ({name})", "",
           f"`batchserve serve --processes 2 --devices 2 --sim-batch-ms {a.sim_batch_ms:g} --process-hang-s "
-          f"{a.hang_s:g}`; {a.rate:g} RPS open-loop Poisson for {a.duration:g} s; SIGSTOP of child pid {victim} "
+          f"{a.hang_s:g}`; {a.rate:g} RPS open-loop Poisson for {a.duration:g} s "
+          f"({'a new connection per request' if a.fresh_connections else 'keep-alive connections'}); SIGSTOP of child pid {victim} "
           f"at {a.stop_at:g} s, SIGCONT at {a.stop_at + a.stop_s:g} s. Load average before: "
           f"{' '.join(f'{x:.2f}' for x in load_before)} (2 shared cores: noisy).", "",
           table(["requests scheduled", "n", "200", "p50 ms", "p95 ms", "max ms"], rows), "",
