@@ -279,7 +279,7 @@ def test_a_black_holed_database_costs_a_call_its_bound_then_503_with_one_log_lin
               f"over 1 s; recovered {recovered:.1f} s after SIGCONT")
         wrong = [call for call in calls if (call[2], call[3]) != (503, "JOBS_UNAVAILABLE")]
         assert not wrong, wrong[:5]
-        assert slowest < 4.0, f"a jobs call took {slowest:.1f} s while the database was stopped"
+        assert slowest < 5.0, f"a jobs call took {slowest:.1f} s while the database was stopped"
         assert len(calls) > 20 and inference and set(inference) == {"llits"}
         downs = [line for line in outage_log if "job store down" in line]
         assert len(downs) == 1, "\n".join(outage_log[-40:])

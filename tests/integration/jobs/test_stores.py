@@ -344,7 +344,7 @@ def test_a_call_caught_mid_statement_by_a_stopped_server_fails_at_its_bound_and_
             with pytest.raises(StoreDown, match=f"no answer within {CALL_BOUND_S:g} s"):
                 await asyncio.wait_for(call, 10)  # (a TimeoutError, not StoreDown, when unbounded)
             took = time.monotonic() - began
-            assert took < CALL_BOUND_S + CUT_GRACE_S + 1.0, took  # the bound, not the outage
+            assert took < CALL_BOUND_S + CUT_GRACE_S + 2.0, took  # the bound, not the outage
             began = time.monotonic()
             with pytest.raises(StoreDown):
                 await store.get(job.tenant, job.id)
