@@ -16,7 +16,7 @@ Tables are prefixed `batchserve_` so the database can be shared with other appli
 created at open, under an advisory lock so nodes starting together do not race.
 - Outages (issue 28, item 5; issue 34, item 4): every call is bounded on the client, whatever the server does:
   the whole call (waiting for a pooled connection, connecting, every statement, the commit) runs as a task
-  given `CALL_BOUND_S` (2 s; a call that carries a body, `body_bound`), and when the bound passes the socket
+  given `CALL_BOUND_S` (2 s; a call that moves many rows or bytes more, `bound_for`), and when the bound passes the socket
   of the connection it holds is shut down, so the call fails at once instead of waiting for a server that
   may never answer (a stopped or black-holed server answers nothing and refuses nothing: the server's own
   `statement_timeout` never fires, and TCP keepalives never fire on a unix socket or while the peer's kernel
@@ -63,11 +63,13 @@ POOL_MAX = 4  # connections per node: the feeder, the writer, the lease keeper a
 OPEN_TIMEOUT_S = 10  # the first pool's connections at start-up
 CONNECT_TIMEOUT_S = 2  # libpq's connect_timeout (its least): an unreachable host fails in 2 s, not the OS's minutes
 STATEMENT_TIMEOUT_MS = 5000  # the server's own bound on a statement (a 50,000-item COPY takes well under a second)
-CALL_BOUND_S = 2.0  # the longest a store call takes on the client, pool wait and statements included
-BODY_BYTES_PER_S = 20 << 20  # a call carrying a body gets 1 s more per 20 MiB of it (`body_bound`)
+CALL_BOUND_S = 2.0  # the longest a store call touching a few rows takes on the client, pool wait included
+BODY_BYTES_PER_S = 20 << 20  # a call that moves many bytes gets 1 s more per 20 MiB of them (`bound_for`)
+ROWS_PER_S = 10_000  # and 1 s more per 10,000 rows it writes or reads (a 50,000-item COPY took 2.1 s on a
+# loaded 2-core machine, a cancel of as many 1.9 s: one bound for every call would take those for outages)
 # A read whose size is not known before it runs (a file's content, a page of results, claimed items' inputs):
-# as for a body of the default --files-max-bytes (60 MiB): 5 s.
-BULK_READ_BOUND_S = CALL_BOUND_S + (60 << 20) / BODY_BYTES_PER_S
+# as for the default --files-max-bytes (60 MiB): 5 s, and its rows.
+READ_BYTES = 60 << 20
 CUT_GRACE_S = 0.5  # after its socket is shut down, how long a call is given to fail before it is left behind
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
 TX_ATTEMPTS = 3  # a deadlock or serialization failure is retried this many times before the caller sees it
@@ -158,9 +160,10 @@ def with_timeouts(url: str) -> str:
                          options=f"{options} -c statement_timeout={STATEMENT_TIMEOUT_MS}".strip(), **KEEPALIVES)
 
 
-def body_bound(nbytes: int) -> float:
-    """The client-side bound of a call that carries `nbytes` of body (a job's inputs, an uploaded file)."""
-    return CALL_BOUND_S + nbytes / BODY_BYTES_PER_S
+def bound_for(nbytes: int = 0, rows: int = 0) -> float:
+    """The client-side bound of a call that moves `nbytes` (a job's inputs, an uploaded file, results) in
+    `rows` rows: `CALL_BOUND_S`, and more for a large call, so a healthy one is never taken for an outage."""
+    return CALL_BOUND_S + nbytes / BODY_BYTES_PER_S + rows / ROWS_PER_S
 
 
 def cut(conn: AsyncConnection) -> None:
@@ -377,7 +380,7 @@ class PostgresStore:
             return Job(job.id, job.tenant, job.model, "queued", len(job.inputs), 0, 0, 0, job.created_at, None,
                        None, job.metadata, job.openai), True
 
-        return await self._tx(tx, body_bound(sum(len(text) for text in job.inputs)))
+        return await self._tx(tx, bound_for(sum(len(text) for text in job.inputs), len(job.inputs)))
 
     async def get(self, tenant: str, job_id: str) -> Job | None:
         async def tx(conn: AsyncConnection) -> Job | None:
@@ -411,7 +414,7 @@ class PostgresStore:
                                      (job_id, after_index, limit))
             return [ItemRow(*r) for r in await cur.fetchall()]
 
-        return await self._tx(tx, BULK_READ_BOUND_S)
+        return await self._tx(tx, bound_for(READ_BYTES, limit))
 
     async def put_file(self, meta: StoredFile, content: bytes, max_count: int) -> None:
         async def tx(conn: AsyncConnection) -> None:
@@ -426,7 +429,7 @@ class PostgresStore:
                                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.bytes, meta.created_at,
                                 content))
 
-        await self._tx(tx, body_bound(len(content)))
+        await self._tx(tx, bound_for(len(content)))
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         async def tx(conn: AsyncConnection) -> StoredFile | None:
@@ -444,7 +447,7 @@ class PostgresStore:
             row = await cur.fetchone()
             return bytes(row[0]) if row is not None else None
 
-        return await self._tx(tx, BULK_READ_BOUND_S)
+        return await self._tx(tx, bound_for(READ_BYTES))
 
     async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
         where, args = "tenant = %s", [tenant]
@@ -488,7 +491,10 @@ class PostgresStore:
             found = await cur.fetchone()
             return _job(found) if found is not None else None
 
-        return await self._tx(tx)
+        job = await self.get(tenant, job_id)  # how many items it may mark, for its bound (fewer by then, never more)
+        if job is None:
+            return None
+        return await self._tx(tx, bound_for(rows=job.pending))
 
     async def active(self, models: list[str]) -> list[Job]:
         async def tx(conn: AsyncConnection) -> list[Job]:
@@ -517,7 +523,7 @@ class PostgresStore:
                                    (now, job_id))
             return claimed
 
-        return await self._tx(tx, BULK_READ_BOUND_S)  # the claimed items' inputs come back with it
+        return await self._tx(tx, bound_for(READ_BYTES, limit))  # the claimed items' inputs come back with it
 
     async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
         async def tx(conn: AsyncConnection) -> int:
@@ -527,7 +533,7 @@ class PostgresStore:
                 {"lease_s": lease_s, "job": job_id, "idx": indexes, "holder": self.holder})
             return cur.rowcount
 
-        return await self._tx(tx)
+        return await self._tx(tx, bound_for(rows=len(indexes)))
 
     async def release(self, job_id: str, indexes: list[int]) -> None:
         async def tx(conn: AsyncConnection) -> None:
@@ -535,7 +541,7 @@ class PostgresStore:
                                "AND idx = ANY(%s) AND status = 'pending' AND holder = %s",
                                (job_id, indexes, self.holder))
 
-        await self._tx(tx)
+        await self._tx(tx, bound_for(rows=len(indexes)))
 
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         if not outcomes:
@@ -578,7 +584,7 @@ class PostgresStore:
             return progress
 
         written = sum(len(v) for column in columns[3:] for v in column if v is not None)
-        return await self._tx(tx, body_bound(written))
+        return await self._tx(tx, bound_for(written, len(outcomes)))
 
     async def close(self) -> None:
         await self._pool.close()

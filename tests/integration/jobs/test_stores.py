@@ -318,13 +318,13 @@ def test_a_call_caught_mid_statement_by_a_stopped_server_fails_at_its_bound_and_
     """The server's processes are SIGSTOPped while a call's statement runs (pg_sleep): the server never answers
     and never refuses, and its statement_timeout never fires. The call fails with StoreDown at the client-side
     bound (CALL_BOUND_S), not after the outage; the next call is refused by the breaker at once; a call that
-    carries a body is given more (`body_bound`); and after SIGCONT the store is used again within seconds.
+    moves many rows or bytes is given more (`bound_for`); and after SIGCONT the store is used again within seconds.
     (Before: the first call waited for as long as the server stayed stopped.)"""
-    from batchserve.jobs.pg_store import BODY_BYTES_PER_S, CALL_BOUND_S, CUT_GRACE_S, body_bound
+    from batchserve.jobs.pg_store import BODY_BYTES_PER_S, CALL_BOUND_S, CUT_GRACE_S, ROWS_PER_S, bound_for
     from batchserve.jobs.store import StoreDown
     from tests.pg_server import PgServer
 
-    assert body_bound(0) == CALL_BOUND_S and body_bound(2 * BODY_BYTES_PER_S) == CALL_BOUND_S + 2
+    assert bound_for() == CALL_BOUND_S and bound_for(2 * BODY_BYTES_PER_S, 3 * ROWS_PER_S) == CALL_BOUND_S + 5
     pg = PgServer.start()
     frozen: list[int] = []
 
