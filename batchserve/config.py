@@ -67,6 +67,10 @@ class Settings:
                              "them: one event loop is one core, the ceiling of one process (docs/deploy.md)")
     process_port_base: int = knob(0, "with --processes: process k also listens on this port + k for its own "
                                      "/metrics, /readyz and /internal/health (0 = a free port each, logged)")
+    process_hang_s: float = knob(3.0, "with --processes: a child whose event loop answers no /healthz probe on "
+                                      "its own port (sent every 0.5 s) for this many seconds is hung (stopped, "
+                                      "deadlocked, or its loop held that long): it is killed (SIGKILL) and "
+                                      "replaced (0 = never)")
     max_batch_size: int = knob(100, "most inputs in one batch")
     max_batch_tokens: int = knob(0, "most a batch may cost: padded tokens (rows x longest) for the built-in "
                                     "models, inputs for a plugin that declares no cost_of (0 = no budget)")
@@ -224,6 +228,8 @@ class Settings:
              f"at most --max-timeout-ms ({self.max_timeout_ms:g})")
         need(self.devices >= 0, "devices", "0 (auto) or more")
         need(1 <= self.processes <= 256, "processes", "between 1 and 256")
+        need(self.process_hang_s == 0 or self.process_hang_s >= 1, "process_hang_s",
+             "0 (never) or at least 1 (a probe is sent every 0.5 s)")
         need(0 <= self.process_port_base <= 65535 - max(0, self.processes - 1), "process_port_base",
              f"0 or a port with {self.processes} free ports from it")
         if (self.processes > 1 and "jobs_db" in self.given and self.jobs_db

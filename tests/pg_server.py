@@ -12,6 +12,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -80,6 +81,33 @@ class PgServer:
         stop: with fsync and synchronous_commit off, an immediate one loses the last commits)."""
         self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "fast", "-w", "stop")
         self.running = False
+
+    def server_pids(self) -> list[int]:
+        """The postmaster (first line of its data directory's postmaster.pid) and every process it started."""
+        postmaster = int((self.root / "data" / "postmaster.pid").read_text().split()[0])
+        children = subprocess.run(["pgrep", "-P", str(postmaster)], capture_output=True, text=True, timeout=10)
+        return [postmaster] + [int(pid) for pid in children.stdout.split()]
+
+    def freeze(self) -> list[int]:
+        """Black-hole the server: SIGSTOP the postmaster, then every backend and helper. Its socket still takes
+        connections (the kernel does) and nothing answers or refuses; its connections stay open. Returns the
+        pids stopped, for `thaw`."""
+        postmaster, *rest = self.server_pids()
+        os.kill(postmaster, signal.SIGSTOP)  # first: it starts no backend after this
+        for pid in rest + self.server_pids()[1:]:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        return [postmaster] + sorted(set(rest + self.server_pids()[1:]))
+
+    def thaw(self, pids: list[int]) -> None:
+        """SIGCONT what `freeze` stopped, the backends first."""
+        for pid in reversed(pids):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def _run(self, program: str, *args: str) -> None:
         cmd = [*self.as_user, str(self.bin_dir / program), *args]

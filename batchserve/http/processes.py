@@ -23,6 +23,12 @@ listening socket to it, and the kernel deals each new connection to one of them 
 - A child that exits after it listened, or is killed by a signal, is replaced (at most one start a second);
   one that exits by itself before it ever listened (a model that cannot load, a port in use) stops the group
   with its exit status.
+- A hung child (issue 34, item 3) is killed and replaced: once a child listens, the parent asks its own port
+  `GET /healthz` every 0.5 s (`liveness.py`, which says what "hung" means), and a child whose event loop has
+  answered none for `--process-hang-s` (3 s) gets SIGKILL (its process group: its device workers too), after
+  which it is replaced as any killed child. Until then the kernel still deals it new connections, which wait;
+  at the kill, those and its open connections are reset (a request it had taken is lost with it, as with any
+  SIGKILL), and from then on every connection reaches a live child.
 """
 
 from __future__ import annotations
@@ -43,8 +49,11 @@ from typing import TYPE_CHECKING
 
 from batchserve.config import ProcessSlot, Settings
 from batchserve.config import is_postgres_url
+from batchserve.http.liveness import Prober
 
 if TYPE_CHECKING:
+    from multiprocessing.sharedctypes import Synchronized
+
     from batchserve.http.server import AppFactory
 
 log = logging.getLogger("batchserve")
@@ -118,9 +127,11 @@ def _die_with_parent() -> None:
 
 
 def child_main(settings: Settings, app_factory: AppFactory, index: int, share: Share, port: int, own_port: int,
-               draining: Event, listening: Event, elsewhere: tuple[str, ...] = ()) -> None:
+               draining: Event, listening: Event, elsewhere: tuple[str, ...] = (),
+               own_port_out: "Synchronized[int] | None" = None) -> None:
     """One child: load and warm its models on its devices (`elsewhere`: those answered by another path, built as
-    shells: `backends/loading.py`), then serve the shared port and its own."""
+    shells: `backends/loading.py`), then serve the shared port and its own (told to the parent through
+    `own_port_out`, where it probes the child's liveness)."""
     _die_with_parent()
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only, which drains the group in order
     if share.cuda_visible is not None:
@@ -137,6 +148,8 @@ def child_main(settings: Settings, app_factory: AppFactory, index: int, share: S
         print(f"batchserve: error: process {index}: cannot bind {settings.host}: {exc}", file=sys.stderr)
         sys.exit(1)
     own_port = own.getsockname()[1]
+    if own_port_out is not None:
+        own_port_out.value = own_port
     settings = replace(settings, port=port, devices=share.devices, processes=1,
                        process_slot=ProcessSlot(index, settings.processes, own_port))
     try:
@@ -158,6 +171,20 @@ class Slot:
     process: mp.process.BaseProcess | None = None
     listening: Event | None = None
     started_at: float = 0.0
+    own_port: "Synchronized[int] | None" = None  # the child's own port, once it has bound it
+    prober: Prober | None = None  # asks the child's own port, once it listens
+    killed_hung: float = 0.0  # > 0: killed as hung after this many silent seconds
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a child and its process group (its device workers under `--executor process`), even stopped."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tuple[str, ...] = ()) -> int:
@@ -181,13 +208,34 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
     stopping: list[int] = []
 
     def start(slot: Slot) -> None:
-        slot.listening = ctx.Event()
+        if slot.prober is not None:
+            slot.prober.stop()
+        slot.listening, slot.own_port, slot.prober, slot.killed_hung = ctx.Event(), ctx.Value("i", 0), None, 0.0
         own = settings.process_port_base + slot.index if settings.process_port_base else 0
         slot.process = ctx.Process(target=child_main, name=f"batchserve-{slot.index}",
                                    args=(settings, app_factory, slot.index, slot.share, port, own, draining, slot.listening,
-                                         elsewhere))
+                                         elsewhere, slot.own_port))
         slot.started_at = time.monotonic()
         slot.process.start()
+
+    def watch(slot: Slot) -> None:
+        """Probe a child once it listens; kill it (then it is replaced below) once it has answered nothing
+        for --process-hang-s."""
+        proc = slot.process
+        if settings.process_hang_s <= 0 or stopping or proc is None or proc.exitcode is not None or \
+                slot.killed_hung or slot.listening is None or not slot.listening.is_set():
+            return
+        if slot.prober is None:
+            assert slot.own_port is not None
+            slot.prober = Prober(settings.host, slot.own_port.value, settings.process_hang_s).start()
+            return
+        if slot.prober.hung() and proc.pid:
+            slot.killed_hung = slot.prober.silent_for()
+            slot.prober.stop()
+            log.error("process %d (pid %s) answered no health probe on its own port for %.1f s (stopped, "
+                      "deadlocked or its event loop held): killing it (SIGKILL) to replace it", slot.index, proc.pid,
+                      slot.killed_hung)
+            kill_group(proc.pid)
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         if stopping:
@@ -217,9 +265,13 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
                 break
             wait(alive, timeout=0.5)
             for slot in slots:
+                watch(slot)
                 proc = slot.process
                 if proc is None or proc.exitcode is None:
                     continue
+                if slot.prober is not None:
+                    slot.prober.stop()
+                    slot.prober = None
                 if stopping:
                     status = status or (proc.exitcode if proc.exitcode > 0 else 0)
                     continue
@@ -241,6 +293,9 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
             if stopping and all(s.process is None or s.process.exitcode is not None for s in slots):
                 break
     finally:
+        for slot in slots:
+            if slot.prober is not None:
+                slot.prober.stop()
         reserve.close()
     log.info("all processes stopped")
     return status

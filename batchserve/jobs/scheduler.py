@@ -59,7 +59,7 @@ from batchserve.errors import ApiError
 from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response
 from batchserve.jobs.refill import Budget, Ledger, Room, mean_cost, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
-from batchserve.jobs.store import Job, JobStore, Outcome
+from batchserve.jobs.store import Job, JobStore, Outcome, StoreDown
 from batchserve.tenancy import lane_of
 
 log = logging.getLogger("batchserve.jobs")
@@ -279,6 +279,8 @@ class Scheduler:
                     self._release_queued()
                     continue
                 await self._refill()
+            except StoreDown:  # an outage the store logged once as it began: no line per tick
+                await asyncio.sleep(1.0)
             except Exception:  # noqa: BLE001 - a store hiccup must not end feeding; the next tick tries again
                 log.exception("batch job feeding failed; retrying")
                 await asyncio.sleep(1.0)
@@ -580,6 +582,8 @@ class Scheduler:
             self._flush_now.clear()
             try:
                 await self.flush()
+            except StoreDown:  # the store logged the outage once; the rows are kept for the next try
+                await asyncio.sleep(1.0)
             except Exception:  # noqa: BLE001 - the rows are kept and written on the next try
                 log.exception("writing batch job results failed; retrying")
                 await asyncio.sleep(1.0)
@@ -611,6 +615,8 @@ class Scheduler:
                     continue
                 try:
                     kept = await self.store.renew(job.id, sorted(job.held), lease_s)
+                except StoreDown:  # the store logged the outage once; the next round tries again
+                    continue
                 except Exception:  # noqa: BLE001 - the next round tries again, well inside the lease
                     log.exception("renewing the leases of batch %s failed; retrying", job.id)
                     continue
@@ -622,6 +628,8 @@ class Scheduler:
             await asyncio.sleep(self.settings.jobs_poll_s)
             try:
                 await self.poll()
+            except StoreDown:  # the store logged the outage once; the next poll tries again
+                pass
             except Exception:  # noqa: BLE001 - the next poll tries again
                 log.exception("reading the unfinished batch jobs failed; retrying")
 

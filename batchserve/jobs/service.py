@@ -88,9 +88,11 @@ class JobService:
                 try:
                     store, scheduler = await self._open_and_resume()
                 except (StoreBusy, StoreUnavailable, sqlite3.Error, OSError, ImportError) as exc:
-                    self.problem = f"the job store {redact_url(self.path)} cannot be opened: {exc}"
+                    problem = f"the job store {redact_url(self.path)} cannot be opened: {exc}"
+                    if problem != self.problem:  # once per outage (and reason), not once per try
+                        log.error("%s (tried again at most once a second)", problem)
+                    self.problem = problem
                     self._open_breaker.failure(self.problem)
-                    log.error("%s", self.problem)
                     raise self._unavailable() from None
                 self._open_breaker.success()
                 self.store, self.scheduler, self.problem = store, scheduler, ""

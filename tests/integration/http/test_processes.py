@@ -206,3 +206,134 @@ def test_a_child_that_cannot_listen_stops_the_group_with_its_status():
     assert "cannot bind" in r.stderr and "before it listened: stopping the others" in r.stderr
 
 
+
+
+class HungDrill:
+    """Six keep-alive clients sending back to back, each request retried once after a connection error (reset,
+    or closed with no answer), as a balancer retries an idempotent request on another connection. What each
+    request ended in, when it was sent, and how long it took, retry included."""
+
+    def __init__(self, url: str, clients: int = 6) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.lock = threading.Lock()
+        self.sent: list[tuple[float, float, str]] = []  # (sent at, took, outcome)
+        self.failures: list[str] = []
+        self.retried = 0
+        self.threads = [threading.Thread(target=self.client, args=(k,)) for k in range(clients)]
+
+    def client(self, k: int) -> None:
+        i = 0
+        c = httpx.Client(base_url=self.url, timeout=30)
+        try:
+            while not self.stop.is_set():
+                text = f"hung-{k}-{i}"
+                i += 1
+                started = time.monotonic()
+                outcome = ""
+                for attempt in range(2):
+                    try:
+                        r = c.post("/v1/inference", json={"input": text})
+                    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError) as exc:
+                        # The connection broke with no answer: the stopped child was killed under it.
+                        c.close()
+                        c = httpx.Client(base_url=self.url, timeout=30)
+                        if attempt == 0:
+                            with self.lock:
+                                self.retried += 1
+                            continue
+                        outcome = f"connection error twice: {type(exc).__name__}"
+                        break
+                    except httpx.HTTPError as exc:  # a timeout above all: 30 s with no answer
+                        outcome = f"{type(exc).__name__}: {exc}"
+                        break
+                    if r.status_code == 200 and r.json()["output"] == text[::-1]:
+                        outcome = "200"
+                    elif r.status_code in (429, 503, 504) and r.json().get("error"):
+                        # A clear status: refused, or (504 DEADLINE_EXCEEDED) its batch outlived the worker's
+                        # deadline while the process stood still.
+                        outcome = f"{r.status_code} {r.json()['error']}"
+                    else:
+                        outcome = f"{r.status_code} {r.text[:200]}"
+                    break
+                with self.lock:
+                    self.sent.append((started, time.monotonic() - started, outcome))
+                    if outcome != "200" and not outcome.startswith(("429 ", "503 ", "504 ")):
+                        self.failures.append(f"{text}: {outcome}")
+        finally:
+            c.close()
+
+    def outcomes(self, since: float = 0.0) -> Counter[str]:
+        with self.lock:
+            return Counter(outcome for started, _, outcome in self.sent if started >= since)
+
+    def answered_since(self, t: float) -> int:
+        with self.lock:
+            return sum(1 for started, _, outcome in self.sent if started >= t and outcome == "200")
+
+    def __enter__(self) -> "HungDrill":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_stopped_child_is_killed_and_replaced_and_every_request_is_answered(server_factory):
+    """Issue 34, item 3: SIGSTOP one of two children under six clients. A pause shorter than --process-hang-s
+    (1 s against the default 3 s) is a busy child: nothing is killed. A lasting stop: the parent, which probes
+    each child's own port, finds its loop silent for 3 s, kills it and starts a replacement. Meanwhile the
+    requests the kernel dealt to it wait; at the kill their connections break, and each client's one retry
+    reaches a live child. Every request ends in its right answer (or a clear 429/503), none waits anywhere near
+    its 30 s timeout (a batch running when the process stopped may end 504 DEADLINE_EXCEEDED: it outlived its
+    worker's deadline), and afterwards the shared port's /readyz is answered by live children only.
+    (Checked: with --process-hang-s 0, the old behaviour, the stopped child's requests time out.)"""
+    server = server_factory("--processes", "2", "--devices", "2", "--sim-batch-ms", "20", "--slo-ms", "2000",
+                            "--timeout-ms", "10000")
+    kids = children(server)
+    victim = min(kids)
+    try:
+        with HungDrill(server.url) as drill:
+            wait_for(lambda: drill.answered_since(0) > 60, timeout=30, every=0.02)
+            # A short pause is not a hang.
+            os.kill(victim, signal.SIGSTOP)
+            time.sleep(1.0)
+            os.kill(victim, signal.SIGCONT)
+            paused_back = time.monotonic()
+            wait_for(lambda: drill.answered_since(paused_back) > 40, timeout=30, every=0.02)
+            assert not gone(victim) and "answered no health probe" not in server.log()
+            # A lasting stop is.
+            stopped_at = time.monotonic()
+            os.kill(victim, signal.SIGSTOP)
+            wait_for(lambda: gone(victim), timeout=30, every=0.05)
+            killed_after = time.monotonic() - stopped_at
+            replaced = children(server)
+            after = time.monotonic()
+            wait_for(lambda: drill.answered_since(after) > 40 or drill.failures, timeout=30, every=0.02)
+    finally:
+        if not gone(victim):
+            os.kill(victim, signal.SIGKILL)
+    assert drill.failures == [], drill.failures[:5]
+    slowest = max(took for started, took, _ in drill.sent if started >= stopped_at - 0.5)
+    print(f"killed {killed_after:.1f} s after the stop; slowest request {slowest:.1f} s; "
+          f"{drill.retried} connection(s) broken and retried; {drill.outcomes()}")
+    assert killed_after < 10, f"the stopped child was killed {killed_after:.1f} s after the stop"
+    assert slowest < 10, f"a request took {slowest:.1f} s across the stop"
+    assert "answered no health probe on its own port" in server.log()
+    assert victim not in replaced and len(replaced) == 2
+    assert sorted(d["process"]["index"] for d in replaced.values()) == [0, 1]
+    for _ in range(20):  # the shared port: every probe answered, ready, by a live child
+        with httpx.Client(base_url=server.url, timeout=5) as c:
+            r = c.get("/readyz")
+            assert r.status_code == 200, r.text
+            assert c.get("/internal/health").json()["pid"] in replaced

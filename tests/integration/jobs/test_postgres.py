@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import time
 
+import httpx
 import orjson
 import psycopg
 
@@ -196,6 +197,9 @@ def test_a_database_down_at_start_up_is_tried_once_a_second_and_used_once_it_is_
                 r = c.get("/v1/batches")
                 assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text
                 assert time.monotonic() - started < 2.0
+                time.sleep(0.3)  # 3 s: the open is tried again about three times
+            # Logged once, not once per try (issue 34, item 4; checked: three lines before).
+            assert s.log().count("cannot be opened") == 1, s.log()[-3000:]
             assert c.post("/v1/inference", json={"input": "up"}).json()["output"] == "pu"
             pg.resume()
             back = time.monotonic()
@@ -204,4 +208,87 @@ def test_a_database_down_at_start_up_is_tried_once_a_second_and_used_once_it_is_
             assert time.monotonic() - back < 5.0
             assert wait_for(lambda: finished(c, r.json()["id"]), timeout=20)["completed"] == 1
     finally:
+        pg.stop()
+
+
+def test_a_black_holed_database_costs_a_call_its_bound_then_503_with_one_log_line_each_way(server_factory):
+    """Issue 34, item 4: the database's processes SIGSTOPped (not shut down: its socket still takes connections,
+    nothing answers and nothing is refused, and the server's statement_timeout never fires) under a serving node
+    whose pool holds connections to it. Four clients call the jobs routes for 6 s: every call answers 503
+    `JOBS_UNAVAILABLE`, none later than the client-side bound (2 s, asserted with room for a loaded machine),
+    including those that took a pooled connection to the stopped server (before: they hung for the whole
+    outage); inference stays 200; the log says "job store down" once and holds no traceback. After SIGCONT jobs
+    are accepted within seconds and the log says "back up" once."""
+    import threading
+
+    from tests.pg_server import PgServer
+
+    pg = PgServer.start()  # its own server: this test stops it
+    frozen: list[int] = []
+    try:
+        s = server_factory(*NODE, "--jobs-db", pg.fresh_url())
+        with s.client(timeout=30) as c:
+            first = c.post("/v1/batches", json={"inputs": [f"warm-{i}" for i in range(40)]}).json()
+            assert wait_for(lambda: finished(c, first["id"]))["completed"] == 40
+            mark = len(s.log_lines)
+            frozen = pg.freeze()
+            stopped = time.monotonic()
+            calls: list[tuple[str, float, int, str]] = []
+            lock = threading.Lock()
+
+            def client(k: int) -> None:
+                with s.client(timeout=30) as own:
+                    i = 0
+                    while time.monotonic() < stopped + 6:
+                        route = ("list", "create", "get")[(k + i) % 3]
+                        began = time.monotonic()
+                        try:
+                            if route == "list":
+                                r = own.get("/v1/batches")
+                            elif route == "create":
+                                r = own.post("/v1/batches", json={"inputs": [f"x-{k}-{i}"]})
+                            else:
+                                r = own.get(f"/v1/batches/{first['id']}")
+                            status, error = r.status_code, r.json().get("error", "")
+                        except httpx.HTTPError as exc:
+                            status, error = 0, type(exc).__name__
+                        with lock:
+                            calls.append((route, time.monotonic() - began, status, error))
+                        i += 1
+                        time.sleep(0.05)
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            inference = []
+            while any(t.is_alive() for t in threads):
+                inference.append(c.post("/v1/inference", json={"input": "still"}).json().get("output"))
+                time.sleep(0.2)
+            for t in threads:
+                t.join()
+            outage_log = s.log_lines[mark:]
+            pg.thaw(frozen)
+            frozen = []
+            back = time.monotonic()
+            r = wait_for(lambda: (lambda r: r if r.status_code == 202 else None)(
+                c.post("/v1/batches", json={"inputs": ["after-1", "after-2"]})), timeout=15, every=0.1)
+            recovered = time.monotonic() - back
+            done = wait_for(lambda: finished(c, r.json()["id"]), timeout=20)
+        slowest = max(took for _, took, _, _ in calls)
+        print(f"{len(calls)} calls in the outage, slowest {slowest:.2f} s; {sum(t > 1 for _, t, _, _ in calls)} "
+              f"over 1 s; recovered {recovered:.1f} s after SIGCONT")
+        wrong = [call for call in calls if (call[2], call[3]) != (503, "JOBS_UNAVAILABLE")]
+        assert not wrong, wrong[:5]
+        assert slowest < 5.0, f"a jobs call took {slowest:.1f} s while the database was stopped"
+        assert len(calls) > 20 and inference and set(inference) == {"llits"}
+        downs = [line for line in outage_log if "job store down" in line]
+        assert len(downs) == 1, "\n".join(outage_log[-40:])
+        assert not any("Traceback" in line for line in outage_log), "\n".join(outage_log[-60:])
+        loud = [line for line in outage_log if " WARNING " in line or " ERROR " in line]
+        assert loud == downs, "\n".join(loud[:20])  # the one line, nothing per call or per reconnection
+        assert recovered < 10.0 and done["completed"] == 2
+        assert sum("job store back up" in line for line in s.log_lines[mark:]) == 1, s.log()[-3000:]
+    finally:
+        if frozen:
+            pg.thaw(frozen)
         pg.stop()

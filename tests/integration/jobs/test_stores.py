@@ -311,3 +311,60 @@ def test_the_breaker_refuses_while_open_lets_one_probe_through_and_closes_on_its
     assert b.before() is True
     b.success()
     assert b.closed and b.before() is False
+
+
+# -- a black-holed PostgreSQL (issue 34, item 4): every call bounded on the client -------------------------------
+def test_a_call_caught_mid_statement_by_a_stopped_server_fails_at_its_bound_and_the_next_at_once():
+    """The server's processes are SIGSTOPped while a call's statement runs (pg_sleep): the server never answers
+    and never refuses, and its statement_timeout never fires. The call fails with StoreDown at the client-side
+    bound (CALL_BOUND_S), not after the outage; the next call is refused by the breaker at once; a call that
+    moves many rows or bytes is given more (`bound_for`); and after SIGCONT the store is used again within seconds.
+    (Before: the first call waited for as long as the server stayed stopped.)"""
+    from batchserve.jobs.pg_store import BODY_BYTES_PER_S, CALL_BOUND_S, CUT_GRACE_S, ROWS_PER_S, bound_for
+    from batchserve.jobs.store import StoreDown
+    from tests.pg_server import PgServer
+
+    assert bound_for() == CALL_BOUND_S and bound_for(2 * BODY_BYTES_PER_S, 3 * ROWS_PER_S) == CALL_BOUND_S + 5
+    pg = PgServer.start()
+    frozen: list[int] = []
+
+    async def scenario() -> None:
+        nonlocal frozen
+        store = await PostgresStore.open(pg.fresh_url())
+        try:
+            job, _ = await store.create(new_job(3))
+
+            async def slow(conn: psycopg.AsyncConnection) -> None:
+                await conn.execute("SELECT pg_sleep(0.5)")
+
+            began = time.monotonic()
+            call = asyncio.ensure_future(store._tx(slow))
+            await asyncio.sleep(0.2)  # the statement is running on the server
+            frozen = pg.freeze()
+            with pytest.raises(StoreDown, match=f"no answer within {CALL_BOUND_S:g} s"):
+                await asyncio.wait_for(call, 10)  # (a TimeoutError, not StoreDown, when unbounded)
+            took = time.monotonic() - began
+            assert took < CALL_BOUND_S + CUT_GRACE_S + 2.0, took  # the bound, not the outage
+            began = time.monotonic()
+            with pytest.raises(StoreDown):
+                await store.get(job.tenant, job.id)
+            assert time.monotonic() - began < 0.1  # refused by the breaker: no wait at all
+            pg.thaw(frozen)
+            frozen = []
+            give_up = time.monotonic() + 15
+            while True:
+                try:
+                    assert (await store.get(job.tenant, job.id)).id == job.id
+                    break
+                except StoreDown:
+                    assert time.monotonic() < give_up, "the store was not used again after SIGCONT"
+                    await asyncio.sleep(0.1)
+        finally:
+            if frozen:
+                pg.thaw(frozen)
+            await store.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pg.stop()
