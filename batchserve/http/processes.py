@@ -47,6 +47,7 @@ from multiprocessing.synchronize import Event
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from batchserve import logsafe
 from batchserve.config import ProcessSlot, Settings
 from batchserve.config import is_postgres_url
 from batchserve.http.liveness import Prober
@@ -138,6 +139,7 @@ def child_main(settings: Settings, app_factory: AppFactory, index: int, share: S
         os.environ["CUDA_VISIBLE_DEVICES"] = share.cuda_visible
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [process {index} pid {os.getpid()}] %(message)s")
+    logsafe.install()  # as the parent's: a caller's control characters never forge a child's log line
     from batchserve.backends.loading import PluginError, load_models
     from batchserve.http.server import serve
 
