@@ -142,10 +142,25 @@ class Settings:
                                               "disables batch jobs")
     jobs_max_items: int = knob(50000, "most inputs in one batch job; more gets 400")
     jobs_max_body_bytes: int = knob(16 << 20, "largest POST /v1/batches body; larger gets 413 before it is buffered")
-    files_max_bytes: int = knob(60 << 20, "largest file uploaded to POST /v1/files (OpenAI's Batch API input); "
-                                          "larger gets 413 while it streams in")
+    files_max_bytes: int = knob(200_000_000, "largest file uploaded to POST /v1/files (OpenAI's Batch API input "
+                                              "limit, 200 MB); larger gets 413 while it streams in")
     files_max_count: int = knob(100, "most files one caller keeps in the job store (POST /v1/files gets 409 "
                                      "beyond; DELETE frees a place)")
+    files_max_uploads: int = knob(16, "most POST /v1/files uploads in progress at once on this server (503 "
+                                      "beyond; 0 = no cap)")
+    files_max_uploads_per_tenant: int = knob(4, "most POST /v1/files uploads one caller has in progress at once "
+                                                "(429 beyond; 0 = no cap)")
+    files_expire_days: float = knob(30.0, "an uploaded file is deleted this long after its upload unless the "
+                                          "upload's expires_after says otherwise (0 = kept until deleted)")
+    batches_expire_days: float = knob(30.0, "a finished batch job, its items and its output and error files are "
+                                            "deleted this long after its creation unless its output_expires_after "
+                                            "says otherwise (0 = kept until deleted)")
+    tenant_storage_mb: float = knob(10240.0, "bytes one caller may keep in the job store, in MB: its files, "
+                                             "batch inputs, outputs and errors (413 at upload or batch creation "
+                                             "beyond; a batch whose outputs pass it fails; 0 = no quota)")
+    storage_max_mb: float = knob(0.0, "bytes the job store may keep in all, in MB (same checks as "
+                                      "--tenant-storage-mb; 0 = no bound)")
+    storage_sweep_s: float = knob(60.0, "how often expired files and batch jobs are deleted")
     jobs_max_inflight: int = knob(0, "job items queued or running at once (0 = 2 x max_batch_size x healthy "
                                      "workers: enough to fill the places interactive requests leave)")
     jobs_max_attempts: int = knob(5, "runs of a job item on transient errors before it is recorded failed")
@@ -237,6 +252,10 @@ class Settings:
         need(self.drain_grace_s >= 0, "drain_grace_s", "0 or more")
         need(self.jobs_lease_s > 0, "jobs_lease_s", "positive")
         need(self.jobs_poll_s > 0, "jobs_poll_s", "positive")
+        need(self.storage_sweep_s > 0, "storage_sweep_s", "positive")
+        for name in ("files_max_uploads", "files_max_uploads_per_tenant", "files_expire_days", "batches_expire_days",
+                     "tenant_storage_mb", "storage_max_mb"):
+            need(getattr(self, name) >= 0, name, "0 (none) or more")
         need(self.max_header_bytes >= 1024, "max_header_bytes", "1024 or more")
         need(self.max_headers >= 8, "max_headers", "8 or more")
         need(self.generation_max_context >= 16, "generation_max_context", "16 or more")
