@@ -214,8 +214,3 @@ def line_size(job_id: str, row: ItemRow) -> tuple[str, int]:
     output = row.output
     extra = 0 if output is None else (len(output) if output.isascii() else len(output.encode())) - 1
     return kind, len(line) + extra
-
-
-def text_bytes(*texts: str | None) -> int:
-    """UTF-8 bytes of what a store keeps for these texts."""
-    return sum(len(t) if t.isascii() else len(t.encode()) for t in texts if t is not None)

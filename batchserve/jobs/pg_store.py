@@ -40,7 +40,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from batchserve.jobs.breaker import CircuitBreaker
 from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
-from batchserve.jobs.openai_batch import line_size, text_bytes
+from batchserve.jobs.openai_batch import line_size
 from batchserve.jobs.store import (ACTIVE, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
                                    Sizes, StoreUnavailable, UnstorableInput)
 
@@ -494,7 +494,6 @@ class PostgresStore:
             "WHERE job_id = %s AND status = 'pending' RETURNING idx, input", (status, error, message, now, job_id))
         rows = await cur.fetchall()
         sizes = Sizes(count=len(rows))
-        sizes.stored = len(rows) * text_bytes(error, message)
         if openai and rows:
             def measure() -> Sizes:
                 for idx, text in rows:

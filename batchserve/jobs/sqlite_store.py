@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 import orjson
 
 from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
-from batchserve.jobs.openai_batch import line_size, text_bytes
+from batchserve.jobs.openai_batch import line_size
 from batchserve.jobs.store import (ACTIVE, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
                                    Sizes)
 
@@ -206,7 +206,7 @@ class SQLiteStore:
                 c.execute("INSERT INTO file_chunks (file_id, seq, data) SELECT id, 0, content FROM files")
                 c.execute("ALTER TABLE files DROP COLUMN content")
             c.execute("UPDATE jobs SET bytes = (SELECT COALESCE(SUM(length(CAST(input AS BLOB)) + "
-                      "COALESCE(length(CAST(output AS BLOB)), 0) + COALESCE(length(CAST(message AS BLOB)), 0)), 0) "
+                      "COALESCE(length(CAST(output AS BLOB)), 0)), 0) "
                       "FROM items WHERE items.job_id = jobs.id)")
             c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -402,9 +402,7 @@ class SQLiteStore:
                          "WHERE job_id = ? AND status = 'pending' RETURNING idx, input",
                          (status, error, message, now, job_id)).fetchall()
         sizes = Sizes(count=len(rows))
-        each = text_bytes(error, message)
         for idx, text in rows:
-            sizes.stored += each
             if openai:
                 sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
         return sizes

@@ -162,9 +162,10 @@ class Outcome:
     message: str | None = None
 
     def stored_bytes(self) -> int:
-        """Bytes the store keeps for this result (its tenant's storage)."""
-        return sum(len(t) if t.isascii() else len(t.encode())
-                   for t in (self.output, self.error, self.message) if t is not None)
+        """Bytes of output the store keeps for this result (its tenant's storage; an error's code and short
+        message are not counted, so a job failed for its quota adds nothing past it)."""
+        out = self.output
+        return 0 if out is None else len(out) if out.isascii() else len(out.encode())
 
 
 @dataclass(slots=True)
