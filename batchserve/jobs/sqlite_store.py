@@ -66,7 +66,7 @@ CREATE TABLE IF NOT EXISTS items (
     writes INTEGER NOT NULL DEFAULT 0,
     finished_at REAL,
     PRIMARY KEY (job_id, idx)
-) WITHOUT ROWID;
+);  -- a rowid table (it was WITHOUT ROWID): a line of over ~1 kB then spilled into an overflow page of its own
 CREATE INDEX IF NOT EXISTS items_pending ON items (job_id, idx) WHERE status = 'pending';
 CREATE TRIGGER IF NOT EXISTS items_final_once BEFORE UPDATE OF status ON items
 WHEN OLD.status != 'pending'
@@ -167,14 +167,14 @@ class SQLiteStore:
         self._lock_fd = fd
         conn = self._conn = sqlite3.connect(self.path, isolation_level=None)
         conn.row_factory = sqlite3.Row
+        # A new file gives deleted pages back to the file system (`_vacuum`), so deleting and expiring shrink
+        # it; a file from before keeps reusing its free pages instead. Set before anything else writes the file.
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise RuntimeError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA busy_timeout=5000")
-        # A new file gives deleted pages back to the file system (`_sweep` runs the incremental vacuum), so
-        # deleting and expiring shrink it; a file from before keeps reusing its free pages instead.
-        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         conn.executescript(SCHEMA)
         self._add_columns("jobs", JOB_EXTRA)
         self._add_columns("files", FILE_EXTRA)
@@ -443,7 +443,8 @@ class SQLiteStore:
         """Give freed pages back to the file system (a file made with auto_vacuum; else a no-op) and fold the
         write-ahead log back, so deleting shrinks what is on disk, not only what is counted."""
         assert self._conn is not None
-        self._conn.execute("PRAGMA incremental_vacuum").fetchall()
+        # executescript steps the pragma to its end (one `execute` step frees a single page)
+        self._conn.executescript("PRAGMA incremental_vacuum;")
         self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     def _active(self, models: list[str]) -> list[Job]:
