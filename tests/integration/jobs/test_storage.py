@@ -209,6 +209,19 @@ def test_quota_at_upload_and_at_batch_creation(serve, db):
         assert store.kept() <= 20_000
 
 
+def test_native_jobs_count_against_the_quota_and_are_deleted_with_their_data(serve, db):
+    s = serve("--tenant-storage-mb", "0.01")  # 10 kB
+    store = Store(db)
+    with s.client() as h:
+        over = h.post("/v1/batches", json={"model": "echo", "inputs": ["x" * 1000] * 11})
+        assert over.status_code == 413 and "storage quota" in over.json()["message"]
+        job = h.post("/v1/batches", json={"model": "echo", "inputs": ["x" * 1000] * 4}).json()
+        assert job["bytes"] == 4000 and store.kept() == 4000
+        done = wait_for(lambda: (j := h.get(f"/v1/batches/{job['id']}").json())["status"] == "completed" and j)
+        assert done["bytes"] == store.kept() > 4000  # its outputs count too
+        assert h.delete(f"/v1/batches/{job['id']}").status_code == 200 and store.kept() == 0
+
+
 def test_a_batch_whose_outputs_would_pass_the_quota_fails_saying_why(serve, db):
     s = serve("--tenant-storage-mb", "0.015")  # inputs 2 x 3.5 kB; 20 lines of 20 vectors' answers are more
     store = Store(db)
