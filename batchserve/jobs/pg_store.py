@@ -491,7 +491,8 @@ class PostgresStore:
         """Make every pending item of the job final with this error; the bytes that adds."""
         cur = await conn.execute(
             "UPDATE batchserve_items SET status = %s, error = %s, message = %s, finished_at = %s, lease_until = NULL "
-            "WHERE job_id = %s AND status = 'pending' RETURNING idx, input", (status, error, message, now, job_id))
+            f"WHERE job_id = %s AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
+            (status, error, message, now, job_id))
         rows = await cur.fetchall()
         sizes = Sizes(count=len(rows))
         if openai and rows:
@@ -609,6 +610,7 @@ class PostgresStore:
         async def tx(conn: AsyncConnection) -> list[Progress]:
             cur = await conn.execute("SELECT id, tenant, openai FROM batchserve_jobs WHERE id = ANY(%s)", (job_ids,))
             owners = {r[0]: (r[1], r[2] is not None) for r in await cur.fetchall()}
+            any_openai = any(openai for _, openai in owners.values())  # only then are inputs read back
             if quota:  # tenant locks before any row lock, in one order: the order every writer takes them in
                 for tenant in sorted({t for t, _ in owners.values()}):
                     await self._lock_tenant(conn, tenant)
@@ -634,7 +636,8 @@ class PostgresStore:
                 "FROM unnest(%s::text[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[]) "
                 "AS o(job_id, idx, status, output, error, message) "
                 "WHERE i.job_id = o.job_id AND i.idx = o.idx AND i.status = 'pending' "
-                "RETURNING i.job_id, i.idx, i.status, i.input", (now, self.holder, *columns))
+                f"RETURNING i.job_id, i.idx, i.status, {'i.input' if any_openai else 'NULL'}",
+                (now, self.holder, *columns))
             changed = await cur.fetchall()
             written: dict[str, Counter[str]] = {job_id: Counter() for job_id in job_ids}
             sizes = {job_id: Sizes() for job_id in job_ids}

@@ -399,7 +399,7 @@ class SQLiteStore:
                      now: float) -> "Sizes":
         """Make every pending item of the job final with this error; the bytes that adds."""
         rows = c.execute("UPDATE items SET status = ?, error = ?, message = ?, finished_at = ? "
-                         "WHERE job_id = ? AND status = 'pending' RETURNING idx, input",
+                         f"WHERE job_id = ? AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
                          (status, error, message, now, job_id)).fetchall()
         sizes = Sizes(count=len(rows))
         for idx, text in rows:
@@ -503,9 +503,10 @@ class SQLiteStore:
                 counts: Counter[str] = Counter()
                 leases = self._leases.get(job_id, {})
                 for o in outs:
-                    row = c.execute(
+                    row = c.execute(  # the input only where its custom_id sizes a file line
                         "UPDATE items SET status = ?, output = ?, error = ?, message = ?, writes = writes + 1, "
-                        "finished_at = ? WHERE job_id = ? AND idx = ? AND status = 'pending' RETURNING input",
+                        f"finished_at = ? WHERE job_id = ? AND idx = ? AND status = 'pending' "
+                        f"RETURNING {'input' if openai else 'NULL'}",
                         (o.status, o.output, o.error, o.message, now, o.job_id, o.index)).fetchone()
                     leases.pop(o.index, None)
                     if row is not None:
