@@ -306,6 +306,90 @@ def test_a_running_batch_is_deleted_only_once_cancelled(serve):
         assert h.delete("/v1/batches/batch_nope").status_code == 404
 
 
+# The SQLite schema before issue 34 (version 1): a file's bytes in one `content` value, items WITHOUT ROWID.
+SCHEMA_V1 = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    model TEXT NOT NULL,
+    status TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    cancelled INTEGER NOT NULL DEFAULT 0,
+    metadata TEXT,
+    idempotency_key TEXT,
+    request_hash TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    UNIQUE (tenant, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, seq);
+CREATE INDEX IF NOT EXISTS jobs_active ON jobs (status) WHERE status IN ('queued', 'running');
+CREATE TABLE IF NOT EXISTS items (
+    job_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    input TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending',
+    output TEXT,  -- JSON text (since schema version 1)
+    error TEXT,
+    message TEXT,
+    writes INTEGER NOT NULL DEFAULT 0,
+    finished_at REAL,
+    PRIMARY KEY (job_id, idx)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS items_pending ON items (job_id, idx) WHERE status = 'pending';
+CREATE TRIGGER IF NOT EXISTS items_final_once BEFORE UPDATE OF status ON items
+WHEN OLD.status != 'pending'
+BEGIN
+    SELECT RAISE(ABORT, 'a job item left pending twice');
+END;
+CREATE TABLE IF NOT EXISTS files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    content BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS files_by_tenant ON files (tenant, seq);
+"""
+
+
+def test_a_store_file_from_before_keeps_its_uploads_and_jobs(tmp_path):
+    """Opening a version-1 file moves each upload's `content` into chunks and counts each job's bytes: the
+    upload reads back whole, a batch can be made from it, and the old job is counted and can be deleted."""
+    db = tmp_path / "old.db"
+    content = lines(30)
+    conn = sqlite3.connect(db)
+    conn.executescript(SCHEMA_V1 + "ALTER TABLE jobs ADD COLUMN openai TEXT; PRAGMA user_version = 1;")
+    conn.execute("INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, content) VALUES "
+                 "('file-old', 'anonymous@127.0.0.1', 'old.jsonl', 'batch', ?, 1.0, ?)", (len(content), content))
+    conn.execute("INSERT INTO jobs (id, tenant, model, status, total, completed, request_hash, created_at, "
+                 "finished_at) VALUES ('batch_old', 'anonymous@127.0.0.1', 'echo@v1', 'completed', 1, 1, 'h', 1.0, 2.0)")
+    conn.execute("INSERT INTO items (job_id, idx, input, status, output, writes) VALUES "
+                 "('batch_old', 0, 'abcd', 'completed', '\"dcba\"', 1)")
+    conn.commit()
+    conn.close()
+    s = launch(tmp_path, "--jobs-db", str(db))
+    try:
+        with s.client() as h:
+            assert h.get("/v1/files/file-old/content").content == content
+            assert h.get("/v1/files/file-old").json()["bytes"] == len(content)
+            assert h.get("/v1/batches/batch_old").json()["bytes"] == len("abcd") + len('"dcba"')
+            assert create(h, "file-old").status_code == 202
+            assert h.delete("/v1/batches/batch_old").status_code == 200
+    finally:
+        s.stop()
+    conn = sqlite3.connect(db)
+    assert "content" not in {r[1] for r in conn.execute("PRAGMA table_info(files)")}
+    conn.close()
+
+
 # -- input checks ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("depth", [255, 600, 1100])
 def test_a_line_nested_too_deep_is_a_400_at_batch_creation(serve, depth):
