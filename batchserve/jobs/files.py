@@ -89,7 +89,7 @@ class FileStore(Protocol):
         `max_count` files (uploads in progress included)."""
         ...
 
-    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes) -> None:
+    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
         """Store the upload's next chunk; StorageFull when its bytes would pass a bound (the caller then
         `abort_file`s)."""
         ...

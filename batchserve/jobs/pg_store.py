@@ -414,7 +414,7 @@ class PostgresStore:
 
         await self._tx(tx)
 
-    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes) -> None:
+    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
         async def tx(conn: AsyncConnection) -> None:
             await self._check(conn, tenant, len(data), "this upload")
             await conn.execute("INSERT INTO batchserve_file_chunks (file_id, seq, data) VALUES (%s, %s, %s)",

@@ -325,7 +325,7 @@ class SQLiteStore:
                       "VALUES (?, ?, ?, ?, 0, ?, 'uploading', ?)", (meta.id, meta.tenant, meta.filename,
                                                                     meta.purpose, meta.created_at, meta.expires_at))
 
-    def _put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes) -> None:
+    def _put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
         with self._tx() as c:
             self._check(c, tenant, len(data), "this upload")
             c.execute("INSERT INTO file_chunks (file_id, seq, data) VALUES (?, ?, ?)", (file_id, seq, data))
@@ -564,7 +564,7 @@ class SQLiteStore:
     async def begin_file(self, meta: StoredFile, max_count: int) -> None:
         await self._run(self._begin_file, meta, max_count)
 
-    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes) -> None:
+    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
         await self._run(self._put_chunk, tenant, file_id, seq, data)
 
     async def finish_file(self, meta: StoredFile) -> None:

@@ -68,9 +68,9 @@ class FormStream:
         if not self._ended:
             raise FormError("the body ended before the form's closing boundary")
 
-    def take(self) -> bytes:
-        data = bytes(self.pending)
-        self.pending.clear()
+    def take(self) -> bytearray:
+        """The file bytes gathered so far, handed over whole (no copy: a fresh buffer takes their place)."""
+        data, self.pending = self.pending, bytearray()
         return data
 
     # -- parser callbacks ------------------------------------------------------------------------------------
