@@ -195,6 +195,8 @@ class Settings:
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
     keys: list[dict] = field(default_factory=list, metadata={"cli": False})  # [[keys]] of the config file
+    # [[keys]] storage_mb of the config file: a tenant's byte quota in place of --tenant-storage-mb
+    tenant_storage_mb_by_tenant: dict[str, float] = field(default_factory=dict, metadata={"cli": False})
     tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict, metadata={"cli": False})
     process_slot: "ProcessSlot | None" = field(default=None, metadata={"cli": False})  # set in --processes' children
     # Where each value the user set came from ("--port", "BATCHSERVE_PORT", "bs.toml:3 models[0].backend"):

@@ -16,7 +16,7 @@ deleting frees the bytes at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
 CHUNK_BYTES = 1 << 20  # one stored chunk of a file: what an upload buffers, and a download reads, at once
@@ -39,18 +39,26 @@ class StorageFull(Exception):
 
 @dataclass(frozen=True, slots=True)
 class StorageLimits:
-    """Byte bounds of what a store keeps (0 = none)."""
+    """Byte bounds of what a store keeps (0 = none): each tenant's (`tenants` names those with their own, from
+    the config file's [[keys]] storage_mb), and the store's in all."""
 
     tenant_bytes: int = 0
     total_bytes: int = 0
+    tenants: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bounded(self) -> bool:
+        return bool(self.tenant_bytes or self.total_bytes or self.tenants)
 
     def check(self, tenant: str, tenant_used: int, total_used: int, adding: int, what: str) -> None:
         """StorageFull when `adding` more bytes would pass a bound (`*_used`: what is kept now)."""
         if adding <= 0:
             return
-        if self.tenant_bytes and tenant_used + adding > self.tenant_bytes:
+        quota = self.tenants.get(tenant, self.tenant_bytes)
+        if quota and tenant_used + adding > quota:
             raise StorageFull(
-                f"{what} would put you over your storage quota of {mb(self.tenant_bytes)} (--tenant-storage-mb): "
+                f"{what} would put you over your storage quota of {mb(quota)} "
+                f"({'your key' + chr(39) + 's storage_mb' if tenant in self.tenants else '--tenant-storage-mb'}): "
                 f"you keep {mb(tenant_used)} in files, batch inputs and outputs; delete files "
                 f"(DELETE /v1/files/{{id}}) or finished batches (DELETE /v1/batches/{{id}}) you are done with",
                 server=False)

@@ -268,7 +268,7 @@ class PostgresStore:
         advisory lock (taken first in every transaction that adds bytes, so they never deadlock), so two
         nodes cannot both pass its quota; the server total is checked without one (it may pass by what
         concurrent writers add at the same instant)."""
-        if not (self.limits.tenant_bytes or self.limits.total_bytes) or adding <= 0:
+        if not self.limits.bounded or adding <= 0:
             return
         await self._lock_tenant(conn, tenant)
         mine, total = await self._usage(conn, tenant)
@@ -307,7 +307,7 @@ class PostgresStore:
         adding = job.stored_bytes()
 
         async def tx(conn: AsyncConnection) -> tuple[Job, bool]:
-            if self.limits.tenant_bytes or self.limits.total_bytes:
+            if self.limits.bounded:
                 await self._lock_tenant(conn, job.tenant)
             cur = await conn.execute(
                 "INSERT INTO batchserve_jobs (id, tenant, model, status, total, metadata, idempotency_key, "
@@ -605,7 +605,7 @@ class PostgresStore:
         for o in outcomes:
             by_job.setdefault(o.job_id, []).append(o)
         job_ids = sorted(by_job)  # job rows locked in one order on every node
-        quota = bool(self.limits.tenant_bytes or self.limits.total_bytes)
+        quota = self.limits.bounded
 
         async def tx(conn: AsyncConnection) -> list[Progress]:
             cur = await conn.execute("SELECT id, tenant, openai FROM batchserve_jobs WHERE id = ANY(%s)", (job_ids,))

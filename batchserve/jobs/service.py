@@ -131,8 +131,9 @@ class JobService:
             except ImportError as exc:
                 raise ImportError(f"{exc}; a postgresql:// job store needs pip install 'batchserve[postgres]'") from None
             store = await PostgresStore.open(self.path)
-        mb = 1_000_000
-        store.limits = StorageLimits(int(self.settings.tenant_storage_mb * mb), int(self.settings.storage_max_mb * mb))
+        mb, s = 1_000_000, self.settings
+        store.limits = StorageLimits(int(s.tenant_storage_mb * mb), int(s.storage_max_mb * mb),
+                                     {t: int(v * mb) for t, v in s.tenant_storage_mb_by_tenant.items()})
         return store
 
     async def _sweep_loop(self) -> None:

@@ -233,7 +233,7 @@ class SQLiteStore:
         return mine, total
 
     def _check(self, c: sqlite3.Connection, tenant: str, adding: int, what: str) -> None:
-        if self.limits.tenant_bytes or self.limits.total_bytes:
+        if self.limits.bounded:
             self.limits.check(tenant, *self._usage(c, tenant), adding, what)
 
     def _usage_now(self, tenant: str) -> tuple[int, int]:

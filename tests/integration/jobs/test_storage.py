@@ -222,6 +222,43 @@ def test_native_jobs_count_against_the_quota_and_are_deleted_with_their_data(ser
         assert h.delete(f"/v1/batches/{job['id']}").status_code == 200 and store.kept() == 0
 
 
+def test_a_keys_storage_mb_in_the_config_file_is_its_tenants_quota(tmp_path, db):
+    """`[[keys]] storage_mb` gives one tenant its own quota beside --tenant-storage-mb for the others."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import start_server
+    from tests.integration.embeddings.test_routes import EMBED_PLUGIN
+    from tests.integration.jobs.test_openai_batch import CONFIG
+
+    (tmp_path / "embedplug.py").write_text(EMBED_PLUGIN)
+    config = tmp_path / "bs.toml"
+    config.write_text(CONFIG)
+
+    def add(tenant: str) -> str:
+        return subprocess.run([sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config),
+                               "--tenant", tenant, "--tier", "paid"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    small = add("small")
+    big = add("big")
+    with config.open("a") as fh:
+        fh.write("storage_mb = 0.1\n")  # the last [[keys]] table: big keeps up to 100 kB
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    s = start_server("--config", str(config), "--jobs-db", db, "--tenant-storage-mb", "0.01", env=env)
+    content = lines(200)  # ~20 kB
+    try:
+        with s.client(headers={"Authorization": f"Bearer {small}"}) as h:
+            refused = upload(h, content)
+            assert refused.status_code == 413 and "--tenant-storage-mb" in refused.json()["message"]
+        with s.client(headers={"Authorization": f"Bearer {big}"}) as h:
+            assert upload(h, content).status_code == 200
+            assert create(h, upload(h, content).json()["id"]).status_code == 202
+    finally:
+        s.stop()
+
+
 def test_a_batch_whose_outputs_would_pass_the_quota_fails_saying_why(serve, db):
     s = serve("--tenant-storage-mb", "0.015")  # inputs 2 x 3.5 kB; 20 lines of 20 vectors' answers are more
     store = Store(db)

@@ -101,6 +101,26 @@ def test_storage_limits() -> None:
         limits.check("t", 0, 990, 20, "x")
     assert server.value.server and "--storage-max-mb" in server.value.message
     StorageLimits().check("t", 10**12, 10**12, 10**9, "x")  # 0: no bound
+    own = StorageLimits(tenant_bytes=100, tenants={"big": 1000})  # [[keys]] storage_mb
+    own.check("big", 500, 0, 400, "x")
+    with pytest.raises(StorageFull, match="storage_mb"):
+        own.check("big", 900, 0, 200, "x")
+    with pytest.raises(StorageFull, match="--tenant-storage-mb"):
+        own.check("other", 90, 0, 20, "x")
+    assert own.bounded and not StorageLimits().bounded
+
+
+def test_a_keys_storage_mb_is_its_tenants_quota(tmp_path) -> None:
+    from batchserve.config import Settings
+    from batchserve.config_file import apply_config_file
+    path = tmp_path / "bs.toml"
+    path.write_text('[[keys]]\ntenant = "acme"\ntier = "paid"\nsha256 = "' + "a" * 64 + '"\nstorage_mb = 5\n')
+    s = Settings()
+    apply_config_file(s, str(path))
+    assert s.tenant_storage_mb_by_tenant == {"acme": 5.0} and "storage_mb" not in s.keys[0]
+    path.write_text('[[keys]]\ntenant = "acme"\ntier = "paid"\nsha256 = "' + "a" * 64 + '"\nstorage_mb = -1\n')
+    with pytest.raises(ValueError, match="storage_mb"):
+        apply_config_file(Settings(), str(path))
 
 
 def line(i: int, body: object, url: str = "/v1/embeddings") -> bytes:
