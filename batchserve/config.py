@@ -151,10 +151,25 @@ class Settings:
     jobs_max_items: int = knob(50000, "most inputs in one batch job, counted as inputs, not lines (an OpenAI "
                                       "/v1/embeddings line with 2,048 inputs counts 2,048); more gets 400")
     jobs_max_body_bytes: int = knob(16 << 20, "largest POST /v1/batches body; larger gets 413 before it is buffered")
-    files_max_bytes: int = knob(60 << 20, "largest file uploaded to POST /v1/files (OpenAI's Batch API input); "
-                                          "larger gets 413 while it streams in")
+    files_max_bytes: int = knob(200_000_000, "largest file uploaded to POST /v1/files (OpenAI's Batch API input "
+                                              "limit, 200 MB); larger gets 413 while it streams in")
     files_max_count: int = knob(100, "most files one caller keeps in the job store (POST /v1/files gets 409 "
                                      "beyond; DELETE frees a place)")
+    files_max_uploads: int = knob(16, "most POST /v1/files uploads in progress at once on this server (503 "
+                                      "beyond; 0 = no cap)")
+    files_max_uploads_per_tenant: int = knob(4, "most POST /v1/files uploads one caller has in progress at once "
+                                                "(429 beyond; 0 = no cap)")
+    files_expire_days: float = knob(30.0, "an uploaded file is deleted this long after its upload unless the "
+                                          "upload's expires_after says otherwise (0 = kept until deleted)")
+    batches_expire_days: float = knob(30.0, "a finished batch job, its items and its output and error files are "
+                                            "deleted this long after its creation unless its output_expires_after "
+                                            "says otherwise (0 = kept until deleted)")
+    tenant_storage_mb: float = knob(10240.0, "bytes one caller may keep in the job store, in MB: its files, "
+                                             "batch inputs, outputs and errors (413 at upload or batch creation "
+                                             "beyond; a batch whose outputs pass it fails; 0 = no quota)")
+    storage_max_mb: float = knob(0.0, "bytes the job store may keep in all, in MB (same checks as "
+                                      "--tenant-storage-mb; 0 = no bound)")
+    storage_sweep_s: float = knob(60.0, "how often expired files and batch jobs are deleted")
     jobs_max_inflight: int = knob(0, "job inputs queued or running at once, a line counting the inputs it holds "
                                      "(0 = 2 x max_batch_size x healthy workers: enough to fill the places "
                                      "interactive requests leave); never more than a quarter of --max-queue "
@@ -191,6 +206,8 @@ class Settings:
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
     keys: list[dict] = field(default_factory=list, metadata={"cli": False})  # [[keys]] of the config file
+    # [[keys]] storage_mb of the config file: a tenant's byte quota in place of --tenant-storage-mb
+    tenant_storage_mb_by_tenant: dict[str, float] = field(default_factory=dict, metadata={"cli": False})
     tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict, metadata={"cli": False})
     process_slot: "ProcessSlot | None" = field(default=None, metadata={"cli": False})  # set in --processes' children
     # Where each value the user set came from ("--port", "BATCHSERVE_PORT", "bs.toml:3 models[0].backend"):
@@ -250,6 +267,10 @@ class Settings:
         need(self.drain_grace_s >= 0, "drain_grace_s", "0 or more")
         need(self.jobs_lease_s > 0, "jobs_lease_s", "positive")
         need(self.jobs_poll_s > 0, "jobs_poll_s", "positive")
+        need(self.storage_sweep_s > 0, "storage_sweep_s", "positive")
+        for name in ("files_max_uploads", "files_max_uploads_per_tenant", "files_expire_days", "batches_expire_days",
+                     "tenant_storage_mb", "storage_max_mb"):
+            need(getattr(self, name) >= 0, name, "0 (none) or more")
         need(self.max_header_bytes >= 1024, "max_header_bytes", "1024 or more")
         need(self.max_headers >= 8, "max_headers", "8 or more")
         need(self.generation_max_context >= 16, "generation_max_context", "16 or more")

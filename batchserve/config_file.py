@@ -31,7 +31,7 @@ import json
 import math
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from batchserve.config import ModelSpec, Settings, cli_fields, did_you_mean, flag_name
@@ -172,7 +172,8 @@ def sha256_hex(value: Any) -> str | None:
 TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
 MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
 TIER_KEYS = {"rate": positive, "burst": positive}
-KEY_KEYS = {"tenant": text, "tier": one_of(tiers.NAMES), "sha256": sha256_hex, "rate": positive, "burst": positive}
+KEY_KEYS = {"tenant": text, "tier": one_of(tiers.NAMES), "sha256": sha256_hex, "rate": positive, "burst": positive,
+            "storage_mb": positive}  # storage_mb: the tenant's byte quota, in place of --tenant-storage-mb
 
 
 @dataclass
@@ -180,6 +181,7 @@ class ConfigFile:
     models: list[ModelSpec]
     tier_rates: dict[str, tuple[float, float]]
     keys: list[dict]
+    storage_mb: dict[str, float] = field(default_factory=dict)  # tenant -> its byte quota ([[keys]] storage_mb)
 
 
 def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
@@ -227,15 +229,19 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         tier_rates[tier] = (rate, float(c.value(limits, where, "burst", positive, rate)))
 
     keys = []
+    storage: dict[str, float] = {}
     for i, k in enumerate(c.tables(data, "keys")):
         where = ("keys", i)
         c.known(k, where, KEY_KEYS)
         for name in ("tenant", "tier", "sha256"):
             c.value(k, where, name, KEY_KEYS[name], required=True)
-        for name in ("rate", "burst"):
+        for name in ("rate", "burst", "storage_mb"):
             c.value(k, where, name, KEY_KEYS[name])
-        keys.append(dict(k))
-    return ConfigFile(models, tier_rates, keys)
+        entry = dict(k)
+        if "storage_mb" in entry:
+            storage[entry["tenant"]] = float(entry.pop("storage_mb"))
+        keys.append(entry)
+    return ConfigFile(models, tier_rates, keys, storage)
 
 
 def apply_config_file(settings: Settings, path: str) -> None:
@@ -244,6 +250,7 @@ def apply_config_file(settings: Settings, path: str) -> None:
         settings.models = loaded.models
     settings.tier_rates.update(loaded.tier_rates)
     settings.keys.extend(loaded.keys)
+    settings.tenant_storage_mb_by_tenant.update(loaded.storage_mb)
 
 
 def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | None) -> None:

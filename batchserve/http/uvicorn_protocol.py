@@ -20,7 +20,7 @@ What httptools and uvicorn leave open, and how it is closed here:
 - Unread bodies. An answer given before the request body was read whole (401, 413, any early refusal) says
   `Connection: close`, and the connection is not reused. It lingers, as nginx's does: the answer goes out
   followed by a FIN, the rest of the body is read and thrown away (`LINGER_BYTES` at most, within
-  `LINGER_S`), and the connection closes once the body ends. Closing at once, with the body still arriving,
+  `LINGER_S` of silence, `LINGER_MAX_S` in all), and the connection closes once the body ends. Closing at once, with the body still arriving,
   made the kernel reset the connection, and a client that writes its whole body before reading (httpx's
   async client) got a reset instead of its 413.
 - Transfer codings other than `chunked` (e.g. `gzip, chunked`) are refused with 501: the body would reach
@@ -132,8 +132,12 @@ class ConnectionGuard:
 
 TRIM_PEAK = 1024  # open connections that make a peak worth trimming the heap after
 COALESCE_MAX_BYTES = 65536  # a larger body is not copied to go out with its head
-LINGER_BYTES = 64 << 20  # most bytes of a refused body read and discarded after the answer (then: close)
-LINGER_S = 5.0  # longest the rest of a refused body is waited for after the answer
+# A refused body is read and discarded after the answer (then: close) up to LINGER_BYTES, for at most
+# LINGER_MAX_S, and while its bytes keep coming (LINGER_S without one ends it). It was 64 MiB and 5 s in all:
+# an upload of more than 64 MiB refused with its 413 at once (its Content-Length) got a reset instead.
+LINGER_BYTES = 1 << 30
+LINGER_S = 5.0
+LINGER_MAX_S = 30.0
 
 
 def _can_write_eof(transport: asyncio.Transport) -> bool:
@@ -321,6 +325,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.refusal: ApiError | None = None
         self.lingering = False  # answered before its body was read: the rest is read and discarded, then close
         self.linger_left = 0
+        self.linger_end = 0.0
 
     # -- connection life ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -367,6 +372,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.lingering = True
         self.linger_left = LINGER_BYTES
         self.guard.waiting.pop(self, None)
+        self.linger_end = self.loop.time() + LINGER_MAX_S
         self.deadline = self.loop.time() + LINGER_S
         transport.write_eof()
         self.flow.resume_reading()  # reading was paused while the unread body filled its buffer
@@ -377,6 +383,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self.linger_left < 0:
                 self.close_quietly()
                 return
+            self.deadline = min(self.linger_end, self.loop.time() + LINGER_S)  # the body still comes: wait on
             super().data_received(data)  # parsed only to see where the body ends (`on_message_complete`)
             return
         if not self.in_head:

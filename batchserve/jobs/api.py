@@ -8,6 +8,7 @@ job (400/413) and no partial job exists.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import secrets
@@ -30,10 +31,11 @@ from batchserve.http.body import ascii_count, error_response, json_response, req
 from batchserve.http.guards import Guard
 from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
-from batchserve.jobs.openai_batch import batch_object, check_batch_request, parse_input_file
+from batchserve.jobs.files import CHUNK_BYTES, StorageFull
+from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, check_expires_after
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import (IdempotencyConflict, Job, JobStore, NewJob, Progress, StoreDown, StoreUnavailable,
-                                   UnstorableInput)
+from batchserve.jobs.store import (ACTIVE, FileGone, IdempotencyConflict, Job, JobStore, NewJob, Progress, StoreDown,
+                                   StoreUnavailable, UnstorableInput)
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
@@ -82,6 +84,10 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             response = await handler(request, rt, svc, caller)
             response.headers.update({"X-Request-ID": request_id, **limit_headers})
             return response
+        except StorageFull as full:
+            err = (errors.overloaded(full.message, 60_000) if full.server
+                   else errors.payload_too_large(full.message))
+            return error_response(err, request_id)
         except StoreDown as exc:  # refused by the breaker in microseconds: the outage was logged once already
             return error_response(errors.jobs_unavailable(str(exc), 1000), request_id)
         except (sqlite3.Error, StoreUnavailable) as exc:
@@ -132,8 +138,10 @@ async def create_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
     if spec is None:
         raise errors.model_not_found(requested)
     store = await svc.open_store()
+    now = time.time()
     new = NewJob("batch_" + secrets.token_hex(12), caller.owner, spec.id, inputs, metadata, key,
-                 request_hash(inputs, requested, metadata), time.time())
+                 request_hash(inputs, requested, metadata), now,
+                 expires_at=expiry(now, None, s.batches_expire_days))
     try:
         job, created = await store.create(new)
     except IdempotencyConflict:
@@ -141,6 +149,13 @@ async def create_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
     except UnstorableInput as exc:
         raise errors.invalid(str(exc)) from None
     return accepted(svc, job, created)
+
+
+def expiry(now: float, seconds: float | None, default_days: float) -> float | None:
+    """When a job (anchored at its creation) expires: `seconds` after, else the server's default (0: never)."""
+    if seconds is not None:
+        return now + seconds
+    return now + default_days * 86400 if default_days > 0 else None
 
 
 def accepted(svc: JobService, job: Job, created: bool) -> Response:
@@ -164,13 +179,17 @@ async def create_openai_batch(values: dict[str, Any], key: str | None, rt: JobsH
     file_id, endpoint, window, metadata = check_batch_request(values, rt.generation is not None)
     if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
         raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
+    expires_s = check_expires_after(values.get("output_expires_after"), "output_expires_after")
     store = await svc.open_store()
     meta = await store.get_file(caller.owner, file_id)
-    content = await store.file_content(caller.owner, file_id) if meta is not None else None
-    if meta is None or content is None or meta.purpose != "batch":
-        raise ApiError(404, "FILE_NOT_FOUND", f"no file {errors.short(file_id)!r} with purpose 'batch' "
-                                              f"(upload it with POST /v1/files)")
-    parsed = parse_input_file(content, endpoint, rt.settings.jobs_max_items)
+    if meta is None or meta.purpose != "batch":
+        raise file_missing(file_id)
+    mine, total = await store.usage(caller.owner)  # refused before the file is read; checked again as it is stored
+    store.limits.check(caller.owner, mine, total, meta.bytes, "this batch's copy of its input file")
+    parsed = InputCheck(endpoint, rt.settings.jobs_max_items, rt.settings.jobs_max_body_bytes)
+    async for chunk in store.file_chunks(caller.owner, file_id):  # one stored chunk at a time, parsed off the loop
+        await asyncio.to_thread(parsed.feed, chunk)
+    await asyncio.to_thread(parsed.end)
     named = {m for m in parsed.models if m is not None}
     if len(named) > 1:
         raise errors.invalid("the lines name different models; one batch runs on one model")
@@ -179,8 +198,9 @@ async def create_openai_batch(values: dict[str, Any], key: str | None, rt: JobsH
         assert rt.generation is not None  # checked by check_batch_request
         if requested is not None and requested not in model_aliases(rt.settings, rt.generation):
             raise errors.model_not_found(requested)
-        return await store_openai_batch(svc, store, caller, key, rt.generation.cfg.model_id, parsed.items,
-                                        endpoint, file_id, window, metadata)
+        return await store_openai_batch(svc, store, caller, key, rt.generation.cfg.model_id, parsed,
+                                        endpoint, file_id, window, metadata, expiry(time.time(), expires_s,
+                                                                                   rt.settings.batches_expire_days))
     spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
     if spec is None and requested is None and endpoint == EMBEDDINGS:
         spec = next((s for s in rt.registry.specs if output_kind(rt, s.id) == "embedding"), None)
@@ -188,21 +208,30 @@ async def create_openai_batch(values: dict[str, Any], key: str | None, rt: JobsH
         raise errors.model_not_found(requested)
     if endpoint == EMBEDDINGS and output_kind(rt, spec.id) != "embedding":
         raise errors.invalid(f"the model {spec.id!r} does not produce embeddings; batch it on /v1/inference")
-    return await store_openai_batch(svc, store, caller, key, spec.id, parsed.items, endpoint, file_id, window,
-                                    metadata)
+    return await store_openai_batch(svc, store, caller, key, spec.id, parsed, endpoint, file_id, window,
+                                    metadata, expiry(time.time(), expires_s, rt.settings.batches_expire_days))
+
+
+def file_missing(file_id: str) -> ApiError:
+    return ApiError(404, "FILE_NOT_FOUND", f"no file {errors.short(file_id)!r} with purpose 'batch' "
+                                          f"(upload it with POST /v1/files)")
 
 
 async def store_openai_batch(svc: JobService, store: JobStore, caller: Caller, key: str | None, model: str,
-                             items: list[str], endpoint: str, file_id: str, window: str,
-                             metadata: dict | None) -> Response:
+                             parsed: InputCheck, endpoint: str, file_id: str, window: str,
+                             metadata: dict | None, expires_at: float | None) -> Response:
+    """Store the job; the store copies the file's lines into its items, chunk by chunk, in its transaction."""
     openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": window}
     canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
-    new = NewJob("batch_" + secrets.token_hex(12), caller.owner, model, items, metadata, key,
-                 hashlib.sha256(canon).hexdigest(), time.time(), openai)
+    new = NewJob("batch_" + secrets.token_hex(12), caller.owner, model, [], metadata, key,
+                 hashlib.sha256(canon).hexdigest(), time.time(), openai, source_file=file_id, total=parsed.lines,
+                 input_bytes=parsed.bytes, expires_at=expires_at)
     try:
         job, created = await store.create(new)
     except IdempotencyConflict:
         raise errors.conflict("this Idempotency-Key was used before with a different body") from None
+    except FileGone:
+        raise file_missing(file_id) from None
     return accepted(svc, job, created)
 
 
@@ -227,13 +256,19 @@ async def batch_results(request: Request, rt: JobsHost, svc: JobService, caller:
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None or store is None:
         raise errors.batch_not_found(job_id)
-    return StreamingResponse(ndjson_lines(store, job_id), media_type="application/x-ndjson")
+    return StreamingResponse(ndjson_lines(store, job_id, page_rows(job)), media_type="application/x-ndjson")
 
 
-async def ndjson_lines(store: JobStore, job_id: str) -> AsyncIterator[bytes]:
+def page_rows(job: Job) -> int:
+    """Rows of the job read at once: about CHUNK_BYTES of what it keeps, so a job of huge outputs is still
+    sent a little at a time (RESULTS_PAGE rows at most)."""
+    return max(1, min(RESULTS_PAGE, CHUNK_BYTES // max(1, job.bytes // max(1, job.total))))
+
+
+async def ndjson_lines(store: JobStore, job_id: str, limit: int = RESULTS_PAGE) -> AsyncIterator[bytes]:
     after = -1
     while True:
-        rows = await store.results(job_id, after, RESULTS_PAGE)
+        rows = await store.results(job_id, after, limit)
         if not rows:
             return
         yield b"".join(orjson.dumps(r.public()) + b"\n" for r in rows)
@@ -250,6 +285,19 @@ async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
         svc.scheduler.cancel(job_id)
     svc.metrics.progress(Progress(job.id, job.model, job.status, {}))  # a cancelled job leaves the gauges
     return json_response(public(job))
+
+
+async def delete_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+    """Delete a finished job with its items and output and error files (frees its bytes at once)."""
+    job_id = request.path_params["batch_id"]
+    store = await svc.existing_store()
+    job = await store.delete_job(caller.owner, job_id) if store is not None else None
+    if job is None:
+        raise errors.batch_not_found(job_id)
+    if job.status in ACTIVE:
+        raise errors.conflict(f"batch {job_id} is still {job.status}; cancel it first "
+                              f"(POST /v1/batches/{job_id}/cancel)")
+    return json_response({"id": job_id, "object": "batch", "deleted": True})
 
 
 def list_limit(request: Request, default: int, most: int) -> int:
@@ -273,6 +321,7 @@ ROUTES = [
     Route("/v1/batches", route(create_batch), methods=["POST"]),
     Route("/v1/batches", route(list_batches), methods=["GET"]),
     Route("/v1/batches/{batch_id}", route(get_batch), methods=["GET"]),
+    Route("/v1/batches/{batch_id}", route(delete_batch), methods=["DELETE"]),
     Route("/v1/batches/{batch_id}/results", route(batch_results), methods=["GET"]),
     Route("/v1/batches/{batch_id}/cancel", route(cancel_batch), methods=["POST"]),
 ]

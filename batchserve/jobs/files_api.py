@@ -1,36 +1,42 @@
 """`/v1/files`: OpenAI's Files API, for the Batch API's input files and its output and error files.
 
-Uploads are multipart (`file`, `purpose=batch`), read with a byte bound (`--files-max-bytes`, 413 while it
-streams in) and stored in the job store (`files.py`), at most `--files-max-count` per caller. The caller is
-identified and rate-limited as on `/v1/batches`, and sees only its own files: another tenant's file id answers
-404 exactly as an unknown one. A job's output and error files (`openai_batch.py`) are rendered from its items.
+Uploads are multipart (`file`, `purpose=batch`, optionally `expires_after[anchor]=created_at` and
+`expires_after[seconds]`), parsed as they stream in (`upload.py`) and stored a chunk at a time (`files.py`):
+413 past `--files-max-bytes` while the body streams in (and at once for a larger Content-Length), at most
+`--files-max-count` files per caller, at most `--files-max-uploads-per-tenant` uploads in progress per caller
+(429) and `--files-max-uploads` in all (503), and no upload that would pass the caller's byte quota (413). The
+caller is identified and rate-limited as on `/v1/batches`, and sees only its own files: another tenant's file
+id answers 404 exactly as an unknown one. Content is streamed from the store chunk by chunk; a job's output
+and error files (`openai_batch.py`) are its items, read a page at a time; metadata never reads content.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from typing import AsyncIterator
 
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
+from python_multipart.multipart import parse_options_header
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.body import json_response, read_body
+from batchserve.http.body import ascii_count, json_response
 from batchserve.jobs.api import LIST_DEFAULT, LIST_MAX, RESULTS_PAGE, JobsHost, list_limit, route
-from batchserve.jobs.files import FileLimitReached, StoredFile
-from batchserve.jobs.openai_batch import OUTPUT, file_line, job_of_file
+from batchserve.jobs.files import CHUNK_BYTES, FileLimitReached, StoredFile
+from batchserve.jobs.openai_batch import OUTPUT, check_expires_after, file_line, job_of_file
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import JobStore
+from batchserve.jobs.store import Job, JobStore
+from batchserve.jobs.upload import FormError, FormStream
 from batchserve.tenancy import Caller
 
 PURPOSES = ("batch",)
 MULTIPART_SLACK = 64 << 10  # the form's other fields and part headers, on top of the file itself
 MAX_FILENAME = 255
+PAGE_BYTES = 1 << 20  # about this much of an output file is read from the store and sent at once
 
 
 def not_found(file_id: str) -> ApiError:
@@ -47,50 +53,119 @@ def upload_filename(given: str | None) -> str:
     return name[:MAX_FILENAME]
 
 
-async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
-    yield body
+def too_large(limit: int) -> ApiError:
+    return errors.payload_too_large(f"the file is over the {limit}-byte limit (--files-max-bytes)")
+
+
+def boundary_of(content_type: str) -> bytes:
+    media, options = parse_options_header(content_type)
+    if media != b"multipart/form-data":
+        raise errors.invalid("upload a file as multipart/form-data with the fields 'file' and 'purpose'")
+    boundary = options.get(b"boundary")
+    if not boundary:
+        raise errors.invalid("the multipart Content-Type has no boundary")
+    return boundary
 
 
 async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
     limit = rt.settings.files_max_bytes
-    ctype = request.headers.get("content-type", "")
-    if not ctype.lower().startswith("multipart/form-data"):
-        raise errors.invalid("upload a file as multipart/form-data with the fields 'file' and 'purpose'")
+    boundary = boundary_of(request.headers.get("content-type", ""))
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        size = ascii_count(declared, limit + MULTIPART_SLACK)
+        if size is None:
+            raise errors.invalid("Content-Length is not a number")
+        if size > limit + MULTIPART_SLACK:
+            raise too_large(limit)
+    svc.uploads.enter(caller.owner)
     try:
-        body = await read_body(request, limit + MULTIPART_SLACK)
+        return await _receive(request, rt, svc, caller, boundary, limit)
+    finally:
+        svc.uploads.leave(caller.owner)
+
+
+async def _receive(request: Request, rt: JobsHost, svc: JobService, caller: Caller, boundary: bytes,
+                   limit: int) -> Response:
+    store = await svc.open_store()
+    now = time.time()
+    meta = StoredFile("file-" + secrets.token_hex(12), caller.owner, "upload.jsonl", "batch", 0, now)
+    form = FormStream(boundary)
+    seq, received, blank, began, done = 0, 0, True, False, False
+
+    async def store_chunk(chunk: bytes) -> None:
+        nonlocal seq, began
+        if not began:  # the file row is made with the first chunk: a refusal of the form comes first
+            check_purpose(form.fields.get("purpose", PURPOSES[0]))
+            upload_filename(form.filename)  # a control character is refused before anything is stored
+            try:
+                await store.begin_file(meta, rt.settings.files_max_count)
+            except FileLimitReached:
+                raise errors.conflict(f"you already keep {rt.settings.files_max_count} files (--files-max-count); "
+                                      f"DELETE /v1/files/{{id}} the ones you are done with") from None
+            began = True
+        await store.put_chunk(caller.owner, meta.id, seq, chunk)
+        seq += 1
+
+    try:
+        async for data in request.stream():
+            received += len(data)
+            if received > limit + MULTIPART_SLACK:
+                raise too_large(limit)
+            form.feed(data)
+            if form.file_bytes > limit:
+                raise too_large(limit)
+            if len(form.pending) >= CHUNK_BYTES:
+                chunk = form.take()
+                blank = blank and not chunk.strip()
+                await store_chunk(chunk)
+        form.finish()
+        if form.filename is None:
+            raise errors.invalid("the form has no 'file' part")
+        purpose = check_purpose(form.fields.get("purpose"))
+        seconds = expires_after(form.fields, rt.settings.files_expire_days)
+        last = form.take()
+        if blank and not last.strip():
+            raise errors.invalid("the file is empty")
+        await store_chunk(last)
+        meta.filename, meta.purpose, meta.bytes = upload_filename(form.filename), purpose, form.file_bytes
+        meta.expires_at = now + seconds if seconds else None
+        await store.finish_file(meta)
+        done = True
+    except FormError as exc:
+        raise errors.invalid(f"the multipart body cannot be read: {exc}") from None
     except ClientDisconnect:
         return Response(status_code=499)
-    try:
-        form = await MultiPartParser(request.headers, _one_chunk(body), max_files=1, max_fields=8,
-                                     max_part_size=64 << 10).parse()
-    except MultiPartException as exc:
-        raise errors.invalid(f"the multipart body cannot be read: {exc.message}") from None
-    try:
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise errors.invalid("the form has no 'file' part")
-        if purpose not in PURPOSES:
-            raise errors.invalid(f"'purpose' must be one of {', '.join(PURPOSES)}")
-        content = await upload.read()
-        filename = upload_filename(upload.filename)
     finally:
-        await form.close()
-    if len(content) > limit:
-        raise errors.payload_too_large(f"the file is over the {limit}-byte limit (--files-max-bytes)")
-    if not content.strip():
-        raise errors.invalid("the file is empty")
-    meta = StoredFile("file-" + secrets.token_hex(12), caller.owner, filename, str(purpose), len(content), time.time())
-    store = await svc.open_store()
-    try:
-        await store.put_file(meta, content, rt.settings.files_max_count)
-    except FileLimitReached:
-        raise errors.conflict(f"you already keep {rt.settings.files_max_count} files (--files-max-count); "
-                              f"DELETE /v1/files/{{id}} the ones you are done with") from None
+        if began and not done:
+            await asyncio.shield(store.abort_file(meta.id))
     return json_response(meta.public())
 
 
-async def generated(store: JobStore, caller: Caller, file_id: str) -> tuple[StoredFile, bytes] | None:
-    """A job's output or error file, rendered from its items (None: no such job of this caller, or not done)."""
+def check_purpose(purpose: str | None) -> str:
+    if purpose not in PURPOSES:
+        raise errors.invalid(f"'purpose' must be one of {', '.join(PURPOSES)}")
+    return purpose
+
+
+def expires_after(fields: dict[str, str], default_days: float) -> float | None:
+    """Seconds the file is kept: the form's `expires_after` (OpenAI's form fields), else the server's default."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return default_days * 86400 if default_days > 0 else None
+    count = ascii_count(seconds or "", 1 << 40)
+    return check_expires_after({"anchor": anchor, "seconds": count}, "expires_after")
+
+
+def job_file(job: Job, file_id: str, kind: str) -> StoredFile:
+    """A finished job's output or error file, as a file object: its size was kept as its lines were written."""
+    name = f"{job.id}_{'output' if kind == OUTPUT else 'errors'}.jsonl"
+    size = job.output_bytes if kind == OUTPUT else job.error_bytes
+    return StoredFile(file_id, job.tenant, name, "batch_output", size, job.finished_at or job.created_at,
+                      job.expires_at)
+
+
+async def generated(store: JobStore, caller: Caller, file_id: str) -> tuple[Job, str, StoredFile] | None:
+    """A job's output or error file (None: no such job of this caller, or not finished)."""
     found = job_of_file(file_id)
     if found is None:
         return None
@@ -98,14 +173,20 @@ async def generated(store: JobStore, caller: Caller, file_id: str) -> tuple[Stor
     job = await store.get(caller.owner, job_id)
     if job is None or job.openai is None or job.status in ("queued", "running"):
         return None
-    parts: list[bytes] = []
+    return job, kind, job_file(job, file_id, kind)
+
+
+async def file_lines(store: JobStore, job: Job, kind: str) -> AsyncIterator[bytes]:
+    """The file's lines in input order, a page of about PAGE_BYTES at a time (rendered on a worker thread)."""
+    per_line = max(1, job.bytes // max(1, job.total))
+    limit = max(1, min(RESULTS_PAGE, PAGE_BYTES // per_line))
     after = -1
-    while rows := await store.results(job_id, after, RESULTS_PAGE, with_input=True):
-        parts += [line for r in rows if (line := file_line(job_id, r, kind)) is not None]
+    while rows := await store.results(job.id, after, limit, with_input=True):
+        page = await asyncio.to_thread(lambda: b"".join(  # noqa: B023 - run before the next page
+            line for r in rows if (line := file_line(job.id, r, kind)) is not None))
+        if page:
+            yield page
         after = rows[-1].index
-    content = b"".join(parts)
-    name = f"{job_id}_{'output' if kind == OUTPUT else 'errors'}.jsonl"
-    return StoredFile(file_id, caller.owner, name, "batch_output", len(content), job.finished_at or job.created_at), content
 
 
 async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
@@ -117,7 +198,7 @@ async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Call
             return json_response(meta.public())
         made = await generated(store, caller, file_id)
         if made is not None:
-            return json_response(made[0].public())
+            return json_response(made[2].public())
     raise not_found(file_id)
 
 
@@ -125,11 +206,12 @@ async def file_content(request: Request, rt: JobsHost, svc: JobService, caller: 
     file_id = request.path_params["file_id"]
     store = await svc.existing_store()
     if store is not None:
-        content = await store.file_content(caller.owner, file_id)
-        if content is None and (made := await generated(store, caller, file_id)) is not None:
-            content = made[1]
-        if content is not None:
-            return Response(content, media_type="application/jsonl")
+        meta = await store.get_file(caller.owner, file_id)
+        if meta is not None:
+            return StreamingResponse(store.file_chunks(caller.owner, file_id), media_type="application/jsonl")
+        made = await generated(store, caller, file_id)
+        if made is not None:
+            return StreamingResponse(file_lines(store, made[0], made[1]), media_type="application/jsonl")
     raise not_found(file_id)
 
 

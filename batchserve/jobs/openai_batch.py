@@ -1,55 +1,91 @@
-"""OpenAI's Batch API on the job store: reading an input file into job items, and writing a job back as
-OpenAI's batch object and its output and error files.
+"""OpenAI's Batch API on the job store: checking an input file before it becomes job items, and writing a job
+back as OpenAI's batch object and its output and error files.
 
 An input file is JSONL, one request per line: `{"custom_id", "method": "POST", "url", "body"}`. It is checked
-whole when the batch is created (a line that is not such an object, a repeated custom_id, a url other than
-the batch's endpoint: 400 naming the line, and no job is stored). Each line becomes one job item holding
-`{"custom_id", "body"}`; what is in the body is checked when the line runs, by the online route's own parser,
-so a bad body becomes that line's 400 in the error file, as OpenAI does.
+whole when the batch is created, in one streaming pass over its stored chunks, each chunk parsed on a worker
+thread (`InputCheck`): a line that is not such an object, a repeated custom_id, a url other than the batch's
+endpoint, a body nested deeper than the line runner can encode: 400 naming the line, and no job is stored.
+Each non-blank line then becomes one job item as it is (the store copies them chunk by chunk, `NewJob.source_file`);
+what is in the body is checked when the line runs, by the online route's own parser, so a bad body becomes that
+line's 400 in the error file, as OpenAI does.
 
-Output and error files are never stored: `file-<batch id>-output` and `file-<batch id>-errors` are rendered
-from the job's items, in input order, when read. A line is in the output file when its response was 2xx,
-else in the error file (with its `response`, or with `error` alone when it never ran: cancelled).
+Output and error files (`file-<batch id>-output`, `file-<batch id>-errors`) are the job's items, written as
+the batch runs (each line's response is stored when it is recorded, and the file's size grows with it:
+`line_size`, kept by the store on the job row), and read back in input order a page at a time. A line is in
+the output file when its response was 2xx, else in the error file (with its `response`, or with `error` alone
+when it never ran: cancelled, or refused because its outputs would pass a storage quota).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from batchserve import errors
+from batchserve.jobs.files import LineSplitter, LineTooLong
 from batchserve.jobs.lines import GENERATION, RUNNABLE, line_inputs
-from batchserve.jobs.store import ItemRow, Job
+from batchserve.jobs.store import ERRORS, OUTPUT, ItemRow, Job
 
 ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/inference")
 COMPLETION_WINDOWS = ("24h",)
 MAX_CUSTOM_ID = 512
-OUTPUT, ERRORS = "-output", "-errors"
+MAX_EXPIRES_S = 30 * 24 * 3600  # OpenAI's longest expires_after (30 days)
 STATUS = {"queued": "in_progress", "running": "in_progress", "completed": "completed",
           "failed": "completed",  # every line failed: the batch itself completed, its error file says why
           "cancelled": "cancelled"}
 
 
-@dataclass(slots=True)
-class InputFile:
-    items: list[str]  # per line: {"custom_id", "body"} as JSON text
-    models: set[str | None]  # the body models named (None: a line named none)
+@dataclass(eq=False)
+class InputCheck:
+    """One streaming pass over an input file: `feed` each chunk (on a worker thread: it parses JSON), then
+    `end`. Raises a 400 naming the first line that is not a request for `endpoint`; keeps only what the batch
+    needs to know (the models named, how many lines, their bytes, the custom_ids seen), never the lines."""
+
+    endpoint: str
+    max_inputs: int  # --jobs-max-items: inputs, not lines (an embeddings line of 2,048 inputs counts 2,048)
+    max_line_bytes: int
+    models: set[str | None] = field(default_factory=set)  # the body models named (None: a line named none)
+    lines: int = 0
+    bytes: int = 0
     inputs: int = 0  # the inputs the lines hold (`lines.line_inputs`): what --jobs-max-items bounds
+    _seen: set[str] = field(default_factory=set)
+    _split: LineSplitter = field(default_factory=LineSplitter)
 
+    def __post_init__(self) -> None:
+        self._split = LineSplitter(self.max_line_bytes)
 
-def parse_input_file(content: bytes, endpoint: str, max_inputs: int) -> InputFile:
-    """The file's lines as job items, or 400 naming the first line that is not a request for `endpoint`, or
-    the line whose inputs bring the file past `max_inputs` (--jobs-max-items counts inputs, not lines: an
-    embeddings line with a list of 2,048 inputs counts 2,048)."""
-    items: list[str] = []
-    models: set[str | None] = set()
-    seen: set[str] = set()
-    inputs = 0
-    for n, raw in enumerate(content.splitlines(), 1):
-        if not raw.strip():
-            continue
+    def feed(self, chunk: bytes) -> None:
+        try:
+            raws = self._split.feed(chunk)
+        except LineTooLong:
+            raise self._too_long() from None
+        self._check(raws)
+
+    def end(self) -> None:
+        try:
+            raws = self._split.end()
+        except LineTooLong:
+            raise self._too_long() from None
+        self._check(raws)
+        if not self.lines:
+            raise errors.invalid("the input file holds no requests")
+
+    def _too_long(self) -> Exception:
+        return errors.invalid(f"line {self.lines + 1} of the input file is over {self.max_line_bytes} bytes "
+                              f"(a request is at most --jobs-max-body-bytes)")
+
+    def _check(self, raws: list[bytes]) -> None:
+        for raw in raws:
+            self.lines += 1
+            self.bytes += len(raw)
+            self._one(raw, self.lines)
+
+    def _one(self, raw: bytes, n: int) -> None:
+        if n > self.max_inputs:
+            raise errors.invalid(f"the input file has more than {self.max_inputs} requests; a batch takes at most "
+                                 f"{self.max_inputs} inputs (--jobs-max-items)")
         try:
             line = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -59,32 +95,45 @@ def parse_input_file(content: bytes, endpoint: str, max_inputs: int) -> InputFil
         custom_id = line.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
             raise errors.invalid(f"line {n}: 'custom_id' must be a string of 1 to {MAX_CUSTOM_ID} characters")
-        if custom_id in seen:
+        if custom_id in self._seen:
             raise errors.invalid(f"line {n}: the custom_id {errors.short(custom_id)!r} appears twice")
-        seen.add(custom_id)
+        self._seen.add(custom_id)
         if line.get("method", "POST") != "POST":
             raise errors.invalid(f"line {n}: 'method' must be POST")
-        if line.get("url") != endpoint:
-            raise errors.invalid(f"line {n}: 'url' is {errors.short(line.get('url'))!r}, but the batch's endpoint "
-                                 f"is {endpoint}; every line must name it")
+        if line.get("url") != self.endpoint:
+            raise errors.invalid(f"line {n}: 'url' is {errors.short(line.get('url'))!r}, but the batch's "
+                                 f"endpoint is {self.endpoint}; every line must name it")
         body = line.get("body")
         if not isinstance(body, dict):
             raise errors.invalid(f"line {n}: 'body' must be a JSON object")
-        inputs += line_inputs(endpoint, body)
-        if inputs > max_inputs:
-            raise errors.invalid(f"the input file holds more than {max_inputs} inputs: line {n} brings them to "
-                                 f"{inputs}; a batch takes at most {max_inputs} inputs (--jobs-max-items), each "
-                                 f"item of an 'input' list counting as one")
+        try:
+            orjson.dumps(body)  # what the line runner does with it: JSON nested past orjson's limit cannot run
+        except TypeError:
+            raise errors.invalid(f"line {n}: 'body' is nested too deeply (JSON deeper than 254 levels)") from None
+        self.inputs += line_inputs(self.endpoint, body)
+        if self.inputs > self.max_inputs:
+            raise errors.invalid(f"the input file holds more than {self.max_inputs} inputs: line {n} brings them "
+                                 f"to {self.inputs}; a batch takes at most {self.max_inputs} inputs "
+                                 f"(--jobs-max-items), each item of an 'input' list counting as one")
         model = body.get("model")
-        models.add(model if isinstance(model, str) and model else None)
-        items.append(orjson.dumps({"custom_id": custom_id, "body": body}).decode())  # no raw NUL: escaped
-    if not items:
-        raise errors.invalid("the input file holds no requests")
-    return InputFile(items, models, inputs)
+        self.models.add(model if isinstance(model, str) and model else None)
+
+
+def check_expires_after(value: object, name: str) -> float | None:
+    """Seconds from `expires_after` in OpenAI's shape (`{"anchor": "created_at", "seconds": N}`); None: absent."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("anchor") != "created_at":
+        raise errors.invalid(f"'{name}' must be {{\"anchor\": \"created_at\", \"seconds\": N}}")
+    seconds = value.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= MAX_EXPIRES_S:
+        raise errors.invalid(f"'{name}.seconds' must be an integer from 1 to {MAX_EXPIRES_S} (30 days)")
+    return float(seconds)
 
 
 def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, str, str, dict | None]:
-    """(input_file_id, endpoint, completion_window, metadata) of a `POST /v1/batches` in OpenAI's shape.
+    """(input_file_id, endpoint, completion_window, metadata) of a `POST /v1/batches` in OpenAI's shape
+    (`output_expires_after` is read by `check_expires_after`).
     `generating`: the generation engine is on here, so chat and completions lines can run."""
     file_id, endpoint = values.get("input_file_id"), values.get("endpoint")
     window, metadata = values.get("completion_window", "24h"), values.get("metadata")
@@ -121,20 +170,24 @@ def batch_object(job: Job) -> dict[str, Any]:
     final = job.status not in ("queued", "running")
     errored = job.failed + job.cancelled
     created = int(job.created_at)
+    failed = job.reason is not None  # failed as a whole (a storage quota), not line by line
     return {
-        "id": job.id, "object": "batch", "endpoint": o.get("endpoint"), "errors": None,
+        "id": job.id, "object": "batch", "endpoint": o.get("endpoint"),
+        "errors": {"object": "list", "data": [{"code": "storage_quota_exceeded", "message": job.reason,
+                                               "param": None, "line": None}]} if failed else None,
         "input_file_id": o.get("input_file_id"), "completion_window": o.get("completion_window"),
-        "status": STATUS[job.status],
+        "status": "failed" if failed else STATUS[job.status],
         "output_file_id": output_file_id(job.id, OUTPUT) if final and job.completed else None,
         "error_file_id": output_file_id(job.id, ERRORS) if final and errored else None,
         "created_at": created, "in_progress_at": _int(job.started_at) or created,
         "expires_at": created + 24 * 3600, "finalizing_at": None,
-        "completed_at": _int(job.finished_at) if job.status in ("completed", "failed") else None,
-        "failed_at": None, "expired_at": None,
+        "completed_at": _int(job.finished_at) if job.status in ("completed", "failed") and not failed else None,
+        "failed_at": _int(job.finished_at) if failed else None, "expired_at": None,
         "cancelling_at": _int(job.finished_at) if job.status == "cancelled" else None,
         "cancelled_at": _int(job.finished_at) if job.status == "cancelled" else None,
         "request_counts": {"total": job.total, "completed": job.completed, "failed": errored},
         "metadata": job.metadata, "model": job.model,
+        "output_expires_at": _int(job.expires_at),
     }
 
 
@@ -142,8 +195,9 @@ def _int(t: float | None) -> int | None:
     return int(t) if t is not None else None
 
 
-def file_line(job_id: str, row: ItemRow, kind: str) -> bytes | None:
-    """The row's line in the job's output (`OUTPUT`) or error (`ERRORS`) file, or None when it is not in it."""
+def file_line(job_id: str, row: ItemRow, kind: str, response: str | None = None) -> bytes | None:
+    """The row's line in the job's output (`OUTPUT`) or error (`ERRORS`) file, or None when it is not in it
+    (`response`: stands in for the row's output, for `line_size`)."""
     if row.status == "pending" or (row.status == "completed") != (kind == OUTPUT):
         return None
     assert row.input is not None
@@ -151,7 +205,18 @@ def file_line(job_id: str, row: ItemRow, kind: str) -> bytes | None:
     line: dict[str, Any] = {"id": f"batch_req_{job_id.removeprefix('batch_')}_{row.index}",
                             "custom_id": custom_id, "response": None, "error": None}
     if row.output is not None:
-        line["response"] = orjson.Fragment(row.output)
+        line["response"] = orjson.Fragment(response if response is not None else row.output)
     else:
         line["error"] = {"code": (row.error or "failed").lower(), "message": row.message}
     return orjson.dumps(line) + b"\n"
+
+
+def line_size(job_id: str, row: ItemRow) -> tuple[str, int]:
+    """(OUTPUT or ERRORS, bytes) of a final row's line in its job's file, without copying its output: what
+    the store adds to the file's size when it records the row."""
+    kind = OUTPUT if row.status == "completed" else ERRORS
+    line = file_line(job_id, row, kind, response="0")
+    assert line is not None
+    output = row.output
+    extra = 0 if output is None else (len(output) if output.isascii() else len(output.encode())) - 1
+    return kind, len(line) + extra

@@ -39,7 +39,7 @@ import secrets
 import socket
 import time
 from collections import Counter
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import orjson
 import psycopg
@@ -48,10 +48,10 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from batchserve.jobs.breaker import CircuitBreaker
-from batchserve.jobs.files import FileLimitReached, StoredFile
-
-from batchserve.jobs.store import (ACTIVE, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
-                                   StoreDown, StoreUnavailable, UnstorableInput)
+from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
+from batchserve.jobs.openai_batch import line_size
+from batchserve.jobs.store import (ACTIVE, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
+                                   Sizes, StoreDown, StoreUnavailable, UnstorableInput)
 
 T = TypeVar("T")
 log = logging.getLogger("batchserve")
@@ -125,15 +125,40 @@ CREATE TABLE IF NOT EXISTS batchserve_files (
     filename TEXT NOT NULL,
     purpose TEXT NOT NULL,
     bytes BIGINT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    content BYTEA NOT NULL
+    created_at DOUBLE PRECISION NOT NULL
 );
 CREATE INDEX IF NOT EXISTS batchserve_files_by_tenant ON batchserve_files (tenant, seq);
+ALTER TABLE batchserve_files ADD COLUMN IF NOT EXISTS status TEXT NOT NULL DEFAULT 'processed';
+ALTER TABLE batchserve_files ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION;
+CREATE TABLE IF NOT EXISTS batchserve_file_chunks (
+    file_id TEXT NOT NULL REFERENCES batchserve_files (id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    data BYTEA NOT NULL,
+    PRIMARY KEY (file_id, seq)
+);
+DO $$ BEGIN
+    IF EXISTS (SELECT 1 FROM information_schema.columns WHERE table_name = 'batchserve_files'
+               AND column_name = 'content' AND table_schema = current_schema()) THEN
+        INSERT INTO batchserve_file_chunks (file_id, seq, data) SELECT id, 0, content FROM batchserve_files;
+        ALTER TABLE batchserve_files DROP COLUMN content;
+    END IF;
+END $$;
+ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS bytes BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS output_bytes BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS error_bytes BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION;
+ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS reason TEXT;
 """
 
 JOB_COLUMNS = ("id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
-               "finished_at, metadata, openai")
-FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at"
+               "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason")
+FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
+ABANDONED_S = 3600.0  # an upload still `uploading` this long after it began was abandoned (its node died)
+QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
+USAGE = ("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files WHERE tenant = %(t)s) + "
+         "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs WHERE tenant = %(t)s)")
+TOTAL = ("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files) + "
+         "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs)")
 LEASE = "clock_timestamp() + %(lease_s)s * interval '1 second'"
 NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one is stored with this instead
 
@@ -141,7 +166,8 @@ NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one i
 def _job(row: tuple[Any, ...]) -> Job:
     meta = row[11]
     return Job(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], row[10],
-               orjson.loads(meta) if meta is not None else None, orjson.loads(row[12]) if row[12] is not None else None)
+               orjson.loads(meta) if meta is not None else None, orjson.loads(row[12]) if row[12] is not None else None,
+               row[13], row[14], row[15], row[16], row[17])
 
 
 def _file(row: tuple[Any, ...]) -> StoredFile:
@@ -164,6 +190,9 @@ def bound_for(nbytes: int = 0, rows: int = 0) -> float:
     """The client-side bound of a call that moves `nbytes` (a job's inputs, an uploaded file, results) in
     `rows` rows: `CALL_BOUND_S`, and more for a large call, so a healthy one is never taken for an outage."""
     return CALL_BOUND_S + nbytes / BODY_BYTES_PER_S + rows / ROWS_PER_S
+
+
+BIG_DELETE_S = bound_for(256 << 20, 50_000)  # deletes of a whole file or job: they free what uploads and batches kept
 
 
 def cut(conn: AsyncConnection) -> None:
@@ -228,6 +257,7 @@ class PostgresStore:
         # Who holds a lease: readable in the table, so an operator can tell which node runs (or ran) an item.
         self.holder = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
         self.breaker = CircuitBreaker()
+        self.limits = StorageLimits()
         self._pool = self._new_pool()
         self._closing: set[asyncio.Task] = set()  # old pools being closed after a recovery
         self._down_since = 0.0  # when the outage being logged began (0: the store is up)
@@ -350,37 +380,109 @@ class PostgresStore:
         await conn.execute(SCHEMA)
 
     # -- the JobStore interface ------------------------------------------------------------------------------
+    # -- bytes kept ------------------------------------------------------------------------------------------
+    async def _check(self, conn: AsyncConnection, tenant: str, adding: int, what: str) -> None:
+        """StorageFull when `adding` bytes would pass a bound. The tenant's own writers are serialized by an
+        advisory lock (taken first in every transaction that adds bytes, so they never deadlock), so two
+        nodes cannot both pass its quota; the server total is checked without one (it may pass by what
+        concurrent writers add at the same instant)."""
+        if not self.limits.bounded or adding <= 0:
+            return
+        await self._lock_tenant(conn, tenant)
+        mine, total = await self._usage(conn, tenant)
+        self.limits.check(tenant, mine, total, adding, what)
+
+    async def _lock_tenant(self, conn: AsyncConnection, tenant: str) -> None:
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ("batchserve-storage/" + tenant,))
+
+    async def _usage(self, conn: AsyncConnection, tenant: str) -> tuple[int, int]:
+        cur = await conn.execute(USAGE, {"t": tenant})
+        row = await cur.fetchone()
+        mine = int(row[0]) if row is not None else 0
+        if not self.limits.total_bytes:
+            return mine, 0
+        cur = await conn.execute(TOTAL)
+        row = await cur.fetchone()
+        return mine, int(row[0]) if row is not None else 0
+
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        async def tx(conn: AsyncConnection) -> tuple[int, int]:
+            cur = await conn.execute(USAGE, {"t": tenant})
+            mine = await cur.fetchone()
+            cur = await conn.execute(TOTAL)
+            total = await cur.fetchone()
+            return int(mine[0]) if mine else 0, int(total[0]) if total else 0
+
+        return await self._tx(tx)
+
+    # -- the JobStore interface ------------------------------------------------------------------------------
     async def create(self, job: NewJob) -> tuple[Job, bool]:
         for i, text in enumerate(job.inputs):
             if "\x00" in text:
                 raise UnstorableInput(i, "contains a NUL character (\\u0000), which the job store cannot hold")
         meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
         openai = orjson.dumps(job.openai).decode() if job.openai is not None else None
+        adding = job.stored_bytes()
 
         async def tx(conn: AsyncConnection) -> tuple[Job, bool]:
+            if self.limits.bounded:
+                await self._lock_tenant(conn, job.tenant)
             cur = await conn.execute(
                 "INSERT INTO batchserve_jobs (id, tenant, model, status, total, metadata, idempotency_key, "
-                "request_hash, created_at, openai) VALUES (%s, %s, %s, 'queued', %s, %s, %s, %s, %s, %s) "
+                "request_hash, created_at, openai, bytes, expires_at) "
+                "VALUES (%s, %s, %s, 'queued', %s, %s, %s, %s, %s, %s, 0, %s) "
                 "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq",
-                (job.id, job.tenant, job.model, len(job.inputs), meta, job.idempotency_key, job.request_hash,
-                 job.created_at, openai))
+                (job.id, job.tenant, job.model, job.count(), meta, job.idempotency_key, job.request_hash,
+                 job.created_at, openai, job.expires_at))
             if await cur.fetchone() is None:  # the key was used before (perhaps on another node just now)
                 cur = await conn.execute(f"SELECT {JOB_COLUMNS}, request_hash FROM batchserve_jobs "
                                          f"WHERE tenant = %s AND idempotency_key = %s",
                                          (job.tenant, job.idempotency_key))
                 row = await cur.fetchone()
                 assert row is not None
-                if row[13] != job.request_hash:
+                if row[18] != job.request_hash:
                     raise IdempotencyConflict(job.idempotency_key)
                 return _job(row), False
-            async with conn.cursor() as items:
-                async with items.copy("COPY batchserve_items (job_id, idx, input) FROM STDIN") as copy:
-                    for i, text in enumerate(job.inputs):
-                        await copy.write_row((job.id, i, text))
-            return Job(job.id, job.tenant, job.model, "queued", len(job.inputs), 0, 0, 0, job.created_at, None,
-                       None, job.metadata, job.openai), True
+            await self._check(conn, job.tenant, adding, "this batch's inputs")
+            await conn.execute("UPDATE batchserve_jobs SET bytes = %s WHERE id = %s", (adding, job.id))
+            if job.source_file is None:
+                async with conn.cursor() as items:
+                    async with items.copy("COPY batchserve_items (job_id, idx, input) FROM STDIN") as copy:
+                        for i, text in enumerate(job.inputs):
+                            await copy.write_row((job.id, i, text))
+            else:
+                await self._copy_lines(conn, job)
+            return Job(job.id, job.tenant, job.model, "queued", job.count(), 0, 0, 0, job.created_at, None,
+                       None, job.metadata, job.openai, adding, 0, 0, job.expires_at), True
 
-        return await self._tx(tx, bound_for(sum(len(text) for text in job.inputs), len(job.inputs)))
+        return await self._tx(tx, bound_for(adding, job.count()))  # a file's copy: its bytes and lines
+
+    async def _copy_lines(self, conn: AsyncConnection, job: NewJob) -> None:
+        """The file's lines become the job's items, one stored chunk at a time (never the whole file): each
+        chunk read, split on a worker thread, and its lines copied in, in the job's transaction."""
+        cur = await conn.execute("SELECT tenant FROM batchserve_files WHERE id = %s AND status = 'processed'",
+                                 (job.source_file,))
+        owner = await cur.fetchone()
+        if owner is None or owner[0] != job.tenant:
+            raise FileGone(job.source_file or "")
+        split = LineSplitter()
+        index, seq = 0, -1
+        while True:
+            cur = await conn.execute("SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s "
+                                     "ORDER BY seq LIMIT 1", (job.source_file, seq))
+            row = await cur.fetchone()
+            lines = split.end() if row is None else await asyncio.to_thread(split.feed, bytes(row[1]))
+            if lines:
+                async with conn.cursor() as items:
+                    async with items.copy("COPY batchserve_items (job_id, idx, input) FROM STDIN") as copy:
+                        for line in lines:
+                            await copy.write_row((job.id, index, line.decode()))
+                            index += 1
+            if row is None:
+                break
+            seq = row[0]
+        if index != job.total:
+            raise FileGone(job.source_file or "")
 
     async def get(self, tenant: str, job_id: str) -> Job | None:
         async def tx(conn: AsyncConnection) -> Job | None:
@@ -416,7 +518,7 @@ class PostgresStore:
 
         return await self._tx(tx, bound_for(READ_BYTES, limit))
 
-    async def put_file(self, meta: StoredFile, content: bytes, max_count: int) -> None:
+    async def begin_file(self, meta: StoredFile, max_count: int) -> None:
         async def tx(conn: AsyncConnection) -> None:
             # Serialize one tenant's uploads, so two at once cannot both pass the count.
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ("batchserve-files/" + meta.tenant,))
@@ -425,32 +527,62 @@ class PostgresStore:
             if row is not None and row[0] >= max_count:
                 raise FileLimitReached(meta.tenant)
             await conn.execute("INSERT INTO batchserve_files (id, tenant, filename, purpose, bytes, created_at, "
-                               "content) VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                               (meta.id, meta.tenant, meta.filename, meta.purpose, meta.bytes, meta.created_at,
-                                content))
+                               "status, expires_at) VALUES (%s, %s, %s, %s, 0, %s, 'uploading', %s)",
+                               (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at))
+
+        await self._tx(tx)
+
+    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            await self._check(conn, tenant, len(data), "this upload")
+            await conn.execute("INSERT INTO batchserve_file_chunks (file_id, seq, data) VALUES (%s, %s, %s)",
+                               (file_id, seq, data))
+            await conn.execute("UPDATE batchserve_files SET bytes = bytes + %s WHERE id = %s", (len(data), file_id))
+
+        await self._tx(tx)
+
+    async def finish_file(self, meta: StoredFile) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            await conn.execute("UPDATE batchserve_files SET status = 'processed', filename = %s, purpose = %s, "
+                               "bytes = %s, expires_at = %s WHERE id = %s",
+                               (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id))
+
+        await self._tx(tx)
+
+    async def abort_file(self, file_id: str) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            await conn.execute("DELETE FROM batchserve_files WHERE id = %s", (file_id,))  # chunks: ON DELETE CASCADE
 
         await self._tx(tx, bound_for(len(content)))
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         async def tx(conn: AsyncConnection) -> StoredFile | None:
-            cur = await conn.execute(f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s",
-                                     (file_id, tenant))
+            cur = await conn.execute(f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s "
+                                     f"AND status = 'processed'", (file_id, tenant))
             row = await cur.fetchone()
             return _file(row) if row is not None else None
 
         return await self._tx(tx)
 
-    async def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        async def tx(conn: AsyncConnection) -> bytes | None:
-            cur = await conn.execute("SELECT content FROM batchserve_files WHERE id = %s AND tenant = %s",
-                                     (file_id, tenant))
-            row = await cur.fetchone()
-            return bytes(row[0]) if row is not None else None
+    async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
+        if await self.get_file(tenant, file_id) is None:
+            return
+        seq = -1
+        while True:
+            async def tx(conn: AsyncConnection, after: int = seq) -> tuple[int, bytes] | None:
+                cur = await conn.execute("SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s "
+                                         "AND seq > %s ORDER BY seq LIMIT 1", (file_id, after))
+                row = await cur.fetchone()
+                return (row[0], bytes(row[1])) if row is not None else None
 
-        return await self._tx(tx, bound_for(READ_BYTES))
+            found = await self._tx(tx, bound_for(2 << 20))  # one chunk (1 MB) a call
+            if found is None:
+                return
+            seq, data = found
+            yield data
 
     async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
-        where, args = "tenant = %s", [tenant]
+        where, args = "tenant = %s AND status = 'processed'", [tenant]
         if purpose is not None:
             where, args = where + " AND purpose = %s", args + [purpose]
         if after is not None:
@@ -466,27 +598,71 @@ class PostgresStore:
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
         async def tx(conn: AsyncConnection) -> bool:
-            cur = await conn.execute("DELETE FROM batchserve_files WHERE id = %s AND tenant = %s", (file_id, tenant))
+            cur = await conn.execute("DELETE FROM batchserve_files WHERE id = %s AND tenant = %s "
+                                     "AND status = 'processed'", (file_id, tenant))
             return cur.rowcount > 0
 
-        return await self._tx(tx)
+        return await self._tx(tx, BIG_DELETE_S)  # a file's chunks: up to --files-max-bytes
+
+    async def _end_pending(self, conn: AsyncConnection, job_id: str, openai: bool, status: str, error: str,
+                           message: str, now: float) -> Sizes:
+        """Make every pending item of the job final with this error; the bytes that adds."""
+        cur = await conn.execute(
+            "UPDATE batchserve_items SET status = %s, error = %s, message = %s, finished_at = %s, lease_until = NULL "
+            f"WHERE job_id = %s AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
+            (status, error, message, now, job_id))
+        rows = await cur.fetchall()
+        sizes = Sizes(count=len(rows))
+        if openai and rows:
+            def measure() -> Sizes:
+                for idx, text in rows:
+                    sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
+                return sizes
+            await asyncio.to_thread(measure)
+        return sizes
+
+    async def delete_job(self, tenant: str, job_id: str) -> Job | None:
+        async def tx(conn: AsyncConnection) -> Job | None:
+            cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s",
+                                     (job_id, tenant))
+            row = await cur.fetchone()
+            if row is None:
+                return None
+            job = _job(row)
+            if job.status not in ACTIVE:
+                await conn.execute("DELETE FROM batchserve_jobs WHERE id = %s", (job_id,))  # items: ON DELETE CASCADE
+            return job
+
+        return await self._tx(tx, BIG_DELETE_S)  # a job's items and results
+
+    async def sweep(self, now: float) -> tuple[int, int]:
+        async def tx(conn: AsyncConnection) -> tuple[int, int]:
+            files = await conn.execute(
+                "DELETE FROM batchserve_files WHERE (status = 'processed' AND expires_at IS NOT NULL "
+                "AND expires_at <= %s) OR (status = 'uploading' AND created_at <= %s)", (now, now - ABANDONED_S))
+            jobs = await conn.execute(
+                "DELETE FROM batchserve_jobs WHERE status NOT IN ('queued', 'running') AND expires_at IS NOT NULL "
+                "AND expires_at <= %s", (now,))
+            return files.rowcount, jobs.rowcount
+
+        return await self._tx(tx, BIG_DELETE_S)  # whatever expired since the last sweep
 
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         # Items first, then the job row: the order `record` takes its locks in, so the two never deadlock.
         async def tx(conn: AsyncConnection) -> Job | None:
-            cur = await conn.execute("SELECT status FROM batchserve_jobs WHERE id = %s AND tenant = %s",
+            cur = await conn.execute("SELECT status, openai FROM batchserve_jobs WHERE id = %s AND tenant = %s",
                                      (job_id, tenant))
             row = await cur.fetchone()
             if row is None:
                 return None
             if row[0] in ACTIVE:
-                cur = await conn.execute(
-                    "UPDATE batchserve_items SET status = 'cancelled', error = 'CANCELLED', "
-                    "message = 'the job was cancelled before this item ran', finished_at = %s, lease_until = NULL "
-                    "WHERE job_id = %s AND status = 'pending'", (now, job_id))
+                sizes = await self._end_pending(conn, job_id, row[1] is not None, "cancelled", "CANCELLED",
+                                                "the job was cancelled before this item ran", now)
                 await conn.execute(
-                    "UPDATE batchserve_jobs SET status = 'cancelled', cancelled = cancelled + %s, finished_at = %s "
-                    "WHERE id = %s AND status IN ('queued', 'running')", (cur.rowcount, now, job_id))
+                    "UPDATE batchserve_jobs SET status = 'cancelled', cancelled = cancelled + %s, finished_at = %s, "
+                    "bytes = bytes + %s, error_bytes = error_bytes + %s "
+                    "WHERE id = %s AND status IN ('queued', 'running')",
+                    (sizes.count, now, sizes.stored, sizes.errors, job_id))
             cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s", (job_id,))
             found = await cur.fetchone()
             return _job(found) if found is not None else None
@@ -546,32 +722,74 @@ class PostgresStore:
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         if not outcomes:
             return []
-        columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
+        by_job: dict[str, list[Outcome]] = {}
         for o in outcomes:
-            for column, value in zip(columns, (o.job_id, o.index, o.status, _text(o.output), _text(o.error),
-                                               _text(o.message))):
-                column.append(value)
-        job_ids = sorted({o.job_id for o in outcomes})  # job rows locked in one order on every node
+            by_job.setdefault(o.job_id, []).append(o)
+        job_ids = sorted(by_job)  # job rows locked in one order on every node
+        quota = self.limits.bounded
 
         async def tx(conn: AsyncConnection) -> list[Progress]:
+            cur = await conn.execute("SELECT id, tenant, openai FROM batchserve_jobs WHERE id = ANY(%s)", (job_ids,))
+            owners = {r[0]: (r[1], r[2] is not None) for r in await cur.fetchall()}
+            any_openai = any(openai for _, openai in owners.values())  # only then are inputs read back
+            if quota:  # tenant locks before any row lock, in one order: the order every writer takes them in
+                for tenant in sorted({t for t, _ in owners.values()}):
+                    await self._lock_tenant(conn, tenant)
+            reasons: dict[str, str] = {}
+            columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
+            for job_id in job_ids:
+                tenant, _ = owners.get(job_id, ("", False))
+                outs = by_job[job_id]
+                try:
+                    await self._check(conn, tenant, sum(o.stored_bytes() for o in outs),
+                                      f"the outputs of batch {job_id}")
+                except StorageFull as full:  # the job fails whole, saying why; nothing more of it is kept
+                    reasons[job_id] = full.message
+                    outs = [Outcome(o.job_id, o.index, "failed", None, QUOTA_CODE, full.message) for o in outs]
+                by_job[job_id] = outs
+                for o in outs:
+                    for column, value in zip(columns, (o.job_id, o.index, o.status, _text(o.output), _text(o.error),
+                                                       _text(o.message))):
+                        column.append(value)
             cur = await conn.execute(
                 "UPDATE batchserve_items AS i SET status = o.status, output = o.output, error = o.error, "
                 "message = o.message, writes = i.writes + 1, finished_at = %s, holder = %s, lease_until = NULL "
                 "FROM unnest(%s::text[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[]) "
                 "AS o(job_id, idx, status, output, error, message) "
                 "WHERE i.job_id = o.job_id AND i.idx = o.idx AND i.status = 'pending' "
-                "RETURNING i.job_id, i.status", (now, self.holder, *columns))
+                f"RETURNING i.job_id, i.idx, i.status, {'i.input' if any_openai else 'NULL'}",
+                (now, self.holder, *columns))
+            changed = await cur.fetchall()
             written: dict[str, Counter[str]] = {job_id: Counter() for job_id in job_ids}
-            for job_id, status in await cur.fetchall():
-                written[job_id][status] += 1
+            sizes = {job_id: Sizes() for job_id in job_ids}
+            found = {(o.job_id, o.index): o for outs in by_job.values() for o in outs}
+
+            def measure() -> None:
+                for job_id, idx, status, text in changed:
+                    written[job_id][status] += 1
+                    o = found[(job_id, idx)]
+                    sizes[job_id].stored += o.stored_bytes()
+                    if owners.get(job_id, ("", False))[1]:
+                        sizes[job_id].add(line_size(job_id, ItemRow(idx, status, o.output, o.error, o.message, text)))
+
+            await asyncio.to_thread(measure)  # parses each line's custom_id: off the event loop
             progress = []
             for job_id in job_ids:
-                counts = written[job_id]
-                await conn.execute("UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s "
-                                   "WHERE id = %s", (counts["completed"], counts["failed"], job_id))
+                counts, size, reason = written[job_id], sizes[job_id], reasons.get(job_id)
+                if reason is not None:
+                    rest = await self._end_pending(conn, job_id, owners.get(job_id, ("", False))[1], "failed",
+                                                   QUOTA_CODE, reason, now)
+                    counts["failed"] += rest.count
+                    size.merge(rest)
+                await conn.execute("UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s, "
+                                   "bytes = bytes + %s, output_bytes = output_bytes + %s, "
+                                   "error_bytes = error_bytes + %s, reason = COALESCE(reason, %s) WHERE id = %s",
+                                   (counts["completed"], counts["failed"], size.stored, size.output, size.errors,
+                                    reason, job_id))
                 cur = await conn.execute(
                     f"UPDATE batchserve_jobs SET status = CASE WHEN status NOT IN ('queued', 'running') "
                     f"THEN status WHEN completed + failed + cancelled < total THEN status "
+                    f"WHEN reason IS NOT NULL THEN 'failed' "
                     f"WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
                     f"finished_at = CASE WHEN status IN ('queued', 'running') AND completed + failed + cancelled "
                     f">= total THEN %s ELSE finished_at END WHERE id = %s RETURNING {JOB_COLUMNS}", (now, job_id))

@@ -44,6 +44,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "started_at": {"type": ["number", "null"]},
             "finished_at": {"type": ["number", "null"]},
             "metadata": {"type": ["object", "null"]},
+            "bytes": {"type": "integer", "minimum": 0, "description": "what the job keeps (inputs and outputs), "
+                                                                       "counted against --tenant-storage-mb"},
+            "expires_at": {"type": ["number", "null"], "description": "deleted after this once finished"},
+            "reason": {"type": "string", "description": "why the job failed whole (a storage quota)"},
         },
     },
     "OpenAIBatchRequest": {
@@ -56,7 +60,17 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                          "description": "/v1/chat/completions and /v1/completions are refused (400) for now"},
             "completion_window": {"const": "24h"},
             "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+            "output_expires_after": ref("ExpiresAfter"),
         },
+    },
+    "ExpiresAfter": {
+        "type": "object", "required": ["anchor", "seconds"],
+        "properties": {"anchor": {"const": "created_at"},
+                       "seconds": {"type": "integer", "minimum": 1, "maximum": 2592000}},
+    },
+    "BatchDeleted": {
+        "type": "object", "required": ["id", "object", "deleted"],
+        "properties": {"id": {"type": "string"}, "object": {"const": "batch"}, "deleted": {"const": True}},
     },
     "OpenAIBatch": {
         "type": "object",
@@ -69,7 +83,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "endpoint": {"type": "string"},
             "input_file_id": {"type": "string"},
             "completion_window": {"type": "string"},
-            "status": {"enum": ["in_progress", "completed", "cancelled"]},
+            "status": {"enum": ["in_progress", "completed", "cancelled", "failed"],
+                       "description": "failed: its outputs would have passed a storage quota (see errors)"},
+            "errors": {"type": ["object", "null"]},
+            "output_expires_at": {"type": ["integer", "null"]},
             "output_file_id": {"type": ["string", "null"], "description": "the 2xx lines, once finished"},
             "error_file_id": {"type": ["string", "null"], "description": "the other lines, once finished"},
             "created_at": {"type": "integer"},
@@ -85,7 +102,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {"id": {"type": "string", "pattern": "^file-"}, "object": {"const": "file"},
                        "bytes": {"type": "integer", "minimum": 0}, "created_at": {"type": "integer"},
                        "filename": {"type": "string"}, "purpose": {"enum": ["batch", "batch_output"]},
-                       "status": {"const": "processed"}},
+                       "status": {"const": "processed"}, "expires_at": {"type": ["integer", "null"]}},
     },
     "FileList": {
         "type": "object",
@@ -166,11 +183,19 @@ PATHS: dict[str, dict[str, Any]] = {
             "responses": {"200": ok("BatchJobList", "the caller's jobs"), **errors(400, 401, 429, 503)},
         },
     },
-    "/v1/batches/{batch_id}": {"get": {
-        "operationId": "getBatch", "summary": "A job's status and counts",
-        "parameters": [BATCH_ID],
-        "responses": {"200": either("the job"), **errors(401, 404, 429, 503)},
-    }},
+    "/v1/batches/{batch_id}": {
+        "get": {
+            "operationId": "getBatch", "summary": "A job's status and counts",
+            "parameters": [BATCH_ID],
+            "responses": {"200": either("the job"), **errors(401, 404, 429, 503)},
+        },
+        "delete": {
+            "operationId": "deleteBatch",
+            "summary": "Delete a finished job with its items and output and error files (frees its bytes)",
+            "parameters": [BATCH_ID],
+            "responses": {"200": ok("BatchDeleted", "deleted"), **errors(401, 404, 409, 429, 503)},
+        },
+    },
     "/v1/batches/{batch_id}/results": {"get": {
         "operationId": "batchResults", "summary": "One NDJSON line per item, in input order",
         "parameters": [BATCH_ID],
@@ -191,8 +216,12 @@ PATHS: dict[str, dict[str, Any]] = {
             "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
                 "type": "object", "required": ["file", "purpose"],
                 "properties": {"file": {"type": "string", "format": "binary",
-                                        "description": "at most --files-max-bytes (413 beyond)"},
-                               "purpose": {"const": "batch"}}}}}},
+                                        "description": "at most --files-max-bytes (413 beyond), streamed into "
+                                                       "the store; 413 past the caller's --tenant-storage-mb"},
+                               "purpose": {"const": "batch"},
+                               "expires_after[anchor]": {"const": "created_at"},
+                               "expires_after[seconds]": {"type": "integer", "minimum": 1,
+                                                          "maximum": 2592000}}}}}},
             "responses": {"200": ok("File", "the stored file"), **errors(400, 401, 409, 413, 429, 503)},
         },
         "get": {
@@ -208,7 +237,7 @@ PATHS: dict[str, dict[str, Any]] = {
         "get": {"operationId": "getFile", "summary": "A file's metadata (uploads, and finished jobs' output and "
                                                      "error files)",
                 "parameters": [FILE_ID], "responses": {"200": ok("File", "the file"), **errors(401, 404, 429, 503)}},
-        "delete": {"operationId": "deleteFile", "summary": "Delete an uploaded file (frees a --files-max-count place)",
+        "delete": {"operationId": "deleteFile", "summary": "Delete an uploaded file (frees its bytes and a --files-max-count place)",
                    "parameters": [FILE_ID],
                    "responses": {"200": ok("FileDeleted", "deleted"), **errors(401, 404, 429, 503)}},
     },

@@ -6,6 +6,10 @@ when the file exists at start-up, its unfinished jobs resume at once. A PostgreS
 since other nodes may have jobs waiting there. A store that cannot be opened (another process holds the file,
 a bad path, the database is down) makes `/v1/batches` answer 503 with the reason, and is tried again on the
 next request: interactive serving never depends on it.
+
+It also owns what bounds storage: the store's byte limits (`--tenant-storage-mb`, `--storage-max-mb`), the
+cap on uploads in progress (`upload.UploadGate`), and the sweep that deletes expired files and finished jobs
+every `--storage-sweep-s`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import logging
 import os
 import sqlite3
+import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -23,11 +28,13 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.engine import Engine
 from batchserve.jobs.breaker import CircuitBreaker
+from batchserve.jobs.files import StorageLimits
 from batchserve.jobs.lines import LineRunner, TokenCounter
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.scheduler import Door, Scheduler
 from batchserve.jobs.sqlite_store import SQLiteStore, StoreBusy
 from batchserve.jobs.store import JobStore, StoreUnavailable, is_postgres_url, redact_url
+from batchserve.jobs.upload import UploadGate
 
 log = logging.getLogger("batchserve.jobs")
 
@@ -42,6 +49,8 @@ class JobService:
     problem: str = ""  # why the store could not be opened, for the 503
     count_tokens: TokenCounter = lambda model, texts: 0  # usage of OpenAI embeddings lines
     generation: Engine | None = None  # runs OpenAI chat and completions lines, when generation is on
+    uploads: UploadGate = field(default_factory=lambda: UploadGate(0, 0))
+    _sweeper: asyncio.Task | None = None
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
     # PostgreSQL: after a failed open, the next try waits a second; the requests meanwhile get the 503 at once
     # instead of queueing on `_opening` behind one connect attempt each (the database may be down for minutes).
@@ -51,7 +60,8 @@ class JobService:
     @classmethod
     async def start(cls, door: Door, settings: Settings, registry: CollectorRegistry,
                     count_tokens: TokenCounter | None = None, generation: Engine | None = None) -> "JobService":
-        svc = cls(door, settings, JobMetrics.create(registry), generation=generation)
+        svc = cls(door, settings, JobMetrics.create(registry), generation=generation,
+                  uploads=UploadGate(settings.files_max_uploads, settings.files_max_uploads_per_tenant))
         if count_tokens is not None:
             svc.count_tokens = count_tokens
         path = settings.jobs_db
@@ -96,6 +106,7 @@ class JobService:
                     raise self._unavailable() from None
                 self._open_breaker.success()
                 self.store, self.scheduler, self.problem = store, scheduler, ""
+                self._sweeper = asyncio.create_task(self._sweep_loop(), name="jobs-sweep")
                 where = redact_url(self.path) if is_postgres_url(self.path) else os.path.abspath(self.path)
                 log.info("batch jobs stored in %s", where)
         assert self.store is not None
@@ -113,13 +124,30 @@ class JobService:
         return store, scheduler
 
     async def _open(self) -> JobStore:
+        store: JobStore
         if not is_postgres_url(self.path):
-            return await SQLiteStore.open(self.path)
-        try:
-            from batchserve.jobs.pg_store import PostgresStore
-        except ImportError as exc:
-            raise ImportError(f"{exc}; a postgresql:// job store needs pip install 'batchserve[postgres]'") from None
-        return await PostgresStore.open(self.path)
+            store = await SQLiteStore.open(self.path)
+        else:
+            try:
+                from batchserve.jobs.pg_store import PostgresStore
+            except ImportError as exc:
+                raise ImportError(f"{exc}; a postgresql:// job store needs pip install 'batchserve[postgres]'") from None
+            store = await PostgresStore.open(self.path)
+        mb, s = 1_000_000, self.settings
+        store.limits = StorageLimits(int(s.tenant_storage_mb * mb), int(s.storage_max_mb * mb),
+                                     {t: int(v * mb) for t, v in s.tenant_storage_mb_by_tenant.items()})
+        return store
+
+    async def _sweep_loop(self) -> None:
+        """Delete expired files and finished jobs past their expiry, now and every --storage-sweep-s."""
+        while self.store is not None:
+            try:
+                files, jobs = await self.store.sweep(time.time())
+                if files or jobs:
+                    log.info("storage sweep: deleted %d expired file(s) and %d expired batch job(s)", files, jobs)
+            except Exception as exc:  # noqa: BLE001 - a store outage: the next sweep tries again
+                log.warning("storage sweep failed: %s", exc)
+            await asyncio.sleep(self.settings.storage_sweep_s)
 
     def _unavailable(self) -> ApiError:
         # The caller learns that the store is down, not where it lives or what it said (a file path, a host):
@@ -127,6 +155,10 @@ class JobService:
         return errors.jobs_unavailable("the job store cannot be opened now (the server log says why)")
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
         if self.scheduler is not None:
             await self.scheduler.stop()
         if self.store is not None:

@@ -22,16 +22,18 @@ import sqlite3
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 import orjson
 
-from batchserve.jobs.files import FileLimitReached, StoredFile
-from batchserve.jobs.store import ACTIVE, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress
+from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
+from batchserve.jobs.openai_batch import line_size
+from batchserve.jobs.store import (ACTIVE, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
+                                   Sizes)
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1  # PRAGMA user_version; see SQLiteStore._migrate
+SCHEMA_VERSION = 2  # PRAGMA user_version; see SQLiteStore._migrate
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -64,7 +66,7 @@ CREATE TABLE IF NOT EXISTS items (
     writes INTEGER NOT NULL DEFAULT 0,
     finished_at REAL,
     PRIMARY KEY (job_id, idx)
-) WITHOUT ROWID;
+);  -- a rowid table (it was WITHOUT ROWID): a line of over ~1 kB then spilled into an overflow page of its own
 CREATE INDEX IF NOT EXISTS items_pending ON items (job_id, idx) WHERE status = 'pending';
 CREATE TRIGGER IF NOT EXISTS items_final_once BEFORE UPDATE OF status ON items
 WHEN OLD.status != 'pending'
@@ -79,14 +81,27 @@ CREATE TABLE IF NOT EXISTS files (
     purpose TEXT NOT NULL,
     bytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    content BLOB NOT NULL
+    status TEXT NOT NULL DEFAULT 'processed',
+    expires_at REAL
 );
 CREATE INDEX IF NOT EXISTS files_by_tenant ON files (tenant, seq);
+CREATE TABLE IF NOT EXISTS file_chunks (
+    file_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    UNIQUE (file_id, seq)
+);
 """
+# Columns added since the first schema (a file from before gets them at open).
+JOB_EXTRA = {"openai": "TEXT", "bytes": "INTEGER NOT NULL DEFAULT 0", "output_bytes": "INTEGER NOT NULL DEFAULT 0",
+             "error_bytes": "INTEGER NOT NULL DEFAULT 0", "expires_at": "REAL", "reason": "TEXT"}
+FILE_EXTRA = {"status": "TEXT NOT NULL DEFAULT 'processed'", "expires_at": "REAL"}
 
 JOB_COLUMNS = ("id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
-               "finished_at, metadata, openai")
-FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at"
+               "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason")
+FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
+ABANDONED_S = 3600.0  # an upload row this old and still `uploading` was abandoned (its process died)
+QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
 
 
 class StoreBusy(Exception):
@@ -98,11 +113,13 @@ def _job(row: sqlite3.Row) -> Job:
     return Job(row["id"], row["tenant"], row["model"], row["status"], row["total"], row["completed"],
                row["failed"], row["cancelled"], row["created_at"], row["started_at"], row["finished_at"],
                orjson.loads(meta) if meta is not None else None,
-               orjson.loads(row["openai"]) if row["openai"] is not None else None)
+               orjson.loads(row["openai"]) if row["openai"] is not None else None,
+               row["bytes"], row["output_bytes"], row["error_bytes"], row["expires_at"], row["reason"])
 
 
 def _file(row: sqlite3.Row) -> StoredFile:
-    return StoredFile(row["id"], row["tenant"], row["filename"], row["purpose"], row["bytes"], row["created_at"])
+    return StoredFile(row["id"], row["tenant"], row["filename"], row["purpose"], row["bytes"], row["created_at"],
+                      row["expires_at"])
 
 
 class SQLiteStore:
@@ -114,6 +131,7 @@ class SQLiteStore:
         self._conn: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
         self._leases: dict[str, dict[int, float]] = {}  # job id -> index -> lease end (monotonic clock)
+        self.limits = StorageLimits()
 
     @classmethod
     async def open(cls, path: str) -> "SQLiteStore":
@@ -149,24 +167,47 @@ class SQLiteStore:
         self._lock_fd = fd
         conn = self._conn = sqlite3.connect(self.path, isolation_level=None)
         conn.row_factory = sqlite3.Row
+        # A new file gives deleted pages back to the file system (`_vacuum`), so deleting and expiring shrink
+        # it; a file from before keeps reusing its free pages instead. Set before anything else writes the file.
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise RuntimeError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(SCHEMA)
+        self._add_columns("jobs", JOB_EXTRA)
+        self._add_columns("files", FILE_EXTRA)
         self._migrate()
-        if "openai" not in {r["name"] for r in conn.execute("PRAGMA table_info(jobs)")}:
-            conn.execute("ALTER TABLE jobs ADD COLUMN openai TEXT")  # OpenAI Batch API jobs (a file from before)
+        with self._tx() as c:  # uploads cut short by the process's death (one process holds the file)
+            for (file_id,) in c.execute("SELECT id FROM files WHERE status = 'uploading'").fetchall():
+                self._drop_file(c, file_id)
+
+    def _add_columns(self, table: str, columns: dict[str, str]) -> None:
+        assert self._conn is not None
+        have = {r["name"] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+        for name, decl in columns.items():
+            if name not in have:
+                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     def _migrate(self) -> None:
         """Version 1: outputs are stored as JSON text (any JSON value). A file from before held the string
-        output itself; quoting it as a JSON string keeps what the API answers for those items the same."""
+        output itself; quoting it as a JSON string keeps what the API answers for those items the same.
+        Version 2: a file's bytes live in `file_chunks` (they were one `content` value), and each job counts
+        the bytes it keeps (storage quotas)."""
         assert self._conn is not None
-        if self._conn.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        if version >= SCHEMA_VERSION:
             return
         with self._tx() as c:
-            c.execute("UPDATE items SET output = json_quote(output) WHERE output IS NOT NULL")
+            if version < 1:
+                c.execute("UPDATE items SET output = json_quote(output) WHERE output IS NOT NULL")
+            if "content" in {r["name"] for r in c.execute("PRAGMA table_info(files)")}:
+                c.execute("INSERT INTO file_chunks (file_id, seq, data) SELECT id, 0, content FROM files")
+                c.execute("ALTER TABLE files DROP COLUMN content")
+            c.execute("UPDATE jobs SET bytes = (SELECT COALESCE(SUM(length(CAST(input AS BLOB)) + "
+                      "COALESCE(length(CAST(output AS BLOB)), 0)), 0) "
+                      "FROM items WHERE items.job_id = jobs.id)")
             c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextlib.contextmanager
@@ -181,7 +222,30 @@ class SQLiteStore:
             raise
         conn.execute("COMMIT")
 
+    # -- bytes kept ------------------------------------------------------------------------------------------
+    def _usage(self, c: sqlite3.Connection, tenant: str) -> tuple[int, int]:
+        mine = c.execute("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?) + "
+                         "(SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?)", (tenant, tenant)).fetchone()[0]
+        if not self.limits.total_bytes:
+            return mine, 0
+        total = c.execute("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + "
+                          "(SELECT COALESCE(SUM(bytes), 0) FROM jobs)").fetchone()[0]
+        return mine, total
+
+    def _check(self, c: sqlite3.Connection, tenant: str, adding: int, what: str) -> None:
+        if self.limits.bounded:
+            self.limits.check(tenant, *self._usage(c, tenant), adding, what)
+
+    def _usage_now(self, tenant: str) -> tuple[int, int]:
+        assert self._conn is not None
+        mine, _ = self._usage(self._conn, tenant)
+        total = self._conn.execute("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + "
+                                   "(SELECT COALESCE(SUM(bytes), 0) FROM jobs)").fetchone()[0]
+        return mine, total
+
+    # -- jobs ------------------------------------------------------------------------------------------------
     def _create(self, job: NewJob) -> tuple[Job, bool]:
+        adding = job.stored_bytes() if job.source_file is None else job.input_bytes
         with self._tx() as c:
             if job.idempotency_key is not None:
                 row = c.execute(f"SELECT {JOB_COLUMNS}, request_hash FROM jobs WHERE tenant = ? "
@@ -190,16 +254,41 @@ class SQLiteStore:
                     if row["request_hash"] != job.request_hash:
                         raise IdempotencyConflict(job.idempotency_key)
                     return _job(row), False
+            self._check(c, job.tenant, adding, "this batch's inputs")
             meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
             openai = orjson.dumps(job.openai).decode() if job.openai is not None else None
             c.execute("INSERT INTO jobs (id, tenant, model, status, total, metadata, idempotency_key, "
-                      "request_hash, created_at, openai) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
-                      (job.id, job.tenant, job.model, len(job.inputs), meta, job.idempotency_key,
-                       job.request_hash, job.created_at, openai))
+                      "request_hash, created_at, openai, bytes, expires_at) "
+                      "VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
+                      (job.id, job.tenant, job.model, job.count(), meta, job.idempotency_key,
+                       job.request_hash, job.created_at, openai, adding, job.expires_at))
+            if job.source_file is None:
+                c.executemany("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
+                              ((job.id, i, text) for i, text in enumerate(job.inputs)))
+            else:
+                self._copy_lines(c, job)
+        return Job(job.id, job.tenant, job.model, "queued", job.count(), 0, 0, 0, job.created_at, None,
+                   None, job.metadata, job.openai, adding, 0, 0, job.expires_at), True
+
+    def _copy_lines(self, c: sqlite3.Connection, job: NewJob) -> None:
+        """The file's lines become the job's items, one stored chunk at a time (never the whole file)."""
+        owner = c.execute("SELECT tenant FROM files WHERE id = ? AND status = 'processed'",
+                          (job.source_file,)).fetchone()
+        if owner is None or owner[0] != job.tenant:
+            raise FileGone(job.source_file or "")
+        split = LineSplitter()
+        index = 0
+        chunks = c.execute("SELECT data FROM file_chunks WHERE file_id = ? ORDER BY seq", (job.source_file,))
+        for (data,) in chunks:
+            lines = split.feed(bytes(data))
             c.executemany("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
-                          ((job.id, i, text) for i, text in enumerate(job.inputs)))
-        return Job(job.id, job.tenant, job.model, "queued", len(job.inputs), 0, 0, 0, job.created_at, None,
-                   None, job.metadata, job.openai), True
+                          ((job.id, index + k, line.decode()) for k, line in enumerate(lines)))
+            index += len(lines)
+        for line in split.end():
+            c.execute("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)", (job.id, index, line.decode()))
+            index += 1
+        if index != job.total:
+            raise FileGone(job.source_file or "")  # not the file that was checked (it cannot change: never)
 
     def _get(self, tenant: str, job_id: str) -> Job | None:
         assert self._conn is not None
@@ -226,29 +315,51 @@ class SQLiteStore:
                                   "AND idx > ? ORDER BY idx LIMIT ?", (job_id, after_index, limit))
         return [ItemRow(*r) for r in rows]
 
-    def _put_file(self, meta: StoredFile, content: bytes, max_count: int) -> None:
+    # -- files -----------------------------------------------------------------------------------------------
+    def _begin_file(self, meta: StoredFile, max_count: int) -> None:
         with self._tx() as c:
             held = c.execute("SELECT count(*) FROM files WHERE tenant = ?", (meta.tenant,)).fetchone()[0]
             if held >= max_count:
                 raise FileLimitReached(meta.tenant)
-            c.execute("INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, content) "
-                      "VALUES (?, ?, ?, ?, ?, ?, ?)", (meta.id, meta.tenant, meta.filename, meta.purpose,
-                                                       meta.bytes, meta.created_at, content))
+            c.execute("INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, status, expires_at) "
+                      "VALUES (?, ?, ?, ?, 0, ?, 'uploading', ?)", (meta.id, meta.tenant, meta.filename,
+                                                                    meta.purpose, meta.created_at, meta.expires_at))
+
+    def _put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
+        with self._tx() as c:
+            self._check(c, tenant, len(data), "this upload")
+            c.execute("INSERT INTO file_chunks (file_id, seq, data) VALUES (?, ?, ?)", (file_id, seq, data))
+            c.execute("UPDATE files SET bytes = bytes + ? WHERE id = ?", (len(data), file_id))
+
+    def _finish_file(self, meta: StoredFile) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE files SET status = 'processed', filename = ?, purpose = ?, bytes = ?, expires_at = ? "
+                      "WHERE id = ?", (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id))
+
+    def _abort_file(self, file_id: str) -> None:
+        with self._tx() as c:
+            self._drop_file(c, file_id)
+
+    @staticmethod
+    def _drop_file(c: sqlite3.Connection, file_id: str) -> None:
+        c.execute("DELETE FROM file_chunks WHERE file_id = ?", (file_id,))
+        c.execute("DELETE FROM files WHERE id = ?", (file_id,))
 
     def _get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         assert self._conn is not None
-        row = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ?",
-                                 (file_id, tenant)).fetchone()
+        row = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? "
+                                 f"AND status = 'processed'", (file_id, tenant)).fetchone()
         return _file(row) if row is not None else None
 
-    def _file_content(self, tenant: str, file_id: str) -> bytes | None:
+    def _chunk(self, file_id: str, after: int) -> tuple[int, bytes] | None:
         assert self._conn is not None
-        row = self._conn.execute("SELECT content FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)).fetchone()
-        return bytes(row[0]) if row is not None else None
+        row = self._conn.execute("SELECT seq, data FROM file_chunks WHERE file_id = ? AND seq > ? ORDER BY seq "
+                                 "LIMIT 1", (file_id, after)).fetchone()
+        return (row[0], bytes(row[1])) if row is not None else None
 
     def _list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
         assert self._conn is not None
-        where, args = "tenant = ?", [tenant]
+        where, args = "tenant = ? AND status = 'processed'", [tenant]
         if purpose is not None:
             where, args = where + " AND purpose = ?", args + [purpose]
         if after is not None:
@@ -260,21 +371,81 @@ class SQLiteStore:
 
     def _delete_file(self, tenant: str, file_id: str) -> bool:
         with self._tx() as c:
-            return c.execute("DELETE FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)).rowcount > 0
+            found = c.execute("SELECT 1 FROM files WHERE id = ? AND tenant = ? AND status = 'processed'",
+                              (file_id, tenant)).fetchone()
+            if found is not None:
+                self._drop_file(c, file_id)
+        if found is not None:
+            self._vacuum()
+        return found is not None
 
+    # -- cancel, delete, expire ------------------------------------------------------------------------------
     def _cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         with self._tx() as c:
-            row = c.execute("SELECT status FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
+            row = c.execute("SELECT status, openai FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
             if row is None:
                 return None
             if row["status"] in ACTIVE:
-                n = c.execute("UPDATE items SET status = 'cancelled', error = 'CANCELLED', "
-                              "message = 'the job was cancelled before this item ran', finished_at = ? "
-                              "WHERE job_id = ? AND status = 'pending'", (now, job_id)).rowcount
-                c.execute("UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ? "
-                          "WHERE id = ?", (n, now, job_id))
+                sizes = self._end_pending(c, job_id, row["openai"] is not None, "cancelled", "CANCELLED",
+                                          "the job was cancelled before this item ran", now)
+                c.execute("UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ?, "
+                          "bytes = bytes + ?, error_bytes = error_bytes + ? WHERE id = ?",
+                          (sizes.count, now, sizes.stored, sizes.errors, job_id))
                 self._leases.pop(job_id, None)
         return self._get(tenant, job_id)
+
+    @staticmethod
+    def _end_pending(c: sqlite3.Connection, job_id: str, openai: bool, status: str, error: str, message: str,
+                     now: float) -> "Sizes":
+        """Make every pending item of the job final with this error; the bytes that adds."""
+        rows = c.execute("UPDATE items SET status = ?, error = ?, message = ?, finished_at = ? "
+                         f"WHERE job_id = ? AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
+                         (status, error, message, now, job_id)).fetchall()
+        sizes = Sizes(count=len(rows))
+        for idx, text in rows:
+            if openai:
+                sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
+        return sizes
+
+    def _delete_job(self, tenant: str, job_id: str) -> Job | None:
+        with self._tx() as c:
+            row = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?",
+                            (job_id, tenant)).fetchone()
+            if row is None:
+                return None
+            job = _job(row)
+            if job.status not in ACTIVE:
+                c.execute("DELETE FROM items WHERE job_id = ?", (job_id,))
+                c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        self._vacuum()
+        return job
+
+    def _sweep(self, now: float) -> tuple[int, int]:
+        assert self._conn is not None
+        files = [r[0] for r in self._conn.execute(
+            "SELECT id FROM files WHERE status = 'processed' AND expires_at IS NOT NULL AND expires_at <= ?",
+            (now,)).fetchall()]
+        for file_id in files:  # one short transaction each: other store calls go between them
+            with self._tx() as c:
+                self._drop_file(c, file_id)
+        jobs = [r[0] for r in self._conn.execute(
+            "SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND expires_at IS NOT NULL "
+            "AND expires_at <= ?", (now,)).fetchall()]
+        for job_id in jobs:
+            with self._tx() as c:
+                c.execute("DELETE FROM items WHERE job_id = ?", (job_id,))
+                c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        if files or jobs:
+            self._vacuum()
+        return len(files), len(jobs)
+
+    def _vacuum(self) -> None:
+        """Give freed pages back to the file system (a file made with auto_vacuum; else a no-op) and fold the
+        write-ahead log back, so deleting shrinks what is on disk, not only what is counted."""
+        assert self._conn is not None
+        # executescript steps the pragma to its end (one `execute` step frees a single page)
+        self._conn.executescript("PRAGMA incremental_vacuum;")
+        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     def _active(self, models: list[str]) -> list[Job]:
         assert self._conn is not None
@@ -313,27 +484,54 @@ class SQLiteStore:
             leases.pop(index, None)
 
     def _record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
-        written: dict[str, Counter[str]] = {}
+        by_job: dict[str, list[Outcome]] = {}
+        for o in outcomes:
+            by_job.setdefault(o.job_id, []).append(o)
         with self._tx() as c:
-            for o in outcomes:
-                changed = c.execute(
-                    "UPDATE items SET status = ?, output = ?, error = ?, message = ?, writes = writes + 1, "
-                    "finished_at = ? WHERE job_id = ? AND idx = ? AND status = 'pending'",
-                    (o.status, o.output, o.error, o.message, now, o.job_id, o.index)).rowcount
-                counts = written.setdefault(o.job_id, Counter())
-                self._leases.get(o.job_id, {}).pop(o.index, None)
-                if changed:
-                    counts[o.status] += 1
-            for job_id, counts in written.items():
-                if not self._leases.get(job_id, True):
+            marks = ", ".join("?" * len(by_job))
+            owners = {r[0]: (r[1], r[2] is not None) for r in c.execute(
+                f"SELECT id, tenant, openai FROM jobs WHERE id IN ({marks})", list(by_job))}
+            for job_id, outs in by_job.items():
+                tenant, openai = owners.get(job_id, ("", False))
+                reason = None
+                try:
+                    self._check(c, tenant, sum(o.stored_bytes() for o in outs), f"the outputs of batch {job_id}")
+                except StorageFull as full:  # the job fails whole, saying why; nothing more of it is kept
+                    reason = full.message
+                    outs = [Outcome(o.job_id, o.index, "failed", None, QUOTA_CODE, reason) for o in outs]
+                sizes = Sizes()
+                counts: Counter[str] = Counter()
+                leases = self._leases.get(job_id, {})
+                for o in outs:
+                    row = c.execute(  # the input only where its custom_id sizes a file line
+                        "UPDATE items SET status = ?, output = ?, error = ?, message = ?, writes = writes + 1, "
+                        f"finished_at = ? WHERE job_id = ? AND idx = ? AND status = 'pending' "
+                        f"RETURNING {'input' if openai else 'NULL'}",
+                        (o.status, o.output, o.error, o.message, now, o.job_id, o.index)).fetchone()
+                    leases.pop(o.index, None)
+                    if row is not None:
+                        counts[o.status] += 1
+                        sizes.stored += o.stored_bytes()
+                        if openai:
+                            sizes.add(line_size(job_id, ItemRow(o.index, o.status, o.output, o.error, o.message,
+                                                                row[0])))
+                if reason is not None:
+                    rest = self._end_pending(c, job_id, openai, "failed", QUOTA_CODE, reason, now)
+                    counts["failed"] += rest.count
+                    sizes.merge(rest)
+                    self._leases.pop(job_id, None)
+                elif not self._leases.get(job_id, True):
                     del self._leases[job_id]
-                c.execute("UPDATE jobs SET completed = completed + ?, failed = failed + ? WHERE id = ?",
-                          (counts["completed"], counts["failed"], job_id))
-                c.execute("UPDATE jobs SET status = CASE WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
+                c.execute("UPDATE jobs SET completed = completed + ?, failed = failed + ?, bytes = bytes + ?, "
+                          "output_bytes = output_bytes + ?, error_bytes = error_bytes + ?, "
+                          "reason = COALESCE(reason, ?) WHERE id = ?",
+                          (counts["completed"], counts["failed"], sizes.stored, sizes.output, sizes.errors, reason,
+                           job_id))
+                c.execute("UPDATE jobs SET status = CASE WHEN reason IS NOT NULL THEN 'failed' "
+                          "WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
                           "finished_at = ? WHERE id = ? AND status IN ('queued', 'running') "
                           "AND completed + failed + cancelled >= total", (now, job_id))
-            marks = ", ".join("?" * len(written))
-            rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(written)).fetchall()
+            rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(by_job)).fetchall()
         progress = []
         for r in rows:
             job = _job(r)
@@ -363,14 +561,28 @@ class SQLiteStore:
     async def results(self, job_id: str, after_index: int, limit: int, with_input: bool = False) -> list[ItemRow]:
         return await self._run(self._results, job_id, after_index, limit, with_input)
 
-    async def put_file(self, meta: StoredFile, content: bytes, max_count: int) -> None:
-        await self._run(self._put_file, meta, content, max_count)
+    async def begin_file(self, meta: StoredFile, max_count: int) -> None:
+        await self._run(self._begin_file, meta, max_count)
+
+    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
+        await self._run(self._put_chunk, tenant, file_id, seq, data)
+
+    async def finish_file(self, meta: StoredFile) -> None:
+        await self._run(self._finish_file, meta)
+
+    async def abort_file(self, file_id: str) -> None:
+        await self._run(self._abort_file, file_id)
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         return await self._run(self._get_file, tenant, file_id)
 
-    async def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        return await self._run(self._file_content, tenant, file_id)
+    async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
+        if await self.get_file(tenant, file_id) is None:
+            return
+        seq = -1
+        while (found := await self._run(self._chunk, file_id, seq)) is not None:
+            seq, data = found
+            yield data
 
     async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
         return await self._run(self._list_files, tenant, limit, after, purpose)
@@ -378,8 +590,17 @@ class SQLiteStore:
     async def delete_file(self, tenant: str, file_id: str) -> bool:
         return await self._run(self._delete_file, tenant, file_id)
 
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        return await self._run(self._usage_now, tenant)
+
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         return await self._run(self._cancel, tenant, job_id, now)
+
+    async def delete_job(self, tenant: str, job_id: str) -> Job | None:
+        return await self._run(self._delete_job, tenant, job_id)
+
+    async def sweep(self, now: float) -> tuple[int, int]:
+        return await self._run(self._sweep, now)
 
     async def active(self, models: list[str]) -> list[Job]:
         return await self._run(self._active, models)

@@ -28,10 +28,15 @@ from batchserve.config import is_postgres_url  # noqa: F401 - jobs/service.py an
 from batchserve.jobs.files import FileStore
 
 ACTIVE = ("queued", "running")
+OUTPUT, ERRORS = "-output", "-errors"  # an OpenAI job's two files (`openai_batch.py`)
 
 
 class IdempotencyConflict(Exception):
     """The idempotency key was used before, with a different body."""
+
+
+class FileGone(Exception):
+    """The input file of a batch was deleted (or is another tenant's) before its lines could be copied."""
 
 
 class StoreUnavailable(Exception):
@@ -74,6 +79,21 @@ class NewJob:
     request_hash: str  # of the canonical body, to tell a repeat from a conflicting reuse of the key
     created_at: float  # seconds since the epoch
     openai: dict[str, Any] | None = None  # an OpenAI Batch API job: endpoint, input_file_id, completion_window
+    # An OpenAI batch: its items are the non-blank lines of this file (`inputs` is then empty), copied in the
+    # store's own transaction chunk by chunk; `total` and `input_bytes` are what the checking pass counted.
+    source_file: str | None = None
+    total: int = 0
+    input_bytes: int = 0
+    expires_at: float | None = None  # a finished job is deleted with its items after this (None: never)
+
+    def count(self) -> int:
+        return self.total if self.source_file is not None else len(self.inputs)
+
+    def stored_bytes(self) -> int:
+        """Bytes of input the job keeps: what it adds to its tenant's storage at creation."""
+        if self.source_file is not None:
+            return self.input_bytes
+        return sum(len(text) if text.isascii() else len(text.encode()) for text in self.inputs)
 
 
 @dataclass(slots=True)
@@ -91,16 +111,25 @@ class Job:
     finished_at: float | None
     metadata: dict[str, Any] | None = None
     openai: dict[str, Any] | None = None  # set for a job made by OpenAI's Batch API (`openai_batch.py`)
+    bytes: int = 0  # what it keeps: inputs, outputs, error messages (its tenant's storage)
+    output_bytes: int = 0  # sizes of an OpenAI job's output and error files, kept as its lines are written
+    error_bytes: int = 0
+    expires_at: float | None = None
+    reason: str | None = None  # why the job failed as a whole (its outputs passed a storage quota)
 
     @property
     def pending(self) -> int:
         return self.total - self.completed - self.failed - self.cancelled
 
     def public(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "batch", "status": self.status, "model": self.model,
-                "total": self.total, "completed": self.completed, "failed": self.failed,
-                "cancelled": self.cancelled, "pending": self.pending, "created_at": self.created_at,
-                "started_at": self.started_at, "finished_at": self.finished_at, "metadata": self.metadata}
+        out = {"id": self.id, "object": "batch", "status": self.status, "model": self.model,
+               "total": self.total, "completed": self.completed, "failed": self.failed,
+               "cancelled": self.cancelled, "pending": self.pending, "created_at": self.created_at,
+               "started_at": self.started_at, "finished_at": self.finished_at, "metadata": self.metadata,
+               "bytes": self.bytes, "expires_at": self.expires_at}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
 
 
 @dataclass(slots=True)
@@ -131,6 +160,34 @@ class Outcome:
     output: str | None = None  # JSON text: the backend's output, JSON-encoded
     error: str | None = None
     message: str | None = None
+
+    def stored_bytes(self) -> int:
+        """Bytes of output the store keeps for this result (its tenant's storage; an error's code and short
+        message are not counted, so a job failed for its quota adds nothing past it)."""
+        out = self.output
+        return 0 if out is None else len(out) if out.isascii() else len(out.encode())
+
+
+@dataclass(slots=True)
+class Sizes:
+    """Bytes a store write adds to a job: kept in all, and to its OpenAI output and error files."""
+
+    count: int = 0
+    stored: int = 0
+    output: int = 0
+    errors: int = 0
+
+    def add(self, line: tuple[str, int]) -> None:
+        kind, size = line
+        if kind == OUTPUT:
+            self.output += size
+        else:
+            self.errors += size
+
+    def merge(self, other: "Sizes") -> None:
+        self.stored += other.stored
+        self.output += other.output
+        self.errors += other.errors
 
 
 @dataclass(slots=True)
@@ -184,6 +241,16 @@ class JobStore(FileStore, Protocol):
 
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         """Write these results (each at most once, in one transaction); the touched jobs' progress."""
+        ...
+
+    async def delete_job(self, tenant: str, job_id: str) -> Job | None:
+        """Delete a finished job with its items (frees its bytes); the job as it was, None when the tenant has
+        no such job. An unfinished job is returned unchanged and kept (cancel it first)."""
+        ...
+
+    async def sweep(self, now: float) -> tuple[int, int]:
+        """Delete expired files, finished jobs past their expiry, and uploads abandoned midway; (files, jobs)
+        deleted."""
         ...
 
     async def close(self) -> None: ...

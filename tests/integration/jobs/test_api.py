@@ -345,5 +345,5 @@ def test_a_job_file_from_before_json_outputs_reads_back_the_same(tmp_path, serve
         done = wait_for(lambda: finished(c, new["id"]))
         assert done["status"] == "completed" and results(c, new["id"])[0]["output"] == "cba"
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2  # sqlite_store.SCHEMA_VERSION: 2 since file chunks and byte accounting
     conn.close()

@@ -20,7 +20,7 @@ from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.errors import ApiError
 from batchserve.jobs.lines import LineRunner
 from batchserve.jobs.metrics import JobMetrics
-from batchserve.jobs.openai_batch import parse_input_file
+from batchserve.jobs.openai_batch import InputCheck
 from batchserve.jobs.scheduler import Scheduler
 from batchserve.jobs.store import Job
 
@@ -230,11 +230,17 @@ def test_jobs_max_items_counts_the_inputs_of_an_input_file(inputs: list[int], li
     counted), the file was accepted, and one 'job' of 50,000 lines could hold ~100 M embeddings (issue 34)."""
     content = b"\n".join(orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": EMBEDDINGS,
                                        "body": {"input": [f"t{k}" for k in range(n)]}}) for i, n in enumerate(inputs))
+    def check() -> InputCheck:
+        parsed = InputCheck(EMBEDDINGS, limit, 1 << 20)
+        parsed.feed(content)
+        parsed.end()
+        return parsed
+
     if ok:
-        assert parse_input_file(content, EMBEDDINGS, limit).inputs == sum(inputs)
+        assert check().inputs == sum(inputs)
         return
     with pytest.raises(ApiError) as err:
-        parse_input_file(content, EMBEDDINGS, limit)
+        check()
     assert err.value.status == 400
     assert "line 2 brings them to 6" in err.value.message and "--jobs-max-items" in err.value.message
 

@@ -1,0 +1,154 @@
+"""Reading an upload as it streams in: a multipart/form-data body parsed incrementally (python-multipart's
+streaming parser), the file part's bytes handed out a chunk at a time, and the cap on uploads in progress.
+
+Why not Starlette's form parser: it gathers each file part (in memory up to 1 MB, then in a temporary file)
+before the route sees any of it, and the route then read it back whole. Here the route feeds each body
+message to `FormStream` and stores the file's bytes every `CHUNK_BYTES` (`files.py`): what an upload holds in
+memory is one chunk, and no step holds the event loop for longer than parsing one body message.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from batchserve import errors
+from batchserve.errors import ApiError
+
+FIELD_MAX = 64 << 10  # one form field other than the file (purpose, expires_after[...])
+FIELDS_MAX = 8
+FILE_FIELD = "file"
+
+
+class FormError(ValueError):
+    """The multipart body cannot be read as the form an upload needs."""
+
+
+@dataclass(eq=False)
+class FormStream:
+    """One multipart/form-data body, fed as it arrives: the `file` part's bytes gather in `pending` (the
+    route takes them off with `take`), every other field (small) in `fields`."""
+
+    boundary: bytes
+    fields: dict[str, str] = field(default_factory=dict)
+    filename: str | None = None  # set once the file part's headers are read
+    file_bytes: int = 0  # bytes of the file part so far
+    pending: bytearray = field(default_factory=bytearray)
+    _parser: MultipartParser | None = None
+    _header: bytearray = field(default_factory=bytearray)
+    _value: bytearray = field(default_factory=bytearray)
+    _disposition: bytes = b""
+    _name: str | None = None
+    _field: bytearray = field(default_factory=bytearray)
+    _in_file = False
+    _files = 0
+    _ended = False
+
+    def __post_init__(self) -> None:
+        self._parser = MultipartParser(self.boundary, {
+            "on_part_begin": self._part_begin, "on_part_data": self._part_data, "on_part_end": self._part_end,
+            "on_header_field": self._header_field, "on_header_value": self._header_value,
+            "on_header_end": self._header_end, "on_headers_finished": self._headers_finished,
+            "on_end": self._end})
+
+    def feed(self, data: bytes) -> None:
+        assert self._parser is not None
+        try:
+            self._parser.write(data)
+        except FormError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - python-multipart's own errors: the body is malformed
+            raise FormError(str(exc) or type(exc).__name__) from None
+
+    def finish(self) -> None:
+        assert self._parser is not None
+        self._parser.finalize()
+        if not self._ended:
+            raise FormError("the body ended before the form's closing boundary")
+
+    def take(self) -> bytearray:
+        """The file bytes gathered so far, handed over whole (no copy: a fresh buffer takes their place)."""
+        data, self.pending = self.pending, bytearray()
+        return data
+
+    # -- parser callbacks ------------------------------------------------------------------------------------
+    def _part_begin(self) -> None:
+        self._disposition, self._name, self._in_file = b"", None, False
+        self._field.clear()
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _header_end(self) -> None:
+        if bytes(self._header).lower() == b"content-disposition":
+            self._disposition = bytes(self._value)
+        self._header.clear()
+        self._value.clear()
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        name = options.get(b"name")
+        if name is None:
+            raise FormError("a part has no name in its Content-Disposition")
+        self._name = name.decode("latin-1")
+        if self._name == FILE_FIELD:
+            self._files += 1
+            if self._files > 1:
+                raise FormError("the form has more than one 'file' part")
+            self._in_file = True
+            raw = options.get(b"filename")
+            self.filename = raw.decode("utf-8", "replace") if raw else "upload.jsonl"
+        elif len(self.fields) >= FIELDS_MAX:
+            raise FormError(f"the form has more than {FIELDS_MAX} fields")
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._in_file:
+            self.pending += data[start:end]
+            self.file_bytes += end - start
+            return
+        self._field += data[start:end]
+        if len(self._field) > FIELD_MAX:
+            raise FormError(f"the form field {self._name!r} is over {FIELD_MAX} bytes")
+
+    def _part_end(self) -> None:
+        if self._name is not None and not self._in_file:
+            self.fields[self._name] = self._field.decode("utf-8", "replace")
+        self._in_file = False
+
+    def _end(self) -> None:
+        self._ended = True
+
+
+@dataclass(eq=False)
+class UploadGate:
+    """At most `per_tenant` uploads in progress per tenant and `total` in all (0 = no cap): an upload holds a
+    chunk in memory, a store writer and a share of the event loop for as long as its body takes to arrive."""
+
+    total: int
+    per_tenant: int
+    active: Counter[str] = field(default_factory=Counter)
+    count: int = 0
+
+    def enter(self, tenant: str) -> None:
+        """Take a place, or refuse: 429 when the tenant has its most uploads in progress, 503 when the
+        server has."""
+        if self.per_tenant and self.active[tenant] >= self.per_tenant:
+            raise ApiError(429, "RATE_LIMITED", f"you already have {self.per_tenant} uploads in progress "
+                                                f"(--files-max-uploads-per-tenant); retry when one ends",
+                           retry_after_ms=1000)
+        if self.total and self.count >= self.total:
+            raise errors.overloaded(f"the server already has {self.total} uploads in progress "
+                                    f"(--files-max-uploads); retry shortly", 1000)
+        self.active[tenant] += 1
+        self.count += 1
+
+    def leave(self, tenant: str) -> None:
+        self.count -= 1
+        self.active[tenant] -= 1
+        if self.active[tenant] <= 0:
+            del self.active[tenant]
