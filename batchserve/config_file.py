@@ -18,6 +18,7 @@ tenant = "acme"
 tier = "paid"
 sha256 = "<hex digest of the key>"
 rate = 50              # optional per-key override (and burst)
+admin = true           # optional: GET /v1/usage shows this key every tenant's figures
 ```
 
 Strict: an unknown table or key, or a value of the wrong kind, is an error that names the file, the line and
@@ -147,6 +148,10 @@ def non_negative(value: Any) -> str | None:
     return None if ok else "expected a number, 0 or more"
 
 
+def boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "expected true or false"
+
+
 def one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
     def rule(value: Any) -> str | None:
         if value in choices:
@@ -171,7 +176,8 @@ def sha256_hex(value: Any) -> str | None:
 
 TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
 MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
-TIER_KEYS = {"rate": positive, "burst": positive}
+TIER_KEYS = {"rate": positive, "burst": positive,
+            "admin": boolean}
 KEY_KEYS = {"tenant": text, "tier": one_of(tiers.NAMES), "sha256": sha256_hex, "rate": positive, "burst": positive}
 
 
@@ -232,7 +238,7 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         c.known(k, where, KEY_KEYS)
         for name in ("tenant", "tier", "sha256"):
             c.value(k, where, name, KEY_KEYS[name], required=True)
-        for name in ("rate", "burst"):
+        for name in ("rate", "burst", "admin"):
             c.value(k, where, name, KEY_KEYS[name])
         keys.append(dict(k))
     return ConfigFile(models, tier_rates, keys)
@@ -246,7 +252,7 @@ def apply_config_file(settings: Settings, path: str) -> None:
     settings.keys.extend(loaded.keys)
 
 
-def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | None) -> None:
+def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | None, admin: bool = False) -> None:
     """Add a [[keys]] table to the file (created if missing); TOML basic strings are JSON strings. A file that
     does not pass `load` is left alone (ValueError): appending would bury its mistake under a new key."""
     try:
@@ -257,5 +263,7 @@ def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | Non
              f"sha256 = {json.dumps(sha256)}"]
     if rate is not None:
         lines.append(f"rate = {rate}")
+    if admin:
+        lines.append("admin = true")
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
