@@ -176,9 +176,9 @@ def sha256_hex(value: Any) -> str | None:
 
 TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
 MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
-TIER_KEYS = {"rate": positive, "burst": positive,
+TIER_KEYS = {"rate": positive, "burst": positive}
+KEY_KEYS = {"tenant": text, "tier": one_of(tiers.NAMES), "sha256": sha256_hex, "rate": positive, "burst": positive,
             "admin": boolean}
-KEY_KEYS = {"tenant": text, "tier": one_of(tiers.NAMES), "sha256": sha256_hex, "rate": positive, "burst": positive}
 
 
 @dataclass
