@@ -140,6 +140,15 @@ def write_keys(config: Path, tenants: list[Tenant]) -> None:
         append_key(str(config), t.name, t.tier, digest(t.key), t.key_rate)
 
 
+def admitted(counts: dict[str, int]) -> int:
+    return counts["met"] + counts["slow"] + counts["expired"] + counts["failed"]
+
+
+def attainment(counts: dict[str, int]) -> float:
+    """SLO attainment of admitted requests: met / (met + slow + expired + failed), as the alert rule reads it."""
+    return counts["met"] / max(1, admitted(counts))
+
+
 def markdown(rep: dict, result: dict) -> str:
     a = rep["settings"]
     rows = []
@@ -170,7 +179,10 @@ def markdown(rep: dict, result: dict) -> str:
         "within it (send to answer read: the client's own event loop and the connection included).", "",
         report.table(["tenant", "sent", *OUTCOMES, "server sum", "met by client clock", "no answer"], rows), "",
         f"SLO attainment of admitted requests (met / (met + slow + expired + failed)): "
-        f"{rep['attainment']:.3f}; of all requests sent (met / sent): {server['met'] / max(1, sent):.3f}.",
+        f"{rep['attainment']:.3f}; of all requests sent (met / sent): {server['met'] / max(1, sent):.3f}. "
+        f"Per tier, from /metrics: " + "; ".join(
+            f"{tier} {attainment(counts):.3f} of {admitted(counts)} admitted, {counts['refused']} refused"
+            for tier, counts in result["server_by_tier"].items()) + ".",
     ]
     return "\n".join(lines)
 
@@ -205,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         result = drill(server.base, tenants, a.seconds, a.slo_ms, a.timeout_ms)
     rep["loadavg_after"] = round(os.getloadavg()[0], 2)
     s = result["server"]
-    rep["attainment"] = s["met"] / max(1, s["met"] + s["slow"] + s["expired"] + s["failed"])
+    rep["attainment"] = attainment(s)
     rep["clients"] = {n: {**asdict(t), "client_ms": None, "outcomes": t.outcomes()}
                       for n, t in result["tallies"].items()}
     rep["server"], rep["server_by_tier"], rep["usage"] = s, result["server_by_tier"], result["usage"]
