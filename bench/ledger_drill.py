@@ -164,26 +164,26 @@ def markdown(rep: dict, result: dict) -> str:
                  sum(t.transport_errors for t in result["tallies"].values())])
     m = rep["machine"]
     who = ", ".join(f"{t['name']} ({t['tier']}) {t['rate']:g}/s" for t in a["tenants"])
-    lines = [
-        "# The overload drill's ledger (bench/ledger_drill.py)", "",
-        f"Sim server: 1 device, {a['sim_batch_ms']:g} ms batches of at most {a['max_batch_size']}, "
-        f"--max-queue {a['max_queue']}, --slo-ms {a['slo_ms']:g}, requests' timeout_ms {a['timeout_ms']:g}; "
-        f"{a['seconds']:g} s of open-loop load from two keyed tenants "
-        f"({who}) against a "
-        f"capacity of ~{a['capacity_rps']:.0f} requests/s. Client and server share the machine "
-        f"({m.get('cores_usable', '?')} usable cores, {m.get('cpu_model', '?')}, load average {rep['loadavg_before']} before, {rep['loadavg_after']} "
-        f"after); commit {rep['git'].get('commit', '?')[:12]}.", "",
-        "Each cell: the client's own count / the server's (the tenant's GET /v1/usage; the last row: the sum of "
-        "`batchserve_slo_requests_total`). Client `met` counts 2xx answers whose `latency_ms` (the server's time, "
-        "which the SLO is held to) is within the SLO; `met by client clock` counts those the client itself saw "
-        "within it (send to answer read: the client's own event loop and the connection included).", "",
-        report.table(["tenant", "sent", *OUTCOMES, "server sum", "met by client clock", "no answer"], rows), "",
-        f"SLO attainment of admitted requests (met / (met + slow + expired + failed)): "
-        f"{rep['attainment']:.3f}; of all requests sent (met / sent): {server['met'] / max(1, sent):.3f}. "
-        f"Per tier, from /metrics: " + "; ".join(
-            f"{tier} {attainment(counts):.3f} of {admitted(counts)} admitted, {counts['refused']} refused"
-            for tier, counts in result["server_by_tier"].items()) + ".",
-    ]
+    tiers = "; ".join(f"{tier} {attainment(counts):.3f} of {admitted(counts)} admitted, {counts['refused']} refused"
+                      for tier, counts in result["server_by_tier"].items())
+    setting = (f"Sim server: 1 device, {a['sim_batch_ms']:g} ms batches of at most {a['max_batch_size']}, "
+               f"--max-queue {a['max_queue']}, --slo-ms {a['slo_ms']:g}, requests' timeout_ms {a['timeout_ms']:g}; "
+               f"{a['seconds']:g} s of open-loop load from two keyed tenants ({who}) against a capacity of "
+               f"~{a['capacity_rps']:.0f} requests/s. Client and server share the machine "
+               f"({m.get('cores_usable', '?')} usable cores, {m.get('cpu_model', '?')}, load average "
+               f"{rep['loadavg_before']} before, {rep['loadavg_after']} after); commit "
+               f"{rep['git'].get('commit', '?')[:12]}.")
+    legend = ("Each cell: the client's own count / the server's (the tenant's GET /v1/usage; the last row: the sum "
+              "of `batchserve_slo_requests_total`). Client `met` counts 2xx answers whose `latency_ms` (the "
+              "server's time, which the SLO is held to) is within the SLO; `met by client clock` counts those the "
+              "client itself saw within it (send to answer read: the client's own event loop and the connection "
+              "included).")
+    summary = (f"SLO attainment of admitted requests (met / (met + slow + expired + failed)): "
+               f"{rep['attainment']:.3f}; of all requests sent (met / sent): {server['met'] / max(1, sent):.3f}. "
+               f"Per tier, from /metrics: {tiers}.")
+    lines = ["# The overload drill's ledger (bench/ledger_drill.py)", "", setting, "", legend, "",
+             report.table(["tenant", "sent", *OUTCOMES, "server sum", "met by client clock", "no answer"], rows),
+             "", summary]
     return "\n".join(lines)
 
 

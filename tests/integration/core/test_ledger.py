@@ -9,6 +9,7 @@ the server's to keep; it is printed beside, not asserted (bench/ledger_drill.py 
 
 from __future__ import annotations
 
+import jsonschema
 import pytest
 
 from bench.ledger_drill import OUTCOMES, Tenant, drill, write_keys
@@ -85,6 +86,9 @@ def test_anonymous_callers_see_the_anonymous_tenant(server_factory):
         for i in range(3):
             assert c.post("/v1/inference", json={"input": f"x{i}"}).status_code == 200
         assert c.post("/v1/inference", json={"input": ""}).status_code == 400  # the caller's mistake: no outcome
-        (mine,) = c.get("/v1/usage", params={"window_s": 60}).json()["data"]
+        answer = c.get("/v1/usage", params={"window_s": 60}).json()
+        doc = c.get("/openapi.json").json()  # the answer is what the published document says
+        jsonschema.Draft202012Validator({**doc, "$ref": "#/components/schemas/UsageList"}).validate(answer)
+        (mine,) = answer["data"]
         assert mine["tenant"] == "anonymous" and mine["window_s"] == 60
         assert mine["requests"] == {"met": 3, "slow": 0, "refused": 0, "expired": 0, "failed": 0}
