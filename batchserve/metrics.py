@@ -157,8 +157,9 @@ class Metrics:
     cost_served: LoopCounter  # cost units (tokens, or inputs where a model costs 1 each) served, by model and tier
     inputs_served: LoopCounter
     _ok: dict[str, tuple] = field(default_factory=dict)  # per model: its bound 200-counter and histogram
-    _ledger: dict[tuple[str, str, str], _CounterChild] = field(default_factory=dict)  # (model, tier, outcome)
-    _served: dict[tuple[str, str], tuple[_CounterChild, _CounterChild]] = field(default_factory=dict)
+    # (model, tier, outcome) -> its slo_requests, inputs_served and cost_served children
+    _ledger: dict[tuple[str, str, str], tuple[_CounterChild, _CounterChild, _CounterChild]] = field(
+        default_factory=dict)
 
     def count_ok(self, model: str, latency_s: float) -> None:
         """One 200 answer: the hot path, so the labelled children are looked up once per model."""
@@ -170,19 +171,16 @@ class Metrics:
 
     def count_outcome(self, model: str, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0) -> None:
         """One answer in the SLO ledger; `inputs` and `cost` are added to what was served (pass them only for a
-        served answer). The children are looked up once per label set: this runs on every answer."""
+        served answer). Every answer of a model route comes here: its three children are found by one lookup."""
         key = (model, tier, outcome)
-        child = self._ledger.get(key)
-        if child is None:
-            child = self._ledger[key] = self.slo_requests.labels(model, tier, outcome)
-        child.value += 1
-        if inputs or cost:
-            served = self._served.get((model, tier))
-            if served is None:
-                served = self._served[(model, tier)] = (self.inputs_served.labels(model, tier),
-                                                        self.cost_served.labels(model, tier))
-            served[0].value += inputs
-            served[1].value += cost
+        children = self._ledger.get(key)
+        if children is None:
+            children = self._ledger[key] = (self.slo_requests.labels(model, tier, outcome),
+                                            self.inputs_served.labels(model, tier),
+                                            self.cost_served.labels(model, tier))
+        children[0].value += 1
+        children[1].value += inputs
+        children[2].value += cost
 
     def count_error(self, model: str, err: ApiError) -> None:
         self.requests.labels(model, str(err.status)).inc()

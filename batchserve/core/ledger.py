@@ -14,8 +14,9 @@ Other 4xx (a bad body, an unknown model or key, a body too large) are the caller
 server made, and a caller who hangs up before its answer (499) reads no answer: neither is an outcome.
 
 This module is the policy only: the classification and the per-tenant usage window read by `GET /v1/usage`
-(`UsageBook`, bounded: per tenant, counts in `BUCKET_S` time buckets over at most `MAX_WINDOW_S`, and the
-latest `LATENCIES` latencies for percentiles). The Prometheus counters, per model and tier and never per
+(`UsageBook`, bounded: per tenant, counts in `BUCKET_S` time buckets over at most `MAX_WINDOW_S`, older ones
+folded into one row, and the latest `LATENCIES` latencies for percentiles). It runs on every answer, so a
+record touches one row of counts and rolls a bucket at most once per BUCKET_S. The Prometheus counters, per model and tier and never per
 tenant, are `batchserve/metrics.py`'s; `http/guards.py` feeds both from the one place every answer passes.
 """
 
@@ -63,14 +64,38 @@ def _new_bucket(index: int) -> list[float]:
     return row
 
 
-@dataclass
+@dataclass(slots=True)
 class TenantUsage:
-    """One tenant's counts: since start (`total`, a bucket without index) and per time bucket (`buckets`)."""
+    """One tenant's counts per time bucket (`buckets`, the newest `row` until `row_end`), what older buckets
+    held (`evicted`: since start = evicted + buckets), and its served answers' latest latencies."""
 
     tier: str
-    total: list[float] = field(default_factory=lambda: _new_bucket(-1))
     buckets: deque[list[float]] = field(default_factory=deque)
+    row: list[float] = field(default_factory=lambda: _new_bucket(-1))  # the newest bucket (a dummy at first)
+    row_end: float = -math.inf  # when `row` is over
+    evicted: list[float] = field(default_factory=lambda: _new_bucket(-1))
     latencies: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=LATENCIES))
+
+    def roll(self, now: float) -> list[float]:
+        """A new bucket for `now`, the ones past MAX_WINDOW_S folded into `evicted`."""
+        index = int(now // BUCKET_S)
+        self.row = row = _new_bucket(index)
+        self.row_end = (index + 1) * BUCKET_S
+        buckets = self.buckets
+        buckets.append(row)
+        oldest = index - int(MAX_WINDOW_S // BUCKET_S)
+        while buckets[0][0] < oldest:
+            gone = buckets.popleft()
+            for i in range(1, len(gone)):
+                self.evicted[i] += gone[i]
+        return row
+
+    def since_start(self) -> list[float]:
+        total = list(self.evicted)
+        for row in self.buckets:
+            for i in range(1, len(row)):
+                total[i] += row[i]
+        return total
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -94,30 +119,18 @@ class UsageBook:
     tenants: dict[str, TenantUsage] = field(default_factory=dict)
 
     def record(self, tenant: str, tier: str, outcome: int, inputs: int, cost: float, latency_s: float) -> None:
-        """One answer of `tenant`: `cost` counts when it was served (met or slow), `latency_s` then too."""
+        """One answer of `tenant`: `cost` counts when it was served (met or slow), `latency_s` then too. On every
+        answer of a model route: one row of counts touched, a bucket rolled every BUCKET_S at most."""
         now = self.clock()
         usage = self.tenants.get(tenant)
         if usage is None:
             usage = self.tenants[tenant] = TenantUsage(tier)
         usage.tier = tier
-        index = int(now // BUCKET_S)
-        buckets = usage.buckets
-        if buckets and buckets[-1][0] == index:
-            row = buckets[-1]
-        else:
-            row = _new_bucket(index)
-            buckets.append(row)
-            oldest = index - int(MAX_WINDOW_S // BUCKET_S)
-            while buckets[0][0] < oldest:
-                buckets.popleft()
-        total = usage.total
+        row = usage.row if now < usage.row_end else usage.roll(now)
         row[_REQ + outcome] += 1
-        total[_REQ + outcome] += 1
         row[_INP + outcome] += inputs
-        total[_INP + outcome] += inputs
         if outcome <= SLOW:
             row[_COST] += cost
-            total[_COST] += cost
             usage.latencies.append((now, latency_s))
 
     def report(self, tenant: str, window_s: float = DEFAULT_WINDOW_S) -> dict[str, object]:
@@ -138,7 +151,7 @@ class UsageBook:
         if served:
             latency.update(p50=round(_percentile(served, 0.5) * 1000, 1), p95=round(_percentile(served, 0.95) * 1000, 1))
         return {"tenant": tenant, "tier": usage.tier or None, "window_s": window_s, **_counts(window),
-                "latency_ms": latency, "since_start": _counts(usage.total)}
+                "latency_ms": latency, "since_start": _counts(usage.since_start())}
 
     def reports(self, window_s: float = DEFAULT_WINDOW_S) -> list[dict[str, object]]:
         """Every tenant's figures (an admin's view), by tenant name."""
