@@ -27,7 +27,7 @@ from batchserve.embeddings import schema as embeddings_schema
 from batchserve.http.body import internal_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
-from batchserve.http import docs_page, openapi
+from batchserve.http import docs_page, openapi, usage
 from batchserve.inference import ops
 from batchserve.inference import routes as inference
 from batchserve.inference import schema as http_schema
@@ -50,6 +50,7 @@ WINGS = (
     (generation_routes.ROUTES, generation_schema.OPENAPI),
     (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
     (kserve_routes.ROUTES, kserve_schema.OPENAPI),
+    (usage.ROUTES, usage.OPENAPI),
     (docs_page.ROUTES, docs_page.OPENAPI),
 )
 

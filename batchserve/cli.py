@@ -141,6 +141,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add.add_argument("--tenant", required=True)
     add.add_argument("--tier", required=True, choices=CALLER_NAMES)
     add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
+    add.add_argument("--admin", action="store_true", help="the key sees every tenant's figures at GET /v1/usage")
     plan_parser = sub.add_parser("plan", help="nodes needed for a target rate at the SLO, predicted p50/p95 and "
                                               "headroom (docs/capacity.md)",
                                  description=plan.DESCRIPTION, formatter_class=plan.HelpFormatter)
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
         key = new_key()
         try:
-            append_key(args.config, args.tenant, args.tier, digest(key), args.rate)
+            append_key(args.config, args.tenant, args.tier, digest(key), args.rate, args.admin)
         except (ValueError, OSError) as exc:
             parsers["add"].error(f"{exc} (the file was not changed)")
         print(key)

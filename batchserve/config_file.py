@@ -18,6 +18,7 @@ tenant = "acme"
 tier = "paid"
 sha256 = "<hex digest of the key>"
 rate = 50              # optional per-key override (and burst)
+admin = true           # optional: GET /v1/usage shows this key every tenant's figures
 ```
 
 Strict: an unknown table or key, or a value of the wrong kind, is an error that names the file, the line and
@@ -147,6 +148,10 @@ def non_negative(value: Any) -> str | None:
     return None if ok else "expected a number, 0 or more"
 
 
+def boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "expected true or false"
+
+
 def one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
     def rule(value: Any) -> str | None:
         if value in choices:
@@ -173,6 +178,7 @@ TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
 MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
 TIER_KEYS = {"rate": positive, "burst": positive}
 KEY_KEYS = {"tenant": text, "tier": one_of(tiers.NAMES), "sha256": sha256_hex, "rate": positive, "burst": positive,
+            "admin": boolean,
             "storage_mb": positive}  # storage_mb: the tenant's byte quota, in place of --tenant-storage-mb
 
 
@@ -235,7 +241,7 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         c.known(k, where, KEY_KEYS)
         for name in ("tenant", "tier", "sha256"):
             c.value(k, where, name, KEY_KEYS[name], required=True)
-        for name in ("rate", "burst", "storage_mb"):
+        for name in ("rate", "burst", "admin", "storage_mb"):
             c.value(k, where, name, KEY_KEYS[name])
         entry = dict(k)
         if "storage_mb" in entry:
@@ -253,7 +259,7 @@ def apply_config_file(settings: Settings, path: str) -> None:
     settings.tenant_storage_mb_by_tenant.update(loaded.storage_mb)
 
 
-def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | None) -> None:
+def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | None, admin: bool = False) -> None:
     """Add a [[keys]] table to the file (created if missing); TOML basic strings are JSON strings. A file that
     does not pass `load` is left alone (ValueError): appending would bury its mistake under a new key."""
     try:
@@ -264,5 +270,7 @@ def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | Non
              f"sha256 = {json.dumps(sha256)}"]
     if rate is not None:
         lines.append(f"rate = {rate}")
+    if admin:
+        lines.append("admin = true")
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")

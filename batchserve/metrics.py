@@ -153,7 +153,13 @@ class Metrics:
     load_ratio: Gauge  # autoscaling signals, computed at scrape time (batchserve/core/load_signal.py)
     predicted_wait_ratio: Gauge
     batches_stopped_early: Counter
+    slo_requests: LoopCounter  # the SLO ledger (core/ledger.py): answers by model, tier and outcome
+    cost_served: LoopCounter  # cost units (tokens, or inputs where a model costs 1 each) served, by model and tier
+    inputs_served: LoopCounter
     _ok: dict[str, tuple] = field(default_factory=dict)  # per model: its bound 200-counter and histogram
+    # (model, tier, outcome) -> its slo_requests, inputs_served and cost_served children
+    _ledger: dict[tuple[str, str, str], tuple[_CounterChild, _CounterChild, _CounterChild]] = field(
+        default_factory=dict)
 
     def count_ok(self, model: str, latency_s: float) -> None:
         """One 200 answer: the hot path, so the labelled children are looked up once per model."""
@@ -162,6 +168,19 @@ class Metrics:
             children = self._ok[model] = (self.requests.labels(model, "200"), self.request_duration.labels(model))
         children[0].inc()
         children[1].observe(latency_s)
+
+    def count_outcome(self, model: str, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0) -> None:
+        """One answer in the SLO ledger; `inputs` and `cost` are added to what was served (pass them only for a
+        served answer). Every answer of a model route comes here: its three children are found by one lookup."""
+        key = (model, tier, outcome)
+        children = self._ledger.get(key)
+        if children is None:
+            children = self._ledger[key] = (self.slo_requests.labels(model, tier, outcome),
+                                            self.inputs_served.labels(model, tier),
+                                            self.cost_served.labels(model, tier))
+        children[0].value += 1
+        children[1].value += inputs
+        children[2].value += cost
 
     def count_error(self, model: str, err: ApiError) -> None:
         self.requests.labels(model, str(err.status)).inc()
@@ -203,4 +222,10 @@ def make_metrics() -> Metrics:
                                    registry=r),
         batches_stopped_early=Counter(p + "batches_stopped_early", "Batches the backend cut short because every "
                                       "caller had left (answered, timed out or hung up)", ["model"], registry=r),
+        slo_requests=LoopCounter(p + "slo_requests", "Answers of the model routes by SLO outcome: met (2xx within "
+                                 "the SLO), slow (2xx past it), refused (429/503), expired (504), failed (other "
+                                 "5xx); other 4xx are not counted", ("model", "tier", "outcome"), r),
+        cost_served=LoopCounter(p + "cost_served", "Cost units served in 2xx answers: tokens where the model costs "
+                                "by tokens, else inputs", ("model", "tier"), r),
+        inputs_served=LoopCounter(p + "inputs_served", "Inputs served in 2xx answers", ("model", "tier"), r),
     )

@@ -121,7 +121,8 @@ class Runtime:
         service = InferenceService(batcher, admission, backends, requests)
         metrics = make_metrics()
         rt = cls(settings, ModelRegistry(settings.models), metrics, requests, batcher, admission, service,
-                 Guard(Tenancy.from_settings(settings), metrics, settings.metrics_key), backends, loaded)
+                 Guard(Tenancy.from_settings(settings), metrics, settings.metrics_key, slo_s=settings.slo_ms / 1000),
+                 backends, loaded)
         rt.refusals = RefusalThrottle(settings.refused_per_s)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
@@ -269,8 +270,8 @@ class Runtime:
 
     def _deadlines_changed(self) -> None:
         """The SLO (and default timeout) may have been derived from a measured batch or answer time
-        (`warmup.apply_deadlines`): the batcher and admission pace by it."""
-        self.batcher.slo_s = self.admission.slo_s = self.settings.slo_ms / 1000
+        (`warmup.apply_deadlines`): the batcher and admission pace by it, the SLO ledger holds answers to it."""
+        self.batcher.slo_s = self.admission.slo_s = self.guard.slo_s = self.settings.slo_ms / 1000
         self.batcher.latency_fit_s = self.admission.slo_s * self.settings.admission_slack / 2
 
     async def _tick(self) -> None:

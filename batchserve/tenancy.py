@@ -32,6 +32,7 @@ class Caller:
     tier: int  # a tiers.Tier rank
     key_id: str = ""  # first 12 hex digits of the key's digest (safe to log); "" for anonymous callers
     owner: str = ""  # who its jobs and request records belong to: the tenant, or anonymous@<client address>
+    admin: bool = False  # its key has `admin = true`: GET /v1/usage shows it every tenant
 
 
 def lane_of(owner: str) -> str:
@@ -47,6 +48,7 @@ class KeyEntry:
     sha256: str
     rate: float | None = None
     burst: float | None = None
+    admin: bool = False  # GET /v1/usage shows this key every tenant's figures
 
 
 @dataclass
@@ -133,7 +135,7 @@ class Tenancy:
                 found = entry
         if found is None:
             raise errors.unauthorized("unknown API key")
-        return Caller(found.tenant, tiers.by_name(found.tier).rank, wanted[:12], found.tenant)
+        return Caller(found.tenant, tiers.by_name(found.tier).rank, wanted[:12], found.tenant, found.admin)
 
     def take_token(self, caller: Caller, count: int = 1) -> dict[str, str]:
         """Spend `count` requests (the inputs of a list, on /v1/embeddings) from the caller's bucket; returns the

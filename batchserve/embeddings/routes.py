@@ -26,9 +26,10 @@ from batchserve.embeddings.wire import answer
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import read_body, request_id_of
 from batchserve.http.disconnect import disconnect_probe
-from batchserve.http.guards import Guard
+from batchserve.http.guards import Guard, costs_of
 from batchserve.http.openai_error import JSON, OpenAIError, error_response
 from batchserve.models import ModelRegistry
+from batchserve.tenancy import Caller
 
 log = logging.getLogger("batchserve.embeddings")
 
@@ -95,14 +96,18 @@ async def embeddings(request: Request) -> Response:
     s = rt.settings
     guard = rt.guard
     arrived = time.monotonic()
+    caller: Caller | None = None  # known once identified: a 429 is booked to it (the SLO ledger)
     try:
-        caller = guard.enter(request.headers.get("authorization"), request.scope, openai=True)
+        caller = guard.identify(request.headers.get("authorization"), request.scope, openai=True)
+        guard.check(caller)
     except ApiError as err:  # refused before its body is read; the caller's request id, as on every answer
         guard.counted()
+        guard.settle("unknown", caller, err.status, 0.0)
         return error_response(OpenAIError.from_api(err), {"X-Request-ID": request_id_of(request)})
     request_id = request_id_of(request)
     headers = {"X-Request-ID": request_id}
     refused: tuple[str, ApiError] | None = None
+    inputs = 1  # the inputs of its list, once parsed
     try:
         try:
             body = await read_body(request, s.max_body_bytes)
@@ -111,6 +116,7 @@ async def embeddings(request: Request) -> Response:
         except ClientDisconnect:
             return Response(status_code=499)
         req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
+        inputs = len(req.inputs)
         model_id, backend = pick_model(rt, req.model, caller.key_id)
         counting = None
         if sum(map(len, req.inputs)) > COUNT_INLINE_CHARS:
@@ -129,13 +135,14 @@ async def embeddings(request: Request) -> Response:
             return Response(status_code=499)
         body = answer([r.output for r in results], req.base64, model_id,
                       await prompt_tokens(backend, req.inputs, counting))
-        guard.ok(model_id, time.monotonic() - arrived)
+        guard.ok(model_id, time.monotonic() - arrived, caller, inputs, costs_of(backend, req.inputs))
         return Response(body, media_type=JSON, headers=headers)
     except OpenAIError as err:
         if refused is not None:
-            guard.refused(*refused)
-        else:
+            guard.refused(*refused, caller, inputs)
+        else:  # the caller's mistake (4xx, no SLO outcome), or a model still warming up (503, refused)
             guard.counted()
+            guard.settle("unknown", caller, err.status, 0.0, inputs)
         return error_response(err, headers)
 
 

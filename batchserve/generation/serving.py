@@ -25,6 +25,7 @@ from batchserve.generation.engine import Delta, Engine, Sequence, enabled
 from batchserve.generation.wire import JSON, Answer, OpenAIError, error_response, sse
 from batchserve.http.body import client_host, read_body, request_id_of
 from batchserve.http.guards import Guard
+from batchserve.tenancy import Caller
 
 
 class GenerationHost(Protocol):
@@ -79,10 +80,14 @@ async def generate(request: Request, chat: bool) -> Response:
     headers = {"X-Request-ID": request_id}
     engine = rt.generation
     who = "anonymous@" + client_host(request.scope)  # whose refusals count (`core/refusals.py`)
+    arrived = time.monotonic()
+    model = engine.cfg.model_id if engine is not None else "unknown"
+    caller: Caller | None = None  # known once identified: a 429 or 503 is booked to it (the SLO ledger)
     try:
         try:
-            caller, limits = rt.guard.admit(request.headers.get("authorization"), request.scope,
-                                            openai=True)
+            guard = rt.guard
+            caller = guard.identify(request.headers.get("authorization"), request.scope, openai=True)
+            limits = guard.take(caller)
             who = caller.tenant if caller.key_id else who
             if wait_s := rt.refusals.wait_s(who):  # refused often of late: its body waits in the socket
                 await asyncio.sleep(wait_s)
@@ -108,6 +113,7 @@ async def generate(request: Request, chat: bool) -> Response:
             raise OpenAIError.from_api(err) from None
     except OpenAIError as err:
         rt.guard.counted()
+        rt.guard.settle(model, caller, err.status, 0.0)
         if engine is not None:
             engine.metrics.requests.labels(endpoint, str(err.status)).inc()
         if 400 <= err.status < 500 and err.status != 429:  # refused for what it sent (429 has its own limit)
@@ -118,6 +124,7 @@ async def generate(request: Request, chat: bool) -> Response:
                     int(time.time()), len(prompt_ids))
     rt.service.hold()
     done = False
+    first_s = 0.0  # arrival to the first delta: what the SLO ledger holds a generation answer to
 
     def cleanup(status: str) -> None:
         nonlocal done
@@ -130,9 +137,11 @@ async def generate(request: Request, chat: bool) -> Response:
             engine.cancel(seq)
             status = "499"
         engine.metrics.requests.labels(endpoint, status).inc()
+        rt.guard.settle(model, caller, int(status), first_s, 1, float(len(prompt_ids) + seq.tokens))
 
     try:
         first = await next_or_gone(request, seq)  # before any byte: a queue timeout can still be a 504
+        first_s = time.monotonic() - arrived
         if first is None:
             cleanup("499")
             return Response(status_code=499)

@@ -1,24 +1,48 @@
 """Who is calling and whether they may, in one place for every route (issue 23): the caller from its key and
 its client address, its rate-limit tokens, the metrics key of the operational routes, and the count of what was
-answered. The policy (keys, tiers, token buckets) is `tenancy.py`'s; the guard is where the routes meet it, so
+answered: the status counts and the SLO ledger (`core/ledger.py`: per model and tier in /metrics, per tenant at
+GET /v1/usage), so every model route books its answers alike. The policy (keys, tiers, token buckets) is `tenancy.py`'s; the guard is where the routes meet it, so
 they identify, limit and count alike (the OpenAI routes once passed no client address, and each route counted
 its own answers)."""
 
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol, Sequence
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Scope
 
 from batchserve import errors
+from batchserve.core import ledger
+from batchserve.core.ledger import UsageBook
+from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.errors import ApiError
 from batchserve.http.body import client_host, error_response, request_id_of
 from batchserve.metrics import Metrics
 from batchserve.tenancy import Caller, Tenancy
+
+
+class Coster(Protocol):
+    """What the ledger asks of a backend: the cost of one input (tokens; 1 for a plugin that declares none)."""
+
+    def cost_of(self, text: str) -> float: ...
+
+
+def costs_of(backend: Coster | None, texts: Sequence[str]) -> float:
+    """The cost units of a request's inputs as the batcher counts them (`backend.cost_of`, cached by the
+    built-in backends since admission asked): 1 an input when the backend is gone or cannot say."""
+    if backend is None:
+        return float(len(texts))
+    total = 0.0
+    try:
+        for text in texts:
+            total += backend.cost_of(text)
+    except Exception:  # noqa: BLE001 - the answer went out; its cost is then counted as its inputs
+        return float(len(texts))
+    return total
 
 
 @dataclass
@@ -27,6 +51,8 @@ class Guard:
     metrics: Metrics
     metrics_key: str = ""  # --metrics-key: what the operational routes ask for ("" = open)
     answered: int = 0  # requests answered since start, any status (the 1 s tick's requests per second)
+    slo_s: float = 0.2  # the latency objective the ledger holds 2xx answers to (--slo-ms, set as derived)
+    usage: UsageBook = field(default_factory=UsageBook)  # per tenant, for GET /v1/usage
 
     def identify(self, authorization: str | None, scope: Scope, openai: bool = False) -> Caller:
         """The caller (401 when keys are configured and its key is missing or wrong). The peer's address, read
@@ -45,6 +71,11 @@ class Guard:
         self.tenancy.check_token(caller)
         return caller
 
+    def check(self, caller: Caller) -> None:
+        """`enter`'s second half, for a route that keeps the caller to book a 429 to: 429 unless the caller's
+        bucket holds a token now (none is taken)."""
+        self.tenancy.check_token(caller)
+
     def take(self, caller: Caller, count: int = 1) -> dict[str, str]:
         """Spend `count` tokens (the inputs of a list) from the caller's bucket: the X-RateLimit-* headers, or 429."""
         return self.tenancy.take_token(caller, count)
@@ -55,15 +86,39 @@ class Guard:
         caller = self.identify(authorization, scope, openai)
         return caller, self.tenancy.take_token(caller, count)
 
-    def ok(self, model: str, latency_s: float) -> None:
-        """A model's answer went out."""
+    def ok(self, model: str, latency_s: float, caller: Caller, inputs: int = 1, cost: float = 1.0) -> None:
+        """A model's answer went out: `inputs` served, costing `cost` units (tokens, or 1 an input)."""
         self.answered += 1
         self.metrics.count_ok(model, latency_s)
+        outcome = ledger.MET if latency_s <= self.slo_s else ledger.SLOW
+        self._book(model, caller, outcome, inputs, cost, latency_s)
 
-    def refused(self, model: str, err: ApiError) -> None:
-        """An error went out, counted by its code (`model` is "unknown" before one was picked)."""
+    def refused(self, model: str, err: ApiError, caller: Caller | None, inputs: int = 1) -> None:
+        """An error went out, counted by its code (`model` is "unknown" before one was picked), and in the
+        SLO ledger when it is an outcome (429, 5xx) of a known caller (a 401 has none: it is no outcome)."""
         self.answered += 1
         self.metrics.count_error(model, err)
+        self.settle(model, caller, err.status, 0.0, inputs)
+
+    def settle(self, model: str, caller: Caller | None, status: int, latency_s: float, inputs: int = 1,
+               cost: float = 1.0) -> None:
+        """The SLO ledger's entry of an answer with `status` (nothing for a 4xx other than 429, or a 499); for
+        the routes that count their answers' statuses themselves (the generation engine's)."""
+        if caller is None:
+            return
+        if 200 <= status < 300:
+            outcome: int | None = ledger.MET if latency_s <= self.slo_s else ledger.SLOW
+        else:
+            outcome = ledger.error_outcome(status) if status != 499 else None
+        if outcome is not None:
+            self._book(model, caller, outcome, inputs, cost, latency_s)
+
+    def _book(self, model: str, caller: Caller, outcome: int, inputs: int, cost: float, latency_s: float) -> None:
+        tier = TIER_NAMES[caller.tier]
+        served = outcome <= ledger.SLOW
+        self.metrics.count_outcome(model, tier, ledger.OUTCOMES[outcome], inputs if served else 0,
+                                   cost if served else 0.0)
+        self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s)
 
     def shed(self, err: ApiError) -> None:
         """A refusal of work outside the batcher (the generation engine's 503s): `batchserve_rejected_total`

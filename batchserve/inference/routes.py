@@ -27,10 +27,11 @@ from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import (error_body, error_response, inference_headers, json_response,
                                   new_request_id, read_body_from, request_id_from, send_json)
 from batchserve.http.disconnect import Watcher, disconnect_probe
-from batchserve.http.guards import Guard
+from batchserve.http.guards import Guard, costs_of
 from batchserve.inference.body import parse_inference
 from batchserve.http.uvicorn_protocol import whole_answer_sender
 from batchserve.models import ModelRegistry
+from batchserve.tenancy import Caller
 
 
 class InferenceHost(Protocol):
@@ -67,8 +68,10 @@ class InferenceEndpoint:
         request_id = request_id_from(headers.get("x-request-id"))
         model_id = "unknown"
         limit_headers: dict[str, str] = {}
+        caller: Caller | None = None  # known once identified: a 429 is booked to it (the SLO ledger)
         try:
-            caller, limit_headers = guard.admit(headers.get("authorization"), scope)
+            caller = guard.identify(headers.get("authorization"), scope)
+            limit_headers = guard.take(caller)
             try:
                 body = await read_body_from(receive, s.max_body_bytes, headers.get("content-length"))
             except ClientDisconnect:
@@ -89,7 +92,7 @@ class InferenceEndpoint:
                 return  # nobody reads an answer: the connection is gone
             latency_s = time.monotonic() - arrived
             queue_ms, compute_ms = result.queue_s * 1000, result.compute_s * 1000
-            guard.ok(model_id, latency_s)
+            guard.ok(model_id, latency_s, caller, 1, costs_of(rt.backends.get(model_id), (text,)))
             out = orjson.dumps({"request_id": request_id, "output": result.output, "model": model_id,
                                 "latency_ms": round(latency_s * 1000), "queue_ms": round(queue_ms),
                                 "compute_ms": round(compute_ms), "batch_size": result.batch_size})
@@ -107,7 +110,7 @@ class InferenceEndpoint:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": out})
         except ApiError as err:
-            guard.refused(model_id, err)
+            guard.refused(model_id, err, caller)
             if limit_headers and not err.headers:
                 err.headers = limit_headers
             out, err_headers = error_body(err, request_id)

@@ -30,9 +30,10 @@ from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import request_id_from
-from batchserve.http.guards import Guard
+from batchserve.http.guards import Guard, costs_of
 from batchserve.kserve.wire import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME, V2Error, model_metadata
 from batchserve.models import ModelRegistry
+from batchserve.tenancy import Caller
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -199,9 +200,12 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         request_id = request_id_from(metadata.get("x-request-id"))
         model_id = "unknown"
+        caller: Caller | None = None  # known once identified: a 429 or a 5xx is booked to it (the SLO ledger)
+        inputs = 1  # until the tensor is read
         try:
             caller = guard.identify(metadata.get("authorization"), {"client": peer_address(context.peer())})
             texts, shape, timeout_us = parse_request(request, s.max_input_chars)
+            inputs = len(texts)
             spec = find_model(rt, request.model_name, request.model_version)  # type: ignore[attr-defined]
             model_id = spec.id
             backend = rt.backends.get(spec.id)
@@ -220,12 +224,13 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
             except ClientGone:
                 return protos.ModelInferResponse()  # nobody reads it: the call was cancelled
             datatype, out_shape, raw = output_tensor([r.output for r in results], shape, backend.output_kind)
-            guard.ok(model_id, time.monotonic() - arrived)
+            guard.ok(model_id, time.monotonic() - arrived, caller, len(texts), costs_of(backend, texts))
         except ApiError as err:
-            guard.refused(model_id, err)
+            guard.refused(model_id, err, caller, inputs)
             await abort(context, err, request_id)
         except V2Error as err:
-            guard.refused(model_id, ApiError(err.status, V2_CODES.get(err.status, "INFERENCE_FAILED"), err.message))
+            guard.refused(model_id, ApiError(err.status, V2_CODES.get(err.status, "INFERENCE_FAILED"), err.message),
+                          caller, inputs)
             await abort(context, err, request_id)
         await context.send_initial_metadata((("x-request-id", request_id),))
         tensor = protos.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)

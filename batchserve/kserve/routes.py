@@ -26,11 +26,12 @@ from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import read_body_from, request_id_from, send_json
 from batchserve.http.disconnect import disconnect_probe
-from batchserve.http.guards import Guard
+from batchserve.http.guards import Guard, costs_of
 from batchserve.http.uvicorn_protocol import whole_answer_sender
 from batchserve.kserve.wire import (EXTENSIONS, HEADER_LENGTH, V2Error, infer_answer, model_metadata,
                                         parse_infer)
 from batchserve.models import ModelRegistry
+from batchserve.tenancy import Caller
 
 JSON = "application/json"
 CODES = {400: "INVALID_REQUEST", 404: "MODEL_NOT_FOUND", 413: "PAYLOAD_TOO_LARGE"}  # v2 refusals, for the metrics
@@ -147,6 +148,8 @@ class InferEndpoint:
         request_id = request_id_from(headers.get("x-request-id"))
         answer_headers = {"X-Request-ID": request_id}
         model_id = "unknown"
+        inputs = 1  # the elements of its tensor, once parsed
+        caller: Caller | None = None  # known once identified: a 429 or a 5xx is booked to it (the SLO ledger)
         try:
             caller = guard.identify(headers.get("authorization"), scope)
             try:
@@ -154,6 +157,7 @@ class InferEndpoint:
             except ClientDisconnect:
                 return
             req = parse_infer(body, headers.get(HEADER_LENGTH), s.max_input_chars)
+            inputs = len(req.texts)
             spec = find_model(rt, params.get("model", ""), params.get("version"))
             model_id = spec.id
             backend = rt.backends.get(spec.id)
@@ -172,14 +176,14 @@ class InferEndpoint:
                 return
             out, header_length = infer_answer(req, spec.name, spec.version, [r.output for r in results],
                                               backend.output_kind)
-            guard.ok(model_id, time.monotonic() - arrived)
+            guard.ok(model_id, time.monotonic() - arrived, caller, len(req.texts), costs_of(backend, req.texts))
         except ApiError as err:
-            guard.refused(model_id, err)
+            guard.refused(model_id, err, caller, inputs)
             await send_error(send, err, answer_headers)
             return
         except V2Error as err:
             code = CODES.get(err.status, "INFERENCE_FAILED")
-            guard.refused(model_id, ApiError(err.status, code, err.message))
+            guard.refused(model_id, ApiError(err.status, code, err.message), caller, inputs)
             await send_error(send, err, answer_headers)
             return
         if header_length is None:

@@ -78,6 +78,8 @@ version = "v2"
     ('\n[tiers.fre]\nrate = 5', [":9: tiers.fre", "unknown tier 'fre'", "did you mean 'free'"]),
     ('\n[tiers.free]\nrat = 5', [":10: tiers.free.rat", "did you mean 'rate'"]),
     ('\n[[keys]]\ntenant = "a"\ntier = "paid"\nsha256 = "abc"', [":12: keys[0].sha256", "64 lowercase hex"]),
+    ('\n[[keys]]\ntenant = "a"\ntier = "paid"\nsha256 = "' + "a" * 64 + '"\nadmin = "yes"',
+     [":13: keys[0].admin", "expected true or false"]),
     ('\nslo_ms = 500', ["models[1].slo_ms"]),  # a key after [[models]] belongs to that table
 ])
 def test_config_file_mistakes_name_file_line_and_key(tmp_path: Path, extra: str, phrases: list[str]) -> None:
@@ -147,9 +149,12 @@ def test_keys_add_to_a_good_file_still_works(tmp_path: Path) -> None:
     config = write(tmp_path, MODELS.format(extra=""))
     add_key(config, "a", "paid")
     add_key(config, "b", "free", "--rate", "5")
+    add_key(config, "ops", "enterprise", "--admin")  # GET /v1/usage shows this key every tenant
     from batchserve.config_file import load
 
-    assert [k["tenant"] for k in load(str(config)).keys] == ["a", "b"]
+    keys = load(str(config)).keys
+    assert [k["tenant"] for k in keys] == ["a", "b", "ops"]
+    assert [k.get("admin", False) for k in keys] == [False, False, True]
 
 
 def test_version_and_bare_commands_print_help() -> None:

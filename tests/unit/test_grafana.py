@@ -1,6 +1,8 @@
 """deploy/grafana/batchserve.json: a Grafana dashboard that validates against the dashboard model's schema
 (deploy/grafana/dashboard.schema.json), queries only series batchserve/metrics.py exports, and shows what the
-issue asked for (latency split into queue wait and compute, batch sizes, refusals by reason, per-model load)."""
+issue asked for (latency split into queue wait and compute, batch sizes, refusals by reason, per-model load, SLO
+attainment per tier). And deploy/prometheus/batchserve-rules.yaml, the alert rule on the same SLO ledger, read
+with the same PromQL parser."""
 
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ from pathlib import Path
 import jsonschema
 import promql_parser
 import pytest
+import yaml
 
+from batchserve.core.ledger import ADMITTED, OUTCOMES
 from batchserve.metrics import make_metrics
 
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
+RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "batchserve-rules.yaml"
+LEDGER = "batchserve_slo_requests_total"
 # What Grafana substitutes before the query reaches Prometheus: its interval macro and the dashboard's variables
 # (a multi-value variable becomes a regex alternation).
 GRAFANA_VALUES = {"$__rate_interval": "1m", "$__interval": "15s", "$model": "a|b", "$instance": ".*"}
@@ -142,3 +148,84 @@ def test_panels_do_not_overlap_and_use_the_dashboard_variables():
     assert used <= defined, used - defined
     for p in board["panels"]:
         assert p["datasource"]["uid"] == "${datasource}"
+
+
+def outcomes_selected(node: promql_parser.Expr) -> set[str]:
+    """The outcomes of the SLO ledger that the query's selectors of it let through (all of them when a selector
+    names none)."""
+    chosen: set[str] = set()
+
+    def visit(n: object) -> bool:
+        if isinstance(n, promql_parser.VectorSelector) and n.name == LEDGER:
+            allowed = set(OUTCOMES)
+            for m in n.matchers.matchers:
+                if m.name != "outcome":
+                    continue
+                hit = {o for o in OUTCOMES if (re.fullmatch(m.value, o) if "Re" in str(m.op) else m.value == o)}
+                allowed &= (set(OUTCOMES) - hit) if "Not" in str(m.op) else hit
+            chosen.update(allowed)
+        return True
+
+    promql_parser.walk(node, visit)
+    return chosen
+
+
+def attainment_ratio(expr: promql_parser.Expr) -> promql_parser.BinaryExpr | None:
+    """The first `met / admitted` division in the query: numerator only `met`, denominator exactly the admitted
+    outcomes (met, slow, expired, failed: refusals left out), both summed by tier."""
+    found: list[promql_parser.BinaryExpr] = []
+
+    def visit(n: object) -> bool:
+        if (isinstance(n, promql_parser.BinaryExpr) and str(n.op) == "/"
+                and outcomes_selected(n.lhs) == {"met"}
+                and outcomes_selected(n.rhs) == {OUTCOMES[i] for i in ADMITTED}
+                and all("by (tier)" in str(side) for side in (n.lhs, n.rhs))):
+            found.append(n)
+        return True
+
+    promql_parser.walk(expr, visit)
+    return found[0] if found else None
+
+
+def test_the_dashboard_shows_slo_attainment_per_tier():
+    panels = [p for p in dashboard()["panels"] if any(attainment_ratio(parsed(t["expr"])) for t in p["targets"])]
+    assert panels, "no panel divides met by the admitted outcomes per tier"
+    assert panels[0]["fieldConfig"]["defaults"]["unit"] == "percentunit"
+
+
+def test_the_attainment_check_catches_refusals_in_the_denominator():
+    wrong = ('sum by (tier) (rate(batchserve_slo_requests_total{outcome="met"}[1m])) / '
+             'sum by (tier) (rate(batchserve_slo_requests_total[1m]))')  # refused counted as admitted
+    assert attainment_ratio(parsed(wrong)) is None
+    right = wrong.replace("total[1m]))", 'total{outcome!="refused"}[1m]))')
+    assert attainment_ratio(parsed(right)) is not None
+
+
+def rules() -> list[dict]:
+    doc = yaml.safe_load(RULES.read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def test_the_alert_rules_file_has_prometheus_shape():
+    """The shape Prometheus's rule loader accepts: groups of a name and rules; an alerting rule has alert, expr,
+    and only the keys Prometheus knows, a duration in `for`, and string labels and annotations."""
+    doc = yaml.safe_load(RULES.read_text())
+    assert set(doc) == {"groups"}
+    for group in doc["groups"]:
+        assert set(group) <= {"name", "interval", "limit", "rules"} and group["name"] and group["rules"]
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "expr", "for", "keep_firing_for", "labels", "annotations"}, rule
+            assert re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", rule["alert"])
+            assert re.fullmatch(r"(\d+[smhdwy])+", rule.get("for", "0s"))
+            assert all(isinstance(v, str) for v in {**rule.get("labels", {}), **rule.get("annotations", {})}.values())
+            parsed(rule["expr"])  # ValueError if Prometheus would refuse it
+            assert series_of(rule["expr"]) <= exported_series(), rule["alert"]
+
+
+def test_an_alert_fires_on_slo_attainment_of_admitted_requests_below_target():
+    alerts = [(r, attainment_ratio(parsed(r["expr"]))) for r in rules()]
+    (rule,) = [r for r, a in alerts if a is not None]
+    comparison = next(n for n in [parsed(rule["expr"]).lhs, parsed(rule["expr"])]
+                      if isinstance(n, promql_parser.BinaryExpr) and str(n.op) == "<")
+    assert isinstance(comparison.rhs, promql_parser.NumberLiteral) and 0.5 <= comparison.rhs.val < 1
+    assert "{{ $labels.tier }}" in rule["annotations"]["summary"]

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from bench.ledger_drill import ledger_of
 from tests.conftest import LiveServer, start_server
 from tests.integration.generation.conftest import Reference
 from tests.integration.test_tenancy import add_key
@@ -324,3 +325,34 @@ def test_the_static_path_answers_as_generate_does(server: LiveServer, generate_r
                        timeout=120)
         assert r.status_code == 200 and r.json()["output"] == reference[text], (r.text, reference[text])
     assert engine_stats(server)["generated_tokens"] == before  # the engine is on, and untouched: the batcher answered
+
+
+def usage_of(server: LiveServer) -> dict:
+    (mine,) = httpx.get(server.url + "/v1/usage", headers=auth(server)).json()["data"]
+    return mine
+
+
+def test_the_ledger_books_each_answer_with_its_tokens(server: LiveServer, client: openai.OpenAI) -> None:
+    """The SLO ledger on the generation routes (issue 33): each answer once, an outcome by its time to the first
+    token, cost served = prompt + completion tokens (the answers' own usage), a 400 not an outcome."""
+    wait_idle(server, 5)
+    before = usage_of(server)
+    chat = client.chat.completions.create(model=MODEL, messages=ask("Japan"), temperature=0, max_tokens=8)
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of Italy is", temperature=0,
+                                            max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=ask("France"), max_tokens=0)
+    tokens = chat.usage.total_tokens + chunks[-1].usage.total_tokens
+    give_up = time.monotonic() + 5  # a stream is booked once its last chunk went out: wait for it
+    while (after := usage_of(server))["cost_served"] < before["cost_served"] + tokens:
+        assert time.monotonic() < give_up, (before, after, tokens)
+        time.sleep(0.05)
+    assert sum(after["requests"][o] - before["requests"][o] for o in ("met", "slow")) == 2
+    assert after["cost_served"] - before["cost_served"] == tokens
+    assert after["inputs"]["met"] + after["inputs"]["slow"] - before["inputs"]["met"] - before["inputs"]["slow"] == 2
+    assert sum(after["requests"].values()) - sum(before["requests"].values()) == 2  # the 400: no outcome
+    assert after["latency_ms"]["count"] >= 2 and after["tier"] == "enterprise"
+    text = httpx.get(server.url + "/metrics").text
+    booked = ledger_of(text)  # by (model, tier, outcome)
+    assert sum(booked.get((MODEL, "enterprise", o), 0) for o in ("met", "slow")) >= 2, booked
+    assert "gen-tests" not in text

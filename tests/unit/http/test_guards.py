@@ -72,9 +72,10 @@ def test_enter_refuses_an_empty_bucket_before_the_body_and_takes_nothing():
 
 def test_every_answer_is_counted_once_and_the_model_ones_in_the_metrics():
     g = guard()
-    g.ok("m", 0.01)
-    g.refused("m", errors.overloaded("busy", 100))
-    g.refused("unknown", errors.unauthorized("no"))
+    caller = g.identify(None, peer("10.0.0.1"))
+    g.ok("m", 0.01, caller)
+    g.refused("m", errors.overloaded("busy", 100), caller)
+    g.refused("unknown", errors.unauthorized("no"), None)
     g.counted()
     g.shed(errors.ApiError(503, "KV_CAPACITY", "full"))  # counted when its answer goes out, not here
     assert g.answered == 4
@@ -103,7 +104,8 @@ def calls_outside_the_guard() -> list[str]:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("identify", "take_token", "count_ok", "count_error")
+                    and node.func.attr in ("identify", "take_token", "count_ok", "count_error",
+                                               "count_outcome")
                     and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "guard"))):
                 found.append(f"{path.relative_to(package)}:{node.lineno} {node.func.attr}")
             if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Attribute) \
@@ -114,3 +116,50 @@ def calls_outside_the_guard() -> list[str]:
 
 def test_no_route_identifies_limits_or_counts_on_its_own():
     assert calls_outside_the_guard() == []
+
+
+def ledger_sample(g: Guard, name: str, **labels: str) -> float:
+    return g.metrics.registry.get_sample_value(name, labels) or 0
+
+
+def test_the_ledger_books_every_model_answer_by_model_tier_and_outcome():
+    g = guard(with_key=True)  # acme, tier free
+    g.slo_s = 0.2
+    acme = g.identify(f"Bearer {KEY}", peer("10.0.0.1"))
+    anon = g.identify(None, peer("10.0.0.2"))  # tier paid (the anonymous tier)
+    g.ok("m", 0.15, acme, 4, 40.0)
+    g.ok("m", 0.25, acme, 2, 10.0)
+    g.refused("unknown", errors.rate_limited("over", 100, {}), acme)
+    g.refused("m", errors.overloaded("busy", 100), anon, 3)
+    g.refused("m", errors.deadline_exceeded(), acme)
+    g.refused("m", errors.inference_failed("boom"), acme)
+    g.refused("m", errors.invalid("bad body"), acme)  # the caller's mistake: no outcome
+    g.refused("unknown", errors.unauthorized("no"), None)
+    g.settle("m", acme, 499, 0.0)  # the caller hung up: no outcome
+    series = "batchserve_slo_requests_total"
+    assert ledger_sample(g, series, model="m", tier="free", outcome="met") == 1
+    assert ledger_sample(g, series, model="m", tier="free", outcome="slow") == 1
+    assert ledger_sample(g, series, model="unknown", tier="free", outcome="refused") == 1
+    assert ledger_sample(g, series, model="m", tier="paid", outcome="refused") == 1
+    assert ledger_sample(g, series, model="m", tier="free", outcome="expired") == 1
+    assert ledger_sample(g, series, model="m", tier="free", outcome="failed") == 1
+    assert ledger_sample(g, "batchserve_cost_served_total", model="m", tier="free") == 50.0
+    assert ledger_sample(g, "batchserve_inputs_served_total", model="m", tier="free") == 6
+    assert ledger_sample(g, "batchserve_inputs_served_total", model="m", tier="paid") == 0
+    total = sum(s.value for f in g.metrics.registry.collect() if f.name == "batchserve_slo_requests"
+                for s in f.samples if s.name == series)
+    assert total == 6
+    exposed = [s.labels for f in g.metrics.registry.collect() for s in f.samples]
+    assert not any("acme" in labels.values() or "tenant" in labels for labels in exposed)  # DESIGN §6
+    mine = g.usage.report("acme")
+    assert mine["requests"] == {"met": 1, "slow": 1, "refused": 1, "expired": 1, "failed": 1}
+    assert mine["inputs"]["met"] == 4 and mine["cost_served"] == 50.0
+    assert g.usage.report("anonymous")["inputs"]["refused"] == 3
+
+
+def test_the_slo_in_force_is_the_one_answers_are_held_to():
+    g = guard()
+    caller = g.identify(None, peer("10.0.0.1"))
+    g.slo_s = 1.0  # derived after the warm-up, say
+    g.ok("m", 0.5, caller)
+    assert ledger_sample(g, "batchserve_slo_requests_total", model="m", tier="paid", outcome="met") == 1

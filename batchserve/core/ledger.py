@@ -1,0 +1,158 @@
+"""The SLO ledger (issue 33 item 5, DESIGN §6): what the server promised each answer and whether it kept it.
+
+Every answer of a model route (/v1/inference, /v1/embeddings, KServe v2 infer, /v1/chat/completions,
+/v1/completions) is one of five outcomes:
+
+- `met`: 2xx within the SLO (`--slo-ms`; on the generation routes the time to the first token is held to it,
+  since the whole answer's time grows with the tokens the caller asked for);
+- `slow`: 2xx past the SLO (a 2xx is within its deadline, or it would have been a 504);
+- `refused`: 429 or 503: turned away at the door (rate limit, queue full, predicted wait, draining, no worker);
+- `expired`: 504: the deadline passed after admission (or could never be met);
+- `failed`: any other 5xx.
+
+Other 4xx (a bad body, an unknown model or key, a body too large) are the caller's mistakes, not a promise the
+server made, and a caller who hangs up before its answer (499) reads no answer: neither is an outcome.
+
+This module is the policy only: the classification and the per-tenant usage window read by `GET /v1/usage`
+(`UsageBook`, bounded: per tenant, counts in `BUCKET_S` time buckets over at most `MAX_WINDOW_S`, older ones
+folded into one row, and the latest `LATENCIES` latencies for percentiles). It runs on every answer, so a
+record touches one row of counts and rolls a bucket at most once per BUCKET_S. The Prometheus counters, per model and tier and never per
+tenant, are `batchserve/metrics.py`'s; `http/guards.py` feeds both from the one place every answer passes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+OUTCOMES = ("met", "slow", "refused", "expired", "failed")
+MET, SLOW, REFUSED, EXPIRED, FAILED = range(5)
+ADMITTED = (MET, SLOW, EXPIRED, FAILED)  # what SLO attainment divides by: the requests the server took on
+
+BUCKET_S = 5.0  # resolution of the usage window: a window is rounded out to whole buckets
+MAX_WINDOW_S = 3600.0  # the longest window /v1/usage answers for (the buckets kept per tenant)
+DEFAULT_WINDOW_S = 300.0
+LATENCIES = 2048  # per tenant: the latest served answers' latencies kept for p50 / p95
+
+
+def served_outcome(latency_s: float, slo_s: float) -> int:
+    """MET or SLOW for a 2xx answer that took `latency_s`."""
+    return MET if latency_s <= slo_s else SLOW
+
+
+def error_outcome(status: int) -> int | None:
+    """The outcome of an error answer, or None when it is no SLO outcome (a 4xx other than 429: the caller's)."""
+    if status == 429 or status == 503:
+        return REFUSED
+    if status == 504:
+        return EXPIRED
+    if status >= 500:
+        return FAILED
+    return None
+
+
+# A bucket: [bucket index, requests x 5 outcomes, inputs x 5 outcomes, cost served]
+_REQ, _INP, _COST = 1, 1 + len(OUTCOMES), 1 + 2 * len(OUTCOMES)
+
+
+def _new_bucket(index: int) -> list[float]:
+    row = [0.0] * (_COST + 1)
+    row[0] = index
+    return row
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    """One tenant's counts per time bucket (`buckets`, the newest `row` until `row_end`), what older buckets
+    held (`evicted`: since start = evicted + buckets), and its served answers' latest latencies."""
+
+    tier: str
+    buckets: deque[list[float]] = field(default_factory=deque)
+    row: list[float] = field(default_factory=lambda: _new_bucket(-1))  # the newest bucket (a dummy at first)
+    row_end: float = -math.inf  # when `row` is over
+    evicted: list[float] = field(default_factory=lambda: _new_bucket(-1))
+    latencies: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=LATENCIES))
+
+    def roll(self, now: float) -> list[float]:
+        """A new bucket for `now`, the ones past MAX_WINDOW_S folded into `evicted`."""
+        index = int(now // BUCKET_S)
+        self.row = row = _new_bucket(index)
+        self.row_end = (index + 1) * BUCKET_S
+        buckets = self.buckets
+        buckets.append(row)
+        oldest = index - int(MAX_WINDOW_S // BUCKET_S)
+        while buckets[0][0] < oldest:
+            gone = buckets.popleft()
+            for i in range(1, len(gone)):
+                self.evicted[i] += gone[i]
+        return row
+
+    def since_start(self) -> list[float]:
+        total = list(self.evicted)
+        for row in self.buckets:
+            for i in range(1, len(row)):
+                total[i] += row[i]
+        return total
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least q of the values at or below it."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _counts(row: list[float]) -> dict[str, object]:
+    return {"requests": {o: int(row[_REQ + i]) for i, o in enumerate(OUTCOMES)},
+            "inputs": {o: int(row[_INP + i]) for i, o in enumerate(OUTCOMES)},
+            "cost_served": row[_COST]}
+
+
+@dataclass
+class UsageBook:
+    """Per tenant (the scheduling lane: a configured tenant, or all anonymous callers as one): requests and
+    inputs by outcome, cost served, latencies of served answers. Written by the event loop only (no lock);
+    its size is bounded by the tenants configured, each by MAX_WINDOW_S / BUCKET_S buckets and LATENCIES."""
+
+    clock: Callable[[], float] = time.monotonic
+    tenants: dict[str, TenantUsage] = field(default_factory=dict)
+
+    def record(self, tenant: str, tier: str, outcome: int, inputs: int, cost: float, latency_s: float) -> None:
+        """One answer of `tenant`: `cost` counts when it was served (met or slow), `latency_s` then too. On every
+        answer of a model route: one row of counts touched, a bucket rolled every BUCKET_S at most."""
+        now = self.clock()
+        usage = self.tenants.get(tenant)
+        if usage is None:
+            usage = self.tenants[tenant] = TenantUsage(tier)
+        usage.tier = tier
+        row = usage.row if now < usage.row_end else usage.roll(now)
+        row[_REQ + outcome] += 1
+        row[_INP + outcome] += inputs
+        if outcome <= SLOW:
+            row[_COST] += cost
+            usage.latencies.append((now, latency_s))
+
+    def report(self, tenant: str, window_s: float = DEFAULT_WINDOW_S) -> dict[str, object]:
+        """`tenant`'s figures over the last `window_s` (rounded out to whole buckets) and since start."""
+        usage = self.tenants.get(tenant)
+        if usage is None:
+            usage = TenantUsage("")
+        now = self.clock()
+        first = int((now - window_s) // BUCKET_S)
+        window = _new_bucket(-1)
+        for row in usage.buckets:
+            if row[0] >= first:
+                for i in range(1, len(row)):
+                    window[i] += row[i]
+        since = now - window_s
+        served = sorted(lat for at, lat in usage.latencies if at >= since)
+        latency: dict[str, object] = {"count": len(served), "p50": None, "p95": None}
+        if served:
+            latency.update(p50=round(_percentile(served, 0.5) * 1000, 1), p95=round(_percentile(served, 0.95) * 1000, 1))
+        return {"tenant": tenant, "tier": usage.tier or None, "window_s": window_s, **_counts(window),
+                "latency_ms": latency, "since_start": _counts(usage.since_start())}
+
+    def reports(self, window_s: float = DEFAULT_WINDOW_S) -> list[dict[str, object]]:
+        """Every tenant's figures (an admin's view), by tenant name."""
+        return [self.report(t, window_s) for t in sorted(self.tenants)]
