@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass  # noqa: E402
 
 from batchserve.plan import Arrivals, BatchTime, Contract, Prediction, predict  # noqa: E402
 from bench import common  # noqa: E402
-from bench.report import write, written  # noqa: E402
-from bench.run_standard import git_info, parse_rows  # noqa: E402
+from bench.report import git_info, write, written  # noqa: E402
+from bench.run_standard import parse_rows  # noqa: E402
 
 
 
