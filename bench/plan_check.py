@@ -34,8 +34,9 @@ from bench.run_standard import parse_rows  # noqa: E402
 
 
 def newest_standard() -> Path | None:
-    """The newest recorded standard table (the file names sort by time)."""
-    found = sorted(common.RESULTS.glob("standard-*.json"))
+    """The newest recorded standard table (the file names sort by time), untagged: a `--tag`ged run
+    (`standard-<time>-plot.json`) may hold only some of the rows."""
+    found = sorted(common.RESULTS.glob("standard-*Z.json"))
     return found[-1] if found else None
 
 
