@@ -4,8 +4,14 @@ the module list from the folder, so a new bench script is covered without editin
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import inspect
 import pkgutil
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.unit.test_structure import find_cycle, imports_of
 
@@ -39,3 +45,44 @@ def test_the_bench_graph_sees_imports_inside_functions(tmp_path: Path):
     known = {"bench.a", "bench.b"}
     graph = {m: imports_of(m, tmp_path / f"{m.split('.')[1]}.py", known) for m in known}
     assert find_cycle(graph) in (["bench.a", "bench.b", "bench.a"], ["bench.b", "bench.a", "bench.b"])
+
+
+class Parsed(Exception):
+    """Raised in place of running a bench once its flags are parsed."""
+
+
+def test_every_command_in_the_catalogue_exists_and_takes_its_quick_flags(monkeypatch: pytest.MonkeyPatch):
+    """`python -m bench GROUP --quick` passes each bench the flags in bench/commands.py: a renamed flag or a
+    removed bench must show here, not halfway through a group's run. Each bench's own parser reads them (its
+    `main` stops right after parsing)."""
+    from bench.commands import GROUPS
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        raise Parsed(parse(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    names = [b.name for _, benches in GROUPS.values() for b in benches]
+    assert len(names) == len(set(names)), "a command listed twice"
+    for _, benches in GROUPS.values():
+        for b in benches:
+            path = BENCH / (b.name if b.name.endswith(".sh") else f"{b.name}.py")
+            assert path.exists(), path
+            if b.name.endswith(".sh"):
+                assert all(f in path.read_text() for f in b.quick), (b.name, b.quick)
+                continue
+            main = importlib.import_module(f"bench.{b.name}").main
+            for argv in (list(b.quick), [*b.quick, "--record"] if b.output else list(b.quick)):
+                monkeypatch.setattr(sys, "argv", [f"bench/{b.name}.py", *argv])
+                with pytest.raises(Parsed):  # SystemExit (argparse's error) would fail the test
+                    main(argv) if inspect.signature(main).parameters else main()
+
+
+def test_the_readme_table_lists_each_command_once():
+    from bench.commands import GROUPS
+
+    rows = [line for line in (BENCH / "README.md").read_text().splitlines()
+            if line.startswith("| `python -m bench.") or line.startswith("| `bash bench/")]
+    listed = [row.split("`")[1].split()[-1].removeprefix("bench.").removeprefix("bench/") for row in rows]
+    assert sorted(listed) == sorted(b.name for _, benches in GROUPS.values() for b in benches)
