@@ -64,7 +64,7 @@ def machine_info() -> dict:
 def git_info() -> dict:
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=servers.REPO, capture_output=True, text=True,
+            return subprocess.run(["git", *args], check=False, cwd=servers.REPO, capture_output=True, text=True,
                                   timeout=10).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             return ""

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 
 from bench import common, report, servers  # noqa: E402
 from bench.ideal import IdealResult, ideal  # noqa: E402
-from bench.plot import Curves, Point  # noqa: E402
-from bench.report import git_info, machine_info  # noqa: E402  (also read from here by older scripts)
 from bench.loadgen import LoadResult, measure  # noqa: E402
+from bench.plot import Curves, Point  # noqa: E402
+from bench.report import git_info, machine_info  # noqa: E402  (other scripts read them from here too)
 from bench.schedule import row_seed  # noqa: E402
 
 STANDARD_ROWS = ((1, 100.0), (1, 500.0), (1, 900.0), (1, 950.0), (4, 400.0), (4, 2000.0))
