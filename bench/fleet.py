@@ -44,8 +44,8 @@ from bench import common, servers  # noqa: E402
 from bench.ideal import IdealResult, ideal, simulate  # noqa: E402
 from bench.loadgen import CLIENTS, LoadResult, measure, parse_metrics  # noqa: E402
 from bench.procstat import CpuSampler, machine_busy_s  # noqa: E402
-from bench.report import write, written  # noqa: E402
-from bench.run_standard import fmt, git_info, machine_info  # noqa: E402
+from bench.report import git_info, machine_info, write, written  # noqa: E402
+from bench.run_standard import fmt  # noqa: E402
 from bench.schedule import poisson_schedule, row_seed  # noqa: E402
 from deploy.nginx.local import LocalNginx, free_port, start_nginx  # noqa: E402
 

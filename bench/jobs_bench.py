@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 
 from bench import common, report, servers  # noqa: E402
 from bench.loadgen import START_DELAY_S, LoadResult, measure  # noqa: E402
-from bench.run_standard import git_info, machine_info  # noqa: E402
+from bench.report import git_info, machine_info  # noqa: E402
 from bench.schedule import row_seed  # noqa: E402
 
 P95_SLACK_MS = 10.0

@@ -28,14 +28,15 @@ from dataclasses import asdict, dataclass  # noqa: E402
 
 from batchserve.plan import Arrivals, BatchTime, Contract, Prediction, predict  # noqa: E402
 from bench import common  # noqa: E402
-from bench.report import write, written  # noqa: E402
-from bench.run_standard import git_info, parse_rows  # noqa: E402
+from bench.report import git_info, write, written  # noqa: E402
+from bench.run_standard import parse_rows  # noqa: E402
 
 
 
 def newest_standard() -> Path | None:
-    """The newest recorded standard table (the file names sort by time)."""
-    found = sorted(common.RESULTS.glob("standard-*.json"))
+    """The newest recorded standard table (the file names sort by time), untagged: a `--tag`ged run
+    (`standard-<time>-plot.json`) may hold only some of the rows."""
+    found = sorted(common.RESULTS.glob("standard-*Z.json"))
     return found[-1] if found else None
 
 

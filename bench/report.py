@@ -10,13 +10,15 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import os
+import platform
+import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from bench import plot
+from bench import plot, servers
 from bench.plot import Curves
-from bench.run_standard import git_info, machine_info
 
 
 def pct(values: np.ndarray, q: float) -> float:
@@ -34,6 +36,42 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# -- machine and code: where a number came from -------------------------------------------------------------
+def machine_info() -> dict:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = math.nan
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {"cpu_model": model, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
+            "memory_gib": mem_gib, "python": platform.python_version(),
+            "python_impl": platform.python_implementation(), "platform": platform.platform(),
+            "hostname": platform.node(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def git_info() -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], check=False, cwd=servers.REPO, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    dirty = git("status", "--porcelain", "--", "batchserve", "bench", "pyproject.toml")
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+            "dirty": bool(dirty), "dirty_files": dirty.splitlines()[:50]}
 
 
 def provenance() -> dict:

@@ -24,15 +24,14 @@ import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
-from bench import common, servers  # noqa: E402
+from bench import common, report, servers  # noqa: E402
 from bench.ideal import IdealResult, ideal  # noqa: E402
-from bench.plot import Curves, Point  # noqa: E402
 from bench.loadgen import LoadResult, measure  # noqa: E402
+from bench.plot import Curves, Point  # noqa: E402
+from bench.report import git_info, machine_info  # noqa: E402  (other scripts read them from here too)
 from bench.schedule import row_seed  # noqa: E402
 
 STANDARD_ROWS = ((1, 100.0), (1, 500.0), (1, 900.0), (1, 950.0), (4, 400.0), (4, 2000.0))
@@ -55,42 +54,6 @@ class Row:
     passed: bool
     notes: list[str] = field(default_factory=list)
     loadavg_before: float = math.nan
-
-
-# -- machine and code ----------------------------------------------------------------------------------------
-def machine_info() -> dict:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = math.nan
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return {"cpu_model": model, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
-            "memory_gib": mem_gib, "python": platform.python_version(),
-            "python_impl": platform.python_implementation(), "platform": platform.platform(),
-            "hostname": platform.node(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
-
-
-def git_info() -> dict:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=servers.REPO, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-
-    dirty = git("status", "--porcelain", "--", "batchserve", "bench", "pyproject.toml")
-    return {"commit": git("rev-parse", "HEAD") or "unknown", "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty": bool(dirty), "dirty_files": dirty.splitlines()[:50]}
 
 
 # -- one row -------------------------------------------------------------------------------------------------
@@ -299,8 +262,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import report
-
     a = parse_args(argv)
     name = common.run_name(a, "standard")
     log_dir = common.log_dir(a, name)

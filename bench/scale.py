@@ -3,7 +3,7 @@
 
     python -m bench.scale                       # ~2 minutes on 2 cores: prints the tables
     python -m bench.scale --record              # also writes bench/results/scale-<time>.{md,json}
-    python -m bench.scale --duration 2 --warmup 1 --factors 0.8,1.0 --probe-s 2     # a smoke run
+    python -m bench.scale --duration 2 --warmup 1 --factors 0.8,1.0 --max-ramp-rows 3   # a smoke run
 
 With batches of 10 ms on 4 sim devices per process, the devices could serve 38,000 requests/s a process: the
 CPU is the only limit left, which is the point. Steps:

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ["run_standard", "drill", "overload", "tenancy_bench", "jobs_bench", "generation_bench", "fleet", "soak",
-           "autoscale_signal", "embed_bench", "plan_check", "engine_loop", "stepper_host", "startup", "scale", "protocols", "ecosystem_clients", "prefill_burst",
+           "autoscale_signal", "embed_bench", "plan_check", "engine_loop", "stepper_host", "startup", "scale", "protocols", "prefill_burst",
            "cpu_compare", "inference_paths", "hung_child"]
 
 
