@@ -539,7 +539,7 @@ class PostgresStore:
                                (file_id, seq, data))
             await conn.execute("UPDATE batchserve_files SET bytes = bytes + %s WHERE id = %s", (len(data), file_id))
 
-        await self._tx(tx)
+        await self._tx(tx, bound_for(len(data)))
 
     async def finish_file(self, meta: StoredFile) -> None:
         async def tx(conn: AsyncConnection) -> None:
@@ -553,7 +553,7 @@ class PostgresStore:
         async def tx(conn: AsyncConnection) -> None:
             await conn.execute("DELETE FROM batchserve_files WHERE id = %s", (file_id,))  # chunks: ON DELETE CASCADE
 
-        await self._tx(tx, bound_for(len(content)))
+        await self._tx(tx, BIG_DELETE_S)  # the chunks stored so far
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         async def tx(conn: AsyncConnection) -> StoredFile | None:
@@ -801,7 +801,7 @@ class PostgresStore:
                         "pending": job.pending}))
             return progress
 
-        written = sum(len(v) for column in columns[3:] for v in column if v is not None)
+        written = sum(len(o.output or "") + len(o.error or "") + len(o.message or "") for o in outcomes)
         return await self._tx(tx, bound_for(written, len(outcomes)))
 
     async def close(self) -> None:
