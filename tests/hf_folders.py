@@ -46,7 +46,10 @@ def embedder(folder: Path, pooling: str = "mean", normalize: bool = True, max_se
     """A sentence-transformers embedder (Transformer, Pooling, and Normalize when `normalize`), saved."""
     import torch
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Normalize, Pooling, Transformer
+    try:
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:  # sentence-transformers before 6
+        from sentence_transformers.models import Normalize, Pooling, Transformer
     from transformers import BertModel
 
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ from a folder"). The backend name is `hf`; `folder.inspect_folder` reads the fol
 - reranking -> `FolderReranker`: a cross-encoder (`AutoModelForSequenceClassification`, one label); each input is
   one (query, document) pair, written `pair_input(query, document)` (a JSON array of the two strings) by
   /v1/rerank (`batchserve/rerank/`), answered with its score (sigmoid of the logit, as CrossEncoder.predict);
+  an input that is no pair (`/v1/inference`) is scored as one text alone;
 - generation -> the smollm2 backend's code on the folder's weights (`SmolLM2Backend.from_source`): the generation
   engine loads the same folder (`generation_folder`) for /v1/chat/completions and /v1/completions, and its slot
   stepper answers /v1/inference by default.
@@ -54,14 +55,17 @@ def pair_input(query: str, document: str) -> str:
     return orjson.dumps([query, document]).decode()
 
 
-def read_pair(text: str) -> tuple[str, str]:
+def read_pair(text: str) -> tuple[str, str] | None:
+    """The (query, document) an input spells, or None when it is not a pair."""
+    if not text.startswith("["):
+        return None
     try:
         pair = orjson.loads(text)
     except orjson.JSONDecodeError:
-        pair = None
-    if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
-        raise ValueError("a reranker's input is a JSON array [query, document] (POST /v1/rerank writes it)")
-    return pair[0], pair[1]
+        return None
+    if isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair):
+        return pair[0], pair[1]
+    return None
 
 
 def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
@@ -264,13 +268,9 @@ class FolderReranker(TokenModel):
     output_kind: str = "json"
 
     def encode_many(self, texts: list[str]) -> list[Any]:
-        pairs = []
-        for text in texts:
-            try:
-                pairs.append(read_pair(text))
-            except ValueError:
-                pairs.append((text, ""))  # `batch` answers it with its error; costed as the text
-        return self.tokenizer.encode_batch(pairs)
+        """Each input as the pair it spells (`pair_input`), or, when it is no pair (a /v1/inference input, the
+        warm-up check), as one text alone."""
+        return self.tokenizer.encode_batch([read_pair(t) or t for t in texts])
 
     def warm_inputs(self) -> list[str]:
         return [pair_input("what is a vector?", t) for t in WARM_TEXTS]
@@ -280,16 +280,8 @@ class FolderReranker(TokenModel):
 
         return AutoModelForSequenceClassification.from_pretrained(str(self.info.path), dtype=dtype)
 
-    def batch(self, inputs: list[str], device: str) -> list[float | Exception]:
-        wrong: dict[int, Exception] = {}
-        for i, text in enumerate(inputs):
-            try:
-                read_pair(text)
-            except ValueError as exc:
-                wrong[i] = exc
-        good = [t for i, t in enumerate(inputs) if i not in wrong]
-        scores = iter(self.forward(good, device, self.score) if good else [])
-        return [wrong[i] if i in wrong else next(scores) for i in range(len(inputs))]
+    def batch(self, inputs: list[str], device: str) -> list[float]:
+        return self.forward(inputs, device, self.score)
 
     def score(self, outputs: Any, attention: Any, lengths: list[int]) -> list[float]:
         logits = outputs.logits.float()[:, 0]
