@@ -105,7 +105,7 @@ def causal_lm(folder: Path, architecture: str = "llama", generation: dict | None
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, initializer_range=0.2)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
                                                eos_token_id=tokenizer.eos_token_id, **(generation or {}))
