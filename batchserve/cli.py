@@ -81,6 +81,8 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
         kept = settings.models if settings.models is not default_models or "backend" in given else []
         settings.models = kept + [folder_spec(p, task) for p in paths]
         settings.model_paths = paths
+        if not kept:  # the folder is the default model: say so in the settings line, not "backend=sim"
+            settings.backend, settings.model_name = "hf", settings.models[0].name
     if any(spec.backend == "hf" for spec in settings.models):
         from batchserve.backends.hf import resolve_folders
 
