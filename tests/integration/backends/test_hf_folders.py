@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -127,6 +128,28 @@ def test_the_openapi_document_describes_rerank(server: LiveServer) -> None:
     doc = httpx.get(server.url + "/openapi.json").json()
     assert {"/v1/rerank", "/rerank"} <= set(doc["paths"])
     assert "RerankResponse" in doc["components"]["schemas"]
+
+
+def test_a_folder_embedder_serves_kserve_v2_and_a_batch_job(server: LiveServer) -> None:
+    """Everything a built-in model has: KServe v2 (FP32 [n, 32], the vectors of /v1/embeddings) and batch jobs
+    (their items tokenized where first needed: they skip the request path's tokenizer stage)."""
+    want = embed(server, "emb", TEXTS[:2])
+    r = httpx.post(server.url + "/v2/models/emb/infer", json={"inputs": [
+        {"name": "input", "datatype": "BYTES", "shape": [2], "data": TEXTS[:2]}]}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    assert out["datatype"] == "FP32" and out["shape"] == [2, 32]
+    np.testing.assert_allclose(np.array(out["data"]).reshape(2, 32), want, atol=1e-6)
+    job = httpx.post(server.url + "/v1/batches", json={"model": "rr", "inputs": ["new text one", "another"]},
+                     timeout=30)
+    assert job.status_code in (200, 201, 202), job.text
+    job_id = job.json()["id"]
+    for _ in range(300):
+        state = httpx.get(f"{server.url}/v1/batches/{job_id}", timeout=30).json()
+        if state["status"] in ("completed", "failed", "cancelled"):
+            break
+        time.sleep(0.1)
+    assert state["status"] == "completed", state
 
 
 def serve_exit(*args: str) -> subprocess.CompletedProcess:
