@@ -123,3 +123,21 @@ def test_the_config_file_takes_a_path(tmp_path: Path) -> None:
     config.write_text('[[models]]\nname = "x"\nbackend = "sim"\npath = "/models/bge"\n')
     with pytest.raises(ValueError, match="path is for a model folder"):
         load(str(config))
+
+
+def test_a_hub_id_resolves_through_the_local_cache_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """owner/name found in the Hugging Face cache's layout (refs/main -> snapshots/<rev>), offline; one that is
+    not there is refused in one line, nothing fetched."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-lm"
+    snapshot = write(repo / "snapshots" / "abc123", {
+        "config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": {}})
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    info = inspect_folder("acme/tiny-lm")
+    assert info.path == snapshot and info.task == "generation"
+    with pytest.raises(FolderError, match="not in the local Hugging Face cache"):
+        inspect_folder("acme/absent")
