@@ -37,6 +37,8 @@ from batchserve.logsafe import printable
 from batchserve.jobs import schema as jobs_schema
 from batchserve.kserve import routes as kserve_routes
 from batchserve.kserve import schema as kserve_schema
+from batchserve.rerank import routes as rerank_routes
+from batchserve.rerank import schema as rerank_schema
 from batchserve.runtime import Runtime
 from batchserve.tracing import RequestSpans, Tracing
 
@@ -49,6 +51,7 @@ WINGS = (
     (jobs_api.ROUTES + files_api.ROUTES, jobs_schema.OPENAPI),
     (generation_routes.ROUTES, generation_schema.OPENAPI),
     (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
+    (rerank_routes.ROUTES, rerank_schema.OPENAPI),
     (kserve_routes.ROUTES, kserve_schema.OPENAPI),
     (usage.ROUTES, usage.OPENAPI),
     (docs_page.ROUTES, docs_page.OPENAPI),

@@ -34,7 +34,15 @@ def shown_default(name: str) -> str:
     return "the backend's name" if name == "model_name" else repr(getattr(Settings(), name))
 
 
+MODEL_ENV = "BATCHSERVE_MODEL"  # --model's twin: [name=]PATH, several separated by commas
+
+
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", action="append", metavar="[NAME=]PATH",
+                        help="serve a Hugging Face model folder, or a hub id from the local cache (offline), by "
+                             "task: embeddings, generation or reranking, read from the folder (--task overrides); "
+                             "repeatable; the first is the default model unless --backend is given "
+                             f"(docs/backends.md) [env {MODEL_ENV}, comma-separated]")
     for f in cli_fields():
         flag = flag_name(f.name)
         help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {shown_default(f.name)}]"
@@ -57,10 +65,28 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
             values[f.name] = value
             given[f.name] = flag_name(f.name)
     settings = Settings(**values, given=given)
+    default_models = settings.models
     if settings.config:
         from batchserve.config_file import apply_config_file
 
         apply_config_file(settings, settings.config)  # its [[models]] are checked there, with their lines
+    paths = list(getattr(args, "model", None) or [])
+    if not paths and (environ if environ is not None else os.environ).get(MODEL_ENV):
+        paths = [p.strip() for p in (environ if environ is not None else os.environ)[MODEL_ENV].split(",")
+                 if p.strip()]
+    if paths:
+        from batchserve.backends.hf import folder_spec
+
+        task = "" if settings.task == "auto" else settings.task
+        kept = settings.models if settings.models is not default_models or "backend" in given else []
+        settings.models = kept + [folder_spec(p, task) for p in paths]
+        settings.model_paths = paths
+        if not kept:  # the folder is the default model: say so in the settings line, not "backend=sim"
+            settings.backend, settings.model_name = "hf", settings.models[0].name
+    if any(spec.backend == "hf" for spec in settings.models):
+        from batchserve.backends.hf import resolve_folders
+
+        resolve_folders(settings)  # the task of each folder; one line and exit 2 for one it cannot serve
     problem = backend_name_problem(settings.backend)
     if problem:
         raise ValueError(f"{settings.source('backend')}: {problem}")

@@ -36,10 +36,17 @@ class ModelSpec:
     sim_batch_ms: float = 100.0
     weight: float = 100.0  # share of its name's traffic among versions (canary split)
     options: dict[str, Any] = field(default_factory=dict)  # [models.options]: keyword arguments of the plugin
+    path: str = ""  # backend "hf": a Hugging Face model folder, or a hub id in the local cache (--model)
+    task: str = ""  # backend "hf": embeddings, generation or reranking; "" = read from the folder (--task)
 
     @property
     def id(self) -> str:
         return f"{self.name}@{self.version}"
+
+    @property
+    def generates(self) -> bool:
+        """Whether the generation engine serves this model (smollm2, or a causal LM folder)."""
+        return self.backend == "smollm2" or (self.backend == "hf" and self.task == "generation")
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,9 @@ class Settings:
     model_name: str = knob("", "name of the default model (default: the backend's name; for "
                                   "package.module:attribute, the module's last part)")
     model_version: str = knob("v1", "version of the default model")
+    task: str = knob("auto", "what the --model folders serve: auto = read from each folder (sentence-transformers' "
+                             "modules.json -> embeddings, *ForCausalLM -> generation, *ForSequenceClassification "
+                             "with one label -> reranking)", ("auto", "embeddings", "generation", "reranking"))
     devices: int = knob(0, "worker devices: sim devices, or CUDA devices to use (0 = all GPUs, or 1 CPU)")
     processes: int = knob(1, "server processes sharing the port (SO_REUSEPORT), the devices split evenly between "
                              "them: one event loop is one core, the ceiling of one process (docs/deploy.md)")
@@ -205,6 +215,7 @@ class Settings:
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
+    model_paths: list[str] = field(default_factory=list, metadata={"cli": False})  # --model [name=]PATH, repeated
     keys: list[dict] = field(default_factory=list, metadata={"cli": False})  # [[keys]] of the config file
     # [[keys]] storage_mb of the config file: a tenant's byte quota in place of --tenant-storage-mb
     tenant_storage_mb_by_tenant: dict[str, float] = field(default_factory=dict, metadata={"cli": False})

@@ -5,11 +5,14 @@
 name = "echo"
 version = "v1"
 backend = "sim"        # or "smollm2", "minilm", a plugin's name or package.module:attribute
-[models.options]       # keyword arguments for a plugin class or factory (docs/backends.md), "minilm", an installed plugin's name, "package.module:attribute"
 sim_batch_ms = 100
 weight = 90            # share of its name's traffic among versions (canary), sticky per API key
 [models.options]       # keyword arguments for the plugin of the [[models]] table above (docs/backends.md)
 threshold = 0.5
+[[models]]             # a Hugging Face model folder (or a hub id in the local cache): backend "hf"
+name = "bge"
+path = "/models/bge-small-en-v1.5"
+task = "embeddings"    # optional: read from the folder (embeddings, generation, reranking)
 [tiers.free]           # also paid, enterprise: requests per second and burst per key
 rate = 10
 burst = 20
@@ -174,6 +177,7 @@ def sha256_hex(value: Any) -> str | None:
     return None if isinstance(value, str) and HEX64.match(value) else "expected 64 lowercase hex digits"
 
 
+FOLDER_TASKS = ("embeddings", "generation", "reranking")  # backends/folder.py's TASKS (config stays below backends)
 TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
 MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
 TIER_KEYS = {"rate": positive, "burst": positive}
@@ -205,16 +209,24 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
     for i, m in enumerate(c.tables(data, "models")):
         where: Path = ("models", i)
         c.known(m, where, MODEL_KEYS)
+        path = c.value(m, where, "path", text, "")
         models.append(ModelSpec(
             name=c.value(m, where, "name", text, required=True),
             version=c.value(m, where, "version", text, "v1"),
-            backend=c.value(m, where, "backend", backend_name, "sim"),
+            backend=c.value(m, where, "backend", backend_name, "hf" if path else "sim"),
+            path=path,
+            task=c.value(m, where, "task", one_of(FOLDER_TASKS), ""),
             sim_batch_ms=float(c.value(m, where, "sim_batch_ms", positive, sim_batch_ms)),
             weight=float(c.value(m, where, "weight", non_negative, 100)),
             options=dict(c.value(m, where, "options", a_table, {})),
         ))
     seen: dict[str, int] = {}
     for i, spec in enumerate(models):
+        if spec.backend == "hf" and not spec.path:
+            raise c.fail(("models", i), "backend 'hf' serves a model folder: give its path = \"...\"")
+        if spec.path and spec.backend != "hf":
+            raise c.fail(("models", i, "path"), f"path is for a model folder (backend 'hf'), not backend "
+                                                f"{spec.backend!r}")
         if spec.id in seen:
             raise c.fail(("models", i), f"{spec.id} is already [[models]] number {seen[spec.id] + 1}")
         seen[spec.id] = i

@@ -327,3 +327,4 @@ class Runtime:
             task.cancel()
         if self.pool is not None:
             self.pool.stop()
+        self.service.tokenizing.close()

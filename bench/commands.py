@@ -87,6 +87,9 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
         Bench("executor_bench", "in-server vs offline batch time and /healthz latency under load, per "
               "executor (thread, process)", "~10 min", "real model (CPU)",
               ("--duration", "10", "--rates", "1", "--sizes", "1,2", "--max-new-tokens", "4"), output="file"),
+        Bench("capacity_embed", "all-MiniLM-L6-v2 capacity (highest rate answered in full at p95 <= 1 s, 8-40-word "
+              "requests, open loop): batchserve after and before tokenize-once beside offline encode and Infinity "
+              "(issue 36)", "~10 min", "real model (CPU); Infinity optional", ("--smoke",)),
         Bench("job_pricing", "another tenant's interactive /v1/embeddings beside a batch of 2,048-input lines "
               "(`--base DIR`: the commit before, side by side)", "~4 min", "real model (CPU)"),
     )),

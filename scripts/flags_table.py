@@ -9,6 +9,11 @@ from batchserve.config import Settings, cli_fields, env_name
 HEADER = "| flag | environment | default | what it does |"
 
 
+MODEL_ROW = ("| `--model` | `BATCHSERVE_MODEL` | (none) | serve a Hugging Face model folder, or a hub id from the "
+             "local cache (offline): `[name=]PATH`, repeatable (the variable: comma-separated); its task read from "
+             "the folder, --task overrides (docs/backends.md) |")
+
+
 def table() -> str:
     defaults = Settings()
     rows = [HEADER, "| --- | --- | --- | --- |"]
@@ -16,6 +21,8 @@ def table() -> str:
         value = getattr(defaults, f.name)
         shown = "(backend's name)" if f.name == "model_name" else repr(value)
         rows.append(f"| `--{f.name.replace('_', '-')}` | `{env_name(f.name)}` | `{shown}` | {f.metadata['help']} |")
+        if f.name == "model_version":  # the one repeatable flag, not a Settings knob (cli.py adds it)
+            rows.append(MODEL_ROW)
     return "\n".join(rows)
 
 

@@ -140,6 +140,7 @@ BUILTIN = {
     "sim": "batchserve.backends.sim:SimBackend",
     "smollm2": "batchserve.backends.smollm2:SmolLM2Backend",
     "minilm": "batchserve.backends.minilm:MiniLM",
+    "hf": "batchserve.backends.hf:HFModel",
 }
 
 
@@ -181,6 +182,7 @@ def resolve_backend(name: str) -> Resolved:
 NEEDS_MODEL_EXTRA = {
     "smollm2": ("torch", "transformers", "gguf"),
     "minilm": ("torch", "transformers", "tokenizers"),
+    "hf": ("torch", "transformers", "tokenizers"),
 }
 MODEL_EXTRA_HINT = "pip install 'batchserve[model]' (README: Install)"
 

@@ -37,13 +37,13 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchserve.backends import pick_devices
+from batchserve.backends.hf import default_threads, passes  # noqa: F401 - minilm.passes / default_threads, as before
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.minilm")
@@ -59,13 +59,6 @@ GPU_BATCH_MEMORY_SHARE = 0.1  # of the free device memory, what one batch's pass
 # What a folder of the weights holds: the model's files, and sentence-transformers' (the offline reference)
 COPY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
               "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json")
-CPU_PASS_TOKENS = 1024  # padded tokens per forward pass on a CPU: more gains nothing there, padding costs
-GPU_PASS_TOKENS = 65536  # on a GPU one wide pass is cheapest
-COST_CACHE = 16384  # texts whose token count is remembered (cleared when full: a cache, not a store)
-LENGTH_CLASSES = (16, 32, 64, 128)  # bucket_of: token counts up to each bound share a queue; longer, the last
-WARM_UP = ["A man is eating food.", "The quick brown fox jumps over the lazy dog, again and again.",
-           "Embeddings map text to vectors."] * 4
-
 
 def cache_root(settings: Settings | None = None) -> Path:
     """Where extracted weights live: `--weights-cache` when set (as smollm2's converted copy), else
@@ -181,25 +174,14 @@ def size_for_device(settings: Settings, devices: list[str]) -> None:
              settings.max_batch_tokens, "sized for the device where not set")
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The `tokenizers` tokenizer, truncating at MAX_TOKENS and never padding. Its settings are fixed here and
-    never changed per call, so threads may encode with it at once (changing them per call, as transformers'
-    wrapper does, is what makes a shared tokenizer fail with "Already borrowed")."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.enable_truncation(MAX_TOKENS)
-    tok.no_padding()
-    return tok
-
-
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 @dataclass
 class MiniLM:
-    """The backend: the plugin contract of docs/backends.md (`devices`, `setup`, `batch`, `count_tokens`)."""
+    """The backend: the plugin contract of docs/backends.md (`devices`, `setup`, `batch`, `count_tokens`), on
+    `hf.FolderEmbedder` (issue 36): the package's weights are one more sentence-transformers folder (mean pooling
+    and Normalize read from its modules.json, max_seq_length 256 from its sentence_bert_config.json), with the
+    tokenizer stage's kept encodings (`tokenize`: each input tokenized once, off the event loop)."""
 
     device_list: list[str]
     threads: int = 0  # torch intra-op threads on a CPU; 0 = one fewer than the usable cores
@@ -207,9 +189,7 @@ class MiniLM:
     path: Path = field(default_factory=weights_path)  # option `path`, else $BATCHSERVE_MINILM_DIR, else the package
     group_by_length: bool = True  # one queue per length class (bucket_of); False: one queue for all
     output_kind: str = "embedding"
-    tokenizer: Any = None
-    models: dict[str, Any] = field(default_factory=dict)
-    _costs: dict[str, int] = field(default_factory=dict, repr=False)
+    embedder: Any = None  # hf.FolderEmbedder: what runs it
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, settings: Settings) -> "MiniLM":
@@ -222,98 +202,58 @@ class MiniLM:
         return cls(devices, **options)
 
     def __post_init__(self) -> None:
+        from batchserve.backends.folder import inspect_folder
+        from batchserve.backends.hf import FolderEmbedder
+
         self.path = Path(self.path)
         check_weights_dir(self.path)
-        self.tokenizer = load_tokenizer(self.path)
+        info = inspect_folder(str(self.path), "embeddings")
+        if info.max_tokens != MAX_TOKENS or info.pooling.mode != "mean" or not info.pooling.normalize:
+            log.warning("the minilm folder %s says max %d tokens, %s pooling, normalize %s", self.path,
+                        info.max_tokens, info.pooling.mode, info.pooling.normalize)
+        self.embedder = FolderEmbedder(info, list(self.device_list), self.threads, self.pass_tokens,
+                                       self.group_by_length)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.embedder.tokenizer
+
+    @property
+    def models(self) -> dict[str, Any]:
+        return self.embedder.models
 
     def devices(self) -> list[str]:
         return list(self.device_list)
 
     def setup(self, device: str) -> None:
-        import torch
-        from transformers import AutoModel
-
-        if device == "cpu":
-            torch.set_num_threads(self.threads or default_threads())
-        dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        model = AutoModel.from_pretrained(str(self.path), dtype=dtype)
-        self.models[device] = model.to(device).eval()
+        self.embedder.setup(device)
 
     def warm(self, device: str) -> dict[int, float]:
         """Two batches of different token counts, timed: the seconds by batch cost (padded tokens) that start
-        the server's learned batch time, so a batch of another cost is read off a line, not a single point. The
-        slower (the round's figure, from which unset deadlines are derived) is the whole warm-up batch, as before."""
-        timings: dict[int, float] = {}
-        for batch in (WARM_UP[:3], WARM_UP):
-            started = time.perf_counter()
-            self.batch(batch, device)
-            timings[round(self.padded_cost(batch))] = time.perf_counter() - started
-        return timings
+        the server's learned batch time, so a batch of another cost is read off a line, not a single point."""
+        return self.embedder.warm(device)
+
+    def tokenize(self, texts: list[str]) -> None:
+        """The door's tokenizer stage (core/tokenize_stage.py), on its worker thread."""
+        self.embedder.tokenize(texts)
 
     def tokens(self, text: str) -> int:
-        """Tokens of one input after truncation, cached by text."""
-        n = self._costs.get(text)
-        if n is None:
-            if len(self._costs) >= COST_CACHE:
-                self._costs.clear()
-            n = self._costs[text] = len(self.tokenizer.encode(text).ids)
-        return n
+        """Tokens of one input after truncation (kept by text)."""
+        return self.embedder.tokens(text)
 
     def cost_of(self, text: str) -> float:
-        return float(self.tokens(text))
+        return self.embedder.cost_of(text)
 
     def padded_cost(self, texts: list[str]) -> float:
         """Rows x the longest row: what the server counts a batch of these inputs as."""
-        return float(len(texts) * max((self.tokens(t) for t in texts), default=1))
+        return self.embedder.padded_cost(texts)
 
     def bucket_of(self, text: str) -> int:
-        if not self.group_by_length:
-            return 0
-        n = self.tokens(text)
-        for i, bound in enumerate(LENGTH_CLASSES):
-            if n <= bound:
-                return i
-        return len(LENGTH_CLASSES)
+        return self.embedder.bucket_of(text)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens each input is embedded from (after truncation at MAX_TOKENS), for usage.prompt_tokens."""
-        return [len(e.ids) for e in self.tokenizer.encode_batch(texts)]
+        return self.embedder.count_tokens(texts)
 
     def batch(self, inputs: list[str], device: str) -> list[list[float]]:
-        import torch
-
-        model = self.models[device]
-        encodings = self.tokenizer.encode_batch(inputs)
-        lengths = [len(e.ids) for e in encodings]
-        order = sorted(range(len(inputs)), key=lengths.__getitem__)
-        budget = self.pass_tokens or (GPU_PASS_TOKENS if device.startswith("cuda") else CPU_PASS_TOKENS)
-        vectors: list[list[float]] = [[] for _ in inputs]
-        with torch.inference_mode():
-            for rows in passes(order, lengths, budget):
-                width = lengths[rows[-1]]  # sorted: the last is the longest
-                ids = [encodings[i].ids + [0] * (width - lengths[i]) for i in rows]
-                mask = [[1] * lengths[i] + [0] * (width - lengths[i]) for i in rows]
-                input_ids = torch.tensor(ids, device=device)
-                attention = torch.tensor(mask, device=device)
-                hidden = model(input_ids=input_ids, attention_mask=attention).last_hidden_state.float()
-                weights = attention.unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
-                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-                for i, vector in zip(rows, pooled.cpu().tolist()):
-                    vectors[i] = vector
-        return vectors
-
-
-def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Split inputs sorted by length into forward passes of at most `budget` padded tokens each (one input
-    alone when it is longer than that)."""
-    out: list[list[int]] = []
-    rows: list[int] = []
-    for i in order:
-        if rows and (len(rows) + 1) * lengths[i] > budget:
-            out.append(rows)
-            rows = []
-        rows.append(i)
-    if rows:
-        out.append(rows)
-    return out
+        return self.embedder.batch(inputs, device)

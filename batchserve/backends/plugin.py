@@ -90,6 +90,7 @@ class PluginBackend:
     count_fn: Callable[[list[str]], list[int]] | None = None
     cost_fn: Callable[[str], float] | None = None
     batch_cost_fn: Callable[[list[str]], float] | None = None
+    tokenize_fn: Callable[[list[str]], None] | None = None
     _runs: list[Callable[[list[str]], list]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +104,9 @@ class PluginBackend:
         if self.batch_cost_fn is not None:
             # Only a plugin that declares it has the attribute: the door's BatchCoster check finds it.
             self.cost_of_batch = self.batch_cost_fn
+        if self.tokenize_fn is not None:
+            # The door's tokenizer stage finds it (core/tokenize_stage.py): only a plugin that declares it has it.
+            self.tokenize = self.tokenize_fn
 
     def device_names(self) -> list[str]:
         return list(self.devices)
@@ -143,7 +147,10 @@ def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     target, options = resolved.target, spec.options
     if inspect.isclass(target):
         if shell and callable(getattr(target, "shell", None)):
-            maker: Callable[..., object] = functools.partial(target.shell, settings)
+            # shell(settings), or shell(settings, spec) for a backend that serves many models (`hf`: a folder)
+            maker: Callable[..., object] = (functools.partial(target.shell, settings, spec)
+                                            if _accepts(target.shell, settings, spec)
+                                            else functools.partial(target.shell, settings))
         elif callable(getattr(target, "from_settings", None)):
             maker = functools.partial(target.from_settings, spec, settings)
         else:
@@ -202,6 +209,7 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     count_fn = optional("count_tokens", "texts")
     cost_fn = optional("cost_of", "text")
     batch_cost_fn = optional("cost_of_batch", "texts")
+    tokenize_fn = optional("tokenize", "texts")
     warm_fn = optional("warm")
     warm_takes_device = warm_fn is not None and _accepts(warm_fn, "device")
     if warm_fn is not None and not warm_takes_device and not _accepts(warm_fn):
@@ -222,7 +230,7 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
         batch_takes_device=_takes_device(batch_fn), output_kind=kind, max_batch_size=max_batch,
         initial_batch_s=float(initial) if initial is not None else None, setup_fn=setup_fn, warm_fn=warm_fn,
         warm_takes_device=warm_takes_device, bucket_fn=bucket_fn, count_fn=count_fn, cost_fn=cost_fn,
-        batch_cost_fn=batch_cost_fn,
+        batch_cost_fn=batch_cost_fn, tokenize_fn=tokenize_fn,
     )
 
 

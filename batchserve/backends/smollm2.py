@@ -230,9 +230,15 @@ class SmolLM2Backend:
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
+        log.info("loading SmolLM2-135M-Instruct (%s decoding)", s.decode)
+        return cls.from_source(source_dir(s), s)
+
+    @classmethod
+    def from_source(cls, source: str, s: Settings) -> "SmolLM2Backend":
+        """The static batch path on the weights in `source` (a transformers folder; "" = the GGUF): SmolLM2's,
+        or any causal LM folder served with `--model` (`backends/hf.py`)."""
         devices = pick_devices(s.devices)
-        log.info("loading SmolLM2-135M-Instruct on %s (%s decoding)", ", ".join(devices), s.decode)
-        source = source_dir(s)
+        log.info("loading the causal LM from %s on %s", source or GGUF_FILE, ", ".join(devices))
         tokenizer = load_tokenizer(source)
         models = [load_model(d, source) for d in devices]
         decoders = []

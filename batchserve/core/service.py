@@ -26,6 +26,7 @@ from batchserve.core.handler import InferenceHandler
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
+from batchserve.core.tokenize_stage import Tokenize, TokenizeStage, tokenizer_of
 
 
 class Bucketer(Protocol):
@@ -88,6 +89,10 @@ class InferenceService:
         # Models whose inputs another handler answers instead of the batcher (a generative model on the
         # generation engine's stepper, `--inference-path stepper`): the door hands their work over.
         self.handlers: dict[str, InferenceHandler] = {}
+        # Per model: the backend's `tokenize` (the tokenizer stage makes the inputs' tokens before they are
+        # costed, off the loop) or None, looked up once.
+        self.tokenizing = TokenizeStage()
+        self._tokenizers: dict[str, Tokenize | None] = {}
 
     # -- state the routes and the job scheduler read --------------------------------------------------------
     @property
@@ -143,6 +148,11 @@ class InferenceService:
             self._batch_costs[model] = batch_cost_of(backend)
         return self._batch_costs[model]
 
+    def _tokenizer(self, model: str, backend: object) -> Tokenize | None:
+        if model not in self._tokenizers:
+            self._tokenizers[model] = tokenizer_of(backend)
+        return self._tokenizers[model]
+
     def _check_quarantine(self, model: str, text: str) -> None:
         why = self.quarantine.reason(model, text)
         if why is not None:
@@ -183,6 +193,9 @@ class InferenceService:
         if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
             raise errors.warming_up()
         self._check_quarantine(model, text)
+        tokenize = self._tokenizers[model] if model in self._tokenizers else self._tokenizer(model, backend)
+        if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
+            await self.tokenizing.run(tokenize, [text])
         batch_cost = self._batch_costs[model] if model in self._batch_costs else self._batch_cost(model, backend)
         cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
         bucket = backend.bucket_of(text)
@@ -230,6 +243,9 @@ class InferenceService:
                 raise errors.warming_up()
             for text in texts:
                 self._check_quarantine(model, text)
+            tokenize = self._tokenizer(model, backend)
+            if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
+                await self.tokenizing.run(tokenize, texts)
             batch_cost = self._batch_cost(model, backend)
             costs = ([float(backend.cost_of(text)) for text in texts] if batch_cost is None
                      else [float(batch_cost([text])) for text in texts])

@@ -134,7 +134,7 @@ async def embeddings(request: Request) -> Response:
         except ClientGone:
             return Response(status_code=499)
         body = answer([r.output for r in results], req.base64, model_id,
-                      await prompt_tokens(backend, req.inputs, counting))
+                      await prompt_tokens(backend, req.inputs, counting), req.dimensions)
         guard.ok(model_id, time.monotonic() - arrived, caller, inputs, costs_of(backend, req.inputs))
         return Response(body, media_type=JSON, headers=headers)
     except OpenAIError as err:

@@ -22,7 +22,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                                                        "default: the first such model"},
             "encoding_format": {"enum": ["float", "base64"], "default": "float",
                                 "description": "base64: the little-endian float32 bytes of each vector"},
-            "dimensions": {"description": "not supported: any value answers 400 unsupported_parameter"},
+            "dimensions": {"type": "integer", "minimum": 1,
+                           "description": "keep the first N components of each vector and L2-normalise them again "
+                                          "(Matryoshka truncation); over the model's width: 400"},
             "user": {"type": "string", "description": "accepted and ignored"},
             "timeout_ms": {"type": "number", "exclusiveMinimum": 0,
                            "description": "extension: the request's deadline, as on /v1/inference"},

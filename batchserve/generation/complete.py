@@ -31,7 +31,8 @@ class Prepared:
 
 async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -> Prepared:
     """The body as the engine takes it, or the OpenAIError (4xx) the route answers."""
-    req = parse(body, chat, engine.cfg.max_tokens)
+    defaults = engine.cfg.defaults
+    req = parse(body, chat, engine.cfg.max_tokens, defaults.temperature, defaults.top_p)
     if req.model is not None and req.model not in model_aliases(settings, engine):
         raise OpenAIError(404, f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)",
                           "model", "model_not_found")
@@ -94,9 +95,9 @@ def prompt_chars(prompt: list[dict[str, str]] | str) -> int:
 
 
 def model_aliases(settings: Settings, engine: Engine) -> set[str]:
-    """Names a client may use for the generation model: its id, and the smollm2 registry ids."""
+    """Names a client may use for the generation model: its id, and the registry ids of the generating model."""
     names = {engine.cfg.model_id, "HuggingFaceTB/" + engine.cfg.model_id}
     for spec in settings.models:
-        if spec.backend == "smollm2":
+        if spec.generates:
             names.update({spec.name, spec.id})
     return names

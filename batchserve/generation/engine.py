@@ -58,7 +58,7 @@ def enabled(settings: Settings) -> bool:
     """Generation runs with the real model, or when asked for: the sim server stays light."""
     if settings.generation != "auto":
         return settings.generation == "on"
-    return any(spec.backend == "smollm2" for spec in settings.models)
+    return any(spec.generates for spec in settings.models)
 
 
 @dataclass
@@ -74,6 +74,7 @@ class EngineConfig:
     max_waiting: int = 1000  # sequences waiting for capacity before 503
     cuda_graphs: bool = True  # on CUDA, decode steps are replayed as CUDA graphs
     stepper: str = "slots"  # slots (batchserve's) or manager (transformers')
+    defaults: "SamplingDefaults" = field(default_factory=lambda: SamplingDefaults())  # the model's own
 
     @classmethod
     def from_settings(cls, s: Settings) -> "EngineConfig":
@@ -81,6 +82,36 @@ class EngineConfig:
                    max_seqs=s.generation_max_seqs, max_context=s.generation_max_context,
                    queue_timeout_s=s.generation_queue_timeout_ms / 1000, max_waiting=s.max_queue,
                    cuda_graphs=s.generation_cuda_graphs, stepper=s.generation_engine)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves temperature / top_p out gets: the model's generation_config.json (as vLLM
+    does), else OpenAI's 1.0; `source` says which, for the start-up log line."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    source: str = "OpenAI's (the model's generation_config.json sets none)"
+    ignored: tuple[str, ...] = ()  # what the config sets that the steppers cannot apply (top_k, ...)
+
+    def describe(self) -> str:
+        ignored = f"; ignored: {', '.join(self.ignored)}" if self.ignored else ""
+        return f"temperature={self.temperature:g} top_p={self.top_p:g} from {self.source}{ignored}"
+
+
+def sampling_defaults(model: Any) -> SamplingDefaults:
+    """The model's generation_config.json as request defaults, as vLLM reads it: its temperature and top_p
+    when it sets them (do_sample is not read: vLLM does not either); top_k and the like are logged as ignored."""
+    gen = getattr(model, "generation_config", None)
+    try:
+        diff = gen.to_diff_dict() if gen is not None else {}
+    except Exception:  # noqa: BLE001 - an odd config: OpenAI's defaults
+        diff = {}
+    ignored = tuple(f"{k}={diff[k]}" for k in ("top_k", "min_p", "repetition_penalty") if k in diff)
+    if "temperature" not in diff and "top_p" not in diff:
+        return SamplingDefaults(ignored=ignored)
+    return SamplingDefaults(float(diff.get("temperature", 1.0)), float(diff.get("top_p", 1.0)),
+                            "the model's generation_config.json", ignored)
 
 
 @dataclass
@@ -188,6 +219,14 @@ def slot_plan(cfg: EngineConfig, on_gpu: bool, free_bytes: int, bytes_per_token:
     return max(1, slots), slot_tokens
 
 
+def end_tokens(model: Any, tokenizer: Any) -> list[int]:
+    """The tokens that end a sequence: the tokenizer's end of sequence and the model's generation config's
+    (a list for some models: Llama 3 ends a turn with <|eot_id|>)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    found = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    return sorted({t for t in (tokenizer.eos_token_id, *found) if isinstance(t, int)})
+
+
 def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
     """The configured stepper on `model`, warmed (CUDA graphs captured) and ready to start."""
     on_gpu = model.device.type == "cuda"
@@ -211,7 +250,7 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
     slots, slot_tokens = slot_plan(cfg, on_gpu, free, per_token,
                                    int(getattr(c, "max_position_embeddings", 8192)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return build_slot_stepper(model, [tokenizer.eos_token_id], pad, slots, slot_tokens, max_batch_tokens,
+    return build_slot_stepper(model, end_tokens(model, tokenizer), pad, slots, slot_tokens, max_batch_tokens,
                               cfg.cuda_graphs)
 
 
@@ -279,21 +318,24 @@ class Engine:
         cfg = EngineConfig.from_settings(settings)
 
         def load() -> tuple[Any, Any, Stepper]:
+            from batchserve.backends.hf import generation_folder
             from batchserve.backends.smollm2 import load_model, load_tokenizer, source_dir
 
-            source = source_dir(settings)
+            source = generation_folder(settings) or source_dir(settings)
             tok = tokenizer if tokenizer is not None else load_tokenizer(source)
             mdl = model if model is not None else load_model(default_device(settings), source)
+            cfg.defaults = sampling_defaults(mdl)
             return tok, mdl, build_stepper(mdl, tok, cfg)
 
         tok, mdl, stepper = await asyncio.to_thread(load)
         engine = cls(cfg, tok, stepper, registry, int(getattr(mdl.config, "max_position_embeddings", 8192)),
                      int(mdl.config.vocab_size))
+        engine.eos_ids.update(end_tokens(mdl, tok))
         stepper.start(asyncio.get_running_loop(), engine._on_updates)
         engine._tick_task = asyncio.create_task(engine._tick())
-        log.info("generation ready: %s, %s; %d sequences at most, %d tokens each at most, %.1f ms/step",
-                 cfg.model_id, stepper.description, engine.budget.max_seqs, engine.max_context,
-                 engine.step_s * 1000)
+        log.info("generation ready: %s, %s; %d sequences at most, %d tokens each at most, %.1f ms/step; "
+                 "sampling defaults %s", cfg.model_id, stepper.description, engine.budget.max_seqs,
+                 engine.max_context, engine.step_s * 1000, cfg.defaults.describe())
         return engine
 
     async def stop(self) -> None:

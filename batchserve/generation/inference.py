@@ -62,7 +62,7 @@ def stepper_models(settings: Settings) -> list[str]:
     only their backends' shells (no static batch decoder, no warm-up: `backends/loading.py`)."""
     if settings.inference_path != "stepper" or not enabled(settings):
         return []
-    return [spec.id for spec in settings.models if spec.backend == "smollm2"]
+    return [spec.id for spec in settings.models if spec.generates]
 
 
 @dataclass

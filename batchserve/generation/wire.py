@@ -60,7 +60,10 @@ def _text(content: Any, where: str) -> str:
     raise bad(where, "message content must be a string or a list of text parts")
 
 
-def parse(body: bytes, chat: bool, max_tokens_cap: int) -> GenRequest:
+def parse(body: bytes, chat: bool, max_tokens_cap: int, default_temperature: float = 1.0,
+          default_top_p: float = 1.0) -> GenRequest:
+    """The body as a request; temperature and top_p left out take the defaults (the model's
+    generation_config.json, `engine.SamplingDefaults`)."""
     data = json_object(body)
     model = data.get("model")  # optional: the one generation model served here (curl users leave it out)
     if model is not None and (not isinstance(model, str) or not model):
@@ -126,8 +129,8 @@ def parse(body: bytes, chat: bool, max_tokens_cap: int) -> GenRequest:
         raise bad("ignore_eos", "'ignore_eos' must be a boolean")
     params = SamplingParams(
         max_tokens=min(max_tokens or max_tokens_cap, max_tokens_cap),
-        temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        temperature=_number(data, "temperature", default_temperature, 0.0, 2.0),
+        top_p=_number(data, "top_p", default_top_p, 0.0, 1.0, lo_open=True),
         seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
     )
     return GenRequest(model, prompt, params, stream, bool(options and options.get("include_usage")),

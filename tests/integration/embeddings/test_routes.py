@@ -149,7 +149,9 @@ def test_a_list_of_n_inputs_costs_n_rate_limit_tokens(server: LiveServer):
 
 
 @pytest.mark.parametrize("body,status,param,code", [
-    ({"input": "x", "model": "embed", "dimensions": 2}, 400, "dimensions", "unsupported_parameter"),
+    ({"input": "x", "model": "embed", "dimensions": 5}, 400, "dimensions", "invalid_value"),
+    ({"input": "x", "model": "embed", "dimensions": 0}, 400, "dimensions", "invalid_value"),
+    ({"input": "x", "model": "embed", "dimensions": 2.5}, 400, "dimensions", "invalid_value"),
     ({"input": [1, 2, 3], "model": "embed"}, 400, "input", "unsupported_value"),
     ({"input": [[1, 2], [3]], "model": "embed"}, 400, "input", "unsupported_value"),
     ({"input": ["x"] * 2049, "model": "embed"}, 400, "input", "invalid_value"),
@@ -173,11 +175,25 @@ def test_keys_are_required_and_errors_keep_the_shape(server: LiveServer, client:
     r = httpx.post(server.url + "/v1/embeddings", content=b"{not json", headers={"Authorization": f"Bearer {server.key}"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     with pytest.raises(openai.BadRequestError):
-        client.embeddings.create(input="x", model="embed", dimensions=2)
+        client.embeddings.create(input="x", model="embed", dimensions=5)  # over the plugin's 4
     # without "model": the first model that serves embeddings
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "abc", "encoding_format": "float"},
                    headers={"Authorization": f"Bearer {server.key}"})
     assert r.status_code == 200 and r.json()["model"] == "embed@v1"
+
+
+def test_dimensions_truncates_and_normalises_again(server: LiveServer, client: openai.OpenAI):
+    """OpenAI's `dimensions`: the first N components of the plugin's [chars, n, 0.5, -1.25], L2-normalised."""
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": ["four", "sixsix"], "model": "embed", "dimensions": 3},
+                   headers={"Authorization": f"Bearer {server.key}"})
+    assert r.status_code == 200, r.text
+    for item, chars in zip(r.json()["data"], (4.0, 6.0)):
+        got = item["embedding"]
+        assert len(got) == 3 and abs(sum(x * x for x in got) - 1.0) < 1e-9
+        assert abs(got[0] / got[2] - chars / 0.5) < 1e-9  # the same direction as the first three components
+    got = client.embeddings.create(input="four", model="embed", dimensions=2, encoding_format="base64")
+    vector = struct.unpack("<2f", base64.b64decode(got.data[0].embedding))  # asked for base64: left encoded
+    assert abs(vector[0] ** 2 + vector[1] ** 2 - 1.0) < 1e-6
 
 
 def test_inference_route_returns_the_vector_as_output(server: LiveServer):
@@ -194,7 +210,7 @@ def test_live_answers_match_the_published_schemas(server: LiveServer):
     for fmt in ("float", "base64"):
         r = httpx.post(server.url + "/v1/embeddings", json={"input": ["a", "b"], "encoding_format": fmt}, headers=auth)
         validate(doc, response_schema(doc, "/v1/embeddings", "post", 200), r.json())
-    r = httpx.post(server.url + "/v1/embeddings", json={"input": "a", "dimensions": 3}, headers=auth)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "a", "dimensions": 30}, headers=auth)
     validate(doc, response_schema(doc, "/v1/embeddings", "post", 400), r.json())
     validate(doc, {"$ref": "#/components/schemas/EmbeddingRequest"}, {"input": ["a"], "model": "embed"})
 

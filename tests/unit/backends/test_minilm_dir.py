@@ -58,7 +58,7 @@ def test_the_cache_folder_is_weights_cache_as_for_smollm2(monkeypatch: pytest.Mo
     asked: list[Settings | None] = []
     monkeypatch.setattr(minilm, "model_dir", lambda settings=None: asked.append(settings) or tmp_path / "m")
     monkeypatch.setattr(minilm, "check_weights_dir", lambda path: None)
-    monkeypatch.setattr(minilm, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(minilm.MiniLM, "__post_init__", lambda self: None)  # no weights in the made-up folder
     monkeypatch.setattr(minilm, "pick_devices", lambda n: ["cpu"])
     built = minilm.MiniLM.from_settings(given.models[0], given)
     assert asked == [given] and built.path == tmp_path / "m"

@@ -153,7 +153,7 @@ def test_the_built_in_names_match_pyproject_and_resolve_without_installed_metada
     # A source tree never pip-installed (the copy the GPU check runs on) has no entry points at all.
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kwargs: [])
     assert resolve_backend("sim").target is SimBackend
-    assert backends.installed_names() == ["minilm", "sim", "smollm2"]
+    assert backends.installed_names() == ["hf", "minilm", "sim", "smollm2"]
     with pytest.raises(PluginError, match="unknown backend"):
         resolve_backend("not-installed-anywhere")
 

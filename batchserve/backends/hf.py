@@ -1,0 +1,367 @@
+"""`--model [name=]PATH`: any Hugging Face model folder served by task, no code (docs/backends.md, "Any model
+from a folder"). The backend name is `hf`; `folder.inspect_folder` reads the folder and says the task, then:
+
+- embeddings -> `FolderEmbedder`: the transformer (`AutoModel`), pooled (mean, CLS, last token, max, mean /
+  sqrt(len)) and normalised as its sentence-transformers config says, inputs truncated at its max_seq_length;
+  `output_kind = "embedding"`, so /v1/embeddings serves it;
+- reranking -> `FolderReranker`: a cross-encoder (`AutoModelForSequenceClassification`, one label); each input is
+  one (query, document) pair, written `pair_input(query, document)` (a JSON array of the two strings) by
+  /v1/rerank (`batchserve/rerank/`), answered with its score (sigmoid of the logit, as CrossEncoder.predict);
+  an input that is no pair (`/v1/inference`) is scored as one text alone;
+- generation -> the smollm2 backend's code on the folder's weights (`SmolLM2Backend.from_source`): the generation
+  engine loads the same folder (`generation_folder`) for /v1/chat/completions and /v1/completions, and its slot
+  stepper answers /v1/inference by default.
+
+Tokenize once (issue 36): embedders and rerankers keep each input's `tokenizers.Encoding`, made by `tokenize`
+(the door's tokenizer stage calls it on a worker thread with every queued text at once: the fast tokenizer's
+batch call), and read it both to cost the input on the event loop (`cost_of`, `bucket_of`) and to run it on the
+device thread (`batch`). A text that skipped the stage (a job item) is tokenized where it is first needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from batchserve.backends import pick_devices
+from batchserve.backends.folder import FolderError, FolderModel, inspect_folder
+from batchserve.config import ModelSpec, Settings
+
+log = logging.getLogger("batchserve.hf")
+
+CACHE_ENTRIES = 65536  # encodings kept by text (cleared when full: a cache, not a store)
+LENGTH_CLASSES = (16, 32, 64, 128)  # bucket_of: token counts up to each bound share a queue; longer, the last
+CPU_PASS_TOKENS = 1024  # padded tokens per forward pass on a CPU (as minilm)
+GPU_PASS_TOKENS = 65536
+WARM_TEXTS = ["A man is eating food.", "The quick brown fox jumps over the lazy dog, again and again.",
+              "Embeddings map text to vectors."] * 4
+
+
+def default_threads() -> int:
+    """torch's intra-op threads on a CPU: one fewer than the usable cores (the event loop needs one)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def pair_input(query: str, document: str) -> str:
+    """One reranker input: the pair as a JSON array of two strings (one text through the door, any content)."""
+    return orjson.dumps([query, document]).decode()
+
+
+def read_pair(text: str) -> tuple[str, str] | None:
+    """The (query, document) an input spells, or None when it is not a pair."""
+    if not text.startswith("["):
+        return None
+    try:
+        pair = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair):
+        return pair[0], pair[1]
+    return None
+
+
+def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Split inputs sorted by length into forward passes of at most `budget` padded tokens each."""
+    out: list[list[int]] = []
+    rows: list[int] = []
+    for i in order:
+        if rows and (len(rows) + 1) * lengths[i] > budget:
+            out.append(rows)
+            rows = []
+        rows.append(i)
+    if rows:
+        out.append(rows)
+    return out
+
+
+def load_fast_tokenizer(path: Path, max_tokens: int) -> Any:
+    """The folder's `tokenizer.json` with truncation at `max_tokens` (longest first, for pairs) and no padding,
+    fixed once: threads may then encode with it at once."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.enable_truncation(max_tokens, strategy="longest_first")
+    tok.no_padding()
+    return tok
+
+
+@dataclass
+class TokenModel:
+    """What embedders and rerankers share: a fast tokenizer whose encodings are made once per text and kept,
+    costs and length buckets read from them, forward passes of like lengths, one model replica per device."""
+
+    info: FolderModel
+    device_list: list[str]
+    threads: int = 0
+    pass_tokens: int = 0
+    group_by_length: bool = True
+    tokenizer: Any = None
+    models: dict[str, Any] = field(default_factory=dict)
+    encoded: dict[str, Any] = field(default_factory=dict, repr=False)  # text -> tokenizers.Encoding
+    tokenized_on_demand: int = 0  # texts tokenized outside the stage (job items, the warm-up): for tests and logs
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.tokenizer = load_fast_tokenizer(self.info.path, self.info.max_tokens)
+        self._types = False  # whether the model's forward takes token_type_ids (set in setup)
+
+    def devices(self) -> list[str]:
+        return list(self.device_list)
+
+    # -- tokens ------------------------------------------------------------------------------------------
+    def encode_many(self, texts: list[str]) -> list[Any]:
+        return self.tokenizer.encode_batch(texts)
+
+    def tokenize(self, texts: list[str]) -> None:
+        """The tokenizer stage (a worker thread, every text queued since its last call): encode what is not
+        kept yet in one batch call, and keep it."""
+        todo = list(dict.fromkeys(t for t in texts if t not in self.encoded))
+        if not todo:
+            return
+        encodings = self.encode_many(todo)
+        if len(self.encoded) + len(todo) > CACHE_ENTRIES:
+            self.encoded.clear()
+        self.encoded.update(zip(todo, encodings))
+
+    def encoding(self, text: str) -> Any:
+        found = self.encoded.get(text)
+        if found is None:
+            self.tokenized_on_demand += 1
+            found = self.encode_many([text])[0]
+            if len(self.encoded) >= CACHE_ENTRIES:
+                self.encoded.clear()
+            self.encoded[text] = found
+        return found
+
+    def encodings(self, texts: list[str]) -> list[Any]:
+        return [self.encoding(t) for t in texts]
+
+    def tokens(self, text: str) -> int:
+        return len(self.encoding(text).ids)
+
+    def cost_of(self, text: str) -> float:
+        return float(self.tokens(text))
+
+    def padded_cost(self, texts: list[str]) -> float:
+        return float(len(texts) * max((self.tokens(t) for t in texts), default=1))
+
+    def bucket_of(self, text: str) -> int:
+        if not self.group_by_length:
+            return 0
+        n = self.tokens(text)
+        for i, bound in enumerate(LENGTH_CLASSES):
+            if n <= bound:
+                return i
+        return len(LENGTH_CLASSES)
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [self.tokens(t) for t in texts]
+
+    # -- device ------------------------------------------------------------------------------------------
+    def load(self, device: str, dtype: Any) -> Any:
+        raise NotImplementedError
+
+    def setup(self, device: str) -> None:
+        import inspect
+
+        import torch
+
+        if device == "cpu":
+            torch.set_num_threads(self.threads or default_threads())
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        model = self.load(device, dtype).to(device).eval()
+        self._types = "token_type_ids" in inspect.signature(model.forward).parameters
+        self.models[device] = model
+
+    def warm(self, device: str) -> dict[int, float]:
+        """Two batches of different token counts, timed by batch cost (as minilm's)."""
+        timings: dict[int, float] = {}
+        for texts in (self.warm_inputs()[:3], self.warm_inputs()):
+            started = time.perf_counter()
+            self.batch(texts, device)
+            timings[round(self.padded_cost(texts))] = time.perf_counter() - started
+        return timings
+
+    def warm_inputs(self) -> list[str]:
+        return list(WARM_TEXTS)
+
+    def forward(self, texts: list[str], device: str, head: Any) -> list[Any]:
+        """Run `texts` in passes of like lengths; `head(outputs, ids, attention, lengths)` turns a pass's model
+        outputs into one value per row; the values come back in input order."""
+        import torch
+
+        model = self.models[device]
+        encodings = self.encodings(texts)
+        lengths = [max(1, len(e.ids)) for e in encodings]
+        order = sorted(range(len(texts)), key=lengths.__getitem__)
+        budget = self.pass_tokens or (GPU_PASS_TOKENS if device.startswith("cuda") else CPU_PASS_TOKENS)
+        out: list[Any] = [None] * len(texts)
+        with torch.inference_mode():
+            for rows in passes(order, lengths, budget):
+                width = lengths[rows[-1]]
+                ids = [encodings[i].ids + [0] * (width - len(encodings[i].ids)) for i in rows]
+                mask = [[1] * len(encodings[i].ids) + [0] * (width - len(encodings[i].ids)) for i in rows]
+                kwargs = {"input_ids": torch.tensor(ids, device=device),
+                          "attention_mask": torch.tensor(mask, device=device)}
+                if self._types:
+                    kwargs["token_type_ids"] = torch.tensor(
+                        [encodings[i].type_ids + [0] * (width - len(encodings[i].ids)) for i in rows], device=device)
+                values = head(model(**kwargs), kwargs["attention_mask"], [len(encodings[i].ids) for i in rows])
+                for i, value in zip(rows, values):
+                    out[i] = value
+        return out
+
+
+@dataclass
+class FolderEmbedder(TokenModel):
+    """A sentence-transformers embedder from its folder: `output_kind = "embedding"` (/v1/embeddings)."""
+
+    output_kind: str = "embedding"
+
+    def encode_many(self, texts: list[str]) -> list[Any]:
+        if self.info.lower_case:
+            texts = [t.lower() for t in texts]
+        return self.tokenizer.encode_batch(texts)
+
+    def load(self, device: str, dtype: Any) -> Any:
+        from transformers import AutoModel
+
+        return AutoModel.from_pretrained(str(self.info.path), dtype=dtype)
+
+    def batch(self, inputs: list[str], device: str) -> list[list[float]]:
+        return self.forward(inputs, device, self.pool)
+
+    def pool(self, outputs: Any, attention: Any, lengths: list[int]) -> list[list[float]]:
+        import torch
+
+        hidden = outputs.last_hidden_state.float()
+        mode = self.info.pooling.mode
+        weights = attention.unsqueeze(-1).to(hidden.dtype)
+        if mode == "cls":
+            pooled = hidden[:, 0]
+        elif mode == "lasttoken":
+            pooled = hidden[torch.arange(hidden.shape[0]), torch.tensor(lengths, device=hidden.device) - 1]
+        elif mode == "max":
+            pooled = hidden.masked_fill(weights == 0, -1e9).max(1).values
+        else:
+            summed = (hidden * weights).sum(1)
+            count = weights.sum(1).clamp(min=1e-9)
+            pooled = summed / (count.sqrt() if mode == "mean_sqrt_len_tokens" else count)
+        if self.info.pooling.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.cpu().tolist()
+
+
+@dataclass
+class FolderReranker(TokenModel):
+    """A cross-encoder from its folder: each input a (query, document) pair (`pair_input`), its output the
+    score CrossEncoder.predict gives (the logit through the saved activation: sigmoid by default)."""
+
+    output_kind: str = "json"
+
+    def encode_many(self, texts: list[str]) -> list[Any]:
+        """Each input as the pair it spells (`pair_input`), or, when it is no pair (a /v1/inference input, the
+        warm-up check), as one text alone."""
+        return self.tokenizer.encode_batch([read_pair(t) or t for t in texts])
+
+    def warm_inputs(self) -> list[str]:
+        return [pair_input("what is a vector?", t) for t in WARM_TEXTS]
+
+    def load(self, device: str, dtype: Any) -> Any:
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification.from_pretrained(str(self.info.path), dtype=dtype)
+
+    def batch(self, inputs: list[str], device: str) -> list[float]:
+        return self.forward(inputs, device, self.score)
+
+    def score(self, outputs: Any, attention: Any, lengths: list[int]) -> list[float]:
+        logits = outputs.logits.float()[:, 0]
+        if self.info.activation == "sigmoid":
+            logits = logits.sigmoid()
+        return [v if math.isfinite(v) else 0.0 for v in logits.cpu().tolist()]
+
+
+def model_of(spec: ModelSpec) -> FolderModel:
+    try:
+        return inspect_folder(spec.path, spec.task)
+    except FolderError as exc:
+        raise RuntimeError(str(exc)) from None
+
+
+class HFModel:
+    """The `hf` backend: builds the task's backend for the folder a [[models]] `path` (or `--model`) names."""
+
+    @classmethod
+    def from_settings(cls, spec: ModelSpec, settings: Settings) -> object:
+        info = model_of(spec)
+        options = dict(spec.options)
+        devices = pick_devices(settings.devices)
+        if info.task == "embeddings":
+            return FolderEmbedder(info, devices, **options)
+        if info.task == "reranking":
+            return FolderReranker(info, devices, **options)
+        from batchserve.backends.smollm2 import SmolLM2Backend
+
+        return SmolLM2Backend.from_source(str(info.path), settings)
+
+    @classmethod
+    def shell(cls, settings: Settings, spec: ModelSpec) -> object:
+        """The server's side of a model whose batches run elsewhere: a generation folder answered by the
+        engine's stepper (devices and costs, no model), or the tokenizer side of an embedder or reranker
+        (`--executor process`: its models load in the device processes' `setup`)."""
+        if spec.task != "generation":
+            return cls.from_settings(spec, settings)
+        from batchserve.backends.smollm2 import SmolLM2Backend
+
+        return SmolLM2Backend(devices=pick_devices(settings.devices), max_new_tokens=settings.max_new_tokens)
+
+
+def generation_folder(settings: Settings) -> str:
+    """The folder of the model the generation engine serves, when it is a `--model` folder; "" otherwise."""
+    for spec in settings.models:
+        if spec.backend == "hf" and spec.task == "generation":
+            return spec.path
+    return ""
+
+
+def folder_spec(arg: str, task: str = "") -> ModelSpec:
+    """`--model [name=]PATH` as a model version: named `name`, else after the folder's last part."""
+    name, sep, path = arg.partition("=")
+    if not sep or "/" in name or not name:
+        name, path = "", arg
+    name = name or Path(path.rstrip("/")).name or "model"
+    return ModelSpec(name, backend="hf", path=path, task=task)
+
+
+def resolve_folders(settings: Settings) -> None:
+    """Read each folder model's folder now (cheap: its JSON files): its task and its real path are fixed on the
+    spec, and a folder that cannot be served raises ValueError (one line; the CLI exits 2 before the port
+    opens). The generation endpoints take the generation folder's name unless --generation-model was given."""
+    generators = []
+    for spec in settings.models:
+        if spec.backend != "hf":
+            continue
+        try:
+            info = inspect_folder(spec.path, spec.task)
+        except FolderError as exc:
+            raise ValueError(f"model {spec.name}: {exc}") from None
+        spec.path, spec.task = str(info.path), info.task
+        log.info("model %s: %s from %s (%s)", spec.name, info.task, info.path, info.architecture or info.model_type)
+        if info.task == "generation":
+            generators.append(spec)
+    if len(generators) > 1:
+        raise ValueError(f"models {', '.join(s.name for s in generators)}: one generation model per server (the "
+                         f"generation engine runs one)")
+    if any(s.backend == "smollm2" for s in settings.models) and generators:
+        raise ValueError(f"model {generators[0].name}: one generation model per server, and smollm2 is served too")
+    if generators and "generation_model" not in settings.given:
+        settings.generation_model = generators[0].name

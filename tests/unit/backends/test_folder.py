@@ -1,0 +1,143 @@
+"""What `--model PATH` reads from a folder without loading it (backends/folder.py, backends/hf.py, cli.py): the
+task from its files, pooling and length from sentence-transformers' config (6.x and older formats), a reranker's
+activation, the architectures the slot stepper runs, names and `--task`, the `[[models]]` table, and one-line
+errors for what cannot be served. Folders of JSON files only: no weights, nothing loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchserve.backends.folder import FolderError, Pooling, inspect_folder
+from batchserve.backends.hf import folder_spec, generation_folder, resolve_folders
+from batchserve.cli import build_parser, settings_from
+from batchserve.config import Settings
+from batchserve.config_file import load
+
+
+def write(folder: Path, files: dict[str, object]) -> Path:
+    for name, content in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(content))
+    return folder
+
+
+def bert(folder: Path, **config: object) -> dict[str, object]:
+    return {"config.json": {"architectures": ["BertModel"], "model_type": "bert", "max_position_embeddings": 512,
+                            **config}, "tokenizer.json": {}}
+
+
+ST6 = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+       {"idx": 1, "name": "1", "path": "1_Pooling",
+        "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+       {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"}]
+OLD = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+       {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+
+
+def test_a_sentence_transformers_6_folder_is_an_embedder(tmp_path: Path) -> None:
+    write(tmp_path, {**bert(tmp_path), "modules.json": ST6, "1_Pooling/config.json": {"pooling_mode": "cls"},
+                     "tokenizer_config.json": {"model_max_length": 128}})
+    info = inspect_folder(str(tmp_path))
+    assert (info.task, info.pooling, info.max_tokens) == ("embeddings", Pooling("cls", True), 128)
+
+
+def test_an_older_folder_with_sentence_bert_config(tmp_path: Path) -> None:
+    write(tmp_path, {**bert(tmp_path), "modules.json": OLD,
+                     "1_Pooling/config.json": {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False},
+                     "sentence_bert_config.json": {"max_seq_length": 256, "do_lower_case": True},
+                     "tokenizer_config.json": {"model_max_length": 1e30}})
+    info = inspect_folder(str(tmp_path))
+    assert (info.pooling, info.max_tokens, info.lower_case) == (Pooling("mean", False), 256, True)
+
+
+@pytest.mark.parametrize("modules,pooling,says", [
+    (OLD + [{"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}],
+     {"pooling_mode_mean_tokens": True}, "not supported here"),
+    (OLD, {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, r"pooling mean\+max is not supported"),
+    (OLD[:1], {}, "no Pooling module"),
+])
+def test_embedder_folders_it_cannot_serve(tmp_path: Path, modules: list, pooling: dict, says: str) -> None:
+    write(tmp_path, {**bert(tmp_path), "modules.json": modules, "1_Pooling/config.json": pooling})
+    with pytest.raises(FolderError, match=says):
+        inspect_folder(str(tmp_path))
+
+
+def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
+    lm = write(tmp_path / "lm", {"config.json": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+                                 "tokenizer.json": {}})
+    assert inspect_folder(str(lm)).task == "generation"
+    ce = write(tmp_path / "ce", {"config.json": {"architectures": ["BertForSequenceClassification"],
+                                                 "model_type": "bert", "id2label": {"0": "LABEL_0"}},
+                                 "tokenizer.json": {}})
+    assert (inspect_folder(str(ce)).task, inspect_folder(str(ce)).activation) == ("reranking", "sigmoid")
+    write(ce, {"config.json": {"architectures": ["BertForSequenceClassification"], "model_type": "bert",
+                               "num_labels": 1, "sentence_transformers": {
+                                   "activation_fn": "torch.nn.modules.linear.Identity"}}})
+    assert inspect_folder(str(ce)).activation == "identity"
+    three = write(tmp_path / "nli", {"config.json": {"architectures": ["BertForSequenceClassification"],
+                                                     "model_type": "bert", "num_labels": 3}, "tokenizer.json": {}})
+    with pytest.raises(FolderError, match="one label"):
+        inspect_folder(str(three))
+    gpt2 = write(tmp_path / "gpt2", {"config.json": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+                                     "tokenizer.json": {}})
+    with pytest.raises(FolderError, match="cannot tell what to serve"):
+        inspect_folder(str(gpt2))
+    with pytest.raises(FolderError, match="cannot run on the generation engine's slot stepper"):
+        inspect_folder(str(gpt2), "generation")
+    falcon = write(tmp_path / "falcon", {"config.json": {"architectures": ["FalconForCausalLM"],
+                                                         "model_type": "falcon"}, "tokenizer.json": {}})
+    with pytest.raises(FolderError, match="llama, mistral, qwen2, qwen3"):
+        inspect_folder(str(falcon))
+
+
+def test_names_the_cli_and_one_generation_model(tmp_path: Path) -> None:
+    lm = write(tmp_path / "tiny", {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+                                   "tokenizer.json": {}})
+    assert folder_spec(f"chat={lm}").name == "chat" and folder_spec(str(lm) + "/").name == "tiny"
+    parser, _ = build_parser()
+    s = settings_from(parser.parse_args(["serve", "--model", str(lm)]), environ={})
+    assert [(m.name, m.backend, m.task) for m in s.models] == [("tiny", "hf", "generation")]
+    assert s.generation_model == "tiny" and generation_folder(s) == str(lm.resolve())
+    assert s.models[0].generates
+    kept = settings_from(parser.parse_args(["serve", "--backend", "sim", "--model", f"a={lm}"]), environ={})
+    assert [m.name for m in kept.models] == ["sim", "a"]
+    twice = Settings(models=[folder_spec(f"a={lm}"), folder_spec(f"b={lm}")])
+    with pytest.raises(ValueError, match="one generation model per server"):
+        resolve_folders(twice)
+    from_env = settings_from(parser.parse_args(["serve"]), environ={"BATCHSERVE_MODEL": f"x={lm}"})
+    assert from_env.models[0].name == "x"
+
+
+def test_the_config_file_takes_a_path(tmp_path: Path) -> None:
+    config = tmp_path / "bs.toml"
+    config.write_text('[[models]]\nname = "bge"\npath = "/models/bge"\ntask = "embeddings"\n')
+    spec = load(str(config)).models[0]
+    assert (spec.backend, spec.path, spec.task) == ("hf", "/models/bge", "embeddings")
+    config.write_text('[[models]]\nname = "bge"\npath = "/models/bge"\ntask = "embed"\n')
+    with pytest.raises(ValueError, match=r"bs.toml:4: models\[0\].task: expected one of embeddings"):
+        load(str(config))
+    config.write_text('[[models]]\nname = "x"\nbackend = "sim"\npath = "/models/bge"\n')
+    with pytest.raises(ValueError, match="path is for a model folder"):
+        load(str(config))
+
+
+def test_a_hub_id_resolves_through_the_local_cache_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """owner/name found in the Hugging Face cache's layout (refs/main -> snapshots/<rev>), offline; one that is
+    not there is refused in one line, nothing fetched."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-lm"
+    snapshot = write(repo / "snapshots" / "abc123", {
+        "config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": {}})
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    info = inspect_folder("acme/tiny-lm")
+    assert info.path == snapshot and info.task == "generation"
+    with pytest.raises(FolderError, match="not in the local Hugging Face cache"):
+        inspect_folder("acme/absent")
