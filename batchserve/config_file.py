@@ -5,7 +5,6 @@
 name = "echo"
 version = "v1"
 backend = "sim"        # or "smollm2", "minilm", a plugin's name or package.module:attribute
-[models.options]       # keyword arguments for a plugin class or factory (docs/backends.md), "minilm", an installed plugin's name, "package.module:attribute"
 sim_batch_ms = 100
 weight = 90            # share of its name's traffic among versions (canary), sticky per API key
 [models.options]       # keyword arguments for the plugin of the [[models]] table above (docs/backends.md)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -47,7 +47,7 @@ def upload_filename(given: str | None) -> str:
     return name[:MAX_FILENAME]
 
 
-async def _one_chunk(body: bytes) -> AsyncIterator[bytes]:
+async def _one_chunk(body: bytes) -> AsyncGenerator[bytes, None]:  # what MultiPartParser takes
     yield body
 
 
@@ -105,7 +105,8 @@ async def generated(store: JobStore, caller: Caller, file_id: str) -> tuple[Stor
         after = rows[-1].index
     content = b"".join(parts)
     name = f"{job_id}_{'output' if kind == OUTPUT else 'errors'}.jsonl"
-    return StoredFile(file_id, caller.owner, name, "batch_output", len(content), job.finished_at or job.created_at), content
+    made = job.finished_at or job.created_at
+    return StoredFile(file_id, caller.owner, name, "batch_output", len(content), made), content
 
 
 async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:

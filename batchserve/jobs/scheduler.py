@@ -279,7 +279,7 @@ class Scheduler:
                     self._release_queued()
                     continue
                 await self._refill()
-            except Exception:  # noqa: BLE001 - a store hiccup must not end feeding; the next tick tries again
+            except Exception:  # a store hiccup must not end feeding; the next tick tries again
                 log.exception("batch job feeding failed; retrying")
                 await asyncio.sleep(1.0)
 
@@ -531,8 +531,8 @@ class Scheduler:
                 self._outcome(job, Outcome(job.id, index, status, output=result.response_json(),
                                            error=result.error, message=result.message))
                 return
-            output = orjson.dumps(result.output).decode()  # any JSON value, stored as JSON text
-            self._outcome(job, Outcome(job.id, index, "completed", output=output))
+            stored = orjson.dumps(result.output).decode()  # any JSON value, stored as JSON text
+            self._outcome(job, Outcome(job.id, index, "completed", output=stored))
             return
         costly = isinstance(exc, ApiError) and exc.costly
         was_isolated = self._isolated(job)
@@ -580,7 +580,7 @@ class Scheduler:
             self._flush_now.clear()
             try:
                 await self.flush()
-            except Exception:  # noqa: BLE001 - the rows are kept and written on the next try
+            except Exception:  # the rows are kept and written on the next try
                 log.exception("writing batch job results failed; retrying")
                 await asyncio.sleep(1.0)
 
@@ -611,7 +611,7 @@ class Scheduler:
                     continue
                 try:
                     kept = await self.store.renew(job.id, sorted(job.held), lease_s)
-                except Exception:  # noqa: BLE001 - the next round tries again, well inside the lease
+                except Exception:  # the next round tries again, well inside the lease
                     log.exception("renewing the leases of batch %s failed; retrying", job.id)
                     continue
                 if kept < len(job.held):  # recorded meanwhile, or a lease ran out and another node took it
@@ -622,7 +622,7 @@ class Scheduler:
             await asyncio.sleep(self.settings.jobs_poll_s)
             try:
                 await self.poll()
-            except Exception:  # noqa: BLE001 - the next poll tries again
+            except Exception:  # the next poll tries again
                 log.exception("reading the unfinished batch jobs failed; retrying")
 
     async def poll(self) -> None:
