@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Mapping
 
 import orjson
 from starlette.applications import Starlette
@@ -68,7 +68,7 @@ class FastPath:
     to the Starlette app as usual. The hot endpoints render their own errors, so the error middleware has nothing
     to add for them."""
 
-    def __init__(self, app: Starlette, fast: dict[tuple[str, str], ASGIApp],
+    def __init__(self, app: Starlette, fast: Mapping[tuple[str, str], ASGIApp],
                  patterns: tuple[Callable[[str, str], ASGIApp | None], ...] = ()) -> None:
         self.app = app
         self.fast = fast
@@ -93,13 +93,13 @@ class FastPath:
                 scope["app"] = self.app
                 try:
                     await endpoint(scope, receive, send)
-                except Exception:  # noqa: BLE001 - as Starlette's ServerErrorMiddleware: log, answer JSON 500
+                except Exception:  # as Starlette's ServerErrorMiddleware: log, answer JSON 500
                     log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
                     await internal_error(send)
                 return
         try:
             await self.app(scope, receive, send)
-        except Exception:  # noqa: BLE001 - logged here, answered JSON 500 by Starlette's error middleware
+        except Exception:  # logged here, answered JSON 500 by Starlette's error middleware
             if scope["type"] != "http":
                 raise
             # Starlette answers the 500, then re-raises for the server to log; uvicorn would then close the

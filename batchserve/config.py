@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import ipaddress
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,10 +207,10 @@ class Settings:
                                               "no effect on a CPU")
     generation_max_seqs: int = knob(0, "most sequences generating at once (0 = auto: on a GPU as many slots as "
                                        "half the free device memory holds, a multiple of 64 up to 2048: by that "
-                                       "arithmetic ~1,400 on an H200 for SmolLM2, not yet run on one; the manager 256; on a CPU the slots "
-                                       "engine has as many "
-                                       "slots as its 16384-token KV capacity holds, 8 of --generation-max-context "
-                                       "2048, and the manager 64)")
+                                       "arithmetic ~1,400 on an H200 for SmolLM2, not yet run on one; the "
+                                       "manager 256; on a CPU the slots engine has as many slots as its "
+                                       "16384-token KV capacity holds, 8 of --generation-max-context 2048, and "
+                                       "the manager 64)")
     generation_queue_timeout_ms: float = knob(30000.0, "longest wait for KV-cache capacity before a sequence "
                                                        "starts; a longer predicted wait gets 503 at the door")
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
@@ -357,7 +358,7 @@ KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true
 
 def coerce(f: dataclasses.Field, raw: str) -> Any:
     """A variable's text as the field's type; a ValueError says what was expected (the caller names where)."""
-    kind = type(f.default)
+    kind: type[Any] = type(f.default)
     if kind is bool:
         word = raw.strip().lower()
         if word not in TRUE + FALSE:
@@ -369,22 +370,22 @@ def coerce(f: dataclasses.Field, raw: str) -> Any:
         raise ValueError(f"expected {KIND_NAMES[kind]}") from None
 
 
-def env_defaults(environ: dict[str, str] | None = None) -> dict[str, Any]:
+def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Values from BATCHSERVE_* variables; flags given on the command line win over these. A bad value is a
     ValueError that names the variable."""
-    environ = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ
     out = {}
     for f in cli_fields():
         name = env_name(f.name)
-        if name in environ:
+        if name in env:
             try:
-                out[f.name] = coerce(f, environ[name])
+                out[f.name] = coerce(f, env[name])
             except ValueError as exc:
-                raise ValueError(f"{name}={environ[name]!r}: {exc}") from None
+                raise ValueError(f"{name}={env[name]!r}: {exc}") from None
     return out
 
 
-def env_sources(environ: dict[str, str] | None = None) -> dict[str, str]:
+def env_sources(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The BATCHSERVE_* variable that set each knob."""
-    environ = os.environ if environ is None else environ
-    return {f.name: env_name(f.name) for f in cli_fields() if env_name(f.name) in environ}
+    env = os.environ if environ is None else environ
+    return {f.name: env_name(f.name) for f in cli_fields() if env_name(f.name) in env}

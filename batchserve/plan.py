@@ -78,7 +78,8 @@ class BatchTime:
                     raise ValueError
                 points[int(size)] = float(ms) / 1000
             except ValueError:
-                raise ValueError(f"batch times must read size:ms,size:ms (sizes >= 1, times > 0), not {part!r}")
+                raise ValueError(
+                    f"batch times must read size:ms,size:ms (sizes >= 1, times > 0), not {part!r}") from None
         ordered = sorted(points.items())
         return cls(tuple(s for s, _ in ordered), tuple(t for _, t in ordered))
 
@@ -530,7 +531,7 @@ def _cpu_window(base: str, window_s: float, api_key: str, ping_s: float
 
 
 def _get(url: str, timeout: float = 10.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - an operator-given http(s) URL
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # an operator-given http(s) URL
         return r.read()
 
 
@@ -573,7 +574,7 @@ def probe(base: str, sizes: list[int], api_key: str = "", rounds: int = 3) -> Ba
 
 
 def _get_request(req: urllib.request.Request) -> bytes:
-    with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - an operator-given http(s) URL
+    with urllib.request.urlopen(req, timeout=30) as r:  # an operator-given http(s) URL
         return r.read()
 
 
@@ -637,7 +638,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ms", type=float, default=200.0, help="p95 latency objective")
     p.add_argument("--devices", type=int, default=None, help="devices (GPUs) per node [1, or measured]")
     p.add_argument("--max-batch", type=int, default=100, help="most inputs in one batch (--max-batch-size)")
-    p.add_argument("--batch-ms", type=float, default=None, help="batch time, the same at every size (this, --batch-ms-by-size or --measure is required)")
+    p.add_argument("--batch-ms", type=float, default=None,
+                   help="batch time, the same at every size (this, --batch-ms-by-size or --measure is required)")
     p.add_argument("--batch-ms-by-size", default=None, metavar="SIZE:MS,...",
                    help="batch time by batch size, e.g. 1:40,32:60,100:100 (linear between; this, --batch-ms or "
                         "--measure is required)")

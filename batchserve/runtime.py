@@ -203,7 +203,7 @@ class Runtime:
         backend = self.backends.get(model)
         try:
             counts = backend.count_tokens(texts) if backend is not None else None
-        except Exception:  # noqa: BLE001 - the vectors are still the answer
+        except Exception:  # the vectors are still the answer
             log.warning("count_tokens of %s failed", model, exc_info=True)
             return 0
         return sum(counts) if counts else 0
@@ -214,8 +214,9 @@ class Runtime:
         caller loaded), then start the workers; /healthz is 200 throughout, /readyz turns 200 after."""
         try:
             elsewhere = stepper_models(self.settings)  # answered by the engine: their batch backends stay shells
-            loaded = self.loaded or await in_daemon_thread(lambda: load_models(self.settings, elsewhere),
-                                                          LOAD_THREAD)
+            loaded = self.loaded
+            if loaded is None:
+                loaded = await in_daemon_thread(lambda: load_models(self.settings, elsewhere), LOAD_THREAD)
             self.loaded = loaded
             self._deadlines_changed()  # the warm-up may have derived the SLO the user left unset
             self.backends.update(loaded.backends)
@@ -261,7 +262,7 @@ class Runtime:
             log.error("start-up failed: %s", self.startup_error)
             if self.on_startup_failure is not None:
                 self.on_startup_failure(self.startup_error, EXIT_BACKEND_FAILED)
-        except Exception as exc:  # noqa: BLE001 - one line, then the process exits (it could never serve)
+        except Exception as exc:  # one line, then the process exits (it could never serve)
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.debug("start-up failed", exc_info=True)
             log.error("start-up failed: %s", self.startup_error)

@@ -59,7 +59,7 @@ def _never_raises(method: Callable[P, R]) -> Callable[P, R | None]:
     def guarded(*args: P.args, **kwargs: P.kwargs) -> R | None:
         try:
             return method(*args, **kwargs)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("tracing failed in %s", method.__name__)
             return None
 
@@ -71,11 +71,12 @@ class Tracing:
 
     def __init__(self, tracer: "Tracer", shutdown: Any = None) -> None:
         from opentelemetry import trace
-        from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+        from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
         self.tracer = tracer
         self._shutdown = shutdown
         self._trace, self._link, self._kind = trace, Link, SpanKind
+        self._context = SpanContext  # the handles callers carry are opaque to them (`object`): narrowed here
         self._error = Status(StatusCode.ERROR)
 
     @classmethod
@@ -124,7 +125,7 @@ class Tracing:
         if outcome == "ok":
             span.set_attribute("gen_ai.response.model", model)
             start = wall_ns(arrived)
-            links = [self._link(batch)] if batch is not None else None
+            links = [self._link(batch)] if isinstance(batch, self._context) else None
             queue = self.tracer.start_span("queue", start_time=start, links=links,
                                            attributes={"batchserve.queue_ms": round(queue_s * 1000, 3)})
             queue.end(end_time=start + int(queue_s * 1e9))
@@ -136,7 +137,7 @@ class Tracing:
               attributes: Mapping[str, str | int | float] | None = None) -> "SpanContext | None":
         """A span for one batch run, linked to the request spans of the items it carried (`attributes`: the
         path's own, e.g. a stepper sequence's rows and tokens)."""
-        contexts = {c.span_id: c for c in requests if c is not None}  # type: ignore[attr-defined]
+        contexts = {c.span_id: c for c in requests if isinstance(c, self._context)}
         links = [self._link(c) for c in contexts.values()]
         span = self.tracer.start_span(f"batch {model}", start_time=wall_ns(started), links=links,
                                       kind=self._kind.INTERNAL, attributes={

@@ -92,10 +92,15 @@ class Backend(Protocol):
     """A model as the server drives it. `run` is called from device `device`'s own thread, one batch at a
     time per device; `setup` and `warm` run on that same thread before the first batch."""
 
-    source: "Resolved"  # what the configured name pointed at, for messages
-    output_kind: str  # one of OUTPUT_KINDS
-    max_batch_size: int | None  # the most inputs this model takes in one batch, or None for no own limit
-    initial_batch_s: float | None  # a known batch time; None: learned, starting from the warm-up's duration
+    # Read-only (properties): a plain attribute fits, and so does a wrapper that forwards them (ProcessBackend).
+    @property
+    def source(self) -> "Resolved": ...  # what the configured name pointed at, for messages
+    @property
+    def output_kind(self) -> str: ...  # one of OUTPUT_KINDS
+    @property
+    def max_batch_size(self) -> int | None: ...  # the most inputs this model takes in one batch, or None for none
+    @property
+    def initial_batch_s(self) -> float | None: ...  # a known batch time; None: learned, from the warm-up's duration
 
     def device_names(self) -> list[str]: ...
     def setup(self, device: int) -> None: ...

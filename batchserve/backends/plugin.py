@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 from batchserve.backends import OUTPUT_KINDS, Backend, PluginError, Resolved, describe, resolve_backend
 from batchserve.config import ModelSpec, Settings
@@ -66,7 +66,7 @@ def _needs_an_argument(fn: Callable[..., Any]) -> bool:
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
-def _is_function(obj: object) -> bool:
+def _is_function(obj: object) -> TypeGuard[Callable[..., Any]]:
     return inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.ismethod(obj)
 
 
@@ -98,9 +98,9 @@ class PluginBackend:
         self._runs = [functools.partial(self.batch_fn, device=d) if self.batch_takes_device else self.batch_fn
                       for d in self.devices]
         if self.bucket_fn is not None:
-            self.bucket_of = self.bucket_fn  # type: ignore[method-assign]  # the hot path: no extra frame
+            self.bucket_of = self.bucket_fn  # type: ignore[assignment]  # the hot path: no extra frame
         if self.cost_fn is not None:
-            self.cost_of = self.cost_fn  # type: ignore[method-assign]  # the hot path too
+            self.cost_of = self.cost_fn  # type: ignore[assignment]  # the hot path too
         if self.batch_cost_fn is not None:
             # Only a plugin that declares it has the attribute: the door's BatchCoster check finds it.
             self.cost_of_batch = self.batch_cost_fn
@@ -146,13 +146,13 @@ def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     when it has one (it knows devices and buckets but loads no model), else the plugin itself."""
     target, options = resolved.target, spec.options
     if inspect.isclass(target):
-        if shell and callable(getattr(target, "shell", None)):
+        if shell and callable(make_shell := getattr(target, "shell", None)):
             # shell(settings), or shell(settings, spec) for a backend that serves many models (`hf`: a folder)
-            maker: Callable[..., object] = (functools.partial(target.shell, settings, spec)
-                                            if _accepts(target.shell, settings, spec)
-                                            else functools.partial(target.shell, settings))
-        elif callable(getattr(target, "from_settings", None)):
-            maker = functools.partial(target.from_settings, spec, settings)
+            maker: Callable[..., object] = (functools.partial(make_shell, settings, spec)
+                                            if _accepts(make_shell, settings, spec)
+                                            else functools.partial(make_shell, settings))
+        elif callable(from_settings := getattr(target, "from_settings", None)):
+            maker = functools.partial(from_settings, spec, settings)
         else:
             if not _accepts(target, **options):
                 raise resolved.error(f"the options {sorted(options)} do not fit the constructor "

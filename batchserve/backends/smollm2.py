@@ -22,7 +22,8 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from unittest import mock
+from typing import Any, Callable, Iterator, Literal
 
 from batchserve.backends import all_callers_gone, pick_devices
 from batchserve.config import ModelSpec, Settings
@@ -76,17 +77,15 @@ def gguf_read_once() -> Iterator[None]:
         real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
         readers: dict[tuple[str, str], gguf.GGUFReader] = {}
 
-        def reader(path: os.PathLike[str] | str, mode: str = "r") -> gguf.GGUFReader:
+        def reader(path: os.PathLike[str] | str, mode: Literal["r", "r+", "c"] = "r") -> gguf.GGUFReader:
             key = (os.path.realpath(os.fspath(path)), mode)
             if key not in readers:
                 readers[key] = real_reader(path, mode)
             return readers[key]
 
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
-        try:
+        with (mock.patch.object(gguf, "GGUFReader", reader),
+              mock.patch.object(gguf, "get_tensor_name_map", functools.cache(real_map))):
             yield
-        finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def converted_dir(cache: str) -> str:
@@ -124,7 +123,7 @@ def converted_dir(cache: str) -> str:
         with gguf_read_once():
             model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # typed through nn.Module's __getattr__ (Tensor | Module)
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(staging)
@@ -178,7 +177,7 @@ def load_model(device: str, model_dir: str = "") -> Any:
         log.warning("no weights in %s: SmolLM2's architecture with RANDOM weights (benchmarks only)", model_dir)
         torch.manual_seed(0)  # the library's own init: N(0, initializer_range) matrices, unit norms
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapper of .to types self as the arg
 
 
 @functools.cache
@@ -189,7 +188,7 @@ def callers_gone_criteria() -> Any:
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class CallersGone(StoppingCriteria):
-        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.Tensor:
             return torch.full((input_ids.shape[0],), all_callers_gone(), dtype=torch.bool, device=input_ids.device)
 
     return StoppingCriteriaList([CallersGone()])
@@ -316,7 +315,8 @@ class SmolLM2Backend:
         return prompt_ids(self.tokenizer, inputs)
 
     def batch(self, inputs: list[str], device: str) -> list[str]:
-        if not self.models and not self.decoders:  # a shell (`--executor process`'s server side, or the stepper answers the model)
+        # A shell (`--executor process`'s server side, or the stepper answers the model).
+        if not self.models and not self.decoders:
             raise RuntimeError("this smollm2 backend is a shell with no model: its batches run elsewhere")
         if not self.decoders:
             return self.run_generate(device, inputs)

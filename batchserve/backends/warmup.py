@@ -3,9 +3,9 @@
 Why: the first batches of a real model pay one-off costs (allocator growth, kernel selection, lazy imports,
 CUDA context); seeding the learned batch time from them once made an idle server refuse requests with a
 25 s `retry_after_ms`. And the sim's defaults (200 ms SLO, 2 s timeout) cut a real model's longer answers off
-at 2 s. So warm-up rounds run until two in a row agree, the learned batch time starts from the median of the rounds after the cold first one,
-and `--slo-ms` / `--timeout-ms`, when the user set neither flag nor variable, follow from it. The sim's batch
-time is known (`--sim-batch-ms`), so it keeps its defaults and is warmed once.
+at 2 s. So warm-up rounds run until two in a row agree, the learned batch time starts from the median of the
+rounds after the cold first one, and `--slo-ms` / `--timeout-ms`, when the user set neither flag nor variable,
+follow from it. The sim's batch time is known (`--sim-batch-ms`), so it keeps its defaults and is warmed once.
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def apply_deadlines(settings: Settings, batch_s: float, measured: str = "the war
         settings.slo_ms = derived.slo_ms
     if derived.timeout_ms is not None:
         settings.timeout_ms = derived.timeout_ms
-    log.info("deadlines from %s %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)", measured, batch_s * 1000, settings.slo_ms, "derived" if derived.slo_ms is not None else "set",
-             settings.timeout_ms, "derived" if derived.timeout_ms is not None else "set")
+    log.info("deadlines from %s %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)", measured, batch_s * 1000,
+             settings.slo_ms, "derived" if derived.slo_ms is not None else "set", settings.timeout_ms,
+             "derived" if derived.timeout_ms is not None else "set")
     if batch_s * 1000 >= settings.max_timeout_ms:
         log.warning("a batch takes %.0f ms, longer than --max-timeout-ms %.0f: every request will be refused "
                     "(fewer --max-new-tokens, a GPU, or a larger --max-timeout-ms)", batch_s * 1000,

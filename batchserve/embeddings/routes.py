@@ -80,7 +80,7 @@ async def prompt_tokens(backend: Backend, inputs: list[str], counting: asyncio.F
     count_tokens, or one that failed: the vectors are still the answer)."""
     try:
         counts = await counting if counting is not None else backend.count_tokens(inputs)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.warning("count_tokens of %s failed", backend.source.name, exc_info=True)
         return 0
     return sum(counts) if counts else 0

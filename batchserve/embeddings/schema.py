@@ -53,7 +53,8 @@ PATHS: dict[str, dict[str, Any]] = {
         "summary": "OpenAI-compatible embeddings; each input rides the batcher on its own",
         "requestBody": {"required": True, "content": json_content(ref("EmbeddingRequest"))},
         "responses": {
-            "200": {"description": "one vector per input, in input order", "content": json_content(ref("EmbeddingList"))},
+            "200": {"description": "one vector per input, in input order",
+                    "content": json_content(ref("EmbeddingList"))},
             **openai_error.responses(400, 401, 404, 413, 429, 500, 503, 504),
         },
     }},

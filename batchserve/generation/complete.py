@@ -10,6 +10,7 @@ import dataclasses
 import secrets
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import orjson
 
@@ -38,12 +39,12 @@ async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -
                           "model", "model_not_found")
     try:
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
-            prompt_ids = list(req.prompt)  # type: ignore[arg-type]
+            prompt_ids = list(req.prompt)
         else:
             # The size first, on characters (cheap), then the tokenizer, off the event loop.
-            engine.check_prompt_chars(prompt_chars(req.prompt), req.params.max_tokens if  # type: ignore[arg-type]
-                                      req.max_tokens_given else 1)
-            prompt_ids = await engine.tokenize(req.prompt)  # type: ignore[arg-type]
+            text = cast("list[dict[str, str]] | str", req.prompt)  # not token ids: those went above
+            engine.check_prompt_chars(prompt_chars(text), req.params.max_tokens if req.max_tokens_given else 1)
+            prompt_ids = await engine.tokenize(text)
     except ApiError as err:  # as `submit` answers a prompt over the context
         raise OpenAIError.from_api(err) from None
     if any(t >= engine.vocab_size for t in prompt_ids):

@@ -508,7 +508,7 @@ class Engine:
                 continue
             try:
                 self._take(seq, update, now)
-            except Exception as exc:  # noqa: BLE001 - one sequence's failure must not stop the others'
+            except Exception as exc:  # one sequence's failure must not stop the others'
                 log.exception("generation output handling failed for %s", seq.id)
                 self._finish(seq, error=errors.inference_failed(f"{type(exc).__name__}: {exc}"))
         self.metrics.output_tokens.inc(self.generated_tokens - before)

@@ -46,8 +46,9 @@ def build_manager(model: Any, tokenizer: Any, max_tokens: int, kv_tokens: int, p
     # transformers >= 5.18 calls it page_size, 5.17 block_size
     size_field = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
         else "block_size"
+    size: dict[str, Any] = {size_field: page_size}
     cb_config = ContinuousBatchingConfig(
-        **{size_field: page_size},
+        **size,
         num_blocks=math.ceil(kv_tokens / page_size) if kv_tokens else None,
         max_batch_tokens=max_batch_tokens or None,
         max_memory_percent=None if on_cpu else GPU_MEMORY_SHARE,

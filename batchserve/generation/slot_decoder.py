@@ -100,8 +100,9 @@ class SlotCache:
         self.heads, self.head_dim = heads, head_dim
         self._mode = "decode"
         self._rows, self._span = slots, slot_tokens
-        self._index: torch.Tensor | None = None  # decode: pos as a scatter index; prefill: the slots
-        self._at: torch.Tensor | None = None  # continuation prefill: each row's positions written, [rows, width]
+        # Set by decode / prefill / continuation before each forward (empty until then).
+        self._index = torch.empty(0, dtype=torch.long, device=device)  # decode: pos as a scatter index; prefill: slots
+        self._at = torch.empty(0, dtype=torch.long, device=device)  # continuation: each row's positions, [rows, width]
 
     @property
     def nbytes(self) -> int:
@@ -123,9 +124,9 @@ class SlotCache:
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.keys[layer_idx], self.values[layer_idx]
         if self._mode == "continue":
-            rows = self._index[:, None]
-            k[rows, :, self._at] = key_states.transpose(1, 2)
-            v[rows, :, self._at] = value_states.transpose(1, 2)
+            slots = self._index[:, None]
+            k[slots, :, self._at] = key_states.transpose(1, 2)
+            v[slots, :, self._at] = value_states.transpose(1, 2)
             return k[self._index, :, :self._span], v[self._index, :, :self._span]
         if self._mode == "prefill":
             width = key_states.shape[2]
@@ -421,7 +422,7 @@ class SlotDecoder:
         if self.use_graphs:
             try:
                 self._capture()
-            except Exception:  # noqa: BLE001 - serve eagerly rather than not at all; the log says why
+            except Exception:  # serve eagerly rather than not at all; the log says why
                 log.exception("capturing the decode steps failed: generation runs them eagerly (slower)")
                 self.graphs.clear()
                 self.prefill_graphs.clear()

@@ -177,7 +177,7 @@ class SlotStepper:
                 pending = launched
                 if updates:
                     self._send(updates)
-        except BaseException as exc:  # noqa: BLE001 - reported to every sequence; is_running() turns False
+        except BaseException as exc:  # reported to every sequence; is_running() turns False
             log.exception("the generation stepper stopped")
             self.failure = exc
             with self._cond:
@@ -246,7 +246,7 @@ class SlotStepper:
             first, done = self.decoder.prefill(
                 slots, [f.join.prompt_ids[p.start:p.start + p.length] for f, p in zip(fills, group)],
                 [f.join.params for f in fills], [p.start for p in group], [p.last for p in group])
-        except Exception as exc:  # noqa: BLE001 - these sequences fail, the running ones go on
+        except Exception as exc:  # these sequences fail, the running ones go on
             log.exception("prefill of %d sequences failed", len(group))
             self.decoder.release(slots)
             for f in fills:

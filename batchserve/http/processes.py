@@ -152,15 +152,15 @@ def child_main(settings: Settings, app_factory: AppFactory, index: int, share: S
     own_port = own.getsockname()[1]
     if own_port_out is not None:
         own_port_out.value = own_port
-    settings = replace(settings, port=port, devices=share.devices, processes=1,
-                       process_slot=ProcessSlot(index, settings.processes, own_port))
+    slot = ProcessSlot(index, settings.processes, own_port)
+    settings = replace(settings, port=port, devices=share.devices, processes=1, process_slot=slot)
     try:
         loaded = load_models(settings, elsewhere)
     except PluginError as exc:
         print(f"batchserve: error: {exc}", file=sys.stderr)
         sys.exit(2)
     log.info("process %d of %d (pid %d): %d device(s)%s; its own port %s:%d (/metrics, /readyz, /internal/health "
-             "of this process alone)", index, settings.process_slot.of, os.getpid(), share.devices,
+             "of this process alone)", index, slot.of, os.getpid(), share.devices,
              f" (CUDA_VISIBLE_DEVICES={share.cuda_visible})" if share.cuda_visible is not None else "",
              settings.host, own_port)
     sys.exit(serve(settings, app_factory, loaded, sockets=[shared, own], group=ChildGroup(draining, listening)))
@@ -215,8 +215,8 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
         slot.listening, slot.own_port, slot.prober, slot.killed_hung = ctx.Event(), ctx.Value("i", 0), None, 0.0
         own = settings.process_port_base + slot.index if settings.process_port_base else 0
         slot.process = ctx.Process(target=child_main, name=f"batchserve-{slot.index}",
-                                   args=(settings, app_factory, slot.index, slot.share, port, own, draining, slot.listening,
-                                         elsewhere, slot.own_port))
+                                   args=(settings, app_factory, slot.index, slot.share, port, own, draining,
+                                         slot.listening, elsewhere, slot.own_port))
         slot.started_at = time.monotonic()
         slot.process.start()
 

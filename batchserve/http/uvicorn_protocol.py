@@ -33,7 +33,7 @@ import asyncio
 import random
 import resource
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
@@ -230,7 +230,7 @@ class _GuardedCycle(RequestResponseCycle):
         if isinstance(protocol, GuardedHttpToolsProtocol) and not isinstance(self.transport, _Lingering):
             self.transport = _Lingering(self.transport, protocol)  # type: ignore[assignment]
 
-    async def send(self, message):  # type: ignore[override]
+    async def send(self, message):
         if self.more_body and not self.response_started:
             self.answer_before_body()
         transport = self.transport
@@ -315,7 +315,7 @@ def json_error_answer(err: ApiError) -> bytes:
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """One connection. `guard` is bound per server with functools.partial (see `http/server.py`)."""
 
-    def __init__(self, *args, guard: ConnectionGuard, **kwargs) -> None:
+    def __init__(self, *args: Any, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.guard = guard
         self.limits = guard.limits
@@ -399,7 +399,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # The head may end inside this read: feed what fits; if the head is still open after that, it is too big.
         view = memoryview(data)
         self.head_bytes += room
-        super().data_received(view[:room])
+        super().data_received(view[:room])  # type: ignore[arg-type]  # httptools feeds any buffer; uvicorn says bytes
         if self.in_head:
             if self.parser is not None and not self.transport.is_closing():
                 self.refuse(errors.headers_too_large(

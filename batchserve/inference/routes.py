@@ -103,11 +103,11 @@ class InferenceEndpoint:
                     head += b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in limit_headers.items())
                 await send_whole(200, head, out)
                 return
-            headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode()),
-                       (b"server-timing", b"queue;dur=%.1f, compute;dur=%.1f" % (queue_ms, compute_ms)),
-                       *[(k.encode(), v.encode()) for k, v in limit_headers.items()],
-                       (b"content-length", b"%d" % len(out))]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            raw_headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode()),
+                           (b"server-timing", b"queue;dur=%.1f, compute;dur=%.1f" % (queue_ms, compute_ms)),
+                           *[(k.encode(), v.encode()) for k, v in limit_headers.items()],
+                           (b"content-length", b"%d" % len(out))]
+            await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
             await send({"type": "http.response.body", "body": out})
         except ApiError as err:
             guard.refused(model_id, err, caller)
@@ -144,8 +144,7 @@ async def list_models(request: Request) -> Response:
             for spec in rt.registry.specs]
     # The chat model first: clients that take the first id as the model to chat with (guidellm, many UIs)
     # get one that /v1/chat/completions accepts.
-    data = rt.model_cards() + data
-    return json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": [*rt.model_cards(), *data]})
 
 
 inference = InferenceEndpoint()

@@ -102,7 +102,7 @@ class JobBodyParser:
         metadata = self.values.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise errors.invalid('"metadata" must be an object when given')
-        return JobBody(self.inputs, model, metadata, self.values)  # type: ignore[arg-type]
+        return JobBody(self.inputs, model, metadata, self.values)
 
     def _scan(self, data: bytes, final: bool = False) -> None:
         """400 at a lone high surrogate escape. A match within 6 bytes of the end may yet be followed by its low

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from python_multipart.multipart import parse_options_header
 from starlette.requests import ClientDisconnect, Request

@@ -533,8 +533,8 @@ class Scheduler:
                 self._outcome(job, Outcome(job.id, index, status, output=result.response_json(),
                                            error=result.error, message=result.message))
                 return
-            output = orjson.dumps(result.output).decode()  # any JSON value, stored as JSON text
-            self._outcome(job, Outcome(job.id, index, "completed", output=output))
+            stored = orjson.dumps(result.output).decode()  # any JSON value, stored as JSON text
+            self._outcome(job, Outcome(job.id, index, "completed", output=stored))
             return
         costly = isinstance(exc, ApiError) and exc.costly
         was_isolated = self._isolated(job)

@@ -8,8 +8,8 @@ from batchserve.http import openapi
 from batchserve.http.openapi import Contribution, json_content, ok, ref
 
 # Error codes of these routes beyond the shared table (a narrowed Error schema per status, as openapi does).
-CODES = {404: ["BATCH_NOT_FOUND", "MODEL_NOT_FOUND", "NOT_FOUND", "FILE_NOT_FOUND"], 503: ["DRAINING", "NO_HEALTHY_WORKER",
-                                                                        "JOBS_UNAVAILABLE"]}
+CODES = {404: ["BATCH_NOT_FOUND", "MODEL_NOT_FOUND", "NOT_FOUND", "FILE_NOT_FOUND"],
+         503: ["DRAINING", "NO_HEALTHY_WORKER", "JOBS_UNAVAILABLE"]}
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "BatchRequest": {

@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import orjson
 
-from batchserve.config import is_postgres_url  # noqa: F401 - jobs/service.py and cli.py read it here
+from batchserve.config import is_postgres_url as is_postgres_url  # jobs/service.py and cli.py read it here
 from batchserve.jobs.files import FileStore
 
 ACTIVE = ("queued", "running")

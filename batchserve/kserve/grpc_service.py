@@ -36,7 +36,7 @@ from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
 log = logging.getLogger("batchserve.grpc")
 PROTO = "batchserve/kserve/grpc_inference.proto"
@@ -47,6 +47,47 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
                 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 V2_CODES = {400: "INVALID_REQUEST", 404: "MODEL_NOT_FOUND", 413: "PAYLOAD_TOO_LARGE"}  # for the metrics
+
+
+# The v2 messages as this module reads them (their classes are made from the .proto at start, so untyped).
+class ModelRef(Protocol):
+    """ModelReadyRequest, ModelMetadataRequest."""
+
+    name: str
+    version: str
+
+
+class Contents(Protocol):
+    bytes_contents: Sequence[bytes]
+
+
+class InputTensor(Protocol):
+    name: str
+    datatype: str
+    shape: Sequence[int]
+    contents: Contents
+
+
+class OutputRequest(Protocol):
+    name: str
+
+
+class Parameter(Protocol):
+    int64_param: int
+
+    def WhichOneof(self, group: str) -> str | None: ...  # noqa: N802 - protobuf's name
+
+
+class InferRequest(Protocol):
+    """ModelInferRequest."""
+
+    id: str
+    model_name: str
+    model_version: str
+    inputs: Sequence[InputTensor]
+    raw_input_contents: Sequence[bytes]
+    outputs: Sequence[OutputRequest]
+    parameters: Mapping[str, Parameter]
 
 
 class GrpcHost(Protocol):
@@ -90,9 +131,9 @@ def bytes_elements(raw: bytes, count: int) -> list[bytes]:
     return out
 
 
-def parse_request(req: object, max_chars: int) -> tuple[list[str], list[int], float | None]:
+def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[int], float | None]:
     """The request's strings (row-major), its shape, and its `timeout` parameter in microseconds (or None)."""
-    inputs = req.inputs  # type: ignore[attr-defined]
+    inputs = req.inputs
     if len(inputs) != 1:
         raise V2Error(400, f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see ModelMetadata)")
     tensor = inputs[0]
@@ -107,7 +148,7 @@ def parse_request(req: object, max_chars: int) -> tuple[list[str], list[int], fl
     if count < 1 or count > MAX_ELEMENTS:
         raise V2Error(400, f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} "
                            f"holds {count}")
-    raw_contents = req.raw_input_contents  # type: ignore[attr-defined]
+    raw_contents = req.raw_input_contents
     if raw_contents:
         if len(raw_contents) != 1 or tensor.contents.bytes_contents:
             raise V2Error(400, "give the input either as raw_input_contents (one entry) or as contents, not both")
@@ -126,12 +167,12 @@ def parse_request(req: object, max_chars: int) -> tuple[list[str], list[int], fl
             raise V2Error(400, "every element must be a non-empty string")
         if len(text) > max_chars:
             raise V2Error(413, f"an element is over the {max_chars}-character limit")
-    for out in req.outputs:  # type: ignore[attr-defined]
+    for out in req.outputs:
         if out.name != OUTPUT_NAME:
             raise V2Error(400, f"unknown output '{out.name[:64]}': this model's one output is '{OUTPUT_NAME}'")
     timeout_us: float | None = None
-    if "timeout" in req.parameters:  # type: ignore[attr-defined]
-        param = req.parameters["timeout"]  # type: ignore[attr-defined]
+    if "timeout" in req.parameters:
+        param = req.parameters["timeout"]
         if param.WhichOneof("parameter_choice") != "int64_param" or param.int64_param <= 0:
             raise V2Error(400, "'parameters.timeout' must be a positive int64 of microseconds")
         timeout_us = float(param.int64_param)
@@ -141,11 +182,12 @@ def parse_request(req: object, max_chars: int) -> tuple[list[str], list[int], fl
 def output_tensor(outputs: Sequence[object], shape: list[int], kind: str) -> tuple[str, list[int], bytes]:
     """(datatype, shape, raw contents) of the answer: FP32 `[*shape, dim]` for embeddings, BYTES otherwise."""
     if kind == "embedding":
-        dims = {len(v) if isinstance(v, list) else -1 for v in outputs}
-        if len(dims) != 1 or -1 in dims:
+        vectors = [v for v in outputs if isinstance(v, list)]
+        dims = {len(v) for v in vectors}
+        if len(vectors) != len(outputs) or len(dims) != 1:
             raise V2Error(500, "the model's vectors do not share one length")
         dim = dims.pop()
-        packed = array.array("f", [float(x) for v in outputs for x in v])  # type: ignore[attr-defined]
+        packed = array.array("f", [float(x) for v in vectors for x in v])
         if sys.byteorder != "little":
             packed.byteswap()
         return "FP32", [*shape, dim], packed.tobytes()
@@ -155,7 +197,7 @@ def output_tensor(outputs: Sequence[object], shape: list[int], kind: str) -> tup
     return "BYTES", shape, b"".join(struct.pack("<I", len(b)) + b for b in encoded)
 
 
-class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[name-defined,misc]
+class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[name-defined]
     """The six v2 methods over the runtime's door; everything else is the generated base's UNIMPLEMENTED."""
 
     def __init__(self, rt: GrpcHost) -> None:
@@ -167,9 +209,9 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
     async def ServerReady(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
         return protos.ServerReadyResponse(ready=self.rt.not_ready_reason() is None)
 
-    async def ModelReady(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+    async def ModelReady(self, request: ModelRef, context: aio.ServicerContext) -> object:  # noqa: N802
         try:
-            spec = find_model(self.rt, request.name, request.version)  # type: ignore[attr-defined]
+            spec = find_model(self.rt, request.name, request.version)
         except V2Error:
             return protos.ModelReadyResponse(ready=False)  # as HTTP's tritonclient reads a 404: not ready
         ready = self.rt.not_ready_reason() is None and spec.id in self.rt.backends
@@ -178,9 +220,9 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
     async def ServerMetadata(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
         return protos.ServerMetadataResponse(name="batchserve", version=__version__, extensions=EXTENSIONS)
 
-    async def ModelMetadata(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+    async def ModelMetadata(self, request: ModelRef, context: aio.ServicerContext) -> object:  # noqa: N802
         try:
-            spec = find_model(self.rt, request.name, request.version)  # type: ignore[attr-defined]
+            spec = find_model(self.rt, request.name, request.version)
         except V2Error as err:
             await abort(context, err)
         backend = self.rt.backends.get(spec.id)
@@ -192,7 +234,7 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[tensors(**t) for t in meta["inputs"]], outputs=[tensors(**t) for t in meta["outputs"]])
 
-    async def ModelInfer(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+    async def ModelInfer(self, request: InferRequest, context: aio.ServicerContext) -> object:  # noqa: N802
         rt = self.rt
         s = rt.settings
         guard = rt.guard
@@ -206,7 +248,7 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
             caller = guard.identify(metadata.get("authorization"), {"client": peer_address(context.peer())})
             texts, shape, timeout_us = parse_request(request, s.max_input_chars)
             inputs = len(texts)
-            spec = find_model(rt, request.model_name, request.model_version)  # type: ignore[attr-defined]
+            spec = find_model(rt, request.model_name, request.model_version)
             model_id = spec.id
             backend = rt.backends.get(spec.id)
             if backend is None:
@@ -235,7 +277,7 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
         await context.send_initial_metadata((("x-request-id", request_id),))
         tensor = protos.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
         return protos.ModelInferResponse(model_name=spec.name, model_version=spec.version,
-                                         id=request.id, outputs=[tensor],  # type: ignore[attr-defined]
+                                         id=request.id, outputs=[tensor],
                                          raw_output_contents=[raw])
 
 

@@ -203,7 +203,7 @@ class InferEndpoint:
 
 async def send_error(send: Send, err: V2Error | ApiError, headers: dict[str, str]) -> None:
     response = v2_error(err, headers)
-    await send_json(send, response.status_code, response.body,
+    await send_json(send, response.status_code, bytes(response.body),  # Starlette types it bytes | memoryview
                     {k: v for k, v in response.headers.items() if k.lower() not in ("content-type", "content-length")})
 
 

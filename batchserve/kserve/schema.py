@@ -30,9 +30,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                                        "outputs": {"type": "array", "items": TENSOR_META}}},
     "V2InferRequest": {
         "type": "object", "required": ["inputs"],
-        "description": "One BYTES input named `input`; each element (1 to %d) is one item on the batcher. With "
-                       "the binary extension the JSON is followed by the tensor (Inference-Header-Content-Length)."
-                       % MAX_ELEMENTS,
+        "description": f"One BYTES input named `input`; each element (1 to {MAX_ELEMENTS}) is one item on the "
+                       "batcher. With the binary extension the JSON is followed by the tensor "
+                       "(Inference-Header-Content-Length).",
         "properties": {
             "id": {"type": "string"},
             "parameters": {"type": "object", "properties": {
@@ -94,7 +94,7 @@ def _infer(op: str) -> dict[str, Any]:
 
 def _params(path: str, doc: dict[str, Any]) -> dict[str, Any]:
     """Declare the path's {model} and {version} on its operation."""
-    names = [n for n in ("model", "version") if "{%s}" % n in path]
+    names = [n for n in ("model", "version") if f"{{{n}}}" in path]
     for op in doc.values():
         op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
     return doc

@@ -16,7 +16,7 @@ import math
 import struct
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -183,23 +183,25 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
     return InferRequest(request_id, texts, shape, binary_output, timeout, params)
 
 
-def output_tensor(outputs: list[object], shape: list[int], kind: str) -> tuple[dict[str, Any], list[object] | bytes]:
+def output_tensor(outputs: list[object], shape: list[int],
+                  kind: str) -> tuple[dict[str, Any], list[float] | list[str]]:
     """The output tensor's descriptor and its data, flat: FP32 for embeddings, BYTES otherwise. Raises
     V2Error(500) when the vectors of an embedding model do not share one length."""
     if kind == "embedding":
-        dims = {len(v) if isinstance(v, list) else -1 for v in outputs}
-        if len(dims) != 1 or -1 in dims:
+        vectors = [v for v in outputs if isinstance(v, list)]
+        dims = {len(v) for v in vectors}
+        if len(vectors) != len(outputs) or len(dims) != 1:
             raise V2Error(500, "the model's vectors do not share one length")
         dim = dims.pop()
-        flat = [float(x) for v in outputs for x in v]  # type: ignore[union-attr]
+        flat = [float(x) for v in vectors for x in v]
         return {"name": OUTPUT_NAME, "datatype": "FP32", "shape": [*shape, dim]}, flat
     texts = [o if isinstance(o, str) else orjson.dumps(o).decode() for o in outputs]
-    return {"name": OUTPUT_NAME, "datatype": "BYTES", "shape": shape}, texts  # type: ignore[return-value]
+    return {"name": OUTPUT_NAME, "datatype": "BYTES", "shape": shape}, texts
 
 
-def to_binary(datatype: str, flat: list[object]) -> bytes:
-    if datatype == "FP32":
-        packed = array.array("f", flat)  # type: ignore[arg-type]
+def to_binary(datatype: str, flat: list[float] | list[str]) -> bytes:
+    if datatype == "FP32":  # output_tensor's floats
+        packed = array.array("f", cast("list[float]", flat))
         if sys.byteorder != "little":
             packed.byteswap()
         return packed.tobytes()
@@ -217,7 +219,7 @@ def infer_answer(req: InferRequest, model_name: str, model_version: str, outputs
     if not req.binary_output:
         tensor["data"] = flat
         return orjson.dumps(answer), None
-    raw = to_binary(tensor["datatype"], flat)  # type: ignore[arg-type]
+    raw = to_binary(tensor["datatype"], flat)
     tensor["parameters"] = {"binary_data_size": len(raw)}
     head = orjson.dumps(answer)
     return head + raw, len(head)
