@@ -21,11 +21,12 @@ from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.body import read_body, request_id_of
 from batchserve.http.disconnect import disconnect_probe
-from batchserve.http.guards import Guard
+from batchserve.http.guards import Guard, costs_of
 from batchserve.http.openai_error import JSON, OpenAIError, error_response
 from batchserve.models import ModelRegistry
 from batchserve.rerank.body import parse
 from batchserve.rerank.wire import answer
+from batchserve.tenancy import Caller
 
 RERANKING = "reranking"
 
@@ -70,13 +71,17 @@ async def rerank(request: Request) -> Response:
     s = rt.settings
     guard = rt.guard
     arrived = time.monotonic()
+    caller: Caller | None = None  # known once identified: a 429 is booked to it (the SLO ledger)
     try:
-        caller = guard.enter(request.headers.get("authorization"), request.scope, openai=True)
-    except ApiError as err:
+        caller = guard.identify(request.headers.get("authorization"), request.scope, openai=True)
+        guard.check(caller)
+    except ApiError as err:  # refused before its body is read
         guard.counted()
+        guard.settle("unknown", caller, err.status, 0.0)
         return error_response(OpenAIError.from_api(err), {"X-Request-ID": request_id_of(request)})
     headers = {"X-Request-ID": request_id_of(request)}
     refused: tuple[str, ApiError] | None = None
+    pairs: list[str] = []
     try:
         try:
             body = await read_body(request, s.max_body_bytes)
@@ -102,11 +107,11 @@ async def rerank(request: Request) -> Response:
         except Exception:  # noqa: BLE001 - usage is not worth failing the answer
             tokens = 0
         out = answer([r.output for r in results], req.documents, req.top_n, req.return_documents, model_id, tokens)
-        guard.ok(model_id, time.monotonic() - arrived)
+        guard.ok(model_id, time.monotonic() - arrived, caller, len(pairs), costs_of(backend, pairs))
         return Response(out, media_type=JSON, headers=headers)
     except OpenAIError as err:
         if refused is not None:
-            guard.refused(*refused)
+            guard.refused(*refused, caller, max(1, len(pairs)))
         else:
             guard.counted()
         return error_response(err, headers)
