@@ -332,7 +332,7 @@ class Admission:
         if idle and n <= full_n:
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
-        ahead = batcher.ahead_of(tier, tenant)
+        ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
         pressure = self._pressure(model, rate, fast_rate, healthy, full_n, batch_s)
         other_classes = bucket is not None and self._classes(model, bucket)
         if not pressure and n == 1 and not other_classes and self._surely_in_time(model, until_free, ahead,
