@@ -1,23 +1,29 @@
 """Tokens served per tenant: two backlogged tenants of one tier on minilm, one sending long inputs, one short
 (issue 33, item 2), with the change and with the old behaviour, in one command:
 
-    python -m bench.fairness                   # this checkout, then the base commit: ~2 x (start + 5 + 20 s)
-    python -m bench.fairness --duration 8      # a shorter window
+    python -m bench.fairness                   # this checkout, then the base commit: ~2 x (start + 3 + 15..45 s)
+    python -m bench.fairness --slo-ms 0        # the server's own objective (derived from its warm-up)
     python -m bench.fairness --base ''         # this checkout only
     python -m bench.fairness --record          # also bench/results/fairness-<UTC time>.{md,json}
 
-The scenario: a fresh `batchserve serve` with the real all-MiniLM-L6-v2 model (backend `minilm`), a TOML config
-with two API keys of tier `paid` (rates far above what is sent, so only the fair queue and admission act) for
-tenants `long` and `short`. Each tenant runs `--loops` closed loops against /v1/embeddings: `long` sends 4 inputs
-of 220 tokens a request, `short` 16 inputs of 8 tokens; a refused request (503/429) is sent again after
-`--backoff-ms`, the way a client retries. Counted in the measured window (after `--warmup`): the answers' summed
-`usage.prompt_tokens` per tenant (what the model served them), requests answered and refused, and the ratio of the
-two tenants' tokens (larger over smaller; 1.0 is an equal share).
+The scenario (the same as tests/integration/core/test_fair_share_http.py): a fresh `batchserve serve` with the
+real all-MiniLM-L6-v2 model (backend `minilm`), a TOML config with two API keys of tier `paid` (rates far above
+what is sent, so only the fair queue and admission act) for tenants `long` and `short`. Each tenant runs `--loops`
+closed loops against /v1/embeddings: `long` sends 4 inputs of 220 tokens a request, `short` 16 inputs of 8; a
+refused request (503/429) is sent again after `--backoff-ms`, the way a client retries. Requests carry
+`timeout_ms` 20000 and the server `--slo-ms 5000` by default: pinned, so the bound admission keeps under pressure
+does not follow a warm-up measured on a busy machine, and a long request's four inputs (each alone in a batch
+when a busy CPU lowers the batch budget) are refused by the objective, not by a 4 s default deadline. Counted in
+the measured window (after `--warmup`; extended up to `--max-s` until each tenant has `--min-answers` answers: a
+long request is 880 tokens, and a busy machine serves few): the answers' summed `usage.prompt_tokens` per tenant
+(what the model served them), requests answered and refused, and the ratio of the two tenants' tokens (larger
+over smaller; 1.00 is an equal share).
 
 The old behaviour is the base commit (default b6ba887, the branch point of issue 33: tenants took turns one item a
-turn, and admission counted items): its tree is extracted with `git archive` into a temporary directory and its
-server started from there (nothing is checked out in this repository). Same machine, same settings, one after the
-other. The machine is shared and noisy: the load average is reported beside each row.
+turn, length classes a batch a turn, and admission counted items): its tree is extracted with `git archive` into
+a temporary directory and its server started from there (nothing is checked out in this repository). Same
+machine, same settings, one after the other. The machine is shared and noisy: the load average is reported
+beside each row.
 """
 
 from __future__ import annotations
@@ -58,29 +64,49 @@ class Served:
     answered: int = 0
     refused: int = 0  # 503 / 429 at the door
     other: dict[str, int] = field(default_factory=dict)  # any other status (504, errors): count by status
+    last_refusal: str = ""  # the message of the last refusal seen, for the table's reader
+    window_s: float = 0.0  # the measured window (extended until every tenant had its answers)
 
 
-async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup_s: float = 0.0, loops: int = 4,
-                       backoff_s: float = 0.05, timeout_s: float = 30.0) -> dict[str, Served]:
-    """Each tenant of `keys` (tenant -> API key) runs `loops` closed loops of its `SCENARIO` request until
-    `warmup_s + duration_s` have passed; answers and refusals that come back inside the last `duration_s` are
-    counted. A refused request is sent again after `backoff_s`."""
+async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup_s: float = 0.0, loops: int = 8,
+                       backoff_s: float = 0.05, timeout_ms: float | None = None, min_answers: int = 0,
+                       max_s: float = 0.0) -> dict[str, Served]:
+    """Each tenant of `keys` (tenant -> API key) runs `loops` closed loops of its `SCENARIO` request for
+    `warmup_s`, then a measured window of `duration_s`, extended (up to `max_s` in all) until every tenant has
+    `min_answers` answers in it: a long request is ~880 tokens, so a share measured over a handful of them is
+    mostly rounding (a busy machine serves few). Answers and refusals that come back inside the window are
+    counted. A refused request is sent again after `backoff_s`. `timeout_ms`: each request's (None: the
+    server's default)."""
     start = time.monotonic()
-    measure_from, stop = start + warmup_s, start + warmup_s + duration_s
+    measure_from = start + warmup_s
+    stop = [measure_from + duration_s]
+    last = measure_from + max(duration_s, max_s)
     out = {tenant: Served(tenant) for tenant in keys}
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+
+    def over(now: float) -> bool:
+        if now < stop[0]:
+            return False
+        if now < last and any(s.answered < min_answers for s in out.values()):
+            stop[0] = now + 0.5  # not yet: a little longer
+            return False
+        return True
+
+    client_timeout = aiohttp.ClientTimeout(total=max(30.0, 2 * (timeout_ms or 0) / 1000))
+    async with aiohttp.ClientSession(connector=conn, timeout=client_timeout) as session:
         async def loop(tenant: str) -> None:
             text, n = SCENARIO[tenant]
-            body = {"model": "minilm", "input": [text] * n}
+            body: dict[str, object] = {"model": "minilm", "input": [text] * n}
+            if timeout_ms is not None:
+                body["timeout_ms"] = timeout_ms
             headers = {"Authorization": f"Bearer {keys[tenant]}"}
             got = out[tenant]
-            while time.monotonic() < stop:
+            while not over(time.monotonic()):
                 async with session.post(url + "/v1/embeddings", json=body, headers=headers) as r:
                     payload = await r.json(content_type=None)
                     status = r.status
                 now = time.monotonic()
-                counted = measure_from <= now <= stop
+                counted = measure_from <= now and not over(now)
                 if status == 200:
                     if counted:
                         got.tokens += int(payload["usage"]["prompt_tokens"])
@@ -89,11 +115,14 @@ async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup
                 if counted:
                     if status in (429, 503):
                         got.refused += 1
+                        got.last_refusal = str((payload.get("error") or {}).get("message", ""))[:160]
                     else:
                         got.other[str(status)] = got.other.get(str(status), 0) + 1
                 await asyncio.sleep(backoff_s)
 
         await asyncio.gather(*(loop(tenant) for tenant in keys for _ in range(loops)))
+    for s in out.values():
+        s.window_s = stop[0] - measure_from
     return out
 
 
@@ -133,12 +162,12 @@ def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         config, keys = write_config(Path(tmp), root)
         cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--config", str(config),
-               "--drain-grace-s", "0", *a.server_arg]
+               "--drain-grace-s", "0", *([f"--slo-ms={a.slo_ms:g}"] if a.slo_ms else []), *a.server_arg]
         server = servers.start(label, cmd, logs, timeout_s=300, env=env_for(root))
         try:
             load_before = os.getloadavg()[0]
             served = asyncio.run(closed_loops(server.base, keys, a.duration, a.warmup, a.loops,
-                                              a.backoff_ms / 1000))
+                                              a.backoff_ms / 1000, a.timeout_ms or None, a.min_answers, a.max_s))
             load_after = os.getloadavg()[0]
         finally:
             servers.stop(server)
@@ -147,20 +176,23 @@ def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
 
 
 def markdown(rows: list[dict], a: argparse.Namespace, prov: dict) -> str:
-    head = ["run", "tenant", "tokens served", "answered", "refused", "other", "tokens/s", "ratio", "load avg"]
+    head = ["run", "tenant", "tokens served", "answered", "refused", "other", "window s", "tokens/s", "ratio",
+            "load avg"]
     lines = []
     for row in rows:
         for tenant, s in row["served"].items():
             lines.append([row["label"], tenant, s["tokens"], s["answered"], s["refused"],
                           ", ".join(f"{k}: {v}" for k, v in s["other"].items()) or "0",
-                          f"{s['tokens'] / a.duration:.0f}", f"{row['ratio']:.2f}",
+                          f"{s['window_s']:.1f}", f"{s['tokens'] / max(s['window_s'], 1e-9):.0f}",
+                          f"{row['ratio']:.2f}",
                           f"{row['loadavg'][0]} → {row['loadavg'][1]}"])
     machine, git = prov["machine"], prov["git"]
     return "\n".join([
         "# Tokens served per tenant (issue 33, item 2)", "",
         f"Two `paid` tenants on minilm, {a.loops} closed loops each for {a.warmup:g} s warm-up + {a.duration:g} s "
-        f"measured: `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8; a refused request is sent again "
-        f"after {a.backoff_ms:g} ms. Ratio: the larger tenant's tokens over the smaller's (1.00 = equal shares). "
+        f"measured (extended up to {a.max_s:g} s until each tenant had {a.min_answers} answers): `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8; a refused request is sent again "
+        f"after {a.backoff_ms:g} ms; timeout_ms {f'{a.timeout_ms:g}' if a.timeout_ms else 'the server default'}, "
+        f"server --slo-ms {f'{a.slo_ms:g}' if a.slo_ms else 'its default (derived from its warm-up)'}. Ratio: the larger tenant's tokens over the smaller's (1.00 = equal shares). "
         f"`base` is commit {a.base} (tenants took turns one item a turn), extracted with `git archive`.", "",
         report.table(head, lines), "",
         f"Machine: {machine['cpu_model']}, {machine['cores_usable']} usable cores, load average at start "
@@ -171,10 +203,15 @@ def markdown(rows: list[dict], a: argparse.Namespace, prov: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--duration", type=float, default=20.0, help="measured seconds per run (default %(default)g)")
-    p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window (default %(default)g)")
-    p.add_argument("--loops", type=int, default=4, help="closed loops per tenant (default %(default)s)")
+    p.add_argument("--duration", type=float, default=15.0, help="measured seconds per run (default %(default)g)")
+    p.add_argument("--min-answers", type=int, default=8, help="answers each tenant needs in the window (default 8)")
+    p.add_argument("--max-s", type=float, default=45.0, help="the longest the window is extended to (default 45)")
+    p.add_argument("--slo-ms", type=float, default=5000.0, help="the server's --slo-ms (0: its default)")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds of load before the window (default %(default)g)")
+    p.add_argument("--loops", type=int, default=8, help="closed loops per tenant (default %(default)s)")
     p.add_argument("--backoff-ms", type=float, default=50.0, help="wait before resending a refused request")
+    p.add_argument("--timeout-ms", type=float, default=20000.0,
+                   help="each request's timeout_ms (0: the server's default, derived from its warm-up)")
     p.add_argument("--base", default=BASE_COMMIT, help="the commit of the old behaviour ('' skips it)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for `batchserve serve`")
     add_output_flags(p)
