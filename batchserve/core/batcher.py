@@ -547,6 +547,7 @@ class Batcher:
             item.dispatched = now
             if item.record is not None:
                 item.record.status = "processing"
+        q.shares.owed_cap = budget if budget != math.inf else limit * widest  # a batch's cost, at most
         # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
         batch = Batch(key[0], items, now, cause)

@@ -103,17 +103,22 @@ class Shares:
     queued: dict[Key, float] = field(default_factory=dict)  # their summed cost
     tier_queued: list[float] = field(default_factory=_tier_lists)  # summed cost waiting, per tier
     active: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # tenants with inputs waiting, per tier
+    behind: dict[Key, float] = field(default_factory=dict)  # per tenant that stopped waiting: the least counter then
+    owed_cap: float = 0.0  # the most a tenant may be owed when it starts waiting again: a batch's cost (the batcher's)
     _waiting: list[list[Entry]] = field(default_factory=lambda: [[] for _ in TIERS])  # lazy heaps of waiting tenants
     _listed: set[Key] = field(default_factory=set)  # tenants with an entry in their tier's heap
     _order: itertools.count = field(default_factory=itertools.count)
 
     def joined(self, item: Item) -> None:
         """An input starts waiting. The tenant's first lifts its counter to the least of those waiting (no
-        credit for the time it was idle)."""
+        credit for the time it was idle), less what it was still owed when it last stopped waiting."""
         key = (item.tier, item.tenant)
         before = self.depth.get(key, 0)
         if before == 0:
             floor = self.least(item.tier)
+            behind = self.behind.pop(key, None)
+            if behind is not None:  # at most one batch's cost: a client that never keeps a batch's worth
+                floor -= min(self.owed_cap, max(0.0, behind - self.counter[key]))  # waiting is not backlogged
             if self.counter.get(key, -1.0) < floor:
                 self.counter[key] = floor
             self.active[item.tier] += 1
@@ -134,6 +139,12 @@ class Shares:
         else:  # no float drift left behind; its heap entry goes when it reaches the top
             del self.depth[key], self.queued[key]
             self.active[item.tier] -= 1
+            # What it is still owed: a closed-loop client's queue empties each time its last inputs are taken
+            # (the worker takes its next batch before their answers go out, and the client sends again only
+            # then); the deficit it had then was earned waiting, and lifting it away would hand the tenant of
+            # costlier batches the next turn every time. Only the time it then spends idle earns nothing.
+            if self.active[item.tier]:
+                self.behind[key] = self.least(item.tier)
         self.tier_queued[item.tier] = self.tier_queued[item.tier] - item.cost if self.active[item.tier] else 0.0
 
     def charge(self, item: Item) -> None:
