@@ -114,6 +114,11 @@ class Shares:
         credit for the time it was idle), less what it was still owed when it last stopped waiting."""
         key = (item.tier, item.tenant)
         before = self.depth.get(key, 0)
+        if before:  # the common case: it is waiting already
+            self.depth[key] = before + 1
+            self.queued[key] += item.cost
+            self.tier_queued[item.tier] += item.cost
+            return
         if before == 0:
             floor = self.least(item.tier)
             behind = self.behind.pop(key, None)
@@ -129,9 +134,14 @@ class Shares:
         self.queued[key] = self.queued.get(key, 0.0) + item.cost
         self.tier_queued[item.tier] += item.cost
 
-    def left(self, item: Item) -> None:
-        """An input stops waiting (taken into a batch, or dropped)."""
+    def left(self, item: Item, served: bool = False) -> None:
+        """An input stops waiting (taken into a batch, or dropped); `served`: and is charged (`charge`)."""
         key = (item.tier, item.tenant)
+        if served:
+            start = self.counter[key]
+            self.counter[key] = start + item.cost
+            if start > self.vtime[item.tier]:
+                self.vtime[item.tier] = start
         after = self.depth[key] - 1
         if after:
             self.depth[key] = after
@@ -166,6 +176,8 @@ class Shares:
                 self._listed.discard(key)
                 continue
             now = self.counter[key]
+            if len(heap) == 1:  # alone: its entry may stay stale (too low is all a stale entry can be)
+                return now
             if now != listed:  # served since it was listed: re-keyed (counters only grow)
                 heapq.heapreplace(heap, (now, next(self._order), tenant))
                 continue
@@ -263,6 +275,8 @@ class FairQueue:
                 heapq.heappop(heap)
                 lane.listed = False
                 continue
+            if len(heap) == 1:  # alone in its tier: its entry may stay stale (too low is all one can be)
+                return lane
             now = counter[(tier, tenant)]
             if now != listed:  # served since it was listed (here or in another queue of the model)
                 heapq.heapreplace(heap, (now, next(self._order), tenant))
@@ -295,9 +309,7 @@ class FairQueue:
         self.size -= 1
         item = lane.items.popleft()
         self.cost_sum = self.cost_sum - item.cost if self.size else 0.0
-        self.shares.left(item)
-        if charge:
-            self.shares.charge(item)
+        self.shares.left(item, charge)
         return item
 
     def charge(self, item: Item) -> None:
