@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="each request's timeout_ms (0: the server's default, derived from its warm-up)")
     p.add_argument("--base", default=BASE_COMMIT, help="the commit of the old behaviour ('' skips it)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for `batchserve serve`")
-    add_output_flags(p)
+    add_output_flags(p, name="fairness")
     a = p.parse_args(argv)
     name = run_name(a, "fairness")
     logs = log_dir(a, name)
