@@ -8,8 +8,9 @@
 
 The scenario (the same as tests/integration/core/test_fair_share_http.py): a fresh `batchserve serve` with the
 real all-MiniLM-L6-v2 model (backend `minilm`), a TOML config with two API keys of tier `paid` (rates far above
-what is sent, so only the fair queue and admission act) for tenants `long` and `short`. Each tenant runs `--loops`
-closed loops against /v1/embeddings: `long` sends 4 inputs of 220 tokens a request, `short` 16 inputs of 8; a
+what is sent, so only the fair queue and admission act) for tenants `long` and `short`. They run closed
+loops against /v1/embeddings (8 and 16, `--loops-long`, `--loops-short`: each keeps several batches of inputs
+outstanding, so it is backlogged): `long` sends 4 inputs of 220 tokens a request, `short` 16 inputs of 8; a
 refused request (503/429) is sent again after `--backoff-ms`, the way a client retries. Requests carry
 `timeout_ms` 20000 and the server `--slo-ms 5000` by default: pinned, so the bound admission keeps under pressure
 does not follow a warm-up measured on a busy machine, and a long request's four inputs (each alone in a batch
@@ -44,6 +45,7 @@ import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
 import aiohttp  # noqa: E402
+import orjson  # noqa: E402
 
 from bench import report, servers  # noqa: E402
 from bench.common import add_output_flags, guarded, log_dir, out_dir, run_name  # noqa: E402
@@ -53,6 +55,11 @@ BASE_COMMIT = "b6ba887"
 LONG_TEXT = " ".join(("the quick brown fox jumps over the lazy dog " * 30).split()[:218])
 SHORT_TEXT = "a short one: item 7"
 SCENARIO = {"long": (LONG_TEXT, 4), "short": (SHORT_TEXT, 16)}  # tenant -> (input, inputs per request)
+# Closed loops per tenant: each keeps several batches of inputs outstanding (long: 32 inputs, ~3 batches of the
+# 12 a 2,750-token budget holds; short: 256, 4 batches of 64), so it still has inputs waiting while the answers
+# of its last batch travel back and it sends again: backlogged. A client holding one batch or less is served
+# only every other batch, whatever the queue's policy (bench/results/fairness-*-loops4.md).
+LOOPS = {"long": 8, "short": 16}
 
 
 @dataclass
@@ -68,10 +75,11 @@ class Served:
     window_s: float = 0.0  # the measured window (extended until every tenant had its answers)
 
 
-async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup_s: float = 0.0, loops: int = 8,
-                       backoff_s: float = 0.05, timeout_ms: float | None = None, min_answers: int = 0,
-                       max_s: float = 0.0) -> dict[str, Served]:
-    """Each tenant of `keys` (tenant -> API key) runs `loops` closed loops of its `SCENARIO` request for
+async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup_s: float = 0.0,
+                       loops: dict[str, int] | None = None, backoff_s: float = 0.05, timeout_ms: float | None = None,
+                       min_answers: int = 0, max_s: float = 0.0) -> dict[str, Served]:
+    """Each tenant of `keys` (tenant -> API key) runs `loops[tenant]` closed loops (default `LOOPS`) of its
+    `SCENARIO` request for
     `warmup_s`, then a measured window of `duration_s`, extended (up to `max_s` in all) until every tenant has
     `min_answers` answers in it: a long request is ~880 tokens, so a share measured over a handful of them is
     mostly rounding (a busy machine serves few). Answers and refusals that come back inside the window are
@@ -96,14 +104,17 @@ async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup
     async with aiohttp.ClientSession(connector=conn, timeout=client_timeout) as session:
         async def loop(tenant: str) -> None:
             text, n = SCENARIO[tenant]
-            body: dict[str, object] = {"model": "minilm", "input": [text] * n}
+            # base64 vectors, as OpenAI's own client asks: parsing 16 x 384 floats per answer in Python delayed
+            # the short tenant's next request by more than its batch took on a busy machine, so its closed loops
+            # were throttled by the client, not the server
+            body: dict[str, object] = {"model": "minilm", "input": [text] * n, "encoding_format": "base64"}
             if timeout_ms is not None:
                 body["timeout_ms"] = timeout_ms
             headers = {"Authorization": f"Bearer {keys[tenant]}"}
             got = out[tenant]
             while not over(time.monotonic()):
                 async with session.post(url + "/v1/embeddings", json=body, headers=headers) as r:
-                    payload = await r.json(content_type=None)
+                    payload = orjson.loads(await r.read())
                     status = r.status
                 now = time.monotonic()
                 counted = measure_from <= now and not over(now)
@@ -120,7 +131,8 @@ async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup
                         got.other[str(status)] = got.other.get(str(status), 0) + 1
                 await asyncio.sleep(backoff_s)
 
-        await asyncio.gather(*(loop(tenant) for tenant in keys for _ in range(loops)))
+        counts = {**LOOPS, **(loops or {})}
+        await asyncio.gather(*(loop(tenant) for tenant in keys for _ in range(counts[tenant])))
     for s in out.values():
         s.window_s = stop[0] - measure_from
     return out
@@ -166,7 +178,8 @@ def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
         server = servers.start(label, cmd, logs, timeout_s=300, env=env_for(root))
         try:
             load_before = os.getloadavg()[0]
-            served = asyncio.run(closed_loops(server.base, keys, a.duration, a.warmup, a.loops,
+            served = asyncio.run(closed_loops(server.base, keys, a.duration, a.warmup,
+                                              {"long": a.loops_long, "short": a.loops_short},
                                               a.backoff_ms / 1000, a.timeout_ms or None, a.min_answers, a.max_s))
             load_after = os.getloadavg()[0]
         finally:
@@ -189,7 +202,7 @@ def markdown(rows: list[dict], a: argparse.Namespace, prov: dict) -> str:
     machine, git = prov["machine"], prov["git"]
     return "\n".join([
         "# Tokens served per tenant (issue 33, item 2)", "",
-        f"Two `paid` tenants on minilm, {a.loops} closed loops each for {a.warmup:g} s warm-up + {a.duration:g} s "
+        f"Two `paid` tenants on minilm, {a.loops_long} and {a.loops_short} closed loops for {a.warmup:g} s warm-up + {a.duration:g} s "
         f"measured (extended up to {a.max_s:g} s until each tenant had {a.min_answers} answers): `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8; a refused request is sent again "
         f"after {a.backoff_ms:g} ms; timeout_ms {f'{a.timeout_ms:g}' if a.timeout_ms else 'the server default'}, "
         f"server --slo-ms {f'{a.slo_ms:g}' if a.slo_ms else 'its default (derived from its warm-up)'}. Ratio: the larger tenant's tokens over the smaller's (1.00 = equal shares). "
@@ -208,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-s", type=float, default=45.0, help="the longest the window is extended to (default 45)")
     p.add_argument("--slo-ms", type=float, default=5000.0, help="the server's --slo-ms (0: its default)")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of load before the window (default %(default)g)")
-    p.add_argument("--loops", type=int, default=8, help="closed loops per tenant (default %(default)s)")
+    p.add_argument("--loops-long", type=int, default=LOOPS["long"], help="closed loops of the long tenant (8)")
+    p.add_argument("--loops-short", type=int, default=LOOPS["short"], help="closed loops of the short tenant (16)")
     p.add_argument("--backoff-ms", type=float, default=50.0, help="wait before resending a refused request")
     p.add_argument("--timeout-ms", type=float, default=20000.0,
                    help="each request's timeout_ms (0: the server's default, derived from its warm-up)")
