@@ -261,12 +261,14 @@ class GpuPool:
                         len(bad), next(iter(bad.values())))
 
         def answer() -> None:
+            account = self.batcher.account  # cost served per (model, tier, tenant): core/tenant_cost.py
             for i, (item, output) in enumerate(zip(batch.items, outputs)):
                 if not item.future.done():
                     if bad and i in bad:
                         item.future.set_exception(errors.inference_failed(bad[i]))
                     else:
                         item.future.set_result(ItemResult(output, batch.formed - item.arrived, elapsed, n))
+                        account.add(item.model, item.tier, item.tenant, item.cost)
             self.metrics.batch_compute.labels(batch.model).observe(elapsed)
 
         return answer

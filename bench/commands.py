@@ -90,6 +90,9 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
         Bench("capacity_embed", "all-MiniLM-L6-v2 capacity (highest rate answered in full at p95 <= 1 s, 8-40-word "
               "requests, open loop): batchserve after and before tokenize-once beside offline encode and Infinity "
               "(issue 36)", "~10 min", "real model (CPU); Infinity optional", ("--smoke",)),
+        Bench("fairness", "tokens served per tenant, two paid tenants on minilm (4 x 220-token inputs vs 16 x 8 a "
+              "request, closed loops), this checkout beside the base commit's item turns (issue 33)", "~3 min",
+              "real model (CPU)", ("--duration", "5", "--max-s", "10", "--warmup", "1")),
         Bench("job_pricing", "another tenant's interactive /v1/embeddings beside a batch of 2,048-input lines "
               "(`--base DIR`: the commit before, side by side)", "~4 min", "real model (CPU)"),
     )),

@@ -2,7 +2,8 @@
 
 Predicted by the cost of the work ahead (issue 22). For a request of n inputs of tier t and tenant u:
 
-    ahead  = items it would wait behind (every higher tier, and its tenant's fair share of its own tier)
+    ahead  = items it would wait behind (every higher tier, and its tenant's fair share of its own tier by cost:
+             `Batcher.ahead_of`, so a tenant over its share waits behind more and is refused first)
     F      = inputs in a full batch of the model (`Batcher.full_n`: the batch size, or what its cost budget holds)
     the first of its inputs is answered at  until_free + (ahead // F) x S(full) / healthy + S(its batch)
     the last                              at  until_free + (ahead // F) x S(full) / healthy
@@ -332,7 +333,7 @@ class Admission:
         if idle and n <= full_n:
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
-        ahead = batcher.ahead_of(tier, tenant)
+        ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
         pressure = self._pressure(model, rate, fast_rate, healthy, full_n, batch_s)
         other_classes = bucket is not None and self._classes(model, bucket)
         if not pressure and n == 1 and not other_classes and self._surely_in_time(model, until_free, ahead,

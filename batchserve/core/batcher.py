@@ -43,7 +43,8 @@ from typing import Callable
 from batchserve import errors
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core import tiers
-from batchserve.core.fairqueue import FairQueue, Item
+from batchserve.core.fairqueue import FairQueue, Item, Shares
+from batchserve.core.tenant_cost import CostAccount
 
 Clock = Callable[[], float]
 log = logging.getLogger("batchserve")
@@ -97,10 +98,10 @@ class Batcher:
     unit: dict[str, float] = field(default_factory=dict)  # per model: mean cost of an input (1 until one costs more)
     widest: dict[str, float] = field(default_factory=dict)  # per model: the costliest input seen
     queues: dict[tuple[str, int], FairQueue] = field(default_factory=dict)
+    shares: dict[str, Shares] = field(default_factory=dict)  # per model: the tenants' cost counters (fairqueue)
+    account: CostAccount = field(default_factory=CostAccount)  # cost answered per (model, tier, tenant)
     depth: dict[str, int] = field(default_factory=dict)  # queued items per model
     tier_depth: list[int] = field(default_factory=tiers.counters)  # queued items per tier rank
-    tenant_depth: dict[tuple[int, str], int] = field(default_factory=dict)
-    active_tenants: list[int] = field(default_factory=tiers.counters)  # tenants with queued items, per tier
     retries: deque[Batch] = field(default_factory=deque)  # re-runs holding interactive items: before new work
     background_retries: deque[Batch] = field(default_factory=deque)  # re-runs of job items: after all of it
     healthy_workers: int = 1
@@ -125,11 +126,20 @@ class Batcher:
         key = (item.model, item.bucket)
         q = self.queues.get(key)
         if q is None:
-            q = self.queues[key] = FairQueue()
+            q = self._new_queue(key)
         q.push(item)
         self._count(item, +1)
         if self._waiting and (len(q) == 1 or len(q) >= self.limit(item.model)):
             self._wake.set()
+
+    def _new_queue(self, key: tuple[str, int]) -> FairQueue:
+        """A queue for a (model, length class): its tenants' counters are the model's, shared by its classes,
+        so a tenant's share is counted over all its inputs, whatever their length."""
+        shares = self.shares.get(key[0])
+        if shares is None:
+            shares = self.shares[key[0]] = Shares()
+        q = self.queues[key] = FairQueue(shares)
+        return q
 
     def limit(self, model: str) -> int:
         """The most inputs in one batch of this model."""
@@ -240,23 +250,27 @@ class Batcher:
     def total_depth(self) -> int:
         return sum(self.depth.values())
 
-    def ahead_of(self, tier: int, tenant: str) -> int:
-        """Items a new item of this tier and tenant would wait behind: every higher tier, and its fair share
-        of its own tier (tenants take turns, so it waits behind one item of each busy tenant per own item)."""
-        same = self.tier_depth[tier]
-        own = self.tenant_depth.get((tier, tenant), 0)
-        return sum(self.tier_depth[:tier]) + min(same, (own + 1) * max(1, self.active_tenants[tier]))
+    def ahead_of(self, tier: int, tenant: str, model: str = "", cost: float = 1.0) -> int:
+        """Inputs of `model` a new input of this tier and tenant (costing `cost`) would wait behind: every higher
+        tier, and its fair share of its own tier by cost (`Shares.ahead`: its own waiting inputs, and of each
+        other waiting tenant as much as brings it level with this one), in inputs of the model's queued mix.
+        A tenant over its share so waits longer than one under it, and under pressure is refused first.
+        Without `model`: the first model with a queue (a server of one model). Costs O(1) in the queue's length."""
+        if not model:
+            model = next(iter(self.shares), "")
+        shares = self.shares.get(model)
+        depth = self.depth.get(model, 0)
+        if shares is None or not depth:
+            return 0
+        total = sum(shares.tier_queued)
+        if total <= 0:
+            return 0
+        ahead = shares.ahead(tier, tenant, cost)
+        return min(depth, math.ceil(depth * ahead / total - 1e-9))
 
     def _count(self, item: Item, sign: int) -> None:
         self.depth[item.model] = self.depth.get(item.model, 0) + sign
         self.tier_depth[item.tier] += sign
-        key = (item.tier, item.tenant)
-        before = self.tenant_depth.get(key, 0)
-        after = self.tenant_depth[key] = before + sign
-        if before == 0 and after > 0:
-            self.active_tenants[item.tier] += 1
-        elif before > 0 and after == 0:
-            self.active_tenants[item.tier] -= 1
 
     # -- the workers' side -------------------------------------------------------------------------------
     async def next_batch(self, worker: int) -> Batch | None:
@@ -352,7 +366,7 @@ class Batcher:
             key = (item.model, item.bucket)
             q = self.queues.get(key)
             if q is None:
-                q = self.queues[key] = FairQueue()
+                q = self._new_queue(key)
             q.push_front(item)
             self._count(item, +1)
         self._wake.set()
@@ -419,7 +433,7 @@ class Batcher:
 
     def most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
         best: tuple[str, int] | None = None
-        best_rank = (float("inf"), float("inf"), float("inf"), float("inf"))
+        best_rank = (float("inf"), float("inf"), float("inf"), float("inf"), float("inf"))
         best_cause = ""
         best_due = float("inf")
         for key, q in self.queues.items():
@@ -450,8 +464,14 @@ class Batcher:
             # Inside a model, its length classes (buckets) take turns the same way: a queue of long inputs is
             # always full by cost, and must not keep a short input waiting until its deadline.
             recency = self.served_at.get(key[0], 0.0) if due <= now and not full_count else 0.0
+            # Queues due at once are shared by cost between tenants too (issue 33): one whose next tenant is
+            # behind the least served waiting tenant of its tier goes before one whose next tenant is ahead (a
+            # tenant of short inputs and one of long ones land in different length classes, and the short
+            # ones' queue, full by count, would otherwise always go first); a lone tenant, the same tenant or
+            # tenants level (lag 0) leave it to the order below.
+            lag = q.lag() if due <= now else 0.0
             turn = self.bucket_served_at.get(key, 0.0) if due <= now else 0.0
-            rank = (max(due, now), recency, turn, q.earliest_deadline())
+            rank = (max(due, now), lag, recency, turn, q.earliest_deadline())
             if rank < best_rank:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause
@@ -506,7 +526,7 @@ class Batcher:
                 if (head.batch_cost([*(i.text for i in items), head.text]) > budget if head.batch_cost is not None
                         else (len(items) + 1) * max(widest, head.cost) > budget):
                     break
-            item = q.pop(stick)
+            item = q.pop(stick, charge=False)
             if item is None:
                 break
             if item.tier == tiers.BATCH.rank and not stick:
@@ -519,6 +539,7 @@ class Batcher:
                     "the request's deadline would pass before its batch could end"))
                 continue
             items.append(item)
+            q.charge(item)  # its tenant's share: counted as it is taken, so the next place goes to the least served
             widest = max(widest, item.cost)
         if not items:
             return None
@@ -526,6 +547,7 @@ class Batcher:
             item.dispatched = now
             if item.record is not None:
                 item.record.status = "processing"
+        q.shares.owed_cap = budget if budget != math.inf else limit * widest  # a batch's cost, at most
         # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
         batch = Batch(key[0], items, now, cause)

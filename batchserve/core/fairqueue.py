@@ -1,25 +1,39 @@
-"""One model's waiting items, ordered by tier with aging, and fairly shared between tenants of a tier.
+"""One model's waiting items, ordered by tier with aging, and shared between the tenants of a tier by cost.
 
 `Item` (one caller's input and the future that carries its answer) lives here, with the queue that holds it.
 A batch is filled by repeatedly taking the lane head with the smallest `arrived + tiers.AGING_S[tier]`:
 a higher tier goes first, but an item of a lower tier that has waited longer than the gap between the two
-tiers' offsets overtakes, so no tier waits forever. Inside a tier, tenants take turns (round-robin, one item
-a turn), so one tenant's flood cannot push another tenant's items back. A tier may be made to stick to the
-tenant it started a batch with (`pop(stick=...)`, the batch-job tier): that tier's places in the batch then go
-to that tenant only, and tenants take turns batch by batch instead, so one tenant's failing inputs never fail
-the batches of another tenant's job (issue 28, item 3).
+tiers' offsets overtakes, so no tier waits forever.
+
+Inside a tier, backlogged tenants receive equal shares of COST served, not one item a turn (issue 33, item 2):
+a virtual-token counter per (tier, tenant) of the model (`Shares`, shared by the model's length-class queues)
+grows by each input's cost (its tokens; 1 for a plugin that declares no cost, where this is plain round-robin)
+as it is taken into a batch, and the tier offers the head of the tenant whose counter is least. A tenant alone
+gets everything; a tenant that starts waiting is lifted to the least counter of those already waiting (or, with
+none, to the tier's virtual time), so its idle time earns it no burst, as in the Virtual Token Counter
+(Sheng et al., OSDI '24) and start-time fair queuing. The counters compare only within a tier: a tier's weight is
+its place in the order above, unchanged. A tier may be made to stick to the tenant it started a batch with
+(`pop(stick=...)`, the batch-job tier): that tier's places in the batch then go to that tenant only, and tenants
+take turns batch by batch instead, so one tenant's failing inputs never fail the batches of another tenant's job
+(issue 28, item 3).
+
+Each tenant's least-counter lane is found through a heap per tier whose entries may be stale (a counter only
+grows, so a stale entry is too low and is re-keyed when it reaches the top): a pop costs O(log tenants), never a
+walk of the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from batchserve import errors
 from batchserve.core.requests_log import Record
-from batchserve.core.tiers import AGING_S
+from batchserve.core.tiers import AGING_S, TIERS
 
 
 @dataclass(slots=True)
@@ -69,19 +83,140 @@ class Item:
         return True
 
 
+Key = tuple[int, str]  # (tier rank, tenant)
+Entry = tuple[float, int, str]  # (counter when listed, order listed, tenant): a lazy heap entry
+
+
+def _tier_lists() -> list[float]:
+    return [0.0] * len(TIERS)
+
+
+@dataclass
+class Shares:
+    """One model's account of what each tenant of each tier was served, in virtual cost (module docstring), and
+    of what each has waiting, summed over the model's length-class queues: the fair queue picks by the counters,
+    the door predicts a new request's wait from them (`ahead`)."""
+
+    counter: dict[Key, float] = field(default_factory=dict)  # virtual cost served (lifted when it starts waiting)
+    vtime: list[float] = field(default_factory=_tier_lists)  # per tier: the counter of the last input served
+    depth: dict[Key, int] = field(default_factory=dict)  # inputs waiting, per (tier, tenant)
+    queued: dict[Key, float] = field(default_factory=dict)  # their summed cost
+    tier_queued: list[float] = field(default_factory=_tier_lists)  # summed cost waiting, per tier
+    active: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # tenants with inputs waiting, per tier
+    behind: dict[Key, float] = field(default_factory=dict)  # per tenant that stopped waiting: the least counter then
+    owed_cap: float = 0.0  # the most a tenant may be owed when it starts waiting again: a batch's cost (the batcher's)
+    _waiting: list[list[Entry]] = field(default_factory=lambda: [[] for _ in TIERS])  # lazy heaps of waiting tenants
+    _listed: set[Key] = field(default_factory=set)  # tenants with an entry in their tier's heap
+    _order: itertools.count = field(default_factory=itertools.count)
+
+    def joined(self, item: Item) -> None:
+        """An input starts waiting. The tenant's first lifts its counter to the least of those waiting (no
+        credit for the time it was idle), less what it was still owed when it last stopped waiting."""
+        key = (item.tier, item.tenant)
+        before = self.depth.get(key, 0)
+        if before:  # the common case: it is waiting already
+            self.depth[key] = before + 1
+            self.queued[key] += item.cost
+            self.tier_queued[item.tier] += item.cost
+            return
+        if before == 0:
+            floor = self.least(item.tier)
+            behind = self.behind.pop(key, None)
+            if behind is not None:  # at most one batch's cost: a client that never keeps a batch's worth
+                floor -= min(self.owed_cap, max(0.0, behind - self.counter[key]))  # waiting is not backlogged
+            if self.counter.get(key, -1.0) < floor:
+                self.counter[key] = floor
+            self.active[item.tier] += 1
+            if key not in self._listed:
+                self._listed.add(key)
+                heapq.heappush(self._waiting[item.tier], (self.counter[key], next(self._order), item.tenant))
+        self.depth[key] = before + 1
+        self.queued[key] = self.queued.get(key, 0.0) + item.cost
+        self.tier_queued[item.tier] += item.cost
+
+    def left(self, item: Item, served: bool = False) -> None:
+        """An input stops waiting (taken into a batch, or dropped); `served`: and is charged (`charge`)."""
+        key = (item.tier, item.tenant)
+        if served:
+            start = self.counter[key]
+            self.counter[key] = start + item.cost
+            if start > self.vtime[item.tier]:
+                self.vtime[item.tier] = start
+        after = self.depth[key] - 1
+        if after:
+            self.depth[key] = after
+            self.queued[key] -= item.cost
+        else:  # no float drift left behind; its heap entry goes when it reaches the top
+            del self.depth[key], self.queued[key]
+            self.active[item.tier] -= 1
+            # What it is still owed: a closed-loop client's queue empties each time its last inputs are taken
+            # (the worker takes its next batch before their answers go out, and the client sends again only
+            # then); the deficit it had then was earned waiting, and lifting it away would hand the tenant of
+            # costlier batches the next turn every time. Only the time it then spends idle earns nothing.
+            if self.active[item.tier]:
+                self.behind[key] = self.least(item.tier)
+        self.tier_queued[item.tier] = self.tier_queued[item.tier] - item.cost if self.active[item.tier] else 0.0
+
+    def charge(self, item: Item) -> None:
+        """The input is served: its tenant's counter grows by its cost."""
+        key = (item.tier, item.tenant)
+        start = self.counter.get(key, 0.0)
+        self.counter[key] = start + item.cost
+        if start > self.vtime[item.tier]:
+            self.vtime[item.tier] = start
+
+    def least(self, tier: int) -> float:
+        """The least counter of the tier's waiting tenants; with none waiting, the tier's virtual time."""
+        heap = self._waiting[tier]
+        while heap:
+            listed, _, tenant = heap[0]
+            key = (tier, tenant)
+            if key not in self.depth:  # no longer waiting
+                heapq.heappop(heap)
+                self._listed.discard(key)
+                continue
+            now = self.counter[key]
+            if len(heap) == 1:  # alone: its entry may stay stale (too low is all a stale entry can be)
+                return now
+            if now != listed:  # served since it was listed: re-keyed (counters only grow)
+                heapq.heapreplace(heap, (now, next(self._order), tenant))
+                continue
+            return now
+        return self.vtime[tier]
+
+    def lag(self, tier: int, tenant: str) -> float:
+        """How far the tenant is ahead of the least served waiting tenant of its tier (0: its turn)."""
+        return max(0.0, self.counter.get((tier, tenant), 0.0) - self.least(tier))
+
+    def ahead(self, tier: int, tenant: str, cost: float) -> float:
+        """The cost a new input of this tier and tenant (costing `cost`) waits behind: every higher tier, its
+        tenant's own waiting inputs, and of every other waiting tenant of its tier what it is served before this
+        input's turn comes (up to the same counter: this tenant's lead, what it has waiting, and the input)."""
+        key = (tier, tenant)
+        own = self.queued.get(key, 0.0)
+        others = self.active[tier] - (1 if key in self.depth else 0)
+        same = own
+        if others:
+            same += min(self.tier_queued[tier] - own, others * (self.lag(tier, tenant) + own + cost))
+        return sum(self.tier_queued[:tier]) + same
+
+
 @dataclass
 class Lane:
     tier: int
     tenant: str
     items: deque[Item] = field(default_factory=deque)
+    listed: bool = False  # has an entry in its queue's heap of its tier
 
 
 @dataclass
 class FairQueue:
-    lanes: dict[tuple[int, str], Lane] = field(default_factory=dict)
-    turn: dict[int, deque[str]] = field(default_factory=dict)  # per tier: tenants in round-robin order
+    shares: Shares = field(default_factory=Shares)  # the model's counters, shared by its length-class queues
+    lanes: dict[Key, Lane] = field(default_factory=dict)
+    ready: dict[int, list[Entry]] = field(default_factory=dict)  # per tier: lazy heap of lanes, least counter first
     size: int = 0
     cost_sum: float = 0.0  # the queued items' costs: a batch formed now is estimated from their mean
+    _order: itertools.count = field(default_factory=itertools.count)
 
     def mean_cost(self) -> float:
         return self.cost_sum / self.size if self.size else 1.0
@@ -91,10 +226,14 @@ class FairQueue:
 
     def push(self, item: Item) -> None:
         key = (item.tier, item.tenant)
+        self.shares.joined(item)
         lane = self.lanes.get(key)
         if lane is None:
             lane = self.lanes[key] = Lane(item.tier, item.tenant)
-            self.turn.setdefault(item.tier, deque()).append(item.tenant)
+        if not lane.listed:
+            lane.listed = True
+            heapq.heappush(self.ready.setdefault(item.tier, []),
+                           (self.shares.counter[key], next(self._order), item.tenant))
         lane.items.append(item)
         self.size += 1
         self.cost_sum += item.cost
@@ -111,6 +250,8 @@ class FairQueue:
         for lane in self.lanes.values():
             while lane.items and not alive(lane.items[0]):
                 dropped.append(lane.items.popleft())
+        for item in dropped:
+            self.shares.left(item)
         self.size -= len(dropped)
         self.cost_sum -= sum(item.cost for item in dropped)
         if not self.size:
@@ -124,49 +265,75 @@ class FairQueue:
     def earliest_deadline(self) -> float:
         return min((lane.items[0].deadline for lane in self.lanes.values() if lane.items), default=float("inf"))
 
+    def _least_served(self, tier: int, heap: list[Entry]) -> Lane | None:
+        """The tier's lane with items whose tenant has the least counter (ties: the one listed first)."""
+        counter = self.shares.counter
+        while heap:
+            listed, _, tenant = heap[0]
+            lane = self.lanes[(tier, tenant)]
+            if not lane.items:  # emptied: listed again when an item comes
+                heapq.heappop(heap)
+                lane.listed = False
+                continue
+            if len(heap) == 1:  # alone in its tier: its entry may stay stale (too low is all one can be)
+                return lane
+            now = counter[(tier, tenant)]
+            if now != listed:  # served since it was listed (here or in another queue of the model)
+                heapq.heapreplace(heap, (now, next(self._order), tenant))
+                continue
+            return lane
+        return None
+
     def _next_lane(self, stick: dict[int, str] | None = None) -> Lane | None:
-        """The lane to take from next: per tier the tenant whose turn it is (or the one the tier sticks to,
-        while it has items), then the best aged head."""
+        """The lane to take from next: per tier the tenant least served (or the one the tier sticks to, while
+        it has items), then the best aged head."""
         best: Lane | None = None
         best_key = float("inf")
-        for tier, order in self.turn.items():
+        for tier, heap in self.ready.items():
             if stick and tier in stick:  # only that tenant's lane, even when it is empty
                 lane = self.lanes.get((tier, stick[tier]))
-                if lane is not None and lane.items:
-                    key = lane.items[0].arrived + AGING_S[tier]
-                    if key < best_key:
-                        best, best_key = lane, key
-                continue
-            for _ in range(len(order)):
-                lane = self.lanes[(tier, order[0])]
-                if lane.items:
-                    key = lane.items[0].arrived + AGING_S[tier]
-                    if key < best_key:
-                        best, best_key = lane, key
-                    break
-                order.rotate(-1)  # an empty lane passes its turn
+            else:
+                lane = self._least_served(tier, heap)
+            if lane is not None and lane.items:
+                key = lane.items[0].arrived + AGING_S[tier]
+                if key < best_key:
+                    best, best_key = lane, key
         return best
 
-    def pop(self, stick: dict[int, str] | None = None) -> Item | None:
+    def pop(self, stick: dict[int, str] | None = None, charge: bool = True) -> Item | None:
+        """The next item, taken out. `charge`: its cost is counted as served to its tenant now; the batcher
+        passes False and calls `charge` once the item is really in a batch (not dropped as late)."""
         lane = self._next_lane(stick)
         if lane is None:
             return None
-        if not (stick and stick.get(lane.tier) == lane.tenant):
-            self.turn[lane.tier].rotate(-1)  # this tenant had its turn
         self.size -= 1
         item = lane.items.popleft()
         self.cost_sum = self.cost_sum - item.cost if self.size else 0.0
+        self.shares.left(item, charge)
         return item
+
+    def charge(self, item: Item) -> None:
+        """`item`, taken by `pop(charge=False)`, is served: its tenant's counter grows by its cost."""
+        self.shares.charge(item)
 
     def peek(self, stick: dict[int, str] | None = None) -> Item | None:
         """The item `pop(stick)` would return next, left in place."""
         lane = self._next_lane(stick)
         return lane.items[0] if lane is not None else None
 
+    def lag(self) -> float:
+        """How far the tenant of the next item is ahead of the least served waiting tenant of its tier in the
+        model (0 when it is that tenant): the batcher serves a length class whose next tenant is behind before
+        one whose next tenant is ahead."""
+        lane = self._next_lane()
+        return self.shares.lag(lane.tier, lane.tenant) if lane is not None else 0.0
+
     def drain_all(self) -> list[Item]:
         out = [item for lane in self.lanes.values() for item in lane.items]
         for lane in self.lanes.values():
             lane.items.clear()
+        for item in out:
+            self.shares.left(item)
         self.size = 0
         self.cost_sum = 0.0
         return out

@@ -25,6 +25,7 @@ from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.handler import InferenceHandler
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.requests_log import Record, RequestLog
+from batchserve.core.tenant_cost import CostAccount
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 from batchserve.core.tokenize_stage import Tokenize, TokenizeStage, tokenizer_of
 
@@ -102,6 +103,11 @@ class InferenceService:
     @property
     def max_batch_size(self) -> int:
         return self.batcher.max_batch_size
+
+    @property
+    def cost_account(self) -> CostAccount:
+        """Cost answered per (model, tier, tenant) (core/tenant_cost.py): the ledger's and schedulers' source."""
+        return self.batcher.account
 
     def attach(self, capacity: WorkerCapacity) -> None:
         """The workers have started: admission can see them from now on."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import pytest
 
@@ -95,3 +96,28 @@ def test_deadlines_group_callers_by_timeout_and_answer_504_at_the_deadline(loop)
             timer.cancel()
 
     loop.run_until_complete(scenario())
+
+
+class Unwalkable(deque):
+    """A lane's items that fail the test if anything walks them."""
+
+    def __iter__(self):
+        raise AssertionError("the queue was walked")
+
+
+def test_a_tenants_share_is_read_without_walking_the_queue(loop) -> None:
+    """Issue 33: the door asks, per request, what a new input waits behind by cost (its tenant's share). That is
+    read off the model's counters (`Shares`), kept as items come and go, never by walking the queued items."""
+    clock = Clock()
+    b = Batcher(max_batch_size=64, slo_s=1.0, margin_s=0.01, batch_s=BatchTimes(64, {M: 0.1}), clock=clock)
+    for i in range(2000):
+        b.submit(Item("l", M, 1, loop.create_future(), arrived=clock.t, deadline=clock.t + 60, tenant="long",
+                      cost=220.0))
+        b.submit(Item("s", M, 0, loop.create_future(), arrived=clock.t, deadline=clock.t + 60, tenant="short",
+                      cost=8.0))
+    for q in b.queues.values():
+        for lane in q.lanes.values():
+            lane.items = Unwalkable(lane.items)
+    assert b.ahead_of(1, "long", M, 220.0) == 4000  # over its share: behind everything
+    assert b.ahead_of(1, "short", M, 8.0) < 2200  # under it: its own and as much of long's
+    assert b.ahead_of(1, "new", M, 8.0) < 10  # a newcomer: one input's worth of each
