@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -180,6 +181,10 @@ class TokenModel:
         model = self.load(device, dtype).to(device).eval()
         self._types = "token_type_ids" in inspect.signature(model.forward).parameters
         self.models[device] = model
+
+    def batch(self, inputs: list[str], device: str) -> Sequence[object]:
+        """One forward pass over `inputs` on `device`: the embedder's vectors, the reranker's scores."""
+        raise NotImplementedError
 
     def warm(self, device: str) -> dict[int, float]:
         """Two batches of different token counts, timed by batch cost (as minilm's)."""

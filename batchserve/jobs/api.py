@@ -225,7 +225,7 @@ async def store_openai_batch(svc: JobService, store: JobStore, caller: Caller, k
     canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
     new = NewJob("batch_" + secrets.token_hex(12), caller.owner, model, [], metadata, key,
                  hashlib.sha256(canon).hexdigest(), time.time(), openai, source_file=file_id, total=parsed.lines,
-                 input_bytes=parsed.bytes, expires_at=expires_at)
+                 input_bytes=parsed.nbytes, expires_at=expires_at)
     try:
         job, created = await store.create(new)
     except IdempotencyConflict:

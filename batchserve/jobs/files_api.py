@@ -27,9 +27,9 @@ from batchserve.errors import ApiError
 from batchserve.http.body import ascii_count, json_response
 from batchserve.jobs.api import LIST_DEFAULT, LIST_MAX, RESULTS_PAGE, JobsHost, list_limit, route
 from batchserve.jobs.files import CHUNK_BYTES, FileLimitReached, StoredFile
-from batchserve.jobs.openai_batch import OUTPUT, check_expires_after, file_line, job_of_file
+from batchserve.jobs.openai_batch import check_expires_after, file_line, job_of_file
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import Job, JobStore
+from batchserve.jobs.store import OUTPUT, Job, JobStore
 from batchserve.jobs.upload import FormError, FormStream
 from batchserve.tenancy import Caller
 
@@ -92,7 +92,7 @@ async def _receive(request: Request, rt: JobsHost, svc: JobService, caller: Call
     form = FormStream(boundary)
     seq, received, blank, began, done = 0, 0, True, False, False
 
-    async def store_chunk(chunk: bytes) -> None:
+    async def store_chunk(chunk: bytes | bytearray) -> None:
         nonlocal seq, began
         if not began:  # the file row is made with the first chunk: a refusal of the form comes first
             check_purpose(form.fields.get("purpose", PURPOSES[0]))

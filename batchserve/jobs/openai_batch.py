@@ -48,7 +48,7 @@ class InputCheck:
     max_line_bytes: int
     models: set[str | None] = field(default_factory=set)  # the body models named (None: a line named none)
     lines: int = 0
-    bytes: int = 0
+    nbytes: int = 0  # the lines' bytes: what the batch's copy adds to its tenant's storage
     inputs: int = 0  # the inputs the lines hold (`lines.line_inputs`): what --jobs-max-items bounds
     _seen: set[str] = field(default_factory=set)
     _split: LineSplitter = field(default_factory=LineSplitter)
@@ -79,7 +79,7 @@ class InputCheck:
     def _check(self, raws: list[bytes]) -> None:
         for raw in raws:
             self.lines += 1
-            self.bytes += len(raw)
+            self.nbytes += len(raw)
             self._one(raw, self.lines)
 
     def _one(self, raw: bytes, n: int) -> None:

@@ -138,7 +138,7 @@ def check(data: bytes, max_lines: int = 100, max_line: int = 1 << 20) -> InputCh
 def test_input_check_counts_and_refuses_by_line() -> None:
     good = line(0, {"input": "a", "model": "m"}) + b"\n" + line(1, {"input": ["b"]})
     c = check(good)
-    assert (c.lines, c.bytes, c.models) == (2, len(good) - 3, {"m", None})
+    assert (c.lines, c.nbytes, c.models) == (2, len(good) - 3, {"m", None})
     for bad, words in [(line(0, {"input": "a"}) * 2, "appears twice"),
                        (line(0, {}, url="/v1/inference"), "'url'"),
                        (line(0, []), "'body' must be"),
