@@ -52,7 +52,7 @@ import orjson
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
-from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response
+from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response, window_end
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome
 from batchserve.tenancy import lane_of
@@ -106,6 +106,7 @@ class JobState:
     recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = costly failure
     retrying: int = 0
     cancelled: bool = False
+    expires_at: float | None = None  # an OpenAI batch's completion window closes (`lines.window_end`)
 
     def group_size(self, limit: int) -> int:
         """0 while the job rides in shared batches; once isolated, how many of its items share one batch of
@@ -186,7 +187,8 @@ class Scheduler:
     def add(self, job: Job) -> None:
         if job.id not in self.jobs:
             endpoint = job.openai.get("endpoint") if job.openai else None
-            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model, endpoint)
+            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model, endpoint,
+                                         expires_at=window_end(job.created_at, job.openai))
             self.metrics.active_jobs.set(len(self.jobs))
             self._wake.set()
 
@@ -343,7 +345,8 @@ class Scheduler:
             return
         item: Item | LineRun
         if job.endpoint is not None and self.lines is not None:  # an OpenAI Batch API line
-            item = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, alone=False)
+            item = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, alone=False,
+                                    expires_at=job.expires_at)
         else:
             item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
         job.inflight[index] = item
@@ -363,8 +366,8 @@ class Scheduler:
         """Items of one job as a batch of their own, in the background share (isolated job, or after a hang)."""
         items: list[Item] | list[LineRun]
         if job.endpoint is not None and self.lines is not None:  # OpenAI lines: each its own run, alone
-            items = [self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, alone=True)
-                     for _, text in rows]
+            items = [self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, alone=True,
+                                      expires_at=job.expires_at) for _, text in rows]
         else:
             items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
         for (index, text), item in zip(rows, items):
