@@ -4,6 +4,8 @@
     python -m bench.gen_share                      # both scenarios, the issue's sizes (CPU: ~15-30 minutes)
     python -m bench.gen_share --scenarios hog      # one
     python -m bench.gen_share --lines 20 --line-tokens 40 --record
+    python -m bench.gen_share --code /tmp/base     # the tree in /tmp/base first (`git archive <commit> | tar -x
+                                                   # -C /tmp/base`), then this checkout: without and with a change
 
 1. `hog`: one tenant holds every slot with long streamed chats (slots + 2 of them, EOS ignored), another
    sends `--short` short chats one after another. Reported: how many were answered, their p50 alone and
@@ -148,16 +150,29 @@ def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def start(name: str, a: argparse.Namespace, config: Path, log_dir: Path, extra: list[str]) -> servers.Server:
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--devices", "1", "--generation", "on",
+# `python -m batchserve` from another tree: it goes first on sys.path (`-m` would put this checkout first)
+FROM_TREE = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'batchserve'; "
+             "runpy.run_module('batchserve', run_name='__main__', alter_sys=True)")
+
+
+def start(name: str, code: str, a: argparse.Namespace, config: Path, log_dir: Path,
+          extra: list[str]) -> servers.Server:
+    """A `--generation on` server of this checkout (`code` "") or of the tree in the directory `code`."""
+    run = [sys.executable, "-c", FROM_TREE, code] if code else [sys.executable, "-m", "batchserve"]
+    cmd = [*run, "serve", "--port", "0", "--devices", "1", "--generation", "on",
            "--generation-max-context", str(a.max_context), "--config", str(config), "--drain-grace-s", "0",
            *(["--generation-max-seqs", str(a.max_seqs)] if a.max_seqs else []), *extra]
     return servers.start(name, cmd, log_dir, timeout_s=300)
 
 
-def hog_scenario(a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
+def ok_times(times: list[float], answers: list[httpx.Response]) -> list[float]:
+    """The times of the answers that are 200 (a refusal is fast, and not an answer)."""
+    return [t for t, r in zip(times, answers) if r.status_code == 200]
+
+
+def hog_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
     config, keys = keyed(tmp, ("hog", "small"))
-    s = start("gen-share-hog", a, config, log_dir, [])
+    s = start(f"gen-share-hog{'-' + Path(code).name if code else ''}", code, a, config, log_dir, [])
     slots = engine_stats(s.base)["max_seqs"]
     shorts = [chat(f"What is {i} plus {i}?", a.short_tokens) for i in range(a.short)]
     timed_chats(s.base, keys["small"], shorts[:1])  # warm
@@ -165,18 +180,20 @@ def hog_scenario(a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, A
     with Hog(s.base, keys["hog"], slots + 2, a.hog_tokens) as hog:
         wait_until(lambda: engine_stats(s.base)["running"] == slots and hog.streaming() >= slots, 300)
         beside, answers = timed_chats(s.base, keys["small"], shorts)
-        preempted = engine_stats(s.base)["preempted"]
+        preempted = engine_stats(s.base).get("preempted")
     servers.stop(s)
     statuses = [r.status_code for r in answers]
-    return {"scenario": "hog", "slots": slots, "hog_chats": slots + 2, "short_chats": a.short,
+    beside = ok_times(beside, answers)
+    return {"scenario": "hog", "code": code or "this checkout", "slots": slots, "hog_chats": slots + 2, "short_chats": a.short,
             "answered": statuses.count(200), "statuses": sorted(set(statuses)), "p50_alone_s": p50(alone),
             "p50_beside_s": p50(beside), "ratio": p50(beside) / p50(alone), "goal_ratio": 3.0,
             "preempted": preempted}
 
 
-def batch_scenario(a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
+def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
     config, keys = keyed(tmp, ("batcher", "caller"))
-    s = start("gen-share-batch", a, config, log_dir, ["--jobs-db", str(tmp / "jobs.db")])
+    s = start(f"gen-share-batch{'-' + Path(code).name if code else ''}", code, a, config, log_dir,
+              ["--jobs-db", str(tmp / "jobs.db")])
     interactive = [chat(f"Name a color, number {i}.", a.short_tokens) for i in range(a.short)]
     timed_chats(s.base, keys["caller"], interactive[:1])  # warm
     alone, _ = timed_chats(s.base, keys["caller"], interactive)
@@ -198,11 +215,12 @@ def batch_scenario(a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str,
     beside, answers = timed_chats(s.base, keys["caller"], interactive, until=over)
     t.join()
     wall = time.perf_counter() - began
-    preempted = engine_stats(s.base)["preempted"]
+    preempted = engine_stats(s.base).get("preempted")
     servers.stop(s)
     counts = done.get("request_counts") or {}
     statuses = [r.status_code for r in answers]
-    return {"scenario": "batch", "lines": a.lines, "line_tokens": a.line_tokens, "batch_status": done.get("status"),
+    beside = ok_times(beside, answers)
+    return {"scenario": "batch", "code": code or "this checkout", "lines": a.lines, "line_tokens": a.line_tokens, "batch_status": done.get("status"),
             "completed": counts.get("completed"), "failed": counts.get("failed"), "batch_wall_s": wall,
             "interactive_chats": len(answers), "interactive_ok": statuses.count(200),
             "p50_alone_s": p50(alone), "p50_beside_s": p50(beside), "ratio": p50(beside) / p50(alone),
@@ -215,16 +233,17 @@ def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> st
     for r in rows:
         if r["scenario"] == "hog":
             out.append(report.table(
-                ["scenario", "slots", "hog chats", "answered", "p50 alone s", "p50 beside s", "ratio (goal 3)",
-                 "preempted"],
-                [["one tenant holds every slot", r["slots"], r["hog_chats"], f"{r['answered']}/{r['short_chats']}",
+                ["scenario", "code", "slots", "hog chats", "answered", "p50 alone s", "p50 beside s",
+                 "ratio (goal 3)", "preempted"],
+                [["one tenant holds every slot", r["code"], r["slots"], r["hog_chats"], f"{r['answered']}/{r['short_chats']}",
                   report.fmt(r["p50_alone_s"], ".2f"), report.fmt(r["p50_beside_s"], ".2f"),
                   report.fmt(r["ratio"], ".2f"), r["preempted"]]]))
         else:
             out.append(report.table(
-                ["scenario", "lines x tokens", "completed", "failed", "batch s", "interactive ok", "p50 alone s",
-                 "p50 beside s", "ratio (goal 1.5)", "preempted"],
-                [[f"chat batch beside interactive ({r['batch_status']})", f"{r['lines']} x {r['line_tokens']}",
+                ["scenario", "code", "lines x tokens", "completed", "failed", "batch s", "interactive ok",
+                 "p50 alone s", "p50 beside s", "ratio (goal 1.5)", "preempted"],
+                [[f"chat batch beside interactive ({r['batch_status']})", r["code"],
+                  f"{r['lines']} x {r['line_tokens']}",
                   r["completed"], r["failed"], report.fmt(r["batch_wall_s"], ".0f"),
                   f"{r['interactive_ok']}/{r['interactive_chats']}", report.fmt(r["p50_alone_s"], ".2f"),
                   report.fmt(r["p50_beside_s"], ".2f"), report.fmt(r["ratio"], ".2f"), r["preempted"]]]))
@@ -242,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lines", type=int, default=100, help="chat batch lines (default %(default)s)")
     p.add_argument("--line-tokens", type=int, default=160, help="max_tokens of a line (default %(default)s)")
     p.add_argument("--batch-timeout-s", type=float, default=3600, help="give up on the batch after this")
+    p.add_argument("--code", action="append", default=[],
+                   help="another tree of the code to run first (repeatable), e.g. the commit before a change")
     common.add_output_flags(p, name="gen-share")
     a = p.parse_args(argv)
     name = common.run_name(a, "gen-share")
@@ -251,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     rep: dict[str, Any] = {}
     with common.guarded(rep), tempfile.TemporaryDirectory(prefix="gen-share-") as tmp:
         for scenario in (x.strip() for x in a.scenarios.split(",")):
-            directory = Path(tmp) / scenario
-            directory.mkdir()
-            rows.append({"hog": hog_scenario, "batch": batch_scenario}[scenario](a, directory, log_dir))
-            print(rows[-1], flush=True)
+            for i, code in enumerate([*a.code, ""]):
+                directory = Path(tmp) / f"{scenario}-{i}"
+                directory.mkdir()
+                rows.append({"hog": hog_scenario, "batch": batch_scenario}[scenario](code, a, directory, log_dir))
+                print(rows[-1], flush=True)
     md = markdown(rows, load)
     print("\n" + md)
     rep.update({**report.provenance(), "settings": vars(a), "load_average": load, "rows": rows})
