@@ -42,8 +42,8 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.metrics import HistogramChild, LoopHistogram
 from batchserve.generation.kv_budget import Claim, KvBudget, Replay
-from batchserve.generation.shares import (SPARE, Lane, LaneLoad, Queued, headroom, lane_of, order_key,
-                                          replay_wait, shares, tier_weight, victim_lane)
+from batchserve.generation.shares import (SPARE, WEIGHTED, Lane, LaneLoad, Queued, headroom, lane_of,
+                                          order_key, replay_wait, shares, tier_weight, victim_lane)
 from batchserve.generation.sizing import auto_gpu_slots, kv_tokens_for
 from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
 
@@ -560,6 +560,8 @@ class Engine:
 
     def _weight(self, lane: Lane) -> float:
         """A lane's weight: that of the highest tier among its work (1 for all while the tiers have no weights)."""
+        if not WEIGHTED:
+            return 1.0
         tiers = [s.tier for s in self.lane_running.get(lane, {}).values()]
         if queue := self.queues.get(lane):
             tiers.append(queue[0][0])
@@ -659,9 +661,13 @@ class Engine:
         """The running sequence to pause so that `seq` (of `lane`) can start, or None (`shares.victim_lane`)."""
         if not self.resumable:
             return None
-        firsts = {other: max(runs.values(), key=self._victim_order) for other, runs in self.lane_running.items()}
-        chosen = victim_lane(lane, seq.blocks, lanes, share, {other: s.blocks for other, s in firsts.items()})
-        return firsts[chosen] if chosen is not None else None
+        # what each lane would give up: the blocks of its latest started (every sequence's, with slots); the
+        # victim itself is looked for in the chosen lane only (a finish with a queue runs this: O(lanes))
+        gives = {other: next(reversed(runs.values())).blocks for other, runs in self.lane_running.items()}
+        chosen = victim_lane(lane, seq.blocks, lanes, share, gives)
+        if chosen is None:
+            return None
+        return max(self.lane_running[chosen].values(), key=self._victim_order)
 
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
         """Runs on the loop (via the stepper's call_soon_threadsafe) with one step's new tokens: at 256

@@ -50,6 +50,9 @@ def tier_weight(tier: int) -> float:
     return 1.0
 
 
+WEIGHTED = len({tier_weight(rank) for rank in range(len(TIERS))}) > 1  # else every lane weighs 1: skip the look
+
+
 def headroom(total: int) -> int:
     """Of `total` blocks (or sequences), how many spare-lane work leaves free: at least one when there are two."""
     return math.ceil(total * BATCH_HEADROOM) if total > 1 else 0
