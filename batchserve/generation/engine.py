@@ -42,7 +42,7 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.metrics import HistogramChild, LoopHistogram
 from batchserve.generation.kv_budget import Claim, KvBudget, Replay
-from batchserve.generation.shares import (SPARE, WEIGHTED, Lane, LaneLoad, Queued, headroom, lane_of,
+from batchserve.generation.shares import (LINGER_S, SPARE, WEIGHTED, Lane, LaneLoad, Queued, headroom, lane_of,
                                           order_key, replay_wait, shares, tier_weight, victim_lane)
 from batchserve.generation.sizing import auto_gpu_slots, kv_tokens_for
 from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
@@ -288,6 +288,7 @@ class Engine:
         self.waiting_count = 0
         self.lane_running: dict[Lane, dict[str, Sequence]] = {}
         self.lane_held: dict[Lane, int] = {}  # blocks held by each lane's running sequences
+        self.idle_since: dict[Lane, float] = {}  # interactive lanes whose last sequence ended lately (LINGER_S)
         self.preemptions = 0
         # tier -> (when made, the replay of the future after every waiting sequence of that tier or one served before)
         self._replays: dict[int, tuple[float, Replay]] = {}
@@ -557,6 +558,22 @@ class Engine:
             self.queues[lane] = queue
         else:
             self.queues.pop(lane, None)
+            self._went_idle(lane)
+
+    def _went_idle(self, lane: Lane) -> None:
+        """Note when an interactive lane's last sequence left: it lingers (`shares.LINGER_S`)."""
+        if lane[0] != SPARE and lane not in self.queues and lane not in self.lane_running:
+            self.idle_since[lane] = time.monotonic()
+
+    def _lingering(self) -> list[Lane]:
+        """Interactive lanes without work whose last sequence ended within LINGER_S (expired ones forgotten)."""
+        if not self.idle_since:
+            return []
+        now = time.monotonic()
+        for lane in [lane for lane, since in self.idle_since.items()
+                     if now - since > LINGER_S or lane in self.queues or lane in self.lane_running]:
+            del self.idle_since[lane]
+        return list(self.idle_since)
 
     def _weight(self, lane: Lane) -> float:
         """A lane's weight: that of the highest tier among its work (1 for all while the tiers have no weights)."""
@@ -568,8 +585,11 @@ class Engine:
         return tier_weight(min(tiers)) if tiers else 1.0
 
     def _shares(self) -> tuple[dict[Lane, LaneLoad], dict[Lane, float]]:
+        """The lanes with work, and those lingering, with their shares."""
         lanes = {lane: LaneLoad(self.lane_held.get(lane, 0), self._weight(lane))
                  for lane in {*self.queues, *self.lane_running}}
+        for lane in self._lingering():
+            lanes[lane] = LaneLoad(0, 1.0)
         return lanes, shares(lanes, self.budget.total_blocks)
 
     @staticmethod
@@ -577,11 +597,15 @@ class Engine:
         """Within a lane, the sequence paused first is the greatest: lowest-priority tier, latest (re)started."""
         return (seq.tier, seq.run_started, seq.order)
 
-    def _fits(self, seq: Sequence) -> bool:
-        """Whether `seq` may start now: its worst case fits, and a batch line leaves the interactive headroom."""
-        if seq.lane[0] == SPARE:
-            return self.budget.fits(seq.blocks, headroom(self.budget.total_blocks), headroom(self.budget.max_seqs))
-        return self.budget.fits(seq.blocks)
+    def _fits(self, seq: Sequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]) -> bool:
+        """Whether `seq` may start now: its worst case fits, a batch line leaves the interactive headroom, and a
+        lane at or over its share leaves one place for each lingering lane (`shares.LINGER_S`)."""
+        lane = seq.lane
+        kept = 0 if lanes[lane].held < share[lane] else len(self.idle_since)  # _shares() pruned it just now
+        if lane[0] == SPARE:
+            return self.budget.fits(seq.blocks, headroom(self.budget.total_blocks) + kept,
+                                    headroom(self.budget.max_seqs) + kept)
+        return self.budget.fits(seq.blocks, kept, kept)
 
     def _start(self, seq: Sequence) -> None:
         """Put `seq` in the stepper: a first run with its prompt; a resumed one (preempted) with its prompt and
@@ -619,6 +643,7 @@ class Engine:
         else:
             self.lane_held.pop(lane, None)
         self.budget.give(seq.blocks)
+        self._went_idle(lane)
 
     def _preempt(self, seq: Sequence, reason: str) -> None:
         """Pause a running sequence: the stepper drops it (and its K/V), it waits again in its lane at its old
@@ -641,7 +666,7 @@ class Engine:
             lane, seq = min(((lane, queue[0][2]) for lane, queue in self.queues.items()),
                             key=lambda ls: (*order_key(ls[0], lanes[ls[0]].held, ls[1].blocks, share[ls[0]]),
                                             ls[1].tier, ls[1].order))
-            if not self._fits(seq):
+            if not self._fits(seq, lanes, share):
                 victim = self._victim(lane, seq, lanes, share) if pauses > 0 else None
                 if victim is None:
                     break
@@ -753,6 +778,8 @@ class Engine:
                 if now > seq.deadline:  # never a preempted one (its deadline is gone): a started one is answered
                     self.metrics.rejected.labels("queue_timeout").inc()
                     self._finish(seq, error=errors.deadline_exceeded())
+            if self.idle_since and self.waiting_count:
+                self._admit_waiting()  # a lingering lane's kept place goes to whoever waits once LINGER_S passes
             self._gauges()
 
     def _gauges(self) -> None:

@@ -15,6 +15,10 @@ needed. So capacity is shared by lane, and a running sequence may be paused (pre
   interactive arrival starts at once.
 - **Order**: the next sequence admitted is of the lane furthest under its share, read as (held + this
   sequence's blocks) / share; interactive lanes before spare ones; ties by tier, then arrival.
+- **Lingering**: an interactive lane whose last sequence just ended keeps its share, and one free place, for
+  `LINGER_S`: a closed-loop client's next request finds its place free instead of pausing someone again (the
+  place it freed would otherwise go to a lane over its share, be recomputed into, and be taken back). Only a
+  lane under its share may take a kept place; past `LINGER_S` it goes to whoever waits.
 - **Preemption** (`victim_lane`): an interactive sequence that cannot start pauses a spare-lane sequence if one
   runs; otherwise a sequence of a lane under its share pauses one of the lane furthest over its share, if that
   lane stays at least as far along its share as the taker becomes (so two lanes never trade a slot back and
@@ -32,6 +36,7 @@ from batchserve.core.tiers import TIERS
 
 INTERACTIVE, SPARE = 0, 1
 BATCH_HEADROOM = 0.125  # share of the capacity spare-lane (batch) work leaves free for interactive arrivals
+LINGER_S = 1.0  # an interactive lane keeps its share (and one free place) this long after its last sequence ends
 TINY_SHARE = 1e-9  # a lane left no share at all (spare lanes while interactive work fills everything)
 
 Lane = tuple[int, str]  # (INTERACTIVE or SPARE, tenant)

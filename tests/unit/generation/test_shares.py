@@ -16,7 +16,7 @@ from batchserve.core.tiers import BATCH
 from batchserve.errors import ApiError
 from batchserve.generation import engine as engine_module
 from batchserve.generation.engine import Engine, SamplingParams
-from batchserve.generation.shares import INTERACTIVE, SPARE, LaneLoad, headroom, shares, victim_lane
+from batchserve.generation.shares import LINGER_S, INTERACTIVE, SPARE, LaneLoad, headroom, shares, victim_lane
 from tests.unit.fakes import Clock
 from tests.unit.generation.test_engine import CHARS, FakeStepper, drain, engine, params
 
@@ -166,7 +166,10 @@ def test_a_preempted_sequence_resumes_from_its_tokens_and_its_caller_sees_one_un
         other = e.submit([3], params(2), tenant="b")  # b under its share: a's latest started is paused
         assert seq.state == "waiting" and other.state == "running" and e.stepper.cancelled == [seq.id]
         e.stepper.emit(seq.id, "zz")  # a step of the old run still in flight: ignored
-        e.stepper.emit(other.id, "x!", finished=True)  # b done: a resumes under a new run id
+        e.stepper.emit(other.id, "x!", finished=True)  # b done: its place is kept for it a moment (LINGER_S)
+        assert seq.state == "waiting"
+        clock.t += LINGER_S + 0.01
+        e._admit_waiting()  # (the engine's tick): a resumes under a new run id
         assert seq.state == "running" and seq.run_id != seq.id and seq.runs == 2
         prompt, resumed = e.stepper.runs[seq.run_id]
         abc = [CHARS.index(c) for c in "abc"]
@@ -176,6 +179,27 @@ def test_a_preempted_sequence_resumes_from_its_tokens_and_its_caller_sees_one_un
         deltas = drain(seq)
         assert [d.text for d in deltas] == ["abcdefgh"] and deltas[-1].finish_reason == "length"
         assert seq.tokens == 8 and e.preemptions == 1
+
+    asyncio.run(main())
+
+
+def test_a_lane_that_just_finished_finds_its_place_kept_rather_than_pausing_someone_again(clock: Clock) -> None:
+    async def main() -> None:
+        e = slots(4)
+        for _ in range(6):
+            e.submit([1], params(60), tenant="a", max_wait_s=1e6)
+            clock.t += 1
+        mine = e.submit([1], params(3), tenant="b")
+        assert e.preemptions == 1
+        e.stepper.emit(mine.id, "ab!", finished=True)
+        assert held(e, "a") == 3 and e.budget.running == 3  # the place b freed stays free a moment: a waits
+        clock.t += LINGER_S / 2
+        again = e.submit([1], params(3), tenant="b")  # a closed loop's next request: no pause needed
+        assert again.state == "running" and e.preemptions == 1
+        e.stepper.emit(again.id, "ab!", finished=True)
+        clock.t += LINGER_S + 0.01  # b is gone for good: its place goes to a
+        e._admit_waiting()
+        assert held(e, "a") == 4
 
     asyncio.run(main())
 
