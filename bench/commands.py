@@ -93,6 +93,10 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
         Bench("fairness", "tokens served per tenant, two paid tenants on minilm (4 x 220-token inputs vs 16 x 8 a "
               "request, closed loops), this checkout beside the base commit's item turns (issue 33)", "~3 min",
               "real model (CPU)", ("--duration", "5", "--max-s", "10", "--warmup", "1")),
+        Bench("gen_share", "the generation engine's shares by tenant and tier through HTTP: a tenant holding "
+              "every slot beside another's short chats; a 100-line chat batch beside interactive chats (issue 33)",
+              "~15 min", "real model (CPU)", ("--short", "3", "--hog-tokens", "200", "--lines", "6",
+                                              "--line-tokens", "16")),
         Bench("job_pricing", "another tenant's interactive /v1/embeddings beside a batch of 2,048-input lines "
               "(`--base DIR`: the commit before, side by side)", "~4 min", "real model (CPU)"),
     )),

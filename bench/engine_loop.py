@@ -35,6 +35,7 @@ class FeedStepper:
     The engine's unit tests use it too."""
 
     description = "none (fed by hand)"
+    resumable = True  # the engine may preempt: a dropped sequence is simply added again
 
     def __init__(self, capacity: Any, step_s: float = 0.005) -> None:
         self.capacity = capacity

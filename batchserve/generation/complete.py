@@ -56,8 +56,10 @@ async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -
     return Prepared(req, prompt_ids, params)
 
 
-async def complete(settings: Settings, engine: Engine, body: bytes, chat: bool, tier: int) -> bytes:
-    """The non-streamed answer's JSON for `body`, as the route sends it.
+async def complete(settings: Settings, engine: Engine, body: bytes, chat: bool, tier: int, tenant: str = "",
+                   max_wait_s: float | None = None) -> bytes:
+    """The non-streamed answer's JSON for `body`, as the route sends it, in `tenant`'s share; `max_wait_s`:
+    how long it may wait in the engine's queue for capacity (a batch line: until its window closes).
 
     Raises OpenAIError for what the route answers with a 4xx (running it again cannot help), and the engine's
     ApiError otherwise (503 no KV capacity now, 504 waited too long, draining, 500): a batch line's caller
@@ -67,7 +69,8 @@ async def complete(settings: Settings, engine: Engine, body: bytes, chat: bool, 
     if prep.req.stream:
         raise bad("stream", "a batch line is answered whole; leave out 'stream'")
     try:
-        seq = engine.submit(prep.prompt_ids, prep.params, tier=tier, streamed=False)
+        seq = engine.submit(prep.prompt_ids, prep.params, tier=tier, streamed=False, tenant=tenant,
+                            max_wait_s=max_wait_s)
     except ApiError as err:
         if err.status < 500:
             raise OpenAIError.from_api(err) from None

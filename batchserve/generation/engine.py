@@ -9,8 +9,14 @@ Why this shape:
   model work and never polls. The loop sees each token as it is made (time to first token, inter-token
   latency, stop strings, early cancel) even when the HTTP answer is not streamed.
 - KV-cache capacity is the admission resource (`kv_budget.py`): a sequence enters the stepper only when its
-  worst case fits; otherwise it waits here, highest tier first, and is refused at the door (503) when the
-  predicted wait passes its deadline.
+  worst case fits; otherwise it waits here, and is refused at the door (503) when the predicted wait passes
+  its deadline.
+- The capacity is shared by tenant and tier (`shares.py`): the lane furthest under its share is admitted
+  first, the `batch` tier only fills what interactive work leaves (less a headroom), and to honour a share the
+  engine pauses (preempts) a running sequence of the lane furthest over its share, or a batch line for an
+  interactive caller: its place is freed at once and it waits again, to be resumed by recomputing its prompt and
+  the tokens it had made (on a `resumable` stepper: the slot stepper). It is never failed for it, and its text
+  goes on where it stopped.
 - Cancelling (client gone, stop string reached) tells the stepper to drop the sequence and frees its place at
   once for the next waiting sequence.
 """
@@ -18,6 +24,7 @@ Why this shape:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -35,6 +42,8 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.metrics import HistogramChild, LoopHistogram
 from batchserve.generation.kv_budget import Claim, KvBudget, Replay
+from batchserve.generation.shares import (LINGER_S, SPARE, WEIGHTED, Lane, LaneLoad, Queued, headroom, lane_of,
+                                          order_key, replay_wait, shares, tier_weight, victim_lane)
 from batchserve.generation.sizing import auto_gpu_slots, kv_tokens_for
 from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
 
@@ -147,10 +156,21 @@ class Sequence:
     held: list[str] = field(default_factory=list)  # text of a sequence that is not streamed, until it ends
     token_ids: list[int] | None = None  # every token generated, when the caller asked to keep them
     on_start: Callable[["Sequence"], None] | None = None  # called as it joins the stepper (leaves the queue)
+    tenant: str = ""  # whose share it counts in (`shares.py`)
+    order: int = 0  # arrival order: ties in the queue, and a preempted sequence keeps its place
+    made: list[int] = field(default_factory=list)  # every token generated: a preempted sequence resumes from them
+    run_id: str = ""  # its id in the stepper for this run (a resumed run gets a new one: stale tokens are ignored)
+    runs: int = 0  # times it joined the stepper (more than 1: it was preempted and resumed)
+    run_started: float = 0.0  # when this run joined (the latest started is preempted first)
+    resumed: bool = False  # its next token is the first of a resumed run: the gap is the pause, not a step
 
     @property
     def finished(self) -> bool:
         return self.state == DONE
+
+    @property
+    def lane(self) -> Lane:
+        return lane_of(self.tenant, self.tier)
 
     def claim(self) -> Claim:
         return Claim(self.blocks, max(0, self.params.max_tokens - self.tokens))
@@ -169,6 +189,7 @@ class GenerationMetrics:
     requests: Counter
     cancelled: Counter
     rejected: Counter
+    preempted: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> "GenerationMetrics":
@@ -192,6 +213,8 @@ class GenerationMetrics:
             cancelled=Counter(p + "cancelled", "Sequences dropped before their end, freeing their slot", ["reason"],
                               registry=registry),
             rejected=Counter(p + "rejected", "Generation requests refused at the door", ["reason"], registry=registry),
+            preempted=Counter(p + "preempted", "Running sequences paused to honour a share (resumed later by "
+                              "recomputing their prompt and tokens)", ["reason"], registry=registry),
         )
 
 
@@ -298,8 +321,14 @@ class Engine:
         self.eos_ids = {tokenizer.eos_token_id}
         self.longest_token_chars = longest_token_chars(tokenizer)
         self._tokenize_pool: ThreadPoolExecutor | None = None  # made on first use
-        self.running: dict[str, Sequence] = {}
-        self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (tier, arrival order, sequence)
+        self.running: dict[str, Sequence] = {}  # by run id (`Sequence.run_id`)
+        # waiting sequences, a heap of (tier, arrival order, sequence) per lane (`shares.py`), and what runs by lane
+        self.queues: dict[Lane, list[tuple[int, int, Sequence]]] = {}
+        self.waiting_count = 0
+        self.lane_running: dict[Lane, dict[str, Sequence]] = {}
+        self.lane_held: dict[Lane, int] = {}  # blocks held by each lane's running sequences
+        self.idle_since: dict[Lane, float] = {}  # interactive lanes whose last sequence ended lately (LINGER_S)
+        self.preemptions = 0
         # tier -> (when made, the replay of the future after every waiting sequence of that tier or one served before)
         self._replays: dict[int, tuple[float, Replay]] = {}
         self.draining = False
@@ -353,6 +382,11 @@ class Engine:
     def healthy(self) -> bool:
         return self.stepper.is_running()
 
+    @property
+    def waiting(self) -> list[tuple[int, int, Sequence]]:
+        """Every waiting sequence as (tier, arrival order, sequence), in no particular order."""
+        return [entry for queue in self.queues.values() for entry in queue]
+
     # -- requests -------------------------------------------------------------------------------------------
     def check_prompt_chars(self, chars: int, max_tokens: int) -> None:
         """400 when a prompt of `chars` characters cannot fit however it tokenizes: no token covers more than
@@ -382,14 +416,17 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, tier: int = 1,
                streamed: bool = True, max_wait_s: float | None = None, start_by_s: float | None = None,
-               keep_tokens: bool = False, on_start: Callable[[Sequence], None] | None = None) -> Sequence:
-        """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits.
+               keep_tokens: bool = False, on_start: Callable[[Sequence], None] | None = None,
+               tenant: str = "") -> Sequence:
+        """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits, or when
+        its lane may pause another's sequence for it (`shares.py`).
         `streamed` False: its caller gets one delta, the whole text, when it ends (a per-token delta wakes the
         caller's coroutine each time: at tens of thousands of tokens a second that is the loop's main cost).
         `max_wait_s`: the longest predicted wait admitted (default `--generation-queue-timeout-ms`);
         `start_by_s`: how long it may then wait before it gets 504 (default `max_wait_s`). A caller with a
         deadline of its own (`/v1/inference` on the stepper, `inference.py`) sets both. `keep_tokens`: the
-        generated ids are kept in `token_ids`; `on_start` is called when it joins the stepper."""
+        generated ids are kept in `token_ids`; `on_start` is called when it joins the stepper. `tenant`: whose
+        share of the capacity it counts in (with `tier`: its lane)."""
         wait_limit = self.cfg.queue_timeout_s if max_wait_s is None else max_wait_s
         if self.draining:
             raise errors.draining()
@@ -403,9 +440,13 @@ class Engine:
                                  f"over the {self.max_context} tokens one sequence may hold here "
                                  "(--generation-max-context)")
         blocks = self.budget.blocks_for(total)
-        if len(self.waiting) >= self.cfg.max_waiting:
+        lane = lane_of(tenant, tier)
+        # batch lines waiting never refuse an interactive caller: it counts only the interactive queue
+        queued = self.waiting_count if lane[0] == SPARE else sum(
+            len(q) for other, q in self.queues.items() if other[0] != SPARE)
+        if queued >= self.cfg.max_waiting:
             self.metrics.rejected.labels("queue_full").inc()
-            raise errors.overloaded(f"{len(self.waiting)} sequences are already waiting for KV-cache capacity",
+            raise errors.overloaded(f"{queued} sequences are already waiting for KV-cache capacity",
                                     retry_after_ms=self.step_s * 1000 * 16)
         from batchserve.generation.textstream import TextStream
 
@@ -413,28 +454,37 @@ class Engine:
         seq = Sequence(id="gen_" + secrets.token_hex(8), prompt_ids=prompt_ids, params=params, tier=tier,
                        blocks=blocks, arrived=now, deadline=now + (wait_limit if start_by_s is None else start_by_s),
                        text=TextStream(self.tokenizer.backend_tokenizer, params.stop), streamed=streamed,
-                       token_ids=[] if keep_tokens else None, on_start=on_start)
-        if not (self.waiting or not self.budget.fits(blocks)):
-            self._start(seq)
+                       token_ids=[] if keep_tokens else None, on_start=on_start, tenant=tenant,
+                       order=next(self._order))
+        seq.run_id = seq.id
+        self._queue(seq)
+        self._admit_waiting()
+        if seq.state == RUNNING:
             return seq
         wait_s = self.predicted_wait_s(seq)
         if wait_s > wait_limit:
+            self._unqueue(seq)  # the kept replays never held it: they stay valid
             self.metrics.rejected.labels("kv_capacity").inc()
             retry_ms = 1000 * (self.step_s * 16 if math.isinf(wait_s) else wait_s - wait_limit)
             raise errors.overloaded(f"predicted wait for KV-cache capacity {wait_s:.1f} s would pass the "
                                     f"{wait_limit:.1f} s limit", retry_after_ms=max(retry_ms, 100))
-        heapq.heappush(self.waiting, (tier, next(self._order), seq))
         self.predicted_wait_s(seq, queued=True)
-        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.waiting.set(self.waiting_count)
         return seq
 
     def predicted_wait_s(self, seq: Sequence, queued: bool = False) -> float:
-        """Seconds until `seq` would start, behind the waiting sequences of its tier and of the tiers served
-        before it (`kv_budget.Replay`). The replay is kept per tier and continued by the next arrival of that tier, so a
-        burst of n queued arrivals costs n placements rather than n^2/2. `queued`: `seq` has just joined the
-        queue's tail, and the kept replay takes it. A kept replay is dropped when a sequence leaves the queue or
-        one of a tier served earlier joins ahead, and is used for REPLAY_TTL_S at most (its running sequences may end
-        early: that only makes it pessimistic meanwhile)."""
+        """Seconds until `seq` (queued already, or a probe) would start.
+
+        A lane alone in the engine (one tenant's interactive work, the common case and every burst): behind
+        the waiting sequences of its tier and of the tiers served before it (`kv_budget.Replay`). That replay is
+        kept per tier and continued by the next arrival of that tier, so a burst of n queued arrivals costs n
+        placements rather than n^2/2. `queued`: `seq` has just joined the queue's tail, and the kept replay
+        takes it. A kept replay is dropped when a sequence leaves the queue or one of a tier served earlier joins
+        ahead, and is used for REPLAY_TTL_S at most (its running sequences may end early: that only makes it
+        pessimistic meanwhile). Lanes sharing the engine: `_shared_wait_s`, made afresh."""
+        if not self._alone(seq):
+            self._replays.clear()
+            return 0.0 if queued else self._shared_wait_s(seq)
         now = time.monotonic()
         kept = self._replays.get(seq.tier)
         if kept is None or now - kept[0] > REPLAY_TTL_S:
@@ -449,12 +499,66 @@ class Engine:
         made, replay = kept
         return max(0.0, replay.place(seq.claim(), commit=queued) - (now - made))
 
+    def _alone(self, seq: Sequence) -> bool:
+        """Whether every running and waiting sequence is of `seq`'s lane (no shares to weigh)."""
+        lane = seq.lane
+        return all(other == lane for other in self.queues) and all(other == lane for other in self.lane_running)
+
+    def _shared_wait_s(self, seq: Sequence) -> float:
+        """The wait of `seq` where lanes share the engine, replayed as admission will run (`shares.replay_wait`):
+        the running sequences it could not pause stay until their end (those its lane's next preemptions would
+        pick free their place now); each freed place goes to the lane furthest under its share, interactive
+        lanes before batch lines. So a tenant under its share is predicted to start ahead of a tenant that holds
+        every slot and has a long queue, as it will. Made afresh for each arrival: O(running + waiting)."""
+        lanes, share = self._shares()
+        lane = seq.lane
+        if lane not in lanes:
+            lanes[lane] = LaneLoad(0, tier_weight(seq.tier))
+            share = shares(lanes, self.budget.total_blocks)
+        movable: set[str] = set()  # run ids that would be paused for it
+        if self.resumable:
+            held = lanes[lane].held
+            for other, runs in self.lane_running.items():
+                if other == lane or (other[0] == lane[0] and held >= share[lane]):
+                    continue
+                if other[0] != lane[0] and not (other[0] == SPARE and lane[0] != SPARE):
+                    continue
+                left = lanes[other].held
+                for run in sorted(runs.values(), key=self._victim_order, reverse=True):
+                    if other[0] == lane[0] and left - run.blocks < share[other]:
+                        break  # a lane of its class gives up only what it holds past its share
+                    movable.add(run.run_id)
+                    left -= run.blocks
+        stay = [(s.lane, s.blocks, s.claim().steps * self.step_s)
+                for s in self.running.values() if s.run_id not in movable]
+        freed = [s for s in self.running.values() if s.run_id in movable]
+        held = {other: load.held for other, load in lanes.items()}
+        for s in freed:
+            held[s.lane] -= s.blocks
+        queues: dict[Lane, list[Queued]] = {}
+        target: Queued | None = None
+        for other, queue in self.queues.items():
+            if other[0] > lane[0]:
+                continue  # batch lines wait behind an interactive caller
+            queues[other] = []
+            for tier, order, s in sorted(queue):
+                queues[other].append(Queued(s.blocks, s.claim().steps, tier, order))
+                if s is seq:
+                    target = queues[other][-1]
+        if target is None:  # a probe: at its lane's tail
+            target = Queued(seq.blocks, seq.claim().steps, seq.tier, seq.order)
+            queues.setdefault(lane, []).append(target)
+        budget = self.budget
+        return replay_wait(budget.total_blocks - budget.used_blocks + sum(s.blocks for s in freed),
+                           budget.max_seqs - budget.running + len(freed), stay, queues, share, held, target,
+                           self.step_s)
+
     def predicted_start_s(self, max_tokens: int) -> float:
         """Seconds until a new sequence of up to `max_tokens` new tokens (and a prompt within one KV block) would
         start behind everything running and waiting now, as admission would predict it; queues nothing. The load
         signal's predicted wait (`core/load_signal.py`), read at scrape time: one replay of the queue."""
         blocks = self.budget.blocks_for(max_tokens + 1)
-        if not self.waiting and self.budget.fits(blocks):
+        if not self.waiting_count and self.budget.fits(blocks):
             return 0.0
         replay = Replay(self.budget, [s.claim() for s in self.running.values()], self.step_s)
         for _, _, ahead in sorted(self.waiting):
@@ -478,24 +582,159 @@ class Engine:
                 return
 
     # -- inside ---------------------------------------------------------------------------------------------
+    @property
+    def resumable(self) -> bool:
+        """Whether the stepper can resume a dropped sequence (so the engine may preempt)."""
+        return bool(getattr(self.stepper, "resumable", False))
+
+    def _queue(self, seq: Sequence) -> None:
+        heapq.heappush(self.queues.setdefault(seq.lane, []), (seq.tier, seq.order, seq))
+        self.waiting_count += 1
+
+    def _unqueue(self, seq: Sequence) -> None:
+        lane = seq.lane
+        queue = [entry for entry in self.queues.get(lane, []) if entry[2] is not seq]
+        self.waiting_count -= len(self.queues.get(lane, [])) - len(queue)
+        if queue:
+            heapq.heapify(queue)
+            self.queues[lane] = queue
+        else:
+            self.queues.pop(lane, None)
+            self._went_idle(lane)
+
+    def _went_idle(self, lane: Lane) -> None:
+        """Note when an interactive lane's last sequence left: it lingers (`shares.LINGER_S`)."""
+        if lane[0] != SPARE and lane not in self.queues and lane not in self.lane_running:
+            self.idle_since[lane] = time.monotonic()
+
+    def _lingering(self) -> list[Lane]:
+        """Interactive lanes without work whose last sequence ended within LINGER_S (expired ones forgotten)."""
+        if not self.idle_since:
+            return []
+        now = time.monotonic()
+        for lane in [lane for lane, since in self.idle_since.items()
+                     if now - since > LINGER_S or lane in self.queues or lane in self.lane_running]:
+            del self.idle_since[lane]
+        return list(self.idle_since)
+
+    def _weight(self, lane: Lane) -> float:
+        """A lane's weight: that of the highest tier among its work (1 for all while the tiers have no weights)."""
+        if not WEIGHTED:
+            return 1.0
+        tiers = [s.tier for s in self.lane_running.get(lane, {}).values()]
+        if queue := self.queues.get(lane):
+            tiers.append(queue[0][0])
+        return tier_weight(min(tiers)) if tiers else 1.0
+
+    def _shares(self) -> tuple[dict[Lane, LaneLoad], dict[Lane, float]]:
+        """The lanes with work, and those lingering, with their shares."""
+        lanes = {lane: LaneLoad(self.lane_held.get(lane, 0), self._weight(lane))
+                 for lane in {*self.queues, *self.lane_running}}
+        for lane in self._lingering():
+            lanes[lane] = LaneLoad(0, 1.0)
+        return lanes, shares(lanes, self.budget.total_blocks)
+
+    @staticmethod
+    def _victim_order(seq: Sequence) -> tuple[int, float, int]:
+        """Within a lane, the sequence paused first is the greatest: lowest-priority tier, latest (re)started."""
+        return (seq.tier, seq.run_started, seq.order)
+
+    def _fits(self, seq: Sequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]) -> bool:
+        """Whether `seq` may start now: its worst case fits, a batch line leaves the interactive headroom, and a
+        lane at or over its share leaves one place for each lingering lane (`shares.LINGER_S`)."""
+        lane = seq.lane
+        kept = 0 if lanes[lane].held < share[lane] else len(self.idle_since)  # _shares() pruned it just now
+        if lane[0] == SPARE:
+            return self.budget.fits(seq.blocks, headroom(self.budget.total_blocks) + kept,
+                                    headroom(self.budget.max_seqs) + kept)
+        return self.budget.fits(seq.blocks, kept, kept)
+
     def _start(self, seq: Sequence) -> None:
+        """Put `seq` in the stepper: a first run with its prompt; a resumed one (preempted) with its prompt and
+        the tokens it had made, under a new run id, to recompute their K/V and go on from there."""
         self.budget.take(seq.blocks)
-        seq.state, seq.started = RUNNING, time.monotonic()
-        self.running[seq.id] = seq
-        self.stepper.add(seq.id, seq.prompt_ids, seq.params)
-        if seq.on_start is not None:
+        now = time.monotonic()
+        seq.state, seq.run_started = RUNNING, now
+        seq.runs += 1
+        prompt, params = seq.prompt_ids, seq.params
+        if seq.runs == 1:
+            seq.started, seq.run_id = now, seq.id
+        else:
+            seq.run_id, seq.resumed = f"{seq.id}.{seq.runs}", True
+            prompt, params = seq.prompt_ids + seq.made, dataclasses.replace(seq.params, resumed=len(seq.made))
+        lane = seq.lane
+        self.running[seq.run_id] = seq
+        self.lane_running.setdefault(lane, {})[seq.run_id] = seq
+        self.lane_held[lane] = self.lane_held.get(lane, 0) + seq.blocks
+        self.stepper.add(seq.run_id, prompt, params)
+        if seq.on_start is not None and seq.runs == 1:
             seq.on_start(seq)
         self._gauges()
 
+    def _unrun(self, seq: Sequence) -> None:
+        """Take a running sequence off the books (its blocks back to the budget)."""
+        lane = seq.lane
+        self.running.pop(seq.run_id, None)
+        runs = self.lane_running.get(lane, {})
+        runs.pop(seq.run_id, None)
+        if not runs:
+            self.lane_running.pop(lane, None)
+        held = self.lane_held.get(lane, 0) - seq.blocks
+        if held > 0:
+            self.lane_held[lane] = held
+        else:
+            self.lane_held.pop(lane, None)
+        self.budget.give(seq.blocks)
+        self._went_idle(lane)
+
+    def _preempt(self, seq: Sequence, reason: str) -> None:
+        """Pause a running sequence: the stepper drops it (and its K/V), it waits again in its lane at its old
+        place, and it resumes by recomputing (`_start`). A started sequence is answered: it never expires."""
+        self._unrun(seq)
+        self.stepper.cancel(seq.run_id)
+        seq.state, seq.deadline = WAITING, math.inf
+        self.preemptions += 1
+        self.metrics.preempted.labels(reason).inc()
+        self._queue(seq)
+        self._replays.clear()
+
     def _admit_waiting(self) -> None:
-        while self.waiting and not self.draining:
-            _, _, seq = self.waiting[0]
-            if not self.budget.fits(seq.blocks):
-                break
-            heapq.heappop(self.waiting)
+        """Start waiting sequences while they fit, the lane furthest under its share first (`shares.py`);
+        when the next one does not fit, pause a sequence of a lane over its share (or a batch line for an
+        interactive caller) if the policy allows, else stop: the next to free a place serves it."""
+        pauses = len(self.running)  # each pause lets one more start: never more than there are running
+        while self.waiting_count and not self.draining:
+            lanes, share = self._shares()
+            lane, seq = min(((lane, queue[0][2]) for lane, queue in self.queues.items()),
+                            key=lambda ls: (*order_key(ls[0], lanes[ls[0]].held, ls[1].blocks, share[ls[0]]),
+                                            ls[1].tier, ls[1].order))
+            if not self._fits(seq, lanes, share):
+                victim = self._victim(lane, seq, lanes, share) if pauses > 0 else None
+                if victim is None:
+                    break
+                pauses -= 1
+                self._preempt(victim, "batch" if victim.lane[0] == SPARE and lane[0] != SPARE else "share")
+                continue
+            heapq.heappop(self.queues[lane])
+            if not self.queues[lane]:
+                del self.queues[lane]
+            self.waiting_count -= 1
             self._replays.clear()
             self._start(seq)
         self._gauges()
+
+    def _victim(self, lane: Lane, seq: Sequence, lanes: dict[Lane, LaneLoad],
+                share: dict[Lane, float]) -> Sequence | None:
+        """The running sequence to pause so that `seq` (of `lane`) can start, or None (`shares.victim_lane`)."""
+        if not self.resumable:
+            return None
+        # what each lane would give up: the blocks of its latest started (every sequence's, with slots); the
+        # victim itself is looked for in the chosen lane only (a finish with a queue runs this: O(lanes))
+        gives = {other: next(reversed(runs.values())).blocks for other, runs in self.lane_running.items()}
+        chosen = victim_lane(lane, seq.blocks, lanes, share, gives)
+        if chosen is None:
+            return None
+        return max(self.lane_running[chosen].values(), key=self._victim_order)
 
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
         """Runs on the loop (via the stepper's call_soon_threadsafe) with one step's new tokens: at 256
@@ -528,9 +767,12 @@ class Engine:
             gap = (now - seq.last_token) / len(new)
             for _ in new:
                 self.metrics.itl.observe(gap)
-            self.step_s = 0.98 * self.step_s + 0.02 * gap
+            if not seq.resumed:  # after a pause the gap is the wait and the recompute, not a step
+                self.step_s = 0.98 * self.step_s + 0.02 * gap
+        seq.resumed = False
         seq.last_token = now
         seq.tokens += len(new)
+        seq.made.extend(new)
         if seq.token_ids is not None:
             seq.token_ids.extend(new)
         self.generated_tokens += len(new)
@@ -554,13 +796,11 @@ class Engine:
         if seq.finished:
             return
         if seq.state == RUNNING:
-            self.running.pop(seq.id, None)
-            self.budget.give(seq.blocks)
+            self._unrun(seq)
             if not ended:
-                self.stepper.cancel(seq.id)
+                self.stepper.cancel(seq.run_id)
         elif seq.state == WAITING:
-            self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
-            heapq.heapify(self.waiting)
+            self._unqueue(seq)
             self._replays.clear()
         seq.state, seq.finish_reason = DONE, finish_reason
         if seq.held:
@@ -576,15 +816,17 @@ class Engine:
             now = time.monotonic()
             self.metrics.tokens_per_second.set((self.generated_tokens - self._tokens_at_tick) / (now - last))
             self._tokens_at_tick, last = self.generated_tokens, now
-            for _, _, seq in list(self.waiting):
-                if now > seq.deadline:
+            for _, _, seq in self.waiting:
+                if now > seq.deadline:  # never a preempted one (its deadline is gone): a started one is answered
                     self.metrics.rejected.labels("queue_timeout").inc()
                     self._finish(seq, error=errors.deadline_exceeded())
+            if self.idle_since and self.waiting_count:
+                self._admit_waiting()  # a lingering lane's kept place goes to whoever waits once LINGER_S passes
             self._gauges()
 
     def _gauges(self) -> None:
         self.metrics.running.set(len(self.running))
-        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.waiting.set(self.waiting_count)
         self.metrics.kv_reserved.set(self.budget.reserved_ratio)
         self.metrics.kv_usage.set(self.stepper.kv_usage())
 
@@ -594,8 +836,10 @@ class Engine:
             "engine": self.stepper.description,
             "healthy": self.healthy,
             "running": len(self.running),
-            "waiting": len(self.waiting),
-            "running_ids": sorted(self.running),
+            "waiting": self.waiting_count,
+            "running_ids": sorted(s.id for s in self.running.values()),
+            "lanes": len({*self.queues, *self.lane_running}),  # tenants x (interactive, batch) with work
+            "preempted": self.preemptions,
             "kv_blocks": self.budget.total_blocks,
             "kv_blocks_reserved": self.budget.used_blocks,
             "kv_page_tokens": self.budget.page_size,

@@ -114,7 +114,7 @@ class StepperInference:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts)
 
     def _submit(self, ids: list[int], model: str, tier: int, arrived: float, left_s: float,
-                joined: Joined) -> Sequence:
+                joined: Joined, tenant: str = "") -> Sequence:
         """Admit one prompt with `left_s` of its deadline left, or raise the 503 / 504 that fits."""
         run_s = self.run_s()
         if run_s >= left_s:
@@ -127,7 +127,7 @@ class StepperInference:
             self.records.joined(model, tier, joined.at - arrived, joined.rows)
 
         return self.engine.submit(ids, self.params, tier=tier, streamed=False, max_wait_s=left_s - run_s,
-                                  start_by_s=left_s, keep_tokens=True, on_start=started)
+                                  start_by_s=left_s, keep_tokens=True, on_start=started, tenant=tenant)
 
     async def _answer(self, seq: Sequence, joined: Joined, arrived: float, model: str,
                       trace: object = None) -> ItemResult:
@@ -162,7 +162,8 @@ class StepperInference:
             prompts = await self.prompts(texts)
             for ids in prompts:
                 joined = Joined()
-                seqs.append((self._submit(ids, model, tier, arrived, deadline - self.clock(), joined), joined))
+                seqs.append((self._submit(ids, model, tier, arrived, deadline - self.clock(), joined, tenant),
+                             joined))
         except ApiError as err:
             for seq, _ in seqs:
                 self.engine.cancel(seq, "withdrawn")
@@ -226,7 +227,7 @@ class StepperInference:
             left_s = item.deadline - self.clock()
             seq = self.engine.submit(ids, self.params, tier=item.tier, streamed=False,
                                      max_wait_s=max(0.0, left_s - self.run_s()), start_by_s=left_s,
-                                     keep_tokens=True, on_start=started)
+                                     keep_tokens=True, on_start=started, tenant=item.tenant)
             result = await self._answer(seq, joined, item.arrived, item.model)
             if not item.future.done():
                 item.future.set_result(result)

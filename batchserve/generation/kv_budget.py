@@ -28,8 +28,10 @@ class KvBudget:
     def blocks_for(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.page_size))
 
-    def fits(self, blocks: int) -> bool:
-        return self.running < self.max_seqs and self.used_blocks + blocks <= self.total_blocks
+    def fits(self, blocks: int, spare_blocks: int = 0, spare_seqs: int = 0) -> bool:
+        """Whether `blocks` more fit, leaving `spare_blocks` and `spare_seqs` free (batch lines' headroom)."""
+        return (self.running + 1 + spare_seqs <= self.max_seqs
+                and self.used_blocks + blocks + spare_blocks <= self.total_blocks)
 
     def take(self, blocks: int) -> None:
         self.used_blocks += blocks
@@ -56,10 +58,13 @@ class Replay:
     """The future as `predicted_wait_s` replays it, kept so that the queue's next arrival continues it instead of
     replaying every sequence ahead again (a burst of n queued arrivals would cost n^2/2 placements)."""
 
-    def __init__(self, budget: KvBudget, running: list[Claim], step_s: float) -> None:
+    def __init__(self, budget: KvBudget, running: list[Claim], step_s: float,
+                 freed: tuple[int, int] = (0, 0)) -> None:
+        """`freed`: (blocks, sequences) of running sequences left out of `running` that would give their
+        place up at once (preempted for the sequence asked about)."""
         self.total_blocks = budget.total_blocks
-        self.free_blocks = budget.total_blocks - budget.used_blocks
-        self.free_slots = budget.max_seqs - budget.running
+        self.free_blocks = budget.total_blocks - budget.used_blocks + freed[0]
+        self.free_slots = budget.max_seqs - budget.running + freed[1]
         self.ends = [(c.steps * step_s, c.blocks) for c in running]  # (time it frees its blocks, blocks): a heap
         heapq.heapify(self.ends)
         self.step_s = step_s

@@ -94,6 +94,7 @@ class ManagerStepper:
         self.capacity = KvCapacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
                                  max_sequence_tokens=blocks * page_size)
         self.step_s = step_s
+        self.resumable = False  # its requests have no token offset to resume from: the engine never preempts here
         self.description = f"transformers' ContinuousBatchingManager on {manager.model.device}"
         self._deliver: Deliver | None = None
 

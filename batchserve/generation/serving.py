@@ -106,7 +106,7 @@ async def generate(request: Request, chat: bool) -> Response:
         prep = await prepare(rt.settings, engine, body, chat)
         req, prompt_ids, params = prep.req, prep.prompt_ids, prep.params
         try:
-            seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream)
+            seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream, tenant=caller.tenant)
         except ApiError as err:
             if err.status == 503:
                 rt.guard.shed(err)

@@ -319,7 +319,7 @@ class SlotDecoder:
         k, width = len(slots), max(len(p) for p in prompts)
         starts = list(starts) if starts is not None else [0] * k
         last = list(last) if last is not None else [True] * k
-        if any(s + len(p) + (q.max_tokens if end else 0) > self.slot_tokens
+        if any(s + len(p) + (q.left if end else 0) > self.slot_tokens
                for s, p, q, end in zip(starts, prompts, params, last)):
             raise ValueError(f"a prompt plus its max_tokens is over the slot's {self.slot_tokens} tokens")
         if k > len(self.prompt_slot):
@@ -352,7 +352,9 @@ class SlotDecoder:
             }
             for tensor, values in row_values.items():
                 tensor[index] = torch.tensor(values, dtype=tensor.dtype).to(dev)
-            self.count[index] = 0
+            # a resumed sequence (preempted, recomputed) counts on from the tokens it had made: its length end and
+            # its seeded draws (keyed by token index) are those it would have had without the pause
+            self.count[index] = torch.tensor([q.resumed for q in params], dtype=torch.long).to(dev)
             self.done[index] = False
             self.prompt_ids[:rows, :wide] = ids.to(dev)
             self.prompt_len[:rows] = lengths.to(dev)

@@ -97,6 +97,7 @@ class SlotStepper:
         self.join_delay_steps = join_delay_steps
         self.steps = 0  # steps launched
         self.moved = 0  # sequences moved to lower slots
+        self.resumable = True  # a cancelled sequence added again with `resumed` recomputes its K/V (preemption)
         self.capacity = KvCapacity(blocks=decoder.slots, page_size=decoder.slot_tokens, max_seqs=decoder.slots,
                                  max_sequence_tokens=decoder.slot_tokens)
         self.description = (f"slots: {decoder.slots} x {decoder.slot_tokens} tokens, "

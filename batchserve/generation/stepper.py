@@ -23,6 +23,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    resumed: int = 0  # tokens made before a preemption: the prompt ends with them, and the next draw is this index
+
+    @property
+    def left(self) -> int:
+        """Tokens still to make (all of max_tokens, less those made before a preemption)."""
+        return self.max_tokens - self.resumed
 
     @property
     def greedy(self) -> bool:
@@ -58,12 +64,15 @@ class Stepper(Protocol):
     capacity: KvCapacity
     step_s: float  # time per decode step seen at warm-up
     description: str  # for logs and /internal/generation
+    resumable: bool  # True: a sequence dropped (`cancel`) may be added again with `resumed` set (preemption)
 
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         """Begin running; `deliver` is called on `loop` with each step's updates."""
 
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Start a sequence (admission has checked that it fits). Called on the loop."""
+        """Start a sequence (admission has checked that it fits). Called on the loop. A resumed (preempted)
+        sequence comes back under a new id, its prompt followed by the tokens it had made, and
+        `params.resumed` = how many: a resumable stepper counts its tokens and keys its seeded draws from there."""
 
     def cancel(self, seq_id: str) -> None:
         """Drop a sequence now; no more updates matter for it. Called on the loop."""

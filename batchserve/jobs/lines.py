@@ -6,8 +6,11 @@ holds, `line_inputs`, and never floods the model's queue; `refill.py`).
 
 A line of /v1/chat/completions or /v1/completions runs on the generation engine instead (it has its own
 continuous batching, not the batcher): `generation.complete.complete`, the online route's own code, at tier
-`batch`, so it waits behind interactive sequences for KV-cache capacity; a refusal for capacity (503) or a
-wait that ran out (504) is raised like a door error, and the scheduler runs the line again later.
+`batch` and in its tenant's share, so it only fills capacity interactive callers leave (and is paused for
+them). It waits for capacity until the batch's completion window closes (`window_end`): in the engine's queue,
+and when refused for capacity anyway (its queue full) here, with exponential backoff and jitter (issue 33: 84 of
+100 lines failed SERVICE_OVERLOADED after the scheduler's few quick retries). Past the window, or for any other
+error, it is raised like a door error, and the scheduler retries or records it.
 
 A line's outcome is OpenAI's `response` object, `{status_code, request_id, body}`. A body the online route
 would refuse with a 4xx is answered here the same way, at once and for good (running it again cannot help).
@@ -18,8 +21,10 @@ scheduler retries or records it as it does every job item.
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
 from collections import deque
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -43,6 +48,32 @@ RUNNABLE = (EMBEDDINGS, INFERENCE)  # endpoints whose lines ride the batcher (se
 GENERATION = (CHAT, COMPLETIONS)  # endpoints whose lines run on the generation engine, when it is on
 
 TokenCounter = Callable[[str, list[str]], int]  # (model id, texts) -> prompt tokens (0 when it cannot count)
+DEFAULT_WINDOW_S = 24 * 3600.0  # OpenAI's one completion window
+CAPACITY_BACKOFF_CAP_S = 30.0  # a generation line refused for capacity tries again at least this often
+CAPACITY_CODES = ("SERVICE_OVERLOADED", "DEADLINE_EXCEEDED")  # the engine had no room (yet): wait, don't fail
+
+
+def window_end(created_at: float, openai: dict[str, Any] | None) -> float | None:
+    """When an OpenAI batch's completion window closes (seconds since the epoch), or None for a native job:
+    until then a generation line refused for capacity waits for it."""
+    if not openai:
+        return None
+    window = str(openai.get("completion_window") or "24h")
+    try:
+        seconds = float(window[:-1]) * 3600 if window.endswith("h") else DEFAULT_WINDOW_S
+    except ValueError:
+        seconds = DEFAULT_WINDOW_S
+    return created_at + seconds
+
+
+def capacity_backoff_s(attempt: int, base_s: float, retry_after_ms: int | None, left_s: float) -> float:
+    """How long a line refused for capacity waits before trying again: exponential from `base_s` (with
+    jitter), at least the engine's Retry-After hint, at most CAPACITY_BACKOFF_CAP_S and what is left of the
+    window."""
+    delay = min(CAPACITY_BACKOFF_CAP_S, base_s * 2 ** attempt) * random.uniform(0.5, 1.0)
+    if retry_after_ms:
+        delay = max(delay, min(CAPACITY_BACKOFF_CAP_S, retry_after_ms / 1000))
+    return max(0.0, min(delay, left_s))
 
 
 class Submitter(Protocol):
@@ -173,19 +204,24 @@ class LineRunner:
     settings: Settings
     count_tokens: TokenCounter
     engine: Engine | None = None  # the generation engine, when it is on: runs chat and completions lines
+    clock: Callable[[], float] = time.time  # wall clock: completion windows are stored as epoch seconds
+    sleep: Callable[[float], Any] = asyncio.sleep
 
     def models(self) -> list[str]:
         """The generation model, when it is on: its jobs' lines run here too."""
         return [self.engine.cfg.model_id] if self.engine is not None else []
 
-    def start(self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float) -> LineRun:
+    def start(self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float,
+              expires_at: float | None = None) -> LineRun:
         """Parse the line; its inputs go to the door as the scheduler feeds them (`LineRun.feed`), and the
-        run's future resolves to its LineResult."""
+        run's future resolves to its LineResult. `expires_at`: the batch's completion window closes then
+        (`window_end`); a generation line waits for capacity until then (default: `deadline_s` from now)."""
         loop = asyncio.get_running_loop()
         request_id = "req_" + secrets.token_hex(8)
         body = orjson.dumps(orjson.loads(line)["body"])
         if endpoint in GENERATION:
-            return self._generate(body, endpoint == CHAT, request_id, line)
+            until = expires_at if expires_at is not None else self.clock() + deadline_s
+            return self._generate(body, endpoint == CHAT, request_id, line, tenant, until)
         try:
             if endpoint == EMBEDDINGS:
                 req = parse_embeddings(body, self.settings.max_input_chars, self.settings.timeout_ms,
@@ -207,7 +243,8 @@ class LineRunner:
 
         return LineRun(loop.create_future(), line, len(texts), pending=deque(texts), submit=submit, finish=finish)
 
-    def _generate(self, body: bytes, chat: bool, request_id: str, line: str) -> LineRun:
+    def _generate(self, body: bytes, chat: bool, request_id: str, line: str, tenant: str,
+                  until: float) -> LineRun:
         loop = asyncio.get_running_loop()
         run = LineRun(loop.create_future(), text=line, inputs=1)
         engine = self.engine
@@ -217,10 +254,21 @@ class LineRunner:
             return run
 
         async def answer() -> LineResult:
-            try:
-                return LineResult(200, request_id, await complete(self.settings, engine, body, chat, BATCH.rank))
-            except OpenAIError as err:  # what the route answers with a 4xx: the line's answer, for good
-                return refused(err, request_id, True)
+            attempt = 0
+            while True:
+                left_s = until - self.clock()
+                try:
+                    return LineResult(200, request_id, await complete(
+                        self.settings, engine, body, chat, BATCH.rank, tenant=tenant, max_wait_s=max(0.0, left_s)))
+                except OpenAIError as err:  # what the route answers with a 4xx: the line's answer, for good
+                    return refused(err, request_id, True)
+                except ApiError as err:  # no room for it now: wait for capacity while its window is open
+                    left_s = until - self.clock()
+                    if err.code not in CAPACITY_CODES or left_s <= 0:
+                        raise
+                    await self.sleep(capacity_backoff_s(attempt, self.settings.jobs_retry_base_ms / 1000,
+                                                        err.retry_after_ms, left_s))
+                    attempt += 1
 
         def begin() -> None:  # fed by the scheduler: the line starts on the engine
             task = asyncio.ensure_future(answer())

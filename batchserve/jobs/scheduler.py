@@ -56,7 +56,7 @@ import orjson
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
-from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response
+from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response, window_end
 from batchserve.jobs.refill import Budget, Ledger, Room, mean_cost, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome, StoreDown
@@ -117,6 +117,7 @@ class JobState:
     recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = costly failure
     retrying: int = 0
     cancelled: bool = False
+    expires_at: float | None = None  # an OpenAI batch's completion window closes (`lines.window_end`)
 
     def group_size(self, limit: int) -> int:
         """0 while the job rides in shared batches; once isolated, how many of its items share one batch of
@@ -213,7 +214,8 @@ class Scheduler:
     def add(self, job: Job) -> None:
         if job.id not in self.jobs:
             endpoint = job.openai.get("endpoint") if job.openai else None
-            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model, endpoint)
+            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model, endpoint,
+                                         expires_at=window_end(job.created_at, job.openai))
             self.metrics.active_jobs.set(len(self.jobs))
             self._wake.set()
 
@@ -411,7 +413,7 @@ class Scheduler:
                 continue
             if job.endpoint is not None and self.lines is not None:  # an OpenAI Batch API line
                 self._track(job, index, text, self.lines.start(job.endpoint, text, job.model, job.tenant,
-                                                               ITEM_DEADLINE_S), shared=not alone)
+                                                               ITEM_DEADLINE_S, job.expires_at), shared=not alone)
                 continue
             if alone:
                 self._submit_group(job, [(index, text)])
@@ -475,7 +477,7 @@ class Scheduler:
         a line is started and fed alone, an input at a time, by the isolated path (`_feed`)."""
         if job.endpoint is not None and self.lines is not None:  # OpenAI lines: each its own run, alone
             for index, text in rows:
-                run = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S)
+                run = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, job.expires_at)
                 self._track(job, index, text, run, shared=False)
                 self._feed_line(job, index, run, 1, alone=True)
             return

@@ -7,6 +7,7 @@ The fast tests use a 2-layer Llama with random weights; the slow one SmolLM2's r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 from typing import Any, Callable
 
@@ -396,3 +397,36 @@ def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
     work = [(join, ids, SamplingParams(max_tokens=new, temperature=0)) for join, ids in zip((0, 0, 1, 4), chats)]
     got = drive(dec, work)
     assert [got[i] for i in range(len(chats))] == want
+
+
+def test_a_sequence_dropped_and_resumed_from_its_tokens_goes_on_as_it_would_have(model: Any) -> None:
+    """Preemption by recompute (issue 33): a sequence run a few steps, dropped (its slot released, then written by
+    another sequence), and started again in another slot with its prompt followed by the tokens it had made and
+    `resumed` = how many, makes the tokens it would have made without the pause: greedy ones token for token,
+    a seeded draw keyed by the same token index, and it ends at the same max_tokens. Without `resumed` the
+    seeded draws restart from index 0 and the length end comes max_tokens after the pause."""
+    prompt, other = prompts(model, (6, 9), seed=11)
+    for params in (SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)):
+        dec = SlotDecoder(model, slots=2, slot_tokens=40, eos_ids=[1], pad_id=PAD)
+        dec.warm()
+        whole = drive(dec, [(0, prompt, params)])[0]
+        sampling = not params.greedy
+        first, _ = dec.prefill([0], [prompt], [params])
+        got = [first[0]]
+        for _ in range(4):
+            tokens, _ = dec.collect(dec.launch(1, len(prompt) + len(got), sampling))
+            got.append(tokens[0])
+        dec.release([0])  # preempted: its slot goes to another sequence, which writes over its K/V
+        dec.prefill([0], [other], [GREEDY])
+        dec.collect(dec.launch(1, len(other) + 1, False))
+        dec.release([0])
+        resumed = dataclasses.replace(params, resumed=len(got))
+        first, done = dec.prefill([1], [prompt + got], [resumed])
+        got.append(first[0])
+        ended = done[0]
+        while not ended:
+            tokens, flags = dec.collect(dec.launch(2, len(prompt) + len(got), sampling))
+            got.append(tokens[1])
+            ended = flags[1]
+        assert got == whole, params

@@ -1,0 +1,288 @@
+"""The generation engine's shares by tenant and tier (issue 33 item 3), measured through HTTP on a live
+`--generation on` server with SmolLM2's real weights and two keyed tenants per scenario:
+
+    python -m bench.gen_share                      # both scenarios, the issue's sizes (CPU: ~15-30 minutes)
+    python -m bench.gen_share --scenarios hog      # one
+    python -m bench.gen_share --lines 20 --line-tokens 40 --record
+    python -m bench.gen_share --code /tmp/base     # the tree in /tmp/base first (`git archive <commit> | tar -x
+                                                   # -C /tmp/base`), then this checkout: without and with a change
+
+1. `hog`: one tenant holds every slot with long streamed chats (slots + 2 of them, EOS ignored), another
+   sends `--short` short chats one after another. Reported: how many were answered, their p50 alone and
+   beside the hog, the ratio (goal: 10 of 10, <= 3x), and the sequences paused (preempted). The issue measured
+   0 of 10 (9 x 503, 1 x 504) before the shares.
+2. `batch`: one tenant's OpenAI chat batch of `--lines` lines of `--line-tokens` tokens (EOS ignored) beside
+   another tenant's interactive chats, one after another, for as long as the batch runs. Reported: lines
+   completed / failed, the batch's wall time, the interactive p50 alone and beside it, the ratio (goal: every
+   valid line completes, <= 1.5x). The issue measured 84 of 100 lines failed and p50 0.7 s -> 8.9 s before.
+
+A fresh server per scenario (each with its own temporary TOML config of keys); every server stopped by PID.
+The machine is shared: the load average is printed and recorded with the results; quote ratios from one run.
+Results (markdown + JSON: machine, commit, settings) go to bench/results/gen-share-*.{md,json} only with
+--record (or --out DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from bench import common, report, servers
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def keyed(directory: Path, tenants: tuple[str, ...]) -> tuple[Path, dict[str, str]]:
+    """A TOML config with one paid key per tenant (docs/configuration.md), and the keys."""
+    from batchserve.tenancy import digest, new_key
+
+    keys = {t: new_key() for t in tenants}
+    config = directory / "keys.toml"
+    config.write_text("".join(f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n'
+                              f'burst = 1000\n' for t, k in keys.items()))
+    return config, keys
+
+
+def chat(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+def timed_chats(url: str, key: str, bodies: list[dict[str, Any]],
+                until: threading.Event | None = None) -> tuple[list[float], list[httpx.Response]]:
+    """Each body in turn (a closed loop of one; cycling through them until `until` is set, if given): seconds
+    per answer, and the answers."""
+    times: list[float] = []
+    answers: list[httpx.Response] = []
+    with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {key}"}) as c:
+        i = 0
+        while i < len(bodies) or (until is not None and not until.is_set()):
+            began = time.perf_counter()
+            answers.append(c.post("/v1/chat/completions", json=bodies[i % len(bodies)]))
+            times.append(time.perf_counter() - began)
+            i += 1
+            if until is not None and until.is_set():
+                break
+    return times, answers
+
+
+class Hog:
+    """`n` long streamed chats of one tenant (EOS ignored), in threads; each hangs up (its sequence is
+    cancelled) when the block ends."""
+
+    def __init__(self, url: str, key: str, n: int, max_tokens: int) -> None:
+        self.url, self.key, self.stopping = url, key, threading.Event()
+        self.lines = [0] * n  # SSE lines read per chat
+        self.threads = [threading.Thread(target=self._one, args=(i, max_tokens), daemon=True) for i in range(n)]
+
+    def _one(self, i: int, max_tokens: int) -> None:
+        body = chat(f"Tell me a very long story about the number {i}.", max_tokens, stream=True, ignore_eos=True)
+        try:
+            with httpx.Client(base_url=self.url, timeout=900,
+                              headers={"Authorization": f"Bearer {self.key}"}) as c:
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    for _ in r.iter_lines():
+                        self.lines[i] += 1
+                        if self.stopping.is_set():
+                            return  # hanging up cancels the sequence
+        except httpx.HTTPError:
+            pass
+
+    def streaming(self) -> int:
+        """How many of the chats have started answering."""
+        return sum(1 for n in self.lines if n > 2)
+
+    def __enter__(self) -> "Hog":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def engine_stats(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/internal/generation", timeout=30).json()
+
+
+def wait_until(check: Any, timeout: float, every: float = 0.1) -> None:
+    give_up = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"not true within {timeout}s")
+        time.sleep(every)
+
+
+def run_batch(url: str, key: str, bodies: list[dict[str, Any]], give_up_s: float) -> dict[str, Any]:
+    """An OpenAI chat batch of these bodies, polled to its end: the batch object."""
+    content = b"".join(orjson.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": body}) + b"\n" for i, body in enumerate(bodies))
+    with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as c:
+        f = c.post("/v1/files", files={"file": ("in.jsonl", content, "application/jsonl")},
+                   data={"purpose": "batch"})
+        f.raise_for_status()
+        b = c.post("/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/chat/completions",
+                                        "completion_window": "24h"})
+        b.raise_for_status()
+        batch = b.json()
+        give_up = time.monotonic() + give_up_s
+        while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
+            if time.monotonic() > give_up:
+                return batch
+            time.sleep(0.5)
+            batch = c.get(f"/v1/batches/{batch['id']}").json()
+    return batch
+
+
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# `python -m batchserve` from another tree: it goes first on sys.path (`-m` would put this checkout first)
+FROM_TREE = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'batchserve'; "
+             "runpy.run_module('batchserve', run_name='__main__', alter_sys=True)")
+
+
+def start(name: str, code: str, a: argparse.Namespace, config: Path, log_dir: Path,
+          extra: list[str]) -> servers.Server:
+    """A `--generation on` server of this checkout (`code` "") or of the tree in the directory `code`."""
+    run = [sys.executable, "-c", FROM_TREE, code] if code else [sys.executable, "-m", "batchserve"]
+    cmd = [*run, "serve", "--port", "0", "--devices", "1", "--generation", "on",
+           "--generation-max-context", str(a.max_context), "--config", str(config), "--drain-grace-s", "0",
+           *(["--generation-max-seqs", str(a.max_seqs)] if a.max_seqs else []), *extra]
+    return servers.start(name, cmd, log_dir, timeout_s=300)
+
+
+def ok_times(times: list[float], answers: list[httpx.Response]) -> list[float]:
+    """The times of the answers that are 200 (a refusal is fast, and not an answer)."""
+    return [t for t, r in zip(times, answers) if r.status_code == 200]
+
+
+def hog_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
+    config, keys = keyed(tmp, ("hog", "small"))
+    s = start(f"gen-share-hog{'-' + Path(code).name if code else ''}", code, a, config, log_dir, [])
+    slots = engine_stats(s.base)["max_seqs"]
+    shorts = [chat(f"What is {i} plus {i}?", a.short_tokens) for i in range(a.short)]
+    timed_chats(s.base, keys["small"], shorts[:1])  # warm
+    alone, _ = timed_chats(s.base, keys["small"], shorts)
+    with Hog(s.base, keys["hog"], slots + 2, a.hog_tokens) as hog:
+        wait_until(lambda: engine_stats(s.base)["running"] == slots and hog.streaming() >= slots, 300)
+        beside, answers = timed_chats(s.base, keys["small"], shorts)
+        preempted = engine_stats(s.base).get("preempted")
+    servers.stop(s)
+    statuses = [r.status_code for r in answers]
+    beside = ok_times(beside, answers)
+    return {"scenario": "hog", "code": code or "this checkout", "slots": slots, "hog_chats": slots + 2, "short_chats": a.short,
+            "answered": statuses.count(200), "statuses": sorted(set(statuses)), "p50_alone_s": p50(alone),
+            "p50_beside_s": p50(beside), "ratio": p50(beside) / p50(alone), "goal_ratio": 3.0,
+            "preempted": preempted}
+
+
+def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
+    config, keys = keyed(tmp, ("batcher", "caller"))
+    s = start(f"gen-share-batch{'-' + Path(code).name if code else ''}", code, a, config, log_dir,
+              ["--jobs-db", str(tmp / "jobs.db")])
+    interactive = [chat(f"Name a color, number {i}.", a.short_tokens) for i in range(a.short)]
+    timed_chats(s.base, keys["caller"], interactive[:1])  # warm
+    alone, _ = timed_chats(s.base, keys["caller"], interactive)
+    lines = [chat(f"Describe the number {i} in one sentence.", a.line_tokens, ignore_eos=True)
+             for i in range(a.lines)]
+    done: dict[str, Any] = {}
+    over = threading.Event()
+    began = time.perf_counter()
+
+    def batch() -> None:
+        try:
+            done.update(run_batch(s.base, keys["batcher"], lines, a.batch_timeout_s))
+        finally:
+            over.set()
+
+    t = threading.Thread(target=batch)
+    t.start()
+    wait_until(lambda: engine_stats(s.base)["running"] >= 2 or over.is_set(), 120, 0.05)
+    beside, answers = timed_chats(s.base, keys["caller"], interactive, until=over)
+    t.join()
+    wall = time.perf_counter() - began
+    preempted = engine_stats(s.base).get("preempted")
+    servers.stop(s)
+    counts = done.get("request_counts") or {}
+    statuses = [r.status_code for r in answers]
+    beside = ok_times(beside, answers)
+    return {"scenario": "batch", "code": code or "this checkout", "lines": a.lines, "line_tokens": a.line_tokens, "batch_status": done.get("status"),
+            "completed": counts.get("completed"), "failed": counts.get("failed"), "batch_wall_s": wall,
+            "interactive_chats": len(answers), "interactive_ok": statuses.count(200),
+            "p50_alone_s": p50(alone), "p50_beside_s": p50(beside), "ratio": p50(beside) / p50(alone),
+            "goal_ratio": 1.5, "preempted": preempted}
+
+
+def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> str:
+    out = [f"# Generation shares by tenant (issue 33 item 3)\n\nload average at start {load[0]:.2f} "
+           f"{load[1]:.2f} {load[2]:.2f} (a shared machine: one run's figures)\n"]
+    for r in rows:
+        if r["scenario"] == "hog":
+            out.append(report.table(
+                ["scenario", "code", "slots", "hog chats", "answered", "p50 alone s", "p50 beside s",
+                 "ratio (goal 3)", "preempted"],
+                [["one tenant holds every slot", r["code"], r["slots"], r["hog_chats"], f"{r['answered']}/{r['short_chats']}",
+                  report.fmt(r["p50_alone_s"], ".2f"), report.fmt(r["p50_beside_s"], ".2f"),
+                  report.fmt(r["ratio"], ".2f"), r["preempted"]]]))
+        else:
+            out.append(report.table(
+                ["scenario", "code", "lines x tokens", "completed", "failed", "batch s", "interactive ok",
+                 "p50 alone s", "p50 beside s", "ratio (goal 1.5)", "preempted"],
+                [[f"chat batch beside interactive ({r['batch_status']})", r["code"],
+                  f"{r['lines']} x {r['line_tokens']}",
+                  r["completed"], r["failed"], report.fmt(r["batch_wall_s"], ".0f"),
+                  f"{r['interactive_ok']}/{r['interactive_chats']}", report.fmt(r["p50_alone_s"], ".2f"),
+                  report.fmt(r["p50_beside_s"], ".2f"), report.fmt(r["ratio"], ".2f"), r["preempted"]]]))
+    return "\n\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default="hog,batch", help="comma-separated: hog, batch (default both)")
+    p.add_argument("--max-seqs", type=int, default=0, help="--generation-max-seqs (default 0: the server's, 8 on a CPU)")
+    p.add_argument("--max-context", type=int, default=2048, help="--generation-max-context (default %(default)s)")
+    p.add_argument("--short", type=int, default=10, help="short / interactive chats (default %(default)s)")
+    p.add_argument("--short-tokens", type=int, default=16, help="max_tokens of a short chat (default %(default)s)")
+    p.add_argument("--hog-tokens", type=int, default=1500, help="max_tokens of a hog's chat (default %(default)s)")
+    p.add_argument("--lines", type=int, default=100, help="chat batch lines (default %(default)s)")
+    p.add_argument("--line-tokens", type=int, default=160, help="max_tokens of a line (default %(default)s)")
+    p.add_argument("--batch-timeout-s", type=float, default=3600, help="give up on the batch after this")
+    p.add_argument("--code", action="append", default=[],
+                   help="another tree of the code to run first (repeatable), e.g. the commit before a change")
+    common.add_output_flags(p, name="gen-share")
+    a = p.parse_args(argv)
+    name = common.run_name(a, "gen-share")
+    log_dir = common.log_dir(a, name)
+    load = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    rep: dict[str, Any] = {}
+    with common.guarded(rep), tempfile.TemporaryDirectory(prefix="gen-share-") as tmp:
+        for scenario in (x.strip() for x in a.scenarios.split(",")):
+            for i, code in enumerate([*a.code, ""]):
+                directory = Path(tmp) / f"{scenario}-{i}"
+                directory.mkdir()
+                rows.append({"hog": hog_scenario, "batch": batch_scenario}[scenario](code, a, directory, log_dir))
+                print(rows[-1], flush=True)
+    md = markdown(rows, load)
+    print("\n" + md)
+    rep.update({**report.provenance(), "settings": vars(a), "load_average": load, "rows": rows})
+    print(report.written(report.write(name, rep, md, common.out_dir(a)), log_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
