@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import orjson
 from starlette.applications import Starlette
@@ -68,8 +68,12 @@ class FastPath:
     to the Starlette app as usual. The hot endpoints render their own errors, so the error middleware has nothing
     to add for them."""
 
-    def __init__(self, app: Starlette, fast: Mapping[tuple[str, str], ASGIApp],
-                 patterns: tuple[Callable[[str, str], ASGIApp | None], ...] = ()) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        fast: Mapping[tuple[str, str], ASGIApp],
+        patterns: tuple[Callable[[str, str], ASGIApp | None], ...] = (),
+    ) -> None:
         self.app = app
         self.fast = fast
         self.patterns = patterns  # (method, path) -> endpoint or None: hot routes with path parameters
@@ -109,8 +113,9 @@ class FastPath:
             await internal_error(send)  # when nothing was answered yet; nothing when it was
 
 
-def create_app(settings: Settings, loaded: LoadedModels | None = None,
-               on_startup_failure: Callable[[str, int], None] | None = None) -> FastPath | RequestSpans:
+def create_app(
+    settings: Settings, loaded: LoadedModels | None = None, on_startup_failure: Callable[[str, int], None] | None = None
+) -> FastPath | RequestSpans:
     """The app; wrapped in a span per request when OpenTelemetry is on (an OTLP endpoint in the environment),
     and not touched at all when it is off."""
     tracing = Tracing.from_env()
@@ -137,8 +142,11 @@ def create_app(settings: Settings, loaded: LoadedModels | None = None,
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # export the last spans (the SDK blocks on it)
 
-    app = Starlette(routes=[route for routes, _ in WINGS for route in routes], lifespan=lifespan,
-                    exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error})
+    app = Starlette(
+        routes=[route for routes, _ in WINGS for route in routes],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error},
+    )
     # No 307 to the path without its trailing slash: Starlette builds that Location from the caller's Host
     # header (an open redirect off any proxy that passes Host through). A 404 that names the path instead.
     app.router.redirect_slashes = False

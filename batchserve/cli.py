@@ -38,19 +38,24 @@ MODEL_ENV = "BATCHSERVE_MODEL"  # --model's twin: [name=]PATH, several separated
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", action="append", metavar="[NAME=]PATH",
-                        help="serve a Hugging Face model folder, or a hub id from the local cache (offline), by "
-                             "task: embeddings, generation or reranking, read from the folder (--task overrides); "
-                             "repeatable; the first is the default model unless --backend is given "
-                             f"(docs/backends.md) [env {MODEL_ENV}, comma-separated]")
+    parser.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="serve a Hugging Face model folder, or a hub id from the local cache (offline), by "
+        "task: embeddings, generation or reranking, read from the folder (--task overrides); "
+        "repeatable; the first is the default model unless --backend is given "
+        f"(docs/backends.md) [env {MODEL_ENV}, comma-separated]",
+    )
     for f in cli_fields():
         flag = flag_name(f.name)
         help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {shown_default(f.name)}]"
         if isinstance(f.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=type(f.default), default=None, choices=f.metadata.get("choices"),
-                                help=help_text)
+            parser.add_argument(
+                flag, type=type(f.default), default=None, choices=f.metadata.get("choices"), help=help_text
+            )
 
 
 def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
@@ -72,8 +77,7 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
         apply_config_file(settings, settings.config)  # its [[models]] are checked there, with their lines
     paths = list(getattr(args, "model", None) or [])
     if not paths and (environ if environ is not None else os.environ).get(MODEL_ENV):
-        paths = [p.strip() for p in (environ if environ is not None else os.environ)[MODEL_ENV].split(",")
-                 if p.strip()]
+        paths = [p.strip() for p in (environ if environ is not None else os.environ)[MODEL_ENV].split(",") if p.strip()]
     if paths:
         from batchserve.backends.hf import folder_spec
 
@@ -92,8 +96,10 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
         raise ValueError(f"{settings.source('backend')}: {problem}")
     if is_postgres_url(settings.jobs_db) and importlib.util.find_spec("psycopg") is None:
         # said now, not as a 503 on every /v1/batches of a server that turned ready
-        raise ValueError(f"{settings.source('jobs_db')}: a postgresql:// job store needs psycopg, not installed "
-                         f"here: pip install 'batchserve[postgres]'")
+        raise ValueError(
+            f"{settings.source('jobs_db')}: a postgresql:// job store needs psycopg, not installed "
+            f"here: pip install 'batchserve[postgres]'"
+        )
     settings.check()
     return settings
 
@@ -110,8 +116,12 @@ def effective(settings: Settings) -> str:
     provisional = [name for name in DERIVABLE if name not in settings.given]
     for name in provisional:
         shown[name] = f"{shown[name]}(provisional)"
-    note = (f"; {' and '.join(provisional)} provisional: unset, derived from a measured warm-up where a model has "
-            f"one ('deadlines from ...' below)" if provisional else "")
+    note = (
+        f"; {' and '.join(provisional)} provisional: unset, derived from a measured warm-up where a model has "
+        f"one ('deadlines from ...' below)"
+        if provisional
+        else ""
+    )
     return " ".join(f"{k}={v}" for k, v in shown.items()) + note
 
 
@@ -168,18 +178,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add.add_argument("--tier", required=True, choices=CALLER_NAMES)
     add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
     add.add_argument("--admin", action="store_true", help="the key sees every tenant's figures at GET /v1/usage")
-    plan_parser = sub.add_parser("plan", help="nodes needed for a target rate at the SLO, predicted p50/p95 and "
-                                              "headroom (docs/capacity.md)",
-                                 description=plan.DESCRIPTION, formatter_class=plan.HelpFormatter)
+    plan_parser = sub.add_parser(
+        "plan",
+        help="nodes needed for a target rate at the SLO, predicted p50/p95 and headroom (docs/capacity.md)",
+        description=plan.DESCRIPTION,
+        formatter_class=plan.HelpFormatter,
+    )
     plan.add_arguments(plan_parser)
-    infer_parser = sub.add_parser("infer", help="send one input to a server, print its output (retries 503/429 "
-                                                "as the server asks)")
+    infer_parser = sub.add_parser(
+        "infer", help="send one input to a server, print its output (retries 503/429 as the server asks)"
+    )
     client_cli.add_infer_arguments(infer_parser)
-    jobs_parser = sub.add_parser("jobs", help="batch jobs on a server: submit a file (--wait: watch it to the end), "
-                                              "get, results, cancel")
+    jobs_parser = sub.add_parser(
+        "jobs", help="batch jobs on a server: submit a file (--wait: watch it to the end), get, results, cancel"
+    )
     jobs_parsers = client_cli.add_jobs_arguments(jobs_parser)
-    return parser, {"serve": serve_parser, "keys": keys_parser, "add": add, "plan": plan_parser, "infer": infer_parser,
-                    "jobs": jobs_parser, **{f"jobs {k}": v for k, v in jobs_parsers.items()}}
+    return parser, {
+        "serve": serve_parser,
+        "keys": keys_parser,
+        "add": add,
+        "plan": plan_parser,
+        "infer": infer_parser,
+        "jobs": jobs_parser,
+        **{f"jobs {k}": v for k, v in jobs_parsers.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         own = parsers.get(name, parser)
         own.error(f"unrecognized arguments: {' '.join(extra)}{flag_hints(own, extra)}")
 
-    if (args.command is None or (args.command == "keys" and args.keys_command is None)
-            or (args.command == "jobs" and args.jobs_command is None)):
+    if (
+        args.command is None
+        or (args.command == "keys" and args.keys_command is None)
+        or (args.command == "jobs" and args.jobs_command is None)
+    ):
         # A bare command shows what it can do, on stderr, with the usage-error status.
         (parser if args.command is None else parsers[args.command]).print_help(sys.stderr)
         return 2
@@ -213,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             parsers["add"].error(f"{exc} (the file was not changed)")
         print(key)
-        print(f"(stored only its SHA-256 digest in {args.config}; this is the one time the key is shown)",
-              file=sys.stderr)
+        print(
+            f"(stored only its SHA-256 digest in {args.config}; this is the one time the key is shown)", file=sys.stderr
+        )
         return 0
 
     try:

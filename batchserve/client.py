@@ -23,7 +23,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import httpx
 
@@ -52,8 +52,9 @@ class BatchserveError(Exception):
     """A refusal or failure as the server described it ({"error", "message", "request_id"}), or a connection
     that failed (status 0, error "CONNECTION_FAILED")."""
 
-    def __init__(self, status: int, error: str, message: str, request_id: str = "",
-                 retry_after_ms: float | None = None) -> None:
+    def __init__(
+        self, status: int, error: str, message: str, request_id: str = "", retry_after_ms: float | None = None
+    ) -> None:
         if len(message) > MAX_MESSAGE_CHARS:
             message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
         said = f"{status} {error}" if status else error  # status 0: no answer, so no status to show
@@ -70,13 +71,18 @@ def error_of(response: httpx.Response) -> BatchserveError:
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         hint = body.get("retry_after_ms")
-        return BatchserveError(response.status_code, body["error"], str(body.get("message", "")),
-                               str(body.get("request_id", "")),
-                               hint if isinstance(hint, (int, float)) and not isinstance(hint, bool) else None)
+        return BatchserveError(
+            response.status_code,
+            body["error"],
+            str(body.get("message", "")),
+            str(body.get("request_id", "")),
+            hint if isinstance(hint, (int, float)) and not isinstance(hint, bool) else None,
+        )
     if isinstance(body, dict) and isinstance(body.get("error"), dict):  # the OpenAI-shaped routes
         err = body["error"]
-        return BatchserveError(response.status_code, str(err.get("code") or err.get("type")),
-                               str(err.get("message", "")))
+        return BatchserveError(
+            response.status_code, str(err.get("code") or err.get("type")), str(err.get("message", ""))
+        )
     return BatchserveError(response.status_code, f"HTTP_{response.status_code}", response.text[:200])
 
 
@@ -100,8 +106,9 @@ def _seconds(wait: float) -> float | None:
     return None if math.isnan(wait) else max(0.0, wait)
 
 
-def next_wait_s(policy: Retry, attempt: int, hint_s: float | None, remaining_s: float,
-                rand: Callable[[], float] = random.random) -> float | None:
+def next_wait_s(
+    policy: Retry, attempt: int, hint_s: float | None, remaining_s: float, rand: Callable[[], float] = random.random
+) -> float | None:
     """Seconds to wait before try `attempt + 1` (attempt counts from 1), or None to give up: tries used up, or
     the wait would end past the deadline."""
     if attempt >= policy.attempts:
@@ -165,8 +172,11 @@ class _Tries:
                 url = str(failed.request.url)
             except RuntimeError:  # an error raised without its request
                 url = "the server"
-            err = BatchserveError(0, "CONNECTION_FAILED", f"could not connect to {url} ({failed}; "
-                                                          f"{self.attempt} tr{'y' if self.attempt == 1 else 'ies'})")
+            err = BatchserveError(
+                0,
+                "CONNECTION_FAILED",
+                f"could not connect to {url} ({failed}; {self.attempt} tr{'y' if self.attempt == 1 else 'ies'})",
+            )
             hint = None
         else:
             err, hint = error_of(failed), server_wait_s(failed)
@@ -182,13 +192,18 @@ class Client:
     """Sync client; one connection pool, reuse it (a `with` block closes it). `on_retry(attempt, wait_s,
     error)` is told about every retry (for logs or tests)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 retry: Retry = Retry(), timeout_s: float = 120.0,
-                 on_retry: Callable[[int, float, BatchserveError], None] | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        api_key: str | None = None,
+        retry: Retry = Retry(),
+        timeout_s: float = 120.0,
+        on_retry: Callable[[int, float, BatchserveError], None] | None = None,
+    ) -> None:
         self.retry, self.on_retry = retry, on_retry
         self.http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout_s)
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -219,8 +234,13 @@ class Client:
         data = self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model}).json()["data"]
         return [item["embedding"] for item in sorted(data, key=lambda item: item["index"])]
 
-    def submit_job(self, inputs: Iterable[str], model: str | None = None,
-                   metadata: Mapping[str, str] | None = None, idempotency_key: str | None = None) -> dict:
+    def submit_job(
+        self,
+        inputs: Iterable[str],
+        model: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict:
         """`POST /v1/batches`: the job as stored (durable before this returns). With `idempotency_key`, a retry
         of a submit whose answer was lost returns the same job."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
@@ -236,8 +256,13 @@ class Client:
     def cancel_job(self, job_id: str) -> dict:
         return self.request("POST", f"/v1/batches/{job_id}/cancel").json()
 
-    def wait_job(self, job_id: str, poll_s: float = 0.5, timeout_s: float | None = None,
-                 on_progress: Callable[[dict], None] | None = None) -> dict:
+    def wait_job(
+        self,
+        job_id: str,
+        poll_s: float = 0.5,
+        timeout_s: float | None = None,
+        on_progress: Callable[[dict], None] | None = None,
+    ) -> dict:
         """Poll until the job is completed, failed or cancelled; `on_progress(job)` after every poll."""
         give_up = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -254,13 +279,18 @@ class Client:
 class AsyncClient:
     """The same calls as `Client`, for asyncio code (`async with AsyncClient(...) as bs`)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 retry: Retry = Retry(), timeout_s: float = 120.0,
-                 on_retry: Callable[[int, float, BatchserveError], None] | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        api_key: str | None = None,
+        retry: Retry = Retry(),
+        timeout_s: float = 120.0,
+        on_retry: Callable[[int, float, BatchserveError], None] | None = None,
+    ) -> None:
         self.retry, self.on_retry = retry, on_retry
         self.http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout_s)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -288,11 +318,17 @@ class AsyncClient:
         data = (await self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model})).json()["data"]
         return [item["embedding"] for item in sorted(data, key=lambda item: item["index"])]
 
-    async def submit_job(self, inputs: Iterable[str], model: str | None = None,
-                         metadata: Mapping[str, str] | None = None, idempotency_key: str | None = None) -> dict:
+    async def submit_job(
+        self,
+        inputs: Iterable[str],
+        model: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return (await self.request("POST", "/v1/batches", json=_job_body(inputs, model, metadata),
-                                   headers=headers)).json()
+        return (
+            await self.request("POST", "/v1/batches", json=_job_body(inputs, model, metadata), headers=headers)
+        ).json()
 
     async def get_job(self, job_id: str) -> dict:
         return (await self.request("GET", f"/v1/batches/{job_id}")).json()
@@ -303,8 +339,13 @@ class AsyncClient:
     async def cancel_job(self, job_id: str) -> dict:
         return (await self.request("POST", f"/v1/batches/{job_id}/cancel")).json()
 
-    async def wait_job(self, job_id: str, poll_s: float = 0.5, timeout_s: float | None = None,
-                       on_progress: Callable[[dict], None] | None = None) -> dict:
+    async def wait_job(
+        self,
+        job_id: str,
+        poll_s: float = 0.5,
+        timeout_s: float | None = None,
+        on_progress: Callable[[dict], None] | None = None,
+    ) -> dict:
         give_up = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             job = await self.get_job(job_id)

@@ -17,12 +17,20 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def add_connection_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("BATCHSERVE_URL", DEFAULT_URL),
-                   help=f"the server [env BATCHSERVE_URL; default {DEFAULT_URL}]")
-    p.add_argument("--api-key", default=os.environ.get("BATCHSERVE_API_KEY"),
-                   help="bearer key [env BATCHSERVE_API_KEY]")
-    p.add_argument("--deadline-s", type=float, default=60.0,
-                   help="keep retrying 503/429 answers (as long as the server's retry_after_ms) this long")
+    p.add_argument(
+        "--url",
+        default=os.environ.get("BATCHSERVE_URL", DEFAULT_URL),
+        help=f"the server [env BATCHSERVE_URL; default {DEFAULT_URL}]",
+    )
+    p.add_argument(
+        "--api-key", default=os.environ.get("BATCHSERVE_API_KEY"), help="bearer key [env BATCHSERVE_API_KEY]"
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=60.0,
+        help="keep retrying 503/429 answers (as long as the server's retry_after_ms) this long",
+    )
 
 
 def add_infer_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,17 +44,24 @@ def add_infer_arguments(p: argparse.ArgumentParser) -> None:
 def add_jobs_arguments(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     sub = p.add_subparsers(dest="jobs_command", metavar="{submit,get,results,cancel}")
     submit = sub.add_parser("submit", help="submit a file of inputs as a batch job")
-    submit.add_argument("file", help="one input per line (blank lines skipped), a JSON array of strings "
-                                     "(.json), or - for stdin")
+    submit.add_argument(
+        "file", help="one input per line (blank lines skipped), a JSON array of strings (.json), or - for stdin"
+    )
     submit.add_argument("--model", default=None)
-    submit.add_argument("--wait", action="store_true",
-                        help="watch the job to its end (a progress bar on a terminal), then print its results")
+    submit.add_argument(
+        "--wait",
+        action="store_true",
+        help="watch the job to its end (a progress bar on a terminal), then print its results",
+    )
     submit.add_argument("--poll-s", type=float, default=0.5, help="with --wait: how often to ask")
     submit.add_argument("--idempotency-key", default=None, help="a resubmit with this key returns the same job")
     add_connection_arguments(submit)
     parsers = {"submit": submit}
-    for name, what in (("get", "the job's status and counts"), ("results", "the results, NDJSON in input order"),
-                       ("cancel", "cancel the job's pending items")):
+    for name, what in (
+        ("get", "the job's status and counts"),
+        ("results", "the results, NDJSON in input order"),
+        ("cancel", "cancel the job's pending items"),
+    ):
         one = sub.add_parser(name, help=what)
         one.add_argument("job_id")
         add_connection_arguments(one)
@@ -123,7 +138,7 @@ def progress_for(stream: TextIO, use_tqdm: bool | None = None) -> Progress:
     return TqdmProgress(stream) if use_tqdm else LineProgress(stream)
 
 
-def client_of(args: argparse.Namespace) -> "Client":
+def client_of(args: argparse.Namespace) -> Client:
     from batchserve.client import Client, Retry
 
     return Client(args.url, api_key=args.api_key, retry=Retry(deadline_s=args.deadline_s))

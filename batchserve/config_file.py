@@ -36,7 +36,8 @@ import math
 import re
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from batchserve.config import ModelSpec, Settings, cli_fields, did_you_mean, flag_name
 from batchserve.core import tiers
@@ -82,7 +83,7 @@ class Lines:
         """The path's own line, else the first line inside it (`[a.b]` for a), else its table's line."""
         if path in self.at:
             return self.at[path]
-        inside = [n for p, n in self.at.items() if p[:len(path)] == path]
+        inside = [n for p, n in self.at.items() if p[: len(path)] == path]
         if inside:
             return min(inside)
         for end in range(len(path) - 1, 0, -1):
@@ -116,11 +117,17 @@ class Checker:
                 if not hint and key in {f.name for f in cli_fields()}:
                     hint = f" (server settings are flags or BATCHSERVE_* variables: {flag_name(key)})"
                 where_word = f"in {show(where)}" if where else "at the top level"
-                raise self.fail((*where, key), f"unknown key {key!r} {where_word}{hint}; known: "
-                                f"{', '.join(allowed)}")
+                raise self.fail((*where, key), f"unknown key {key!r} {where_word}{hint}; known: {', '.join(allowed)}")
 
-    def value(self, table: dict, where: Path, key: str, rule: Callable[[Any], str | None], default: Any = None,
-              required: bool = False) -> Any:
+    def value(
+        self,
+        table: dict,
+        where: Path,
+        key: str,
+        rule: Callable[[Any], str | None],
+        default: Any = None,
+        required: bool = False,
+    ) -> Any:
         if key not in table:
             if required:
                 raise self.fail(where, f"missing {key!r}")
@@ -160,6 +167,7 @@ def one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
         if value in choices:
             return None
         return f"expected one of {', '.join(choices)}{did_you_mean(str(value), choices)}"
+
     return rule
 
 
@@ -181,9 +189,15 @@ FOLDER_TASKS = ("embeddings", "generation", "reranking")  # backends/folder.py's
 TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
 MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
 TIER_KEYS = {"rate": positive, "burst": positive}
-KEY_KEYS = {"tenant": text, "tier": one_of(tiers.NAMES), "sha256": sha256_hex, "rate": positive, "burst": positive,
-            "admin": boolean,
-            "storage_mb": positive}  # storage_mb: the tenant's byte quota, in place of --tenant-storage-mb
+KEY_KEYS = {
+    "tenant": text,
+    "tier": one_of(tiers.NAMES),
+    "sha256": sha256_hex,
+    "rate": positive,
+    "burst": positive,
+    "admin": boolean,
+    "storage_mb": positive,
+}  # storage_mb: the tenant's byte quota, in place of --tenant-storage-mb
 
 
 @dataclass
@@ -210,23 +224,26 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         where: Path = ("models", i)
         c.known(m, where, MODEL_KEYS)
         path = c.value(m, where, "path", text, "")
-        models.append(ModelSpec(
-            name=c.value(m, where, "name", text, required=True),
-            version=c.value(m, where, "version", text, "v1"),
-            backend=c.value(m, where, "backend", backend_name, "hf" if path else "sim"),
-            path=path,
-            task=c.value(m, where, "task", one_of(FOLDER_TASKS), ""),
-            sim_batch_ms=float(c.value(m, where, "sim_batch_ms", positive, sim_batch_ms)),
-            weight=float(c.value(m, where, "weight", non_negative, 100)),
-            options=dict(c.value(m, where, "options", a_table, {})),
-        ))
+        models.append(
+            ModelSpec(
+                name=c.value(m, where, "name", text, required=True),
+                version=c.value(m, where, "version", text, "v1"),
+                backend=c.value(m, where, "backend", backend_name, "hf" if path else "sim"),
+                path=path,
+                task=c.value(m, where, "task", one_of(FOLDER_TASKS), ""),
+                sim_batch_ms=float(c.value(m, where, "sim_batch_ms", positive, sim_batch_ms)),
+                weight=float(c.value(m, where, "weight", non_negative, 100)),
+                options=dict(c.value(m, where, "options", a_table, {})),
+            )
+        )
     seen: dict[str, int] = {}
     for i, spec in enumerate(models):
         if spec.backend == "hf" and not spec.path:
             raise c.fail(("models", i), "backend 'hf' serves a model folder: give its path = \"...\"")
         if spec.path and spec.backend != "hf":
-            raise c.fail(("models", i, "path"), f"path is for a model folder (backend 'hf'), not backend "
-                                                f"{spec.backend!r}")
+            raise c.fail(
+                ("models", i, "path"), f"path is for a model folder (backend 'hf'), not backend {spec.backend!r}"
+            )
         if spec.id in seen:
             raise c.fail(("models", i), f"{spec.id} is already [[models]] number {seen[spec.id] + 1}")
         seen[spec.id] = i
@@ -238,8 +255,9 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
     for tier, limits in tier_tables.items():
         where = ("tiers", tier)
         if tier not in tiers.NAMES:
-            raise c.fail(where, f"unknown tier {tier!r}{did_you_mean(tier, tiers.NAMES)} "
-                                f"(tiers: {', '.join(tiers.NAMES)})")
+            raise c.fail(
+                where, f"unknown tier {tier!r}{did_you_mean(tier, tiers.NAMES)} (tiers: {', '.join(tiers.NAMES)})"
+            )
         if not isinstance(limits, dict):
             raise c.fail(where, "must be a table with rate (and burst)")
         c.known(limits, where, TIER_KEYS)
@@ -278,8 +296,13 @@ def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | Non
         load(path)
     except FileNotFoundError:
         pass
-    lines = ["", "[[keys]]", f"tenant = {json.dumps(tenant)}", f"tier = {json.dumps(tier)}",
-             f"sha256 = {json.dumps(sha256)}"]
+    lines = [
+        "",
+        "[[keys]]",
+        f"tenant = {json.dumps(tenant)}",
+        f"tier = {json.dumps(tier)}",
+        f"sha256 = {json.dumps(sha256)}",
+    ]
     if rate is not None:
         lines.append(f"rate = {rate}")
     if admin:

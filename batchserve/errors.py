@@ -126,14 +126,18 @@ def worker_hung(again: bool) -> ApiError:
     """A 504 because the item's batch hung a worker; `again`: it had been re-run once after a hang already.
     The job scheduler retries a job item after its first hang only (each try of a hanging input costs a
     worker), as the pool re-runs an interactive item once."""
-    return ApiError(504, "DEADLINE_EXCEEDED", "the batch holding this request hung its worker",
-                    hung="again" if again else "once")
+    return ApiError(
+        504, "DEADLINE_EXCEEDED", "the batch holding this request hung its worker", hung="again" if again else "once"
+    )
 
 
 def deadline_unmeetable(batch_ms: float) -> ApiError:
     """The deadline is shorter than one batch of the model: no retry can meet it, so no retry hint."""
-    return ApiError(504, "DEADLINE_EXCEEDED", f"timeout_ms is shorter than one batch of this model "
-                                              f"(about {batch_ms:.0f} ms): it cannot be met")
+    return ApiError(
+        504,
+        "DEADLINE_EXCEEDED",
+        f"timeout_ms is shorter than one batch of this model (about {batch_ms:.0f} ms): it cannot be met",
+    )
 
 
 def short(value: object, limit: int = 80) -> str:

@@ -26,7 +26,8 @@ import math
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
+from collections.abc import Callable, Iterable
 
 from batchserve import errors
 from batchserve.backends import Backend, running_batch
@@ -79,8 +80,17 @@ def callers_gone(items: list[Item]) -> bool:
 class BatchTracer(Protocol):
     """What the workers ask of tracing (`batchserve.tracing.Tracing`, present only when it is on)."""
 
-    def batch(self, model: str, size: int, worker: str, cause: str, started: float, ended: float,
-              requests: Iterable[object], failed: str | None = None) -> object: ...
+    def batch(
+        self,
+        model: str,
+        size: int,
+        worker: str,
+        cause: str,
+        started: float,
+        ended: float,
+        requests: Iterable[object],
+        failed: str | None = None,
+    ) -> object: ...
 
 
 @dataclass
@@ -152,8 +162,10 @@ class GpuPool:
             expected = times.at(batch.model, batch.cost if cost is None else cost)
         else:
             expected = max(times.values(), default=0.0)
-        return min(max(GPU_TIMEOUT_FLOOR_S, self.gpu_timeout_ceiling_s),
-                   max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * expected))
+        return min(
+            max(GPU_TIMEOUT_FLOOR_S, self.gpu_timeout_ceiling_s),
+            max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * expected),
+        )
 
     # -- the worker thread -----------------------------------------------------------------------------------
     def _work(self, w: Worker) -> None:
@@ -213,8 +225,17 @@ class GpuPool:
                 wait.observe(batch.formed - item.arrived)
 
     # -- back on the event loop --------------------------------------------------------------------------
-    def _finish(self, w: Worker, generation: int, batch: Batch, outputs: object, problem: str | None,
-                bad: dict[int, str], elapsed: float, stopped_early: bool = False) -> Callable[[], None] | None:
+    def _finish(
+        self,
+        w: Worker,
+        generation: int,
+        batch: Batch,
+        outputs: object,
+        problem: str | None,
+        bad: dict[int, str],
+        elapsed: float,
+        stopped_early: bool = False,
+    ) -> Callable[[], None] | None:
         """Book the batch's outcome; a failure is re-queued here. For a success, returns the function that
         answers its items, for the caller to run once the worker has its next batch."""
         if generation != w.generation:
@@ -230,8 +251,16 @@ class GpuPool:
         # the backend's own time goes to the compute histogram and the answers.
         cycle = self.clock() - w.started
         if self.tracing is not None and not stopped_early:
-            span = self.tracing.batch(batch.model, len(batch.items), w.name, batch.cause, w.started, self.clock(),
-                                      (item.trace for item in batch.items), problem)
+            span = self.tracing.batch(
+                batch.model,
+                len(batch.items),
+                w.name,
+                batch.cause,
+                w.started,
+                self.clock(),
+                (item.trace for item in batch.items),
+                problem,
+            )
             for item in batch.items:
                 item.batch_trace = span
         w.batch = None
@@ -257,8 +286,13 @@ class GpuPool:
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))
 
         if bad:
-            log.warning("batch of %d on %s: %d input(s) failed or broke the model's output rule: %s", n, w.name,
-                        len(bad), next(iter(bad.values())))
+            log.warning(
+                "batch of %d on %s: %d input(s) failed or broke the model's output rule: %s",
+                n,
+                w.name,
+                len(bad),
+                next(iter(bad.values())),
+            )
 
         def answer() -> None:
             account = self.batcher.account  # cost served per (model, tier, tenant): core/tenant_cost.py
@@ -296,8 +330,21 @@ class GpuPool:
             # Interactive items and job items are isolated apart: the job items' re-runs go behind interactive
             # work (the batcher's background retries), so a job full of failing inputs cannot hold the workers.
             for part in ([i for i in items if i.tier < BATCH.rank], jobs):
-                self._retry_or_fail(Batch(batch.model, part, batch.formed, batch.cause, batch.avoid_worker,
-                                          batch.after_hang, isolated=batch.isolated), w, problem, cause, parts)
+                self._retry_or_fail(
+                    Batch(
+                        batch.model,
+                        part,
+                        batch.formed,
+                        batch.cause,
+                        batch.avoid_worker,
+                        batch.after_hang,
+                        isolated=batch.isolated,
+                    ),
+                    w,
+                    problem,
+                    cause,
+                    parts,
+                )
             return
         if cause == "hang" and jobs:
             # Job items are not re-run in groups here: the job scheduler retries each one alone (it is in no
@@ -309,13 +356,14 @@ class GpuPool:
         if len(items) > 1 and cause == "hang":
             parts = max(2, min(parts, len(items)))
             for k in range(parts):
-                group = items[k * len(items) // parts:(k + 1) * len(items) // parts]
+                group = items[k * len(items) // parts : (k + 1) * len(items) // parts]
                 self.batcher.requeue(Batch(batch.model, group, now, "retry", w.index, after_hang=True))
             return
         if len(items) > 1:
             mid = len(items) // 2
-            self.batcher.requeue(Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:],
-                                       isolated=batch.isolated))
+            self.batcher.requeue(
+                Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:], isolated=batch.isolated)
+            )
             return
         item = items[0]
         if cause != "hang" and item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
@@ -352,8 +400,13 @@ class GpuPool:
         else:  # handed over but not begun yet (the thread waited for the interpreter): its time starts later
             w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
             return
-        log.error("worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
-                  w.name, len(batch.items), self.clock() - w.started, limit)
+        log.error(
+            "worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
+            w.name,
+            len(batch.items),
+            self.clock() - w.started,
+            limit,
+        )
         w.healthy = False
         w.generation += 1
         w.busy_s += self.clock() - w.started

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("batchserve")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -24,8 +24,27 @@ from batchserve.errors import ApiError
 
 REFUSALS = (401, 413, 429, 503)  # answers counted in rejected_total too: refused before reaching a batch
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
-                   1.0, 2.0, 5.0, 10.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.175,
+    0.2,
+    0.25,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100, 128, 256)
 
 
@@ -47,8 +66,14 @@ class HistogramChild:
 class LoopHistogram(Collector):
     """A labelled histogram written only by the event-loop thread (no lock), exposed as a Prometheus one."""
 
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],
-                 registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...],
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
         self.name, self.documentation, self.labelnames, self.buckets = name, documentation, labelnames, buckets
         self._children: dict[tuple[str, ...], HistogramChild] = {}
         registry.register(self)
@@ -83,8 +108,7 @@ class _CounterChild:
 class LoopCounter(Collector):
     """A labelled counter written only by the event-loop thread (no lock), exposed as `<name>_total`."""
 
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...],
-                 registry: CollectorRegistry) -> None:
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], registry: CollectorRegistry) -> None:
         self.name, self.documentation, self.labelnames = name, documentation, labelnames
         self._children: dict[tuple[str, ...], _CounterChild] = {}
         registry.register(self)
@@ -109,23 +133,38 @@ class AdmissionWaitCollector(Collector):
     (`core/wait_calibration.py`) and the margin it keeps below its latency bound. `read` gives per model
     (predicted s, observed s, requests, factor, margin s)."""
 
-    def __init__(self, read: Callable[[], Mapping[str, tuple[float, float, int, float, float]]],
-                 registry: CollectorRegistry) -> None:
+    def __init__(
+        self, read: Callable[[], Mapping[str, tuple[float, float, int, float, float]]], registry: CollectorRegistry
+    ) -> None:
         self.read = read
         registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
         p = "batchserve_admission_"
-        predicted = CounterMetricFamily(p + "predicted_wait_seconds", "Queue wait admission predicted for "
-                                        "requests admitted under pressure (before calibration)", labels=["model"])
-        actual = CounterMetricFamily(p + "actual_wait_seconds", "Queue wait those requests had, admission to "
-                                     "their first batch", labels=["model"])
-        count = CounterMetricFamily(p + "calibrated_requests", "Requests admitted under pressure whose wait "
-                                    "was compared with the prediction", labels=["model"])
-        factor = GaugeMetricFamily(p + "wait_factor", "What admission multiplies its predicted queue wait by: "
-                                   "the observed over predicted waits lately, clamped", labels=["model"])
-        margin = GaugeMetricFamily(p + "wait_margin_seconds", "What admission keeps below its latency bound under "
-                                   "pressure: the 95th percentile of its corrected wait error", labels=["model"])
+        predicted = CounterMetricFamily(
+            p + "predicted_wait_seconds",
+            "Queue wait admission predicted for requests admitted under pressure (before calibration)",
+            labels=["model"],
+        )
+        actual = CounterMetricFamily(
+            p + "actual_wait_seconds", "Queue wait those requests had, admission to their first batch", labels=["model"]
+        )
+        count = CounterMetricFamily(
+            p + "calibrated_requests",
+            "Requests admitted under pressure whose wait was compared with the prediction",
+            labels=["model"],
+        )
+        factor = GaugeMetricFamily(
+            p + "wait_factor",
+            "What admission multiplies its predicted queue wait by: the observed over predicted waits lately, clamped",
+            labels=["model"],
+        )
+        margin = GaugeMetricFamily(
+            p + "wait_margin_seconds",
+            "What admission keeps below its latency bound under "
+            "pressure: the 95th percentile of its corrected wait error",
+            labels=["model"],
+        )
         for model, (pred_s, actual_s, n, f, m) in sorted(self.read().items()):
             predicted.add_metric([model], pred_s)
             actual.add_metric([model], actual_s)
@@ -159,7 +198,8 @@ class Metrics:
     _ok: dict[str, tuple] = field(default_factory=dict)  # per model: its bound 200-counter and histogram
     # (model, tier, outcome) -> its slo_requests, inputs_served and cost_served children
     _ledger: dict[tuple[str, str, str], tuple[_CounterChild, _CounterChild, _CounterChild]] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
     def count_ok(self, model: str, latency_s: float) -> None:
         """One 200 answer: the hot path, so the labelled children are looked up once per model."""
@@ -175,9 +215,11 @@ class Metrics:
         key = (model, tier, outcome)
         children = self._ledger.get(key)
         if children is None:
-            children = self._ledger[key] = (self.slo_requests.labels(model, tier, outcome),
-                                            self.inputs_served.labels(model, tier),
-                                            self.cost_served.labels(model, tier))
+            children = self._ledger[key] = (
+                self.slo_requests.labels(model, tier, outcome),
+                self.inputs_served.labels(model, tier),
+                self.cost_served.labels(model, tier),
+            )
         children[0].value += 1
         children[1].value += inputs
         children[2].value += cost
@@ -197,35 +239,65 @@ def make_metrics() -> Metrics:
     return Metrics(
         registry=r,
         requests=LoopCounter(p + "requests", "Answered inference requests", ("model", "status"), r),
-        request_duration=LoopHistogram(p + "request_duration_seconds", "Arrival to answer", ("model",),
-                                       LATENCY_BUCKETS, r),
-        queue_wait=LoopHistogram(p + "queue_wait_seconds", "Arrival to dispatch in a batch", ("model",),
-                                 LATENCY_BUCKETS, r),
-        batch_compute=LoopHistogram(p + "batch_compute_seconds", "Backend time of one batch", ("model",),
-                                    LATENCY_BUCKETS, r),
-        batch_size=LoopHistogram(p + "batch_size", "Inputs per dispatched batch", ("model",),
-                                 tuple(float(b) for b in BATCH_SIZE_BUCKETS), r),
+        request_duration=LoopHistogram(
+            p + "request_duration_seconds", "Arrival to answer", ("model",), LATENCY_BUCKETS, r
+        ),
+        queue_wait=LoopHistogram(
+            p + "queue_wait_seconds", "Arrival to dispatch in a batch", ("model",), LATENCY_BUCKETS, r
+        ),
+        batch_compute=LoopHistogram(
+            p + "batch_compute_seconds", "Backend time of one batch", ("model",), LATENCY_BUCKETS, r
+        ),
+        batch_size=LoopHistogram(
+            p + "batch_size", "Inputs per dispatched batch", ("model",), tuple(float(b) for b in BATCH_SIZE_BUCKETS), r
+        ),
         queue_depth=Gauge(p + "queue_depth", "Items waiting for a batch", ["model"], registry=r),
         inflight=Gauge(p + "inflight_requests", "Inference requests admitted and not yet answered", registry=r),
-        worker_busy_ratio=Gauge(p + "worker_busy_ratio", "Share of the last second spent running batches",
-                                ["worker"], registry=r),
+        worker_busy_ratio=Gauge(
+            p + "worker_busy_ratio", "Share of the last second spent running batches", ["worker"], registry=r
+        ),
         worker_healthy=Gauge(p + "worker_healthy", "1 while the worker takes batches", ["worker"], registry=r),
         rejected=Counter(p + "rejected", "Requests refused before reaching a batch", ["reason"], registry=r),
-        batch_retries=Counter(p + "batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"],
-                              registry=r),
-        batches=Counter(p + "batches", "Dispatched batches by what flushed them: full, deadline, pace, drain, retry",
-                        ["model", "cause"], registry=r),
-        load_ratio=Gauge(p + "load_ratio", "Arrivals over what the healthy workers serve at full batches (1 = "
-                         "the node's ceiling): the autoscaling signal", registry=r),
-        predicted_wait_ratio=Gauge(p + "predicted_wait_ratio", "Predicted wait of a request arriving now before "
-                                   "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
-                                   registry=r),
-        batches_stopped_early=Counter(p + "batches_stopped_early", "Batches the backend cut short because every "
-                                      "caller had left (answered, timed out or hung up)", ["model"], registry=r),
-        slo_requests=LoopCounter(p + "slo_requests", "Answers of the model routes by SLO outcome: met (2xx within "
-                                 "the SLO), slow (2xx past it), refused (429/503), expired (504), failed (other "
-                                 "5xx); other 4xx are not counted", ("model", "tier", "outcome"), r),
-        cost_served=LoopCounter(p + "cost_served", "Cost units served in 2xx answers: tokens where the model costs "
-                                "by tokens, else inputs", ("model", "tier"), r),
+        batch_retries=Counter(
+            p + "batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"], registry=r
+        ),
+        batches=Counter(
+            p + "batches",
+            "Dispatched batches by what flushed them: full, deadline, pace, drain, retry",
+            ["model", "cause"],
+            registry=r,
+        ),
+        load_ratio=Gauge(
+            p + "load_ratio",
+            "Arrivals over what the healthy workers serve at full batches (1 = "
+            "the node's ceiling): the autoscaling signal",
+            registry=r,
+        ),
+        predicted_wait_ratio=Gauge(
+            p + "predicted_wait_ratio",
+            "Predicted wait of a request arriving now before "
+            "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
+            registry=r,
+        ),
+        batches_stopped_early=Counter(
+            p + "batches_stopped_early",
+            "Batches the backend cut short because every caller had left (answered, timed out or hung up)",
+            ["model"],
+            registry=r,
+        ),
+        slo_requests=LoopCounter(
+            p + "slo_requests",
+            "Answers of the model routes by SLO outcome: met (2xx within "
+            "the SLO), slow (2xx past it), refused (429/503), expired (504), failed (other "
+            "5xx); other 4xx are not counted",
+            ("model", "tier", "outcome"),
+            r,
+        ),
+        cost_served=LoopCounter(
+            p + "cost_served",
+            "Cost units served in 2xx answers: tokens where the model costs by tokens, else inputs",
+            ("model", "tier"),
+            r,
+        ),
         inputs_served=LoopCounter(p + "inputs_served", "Inputs served in 2xx answers", ("model", "tier"), r),
     )

@@ -64,11 +64,11 @@ class BatchTime:
     seconds: tuple[float, ...]
 
     @classmethod
-    def constant(cls, ms: float) -> "BatchTime":
+    def constant(cls, ms: float) -> BatchTime:
         return cls((1,), (ms / 1000,))
 
     @classmethod
-    def parse(cls, text: str) -> "BatchTime":
+    def parse(cls, text: str) -> BatchTime:
         """`1:100,100:100` (size:milliseconds pairs)."""
         points: dict[int, float] = {}
         for part in text.split(","):
@@ -79,7 +79,8 @@ class BatchTime:
                 points[int(size)] = float(ms) / 1000
             except ValueError:
                 raise ValueError(
-                    f"batch times must read size:ms,size:ms (sizes >= 1, times > 0), not {part!r}") from None
+                    f"batch times must read size:ms,size:ms (sizes >= 1, times > 0), not {part!r}"
+                ) from None
         ordered = sorted(points.items())
         return cls(tuple(s for s, _ in ordered), tuple(t for _, t in ordered))
 
@@ -119,14 +120,16 @@ class Contract:
 
     def __post_init__(self) -> None:
         if self.processes < 1 or self.devices % self.processes:
-            raise ValueError(f"{self.devices} device(s) do not split evenly over {self.processes} processes "
-                             f"(each process runs the same number)")
+            raise ValueError(
+                f"{self.devices} device(s) do not split evenly over {self.processes} processes "
+                f"(each process runs the same number)"
+            )
 
     def ceiling(self) -> float:
         """Requests/s one node serves at full batches on every device: no rate at or above it is stable."""
         return self.devices * self.max_batch / self.batch_time(self.max_batch)
 
-    def per_process(self) -> "Contract":
+    def per_process(self) -> Contract:
         """One of the node's processes: its share of the devices, its own batcher (the simulation's unit)."""
         return replace(self, devices=self.devices // self.processes, processes=1, cores=0.0)
 
@@ -244,8 +247,9 @@ class Arrivals:
             k += 1
 
 
-def predict(rate: float, c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S,
-            warmup_s: float = WARMUP_S) -> Prediction:
+def predict(
+    rate: float, c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S, warmup_s: float = WARMUP_S
+) -> Prediction:
     """Latency percentiles of one node at `rate` requests/s, over `sim_s` seconds after a warm-up."""
     if rate <= 0:
         base = (c.batch_time(1) + c.overhead_s) * 1000
@@ -262,12 +266,24 @@ def predict(rate: float, c: Contract, arrivals: Arrivals | None = None, sim_s: f
         else:
             latencies.append((d - t + c.overhead_s) * 1000)
     latencies.sort()
-    return Prediction(rate, percentile(latencies, 50), percentile(latencies, 95), percentile(latencies, 99),
-                      statistics.fmean(sizes) if sizes else 0.0, expired / max(1, counted), rate / c.ceiling())
+    return Prediction(
+        rate,
+        percentile(latencies, 50),
+        percentile(latencies, 95),
+        percentile(latencies, 99),
+        statistics.fmean(sizes) if sizes else 0.0,
+        expired / max(1, counted),
+        rate / c.ceiling(),
+    )
 
 
-def capacity(c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S,
-             steps: int = BISECT_STEPS, below: float | None = None) -> float:
+def capacity(
+    c: Contract,
+    arrivals: Arrivals | None = None,
+    sim_s: float = SIM_S,
+    steps: int = BISECT_STEPS,
+    below: float | None = None,
+) -> float:
     """The highest rate (requests/s, one node) whose p95 stays within the SLO with nothing expired — at that
     rate and at every rate checked below it — and at most `max_busy` of the ceiling (and under `below`, a rate
     known to miss); 0 when even a lone request misses the SLO.
@@ -288,8 +304,10 @@ def capacity(c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S
         cap = _bisect_capacity(c, arrivals, sim_s, steps, top, top_known_to_miss=below is not None)
         if cap <= 0:
             return 0.0
-        missed = next((r for r in (cap * k / CHECK_POINTS for k in range(1, CHECK_POINTS))
-                       if not _meets(r, c, arrivals, sim_s)), None)
+        missed = next(
+            (r for r in (cap * k / CHECK_POINTS for k in range(1, CHECK_POINTS)) if not _meets(r, c, arrivals, sim_s)),
+            None,
+        )
         if missed is None:
             return cap
         top, below = missed, missed
@@ -303,12 +321,13 @@ def _meets(rate: float, c: Contract, arrivals: Arrivals, sim_s: float) -> bool:
     return (predict(0.0, c) if math.isnan(p.p95_ms) else p).meets(c.slo_s)
 
 
-def _bisect_capacity(c: Contract, arrivals: Arrivals, sim_s: float, steps: int, top: float,
-                     top_known_to_miss: bool) -> float:
+def _bisect_capacity(
+    c: Contract, arrivals: Arrivals, sim_s: float, steps: int, top: float, top_known_to_miss: bool
+) -> float:
     lo, hi = 0.0, top
     if not top_known_to_miss and _meets(hi, c, arrivals, sim_s):
         return hi
-    if not _meets(hi * 2 ** -steps, c, arrivals, sim_s):
+    if not _meets(hi * 2**-steps, c, arrivals, sim_s):
         return 0.0
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -357,8 +376,10 @@ class Plan:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d["contract"]["batch_time"] = {"sizes": list(self.contract.batch_time.sizes),
-                                       "ms": [t * 1000 for t in self.contract.batch_time.seconds]}
+        d["contract"]["batch_time"] = {
+            "sizes": list(self.contract.batch_time.sizes),
+            "ms": [t * 1000 for t in self.contract.batch_time.seconds],
+        }
         if math.isinf(self.cpu_capacity):
             d["cpu_capacity"] = None  # JSON has no infinity
         return d
@@ -382,8 +403,9 @@ def plan_cost(target_rate: float, nodes: int, c: Contract, prices: Prices) -> Co
     return Cost(node_hour, per_hour, per_hour / (target_rate * 3600) * 1000, per_hour * HOURS_PER_MONTH)
 
 
-def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int = 1,
-              prices: Prices | None = None) -> Plan:
+def make_plan(
+    target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int = 1, prices: Prices | None = None
+) -> Plan:
     if target_rate <= 0:
         raise ValueError("the target rate must be positive")
     arrivals = Arrivals(seed)
@@ -401,35 +423,54 @@ def make_plan(target_rate: float, c: Contract, sim_s: float = SIM_S, seed: int =
         # The plan's own rate misses although a higher one met: p95 is not monotone in the rate here (see
         # `capacity`), so the capacity is what meets beneath the rate that missed.
         missed = target_rate / per_proc
-        notes.append(f"at {missed:.0f} requests/s a process, p95 is {at_target.p95_ms:.0f} ms"
-                     + (f", {at_target.expired:.0%} time out" if at_target.expired else ""))
+        notes.append(
+            f"at {missed:.0f} requests/s a process, p95 is {at_target.p95_ms:.0f} ms"
+            + (f", {at_target.expired:.0%} time out" if at_target.expired else "")
+        )
         device_cap = capacity(proc, arrivals, sim_s, below=missed * (1 - 1e-6)) * c.processes
     note = ""
     if notes:
-        note = ("p95 is not monotone in the rate with this batch time (a slow big batch lets enough arrive to "
-                "form the next, and the queue stays slow): " + "; ".join(notes) + " although a higher rate met the "
-                "SLO in its window, so the capacity is what meets beneath them")
+        note = (
+            "p95 is not monotone in the rate with this batch time (a slow big batch lets enough arrive to "
+            "form the next, and the queue stays slow): " + "; ".join(notes) + " although a higher rate met the "
+            "SLO in its window, so the capacity is what meets beneath them"
+        )
         if not at_target.meets(c.slo_s):
             note += f"; after {PLAN_RETRIES} tries the plan still misses the SLO at its own rate: do not trust it"
-    one_down = (predict(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None)
-    return Plan(target_rate, c, cap, device_cap, c.cpu_ceiling(), binding, nodes, at_target,
-                nodes * cap / target_rate - 1, one_down, nodes + 1,
-                plan_cost(target_rate, nodes, c, prices) if prices else None,
-                processes_for_cpu(c) if binding == "cpu" else None, note)
+    one_down = predict(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None
+    return Plan(
+        target_rate,
+        c,
+        cap,
+        device_cap,
+        c.cpu_ceiling(),
+        binding,
+        nodes,
+        at_target,
+        nodes * cap / target_rate - 1,
+        one_down,
+        nodes + 1,
+        plan_cost(target_rate, nodes, c, prices) if prices else None,
+        processes_for_cpu(c) if binding == "cpu" else None,
+        note,
+    )
 
 
 def _check_device_capacity(device_cap: float, c: Contract) -> None:
     """No plan when no rate, or only a trickle, meets the SLO: say why."""
     if device_cap <= 0:
-        raise ValueError(f"no rate meets a {c.slo_s * 1000:g} ms SLO: one batch alone takes "
-                         f"{c.batch_time(1) * 1000:g} ms (+{c.overhead_s * 1000:g} ms overhead)")
+        raise ValueError(
+            f"no rate meets a {c.slo_s * 1000:g} ms SLO: one batch alone takes "
+            f"{c.batch_time(1) * 1000:g} ms (+{c.overhead_s * 1000:g} ms overhead)"
+        )
     if device_cap < TRICKLE * c.ceiling():
         raise ValueError(
             f"p95 meets {c.slo_s * 1000:g} ms only below {device_cap:.1f} requests/s a node "
             f"({device_cap / c.ceiling():.1%} of its {c.ceiling():.0f} at full batches): at any real load a request "
             f"waits up to the pace interval S/G or its dispatch deadline (slo - S - margin) for a batch, then runs "
             f"S, plus {c.overhead_s * 1000:g} ms overhead; it takes more devices per node, a shorter batch or a "
-            f"looser SLO")
+            f"looser SLO"
+        )
 
 
 def _binding(device_cap: float, c: Contract) -> tuple[float, str]:
@@ -456,7 +497,7 @@ def metric_sum(metrics_text: str, name: str) -> float | None:
     """The sum of every series of `name` (all label sets) in /metrics text; None when there is none."""
     total, seen = 0.0, False
     for line in metrics_text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
             total += float(line.rsplit(" ", 1)[1])
             seen = True
     return total if seen else None
@@ -480,24 +521,30 @@ def cpu_per_request(base: str, window_s: float, api_key: str = "") -> tuple[floa
             break
         except (http.client.RemoteDisconnected, ConnectionError) as exc:
             if attempt == CPU_WINDOW_TRIES:
-                raise OSError(f"{base} closed the connection held for the {window_s:g} s CPU window "
-                              f"{CPU_WINDOW_TRIES} times (pinged every {ping_s:g} s): {exc}; give "
-                              f"--cpu-us-per-request or a shorter --cpu-window-s") from exc
+                raise OSError(
+                    f"{base} closed the connection held for the {window_s:g} s CPU window "
+                    f"{CPU_WINDOW_TRIES} times (pinged every {ping_s:g} s): {exc}; give "
+                    f"--cpu-us-per-request or a shorter --cpu-window-s"
+                ) from exc
             ping_s /= 2
     if cpu0 is None or cpu1 is None:
         return None, "no process_cpu_seconds_total in /metrics"
     answered = (req1 or 0.0) - (req0 or 0.0)
     if answered < MIN_CPU_SAMPLE:
-        return None, (f"{answered:.0f} requests answered in the {window_s:g} s window (fewer than "
-                      f"{MIN_CPU_SAMPLE}): CPU per request not measured; measure under load or give "
-                      f"--cpu-us-per-request")
+        return None, (
+            f"{answered:.0f} requests answered in the {window_s:g} s window (fewer than "
+            f"{MIN_CPU_SAMPLE}): CPU per request not measured; measure under load or give "
+            f"--cpu-us-per-request"
+        )
     per = (cpu1 - cpu0) / answered
-    return per, (f"CPU {per * 1e6:.0f} us per request ({cpu1 - cpu0:.2f} CPU-s over {answered:.0f} requests "
-                 f"in {window_s:g} s)")
+    return per, (
+        f"CPU {per * 1e6:.0f} us per request ({cpu1 - cpu0:.2f} CPU-s over {answered:.0f} requests in {window_s:g} s)"
+    )
 
 
-def _cpu_window(base: str, window_s: float, api_key: str, ping_s: float
-                ) -> tuple[float | None, float | None, float | None, float | None]:
+def _cpu_window(
+    base: str, window_s: float, api_key: str, ping_s: float
+) -> tuple[float | None, float | None, float | None, float | None]:
     """Both /metrics readings (CPU, requests) `window_s` apart on one connection, pinged every `ping_s`."""
     u = urlsplit(base)
     conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
@@ -578,8 +625,9 @@ def _get_request(req: urllib.request.Request) -> bytes:
         return r.read()
 
 
-def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str = "",
-            cpu_window_s: float = 0.0) -> Measured:
+def measure(
+    base: str, model: str | None, probe_sizes: list[int], api_key: str = "", cpu_window_s: float = 0.0
+) -> Measured:
     """Devices from /internal/health's workers; the batch time as the server learned it (its `batch_ms`, the
     same at every size: true of the sim, a first guess for a real model), or by size from a probe; with a
     `cpu_window_s`, the process's CPU per request over that window (`cpu_per_request`)."""
@@ -592,9 +640,11 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
     stepper: dict[str, float] = health.get("answer_ms", {})  # answered by the generation engine, not batches
     if model in stepper or (model is None and not learned and stepper):
         name = model or next(iter(stepper))
-        raise OSError(f"{base} answers {name} on the generation engine's stepper ({stepper[name]:g} ms an answer), "
-                      "not in batches: this planner models the batcher; size it by the engine's slots and "
-                      "batchserve_load_ratio (docs/capacity.md)")
+        raise OSError(
+            f"{base} answers {name} on the generation engine's stepper ({stepper[name]:g} ms an answer), "
+            "not in batches: this planner models the batcher; size it by the engine's slots and "
+            "batchserve_load_ratio (docs/capacity.md)"
+        )
     if not learned:
         raise OSError(f"{base}/internal/health reports no batch_ms")
     name = model if model is not None else next(iter(learned))
@@ -602,11 +652,18 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
         raise OSError(f"{base} serves {', '.join(learned)}, not {name}")
     cpu_s, cpu_note = cpu_per_request(base, cpu_window_s, api_key) if cpu_window_s > 0 else (None, "")
     if probe_sizes:
-        return Measured(devices, probe(base, probe_sizes, api_key),
-                        "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x), cpu_s, processes)
+        return Measured(
+            devices,
+            probe(base, probe_sizes, api_key),
+            "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x),
+            cpu_s,
+            processes,
+        )
     mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
-    source = (f"{base} ({name}): learned batch time {learned[name]:g} ms, taken as the same at every size "
-              f"(--probe 1,50,100 measures it by size, which a model whose big batches are slower needs)")
+    source = (
+        f"{base} ({name}): learned batch time {learned[name]:g} ms, taken as the same at every size "
+        f"(--probe 1,50,100 measures it by size, which a model whose big batches are slower needs)"
+    )
     if mean_compute is not None:
         source += f", mean batch compute {mean_compute * 1000:.1f} ms since start"
     if cpu_note:
@@ -617,8 +674,10 @@ def measure(base: str, model: str | None, probe_sizes: list[int], api_key: str =
 
 
 # -- the command ---------------------------------------------------------------------------------------------
-DESCRIPTION = ("Nodes needed for a target rate at the SLO. Required: --rate, and exactly one of --batch-ms, "
-               "--batch-ms-by-size or --measure URL (a running server). Defaults are shown beside each flag.")
+DESCRIPTION = (
+    "Nodes needed for a target rate at the SLO. Required: --rate, and exactly one of --batch-ms, "
+    "--batch-ms-by-size or --measure URL (a running server). Defaults are shown beside each flag."
+)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -638,39 +697,78 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ms", type=float, default=200.0, help="p95 latency objective")
     p.add_argument("--devices", type=int, default=None, help="devices (GPUs) per node [1, or measured]")
     p.add_argument("--max-batch", type=int, default=100, help="most inputs in one batch (--max-batch-size)")
-    p.add_argument("--batch-ms", type=float, default=None,
-                   help="batch time, the same at every size (this, --batch-ms-by-size or --measure is required)")
-    p.add_argument("--batch-ms-by-size", default=None, metavar="SIZE:MS,...",
-                   help="batch time by batch size, e.g. 1:40,32:60,100:100 (linear between; this, --batch-ms or "
-                        "--measure is required)")
-    p.add_argument("--measure", default=None, metavar="URL",
-                   help="read devices and the batch time from a running server (/internal/health, /metrics; this, "
-                        "--batch-ms or --batch-ms-by-size is required)")
-    p.add_argument("--probe", default="", metavar="SIZES",
-                   help="with --measure: send bursts of these sizes (e.g. 1,50,100) to learn batch time by size")
+    p.add_argument(
+        "--batch-ms",
+        type=float,
+        default=None,
+        help="batch time, the same at every size (this, --batch-ms-by-size or --measure is required)",
+    )
+    p.add_argument(
+        "--batch-ms-by-size",
+        default=None,
+        metavar="SIZE:MS,...",
+        help="batch time by batch size, e.g. 1:40,32:60,100:100 (linear between; this, --batch-ms or "
+        "--measure is required)",
+    )
+    p.add_argument(
+        "--measure",
+        default=None,
+        metavar="URL",
+        help="read devices and the batch time from a running server (/internal/health, /metrics; this, "
+        "--batch-ms or --batch-ms-by-size is required)",
+    )
+    p.add_argument(
+        "--probe",
+        default="",
+        metavar="SIZES",
+        help="with --measure: send bursts of these sizes (e.g. 1,50,100) to learn batch time by size",
+    )
     p.add_argument("--api-key", default="", help="with --probe: the key to send")
     p.add_argument("--model", default=None, help="with --measure: which model's batch time (default: the first)")
     p.add_argument("--margin-ms", type=float, default=5.0, help="the server's --dispatch-margin-ms")
     p.add_argument("--timeout-ms", type=float, default=2000.0, help="request deadline (--timeout-ms)")
-    p.add_argument("--overhead-ms", type=float, default=0.0,
-                   help="per-request time outside the batcher (HTTP, event loop, network), added to every latency")
-    p.add_argument("--max-busy", type=float, default=0.95,
-                   help="the most device time a node is planned at, whatever the SLO allows")
-    p.add_argument("--cpu-us-per-request", type=float, default=None,
-                   help="one server process's CPU per request, microseconds (with --measure: read from the "
-                        "server's own counters over --cpu-window-s unless given)")
-    p.add_argument("--cpu-window-s", type=float, default=5.0,
-                   help="with --measure: seconds between the two /metrics reads that give CPU per request")
-    p.add_argument("--processes", type=int, default=None,
-                   help="server processes per node (batchserve serve --processes), the devices split evenly "
-                        "[1, or measured]")
-    p.add_argument("--cores", type=float, default=0.0,
-                   help="cores the node's server processes may use (0 = one per process)")
-    p.add_argument("--max-cpu-busy", type=float, default=0.9,
-                   help="the most of a core one process is planned at")
+    p.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=0.0,
+        help="per-request time outside the batcher (HTTP, event loop, network), added to every latency",
+    )
+    p.add_argument(
+        "--max-busy",
+        type=float,
+        default=0.95,
+        help="the most device time a node is planned at, whatever the SLO allows",
+    )
+    p.add_argument(
+        "--cpu-us-per-request",
+        type=float,
+        default=None,
+        help="one server process's CPU per request, microseconds (with --measure: read from the "
+        "server's own counters over --cpu-window-s unless given)",
+    )
+    p.add_argument(
+        "--cpu-window-s",
+        type=float,
+        default=5.0,
+        help="with --measure: seconds between the two /metrics reads that give CPU per request",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="server processes per node (batchserve serve --processes), the devices split evenly [1, or measured]",
+    )
+    p.add_argument(
+        "--cores", type=float, default=0.0, help="cores the node's server processes may use (0 = one per process)"
+    )
+    p.add_argument("--max-cpu-busy", type=float, default=0.9, help="the most of a core one process is planned at")
     p.add_argument("--gpu-cost-per-hour", type=float, default=0.0, help="price of one device (GPU) an hour")
-    p.add_argument("--node-cost-per-hour", type=float, default=0.0,
-                   help="price of a node an hour beside its GPUs (CPUs, memory, network)")
+    p.add_argument(
+        "--node-cost-per-hour",
+        type=float,
+        default=0.0,
+        help="price of a node an hour beside its GPUs (CPUs, memory, network)",
+    )
     p.add_argument("--sim-s", type=float, default=SIM_S, help="simulated seconds per point")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -706,8 +804,20 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
         raise ValueError("--processes must be >= 1, --cores 0 or more, --max-cpu-busy in (0, 1]")
     if a.gpu_cost_per_hour < 0 or a.node_cost_per_hour < 0:
         raise ValueError("--gpu-cost-per-hour and --node-cost-per-hour must be 0 or more")
-    return Contract(batch_time, devices, a.max_batch, a.slo_ms / 1000, a.margin_ms / 1000, a.timeout_ms / 1000,
-                    a.overhead_ms / 1000, a.max_busy, cpu_s, processes, a.cores, a.max_cpu_busy), source
+    return Contract(
+        batch_time,
+        devices,
+        a.max_batch,
+        a.slo_ms / 1000,
+        a.margin_ms / 1000,
+        a.timeout_ms / 1000,
+        a.overhead_ms / 1000,
+        a.max_busy,
+        cpu_s,
+        processes,
+        a.cores,
+        a.max_cpu_busy,
+    ), source
 
 
 def prices_from(a: argparse.Namespace) -> Prices | None:
@@ -719,11 +829,15 @@ def prices_from(a: argparse.Namespace) -> Prices | None:
 def limits_line(plan: Plan) -> str:
     """Which limit binds, beside the other."""
     c = plan.contract
-    procs = f"{c.processes} process(es)" + (f" on {c.cores:g} core(s)" if c.cores and c.cores < c.processes else
-                                             ", a core each")
-    cpu = ("CPU not modelled (give --cpu-us-per-request, or --measure a loaded server)" if math.isinf(
-        plan.cpu_capacity) else f"CPU {plan.cpu_capacity:.0f} ({procs} at {c.max_cpu_busy:.0%}, "
-                                f"{c.cpu_s_per_request * 1e6:.0f} us per request)")
+    procs = f"{c.processes} process(es)" + (
+        f" on {c.cores:g} core(s)" if c.cores and c.cores < c.processes else ", a core each"
+    )
+    cpu = (
+        "CPU not modelled (give --cpu-us-per-request, or --measure a loaded server)"
+        if math.isinf(plan.cpu_capacity)
+        else f"CPU {plan.cpu_capacity:.0f} ({procs} at {c.max_cpu_busy:.0%}, "
+        f"{c.cpu_s_per_request * 1e6:.0f} us per request)"
+    )
     devices = f"devices {plan.device_capacity:.0f}"
     name = {"cpu": "the CPU", "devices": "the devices (full-batch cap)", "slo": "the SLO on the devices"}
     return f"limits            {devices}; {cpu}: {name[plan.binding]} binds"
@@ -735,10 +849,13 @@ def render(plan: Plan, source: str) -> str:
     capped = plan.device_capacity >= c.max_busy * c.ceiling() * (1 - 1e-9)
     bound = f"capped at {c.max_busy:.0%} of" if capped else "ceiling"
     split = f" in {c.processes} processes of {c.devices // c.processes}" if c.processes > 1 else ""
-    serves = (f"one node serves {plan.capacity:.0f} requests/s within the SLO, bound by its CPU (devices alone: "
-              f"{plan.device_capacity:.0f}, {bound} {c.ceiling():.0f} at full batches)" if plan.binding == "cpu" else
-              f"one node serves {plan.capacity:.0f} requests/s within the SLO ({bound} {c.ceiling():.0f} at full "
-              f"batches)")
+    serves = (
+        f"one node serves {plan.capacity:.0f} requests/s within the SLO, bound by its CPU (devices alone: "
+        f"{plan.device_capacity:.0f}, {bound} {c.ceiling():.0f} at full batches)"
+        if plan.binding == "cpu"
+        else f"one node serves {plan.capacity:.0f} requests/s within the SLO ({bound} {c.ceiling():.0f} at full "
+        f"batches)"
+    )
     lines = [
         f"target {plan.target_rate:g} requests/s at p95 <= {slo:g} ms",
         f"node: {c.devices} device(s){split}, batches of 1..{c.max_batch}, batch time {c.batch_time.describe()} "
@@ -758,26 +875,39 @@ def render(plan: Plan, source: str) -> str:
         d = plan.one_down
         each = plan.target_rate / (plan.nodes - 1)
         over_cpu = each > plan.cpu_capacity
-        verdict = "within the SLO" if d.meets(c.slo_s) and not over_cpu else (
-            f"{'past the CPU ceiling' if over_cpu else 'over the SLO'}"
-            f"{f', {d.expired:.0%} time out' if d.expired else ''}: plan "
-            f"{plan.nodes_for_one_down} nodes to lose one (or restart one at a time) safely")
-        lines.append(f"one node down     {plan.nodes - 1} nodes at {each:.0f} requests/s each: "
-                     f"p95 {d.p95_ms:.0f} ms, {verdict}")
+        verdict = (
+            "within the SLO"
+            if d.meets(c.slo_s) and not over_cpu
+            else (
+                f"{'past the CPU ceiling' if over_cpu else 'over the SLO'}"
+                f"{f', {d.expired:.0%} time out' if d.expired else ''}: plan "
+                f"{plan.nodes_for_one_down} nodes to lose one (or restart one at a time) safely"
+            )
+        )
+        lines.append(
+            f"one node down     {plan.nodes - 1} nodes at {each:.0f} requests/s each: p95 {d.p95_ms:.0f} ms, {verdict}"
+        )
     if plan.processes_for_cpu:
         p = plan.processes_for_cpu
-        lines.append(f"processes         the CPU binds: --processes {p} ({c.devices // p} device(s) each) lifts "
-                     f"it to {replace(c, processes=p).cpu_ceiling():.0f} requests/s a node")
+        lines.append(
+            f"processes         the CPU binds: --processes {p} ({c.devices // p} device(s) each) lifts "
+            f"it to {replace(c, processes=p).cpu_ceiling():.0f} requests/s a node"
+        )
     elif plan.binding == "cpu":
-        lines.append("processes         the CPU binds and no split of the devices lifts it: more nodes, or less "
-                     "CPU per request")
+        lines.append(
+            "processes         the CPU binds and no split of the devices lifts it: more nodes, or less CPU per request"
+        )
     if plan.cost is not None:
         k = plan.cost
-        lines.append(f"cost              {k.per_hour:,.2f} an hour for {plan.nodes} node(s) ({k.per_node_hour:,.2f} "
-                     f"each); {k.per_1000_requests:.4f} per 1,000 requests at {plan.target_rate:g} requests/s; "
-                     f"{k.per_month:,.0f} a month ({HOURS_PER_MONTH:g} h)")
-    lines.append("(model: the batcher's policy on Poisson arrivals, no server overhead beyond --overhead-ms, and "
-                 "a process's CPU as a ceiling, not a latency; see docs/capacity.md)")
+        lines.append(
+            f"cost              {k.per_hour:,.2f} an hour for {plan.nodes} node(s) ({k.per_node_hour:,.2f} "
+            f"each); {k.per_1000_requests:.4f} per 1,000 requests at {plan.target_rate:g} requests/s; "
+            f"{k.per_month:,.0f} a month ({HOURS_PER_MONTH:g} h)"
+        )
+    lines.append(
+        "(model: the batcher's policy on Poisson arrivals, no server overhead beyond --overhead-ms, and "
+        "a process's CPU as a ceiling, not a latency; see docs/capacity.md)"
+    )
     return "\n".join(lines)
 
 

@@ -13,13 +13,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 from batchserve import errors
 from batchserve.backends import Backend, PluginError
 from batchserve.backends.warmup import apply_deadlines
-from batchserve.backends.loading import (EXIT_BACKEND_FAILED, EXIT_STARTUP_FAILED, LOAD_THREAD, LoadedModels,
-                                        load_models)
+from batchserve.backends.loading import EXIT_BACKEND_FAILED, EXIT_STARTUP_FAILED, LOAD_THREAD, LoadedModels, load_models
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core import load_signal
@@ -105,13 +105,14 @@ class Runtime:
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @classmethod
-    def create(cls, settings: Settings, loaded: LoadedModels | None = None) -> "Runtime":
+    def create(cls, settings: Settings, loaded: LoadedModels | None = None) -> Runtime:
         batcher = Batcher(
             max_batch_size=settings.max_batch_size,
             slo_s=settings.slo_ms / 1000,
             margin_s=settings.dispatch_margin_ms / 1000,
-            batch_s=BatchTimes(settings.max_batch_size,
-                               {spec.id: spec.sim_batch_ms / 1000 for spec in settings.models}),
+            batch_s=BatchTimes(
+                settings.max_batch_size, {spec.id: spec.sim_batch_ms / 1000 for spec in settings.models}
+            ),
             max_batch_cost=settings.max_batch_tokens,
             max_batch_s=settings.max_timeout_ms / 1000 / 2,
         )
@@ -120,9 +121,18 @@ class Runtime:
         backends: dict[str, Backend] = {}
         service = InferenceService(batcher, admission, backends, requests)
         metrics = make_metrics()
-        rt = cls(settings, ModelRegistry(settings.models), metrics, requests, batcher, admission, service,
-                 Guard(Tenancy.from_settings(settings), metrics, settings.metrics_key, slo_s=settings.slo_ms / 1000),
-                 backends, loaded)
+        rt = cls(
+            settings,
+            ModelRegistry(settings.models),
+            metrics,
+            requests,
+            batcher,
+            admission,
+            service,
+            Guard(Tenancy.from_settings(settings), metrics, settings.metrics_key, slo_s=settings.slo_ms / 1000),
+            backends,
+            loaded,
+        )
         rt.refusals = RefusalThrottle(settings.refused_per_s)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
@@ -143,8 +153,9 @@ class Runtime:
         loads = {model: load_signal.ModelLoad(waiting, running) for model, (waiting, running) in counts.items()}
         engine = self.generation
         if engine is not None:
-            loads[engine.cfg.model_id] = load_signal.ModelLoad(len(engine.waiting), len(engine.running),
-                                                               engine.stepper.kv_usage())
+            loads[engine.cfg.model_id] = load_signal.ModelLoad(
+                len(engine.waiting), len(engine.running), engine.stepper.kv_usage()
+            )
         return loads
 
     def load_reading(self) -> load_signal.Reading:
@@ -153,10 +164,16 @@ class Runtime:
         now = time.monotonic()
         pool = self.pool
         healthy = pool.healthy_count() if pool is not None else 0
-        return load_signal.Reading(self.admission.arrivals.current(now), healthy, self.batcher.max_batch_size,
-                                   max(self.batch_times().values(), default=0.0),
-                                   pool.seconds_until_free(now) if pool is not None and healthy else 0.0,
-                                   self.batcher.total_depth(), self.batcher.slo_s, self.engine_load())
+        return load_signal.Reading(
+            self.admission.arrivals.current(now),
+            healthy,
+            self.batcher.max_batch_size,
+            max(self.batch_times().values(), default=0.0),
+            pool.seconds_until_free(now) if pool is not None and healthy else 0.0,
+            self.batcher.total_depth(),
+            self.batcher.slo_s,
+            self.engine_load(),
+        )
 
     def engine_load(self) -> load_signal.EngineLoad | None:
         """The generation engine's demand against its slots, and its predicted wait for a new sequence of
@@ -164,9 +181,14 @@ class Runtime:
         engine = self.generation
         if engine is None:
             return None
-        return load_signal.EngineLoad(len(engine.running), len(engine.waiting), engine.budget.max_seqs,
-                                      lambda: engine.predicted_start_s(self.settings.max_new_tokens),
-                                      self.stepper.run_s() if self.stepper is not None else 0.0, engine.healthy)
+        return load_signal.EngineLoad(
+            len(engine.running),
+            len(engine.waiting),
+            engine.budget.max_seqs,
+            lambda: engine.predicted_start_s(self.settings.max_new_tokens),
+            self.stepper.run_s() if self.stepper is not None else 0.0,
+            engine.healthy,
+        )
 
     def batch_times(self) -> dict[str, float]:
         """The learned full-batch time of each model the batcher serves."""
@@ -229,10 +251,17 @@ class Runtime:
             for model in loaded.backends:  # a full batch the warm-up says would outlast the timeouts: fewer
                 self.batcher.fit_budget(model)
             devices = loaded.devices
-            self.pool = GpuPool(self.backends, self.batcher, self.metrics, asyncio.get_running_loop(), devices,
-                                self.settings.gpu_timeout_ms / 1000, threads=loaded.threads,
-                                rules=dict(loaded.rules or {}),
-                                gpu_timeout_ceiling_s=self.settings.max_timeout_ms / 1000)
+            self.pool = GpuPool(
+                self.backends,
+                self.batcher,
+                self.metrics,
+                asyncio.get_running_loop(),
+                devices,
+                self.settings.gpu_timeout_ms / 1000,
+                threads=loaded.threads,
+                rules=dict(loaded.rules or {}),
+                gpu_timeout_ceiling_s=self.settings.max_timeout_ms / 1000,
+            )
             self.pool.demand = self.admission.arrival_rate
             self.pool.tracing = self.tracing
             self.pool.quarantine = self.service.quarantine
@@ -241,22 +270,28 @@ class Runtime:
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
             self.generation = await start_generation(self.settings, self.metrics.registry)
             if self.generation is not None:
-                stepper = serve_on_stepper(self.service, self.generation, self.settings,
-                                           StepperRecords(self.metrics, self.tracing))
+                stepper = serve_on_stepper(
+                    self.service, self.generation, self.settings, StepperRecords(self.metrics, self.tracing)
+                )
                 self.stepper = stepper
                 if stepper is not None:  # no warm-up batch of theirs: the deadlines follow the stepper's answer
                     run_s = stepper.run_s()
-                    apply_deadlines(self.settings, max(loaded.measured_s, run_s), "the warm-up batch time"
-                                    if loaded.measured_s > run_s else "the stepper's answer time")
+                    apply_deadlines(
+                        self.settings,
+                        max(loaded.measured_s, run_s),
+                        "the warm-up batch time" if loaded.measured_s > run_s else "the stepper's answer time",
+                    )
                     self._deadlines_changed()
             self.service.attach(self.pool)
-            self.jobs = await JobService.start(self.service, self.settings, self.metrics.registry, self.prompt_tokens,
-                                              self.generation)
+            self.jobs = await JobService.start(
+                self.service, self.settings, self.metrics.registry, self.prompt_tokens, self.generation
+            )
             freeze_late_startup_objects()  # the generation replica and whatever else loaded here: never garbage
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))
-            log.info("ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices),
-                     ", ".join(self.registry.by_id))
+            log.info(
+                "ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices), ", ".join(self.registry.by_id)
+            )
         except PluginError as exc:  # the backend's own one line (the CLI prints it last), then exit 2
             self.startup_error = str(exc)
             log.error("start-up failed: %s", self.startup_error)

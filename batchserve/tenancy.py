@@ -78,8 +78,11 @@ class TokenBucket:
         refill = (self.burst - self.tokens) / self.rate
         # Lower-case, as every other header batchserve writes (Starlette lower-cases what it sends; the hot
         # route writes these names as given): one spelling on a 200 and a 429.
-        return {"x-ratelimit-limit": f"{self.burst:g}", "x-ratelimit-remaining": str(int(self.tokens)),
-                "x-ratelimit-reset": str(math.ceil(refill))}
+        return {
+            "x-ratelimit-limit": f"{self.burst:g}",
+            "x-ratelimit-remaining": str(int(self.tokens)),
+            "x-ratelimit-reset": str(math.ceil(refill)),
+        }
 
 
 def digest(key: str) -> str:
@@ -105,9 +108,13 @@ class Tenancy:
         self._anonymous: dict[str, Caller] = {}
 
     @classmethod
-    def from_settings(cls, s: Settings) -> "Tenancy":
-        return cls(keys=[KeyEntry(**k) for k in s.keys], tier_rates={**DEFAULT_TIER_RATES, **s.tier_rates},
-                   anonymous_allowed=not s.keys or s.allow_anonymous, anonymous_tier=s.anonymous_tier)
+    def from_settings(cls, s: Settings) -> Tenancy:
+        return cls(
+            keys=[KeyEntry(**k) for k in s.keys],
+            tier_rates={**DEFAULT_TIER_RATES, **s.tier_rates},
+            anonymous_allowed=not s.keys or s.allow_anonymous,
+            anonymous_tier=s.anonymous_tier,
+        )
 
     def identify(self, authorization: str | None, client: str = "") -> Caller:
         """The caller of a request, from its Authorization header; `client` (the peer's address) tells
@@ -124,8 +131,9 @@ class Tenancy:
                 if caller is None:
                     if len(self._anonymous) >= ANONYMOUS_CACHE:
                         self._anonymous.clear()
-                    caller = self._anonymous[client] = Caller(ANONYMOUS, self._anonymous_rank, "",
-                                                              ANONYMOUS_OWNER + client)
+                    caller = self._anonymous[client] = Caller(
+                        ANONYMOUS, self._anonymous_rank, "", ANONYMOUS_OWNER + client
+                    )
                 return caller
             raise errors.unauthorized("an API key is required: 'Authorization: Bearer <key>'")
         wanted = digest(token)
@@ -168,9 +176,12 @@ class Tenancy:
         """The 429 for `count` tokens the bucket cannot give."""
         headers = bucket.headers()
         if count > bucket.burst:
-            return errors.rate_limited(f"{count} inputs in one request are more than this key's burst of "
-                                       f"{bucket.burst:g}: send at most {int(bucket.burst)} per request",
-                                       count / bucket.rate * 1000, headers)
+            return errors.rate_limited(
+                f"{count} inputs in one request are more than this key's burst of "
+                f"{bucket.burst:g}: send at most {int(bucket.burst)} per request",
+                count / bucket.rate * 1000,
+                headers,
+            )
         retry_ms = (count - bucket.tokens) / bucket.rate * 1000
         return errors.rate_limited(f"over the rate of {bucket.rate:g} requests/s for this key", retry_ms, headers)
 

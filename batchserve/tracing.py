@@ -28,7 +28,8 @@ import functools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from collections.abc import Callable, Iterable, Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,8 +40,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 # GenAI semantic conventions: the operation each OpenAI-compatible route performs.
-GENAI_OPERATIONS = {"/v1/embeddings": "embeddings", "/v1/chat/completions": "chat",
-                    "/v1/completions": "text_completion"}
+GENAI_OPERATIONS = {
+    "/v1/embeddings": "embeddings",
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+}
 
 
 def wall_ns(monotonic_s: float) -> int:
@@ -69,7 +73,7 @@ def _never_raises(method: Callable[P, R]) -> Callable[P, R | None]:
 class Tracing:
     """The tracer and the three places that make spans (request, queue wait, batch)."""
 
-    def __init__(self, tracer: "Tracer", shutdown: Any = None) -> None:
+    def __init__(self, tracer: Tracer, shutdown: Any = None) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
@@ -80,7 +84,7 @@ class Tracing:
         self._error = Status(StatusCode.ERROR)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Tracing | None":
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Tracing | None:
         """A tracer exporting over OTLP/HTTP when an OTLP endpoint is configured, else None (tracing off)."""
         if not any(environ.get(name) for name in ENDPOINT_VARIABLES):
             return None
@@ -105,7 +109,7 @@ class Tracing:
 
     # -- the door ----------------------------------------------------------------------------------------------
     @_never_raises
-    def admitted(self, model: str, tier: str) -> "SpanContext | None":
+    def admitted(self, model: str, tier: str) -> SpanContext | None:
         """Note the model and tier on the request's span; the span context each of its items carries."""
         span = self._trace.get_current_span()
         context = span.get_span_context()
@@ -126,31 +130,50 @@ class Tracing:
             span.set_attribute("gen_ai.response.model", model)
             start = wall_ns(arrived)
             links = [self._link(batch)] if isinstance(batch, self._context) else None
-            queue = self.tracer.start_span("queue", start_time=start, links=links,
-                                           attributes={"batchserve.queue_ms": round(queue_s * 1000, 3)})
+            queue = self.tracer.start_span(
+                "queue", start_time=start, links=links, attributes={"batchserve.queue_ms": round(queue_s * 1000, 3)}
+            )
             queue.end(end_time=start + int(queue_s * 1e9))
 
     # -- the workers ---------------------------------------------------------------------------------------------
     @_never_raises
-    def batch(self, model: str, size: int, worker: str, cause: str, started: float, ended: float,
-              requests: Iterable[object], failed: str | None = None,
-              attributes: Mapping[str, str | int | float] | None = None) -> "SpanContext | None":
+    def batch(
+        self,
+        model: str,
+        size: int,
+        worker: str,
+        cause: str,
+        started: float,
+        ended: float,
+        requests: Iterable[object],
+        failed: str | None = None,
+        attributes: Mapping[str, str | int | float] | None = None,
+    ) -> SpanContext | None:
         """A span for one batch run, linked to the request spans of the items it carried (`attributes`: the
         path's own, e.g. a stepper sequence's rows and tokens)."""
         contexts = {c.span_id: c for c in requests if isinstance(c, self._context)}
         links = [self._link(c) for c in contexts.values()]
-        span = self.tracer.start_span(f"batch {model}", start_time=wall_ns(started), links=links,
-                                      kind=self._kind.INTERNAL, attributes={
-                                          "batchserve.model": model, "gen_ai.request.model": model,
-                                          "batchserve.batch.size": size, "batchserve.worker": worker,
-                                          "batchserve.batch.cause": cause, **(attributes or {})})
+        span = self.tracer.start_span(
+            f"batch {model}",
+            start_time=wall_ns(started),
+            links=links,
+            kind=self._kind.INTERNAL,
+            attributes={
+                "batchserve.model": model,
+                "gen_ai.request.model": model,
+                "batchserve.batch.size": size,
+                "batchserve.worker": worker,
+                "batchserve.batch.cause": cause,
+                **(attributes or {}),
+            },
+        )
         if failed is not None:
             span.set_status(self._error, failed[:200])
         span.end(end_time=wall_ns(ended))
         return span.get_span_context()
 
     # -- the request -------------------------------------------------------------------------------------------
-    def wrap(self, app: ASGIApp) -> "RequestSpans":
+    def wrap(self, app: ASGIApp) -> RequestSpans:
         return RequestSpans(app, self)
 
 
@@ -176,13 +199,20 @@ class RequestSpans:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
-                   if k in (b"traceparent", b"tracestate")}
+        carrier = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k in (b"traceparent", b"tracestate")
+        }
         parent = self._propagate.extract(carrier) if carrier else None
         path, method = scope["path"], scope["method"]
         tracing = self.tracing
-        span = tracing.tracer.start_span(f"{method} {path}", context=parent, kind=tracing._kind.SERVER, attributes={
-            "http.request.method": method, "url.path": path, "url.scheme": scope.get("scheme", "http")})
+        span = tracing.tracer.start_span(
+            f"{method} {path}",
+            context=parent,
+            kind=tracing._kind.SERVER,
+            attributes={"http.request.method": method, "url.path": path, "url.scheme": scope.get("scheme", "http")},
+        )
         operation = GENAI_OPERATIONS.get(path)
         if operation is not None:
             span.set_attribute("gen_ai.operation.name", operation)

@@ -34,7 +34,8 @@ import importlib.metadata
 import importlib.util
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
+from collections.abc import Callable, Iterator
 
 from batchserve.config import did_you_mean
 
@@ -94,7 +95,7 @@ class Backend(Protocol):
 
     # Read-only (properties): a plain attribute fits, and so does a wrapper that forwards them (ProcessBackend).
     @property
-    def source(self) -> "Resolved": ...  # what the configured name pointed at, for messages
+    def source(self) -> Resolved: ...  # what the configured name pointed at, for messages
     @property
     def output_kind(self) -> str: ...  # one of OUTPUT_KINDS
     @property
@@ -167,9 +168,14 @@ def resolve_backend(name: str) -> Resolved:
         elif name in BUILTIN:
             module, _, attribute = BUILTIN[name].partition(":")
         else:
-            raise PluginError(name, "", "", f"unknown backend: not an installed entry point of group "
-                                            f"{ENTRY_POINT_GROUP!r} (installed: {', '.join(installed_names())}), "
-                                            f"nor package.module:attribute")
+            raise PluginError(
+                name,
+                "",
+                "",
+                f"unknown backend: not an installed entry point of group "
+                f"{ENTRY_POINT_GROUP!r} (installed: {', '.join(installed_names())}), "
+                f"nor package.module:attribute",
+            )
     try:
         target: object = importlib.import_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is reported, not raised

@@ -12,7 +12,8 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable
 
 T = TypeVar("T")
 
@@ -24,7 +25,7 @@ class DeviceThread:
         self.thread = threading.Thread(target=self._loop, name=f"device-{name}", daemon=True)
         self.thread.start()
 
-    def call(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+    def call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run `fn(*args)` on this device's thread after what was queued before; its outcome in a Future."""
         future: Future[T] = Future()
         self._calls.put((future, fn, args))

@@ -85,11 +85,14 @@ def resolve_path(name: str) -> Path:
 
         return Path(snapshot_download(name, local_files_only=True))
     except ImportError:
-        raise FolderError(f"{name}: no such folder, and huggingface_hub is not installed to look in its "
-                          f"cache") from None
+        raise FolderError(
+            f"{name}: no such folder, and huggingface_hub is not installed to look in its cache"
+        ) from None
     except Exception:  # noqa: BLE001 - not in the cache, whatever the hub's exception class
-        raise FolderError(f"{name}: no such folder, and not in the local Hugging Face cache (the server does not "
-                          f"download: fetch it first, e.g. `hf download {name}`)") from None
+        raise FolderError(
+            f"{name}: no such folder, and not in the local Hugging Face cache (the server does not "
+            f"download: fetch it first, e.g. `hf download {name}`)"
+        ) from None
 
 
 def st_role(module_type: str) -> str:
@@ -101,14 +104,22 @@ def read_pooling(path: Path, config: dict[str, Any]) -> Pooling:
     `pooling_mode_*_token(s)` booleans)."""
     mode = config.get("pooling_mode")
     if mode is None:
-        chosen = [m for m, key in (("cls", "pooling_mode_cls_token"), ("mean", "pooling_mode_mean_tokens"),
-                                   ("max", "pooling_mode_max_tokens"),
-                                   ("mean_sqrt_len_tokens", "pooling_mode_mean_sqrt_len_tokens"),
-                                   ("lasttoken", "pooling_mode_lasttoken"),
-                                   ("weightedmean", "pooling_mode_weightedmean_tokens")) if config.get(key)]
+        chosen = [
+            m
+            for m, key in (
+                ("cls", "pooling_mode_cls_token"),
+                ("mean", "pooling_mode_mean_tokens"),
+                ("max", "pooling_mode_max_tokens"),
+                ("mean_sqrt_len_tokens", "pooling_mode_mean_sqrt_len_tokens"),
+                ("lasttoken", "pooling_mode_lasttoken"),
+                ("weightedmean", "pooling_mode_weightedmean_tokens"),
+            )
+            if config.get(key)
+        ]
         if len(chosen) != 1:
-            raise FolderError(f"{path}: pooling {'+'.join(chosen) or 'none'} is not supported (one of "
-                              f"{', '.join(POOLING_MODES)})")
+            raise FolderError(
+                f"{path}: pooling {'+'.join(chosen) or 'none'} is not supported (one of {', '.join(POOLING_MODES)})"
+            )
         mode = chosen[0]
     mode = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max", "last": "lasttoken"}.get(mode, mode)
     if mode not in POOLING_MODES:
@@ -142,8 +153,10 @@ def embedder_settings(folder: Path, positions: int) -> tuple[Pooling, int, bool]
         elif role == ST_NORMALIZE:
             normalize = True
         else:
-            raise FolderError(f"{folder / 'modules.json'}: module {i} ({module.get('type')}) is not supported "
-                              f"here (a Transformer, then Pooling, then optionally Normalize)")
+            raise FolderError(
+                f"{folder / 'modules.json'}: module {i} ({module.get('type')}) is not supported "
+                f"here (a Transformer, then Pooling, then optionally Normalize)"
+            )
     if pooling is None:
         raise FolderError(f"{folder / 'modules.json'}: no Pooling module")
     st_config = folder / "sentence_bert_config.json"
@@ -159,9 +172,11 @@ def guess_task(folder: Path, architecture: str, config: dict[str, Any]) -> str:
         return "generation"
     if architecture.endswith("ForSequenceClassification"):
         return "reranking"
-    raise FolderError(f"{folder}: cannot tell what to serve: architecture {architecture or 'unknown'!r} "
-                      f"(embeddings need sentence-transformers' modules.json, generation a *ForCausalLM, "
-                      f"reranking a *ForSequenceClassification with one label); say it with --task")
+    raise FolderError(
+        f"{folder}: cannot tell what to serve: architecture {architecture or 'unknown'!r} "
+        f"(embeddings need sentence-transformers' modules.json, generation a *ForCausalLM, "
+        f"reranking a *ForSequenceClassification with one label); say it with --task"
+    )
 
 
 def labels(config: dict[str, Any]) -> int:
@@ -193,19 +208,35 @@ def inspect_folder(name: str, task: str = "") -> FolderModel:
     positions = int(config.get("max_position_embeddings") or 512)
     if task == "embeddings":
         if not (folder / "modules.json").exists():  # --task embeddings on a bare encoder: mean + normalise
-            return FolderModel(folder, task, architecture, model_type, min(positions, tokenizer_max_length(folder)
-                                                                            or positions), config=config)
+            return FolderModel(
+                folder,
+                task,
+                architecture,
+                model_type,
+                min(positions, tokenizer_max_length(folder) or positions),
+                config=config,
+            )
         pooling, length, lower = embedder_settings(folder, positions)
         return FolderModel(folder, task, architecture, model_type, length, pooling, lower, config=config)
     if task == "reranking":
         if not architecture.endswith("ForSequenceClassification") or labels(config) != 1:
-            raise FolderError(f"{folder}: reranking needs a *ForSequenceClassification with one label (a "
-                              f"cross-encoder), not {architecture or 'unknown'} with {labels(config)} label(s)")
-        return FolderModel(folder, task, architecture, model_type,
-                           min(positions, tokenizer_max_length(folder) or positions),
-                           activation=reranker_activation(config), config=config)
+            raise FolderError(
+                f"{folder}: reranking needs a *ForSequenceClassification with one label (a "
+                f"cross-encoder), not {architecture or 'unknown'} with {labels(config)} label(s)"
+            )
+        return FolderModel(
+            folder,
+            task,
+            architecture,
+            model_type,
+            min(positions, tokenizer_max_length(folder) or positions),
+            activation=reranker_activation(config),
+            config=config,
+        )
     if not architecture.endswith("ForCausalLM") or model_type not in GENERATION_TYPES:
-        raise FolderError(f"{folder}: architecture {architecture or 'unknown'} ({model_type or 'no model_type'}) "
-                          f"cannot run on the generation engine's slot stepper (decoder-only models of type "
-                          f"{', '.join(GENERATION_TYPES)})")
+        raise FolderError(
+            f"{folder}: architecture {architecture or 'unknown'} ({model_type or 'no model_type'}) "
+            f"cannot run on the generation engine's slot stepper (decoder-only models of type "
+            f"{', '.join(GENERATION_TYPES)})"
+        )
     return FolderModel(folder, task, architecture, model_type, positions, config=config)

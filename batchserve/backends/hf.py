@@ -42,8 +42,11 @@ CACHE_ENTRIES = 65536  # encodings kept by text (cleared when full: a cache, not
 LENGTH_CLASSES = (16, 32, 64, 128)  # bucket_of: token counts up to each bound share a queue; longer, the last
 CPU_PASS_TOKENS = 1024  # padded tokens per forward pass on a CPU (as minilm)
 GPU_PASS_TOKENS = 65536
-WARM_TEXTS = ["A man is eating food.", "The quick brown fox jumps over the lazy dog, again and again.",
-              "Embeddings map text to vectors."] * 4
+WARM_TEXTS = [
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog, again and again.",
+    "Embeddings map text to vectors.",
+] * 4
 
 
 def default_threads() -> int:
@@ -214,11 +217,14 @@ class TokenModel:
                 width = lengths[rows[-1]]
                 ids = [encodings[i].ids + [0] * (width - len(encodings[i].ids)) for i in rows]
                 mask = [[1] * len(encodings[i].ids) + [0] * (width - len(encodings[i].ids)) for i in rows]
-                kwargs = {"input_ids": torch.tensor(ids, device=device),
-                          "attention_mask": torch.tensor(mask, device=device)}
+                kwargs = {
+                    "input_ids": torch.tensor(ids, device=device),
+                    "attention_mask": torch.tensor(mask, device=device),
+                }
                 if self._types:
                     kwargs["token_type_ids"] = torch.tensor(
-                        [encodings[i].type_ids + [0] * (width - len(encodings[i].ids)) for i in rows], device=device)
+                        [encodings[i].type_ids + [0] * (width - len(encodings[i].ids)) for i in rows], device=device
+                    )
                 values = head(model(**kwargs), kwargs["attention_mask"], [len(encodings[i].ids) for i in rows])
                 for i, value in zip(rows, values):
                     out[i] = value
@@ -364,8 +370,10 @@ def resolve_folders(settings: Settings) -> None:
         if info.task == "generation":
             generators.append(spec)
     if len(generators) > 1:
-        raise ValueError(f"models {', '.join(s.name for s in generators)}: one generation model per server (the "
-                         f"generation engine runs one)")
+        raise ValueError(
+            f"models {', '.join(s.name for s in generators)}: one generation model per server (the "
+            f"generation engine runs one)"
+        )
     if any(s.backend == "smollm2" for s in settings.models) and generators:
         raise ValueError(f"model {generators[0].name}: one generation model per server, and smollm2 is served too")
     if generators and "generation_model" not in settings.given:

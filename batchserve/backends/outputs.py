@@ -128,14 +128,21 @@ def _bad_vectors(outputs: list, dims: int | None) -> dict[int, str]:
 def check_warm_answer(outputs: object, n: int, rule: OutputRule) -> str | None:
     """The warm-up batch's answer checked as every batch's will be; a sentence saying what is wrong with it
     (the first bad output), or None. An embedding model's dimension is learned here, from its first vector."""
-    if rule.kind == "embedding" and rule.dims is None and isinstance(outputs, list) and outputs \
-            and isinstance(outputs[0], list) and outputs[0]:
+    if (
+        rule.kind == "embedding"
+        and rule.dims is None
+        and isinstance(outputs, list)
+        and outputs
+        and isinstance(outputs[0], list)
+        and outputs[0]
+    ):
         rule.dims = len(outputs[0])
     problem, bad = check_outputs(outputs, n, rule)
     if problem is not None:
         return f"the warm-up batch of {n} input(s) got a wrong answer: {problem}"
     if bad:
         i, why = next(iter(bad.items()))
-        return (f"the warm-up batch got a wrong answer for input {i} of {n} (output kind {rule.kind!r}): {why}"
-                + (f" ({len(bad) - 1} more)" if len(bad) > 1 else ""))
+        return f"the warm-up batch got a wrong answer for input {i} of {n} (output kind {rule.kind!r}): {why}" + (
+            f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
+        )
     return None

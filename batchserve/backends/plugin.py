@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeGuard
+from typing import Any, TypeGuard
+from collections.abc import Callable
 
 from batchserve.backends import OUTPUT_KINDS, Backend, PluginError, Resolved, describe, resolve_backend
 from batchserve.config import ModelSpec, Settings
@@ -95,8 +96,10 @@ class PluginBackend:
 
     def __post_init__(self) -> None:
         # One bound callable per device, so a batch costs one call, not a signature decision.
-        self._runs = [functools.partial(self.batch_fn, device=d) if self.batch_takes_device else self.batch_fn
-                      for d in self.devices]
+        self._runs = [
+            functools.partial(self.batch_fn, device=d) if self.batch_takes_device else self.batch_fn
+            for d in self.devices
+        ]
         if self.bucket_fn is not None:
             self.bucket_of = self.bucket_fn  # type: ignore[assignment]  # the hot path: no extra frame
         if self.cost_fn is not None:
@@ -121,8 +124,9 @@ class PluginBackend:
             self.run(device, list(WARM_UP_INPUTS))
             return None
         timings = self.warm_fn(self.devices[device]) if self.warm_takes_device else self.warm_fn()
-        if isinstance(timings, dict) and all(isinstance(k, int) and isinstance(v, int | float)
-                                             for k, v in timings.items()):
+        if isinstance(timings, dict) and all(
+            isinstance(k, int) and isinstance(v, int | float) for k, v in timings.items()
+        ):
             return {k: float(v) for k, v in timings.items()}
         return None
 
@@ -148,15 +152,19 @@ def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     if inspect.isclass(target):
         if shell and callable(make_shell := getattr(target, "shell", None)):
             # shell(settings), or shell(settings, spec) for a backend that serves many models (`hf`: a folder)
-            maker: Callable[..., object] = (functools.partial(make_shell, settings, spec)
-                                            if _accepts(make_shell, settings, spec)
-                                            else functools.partial(make_shell, settings))
+            maker: Callable[..., object] = (
+                functools.partial(make_shell, settings, spec)
+                if _accepts(make_shell, settings, spec)
+                else functools.partial(make_shell, settings)
+            )
         elif callable(from_settings := getattr(target, "from_settings", None)):
             maker = functools.partial(from_settings, spec, settings)
         else:
             if not _accepts(target, **options):
-                raise resolved.error(f"the options {sorted(options)} do not fit the constructor "
-                                     f"{target.__name__}{inspect.signature(target)}")
+                raise resolved.error(
+                    f"the options {sorted(options)} do not fit the constructor "
+                    f"{target.__name__}{inspect.signature(target)}"
+                )
             maker = functools.partial(target, **options)
     elif _is_function(target):
         if _needs_an_argument(target):  # the batch function itself (its signature is checked in adapt)
@@ -164,8 +172,10 @@ def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
                 raise resolved.error(f"a plain batch function takes no options, got {sorted(options)}")
             return target
         if not _accepts(target, **options):
-            raise resolved.error(f"wrong signature {_shows(target)}: a batch function takes (inputs) or "
-                                 f"(inputs, device); a factory takes the options {sorted(options)} as keywords")
+            raise resolved.error(
+                f"wrong signature {_shows(target)}: a batch function takes (inputs) or "
+                f"(inputs, device); a factory takes the options {sorted(options)} as keywords"
+            )
         maker = functools.partial(target, **options)
     else:
         if options:
@@ -226,11 +236,22 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int | float) or initial <= 0):
         raise err(f"initial_batch_s must be a positive number of seconds, not {initial!r}")
     return PluginBackend(
-        source=resolved, plugin=obj, devices=devices, batch_fn=batch_fn,
-        batch_takes_device=_takes_device(batch_fn), output_kind=kind, max_batch_size=max_batch,
-        initial_batch_s=float(initial) if initial is not None else None, setup_fn=setup_fn, warm_fn=warm_fn,
-        warm_takes_device=warm_takes_device, bucket_fn=bucket_fn, count_fn=count_fn, cost_fn=cost_fn,
-        batch_cost_fn=batch_cost_fn, tokenize_fn=tokenize_fn,
+        source=resolved,
+        plugin=obj,
+        devices=devices,
+        batch_fn=batch_fn,
+        batch_takes_device=_takes_device(batch_fn),
+        output_kind=kind,
+        max_batch_size=max_batch,
+        initial_batch_s=float(initial) if initial is not None else None,
+        setup_fn=setup_fn,
+        warm_fn=warm_fn,
+        warm_takes_device=warm_takes_device,
+        bucket_fn=bucket_fn,
+        count_fn=count_fn,
+        cost_fn=cost_fn,
+        batch_cost_fn=batch_cost_fn,
+        tokenize_fn=tokenize_fn,
     )
 
 
@@ -261,8 +282,7 @@ def make_backend(spec: ModelSpec, settings: Settings, shell: bool = False) -> Ba
         from batchserve.backends.process import ProcessBackend
 
         try:
-            return ProcessBackend.start(spec, settings, adapt(resolved, spec, settings, shell=True),
-                                        make_local_backend)
+            return ProcessBackend.start(spec, settings, adapt(resolved, spec, settings, shell=True), make_local_backend)
         except PluginError:
             raise
         except Exception as exc:  # noqa: BLE001 - a child that could not build the backend: one line

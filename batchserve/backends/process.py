@@ -27,7 +27,8 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from batchserve.config import ModelSpec, Settings
 
@@ -42,20 +43,25 @@ class DeviceProcessError(RuntimeError):
 
 def child_settings(settings: Settings, device: int) -> Settings:
     """The settings a device's child builds its backend with: one device, which is its device 0."""
-    return dataclasses.replace(settings, devices=1,
-                               sim_flaky_device=0 if settings.sim_flaky_device == device else -1,
-                               models=list(settings.models))
+    return dataclasses.replace(
+        settings,
+        devices=1,
+        sim_flaky_device=0 if settings.sim_flaky_device == device else -1,
+        models=list(settings.models),
+    )
 
 
-def serve_device(conn: Connection, factory: Factory, spec: ModelSpec, settings: Settings, device: int,
-                 cuda_device: str) -> None:
+def serve_device(
+    conn: Connection, factory: Factory, spec: ModelSpec, settings: Settings, device: int, cuda_device: str
+) -> None:
     """The child's main: build the backend for this one device, then answer requests until the pipe closes."""
     if cuda_device:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device  # before torch is imported: this GPU is its cuda:0
     # Ctrl-C reaches the whole process group: the server drains on it, and still needs its devices meanwhile.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s device{device} %(name)s %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s device{device} %(name)s %(message)s"
+    )
     try:
         backend = factory(spec, child_settings(settings, device))
         setup = getattr(backend, "setup", None)
@@ -95,8 +101,12 @@ class DeviceProcess:
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve_device, name=f"batchserve-device{self.index}", daemon=True,
-                                args=(child, self.factory, self.spec, self.settings, self.index, self.cuda_device))
+        self.proc = ctx.Process(
+            target=serve_device,
+            name=f"batchserve-device{self.index}",
+            daemon=True,
+            args=(child, self.factory, self.spec, self.settings, self.index, self.cuda_device),
+        )
         self.proc.start()
         child.close()
         self.conn = parent
@@ -163,7 +173,7 @@ class ProcessBackend:
             self.cost_of_batch = batch_cost
 
     @classmethod
-    def start(cls, spec: ModelSpec, settings: Settings, local: Any, factory: Factory) -> "ProcessBackend":
+    def start(cls, spec: ModelSpec, settings: Settings, local: Any, factory: Factory) -> ProcessBackend:
         """Spawn a child per device of `local`, each building its backend with `factory`."""
         names = local.device_names()
         cuda = [name.split(":", 1)[1] if name.startswith("cuda:") else "" for name in names]

@@ -41,7 +41,7 @@ class SimBackend:
         self._flaky = f"sim:{self.flaky_device}"
 
     @classmethod
-    def from_settings(cls, spec: ModelSpec, s: Settings) -> "SimBackend":
+    def from_settings(cls, spec: ModelSpec, s: Settings) -> SimBackend:
         return cls(
             batch_s=spec.sim_batch_ms / 1000,
             max_batch_size=s.max_batch_size,
@@ -84,7 +84,8 @@ class SimBackend:
                 raise SimFault("fail marker in batch")
             outputs: list[str | Exception] = [
                 SimFault("input fail marker") if self.input_fail_marker and self.input_fail_marker in s else s[::-1]
-                for s in inputs]
+                for s in inputs
+            ]
             # Sleep to the batch time measured from the start, so per-batch overhead does not add up; like a
             # model between generation steps, stop early once every caller has left (its outputs go unread).
             while (remaining := self.batch_s - (time.perf_counter() - started)) > 0:

@@ -23,7 +23,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from unittest import mock
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
+from collections.abc import Callable, Iterator
 
 from batchserve.backends import all_callers_gone, pick_devices
 from batchserve.config import ModelSpec, Settings
@@ -83,8 +84,10 @@ def gguf_read_once() -> Iterator[None]:
                 readers[key] = real_reader(path, mode)
             return readers[key]
 
-        with (mock.patch.object(gguf, "GGUFReader", reader),
-              mock.patch.object(gguf, "get_tensor_name_map", functools.cache(real_map))):
+        with (
+            mock.patch.object(gguf, "GGUFReader", reader),
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(real_map)),
+        ):
             yield
 
 
@@ -101,15 +104,17 @@ def converted_dir(cache: str) -> str:
     source = os.path.join(weights_dir(), GGUF_FILE)
     stat = os.stat(source)
     root = os.path.expanduser(cache)
-    target = os.path.join(root, f"{GGUF_FILE.removesuffix('.gguf')}-{stat.st_size}-{int(stat.st_mtime)}"
-                                f"-transformers{transformers.__version__}-v{CONVERTED_FORMAT}")
+    target = os.path.join(
+        root,
+        f"{GGUF_FILE.removesuffix('.gguf')}-{stat.st_size}-{int(stat.st_mtime)}"
+        f"-transformers{transformers.__version__}-v{CONVERTED_FORMAT}",
+    )
     if os.path.exists(os.path.join(target, "config.json")):
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to transformers' format in %s (once; later starts read it from there)",
-             GGUF_FILE, target)
+    log.info("converting %s to transformers' format in %s (once; later starts read it from there)", GGUF_FILE, target)
     began = time.monotonic()
     try:
         os.makedirs(root, exist_ok=True)
@@ -205,8 +210,10 @@ def eos_ids(model: Any) -> list[int]:
 
 def chat_prompts(tokenizer: Any, inputs: list[str]) -> list[str]:
     """Each input as the user's turn of a chat, ready for the assistant's answer."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                          add_generation_prompt=True) for text in inputs]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        for text in inputs
+    ]
 
 
 def prompt_ids(tokenizer: Any, inputs: list[str]) -> list[list[int]]:
@@ -228,12 +235,12 @@ class SmolLM2Backend:
     _prompt_tokens: dict[str, int] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_settings(cls, spec: ModelSpec, s: Settings) -> "SmolLM2Backend":
+    def from_settings(cls, spec: ModelSpec, s: Settings) -> SmolLM2Backend:
         log.info("loading SmolLM2-135M-Instruct (%s decoding)", s.decode)
         return cls.from_source(source_dir(s), s)
 
     @classmethod
-    def from_source(cls, source: str, s: Settings) -> "SmolLM2Backend":
+    def from_source(cls, source: str, s: Settings) -> SmolLM2Backend:
         """The static batch path on the weights in `source` (a transformers folder; "" = the GGUF): SmolLM2's,
         or any causal LM folder served with `--model` (`backends/hf.py`)."""
         devices = pick_devices(s.devices)
@@ -244,13 +251,21 @@ class SmolLM2Backend:
         if s.decode == "static":
             from batchserve.backends.static_decode import StaticDecoder
 
-            decoders = [StaticDecoder(m, s.max_new_tokens, eos_ids(m), tokenizer.pad_token_id,
-                                      max_batch=s.max_batch_size) for m in models]
-        return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, models=models,
-                   decoders=decoders, should_stop=all_callers_gone)
+            decoders = [
+                StaticDecoder(m, s.max_new_tokens, eos_ids(m), tokenizer.pad_token_id, max_batch=s.max_batch_size)
+                for m in models
+            ]
+        return cls(
+            devices=devices,
+            max_new_tokens=s.max_new_tokens,
+            tokenizer=tokenizer,
+            models=models,
+            decoders=decoders,
+            should_stop=all_callers_gone,
+        )
 
     @classmethod
-    def shell(cls, s: Settings) -> "SmolLM2Backend":
+    def shell(cls, s: Settings) -> SmolLM2Backend:
         """Devices and buckets, no model: the server's side of `--executor process`, or the model while the
         generation engine's stepper answers its `/v1/inference`. The weights are looked up (and converted once)
         all the same: missing ones fail the start here, in one line (exit 2), as the full backend's load does."""
@@ -338,5 +353,5 @@ class SmolLM2Backend:
                 pad_token_id=self.tokenizer.pad_token_id,
                 stopping_criteria=callers_gone_criteria(),
             )
-        new_tokens = out[:, enc["input_ids"].shape[1]:]
+        new_tokens = out[:, enc["input_ids"].shape[1] :]
         return [t.strip() for t in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]

@@ -38,7 +38,8 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -95,8 +96,10 @@ class KvPool:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.tokens = tokens
         n = tokens * self.heads * self.head_dim
-        self.buffers = [(torch.zeros(n, dtype=dtype, device=device), torch.zeros(n, dtype=dtype, device=device))
-                        for _ in range(config.num_hidden_layers)]
+        self.buffers = [
+            (torch.zeros(n, dtype=dtype, device=device), torch.zeros(n, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -134,8 +137,9 @@ def static_cache(model: Any, shape: Shape, pool: KvPool | None) -> Any:
 class Runner:
     """The static buffers of one shape and the decode step over them (eager, or captured once and replayed)."""
 
-    def __init__(self, model: Any, shape: Shape, max_new: int, eos_ids: Sequence[int], pad_id: int,
-                 pool: KvPool | None) -> None:
+    def __init__(
+        self, model: Any, shape: Shape, max_new: int, eos_ids: Sequence[int], pad_id: int, pool: KvPool | None
+    ) -> None:
         dev = model.device
         self.model, self.shape, self.max_new, self.pad_id = model, shape, max_new, pad_id
         self.cache = static_cache(model, shape, pool)
@@ -164,14 +168,20 @@ class Runner:
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         seen = torch.zeros((b, width), dtype=torch.long)
         for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            seen[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            seen[row, width - len(p) :] = 1
         positions = (seen.cumsum(-1) - 1).masked_fill(seen == 0, 0)
         self.cache.reset()
         self.mask.zero_()
         self.mask[:, :width] = seen.bool().to(dev)
-        out = self.model(input_ids=ids.to(dev), attention_mask=self.mask, position_ids=positions.to(dev),
-                         cache=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids.to(dev),
+            attention_mask=self.mask,
+            position_ids=positions.to(dev),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         first = out.logits[:, -1].argmax(-1)
         self.tokens.fill_(self.pad_id)
         self.tokens[:, 0] = first
@@ -190,8 +200,9 @@ class Runner:
         """One token for every row, reading and writing only this runner's tensors (so it can be captured):
         attend to the new slot, forward, greedy pick, pad after a row's end, advance the counters."""
         self.mask.index_fill_(1, self.slot, True)
-        out = self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos, cache=self.cache,
-                         use_cache=True)
+        out = self.model(
+            input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos, cache=self.cache, use_cache=True
+        )
         tok = out.logits[:, -1].argmax(-1)
         tok = torch.where(self.done, self.pad, tok)
         self.tokens.index_copy_(1, self.step, tok[:, None])
@@ -248,8 +259,14 @@ class Runner:
             torch.cuda.current_stream().synchronize()
         return self.tokens[:, :steps].tolist()
 
-    def run(self, prompts: Sequence[Sequence[int]], finished: Sequence[bool], check_every: int,
-            should_stop: StopCheck | None, min_tokens: int = 0) -> tuple[list[list[int]], int]:
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        finished: Sequence[bool],
+        check_every: int,
+        should_stop: StopCheck | None,
+        min_tokens: int = 0,
+    ) -> tuple[list[list[int]], int]:
         """Decode a batch; the tokens of each row (all max_new of them, pads after its end) and the steps run.
         Lagged (`self.lagged`), the flags a check reads are copied before its step is launched, so that step
         keeps the device busy while the host waits for the copy, reads it and launches the next."""
@@ -278,9 +295,18 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
 class StaticDecoder:
     """Greedy decoding of token-id batches on one model replica (one device), one batch at a time."""
 
-    def __init__(self, model: Any, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                 max_batch: int = 100, kv_tokens: int = 0, use_graphs: bool | None = None,
-                 fixed_shapes: bool | None = None, prompt_buckets: Sequence[int] = PROMPT_BUCKETS) -> None:
+    def __init__(
+        self,
+        model: Any,
+        max_new_tokens: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        max_batch: int = 100,
+        kv_tokens: int = 0,
+        use_graphs: bool | None = None,
+        fixed_shapes: bool | None = None,
+        prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
+    ) -> None:
         """`use_graphs` (default: on CUDA) captures the decode step of every shape; `fixed_shapes` (default: when
         graphs are used) pads batches and caches to the buckets and keeps one runner per shape over a shared KV
         pool. Both off (the CPU default): exact shapes, buffers made per batch."""
@@ -297,8 +323,9 @@ class StaticDecoder:
             raise ValueError("CUDA graphs need a CUDA device")
         self.fixed_shapes = self.use_graphs if fixed_shapes is None else fixed_shapes or self.use_graphs
         # KV budget in cache slots (rows x slots): by default every batch bucket up to 1024-token prompts.
-        self.kv_tokens = kv_tokens or max_batch * (self.prompt_buckets[min(4, len(self.prompt_buckets) - 1)]
-                                                   + self.max_new)
+        self.kv_tokens = kv_tokens or max_batch * (
+            self.prompt_buckets[min(4, len(self.prompt_buckets) - 1)] + self.max_new
+        )
         self.check_every = GPU_CHECK_EVERY if self.device.type == "cuda" else 1
         self.runners: dict[Shape, Runner] = {}  # the fixed shapes, made by warm()
         self.pool: KvPool | None = None
@@ -315,8 +342,12 @@ class StaticDecoder:
 
     def graphed_shapes(self) -> list[Shape]:
         """Every (batch bucket, prompt bucket) shape whose cache fits the KV budget."""
-        return [Shape(b, p + self.max_new) for p in self.prompt_buckets for b in self.batch_buckets
-                if b * (p + self.max_new) <= self.kv_tokens]
+        return [
+            Shape(b, p + self.max_new)
+            for p in self.prompt_buckets
+            for b in self.batch_buckets
+            if b * (p + self.max_new) <= self.kv_tokens
+        ]
 
     def plan(self, n: int, cache_len: int) -> tuple[int, bool]:
         """How many rows of the batch go in one run, and whether that run uses a fixed shape's runner: the
@@ -339,8 +370,9 @@ class StaticDecoder:
         started = time.monotonic()
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with torch.inference_mode(), context:
-            self.pool = KvPool(self.model.config, max(s.batch * s.cache_len for s in shapes), self.model.dtype,
-                               self.device)
+            self.pool = KvPool(
+                self.model.config, max(s.batch * s.cache_len for s in shapes), self.model.dtype, self.device
+            )
             if self.use_graphs:
                 self.graph_pool = torch.cuda.graph_pool_handle()
             for shape in shapes:
@@ -348,12 +380,20 @@ class StaticDecoder:
                 if self.use_graphs:
                     runner.capture(self.graph_pool)
                 self.runners[shape] = runner
-        log.info("%s %d decode shapes on %s in %.1f s (batch buckets %s, cache lengths %s, KV pool %.2f GB)",
-                 "captured" if self.use_graphs else "made", len(shapes), self.device, time.monotonic() - started,
-                 self.batch_buckets, sorted({s.cache_len for s in shapes}), self.pool.nbytes / 1e9)
+        log.info(
+            "%s %d decode shapes on %s in %.1f s (batch buckets %s, cache lengths %s, KV pool %.2f GB)",
+            "captured" if self.use_graphs else "made",
+            len(shapes),
+            self.device,
+            time.monotonic() - started,
+            self.batch_buckets,
+            sorted({s.cache_len for s in shapes}),
+            self.pool.nbytes / 1e9,
+        )
 
-    def generate(self, prompts: Sequence[Sequence[int]], should_stop: StopCheck | None = None,
-                 min_tokens: int = 0) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], should_stop: StopCheck | None = None, min_tokens: int = 0
+    ) -> list[list[int]]:
         """The new tokens of each prompt, each row up to and including its end-of-sequence token (at most
         max_new_tokens). `should_stop` is asked between steps; when it says True the rows stop where they
         are. `min_tokens` keeps the loop going that many steps even if every row has ended (benchmarks)."""
@@ -367,17 +407,24 @@ class StaticDecoder:
             start = 0
             while start < len(prompts):
                 rows, fixed = self.plan(len(prompts) - start, cache_len)
-                part = list(prompts[start:start + rows])
+                part = list(prompts[start : start + rows])
                 shape = Shape(rows if fixed else len(part), cache_len)
-                runner = self.runners[shape] if fixed else Runner(
-                    self.model, shape, self.max_new, self.eos_ids, self.pad_id, None)
+                runner = (
+                    self.runners[shape]
+                    if fixed
+                    else Runner(self.model, shape, self.max_new, self.eos_ids, self.pad_id, None)
+                )
                 filler = shape.batch - len(part)
-                tokens, _ = runner.run(part + [[self.pad_id]] * filler, [False] * len(part) + [True] * filler,
-                                       self.check_every, should_stop, min_tokens)
+                tokens, _ = runner.run(
+                    part + [[self.pad_id]] * filler,
+                    [False] * len(part) + [True] * filler,
+                    self.check_every,
+                    should_stop,
+                    min_tokens,
+                )
                 out.extend(cut_at_eos(t, eos) for t in tokens[: len(part)])
                 start += len(part)
                 if should_stop is not None and start < len(prompts) and should_stop():
                     out.extend([] for _ in prompts[start:])
                     break
         return out
-

@@ -14,7 +14,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from batchserve.config import Settings
 
@@ -52,8 +52,12 @@ def ms(seconds: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.2g}" if value >= 0.01 else f"{value:.1g}"
 
 
-def warm_until_stable(warm: Callable[[], float | None], clock: Callable[[], float] = time.monotonic,
-                      max_rounds: int = MAX_ROUNDS, budget_s: float = BUDGET_S) -> WarmUp:
+def warm_until_stable(
+    warm: Callable[[], float | None],
+    clock: Callable[[], float] = time.monotonic,
+    max_rounds: int = MAX_ROUNDS,
+    budget_s: float = BUDGET_S,
+) -> WarmUp:
     """Run `warm` until two consecutive rounds agree within STABLE_WITHIN, at most `max_rounds` times and,
     after the second round, no longer than `budget_s` in all. A round is the time `warm` took, or the batch time
     it returns when it timed its batches itself (a round that also captures graphs takes far longer)."""
@@ -85,8 +89,9 @@ def derive_deadlines(settings: Settings, batch_s: float) -> Derived:
     slo = None if "slo_ms" in settings.given else round(max(defaults.slo_ms, SLO_BATCHES * batch_ms))
     timeout = None
     if "timeout_ms" not in settings.given:
-        timeout = round(min(settings.max_timeout_ms, max(defaults.timeout_ms, TIMEOUT_BATCHES * batch_ms,
-                                                         slo or settings.slo_ms)))
+        timeout = round(
+            min(settings.max_timeout_ms, max(defaults.timeout_ms, TIMEOUT_BATCHES * batch_ms, slo or settings.slo_ms))
+        )
     return Derived(slo, timeout)
 
 
@@ -99,10 +104,19 @@ def apply_deadlines(settings: Settings, batch_s: float, measured: str = "the war
         settings.slo_ms = derived.slo_ms
     if derived.timeout_ms is not None:
         settings.timeout_ms = derived.timeout_ms
-    log.info("deadlines from %s %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)", measured, batch_s * 1000,
-             settings.slo_ms, "derived" if derived.slo_ms is not None else "set", settings.timeout_ms,
-             "derived" if derived.timeout_ms is not None else "set")
+    log.info(
+        "deadlines from %s %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)",
+        measured,
+        batch_s * 1000,
+        settings.slo_ms,
+        "derived" if derived.slo_ms is not None else "set",
+        settings.timeout_ms,
+        "derived" if derived.timeout_ms is not None else "set",
+    )
     if batch_s * 1000 >= settings.max_timeout_ms:
-        log.warning("a batch takes %.0f ms, longer than --max-timeout-ms %.0f: every request will be refused "
-                    "(fewer --max-new-tokens, a GPU, or a larger --max-timeout-ms)", batch_s * 1000,
-                    settings.max_timeout_ms)
+        log.warning(
+            "a batch takes %.0f ms, longer than --max-timeout-ms %.0f: every request will be refused "
+            "(fewer --max-new-tokens, a GPU, or a larger --max-timeout-ms)",
+            batch_s * 1000,
+            settings.max_timeout_ms,
+        )

@@ -40,7 +40,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
 
 from batchserve import errors
 from batchserve.core.batcher import Batcher
@@ -60,8 +61,9 @@ class WorkerCapacity(Protocol):
     def seconds_until_free(self, now: float) -> float: ...
 
 
-def predicted_latency_s(until_free_s: float, ahead: int, max_batch_size: int, batch_s: float,
-                        healthy: int, own_batch_s: float | None = None) -> float:
+def predicted_latency_s(
+    until_free_s: float, ahead: int, max_batch_size: int, batch_s: float, healthy: int, own_batch_s: float | None = None
+) -> float:
     """When a new item would be answered: the first free worker, the full batches ahead of it (`batch_s`
     each) shared by the healthy workers, then its own batch (`own_batch_s`, by default a full one)."""
     own = batch_s if own_batch_s is None else own_batch_s
@@ -77,15 +79,22 @@ class Prediction:
     last_s: float
     wait_s: float = 0.0
 
-    def scaled(self, factor: float) -> "Prediction":
+    def scaled(self, factor: float) -> Prediction:
         """The same with its queue part multiplied by `factor` (the door's learned error, `WaitCalibration`)."""
         extra = self.wait_s * (factor - 1.0)
         return Prediction(self.first_s + extra, self.last_s + extra, self.wait_s + extra)
 
 
-def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahead: int,
-            costs: Sequence[float], bucket: int | None = None,
-            rates: Mapping[int, float] | None = None) -> Prediction:
+def predict(
+    batcher: Batcher,
+    model: str,
+    until_free_s: float,
+    healthy: int,
+    ahead: int,
+    costs: Sequence[float],
+    bucket: int | None = None,
+    rates: Mapping[int, float] | None = None,
+) -> Prediction:
     """The batches ahead (full ones of the model's mean input) and the request's own (rows of its longest
     input, as many as the budget holds), each at its cost (module docstring). With `bucket` (the request's
     length class), the classes' turns are replayed (`class_turns.drain`), with `rates` the inputs per second
@@ -98,8 +107,17 @@ def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahe
     own_unit = max(costs, default=1.0)
     share = max(1, healthy)
     if bucket is not None and _other_class_busy(batcher, model, bucket, rates):
-        return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {},
-                         lambda cost: _rows(limit, budget, cost))
+        return _by_turns(
+            batcher,
+            model,
+            until_free_s,
+            share,
+            ahead,
+            costs,
+            bucket,
+            rates or {},
+            lambda cost: _rows(limit, budget, cost),
+        )
     # One queue (the sim, a plugin without bucket_of, or a costed model whose other classes are quiet): FIFO
     # batches, the formula above; a class's batches at the padded cost of a row, as in the replay.
     if bucket is not None:
@@ -125,8 +143,11 @@ def predict(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahe
     total = rem + len(costs)
     k = -(-total // per_batch)
     last_rows = total - (k - 1) * per_batch
-    last = (base + (k - 1) * times.at(model, min(per_batch * own_unit, cap)) / share
-            + times.at(model, min(last_rows * own_unit, cap)))
+    last = (
+        base
+        + (k - 1) * times.at(model, min(per_batch * own_unit, cap)) / share
+        + times.at(model, min(last_rows * own_unit, cap))
+    )
     return Prediction(first, max(first, last), base)
 
 
@@ -144,8 +165,17 @@ def _other_class_busy(batcher: Batcher, model: str, bucket: int, rates: Mapping[
     return False
 
 
-def _by_turns(batcher: Batcher, model: str, until_free_s: float, share: int, ahead: int, costs: Sequence[float],
-              bucket: int, rates: Mapping[int, float], per: Callable[[float], int]) -> Prediction:
+def _by_turns(
+    batcher: Batcher,
+    model: str,
+    until_free_s: float,
+    share: int,
+    ahead: int,
+    costs: Sequence[float],
+    bucket: int,
+    rates: Mapping[int, float],
+    per: Callable[[float], int],
+) -> Prediction:
     """`predict` for a model of length classes: their queues as the request sees them (its tier's share of
     each, `ahead` of the model's depth), replayed turn by turn."""
     depth = batcher.depth.get(model, 0)
@@ -168,11 +198,20 @@ def _by_turns(batcher: Batcher, model: str, until_free_s: float, share: int, ahe
     own_unit = max(max(costs, default=1.0), row)
     queued = len(own_q) if own_q is not None else 0
     ahead_unit = max(own_q.mean_cost() if own_q is not None and queued else own_unit, row)
-    own = Own(math.ceil(queued * part), ahead_unit, per(ahead_unit), max(1, len(costs)), own_unit, per(own_unit),
-              rates.get(bucket, 0.0), served.get((model, bucket), 0.0))
+    own = Own(
+        math.ceil(queued * part),
+        ahead_unit,
+        per(ahead_unit),
+        max(1, len(costs)),
+        own_unit,
+        per(own_unit),
+        rates.get(bucket, 0.0),
+        served.get((model, bucket), 0.0),
+    )
     times, cap = batcher.batch_s, max(1.0, batcher.budget(model))  # a batch's cost: rows x cost, within the budget
-    d = drain(batcher.clock(), until_free_s, share, own, others,
-              lambda rows, cost: times.at(model, min(rows * cost, cap)))
+    d = drain(
+        batcher.clock(), until_free_s, share, own, others, lambda rows, cost: times.at(model, min(rows * cost, cap))
+    )
     return Prediction(d.first_s, d.last_s, d.wait_s)
 
 
@@ -221,8 +260,14 @@ class Admission:
         """Arrivals over ~2 s above what the healthy workers serve, or over ~0.25 s well above it (the start of
         a flood, before the slow average sees it), or a worker lost."""
         assert self.capacity is not None
-        return self._pressure(model, rate, fast_rate, self.capacity.healthy_count(), self.batcher.full_n(model),
-                              self.batcher.batch_s[model])
+        return self._pressure(
+            model,
+            rate,
+            fast_rate,
+            self.capacity.healthy_count(),
+            self.batcher.full_n(model),
+            self.batcher.batch_s[model],
+        )
 
     def _pressure(self, model: str, rate: float, fast_rate: float, healthy: int, full_n: int, full_s: float) -> bool:
         """`under_pressure` with the figures the door has already read: healthy workers, a full batch's inputs
@@ -243,8 +288,15 @@ class Admission:
         if self.capacity.healthy_count() == 0:
             raise errors.no_healthy_worker()
 
-    def admit(self, model: str, tier: int, tenant: str, deadline_s: float,
-              costs: Sequence[float] = (1.0,), bucket: int | None = None) -> bool:
+    def admit(
+        self,
+        model: str,
+        tier: int,
+        tenant: str,
+        deadline_s: float,
+        costs: Sequence[float] = (1.0,),
+        bucket: int | None = None,
+    ) -> bool:
         """Raise the 503 (or 413) that fits, or return when the request's inputs may join the queue
         (`deadline_s`: the time left before the request's deadline; `costs`: what each input costs). True when
         the request goes as a probe: its inputs run even if the learned time says they will be late.
@@ -281,7 +333,7 @@ class Admission:
                 meter = self.class_arrivals[(model, bucket)] = RateMeter()
             meter.tick(now, n)
 
-    def observed(self, model: str, ticket: "Ticket", started_s: float) -> None:
+    def observed(self, model: str, ticket: Ticket, started_s: float) -> None:
         """The first batch of a request admitted with `ticket` started at `started_s` (this clock): learn the
         prediction's error from it (`WaitCalibration`), when its prediction was one the door decided by."""
         if ticket.wait_s is not None:
@@ -291,11 +343,20 @@ class Admission:
         """Per model: predicted and observed queue waits summed (s), requests compared, the factor and the
         margin (s) now."""
         c = self.calibration
-        return {model: (pred, actual, n, c.factor(model), c.margin(model))
-                for model, (pred, actual, n) in c.totals().items()}
+        return {
+            model: (pred, actual, n, c.factor(model), c.margin(model))
+            for model, (pred, actual, n) in c.totals().items()
+        }
 
-    def admit_ticket(self, model: str, tier: int, tenant: str, deadline_s: float,
-                     costs: Sequence[float] = (1.0,), bucket: int | None = None) -> "Ticket":
+    def admit_ticket(
+        self,
+        model: str,
+        tier: int,
+        tenant: str,
+        deadline_s: float,
+        costs: Sequence[float] = (1.0,),
+        bucket: int | None = None,
+    ) -> Ticket:
         """`admit`, returning what the door predicted, for `observed` to compare with what happened."""
         batcher, capacity = self.batcher, self.capacity
         if batcher.draining or capacity is None or capacity.healthy_count() == 0:
@@ -323,8 +384,9 @@ class Admission:
             self._joined(model, bucket, now, n)
             return Ticket(True, now)
         if queued + n > self.max_queue:
-            raise errors.overloaded(f"the queue for {model} is full ({self.max_queue} items)",
-                                    retry_after_ms=batch_s * 1000)
+            raise errors.overloaded(
+                f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=batch_s * 1000
+            )
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
         full_n = batcher.full_n(model)
         # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
@@ -336,8 +398,7 @@ class Admission:
         ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
         pressure = self._pressure(model, rate, fast_rate, healthy, full_n, batch_s)
         other_classes = bucket is not None and self._classes(model, bucket)
-        if not pressure and n == 1 and not other_classes and self._surely_in_time(model, until_free, ahead,
-                                                                                   deadline_s):
+        if not pressure and n == 1 and not other_classes and self._surely_in_time(model, until_free, ahead, deadline_s):
             # Without pressure only the deadline can refuse, and no prediction could reach it: admitted as the
             # prediction would admit it (nothing learned from a request admitted without pressure).
             self._joined(model, bucket, now, n)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from collections.abc import Iterator
 
 EWMA_ALPHA = 0.2  # weight of the newest batch in a bucket's mean
 DEFAULT_SEED_S = 1.0  # a model with neither a seed nor a measurement
@@ -58,7 +58,7 @@ class _Line:
     memo: dict[float, float] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def through(cls, points: list[Point]) -> "_Line":
+    def through(cls, points: list[Point]) -> _Line:
         if not points:
             return cls([], [], 0.0)
         first, last = points[0], points[-1]
@@ -95,7 +95,7 @@ class BatchTimes:
     alpha: float = EWMA_ALPHA
     # Each model's line, read on every request (at its own size, which changes with every arrival: a memo by
     # size missed nearly always) and rebuilt only after an observation.
-    _lines: dict[str, "_Line"] = field(default_factory=dict, repr=False)
+    _lines: dict[str, _Line] = field(default_factory=dict, repr=False)
 
     def seed(self, model: str, seconds: float) -> None:
         """The batch time to assume before any batch of `model` is measured."""
@@ -128,8 +128,7 @@ class BatchTimes:
         n = float(n) if n > 1.0 else 1.0
         line = self._lines.get(model)
         if line is None:
-            line = self._lines[model] = _Line.through(sorted(self.points.get(model, {}).values(),
-                                                             key=lambda p: p.size))
+            line = self._lines[model] = _Line.through(sorted(self.points.get(model, {}).values(), key=lambda p: p.size))
         memo = line.memo
         got = memo.get(n)
         if got is not None:

@@ -38,7 +38,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from batchserve import errors
 from batchserve.core.batch_time import BatchTimes
@@ -225,10 +225,16 @@ class Batcher:
             self.cost_limits[model] = fitted
             first = model not in self._budget_logged
             self._budget_logged.add(model)
-            log.log(logging.WARNING if first or hard < top else logging.DEBUG,
-                    "model %s: a full batch would take %.0f ms: its batches are limited to cost %g (%d inputs) "
-                    "to fit %.0f ms", model, full_s * 1000, fitted, self.full_n(model),
-                    (self.max_batch_s if hard < top else self.latency_fit_s) * 1000)
+            log.log(
+                logging.WARNING if first or hard < top else logging.DEBUG,
+                "model %s: a full batch would take %.0f ms: its batches are limited to cost %g (%d inputs) "
+                "to fit %.0f ms",
+                model,
+                full_s * 1000,
+                fitted,
+                self.full_n(model),
+                (self.max_batch_s if hard < top else self.latency_fit_s) * 1000,
+            )
         if model in self.unit:
             self.batch_s.full[model] = self.full_n(model) * unit
 
@@ -236,15 +242,19 @@ class Batcher:
         """Why an input of this cost can never run (None when it can): it costs more than the configured
         --max-batch-tokens, or alone it is expected to outlast half the longest allowed timeout."""
         if 0 < self.max_batch_cost < cost:
-            return f"an input costs {cost:g} (tokens), more than one batch of {model} may cost " \
-                   f"(--max-batch-tokens {self.max_batch_cost:g})"
+            return (
+                f"an input costs {cost:g} (tokens), more than one batch of {model} may cost "
+                f"(--max-batch-tokens {self.max_batch_cost:g})"
+            )
         if cost == 1.0:
             return None  # a count model's input: one input is the least a batch can be
         self.batch_s.caps[model] = math.inf  # a costed model (note_cost may not have seen one yet)
         alone_s = self.batch_s.at(model, cost)  # learned (a wrong point above the budget is forgotten: fit_budget)
         if alone_s > self.max_batch_s:
-            return f"an input costs {cost:g} (tokens): alone it would take about {alone_s * 1000:.0f} ms, more " \
-                   f"than a batch may ({self.max_batch_s * 1000:.0f} ms)"
+            return (
+                f"an input costs {cost:g} (tokens): alone it would take about {alone_s * 1000:.0f} ms, more "
+                f"than a batch may ({self.max_batch_s * 1000:.0f} ms)"
+            )
         return None
 
     def total_depth(self) -> int:
@@ -309,8 +319,9 @@ class Batcher:
         its floor is due whatever waits (`BACKGROUND_FLOOR_EVERY`: only gaps would starve it under steady load)."""
         if not self.background_retries:
             return False
-        return (self._since_background >= BACKGROUND_FLOOR_EVERY
-                or (self._since_background >= BACKGROUND_EVERY and not self.interactive_waiting()))
+        return self._since_background >= BACKGROUND_FLOOR_EVERY or (
+            self._since_background >= BACKGROUND_EVERY and not self.interactive_waiting()
+        )
 
     async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:
         while not self.closed:
@@ -354,7 +365,7 @@ class Batcher:
 
     def interactive_waiting(self) -> int:
         """Interactive items queued (every tier above batch)."""
-        return sum(self.tier_depth[:tiers.BATCH.rank])
+        return sum(self.tier_depth[: tiers.BATCH.rank])
 
     def return_items(self, items: list[Item]) -> None:
         """Put items back at the head of their queues, to ride in the next regular batch (the half of a
@@ -450,8 +461,9 @@ class Batcher:
                 due, cause = now, "drain"
             else:
                 size = self.estimate_cost(key[0], min(len(q), self.limit(key[0])), q.mean_cost())  # formed now
-                deadline_due = head.arrived + self.dispatch_delay(key[0], size) if head.tier < tiers.BATCH.rank \
-                    else math.inf  # job items only: in no hurry, they go at the pace
+                deadline_due = (
+                    head.arrived + self.dispatch_delay(key[0], size) if head.tier < tiers.BATCH.rank else math.inf
+                )  # job items only: in no hurry, they go at the pace
                 pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
                 if self.healthy_workers <= 1 or pace_due - now <= PACE_EARLY_S:
                     # One device: the worker asking is the device, free now, and there is nothing to stagger
@@ -523,8 +535,11 @@ class Batcher:
                 head = q.peek(stick)
                 if head is None:
                     break
-                if (head.batch_cost([*(i.text for i in items), head.text]) > budget if head.batch_cost is not None
-                        else (len(items) + 1) * max(widest, head.cost) > budget):
+                if (
+                    head.batch_cost([*(i.text for i in items), head.text]) > budget
+                    if head.batch_cost is not None
+                    else (len(items) + 1) * max(widest, head.cost) > budget
+                ):
                     break
             item = q.pop(stick, charge=False)
             if item is None:
@@ -535,8 +550,9 @@ class Batcher:
             if not item.alive(now):
                 continue
             if item.deadline < ends and not item.probe:
-                item.future.set_exception(errors.deadline_exceeded(
-                    "the request's deadline would pass before its batch could end"))
+                item.future.set_exception(
+                    errors.deadline_exceeded("the request's deadline would pass before its batch could end")
+                )
                 continue
             items.append(item)
             q.charge(item)  # its tenant's share: counted as it is taken, so the next place goes to the least served
@@ -571,8 +587,11 @@ class Batcher:
             if not batch.items:
                 retries.remove(batch)
                 continue
-            if (batch.avoid_worker == worker and self.healthy_workers > 1
-                    and now - batch.formed < 2 * self.batch_s.at(batch.model, batch.cost)):
+            if (
+                batch.avoid_worker == worker
+                and self.healthy_workers > 1
+                and now - batch.formed < 2 * self.batch_s.at(batch.model, batch.cost)
+            ):
                 continue
             retries.remove(batch)
             batch.formed = now

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 MIN_ROWS = 0.5  # a class expected to hold at least this many items takes its turn (a Poisson queue: likely)
 MAX_TURNS = 64  # turns replayed (each a few us: the door runs this per request); past them, extrapolated
@@ -62,8 +62,9 @@ class Drained:
     last_s: float
 
 
-def drain(now: float, until_free_s: float, share: int, own: Own, others: list[ClassQueue],
-          batch_s: BatchSeconds) -> Drained:
+def drain(
+    now: float, until_free_s: float, share: int, own: Own, others: list[ClassQueue], batch_s: BatchSeconds
+) -> Drained:
     """Replay the class turns from `now` (module docstring). `share`: healthy workers, each batch takes 1/share
     of a worker's time; `until_free_s`: the time until the first of them is free."""
     share = max(1, share)

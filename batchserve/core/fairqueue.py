@@ -29,7 +29,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from batchserve import errors
 from batchserve.core.requests_log import Record
@@ -232,8 +232,9 @@ class FairQueue:
             lane = self.lanes[key] = Lane(item.tier, item.tenant)
         if not lane.listed:
             lane.listed = True
-            heapq.heappush(self.ready.setdefault(item.tier, []),
-                           (self.shares.counter[key], next(self._order), item.tenant))
+            heapq.heappush(
+                self.ready.setdefault(item.tier, []), (self.shares.counter[key], next(self._order), item.tenant)
+            )
         lane.items.append(item)
         self.size += 1
         self.cost_sum += item.cost

@@ -13,26 +13,45 @@ The door stays the one entrance: it hands a model's work to the handler register
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from batchserve.core.fairqueue import Item, ItemResult
 
 
 class InferenceHandler(Protocol):
-    async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
-                    request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
+    async def infer(
+        self,
+        text: str,
+        model: str,
+        tier: int,
+        tenant: str,
+        timeout_s: float,
+        arrived: float,
+        request_id: str,
+        gone: Callable[[], bool] | None = None,
+        owner: str = "",
+    ) -> ItemResult:
         """One input's answer, or the ApiError that fits (503 at the door, 504 past the deadline, 500), or
         ClientGone when `gone` says the caller left."""
         ...
 
-    async def infer_many(self, texts: list[str], model: str, tier: int, tenant: str, timeout_s: float,
-                         arrived: float, request_id: str, gone: Callable[[], bool] | None = None,
-                         owner: str = "") -> list[ItemResult]:
+    async def infer_many(
+        self,
+        texts: list[str],
+        model: str,
+        tier: int,
+        tenant: str,
+        timeout_s: float,
+        arrived: float,
+        request_id: str,
+        gone: Callable[[], bool] | None = None,
+        owner: str = "",
+    ) -> list[ItemResult]:
         """`infer` for a request of several inputs: admitted together, answered together."""
         ...
 
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
-                          alone: bool = False) -> Item:
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
         """A batch-job input at the lowest tier; its future carries an `ItemResult` or the error, its
         `dispatched` says whether it has started running (the scheduler only takes back what has not)."""
         ...

@@ -16,7 +16,8 @@ server made, and a caller who hangs up before its answer (499) reads no answer: 
 This module is the policy only: the classification and the per-tenant usage window read by `GET /v1/usage`
 (`UsageBook`, bounded: per tenant, counts in `BUCKET_S` time buckets over at most `MAX_WINDOW_S`, older ones
 folded into one row, and the latest `LATENCIES` latencies for percentiles). It runs on every answer, so a
-record touches one row of counts and rolls a bucket at most once per BUCKET_S. The Prometheus counters, per model and tier and never per
+record touches one row of counts and rolls a bucket at most once per BUCKET_S. The Prometheus counters, per model
+and tier and never per
 tenant, are `batchserve/metrics.py`'s; `http/guards.py` feeds both from the one place every answer passes.
 """
 
@@ -26,7 +27,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 OUTCOMES = ("met", "slow", "refused", "expired", "failed")
 MET, SLOW, REFUSED, EXPIRED, FAILED = range(5)
@@ -104,9 +105,11 @@ def _percentile(ordered: list[float], q: float) -> float:
 
 
 def _counts(row: list[float]) -> dict[str, object]:
-    return {"requests": {o: int(row[_REQ + i]) for i, o in enumerate(OUTCOMES)},
-            "inputs": {o: int(row[_INP + i]) for i, o in enumerate(OUTCOMES)},
-            "cost_served": row[_COST]}
+    return {
+        "requests": {o: int(row[_REQ + i]) for i, o in enumerate(OUTCOMES)},
+        "inputs": {o: int(row[_INP + i]) for i, o in enumerate(OUTCOMES)},
+        "cost_served": row[_COST],
+    }
 
 
 @dataclass
@@ -149,9 +152,17 @@ class UsageBook:
         served = sorted(lat for at, lat in usage.latencies if at >= since)
         latency: dict[str, object] = {"count": len(served), "p50": None, "p95": None}
         if served:
-            latency.update(p50=round(_percentile(served, 0.5) * 1000, 1), p95=round(_percentile(served, 0.95) * 1000, 1))
-        return {"tenant": tenant, "tier": usage.tier or None, "window_s": window_s, **_counts(window),
-                "latency_ms": latency, "since_start": _counts(usage.since_start())}
+            latency.update(
+                p50=round(_percentile(served, 0.5) * 1000, 1), p95=round(_percentile(served, 0.95) * 1000, 1)
+            )
+        return {
+            "tenant": tenant,
+            "tier": usage.tier or None,
+            "window_s": window_s,
+            **_counts(window),
+            "latency_ms": latency,
+            "since_start": _counts(usage.since_start()),
+        }
 
     def reports(self, window_s: float = DEFAULT_WINDOW_S) -> list[dict[str, object]]:
         """Every tenant's figures (an admin's view), by tenant name."""

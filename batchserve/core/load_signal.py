@@ -25,7 +25,7 @@ more replicas when either is short.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -143,12 +143,19 @@ class GatewayGauges(Collector):
     @staticmethod
     def _families(loads: dict[str, ModelLoad]) -> list[Metric]:
         p = "batchserve_"
-        waiting = GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting for a batch (generation: for KV "
-                                    "capacity), per model", labels=["model"])
-        running = GaugeMetricFamily(p + "num_requests_running", "Requests in a running batch (generation: "
-                                    "decoding), per model", labels=["model"])
-        kv = GaugeMetricFamily(p + "kv_cache_usage_perc", "Share of the generation model's KV cache in use (0..1)",
-                               labels=["model"])
+        waiting = GaugeMetricFamily(
+            p + "num_requests_waiting",
+            "Requests waiting for a batch (generation: for KV capacity), per model",
+            labels=["model"],
+        )
+        running = GaugeMetricFamily(
+            p + "num_requests_running",
+            "Requests in a running batch (generation: decoding), per model",
+            labels=["model"],
+        )
+        kv = GaugeMetricFamily(
+            p + "kv_cache_usage_perc", "Share of the generation model's KV cache in use (0..1)", labels=["model"]
+        )
         for model, load in sorted(loads.items()):
             waiting.add_metric([model], load.waiting)
             running.add_metric([model], load.running)

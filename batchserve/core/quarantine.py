@@ -17,7 +17,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 QUARANTINE_ENTRIES = 10_000  # ~1.5 MB at most: digests and a float each
 QUARANTINE_TTL_S = 600.0  # a fixed model or a redeployed backend is given a new chance within minutes

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 MAX_WAIT_S = 1.0  # the longest one request waits: the client still gets its answer, a little later
 MAX_CALLERS = 10_000  # callers remembered (each a few numbers); the least recently refused go first

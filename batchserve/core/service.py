@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
 
 from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
@@ -72,9 +73,15 @@ class JobRoom:
 
 
 class InferenceService:
-    def __init__(self, batcher: Batcher, admission: Admission, backends: Mapping[str, Bucketer],
-                 requests: RequestLog, clock: Callable[[], float] = time.monotonic,
-                 quarantine: Quarantine | None = None) -> None:
+    def __init__(
+        self,
+        batcher: Batcher,
+        admission: Admission,
+        backends: Mapping[str, Bucketer],
+        requests: RequestLog,
+        clock: Callable[[], float] = time.monotonic,
+        quarantine: Quarantine | None = None,
+    ) -> None:
         self.batcher = batcher
         self.admission = admission
         self.requests = requests  # recent requests' status, for GET /v1/requests/{id}
@@ -126,8 +133,14 @@ class InferenceService:
         if model in self.handlers or model not in self.backends:
             return None
         b = self.batcher
-        return JobRoom(b.depth.get(model, 0), self.admission.max_queue, b.limit(model), b.budget(model),
-                       b.unit.get(model, 1.0), self.healthy_workers())
+        return JobRoom(
+            b.depth.get(model, 0),
+            self.admission.max_queue,
+            b.limit(model),
+            b.budget(model),
+            b.unit.get(model, 1.0),
+            self.healthy_workers(),
+        )
 
     def check_open(self, needs_workers: bool = True) -> None:
         """503 DRAINING (or, for work that runs on the batch workers, NO_HEALTHY_WORKER) when nothing can be
@@ -162,28 +175,41 @@ class InferenceService:
     def _check_quarantine(self, model: str, text: str) -> None:
         why = self.quarantine.reason(model, text)
         if why is not None:
-            raise errors.inference_failed(f"{why} (this input failed alone lately and is quarantined for up to "
-                                          f"{self.quarantine.ttl_s:.0f} s: not run again)")
+            raise errors.inference_failed(
+                f"{why} (this input failed alone lately and is quarantined for up to "
+                f"{self.quarantine.ttl_s:.0f} s: not run again)"
+            )
 
-    def _admit(self, model: str, tier: int, tenant: str, timeout_s: float, arrived: float, costs: Sequence[float],
-               bucket: int) -> Ticket:
+    def _admit(
+        self, model: str, tier: int, tenant: str, timeout_s: float, arrived: float, costs: Sequence[float], bucket: int
+    ) -> Ticket:
         """The door for a request of inputs costing `costs` (its first in length class `bucket`), for `infer` and
         `infer_many` alike: raises the 503 / 413 that fits, or returns its ticket (a probe or not; what the door
         predicted, for `_answered` to learn from)."""
         return self.admission.admit_ticket(model, tier, tenant, timeout_s - (self.clock() - arrived), costs, bucket)
 
-    def _answered(self, record: Record, model: str, ticket: Ticket, arrived: float, first: ItemResult,
-                  last: ItemResult) -> None:
+    def _answered(
+        self, record: Record, model: str, ticket: Ticket, arrived: float, first: ItemResult, last: ItemResult
+    ) -> None:
         """A request has all its answers (`first` / `last`: its first and last input's), for `infer` and
         `infer_many` alike. When its first batch started against what the door predicted: the door learns its
         own error."""
         self.admission.observed(model, ticket, arrived + first.queue_s)
-        record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
-                         last.batch_size)
+        record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000, last.batch_size)
 
     # -- the door -----------------------------------------------------------------------------------------
-    async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
-                    request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
+    async def infer(
+        self,
+        text: str,
+        model: str,
+        tier: int,
+        tenant: str,
+        timeout_s: float,
+        arrived: float,
+        request_id: str,
+        gone: Callable[[], bool] | None = None,
+        owner: str = "",
+    ) -> ItemResult:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
         504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
         An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves.
@@ -193,8 +219,7 @@ class InferenceService:
         Both paths pass the same door (`_admit`) and book the same answer (`_answered`): what admission decides
         or learns per request goes there, never into one path only."""
         if self.tracing is not None or model in self.handlers:  # spans, or a model answered elsewhere
-            return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone,
-                                          owner))[0]
+            return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone, owner))[0]
         backend = self.backends.get(model)
         if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
             raise errors.warming_up()
@@ -209,8 +234,21 @@ class InferenceService:
         record = self.requests.add(owner or tenant, request_id, model)
         future = asyncio.get_running_loop().create_future()
         deadline = arrived + timeout_s
-        item = Item(text, model, bucket, future, arrived, deadline, record, tier, tenant, gone=gone, cost=cost,
-                    probe=ticket.probe, batch_cost=batch_cost)
+        item = Item(
+            text,
+            model,
+            bucket,
+            future,
+            arrived,
+            deadline,
+            record,
+            tier,
+            tenant,
+            gone=gone,
+            cost=cost,
+            probe=ticket.probe,
+            batch_cost=batch_cost,
+        )
         self.batcher.note_cost(model, cost)
         self.batcher.submit(item)
         self.deadlines.watch(timeout_s, deadline, future)
@@ -230,17 +268,27 @@ class InferenceService:
         self._answered(record, model, ticket, arrived, result, result)
         return result
 
-    async def infer_many(self, texts: list[str], model: str, tier: int, tenant: str, timeout_s: float,
-                         arrived: float, request_id: str, gone: Callable[[], bool] | None = None,
-                         owner: str = "") -> list[ItemResult]:
+    async def infer_many(
+        self,
+        texts: list[str],
+        model: str,
+        tier: int,
+        tenant: str,
+        timeout_s: float,
+        arrived: float,
+        request_id: str,
+        gone: Callable[[], bool] | None = None,
+        owner: str = "",
+    ) -> list[ItemResult]:
         """`infer` for a request of several inputs: one admission decision for all of them, predicted as the
         batches they will make (so a request of 2,048 inputs is served when they fit its timeout), then each
         input as its own item, so they share batches with other callers' inputs. The first failure fails the
         request and withdraws the others (a cancelled item never takes a place in a batch)."""
         handler = self.handlers.get(model)
         if handler is not None:
-            return await self._elsewhere(handler, texts, model, tier, tenant, timeout_s, arrived, request_id, gone,
-                                         owner)
+            return await self._elsewhere(
+                handler, texts, model, tier, tenant, timeout_s, arrived, request_id, gone, owner
+            )
         tracing = self.tracing
         trace = tracing.admitted(model, TIER_NAMES[tier]) if tracing is not None else None
         backend = self.backends.get(model)
@@ -253,8 +301,11 @@ class InferenceService:
             if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
                 await self.tokenizing.run(tokenize, texts)
             batch_cost = self._batch_cost(model, backend)
-            costs = ([float(backend.cost_of(text)) for text in texts] if batch_cost is None
-                     else [float(batch_cost([text])) for text in texts])
+            costs = (
+                [float(backend.cost_of(text)) for text in texts]
+                if batch_cost is None
+                else [float(batch_cost([text])) for text in texts]
+            )
             buckets = [backend.bucket_of(text) for text in texts]
             ticket = self._admit(model, tier, tenant, timeout_s, arrived, costs, buckets[0])
         except ApiError as err:
@@ -266,8 +317,22 @@ class InferenceService:
         deadline = arrived + timeout_s
         items = []
         for text, cost, bucket in zip(texts, costs, buckets):
-            item = Item(text, model, bucket, loop.create_future(), arrived, deadline, record, tier,
-                        tenant, gone=gone, trace=trace, cost=cost, probe=ticket.probe, batch_cost=batch_cost)
+            item = Item(
+                text,
+                model,
+                bucket,
+                loop.create_future(),
+                arrived,
+                deadline,
+                record,
+                tier,
+                tenant,
+                gone=gone,
+                trace=trace,
+                cost=cost,
+                probe=ticket.probe,
+                batch_cost=batch_cost,
+            )
             self.batcher.note_cost(model, cost)
             self.batcher.submit(item)
             self.deadlines.watch(timeout_s, item.deadline, item.future)
@@ -281,8 +346,9 @@ class InferenceService:
         except ApiError as err:
             record.status, record.error = "failed", err.code
             if tracing is not None:
-                tracing.answered(model, arrived, 0.0, next((i.batch_trace for i in items if i.batch_trace), None),
-                                 err.code)
+                tracing.answered(
+                    model, arrived, 0.0, next((i.batch_trace for i in items if i.batch_trace), None), err.code
+                )
             raise
         except ClientGone:
             record.status, record.error = "failed", "CLIENT_DISCONNECTED"
@@ -298,9 +364,19 @@ class InferenceService:
                 tracing.answered(model, arrived, result.queue_s, item.batch_trace, "ok")
         return results
 
-    async def _elsewhere(self, handler: InferenceHandler, texts: list[str], model: str, tier: int, tenant: str,
-                         timeout_s: float, arrived: float, request_id: str, gone: Callable[[], bool] | None,
-                         owner: str) -> list[ItemResult]:
+    async def _elsewhere(
+        self,
+        handler: InferenceHandler,
+        texts: list[str],
+        model: str,
+        tier: int,
+        tenant: str,
+        timeout_s: float,
+        arrived: float,
+        request_id: str,
+        gone: Callable[[], bool] | None,
+        owner: str,
+    ) -> list[ItemResult]:
         """A request for a model another handler answers: refused while draining, counted in flight (the
         drain waits for it), then the handler's own admission and answer."""
         if self.batcher.draining:
@@ -311,8 +387,7 @@ class InferenceService:
         finally:
             self.inflight -= 1
 
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
-                          alone: bool = False) -> Item:
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
         interactive work leaves, and the job scheduler bounds how many wait); its future carries an
         `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet. `alone`: the item
@@ -345,8 +420,19 @@ class InferenceService:
         backend = self.backends[model]
         batch_cost = self._batch_cost(model, backend)
         cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
-        item = Item(text, model, backend.bucket_of(text), asyncio.get_running_loop().create_future(),
-                    now, now + deadline_s, None, BATCH.rank, tenant, cost=cost, batch_cost=batch_cost)
+        item = Item(
+            text,
+            model,
+            backend.bucket_of(text),
+            asyncio.get_running_loop().create_future(),
+            now,
+            now + deadline_s,
+            None,
+            BATCH.rank,
+            tenant,
+            cost=cost,
+            batch_cost=batch_cost,
+        )
         try:
             self._check_quarantine(model, text)
         except ApiError as err:  # answered at once: the scheduler's callback records it failed

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+from collections.abc import Callable
 
 log = logging.getLogger("batchserve")
 
@@ -65,11 +66,11 @@ class TokenizeStage:
         work = self._pool.submit(tokenize, texts)
         work.add_done_callback(lambda f: loop.call_soon_threadsafe(self._finished, loop, f, group))
 
-    def _finished(self, loop: asyncio.AbstractEventLoop, work: Future,
-                  group: list[tuple[list[str], asyncio.Future[None]]]) -> None:
+    def _finished(
+        self, loop: asyncio.AbstractEventLoop, work: Future, group: list[tuple[list[str], asyncio.Future[None]]]
+    ) -> None:
         if work.exception() is not None:
-            log.warning("the tokenizer stage failed (%s); inputs are tokenized where they are needed",
-                        work.exception())
+            log.warning("the tokenizer stage failed (%s); inputs are tokenized where they are needed", work.exception())
         for _, done in group:
             if not done.done():
                 done.set_result(None)

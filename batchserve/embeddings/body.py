@@ -48,11 +48,14 @@ def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms
     if fmt is not None and fmt not in ENCODINGS:
         raise bad("encoding_format", f"'encoding_format' must be one of {', '.join(ENCODINGS)}")
     dimensions = data.get("dimensions")
-    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
-                                   or dimensions < 1):
+    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1):
         raise bad("dimensions", "'dimensions' must be a positive integer (at most the model's own width)")
     timeout_ms = data.get("timeout_ms", default_timeout_ms)  # an extension, as on /v1/inference
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not (
-            0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms):
+    if (
+        isinstance(timeout_ms, bool)
+        or not isinstance(timeout_ms, int | float)
+        or not (0 < timeout_ms <= max_timeout_ms)
+        or not math.isfinite(timeout_ms)
+    ):
         raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
     return EmbeddingRequest(inputs, model, fmt == "base64", timeout_ms / 1000, dimensions)

@@ -49,8 +49,11 @@ class EmbeddingsHost(Protocol):
 def embedding_models(rt: EmbeddingsHost) -> list[ModelSpec]:
     """The versions whose backend makes vectors, in the configured order (read by id: `ModelSpec.id` is
     computed at each use)."""
-    return [spec for model_id, spec in rt.registry.by_id.items()
-            if (b := rt.backends.get(model_id)) is not None and b.output_kind == "embedding"]
+    return [
+        spec
+        for model_id, spec in rt.registry.by_id.items()
+        if (b := rt.backends.get(model_id)) is not None and b.output_kind == "embedding"
+    ]
 
 
 def pick_model(rt: EmbeddingsHost, requested: str | None, key_id: str) -> tuple[str, Backend]:
@@ -58,20 +61,28 @@ def pick_model(rt: EmbeddingsHost, requested: str | None, key_id: str) -> tuple[
     if requested is None:
         served = embedding_models(rt)
         if not served:
-            raise OpenAIError(404, "no model serves embeddings here (see GET /v1/models)", "model",
-                              "model_not_found")
+            raise OpenAIError(404, "no model serves embeddings here (see GET /v1/models)", "model", "model_not_found")
         requested = served[0].name
     spec = rt.registry.resolve(requested, key_id)
     if spec is None:
-        raise OpenAIError(404, f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)",
-                          "model", "model_not_found")
+        raise OpenAIError(
+            404,
+            f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
     model_id = spec.id
     backend = rt.backends.get(model_id)
     if backend is None:
         raise OpenAIError.from_api(errors.warming_up())
     if backend.output_kind != "embedding":
-        raise OpenAIError(400, f"the model '{model_id}' does not produce embeddings (its outputs are "
-                               f"{backend.output_kind}); use POST /v1/inference", "model", "model_not_embedding")
+        raise OpenAIError(
+            400,
+            f"the model '{model_id}' does not produce embeddings (its outputs are "
+            f"{backend.output_kind}); use POST /v1/inference",
+            "model",
+            "model_not_embedding",
+        )
     return model_id, backend
 
 
@@ -125,16 +136,29 @@ async def embeddings(request: Request) -> Response:
         try:
             headers.update(guard.take(caller, len(req.inputs)))
             # Every input as its own item, admitted together: the door predicts the batches they will make.
-            results = await rt.service.infer_many(req.inputs, model_id, caller.tier, caller.tenant, req.timeout_s,
-                                                  arrived, request_id, disconnect_probe(request.receive),
-                                                  caller.owner)
+            results = await rt.service.infer_many(
+                req.inputs,
+                model_id,
+                caller.tier,
+                caller.tenant,
+                req.timeout_s,
+                arrived,
+                request_id,
+                disconnect_probe(request.receive),
+                caller.owner,
+            )
         except ApiError as err:
             refused = (model_id, err)  # counted by its code in the model's metrics, as on every route
             raise OpenAIError.from_api(err) from None
         except ClientGone:
             return Response(status_code=499)
-        body = answer([r.output for r in results], req.base64, model_id,
-                      await prompt_tokens(backend, req.inputs, counting), req.dimensions)
+        body = answer(
+            [r.output for r in results],
+            req.base64,
+            model_id,
+            await prompt_tokens(backend, req.inputs, counting),
+            req.dimensions,
+        )
         guard.ok(model_id, time.monotonic() - arrived, caller, inputs, costs_of(backend, req.inputs))
         return Response(body, media_type=JSON, headers=headers)
     except OpenAIError as err:

@@ -28,8 +28,7 @@ def shorten(vector: list[float], dimensions: int) -> list[float]:
     return [x / norm for x in head] if norm > 0 else head
 
 
-def answer(vectors: list[Any], as_base64: bool, model: str, prompt_tokens: int,
-           dimensions: int | None = None) -> bytes:
+def answer(vectors: list[Any], as_base64: bool, model: str, prompt_tokens: int, dimensions: int | None = None) -> bytes:
     """The response body; OpenAIError 500 when the backend's outputs are not vectors, 400 when `dimensions`
     is over their width."""
     data = []
@@ -39,13 +38,23 @@ def answer(vectors: list[Any], as_base64: bool, model: str, prompt_tokens: int,
                 raise TypeError(f"output {i} is {type(vector).__name__}, not a list of floats")
             if dimensions is not None:
                 if dimensions > len(vector):
-                    raise OpenAIError(400, f"'dimensions' {dimensions} is over the model's width "
-                                           f"({len(vector)})", "dimensions", "invalid_value")
+                    raise OpenAIError(
+                        400,
+                        f"'dimensions' {dimensions} is over the model's width ({len(vector)})",
+                        "dimensions",
+                        "invalid_value",
+                    )
                 vector = shorten(vector, dimensions)
-            data.append({"object": "embedding", "index": i,
-                         "embedding": to_base64(vector) if as_base64 else vector})
+            data.append({"object": "embedding", "index": i, "embedding": to_base64(vector) if as_base64 else vector})
     except (TypeError, struct.error, OverflowError) as exc:  # OverflowError: a component past float32 (1e300)
-        raise OpenAIError(500, f"the model's output is not a vector of float32: {str(exc)[:200]}", None,
-                          "inference_failed") from None
-    return orjson.dumps({"object": "list", "data": data, "model": model,
-                         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+        raise OpenAIError(
+            500, f"the model's output is not a vector of float32: {str(exc)[:200]}", None, "inference_failed"
+        ) from None
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }
+    )

@@ -35,8 +35,12 @@ async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -
     defaults = engine.cfg.defaults
     req = parse(body, chat, engine.cfg.max_tokens, defaults.temperature, defaults.top_p)
     if req.model is not None and req.model not in model_aliases(settings, engine):
-        raise OpenAIError(404, f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)",
-                          "model", "model_not_found")
+        raise OpenAIError(
+            404,
+            f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
     try:
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             prompt_ids = list(req.prompt)
@@ -56,8 +60,15 @@ async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -
     return Prepared(req, prompt_ids, params)
 
 
-async def complete(settings: Settings, engine: Engine, body: bytes, chat: bool, tier: int, tenant: str = "",
-                   max_wait_s: float | None = None) -> bytes:
+async def complete(
+    settings: Settings,
+    engine: Engine,
+    body: bytes,
+    chat: bool,
+    tier: int,
+    tenant: str = "",
+    max_wait_s: float | None = None,
+) -> bytes:
     """The non-streamed answer's JSON for `body`, as the route sends it, in `tenant`'s share; `max_wait_s`:
     how long it may wait in the engine's queue for capacity (a batch line: until its window closes).
 
@@ -69,14 +80,20 @@ async def complete(settings: Settings, engine: Engine, body: bytes, chat: bool, 
     if prep.req.stream:
         raise bad("stream", "a batch line is answered whole; leave out 'stream'")
     try:
-        seq = engine.submit(prep.prompt_ids, prep.params, tier=tier, streamed=False, tenant=tenant,
-                            max_wait_s=max_wait_s)
+        seq = engine.submit(
+            prep.prompt_ids, prep.params, tier=tier, streamed=False, tenant=tenant, max_wait_s=max_wait_s
+        )
     except ApiError as err:
         if err.status < 500:
             raise OpenAIError.from_api(err) from None
         raise
-    answer = Answer(chat, ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), engine.cfg.model_id,
-                    int(time.time()), len(prep.prompt_ids))
+    answer = Answer(
+        chat,
+        ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+        engine.cfg.model_id,
+        int(time.time()),
+        len(prep.prompt_ids),
+    )
     try:
         text: list[str] = []
         while True:

@@ -33,7 +33,8 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -42,8 +43,21 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.metrics import HistogramChild, LoopHistogram
 from batchserve.generation.kv_budget import Claim, KvBudget, Replay
-from batchserve.generation.shares import (LINGER_S, SPARE, WEIGHTED, Lane, LaneLoad, Queued, headroom, lane_of,
-                                          order_key, replay_wait, shares, tier_weight, victim_lane)
+from batchserve.generation.shares import (
+    LINGER_S,
+    SPARE,
+    WEIGHTED,
+    Lane,
+    LaneLoad,
+    Queued,
+    headroom,
+    lane_of,
+    order_key,
+    replay_wait,
+    shares,
+    tier_weight,
+    victim_lane,
+)
 from batchserve.generation.sizing import auto_gpu_slots, kv_tokens_for
 from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
 
@@ -83,14 +97,21 @@ class EngineConfig:
     max_waiting: int = 1000  # sequences waiting for capacity before 503
     cuda_graphs: bool = True  # on CUDA, decode steps are replayed as CUDA graphs
     stepper: str = "slots"  # slots (batchserve's) or manager (transformers')
-    defaults: "SamplingDefaults" = field(default_factory=lambda: SamplingDefaults())  # the model's own
+    defaults: SamplingDefaults = field(default_factory=lambda: SamplingDefaults())  # the model's own
 
     @classmethod
-    def from_settings(cls, s: Settings) -> "EngineConfig":
-        return cls(model_id=s.generation_model, max_tokens=s.generation_max_tokens, kv_tokens=s.generation_kv_tokens,
-                   max_seqs=s.generation_max_seqs, max_context=s.generation_max_context,
-                   queue_timeout_s=s.generation_queue_timeout_ms / 1000, max_waiting=s.max_queue,
-                   cuda_graphs=s.generation_cuda_graphs, stepper=s.generation_engine)
+    def from_settings(cls, s: Settings) -> EngineConfig:
+        return cls(
+            model_id=s.generation_model,
+            max_tokens=s.generation_max_tokens,
+            kv_tokens=s.generation_kv_tokens,
+            max_seqs=s.generation_max_seqs,
+            max_context=s.generation_max_context,
+            queue_timeout_s=s.generation_queue_timeout_ms / 1000,
+            max_waiting=s.max_queue,
+            cuda_graphs=s.generation_cuda_graphs,
+            stepper=s.generation_engine,
+        )
 
 
 @dataclass(frozen=True)
@@ -119,8 +140,12 @@ def sampling_defaults(model: Any) -> SamplingDefaults:
     ignored = tuple(f"{k}={diff[k]}" for k in ("top_k", "min_p", "repetition_penalty") if k in diff)
     if "temperature" not in diff and "top_p" not in diff:
         return SamplingDefaults(ignored=ignored)
-    return SamplingDefaults(float(diff.get("temperature", 1.0)), float(diff.get("top_p", 1.0)),
-                            "the model's generation_config.json", ignored)
+    return SamplingDefaults(
+        float(diff.get("temperature", 1.0)),
+        float(diff.get("top_p", 1.0)),
+        "the model's generation_config.json",
+        ignored,
+    )
 
 
 @dataclass
@@ -155,7 +180,7 @@ class Sequence:
     streamed: bool = True  # False: the caller wants the whole text once, so no delta per token
     held: list[str] = field(default_factory=list)  # text of a sequence that is not streamed, until it ends
     token_ids: list[int] | None = None  # every token generated, when the caller asked to keep them
-    on_start: Callable[["Sequence"], None] | None = None  # called as it joins the stepper (leaves the queue)
+    on_start: Callable[[Sequence], None] | None = None  # called as it joins the stepper (leaves the queue)
     tenant: str = ""  # whose share it counts in (`shares.py`)
     order: int = 0  # arrival order: ties in the queue, and a preempted sequence keeps its place
     made: list[int] = field(default_factory=list)  # every token generated: a preempted sequence resumes from them
@@ -192,29 +217,46 @@ class GenerationMetrics:
     preempted: Counter
 
     @classmethod
-    def create(cls, registry: CollectorRegistry) -> "GenerationMetrics":
+    def create(cls, registry: CollectorRegistry) -> GenerationMetrics:
         p = "batchserve_generation_"
         return cls(
-            ttft=LoopHistogram(p + "time_to_first_token_seconds", "Arrival to first generated token (queue + "
-                               "prefill)", (), TTFT_BUCKETS, registry).labels(),
-            itl=LoopHistogram(p + "inter_token_latency_seconds", "Gap between consecutive tokens of one sequence",
-                              (), ITL_BUCKETS, registry).labels(),
+            ttft=LoopHistogram(
+                p + "time_to_first_token_seconds",
+                "Arrival to first generated token (queue + prefill)",
+                (),
+                TTFT_BUCKETS,
+                registry,
+            ).labels(),
+            itl=LoopHistogram(
+                p + "inter_token_latency_seconds",
+                "Gap between consecutive tokens of one sequence",
+                (),
+                ITL_BUCKETS,
+                registry,
+            ).labels(),
             output_tokens=Counter(p + "output_tokens", "Generated tokens", registry=registry),
-            tokens_per_second=Gauge(p + "output_tokens_per_second", "Generated tokens per second over the last 0.25 s",
-                                    registry=registry),
+            tokens_per_second=Gauge(
+                p + "output_tokens_per_second", "Generated tokens per second over the last 0.25 s", registry=registry
+            ),
             running=Gauge(p + "running_sequences", "Sequences holding KV blocks in the engine", registry=registry),
             waiting=Gauge(p + "waiting_sequences", "Sequences waiting for KV capacity", registry=registry),
-            kv_usage=Gauge(p + "kv_cache_usage_ratio", "Share of the KV cache in use",
-                           registry=registry),
-            kv_reserved=Gauge(p + "kv_cache_reserved_ratio", "Share of KV-cache blocks reserved by admitted sequences",
-                              registry=registry),
-            requests=Counter(p + "requests", "Finished generation requests", ["endpoint", "status"],
-                             registry=registry),
-            cancelled=Counter(p + "cancelled", "Sequences dropped before their end, freeing their slot", ["reason"],
-                              registry=registry),
+            kv_usage=Gauge(p + "kv_cache_usage_ratio", "Share of the KV cache in use", registry=registry),
+            kv_reserved=Gauge(
+                p + "kv_cache_reserved_ratio",
+                "Share of KV-cache blocks reserved by admitted sequences",
+                registry=registry,
+            ),
+            requests=Counter(p + "requests", "Finished generation requests", ["endpoint", "status"], registry=registry),
+            cancelled=Counter(
+                p + "cancelled", "Sequences dropped before their end, freeing their slot", ["reason"], registry=registry
+            ),
             rejected=Counter(p + "rejected", "Generation requests refused at the door", ["reason"], registry=registry),
-            preempted=Counter(p + "preempted", "Running sequences paused to honour a share (resumed later by "
-                              "recomputing their prompt and tokens)", ["reason"], registry=registry),
+            preempted=Counter(
+                p + "preempted",
+                "Running sequences paused to honour a share (resumed later by recomputing their prompt and tokens)",
+                ["reason"],
+                registry=registry,
+            ),
         )
 
 
@@ -224,8 +266,9 @@ def default_device(settings: Settings) -> str:
     return pick_devices(settings.devices)[0]
 
 
-def slot_plan(cfg: EngineConfig, on_gpu: bool, free_bytes: int, bytes_per_token: int,
-              max_position: int) -> tuple[int, int]:
+def slot_plan(
+    cfg: EngineConfig, on_gpu: bool, free_bytes: int, bytes_per_token: int, max_position: int
+) -> tuple[int, int]:
     """(slots, tokens per slot) of the slot stepper: the context a sequence may have (`max_context`, within the
     model's positions), and as many slots as asked, else as the KV budget holds (`kv_tokens`, or by default
     GPU_MEMORY_SHARE of the device's free memory on a GPU, CPU_KV_TOKENS on a CPU; on a GPU rounded and capped
@@ -258,8 +301,16 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
         from batchserve.generation.manager_stepper import ManagerStepper, build_manager, warm
 
         max_seqs = cfg.max_seqs or (MANAGER_GPU_SEQS if on_gpu else 64)
-        manager = build_manager(model, tokenizer, cfg.max_tokens, cfg.kv_tokens or (0 if on_gpu else CPU_KV_TOKENS),
-                                cfg.page_size, max_seqs, max_batch_tokens, cfg.cuda_graphs)
+        manager = build_manager(
+            model,
+            tokenizer,
+            cfg.max_tokens,
+            cfg.kv_tokens or (0 if on_gpu else CPU_KV_TOKENS),
+            cfg.page_size,
+            max_seqs,
+            max_batch_tokens,
+            cfg.cuda_graphs,
+        )
         manager.start()
         return ManagerStepper(manager, cfg.page_size, max_seqs, warm(manager, tokenizer))
     import torch
@@ -270,14 +321,14 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
     free = torch.cuda.mem_get_info(model.device)[0] if on_gpu else 0
-    slots, slot_tokens = slot_plan(cfg, on_gpu, free, per_token,
-                                   int(getattr(c, "max_position_embeddings", 8192)))
+    slots, slot_tokens = slot_plan(cfg, on_gpu, free, per_token, int(getattr(c, "max_position_embeddings", 8192)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return build_slot_stepper(model, end_tokens(model, tokenizer), pad, slots, slot_tokens, max_batch_tokens,
-                              cfg.cuda_graphs)
+    return build_slot_stepper(
+        model, end_tokens(model, tokenizer), pad, slots, slot_tokens, max_batch_tokens, cfg.cuda_graphs
+    )
 
 
-async def start_generation(settings: Settings, registry: CollectorRegistry) -> "Engine | None":
+async def start_generation(settings: Settings, registry: CollectorRegistry) -> Engine | None:
     """The engine, when generation is enabled, on a model replica and tokenizer of its own.
 
     Never the batch backend's objects: transformers' forward wrapper writes each call's `is_causal` into the
@@ -307,8 +358,15 @@ def longest_token_chars(tokenizer: Any) -> int:
 class Engine:
     """Continuous batching on one device: admission and streams on the event loop, steps in a stepper."""
 
-    def __init__(self, cfg: EngineConfig, tokenizer: Any, stepper: Stepper, registry: CollectorRegistry,
-                 max_position: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        tokenizer: Any,
+        stepper: Stepper,
+        registry: CollectorRegistry,
+        max_position: int,
+        vocab_size: int,
+    ) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.stepper = stepper
@@ -340,8 +398,9 @@ class Engine:
 
     # -- life -----------------------------------------------------------------------------------------------
     @classmethod
-    async def start(cls, settings: Settings, registry: CollectorRegistry, model: Any = None,
-                    tokenizer: Any = None) -> "Engine":
+    async def start(
+        cls, settings: Settings, registry: CollectorRegistry, model: Any = None, tokenizer: Any = None
+    ) -> Engine:
         """Load its own model replica off the loop (or use the one given: benchmarks), build and warm the
         stepper, start it."""
         cfg = EngineConfig.from_settings(settings)
@@ -357,14 +416,27 @@ class Engine:
             return tok, mdl, build_stepper(mdl, tok, cfg)
 
         tok, mdl, stepper = await asyncio.to_thread(load)
-        engine = cls(cfg, tok, stepper, registry, int(getattr(mdl.config, "max_position_embeddings", 8192)),
-                     int(mdl.config.vocab_size))
+        engine = cls(
+            cfg,
+            tok,
+            stepper,
+            registry,
+            int(getattr(mdl.config, "max_position_embeddings", 8192)),
+            int(mdl.config.vocab_size),
+        )
         engine.eos_ids.update(end_tokens(mdl, tok))
         stepper.start(asyncio.get_running_loop(), engine._on_updates)
         engine._tick_task = asyncio.create_task(engine._tick())
-        log.info("generation ready: %s, %s; %d sequences at most, %d tokens each at most, %.1f ms/step; "
-                 "sampling defaults %s", cfg.model_id, stepper.description, engine.budget.max_seqs,
-                 engine.max_context, engine.step_s * 1000, cfg.defaults.describe())
+        log.info(
+            "generation ready: %s, %s; %d sequences at most, %d tokens each at most, %.1f ms/step; "
+            "sampling defaults %s",
+            cfg.model_id,
+            stepper.description,
+            engine.budget.max_seqs,
+            engine.max_context,
+            engine.step_s * 1000,
+            cfg.defaults.describe(),
+        )
         return engine
 
     async def stop(self) -> None:
@@ -394,9 +466,11 @@ class Engine:
         tokenizer runs: a 1 MB prompt once took the tokenizer ~0.3 s of the event loop to be refused."""
         fewest = -(-chars // self.longest_token_chars)
         if fewest + max_tokens > self.max_context:
-            raise errors.invalid(f"the prompt ({chars} characters, so at least {fewest} tokens) plus max_tokens "
-                                 f"({max_tokens}) is over the {self.max_context} tokens one sequence may hold here "
-                                 "(--generation-max-context)")
+            raise errors.invalid(
+                f"the prompt ({chars} characters, so at least {fewest} tokens) plus max_tokens "
+                f"({max_tokens}) is over the {self.max_context} tokens one sequence may hold here "
+                "(--generation-max-context)"
+            )
 
     async def tokenize(self, prompt: list[dict[str, str]] | str) -> list[int]:
         """The prompt's token ids (chat messages through the chat template), computed on the engine's small
@@ -414,10 +488,18 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, tier: int = 1,
-               streamed: bool = True, max_wait_s: float | None = None, start_by_s: float | None = None,
-               keep_tokens: bool = False, on_start: Callable[[Sequence], None] | None = None,
-               tenant: str = "") -> Sequence:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tier: int = 1,
+        streamed: bool = True,
+        max_wait_s: float | None = None,
+        start_by_s: float | None = None,
+        keep_tokens: bool = False,
+        on_start: Callable[[Sequence], None] | None = None,
+        tenant: str = "",
+    ) -> Sequence:
         """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits, or when
         its lane may pause another's sequence for it (`shares.py`).
         `streamed` False: its caller gets one delta, the whole text, when it ends (a per-token delta wakes the
@@ -436,26 +518,42 @@ class Engine:
         if not prompt_ids:
             raise errors.invalid("the prompt is empty")
         if total > self.max_context:
-            raise errors.invalid(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                                 f"over the {self.max_context} tokens one sequence may hold here "
-                                 "(--generation-max-context)")
+            raise errors.invalid(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"over the {self.max_context} tokens one sequence may hold here "
+                "(--generation-max-context)"
+            )
         blocks = self.budget.blocks_for(total)
         lane = lane_of(tenant, tier)
         # batch lines waiting never refuse an interactive caller: it counts only the interactive queue
-        queued = self.waiting_count if lane[0] == SPARE else sum(
-            len(q) for other, q in self.queues.items() if other[0] != SPARE)
+        queued = (
+            self.waiting_count
+            if lane[0] == SPARE
+            else sum(len(q) for other, q in self.queues.items() if other[0] != SPARE)
+        )
         if queued >= self.cfg.max_waiting:
             self.metrics.rejected.labels("queue_full").inc()
-            raise errors.overloaded(f"{queued} sequences are already waiting for KV-cache capacity",
-                                    retry_after_ms=self.step_s * 1000 * 16)
+            raise errors.overloaded(
+                f"{queued} sequences are already waiting for KV-cache capacity", retry_after_ms=self.step_s * 1000 * 16
+            )
         from batchserve.generation.textstream import TextStream
 
         now = time.monotonic()
-        seq = Sequence(id="gen_" + secrets.token_hex(8), prompt_ids=prompt_ids, params=params, tier=tier,
-                       blocks=blocks, arrived=now, deadline=now + (wait_limit if start_by_s is None else start_by_s),
-                       text=TextStream(self.tokenizer.backend_tokenizer, params.stop), streamed=streamed,
-                       token_ids=[] if keep_tokens else None, on_start=on_start, tenant=tenant,
-                       order=next(self._order))
+        seq = Sequence(
+            id="gen_" + secrets.token_hex(8),
+            prompt_ids=prompt_ids,
+            params=params,
+            tier=tier,
+            blocks=blocks,
+            arrived=now,
+            deadline=now + (wait_limit if start_by_s is None else start_by_s),
+            text=TextStream(self.tokenizer.backend_tokenizer, params.stop),
+            streamed=streamed,
+            token_ids=[] if keep_tokens else None,
+            on_start=on_start,
+            tenant=tenant,
+            order=next(self._order),
+        )
         seq.run_id = seq.id
         self._queue(seq)
         self._admit_waiting()
@@ -466,8 +564,10 @@ class Engine:
             self._unqueue(seq)  # the kept replays never held it: they stay valid
             self.metrics.rejected.labels("kv_capacity").inc()
             retry_ms = 1000 * (self.step_s * 16 if math.isinf(wait_s) else wait_s - wait_limit)
-            raise errors.overloaded(f"predicted wait for KV-cache capacity {wait_s:.1f} s would pass the "
-                                    f"{wait_limit:.1f} s limit", retry_after_ms=max(retry_ms, 100))
+            raise errors.overloaded(
+                f"predicted wait for KV-cache capacity {wait_s:.1f} s would pass the {wait_limit:.1f} s limit",
+                retry_after_ms=max(retry_ms, 100),
+            )
         self.predicted_wait_s(seq, queued=True)
         self.metrics.waiting.set(self.waiting_count)
         return seq
@@ -517,9 +617,9 @@ class Engine:
             share = shares(lanes, self.budget.total_blocks)
         movable: set[str] = set()  # run ids that would be paused for it
         if self.resumable:
-            held = lanes[lane].held
+            own = lanes[lane].held
             for other, runs in self.lane_running.items():
-                if other == lane or (other[0] == lane[0] and held >= share[lane]):
+                if other == lane or (other[0] == lane[0] and own >= share[lane]):
                     continue
                 if other[0] != lane[0] and not (other[0] == SPARE and lane[0] != SPARE):
                     continue
@@ -529,8 +629,9 @@ class Engine:
                         break  # a lane of its class gives up only what it holds past its share
                     movable.add(run.run_id)
                     left -= run.blocks
-        stay = [(s.lane, s.blocks, s.claim().steps * self.step_s)
-                for s in self.running.values() if s.run_id not in movable]
+        stay = [
+            (s.lane, s.blocks, s.claim().steps * self.step_s) for s in self.running.values() if s.run_id not in movable
+        ]
         freed = [s for s in self.running.values() if s.run_id in movable]
         held = {other: load.held for other, load in lanes.items()}
         for s in freed:
@@ -549,9 +650,16 @@ class Engine:
             target = Queued(seq.blocks, seq.claim().steps, seq.tier, seq.order)
             queues.setdefault(lane, []).append(target)
         budget = self.budget
-        return replay_wait(budget.total_blocks - budget.used_blocks + sum(s.blocks for s in freed),
-                           budget.max_seqs - budget.running + len(freed), stay, queues, share, held, target,
-                           self.step_s)
+        return replay_wait(
+            budget.total_blocks - budget.used_blocks + sum(s.blocks for s in freed),
+            budget.max_seqs - budget.running + len(freed),
+            stay,
+            queues,
+            share,
+            held,
+            target,
+            self.step_s,
+        )
 
     def predicted_start_s(self, max_tokens: int) -> float:
         """Seconds until a new sequence of up to `max_tokens` new tokens (and a prompt within one KV block) would
@@ -612,8 +720,11 @@ class Engine:
         if not self.idle_since:
             return []
         now = time.monotonic()
-        for lane in [lane for lane, since in self.idle_since.items()
-                     if now - since > LINGER_S or lane in self.queues or lane in self.lane_running]:
+        for lane in [
+            lane
+            for lane, since in self.idle_since.items()
+            if now - since > LINGER_S or lane in self.queues or lane in self.lane_running
+        ]:
             del self.idle_since[lane]
         return list(self.idle_since)
 
@@ -628,8 +739,10 @@ class Engine:
 
     def _shares(self) -> tuple[dict[Lane, LaneLoad], dict[Lane, float]]:
         """The lanes with work, and those lingering, with their shares."""
-        lanes = {lane: LaneLoad(self.lane_held.get(lane, 0), self._weight(lane))
-                 for lane in {*self.queues, *self.lane_running}}
+        lanes = {
+            lane: LaneLoad(self.lane_held.get(lane, 0), self._weight(lane))
+            for lane in {*self.queues, *self.lane_running}
+        }
         for lane in self._lingering():
             lanes[lane] = LaneLoad(0, 1.0)
         return lanes, shares(lanes, self.budget.total_blocks)
@@ -645,8 +758,9 @@ class Engine:
         lane = seq.lane
         kept = 0 if lanes[lane].held < share[lane] else len(self.idle_since)  # _shares() pruned it just now
         if lane[0] == SPARE:
-            return self.budget.fits(seq.blocks, headroom(self.budget.total_blocks) + kept,
-                                    headroom(self.budget.max_seqs) + kept)
+            return self.budget.fits(
+                seq.blocks, headroom(self.budget.total_blocks) + kept, headroom(self.budget.max_seqs) + kept
+            )
         return self.budget.fits(seq.blocks, kept, kept)
 
     def _start(self, seq: Sequence) -> None:
@@ -705,9 +819,14 @@ class Engine:
         pauses = len(self.running)  # each pause lets one more start: never more than there are running
         while self.waiting_count and not self.draining:
             lanes, share = self._shares()
-            lane, seq = min(((lane, queue[0][2]) for lane, queue in self.queues.items()),
-                            key=lambda ls: (*order_key(ls[0], lanes[ls[0]].held, ls[1].blocks, share[ls[0]]),
-                                            ls[1].tier, ls[1].order))
+            lane, seq = min(
+                ((lane, queue[0][2]) for lane, queue in self.queues.items()),
+                key=lambda ls: (
+                    *order_key(ls[0], lanes[ls[0]].held, ls[1].blocks, share[ls[0]]),
+                    ls[1].tier,
+                    ls[1].order,
+                ),
+            )
             if not self._fits(seq, lanes, share):
                 victim = self._victim(lane, seq, lanes, share) if pauses > 0 else None
                 if victim is None:
@@ -723,8 +842,9 @@ class Engine:
             self._start(seq)
         self._gauges()
 
-    def _victim(self, lane: Lane, seq: Sequence, lanes: dict[Lane, LaneLoad],
-                share: dict[Lane, float]) -> Sequence | None:
+    def _victim(
+        self, lane: Lane, seq: Sequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]
+    ) -> Sequence | None:
         """The running sequence to pause so that `seq` (of `lane`) can start, or None (`shares.victim_lane`)."""
         if not self.resumable:
             return None
@@ -789,8 +909,14 @@ class Engine:
             else:
                 seq.held.append(text)
 
-    def _finish(self, seq: Sequence, text: str = "", finish_reason: str | None = None,
-                error: ApiError | None = None, ended: bool = False) -> None:
+    def _finish(
+        self,
+        seq: Sequence,
+        text: str = "",
+        finish_reason: str | None = None,
+        error: ApiError | None = None,
+        ended: bool = False,
+    ) -> None:
         """Hand the caller its last delta and free the sequence's place; `ended`: the stepper ended it itself
         (else it is told to drop it)."""
         if seq.finished:
@@ -848,4 +974,3 @@ class Engine:
             "generated_tokens": self.generated_tokens,
             "cancelled": self.cancelled,
         }
-

@@ -29,7 +29,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item, ItemResult
@@ -78,10 +79,15 @@ class Joined:
 class StepperInference:
     """An `InferenceHandler` (core/handler.py) whose inputs run as sequences of the generation engine."""
 
-    def __init__(self, engine: Engine, max_new_tokens: int, requests: RequestLog | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 encode: Callable[[list[str]], list[list[int]]] | None = None,
-                 records: StepperRecords | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_new_tokens: int,
+        requests: RequestLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        encode: Callable[[list[str]], list[list[int]]] | None = None,
+        records: StepperRecords | None = None,
+    ) -> None:
         """`encode` (default: `smollm2.prompt_ids` with the engine's tokenizer) shapes inputs into prompts;
         `records`: the metrics and spans each answer feeds (`inference_records.py`)."""
         self.engine = engine
@@ -113,32 +119,48 @@ class StepperInference:
             self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inference-tokenize")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts)
 
-    def _submit(self, ids: list[int], model: str, tier: int, arrived: float, left_s: float,
-                joined: Joined, tenant: str = "") -> Sequence:
+    def _submit(
+        self, ids: list[int], model: str, tier: int, arrived: float, left_s: float, joined: Joined, tenant: str = ""
+    ) -> Sequence:
         """Admit one prompt with `left_s` of its deadline left, or raise the 503 / 504 that fits."""
         run_s = self.run_s()
         if run_s >= left_s:
-            raise ApiError(504, "DEADLINE_EXCEEDED", f"timeout_ms leaves {left_s * 1000:.0f} ms, less than the "
-                                                     f"{run_s * 1000:.0f} ms an answer of up to "
-                                                     f"{self.params.max_tokens} tokens takes here: it cannot be met")
+            raise ApiError(
+                504,
+                "DEADLINE_EXCEEDED",
+                f"timeout_ms leaves {left_s * 1000:.0f} ms, less than the "
+                f"{run_s * 1000:.0f} ms an answer of up to "
+                f"{self.params.max_tokens} tokens takes here: it cannot be met",
+            )
 
         def started(seq: Sequence) -> None:
             joined.at, joined.rows = seq.started, len(self.engine.running)
             self.records.joined(model, tier, joined.at - arrived, joined.rows)
 
-        return self.engine.submit(ids, self.params, tier=tier, streamed=False, max_wait_s=left_s - run_s,
-                                  start_by_s=left_s, keep_tokens=True, on_start=started, tenant=tenant)
+        return self.engine.submit(
+            ids,
+            self.params,
+            tier=tier,
+            streamed=False,
+            max_wait_s=left_s - run_s,
+            start_by_s=left_s,
+            keep_tokens=True,
+            on_start=started,
+            tenant=tenant,
+        )
 
-    async def _answer(self, seq: Sequence, joined: Joined, arrived: float, model: str,
-                      trace: object = None) -> ItemResult:
+    async def _answer(
+        self, seq: Sequence, joined: Joined, arrived: float, model: str, trace: object = None
+    ) -> ItemResult:
         """Wait for the sequence's one delta (its end) and make the batch path's answer of it; its compute time
         and span go to `records` (`trace`: the request's span context)."""
         delta = await seq.deltas.get()
         end = max(seq.last_token, joined.at)  # its last token, as the engine saw it arrive
         if delta.error is not None:
             if joined.at:  # it ran: its span says how it ended
-                joined.span = self.records.ended(model, joined.at, end, joined.rows, len(seq.token_ids or []),
-                                                 trace, str(delta.error))
+                joined.span = self.records.ended(
+                    model, joined.at, end, joined.rows, len(seq.token_ids or []), trace, str(delta.error)
+                )
             raise delta.error
         if delta.finish_reason == "cancelled":
             raise ClientGone()
@@ -147,13 +169,32 @@ class StepperInference:
         return ItemResult(text, max(0.0, joined.at - arrived), end - joined.at, joined.rows)
 
     # -- InferenceHandler ------------------------------------------------------------------------------------
-    async def infer(self, text: str, model: str, tier: int, tenant: str, timeout_s: float, arrived: float,
-                    request_id: str, gone: Callable[[], bool] | None = None, owner: str = "") -> ItemResult:
+    async def infer(
+        self,
+        text: str,
+        model: str,
+        tier: int,
+        tenant: str,
+        timeout_s: float,
+        arrived: float,
+        request_id: str,
+        gone: Callable[[], bool] | None = None,
+        owner: str = "",
+    ) -> ItemResult:
         return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone, owner))[0]
 
-    async def infer_many(self, texts: list[str], model: str, tier: int, tenant: str, timeout_s: float,
-                         arrived: float, request_id: str, gone: Callable[[], bool] | None = None,
-                         owner: str = "") -> list[ItemResult]:
+    async def infer_many(
+        self,
+        texts: list[str],
+        model: str,
+        tier: int,
+        tenant: str,
+        timeout_s: float,
+        arrived: float,
+        request_id: str,
+        gone: Callable[[], bool] | None = None,
+        owner: str = "",
+    ) -> list[ItemResult]:
         """Every input as a sequence of its own, admitted together (one refused: the others are withdrawn)."""
         trace = self.records.admitted(model, tier)
         deadline = arrived + timeout_s
@@ -162,8 +203,7 @@ class StepperInference:
             prompts = await self.prompts(texts)
             for ids in prompts:
                 joined = Joined()
-                seqs.append((self._submit(ids, model, tier, arrived, deadline - self.clock(), joined, tenant),
-                             joined))
+                seqs.append((self._submit(ids, model, tier, arrived, deadline - self.clock(), joined, tenant), joined))
         except ApiError as err:
             for seq, _ in seqs:
                 self.engine.cancel(seq, "withdrawn")
@@ -174,8 +214,9 @@ class StepperInference:
             for seq, _ in seqs:
                 self._watch(seq, gone)
         try:
-            results = list(await asyncio.gather(*(self._answer(seq, joined, arrived, model, trace)
-                                                  for seq, joined in seqs)))
+            results = list(
+                await asyncio.gather(*(self._answer(seq, joined, arrived, model, trace) for seq, joined in seqs))
+            )
         except ApiError as err:
             if record is not None:
                 record.status, record.error = "failed", err.code
@@ -194,12 +235,12 @@ class StepperInference:
             self.records.answered(model, arrived, result.queue_s, joined.span)
         if record is not None:
             last = results[-1]
-            record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000,
-                             last.batch_size)
+            record.completed(
+                (self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000, last.batch_size
+            )
         return results
 
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
-                          alone: bool = False) -> Item:
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
         """A batch-job input as a sequence at the batch tier (interactive sequences start first); `dispatched`
         is set when it joins the stepper, and cancelling its future withdraws it. `alone` changes nothing
         here: a sequence never shares a failure with another."""
@@ -225,9 +266,17 @@ class StepperInference:
                 self.records.joined(item.model, item.tier, joined.at - item.arrived, joined.rows)
 
             left_s = item.deadline - self.clock()
-            seq = self.engine.submit(ids, self.params, tier=item.tier, streamed=False,
-                                     max_wait_s=max(0.0, left_s - self.run_s()), start_by_s=left_s,
-                                     keep_tokens=True, on_start=started, tenant=item.tenant)
+            seq = self.engine.submit(
+                ids,
+                self.params,
+                tier=item.tier,
+                streamed=False,
+                max_wait_s=max(0.0, left_s - self.run_s()),
+                start_by_s=left_s,
+                keep_tokens=True,
+                on_start=started,
+                tenant=item.tenant,
+            )
             result = await self._answer(seq, joined, item.arrived, item.model)
             if not item.future.done():
                 item.future.set_result(result)
@@ -263,8 +312,9 @@ class StepperInference:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def serve_on_stepper(door: Door, engine: Engine, settings: Settings,
-                     records: StepperRecords | None = None) -> StepperInference | None:
+def serve_on_stepper(
+    door: Door, engine: Engine, settings: Settings, records: StepperRecords | None = None
+) -> StepperInference | None:
     """Hand the stepper models' `/v1/inference` (and batch-job items) to the engine, through the door; their
     answers feed `records` (the batch path's histograms and spans)."""
     models = stepper_models(settings)
@@ -273,6 +323,5 @@ def serve_on_stepper(door: Door, engine: Engine, settings: Settings,
     handler = StepperInference(engine, settings.max_new_tokens, door.requests, records=records)
     for model in models:
         door.serve_with(model, handler)
-    log.info("/v1/inference of %s on the generation engine's stepper (--inference-path stepper)",
-             ", ".join(models))
+    log.info("/v1/inference of %s on the generation engine's stepper (--inference-path stepper)", ", ".join(models))
     return handler

@@ -26,7 +26,8 @@ loop-owned histograms (`metrics.LoopHistogram`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol
+from typing import Protocol
+from collections.abc import Iterable, Mapping
 
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 
@@ -62,9 +63,18 @@ class SequenceTracer(Protocol):
 
     def answered(self, model: str, arrived: float, queue_s: float, batch: object, outcome: str) -> None: ...
 
-    def batch(self, model: str, size: int, worker: str, cause: str, started: float, ended: float,
-              requests: Iterable[object], failed: str | None = None,
-              attributes: Mapping[str, str | int | float] | None = None) -> object: ...
+    def batch(
+        self,
+        model: str,
+        size: int,
+        worker: str,
+        cause: str,
+        started: float,
+        ended: float,
+        requests: Iterable[object],
+        failed: str | None = None,
+        attributes: Mapping[str, str | int | float] | None = None,
+    ) -> object: ...
 
 
 @dataclass
@@ -86,17 +96,26 @@ class StepperRecords:
         if tier < BATCH.rank:  # job items wait for spare capacity by design: not a queue delay
             self.metrics.queue_wait.labels(model).observe(queue_s)
 
-    def ended(self, model: str, started: float, ended: float, rows: int, tokens: int, trace: object,
-              failed: str | None = None) -> object:
+    def ended(
+        self, model: str, started: float, ended: float, rows: int, tokens: int, trace: object, failed: str | None = None
+    ) -> object:
         """A sequence that joined at `started` ended at `ended` with `tokens` new tokens (or `failed`): its compute
         time, and its span linked to the request's; that span's context (for the request's `queue` span)."""
         if self.metrics is not None and failed is None:
             self.metrics.batch_compute.labels(model).observe(max(0.0, ended - started))
         if self.tracing is None:
             return None
-        return self.tracing.batch(model, rows, WORKER, CAUSE, started, ended, (trace,), failed,
-                                  {"batchserve.path": WORKER, "batchserve.stepper.rows": rows,
-                                   "gen_ai.usage.output_tokens": tokens})
+        return self.tracing.batch(
+            model,
+            rows,
+            WORKER,
+            CAUSE,
+            started,
+            ended,
+            (trace,),
+            failed,
+            {"batchserve.path": WORKER, "batchserve.stepper.rows": rows, "gen_ai.usage.output_tokens": tokens},
+        )
 
     def answered(self, model: str, arrived: float, queue_s: float, span: object) -> None:
         """One input of a request answered: its queue wait as a child span of the request, linked to its own."""

@@ -30,8 +30,10 @@ class KvBudget:
 
     def fits(self, blocks: int, spare_blocks: int = 0, spare_seqs: int = 0) -> bool:
         """Whether `blocks` more fit, leaving `spare_blocks` and `spare_seqs` free (batch lines' headroom)."""
-        return (self.running + 1 + spare_seqs <= self.max_seqs
-                and self.used_blocks + blocks + spare_blocks <= self.total_blocks)
+        return (
+            self.running + 1 + spare_seqs <= self.max_seqs
+            and self.used_blocks + blocks + spare_blocks <= self.total_blocks
+        )
 
     def take(self, blocks: int) -> None:
         self.used_blocks += blocks
@@ -58,8 +60,7 @@ class Replay:
     """The future as `predicted_wait_s` replays it, kept so that the queue's next arrival continues it instead of
     replaying every sequence ahead again (a burst of n queued arrivals would cost n^2/2 placements)."""
 
-    def __init__(self, budget: KvBudget, running: list[Claim], step_s: float,
-                 freed: tuple[int, int] = (0, 0)) -> None:
+    def __init__(self, budget: KvBudget, running: list[Claim], step_s: float, freed: tuple[int, int] = (0, 0)) -> None:
         """`freed`: (blocks, sequences) of running sequences left out of `running` that would give their
         place up at once (preempted for the sequence asked about)."""
         self.total_blocks = budget.total_blocks
@@ -98,8 +99,7 @@ class Replay:
         return now
 
 
-def predicted_wait_s(budget: KvBudget, running: list[Claim], ahead: list[Claim], need: Claim,
-                     step_s: float) -> float:
+def predicted_wait_s(budget: KvBudget, running: list[Claim], ahead: list[Claim], need: Claim, step_s: float) -> float:
     """Seconds until `need` would be admitted, after every claim in `ahead` (in queue order)."""
     replay = Replay(budget, running, step_s)
     for claim in ahead:

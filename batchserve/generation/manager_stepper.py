@@ -25,12 +25,23 @@ def processor_kwargs(params: SamplingParams) -> dict[str, Any]:
 
     if params.greedy:
         return {"temperature": 1.0, "top_p": 1.0, sampling.SEED_KEY: sampling.GREEDY}
-    return {"temperature": float(params.temperature), "top_p": float(params.top_p),
-            sampling.SEED_KEY: sampling.choice_key(params)}
+    return {
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        sampling.SEED_KEY: sampling.choice_key(params),
+    }
 
 
-def build_manager(model: Any, tokenizer: Any, max_tokens: int, kv_tokens: int, page_size: int, max_seqs: int,
-                  max_batch_tokens: int, cuda_graphs: bool) -> Any:
+def build_manager(
+    model: Any,
+    tokenizer: Any,
+    max_tokens: int,
+    kv_tokens: int,
+    page_size: int,
+    max_seqs: int,
+    max_batch_tokens: int,
+    cuda_graphs: bool,
+) -> Any:
     """A ready (not started) manager with per-request temperature, top_p, greedy and seed."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -40,12 +51,15 @@ def build_manager(model: Any, tokenizer: Any, max_tokens: int, kv_tokens: int, p
     on_cpu = model.device.type == "cpu"
     # Greedy: sampling.py's processors turn the argmax into each request's own draw.
     generation_config = GenerationConfig(
-        do_sample=False, max_new_tokens=max_tokens,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     # transformers >= 5.18 calls it page_size, 5.17 block_size
-    size_field = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
-        else "block_size"
+    size_field = (
+        "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+    )
     size: dict[str, Any] = {size_field: page_size}
     cb_config = ContinuousBatchingConfig(
         **size,
@@ -59,8 +73,7 @@ def build_manager(model: Any, tokenizer: Any, max_tokens: int, kv_tokens: int, p
         # the library would leave graphs off with SDPA (its masks make the padding cost more).
         use_cuda_graph=False if on_cpu else cuda_graphs,
     )
-    manager = model.init_continuous_batching(generation_config=generation_config,
-                                             continuous_batching_config=cb_config)
+    manager = model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
     manager.logit_processor = sampling.processors(sync_free=not on_cpu)
     manager.warmup()  # builds the cache and batch processor (and CUDA graphs where used)
     return manager
@@ -70,8 +83,9 @@ def warm(manager: Any, tokenizer: Any, tokens: int = 8) -> float:
     """Run one short greedy request to the end; return the time per decode step it showed."""
     ids = list(tokenizer("Hello, how are you?", add_special_tokens=False)["input_ids"])
     kwargs = processor_kwargs(SamplingParams(max_tokens=tokens, temperature=0))
-    request_id = manager.add_request(ids, request_id="warmup", max_new_tokens=tokens, streaming=True,
-                                     eos_token_id=-1, **kwargs)
+    request_id = manager.add_request(
+        ids, request_id="warmup", max_new_tokens=tokens, streaming=True, eos_token_id=-1, **kwargs
+    )
     first = None
     for out in manager.request_id_iter(request_id):
         if first is None and out.generated_tokens:
@@ -91,8 +105,9 @@ class ManagerStepper:
     def __init__(self, manager: Any, page_size: int, max_seqs: int, step_s: float) -> None:
         self.manager = manager
         blocks = int(manager.batch_processor.cache.num_blocks)
-        self.capacity = KvCapacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
-                                 max_sequence_tokens=blocks * page_size)
+        self.capacity = KvCapacity(
+            blocks=blocks, page_size=page_size, max_seqs=max_seqs, max_sequence_tokens=blocks * page_size
+        )
         self.step_s = step_s
         self.resumable = False  # its requests have no token offset to resume from: the engine never preempts here
         self.description = f"transformers' ContinuousBatchingManager on {manager.model.device}"
@@ -109,12 +124,26 @@ class ManagerStepper:
             new = list(out.generated_tokens[seen:])
             seen += len(new)
             assert self._deliver is not None
-            self._deliver([TokenUpdate(seq_id, new, out.is_finished() or out.error is not None,
-                                       None if out.error is None else str(out.error))])
+            self._deliver(
+                [
+                    TokenUpdate(
+                        seq_id,
+                        new,
+                        out.is_finished() or out.error is not None,
+                        None if out.error is None else str(out.error),
+                    )
+                ]
+            )
 
         self.manager.register_result_handler(seq_id, on_output)
-        self.manager.add_request(prompt_ids, request_id=seq_id, max_new_tokens=params.max_tokens, streaming=True,
-                                 eos_token_id=-1 if params.ignore_eos else None, **processor_kwargs(params))
+        self.manager.add_request(
+            prompt_ids,
+            request_id=seq_id,
+            max_new_tokens=params.max_tokens,
+            streaming=True,
+            eos_token_id=-1 if params.ignore_eos else None,
+            **processor_kwargs(params),
+        )
 
     def cancel(self, seq_id: str) -> None:
         self.manager.cancel_request(seq_id)

@@ -28,8 +28,16 @@ def model_cards(engine: Engine | None) -> list[dict[str, Any]]:
     """Entries for GET /v1/models."""
     if engine is None:
         return []
-    return [{"id": engine.cfg.model_id, "object": "model", "created": 0, "owned_by": "batchserve",
-             "backend": "smollm2-continuous-batching", "max_tokens": engine.cfg.max_tokens}]
+    return [
+        {
+            "id": engine.cfg.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "batchserve",
+            "backend": "smollm2-continuous-batching",
+            "max_tokens": engine.cfg.max_tokens,
+        }
+    ]
 
 
 async def generation_status(request: Request) -> Response:

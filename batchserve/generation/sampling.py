@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from batchserve.generation.stepper import SamplingParams
 
 
-def choice_key(params: "SamplingParams") -> int:
+def choice_key(params: SamplingParams) -> int:
     """A request's draw: GREEDY, SAMPLE (a fresh uniform each token) or its seed (31 bits)."""
     if params.greedy:
         return GREEDY
@@ -156,8 +156,9 @@ def processors(sync_free: bool = False) -> ContinuousBatchingLogitsProcessorList
 
     Assign it to `manager.logit_processor` before the manager builds its batch processor, which sizes the
     per-request argument tensor from `tensors_required`."""
-    plist = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([TemperatureLogitsWarper(0.5)]),
-                                                  per_request_processors=True)
+    plist = ContinuousBatchingLogitsProcessorList(
+        LogitsProcessorList([TemperatureLogitsWarper(0.5)]), per_request_processors=True
+    )
     for proc in (TopP(sync_free), TokenChoice(sync_free)):
         plist.logits_processor.append(proc)
         plist.tensors_required += 1

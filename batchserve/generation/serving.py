@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import AsyncIterator, Callable, Protocol
+from typing import Protocol
+from collections.abc import AsyncIterator, Callable
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -120,8 +121,13 @@ async def generate(request: Request, chat: bool) -> Response:
             rt.refusals.refused(who)
         return error_response(err, headers)
 
-    answer = Answer(chat, ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), engine.cfg.model_id,
-                    int(time.time()), len(prompt_ids))
+    answer = Answer(
+        chat,
+        ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+        engine.cfg.model_id,
+        int(time.time()),
+        len(prompt_ids),
+    )
     rt.service.hold()
     done = False
     first_s = 0.0  # arrival to the first delta: what the SLO ledger holds a generation answer to
@@ -149,8 +155,7 @@ async def generate(request: Request, chat: bool) -> Response:
             cleanup(str(first.error.status))
             return error_response(OpenAIError.from_api(first.error), headers)
         if req.stream:
-            return SequenceStream(stream_events(seq, first, answer, req.include_usage),
-                                  lambda: cleanup("200"), headers)
+            return SequenceStream(stream_events(seq, first, answer, req.include_usage), lambda: cleanup("200"), headers)
         text, delta = [first.text], first
         while delta.finish_reason is None and delta.error is None:
             nxt = await next_or_gone(request, seq)
@@ -163,8 +168,11 @@ async def generate(request: Request, chat: bool) -> Response:
             cleanup(str(delta.error.status))
             return error_response(OpenAIError.from_api(delta.error), headers)
         cleanup("200")
-        return Response(orjson.dumps(answer.full("".join(text), delta.finish_reason or "stop", seq.tokens)),
-                        headers=headers, media_type=JSON)
+        return Response(
+            orjson.dumps(answer.full("".join(text), delta.finish_reason or "stop", seq.tokens)),
+            headers=headers,
+            media_type=JSON,
+        )
     except BaseException:
         cleanup("500")
         raise
@@ -197,8 +205,12 @@ async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usa
 
 def not_serving(rt: GenerationHost) -> OpenAIError:
     if not enabled(rt.settings):
-        return OpenAIError(404, "generation is off on this server (start it with --backend smollm2 or "
-                                "--generation on)", "model", "model_not_found")
+        return OpenAIError(
+            404,
+            "generation is off on this server (start it with --backend smollm2 or --generation on)",
+            "model",
+            "model_not_found",
+        )
     if rt.startup_error:
         return OpenAIError(503, f"the server failed to start: {rt.startup_error}", None, "startup_failed")
     return OpenAIError(503, "the generation model is still loading", None, "warming_up", headers={"Retry-After": "5"})

@@ -92,8 +92,9 @@ def use(held: float, share: float) -> float:
     return held / max(share, TINY_SHARE)
 
 
-def victim_lane(taker: Lane, blocks: int, lanes: dict[Lane, LaneLoad], share: dict[Lane, float],
-                running: dict[Lane, int]) -> Lane | None:
+def victim_lane(
+    taker: Lane, blocks: int, lanes: dict[Lane, LaneLoad], share: dict[Lane, float], running: dict[Lane, int]
+) -> Lane | None:
     """The lane to pause a sequence of so that `taker`'s next sequence (of `blocks`) can start, or None.
     `running`: lanes with running sequences -> the blocks of the one that lane would give up first."""
     if taker[0] == INTERACTIVE:
@@ -132,9 +133,16 @@ class Queued:
     order: int
 
 
-def replay_wait(free_blocks: int, free_seqs: int, running: list[tuple[Lane, int, float]],
-                queues: dict[Lane, list[Queued]], share: dict[Lane, float], held: dict[Lane, int],
-                target: Queued, step_s: float) -> float:
+def replay_wait(
+    free_blocks: int,
+    free_seqs: int,
+    running: list[tuple[Lane, int, float]],
+    queues: dict[Lane, list[Queued]],
+    share: dict[Lane, float],
+    held: dict[Lane, int],
+    target: Queued,
+    step_s: float,
+) -> float:
     """Seconds until `target` (in one of `queues`) would start, replaying admission as it will run: each time
     places free up (`running`: (lane, blocks, seconds left) of the sequences that stay), the lane furthest under
     its share (`order_key` on what the replay has it hold) takes the next, each lane's queue in its order. So a
@@ -146,9 +154,14 @@ def replay_wait(free_blocks: int, free_seqs: int, running: list[tuple[Lane, int,
     heads = {lane: 0 for lane, queue in queues.items() if queue}
     now = 0.0
     while heads:
-        lane = min(heads, key=lambda ln: (*order_key(ln, holding.get(ln, 0), queues[ln][heads[ln]].blocks,
-                                                      share.get(ln, TINY_SHARE)),
-                                          queues[ln][heads[ln]].tier, queues[ln][heads[ln]].order))
+        lane = min(
+            heads,
+            key=lambda ln: (
+                *order_key(ln, holding.get(ln, 0), queues[ln][heads[ln]].blocks, share.get(ln, TINY_SHARE)),
+                queues[ln][heads[ln]].tier,
+                queues[ln][heads[ln]].order,
+            ),
+        )
         nxt = queues[lane][heads[lane]]
         if free_blocks < nxt.blocks or free_seqs < 1:  # the next place to free; then who is furthest under again
             if not ends:

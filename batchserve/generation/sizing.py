@@ -20,7 +20,7 @@ Why these rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 GPU_MAX_SEQS = 2048  # auto slots on a GPU at most (a step of 1,024 rows took 8.18 ms on an H200; 256 took 4.8)
 SLOT_ROUND = 64  # auto slots on a GPU are a multiple of this (when at least this many fit)

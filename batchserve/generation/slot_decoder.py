@@ -36,7 +36,8 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -120,14 +121,15 @@ class SlotCache:
         first `span` positions of the slot (earlier pieces and this one)."""
         self._mode, self._index, self._at, self._span = "continue", slots, at, span
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.keys[layer_idx], self.values[layer_idx]
         if self._mode == "continue":
             slots = self._index[:, None]
             k[slots, :, self._at] = key_states.transpose(1, 2)
             v[slots, :, self._at] = value_states.transpose(1, 2)
-            return k[self._index, :, :self._span], v[self._index, :, :self._span]
+            return k[self._index, :, : self._span], v[self._index, :, : self._span]
         if self._mode == "prefill":
             width = key_states.shape[2]
             k[self._index, :, :width] = key_states
@@ -143,9 +145,18 @@ class SlotDecoder:
     """Continuous-batching decode over `slots` sequences of at most `slot_tokens` tokens (prompt + output) each,
     on one model replica. Not thread-safe: one thread (the engine's stepper) calls it."""
 
-    def __init__(self, model: Any, slots: int, slot_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                 use_graphs: bool | None = None, fixed_shapes: bool | None = None,
-                 prefill_tokens: int = 8192, chunk_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        slots: int,
+        slot_tokens: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        use_graphs: bool | None = None,
+        fixed_shapes: bool | None = None,
+        prefill_tokens: int = 8192,
+        chunk_tokens: int = 0,
+    ) -> None:
         """`use_graphs` (default: on CUDA) captures every bucket's step and prefill; `fixed_shapes` (default: when
         graphs are used; tests turn it on for the CPU) pads rows, spans and prefills up to the buckets;
         `prefill_tokens`: the most padded prompt tokens (joins x width) in one prefill; `chunk_tokens`: the
@@ -243,7 +254,8 @@ class SlotDecoder:
         if self.bool_mask:
             return allowed
         return torch.zeros(allowed.shape, dtype=self.model.dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(self.model.dtype).min)
+            ~allowed, torch.finfo(self.model.dtype).min
+        )
 
     def _pick(self, logits: torch.Tensor, rows: slice | torch.Tensor, sampling: bool) -> torch.Tensor:
         """Each row's next token: argmax, or (sampling) temperature, top_p and the row's draw, all on the
@@ -271,8 +283,13 @@ class SlotDecoder:
         pos = self.pos[:rows]
         allowed = (self.positions[:span][None, :] <= pos[:, None]).view(rows, 1, 1, span)
         self.cache.decode(rows, span, pos)
-        hidden = self.base(input_ids=self.ids[:rows], attention_mask=self._mask(allowed),
-                           position_ids=pos[:, None], cache=self.cache, use_cache=True).last_hidden_state
+        hidden = self.base(
+            input_ids=self.ids[:rows],
+            attention_mask=self._mask(allowed),
+            position_ids=pos[:, None],
+            cache=self.cache,
+            use_cache=True,
+        ).last_hidden_state
         logits = self.head(hidden[:, -1]).float()
         live = ~self.done[:rows]
         self._advance(slice(0, rows), self._pick(logits, slice(0, rows), sampling), live)
@@ -304,13 +321,20 @@ class SlotDecoder:
         released)."""
         if ticket.event is not None:
             ticket.event.synchronize()
-        return (self.out_host[ticket.buffer, :ticket.rows].tolist(),
-                self.done_host[ticket.buffer, :ticket.rows].tolist())
+        return (
+            self.out_host[ticket.buffer, : ticket.rows].tolist(),
+            self.done_host[ticket.buffer, : ticket.rows].tolist(),
+        )
 
     # -- joining ------------------------------------------------------------------------------------------
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                starts: Sequence[int] | None = None,
-                last: Sequence[bool] | None = None) -> tuple[list[int], list[bool]]:
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        starts: Sequence[int] | None = None,
+        last: Sequence[bool] | None = None,
+    ) -> tuple[list[int], list[bool]]:
         """Start sequences in free slots, or carry their prefill on: write these prompt pieces' K/V (piece i holds
         the prompt's tokens from position `starts[i]`, default 0: the whole prompt) and, for each piece that
         ends its prompt (`last`, default all), draw the first token. Returns each row's first token and whether
@@ -319,8 +343,10 @@ class SlotDecoder:
         k, width = len(slots), max(len(p) for p in prompts)
         starts = list(starts) if starts is not None else [0] * k
         last = list(last) if last is not None else [True] * k
-        if any(s + len(p) + (q.left if end else 0) > self.slot_tokens
-               for s, p, q, end in zip(starts, prompts, params, last)):
+        if any(
+            s + len(p) + (q.left if end else 0) > self.slot_tokens
+            for s, p, q, end in zip(starts, prompts, params, last)
+        ):
             raise ValueError(f"a prompt plus its max_tokens is over the slot's {self.slot_tokens} tokens")
         if k > len(self.prompt_slot):
             raise ValueError(f"{k} joins in one prefill: at most {len(self.prompt_slot)} (see prefill_fits)")
@@ -329,8 +355,11 @@ class SlotDecoder:
         rows, wide = shape if shape is not None else (k, width)
         span = 0  # a first piece attends to itself only
         if continued:  # a captured shape attends to the whole slot; an exact one to what it needs
-            span = self.slot_tokens if shape is not None and self.fixed_shapes else max(
-                s + len(p) for s, p in zip(starts, prompts))
+            span = (
+                self.slot_tokens
+                if shape is not None and self.fixed_shapes
+                else max(s + len(p) for s, p in zip(starts, prompts))
+            )
         dev = self.device
         ids = torch.full((rows, wide), self.pad_id, dtype=torch.long)
         lengths = torch.ones(rows, dtype=torch.long)
@@ -380,15 +409,21 @@ class SlotDecoder:
         if span:
             pos = start[:, None] + at[None, :]  # each query's position in its sequence
             keys = self.positions[:span]
-            allowed = ((keys[None, None, :] <= pos[:, :, None])
-                       & (keys[None, None, :] < (start + lengths)[:, None, None]))
+            allowed = (keys[None, None, :] <= pos[:, :, None]) & (
+                keys[None, None, :] < (start + lengths)[:, None, None]
+            )
             self.cache.continuation(where, pos.clamp(max=self.slot_tokens - 1), span)
         else:
             pos = at[None, :].expand(rows, wide)
             allowed = (at[None, :] <= at[:, None])[None] & (at[None, None, :] < lengths[:, None, None])
             self.cache.prefill(where)
-        hidden = self.base(input_ids=ids, attention_mask=self._mask(allowed[:, None]), position_ids=pos,
-                           cache=self.cache, use_cache=True).last_hidden_state
+        hidden = self.base(
+            input_ids=ids,
+            attention_mask=self._mask(allowed[:, None]),
+            position_ids=pos,
+            cache=self.cache,
+            use_cache=True,
+        ).last_hidden_state
         last = hidden[torch.arange(rows, device=ids.device), lengths - 1]
         logits = self.head(last).float()
         self._advance(where, self._pick(logits, where, sampling), ends)
@@ -411,8 +446,18 @@ class SlotDecoder:
             for buffers in (self.cache.keys, self.cache.values):
                 for layer in buffers:
                     layer[dst, :, :span] = layer[src, :, :span]
-            for row in (self.ids, self.pos, self.count, self.max_tokens, self.done, self.stop_at_eos,
-                        self.temperature, self.top_p, self.seed, self.out):
+            for row in (
+                self.ids,
+                self.pos,
+                self.count,
+                self.max_tokens,
+                self.done,
+                self.stop_at_eos,
+                self.temperature,
+                self.top_p,
+                self.seed,
+                self.out,
+            ):
                 row[dst] = row[src]
             self.done[src] = True
 
@@ -439,23 +484,32 @@ class SlotDecoder:
                 t0 = time.perf_counter()
                 self.collect(self.launch(self.slots, min(self.slot_tokens, 256), False))
                 timings.append(time.perf_counter() - t0)
-        log.info("%s for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, %.1f ms a full step)",
-                 warm_summary(self.use_graphs, len(self.graphs), len(self.prefill_graphs) + len(self.chunk_graphs)),
-                 self.slots, self.slot_tokens, self.device, time.monotonic() - started, self.cache.nbytes / 1e9,
-                 min(timings) * 1000)
+        log.info(
+            "%s for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, %.1f ms a full step)",
+            warm_summary(self.use_graphs, len(self.graphs), len(self.prefill_graphs) + len(self.chunk_graphs)),
+            self.slots,
+            self.slot_tokens,
+            self.device,
+            time.monotonic() - started,
+            self.cache.nbytes / 1e9,
+            min(timings) * 1000,
+        )
         return min(timings)
 
     def _capture(self) -> None:
         """Warm each step's and prefill's kernels on a side stream (as the PyTorch docs and the shared anchor
         do), then capture every bucket of both into one memory pool. Safe to share: every graph writes only the
         decoder's own buffers, its temporaries are its own, and a device runs one graph at a time."""
+
         # (graph table, the function captured, its shapes); the prefill buffers hold padding: scratch slot, length 1
         def continued(rows: int, wide: int, sampling: bool) -> None:
             self._prefill_step(rows, wide, sampling, self.slot_tokens)
 
-        kinds = ((self.graphs, self._decode_step, self.shapes()),
-                 (self.prefill_graphs, self._prefill_step, self.prefill_shapes()),
-                 (self.chunk_graphs, continued, self.prefill_shapes(continued=True)))
+        kinds = (
+            (self.graphs, self._decode_step, self.shapes()),
+            (self.prefill_graphs, self._prefill_step, self.prefill_shapes()),
+            (self.chunk_graphs, continued, self.prefill_shapes(continued=True)),
+        )
         with torch.inference_mode(), self._device():
             pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(self.device)

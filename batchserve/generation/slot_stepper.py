@@ -83,8 +83,14 @@ class Filling:
 class SlotStepper:
     """Continuous batching over a `SlotDecoder`'s slots, on a thread of its own."""
 
-    def __init__(self, decoder: SlotDecoder, step_s: float, join_batch: int = 0,
-                 join_delay_steps: int = JOIN_DELAY_STEPS, prefill_step_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        decoder: SlotDecoder,
+        step_s: float,
+        join_batch: int = 0,
+        join_delay_steps: int = JOIN_DELAY_STEPS,
+        prefill_step_tokens: int = 0,
+    ) -> None:
         """`join_batch` (default: a sixteenth of the slots, at least 1) and `join_delay_steps`: see join_now;
         `prefill_step_tokens`: prompt tokens prefilled between two steps at most (default: the decoder's
         prefill_tokens, what one prefill forward holds)."""
@@ -98,10 +104,16 @@ class SlotStepper:
         self.steps = 0  # steps launched
         self.moved = 0  # sequences moved to lower slots
         self.resumable = True  # a cancelled sequence added again with `resumed` recomputes its K/V (preemption)
-        self.capacity = KvCapacity(blocks=decoder.slots, page_size=decoder.slot_tokens, max_seqs=decoder.slots,
-                                 max_sequence_tokens=decoder.slot_tokens)
-        self.description = (f"slots: {decoder.slots} x {decoder.slot_tokens} tokens, "
-                            f"{'CUDA graphs' if decoder.use_graphs else 'eager'} on {decoder.device}")
+        self.capacity = KvCapacity(
+            blocks=decoder.slots,
+            page_size=decoder.slot_tokens,
+            max_seqs=decoder.slots,
+            max_sequence_tokens=decoder.slot_tokens,
+        )
+        self.description = (
+            f"slots: {decoder.slots} x {decoder.slot_tokens} tokens, "
+            f"{'CUDA graphs' if decoder.use_graphs else 'eager'} on {decoder.device}"
+        )
         self._cond = threading.Condition()
         self._joins: list[Join] = []
         self._cancels: list[str] = []
@@ -150,8 +162,9 @@ class SlotStepper:
         try:
             while True:
                 with self._cond:
-                    while not (self._joins or self._cancels or self._live or self._filling or pending
-                               or self._stopping):
+                    while not (
+                        self._joins or self._cancels or self._live or self._filling or pending or self._stopping
+                    ):
                         self._cond.wait()
                     if self._stopping:
                         return
@@ -162,8 +175,14 @@ class SlotStepper:
                     room = len(self._free) + sum(1 for c in cancels if c in self._slot_of)
                     take = 0
                     if self._joins:
-                        take = join_now(len(self._joins), room, max(0, len(self._live) - len(cancels)),
-                                        self.steps - self._joins[0].step, self.join_batch, self.join_delay_steps)
+                        take = join_now(
+                            len(self._joins),
+                            room,
+                            max(0, len(self._live) - len(cancels)),
+                            self.steps - self._joins[0].step,
+                            self.join_batch,
+                            self.join_delay_steps,
+                        )
                     joins, self._joins = self._joins[:take], self._joins[take:]
                 updates: list[TokenUpdate] = []
                 self._drop(cancels)
@@ -184,9 +203,16 @@ class SlotStepper:
             with self._cond:
                 waiting, self._joins = [j.seq_id for j in self._joins], []
             error = f"the generation stepper stopped: {type(exc).__name__}: {exc}"
-            self._send([TokenUpdate(seq_id, [], True, error)
-                        for seq_id in [*(live.seq_id for live in self._live.values()),
-                                       *(f.join.seq_id for f in self._filling if not f.over), *waiting]])
+            self._send(
+                [
+                    TokenUpdate(seq_id, [], True, error)
+                    for seq_id in [
+                        *(live.seq_id for live in self._live.values()),
+                        *(f.join.seq_id for f in self._filling if not f.over),
+                        *waiting,
+                    ]
+                ]
+            )
 
     def _send(self, updates: list[TokenUpdate]) -> None:
         assert self._loop is not None and self._deliver is not None
@@ -225,8 +251,11 @@ class SlotStepper:
     def _prefill(self) -> list[TokenUpdate]:
         """This step's share of the prefill (`plan_prefill`), in forwards that one prefill holds (the decoder's
         prefill_tokens, and on a GPU a captured shape): first pieces and later pieces apart, shortest first."""
-        pieces = plan_prefill([(f.done, len(f.join.prompt_ids)) for f in self._filling], self.prefill_step_tokens,
-                              self.decoder.chunk_tokens)
+        pieces = plan_prefill(
+            [(f.done, len(f.join.prompt_ids)) for f in self._filling],
+            self.prefill_step_tokens,
+            self.decoder.chunk_tokens,
+        )
         updates: list[TokenUpdate] = []
         for continued in (False, True):
             group: list[Piece] = []
@@ -245,8 +274,12 @@ class SlotStepper:
         slots = [f.slot for f in fills]
         try:
             first, done = self.decoder.prefill(
-                slots, [f.join.prompt_ids[p.start:p.start + p.length] for f, p in zip(fills, group)],
-                [f.join.params for f in fills], [p.start for p in group], [p.last for p in group])
+                slots,
+                [f.join.prompt_ids[p.start : p.start + p.length] for f, p in zip(fills, group)],
+                [f.join.params for f in fills],
+                [p.start for p in group],
+                [p.last for p in group],
+            )
         except Exception as exc:  # these sequences fail, the running ones go on
             log.exception("prefill of %d sequences failed", len(group))
             self.decoder.release(slots)
@@ -316,12 +349,27 @@ class SlotStepper:
         return updates
 
 
-def build_slot_stepper(model: Any, eos_ids: list[int], pad_id: int, slots: int, slot_tokens: int,
-                       max_prefill_tokens: int, use_graphs: bool, chunk_tokens: int = 0) -> SlotStepper:
+def build_slot_stepper(
+    model: Any,
+    eos_ids: list[int],
+    pad_id: int,
+    slots: int,
+    slot_tokens: int,
+    max_prefill_tokens: int,
+    use_graphs: bool,
+    chunk_tokens: int = 0,
+) -> SlotStepper:
     """A warmed stepper (graphs captured on CUDA) for `model`: one prefill forward, and the prefill between two
     steps, hold `max_prefill_tokens` prompt tokens at most; a prompt is prefilled in pieces of `chunk_tokens`."""
-    decoder = SlotDecoder(model, slots, slot_tokens, eos_ids, pad_id,
-                          use_graphs=use_graphs and model.device.type == "cuda", prefill_tokens=max_prefill_tokens,
-                          chunk_tokens=chunk_tokens)
+    decoder = SlotDecoder(
+        model,
+        slots,
+        slot_tokens,
+        eos_ids,
+        pad_id,
+        use_graphs=use_graphs and model.device.type == "cuda",
+        prefill_tokens=max_prefill_tokens,
+        chunk_tokens=chunk_tokens,
+    )
     step_s = decoder.warm()
     return SlotStepper(decoder, step_s)

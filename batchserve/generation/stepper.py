@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 GPU_MEMORY_SHARE = 0.5  # share of free GPU memory a stepper's KV cache may take (the batch path's model needs room)
 

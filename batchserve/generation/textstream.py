@@ -32,9 +32,11 @@ class TextStream:
         if hits:
             self.stopped, self._held = True, ""
             return text[: min(hits)]
-        hold = max((n for s in self._stops for n in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:n])), default=0)
-        self._held = text[len(text) - hold:]
+        hold = max(
+            (n for s in self._stops for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])),
+            default=0,
+        )
+        self._held = text[len(text) - hold :]
         return text[: len(text) - hold]
 
     def flush(self) -> str:

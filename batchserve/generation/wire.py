@@ -60,8 +60,9 @@ def _text(content: Any, where: str) -> str:
     raise bad(where, "message content must be a string or a list of text parts")
 
 
-def parse(body: bytes, chat: bool, max_tokens_cap: int, default_temperature: float = 1.0,
-          default_top_p: float = 1.0) -> GenRequest:
+def parse(
+    body: bytes, chat: bool, max_tokens_cap: int, default_temperature: float = 1.0, default_top_p: float = 1.0
+) -> GenRequest:
     """The body as a request; temperature and top_p left out take the defaults (the model's
     generation_config.json, `engine.SamplingDefaults`)."""
     data = json_object(body)
@@ -89,8 +90,11 @@ def parse(body: bytes, chat: bool, max_tokens_cap: int, default_temperature: flo
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
-        token_ids = isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        token_ids = (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        )
         if not (isinstance(prompt, str) and prompt) and not token_ids:
             raise bad("prompt", "'prompt' must be a non-empty string or a list of token ids (one prompt per request)")
         for name in ("echo", "suffix"):
@@ -114,8 +118,9 @@ def parse(body: bytes, chat: bool, max_tokens_cap: int, default_temperature: flo
     stop = data.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4
-                             or not all(isinstance(s, str) and s for s in stop)):
+    if stop is not None and (
+        not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop)
+    ):
         raise bad("stop", "'stop' must be a non-empty string or a list of at most 4 of them")
     seed = _int(data, "seed")
     stream = data.get("stream", False)
@@ -131,10 +136,13 @@ def parse(body: bytes, chat: bool, max_tokens_cap: int, default_temperature: flo
         max_tokens=min(max_tokens or max_tokens_cap, max_tokens_cap),
         temperature=_number(data, "temperature", default_temperature, 0.0, 2.0),
         top_p=_number(data, "top_p", default_top_p, 0.0, 1.0, lo_open=True),
-        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
+        seed=seed,
+        stop=tuple(stop or ()),
+        ignore_eos=ignore_eos,
     )
-    return GenRequest(model, prompt, params, stream, bool(options and options.get("include_usage")),
-                      max_tokens is not None)
+    return GenRequest(
+        model, prompt, params, stream, bool(options and options.get("include_usage")), max_tokens is not None
+    )
 
 
 # -- answers ------------------------------------------------------------------------------------------------
@@ -149,18 +157,30 @@ class Answer:
     prompt_tokens: int
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
 
     def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
-                "usage": self.usage(completion_tokens)}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(completion_tokens),
+        }
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
         if self.chat:
@@ -170,13 +190,23 @@ class Answer:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [],
-                "usage": self.usage(completion_tokens)}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(completion_tokens),
+        }
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -45,7 +45,7 @@ class RandomIds:
         if at >= len(self._pool):
             self._pool, at = os.urandom(self.POOL), 0
         self._at = at + self.ID_BYTES
-        return "req_" + self._pool[at:at + self.ID_BYTES].hex()
+        return "req_" + self._pool[at : at + self.ID_BYTES].hex()
 
 
 new_request_id = RandomIds()
@@ -68,8 +68,12 @@ def client_host(scope: Scope) -> str:
     return client[0] if client else ""
 
 
-INFERENCE_HEADERS = {b"x-request-id": "x-request-id", b"authorization": "authorization",
-                     b"content-type": "content-type", b"content-length": "content-length"}
+INFERENCE_HEADERS = {
+    b"x-request-id": "x-request-id",
+    b"authorization": "authorization",
+    b"content-type": "content-type",
+    b"content-length": "content-length",
+}
 
 
 def inference_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.types import Receive
 

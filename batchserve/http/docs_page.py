@@ -21,10 +21,16 @@ from batchserve.http.body import error_response, request_id_of
 from batchserve.http.openapi import Contribution
 
 # The files the page loads, and nothing else of the package's directory (its editor bundle is not served).
-ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css",
-          "favicon-32x32.png": "image/png", "favicon-16x16.png": "image/png"}
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
-       "connect-src 'self'; frame-ancestors 'none'")
+ASSETS = {
+    "swagger-ui-bundle.js": "text/javascript",
+    "swagger-ui.css": "text/css",
+    "favicon-32x32.png": "image/png",
+    "favicon-16x16.png": "image/png",
+}
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'"
+)
 CACHE = "public, max-age=86400"
 
 PAGE = b"""<!doctype html>
@@ -74,8 +80,9 @@ async def asset(request: Request) -> Response:
     name = request.path_params["name"]
     media = ASSETS.get(name)
     if media is None:
-        return error_response(errors.not_found(f"no asset {errors.short(name)!r} under /docs/assets"),
-                              request_id_of(request))
+        return error_response(
+            errors.not_found(f"no asset {errors.short(name)!r} under /docs/assets"), request_id_of(request)
+        )
     return FileResponse(assets_dir() / name, media_type=media, headers={**_headers(), "Cache-Control": CACHE})
 
 
@@ -86,18 +93,40 @@ ROUTES = [
 ]
 
 _HTML = {"text/html": {"schema": {"type": "string"}}}
-OPENAPI = Contribution({
-    "/docs": {"get": {"operationId": "docs", "summary": "Swagger UI over /openapi.json (assets served locally)",
-                      "responses": {"200": {"description": "the page", "content": _HTML}}}},
-    "/docs/init.js": {"get": {"operationId": "docsInit", "summary": "the page's Swagger UI initializer",
-                              "responses": {"200": {"description": "JavaScript",
-                                                    "content": {"text/javascript": {"schema": {"type": "string"}}}}}}},
-    "/docs/assets/{name}": {"get": {
-        "operationId": "docsAsset", "summary": "Swagger UI's files, from the swagger-ui-py package",
-        "parameters": [{"name": "name", "in": "path", "required": True,
-                        "schema": {"enum": sorted(ASSETS)}}],
-        "responses": {"200": {"description": "the file", "content": {m: {"schema": {"type": "string"}}
-                                                                     for m in sorted(set(ASSETS.values()))}},
-                      "404": {"description": "NOT_FOUND: not one of the page's files",
-                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}}}},
-})
+OPENAPI = Contribution(
+    {
+        "/docs": {
+            "get": {
+                "operationId": "docs",
+                "summary": "Swagger UI over /openapi.json (assets served locally)",
+                "responses": {"200": {"description": "the page", "content": _HTML}},
+            }
+        },
+        "/docs/init.js": {
+            "get": {
+                "operationId": "docsInit",
+                "summary": "the page's Swagger UI initializer",
+                "responses": {
+                    "200": {"description": "JavaScript", "content": {"text/javascript": {"schema": {"type": "string"}}}}
+                },
+            }
+        },
+        "/docs/assets/{name}": {
+            "get": {
+                "operationId": "docsAsset",
+                "summary": "Swagger UI's files, from the swagger-ui-py package",
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"enum": sorted(ASSETS)}}],
+                "responses": {
+                    "200": {
+                        "description": "the file",
+                        "content": {m: {"schema": {"type": "string"}} for m in sorted(set(ASSETS.values()))},
+                    },
+                    "404": {
+                        "description": "NOT_FOUND: not one of the page's files",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+                    },
+                },
+            }
+        },
+    }
+)

@@ -1,7 +1,8 @@
 """Who is calling and whether they may, in one place for every route (issue 23): the caller from its key and
 its client address, its rate-limit tokens, the metrics key of the operational routes, and the count of what was
 answered: the status counts and the SLO ledger (`core/ledger.py`: per model and tier in /metrics, per tenant at
-GET /v1/usage), so every model route books its answers alike. The policy (keys, tiers, token buckets) is `tenancy.py`'s; the guard is where the routes meet it, so
+GET /v1/usage), so every model route books its answers alike. The policy (keys, tiers, token buckets) is
+`tenancy.py`'s; the guard is where the routes meet it, so
 they identify, limit and count alike (the OpenAI routes once passed no client address, and each route counted
 its own answers)."""
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol, Sequence
+from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -80,8 +82,9 @@ class Guard:
         """Spend `count` tokens (the inputs of a list) from the caller's bucket: the X-RateLimit-* headers, or 429."""
         return self.tenancy.take_token(caller, count)
 
-    def admit(self, authorization: str | None, scope: Scope, count: int = 1,
-              openai: bool = False) -> tuple[Caller, dict[str, str]]:
+    def admit(
+        self, authorization: str | None, scope: Scope, count: int = 1, openai: bool = False
+    ) -> tuple[Caller, dict[str, str]]:
         """Identify, then take `count` tokens: the caller and its rate-limit headers."""
         caller = self.identify(authorization, scope, openai)
         return caller, self.tenancy.take_token(caller, count)
@@ -100,8 +103,9 @@ class Guard:
         self.metrics.count_error(model, err)
         self.settle(model, caller, err.status, 0.0, inputs)
 
-    def settle(self, model: str, caller: Caller | None, status: int, latency_s: float, inputs: int = 1,
-               cost: float = 1.0) -> None:
+    def settle(
+        self, model: str, caller: Caller | None, status: int, latency_s: float, inputs: int = 1, cost: float = 1.0
+    ) -> None:
         """The SLO ledger's entry of an answer with `status` (nothing for a 4xx other than 429, or a 499); for
         the routes that count their answers' statuses themselves (the generation engine's)."""
         if caller is None:
@@ -116,8 +120,9 @@ class Guard:
     def _book(self, model: str, caller: Caller, outcome: int, inputs: int, cost: float, latency_s: float) -> None:
         tier = TIER_NAMES[caller.tier]
         served = outcome <= ledger.SLOW
-        self.metrics.count_outcome(model, tier, ledger.OUTCOMES[outcome], inputs if served else 0,
-                                   cost if served else 0.0)
+        self.metrics.count_outcome(
+            model, tier, ledger.OUTCOMES[outcome], inputs if served else 0, cost if served else 0.0
+        )
         self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s)
 
     def shed(self, err: ApiError) -> None:

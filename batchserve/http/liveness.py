@@ -21,7 +21,7 @@ import http.client
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 PROBE_EVERY_S = 0.5  # how often each child is asked
 
@@ -66,8 +66,14 @@ class Prober:
     """A daemon thread that probes one child's own port every `PROBE_EVERY_S` and keeps its `Liveness`; the
     parent's supervision loop reads `hung()` and does the killing (one place decides a child's fate)."""
 
-    def __init__(self, host: str, port: int, hang_s: float, clock: Callable[[], float] = time.monotonic,
-                 ask: Callable[[str, int, float], bool] = probe) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        hang_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        ask: Callable[[str, int, float], bool] = probe,
+    ) -> None:
         self.host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
         self.port, self.clock, self.ask = port, clock, ask
         self.liveness = Liveness(hang_s, clock())
@@ -75,7 +81,7 @@ class Prober:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"probe-{port}", daemon=True)
 
-    def start(self) -> "Prober":
+    def start(self) -> Prober:
         self._thread.start()
         return self
 

@@ -14,8 +14,14 @@ from batchserve.errors import ApiError
 from batchserve.http.openapi import json_content, ref
 
 JSON = "application/json"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 @dataclass
@@ -28,7 +34,7 @@ class OpenAIError(Exception):
     headers: dict[str, str] | None = None
 
     @classmethod
-    def from_api(cls, err: ApiError) -> "OpenAIError":
+    def from_api(cls, err: ApiError) -> OpenAIError:
         headers = dict(err.headers or {})
         if err.retry_after_ms is not None:
             headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
@@ -55,21 +61,34 @@ def json_object(body: bytes) -> dict[str, Any]:
 
 
 def error_response(err: OpenAIError, headers: dict[str, str]) -> Response:
-    return Response(orjson.dumps(err.body()), status_code=err.status, headers={**headers, **(err.headers or {})},
-                    media_type=JSON)
+    return Response(
+        orjson.dumps(err.body()), status_code=err.status, headers={**headers, **(err.headers or {})}, media_type=JSON
+    )
 
 
 SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["error"], "additionalProperties": False,
+    "type": "object",
+    "required": ["error"],
+    "additionalProperties": False,
     "description": "OpenAI's error shape, on the OpenAI-compatible routes only",
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "additionalProperties": False,
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
 
 
 def responses(*statuses: int) -> dict[str, Any]:
     """OpenAPI response objects for these statuses, each in OpenAI's error shape."""
-    return {str(s): {"description": "OpenAI error shape", "content": json_content(ref("OpenAIError"))}
-            for s in statuses}
+    return {
+        str(s): {"description": "OpenAI error shape", "content": json_content(ref("OpenAIError"))} for s in statuses
+    }

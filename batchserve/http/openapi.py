@@ -43,16 +43,24 @@ ERROR_WHEN: dict[int, str] = {
 }
 RETRYABLE = {429, 503}
 
-HEADER_REQUEST_ID = {"description": "the caller's X-Request-ID when it sent a valid one, else the generated id",
-                      "schema": {"type": "string"}}
-_HEADER_RETRY_AFTER = {"description": "seconds to wait before retrying (retry_after_ms rounded up)",
-                       "schema": {"type": "integer", "minimum": 1}}
+HEADER_REQUEST_ID = {
+    "description": "the caller's X-Request-ID when it sent a valid one, else the generated id",
+    "schema": {"type": "string"},
+}
+_HEADER_RETRY_AFTER = {
+    "description": "seconds to wait before retrying (retry_after_ms rounded up)",
+    "schema": {"type": "integer", "minimum": 1},
+}
 _RATE_HEADERS = {
-    "X-RateLimit-Limit": {"description": "the key's bucket size: the most requests it may send at once (the "
-                                         "bucket refills at the tier's or key's rate per second)",
-                          "schema": {"type": "number"}},
-    "X-RateLimit-Remaining": {"description": "whole requests left in the key's bucket, never above the limit",
-                              "schema": {"type": "number"}},
+    "X-RateLimit-Limit": {
+        "description": "the key's bucket size: the most requests it may send at once (the "
+        "bucket refills at the tier's or key's rate per second)",
+        "schema": {"type": "number"},
+    },
+    "X-RateLimit-Remaining": {
+        "description": "whole requests left in the key's bucket, never above the limit",
+        "schema": {"type": "number"},
+    },
     "X-RateLimit-Reset": {"description": "seconds until the bucket is full again", "schema": {"type": "number"}},
 }
 
@@ -66,8 +74,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "error": {"type": "string", "pattern": "^[A-Z][A-Z0-9_]*$", "description": "machine-readable code"},
             "message": {"type": "string", "description": "a human sentence"},
             "request_id": {"type": "string"},
-            "retry_after_ms": {"type": "integer", "minimum": 0,
-                               "description": "present where retrying later can help (with a Retry-After header)"},
+            "retry_after_ms": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "present where retrying later can help (with a Retry-After header)",
+            },
         },
     },
 }
@@ -128,20 +139,28 @@ def build(*contributions: Contribution) -> dict[str, Any]:
         schemas.update(copy.deepcopy(c.schemas))
     return {
         "openapi": "3.1.0",
-        "info": {"title": "batchserve", "version": VERSION,
-                 "description": "Dynamic-batching inference server: single synchronous requests in, GPU batches "
-                                "inside. Every error is JSON: {error, message, request_id} (plus retry_after_ms) "
-                                "on batchserve's own routes, OpenAI's {error: {message, type, param, code}} on "
-                                "/v1/embeddings, /v1/chat/completions and /v1/completions, KServe v2's {error} on "
-                                "/v2; a Retry-After header wherever retrying later can help."},
+        "info": {
+            "title": "batchserve",
+            "version": VERSION,
+            "description": "Dynamic-batching inference server: single synchronous requests in, GPU batches "
+            "inside. Every error is JSON: {error, message, request_id} (plus retry_after_ms) "
+            "on batchserve's own routes, OpenAI's {error: {message, type, param, code}} on "
+            "/v1/embeddings, /v1/chat/completions and /v1/completions, KServe v2's {error} on "
+            "/v2; a Retry-After header wherever retrying later can help.",
+        },
         # OAS 3.1's own dialect (JSON Schema 2020-12 plus OpenAPI's vocabulary), its default: tools such as
         # Swagger UI refuse any other value with a warning.
         "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",
         "paths": paths,
         "components": {
             "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                           "description": "an API key, when the server has keys configured"}},
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "an API key, when the server has keys configured",
+                }
+            },
         },
         "security": [{"bearer": []}, {}],
     }

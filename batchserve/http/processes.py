@@ -91,7 +91,7 @@ def device_shares(settings: Settings) -> list[Share]:
     if total > len(ids) or total % n:
         raise ValueError(f"{total} CUDA device(s) do not split evenly over --processes {n}")
     per = total // n
-    return [Share(per, ",".join(ids[k * per:(k + 1) * per])) for k in range(n)]
+    return [Share(per, ",".join(ids[k * per : (k + 1) * per])) for k in range(n)]
 
 
 def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -127,9 +127,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def child_main(settings: Settings, app_factory: AppFactory, index: int, share: Share, port: int, own_port: int,
-               draining: Event, listening: Event, elsewhere: tuple[str, ...] = (),
-               own_port_out: "Synchronized[int] | None" = None) -> None:
+def child_main(
+    settings: Settings,
+    app_factory: AppFactory,
+    index: int,
+    share: Share,
+    port: int,
+    own_port: int,
+    draining: Event,
+    listening: Event,
+    elsewhere: tuple[str, ...] = (),
+    own_port_out: Synchronized[int] | None = None,
+) -> None:
     """One child: load and warm its models on its devices (`elsewhere`: those answered by another path, built as
     shells: `backends/loading.py`), then serve the shared port and its own (told to the parent through
     `own_port_out`, where it probes the child's liveness)."""
@@ -137,8 +146,10 @@ def child_main(settings: Settings, app_factory: AppFactory, index: int, share: S
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only, which drains the group in order
     if share.cuda_visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = share.cuda_visible
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s [process {index} pid {os.getpid()}] %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s [process {index} pid {os.getpid()}] %(message)s",
+    )
     logsafe.install()  # as the parent's: a caller's control characters never forge a child's log line
     from batchserve.backends.loading import PluginError, load_models
     from batchserve.http.server import serve
@@ -159,10 +170,17 @@ def child_main(settings: Settings, app_factory: AppFactory, index: int, share: S
     except PluginError as exc:
         print(f"batchserve: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    log.info("process %d of %d (pid %d): %d device(s)%s; its own port %s:%d (/metrics, /readyz, /internal/health "
-             "of this process alone)", index, slot.of, os.getpid(), share.devices,
-             f" (CUDA_VISIBLE_DEVICES={share.cuda_visible})" if share.cuda_visible is not None else "",
-             settings.host, own_port)
+    log.info(
+        "process %d of %d (pid %d): %d device(s)%s; its own port %s:%d (/metrics, /readyz, /internal/health "
+        "of this process alone)",
+        index,
+        slot.of,
+        os.getpid(),
+        share.devices,
+        f" (CUDA_VISIBLE_DEVICES={share.cuda_visible})" if share.cuda_visible is not None else "",
+        settings.host,
+        own_port,
+    )
     sys.exit(serve(settings, app_factory, loaded, sockets=[shared, own], group=ChildGroup(draining, listening)))
 
 
@@ -173,7 +191,7 @@ class Slot:
     process: mp.process.BaseProcess | None = None
     listening: Event | None = None
     started_at: float = 0.0
-    own_port: "Synchronized[int] | None" = None  # the child's own port, once it has bound it
+    own_port: Synchronized[int] | None = None  # the child's own port, once it has bound it
     prober: Prober | None = None  # asks the child's own port, once it listens
     killed_hung: float = 0.0  # > 0: killed as hung after this many silent seconds
 
@@ -197,8 +215,11 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
     if settings.jobs_db and not is_postgres_url(settings.jobs_db):
         # The default SQLite job store belongs to one process, and the shared port would send a job's GET to a
         # process that never saw it (an explicit SQLite --jobs-db is refused by Settings.check).
-        log.warning("--processes %d: batch jobs are off (the default SQLite job store belongs to one process); "
-                    "give --jobs-db postgresql://... to serve /v1/batches from every process", settings.processes)
+        log.warning(
+            "--processes %d: batch jobs are off (the default SQLite job store belongs to one process); "
+            "give --jobs-db postgresql://... to serve /v1/batches from every process",
+            settings.processes,
+        )
         settings = replace(settings, jobs_db="")
     # The port, reserved by the parent (bound with SO_REUSEPORT, never listening: it takes no connection) so
     # that port 0 names one port for every child, and a replacement can always bind it again.
@@ -214,9 +235,22 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
             slot.prober.stop()
         slot.listening, slot.own_port, slot.prober, slot.killed_hung = ctx.Event(), ctx.Value("i", 0), None, 0.0
         own = settings.process_port_base + slot.index if settings.process_port_base else 0
-        slot.process = ctx.Process(target=child_main, name=f"batchserve-{slot.index}",
-                                   args=(settings, app_factory, slot.index, slot.share, port, own, draining,
-                                         slot.listening, elsewhere, slot.own_port))
+        slot.process = ctx.Process(
+            target=child_main,
+            name=f"batchserve-{slot.index}",
+            args=(
+                settings,
+                app_factory,
+                slot.index,
+                slot.share,
+                port,
+                own,
+                draining,
+                slot.listening,
+                elsewhere,
+                slot.own_port,
+            ),
+        )
         slot.started_at = time.monotonic()
         slot.process.start()
 
@@ -224,8 +258,15 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
         """Probe a child once it listens; kill it (then it is replaced below) once it has answered nothing
         for --process-hang-s."""
         proc = slot.process
-        if settings.process_hang_s <= 0 or stopping or proc is None or proc.exitcode is not None or \
-                slot.killed_hung or slot.listening is None or not slot.listening.is_set():
+        if (
+            settings.process_hang_s <= 0
+            or stopping
+            or proc is None
+            or proc.exitcode is not None
+            or slot.killed_hung
+            or slot.listening is None
+            or not slot.listening.is_set()
+        ):
             return
         if slot.prober is None:
             assert slot.own_port is not None
@@ -234,9 +275,13 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
         if slot.prober.hung() and proc.pid:
             slot.killed_hung = slot.prober.silent_for()
             slot.prober.stop()
-            log.error("process %d (pid %s) answered no health probe on its own port for %.1f s (stopped, "
-                      "deadlocked or its event loop held): killing it (SIGKILL) to replace it", slot.index, proc.pid,
-                      slot.killed_hung)
+            log.error(
+                "process %d (pid %s) answered no health probe on its own port for %.1f s (stopped, "
+                "deadlocked or its event loop held): killing it (SIGKILL) to replace it",
+                slot.index,
+                proc.pid,
+                slot.killed_hung,
+            )
             kill_group(proc.pid)
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
@@ -255,8 +300,13 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("%d processes on %s:%d (SO_REUSEPORT), %s device(s) each", len(slots), settings.host, port,
-             shares[0].devices or "auto")
+    log.info(
+        "%d processes on %s:%d (SO_REUSEPORT), %s device(s) each",
+        len(slots),
+        settings.host,
+        port,
+        shares[0].devices or "auto",
+    )
     for slot in slots:
         start(slot)
     status = 0
@@ -282,13 +332,18 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
                 # would fail the same way. Killed by a signal while warming (a lone SIGTERM, the OOM killer), it
                 # is replaced like any child.
                 if not slot.listening.is_set() and proc.exitcode > 0:
-                    log.error("process %d (pid %s) exited with %s before it listened: stopping the others",
-                              slot.index, proc.pid, proc.exitcode)
+                    log.error(
+                        "process %d (pid %s) exited with %s before it listened: stopping the others",
+                        slot.index,
+                        proc.pid,
+                        proc.exitcode,
+                    )
                     status = proc.exitcode if proc.exitcode and proc.exitcode > 0 else 1
                     on_signal(signal.SIGTERM, None)
                     continue
-                log.info("process %d (pid %s) exited with %s: starting a replacement", slot.index, proc.pid,
-                         proc.exitcode)
+                log.info(
+                    "process %d (pid %s) exited with %s: starting a replacement", slot.index, proc.pid, proc.exitcode
+                )
                 time.sleep(max(0.0, slot.started_at + RESPAWN_GAP_S - time.monotonic()))
                 if not stopping:
                     start(slot)

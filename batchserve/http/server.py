@@ -20,7 +20,8 @@ import socket
 import sys
 import time
 from types import FrameType
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -51,8 +52,12 @@ class Group(Protocol):
 class AppFactory(Protocol):
     """`app.create_app`, handed in by the wiring (cli.py): the HTTP layer imports no wing and not the app."""
 
-    def __call__(self, settings: Settings, loaded: LoadedModels | None = None,
-                 on_startup_failure: Callable[[str, int], None] | None = None) -> ASGIApp: ...
+    def __call__(
+        self,
+        settings: Settings,
+        loaded: LoadedModels | None = None,
+        on_startup_failure: Callable[[str, int], None] | None = None,
+    ) -> ASGIApp: ...
 
 
 class DrainingServer(uvicorn.Server):
@@ -66,8 +71,9 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if sockets is not None and not self.should_exit:  # uvicorn says where it listens only for its own sockets
             host, port = sockets[0].getsockname()[:2]
-            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
-                                                    f"[{host}]" if ":" in host else host, port)
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port
+            )
         if self.group is not None and not self.should_exit:
             self.group.listening()
 
@@ -91,8 +97,10 @@ class DrainingServer(uvicorn.Server):
         # /readyz to take it out, the kernel does at the close). Its own port stays open for /readyz.
         alone = self.group is not None and not self.group.draining()
         if alone and getattr(self, "servers", None):  # (none yet when the signal comes during start-up)
-            log.info("draining this process alone: its listener on the shared port is closed; the other "
-                     "processes take new connections")
+            log.info(
+                "draining this process alone: its listener on the shared port is closed; the other "
+                "processes take new connections"
+            )
             self.servers[0].close()
             grace_over = time.monotonic()
         try:
@@ -111,7 +119,6 @@ class DrainingServer(uvicorn.Server):
             await self.linger(served)
         finally:
             self.should_exit = True
-
 
     async def linger(self, served: int) -> None:
         """Wait DRAIN_LINGER_S for the open connections, or less once none is open: with the listener closed
@@ -160,14 +167,24 @@ SWITCH_INTERVAL_S = 0.0001
 
 def connection_guard(settings: Settings) -> ConnectionGuard:
     """The limits every connection is held to (docs/hardening.md)."""
-    return ConnectionGuard.create(ConnectionLimits(
-        max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
-        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
-        max_connections=settings.max_connections))
+    return ConnectionGuard.create(
+        ConnectionLimits(
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
+            header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            max_connections=settings.max_connections,
+        )
+    )
 
 
-def serve(settings: Settings, app_factory: AppFactory, loaded: LoadedModels | None = None,
-          sockets: list[socket.socket] | None = None, group: Group | None = None) -> int:
+def serve(
+    settings: Settings,
+    app_factory: AppFactory,
+    loaded: LoadedModels | None = None,
+    sockets: list[socket.socket] | None = None,
+    group: Group | None = None,
+) -> int:
     """Run until stopped: 0 after a drain; when start-up failed, 2 for a backend that cannot be served (its one
     line, `batchserve: error: ...`, printed last on stderr) and 1 for anything else. The process exits rather
     than answer 503 for ever: a supervisor restarts it or shows the failure. `sockets` (bound, not listening)
@@ -183,9 +200,14 @@ def serve(settings: Settings, app_factory: AppFactory, loaded: LoadedModels | No
         server.should_exit = True
 
     guard = connection_guard(settings)
-    log.info("connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
-             guard.cap, settings.header_timeout_s, settings.max_header_bytes, settings.body_timeout_s,
-             settings.keep_alive_timeout_s)
+    log.info(
+        "connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
+        guard.cap,
+        settings.header_timeout_s,
+        settings.max_header_bytes,
+        settings.body_timeout_s,
+        settings.keep_alive_timeout_s,
+    )
     config = uvicorn.Config(
         app_factory(settings, loaded, on_startup_failure=startup_failed),
         host=settings.host,

@@ -20,7 +20,8 @@ What httptools and uvicorn leave open, and how it is closed here:
 - Unread bodies. An answer given before the request body was read whole (401, 413, any early refusal) says
   `Connection: close`, and the connection is not reused. It lingers, as nginx's does: the answer goes out
   followed by a FIN, the rest of the body is read and thrown away (`LINGER_BYTES` at most, within
-  `LINGER_S` of silence, `LINGER_MAX_S` in all), and the connection closes once the body ends. Closing at once, with the body still arriving,
+  `LINGER_S` of silence, `LINGER_MAX_S` in all), and the connection closes once the body ends. Closing at once, with
+  the body still arriving,
   made the kernel reset the connection, and a client that writes its whole body before reading (httpx's
   async client) got a reset instead of its 413.
 - Transfer codings other than `chunked` (e.g. `gzip, chunked`) are refused with 501: the body would reach
@@ -33,7 +34,8 @@ import asyncio
 import random
 import resource
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
@@ -80,7 +82,7 @@ class ConnectionGuard:
 
     limits: ConnectionLimits
     cap: int
-    waiting: dict["GuardedHttpToolsProtocol", None] = field(default_factory=dict)  # insertion-ordered
+    waiting: dict[GuardedHttpToolsProtocol, None] = field(default_factory=dict)  # insertion-ordered
     sweep_s: float = 1.0
     _sweep: asyncio.TimerHandle | None = None
     peak: int = 0  # most connections open at once since the last heap trim
@@ -88,7 +90,7 @@ class ConnectionGuard:
     _last_open: int = 0  # open connections at the previous sweep
 
     @classmethod
-    def create(cls, limits: ConnectionLimits) -> "ConnectionGuard":
+    def create(cls, limits: ConnectionLimits) -> ConnectionGuard:
         shortest = min(limits.header_timeout_s, limits.body_timeout_s)
         return cls(limits, connection_cap(limits.max_connections), sweep_s=min(1.0, max(0.02, shortest / 5)))
 
@@ -118,7 +120,7 @@ class ConnectionGuard:
             self.trims += 1
             loop.run_in_executor(None, release_free_memory)
 
-    def make_room(self, newcomer: "GuardedHttpToolsProtocol", open_now: int) -> bool:
+    def make_room(self, newcomer: GuardedHttpToolsProtocol, open_now: int) -> bool:
         """Past the cap: close the connection that has waited longest without a request, so the newcomer is
         served. False when every other connection has a request in the app (the newcomer is then closed)."""
         if open_now <= self.cap:
@@ -153,7 +155,7 @@ class _Lingering:
 
     __slots__ = ("transport", "protocol")
 
-    def __init__(self, transport: asyncio.Transport, protocol: "GuardedHttpToolsProtocol") -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpToolsProtocol) -> None:
         self.transport = transport
         self.protocol = protocol
 
@@ -258,7 +260,6 @@ class _GuardedCycle(RequestResponseCycle):
             self.transport = transport
             first.flush()  # a HEAD answer, or an error: the head still goes out, in order
 
-
     async def send_whole(self, status: int, head: bytes, body: bytes) -> None:
         """A whole answer of known length in one write, for a route that builds its headers itself from values
         it knows are safe (`head`: its header lines, each ending in CRLF, no Content-Length): the same bytes
@@ -308,8 +309,17 @@ def json_error_answer(err: ApiError) -> bytes:
     """A whole error answer in DESIGN §2's shape, written by the protocol itself (the app never saw it)."""
     request_id = new_request_id()
     body = orjson.dumps({"error": err.code, "message": err.message, "request_id": request_id})
-    return b"".join([STATUS_LINE[err.status], b"content-type: application/json\r\nx-request-id: ", request_id.encode(),
-                     b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body])
+    return b"".join(
+        [
+            STATUS_LINE[err.status],
+            b"content-type: application/json\r\nx-request-id: ",
+            request_id.encode(),
+            b"\r\ncontent-length: ",
+            str(len(body)).encode(),
+            b"\r\nconnection: close\r\n\r\n",
+            body,
+        ]
+    )
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -402,8 +412,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(view[:room])  # type: ignore[arg-type]  # httptools feeds any buffer; uvicorn says bytes
         if self.in_head:
             if self.parser is not None and not self.transport.is_closing():
-                self.refuse(errors.headers_too_large(
-                    f"the request head is over the {self.limits.max_header_bytes}-byte limit"))
+                self.refuse(
+                    errors.headers_too_large(f"the request head is over the {self.limits.max_header_bytes}-byte limit")
+                )
             return
         if self.parser is not None and not self.transport.is_closing():
             self.data_received(view[room:])
@@ -459,11 +470,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # The app is waiting on the body: it sees a disconnect, and writes nothing after this answer.
             self.cycle.disconnected = True
             self.cycle.message_event.set()
-            self.refuse(errors.request_timeout(
-                f"the request body did not arrive within {self.limits.body_timeout_s:g} s"))
+            self.refuse(
+                errors.request_timeout(f"the request body did not arrive within {self.limits.body_timeout_s:g} s")
+            )
             return
-        self.refuse(errors.request_timeout(
-            f"the request head did not arrive within {self.limits.header_timeout_s:g} s"))
+        self.refuse(
+            errors.request_timeout(f"the request head did not arrive within {self.limits.header_timeout_s:g} s")
+        )
 
     def refuse(self, err: ApiError) -> None:
         self.refusal = err

@@ -17,7 +17,10 @@ def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, s
     if model is not None and (not isinstance(model, str) or not model):
         raise errors.invalid('"model" must be a non-empty string when given')
     timeout_ms = data.get("timeout_ms", s.timeout_ms)
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not (
-            0 < timeout_ms <= s.max_timeout_ms):
+    if (
+        isinstance(timeout_ms, bool)
+        or not isinstance(timeout_ms, int | float)
+        or not (0 < timeout_ms <= s.max_timeout_ms)
+    ):
         raise errors.invalid(f'"timeout_ms" must be a number of milliseconds in (0, {s.max_timeout_ms:.0f}]')
     return text, model, timeout_ms / 1000

@@ -72,42 +72,66 @@ async def internal_health(request: Request) -> Response:
     workers = []
     if rt.pool is not None:
         for w in rt.pool.workers:
-            workers.append({
-                "id": w.index, "device": w.name, "healthy": w.healthy, "busy": w.batch is not None,
-                "batch_size": len(w.batch.items) if w.batch is not None else 0,
-                "running_ms": round((now - w.started) * 1000) if w.batch is not None else 0,
-                "batches": w.batches, "busy_ratio": round(rt.busy_ratios.get(w.name, 0.0), 3),
-            })
+            workers.append(
+                {
+                    "id": w.index,
+                    "device": w.name,
+                    "healthy": w.healthy,
+                    "busy": w.batch is not None,
+                    "batch_size": len(w.batch.items) if w.batch is not None else 0,
+                    "running_ms": round((now - w.started) * 1000) if w.batch is not None else 0,
+                    "batches": w.batches,
+                    "busy_ratio": round(rt.busy_ratios.get(w.name, 0.0), 3),
+                }
+            )
     healthy = sum(1 for w in workers if w["healthy"])
     load = rt.load_reading()
     batch_times, answer_times = rt.batch_times(), rt.answer_times()
-    status = ("draining" if rt.draining else "starting" if not rt.ready else
-              "ok" if healthy == len(workers) else "degraded" if healthy else "unavailable")
-    return json_response({
-        "status": status,
-        "gpu_utilization": round(rt.gpu_utilization, 3),
-        "queue_depth": rt.batcher.total_depth(),
-        "requests_per_second": round(rt.requests_per_second, 1),
-        "inflight": rt.service.inflight,
-        # The batcher's models by their learned batch time; the stepper's (their /v1/inference runs on the
-        # generation engine, docs/capacity.md) by their answer time, and each model by the path that answers it.
-        "batch_ms": {m: round(v * 1000, 1) for m, v in batch_times.items()},
-        "answer_ms": {m: round(v * 1000, 1) for m, v in answer_times.items()},
-        "inference_path": {**{m: "batcher" for m in batch_times}, **{m: "stepper" for m in answer_times}},
-        "slo_ms": rt.settings.slo_ms, "timeout_ms": rt.settings.timeout_ms,  # set, or derived from the warm-up
-        "batch_ms_by_size": {m: {str(n): round(v * 1000, 1) for n, v in rt.batcher.batch_s.by_size(m).items()}
-                             for m in rt.batcher.batch_s.models() if m in batch_times},
-        "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
-        "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
-        "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)
-        "predicted_wait_ratio": round(load.predicted_wait_ratio(), 3),
-        "workers": workers,
-        # Which process answered: with --processes the shared port reaches any of them; each one's own port
-        # reaches it alone (batchserve/http/processes.py).
-        "pid": os.getpid(),
-        "process": ({"index": slot.index, "of": slot.of, "own_port": slot.own_port}
-                    if (slot := rt.settings.process_slot) is not None else None),
-    })
+    status = (
+        "draining"
+        if rt.draining
+        else "starting"
+        if not rt.ready
+        else "ok"
+        if healthy == len(workers)
+        else "degraded"
+        if healthy
+        else "unavailable"
+    )
+    return json_response(
+        {
+            "status": status,
+            "gpu_utilization": round(rt.gpu_utilization, 3),
+            "queue_depth": rt.batcher.total_depth(),
+            "requests_per_second": round(rt.requests_per_second, 1),
+            "inflight": rt.service.inflight,
+            # The batcher's models by their learned batch time; the stepper's (their /v1/inference runs on the
+            # generation engine, docs/capacity.md) by their answer time, and each model by the path that answers it.
+            "batch_ms": {m: round(v * 1000, 1) for m, v in batch_times.items()},
+            "answer_ms": {m: round(v * 1000, 1) for m, v in answer_times.items()},
+            "inference_path": {**{m: "batcher" for m in batch_times}, **{m: "stepper" for m in answer_times}},
+            "slo_ms": rt.settings.slo_ms,
+            "timeout_ms": rt.settings.timeout_ms,  # set, or derived from the warm-up
+            "batch_ms_by_size": {
+                m: {str(n): round(v * 1000, 1) for n, v in rt.batcher.batch_s.by_size(m).items()}
+                for m in rt.batcher.batch_s.models()
+                if m in batch_times
+            },
+            "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
+            "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
+            "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)
+            "predicted_wait_ratio": round(load.predicted_wait_ratio(), 3),
+            "workers": workers,
+            # Which process answered: with --processes the shared port reaches any of them; each one's own port
+            # reaches it alone (batchserve/http/processes.py).
+            "pid": os.getpid(),
+            "process": (
+                {"index": slot.index, "of": slot.of, "own_port": slot.own_port}
+                if (slot := rt.settings.process_slot) is not None
+                else None
+            ),
+        }
+    )
 
 
 async def metrics(request: Request) -> Response:

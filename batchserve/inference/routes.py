@@ -24,8 +24,16 @@ from batchserve.core.handler import InferenceHandler
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import (error_body, error_response, inference_headers, json_response,
-                                  new_request_id, read_body_from, request_id_from, send_json)
+from batchserve.http.body import (
+    error_body,
+    error_response,
+    inference_headers,
+    json_response,
+    new_request_id,
+    read_body_from,
+    request_id_from,
+    send_json,
+)
 from batchserve.http.disconnect import Watcher, disconnect_probe
 from batchserve.http.guards import Guard, costs_of
 from batchserve.inference.body import parse_inference
@@ -50,8 +58,9 @@ class InferenceHost(Protocol):
 
 
 # The 200 answer's own header lines (X-RateLimit-* follow for a keyed caller): request id, queue and compute ms.
-ANSWER_HEAD = (b"content-type: application/json\r\nx-request-id: %s\r\n"
-               b"server-timing: queue;dur=%.1f, compute;dur=%.1f\r\n")
+ANSWER_HEAD = (
+    b"content-type: application/json\r\nx-request-id: %s\r\nserver-timing: queue;dur=%.1f, compute;dur=%.1f\r\n"
+)
 
 
 class InferenceEndpoint:
@@ -85,17 +94,33 @@ class InferenceEndpoint:
             # to the generation engine's stepper (`--inference-path`, generation/inference.py).
             handler: InferenceHandler = rt.service
             try:
-                result = await handler.infer(text, model_id, caller.tier, caller.tenant, timeout_s, arrived,
-                                             request_id, disconnect_probe(receive) or Watcher(receive),
-                                             caller.owner)
+                result = await handler.infer(
+                    text,
+                    model_id,
+                    caller.tier,
+                    caller.tenant,
+                    timeout_s,
+                    arrived,
+                    request_id,
+                    disconnect_probe(receive) or Watcher(receive),
+                    caller.owner,
+                )
             except ClientGone:
                 return  # nobody reads an answer: the connection is gone
             latency_s = time.monotonic() - arrived
             queue_ms, compute_ms = result.queue_s * 1000, result.compute_s * 1000
             guard.ok(model_id, latency_s, caller, 1, costs_of(rt.backends.get(model_id), (text,)))
-            out = orjson.dumps({"request_id": request_id, "output": result.output, "model": model_id,
-                                "latency_ms": round(latency_s * 1000), "queue_ms": round(queue_ms),
-                                "compute_ms": round(compute_ms), "batch_size": result.batch_size})
+            out = orjson.dumps(
+                {
+                    "request_id": request_id,
+                    "output": result.output,
+                    "model": model_id,
+                    "latency_ms": round(latency_s * 1000),
+                    "queue_ms": round(queue_ms),
+                    "compute_ms": round(compute_ms),
+                    "batch_size": result.batch_size,
+                }
+            )
             send_whole = whole_answer_sender(send)
             if send_whole is not None:  # our own protocol: one write, no per-header checks (all values are ours)
                 head = ANSWER_HEAD % (request_id.encode(), queue_ms, compute_ms)  # one format, not one per header
@@ -103,10 +128,13 @@ class InferenceEndpoint:
                     head += b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in limit_headers.items())
                 await send_whole(200, head, out)
                 return
-            raw_headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode()),
-                           (b"server-timing", b"queue;dur=%.1f, compute;dur=%.1f" % (queue_ms, compute_ms)),
-                           *[(k.encode(), v.encode()) for k, v in limit_headers.items()],
-                           (b"content-length", b"%d" % len(out))]
+            raw_headers = [
+                (b"content-type", b"application/json"),
+                (b"x-request-id", request_id.encode()),
+                (b"server-timing", b"queue;dur=%.1f, compute;dur=%.1f" % (queue_ms, compute_ms)),
+                *[(k.encode(), v.encode()) for k, v in limit_headers.items()],
+                (b"content-length", b"%d" % len(out)),
+            ]
             await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
             await send({"type": "http.response.body", "body": out})
         except ApiError as err:
@@ -138,10 +166,19 @@ async def request_status(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     rt: InferenceHost = request.app.state.rt
-    data = [{"id": spec.id, "object": "model", "owned_by": "batchserve", "name": spec.name,
-             "version": spec.version, "backend": spec.backend, "weight": spec.weight,
-             "output_kind": b.output_kind if (b := rt.backends.get(spec.id)) is not None else None}
-            for spec in rt.registry.specs]
+    data = [
+        {
+            "id": spec.id,
+            "object": "model",
+            "owned_by": "batchserve",
+            "name": spec.name,
+            "version": spec.version,
+            "backend": spec.backend,
+            "weight": spec.weight,
+            "output_kind": b.output_kind if (b := rt.backends.get(spec.id)) is not None else None,
+        }
+        for spec in rt.registry.specs
+    ]
     # The chat model first: clients that take the first id as the model to chat with (guidellm, many UIs)
     # get one that /v1/chat/completions accepts.
     return json_response({"object": "list", "data": [*rt.model_cards(), *data]})

@@ -14,7 +14,8 @@ import logging
 import secrets
 import sqlite3
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -34,8 +35,18 @@ from batchserve.jobs.lines import EMBEDDINGS, GENERATION
 from batchserve.jobs.files import CHUNK_BYTES, StorageFull
 from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, check_expires_after
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import (ACTIVE, FileGone, IdempotencyConflict, Job, JobStore, NewJob, Progress, StoreDown,
-                                   StoreUnavailable, UnstorableInput)
+from batchserve.jobs.store import (
+    ACTIVE,
+    FileGone,
+    IdempotencyConflict,
+    Job,
+    JobStore,
+    NewJob,
+    Progress,
+    StoreDown,
+    StoreUnavailable,
+    UnstorableInput,
+)
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
@@ -44,7 +55,6 @@ log = logging.getLogger("batchserve.jobs")
 RESULTS_PAGE = 2000  # rows read from the store per step of the NDJSON stream
 MAX_IDEMPOTENCY_KEY = 255
 LIST_DEFAULT, LIST_MAX = 20, 100
-
 
 
 class JobsHost(Protocol):
@@ -74,8 +84,7 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         rt.guard.counted()  # every answer below, whatever its status
         try:
             # OpenAI clients always send a key: with no keys configured, any key is anonymous (as on /v1/embeddings)
-            caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), request.scope,
-                                                   openai=True)
+            caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), request.scope, openai=True)
             if not rt.settings.jobs_db:
                 raise errors.not_found("batch jobs are disabled on this server (--jobs-db is empty)")
             svc = rt.jobs
@@ -85,16 +94,18 @@ def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             response.headers.update({"X-Request-ID": request_id, **limit_headers})
             return response
         except StorageFull as full:
-            err = (errors.overloaded(full.message, 60_000) if full.server
-                   else errors.payload_too_large(full.message))
+            err = errors.overloaded(full.message, 60_000) if full.server else errors.payload_too_large(full.message)
             return error_response(err, request_id)
         except StoreDown as exc:  # refused by the breaker in microseconds: the outage was logged once already
             return error_response(errors.jobs_unavailable(str(exc), 1000), request_id)
         except (sqlite3.Error, StoreUnavailable) as exc:
             log.error("job store error: %s", exc)  # no traceback: an outage would write one per request
-            return error_response(errors.jobs_unavailable(  # no store text to the caller: it may name paths
-                f"the job store failed on this request ({type(exc).__name__}; the server log says more)", 1000),
-                request_id)
+            return error_response(
+                errors.jobs_unavailable(  # no store text to the caller: it may name paths
+                    f"the job store failed on this request ({type(exc).__name__}; the server log says more)", 1000
+                ),
+                request_id,
+            )
         except ApiError as err:
             if limit_headers and not err.headers:
                 err.headers = limit_headers
@@ -125,8 +136,9 @@ async def create_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
     key = idempotency_key(request)
     s = rt.settings
     try:
-        body = await read_job_body(request, request.headers.get("content-type", ""), s.jobs_max_body_bytes,
-                                   s.jobs_max_items, s.max_input_chars)
+        body = await read_job_body(
+            request, request.headers.get("content-type", ""), s.jobs_max_body_bytes, s.jobs_max_items, s.max_input_chars
+        )
     except ClientDisconnect:
         return Response(status_code=499)
     if body.openai:
@@ -139,9 +151,17 @@ async def create_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
         raise errors.model_not_found(requested)
     store = await svc.open_store()
     now = time.time()
-    new = NewJob("batch_" + secrets.token_hex(12), caller.owner, spec.id, inputs, metadata, key,
-                 request_hash(inputs, requested, metadata), now,
-                 expires_at=expiry(now, None, s.batches_expire_days))
+    new = NewJob(
+        "batch_" + secrets.token_hex(12),
+        caller.owner,
+        spec.id,
+        inputs,
+        metadata,
+        key,
+        request_hash(inputs, requested, metadata),
+        now,
+        expires_at=expiry(now, None, s.batches_expire_days),
+    )
     try:
         job, created = await store.create(new)
     except IdempotencyConflict:
@@ -173,8 +193,9 @@ def public(job: Job) -> dict[str, Any]:
     return batch_object(job) if job.openai is not None else job.public()
 
 
-async def create_openai_batch(values: dict[str, Any], key: str | None, rt: JobsHost, svc: JobService,
-                              caller: Caller) -> Response:
+async def create_openai_batch(
+    values: dict[str, Any], key: str | None, rt: JobsHost, svc: JobService, caller: Caller
+) -> Response:
     """OpenAI's `POST /v1/batches`: the input file's lines become the job's items (`openai_batch.py`)."""
     file_id, endpoint, window, metadata = check_batch_request(values, rt.generation is not None)
     if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
@@ -198,9 +219,19 @@ async def create_openai_batch(values: dict[str, Any], key: str | None, rt: JobsH
         assert rt.generation is not None  # checked by check_batch_request
         if requested is not None and requested not in model_aliases(rt.settings, rt.generation):
             raise errors.model_not_found(requested)
-        return await store_openai_batch(svc, store, caller, key, rt.generation.cfg.model_id, parsed,
-                                        endpoint, file_id, window, metadata, expiry(time.time(), expires_s,
-                                                                                   rt.settings.batches_expire_days))
+        return await store_openai_batch(
+            svc,
+            store,
+            caller,
+            key,
+            rt.generation.cfg.model_id,
+            parsed,
+            endpoint,
+            file_id,
+            window,
+            metadata,
+            expiry(time.time(), expires_s, rt.settings.batches_expire_days),
+        )
     spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
     if spec is None and requested is None and endpoint == EMBEDDINGS:
         spec = next((s for s in rt.registry.specs if output_kind(rt, s.id) == "embedding"), None)
@@ -208,24 +239,58 @@ async def create_openai_batch(values: dict[str, Any], key: str | None, rt: JobsH
         raise errors.model_not_found(requested)
     if endpoint == EMBEDDINGS and output_kind(rt, spec.id) != "embedding":
         raise errors.invalid(f"the model {spec.id!r} does not produce embeddings; batch it on /v1/inference")
-    return await store_openai_batch(svc, store, caller, key, spec.id, parsed, endpoint, file_id, window,
-                                    metadata, expiry(time.time(), expires_s, rt.settings.batches_expire_days))
+    return await store_openai_batch(
+        svc,
+        store,
+        caller,
+        key,
+        spec.id,
+        parsed,
+        endpoint,
+        file_id,
+        window,
+        metadata,
+        expiry(time.time(), expires_s, rt.settings.batches_expire_days),
+    )
 
 
 def file_missing(file_id: str) -> ApiError:
-    return ApiError(404, "FILE_NOT_FOUND", f"no file {errors.short(file_id)!r} with purpose 'batch' "
-                                          f"(upload it with POST /v1/files)")
+    return ApiError(
+        404, "FILE_NOT_FOUND", f"no file {errors.short(file_id)!r} with purpose 'batch' (upload it with POST /v1/files)"
+    )
 
 
-async def store_openai_batch(svc: JobService, store: JobStore, caller: Caller, key: str | None, model: str,
-                             parsed: InputCheck, endpoint: str, file_id: str, window: str,
-                             metadata: dict | None, expires_at: float | None) -> Response:
+async def store_openai_batch(
+    svc: JobService,
+    store: JobStore,
+    caller: Caller,
+    key: str | None,
+    model: str,
+    parsed: InputCheck,
+    endpoint: str,
+    file_id: str,
+    window: str,
+    metadata: dict | None,
+    expires_at: float | None,
+) -> Response:
     """Store the job; the store copies the file's lines into its items, chunk by chunk, in its transaction."""
     openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": window}
     canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
-    new = NewJob("batch_" + secrets.token_hex(12), caller.owner, model, [], metadata, key,
-                 hashlib.sha256(canon).hexdigest(), time.time(), openai, source_file=file_id, total=parsed.lines,
-                 input_bytes=parsed.nbytes, expires_at=expires_at)
+    new = NewJob(
+        "batch_" + secrets.token_hex(12),
+        caller.owner,
+        model,
+        [],
+        metadata,
+        key,
+        hashlib.sha256(canon).hexdigest(),
+        time.time(),
+        openai,
+        source_file=file_id,
+        total=parsed.lines,
+        input_bytes=parsed.nbytes,
+        expires_at=expires_at,
+    )
     try:
         job, created = await store.create(new)
     except IdempotencyConflict:
@@ -295,8 +360,9 @@ async def delete_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
     if job is None:
         raise errors.batch_not_found(job_id)
     if job.status in ACTIVE:
-        raise errors.conflict(f"batch {job_id} is still {job.status}; cancel it first "
-                              f"(POST /v1/batches/{job_id}/cancel)")
+        raise errors.conflict(
+            f"batch {job_id} is still {job.status}; cancel it first (POST /v1/batches/{job_id}/cancel)"
+        )
     return json_response({"id": job_id, "object": "batch", "deleted": True})
 
 
@@ -313,8 +379,15 @@ async def list_batches(request: Request, rt: JobsHost, svc: JobService, caller: 
     store = await svc.existing_store()
     jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
     data: list[dict[str, Any]] = [public(j) for j in jobs[:limit]]
-    return json_response({"object": "list", "data": data, "has_more": len(jobs) > limit,
-                          "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+    return json_response(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": len(jobs) > limit,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 ROUTES = [

@@ -111,11 +111,10 @@ class JobBodyParser:
         if b"\\u" in text:
             for match in LONE_HIGH.finditer(text):
                 if final or match.end() + 6 <= len(text):
-                    raise errors.invalid("the body holds a string that is not valid Unicode text (a lone "
-                                         "surrogate)")
+                    raise errors.invalid("the body holds a string that is not valid Unicode text (a lone surrogate)")
         start = max(0, len(text) - SCAN_TAIL)
         floor = max(0, start - 64)  # a longer run of backslashes (absurd in a job) is not followed further
-        while start > floor and text[start - 1:start] == b"\\":
+        while start > floor and text[start - 1 : start] == b"\\":
             start -= 1
         self._tail = text[start:]
 
@@ -162,8 +161,10 @@ class JobBodyParser:
         if depth > 2 or event != "string":
             raise errors.invalid(f'"inputs"[{i}] must be a non-empty string')
         if i >= self.max_items:
-            raise errors.invalid(f'"inputs" has more than {self.max_items} inputs; a job takes at most '
-                                 f'{self.max_items} inputs (--jobs-max-items)')
+            raise errors.invalid(
+                f'"inputs" has more than {self.max_items} inputs; a job takes at most '
+                f"{self.max_items} inputs (--jobs-max-items)"
+            )
         self.inputs.append(check_input(value, f'"inputs"[{i}]', self.max_input_chars))
 
     def _other(self, depth: int, event: str, value: object) -> None:
@@ -173,7 +174,7 @@ class JobBodyParser:
         if self._depth > MAX_METADATA_DEPTH + 1:
             raise errors.invalid(f'"metadata" (or another key) is nested more than {MAX_METADATA_DEPTH} deep')
         if isinstance(value, str):
-            check_unicode(value, f'a string in {errors.short(self._key, 40)!r}')
+            check_unicode(value, f"a string in {errors.short(self._key, 40)!r}")
         if self._builder is None:
             if depth == 1 and event in SCALARS:
                 self.values[self._key or ""] = value
@@ -185,8 +186,9 @@ class JobBodyParser:
             self._builder = None
 
 
-async def read_job_body(request: Request, content_type: str, body_limit: int, max_items: int,
-                        max_input_chars: int) -> JobBody:
+async def read_job_body(
+    request: Request, content_type: str, body_limit: int, max_items: int, max_input_chars: int
+) -> JobBody:
     """The job's inputs, model and metadata, parsed as the body streams in (see the module docstring)."""
     check_json_content_type(content_type)
     declared = request.headers.get("content-length")
@@ -199,6 +201,6 @@ async def read_job_body(request: Request, content_type: str, body_limit: int, ma
         if size > body_limit:
             raise errors.payload_too_large(f"the body is over the {body_limit}-byte limit")
         for at in range(0, len(chunk), SLICE):
-            parser.feed(chunk[at:at + SLICE])
+            parser.feed(chunk[at : at + SLICE])
             await asyncio.sleep(0)
     return parser.finish()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from batchserve.jobs.store import StoreDown
 
@@ -38,8 +38,7 @@ class CircuitBreaker:
         if self._open_until == 0.0:
             return False
         if self._probing or self.clock() < self._open_until:
-            raise StoreDown(f"the job store is unreachable ({self.reason}); tried again every "
-                            f"{self.open_s:g} s")
+            raise StoreDown(f"the job store is unreachable ({self.reason}); tried again every {self.open_s:g} s")
         self._probing = True
         return True
 

@@ -17,7 +17,8 @@ deleting frees the bytes at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, Protocol
+from collections.abc import AsyncIterator
 
 CHUNK_BYTES = 1 << 20  # one stored chunk of a file: what an upload buffers, and a download reads, at once
 UPLOADING, PROCESSED = "uploading", "processed"  # a file's status: only a processed file is visible
@@ -61,10 +62,14 @@ class StorageLimits:
                 f"({'your key' + chr(39) + 's storage_mb' if tenant in self.tenants else '--tenant-storage-mb'}): "
                 f"you keep {mb(tenant_used)} in files, batch inputs and outputs; delete files "
                 f"(DELETE /v1/files/{{id}}) or finished batches (DELETE /v1/batches/{{id}}) you are done with",
-                server=False)
+                server=False,
+            )
         if self.total_bytes and total_used + adding > self.total_bytes:
-            raise StorageFull(f"{what} would pass the server's storage limit of {mb(self.total_bytes)} "
-                              f"(--storage-max-mb); try again once older files and batches expire", server=True)
+            raise StorageFull(
+                f"{what} would pass the server's storage limit of {mb(self.total_bytes)} "
+                f"(--storage-max-mb); try again once older files and batches expire",
+                server=True,
+            )
 
 
 def mb(n: int) -> str:
@@ -83,10 +88,17 @@ class StoredFile:
 
     def public(self) -> dict[str, Any]:
         """OpenAI's file object."""
-        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
-                "filename": self.filename, "purpose": self.purpose, "status": "processed",
-                "expires_at": int(self.expires_at) if self.expires_at is not None else None,
-                "status_details": None}
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": int(self.created_at),
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "expires_at": int(self.expires_at) if self.expires_at is not None else None,
+            "status_details": None,
+        }
 
 
 class FileStore(Protocol):

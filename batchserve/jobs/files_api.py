@@ -84,8 +84,9 @@ async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: C
         svc.uploads.leave(caller.owner)
 
 
-async def _receive(request: Request, rt: JobsHost, svc: JobService, caller: Caller, boundary: bytes,
-                   limit: int) -> Response:
+async def _receive(
+    request: Request, rt: JobsHost, svc: JobService, caller: Caller, boundary: bytes, limit: int
+) -> Response:
     store = await svc.open_store()
     now = time.time()
     meta = StoredFile("file-" + secrets.token_hex(12), caller.owner, "upload.jsonl", "batch", 0, now)
@@ -100,8 +101,10 @@ async def _receive(request: Request, rt: JobsHost, svc: JobService, caller: Call
             try:
                 await store.begin_file(meta, rt.settings.files_max_count)
             except FileLimitReached:
-                raise errors.conflict(f"you already keep {rt.settings.files_max_count} files (--files-max-count); "
-                                      f"DELETE /v1/files/{{id}} the ones you are done with") from None
+                raise errors.conflict(
+                    f"you already keep {rt.settings.files_max_count} files (--files-max-count); "
+                    f"DELETE /v1/files/{{id}} the ones you are done with"
+                ) from None
             began = True
         await store.put_chunk(caller.owner, meta.id, seq, chunk)
         seq += 1
@@ -160,8 +163,9 @@ def job_file(job: Job, file_id: str, kind: str) -> StoredFile:
     """A finished job's output or error file, as a file object: its size was kept as its lines were written."""
     name = f"{job.id}_{'output' if kind == OUTPUT else 'errors'}.jsonl"
     size = job.output_bytes if kind == OUTPUT else job.error_bytes
-    return StoredFile(file_id, job.tenant, name, "batch_output", size, job.finished_at or job.created_at,
-                      job.expires_at)
+    return StoredFile(
+        file_id, job.tenant, name, "batch_output", size, job.finished_at or job.created_at, job.expires_at
+    )
 
 
 async def generated(store: JobStore, caller: Caller, file_id: str) -> tuple[Job, str, StoredFile] | None:
@@ -182,8 +186,9 @@ async def file_lines(store: JobStore, job: Job, kind: str) -> AsyncIterator[byte
     limit = max(1, min(RESULTS_PAGE, PAGE_BYTES // per_line))
     after = -1
     while rows := await store.results(job.id, after, limit, with_input=True):
-        page = await asyncio.to_thread(lambda: b"".join(  # noqa: B023 - run before the next page
-            line for r in rows if (line := file_line(job.id, r, kind)) is not None))
+        page = await asyncio.to_thread(
+            lambda: b"".join(line for r in rows if (line := file_line(job.id, r, kind)) is not None)
+        )
         if page:
             yield page
         after = rows[-1].index
@@ -229,8 +234,15 @@ async def list_files(request: Request, rt: JobsHost, svc: JobService, caller: Ca
     store = await svc.existing_store()
     files = await store.list_files(caller.owner, limit + 1, after, purpose) if store is not None else []
     data = [f.public() for f in files[:limit]]
-    return json_response({"object": "list", "data": data, "has_more": len(files) > limit,
-                          "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+    return json_response(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": len(files) > limit,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 ROUTES = [

@@ -26,7 +26,8 @@ import secrets
 from collections import deque
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
 
 import orjson
 
@@ -70,7 +71,7 @@ def capacity_backoff_s(attempt: int, base_s: float, retry_after_ms: int | None, 
     """How long a line refused for capacity waits before trying again: exponential from `base_s` (with
     jitter), at least the engine's Retry-After hint, at most CAPACITY_BACKOFF_CAP_S and what is left of the
     window."""
-    delay = min(CAPACITY_BACKOFF_CAP_S, base_s * 2 ** attempt) * random.uniform(0.5, 1.0)
+    delay = min(CAPACITY_BACKOFF_CAP_S, base_s * 2**attempt) * random.uniform(0.5, 1.0)
     if retry_after_ms:
         delay = max(delay, min(CAPACITY_BACKOFF_CAP_S, retry_after_ms / 1000))
     return max(0.0, min(delay, left_s))
@@ -79,8 +80,7 @@ def capacity_backoff_s(attempt: int, base_s: float, retry_after_ms: int | None, 
 class Submitter(Protocol):
     """The one door, as a line needs it (`core.service.InferenceService.submit_background`)."""
 
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
-                          alone: bool = False) -> Item: ...
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item: ...
 
 
 @dataclass(slots=True)
@@ -94,8 +94,9 @@ class LineResult:
     message: str | None = None
 
     def response_json(self) -> str:
-        return orjson.dumps({"status_code": self.status_code, "request_id": self.request_id,
-                             "body": orjson.Fragment(self.body)}).decode()
+        return orjson.dumps(
+            {"status_code": self.status_code, "request_id": self.request_id, "body": orjson.Fragment(self.body)}
+        ).decode()
 
 
 @dataclass(eq=False)
@@ -184,8 +185,11 @@ def line_inputs(endpoint: str, body: object) -> int:
 def refused(err: OpenAIError | ApiError, request_id: str, openai_shape: bool) -> LineResult:
     """A 4xx answer for a line, in the error shape of the endpoint it names."""
     if isinstance(err, ApiError):
-        body = (OpenAIError.from_api(err).body() if openai_shape else
-                {"error": err.code, "message": err.message, "request_id": request_id})
+        body = (
+            OpenAIError.from_api(err).body()
+            if openai_shape
+            else {"error": err.code, "message": err.message, "request_id": request_id}
+        )
         code = err.code
     else:
         body, code = err.body(), (err.code or "invalid_request").upper()
@@ -211,8 +215,9 @@ class LineRunner:
         """The generation model, when it is on: its jobs' lines run here too."""
         return [self.engine.cfg.model_id] if self.engine is not None else []
 
-    def start(self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float,
-              expires_at: float | None = None) -> LineRun:
+    def start(
+        self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float, expires_at: float | None = None
+    ) -> LineRun:
         """Parse the line; its inputs go to the door as the scheduler feeds them (`LineRun.feed`), and the
         run's future resolves to its LineResult. `expires_at`: the batch's completion window closes then
         (`window_end`); a generation line waits for capacity until then (default: `deadline_s` from now)."""
@@ -224,8 +229,9 @@ class LineRunner:
             return self._generate(body, endpoint == CHAT, request_id, line, tenant, until)
         try:
             if endpoint == EMBEDDINGS:
-                req = parse_embeddings(body, self.settings.max_input_chars, self.settings.timeout_ms,
-                                       self.settings.max_timeout_ms)
+                req = parse_embeddings(
+                    body, self.settings.max_input_chars, self.settings.timeout_ms, self.settings.max_timeout_ms
+                )
                 texts, finish = req.inputs, self._embeddings(model, req.inputs, req.base64, request_id)
             elif endpoint == INFERENCE:
                 text, _, _ = parse_inference(body, "application/json", self.settings)
@@ -243,14 +249,16 @@ class LineRunner:
 
         return LineRun(loop.create_future(), line, len(texts), pending=deque(texts), submit=submit, finish=finish)
 
-    def _generate(self, body: bytes, chat: bool, request_id: str, line: str, tenant: str,
-                  until: float) -> LineRun:
+    def _generate(self, body: bytes, chat: bool, request_id: str, line: str, tenant: str, until: float) -> LineRun:
         loop = asyncio.get_running_loop()
         run = LineRun(loop.create_future(), text=line, inputs=1)
         engine = self.engine
         if engine is None:  # a job stored while generation was on, read by a node started without it: retried
-            run.future.set_exception(errors.no_healthy_worker(
-                "generation is off on this node (start it with --backend smollm2 or --generation on)"))
+            run.future.set_exception(
+                errors.no_healthy_worker(
+                    "generation is off on this node (start it with --backend smollm2 or --generation on)"
+                )
+            )
             return run
 
         async def answer() -> LineResult:
@@ -258,16 +266,22 @@ class LineRunner:
             while True:
                 left_s = until - self.clock()
                 try:
-                    return LineResult(200, request_id, await complete(
-                        self.settings, engine, body, chat, BATCH.rank, tenant=tenant, max_wait_s=max(0.0, left_s)))
+                    return LineResult(
+                        200,
+                        request_id,
+                        await complete(
+                            self.settings, engine, body, chat, BATCH.rank, tenant=tenant, max_wait_s=max(0.0, left_s)
+                        ),
+                    )
                 except OpenAIError as err:  # what the route answers with a 4xx: the line's answer, for good
                     return refused(err, request_id, True)
                 except ApiError as err:  # no room for it now: wait for capacity while its window is open
                     left_s = until - self.clock()
                     if err.code not in CAPACITY_CODES or left_s <= 0:
                         raise
-                    await self.sleep(capacity_backoff_s(attempt, self.settings.jobs_retry_base_ms / 1000,
-                                                        err.retry_after_ms, left_s))
+                    await self.sleep(
+                        capacity_backoff_s(attempt, self.settings.jobs_retry_base_ms / 1000, err.retry_after_ms, left_s)
+                    )
                     attempt += 1
 
         def begin() -> None:  # fed by the scheduler: the line starts on the engine
@@ -278,8 +292,9 @@ class LineRunner:
         run.begin = begin
         return run
 
-    def _embeddings(self, model: str, texts: list[str], as_base64: bool, request_id: str
-                    ) -> Callable[[list[ItemResult]], Any]:
+    def _embeddings(
+        self, model: str, texts: list[str], as_base64: bool, request_id: str
+    ) -> Callable[[list[ItemResult]], Any]:
         async def finish(results: list[ItemResult]) -> LineResult:
             tokens = await asyncio.to_thread(self.count_tokens, model, texts)
             try:
@@ -287,16 +302,26 @@ class LineRunner:
             except OpenAIError as err:  # the backend's outputs are not vectors: as the online route, a 500
                 return refused(err, request_id, True)
             return LineResult(200, request_id, body)
+
         return finish
 
     def _inference(self, model: str, request_id: str) -> Callable[[list[ItemResult]], Any]:
         async def finish(results: list[ItemResult]) -> LineResult:
             r = results[0]
             queue_ms, compute_ms = r.queue_s * 1000, r.compute_s * 1000
-            body = orjson.dumps({"request_id": request_id, "output": r.output, "model": model,
-                                 "latency_ms": round(queue_ms + compute_ms), "queue_ms": round(queue_ms),
-                                 "compute_ms": round(compute_ms), "batch_size": r.batch_size})
+            body = orjson.dumps(
+                {
+                    "request_id": request_id,
+                    "output": r.output,
+                    "model": model,
+                    "latency_ms": round(queue_ms + compute_ms),
+                    "queue_ms": round(queue_ms),
+                    "compute_ms": round(compute_ms),
+                    "batch_size": r.batch_size,
+                }
+            )
             return LineResult(200, request_id, body)
+
         return finish
 
 

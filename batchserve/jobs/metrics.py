@@ -31,16 +31,23 @@ class JobMetrics:
     _children: dict[tuple[str, str], Any] = field(default_factory=dict)  # labelled `processed`, looked up once
 
     @classmethod
-    def create(cls, registry: CollectorRegistry) -> "JobMetrics":
+    def create(cls, registry: CollectorRegistry) -> JobMetrics:
         p = "batchserve_job_"
         return cls(
-            items=Gauge(p + "items", "Items of the unfinished batch jobs of a model, by status", ["model", "status"],
-                        registry=registry),
-            processed=Counter(p + "items_processed", "Batch job item runs by outcome (completed, failed, "
-                              "retried)", ["model", "outcome"], registry=registry),
+            items=Gauge(
+                p + "items",
+                "Items of the unfinished batch jobs of a model, by status",
+                ["model", "status"],
+                registry=registry,
+            ),
+            processed=Counter(
+                p + "items_processed",
+                "Batch job item runs by outcome (completed, failed, retried)",
+                ["model", "outcome"],
+                registry=registry,
+            ),
             active_jobs=Gauge("batchserve_jobs_active", "Batch jobs queued or running on this node", registry=registry),
-            inflight=Gauge(p + "inflight_items", "Batch job items in the batcher or on a worker",
-                           registry=registry),
+            inflight=Gauge(p + "inflight_items", "Batch job items in the batcher or on a worker", registry=registry),
             created=Counter("batchserve_jobs_submitted", "Batch jobs accepted", registry=registry),
         )
 

@@ -32,9 +32,13 @@ ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/i
 COMPLETION_WINDOWS = ("24h",)
 MAX_CUSTOM_ID = 512
 MAX_EXPIRES_S = 30 * 24 * 3600  # OpenAI's longest expires_after (30 days)
-STATUS = {"queued": "in_progress", "running": "in_progress", "completed": "completed",
-          "failed": "completed",  # every line failed: the batch itself completed, its error file says why
-          "cancelled": "cancelled"}
+STATUS = {
+    "queued": "in_progress",
+    "running": "in_progress",
+    "completed": "completed",
+    "failed": "completed",  # every line failed: the batch itself completed, its error file says why
+    "cancelled": "cancelled",
+}
 
 
 @dataclass(eq=False)
@@ -73,8 +77,10 @@ class InputCheck:
             raise errors.invalid("the input file holds no requests")
 
     def _too_long(self) -> Exception:
-        return errors.invalid(f"line {self.lines + 1} of the input file is over {self.max_line_bytes} bytes "
-                              f"(a request is at most --jobs-max-body-bytes)")
+        return errors.invalid(
+            f"line {self.lines + 1} of the input file is over {self.max_line_bytes} bytes "
+            f"(a request is at most --jobs-max-body-bytes)"
+        )
 
     def _check(self, raws: list[bytes]) -> None:
         for raw in raws:
@@ -84,8 +90,10 @@ class InputCheck:
 
     def _one(self, raw: bytes, n: int) -> None:
         if n > self.max_inputs:
-            raise errors.invalid(f"the input file has more than {self.max_inputs} requests; a batch takes at most "
-                                 f"{self.max_inputs} inputs (--jobs-max-items)")
+            raise errors.invalid(
+                f"the input file has more than {self.max_inputs} requests; a batch takes at most "
+                f"{self.max_inputs} inputs (--jobs-max-items)"
+            )
         try:
             line = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -101,8 +109,10 @@ class InputCheck:
         if line.get("method", "POST") != "POST":
             raise errors.invalid(f"line {n}: 'method' must be POST")
         if line.get("url") != self.endpoint:
-            raise errors.invalid(f"line {n}: 'url' is {errors.short(line.get('url'))!r}, but the batch's "
-                                 f"endpoint is {self.endpoint}; every line must name it")
+            raise errors.invalid(
+                f"line {n}: 'url' is {errors.short(line.get('url'))!r}, but the batch's "
+                f"endpoint is {self.endpoint}; every line must name it"
+            )
         body = line.get("body")
         if not isinstance(body, dict):
             raise errors.invalid(f"line {n}: 'body' must be a JSON object")
@@ -112,9 +122,11 @@ class InputCheck:
             raise errors.invalid(f"line {n}: 'body' is nested too deeply (JSON deeper than 254 levels)") from None
         self.inputs += line_inputs(self.endpoint, body)
         if self.inputs > self.max_inputs:
-            raise errors.invalid(f"the input file holds more than {self.max_inputs} inputs: line {n} brings them "
-                                 f"to {self.inputs}; a batch takes at most {self.max_inputs} inputs "
-                                 f"(--jobs-max-items), each item of an 'input' list counting as one")
+            raise errors.invalid(
+                f"the input file holds more than {self.max_inputs} inputs: line {n} brings them "
+                f"to {self.inputs}; a batch takes at most {self.max_inputs} inputs "
+                f"(--jobs-max-items), each item of an 'input' list counting as one"
+            )
         model = body.get("model")
         self.models.add(model if isinstance(model, str) and model else None)
 
@@ -124,7 +136,7 @@ def check_expires_after(value: object, name: str) -> float | None:
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("anchor") != "created_at":
-        raise errors.invalid(f"'{name}' must be {{\"anchor\": \"created_at\", \"seconds\": N}}")
+        raise errors.invalid(f'\'{name}\' must be {{"anchor": "created_at", "seconds": N}}')
     seconds = value.get("seconds")
     if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= MAX_EXPIRES_S:
         raise errors.invalid(f"'{name}.seconds' must be an integer from 1 to {MAX_EXPIRES_S} (30 days)")
@@ -142,12 +154,15 @@ def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, 
     if endpoint not in ENDPOINTS:
         raise errors.invalid(f"'endpoint' must be one of {', '.join(ENDPOINTS)}")
     if endpoint in GENERATION and not generating:
-        raise errors.invalid(f"batches for {endpoint} run on the generation engine, which is off on this server "
-                             f"(start it with --backend smollm2 or --generation on); batch {' or '.join(RUNNABLE)}")
+        raise errors.invalid(
+            f"batches for {endpoint} run on the generation engine, which is off on this server "
+            f"(start it with --backend smollm2 or --generation on); batch {' or '.join(RUNNABLE)}"
+        )
     if window not in COMPLETION_WINDOWS:
         raise errors.invalid(f"'completion_window' must be one of {', '.join(COMPLETION_WINDOWS)}")
-    if metadata is not None and (not isinstance(metadata, dict)
-                                 or not all(isinstance(v, str) for v in metadata.values())):
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
         raise errors.invalid("'metadata' must be an object of strings")
     return file_id, endpoint, window, metadata
 
@@ -160,7 +175,7 @@ def job_of_file(file_id: str) -> tuple[str, str] | None:
     """(job id, OUTPUT or ERRORS) for the id of a job's output or error file; None for any other id."""
     for kind in (OUTPUT, ERRORS):
         if file_id.startswith("file-batch_") and file_id.endswith(kind):
-            return file_id[len("file-"):-len(kind)], kind
+            return file_id[len("file-") : -len(kind)], kind
     return None
 
 
@@ -172,21 +187,32 @@ def batch_object(job: Job) -> dict[str, Any]:
     created = int(job.created_at)
     failed = job.reason is not None  # failed as a whole (a storage quota), not line by line
     return {
-        "id": job.id, "object": "batch", "endpoint": o.get("endpoint"),
-        "errors": {"object": "list", "data": [{"code": "storage_quota_exceeded", "message": job.reason,
-                                               "param": None, "line": None}]} if failed else None,
-        "input_file_id": o.get("input_file_id"), "completion_window": o.get("completion_window"),
+        "id": job.id,
+        "object": "batch",
+        "endpoint": o.get("endpoint"),
+        "errors": {
+            "object": "list",
+            "data": [{"code": "storage_quota_exceeded", "message": job.reason, "param": None, "line": None}],
+        }
+        if failed
+        else None,
+        "input_file_id": o.get("input_file_id"),
+        "completion_window": o.get("completion_window"),
         "status": "failed" if failed else STATUS[job.status],
         "output_file_id": output_file_id(job.id, OUTPUT) if final and job.completed else None,
         "error_file_id": output_file_id(job.id, ERRORS) if final and errored else None,
-        "created_at": created, "in_progress_at": _int(job.started_at) or created,
-        "expires_at": created + 24 * 3600, "finalizing_at": None,
+        "created_at": created,
+        "in_progress_at": _int(job.started_at) or created,
+        "expires_at": created + 24 * 3600,
+        "finalizing_at": None,
         "completed_at": _int(job.finished_at) if job.status in ("completed", "failed") and not failed else None,
-        "failed_at": _int(job.finished_at) if failed else None, "expired_at": None,
+        "failed_at": _int(job.finished_at) if failed else None,
+        "expired_at": None,
         "cancelling_at": _int(job.finished_at) if job.status == "cancelled" else None,
         "cancelled_at": _int(job.finished_at) if job.status == "cancelled" else None,
         "request_counts": {"total": job.total, "completed": job.completed, "failed": errored},
-        "metadata": job.metadata, "model": job.model,
+        "metadata": job.metadata,
+        "model": job.model,
         "output_expires_at": _int(job.expires_at),
     }
 
@@ -202,8 +228,12 @@ def file_line(job_id: str, row: ItemRow, kind: str, response: str | None = None)
         return None
     assert row.input is not None
     custom_id = orjson.loads(row.input)["custom_id"]
-    line: dict[str, Any] = {"id": f"batch_req_{job_id.removeprefix('batch_')}_{row.index}",
-                            "custom_id": custom_id, "response": None, "error": None}
+    line: dict[str, Any] = {
+        "id": f"batch_req_{job_id.removeprefix('batch_')}_{row.index}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": None,
+    }
     if row.output is not None:
         line["response"] = orjson.Fragment(response if response is not None else row.output)
     else:

@@ -16,7 +16,8 @@ Tables are prefixed `batchserve_` so the database can be shared with other appli
 created at open, under an advisory lock so nodes starting together do not race.
 - Outages (issue 28, item 5; issue 34, item 4): every call is bounded on the client, whatever the server does:
   the whole call (waiting for a pooled connection, connecting, every statement, the commit) runs as a task
-  given `CALL_BOUND_S` (2 s; a call that moves many rows or bytes more, `bound_for`), and when the bound passes the socket
+  given `CALL_BOUND_S` (2 s; a call that moves many rows or bytes more, `bound_for`), and when the bound passes the
+  socket
   of the connection it holds is shut down, so the call fails at once instead of waiting for a server that
   may never answer (a stopped or black-holed server answers nothing and refuses nothing: the server's own
   `statement_timeout` never fires, and TCP keepalives never fire on a unix socket or while the peer's kernel
@@ -39,7 +40,8 @@ import secrets
 import socket
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 import psycopg
@@ -50,8 +52,20 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from batchserve.jobs.breaker import CircuitBreaker
 from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
 from batchserve.jobs.openai_batch import line_size
-from batchserve.jobs.store import (ACTIVE, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
-                                   Sizes, StoreDown, StoreUnavailable, UnstorableInput)
+from batchserve.jobs.store import (
+    ACTIVE,
+    FileGone,
+    IdempotencyConflict,
+    ItemRow,
+    Job,
+    NewJob,
+    Outcome,
+    Progress,
+    Sizes,
+    StoreDown,
+    StoreUnavailable,
+    UnstorableInput,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("batchserve")
@@ -150,24 +164,47 @@ ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION
 ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS reason TEXT;
 """
 
-JOB_COLUMNS = ("id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
-               "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason")
+JOB_COLUMNS = (
+    "id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
+    "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason"
+)
 FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
 ABANDONED_S = 3600.0  # an upload still `uploading` this long after it began was abandoned (its node died)
 QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
-USAGE = ("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files WHERE tenant = %(t)s) + "
-         "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs WHERE tenant = %(t)s)")
-TOTAL = ("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files) + "
-         "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs)")
+USAGE = (
+    "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files WHERE tenant = %(t)s) + "
+    "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs WHERE tenant = %(t)s)"
+)
+TOTAL = (
+    "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files) + "
+    "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs)"
+)
 LEASE = "clock_timestamp() + %(lease_s)s * interval '1 second'"
 NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one is stored with this instead
 
 
 def _job(row: tuple[Any, ...]) -> Job:
     meta = row[11]
-    return Job(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[9], row[10],
-               orjson.loads(meta) if meta is not None else None, orjson.loads(row[12]) if row[12] is not None else None,
-               row[13], row[14], row[15], row[16], row[17])
+    return Job(
+        row[0],
+        row[1],
+        row[2],
+        row[3],
+        row[4],
+        row[5],
+        row[6],
+        row[7],
+        row[8],
+        row[9],
+        row[10],
+        orjson.loads(meta) if meta is not None else None,
+        orjson.loads(row[12]) if row[12] is not None else None,
+        row[13],
+        row[14],
+        row[15],
+        row[16],
+        row[17],
+    )
 
 
 def _file(row: tuple[Any, ...]) -> StoredFile:
@@ -182,8 +219,12 @@ def with_timeouts(url: str) -> str:
     """The connection string with the short connect and statement timeouts and keepalives added (options the
     URL already sets, such as a search_path, are kept)."""
     options = conninfo_to_dict(url).get("options") or ""
-    return make_conninfo(url, connect_timeout=CONNECT_TIMEOUT_S,
-                         options=f"{options} -c statement_timeout={STATEMENT_TIMEOUT_MS}".strip(), **KEEPALIVES)
+    return make_conninfo(
+        url,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        options=f"{options} -c statement_timeout={STATEMENT_TIMEOUT_MS}".strip(),
+        **KEEPALIVES,
+    )
 
 
 def bound_for(nbytes: int = 0, rows: int = 0) -> float:
@@ -264,11 +305,12 @@ class PostgresStore:
         self._refused = 0  # calls refused during it
 
     def _new_pool(self) -> AsyncConnectionPool:
-        return AsyncConnectionPool(self.conninfo, min_size=1, max_size=POOL_MAX, open=False, timeout=CALL_BOUND_S,
-                                   name="batchserve-jobs")
+        return AsyncConnectionPool(
+            self.conninfo, min_size=1, max_size=POOL_MAX, open=False, timeout=CALL_BOUND_S, name="batchserve-jobs"
+        )
 
     @classmethod
-    async def open(cls, url: str) -> "PostgresStore":
+    async def open(cls, url: str) -> PostgresStore:
         # One plain connection first: a database that is down or refuses us fails at once with the server's
         # own words, where the pool would retry quietly until its timeout.
         async def first(held: list[AsyncConnection]) -> None:
@@ -320,8 +362,9 @@ class PostgresStore:
             if probe:
                 self.breaker.abandon_probe()  # no-op once a verdict was given
 
-    async def _attempts(self, fn: Callable[[AsyncConnection], Awaitable[T]], probe: bool,
-                        held: list[AsyncConnection], deadline: float) -> T:
+    async def _attempts(
+        self, fn: Callable[[AsyncConnection], Awaitable[T]], probe: bool, held: list[AsyncConnection], deadline: float
+    ) -> T:
         if probe:
             await self._reopen(deadline)
         for attempt in range(TX_ATTEMPTS):
@@ -344,16 +387,22 @@ class PostgresStore:
         self.breaker.failure(reason)
         if was_up:
             self._down_since, self._refused = time.monotonic(), 0
-            log.warning("job store down: %s; /v1/batches answers 503 JOBS_UNAVAILABLE and a fresh connection is "
-                        "tried once a second", reason)
+            log.warning(
+                "job store down: %s; /v1/batches answers 503 JOBS_UNAVAILABLE and a fresh connection is "
+                "tried once a second",
+                reason,
+            )
         return StoreDown(f"the job store is unreachable ({reason}); tried again every {self.breaker.open_s:g} s")
 
     def _reachable(self) -> None:
         was_down = not self.breaker.closed
         self.breaker.success()
         if was_down and self._down_since:
-            log.warning("job store back up after %.1f s down (%d store calls refused meanwhile)",
-                        time.monotonic() - self._down_since, self._refused)
+            log.warning(
+                "job store back up after %.1f s down (%d store calls refused meanwhile)",
+                time.monotonic() - self._down_since,
+                self._refused,
+            )
             self._down_since = 0.0
 
     async def _reopen(self, deadline: float) -> None:
@@ -432,12 +481,25 @@ class PostgresStore:
                 "request_hash, created_at, openai, bytes, expires_at) "
                 "VALUES (%s, %s, %s, 'queued', %s, %s, %s, %s, %s, %s, 0, %s) "
                 "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq",
-                (job.id, job.tenant, job.model, job.count(), meta, job.idempotency_key, job.request_hash,
-                 job.created_at, openai, job.expires_at))
+                (
+                    job.id,
+                    job.tenant,
+                    job.model,
+                    job.count(),
+                    meta,
+                    job.idempotency_key,
+                    job.request_hash,
+                    job.created_at,
+                    openai,
+                    job.expires_at,
+                ),
+            )
             if await cur.fetchone() is None:  # the key was used before (perhaps on another node just now)
-                cur = await conn.execute(f"SELECT {JOB_COLUMNS}, request_hash FROM batchserve_jobs "
-                                         f"WHERE tenant = %s AND idempotency_key = %s",
-                                         (job.tenant, job.idempotency_key))
+                cur = await conn.execute(
+                    f"SELECT {JOB_COLUMNS}, request_hash FROM batchserve_jobs "
+                    f"WHERE tenant = %s AND idempotency_key = %s",
+                    (job.tenant, job.idempotency_key),
+                )
                 row = await cur.fetchone()
                 assert row is not None
                 if row[18] != job.request_hash:
@@ -452,24 +514,44 @@ class PostgresStore:
                             await copy.write_row((job.id, i, text))
             else:
                 await self._copy_lines(conn, job)
-            return Job(job.id, job.tenant, job.model, "queued", job.count(), 0, 0, 0, job.created_at, None,
-                       None, job.metadata, job.openai, adding, 0, 0, job.expires_at), True
+            return Job(
+                job.id,
+                job.tenant,
+                job.model,
+                "queued",
+                job.count(),
+                0,
+                0,
+                0,
+                job.created_at,
+                None,
+                None,
+                job.metadata,
+                job.openai,
+                adding,
+                0,
+                0,
+                job.expires_at,
+            ), True
 
         return await self._tx(tx, bound_for(adding, job.count()))  # a file's copy: its bytes and lines
 
     async def _copy_lines(self, conn: AsyncConnection, job: NewJob) -> None:
         """The file's lines become the job's items, one stored chunk at a time (never the whole file): each
         chunk read, split on a worker thread, and its lines copied in, in the job's transaction."""
-        cur = await conn.execute("SELECT tenant FROM batchserve_files WHERE id = %s AND status = 'processed'",
-                                 (job.source_file,))
+        cur = await conn.execute(
+            "SELECT tenant FROM batchserve_files WHERE id = %s AND status = 'processed'", (job.source_file,)
+        )
         owner = await cur.fetchone()
         if owner is None or owner[0] != job.tenant:
             raise FileGone(job.source_file or "")
         split = LineSplitter()
         index, seq = 0, -1
         while True:
-            cur = await conn.execute("SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s "
-                                     "ORDER BY seq LIMIT 1", (job.source_file, seq))
+            cur = await conn.execute(
+                "SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s ORDER BY seq LIMIT 1",
+                (job.source_file, seq),
+            )
             row = await cur.fetchone()
             lines = split.end() if row is None else await asyncio.to_thread(split.feed, bytes(row[1]))
             if lines:
@@ -486,8 +568,9 @@ class PostgresStore:
 
     async def get(self, tenant: str, job_id: str) -> Job | None:
         async def tx(conn: AsyncConnection) -> Job | None:
-            cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s",
-                                     (job_id, tenant))
+            cur = await conn.execute(
+                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
+            )
             row = await cur.fetchone()
             return _job(row) if row is not None else None
 
@@ -496,13 +579,16 @@ class PostgresStore:
     async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
         async def tx(conn: AsyncConnection) -> list[Job]:
             if after is None:
-                cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s "
-                                         f"ORDER BY seq DESC LIMIT %s", (tenant, limit))
+                cur = await conn.execute(
+                    f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s ORDER BY seq DESC LIMIT %s",
+                    (tenant, limit),
+                )
             else:
                 cur = await conn.execute(
                     f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s AND seq < "
                     f"(SELECT seq FROM batchserve_jobs WHERE id = %s AND tenant = %s) ORDER BY seq DESC LIMIT %s",
-                    (tenant, after, tenant, limit))
+                    (tenant, after, tenant, limit),
+                )
             return [_job(r) for r in await cur.fetchall()]
 
         return await self._tx(tx)
@@ -511,9 +597,11 @@ class PostgresStore:
         extra = ", input" if with_input else ""
 
         async def tx(conn: AsyncConnection) -> list[ItemRow]:
-            cur = await conn.execute(f"SELECT idx, status, output, error, message{extra} FROM batchserve_items "
-                                     "WHERE job_id = %s AND idx > %s ORDER BY idx LIMIT %s",
-                                     (job_id, after_index, limit))
+            cur = await conn.execute(
+                f"SELECT idx, status, output, error, message{extra} FROM batchserve_items "
+                "WHERE job_id = %s AND idx > %s ORDER BY idx LIMIT %s",
+                (job_id, after_index, limit),
+            )
             return [ItemRow(*r) for r in await cur.fetchall()]
 
         return await self._tx(tx, bound_for(READ_BYTES, limit))
@@ -526,26 +614,31 @@ class PostgresStore:
             row = await cur.fetchone()
             if row is not None and row[0] >= max_count:
                 raise FileLimitReached(meta.tenant)
-            await conn.execute("INSERT INTO batchserve_files (id, tenant, filename, purpose, bytes, created_at, "
-                               "status, expires_at) VALUES (%s, %s, %s, %s, 0, %s, 'uploading', %s)",
-                               (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at))
+            await conn.execute(
+                "INSERT INTO batchserve_files (id, tenant, filename, purpose, bytes, created_at, "
+                "status, expires_at) VALUES (%s, %s, %s, %s, 0, %s, 'uploading', %s)",
+                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
+            )
 
         await self._tx(tx)
 
     async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
         async def tx(conn: AsyncConnection) -> None:
             await self._check(conn, tenant, len(data), "this upload")
-            await conn.execute("INSERT INTO batchserve_file_chunks (file_id, seq, data) VALUES (%s, %s, %s)",
-                               (file_id, seq, data))
+            await conn.execute(
+                "INSERT INTO batchserve_file_chunks (file_id, seq, data) VALUES (%s, %s, %s)", (file_id, seq, data)
+            )
             await conn.execute("UPDATE batchserve_files SET bytes = bytes + %s WHERE id = %s", (len(data), file_id))
 
         await self._tx(tx, bound_for(len(data)))
 
     async def finish_file(self, meta: StoredFile) -> None:
         async def tx(conn: AsyncConnection) -> None:
-            await conn.execute("UPDATE batchserve_files SET status = 'processed', filename = %s, purpose = %s, "
-                               "bytes = %s, expires_at = %s WHERE id = %s",
-                               (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id))
+            await conn.execute(
+                "UPDATE batchserve_files SET status = 'processed', filename = %s, purpose = %s, "
+                "bytes = %s, expires_at = %s WHERE id = %s",
+                (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
+            )
 
         await self._tx(tx)
 
@@ -557,8 +650,10 @@ class PostgresStore:
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         async def tx(conn: AsyncConnection) -> StoredFile | None:
-            cur = await conn.execute(f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s "
-                                     f"AND status = 'processed'", (file_id, tenant))
+            cur = await conn.execute(
+                f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'",
+                (file_id, tenant),
+            )
             row = await cur.fetchone()
             return _file(row) if row is not None else None
 
@@ -569,9 +664,12 @@ class PostgresStore:
             return
         seq = -1
         while True:
+
             async def tx(conn: AsyncConnection, after: int = seq) -> tuple[int, bytes] | None:
-                cur = await conn.execute("SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s "
-                                         "AND seq > %s ORDER BY seq LIMIT 1", (file_id, after))
+                cur = await conn.execute(
+                    "SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s ORDER BY seq LIMIT 1",
+                    (file_id, after),
+                )
                 row = await cur.fetchone()
                 return (row[0], bytes(row[1])) if row is not None else None
 
@@ -590,41 +688,48 @@ class PostgresStore:
             args += [after, tenant]
 
         async def tx(conn: AsyncConnection) -> list[StoredFile]:
-            cur = await conn.execute(f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE {where} "
-                                     f"ORDER BY seq DESC LIMIT %s", (*args, limit))
+            cur = await conn.execute(
+                f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE {where} ORDER BY seq DESC LIMIT %s", (*args, limit)
+            )
             return [_file(r) for r in await cur.fetchall()]
 
         return await self._tx(tx)
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
         async def tx(conn: AsyncConnection) -> bool:
-            cur = await conn.execute("DELETE FROM batchserve_files WHERE id = %s AND tenant = %s "
-                                     "AND status = 'processed'", (file_id, tenant))
+            cur = await conn.execute(
+                "DELETE FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'", (file_id, tenant)
+            )
             return cur.rowcount > 0
 
         return await self._tx(tx, BIG_DELETE_S)  # a file's chunks: up to --files-max-bytes
 
-    async def _end_pending(self, conn: AsyncConnection, job_id: str, openai: bool, status: str, error: str,
-                           message: str, now: float) -> Sizes:
+    async def _end_pending(
+        self, conn: AsyncConnection, job_id: str, openai: bool, status: str, error: str, message: str, now: float
+    ) -> Sizes:
         """Make every pending item of the job final with this error; the bytes that adds."""
         cur = await conn.execute(
             "UPDATE batchserve_items SET status = %s, error = %s, message = %s, finished_at = %s, lease_until = NULL "
             f"WHERE job_id = %s AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
-            (status, error, message, now, job_id))
+            (status, error, message, now, job_id),
+        )
         rows = await cur.fetchall()
         sizes = Sizes(count=len(rows))
         if openai and rows:
+
             def measure() -> Sizes:
                 for idx, text in rows:
                     sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
                 return sizes
+
             await asyncio.to_thread(measure)
         return sizes
 
     async def delete_job(self, tenant: str, job_id: str) -> Job | None:
         async def tx(conn: AsyncConnection) -> Job | None:
-            cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s",
-                                     (job_id, tenant))
+            cur = await conn.execute(
+                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
+            )
             row = await cur.fetchone()
             if row is None:
                 return None
@@ -639,10 +744,14 @@ class PostgresStore:
         async def tx(conn: AsyncConnection) -> tuple[int, int]:
             files = await conn.execute(
                 "DELETE FROM batchserve_files WHERE (status = 'processed' AND expires_at IS NOT NULL "
-                "AND expires_at <= %s) OR (status = 'uploading' AND created_at <= %s)", (now, now - ABANDONED_S))
+                "AND expires_at <= %s) OR (status = 'uploading' AND created_at <= %s)",
+                (now, now - ABANDONED_S),
+            )
             jobs = await conn.execute(
                 "DELETE FROM batchserve_jobs WHERE status NOT IN ('queued', 'running') AND expires_at IS NOT NULL "
-                "AND expires_at <= %s", (now,))
+                "AND expires_at <= %s",
+                (now,),
+            )
             return files.rowcount, jobs.rowcount
 
         return await self._tx(tx, BIG_DELETE_S)  # whatever expired since the last sweep
@@ -650,19 +759,28 @@ class PostgresStore:
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         # Items first, then the job row: the order `record` takes its locks in, so the two never deadlock.
         async def tx(conn: AsyncConnection) -> Job | None:
-            cur = await conn.execute("SELECT status, openai FROM batchserve_jobs WHERE id = %s AND tenant = %s",
-                                     (job_id, tenant))
+            cur = await conn.execute(
+                "SELECT status, openai FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
+            )
             row = await cur.fetchone()
             if row is None:
                 return None
             if row[0] in ACTIVE:
-                sizes = await self._end_pending(conn, job_id, row[1] is not None, "cancelled", "CANCELLED",
-                                                "the job was cancelled before this item ran", now)
+                sizes = await self._end_pending(
+                    conn,
+                    job_id,
+                    row[1] is not None,
+                    "cancelled",
+                    "CANCELLED",
+                    "the job was cancelled before this item ran",
+                    now,
+                )
                 await conn.execute(
                     "UPDATE batchserve_jobs SET status = 'cancelled', cancelled = cancelled + %s, finished_at = %s, "
                     "bytes = bytes + %s, error_bytes = error_bytes + %s "
                     "WHERE id = %s AND status IN ('queued', 'running')",
-                    (sizes.count, now, sizes.stored, sizes.errors, job_id))
+                    (sizes.count, now, sizes.stored, sizes.errors, job_id),
+                )
             cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s", (job_id,))
             found = await cur.fetchone()
             return _job(found) if found is not None else None
@@ -674,8 +792,11 @@ class PostgresStore:
 
     async def active(self, models: list[str]) -> list[Job]:
         async def tx(conn: AsyncConnection) -> list[Job]:
-            cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE status IN "
-                                     f"('queued', 'running') AND model = ANY(%s) ORDER BY seq", (models,))
+            cur = await conn.execute(
+                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE status IN "
+                f"('queued', 'running') AND model = ANY(%s) ORDER BY seq",
+                (models,),
+            )
             return [_job(r) for r in await cur.fetchall()]
 
         return await self._tx(tx)
@@ -691,12 +812,15 @@ class PostgresStore:
                 f"    ORDER BY idx LIMIT %(limit)s FOR UPDATE SKIP LOCKED) "
                 f"UPDATE batchserve_items AS i SET holder = %(holder)s, lease_until = {LEASE} "
                 f"FROM c WHERE i.job_id = %(job)s AND i.idx = c.idx RETURNING i.idx, i.input",
-                {"holder": self.holder, "lease_s": lease_s, "job": job_id, "limit": limit})
+                {"holder": self.holder, "lease_s": lease_s, "job": job_id, "limit": limit},
+            )
             claimed = sorted((r[0], r[1]) for r in await cur.fetchall())
             if claimed:
-                await conn.execute("UPDATE batchserve_jobs SET status = 'running', "
-                                   "started_at = COALESCE(started_at, %s) WHERE id = %s AND status = 'queued'",
-                                   (now, job_id))
+                await conn.execute(
+                    "UPDATE batchserve_jobs SET status = 'running', "
+                    "started_at = COALESCE(started_at, %s) WHERE id = %s AND status = 'queued'",
+                    (now, job_id),
+                )
             return claimed
 
         return await self._tx(tx, bound_for(READ_BYTES, limit))  # the claimed items' inputs come back with it
@@ -706,16 +830,19 @@ class PostgresStore:
             cur = await conn.execute(
                 f"UPDATE batchserve_items SET lease_until = {LEASE} WHERE job_id = %(job)s AND idx = ANY(%(idx)s) "
                 f"AND status = 'pending' AND holder = %(holder)s",
-                {"lease_s": lease_s, "job": job_id, "idx": indexes, "holder": self.holder})
+                {"lease_s": lease_s, "job": job_id, "idx": indexes, "holder": self.holder},
+            )
             return cur.rowcount
 
         return await self._tx(tx, bound_for(rows=len(indexes)))
 
     async def release(self, job_id: str, indexes: list[int]) -> None:
         async def tx(conn: AsyncConnection) -> None:
-            await conn.execute("UPDATE batchserve_items SET lease_until = NULL WHERE job_id = %s "
-                               "AND idx = ANY(%s) AND status = 'pending' AND holder = %s",
-                               (job_id, indexes, self.holder))
+            await conn.execute(
+                "UPDATE batchserve_items SET lease_until = NULL WHERE job_id = %s "
+                "AND idx = ANY(%s) AND status = 'pending' AND holder = %s",
+                (job_id, indexes, self.holder),
+            )
 
         await self._tx(tx, bound_for(rows=len(indexes)))
 
@@ -741,15 +868,17 @@ class PostgresStore:
                 tenant, _ = owners.get(job_id, ("", False))
                 outs = by_job[job_id]
                 try:
-                    await self._check(conn, tenant, sum(o.stored_bytes() for o in outs),
-                                      f"the outputs of batch {job_id}")
+                    await self._check(
+                        conn, tenant, sum(o.stored_bytes() for o in outs), f"the outputs of batch {job_id}"
+                    )
                 except StorageFull as full:  # the job fails whole, saying why; nothing more of it is kept
                     reasons[job_id] = full.message
                     outs = [Outcome(o.job_id, o.index, "failed", None, QUOTA_CODE, full.message) for o in outs]
                 by_job[job_id] = outs
                 for o in outs:
-                    for column, value in zip(columns, (o.job_id, o.index, o.status, _text(o.output), _text(o.error),
-                                                       _text(o.message))):
+                    for column, value in zip(
+                        columns, (o.job_id, o.index, o.status, _text(o.output), _text(o.error), _text(o.message))
+                    ):
                         column.append(value)
             cur = await conn.execute(
                 "UPDATE batchserve_items AS i SET status = o.status, output = o.output, error = o.error, "
@@ -758,7 +887,8 @@ class PostgresStore:
                 "AS o(job_id, idx, status, output, error, message) "
                 "WHERE i.job_id = o.job_id AND i.idx = o.idx AND i.status = 'pending' "
                 f"RETURNING i.job_id, i.idx, i.status, {'i.input' if any_openai else 'NULL'}",
-                (now, self.holder, *columns))
+                (now, self.holder, *columns),
+            )
             changed = await cur.fetchall()
             written: dict[str, Counter[str]] = {job_id: Counter() for job_id in job_ids}
             sizes = {job_id: Sizes() for job_id in job_ids}
@@ -777,28 +907,42 @@ class PostgresStore:
             for job_id in job_ids:
                 counts, size, reason = written[job_id], sizes[job_id], reasons.get(job_id)
                 if reason is not None:
-                    rest = await self._end_pending(conn, job_id, owners.get(job_id, ("", False))[1], "failed",
-                                                   QUOTA_CODE, reason, now)
+                    rest = await self._end_pending(
+                        conn, job_id, owners.get(job_id, ("", False))[1], "failed", QUOTA_CODE, reason, now
+                    )
                     counts["failed"] += rest.count
                     size.merge(rest)
-                await conn.execute("UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s, "
-                                   "bytes = bytes + %s, output_bytes = output_bytes + %s, "
-                                   "error_bytes = error_bytes + %s, reason = COALESCE(reason, %s) WHERE id = %s",
-                                   (counts["completed"], counts["failed"], size.stored, size.output, size.errors,
-                                    reason, job_id))
+                await conn.execute(
+                    "UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s, "
+                    "bytes = bytes + %s, output_bytes = output_bytes + %s, "
+                    "error_bytes = error_bytes + %s, reason = COALESCE(reason, %s) WHERE id = %s",
+                    (counts["completed"], counts["failed"], size.stored, size.output, size.errors, reason, job_id),
+                )
                 cur = await conn.execute(
                     f"UPDATE batchserve_jobs SET status = CASE WHEN status NOT IN ('queued', 'running') "
                     f"THEN status WHEN completed + failed + cancelled < total THEN status "
                     f"WHEN reason IS NOT NULL THEN 'failed' "
                     f"WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
                     f"finished_at = CASE WHEN status IN ('queued', 'running') AND completed + failed + cancelled "
-                    f">= total THEN %s ELSE finished_at END WHERE id = %s RETURNING {JOB_COLUMNS}", (now, job_id))
+                    f">= total THEN %s ELSE finished_at END WHERE id = %s RETURNING {JOB_COLUMNS}",
+                    (now, job_id),
+                )
                 row = await cur.fetchone()
                 if row is not None:
                     job = _job(row)
-                    progress.append(Progress(job.id, job.model, job.status, {
-                        "completed": job.completed, "failed": job.failed, "cancelled": job.cancelled,
-                        "pending": job.pending}))
+                    progress.append(
+                        Progress(
+                            job.id,
+                            job.model,
+                            job.status,
+                            {
+                                "completed": job.completed,
+                                "failed": job.failed,
+                                "cancelled": job.cancelled,
+                                "pending": job.pending,
+                            },
+                        )
+                    )
             return progress
 
         written = sum(len(o.output or "") + len(o.error or "") + len(o.message or "") for o in outcomes)

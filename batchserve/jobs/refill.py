@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 # The most of a model's `--max-queue` that job inputs may fill (every tier's queued items counted): the rest
 # is the interactive callers'. Job inputs are bounded far lower by the spare capacity anyway; this bound holds

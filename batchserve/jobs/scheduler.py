@@ -75,8 +75,7 @@ class Door(Protocol):
     def max_batch_size(self) -> int: ...
     def healthy_workers(self) -> int: ...
     def models(self) -> list[str]: ...
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
-                          alone: bool = False) -> Item: ...
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item: ...
     def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
     def job_room(self, model: str) -> Room | None: ...
 
@@ -148,8 +147,9 @@ class JobState:
         return not self.cancelled and (bool(self.buffer) or bool(self.open))
 
     def idle(self) -> bool:
-        return self.cancelled or (self.exhausted and not self.buffer and not self.inflight and not self.retrying
-                                  and not self.held)
+        return self.cancelled or (
+            self.exhausted and not self.buffer and not self.inflight and not self.retrying and not self.held
+        )
 
 
 @dataclass(order=True)
@@ -186,10 +186,12 @@ class Scheduler:
             self.add(job)
         if self.jobs:
             log.info("resuming %d unfinished batch job(s)", len(self.jobs))
-        self._tasks = [asyncio.create_task(self._feed_loop(), name="jobs-feed"),
-                       asyncio.create_task(self._flush_loop(), name="jobs-flush"),
-                       asyncio.create_task(self._lease_loop(), name="jobs-leases"),
-                       asyncio.create_task(self._poll_loop(), name="jobs-poll")]
+        self._tasks = [
+            asyncio.create_task(self._feed_loop(), name="jobs-feed"),
+            asyncio.create_task(self._flush_loop(), name="jobs-flush"),
+            asyncio.create_task(self._lease_loop(), name="jobs-leases"),
+            asyncio.create_task(self._poll_loop(), name="jobs-poll"),
+        ]
 
     async def stop(self) -> None:
         """Stop feeding, forget what is in flight (it stays pending, and runs again on restart or on another
@@ -208,14 +210,18 @@ class Scheduler:
                     try:
                         await self.store.release(job.id, sorted(job.held))
                     except Exception:  # noqa: BLE001 - the leases then run out by themselves
-                        log.warning("could not release the leases of batch %s; they expire in %.0fs", job.id,
-                                    self.settings.jobs_lease_s)
+                        log.warning(
+                            "could not release the leases of batch %s; they expire in %.0fs",
+                            job.id,
+                            self.settings.jobs_lease_s,
+                        )
 
     def add(self, job: Job) -> None:
         if job.id not in self.jobs:
             endpoint = job.openai.get("endpoint") if job.openai else None
-            self.jobs[job.id] = JobState(job.id, lane_of(job.tenant), job.model, endpoint,
-                                         expires_at=window_end(job.created_at, job.openai))
+            self.jobs[job.id] = JobState(
+                job.id, lane_of(job.tenant), job.model, endpoint, expires_at=window_end(job.created_at, job.openai)
+            )
             self.metrics.active_jobs.set(len(self.jobs))
             self._wake.set()
 
@@ -261,8 +267,13 @@ class Scheduler:
         room = self.door.job_room(model)
         if room is None:
             return None
-        return model_spare(room, self.job_unit.get(model, 1.0), self.ledger.models.get(model, 0),
-                           self.settings.jobs_max_inflight, len(self._model_tenants.get(model, ())))
+        return model_spare(
+            room,
+            self.job_unit.get(model, 1.0),
+            self.ledger.models.get(model, 0),
+            self.settings.jobs_max_inflight,
+            len(self._model_tenants.get(model, ())),
+        )
 
     # -- feeding ---------------------------------------------------------------------------------------------
     async def _feed_loop(self) -> None:
@@ -272,7 +283,7 @@ class Scheduler:
                 timeout = min(timeout, max(0.0, self.retries[0].due - time.monotonic()))
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             try:
@@ -283,7 +294,7 @@ class Scheduler:
                 await self._refill()
             except StoreDown:  # an outage the store logged once as it began: no line per tick
                 await asyncio.sleep(1.0)
-            except Exception:  # noqa: BLE001 - a store hiccup must not end feeding; the next tick tries again
+            except Exception:
                 log.exception("batch job feeding failed; retrying")
                 await asyncio.sleep(1.0)
 
@@ -316,8 +327,9 @@ class Scheduler:
             await self._refill_isolated(isolated, Budget(iso_free, self.model_room))
         if not by_tenant:
             return
-        total = places(self.settings.jobs_max_inflight, self.door.max_batch_size, self.door.healthy_workers(),
-                       len(by_tenant))
+        total = places(
+            self.settings.jobs_max_inflight, self.door.max_batch_size, self.door.healthy_workers(), len(by_tenant)
+        )
         if total <= 0:
             return
         allowed = shares(total, self.ledger.tenants, list(by_tenant))
@@ -412,8 +424,13 @@ class Scheduler:
                 self._submit_group(job, [(index, text)])
                 continue
             if job.endpoint is not None and self.lines is not None:  # an OpenAI Batch API line
-                self._track(job, index, text, self.lines.start(job.endpoint, text, job.model, job.tenant,
-                                                               ITEM_DEADLINE_S, job.expires_at), shared=not alone)
+                self._track(
+                    job,
+                    index,
+                    text,
+                    self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, job.expires_at),
+                    shared=not alone,
+                )
                 continue
             if alone:
                 self._submit_group(job, [(index, text)])
@@ -503,8 +520,14 @@ class Scheduler:
                 self.ledger.isolate(job.tenant, job.charged.get(index, 0))
         job.shared.clear()
         job.buffer.extendleft(reversed(back))
-        log.info("batch %s: isolated after %d costly failures in its last %d items; %d queued item(s) moved to "
-                 "its own batches", job.id, sum(job.recent), len(job.recent), len(back))
+        log.info(
+            "batch %s: isolated after %d costly failures in its last %d items; %d queued item(s) moved to "
+            "its own batches",
+            job.id,
+            sum(job.recent),
+            len(job.recent),
+            len(back),
+        )
 
     def _release_queued(self) -> None:
         """Draining: take back the items no batch has taken yet (they stay pending for the next start)."""
@@ -532,8 +555,12 @@ class Scheduler:
             job.recent.append(False)  # a line refused for its body (4xx) is no sign the inputs fail batches
             if isinstance(result, LineResult):
                 status = "completed" if result.error is None else "failed"
-                self._outcome(job, Outcome(job.id, index, status, output=result.response_json(),
-                                           error=result.error, message=result.message))
+                self._outcome(
+                    job,
+                    Outcome(
+                        job.id, index, status, output=result.response_json(), error=result.error, message=result.message
+                    ),
+                )
                 return
             stored = orjson.dumps(result.output).decode()  # any JSON value, stored as JSON text
             self._outcome(job, Outcome(job.id, index, "completed", output=stored))
@@ -561,8 +588,9 @@ class Scheduler:
         job.retrying += 1
         delay = min(RETRY_CAP_S, self.settings.jobs_retry_base_ms / 1000 * 2 ** (attempts - 1))
         self._seq += 1
-        heapq.heappush(self.retries, Retry(time.monotonic() + delay * random.uniform(0.5, 1.0), self._seq,
-                                           job, index, text))
+        heapq.heappush(
+            self.retries, Retry(time.monotonic() + delay * random.uniform(0.5, 1.0), self._seq, job, index, text)
+        )
         self.metrics.count(job.model, "retried")
         log.info("batch %s item %d: %s, retry %d in %.1fs", job.id, index, code, attempts, delay)
 
@@ -579,14 +607,14 @@ class Scheduler:
         while True:
             try:
                 await asyncio.wait_for(self._flush_now.wait(), FLUSH_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._flush_now.clear()
             try:
                 await self.flush()
             except StoreDown:  # the store logged the outage once; the rows are kept for the next try
                 await asyncio.sleep(1.0)
-            except Exception:  # noqa: BLE001 - the rows are kept and written on the next try
+            except Exception:
                 log.exception("writing batch job results failed; retrying")
                 await asyncio.sleep(1.0)
 
@@ -619,7 +647,7 @@ class Scheduler:
                     kept = await self.store.renew(job.id, sorted(job.held), lease_s)
                 except StoreDown:  # the store logged the outage once; the next round tries again
                     continue
-                except Exception:  # noqa: BLE001 - the next round tries again, well inside the lease
+                except Exception:
                     log.exception("renewing the leases of batch %s failed; retrying", job.id)
                     continue
                 if kept < len(job.held):  # recorded meanwhile, or a lease ran out and another node took it
@@ -632,7 +660,7 @@ class Scheduler:
                 await self.poll()
             except StoreDown:  # the store logged the outage once; the next poll tries again
                 pass
-            except Exception:  # noqa: BLE001 - the next poll tries again
+            except Exception:
                 log.exception("reading the unfinished batch jobs failed; retrying")
 
     async def poll(self) -> None:

@@ -58,10 +58,21 @@ class JobService:
     _open_breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @classmethod
-    async def start(cls, door: Door, settings: Settings, registry: CollectorRegistry,
-                    count_tokens: TokenCounter | None = None, generation: Engine | None = None) -> "JobService":
-        svc = cls(door, settings, JobMetrics.create(registry), generation=generation,
-                  uploads=UploadGate(settings.files_max_uploads, settings.files_max_uploads_per_tenant))
+    async def start(
+        cls,
+        door: Door,
+        settings: Settings,
+        registry: CollectorRegistry,
+        count_tokens: TokenCounter | None = None,
+        generation: Engine | None = None,
+    ) -> JobService:
+        svc = cls(
+            door,
+            settings,
+            JobMetrics.create(registry),
+            generation=generation,
+            uploads=UploadGate(settings.files_max_uploads, settings.files_max_uploads_per_tenant),
+        )
         if count_tokens is not None:
             svc.count_tokens = count_tokens
         path = settings.jobs_db
@@ -115,8 +126,13 @@ class JobService:
     async def _open_and_resume(self) -> tuple[JobStore, Scheduler]:
         store = await self._open()
         try:
-            scheduler = Scheduler(store, self.door, self.settings, self.metrics,
-                                  LineRunner(self.door, self.settings, self.count_tokens, self.generation))
+            scheduler = Scheduler(
+                store,
+                self.door,
+                self.settings,
+                self.metrics,
+                LineRunner(self.door, self.settings, self.count_tokens, self.generation),
+            )
             await scheduler.start()
         except BaseException:
             await store.close()
@@ -131,11 +147,16 @@ class JobService:
             try:
                 from batchserve.jobs.pg_store import PostgresStore
             except ImportError as exc:
-                raise ImportError(f"{exc}; a postgresql:// job store needs pip install 'batchserve[postgres]'") from None
+                raise ImportError(
+                    f"{exc}; a postgresql:// job store needs pip install 'batchserve[postgres]'"
+                ) from None
             store = await PostgresStore.open(self.path)
         mb, s = 1_000_000, self.settings
-        store.limits = StorageLimits(int(s.tenant_storage_mb * mb), int(s.storage_max_mb * mb),
-                                     {t: int(v * mb) for t, v in s.tenant_storage_mb_by_tenant.items()})
+        store.limits = StorageLimits(
+            int(s.tenant_storage_mb * mb),
+            int(s.storage_max_mb * mb),
+            {t: int(v * mb) for t, v in s.tenant_storage_mb_by_tenant.items()},
+        )
         return store
 
     async def _sweep_loop(self) -> None:

@@ -22,14 +22,14 @@ import sqlite3
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import orjson
 
 from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
 from batchserve.jobs.openai_batch import line_size
-from batchserve.jobs.store import (ACTIVE, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress,
-                                   Sizes)
+from batchserve.jobs.store import ACTIVE, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress, Sizes
 
 T = TypeVar("T")
 
@@ -93,12 +93,20 @@ CREATE TABLE IF NOT EXISTS file_chunks (
 );
 """
 # Columns added since the first schema (a file from before gets them at open).
-JOB_EXTRA = {"openai": "TEXT", "bytes": "INTEGER NOT NULL DEFAULT 0", "output_bytes": "INTEGER NOT NULL DEFAULT 0",
-             "error_bytes": "INTEGER NOT NULL DEFAULT 0", "expires_at": "REAL", "reason": "TEXT"}
+JOB_EXTRA = {
+    "openai": "TEXT",
+    "bytes": "INTEGER NOT NULL DEFAULT 0",
+    "output_bytes": "INTEGER NOT NULL DEFAULT 0",
+    "error_bytes": "INTEGER NOT NULL DEFAULT 0",
+    "expires_at": "REAL",
+    "reason": "TEXT",
+}
 FILE_EXTRA = {"status": "TEXT NOT NULL DEFAULT 'processed'", "expires_at": "REAL"}
 
-JOB_COLUMNS = ("id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
-               "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason")
+JOB_COLUMNS = (
+    "id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
+    "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason"
+)
 FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
 ABANDONED_S = 3600.0  # an upload row this old and still `uploading` was abandoned (its process died)
 QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
@@ -110,16 +118,32 @@ class StoreBusy(Exception):
 
 def _job(row: sqlite3.Row) -> Job:
     meta = row["metadata"]
-    return Job(row["id"], row["tenant"], row["model"], row["status"], row["total"], row["completed"],
-               row["failed"], row["cancelled"], row["created_at"], row["started_at"], row["finished_at"],
-               orjson.loads(meta) if meta is not None else None,
-               orjson.loads(row["openai"]) if row["openai"] is not None else None,
-               row["bytes"], row["output_bytes"], row["error_bytes"], row["expires_at"], row["reason"])
+    return Job(
+        row["id"],
+        row["tenant"],
+        row["model"],
+        row["status"],
+        row["total"],
+        row["completed"],
+        row["failed"],
+        row["cancelled"],
+        row["created_at"],
+        row["started_at"],
+        row["finished_at"],
+        orjson.loads(meta) if meta is not None else None,
+        orjson.loads(row["openai"]) if row["openai"] is not None else None,
+        row["bytes"],
+        row["output_bytes"],
+        row["error_bytes"],
+        row["expires_at"],
+        row["reason"],
+    )
 
 
 def _file(row: sqlite3.Row) -> StoredFile:
-    return StoredFile(row["id"], row["tenant"], row["filename"], row["purpose"], row["bytes"], row["created_at"],
-                      row["expires_at"])
+    return StoredFile(
+        row["id"], row["tenant"], row["filename"], row["purpose"], row["bytes"], row["created_at"], row["expires_at"]
+    )
 
 
 class SQLiteStore:
@@ -134,7 +158,7 @@ class SQLiteStore:
         self.limits = StorageLimits()
 
     @classmethod
-    async def open(cls, path: str) -> "SQLiteStore":
+    async def open(cls, path: str) -> SQLiteStore:
         store = cls(path)
         try:
             await store._run(store._open)
@@ -205,9 +229,11 @@ class SQLiteStore:
             if "content" in {r["name"] for r in c.execute("PRAGMA table_info(files)")}:
                 c.execute("INSERT INTO file_chunks (file_id, seq, data) SELECT id, 0, content FROM files")
                 c.execute("ALTER TABLE files DROP COLUMN content")
-            c.execute("UPDATE jobs SET bytes = (SELECT COALESCE(SUM(length(CAST(input AS BLOB)) + "
-                      "COALESCE(length(CAST(output AS BLOB)), 0)), 0) "
-                      "FROM items WHERE items.job_id = jobs.id)")
+            c.execute(
+                "UPDATE jobs SET bytes = (SELECT COALESCE(SUM(length(CAST(input AS BLOB)) + "
+                "COALESCE(length(CAST(output AS BLOB)), 0)), 0) "
+                "FROM items WHERE items.job_id = jobs.id)"
+            )
             c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextlib.contextmanager
@@ -224,12 +250,16 @@ class SQLiteStore:
 
     # -- bytes kept ------------------------------------------------------------------------------------------
     def _usage(self, c: sqlite3.Connection, tenant: str) -> tuple[int, int]:
-        mine = c.execute("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?) + "
-                         "(SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?)", (tenant, tenant)).fetchone()[0]
+        mine = c.execute(
+            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?) + "
+            "(SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?)",
+            (tenant, tenant),
+        ).fetchone()[0]
         if not self.limits.total_bytes:
             return mine, 0
-        total = c.execute("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + "
-                          "(SELECT COALESCE(SUM(bytes), 0) FROM jobs)").fetchone()[0]
+        total = c.execute(
+            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
+        ).fetchone()[0]
         return mine, total
 
     def _check(self, c: sqlite3.Connection, tenant: str, adding: int, what: str) -> None:
@@ -239,8 +269,9 @@ class SQLiteStore:
     def _usage_now(self, tenant: str) -> tuple[int, int]:
         assert self._conn is not None
         mine, _ = self._usage(self._conn, tenant)
-        total = self._conn.execute("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + "
-                                   "(SELECT COALESCE(SUM(bytes), 0) FROM jobs)").fetchone()[0]
+        total = self._conn.execute(
+            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
+        ).fetchone()[0]
         return mine, total
 
     # -- jobs ------------------------------------------------------------------------------------------------
@@ -248,8 +279,10 @@ class SQLiteStore:
         adding = job.stored_bytes() if job.source_file is None else job.input_bytes
         with self._tx() as c:
             if job.idempotency_key is not None:
-                row = c.execute(f"SELECT {JOB_COLUMNS}, request_hash FROM jobs WHERE tenant = ? "
-                                f"AND idempotency_key = ?", (job.tenant, job.idempotency_key)).fetchone()
+                row = c.execute(
+                    f"SELECT {JOB_COLUMNS}, request_hash FROM jobs WHERE tenant = ? AND idempotency_key = ?",
+                    (job.tenant, job.idempotency_key),
+                ).fetchone()
                 if row is not None:
                     if row["request_hash"] != job.request_hash:
                         raise IdempotencyConflict(job.idempotency_key)
@@ -257,23 +290,56 @@ class SQLiteStore:
             self._check(c, job.tenant, adding, "this batch's inputs")
             meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
             openai = orjson.dumps(job.openai).decode() if job.openai is not None else None
-            c.execute("INSERT INTO jobs (id, tenant, model, status, total, metadata, idempotency_key, "
-                      "request_hash, created_at, openai, bytes, expires_at) "
-                      "VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
-                      (job.id, job.tenant, job.model, job.count(), meta, job.idempotency_key,
-                       job.request_hash, job.created_at, openai, adding, job.expires_at))
+            c.execute(
+                "INSERT INTO jobs (id, tenant, model, status, total, metadata, idempotency_key, "
+                "request_hash, created_at, openai, bytes, expires_at) "
+                "VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    job.id,
+                    job.tenant,
+                    job.model,
+                    job.count(),
+                    meta,
+                    job.idempotency_key,
+                    job.request_hash,
+                    job.created_at,
+                    openai,
+                    adding,
+                    job.expires_at,
+                ),
+            )
             if job.source_file is None:
-                c.executemany("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
-                              ((job.id, i, text) for i, text in enumerate(job.inputs)))
+                c.executemany(
+                    "INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
+                    ((job.id, i, text) for i, text in enumerate(job.inputs)),
+                )
             else:
                 self._copy_lines(c, job)
-        return Job(job.id, job.tenant, job.model, "queued", job.count(), 0, 0, 0, job.created_at, None,
-                   None, job.metadata, job.openai, adding, 0, 0, job.expires_at), True
+        return Job(
+            job.id,
+            job.tenant,
+            job.model,
+            "queued",
+            job.count(),
+            0,
+            0,
+            0,
+            job.created_at,
+            None,
+            None,
+            job.metadata,
+            job.openai,
+            adding,
+            0,
+            0,
+            job.expires_at,
+        ), True
 
     def _copy_lines(self, c: sqlite3.Connection, job: NewJob) -> None:
         """The file's lines become the job's items, one stored chunk at a time (never the whole file)."""
-        owner = c.execute("SELECT tenant FROM files WHERE id = ? AND status = 'processed'",
-                          (job.source_file,)).fetchone()
+        owner = c.execute(
+            "SELECT tenant FROM files WHERE id = ? AND status = 'processed'", (job.source_file,)
+        ).fetchone()
         if owner is None or owner[0] != job.tenant:
             raise FileGone(job.source_file or "")
         split = LineSplitter()
@@ -281,8 +347,10 @@ class SQLiteStore:
         chunks = c.execute("SELECT data FROM file_chunks WHERE file_id = ? ORDER BY seq", (job.source_file,))
         for (data,) in chunks:
             lines = split.feed(bytes(data))
-            c.executemany("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
-                          ((job.id, index + k, line.decode()) for k, line in enumerate(lines)))
+            c.executemany(
+                "INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
+                ((job.id, index + k, line.decode()) for k, line in enumerate(lines)),
+            )
             index += len(lines)
         for line in split.end():
             c.execute("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)", (job.id, index, line.decode()))
@@ -292,27 +360,33 @@ class SQLiteStore:
 
     def _get(self, tenant: str, job_id: str) -> Job | None:
         assert self._conn is not None
-        row = self._conn.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?",
-                                 (job_id, tenant)).fetchone()
+        row = self._conn.execute(
+            f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)
+        ).fetchone()
         return _job(row) if row is not None else None
 
     def _list(self, tenant: str, limit: int, after: str | None) -> list[Job]:
         assert self._conn is not None
         if after is None:
-            rows = self._conn.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? ORDER BY seq DESC LIMIT ?",
-                                      (tenant, limit))
+            rows = self._conn.execute(
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? ORDER BY seq DESC LIMIT ?", (tenant, limit)
+            )
         else:
             rows = self._conn.execute(
                 f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? AND seq < "
                 f"(SELECT seq FROM jobs WHERE id = ? AND tenant = ?) ORDER BY seq DESC LIMIT ?",
-                (tenant, after, tenant, limit))
+                (tenant, after, tenant, limit),
+            )
         return [_job(r) for r in rows]
 
     def _results(self, job_id: str, after_index: int, limit: int, with_input: bool) -> list[ItemRow]:
         assert self._conn is not None
         extra = ", input" if with_input else ""
-        rows = self._conn.execute(f"SELECT idx, status, output, error, message{extra} FROM items WHERE job_id = ? "
-                                  "AND idx > ? ORDER BY idx LIMIT ?", (job_id, after_index, limit))
+        rows = self._conn.execute(
+            f"SELECT idx, status, output, error, message{extra} FROM items WHERE job_id = ? "
+            "AND idx > ? ORDER BY idx LIMIT ?",
+            (job_id, after_index, limit),
+        )
         return [ItemRow(*r) for r in rows]
 
     # -- files -----------------------------------------------------------------------------------------------
@@ -321,9 +395,11 @@ class SQLiteStore:
             held = c.execute("SELECT count(*) FROM files WHERE tenant = ?", (meta.tenant,)).fetchone()[0]
             if held >= max_count:
                 raise FileLimitReached(meta.tenant)
-            c.execute("INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, status, expires_at) "
-                      "VALUES (?, ?, ?, ?, 0, ?, 'uploading', ?)", (meta.id, meta.tenant, meta.filename,
-                                                                    meta.purpose, meta.created_at, meta.expires_at))
+            c.execute(
+                "INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, status, expires_at) "
+                "VALUES (?, ?, ?, ?, 0, ?, 'uploading', ?)",
+                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
+            )
 
     def _put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
         with self._tx() as c:
@@ -333,8 +409,11 @@ class SQLiteStore:
 
     def _finish_file(self, meta: StoredFile) -> None:
         with self._tx() as c:
-            c.execute("UPDATE files SET status = 'processed', filename = ?, purpose = ?, bytes = ?, expires_at = ? "
-                      "WHERE id = ?", (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id))
+            c.execute(
+                "UPDATE files SET status = 'processed', filename = ?, purpose = ?, bytes = ?, expires_at = ? "
+                "WHERE id = ?",
+                (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
+            )
 
     def _abort_file(self, file_id: str) -> None:
         with self._tx() as c:
@@ -347,14 +426,16 @@ class SQLiteStore:
 
     def _get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         assert self._conn is not None
-        row = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? "
-                                 f"AND status = 'processed'", (file_id, tenant)).fetchone()
+        row = self._conn.execute(
+            f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
+        ).fetchone()
         return _file(row) if row is not None else None
 
     def _chunk(self, file_id: str, after: int) -> tuple[int, bytes] | None:
         assert self._conn is not None
-        row = self._conn.execute("SELECT seq, data FROM file_chunks WHERE file_id = ? AND seq > ? ORDER BY seq "
-                                 "LIMIT 1", (file_id, after)).fetchone()
+        row = self._conn.execute(
+            "SELECT seq, data FROM file_chunks WHERE file_id = ? AND seq > ? ORDER BY seq LIMIT 1", (file_id, after)
+        ).fetchone()
         return (row[0], bytes(row[1])) if row is not None else None
 
     def _list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
@@ -365,14 +446,16 @@ class SQLiteStore:
         if after is not None:
             where += " AND seq < (SELECT seq FROM files WHERE id = ? AND tenant = ?)"
             args += [after, tenant]
-        rows = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files WHERE {where} ORDER BY seq DESC LIMIT ?",
-                                  (*args, limit))
+        rows = self._conn.execute(
+            f"SELECT {FILE_COLUMNS} FROM files WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit)
+        )
         return [_file(r) for r in rows]
 
     def _delete_file(self, tenant: str, file_id: str) -> bool:
         with self._tx() as c:
-            found = c.execute("SELECT 1 FROM files WHERE id = ? AND tenant = ? AND status = 'processed'",
-                              (file_id, tenant)).fetchone()
+            found = c.execute(
+                "SELECT 1 FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
+            ).fetchone()
             if found is not None:
                 self._drop_file(c, file_id)
         if found is not None:
@@ -386,21 +469,33 @@ class SQLiteStore:
             if row is None:
                 return None
             if row["status"] in ACTIVE:
-                sizes = self._end_pending(c, job_id, row["openai"] is not None, "cancelled", "CANCELLED",
-                                          "the job was cancelled before this item ran", now)
-                c.execute("UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ?, "
-                          "bytes = bytes + ?, error_bytes = error_bytes + ? WHERE id = ?",
-                          (sizes.count, now, sizes.stored, sizes.errors, job_id))
+                sizes = self._end_pending(
+                    c,
+                    job_id,
+                    row["openai"] is not None,
+                    "cancelled",
+                    "CANCELLED",
+                    "the job was cancelled before this item ran",
+                    now,
+                )
+                c.execute(
+                    "UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ?, "
+                    "bytes = bytes + ?, error_bytes = error_bytes + ? WHERE id = ?",
+                    (sizes.count, now, sizes.stored, sizes.errors, job_id),
+                )
                 self._leases.pop(job_id, None)
         return self._get(tenant, job_id)
 
     @staticmethod
-    def _end_pending(c: sqlite3.Connection, job_id: str, openai: bool, status: str, error: str, message: str,
-                     now: float) -> "Sizes":
+    def _end_pending(
+        c: sqlite3.Connection, job_id: str, openai: bool, status: str, error: str, message: str, now: float
+    ) -> Sizes:
         """Make every pending item of the job final with this error; the bytes that adds."""
-        rows = c.execute("UPDATE items SET status = ?, error = ?, message = ?, finished_at = ? "
-                         f"WHERE job_id = ? AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
-                         (status, error, message, now, job_id)).fetchall()
+        rows = c.execute(
+            "UPDATE items SET status = ?, error = ?, message = ?, finished_at = ? "
+            f"WHERE job_id = ? AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
+            (status, error, message, now, job_id),
+        ).fetchall()
         sizes = Sizes(count=len(rows))
         for idx, text in rows:
             if openai:
@@ -409,8 +504,7 @@ class SQLiteStore:
 
     def _delete_job(self, tenant: str, job_id: str) -> Job | None:
         with self._tx() as c:
-            row = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?",
-                            (job_id, tenant)).fetchone()
+            row = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
             if row is None:
                 return None
             job = _job(row)
@@ -422,15 +516,23 @@ class SQLiteStore:
 
     def _sweep(self, now: float) -> tuple[int, int]:
         assert self._conn is not None
-        files = [r[0] for r in self._conn.execute(
-            "SELECT id FROM files WHERE status = 'processed' AND expires_at IS NOT NULL AND expires_at <= ?",
-            (now,)).fetchall()]
+        files = [
+            r[0]
+            for r in self._conn.execute(
+                "SELECT id FROM files WHERE status = 'processed' AND expires_at IS NOT NULL AND expires_at <= ?", (now,)
+            ).fetchall()
+        ]
         for file_id in files:  # one short transaction each: other store calls go between them
             with self._tx() as c:
                 self._drop_file(c, file_id)
-        jobs = [r[0] for r in self._conn.execute(
-            "SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND expires_at IS NOT NULL "
-            "AND expires_at <= ?", (now,)).fetchall()]
+        jobs = [
+            r[0]
+            for r in self._conn.execute(
+                "SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND expires_at IS NOT NULL "
+                "AND expires_at <= ?",
+                (now,),
+            ).fetchall()
+        ]
         for job_id in jobs:
             with self._tx() as c:
                 c.execute("DELETE FROM items WHERE job_id = ?", (job_id,))
@@ -450,8 +552,10 @@ class SQLiteStore:
     def _active(self, models: list[str]) -> list[Job]:
         assert self._conn is not None
         marks = ", ".join("?" * len(models))
-        rows = self._conn.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ('queued', 'running') "
-                                  f"AND model IN ({marks}) ORDER BY seq", models)
+        rows = self._conn.execute(
+            f"SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ('queued', 'running') AND model IN ({marks}) ORDER BY seq",
+            models,
+        )
         return [_job(r) for r in rows]
 
     def _claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
@@ -460,14 +564,19 @@ class SQLiteStore:
         leases = self._leases.setdefault(job_id, {})
         for index in [i for i, until in leases.items() if until <= clock]:
             del leases[index]  # expired: claimable again
-        rows = self._conn.execute("SELECT idx, input FROM items WHERE job_id = ? AND status = 'pending' "
-                                  "ORDER BY idx LIMIT ?", (job_id, limit + len(leases)))
+        rows = self._conn.execute(
+            "SELECT idx, input FROM items WHERE job_id = ? AND status = 'pending' ORDER BY idx LIMIT ?",
+            (job_id, limit + len(leases)),
+        )
         claimed = [(r[0], r[1]) for r in rows if r[0] not in leases][:limit]
         for index, _ in claimed:
             leases[index] = clock + lease_s
         if claimed:
-            self._conn.execute("UPDATE jobs SET status = 'running', started_at = COALESCE(started_at, ?) "
-                               "WHERE id = ? AND status = 'queued'", (now, job_id))
+            self._conn.execute(
+                "UPDATE jobs SET status = 'running', started_at = COALESCE(started_at, ?) "
+                "WHERE id = ? AND status = 'queued'",
+                (now, job_id),
+            )
         return claimed
 
     def _renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
@@ -489,8 +598,10 @@ class SQLiteStore:
             by_job.setdefault(o.job_id, []).append(o)
         with self._tx() as c:
             marks = ", ".join("?" * len(by_job))
-            owners = {r[0]: (r[1], r[2] is not None) for r in c.execute(
-                f"SELECT id, tenant, openai FROM jobs WHERE id IN ({marks})", list(by_job))}
+            owners = {
+                r[0]: (r[1], r[2] is not None)
+                for r in c.execute(f"SELECT id, tenant, openai FROM jobs WHERE id IN ({marks})", list(by_job))
+            }
             for job_id, outs in by_job.items():
                 tenant, openai = owners.get(job_id, ("", False))
                 reason = None
@@ -507,14 +618,16 @@ class SQLiteStore:
                         "UPDATE items SET status = ?, output = ?, error = ?, message = ?, writes = writes + 1, "
                         f"finished_at = ? WHERE job_id = ? AND idx = ? AND status = 'pending' "
                         f"RETURNING {'input' if openai else 'NULL'}",
-                        (o.status, o.output, o.error, o.message, now, o.job_id, o.index)).fetchone()
+                        (o.status, o.output, o.error, o.message, now, o.job_id, o.index),
+                    ).fetchone()
                     leases.pop(o.index, None)
                     if row is not None:
                         counts[o.status] += 1
                         sizes.stored += o.stored_bytes()
                         if openai:
-                            sizes.add(line_size(job_id, ItemRow(o.index, o.status, o.output, o.error, o.message,
-                                                                row[0])))
+                            sizes.add(
+                                line_size(job_id, ItemRow(o.index, o.status, o.output, o.error, o.message, row[0]))
+                            )
                 if reason is not None:
                     rest = self._end_pending(c, job_id, openai, "failed", QUOTA_CODE, reason, now)
                     counts["failed"] += rest.count
@@ -522,22 +635,36 @@ class SQLiteStore:
                     self._leases.pop(job_id, None)
                 elif not self._leases.get(job_id, True):
                     del self._leases[job_id]
-                c.execute("UPDATE jobs SET completed = completed + ?, failed = failed + ?, bytes = bytes + ?, "
-                          "output_bytes = output_bytes + ?, error_bytes = error_bytes + ?, "
-                          "reason = COALESCE(reason, ?) WHERE id = ?",
-                          (counts["completed"], counts["failed"], sizes.stored, sizes.output, sizes.errors, reason,
-                           job_id))
-                c.execute("UPDATE jobs SET status = CASE WHEN reason IS NOT NULL THEN 'failed' "
-                          "WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
-                          "finished_at = ? WHERE id = ? AND status IN ('queued', 'running') "
-                          "AND completed + failed + cancelled >= total", (now, job_id))
+                c.execute(
+                    "UPDATE jobs SET completed = completed + ?, failed = failed + ?, bytes = bytes + ?, "
+                    "output_bytes = output_bytes + ?, error_bytes = error_bytes + ?, "
+                    "reason = COALESCE(reason, ?) WHERE id = ?",
+                    (counts["completed"], counts["failed"], sizes.stored, sizes.output, sizes.errors, reason, job_id),
+                )
+                c.execute(
+                    "UPDATE jobs SET status = CASE WHEN reason IS NOT NULL THEN 'failed' "
+                    "WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
+                    "finished_at = ? WHERE id = ? AND status IN ('queued', 'running') "
+                    "AND completed + failed + cancelled >= total",
+                    (now, job_id),
+                )
             rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(by_job)).fetchall()
         progress = []
         for r in rows:
             job = _job(r)
-            progress.append(Progress(job.id, job.model, job.status, {
-                "completed": job.completed, "failed": job.failed, "cancelled": job.cancelled,
-                "pending": job.pending}))
+            progress.append(
+                Progress(
+                    job.id,
+                    job.model,
+                    job.status,
+                    {
+                        "completed": job.completed,
+                        "failed": job.failed,
+                        "cancelled": job.cancelled,
+                        "pending": job.pending,
+                    },
+                )
+            )
         return progress
 
     def _close(self) -> None:

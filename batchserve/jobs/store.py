@@ -122,11 +122,23 @@ class Job:
         return self.total - self.completed - self.failed - self.cancelled
 
     def public(self) -> dict[str, Any]:
-        out = {"id": self.id, "object": "batch", "status": self.status, "model": self.model,
-               "total": self.total, "completed": self.completed, "failed": self.failed,
-               "cancelled": self.cancelled, "pending": self.pending, "created_at": self.created_at,
-               "started_at": self.started_at, "finished_at": self.finished_at, "metadata": self.metadata,
-               "bytes": self.bytes, "expires_at": self.expires_at}
+        out = {
+            "id": self.id,
+            "object": "batch",
+            "status": self.status,
+            "model": self.model,
+            "total": self.total,
+            "completed": self.completed,
+            "failed": self.failed,
+            "cancelled": self.cancelled,
+            "pending": self.pending,
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "metadata": self.metadata,
+            "bytes": self.bytes,
+            "expires_at": self.expires_at,
+        }
         if self.reason is not None:
             out["reason"] = self.reason
         return out
@@ -184,7 +196,7 @@ class Sizes:
         else:
             self.errors += size
 
-    def merge(self, other: "Sizes") -> None:
+    def merge(self, other: Sizes) -> None:
         self.stored += other.stored
         self.output += other.output
         self.errors += other.errors

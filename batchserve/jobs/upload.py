@@ -47,11 +47,19 @@ class FormStream:
     _ended = False
 
     def __post_init__(self) -> None:
-        self._parser = MultipartParser(self.boundary, {
-            "on_part_begin": self._part_begin, "on_part_data": self._part_data, "on_part_end": self._part_end,
-            "on_header_field": self._header_field, "on_header_value": self._header_value,
-            "on_header_end": self._header_end, "on_headers_finished": self._headers_finished,
-            "on_end": self._end})
+        self._parser = MultipartParser(
+            self.boundary,
+            {
+                "on_part_begin": self._part_begin,
+                "on_part_data": self._part_data,
+                "on_part_end": self._part_end,
+                "on_header_field": self._header_field,
+                "on_header_value": self._header_value,
+                "on_header_end": self._header_end,
+                "on_headers_finished": self._headers_finished,
+                "on_end": self._end,
+            },
+        )
 
     def feed(self, data: bytes) -> None:
         assert self._parser is not None
@@ -138,12 +146,17 @@ class UploadGate:
         """Take a place, or refuse: 429 when the tenant has its most uploads in progress, 503 when the
         server has."""
         if self.per_tenant and self.active[tenant] >= self.per_tenant:
-            raise ApiError(429, "RATE_LIMITED", f"you already have {self.per_tenant} uploads in progress "
-                                                f"(--files-max-uploads-per-tenant); retry when one ends",
-                           retry_after_ms=1000)
+            raise ApiError(
+                429,
+                "RATE_LIMITED",
+                f"you already have {self.per_tenant} uploads in progress "
+                f"(--files-max-uploads-per-tenant); retry when one ends",
+                retry_after_ms=1000,
+            )
         if self.total and self.count >= self.total:
-            raise errors.overloaded(f"the server already has {self.total} uploads in progress "
-                                    f"(--files-max-uploads); retry shortly", 1000)
+            raise errors.overloaded(
+                f"the server already has {self.total} uploads in progress (--files-max-uploads); retry shortly", 1000
+            )
         self.active[tenant] += 1
         self.count += 1
 

@@ -42,10 +42,15 @@ log = logging.getLogger("batchserve.grpc")
 PROTO = "batchserve/kserve/grpc_inference.proto"
 protos, services = grpc.protos_and_services(PROTO)
 
-STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-                404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
-                429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
-                504: grpc.StatusCode.DEADLINE_EXCEEDED}
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 V2_CODES = {400: "INVALID_REQUEST", 404: "MODEL_NOT_FOUND", 413: "PAYLOAD_TOO_LARGE"}  # for the metrics
 
 
@@ -108,8 +113,9 @@ def find_model(rt: GrpcHost, name: str, version: str) -> ModelSpec:
     """The model named (its versions split by weight when `version` is empty), or a 404 in v2's words."""
     spec = rt.registry.by_id.get(f"{name}@{version}") if version else rt.registry.resolve(name)
     if spec is None:
-        raise V2Error(404, f"unknown model '{errors.short(name)}'" +
-                      (f" version '{errors.short(version)}'" if version else ""))
+        raise V2Error(
+            404, f"unknown model '{errors.short(name)}'" + (f" version '{errors.short(version)}'" if version else "")
+        )
     return spec
 
 
@@ -124,7 +130,7 @@ def bytes_elements(raw: bytes, count: int) -> list[bytes]:
         at += 4
         if at + n > len(raw):
             raise V2Error(400, "raw BYTES contents end inside an element")
-        out.append(raw[at:at + n])
+        out.append(raw[at : at + n])
         at += n
     if len(out) != count:
         raise V2Error(400, f"the raw contents hold {len(out)} element(s), the shape says {count}")
@@ -146,8 +152,9 @@ def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[in
         raise V2Error(400, "'shape' must be at most 8 non-negative dimensions")
     count = math.prod(shape)
     if count < 1 or count > MAX_ELEMENTS:
-        raise V2Error(400, f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} "
-                           f"holds {count}")
+        raise V2Error(
+            400, f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} holds {count}"
+        )
     raw_contents = req.raw_input_contents
     if raw_contents:
         if len(raw_contents) != 1 or tensor.contents.bytes_contents:
@@ -156,8 +163,7 @@ def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[in
     else:
         elements = list(tensor.contents.bytes_contents)
         if len(elements) != count:
-            raise V2Error(400, f"input '{INPUT_NAME}' holds {len(elements)} element(s), its shape {shape} "
-                               f"says {count}")
+            raise V2Error(400, f"input '{INPUT_NAME}' holds {len(elements)} element(s), its shape {shape} says {count}")
     try:
         texts = [e.decode() for e in elements]
     except UnicodeDecodeError:
@@ -231,8 +237,12 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
         meta = model_metadata(spec.name, versions, spec.backend, kind)
         tensors = protos.ModelMetadataResponse.TensorMetadata
         return protos.ModelMetadataResponse(
-            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
-            inputs=[tensors(**t) for t in meta["inputs"]], outputs=[tensors(**t) for t in meta["outputs"]])
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[tensors(**t) for t in meta["inputs"]],
+            outputs=[tensors(**t) for t in meta["outputs"]],
+        )
 
     async def ModelInfer(self, request: InferRequest, context: aio.ServicerContext) -> object:  # noqa: N802
         rt = self.rt
@@ -261,8 +271,17 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
                 raise V2Error(400, f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms)")
             guard.take(caller, len(texts))
             try:
-                results = await rt.service.infer_many(texts, spec.id, caller.tier, caller.tenant, timeout_ms / 1000,
-                                                      arrived, request_id, context.cancelled, caller.owner)
+                results = await rt.service.infer_many(
+                    texts,
+                    spec.id,
+                    caller.tier,
+                    caller.tenant,
+                    timeout_ms / 1000,
+                    arrived,
+                    request_id,
+                    context.cancelled,
+                    caller.owner,
+                )
             except ClientGone:
                 return protos.ModelInferResponse()  # nobody reads it: the call was cancelled
             datatype, out_shape, raw = output_tensor([r.output for r in results], shape, backend.output_kind)
@@ -271,14 +290,18 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
             guard.refused(model_id, err, caller, inputs)
             await abort(context, err, request_id)
         except V2Error as err:
-            guard.refused(model_id, ApiError(err.status, V2_CODES.get(err.status, "INFERENCE_FAILED"), err.message),
-                          caller, inputs)
+            guard.refused(
+                model_id,
+                ApiError(err.status, V2_CODES.get(err.status, "INFERENCE_FAILED"), err.message),
+                caller,
+                inputs,
+            )
             await abort(context, err, request_id)
         await context.send_initial_metadata((("x-request-id", request_id),))
         tensor = protos.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
-        return protos.ModelInferResponse(model_name=spec.name, model_version=spec.version,
-                                         id=request.id, outputs=[tensor],
-                                         raw_output_contents=[raw])
+        return protos.ModelInferResponse(
+            model_name=spec.name, model_version=spec.version, id=request.id, outputs=[tensor], raw_output_contents=[raw]
+        )
 
 
 def peer_address(peer: str) -> tuple[str, int] | None:

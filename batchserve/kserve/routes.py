@@ -28,8 +28,7 @@ from batchserve.http.body import read_body_from, request_id_from, send_json
 from batchserve.http.disconnect import disconnect_probe
 from batchserve.http.guards import Guard, costs_of
 from batchserve.http.uvicorn_protocol import whole_answer_sender
-from batchserve.kserve.wire import (EXTENSIONS, HEADER_LENGTH, V2Error, infer_answer, model_metadata,
-                                        parse_infer)
+from batchserve.kserve.wire import EXTENSIONS, HEADER_LENGTH, V2Error, infer_answer, model_metadata, parse_infer
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
@@ -65,8 +64,12 @@ def find_model(rt: KServeHost, name: str, version: str | None) -> ModelSpec:
     `name` + `version`; 404 in v2's words when unknown."""
     spec = rt.registry.by_id.get(f"{name}@{version}") if version is not None else rt.registry.resolve(name)
     if spec is None:
-        raise V2Error(404, f"unknown model '{errors.short(name)}'" +
-                      (f" version '{errors.short(version)}'" if version is not None else "") + " (see GET /v1/models)")
+        raise V2Error(
+            404,
+            f"unknown model '{errors.short(name)}'"
+            + (f" version '{errors.short(version)}'" if version is not None else "")
+            + " (see GET /v1/models)",
+        )
     return spec
 
 
@@ -84,8 +87,9 @@ async def ready(request: Request) -> Response:
 
 
 async def server_metadata(request: Request) -> Response:
-    return Response(orjson.dumps({"name": "batchserve", "version": __version__, "extensions": EXTENSIONS}),
-                    media_type=JSON)
+    return Response(
+        orjson.dumps({"name": "batchserve", "version": __version__, "extensions": EXTENSIONS}), media_type=JSON
+    )
 
 
 async def metadata(request: Request) -> Response:
@@ -111,8 +115,12 @@ async def model_ready(request: Request) -> Response:
     return Response(orjson.dumps(body), 200 if reason is None else 400, media_type=JSON)
 
 
-V2_HEADERS = {b"x-request-id": "x-request-id", b"authorization": "authorization",
-              b"content-length": "content-length", HEADER_LENGTH.encode(): HEADER_LENGTH}
+V2_HEADERS = {
+    b"x-request-id": "x-request-id",
+    b"authorization": "authorization",
+    b"content-length": "content-length",
+    HEADER_LENGTH.encode(): HEADER_LENGTH,
+}
 MODELS_PREFIX, INFER_SUFFIX = "/v2/models/", "/infer"
 
 
@@ -120,7 +128,7 @@ def infer_path_params(path: str) -> dict[str, str] | None:
     """{"model"[, "version"]} of `/v2/models/{model}[/versions/{version}]/infer`, or None for any other path."""
     if not (path.startswith(MODELS_PREFIX) and path.endswith(INFER_SUFFIX)):
         return None
-    parts = path[len(MODELS_PREFIX):-len(INFER_SUFFIX)].split("/")
+    parts = path[len(MODELS_PREFIX) : -len(INFER_SUFFIX)].split("/")
     if len(parts) == 1 and parts[0]:
         return {"model": parts[0]}
     if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
@@ -165,17 +173,29 @@ class InferEndpoint:
                 raise errors.warming_up()
             timeout_ms = s.timeout_ms if req.timeout_us is None else req.timeout_us / 1000
             if timeout_ms > s.max_timeout_ms:
-                raise V2Error(400, f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms = "
-                                   f"{s.max_timeout_ms * 1000:.0f} microseconds)")
+                raise V2Error(
+                    400,
+                    f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms = "
+                    f"{s.max_timeout_ms * 1000:.0f} microseconds)",
+                )
             answer_headers.update(guard.take(caller, len(req.texts)))
             try:  # every element its own item, admitted together (as the inputs of /v1/embeddings)
-                results = await rt.service.infer_many(req.texts, spec.id, caller.tier, caller.tenant,
-                                                      timeout_ms / 1000, arrived, request_id, disconnect_probe(receive),
-                                                      caller.owner)
+                results = await rt.service.infer_many(
+                    req.texts,
+                    spec.id,
+                    caller.tier,
+                    caller.tenant,
+                    timeout_ms / 1000,
+                    arrived,
+                    request_id,
+                    disconnect_probe(receive),
+                    caller.owner,
+                )
             except ClientGone:
                 return
-            out, header_length = infer_answer(req, spec.name, spec.version, [r.output for r in results],
-                                              backend.output_kind)
+            out, header_length = infer_answer(
+                req, spec.name, spec.version, [r.output for r in results], backend.output_kind
+            )
             guard.ok(model_id, time.monotonic() - arrived, caller, len(req.texts), costs_of(backend, req.texts))
         except ApiError as err:
             guard.refused(model_id, err, caller, inputs)
@@ -203,11 +223,16 @@ class InferEndpoint:
 
 async def send_error(send: Send, err: V2Error | ApiError, headers: dict[str, str]) -> None:
     response = v2_error(err, headers)
-    await send_json(send, response.status_code, bytes(response.body),  # Starlette types it bytes | memoryview
-                    {k: v for k, v in response.headers.items() if k.lower() not in ("content-type", "content-length")})
+    await send_json(
+        send,
+        response.status_code,
+        bytes(response.body),  # Starlette types it bytes | memoryview
+        {k: v for k, v in response.headers.items() if k.lower() not in ("content-type", "content-length")},
+    )
 
 
 infer = InferEndpoint()
+
 
 def fast_route(method: str, path: str) -> ASGIApp | None:
     """The v2 infer endpoint for a path of its shape (`app.FastPath` serves it ahead of the router), else None."""

@@ -59,16 +59,22 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
         return body, b""
     # At most 19 digits, checked before int(): 4,301 digits pass Python's int-string limit and raised (a 500).
-    if (len(header_length) > MAX_LENGTH_DIGITS or not (header_length.isascii() and header_length.isdigit())
-            or int(header_length) > len(body)):
+    if (
+        len(header_length) > MAX_LENGTH_DIGITS
+        or not (header_length.isascii() and header_length.isdigit())
+        or int(header_length) > len(body)
+    ):
         raise bad(f"Inference-Header-Content-Length must be a byte count within the body ({len(body)} bytes)")
     n = int(header_length)
     return body[:n], body[n:]
 
 
 def _shape(value: object) -> list[int]:
-    if (not isinstance(value, list) or len(value) > MAX_DIMS
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in value)):
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in value)
+    ):
         raise bad(f"'shape' must be a list of at most {MAX_DIMS} non-negative integers")
     return value
 
@@ -90,8 +96,10 @@ def _elements(data: object, shape: list[int]) -> list[object]:
             return
         if not isinstance(node, list) or len(node) != shape[depth]:
             size = f"{len(node)} element(s)" if isinstance(node, list) else "a single element"
-            raise bad(f"'data' is nested unlike its shape {shape}: {size} at depth {depth}, where the shape "
-                      f"says {shape[depth]}")
+            raise bad(
+                f"'data' is nested unlike its shape {shape}: {size} at depth {depth}, where the shape "
+                f"says {shape[depth]}"
+            )
         for element in node:
             walk(element, depth + 1)
 
@@ -110,7 +118,7 @@ def _bytes_elements(raw: bytes, count: int) -> list[bytes]:
         at += 4
         if at + n > len(raw):
             raise bad("binary BYTES data ends inside an element")
-        out.append(raw[at:at + n])
+        out.append(raw[at : at + n])
         at += n
     if len(out) != count:
         raise bad(f"the binary data holds {len(out)} element(s), the shape says {count}")
@@ -183,8 +191,7 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
     return InferRequest(request_id, texts, shape, binary_output, timeout, params)
 
 
-def output_tensor(outputs: list[object], shape: list[int],
-                  kind: str) -> tuple[dict[str, Any], list[float] | list[str]]:
+def output_tensor(outputs: list[object], shape: list[int], kind: str) -> tuple[dict[str, Any], list[float] | list[str]]:
     """The output tensor's descriptor and its data, flat: FP32 for embeddings, BYTES otherwise. Raises
     V2Error(500) when the vectors of an embedding model do not share one length."""
     if kind == "embedding":
@@ -209,8 +216,9 @@ def to_binary(datatype: str, flat: list[float] | list[str]) -> bytes:
     return b"".join(struct.pack("<I", len(b)) + b for b in encoded)
 
 
-def infer_answer(req: InferRequest, model_name: str, model_version: str, outputs: list[object],
-                 kind: str) -> tuple[bytes, int | None]:
+def infer_answer(
+    req: InferRequest, model_name: str, model_version: str, outputs: list[object], kind: str
+) -> tuple[bytes, int | None]:
     """The response body, and the JSON header's length when the tensor follows in binary (else None)."""
     tensor, flat = output_tensor(outputs, req.shape, kind)
     answer: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": [tensor]}
@@ -227,6 +235,10 @@ def infer_answer(req: InferRequest, model_name: str, model_version: str, outputs
 
 def model_metadata(name: str, versions: list[str], backend: str, kind: str) -> dict[str, Any]:
     out_type, out_shape = ("FP32", [-1, -1]) if kind == "embedding" else ("BYTES", [-1])
-    return {"name": name, "versions": versions, "platform": f"batchserve_{backend.rsplit(':', 1)[-1]}",
-            "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
-            "outputs": [{"name": OUTPUT_NAME, "datatype": out_type, "shape": out_shape}]}
+    return {
+        "name": name,
+        "versions": versions,
+        "platform": f"batchserve_{backend.rsplit(':', 1)[-1]}",
+        "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
+        "outputs": [{"name": OUTPUT_NAME, "datatype": out_type, "shape": out_shape}],
+    }

@@ -54,7 +54,11 @@ def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms
     if model is not None and (not isinstance(model, str) or not model):
         raise bad("model", "'model' must be a non-empty string (see GET /v1/models)")
     timeout_ms = data.get("timeout_ms", default_timeout_ms)  # an extension, as on /v1/inference
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not (
-            0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms):
+    if (
+        isinstance(timeout_ms, bool)
+        or not isinstance(timeout_ms, int | float)
+        or not (0 < timeout_ms <= max_timeout_ms)
+        or not math.isfinite(timeout_ms)
+    ):
         raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
     return RerankRequest(query, documents, top_n, return_documents, model, timeout_ms / 1000)

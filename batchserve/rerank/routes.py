@@ -50,16 +50,25 @@ def pick_model(rt: RerankHost, requested: str | None, key_id: str) -> tuple[str,
     if requested is None:
         served = reranking_models(rt)
         if not served:
-            raise OpenAIError(404, "no model serves reranking here (serve a cross-encoder folder with --model; "
-                                   "see GET /v1/models)", "model", "model_not_found")
+            raise OpenAIError(
+                404,
+                "no model serves reranking here (serve a cross-encoder folder with --model; see GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
         requested = served[0].name
     spec = rt.registry.resolve(requested, key_id)
     if spec is None:
-        raise OpenAIError(404, f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)",
-                          "model", "model_not_found")
+        raise OpenAIError(
+            404,
+            f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
     if spec.task != RERANKING:
-        raise OpenAIError(400, f"the model '{spec.id}' does not rerank (a cross-encoder folder does)", "model",
-                          "model_not_reranker")
+        raise OpenAIError(
+            400, f"the model '{spec.id}' does not rerank (a cross-encoder folder does)", "model", "model_not_reranker"
+        )
     backend = rt.backends.get(spec.id)
     if backend is None:
         raise OpenAIError.from_api(errors.warming_up())
@@ -94,9 +103,17 @@ async def rerank(request: Request) -> Response:
         pairs = [pair_input(req.query, doc) for doc in req.documents]
         try:
             headers.update(guard.take(caller, len(pairs)))
-            results = await rt.service.infer_many(pairs, model_id, caller.tier, caller.tenant, req.timeout_s,
-                                                  arrived, headers["X-Request-ID"],
-                                                  disconnect_probe(request.receive), caller.owner)
+            results = await rt.service.infer_many(
+                pairs,
+                model_id,
+                caller.tier,
+                caller.tenant,
+                req.timeout_s,
+                arrived,
+                headers["X-Request-ID"],
+                disconnect_probe(request.receive),
+                caller.owner,
+            )
         except ApiError as err:
             refused = (model_id, err)
             raise OpenAIError.from_api(err) from None

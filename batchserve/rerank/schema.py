@@ -12,39 +12,75 @@ from batchserve.rerank.body import MAX_DOCUMENTS
 SCHEMAS: dict[str, dict[str, Any]] = {
     "OpenAIError": openai_error.SCHEMA,
     "RerankRequest": {
-        "type": "object", "required": ["query", "documents"],
+        "type": "object",
+        "required": ["query", "documents"],
         "properties": {
             "query": {"type": "string", "minLength": 1},
-            "documents": {"type": "array", "minItems": 1, "maxItems": MAX_DOCUMENTS,
-                          "items": {"oneOf": [{"type": "string"},
-                                              {"type": "object", "required": ["text"],
-                                               "properties": {"text": {"type": "string"}}}]},
-                          "description": "each (query, document) pair is one input on the batcher"},
+            "documents": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_DOCUMENTS,
+                "items": {
+                    "oneOf": [
+                        {"type": "string"},
+                        {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
+                    ]
+                },
+                "description": "each (query, document) pair is one input on the batcher",
+            },
             "top_n": {"type": "integer", "minimum": 1, "description": "answer the best N only (default: all)"},
-            "return_documents": {"type": "boolean", "default": False,
-                                 "description": "echo each document's text in its result"},
+            "return_documents": {
+                "type": "boolean",
+                "default": False,
+                "description": "echo each document's text in its result",
+            },
             "model": {"type": "string", "description": "a reranking model (GET /v1/models); default: the first"},
-            "timeout_ms": {"type": "number", "exclusiveMinimum": 0,
-                           "description": "extension: the request's deadline, as on /v1/inference"},
+            "timeout_ms": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "description": "extension: the request's deadline, as on /v1/inference",
+            },
         },
     },
     "RerankResponse": {
-        "type": "object", "required": ["id", "results", "model", "usage"],
+        "type": "object",
+        "required": ["id", "results", "model", "usage"],
         "properties": {
             "id": {"type": "string"},
-            "results": {"type": "array", "description": "sorted by relevance_score, highest first", "items": {
-                "type": "object", "required": ["index", "relevance_score"],
-                "properties": {"index": {"type": "integer", "minimum": 0,
-                                         "description": "the document's place in the request"},
-                               "relevance_score": {"type": "number",
-                                                   "description": "as sentence-transformers' CrossEncoder.predict "
-                                                                  "gives it (sigmoid of the logit by default)"},
-                               "document": {"type": "object", "required": ["text"],
-                                            "properties": {"text": {"type": "string"}}}}}},
+            "results": {
+                "type": "array",
+                "description": "sorted by relevance_score, highest first",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "relevance_score"],
+                    "properties": {
+                        "index": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "description": "the document's place in the request",
+                        },
+                        "relevance_score": {
+                            "type": "number",
+                            "description": "as sentence-transformers' CrossEncoder.predict "
+                            "gives it (sigmoid of the logit by default)",
+                        },
+                        "document": {
+                            "type": "object",
+                            "required": ["text"],
+                            "properties": {"text": {"type": "string"}},
+                        },
+                    },
+                },
+            },
             "model": {"type": "string", "description": "name@version that served it"},
-            "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
-                      "properties": {"prompt_tokens": {"type": "integer", "minimum": 0},
-                                     "total_tokens": {"type": "integer", "minimum": 0}}},
+            "usage": {
+                "type": "object",
+                "required": ["prompt_tokens", "total_tokens"],
+                "properties": {
+                    "prompt_tokens": {"type": "integer", "minimum": 0},
+                    "total_tokens": {"type": "integer", "minimum": 0},
+                },
+            },
         },
     },
 }

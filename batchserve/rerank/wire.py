@@ -13,8 +13,9 @@ import orjson
 from batchserve.http.openai_error import OpenAIError
 
 
-def answer(scores: list[Any], documents: list[str], top_n: int | None, return_documents: bool, model: str,
-           tokens: int) -> bytes:
+def answer(
+    scores: list[Any], documents: list[str], top_n: int | None, return_documents: bool, model: str, tokens: int
+) -> bytes:
     """The response body; OpenAIError 500 when the model's outputs are not scores."""
     for i, score in enumerate(scores):
         if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
@@ -26,5 +27,11 @@ def answer(scores: list[Any], documents: list[str], top_n: int | None, return_do
         if return_documents:
             result["document"] = {"text": documents[i]}
         results.append(result)
-    return orjson.dumps({"id": "rerank-" + secrets.token_hex(12), "results": results, "model": model,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return orjson.dumps(
+        {
+            "id": "rerank-" + secrets.token_hex(12),
+            "results": results,
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
