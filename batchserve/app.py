@@ -24,15 +24,15 @@ from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.embeddings import routes as embeddings_routes
 from batchserve.embeddings import schema as embeddings_schema
-from batchserve.http.body import internal_error
+from batchserve.http.plumbing import internal_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
 from batchserve.http import docs_page, openapi, usage
-from batchserve.inference import ops
+from batchserve.ops import routes as ops
 from batchserve.inference import routes as inference
 from batchserve.inference import schema as http_schema
-from batchserve.jobs import api as jobs_api
-from batchserve.jobs import files_api
+from batchserve.jobs import routes as jobs_routes
+from batchserve.jobs import file_routes
 from batchserve.logsafe import printable
 from batchserve.jobs import schema as jobs_schema
 from batchserve.kserve import routes as kserve_routes
@@ -48,7 +48,7 @@ log = logging.getLogger("batchserve")
 WINGS = (
     (inference.ROUTES, http_schema.INFERENCE),
     (ops.ROUTES, http_schema.OPS),
-    (jobs_api.ROUTES + files_api.ROUTES, jobs_schema.OPENAPI),
+    (jobs_routes.ROUTES + file_routes.ROUTES, jobs_schema.OPENAPI),
     (generation_routes.ROUTES, generation_schema.OPENAPI),
     (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
     (rerank_routes.ROUTES, rerank_schema.OPENAPI),

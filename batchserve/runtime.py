@@ -2,7 +2,7 @@
 
 The runtime wires the wings together: the batcher and its door (`core.service.InferenceService`, which owns
 admission), the worker pool, the batch jobs and the generation engine. Route modules read it from
-`app.state.rt` through a Protocol of their own wing (`inference.routes.InferenceHost`, `jobs.api.JobsHost`, ...),
+`app.state.rt` through a Protocol of their own wing (`inference.routes.InferenceHost`, `jobs.routes.JobsHost`, ...),
 so no wing imports this module; the wings' services receive only the narrow parts they need.
 """
 

@@ -21,10 +21,10 @@ from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
-from batchserve.embeddings.body import parse
-from batchserve.embeddings.wire import answer
+from batchserve.embeddings.parse import parse
+from batchserve.embeddings.render import answer
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import read_body, request_id_of
+from batchserve.http.plumbing import read_body, request_id_of
 from batchserve.http.disconnect import disconnect_probe
 from batchserve.http.guards import Guard, costs_of
 from batchserve.http.openai_error import JSON, OpenAIError, error_response

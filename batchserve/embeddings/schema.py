@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchserve.embeddings.body import MAX_INPUTS
+from batchserve.embeddings.parse import MAX_INPUTS
 from batchserve.http import openai_error
 from batchserve.http.openapi import Contribution, json_content, ref
 

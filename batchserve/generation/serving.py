@@ -24,7 +24,7 @@ from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.service import InferenceService
 from batchserve.generation.engine import Delta, Engine, Sequence, enabled
 from batchserve.generation.wire import JSON, Answer, OpenAIError, error_response, sse
-from batchserve.http.body import client_host, read_body, request_id_of
+from batchserve.http.plumbing import client_host, read_body, request_id_of
 from batchserve.http.guards import Guard
 from batchserve.tenancy import Caller
 

@@ -22,7 +22,7 @@ from batchserve.core import ledger
 from batchserve.core.ledger import UsageBook
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.errors import ApiError
-from batchserve.http.body import client_host, error_response, request_id_of
+from batchserve.http.plumbing import client_host, error_response, request_id_of
 from batchserve.metrics import Metrics
 from batchserve.tenancy import Caller, Tenancy
 

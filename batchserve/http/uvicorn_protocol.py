@@ -43,7 +43,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.heap import release_free_memory
-from batchserve.http.body import new_request_id
+from batchserve.http.plumbing import new_request_id
 
 
 @dataclass(frozen=True)

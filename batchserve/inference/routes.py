@@ -24,7 +24,7 @@ from batchserve.core.handler import InferenceHandler
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import (
+from batchserve.http.plumbing import (
     error_body,
     error_response,
     inference_headers,
@@ -36,7 +36,7 @@ from batchserve.http.body import (
 )
 from batchserve.http.disconnect import Watcher, disconnect_probe
 from batchserve.http.guards import Guard, costs_of
-from batchserve.inference.body import parse_inference
+from batchserve.inference.parse import parse_inference
 from batchserve.http.uvicorn_protocol import whole_answer_sender
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller

@@ -1,4 +1,4 @@
-"""The OpenAPI paths and schemas of the inference and operational routes (`inference/routes.py`, `inference/ops.py`)."""
+"""The OpenAPI paths and schemas of the inference and operational routes (`inference/routes.py`, `ops/routes.py`)."""
 
 from __future__ import annotations
 

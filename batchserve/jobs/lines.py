@@ -34,13 +34,13 @@ import orjson
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.tiers import BATCH
-from batchserve.embeddings.body import parse as parse_embeddings
-from batchserve.embeddings.wire import answer as embeddings_answer
+from batchserve.embeddings.parse import parse as parse_embeddings
+from batchserve.embeddings.render import answer as embeddings_answer
 from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.generation.complete import complete
 from batchserve.generation.engine import Engine
-from batchserve.inference.body import parse_inference
+from batchserve.inference.parse import parse_inference
 from batchserve.http.openai_error import OpenAIError
 
 EMBEDDINGS, INFERENCE = "/v1/embeddings", "/v1/inference"

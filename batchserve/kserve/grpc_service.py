@@ -29,7 +29,7 @@ from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import request_id_from
+from batchserve.http.plumbing import request_id_from
 from batchserve.http.guards import Guard, costs_of
 from batchserve.kserve.wire import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME, V2Error, model_metadata
 from batchserve.models import ModelRegistry

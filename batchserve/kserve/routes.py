@@ -24,7 +24,7 @@ from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import read_body_from, request_id_from, send_json
+from batchserve.http.plumbing import read_body_from, request_id_from, send_json
 from batchserve.http.disconnect import disconnect_probe
 from batchserve.http.guards import Guard, costs_of
 from batchserve.http.uvicorn_protocol import whole_answer_sender

@@ -19,13 +19,13 @@ from batchserve.backends.hf import pair_input
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.body import read_body, request_id_of
+from batchserve.http.plumbing import read_body, request_id_of
 from batchserve.http.disconnect import disconnect_probe
 from batchserve.http.guards import Guard, costs_of
 from batchserve.http.openai_error import JSON, OpenAIError, error_response
 from batchserve.models import ModelRegistry
-from batchserve.rerank.body import parse
-from batchserve.rerank.wire import answer
+from batchserve.rerank.parse import parse
+from batchserve.rerank.render import answer
 from batchserve.tenancy import Caller
 
 RERANKING = "reranking"

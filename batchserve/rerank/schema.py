@@ -7,7 +7,7 @@ from typing import Any
 
 from batchserve.http import openai_error
 from batchserve.http.openapi import Contribution, json_content, ref
-from batchserve.rerank.body import MAX_DOCUMENTS
+from batchserve.rerank.parse import MAX_DOCUMENTS
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "OpenAIError": openai_error.SCHEMA,

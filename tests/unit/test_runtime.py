@@ -12,9 +12,9 @@ from batchserve.config import Settings
 from batchserve.embeddings.routes import EmbeddingsHost
 from batchserve.generation.serving import GenerationHost
 from batchserve.http.guards import Guarded
-from batchserve.inference.ops import OpsHost
+from batchserve.ops.routes import OpsHost
 from batchserve.inference.routes import InferenceHost
-from batchserve.jobs.api import JobsHost
+from batchserve.jobs.routes import JobsHost
 from batchserve.kserve.routes import KServeHost
 from batchserve.runtime import Runtime
 

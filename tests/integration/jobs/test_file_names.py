@@ -1,6 +1,6 @@
 """An upload's filename with a control character (issue 34, smaller findings): a 400 on either store. On
 PostgreSQL a NUL was a 503 JOBS_UNAVAILABLE with a retry hint and an ERROR line per request (its text type
-refuses NUL); the refusal now comes before the store, from `files_api.upload_filename`."""
+refuses NUL); the refusal now comes before the store, from `file_routes.upload_filename`."""
 
 from __future__ import annotations
 

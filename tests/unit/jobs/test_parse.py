@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def test_the_job_parser_finds_a_lone_surrogate_in_any_slicing():
     from batchserve.errors import ApiError
-    from batchserve.jobs.body import JobBodyParser
+    from batchserve.jobs.parse import JobBodyParser
 
     def parse(body: bytes, step: int) -> list[str] | str:
         parser = JobBodyParser(10, 100)

@@ -24,8 +24,8 @@ from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.body import ascii_count, json_response
-from batchserve.jobs.api import LIST_DEFAULT, LIST_MAX, RESULTS_PAGE, JobsHost, list_limit, route
+from batchserve.http.plumbing import ascii_count, json_response
+from batchserve.jobs.routes import LIST_DEFAULT, LIST_MAX, RESULTS_PAGE, JobsHost, list_limit, route
 from batchserve.jobs.files import CHUNK_BYTES, FileLimitReached, StoredFile
 from batchserve.jobs.openai_batch import check_expires_after, file_line, job_of_file
 from batchserve.jobs.service import JobService

@@ -18,7 +18,7 @@ import ijson
 from starlette.requests import Request
 
 from batchserve import errors
-from batchserve.http.body import ascii_count, check_input, check_json_content_type, check_unicode
+from batchserve.http.plumbing import ascii_count, check_input, check_json_content_type, check_unicode
 
 SLICE = 64 << 10  # bytes parsed between two yields to the event loop (~1 ms of parsing)
 MAX_METADATA_BYTES = 16 << 10

@@ -28,9 +28,9 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import model_aliases
 from batchserve.generation.engine import Engine
-from batchserve.http.body import ascii_count, error_response, json_response, request_id_of
+from batchserve.http.plumbing import ascii_count, error_response, json_response, request_id_of
 from batchserve.http.guards import Guard
-from batchserve.jobs.body import MAX_METADATA_BYTES, read_job_body
+from batchserve.jobs.parse import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
 from batchserve.jobs.files import CHUNK_BYTES, StorageFull
 from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, check_expires_after

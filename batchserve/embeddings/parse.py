@@ -1,7 +1,7 @@
 """The body of `POST /v1/embeddings`, parsed and checked (400 in OpenAI's error shape, naming the `param`):
 what a request may say. Shared by the route and by batch-job lines that name `/v1/embeddings`
 (`jobs/lines.py`), so both refuse the same bodies in the same words; the answer's shape is `wire.py`'s. Mirrors
-`inference/body.py`."""
+`inference/parse.py`."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from batchserve import errors
 from batchserve.config import Settings
-from batchserve.http.body import check_input, parse_json_object
+from batchserve.http.plumbing import check_input, parse_json_object
 
 
 def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float]:

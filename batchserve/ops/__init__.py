@@ -1,0 +1,1 @@
+"""Operational routes: health, readiness, metrics and the model list."""
