@@ -18,9 +18,21 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+class ResponseFormat(Struct):
+    type: Annotated[str, Meta(description="only `text` is supported")]
+
+
+Unsupported = Annotated[Any, Meta(description="not supported: 400 unsupported_parameter unless empty")]
+
+
 class _Sampling(Struct):
+    """What both completions take; members they do not know are ignored. Members OpenAI defines that this server
+    does not do are declared too, so that a request using them is refused (400 unsupported_parameter) rather
+    than answered as if they had been heard."""
+
     model: Annotated[
-        str | None, Meta(description="the generation model id (GET /v1/models); default: the one served here")
+        NonEmpty | None,
+        Meta(description="the generation model id (GET /v1/models); default: the one served here"),
     ] = None
     max_tokens: (
         Annotated[
@@ -30,15 +42,18 @@ class _Sampling(Struct):
         | None
     ) = None
     temperature: Annotated[float, Meta(ge=0, le=2, description="0 = greedy; default: the model's own")] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1, description="default: the model's own")] | None = None
     stop: NonEmpty | Annotated[list[NonEmpty], Meta(max_length=4)] | None = None
     seed: Annotated[int, Meta(description="same seed, same prompt and parameters: same tokens")] | None = None
     stream: Annotated[bool, Meta(description="server-sent events ending in `data: [DONE]`")] = False
     stream_options: Annotated[StreamOptions, Meta(description="only with stream: true")] | None = None
     ignore_eos: Annotated[bool, Meta(description="extension: generate max_tokens exactly")] = False
-    n: Literal[1] | None = None
-    presence_penalty: Annotated[float, Meta(ge=0, le=0, description="only 0 is supported")] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=0, le=0, description="only 0 is supported")] | None = None
+    n: Annotated[int, Meta(description="only 1 is supported")] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2, description="only 0 is supported")] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2, description="only 0 is supported")] | None = None
+    logprobs: Annotated[bool | int | None, Meta(description="not supported (false or absent only)")] = None
+    top_logprobs: Annotated[int | None, Meta(description="not supported")] = None
+    logit_bias: Annotated[dict[str, float] | None, Meta(description="not supported (empty or absent only)")] = None
 
 
 class ContentPart(Struct):
@@ -54,13 +69,21 @@ class Message(Struct):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Unsupported = None
+    functions: Unsupported = None
+    tool_choice: Unsupported = None
+    function_call: Unsupported = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: Annotated[
-        NonEmpty | Annotated[list[NonNegative], Meta(min_length=1)],
-        Meta(description="text, or token ids (one prompt per request)"),
+        NonEmpty | Annotated[list[NonNegative | NonEmpty | list[NonNegative]], Meta(min_length=1)],
+        Meta(description="text, or token ids; or a list of one of either (a batch of one: one prompt per request)"),
     ]
+    echo: Annotated[bool | None, Meta(description="not supported (false or absent only)")] = None
+    suffix: Annotated[str | None, Meta(description="not supported (empty or absent only)")] = None
+    best_of: Annotated[int | None, Meta(description="only 1 is supported")] = None
 
 
 class Usage(Struct):

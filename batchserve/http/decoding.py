@@ -62,7 +62,8 @@ def refusal(text: str) -> BodyRefusal:
     where = path.removeprefix(".")
     missing = _MISSING.match(what)
     if missing:
-        return BodyRefusal(f"`{where}.{missing['name']}` is required", name, where)
+        where = f"{where}.{missing['name']}" if where else missing["name"]
+        return BodyRefusal(f"`{where}` is required", name, where)
     return BodyRefusal(f"`{where}`: {what[:1].lower()}{what[1:]}", name, where, _got(what))
 
 
