@@ -1,7 +1,7 @@
-"""The declared shapes of KServe's v2 routes (`kserve/routes.py`): the infer request `wire.parse_infer` reads,
-the answers `routes.py` and `wire.py` write, v2's error `{"error": message}`, and their operations in
-/openapi.json. The infer body is parsed by hand (`wire.py`): its binary tensor extension puts raw bytes after the
-JSON header, which no JSON decoder reads."""
+"""The declared shapes of KServe's v2 routes (`kserve/routes.py`): the infer request's JSON header, which
+`wire.parse_infer` decodes into `V2InferRequest` (with the binary extension raw tensor bytes follow it, checked by
+hand), the answers `routes.py` and `wire.py` write, v2's error `{"error": message}`, and their operations in
+/openapi.json."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import Answer, Dialect, Operation, Param
-from batchserve.kserve.wire import MAX_DIMS
+
+MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
+MAX_DIMS = 8
 
 
 class V2Error(Struct):
@@ -53,31 +55,43 @@ class V2ModelMetadata(Struct):
 
 
 class InferParameters(Struct):
-    timeout: Annotated[float, Meta(description="the request's deadline in microseconds")] | UnsetType = UNSET
-    binary_data_output: bool | UnsetType = UNSET
+    timeout: Annotated[float, Meta(gt=0, description="the request's deadline in microseconds")] | None = None
+    binary_data_output: Annotated[bool, Meta(description="the output tensor in binary")] | None = None
+
+
+class InputParameters(Struct):
+    binary_data_size: (
+        Annotated[int, Meta(ge=0, description="with the binary extension: the tensor's bytes after the JSON header")]
+        | None
+    ) = None
 
 
 class InputTensor(Struct):
     name: Literal["input"]
     datatype: Literal["BYTES"]
-    shape: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_DIMS)]
-    parameters: dict[str, Any] | UnsetType = UNSET
-    data: Annotated[list[Any], Meta(description="strings, flat or nested by the shape")] | UnsetType = UNSET
+    shape: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_ELEMENTS)]], Meta(max_length=MAX_DIMS)]
+    parameters: InputParameters | None = None
+    data: Annotated[Any, Meta(description="strings, flat or nested by the shape")] = None
+
+
+class OutputParameters(Struct):
+    binary_data: bool | None = None
 
 
 class RequestedOutput(Struct):
-    name: Literal["output"] | UnsetType = UNSET
-    parameters: dict[str, Any] | UnsetType = UNSET
+    name: Literal["output"]
+    parameters: OutputParameters | None = None
 
 
 class V2InferRequest(Struct):
-    """One BYTES input named `input`; each element (1 to 2048, `wire.MAX_ELEMENTS`) is one item on the batcher. With the
-    binary extension the JSON is followed by the tensor (Inference-Header-Content-Length)."""
+    """One BYTES input named `input`; each element (1 to 2048) is one item on the batcher. With the binary
+    extension the JSON is followed by the tensor (Inference-Header-Content-Length). Members it does not know
+    are ignored."""
 
     inputs: Annotated[list[InputTensor], Meta(min_length=1, max_length=1)]
-    id: str | UnsetType = UNSET
-    parameters: InferParameters | UnsetType = UNSET
-    outputs: list[RequestedOutput] | UnsetType = UNSET
+    id: str | None = None
+    parameters: InferParameters | None = None
+    outputs: list[RequestedOutput] | None = None
 
 
 class OutputTensor(Struct):
