@@ -75,8 +75,10 @@ class Model(Struct):
     version: str | UnsetType = UNSET
     backend: str | UnsetType = UNSET
     weight: float | UnsetType = UNSET
+    created: Annotated[int, Meta(description="the generation model's entry")] | UnsetType = UNSET
+    max_tokens: Annotated[int, Meta(description="the generation model's cap on new tokens")] | UnsetType = UNSET
     output_kind: Annotated[
-        Literal["text", "json", "embedding", "rerank", None],
+        Literal["text", "json", "embedding", None],
         Meta(
             description="what the backend's outputs are; embedding models also serve POST /v1/embeddings "
             "(null while the backends load)"
