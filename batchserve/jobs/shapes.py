@@ -1,7 +1,8 @@
 """The declared shapes of `/v1/batches` and `/v1/files` (`jobs/routes.py`, `jobs/file_routes.py`) and their
 operations in /openapi.json. A job body is not decoded whole: `parse.py` streams it with ijson and checks each
 value as it arrives (a body of megabytes must not hold the event loop), so `BatchRequest` declares what that
-parser accepts; OpenAI's batch body (`OpenAIBatchRequest`) is checked by `openai_batch.py`."""
+parser accepts; OpenAI's batch body is converted from the streamed values into `OpenAIBatchRequest`
+(`openai_batch.py`)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ class ExpiresAfter(Struct):
 class OpenAIBatchRequest(Struct):
     """OpenAI's Batch API (told apart from BatchRequest by input_file_id)."""
 
-    input_file_id: Annotated[str, Meta(description="a file uploaded with POST /v1/files, purpose batch")]
+    input_file_id: Annotated[str, Meta(min_length=1, description="a file uploaded with POST /v1/files, purpose batch")]
     endpoint: Annotated[
         Literal["/v1/embeddings", "/v1/inference", "/v1/chat/completions", "/v1/completions"],
-        Meta(description="the route each line of the file is sent to"),
+        Meta(description="the route each line is sent to; chat and completions need the generation engine on"),
     ]
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = None
