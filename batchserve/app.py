@@ -1,5 +1,5 @@
 """The ASGI app: every wing's routes on one Starlette router, the OpenAPI document built from their
-contributions, and the runtime's life (load and warm at start-up, drain and stop at shutdown).
+declared operations, and the runtime's life (load and warm at start-up, drain and stop at shutdown).
 
 Where the request path lives: `inference/routes.py` (POST /v1/inference, top to bottom), `core/service.py`
 (the door: admission, the batcher's queue, the deadline), `core/batcher.py` (which items form the next batch, and
@@ -23,43 +23,45 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.embeddings import routes as embeddings_routes
-from batchserve.embeddings import schema as embeddings_schema
-from batchserve.http.plumbing import internal_error
+from batchserve.embeddings import shapes as embeddings_shapes
 from batchserve.generation import routes as generation_routes
-from batchserve.generation import schema as generation_schema
+from batchserve.generation import shapes as generation_shapes
 from batchserve.http import docs_page, openapi, usage
-from batchserve.ops import routes as ops
+from batchserve.http.plumbing import internal_error
 from batchserve.inference import routes as inference
-from batchserve.inference import schema as http_schema
-from batchserve.jobs import routes as jobs_routes
+from batchserve.inference import shapes as inference_shapes
 from batchserve.jobs import file_routes
-from batchserve.logsafe import printable
-from batchserve.jobs import schema as jobs_schema
+from batchserve.jobs import routes as jobs_routes
+from batchserve.jobs import shapes as jobs_shapes
 from batchserve.kserve import routes as kserve_routes
-from batchserve.kserve import schema as kserve_schema
+from batchserve.kserve import shapes as kserve_shapes
+from batchserve.logsafe import printable
+from batchserve.ops import routes as ops
+from batchserve.ops import shapes as ops_shapes
 from batchserve.rerank import routes as rerank_routes
-from batchserve.rerank import schema as rerank_schema
+from batchserve.rerank import shapes as rerank_shapes
 from batchserve.runtime import Runtime
 from batchserve.tracing import RequestSpans, Tracing
 
 log = logging.getLogger("batchserve")
 
-# The routes and the OpenAPI contribution of each wing, in routing order (inference first: the hot path).
+# The routes and the declared operations of each wing, in routing order (inference first: the hot path).
 WINGS = (
-    (inference.ROUTES, http_schema.INFERENCE),
-    (ops.ROUTES, http_schema.OPS),
-    (jobs_routes.ROUTES + file_routes.ROUTES, jobs_schema.OPENAPI),
-    (generation_routes.ROUTES, generation_schema.OPENAPI),
-    (embeddings_routes.ROUTES, embeddings_schema.OPENAPI),
-    (rerank_routes.ROUTES, rerank_schema.OPENAPI),
-    (kserve_routes.ROUTES, kserve_schema.OPENAPI),
-    (usage.ROUTES, usage.OPENAPI),
-    (docs_page.ROUTES, docs_page.OPENAPI),
+    (inference.ROUTES, inference_shapes.OPERATIONS),
+    (ops.ROUTES, ops_shapes.OPERATIONS),
+    (jobs_routes.ROUTES + file_routes.ROUTES, jobs_shapes.OPERATIONS),
+    (generation_routes.ROUTES, generation_shapes.OPERATIONS),
+    (embeddings_routes.ROUTES, embeddings_shapes.OPERATIONS),
+    (rerank_routes.ROUTES, rerank_shapes.OPERATIONS),
+    (kserve_routes.ROUTES, kserve_shapes.OPERATIONS),
+    (usage.ROUTES, usage.OPERATIONS),
+    (docs_page.ROUTES, docs_page.OPERATIONS),
 )
 
 
 def openapi_document() -> dict:
-    return openapi.build(*(contribution for _, contribution in WINGS))
+    """/openapi.json, generated from the declared shapes of the mounted routes (`http/openapi.py`)."""
+    return openapi.build((op for _, declared in WINGS for op in declared), also_documented=jobs_shapes.ALSO_DOCUMENTED)
 
 
 class FastPath:

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.http.plumbing import error_response, request_id_of
-from batchserve.http.openapi import Contribution
+from batchserve.http.shapes import docs_operations
 
 # The files the page loads, and nothing else of the package's directory (its editor bundle is not served).
 ASSETS = {
@@ -92,41 +92,4 @@ ROUTES = [
     Route("/docs/assets/{name}", asset, methods=["GET"]),
 ]
 
-_HTML = {"text/html": {"schema": {"type": "string"}}}
-OPENAPI = Contribution(
-    {
-        "/docs": {
-            "get": {
-                "operationId": "docs",
-                "summary": "Swagger UI over /openapi.json (assets served locally)",
-                "responses": {"200": {"description": "the page", "content": _HTML}},
-            }
-        },
-        "/docs/init.js": {
-            "get": {
-                "operationId": "docsInit",
-                "summary": "the page's Swagger UI initializer",
-                "responses": {
-                    "200": {"description": "JavaScript", "content": {"text/javascript": {"schema": {"type": "string"}}}}
-                },
-            }
-        },
-        "/docs/assets/{name}": {
-            "get": {
-                "operationId": "docsAsset",
-                "summary": "Swagger UI's files, from the swagger-ui-py package",
-                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"enum": sorted(ASSETS)}}],
-                "responses": {
-                    "200": {
-                        "description": "the file",
-                        "content": {m: {"schema": {"type": "string"}} for m in sorted(set(ASSETS.values()))},
-                    },
-                    "404": {
-                        "description": "NOT_FOUND: not one of the page's files",
-                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-                    },
-                },
-            }
-        },
-    }
-)
+OPERATIONS = docs_operations(sorted(ASSETS), sorted(set(ASSETS.values())))

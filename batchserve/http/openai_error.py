@@ -1,5 +1,6 @@
 """OpenAI's error shape, shared by the OpenAI-compatible routes (generation, embeddings):
-`{"error": {message, type, param, code}}`, its rendering, and its OpenAPI schema and responses."""
+`{"error": {message, type, param, code}}`, and its rendering (its declared shape, for
+/openapi.json, is `http/shapes.OpenAIError`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import orjson
 from starlette.responses import Response
 
 from batchserve.errors import ApiError
-from batchserve.http.openapi import json_content, ref
 
 JSON = "application/json"
 ERROR_TYPES = {
@@ -64,31 +64,3 @@ def error_response(err: OpenAIError, headers: dict[str, str]) -> Response:
     return Response(
         orjson.dumps(err.body()), status_code=err.status, headers={**headers, **(err.headers or {})}, media_type=JSON
     )
-
-
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "additionalProperties": False,
-    "description": "OpenAI's error shape, on the OpenAI-compatible routes only",
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "additionalProperties": False,
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-
-
-def responses(*statuses: int) -> dict[str, Any]:
-    """OpenAPI response objects for these statuses, each in OpenAI's error shape."""
-    return {
-        str(s): {"description": "OpenAI error shape", "content": json_content(ref("OpenAIError"))} for s in statuses
-    }

@@ -1,142 +1,208 @@
-"""The OpenAPI 3.1 document served at `GET /openapi.json` (DESIGN §2): its shared pieces and its assembly.
+"""The OpenAPI 3.1 document served at `GET /openapi.json` (DESIGN §2), generated from the declared shapes.
 
-Written by hand, next to the contract, so that the schemas say exactly what DESIGN §2 promises (tests check
-live answers against them). Each route module declares its own paths and schemas as a `Contribution`
-(`inference/schema.py`, `jobs/schema.py`, `generation/schema.py`), and `app.create_app` builds the document from the
-contributions of the routes it mounts: nothing is registered by importing a module. Contributions refer to
-the shared pieces with `ref("Error")` and `error_responses(400, 404, ...)`.
+Each wing declares its routes as `Operation`s (method, path, summary, the request's type, the answers' types per
+status, its error dialect) next to the msgspec `Struct`s its parser decodes (`<wing>/shapes.py`), and
+`app.create_app` builds the document from the operations of the routes it mounts. Every schema in the document
+comes from `msgspec.json.schema_components` over those types: the shapes a request is decoded into are the
+shapes the document describes, so the two cannot drift apart. Error answers take their dialect's shape
+(`Dialect`): DESIGN §2's `{error, message, request_id}` on batchserve's own routes, narrowed per status to the
+codes that status carries; OpenAI's `{"error": {...}}` on the OpenAI routes; KServe v2's `{"error": message}`.
 """
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 JSON = "application/json"
 VERSION = "0.1.0"
+REF = "#/components/schemas/{name}"
 
-# Error codes by status (DESIGN §2 table), plus the ones the router itself answers.
-ERROR_CODES: dict[int, list[str]] = {
-    400: ["INVALID_REQUEST"],
-    401: ["UNAUTHORIZED"],
-    404: ["MODEL_NOT_FOUND", "REQUEST_NOT_FOUND", "NOT_FOUND"],
-    405: ["METHOD_NOT_ALLOWED"],
-    409: ["CONFLICT"],
-    413: ["PAYLOAD_TOO_LARGE"],
-    429: ["RATE_LIMITED"],
-    500: ["INFERENCE_FAILED", "INTERNAL_ERROR"],
-    503: ["SERVICE_OVERLOADED", "DRAINING", "NO_HEALTHY_WORKER"],
-    504: ["DEADLINE_EXCEEDED"],
+# Every code the server answers, by status (DESIGN §2 table, the router's own, the jobs wing's).
+ERROR_CODES: dict[int, tuple[str, ...]] = {
+    400: ("INVALID_REQUEST",),
+    401: ("UNAUTHORIZED",),
+    404: ("MODEL_NOT_FOUND", "REQUEST_NOT_FOUND", "NOT_FOUND", "BATCH_NOT_FOUND", "FILE_NOT_FOUND"),
+    405: ("METHOD_NOT_ALLOWED",),
+    408: ("REQUEST_TIMEOUT",),
+    409: ("CONFLICT",),
+    413: ("PAYLOAD_TOO_LARGE",),
+    429: ("RATE_LIMITED",),
+    431: ("HEADERS_TOO_LARGE",),
+    500: ("INFERENCE_FAILED", "INTERNAL_ERROR"),
+    501: ("NOT_IMPLEMENTED",),
+    503: ("SERVICE_OVERLOADED", "DRAINING", "NO_HEALTHY_WORKER", "JOBS_UNAVAILABLE"),
+    504: ("DEADLINE_EXCEEDED",),
 }
 ERROR_WHEN: dict[int, str] = {
-    400: "not JSON, not an object, `input` missing / not a string / empty, bad `timeout_ms`, invalid UTF-8",
+    400: "the body or a parameter is not what the route takes (the message names the field)",
     401: "API keys are configured and the key is missing or wrong",
-    404: "unknown model or version, unknown request id, or unknown route",
+    404: "unknown model or version, unknown request, job or file id, or unknown route",
     405: "the route does not take this method",
-    409: "the request conflicts with an earlier one (same idempotency key, different body)",
+    408: "the body did not arrive in time",
+    409: "the request conflicts with an earlier one (same idempotency key, different body; a job still running)",
     413: "body or input over the configured limit (checked before the whole body is buffered)",
     429: "the caller's key or tier is over its rate",
+    431: "the request's headers are over the limit",
     500: "the backend failed on this input (after isolation and retry), or an unexpected server error",
+    501: "the route is not served by this configuration",
     503: "admission refused: queue full, predicted wait past the deadline, no healthy worker, shutting down",
     504: "the request's deadline passed before it could be answered",
 }
-RETRYABLE = {429, 503}
-
-HEADER_REQUEST_ID = {
-    "description": "the caller's X-Request-ID when it sent a valid one, else the generated id",
-    "schema": {"type": "string"},
-}
-_HEADER_RETRY_AFTER = {
-    "description": "seconds to wait before retrying (retry_after_ms rounded up)",
-    "schema": {"type": "integer", "minimum": 1},
-}
-_RATE_HEADERS = {
-    "X-RateLimit-Limit": {
-        "description": "the key's bucket size: the most requests it may send at once (the "
-        "bucket refills at the tier's or key's rate per second)",
-        "schema": {"type": "number"},
-    },
-    "X-RateLimit-Remaining": {
-        "description": "whole requests left in the key's bucket, never above the limit",
-        "schema": {"type": "number"},
-    },
-    "X-RateLimit-Reset": {"description": "seconds until the bucket is full again", "schema": {"type": "number"}},
-}
-
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "Error": {
-        "type": "object",
-        "description": "The one error body of the API (DESIGN §2).",
-        "required": ["error", "message", "request_id"],
-        "additionalProperties": False,
-        "properties": {
-            "error": {"type": "string", "pattern": "^[A-Z][A-Z0-9_]*$", "description": "machine-readable code"},
-            "message": {"type": "string", "description": "a human sentence"},
-            "request_id": {"type": "string"},
-            "retry_after_ms": {
-                "type": "integer",
-                "minimum": 0,
-                "description": "present where retrying later can help (with a Retry-After header)",
-            },
-        },
-    },
-}
+RETRYABLE = frozenset({429, 503})
 
 
-def ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
+# -- declarations ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Header:
+    """An answer header (its value's type is declared like any shape)."""
+
+    name: str
+    description: str
+    type: Any = str
 
 
-def json_content(schema: dict[str, Any]) -> dict[str, Any]:
-    return {JSON: {"schema": schema}}
-
-
-def error_schema(status: int) -> dict[str, Any]:
-    """The Error body narrowed to the codes this status carries (so a test can check status and code agree)."""
-    narrowed: dict[str, Any] = {"properties": {"error": {"enum": ERROR_CODES[status]}}}
-    if status in RETRYABLE:
-        narrowed["required"] = ["retry_after_ms"]
-    return {"allOf": [ref("Error"), narrowed]}
-
-
-def error_responses(*statuses: int) -> dict[str, Any]:
-    """Response objects for these error statuses, for a contributed operation's `responses`."""
-    out: dict[str, Any] = {}
-    for status in statuses:
-        headers: dict[str, Any] = {"X-Request-ID": HEADER_REQUEST_ID}
-        if status in RETRYABLE:
-            headers["Retry-After"] = _HEADER_RETRY_AFTER
-        if status == 429:
-            headers.update(_RATE_HEADERS)
-        out[str(status)] = {
-            "description": f"{' / '.join(ERROR_CODES[status])}: {ERROR_WHEN[status]}",
-            "headers": headers,
-            "content": json_content(error_schema(status)),
-        }
-    return out
+REQUEST_ID = Header("X-Request-ID", "the caller's X-Request-ID when it sent a valid one, else the generated id")
+RETRY_AFTER = Header(
+    "Retry-After", "seconds to wait before retrying (retry_after_ms rounded up)", Annotated[int, msgspec.Meta(ge=1)]
+)
+RATE_HEADERS = (
+    Header(
+        "X-RateLimit-Limit",
+        "the key's bucket size: the most requests it may send at once (the bucket refills at the tier's or key's "
+        "rate per second)",
+        float,
+    ),
+    Header("X-RateLimit-Remaining", "whole requests left in the key's bucket, never above the limit", float),
+    Header("X-RateLimit-Reset", "seconds until the bucket is full again", float),
+)
 
 
 @dataclass(frozen=True)
-class Contribution:
-    """One route module's share of the document."""
+class Answer:
+    """One documented answer of an operation: its status (or "default"), and its body's type per media type
+    (JSON unless said; `None`: no body)."""
 
-    paths: dict[str, dict[str, Any]]
-    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    status: int | str
+    description: str
+    shape: Any = None
+    media: str = JSON
+    also: tuple[tuple[str, Any], ...] = ()  # more media types of the same answer: (media, type)
+    headers: tuple[Header, ...] = (REQUEST_ID,)
 
 
-def ok(schema_name: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": json_content(ref(schema_name))}
+@dataclass(frozen=True)
+class Param:
+    name: str
+    where: Literal["path", "query", "header"]
+    type: Any = str
+    description: str = ""
+    required: bool = False
 
 
-def build(*contributions: Contribution) -> dict[str, Any]:
-    """The whole document from these contributions (operations on one path are merged)."""
+@dataclass(frozen=True)
+class Dialect:
+    """How a family of routes words its errors: the error body's type, and whether it is narrowed per status to
+    the codes that status carries (the native shape's machine-readable `error`)."""
+
+    name: str
+    shape: Any
+    per_status: bool = False
+    headers: bool = True  # X-Request-ID and, where retrying helps, Retry-After
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One route as the document shows it: what it takes and every answer it gives, errors included."""
+
+    method: str
+    path: str
+    operation_id: str
+    summary: str
+    answers: tuple[Answer, ...]
+    dialect: Dialect
+    errors: tuple[int, ...] = ()
+    request: Any = None  # the body's type (`None`: no body)
+    request_media: str = JSON
+    request_also: tuple[tuple[str, Any], ...] = ()
+    params: tuple[Param, ...] = ()
+    description: str = ""
+    public: bool = False  # no API key asked (health, metrics, the document itself)
+    tags: tuple[str, ...] = ()
+
+
+def one_of(*types: type, description: str = "") -> msgspec.Meta:
+    """`Annotated[Any, one_of(A, B)]`: a value of any of these types, for the untagged unions msgspec does not
+    decode (two object types with no tag field): the document says `anyOf` over their components; the types join
+    the document through `build`'s `also_documented`."""
+    refs = [{"$ref": REF.format(name=t.__name__)} for t in types]
+    return msgspec.Meta(description=description or None, extra_json_schema={"anyOf": refs})
+
+
+# -- the generated error shapes of the native dialect ----------------------------------------------------------
+def _native_error_by_status(base: type) -> dict[int, type]:
+    """`Error<status>`: the native error body with `error` narrowed to that status's codes (so a test can check
+    status and code agree), and `retry_after_ms` required where retrying helps."""
+    fields = {f.name: f for f in msgspec.structs.fields(base)}
+    out: dict[int, type] = {}
+    for status, codes in ERROR_CODES.items():
+        retry = fields["retry_after_ms"]
+        spec: list[Any] = [
+            ("error", Annotated[Literal[codes], msgspec.Meta(description="machine-readable code")]),
+            ("message", fields["message"].type),
+            ("request_id", fields["request_id"].type),
+        ]
+        if status in RETRYABLE:
+            spec.append(("retry_after_ms", Annotated[int, msgspec.Meta(ge=1)]))
+        else:
+            spec.append(("retry_after_ms", retry.type, retry.default))
+        out[status] = msgspec.defstruct(
+            f"{base.__name__}{status}",
+            spec,
+            forbid_unknown_fields=True,
+            omit_defaults=True,
+        )
+        out[status].__doc__ = f"{base.__name__} of status {status}: {ERROR_WHEN[status]}"
+    return out
+
+
+# -- the document ---------------------------------------------------------------------------------------------
+@dataclass
+class _Collector:
+    """Types in the order met, each later replaced by its schema (a `$ref` for Structs)."""
+
+    types: list[Any] = field(default_factory=list)
+
+    def add(self, t: Any) -> int:
+        self.types.append(t)
+        return len(self.types) - 1
+
+
+def build(operations: Iterable[Operation], also_documented: Sequence[Any] = ()) -> dict[str, Any]:
+    """The whole document from these operations (operations on one path are merged). `also_documented`: types
+    named only through `one_of` (their components must exist)."""
+    ops = list(operations)
+    types = _Collector()
+    by_status: dict[str, dict[int, type]] = {}
+    for d in {op.dialect.name: op.dialect for op in ops}.values():
+        if d.per_status:
+            by_status[d.name] = _native_error_by_status(d.shape)
+
+    plan: list[tuple[Operation, dict[str, Any]]] = []
+    for op in ops:
+        plan.append((op, _operation_plan(op, types, by_status.get(op.dialect.name))))
+    for t in also_documented:
+        types.add(t)
+    for d in {op.dialect.name: op.dialect for op in ops}.values():
+        types.add(d.shape)  # the unnarrowed shape is always a component (tests and clients name it)
+
+    schemas, components = msgspec.json.schema_components(types.types, ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
-    schemas = copy.deepcopy(SCHEMAS)
-    for c in contributions:
-        for path, operations in c.paths.items():
-            paths.setdefault(path, {}).update(copy.deepcopy(operations))
-        schemas.update(copy.deepcopy(c.schemas))
+    for op, p in plan:
+        paths.setdefault(op.path, {})[op.method.lower()] = _resolve(p, schemas)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -145,7 +211,7 @@ def build(*contributions: Contribution) -> dict[str, Any]:
             "description": "Dynamic-batching inference server: single synchronous requests in, GPU batches "
             "inside. Every error is JSON: {error, message, request_id} (plus retry_after_ms) "
             "on batchserve's own routes, OpenAI's {error: {message, type, param, code}} on "
-            "/v1/embeddings, /v1/chat/completions and /v1/completions, KServe v2's {error} on "
+            "/v1/embeddings, /v1/rerank, /v1/chat/completions and /v1/completions, KServe v2's {error} on "
             "/v2; a Retry-After header wherever retrying later can help.",
         },
         # OAS 3.1's own dialect (JSON Schema 2020-12 plus OpenAPI's vocabulary), its default: tools such as
@@ -153,7 +219,7 @@ def build(*contributions: Contribution) -> dict[str, Any]:
         "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",
         "paths": paths,
         "components": {
-            "schemas": schemas,
+            "schemas": dict(sorted(components.items())),
             "securitySchemes": {
                 "bearer": {
                     "type": "http",
@@ -164,3 +230,93 @@ def build(*contributions: Contribution) -> dict[str, Any]:
         },
         "security": [{"bearer": []}, {}],
     }
+
+
+class _Schema:
+    """A placeholder for the schema of the collected type at `index`, filled in by `_resolve`."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _content(types: _Collector, media: str, shape: Any, also: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    return {m: {"schema": _Schema(types.add(t))} for m, t in ((media, shape), *also)}
+
+
+def _headers(types: _Collector, headers: Iterable[Header]) -> dict[str, Any]:
+    return {h.name: {"description": h.description, "schema": _Schema(types.add(h.type))} for h in headers}
+
+
+def _error_headers(status: int, dialect: Dialect) -> tuple[Header, ...]:
+    if not dialect.headers:
+        return ()
+    out: tuple[Header, ...] = (REQUEST_ID,)
+    if status in RETRYABLE:
+        out += (RETRY_AFTER,)
+    if status == 429:
+        out += RATE_HEADERS
+    return out
+
+
+def _operation_plan(op: Operation, types: _Collector, narrowed: dict[int, type] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary}
+    if op.description:
+        out["description"] = op.description
+    if op.tags:
+        out["tags"] = list(op.tags)
+    if op.public:
+        out["security"] = []
+    params = [
+        {
+            "name": p.name,
+            "in": p.where,
+            "required": p.required or p.where == "path",
+            **({"description": p.description} if p.description else {}),
+            "schema": _Schema(types.add(p.type)),
+        }
+        for p in op.params
+    ]
+    if params:
+        out["parameters"] = params
+    if op.request is not None:
+        out["requestBody"] = {
+            "required": True,
+            "content": _content(types, op.request_media, op.request, op.request_also),
+        }
+    responses: dict[str, Any] = {}
+    for a in op.answers:
+        answer: dict[str, Any] = {"description": a.description}
+        if a.headers:
+            answer["headers"] = _headers(types, a.headers)
+        if a.shape is not None:
+            answer["content"] = _content(types, a.media, a.shape, a.also)
+        responses[str(a.status)] = answer
+    for status in op.errors:
+        if str(status) in responses:
+            continue
+        shape = narrowed[status] if narrowed is not None else op.dialect.shape
+        codes = f"{' / '.join(ERROR_CODES[status])}: " if narrowed is not None else ""
+        err: dict[str, Any] = {"description": f"{codes}{ERROR_WHEN[status]}"}
+        if headers := _error_headers(status, op.dialect):
+            err["headers"] = _headers(types, headers)
+        err["content"] = _content(types, JSON, shape, ())
+        responses[str(status)] = err
+    if "default" not in responses:
+        responses["default"] = {
+            "description": f"any other error, in the {op.dialect.name} error shape",
+            "content": _content(types, JSON, op.dialect.shape, ()),
+        }
+    out["responses"] = responses
+    return out
+
+
+def _resolve(node: Any, schemas: Sequence[dict[str, Any]]) -> Any:
+    if isinstance(node, _Schema):
+        return schemas[node.index]
+    if isinstance(node, dict):
+        return {k: _resolve(v, schemas) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, schemas) for v in node]
+    return node

@@ -17,10 +17,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from batchserve import errors
-from batchserve.core.ledger import DEFAULT_WINDOW_S, MAX_WINDOW_S, OUTCOMES
+from batchserve.core.ledger import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from batchserve.http.plumbing import error_response, json_response, request_id_of
 from batchserve.http.guards import guard_of
-from batchserve.http.openapi import Contribution, error_responses, json_content, ref
+from batchserve.http.shapes import USAGE
 
 
 def window_of(given: str | None) -> float:
@@ -54,102 +54,4 @@ async def usage(request: Request) -> Response:
 
 ROUTES = [Route("/v1/usage", usage, methods=["GET"])]
 
-_BY_OUTCOME = {
-    "type": "object",
-    "required": list(OUTCOMES),
-    "additionalProperties": False,
-    "properties": {o: {"type": "integer", "minimum": 0} for o in OUTCOMES},
-}
-_COUNTS = {
-    "requests": {
-        **_BY_OUTCOME,
-        "description": "answers by SLO outcome: met (2xx within the SLO), slow (2xx past "
-        "it), refused (429/503), expired (504), failed (other 5xx)",
-    },
-    "inputs": {**_BY_OUTCOME, "description": "the inputs those requests held, by outcome"},
-    "cost_served": {
-        "type": "number",
-        "minimum": 0,
-        "description": "cost units served in 2xx answers: tokens where the model costs by tokens "
-        "(generation: prompt + completion tokens), else inputs",
-    },
-}
-
-OPENAPI = Contribution(
-    paths={
-        "/v1/usage": {
-            "get": {
-                "summary": "Your tenant's SLO ledger: requests by outcome, cost served, latency",
-                "description": "The caller's own tenant (from its API key; all anonymous callers are the tenant "
-                "'anonymous'); a key with `admin = true` sees every tenant. Counts are over the last "
-                "`window_s` seconds, rounded out to whole 5-second buckets, and since the process "
-                "started; latency percentiles are over the served answers of the window (the latest "
-                "2,048 at most). Other 4xx answers than 429, and callers who hung up, are not counted.",
-                "parameters": [
-                    {
-                        "name": "window_s",
-                        "in": "query",
-                        "required": False,
-                        "description": f"seconds back from now (default {DEFAULT_WINDOW_S:g}, at most "
-                        f"{MAX_WINDOW_S:g})",
-                        "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_WINDOW_S},
-                    }
-                ],
-                "responses": {
-                    "200": {"description": "the figures", "content": json_content(ref("UsageList"))},
-                    **error_responses(400, 401),
-                },
-            }
-        }
-    },
-    schemas={
-        "UsageList": {
-            "type": "object",
-            "required": ["object", "window_s", "data"],
-            "additionalProperties": False,
-            "properties": {
-                "object": {"const": "list"},
-                "window_s": {"type": "number"},
-                "data": {"type": "array", "items": ref("TenantUsage")},
-            },
-        },
-        "TenantUsage": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": [
-                "tenant",
-                "tier",
-                "window_s",
-                "requests",
-                "inputs",
-                "cost_served",
-                "latency_ms",
-                "since_start",
-            ],
-            "properties": {
-                "tenant": {"type": "string"},
-                "tier": {"type": ["string", "null"], "description": "the tier of its latest request"},
-                "window_s": {"type": "number"},
-                **_COUNTS,
-                "latency_ms": {
-                    "type": "object",
-                    "required": ["count", "p50", "p95"],
-                    "additionalProperties": False,
-                    "description": "arrival to answer of the served (2xx) answers in the window; on the "
-                    "generation routes, arrival to the first token",
-                    "properties": {
-                        "count": {"type": "integer", "minimum": 0},
-                        "p50": {"type": ["number", "null"]},
-                        "p95": {"type": ["number", "null"]},
-                    },
-                },
-                "since_start": {
-                    "type": "object",
-                    "required": list(_COUNTS),
-                    "additionalProperties": False,
-                    "properties": _COUNTS,
-                },
-            },
-        },
-    },
-)
+OPERATIONS = USAGE  # declared with its answer shape in `http/shapes.py`

@@ -1,26 +1,39 @@
-"""The body of `POST /v1/inference`, parsed and checked: shared by the route and by batch-job lines that name
-`/v1/inference` (`jobs/lines.py`), so both refuse the same bodies in the same words. It imports no runtime, so
-the job scheduler can use it without an import cycle."""
+"""The body of `POST /v1/inference`, decoded into its declared shape (`shapes.InferenceRequest`) and checked
+against the server's limits: shared by the route and by batch-job lines that name `/v1/inference`
+(`jobs/lines.py`), so both refuse the same bodies in the same words. It imports no runtime, so the job scheduler
+can use it without an import cycle."""
 
 from __future__ import annotations
 
+import msgspec
+
 from batchserve import errors
 from batchserve.config import Settings
-from batchserve.http.plumbing import check_input, parse_json_object
+from batchserve.http.decoding import TOO_DEEP, BodyRefusal, decode, refusal
+from batchserve.http.plumbing import check_json_content_type
+from batchserve.inference.shapes import InferenceRequest
+
+_DECODER = msgspec.json.Decoder(InferenceRequest)
 
 
 def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float]:
     """(input, model, timeout in seconds) from the body, or 400/413 with the reason."""
-    data = parse_json_object(body, content_type)
-    text = check_input(data.get("input"), '"input"', s.max_input_chars)
-    model = data.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise errors.invalid('"model" must be a non-empty string when given')
-    timeout_ms = data.get("timeout_ms", s.timeout_ms)
-    if (
-        isinstance(timeout_ms, bool)
-        or not isinstance(timeout_ms, int | float)
-        or not (0 < timeout_ms <= s.max_timeout_ms)
-    ):
+    check_json_content_type(content_type)
+    # An ASCII body (nearly all) goes straight to the decoder; `decode` checks UTF-8 first for the rest.
+    try:
+        req = _DECODER.decode(body) if body.isascii() else decode(_DECODER, body)
+    except msgspec.ValidationError as exc:
+        raise errors.invalid(refusal(str(exc)).message) from None
+    except msgspec.DecodeError as exc:  # the ASCII body was not JSON
+        raise errors.invalid(f"the body is not valid JSON in UTF-8: {exc}") from None
+    except RecursionError:
+        raise errors.invalid(TOO_DEEP) from None
+    except BodyRefusal as r:
+        raise errors.invalid(r.message) from None
+    text = req.input
+    if len(text) > s.max_input_chars:
+        raise errors.payload_too_large(f'"input" is over the {s.max_input_chars}-character limit')
+    timeout_ms = s.timeout_ms if req.timeout_ms is msgspec.UNSET else req.timeout_ms
+    if not timeout_ms <= s.max_timeout_ms:
         raise errors.invalid(f'"timeout_ms" must be a number of milliseconds in (0, {s.max_timeout_ms:.0f}]')
-    return text, model, timeout_ms / 1000
+    return text, req.model, timeout_ms / 1000

@@ -21,9 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
 
 from batchserve import errors
+from batchserve.http.decoding import refusal
+from batchserve.jobs import shapes
 from batchserve.jobs.files import LineSplitter, LineTooLong
 from batchserve.jobs.lines import GENERATION, RUNNABLE, line_inputs
 from batchserve.jobs.store import ERRORS, OUTPUT, ItemRow, Job
@@ -143,28 +146,33 @@ def check_expires_after(value: object, name: str) -> float | None:
     return float(seconds)
 
 
+_EXPLAINED = {  # what each member must be, said before msgspec's words on what it was
+    "input_file_id": "'input_file_id' must be the id of a file uploaded with purpose 'batch'",
+    "endpoint": f"'endpoint' must be one of {', '.join(ENDPOINTS)}",
+    "completion_window": f"'completion_window' must be one of {', '.join(COMPLETION_WINDOWS)}",
+    "metadata": "'metadata' must be an object of strings",
+    "output_expires_after": "'output_expires_after' must be "
+    f'{{"anchor": "created_at", "seconds": 1 to {MAX_EXPIRES_S}}}',
+}
+
+
 def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, str, str, dict | None]:
-    """(input_file_id, endpoint, completion_window, metadata) of a `POST /v1/batches` in OpenAI's shape
-    (`output_expires_after` is read by `check_expires_after`).
+    """(input_file_id, endpoint, completion_window, metadata) of a `POST /v1/batches` in OpenAI's shape: the
+    streamed body's top-level values (`parse.JobBody.values`) converted to the declared
+    `shapes.OpenAIBatchRequest` (`output_expires_after` is read by `check_expires_after`).
     `generating`: the generation engine is on here, so chat and completions lines can run."""
-    file_id, endpoint = values.get("input_file_id"), values.get("endpoint")
-    window, metadata = values.get("completion_window", "24h"), values.get("metadata")
-    if not isinstance(file_id, str) or not file_id:
-        raise errors.invalid("'input_file_id' must be the id of a file uploaded with purpose 'batch'")
-    if endpoint not in ENDPOINTS:
-        raise errors.invalid(f"'endpoint' must be one of {', '.join(ENDPOINTS)}")
-    if endpoint in GENERATION and not generating:
+    try:
+        req = msgspec.convert(values, shapes.OpenAIBatchRequest)
+    except msgspec.ValidationError as exc:
+        r = refusal(str(exc))
+        explained = _EXPLAINED.get(r.field or "")
+        raise errors.invalid(f"{explained} ({r.message})" if explained else r.message) from None
+    if req.endpoint in GENERATION and not generating:
         raise errors.invalid(
-            f"batches for {endpoint} run on the generation engine, which is off on this server "
+            f"batches for {req.endpoint} run on the generation engine, which is off on this server "
             f"(start it with --backend smollm2 or --generation on); batch {' or '.join(RUNNABLE)}"
         )
-    if window not in COMPLETION_WINDOWS:
-        raise errors.invalid(f"'completion_window' must be one of {', '.join(COMPLETION_WINDOWS)}")
-    if metadata is not None and (
-        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
-    ):
-        raise errors.invalid("'metadata' must be an object of strings")
-    return file_id, endpoint, window, metadata
+    return req.input_file_id, req.endpoint, req.completion_window, req.metadata
 
 
 def output_file_id(job_id: str, kind: str) -> str:

@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import array
 import math
+import re
 import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import msgspec
 import orjson
+
+from batchserve.http.decoding import BodyRefusal, decode
+from batchserve.kserve import shapes
+from batchserve.kserve.shapes import MAX_DIMS
+from batchserve.kserve.shapes import MAX_ELEMENTS as MAX_ELEMENTS  # re-exported: grpc_service reads it here
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
-MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
-MAX_DIMS = 8
 HEADER_LENGTH = "inference-header-content-length"
 MAX_LENGTH_DIGITS = 19  # of Inference-Header-Content-Length: more than any body holds
 EXTENSIONS = ["binary_tensor_data"]
@@ -67,16 +72,6 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
         raise bad(f"Inference-Header-Content-Length must be a byte count within the body ({len(body)} bytes)")
     n = int(header_length)
     return body[:n], body[n:]
-
-
-def _shape(value: object) -> list[int]:
-    if (
-        not isinstance(value, list)
-        or len(value) > MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in value)
-    ):
-        raise bad(f"'shape' must be a list of at most {MAX_DIMS} non-negative integers")
-    return value
 
 
 def _elements(data: object, shape: list[int]) -> list[object]:
@@ -125,39 +120,43 @@ def _bytes_elements(raw: bytes, count: int) -> list[bytes]:
     return out
 
 
+_DECODER = msgspec.json.Decoder(shapes.V2InferRequest)
+# What each member of the declared shape means, said first when a body breaks it (the path of the refusal).
+_WHAT = {
+    "inputs": f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see GET /v2/models/{{model}})",
+    "inputs[0].name": f"unknown input: this model's one input is '{INPUT_NAME}'",
+    "inputs[0].datatype": f"input '{INPUT_NAME}' must have datatype BYTES (strings)",
+    "inputs[0].shape": f"'shape' must be a list of at most {MAX_DIMS} integers from 0 to {MAX_ELEMENTS}",
+    "parameters.timeout": "'parameters.timeout' must be a positive number of microseconds",
+}
+_OUTPUT_NAME = re.compile(r"^outputs\[\d+\]\.name$")
+
+
+def _refused(r: BodyRefusal) -> V2Error:
+    path = re.sub(r"^inputs\[0\]\.shape\[\d+\]$", "inputs[0].shape", r.path)
+    what = _WHAT.get(path) or (
+        f"unknown output: this model's one output is '{OUTPUT_NAME}'" if _OUTPUT_NAME.match(path) else ""
+    )
+    return bad(f"{what} ({r.message})" if what else r.message)
+
+
 def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> InferRequest:
-    """The request's strings and answer format, or a 400 saying what is wrong."""
+    """The request's strings and answer format, or a 400 saying what is wrong: the JSON header decoded into its
+    declared shape (`shapes.V2InferRequest`), then what types cannot say (the data against the shape, the binary
+    tail against its declared size)."""
     head, tail = split_body(body, header_length)
     try:
-        data = orjson.loads(head)
-    except orjson.JSONDecodeError as exc:
-        raise bad(f"the body is not valid JSON in UTF-8: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad("the body must be a JSON object")
-    request_id = data.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise bad("'id' must be a string")
-    params = data.get("parameters") or {}
-    inputs = data.get("inputs")
-    if not isinstance(params, dict):
-        raise bad("'parameters' must be an object")
-    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
-        raise bad(f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see GET /v2/models/{{model}})")
-    tensor = inputs[0]
-    if tensor.get("name") != INPUT_NAME:
-        raise bad(f"unknown input '{str(tensor.get('name'))[:64]}': this model's one input is '{INPUT_NAME}'")
-    if tensor.get("datatype") != "BYTES":
-        raise bad(f"input '{INPUT_NAME}' must have datatype BYTES (strings), not {str(tensor.get('datatype'))[:16]}")
-    shape = _shape(tensor.get("shape"))
+        req = decode(_DECODER, head)
+    except BodyRefusal as r:
+        raise _refused(r) from None
+    tensor = req.inputs[0]
+    shape = tensor.shape
     count = math.prod(shape)
     if count < 1 or count > MAX_ELEMENTS:
         raise bad(f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} holds {count}")
-    tparams = tensor.get("parameters") or {}
-    if not isinstance(tparams, dict):
-        raise bad("an input's 'parameters' must be an object")
-    binary_size = tparams.get("binary_data_size")
+    binary_size = tensor.parameters.binary_data_size if tensor.parameters is not None else None
     if binary_size is not None:
-        if not isinstance(binary_size, int) or isinstance(binary_size, bool) or binary_size != len(tail):
+        if binary_size != len(tail):
             raise bad(f"'binary_data_size' must equal the {len(tail)} bytes after the JSON header")
         try:
             texts = [b.decode() for b in _bytes_elements(tail, count)]
@@ -166,29 +165,22 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
     else:
         if tail:
             raise bad("binary data follows the JSON header but no input declares 'binary_data_size'")
-        elements = _elements(tensor.get("data"), shape)
+        elements = _elements(tensor.data, shape)
         if len(elements) != count or not all(isinstance(e, str) for e in elements):
             raise bad(f"input '{INPUT_NAME}' 'data' must hold {count} string(s), as its shape {shape} says")
-        texts = elements  # type: ignore[assignment]
+        texts = cast(list[str], elements)
     for text in texts:
         if not text:
             raise bad("every element must be a non-empty string")
         if len(text) > max_chars:
             raise V2Error(413, f"an element is over the {max_chars}-character limit")
-    binary_output = params.get("binary_data_output") is True
-    outputs = data.get("outputs")
-    if outputs is not None:
-        if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
-            raise bad("'outputs' must be a list of objects")
-        for o in outputs:
-            if o.get("name") != OUTPUT_NAME:
-                raise bad(f"unknown output '{str(o.get('name'))[:64]}': this model's one output is '{OUTPUT_NAME}'")
-            oparams = o.get("parameters") or {}
-            binary_output = isinstance(oparams, dict) and oparams.get("binary_data") is True
-    timeout = params.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
-        raise bad("'parameters.timeout' must be a positive number of microseconds")
-    return InferRequest(request_id, texts, shape, binary_output, timeout, params)
+    params = req.parameters
+    binary_output = params is not None and params.binary_data_output is True
+    for o in req.outputs or ():
+        binary_output = o.parameters is not None and o.parameters.binary_data is True
+    timeout = params.timeout if params is not None else None
+    given = msgspec.structs.asdict(params) if params is not None else {}
+    return InferRequest(req.id, texts, shape, binary_output, timeout, {k: v for k, v in given.items() if v is not None})
 
 
 def output_tensor(outputs: list[object], shape: list[int], kind: str) -> tuple[dict[str, Any], list[float] | list[str]]:

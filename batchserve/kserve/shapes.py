@@ -1,0 +1,186 @@
+"""The declared shapes of KServe's v2 routes (`kserve/routes.py`): the infer request's JSON header, which
+`wire.parse_infer` decodes into `V2InferRequest` (with the binary extension raw tensor bytes follow it, checked by
+hand), the answers `routes.py` and `wire.py` write, v2's error `{"error": message}`, and their operations in
+/openapi.json."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from batchserve.http.openapi import Answer, Dialect, Operation, Param
+
+MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
+MAX_DIMS = 8
+
+
+class V2Error(Struct):
+    """KServe v2's error body."""
+
+    error: str
+
+
+KSERVE = Dialect("KServe v2", V2Error)
+
+
+class V2Live(Struct):
+    live: Literal[True]
+
+
+class V2Ready(Struct, omit_defaults=True):
+    ready: bool
+    name: str | UnsetType = UNSET
+    reason: Annotated[str, Meta(description="why not, when not ready")] | UnsetType = UNSET
+
+
+class V2ServerMetadata(Struct):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class TensorMetadata(Struct):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class V2ModelMetadata(Struct):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class InferParameters(Struct):
+    timeout: Annotated[float, Meta(gt=0, description="the request's deadline in microseconds")] | None = None
+    binary_data_output: Annotated[bool, Meta(description="the output tensor in binary")] | None = None
+
+
+class InputParameters(Struct):
+    binary_data_size: (
+        Annotated[int, Meta(ge=0, description="with the binary extension: the tensor's bytes after the JSON header")]
+        | None
+    ) = None
+
+
+class InputTensor(Struct):
+    name: Literal["input"]
+    datatype: Literal["BYTES"]
+    shape: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_ELEMENTS)]], Meta(max_length=MAX_DIMS)]
+    parameters: InputParameters | None = None
+    data: Annotated[Any, Meta(description="strings, flat or nested by the shape")] = None
+
+
+class OutputParameters(Struct):
+    binary_data: bool | None = None
+
+
+class RequestedOutput(Struct):
+    name: Literal["output"]
+    parameters: OutputParameters | None = None
+
+
+class V2InferRequest(Struct):
+    """One BYTES input named `input`; each element (1 to 2048) is one item on the batcher. With the binary
+    extension the JSON is followed by the tensor (Inference-Header-Content-Length). Members it does not know
+    are ignored."""
+
+    inputs: Annotated[list[InputTensor], Meta(min_length=1, max_length=1)]
+    id: str | None = None
+    parameters: InferParameters | None = None
+    outputs: list[RequestedOutput] | None = None
+
+
+class OutputTensor(Struct):
+    name: Literal["output"]
+    datatype: Literal["BYTES", "FP32"]
+    shape: list[int]
+    data: list[Any] | UnsetType = UNSET
+    parameters: dict[str, Any] | UnsetType = UNSET
+
+
+class V2InferResponse(Struct):
+    model_name: str
+    outputs: list[OutputTensor]
+    model_version: str | UnsetType = UNSET
+    id: str | UnsetType = UNSET
+
+
+_TAGS = ("KServe v2",)
+_MODEL = Param("model", "path", Annotated[str, Meta(examples=["sim"])])
+_VERSION = Param("version", "path", Annotated[str, Meta(examples=["v1"])])
+_INFER_EXAMPLE = {"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2], "data": ["hello", "world"]}]}
+
+
+def _params(path: str) -> tuple[Param, ...]:
+    return tuple(p for p in (_MODEL, _VERSION) if f"{{{p.name}}}" in path)
+
+
+def _get(path: str, op_id: str, summary: str, shape: Any, *errors: int) -> Operation:
+    answers: tuple[Answer, ...] = (Answer(200, summary, shape, headers=()),)
+    if shape is V2Ready:
+        answers += (Answer(400, "not ready (v2: a 4xx means false)", V2Ready, headers=()),)
+    return Operation("GET", path, op_id, summary, answers, KSERVE, errors=errors, params=_params(path), tags=_TAGS)
+
+
+_BINARY = (("application/octet-stream", Annotated[bytes, Meta(description="JSON header, then the raw tensors")]),)
+
+
+def _infer(path: str, op_id: str) -> Operation:
+    return Operation(
+        "POST",
+        path,
+        op_id,
+        "KServe v2 infer: each element of the BYTES input rides the batcher",
+        (
+            Answer(
+                200,
+                "the output tensor: BYTES, or FP32 [..., dim] for embedding models; binary when asked "
+                "(Inference-Header-Content-Length)",
+                V2InferResponse,
+                also=_BINARY,
+            ),
+        ),
+        KSERVE,
+        errors=(400, 401, 404, 413, 429, 500, 503, 504),
+        request=Annotated[V2InferRequest, Meta(examples=[_INFER_EXAMPLE])],
+        request_also=_BINARY,
+        params=(
+            *_params(path),
+            Param(
+                "Inference-Header-Content-Length",
+                "header",
+                Annotated[int, Meta(ge=0)],
+                "with the binary extension: the length of the JSON header",
+            ),
+        ),
+        tags=_TAGS,
+    )
+
+
+OPERATIONS = (
+    _get("/v2/health/live", "v2ServerLive", "KServe v2 server liveness", V2Live),
+    _get("/v2/health/ready", "v2ServerReady", "KServe v2 server readiness", V2Ready),
+    _get("/v2", "v2ServerMetadata", "KServe v2 server metadata", V2ServerMetadata),
+    _get("/v2/models/{model}", "v2ModelMetadata", "KServe v2 model metadata", V2ModelMetadata, 404),
+    _get(
+        "/v2/models/{model}/versions/{version}",
+        "v2ModelVersionMetadata",
+        "KServe v2 model version metadata",
+        V2ModelMetadata,
+        404,
+    ),
+    _get("/v2/models/{model}/ready", "v2ModelReady", "KServe v2 model readiness", V2Ready, 404),
+    _get(
+        "/v2/models/{model}/versions/{version}/ready",
+        "v2ModelVersionReady",
+        "KServe v2 model version readiness",
+        V2Ready,
+        404,
+    ),
+    _infer("/v2/models/{model}/infer", "v2ModelInfer"),
+    _infer("/v2/models/{model}/versions/{version}/infer", "v2ModelVersionInfer"),
+)

@@ -1,0 +1,78 @@
+"""The declared shapes of `POST /v1/rerank` and `/rerank` (Cohere's, as TEI, Infinity and vLLM take it): the
+request `parse.py` decodes, the answer `render.py` writes, and the operations in /openapi.json. Errors in
+OpenAI's shape."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from batchserve.http.openapi import Answer, Operation
+from batchserve.http.shapes import OPENAI, NonNegative
+
+MAX_DOCUMENTS = 1000  # documents per request (Cohere's limit)
+
+
+class Document(Struct):
+    text: str
+
+
+class RerankRequest(Struct):
+    """What `POST /v1/rerank` takes; members it does not know are ignored."""
+
+    query: Annotated[str, Meta(min_length=1)]
+    documents: Annotated[
+        list[str | Document],
+        Meta(
+            min_length=1,
+            max_length=MAX_DOCUMENTS,
+            description="strings, or Cohere's {text}; each (query, document) pair is one input on the batcher",
+        ),
+    ]
+    top_n: Annotated[int, Meta(ge=1, description="answer the best N only (default: all)")] | None = None
+    return_documents: Annotated[bool, Meta(description="echo each document's text in its result")] = False
+    model: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(description="a reranking model (GET /v1/models); default: the first"),
+    ] = None
+    timeout_ms: (
+        Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")] | UnsetType
+    ) = UNSET
+
+
+class RerankResult(Struct, omit_defaults=True):
+    index: Annotated[int, Meta(ge=0, description="the document's place in the request")]
+    relevance_score: Annotated[
+        float,
+        Meta(description="as sentence-transformers' CrossEncoder.predict gives it (sigmoid of the logit by default)"),
+    ]
+    document: Annotated[Document, Meta(description="with return_documents: true")] | UnsetType = UNSET
+
+
+class RerankUsage(Struct):
+    prompt_tokens: NonNegative
+    total_tokens: NonNegative
+
+
+class RerankResponse(Struct):
+    id: str
+    results: Annotated[list[RerankResult], Meta(description="sorted by relevance_score, highest first")]
+    model: Annotated[str, Meta(description="name@version that served it")]
+    usage: RerankUsage
+
+
+def _operation(path: str, op_id: str) -> Operation:
+    return Operation(
+        "POST",
+        path,
+        op_id,
+        "Rerank documents against a query (Cohere's shape); each pair rides the batcher on its own",
+        (Answer(200, "the documents' scores, best first", RerankResponse),),
+        OPENAI,
+        errors=(400, 401, 404, 413, 429, 500, 503, 504),
+        request=Annotated[RerankRequest, Meta(examples=[{"query": "capital", "documents": ["Paris", "a cat"]}])],
+    )
+
+
+OPERATIONS = (_operation("/v1/rerank", "rerank"), _operation("/rerank", "rerankUnversioned"))
