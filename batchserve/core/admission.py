@@ -101,8 +101,8 @@ def predict(
     joining each class: each class forms batches of its own and takes a turn whenever it has items, those that
     arrive while the request waits included."""
     times = batcher.batch_s
-    limit, budget = batcher.limit(model), batcher.budget(model)
-    unit = batcher.unit.get(model, 1.0)
+    limit, budget = batcher.costs.limit(model), batcher.costs.budget(model)
+    unit = batcher.costs.unit.get(model, 1.0)
     # Its own batches: inputs of like length (the backend groups them, `bucket_of`), padded to its longest.
     own_unit = max(costs, default=1.0)
     share = max(1, healthy)
@@ -121,14 +121,14 @@ def predict(
     # One queue (the sim, a plugin without bucket_of, or a costed model whose other classes are quiet): FIFO
     # batches, the formula above; a class's batches at the padded cost of a row, as in the replay.
     if bucket is not None:
-        row = batcher.row_cost.get((model, bucket), 0.0)
+        row = batcher.costs.row_cost.get((model, bucket), 0.0)
         own_q = batcher.queues.get((model, bucket))
         unit = max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
         own_unit = max(own_unit, row)
         full_n = _rows(limit, budget, unit)
-        full_s = times.at(model, batcher.estimate_cost(model, full_n, unit))
+        full_s = times.at(model, batcher.costs.estimate_cost(model, full_n, unit))
     else:
-        full_n, full_s = batcher.full_n(model), times[model]
+        full_n, full_s = batcher.costs.full_n(model), times[model]
     per_batch = _rows(limit, budget, own_unit)
     # A batch's cost is rows x cost within the budget (`Batcher.estimate_cost`), written out: this runs per request.
     cap = math.inf if budget == math.inf else max(1.0, budget)
@@ -180,7 +180,7 @@ def _by_turns(
     each, `ahead` of the model's depth), replayed turn by turn."""
     depth = batcher.depth.get(model, 0)
     part = min(1.0, ahead / depth) if depth else 0.0  # of the queued items, the share ahead by tier
-    served, unit, padded = batcher.bucket_served_at, batcher.unit.get(model, 1.0), batcher.row_cost
+    served, unit, padded = batcher.bucket_served_at, batcher.costs.unit.get(model, 1.0), batcher.costs.row_cost
     others: list[ClassQueue] = []
     own_q = None
     for (m, b), q in batcher.queues.items():
@@ -208,7 +208,10 @@ def _by_turns(
         rates.get(bucket, 0.0),
         served.get((model, bucket), 0.0),
     )
-    times, cap = batcher.batch_s, max(1.0, batcher.budget(model))  # a batch's cost: rows x cost, within the budget
+    times, cap = (
+        batcher.batch_s,
+        max(1.0, batcher.costs.budget(model)),
+    )  # a batch's cost: rows x cost, within the budget
     d = drain(
         batcher.clock(), until_free_s, share, own, others, lambda rows, cost: times.at(model, min(rows * cost, cap))
     )
@@ -265,7 +268,7 @@ class Admission:
             rate,
             fast_rate,
             self.capacity.healthy_count(),
-            self.batcher.full_n(model),
+            self.batcher.costs.full_n(model),
             self.batcher.batch_s[model],
         )
 
@@ -274,7 +277,7 @@ class Admission:
         and its S."""
         assert self.capacity is not None
         capacity = healthy * full_n / full_s
-        served = self.batcher.served_rate(model)  # a costed model's batches as they really are
+        served = self.batcher.costs.served_rate(model)  # a costed model's batches as they really are
         if served is not None:
             capacity = min(capacity, healthy * served)
         return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
@@ -324,7 +327,7 @@ class Admission:
         A request with a deadline this far needs no prediction (the sim's or a count model's usual case);
         a costed model's line has no top, so it is always predicted."""
         batcher = self.batcher
-        rows = batcher.limit(model) if batcher.budget(model) == math.inf else 1
+        rows = batcher.costs.limit(model) if batcher.costs.budget(model) == math.inf else 1
         most = batcher.batch_s.most(model) if most_s is None else most_s
         worst = until_free + (ahead // rows + 2) * most
         return worst < deadline_s * (1 - 1e-9) - 1e-6  # clear of float rounding in the sums it bounds
@@ -372,8 +375,8 @@ class Admission:
             n, widest = 1, costs[0]
         else:
             n, widest = max(1, len(costs)), max(costs, default=1.0)
-        if widest != 1.0 or batcher.max_batch_cost > 0:  # else nothing can be too costly (`too_costly`)
-            too_costly = batcher.too_costly(model, widest)
+        if widest != 1.0 or batcher.costs.max_batch_cost > 0:  # else nothing can be too costly (`too_costly`)
+            too_costly = batcher.costs.too_costly(model, widest)
             if too_costly is not None:
                 raise errors.payload_too_large(f"{too_costly}: shorten it")
         times = batcher.batch_s
@@ -385,7 +388,7 @@ class Admission:
         most_s = times.most(model)  # no batch of the model is expected longer (inf: a costed model's line rises)
         if not deadline_s >= most_s:  # else even its slowest batch alone ends in time: the check below cannot refuse
             # the quickest any answer can come: a batch of its own longest input alone
-            fastest_s = times.lower_bound(model, batcher.estimate_cost(model, 1, widest))
+            fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
             if deadline_s < fastest_s:  # not even an idle worker could answer in time: retrying would not help...
                 if not (idle and now - self.probed.get(model, -math.inf) >= PROBE_EVERY_S):
                     raise errors.deadline_unmeetable(fastest_s * 1000)
@@ -399,7 +402,7 @@ class Admission:
                 f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=batch_s * 1000
             )
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
-        full_n = batcher.full_n(model)
+        full_n = batcher.costs.full_n(model)
         # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
         # (refused, a batch time learned from one slow batch would refuse every request for good). Decided
         # before the prediction, which cannot change it.
