@@ -219,10 +219,10 @@ class GpuPool:
         w.inbox.put(batch)
         self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
         self.metrics.batches.labels(batch.model, batch.cause).inc()
-        wait = self.metrics.queue_wait.labels(batch.model)
-        for item in batch.items:
-            if item.tier < BATCH.rank:  # job items wait for spare capacity by design: not a queue delay
-                wait.observe(batch.formed - item.arrived)
+        formed, interactive = batch.formed, BATCH.rank  # job items wait for spare capacity by design: no queue delay
+        self.metrics.queue_wait.labels(batch.model).observe_all(
+            [formed - item.arrived for item in batch.items if item.tier < interactive]
+        )
 
     # -- back on the event loop --------------------------------------------------------------------------
     def _finish(
