@@ -13,7 +13,6 @@ from tests.integration.inference.test_api import metric
 
 async def post_many(url: str, inputs: list[str], timeout_ms: int = 10000) -> list[tuple[int, dict]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(inputs))) as s:
-
         async def one(text: str) -> tuple[int, dict]:
             async with s.post(url + "/v1/inference", json={"input": text, "timeout_ms": timeout_ms}) as r:
                 return r.status, await r.json()
@@ -68,18 +67,8 @@ def test_single_broken_device_fails_with_500_not_a_hang(server_factory):
 
 
 def test_hung_worker_is_abandoned_while_the_others_serve(server_factory):
-    server = server_factory(
-        "--devices",
-        "3",
-        "--sim-hang-marker",
-        "HANG",
-        "--sim-hang-ms",
-        "2500",
-        "--gpu-timeout-ms",
-        "400",
-        "--slo-ms",
-        "3000",
-    )
+    server = server_factory("--devices", "3", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2500",
+                            "--gpu-timeout-ms", "400", "--slo-ms", "3000")
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
@@ -107,9 +96,8 @@ def test_hung_worker_is_abandoned_while_the_others_serve(server_factory):
 
 
 def test_no_healthy_worker_503_until_the_hung_call_returns(server_factory):
-    server = server_factory(
-        "--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2000", "--gpu-timeout-ms", "300"
-    )
+    server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2000",
+                            "--gpu-timeout-ms", "300")
     with server.client() as c:
         r = c.post("/v1/inference", json={"input": "HANG"})
         assert r.status_code == 504
@@ -129,7 +117,6 @@ def test_predicted_wait_refuses_at_the_door_before_any_batch_finishes(server_fac
     async def scenario():
         done_order: list[int] = []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=400)) as s:
-
             async def one(i: int):
                 async with s.post(server.url + "/v1/inference", json={"input": f"x{i}", "timeout_ms": 1000}) as r:
                     body = await r.json()
@@ -171,20 +158,8 @@ def test_sigterm_drains_every_queued_item_then_exits(server_factory):
 
 
 def test_drain_timeout_answers_leftovers_with_503(server_factory):
-    server = server_factory(
-        "--devices",
-        "1",
-        "--sim-hang-marker",
-        "HANG",
-        "--sim-hang-ms",
-        "5000",
-        "--gpu-timeout-ms",
-        "60000",
-        "--drain-timeout-s",
-        "0.5",
-        "--slo-ms",
-        "5000",
-    )
+    server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "5000",
+                            "--gpu-timeout-ms", "60000", "--drain-timeout-s", "0.5", "--slo-ms", "5000")
 
     async def scenario():
         pending = asyncio.ensure_future(post_many(server.url, ["HANG", "behind"]))
@@ -203,7 +178,6 @@ def test_a_burst_within_capacity_is_queued_not_refused(server_factory):
     server = server_factory("--devices", "1")
     inputs = [f"b{i}" for i in range(250)]
     results = asyncio.run(post_many(server.url, inputs, timeout_ms=2000))
-    assert all(s == 200 and b["output"] == t[::-1] for t, (s, b) in zip(inputs, results)), [
-        b for s, b in results if s != 200
-    ][:3]
+    assert all(s == 200 and b["output"] == t[::-1] for t, (s, b) in zip(inputs, results)), \
+        [b for s, b in results if s != 200][:3]
     assert max(b["latency_ms"] for _, b in results) > 250

@@ -62,12 +62,8 @@ def test_plan_measure_with_its_defaults_against_a_live_server(server_factory):
     for t in threads:
         t.start()
     try:
-        run = subprocess.run(
-            [sys.executable, "-m", "batchserve", "plan", "--rate", "10000", "--measure", server.url],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        run = subprocess.run([sys.executable, "-m", "batchserve", "plan", "--rate", "10000", "--measure", server.url],
+                             capture_output=True, text=True, timeout=120)
     finally:
         stop.set()
         for t in threads:

@@ -39,12 +39,11 @@ def reference(model: Any, batch: list[list[int]], eos: int | None, new: int = NE
     ids = torch.full((len(batch), width), PAD)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(batch):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
     with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD, eos_token_id=eos
-        )
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             pad_token_id=PAD, eos_token_id=eos)
     rows = out[:, width:].tolist()
     return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
 
@@ -89,9 +88,8 @@ def test_fixed_shapes_pad_rows_and_cache_and_split_batches_without_changing_a_to
     batch = prompts(model)
     eos = an_eos(model, batch)
     exact = StaticDecoder(model, NEW, [eos], PAD).generate(batch)
-    fixed = StaticDecoder(
-        model, NEW, [eos], PAD, max_batch=8, fixed_shapes=True, prompt_buckets=(8, 16), kv_tokens=8 * (8 + NEW)
-    )  # 16-token prompts fit only a batch of 1
+    fixed = StaticDecoder(model, NEW, [eos], PAD, max_batch=8, fixed_shapes=True, prompt_buckets=(8, 16),
+                          kv_tokens=8 * (8 + NEW))  # 16-token prompts fit only a batch of 1
     fixed.warm()
     assert sorted(fixed.runners) == [Shape(1, 8 + NEW), Shape(1, 16 + NEW), Shape(8, 8 + NEW)]
     assert all(r.graph is None for r in fixed.runners.values())  # no CUDA here: nothing captured
@@ -136,7 +134,7 @@ def test_a_lagged_check_costs_steps_only_when_the_last_row_ends_on_a_checks_step
             with Counting(model) as c:
                 answers[lagged] = dec.generate([row] * 3)
             calls[lagged] = c.calls  # the prefill (token 1) and a step per further token
-        assert answers[True] == answers[False] == [free[: k + 1]] * 3
+        assert answers[True] == answers[False] == [free[:k + 1]] * 3
         assert calls[False] == -(-(k + 1) // 4) * 4, (k, calls)  # the first check after the eos
         assert calls[True] == calls[False] + late, (k, calls)
 
@@ -192,16 +190,11 @@ def test_smollm2_static_path_gives_generates_answers_on_the_real_weights() -> No
     from batchserve.backends.smollm2 import SmolLM2Backend
     from batchserve.config import ModelSpec, Settings
 
-    backend = SmolLM2Backend.from_settings(
-        ModelSpec("smollm2", backend="smollm2"), Settings(backend="smollm2", max_new_tokens=48)
-    )
-    inputs = [
-        "What is the capital of France?",
-        "Hi",
-        "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
-        "List three prime numbers.",
-        "2+2=",
-    ]
+    backend = SmolLM2Backend.from_settings(ModelSpec("smollm2", backend="smollm2"),
+                                           Settings(backend="smollm2", max_new_tokens=48))
+    inputs = ["What is the capital of France?", "Hi",
+              "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
+              "List three prime numbers.", "2+2="]
     assert backend.decoders and not backend.decoders[0].use_graphs
     tokens = backend.decoders[0].generate(backend.encode(inputs))
     assert any(len(t) < 48 for t in tokens) and any(len(t) == 48 for t in tokens)  # some end before the limit

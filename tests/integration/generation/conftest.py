@@ -28,13 +28,8 @@ def generate_reference() -> Reference:
         with torch.inference_mode():
             for text in prompts:
                 ids = torch.tensor(prompt_ids(tokenizer, [text]))
-                new = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new,
-                    do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id,
-                )[0, ids.shape[1] :]
+                new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                     do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
                 out[text] = tokenizer.decode(new, skip_special_tokens=True).strip()
         return out
 

@@ -17,25 +17,10 @@ from tests.integration.jobs.test_api import wait_for
 def test_a_tenant_looping_refused_prompts_is_slowed_and_another_is_not(tmp_path, server_factory):
     keys = {t: new_key() for t in ("acme", "globex")}
     config = tmp_path / "keys.toml"
-    config.write_text(
-        "".join(
-            f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n' for t, k in keys.items()
-        )
-    )
-    s = server_factory(
-        "--devices",
-        "1",
-        "--generation",
-        "on",
-        "--generation-max-seqs",
-        "2",
-        "--generation-max-context",
-        "256",
-        "--config",
-        str(config),
-        "--refused-per-s",
-        "4",
-    )
+    config.write_text("".join(f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n'
+                              for t, k in keys.items()))
+    s = server_factory("--devices", "1", "--generation", "on", "--generation-max-seqs", "2",
+                       "--generation-max-context", "256", "--config", str(config), "--refused-per-s", "4")
     huge = {"messages": [{"role": "user", "content": "hello world " * 80_000}], "max_tokens": 2}  # ~0.96 MB: 400
     statuses: list[int] = []
     stop = threading.Event()
@@ -55,7 +40,8 @@ def test_a_tenant_looping_refused_prompts_is_slowed_and_another_is_not(tmp_path,
             began = time.perf_counter()
             other = c.post("/v1/chat/completions", json=huge)
             other_s = time.perf_counter() - began
-            ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 2})
         counted_at, counted = time.monotonic(), len(statuses)
         time.sleep(2.0)  # ~8 answers at 4 a second (~9 with one at each edge: 4.5/s), hundreds unslowed
         rate = (len(statuses) - counted) / (time.monotonic() - counted_at)

@@ -43,9 +43,8 @@ def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: A
     while len(got[0]) < 10 or len(got[2]) < 10:
         if done_tokens < len(long):
             n = min(7, len(long) - done_tokens)
-            first, ended = dec.prefill(
-                [2], [long[done_tokens : done_tokens + n]], [greedy], [done_tokens], [done_tokens + n == len(long)]
-            )
+            first, ended = dec.prefill([2], [long[done_tokens:done_tokens + n]], [greedy], [done_tokens],
+                                       [done_tokens + n == len(long)])
             done_tokens += n
             if done_tokens == len(long):
                 got[2] += first
@@ -91,7 +90,7 @@ def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model
         assert got[str(i)] == alone(model, p, None, n), i
     assert stepper.pieces > len(batch)  # the 19- and 22-token prompts went in pieces of 8
     between, worst = 0, 0
-    for kind, tokens in events[events.index(("step", 0)) :]:
+    for kind, tokens in events[events.index(("step", 0)):]:
         between = 0 if kind == "step" else between + tokens
         worst = max(worst, between)
     assert 0 < worst <= 10

@@ -45,13 +45,8 @@ def drive(dec: SlotDecoder, work: list[tuple[int, list[int], SamplingParams]]) -
             else:
                 live[slot] = [i, len(work[i][1])]
         if live:
-            tokens, done = dec.collect(
-                dec.launch(
-                    max(live) + 1,
-                    max(p for _, p in live.values()) + 1,
-                    any(not work[i][2].greedy for i, _ in live.values()),
-                )
-            )
+            tokens, done = dec.collect(dec.launch(max(live) + 1, max(p for _, p in live.values()) + 1,
+                                                  any(not work[i][2].greedy for i, _ in live.values())))
             for slot in list(live):
                 got[live[slot][0]].append(tokens[slot])
                 live[slot][1] += 1
@@ -69,9 +64,8 @@ def test_greedy_tokens_are_generates_whatever_joins_and_leaves(model: Any) -> No
     batch = prompts(model, (5, 9, 3, 12, 1, 7))
     eos = an_eos(model, batch)
     limits = [12, 5, 12, 9, 12, 3]
-    work = [
-        (join, p, SamplingParams(max_tokens=n, temperature=0)) for join, p, n in zip((0, 0, 2, 3, 3, 7), batch, limits)
-    ]
+    work = [(join, p, SamplingParams(max_tokens=n, temperature=0))
+            for join, p, n in zip((0, 0, 2, 3, 3, 7), batch, limits)]
     dec = SlotDecoder(model, slots=3, slot_tokens=32, eos_ids=[eos], pad_id=PAD)
     dec.warm()
     got = drive(dec, work)
@@ -149,11 +143,8 @@ def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> N
 
 def test_greedy_rows_beside_sampled_rows_keep_generates_tokens(model: Any) -> None:
     batch = prompts(model, (5, 7, 2))
-    work = [
-        (0, batch[0], GREEDY),
-        (0, batch[1], SamplingParams(max_tokens=12, temperature=1.0)),
-        (1, batch[2], SamplingParams(max_tokens=12, temperature=0.7, top_p=1e-6)),
-    ]
+    work = [(0, batch[0], GREEDY), (0, batch[1], SamplingParams(max_tokens=12, temperature=1.0)),
+            (1, batch[2], SamplingParams(max_tokens=12, temperature=0.7, top_p=1e-6))]
     got = drive(SlotDecoder(model, slots=3, slot_tokens=32, eos_ids=[], pad_id=PAD), work)
     assert got[0] == alone(model, batch[0], None, 12)
     assert got[2] == alone(model, batch[2], None, 12)  # top_p that small keeps only the top token: greedy
@@ -239,16 +230,12 @@ def test_the_capture_records_every_bucket_of_step_and_prefill(model: Any, monkey
         recorded.append("capture")
         yield
 
-    for name, fake in (
-        ("graph_pool_handle", lambda: "pool"),
-        ("Stream", lambda *a: Stream()),
-        ("current_stream", lambda *a: Stream()),
-        ("stream", lambda s: contextlib.nullcontext()),
-        ("graph", graph),
-        ("CUDAGraph", Graph),
-    ):
+    for name, fake in (("graph_pool_handle", lambda: "pool"), ("Stream", lambda *a: Stream()),
+                       ("current_stream", lambda *a: Stream()), ("stream", lambda s: contextlib.nullcontext()),
+                       ("graph", graph), ("CUDAGraph", Graph)):
         monkeypatch.setattr(torch.cuda, name, fake)
-    dec = SlotDecoder(model, slots=20, slot_tokens=300, eos_ids=[], pad_id=PAD, fixed_shapes=True, prefill_tokens=2048)
+    dec = SlotDecoder(model, slots=20, slot_tokens=300, eos_ids=[], pad_id=PAD, fixed_shapes=True,
+                      prefill_tokens=2048)
     dec._capture()
     assert set(dec.graphs) == {(r, s, g) for r, s in dec.shapes() for g in (False, True)}
     assert set(dec.prefill_graphs) == {(r, w, g) for r, w in dec.prefill_shapes() for g in (False, True)}
@@ -274,13 +261,8 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
             waiting_for.discard("s0")
 
     adds = [(f"s{i}", p, SamplingParams(max_tokens=10, temperature=0)) for i, p in enumerate(batch)]
-    seen = run_updates(
-        stepper,
-        adds,
-        {f"s{i}" for i in range(len(batch))} - {"s5"},
-        react=cancel_s0,
-        after_adds=lambda: stepper.cancel("s5"),
-    )  # 2 slots: s5 is still waiting to join
+    seen = run_updates(stepper, adds, {f"s{i}" for i in range(len(batch))} - {"s5"}, react=cancel_s0,
+                       after_adds=lambda: stepper.cancel("s5"))  # 2 slots: s5 is still waiting to join
     assert not stepper.is_running() and stepper.failure is None and stepper.kv_usage() == 0
     assert "s5" not in seen
     assert 3 <= len(seen["s0"]) < 10 and not any(u.finished for u in seen["s0"])
@@ -290,18 +272,12 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
         assert [t for u in updates for t in u.tokens] == alone(model, batch[i], None, 10)
 
 
-def run_updates(
-    stepper: Any,
-    adds: list[tuple[str, list[int], SamplingParams]],
-    waiting_for: set[str],
-    react: Callable[[TokenUpdate, dict[str, list[TokenUpdate]], set[str]], None] | None = None,
-    after_adds: Callable[[], None] | None = None,
-    pause_s: float = 0.0,
-) -> dict[str, list[TokenUpdate]]:
+def run_updates(stepper: Any, adds: list[tuple[str, list[int], SamplingParams]], waiting_for: set[str],
+                react: Callable[[TokenUpdate, dict[str, list[TokenUpdate]], set[str]], None] | None = None,
+                after_adds: Callable[[], None] | None = None, pause_s: float = 0.0) -> dict[str, list[TokenUpdate]]:
     """Run a stepper (either kind) on an event loop: add each (id, prompt, params), `pause_s` apart, then call
     `after_adds`; hand every update to `react` (which may cancel, and take the id out of `waiting_for`); stop
     once every id in `waiting_for` has finished. Each id's updates."""
-
     async def main() -> dict[str, list[TokenUpdate]]:
         seen: dict[str, list[TokenUpdate]] = {}
         done = asyncio.Event()
@@ -367,11 +343,10 @@ def test_the_gpu_configuration_end_to_end_on_the_cpu(model: Any) -> None:
     limits = [4 if i % 3 else 14 for i in range(20)]
     # seeded draws at top_p 0.9: among the likely tokens, where the rounding differences between batch shapes
     # cannot move a draw to a neighbouring token (in a flat tail they can: see sampling.choose_tokens)
-    params = [
-        SamplingParams(max_tokens=n, temperature=1.1 if i % 4 == 0 else 0, top_p=0.9, seed=i)
-        for i, n in enumerate(limits)
-    ]
-    dec = SlotDecoder(model, slots=12, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=True, prefill_tokens=128)
+    params = [SamplingParams(max_tokens=n, temperature=1.1 if i % 4 == 0 else 0, top_p=0.9, seed=i)
+              for i, n in enumerate(limits)]
+    dec = SlotDecoder(model, slots=12, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=True,
+                      prefill_tokens=128)
     stepper = SlotStepper(dec, step_s=0.01, join_batch=3)
     got = run_stepper(stepper, list(zip(batch, params)))
     for i, (p, q) in enumerate(zip(batch, params)):
@@ -386,10 +361,8 @@ def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     stepper = SlotStepper(dec, step_s=0.01)
     good = prompts(model, (4,))[0]
-    adds = [
-        ("bad", [model.config.vocab_size + 5], SamplingParams(max_tokens=4, temperature=0)),
-        ("good", good, SamplingParams(max_tokens=4, temperature=0)),
-    ]
+    adds = [("bad", [model.config.vocab_size + 5], SamplingParams(max_tokens=4, temperature=0)),
+            ("good", good, SamplingParams(max_tokens=4, temperature=0))]
     seen = run_updates(stepper, adds, {"bad", "good"}, pause_s=0.2)
     assert seen["bad"][-1].error and seen["bad"][-1].tokens == []
     assert [t for u in seen["good"] for t in u.tokens] == alone(model, good, None, 4)
@@ -406,32 +379,18 @@ def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
     source = source_dir(Settings(backend="smollm2"))
     tok = load_tokenizer(source)
     mdl = load_model("cpu", source)
-    questions = [
-        "What is the capital of France?",
-        "Hi",
-        "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
-        "2+2=",
-    ]
-    chats = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )
-        for q in questions
-    ]
+    questions = ["What is the capital of France?", "Hi",
+                 "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
+                 "2+2="]
+    chats = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"]) for q in questions]
     new = 24
     want = []
     with torch.inference_mode():
         for ids in chats:
-            out = mdl.generate(
-                input_ids=torch.tensor([ids]),
-                max_new_tokens=new,
-                do_sample=False,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.eos_token_id,
-            )
-            row = out[0, len(ids) :].tolist()
+            out = mdl.generate(input_ids=torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+            row = out[0, len(ids):].tolist()
             want.append(row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
     assert any(len(w) < new for w in want) and any(len(w) == new for w in want)
     dec = SlotDecoder(mdl, slots=3, slot_tokens=256, eos_ids=[tok.eos_token_id], pad_id=tok.eos_token_id)
@@ -447,10 +406,8 @@ def test_a_sequence_dropped_and_resumed_from_its_tokens_goes_on_as_it_would_have
     a seeded draw keyed by the same token index, and it ends at the same max_tokens. Without `resumed` the
     seeded draws restart from index 0 and the length end comes max_tokens after the pause."""
     prompt, other = prompts(model, (6, 9), seed=11)
-    for params in (
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
-    ):
+    for params in (SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)):
         dec = SlotDecoder(model, slots=2, slot_tokens=40, eos_ids=[1], pad_id=PAD)
         dec.warm()
         whole = drive(dec, [(0, prompt, params)])[0]

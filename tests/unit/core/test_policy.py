@@ -23,29 +23,15 @@ ENT, PAID, FREE, BATCH = (tiers.BY_NAME[n].rank for n in ("enterprise", "paid", 
 S = 0.1  # the learned batch time of model "m"
 
 
-def make_item(
-    loop,
-    text: str = "x",
-    arrived: float = 1000.0,
-    tier: int = PAID,
-    tenant: str = "t",
-    model: str = "m",
-    deadline: float = 1e9,
-) -> Item:
+def make_item(loop, text: str = "x", arrived: float = 1000.0, tier: int = PAID, tenant: str = "t",
+              model: str = "m", deadline: float = 1e9) -> Item:
     return Item(text, model, 0, loop.create_future(), arrived, deadline, None, tier, tenant)
 
 
-def make_batcher(
-    clock: Clock, workers: int = 1, max_batch: int = 100, slo_s: float = 0.2, models: tuple[str, ...] = ("m",)
-) -> Batcher:
-    return Batcher(
-        max_batch_size=max_batch,
-        slo_s=slo_s,
-        margin_s=0.005,
-        batch_s=BatchTimes(max_batch, {m: S for m in models}),
-        healthy_workers=workers,
-        clock=clock,
-    )
+def make_batcher(clock: Clock, workers: int = 1, max_batch: int = 100, slo_s: float = 0.2,
+                 models: tuple[str, ...] = ("m",)) -> Batcher:
+    return Batcher(max_batch_size=max_batch, slo_s=slo_s, margin_s=0.005,
+                   batch_s=BatchTimes(max_batch, {m: S for m in models}), healthy_workers=workers, clock=clock)
 
 
 # -- fair queue -----------------------------------------------------------------------------------------------
@@ -314,7 +300,8 @@ def test_ahead_of_counts_higher_tiers_and_a_fair_share_of_its_own(loop):
 
 # -- the pool: retries and bisection ------------------------------------------------------------------------
 def make_pool(loop, b: Batcher, healthy: int = 2, demand: float = 0.0) -> GpuPool:
-    pool = GpuPool({}, b, make_metrics(), loop, [f"d{i}" for i in range(healthy)], gpu_timeout_s=1.0, clock=b.clock)
+    pool = GpuPool({}, b, make_metrics(), loop, [f"d{i}" for i in range(healthy)], gpu_timeout_s=1.0,
+                   clock=b.clock)
     pool.workers = [Worker(i, f"d{i}") for i in range(healthy)]
     pool.demand = lambda: demand
     pool._update_health()

@@ -12,7 +12,7 @@ def test_the_job_parser_finds_a_lone_surrogate_in_any_slicing():
         parser = JobBodyParser(10, 100)
         try:
             for at in range(0, len(body), step):
-                parser.feed(body[at : at + step])
+                parser.feed(body[at:at + step])
             return parser.finish().inputs
         except ApiError as err:
             return err.code
