@@ -17,6 +17,11 @@ PID.
 
     python -m bench.cpu_compare                       # 3 rounds of 3 x (3 s warm-up + 10 s): about 2.5 minutes
     python -m bench.cpu_compare --repeats 5 --record  # into bench/results/cpu-compare-<time>.{md,json}
+    python -m bench.cpu_compare --base /work/wt/base  # a fourth server: batchserve of another checkout
+
+`--base DIR` (before/after in one run): batchserve from DIR's package takes its turn beside the three (same flags,
+same arrivals), and the table adds its CPU ratio and p95 gap, and this checkout's CPU per request over the base's,
+round by round.
 
 `--record` refuses to run on a busy machine (1-minute load average >= `--max-load`, default 1.5), as the numbers
 would say more about the neighbours than about the servers. Exit status 0 when both goals are met.
@@ -41,6 +46,7 @@ RATE = 900.0
 CPU_RATIO_GOAL = 1.5
 P95_SLACK_MS = 5.0
 SERVERS = ("bare Starlette", "minimal batcher", "batchserve")
+BASE = "batchserve (base)"  # with --base DIR
 
 
 def command(name: str, a: argparse.Namespace) -> list[str]:
@@ -48,14 +54,21 @@ def command(name: str, a: argparse.Namespace) -> list[str]:
         return servers.bare_cmd()
     if name == "minimal batcher":
         return servers.minimal_cmd()
-    return servers.batchserve_cmd(1, a.sim_batch_ms, a.max_batch_size, a.server_arg)
+    cmd = servers.batchserve_cmd(1, a.sim_batch_ms, a.max_batch_size, a.server_arg)
+    if name == BASE:  # the same command, the package imported from the base tree (put first on the path)
+        boot = (f"import runpy, sys; sys.path.insert(0, {str(Path(a.base).resolve())!r}); "
+                "runpy.run_module('batchserve', run_name='__main__', alter_sys=True)")
+        return [cmd[0], "-c", boot, *cmd[3:]]
+    return cmd
 
 
 def one_window(name: str, a: argparse.Namespace, log_dir: Path, round_no: int) -> LoadResult:
-    server = servers.start(f"{name.replace(' ', '-')}-r{round_no}", command(name, a), log_dir)
+    tag = name.replace(" ", "-").replace("(", "").replace(")", "")
+    server = servers.start(f"{tag}-r{round_no}", command(name, a), log_dir)
     try:
         return measure(server.base, a.rate, a.duration, a.warmup, row_seed(a.seed, 1, a.rate),
-                       server_pid=server.pid, timeout_s=a.timeout, metrics=name == "batchserve", client=a.client)
+                       server_pid=server.pid, timeout_s=a.timeout, metrics=name.startswith("batchserve"),
+                       client=a.client)
     finally:
         servers.stop(server)
 
@@ -85,6 +98,15 @@ def summarise(runs: dict[str, list[LoadResult]]) -> dict:
            "ratio": median(ratio), "minimal_ratio": median(minimal_ratio), "p95_gap_ms": median(gap)}
     out["cpu_passed"] = out["ratio"] <= CPU_RATIO_GOAL and errors["batchserve"] == 0
     out["p95_passed"] = out["p95_gap_ms"] <= P95_SLACK_MS and errors["batchserve"] == 0
+    if BASE in runs:  # --base: the base's figures, and this checkout's CPU over the base's, round by round
+        out["base_ratio_runs"] = [cpu[BASE][i] / cpu["bare Starlette"][i] for i in range(rounds)
+                                  if cpu[BASE][i] and cpu["bare Starlette"][i]]
+        out["base_p95_gap_runs"] = [p95[BASE][i] - p95["minimal batcher"][i] for i in range(rounds)]
+        out["head_over_base_runs"] = [cpu["batchserve"][i] / cpu[BASE][i] for i in range(rounds)
+                                      if cpu["batchserve"][i] and cpu[BASE][i]]
+        out["base_ratio"] = median(out["base_ratio_runs"])
+        out["base_p95_gap_ms"] = median(out["base_p95_gap_runs"])
+        out["head_over_base"] = median(out["head_over_base_runs"])
     return out
 
 
@@ -92,8 +114,9 @@ def markdown(rep: dict) -> str:
     s, a = rep["summary"], rep["settings"]
     f = report.fmt
     rows = []
-    for n in SERVERS:
-        ratio = s["ratio"] if n == "batchserve" else s["minimal_ratio"] if n == "minimal batcher" else 1.0
+    for n in s["cpu_ms"]:
+        ratio = {"batchserve": s["ratio"], "minimal batcher": s["minimal_ratio"], "bare Starlette": 1.0}.get(
+            n, s.get("base_ratio", math.nan))
         rows.append(f"| {n} | {f(s['cpu_ms_median'][n], '.3f')} | {f(ratio, '.2f')} | {f(s['p95_ms_median'][n])} "
                     f"| {f(s['achieved_rps_median'][n], '.0f')} | {s['errors'][n]} "
                     f"| {', '.join(f(v, '.3f') for v in s['cpu_ms'][n])} |")
@@ -116,6 +139,10 @@ def markdown(rep: dict) -> str:
         f"- p95, batchserve − minimal batcher: {f(s['p95_gap_ms'], '+.1f')} ms (rounds: "
         f"{', '.join(f(v, '+.1f') for v in s['p95_gap_runs'])}; goal ≤ {P95_SLACK_MS:g} ms): "
         f"**{'PASS' if s['p95_passed'] else 'FAIL'}**",
+        *([f"- base (`{a['base']}`): CPU ratio {f(s['base_ratio'], '.2f')}, p95 gap {f(s['base_p95_gap_ms'], '+.1f')} ms "
+           f"(rounds: {', '.join(f(v, '+.1f') for v in s['base_p95_gap_runs'])}); this checkout's CPU per request ÷ "
+           f"the base's: **{f(s['head_over_base'], '.2f')}** (rounds: "
+           f"{', '.join(f(v, '.2f') for v in s['head_over_base_runs'])})"] if "head_over_base" in s else []),
     ])
 
 
@@ -126,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds of the three servers (default %(default)s)")
     p.add_argument("--client", default="aiohttp", help="the load sender (bench/loadgen.py CLIENTS; default "
                    "aiohttp, as run_standard)")
+    p.add_argument("--base", default="", help="another checkout: its batchserve takes a turn too (module docstring)")
     p.add_argument("--max-load", type=float, default=1.5, help="--record refuses to start at a 1-minute load "
                    "average at or above this (default %(default)g)")
     common.add_sim_flags(p, deadlines=True)
@@ -146,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = common.log_dir(a, name)
     rep: dict = {"provenance": report.provenance(), "loadavg_start": load,
                  "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}}
-    runs: dict[str, list[LoadResult]] = {n: [] for n in SERVERS}
+    names = (*SERVERS, BASE) if a.base else SERVERS
+    runs: dict[str, list[LoadResult]] = {n: [] for n in names}
     with common.guarded(rep) as stopping:
         for r in range(a.repeats):
-            order = SERVERS[r % 3:] + SERVERS[:r % 3]
+            order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 if stopping:
                     raise KeyboardInterrupt

@@ -15,6 +15,13 @@ batchserve run. The ratio here is the route's overhead alone; the end-to-end rat
     python -m bench.hotpath --record        # the table and a text profile into bench/results/hotpath-<time>.*
     python -m bench.hotpath --floor         # also the bare endpoint and the minimal batcher as plain ASGI apps
                                             # (bench/raw_apps.py): the floor without Starlette's machinery
+    python -m bench.hotpath --base /work/wt/base   # A/B: batchserve of this checkout and of another one
+
+`--base DIR`: before/after in one run. Each checkout's batchserve runs in a process of its own (both import the
+package by the same name), beside the minimal batcher and the bare endpoint in that process; the two processes
+take turns app by app (the order alternating each round) while the other waits idle, and each batchserve is
+quoted against its own process's minimal batcher, round by round, and against the other batchserve. The bench
+harness is this checkout's in both: only the package under test differs.
 """
 
 from __future__ import annotations
@@ -201,6 +208,112 @@ async def main_async(a: argparse.Namespace) -> None:
     print(report.written(report.write(common.run_name(a, "hotpath"), rep, md, common.out_dir(a))))
 
 
+async def serve_runs(a: argparse.Namespace) -> None:
+    """`--child`: prepare the apps, warm them, then run the one named on each stdin line and answer a JSON line
+    (CPU µs per request, non-200 answers); the parent of `--base` drives two of these."""
+    import sys
+
+    from bench import bare_app, minimal_batcher
+    import batchserve
+
+    async def bare() -> Any:
+        return bare_app.create_app()
+
+    async def minimal() -> Any:
+        return minimal_batcher.create_app()
+
+    async with contextlib.AsyncExitStack() as stack:
+        apps = {"bare Starlette": await prepare(bare, stack), "minimal batcher": await prepare(minimal, stack),
+                "batchserve": await prepare(batchserve_app, stack)}
+        if not a.default_gc:
+            from batchserve.gc_tuning import tune_gc
+
+            tune_gc()
+        for app in apps.values():
+            await drive(app, min(a.requests, 2000), a.concurrency)
+        print(orjson.dumps({"ready": True, "package": batchserve.__file__}).decode(), flush=True)
+        loop = asyncio.get_running_loop()
+        while line := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+            cpu, _, bad = await drive(apps[line], a.requests, a.concurrency)
+            print(orjson.dumps({"cpu_us": cpu / a.requests * 1e6, "bad": bad}).decode(), flush=True)
+
+
+def ab_main(a: argparse.Namespace) -> None:
+    """`--base DIR`: this checkout's batchserve against DIR's, in two child processes taking turns (module
+    docstring)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench import common, report
+
+    here = Path(__file__).resolve().parent.parent
+    trees = {"this checkout": here, "base": Path(a.base).resolve()}
+    load_start = round(os.getloadavg()[0], 2)
+    children: dict[str, subprocess.Popen] = {}
+    packages: dict[str, str] = {}
+    try:
+        for label, tree in trees.items():
+            # The harness (bench/) from this checkout, the package from `tree`: `--child` puts `tree` first on
+            # the path before anything imports batchserve.
+            cmd = [sys.executable, "-m", "bench.hotpath", "--child", str(tree), "--requests", str(a.requests),
+                   "--concurrency", str(a.concurrency)] + (["--default-gc"] if a.default_gc else [])
+            env = {**os.environ, "PYTHONPATH": str(here)}
+            children[label] = subprocess.Popen(cmd, cwd=here, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               text=True)
+            ready = orjson.loads(children[label].stdout.readline())  # type: ignore[union-attr]
+            packages[label] = ready["package"]
+        names = ("bare Starlette", "minimal batcher", "batchserve")
+        runs: dict[str, dict[str, list[float]]] = {t: {n: [] for n in names} for t in trees}
+        bad = {t: 0 for t in trees}
+        for r in range(a.repeats):
+            order = list(trees) if r % 2 == 0 else list(reversed(trees))
+            for name in names:
+                for label in order:
+                    child = children[label]
+                    child.stdin.write(name + "\n")  # type: ignore[union-attr]
+                    child.stdin.flush()  # type: ignore[union-attr]
+                    got = orjson.loads(child.stdout.readline())  # type: ignore[union-attr]
+                    runs[label][name].append(got["cpu_us"])
+                    bad[label] += got["bad"]
+    finally:
+        for child in children.values():
+            if child.stdin is not None:
+                child.stdin.close()
+        for child in children.values():
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    med = statistics.median
+    head, base = runs["this checkout"], runs["base"]
+    per_round = {t: [b / m for b, m in zip(runs[t]["batchserve"], runs[t]["minimal batcher"])] for t in trees}
+    head_over_base = [h / b for h, b in zip(head["batchserve"], base["batchserve"])]
+    commits = {t: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=trees[t], capture_output=True, text=True,
+                                 check=False).stdout.strip() for t in trees}
+    lines = [f"| checkout | package | batchserve CPU µs/req | minimal batcher | bare Starlette | batchserve ÷ minimal "
+             f"(median of the rounds' ratios) | rounds (÷ minimal) |", "|---|---|---|---|---|---|---|"]
+    for t in trees:
+        lines.append(f"| {t} ({commits[t]}) | `{packages[t]}` | {med(runs[t]['batchserve']):.1f} | {med(runs[t]['minimal batcher']):.1f} "
+                     f"| {med(runs[t]['bare Starlette']):.1f} | {med(per_round[t]):.2f} "
+                     f"| {[round(v, 2) for v in per_round[t]]}" + (f" (non-200: {bad[t]})" if bad[t] else "") + " |")
+    md = "\n".join(["# CPU per request of the inference route, in-process, this checkout vs a base (bench/hotpath.py "
+                    "--base)", "", f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of "
+                    f"{BATCH_MS:g} ms; {a.repeats} rounds, the two checkouts' processes taking turns app by app; "
+                    f"{'default' if a.default_gc else 'the server'}'s GC settings; load average {load_start} at the "
+                    "start.", "", *lines, "",
+                    f"- batchserve, this checkout ÷ base: **{med(head_over_base):.2f}** (rounds: "
+                    f"{[round(v, 2) for v in head_over_base]})",
+                    f"- batchserve ÷ minimal batcher: this checkout **{med(per_round['this checkout']):.2f}**, base "
+                    f"**{med(per_round['base']):.2f}** (goal of issue 35: ≤ 1.25)"])
+    print(md)
+    rep = {"provenance": report.provenance(), "settings": vars(a), "runs_us": runs, "non_200": bad,
+           "packages": packages, "commits": commits, "ratio_to_minimal": per_round, "head_over_base": head_over_base,
+           "loadavg_start": load_start}
+    print(report.written(report.write(common.run_name(a, "hotpath"), rep, md, common.out_dir(a))))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=3000, help="requests per run")
@@ -213,13 +326,26 @@ def main() -> None:
                    "the server's (`batchserve.gc_tuning.tune_gc`)")
     p.add_argument("--profile", default="", help="profile the batchserve runs with pyinstrument: write it here "
                    "(.html, else text; '-' only into the report)")
+    p.add_argument("--base", default="", help="another checkout (a git worktree of main, say): run its batchserve "
+                   "and this one's in turn, in a process each, and quote both (module docstring)")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)  # a `--base` run's process: the package's tree
     from bench import common
 
     common.add_output_flags(p, tag=True)
     a = p.parse_args()
+    if a.base:
+        ab_main(a)
+        return
     import uvloop
 
     uvloop.install()
+    if a.child:
+        import sys
+
+        assert "batchserve" not in sys.modules, "batchserve was imported before its tree was chosen"
+        sys.path.insert(0, a.child)
+        asyncio.run(serve_runs(a))
+        return
     asyncio.run(main_async(a))
 
 

@@ -101,8 +101,8 @@ def predict(
     joining each class: each class forms batches of its own and takes a turn whenever it has items, those that
     arrive while the request waits included."""
     times = batcher.batch_s
-    limit, budget = batcher.limit(model), batcher.budget(model)
-    unit = batcher.unit.get(model, 1.0)
+    limit, budget = batcher.costs.limit(model), batcher.costs.budget(model)
+    unit = batcher.costs.unit.get(model, 1.0)
     # Its own batches: inputs of like length (the backend groups them, `bucket_of`), padded to its longest.
     own_unit = max(costs, default=1.0)
     share = max(1, healthy)
@@ -121,14 +121,14 @@ def predict(
     # One queue (the sim, a plugin without bucket_of, or a costed model whose other classes are quiet): FIFO
     # batches, the formula above; a class's batches at the padded cost of a row, as in the replay.
     if bucket is not None:
-        row = batcher.row_cost.get((model, bucket), 0.0)
+        row = batcher.costs.row_cost.get((model, bucket), 0.0)
         own_q = batcher.queues.get((model, bucket))
         unit = max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
         own_unit = max(own_unit, row)
         full_n = _rows(limit, budget, unit)
-        full_s = times.at(model, batcher.estimate_cost(model, full_n, unit))
+        full_s = times.at(model, batcher.costs.estimate_cost(model, full_n, unit))
     else:
-        full_n, full_s = batcher.full_n(model), times[model]
+        full_n, full_s = batcher.costs.full_n(model), times[model]
     per_batch = _rows(limit, budget, own_unit)
     # A batch's cost is rows x cost within the budget (`Batcher.estimate_cost`), written out: this runs per request.
     cap = math.inf if budget == math.inf else max(1.0, budget)
@@ -180,7 +180,7 @@ def _by_turns(
     each, `ahead` of the model's depth), replayed turn by turn."""
     depth = batcher.depth.get(model, 0)
     part = min(1.0, ahead / depth) if depth else 0.0  # of the queued items, the share ahead by tier
-    served, unit, padded = batcher.bucket_served_at, batcher.unit.get(model, 1.0), batcher.row_cost
+    served, unit, padded = batcher.bucket_served_at, batcher.costs.unit.get(model, 1.0), batcher.costs.row_cost
     others: list[ClassQueue] = []
     own_q = None
     for (m, b), q in batcher.queues.items():
@@ -208,7 +208,10 @@ def _by_turns(
         rates.get(bucket, 0.0),
         served.get((model, bucket), 0.0),
     )
-    times, cap = batcher.batch_s, max(1.0, batcher.budget(model))  # a batch's cost: rows x cost, within the budget
+    times, cap = (
+        batcher.batch_s,
+        max(1.0, batcher.costs.budget(model)),
+    )  # a batch's cost: rows x cost, within the budget
     d = drain(
         batcher.clock(), until_free_s, share, own, others, lambda rows, cost: times.at(model, min(rows * cost, cap))
     )
@@ -265,7 +268,7 @@ class Admission:
             rate,
             fast_rate,
             self.capacity.healthy_count(),
-            self.batcher.full_n(model),
+            self.batcher.costs.full_n(model),
             self.batcher.batch_s[model],
         )
 
@@ -274,7 +277,7 @@ class Admission:
         and its S."""
         assert self.capacity is not None
         capacity = healthy * full_n / full_s
-        served = self.batcher.served_rate(model)  # a costed model's batches as they really are
+        served = self.batcher.costs.served_rate(model)  # a costed model's batches as they really are
         if served is not None:
             capacity = min(capacity, healthy * served)
         return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
@@ -315,15 +318,18 @@ class Admission:
                 return True
         return False
 
-    def _surely_in_time(self, model: str, until_free: float, ahead: int, deadline_s: float) -> bool:
+    def _surely_in_time(
+        self, model: str, until_free: float, ahead: int, deadline_s: float, most_s: float | None = None
+    ) -> bool:
         """Whether a one-input request of a model of one queue is answered before `deadline_s` by any
         prediction `predict` could make: its batches ahead (at least `limit` inputs each without a budget, at
         least 1 with one), a partial one and its own, each at most the model's longest batch (`BatchTimes.most`).
         A request with a deadline this far needs no prediction (the sim's or a count model's usual case);
         a costed model's line has no top, so it is always predicted."""
         batcher = self.batcher
-        rows = batcher.limit(model) if batcher.budget(model) == math.inf else 1
-        worst = until_free + (ahead // rows + 2) * batcher.batch_s.most(model)
+        rows = batcher.costs.limit(model) if batcher.costs.budget(model) == math.inf else 1
+        most = batcher.batch_s.most(model) if most_s is None else most_s
+        worst = until_free + (ahead // rows + 2) * most
         return worst < deadline_s * (1 - 1e-9) - 1e-6  # clear of float rounding in the sums it bounds
 
     def _joined(self, model: str, bucket: int | None, now: float, n: int) -> None:
@@ -363,46 +369,58 @@ class Admission:
             self.check_open()  # raises the 503 that says which
         assert capacity is not None
         healthy = capacity.healthy_count()  # read once: nothing below changes it
-        n = max(1, len(costs))
-        widest = max(costs, default=1.0)
-        too_costly = batcher.too_costly(model, widest)
-        if too_costly is not None:
-            raise errors.payload_too_large(f"{too_costly}: shorten it")
-        batch_s = batcher.batch_s[model]
+        # Runs on every request: the common case (one input of cost 1, a count model, a deadline no batch time
+        # could reach) is decided by comparisons of figures read once, without the calls that would say the same.
+        if len(costs) == 1:
+            n, widest = 1, costs[0]
+        else:
+            n, widest = max(1, len(costs)), max(costs, default=1.0)
+        if widest != 1.0 or batcher.costs.max_batch_cost > 0:  # else nothing can be too costly (`too_costly`)
+            too_costly = batcher.costs.too_costly(model, widest)
+            if too_costly is not None:
+                raise errors.payload_too_large(f"{too_costly}: shorten it")
+        times = batcher.batch_s
+        batch_s = times[model]
         now = self.clock()
         until_free = capacity.seconds_until_free(now)
         queued = batcher.depth.get(model, 0)
         idle = queued == 0 and until_free <= 0
-        # the quickest any answer can come: a batch of its own longest input alone
-        fastest_s = batcher.batch_s.lower_bound(model, batcher.estimate_cost(model, 1, widest))
-        if deadline_s < fastest_s:  # not even an idle worker could answer in time: retrying would not help...
-            if not (idle and now - self.probed.get(model, -math.inf) >= PROBE_EVERY_S):
-                raise errors.deadline_unmeetable(fastest_s * 1000)
-            # ...unless the figure is wrong: a probe now and then runs anyway, and what it takes is learned
-            self.probed[model] = now
-            self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
-            self._joined(model, bucket, now, n)
-            return Ticket(True, now)
+        most_s = times.most(model)  # no batch of the model is expected longer (inf: a costed model's line rises)
+        if not deadline_s >= most_s:  # else even its slowest batch alone ends in time: the check below cannot refuse
+            # the quickest any answer can come: a batch of its own longest input alone
+            fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
+            if deadline_s < fastest_s:  # not even an idle worker could answer in time: retrying would not help...
+                if not (idle and now - self.probed.get(model, -math.inf) >= PROBE_EVERY_S):
+                    raise errors.deadline_unmeetable(fastest_s * 1000)
+                # ...unless the figure is wrong: a probe now and then runs anyway, and what it takes is learned
+                self.probed[model] = now
+                self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
+                self._joined(model, bucket, now, n)
+                return Ticket(True, now)
         if queued + n > self.max_queue:
             raise errors.overloaded(
                 f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=batch_s * 1000
             )
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
-        full_n = batcher.full_n(model)
+        full_n = batcher.costs.full_n(model)
         # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
         # (refused, a batch time learned from one slow batch would refuse every request for good). Decided
         # before the prediction, which cannot change it.
         if idle and n <= full_n:
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
-        ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
         pressure = self._pressure(model, rate, fast_rate, healthy, full_n, batch_s)
         other_classes = bucket is not None and self._classes(model, bucket)
-        if not pressure and n == 1 and not other_classes and self._surely_in_time(model, until_free, ahead, deadline_s):
-            # Without pressure only the deadline can refuse, and no prediction could reach it: admitted as the
-            # prediction would admit it (nothing learned from a request admitted without pressure).
-            self._joined(model, bucket, now, n)
-            return Ticket(False, now)
+        if not pressure and n == 1 and not other_classes:
+            # Without pressure only the deadline can refuse: when no prediction could reach it, admitted as the
+            # prediction would admit it (nothing learned from a request admitted without pressure). First with
+            # the whole queue ahead (`ahead_of` is at most the depth), which needs no count of the tenants' shares.
+            if self._surely_in_time(model, until_free, queued, deadline_s, most_s) or self._surely_in_time(
+                model, until_free, batcher.ahead_of(tier, tenant, model, widest), deadline_s, most_s
+            ):
+                self._joined(model, bucket, now, n)
+                return Ticket(False, now)
+        ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
         # The classes' rates only where the prediction can read them: another class of the model is known.
         rates = self.class_rates(model, now) if other_classes else None
         p = predict(batcher, model, until_free, healthy, ahead, costs, bucket, rates)

@@ -56,6 +56,8 @@ class _Line:
     # per admitted request, between two batches; a new line (an observation) starts empty. Bounded, since a
     # costed model's costs are floats that rarely repeat.
     memo: dict[float, float] = field(default_factory=dict, compare=False)
+    # `BatchTimes.most` by the cap it was read at: the door asks it on every request, the line changes per batch.
+    tops: dict[float, float] = field(default_factory=dict, compare=False)
 
     @classmethod
     def through(cls, points: list[Point]) -> _Line:
@@ -147,14 +149,21 @@ class BatchTimes:
         not matter."""
         cap = self.caps.get(model, self.max_batch_size)
         line = self._lines.get(model)
-        if line is None:
+        if line is not None:
+            got = line.tops.get(cap)
+            if got is not None:
+                return got
+        else:
             self.at(model, 1.0)  # builds the line
             line = self._lines[model]
         if not line.sizes:
-            return self.seeds.get(model, DEFAULT_SEED_S)
+            return self.seeds.get(model, DEFAULT_SEED_S)  # not kept: a seed may be set again
         if cap == math.inf:
-            return math.inf if line.slope > 0 else max(line.seconds)
-        return max(max(line.seconds), self.at(model, cap))
+            top = math.inf if line.slope > 0 else max(line.seconds)
+        else:
+            top = max(max(line.seconds), self.at(model, cap))
+        line.tops[cap] = top
+        return top
 
     def lower_bound(self, model: str, size: float) -> float:
         """The least a batch of `size` may be expected to take, for refusing or dropping work that could not

@@ -15,11 +15,13 @@ formed now, from the queue's length;
 
 Cost, not count (issue 22): every item carries its cost (the backend's `cost_of`, e.g. tokens; 1 for a plugin
 that declares none) and a batch's cost is rows x its longest row. S is read at the cost of the batch in
-question; a batch stops filling at `--max-batch-tokens` (the cost budget) as well as at the batch size; inputs
-are grouped by length through the backend's `bucket_of`, so a short input does not pay for a long batch-mate.
-When a full batch would outlast half the longest allowed timeout, the model's budget is lowered to what fits
-(one log line), and the points learned above it are forgotten so the budget can grow back when they were wrong;
-a model whose inputs have costs also has it lowered to fit half the latency objective (`fit_budget`).
+question; a batch stops filling at the model's cost budget as well as at its batch size; inputs are grouped by
+length through the backend's `bucket_of`, so a short input does not pay for a long batch-mate. What one batch
+may hold and cost, and how the budget is lowered to fit the time bounds, is the cost model's
+(`core/batch_budget.py`, `Batcher.costs`); the batcher's methods of the same names read it.
+
+Every pass of the policy is one ladder (`_take`), for a worker that just finished (`take_now`, no trip through
+the loop) and for the worker holding the turn (`_wait_for_batch`, which sleeps until the next queue is due).
 
 Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
 Retried sub-batches (bisection after a failure, see `gpu_pool`) of interactive items go before new work; those
@@ -27,7 +29,9 @@ of batch-job items go after it, as background batches (a failing job must not ho
 These background batches (job re-runs, and the groups of a job isolated for failing: `submit_group`) take at
 most one dispatch in `BACKGROUND_EVERY + 1` while other work is due, so another tenant's clean job keeps most
 of the workers, and the failing job still moves (issue 28, item 3); while interactive items wait they take
-one in `BACKGROUND_FLOOR_EVERY + 1`, a floor that keeps them moving under steady interactive load.
+one in `BACKGROUND_FLOOR_EVERY + 1`, a floor that keeps them moving under steady interactive load. That and the
+job items' pacing (`_paced_by_jobs`) and one tenant's job items per batch (`form`) are how batches are dispatched,
+not job policy: which job inputs to feed, and how many, is the job scheduler's (`jobs/refill.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from batchserve import errors
+from batchserve.core.batch_budget import BatchBudget
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item, Shares
@@ -48,8 +53,6 @@ from batchserve.core.tenant_cost import CostAccount
 
 Clock = Callable[[], float]
 log = logging.getLogger("batchserve")
-UNIT_ALPHA = 0.02  # weight of the newest input in a model's mean input cost (a full batch's cost is read off it)
-ROW_ALPHA = 0.2  # weight of the newest batch in a length class's padded cost per row (`row_cost`)
 
 # The learned S is a mean of measured cycles, so about half the batches end a little before it: a worker that
 # asks for its next batch this close to the pace (several devices) takes it at once instead of idling.
@@ -60,7 +63,6 @@ BACKGROUND_EVERY = 4  # regular dispatches between two background batches while 
 # isolated job (or a job's re-runs) always moves under steady interactive load, at the cost of one dispatch in
 # 51 to the interactive items then waiting (2 %: below what moves their p95).
 BACKGROUND_FLOOR_EVERY = 50
-SERVED_ALPHA = 0.2  # weight of the newest batch in the served-rate average (`Batcher.served_rate`)
 
 
 @dataclass(eq=False)
@@ -81,45 +83,138 @@ class Batch:
         fn = self.items[0].batch_cost if self.items else None
         if fn is not None:
             return float(fn([item.text for item in self.items]))
-        return len(self.items) * max((item.cost for item in self.items), default=1.0)
+        return len(self.items) * max([item.cost for item in self.items]) if self.items else 0.0
 
 
-@dataclass
 class Batcher:
-    max_batch_size: int
-    slo_s: float
-    margin_s: float
-    batch_s: BatchTimes  # learned batch time per model id and batch size, seeded from the backend's guess
-    model_limits: dict[str, int] = field(default_factory=dict)  # per model id: a plugin's max_batch_size, if lower
-    max_batch_cost: float = 0.0  # --max-batch-tokens: the cost budget of one batch (0 = none)
-    max_batch_s: float = math.inf  # a full batch expected longer than this lowers the model's budget to fit
-    latency_fit_s: float = math.inf  # a costed model's full batch longer than this lowers its budget (slo x slack / 2)
-    cost_limits: dict[str, float] = field(default_factory=dict)  # per model: a budget lowered to fit (fit_budget)
-    unit: dict[str, float] = field(default_factory=dict)  # per model: mean cost of an input (1 until one costs more)
-    widest: dict[str, float] = field(default_factory=dict)  # per model: the costliest input seen
-    queues: dict[tuple[str, int], FairQueue] = field(default_factory=dict)
-    shares: dict[str, Shares] = field(default_factory=dict)  # per model: the tenants' cost counters (fairqueue)
-    account: CostAccount = field(default_factory=CostAccount)  # cost answered per (model, tier, tenant)
-    depth: dict[str, int] = field(default_factory=dict)  # queued items per model
-    tier_depth: list[int] = field(default_factory=tiers.counters)  # queued items per tier rank
-    retries: deque[Batch] = field(default_factory=deque)  # re-runs holding interactive items: before new work
-    background_retries: deque[Batch] = field(default_factory=deque)  # re-runs of job items: after all of it
-    healthy_workers: int = 1
-    draining: bool = False
-    closed: bool = False
-    last_dispatch: float = 0.0
-    served_at: dict[str, float] = field(default_factory=dict)  # per model: when a batch of it last went out
-    bucket_served_at: dict[tuple[str, int], float] = field(default_factory=dict)  # the same per queue
-    clock: Clock = time.monotonic  # injected in the policy's unit tests
-    _budget_logged: set[str] = field(default_factory=set)
-    _turn: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _waiting: bool = False
-    _since_background: int = 0  # dispatches since the last background batch
-    served: dict[str, tuple[float, float]] = field(default_factory=dict)  # per costed model: EWMA rows, seconds
-    # Per queue (model, length class): what a row of its batches costs as they ran, padded to the batch's longest
-    # input (EWMA of that input's cost). Above the queue's mean input cost: admission reads batches at this.
-    row_cost: dict[tuple[str, int], float] = field(default_factory=dict)
+    """The queues of every model and the flush policy over them (module docstring). What one batch may hold and
+    cost is the cost model's (`costs`: `core/batch_budget.py`); the batcher forms batches within it."""
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        slo_s: float,
+        margin_s: float,
+        batch_s: BatchTimes,  # learned batch time per model id and batch size, seeded from the backend's guess
+        model_limits: dict[str, int] | None = None,  # per model id: a plugin's max_batch_size, if lower
+        max_batch_cost: float = 0.0,  # --max-batch-tokens: the cost budget of one batch (0 = none)
+        max_batch_s: float = math.inf,  # a full batch expected longer than this lowers the model's budget to fit
+        latency_fit_s: float = math.inf,  # a costed model's full batch longer than this lowers its budget
+        healthy_workers: int = 1,
+        clock: Clock = time.monotonic,  # injected in the policy's unit tests
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.slo_s = slo_s
+        self.margin_s = margin_s
+        self.batch_s = batch_s
+        self.clock = clock
+        # What a batch may hold and cost, per model, and the figures it is read from.
+        self.costs = BatchBudget(
+            max_batch_size,
+            batch_s,
+            {} if model_limits is None else model_limits,
+            max_batch_cost,
+            max_batch_s,
+            latency_fit_s,
+        )
+        # The queues: per (model, length class), the tenants' cost counters per model, the counts per model and tier.
+        self.queues: dict[tuple[str, int], FairQueue] = {}
+        self.shares: dict[str, Shares] = {}  # per model: the tenants' cost counters (fairqueue)
+        self.account = CostAccount()  # cost answered per (model, tier, tenant)
+        self.depth: dict[str, int] = {}  # queued items per model
+        self.tier_depth: list[int] = tiers.counters()  # queued items per tier rank
+        # Re-runs (bisection, hangs) and the background share of job work.
+        self.retries: deque[Batch] = deque()  # re-runs holding interactive items: before new work
+        self.background_retries: deque[Batch] = deque()  # re-runs of job items: after all of it
+        self._since_background = 0  # dispatches since the last background batch
+        # Pacing: when batches went out, per model and per queue.
+        self.healthy_workers = healthy_workers
+        self.last_dispatch = 0.0
+        self.served_at: dict[str, float] = {}  # per model: when a batch of it last went out
+        self.bucket_served_at: dict[tuple[str, int], float] = {}  # the same per queue
+        # The workers' side: one waits for its batch at a time (`_turn`), woken by new work or a timer.
+        self.draining = False
+        self.closed = False
+        self._turn = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._waiting = False
+
+    # -- the cost model, as the batcher's callers have always read it (`BatchBudget` holds it) ---------------
+    @property
+    def model_limits(self) -> dict[str, int]:
+        return self.costs.model_limits
+
+    @property
+    def max_batch_cost(self) -> float:
+        return self.costs.max_batch_cost
+
+    @max_batch_cost.setter
+    def max_batch_cost(self, value: float) -> None:
+        self.costs.max_batch_cost = value
+
+    @property
+    def max_batch_s(self) -> float:
+        return self.costs.max_batch_s
+
+    @max_batch_s.setter
+    def max_batch_s(self, value: float) -> None:
+        self.costs.max_batch_s = value
+
+    @property
+    def latency_fit_s(self) -> float:
+        return self.costs.latency_fit_s
+
+    @latency_fit_s.setter
+    def latency_fit_s(self, value: float) -> None:
+        self.costs.latency_fit_s = value
+
+    @property
+    def cost_limits(self) -> dict[str, float]:
+        return self.costs.cost_limits
+
+    @property
+    def unit(self) -> dict[str, float]:
+        return self.costs.unit
+
+    @property
+    def widest(self) -> dict[str, float]:
+        return self.costs.widest
+
+    @property
+    def served(self) -> dict[str, tuple[float, float]]:
+        return self.costs.served
+
+    @property
+    def row_cost(self) -> dict[tuple[str, int], float]:
+        return self.costs.row_cost
+
+    def limit(self, model: str) -> int:
+        return self.costs.limit(model)
+
+    def budget(self, model: str) -> float:
+        return self.costs.budget(model)
+
+    def full_n(self, model: str) -> int:
+        return self.costs.full_n(model)
+
+    def note_cost(self, model: str, cost: float) -> None:
+        self.costs.note_cost(model, cost)
+
+    def estimate_cost(self, model: str, n: float, unit: float | None = None) -> float:
+        return self.costs.estimate_cost(model, n, unit)
+
+    def fit_budget(self, model: str) -> None:
+        self.costs.fit_budget(model)
+
+    def too_costly(self, model: str, cost: float) -> str | None:
+        return self.costs.too_costly(model, cost)
+
+    def served_rate(self, model: str) -> float | None:
+        return self.costs.served_rate(model)
+
+    def observe_batch(self, model: str, seconds: float, cost: float, rows: int = 0) -> None:
+        """A batch of this cost (and `rows` inputs) took `seconds` (`BatchBudget.observe`)."""
+        self.costs.observe(model, seconds, cost, rows)
 
     # -- the handlers' side ------------------------------------------------------------------------------
     def submit(self, item: Item) -> None:
@@ -129,7 +224,7 @@ class Batcher:
             q = self._new_queue(key)
         q.push(item)
         self._count(item, +1)
-        if self._waiting and (len(q) == 1 or len(q) >= self.limit(item.model)):
+        if self._waiting and (len(q) == 1 or len(q) >= self.costs.limit(item.model)):
             self._wake.set()
 
     def _new_queue(self, key: tuple[str, int]) -> FairQueue:
@@ -140,122 +235,6 @@ class Batcher:
             shares = self.shares[key[0]] = Shares()
         q = self.queues[key] = FairQueue(shares)
         return q
-
-    def limit(self, model: str) -> int:
-        """The most inputs in one batch of this model."""
-        return self.model_limits.get(model, self.max_batch_size)
-
-    def budget(self, model: str) -> float:
-        """The most one batch of this model may cost (inf: no budget). Called ~10 times per admitted request:
-        a comparison rather than min() and two infinities."""
-        own = self.max_batch_cost
-        lowered = self.cost_limits.get(model)
-        if lowered is None:
-            return own if own > 0 else math.inf
-        return lowered if own <= 0 or lowered < own else own
-
-    def full_n(self, model: str) -> int:
-        """Inputs in a full batch of this model: the batch size, or fewer when its budget holds fewer of its
-        mean input. Capacity (inputs per second) is this over a full batch's S."""
-        budget, limit = self.budget(model), self.limit(model)
-        if budget == math.inf:
-            return limit
-        return max(1, min(limit, int(budget // self.unit.get(model, 1.0))))
-
-    def note_cost(self, model: str, cost: float) -> None:
-        """An input of this cost was admitted: keep the model's mean input cost, and with it the cost of a full
-        batch (`batch_s[model]`). A model whose inputs all cost 1 is left exactly as before."""
-        unit = self.unit.get(model)
-        if unit is None:
-            if cost == 1.0 and self.budget(model) == math.inf:
-                return
-            unit = cost
-            self.batch_s.caps[model] = math.inf  # a costed model's batches are bounded by cost, not by count
-        unit += UNIT_ALPHA * (cost - unit)
-        self.unit[model] = unit
-        if cost > self.widest.get(model, 1.0):
-            # A longer input than any before: a full batch of such inputs may not fit, so fit the budget now,
-            # before that batch forms and runs (not after, when it has held the worker for seconds).
-            self.widest[model] = cost
-            self.fit_budget(model)
-        self.batch_s.full[model] = self.full_n(model) * unit
-
-    def estimate_cost(self, model: str, n: float, unit: float | None = None) -> float:
-        """The cost of a batch of n inputs of mean cost `unit` (default: the model's), within its budget."""
-        cost = n * (self.unit.get(model, 1.0) if unit is None else unit)
-        budget = self.budget(model)
-        if budget == math.inf:  # a count model (the common case): no budget to clamp to
-            return cost
-        return min(cost, max(1.0, budget))
-
-    def fit_budget(self, model: str) -> None:
-        """Lower the model's cost budget so a full batch fits: within `max_batch_s` (half the longest allowed
-        timeout) always, and, for a model whose inputs have costs (tokens), within `latency_fit_s` (half the latency
-        objective with its slack: an input may wait for the batch running, then run in its own): one batch of
-        long inputs must not hold the worker for seconds while other callers' short inputs wait behind it. The
-        price on a CPU, where a batch has a large fixed part: fewer inputs a second than batches of 64 would
-        serve (bench/cost_bench.py measures it). Raised back toward the configured budget once a
-        larger batch fits. One log line the first time a model's budget is lowered (later moves: debug)."""
-        unit = self.unit.get(model, 1.0)
-        configured = self.max_batch_cost if self.max_batch_cost > 0 else math.inf
-        top = min(self.limit(model) * max(unit, self.widest.get(model, 1.0)), configured)  # a batch of the longest
-        times = self.batch_s
-        full_s = times.at(model, top)
-        hard = times.fit(model, self.max_batch_s, unit, top) if self.max_batch_s < math.inf else top
-        fitted = hard
-        if self.latency_fit_s < math.inf and model in self.unit:
-            # Down to its mean input at least: when even that does not fit (a busy machine), a long input runs
-            # alone, never a whole request of them in one batch.
-            fitted = times.fit(model, self.latency_fit_s, unit, hard)
-        if hard < top:
-            times.forget_above(model, hard)  # a slow point above the budget would hold it down for good
-        before = self.cost_limits.get(model, math.inf)
-        if before < fitted:
-            # A lowered budget rises by at most twice the costliest batch measured (slow start). Past the points
-            # the time is a line's guess, and one cheap long-input batch can flatten that line enough to promise
-            # that a batch a hundred times costlier fits: it then held the only worker for seconds (the soak's
-            # first request of 60 long inputs: 4.3 s, the worker marked hung). Each batch that fits lets the next
-            # be twice as costly.
-            fitted = min(fitted, max(before, 2 * times.largest(model)))
-        if fitted >= top:
-            if before != math.inf:
-                del self.cost_limits[model]
-                log.debug("model %s: a full batch fits; its batch budget is back to %g", model, top)
-        elif fitted != before:
-            self.cost_limits[model] = fitted
-            first = model not in self._budget_logged
-            self._budget_logged.add(model)
-            log.log(
-                logging.WARNING if first or hard < top else logging.DEBUG,
-                "model %s: a full batch would take %.0f ms: its batches are limited to cost %g (%d inputs) "
-                "to fit %.0f ms",
-                model,
-                full_s * 1000,
-                fitted,
-                self.full_n(model),
-                (self.max_batch_s if hard < top else self.latency_fit_s) * 1000,
-            )
-        if model in self.unit:
-            self.batch_s.full[model] = self.full_n(model) * unit
-
-    def too_costly(self, model: str, cost: float) -> str | None:
-        """Why an input of this cost can never run (None when it can): it costs more than the configured
-        --max-batch-tokens, or alone it is expected to outlast half the longest allowed timeout."""
-        if 0 < self.max_batch_cost < cost:
-            return (
-                f"an input costs {cost:g} (tokens), more than one batch of {model} may cost "
-                f"(--max-batch-tokens {self.max_batch_cost:g})"
-            )
-        if cost == 1.0:
-            return None  # a count model's input: one input is the least a batch can be
-        self.batch_s.caps[model] = math.inf  # a costed model (note_cost may not have seen one yet)
-        alone_s = self.batch_s.at(model, cost)  # learned (a wrong point above the budget is forgotten: fit_budget)
-        if alone_s > self.max_batch_s:
-            return (
-                f"an input costs {cost:g} (tokens): alone it would take about {alone_s * 1000:.0f} ms, more "
-                f"than a batch may ({self.max_batch_s * 1000:.0f} ms)"
-            )
-        return None
 
     def total_depth(self) -> int:
         return sum(self.depth.values())
@@ -282,6 +261,14 @@ class Batcher:
         self.depth[item.model] = self.depth.get(item.model, 0) + sign
         self.tier_depth[item.tier] += sign
 
+    def _uncount(self, model: str, taken: list[int]) -> None:
+        """`_count(item, -1)` for a batch's worth of the model's items at once: `taken[tier]` of each tier."""
+        self.depth[model] = self.depth.get(model, 0) - sum(taken)
+        depth = self.tier_depth
+        for tier, n in enumerate(taken):
+            if n:
+                depth[tier] -= n
+
     # -- the workers' side -------------------------------------------------------------------------------
     async def next_batch(self, worker: int) -> Batch | None:
         """The next batch for a free worker, once the flush policy says so; None when the server closes."""
@@ -299,20 +286,34 @@ class Batcher:
         fast path of a worker that just finished, taken without a trip through the event loop's queue."""
         if self.closed or self._turn.locked():
             return None
-        now = self.clock()
+        return self._take(worker, self.clock())[0]
+
+    def _take(self, worker: int, now: float) -> tuple[Batch | None, str, float]:
+        """The flush policy's one pass, for `take_now` and `_wait_for_batch` alike: an interactive retry first;
+        a background batch when its share or floor is due (`_background_turn`); the most urgent queue when it
+        is due; a background batch while no interactive item waits. Returns the batch, or None with what the
+        waiting worker does next: "again" (the due queue held only items that could not run: look again),
+        "aside" (retries wait that this worker must leave to another), or "sleep" until the returned time (the
+        next queue due; inf: nothing queued)."""
         batch = self.take_retry(worker, now)
         if batch is not None:
-            return batch
+            return batch, "", now
         if self._background_turn():
             batch = self.take_retry(worker, now, self.background_retries)
             if batch is not None:
-                return batch
+                return batch, "", now
         key, due, cause = self.most_urgent(now)
         if key is not None and due <= now:
-            return self.form(key, now, cause, due)
-        if self.background_retries and not self.interactive_waiting():
-            return self.take_retry(worker, now, self.background_retries)
-        return None
+            batch = self.form(key, now, cause, due)
+            return batch, "" if batch is not None else "again", now
+        background = bool(self.background_retries) and not self.interactive_waiting()
+        if background:
+            batch = self.take_retry(worker, now, self.background_retries)
+            if batch is not None:
+                return batch, "", now
+        if self.retries or background:
+            return None, "aside", now
+        return None, "sleep", due if key is not None else math.inf
 
     def _background_turn(self) -> bool:
         """A background batch goes before due regular work: its share is due and no interactive item waits, or
@@ -324,29 +325,17 @@ class Batcher:
         )
 
     async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:
+        """The batch for the worker holding the turn, once one is due (`_take`); (None, True) when it must step
+        aside for a retry meant for another worker, (None, False) when the server closes."""
         while not self.closed:
             now = self.clock()
-            batch = self.take_retry(worker, now)
+            batch, then, due = self._take(worker, now)
             if batch is not None:
                 return batch, False
-            if self._background_turn():
-                batch = self.take_retry(worker, now, self.background_retries)
-                if batch is not None:
-                    return batch, False
-            key, due, cause = self.most_urgent(now)
-            if key is not None and due <= now:
-                batch = self.form(key, now, cause, due)
-                if batch is not None:
-                    return batch, False
-                continue
-            background = bool(self.background_retries) and not self.interactive_waiting()
-            if background:
-                batch = self.take_retry(worker, now, self.background_retries)
-                if batch is not None:
-                    return batch, False
-            if self.retries or background:
+            if then == "aside":
                 return None, True
-            await self._sleep(None if key is None else due - now)
+            if then == "sleep":
+                await self._sleep(None if due == math.inf else due - now)
         return None, False
 
     def requeue(self, batch: Batch) -> None:
@@ -381,24 +370,6 @@ class Batcher:
             q.push_front(item)
             self._count(item, +1)
         self._wake.set()
-
-    def observe_batch(self, model: str, seconds: float, cost: float, rows: int = 0) -> None:
-        """A batch of this cost (and `rows` inputs) took `seconds`: learn it, and keep the model's budget within
-        max_batch_s. For a model whose inputs have costs, also the inputs a worker served per second of batch
-        time (`served_rate`)."""
-        self.batch_s.observe(model, cost, seconds)
-        self.fit_budget(model)
-        if rows > 0 and model in self.unit:
-            r, t = self.served.get(model, (float(rows), seconds))
-            self.served[model] = (r + SERVED_ALPHA * (rows - r), t + SERVED_ALPHA * (seconds - t))
-
-    def served_rate(self, model: str) -> float | None:
-        """Inputs one worker served per second of batch time, lately (None: not measured; count models). A
-        costed model's full batch (`full_n` at S of a full batch) overstates it: its length classes make
-        smaller batches, each padded to its longest input. When the worker keeps up, this is at least the
-        arrival rate; past capacity, it is the capacity."""
-        got = self.served.get(model)
-        return got[0] / got[1] if got is not None and got[1] > 0 else None
 
     def start_drain(self) -> None:
         self.draining = True
@@ -454,13 +425,14 @@ class Batcher:
             if head is None:
                 continue
             paced, head = self._paced_by_jobs(q, key[0], head)
-            full_count = len(q) >= self.limit(key[0]) and not paced
-            if full_count or (q.cost_sum >= self.budget(key[0]) and not paced):
+            full_count = len(q) >= self.costs.limit(key[0]) and not paced
+            if full_count or (q.cost_sum >= self.costs.budget(key[0]) and not paced):
                 due, cause = now, "full"
             elif self.draining:
                 due, cause = now, "drain"
             else:
-                size = self.estimate_cost(key[0], min(len(q), self.limit(key[0])), q.mean_cost())  # formed now
+                costs = self.costs
+                size = costs.estimate_cost(key[0], min(len(q), costs.limit(key[0])), q.mean_cost())  # formed now
                 deadline_due = (
                     head.arrived + self.dispatch_delay(key[0], size) if head.tier < tiers.BATCH.rank else math.inf
                 )  # job items only: in no hurry, they go at the pace
@@ -507,25 +479,28 @@ class Batcher:
                 jobs_cost += sum(item.cost for item in lane.items)
             elif first is None or lane.items[0].arrived < first.arrived:
                 first = lane.items[0]
-        if not jobs or len(q) - jobs >= self.limit(model) or q.cost_sum - jobs_cost >= self.budget(model):
+        if not jobs or len(q) - jobs >= self.costs.limit(model) or q.cost_sum - jobs_cost >= self.costs.budget(model):
             return False, head  # no job items, or the interactive ones fill a batch by themselves
         return True, first if first is not None else head
 
     def form(self, key: tuple[str, int], now: float, cause: str, due: float = 0.0) -> Batch | None:
         q = self.queues[key]
         items: list[Item] = []
-        limit = self.limit(key[0])
+        limit = self.costs.limit(key[0])
         # An item whose deadline falls before a batch formed now would end is answered 504 here, not sent: its
         # answer would come too late, and its place goes to an item that can still make it (under overload,
         # batches of items that expire while they run would serve nobody: goodput would collapse). The batch's
         # least expected time (`lower_bound`), so that a time learned from one slow batch cannot drop every item
         # and leave nothing running to correct it.
-        budget = self.budget(key[0])
-        ends = now + self.batch_s.lower_bound(key[0], self.estimate_cost(key[0], min(limit, len(q)), q.mean_cost()))
+        budget = self.costs.budget(key[0])
+        size = self.costs.estimate_cost(key[0], min(limit, len(q)), q.mean_cost())
+        ends = now + self.batch_s.lower_bound(key[0], size)
         widest = 0.0
         # Job places go to one tenant per batch (tenants take turns batch by batch), so one tenant's failing
         # job inputs never fail, and drag into bisection, another tenant's job items.
         stick: dict[int, str] = {}
+        shares = q.shares
+        taken = [0] * len(self.tier_depth)  # items taken out of the queue, per tier: counted once after the loop
         while len(items) < limit:
             # The budget: rows x the longest row. The first input always goes (one alone over the budget was
             # refused at the door, or the budget was lowered after it was admitted: it still runs).
@@ -546,7 +521,7 @@ class Batcher:
                 break
             if item.tier == tiers.BATCH.rank and not stick:
                 stick[item.tier] = item.tenant
-            self._count(item, -1)
+            taken[item.tier] += 1
             if not item.alive(now):
                 continue
             if item.deadline < ends and not item.probe:
@@ -555,22 +530,22 @@ class Batcher:
                 )
                 continue
             items.append(item)
-            q.charge(item)  # its tenant's share: counted as it is taken, so the next place goes to the least served
-            widest = max(widest, item.cost)
-        if not items:
-            return None
-        for item in items:
+            shares.charge(item)  # its tenant's share, counted as it is taken: the next place goes to the least served
+            if item.cost > widest:
+                widest = item.cost
             item.dispatched = now
             if item.record is not None:
                 item.record.status = "processing"
-        q.shares.owed_cap = budget if budget != math.inf else limit * widest  # a batch's cost, at most
+        self._uncount(key[0], taken)
+        if not items:
+            return None
+        shares.owed_cap = budget if budget != math.inf else limit * widest  # a batch's cost, at most
         # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
         batch = Batch(key[0], items, now, cause)
-        if widest > 1.0 or key in self.row_cost:  # padded: every row costs the longest input's cost
-            before = self.row_cost.get(key, widest)
-            self.row_cost[key] = before + ROW_ALPHA * (widest - before)
-        interval = self.batch_s.at(key[0], batch.cost) / max(1, self.healthy_workers)
+        self.costs.note_row(key, widest)  # padded: every row costs the longest input's cost
+        cost = len(items) * widest if items[0].batch_cost is None else batch.cost  # `Batch.cost`, its max known
+        interval = self.batch_s.at(key[0], cost) / max(1, self.healthy_workers)
         self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
         self.served_at[key[0]] = now
         self._since_background += 1

@@ -29,13 +29,18 @@ class Record:
     error: str | None = None
 
     def completed(self, latency_ms: float, queue_ms: float, compute_ms: float, batch_size: int) -> None:
+        """Kept as measured, rounded when read (`public`): every answer comes here, few are ever read, and
+        `round(x, 1)` costs ~0.5 µs each."""
         self.status = "completed"
-        self.latency_ms, self.queue_ms, self.compute_ms = round(latency_ms, 1), round(queue_ms, 1), round(compute_ms, 1)
+        self.latency_ms, self.queue_ms, self.compute_ms = latency_ms, queue_ms, compute_ms
         self.batch_size = batch_size
 
     def public(self) -> dict:
         out = asdict(self)
         del out["owner"]
+        for name in ("latency_ms", "queue_ms", "compute_ms"):
+            if out[name] is not None:
+                out[name] = round(out[name], 1)
         return out
 
 
@@ -54,7 +59,7 @@ class RequestLog:
         return self._count
 
     def add(self, owner: str, request_id: str, model: str) -> Record:
-        rec = Record(request_id, model, owner, created_at=time.time())
+        rec = Record(request_id, model, owner, "queued", time.time())  # positional: ~0.4 µs less per request
         mine = self._by_owner.get(owner)
         if mine is None:
             mine = self._by_owner[owner] = OrderedDict()

@@ -41,6 +41,15 @@ class CostAccount:
         got.inputs += inputs
         got.cost += cost
 
+    def row(self, model: str, tier: int, tenant: str) -> Served:
+        """The running totals of (model, tier, tenant), created at zero: for a writer that adds many inputs of
+        one key in a row (a batch's answers) with one look-up, as `add` would one by one."""
+        key = (model, tier, tenant)
+        got = self.served.get(key)
+        if got is None:
+            got = self.served[key] = Served()
+        return got
+
     def snapshot(self) -> dict[tuple[str, int, str], Served]:
         """A copy of every total, for a reader that compares two moments."""
         return {key: Served(s.inputs, s.cost) for key, s in self.served.items()}

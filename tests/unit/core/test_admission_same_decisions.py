@@ -144,11 +144,12 @@ def admit_all(d: Admission, rng: random.Random, clock: Clock) -> list[object]:
     return out
 
 
-@pytest.mark.parametrize("forced", ["_classes", "_surely_in_time"])
+@pytest.mark.parametrize("forced", ["_classes", "_surely_in_time", "most"])
 def test_the_door_decides_the_same_as_with_every_prediction_made(loop, monkeypatch, forced: str) -> None:
-    """Rates read lazily (only with another class), the idle worker's early yes and the skipped prediction of a
-    request that no prediction could make late change no decision: the same random requests on twin doors, one
-    forced to read every rate and predict every request."""
+    """Rates read lazily (only with another class), the idle worker's early yes, the skipped prediction of a
+    request that no prediction could make late, and the skipped quickest-answer check of a deadline past the
+    model's longest batch change no decision: the same random requests on twin doors, one forced to read every
+    rate, predict every request, or (`most`: no batch time known to bound any other) check every deadline."""
     answer = forced == "_classes"  # True: every rate read (and no skip); False: never surely in time
     skipped = 0
     real = Admission._surely_in_time
@@ -163,7 +164,9 @@ def test_the_door_decides_the_same_as_with_every_prediction_made(loop, monkeypat
             if rng.random() < 0.5:  # some arrivals and classes already metered
                 for bucket in range(rng.randint(1, 3)):
                     d._joined(M, bucket, clock.t, rng.randint(1, 50))
-            if force:
+            if force and forced == "most":
+                monkeypatch.setattr(BatchTimes, "most", lambda self, model: math.inf)
+            elif force:
                 monkeypatch.setattr(Admission, forced, lambda self, *args: answer)
             else:
                 def counted(self: Admission, *args: object) -> bool:

@@ -121,3 +121,17 @@ def test_a_tenants_share_is_read_without_walking_the_queue(loop) -> None:
     assert b.ahead_of(1, "long", M, 220.0) == 4000  # over its share: behind everything
     assert b.ahead_of(1, "short", M, 8.0) < 2200  # under it: its own and as much of long's
     assert b.ahead_of(1, "new", M, 8.0) < 10  # a newcomer: one input's worth of each
+
+
+def test_a_batchs_queue_waits_observed_at_once_count_as_one_by_one() -> None:
+    """The worker's hand-off observes every item's queue wait with one call (`observe_all`): the same buckets
+    and sum as observing them one by one."""
+    from batchserve.metrics import HistogramChild
+
+    waits = [0.0005, 0.01, 0.01, 0.2, 0.0, 3.5, 12.0, 0.049999]
+    one, all_ = HistogramChild((0.001, 0.01, 0.05, 0.1, 1.0, 10.0)), HistogramChild((0.001, 0.01, 0.05, 0.1, 1.0, 10.0))
+    for w in waits:
+        one.observe(w)
+    all_.observe_all(waits)
+    assert all_.counts == one.counts and all_.sum == one.sum
+    assert all_.counts == [2, 2, 1, 0, 1, 1, 1]  # le 0.001, 0.01, 0.05, 0.1, 1, 10, +Inf
