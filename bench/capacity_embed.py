@@ -102,8 +102,12 @@ def offline_once(folder: Path, sizes: list[int], seconds: float, seed: int, thre
     cmd = [sys.executable, "-m", "bench.capacity_embed", "--offline-child", str(folder), "--batch-sizes",
            ",".join(map(str, sizes)), "--offline-seconds", str(seconds), "--seed", str(seed),
            "--offline-threads", str(threads)]
+    # A session of its own, as every server's (start_new_session): with the kernel's autogroup scheduling
+    # (sched_autogroup_enabled) the CPU is shared by session first, so an offline child left in this process's
+    # session would share one session's share with the load generator (and whatever else runs in it) while
+    # each server had a whole one.
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=servers.clean_env(),
-                          check=False)
+                          check=False, start_new_session=True)
     if done.returncode != 0:
         raise RuntimeError(f"offline measurement failed:\n{done.stderr[-2000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
