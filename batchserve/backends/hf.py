@@ -339,11 +339,15 @@ class HFModel:
 
 
 def generation_folder(settings: Settings) -> str:
-    """The folder of the model the generation engine serves, when it is a `--model` folder; "" otherwise."""
+    """The folder of the model the generation engine serves: a `--model` folder, or smollm2's package folder
+    (`smollm2.source_dir`: its GGUF converted once, or `--smollm2-dir`); "" when there is none (the engine then
+    reads SmolLM2's GGUF)."""
     for spec in settings.models:
         if spec.backend == "hf" and spec.task == "generation":
             return spec.path
-    return ""
+    from batchserve.backends.smollm2 import source_dir
+
+    return source_dir(settings)
 
 
 def folder_spec(arg: str, task: str = "") -> ModelSpec:
