@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     from batchserve.backends.minilm import model_dir
 
     folder = model_dir()
+    provenance = report.provenance()  # at the start: its load average is the one before the run
     print(f"offline: SentenceTransformer.encode at batch sizes {sizes}, {a.offline_seconds:g} s each", flush=True)
     offs = [{"when": "before", **offline(folder, sizes, a.offline_seconds, a.seed, "before")}]
     rates = [float(x) for x in a.rates.split(",") if x]
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"input")
     verdict.append(f"goal after >= 0.8x offline: {'met' if cap_after >= 0.8 * best else 'NOT met'}")
     verdict += notes
-    rep = {"provenance": report.provenance(), "offline": offs, "rows": [asdict(r) for r in rows],
+    rep = {"provenance": provenance, "offline": offs, "rows": [asdict(r) for r in rows],
            "settings": {"rates": rates, "duration_s": a.duration, "warmup_s": a.warmup, "seed": a.seed,
                         "before": a.before, "servers": wanted, "max_batch": 64, "slo_ms": 1000,
                         "p95_limit_ms": P95_LIMIT_MS, "words": "8-40", "smoke": a.smoke},
