@@ -161,10 +161,10 @@ def package_spec(spec: ModelSpec, s: Settings) -> ModelSpec | None:
     from batchserve.backends.folder import FolderError, inspect_folder
 
     try:
-        inspect_folder(source, "generation")
+        info = inspect_folder(source, "generation")
     except FolderError as exc:
         raise RuntimeError(f"smollm2: {exc}") from None
-    return ModelSpec(spec.name, spec.version, backend="hf", path=source, task="generation", weight=spec.weight)
+    return ModelSpec(spec.name, spec.version, backend="hf", path=str(info.path), task="generation", weight=spec.weight)
 
 
 def load_tokenizer(model_dir: str = "") -> Any:
@@ -254,18 +254,13 @@ class SmolLM2Backend:
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> SmolLM2Backend:
         """The package's weights served as one more causal LM folder (issue 36): `package_spec` names its
-        folder (the converted copy of the GGUF, or `--smollm2-dir`), and the `hf` backend reads it as it reads
-        any `--model` folder (architecture check, tokenizer, then the static batch path). Only when no folder
-        can be kept (an unwritable weights cache) are the weights read from the GGUF itself."""
+        folder (the converted copy of the GGUF, or `--smollm2-dir`) and checks it as `--model` checks any
+        folder (`folder.inspect_folder`), then it loads as the `hf` backend loads a generation folder
+        (`from_source`, the static batch path). Only when no folder can be kept (an unwritable weights cache)
+        are the weights read from the GGUF itself."""
         log.info("loading SmolLM2-135M-Instruct (%s decoding)", s.decode)
         folder = package_spec(spec, s)
-        if folder is None:
-            return cls.from_source("", s)
-        from batchserve.backends.hf import HFModel
-
-        backend = HFModel.from_settings(folder, s)
-        assert isinstance(backend, SmolLM2Backend)  # a causal LM folder: this class's static batch path
-        return backend
+        return cls.from_source(folder.path if folder is not None else "", s)
 
     @classmethod
     def from_source(cls, source: str, s: Settings) -> SmolLM2Backend:
