@@ -15,7 +15,9 @@ from a folder"). The backend name is `hf`; `folder.inspect_folder` reads the fol
 Tokenize once (issue 36): embedders and rerankers keep each input's `tokenizers.Encoding`, made by `tokenize`
 (the door's tokenizer stage calls it on a worker thread with every queued text at once: the fast tokenizer's
 batch call), and read it both to cost the input on the event loop (`cost_of`, `bucket_of`) and to run it on the
-device thread (`batch`). A text that skipped the stage (a job item) is tokenized where it is first needed.
+device thread (`batch`). Batch-job inputs go through the stage when the job scheduler reads them
+(`InferenceService.pretokenize`); a text that skipped it anyway (the cache was cleared meanwhile, the warm-up) is
+tokenized where it is first needed.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class TokenModel:
     tokenizer: Any = None
     models: dict[str, Any] = field(default_factory=dict)
     encoded: dict[str, Any] = field(default_factory=dict, repr=False)  # text -> tokenizers.Encoding
-    tokenized_on_demand: int = 0  # texts tokenized outside the stage (job items, the warm-up): for tests and logs
+    tokenized_on_demand: int = 0  # texts tokenized outside the stage (the warm-up, a cleared cache): for tests and logs
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -337,11 +339,15 @@ class HFModel:
 
 
 def generation_folder(settings: Settings) -> str:
-    """The folder of the model the generation engine serves, when it is a `--model` folder; "" otherwise."""
+    """The folder of the model the generation engine serves: a `--model` folder, or smollm2's package folder
+    (`smollm2.source_dir`: its GGUF converted once, or `--smollm2-dir`); "" when there is none (the engine then
+    reads SmolLM2's GGUF)."""
     for spec in settings.models:
         if spec.backend == "hf" and spec.task == "generation":
             return spec.path
-    return ""
+    from batchserve.backends.smollm2 import source_dir
+
+    return source_dir(settings)
 
 
 def folder_spec(arg: str, task: str = "") -> ModelSpec:

@@ -150,6 +150,23 @@ def source_dir(s: Settings) -> str:
     return s.smollm2_dir or converted_dir(s.weights_cache)
 
 
+def package_spec(spec: ModelSpec, s: Settings) -> ModelSpec | None:
+    """`--backend smollm2` as a folder model: the `hf` spec of the package's folder (`source_dir`: the GGUF
+    converted once into the weights cache, or `--smollm2-dir`), checked as any `--model` folder is (a causal LM
+    the slot stepper runs, a tokenizer.json); None when there is no folder (the cache cannot be written: the GGUF
+    is read at every start instead)."""
+    source = source_dir(s)
+    if not source:
+        return None
+    from batchserve.backends.folder import FolderError, inspect_folder
+
+    try:
+        info = inspect_folder(source, "generation")
+    except FolderError as exc:
+        raise RuntimeError(f"smollm2: {exc}") from None
+    return ModelSpec(spec.name, spec.version, backend="hf", path=str(info.path), task="generation", weight=spec.weight)
+
+
 def load_tokenizer(model_dir: str = "") -> Any:
     """SmolLM2's tokenizer: from the GGUF, or from a transformers-format `model_dir` (`--smollm2-dir`)."""
     from transformers import AutoTokenizer
@@ -236,8 +253,14 @@ class SmolLM2Backend:
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> SmolLM2Backend:
+        """The package's weights served as one more causal LM folder (issue 36): `package_spec` names its
+        folder (the converted copy of the GGUF, or `--smollm2-dir`) and checks it as `--model` checks any
+        folder (`folder.inspect_folder`), then it loads as the `hf` backend loads a generation folder
+        (`from_source`, the static batch path). Only when no folder can be kept (an unwritable weights cache)
+        are the weights read from the GGUF itself."""
         log.info("loading SmolLM2-135M-Instruct (%s decoding)", s.decode)
-        return cls.from_source(source_dir(s), s)
+        folder = package_spec(spec, s)
+        return cls.from_source(folder.path if folder is not None else "", s)
 
     @classmethod
     def from_source(cls, source: str, s: Settings) -> SmolLM2Backend:
@@ -268,8 +291,9 @@ class SmolLM2Backend:
     def shell(cls, s: Settings) -> SmolLM2Backend:
         """Devices and buckets, no model: the server's side of `--executor process`, or the model while the
         generation engine's stepper answers its `/v1/inference`. The weights are looked up (and converted once)
-        all the same: missing ones fail the start here, in one line (exit 2), as the full backend's load does."""
-        source_dir(s)
+        and their folder read as any causal LM folder all the same: missing or unservable ones fail the start
+        here, in one line (exit 2), as the full backend's load does."""
+        package_spec(ModelSpec("smollm2", backend="smollm2"), s)
         return cls(devices=pick_devices(s.devices), max_new_tokens=s.max_new_tokens)
 
     def bucket_of(self, text: str) -> int:

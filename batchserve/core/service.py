@@ -31,6 +31,9 @@ from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 from batchserve.core.tokenize_stage import Tokenize, TokenizeStage, tokenizer_of
 
 
+PRETOKENIZE_CHUNK = 256  # job inputs per tokenizer-stage call (`pretokenize`): interactive texts wait one chunk at most
+
+
 class Bucketer(Protocol):
     """What the door needs of a backend: which inputs may share a batch, and what each costs to run."""
 
@@ -392,6 +395,21 @@ class InferenceService:
             return await handler.infer_many(texts, model, tier, tenant, timeout_s, arrived, request_id, gone, owner)
         finally:
             self.inflight -= 1
+
+    async def pretokenize(self, model: str, texts: list[str]) -> None:
+        """Batch-job inputs, read ahead of their feeding: their tokens made on the tokenizer stage's thread (as an
+        interactive request's are), so `submit_background` costs them by a look-up and the device thread runs
+        the kept tokens; the event loop tokenizes none of them. In chunks, so an interactive request's texts
+        queued meanwhile go in the next call rather than after the whole read (a no-op for a backend without a
+        `tokenize`, or a model another handler answers)."""
+        backend = self.backends.get(model)
+        if backend is None or model in self.handlers:
+            return
+        tokenize = self._tokenizer(model, backend)
+        if tokenize is None:
+            return
+        for start in range(0, len(texts), PRETOKENIZE_CHUNK):
+            await self.tokenizing.run(tokenize, texts[start : start + PRETOKENIZE_CHUNK])
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places

@@ -407,9 +407,9 @@ class Engine:
 
         def load() -> tuple[Any, Any, Stepper]:
             from batchserve.backends.hf import generation_folder
-            from batchserve.backends.smollm2 import load_model, load_tokenizer, source_dir
+            from batchserve.backends.smollm2 import load_model, load_tokenizer
 
-            source = generation_folder(settings) or source_dir(settings)
+            source = generation_folder(settings)  # a --model folder, or smollm2's package folder
             tok = tokenizer if tokenizer is not None else load_tokenizer(source)
             mdl = model if model is not None else load_model(default_device(settings), source)
             cfg.defaults = sampling_defaults(mdl)

@@ -182,6 +182,24 @@ def line_inputs(endpoint: str, body: object) -> int:
     return 1
 
 
+def line_texts(endpoint: str, line: str) -> list[str]:
+    """The input texts a line of `endpoint` will put through the door (an `/v1/embeddings` line's `input`, an
+    `/v1/inference` line's), read ahead so the tokenizer stage makes their tokens before they are fed
+    (`Scheduler._read`); [] for a line of another endpoint or one its route will refuse (`start` answers it)."""
+    if endpoint not in RUNNABLE:
+        return []
+    try:
+        body = orjson.loads(line).get("body")
+    except (orjson.JSONDecodeError, AttributeError):
+        return []
+    raw = body.get("input") if isinstance(body, dict) else None
+    if isinstance(raw, str):
+        return [raw]
+    if endpoint == EMBEDDINGS and isinstance(raw, list):
+        return [t for t in raw if isinstance(t, str)]
+    return []
+
+
 def refused(err: OpenAIError | ApiError, request_id: str, openai_shape: bool) -> LineResult:
     """A 4xx answer for a line, in the error shape of the endpoint it names."""
     if isinstance(err, ApiError):

@@ -56,7 +56,7 @@ import orjson
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
-from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response, window_end
+from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response, line_texts, window_end
 from batchserve.jobs.refill import Budget, Ledger, Room, mean_cost, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome, StoreDown
@@ -78,6 +78,7 @@ class Door(Protocol):
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item: ...
     def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
     def job_room(self, model: str) -> Room | None: ...
+    async def pretokenize(self, model: str, texts: list[str]) -> None: ...
 
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
@@ -401,6 +402,16 @@ class Scheduler:
         rows = await self.store.claim(job.id, n, self.settings.jobs_lease_s, time.time())
         if job.cancelled:
             return
+        # Their tokens made now, on the tokenizer stage's thread, as an interactive request's are: fed later,
+        # each is costed by a look-up and run with the kept tokens (the event loop tokenizes none of them).
+        if job.endpoint is not None and self.lines is not None:
+            texts = [t for _, line in rows for t in line_texts(job.endpoint, line)]
+        else:
+            texts = [text for _, text in rows]
+        if texts:
+            await self.door.pretokenize(job.model, texts)
+            if job.cancelled:
+                return
         for index, text in rows:
             if index not in job.held:  # not one of ours whose lease ran out under us: that one is still running
                 job.held.add(index)

@@ -132,7 +132,7 @@ def test_the_openapi_document_describes_rerank(server: LiveServer) -> None:
 
 def test_a_folder_embedder_serves_kserve_v2_and_a_batch_job(server: LiveServer) -> None:
     """Everything a built-in model has: KServe v2 (FP32 [n, 32], the vectors of /v1/embeddings) and batch jobs
-    (their items tokenized where first needed: they skip the request path's tokenizer stage)."""
+    (their items tokenized by the tokenizer stage when the job scheduler reads them, `pretokenize`)."""
     want = embed(server, "emb", TEXTS[:2])
     r = httpx.post(server.url + "/v2/models/emb/infer", json={"inputs": [
         {"name": "input", "datatype": "BYTES", "shape": [2], "data": TEXTS[:2]}]}, timeout=60)

@@ -94,3 +94,29 @@ def test_the_door_tokenizes_on_the_stage_before_costing(many: bool) -> None:
     asyncio.run(main())
     assert backend.costed and all(backend.costed)
     assert backend.threads and all(name.startswith("tokenize") for name in backend.threads)
+
+
+def test_job_inputs_are_tokenized_on_the_stage_before_the_door_costs_them() -> None:
+    """Batch-job inputs (issue 36): the job scheduler hands a read's texts to `pretokenize`, which runs the
+    backend's tokenizer on the stage's thread in chunks (an interactive caller's texts wait one chunk at most);
+    `submit_background` then costs each by a look-up. Undone, `cost_of` found none of them tokenized."""
+    from batchserve.core.service import PRETOKENIZE_CHUNK
+
+    backend = Tokenized()
+    texts = [f"job input {i}" for i in range(2 * PRETOKENIZE_CHUNK + 10)]
+
+    async def main() -> int:
+        rt = Runtime.create(Settings())
+        rt.service.backends["sim@v1"] = backend  # type: ignore[index]
+        await asyncio.wait_for(rt.service.pretokenize("sim@v1", texts), 10)
+        items = [rt.service.submit_background(t, "sim@v1", "acme", 60.0) for t in texts[:5]]
+        for item in items:
+            item.future.cancel()
+        calls = rt.service.tokenizing.calls
+        rt.service.tokenizing.close()
+        return calls
+
+    calls = asyncio.run(main())
+    assert calls == 3  # 522 texts in chunks of 256
+    assert len(backend.costed) == 5 and all(backend.costed)
+    assert backend.threads and all(name.startswith("tokenize") for name in backend.threads)

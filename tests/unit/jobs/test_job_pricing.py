@@ -55,6 +55,8 @@ class QueueDoor:
     queue: list[Item] = field(default_factory=list)
     peak: int = 0  # the deepest the queue got
     fail: set[str] = field(default_factory=set)  # inputs answered with a 500
+    tokenized: set[str] = field(default_factory=set)  # texts the tokenizer stage was given (`pretokenize`)
+    unready: list[str] = field(default_factory=list)  # texts submitted before they were given to it
 
     @property
     def depth(self) -> int:
@@ -69,8 +71,14 @@ class QueueDoor:
     def job_room(self, model: str) -> Room:
         return Room(self.depth, self.max_queue, self.max_batch_size, self.budget, self.unit, 1)
 
+    async def pretokenize(self, model: str, texts: list[str]) -> None:
+        await asyncio.sleep(0)  # a trip to the stage's thread and back
+        self.tokenized.update(texts)
+
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
                           alone: bool = False) -> Item:
+        if text not in self.tokenized:
+            self.unready.append(text)
         item = Item(text, model, 0, asyncio.get_running_loop().create_future(), 0.0, deadline_s, tier=3,
                     tenant=tenant, cost=self.cost)
         self.queue.append(item)
@@ -286,3 +294,33 @@ def test_a_node_leases_the_lines_it_can_feed_soon_not_128_of_them() -> None:
     first, later = asyncio.run(main())
     assert first == 4, first
     assert later <= 7, later  # the 5 lines done, the one being fed, and at most one read ahead
+
+
+@pytest.mark.parametrize("lines", [True, False])
+def test_job_inputs_reach_the_door_tokenized_by_the_stage(lines: bool) -> None:
+    """Issue 36: a job's inputs are given to the tokenizer stage (`Door.pretokenize`) when its rows are read,
+    before any of them is fed, so the door costs each by a look-up and the event loop tokenizes none: an OpenAI
+    batch's embeddings lines (every input of each line) and a native job's rows alike. Undone, every job input
+    was tokenized on the loop by `cost_of` as it was fed."""
+    async def main() -> tuple[set[str], list[str], int]:
+        door = QueueDoor()
+        if lines:
+            s = scheduler(door, [embeddings_line(i, 40) for i in range(6)])
+        else:
+            store = RowsStore({"n": [(i, f"row {i}") for i in range(300)]})
+            s = Scheduler(store, door, Settings(), JobMetrics.create(CollectorRegistry()))  # type: ignore[arg-type]
+            s.add(Job("n", "acme", "m", "in_progress", 300, 0, 0, 0, 0.0, None, None))
+        fed = 0
+        for _ in range(200):
+            await s._refill()
+            fed += len(door.queue)
+            if not door.queue:
+                break
+            door.serve(64)
+            await settle()
+        return door.tokenized, door.unready, fed
+
+    tokenized, unready, fed = asyncio.run(main())
+    assert fed >= (240 if lines else 300)
+    assert unready == []
+    assert len(tokenized) == (240 if lines else 300)
