@@ -24,7 +24,7 @@ from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.embeddings import routes as embeddings_routes
 from batchserve.embeddings import schema as embeddings_schema
-from batchserve.http.plumbing import internal_error
+from batchserve.http.dialects import internal_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
 from batchserve.http import docs_page, openapi, usage

@@ -17,7 +17,8 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from batchserve import errors
-from batchserve.http.plumbing import error_response, request_id_of
+from batchserve.http.plumbing import request_id_of
+from batchserve.http.dialects import error_response
 from batchserve.http.openapi import Contribution
 
 # The files the page loads, and nothing else of the package's directory (its editor bundle is not served).

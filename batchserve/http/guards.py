@@ -22,7 +22,8 @@ from batchserve.core import ledger
 from batchserve.core.ledger import UsageBook
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.errors import ApiError
-from batchserve.http.plumbing import client_host, error_response, request_id_of
+from batchserve.http.plumbing import client_host, request_id_of
+from batchserve.http.dialects import error_response
 from batchserve.metrics import Metrics
 from batchserve.tenancy import Caller, Tenancy
 
@@ -129,6 +130,11 @@ class Guard:
         """A refusal of work outside the batcher (the generation engine's 503s): `batchserve_rejected_total`
         by its code, as the door's refusals are; the answer itself is counted when it goes out."""
         self.metrics.rejected.labels(err.code).inc()
+
+    def gone(self, model: str) -> None:
+        """The caller hung up before its answer: a 499 in the model's status counts, as the generation routes
+        count theirs; no SLO outcome (nobody read an answer)."""
+        self.metrics.requests.labels(model, "499").inc()
 
     def counted(self) -> None:
         """An answer went out that the model metrics do not count (a route's own refusal shape, a job route)."""

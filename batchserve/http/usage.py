@@ -18,7 +18,8 @@ from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.core.ledger import DEFAULT_WINDOW_S, MAX_WINDOW_S, OUTCOMES
-from batchserve.http.plumbing import error_response, json_response, request_id_of
+from batchserve.http.plumbing import json_response, request_id_of
+from batchserve.http.dialects import error_response
 from batchserve.http.guards import guard_of
 from batchserve.http.openapi import Contribution, error_responses, json_content, ref
 

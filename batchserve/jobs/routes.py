@@ -28,7 +28,8 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import model_aliases
 from batchserve.generation.engine import Engine
-from batchserve.http.plumbing import ascii_count, error_response, json_response, request_id_of
+from batchserve.http.plumbing import ascii_count, json_response, request_id_of
+from batchserve.http.dialects import error_response
 from batchserve.http.guards import Guard
 from batchserve.jobs.parse import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION

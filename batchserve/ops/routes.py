@@ -21,7 +21,8 @@ from batchserve.core.batcher import Batcher
 from batchserve.core.load_signal import Reading
 from batchserve.core.service import InferenceService
 from batchserve.gpu_pool import GpuPool
-from batchserve.http.plumbing import JSON, error_response, json_response, request_id_of
+from batchserve.http.plumbing import JSON, json_response, request_id_of
+from batchserve.http.dialects import error_response
 from batchserve.http.guards import operational
 from batchserve.logsafe import printable
 from batchserve.metrics import Metrics

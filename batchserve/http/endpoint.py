@@ -1,0 +1,250 @@
+"""THE request path, written once: every HTTP route runs through `Endpoint` (issue 35 item 2).
+
+    request id → identify + rate tokens → bounded body read → parse (the wing's) → tokens by the body →
+    handle (the wing's: the call to the door, with the disconnect watch) → render (the wing's) →
+    account (ledger + metrics) → one write
+      ╰─ on any exit: ApiError → the dialect's rendering, counted; the caller gone → counted as a 499;
+         anything unexpected → logged, a 500 in the dialect, counted
+
+A wing declares an endpoint as its dialect (`http/dialects.py`) and three functions: `parse` (body → request;
+may pick the model, `call.model`), `handle` (request → result, through the door) and `render` (result → the
+answer's bytes). It never reads a body, takes rate tokens, renders an error or counts an answer itself
+(tests/unit/test_structure.py keeps it so). The skeleton is a plain ASGI app, so the hot routes
+(`app.FastPath`) run it without Starlette's Request/Response, and it writes a whole answer in one write through
+`http/uvicorn_protocol.py`'s `send_whole` where that is there (head and body in one segment)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import MappingProxyType
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from batchserve import errors
+from batchserve.config import Settings
+from batchserve.errors import ApiError, ClientGone
+from batchserve.http.dialects import Dialect
+from batchserve.http.disconnect import Watcher, disconnect_probe
+from batchserve.http.guards import Guard
+from batchserve.http.plumbing import read_body_from, request_id_from, send_json
+from batchserve.http.uvicorn_protocol import whole_answer_sender
+from batchserve.logsafe import printable
+from batchserve.tenancy import Caller
+
+log = logging.getLogger("batchserve.http")
+
+# The request headers every endpoint reads, by their lower-case wire name (one pass over the raw list).
+READ_HEADERS = (b"x-request-id", b"authorization", b"content-type", b"content-length")
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
+class Served(Protocol):
+    """What the skeleton reads from `app.state.rt`: the guard and the body limit. Each wing's host Protocol
+    (`InferenceHost`, `EmbeddingsHost`, ...) adds what its own functions read."""
+
+    settings: Settings
+    guard: Guard
+
+
+class Call:
+    """One request on its way through the skeleton: what the wing's functions read (the request id, the
+    caller, the scope) and what they tell the accounting (the model, the inputs served and their cost)."""
+
+    __slots__ = (
+        "scope",
+        "receive",
+        "request_id",
+        "arrived",
+        "headers",
+        "caller",
+        "model",
+        "inputs",
+        "cost",
+        "answer_headers",
+    )
+
+    def __init__(self, scope: Scope, receive: Receive, request_id: str, arrived: float, headers: dict[str, str]):
+        self.scope = scope
+        self.receive = receive
+        self.request_id = request_id
+        self.arrived = arrived
+        self.headers = headers  # the request headers the endpoint reads, by lower-case name
+        self.caller: Caller | None = None
+        self.model = "unknown"  # the model version answering, once the wing has picked it
+        self.inputs = 1  # inputs the request holds (a list's length), for the ledger
+        self.cost = 1.0  # cost units served (tokens, or 1 an input), for the ledger
+        self.answer_headers: Mapping[str, str] = NO_HEADERS  # on every answer: the X-RateLimit-* headers
+
+    def gone(self) -> Callable[[], bool]:
+        """The door's "has the caller hung up?" check: uvicorn's per-request flag, else a watcher task."""
+        return disconnect_probe(self.receive) or Watcher(self.receive)
+
+    @property
+    def who(self) -> Caller:
+        """The caller, on an endpoint that identifies (every model route)."""
+        if self.caller is None:
+            raise RuntimeError("this endpoint does not identify its callers")
+        return self.caller
+
+
+@dataclass(slots=True)
+class Answer:
+    """A whole answer: its body, media type and the route's own header lines (`head`: "name: value\\r\\n" each,
+    of values the route built itself, so they skip uvicorn's per-header checks)."""
+
+    body: bytes
+    media: bytes = b"application/json"
+    head: bytes = b""
+    status: int = 200
+
+
+@dataclass(slots=True)
+class Stream:
+    """An answer written as it is made (server-sent events). `close(status)` runs exactly once when the stream
+    ends ("200"), fails ("500") or the caller leaves ("499"): the wing's own accounting of a stream, whose
+    outcome is known only at its end."""
+
+    chunks: AsyncIterator[bytes]
+    close: Callable[[str], None]
+    media: bytes = b"text/event-stream"
+
+
+class Gone(Exception):
+    """Raised by a wing's function when the caller left (a stream that noticed first)."""
+
+
+Req = TypeVar("Req")
+Res = TypeVar("Res")
+Host = TypeVar("Host", bound=Served, contravariant=True)
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[Host, Req, Res]):
+    """One route's declaration, and the ASGI app that serves it (see the module docstring).
+
+    `tokens`: rate-limit tokens known only from the request (a list of N inputs costs N): the caller is refused
+    (429) before its body is read when its bucket is empty, and the N tokens taken once parsed; None takes one
+    token before the body. `identify` False: a public route (no caller, no tokens); `books` False: its answers
+    are not a model's (not in the model metrics or the SLO ledger, only in the answered count); `body` False: a
+    GET. `headers`: request headers beyond the four every endpoint reads."""
+
+    dialect: Dialect
+    parse: Callable[[Host, Call, bytes], Req]
+    handle: Callable[[Host, Call, Req], Awaitable[Res]]
+    render: Callable[[Host, Call, Req, Res], Answer | Stream]
+    tokens: Callable[[Req], int] | None = None
+    identify: bool = True
+    books: bool = True
+    body: bool = True
+    headers: tuple[bytes, ...] = ()
+    names: dict[bytes, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", {name: name.decode() for name in (*READ_HEADERS, *self.headers)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rt: Host = scope["app"].state.rt
+        guard = rt.guard
+        names = self.names
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            key = names.get(name.lower())
+            if key is not None and key not in headers:
+                headers[key] = value.decode("latin-1")
+        call = Call(scope, receive, request_id_from(headers.get("x-request-id")), time.monotonic(), headers)
+        caller = None
+        try:
+            if self.identify:
+                caller = call.caller = guard.identify(
+                    headers.get("authorization"), scope, self.dialect.any_key_anonymous
+                )
+                if self.tokens is None:
+                    call.answer_headers = guard.take(caller)
+                else:
+                    guard.check(caller)
+            body = (
+                await read_body_from(receive, rt.settings.max_body_bytes, headers.get("content-length"))
+                if self.body
+                else b""
+            )
+            req = self.parse(rt, call, body)
+            if self.tokens is not None and caller is not None:
+                call.answer_headers = guard.take(caller, self.tokens(req))
+            answer = self.render(rt, call, req, await self.handle(rt, call, req))
+        except ApiError as err:
+            self.refused(guard, call, err)
+            out, err_headers = self.dialect.render(err, call.request_id)
+            if call.answer_headers and not err.headers:
+                err_headers.update(call.answer_headers)
+            await send_json(send, err.status, out, err_headers)
+            return
+        except (ClientGone, ClientDisconnect, Gone):
+            if self.books:
+                guard.gone(call.model)
+            return
+        except Exception:
+            log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
+            failed = errors.internal_error()
+            self.refused(guard, call, failed)
+            out, err_headers = self.dialect.render(failed, call.request_id)
+            await send_json(send, 500, out, err_headers)
+            return
+        if isinstance(answer, Stream):
+            await self.stream(answer, call, send)
+            return
+        if not self.books:
+            guard.counted()
+        elif caller is not None:
+            guard.ok(call.model, time.monotonic() - call.arrived, caller, call.inputs, call.cost)
+        await self.send(answer, call, send)
+
+    def refused(self, guard: Guard, call: Call, err: ApiError) -> None:
+        if self.books:
+            guard.refused(call.model, err, call.caller, call.inputs)
+        else:
+            guard.counted()
+
+    @staticmethod
+    async def send(answer: Answer, call: Call, send: Send) -> None:
+        """The answer in one write under batchserve's own protocol, else as the usual ASGI messages."""
+        extra = answer.head
+        if call.answer_headers:
+            extra += b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in call.answer_headers.items())
+        send_whole = whole_answer_sender(send)
+        if send_whole is not None:
+            head = b"content-type: %s\r\nx-request-id: %s\r\n%s" % (answer.media, call.request_id.encode(), extra)
+            await send_whole(answer.status, head, answer.body)
+            return
+        raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode())]
+        raw += [tuple(line.split(b": ", 1)) for line in extra.split(b"\r\n") if line]  # type: ignore[misc]
+        raw.append((b"content-length", b"%d" % len(answer.body)))
+        await send({"type": "http.response.start", "status": answer.status, "headers": raw})
+        await send({"type": "http.response.body", "body": answer.body})
+
+    @staticmethod
+    async def stream(answer: Stream, call: Call, send: Send) -> None:
+        """A streamed answer: its head, then each chunk as it comes; `close` says how it ended."""
+        status = "500"
+        raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode())]
+        raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
+        raw.append((b"cache-control", b"no-cache"))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+            async for chunk in answer.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            status = "200"
+        except (OSError, ClientDisconnect, Gone):
+            status = "499"
+        finally:
+            answer.close(status)
+
+
+def no_body(rt: object, call: Call, body: bytes) -> None:
+    """The `parse` of a route that takes no body (a GET)."""
+    return None
