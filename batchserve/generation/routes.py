@@ -12,16 +12,12 @@ from starlette.routing import Route
 
 from batchserve.generation.engine import Engine, enabled
 from batchserve.generation.wire import JSON
-from batchserve.generation.serving import GenerationHost, generate
+from batchserve.generation.serving import GenerationHost, endpoint
 from batchserve.http.guards import operational
 
 
-async def chat_completions(request: Request) -> Response:
-    return await generate(request, chat=True)
-
-
-async def completions(request: Request) -> Response:
-    return await generate(request, chat=False)
+chat_completions = endpoint(chat=True)
+completions = endpoint(chat=False)
 
 
 def model_cards(engine: Engine | None) -> list[dict[str, Any]]:

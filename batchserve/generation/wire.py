@@ -1,5 +1,5 @@
 """The OpenAI request and answer shapes of the generation routes: parsing and validating a body (400 with the
-offending `param`), the error shape `{"error": {message, type, param, code}}`, and the JSON / SSE answers."""
+offending `param`), and the JSON / SSE answers. Errors are `ApiError`s, in OpenAI's shape by `http/dialects.py`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 
 from batchserve.generation.engine import SamplingParams
-from batchserve.http.openai_error import JSON, OpenAIError, bad, error_response, json_object
+from batchserve.http.openai_error import JSON, bad, json_object
 
-__all__ = ["JSON", "OpenAIError", "bad", "error_response", "parse", "Answer", "sse"]
+__all__ = ["JSON", "bad", "parse", "Answer", "sse"]
 
 ROLES = ("system", "user", "assistant", "developer")
 

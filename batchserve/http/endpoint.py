@@ -66,6 +66,7 @@ class Call:
         "inputs",
         "cost",
         "answer_headers",
+        "booked",
     )
 
     def __init__(self, scope: Scope, receive: Receive, request_id: str, arrived: float, headers: dict[str, str]):
@@ -79,6 +80,7 @@ class Call:
         self.inputs = 1  # inputs the request holds (a list's length), for the ledger
         self.cost = 1.0  # cost units served (tokens, or 1 an input), for the ledger
         self.answer_headers: Mapping[str, str] = NO_HEADERS  # on every answer: the X-RateLimit-* headers
+        self.booked = False  # the wing booked this answer itself (a generation sequence books its own outcome)
 
     def gone(self) -> Callable[[], bool]:
         """The door's "has the caller hung up?" check: uvicorn's per-request flag, else a watcher task."""
@@ -123,15 +125,44 @@ Res = TypeVar("Res")
 Host = TypeVar("Host", bound=Served, contravariant=True)
 
 
+class Book(Protocol[Host]):
+    """How an endpoint's answers are counted, where not as a model's (`guard.ok` / `guard.refused`, the default):
+    `COUNTED` for the routes that serve no model, or a wing's own (the generation engine's metrics)."""
+
+    def ok(self, rt: Host, call: Call) -> None: ...
+
+    def refused(self, rt: Host, call: Call, err: ApiError) -> None: ...
+
+    def gone(self, rt: Host, call: Call) -> None: ...
+
+
+class Counted:
+    """The answers of a route that serves no model: in the answered count only (not the model metrics, nor the
+    SLO ledger)."""
+
+    def ok(self, rt: Served, call: Call) -> None:
+        rt.guard.counted()
+
+    def refused(self, rt: Served, call: Call, err: ApiError) -> None:
+        rt.guard.counted()
+
+    def gone(self, rt: Served, call: Call) -> None:
+        pass
+
+
+COUNTED = Counted()
+
+
 @dataclass(frozen=True)
 class Endpoint(Generic[Host, Req, Res]):
     """One route's declaration, and the ASGI app that serves it (see the module docstring).
 
     `tokens`: rate-limit tokens known only from the request (a list of N inputs costs N): the caller is refused
     (429) before its body is read when its bucket is empty, and the N tokens taken once parsed; None takes one
-    token before the body. `identify` False: a public route (no caller, no tokens); `books` False: its answers
-    are not a model's (not in the model metrics or the SLO ledger, only in the answered count); `body` False: a
-    GET. `headers`: request headers beyond the four every endpoint reads."""
+    token before the body. `identify` False: a public route (no caller, no tokens); `book`: how its answers are
+    counted when not as a model's (`COUNTED`, or the wing's own); `body` False: a GET; `before_body`: what waits
+    before the body is read (the generation routes' refusal throttle). `headers`: request headers beyond the
+    four every endpoint reads."""
 
     dialect: Dialect
     parse: Callable[[Host, Call, bytes], Req]
@@ -139,8 +170,9 @@ class Endpoint(Generic[Host, Req, Res]):
     render: Callable[[Host, Call, Req, Res], Answer | Stream]
     tokens: Callable[[Req], int] | None = None
     identify: bool = True
-    books: bool = True
+    book: Book[Host] | None = None
     body: bool = True
+    before_body: Callable[[Host, Call], Awaitable[None]] | None = None
     headers: tuple[bytes, ...] = ()
     names: dict[bytes, str] = field(init=False, repr=False, compare=False)
 
@@ -167,6 +199,8 @@ class Endpoint(Generic[Host, Req, Res]):
                     call.answer_headers = guard.take(caller)
                 else:
                     guard.check(caller)
+            if self.before_body is not None:
+                await self.before_body(rt, call)
             body = (
                 await read_body_from(receive, rt.settings.max_body_bytes, headers.get("content-length"))
                 if self.body
@@ -177,37 +211,44 @@ class Endpoint(Generic[Host, Req, Res]):
                 call.answer_headers = guard.take(caller, self.tokens(req))
             answer = self.render(rt, call, req, await self.handle(rt, call, req))
         except ApiError as err:
-            self.refused(guard, call, err)
+            self.refused(rt, call, err)
             out, err_headers = self.dialect.render(err, call.request_id)
             if call.answer_headers and not err.headers:
                 err_headers.update(call.answer_headers)
             await send_json(send, err.status, out, err_headers)
             return
         except (ClientGone, ClientDisconnect, Gone):
-            if self.books:
-                guard.gone(call.model)
+            if not call.booked:
+                if self.book is None:
+                    guard.gone(call.model)
+                else:
+                    self.book.gone(rt, call)
             return
         except Exception:
             log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
             failed = errors.internal_error()
-            self.refused(guard, call, failed)
+            self.refused(rt, call, failed)
             out, err_headers = self.dialect.render(failed, call.request_id)
             await send_json(send, 500, out, err_headers)
             return
         if isinstance(answer, Stream):
             await self.stream(answer, call, send)
             return
-        if not self.books:
-            guard.counted()
+        if call.booked:
+            pass
+        elif self.book is not None:
+            self.book.ok(rt, call)
         elif caller is not None:
             guard.ok(call.model, time.monotonic() - call.arrived, caller, call.inputs, call.cost)
         await self.send(answer, call, send)
 
-    def refused(self, guard: Guard, call: Call, err: ApiError) -> None:
-        if self.books:
-            guard.refused(call.model, err, call.caller, call.inputs)
+    def refused(self, rt: Host, call: Call, err: ApiError) -> None:
+        if call.booked:
+            return
+        if self.book is None:
+            rt.guard.refused(call.model, err, call.caller, call.inputs)
         else:
-            guard.counted()
+            self.book.refused(rt, call, err)
 
     @staticmethod
     async def send(answer: Answer, call: Call, send: Send) -> None:
@@ -233,14 +274,19 @@ class Endpoint(Generic[Host, Req, Res]):
         raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode())]
         raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
         raw.append((b"cache-control", b"no-cache"))
+        gone = call.gone()
         try:
             await send({"type": "http.response.start", "status": 200, "headers": raw})
             async for chunk in answer.chunks:
+                if gone():  # uvicorn drops what is sent to a closed connection: stop making it
+                    raise Gone()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             status = "200"
         except (OSError, ClientDisconnect, Gone):
             status = "499"
+        except Exception:  # the head went out: nothing more can be said on this connection
+            log.exception("a streamed answer failed on %s", printable(call.scope["path"]))
         finally:
             answer.close(status)
 

@@ -22,7 +22,7 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import Answer, Call, Endpoint, no_body
+from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, no_body
 from batchserve.http.guards import Guard, costs_of
 from batchserve.inference.parse import parse_inference
 from batchserve.models import ModelRegistry
@@ -121,10 +121,10 @@ def render_models(rt: InferenceHost, call: Call, req: None, data: list[dict[str,
 
 inference: Endpoint[InferenceHost, tuple[str, float], ItemResult] = Endpoint(NATIVE, parse, infer, render)
 request_status: Endpoint[InferenceHost, None, Record] = Endpoint(
-    NATIVE, no_body, find_request, render_record, books=False, body=False
+    NATIVE, no_body, find_request, render_record, book=COUNTED, body=False
 )
 list_models: Endpoint[InferenceHost, None, list[dict[str, object]]] = Endpoint(
-    NATIVE, no_body, models, render_models, identify=False, books=False, body=False
+    NATIVE, no_body, models, render_models, identify=False, book=COUNTED, body=False
 )
 
 # (method, path) -> ASGI app, served by `app.FastPath` ahead of Starlette's router and middleware.
