@@ -150,7 +150,22 @@ class Counted:
         pass
 
 
+class Uncounted:
+    """The answers of a public route that is not a request for work (health, metadata, the model list): not
+    counted at all, so probes do not inflate the requests per second the 1 s tick reads."""
+
+    def ok(self, rt: Served, call: Call) -> None:
+        pass
+
+    def refused(self, rt: Served, call: Call, err: ApiError) -> None:
+        pass
+
+    def gone(self, rt: Served, call: Call) -> None:
+        pass
+
+
 COUNTED = Counted()
+UNCOUNTED = Uncounted()
 
 
 @dataclass(frozen=True)
@@ -294,3 +309,12 @@ class Endpoint(Generic[Host, Req, Res]):
 def no_body(rt: object, call: Call, body: bytes) -> None:
     """The `parse` of a route that takes no body (a GET)."""
     return None
+
+
+def public(
+    dialect: Dialect,
+    handle: Callable[[Host, Call, None], Awaitable[Res]],
+    render: Callable[[Host, Call, None, Res], Answer | Stream],
+) -> Endpoint[Host, None, Res]:
+    """A GET that anyone may make and that asks for no work (health, metadata): no caller, no body, not counted."""
+    return Endpoint(dialect, no_body, handle, render, identify=False, book=UNCOUNTED, body=False)

@@ -22,7 +22,7 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, no_body
+from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, no_body, public
 from batchserve.http.guards import Guard, costs_of
 from batchserve.inference.parse import parse_inference
 from batchserve.models import ModelRegistry
@@ -123,9 +123,7 @@ inference: Endpoint[InferenceHost, tuple[str, float], ItemResult] = Endpoint(NAT
 request_status: Endpoint[InferenceHost, None, Record] = Endpoint(
     NATIVE, no_body, find_request, render_record, book=COUNTED, body=False
 )
-list_models: Endpoint[InferenceHost, None, list[dict[str, object]]] = Endpoint(
-    NATIVE, no_body, models, render_models, identify=False, book=COUNTED, body=False
-)
+list_models: Endpoint[InferenceHost, None, list[dict[str, object]]] = public(NATIVE, models, render_models)
 
 # (method, path) -> ASGI app, served by `app.FastPath` ahead of Starlette's router and middleware.
 FAST_ROUTES = {("POST", "/v1/inference"): inference, ("POST", "/api/inference"): inference}
