@@ -24,7 +24,7 @@ from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.embeddings import routes as embeddings_routes
 from batchserve.embeddings import schema as embeddings_schema
-from batchserve.http.dialects import internal_error
+from batchserve.http.dialects import http_error, internal_error, unexpected_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import schema as generation_schema
 from batchserve.http import docs_page, openapi, usage
@@ -145,7 +145,7 @@ def create_app(
     app = Starlette(
         routes=[route for routes, _ in WINGS for route in routes],
         lifespan=lifespan,
-        exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error},
+        exception_handlers={HTTPException: http_error, Exception: unexpected_error},
     )
     # No 307 to the path without its trailing slash: Starlette builds that Location from the caller's Host
     # header (an open redirect off any proxy that passes Host through). A 404 that names the path instead.

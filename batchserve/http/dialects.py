@@ -14,12 +14,15 @@ import math
 from dataclasses import dataclass
 
 import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Send
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.plumbing import JSON, new_request_id, send_json
+from batchserve.http.plumbing import JSON, new_request_id, request_id_of, send_json
+from batchserve.logsafe import printable
 
 log = logging.getLogger("batchserve.http")
 
@@ -112,3 +115,24 @@ async def internal_error(send: Send, request_id: str = "", dialect: Dialect = NA
         await send_json(send, 500, body, headers)
     except RuntimeError:
         pass
+
+
+async def unexpected_error(request: Request, exc: Exception) -> Response:
+    """Starlette's handler of any exception no route expected (the endpoints catch their own): a JSON 500 that
+    says nothing of it; the traceback goes to the log."""
+    log.error("unexpected error on %s %s", request.method, printable(request.url.path), exc_info=exc)
+    return error_response(errors.internal_error(), request_id_of(request))
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """The router's own 404 and 405 (and a static page's 404), in the native error shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        path = request.url.path
+        slash = f": paths take no trailing slash ({printable(path.rstrip('/'), 200)})" if path.endswith("/") else ""
+        err = errors.not_found(f"{exc.detail}{slash}")
+    elif exc.status_code == 405:
+        err = errors.method_not_allowed(str(exc.detail))
+    else:
+        err = errors.ApiError(exc.status_code, "HTTP_ERROR", str(exc.detail))
+    return error_response(err, request_id_of(request))

@@ -174,7 +174,9 @@ class Endpoint(Generic[Host, Req, Res]):
 
     `tokens`: rate-limit tokens known only from the request (a list of N inputs costs N): the caller is refused
     (429) before its body is read when its bucket is empty, and the N tokens taken once parsed; None takes one
-    token before the body. `identify` False: a public route (no caller, no tokens); `book`: how its answers are
+    token before the body; `rate` False: a caller is identified but takes no token (GET /v1/usage: how a refused
+    caller finds out why). `identify` False: a public route (no caller, no tokens); `ops_key`: an operational
+    route, served only with `--metrics-key` when one is set (401 before anything else); `book`: how its answers are
     counted when not as a model's (`COUNTED`, or the wing's own); `body` False: a GET; `before_body`: what waits
     before the body is read (the generation routes' refusal throttle). `headers`: request headers beyond the
     four every endpoint reads."""
@@ -185,6 +187,8 @@ class Endpoint(Generic[Host, Req, Res]):
     render: Callable[[Host, Call, Req, Res], Answer | Stream]
     tokens: Callable[[Req], int] | None = None
     identify: bool = True
+    rate: bool = True
+    ops_key: bool = False
     book: Book[Host] | None = None
     body: bool = True
     before_body: Callable[[Host, Call], Awaitable[None]] | None = None
@@ -206,11 +210,15 @@ class Endpoint(Generic[Host, Req, Res]):
         call = Call(scope, receive, request_id_from(headers.get("x-request-id")), time.monotonic(), headers)
         caller = None
         try:
+            if self.ops_key:
+                guard.check_ops_key(headers.get("authorization"))
             if self.identify:
                 caller = call.caller = guard.identify(
                     headers.get("authorization"), scope, self.dialect.any_key_anonymous
                 )
-                if self.tokens is None:
+                if not self.rate:
+                    pass
+                elif self.tokens is None:
                     call.answer_headers = guard.take(caller)
                 else:
                     guard.check(caller)
@@ -222,7 +230,7 @@ class Endpoint(Generic[Host, Req, Res]):
                 else b""
             )
             req = self.parse(rt, call, body)
-            if self.tokens is not None and caller is not None:
+            if self.tokens is not None and caller is not None and self.rate:
                 call.answer_headers = guard.take(caller, self.tokens(req))
             answer = self.render(rt, call, req, await self.handle(rt, call, req))
         except ApiError as err:
@@ -318,3 +326,13 @@ def public(
 ) -> Endpoint[Host, None, Res]:
     """A GET that anyone may make and that asks for no work (health, metadata): no caller, no body, not counted."""
     return Endpoint(dialect, no_body, handle, render, identify=False, book=UNCOUNTED, body=False)
+
+
+def operational(
+    dialect: Dialect,
+    handle: Callable[[Host, Call, None], Awaitable[Res]],
+    render: Callable[[Host, Call, None, Res], Answer | Stream],
+) -> Endpoint[Host, None, Res]:
+    """A GET of the node's own state (health details, metrics): only with `--metrics-key` when one is set, since
+    it names workers, queue depths and rates that callers need not see; not counted."""
+    return Endpoint(dialect, no_body, handle, render, identify=False, ops_key=True, book=UNCOUNTED, body=False)

@@ -11,10 +11,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass, field
 from typing import Protocol
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.types import Scope
 
 from batchserve import errors
@@ -22,8 +20,7 @@ from batchserve.core import ledger
 from batchserve.core.ledger import UsageBook
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.errors import ApiError
-from batchserve.http.plumbing import client_host, request_id_of
-from batchserve.http.dialects import error_response
+from batchserve.http.plumbing import client_host
 from batchserve.metrics import Metrics
 from batchserve.tenancy import Caller, Tenancy
 
@@ -149,27 +146,3 @@ class Guard:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise errors.unauthorized("this route needs the metrics key: 'Authorization: Bearer <metrics key>'")
-
-
-class Guarded(Protocol):
-    """What the guard's helpers need of the server on `app.state.rt`."""
-
-    guard: Guard
-
-
-def guard_of(request: Request) -> Guard:
-    host: Guarded = request.app.state.rt
-    return host.guard
-
-
-def operational(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """An operational route: served only with the metrics key, when one is set."""
-
-    async def endpoint(request: Request) -> Response:
-        try:
-            guard_of(request).check_ops_key(request.headers.get("authorization"))
-        except ApiError as err:
-            return error_response(err, request_id_of(request))
-        return await handler(request)
-
-    return endpoint
