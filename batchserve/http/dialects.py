@@ -96,6 +96,9 @@ class KServe(Dialect):
 
 
 NATIVE = Native("native")
+# The native shape on the routes OpenAI's clients call too (batches, files): any key is anonymous when no keys
+# are configured, as on the OpenAI routes.
+NATIVE_ANY_KEY = Native("native", any_key_anonymous=True)
 OPENAI = OpenAI("openai", any_key_anonymous=True)
 KSERVE = KServe("kserve")
 

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+import orjson
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -105,6 +106,11 @@ class Answer:
     status: int = 200
 
 
+def json_answer(body: object, status: int = 200, head: bytes = b"") -> Answer:
+    """A JSON answer of `body` (what orjson can write)."""
+    return Answer(orjson.dumps(body), head=head, status=status)
+
+
 @dataclass(slots=True)
 class Stream:
     """An answer written as it is made (server-sent events). `close(status)` runs exactly once when the stream
@@ -112,7 +118,7 @@ class Stream:
     outcome is known only at its end."""
 
     chunks: AsyncIterator[bytes]
-    close: Callable[[str], None]
+    close: Callable[[str], None] = lambda status: None
     media: bytes = b"text/event-stream"
 
 
@@ -254,15 +260,15 @@ class Endpoint(Generic[Host, Req, Res]):
             out, err_headers = self.dialect.render(failed, call.request_id)
             await send_json(send, 500, out, err_headers)
             return
-        if isinstance(answer, Stream):
-            await self.stream(answer, call, send)
-            return
         if call.booked:
             pass
         elif self.book is not None:
             self.book.ok(rt, call)
         elif caller is not None:
             guard.ok(call.model, time.monotonic() - call.arrived, caller, call.inputs, call.cost)
+        if isinstance(answer, Stream):
+            await self.stream(answer, call, send)
+            return
         await self.send(answer, call, send)
 
     def refused(self, rt: Host, call: Call, err: ApiError) -> None:
