@@ -45,7 +45,7 @@ class GenerationHost(Protocol):
 async def next_or_gone(call: Call, seq: Sequence) -> Delta | None:
     """The sequence's next delta, or None if the caller hung up first."""
     getter = asyncio.ensure_future(seq.deltas.get())
-    watcher = asyncio.ensure_future(_disconnected(call))
+    watcher = asyncio.ensure_future(call.hung_up())
     try:
         await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -54,11 +54,6 @@ async def next_or_gone(call: Call, seq: Sequence) -> Delta | None:
         return getter.result()
     getter.cancel()
     return None
-
-
-async def _disconnected(call: Call) -> None:
-    while (await call.receive())["type"] != "http.disconnect":
-        pass
 
 
 def who(call: Call) -> str:

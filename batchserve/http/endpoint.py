@@ -87,6 +87,12 @@ class Call:
         """The door's "has the caller hung up?" check: uvicorn's per-request flag, else a watcher task."""
         return disconnect_probe(self.receive) or Watcher(self.receive)
 
+    async def hung_up(self) -> None:
+        """Returns when the caller hangs up: for a wing that waits on something other than the door (the
+        generation engine's deltas) and must stop when nobody will read its answer."""
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+
     @property
     def who(self) -> Caller:
         """The caller, on an endpoint that identifies (every model route)."""
