@@ -23,8 +23,8 @@ from batchserve.embeddings.parse import EmbeddingRequest, parse
 from batchserve.embeddings.render import answer
 from batchserve.errors import ApiError
 from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import Answer, Call, Endpoint
-from batchserve.http.guards import Guard, costs_of
+from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint
+from batchserve.http.guards import Guard
 from batchserve.http.openai_error import bad, unknown_model
 from batchserve.models import ModelRegistry
 

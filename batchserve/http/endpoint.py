@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from types import MappingProxyType
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -42,6 +42,27 @@ log = logging.getLogger("batchserve.http")
 # The request headers every endpoint reads, by their lower-case wire name (one pass over the raw list).
 READ_HEADERS = (b"x-request-id", b"authorization", b"content-type", b"content-length")
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
+class Coster(Protocol):
+    """What the ledger asks of a backend: the cost of one input (tokens; 1 for a plugin that declares none)."""
+
+    def cost_of(self, text: str) -> float: ...
+
+
+def costs_of(backend: Coster | None, texts: Sequence[str]) -> float:
+    """The cost units of a request's inputs as the batcher counts them (`backend.cost_of`, cached by the
+    built-in backends since admission asked): 1 an input when the backend is gone or cannot say. What a
+    wing's `handle` puts in `call.cost` for the accounting."""
+    if backend is None:
+        return float(len(texts))
+    total = 0.0
+    try:
+        for text in texts:
+            total += backend.cost_of(text)
+    except Exception:  # noqa: BLE001 - the answer went out; its cost is then counted as its inputs
+        return float(len(texts))
+    return total
 
 
 class Served(Protocol):
@@ -219,7 +240,7 @@ class Endpoint(Generic[Host, Req, Res]):
             key = names.get(name.lower())
             if key is not None and key not in headers:
                 headers[key] = value.decode("latin-1")
-        call = Call(scope, receive, request_id_from(headers.get("x-request-id")), time.monotonic(), headers)
+        call = Call(scope, receive, "", time.monotonic(), headers)
         caller = None
         try:
             if self.ops_key:
@@ -234,6 +255,9 @@ class Endpoint(Generic[Host, Req, Res]):
                     call.answer_headers = guard.take(caller)
                 else:
                     guard.check(caller)
+            # The request id once the caller may send (beside the body read, in the same module: the path's
+            # steps in order, tests/unit/http/test_request_path.py); a refusal above makes it when it renders.
+            call.request_id = request_id_from(headers.get("x-request-id"))
             if self.before_body is not None:
                 await self.before_body(rt, call)
             body = (
@@ -246,6 +270,8 @@ class Endpoint(Generic[Host, Req, Res]):
                 call.answer_headers = guard.take(caller, self.tokens(req))
             answer = self.render(rt, call, req, await self.handle(rt, call, req))
         except ApiError as err:
+            if not call.request_id:
+                call.request_id = request_id_from(headers.get("x-request-id"))
             self.refused(rt, call, err)
             out, err_headers = self.dialect.render(err, call.request_id)
             if call.answer_headers and not err.headers:
@@ -261,6 +287,8 @@ class Endpoint(Generic[Host, Req, Res]):
             return
         except Exception:
             log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
+            if not call.request_id:
+                call.request_id = request_id_from(headers.get("x-request-id"))
             failed = errors.internal_error()
             self.refused(rt, call, failed)
             out, err_headers = self.dialect.render(failed, call.request_id)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
-from typing import Protocol
-from collections.abc import Sequence
 
 from starlette.types import Scope
 
@@ -23,26 +21,6 @@ from batchserve.errors import ApiError
 from batchserve.http.plumbing import client_host
 from batchserve.metrics import Metrics
 from batchserve.tenancy import Caller, Tenancy
-
-
-class Coster(Protocol):
-    """What the ledger asks of a backend: the cost of one input (tokens; 1 for a plugin that declares none)."""
-
-    def cost_of(self, text: str) -> float: ...
-
-
-def costs_of(backend: Coster | None, texts: Sequence[str]) -> float:
-    """The cost units of a request's inputs as the batcher counts them (`backend.cost_of`, cached by the
-    built-in backends since admission asked): 1 an input when the backend is gone or cannot say."""
-    if backend is None:
-        return float(len(texts))
-    total = 0.0
-    try:
-        for text in texts:
-            total += backend.cost_of(text)
-    except Exception:  # noqa: BLE001 - the answer went out; its cost is then counted as its inputs
-        return float(len(texts))
-    return total
 
 
 @dataclass

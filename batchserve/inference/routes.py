@@ -22,8 +22,8 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, no_body, public
-from batchserve.http.guards import Guard, costs_of
+from batchserve.http.endpoint import COUNTED, Answer, Call, costs_of, Endpoint, no_body, public
+from batchserve.http.guards import Guard
 from batchserve.inference.parse import parse_inference
 from batchserve.models import ModelRegistry
 

@@ -30,7 +30,8 @@ from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.plumbing import request_id_from
-from batchserve.http.guards import Guard, costs_of
+from batchserve.http.endpoint import costs_of
+from batchserve.http.guards import Guard
 from batchserve.kserve.wire import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME, bad, model_metadata
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller

@@ -26,8 +26,8 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.http.dialects import KSERVE
-from batchserve.http.endpoint import Answer, Call, Endpoint, public
-from batchserve.http.guards import Guard, costs_of
+from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint, public
+from batchserve.http.guards import Guard
 from batchserve.kserve.wire import EXTENSIONS, HEADER_LENGTH, InferRequest, infer_answer, model_metadata, parse_infer
 from batchserve.models import ModelRegistry
 

@@ -19,8 +19,8 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import Answer, Call, Endpoint
-from batchserve.http.guards import Guard, costs_of
+from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint
+from batchserve.http.guards import Guard
 from batchserve.http.openai_error import bad, unknown_model
 from batchserve.models import ModelRegistry
 from batchserve.rerank.parse import RerankRequest, parse
