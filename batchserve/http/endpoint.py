@@ -77,19 +77,13 @@ class Call:
     """One request on its way through the skeleton: what the wing's functions read (the request id, the
     caller, the scope) and what they tell the accounting (the model, the inputs served and their cost)."""
 
-    __slots__ = (
-        "scope",
-        "receive",
-        "request_id",
-        "arrived",
-        "headers",
-        "caller",
-        "model",
-        "inputs",
-        "cost",
-        "answer_headers",
-        "booked",
-    )
+    # What a wing may set, by default (class attributes: a request pays only for what it changes).
+    caller: Caller | None = None
+    model = "unknown"  # the model version answering, once the wing has picked it
+    inputs = 1  # inputs the request holds (a list's length), for the ledger
+    cost = 1.0  # cost units served (tokens, or 1 an input), for the ledger
+    answer_headers: Mapping[str, str] = NO_HEADERS  # on every answer: the X-RateLimit-* headers
+    booked = False  # the wing booked this answer itself (a generation sequence books its own outcome)
 
     def __init__(self, scope: Scope, receive: Receive, request_id: str, arrived: float, headers: dict[str, str]):
         self.scope = scope
@@ -97,12 +91,6 @@ class Call:
         self.request_id = request_id
         self.arrived = arrived
         self.headers = headers  # the request headers the endpoint reads, by lower-case name
-        self.caller: Caller | None = None
-        self.model = "unknown"  # the model version answering, once the wing has picked it
-        self.inputs = 1  # inputs the request holds (a list's length), for the ledger
-        self.cost = 1.0  # cost units served (tokens, or 1 an input), for the ledger
-        self.answer_headers: Mapping[str, str] = NO_HEADERS  # on every answer: the X-RateLimit-* headers
-        self.booked = False  # the wing booked this answer itself (a generation sequence books its own outcome)
 
     def gone(self) -> Callable[[], bool]:
         """The door's "has the caller hung up?" check: uvicorn's per-request flag, else a watcher task."""
@@ -124,18 +112,18 @@ class Call:
 
 @dataclass(slots=True)
 class Answer:
-    """A whole answer: its body, media type and the route's own header lines (`head`: "name: value\\r\\n" each,
-    of values the route built itself, so they skip uvicorn's per-header checks)."""
+    """A whole answer: its body, media type and the route's own headers (name, value), of values the route built
+    itself, so they skip uvicorn's per-header checks."""
 
     body: bytes
     media: bytes = b"application/json"
-    head: bytes = b""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
     status: int = 200
 
 
-def json_answer(body: object, status: int = 200, head: bytes = b"") -> Answer:
+def json_answer(body: object, status: int = 200, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
     """A JSON answer of `body` (what orjson can write)."""
-    return Answer(orjson.dumps(body), head=head, status=status)
+    return Answer(orjson.dumps(body), headers=headers, status=status)
 
 
 @dataclass(slots=True)
@@ -227,9 +215,13 @@ class Endpoint(Generic[Host, Req, Res]):
     before_body: Callable[[Host, Call], Awaitable[None]] | None = None
     headers: tuple[bytes, ...] = ()
     names: dict[bytes, str] = field(init=False, repr=False, compare=False)
+    take_one: bool = field(init=False, repr=False, compare=False)  # one token before the body
+    take_by_body: bool = field(init=False, repr=False, compare=False)  # check before, N tokens after the parse
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", {name: name.decode() for name in (*READ_HEADERS, *self.headers)})
+        object.__setattr__(self, "take_one", self.identify and self.rate and self.tokens is None)
+        object.__setattr__(self, "take_by_body", self.identify and self.rate and self.tokens is not None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rt: Host = scope["app"].state.rt
@@ -249,11 +241,9 @@ class Endpoint(Generic[Host, Req, Res]):
                 caller = call.caller = guard.identify(
                     headers.get("authorization"), scope, self.dialect.any_key_anonymous
                 )
-                if not self.rate:
-                    pass
-                elif self.tokens is None:
+                if self.take_one:
                     call.answer_headers = guard.take(caller)
-                else:
+                elif self.take_by_body:
                     guard.check(caller)
             # The request id once the caller may send (beside the body read, in the same module: the path's
             # steps in order, tests/unit/http/test_request_path.py); a refusal above makes it when it renders.
@@ -266,7 +256,7 @@ class Endpoint(Generic[Host, Req, Res]):
                 else b""
             )
             req = self.parse(rt, call, body)
-            if self.tokens is not None and caller is not None and self.rate:
+            if self.take_by_body and caller is not None and self.tokens is not None:
                 call.answer_headers = guard.take(caller, self.tokens(req))
             answer = self.render(rt, call, req, await self.handle(rt, call, req))
         except ApiError as err:
@@ -303,7 +293,22 @@ class Endpoint(Generic[Host, Req, Res]):
         if isinstance(answer, Stream):
             await self.stream(answer, call, send)
             return
-        await self.send(answer, call, send)
+        # The answer in one write under batchserve's own protocol, else as the usual ASGI messages.
+        send_whole = whole_answer_sender(send)
+        if send_whole is not None:
+            head = b"content-type: %s\r\nx-request-id: %s\r\n" % (answer.media, call.request_id.encode())
+            for name, value in answer.headers:
+                head += b"%s: %s\r\n" % (name, value)
+            for key, text in call.answer_headers.items():
+                head += b"%s: %s\r\n" % (key.encode(), text.encode())
+            await send_whole(answer.status, head, answer.body)
+            return
+        raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode()), *answer.headers]
+        if call.answer_headers:
+            raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
+        raw.append((b"content-length", b"%d" % len(answer.body)))
+        await send({"type": "http.response.start", "status": answer.status, "headers": raw})
+        await send({"type": "http.response.body", "body": answer.body})
 
     def refused(self, rt: Host, call: Call, err: ApiError) -> None:
         if call.booked:
@@ -312,23 +317,6 @@ class Endpoint(Generic[Host, Req, Res]):
             rt.guard.refused(call.model, err, call.caller, call.inputs)
         else:
             self.book.refused(rt, call, err)
-
-    @staticmethod
-    async def send(answer: Answer, call: Call, send: Send) -> None:
-        """The answer in one write under batchserve's own protocol, else as the usual ASGI messages."""
-        extra = answer.head
-        if call.answer_headers:
-            extra += b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in call.answer_headers.items())
-        send_whole = whole_answer_sender(send)
-        if send_whole is not None:
-            head = b"content-type: %s\r\nx-request-id: %s\r\n%s" % (answer.media, call.request_id.encode(), extra)
-            await send_whole(answer.status, head, answer.body)
-            return
-        raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode())]
-        raw += [tuple(line.split(b": ", 1)) for line in extra.split(b"\r\n") if line]  # type: ignore[misc]
-        raw.append((b"content-length", b"%d" % len(answer.body)))
-        await send({"type": "http.response.start", "status": answer.status, "headers": raw})
-        await send({"type": "http.response.body", "body": answer.body})
 
     @staticmethod
     async def stream(answer: Stream, call: Call, send: Send) -> None:

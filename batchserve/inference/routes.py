@@ -9,6 +9,7 @@ the batcher's queue, a worker thread runs the batch) → `render` (the output an
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from typing import Protocol
 
 import orjson
@@ -46,28 +47,29 @@ class InferenceHost(Protocol):
 def parse(rt: InferenceHost, call: Call, body: bytes) -> tuple[str, float]:
     """The input and its timeout; the model version that answers (404 when none), in `call.model`."""
     text, requested_model, timeout_s = parse_inference(body, call.headers.get("content-type", ""), rt.settings)
-    spec = rt.registry.resolve(requested_model, call.who.key_id)
+    caller = call.caller
+    assert caller is not None  # the endpoint identifies its callers
+    spec = rt.registry.resolve(requested_model, caller.key_id)
     if spec is None:
         raise errors.model_not_found(requested_model)
     call.model = spec.id
     return text, timeout_s
 
 
-async def infer(rt: InferenceHost, call: Call, req: tuple[str, float]) -> ItemResult:
-    # The one door, read as the narrow handler: it answers on the batcher, or hands a generative model to the
-    # generation engine's stepper (`--inference-path`, generation/inference.py).
+def infer(rt: InferenceHost, call: Call, req: tuple[str, float]) -> Awaitable[ItemResult]:
+    """The one door, read as the narrow handler: it answers on the batcher, or hands a generative model to the
+    generation engine's stepper (`--inference-path`, generation/inference.py). Its awaitable, handed back to the
+    skeleton as it is (no coroutine of this route's own in between: the hot path)."""
     handler: InferenceHandler = rt.service
     caller = call.caller
     assert caller is not None  # the endpoint identifies its callers
-    text = req[0]
-    result = await handler.infer(
-        text, call.model, caller.tier, caller.tenant, req[1], call.arrived, call.request_id, call.gone(), caller.owner
+    return handler.infer(
+        req[0], call.model, caller.tier, caller.tenant, req[1], call.arrived, call.request_id, call.gone(), caller.owner
     )
-    call.cost = costs_of(rt.backends.get(call.model), (text,))
-    return result
 
 
 def render(rt: InferenceHost, call: Call, req: tuple[str, float], result: ItemResult) -> Answer:
+    call.cost = costs_of(rt.backends.get(call.model), (req[0],))
     queue_ms, compute_ms = result.queue_s * 1000, result.compute_s * 1000
     out = orjson.dumps(
         {
@@ -80,7 +82,7 @@ def render(rt: InferenceHost, call: Call, req: tuple[str, float], result: ItemRe
             "batch_size": result.batch_size,
         }
     )
-    return Answer(out, head=b"server-timing: queue;dur=%.1f, compute;dur=%.1f\r\n" % (queue_ms, compute_ms))
+    return Answer(out, headers=((b"server-timing", b"queue;dur=%.1f, compute;dur=%.1f" % (queue_ms, compute_ms)),))
 
 
 async def find_request(rt: InferenceHost, call: Call, req: None) -> Record:

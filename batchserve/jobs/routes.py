@@ -186,7 +186,7 @@ def accepted(svc: JobService, job: Job, created: bool) -> Answer | Stream:
         svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
         assert svc.scheduler is not None
         svc.scheduler.add(job)
-    return json_answer(public(job), 202 if created else 200, b"location: /v1/batches/%s\r\n" % job.id.encode())
+    return json_answer(public(job), 202 if created else 200, ((b"location", b"/v1/batches/%s" % job.id.encode()),))
 
 
 def public(job: Job) -> dict[str, Any]:

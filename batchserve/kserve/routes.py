@@ -182,7 +182,7 @@ def render(rt: KServeHost, call: Call, x: Infer, results: list[ItemResult]) -> A
     )
     if header_length is None:
         return Answer(out)
-    return Answer(out, b"application/octet-stream", b"inference-header-content-length: %d\r\n" % header_length)
+    return Answer(out, b"application/octet-stream", ((b"inference-header-content-length", b"%d" % header_length),))
 
 
 infer: Endpoint[KServeHost, Infer, list[ItemResult]] = Endpoint(

@@ -82,7 +82,7 @@ async def handle(rt: Any, call: Call, texts: list[str]) -> list[str]:
 
 
 def render(rt: Any, call: Call, texts: list[str], out: list[str]) -> Answer:
-    return Answer(orjson.dumps(out), head=b"x-answer: yes\r\n")
+    return Answer(orjson.dumps(out), headers=((b"x-answer", b"yes"),))
 
 
 def endpoint(dialect: Dialect = NATIVE, **options: Any) -> Endpoint:
