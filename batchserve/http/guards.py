@@ -18,7 +18,6 @@ from batchserve.core import ledger
 from batchserve.core.ledger import UsageBook
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.errors import ApiError
-from batchserve.http.plumbing import client_host
 from batchserve.metrics import Metrics
 from batchserve.tenancy import Caller, Tenancy
 
@@ -39,7 +38,8 @@ class Guard:
         keys configured, any key is anonymous (as vLLM does)."""
         if openai and not self.tenancy.keys:
             authorization = None
-        return self.tenancy.identify(authorization, client_host(scope))
+        client = scope.get("client")  # http/plumbing.client_host, inline: once per request of every route
+        return self.tenancy.identify(authorization, client[0] if client else "")
 
     def enter(self, authorization: str | None, scope: Scope, openai: bool = False) -> Caller:
         """Identify, and refuse (429) a caller whose bucket holds not even one token, taking none: for a route
@@ -70,7 +70,9 @@ class Guard:
         self.answered += 1
         self.metrics.count_ok(model, latency_s)
         outcome = ledger.MET if latency_s <= self.slo_s else ledger.SLOW
-        self._book(model, caller, outcome, inputs, cost, latency_s)
+        tier = TIER_NAMES[caller.tier]  # `_book` for a served answer, inline: once per answer of every model route
+        self.metrics.count_outcome(model, tier, ledger.OUTCOMES[outcome], inputs, cost)
+        self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s)
 
     def refused(self, model: str, err: ApiError, caller: Caller | None, inputs: int = 1) -> None:
         """An error went out, counted by its code (`model` is "unknown" before one was picked), and in the
