@@ -24,10 +24,10 @@ from batchserve.backends.loading import LoadedModels
 from batchserve.config import Settings
 from batchserve.embeddings import routes as embeddings_routes
 from batchserve.embeddings import shapes as embeddings_shapes
+from batchserve.http.dialects import http_error, internal_error, unexpected_error
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import shapes as generation_shapes
 from batchserve.http import docs_page, openapi, usage
-from batchserve.http.plumbing import internal_error
 from batchserve.inference import routes as inference
 from batchserve.inference import shapes as inference_shapes
 from batchserve.jobs import file_routes
@@ -147,7 +147,7 @@ def create_app(
     app = Starlette(
         routes=[route for routes, _ in WINGS for route in routes],
         lifespan=lifespan,
-        exception_handlers={HTTPException: ops.http_error, Exception: ops.internal_error},
+        exception_handlers={HTTPException: http_error, Exception: unexpected_error},
     )
     # No 307 to the path without its trailing slash: Starlette builds that Location from the caller's Host
     # header (an open redirect off any proxy that passes Host through). A 404 that names the path instead.

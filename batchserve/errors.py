@@ -1,8 +1,9 @@
 """Every error the API answers, as one exception type with a factory per code (DESIGN §2).
 
-`ApiError` is raised anywhere on the request path and rendered once, by the HTTP face
-(`http/body.error_response`, or the OpenAI shape on the generation routes). Building errors only through these
-factories keeps each code's status, wording and retry hint the same at every site that raises it.
+`ApiError` is raised anywhere on the request path and rendered once, by the HTTP face in the route's dialect
+(`http/dialects.py`: the native shape, OpenAI's, KServe v2's; gRPC's status in `kserve/grpc_service.py`).
+Building errors only through these factories keeps each code's status, wording and retry hint the same at every
+site that raises it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class ApiError(Exception):
     headers: dict[str, str] | None = None
     hung: str = ""  # for the server's own policy, never shown: "once" (its batch hung), "again" (its re-run too)
     costly: bool = False  # for the server's own policy, never shown: a failure found by failing batches (re-runs)
+    param: str | None = None  # the request field at fault, where a dialect names it (OpenAI's `param`)
+    reason: str | None = None  # a finer code where a dialect names one (OpenAI's `code`: "invalid_value")
 
     def __str__(self) -> str:
         return f"{self.status} {self.code}: {self.message}"

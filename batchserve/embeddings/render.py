@@ -12,7 +12,8 @@ from typing import Any
 
 import orjson
 
-from batchserve.http.openai_error import OpenAIError
+from batchserve.errors import ApiError
+from batchserve.http.openai_error import bad
 
 
 def to_base64(vector: list[float]) -> str:
@@ -29,7 +30,7 @@ def shorten(vector: list[float], dimensions: int) -> list[float]:
 
 
 def answer(vectors: list[Any], as_base64: bool, model: str, prompt_tokens: int, dimensions: int | None = None) -> bytes:
-    """The response body; OpenAIError 500 when the backend's outputs are not vectors, 400 when `dimensions`
+    """The response body; ApiError 500 when the backend's outputs are not vectors, 400 when `dimensions`
     is over their width."""
     data = []
     try:
@@ -38,17 +39,12 @@ def answer(vectors: list[Any], as_base64: bool, model: str, prompt_tokens: int, 
                 raise TypeError(f"output {i} is {type(vector).__name__}, not a list of floats")
             if dimensions is not None:
                 if dimensions > len(vector):
-                    raise OpenAIError(
-                        400,
-                        f"'dimensions' {dimensions} is over the model's width ({len(vector)})",
-                        "dimensions",
-                        "invalid_value",
-                    )
+                    raise bad("dimensions", f"'dimensions' {dimensions} is over the model's width ({len(vector)})")
                 vector = shorten(vector, dimensions)
             data.append({"object": "embedding", "index": i, "embedding": to_base64(vector) if as_base64 else vector})
     except (TypeError, struct.error, OverflowError) as exc:  # OverflowError: a component past float32 (1e300)
-        raise OpenAIError(
-            500, f"the model's output is not a vector of float32: {str(exc)[:200]}", None, "inference_failed"
+        raise ApiError(
+            500, "INFERENCE_FAILED", f"the model's output is not a vector of float32: {str(exc)[:200]}"
         ) from None
     return orjson.dumps(
         {

@@ -2,5 +2,5 @@
 
 Split like vLLM's OpenAI layer: `engine` (the continuous-batching engine on the model), `wire` (the OpenAI
 request and answer shapes), `serving` (one request's walk through the engine), `routes` (the HTTP endpoints),
-`schema` (their OpenAPI paths); `kv_budget`, `sampling` and `textstream` are the engine's parts.
+`shapes` (their declared bodies and operations); `kv_budget`, `sampling` and `textstream` are the engine's parts.
 """

@@ -14,11 +14,10 @@ from typing import cast
 
 import orjson
 
-from batchserve import errors
 from batchserve.config import Settings
-from batchserve.errors import ApiError
 from batchserve.generation.engine import Engine, SamplingParams
-from batchserve.generation.wire import Answer, GenRequest, OpenAIError, bad, parse
+from batchserve.generation.wire import Answer, GenRequest, bad, parse
+from batchserve.http.openai_error import unknown_model
 
 
 @dataclass(slots=True)
@@ -31,26 +30,18 @@ class Prepared:
 
 
 async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -> Prepared:
-    """The body as the engine takes it, or the OpenAIError (4xx) the route answers."""
+    """The body as the engine takes it, or the ApiError (4xx) the route answers."""
     defaults = engine.cfg.defaults
     req = parse(body, chat, engine.cfg.max_tokens, defaults.temperature, defaults.top_p)
     if req.model is not None and req.model not in model_aliases(settings, engine):
-        raise OpenAIError(
-            404,
-            f"the model '{errors.short(req.model)}' does not exist here (see GET /v1/models)",
-            "model",
-            "model_not_found",
-        )
-    try:
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
-            prompt_ids = list(req.prompt)
-        else:
-            # The size first, on characters (cheap), then the tokenizer, off the event loop.
-            text = cast("list[dict[str, str]] | str", req.prompt)  # not token ids: those went above
-            engine.check_prompt_chars(prompt_chars(text), req.params.max_tokens if req.max_tokens_given else 1)
-            prompt_ids = await engine.tokenize(text)
-    except ApiError as err:  # as `submit` answers a prompt over the context
-        raise OpenAIError.from_api(err) from None
+        raise unknown_model(req.model)
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+        prompt_ids = list(req.prompt)
+    else:
+        # The size first, on characters (cheap), then the tokenizer, off the event loop.
+        text = cast("list[dict[str, str]] | str", req.prompt)  # not token ids: those went above
+        engine.check_prompt_chars(prompt_chars(text), req.params.max_tokens if req.max_tokens_given else 1)
+        prompt_ids = await engine.tokenize(text)
     if any(t >= engine.vocab_size for t in prompt_ids):
         raise bad("prompt", "a token id is outside the model's vocabulary")
     params = req.params
@@ -72,21 +63,14 @@ async def complete(
     """The non-streamed answer's JSON for `body`, as the route sends it, in `tenant`'s share; `max_wait_s`:
     how long it may wait in the engine's queue for capacity (a batch line: until its window closes).
 
-    Raises OpenAIError for what the route answers with a 4xx (running it again cannot help), and the engine's
-    ApiError otherwise (503 no KV capacity now, 504 waited too long, draining, 500): a batch line's caller
-    retries those later rather than failing the line. Cancelling the caller frees the sequence's KV blocks.
+    Raises ApiError: a 4xx for what the route answers with one (running it again cannot help), else the
+    engine's (503 no KV capacity now, 504 waited too long, draining, 500): a batch line's caller retries those
+    later rather than failing the line. Cancelling the caller frees the sequence's KV blocks.
     """
     prep = await prepare(settings, engine, body, chat)
     if prep.req.stream:
         raise bad("stream", "a batch line is answered whole; leave out 'stream'")
-    try:
-        seq = engine.submit(
-            prep.prompt_ids, prep.params, tier=tier, streamed=False, tenant=tenant, max_wait_s=max_wait_s
-        )
-    except ApiError as err:
-        if err.status < 500:
-            raise OpenAIError.from_api(err) from None
-        raise
+    seq = engine.submit(prep.prompt_ids, prep.params, tier=tier, streamed=False, tenant=tenant, max_wait_s=max_wait_s)
     answer = Answer(
         chat,
         ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),

@@ -1,27 +1,21 @@
 """The OpenAI-compatible generation endpoints: POST /v1/chat/completions and /v1/completions (streamed or not,
-see `serving.py`), and GET /internal/generation. Their OpenAPI paths are in `schema.py`."""
+see `serving.py`), and GET /internal/generation. Their declared shapes and operations are in `shapes.py`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import Route
 
 from batchserve.generation.engine import Engine, enabled
-from batchserve.generation.wire import JSON
-from batchserve.generation.serving import GenerationHost, generate
-from batchserve.http.guards import operational
+from batchserve.generation.serving import GenerationHost, endpoint
+from batchserve.http.dialects import NATIVE
+from batchserve.http.endpoint import Answer, Call, Endpoint, operational
 
 
-async def chat_completions(request: Request) -> Response:
-    return await generate(request, chat=True)
-
-
-async def completions(request: Request) -> Response:
-    return await generate(request, chat=False)
+chat_completions = endpoint(chat=True)
+completions = endpoint(chat=False)
 
 
 def model_cards(engine: Engine | None) -> list[dict[str, Any]]:
@@ -40,16 +34,22 @@ def model_cards(engine: Engine | None) -> list[dict[str, Any]]:
     ]
 
 
-async def generation_status(request: Request) -> Response:
-    rt: GenerationHost = request.app.state.rt
+async def generation_status(rt: GenerationHost, call: Call, req: None) -> dict[str, Any]:
     engine = rt.generation
     if engine is None:
-        return Response(orjson.dumps({"enabled": enabled(rt.settings), "ready": False}), media_type=JSON)
-    return Response(orjson.dumps({"enabled": True, "ready": True, **engine.stats()}), media_type=JSON)
+        return {"enabled": enabled(rt.settings), "ready": False}
+    return {"enabled": True, "ready": True, **engine.stats()}
+
+
+def render_status(rt: GenerationHost, call: Call, req: None, status: dict[str, Any]) -> Answer:
+    return Answer(orjson.dumps(status))
+
+
+status: Endpoint[GenerationHost, None, dict[str, Any]] = operational(NATIVE, generation_status, render_status)
 
 
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
-    Route("/internal/generation", operational(generation_status), methods=["GET"]),
+    Route("/internal/generation", status, methods=["GET"]),
 ]

@@ -1,7 +1,9 @@
-"""One generation request's walk: authenticate and rate-limit (the same tenancy as /v1/inference) → the door
-is open (not draining) → parse the OpenAI body → tokenize (`complete.prepare`, shared with batch lines) →
-`Engine.submit` (KV-cache admission: start now, wait, or 503) → deltas from the engine, as one JSON answer or
-as server-sent events ending in `data: [DONE]`. A caller that hangs up cancels its sequence, which frees its KV blocks.
+"""One generation request's walk on the one request path (`http/endpoint.py`: request id, identify and one rate
+token, the refusal throttle's wait, the body, errors in OpenAI's shape): the door is open (not draining) → parse
+the OpenAI body → tokenize (`complete.prepare`, shared with batch lines) → `Engine.submit` (KV-cache admission:
+start now, wait, or 503) → deltas from the engine, as one JSON answer or as server-sent events ending in
+`data: [DONE]`. A caller that hangs up cancels its sequence, which frees its KV blocks. The engine counts its
+answers itself (`EngineBook`, and each sequence's `cleanup`).
 """
 
 from __future__ import annotations
@@ -9,24 +11,24 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
-from collections.abc import AsyncIterator, Callable
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from batchserve.config import Settings
-from batchserve.errors import ApiError
-from batchserve.generation.complete import prepare
 from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.service import InferenceService
+from batchserve.errors import ApiError
+from batchserve.generation.complete import prepare
 from batchserve.generation.engine import Delta, Engine, Sequence, enabled
-from batchserve.generation.wire import JSON, Answer, OpenAIError, error_response, sse
-from batchserve.http.plumbing import client_host, read_body, request_id_of
+from batchserve.generation.wire import Answer, sse
+from batchserve.http.dialects import OPENAI
+from batchserve.http.endpoint import Answer as EndpointAnswer
+from batchserve.http.endpoint import Call, Endpoint, Gone, Stream
 from batchserve.http.guards import Guard
-from batchserve.tenancy import Caller
+from batchserve.http.plumbing import client_host
 
 
 class GenerationHost(Protocol):
@@ -40,25 +42,10 @@ class GenerationHost(Protocol):
     refusals: RefusalThrottle  # callers refused often of late wait before their next body is read
 
 
-class SequenceStream(StreamingResponse):
-    """A streamed answer that always runs `cleanup` (cancel the sequence if unfinished, count it answered),
-    even when the caller hangs up before the first byte is sent."""
-
-    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], None], headers: dict[str, str]):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._cleanup()
-
-
-async def next_or_gone(request: Request, seq: Sequence) -> Delta | None:
+async def next_or_gone(call: Call, seq: Sequence) -> Delta | None:
     """The sequence's next delta, or None if the caller hung up first."""
     getter = asyncio.ensure_future(seq.deltas.get())
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(call.hung_up())
     try:
         await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -69,58 +56,79 @@ async def next_or_gone(request: Request, seq: Sequence) -> Delta | None:
     return None
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+def who(call: Call) -> str:
+    """Whose refusals count (`core/refusals.py`): a keyed caller's tenant, else the client address."""
+    caller = call.caller
+    return caller.tenant if caller is not None and caller.key_id else "anonymous@" + client_host(call.scope)
+
+
+async def throttle(rt: GenerationHost, call: Call) -> None:
+    """A caller refused often of late waits before its body is read (the body waits in the socket)."""
+    if wait_s := rt.refusals.wait_s(who(call)):
+        await asyncio.sleep(wait_s)
+
+
+def read(rt: GenerationHost, call: Call, body: bytes) -> bytes:
+    """The body as read: it is parsed with the prompt's tokenizing (`complete.prepare`, off the loop)."""
+    call.model = rt.generation.cfg.model_id if rt.generation is not None else "unknown"
+    return body
+
+
+@dataclass(slots=True)
+class Generated:
+    """A whole answer's body, or the stream of one."""
+
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+    close: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class EngineBook:
+    """The generation routes count their answers in the engine's metrics (by endpoint) and the SLO ledger; a
+    refusal for what the caller sent also counts against it in the refusal throttle."""
+
+    endpoint: str  # "chat" | "completions"
+
+    def ok(self, rt: GenerationHost, call: Call) -> None:  # a sequence books its own outcome (`cleanup`)
         pass
 
-
-async def generate(request: Request, chat: bool) -> Response:
-    rt: GenerationHost = request.app.state.rt
-    endpoint = "chat" if chat else "completions"
-    request_id = request_id_of(request)
-    headers = {"X-Request-ID": request_id}
-    engine = rt.generation
-    who = "anonymous@" + client_host(request.scope)  # whose refusals count (`core/refusals.py`)
-    arrived = time.monotonic()
-    model = engine.cfg.model_id if engine is not None else "unknown"
-    caller: Caller | None = None  # known once identified: a 429 or 503 is booked to it (the SLO ledger)
-    try:
-        try:
-            guard = rt.guard
-            caller = guard.identify(request.headers.get("authorization"), request.scope, openai=True)
-            limits = guard.take(caller)
-            who = caller.tenant if caller.key_id else who
-            if wait_s := rt.refusals.wait_s(who):  # refused often of late: its body waits in the socket
-                await asyncio.sleep(wait_s)
-            headers.update(limits)
-            body = await read_body(request, rt.settings.max_body_bytes)
-        except ApiError as err:
-            raise OpenAIError.from_api(err) from None
-        except ClientDisconnect:
-            return Response(status_code=499)
-        if engine is None:
-            raise not_serving(rt)
-        try:
-            rt.service.check_open(needs_workers=False)  # the engine is its own worker; draining still refuses
-        except ApiError as err:
-            raise OpenAIError.from_api(err) from None
-        prep = await prepare(rt.settings, engine, body, chat)
-        req, prompt_ids, params = prep.req, prep.prompt_ids, prep.params
-        try:
-            seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream, tenant=caller.tenant)
-        except ApiError as err:
-            if err.status == 503:
-                rt.guard.shed(err)
-            raise OpenAIError.from_api(err) from None
-    except OpenAIError as err:
+    def refused(self, rt: GenerationHost, call: Call, err: ApiError) -> None:
         rt.guard.counted()
-        rt.guard.settle(model, caller, err.status, 0.0)
-        if engine is not None:
-            engine.metrics.requests.labels(endpoint, str(err.status)).inc()
+        rt.guard.settle(call.model, call.caller, err.status, 0.0)
+        if rt.generation is not None:
+            rt.generation.metrics.requests.labels(self.endpoint, str(err.status)).inc()
         if 400 <= err.status < 500 and err.status != 429:  # refused for what it sent (429 has its own limit)
-            rt.refusals.refused(who)
-        return error_response(err, headers)
+            rt.refusals.refused(who(call))
 
+    def gone(self, rt: GenerationHost, call: Call) -> None:
+        rt.guard.counted()
+
+
+def generator(chat: bool) -> Callable[[GenerationHost, Call, bytes], Awaitable[Generated]]:
+    async def generate(rt: GenerationHost, call: Call, body: bytes) -> Generated:
+        return await run(rt, call, body, chat)
+
+    return generate
+
+
+async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Generated:
+    """Tokenize, submit to the engine (KV-cache admission), then the whole answer, or its stream."""
+    engine = rt.generation
+    if engine is None:
+        raise not_serving(rt)
+    caller = call.who
+    rt.service.check_open(needs_workers=False)  # the engine is its own worker; draining still refuses
+    prep = await prepare(rt.settings, engine, body, chat)
+    req, prompt_ids, params = prep.req, prep.prompt_ids, prep.params
+    try:
+        seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream, tenant=caller.tenant)
+    except ApiError as err:
+        if err.status == 503:
+            rt.guard.shed(err)
+        raise
+    endpoint = "chat" if chat else "completions"
+    model = call.model
     answer = Answer(
         chat,
         ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
@@ -137,6 +145,7 @@ async def generate(request: Request, chat: bool) -> Response:
         if done:
             return
         done = True
+        call.booked = True
         rt.guard.counted()
         rt.service.release()
         if not seq.finished:
@@ -146,36 +155,38 @@ async def generate(request: Request, chat: bool) -> Response:
         rt.guard.settle(model, caller, int(status), first_s, 1, float(len(prompt_ids) + seq.tokens))
 
     try:
-        first = await next_or_gone(request, seq)  # before any byte: a queue timeout can still be a 504
-        first_s = time.monotonic() - arrived
+        first = await next_or_gone(call, seq)  # before any byte: a queue timeout can still be a 504
+        first_s = time.monotonic() - call.arrived
         if first is None:
             cleanup("499")
-            return Response(status_code=499)
+            raise Gone()
         if first.error is not None:
             cleanup(str(first.error.status))
-            return error_response(OpenAIError.from_api(first.error), headers)
+            raise first.error
         if req.stream:
-            return SequenceStream(stream_events(seq, first, answer, req.include_usage), lambda: cleanup("200"), headers)
+            return Generated(stream=stream_events(seq, first, answer, req.include_usage), close=cleanup)
         text, delta = [first.text], first
         while delta.finish_reason is None and delta.error is None:
-            nxt = await next_or_gone(request, seq)
+            nxt = await next_or_gone(call, seq)
             if nxt is None:
                 cleanup("499")
-                return Response(status_code=499)
+                raise Gone()
             delta = nxt
             text.append(delta.text)
         if delta.error is not None:
             cleanup(str(delta.error.status))
-            return error_response(OpenAIError.from_api(delta.error), headers)
+            raise delta.error
         cleanup("200")
-        return Response(
-            orjson.dumps(answer.full("".join(text), delta.finish_reason or "stop", seq.tokens)),
-            headers=headers,
-            media_type=JSON,
-        )
+        return Generated(orjson.dumps(answer.full("".join(text), delta.finish_reason or "stop", seq.tokens)))
     except BaseException:
         cleanup("500")
         raise
+
+
+def render(rt: GenerationHost, call: Call, body: bytes, out: Generated) -> EndpointAnswer | Stream:
+    if out.stream is not None and out.close is not None:
+        return Stream(out.stream, out.close)
+    return EndpointAnswer(out.body)
 
 
 async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usage: bool) -> AsyncIterator[bytes]:
@@ -192,7 +203,7 @@ async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usa
         if text:
             yield sse(answer.chunk(text))
         if delta.error is not None:
-            yield sse(OpenAIError.from_api(delta.error).body())
+            yield sse(orjson.loads(OPENAI.error_body(delta.error, "")))
             break
         if delta.finish_reason is not None:
             yield sse(answer.chunk(None, delta.finish_reason) if answer.chat else answer.chunk("", delta.finish_reason))
@@ -203,14 +214,26 @@ async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usa
     yield b"data: [DONE]\n\n"
 
 
-def not_serving(rt: GenerationHost) -> OpenAIError:
+def not_serving(rt: GenerationHost) -> ApiError:
     if not enabled(rt.settings):
-        return OpenAIError(
+        return ApiError(
             404,
+            "MODEL_NOT_FOUND",
             "generation is off on this server (start it with --backend smollm2 or --generation on)",
-            "model",
-            "model_not_found",
+            param="model",
+            reason="model_not_found",
         )
     if rt.startup_error:
-        return OpenAIError(503, f"the server failed to start: {rt.startup_error}", None, "startup_failed")
-    return OpenAIError(503, "the generation model is still loading", None, "warming_up", headers={"Retry-After": "5"})
+        return ApiError(
+            503, "NO_HEALTHY_WORKER", f"the server failed to start: {rt.startup_error}", reason="startup_failed"
+        )
+    return ApiError(
+        503, "NO_HEALTHY_WORKER", "the generation model is still loading", retry_after_ms=5000, reason="warming_up"
+    )
+
+
+def endpoint(chat: bool) -> Endpoint[GenerationHost, bytes, Generated]:
+    """POST /v1/chat/completions (`chat`) or /v1/completions on the one request path: one rate token before
+    the body, the refusal throttle's wait, the engine's own accounting."""
+    name = "chat" if chat else "completions"
+    return Endpoint(OPENAI, read, generator(chat), render, book=EngineBook(name), before_body=throttle)

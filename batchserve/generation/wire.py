@@ -1,6 +1,6 @@
 """The OpenAI request and answer shapes of the generation routes: a body decoded into its declared shape
-(`shapes.py`) and checked (400 with the offending `param`), the error shape `{"error": {message, type, param,
-code}}`, and the JSON / SSE answers."""
+(`shapes.py`) and checked (400 with the offending `param`), and the JSON / SSE answers. Errors are `ApiError`s,
+in OpenAI's shape by `http/dialects.py`."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import msgspec
 import orjson
 
 from batchserve.generation import shapes
+from batchserve.errors import ApiError
 from batchserve.generation.engine import SamplingParams
 from batchserve.http.decoding import BodyRefusal, decode
-from batchserve.http.openai_error import JSON, OpenAIError, bad, error_response
+from batchserve.http.openai_error import JSON, bad
 
-__all__ = ["JSON", "OpenAIError", "bad", "error_response", "parse", "Answer", "sse"]
+__all__ = ["JSON", "bad", "parse", "Answer", "sse"]
 
 
 # -- parsing ------------------------------------------------------------------------------------------------
@@ -35,7 +36,7 @@ _COMPLETION = msgspec.json.Decoder(shapes.CompletionRequest)
 _MESSAGE_MEMBER = re.compile(r"^messages\[\d+\](\.[a-z_]+)?")
 
 
-def refused(r: BodyRefusal) -> OpenAIError:
+def refused(r: BodyRefusal) -> ApiError:
     """The OpenAI 400 for a body that is not the declared shape: `param` is the member at fault (a message's
     own member for chat messages, `messages[2].content`)."""
     if r.field is None:
@@ -46,7 +47,7 @@ def refused(r: BodyRefusal) -> OpenAIError:
     return bad(param, r.message)
 
 
-def _unsupported(name: str, message: str) -> OpenAIError:
+def _unsupported(name: str, message: str) -> ApiError:
     return bad(name, message, "unsupported_parameter")
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib.resources
 from pathlib import Path
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from batchserve import errors
-from batchserve.http.plumbing import error_response, request_id_of
 from batchserve.http.shapes import docs_operations
 
 # The files the page loads, and nothing else of the package's directory (its editor bundle is not served).
@@ -80,9 +80,7 @@ async def asset(request: Request) -> Response:
     name = request.path_params["name"]
     media = ASSETS.get(name)
     if media is None:
-        return error_response(
-            errors.not_found(f"no asset {errors.short(name)!r} under /docs/assets"), request_id_of(request)
-        )
+        raise HTTPException(404, f"no asset {errors.short(name)!r} under /docs/assets")  # app's 404 shape
     return FileResponse(assets_dir() / name, media_type=media, headers={**_headers(), "Cache-Control": CACHE})
 
 

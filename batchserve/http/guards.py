@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
-from typing import Protocol
-from collections.abc import Awaitable, Callable, Sequence
 
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.types import Scope
 
 from batchserve import errors
@@ -22,29 +18,8 @@ from batchserve.core import ledger
 from batchserve.core.ledger import UsageBook
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.errors import ApiError
-from batchserve.http.plumbing import client_host, error_response, request_id_of
 from batchserve.metrics import Metrics
 from batchserve.tenancy import Caller, Tenancy
-
-
-class Coster(Protocol):
-    """What the ledger asks of a backend: the cost of one input (tokens; 1 for a plugin that declares none)."""
-
-    def cost_of(self, text: str) -> float: ...
-
-
-def costs_of(backend: Coster | None, texts: Sequence[str]) -> float:
-    """The cost units of a request's inputs as the batcher counts them (`backend.cost_of`, cached by the
-    built-in backends since admission asked): 1 an input when the backend is gone or cannot say."""
-    if backend is None:
-        return float(len(texts))
-    total = 0.0
-    try:
-        for text in texts:
-            total += backend.cost_of(text)
-    except Exception:  # noqa: BLE001 - the answer went out; its cost is then counted as its inputs
-        return float(len(texts))
-    return total
 
 
 @dataclass
@@ -63,7 +38,8 @@ class Guard:
         keys configured, any key is anonymous (as vLLM does)."""
         if openai and not self.tenancy.keys:
             authorization = None
-        return self.tenancy.identify(authorization, client_host(scope))
+        client = scope.get("client")  # http/plumbing.client_host, inline: once per request of every route
+        return self.tenancy.identify(authorization, client[0] if client else "")
 
     def enter(self, authorization: str | None, scope: Scope, openai: bool = False) -> Caller:
         """Identify, and refuse (429) a caller whose bucket holds not even one token, taking none: for a route
@@ -94,7 +70,9 @@ class Guard:
         self.answered += 1
         self.metrics.count_ok(model, latency_s)
         outcome = ledger.MET if latency_s <= self.slo_s else ledger.SLOW
-        self._book(model, caller, outcome, inputs, cost, latency_s)
+        tier = TIER_NAMES[caller.tier]  # `_book` for a served answer, inline: once per answer of every model route
+        self.metrics.count_outcome(model, tier, ledger.OUTCOMES[outcome], inputs, cost)
+        self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s)
 
     def refused(self, model: str, err: ApiError, caller: Caller | None, inputs: int = 1) -> None:
         """An error went out, counted by its code (`model` is "unknown" before one was picked), and in the
@@ -130,6 +108,11 @@ class Guard:
         by its code, as the door's refusals are; the answer itself is counted when it goes out."""
         self.metrics.rejected.labels(err.code).inc()
 
+    def gone(self, model: str) -> None:
+        """The caller hung up before its answer: a 499 in the model's status counts, as the generation routes
+        count theirs; no SLO outcome (nobody read an answer)."""
+        self.metrics.requests.labels(model, "499").inc()
+
     def counted(self) -> None:
         """An answer went out that the model metrics do not count (a route's own refusal shape, a job route)."""
         self.answered += 1
@@ -143,27 +126,3 @@ class Guard:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise errors.unauthorized("this route needs the metrics key: 'Authorization: Bearer <metrics key>'")
-
-
-class Guarded(Protocol):
-    """What the guard's helpers need of the server on `app.state.rt`."""
-
-    guard: Guard
-
-
-def guard_of(request: Request) -> Guard:
-    host: Guarded = request.app.state.rt
-    return host.guard
-
-
-def operational(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """An operational route: served only with the metrics key, when one is set."""
-
-    async def endpoint(request: Request) -> Response:
-        try:
-            guard_of(request).check_ops_key(request.headers.get("authorization"))
-        except ApiError as err:
-            return error_response(err, request_id_of(request))
-        return await handler(request)
-
-    return endpoint

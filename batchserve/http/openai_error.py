@@ -1,52 +1,33 @@
-"""OpenAI's error shape, shared by the OpenAI-compatible routes (generation, embeddings):
-`{"error": {message, type, param, code}}`, and its rendering (its declared shape, for
-/openapi.json, is `http/shapes.OpenAIError`)."""
+"""OpenAI's words for errors, on the OpenAI-compatible routes (generation, embeddings, rerank, files, batches):
+the refusals its clients expect (`bad`: a 400 naming the `param` and a finer `code`). The errors are `ApiError`s
+like every other; `http/dialects.OPENAI` renders them as `{"error": {message, type, param, code}}`, declared for
+/openapi.json as `http/shapes.OpenAIError`."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.responses import Response
 
+from batchserve import errors
 from batchserve.errors import ApiError
 
 JSON = "application/json"
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
 
 
-@dataclass
-class OpenAIError(Exception):
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    type: str = ""
-    headers: dict[str, str] | None = None
-
-    @classmethod
-    def from_api(cls, err: ApiError) -> OpenAIError:
-        headers = dict(err.headers or {})
-        if err.retry_after_ms is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
-        return cls(err.status, err.message, None, err.code.lower(), headers=headers)
-
-    def body(self) -> dict[str, Any]:
-        kind = self.type or ERROR_TYPES.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    """A 400 for what the body says, naming the field at fault (`param`) and OpenAI's finer `code`."""
+    return ApiError(400, "INVALID_REQUEST", message, param=param, reason=code)
 
 
-def bad(param: str | None, message: str, code: str = "invalid_value") -> OpenAIError:
-    return OpenAIError(400, message, param, code)
+def unknown_model(requested: str | None) -> ApiError:
+    return ApiError(
+        404,
+        "MODEL_NOT_FOUND",
+        f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)",
+        param="model",
+        reason="model_not_found",
+    )
 
 
 def json_object(body: bytes) -> dict[str, Any]:
@@ -59,8 +40,3 @@ def json_object(body: bytes) -> dict[str, Any]:
         raise bad(None, "the body must be a JSON object", "invalid_json")
     return data
 
-
-def error_response(err: OpenAIError, headers: dict[str, str]) -> Response:
-    return Response(
-        orjson.dumps(err.body()), status_code=err.status, headers={**headers, **(err.headers or {})}, media_type=JSON
-    )

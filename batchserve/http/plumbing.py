@@ -1,9 +1,8 @@
-"""HTTP plumbing shared by every route module: request ids, bounded body reads, JSON in and out, and the
-one rendering of an `ApiError` (DESIGN §2's error shape)."""
+"""HTTP plumbing under the one request path (`http/endpoint.py`): request ids, bounded body reads, JSON in and
+out. Errors are rendered by `http/dialects.py`."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 
@@ -13,7 +12,6 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
-from batchserve.errors import ApiError
 
 REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 JSON = "application/json"
@@ -21,11 +19,6 @@ JSON = "application/json"
 
 def json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status_code=status, headers=headers, media_type=JSON)
-
-
-def error_response(err: ApiError, request_id: str) -> Response:
-    body, headers = error_body(err, request_id)
-    return Response(body, status_code=err.status, headers=headers, media_type=JSON)
 
 
 class RandomIds:
@@ -123,7 +116,10 @@ async def read_body_from(receive: Receive, limit: int, declared: str | None) -> 
     """The body, refused with 413 as soon as it passes `limit` (never buffered whole); ClientDisconnect
     when the caller hangs up first."""
     if declared is not None:
-        size = ascii_count(declared, limit)
+        # The common case without `ascii_count`'s care for huge counts: a few ASCII digits.
+        size = int(declared) if len(declared) < 10 and declared.isascii() and declared.isdigit() else None
+        if size is None:
+            size = ascii_count(declared, limit)
         if size is None:
             raise errors.invalid("Content-Length is not a number")
         if size > limit:
@@ -160,30 +156,6 @@ async def send_json(send: Send, status: int, body: bytes, headers: dict[str, str
         raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
-
-
-async def internal_error(send: Send) -> None:
-    """A JSON 500 for an error no handler expected (the traceback goes to the log, never to the caller)."""
-    err = errors.internal_error()
-    body, headers = error_body(err, request_id_from(None))
-    try:
-        await send_json(send, err.status, body, headers)
-    except RuntimeError:  # the answer had already started: nothing more can be said on this connection
-        pass
-
-
-def error_body(err: ApiError, request_id: str) -> tuple[bytes, dict[str, str]]:
-    """DESIGN §2's error body and headers for `err`."""
-    body: dict = {"error": err.code, "message": err.message, "request_id": request_id}
-    headers = {"X-Request-ID": request_id}
-    if err.retry_after_ms is not None:
-        body["retry_after_ms"] = int(err.retry_after_ms)
-        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
-    if err.headers:
-        headers.update(err.headers)
-    if err.code == "DRAINING":  # the client should reconnect elsewhere, not reuse a connection about to close
-        headers["Connection"] = "close"
-    return orjson.dumps(body), headers
 
 
 def is_json_media_type(content_type: str) -> bool:

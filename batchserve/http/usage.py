@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import math
 
-from starlette.requests import Request
-from starlette.responses import Response
+from typing import Any
+
+import orjson
+from starlette.datastructures import QueryParams
 from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.core.ledger import DEFAULT_WINDOW_S, MAX_WINDOW_S
-from batchserve.http.plumbing import error_response, json_response, request_id_of
-from batchserve.http.guards import guard_of
+from batchserve.http.dialects import NATIVE
+from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Served
 from batchserve.http.shapes import USAGE
 
 
@@ -39,18 +41,23 @@ def window_of(given: str | None) -> float:
     return window_s
 
 
-async def usage(request: Request) -> Response:
-    guard = guard_of(request)
-    guard.counted()
-    try:
-        caller = guard.identify(request.headers.get("authorization"), request.scope)
-        window_s = window_of(request.query_params.get("window_s"))
-    except errors.ApiError as err:
-        return error_response(err, request_id_of(request))
-    book = guard.usage
-    data = book.reports(window_s) if caller.admin else [book.report(caller.tenant, window_s)]
-    return json_response({"object": "list", "window_s": window_s, "data": data})
+def parse(rt: Served, call: Call, body: bytes) -> float:
+    return window_of(QueryParams(call.scope["query_string"]).get("window_s"))
 
+
+async def reports(rt: Served, call: Call, window_s: float) -> list[dict[str, Any]]:
+    book, caller = rt.guard.usage, call.who
+    return book.reports(window_s) if caller.admin else [book.report(caller.tenant, window_s)]
+
+
+def render(rt: Served, call: Call, window_s: float, data: list[dict[str, Any]]) -> Answer:
+    return Answer(orjson.dumps({"object": "list", "window_s": window_s, "data": data}))
+
+
+# The caller identified as on every route, but no token taken; counted as an answer, not a model's.
+usage: Endpoint[Served, float, list[dict[str, Any]]] = Endpoint(
+    NATIVE, parse, reports, render, rate=False, book=COUNTED, body=False
+)
 
 ROUTES = [Route("/v1/usage", usage, methods=["GET"])]
 

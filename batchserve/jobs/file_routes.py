@@ -18,13 +18,13 @@ import time
 from collections.abc import AsyncIterator
 
 from python_multipart.multipart import parse_options_header
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import Request
 from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.plumbing import ascii_count, json_response
+from batchserve.http.endpoint import Answer, Stream, json_answer
+from batchserve.http.plumbing import ascii_count
 from batchserve.jobs.routes import LIST_DEFAULT, LIST_MAX, RESULTS_PAGE, JobsHost, list_limit, route
 from batchserve.jobs.files import CHUNK_BYTES, FileLimitReached, StoredFile
 from batchserve.jobs.openai_batch import check_expires_after, file_line, job_of_file
@@ -67,7 +67,7 @@ def boundary_of(content_type: str) -> bytes:
     return boundary
 
 
-async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     limit = rt.settings.files_max_bytes
     boundary = boundary_of(request.headers.get("content-type", ""))
     declared = request.headers.get("content-length")
@@ -86,7 +86,7 @@ async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: C
 
 async def _receive(
     request: Request, rt: JobsHost, svc: JobService, caller: Caller, boundary: bytes, limit: int
-) -> Response:
+) -> Answer | Stream:
     store = await svc.open_store()
     now = time.time()
     meta = StoredFile("file-" + secrets.token_hex(12), caller.owner, "upload.jsonl", "batch", 0, now)
@@ -136,12 +136,10 @@ async def _receive(
         done = True
     except FormError as exc:
         raise errors.invalid(f"the multipart body cannot be read: {exc}") from None
-    except ClientDisconnect:
-        return Response(status_code=499)
     finally:
         if began and not done:
             await asyncio.shield(store.abort_file(meta.id))
-    return json_response(meta.public())
+    return json_answer(meta.public())
 
 
 def check_purpose(purpose: str | None) -> str:
@@ -194,47 +192,47 @@ async def file_lines(store: JobStore, job: Job, kind: str) -> AsyncIterator[byte
         after = rows[-1].index
 
 
-async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     file_id = request.path_params["file_id"]
     store = await svc.existing_store()
     if store is not None:
         meta = await store.get_file(caller.owner, file_id)
         if meta is not None:
-            return json_response(meta.public())
+            return json_answer(meta.public())
         made = await generated(store, caller, file_id)
         if made is not None:
-            return json_response(made[2].public())
+            return json_answer(made[2].public())
     raise not_found(file_id)
 
 
-async def file_content(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def file_content(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     file_id = request.path_params["file_id"]
     store = await svc.existing_store()
     if store is not None:
         meta = await store.get_file(caller.owner, file_id)
         if meta is not None:
-            return StreamingResponse(store.file_chunks(caller.owner, file_id), media_type="application/jsonl")
+            return Stream(store.file_chunks(caller.owner, file_id), media=b"application/jsonl")
         made = await generated(store, caller, file_id)
         if made is not None:
-            return StreamingResponse(file_lines(store, made[0], made[1]), media_type="application/jsonl")
+            return Stream(file_lines(store, made[0], made[1]), media=b"application/jsonl")
     raise not_found(file_id)
 
 
-async def delete_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def delete_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     file_id = request.path_params["file_id"]
     store = await svc.existing_store()
     if store is None or not await store.delete_file(caller.owner, file_id):
         raise not_found(file_id)  # a job's output file goes with its job; it is not deleted alone
-    return json_response({"id": file_id, "object": "file", "deleted": True})
+    return json_answer({"id": file_id, "object": "file", "deleted": True})
 
 
-async def list_files(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def list_files(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     limit = list_limit(request, LIST_DEFAULT, LIST_MAX)
     after, purpose = request.query_params.get("after"), request.query_params.get("purpose")
     store = await svc.existing_store()
     files = await store.list_files(caller.owner, limit + 1, after, purpose) if store is not None else []
     data = [f.public() for f in files[:limit]]
-    return json_response(
+    return json_answer(
         {
             "object": "list",
             "data": data,

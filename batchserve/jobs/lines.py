@@ -41,7 +41,7 @@ from batchserve.errors import ApiError
 from batchserve.generation.complete import complete
 from batchserve.generation.engine import Engine
 from batchserve.inference.parse import parse_inference
-from batchserve.http.openai_error import OpenAIError
+from batchserve.http.dialects import OPENAI
 
 EMBEDDINGS, INFERENCE = "/v1/embeddings", "/v1/inference"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -200,18 +200,16 @@ def line_texts(endpoint: str, line: str) -> list[str]:
     return []
 
 
-def refused(err: OpenAIError | ApiError, request_id: str, openai_shape: bool) -> LineResult:
-    """A 4xx answer for a line, in the error shape of the endpoint it names."""
-    if isinstance(err, ApiError):
-        body = (
-            OpenAIError.from_api(err).body()
-            if openai_shape
-            else {"error": err.code, "message": err.message, "request_id": request_id}
-        )
-        code = err.code
+def refused(err: ApiError, request_id: str, openai_shape: bool) -> LineResult:
+    """A 4xx answer for a line, in the error shape of the endpoint it names (the route's dialect); its code is
+    OpenAI's finer one where the error names one (INVALID_VALUE)."""
+    if openai_shape:
+        body = OPENAI.error_body(err, request_id)
+        code = (err.reason or err.code).upper()
     else:
-        body, code = err.body(), (err.code or "invalid_request").upper()
-    return LineResult(err.status, request_id, orjson.dumps(body), code, err.message)
+        body = orjson.dumps({"error": err.code, "message": err.message, "request_id": request_id})
+        code = err.code
+    return LineResult(err.status, request_id, body, code, err.message)
 
 
 def failed_response(err: ApiError, endpoint: str) -> str:
@@ -256,7 +254,7 @@ class LineRunner:
                 texts, finish = [text], self._inference(model, request_id)
             else:
                 raise AssertionError(f"{endpoint} lines are refused when the batch is created")
-        except (OpenAIError, ApiError) as err:
+        except ApiError as err:
             done = loop.create_future()
             done.set_result(refused(err, request_id, endpoint != INFERENCE))
             return LineRun(done, text=line)
@@ -291,9 +289,10 @@ class LineRunner:
                             self.settings, engine, body, chat, BATCH.rank, tenant=tenant, max_wait_s=max(0.0, left_s)
                         ),
                     )
-                except OpenAIError as err:  # what the route answers with a 4xx: the line's answer, for good
-                    return refused(err, request_id, True)
-                except ApiError as err:  # no room for it now: wait for capacity while its window is open
+                except ApiError as err:
+                    if err.status < 500:  # what the route answers with a 4xx: the line's answer, for good
+                        return refused(err, request_id, True)
+                    # no room for it now: wait for capacity while its window is open
                     left_s = until - self.clock()
                     if err.code not in CAPACITY_CODES or left_s <= 0:
                         raise
@@ -317,7 +316,7 @@ class LineRunner:
             tokens = await asyncio.to_thread(self.count_tokens, model, texts)
             try:
                 body = embeddings_answer([r.output for r in results], as_base64, model, tokens)
-            except OpenAIError as err:  # the backend's outputs are not vectors: as the online route, a 500
+            except ApiError as err:  # the backend's outputs are not vectors: as the online route, a 500
                 return refused(err, request_id, True)
             return LineResult(200, request_id, body)
 

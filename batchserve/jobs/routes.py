@@ -1,9 +1,10 @@
 """`/v1/batches`: submit a batch job, follow it, read its results in input order, cancel it, list your jobs.
 
-Every route identifies the caller first (`http/guards.Guard`: API key, or anonymous where allowed) and takes one token
-from its rate bucket; a caller only ever sees its own jobs (another tenant's job id answers 404, as an unknown
-one does). A job is validated whole before anything is stored, so a limit breached by any item refuses the
-job (400/413) and no partial job exists.
+Every route is a declaration on the one request path (`http/endpoint.py`: it identifies the caller, API key or
+anonymous where allowed, takes one token from its rate bucket, counts the answer and renders errors); a caller
+only ever sees its own jobs (another tenant's job id answers 404, as an unknown one does). A job is validated
+whole before anything is stored, so a limit breached by any item refuses the job (400/413) and no partial job
+exists.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from typing import Any, Protocol
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import Request
 from starlette.routing import Route
 
 from batchserve import errors
@@ -28,8 +28,10 @@ from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import model_aliases
 from batchserve.generation.engine import Engine
-from batchserve.http.plumbing import ascii_count, error_response, json_response, request_id_of
+from batchserve.http.dialects import NATIVE_ANY_KEY
+from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Stream, json_answer
 from batchserve.http.guards import Guard
+from batchserve.http.plumbing import ascii_count
 from batchserve.jobs.parse import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
 from batchserve.jobs.files import CHUNK_BYTES, StorageFull
@@ -71,47 +73,49 @@ class JobsHost(Protocol):
     def draining(self) -> bool: ...
 
 
-Handler = Callable[[Request, JobsHost, JobService, Caller], Awaitable[Response]]
+Handler = Callable[[Request, JobsHost, JobService, Caller], Awaitable[Answer | Stream]]
 
 
-def route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """Identify and rate-limit the caller, find the job service, and render any ApiError in the one shape."""
+def service(rt: JobsHost, call: Call, body: bytes) -> JobService:
+    """The job service, or why there is none (404 when jobs are off, 503 while the store opens)."""
+    if not rt.settings.jobs_db:
+        raise errors.not_found("batch jobs are disabled on this server (--jobs-db is empty)")
+    if rt.jobs is None:
+        raise errors.warming_up()
+    return rt.jobs
 
-    async def endpoint(request: Request) -> Response:
-        request_id = request_id_of(request)
-        limit_headers: dict[str, str] = {}
-        rt: JobsHost = request.app.state.rt
-        rt.guard.counted()  # every answer below, whatever its status
+
+def store_errors(handler: Handler) -> Callable[[JobsHost, Call, JobService], Awaitable[Answer | Stream]]:
+    """The handler, with the job store's own failures said as the ApiErrors they are to the caller."""
+
+    async def handle(rt: JobsHost, call: Call, svc: JobService) -> Answer | Stream:
         try:
-            # OpenAI clients always send a key: with no keys configured, any key is anonymous (as on /v1/embeddings)
-            caller, limit_headers = rt.guard.admit(request.headers.get("authorization"), request.scope, openai=True)
-            if not rt.settings.jobs_db:
-                raise errors.not_found("batch jobs are disabled on this server (--jobs-db is empty)")
-            svc = rt.jobs
-            if svc is None:
-                raise errors.warming_up()
-            response = await handler(request, rt, svc, caller)
-            response.headers.update({"X-Request-ID": request_id, **limit_headers})
-            return response
+            return await handler(Request(call.scope, call.receive), rt, svc, call.who)
         except StorageFull as full:
-            err = errors.overloaded(full.message, 60_000) if full.server else errors.payload_too_large(full.message)
-            return error_response(err, request_id)
+            raise (
+                errors.overloaded(full.message, 60_000) if full.server else errors.payload_too_large(full.message)
+            ) from None
         except StoreDown as exc:  # refused by the breaker in microseconds: the outage was logged once already
-            return error_response(errors.jobs_unavailable(str(exc), 1000), request_id)
+            raise errors.jobs_unavailable(str(exc), 1000) from None
         except (sqlite3.Error, StoreUnavailable) as exc:
             log.error("job store error: %s", exc)  # no traceback: an outage would write one per request
-            return error_response(
-                errors.jobs_unavailable(  # no store text to the caller: it may name paths
-                    f"the job store failed on this request ({type(exc).__name__}; the server log says more)", 1000
-                ),
-                request_id,
-            )
-        except ApiError as err:
-            if limit_headers and not err.headers:
-                err.headers = limit_headers
-            return error_response(err, request_id)
+            raise errors.jobs_unavailable(  # no store text to the caller: it may name paths
+                f"the job store failed on this request ({type(exc).__name__}; the server log says more)", 1000
+            ) from None
 
-    return endpoint
+    return handle
+
+
+def as_is(rt: JobsHost, call: Call, svc: JobService, answer: Answer | Stream) -> Answer | Stream:
+    return answer
+
+
+def route(handler: Handler) -> Endpoint[JobsHost, JobService, Answer | Stream]:
+    """A job or file route on the one request path: the caller identified (any key anonymous with no keys
+    configured, as OpenAI's clients always send one) and one rate token taken, every answer counted, errors in
+    the native shape. Its body, when it has one, is read as it streams in by its own parser (`parse.py`,
+    `upload.py`): a job or a file may be far larger than a request body."""
+    return Endpoint(NATIVE_ANY_KEY, service, store_errors(handler), as_is, book=COUNTED, body=False)
 
 
 # -- POST /v1/batches ----------------------------------------------------------------------------------------
@@ -130,17 +134,14 @@ def request_hash(inputs: list[str], model: str | None, metadata: dict | None) ->
     return hashlib.sha256(canon).hexdigest()
 
 
-async def create_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def create_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     if rt.draining:
         raise errors.draining()
     key = idempotency_key(request)
     s = rt.settings
-    try:
-        body = await read_job_body(
-            request, request.headers.get("content-type", ""), s.jobs_max_body_bytes, s.jobs_max_items, s.max_input_chars
-        )
-    except ClientDisconnect:
-        return Response(status_code=499)
+    body = await read_job_body(  # a caller gone meanwhile: ClientDisconnect, counted by the skeleton
+        request, request.headers.get("content-type", ""), s.jobs_max_body_bytes, s.jobs_max_items, s.max_input_chars
+    )
     if body.openai:
         return await create_openai_batch(body.values, key, rt, svc, caller)
     inputs, requested, metadata = body.inputs, body.model, body.metadata
@@ -178,14 +179,14 @@ def expiry(now: float, seconds: float | None, default_days: float) -> float | No
     return now + default_days * 86400 if default_days > 0 else None
 
 
-def accepted(svc: JobService, job: Job, created: bool) -> Response:
+def accepted(svc: JobService, job: Job, created: bool) -> Answer | Stream:
     """A stored job: start running it (when new), and answer 202 (200 for a repeat of an idempotent one)."""
     if created:
         svc.metrics.created.inc()
         svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
         assert svc.scheduler is not None
         svc.scheduler.add(job)
-    return json_response(public(job), status=202 if created else 200, headers={"Location": f"/v1/batches/{job.id}"})
+    return json_answer(public(job), 202 if created else 200, ((b"location", b"/v1/batches/%s" % job.id.encode()),))
 
 
 def public(job: Job) -> dict[str, Any]:
@@ -195,7 +196,7 @@ def public(job: Job) -> dict[str, Any]:
 
 async def create_openai_batch(
     values: dict[str, Any], key: str | None, rt: JobsHost, svc: JobService, caller: Caller
-) -> Response:
+) -> Answer | Stream:
     """OpenAI's `POST /v1/batches`: the input file's lines become the job's items (`openai_batch.py`)."""
     file_id, endpoint, window, metadata = check_batch_request(values, rt.generation is not None)
     if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
@@ -272,7 +273,7 @@ async def store_openai_batch(
     window: str,
     metadata: dict | None,
     expires_at: float | None,
-) -> Response:
+) -> Answer | Stream:
     """Store the job; the store copies the file's lines into its items, chunk by chunk, in its transaction."""
     openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": window}
     canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
@@ -306,22 +307,22 @@ def output_kind(rt: JobsHost, model_id: str) -> str | None:
 
 
 # -- reads and cancel ----------------------------------------------------------------------------------------
-async def get_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def get_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None:
         raise errors.batch_not_found(job_id)
-    return json_response(public(job))
+    return json_answer(public(job))
 
 
-async def batch_results(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def batch_results(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None or store is None:
         raise errors.batch_not_found(job_id)
-    return StreamingResponse(ndjson_lines(store, job_id, page_rows(job)), media_type="application/x-ndjson")
+    return Stream(ndjson_lines(store, job_id, page_rows(job)), media=b"application/x-ndjson")
 
 
 def page_rows(job: Job) -> int:
@@ -340,7 +341,7 @@ async def ndjson_lines(store: JobStore, job_id: str, limit: int = RESULTS_PAGE) 
         after = rows[-1].index
 
 
-async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
     job = await store.cancel(caller.owner, job_id, time.time()) if store is not None else None
@@ -349,10 +350,10 @@ async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
     if svc.scheduler is not None:
         svc.scheduler.cancel(job_id)
     svc.metrics.progress(Progress(job.id, job.model, job.status, {}))  # a cancelled job leaves the gauges
-    return json_response(public(job))
+    return json_answer(public(job))
 
 
-async def delete_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def delete_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     """Delete a finished job with its items and output and error files (frees its bytes at once)."""
     job_id = request.path_params["batch_id"]
     store = await svc.existing_store()
@@ -363,7 +364,7 @@ async def delete_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
         raise errors.conflict(
             f"batch {job_id} is still {job.status}; cancel it first (POST /v1/batches/{job_id}/cancel)"
         )
-    return json_response({"id": job_id, "object": "batch", "deleted": True})
+    return json_answer({"id": job_id, "object": "batch", "deleted": True})
 
 
 def list_limit(request: Request, default: int, most: int) -> int:
@@ -373,13 +374,13 @@ def list_limit(request: Request, default: int, most: int) -> int:
     return limit
 
 
-async def list_batches(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Response:
+async def list_batches(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     limit = list_limit(request, LIST_DEFAULT, LIST_MAX)
     after = request.query_params.get("after")
     store = await svc.existing_store()
     jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
     data: list[dict[str, Any]] = [public(j) for j in jobs[:limit]]
-    return json_response(
+    return json_answer(
         {
             "object": "list",
             "data": data,

@@ -30,8 +30,9 @@ from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.plumbing import request_id_from
-from batchserve.http.guards import Guard, costs_of
-from batchserve.kserve.wire import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME, V2Error, model_metadata
+from batchserve.http.endpoint import costs_of
+from batchserve.http.guards import Guard
+from batchserve.kserve.wire import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME, bad, model_metadata
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
@@ -51,7 +52,6 @@ STATUS_CODES = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-V2_CODES = {400: "INVALID_REQUEST", 404: "MODEL_NOT_FOUND", 413: "PAYLOAD_TOO_LARGE"}  # for the metrics
 
 
 # The v2 messages as this module reads them (their classes are made from the .proto at start, so untyped).
@@ -113,8 +113,10 @@ def find_model(rt: GrpcHost, name: str, version: str) -> ModelSpec:
     """The model named (its versions split by weight when `version` is empty), or a 404 in v2's words."""
     spec = rt.registry.by_id.get(f"{name}@{version}") if version else rt.registry.resolve(name)
     if spec is None:
-        raise V2Error(
-            404, f"unknown model '{errors.short(name)}'" + (f" version '{errors.short(version)}'" if version else "")
+        raise ApiError(
+            404,
+            "MODEL_NOT_FOUND",
+            f"unknown model '{errors.short(name)}'" + (f" version '{errors.short(version)}'" if version else ""),
         )
     return spec
 
@@ -125,15 +127,15 @@ def bytes_elements(raw: bytes, count: int) -> list[bytes]:
     at = 0
     while at < len(raw):
         if at + 4 > len(raw):
-            raise V2Error(400, "raw BYTES contents end inside an element's length prefix")
+            raise bad("raw BYTES contents end inside an element's length prefix")
         (n,) = struct.unpack_from("<I", raw, at)
         at += 4
         if at + n > len(raw):
-            raise V2Error(400, "raw BYTES contents end inside an element")
+            raise bad("raw BYTES contents end inside an element")
         out.append(raw[at : at + n])
         at += n
     if len(out) != count:
-        raise V2Error(400, f"the raw contents hold {len(out)} element(s), the shape says {count}")
+        raise bad(f"the raw contents hold {len(out)} element(s), the shape says {count}")
     return out
 
 
@@ -141,46 +143,44 @@ def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[in
     """The request's strings (row-major), its shape, and its `timeout` parameter in microseconds (or None)."""
     inputs = req.inputs
     if len(inputs) != 1:
-        raise V2Error(400, f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see ModelMetadata)")
+        raise bad(f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see ModelMetadata)")
     tensor = inputs[0]
     if tensor.name != INPUT_NAME:
-        raise V2Error(400, f"unknown input '{tensor.name[:64]}': this model's one input is '{INPUT_NAME}'")
+        raise bad(f"unknown input '{tensor.name[:64]}': this model's one input is '{INPUT_NAME}'")
     if tensor.datatype != "BYTES":
-        raise V2Error(400, f"input '{INPUT_NAME}' must have datatype BYTES (strings), not {tensor.datatype[:16]}")
+        raise bad(f"input '{INPUT_NAME}' must have datatype BYTES (strings), not {tensor.datatype[:16]}")
     shape = list(tensor.shape)
     if len(shape) > 8 or any(d < 0 or d > MAX_ELEMENTS for d in shape):
-        raise V2Error(400, "'shape' must be at most 8 non-negative dimensions")
+        raise bad("'shape' must be at most 8 non-negative dimensions")
     count = math.prod(shape)
     if count < 1 or count > MAX_ELEMENTS:
-        raise V2Error(
-            400, f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} holds {count}"
-        )
+        raise bad(f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} holds {count}")
     raw_contents = req.raw_input_contents
     if raw_contents:
         if len(raw_contents) != 1 or tensor.contents.bytes_contents:
-            raise V2Error(400, "give the input either as raw_input_contents (one entry) or as contents, not both")
+            raise bad("give the input either as raw_input_contents (one entry) or as contents, not both")
         elements = bytes_elements(raw_contents[0], count)
     else:
         elements = list(tensor.contents.bytes_contents)
         if len(elements) != count:
-            raise V2Error(400, f"input '{INPUT_NAME}' holds {len(elements)} element(s), its shape {shape} says {count}")
+            raise bad(f"input '{INPUT_NAME}' holds {len(elements)} element(s), its shape {shape} says {count}")
     try:
         texts = [e.decode() for e in elements]
     except UnicodeDecodeError:
-        raise V2Error(400, "a BYTES element is not valid UTF-8") from None
+        raise bad("a BYTES element is not valid UTF-8") from None
     for text in texts:
         if not text:
-            raise V2Error(400, "every element must be a non-empty string")
+            raise bad("every element must be a non-empty string")
         if len(text) > max_chars:
-            raise V2Error(413, f"an element is over the {max_chars}-character limit")
+            raise errors.payload_too_large(f"an element is over the {max_chars}-character limit")
     for out in req.outputs:
         if out.name != OUTPUT_NAME:
-            raise V2Error(400, f"unknown output '{out.name[:64]}': this model's one output is '{OUTPUT_NAME}'")
+            raise bad(f"unknown output '{out.name[:64]}': this model's one output is '{OUTPUT_NAME}'")
     timeout_us: float | None = None
     if "timeout" in req.parameters:
         param = req.parameters["timeout"]
         if param.WhichOneof("parameter_choice") != "int64_param" or param.int64_param <= 0:
-            raise V2Error(400, "'parameters.timeout' must be a positive int64 of microseconds")
+            raise bad("'parameters.timeout' must be a positive int64 of microseconds")
         timeout_us = float(param.int64_param)
     return texts, shape, timeout_us
 
@@ -191,7 +191,7 @@ def output_tensor(outputs: Sequence[object], shape: list[int], kind: str) -> tup
         vectors = [v for v in outputs if isinstance(v, list)]
         dims = {len(v) for v in vectors}
         if len(vectors) != len(outputs) or len(dims) != 1:
-            raise V2Error(500, "the model's vectors do not share one length")
+            raise ApiError(500, "INFERENCE_FAILED", "the model's vectors do not share one length")
         dim = dims.pop()
         packed = array.array("f", [float(x) for v in vectors for x in v])
         if sys.byteorder != "little":
@@ -218,7 +218,7 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
     async def ModelReady(self, request: ModelRef, context: aio.ServicerContext) -> object:  # noqa: N802
         try:
             spec = find_model(self.rt, request.name, request.version)
-        except V2Error:
+        except ApiError:
             return protos.ModelReadyResponse(ready=False)  # as HTTP's tritonclient reads a 404: not ready
         ready = self.rt.not_ready_reason() is None and spec.id in self.rt.backends
         return protos.ModelReadyResponse(ready=ready)
@@ -229,7 +229,7 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
     async def ModelMetadata(self, request: ModelRef, context: aio.ServicerContext) -> object:  # noqa: N802
         try:
             spec = find_model(self.rt, request.name, request.version)
-        except V2Error as err:
+        except ApiError as err:
             await abort(context, err)
         backend = self.rt.backends.get(spec.id)
         kind = backend.output_kind if backend is not None else "text"
@@ -268,7 +268,7 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
             if remaining is not None:
                 timeout_ms = min(timeout_ms, remaining * 1000)
             if timeout_ms > s.max_timeout_ms:
-                raise V2Error(400, f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms)")
+                raise bad(f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms)")
             guard.take(caller, len(texts))
             try:
                 results = await rt.service.infer_many(
@@ -283,20 +283,18 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
                     caller.owner,
                 )
             except ClientGone:
+                guard.gone(model_id)
                 return protos.ModelInferResponse()  # nobody reads it: the call was cancelled
             datatype, out_shape, raw = output_tensor([r.output for r in results], shape, backend.output_kind)
             guard.ok(model_id, time.monotonic() - arrived, caller, len(texts), costs_of(backend, texts))
         except ApiError as err:
             guard.refused(model_id, err, caller, inputs)
             await abort(context, err, request_id)
-        except V2Error as err:
-            guard.refused(
-                model_id,
-                ApiError(err.status, V2_CODES.get(err.status, "INFERENCE_FAILED"), err.message),
-                caller,
-                inputs,
-            )
-            await abort(context, err, request_id)
+        except Exception:  # as the HTTP skeleton: logged, an INTERNAL status that says nothing of it, counted
+            log.exception("unhandled error in ModelInfer")
+            failed = errors.internal_error()
+            guard.refused(model_id, failed, caller, inputs)
+            await abort(context, failed, request_id)
         await context.send_initial_metadata((("x-request-id", request_id),))
         tensor = protos.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
         return protos.ModelInferResponse(
@@ -313,14 +311,18 @@ def peer_address(peer: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port) if port.isdigit() else 0
 
 
-async def abort(context: aio.ServicerContext, err: V2Error | ApiError, request_id: str = "") -> NoReturn:
-    """End the call with the status that fits the refusal (raises, as `context.abort` does)."""
-    status = err.status
+def grpc_status(err: ApiError, request_id: str = "") -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The one ApiError in gRPC's words, as `http/dialects.py` renders it for each HTTP dialect: the status code
+    that fits its HTTP status, its message as details, and the request id and retry hint as trailing metadata."""
     trailing: list[tuple[str, str]] = [("x-request-id", request_id)] if request_id else []
-    if isinstance(err, ApiError) and err.retry_after_ms is not None:
+    if err.retry_after_ms is not None:
         trailing.append(("retry-after-ms", str(err.retry_after_ms)))
-    code = STATUS_CODES.get(status, grpc.StatusCode.INTERNAL)
-    await context.abort(code, err.message, tuple(trailing))
+    return STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message, tuple(trailing)
+
+
+async def abort(context: aio.ServicerContext, err: ApiError, request_id: str = "") -> NoReturn:
+    """End the call with the status that fits the refusal (raises, as `context.abort` does)."""
+    await context.abort(*grpc_status(err, request_id))
     raise AssertionError("context.abort returned")  # it raises; this keeps the type checker told
 
 

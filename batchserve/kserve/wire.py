@@ -22,6 +22,8 @@ from typing import Any, cast
 import msgspec
 import orjson
 
+from batchserve import errors
+from batchserve.errors import ApiError
 from batchserve.http.decoding import BodyRefusal, decode
 from batchserve.kserve import shapes
 from batchserve.kserve.shapes import MAX_DIMS
@@ -34,17 +36,9 @@ MAX_LENGTH_DIGITS = 19  # of Inference-Header-Content-Length: more than any body
 EXTENSIONS = ["binary_tensor_data"]
 
 
-class V2Error(Exception):
-    """A refusal in v2's words: `{"error": message}` with this HTTP status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def bad(message: str) -> V2Error:
-    return V2Error(400, message)
+def bad(message: str) -> ApiError:
+    """A 400 for what the body says (rendered `{"error": message}` by `http/dialects.KSERVE`)."""
+    return errors.invalid(message)
 
 
 @dataclass
@@ -132,7 +126,7 @@ _WHAT = {
 _OUTPUT_NAME = re.compile(r"^outputs\[\d+\]\.name$")
 
 
-def _refused(r: BodyRefusal) -> V2Error:
+def _refused(r: BodyRefusal) -> ApiError:
     path = re.sub(r"^inputs\[0\]\.shape\[\d+\]$", "inputs[0].shape", r.path)
     what = _WHAT.get(path) or (
         f"unknown output: this model's one output is '{OUTPUT_NAME}'" if _OUTPUT_NAME.match(path) else ""
@@ -173,7 +167,7 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
         if not text:
             raise bad("every element must be a non-empty string")
         if len(text) > max_chars:
-            raise V2Error(413, f"an element is over the {max_chars}-character limit")
+            raise errors.payload_too_large(f"an element is over the {max_chars}-character limit")
     params = req.parameters
     binary_output = params is not None and params.binary_data_output is True
     for o in req.outputs or ():
@@ -185,12 +179,12 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
 
 def output_tensor(outputs: list[object], shape: list[int], kind: str) -> tuple[dict[str, Any], list[float] | list[str]]:
     """The output tensor's descriptor and its data, flat: FP32 for embeddings, BYTES otherwise. Raises
-    V2Error(500) when the vectors of an embedding model do not share one length."""
+    ApiError(500) when the vectors of an embedding model do not share one length."""
     if kind == "embedding":
         vectors = [v for v in outputs if isinstance(v, list)]
         dims = {len(v) for v in vectors}
         if len(vectors) != len(outputs) or len(dims) != 1:
-            raise V2Error(500, "the model's vectors do not share one length")
+            raise ApiError(500, "INFERENCE_FAILED", "the model's vectors do not share one length")
         dim = dims.pop()
         flat = [float(x) for v in vectors for x in v]
         return {"name": OUTPUT_NAME, "datatype": "FP32", "shape": [*shape, dim]}, flat

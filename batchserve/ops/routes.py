@@ -1,29 +1,26 @@
-"""Operational routes: liveness, readiness, the node's health, Prometheus metrics and the OpenAPI document,
-plus the JSON rendering of the router's own 404/405."""
+"""Operational routes, each a declaration on the one request path (`http/endpoint.py`): liveness, readiness, the
+node's health, Prometheus metrics (these two only with `--metrics-key` when one is set) and the OpenAPI
+document. (The router's own 404/405 are rendered by `http/dialects.http_error`.)"""
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Protocol
 
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import Route
 
-from batchserve import errors
 from batchserve.config import Settings
 from batchserve.core.admission import Admission
 from batchserve.core.batcher import Batcher
 from batchserve.core.load_signal import Reading
 from batchserve.core.service import InferenceService
 from batchserve.gpu_pool import GpuPool
-from batchserve.http.plumbing import JSON, error_response, json_response, request_id_of
-from batchserve.http.guards import operational
-from batchserve.logsafe import printable
+from batchserve.http.dialects import NATIVE
+from batchserve.http.guards import Guard
+from batchserve.http.endpoint import Answer, Call, Endpoint, operational, public
 from batchserve.metrics import Metrics
 
 
@@ -31,6 +28,7 @@ class OpsHost(Protocol):
     """What the operational routes read from `app.state.rt` (the runtime): the node's state, to report it."""
 
     settings: Settings
+    guard: Guard
     metrics: Metrics
     batcher: Batcher
     admission: Admission
@@ -53,21 +51,27 @@ class OpsHost(Protocol):
     def answer_times(self) -> dict[str, float]: ...
 
 
-async def healthz(request: Request) -> Response:
-    return json_response({"status": "ok"})
+def as_json(rt: OpsHost, call: Call, req: None, body: dict[str, object]) -> Answer:
+    return Answer(orjson.dumps(body))
 
 
-async def readyz(request: Request) -> Response:
-    rt: OpsHost = request.app.state.rt
+async def healthz(rt: OpsHost, call: Call, req: None) -> dict[str, object]:
+    return {"status": "ok"}
+
+
+async def readiness(rt: OpsHost, call: Call, req: None) -> dict[str, object]:
     healthy = rt.pool.healthy_count() if rt.pool else 0
     reason = rt.not_ready_reason()
     if reason is None:
-        return json_response({"status": "ready", "healthy_workers": healthy})
-    return json_response({"status": "not_ready", "reason": reason, "healthy_workers": healthy}, status=503)
+        return {"status": "ready", "healthy_workers": healthy}
+    return {"status": "not_ready", "reason": reason, "healthy_workers": healthy}
 
 
-async def internal_health(request: Request) -> Response:
-    rt: OpsHost = request.app.state.rt
+def render_ready(rt: OpsHost, call: Call, req: None, body: dict[str, object]) -> Answer:
+    return Answer(orjson.dumps(body), status=200 if body["status"] == "ready" else 503)
+
+
+async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, object]:
     now = time.monotonic()
     workers = []
     if rt.pool is not None:
@@ -98,79 +102,68 @@ async def internal_health(request: Request) -> Response:
         if healthy
         else "unavailable"
     )
-    return json_response(
-        {
-            "status": status,
-            "gpu_utilization": round(rt.gpu_utilization, 3),
-            "queue_depth": rt.batcher.total_depth(),
-            "requests_per_second": round(rt.requests_per_second, 1),
-            "inflight": rt.service.inflight,
-            # The batcher's models by their learned batch time; the stepper's (their /v1/inference runs on the
-            # generation engine, docs/capacity.md) by their answer time, and each model by the path that answers it.
-            "batch_ms": {m: round(v * 1000, 1) for m, v in batch_times.items()},
-            "answer_ms": {m: round(v * 1000, 1) for m, v in answer_times.items()},
-            "inference_path": {**{m: "batcher" for m in batch_times}, **{m: "stepper" for m in answer_times}},
-            "slo_ms": rt.settings.slo_ms,
-            "timeout_ms": rt.settings.timeout_ms,  # set, or derived from the warm-up
-            "batch_ms_by_size": {
-                m: {str(n): round(v * 1000, 1) for n, v in rt.batcher.batch_s.by_size(m).items()}
-                for m in rt.batcher.batch_s.models()
-                if m in batch_times
-            },
-            "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
-            "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
-            "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)
-            "predicted_wait_ratio": round(load.predicted_wait_ratio(), 3),
-            "workers": workers,
-            # Which process answered: with --processes the shared port reaches any of them; each one's own port
-            # reaches it alone (batchserve/http/processes.py).
-            "pid": os.getpid(),
-            "process": (
-                {"index": slot.index, "of": slot.of, "own_port": slot.own_port}
-                if (slot := rt.settings.process_slot) is not None
-                else None
-            ),
-        }
-    )
+    return {
+        "status": status,
+        "gpu_utilization": round(rt.gpu_utilization, 3),
+        "queue_depth": rt.batcher.total_depth(),
+        "requests_per_second": round(rt.requests_per_second, 1),
+        "inflight": rt.service.inflight,
+        # The batcher's models by their learned batch time; the stepper's (their /v1/inference runs on the
+        # generation engine, docs/capacity.md) by their answer time, and each model by the path that answers it.
+        "batch_ms": {m: round(v * 1000, 1) for m, v in batch_times.items()},
+        "answer_ms": {m: round(v * 1000, 1) for m, v in answer_times.items()},
+        "inference_path": {**{m: "batcher" for m in batch_times}, **{m: "stepper" for m in answer_times}},
+        "slo_ms": rt.settings.slo_ms,
+        "timeout_ms": rt.settings.timeout_ms,  # set, or derived from the warm-up
+        "batch_ms_by_size": {
+            m: {str(n): round(v * 1000, 1) for n, v in rt.batcher.batch_s.by_size(m).items()}
+            for m in rt.batcher.batch_s.models()
+            if m in batch_times
+        },
+        "gpu_timeout_ms": round(rt.pool.timeout_s() * 1000) if rt.pool else None,
+        "arrivals_per_s": round(rt.admission.arrival_rate(), 1),
+        "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)
+        "predicted_wait_ratio": round(load.predicted_wait_ratio(), 3),
+        "workers": workers,
+        # Which process answered: with --processes the shared port reaches any of them; each one's own port
+        # reaches it alone (batchserve/http/processes.py).
+        "pid": os.getpid(),
+        "process": (
+            {"index": slot.index, "of": slot.of, "own_port": slot.own_port}
+            if (slot := rt.settings.process_slot) is not None
+            else None
+        ),
+    }
 
 
-async def metrics(request: Request) -> Response:
-    rt: OpsHost = request.app.state.rt
-    return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(rt: OpsHost, call: Call, req: None) -> bytes:
+    return generate_latest(rt.metrics.registry)
 
 
-async def openapi_json(request: Request) -> Response:
-    return Response(request.app.state.openapi, media_type=JSON)
+def render_metrics(rt: OpsHost, call: Call, req: None, text: bytes) -> Answer:
+    return Answer(text, CONTENT_TYPE_LATEST.encode())
 
 
-log = logging.getLogger("batchserve")
+async def openapi_json(rt: OpsHost, call: Call, req: None) -> bytes:
+    document: bytes = call.scope["app"].state.openapi
+    return document
 
 
-async def internal_error(request: Request, exc: Exception) -> Response:
-    """Any exception no route expected: a JSON 500 that says nothing of it; the traceback goes to the log."""
-    log.error("unexpected error on %s %s", request.method, printable(request.url.path), exc_info=exc)
-    return error_response(errors.internal_error(), request_id_of(request))
+def render_document(rt: OpsHost, call: Call, req: None, document: bytes) -> Answer:
+    return Answer(document)
 
 
-async def http_error(request: Request, exc: Exception) -> Response:
-    """The router's own 404 and 405, in the one error shape."""
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        path = request.url.path
-        slash = f": paths take no trailing slash ({printable(path.rstrip('/'), 200)})" if path.endswith("/") else ""
-        err = errors.not_found(f"{exc.detail}{slash}")
-    elif exc.status_code == 405:
-        err = errors.method_not_allowed(str(exc.detail))
-    else:
-        err = errors.ApiError(exc.status_code, "HTTP_ERROR", str(exc.detail))
-    return error_response(err, request_id_of(request))
-
+liveness: Endpoint[OpsHost, None, dict[str, object]] = public(NATIVE, healthz, as_json)
+ready: Endpoint[OpsHost, None, dict[str, object]] = public(NATIVE, readiness, render_ready)
+health: Endpoint[OpsHost, None, dict[str, object]] = operational(NATIVE, internal_health, as_json)
+scrape: Endpoint[OpsHost, None, bytes] = operational(NATIVE, metrics, render_metrics)
+document: Endpoint[OpsHost, None, bytes] = public(NATIVE, openapi_json, render_document)
 
 ROUTES = [
-    Route("/healthz", healthz, methods=["GET"]),
-    Route("/readyz", readyz, methods=["GET"]),
-    Route("/health", readyz, methods=["GET"]),  # what clients of vLLM/TGI/TEI probe: 200 only when serving
-    Route("/internal/health", operational(internal_health), methods=["GET"]),
-    Route("/metrics", operational(metrics), methods=["GET"]),
-    Route("/openapi.json", openapi_json, methods=["GET"]),
+    Route("/healthz", liveness, methods=["GET"]),
+    Route("/readyz", ready, methods=["GET"]),
+    Route("/health", ready, methods=["GET"]),  # what clients of vLLM/TGI/TEI probe: 200 only when serving
+    Route("/internal/health", health, methods=["GET"]),
+    Route("/metrics", scrape, methods=["GET"]),
+    Route("/openapi.json", document, methods=["GET"]),
 ]

@@ -10,16 +10,16 @@ from typing import Any
 
 import orjson
 
-from batchserve.http.openai_error import OpenAIError
+from batchserve.errors import ApiError
 
 
 def answer(
     scores: list[Any], documents: list[str], top_n: int | None, return_documents: bool, model: str, tokens: int
 ) -> bytes:
-    """The response body; OpenAIError 500 when the model's outputs are not scores."""
+    """The response body; ApiError 500 when the model's outputs are not scores."""
     for i, score in enumerate(scores):
         if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
-            raise OpenAIError(500, f"the model's output {i} is not a finite score", None, "inference_failed")
+            raise ApiError(500, "INFERENCE_FAILED", f"the model's output {i} is not a finite score")
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
     results = []
     for i in order:

@@ -11,14 +11,14 @@ import pytest
 from batchserve.config import Settings
 from batchserve.embeddings.routes import EmbeddingsHost
 from batchserve.generation.serving import GenerationHost
-from batchserve.http.guards import Guarded
+from batchserve.http.endpoint import Served
 from batchserve.ops.routes import OpsHost
 from batchserve.inference.routes import InferenceHost
 from batchserve.jobs.routes import JobsHost
 from batchserve.kserve.routes import KServeHost
 from batchserve.runtime import Runtime
 
-HOSTS = (InferenceHost, OpsHost, EmbeddingsHost, KServeHost, GenerationHost, JobsHost, Guarded)
+HOSTS = (InferenceHost, OpsHost, EmbeddingsHost, KServeHost, GenerationHost, JobsHost, Served)
 
 
 def members(protocol: type) -> set[str]:

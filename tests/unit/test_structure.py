@@ -1,6 +1,7 @@
-"""The package's shape (issues 10 and 23): no import circles between modules or between packages (a package
+"""The package's shape (issues 10, 23 and 35): no import circles between modules or between packages (a package
 being `batchserve.X`: a subpackage or a top-level module), TYPE_CHECKING imports included; the wiring (app, cli,
-runtime) imported by nothing it wires; no wing importing another's routes; and one door to the batcher. Read
+runtime) imported by nothing it wires; no wing importing another's routes; one door to the batcher; and one
+request path: no route module reads a body, takes rate tokens or renders an error itself. Read
 from the source with `ast`, and the module list from `pkgutil`, so a new module is covered without editing this
 test."""
 
@@ -166,3 +167,74 @@ def test_the_architecture_page_names_only_modules_that_exist():
     assert "core/batcher.py" in named and "http/guards.py" in named
     missing = sorted(p for p in named if not (PACKAGE / p).exists() and not (root / p).exists())
     assert not missing, missing
+
+
+# -- the one request path (issue 35 item 2) -----------------------------------------------------------------------
+ROUTE_MODULES = sorted(
+    {p for p in PACKAGE.glob("*/routes.py")} | {p for p in PACKAGE.glob("*/file_routes.py")}
+    | {PACKAGE / "generation" / "serving.py", PACKAGE / "http" / "usage.py"}
+)
+# What only the skeleton (`http/endpoint.py`) and the dialects (`http/dialects.py`) do.
+BODY_READERS = {"read_body", "read_body_from"}
+ERROR_RENDERERS = {"error_response", "error_body", "send_json", "internal_error", "unexpected_error", "http_error"}
+RATE_METHODS = {"take", "admit", "check", "enter", "take_token", "check_token", "identify", "check_ops_key"}
+BODY_METHODS = {"body", "json", "form", "stream"}
+# A route whose body is larger than any request body is parsed as it streams in, by its own parser.
+STREAMED_UPLOADS = {"jobs/file_routes.py": "the multipart upload of a file, stored a chunk at a time"}
+
+
+def route_findings(path: Path) -> list[str]:
+    """What a route module does that is the skeleton's: read a body, take rate tokens (or identify), render
+    an error, or build a Starlette response (which would skip the one-write answer and the accounting)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = {a.name for a in node.names}
+            if node.module == "batchserve.http.plumbing" and names & (BODY_READERS | ERROR_RENDERERS):
+                found.append(f"imports {sorted(names & (BODY_READERS | ERROR_RENDERERS))} from http.plumbing")
+            if node.module == "batchserve.http.dialects" and names & ERROR_RENDERERS:
+                found.append(f"imports {sorted(names & ERROR_RENDERERS)} from http.dialects")
+            if node.module == "starlette.responses":
+                found.append(f"builds Starlette responses ({sorted(names)})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            attr, owner = node.func.attr, node.func.value
+            owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if attr in RATE_METHODS and owner_name in ("guard", "tenancy"):
+                found.append(f"calls {owner_name}.{attr} (line {node.lineno})")
+            if attr in BODY_METHODS and owner_name == "request":
+                found.append(f"reads the body: request.{attr}() (line {node.lineno})")
+            if attr == "receive" and owner_name in ("request", "call"):
+                found.append(f"calls {owner_name}.receive() (line {node.lineno})")
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if "error" in keys:
+                found.append(f"writes an error shape by hand (line {node.lineno})")
+    return found
+
+
+def test_route_modules_leave_the_request_path_to_the_skeleton():
+    assert len(ROUTE_MODULES) >= 10, ROUTE_MODULES  # the glob found the wings' route modules
+    bad = {}
+    for path in ROUTE_MODULES:
+        rel = str(path.relative_to(PACKAGE))
+        findings = route_findings(path)
+        if rel in STREAMED_UPLOADS:
+            findings = [f for f in findings if not f.startswith("reads the body: request.stream()")]
+        if findings:
+            bad[rel] = findings
+    assert not bad, bad
+
+
+def test_the_route_check_sees_what_it_forbids(tmp_path):
+    hand_written = tmp_path / "routes.py"
+    hand_written.write_text(
+        "from batchserve.http.plumbing import read_body_from\n"
+        "from batchserve.http.dialects import error_response\n"
+        "from starlette.responses import Response\n"
+        "async def route(request, guard):\n"
+        "    guard.take(caller)\n"
+        "    await request.body()\n"
+        "    return {'error': 'X', 'message': 'y'}\n"
+    )
+    findings = route_findings(hand_written)
+    assert len(findings) == 6, findings

@@ -5,8 +5,9 @@ One request answered 200 on `/v1/inference` and one on `/v1/embeddings`, each dr
 (`create_app`: the sim backend and a small embedding plugin, in-process, no sockets, as `bench/hotpath.py`
 drives it), traced with `sys.setprofile` on the loop's thread. The path is the batchserve module of every
 Python function the route's own module calls, in order:
-- the route module is the spine: its own helper functions (`pick_model`, `prompt_tokens`) are the route, so a
-  call from one of them counts as the route's, and a call into one is not a step;
+- the route is the spine: the one request path (`http/endpoint`) and the wing's module, whose functions are the
+  skeleton's declared parts (parse, handle, render) and its helpers (`pick_model`, `prompt_tokens`), so a call
+  from one of them counts as the route's, and a call into one is not a step;
 - only the route's callees are steps: what the guard or the door call in turn (`tenancy`, `core/admission`) is
   inside that step (the door, `core/service`, is the other spine: its own path is its own business);
 - starlette, asyncio, orjson and the standard library are not modules of the path (only `batchserve.*` is);
@@ -54,19 +55,25 @@ def module_of(frame: FrameType) -> str | None:
     return name[len("batchserve."):].replace(".", "/") if name.startswith("batchserve.") else None
 
 
+SKELETON = "http/endpoint"  # the one request path every route runs through (issue 35)
+
+
 @contextlib.contextmanager
 def route_path(route: str) -> Iterator[list[str]]:
-    """The modules the route module `route` calls, in order, consecutive repeats collapsed (see the docstring)."""
+    """The modules the route calls, in order, consecutive repeats collapsed (see the docstring). The route is
+    the skeleton (`http/endpoint`) and the wing's module together: the wing's functions are the skeleton's
+    declared parts (parse, handle, render), so neither is a step of the other."""
     path: list[str] = []
+    spine = {route, SKELETON}
 
     def profile(frame: FrameType, event: str, arg: object) -> None:
         if event != "call":
             return
         caller = frame.f_back
-        if caller is None or module_of(caller) != route:
+        if caller is None or module_of(caller) not in spine:
             return
         callee = module_of(frame)
-        if callee is not None and callee != route and (not path or path[-1] != callee):
+        if callee is not None and callee not in spine and (not path or path[-1] != callee):
             path.append(callee)
 
     sys.setprofile(profile)

@@ -1,0 +1,141 @@
+"""One error type, `ApiError`, rendered in each dialect the server speaks: the native shape of DESIGN §2
+(`{error, message, request_id}`), OpenAI's (`{"error": {message, type, param, code}}`) and KServe v2's
+(`{"error": message}`). A dialect is a small renderer chosen per route (`http/endpoint.py`'s declarations), so an
+error is raised once, with one set of codes and retry hints, and each protocol only says how it looks.
+
+The headers are the same in every dialect: the request id, Retry-After where retrying later helps, the error's
+own (WWW-Authenticate, X-RateLimit-*), and `Connection: close` on DRAINING (the client should reconnect
+elsewhere, not reuse a connection about to close)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Send
+
+from batchserve import errors
+from batchserve.errors import ApiError
+from batchserve.http.plumbing import JSON, new_request_id, request_id_of, send_json
+from batchserve.logsafe import printable
+
+log = logging.getLogger("batchserve.http")
+
+# OpenAI's error `type` by status (what its clients switch on); a 5xx is a server_error.
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_headers(err: ApiError, request_id: str) -> dict[str, str]:
+    """The headers of an error answer, whatever its dialect."""
+    headers = {"X-Request-ID": request_id}
+    if err.retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
+    if err.headers:
+        headers.update(err.headers)
+    if err.code == "DRAINING":
+        headers["Connection"] = "close"
+    return headers
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one protocol writes an error, and how it identifies callers."""
+
+    name: str
+    any_key_anonymous: bool = False  # OpenAI's clients always send a key: with no keys configured, any is anonymous
+
+    def error_body(self, err: ApiError, request_id: str) -> bytes:
+        raise NotImplementedError
+
+    def render(self, err: ApiError, request_id: str) -> tuple[bytes, dict[str, str]]:
+        """The error's body and headers in this dialect."""
+        return self.error_body(err, request_id), error_headers(err, request_id)
+
+
+@dataclass(frozen=True)
+class Native(Dialect):
+    """DESIGN §2: `{error: CODE, message, request_id[, retry_after_ms]}`."""
+
+    def error_body(self, err: ApiError, request_id: str) -> bytes:
+        body: dict[str, object] = {"error": err.code, "message": err.message, "request_id": request_id}
+        if err.retry_after_ms is not None:
+            body["retry_after_ms"] = int(err.retry_after_ms)
+        return orjson.dumps(body)
+
+
+@dataclass(frozen=True)
+class OpenAI(Dialect):
+    """OpenAI's `{"error": {message, type, param, code}}`: `code` is the error's `reason` when it names a finer
+    one (`invalid_value`, `model_not_found`), else its native code in lower case."""
+
+    def error_body(self, err: ApiError, request_id: str) -> bytes:
+        kind = OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
+        code = err.reason or err.code.lower()
+        return orjson.dumps({"error": {"message": err.message, "type": kind, "param": err.param, "code": code}})
+
+
+@dataclass(frozen=True)
+class KServe(Dialect):
+    """KServe v2's `{"error": message}`."""
+
+    def error_body(self, err: ApiError, request_id: str) -> bytes:
+        return orjson.dumps({"error": err.message})
+
+
+NATIVE = Native("native")
+# The native shape on the routes OpenAI's clients call too (batches, files): any key is anonymous when no keys
+# are configured, as on the OpenAI routes.
+NATIVE_ANY_KEY = Native("native", any_key_anonymous=True)
+OPENAI = OpenAI("openai", any_key_anonymous=True)
+KSERVE = KServe("kserve")
+
+
+def error_response(err: ApiError, request_id: str, dialect: Dialect = NATIVE) -> Response:
+    """The error as a Starlette Response, for the handlers that answer through Starlette (its exception
+    handlers, the docs page)."""
+    body, headers = dialect.render(err, request_id)
+    return Response(body, status_code=err.status, headers=headers, media_type=JSON)
+
+
+async def internal_error(send: Send, request_id: str = "", dialect: Dialect = NATIVE) -> None:
+    """A JSON 500 for an error no handler expected (the traceback goes to the log, never to the caller);
+    nothing when the answer had already started (nothing more can be said on this connection)."""
+    body, headers = dialect.render(errors.internal_error(), request_id or new_request_id())
+    try:
+        await send_json(send, 500, body, headers)
+    except RuntimeError:
+        pass
+
+
+async def unexpected_error(request: Request, exc: Exception) -> Response:
+    """Starlette's handler of any exception no route expected (the endpoints catch their own): a JSON 500 that
+    says nothing of it; the traceback goes to the log."""
+    log.error("unexpected error on %s %s", request.method, printable(request.url.path), exc_info=exc)
+    return error_response(errors.internal_error(), request_id_of(request))
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """The router's own 404 and 405 (and a static page's 404), in the native error shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        path = request.url.path
+        slash = f": paths take no trailing slash ({printable(path.rstrip('/'), 200)})" if path.endswith("/") else ""
+        err = errors.not_found(f"{exc.detail}{slash}")
+    elif exc.status_code == 405:
+        err = errors.method_not_allowed(str(exc.detail))
+    else:
+        err = errors.ApiError(exc.status_code, "HTTP_ERROR", str(exc.detail))
+    return error_response(err, request_id_of(request))

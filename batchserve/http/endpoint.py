@@ -1,0 +1,366 @@
+"""THE request path, written once: every HTTP route runs through `Endpoint` (issue 35 item 2).
+
+    request id → identify + rate tokens → bounded body read → parse (the wing's) → tokens by the body →
+    handle (the wing's: the call to the door, with the disconnect watch) → render (the wing's) →
+    account (ledger + metrics) → one write
+      ╰─ on any exit: ApiError → the dialect's rendering, counted; the caller gone → counted as a 499;
+         anything unexpected → logged, a 500 in the dialect, counted
+
+A wing declares an endpoint as its dialect (`http/dialects.py`) and three functions: `parse` (body → request;
+may pick the model, `call.model`), `handle` (request → result, through the door) and `render` (result → the
+answer's bytes). It never reads a body, takes rate tokens, renders an error or counts an answer itself
+(tests/unit/test_structure.py keeps it so). The skeleton is a plain ASGI app, so the hot routes
+(`app.FastPath`) run it without Starlette's Request/Response, and it writes a whole answer in one write through
+`http/uvicorn_protocol.py`'s `send_whole` where that is there (head and body in one segment)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import MappingProxyType
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+import orjson
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from batchserve import errors
+from batchserve.config import Settings
+from batchserve.errors import ApiError, ClientGone
+from batchserve.http.dialects import Dialect
+from batchserve.http.disconnect import Watcher, disconnect_probe
+from batchserve.http.guards import Guard
+from batchserve.http.plumbing import read_body_from, request_id_from, send_json
+from batchserve.http.uvicorn_protocol import whole_answer_sender
+from batchserve.logsafe import printable
+from batchserve.tenancy import Caller
+
+log = logging.getLogger("batchserve.http")
+
+# The request headers every endpoint reads, by their lower-case wire name (one pass over the raw list).
+READ_HEADERS = (b"x-request-id", b"authorization", b"content-type", b"content-length")
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
+class Coster(Protocol):
+    """What the ledger asks of a backend: the cost of one input (tokens; 1 for a plugin that declares none)."""
+
+    def cost_of(self, text: str) -> float: ...
+
+
+def costs_of(backend: Coster | None, texts: Sequence[str]) -> float:
+    """The cost units of a request's inputs as the batcher counts them (`backend.cost_of`, cached by the
+    built-in backends since admission asked): 1 an input when the backend is gone or cannot say. What a
+    wing's `handle` puts in `call.cost` for the accounting."""
+    if backend is None:
+        return float(len(texts))
+    total = 0.0
+    try:
+        for text in texts:
+            total += backend.cost_of(text)
+    except Exception:  # noqa: BLE001 - the answer went out; its cost is then counted as its inputs
+        return float(len(texts))
+    return total
+
+
+class Served(Protocol):
+    """What the skeleton reads from `app.state.rt`: the guard and the body limit. Each wing's host Protocol
+    (`InferenceHost`, `EmbeddingsHost`, ...) adds what its own functions read."""
+
+    settings: Settings
+    guard: Guard
+
+
+class Call:
+    """One request on its way through the skeleton: what the wing's functions read (the request id, the
+    caller, the scope) and what they tell the accounting (the model, the inputs served and their cost)."""
+
+    # What a wing may set, by default (class attributes: a request pays only for what it changes).
+    caller: Caller | None = None
+    model = "unknown"  # the model version answering, once the wing has picked it
+    inputs = 1  # inputs the request holds (a list's length), for the ledger
+    cost = 1.0  # cost units served (tokens, or 1 an input), for the ledger
+    answer_headers: Mapping[str, str] = NO_HEADERS  # on every answer: the X-RateLimit-* headers
+    booked = False  # the wing booked this answer itself (a generation sequence books its own outcome)
+
+    def __init__(self, scope: Scope, receive: Receive, request_id: str, arrived: float, headers: dict[str, str]):
+        self.scope = scope
+        self.receive = receive
+        self.request_id = request_id
+        self.arrived = arrived
+        self.headers = headers  # the request headers the endpoint reads, by lower-case name
+
+    def gone(self) -> Callable[[], bool]:
+        """The door's "has the caller hung up?" check: uvicorn's per-request flag, else a watcher task."""
+        return disconnect_probe(self.receive) or Watcher(self.receive)
+
+    async def hung_up(self) -> None:
+        """Returns when the caller hangs up: for a wing that waits on something other than the door (the
+        generation engine's deltas) and must stop when nobody will read its answer."""
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+
+    @property
+    def who(self) -> Caller:
+        """The caller, on an endpoint that identifies (every model route)."""
+        if self.caller is None:
+            raise RuntimeError("this endpoint does not identify its callers")
+        return self.caller
+
+
+@dataclass(slots=True)
+class Answer:
+    """A whole answer: its body, media type and the route's own headers (name, value), of values the route built
+    itself, so they skip uvicorn's per-header checks."""
+
+    body: bytes
+    media: bytes = b"application/json"
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    status: int = 200
+
+
+def json_answer(body: object, status: int = 200, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
+    """A JSON answer of `body` (what orjson can write)."""
+    return Answer(orjson.dumps(body), headers=headers, status=status)
+
+
+@dataclass(slots=True)
+class Stream:
+    """An answer written as it is made (server-sent events). `close(status)` runs exactly once when the stream
+    ends ("200"), fails ("500") or the caller leaves ("499"): the wing's own accounting of a stream, whose
+    outcome is known only at its end."""
+
+    chunks: AsyncIterator[bytes]
+    close: Callable[[str], None] = lambda status: None
+    media: bytes = b"text/event-stream"
+
+
+class Gone(Exception):
+    """Raised by a wing's function when the caller left (a stream that noticed first)."""
+
+
+Req = TypeVar("Req")
+Res = TypeVar("Res")
+Host = TypeVar("Host", bound=Served, contravariant=True)
+
+
+class Book(Protocol[Host]):
+    """How an endpoint's answers are counted, where not as a model's (`guard.ok` / `guard.refused`, the default):
+    `COUNTED` for the routes that serve no model, or a wing's own (the generation engine's metrics)."""
+
+    def ok(self, rt: Host, call: Call) -> None: ...
+
+    def refused(self, rt: Host, call: Call, err: ApiError) -> None: ...
+
+    def gone(self, rt: Host, call: Call) -> None: ...
+
+
+class Counted:
+    """The answers of a route that serves no model: in the answered count only (not the model metrics, nor the
+    SLO ledger)."""
+
+    def ok(self, rt: Served, call: Call) -> None:
+        rt.guard.counted()
+
+    def refused(self, rt: Served, call: Call, err: ApiError) -> None:
+        rt.guard.counted()
+
+    def gone(self, rt: Served, call: Call) -> None:
+        pass
+
+
+class Uncounted:
+    """The answers of a public route that is not a request for work (health, metadata, the model list): not
+    counted at all, so probes do not inflate the requests per second the 1 s tick reads."""
+
+    def ok(self, rt: Served, call: Call) -> None:
+        pass
+
+    def refused(self, rt: Served, call: Call, err: ApiError) -> None:
+        pass
+
+    def gone(self, rt: Served, call: Call) -> None:
+        pass
+
+
+COUNTED = Counted()
+UNCOUNTED = Uncounted()
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[Host, Req, Res]):
+    """One route's declaration, and the ASGI app that serves it (see the module docstring).
+
+    `tokens`: rate-limit tokens known only from the request (a list of N inputs costs N): the caller is refused
+    (429) before its body is read when its bucket is empty, and the N tokens taken once parsed; None takes one
+    token before the body; `rate` False: a caller is identified but takes no token (GET /v1/usage: how a refused
+    caller finds out why). `identify` False: a public route (no caller, no tokens); `ops_key`: an operational
+    route, served only with `--metrics-key` when one is set (401 before anything else); `book`: how its answers are
+    counted when not as a model's (`COUNTED`, or the wing's own); `body` False: a GET; `before_body`: what waits
+    before the body is read (the generation routes' refusal throttle). `headers`: request headers beyond the
+    four every endpoint reads."""
+
+    dialect: Dialect
+    parse: Callable[[Host, Call, bytes], Req]
+    handle: Callable[[Host, Call, Req], Awaitable[Res]]
+    render: Callable[[Host, Call, Req, Res], Answer | Stream]
+    tokens: Callable[[Req], int] | None = None
+    identify: bool = True
+    rate: bool = True
+    ops_key: bool = False
+    book: Book[Host] | None = None
+    body: bool = True
+    before_body: Callable[[Host, Call], Awaitable[None]] | None = None
+    headers: tuple[bytes, ...] = ()
+    names: dict[bytes, str] = field(init=False, repr=False, compare=False)
+    take_one: bool = field(init=False, repr=False, compare=False)  # one token before the body
+    take_by_body: bool = field(init=False, repr=False, compare=False)  # check before, N tokens after the parse
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", {name: name.decode() for name in (*READ_HEADERS, *self.headers)})
+        object.__setattr__(self, "take_one", self.identify and self.rate and self.tokens is None)
+        object.__setattr__(self, "take_by_body", self.identify and self.rate and self.tokens is not None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rt: Host = scope["app"].state.rt
+        guard = rt.guard
+        names = self.names
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            key = names.get(name.lower())
+            if key is not None and key not in headers:
+                headers[key] = value.decode("latin-1")
+        call = Call(scope, receive, "", time.monotonic(), headers)
+        caller = None
+        try:
+            if self.ops_key:
+                guard.check_ops_key(headers.get("authorization"))
+            if self.identify:
+                caller = call.caller = guard.identify(
+                    headers.get("authorization"), scope, self.dialect.any_key_anonymous
+                )
+                if self.take_one:
+                    call.answer_headers = guard.take(caller)
+                elif self.take_by_body:
+                    guard.check(caller)
+            # The request id once the caller may send (beside the body read, in the same module: the path's
+            # steps in order, tests/unit/http/test_request_path.py); a refusal above makes it when it renders.
+            call.request_id = request_id_from(headers.get("x-request-id"))
+            if self.before_body is not None:
+                await self.before_body(rt, call)
+            body = (
+                await read_body_from(receive, rt.settings.max_body_bytes, headers.get("content-length"))
+                if self.body
+                else b""
+            )
+            req = self.parse(rt, call, body)
+            if self.take_by_body and caller is not None and self.tokens is not None:
+                call.answer_headers = guard.take(caller, self.tokens(req))
+            answer = self.render(rt, call, req, await self.handle(rt, call, req))
+        except ApiError as err:
+            if not call.request_id:
+                call.request_id = request_id_from(headers.get("x-request-id"))
+            self.refused(rt, call, err)
+            out, err_headers = self.dialect.render(err, call.request_id)
+            if call.answer_headers and not err.headers:
+                err_headers.update(call.answer_headers)
+            await send_json(send, err.status, out, err_headers)
+            return
+        except (ClientGone, ClientDisconnect, Gone):
+            if not call.booked:
+                if self.book is None:
+                    guard.gone(call.model)
+                else:
+                    self.book.gone(rt, call)
+            return
+        except Exception:
+            log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
+            if not call.request_id:
+                call.request_id = request_id_from(headers.get("x-request-id"))
+            failed = errors.internal_error()
+            self.refused(rt, call, failed)
+            out, err_headers = self.dialect.render(failed, call.request_id)
+            await send_json(send, 500, out, err_headers)
+            return
+        if call.booked:
+            pass
+        elif self.book is not None:
+            self.book.ok(rt, call)
+        elif caller is not None:
+            guard.ok(call.model, time.monotonic() - call.arrived, caller, call.inputs, call.cost)
+        if isinstance(answer, Stream):
+            await self.stream(answer, call, send)
+            return
+        # The answer in one write under batchserve's own protocol, else as the usual ASGI messages.
+        send_whole = whole_answer_sender(send)
+        if send_whole is not None:
+            head = b"content-type: %s\r\nx-request-id: %s\r\n" % (answer.media, call.request_id.encode())
+            for name, value in answer.headers:
+                head += b"%s: %s\r\n" % (name, value)
+            for key, text in call.answer_headers.items():
+                head += b"%s: %s\r\n" % (key.encode(), text.encode())
+            await send_whole(answer.status, head, answer.body)
+            return
+        raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode()), *answer.headers]
+        if call.answer_headers:
+            raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
+        raw.append((b"content-length", b"%d" % len(answer.body)))
+        await send({"type": "http.response.start", "status": answer.status, "headers": raw})
+        await send({"type": "http.response.body", "body": answer.body})
+
+    def refused(self, rt: Host, call: Call, err: ApiError) -> None:
+        if call.booked:
+            return
+        if self.book is None:
+            rt.guard.refused(call.model, err, call.caller, call.inputs)
+        else:
+            self.book.refused(rt, call, err)
+
+    @staticmethod
+    async def stream(answer: Stream, call: Call, send: Send) -> None:
+        """A streamed answer: its head, then each chunk as it comes; `close` says how it ended."""
+        status = "500"
+        raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode())]
+        raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
+        raw.append((b"cache-control", b"no-cache"))
+        gone = call.gone()
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+            async for chunk in answer.chunks:
+                if gone():  # uvicorn drops what is sent to a closed connection: stop making it
+                    raise Gone()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            status = "200"
+        except (OSError, ClientDisconnect, Gone):
+            status = "499"
+        except Exception:  # the head went out: nothing more can be said on this connection
+            log.exception("a streamed answer failed on %s", printable(call.scope["path"]))
+        finally:
+            answer.close(status)
+
+
+def no_body(rt: object, call: Call, body: bytes) -> None:
+    """The `parse` of a route that takes no body (a GET)."""
+    return None
+
+
+def public(
+    dialect: Dialect,
+    handle: Callable[[Host, Call, None], Awaitable[Res]],
+    render: Callable[[Host, Call, None, Res], Answer | Stream],
+) -> Endpoint[Host, None, Res]:
+    """A GET that anyone may make and that asks for no work (health, metadata): no caller, no body, not counted."""
+    return Endpoint(dialect, no_body, handle, render, identify=False, book=UNCOUNTED, body=False)
+
+
+def operational(
+    dialect: Dialect,
+    handle: Callable[[Host, Call, None], Awaitable[Res]],
+    render: Callable[[Host, Call, None, Res], Answer | Stream],
+) -> Endpoint[Host, None, Res]:
+    """A GET of the node's own state (health details, metrics): only with `--metrics-key` when one is set, since
+    it names workers, queue depths and rates that callers need not see; not counted."""
+    return Endpoint(dialect, no_body, handle, render, identify=False, ops_key=True, book=UNCOUNTED, body=False)
