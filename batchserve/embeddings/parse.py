@@ -13,7 +13,8 @@ import msgspec
 from batchserve.embeddings import shapes
 from batchserve.embeddings.shapes import MAX_INPUTS
 from batchserve.http.decoding import BodyRefusal, decode
-from batchserve.http.openai_error import OpenAIError, bad
+from batchserve.errors import ApiError
+from batchserve.http.openai_error import bad
 
 __all__ = ["MAX_INPUTS", "EmbeddingRequest", "parse"]
 
@@ -29,7 +30,7 @@ class EmbeddingRequest:
     dimensions: int | None = None  # keep the first this many components, then L2-normalise again (Matryoshka)
 
 
-def refused(r: BodyRefusal) -> OpenAIError:
+def refused(r: BodyRefusal) -> ApiError:
     """The OpenAI 400 for a body that is not the declared shape."""
     if r.not_json or r.field is None:
         return bad(None, r.message, "invalid_json")

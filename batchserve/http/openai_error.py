@@ -39,4 +39,3 @@ def json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise bad(None, "the body must be a JSON object", "invalid_json")
     return data
-

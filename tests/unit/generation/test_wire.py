@@ -7,7 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from batchserve.generation.wire import OpenAIError, parse
+from batchserve.errors import ApiError
+from batchserve.generation.wire import parse
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -62,7 +63,7 @@ def test_completion_prompts(prompt, want):
     (orjson.dumps({"prompt": "x", "best_of": 2}), False, "best_of", "unsupported_parameter"),
 ])
 def test_refusals_name_the_param(body: bytes, is_chat: bool, param: str | None, code: str):
-    with pytest.raises(OpenAIError) as caught:
+    with pytest.raises(ApiError) as caught:
         parse(body, is_chat, 512)
     err = caught.value
-    assert (err.status, err.param, err.code) == (400, param, code), err.message
+    assert (err.status, err.param, err.reason) == (400, param, code), err.message

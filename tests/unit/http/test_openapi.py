@@ -61,24 +61,25 @@ def test_every_schema_is_generated_from_a_declared_type():
 
 
 def test_each_dialect_renders_its_declared_error_shape():
-    """The error bodies the code renders decode as the declared shapes (unknown members refused)."""
+    """The error bodies each dialect renders decode as the declared shapes (unknown members refused)."""
     import msgspec
 
     from batchserve import errors
     from batchserve.http import shapes
-    from batchserve.http.openai_error import OpenAIError
-    from batchserve.http.plumbing import error_body
+    from batchserve.http.dialects import KSERVE, NATIVE, OPENAI
+    from batchserve.http.openai_error import bad
     from batchserve.kserve.shapes import V2Error
 
-    for err in (errors.invalid("x"), errors.overloaded("busy", 250), errors.draining(), errors.internal_error()):
-        body, headers = error_body(err, "req_1")
+    kinds = (errors.invalid("x"), errors.overloaded("busy", 250), errors.draining(), errors.internal_error())
+    for err in kinds:
+        body, headers = NATIVE.render(err, "req_1")
         decoded = msgspec.json.decode(body, type=shapes.Error)
         assert decoded.error == err.code and decoded.request_id == "req_1"
         if err.status in (429, 503):
             assert decoded.retry_after_ms is not msgspec.UNSET and "Retry-After" in headers
-    for oa in (OpenAIError(400, "bad", "input", "invalid_value"), OpenAIError.from_api(errors.overloaded("b", 10))):
-        msgspec.convert(oa.body(), shapes.OpenAIError)
-    msgspec.convert({"error": "no model"}, V2Error)
+    for err in (*kinds, bad("input", "bad", "invalid_value")):
+        msgspec.json.decode(OPENAI.render(err, "req_1")[0], type=shapes.OpenAIError)
+        msgspec.json.decode(KSERVE.render(err, "req_1")[0], type=V2Error)
 
 
 def test_the_usage_shape_counts_every_outcome_of_the_ledger():
