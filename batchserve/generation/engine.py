@@ -1013,6 +1013,7 @@ class Engine:
             "running_ids": sorted(s.id for s in self.running.values()),
             "lanes": len({*self.queues, *self.lane_running}),  # tenants x (interactive, batch) with work
             "preempted": self.preemptions,
+            "batch_running": self._spare_running(),  # batch lines running (tier batch)
             "batch_rows_beside_interactive": self.batch_cap,
             # this model's cost served (prompt + generated tokens of answered sequences) per tier, every
             # tenant summed (no tenant ids here, as on /metrics); a tenant's own is at /v1/usage
