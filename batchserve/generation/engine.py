@@ -40,11 +40,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from batchserve import errors
 from batchserve.config import Settings
+from batchserve.core.tenant_cost import CostAccount
 from batchserve.core.tiers import TIERS
 from batchserve.errors import ApiError
 from batchserve.metrics import HistogramChild, LoopHistogram
 from batchserve.generation.kv_budget import Claim, KvBudget, Replay
-from batchserve.core.tenant_cost import CostAccount
 from batchserve.generation.shares import (
     BATCH_BESIDE_INTERACTIVE,
     LINGER_S,
