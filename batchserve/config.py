@@ -335,6 +335,12 @@ class Settings:
         30000.0,
         "longest wait for KV-cache capacity before a sequence starts; a longer predicted wait gets 503 at the door",
     )
+    generation_batch_beside_interactive: float = knob(
+        0.25,
+        "of the sequences generating at once, the share batch lines (tier batch) may hold while interactive "
+        "work runs, waits or left within 1 s (at least one; 1 = no cap): a decode step's time grows with its "
+        "rows, and every interactive token waits on it; with no interactive work batch lines fill the rest",
+    )
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
@@ -438,6 +444,7 @@ class Settings:
         need(self.max_headers >= 8, "max_headers", "8 or more")
         need(self.generation_max_context >= 16, "generation_max_context", "16 or more")
         need(self.generation_max_tokens >= 1, "generation_max_tokens", "1 or more")
+        need(0 < self.generation_batch_beside_interactive <= 1, "generation_batch_beside_interactive", "in (0, 1]")
         for name in ("generation_max_seqs", "generation_kv_tokens"):
             need(getattr(self, name) >= 0, name, "0 (auto) or more")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):

@@ -270,6 +270,7 @@ class Runtime:
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
             self.generation = await start_generation(self.settings, self.metrics.registry)
             if self.generation is not None:
+                self.generation.account = self.service.cost_account  # one account of cost served (issue 33)
                 stepper = serve_on_stepper(
                     self.service, self.generation, self.settings, StepperRecords(self.metrics, self.tracing)
                 )

@@ -4,6 +4,7 @@
     python -m bench.gen_share                      # both scenarios, the issue's sizes (CPU: ~15-30 minutes)
     python -m bench.gen_share --scenarios hog      # one
     python -m bench.gen_share --lines 20 --line-tokens 40 --record
+    python -m bench.gen_share --scenarios batch --beside 1,0.25   # the batch cap off, then at 0.25, one run
     python -m bench.gen_share --code /tmp/base     # the tree in /tmp/base first (`git archive <commit> | tar -x
                                                    # -C /tmp/base`), then this checkout: without and with a change
 
@@ -15,6 +16,8 @@
    another tenant's interactive chats, one after another, for as long as the batch runs. Reported: lines
    completed / failed, the batch's wall time, the interactive p50 alone and beside it, the ratio (goal: every
    valid line completes, <= 1.5x). The issue measured 84 of 100 lines failed and p50 0.7 s -> 8.9 s before.
+   `--beside` runs it once per value of `--generation-batch-beside-interactive` (the share of the slots batch
+   lines keep while interactive work is there; 1 = no cap, as before it), in the order given, in one run.
 
 A fresh server per scenario (each with its own temporary TOML config of keys); every server stopped by PID.
 The machine is shared: the load average is printed and recorded with the results; quote ratios from one run.
@@ -190,10 +193,13 @@ def hog_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> 
             "preempted": preempted}
 
 
-def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
+def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path,
+                   share: str = "") -> dict[str, Any]:
+    """`share`: the server's --generation-batch-beside-interactive ("": its default)."""
     config, keys = keyed(tmp, ("batcher", "caller"))
-    s = start(f"gen-share-batch{'-' + Path(code).name if code else ''}", code, a, config, log_dir,
-              ["--jobs-db", str(tmp / "jobs.db")])
+    cap = ["--generation-batch-beside-interactive", share] if share else []
+    s = start(f"gen-share-batch{'-' + Path(code).name if code else ''}{'-' + share if share else ''}", code, a,
+              config, log_dir, ["--jobs-db", str(tmp / "jobs.db"), *cap])
     interactive = [chat(f"Name a color, number {i}.", a.short_tokens) for i in range(a.short)]
     timed_chats(s.base, keys["caller"], interactive[:1])  # warm
     alone, _ = timed_chats(s.base, keys["caller"], interactive)
@@ -215,15 +221,23 @@ def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -
     beside, answers = timed_chats(s.base, keys["caller"], interactive, until=over)
     t.join()
     wall = time.perf_counter() - began
-    preempted = engine_stats(s.base).get("preempted")
+    stats = engine_stats(s.base)
+    preempted = stats.get("preempted")
+    # alone again: on a shared machine the load under the first alone phase may not be the load beside the batch;
+    # the ratio to each, and to the slower of the two, brackets the drift
+    time.sleep(2)  # the interactive lane's linger and the last lines' ends
+    after, _ = timed_chats(s.base, keys["caller"], interactive)
     servers.stop(s)
     counts = done.get("request_counts") or {}
     statuses = [r.status_code for r in answers]
     beside = ok_times(beside, answers)
-    return {"scenario": "batch", "code": code or "this checkout", "lines": a.lines, "line_tokens": a.line_tokens, "batch_status": done.get("status"),
+    return {"scenario": "batch", "code": code or "this checkout", "beside": share or "default",
+            "batch_rows_beside_interactive": stats.get("batch_rows_beside_interactive"), "lines": a.lines, "line_tokens": a.line_tokens, "batch_status": done.get("status"),
             "completed": counts.get("completed"), "failed": counts.get("failed"), "batch_wall_s": wall,
             "interactive_chats": len(answers), "interactive_ok": statuses.count(200),
             "p50_alone_s": p50(alone), "p50_beside_s": p50(beside), "ratio": p50(beside) / p50(alone),
+            "p50_alone_after_s": p50(after), "ratio_to_after": p50(beside) / p50(after),
+            "ratio_to_slower_alone": p50(beside) / max(p50(alone), p50(after)),
             "goal_ratio": 1.5, "preempted": preempted}
 
 
@@ -240,13 +254,17 @@ def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> st
                   report.fmt(r["ratio"], ".2f"), r["preempted"]]]))
         else:
             out.append(report.table(
-                ["scenario", "code", "lines x tokens", "completed", "failed", "batch s", "interactive ok",
-                 "p50 alone s", "p50 beside s", "ratio (goal 1.5)", "preempted"],
+                ["scenario", "code", "batch rows beside interactive", "lines x tokens", "completed", "failed", "batch s", "interactive ok",
+                 "p50 alone s", "p50 beside s", "ratio (goal 1.5)", "p50 alone after s", "ratio to after",
+                 "preempted"],
                 [[f"chat batch beside interactive ({r['batch_status']})", r["code"],
+                  f"{r.get('batch_rows_beside_interactive', 'all')} ({r.get('beside', 'default')})",
                   f"{r['lines']} x {r['line_tokens']}",
                   r["completed"], r["failed"], report.fmt(r["batch_wall_s"], ".0f"),
                   f"{r['interactive_ok']}/{r['interactive_chats']}", report.fmt(r["p50_alone_s"], ".2f"),
-                  report.fmt(r["p50_beside_s"], ".2f"), report.fmt(r["ratio"], ".2f"), r["preempted"]]]))
+                  report.fmt(r["p50_beside_s"], ".2f"), report.fmt(r["ratio"], ".2f"),
+                  report.fmt(r.get("p50_alone_after_s", float("nan")), ".2f"),
+                  report.fmt(r.get("ratio_to_after", float("nan")), ".2f"), r["preempted"]]]))
     return "\n\n".join(out)
 
 
@@ -261,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lines", type=int, default=100, help="chat batch lines (default %(default)s)")
     p.add_argument("--line-tokens", type=int, default=160, help="max_tokens of a line (default %(default)s)")
     p.add_argument("--batch-timeout-s", type=float, default=3600, help="give up on the batch after this")
+    p.add_argument("--beside", default="",
+                   help="batch scenario: comma-separated values of --generation-batch-beside-interactive, each "
+                        "run in turn (default: the server's)")
     p.add_argument("--code", action="append", default=[],
                    help="another tree of the code to run first (repeatable), e.g. the commit before a change")
     common.add_output_flags(p, name="gen-share")
@@ -272,10 +293,16 @@ def main(argv: list[str] | None = None) -> int:
     rep: dict[str, Any] = {}
     with common.guarded(rep), tempfile.TemporaryDirectory(prefix="gen-share-") as tmp:
         for scenario in (x.strip() for x in a.scenarios.split(",")):
-            for i, code in enumerate([*a.code, ""]):
+            runs = [(code, "") for code in [*a.code, ""]]
+            if scenario == "batch" and a.beside:
+                runs = [(code, beside.strip()) for code in [*a.code, ""] for beside in a.beside.split(",")]
+            for i, (code, beside) in enumerate(runs):
                 directory = Path(tmp) / f"{scenario}-{i}"
                 directory.mkdir()
-                rows.append({"hog": hog_scenario, "batch": batch_scenario}[scenario](code, a, directory, log_dir))
+                if scenario == "batch":
+                    rows.append(batch_scenario(code, a, directory, log_dir, beside))
+                else:
+                    rows.append(hog_scenario(code, a, directory, log_dir))
                 print(rows[-1], flush=True)
     md = markdown(rows, load)
     print("\n" + md)

@@ -40,16 +40,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from batchserve import errors
 from batchserve.config import Settings
+from batchserve.core.tenant_cost import CostAccount
+from batchserve.core.tiers import TIERS
 from batchserve.errors import ApiError
 from batchserve.metrics import HistogramChild, LoopHistogram
 from batchserve.generation.kv_budget import Claim, KvBudget, Replay
 from batchserve.generation.shares import (
+    BATCH_BESIDE_INTERACTIVE,
     LINGER_S,
     SPARE,
     WEIGHTED,
     Lane,
     LaneLoad,
     Queued,
+    batch_excess,
+    batch_row_cap,
     headroom,
     lane_of,
     order_key,
@@ -97,6 +102,7 @@ class EngineConfig:
     max_waiting: int = 1000  # sequences waiting for capacity before 503
     cuda_graphs: bool = True  # on CUDA, decode steps are replayed as CUDA graphs
     stepper: str = "slots"  # slots (batchserve's) or manager (transformers')
+    batch_beside_interactive: float = BATCH_BESIDE_INTERACTIVE  # of the places, batch lines' beside interactive work
     defaults: SamplingDefaults = field(default_factory=lambda: SamplingDefaults())  # the model's own
 
     @classmethod
@@ -111,6 +117,7 @@ class EngineConfig:
             max_waiting=s.max_queue,
             cuda_graphs=s.generation_cuda_graphs,
             stepper=s.generation_engine,
+            batch_beside_interactive=s.generation_batch_beside_interactive,
         )
 
 
@@ -387,6 +394,11 @@ class Engine:
         self.lane_held: dict[Lane, int] = {}  # blocks held by each lane's running sequences
         self.idle_since: dict[Lane, float] = {}  # interactive lanes whose last sequence ended lately (LINGER_S)
         self.preemptions = 0
+        # the most batch lines running while interactive work is there (`shares.batch_row_cap`)
+        self.batch_cap = batch_row_cap(self.budget.max_seqs, cfg.batch_beside_interactive)
+        # cost served per (model, tier, tenant), shared with the batcher's workers (`core/tenant_cost.py`): the
+        # runtime hands the service's account in; a bare engine (tests, benches) keeps its own
+        self.account = CostAccount()
         # tier -> (when made, the replay of the future after every waiting sequence of that tier or one served before)
         self._replays: dict[int, tuple[float, Replay]] = {}
         self.draining = False
@@ -758,6 +770,8 @@ class Engine:
         lane = seq.lane
         kept = 0 if lanes[lane].held < share[lane] else len(self.idle_since)  # _shares() pruned it just now
         if lane[0] == SPARE:
+            if self._spare_running() >= self.batch_cap and self._interactive_present():
+                return False  # the rows batch lines may hold beside interactive work (`shares.batch_row_cap`)
             return self.budget.fits(
                 seq.blocks, headroom(self.budget.total_blocks) + kept, headroom(self.budget.max_seqs) + kept
             )
@@ -812,10 +826,41 @@ class Engine:
         self._queue(seq)
         self._replays.clear()
 
+    def _spare_running(self) -> int:
+        """Batch lines running now (every spare lane's sequences)."""
+        return sum(len(runs) for lane, runs in self.lane_running.items() if lane[0] == SPARE)
+
+    def _interactive_present(self) -> bool:
+        """Whether interactive work runs, waits, or lingers (`shares.LINGER_S`): batch lines keep to their cap."""
+        return (
+            any(lane[0] != SPARE for lane in self.lane_running)
+            or any(lane[0] != SPARE for lane in self.queues)
+            or bool(self._lingering())
+        )
+
+    def _pause_batch_to_cap(self) -> None:
+        """Interactive work has arrived while batch lines hold more rows than their cap beside it: pause the
+        excess (`shares.batch_excess`), from the batch lane holding the most, its latest (re)started first (the
+        least to recompute). They resume when the interactive work is gone."""
+        if not self.resumable or self.batch_cap >= self.budget.max_seqs:
+            return
+        running = self._spare_running()
+        if running <= self.batch_cap:
+            return
+        for _ in range(batch_excess(running, self.batch_cap, self._interactive_present())):
+            lane = max(
+                (lane for lane in self.lane_running if lane[0] == SPARE),
+                key=lambda ln: (self.lane_held.get(ln, 0), ln[1]),
+            )
+            self._preempt(max(self.lane_running[lane].values(), key=self._victim_order), "batch")
+
     def _admit_waiting(self) -> None:
         """Start waiting sequences while they fit, the lane furthest under its share first (`shares.py`);
         when the next one does not fit, pause a sequence of a lane over its share (or a batch line for an
-        interactive caller) if the policy allows, else stop: the next to free a place serves it."""
+        interactive caller) if the policy allows, else stop: the next to free a place serves it. First, batch
+        lines over their cap beside interactive work are paused down to it."""
+        if not self.draining:
+            self._pause_batch_to_cap()
         pauses = len(self.running)  # each pause lets one more start: never more than there are running
         while self.waiting_count and not self.draining:
             lanes, share = self._shares()
@@ -929,6 +974,8 @@ class Engine:
             self._unqueue(seq)
             self._replays.clear()
         seq.state, seq.finish_reason = DONE, finish_reason
+        if error is None and finish_reason in ("stop", "length"):  # answered: its prompt and tokens were served
+            self.account.add(self.cfg.model_id, seq.tier, seq.tenant, float(len(seq.prompt_ids) + seq.tokens))
         if seq.held:
             text = "".join(seq.held) + text
             seq.held.clear()
@@ -966,6 +1013,15 @@ class Engine:
             "running_ids": sorted(s.id for s in self.running.values()),
             "lanes": len({*self.queues, *self.lane_running}),  # tenants x (interactive, batch) with work
             "preempted": self.preemptions,
+            "batch_running": self._spare_running(),  # batch lines running (tier batch)
+            "batch_rows_beside_interactive": self.batch_cap,
+            # this model's cost served (prompt + generated tokens of answered sequences) per tier, every
+            # tenant summed (no tenant ids here, as on /metrics); a tenant's own is at /v1/usage
+            "cost_served": {
+                tier.name: {"inputs": got.inputs, "cost": got.cost}
+                for tier, got in zip(TIERS, self.account.by_tier(self.cfg.model_id))
+                if got.inputs
+            },
             "kv_blocks": self.budget.total_blocks,
             "kv_blocks_reserved": self.budget.used_blocks,
             "kv_page_tokens": self.budget.page_size,

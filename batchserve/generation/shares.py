@@ -19,6 +19,13 @@ needed. So capacity is shared by lane, and a running sequence may be paused (pre
   `LINGER_S`: a closed-loop client's next request finds its place free instead of pausing someone again (the
   place it freed would otherwise go to a lane over its share, be recomputed into, and be taken back). Only a
   lane under its share may take a kept place; past `LINGER_S` it goes to whoever waits.
+- **Rows beside interactive work** (`batch_row_cap`): while any interactive lane has work or lingers, the spare
+  lanes together hold at most a fraction of the places (`--generation-batch-beside-interactive`, default
+  `BATCH_BESIDE_INTERACTIVE`, at least one row): a decode step's time grows with its rows on a CPU (batch lines
+  filling 7 of 8 slots made another tenant's interactive chats 2.6x slower), and an interactive caller's every
+  token waits on that step. Spare lanes over the cap when interactive work arrives are paused down to it
+  (`batch_excess`); with no interactive work they fill everything but the headroom again. At least one row
+  keeps every batch line moving toward its completion window.
 - **Preemption** (`victim_lane`): an interactive sequence that cannot start pauses a spare-lane sequence if one
   runs; otherwise a sequence of a lane under its share pauses one of the lane furthest over its share, if that
   lane stays at least as far along its share as the taker becomes (so two lanes never trade a slot back and
@@ -37,6 +44,7 @@ from batchserve.core.tiers import TIERS
 INTERACTIVE, SPARE = 0, 1
 BATCH_HEADROOM = 0.125  # share of the capacity spare-lane (batch) work leaves free for interactive arrivals
 LINGER_S = 1.0  # an interactive lane keeps its share (and one free place) this long after its last sequence ends
+BATCH_BESIDE_INTERACTIVE = 0.25  # of the places, the most batch lines hold while interactive work is there
 TINY_SHARE = 1e-9  # a lane left no share at all (spare lanes while interactive work fills everything)
 
 Lane = tuple[int, str]  # (INTERACTIVE or SPARE, tenant)
@@ -61,6 +69,19 @@ WEIGHTED = len({tier_weight(rank) for rank in range(len(TIERS))}) > 1  # else ev
 def headroom(total: int) -> int:
     """Of `total` blocks (or sequences), how many spare-lane work leaves free: at least one when there are two."""
     return math.ceil(total * BATCH_HEADROOM) if total > 1 else 0
+
+
+def batch_row_cap(places: int, fraction: float) -> int:
+    """The most sequences (decode rows) the spare lanes together may hold beside interactive work, of `places`:
+    `fraction` of them rounded down, at least 1 (batch lines always progress); 1 or more: no cap."""
+    if fraction >= 1:
+        return places
+    return max(1, min(places, math.floor(places * max(0.0, fraction))))
+
+
+def batch_excess(spare_running: int, cap: int, interactive: bool) -> int:
+    """How many running batch lines to pause now: those over `cap` while interactive work is there, else none."""
+    return max(0, spare_running - cap) if interactive else 0
 
 
 @dataclass(frozen=True, slots=True)

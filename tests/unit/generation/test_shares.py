@@ -16,7 +16,18 @@ from batchserve.core.tiers import BATCH
 from batchserve.errors import ApiError
 from batchserve.generation import engine as engine_module
 from batchserve.generation.engine import Engine, SamplingParams
-from batchserve.generation.shares import LINGER_S, INTERACTIVE, SPARE, LaneLoad, headroom, shares, victim_lane
+from batchserve.generation.shares import (
+    BATCH_BESIDE_INTERACTIVE,
+    INTERACTIVE,
+    LINGER_S,
+    SPARE,
+    LaneLoad,
+    batch_excess,
+    batch_row_cap,
+    headroom,
+    shares,
+    victim_lane,
+)
 from tests.unit.fakes import Clock
 from tests.unit.generation.test_engine import CHARS, FakeStepper, drain, engine, params
 
@@ -69,6 +80,15 @@ def test_an_interactive_caller_pauses_a_batch_line_before_anything_else() -> Non
     assert victim_lane((SPARE, "b"), 1, lanes, shares(lanes, 8), {A: 1}) is None
 
 
+def test_batch_lines_hold_a_fraction_of_the_places_beside_interactive_work_and_at_least_one() -> None:
+    assert batch_row_cap(8, 0.25) == 2 and batch_row_cap(8, 0.5) == 4
+    assert batch_row_cap(8, 0.05) == 1  # never none: every batch line keeps moving toward its window
+    assert batch_row_cap(8, 1.0) == 8 and batch_row_cap(830, BATCH_BESIDE_INTERACTIVE) == 207
+    assert batch_excess(7, 2, interactive=True) == 5
+    assert batch_excess(7, 2, interactive=False) == 0  # alone, batch lines fill what is spare
+    assert batch_excess(2, 2, interactive=True) == 0
+
+
 # -- the engine ---------------------------------------------------------------------------------------------
 class Recording(FakeStepper):
     """Also records the prompt and parameters of each add (a resumed run's prompt ends with its tokens)."""
@@ -82,9 +102,14 @@ class Recording(FakeStepper):
         self.runs[seq_id] = (list(prompt_ids), params)
 
 
-def slots(n: int, step_s: float = 0.01, queue_timeout_s: float = 5.0, resumable: bool = True) -> Engine:
-    """An engine of `n` one-block slots (as the slot stepper's), on a recording fake stepper."""
+def slots(
+    n: int, step_s: float = 0.01, queue_timeout_s: float = 5.0, resumable: bool = True, beside: float = 1.0
+) -> Engine:
+    """An engine of `n` one-block slots (as the slot stepper's), on a recording fake stepper. `beside`: the share
+    of the slots batch lines may hold beside interactive work (`--generation-batch-beside-interactive`; 1 = no
+    cap, as every test here but the cap's own assumes)."""
     e = engine(blocks=n, max_seqs=n, step_s=step_s, queue_timeout_s=queue_timeout_s)
+    e.batch_cap = batch_row_cap(n, beside)
     stepper = Recording(n, n, 16)
     stepper.step_s, stepper.resumable = step_s, resumable
     e.stepper, e.budget.page_size, e.max_context = stepper, 4096, 4096  # every sequence one block: a slot
@@ -261,5 +286,73 @@ def test_a_batch_line_waiting_does_not_fill_the_interactive_queue(clock: Clock) 
         with pytest.raises(ApiError):  # the batch queue is full for batch lines
             e.submit([1], params(5), tier=BATCH.rank, tenant="a", max_wait_s=1e6)
         e.submit([1], params(5), tenant="b")  # an interactive caller still gets in
+
+    asyncio.run(main())
+
+
+def test_beside_interactive_work_batch_lines_are_paused_down_to_their_cap_and_fill_again_after(clock: Clock) -> None:
+    async def main() -> None:
+        e = slots(8, beside=0.25)  # 2 rows of 8 beside interactive work
+        lines = []
+        for _ in range(10):
+            lines.append(e.submit([1], params(60), tier=BATCH.rank, tenant="a", max_wait_s=1e6))
+            clock.t += 1
+        assert held(e, "a", SPARE) == 7  # alone: everything but the headroom
+        mine = e.submit([1], params(5), tenant="b")
+        # the interactive arrival starts at once and the latest started lines are paused down to the cap
+        assert mine.state == "running" and held(e, "a", SPARE) == 2 and e.preemptions == 5
+        assert [s.state for s in lines[:2]] == ["running"] * 2 and all(s.state == "waiting" for s in lines[2:])
+        assert all(s.state != "done" for s in lines)  # paused, never failed
+        e.stepper.emit(lines[0].id, "ab!", finished=True)  # a line ends: another line takes its row, no more
+        assert held(e, "a", SPARE) == 2 and e.budget.running == 3
+        e.stepper.emit(mine.id, "x!", finished=True)  # b's last sequence ends: it lingers, the cap holds
+        e._admit_waiting()
+        assert held(e, "a", SPARE) == 2
+        again = e.submit([1], params(5), tenant="b")  # a closed loop's next request: nothing to pause
+        assert again.state == "running" and e.preemptions == 5
+        e.stepper.emit(again.id, "x!", finished=True)
+        clock.t += LINGER_S + 0.01  # b gone for good: batch lines fill all but the headroom again
+        e._admit_waiting()
+        assert held(e, "a", SPARE) == 7 and e.preemptions == 5
+
+    asyncio.run(main())
+
+
+def test_without_pausing_the_cap_holds_back_every_batch_tenants_lines_while_interactive_work_is_there(
+    clock: Clock,
+) -> None:
+    async def main() -> None:
+        e = slots(8, beside=0.25, resumable=False)  # nothing can be paused: the cap only holds admission back
+        lines = [e.submit([1], params(60), tier=BATCH.rank, tenant=t, max_wait_s=1e6) for t in "acacacacac"]
+        assert e._spare_running() == 7  # 8 slots less the headroom, shared by the two batch tenants
+        mine = e.submit([1], params(5), tenant="b")  # the headroom's place
+        assert mine.state == "running" and e._spare_running() == 7
+        for line in lines[:2]:
+            e.stepper.emit(line.id, "ab!", finished=True)
+        assert e._spare_running() == 5 and e.budget.running == 6  # over the cap: no line takes a freed row
+        e.stepper.emit(mine.id, "ab!", finished=True)
+        clock.t += LINGER_S + 0.01  # b gone for good: lines fill all but the headroom again, both tenants'
+        e._admit_waiting()
+        assert e._spare_running() == 7 and {s.tenant for s in e.running.values()} == {"a", "c"}
+
+    asyncio.run(main())
+
+
+def test_generation_answers_add_their_prompt_and_tokens_to_the_cost_account(clock: Clock) -> None:
+    async def main() -> None:
+        e = slots(4)
+        done = e.submit([1, 2, 3], params(8), tenant="a")
+        line = e.submit([1], params(8), tier=BATCH.rank, tenant="a", max_wait_s=1e6)
+        gone = e.submit([1, 2], params(8), tenant="b")
+        e.stepper.emit(done.id, "abcd", finished=True)  # 4 tokens + the prompt's 3
+        e.stepper.emit(line.id, "ab", finished=True)  # 2 tokens + the prompt's 1
+        e.stepper.emit(gone.id, "abc")
+        e.cancel(gone)  # a client that hung up: no answer, no cost (as the batcher counts)
+        account = e.account.of_tenant("a")
+        model = e.cfg.model_id
+        assert done.tokens == 4 and account[(model, 1)].inputs == 1 and account[(model, 1)].cost == 3 + 4
+        assert account[(model, BATCH.rank)].cost == 1 + 2
+        assert e.account.of_tenant("b") == {}
+        assert e.stats()["cost_served"]["batch"] == {"inputs": 1, "cost": 3.0}
 
     asyncio.run(main())
