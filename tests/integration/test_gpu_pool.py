@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 
-from tests.integration.inference.test_api import metric
+from tests.integration.inference.test_routes import metric
 
 
 async def post_many(url: str, inputs: list[str], timeout_ms: int = 10000) -> list[tuple[int, dict]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.integration.inference.test_api import metric
+from tests.integration.inference.test_routes import metric
 
 
 def add_key(config: Path, tenant: str, tier: str, *extra: str) -> str:

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from tests.conftest import LiveServer, start_server
-from tests.integration.inference.test_api import metric
+from tests.integration.inference.test_routes import metric
 
 FUNCTION_PLUGIN = '''
 import time

@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from tests.integration.inference.test_api import metric
+from tests.integration.inference.test_routes import metric
 from tests.integration.test_gpu_pool import check_isolated, post_many
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer, start_server
-from tests.integration.inference.test_api import metric
+from tests.integration.inference.test_routes import metric
 
 pytestmark = pytest.mark.slow
 STORY = "Write a long story about a dragon who learns to fly."

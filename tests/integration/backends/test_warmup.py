@@ -10,7 +10,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.integration.inference.test_api import metric
+from tests.integration.inference.test_routes import metric
 
 
 def test_the_sim_keeps_its_defaults(server_factory) -> None:

@@ -12,8 +12,8 @@ import time
 import aiohttp
 
 from tests.conftest import LiveServer, open_loop
-from tests.integration.inference.test_api import metric
-from tests.integration.jobs.test_api import finished, results, wait_for
+from tests.integration.inference.test_routes import metric
+from tests.integration.jobs.test_routes import finished, results, wait_for
 from tests.integration.backends.test_plugin import write_plugins
 from batchserve.tenancy import digest, new_key
 from tests.integration.test_tenancy import bearer

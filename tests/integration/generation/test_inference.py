@@ -17,8 +17,8 @@ import pytest
 
 from tests.conftest import LiveServer, start_server
 from tests.integration.generation.conftest import Reference
-from tests.integration.inference.test_api import metric
-from tests.integration.jobs.test_api import finished, results, wait_for
+from tests.integration.inference.test_routes import metric
+from tests.integration.jobs.test_routes import finished, results, wait_for
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 24

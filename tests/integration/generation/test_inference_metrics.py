@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer, start_server
-from tests.integration.inference.test_api import metric
-from tests.integration.jobs.test_api import finished, wait_for as wait_until
+from tests.integration.inference.test_routes import metric
+from tests.integration.jobs.test_routes import finished, wait_for as wait_until
 from tests.integration.test_tracing import Receiver, attrs, receiver, wait_for  # noqa: F401 (receiver: the fixture)
 
 pytestmark = pytest.mark.slow

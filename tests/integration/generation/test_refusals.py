@@ -11,7 +11,7 @@ import httpx
 
 from batchserve.core.refusals import MAX_WAIT_S
 from batchserve.tenancy import digest, new_key
-from tests.integration.jobs.test_api import wait_for
+from tests.integration.jobs.test_routes import wait_for
 
 
 def test_a_tenant_looping_refused_prompts_is_slowed_and_another_is_not(tmp_path, server_factory):

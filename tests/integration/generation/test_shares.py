@@ -23,7 +23,7 @@ import pytest
 
 from bench.gen_share import Hog, chat, engine_stats, keyed, run_batch, timed_chats
 from tests.conftest import LiveServer
-from tests.integration.jobs.test_api import wait_for
+from tests.integration.jobs.test_routes import wait_for
 
 pytestmark = pytest.mark.slow  # the real model
 

@@ -23,8 +23,8 @@ import orjson
 import pytest
 
 from tests.conftest import LiveServer, start_server
-from tests.integration.inference.test_api import metric
-from tests.integration.jobs.test_api import finished, results, wait_for
+from tests.integration.inference.test_routes import metric
+from tests.integration.jobs.test_routes import finished, results, wait_for
 from tests.integration.test_tenancy import add_key, bearer
 
 

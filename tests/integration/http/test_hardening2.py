@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import LiveServer, start_server
 from tests.integration.http.test_hardening import BOOM_SERVER, _free_port, _try_get, connect, read_answer
-from tests.integration.jobs.test_api import wait_for
+from tests.integration.jobs.test_routes import wait_for
 
 
 def owned_by(address: str) -> dict[str, str]:

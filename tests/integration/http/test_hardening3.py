@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import LiveServer, start_server
 from tests.integration.http.test_hardening import _free_port, _try_get
-from tests.integration.jobs.test_api import wait_for
+from tests.integration.jobs.test_routes import wait_for
 
 # A real server (the real CLI, so its logging as configured) whose router raises on any path it does not know
 # (a route's path pattern would not match a newline).

@@ -18,7 +18,7 @@ import pytest
 
 from batchserve.plan import measure
 from tests.conftest import LiveServer
-from tests.integration.jobs.test_api import wait_for
+from tests.integration.jobs.test_routes import wait_for
 
 
 def children(server: LiveServer, want: int = 2, timeout: float = 60.0) -> dict[int, dict]:

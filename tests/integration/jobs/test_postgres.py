@@ -11,7 +11,7 @@ import httpx
 import orjson
 import psycopg
 
-from tests.integration.jobs.test_api import finished, results, wait_for
+from tests.integration.jobs.test_routes import finished, results, wait_for
 
 # 1 sim device per node, 10-item batches of 50 ms (200 items/s a node); a 1 s lease, the store polled 5 times a
 # second, so a dead node's items come back within about a second and a half.
