@@ -1,5 +1,5 @@
-"""How the integration tests share the machine in parallel workers (pytest-xdist, `.ci/run`), and a guard for
-the checkout; the fixtures themselves live in tests/conftest.py."""
+"""A guard that keeps the integration tests safe to run in parallel (pytest-xdist workers, `.ci/run`); the
+fixtures themselves live in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -22,14 +22,3 @@ def no_job_store_in_the_checkout():
         pytest.fail(f"a server started by this test (or one running beside it) created {DEFAULT_JOBS_DB.resolve()}: "
                     "give the test's servers a --jobs-db of its own")
 
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for `--dist loadgroup`: the real-model tests (`slow`) are one group, so they run one at a time on
-    one worker (each keeps the CPU busy; several at once only push each other past their timeouts), and they go
-    first since together they take longest; every other module is a group of its own, so a module-scoped
-    server starts once. Those tests mostly wait on servers and sleeps: the other workers overlap them."""
-    for item in items:
-        group = "models" if item.get_closest_marker("slow") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: each group keeps its order
