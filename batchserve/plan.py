@@ -143,7 +143,10 @@ class Contract:
 
 
 @dataclass
-class Prediction:
+class LatencyAtRate:
+    """One node's latency percentiles at a request rate, as the planner's simulation gives them (not admission's
+    per-request `core.admission.Prediction`)."""
+
     rate: float  # per node
     p50_ms: float
     p95_ms: float
@@ -247,13 +250,13 @@ class Arrivals:
             k += 1
 
 
-def predict(
+def latency_at(
     rate: float, c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S, warmup_s: float = WARMUP_S
-) -> Prediction:
+) -> LatencyAtRate:
     """Latency percentiles of one node at `rate` requests/s, over `sim_s` seconds after a warm-up."""
     if rate <= 0:
         base = (c.batch_time(1) + c.overhead_s) * 1000
-        return Prediction(rate, base, base, base, 0.0, 0.0, 0.0)
+        return LatencyAtRate(rate, base, base, base, 0.0, 0.0, 0.0)
     times = (arrivals or Arrivals()).at(rate, warmup_s + sim_s)
     done, sizes = simulate(times, c)
     latencies, expired, counted = [], 0, 0
@@ -266,7 +269,7 @@ def predict(
         else:
             latencies.append((d - t + c.overhead_s) * 1000)
     latencies.sort()
-    return Prediction(
+    return LatencyAtRate(
         rate,
         percentile(latencies, 50),
         percentile(latencies, 95),
@@ -317,8 +320,8 @@ def capacity(
 def _meets(rate: float, c: Contract, arrivals: Arrivals, sim_s: float) -> bool:
     """Whether one node meets the SLO at `rate`; a rate so low that nothing arrived in the window is a
     request alone (p95 NaN is no evidence of a miss)."""
-    p = predict(rate, c, arrivals, sim_s)
-    return (predict(0.0, c) if math.isnan(p.p95_ms) else p).meets(c.slo_s)
+    p = latency_at(rate, c, arrivals, sim_s)
+    return (latency_at(0.0, c) if math.isnan(p.p95_ms) else p).meets(c.slo_s)
 
 
 def _bisect_capacity(
@@ -366,9 +369,9 @@ class Plan:
     cpu_capacity: float  # what the node's CPU serves (inf when the CPU is left out)
     binding: str  # "slo", "devices" (the full-batch cap) or "cpu"
     nodes: int
-    at_target: Prediction  # each process at target / (nodes x processes)
+    at_target: LatencyAtRate  # each process at target / (nodes x processes)
     headroom: float  # share of extra load the planned nodes take before p95 passes the SLO
-    one_down: Prediction | None  # each node at target / (nodes - 1): a node lost or restarting
+    one_down: LatencyAtRate | None  # each node at target / (nodes - 1): a node lost or restarting
     nodes_for_one_down: int
     cost: Cost | None = None
     processes_for_cpu: int | None = None  # when the CPU binds: processes per node that lift it above the devices
@@ -417,7 +420,7 @@ def make_plan(
         cap, binding = _binding(device_cap, c)
         nodes = max(1, math.ceil(target_rate / cap - 1e-9))
         per_proc = nodes * c.processes
-        at_target = predict(target_rate / per_proc, proc, arrivals, sim_s)
+        at_target = latency_at(target_rate / per_proc, proc, arrivals, sim_s)
         if at_target.meets(c.slo_s):
             break
         # The plan's own rate misses although a higher one met: p95 is not monotone in the rate here (see
@@ -437,7 +440,7 @@ def make_plan(
         )
         if not at_target.meets(c.slo_s):
             note += f"; after {PLAN_RETRIES} tries the plan still misses the SLO at its own rate: do not trust it"
-    one_down = predict(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None
+    one_down = latency_at(target_rate / (per_proc - c.processes), proc, arrivals, sim_s) if nodes > 1 else None
     return Plan(
         target_rate,
         c,

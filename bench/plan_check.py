@@ -5,7 +5,7 @@
     python -m bench.plan_check --record             # also writes bench/results/plan-check-<time>.{md,json}
 
 It measures nothing: for each row of a recorded standard bench (`bench/run_standard.py`) it asks
-`batchserve.plan.predict` — the planner's own model, with its own Poisson draws — for p50/p95 at the row's
+`batchserve.plan.latency_at` — the planner's own model, with its own Poisson draws — for p50/p95 at the row's
 rate, devices, batch time, SLO and margin, and prints them beside what was measured, with the error of each.
 A second prediction uses the device time per batch the server actually delivered in that row (devices /
 batches per second: the batch's compute plus the worker's idle gap before the next one) instead of the
@@ -26,7 +26,7 @@ import datetime as dt  # noqa: E402
 import json  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
-from batchserve.plan import Arrivals, BatchTime, Contract, Prediction, predict  # noqa: E402
+from batchserve.plan import Arrivals, BatchTime, Contract, LatencyAtRate, latency_at  # noqa: E402
 from bench import common  # noqa: E402
 from bench.report import git_info, write, written  # noqa: E402
 from bench.run_standard import parse_rows  # noqa: E402
@@ -53,8 +53,8 @@ class Check:
     server_p95_ms: float | None  # the server's own latency_ms (without the client and the network)
     ideal_p95_ms: float  # bench/ideal.py on the row's very arrivals
     batch_ms: float | None  # device time per batch as run: devices / batches per second (compute + gaps)
-    planned: Prediction  # the contract's batch time
-    planned_as_run: Prediction | None  # the row's measured batch time
+    planned: LatencyAtRate  # the contract's batch time
+    planned_as_run: LatencyAtRate | None  # the row's measured batch time
 
     @property
     def p95_error_pct(self) -> float:
@@ -86,8 +86,8 @@ def check(report: dict, rows: list[tuple[int, float]], sim_s: float, seed: int) 
         load = row["load"]
         per_s = load.get("batches_per_s")
         batch_ms = devices * 1000 / per_s if per_s else load.get("server_mean_compute_ms")
-        planned = predict(rate, contract(s["sim_batch_ms"]), Arrivals(seed), sim_s)
-        as_run = predict(rate, contract(batch_ms), Arrivals(seed), sim_s) if batch_ms else None
+        planned = latency_at(rate, contract(s["sim_batch_ms"]), Arrivals(seed), sim_s)
+        as_run = latency_at(rate, contract(batch_ms), Arrivals(seed), sim_s) if batch_ms else None
         out.append(Check(devices, rate, load["p50_ms"], load["p95_ms"], load.get("server_p95_ms"),
                          row["ideal"]["p95_ms"], batch_ms, planned, as_run))
     return out
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join([
         f"# batchserve plan vs measured — {a.file.name} ({report['timestamp']})",
         "",
-        f"Planner: `batchserve.plan.predict`, {a.sim_s:g} s simulated per row after 5 s warm-up, seed {a.seed}; "
+        f"Planner: `batchserve.plan.latency_at`, {a.sim_s:g} s simulated per row after 5 s warm-up, seed {a.seed}; "
         f"bench settings {report['settings']['sim_batch_ms']:g} ms batches, max batch "
         f"{report['settings']['max_batch_size']}, SLO {report['settings']['slo_ms']:g} ms. Error = (planned − "
         "measured) / measured.",

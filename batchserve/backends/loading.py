@@ -24,8 +24,9 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
 
 from batchserve.backends import Backend, PluginError, describe
 from batchserve.errors import short as errors_short
@@ -93,11 +94,11 @@ def _load(settings: Settings, backends: dict[str, Backend], every: dict[str, Bac
                 f"{len(devices)}; each worker runs every model on its own device"
             )
     threads = [DeviceThread(name) for name in devices]
-    _on_every_device(threads, backends, "setup")
+    _on_every_device(threads, backends, lambda device: _set_up(backends, device))
     by_size: dict[str, dict[int, float]] = {model: {} for model in backends}
-    warm_s = _on_every_device(threads, backends, "warm", by_size)
+    warm_s = _on_every_device(threads, backends, lambda device: _warm(backends, device, by_size))
     rules = {model: OutputRule(b.output_kind) for model, b in every.items()}
-    _on_every_device(threads, backends, "check", rules=rules)
+    _on_every_device(threads, backends, lambda device: _check(backends, device, rules))
     batch_s = {
         model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
         for model, b in backends.items()
@@ -114,106 +115,113 @@ def _load(settings: Settings, backends: dict[str, Backend], every: dict[str, Bac
 
 
 def _on_every_device(
-    threads: list[DeviceThread],
-    backends: dict[str, Backend],
-    step: str,
-    by_size: dict[str, dict[int, float]] | None = None,
-    rules: dict[str, OutputRule] | None = None,
+    threads: list[DeviceThread], models: Collection[str], step: Callable[[int], dict[str, float]]
 ) -> dict[str, list[float]]:
-    """Run `setup`, `warm` or the answer check of every backend on every device, each device on its own thread
-    (devices in parallel); the seconds each took, per model. The first failure raises PluginError."""
-    futures: list[Future[dict[str, float]]] = [
-        t.call(_run_step, backends, i, step, by_size, rules) for i, t in enumerate(threads)
-    ]
-    took: dict[str, list[float]] = {model: [] for model in backends}
+    """Run `step(device)` (`_set_up`, `_warm` or `_check` of every backend) for every device, each device on its
+    own thread (devices in parallel); the seconds each took, per model. The first failure raises PluginError."""
+    futures: list[Future[dict[str, float]]] = [t.call(step, i) for i, t in enumerate(threads)]
+    took: dict[str, list[float]] = {model: [] for model in models}
     for future in futures:
         for model, seconds in future.result().items():
             took[model].append(seconds)
     return took
 
 
-def _run_step(
-    backends: dict[str, Backend],
-    device: int,
-    step: str,
-    by_size: dict[str, dict[int, float]] | None = None,
-    rules: dict[str, OutputRule] | None = None,
-) -> dict[str, float]:
-    """`setup` once; `warm` once for a backend that declares its batch time, else until it is stable (the
-    seconds returned are then the stable batch time). Batch times by size that the last warm-up round
-    returned go to `by_size` (the slowest device's, per size). `check`: one batch of CHECK_INPUTS, whose answer
-    must fit the model's output rule as every later batch's will (`backends/outputs.py`)."""
+@contextmanager
+def _failure_named(backend: Backend, step: str, where: str) -> Iterator[None]:
+    """A plugin's setup or warm-up that raises (or exits) becomes one PluginError line naming the step and device."""
+    try:
+        yield
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, then the process exits 2
+        raise backend.source.error(f"{step} on {where} raised {describe(exc)}") from None
+
+
+def _set_up(backends: dict[str, Backend], device: int) -> dict[str, float]:
+    """`setup` of every backend on `device`, once."""
     took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]
         started = time.perf_counter()
-        if step == "check" and rules is not None:
-            try:
-                outputs = backend.run(device, list(CHECK_INPUTS))
-            except Exception as exc:  # noqa: BLE001 - a batch that raises is the pool's to isolate (a flaky device)
-                log.warning(
-                    "the warm-up answer check of %s on %s raised %s; its answers are checked as they come",
-                    model,
-                    where,
-                    errors_short(describe(exc)),
-                )
-                continue
-            wrong = check_warm_answer(outputs, len(CHECK_INPUTS), rules[model])
-            if wrong is not None:
-                raise backend.source.error(f"{wrong} on {where}")
+        with _failure_named(backend, "setup", where):
+            backend.setup(device)
+        took[model] = time.perf_counter() - started
+        log.info("set up %s on %s: %.0f ms", model, where, took[model] * 1000)
+    return took
+
+
+def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int, float]]) -> dict[str, float]:
+    """`warm` once for a backend that declares its batch time, else until it is stable (the seconds returned
+    are then the stable batch time). Batch times by size that the last warm-up round returned go to `by_size`
+    (the slowest device's, per size)."""
+    took = {}
+    for model, backend in backends.items():
+        where = backend.device_names()[device]
+        started = time.perf_counter()
+        if backend.initial_batch_s is not None:
+            with _failure_named(backend, "warm", where):
+                backend.warm(device)
             took[model] = time.perf_counter() - started
+            log.info("warmed %s on %s: %.0f ms", model, where, took[model] * 1000)
             continue
+        reported: list[dict[int, float]] = []
+        rounds = [0]
+
+        def round_(
+            backend: Backend = backend,
+            model: str = model,
+            where: str = where,
+            rounds: list[int] = rounds,
+            reported: list[dict[int, float]] = reported,
+        ) -> float | None:
+            # A backend that timed its batches by size or cost (smollm2 on a GPU captures graphs, then
+            # times a batch of each bucket; minilm times two token counts) says what a batch takes: its
+            # slowest, not the whole round.
+            began = time.perf_counter()
+            timings = backend.warm(device)
+            rounds[0] += 1
+            log.info("warm-up round %d of %s on %s: %s ms", rounds[0], model, where, ms(time.perf_counter() - began))
+            if timings:
+                reported.append(timings)
+            return max(timings.values()) if timings else None
+
+        with _failure_named(backend, "warm", where):
+            warm = warm_until_stable(round_)
+        log.info(
+            "warmed %s on %s: %s ms%s",
+            model,
+            where,
+            ", ".join(ms(t) for t in warm.rounds_s),
+            "" if warm.stable else " (not stable)",
+        )
+        took[model] = warm.batch_s
+        if reported:
+            sizes = by_size[model]  # the dicts are per model; devices run in parallel threads
+            for size in reported[-1]:  # per size or cost: the median of its rounds after the first
+                seconds = robust([r[size] for r in reported if size in r])
+                sizes[size] = max(seconds, sizes.get(size, 0.0))
+    return took
+
+
+def _check(backends: dict[str, Backend], device: int, rules: dict[str, OutputRule]) -> dict[str, float]:
+    """One batch of CHECK_INPUTS per backend, whose answer must fit the model's output rule as every later
+    batch's will (`backends/outputs.py`)."""
+    took = {}
+    for model, backend in backends.items():
+        where = backend.device_names()[device]
+        started = time.perf_counter()
         try:
-            if step == "warm" and backend.initial_batch_s is None:
-                reported: list[dict[int, float]] = []
-
-                rounds = [0]
-
-                def round_(
-                    backend: Backend = backend,
-                    model: str = model,
-                    where: str = where,
-                    rounds: list[int] = rounds,
-                    reported: list[dict[int, float]] = reported,
-                ) -> float | None:
-                    # A backend that timed its batches by size or cost (smollm2 on a GPU captures graphs, then
-                    # times a batch of each bucket; minilm times two token counts) says what a batch takes: its
-                    # slowest, not the whole round.
-                    began = time.perf_counter()
-                    timings = backend.warm(device)
-                    rounds[0] += 1
-                    log.info(
-                        "warm-up round %d of %s on %s: %s ms", rounds[0], model, where, ms(time.perf_counter() - began)
-                    )
-                    if timings:
-                        reported.append(timings)
-                    return max(timings.values()) if timings else None
-
-                warm = warm_until_stable(round_)
-                log.info(
-                    "warmed %s on %s: %s ms%s",
-                    model,
-                    where,
-                    ", ".join(ms(t) for t in warm.rounds_s),
-                    "" if warm.stable else " (not stable)",
-                )
-                took[model] = warm.batch_s
-                if by_size is not None and reported:
-                    sizes = by_size[model]  # the dicts are per model; devices run in parallel threads
-                    for size in reported[-1]:  # per size or cost: the median of its rounds after the first
-                        seconds = robust([r[size] for r in reported if size in r])
-                        sizes[size] = max(seconds, sizes.get(size, 0.0))
-                continue
-            getattr(backend, step)(device)
-            log.info(
-                "%s %s on %s: %.0f ms",
-                "set up" if step == "setup" else "warmed",
+            outputs = backend.run(device, list(CHECK_INPUTS))
+        except Exception as exc:  # noqa: BLE001 - a batch that raises is the pool's to isolate (a flaky device)
+            log.warning(
+                "the warm-up answer check of %s on %s raised %s; its answers are checked as they come",
                 model,
                 where,
-                (time.perf_counter() - started) * 1000,
+                errors_short(describe(exc)),
             )
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - one line, then the process exits 2
-            raise backend.source.error(f"{step} on {where} raised {describe(exc)}") from None
+            continue
+        wrong = check_warm_answer(outputs, len(CHECK_INPUTS), rules[model])
+        if wrong is not None:
+            raise backend.source.error(f"{wrong} on {where}")
         took[model] = time.perf_counter() - started
     return took
 

@@ -48,7 +48,7 @@ GONE_POLL_S = 0.1  # how often the callers of running sequences are asked whethe
 TOKENIZE_THREADS = 1  # chat templating and tokenizing, off the event loop
 
 
-class Door(Protocol):
+class HandlerRegistry(Protocol):
     """What the wiring needs of the door (`core.service.InferenceService`): its request log, and where to
     register the handler of a model."""
 
@@ -313,7 +313,7 @@ class StepperInference:
 
 
 def serve_on_stepper(
-    door: Door, engine: Engine, settings: Settings, records: StepperRecords | None = None
+    door: HandlerRegistry, engine: Engine, settings: Settings, records: StepperRecords | None = None
 ) -> StepperInference | None:
     """Hand the stepper models' `/v1/inference` (and batch-job items) to the engine, through the door; their
     answers feed `records` (the batch path's histograms and spans)."""

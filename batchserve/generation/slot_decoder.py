@@ -78,7 +78,7 @@ def warm_summary(graphs: bool, steps: int, prefills: int) -> str:
 
 
 @dataclass(frozen=True)
-class Ticket:
+class LaunchedStep:
     """A launched step: its rows, the host buffer its tokens are copied into, and (CUDA) the event after that copy."""
 
     rows: int
@@ -295,7 +295,7 @@ class SlotDecoder:
         self._advance(slice(0, rows), self._pick(logits, slice(0, rows), sampling), live)
         self.pos[:rows] = pos + live.long()
 
-    def launch(self, rows: int, span: int, sampling: bool) -> Ticket:
+    def launch(self, rows: int, span: int, sampling: bool) -> LaunchedStep:
         """Run one decode step over the first `rows` slots (every live row's position < `span`) and queue the
         copy of its tokens to the host. On CUDA this only enqueues work: the host may launch the next step
         before it `collect`s this one (two buffers), so the GPU is not idle while the host hands tokens over."""
@@ -314,9 +314,9 @@ class SlotDecoder:
             if cuda:
                 event = torch.cuda.Event()
                 event.record()
-        return Ticket(rows, buffer, event)
+        return LaunchedStep(rows, buffer, event)
 
-    def collect(self, ticket: Ticket) -> tuple[list[int], list[bool]]:
+    def collect(self, ticket: LaunchedStep) -> tuple[list[int], list[bool]]:
         """A launched step's token and done flag of its rows (waits for it; on CUDA with the interpreter lock
         released)."""
         if ticket.event is not None:

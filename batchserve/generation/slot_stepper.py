@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchserve.generation.sizing import Piece, plan_prefill
-from batchserve.generation.slot_decoder import SlotDecoder, Ticket
+from batchserve.generation.slot_decoder import SlotDecoder, LaunchedStep
 from batchserve.generation.stepper import KvCapacity, Deliver, SamplingParams, TokenUpdate
 
 log = logging.getLogger("batchserve.generation")
@@ -158,7 +158,7 @@ class SlotStepper:
 
     # -- the stepper thread -------------------------------------------------------------------------------
     def _run(self) -> None:
-        pending: tuple[Ticket, list[tuple[Live, int]]] | None = None  # the launched step not yet collected
+        pending: tuple[LaunchedStep, list[tuple[Live, int]]] | None = None  # the launched step not yet collected
         try:
             while True:
                 with self._cond:
@@ -325,7 +325,7 @@ class SlotStepper:
         self._free = sorted(set(self._free) - set(targets) | set(movers))  # a sorted list is a heap
         self.moved += len(movers)
 
-    def _launch(self) -> tuple[Ticket, list[tuple[Live, int]]]:
+    def _launch(self) -> tuple[LaunchedStep, list[tuple[Live, int]]]:
         """Start a step over the live slots; returns it with who was in it, and where."""
         members = [(live, slot) for slot, live in self._live.items()]
         rows = max(self._live) + 1
@@ -336,7 +336,7 @@ class SlotStepper:
             live.pos += 1
         return ticket, members
 
-    def _collect(self, ticket: Ticket, members: list[tuple[Live, int]]) -> list[TokenUpdate]:
+    def _collect(self, ticket: LaunchedStep, members: list[tuple[Live, int]]) -> list[TokenUpdate]:
         """The step's token for each member still live; members whose row the device marked done leave."""
         tokens, done = self.decoder.collect(ticket)
         updates = []

@@ -7,6 +7,7 @@ import signal
 import time
 
 import aiohttp
+import pytest
 
 from tests.integration.inference.test_routes import metric
 
@@ -172,6 +173,7 @@ def test_drain_timeout_answers_leftovers_with_503(server_factory):
     assert server.proc.wait(10) == 0
 
 
+@pytest.mark.serial  # admission predicts from measured batch times: other workers' CPU load turns the burst away
 def test_a_burst_within_capacity_is_queued_not_refused(server_factory):
     # 250 callers at once on one device (capacity 1000/s): some wait two batches past the 250 ms objective,
     # but the arrival rate is no overload, so all are served within their deadline rather than refused.

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from batchserve import cli
-from batchserve.plan import HOURS_PER_MONTH, Arrivals, BatchTime, Contract, Prices, capacity, make_plan, metric_sum, percentile, predict, simulate
+from batchserve.plan import HOURS_PER_MONTH, Arrivals, BatchTime, Contract, Prices, capacity, make_plan, metric_sum, percentile, latency_at, simulate
 
 SEED = Contract(BatchTime.constant(100))  # the seed contract: 100 ms per batch of 1..100, SLO 200 ms
 
@@ -27,7 +27,7 @@ def test_batch_time_by_size_is_linear_between_points_and_flat_beyond():
 def test_a_lone_request_takes_one_batch_time_plus_overhead():
     """Arrivals far apart: each finds the device idle and the pace long past, so it leaves at once."""
     c = Contract(BatchTime.constant(100), overhead_s=0.007)
-    p = predict(0.05, c, sim_s=4000)  # ~200 arrivals, 20 s apart on average
+    p = latency_at(0.05, c, sim_s=4000)  # ~200 arrivals, 20 s apart on average
     assert p.p50_ms == pytest.approx(107) and p.expired == 0 and p.mean_batch == pytest.approx(1, abs=0.02)
 
 
@@ -64,7 +64,7 @@ def test_capacity_is_where_p95_meets_the_slo_when_the_slo_binds():
     arrivals = Arrivals(3)
     cap = capacity(c, arrivals)
     assert 0 < cap < c.max_busy * c.ceiling()
-    assert predict(cap, c, arrivals).p95_ms <= 200 < predict(cap * 1.02, c, arrivals).p95_ms
+    assert latency_at(cap, c, arrivals).p95_ms <= 200 < latency_at(cap * 1.02, c, arrivals).p95_ms
 
 
 def test_capacity_is_capped_below_the_ceiling_where_the_slo_does_not_bind():
@@ -80,7 +80,7 @@ def test_p95_rises_with_the_rate_towards_the_ceiling(devices, rates):
     whatever the rate.) Common random numbers: every rate sees the same draws, so the rise is smooth."""
     c = Contract(BatchTime.constant(100), devices=devices)
     arrivals = Arrivals(1)
-    p95s = [predict(rate, c, arrivals, sim_s=10).p95_ms for rate in rates]
+    p95s = [latency_at(rate, c, arrivals, sim_s=10).p95_ms for rate in rates]
     assert p95s == sorted(p95s) and p95s[-1] > 2 * p95s[0]
 
 
@@ -163,7 +163,7 @@ def test_processes_split_the_devices_and_each_runs_its_own_batcher():
     half = Contract(BatchTime.constant(100), devices=2, max_busy=0.99)
     plan = make_plan(3000, two, sim_s=10)
     assert plan.device_capacity == pytest.approx(2 * capacity(half, Arrivals(1), sim_s=10))
-    assert plan.at_target.p95_ms == pytest.approx(predict(3000 / plan.nodes / 2, half, arrivals, sim_s=10).p95_ms)
+    assert plan.at_target.p95_ms == pytest.approx(latency_at(3000 / plan.nodes / 2, half, arrivals, sim_s=10).p95_ms)
     four = make_plan(3000, Contract(BatchTime.constant(100), devices=4, max_busy=0.99), sim_s=10)
     assert four.at_target.p95_ms < plan.at_target.p95_ms  # one batcher over 4 devices paces 25 ms apart
 
@@ -238,7 +238,7 @@ def test_a_plan_meets_its_own_prediction_where_p95_is_not_monotone_in_the_rate()
     assert plan.target_rate / plan.nodes <= plan.capacity
     assert "not monotone" in plan.note
     arrivals = Arrivals(1)
-    assert all(predict(plan.capacity * k / 8, c, arrivals).meets(c.slo_s) for k in range(1, 9))
+    assert all(latency_at(plan.capacity * k / 8, c, arrivals).meets(c.slo_s) for k in range(1, 9))
 
 
 def test_a_rate_so_low_that_nothing_arrives_is_no_evidence_of_a_miss():

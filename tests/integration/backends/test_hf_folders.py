@@ -36,9 +36,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def server(folders: dict[str, Path]):
+def server(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     s = start_server(*(a for name, path in folders.items() for a in ("--model", f"{name}={path}")),
-                     "--slo-ms", "2000", "--timeout-ms", "20000", timeout=180)
+                     "--slo-ms", "2000", "--timeout-ms", "20000",
+                     "--jobs-db", str(tmp_path_factory.mktemp("jobs") / "jobs.db"), timeout=180)
     yield s
     s.stop()
 

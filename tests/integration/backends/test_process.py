@@ -9,6 +9,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests.integration.inference.test_routes import metric
 from tests.integration.test_gpu_pool import check_isolated, post_many
 
@@ -75,6 +77,7 @@ def test_a_hung_device_process_is_abandoned_then_taken_back(server_factory):
         assert r.status_code == 200 and r.json()["output"] == "retfa"
 
 
+@pytest.mark.serial  # a new device process starts and warms within the request's 20 s: beside other load it did not
 def test_a_dead_device_process_is_replaced(server_factory):
     server = server_factory("--executor", "process", "--devices", "1", "--slo-ms", "3000")
     before = children(server.proc.pid)

@@ -10,6 +10,7 @@ import threading
 import time
 
 import aiohttp
+import pytest
 
 from tests.conftest import LiveServer, open_loop
 from tests.integration.inference.test_routes import metric
@@ -130,6 +131,7 @@ def _run_job(c, inputs: list[str], timeout: float = 90) -> tuple[float, dict]:
     return time.monotonic() - started, done
 
 
+@pytest.mark.serial  # its clean job's time beside the failing one against alone: other workers' load skews it
 def test_one_tenants_failing_job_leaves_anothers_clean_job_near_its_own_speed(tmp_path, server_factory):
     """A job with 10 % failing inputs (the sim raises for the whole batch: bisection is the only way to find
     them) beside another tenant's clean job: the clean job takes at most a few times its solo time (here 0.5 s
@@ -180,6 +182,7 @@ def _interactive_until(url: str, key: str, rate: float, stop: threading.Event, s
     asyncio.run(main())
 
 
+@pytest.mark.serial  # its clean job's time beside the failing one against alone: other workers' load skews it
 def test_beside_interactive_load_a_failing_job_does_not_hold_another_tenants_job(tmp_path, server_factory):
     """With interactive work queued most of the time, job re-runs wait for its gaps. A batch holding job items
     of two tenants, one failing, dragged the other's items into those slow re-runs, and the places the failing

@@ -8,12 +8,14 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from batchserve.core.refusals import MAX_WAIT_S
 from batchserve.tenancy import digest, new_key
 from tests.integration.jobs.test_routes import wait_for
 
 
+@pytest.mark.slow  # --generation on: the engine loads and warms SmolLM2's real weights
 def test_a_tenant_looping_refused_prompts_is_slowed_and_another_is_not(tmp_path, server_factory):
     keys = {t: new_key() for t in ("acme", "globex")}
     config = tmp_path / "keys.toml"

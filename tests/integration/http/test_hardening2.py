@@ -261,6 +261,7 @@ def test_a_client_that_writes_the_whole_body_first_reads_its_413(plain: LiveServ
 
 # -- item 2: a long prompt is refused by its size, and tokenized off the event loop ---------------------------------
 @pytest.mark.slow
+@pytest.mark.serial  # health checks' latency (median under 50 ms): other workers' CPU would be measured too
 def test_megabyte_chat_prompts_do_not_hold_other_callers(server_factory):
     s = server_factory("--backend", "smollm2", "--max-new-tokens", "4", "--generation-max-seqs", "2",
                        "--generation-max-context", "256", "--slo-ms", "20000", "--timeout-ms", "60000")
