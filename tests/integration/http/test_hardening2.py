@@ -335,6 +335,7 @@ def test_the_heap_an_idle_flood_freed_goes_back_to_the_os(server_factory):
 
 
 # -- item 7 (low): connections waiting in the listen backlog when drain closes the listener ----------------------
+@pytest.mark.serial  # beside 3 busy workers, 1 connection in ~10,000 was reset at the listener's close
 def test_connections_in_the_backlog_when_the_listener_closes_are_answered_not_reset(server_factory):
     s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--drain-grace-s", "1")
     port = int(s.url.rsplit(":", 1)[1])

@@ -72,7 +72,8 @@ def server(tmp_path_factory) -> LiveServer:
         '[[models]]\nname = "rr"\nbackend = "schemaplug:Rerank"\ntask = "reranking"\n'
     )
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
-    s = start_server("--config", str(config), "--timeout-ms", "5000", env=env)
+    jobs_db = str(folder / "jobs.db")  # its generated batches and files, not ./batchserve-jobs.db
+    s = start_server("--config", str(config), "--timeout-ms", "5000", "--jobs-db", jobs_db, env=env)
     yield s
     s.stop()
 
