@@ -128,10 +128,8 @@ async def prepare(make: Callable[[], Awaitable[Any]], stack: contextlib.AsyncExi
     return app
 
 
-async def main_async(a: argparse.Namespace) -> None:
-    import os
-
-    load_start = round(os.getloadavg()[0], 2)
+async def the_three_apps(stack: contextlib.AsyncExitStack) -> dict[str, Any]:
+    """Bare Starlette, the minimal batcher and batchserve, started (and stopped with `stack`)."""
     from bench import bare_app, minimal_batcher
 
     async def bare() -> Any:
@@ -140,9 +138,17 @@ async def main_async(a: argparse.Namespace) -> None:
     async def minimal() -> Any:
         return minimal_batcher.create_app()
 
+    return {"bare Starlette": await prepare(bare, stack), "minimal batcher": await prepare(minimal, stack),
+            "batchserve": await prepare(batchserve_app, stack)}
+
+
+async def main_async(a: argparse.Namespace) -> None:
+    import os
+
+    load_start = round(os.getloadavg()[0], 2)
+
     async with contextlib.AsyncExitStack() as stack:
-        apps = {"bare Starlette": await prepare(bare, stack), "minimal batcher": await prepare(minimal, stack),
-                "batchserve": await prepare(batchserve_app, stack)}
+        apps = await the_three_apps(stack)
         if a.floor:
             from bench import raw_apps
 
@@ -213,18 +219,10 @@ async def serve_runs(a: argparse.Namespace) -> None:
     (CPU µs per request, non-200 answers); the parent of `--base` drives two of these."""
     import sys
 
-    from bench import bare_app, minimal_batcher
     import batchserve
 
-    async def bare() -> Any:
-        return bare_app.create_app()
-
-    async def minimal() -> Any:
-        return minimal_batcher.create_app()
-
     async with contextlib.AsyncExitStack() as stack:
-        apps = {"bare Starlette": await prepare(bare, stack), "minimal batcher": await prepare(minimal, stack),
-                "batchserve": await prepare(batchserve_app, stack)}
+        apps = await the_three_apps(stack)
         if not a.default_gc:
             from batchserve.gc_tuning import tune_gc
 

@@ -216,36 +216,13 @@ async def create_openai_batch(
     if len(named) > 1:
         raise errors.invalid("the lines name different models; one batch runs on one model")
     requested = next(iter(named), None)
-    if endpoint in GENERATION:
-        assert rt.generation is not None  # checked by check_batch_request
-        if requested is not None and requested not in model_aliases(rt.settings, rt.generation):
-            raise errors.model_not_found(requested)
-        return await store_openai_batch(
-            svc,
-            store,
-            caller,
-            key,
-            rt.generation.cfg.model_id,
-            parsed,
-            endpoint,
-            file_id,
-            window,
-            metadata,
-            expiry(time.time(), expires_s, rt.settings.batches_expire_days),
-        )
-    spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
-    if spec is None and requested is None and endpoint == EMBEDDINGS:
-        spec = next((s for s in rt.registry.specs if output_kind(rt, s.id) == "embedding"), None)
-    if spec is None:
-        raise errors.model_not_found(requested)
-    if endpoint == EMBEDDINGS and output_kind(rt, spec.id) != "embedding":
-        raise errors.invalid(f"the model {spec.id!r} does not produce embeddings; batch it on /v1/inference")
+    model = batch_model(rt, endpoint, requested, caller)
     return await store_openai_batch(
         svc,
         store,
         caller,
         key,
-        spec.id,
+        model,
         parsed,
         endpoint,
         file_id,
@@ -253,6 +230,24 @@ async def create_openai_batch(
         metadata,
         expiry(time.time(), expires_s, rt.settings.batches_expire_days),
     )
+
+
+def batch_model(rt: JobsHost, endpoint: str, requested: str | None, caller: Caller) -> str:
+    """The model an OpenAI batch runs on: the generation model for chat and completions lines, else the one its
+    lines name (or the first embedder for an embeddings batch that names none), refused as the route would."""
+    if endpoint in GENERATION:
+        assert rt.generation is not None  # checked by check_batch_request
+        if requested is not None and requested not in model_aliases(rt.settings, rt.generation):
+            raise errors.model_not_found(requested)
+        return rt.generation.cfg.model_id
+    spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
+    if spec is None and requested is None and endpoint == EMBEDDINGS:
+        spec = next((s for s in rt.registry.specs if output_kind(rt, s.id) == "embedding"), None)
+    if spec is None:
+        raise errors.model_not_found(requested)
+    if endpoint == EMBEDDINGS and output_kind(rt, spec.id) != "embedding":
+        raise errors.invalid(f"the model {spec.id!r} does not produce embeddings; batch it on /v1/inference")
+    return spec.id
 
 
 def file_missing(file_id: str) -> ApiError:

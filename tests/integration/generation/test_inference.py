@@ -106,7 +106,10 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_the_door(server: LiveServer
         assert [h.status_code for h in held] == [200] * SLOTS
         wait_for(lambda: engine(server)["running"] == SLOTS and engine(server)["generated_tokens"] > 0, timeout=60)
         time.sleep(0.5)  # a few steps: the engine's step time is measured under this load
-        refused = infer(server, "Hi", timeout_ms=5000)
+        # Long enough for an answer of up to 24 tokens alone (three times over, at the step time measured now:
+        # a busy machine makes it ~200 ms), far too short for the ~390 steps the holders have left.
+        within_ms = max(5000, int(3 * 24 * engine(server)["step_ms"]))
+        refused = infer(server, "Hi", timeout_ms=within_ms)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"] == "SERVICE_OVERLOADED" and refused.json()["retry_after_ms"] > 0
         assert "Retry-After" in refused.headers
