@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
+import tempfile
 import time
 from typing import Any, Awaitable, Callable
 
@@ -115,8 +117,11 @@ async def batchserve_app() -> Any:
     from batchserve.app import create_app
     from batchserve.config import Settings
 
-    app = create_app(Settings(sim_batch_ms=BATCH_MS, slo_ms=5000, timeout_ms=30000, max_queue=100000))
-    return app
+    # A job store of its own: `--base` runs two of these at once, and the default ./batchserve-jobs.db is locked
+    # by the first (the second then ran without jobs and logged that it could not open the store).
+    jobs_db = os.path.join(tempfile.mkdtemp(prefix="hotpath-"), "jobs.db")
+    settings = Settings(sim_batch_ms=BATCH_MS, slo_ms=5000, timeout_ms=30000, max_queue=100000, jobs_db=jobs_db)
+    return create_app(settings)
 
 
 async def prepare(make: Callable[[], Awaitable[Any]], stack: contextlib.AsyncExitStack) -> Any:
