@@ -514,25 +514,7 @@ class PostgresStore:
                             await copy.write_row((job.id, i, text))
             else:
                 await self._copy_lines(conn, job)
-            return Job(
-                job.id,
-                job.tenant,
-                job.model,
-                "queued",
-                job.count(),
-                0,
-                0,
-                0,
-                job.created_at,
-                None,
-                None,
-                job.metadata,
-                job.openai,
-                adding,
-                0,
-                0,
-                job.expires_at,
-            ), True
+            return job.queued(adding), True
 
         return await self._tx(tx, bound_for(adding, job.count()))  # a file's copy: its bytes and lines
 

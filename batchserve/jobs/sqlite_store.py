@@ -315,25 +315,7 @@ class SQLiteStore:
                 )
             else:
                 self._copy_lines(c, job)
-        return Job(
-            job.id,
-            job.tenant,
-            job.model,
-            "queued",
-            job.count(),
-            0,
-            0,
-            0,
-            job.created_at,
-            None,
-            None,
-            job.metadata,
-            job.openai,
-            adding,
-            0,
-            0,
-            job.expires_at,
-        ), True
+        return job.queued(adding), True
 
     def _copy_lines(self, c: sqlite3.Connection, job: NewJob) -> None:
         """The file's lines become the job's items, one stored chunk at a time (never the whole file)."""

@@ -95,6 +95,13 @@ class NewJob:
             return self.input_bytes
         return sum(len(text) if text.isascii() else len(text.encode()) for text in self.inputs)
 
+    def queued(self, stored_bytes: int) -> Job:
+        """The job as a store answers its creation: queued, nothing run yet, `stored_bytes` charged."""
+        return Job(
+            self.id, self.tenant, self.model, "queued", self.count(), 0, 0, 0, self.created_at, None, None,
+            self.metadata, self.openai, stored_bytes, 0, 0, self.expires_at,
+        )  # fmt: skip
+
 
 @dataclass(slots=True)
 class Job:
