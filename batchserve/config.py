@@ -341,6 +341,12 @@ class Settings:
         "work runs, waits or left within 1 s (at least one; 1 = no cap): a decode step's time grows with its "
         "rows, and every interactive token waits on it; with no interactive work batch lines fill the rest",
     )
+    generation_batch_slowdown: float = knob(
+        1.25,
+        "the most batch lines' rows may lengthen a decode step while interactive work is there (the step's time "
+        "with them / with one row, timed at warm-up): batch lines keep as many rows as fit, at least one and at "
+        "most --generation-batch-beside-interactive of them; where rows cost next to nothing (a GPU) the share rules",
+    )
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
@@ -445,6 +451,7 @@ class Settings:
         need(self.generation_max_context >= 16, "generation_max_context", "16 or more")
         need(self.generation_max_tokens >= 1, "generation_max_tokens", "1 or more")
         need(0 < self.generation_batch_beside_interactive <= 1, "generation_batch_beside_interactive", "in (0, 1]")
+        need(self.generation_batch_slowdown >= 1, "generation_batch_slowdown", "1 or more")
         for name in ("generation_max_seqs", "generation_kv_tokens"):
             need(getattr(self, name) >= 0, name, "0 (auto) or more")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):

@@ -36,6 +36,7 @@ class FeedStepper:
 
     description = "none (fed by hand)"
     resumable = True  # the engine may preempt: a dropped sequence is simply added again
+    row_growth = 0.0  # rows cost nothing here
 
     def __init__(self, capacity: Any, step_s: float = 0.005) -> None:
         self.capacity = capacity

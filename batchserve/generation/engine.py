@@ -58,6 +58,7 @@ from batchserve.generation.shares import (
     headroom,
     lane_of,
     order_key,
+    rows_within_slowdown,
     replay_wait,
     shares,
     tier_weight,
@@ -103,6 +104,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA, decode steps are replayed as CUDA graphs
     stepper: str = "slots"  # slots (batchserve's) or manager (transformers')
     batch_beside_interactive: float = BATCH_BESIDE_INTERACTIVE  # of the places, batch lines' beside interactive work
+    batch_slowdown: float = 1.25  # the most batch rows may lengthen an interactive decode step (with / without)
     defaults: SamplingDefaults = field(default_factory=lambda: SamplingDefaults())  # the model's own
 
     @classmethod
@@ -118,6 +120,7 @@ class EngineConfig:
             cuda_graphs=s.generation_cuda_graphs,
             stepper=s.generation_engine,
             batch_beside_interactive=s.generation_batch_beside_interactive,
+            batch_slowdown=s.generation_batch_slowdown,
         )
 
 
@@ -394,8 +397,12 @@ class Engine:
         self.lane_held: dict[Lane, int] = {}  # blocks held by each lane's running sequences
         self.idle_since: dict[Lane, float] = {}  # interactive lanes whose last sequence ended lately (LINGER_S)
         self.preemptions = 0
-        # the most batch lines running while interactive work is there (`shares.batch_row_cap`)
-        self.batch_cap = batch_row_cap(self.budget.max_seqs, cfg.batch_beside_interactive)
+        # the most batch lines running while interactive work is there (`shares.batch_row_cap`), fewer where
+        # each row lengthens the interactive callers' steps by much (`shares.rows_within_slowdown`)
+        self.batch_cap = min(
+            batch_row_cap(self.budget.max_seqs, cfg.batch_beside_interactive),
+            rows_within_slowdown(stepper.row_growth, cfg.batch_slowdown, self.budget.max_seqs),
+        )
         # cost served per (model, tier, tenant), shared with the batcher's workers (`core/tenant_cost.py`): the
         # runtime hands the service's account in; a bare engine (tests, benches) keeps its own
         self.account = CostAccount()
@@ -441,12 +448,13 @@ class Engine:
         engine._tick_task = asyncio.create_task(engine._tick())
         log.info(
             "generation ready: %s, %s; %d sequences at most, %d tokens each at most, %.1f ms/step; "
-            "sampling defaults %s",
+            "batch lines keep %d of them beside interactive work; sampling defaults %s",
             cfg.model_id,
             stepper.description,
             engine.budget.max_seqs,
             engine.max_context,
             engine.step_s * 1000,
+            engine.batch_cap,
             cfg.defaults.describe(),
         )
         return engine

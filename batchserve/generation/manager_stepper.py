@@ -109,6 +109,7 @@ class ManagerStepper:
             blocks=blocks, page_size=page_size, max_seqs=max_seqs, max_sequence_tokens=blocks * page_size
         )
         self.step_s = step_s
+        self.row_growth = 0.0  # not measured: the share of the places alone bounds batch rows
         self.resumable = False  # its requests have no token offset to resume from: the engine never preempts here
         self.description = f"transformers' ContinuousBatchingManager on {manager.model.device}"
         self._deliver: Deliver | None = None

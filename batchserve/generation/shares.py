@@ -23,7 +23,10 @@ needed. So capacity is shared by lane, and a running sequence may be paused (pre
   lanes together hold at most a fraction of the places (`--generation-batch-beside-interactive`, default
   `BATCH_BESIDE_INTERACTIVE`, at least one row): a decode step's time grows with its rows on a CPU (batch lines
   filling 7 of 8 slots made another tenant's interactive chats 2.6x slower), and an interactive caller's every
-  token waits on that step. Spare lanes over the cap when interactive work arrives are paused down to it
+  token waits on that step. Fewer still where rows are dear (`rows_within_slowdown`): the warm-up times a step of
+  one row and of two, and batch rows may lengthen an interactive step by `--generation-batch-slowdown` at most
+  (on this 2-core CPU a second row adds a sixth to a half of a step: one batch row; on a GPU rows are nearly free
+  and the fraction rules). Spare lanes over the cap when interactive work arrives are paused down to it
   (`batch_excess`); with no interactive work they fill everything but the headroom again. At least one row
   keeps every batch line moving toward its completion window.
 - **Preemption** (`victim_lane`): an interactive sequence that cannot start pauses a spare-lane sequence if one
@@ -77,6 +80,15 @@ def batch_row_cap(places: int, fraction: float) -> int:
     if fraction >= 1:
         return places
     return max(1, min(places, math.floor(places * max(0.0, fraction))))
+
+
+def rows_within_slowdown(row_growth: float, slowdown: float, places: int) -> int:
+    """The most batch rows beside an interactive row that keep its decode step within `slowdown` x its time
+    alone, when each row lengthens a step by `row_growth` of a one-row step: at least 1 (batch lines always
+    progress), `places` where rows cost nothing measurable."""
+    if row_growth <= 0:
+        return places
+    return max(1, min(places, math.floor((slowdown - 1) / row_growth + 1e-9)))
 
 
 def batch_excess(spare_running: int, cap: int, interactive: bool) -> int:

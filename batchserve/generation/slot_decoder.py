@@ -207,6 +207,7 @@ class SlotDecoder:
         self.out_host = torch.empty((2, n), dtype=torch.long, pin_memory=pinned)
         self.done_host = torch.empty((2, n), dtype=torch.bool, pin_memory=pinned)
         self._buffer = 0
+        self.row_growth = 0.0  # how much a second row lengthens a step, of a one-row step (`warm` times it)
 
     # -- shapes -------------------------------------------------------------------------------------------
     def shape(self, rows: int, span: int) -> tuple[int, int]:
@@ -479,22 +480,28 @@ class SlotDecoder:
         with torch.inference_mode(), self._device():
             self.done.fill_(True)
             self.pos.zero_()
-            timings = []
+            span = min(self.slot_tokens, 256)
+            timings: dict[int, list[float]] = {self.slots: [], 1: [], 2: []}
             for _ in range(3):
-                t0 = time.perf_counter()
-                self.collect(self.launch(self.slots, min(self.slot_tokens, 256), False))
-                timings.append(time.perf_counter() - t0)
+                for rows in timings if self.slots > 2 else (self.slots,):
+                    t0 = time.perf_counter()
+                    self.collect(self.launch(rows, span, False))
+                    timings[rows].append(time.perf_counter() - t0)
+        if self.slots > 2:
+            one, two = min(timings[1]), min(timings[2])
+            self.row_growth = max(0.0, (two - one) / one)
         log.info(
-            "%s for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, %.1f ms a full step)",
+            "%s for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, %.1f ms a full step, a second row adds %.0f%%)",
             warm_summary(self.use_graphs, len(self.graphs), len(self.prefill_graphs) + len(self.chunk_graphs)),
             self.slots,
             self.slot_tokens,
             self.device,
             time.monotonic() - started,
             self.cache.nbytes / 1e9,
-            min(timings) * 1000,
+            min(timings[self.slots]) * 1000,
+            self.row_growth * 100,
         )
-        return min(timings)
+        return min(timings[self.slots])
 
     def _capture(self) -> None:
         """Warm each step's and prefill's kernels on a side stream (as the PyTorch docs and the shared anchor

@@ -127,6 +127,10 @@ class SlotStepper:
         self._deliver: Deliver | None = None
         self.failure: BaseException | None = None
 
+    @property
+    def row_growth(self) -> float:
+        return self.decoder.row_growth
+
     # -- the loop's side ----------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         self._loop, self._deliver = loop, deliver

@@ -67,6 +67,10 @@ class Stepper(Protocol):
     description: str  # for logs and /internal/generation
     resumable: bool  # True: a sequence dropped (`cancel`) may be added again with `resumed` set (preemption)
 
+    @property
+    def row_growth(self) -> float:
+        """How much one more row lengthens a decode step, of a one-row step (0: not measured, or free)."""
+
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         """Begin running; `deliver` is called on `loop` with each step's updates."""
 

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from batchserve.core.tiers import BATCH
 from batchserve.errors import ApiError
 from batchserve.generation import engine as engine_module
-from batchserve.generation.engine import Engine, SamplingParams
+from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
 from batchserve.generation.shares import (
     BATCH_BESIDE_INTERACTIVE,
     INTERACTIVE,
@@ -24,12 +25,14 @@ from batchserve.generation.shares import (
     LaneLoad,
     batch_excess,
     batch_row_cap,
+    rows_within_slowdown,
     headroom,
     shares,
     victim_lane,
 )
 from tests.unit.fakes import Clock
-from tests.unit.generation.test_engine import CHARS, FakeStepper, drain, engine, params
+from tests.unit.generation.test_engine import CHARS, EOS, FakeStepper, drain, engine, params
+from tests.unit.generation.test_units import char_tokenizer
 
 A, B, C = (INTERACTIVE, "a"), (INTERACTIVE, "b"), (INTERACTIVE, "c")
 BA = (SPARE, "a")
@@ -87,6 +90,32 @@ def test_batch_lines_hold_a_fraction_of_the_places_beside_interactive_work_and_a
     assert batch_excess(7, 2, interactive=True) == 5
     assert batch_excess(7, 2, interactive=False) == 0  # alone, batch lines fill what is spare
     assert batch_excess(2, 2, interactive=True) == 0
+
+
+def test_where_rows_are_dear_batch_lines_keep_only_the_rows_that_fit_the_slowdown_and_at_least_one() -> None:
+    # a second row adding 20% of a one-row step (a CPU): one batch row fits 1.25x, two would make it 1.4x
+    assert rows_within_slowdown(0.2, 1.25, 8) == 1
+    assert rows_within_slowdown(0.1, 1.25, 8) == 2 and rows_within_slowdown(0.05, 1.25, 8) == 5
+    assert rows_within_slowdown(0.6, 1.25, 8) == 1  # never none: batch lines keep moving toward their window
+    assert rows_within_slowdown(0.0, 1.25, 8) == 8  # rows that cost nothing measurable (a GPU): no bound here
+    assert rows_within_slowdown(0.001, 1.25, 8) == 8  # and never more than the places
+    assert rows_within_slowdown(0.2, 1.0, 8) == 1
+
+
+def test_the_engine_keeps_batch_rows_to_the_fewer_of_its_share_and_what_the_slowdown_allows() -> None:
+    def cap(row_growth: float, beside: float, slowdown: float) -> int:
+        cfg = EngineConfig(max_tokens=64, max_seqs=8, page_size=16, batch_beside_interactive=beside,
+                           batch_slowdown=slowdown)
+        stepper = Recording(8, 8, 16)
+        stepper.row_growth = row_growth
+        tokenizer = SimpleNamespace(backend_tokenizer=char_tokenizer(), eos_token_id=EOS)
+        e = Engine(cfg, tokenizer, stepper, CollectorRegistry(), max_position=4096, vocab_size=len(CHARS))
+        return e.batch_cap
+
+    assert cap(row_growth=0.3, beside=0.25, slowdown=1.25) == 1  # the CPU: dear rows
+    assert cap(row_growth=0.0, beside=0.25, slowdown=1.25) == 2  # a GPU: the share of the places
+    assert cap(row_growth=0.1, beside=1.0, slowdown=1.25) == 2
+    assert cap(row_growth=0.3, beside=0.25, slowdown=2.0) == 2  # a looser slowdown: the share rules again
 
 
 # -- the engine ---------------------------------------------------------------------------------------------
