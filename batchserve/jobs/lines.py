@@ -1,5 +1,5 @@
 """Running one line of an OpenAI batch input file: the same body the online route would answer, built by the
-same code (the embeddings wing's `body.parse` and `wire.answer`, the inference route's `parse_inference`), with
+same code (the embeddings wing's `parse.parse` and `render.answer`, the inference route's `parse_inference`), with
 each input entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item,
 an input at a time as the job scheduler finds room for it (`LineRun.feed`: a line is priced by the inputs it
 holds, `line_inputs`, and never floods the model's queue; `refill.py`).

@@ -1,10 +1,10 @@
 """KServe Open Inference Protocol v2 over gRPC (`--grpc-port`): the service Triton's gRPC clients call.
 
-The same model view as the HTTP v2 routes (`wire.py`: one BYTES input `input`, one output `output`, BYTES or
-FP32) and the same request path: identify the caller (the `authorization` metadata), one rate-limit token per
-element, every element through the door (`InferenceService.infer_many`) as its own item, so gRPC callers share
-batches with every HTTP route, and each answer counted by the guard. The messages come from
-`grpc_inference.proto`, loaded at start (grpcio-tools), never generated into the tree.
+The same model view as the HTTP v2 routes (`parse.py`, `render.py`: one BYTES input `input`, one output `output`,
+BYTES or FP32) and the same request path: identify the caller (the `authorization` metadata), one rate-limit token
+per element, every element through the door (`InferenceService.infer_many`) as its own item, so gRPC callers share
+batches with every HTTP route, and each answer counted by the guard. The messages come from `grpc_inference.proto`,
+loaded at start (grpcio-tools), never generated into the tree.
 
 Refusals are gRPC status codes (400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 413
 INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 5xx INTERNAL) with the message
@@ -32,7 +32,9 @@ from batchserve.errors import ApiError, ClientGone
 from batchserve.http.plumbing import request_id_from
 from batchserve.http.endpoint import costs_of
 from batchserve.http.guards import Guard
-from batchserve.kserve.wire import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME, bad, model_metadata
+from batchserve.kserve.parse import bad
+from batchserve.kserve.render import model_metadata
+from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
