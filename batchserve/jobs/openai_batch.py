@@ -3,8 +3,9 @@ back as OpenAI's batch object and its output and error files.
 
 An input file is JSONL, one request per line: `{"custom_id", "method": "POST", "url", "body"}`. It is checked
 whole when the batch is created, in one streaming pass over its stored chunks, each chunk parsed on a worker
-thread (`InputCheck`): a line that is not such an object, a repeated custom_id, a url other than the batch's
-endpoint, a body nested deeper than the line runner can encode: 400 naming the line, and no job is stored.
+thread (`InputCheck`), each line decoded into its declared shape (`shapes.BatchInputLine`): a line that is not
+such an object, a repeated custom_id, a url other than the batch's endpoint, a body nested deeper than 254
+levels: 400 naming the line and the member, and no job is stored.
 Each non-blank line then becomes one job item as it is (the store copies them chunk by chunk, `NewJob.source_file`);
 what is in the body is checked when the line runs, by the online route's own parser, so a bad body becomes that
 line's 400 in the error file, as OpenAI does.
@@ -25,15 +26,15 @@ import msgspec
 import orjson
 
 from batchserve import errors
-from batchserve.http.decoding import refusal
+from batchserve.http.decoding import NOT_JSON, BodyRefusal, decode, refusal
 from batchserve.jobs import shapes
 from batchserve.jobs.files import LineSplitter, LineTooLong
-from batchserve.jobs.lines import GENERATION, RUNNABLE, line_inputs
+from batchserve.jobs.lines import GENERATION, RAW_LINE, RUNNABLE, line_inputs
+from batchserve.jobs.shapes import MAX_CUSTOM_ID
 from batchserve.jobs.store import ERRORS, OUTPUT, ItemRow, Job
 
 ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/inference")
 COMPLETION_WINDOWS = ("24h",)
-MAX_CUSTOM_ID = 512
 MAX_EXPIRES_S = 30 * 24 * 3600  # OpenAI's longest expires_after (30 days)
 STATUS = {
     "queued": "in_progress",
@@ -98,29 +99,23 @@ class InputCheck:
                 f"{self.max_inputs} inputs (--jobs-max-items)"
             )
         try:
-            line = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise errors.invalid(f"line {n} of the input file is not JSON: {errors.short(str(exc))}") from None
-        if not isinstance(line, dict):
-            raise errors.invalid(f"line {n} of the input file must be a JSON object")
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
-            raise errors.invalid(f"line {n}: 'custom_id' must be a string of 1 to {MAX_CUSTOM_ID} characters")
+            line = decode(_LINE, raw)
+        except BodyRefusal as r:
+            raise line_refused(r, n, self.endpoint) from None
+        custom_id = line.custom_id
         if custom_id in self._seen:
             raise errors.invalid(f"line {n}: the custom_id {errors.short(custom_id)!r} appears twice")
         self._seen.add(custom_id)
-        if line.get("method", "POST") != "POST":
-            raise errors.invalid(f"line {n}: 'method' must be POST")
-        if line.get("url") != self.endpoint:
+        if line.url != self.endpoint:
             raise errors.invalid(
-                f"line {n}: 'url' is {errors.short(line.get('url'))!r}, but the batch's "
+                f"line {n}: 'url' is {errors.short(line.url)!r}, but the batch's "
                 f"endpoint is {self.endpoint}; every line must name it"
             )
-        body = line.get("body")
-        if not isinstance(body, dict):
-            raise errors.invalid(f"line {n}: 'body' must be a JSON object")
+        body = line.body
         try:
-            orjson.dumps(body)  # what the line runner does with it: JSON nested past orjson's limit cannot run
+            # A bound on what a line may hold, said before anything is stored: orjson's 254 levels (the line
+            # runner once encoded bodies again with it; it now hands the route the body's own bytes).
+            orjson.dumps(body)
         except TypeError:
             raise errors.invalid(f"line {n}: 'body' is nested too deeply (JSON deeper than 254 levels)") from None
         self.inputs += line_inputs(self.endpoint, body)
@@ -132,6 +127,27 @@ class InputCheck:
             )
         model = body.get("model")
         self.models.add(model if isinstance(model, str) and model else None)
+
+
+_LINE = msgspec.json.Decoder(shapes.BatchInputLine[dict[str, Any]])
+_LINE_EXPLAINED = {  # what each member of a line must be, said before msgspec's words on what it was
+    "custom_id": f"'custom_id' must be a string of 1 to {MAX_CUSTOM_ID} characters",
+    "method": "'method' must be POST",
+    "body": "'body' must be a JSON object",
+}
+
+
+def line_refused(r: BodyRefusal, n: int, endpoint: str) -> errors.ApiError:
+    """The 400 for line `n` of an input file that is not a `shapes.BatchInputLine`, naming the line and the member."""
+    if r.not_json:
+        why = r.message.removeprefix(NOT_JSON).lstrip(": ")
+        return errors.invalid(f"line {n} of the input file is not JSON in UTF-8: {errors.short(why)}")
+    if r.field is None:
+        return errors.invalid(f"line {n} of the input file must be a JSON object")
+    explained = _LINE_EXPLAINED.get(r.field, "")
+    if r.field == "url":
+        explained = f"'url' must be the batch's endpoint, {endpoint}"
+    return errors.invalid(f"line {n}: {explained} ({r.message})" if explained else f"line {n}: {r.message}")
 
 
 def check_expires_after(value: object, name: str) -> float | None:
@@ -235,7 +251,7 @@ def file_line(job_id: str, row: ItemRow, kind: str, response: str | None = None)
     if row.status == "pending" or (row.status == "completed") != (kind == OUTPUT):
         return None
     assert row.input is not None
-    custom_id = orjson.loads(row.input)["custom_id"]
+    custom_id = RAW_LINE.decode(row.input).custom_id  # its body skipped, not built
     line: dict[str, Any] = {
         "id": f"batch_req_{job_id.removeprefix('batch_')}_{row.index}",
         "custom_id": custom_id,

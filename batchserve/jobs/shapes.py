@@ -6,7 +6,7 @@ parser accepts; OpenAI's batch body is converted from the streamed values into `
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
@@ -15,6 +15,8 @@ from batchserve.http.shapes import NATIVE, NonNegative
 
 Epoch = Annotated[float, Meta(description="seconds since the epoch")]
 MAX_EXPIRY_S = 2592000
+MAX_CUSTOM_ID = 512
+Body = TypeVar("Body")
 
 
 class BatchRequest(Struct):
@@ -52,6 +54,18 @@ class OpenAIBatchRequest(Struct):
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = None
     output_expires_after: ExpiresAfter | UnsetType = UNSET
+
+
+class BatchInputLine(Struct, Generic[Body]):
+    """One line of an OpenAI batch input file (JSONL), decoded line by line. `Body`: what the reader needs of
+    the body: the whole object when the file is checked (`openai_batch.InputCheck`: the models named, the inputs
+    counted), or its raw JSON when the line runs (`lines.LineRunner`), where the target route's own parse decodes
+    it (so a bad body is that line's 400 in the error file, as OpenAI does)."""
+
+    custom_id: Annotated[str, Meta(min_length=1, max_length=MAX_CUSTOM_ID)]
+    url: Annotated[str, Meta(description="the batch's endpoint, on every line")]
+    body: Body
+    method: Literal["POST"] = "POST"
 
 
 class BatchJob(Struct):
