@@ -196,6 +196,8 @@ ALSO_DOCUMENTED = (BatchJob, OpenAIBatch, BatchRequest, OpenAIBatchRequest)  # n
 _BATCH_ID = Param("batch_id", "path")
 _FILE_ID = Param("file_id", "path")
 _LIMIT = Param("limit", "query", Annotated[int, Meta(ge=1, le=100)], "at most this many (default 20)")
+# Every job and file route: 401 and 429 (the skeleton), 404 with --jobs-db empty (jobs off) or an unknown id,
+# 503 while the store opens or when it fails (JOBS_UNAVAILABLE).
 _JOB_ERRORS = (401, 404, 429, 503)
 
 
@@ -214,7 +216,7 @@ OPERATIONS = (
         request=Annotated[
             Any, one_of(BatchRequest, OpenAIBatchRequest), Meta(examples=[{"inputs": ["a", "b"], "model": "sim"}])
         ],
-        errors=(400, 401, 404, 409, 413, 429, 503),
+        errors=(400, 409, 413, *_JOB_ERRORS),
         params=(
             Param(
                 "Idempotency-Key",
@@ -231,7 +233,7 @@ OPERATIONS = (
         "listBatches",
         "The caller's jobs, newest first",
         Answer(200, "the caller's jobs", BatchJobList),
-        errors=(400, 401, 429, 503),
+        errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query", str, "a job id: list the jobs older than it")),
     ),
     _op(
@@ -249,7 +251,7 @@ OPERATIONS = (
         "deleteBatch",
         "Delete a finished job with its items and output and error files (frees its bytes)",
         Answer(200, "deleted", BatchDeleted),
-        errors=(401, 404, 409, 429, 503),
+        errors=(409, *_JOB_ERRORS),
         params=(_BATCH_ID,),
     ),
     _op(
@@ -278,7 +280,7 @@ OPERATIONS = (
         Answer(200, "the stored file", File),
         request=FileUpload,
         request_media="multipart/form-data",
-        errors=(400, 401, 409, 413, 429, 503),
+        errors=(400, 409, 413, *_JOB_ERRORS),
     ),
     _op(
         "GET",
@@ -286,7 +288,7 @@ OPERATIONS = (
         "listFiles",
         "The caller's uploaded files, newest first",
         Answer(200, "the caller's files", FileList),
-        errors=(400, 401, 429, 503),
+        errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query"), Param("purpose", "query")),
     ),
     _op(
