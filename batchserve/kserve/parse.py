@@ -85,21 +85,22 @@ def _elements(data: object, shape: list[int]) -> list[object]:
     return out
 
 
-def _bytes_elements(raw: bytes, count: int) -> list[bytes]:
-    """BYTES in the binary extension: each element a 4-byte little-endian length, then its bytes."""
+def bytes_elements(raw: bytes, count: int, what: str = "the binary BYTES data") -> list[bytes]:
+    """BYTES packed as v2 packs them (the HTTP binary extension's tail, gRPC's raw contents): each element a
+    4-byte little-endian length, then its bytes. `what`: the refusals' name for `raw`."""
     out: list[bytes] = []
     at = 0
     while at < len(raw):
         if at + 4 > len(raw):
-            raise bad("binary BYTES data ends inside an element's length prefix")
+            raise bad(f"{what} ends inside an element's length prefix")
         (n,) = struct.unpack_from("<I", raw, at)
         at += 4
         if at + n > len(raw):
-            raise bad("binary BYTES data ends inside an element")
+            raise bad(f"{what} ends inside an element")
         out.append(raw[at : at + n])
         at += n
     if len(out) != count:
-        raise bad(f"the binary data holds {len(out)} element(s), the shape says {count}")
+        raise bad(f"{what} holds {len(out)} element(s), the shape says {count}")
     return out
 
 
@@ -142,7 +143,7 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
         if binary_size != len(tail):
             raise bad(f"'binary_data_size' must equal the {len(tail)} bytes after the JSON header")
         try:
-            texts = [b.decode() for b in _bytes_elements(tail, count)]
+            texts = [b.decode() for b in bytes_elements(tail, count)]
         except UnicodeDecodeError:
             raise bad("a BYTES element is not valid UTF-8") from None
     else:
