@@ -30,12 +30,11 @@ from batchserve.http.decoding import NOT_JSON, BodyRefusal, decode, refusal
 from batchserve.jobs import shapes
 from batchserve.jobs.files import LineSplitter, LineTooLong
 from batchserve.jobs.lines import GENERATION, RAW_LINE, RUNNABLE, line_inputs
-from batchserve.jobs.shapes import MAX_CUSTOM_ID
+from batchserve.jobs.shapes import MAX_CUSTOM_ID, MAX_EXPIRY_S
 from batchserve.jobs.store import ERRORS, OUTPUT, ItemRow, Job
 
 ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/inference")
 COMPLETION_WINDOWS = ("24h",)
-MAX_EXPIRES_S = 30 * 24 * 3600  # OpenAI's longest expires_after (30 days)
 STATUS = {
     "queued": "in_progress",
     "running": "in_progress",
@@ -150,16 +149,25 @@ def line_refused(r: BodyRefusal, n: int, endpoint: str) -> errors.ApiError:
     return errors.invalid(f"line {n}: {explained} ({r.message})" if explained else f"line {n}: {r.message}")
 
 
+EXPIRES_AFTER = f'{{"anchor": "created_at", "seconds": 1 to {MAX_EXPIRY_S} (30 days)}}'
+
+
 def check_expires_after(value: object, name: str) -> float | None:
-    """Seconds from `expires_after` in OpenAI's shape (`{"anchor": "created_at", "seconds": N}`); None: absent."""
+    """Seconds from an `expires_after` in OpenAI's shape, converted to the declared `shapes.ExpiresAfter` (the
+    upload's form fields, gathered); None: absent."""
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("anchor") != "created_at":
-        raise errors.invalid(f'\'{name}\' must be {{"anchor": "created_at", "seconds": N}}')
-    seconds = value.get("seconds")
-    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= MAX_EXPIRES_S:
-        raise errors.invalid(f"'{name}.seconds' must be an integer from 1 to {MAX_EXPIRES_S} (30 days)")
-    return float(seconds)
+    try:
+        given = msgspec.convert(value, shapes.ExpiresAfter)
+    except msgspec.ValidationError as exc:
+        raise errors.invalid(f"'{name}' must be {EXPIRES_AFTER} ({refusal(str(exc)).message})") from None
+    return float(given.seconds)
+
+
+def expires_s(req: shapes.OpenAIBatchRequest) -> float | None:
+    """Seconds a batch's output is kept, from its `output_expires_after` (None: the server's default)."""
+    given = req.output_expires_after
+    return None if given is msgspec.UNSET else float(given.seconds)
 
 
 _EXPLAINED = {  # what each member must be, said before msgspec's words on what it was
@@ -167,15 +175,13 @@ _EXPLAINED = {  # what each member must be, said before msgspec's words on what 
     "endpoint": f"'endpoint' must be one of {', '.join(ENDPOINTS)}",
     "completion_window": f"'completion_window' must be one of {', '.join(COMPLETION_WINDOWS)}",
     "metadata": "'metadata' must be an object of strings",
-    "output_expires_after": "'output_expires_after' must be "
-    f'{{"anchor": "created_at", "seconds": 1 to {MAX_EXPIRES_S}}}',
+    "output_expires_after": f"'output_expires_after' must be {EXPIRES_AFTER}",
 }
 
 
-def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, str, str, dict | None]:
-    """(input_file_id, endpoint, completion_window, metadata) of a `POST /v1/batches` in OpenAI's shape: the
-    streamed body's top-level values (`parse.JobBody.values`) converted to the declared
-    `shapes.OpenAIBatchRequest` (`output_expires_after` is read by `check_expires_after`).
+def check_batch_request(values: dict[str, Any], generating: bool) -> shapes.OpenAIBatchRequest:
+    """A `POST /v1/batches` in OpenAI's shape: the streamed body's top-level values (`parse.JobBody.values`)
+    converted to the declared `shapes.OpenAIBatchRequest`, each refusal naming the member.
     `generating`: the generation engine is on here, so chat and completions lines can run."""
     try:
         req = msgspec.convert(values, shapes.OpenAIBatchRequest)
@@ -188,7 +194,7 @@ def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, 
             f"batches for {req.endpoint} run on the generation engine, which is off on this server "
             f"(start it with --backend smollm2 or --generation on); batch {' or '.join(RUNNABLE)}"
         )
-    return req.input_file_id, req.endpoint, req.completion_window, req.metadata
+    return req
 
 
 def output_file_id(job_id: str, kind: str) -> str:

@@ -36,7 +36,7 @@ from batchserve.http.plumbing import ascii_count
 from batchserve.jobs.parse import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
 from batchserve.jobs.files import CHUNK_BYTES, StorageFull
-from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, check_expires_after
+from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, expires_s
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import (
     ACTIVE,
@@ -199,10 +199,10 @@ async def create_openai_batch(
     values: dict[str, Any], key: str | None, rt: JobsHost, svc: JobService, caller: Caller
 ) -> Answer | Stream:
     """OpenAI's `POST /v1/batches`: the input file's lines become the job's items (`openai_batch.py`)."""
-    file_id, endpoint, window, metadata = check_batch_request(values, rt.generation is not None)
+    req = check_batch_request(values, rt.generation is not None)
+    file_id, endpoint, window, metadata = req.input_file_id, req.endpoint, req.completion_window, req.metadata
     if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
         raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
-    expires_s = check_expires_after(values.get("output_expires_after"), "output_expires_after")
     store = await svc.open_store()
     meta = await store.get_file(caller.owner, file_id)
     if meta is None or meta.purpose != "batch":
@@ -229,7 +229,7 @@ async def create_openai_batch(
         file_id,
         window,
         metadata,
-        expiry(time.time(), expires_s, rt.settings.batches_expire_days),
+        expiry(time.time(), expires_s(req), rt.settings.batches_expire_days),
     )
 
 

@@ -57,3 +57,25 @@ def test_a_checked_line_runs_with_its_body_as_sent():
     assert line_texts(EMBED, raw.decode()) == ["a", "b"]
     assert line_texts("/v1/inference", line(url="/v1/inference", body={"input": "q"}).decode()) == ["q"]
     assert line_texts(EMBED, line(body={"input": 3}).decode()) == [] and line_texts(EMBED, "{nope") == []
+
+
+def test_the_batch_body_and_expiries_are_converted_to_their_declared_shapes():
+    from batchserve.jobs.openai_batch import check_batch_request, check_expires_after, expires_s
+
+    req = check_batch_request({"input_file_id": "f", "endpoint": EMBED,
+                               "output_expires_after": {"anchor": "created_at", "seconds": 9}}, False)
+    assert (req.input_file_id, req.endpoint, req.completion_window, expires_s(req)) == ("f", EMBED, "24h", 9.0)
+    assert expires_s(check_batch_request({"input_file_id": "f", "endpoint": EMBED}, False)) is None
+    assert check_expires_after({"anchor": "created_at", "seconds": 60}, "expires_after") == 60.0
+    assert check_expires_after(None, "expires_after") is None
+    for given, words in [({"anchor": "last_active_at", "seconds": 5}, "`anchor`: invalid enum value"),
+                         ({"anchor": "created_at", "seconds": True}, "`seconds`: expected `int`, got `bool`"),
+                         ({"anchor": "created_at", "seconds": 2592001}, "`seconds`: expected `int` <= 2592000")]:
+        with pytest.raises(ApiError) as caught:
+            check_expires_after(given, "expires_after")
+        assert caught.value.message.startswith("'expires_after' must be") and words in caught.value.message
+    with pytest.raises(ApiError, match="'output_expires_after' must be .*`output_expires_after.seconds`"):
+        check_batch_request({"input_file_id": "f", "endpoint": EMBED,
+                             "output_expires_after": {"anchor": "created_at", "seconds": 0}}, False)
+    with pytest.raises(ApiError, match="generation engine, which is off"):
+        check_batch_request({"input_file_id": "f", "endpoint": "/v1/chat/completions"}, False)
