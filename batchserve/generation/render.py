@@ -38,11 +38,7 @@ class Answer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
+            **self._head("chat.completion" if self.chat else "text_completion", [choice]),
             "usage": self.usage(completion_tokens),
         }
 
@@ -54,23 +50,18 @@ class Answer:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        return self._head(self._chunk_object, [choice])
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(completion_tokens),
-        }
+        return {**self._head(self._chunk_object, []), "usage": self.usage(completion_tokens)}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _head(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """What every answer and chunk of this response starts with."""
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
 
 def sse(obj: dict[str, Any]) -> bytes:
