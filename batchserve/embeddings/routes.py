@@ -14,18 +14,16 @@ from typing import Protocol
 
 from starlette.routing import Route
 
-from batchserve import errors
 from batchserve.backends import Backend
-from batchserve.config import ModelSpec, Settings
+from batchserve.config import Settings
 from batchserve.core.fairqueue import ItemResult
 from batchserve.core.service import InferenceService
 from batchserve.embeddings.parse import EmbeddingRequest, parse
 from batchserve.embeddings.render import answer
-from batchserve.errors import ApiError
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint
 from batchserve.http.guards import Guard
-from batchserve.http.openai_error import bad, unknown_model
+from batchserve.http.model_choice import EMBEDDING, pick_model
 from batchserve.models import ModelRegistry
 
 log = logging.getLogger("batchserve.embeddings")
@@ -41,46 +39,6 @@ class EmbeddingsHost(Protocol):
     registry: ModelRegistry
     service: InferenceService
     backends: dict[str, Backend]
-
-
-def embedding_models(rt: EmbeddingsHost) -> list[ModelSpec]:
-    """The versions whose backend makes vectors, in the configured order (read by id: `ModelSpec.id` is
-    computed at each use)."""
-    return [
-        spec
-        for model_id, spec in rt.registry.by_id.items()
-        if (b := rt.backends.get(model_id)) is not None and b.output_kind == "embedding"
-    ]
-
-
-def pick_model(rt: EmbeddingsHost, requested: str | None, key_id: str) -> tuple[str, Backend]:
-    """The id of the model version that answers (404, or 400 when it does not embed) and its backend."""
-    if requested is None:
-        served = embedding_models(rt)
-        if not served:
-            raise ApiError(
-                404,
-                "MODEL_NOT_FOUND",
-                "no model serves embeddings here (see GET /v1/models)",
-                param="model",
-                reason="model_not_found",
-            )
-        requested = served[0].name
-    spec = rt.registry.resolve(requested, key_id)
-    if spec is None:
-        raise unknown_model(requested)
-    model_id = spec.id
-    backend = rt.backends.get(model_id)
-    if backend is None:
-        raise errors.warming_up()
-    if backend.output_kind != "embedding":
-        raise bad(
-            "model",
-            f"the model '{model_id}' does not produce embeddings (its outputs are "
-            f"{backend.output_kind}); use POST /v1/inference",
-            "model_not_embedding",
-        )
-    return model_id, backend
 
 
 async def prompt_tokens(backend: Backend, inputs: list[str], counting: asyncio.Future | None) -> int:
@@ -111,7 +69,7 @@ def parse_request(rt: EmbeddingsHost, call: Call, body: bytes) -> Embed:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
     call.inputs = len(req.inputs)
-    model_id, backend = pick_model(rt, req.model, call.who.key_id)
+    model_id, backend = pick_model(rt, EMBEDDING, req.model, call.who.key_id)
     call.model = model_id
     return Embed(req, backend)
 

@@ -16,7 +16,8 @@ import orjson
 
 from batchserve.config import Settings
 from batchserve.generation.engine import Engine, SamplingParams
-from batchserve.generation.wire import Answer, GenRequest, bad, parse
+from batchserve.generation.parse import GenRequest, bad, parse
+from batchserve.generation.render import Answer
 from batchserve.http.openai_error import unknown_model
 
 

@@ -23,7 +23,7 @@ from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
 from batchserve.generation.engine import Delta, Engine, Sequence, enabled
-from batchserve.generation.wire import Answer, sse
+from batchserve.generation.render import Answer, sse
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer as EndpointAnswer
 from batchserve.http.endpoint import Call, Endpoint, Gone, Stream

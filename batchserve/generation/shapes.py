@@ -1,5 +1,5 @@
 """The declared shapes of the generation routes (OpenAI's chat and text completions, `generation/routes.py`):
-the requests `wire.parse` takes, the answers `wire.Answer` renders, and their operations in /openapi.json. Errors
+the requests `parse.parse` takes, the answers `render.Answer` renders, and their operations in /openapi.json. Errors
 in OpenAI's shape, `{"error": {message, type, param, code}}`."""
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from typing import TypeVar
 import msgspec
 
 T = TypeVar("T")
-TOO_DEEP = "the body is not valid JSON in UTF-8: it is nested too deeply"
+NOT_JSON = "the body is not valid JSON in UTF-8"
+TOO_DEEP = f"{NOT_JSON}: it is nested too deeply"
 
 _AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.S)
 _MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
@@ -43,7 +44,7 @@ def decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
     except msgspec.ValidationError as exc:
         raise refusal(str(exc)) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise BodyRefusal(f"the body is not valid JSON in UTF-8: {exc}", not_json=True) from None
+        raise BodyRefusal(f"{NOT_JSON}: {exc}", not_json=True) from None
     except RecursionError:  # msgspec's bound on nesting (as orjson's, which refused past 1024 levels)
         raise BodyRefusal(TOO_DEEP, not_json=True) from None
 

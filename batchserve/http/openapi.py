@@ -53,6 +53,9 @@ ERROR_WHEN: dict[int, str] = {
     504: "the request's deadline passed before it could be answered",
 }
 RETRYABLE = frozenset({429, 503})
+# What every operation may answer whatever it declares: anything unexpected is logged and answered 500
+# INTERNAL_ERROR in the operation's dialect (`http/endpoint.py`, and the router's handler for the plain routes).
+ALWAYS = (500,)
 
 
 # -- declarations ---------------------------------------------------------------------------------------------
@@ -83,10 +86,10 @@ RATE_HEADERS = (
 
 @dataclass(frozen=True)
 class Answer:
-    """One documented answer of an operation: its status (or "default"), and its body's type per media type
+    """One documented answer of an operation: its status, and its body's type per media type
     (JSON unless said; `None`: no body)."""
 
-    status: int | str
+    status: int
     description: str
     shape: Any = None
     media: str = JSON
@@ -116,7 +119,11 @@ class Dialect:
 
 @dataclass(frozen=True)
 class Operation:
-    """One route as the document shows it: what it takes and every answer it gives, errors included."""
+    """One route as the document shows it: what it takes and every answer it gives, errors included. `errors`:
+    every other status the route really answers (the skeleton's: 401 where it identifies, 429 where it takes
+    tokens, 413 where it reads a body; tests/unit/test_app.py checks them against the route's `Endpoint`); 500
+    is added to every operation (`ALWAYS`). There is no `default` answer: a status not declared is a defect,
+    which the property-based run (tests/integration/http/test_schemathesis.py) reports."""
 
     method: str
     path: str
@@ -293,7 +300,7 @@ def _operation_plan(op: Operation, types: _Collector, narrowed: dict[int, type] 
         if a.shape is not None:
             answer["content"] = _content(types, a.media, a.shape, a.also)
         responses[str(a.status)] = answer
-    for status in op.errors:
+    for status in sorted({*op.errors, *ALWAYS}):
         if str(status) in responses:
             continue
         shape = narrowed[status] if narrowed is not None else op.dialect.shape
@@ -303,12 +310,7 @@ def _operation_plan(op: Operation, types: _Collector, narrowed: dict[int, type] 
             err["headers"] = _headers(types, headers)
         err["content"] = _content(types, JSON, shape, ())
         responses[str(status)] = err
-    if "default" not in responses:
-        responses["default"] = {
-            "description": f"any other error, in the {op.dialect.name} error shape",
-            "content": _content(types, JSON, op.dialect.shape, ()),
-        }
-    out["responses"] = responses
+    out["responses"] = responses  # every status it answers, and no `default`: an undeclared status is a defect
     return out
 
 

@@ -1,5 +1,5 @@
 """Running one line of an OpenAI batch input file: the same body the online route would answer, built by the
-same code (the embeddings wing's `body.parse` and `wire.answer`, the inference route's `parse_inference`), with
+same code (the embeddings wing's `parse.parse` and `render.answer`, the inference route's `parse_inference`), with
 each input entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item,
 an input at a time as the job scheduler finds room for it (`LineRun.feed`: a line is priced by the inputs it
 holds, `line_inputs`, and never floods the model's queue; `refill.py`).
@@ -26,9 +26,10 @@ import secrets
 from collections import deque
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import orjson
 
 from batchserve.config import Settings
@@ -182,6 +183,27 @@ def line_inputs(endpoint: str, body: object) -> int:
     return 1
 
 
+Body = TypeVar("Body")
+
+
+class StoredLine(msgspec.Struct, Generic[Body]):
+    """What running a stored line and writing its answer read of it: the line was checked whole
+    (`shapes.BatchInputLine`) when its batch was created, and the members not read here are skipped, not built."""
+
+    custom_id: str
+    body: Body
+
+
+class _Input(msgspec.Struct):
+    """The one member of a line's body `line_texts` reads."""
+
+    input: Any = None
+
+
+RAW_LINE = msgspec.json.Decoder(StoredLine[msgspec.Raw])  # the body left as its JSON, for the route's parse
+_INPUT_LINE = msgspec.json.Decoder(StoredLine[_Input])
+
+
 def line_texts(endpoint: str, line: str) -> list[str]:
     """The input texts a line of `endpoint` will put through the door (an `/v1/embeddings` line's `input`, an
     `/v1/inference` line's), read ahead so the tokenizer stage makes their tokens before they are fed
@@ -189,10 +211,9 @@ def line_texts(endpoint: str, line: str) -> list[str]:
     if endpoint not in RUNNABLE:
         return []
     try:
-        body = orjson.loads(line).get("body")
-    except (orjson.JSONDecodeError, AttributeError):
+        raw = _INPUT_LINE.decode(line).body.input
+    except msgspec.DecodeError:  # ValidationError included
         return []
-    raw = body.get("input") if isinstance(body, dict) else None
     if isinstance(raw, str):
         return [raw]
     if endpoint == EMBEDDINGS and isinstance(raw, list):
@@ -239,7 +260,7 @@ class LineRunner:
         (`window_end`); a generation line waits for capacity until then (default: `deadline_s` from now)."""
         loop = asyncio.get_running_loop()
         request_id = "req_" + secrets.token_hex(8)
-        body = orjson.dumps(orjson.loads(line)["body"])
+        body = bytes(RAW_LINE.decode(line).body)  # the body's own bytes, for the route's parse to decode
         if endpoint in GENERATION:
             until = expires_at if expires_at is not None else self.clock() + deadline_s
             return self._generate(body, endpoint == CHAT, request_id, line, tenant, until)

@@ -3,8 +3,9 @@ back as OpenAI's batch object and its output and error files.
 
 An input file is JSONL, one request per line: `{"custom_id", "method": "POST", "url", "body"}`. It is checked
 whole when the batch is created, in one streaming pass over its stored chunks, each chunk parsed on a worker
-thread (`InputCheck`): a line that is not such an object, a repeated custom_id, a url other than the batch's
-endpoint, a body nested deeper than the line runner can encode: 400 naming the line, and no job is stored.
+thread (`InputCheck`), each line decoded into its declared shape (`shapes.BatchInputLine`): a line that is not
+such an object, a repeated custom_id, a url other than the batch's endpoint, a body nested deeper than 254
+levels: 400 naming the line and the member, and no job is stored.
 Each non-blank line then becomes one job item as it is (the store copies them chunk by chunk, `NewJob.source_file`);
 what is in the body is checked when the line runs, by the online route's own parser, so a bad body becomes that
 line's 400 in the error file, as OpenAI does.
@@ -25,16 +26,15 @@ import msgspec
 import orjson
 
 from batchserve import errors
-from batchserve.http.decoding import refusal
+from batchserve.http.decoding import NOT_JSON, BodyRefusal, decode, refusal
 from batchserve.jobs import shapes
 from batchserve.jobs.files import LineSplitter, LineTooLong
-from batchserve.jobs.lines import GENERATION, RUNNABLE, line_inputs
+from batchserve.jobs.lines import GENERATION, RAW_LINE, RUNNABLE, line_inputs
+from batchserve.jobs.shapes import MAX_CUSTOM_ID, MAX_EXPIRY_S
 from batchserve.jobs.store import ERRORS, OUTPUT, ItemRow, Job
 
 ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/inference")
 COMPLETION_WINDOWS = ("24h",)
-MAX_CUSTOM_ID = 512
-MAX_EXPIRES_S = 30 * 24 * 3600  # OpenAI's longest expires_after (30 days)
 STATUS = {
     "queued": "in_progress",
     "running": "in_progress",
@@ -98,29 +98,23 @@ class InputCheck:
                 f"{self.max_inputs} inputs (--jobs-max-items)"
             )
         try:
-            line = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise errors.invalid(f"line {n} of the input file is not JSON: {errors.short(str(exc))}") from None
-        if not isinstance(line, dict):
-            raise errors.invalid(f"line {n} of the input file must be a JSON object")
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
-            raise errors.invalid(f"line {n}: 'custom_id' must be a string of 1 to {MAX_CUSTOM_ID} characters")
+            line = decode(_LINE, raw)
+        except BodyRefusal as r:
+            raise line_refused(r, n, self.endpoint) from None
+        custom_id = line.custom_id
         if custom_id in self._seen:
             raise errors.invalid(f"line {n}: the custom_id {errors.short(custom_id)!r} appears twice")
         self._seen.add(custom_id)
-        if line.get("method", "POST") != "POST":
-            raise errors.invalid(f"line {n}: 'method' must be POST")
-        if line.get("url") != self.endpoint:
+        if line.url != self.endpoint:
             raise errors.invalid(
-                f"line {n}: 'url' is {errors.short(line.get('url'))!r}, but the batch's "
+                f"line {n}: 'url' is {errors.short(line.url)!r}, but the batch's "
                 f"endpoint is {self.endpoint}; every line must name it"
             )
-        body = line.get("body")
-        if not isinstance(body, dict):
-            raise errors.invalid(f"line {n}: 'body' must be a JSON object")
+        body = line.body
         try:
-            orjson.dumps(body)  # what the line runner does with it: JSON nested past orjson's limit cannot run
+            # A bound on what a line may hold, said before anything is stored: orjson's 254 levels (the line
+            # runner once encoded bodies again with it; it now hands the route the body's own bytes).
+            orjson.dumps(body)
         except TypeError:
             raise errors.invalid(f"line {n}: 'body' is nested too deeply (JSON deeper than 254 levels)") from None
         self.inputs += line_inputs(self.endpoint, body)
@@ -134,16 +128,46 @@ class InputCheck:
         self.models.add(model if isinstance(model, str) and model else None)
 
 
+_LINE = msgspec.json.Decoder(shapes.BatchInputLine[dict[str, Any]])
+_LINE_EXPLAINED = {  # what each member of a line must be, said before msgspec's words on what it was
+    "custom_id": f"'custom_id' must be a string of 1 to {MAX_CUSTOM_ID} characters",
+    "method": "'method' must be POST",
+    "body": "'body' must be a JSON object",
+}
+
+
+def line_refused(r: BodyRefusal, n: int, endpoint: str) -> errors.ApiError:
+    """The 400 for line `n` of an input file that is not a `shapes.BatchInputLine`, naming the line and the member."""
+    if r.not_json:
+        why = r.message.removeprefix(NOT_JSON).lstrip(": ")
+        return errors.invalid(f"line {n} of the input file is not JSON in UTF-8: {errors.short(why)}")
+    if r.field is None:
+        return errors.invalid(f"line {n} of the input file must be a JSON object")
+    explained = _LINE_EXPLAINED.get(r.field, "")
+    if r.field == "url":
+        explained = f"'url' must be the batch's endpoint, {endpoint}"
+    return errors.invalid(f"line {n}: {explained} ({r.message})" if explained else f"line {n}: {r.message}")
+
+
+EXPIRES_AFTER = f'{{"anchor": "created_at", "seconds": 1 to {MAX_EXPIRY_S} (30 days)}}'
+
+
 def check_expires_after(value: object, name: str) -> float | None:
-    """Seconds from `expires_after` in OpenAI's shape (`{"anchor": "created_at", "seconds": N}`); None: absent."""
+    """Seconds from an `expires_after` in OpenAI's shape, converted to the declared `shapes.ExpiresAfter` (the
+    upload's form fields, gathered); None: absent."""
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("anchor") != "created_at":
-        raise errors.invalid(f'\'{name}\' must be {{"anchor": "created_at", "seconds": N}}')
-    seconds = value.get("seconds")
-    if isinstance(seconds, bool) or not isinstance(seconds, int) or not 1 <= seconds <= MAX_EXPIRES_S:
-        raise errors.invalid(f"'{name}.seconds' must be an integer from 1 to {MAX_EXPIRES_S} (30 days)")
-    return float(seconds)
+    try:
+        given = msgspec.convert(value, shapes.ExpiresAfter)
+    except msgspec.ValidationError as exc:
+        raise errors.invalid(f"'{name}' must be {EXPIRES_AFTER} ({refusal(str(exc)).message})") from None
+    return float(given.seconds)
+
+
+def expires_s(req: shapes.OpenAIBatchRequest) -> float | None:
+    """Seconds a batch's output is kept, from its `output_expires_after` (None: the server's default)."""
+    given = req.output_expires_after
+    return None if given is msgspec.UNSET else float(given.seconds)
 
 
 _EXPLAINED = {  # what each member must be, said before msgspec's words on what it was
@@ -151,15 +175,13 @@ _EXPLAINED = {  # what each member must be, said before msgspec's words on what 
     "endpoint": f"'endpoint' must be one of {', '.join(ENDPOINTS)}",
     "completion_window": f"'completion_window' must be one of {', '.join(COMPLETION_WINDOWS)}",
     "metadata": "'metadata' must be an object of strings",
-    "output_expires_after": "'output_expires_after' must be "
-    f'{{"anchor": "created_at", "seconds": 1 to {MAX_EXPIRES_S}}}',
+    "output_expires_after": f"'output_expires_after' must be {EXPIRES_AFTER}",
 }
 
 
-def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, str, str, dict | None]:
-    """(input_file_id, endpoint, completion_window, metadata) of a `POST /v1/batches` in OpenAI's shape: the
-    streamed body's top-level values (`parse.JobBody.values`) converted to the declared
-    `shapes.OpenAIBatchRequest` (`output_expires_after` is read by `check_expires_after`).
+def check_batch_request(values: dict[str, Any], generating: bool) -> shapes.OpenAIBatchRequest:
+    """A `POST /v1/batches` in OpenAI's shape: the streamed body's top-level values (`parse.JobBody.values`)
+    converted to the declared `shapes.OpenAIBatchRequest`, each refusal naming the member.
     `generating`: the generation engine is on here, so chat and completions lines can run."""
     try:
         req = msgspec.convert(values, shapes.OpenAIBatchRequest)
@@ -172,7 +194,7 @@ def check_batch_request(values: dict[str, Any], generating: bool) -> tuple[str, 
             f"batches for {req.endpoint} run on the generation engine, which is off on this server "
             f"(start it with --backend smollm2 or --generation on); batch {' or '.join(RUNNABLE)}"
         )
-    return req.input_file_id, req.endpoint, req.completion_window, req.metadata
+    return req
 
 
 def output_file_id(job_id: str, kind: str) -> str:
@@ -235,7 +257,7 @@ def file_line(job_id: str, row: ItemRow, kind: str, response: str | None = None)
     if row.status == "pending" or (row.status == "completed") != (kind == OUTPUT):
         return None
     assert row.input is not None
-    custom_id = orjson.loads(row.input)["custom_id"]
+    custom_id = RAW_LINE.decode(row.input).custom_id  # its body skipped, not built
     line: dict[str, Any] = {
         "id": f"batch_req_{job_id.removeprefix('batch_')}_{row.index}",
         "custom_id": custom_id,

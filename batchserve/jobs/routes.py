@@ -31,11 +31,12 @@ from batchserve.generation.engine import Engine
 from batchserve.http.dialects import NATIVE_ANY_KEY
 from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Stream, json_answer
 from batchserve.http.guards import Guard
+from batchserve.http.model_choice import EMBEDDING, pick_model
 from batchserve.http.plumbing import ascii_count
 from batchserve.jobs.parse import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
 from batchserve.jobs.files import CHUNK_BYTES, StorageFull
-from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, check_expires_after
+from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, expires_s
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import (
     ACTIVE,
@@ -198,10 +199,10 @@ async def create_openai_batch(
     values: dict[str, Any], key: str | None, rt: JobsHost, svc: JobService, caller: Caller
 ) -> Answer | Stream:
     """OpenAI's `POST /v1/batches`: the input file's lines become the job's items (`openai_batch.py`)."""
-    file_id, endpoint, window, metadata = check_batch_request(values, rt.generation is not None)
+    req = check_batch_request(values, rt.generation is not None)
+    file_id, endpoint, window, metadata = req.input_file_id, req.endpoint, req.completion_window, req.metadata
     if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
         raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
-    expires_s = check_expires_after(values.get("output_expires_after"), "output_expires_after")
     store = await svc.open_store()
     meta = await store.get_file(caller.owner, file_id)
     if meta is None or meta.purpose != "batch":
@@ -228,25 +229,25 @@ async def create_openai_batch(
         file_id,
         window,
         metadata,
-        expiry(time.time(), expires_s, rt.settings.batches_expire_days),
+        expiry(time.time(), expires_s(req), rt.settings.batches_expire_days),
     )
 
 
 def batch_model(rt: JobsHost, endpoint: str, requested: str | None, caller: Caller) -> str:
     """The model an OpenAI batch runs on: the generation model for chat and completions lines, else the one its
-    lines name (or the first embedder for an embeddings batch that names none), refused as the route would."""
+    lines name, or for an embeddings batch that names none the first embedder: picked and refused as the online
+    route does (`http/model_choice.pick_model`)."""
+    sticky = caller.key_id or caller.tenant
     if endpoint in GENERATION:
         assert rt.generation is not None  # checked by check_batch_request
         if requested is not None and requested not in model_aliases(rt.settings, rt.generation):
             raise errors.model_not_found(requested)
         return rt.generation.cfg.model_id
-    spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
-    if spec is None and requested is None and endpoint == EMBEDDINGS:
-        spec = next((s for s in rt.registry.specs if output_kind(rt, s.id) == "embedding"), None)
+    if endpoint == EMBEDDINGS:
+        return pick_model(rt, EMBEDDING, requested, sticky)[0]
+    spec = rt.registry.resolve(requested, sticky)
     if spec is None:
         raise errors.model_not_found(requested)
-    if endpoint == EMBEDDINGS and output_kind(rt, spec.id) != "embedding":
-        raise errors.invalid(f"the model {spec.id!r} does not produce embeddings; batch it on /v1/inference")
     return spec.id
 
 
@@ -294,11 +295,6 @@ async def store_openai_batch(
     except FileGone:
         raise file_missing(file_id) from None
     return accepted(svc, job, created)
-
-
-def output_kind(rt: JobsHost, model_id: str) -> str | None:
-    backend = rt.backends.get(model_id)
-    return backend.output_kind if backend is not None else None
 
 
 # -- reads and cancel ----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ parser accepts; OpenAI's batch body is converted from the streamed values into `
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
@@ -15,6 +15,8 @@ from batchserve.http.shapes import NATIVE, NonNegative
 
 Epoch = Annotated[float, Meta(description="seconds since the epoch")]
 MAX_EXPIRY_S = 2592000
+MAX_CUSTOM_ID = 512
+Body = TypeVar("Body")
 
 
 class BatchRequest(Struct):
@@ -52,6 +54,18 @@ class OpenAIBatchRequest(Struct):
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = None
     output_expires_after: ExpiresAfter | UnsetType = UNSET
+
+
+class BatchInputLine(Struct, Generic[Body]):
+    """One line of an OpenAI batch input file (JSONL), decoded line by line. `Body`: what the reader needs of
+    the body: the whole object when the file is checked (`openai_batch.InputCheck`: the models named, the inputs
+    counted), or its raw JSON when the line runs (`lines.LineRunner`), where the target route's own parse decodes
+    it (so a bad body is that line's 400 in the error file, as OpenAI does)."""
+
+    custom_id: Annotated[str, Meta(min_length=1, max_length=MAX_CUSTOM_ID)]
+    url: Annotated[str, Meta(description="the batch's endpoint, on every line")]
+    body: Body
+    method: Literal["POST"] = "POST"
 
 
 class BatchJob(Struct):
@@ -182,6 +196,8 @@ ALSO_DOCUMENTED = (BatchJob, OpenAIBatch, BatchRequest, OpenAIBatchRequest)  # n
 _BATCH_ID = Param("batch_id", "path")
 _FILE_ID = Param("file_id", "path")
 _LIMIT = Param("limit", "query", Annotated[int, Meta(ge=1, le=100)], "at most this many (default 20)")
+# Every job and file route: 401 and 429 (the skeleton), 404 with --jobs-db empty (jobs off) or an unknown id,
+# 503 while the store opens or when it fails (JOBS_UNAVAILABLE).
 _JOB_ERRORS = (401, 404, 429, 503)
 
 
@@ -200,7 +216,7 @@ OPERATIONS = (
         request=Annotated[
             Any, one_of(BatchRequest, OpenAIBatchRequest), Meta(examples=[{"inputs": ["a", "b"], "model": "sim"}])
         ],
-        errors=(400, 401, 404, 409, 413, 429, 503),
+        errors=(400, 409, 413, *_JOB_ERRORS),
         params=(
             Param(
                 "Idempotency-Key",
@@ -217,7 +233,7 @@ OPERATIONS = (
         "listBatches",
         "The caller's jobs, newest first",
         Answer(200, "the caller's jobs", BatchJobList),
-        errors=(400, 401, 429, 503),
+        errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query", str, "a job id: list the jobs older than it")),
     ),
     _op(
@@ -235,7 +251,7 @@ OPERATIONS = (
         "deleteBatch",
         "Delete a finished job with its items and output and error files (frees its bytes)",
         Answer(200, "deleted", BatchDeleted),
-        errors=(401, 404, 409, 429, 503),
+        errors=(409, *_JOB_ERRORS),
         params=(_BATCH_ID,),
     ),
     _op(
@@ -264,7 +280,7 @@ OPERATIONS = (
         Answer(200, "the stored file", File),
         request=FileUpload,
         request_media="multipart/form-data",
-        errors=(400, 401, 409, 413, 429, 503),
+        errors=(400, 409, 413, *_JOB_ERRORS),
     ),
     _op(
         "GET",
@@ -272,7 +288,7 @@ OPERATIONS = (
         "listFiles",
         "The caller's uploaded files, newest first",
         Answer(200, "the caller's files", FileList),
-        errors=(400, 401, 429, 503),
+        errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query"), Param("purpose", "query")),
     ),
     _op(

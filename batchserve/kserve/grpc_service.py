@@ -1,10 +1,10 @@
 """KServe Open Inference Protocol v2 over gRPC (`--grpc-port`): the service Triton's gRPC clients call.
 
-The same model view as the HTTP v2 routes (`wire.py`: one BYTES input `input`, one output `output`, BYTES or
-FP32) and the same request path: identify the caller (the `authorization` metadata), one rate-limit token per
-element, every element through the door (`InferenceService.infer_many`) as its own item, so gRPC callers share
-batches with every HTTP route, and each answer counted by the guard. The messages come from
-`grpc_inference.proto`, loaded at start (grpcio-tools), never generated into the tree.
+The same model view as the HTTP v2 routes (`parse.py`, `render.py`: one BYTES input `input`, one output `output`,
+BYTES or FP32) and the same request path: identify the caller (the `authorization` metadata), one rate-limit token
+per element, every element through the door (`InferenceService.infer_many`) as its own item, so gRPC callers share
+batches with every HTTP route, and each answer counted by the guard. The messages come from `grpc_inference.proto`,
+loaded at start (grpcio-tools), never generated into the tree.
 
 Refusals are gRPC status codes (400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 413
 INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 5xx INTERNAL) with the message
@@ -13,11 +13,8 @@ as details and, where retrying later helps, `retry-after-ms` in the trailing met
 
 from __future__ import annotations
 
-import array
 import logging
 import math
-import struct
-import sys
 import time
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
@@ -32,7 +29,10 @@ from batchserve.errors import ApiError, ClientGone
 from batchserve.http.plumbing import request_id_from
 from batchserve.http.endpoint import costs_of
 from batchserve.http.guards import Guard
-from batchserve.kserve.wire import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME, bad, model_metadata
+from batchserve.kserve import render
+from batchserve.kserve.parse import bad, bytes_elements
+from batchserve.kserve.render import model_metadata
+from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME
 from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
@@ -121,24 +121,6 @@ def find_model(rt: GrpcHost, name: str, version: str) -> ModelSpec:
     return spec
 
 
-def bytes_elements(raw: bytes, count: int) -> list[bytes]:
-    """BYTES as raw contents: each element a 4-byte little-endian length, then its bytes."""
-    out: list[bytes] = []
-    at = 0
-    while at < len(raw):
-        if at + 4 > len(raw):
-            raise bad("raw BYTES contents end inside an element's length prefix")
-        (n,) = struct.unpack_from("<I", raw, at)
-        at += 4
-        if at + n > len(raw):
-            raise bad("raw BYTES contents end inside an element")
-        out.append(raw[at : at + n])
-        at += n
-    if len(out) != count:
-        raise bad(f"the raw contents hold {len(out)} element(s), the shape says {count}")
-    return out
-
-
 def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[int], float | None]:
     """The request's strings (row-major), its shape, and its `timeout` parameter in microseconds (or None)."""
     inputs = req.inputs
@@ -159,7 +141,7 @@ def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[in
     if raw_contents:
         if len(raw_contents) != 1 or tensor.contents.bytes_contents:
             raise bad("give the input either as raw_input_contents (one entry) or as contents, not both")
-        elements = bytes_elements(raw_contents[0], count)
+        elements = bytes_elements(raw_contents[0], count, "raw_input_contents[0]")
     else:
         elements = list(tensor.contents.bytes_contents)
         if len(elements) != count:
@@ -186,21 +168,10 @@ def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[in
 
 
 def output_tensor(outputs: Sequence[object], shape: list[int], kind: str) -> tuple[str, list[int], bytes]:
-    """(datatype, shape, raw contents) of the answer: FP32 `[*shape, dim]` for embeddings, BYTES otherwise."""
-    if kind == "embedding":
-        vectors = [v for v in outputs if isinstance(v, list)]
-        dims = {len(v) for v in vectors}
-        if len(vectors) != len(outputs) or len(dims) != 1:
-            raise ApiError(500, "INFERENCE_FAILED", "the model's vectors do not share one length")
-        dim = dims.pop()
-        packed = array.array("f", [float(x) for v in vectors for x in v])
-        if sys.byteorder != "little":
-            packed.byteswap()
-        return "FP32", [*shape, dim], packed.tobytes()
-    import orjson  # the JSON text of a plugin's non-string outputs, as the HTTP route sends them
-
-    encoded = [(o if isinstance(o, str) else orjson.dumps(o).decode()).encode() for o in outputs]
-    return "BYTES", shape, b"".join(struct.pack("<I", len(b)) + b for b in encoded)
+    """(datatype, shape, raw contents) of the answer: the HTTP route's tensor (`render.output_tensor`: FP32
+    `[*shape, dim]` for embeddings, BYTES otherwise), packed as its binary extension packs it."""
+    tensor, flat = render.output_tensor(list(outputs), shape, kind)
+    return tensor["datatype"], tensor["shape"], render.to_binary(tensor["datatype"], flat)
 
 
 class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[name-defined]

@@ -2,7 +2,7 @@
 
 Every route is a declaration on the one request path (`http/endpoint.py`), in the KServe dialect (errors are
 v2's `{"error": message}`, with X-Request-ID and, where retrying later helps, Retry-After). `infer`: the skeleton
-identifies the caller and reads the body (bounded) → `parse_request`: the v2 tensor (`wire.py`), the model by name
+identifies the caller and reads the body (bounded) → `parse_request`: the v2 tensor (`parse.py`), the model by name
 (and version) → (one rate-limit token per element) → each element through the door as its own item, so v2 clients
 share batches with every other route → the output tensor, JSON or binary as asked. It is served ahead of
 Starlette's router (`app.FastPath`), as `/v1/inference` is: the same load through v2 should cost the server about
@@ -28,7 +28,9 @@ from batchserve.errors import ApiError
 from batchserve.http.dialects import KSERVE
 from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint, public
 from batchserve.http.guards import Guard
-from batchserve.kserve.wire import EXTENSIONS, HEADER_LENGTH, InferRequest, infer_answer, model_metadata, parse_infer
+from batchserve.kserve.parse import InferRequest, parse_infer
+from batchserve.kserve.render import infer_answer, model_metadata
+from batchserve.kserve.shapes import EXTENSIONS, HEADER_LENGTH
 from batchserve.models import ModelRegistry
 
 
@@ -136,7 +138,7 @@ class Infer:
 
 
 def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
-    """The v2 tensor (`wire.py`) → the model by the path's name (and version) → its timeout."""
+    """The v2 tensor (`parse.py`) → the model by the path's name (and version) → its timeout."""
     s = rt.settings
     scope = call.scope
     params = scope.get("path_params") or infer_path_params(scope["path"]) or {}

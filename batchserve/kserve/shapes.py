@@ -1,7 +1,7 @@
 """The declared shapes of KServe's v2 routes (`kserve/routes.py`): the infer request's JSON header, which
-`wire.parse_infer` decodes into `V2InferRequest` (with the binary extension raw tensor bytes follow it, checked by
-hand), the answers `routes.py` and `wire.py` write, v2's error `{"error": message}`, and their operations in
-/openapi.json."""
+`parse.parse_infer` decodes into `V2InferRequest` (with the binary extension raw tensor bytes follow it, sliced by
+hand: they are not JSON), the answers `routes.py` and `render.py` write, v2's error `{"error": message}`, and
+their operations in /openapi.json."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ from batchserve.http.openapi import Answer, Dialect, Operation, Param
 
 MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
 MAX_DIMS = 8
+INPUT_NAME = "input"  # a batchserve model's one input (BYTES) and one output, as v2 clients see them
+OUTPUT_NAME = "output"
+HEADER_LENGTH = "inference-header-content-length"  # the binary extension's JSON header length, in and out
+EXTENSIONS = ["binary_tensor_data"]
 
 
 class V2Error(Struct):

@@ -11,22 +11,18 @@ from typing import Protocol
 
 from starlette.routing import Route
 
-from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.backends.hf import pair_input
-from batchserve.config import ModelSpec, Settings
+from batchserve.config import Settings
 from batchserve.core.fairqueue import ItemResult
 from batchserve.core.service import InferenceService
-from batchserve.errors import ApiError
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint
 from batchserve.http.guards import Guard
-from batchserve.http.openai_error import bad, unknown_model
+from batchserve.http.model_choice import RERANKING, pick_model
 from batchserve.models import ModelRegistry
 from batchserve.rerank.parse import RerankRequest, parse
 from batchserve.rerank.render import answer
-
-RERANKING = "reranking"
 
 
 class RerankHost(Protocol):
@@ -37,34 +33,6 @@ class RerankHost(Protocol):
     registry: ModelRegistry
     service: InferenceService
     backends: dict[str, Backend]
-
-
-def reranking_models(rt: RerankHost) -> list[ModelSpec]:
-    return [spec for spec in rt.registry.by_id.values() if spec.task == RERANKING]
-
-
-def pick_model(rt: RerankHost, requested: str | None, key_id: str) -> tuple[str, Backend]:
-    """The id of the model version that answers (404, or 400 when it does not rerank) and its backend."""
-    if requested is None:
-        served = reranking_models(rt)
-        if not served:
-            raise ApiError(
-                404,
-                "MODEL_NOT_FOUND",
-                "no model serves reranking here (serve a cross-encoder folder with --model; see GET /v1/models)",
-                param="model",
-                reason="model_not_found",
-            )
-        requested = served[0].name
-    spec = rt.registry.resolve(requested, key_id)
-    if spec is None:
-        raise unknown_model(requested)
-    if spec.task != RERANKING:
-        raise bad("model", f"the model '{spec.id}' does not rerank (a cross-encoder folder does)", "model_not_reranker")
-    backend = rt.backends.get(spec.id)
-    if backend is None:
-        raise errors.warming_up()
-    return spec.id, backend
 
 
 @dataclass(slots=True)
@@ -79,7 +47,7 @@ class Rerank:
 def parse_request(rt: RerankHost, call: Call, body: bytes) -> Rerank:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
-    model_id, backend = pick_model(rt, req.model, call.who.key_id)
+    model_id, backend = pick_model(rt, RERANKING, req.model, call.who.key_id)
     call.model = model_id
     pairs = [pair_input(req.query, doc) for doc in req.documents]
     call.inputs = max(1, len(pairs))

@@ -165,7 +165,7 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
 
     from batchserve import errors
     from batchserve.generation.engine import Delta
-    from batchserve.generation.wire import Answer
+    from batchserve.generation.render import Answer
     from batchserve.generation.serving import stream_events
 
     async def events(deltas: list[Delta], later: list[Delta]) -> list[dict]:

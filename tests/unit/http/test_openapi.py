@@ -89,3 +89,56 @@ def test_the_usage_shape_counts_every_outcome_of_the_ledger():
     from batchserve.http.shapes import ByOutcome
 
     assert tuple(f.name for f in msgspec.structs.fields(ByOutcome)) == OUTCOMES
+
+
+def skeleton_statuses(endpoint: object) -> set[int]:
+    """What the one request path answers on a route by its declaration alone (`http/endpoint.Endpoint`): 401
+    where it identifies callers or asks the metrics key, 429 where it takes rate tokens, 400 and 413 where it
+    reads and parses a body."""
+    from batchserve.http.endpoint import Endpoint
+
+    assert isinstance(endpoint, Endpoint)
+    out = {401} if endpoint.identify or endpoint.ops_key else set()
+    if endpoint.identify and endpoint.rate:
+        out.add(429)
+    if endpoint.body:
+        out |= {400, 413}
+    return out
+
+
+def test_every_operation_declares_what_the_skeleton_answers_on_its_route_and_no_default():
+    """The document lists each operation's statuses and no `default` (so the property-based run's status check
+    means something): at least every status the route's `Endpoint` can answer, 500 on every one."""
+    from starlette.routing import Route
+
+    from batchserve.app import WINGS, openapi_document
+    from batchserve.http.endpoint import Endpoint
+
+    paths = openapi_document()["paths"]
+    checked = 0
+    for routes, _ in WINGS:
+        for route in routes:
+            assert isinstance(route, Route)
+            for method in route.methods or ():
+                if method == "HEAD":
+                    continue
+                responses = paths[route.path][method.lower()]["responses"]
+                assert "default" not in responses and "500" in responses, (method, route.path)
+                if isinstance(route.endpoint, Endpoint):
+                    missing = skeleton_statuses(route.endpoint) - {int(s) for s in responses}
+                    assert not missing, f"{method} {route.path} answers {sorted(missing)} undeclared"
+                    checked += 1
+    assert checked >= 30, checked
+
+
+def test_the_skeleton_statuses_read_the_declaration():
+    from batchserve.http.dialects import NATIVE
+    from batchserve.http.endpoint import Endpoint, no_body, operational, public
+
+    async def handle(rt, call, req):  # noqa: ANN001, ANN202
+        return None
+
+    assert skeleton_statuses(public(NATIVE, handle, no_body)) == set()
+    assert skeleton_statuses(operational(NATIVE, handle, no_body)) == {401}
+    assert skeleton_statuses(Endpoint(NATIVE, no_body, handle, no_body)) == {400, 401, 413, 429}
+    assert skeleton_statuses(Endpoint(NATIVE, no_body, handle, no_body, rate=False, body=False)) == {401}

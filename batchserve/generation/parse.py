@@ -1,6 +1,6 @@
-"""The OpenAI request and answer shapes of the generation routes: a body decoded into its declared shape
-(`shapes.py`) and checked (400 with the offending `param`), and the JSON / SSE answers. Errors are `ApiError`s,
-in OpenAI's shape by `http/dialects.py`."""
+"""The body of `POST /v1/chat/completions` and `/v1/completions`, decoded into its declared shape (`shapes.py`)
+and checked: 400 in OpenAI's shape naming the offending `param`. Shared by the routes and by OpenAI batch lines
+(`generation/complete.py`). What the answer looks like is `render.py`'s."""
 
 from __future__ import annotations
 
@@ -9,18 +9,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import orjson
 
-from batchserve.generation import shapes
 from batchserve.errors import ApiError
+from batchserve.generation import shapes
 from batchserve.generation.engine import SamplingParams
 from batchserve.http.decoding import BodyRefusal, decode
-from batchserve.http.openai_error import JSON, bad
+from batchserve.http.openai_error import bad
 
-__all__ = ["JSON", "bad", "parse", "Answer", "sse"]
+__all__ = ["bad", "GenRequest", "parse"]
 
 
-# -- parsing ------------------------------------------------------------------------------------------------
 @dataclass
 class GenRequest:
     model: str | None  # optional: the one generation model served here (curl users leave it out)
@@ -114,71 +112,3 @@ def parse(
 def _text(content: str | list[shapes.ContentPart]) -> str:
     """Message content: a string, or a list of text parts."""
     return content if isinstance(content, str) else "".join(part.text for part in content)
-
-
-# -- answers ------------------------------------------------------------------------------------------------
-@dataclass
-class Answer:
-    """The fixed parts of one response, and how a chunk of text is shaped for this endpoint."""
-
-    chat: bool
-    id: str
-    model: str
-    created: int
-    prompt_tokens: int
-
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
-        }
-
-    def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict[str, Any]:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(completion_tokens),
-        }
-
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-
-    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(completion_tokens),
-        }
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"

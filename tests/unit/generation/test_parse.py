@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from batchserve.errors import ApiError
-from batchserve.generation.wire import parse
+from batchserve.generation.parse import parse
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,39 +1,28 @@
-"""KServe's Open Inference Protocol v2 (the REST flavour Triton's clients speak): the shapes in and out, and
-the binary tensor data extension, with no HTTP and no server state here.
-
-A batchserve model looks to a v2 client like a model with one BYTES input named `input` (any shape: every
-element is one string, one item on the batcher) and one output named `output`: BYTES for text and JSON
-outputs (a JSON output that is not a string is sent as its JSON text), FP32 `[*input shape, dim]` for
-embedding models. Inputs and outputs may be JSON (`data`) or binary (`parameters.binary_data_size`, the body
-holding a JSON header of `Inference-Header-Content-Length` bytes followed by the raw tensors): tritonclient and
-perf_analyzer send binary by default.
+"""The body of a KServe v2 `infer` (the REST flavour Triton's clients speak) → the request's strings and how to
+answer: the JSON header decoded into its declared shape (`shapes.V2InferRequest`), then what types cannot say (the
+data against the shape). With the binary tensor data extension the body is the JSON header
+(`Inference-Header-Content-Length` bytes) followed by the raw tensor: that tail is not JSON, so it is sliced by
+hand here (each BYTES element a 4-byte little-endian length, then its bytes) and checked against the header's
+`binary_data_size`. No HTTP and no server state here; the answer is `render.py`'s.
 """
 
 from __future__ import annotations
 
-import array
 import math
 import re
 import struct
-import sys
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgspec
-import orjson
 
 from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.http.decoding import BodyRefusal, decode
 from batchserve.kserve import shapes
-from batchserve.kserve.shapes import MAX_DIMS
-from batchserve.kserve.shapes import MAX_ELEMENTS as MAX_ELEMENTS  # re-exported: grpc_service reads it here
+from batchserve.kserve.shapes import INPUT_NAME, MAX_DIMS, MAX_ELEMENTS, OUTPUT_NAME
 
-INPUT_NAME = "input"
-OUTPUT_NAME = "output"
-HEADER_LENGTH = "inference-header-content-length"
 MAX_LENGTH_DIGITS = 19  # of Inference-Header-Content-Length: more than any body holds
-EXTENSIONS = ["binary_tensor_data"]
 
 
 def bad(message: str) -> ApiError:
@@ -96,21 +85,22 @@ def _elements(data: object, shape: list[int]) -> list[object]:
     return out
 
 
-def _bytes_elements(raw: bytes, count: int) -> list[bytes]:
-    """BYTES in the binary extension: each element a 4-byte little-endian length, then its bytes."""
+def bytes_elements(raw: bytes, count: int, what: str = "the binary BYTES data") -> list[bytes]:
+    """BYTES packed as v2 packs them (the HTTP binary extension's tail, gRPC's raw contents): each element a
+    4-byte little-endian length, then its bytes. `what`: the refusals' name for `raw`."""
     out: list[bytes] = []
     at = 0
     while at < len(raw):
         if at + 4 > len(raw):
-            raise bad("binary BYTES data ends inside an element's length prefix")
+            raise bad(f"{what} ends inside an element's length prefix")
         (n,) = struct.unpack_from("<I", raw, at)
         at += 4
         if at + n > len(raw):
-            raise bad("binary BYTES data ends inside an element")
+            raise bad(f"{what} ends inside an element")
         out.append(raw[at : at + n])
         at += n
     if len(out) != count:
-        raise bad(f"the binary data holds {len(out)} element(s), the shape says {count}")
+        raise bad(f"{what} holds {len(out)} element(s), the shape says {count}")
     return out
 
 
@@ -153,7 +143,7 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
         if binary_size != len(tail):
             raise bad(f"'binary_data_size' must equal the {len(tail)} bytes after the JSON header")
         try:
-            texts = [b.decode() for b in _bytes_elements(tail, count)]
+            texts = [b.decode() for b in bytes_elements(tail, count)]
         except UnicodeDecodeError:
             raise bad("a BYTES element is not valid UTF-8") from None
     else:
@@ -175,56 +165,3 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
     timeout = params.timeout if params is not None else None
     given = msgspec.structs.asdict(params) if params is not None else {}
     return InferRequest(req.id, texts, shape, binary_output, timeout, {k: v for k, v in given.items() if v is not None})
-
-
-def output_tensor(outputs: list[object], shape: list[int], kind: str) -> tuple[dict[str, Any], list[float] | list[str]]:
-    """The output tensor's descriptor and its data, flat: FP32 for embeddings, BYTES otherwise. Raises
-    ApiError(500) when the vectors of an embedding model do not share one length."""
-    if kind == "embedding":
-        vectors = [v for v in outputs if isinstance(v, list)]
-        dims = {len(v) for v in vectors}
-        if len(vectors) != len(outputs) or len(dims) != 1:
-            raise ApiError(500, "INFERENCE_FAILED", "the model's vectors do not share one length")
-        dim = dims.pop()
-        flat = [float(x) for v in vectors for x in v]
-        return {"name": OUTPUT_NAME, "datatype": "FP32", "shape": [*shape, dim]}, flat
-    texts = [o if isinstance(o, str) else orjson.dumps(o).decode() for o in outputs]
-    return {"name": OUTPUT_NAME, "datatype": "BYTES", "shape": shape}, texts
-
-
-def to_binary(datatype: str, flat: list[float] | list[str]) -> bytes:
-    if datatype == "FP32":  # output_tensor's floats
-        packed = array.array("f", cast("list[float]", flat))
-        if sys.byteorder != "little":
-            packed.byteswap()
-        return packed.tobytes()
-    encoded = [str(s).encode() for s in flat]
-    return b"".join(struct.pack("<I", len(b)) + b for b in encoded)
-
-
-def infer_answer(
-    req: InferRequest, model_name: str, model_version: str, outputs: list[object], kind: str
-) -> tuple[bytes, int | None]:
-    """The response body, and the JSON header's length when the tensor follows in binary (else None)."""
-    tensor, flat = output_tensor(outputs, req.shape, kind)
-    answer: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": [tensor]}
-    if req.id is not None:
-        answer["id"] = req.id
-    if not req.binary_output:
-        tensor["data"] = flat
-        return orjson.dumps(answer), None
-    raw = to_binary(tensor["datatype"], flat)
-    tensor["parameters"] = {"binary_data_size": len(raw)}
-    head = orjson.dumps(answer)
-    return head + raw, len(head)
-
-
-def model_metadata(name: str, versions: list[str], backend: str, kind: str) -> dict[str, Any]:
-    out_type, out_shape = ("FP32", [-1, -1]) if kind == "embedding" else ("BYTES", [-1])
-    return {
-        "name": name,
-        "versions": versions,
-        "platform": f"batchserve_{backend.rsplit(':', 1)[-1]}",
-        "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
-        "outputs": [{"name": OUTPUT_NAME, "datatype": out_type, "shape": out_shape}],
-    }

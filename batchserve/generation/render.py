@@ -1,0 +1,68 @@
+"""The OpenAI answers of the generation routes: a whole chat or text completion (JSON), or its server-sent
+event chunks, in the declared shapes (`shapes.ChatCompletion`, `shapes.Completion`). What a request may say is
+`parse.py`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class Answer:
+    """The fixed parts of one response, and how a chunk of text is shaped for this endpoint."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+    prompt_tokens: int
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict[str, Any]:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            **self._head("chat.completion" if self.chat else "text_completion", [choice]),
+            "usage": self.usage(completion_tokens),
+        }
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._head(self._chunk_object, [choice])
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        return {**self._head(self._chunk_object, []), "usage": self.usage(completion_tokens)}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _head(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """What every answer and chunk of this response starts with."""
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -1,0 +1,79 @@
+"""Which model answers a request for work only some models do (embeddings, reranking): the one it names, or the
+first served that does that work; refused in OpenAI's words (`param: model`) when it names none that does. One
+function for `/v1/embeddings`, `/v1/rerank` and the OpenAI batches of embeddings lines, so a batch line lands on
+the model its online route would pick."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from batchserve import errors
+from batchserve.backends import Backend
+from batchserve.config import ModelSpec
+from batchserve.errors import ApiError
+from batchserve.http.openai_error import bad, unknown_model
+from batchserve.models import ModelRegistry
+
+
+class Models(Protocol):
+    """What the choice reads from the runtime: the configured versions and the loaded backends."""
+
+    registry: ModelRegistry
+    backends: dict[str, Backend]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A kind of work: which versions do it (`does`: the spec, and its backend when loaded), and the words of
+    the refusals (`none_served`: the 404 when none does; `not_this`: the 400 for a version that does not, given
+    its id and backend; `reason`: OpenAI's finer code of that 400)."""
+
+    does: Callable[[ModelSpec, Backend | None], bool]
+    none_served: str
+    not_this: Callable[[str, Backend], str]
+    reason: str
+
+
+def served(rt: Models, task: Task) -> list[ModelSpec]:
+    """The versions that do the task, in the configured order (read by id: `ModelSpec.id` is computed at each
+    use)."""
+    return [spec for model_id, spec in rt.registry.by_id.items() if task.does(spec, rt.backends.get(model_id))]
+
+
+def pick_model(rt: Models, task: Task, requested: str | None, sticky_key: str) -> tuple[str, Backend]:
+    """The id of the model version that answers and its backend: 404 when unknown (or none does the task),
+    503 while it warms up, 400 when it does not do the task."""
+    if requested is None:
+        doing = served(rt, task)
+        if not doing:
+            raise ApiError(404, "MODEL_NOT_FOUND", task.none_served, param="model", reason="model_not_found")
+        requested = doing[0].name
+    spec = rt.registry.resolve(requested, sticky_key)
+    if spec is None:
+        raise unknown_model(requested)
+    model_id = spec.id
+    backend = rt.backends.get(model_id)
+    if backend is None:
+        raise errors.warming_up()
+    if not task.does(spec, backend):
+        raise bad("model", task.not_this(model_id, backend), task.reason)
+    return model_id, backend
+
+
+EMBEDDING = Task(
+    does=lambda spec, backend: backend is not None and backend.output_kind == "embedding",
+    none_served="no model serves embeddings here (see GET /v1/models)",
+    not_this=lambda model_id, backend: (
+        f"the model '{model_id}' does not produce embeddings (its outputs are {backend.output_kind}); use "
+        "POST /v1/inference"
+    ),
+    reason="model_not_embedding",
+)
+RERANKING = Task(
+    does=lambda spec, backend: spec.task == "reranking",
+    none_served="no model serves reranking here (serve a cross-encoder folder with --model; see GET /v1/models)",
+    not_this=lambda model_id, backend: f"the model '{model_id}' does not rerank (a cross-encoder folder does)",
+    reason="model_not_reranker",
+)
