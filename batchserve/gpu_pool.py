@@ -306,7 +306,8 @@ class GpuPool:
                     if bad and i in bad:
                         item.future.set_exception(errors.inference_failed(bad[i]))
                     else:
-                        item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n))
+                        cost = item.cost if item.batch_cost is None else None  # the route books it (render)
+                        item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n, cost))
                         key = (item.model, item.tier, item.tenant)
                         if row is None or row_of != key:
                             row_of, row = key, account.row(*key)
