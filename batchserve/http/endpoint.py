@@ -42,6 +42,7 @@ log = logging.getLogger("batchserve.http")
 # The request headers every endpoint reads, by their lower-case wire name (one pass over the raw list).
 READ_HEADERS = (b"x-request-id", b"authorization", b"content-type", b"content-length")
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+JSON_MEDIA = b"application/json"
 
 
 class Coster(Protocol):
@@ -116,7 +117,7 @@ class Answer:
     itself, so they skip uvicorn's per-header checks."""
 
     body: bytes
-    media: bytes = b"application/json"
+    media: bytes = JSON_MEDIA
     headers: tuple[tuple[bytes, bytes], ...] = ()
     status: int = 200
 
@@ -241,7 +242,7 @@ class Endpoint(Generic[Host, Req, Res]):
                 caller = call.caller = guard.identify(
                     headers.get("authorization"), scope, self.dialect.any_key_anonymous
                 )
-                if self.take_one:
+                if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
                     call.answer_headers = guard.take(caller)
                 elif self.take_by_body:
                     guard.check(caller)
