@@ -277,9 +277,9 @@ class Admission:
         and its S."""
         assert self.capacity is not None
         capacity = healthy * full_n / full_s
-        served = self.batcher.costs.served_rate(model)  # a costed model's batches as they really are
-        if served is not None:
-            capacity = min(capacity, healthy * served)
+        got = self.batcher.costs.served.get(model)  # `served_rate`, read inline (every request): a costed model's
+        if got is not None and got[1] > 0:  # batches as they really are
+            capacity = min(capacity, healthy * (got[0] / got[1]))
         return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
 
     def check_open(self) -> None:
@@ -426,7 +426,11 @@ class Admission:
             if self._surely_in_time(model, until_free, queued, deadline_s, most_s, rows) or self._surely_in_time(
                 model, until_free, batcher.ahead_of(tier, tenant, model, widest), deadline_s, most_s, rows
             ):
-                self._joined(model, bucket, now, n)
+                meter = self.class_arrivals.get((model, bucket)) if bucket is not None else None
+                if meter is not None:  # `_joined`, written out for the common case: the class is metered already
+                    meter.tick(now, n)
+                else:
+                    self._joined(model, bucket, now, n)
                 return Ticket(False, now)
         ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
         # The classes' rates only where the prediction can read them: another class of the model is known.
