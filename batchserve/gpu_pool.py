@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from collections.abc import Callable, Iterable
 
+from prometheus_client import Counter
+
 from batchserve import errors
 from batchserve.backends import Backend, running_batch
 from batchserve.backends.outputs import OutputRule, check_outputs
@@ -110,6 +112,8 @@ class GpuPool:
     quarantine: Quarantine | None = None  # where an input that failed alone is remembered (the door reads it)
     rules: dict[str, OutputRule] = field(default_factory=dict)  # model id -> its outputs' rule (warm-up's)
     _healthy: int = 0
+    # batchserve_batches_total's child per (model, cause): prometheus-client's `labels()` costs several µs a call
+    _batch_counts: dict[tuple[str, str], Counter] = field(default_factory=dict)
 
     def start(self) -> None:
         for model, backend in self.backends.items():
@@ -218,7 +222,12 @@ class GpuPool:
         w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
         w.inbox.put(batch)
         self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
-        self.metrics.batches.labels(batch.model, batch.cause).inc()
+        counted = self._batch_counts.get((batch.model, batch.cause))
+        if counted is None:
+            counted = self._batch_counts[(batch.model, batch.cause)] = self.metrics.batches.labels(
+                batch.model, batch.cause
+            )
+        counted.inc()
         formed, interactive = batch.formed, BATCH.rank  # job items wait for spare capacity by design: no queue delay
         self.metrics.queue_wait.labels(batch.model).observe_all(
             [formed - item.arrived for item in batch.items if item.tier < interactive]
@@ -306,7 +315,8 @@ class GpuPool:
                     if bad and i in bad:
                         item.future.set_exception(errors.inference_failed(bad[i]))
                     else:
-                        item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n))
+                        cost = item.cost if item.batch_cost is None else None  # the route books it (render)
+                        item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n, cost))
                         key = (item.model, item.tier, item.tenant)
                         if row is None or row_of != key:
                             row_of, row = key, account.row(*key)

@@ -203,34 +203,51 @@ class Metrics:
     slo_requests: LoopCounter  # the SLO ledger (core/ledger.py): answers by model, tier and outcome
     cost_served: LoopCounter  # cost units (tokens, or inputs where a model costs 1 each) served, by model and tier
     inputs_served: LoopCounter
-    _ok: dict[str, tuple] = field(default_factory=dict)  # per model: its bound 200-counter and histogram
+    _ok: dict[str, tuple[_CounterChild, HistogramChild]] = field(default_factory=dict)  # per model: 200s, durations
     # (model, tier, outcome) -> its slo_requests, inputs_served and cost_served children
     _ledger: dict[tuple[str, str, str], tuple[_CounterChild, _CounterChild, _CounterChild]] = field(
         default_factory=dict
     )
 
-    def count_ok(self, model: str, latency_s: float) -> None:
-        """One 200 answer: the hot path, so the labelled children are looked up once per model."""
+    def count_ok(
+        self, model: str, latency_s: float, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0
+    ) -> None:
+        """One 200 answer of a model: its status count and duration, and its entry in the SLO ledger
+        (`count_outcome`'s, written out): the hot path, so the labelled children are found by one lookup each and
+        written without a call."""
         children = self._ok.get(model)
         if children is None:
             children = self._ok[model] = (self.requests.labels(model, "200"), self.request_duration.labels(model))
-        children[0].inc()
-        children[1].observe(latency_s)
+        children[0].value += 1
+        duration = children[1]
+        duration.counts[bisect.bisect_left(duration.bounds, latency_s)] += 1
+        duration.sum += latency_s
+        booked = self._ledger.get((model, tier, outcome))
+        if booked is None:
+            booked = self._ledger_children(model, tier, outcome)
+        booked[0].value += 1
+        booked[1].value += inputs
+        booked[2].value += cost
 
     def count_outcome(self, model: str, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0) -> None:
         """One answer in the SLO ledger; `inputs` and `cost` are added to what was served (pass them only for a
         served answer). Every answer of a model route comes here: its three children are found by one lookup."""
-        key = (model, tier, outcome)
-        children = self._ledger.get(key)
+        children = self._ledger.get((model, tier, outcome))
         if children is None:
-            children = self._ledger[key] = (
-                self.slo_requests.labels(model, tier, outcome),
-                self.inputs_served.labels(model, tier),
-                self.cost_served.labels(model, tier),
-            )
+            children = self._ledger_children(model, tier, outcome)
         children[0].value += 1
         children[1].value += inputs
         children[2].value += cost
+
+    def _ledger_children(
+        self, model: str, tier: str, outcome: str
+    ) -> tuple[_CounterChild, _CounterChild, _CounterChild]:
+        children = self._ledger[(model, tier, outcome)] = (
+            self.slo_requests.labels(model, tier, outcome),
+            self.inputs_served.labels(model, tier),
+            self.cost_served.labels(model, tier),
+        )
+        return children
 
     def count_error(self, model: str, err: ApiError) -> None:
         self.requests.labels(model, str(err.status)).inc()

@@ -14,6 +14,9 @@ class ModelRegistry:
     specs: list[ModelSpec]
     by_id: dict[str, ModelSpec] = field(default_factory=dict)
     by_name: dict[str, list[ModelSpec]] = field(default_factory=dict)
+    # What a request naming no model, a name of one version or an id is answered by: its version's id, read by
+    # one look-up on the hot path (`resolve_id`); names of several versions are split as `resolve` splits them.
+    fixed_ids: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for spec in self.specs:
@@ -21,6 +24,12 @@ class ModelRegistry:
                 raise ValueError(f"model {spec.id} is configured twice")
             self.by_id[spec.id] = spec
             self.by_name.setdefault(spec.name, []).append(spec)
+        self.fixed_ids.update((model_id, model_id) for model_id in self.by_id)
+        for name, versions in self.by_name.items():
+            if len(versions) == 1 and "@" not in name:  # a name with "@" is read as an id by `resolve`
+                self.fixed_ids[name] = versions[0].id
+        if self.specs and self.default.name in self.fixed_ids:
+            self.fixed_ids[""] = self.fixed_ids[self.default.name]
 
     @property
     def default(self) -> ModelSpec:
@@ -49,3 +58,11 @@ class ModelRegistry:
             if point < 0:
                 return v
         return versions[-1]
+
+    def resolve_id(self, requested: str | None, sticky_key: str = "") -> str | None:
+        """`resolve`'s version id: the id of the version that serves `requested`, or None when unknown."""
+        found = self.fixed_ids.get(requested or "")
+        if found is not None:
+            return found
+        spec = self.resolve(requested, sticky_key)
+        return spec.id if spec is not None else None

@@ -277,9 +277,9 @@ class Admission:
         and its S."""
         assert self.capacity is not None
         capacity = healthy * full_n / full_s
-        served = self.batcher.costs.served_rate(model)  # a costed model's batches as they really are
-        if served is not None:
-            capacity = min(capacity, healthy * served)
+        got = self.batcher.costs.served.get(model)  # `served_rate`, read inline (every request): a costed model's
+        if got is not None and got[1] > 0:  # batches as they really are
+            capacity = min(capacity, healthy * (got[0] / got[1]))
         return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
 
     def check_open(self) -> None:
@@ -319,7 +319,13 @@ class Admission:
         return False
 
     def _surely_in_time(
-        self, model: str, until_free: float, ahead: int, deadline_s: float, most_s: float | None = None
+        self,
+        model: str,
+        until_free: float,
+        ahead: int,
+        deadline_s: float,
+        most_s: float | None = None,
+        rows: int | None = None,
     ) -> bool:
         """Whether a one-input request of a model of one queue is answered before `deadline_s` by any
         prediction `predict` could make: its batches ahead (at least `limit` inputs each without a budget, at
@@ -327,7 +333,8 @@ class Admission:
         A request with a deadline this far needs no prediction (the sim's or a count model's usual case);
         a costed model's line has no top, so it is always predicted."""
         batcher = self.batcher
-        rows = batcher.costs.limit(model) if batcher.costs.budget(model) == math.inf else 1
+        if rows is None:  # as the door passes it: the batch size without a budget, 1 with one
+            rows = batcher.costs.limit(model) if batcher.costs.budget(model) == math.inf else 1
         most = batcher.batch_s.most(model) if most_s is None else most_s
         worst = until_free + (ahead // rows + 2) * most
         return worst < deadline_s * (1 - 1e-9) - 1e-6  # clear of float rounding in the sums it bounds
@@ -365,10 +372,10 @@ class Admission:
     ) -> Ticket:
         """`admit`, returning what the door predicted, for `observed` to compare with what happened."""
         batcher, capacity = self.batcher, self.capacity
-        if batcher.draining or capacity is None or capacity.healthy_count() == 0:
+        healthy = capacity.healthy_count() if capacity is not None else 0  # read once: nothing below changes it
+        if batcher.draining or not healthy:
             self.check_open()  # raises the 503 that says which
         assert capacity is not None
-        healthy = capacity.healthy_count()  # read once: nothing below changes it
         # Runs on every request: the common case (one input of cost 1, a count model, a deadline no batch time
         # could reach) is decided by comparisons of figures read once, without the calls that would say the same.
         if len(costs) == 1:
@@ -402,7 +409,8 @@ class Admission:
                 f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=batch_s * 1000
             )
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
-        full_n = batcher.costs.full_n(model)
+        most_n, budget, full_n = batcher.costs.shape(model)
+        rows = most_n if budget == math.inf else 1  # `_surely_in_time`'s batches ahead: at least this many inputs each
         # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
         # (refused, a batch time learned from one slow batch would refuse every request for good). Decided
         # before the prediction, which cannot change it.
@@ -415,10 +423,14 @@ class Admission:
             # Without pressure only the deadline can refuse: when no prediction could reach it, admitted as the
             # prediction would admit it (nothing learned from a request admitted without pressure). First with
             # the whole queue ahead (`ahead_of` is at most the depth), which needs no count of the tenants' shares.
-            if self._surely_in_time(model, until_free, queued, deadline_s, most_s) or self._surely_in_time(
-                model, until_free, batcher.ahead_of(tier, tenant, model, widest), deadline_s, most_s
+            if self._surely_in_time(model, until_free, queued, deadline_s, most_s, rows) or self._surely_in_time(
+                model, until_free, batcher.ahead_of(tier, tenant, model, widest), deadline_s, most_s, rows
             ):
-                self._joined(model, bucket, now, n)
+                meter = self.class_arrivals.get((model, bucket)) if bucket is not None else None
+                if meter is not None:  # `_joined`, written out for the common case: the class is metered already
+                    meter.tick(now, n)
+                else:
+                    self._joined(model, bucket, now, n)
                 return Ticket(False, now)
         ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
         # The classes' rates only where the prediction can read them: another class of the model is known.

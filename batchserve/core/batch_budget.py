@@ -62,6 +62,14 @@ class BatchBudget:
             return own if own > 0 else math.inf
         return lowered if own <= 0 or lowered < own else own
 
+    def shape(self, model: str) -> tuple[int, float, int]:
+        """(`limit`, `budget`, `full_n`) of a model in one call: the door reads all three on every request."""
+        limit = self.model_limits.get(model, self.max_batch_size)
+        budget = self.budget(model)
+        if budget == math.inf:
+            return limit, budget, limit
+        return limit, budget, max(1, min(limit, int(budget // self.unit.get(model, 1.0))))
+
     def full_n(self, model: str) -> int:
         """Inputs in a full batch of this model: the batch size, or fewer when its budget holds fewer of its
         mean input. Capacity (inputs per second) is this over a full batch's S."""

@@ -223,7 +223,8 @@ class Batcher:
         if q is None:
             q = self._new_queue(key)
         q.push(item)
-        self._count(item, +1)
+        self.depth[item.model] = self.depth.get(item.model, 0) + 1  # `_count(item, +1)`, once per request: inline
+        self.tier_depth[item.tier] += 1
         if self._waiting and (len(q) == 1 or len(q) >= self.costs.limit(item.model)):
             self._wake.set()
 
@@ -501,6 +502,7 @@ class Batcher:
         stick: dict[int, str] = {}
         shares = q.shares
         taken = [0] * len(self.tier_depth)  # items taken out of the queue, per tier: counted once after the loop
+        sole = q.sole_lane()
         while len(items) < limit:
             # The budget: rows x the longest row. The first input always goes (one alone over the budget was
             # refused at the door, or the budget was lowered after it was admitted: it still runs).
@@ -516,7 +518,8 @@ class Batcher:
                     else (len(items) + 1) * max(widest, head.cost) > budget
                 ):
                     break
-            item = q.pop(stick, charge=False)
+            # One tenant of one tier waiting (`sole`): its lane's head, as `pop` would find it, without the search.
+            item = q.pop_head(sole, charge=False) if sole is not None and sole.items else q.pop(stick, charge=False)
             if item is None:
                 break
             if item.tier == tiers.BATCH.rank and not stick:

@@ -3,10 +3,10 @@ request.
 
 Callers that share a timeout (almost all use the server's default) arrive in deadline order, so each timeout
 value keeps a FIFO of (deadline, future) and one timer armed for its head: watching a request costs an append,
-and an answered request is simply skipped when its turn comes. A per-request `loop.call_at` + `cancel` costs
-about 4.5 µs on uvloop; this costs well under one. An entry that arrives out of order (its body took longer to
-read) is answered when the entry ahead of it is, a few milliseconds late at most: the batcher never puts an
-item past its deadline into a batch either way (`Item.alive`).
+and an answered request is dropped from the head when a later one is watched (or skipped when its turn comes).
+A per-request `loop.call_at` + `cancel` costs about 4.5 µs on uvloop; this costs well under one. An entry that
+arrives out of order (its body took longer to read) is answered when the entry ahead of it is, a few milliseconds
+late at most: the batcher never puts an item past its deadline into a batch either way (`Item.alive`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ class DeadlineWatch:
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = deque()
+        else:
+            # The answered entries at its head go now rather than at the sweep: a lane then holds about the
+            # requests in flight, not every request of the last timeout (30 s of futures and their answers kept
+            # alive: ~3 objects a request that the young collections had to scan, in the hot path's profile).
+            while lane and lane[0][1].done():
+                lane.popleft()
         lane.append((deadline, future))
         if key not in self._timers:
             self._arm(key, deadline)

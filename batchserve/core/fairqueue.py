@@ -44,6 +44,9 @@ class ItemResult:
     queue_s: float
     compute_s: float
     batch_size: int
+    # The input's cost as the backend's `cost_of` says (its item's, carried here so the route's accounting does
+    # not ask again); None where the item was costed otherwise (a `cost_of_batch`) or by another path.
+    cost: float | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -307,6 +310,29 @@ class FairQueue:
         lane = self._next_lane(stick)
         if lane is None:
             return None
+        self.size -= 1
+        item = lane.items.popleft()
+        self.cost_sum = self.cost_sum - item.cost if self.size else 0.0
+        self.shares.left(item, charge)
+        return item
+
+    def sole_lane(self) -> Lane | None:
+        """The lane `pop` takes from until it is empty, when it is the only one with items and listed alone in
+        its tier's heap (one tenant of one tier waiting: the common case), else None. Nothing pushed meanwhile,
+        its items are then what `pop` returns, in order, without its search for the lane (`pop_head`)."""
+        found: Lane | None = None
+        for tier, heap in self.ready.items():
+            if not heap:
+                continue
+            if found is not None or len(heap) != 1:
+                return None
+            found = self.lanes[(tier, heap[0][2])]
+        if found is None or not found.items or len(found.items) != self.size:
+            return None
+        return found
+
+    def pop_head(self, lane: Lane, charge: bool = True) -> Item:
+        """`pop` of the lane it would take from (`sole_lane`, while it has items): its head, taken out."""
         self.size -= 1
         item = lane.items.popleft()
         self.cost_sum = self.cost_sum - item.cost if self.size else 0.0

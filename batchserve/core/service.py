@@ -178,10 +178,13 @@ class InferenceService:
     def _check_quarantine(self, model: str, text: str) -> None:
         why = self.quarantine.reason(model, text)
         if why is not None:
-            raise errors.inference_failed(
-                f"{why} (this input failed alone lately and is quarantined for up to "
-                f"{self.quarantine.ttl_s:.0f} s: not run again)"
-            )
+            raise self._quarantined(why)
+
+    def _quarantined(self, why: str) -> ApiError:
+        return errors.inference_failed(
+            f"{why} (this input failed alone lately and is quarantined for up to "
+            f"{self.quarantine.ttl_s:.0f} s: not run again)"
+        )
 
     def _admit(
         self, model: str, tier: int, tenant: str, timeout_s: float, arrived: float, costs: Sequence[float], bucket: int
@@ -227,7 +230,9 @@ class InferenceService:
         backend = self.backends.get(model)
         if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
             raise errors.warming_up()
-        self._check_quarantine(model, text)
+        why = self.quarantine.reason(model, text)  # `_check_quarantine`, without its call
+        if why is not None:
+            raise self._quarantined(why)
         tokenize = self._tokenizers[model] if model in self._tokenizers else self._tokenizer(model, backend)
         if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
             await self.tokenizing.run(tokenize, [text])

@@ -4,24 +4,13 @@ a batch. Shared by every route that waits on the door (inference, embeddings, KS
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable
 
 from starlette.types import Receive
 
 
-def disconnect_probe(receive: Receive) -> Callable[[], bool] | None:
-    """A cheap "has the caller hung up?" check, read when a batch is formed, so a queued item whose caller
-    left never takes a place in a batch. uvicorn's receive() is a method of its per-request cycle, which
-    flags the disconnect; other ASGI servers get a watcher task instead (`Watcher`)."""
-    cycle = getattr(receive, "__self__", None)
-    if cycle is not None and isinstance(getattr(cycle, "disconnected", None), bool):
-        return functools.partial(getattr, cycle, "disconnected")
-    return None
-
-
 class Watcher:
-    """For ASGI servers without a disconnect flag: a task that notes the caller hanging up."""
+    """For ASGI servers without a disconnect flag: a task that notes the caller hanging up. Under uvicorn the
+    check is its per-request cycle's `disconnected` flag, read by `Call.gone` (http/endpoint.py) instead."""
 
     def __init__(self, receive: Receive) -> None:
         self.gone = False

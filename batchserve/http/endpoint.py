@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from types import MappingProxyType
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,9 +31,9 @@ from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.dialects import Dialect
-from batchserve.http.disconnect import Watcher, disconnect_probe
+from batchserve.http.disconnect import Watcher
 from batchserve.http.guards import Guard
-from batchserve.http.plumbing import read_body_from, request_id_from, send_json
+from batchserve.http.plumbing import REQUEST_ID_OK, new_request_id, read_body_from, request_id_from, send_json
 from batchserve.http.uvicorn_protocol import whole_answer_sender
 from batchserve.logsafe import printable
 from batchserve.tenancy import Caller
@@ -42,6 +43,7 @@ log = logging.getLogger("batchserve.http")
 # The request headers every endpoint reads, by their lower-case wire name (one pass over the raw list).
 READ_HEADERS = (b"x-request-id", b"authorization", b"content-type", b"content-length")
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+JSON_MEDIA = b"application/json"
 
 
 class Coster(Protocol):
@@ -93,8 +95,14 @@ class Call:
         self.headers = headers  # the request headers the endpoint reads, by lower-case name
 
     def gone(self) -> Callable[[], bool]:
-        """The door's "has the caller hung up?" check: uvicorn's per-request flag, else a watcher task."""
-        return disconnect_probe(self.receive) or Watcher(self.receive)
+        """The door's "has the caller hung up?" check, read when a batch is formed: uvicorn's receive() is a method
+        of its per-request cycle, which flags the disconnect, so the check reads that flag (a C-level partial, no
+        Python call per read); other ASGI servers get a watcher task instead."""
+        receive = self.receive
+        cycle = getattr(receive, "__self__", None)
+        if cycle is not None and isinstance(getattr(cycle, "disconnected", None), bool):
+            return partial(getattr, cycle, "disconnected")
+        return Watcher(receive)
 
     async def hung_up(self) -> None:
         """Returns when the caller hangs up: for a wing that waits on something other than the door (the
@@ -116,7 +124,7 @@ class Answer:
     itself, so they skip uvicorn's per-header checks."""
 
     body: bytes
-    media: bytes = b"application/json"
+    media: bytes = JSON_MEDIA
     headers: tuple[tuple[bytes, bytes], ...] = ()
     status: int = 200
 
@@ -241,13 +249,14 @@ class Endpoint(Generic[Host, Req, Res]):
                 caller = call.caller = guard.identify(
                     headers.get("authorization"), scope, self.dialect.any_key_anonymous
                 )
-                if self.take_one:
+                if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
                     call.answer_headers = guard.take(caller)
                 elif self.take_by_body:
                     guard.check(caller)
             # The request id once the caller may send (beside the body read, in the same module: the path's
             # steps in order, tests/unit/http/test_request_path.py); a refusal above makes it when it renders.
-            call.request_id = request_id_from(headers.get("x-request-id"))
+            given = headers.get("x-request-id")  # `request_id_from`, written out: every request
+            call.request_id = given if given and REQUEST_ID_OK.match(given) else new_request_id()
             if self.before_body is not None:
                 await self.before_body(rt, call)
             body = (

@@ -68,10 +68,9 @@ class Guard:
     def ok(self, model: str, latency_s: float, caller: Caller, inputs: int = 1, cost: float = 1.0) -> None:
         """A model's answer went out: `inputs` served, costing `cost` units (tokens, or 1 an input)."""
         self.answered += 1
-        self.metrics.count_ok(model, latency_s)
         outcome = ledger.MET if latency_s <= self.slo_s else ledger.SLOW
         tier = TIER_NAMES[caller.tier]  # `_book` for a served answer, inline: once per answer of every model route
-        self.metrics.count_outcome(model, tier, ledger.OUTCOMES[outcome], inputs, cost)
+        self.metrics.count_ok(model, latency_s, tier, ledger.OUTCOMES[outcome], inputs, cost)
         self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s)
 
     def refused(self, model: str, err: ApiError, caller: Caller | None, inputs: int = 1) -> None:

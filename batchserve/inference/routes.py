@@ -23,7 +23,7 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import COUNTED, Answer, Call, costs_of, Endpoint, no_body, public
+from batchserve.http.endpoint import COUNTED, JSON_MEDIA, Answer, Call, costs_of, Endpoint, no_body, public
 from batchserve.http.guards import Guard
 from batchserve.inference.parse import parse_inference
 from batchserve.models import ModelRegistry
@@ -49,10 +49,10 @@ def parse(rt: InferenceHost, call: Call, body: bytes) -> tuple[str, float]:
     text, requested_model, timeout_s = parse_inference(body, call.headers.get("content-type", ""), rt.settings)
     caller = call.caller
     assert caller is not None  # the endpoint identifies its callers
-    spec = rt.registry.resolve(requested_model, caller.key_id)
-    if spec is None:
+    model = rt.registry.resolve_id(requested_model, caller.key_id)
+    if model is None:
         raise errors.model_not_found(requested_model)
-    call.model = spec.id
+    call.model = model
     return text, timeout_s
 
 
@@ -69,7 +69,8 @@ def infer(rt: InferenceHost, call: Call, req: tuple[str, float]) -> Awaitable[It
 
 
 def render(rt: InferenceHost, call: Call, req: tuple[str, float], result: ItemResult) -> Answer:
-    call.cost = costs_of(rt.backends.get(call.model), (req[0],))
+    # The door's cost of the input where it was the backend's `cost_of` (not asked again), else asked here.
+    call.cost = result.cost if result.cost is not None else costs_of(rt.backends.get(call.model), (req[0],))
     queue_ms, compute_ms = result.queue_s * 1000, result.compute_s * 1000
     out = orjson.dumps(
         {
@@ -82,7 +83,8 @@ def render(rt: InferenceHost, call: Call, req: tuple[str, float], result: ItemRe
             "batch_size": result.batch_size,
         }
     )
-    return Answer(out, headers=((b"server-timing", b"queue;dur=%.1f, compute;dur=%.1f" % (queue_ms, compute_ms)),))
+    timing = b"queue;dur=%.1f, compute;dur=%.1f" % (queue_ms, compute_ms)
+    return Answer(out, JSON_MEDIA, ((b"server-timing", timing),))  # positional: the hot path
 
 
 async def find_request(rt: InferenceHost, call: Call, req: None) -> Record:

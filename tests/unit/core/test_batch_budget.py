@@ -37,6 +37,7 @@ def test_a_count_model_has_no_budget_and_a_full_batch_is_its_limit() -> None:
     assert costs.estimate_cost(M, 40) == 40.0
     costs.model_limits[M] = 32  # a plugin's own lower batch size
     assert costs.limit(M) == 32 and costs.full_n(M) == 32
+    assert costs.shape(M) == (32, math.inf, 32)  # the door's one read of the three
     assert costs.too_costly(M, 1.0) is None
 
 
@@ -59,6 +60,7 @@ def test_costed_inputs_keep_a_mean_cost_and_a_full_batch_holds_what_the_budget_d
     costs.note_cost(M, 40.0)
     assert costs.unit[M] == pytest.approx(30.0 + UNIT_ALPHA * 10.0)
     assert costs.full_n(M) == int(1200 // costs.unit[M])  # the budget holds fewer than 100 of them
+    assert costs.shape(M) == (costs.limit(M), costs.budget(M), costs.full_n(M)) == (100, 1200, costs.full_n(M))
     assert costs.batch_s.full[M] == pytest.approx(costs.full_n(M) * costs.unit[M])  # what times[M] is read at
 
 

@@ -98,6 +98,36 @@ def test_deadlines_group_callers_by_timeout_and_answer_504_at_the_deadline(loop)
     loop.run_until_complete(scenario())
 
 
+def test_answered_callers_leave_their_deadline_lane_as_others_are_watched(loop) -> None:
+    """A lane keeps about the callers still waiting, not every caller of the last timeout: an answered future
+    (and its answer) at the head is let go when the next caller is watched, so nothing of a request answered
+    long before its 30 s deadline stays alive for the collector to scan. One still waiting keeps its place,
+    and those behind it wait for it (the lane stays in deadline order); its 504 still comes at its deadline."""
+
+    async def scenario() -> None:
+        watch = DeadlineWatch()
+        now = time.monotonic()
+        futures = [loop.create_future() for _ in range(1000)]
+        for i, fut in enumerate(futures):
+            watch.watch(30.0, now + i * 1e-6, fut)
+            if i >= 2:
+                futures[i - 2].set_result("answered")  # two in flight at a time
+        assert watch.pending() <= 3
+        slow = loop.create_future()
+        watch.watch(0.05, now + 0.05, slow)  # waits; those behind it are answered at once
+        for _ in range(100):
+            fut = loop.create_future()
+            watch.watch(0.05, now + 0.05, fut)
+            fut.set_result("answered")
+        assert watch.pending() <= 3 + 101
+        await asyncio.sleep(0.1)
+        assert isinstance(slow.exception(), ApiError) and slow.exception().code == "DEADLINE_EXCEEDED"
+        for timer in watch._timers.values():
+            timer.cancel()
+
+    loop.run_until_complete(scenario())
+
+
 class Unwalkable(deque):
     """A lane's items that fail the test if anything walks them."""
 

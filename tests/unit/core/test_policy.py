@@ -140,6 +140,29 @@ def test_fair_queue_push_front_and_prune(loop):
     assert dropped == [b] and len(q) == 1 and q.pop() is a
 
 
+def test_a_sole_lanes_head_is_what_pop_takes_and_leaves_the_queue_as_pop_does(loop):
+    """The batcher takes a lone tenant's items by `pop_head` of its `sole_lane` (no search for the lane): the same
+    items in the same order as `pop`, and the queue and its shares left alike; with a second tenant or tier
+    waiting there is no sole lane."""
+    by_pop, by_head = FairQueue(), FairQueue()
+    for q in (by_pop, by_head):
+        for i in range(5):
+            q.push(make_item(loop, f"x{i}", arrived=1000.0 + i * 0.001))
+    lane = by_head.sole_lane()
+    assert lane is not None and by_pop.sole_lane() is not None
+    taken_head = [by_head.pop_head(lane, charge=False).text for _ in range(3)]
+    assert taken_head == [by_pop.pop(charge=False).text for _ in range(3)] == ["x0", "x1", "x2"]
+    assert (len(by_head), by_head.cost_sum, by_head.shares.depth, by_head.shares.queued) == (
+        len(by_pop), by_pop.cost_sum, by_pop.shares.depth, by_pop.shares.queued)
+    by_head.push(make_item(loop, "other", tenant="other"))  # another tenant of the tier: turns, no sole lane
+    assert by_head.sole_lane() is None
+    q = FairQueue()
+    q.push(make_item(loop, "paid", tier=PAID))
+    q.push(make_item(loop, "free", tier=FREE))  # another tier waiting: no sole lane either
+    assert q.sole_lane() is None
+    assert FairQueue().sole_lane() is None
+
+
 # -- batcher: flush causes and pacing ---------------------------------------------------------------------
 def test_full_queue_is_due_now(loop):
     clock = Clock(1000.0)
