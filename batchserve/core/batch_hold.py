@@ -20,8 +20,10 @@ The rule, per queue, when a worker is free (pacing due) and the queue is neither
   already that large goes now, and a device whose time grows in proportion to its inputs never holds;
 - how long: until this queue is expected to hold it (its own arrival rate), lowered to the largest batch that,
   formed then, would end within `SLO_SHARE` of the SLO after its oldest input arrived (the rest of the SLO is
-  for a batch running ahead and the machine's noise: p95 stays within it), and at most that batch's own time
-  (what the inputs would have waited had the worker still been busy); never past the dispatch deadline (the
+  for a batch running ahead and the machine's noise: p95 stays within it), and at most `HOLD_BATCHES` times
+  that batch's own time (about what the inputs would have waited had the worker still been busy: more lets a
+  CPU worker's length classes reach larger batches, less makes a burst's tail wait less for company that stopped
+  coming); never past the dispatch deadline (the
   batcher's rule, unchanged). Decided once per batch (`Batcher._held`): when the wait ends the batch goes with
   what came, so the end of a burst is not held again and again for company that stopped coming. A full queue
   goes at once, as before.
@@ -45,6 +47,7 @@ from collections.abc import Callable
 BUSY_HOLD = 0.75  # hold only where taking what waits would keep the workers busier than this
 EFFICIENT_WITHIN = 0.15  # the batch worth waiting for: the smallest whose inputs cost at most this much more
 # each than in a full batch (where the per-input cost has flattened)
+HOLD_BATCHES = 2.0  # a hold lasts at most this many batch times of the batch it waits for
 SLO_SHARE = 0.5  # a held batch ends within this share of the SLO after its oldest input arrived
 RATE_TAU_S = 1.0  # the arrival rates' horizon (seconds)
 
@@ -99,9 +102,9 @@ def hold_until(
     target = efficient if fits(efficient) else _last_fitting(n, efficient, fits)
     if target <= n:
         return now  # no larger batch would end in time
-    # At most one batch time: what the inputs would have waited anyway had the worker still been busy, so the
+    # At most two batch times (about what the inputs would have waited had the worker still been busy), so the
     # end of a burst (arrivals that stopped) is not held long for company that will not come.
-    return now + min((target - n) / queue_rate, seconds(target))
+    return now + min((target - n) / queue_rate, HOLD_BATCHES * seconds(target))
 
 
 def greedy_busy(rate: float, full_n: int, seconds: Callable[[int], float]) -> float:

@@ -12,7 +12,15 @@ import random
 import pytest
 
 from batchserve.core import batch_hold
-from batchserve.core.batch_hold import BUSY_HOLD, EFFICIENT_WITHIN, SLO_SHARE, Arrivals, greedy_busy, hold_until
+from batchserve.core.batch_hold import (
+    BUSY_HOLD,
+    EFFICIENT_WITHIN,
+    HOLD_BATCHES,
+    SLO_SHARE,
+    Arrivals,
+    greedy_busy,
+    hold_until,
+)
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import Item
@@ -78,10 +86,13 @@ def test_high_load_waits_for_the_batch_whose_cost_per_input_has_flattened() -> N
     assert hold_until(10.0, 10.0, EFFICIENT, 64, cpu_s, rate, rate, 1, 1.0) == 10.0  # there: at once
 
 
-def test_a_hold_lasts_one_batch_time_at_most() -> None:
-    # 9 more inputs at 45/s would take 200 ms; the batch of 11 runs 130 ms: what its inputs would have waited
-    # behind a running batch, and all the end of a burst (arrivals that stop) waits for company
-    assert hold_until(10.0, 10.0, 2, 64, cpu_s, 45.0, 45.0, 1, 1.0) == pytest.approx(10.0 + cpu_s(EFFICIENT))
+def test_a_hold_lasts_two_batch_times_at_most() -> None:
+    # 9 more inputs at 30/s would take 300 ms; the batch of 11 runs 130 ms: about what its inputs would have
+    # waited behind a running batch, and all the end of a burst (arrivals that stop) waits for company
+    assert HOLD_BATCHES * cpu_s(EFFICIENT) < (EFFICIENT - 2) / 30.0
+    assert hold_until(10.0, 10.0, 2, 64, cpu_s, 45.0, 30.0, 1, 1.0) == pytest.approx(
+        10.0 + HOLD_BATCHES * cpu_s(EFFICIENT)
+    )
 
 
 def test_a_queue_of_one_length_class_waits_at_its_own_rate() -> None:
@@ -234,19 +245,31 @@ def test_without_the_hold_module_rule_batches_stay_small(loop, monkeypatch) -> N
 
 
 def test_a_hold_is_decided_once_per_batch(loop) -> None:
-    """The end of a burst: two inputs held for company at 45/s that then stops coming go when that one wait
+    """The end of a burst: two inputs held for company at 60/s that then stops coming go when that one wait
     ends, not after another and another (each new look at the still high rate would hold them again)."""
     clock = Clock(1000.0)
     b = make_batcher(clock)
-    b.arrivals[(M, 0)] = Arrivals(rate=45.0, last=clock.now)
-    b.model_arrivals[M] = Arrivals(rate=45.0, last=clock.now)
+    b.arrivals[(M, 0)] = Arrivals(rate=60.0, last=clock.now)
+    b.model_arrivals[M] = Arrivals(rate=60.0, last=clock.now)
     for _ in range(2):
         b.submit(make_item(loop, clock.now))
     assert b.take_now(0) is None
     _, due, cause = b.most_urgent(clock.now)
-    assert cause == "hold" and due == pytest.approx(clock.now + cpu_s(EFFICIENT))
+    assert cause == "hold" and due == pytest.approx(clock.now + (EFFICIENT - 2) / 60.0)
     clock.now = due
-    assert hold_until(clock.now, 1000.0, 2, 64, cpu_s, b.model_arrivals[M].current(clock.now),
-                      b.arrivals[(M, 0)].current(clock.now), 1, 1.0) > clock.now  # a new look would hold again
+    assert (
+        hold_until(
+            clock.now,
+            1000.0,
+            2,
+            64,
+            cpu_s,
+            b.model_arrivals[M].current(clock.now),
+            b.arrivals[(M, 0)].current(clock.now),
+            1,
+            1.0,
+        )
+        > clock.now
+    )  # a new look would hold again
     batch = b.take_now(0)
     assert batch is not None and batch.cause == "hold" and len(batch.items) == 2
