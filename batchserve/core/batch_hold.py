@@ -15,6 +15,10 @@ The rule, per queue, when a worker is free (pacing due) and the queue is neither
   at the model's arrival rate, all its length classes, its batches settle at the smallest k that arrives no
   faster than it runs, k >= rate x S(k)); below it the batch goes now, as before (low load, lone inputs answered
   at once);
+- and not near capacity: where even the batches it would wait for keep the workers busier than `BUSY_MAX`,
+  a worker idling while inputs wait loses time it cannot make up (and the door, seeing waits longer than it
+  predicts, refuses more: measured here at 38/s on ~0.5 cores, 149 refusals against 8 taking what waits), so
+  the batch goes now and batches grow by the backlog alone, as before;
 - the batch worth waiting for: the smallest whose inputs cost at most `EFFICIENT_WITHIN` more each than in a
   full batch, "where the per-input cost flattens", read off the learned batch times (`BatchTimes`); a queue
   already that large goes now, and a device whose time grows in proportion to its inputs never holds;
@@ -23,19 +27,17 @@ The rule, per queue, when a worker is free (pacing due) and the queue is neither
   for a batch running ahead and the machine's noise: p95 stays within it), and at most `HOLD_BATCHES` times
   that batch's own time (about what the inputs would have waited had the worker still been busy: more lets a
   CPU worker's length classes reach larger batches, less makes a burst's tail wait less for company that stopped
-  coming); never past the dispatch deadline (the
-  batcher's rule, unchanged). Decided once per batch (`Batcher._held`): when the wait ends the batch goes with
-  what came, so the end of a burst is not held again and again for company that stopped coming. A full queue
-  goes at once, as before.
+  coming); never past the dispatch deadline (the batcher's rule, unchanged). Decided once per batch
+  (`Batcher._held`): when the wait ends the batch goes with what came, so the end of a burst is not held again
+  and again for company that stopped coming. A full queue goes at once, as before.
 
-Near capacity the queue a worker finds when it frees is already that large, so holds fade out where throughput
-is at stake; they act between about a third of capacity and there, where a CPU worker would otherwise run
-batches of 1-3 back to back. With the default 200 ms SLO a held batch still ends within 100 ms of its oldest
-input: what the door admitted is answered in time.
+So holds act between about a third of capacity and ~85 % of it, where a CPU worker would otherwise run batches
+of 1-3 back to back, and fade out where throughput is at stake. With the default 200 ms SLO a held batch still
+ends within 100 ms of its oldest input: what the door admitted is answered in time.
 
 Arrival rates are counted where batches form (items that joined a queue since its last batch), decayed
-exponentially over `RATE_TAU_S`: no work per request. Pure arithmetic over numbers and an injected clock, so
-the unit tests drive it directly (tests/unit/core/test_batch_hold.py).
+exponentially over `RATE_TAU_S`, plus those queued since (`Batcher._hold`): no work per request. Pure arithmetic
+over numbers and an injected clock, so the unit tests drive it directly (tests/unit/core/test_batch_hold.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 BUSY_HOLD = 0.75  # hold only where taking what waits would keep the workers busier than this
+BUSY_MAX = 0.85  # ... and never where even the batches it waits for would keep them busier than this
 EFFICIENT_WITHIN = 0.15  # the batch worth waiting for: the smallest whose inputs cost at most this much more
 # each than in a full batch (where the per-input cost has flattened)
 HOLD_BATCHES = 2.0  # a hold lasts at most this many batch times of the batch it waits for
@@ -88,7 +91,8 @@ def hold_until(
     The dispatch deadline is the caller's, and comes first when earlier."""
     if n <= 0 or n >= full_n or model_rate <= 0.0 or queue_rate <= 0.0:
         return now
-    if greedy_busy(model_rate / max(1, workers), full_n, seconds) <= BUSY_HOLD:
+    share = model_rate / max(1, workers)  # inputs per second each worker serves
+    if greedy_busy(share, full_n, seconds) <= BUSY_HOLD:
         return now
     best = (1.0 + EFFICIENT_WITHIN) * seconds(full_n) / full_n
     if seconds(n) / n <= best:
@@ -102,6 +106,8 @@ def hold_until(
     target = efficient if fits(efficient) else _last_fitting(n, efficient, fits)
     if target <= n:
         return now  # no larger batch would end in time
+    if share * seconds(target) / target > BUSY_MAX:
+        return now  # near capacity: even such batches leave the worker no time to idle while they fill
     # At most two batch times (about what the inputs would have waited had the worker still been busy), so the
     # end of a burst (arrivals that stopped) is not held long for company that will not come.
     return now + min((target - n) / queue_rate, HOLD_BATCHES * seconds(target))

@@ -140,6 +140,7 @@ class Batcher:
         self.arrivals: dict[tuple[str, int], Arrivals] = {}
         self.model_arrivals: dict[str, Arrivals] = {}
         self._left: dict[tuple[str, int], int] = {}
+        self._left_model: dict[str, int] = {}  # the same summed over a model's queues
         # Per queue: when its next batch's hold was decided, and until when it holds (the same: it does not).
         self._held: dict[tuple[str, int], tuple[float, float]] = {}
         # The workers' side: one waits for its batch at a time (`_turn`), woken by new work or a timer.
@@ -486,6 +487,11 @@ class Batcher:
         if model_rate is None or queue_rate is None:
             return now
         model, costs, unit = key[0], self.costs, q.mean_cost()
+        # The rates count arrivals where batches form: those since (still queued) count now too, or a busy
+        # worker's rate would read low by the time one batch takes.
+        tau = queue_rate.tau_s
+        pending = max(0, len(q) - self._left.get(key, 0)) / tau
+        pending_model = max(0, self.depth.get(model, 0) - self._left_model.get(model, 0)) / tau
         budget, limit = costs.budget(model), costs.limit(model)
         full_n = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
         return hold_until(
@@ -494,8 +500,8 @@ class Batcher:
             len(q),
             full_n,
             lambda k: self.batch_s.at(model, costs.estimate_cost(model, k, unit)),
-            model_rate.current(now),
-            queue_rate.current(now),
+            model_rate.current(now) + pending_model,
+            queue_rate.current(now) + pending,
             self.healthy_workers,
             self.slo_s,
         )
@@ -593,7 +599,9 @@ class Batcher:
             if item.record is not None:
                 item.record.status = "processing"
         self._uncount(key[0], taken)
-        self._left[key] = len(q)
+        left = len(q)
+        self._left_model[key[0]] = self._left_model.get(key[0], 0) + left - self._left.get(key, 0)
+        self._left[key] = left
         if not items:
             return None
         shares.owed_cap = budget if budget != math.inf else limit * widest  # a batch's cost, at most

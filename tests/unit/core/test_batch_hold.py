@@ -14,6 +14,7 @@ import pytest
 from batchserve.core import batch_hold
 from batchserve.core.batch_hold import (
     BUSY_HOLD,
+    BUSY_MAX,
     EFFICIENT_WITHIN,
     HOLD_BATCHES,
     SLO_SHARE,
@@ -115,6 +116,15 @@ def test_the_held_batch_ends_within_its_share_of_the_slo() -> None:
     assert hold_until(late, oldest, 3, 64, cpu_s, rate, rate, 1, slo) == late
 
 
+def test_no_hold_near_capacity() -> None:
+    # 80/s: batches of 11 would still keep the worker 80 x 130 ms / 11 = 95 % busy: no time to idle while they
+    # fill (a full batch serves 97/s), so what waits goes now and the backlog alone grows the batches
+    assert greedy_busy(80.0, 64, cpu_s) > BUSY_HOLD
+    assert 80.0 * cpu_s(EFFICIENT) / EFFICIENT > BUSY_MAX
+    assert hold_until(10.0, 10.0, 4, 64, cpu_s, 80.0, 80.0, 1, 1.0) == 10.0
+    assert hold_until(10.0, 10.0, 4, 64, cpu_s, 60.0, 60.0, 1, 1.0) > 10.0  # 71 %: time to spare
+
+
 def test_no_hold_when_a_larger_batch_is_no_cheaper_per_input() -> None:
     # A device whose time is proportional to its inputs (no fixed part): waiting gains nothing.
     def proportional(k: float) -> float:
@@ -201,12 +211,17 @@ def test_under_low_load_each_input_goes_at_once(loop) -> None:
 def test_a_held_batch_is_counted_as_a_hold_and_a_full_queue_goes_at_once(loop) -> None:
     clock = Clock(1000.0)
     b = make_batcher(clock)
-    for k in range(40):  # a second of 40/s, taken in batches of 2: the batcher learns the rate
+    for _ in range(80):  # two seconds of 40/s, the worker taking what it may: the batcher learns the rate
         b.submit(make_item(loop, clock.now))
         clock.now += 0.025
-        if k % 2:
-            assert b.take_now(0) is not None
-    assert b.model_arrivals[M].current(clock.now) > 10
+        b.take_now(0)
+    assert b.model_arrivals[M].current(clock.now) > 20
+    while b.take_now(0) is not None:
+        pass
+    clock.now = max([clock.now, *(due for _, due in b._held.values())])
+    while b.take_now(0) is not None:  # whatever was held goes: an empty queue
+        pass
+    assert b.depth[M] == 0
     for _ in range(2):
         b.submit(make_item(loop, clock.now))
     assert b.take_now(0) is None  # held: a larger batch would serve its inputs for much less
@@ -255,7 +270,8 @@ def test_a_hold_is_decided_once_per_batch(loop) -> None:
         b.submit(make_item(loop, clock.now))
     assert b.take_now(0) is None
     _, due, cause = b.most_urgent(clock.now)
-    assert cause == "hold" and due == pytest.approx(clock.now + (EFFICIENT - 2) / 60.0)
+    # 60/s, and the two inputs queued since the last batch counted too (over the rate's 1 s horizon)
+    assert cause == "hold" and due == pytest.approx(clock.now + (EFFICIENT - 2) / 62.0)
     clock.now = due
     assert (
         hold_until(
