@@ -288,7 +288,7 @@ def make_metrics() -> Metrics:
         ),
         batches=Counter(
             p + "batches",
-            "Dispatched batches by what flushed them: full, deadline, pace, drain, retry",
+            "Dispatched batches by what flushed them: full, deadline, pace, hold, drain, retry",
             ["model", "cause"],
             registry=r,
         ),

@@ -8,6 +8,8 @@ others queue behind it. The waiting worker takes a batch as soon as one of these
 - the oldest item's dispatch deadline arrives: `arrived + slo − expected batch time − margin`;
 - pacing: `S / G` has passed since the last dispatch (S = learned batch time, G = healthy workers), so with
   G devices dispatches are staggered about S/G apart and every device runs a full-as-possible batch;
+- ... unless the load is high and a larger batch, soon, would cost its inputs much less: then the free worker
+  waits for it, within half the SLO (`core/batch_hold.py`; the batch's cause is "hold");
 
 S is learned by batch size (`batch_time.BatchTimes`): deadlines and pacing use the S of the batch that would be
 formed now, from the queue's length;
@@ -46,6 +48,7 @@ from collections.abc import Callable
 
 from batchserve import errors
 from batchserve.core.batch_budget import BatchBudget
+from batchserve.core.batch_hold import Arrivals, hold_until
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item, Shares
@@ -70,7 +73,7 @@ class Batch:
     model: str
     items: list[Item]
     formed: float
-    cause: str  # full | deadline | pace | drain | retry | isolated
+    cause: str  # full | deadline | pace | hold | drain | retry | isolated
     avoid_worker: int = -1  # a retry prefers another worker than the one that failed it
     after_hang: bool = False  # items of a batch whose worker hung: not retried a second time
     held: list[Item] = field(default_factory=list)  # bisection: the other half, waiting on this one's outcome
@@ -132,6 +135,14 @@ class Batcher:
         self.last_dispatch = 0.0
         self.served_at: dict[str, float] = {}  # per model: when a batch of it last went out
         self.bucket_served_at: dict[tuple[str, int], float] = {}  # the same per queue
+        # Holding a free worker's batch while the load is high (`core/batch_hold.py`): arrivals per second per
+        # queue and per model, counted where batches form, and each queue's length after its last batch.
+        self.arrivals: dict[tuple[str, int], Arrivals] = {}
+        self.model_arrivals: dict[str, Arrivals] = {}
+        self._left: dict[tuple[str, int], int] = {}
+        self._left_model: dict[str, int] = {}  # the same summed over a model's queues
+        # Per queue: when its next batch's hold was decided, and until when it holds (the same: it does not).
+        self._held: dict[tuple[str, int], tuple[float, float]] = {}
         # The workers' side: one waits for its batch at a time (`_turn`), woken by new work or a timer.
         self.draining = False
         self.closed = False
@@ -438,12 +449,20 @@ class Batcher:
                     head.arrived + self.dispatch_delay(key[0], size) if head.tier < tiers.BATCH.rank else math.inf
                 )  # job items only: in no hurry, they go at the pace
                 pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
+                pace_cause = "pace"
                 if self.healthy_workers <= 1 or pace_due - now <= PACE_EARLY_S:
                     # One device: the worker asking is the device, free now, and there is nothing to stagger
                     # (the pace S only estimated when it would free: a smaller or quicker batch frees sooner).
                     # Several: a worker that frees a hair before the learned pace goes at once.
                     pace_due = min(pace_due, now)
-                due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, "pace")
+                    # ... unless the load is high and a larger batch, soon, would cost its inputs much less
+                    # (`core/batch_hold.py`): then it waits for it, within the SLO.
+                    hold = self._held.get(key)  # decided once per batch: the wait does not renew itself
+                    if hold is None:
+                        hold = self._held[key] = (now, self._hold(key, q, head.arrived, now))
+                    if hold[1] > now:
+                        pace_due, pace_cause = hold[1], "hold"
+                due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, pace_cause)
             # Among queues due now, a model served least recently goes first (then the earliest deadline), so
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
             # Inside a model, its length classes (buckets) take turns the same way: a queue of long inputs is
@@ -460,6 +479,48 @@ class Batcher:
             if rank < best_rank:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause
+
+    def _hold(self, key: tuple[str, int], q: FairQueue, oldest: float, now: float) -> float:
+        """When a free worker should take this (not full) queue's batch: now, or later while the load is high
+        and a larger batch would cost its inputs much less (`batch_hold.hold_until`)."""
+        model_rate = self.model_arrivals.get(key[0])
+        queue_rate = self.arrivals.get(key)
+        if model_rate is None or queue_rate is None:
+            return now
+        model, costs, unit = key[0], self.costs, q.mean_cost()
+        # The rates count arrivals where batches form: those since (still queued) count now too, or a busy
+        # worker's rate would read low by the time one batch takes.
+        tau = queue_rate.tau_s
+        pending = max(0, len(q) - self._left.get(key, 0)) / tau
+        pending_model = max(0, self.depth.get(model, 0) - self._left_model.get(model, 0)) / tau
+        budget, limit = costs.budget(model), costs.limit(model)
+        full_n = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
+        return hold_until(
+            now,
+            oldest,
+            len(q),
+            full_n,
+            lambda k: self.batch_s.at(model, costs.estimate_cost(model, k, unit)),
+            model_rate.current(now) + pending_model,
+            queue_rate.current(now) + pending,
+            self.healthy_workers,
+            self.slo_s,
+        )
+
+    def _count_arrivals(self, key: tuple[str, int], now: float, queued: int) -> None:
+        """The items that joined queue `key` since its last batch (it holds `queued` now), into its and its
+        model's arrival rates (what `_hold` reads): counted once per batch, not per request."""
+        seen = queued - self._left.get(key, 0)
+        if seen <= 0:
+            return
+        rate = self.arrivals.get(key)
+        if rate is None:
+            rate = self.arrivals[key] = Arrivals()
+        rate.add(now, seen)
+        rate = self.model_arrivals.get(key[0])
+        if rate is None:
+            rate = self.model_arrivals[key[0]] = Arrivals()
+        rate.add(now, seen)
 
     def _paced_by_jobs(self, q: FairQueue, model: str, head: Item) -> tuple[bool, Item]:
         """Whether batch-job items are what makes this queue due at once (full by count or cost, or an old
@@ -486,6 +547,7 @@ class Batcher:
 
     def form(self, key: tuple[str, int], now: float, cause: str, due: float = 0.0) -> Batch | None:
         q = self.queues[key]
+        self._count_arrivals(key, now, len(q))
         items: list[Item] = []
         limit = self.costs.limit(key[0])
         # An item whose deadline falls before a batch formed now would end is answered 504 here, not sent: its
@@ -540,9 +602,15 @@ class Batcher:
             if item.record is not None:
                 item.record.status = "processing"
         self._uncount(key[0], taken)
+        left = len(q)
+        self._left_model[key[0]] = self._left_model.get(key[0], 0) + left - self._left.get(key, 0)
+        self._left[key] = left
         if not items:
             return None
         shares.owed_cap = budget if budget != math.inf else limit * widest  # a batch's cost, at most
+        hold = self._held.pop(key, None)
+        if hold is not None and hold[1] > hold[0] and cause == "pace":
+            cause = "hold"  # its hold ended: the batch it waited for came, or the wait it was worth passed
         # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
         batch = Batch(key[0], items, now, cause)

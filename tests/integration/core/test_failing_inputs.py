@@ -39,7 +39,7 @@ async def post_all(url: str, inputs: list[str]) -> list[tuple[int, dict]]:
 
 def batches_run(text: str, model: str) -> float:
     return sum(metric(text, "batchserve_batches_total", model=model, cause=cause)
-               for cause in ("full", "deadline", "pace", "drain", "retry", "isolated"))
+               for cause in ("full", "deadline", "pace", "hold", "drain", "retry", "isolated"))
 
 
 def test_a_backend_that_names_the_failing_input_fails_it_alone_without_bisection(tmp_path, server_factory):

@@ -1,0 +1,153 @@
+"""Holding a free worker's batch for company while the load is high (issue 36): the flush rule "a worker is
+free and waiting longer would not help" (DESIGN §3), with "would not help" decided by the learned batch times.
+
+Why: a free worker takes what waits (one device: nothing to stagger, `Batcher.most_urgent`). Under low load
+that is right: one input alone, answered at once. Near capacity it is not: batches are whatever arrived while
+the last one ran, so the worker runs small batches back to back, busy all the time, at the cost per input of a
+small batch. On a CPU a batch has a large fixed part (minilm on this machine: ~16 ms of CPU per input in batches
+of 2-6, ~11 ms at 64), so the worker spends a third more CPU per input than it needs to, CPU the event loop and
+the tokenizer share, and admission, reading what the small batches serve (`BatchBudget.served_rate`), sees
+pressure at a rate the model could serve.
+
+The rule, per queue, when a worker is free (pacing due) and the queue is neither full nor draining:
+
+- only under load: where taking what waits would keep the workers busier than `BUSY_HOLD` (`greedy_busy`:
+  at the model's arrival rate, all its length classes, its batches settle at the smallest k that arrives no
+  faster than it runs, k >= rate x S(k)); below it the batch goes now, as before (low load, lone inputs answered
+  at once);
+- and not near capacity: where even the batches it would wait for keep the workers busier than `BUSY_MAX`,
+  a worker idling while inputs wait loses time it cannot make up (and the door, seeing waits longer than it
+  predicts, refuses more: measured here at 38/s on ~0.5 cores, 149 refusals against 8 taking what waits), so
+  the batch goes now and batches grow by the backlog alone, as before;
+- the batch worth waiting for: the smallest whose inputs cost at most `EFFICIENT_WITHIN` more each than in a
+  full batch, "where the per-input cost flattens", read off the learned batch times (`BatchTimes`); a queue
+  already that large goes now, and a device whose time grows in proportion to its inputs never holds;
+- how long: until this queue is expected to hold it (its own arrival rate), lowered to the largest batch that,
+  formed then, would end within `SLO_SHARE` of the SLO after its oldest input arrived (the rest of the SLO is
+  for a batch running ahead and the machine's noise: p95 stays within it), and at most `HOLD_BATCHES` times
+  that batch's own time (about what the inputs would have waited had the worker still been busy: more lets a
+  CPU worker's length classes reach larger batches, less makes a burst's tail wait less for company that stopped
+  coming); never past the dispatch deadline (the batcher's rule, unchanged). Decided once per batch
+  (`Batcher._held`): when the wait ends the batch goes with what came, so the end of a burst is not held again
+  and again for company that stopped coming. A full queue goes at once, as before.
+
+So holds act between about a third of capacity and ~85 % of it, where a CPU worker would otherwise run batches
+of 1-3 back to back, and fade out where throughput is at stake. With the default 200 ms SLO a held batch still
+ends within 100 ms of its oldest input: what the door admitted is answered in time.
+
+Arrival rates are counted where batches form (items that joined a queue since its last batch), decayed
+exponentially over `RATE_TAU_S`, plus those queued since (`Batcher._hold`): no work per request. Pure arithmetic
+over numbers and an injected clock, so the unit tests drive it directly (tests/unit/core/test_batch_hold.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from collections.abc import Callable
+
+BUSY_HOLD = 0.75  # hold only where taking what waits would keep the workers busier than this
+BUSY_MAX = 0.85  # ... and never where even the batches it waits for would keep them busier than this
+EFFICIENT_WITHIN = 0.15  # the batch worth waiting for: the smallest whose inputs cost at most this much more
+# each than in a full batch (where the per-input cost has flattened)
+HOLD_BATCHES = 2.0  # a hold lasts at most this many batch times of the batch it waits for
+SLO_SHARE = 0.5  # a held batch ends within this share of the SLO after its oldest input arrived
+RATE_TAU_S = 1.0  # the arrival rates' horizon (seconds)
+
+
+@dataclass
+class Arrivals:
+    """Items per second joining a queue (or a model), an exponentially decayed count over `tau_s`, fed where
+    batches form: `seen` items joined since the last call."""
+
+    tau_s: float = RATE_TAU_S
+    rate: float = 0.0
+    last: float = -math.inf
+
+    def add(self, now: float, seen: int) -> None:
+        self.rate = self.current(now) + seen / self.tau_s
+        self.last = now
+
+    def current(self, now: float) -> float:
+        if self.last == -math.inf:
+            return 0.0
+        return self.rate * math.exp(-max(0.0, now - self.last) / self.tau_s)
+
+
+def hold_until(
+    now: float,
+    oldest: float,
+    n: int,
+    full_n: int,
+    seconds: Callable[[int], float],
+    model_rate: float,
+    queue_rate: float,
+    workers: int,
+    slo_s: float,
+) -> float:
+    """When a free worker should take this queue's batch (`now`: at once). `oldest`: when its oldest input
+    arrived; `n`: inputs waiting, `full_n`: a full batch of them; `seconds(k)`: the learned time of a batch of k
+    of them; the model's and this queue's arrival rates (inputs/s); healthy workers; the SLO (module docstring).
+    The dispatch deadline is the caller's, and comes first when earlier."""
+    if n <= 0 or n >= full_n or model_rate <= 0.0 or queue_rate <= 0.0:
+        return now
+    share = model_rate / max(1, workers)  # inputs per second each worker serves
+    if greedy_busy(share, full_n, seconds) <= BUSY_HOLD:
+        return now
+    best = (1.0 + EFFICIENT_WITHIN) * seconds(full_n) / full_n
+    if seconds(n) / n <= best:
+        return now  # already a batch whose inputs cost about what they would in a full one
+    ends_by = oldest + SLO_SHARE * slo_s
+
+    def fits(k: int) -> bool:  # a batch of k, formed when the k-th input is expected, ends in time
+        return now + (k - n) / queue_rate + seconds(k) <= ends_by
+
+    efficient = _first(n, full_n, lambda k: seconds(k) / k <= best)
+    target = efficient if fits(efficient) else _last_fitting(n, efficient, fits)
+    if target <= n:
+        return now  # no larger batch would end in time
+    if share * seconds(target) / target > BUSY_MAX:
+        return now  # near capacity: even such batches leave the worker no time to idle while they fill
+    # At most two batch times (about what the inputs would have waited had the worker still been busy), so the
+    # end of a burst (arrivals that stopped) is not held long for company that will not come.
+    return now + min((target - n) / queue_rate, HOLD_BATCHES * seconds(target))
+
+
+def greedy_busy(rate: float, full_n: int, seconds: Callable[[int], float]) -> float:
+    """The share of a worker's time it is busy when it takes what waits whenever it frees, at `rate` inputs/s:
+    its batches settle at the smallest k whose run lasts no longer than k inputs take to arrive (k >= rate x
+    S(k)), busy rate x S(k) / k of the time; inf when no batch up to a full one keeps up."""
+    if rate * seconds(full_n) > full_n:
+        return math.inf
+    k = 1 if rate * seconds(1) <= 1 else _first(1, full_n, lambda k: rate * seconds(k) <= k)
+    return rate * seconds(k) / k
+
+
+def _first(n: int, top: int, ok: Callable[[int], bool]) -> int:
+    """The smallest k in (n, top] with ok(k), for ok false up to some k and true from there on (top when none
+    is): steps of 1, 2, 4, ... past n, then bisection of the last (a handful of reads of the learned line)."""
+    lo, step = n, 1
+    while True:
+        hi = min(top, n + step)
+        if ok(hi) or hi >= top:
+            break
+        lo, step = hi, step * 2
+    while hi - lo > 1:  # not ok(lo) (or lo == n), ok(hi) (or hi == top)
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _last_fitting(n: int, top: int, ok: Callable[[int], bool]) -> int:
+    """The largest k in [n, top) with ok(k), or n, for ok true up to some k and false from there on (not ok(top))."""
+    lo, hi = n, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
