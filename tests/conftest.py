@@ -116,6 +116,16 @@ def hang_up_behind_a_busy_worker(url: str, path: str, busy: dict, gone: bytes, r
     return asyncio.run(scenario())
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """One torch intra-op thread in the test process, as the servers keep one core for their loop: CI runs two
+    or three pytest processes (and their servers) side by side on 2 cores, and a torch op on 2 threads waits for
+    whichever one is descheduled (a tiny model's forward took 2x the time and 2x the CPU, spinning). The test
+    modules imported torch while they were collected, if any uses it; a later import keeps torch's default."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def server_factory():
     started: list[LiveServer] = []

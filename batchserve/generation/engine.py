@@ -425,12 +425,20 @@ class Engine:
         cfg = EngineConfig.from_settings(settings)
 
         def load() -> tuple[Any, Any, Stepper]:
-            from batchserve.backends.hf import generation_folder
+            from batchserve.backends.hf import default_threads, generation_folder
             from batchserve.backends.smollm2 import load_model, load_tokenizer
 
+            device = default_device(settings)
+            if device == "cpu" and model is None:
+                import torch
+
+                # One intra-op thread fewer than the cores, as the batch backends set it (hf.py `setup`): the loop
+                # needs one. With no batch backend loaded (the stepper alone answers) nothing set it, and torch's
+                # default, every core, made each step's ops wait for a thread the loop or a neighbour had taken.
+                torch.set_num_threads(default_threads())
             source = generation_folder(settings)  # a --model folder, or smollm2's package folder
             tok = tokenizer if tokenizer is not None else load_tokenizer(source)
-            mdl = model if model is not None else load_model(default_device(settings), source)
+            mdl = model if model is not None else load_model(device, source)
             cfg.defaults = sampling_defaults(mdl)
             return tok, mdl, build_stepper(mdl, tok, cfg)
 
