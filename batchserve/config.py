@@ -347,6 +347,11 @@ class Settings:
         "with them / with one row, timed at warm-up): batch lines keep as many rows as fit, at least one and at "
         "most --generation-batch-beside-interactive of them; where rows cost next to nothing (a GPU) the share rules",
     )
+    torch_threads: int = knob(
+        0,
+        "torch's intra-op threads on a CPU, for every model (a [models.options] threads overrides it); 0 = one "
+        "fewer than the usable cores, leaving one to the event loop",
+    )
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
@@ -452,6 +457,7 @@ class Settings:
         need(self.generation_max_tokens >= 1, "generation_max_tokens", "1 or more")
         need(0 < self.generation_batch_beside_interactive <= 1, "generation_batch_beside_interactive", "in (0, 1]")
         need(self.generation_batch_slowdown >= 1, "generation_batch_slowdown", "1 or more")
+        need(self.torch_threads >= 0, "torch_threads", "0 (auto) or more")
         for name in ("generation_max_seqs", "generation_kv_tokens"):
             need(getattr(self, name) >= 0, name, "0 (auto) or more")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):

@@ -266,6 +266,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--base", type=Path, default=None,
                    help="another checkout (e.g. `git archive main | tar -x -C DIR`) run as 'base' with after's flags "
                         "(--model): a change measured against it in one run (add base to --servers)")
+    p.add_argument("--after-flags", default="",
+                   help="more `batchserve serve` flags for 'after' alone, e.g. '--torch-threads 2' (split on spaces)")
+    p.add_argument("--infinity-threads", type=int, default=0,
+                   help="Infinity's OMP_NUM_THREADS (default 0: one fewer than the cores, as batchserve's default)")
     p.add_argument("--no-offline", dest="offline", action="store_false",
                    help="skip the offline encode measurements (an A/B of servers alone; no ratio to offline)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
@@ -308,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for which in wanted:
                 if which == "after":
-                    targets.append(start_batchserve("after", REPO, ["--model", f"minilm={folder}"], [], logs))
+                    targets.append(start_batchserve("after", REPO, ["--model", f"minilm={folder}"],
+                                                    a.after_flags.split(), logs))
                 elif which == "before":
                     if a.before:
                         targets.append(start_batchserve("before", before_tree(a.before), ["--backend", "minilm"], [],
@@ -323,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                         notes.append(f"Infinity skipped: no venv at {a.infinity_venv} (bench/README.md says how to "
                                      f"make it)")
                         continue
-                    targets.append(start_infinity(a.infinity_venv, folder, max(1, len(os.sched_getaffinity(0)) - 1),
-                                                  logs))
+                    threads = a.infinity_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+                    targets.append(start_infinity(a.infinity_venv, folder, threads, logs))
                 else:
                     raise SystemExit(f"unknown server {which!r}")
                 print(f"{which}: started", flush=True)
@@ -372,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
            "settings": {"rates": rates, "duration_s": a.duration, "warmup_s": a.warmup, "seed": a.seed,
                         "before": a.before, "base": str(a.base) if a.base else None, "servers": wanted,
                         "max_batch": 64, "slo_ms": 1000, "p95_limit_ms": P95_LIMIT_MS, "words": "8-40",
-                        "smoke": a.smoke},
+                        "smoke": a.smoke, "after_flags": a.after_flags,
+                        "infinity_threads": a.infinity_threads},
            "verdict": verdict, "profile": profile}
     text = markdown(rep, rows)
     print()

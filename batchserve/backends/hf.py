@@ -316,7 +316,7 @@ class HFModel:
     @classmethod
     def from_settings(cls, spec: ModelSpec, settings: Settings) -> object:
         info = model_of(spec)
-        options = dict(spec.options)
+        options = {"threads": settings.torch_threads, **spec.options}
         devices = pick_devices(settings.devices)
         if info.task == "embeddings":
             return FolderEmbedder(info, devices, **options)

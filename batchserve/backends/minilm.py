@@ -216,7 +216,7 @@ class MiniLM:
         """[models.options] may set `threads`, `pass_tokens`, `group_by_length` and `path`."""
         devices = pick_devices(settings.devices)
         size_for_device(settings, devices)
-        options = dict(spec.options)
+        options = {"threads": settings.torch_threads, **spec.options}
         if "path" not in options:
             options["path"] = weights_path(settings)  # extracted under --weights-cache when it is set
         return cls(devices, **options)

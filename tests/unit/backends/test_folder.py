@@ -6,6 +6,7 @@ errors for what cannot be served. Folders of JSON files only: no weights, nothin
 from __future__ import annotations
 
 import json
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,23 @@ def test_a_hub_id_resolves_through_the_local_cache_only(tmp_path: Path, monkeypa
     assert info.path == snapshot and info.task == "generation"
     with pytest.raises(FolderError, match="not in the local Hugging Face cache"):
         inspect_folder("acme/absent")
+
+
+def test_torch_threads_reach_a_folder_model_unless_its_options_set_them(monkeypatch: Any, tmp_path: Path) -> None:
+    from batchserve.backends import hf
+    from batchserve.backends.folder import FolderModel
+    from batchserve.config import ModelSpec
+
+    def built(kind: str) -> Any:  # the backend's keyword arguments, without loading a tokenizer
+        return lambda info, devices, **options: (kind, options)
+
+    monkeypatch.setattr(hf, "FolderEmbedder", built("embedder"))
+    monkeypatch.setattr(hf, "FolderReranker", built("reranker"))
+    for task, kind in (("embeddings", "embedder"), ("reranking", "reranker")):
+        info = FolderModel(path=tmp_path, task=task, architecture="BertModel", model_type="bert", max_tokens=8)
+        monkeypatch.setattr(hf, "model_of", lambda spec, info=info: info)
+        spec = ModelSpec("m", backend="hf")
+        assert hf.HFModel.from_settings(spec, Settings(torch_threads=2)) == (kind, {"threads": 2})
+        assert hf.HFModel.from_settings(spec, Settings()) == (kind, {"threads": 0})  # 0: cores - 1, at setup
+        own = ModelSpec("m", backend="hf", options={"threads": 1, "pass_tokens": 64})
+        assert hf.HFModel.from_settings(own, Settings(torch_threads=2)) == (kind, {"threads": 1, "pass_tokens": 64})
