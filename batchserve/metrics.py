@@ -213,8 +213,7 @@ class Metrics:
         self, model: str, latency_s: float, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0
     ) -> None:
         """One 200 answer of a model: its status count and duration, and its entry in the SLO ledger
-        (`count_outcome`'s, written out): the hot path, so the labelled children are found by one lookup each and
-        written without a call."""
+        (`count_outcome`): the hot path, so the labelled children are found by one lookup each."""
         children = self._ok.get(model)
         if children is None:
             children = self._ok[model] = (self.requests.labels(model, "200"), self.request_duration.labels(model))
@@ -222,12 +221,7 @@ class Metrics:
         duration = children[1]
         duration.counts[bisect.bisect_left(duration.bounds, latency_s)] += 1
         duration.sum += latency_s
-        booked = self._ledger.get((model, tier, outcome))
-        if booked is None:
-            booked = self._ledger_children(model, tier, outcome)
-        booked[0].value += 1
-        booked[1].value += inputs
-        booked[2].value += cost
+        self.count_outcome(model, tier, outcome, inputs, cost)
 
     def count_outcome(self, model: str, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0) -> None:
         """One answer in the SLO ledger; `inputs` and `cost` are added to what was served (pass them only for a

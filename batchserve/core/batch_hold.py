@@ -132,22 +132,20 @@ def _first(n: int, top: int, ok: Callable[[int], bool]) -> int:
         if ok(hi) or hi >= top:
             break
         lo, step = hi, step * 2
-    while hi - lo > 1:  # not ok(lo) (or lo == n), ok(hi) (or hi == top)
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return _bisect(lo, hi, ok)[1]  # not ok(lo) (or lo == n), ok(hi) (or hi == top)
 
 
 def _last_fitting(n: int, top: int, ok: Callable[[int], bool]) -> int:
     """The largest k in [n, top) with ok(k), or n, for ok true up to some k and false from there on (not ok(top))."""
-    lo, hi = n, top
+    return _bisect(n, top, lambda k: not ok(k))[0]
+
+
+def _bisect(lo: int, hi: int, turned: Callable[[int], bool]) -> tuple[int, int]:
+    """Narrow (lo, hi) to neighbours where `turned` (false, then true from some k on) turns between them."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
+        if turned(mid):
             hi = mid
-    return lo
+        else:
+            lo = mid
+    return lo, hi
