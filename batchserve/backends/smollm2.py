@@ -269,6 +269,12 @@ class SmolLM2Backend:
         devices = pick_devices(s.devices)
         log.info("loading the causal LM from %s on %s", source or GGUF_FILE, ", ".join(devices))
         tokenizer = load_tokenizer(source)
+        if "cpu" in devices:
+            import torch
+
+            from batchserve.backends.hf import default_threads
+
+            torch.set_num_threads(s.torch_threads or default_threads())  # as the embedders and the engine set it
         models = [load_model(d, source) for d in devices]
         decoders = []
         if s.decode == "static":

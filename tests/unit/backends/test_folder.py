@@ -162,3 +162,17 @@ def test_torch_threads_reach_a_folder_model_unless_its_options_set_them(monkeypa
         assert hf.HFModel.from_settings(spec, Settings()) == (kind, {"threads": 0})  # 0: cores - 1, at setup
         own = ModelSpec("m", backend="hf", options={"threads": 1, "pass_tokens": 64})
         assert hf.HFModel.from_settings(own, Settings(torch_threads=2)) == (kind, {"threads": 1, "pass_tokens": 64})
+
+
+def test_torch_threads_reach_the_causal_lm_batch_backend(monkeypatch: Any) -> None:
+    import torch
+
+    from batchserve.backends import smollm2
+
+    set_to: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(smollm2, "load_tokenizer", lambda source: None)
+    monkeypatch.setattr(smollm2, "load_model", lambda device, source: None)
+    monkeypatch.setattr(smollm2.SmolLM2Backend, "__init__", lambda self, **kw: None)
+    smollm2.SmolLM2Backend.from_source("", Settings(torch_threads=2, decode="generate"))
+    assert set_to == [2]
