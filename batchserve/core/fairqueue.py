@@ -308,13 +308,7 @@ class FairQueue:
         """The next item, taken out. `charge`: its cost is counted as served to its tenant now; the batcher
         passes False and calls `charge` once the item is really in a batch (not dropped as late)."""
         lane = self._next_lane(stick)
-        if lane is None:
-            return None
-        self.size -= 1
-        item = lane.items.popleft()
-        self.cost_sum = self.cost_sum - item.cost if self.size else 0.0
-        self.shares.left(item, charge)
-        return item
+        return None if lane is None else self.pop_head(lane, charge)
 
     def sole_lane(self) -> Lane | None:
         """The lane `pop` takes from until it is empty, when it is the only one with items and listed alone in
@@ -332,7 +326,8 @@ class FairQueue:
         return found
 
     def pop_head(self, lane: Lane, charge: bool = True) -> Item:
-        """`pop` of the lane it would take from (`sole_lane`, while it has items): its head, taken out."""
+        """The head of `lane` (which has items), taken out: `pop` once it has found the lane, or the batcher with
+        the `sole_lane` it already knows."""
         self.size -= 1
         item = lane.items.popleft()
         self.cost_sum = self.cost_sum - item.cost if self.size else 0.0
