@@ -32,6 +32,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -64,6 +65,11 @@ def running_batch(callers_gone: Callable[[], bool]) -> Iterator[RunningBatch]:
         yield batch
     finally:
         _current.batch = None
+
+
+def default_threads() -> int:
+    """torch's intra-op threads on a CPU: one fewer than the usable cores (the event loop needs one)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def pick_devices(requested: int) -> list[str]:

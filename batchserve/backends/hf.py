@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from batchserve.backends import pick_devices
+from batchserve.backends import default_threads, pick_devices
 from batchserve.backends.folder import FolderError, FolderModel, inspect_folder
 from batchserve.config import ModelSpec, Settings
 
@@ -49,11 +48,6 @@ WARM_TEXTS = [
     "The quick brown fox jumps over the lazy dog, again and again.",
     "Embeddings map text to vectors.",
 ] * 4
-
-
-def default_threads() -> int:
-    """torch's intra-op threads on a CPU: one fewer than the usable cores (the event loop needs one)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def pair_input(query: str, document: str) -> str:

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from batchserve.backends import pick_devices
-from batchserve.backends.hf import default_threads, passes  # noqa: F401 - minilm.passes / default_threads, as before
+from batchserve.backends import default_threads  # noqa: F401 - minilm.default_threads, as before
+from batchserve.backends.hf import passes  # noqa: F401 - minilm.passes, as before
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.minilm")

@@ -26,7 +26,7 @@ from unittest import mock
 from typing import Any, Literal
 from collections.abc import Callable, Iterator
 
-from batchserve.backends import all_callers_gone, pick_devices
+from batchserve.backends import all_callers_gone, default_threads, pick_devices
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.smollm2")
@@ -271,8 +271,6 @@ class SmolLM2Backend:
         tokenizer = load_tokenizer(source)
         if "cpu" in devices:
             import torch
-
-            from batchserve.backends.hf import default_threads
 
             torch.set_num_threads(s.torch_threads or default_threads())  # as the embedders and the engine set it
         models = [load_model(d, source) for d in devices]

@@ -425,7 +425,8 @@ class Engine:
         cfg = EngineConfig.from_settings(settings)
 
         def load() -> tuple[Any, Any, Stepper]:
-            from batchserve.backends.hf import default_threads, generation_folder
+            from batchserve.backends import default_threads
+            from batchserve.backends.hf import generation_folder
             from batchserve.backends.smollm2 import load_model, load_tokenizer
 
             device = default_device(settings)
