@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logsafe.install()  # one record, one line: a caller's control characters are escaped
     log.info("settings: %s", effective(settings))
+    from batchserve.backends import sleeping_idle_threads
+
+    sleeping_idle_threads()  # before any model (or a --processes child) loads torch
     if settings.processes > 1:  # the children load the models, each on its share of the devices
         from batchserve.http.processes import serve_processes
 

@@ -269,7 +269,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--after-flags", default="",
                    help="more `batchserve serve` flags for 'after' alone, e.g. '--torch-threads 2' (split on spaces)")
     p.add_argument("--infinity-threads", type=int, default=0,
-                   help="Infinity's OMP_NUM_THREADS (default 0: one fewer than the cores, as batchserve's default)")
+                   help="Infinity's OMP_NUM_THREADS (default 0: every core, as batchserve's default; "
+                        "its idle threads sleep, OMP_WAIT_POLICY=PASSIVE, as batchserve sets them)")
     p.add_argument("--no-offline", dest="offline", action="store_false",
                    help="skip the offline encode measurements (an A/B of servers alone; no ratio to offline)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
@@ -328,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                         notes.append(f"Infinity skipped: no venv at {a.infinity_venv} (bench/README.md says how to "
                                      f"make it)")
                         continue
-                    threads = a.infinity_threads or max(1, len(os.sched_getaffinity(0)) - 1)
-                    targets.append(start_infinity(a.infinity_venv, folder, threads, logs))
+                    threads = a.infinity_threads or len(os.sched_getaffinity(0))
+                    # the threading batchserve serve sets for itself by default, so both run on the same terms
+                    targets.append(start_infinity(a.infinity_venv, folder, threads, logs, "PASSIVE"))
                 else:
                     raise SystemExit(f"unknown server {which!r}")
                 print(f"{which}: started", flush=True)

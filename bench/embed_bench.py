@@ -164,13 +164,15 @@ def start_batchserve(threads: int, log_dir: Path) -> Target:
     return Target("batchserve", server, f"http://127.0.0.1:{port}/v1/embeddings", True)
 
 
-def start_infinity(venv: Path, model_dir: Path, threads: int, log_dir: Path) -> Target:
+def start_infinity(venv: Path, model_dir: Path, threads: int, log_dir: Path, wait_policy: str = "") -> Target:
+    """Infinity on `threads` OpenMP threads; `wait_policy` sets its OMP_WAIT_POLICY (empty: OpenMP's default)."""
     port = free_port()
     cmd = [str(venv / "bin" / "infinity_emb"), "v2", "--model-id", str(model_dir), "--served-model-name", "minilm",
            "--device", "cpu", "--engine", "torch", "--batch-size", str(MAX_BATCH), "--host", "127.0.0.1",
            "--port", str(port), "--no-bettertransformer", "--no-vector-disk-cache", "--log-level", "warning"]
     env = {**servers.clean_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
-           "INFINITY_ANONYMOUS_USAGE_STATS": "0", "OMP_NUM_THREADS": str(threads)}
+           "INFINITY_ANONYMOUS_USAGE_STATS": "0", "OMP_NUM_THREADS": str(threads),
+           **({"OMP_WAIT_POLICY": wait_policy} if wait_policy else {})}
     server = start("infinity", cmd, port, "/health", env, log_dir, 300)
     return Target("infinity", server, f"http://127.0.0.1:{port}/embeddings", False)
 

@@ -19,6 +19,11 @@ import pytest
 
 PORT_LINE = re.compile(r"Uvicorn running on http://[\d.]+:(\d+)")
 
+# The servers the tests start run torch on one intra-op thread, not the default of every core: CI runs two or
+# three pytest processes and their servers side by side on 2 cores, where a model split over 2 threads per
+# server only trades the cores between them (a test that sets --torch-threads itself still wins).
+os.environ.setdefault("BATCHSERVE_TORCH_THREADS", "1")
+
 
 @dataclass
 class LiveServer:
@@ -117,10 +122,11 @@ def hang_up_behind_a_busy_worker(url: str, path: str, busy: dict, gone: bytes, r
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """One torch intra-op thread in the test process, as the servers keep one core for their loop: CI runs two
-    or three pytest processes (and their servers) side by side on 2 cores, and a torch op on 2 threads waits for
-    whichever one is descheduled (a tiny model's forward took 2x the time and 2x the CPU, spinning). The test
-    modules imported torch while they were collected, if any uses it; a later import keeps torch's default."""
+    """One torch intra-op thread in the test process, as in the servers it starts (BATCHSERVE_TORCH_THREADS
+    above): CI runs two or three pytest processes (and their servers) side by side on 2 cores, and a torch op on
+    2 threads waits for whichever one is descheduled (a tiny model's forward took 2x the time and 2x the CPU,
+    spinning). The test modules imported torch while they were collected, if any uses it; a later import keeps
+    torch's default."""
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)

@@ -25,9 +25,9 @@ docs/backends.md for the measurement. The vectors equal sentence-transformers' `
   and the per-batch token budget (`--max-batch-size`, `--max-batch-tokens`) default to what one wide pass of
   the free memory's share holds (`gpu_batch_limits`): the CPU's defaults (100 inputs, no budget) would leave a
   GPU mostly idle per batch.
-- On a CPU, torch's intra-op threads are one fewer than the cores this process may use: the event loop needs
-  a core, and an OpenMP thread that spins while the loop holds its core stalls every matrix product (measured
-  on 2 shared cores: one thread embedded a sentence in ~40 ms, two in ~500 ms). Option `threads` overrides it.
+- On a CPU, torch's intra-op threads are every core this process may use (`backends.default_threads`), with
+  OpenMP's idle threads sleeping rather than spinning (`backends.sleeping_idle_threads`): a thread that spins
+  while the loop holds its core stalls every matrix product. Option `threads` overrides it.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class MiniLM:
     tokenizer stage's kept encodings (`tokenize`: each input tokenized once, off the event loop)."""
 
     device_list: list[str]
-    threads: int = 0  # torch intra-op threads on a CPU; 0 = one fewer than the usable cores
+    threads: int = 0  # torch intra-op threads on a CPU; 0 = every usable core
     pass_tokens: int = 0  # padded tokens per forward pass; 0 = CPU_PASS_TOKENS on a CPU, GPU_PASS_TOKENS on CUDA
     path: Path = field(default_factory=weights_path)  # option `path`, else $BATCHSERVE_MINILM_DIR, else the package
     group_by_length: bool = True  # one queue per length class (bucket_of); False: one queue for all

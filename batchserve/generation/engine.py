@@ -433,9 +433,8 @@ class Engine:
             if device == "cpu" and model is None:
                 import torch
 
-                # One intra-op thread fewer than the cores, as the batch backends set it (hf.py `setup`): the loop
-                # needs one. With no batch backend loaded (the stepper alone answers) nothing set it, and torch's
-                # default, every core, made each step's ops wait for a thread the loop or a neighbour had taken.
+                # As the batch backends set it (hf.py `setup`): with no batch backend loaded (the stepper alone
+                # answers) nothing else would, and --torch-threads must reach this model too.
                 torch.set_num_threads(settings.torch_threads or default_threads())
             source = generation_folder(settings)  # a --model folder, or smollm2's package folder
             tok = tokenizer if tokenizer is not None else load_tokenizer(source)
