@@ -67,11 +67,12 @@ def running_batch(callers_gone: Callable[[], bool]) -> Iterator[RunningBatch]:
         _current.batch = None
 
 
-def default_threads() -> int:
-    """torch's intra-op threads on a CPU: every usable core. The event loop's share of a CPU server is small
-    beside the model's (docs/backends.md), so leaving it a core of its own gave away half the capacity of a
-    2-core machine; `sleeping_idle_threads` keeps the threads from holding the loop's core between ops."""
-    return len(os.sched_getaffinity(0))
+def default_threads(processes: int = 1) -> int:
+    """torch's intra-op threads on a CPU: every usable core, split evenly among `processes` serving processes
+    (`--processes`; at least one each). The event loop's share of a CPU server is small beside the model's
+    (docs/backends.md), so leaving it a core of its own gave away half the capacity of a 2-core machine;
+    `sleeping_idle_threads` keeps the threads from holding the loop's core between ops."""
+    return max(1, len(os.sched_getaffinity(0)) // processes)
 
 
 def sleeping_idle_threads() -> None:

@@ -164,7 +164,13 @@ def child_main(
     if own_port_out is not None:
         own_port_out.value = own_port
     slot = ProcessSlot(index, settings.processes, own_port)
-    settings = replace(settings, port=port, devices=share.devices, processes=1, process_slot=slot)
+    from batchserve.backends import default_threads
+
+    # the CPU's cores are split among the children as the devices are (each child's torch would take them all)
+    threads = settings.torch_threads or default_threads(settings.processes)
+    settings = replace(
+        settings, port=port, devices=share.devices, processes=1, process_slot=slot, torch_threads=threads
+    )
     try:
         loaded = load_models(settings, elsewhere)
     except PluginError as exc:

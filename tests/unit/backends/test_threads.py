@@ -12,8 +12,11 @@ import pytest
 from batchserve import backends
 
 
-def test_default_threads_are_every_core_this_process_may_use() -> None:
-    assert backends.default_threads() == len(os.sched_getaffinity(0))
+def test_default_threads_are_every_core_this_process_may_use_split_among_processes() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert backends.default_threads() == cores
+    assert backends.default_threads(2) == max(1, cores // 2)
+    assert backends.default_threads(cores + 1) == 1
 
 
 def test_idle_openmp_threads_sleep_unless_the_environment_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
