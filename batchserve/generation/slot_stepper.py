@@ -408,11 +408,16 @@ class SlotStepper:
     def _separate(self) -> None:
         """While a foreground sequence sits above a background one, move the highest foreground one down: into a
         free slot below every background one if there is one, else swap it with the lowest background one. Then
-        a step over the foreground prefix leaves every background row out (on a GPU, if their buckets differ)."""
+        a step over the foreground prefix leaves every background row out. Not where no step could: the
+        foreground rows alone need the bucket all the rows do (a GPU's padding), or a full step costs no more
+        than the slowdown allows (rows nearly free: the ledger includes them in every step, a move is waste)."""
         while True:
             front = [slot for slot, live in self._live.items() if not live.background]
             back = [slot for slot, live in self._live.items() if live.background]
             if not front or not back or max(front) < min(back):
+                return
+            alone, rows = self.decoder.shape(len(front), 1)[0], self.decoder.shape(max(self._live) + 1, 1)[0]
+            if alone >= rows or not self.share.dear(alone, rows):
                 return
             top, low = max(front), min(back)
             below = [slot for slot in self._free if slot < low]

@@ -75,6 +75,12 @@ class StepShare:
             return False
         return self.credit + self.slowdown * alone - full >= 0
 
+    def dear(self, foreground_rows: int, rows: int) -> bool:
+        """Whether a step of `rows` rows may cost more than slowdown x one of `foreground_rows` (not yet known:
+        it may): only then is it worth moving rows so that steps can leave the background ones out."""
+        full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
+        return full is None or alone is None or full > self.slowdown * alone
+
     def book(self, rows: int, foreground_rows: int, background: bool) -> Booking:
         """A step is launched with foreground rows live while background work waits: `rows` rows, `background`
         whether the background rows (or any) took part. Books its estimated cost now (a step's measured time

@@ -99,6 +99,7 @@ def test_batch_rows_sitting_out_steps_beside_interactive_ones_answer_token_for_t
     stepper = SlotStepper(dec, step_s=0.01)
     alternate = Alternate()
     stepper.share.include = alternate  # type: ignore[method-assign]
+    stepper.share.dear = lambda foreground_rows, rows: True  # type: ignore[method-assign]  # rows here cost ~nothing
     waves = [
         [("b0", batch[0], long, True), ("b1", batch[1], long, True), ("b2", batch[2], seeded, True)],
         [("c0", chats[0], short, False), ("c1", chats[1], short, False)],

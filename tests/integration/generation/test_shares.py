@@ -170,7 +170,9 @@ def test_a_chat_batch_beside_interactive_chats_keeps_to_its_rows_and_completes_e
     assert engine_stats(s.url)["preempted"] >= before + SLOTS - 1 - cap
     beside_interactive = [batch for running, batch in seen if running > batch]
     assert beside_interactive and max(beside_interactive) <= cap, seen
-    # the batch row sat out some steps (a step of the interactive row alone) and took part in others: on this
-    # CPU a second row lengthens a step far more than --generation-batch-slowdown allows (`step_share`)
-    assert steps["interactive_only"] > 0 and steps["full"] > 0, steps
+    # the batch row took part in steps, and (on a CPU, where a second row lengthens a step far more than
+    # --generation-batch-slowdown allows) sat out others: steps of the interactive row alone (`step_share`)
+    assert steps["full"] > 0, steps
+    if engine_stats(s.url)["engine"].endswith("on cpu"):
+        assert steps["interactive_only"] > 0, steps
     assert ratio <= 4, ratio  # the goal is 1.5x (bench/gen_share.py measures it); generous here

@@ -149,3 +149,22 @@ def test_on_padded_rows_a_background_row_inside_the_foreground_bucket_takes_part
     pending = stepper._launch(stepper._include())
     assert dec.launched[-1] == 8 and {live.seq_id for live, _ in pending.members} == {"fg0", "fg1", "bg"}
     assert stepper.step_mix()["unseparated"] == 1 and stepper.step_mix()["interactive_only"] == 1
+
+
+def test_rows_nearly_free_or_one_bucket_for_all_move_nothing() -> None:
+    dec = Decoder(8)
+    dec.step_times = {1: 0.010, 2: 0.0105, 3: 0.011}  # a full step within the slowdown: the ledger takes them all
+    stepper = SlotStepper(dec, step_s=0.01)  # type: ignore[arg-type]
+    join(stepper, "fg0", False)
+    join(stepper, "bg", True)
+    assert join(stepper, "fg1", False) == 2 and dec.swaps == [] and dec.moves == []  # left above the batch row
+    dec = Decoder(32, fixed_shapes=True)  # the GPU's buckets: 1, 8, 16, 32
+    stepper = SlotStepper(dec, step_s=0.01)  # type: ignore[arg-type]
+    for i in range(3):
+        join(stepper, f"fg{i}", False)  # 0, 1, 2
+    assert join(stepper, "bg", True) == 7  # the top of the 8-row bucket
+    for i in range(3, 7):
+        join(stepper, f"fg{i}", False)  # 3..6
+    assert join(stepper, "fg7", False) == 7 and dec.swaps == [(8, 7)]  # 8 foreground rows fill the 8-row bucket
+    assert join(stepper, "fg8", False) == 9  # 9 need the 16-row bucket the batch row is in: a swap buys nothing
+    assert dec.swaps == [(8, 7)] and dec.moves == []

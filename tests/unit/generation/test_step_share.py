@@ -119,3 +119,8 @@ def test_the_warm_up_times_seed_the_ledger_so_it_does_not_explore() -> None:
     share = StepShare(1.25, seed={FG: cpu(FG), ALL: cpu(ALL)})
     _, included = drive(share, cpu, 3)
     assert included == [False, False, True]  # credit first: two interactive-only steps pay for a full one
+
+
+def test_a_full_step_is_dear_only_past_the_slowdown_or_while_not_yet_timed() -> None:
+    share = StepShare(1.25, seed={1: 0.010, 2: 0.0166, 8: 0.0120})
+    assert share.dear(1, 2) and not share.dear(1, 8) and share.dear(1, 5)
