@@ -102,9 +102,9 @@ class StepShare:
 
     def measured(self, rows: int, seconds: float, booking: Booking | None = None) -> None:
         """A step of `rows` rows took `seconds`: learn it; if it was booked, correct the booking with it."""
+        self._timing.discard(rows)  # even a step whose time could not be read: include() must not wait on it
         if seconds <= 0:
             return
-        self._timing.discard(rows)
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + EMA_WEIGHT * (seconds - old)
         if booking is None:
