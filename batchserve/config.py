@@ -343,9 +343,9 @@ class Settings:
     )
     generation_batch_slowdown: float = knob(
         1.25,
-        "the most batch lines' rows may lengthen a decode step while interactive work is there (the step's time "
-        "with them / with one row, timed at warm-up): batch lines keep as many rows as fit, at least one and at "
-        "most --generation-batch-beside-interactive of them; where rows cost next to nothing (a GPU) the share rules",
+        "the most batch work may slow an interactive caller's decode steps (their time with it / without, over "
+        "any stretch of steps): the slots engine leaves batch rows out of steps as measured step times require "
+        "(at least one step in 9 keeps them moving); with the manager, batch lines keep only the rows that fit it",
     )
     torch_threads: int = knob(
         0,

@@ -37,6 +37,7 @@ class FeedStepper:
     description = "none (fed by hand)"
     resumable = True  # the engine may preempt: a dropped sequence is simply added again
     row_growth = 0.0  # rows cost nothing here
+    shares_steps = False  # every sequence in every step
 
     def __init__(self, capacity: Any, step_s: float = 0.005) -> None:
         self.capacity = capacity
@@ -57,6 +58,9 @@ class FeedStepper:
 
     def kv_usage(self) -> float:
         return 0.0
+
+    def step_mix(self) -> dict[str, float]:
+        return {}
 
     def stop(self, timeout: float) -> None:
         pass

@@ -218,10 +218,14 @@ def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path,
     t = threading.Thread(target=batch)
     t.start()
     wait_until(lambda: engine_stats(s.base)["running"] >= 2 or over.is_set(), 120, 0.05)
+    steps_before = engine_stats(s.base).get("steps") or {}
     beside, answers = timed_chats(s.base, keys["caller"], interactive, until=over)
+    steps_after = engine_stats(s.base).get("steps") or {}
     t.join()
     wall = time.perf_counter() - began
     stats = engine_stats(s.base)
+    # the duty cycle while the interactive chats ran: steps with the batch rows, and of the interactive rows alone
+    mix = {k: steps_after.get(k, 0) - steps_before.get(k, 0) for k in ("full", "interactive_only", "unseparated")}
     preempted = stats.get("preempted")
     # alone again: on a shared machine the load under the first alone phase may not be the load beside the batch;
     # the ratio to each, and to the slower of the two, brackets the drift
@@ -238,7 +242,8 @@ def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path,
             "p50_alone_s": p50(alone), "p50_beside_s": p50(beside), "ratio": p50(beside) / p50(alone),
             "p50_alone_after_s": p50(after), "ratio_to_after": p50(beside) / p50(after),
             "ratio_to_slower_alone": p50(beside) / max(p50(alone), p50(after)),
-            "goal_ratio": 1.5, "preempted": preempted}
+            "goal_ratio": 1.5, "preempted": preempted, "steps_full": mix["full"],
+            "steps_interactive_only": mix["interactive_only"], "steps_unseparated": mix["unseparated"]}
 
 
 def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> str:
@@ -256,7 +261,7 @@ def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> st
             out.append(report.table(
                 ["scenario", "code", "batch rows beside interactive", "lines x tokens", "completed", "failed", "batch s", "interactive ok",
                  "p50 alone s", "p50 beside s", "ratio (goal 1.5)", "p50 alone after s", "ratio to after",
-                 "preempted"],
+                 "preempted", "steps full / interactive-only"],
                 [[f"chat batch beside interactive ({r['batch_status']})", r["code"],
                   f"{r.get('batch_rows_beside_interactive', 'all')} ({r.get('beside', 'default')})",
                   f"{r['lines']} x {r['line_tokens']}",
@@ -264,7 +269,8 @@ def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> st
                   f"{r['interactive_ok']}/{r['interactive_chats']}", report.fmt(r["p50_alone_s"], ".2f"),
                   report.fmt(r["p50_beside_s"], ".2f"), report.fmt(r["ratio"], ".2f"),
                   report.fmt(r.get("p50_alone_after_s", float("nan")), ".2f"),
-                  report.fmt(r.get("ratio_to_after", float("nan")), ".2f"), r["preempted"]]]))
+                  report.fmt(r.get("ratio_to_after", float("nan")), ".2f"), r["preempted"],
+                  f"{r.get('steps_full', '-')} / {r.get('steps_interactive_only', '-')}"]]))
     return "\n\n".join(out)
 
 

@@ -334,7 +334,14 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
     slots, slot_tokens = slot_plan(cfg, on_gpu, free, per_token, int(getattr(c, "max_position_embeddings", 8192)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return build_slot_stepper(
-        model, end_tokens(model, tokenizer), pad, slots, slot_tokens, max_batch_tokens, cfg.cuda_graphs
+        model,
+        end_tokens(model, tokenizer),
+        pad,
+        slots,
+        slot_tokens,
+        max_batch_tokens,
+        cfg.cuda_graphs,
+        slowdown=cfg.batch_slowdown,
     )
 
 
@@ -397,12 +404,15 @@ class Engine:
         self.lane_held: dict[Lane, int] = {}  # blocks held by each lane's running sequences
         self.idle_since: dict[Lane, float] = {}  # interactive lanes whose last sequence ended lately (LINGER_S)
         self.preemptions = 0
-        # the most batch lines running while interactive work is there (`shares.batch_row_cap`), fewer where
-        # each row lengthens the interactive callers' steps by much (`shares.rows_within_slowdown`)
-        self.batch_cap = min(
-            batch_row_cap(self.budget.max_seqs, cfg.batch_beside_interactive),
-            rows_within_slowdown(stepper.row_growth, cfg.batch_slowdown, self.budget.max_seqs),
-        )
+        # the most batch lines running while interactive work is there (`shares.batch_row_cap`). A stepper that
+        # shares steps (the slot stepper) holds the slowdown itself by leaving batch rows out of some steps
+        # (`step_share`): there more batch rows in fewer steps cost the interactive callers least. Elsewhere the
+        # rows are fewer where each one lengthens the interactive callers' steps by much (`rows_within_slowdown`).
+        self.batch_cap = batch_row_cap(self.budget.max_seqs, cfg.batch_beside_interactive)
+        if not stepper.shares_steps:
+            self.batch_cap = min(
+                self.batch_cap, rows_within_slowdown(stepper.row_growth, cfg.batch_slowdown, self.budget.max_seqs)
+            )
         # cost served per (model, tier, tenant), shared with the batcher's workers (`core/tenant_cost.py`): the
         # runtime hands the service's account in; a bare engine (tests, benches) keeps its own
         self.account = CostAccount()
@@ -810,7 +820,7 @@ class Engine:
         self.running[seq.run_id] = seq
         self.lane_running.setdefault(lane, {})[seq.run_id] = seq
         self.lane_held[lane] = self.lane_held.get(lane, 0) + seq.blocks
-        self.stepper.add(seq.run_id, prompt, params)
+        self.stepper.add(seq.run_id, prompt, params, background=lane[0] == SPARE)
         if seq.on_start is not None and seq.runs == 1:
             seq.on_start(seq)
         self._gauges()
@@ -1031,6 +1041,9 @@ class Engine:
             "preempted": self.preemptions,
             "batch_running": self._spare_running(),  # batch lines running (tier batch)
             "batch_rows_beside_interactive": self.batch_cap,
+            # the stepper's steps: how many ran batch rows beside interactive ones, how many the interactive rows
+            # alone while batch work waited (`step_share`; empty where the stepper cannot leave rows out)
+            "steps": self.stepper.step_mix(),
             # this model's cost served (prompt + generated tokens of answered sequences) per tier, every
             # tenant summed (no tenant ids here, as on /metrics); a tenant's own is at /v1/usage
             "cost_served": {

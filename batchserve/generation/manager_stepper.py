@@ -111,13 +111,17 @@ class ManagerStepper:
         self.step_s = step_s
         self.row_growth = 0.0  # not measured: the share of the places alone bounds batch rows
         self.resumable = False  # its requests have no token offset to resume from: the engine never preempts here
+        # the library schedules every request in every step: it cannot leave batch rows out of one, so the engine
+        # bounds batch rows by the slowdown itself (`shares.rows_within_slowdown`; row_growth 0: the share rules)
+        self.shares_steps = False
         self.description = f"transformers' ContinuousBatchingManager on {manager.model.device}"
         self._deliver: Deliver | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         self._deliver = deliver  # the manager itself was started (and warmed) when it was built
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
+        """`background` is not used: the library's scheduler runs every request in every step."""
         seen = 0
 
         def on_output(out: Any) -> None:  # on the loop, via the library's call_soon_threadsafe
@@ -154,6 +158,9 @@ class ManagerStepper:
 
     def is_running(self) -> bool:
         return bool(self.manager.is_running())
+
+    def step_mix(self) -> dict[str, float]:
+        return {}
 
     def kv_usage(self) -> float:
         """Share of the cache the library has in use (its API moved between transformers 5.17 and 5.24)."""

@@ -23,12 +23,13 @@ needed. So capacity is shared by lane, and a running sequence may be paused (pre
   lanes together hold at most a fraction of the places (`--generation-batch-beside-interactive`, default
   `BATCH_BESIDE_INTERACTIVE`, at least one row): a decode step's time grows with its rows on a CPU (batch lines
   filling 7 of 8 slots made another tenant's interactive chats 2.6x slower), and an interactive caller's every
-  token waits on that step. Fewer still where rows are dear (`rows_within_slowdown`): the warm-up times a step of
-  one row and of two, and batch rows may lengthen an interactive step by `--generation-batch-slowdown` at most
-  (on this 2-core CPU a second row adds a sixth to a half of a step: one batch row; on a GPU rows are nearly free
-  and the fraction rules). Spare lanes over the cap when interactive work arrives are paused down to it
-  (`batch_excess`); with no interactive work they fill everything but the headroom again. At least one row
-  keeps every batch line moving toward its completion window.
+  token waits on that step. The slot stepper then holds `--generation-batch-slowdown` itself by leaving batch
+  rows out of some steps (`step_share.py`): a row cap alone cannot, where one batch row already costs more (on
+  this 2-core CPU a second row adds ~66% to a one-row step). A stepper that cannot leave rows out (the manager)
+  keeps batch lines to fewer rows still where rows are dear (`rows_within_slowdown`: the warm-up's row timing;
+  on a GPU rows are nearly free and the fraction rules). Spare lanes over the cap when interactive work arrives
+  are paused down to it (`batch_excess`); with no interactive work they fill everything but the headroom again.
+  At least one row keeps every batch line moving toward its completion window.
 - **Preemption** (`victim_lane`): an interactive sequence that cannot start pauses a spare-lane sequence if one
   runs; otherwise a sequence of a lane under its share pauses one of the lane furthest over its share, if that
   lane stays at least as far along its share as the taker becomes (so two lanes never trade a slot back and

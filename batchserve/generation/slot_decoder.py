@@ -79,11 +79,14 @@ def warm_summary(graphs: bool, steps: int, prefills: int) -> str:
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """A launched step: its rows, the host buffer its tokens are copied into, and (CUDA) the event after that copy."""
+    """A launched step: its rows, the host buffer its tokens are copied into, and (CUDA) the events before the step
+    and after its copy; on a CPU (where launch runs the step) its time."""
 
     rows: int
     buffer: int
     event: Any = None  # torch.cuda.Event
+    began: Any = None  # torch.cuda.Event recorded before the step (timed)
+    seconds: float = 0.0  # a CPU step's time, measured in launch
 
 
 class SlotCache:
@@ -208,6 +211,7 @@ class SlotDecoder:
         self.done_host = torch.empty((2, n), dtype=torch.bool, pin_memory=pinned)
         self._buffer = 0
         self.row_growth = 0.0  # how much a second row lengthens a step, of a one-row step (`warm` times it)
+        self.step_times: dict[int, float] = {}  # a step's time by its (padded) rows, as `warm` timed it
 
     # -- shapes -------------------------------------------------------------------------------------------
     def shape(self, rows: int, span: int) -> tuple[int, int]:
@@ -302,20 +306,32 @@ class SlotDecoder:
         before it `collect`s this one (two buffers), so the GPU is not idle while the host hands tokens over."""
         shape = self.shape(rows, span)
         buffer, self._buffer = self._buffer, self._buffer ^ 1
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
         with torch.inference_mode(), self._device():
+            began = None
+            if cuda:
+                began = torch.cuda.Event(enable_timing=True)
+                began.record()
             graph = self.graphs.get((*shape, sampling))
             if graph is not None:
                 graph.replay()
             else:
                 self._decode_step(*shape, sampling)
-            cuda = self.device.type == "cuda"
             self.out_host[buffer, :rows].copy_(self.out[:rows], non_blocking=cuda)
             self.done_host[buffer, :rows].copy_(self.done[:rows], non_blocking=cuda)
             event = None
             if cuda:
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record()
-        return LaunchedStep(rows, buffer, event)
+        return LaunchedStep(rows, buffer, event, began, 0.0 if cuda else time.perf_counter() - t0)
+
+    @staticmethod
+    def step_seconds(ticket: LaunchedStep) -> float:
+        """A collected step's time: on CUDA the device's, between its events; on a CPU launch's own."""
+        if ticket.began is not None and ticket.event is not None:
+            return float(ticket.began.elapsed_time(ticket.event)) / 1000
+        return ticket.seconds
 
     def collect(self, ticket: LaunchedStep) -> tuple[list[int], list[bool]]:
         """A launched step's token and done flag of its rows (waits for it; on CUDA with the interpreter lock
@@ -462,6 +478,13 @@ class SlotDecoder:
                 row[dst] = row[src]
             self.done[src] = True
 
+    def swap(self, a: int, b: int, span: int) -> None:
+        """Swap two live sequences' slots (their first `span` cache positions and row state), through the scratch
+        slot (no step reads it; prefill's padding rows only write it)."""
+        self.move([a], [self.scratch], span)
+        self.move([b], [a], span)
+        self.move([self.scratch], [b], span)
+
     # -- warm-up ------------------------------------------------------------------------------------------
     def warm(self) -> float:
         """Capture every (rows, span, sampling) step on CUDA (a failed capture logs why and leaves the steps
@@ -487,6 +510,7 @@ class SlotDecoder:
                     t0 = time.perf_counter()
                     self.collect(self.launch(rows, span, False))
                     timings[rows].append(time.perf_counter() - t0)
+        self.step_times = {self.shape(rows, span)[0]: min(times) for rows, times in timings.items() if times}
         if self.slots > 2:
             one, two = min(timings[1]), min(timings[2])
             self.row_growth = max(0.0, (two - one) / one)

@@ -20,6 +20,14 @@ pause per step rather than all of its prefill before their next token; a sequenc
 Rows: a step covers the slots up to the highest live one, padded up to a bucket, and new sequences take the
 lowest free slot. When the live sequences would fit a bucket half the size or less (the long sequences of a
 burst, left in high slots after the short ones ended), they are moved down into free low slots first.
+
+Background rows (issue 33: batch lines, `add(..., background=True)`): they take the highest free slot within the
+bucket the occupied slots need (so a full step covers no more rows than before), foreground ones the lowest, and
+a foreground sequence left above a background one is moved below it (into a free slot, or swapped with it). So a
+step over the foreground rows' prefix leaves the background rows out: rows not in a step keep their state and
+do not advance. While foreground rows are live, `step_share.StepShare` decides per step whether the background
+rows go in, and background prefill runs only in steps they go in, so the foreground rows' steps stay within
+`slowdown` x their time alone; with no foreground rows live every step runs them all.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import asyncio
 import heapq
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from batchserve.generation.sizing import Piece, plan_prefill
 from batchserve.generation.slot_decoder import SlotDecoder, LaunchedStep
+from batchserve.generation.step_share import Booking, StepShare
 from batchserve.generation.stepper import KvCapacity, Deliver, SamplingParams, TokenUpdate
 
 log = logging.getLogger("batchserve.generation")
@@ -60,6 +70,7 @@ class Live:
     pos: int  # the position its next input token is written at (counting the steps launched)
     sampling: bool
     ended: bool = False  # its slot was freed: later steps' tokens for it are ignored
+    background: bool = False  # a batch line: kept out of the steps the foreground rows need alone
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,7 @@ class Join:
     prompt_ids: list[int]
     params: SamplingParams
     step: int  # steps launched when it was added
+    background: bool = False
 
 
 @dataclass(eq=False)
@@ -80,6 +92,16 @@ class Filling:
     over: bool = False  # live now, or failed: leaves the prefilling list
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A launched step not yet collected: who was in it (and at which slot), and how the ledger booked it."""
+
+    ticket: LaunchedStep
+    members: list[tuple[Live, int]]
+    rows: int  # its rows as the ledger counts them (padded up to the bucket the decoder runs)
+    booking: Booking | None
+
+
 class SlotStepper:
     """Continuous batching over a `SlotDecoder`'s slots, on a thread of its own."""
 
@@ -90,10 +112,12 @@ class SlotStepper:
         join_batch: int = 0,
         join_delay_steps: int = JOIN_DELAY_STEPS,
         prefill_step_tokens: int = 0,
+        slowdown: float = 1.25,
     ) -> None:
         """`join_batch` (default: a sixteenth of the slots, at least 1) and `join_delay_steps`: see join_now;
         `prefill_step_tokens`: prompt tokens prefilled between two steps at most (default: the decoder's
-        prefill_tokens, what one prefill forward holds)."""
+        prefill_tokens, what one prefill forward holds); `slowdown`: the most background rows may lengthen the
+        foreground rows' steps (`step_share.StepShare`)."""
         self.decoder = decoder
         self.prefill_step_tokens = prefill_step_tokens or decoder.prefill_tokens
         self.prefills = 0  # prefill forwards run
@@ -103,7 +127,13 @@ class SlotStepper:
         self.join_delay_steps = join_delay_steps
         self.steps = 0  # steps launched
         self.moved = 0  # sequences moved to lower slots
+        self.share = StepShare(slowdown, seed=decoder.step_times)
+        self.full_steps = 0  # steps with foreground rows live and background rows in them
+        self.interactive_only_steps = 0  # steps of the foreground rows alone while background work waited
+        self.unseparated_steps = 0  # of the full steps, those the ledger would have run without background rows
+        self._background_prefilled = False  # background prefill ran before the step being launched
         self.resumable = True  # a cancelled sequence added again with `resumed` recomputes its K/V (preemption)
+        self.shares_steps = True  # background rows sit out steps as the ledger says (`step_share`)
         self.capacity = KvCapacity(
             blocks=decoder.slots,
             page_size=decoder.slot_tokens,
@@ -137,9 +167,9 @@ class SlotStepper:
         self._thread = threading.Thread(target=self._run, name="batchserve-generation", daemon=True)
         self._thread.start()
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
         with self._cond:
-            self._joins.append(Join(seq_id, prompt_ids, params, self.steps))
+            self._joins.append(Join(seq_id, prompt_ids, params, self.steps, background))
             self._cond.notify()
 
     def cancel(self, seq_id: str) -> None:
@@ -153,6 +183,18 @@ class SlotStepper:
     def kv_usage(self) -> float:
         return (len(self._live) + len(self._filling)) / self.decoder.slots
 
+    def step_mix(self) -> dict[str, float]:
+        """Steps launched, and while foreground rows ran beside background work: how many included the background
+        rows, how many ran the foreground rows alone (and of the full ones, how many could not leave them out,
+        or were forced in by the starvation bound)."""
+        return {
+            "steps": self.steps,
+            "full": self.full_steps,
+            "interactive_only": self.interactive_only_steps,
+            "unseparated": self.unseparated_steps,
+            "forced": self.share.forced_steps,
+        }
+
     def stop(self, timeout: float) -> None:
         with self._cond:
             self._stopping = True
@@ -162,7 +204,7 @@ class SlotStepper:
 
     # -- the stepper thread -------------------------------------------------------------------------------
     def _run(self) -> None:
-        pending: tuple[LaunchedStep, list[tuple[Live, int]]] | None = None  # the launched step not yet collected
+        pending: Pending | None = None  # the launched step not yet collected
         try:
             while True:
                 with self._cond:
@@ -192,12 +234,13 @@ class SlotStepper:
                 self._drop(cancels)
                 if joins:
                     self._take_slots(joins)
+                include = self._include()  # decided before the prefill: background prefill goes with its rows
                 if self._filling:
-                    updates += self._prefill()
+                    updates += self._prefill(include)
                 self._compact()
-                launched = self._launch() if self._live else None
+                launched = self._launch(include) if self._live else None
                 if pending is not None:
-                    updates += self._collect(*pending)
+                    updates += self._collect(pending)
                 pending = launched
                 if updates:
                     self._send(updates)
@@ -246,36 +289,55 @@ class SlotStepper:
         heapq.heappush(self._free, slot)
 
     def _take_slots(self, joins: list[Join]) -> None:
-        """The joins take the lowest free slots, shortest prompts first, and queue for prefill."""
+        """The joins take their slots, shortest prompts first, and queue for prefill: a foreground join the
+        lowest free slot; a background one the highest free slot within the bucket that holds the occupied
+        slots with it and a slot above every foreground one (at least one is free there), so a full step
+        covers no more rows than it needs to and the foreground prefix stays below it."""
         for join in sorted(joins, key=lambda j: len(j.prompt_ids)):
-            slot = heapq.heappop(self._free)
+            if join.background:
+                front = [slot for slot, live in self._live.items() if not live.background]
+                front += [f.slot for f in self._filling if not f.join.background]
+                need = max(len(self._slot_of) + 1, max(front, default=-1) + 2)
+                within = self.decoder.shape(min(need, self.decoder.slots), 1)[0]
+                slot = max(s for s in self._free if s < within)
+                self._free.remove(slot)
+                heapq.heapify(self._free)
+            else:
+                slot = heapq.heappop(self._free)
             self._slot_of[join.seq_id] = slot
             self._filling.append(Filling(join, slot))
 
-    def _prefill(self) -> list[TokenUpdate]:
+    def _prefill(self, background: bool = True) -> list[TokenUpdate]:
         """This step's share of the prefill (`plan_prefill`), in forwards that one prefill holds (the decoder's
-        prefill_tokens, and on a GPU a captured shape): first pieces and later pieces apart, shortest first."""
+        prefill_tokens, and on a GPU a captured shape): first pieces and later pieces apart, shortest first.
+        `background` False: the background joins wait (this step leaves their rows out); run while foreground
+        rows are live, their prefill's time is charged to the ledger."""
+        filling = [f for f in self._filling if background or not f.join.background]
         pieces = plan_prefill(
-            [(f.done, len(f.join.prompt_ids)) for f in self._filling],
+            [(f.done, len(f.join.prompt_ids)) for f in filling],
             self.prefill_step_tokens,
             self.decoder.chunk_tokens,
         )
+        charged = any(not live.background for live in self._live.values())
         updates: list[TokenUpdate] = []
         for continued in (False, True):
             group: list[Piece] = []
             for piece in sorted((p for p in pieces if (p.start > 0) == continued), key=lambda p: p.length):
                 if group and not self.decoder.prefill_fits(len(group) + 1, piece.length, continued):
-                    updates += self._prefill_group(group)
+                    updates += self._prefill_group(filling, group, charged)
                     group = []
                 group.append(piece)
             if group:
-                updates += self._prefill_group(group)
+                updates += self._prefill_group(filling, group, charged)
         self._filling = [f for f in self._filling if not f.over]
         return updates
 
-    def _prefill_group(self, group: list[Piece]) -> list[TokenUpdate]:
-        fills = [self._filling[p.index] for p in group]
+    def _prefill_group(self, filling: list[Filling], group: list[Piece], charged: bool = False) -> list[TokenUpdate]:
+        """One prefill forward of these pieces (indexes into `filling`); `charged`: foreground rows are live, so
+        the background pieces' share of its time goes to the ledger."""
+        fills = [filling[p.index] for p in group]
         slots = [f.slot for f in fills]
+        began = time.perf_counter()
         try:
             first, done = self.decoder.prefill(
                 slots,
@@ -294,13 +356,21 @@ class SlotStepper:
             return [TokenUpdate(f.join.seq_id, [], True, f"{type(exc).__name__}: {exc}") for f in fills]
         self.prefills += 1
         self.pieces += len(group)
+        background = sum(p.length for f, p in zip(fills, group) if f.join.background)
+        self._background_prefilled |= background > 0
+        if charged:
+            tokens = sum(p.length for p in group)
+            if background:
+                self.share.charge((time.perf_counter() - began) * background / tokens)
         updates = []
         for f, piece, token, ended in zip(fills, group, first, done):
             f.done += piece.length
             if not piece.last:
                 continue
             f.over = True
-            self._live[f.slot] = Live(f.join.seq_id, f.slot, len(f.join.prompt_ids), not f.join.params.greedy)
+            self._live[f.slot] = Live(
+                f.join.seq_id, f.slot, len(f.join.prompt_ids), not f.join.params.greedy, background=f.join.background
+            )
             updates.append(TokenUpdate(f.join.seq_id, [token], ended))
             if ended:
                 self._free_slot(f.slot)
@@ -308,43 +378,102 @@ class SlotStepper:
 
     def _compact(self) -> None:
         """Move the live sequences in slots at or past the bucket their number needs into free slots below it,
-        when that bucket is at most half the one the step would otherwise cover."""
+        when that bucket is at most half the one the step would otherwise cover (foreground ones into the lowest
+        of those slots, background ones the highest); then keep the foreground rows below the background ones."""
         if not self._live:
             return
         need = self.decoder.shape(len(self._live), 1)[0]
-        if 2 * need > self.decoder.shape(max(self._live) + 1, 1)[0]:
-            return
-        targets = sorted(slot for slot in self._free if slot < need)
-        movers = sorted(slot for slot in self._live if slot >= need)[: len(targets)]  # prefilling slots take some
-        targets = targets[: len(movers)]
-        if not movers:
-            return
-        span = max(self._live[slot].pos for slot in movers) + 1
-        self.decoder.move(movers, targets, span)
-        for source, target in zip(movers, targets):
+        if 2 * need <= self.decoder.shape(max(self._live) + 1, 1)[0]:
+            targets = sorted(slot for slot in self._free if slot < need)
+            movers = sorted(slot for slot in self._live if slot >= need)[: len(targets)]  # prefilling slots take some
+            if movers:
+                front = [slot for slot in movers if not self._live[slot].background]
+                back = [slot for slot in movers if self._live[slot].background]
+                targets = targets[: len(front)] + targets[len(targets) - len(back) :]
+                self._move(front + back, targets)
+        self._separate()
+
+    def _move(self, sources: list[int], targets: list[int]) -> None:
+        """Move live sequences to free slots (K/V and row state)."""
+        span = max(self._live[slot].pos for slot in sources) + 1
+        self.decoder.move(sources, targets, span)
+        for source, target in zip(sources, targets):
             live = self._live.pop(source)
             live.slot = target
             self._live[target] = live
             self._slot_of[live.seq_id] = target
-        self._free = sorted(set(self._free) - set(targets) | set(movers))  # a sorted list is a heap
-        self.moved += len(movers)
+        self._free = sorted(set(self._free) - set(targets) | set(sources))  # a sorted list is a heap
+        self.moved += len(sources)
 
-    def _launch(self) -> tuple[LaunchedStep, list[tuple[Live, int]]]:
-        """Start a step over the live slots; returns it with who was in it, and where."""
-        members = [(live, slot) for slot, live in self._live.items()]
-        rows = max(self._live) + 1
+    def _separate(self) -> None:
+        """While a foreground sequence sits above a background one, move the highest foreground one down: into a
+        free slot below every background one if there is one, else swap it with the lowest background one. Then
+        a step over the foreground prefix leaves every background row out. Not where no step could: the
+        foreground rows alone need the bucket all the rows do (a GPU's padding), or a full step costs no more
+        than the slowdown allows (rows nearly free: the ledger includes them in every step, a move is waste)."""
+        while True:
+            front = [slot for slot, live in self._live.items() if not live.background]
+            back = [slot for slot, live in self._live.items() if live.background]
+            if not front or not back or max(front) < min(back):
+                return
+            alone, rows = self.decoder.shape(len(front), 1)[0], self.decoder.shape(max(self._live) + 1, 1)[0]
+            if alone >= rows or not self.share.dear(alone, rows):
+                return
+            top, low = max(front), min(back)
+            below = [slot for slot in self._free if slot < low]
+            if below:
+                self._move([top], [min(below)])
+                continue
+            a, b = self._live.pop(top), self._live.pop(low)
+            self.decoder.swap(top, low, max(a.pos, b.pos) + 1)
+            a.slot, b.slot = low, top
+            self._live[low], self._live[top] = a, b
+            self._slot_of[a.seq_id], self._slot_of[b.seq_id] = low, top
+            self.moved += 2
+
+    def _include(self) -> bool:
+        """Whether the next step covers the background rows: always but while foreground rows are live beside
+        background work (live or being prefilled); then as the ledger says (`step_share.StepShare`)."""
+        front = [slot for slot, live in self._live.items() if not live.background]
+        if not front or not (len(front) < len(self._live) or any(f.join.background for f in self._filling)):
+            return True
+        return self.share.include(
+            self.decoder.shape(max(front) + 1, 1)[0], self.decoder.shape(max(self._live) + 1, 1)[0]
+        )
+
+    def _launch(self, include: bool = True) -> Pending:
+        """Start a step over the live slots (`include` False: the foreground rows' prefix only, padded up to its
+        bucket: background rows past it sit this step out); returns it with who was in it, and where."""
+        front = [slot for slot, live in self._live.items() if not live.background]
+        limit = self.decoder.shape(max(front) + 1, 1)[0] if front and not include else self.decoder.slots
+        members = [(live, slot) for slot, live in self._live.items() if slot < limit]
+        rows = max(slot for _, slot in members) + 1
         span = max(live.pos for live, _ in members) + 1
         ticket = self.decoder.launch(rows, span, any(live.sampling for live, _ in members))
         self.steps += 1
         for live, _ in members:
             live.pos += 1
-        return ticket, members
+        counted = self.decoder.shape(rows, 1)[0]
+        booking = None
+        waiting = len(front) < len(self._live) or self._background_prefilled
+        if front and (waiting or any(f.join.background for f in self._filling)):
+            ran = self._background_prefilled or any(live.background for live, _ in members)
+            booking = self.share.book(counted, self.decoder.shape(max(front) + 1, 1)[0], ran)
+            if any(live.background for live, _ in members):
+                self.full_steps += 1
+                self.unseparated_steps += not include
+            else:
+                self.interactive_only_steps += 1
+        self._background_prefilled = False
+        return Pending(ticket, members, counted, booking)
 
-    def _collect(self, ticket: LaunchedStep, members: list[tuple[Live, int]]) -> list[TokenUpdate]:
-        """The step's token for each member still live; members whose row the device marked done leave."""
-        tokens, done = self.decoder.collect(ticket)
+    def _collect(self, pending: Pending) -> list[TokenUpdate]:
+        """The step's token for each member still live; members whose row the device marked done leave. Its
+        time goes to the ledger."""
+        tokens, done = self.decoder.collect(pending.ticket)
+        self.share.measured(pending.rows, self.decoder.step_seconds(pending.ticket), pending.booking)
         updates = []
-        for live, slot in members:
+        for live, slot in pending.members:
             if live.ended:
                 continue
             updates.append(TokenUpdate(live.seq_id, [tokens[slot]], done[slot]))
@@ -362,6 +491,7 @@ def build_slot_stepper(
     max_prefill_tokens: int,
     use_graphs: bool,
     chunk_tokens: int = 0,
+    slowdown: float = 1.25,
 ) -> SlotStepper:
     """A warmed stepper (graphs captured on CUDA) for `model`: one prefill forward, and the prefill between two
     steps, hold `max_prefill_tokens` prompt tokens at most; a prompt is prefilled in pieces of `chunk_tokens`."""
@@ -376,4 +506,4 @@ def build_slot_stepper(
         chunk_tokens=chunk_tokens,
     )
     step_s = decoder.warm()
-    return SlotStepper(decoder, step_s)
+    return SlotStepper(decoder, step_s, slowdown=slowdown)

@@ -66,6 +66,7 @@ class Stepper(Protocol):
     step_s: float  # time per decode step seen at warm-up
     description: str  # for logs and /internal/generation
     resumable: bool  # True: a sequence dropped (`cancel`) may be added again with `resumed` set (preemption)
+    shares_steps: bool  # True: it keeps background rows out of steps to hold `slowdown` itself (`step_share`)
 
     @property
     def row_growth(self) -> float:
@@ -74,10 +75,12 @@ class Stepper(Protocol):
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         """Begin running; `deliver` is called on `loop` with each step's updates."""
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
         """Start a sequence (admission has checked that it fits). Called on the loop. A resumed (preempted)
         sequence comes back under a new id, its prompt followed by the tokens it had made, and
-        `params.resumed` = how many: a resumable stepper counts its tokens and keys its seeded draws from there."""
+        `params.resumed` = how many: a resumable stepper counts its tokens and keys its seeded draws from there.
+        `background`: a batch line (spare lane), which a stepper that `shares_steps` keeps out of some steps
+        while foreground sequences run."""
 
     def cancel(self, seq_id: str) -> None:
         """Drop a sequence now; no more updates matter for it. Called on the loop."""
@@ -86,6 +89,10 @@ class Stepper(Protocol):
 
     def kv_usage(self) -> float:
         """Share of the KV cache in use."""
+
+    def step_mix(self) -> dict[str, float]:
+        """Counts of its steps for /internal/generation: with foreground and background rows, and foreground
+        rows alone while background work waited (empty where it does not share steps)."""
 
     def stop(self, timeout: float) -> None:
         """Stop running (blocking; called off the loop)."""

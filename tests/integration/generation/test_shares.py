@@ -8,8 +8,9 @@ HTTP on a live `--generation on` server with SmolLM2's real weights and keyed te
   as they do in the tenant's own /v1/usage;
 - a chat batch (OpenAI Batch API, tier `batch`) beside another tenant's interactive chats: every valid line
   completes (the issue: 84 of 100 failed SERVICE_OVERLOADED), batch lines fill all but the headroom alone and
-  are paused down to their cap (`--generation-batch-beside-interactive`) while the interactive chats run, and
-  those stay near their time alone.
+  are paused down to their cap (`--generation-batch-beside-interactive`) while the interactive chats run, the
+  batch row sits out some decode steps (the slot stepper's duty cycle, `step_share`: /internal/generation counts
+  steps of the interactive rows alone), and the chats stay near their time alone.
 
 One server for the module (4 slots, one start: the model's load and warm-up is most of a test's time), the tests
 in turn, each waiting for the engine to be idle first. Small on purpose (2 shared CPU cores): the full figures
@@ -152,14 +153,16 @@ def test_a_chat_batch_beside_interactive_chats_keeps_to_its_rows_and_completes_e
 
     sampler = threading.Thread(target=sample)
     sampler.start()
+    steps_before = engine_stats(s.url)["steps"]
     beside, answers = timed_chats(s.url, keys["caller"], interactive)
+    steps = {k: v - steps_before[k] for k, v in engine_stats(s.url)["steps"].items()}
     chatting.set()
     sampler.join()
     batcher.join(660)
     ratio = p50(beside) / p50(alone)
     print(f"\ninteractive chat p50 alone {p50(alone):.2f} s, beside a {len(lines)}-line chat batch "
           f"{p50(beside):.2f} s (x{ratio:.2f}); batch {done.get('request_counts')}; (running, batch running) "
-          f"seen {sorted(set(seen))}")
+          f"seen {sorted(set(seen))}; steps while both ran {steps}")
     assert [r.status_code for r in answers] == [200] * len(interactive)
     assert done["status"] == "completed", done
     assert done["request_counts"] == {"total": len(lines), "completed": len(lines), "failed": 0}
@@ -167,4 +170,9 @@ def test_a_chat_batch_beside_interactive_chats_keeps_to_its_rows_and_completes_e
     assert engine_stats(s.url)["preempted"] >= before + SLOTS - 1 - cap
     beside_interactive = [batch for running, batch in seen if running > batch]
     assert beside_interactive and max(beside_interactive) <= cap, seen
+    # the batch row took part in steps, and (on a CPU, where a second row lengthens a step far more than
+    # --generation-batch-slowdown allows) sat out others: steps of the interactive row alone (`step_share`)
+    assert steps["full"] > 0, steps
+    if engine_stats(s.url)["engine"].endswith("on cpu"):
+        assert steps["interactive_only"] > 0, steps
     assert ratio <= 4, ratio  # the goal is 1.5x (bench/gen_share.py measures it); generous here

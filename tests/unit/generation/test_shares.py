@@ -103,11 +103,11 @@ def test_where_rows_are_dear_batch_lines_keep_only_the_rows_that_fit_the_slowdow
 
 
 def test_the_engine_keeps_batch_rows_to_the_fewer_of_its_share_and_what_the_slowdown_allows() -> None:
-    def cap(row_growth: float, beside: float, slowdown: float) -> int:
+    def cap(row_growth: float, beside: float, slowdown: float, shares_steps: bool = False) -> int:
         cfg = EngineConfig(max_tokens=64, max_seqs=8, page_size=16, batch_beside_interactive=beside,
                            batch_slowdown=slowdown)
         stepper = Recording(8, 8, 16)
-        stepper.row_growth = row_growth
+        stepper.row_growth, stepper.shares_steps = row_growth, shares_steps
         tokenizer = SimpleNamespace(backend_tokenizer=char_tokenizer(), eos_token_id=EOS)
         e = Engine(cfg, tokenizer, stepper, CollectorRegistry(), max_position=4096, vocab_size=len(CHARS))
         return e.batch_cap
@@ -116,6 +116,9 @@ def test_the_engine_keeps_batch_rows_to_the_fewer_of_its_share_and_what_the_slow
     assert cap(row_growth=0.0, beside=0.25, slowdown=1.25) == 2  # a GPU: the share of the places
     assert cap(row_growth=0.1, beside=1.0, slowdown=1.25) == 2
     assert cap(row_growth=0.3, beside=0.25, slowdown=2.0) == 2  # a looser slowdown: the share rules again
+    # a stepper that leaves batch rows out of steps holds the slowdown itself (`step_share`): more batch rows in
+    # fewer steps cost the interactive callers least, so the share of the places alone bounds them
+    assert cap(row_growth=0.66, beside=0.25, slowdown=1.25, shares_steps=True) == 2
 
 
 # -- the engine ---------------------------------------------------------------------------------------------
@@ -125,10 +128,12 @@ class Recording(FakeStepper):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.runs: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.background: dict[str, bool] = {}
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        super().add(seq_id, prompt_ids, params)
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
+        super().add(seq_id, prompt_ids, params, background)
         self.runs[seq_id] = (list(prompt_ids), params)
+        self.background[seq_id] = background
 
 
 def slots(
@@ -287,6 +292,8 @@ def test_batch_lines_leave_headroom_and_are_paused_first_for_interactive_callers
             clock.t += 1
         assert held(e, "a", SPARE) == 8 - headroom(8) and e.waiting_count == 3  # one slot kept free
         mine = e.submit([1], params(5), tenant="b")
+        # the stepper is told which are batch lines (background rows it may leave out of steps: `step_share`)
+        assert e.stepper.background == {line.id: True for line in lines[:7]} | {mine.id: False}
         assert mine.state == "running" and e.preemptions == 0  # the headroom
         again = e.submit([1], params(5), tenant="a")  # the batch's own tenant, interactive: a line pauses
         assert again.state == "running" and lines[6].state == "waiting" and e.preemptions == 1
