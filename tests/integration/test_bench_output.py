@@ -84,6 +84,7 @@ def test_the_gpu_check_writes_only_into_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # in process, its times only bounded (under 60 s): CI runs it in the parallel workers
 def test_the_executor_bench_times_the_real_backend_offline() -> None:
     # The GPU check runs this part first on the lent machine: a backend API change must fail here, not there.
     import argparse

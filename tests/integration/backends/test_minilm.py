@@ -19,7 +19,9 @@ import pytest
 from batchserve.backends import minilm
 from tests.conftest import LiveServer, start_server
 
-pytestmark = pytest.mark.slow
+# Vectors and counts only, no timing (60 s deadlines, or the derived default's 2 s at least for one short
+# sentence): CI runs it in the parallel workers.
+pytestmark = [pytest.mark.slow, pytest.mark.parallel]
 
 SENTENCES = [
     "A man is playing a guitar.",

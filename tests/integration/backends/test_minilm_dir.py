@@ -66,6 +66,7 @@ def test_the_variable_names_the_folder(copies: dict[str, Path], monkeypatch: pyt
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # answers only, no timing: CI runs it in the parallel workers
 def test_a_server_serves_the_folder_the_variable_names(copies: dict[str, Path]) -> None:
     want = vectors(copies["float16"])
     server = start_server("--backend", "minilm", env={minilm.DIR_ENV: str(copies["float16"])}, timeout=300)

@@ -185,6 +185,7 @@ def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # in process, token for token, no timing: CI runs it in the parallel workers
 def test_smollm2_static_path_gives_generates_answers_on_the_real_weights() -> None:
     """The backend's default path against its `generate` path, same batch of mixed-length prompts."""
     from batchserve.backends.smollm2 import SmolLM2Backend

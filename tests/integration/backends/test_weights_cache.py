@@ -13,7 +13,8 @@ import torch
 from batchserve.backends import smollm2
 from batchserve.config import Settings
 
-pytestmark = pytest.mark.slow
+# In process, the copy's tensors against the GGUF's, no timing: CI runs it in the parallel workers.
+pytestmark = [pytest.mark.slow, pytest.mark.parallel]
 
 
 def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch, caplog):

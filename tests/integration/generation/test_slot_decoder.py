@@ -369,6 +369,7 @@ def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # in process, token for token, no timing: CI runs it in the parallel workers
 def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
     """SmolLM2's real weights: chat prompts of mixed lengths joining at different steps through fewer slots
     than prompts (one waits for a freed slot), each against `generate` on that prompt alone, token for token

@@ -253,6 +253,7 @@ def test_health_endpoints_and_metrics_names(sim_server):
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # readiness and an answer (a 60 s deadline), no timing: CI runs it in the parallel workers
 def test_real_model_answers_paris_and_is_not_ready_until_warm():
     server = start_server("--backend", "smollm2", "--max-new-tokens", "24", ready=False, timeout=600)
     try:

@@ -141,6 +141,7 @@ def test_refusals_are_grpc_status_codes(server, client):
 
 
 @pytest.mark.slow
+@pytest.mark.parallel  # answers only, no timing: CI runs it in the parallel workers
 def test_minilm_over_grpc_equals_its_http_vectors():
     s = start_server("--backend", "minilm", "--grpc-port", "0", timeout=300)
     try:
