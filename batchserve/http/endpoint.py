@@ -76,7 +76,7 @@ class Served(Protocol):
     guard: Guard
 
 
-class Call(msgspec.Struct):
+class Call(msgspec.Struct, eq=False):
     """One request on its way through the skeleton: what the wing's functions read (the request id, the
     caller, the scope) and what they tell the accounting (the model, the inputs served and their cost). A Struct:
     one per request, built in C with its defaults (a class with an `__init__` cost ~0.5 µs more)."""
