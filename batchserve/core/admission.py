@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from collections.abc import Callable, Mapping, Sequence
 
+import msgspec
+
 from batchserve import errors
 from batchserve.core.batcher import Batcher
 from batchserve.core.class_turns import ClassQueue, Own, drain
@@ -459,11 +461,10 @@ class Admission:
         return Ticket(False, now, raw_wait_s if pressure else None)
 
 
-@dataclass(slots=True)  # not frozen: built for every admitted request (see Prediction)
-class Ticket:
+class Ticket(msgspec.Struct, gc=False):
     """An admitted request: a probe or not, when it was admitted (the door's clock), and the queue wait its
     prediction said before calibration (None where the door did not decide by it: no pressure, an idle worker,
-    a probe)."""
+    a probe). A Struct: built for every admitted request, in C and untracked by the collector."""
 
     probe: bool
     at: float

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+
+import msgspec
 
 
-@dataclass(slots=True)
-class Record:
+class Record(msgspec.Struct, gc=False):
+    """A request's status as `GET /v1/requests/{id}` shows it. A Struct: one per request, built in C and not
+    tracked by the collector (strings and numbers only)."""
+
     request_id: str
     model: str
     owner: str = ""  # the tenant (or anonymous@address) that made the request; not shown
@@ -36,7 +39,7 @@ class Record:
         self.batch_size = batch_size
 
     def public(self) -> dict:
-        out = asdict(self)
+        out = msgspec.structs.asdict(self)
         del out["owner"]
         for name in ("latency_ms", "queue_ms", "compute_ms"):
             if out[name] is not None:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+import msgspec
 import orjson
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -75,24 +76,23 @@ class Served(Protocol):
     guard: Guard
 
 
-class Call:
+class Call(msgspec.Struct, eq=False):
     """One request on its way through the skeleton: what the wing's functions read (the request id, the
-    caller, the scope) and what they tell the accounting (the model, the inputs served and their cost)."""
+    caller, the scope) and what they tell the accounting (the model, the inputs served and their cost). A Struct:
+    one per request, built in C with its defaults (a class with an `__init__` cost ~0.5 µs more)."""
 
-    # What a wing may set, by default (class attributes: a request pays only for what it changes).
+    scope: Scope
+    receive: Receive
+    request_id: str
+    arrived: float
+    headers: dict[str, str]  # the request headers the endpoint reads, by lower-case name
+    # What a wing may set, by default:
     caller: Caller | None = None
-    model = "unknown"  # the model version answering, once the wing has picked it
-    inputs = 1  # inputs the request holds (a list's length), for the ledger
-    cost = 1.0  # cost units served (tokens, or 1 an input), for the ledger
+    model: str = "unknown"  # the model version answering, once the wing has picked it
+    inputs: int = 1  # inputs the request holds (a list's length), for the ledger
+    cost: float = 1.0  # cost units served (tokens, or 1 an input), for the ledger
     answer_headers: Mapping[str, str] = NO_HEADERS  # on every answer: the X-RateLimit-* headers
-    booked = False  # the wing booked this answer itself (a generation sequence books its own outcome)
-
-    def __init__(self, scope: Scope, receive: Receive, request_id: str, arrived: float, headers: dict[str, str]):
-        self.scope = scope
-        self.receive = receive
-        self.request_id = request_id
-        self.arrived = arrived
-        self.headers = headers  # the request headers the endpoint reads, by lower-case name
+    booked: bool = False  # the wing booked this answer itself (a generation sequence books its own outcome)
 
     def gone(self) -> Callable[[], bool]:
         """The door's "has the caller hung up?" check, read when a batch is formed: uvicorn's receive() is a method
@@ -118,10 +118,9 @@ class Call:
         return self.caller
 
 
-@dataclass(slots=True)
-class Answer:
+class Answer(msgspec.Struct, gc=False):
     """A whole answer: its body, media type and the route's own headers (name, value), of values the route built
-    itself, so they skip uvicorn's per-header checks."""
+    itself, so they skip uvicorn's per-header checks. A Struct: one per answer, built in C, untracked (bytes only)."""
 
     body: bytes
     media: bytes = JSON_MEDIA
