@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
 import re
 import signal
@@ -11,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -121,15 +125,33 @@ def hang_up_behind_a_busy_worker(url: str, path: str, busy: dict, gone: bytes, r
     return asyncio.run(scenario())
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
+class OneTorchThread(importlib.abc.MetaPathFinder):
     """One torch intra-op thread in the test process, as in the servers it starts (BATCHSERVE_TORCH_THREADS
     above): CI runs two or three pytest processes (and their servers) side by side on 2 cores, and a torch op on
     2 threads waits for whichever one is descheduled (a tiny model's forward took 2x the time and 2x the CPU,
-    spinning). The test modules imported torch while they were collected, if any uses it; a later import keeps
-    torch's default."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
+    spinning). Set the moment torch is first imported, whenever that is: the test modules import torch in the
+    tests and fixtures that use it, not at collection (seconds of CPU in each of CI's five pytest processes)."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # once; and the finders below find torch's own spec
+        spec = importlib.util.find_spec(name)
+        if spec is not None and isinstance(spec.loader, importlib.abc.Loader):
+            load = spec.loader.exec_module
+
+            def exec_then_one_thread(module: types.ModuleType) -> None:
+                load(module)
+                module.set_num_threads(1)
+
+            spec.loader.exec_module = exec_then_one_thread  # type: ignore[method-assign]
+        return spec
+
+
+if "torch" in sys.modules:  # imported before this conftest (a plugin)
+    sys.modules["torch"].set_num_threads(1)
+else:
+    sys.meta_path.insert(0, OneTorchThread())
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import openai
 import pytest
 
 from batchserve.backends import minilm
@@ -85,6 +84,7 @@ def test_a_paraphrase_scores_above_an_unrelated_sentence(server: LiveServer):
 
 @pytest.mark.parametrize("encoding", ["float", "base64"])
 def test_the_openai_client_gets_one_vector_and_a_list(server: LiveServer, reference, encoding: str):
+    import openai
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     roomy = {"timeout_ms": 60000}
     one = client.embeddings.create(input=SENTENCES[0], model="minilm", encoding_format=encoding, extra_body=roomy)

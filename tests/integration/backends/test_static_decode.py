@@ -10,10 +10,6 @@ import random
 from typing import Any
 
 import pytest
-import torch
-
-from batchserve.backends.static_decode import Runner, Shape, StaticDecoder
-from bench.cb_compare import random_model
 
 PAD = 0
 NEW = 12
@@ -21,6 +17,9 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def model() -> Any:
+    import torch
+
+    from bench.cb_compare import random_model
     m = random_model("cpu", torch.float32, tiny=True)
     m.generation_config.eos_token_id = None  # the reference ends rows only at the eos a test names
     for p in m.parameters():  # spread the logits so greedy picks are far from ties
@@ -35,6 +34,7 @@ def prompts(model: Any, lengths: tuple[int, ...] = (5, 9, 3, 12, 1), seed: int =
 
 def reference(model: Any, batch: list[list[int]], eos: int | None, new: int = NEW) -> list[list[int]]:
     """transformers' generate on the left-padded batch, each row cut after its first eos (None: no eos)."""
+    import torch
     width = max(map(len, batch))
     ids = torch.full((len(batch), width), PAD)
     mask = torch.zeros_like(ids)
@@ -74,6 +74,7 @@ class Counting:
 
 
 def test_greedy_tokens_are_generates_for_mixed_lengths_and_early_ends(model: Any) -> None:
+    from batchserve.backends.static_decode import StaticDecoder
     batch = prompts(model)
     eos = an_eos(model, batch)
     want = reference(model, batch, eos)
@@ -85,6 +86,7 @@ def test_greedy_tokens_are_generates_for_mixed_lengths_and_early_ends(model: Any
 def test_fixed_shapes_pad_rows_and_cache_and_split_batches_without_changing_a_token(model: Any) -> None:
     """The GPU layout, run eagerly: batches padded to a bucket with finished filler rows, caches sized by
     prompt bucket over one shared KV pool, a batch larger than its shape's bucket split in runs."""
+    from batchserve.backends.static_decode import Shape, StaticDecoder
     batch = prompts(model)
     eos = an_eos(model, batch)
     exact = StaticDecoder(model, NEW, [eos], PAD).generate(batch)
@@ -101,6 +103,7 @@ def test_fixed_shapes_pad_rows_and_cache_and_split_batches_without_changing_a_to
 
 
 def test_the_loop_stops_once_every_row_has_ended(model: Any) -> None:
+    from batchserve.backends.static_decode import StaticDecoder
     batch = prompts(model, (4, 4, 4))
     free = reference(model, batch, eos=None, new=40)
     # an eos every row reaches by step 5 at the latest: its token at step 4, if each row has a common one
@@ -118,6 +121,7 @@ def test_a_lagged_check_costs_steps_only_when_the_last_row_ends_on_a_checks_step
     """On a GPU a check reads the flags copied before its own step (so the device never waits for the host):
     the same answers, the same stop, but for a batch whose last row ends on a check's very step, which stops
     one check later. Run on the CPU with the lag turned on, all that differs on a GPU but the copy's event."""
+    from batchserve.backends.static_decode import StaticDecoder
     row = prompts(model, (4,))[0]
     free = reference(model, [row], eos=None, new=40)[0]
     firsts = [k for k in range(4, 30) if free[k] not in free[:k]]  # token k may be the row's eos
@@ -140,6 +144,7 @@ def test_a_lagged_check_costs_steps_only_when_the_last_row_ends_on_a_checks_step
 
 
 def test_a_stop_callback_ends_the_batch_between_steps(model: Any) -> None:
+    from batchserve.backends.static_decode import StaticDecoder
     asked = []
 
     def stop() -> bool:
@@ -152,6 +157,9 @@ def test_a_stop_callback_ends_the_batch_between_steps(model: Any) -> None:
 
 
 def test_no_cuda_capture_is_attempted_without_cuda(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from batchserve.backends.static_decode import StaticDecoder
     def refuse(*a: Any, **kw: Any) -> None:
         raise AssertionError("a CUDA graph was asked for on the CPU")
 
@@ -174,6 +182,9 @@ def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
     """What a CUDA graph capture needs of the step: no host sync and no branch on tensor values anywhere in
     it (transformers' forward included). torch.compile with fullgraph=True fails on exactly those; both it and
     a stream capture make transformers take its tracing-safe paths (`is_tracing`)."""
+    import torch
+
+    from batchserve.backends.static_decode import Runner, Shape
     with torch.inference_mode():
         runner = Runner(model, Shape(4, 32), 8, [-1], PAD, None)
         runner.prefill(prompts(model, (3, 1, 2, 5)))

@@ -8,7 +8,6 @@ import logging
 import re
 
 import pytest
-import torch
 
 from batchserve.backends import smollm2
 from batchserve.config import Settings
@@ -18,6 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.parallel]
 
 
 def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch, caplog):
+    import torch
     import gguf
     import transformers
 

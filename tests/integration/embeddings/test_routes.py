@@ -11,17 +11,20 @@ import os
 import socket
 import struct
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
-import openai
+
 import pytest
 
 from tests.conftest import LiveServer, hang_up_behind_a_busy_worker, start_server
 from tests.integration.inference.test_routes import metric
 from tests.integration.http.test_openapi import response_schema, validate
 from tests.integration.test_tenancy import add_key
+
+if TYPE_CHECKING:
+    import openai
 
 EMBED_PLUGIN = '''
 import time
@@ -62,6 +65,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
+    import openai
     return openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0, timeout=30)
 
 
@@ -91,6 +95,7 @@ def test_openai_client_one_input_and_a_list(client: openai.OpenAI, encoding: str
 
 
 def test_base64_is_little_endian_float32_and_the_clients_default_decodes(server: LiveServer):
+    import openai
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "xyz", "model": "embed", "encoding_format": "base64"},
                    headers={"Authorization": f"Bearer {server.key}"})
     raw = base64.b64decode(r.json()["data"][0]["embedding"])
@@ -170,6 +175,7 @@ def test_bad_requests_answer_in_openai_shape(server: LiveServer, body: dict, sta
 
 
 def test_keys_are_required_and_errors_keep_the_shape(server: LiveServer, client: openai.OpenAI):
+    import openai
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.post(server.url + "/v1/embeddings", content=b"{not json", headers={"Authorization": f"Bearer {server.key}"})
@@ -213,8 +219,6 @@ def test_live_answers_match_the_published_schemas(server: LiveServer):
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "a", "dimensions": 30}, headers=auth)
     validate(doc, response_schema(doc, "/v1/embeddings", "post", 400), r.json())
     validate(doc, {"$ref": "#/components/schemas/EmbeddingRequest"}, {"input": ["a"], "model": "embed"})
-
-
 
 
 HANG_PLUGIN = '''

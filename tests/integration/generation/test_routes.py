@@ -7,18 +7,23 @@ refused at the door), and one API key (the same tenancy as /v1/inference: a wron
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import asyncio
 import re
 import time
 
 import httpx
-import openai
+
 import pytest
 
 from bench.ledger_drill import ledger_of
 from tests.conftest import LiveServer, start_server
 from tests.integration.generation.conftest import Reference
 from tests.integration.test_tenancy import add_key
+
+if TYPE_CHECKING:
+    import openai
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -47,6 +52,7 @@ def server(key: tuple[str, str]):
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
+    import openai
     return openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0, timeout=60)
 
 
@@ -139,6 +145,7 @@ def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
 
 
 def test_concurrent_streams_all_complete_with_sensible_text(server: LiveServer) -> None:
+    import openai
     async def one(c: openai.AsyncOpenAI, country: str) -> str:
         stream = await c.chat.completions.create(model=MODEL, messages=ask(country), temperature=0, max_tokens=24,
                                                  stream=True)
@@ -176,6 +183,7 @@ def test_disconnect_mid_stream_frees_its_slot(server: LiveServer, client: openai
 
 
 def test_request_behind_full_slots_gets_503_not_a_long_wait(server: LiveServer, client: openai.OpenAI) -> None:
+    import openai
     streams = [client.chat.completions.create(model=MODEL, messages=ask(c), temperature=0, max_tokens=450,
                                               stream=True, extra_body={"ignore_eos": True})
                for c in ("France", "Germany", "Japan", "England")]
@@ -208,6 +216,7 @@ def test_request_behind_full_slots_gets_503_not_a_long_wait(server: LiveServer, 
     ({"presence_penalty": 1.0}, "presence_penalty"),
 ])
 def test_bad_parameters_get_400_in_openai_shape(client: openai.OpenAI, kwargs: dict, param: str) -> None:
+    import openai
     body = {"model": MODEL, "messages": ask("France"), "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**body)
@@ -219,6 +228,7 @@ def test_bad_parameters_get_400_in_openai_shape(client: openai.OpenAI, kwargs: d
 def test_a_long_prompt_without_max_tokens_runs_to_the_end_of_the_context(client: openai.OpenAI) -> None:
     """Each sequence holds 512 tokens here: 500 prompt tokens leave 12 (OpenAI's rule when max_tokens is not
     given); asking for more than fits is a 400 that says so."""
+    import openai
     prompt = [(i * 7919) % 40000 + 100 for i in range(500)]
     r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
@@ -228,6 +238,7 @@ def test_a_long_prompt_without_max_tokens_runs_to_the_end_of_the_context(client:
 
 
 def test_bad_completion_prompt_and_unknown_model(client: openai.OpenAI) -> None:
+    import openai
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="", max_tokens=4)
     assert err.value.param == "prompt"
@@ -264,6 +275,7 @@ def test_answers_match_the_published_openapi_schemas(server: LiveServer) -> None
 
 
 def test_wrong_key_gets_401_in_openai_shape(server: LiveServer) -> None:
+    import openai
     stranger = openai.OpenAI(base_url=server.url + "/v1", api_key="bs_not-a-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as err:
         stranger.chat.completions.create(model=MODEL, messages=ask("France"), max_tokens=4)
@@ -335,6 +347,7 @@ def usage_of(server: LiveServer) -> dict:
 def test_the_ledger_books_each_answer_with_its_tokens(server: LiveServer, client: openai.OpenAI) -> None:
     """The SLO ledger on the generation routes (issue 33): each answer once, an outcome by its time to the first
     token, cost served = prompt + completion tokens (the answers' own usage), a 400 not an outcome."""
+    import openai
     wait_idle(server, 5)
     before = usage_of(server)
     chat = client.chat.completions.create(model=MODEL, messages=ask("Japan"), temperature=0, max_tokens=8)

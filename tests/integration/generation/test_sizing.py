@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 
-from batchserve.generation.slot_decoder import SlotDecoder
-from batchserve.generation.slot_stepper import SlotStepper
 from batchserve.generation.stepper import SamplingParams
 from tests.integration.generation.test_slot_decoder import alone, run_stepper
 from tests.integration.backends.test_static_decode import PAD, model, prompts  # noqa: F401 - model is a fixture
 
 
 def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:  # noqa: F811
+    from batchserve.generation.slot_decoder import SlotDecoder
     dec = SlotDecoder(model, slots=1100, slot_tokens=128, eos_ids=[], pad_id=PAD, fixed_shapes=True)
     rows = sorted({r for r, _ in dec.shapes()})
     assert rows[-3:] == [768, 1024, 1100] and dec.shape(1025, 5) == (1100, 128) and dec.shape(300, 5) == (384, 128)
@@ -32,6 +31,7 @@ def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: A
     (and its held row runs along in the steps between pieces), then both decode to the end: each gets what
     `generate` gives it alone. `gpu-layout`: padded rows, widths and spans as CUDA graphs run them, later
     pieces attending to the whole slot."""
+    from batchserve.generation.slot_decoder import SlotDecoder
     short, long = prompts(model, (5, 23), seed=31)
     greedy = SamplingParams(max_tokens=10, temperature=0)
     dec = SlotDecoder(model, slots=4, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=fixed, chunk_tokens=7)
@@ -68,6 +68,8 @@ def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model
     sequences than slots. Between two decode steps the stepper prefills at most its step budget (the old
     behaviour prefilled the whole burst before the next step), long prompts go in pieces, and every sequence
     ends with `generate`'s tokens."""
+    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.generation.slot_stepper import SlotStepper
     batch = prompts(model, (3, 6, 5, 19, 4, 7, 22, 2, 5), seed=41)
     limits = [14, 6, 6, 6, 6, 6, 6, 6, 6]
     dec = SlotDecoder(model, slots=6, slot_tokens=48, eos_ids=[], pad_id=PAD, prefill_tokens=64, chunk_tokens=8)
@@ -100,7 +102,8 @@ def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> N
     """Driven by hand (no thread): a 13-token prompt prefilled 4 tokens a step is cancelled after its first
     piece; its slot is free and held, nothing is reported for it, and the next sequence in that slot gets
     `generate`'s tokens."""
-    from batchserve.generation.slot_stepper import Join
+    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.generation.slot_stepper import Join, SlotStepper
 
     dec = SlotDecoder(model, slots=2, slot_tokens=48, eos_ids=[], pad_id=PAD, chunk_tokens=4)
     stepper = SlotStepper(dec, step_s=0.01, prefill_step_tokens=4)

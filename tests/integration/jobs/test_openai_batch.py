@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
+
 import orjson
 import pytest
 
 from tests.conftest import LiveServer, start_server
 from tests.integration.embeddings.test_routes import EMBED_PLUGIN
+
+if TYPE_CHECKING:
+    import openai
 
 CONFIG = ('[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n\n'
           '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n\n'
@@ -42,6 +45,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
+    import openai
     return openai.OpenAI(base_url=server.url + "/v1", api_key="any", max_retries=0, timeout=30)
 
 
@@ -165,6 +169,7 @@ def test_list_batches_and_files_with_a_cursor(client: openai.OpenAI):
 
 
 def test_file_retrieve_content_and_delete(client: openai.OpenAI):
+    import openai
     lines = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "q"}}]
     file_id = upload(client, lines, "keep.jsonl")
     assert client.files.retrieve(file_id).filename == "keep.jsonl"
@@ -201,6 +206,7 @@ def test_a_bad_input_file_is_refused_whole(client: openai.OpenAI, server: LiveSe
 
 
 def test_file_limits(tmp_path):
+    import openai
     s = launch(tmp_path, "--jobs-db", str(tmp_path / "jobs.db"), "--files-max-count", "2")
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="any", max_retries=0)

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
+
 import orjson
 import pytest
 
 from tests.conftest import LiveServer, start_server
+
+if TYPE_CHECKING:
+    import openai
 
 pytestmark = pytest.mark.slow  # the real model
 
@@ -38,6 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
+    import openai
     return openai.OpenAI(base_url=server.url + "/v1", api_key="any", max_retries=0, timeout=60)
 
 

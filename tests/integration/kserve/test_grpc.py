@@ -10,15 +10,17 @@ import hashlib
 import os
 import re
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 import pytest
-import tritonclient.grpc as triton
-from tritonclient.utils import InferenceServerException
 
 from tests.conftest import LiveServer, start_server
 from tests.integration.embeddings.test_routes import EMBED_PLUGIN
+
+if TYPE_CHECKING:
+    import tritonclient.grpc as triton
 
 GRPC_LINE = re.compile(r"gRPC \(KServe v2\) listening on [\d.]+:(\d+)")
 
@@ -58,6 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> triton.InferenceServerClient:
+    import tritonclient.grpc as triton
     return triton.InferenceServerClient(f"127.0.0.1:{grpc_port(server)}")
 
 
@@ -65,12 +68,14 @@ ROOMY = {"authorization": "Bearer sk-roomy"}
 
 
 def strings(*texts: str) -> triton.InferInput:
+    import tritonclient.grpc as triton
     tensor = triton.InferInput("input", [len(texts)], "BYTES")
     tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
     return tensor
 
 
 def test_health_and_metadata(client):
+    from tritonclient.utils import InferenceServerException
     assert client.is_server_live() and client.is_server_ready()
     meta = client.get_server_metadata(as_json=True)
     assert meta["name"] == "batchserve" and "binary_tensor_data" in meta["extensions"]
@@ -120,6 +125,8 @@ def test_grpc_and_http_callers_share_batches(server, client):
 
 
 def test_refusals_are_grpc_status_codes(server, client):
+    import tritonclient.grpc as triton
+    from tritonclient.utils import InferenceServerException
     def status(call) -> str:
         with pytest.raises(InferenceServerException) as caught:
             call()
@@ -143,6 +150,7 @@ def test_refusals_are_grpc_status_codes(server, client):
 @pytest.mark.slow
 @pytest.mark.parallel  # answers only, no timing: CI runs it in the parallel workers
 def test_minilm_over_grpc_equals_its_http_vectors():
+    import tritonclient.grpc as triton
     s = start_server("--backend", "minilm", "--grpc-port", "0", timeout=300)
     try:
         client = triton.InferenceServerClient(f"127.0.0.1:{grpc_port(s)}")

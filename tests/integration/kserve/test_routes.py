@@ -8,16 +8,18 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import struct
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 import pytest
-import tritonclient.http as triton
-from tritonclient.utils import InferenceServerException
 
 from tests.conftest import LiveServer, start_server
 from tests.integration.embeddings.test_routes import EMBED_PLUGIN
 from tests.integration.http.test_openapi import validate
+
+if TYPE_CHECKING:
+    import tritonclient.http as triton
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +38,19 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> triton.InferenceServerClient:
+    import tritonclient.http as triton
     return triton.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=30)
 
 
 def strings(*texts: str, binary: bool = True) -> triton.InferInput:
+    import tritonclient.http as triton
     tensor = triton.InferInput("input", [len(texts)], "BYTES")
     tensor.set_data_from_numpy(np.array(texts, dtype=object), binary_data=binary)
     return tensor
 
 
 def test_health_and_metadata(client):
+    from tritonclient.utils import InferenceServerException
     assert client.is_server_live() and client.is_server_ready()
     meta = client.get_server_metadata()
     assert meta["name"] == "batchserve" and "binary_tensor_data" in meta["extensions"]
@@ -63,6 +68,7 @@ def test_health_and_metadata(client):
 
 @pytest.mark.parametrize("binary", [True, False])
 def test_three_inputs_on_the_sim(client, binary):
+    import tritonclient.http as triton
     texts = ("a cat", "hello world", "é ü ✓")
     result = client.infer("echo", [strings(*texts, binary=binary)], request_id="three",
                           outputs=[triton.InferRequestedOutput("output", binary_data=binary)])
@@ -96,6 +102,7 @@ def test_embedding_model_answers_fp32_and_elements_share_a_batch(client):
 def test_concurrent_v2_callers_share_batches(server):
     """Sixteen one-element requests at once, each on its own connection: they are batched together (the
     plugin holds 8 a batch and takes 20 ms, so 16 lone requests would each report a batch of 1)."""
+    import tritonclient.http as triton
     def one(i: int) -> float:
         c = triton.InferenceServerClient(server.url.removeprefix("http://"))
         try:
