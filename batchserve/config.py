@@ -351,8 +351,8 @@ class Settings:
         0,
         "torch's intra-op threads on a CPU (one setting for the process: every model and the generation engine; "
         "an embedder's or reranker's [models.options] threads sets it for that model's load); 0 = every usable "
-        "core (split among --processes), with OpenMP's idle threads sleeping (OMP_WAIT_POLICY=PASSIVE unless "
-        "the environment sets it)",
+        "core (split among --processes; a causal LM's decoding one fewer), with OpenMP's idle threads "
+        "sleeping (OMP_WAIT_POLICY=PASSIVE unless the environment sets it)",
     )
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 

@@ -67,12 +67,16 @@ def running_batch(callers_gone: Callable[[], bool]) -> Iterator[RunningBatch]:
         _current.batch = None
 
 
-def default_threads(processes: int = 1) -> int:
+def default_threads(processes: int = 1, decode: bool = False) -> int:
     """torch's intra-op threads on a CPU: every usable core, split evenly among `processes` serving processes
-    (`--processes`; at least one each). The event loop's share of a CPU server is small beside the model's
-    (docs/backends.md), so leaving it a core of its own gave away half the capacity of a 2-core machine;
-    `sleeping_idle_threads` keeps the threads from holding the loop's core between ops."""
-    return max(1, len(os.sched_getaffinity(0)) // processes)
+    (`--processes`; at least one each). The event loop's share of an embedding server is small beside the
+    model's (docs/backends.md), so leaving it a core of its own gave away half the capacity of a 2-core machine;
+    `sleeping_idle_threads` keeps the threads from holding the loop's core between ops. `decode`: a causal LM's
+    decode steps (a few rows of small products) keep one core fewer, as before: on the quiet 2-core machine a
+    step of 1 / 2 / 8 rows took 59-65 / 97-103 / 127-137 ms on one thread, 67-72 / 108-113 / 130-132 on two
+    spinning and 68-87 / 143-196 / 153-269 on two sleeping ones."""
+    cores = max(1, len(os.sched_getaffinity(0)) // processes)
+    return max(1, cores - 1) if decode else cores
 
 
 def sleeping_idle_threads() -> None:

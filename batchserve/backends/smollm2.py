@@ -272,7 +272,7 @@ class SmolLM2Backend:
         if "cpu" in devices:
             import torch
 
-            torch.set_num_threads(s.torch_threads or default_threads())  # as the embedders and the engine set it
+            torch.set_num_threads(s.torch_threads or default_threads(decode=True))  # as the engine sets it
         models = [load_model(d, source) for d in devices]
         decoders = []
         if s.decode == "static":

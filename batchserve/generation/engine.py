@@ -445,7 +445,7 @@ class Engine:
 
                 # As the batch backends set it (hf.py `setup`): with no batch backend loaded (the stepper alone
                 # answers) nothing else would, and --torch-threads must reach this model too.
-                torch.set_num_threads(settings.torch_threads or default_threads())
+                torch.set_num_threads(settings.torch_threads or default_threads(decode=True))
             source = generation_folder(settings)  # a --model folder, or smollm2's package folder
             tok = tokenizer if tokenizer is not None else load_tokenizer(source)
             mdl = model if model is not None else load_model(device, source)

@@ -17,6 +17,7 @@ def test_default_threads_are_every_core_this_process_may_use_split_among_process
     assert backends.default_threads() == cores
     assert backends.default_threads(2) == max(1, cores // 2)
     assert backends.default_threads(cores + 1) == 1
+    assert backends.default_threads(decode=True) == max(1, cores - 1)  # a decoder leaves the loop a core
 
 
 def test_idle_openmp_threads_sleep_unless_the_environment_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
