@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import re
 import signal
@@ -14,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -27,6 +23,12 @@ PORT_LINE = re.compile(r"Uvicorn running on http://[\d.]+:(\d+)")
 # three pytest processes and their servers side by side on 2 cores, where a model split over 2 threads per
 # server only trades the cores between them (a test that sets --torch-threads itself still wins).
 os.environ.setdefault("BATCHSERVE_TORCH_THREADS", "1")
+# And one in the test process, whenever a test first imports torch (the test modules import it where they use
+# it, not at collection): torch reads OMP_NUM_THREADS as it loads. A torch op on 2 threads waits for whichever
+# one is descheduled (a tiny model's forward took 2x the time and 2x the CPU, spinning).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this conftest (a plugin)
+    sys.modules["torch"].set_num_threads(1)
 
 
 @dataclass
@@ -123,35 +125,6 @@ def hang_up_behind_a_busy_worker(url: str, path: str, busy: dict, gone: bytes, r
             return r.status
 
     return asyncio.run(scenario())
-
-
-class OneTorchThread(importlib.abc.MetaPathFinder):
-    """One torch intra-op thread in the test process, as in the servers it starts (BATCHSERVE_TORCH_THREADS
-    above): CI runs two or three pytest processes (and their servers) side by side on 2 cores, and a torch op on
-    2 threads waits for whichever one is descheduled (a tiny model's forward took 2x the time and 2x the CPU,
-    spinning). Set the moment torch is first imported, whenever that is: the test modules import torch in the
-    tests and fixtures that use it, not at collection (seconds of CPU in each of CI's five pytest processes)."""
-
-    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)  # once; and the finders below find torch's own spec
-        spec = importlib.util.find_spec(name)
-        if spec is not None and isinstance(spec.loader, importlib.abc.Loader):
-            load = spec.loader.exec_module
-
-            def exec_then_one_thread(module: types.ModuleType) -> None:
-                load(module)
-                module.set_num_threads(1)
-
-            spec.loader.exec_module = exec_then_one_thread  # type: ignore[method-assign]
-        return spec
-
-
-if "torch" in sys.modules:  # imported before this conftest (a plugin)
-    sys.modules["torch"].set_num_threads(1)
-else:
-    sys.meta_path.insert(0, OneTorchThread())
 
 
 @pytest.fixture
