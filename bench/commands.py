@@ -95,7 +95,7 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
               "real model (CPU)", ("--duration", "5", "--max-s", "10", "--warmup", "1")),
         Bench("gen_share", "the generation engine's shares by tenant and tier through HTTP: a tenant holding "
               "every slot beside another's short chats; a 100-line chat batch beside interactive chats (issue 33)",
-              "~15 min", "real model (CPU)", ("--short", "3", "--hog-tokens", "200", "--lines", "6",
+              "~65 min", "real model (CPU)", ("--short", "3", "--hog-tokens", "200", "--lines", "6",
                                               "--line-tokens", "16")),
         Bench("job_pricing", "another tenant's interactive /v1/embeddings beside a batch of 2,048-input lines "
               "(`--base DIR`: the commit before, side by side)", "~4 min", "real model (CPU)"),
