@@ -12,48 +12,39 @@ HTTP on a live `--generation on` server with SmolLM2's real weights and keyed te
   batch row sits out some decode steps (the slot stepper's duty cycle, `step_share`: /internal/generation counts
   steps of the interactive rows alone), and the chats stay near their time alone.
 
-One server for the module (4 slots, one start: the model's load and warm-up is most of a test's time), the tests
-in turn, each waiting for the engine to be idle first. Small on purpose (2 shared CPU cores): the full figures
-(100 lines x 160 tokens) are bench/gen_share.py's. Timing bounds here are generous; the printed ratios are the
-measurement. Each failed before its change: the hog's sequences held every slot, batch lines failed after a few
-quick retries, nothing was ever paused, batch lines held every spare row beside interactive chats, and the
-engine's answers were in no cost account."""
+One server for the module and test_refusals (`keyed_generation` in conftest.py: 4 slots, one start: the model's
+load and warm-up is most of a test's time), the tests in turn, each waiting for the engine to be idle first.
+Small on purpose (2 shared CPU cores): the full figures (100 lines x 160 tokens) are bench/gen_share.py's. Timing
+bounds here are generous; the printed ratios are the measurement. Each failed before its change: the hog's
+sequences held every slot, batch lines failed after a few quick retries, nothing was ever paused, batch lines
+held every spare row beside interactive chats, and the engine's answers were in no cost account."""
 
 from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from bench.gen_share import Hog, chat, engine_stats, keyed, run_batch, timed_chats
-from tests.conftest import LiveServer, start_server
+from bench.gen_share import Hog, chat, engine_stats, run_batch, timed_chats
+from tests.conftest import LiveServer
+from tests.integration.generation.conftest import KEYED_SLOTS
 from tests.integration.jobs.test_routes import wait_for
 
 pytestmark = pytest.mark.slow  # the real model
 
-SLOTS = 4
-TENANTS = ("hog", "small", "first", "second", "batcher", "caller")
+SLOTS = KEYED_SLOTS
 
 
 def p50(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, dict[str, str]]]:
-    tmp = tmp_path_factory.mktemp("shares")
-    config, keys = keyed(tmp, TENANTS)
-    s = start_server("--devices", "1", "--generation", "on", "--generation-max-seqs", str(SLOTS),
-                     "--generation-max-context", "1024", "--config", str(config),
-                     "--jobs-db", str(tmp / "jobs.db"), timeout=240)
-    try:
-        yield s, keys
-    finally:
-        s.stop()
+@pytest.fixture
+def shared(keyed_generation: tuple[LiveServer, dict[str, str]]) -> tuple[LiveServer, dict[str, str]]:
+    return keyed_generation  # conftest.py: one server for this module and test_refusals
 
 
 def idle(url: str) -> dict[str, Any]:
