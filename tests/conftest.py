@@ -43,6 +43,17 @@ class LiveServer:
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 30), **kw)
 
+    def wait_ready(self, timeout: float = 60) -> None:
+        """Until /readyz is 200 (the models loaded and warmed): a caller that started the server with
+        `ready=False` does its own work (an in-process reference load) meanwhile."""
+        give_up = time.monotonic() + timeout
+        with self.client() as c:
+            while c.get("/readyz").status_code != 200:
+                if self.proc.poll() is not None or time.monotonic() > give_up:
+                    self.stop()
+                    raise RuntimeError("server did not become ready:\n" + self.log())
+                time.sleep(0.05)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -84,12 +95,7 @@ def start_server(*args: str, ready: bool = True, env: dict[str, str] | None = No
         time.sleep(0.02)
     server = LiveServer(proc, f"http://127.0.0.1:{port[0]}", lines)
     if ready:
-        with server.client() as c:
-            while c.get("/readyz").status_code != 200:
-                if proc.poll() is not None or time.monotonic() > give_up:
-                    server.stop()
-                    raise RuntimeError("server did not become ready:\n" + server.log())
-                time.sleep(0.05)
+        server.wait_ready(give_up - time.monotonic())
     return server
 
 

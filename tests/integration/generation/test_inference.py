@@ -35,17 +35,28 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def reference(generate_reference: Reference) -> dict[str, str]:
-    return generate_reference(PROMPTS, MAX_NEW)
+def started(tmp_path_factory: pytest.TempPathFactory, generate_reference: Reference):
+    """(the server, the reference answers): the server loads and warms its model while `generate` answers
+    PROMPTS here, in the test process (each alone took ~10 s of the suite, one after the other)."""
+    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW), "--generation-max-seqs", str(SLOTS),
+                     "--generation-max-context", "512", "--timeout-ms", "120000", "--max-timeout-ms", "300000",
+                     "--jobs-db", str(tmp_path_factory.mktemp("jobs") / "jobs.db"), ready=False, timeout=300)
+    try:
+        answers = generate_reference(PROMPTS, MAX_NEW)
+        s.wait_ready(300)
+        yield s, answers
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW), "--generation-max-seqs", str(SLOTS),
-                     "--generation-max-context", "512", "--timeout-ms", "120000", "--max-timeout-ms", "300000",
-                     "--jobs-db", str(tmp_path_factory.mktemp("jobs") / "jobs.db"), timeout=300)
-    yield s
-    s.stop()
+def server(started: tuple[LiveServer, dict[str, str]]) -> LiveServer:
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def reference(started: tuple[LiveServer, dict[str, str]]) -> dict[str, str]:
+    return started[1]
 
 
 def engine(server: LiveServer) -> dict:

@@ -18,7 +18,8 @@ from tests.integration.inference.test_routes import metric
 from tests.integration.jobs.test_routes import finished, wait_for as wait_until
 from tests.integration.test_tracing import Receiver, attrs, receiver, wait_for  # noqa: F401 (receiver: the fixture)
 
-pytestmark = pytest.mark.slow
+# answers, metrics, spans and log lines only, no timing: CI runs it in the parallel workers (.ci/run)
+pytestmark = [pytest.mark.slow, pytest.mark.parallel]
 MAX_NEW = 8
 SLOTS = 2
 PROMPTS = ["Hi", "What is 2 + 2?", "Name a colour.", "Say yes."]

@@ -11,18 +11,15 @@ import httpx
 import pytest
 
 from batchserve.core.refusals import MAX_WAIT_S
-from batchserve.tenancy import digest, new_key
+from tests.conftest import LiveServer
 from tests.integration.jobs.test_routes import wait_for
 
 
 @pytest.mark.slow  # --generation on: the engine loads and warms SmolLM2's real weights
-def test_a_tenant_looping_refused_prompts_is_slowed_and_another_is_not(tmp_path, server_factory):
-    keys = {t: new_key() for t in ("acme", "globex")}
-    config = tmp_path / "keys.toml"
-    config.write_text("".join(f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n'
-                              for t, k in keys.items()))
-    s = server_factory("--devices", "1", "--generation", "on", "--generation-max-seqs", "2",
-                       "--generation-max-context", "256", "--config", str(config), "--refused-per-s", "4")
+def test_a_tenant_looping_refused_prompts_is_slowed_and_another_is_not(
+    keyed_generation: tuple[LiveServer, dict[str, str]],
+) -> None:
+    s, keys = keyed_generation  # conftest.py: --refused-per-s 4, and tenants acme and globex of their own
     huge = {"messages": [{"role": "user", "content": "hello world " * 80_000}], "max_tokens": 2}  # ~0.96 MB: 400
     statuses: list[int] = []
     stop = threading.Event()

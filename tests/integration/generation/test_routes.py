@@ -39,15 +39,20 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(key: tuple[str, str]):
+def server(key: tuple[str, str], request: pytest.FixtureRequest):
     # /v1/inference on the static batch path (not the stepper, the default): the overlap test below is about
     # the batch path's model and the engine's never corrupting each other.
     s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--generation-max-seqs", "4",
                      "--generation-max-context", "512", "--generation-queue-timeout-ms", "10000",
-                     "--inference-path", "static", "--config", key[0], timeout=180)
+                     "--inference-path", "static", "--config", key[0], ready=False, timeout=180)
     s.key = key[1]  # type: ignore[attr-defined]
-    yield s
-    s.stop()
+    try:
+        # the session's in-process SmolLM2 (the static path's test below compares with it) loads meanwhile
+        request.getfixturevalue("generate_reference")
+        s.wait_ready(180)
+        yield s
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,48 +12,39 @@ HTTP on a live `--generation on` server with SmolLM2's real weights and keyed te
   batch row sits out some decode steps (the slot stepper's duty cycle, `step_share`: /internal/generation counts
   steps of the interactive rows alone), and the chats stay near their time alone.
 
-One server for the module (4 slots, one start: the model's load and warm-up is most of a test's time), the tests
-in turn, each waiting for the engine to be idle first. Small on purpose (2 shared CPU cores): the full figures
-(100 lines x 160 tokens) are bench/gen_share.py's. Timing bounds here are generous; the printed ratios are the
-measurement. Each failed before its change: the hog's sequences held every slot, batch lines failed after a few
-quick retries, nothing was ever paused, batch lines held every spare row beside interactive chats, and the
-engine's answers were in no cost account."""
+One server for the module and test_refusals (`keyed_generation` in conftest.py: 4 slots, one start: the model's
+load and warm-up is most of a test's time), the tests in turn, each waiting for the engine to be idle first.
+Small on purpose (2 shared CPU cores): the full figures (100 lines x 160 tokens) are bench/gen_share.py's. Timing
+bounds here are generous; the printed ratios are the measurement. Each failed before its change: the hog's
+sequences held every slot, batch lines failed after a few quick retries, nothing was ever paused, batch lines
+held every spare row beside interactive chats, and the engine's answers were in no cost account."""
 
 from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from bench.gen_share import Hog, chat, engine_stats, keyed, run_batch, timed_chats
-from tests.conftest import LiveServer, start_server
+from bench.gen_share import Hog, chat, engine_stats, run_batch, timed_chats
+from tests.conftest import LiveServer
+from tests.integration.generation.conftest import KEYED_SLOTS
 from tests.integration.jobs.test_routes import wait_for
 
 pytestmark = pytest.mark.slow  # the real model
 
-SLOTS = 4
-TENANTS = ("hog", "small", "first", "second", "batcher", "caller")
+SLOTS = KEYED_SLOTS
 
 
 def p50(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, dict[str, str]]]:
-    tmp = tmp_path_factory.mktemp("shares")
-    config, keys = keyed(tmp, TENANTS)
-    s = start_server("--devices", "1", "--generation", "on", "--generation-max-seqs", str(SLOTS),
-                     "--generation-max-context", "1024", "--config", str(config),
-                     "--jobs-db", str(tmp / "jobs.db"), timeout=240)
-    try:
-        yield s, keys
-    finally:
-        s.stop()
+@pytest.fixture
+def shared(keyed_generation: tuple[LiveServer, dict[str, str]]) -> tuple[LiveServer, dict[str, str]]:
+    return keyed_generation  # conftest.py: one server for this module and test_refusals
 
 
 def idle(url: str) -> dict[str, Any]:
@@ -88,7 +79,7 @@ def test_a_preempted_greedy_sequence_answers_token_for_token_and_every_answer_is
 ) -> None:
     s, keys = shared
     cost_before = idle(s.url)["cost_served"].get("paid", {"inputs": 0, "cost": 0.0})
-    longs = [chat(f"Write a poem about the sea, number {i}.", 48, ignore_eos=True) for i in range(SLOTS)]
+    longs = [chat(f"Write a poem about the sea, number {i}.", 32, ignore_eos=True) for i in range(SLOTS)]
 
     def all_at_once() -> tuple[dict[int, httpx.Response], threading.Thread]:
         got: dict[int, httpx.Response] = {}
@@ -135,7 +126,9 @@ def test_a_chat_batch_beside_interactive_chats_keeps_to_its_rows_and_completes_e
     interactive = [chat(f"Name a color, number {i}.", 8) for i in range(6)]
     timed_chats(s.url, keys["caller"], interactive[:1])  # warm
     alone, _ = timed_chats(s.url, keys["caller"], interactive)
-    lines = [chat(f"Describe the number {i} in one sentence.", 32, ignore_eos=True) for i in range(8)]
+    # 6 lines: 3 fill the slots the headroom leaves, 2 of those are paused for the cap, 3 more wait, so a batch
+    # row is live through all the chats below; every line it runs after them is suite time that checks nothing
+    lines = [chat(f"Describe the number {i} in one sentence.", 24, ignore_eos=True) for i in range(6)]
     done: dict[str, Any] = {}
     batcher = threading.Thread(target=lambda: done.update(run_batch(s.url, keys["batcher"], lines, 600)))
     batcher.start()

@@ -22,7 +22,7 @@ from tests.conftest import LiveServer, start_server
 if TYPE_CHECKING:
     import openai
 
-pytestmark = pytest.mark.slow  # the real model
+pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # the real model; answers only, no timing: the parallel workers
 
 MODEL = "SmolLM2-135M-Instruct"
 COUNTRIES = ("France", "Italy", "Japan", "Peru")
