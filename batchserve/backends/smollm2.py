@@ -128,7 +128,7 @@ def converted_dir(cache: str) -> str:
         with gguf_read_once():
             model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
-        model.hf_quantizer = None  # type: ignore[assignment]  # typed through nn.Module's __getattr__ (Tensor | Module)
+        model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(staging)
@@ -199,7 +199,7 @@ def load_model(device: str, model_dir: str = "") -> Any:
         log.warning("no weights in %s: SmolLM2's architecture with RANDOM weights (benchmarks only)", model_dir)
         torch.manual_seed(0)  # the library's own init: N(0, initializer_range) matrices, unit norms
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
-    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapper of .to types self as the arg
+    return model.to(device).eval()
 
 
 @functools.cache
