@@ -34,7 +34,7 @@ if "torch" in sys.modules:  # imported before this conftest (a plugin)
 def _compiled_once() -> None:
     """The bytecode of the package and the benches, written once per test run: with PYTHONDONTWRITEBYTECODE set
     (as on this machine) every server process the tests start (~130, more with their children) compiled all of
-    batchserve from source again, ~0.35 core-s each, ~1 minute of the suite on 2 cores. py_compile writes
+    batchserve from source again, ~0.35 core-s each: ~45 core-s, ~20 s of the suite's time on 2 cores. py_compile writes
     whatever that variable says (the imports then only read it), atomically, and skips files already current."""
     import compileall
     from pathlib import Path
