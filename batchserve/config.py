@@ -116,6 +116,13 @@ class Settings:
         "engine's stepper: from its answer time)",
     )
     dispatch_margin_ms: float = knob(5.0, "slack kept between the dispatch deadline and the SLO")
+    stage_lead_ms: float = knob(
+        10.0,
+        "a full batch waiting while a device is busy is formed this long before the "
+        "running batch is expected to end and handed to the device's thread, which "
+        "begins it the moment that batch ends (0 = off: the next batch is formed once "
+        "the event loop hears the device is free)",
+    )
     timeout_ms: float = knob(
         2000.0,
         "default request deadline when the body gives no timeout_ms (unset with a "
@@ -398,7 +405,7 @@ class Settings:
             "generation_queue_timeout_ms",
         ):
             need(getattr(self, name) > 0, name, "positive")
-        for name in ("dispatch_margin_ms", "gpu_timeout_ms", "sim_hang_ms", "jobs_retry_base_ms"):
+        for name in ("dispatch_margin_ms", "stage_lead_ms", "gpu_timeout_ms", "sim_hang_ms", "jobs_retry_base_ms"):
             need(getattr(self, name) >= 0, name, "0 or more")
         need(
             self.timeout_ms <= self.max_timeout_ms, "timeout_ms", f"at most --max-timeout-ms ({self.max_timeout_ms:g})"

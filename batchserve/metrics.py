@@ -200,6 +200,7 @@ class Metrics:
     load_ratio: Gauge  # autoscaling signals, computed at scrape time (batchserve/core/load_signal.py)
     predicted_wait_ratio: Gauge
     batches_stopped_early: Counter
+    batches_staged: Counter
     slo_requests: LoopCounter  # the SLO ledger (core/ledger.py): answers by model, tier and outcome
     cost_served: LoopCounter  # cost units (tokens, or inputs where a model costs 1 each) served, by model and tier
     inputs_served: LoopCounter
@@ -301,6 +302,13 @@ def make_metrics() -> Metrics:
         batches_stopped_early=Counter(
             p + "batches_stopped_early",
             "Batches the backend cut short because every caller had left (answered, timed out or hung up)",
+            ["model"],
+            registry=r,
+        ),
+        batches_staged=Counter(
+            p + "batches_staged",
+            "Full batches formed while their device was busy and begun by its thread the moment the running "
+            "batch ended (--stage-lead-ms)",
             ["model"],
             registry=r,
         ),

@@ -261,6 +261,7 @@ class Runtime:
                 threads=loaded.threads,
                 rules=dict(loaded.rules or {}),
                 gpu_timeout_ceiling_s=self.settings.max_timeout_ms / 1000,
+                stage_lead_s=self.settings.stage_lead_ms / 1000,
             )
             self.pool.demand = self.admission.arrival_rate
             self.pool.tracing = self.tracing

@@ -300,6 +300,19 @@ class Batcher:
             return None
         return self._take(worker, self.clock())[0]
 
+    def take_full(self, worker: int, starts: float) -> Batch | None:
+        """A full batch for a busy worker to begin the moment its batch ends (`starts`, expected): staged in its
+        thread's inbox (`GpuPool._stage`). None unless the most urgent queue is due because it is full, no
+        retry waits (retries go first, to a worker as it frees) and no other worker waits for its turn (an idle
+        worker takes the batch now)."""
+        if self.closed or self._turn.locked() or self.retries or self.background_retries:
+            return None
+        now = self.clock()
+        key, due, cause = self.most_urgent(now)
+        if key is None or cause != "full" or due > now:
+            return None
+        return self.form(key, now, cause, due, starts)
+
     def _take(self, worker: int, now: float) -> tuple[Batch | None, str, float]:
         """The flush policy's one pass, for `take_now` and `_wait_for_batch` alike: an interactive retry first;
         a background batch when its share or floor is due (`_background_turn`); the most urgent queue when it
@@ -545,7 +558,10 @@ class Batcher:
             return False, head  # no job items, or the interactive ones fill a batch by themselves
         return True, first if first is not None else head
 
-    def form(self, key: tuple[str, int], now: float, cause: str, due: float = 0.0) -> Batch | None:
+    def form(
+        self, key: tuple[str, int], now: float, cause: str, due: float = 0.0, starts: float | None = None
+    ) -> Batch | None:
+        """The batch of queue `key`, formed now to start at `starts` (now when None; later when staged)."""
         q = self.queues[key]
         self._count_arrivals(key, now, len(q))
         items: list[Item] = []
@@ -557,7 +573,7 @@ class Batcher:
         # and leave nothing running to correct it.
         budget = self.costs.budget(key[0])
         size = self.costs.estimate_cost(key[0], min(limit, len(q)), q.mean_cost())
-        ends = now + self.batch_s.lower_bound(key[0], size)
+        ends = (now if starts is None else starts) + self.batch_s.lower_bound(key[0], size)
         widest = 0.0
         # Job places go to one tenant per batch (tenants take turns batch by batch), so one tenant's failing
         # job inputs never fail, and drag into bisection, another tenant's job items.

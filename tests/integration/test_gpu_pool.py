@@ -136,6 +136,21 @@ def test_predicted_wait_refuses_at_the_door_before_any_batch_finishes(server_fac
     assert done_order[first_ok:].count(503) == 0
 
 
+def test_full_batches_are_staged_and_every_caller_gets_its_own_answer(server_factory):
+    # 120 callers at once on batches of 10: while each batch runs, a full one waits, and is staged into the
+    # device's thread before the batch ends (--stage-lead-ms, default on); with it off, none is.
+    inputs = [f"staged-{i}" for i in range(120)]
+    for lead, staged in (("10", True), ("0", False)):
+        server = server_factory("--max-batch-size", "10", "--sim-batch-ms", "50", "--slo-ms", "5000",
+                                "--stage-lead-ms", lead)
+        results = asyncio.run(post_many(server.url, inputs))
+        assert all(s == 200 and b["output"] == t[::-1] for t, (s, b) in zip(inputs, results)), results[:3]
+        with server.client() as c:
+            text = c.get("/metrics").text
+        assert (metric(text, "batchserve_batches_staged_total", model="sim@v1") > 0) is staged
+        assert metric(text, "batchserve_batch_size_count", model="sim@v1") >= 12
+
+
 def test_sigterm_drains_every_queued_item_then_exits(server_factory):
     server = server_factory("--devices", "1", "--sim-batch-ms", "400", "--slo-ms", "5000", "--max-batch-size", "4")
 

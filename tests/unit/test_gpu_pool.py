@@ -1,0 +1,171 @@
+"""Staging (`GpuPool._stage`, `Batcher.take_full`) on an injected clock: no server, no threads.
+
+A full batch waiting while a worker is busy goes into that worker's inbox shortly before its batch ends, so the
+thread begins it without waiting for the loop; these pin when one is staged, what admission then reads, how the
+loop takes it up, and that a hang gives its items back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batchserve.core.batcher import Batch
+from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.metrics import make_metrics
+from tests.unit.core.test_policy import S, make_batcher, make_item
+from tests.unit.fakes import Clock
+
+LEAD_S = 0.01
+
+
+def staging_pool(loop: asyncio.AbstractEventLoop, clock: Clock, workers: int = 1, max_batch: int = 4) -> GpuPool:
+    b = make_batcher(clock, workers=workers, max_batch=max_batch)
+    pool = GpuPool({}, b, make_metrics(), loop, [f"d{i}" for i in range(workers)], gpu_timeout_s=1.0,
+                   clock=clock, stage_lead_s=LEAD_S)
+    pool.workers = [Worker(i, f"d{i}") for i in range(workers)]
+    pool._update_health()
+    return pool
+
+
+def running(pool: GpuPool, loop: asyncio.AbstractEventLoop, clock: Clock, n: int = 4) -> tuple[Worker, Batch]:
+    """Worker 0 running a batch of `n` handed now (taken from its inbox, as its thread would)."""
+    w = pool.workers[0]
+    batch = Batch("m", [make_item(loop, f"run-{i}", arrived=clock.now) for i in range(n)], clock.now, "full")
+    pool._hand(w, batch)
+    assert w.inbox.get_nowait() is batch
+    return w, batch
+
+
+def queue(pool: GpuPool, loop: asyncio.AbstractEventLoop, clock: Clock, n: int, deadline: float = 1e9) -> None:
+    for i in range(n):
+        pool.batcher.submit(make_item(loop, f"q-{i}", arrived=clock.now, deadline=deadline))
+
+
+def staged_count(pool: GpuPool) -> float:
+    return pool.metrics.batches_staged.labels("m")._value.get()
+
+
+def test_a_full_queue_is_staged_into_the_busy_workers_inbox(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock)
+    w, batch = running(pool, loop, clock)
+    assert w.stage_timer is not None  # the look for a successor is set when the batch begins
+    queue(pool, loop, clock, 6)
+    clock.now += S - LEAD_S
+    pool._stage(w, batch)
+    assert w.staged is not None and [i.text for i in w.staged.items] == ["q-0", "q-1", "q-2", "q-3"]
+    assert w.inbox.get_nowait() is w.staged  # what the thread begins the moment `batch` ends
+    assert pool.batcher.depth["m"] == 2 and staged_count(pool) == 1
+    # Admission's "until free" counts the staged batch after the running one: its items left the queue.
+    assert pool.seconds_until_free(clock.now) == pytest.approx(LEAD_S + S)
+
+
+def test_a_partial_queue_is_not_staged_but_looked_at_again(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock)
+    w, batch = running(pool, loop, clock)
+    queue(pool, loop, clock, 3)  # one short of a full batch: formed early it would leave out what comes next
+    clock.now += S - LEAD_S
+    pool._stage(w, batch)
+    assert w.staged is None and pool.batcher.depth["m"] == 3 and w.inbox.empty()
+    assert w.stage_timer is not None  # looked for again until the batch ends
+    queue(pool, loop, clock, 1)
+    pool._stage(w, batch)
+    assert w.staged is not None and len(w.staged.items) == 4
+
+
+def test_nothing_is_staged_once_the_batch_has_ended_or_with_staging_off(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock)
+    w, batch = running(pool, loop, clock)
+    queue(pool, loop, clock, 8)
+    w.batch = None  # the loop heard of its end first
+    pool._stage(w, batch)
+    assert w.staged is None and w.inbox.empty()
+    off = staging_pool(loop, clock)
+    off.stage_lead_s = 0.0
+    w_off, _ = running(off, loop, clock)
+    assert w_off.stage_timer is None
+
+
+def test_a_waiting_retry_is_not_passed_by_a_staged_batch(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock)
+    w, batch = running(pool, loop, clock)
+    queue(pool, loop, clock, 4)
+    pool.batcher.requeue(Batch("m", [make_item(loop, "half")], clock.now, "retry"))
+    pool._stage(w, batch)
+    assert w.staged is None  # a retry goes first, to a worker as it frees
+
+
+def test_an_idle_worker_takes_the_full_batch_instead(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock, workers=2)
+    w, batch = running(pool, loop, clock)
+    queue(pool, loop, clock, 4)
+
+    async def with_a_worker_waiting() -> None:
+        async with pool.batcher._turn:  # worker 1 waits for its turn in `next_batch`
+            pool._stage(w, batch)
+
+    loop.run_until_complete(with_a_worker_waiting())
+    assert w.staged is None and pool.batcher.depth["m"] == 4
+
+
+def test_a_staged_batch_skips_an_item_whose_deadline_passes_before_it_could_end(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock)
+    w, batch = running(pool, loop, clock)
+    clock.now += S - LEAD_S
+    # Formed now it would end within its deadline; begun when the running batch ends (LEAD_S on), it would not.
+    late = make_item(loop, "late", arrived=clock.now, deadline=clock.now + S + LEAD_S / 2)
+    pool.batcher.submit(late)
+    queue(pool, loop, clock, 4)
+    pool._stage(w, batch)
+    assert late.future.done() and late.future.exception().status == 504
+    assert w.staged is not None and "late" not in [i.text for i in w.staged.items]
+
+
+def test_the_loop_takes_up_the_staged_batch_without_handing_another(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock)
+    w, batch = running(pool, loop, clock)
+    queue(pool, loop, clock, 8)
+    pool._stage(w, batch)
+    staged = w.inbox.get_nowait()  # the thread went straight on to it
+    clock.now += S
+    pool._turnaround(w, (w.generation, batch, [i.text[::-1] for i in batch.items], None, {}, S, False))
+    assert [i.future.result().output for i in batch.items] == [i.text[::-1] for i in batch.items]
+    assert w.batch is staged and w.staged is None and w.started == clock.now
+    assert w.inbox.empty() and pool.batcher.depth["m"] == 4  # nothing more handed: the thread is busy with it
+    assert w.stage_timer is not None  # and the look for its own successor is set
+
+
+def test_a_hang_gives_the_staged_batch_back_to_the_queue(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock, workers=2)
+    w, batch = running(pool, loop, clock)
+    queue(pool, loop, clock, 4)
+    pool._stage(w, batch)
+    staged = w.staged
+    assert staged is not None and pool.batcher.depth["m"] == 0
+    w.running, w.running_since = batch, clock.now  # the thread began it ...
+    clock.now += 2.0  # ... and is still in it past the 1 s limit
+    pool._abandon(w, batch, 1.0)
+    assert not w.healthy and w.staged is None and w.inbox.empty()
+    assert pool.batcher.depth["m"] == 4  # the staged items wait for the healthy worker
+    assert not any(i.future.done() for i in staged.items)
+
+
+def test_a_batch_that_ends_as_its_watchdog_fires_is_not_taken_for_a_hang(loop):
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock)
+    w, batch = running(pool, loop, clock)
+    queue(pool, loop, clock, 4)
+    pool._stage(w, batch)
+    w.running, w.running_since = batch, clock.now
+    clock.now += 2.0
+    w.inbox.get_nowait()  # the thread ended `batch` this instant and took the staged one
+    pool._abandon(w, batch, 1.0)
+    assert w.healthy and w.staged is not None  # its turnaround, already queued, settles it
