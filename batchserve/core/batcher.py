@@ -307,6 +307,9 @@ class Batcher:
         worker takes the batch now)."""
         if self.closed or self._turn.locked() or self.retries or self.background_retries:
             return None
+        costs = self.costs  # asked every few ms near a batch's end: no queue full, no pass of the flush policy
+        if not any(len(q) >= costs.limit(m) or q.cost_sum >= costs.budget(m) for (m, _), q in self.queues.items()):
+            return None
         now = self.clock()
         key, due, cause = self.most_urgent(now)
         if key is None or cause != "full" or due > now:
