@@ -42,6 +42,18 @@ def queue(pool: GpuPool, loop: asyncio.AbstractEventLoop, clock: Clock, n: int, 
         pool.batcher.submit(make_item(loop, f"q-{i}", arrived=clock.now, deadline=deadline))
 
 
+def staged(
+    loop: asyncio.AbstractEventLoop, clock: Clock, queued: int, workers: int = 1
+) -> tuple[GpuPool, Worker, Batch]:
+    """A pool whose worker 0 runs a batch and has staged the next one from `queued` waiting items."""
+    pool = staging_pool(loop, clock, workers=workers)
+    w, batch = running(pool, loop, clock)
+    queue(pool, loop, clock, queued)
+    pool._stage(w, batch)
+    assert w.staged is not None
+    return pool, w, batch
+
+
 def staged_count(pool: GpuPool) -> float:
     return pool.metrics.batches_staged.labels("m")._value.get()
 
@@ -129,41 +141,32 @@ def test_a_staged_batch_skips_an_item_whose_deadline_passes_before_it_could_end(
 
 def test_the_loop_takes_up_the_staged_batch_without_handing_another(loop):
     clock = Clock(1000.0)
-    pool = staging_pool(loop, clock)
-    w, batch = running(pool, loop, clock)
-    queue(pool, loop, clock, 8)
-    pool._stage(w, batch)
-    staged = w.inbox.get_nowait()  # the thread went straight on to it
+    pool, w, batch = staged(loop, clock, 8)
+    next_batch = w.inbox.get_nowait()  # the thread went straight on to it
     clock.now += S
     pool._turnaround(w, (w.generation, batch, [i.text[::-1] for i in batch.items], None, {}, S, False))
     assert [i.future.result().output for i in batch.items] == [i.text[::-1] for i in batch.items]
-    assert w.batch is staged and w.staged is None and w.started == clock.now
+    assert w.batch is next_batch and w.staged is None and w.started == clock.now
     assert w.inbox.empty() and pool.batcher.depth["m"] == 4  # nothing more handed: the thread is busy with it
     assert w.stage_timer is not None  # and the look for its own successor is set
 
 
 def test_a_hang_gives_the_staged_batch_back_to_the_queue(loop):
     clock = Clock(1000.0)
-    pool = staging_pool(loop, clock, workers=2)
-    w, batch = running(pool, loop, clock)
-    queue(pool, loop, clock, 4)
-    pool._stage(w, batch)
-    staged = w.staged
-    assert staged is not None and pool.batcher.depth["m"] == 0
+    pool, w, batch = staged(loop, clock, 4, workers=2)
+    given_back = w.staged
+    assert given_back is not None and pool.batcher.depth["m"] == 0
     w.running, w.running_since = batch, clock.now  # the thread began it ...
     clock.now += 2.0  # ... and is still in it past the 1 s limit
     pool._abandon(w, batch, 1.0)
     assert not w.healthy and w.staged is None and w.inbox.empty()
     assert pool.batcher.depth["m"] == 4  # the staged items wait for the healthy worker
-    assert not any(i.future.done() for i in staged.items)
+    assert not any(i.future.done() for i in given_back.items)
 
 
 def test_a_batch_that_ends_as_its_watchdog_fires_is_not_taken_for_a_hang(loop):
     clock = Clock(1000.0)
-    pool = staging_pool(loop, clock)
-    w, batch = running(pool, loop, clock)
-    queue(pool, loop, clock, 4)
-    pool._stage(w, batch)
+    pool, w, batch = staged(loop, clock, 4)
     w.running, w.running_since = batch, clock.now
     clock.now += 2.0
     w.inbox.get_nowait()  # the thread ended `batch` this instant and took the staged one
