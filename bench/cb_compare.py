@@ -41,6 +41,7 @@ SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
     hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
 )
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+TINY_VOCAB = 4096  # random_model(vocab=...): the token-for-token checks on the CPU (tests, gpu_agree --tiny)
 
 
 @dataclass
@@ -96,12 +97,18 @@ class Result:
                 "graphs": self.graphs, "full_step_ms": round(self.step_ms, 2)}
 
 
-def random_model(device: str, dtype: torch.dtype, tiny: bool = False, layers: int | None = None) -> Any:
+def random_model(device: str, dtype: torch.dtype, tiny: bool = False, layers: int | None = None,
+                 vocab: int | None = None) -> Any:
+    """SmolLM2-135M's architecture (or TINY's) with random weights. `vocab`: fewer tokens than SmolLM2's 49,152,
+    for the decoders' CPU checks (TINY_VOCAB): a 64-wide model spends most of a step on the vocabulary's logits,
+    argmax and nucleus sort, which take the same code path at any size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     arch = {**SMOLLM2_135M, **(TINY if tiny else {})}
     if layers:
         arch["num_hidden_layers"] = layers
+    if vocab:
+        arch["vocab_size"] = vocab
     torch.manual_seed(0)
     config = LlamaConfig(**arch)
     config._attn_implementation = "sdpa"

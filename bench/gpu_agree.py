@@ -46,7 +46,7 @@ from batchserve.backends.static_decode import StaticDecoder  # noqa: E402
 from batchserve.generation.slot_decoder import SlotDecoder  # noqa: E402
 from batchserve.generation.slot_stepper import SlotStepper  # noqa: E402
 from batchserve.generation.stepper import SamplingParams, TokenUpdate  # noqa: E402
-from bench.cb_compare import machine, random_model  # noqa: E402
+from bench.cb_compare import TINY_VOCAB, machine, random_model  # noqa: E402
 
 PAD = 0
 STATIC_NEW = 32  # new tokens a row in the static batches
@@ -85,8 +85,9 @@ def differences(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence
 
 
 def spread_model(device: str, tiny: bool, layers: int) -> Any:
-    """SmolLM2's width (or the tiny one) with `layers` layers, float32, weights of std 0.5 (far from ties)."""
-    model = random_model("cpu", torch.float32, tiny=tiny, layers=layers)
+    """SmolLM2's width and vocabulary (or the tiny ones) with `layers` layers, float32, weights of std 0.5 (far
+    from ties)."""
+    model = random_model("cpu", torch.float32, tiny=tiny, layers=layers, vocab=TINY_VOCAB if tiny else None)
     model.generation_config.eos_token_id = None
     torch.manual_seed(1)
     for p in model.parameters():
@@ -214,7 +215,7 @@ def compare(path: str, name: str, reference: list[list[int]], tokens: list[list[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="a 64-wide model: a smoke test")
+    p.add_argument("--tiny", action="store_true", help="a 64-wide model of 4,096 tokens: a smoke test")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--paths", default="static,slots")
     p.add_argument("--slots", type=int, default=SLOTS)
@@ -273,7 +274,8 @@ def markdown(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
                      f"{diffs} | **{'yes' if r['agree'] else 'NO'}** |")
     name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
     return (f"Each path's tokens against the same decoder eager on the CPU at the GPU's padded shapes "
-            f"({'64' if a.tiny else '576'} wide, {a.layers} layers, float32, TF32 off, weights of std 0.5), {name}. "
+            f"({'64 wide, 4,096 tokens' if a.tiny else '576 wide'}, {a.layers} layers, float32, TF32 off, weights of "
+            f"std 0.5), {name}. "
             f"static: batches of {'/'.join(map(str, STATIC_BATCHES))} prompts of 1-60 tokens, {STATIC_NEW} new "
             f"tokens, greedy. slots: {a.requests} requests over {a.slots} slots, prompts of 1-120 tokens, "
             f"max_tokens 1-96, about a third sampled with a seed (temperature 0.8, top_p 0.5 or 0.8). Agree: every "

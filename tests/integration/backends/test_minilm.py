@@ -35,17 +35,24 @@ SENTENCES = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = start_server("--backend", "minilm", timeout=300)  # no other flag: the defaults must serve it
+def started():
+    s = start_server("--backend", "minilm", ready=False, timeout=300)  # no other flag: the defaults must serve it
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def reference() -> object:
+def reference(started: LiveServer) -> object:
+    """sentence-transformers' model, loaded in the test process while the server loads and warms its own."""
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(minilm.model_dir()), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(started: LiveServer, reference: object) -> LiveServer:
+    started.wait_ready(300)
+    return started
 
 
 def embed(server: LiveServer, texts: list[str], **extra: object) -> dict:

@@ -41,6 +41,12 @@ def package_vectors() -> np.ndarray:
     return vectors()
 
 
+@pytest.fixture(scope="module")
+def fp16_vectors(copies: dict[str, Path]) -> np.ndarray:
+    """The fp16 copy's vectors in process: the fp16 test and the server's both compare with them (one load)."""
+    return vectors(copies["float16"])
+
+
 def test_an_fp32_copy_gives_the_packages_vectors(copies: dict[str, Path], package_vectors: np.ndarray) -> None:
     assert {p.name for p in copies["float32"].iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
     assert (copies["float32"] / "1_Pooling" / "config.json").exists()  # sentence-transformers loads it too
@@ -48,11 +54,12 @@ def test_an_fp32_copy_gives_the_packages_vectors(copies: dict[str, Path], packag
 
 
 def test_an_fp16_copy_is_half_the_size_and_the_same_to_its_precision(copies: dict[str, Path],
-                                                                     package_vectors: np.ndarray) -> None:
+                                                                     package_vectors: np.ndarray,
+                                                                     fp16_vectors: np.ndarray) -> None:
     size16 = (copies["float16"] / "model.safetensors").stat().st_size
     size32 = (copies["float32"] / "model.safetensors").stat().st_size
     assert size16 < 0.51 * size32
-    got = vectors(copies["float16"])
+    got = fp16_vectors
     assert not np.array_equal(got, package_vectors)  # the copy was loaded, not the package
     cosines = (got * package_vectors).sum(1)
     assert cosines.min() > 0.9999 and np.abs(got - package_vectors).max() < 5e-3
@@ -67,10 +74,12 @@ def test_the_variable_names_the_folder(copies: dict[str, Path], monkeypatch: pyt
 
 @pytest.mark.slow
 @pytest.mark.parallel  # answers only, no timing: CI runs it in the parallel workers
-def test_a_server_serves_the_folder_the_variable_names(copies: dict[str, Path]) -> None:
-    want = vectors(copies["float16"])
-    server = start_server("--backend", "minilm", env={minilm.DIR_ENV: str(copies["float16"])}, timeout=300)
+def test_a_server_serves_the_folder_the_variable_names(copies: dict[str, Path], request: pytest.FixtureRequest) -> None:
+    server = start_server("--backend", "minilm", env={minilm.DIR_ENV: str(copies["float16"])}, ready=False,
+                          timeout=300)
     try:
+        want = request.getfixturevalue("fp16_vectors")  # in process while the server loads (once per module)
+        server.wait_ready(300)
         r = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS, "model": "minilm", "timeout_ms": 60000},
                        timeout=120)
         assert r.status_code == 200, r.text
