@@ -45,7 +45,6 @@ log = logging.getLogger("batchserve.pool")
 GPU_TIMEOUT_FLOOR_S = 1.0
 GPU_TIMEOUT_BATCHES = 10  # derived gpu_timeout: this many learned batch times, at least the floor
 LOGGED_CHARS = 4096  # most characters of a backend's exception text kept (the log line; the retry's reason)
-STAGE_RETRY_S = 0.002  # near a batch's end, how often its worker looks again for a full batch to stage
 
 
 @dataclass(eq=False)
@@ -69,11 +68,11 @@ class Worker:
     thread: DeviceThread | None = None  # the device's own thread: setup and warm-up ran on it too
     watchdog: asyncio.TimerHandle | None = None  # fires at started + gpu_timeout unless the batch ends first
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # the loop hands batches to the thread
-    # A full batch formed while `batch` runs and already in the inbox (`GpuPool._stage`): the thread begins it the
+    # A full batch formed while `batch` runs and already in the inbox (`GpuPool.stage`): the thread begins it the
     # moment `batch` ends, without waiting for the loop to hear of the end. Its cost, read once as `batch_cost`.
     staged: Batch | None = None
     staged_cost: float = 1.0
-    stage_timer: asyncio.TimerHandle | None = None  # fires shortly before `batch` is expected to end
+    ends: float = math.inf  # when `batch` is expected to end (this clock): staging opens `stage_lead_s` before
 
     def busy_total(self, now: float) -> float:
         return self.busy_s + (now - self.started if self.batch is not None else 0.0)
@@ -140,8 +139,6 @@ class GpuPool:
         for w in self.workers:
             if w.watchdog is not None:
                 w.watchdog.cancel()
-            if w.stage_timer is not None:
-                w.stage_timer.cancel()
 
     # -- capacity, for admission and health ----------------------------------------------------------------
     def healthy_count(self) -> int:
@@ -221,6 +218,7 @@ class GpuPool:
             if batch is not None:
                 self._hand(w, batch)
             else:
+                self._open_staging()  # this worker is idle now
                 self.loop.create_task(self._wait_and_hand(w))
         if answer is not None:  # after the hand-off: the worker runs its next batch while the loop answers
             answer()
@@ -237,36 +235,47 @@ class GpuPool:
         self._count_batch(batch)
 
     def _begin(self, w: Worker, batch: Batch, cost: float) -> None:
-        """`batch` is the worker's now (handed, or staged and begun by the thread): its clock, its watchdog, and
-        the look for a successor to stage shortly before it is expected to end."""
+        """`batch` is the worker's now (handed, or staged and begun by the thread): its clock and its watchdog."""
         w.batch, w.started, w.batch_cost = batch, self.clock(), cost
+        w.ends = w.started + self.batcher.batch_s.at(batch.model, cost)
         limit = self.timeout_s(batch, cost)
         w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
-        if self.stage_lead_s > 0:
-            expected = self.batcher.batch_s.at(batch.model, cost)
-            w.stage_timer = self.loop.call_later(max(0.0, expected - self.stage_lead_s), self._stage, w, batch)
+        self._open_staging()
 
-    def _stage(self, w: Worker, batch: Batch) -> None:
-        """Shortly before `batch` is expected to end, form the worker's next batch when a full one waits, and put
-        it in the thread's inbox. Without it the device idles from the end of each batch until the loop has heard
-        of it (a thread hop and a wake-up, more on a busy machine: measured ~2 ms a batch on the sim at 950 req/s,
-        up to 14) and handed the next one. Only a full batch (`Batcher.take_full`): it holds nearly what it would
-        hold formed a moment later, while a partial batch formed early would leave out what arrives meanwhile.
-        Looked for again every `STAGE_RETRY_S` until the batch ends (or runs twice as long as expected)."""
-        w.stage_timer = None
-        if w.batch is not batch or w.staged is not None or not w.healthy:
+    # -- staging: the next full batch into a busy worker's inbox ---------------------------------------------
+    def _open_staging(self) -> None:
+        """Tell the batcher from when an arrival may stage (`Batcher.stage_after`): `stage_lead_s` before the
+        soonest expected end of a healthy worker's batch with nothing staged behind it (inf: none)."""
+        if self.stage_lead_s <= 0:
             return
+        soonest = math.inf
+        for w in self.workers:
+            if w.healthy and w.batch is not None and w.staged is None and w.ends < soonest:
+                soonest = w.ends
+        self.batcher.stage_after = soonest - self.stage_lead_s
+        self.batcher.on_stage = self.stage
+
+    def stage(self) -> None:
+        """An item arrived within `stage_lead_s` of a busy worker's expected end (`Batcher.submit`): when a full
+        batch waits, form it and put it in that worker's inbox. Without it the device idles from the end of each
+        batch until the loop has heard of it (a thread hop and a wake-up, more on a busy machine: measured ~2 ms a
+        batch on the sim at 950 req/s, up to 14) and handed the next one. Only a full batch
+        (`Batcher.take_full`): it holds nearly what it would hold formed a moment later, while a partial batch
+        formed early would leave out what arrives meanwhile. Asked by arrivals, not by a timer: under the load
+        where staging matters they come every millisecond or so, and a timer per batch would wake an idle loop
+        for nothing (~2 % of the CPU of a request in bench/hotpath, where no request arrives while a batch runs)."""
         now = self.clock()
-        expected = self.batcher.batch_s.at(batch.model, w.batch_cost)
-        staged = self.batcher.take_full(w.index, starts=max(now, w.started + expected))
-        if staged is None:
-            if now < w.started + 2 * expected:
-                w.stage_timer = self.loop.call_later(STAGE_RETRY_S, self._stage, w, batch)
-            return
-        w.staged, w.staged_cost = staged, staged.cost
-        w.inbox.put(staged)
-        self._count_batch(staged)
-        self.metrics.batches_staged.labels(staged.model).inc()
+        for w in self.workers:
+            if w.healthy and w.batch is not None and w.staged is None and now >= w.ends - self.stage_lead_s:
+                staged = self.batcher.take_full(w.index, starts=max(now, w.ends))
+                if staged is None:
+                    return  # no full batch waits: the next arrival asks again
+                w.staged, w.staged_cost = staged, staged.cost
+                w.inbox.put(staged)
+                self._count_batch(staged)
+                self.metrics.batches_staged.labels(staged.model).inc()
+                break
+        self._open_staging()
 
     def _count_batch(self, batch: Batch) -> None:
         """A batch formed for a worker, into the metrics: its size, its cause, its items' queue waits."""
@@ -305,9 +314,6 @@ class GpuPool:
             return None
         if w.watchdog is not None:
             w.watchdog.cancel()
-        if w.stage_timer is not None:
-            w.stage_timer.cancel()
-            w.stage_timer = None
         # The batch time as the loop sees it (hand-offs and GIL waits included) paces dispatch and admission;
         # the backend's own time goes to the compute histogram and the answers.
         cycle = self.clock() - w.started

@@ -89,6 +89,10 @@ class Batch:
         return len(self.items) * max([item.cost for item in self.items]) if self.items else 0.0
 
 
+def _nothing() -> None:
+    pass
+
+
 class Batcher:
     """The queues of every model and the flush policy over them (module docstring). What one batch may hold and
     cost is the cost model's (`costs`: `core/batch_budget.py`); the batcher forms batches within it."""
@@ -149,6 +153,10 @@ class Batcher:
         self._turn = asyncio.Lock()
         self._wake = asyncio.Event()
         self._waiting = False
+        # Staging (`GpuPool.stage`): an item arriving from `stage_after` on (inf: no busy worker is near its end)
+        # asks the pool to put a full batch into that worker's inbox; the pool keeps both up to date.
+        self.stage_after = math.inf
+        self.on_stage: Callable[[], None] = _nothing
 
     # -- the cost model, as the batcher's callers have always read it (`BatchBudget` holds it) ---------------
     @property
@@ -238,6 +246,8 @@ class Batcher:
         self.tier_depth[item.tier] += 1
         if self._waiting and (len(q) == 1 or len(q) >= self.costs.limit(item.model)):
             self._wake.set()
+        if item.arrived >= self.stage_after:  # within the lead of a busy worker's end: stage a full batch for it
+            self.on_stage()
 
     def _new_queue(self, key: tuple[str, int]) -> FairQueue:
         """A queue for a (model, length class): its tenants' counters are the model's, shared by its classes,
@@ -302,12 +312,12 @@ class Batcher:
 
     def take_full(self, worker: int, starts: float) -> Batch | None:
         """A full batch for a busy worker to begin the moment its batch ends (`starts`, expected): staged in its
-        thread's inbox (`GpuPool._stage`). None unless the most urgent queue is due because it is full, no
+        thread's inbox (`GpuPool.stage`). None unless the most urgent queue is due because it is full, no
         retry waits (retries go first, to a worker as it frees) and no other worker waits for its turn (an idle
         worker takes the batch now)."""
         if self.closed or self._turn.locked() or self.retries or self.background_retries:
             return None
-        costs = self.costs  # asked every few ms near a batch's end: no queue full, no pass of the flush policy
+        costs = self.costs  # asked by each arrival near a batch's end: no queue full, no pass of the flush policy
         if not any(len(q) >= costs.limit(m) or q.cost_sum >= costs.budget(m) for (m, _), q in self.queues.items()):
             return None
         now = self.clock()

@@ -137,18 +137,29 @@ def test_predicted_wait_refuses_at_the_door_before_any_batch_finishes(server_fac
 
 
 def test_full_batches_are_staged_and_every_caller_gets_its_own_answer(server_factory):
-    # 120 callers at once on batches of 10: while each batch runs, a full one waits, and is staged into the
-    # device's thread before the batch ends (--stage-lead-ms, default on); with it off, none is.
-    inputs = [f"staged-{i}" for i in range(120)]
+    # Callers arriving every 4 ms (250/s) at batches of 10 taking 50 ms (200/s): a full batch waits while each
+    # batch runs, and an arrival near its end stages it into the device's thread (--stage-lead-ms, default on);
+    # with it off, none is. Every caller still gets its own answer.
+    inputs = [f"staged-{i}" for i in range(150)]
+
+    async def paced(url: str) -> list[tuple[int, dict]]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(inputs))) as s:
+            async def one(i: int, text: str) -> tuple[int, dict]:
+                await asyncio.sleep(i * 0.004)
+                async with s.post(url + "/v1/inference", json={"input": text, "timeout_ms": 20000}) as r:
+                    return r.status, await r.json()
+
+            return await asyncio.gather(*(one(i, t) for i, t in enumerate(inputs)))
+
     for lead, staged in (("10", True), ("0", False)):
-        server = server_factory("--max-batch-size", "10", "--sim-batch-ms", "50", "--slo-ms", "5000",
+        server = server_factory("--max-batch-size", "10", "--sim-batch-ms", "50", "--slo-ms", "10000",
                                 "--stage-lead-ms", lead)
-        results = asyncio.run(post_many(server.url, inputs))
+        results = asyncio.run(paced(server.url))
         assert all(s == 200 and b["output"] == t[::-1] for t, (s, b) in zip(inputs, results)), results[:3]
         with server.client() as c:
             text = c.get("/metrics").text
         assert (metric(text, "batchserve_batches_staged_total", model="sim@v1") > 0) is staged
-        assert metric(text, "batchserve_batch_size_count", model="sim@v1") >= 12
+        assert metric(text, "batchserve_batch_size_count", model="sim@v1") >= 15
 
 
 def test_sigterm_drains_every_queued_item_then_exits(server_factory):

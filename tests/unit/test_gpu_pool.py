@@ -1,12 +1,13 @@
-"""Staging (`GpuPool._stage`, `Batcher.take_full`) on an injected clock: no server, no threads.
+"""Staging (`GpuPool.stage`, `Batcher.take_full`) on an injected clock: no server, no threads.
 
-A full batch waiting while a worker is busy goes into that worker's inbox shortly before its batch ends, so the
-thread begins it without waiting for the loop; these pin when one is staged, what admission then reads, how the
-loop takes it up, and that a hang gives its items back."""
+A full batch waiting while a worker is busy goes into that worker's inbox shortly before its batch ends (asked
+by an arrival), so the thread begins it without waiting for the loop; these pin when one is staged, what
+admission then reads, how the loop takes it up, and that a hang gives its items back."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -45,11 +46,11 @@ def queue(pool: GpuPool, loop: asyncio.AbstractEventLoop, clock: Clock, n: int, 
 def staged(
     loop: asyncio.AbstractEventLoop, clock: Clock, queued: int, workers: int = 1
 ) -> tuple[GpuPool, Worker, Batch]:
-    """A pool whose worker 0 runs a batch and has staged the next one from `queued` waiting items."""
+    """A pool whose worker 0 runs a batch and has staged the next one: `queued` items arrived near its end."""
     pool = staging_pool(loop, clock, workers=workers)
     w, batch = running(pool, loop, clock)
+    clock.now += S - LEAD_S
     queue(pool, loop, clock, queued)
-    pool._stage(w, batch)
     assert w.staged is not None
     return pool, w, batch
 
@@ -58,56 +59,56 @@ def staged_count(pool: GpuPool) -> float:
     return pool.metrics.batches_staged.labels("m")._value.get()
 
 
-def test_a_full_queue_is_staged_into_the_busy_workers_inbox(loop):
+def test_an_arrival_near_the_end_stages_the_full_queue_into_the_busy_workers_inbox(loop):
     clock = Clock(1000.0)
     pool = staging_pool(loop, clock)
     w, batch = running(pool, loop, clock)
-    assert w.stage_timer is not None  # the look for a successor is set when the batch begins
-    queue(pool, loop, clock, 6)
+    assert pool.batcher.stage_after == pytest.approx(clock.now + S - LEAD_S)  # opened when the batch began
+    queue(pool, loop, clock, 5)  # a full queue, but long before the batch's end: nothing staged yet
+    assert w.staged is None and w.inbox.empty()
     clock.now += S - LEAD_S
-    pool._stage(w, batch)
+    queue(pool, loop, clock, 1)  # an arrival within the lead
     assert w.staged is not None and [i.text for i in w.staged.items] == ["q-0", "q-1", "q-2", "q-3"]
     assert w.inbox.get_nowait() is w.staged  # what the thread begins the moment `batch` ends
     assert pool.batcher.depth["m"] == 2 and staged_count(pool) == 1
     # Admission's "until free" counts the staged batch after the running one: its items left the queue.
     assert pool.seconds_until_free(clock.now) == pytest.approx(LEAD_S + S)
+    assert pool.batcher.stage_after == math.inf  # one staged batch per worker: arrivals stop asking
 
 
-def test_a_partial_queue_is_not_staged_but_looked_at_again(loop):
+def test_a_partial_queue_is_not_staged_until_an_arrival_fills_it(loop):
     clock = Clock(1000.0)
     pool = staging_pool(loop, clock)
     w, batch = running(pool, loop, clock)
-    queue(pool, loop, clock, 3)  # one short of a full batch: formed early it would leave out what comes next
     clock.now += S - LEAD_S
-    pool._stage(w, batch)
+    queue(pool, loop, clock, 3)  # one short of a full batch: formed early it would leave out what comes next
     assert w.staged is None and pool.batcher.depth["m"] == 3 and w.inbox.empty()
-    assert w.stage_timer is not None  # looked for again until the batch ends
     queue(pool, loop, clock, 1)
-    pool._stage(w, batch)
     assert w.staged is not None and len(w.staged.items) == 4
 
 
-def test_nothing_is_staged_once_the_batch_has_ended_or_with_staging_off(loop):
+def test_nothing_is_staged_for_an_idle_worker_or_with_staging_off(loop):
     clock = Clock(1000.0)
     pool = staging_pool(loop, clock)
-    w, batch = running(pool, loop, clock)
-    queue(pool, loop, clock, 8)
-    w.batch = None  # the loop heard of its end first
-    pool._stage(w, batch)
-    assert w.staged is None and w.inbox.empty()
+    w, _ = running(pool, loop, clock)
+    w.batch = None  # it ended and nothing was due: the worker waits in `next_batch`
+    pool._open_staging()
+    assert pool.batcher.stage_after == math.inf  # idle: a free worker takes its own batch
     off = staging_pool(loop, clock)
     off.stage_lead_s = 0.0
     w_off, _ = running(off, loop, clock)
-    assert w_off.stage_timer is None
+    clock.now += S - LEAD_S
+    queue(off, loop, clock, 8)
+    assert w_off.staged is None and off.batcher.stage_after == math.inf
 
 
 def test_a_waiting_retry_is_not_passed_by_a_staged_batch(loop):
     clock = Clock(1000.0)
     pool = staging_pool(loop, clock)
     w, batch = running(pool, loop, clock)
-    queue(pool, loop, clock, 4)
     pool.batcher.requeue(Batch("m", [make_item(loop, "half")], clock.now, "retry"))
-    pool._stage(w, batch)
+    clock.now += S - LEAD_S
+    queue(pool, loop, clock, 4)
     assert w.staged is None  # a retry goes first, to a worker as it frees
 
 
@@ -115,11 +116,11 @@ def test_an_idle_worker_takes_the_full_batch_instead(loop):
     clock = Clock(1000.0)
     pool = staging_pool(loop, clock, workers=2)
     w, batch = running(pool, loop, clock)
-    queue(pool, loop, clock, 4)
+    clock.now += S - LEAD_S
 
     async def with_a_worker_waiting() -> None:
         async with pool.batcher._turn:  # worker 1 waits for its turn in `next_batch`
-            pool._stage(w, batch)
+            queue(pool, loop, clock, 4)
 
     loop.run_until_complete(with_a_worker_waiting())
     assert w.staged is None and pool.batcher.depth["m"] == 4
@@ -134,7 +135,6 @@ def test_a_staged_batch_skips_an_item_whose_deadline_passes_before_it_could_end(
     late = make_item(loop, "late", arrived=clock.now, deadline=clock.now + S + LEAD_S / 2)
     pool.batcher.submit(late)
     queue(pool, loop, clock, 4)
-    pool._stage(w, batch)
     assert late.future.done() and late.future.exception().status == 504
     assert w.staged is not None and "late" not in [i.text for i in w.staged.items]
 
@@ -148,7 +148,7 @@ def test_the_loop_takes_up_the_staged_batch_without_handing_another(loop):
     assert [i.future.result().output for i in batch.items] == [i.text[::-1] for i in batch.items]
     assert w.batch is next_batch and w.staged is None and w.started == clock.now
     assert w.inbox.empty() and pool.batcher.depth["m"] == 4  # nothing more handed: the thread is busy with it
-    assert w.stage_timer is not None  # and the look for its own successor is set
+    assert pool.batcher.stage_after == pytest.approx(w.ends - LEAD_S) and w.ends > clock.now  # open for its end
 
 
 def test_a_hang_gives_the_staged_batch_back_to_the_queue(loop):
