@@ -102,6 +102,18 @@ def test_nothing_is_staged_for_an_idle_worker_or_with_staging_off(loop):
     assert w_off.staged is None and off.batcher.stage_after == math.inf
 
 
+def test_nothing_is_staged_behind_an_overdue_batch(loop):
+    # A batch running past its expected end by more than the lead (a long one, a hang) may run on for long: a
+    # batch staged behind it would keep later work of a higher tier waiting (tests/integration/test_tenancy.py).
+    clock = Clock(1000.0)
+    pool = staging_pool(loop, clock)
+    w, _ = running(pool, loop, clock)
+    clock.now += S + 2 * LEAD_S
+    queue(pool, loop, clock, 4)
+    assert w.staged is None and pool.batcher.depth["m"] == 4
+    assert pool.batcher.stage_after == math.inf  # arrivals stop asking until the worker's next batch
+
+
 def test_a_waiting_retry_is_not_passed_by_a_staged_batch(loop):
     clock = Clock(1000.0)
     pool = staging_pool(loop, clock)
