@@ -245,14 +245,13 @@ class GpuPool:
     # -- staging: the next full batch into a busy worker's inbox ---------------------------------------------
     def _open_staging(self) -> None:
         """Tell the batcher from when an arrival may stage (`Batcher.stage_after`): `stage_lead_s` before the
-        soonest expected end of a healthy worker's batch with nothing staged behind it and not yet overdue by
-        more than the lead (inf: none)."""
+        soonest expected end of a healthy worker's batch with nothing staged behind it (inf: none)."""
         lead = self.stage_lead_s
         if lead <= 0:
             return
-        now, soonest = self.clock(), math.inf
+        soonest = math.inf
         for w in self.workers:
-            if w.healthy and w.batch is not None and w.staged is None and now <= w.ends + lead and w.ends < soonest:
+            if w.healthy and w.batch is not None and w.staged is None and w.ends < soonest:
                 soonest = w.ends
         self.batcher.stage_after = soonest - lead
         self.batcher.on_stage = self.stage
@@ -263,14 +262,21 @@ class GpuPool:
         batch until the loop has heard of it (a thread hop and a wake-up, more on a busy machine: measured ~2 ms a
         batch on the sim at 950 req/s, up to 14) and handed the next one. Only a full batch
         (`Batcher.take_full`): it holds nearly what it would hold formed a moment later, while a partial batch
-        formed early would leave out what arrives meanwhile. Not once a batch is overdue by more than the lead (a
-        long batch, a hang): a batch staged behind it could wait long, while work of a higher tier arrives that a
-        batch formed when the worker frees would take first. Asked by arrivals, not by a timer: under the load
+        formed early would leave out what arrives meanwhile. Not behind a batch overdue by more than the lead and
+        still running (a long batch, a hang): a batch staged behind it could wait long, while work of a higher
+        tier arrives that a batch formed when the worker frees would take first; once its thread has ended it
+        (the loop has not yet heard), a staged batch begins at once. Asked by arrivals, not by a timer: under the load
         where staging matters they come every millisecond or so, and a timer per batch would wake an idle loop
         for nothing (~2 % of the CPU of a request in bench/hotpath, where no request arrives while a batch runs)."""
         now, lead = self.clock(), self.stage_lead_s
         for w in self.workers:
-            if w.healthy and w.batch is not None and w.staged is None and w.ends - lead <= now <= w.ends + lead:
+            if (
+                w.healthy
+                and w.batch is not None
+                and w.staged is None
+                and now >= w.ends - lead
+                and (now <= w.ends + lead or w.finished is w.batch)
+            ):
                 staged = self.batcher.take_full(w.index, starts=max(now, w.ends))
                 if staged is None:
                     return  # no full batch waits: the next arrival asks again
