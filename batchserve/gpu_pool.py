@@ -121,6 +121,9 @@ class GpuPool:
     # batchserve_batches_total's child per (model, cause): prometheus-client's `labels()` costs several µs a call
     _batch_counts: dict[tuple[str, str], Counter] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.batcher.on_stage = self.stage  # asked only while `stage_after` is finite (`_open_staging`)
+
     def start(self) -> None:
         for model, backend in self.backends.items():
             self.rules.setdefault(model, OutputRule(backend.output_kind))
@@ -254,7 +257,6 @@ class GpuPool:
             if w.healthy and w.batch is not None and w.staged is None and w.ends < soonest:
                 soonest = w.ends
         self.batcher.stage_after = soonest - lead
-        self.batcher.on_stage = self.stage
 
     def stage(self) -> None:
         """An item arrived within `stage_lead_s` of a busy worker's expected end (`Batcher.submit`): when a full
