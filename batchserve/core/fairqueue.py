@@ -164,6 +164,37 @@ class Shares:
                 self.behind[key] = self.least(item.tier)
         self.tier_queued[item.tier] = self.tier_queued[item.tier] - item.cost if self.active[item.tier] else 0.0
 
+    def left_run(self, tier: int, tenant: str, run: list[Item]) -> None:
+        """`left(item)` for each of `run` in order, all of one tenant of one tier (a lone tenant's batch): the same
+        float steps in the same order, at one call for the run."""
+        key = (tier, tenant)
+        after = self.depth[key] - len(run)
+        tier_queued = self.tier_queued[tier]
+        if after:
+            queued = self.queued[key]
+            for item in run:
+                queued -= item.cost
+                tier_queued -= item.cost
+            self.depth[key], self.queued[key], self.tier_queued[tier] = after, queued, tier_queued
+            return
+        for item in run[:-1]:  # the tenant's last inputs: the last one closes its account as `left` does
+            tier_queued -= item.cost
+        del self.depth[key], self.queued[key]
+        self.active[tier] -= 1
+        if self.active[tier]:
+            self.behind[key] = self.least(tier)
+        self.tier_queued[tier] = tier_queued - run[-1].cost if self.active[tier] else 0.0
+
+    def charge_run(self, tier: int, tenant: str, run: list[Item]) -> None:
+        """`charge(item)` for each of `run` in order, all of one tenant of one tier."""
+        key = (tier, tenant)
+        counter, vtime = self.counter.get(key, 0.0), self.vtime[tier]
+        for item in run:
+            if counter > vtime:
+                vtime = counter
+            counter += item.cost
+        self.counter[key], self.vtime[tier] = counter, vtime
+
     def charge(self, item: Item) -> None:
         """The input is served: its tenant's counter grows by its cost."""
         key = (item.tier, item.tenant)
@@ -337,6 +368,25 @@ class FairQueue:
         self.cost_sum = self.cost_sum - item.cost if self.size else 0.0
         self.shares.left(item, charge)
         return item
+
+    def pop_run(self, lane: Lane, n: int) -> list[Item]:
+        """Up to `n` items from the head of `lane` (the `sole_lane`), taken out uncharged: what as many calls of
+        `pop_head(lane, charge=False)` take, leaving the queue and its shares as they would, at one call for the
+        run (the batcher fills a lone tenant's batch by it: ~2 µs an item less, bench/hotpath.py)."""
+        items = lane.items
+        run = [items.popleft() for _ in range(min(n, len(items)))]
+        if not run:
+            return run
+        self.size -= len(run)
+        if self.size:
+            cost_sum = self.cost_sum
+            for item in run:
+                cost_sum -= item.cost
+            self.cost_sum = cost_sum
+        else:
+            self.cost_sum = 0.0
+        self.shares.left_run(lane.tier, lane.tenant, run)
+        return run
 
     def charge(self, item: Item) -> None:
         """`item`, taken by `pop(charge=False)`, is served: its tenant's counter grows by its cost."""

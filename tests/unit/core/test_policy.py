@@ -163,6 +163,48 @@ def test_a_sole_lanes_head_is_what_pop_takes_and_leaves_the_queue_as_pop_does(lo
     assert FairQueue().sole_lane() is None
 
 
+def _shares_state(q: FairQueue) -> tuple:
+    sh = q.shares
+    return (len(q), q.cost_sum, dict(sh.depth), dict(sh.queued), list(sh.tier_queued), list(sh.active), dict(sh.behind),
+            dict(sh.counter), list(sh.vtime))
+
+
+@pytest.mark.parametrize("elsewhere", [0, 2], ids=["its-last-inputs", "more-in-another-class"])
+def test_a_run_off_a_sole_lane_leaves_the_queue_and_shares_as_pop_head_one_by_one(loop, elsewhere):
+    """`pop_run` + `charge_run` (the batcher's way to fill a lone tenant's batch) take the same items and leave
+    the queue and the model's shares bit for bit as `pop_head` + `charge` item by item: fractional costs (float
+    steps in the same order), another tenant waiting in another length class of the model (so the tenant's last
+    input records what it is owed), and the tenant with `elsewhere` inputs of its own in that other class."""
+    def build() -> tuple[FairQueue, FairQueue]:
+        q = FairQueue()
+        other = FairQueue(q.shares)  # another length class of the same model: the shares are the model's
+        other.push(make_item(loop, "o", tenant="other"))
+        for i in range(elsewhere):
+            other.push(make_item(loop, f"e{i}"))
+        for i, cost in enumerate((0.1, 0.7, 1.3, 0.2, 2.9)):
+            item = make_item(loop, f"x{i}", arrived=1000.0 + i * 0.001)
+            item.cost = cost
+            q.push(item)
+        return q, other
+
+    (by_run, _), (by_head, _) = build(), build()
+    lane = by_run.sole_lane()
+    assert lane is not None
+    head_lane = by_head.sole_lane()
+    assert head_lane is not None
+    first = by_run.pop_run(lane, 3)
+    taken = [by_head.pop_head(head_lane, charge=False) for _ in range(3)]
+    assert _shares_state(by_run) == _shares_state(by_head)  # part of the lane taken
+    rest = by_run.pop_run(lane, 10)  # more than it holds: what is left
+    by_run.shares.charge_run(lane.tier, lane.tenant, [*first, *rest[:1]])  # a run in which the last two were late
+    taken += [by_head.pop_head(head_lane, charge=False) for _ in range(2)]
+    for item in taken[:4]:
+        by_head.charge(item)
+    assert [i.text for i in [*first, *rest]] == [i.text for i in taken] == ["x0", "x1", "x2", "x3", "x4"]
+    assert _shares_state(by_run) == _shares_state(by_head)
+    assert by_run.pop_run(lane, 5) == [] and len(by_run) == 0
+
+
 # -- batcher: flush causes and pacing ---------------------------------------------------------------------
 def test_full_queue_is_due_now(loop):
     clock = Clock(1000.0)
@@ -265,6 +307,36 @@ def test_expired_and_gone_items_never_reach_a_batch(loop):
     assert isinstance(late.future.exception(), ApiError) and late.future.exception().status == 504
     assert type(gone.future.exception()).__name__ == "ClientGone"
     assert b.total_depth() == 0
+
+
+@pytest.mark.parametrize("budget", [0.0, 1e9], ids=["lone-lane-in-runs", "item-by-item-under-a-budget"])
+def test_a_batch_skips_what_cannot_run_and_fills_up_behind_it(loop, budget):
+    """Both ways `form` takes a lone tenant's items (in runs without a budget, one by one under one) answer the
+    answered, expired, gone and doomed items as they meet them, keep a late probe, fill the batch with the live
+    ones behind them and leave the rest queued, counted and uncharged."""
+    clock = Clock(1000.0)
+    b = make_batcher(clock, max_batch=3)  # S = 0.1 s
+    b.max_batch_cost = budget
+    now = clock.now
+    answered = make_item(loop, "answered", arrived=now)
+    answered.future.set_result(None)
+    expired = make_item(loop, "expired", arrived=now, deadline=now)
+    gone = make_item(loop, "gone", arrived=now)
+    gone.gone = lambda: True
+    doomed = make_item(loop, "doomed", arrived=now, deadline=now + 0.05)  # would end after its deadline
+    probe = make_item(loop, "probe", arrived=now, deadline=now + 0.05)
+    probe.probe = True  # runs even when late: what it takes is learned
+    live = [make_item(loop, f"live{i}", arrived=now) for i in range(3)]
+    for item in (answered, expired, live[0], doomed, probe, gone, live[1], live[2]):
+        b.submit(item)
+    batch = b.take_now(0)
+    assert batch is not None and [i.text for i in batch.items] == ["live0", "probe", "live1"]
+    assert expired.future.exception().status == 504 and type(gone.future.exception()).__name__ == "ClientGone"
+    assert "before its batch could end" in doomed.future.exception().message
+    assert b.depth["m"] == 1 and b.tier_depth[PAID] == 1 and len(b.queues[("m", 0)]) == 1
+    shares = b.queues[("m", 0)].shares
+    assert shares.counter[(PAID, "t")] == 3.0 and shares.depth == {(PAID, "t"): 1}  # the three run, charged
+    assert [i.dispatched for i in batch.items] == [now] * 3 and not live[2].future.done()
 
 
 def test_an_item_that_would_expire_while_its_batch_runs_gives_its_place_away(loop):
