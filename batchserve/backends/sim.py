@@ -16,10 +16,11 @@ from batchserve.config import ModelSpec, Settings
 
 # How often a running batch asks whether its callers are all gone: the stand-in for a model's generation step,
 # between which a real model asks (smollm2's decode steps take ~60-140 ms on this machine's CPU). Each ask wakes
-# the device thread and takes the GIL from the event loop; at 20 ms that was 5 wake-ups per 100 ms batch, ~4 % of
-# the process's CPU per request in bench/hotpath, which is the stand-in device's cost, not the route's. An
-# abandoned batch still stops at most this long after its last caller left (tests/integration/backends/test_warmup.py).
-POLL_S = 0.05
+# the device thread, which takes the GIL from the event loop and walks the batch's items: ~60 µs of the thread's
+# CPU a wake on this machine (bench/hotpath), the stand-in device's cost, not the route's. At 100 ms a batch of
+# the default 100 ms sleeps once, as the minimal batcher's device does; a longer batch abandoned by its callers
+# still stops at most this long after the last one left (tests/integration/backends/test_warmup.py).
+POLL_S = 0.1
 
 
 class SimFault(RuntimeError):
@@ -93,9 +94,11 @@ class SimBackend:
             ]
             # Sleep to the batch time measured from the start, so per-batch overhead does not add up; like a
             # model between generation steps, stop early once every caller has left (its outputs go unread).
-            while (remaining := self.batch_s - (time.perf_counter() - started)) > 0:
+            remaining = self.batch_s - (time.perf_counter() - started)
+            while remaining > 0:
                 time.sleep(min(remaining, POLL_S))
-                if all_callers_gone():
+                remaining = self.batch_s - (time.perf_counter() - started)
+                if remaining > 0 and all_callers_gone():  # asked only where stopping would save time
                     break
             if self.bad_output_marker and any(self.bad_output_marker in s for s in inputs):
                 return outputs[:-1]
