@@ -73,6 +73,8 @@ class Worker:
     staged: Batch | None = None
     staged_cost: float = 1.0
     ends: float = math.inf  # when `batch` is expected to end (this clock): staging opens `stage_lead_s` before
+    # When the worker is expected to be free: `ends`, plus the staged batch's expected time (read on every admission).
+    free_at: float = math.inf
 
     def busy_total(self, now: float) -> float:
         return self.busy_s + (now - self.started if self.batch is not None else 0.0)
@@ -152,19 +154,16 @@ class GpuPool:
         return len(self.workers)
 
     def seconds_until_free(self, now: float) -> float:
-        """Time until the first healthy worker should be free again (0 when one is idle)."""
-        times = self.batcher.batch_s  # a running batch takes the time of its own size
+        """Time until the first healthy worker should be free again (0 when one is idle): its batch's time at its
+        own cost and a staged batch's, as expected when each was handed (`Worker.free_at`)."""
         soonest = math.inf  # read on every admission: a loop, not a list and min()
         for w in self.workers:
             if w.healthy:
                 if w.batch is None:
                     return 0.0
-                wait = w.started + times.at(w.batch.model, w.batch_cost) - now
-                if w.staged is not None:  # begun by the thread the moment the running batch ends
-                    wait += times.at(w.staged.model, w.staged_cost)
-                if wait < soonest:
-                    soonest = wait
-        return max(0.0, soonest) if soonest != math.inf else soonest
+                if w.free_at < soonest:
+                    soonest = w.free_at
+        return max(0.0, soonest - now) if soonest != math.inf else soonest
 
     def timeout_s(self, batch: Batch | None = None, cost: float | None = None) -> float:
         """How long `batch` may run before its worker is taken for hung: --gpu-timeout-ms when set, else
@@ -240,7 +239,7 @@ class GpuPool:
     def _begin(self, w: Worker, batch: Batch, cost: float) -> None:
         """`batch` is the worker's now (handed, or staged and begun by the thread): its clock and its watchdog."""
         w.batch, w.started, w.batch_cost = batch, self.clock(), cost
-        w.ends = w.started + self.batcher.batch_s.at(batch.model, cost)
+        w.ends = w.free_at = w.started + self.batcher.batch_s.at(batch.model, cost)
         limit = self.timeout_s(batch, cost)
         w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
         self._open_staging()
@@ -283,6 +282,7 @@ class GpuPool:
                 if staged is None:
                     return  # no full batch waits: the next arrival asks again
                 w.staged, w.staged_cost = staged, staged.cost
+                w.free_at = w.ends + self.batcher.batch_s.at(staged.model, staged.cost)  # begun as `batch` ends
                 w.inbox.put(staged)
                 self._count_batch(staged)
                 self.metrics.batches_staged.labels(staged.model).inc()
@@ -495,6 +495,7 @@ class GpuPool:
             except queue.Empty:  # the thread ended the batch just now and began the staged one: not hung after all
                 return  # (its turnaround, already queued, settles the batch)
             staged, w.staged = w.staged, None
+            w.free_at = w.ends
             self.batcher.return_items(staged.items)
         log.error(
             "worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",

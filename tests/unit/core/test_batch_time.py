@@ -149,9 +149,12 @@ def test_a_small_running_batch_frees_its_worker_after_its_own_time(loop) -> None
     b = batcher(clock, times)
     pool = GpuPool({}, b, None, loop, ["gpu:0"], clock=clock)  # type: ignore[arg-type]
     w = Worker(0, "gpu:0")
-    w.batch, w.started = Batch(M, items(loop, 1, clock.t), clock.t, "deadline"), clock.t
     pool.workers.append(w)
+    batch = Batch(M, items(loop, 1, clock.t), clock.t, "deadline")
+    pool._begin(w, batch, batch.cost)
     assert pool.seconds_until_free(clock.t + 0.005) == pytest.approx(0.015)  # S(1) = 20 ms, not S(100)
+    assert w.watchdog is not None
+    w.watchdog.cancel()
 
 
 class Idle:
