@@ -237,6 +237,22 @@ class RateMeter:
         return self.rate * math.exp(-(now - self.last) / self.tau_s)
 
 
+class DoorFigures(msgspec.Struct, gc=False):
+    """What the door reads of a model on every request, read together once each time what it is read from
+    moves (`BatchTimes.version`: a batch observed, a seed, a budget or a mean cost) or the healthy workers
+    change: between two batches every request read the same numbers through seven calls."""
+
+    version: int  # the BatchTimes.version they were read at
+    healthy: int  # the healthy workers they were read with
+    batch_s: float  # a full batch's S
+    most_s: float  # no batch of the model is expected longer (inf: a costed model's line rises)
+    most_n: int  # the most inputs in one batch
+    budget: float  # the most one batch may cost (inf: none)
+    full_n: int  # inputs in a full batch
+    capacity: float  # inputs per second the healthy workers serve (`_pressure`)
+    lost: bool  # fewer healthy workers than workers
+
+
 @dataclass
 class Admission:
     """Admission state (the arrival rate on two horizons) and the decision for each new item."""
@@ -253,6 +269,7 @@ class Admission:
     # Per (model, length class): admitted inputs per second, for the class turns the prediction replays.
     class_arrivals: dict[tuple[str, int], RateMeter] = field(default_factory=dict)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)  # the prediction's learned error
+    _figures: dict[str, DoorFigures] = field(default_factory=dict)  # per model: `figures`, kept until stale
 
     def tier_bound_s(self, tier: int) -> float:
         """The tier's latency bound under pressure: slo x slack x the tier's shed factor."""
@@ -278,11 +295,39 @@ class Admission:
         """`under_pressure` with the figures the door has already read: healthy workers, a full batch's inputs
         and its S."""
         assert self.capacity is not None
-        capacity = healthy * full_n / full_s
-        got = self.batcher.costs.served.get(model)  # `served_rate`, read inline (every request): a costed model's
-        if got is not None and got[1] > 0:  # batches as they really are
-            capacity = min(capacity, healthy * (got[0] / got[1]))
+        capacity = self._capacity(model, healthy, full_n, full_s)
         return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
+
+    def _capacity(self, model: str, healthy: int, full_n: int, full_s: float) -> float:
+        """Inputs per second the healthy workers serve: full batches at their S, or a costed model's batches as
+        they really were (`served_rate`)."""
+        capacity = healthy * full_n / full_s
+        got = self.batcher.costs.served.get(model)
+        if got is not None and got[1] > 0:
+            capacity = min(capacity, healthy * (got[0] / got[1]))
+        return capacity
+
+    def figures(self, model: str, healthy: int) -> DoorFigures:
+        """The model's `DoorFigures` with `healthy` workers: those kept, or read afresh when stale."""
+        times = self.batcher.batch_s
+        got = self._figures.get(model)
+        if got is not None and got.version == times.version and got.healthy == healthy:
+            return got
+        assert self.capacity is not None
+        batch_s = times[model]
+        most_n, budget, full_n = self.batcher.costs.shape(model)
+        got = self._figures[model] = DoorFigures(
+            times.version,
+            healthy,
+            batch_s,
+            times.most(model),
+            most_n,
+            budget,
+            full_n,
+            self._capacity(model, healthy, full_n, batch_s),
+            healthy < self.capacity.worker_count(),
+        )
+        return got
 
     def check_open(self) -> None:
         """503 when nothing can be admitted at all: draining, warming up, or every worker lost."""
@@ -389,12 +434,14 @@ class Admission:
             if too_costly is not None:
                 raise errors.payload_too_large(f"{too_costly}: shorten it")
         times = batcher.batch_s
-        batch_s = times[model]
+        fig = self._figures.get(model)  # `figures`, its common case inline: every request
+        if fig is None or fig.version != times.version or fig.healthy != healthy:
+            fig = self.figures(model, healthy)
+        batch_s, most_s = fig.batch_s, fig.most_s
         now = self.clock()
         until_free = capacity.seconds_until_free(now)
         queued = batcher.depth.get(model, 0)
         idle = queued == 0 and until_free <= 0
-        most_s = times.most(model)  # no batch of the model is expected longer (inf: a costed model's line rises)
         if not deadline_s >= most_s:  # else even its slowest batch alone ends in time: the check below cannot refuse
             # the quickest any answer can come: a batch of its own longest input alone
             fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
@@ -411,7 +458,7 @@ class Admission:
                 f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=batch_s * 1000
             )
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
-        most_n, budget, full_n = batcher.costs.shape(model)
+        most_n, budget, full_n = fig.most_n, fig.budget, fig.full_n
         rows = most_n if budget == math.inf else 1  # `_surely_in_time`'s batches ahead: at least this many inputs each
         # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
         # (refused, a batch time learned from one slow batch would refuse every request for good). Decided
@@ -419,7 +466,7 @@ class Admission:
         if idle and n <= full_n:
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
-        pressure = self._pressure(model, rate, fast_rate, healthy, full_n, batch_s)
+        pressure = rate > fig.capacity or fast_rate > FAST_SPIKE * fig.capacity or fig.lost  # `_pressure`
         other_classes = bucket is not None and self._classes(model, bucket)
         if not pressure and n == 1 and not other_classes:
             # Without pressure only the deadline can refuse: when no prediction could reach it, admitted as the

@@ -91,6 +91,7 @@ class BatchBudget:
             self.batch_s.caps[model] = math.inf  # a costed model's batches are bounded by cost, not by count
         unit += UNIT_ALPHA * (cost - unit)
         self.unit[model] = unit
+        self.batch_s.version += 1  # a full batch's inputs and cost move with the mean
         if cost > self.widest.get(model, 1.0):
             # A longer input than any before: a full batch of such inputs may not fit, so fit the budget now,
             # before that batch forms and runs (not after, when it has held the worker for seconds).
@@ -155,6 +156,7 @@ class BatchBudget:
             )
         if model in self.unit:
             self.batch_s.full[model] = self.full_n(model) * unit
+        self.batch_s.version += 1  # the budget may have moved
 
     def too_costly(self, model: str, cost: float) -> str | None:
         """Why an input of this cost can never run (None when it can): it costs more than the configured
@@ -166,7 +168,9 @@ class BatchBudget:
             )
         if cost == 1.0:
             return None  # a count model's input: one input is the least a batch can be
-        self.batch_s.caps[model] = math.inf  # a costed model (note_cost may not have seen one yet)
+        if self.batch_s.caps.get(model) != math.inf:  # a costed model (note_cost may not have seen one yet)
+            self.batch_s.caps[model] = math.inf
+            self.batch_s.version += 1
         alone_s = self.batch_s.at(model, cost)  # learned (a wrong point above the budget is forgotten: fit_budget)
         if alone_s > self.max_batch_s:
             return (

@@ -98,14 +98,20 @@ class BatchTimes:
     # Each model's line, read on every request (at its own size, which changes with every arrival: a memo by
     # size missed nearly always) and rebuilt only after an observation.
     _lines: dict[str, _Line] = field(default_factory=dict, repr=False)
+    # Bumped by whatever may change what `at` or `most` read for any model (a point, a seed, a cap or a full
+    # batch's cost, and `BatchBudget`'s budgets and mean costs, which it bumps): what the door keeps per model
+    # between two batches is stale once it moved (`admission.DoorFigures`).
+    version: int = 0
 
     def seed(self, model: str, seconds: float) -> None:
         """The batch time to assume before any batch of `model` is measured."""
         self.seeds[model] = seconds
+        self.version += 1
 
     def observe(self, model: str, size: float, seconds: float) -> None:
         """One batch of cost `size` (its inputs, for a plugin that declares no cost) took `seconds`."""
         self._lines.pop(model, None)
+        self.version += 1
         buckets = self.points.setdefault(model, {})
         p = buckets.get(size_bucket(size))
         if p is None:
@@ -122,6 +128,7 @@ class BatchTimes:
         for key in [k for k, p in buckets.items() if p.size > cost]:
             del buckets[key]
         self._lines.pop(model, None)
+        self.version += 1
 
     def at(self, model: str, size: float) -> float:
         """The expected time of a batch of cost `size` (clamped to 1..the model's cap)."""

@@ -171,6 +171,7 @@ class Batcher:
     @max_batch_cost.setter
     def max_batch_cost(self, value: float) -> None:
         self.costs.max_batch_cost = value
+        self.batch_s.version += 1  # every model's budget moved
 
     @property
     def max_batch_s(self) -> float:

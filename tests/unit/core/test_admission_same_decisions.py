@@ -3,7 +3,8 @@
 The hot path's admission was cut by reading less per request: S is remembered per batch cost between two
 batches (`BatchTimes.at`), a one-input request skips the many-batches part of the prediction, the classes' arrival
 rates are read only when the model has another length class, an idle worker admits before the prediction, and
-without pressure a request whose deadline no prediction could reach is admitted without one.
+without pressure a request whose deadline no prediction could reach is admitted without one; a model's figures
+(S of a full batch, the longest batch, the budget, the capacity) are read once per change, not per request.
 Each is meant to change no decision. Here the prediction as it was written before those cuts (`reference`, copied
 from batchserve at ebee825) and the door with every class rate read are run beside today's code over random
 queues, budgets, learned lines and requests, and must give the same numbers and the same refusals.
@@ -204,3 +205,70 @@ def test_the_longest_batch_bounds_every_read(loop) -> None:
         times.caps[M] = math.inf
         line = times._lines[M]
         assert times.most(M) == (math.inf if line.slope > 0 else max(line.seconds, default=times.seeds[M]))
+
+
+class NeverKept(dict):
+    """A door's store of figures that keeps nothing: every request reads them afresh."""
+
+    def get(self, key, default=None):
+        return default
+
+
+def test_kept_figures_decide_as_figures_read_afresh(loop, monkeypatch) -> None:
+    """The door keeps a model's figures until what they are read from moves (`DoorFigures`): over random
+    requests with batches observed, seeds, budgets, costed inputs and workers lost or back in between, it
+    decides exactly as a twin door that reads them afresh for every request, and it does keep them."""
+    read = asked = 0
+    real = Admission.figures
+
+    def counted(self: Admission, model: str, healthy: int):
+        nonlocal read
+        read += not isinstance(self._figures, NeverKept)
+        return real(self, model, healthy)
+
+    monkeypatch.setattr(Admission, "figures", counted)
+    for seed in range(80):
+        results = []
+        for fresh in (False, True):
+            rng = random.Random(seed)
+            clock = Clock()
+            b = random_batcher(rng, clock, loop)
+            workers = Workers(until_free=rng.choice([0.0, rng.uniform(0, 0.2)]), healthy=1)
+            d = Admission(b, workers, rng.choice([50, 100000]), 0.2, 1.5, clock=clock)
+            if fresh:
+                d._figures = NeverKept()
+            out: list[object] = []
+            for _ in range(40):
+                step = rng.randrange(24)
+                if step == 0:
+                    b.observe_batch(M, rng.uniform(0.005, 0.5), rng.uniform(1, 100), rng.randint(1, 100))
+                elif step == 1:
+                    b.batch_s.seed(M, rng.uniform(0.01, 0.3))
+                elif step == 2:
+                    workers.healthy = rng.choice([0, 1, 1, 2])
+                elif step == 3:
+                    b.max_batch_cost = rng.choice([0.0, rng.uniform(50, 5000)])
+                elif step == 4:
+                    b.note_cost(M, rng.uniform(1, 300))
+                elif step == 5:  # as the start-up does: the warm-up's timings, then the budget fitted to them
+                    b.batch_s.observe(M, rng.uniform(1, 100), rng.uniform(0.005, 2.0))
+                elif step == 6:
+                    b.max_batch_s = rng.uniform(0.01, 0.5)
+                    b.fit_budget(M)
+                clock.t += rng.uniform(0, 0.01)
+                asked += not fresh
+                costs = [1.0] if rng.random() < 0.7 else [rng.uniform(1, 200) for _ in range(rng.choice([1, 3]))]
+                try:
+                    t = d.admit_ticket(M, rng.randint(0, 2), rng.choice("abc"), rng.uniform(0.01, 2.0), costs,
+                                       rng.choice([None, 0]))
+                    out.append((t.probe, t.at, t.wait_s))
+                except ApiError as err:
+                    out.append((err.code, err.message, err.retry_after_ms))
+                kept = d._figures.get(M)
+                if kept is not None and kept.version == b.batch_s.version and kept.healthy == workers.healthy:
+                    held, d._figures = d._figures, {}
+                    assert real(d, M, workers.healthy) == kept, seed  # what it would read now: not stale
+                    d._figures = held
+            results.append(out)
+        assert results[0] == results[1], seed
+    assert read < asked / 2  # the kept door read its figures far less than once a request
