@@ -376,9 +376,9 @@ class GpuPool:
         def answer() -> None:
             account = self.batcher.account  # cost served per (model, tier, tenant): core/tenant_cost.py
             formed = batch.formed
-            # A batch's items are mostly one tenant's in a row: its account row is looked up once per run of them,
-            # and added to input by input as `CostAccount.add` would.
-            row_of: tuple[str, int, str] | None = None
+            # A batch's items are one model's, and mostly one tenant's in a row: its account row is looked up once
+            # per run of them, and added to input by input as `CostAccount.add` would.
+            model, tier, tenant = batch.model, -1, ""
             row = None
             for i, (item, output) in enumerate(zip(batch.items, outputs)):
                 if not item.future.done():
@@ -387,9 +387,9 @@ class GpuPool:
                     else:
                         cost = item.cost if item.batch_cost is None else None  # the route books it (render)
                         item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n, cost))
-                        key = (item.model, item.tier, item.tenant)
-                        if row is None or row_of != key:
-                            row_of, row = key, account.row(*key)
+                        if row is None or item.tenant != tenant or item.tier != tier:
+                            tier, tenant = item.tier, item.tenant
+                            row = account.row(model, tier, tenant)
                         row.inputs += 1
                         row.cost += item.cost
             self.metrics.batch_compute.labels(batch.model).observe(elapsed)

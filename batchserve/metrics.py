@@ -113,6 +113,10 @@ class _CounterChild:
         self.value += amount
 
 
+# A model's 200s of one tier and outcome: its status count, its duration, and its SLO ledger's three children.
+OkChildren = tuple[_CounterChild, HistogramChild, _CounterChild, _CounterChild, _CounterChild]
+
+
 class LoopCounter(Collector):
     """A labelled counter written only by the event-loop thread (no lock), exposed as `<name>_total`."""
 
@@ -204,7 +208,8 @@ class Metrics:
     slo_requests: LoopCounter  # the SLO ledger (core/ledger.py): answers by model, tier and outcome
     cost_served: LoopCounter  # cost units (tokens, or inputs where a model costs 1 each) served, by model and tier
     inputs_served: LoopCounter
-    _ok: dict[str, tuple[_CounterChild, HistogramChild]] = field(default_factory=dict)  # per model: 200s, durations
+    # (model, tier, outcome) of a 200 -> its status count and duration, then its `_ledger` children
+    _ok: dict[tuple[str, str, str], OkChildren] = field(default_factory=dict)
     # (model, tier, outcome) -> its slo_requests, inputs_served and cost_served children
     _ledger: dict[tuple[str, str, str], tuple[_CounterChild, _CounterChild, _CounterChild]] = field(
         default_factory=dict
@@ -214,15 +219,21 @@ class Metrics:
         self, model: str, latency_s: float, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0
     ) -> None:
         """One 200 answer of a model: its status count and duration, and its entry in the SLO ledger
-        (`count_outcome`): the hot path, so the labelled children are found by one lookup each."""
-        children = self._ok.get(model)
+        (`count_outcome`): the hot path, so its five labelled children are found by one lookup."""
+        children = self._ok.get((model, tier, outcome))
         if children is None:
-            children = self._ok[model] = (self.requests.labels(model, "200"), self.request_duration.labels(model))
+            children = self._ok[(model, tier, outcome)] = (
+                self.requests.labels(model, "200"),
+                self.request_duration.labels(model),
+                *(self._ledger.get((model, tier, outcome)) or self._ledger_children(model, tier, outcome)),
+            )
         children[0].value += 1
         duration = children[1]
         duration.counts[bisect.bisect_left(duration.bounds, latency_s)] += 1
         duration.sum += latency_s
-        self.count_outcome(model, tier, outcome, inputs, cost)
+        children[2].value += 1
+        children[3].value += inputs
+        children[4].value += cost
 
     def count_outcome(self, model: str, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0) -> None:
         """One answer in the SLO ledger; `inputs` and `cost` are added to what was served (pass them only for a
