@@ -51,7 +51,7 @@ from batchserve.core.batch_budget import BatchBudget
 from batchserve.core.batch_hold import Arrivals, hold_until
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core import tiers
-from batchserve.core.fairqueue import FairQueue, Item, Lane, Shares
+from batchserve.core.fairqueue import FairQueue, Item, Shares
 from batchserve.core.tenant_cost import CostAccount
 
 Clock = Callable[[], float]
@@ -596,17 +596,20 @@ class Batcher:
         shares = q.shares
         taken = [0] * len(self.tier_depth)  # items taken out of the queue, per tier: counted once after the loop
         sole = q.sole_lane()
-        if sole is not None and budget == math.inf:
-            # One tenant of one tier waiting and no budget (the common case): its lane's items in runs, as the
-            # loop below would take them one by one, charged to the tenant at once.
-            widest = self._take_runs(q, sole, limit, now, ends, items, taken)
-            shares.charge_run(sole.tier, sole.tenant, items)
-        else:
-            while len(items) < limit:
+        # One tenant of one tier waiting and no budget (the common case): its lane's items are taken in runs and
+        # charged to the tenant once the batch is made (`FairQueue.pop_run`), the queue and shares left as one
+        # by one. Otherwise one at a time, each charged as it is taken: the next place goes to the least served.
+        runs = sole is not None and budget == math.inf
+        while len(items) < limit:
+            if runs:
+                assert sole is not None
+                taken_now = q.pop_run(sole, limit - len(items))
+                if not taken_now:
+                    break
+            else:
                 # The budget: rows x the longest row. The first input always goes (one alone over the budget was
                 # refused at the door, or the budget was lowered after it was admitted: it still runs).
-                # A backend's own batch cost is asked only when it declares one and a budget applies. Without a
-                # budget the head is taken without a peek first (each looks for the lane whose turn it is).
+                # A backend's own batch cost is asked only when it declares one and a budget applies.
                 if items and budget != math.inf:
                     head = q.peek(stick)
                     if head is None:
@@ -617,27 +620,33 @@ class Batcher:
                         else (len(items) + 1) * max(widest, head.cost) > budget
                     ):
                         break
-                # One tenant of one tier waiting under a budget: its lane's head, as `pop` would find it, unsearched.
+                # A lone lane under a budget: its head, as `pop` would find it, unsearched.
                 item = q.pop_head(sole, charge=False) if sole is not None and sole.items else q.pop(stick, charge=False)
                 if item is None:
                     break
                 if item.tier == tiers.BATCH.rank and not stick:
                     stick[item.tier] = item.tenant
+                taken_now = [item]
+            for item in taken_now:
                 taken[item.tier] += 1
-                if not item.alive(now):
+                # `item.alive(now)` where it is False (it answers the item); the common case without the call
+                if item.future.done() or now >= item.deadline or (item.gone is not None and item.gone()):
+                    item.alive(now)
                     continue
                 if item.deadline < ends and not item.probe:
                     item.future.set_exception(errors.deadline_exceeded(LATE_FOR_BATCH))
                     continue
                 items.append(item)
-                shares.charge(
-                    item
-                )  # its tenant's share, counted as it is taken: the next place goes to the least served
+                if not runs:
+                    shares.charge(item)
                 if item.cost > widest:
                     widest = item.cost
                 item.dispatched = now
                 if item.record is not None:
                     item.record.status = "processing"
+        if runs:
+            assert sole is not None
+            shares.charge_run(sole.tier, sole.tenant, items)
         self._uncount(key[0], taken)
         left = len(q)
         self._left_model[key[0]] = self._left_model.get(key[0], 0) + left - self._left.get(key, 0)
@@ -659,33 +668,6 @@ class Batcher:
         self._since_background += 1
         self.bucket_served_at[key] = now
         return batch
-
-    @staticmethod
-    def _take_runs(
-        q: FairQueue, lane: Lane, limit: int, now: float, ends: float, items: list[Item], taken: list[int]
-    ) -> float:
-        """`form`'s loop for a lone lane without a budget: up to `limit` live items into `items` (uncharged), the
-        dead and the late answered as the loop answers them; returns the widest item's cost."""
-        widest = 0.0
-        while len(items) < limit:
-            run = q.pop_run(lane, limit - len(items))
-            if not run:
-                break
-            taken[lane.tier] += len(run)
-            for item in run:
-                if item.future.done() or now >= item.deadline or (item.gone is not None and item.gone()):
-                    item.alive(now)  # answers it (504, the caller gone) as `alive` does in the loop
-                    continue
-                if item.deadline < ends and not item.probe:
-                    item.future.set_exception(errors.deadline_exceeded(LATE_FOR_BATCH))
-                    continue
-                items.append(item)
-                if item.cost > widest:
-                    widest = item.cost
-                item.dispatched = now
-                if item.record is not None:
-                    item.record.status = "processing"
-        return widest
 
     def take_retry(self, worker: int, now: float, retries: deque[Batch] | None = None) -> Batch | None:
         """The oldest retry batch this worker may run (of `retries`, by default the interactive ones): one
