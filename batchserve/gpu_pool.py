@@ -282,7 +282,7 @@ class GpuPool:
                 if staged is None:
                     return  # no full batch waits: the next arrival asks again
                 w.staged, w.staged_cost = staged, staged.cost
-                w.free_at = w.ends + self.batcher.batch_s.at(staged.model, staged.cost)  # begun as `batch` ends
+                w.free_at = w.ends + self.batcher.batch_s.at(staged.model, w.staged_cost)  # begun as `batch` ends
                 w.inbox.put(staged)
                 self._count_batch(staged)
                 self.metrics.batches_staged.labels(staged.model).inc()
@@ -495,7 +495,6 @@ class GpuPool:
             except queue.Empty:  # the thread ended the batch just now and began the staged one: not hung after all
                 return  # (its turnaround, already queued, settles the batch)
             staged, w.staged = w.staged, None
-            w.free_at = w.ends
             self.batcher.return_items(staged.items)
         log.error(
             "worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",

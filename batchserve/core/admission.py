@@ -269,7 +269,7 @@ class Admission:
     # Per (model, length class): admitted inputs per second, for the class turns the prediction replays.
     class_arrivals: dict[tuple[str, int], RateMeter] = field(default_factory=dict)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)  # the prediction's learned error
-    _figures: dict[str, DoorFigures] = field(default_factory=dict)  # per model: `figures`, kept until stale
+    _figures: dict[str, DoorFigures] = field(default_factory=dict)  # per model: `read_figures`, kept until stale
 
     def tier_bound_s(self, tier: int) -> float:
         """The tier's latency bound under pressure: slo x slack x the tier's shed factor."""
@@ -307,12 +307,10 @@ class Admission:
             capacity = min(capacity, healthy * (got[0] / got[1]))
         return capacity
 
-    def figures(self, model: str, healthy: int) -> DoorFigures:
-        """The model's `DoorFigures` with `healthy` workers: those kept, or read afresh when stale."""
+    def read_figures(self, model: str, healthy: int) -> DoorFigures:
+        """The model's `DoorFigures` with `healthy` workers, read afresh and kept (`admit_ticket` asks when the
+        kept ones are stale)."""
         times = self.batcher.batch_s
-        got = self._figures.get(model)
-        if got is not None and got.version == times.version and got.healthy == healthy:
-            return got
         assert self.capacity is not None
         batch_s = times[model]
         most_n, budget, full_n = self.batcher.costs.shape(model)
@@ -434,9 +432,9 @@ class Admission:
             if too_costly is not None:
                 raise errors.payload_too_large(f"{too_costly}: shorten it")
         times = batcher.batch_s
-        fig = self._figures.get(model)  # `figures`, its common case inline: every request
+        fig = self._figures.get(model)
         if fig is None or fig.version != times.version or fig.healthy != healthy:
-            fig = self.figures(model, healthy)
+            fig = self.read_figures(model, healthy)
         batch_s, most_s = fig.batch_s, fig.most_s
         now = self.clock()
         until_free = capacity.seconds_until_free(now)
