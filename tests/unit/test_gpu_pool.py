@@ -43,13 +43,19 @@ def queue(pool: GpuPool, loop: asyncio.AbstractEventLoop, clock: Clock, n: int, 
         pool.batcher.submit(make_item(loop, f"q-{i}", arrived=clock.now, deadline=deadline))
 
 
+def near_its_end(loop: asyncio.AbstractEventLoop, clock: Clock, workers: int = 1) -> tuple[GpuPool, Worker, Batch]:
+    """A pool whose worker 0 runs a batch that is expected to end within the lead from now."""
+    pool = staging_pool(loop, clock, workers=workers)
+    w, batch = running(pool, loop, clock)
+    clock.now += S - LEAD_S
+    return pool, w, batch
+
+
 def staged(
     loop: asyncio.AbstractEventLoop, clock: Clock, queued: int, workers: int = 1
 ) -> tuple[GpuPool, Worker, Batch]:
     """A pool whose worker 0 runs a batch and has staged the next one: `queued` items arrived near its end."""
-    pool = staging_pool(loop, clock, workers=workers)
-    w, batch = running(pool, loop, clock)
-    clock.now += S - LEAD_S
+    pool, w, batch = near_its_end(loop, clock, workers)
     queue(pool, loop, clock, queued)
     assert w.staged is not None
     return pool, w, batch
@@ -78,9 +84,7 @@ def test_an_arrival_near_the_end_stages_the_full_queue_into_the_busy_workers_inb
 
 def test_a_partial_queue_is_not_staged_until_an_arrival_fills_it(loop):
     clock = Clock(1000.0)
-    pool = staging_pool(loop, clock)
-    w, batch = running(pool, loop, clock)
-    clock.now += S - LEAD_S
+    pool, w, batch = near_its_end(loop, clock)
     queue(pool, loop, clock, 3)  # one short of a full batch: formed early it would leave out what comes next
     assert w.staged is None and pool.batcher.depth["m"] == 3 and w.inbox.empty()
     queue(pool, loop, clock, 1)
@@ -128,9 +132,7 @@ def test_a_waiting_retry_is_not_passed_by_a_staged_batch(loop):
 
 def test_an_idle_worker_takes_the_full_batch_instead(loop):
     clock = Clock(1000.0)
-    pool = staging_pool(loop, clock, workers=2)
-    w, batch = running(pool, loop, clock)
-    clock.now += S - LEAD_S
+    pool, w, batch = near_its_end(loop, clock, workers=2)
 
     async def with_a_worker_waiting() -> None:
         async with pool.batcher._turn:  # worker 1 waits for its turn in `next_batch`
@@ -142,9 +144,7 @@ def test_an_idle_worker_takes_the_full_batch_instead(loop):
 
 def test_a_staged_batch_skips_an_item_whose_deadline_passes_before_it_could_end(loop):
     clock = Clock(1000.0)
-    pool = staging_pool(loop, clock)
-    w, batch = running(pool, loop, clock)
-    clock.now += S - LEAD_S
+    pool, w, batch = near_its_end(loop, clock)
     # Formed now it would end within its deadline; begun when the running batch ends (LEAD_S on), it would not.
     late = make_item(loop, "late", arrived=clock.now, deadline=clock.now + S + LEAD_S / 2)
     pool.batcher.submit(late)

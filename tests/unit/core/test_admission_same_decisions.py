@@ -130,6 +130,16 @@ def test_a_remembered_batch_time_is_the_line_read_again(loop) -> None:
     assert times.at(M, 500) == fresh_s(times, M, 500)
 
 
+def random_door(seed: int, loop) -> tuple[random.Random, Clock, Batcher, Workers, Admission]:
+    """A door over `random_batcher`'s queues, 1-2 healthy workers maybe busy, and its random stream, from `seed`:
+    twin doors made from one seed see the same queues and requests."""
+    rng = random.Random(seed)
+    clock = Clock()
+    b = random_batcher(rng, clock, loop)
+    workers = Workers(until_free=rng.choice([0.0, 0.0, rng.uniform(0, 0.2)]), healthy=rng.choice([1, 1, 2]))
+    return rng, clock, b, workers, Admission(b, workers, rng.choice([50, 100000]), 0.2, 1.5, clock=clock)
+
+
 def admit_all(d: Admission, rng: random.Random, clock: Clock) -> list[object]:
     """A few requests through the door: each one's ticket, or the refusal's code and retry hint."""
     out: list[object] = []
@@ -157,11 +167,7 @@ def test_the_door_decides_the_same_as_with_every_prediction_made(loop, monkeypat
     for seed in range(120):
         results = []
         for force in (False, True):
-            rng = random.Random(seed)
-            clock = Clock()
-            b = random_batcher(rng, clock, loop)
-            workers = Workers(until_free=rng.choice([0.0, 0.0, rng.uniform(0, 0.2)]), healthy=rng.choice([1, 1, 2]))
-            d = Admission(b, workers, rng.choice([50, 100000]), 0.2, 1.5, clock=clock)
+            rng, clock, b, workers, d = random_door(seed, loop)
             if rng.random() < 0.5:  # some arrivals and classes already metered
                 for bucket in range(rng.randint(1, 3)):
                     d._joined(M, bucket, clock.t, rng.randint(1, 50))
@@ -230,11 +236,7 @@ def test_kept_figures_decide_as_figures_read_afresh(loop, monkeypatch) -> None:
     for seed in range(80):
         results = []
         for fresh in (False, True):
-            rng = random.Random(seed)
-            clock = Clock()
-            b = random_batcher(rng, clock, loop)
-            workers = Workers(until_free=rng.choice([0.0, rng.uniform(0, 0.2)]), healthy=1)
-            d = Admission(b, workers, rng.choice([50, 100000]), 0.2, 1.5, clock=clock)
+            rng, clock, b, workers, d = random_door(seed, loop)
             if fresh:
                 d._figures = NeverKept()
             out: list[object] = []
