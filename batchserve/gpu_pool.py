@@ -385,8 +385,7 @@ class GpuPool:
                     if bad and i in bad:
                         item.future.set_exception(errors.inference_failed(bad[i]))
                     else:
-                        cost = item.cost if item.batch_cost is None else None  # the route books it (render)
-                        item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n, cost))
+                        item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n))
                         if row is None or item.tenant != tenant or item.tier != tier:
                             tier, tenant = item.tier, item.tenant
                             row = account.row(model, tier, tenant)

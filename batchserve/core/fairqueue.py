@@ -36,6 +36,7 @@ import msgspec
 from batchserve import errors
 from batchserve.core.requests_log import Record
 from batchserve.core.tiers import AGING_S, TIERS
+from batchserve.core.work import Work
 
 
 class ItemResult(msgspec.Struct, gc=False):
@@ -47,9 +48,6 @@ class ItemResult(msgspec.Struct, gc=False):
     queue_s: float
     compute_s: float
     batch_size: int
-    # The input's cost as the backend's `cost_of` says (its item's, carried here so the route's accounting does
-    # not ask again); None where the item was costed otherwise (a `cost_of_batch`) or by another path.
-    cost: float | None = None
 
 
 class Item(msgspec.Struct, eq=False):
@@ -76,6 +74,41 @@ class Item(msgspec.Struct, eq=False):
     # The backend's `cost_of_batch(texts)` when it declares one (None: rows x the longest row). Carried by the
     # item, so every batch made of it (formed, halved, retried, isolated) is costed the same way.
     batch_cost: Callable[[list[str]], float] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        work: Work,
+        text: str,
+        bucket: int,
+        future: asyncio.Future,
+        record: Record | None,
+        cost: float,
+        probe: bool,
+        batch_cost: Callable[[list[str]], float] | None,
+        trace: object = None,
+    ) -> Item:
+        """One input of a request: what the batcher's loop reads, copied from the request's `Work` (every field
+        in order, positionally: keywords cost ~0.4 µs more per request; mypy checks the order)."""
+        return cls(
+            text,
+            work.model,
+            bucket,
+            future,
+            work.arrived,
+            work.deadline,
+            record,
+            work.tier,
+            work.tenant,
+            0.0,
+            0,
+            work.gone,
+            trace,
+            None,
+            cost,
+            probe,
+            batch_cost,
+        )
 
     def alive(self, now: float) -> bool:
         """False once the caller has an answer or left; answers 504 when the deadline has passed."""

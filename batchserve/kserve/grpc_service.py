@@ -27,7 +27,7 @@ from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.plumbing import request_id_from
-from batchserve.http.endpoint import costs_of
+from batchserve.core.work import Work
 from batchserve.http.guards import Guard
 from batchserve.kserve import render
 from batchserve.kserve.parse import bad, bytes_elements
@@ -221,16 +221,14 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
         guard = rt.guard
         arrived = time.monotonic()
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        request_id = request_id_from(metadata.get("x-request-id"))
-        model_id = "unknown"
+        work = Work(request_id_from(metadata.get("x-request-id")), arrived, gone=context.cancelled)
         caller: Caller | None = None  # known once identified: a 429 or a 5xx is booked to it (the SLO ledger)
-        inputs = 1  # until the tensor is read
         try:
             caller = guard.identify(metadata.get("authorization"), {"client": peer_address(context.peer())})
+            work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
             texts, shape, timeout_us = parse_request(request, s.max_input_chars)
-            inputs = len(texts)
             spec = find_model(rt, request.model_name, request.model_version)
-            model_id = spec.id
+            work.model = spec.id
             backend = rt.backends.get(spec.id)
             if backend is None:
                 raise errors.warming_up()
@@ -242,31 +240,21 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
                 raise bad(f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms)")
             guard.take(caller, len(texts))
             try:
-                results = await rt.service.infer_many(
-                    texts,
-                    spec.id,
-                    caller.tier,
-                    caller.tenant,
-                    timeout_ms / 1000,
-                    arrived,
-                    request_id,
-                    context.cancelled,
-                    caller.owner,
-                )
+                results = await rt.service.infer_many(work.due_in(timeout_ms / 1000), texts)
             except ClientGone:
-                guard.gone(model_id)
+                guard.gone(work.model)
                 return protos.ModelInferResponse()  # nobody reads it: the call was cancelled
             datatype, out_shape, raw = output_tensor([r.output for r in results], shape, backend.output_kind)
-            guard.ok(model_id, time.monotonic() - arrived, caller, len(texts), costs_of(backend, texts))
+            guard.ok(work.model, time.monotonic() - arrived, caller, work.inputs, work.cost)
         except ApiError as err:
-            guard.refused(model_id, err, caller, inputs)
-            await abort(context, err, request_id)
+            guard.refused(work.model, err, caller, work.inputs)
+            await abort(context, err, work.request_id)
         except Exception:  # as the HTTP skeleton: logged, an INTERNAL status that says nothing of it, counted
             log.exception("unhandled error in ModelInfer")
             failed = errors.internal_error()
-            guard.refused(model_id, failed, caller, inputs)
-            await abort(context, failed, request_id)
-        await context.send_initial_metadata((("x-request-id", request_id),))
+            guard.refused(work.model, failed, caller, work.inputs)
+            await abort(context, failed, work.request_id)
+        await context.send_initial_metadata((("x-request-id", work.request_id),))
         tensor = protos.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
         return protos.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=request.id, outputs=[tensor], raw_output_contents=[raw]

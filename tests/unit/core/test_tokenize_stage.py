@@ -12,6 +12,7 @@ import pytest
 
 from batchserve.config import Settings
 from batchserve.core.tokenize_stage import TokenizeStage
+from batchserve.core.work import Work
 from batchserve.runtime import Runtime
 
 
@@ -80,8 +81,8 @@ def test_the_door_tokenizes_on_the_stage_before_costing(many: bool) -> None:
         rt = Runtime.create(Settings())
         rt.service.backends["sim@v1"] = backend  # type: ignore[index]
         texts = ["one two", "three four five"] if many else ["one two"]
-        call = (rt.service.infer_many(texts, "sim@v1", 1, "t", 5.0, time.monotonic(), "req") if many
-                else rt.service.infer(texts[0], "sim@v1", 1, "t", 5.0, time.monotonic(), "req"))
+        work = Work("req", time.monotonic(), 1, "t", model="sim@v1").due_in(5.0)
+        call = rt.service.infer_many(work, texts) if many else rt.service.infer(work, texts[0])
         task = asyncio.ensure_future(call)
         for _ in range(200):
             if len(backend.costed) >= len(texts):
