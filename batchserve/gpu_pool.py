@@ -359,7 +359,7 @@ class GpuPool:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
             return None
-        self.batcher.observe_batch(batch.model, cycle, batch.cost, len(batch.items))
+        self.batcher.costs.observe(batch.model, cycle, batch.cost, len(batch.items))
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))
@@ -517,7 +517,7 @@ class GpuPool:
                 self.batcher.return_items(batch.held)
             batch.held = []
         batch_s = self.batcher.batch_s[batch.model]
-        spare_after_loss = (healthy - 1) * self.batcher.full_n(batch.model) / batch_s
+        spare_after_loss = (healthy - 1) * self.batcher.costs.full_n(batch.model) / batch_s
         if batch.after_hang or healthy == 0 or spare_after_loss < 2 * self.demand():
             # Already hung once, no worker left, or too little spare capacity: answer rather than risk another.
             for item in batch.items:

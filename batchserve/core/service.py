@@ -140,9 +140,9 @@ class InferenceService:
         return JobRoom(
             b.depth.get(model, 0),
             self.admission.max_queue,
-            b.limit(model),
-            b.budget(model),
-            b.unit.get(model, 1.0),
+            b.costs.limit(model),
+            b.costs.budget(model),
+            b.costs.unit.get(model, 1.0),
             self.healthy_workers(),
         )
 

@@ -316,7 +316,7 @@ def test_a_batch_skips_what_cannot_run_and_fills_up_behind_it(loop, budget):
     ones behind them and leave the rest queued, counted and uncharged."""
     clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=3)  # S = 0.1 s
-    b.max_batch_cost = budget
+    b.costs.set_max_batch_cost(budget)
     now = clock.now
     answered = make_item(loop, "answered", arrived=now)
     answered.future.set_result(None)
