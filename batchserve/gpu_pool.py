@@ -34,7 +34,8 @@ from prometheus_client import Counter
 from batchserve import errors
 from batchserve.backends import Backend, running_batch
 from batchserve.backends.outputs import OutputRule, check_outputs
-from batchserve.core.batcher import Batch, Batcher, Clock
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.tiers import BATCH

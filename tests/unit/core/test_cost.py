@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from batchserve.core.batcher import Batch, Batcher
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher
 from batchserve.core.admission import Admission, predict
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item

@@ -15,7 +15,8 @@ import pytest
 from batchserve.core import tiers
 from batchserve.core.admission import Admission
 from batchserve.core.batch_time import BatchTimes
-from batchserve.core.batcher import Batch, Batcher
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import FairQueue, Item
 from batchserve.core.tenant_cost import CostAccount
 from batchserve.errors import ApiError
