@@ -43,6 +43,7 @@ from batchserve import errors
 from batchserve.core.batch import Batch
 from batchserve.core.batch_budget import BatchBudget
 from batchserve.core.batch_hold import Arrivals, hold_until
+from batchserve.core.burst import Bursts
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item, Shares
@@ -115,6 +116,7 @@ class Batcher:
         self._left_model: dict[str, int] = {}  # the same summed over a model's queues
         # Per queue: when its next batch's hold was decided, and until when it holds (the same: it does not).
         self._held: dict[tuple[str, int], tuple[float, float]] = {}
+        self.bursts: dict[str, Bursts] = {}  # per model: whether its inputs arrive in bursts (`core/burst.py`)
         # The workers' side: one waits for its batch at a time (`_turn`), woken by new work or a timer.
         self.draining = False
         self.closed = False
@@ -135,6 +137,10 @@ class Batcher:
         q.push(item)
         self.depth[item.model] = self.depth.get(item.model, 0) + 1  # `_count(item, +1)`, once per request: inline
         self.tier_depth[item.tier] += 1
+        bursts = self.bursts.get(item.model)
+        if bursts is None:
+            bursts = self.bursts[item.model] = Bursts()
+        bursts.arrived(item.arrived)
         if self._waiting and (len(q) == 1 or len(q) >= self.costs.limit(item.model)):
             self._wake.set()
         if item.arrived >= self.stage_after:  # within the lead of a busy worker's end: stage a full batch for it
@@ -355,13 +361,20 @@ class Batcher:
                     # (the pace S only estimated when it would free: a smaller or quicker batch frees sooner).
                     # Several: a worker that frees a hair before the learned pace goes at once.
                     pace_due = min(pace_due, now)
-                    # ... unless the load is high and a larger batch, soon, would cost its inputs much less
+                    # ... unless the inputs come in bursts and the rest of this one is still arriving
+                    # (`core/burst.py`): then it waits a few ms for them, so the burst rides one batch ...
+                    bursts = self.bursts.get(key[0])
+                    burst_due = bursts.until(head.arrived) if bursts is not None else -math.inf
+                    # ... or the load is high and a larger batch, soon, would cost its inputs much less
                     # (`core/batch_hold.py`): then it waits for it, within the SLO.
-                    hold = self._held.get(key)  # decided once per batch: the wait does not renew itself
-                    if hold is None:
-                        hold = self._held[key] = (now, self._hold(key, q, head.arrived, now))
-                    if hold[1] > now:
-                        pace_due, pace_cause = hold[1], "hold"
+                    if burst_due > now:
+                        pace_due, pace_cause = burst_due, "burst"
+                    else:
+                        hold = self._held.get(key)  # decided once per batch: the wait does not renew itself
+                        if hold is None:
+                            hold = self._held[key] = (now, self._hold(key, q, head.arrived, now))
+                        if hold[1] > now:
+                            pace_due, pace_cause = hold[1], "hold"
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, pace_cause)
             # Among queues due now, a model served least recently goes first (then the earliest deadline), so
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
