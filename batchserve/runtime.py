@@ -116,7 +116,14 @@ class Runtime:
             max_batch_cost=settings.max_batch_tokens,
             max_batch_s=settings.max_timeout_ms / 1000 / 2,
         )
-        admission = Admission(batcher, None, settings.max_queue, settings.slo_ms / 1000, settings.admission_slack)
+        admission = Admission(
+            batcher,
+            None,
+            settings.max_queue,
+            settings.slo_ms / 1000,
+            settings.admission_slack,
+            max_timeout_s=settings.max_timeout_ms / 1000,
+        )
         requests = RequestLog(settings.request_history)
         backends: dict[str, Backend] = {}
         service = InferenceService(batcher, admission, backends, requests)

@@ -533,6 +533,7 @@ def test_a_stale_slow_batch_time_does_not_refuse_what_a_free_worker_can_try(loop
     # a free worker and nothing ahead the item is admitted (its run corrects S); with work ahead it is refused.
     clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity())
+    adm.max_timeout_s = 0.08  # no timeout a caller may ask for fits one batch: not the caller's fault
     adm.batcher.batch_s.observe("m", 1, 2.5)
     assert adm.admit("m", PAID, "t", deadline_s=1.0) is False  # admitted, not as a probe
     # Below even the seed: no batch can meet it, unless the seed is wrong too; one such request now and then
@@ -610,3 +611,17 @@ def test_a_batch_freed_early_makes_the_next_dispatch_due_on_the_injected_clock()
     b.last_dispatch = clock()
     b.freed_early("m")
     assert b.last_dispatch == pytest.approx(clock() - S / 2)  # one pace interval back: due now
+
+
+def test_a_timeout_shorter_than_one_batch_is_the_requests_fault_when_a_longer_one_may_be_asked(loop):
+    # S = 0.1 s, margin 5 ms: a 50 ms timeout cannot be met by any batch. With --max-timeout-ms above 105 ms the
+    # caller can ask for enough: a 400 naming it, every time (no probe); the least timeout itself is admitted.
+    clock = Clock(1000.0)
+    adm = make_admission(loop, clock, FakeCapacity())
+    adm.max_timeout_s = 60.0
+    for _ in range(2):
+        with pytest.raises(ApiError) as refused:
+            adm.admit("m", PAID, "t", deadline_s=0.05)
+        assert (refused.value.status, refused.value.code) == (400, "TIMEOUT_TOO_SHORT")
+        assert refused.value.message.endswith("ask for at least 105 ms")
+    assert adm.admit("m", PAID, "t", deadline_s=0.1051) is False
