@@ -38,7 +38,7 @@ ERROR_CODES: dict[int, tuple[str, ...]] = {
     504: ("DEADLINE_EXCEEDED",),
 }
 ERROR_WHEN: dict[int, str] = {
-    400: "the body or a parameter is not what the route takes (the message names the field), or a timeout no batch can meet",
+    400: "the body or a parameter is not what the route takes (the message names the field), or a timeout too short",
     401: "API keys are configured and the key is missing or wrong",
     404: "unknown model or version, unknown request, job or file id, or unknown route",
     405: "the route does not take this method",
