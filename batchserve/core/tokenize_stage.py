@@ -135,7 +135,7 @@ class Lanes:
 
     def _forget(self) -> None:
         """Drop the counters of tenants not waiting that are at or under the floor a returning tenant is lifted to
-        now (forgetting them changes no order); what is left are the tenants ahead."""
+        now (a returning tenant is lifted at least that far anyway); what is left are the tenants ahead."""
         floor = (self._heap[0][0] if self._heap else self.vtime) - self.call_chars
         self.charged = {t: c for t, c in self.charged.items() if t in self.lanes or c > floor}
 
