@@ -236,6 +236,13 @@ class Shares:
         if start > self.vtime[item.tier]:
             self.vtime[item.tier] = start
 
+    def charge_work(self, tier: int, tenant: str, cost: float) -> None:
+        """Work done for the tenant before its inputs reach a queue (the tokenizer stage's time, in this model's
+        cost units), refused at the door or not: its counter grows as if it had been served that much (counters
+        only grow, so the heaps' entries stay valid: a stale one is too low and re-keyed at the top)."""
+        key = (tier, tenant)
+        self.counter[key] = self.counter.get(key, 0.0) + cost
+
     def least(self, tier: int) -> float:
         """The least counter of the tier's waiting tenants; with none waiting, the tier's virtual time."""
         heap = self._waiting[tier]

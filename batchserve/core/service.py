@@ -176,6 +176,16 @@ class InferenceService:
             self._tokenizers[model] = tokenizer_of(backend)
         return self._tokenizers[model]
 
+    async def _tokenize(self, tokenize: Tokenize, texts: list[str], model: str, tier: int, tenant: str) -> None:
+        """The inputs' tokens made on the tokenizer stage, in its fair order by tenant; the tokenizer time they
+        took is charged to the tenant's counter in the model's fair queue, in the model's cost units (what a full
+        batch costs per second of its learned time), whether the door then admits them or not."""
+        seconds = await self.tokenizing.run(tokenize, texts, tenant)
+        shares = self.batcher.shares.get(model)
+        if seconds > 0 and shares is not None:
+            full = self.batcher.estimate_cost(model, self.batcher.full_n(model))
+            shares.charge_work(tier, tenant, seconds * full / max(1e-6, self.batcher.batch_s.at(model, full)))
+
     def _check_quarantine(self, model: str, text: str) -> None:
         why = self.quarantine.reason(model, text)
         if why is not None:
@@ -226,7 +236,7 @@ class InferenceService:
             raise self._quarantined(why)
         tokenize = self._tokenizers[model] if model in self._tokenizers else self._tokenizer(model, backend)
         if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
-            await self.tokenizing.run(tokenize, [text])
+            await self._tokenize(tokenize, [text], model, tier, tenant)
         batch_cost = self._batch_costs[model] if model in self._batch_costs else self._batch_cost(model, backend)
         cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
         bucket = backend.bucket_of(text)
@@ -273,7 +283,7 @@ class InferenceService:
                 self._check_quarantine(model, text)
             tokenize = self._tokenizer(model, backend)
             if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
-                await self.tokenizing.run(tokenize, texts)
+                await self._tokenize(tokenize, texts, model, tier, tenant)
             batch_cost = self._batch_cost(model, backend)
             costs = (
                 [float(backend.cost_of(text)) for text in texts]
@@ -333,7 +343,7 @@ class InferenceService:
         finally:
             self.inflight -= 1
 
-    async def pretokenize(self, model: str, texts: list[str]) -> None:
+    async def pretokenize(self, model: str, texts: list[str], tenant: str = "") -> None:
         """Batch-job inputs, read ahead of their feeding: their tokens made on the tokenizer stage's thread (as an
         interactive request's are), so `submit_background` costs them by a look-up and the device thread runs
         the kept tokens; the event loop tokenizes none of them. In chunks, so an interactive request's texts
@@ -345,8 +355,8 @@ class InferenceService:
         tokenize = self._tokenizer(model, backend)
         if tokenize is None:
             return
-        for start in range(0, len(texts), PRETOKENIZE_CHUNK):
-            await self.tokenizing.run(tokenize, texts[start : start + PRETOKENIZE_CHUNK])
+        for start in range(0, len(texts), PRETOKENIZE_CHUNK):  # in the job's tenant's lane
+            await self._tokenize(tokenize, texts[start : start + PRETOKENIZE_CHUNK], model, BATCH.rank, tenant)
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
@@ -380,11 +390,16 @@ class InferenceService:
         now = self.clock()
         backend = self.backends[model]
         batch_cost = self._batch_cost(model, backend)
-        cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
+        refused: ApiError | None = None
+        try:
+            cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
+            bucket = backend.bucket_of(text)
+        except ApiError as err:  # an input the backend refuses to cost (one too long to cut safely): answered below
+            cost, bucket, refused = 1.0, 0, err
         item = Item(
             text,
             model,
-            backend.bucket_of(text),
+            bucket,
             asyncio.get_running_loop().create_future(),
             now,
             now + deadline_s,
@@ -395,6 +410,8 @@ class InferenceService:
             batch_cost=batch_cost,
         )
         try:
+            if refused is not None:
+                raise refused
             self._check_quarantine(model, text)
         except ApiError as err:  # answered at once: the scheduler's callback records it failed
             item.future.set_exception(err)
