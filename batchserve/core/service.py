@@ -183,7 +183,8 @@ class InferenceService:
         seconds = await self.tokenizing.run(tokenize, texts, tenant)
         shares = self.batcher.shares.get(model)
         if seconds > 0 and shares is not None:
-            full = self.batcher.estimate_cost(model, self.batcher.full_n(model))
+            costs = self.batcher.costs
+            full = costs.estimate_cost(model, costs.full_n(model))
             shares.charge_work(tier, tenant, seconds * full / max(1e-6, self.batcher.batch_s.at(model, full)))
 
     def _check_quarantine(self, model: str, text: str) -> None:
@@ -236,7 +237,7 @@ class InferenceService:
             raise self._quarantined(why)
         tokenize = self._tokenizers[model] if model in self._tokenizers else self._tokenizer(model, backend)
         if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
-            await self._tokenize(tokenize, [text], model, tier, tenant)
+            await self._tokenize(tokenize, [text], model, work.tier, work.tenant)
         batch_cost = self._batch_costs[model] if model in self._batch_costs else self._batch_cost(model, backend)
         cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
         bucket = backend.bucket_of(text)
@@ -283,7 +284,7 @@ class InferenceService:
                 self._check_quarantine(model, text)
             tokenize = self._tokenizer(model, backend)
             if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
-                await self._tokenize(tokenize, texts, model, tier, tenant)
+                await self._tokenize(tokenize, texts, model, work.tier, work.tenant)
             batch_cost = self._batch_cost(model, backend)
             costs = (
                 [float(backend.cost_of(text)) for text in texts]
