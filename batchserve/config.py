@@ -176,7 +176,9 @@ class Settings:
     )
     keep_alive_timeout_s: float = knob(5.0, "an idle keep-alive connection is closed after this many seconds")
     max_connections: int = knob(
-        0, "most open connections; past it the longest idle one is closed (0 = the descriptor limit less a reserve)"
+        0,
+        "most open connections; past it the longest idle one is closed (0 = the descriptor limit "
+        "less a reserve, and less gRPC's share with --grpc-port)",
     )
     forwarded_allow_ips: str = knob(
         "",
