@@ -103,18 +103,13 @@ def calls_outside_the_guard() -> list[str]:
         if path.name == "guards.py" and path.parent.name == "http":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("identify", "take_token", "count_ok", "count_error", "count_outcome")
-                and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "guard"))
-            ):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("identify", "take_token", "count_ok", "count_error",
+                                               "count_outcome")
+                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "guard"))):
                 found.append(f"{path.relative_to(package)}:{node.lineno} {node.func.attr}")
-            if (
-                isinstance(node, ast.AugAssign)
-                and isinstance(node.target, ast.Attribute)
-                and node.target.attr == "answered"
-            ):
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Attribute) \
+                    and node.target.attr == "answered":
                 found.append(f"{path.relative_to(package)}:{node.lineno} answered +=")
     return found
 
@@ -151,13 +146,8 @@ def test_the_ledger_books_every_model_answer_by_model_tier_and_outcome():
     assert ledger_sample(g, "batchserve_cost_served_total", model="m", tier="free") == 50.0
     assert ledger_sample(g, "batchserve_inputs_served_total", model="m", tier="free") == 6
     assert ledger_sample(g, "batchserve_inputs_served_total", model="m", tier="paid") == 0
-    total = sum(
-        s.value
-        for f in g.metrics.registry.collect()
-        if f.name == "batchserve_slo_requests"
-        for s in f.samples
-        if s.name == series
-    )
+    total = sum(s.value for f in g.metrics.registry.collect() if f.name == "batchserve_slo_requests"
+                for s in f.samples if s.name == series)
     assert total == 6
     exposed = [s.labels for f in g.metrics.registry.collect() for s in f.samples]
     assert not any("acme" in labels.values() or "tenant" in labels for labels in exposed)  # DESIGN §6
@@ -173,14 +163,3 @@ def test_the_slo_in_force_is_the_one_answers_are_held_to():
     g.slo_s = 1.0  # derived after the warm-up, say
     g.ok("m", 0.5, caller)
     assert ledger_sample(g, "batchserve_slo_requests_total", model="m", tier="paid", outcome="met") == 1
-
-
-def test_a_repeated_header_or_metadata_entry_reads_as_its_first():
-    """HTTP and gRPC read a caller's key alike: the first `authorization` entry, whichever followed it."""
-    from batchserve.http.plumbing import first_values
-
-    pairs = [("Authorization", "Bearer a"), ("x-request-id", "r1"), ("authorization", "Bearer b"), ("k-bin", b"\0")]
-    assert first_values(pairs, ("authorization", "x-request-id", "k-bin")) == {
-        "authorization": "Bearer a",
-        "x-request-id": "r1",
-    }
