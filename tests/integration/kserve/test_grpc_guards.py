@@ -107,12 +107,16 @@ def infer_message(model: str) -> bytes:
 def test_idle_connections_past_the_grpc_cap_are_closed_while_http_answers(server):
     port = grpc_port(server)
     flood = [idle_connection(port) for _ in range(CAP + 30)]
+    opened = time.monotonic()
     try:
         with server.client() as http:
             assert http.get("/healthz").status_code == 200
             r = http.post("/v1/inference", json={"input": "x"}, headers={"Authorization": "Bearer sk-good"})
             assert r.status_code == 200, r.text
-        closed = sum(is_closed(sock, 0.05) for sock in flood)
+        open_ones = list(flood)
+        while len(open_ones) > CAP and time.monotonic() < opened + IDLE_S / 2:  # before the idle limit
+            open_ones = [sock for sock in open_ones if not is_closed(sock, 0.01)]
+        closed = len(flood) - len(open_ones)
         # well before the idle limit, the connections past the cap are gone and those under it are not
         assert 30 <= closed <= 30 + CAP // 2, f"{closed} of {len(flood)} closed at once (cap {CAP})"
     finally:
@@ -121,9 +125,15 @@ def test_idle_connections_past_the_grpc_cap_are_closed_while_http_answers(server
 
 
 def test_a_connection_without_a_call_is_closed_after_the_idle_limit(server):
-    sock = idle_connection(grpc_port(server))
-    try:
+    give_up = time.monotonic() + 10
+    while True:  # a flood before this test may still hold the cap a moment: past it, a connection closes at once
+        sock = idle_connection(grpc_port(server))
         started = time.monotonic()
+        if not is_closed(sock, 0.2) or time.monotonic() > give_up:
+            break
+        sock.close()
+        time.sleep(0.2)
+    try:
         assert is_closed(sock, IDLE_S * 4), f"still open {IDLE_S * 4:g} s after its preface"
         assert time.monotonic() - started >= IDLE_S / 2
     finally:
