@@ -251,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logsafe.install()  # one record, one line: a caller's control characters are escaped
     log.info("settings: %s", effective(settings))
+    if settings.grpc_port >= 0:  # an unfit grpcio or protobuf is one line before the port opens, not a traceback
+        from batchserve.kserve.grpc_messages import GrpcUnavailable, load
+
+        try:
+            load()
+        except GrpcUnavailable as exc:
+            print(f"batchserve: error: {exc}", file=sys.stderr)
+            return 2
     from batchserve.backends import sleeping_idle_threads
 
     sleeping_idle_threads()  # before any model (or a --processes child) loads torch
