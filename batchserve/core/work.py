@@ -13,6 +13,9 @@ from collections.abc import Callable
 
 import msgspec
 
+from batchserve import errors
+from batchserve.core import tiers
+
 
 class Work(msgspec.Struct, eq=False):
     """One request on its way. A Struct: built in C once per request (the hot path), mutable where the door
@@ -28,6 +31,7 @@ class Work(msgspec.Struct, eq=False):
     gone: Callable[[], bool] | None = None  # True once the caller has hung up
     inputs: int = 1  # inputs the request holds, as the door counted them
     cost: float = 1.0  # their cost units (tokens, or 1 an input), as the door priced them
+    asked: str = ""  # the priority the request asked for ("": none), so its answer names the tier it ran at
 
     @property
     def timeout_s(self) -> float:
@@ -38,6 +42,20 @@ class Work(msgspec.Struct, eq=False):
         """This request due `timeout_s` after its first byte (the wing's parse reads the timeout)."""
         self.deadline = self.arrived + timeout_s
         return self
+
+    def ask(self, value: str | int | None, tier: int, best: int, field: str) -> int:
+        """Run at the priority the request asks for in `field` (a tier name or OpenAI's `service_tier`), within
+        what the caller's key allows (its `tier`, up to `best`; above that, capped): the tier it is queued, shed
+        and booked under. Returns that tier's rank."""
+        if value is None:
+            return tier
+        rank = tiers.asked(value, tier, best)
+        if rank is None:
+            raise errors.invalid(
+                f"'{field}' must be one of {', '.join(tiers.ASKABLE)}, or a level 0-{tiers.BATCH.rank + 1}"
+            )
+        self.tier, self.asked = rank, str(value)
+        return rank
 
     @property
     def record_owner(self) -> str:

@@ -71,6 +71,7 @@ def parse_request(rt: EmbeddingsHost, call: Call, body: bytes) -> Embed:
     model_id, backend = pick_model(rt, EMBEDDING, req.model, call.who.key_id)
     call.work.model = model_id
     call.work.due_in(req.timeout_s)
+    call.run_at(req.service_tier, "service_tier")
     return Embed(req, backend)
 
 

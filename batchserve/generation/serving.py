@@ -117,10 +117,11 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
     engine = rt.generation
     if engine is None:
         raise not_serving(rt)
-    caller = call.who
     rt.service.check_open(needs_workers=False)  # the engine is its own worker; draining still refuses
     prep = await prepare(rt.settings, engine, body, chat)
     req, prompt_ids, params = prep.req, prep.prompt_ids, prep.params
+    call.run_at(req.service_tier, "service_tier")
+    caller = call.who
     try:
         seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream, tenant=caller.tenant)
     except ApiError as err:

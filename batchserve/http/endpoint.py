@@ -15,6 +15,7 @@ answer's bytes). It never reads a body, takes rate tokens, renders an error or c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from functools import partial
@@ -30,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
 from batchserve.config import Settings
+from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.dialects import Dialect
@@ -86,6 +88,16 @@ class Call(msgspec.Struct, eq=False):
         generation engine's deltas) and must stop when nobody will read its answer."""
         while (await self.receive())["type"] != "http.disconnect":
             pass
+
+    def run_at(self, value: str | int | None, field: str) -> None:
+        """The request's own priority (`Work.ask`): its Work and its caller (what the books and the rate limits
+        read) both at the tier it runs at."""
+        if value is None:
+            return
+        caller = self.who
+        rank = self.work.ask(value, caller.tier, caller.ceiling, field)
+        if rank != caller.tier:
+            self.caller = dataclasses.replace(caller, tier=rank)
 
     @property
     def who(self) -> Caller:
@@ -301,9 +313,13 @@ class Endpoint(Generic[Host, Req, Res]):
                 head += b"%s: %s\r\n" % (name, value)
             for key, text in call.answer_headers.items():
                 head += b"%s: %s\r\n" % (key.encode(), text.encode())
+            if work.asked:  # the tier it ran at, as OpenAI answers `service_tier`
+                head += b"x-service-tier: %s\r\n" % TIER_NAMES[work.tier].encode()
             await send_whole(answer.status, head, answer.body)
             return
         raw = [(b"content-type", answer.media), (b"x-request-id", call.work.request_id.encode()), *answer.headers]
+        if work.asked:
+            raw.append((b"x-service-tier", TIER_NAMES[work.tier].encode()))
         if call.answer_headers:
             raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
         raw.append((b"content-length", b"%d" % len(answer.body)))
@@ -320,6 +336,8 @@ class Endpoint(Generic[Host, Req, Res]):
         status = "500"
         raw = [(b"content-type", answer.media), (b"x-request-id", call.work.request_id.encode())]
         raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
+        if call.work.asked:
+            raw.append((b"x-service-tier", TIER_NAMES[call.work.tier].encode()))
         raw.append((b"cache-control", b"no-cache"))
         gone = call.gone()
         try:

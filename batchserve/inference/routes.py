@@ -46,7 +46,9 @@ class InferenceHost(Protocol):
 
 def parse(rt: InferenceHost, call: Call, body: bytes) -> str:
     """The input; the model version that answers (404 when none) and the deadline, in `call.work`."""
-    text, requested_model, timeout_s = parse_inference(body, call.headers.get("content-type", ""), rt.settings)
+    text, requested_model, timeout_s, priority = parse_inference(
+        body, call.headers.get("content-type", ""), rt.settings
+    )
     caller = call.caller
     assert caller is not None  # the endpoint identifies its callers
     model = rt.registry.resolve_id(requested_model, caller.key_id)
@@ -54,6 +56,8 @@ def parse(rt: InferenceHost, call: Call, body: bytes) -> str:
         raise errors.model_not_found(requested_model)
     call.work.model = model
     call.work.due_in(timeout_s)
+    if priority is not None:
+        call.run_at(priority, "priority")
     return text
 
 

@@ -22,6 +22,7 @@ message as details and, where retrying later helps, `retry-after-ms` in the trai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -37,6 +38,7 @@ from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
+from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.core.work import Work
 from batchserve.http.budget import connection_budget
 from batchserve.http.guards import Guard
@@ -98,6 +100,7 @@ class OutputRequest(Protocol):
 
 class Parameter(Protocol):
     int64_param: int
+    string_param: str
 
     def WhichOneof(self, group: str) -> str | None: ...  # noqa: N802 - protobuf's name
 
@@ -262,6 +265,13 @@ class InferenceServicer:
             work.model = spec.id
             texts, shape, timeout_us = parse_request(request, s.max_input_chars)
             work.inputs = len(texts)
+            if "priority" in request.parameters:  # the tier it asks to run at, within its key's (`Work.ask`)
+                asked = request.parameters["priority"]
+                kind = asked.WhichOneof("parameter_choice")
+                if kind not in ("string_param", "int64_param", "uint64_param"):  # a name, or a Triton level
+                    raise bad("'parameters.priority' must be a tier name or Triton's priority level")
+                rank = work.ask(getattr(asked, kind), caller.tier, caller.ceiling, "parameters.priority")
+                caller = dataclasses.replace(caller, tier=rank)
             backend = rt.backends.get(spec.id)
             if backend is None:
                 raise errors.warming_up()
@@ -287,7 +297,10 @@ class InferenceServicer:
             failed = errors.internal_error()
             guard.refused(work.model, failed, caller, work.inputs)
             await abort(context, failed, work.request_id)
-        await context.send_initial_metadata((("x-request-id", work.request_id),))
+        head: tuple[tuple[str, str], ...] = (("x-request-id", work.request_id),)
+        if work.asked:
+            head += (("x-service-tier", TIER_NAMES[work.tier]),)
+        await context.send_initial_metadata(head)
         output = protos.ModelInferResponse.InferOutputTensor  # type: ignore[attr-defined]
         tensor = output(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
         return protos.ModelInferResponse(

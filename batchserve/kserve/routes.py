@@ -155,6 +155,7 @@ def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
             f"{s.max_timeout_ms * 1000:.0f} microseconds)"
         )
     call.work.due_in(timeout_ms / 1000)
+    call.run_at(req.priority, "parameters.priority")
     return Infer(req, spec, backend)
 
 

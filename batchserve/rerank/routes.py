@@ -50,6 +50,7 @@ def parse_request(rt: RerankHost, call: Call, body: bytes) -> Rerank:
     model_id, backend = pick_model(rt, RERANKING, req.model, call.who.key_id)
     call.work.model = model_id
     call.work.due_in(req.timeout_s)
+    call.run_at(req.service_tier, "service_tier")
     pairs = [pair_input(req.query, doc) for doc in req.documents]
     return Rerank(req, pairs, backend)
 
