@@ -59,7 +59,7 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
             "-r",
             "20",
             "-t",
-            "5s",
+            "4s",
             "--bs-job-items",
             "5",
             "--bs-job-pace",
