@@ -71,6 +71,9 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
               "~1 min", "-", ("--duration", "5", "--warmup", "2", "--job-items", "5000")),
         Bench("startup", "seconds to port, /healthz and /readyz, and to exit after SIGTERM (`--code DIR`: "
               "another tree beside this one)", "~30 s (sim)", "-", ("--backend", "sim")),
+        Bench("locust", "the shipped locustfile against a server it starts: stages up to 1.5x capacity, each "
+              "stage's offered/answered rate, locust and server p50/p95, refusals; the ledger by tier", "~70 s",
+              "locust", ("--users", "20", "--run-time", "12s", "--stages", "2")),
     )),
     "models": ("real models on the CPU: the served rate against the model alone, and peers", (
         Bench("embed_bench", "all-MiniLM-L6-v2 offline by batch size, then batchserve and Infinity under the "
