@@ -415,8 +415,11 @@ class Admission:
         deadline_s: float,
         costs: Sequence[float] = (1.0,),
         bucket: int | None = None,
+        timeout_s: float | None = None,
     ) -> Ticket:
-        """`admit`, returning what the door predicted, for `observed` to compare with what happened."""
+        """`admit`, returning what the door predicted, for `observed` to compare with what happened.
+        `timeout_s`: the request's whole timeout, from its first byte (`deadline_s` when not given): what a
+        timeout too short to be met is judged by, where `deadline_s` is what is left of it now."""
         batcher, capacity = self.batcher, self.capacity
         healthy = capacity.healthy_count() if capacity is not None else 0  # read once: nothing below changes it
         if batcher.draining or not healthy:
@@ -445,8 +448,11 @@ class Admission:
             # the quickest any answer can come: a batch of its own longest input alone
             fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
             least_s = fastest_s + batcher.margin_s  # one batch, and the dispatch margin the batcher keeps
-            if deadline_s < least_s <= self.max_timeout_s:  # the request's own fault: it can ask for enough
+            asked_s = deadline_s if timeout_s is None else timeout_s
+            if asked_s < least_s <= self.max_timeout_s:  # the request's own fault: it can ask for enough
                 raise errors.timeout_too_short(least_s * 1000)
+            if deadline_s < fastest_s <= asked_s:  # enough was asked, but it went before the request was read
+                raise errors.deadline_exceeded()
             if deadline_s < fastest_s:  # not even an idle worker could answer in time: retrying would not help...
                 if not (idle and now - self.probed.get(model, -math.inf) >= PROBE_EVERY_S):
                     raise errors.deadline_unmeetable(fastest_s * 1000)

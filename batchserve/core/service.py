@@ -204,7 +204,7 @@ class InferenceService:
         predicted, for `_answered` to learn from). The request's cost is booked on `work` here."""
         work.cost = sum(costs) if len(costs) > 1 else costs[0]
         return self.admission.admit_ticket(
-            work.model, work.tier, work.tenant, work.deadline - self.clock(), costs, bucket
+            work.model, work.tier, work.tenant, work.deadline - self.clock(), costs, bucket, work.timeout_s
         )
 
     def _answered(self, record: Record, work: Work, ticket: Ticket, first: ItemResult, last: ItemResult) -> None:

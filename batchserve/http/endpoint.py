@@ -38,7 +38,7 @@ from batchserve.http.dialects import Dialect
 from batchserve.http.disconnect import Watcher
 from batchserve.http.guards import Guard
 from batchserve.http.plumbing import REQUEST_ID_OK, new_request_id, read_body_from, request_id_from, send_json
-from batchserve.http.uvicorn_protocol import whole_answer_sender
+from batchserve.http.uvicorn_protocol import FIRST_BYTE, whole_answer_sender
 from batchserve.logsafe import printable
 from batchserve.tenancy import Caller
 
@@ -247,7 +247,7 @@ class Endpoint(Generic[Host, Req, Res]):
             key = names.get(name.lower())
             if key is not None and key not in headers:
                 headers[key] = value.decode("latin-1")
-        work = Work("", time.monotonic())
+        work = Work("", scope.get(FIRST_BYTE) or time.monotonic())
         call = Call(scope, receive, work, headers)
         caller = None
         try:
@@ -300,9 +300,9 @@ class Endpoint(Generic[Host, Req, Res]):
             out, err_headers = self.dialect.render(failed, call.work.request_id)
             await send_json(send, 500, out, err_headers)
             return
-        if not call.booked:
-            self.book.ok(rt, call)
         if isinstance(answer, Stream):
+            if not call.booked:
+                self.book.ok(rt, call)
             await self.stream(answer, call, send)
             return
         # The answer in one write under batchserve's own protocol, else as the usual ASGI messages.
@@ -316,7 +316,15 @@ class Endpoint(Generic[Host, Req, Res]):
             if work.asked:  # the tier it ran at, as OpenAI answers `service_tier`
                 head += b"x-service-tier: %s\r\n" % TIER_NAMES[work.tier].encode()
             await send_whole(answer.status, head, answer.body)
-            return
+        else:
+            await self.send_messages(answer, call, send)
+        if not call.booked:  # booked once written: the ledger's clock runs from the first byte to the last
+            self.book.ok(rt, call)
+
+    @staticmethod
+    async def send_messages(answer: Answer, call: Call, send: Send) -> None:
+        """The answer as the usual ASGI messages, under a server other than batchserve's own protocol."""
+        work = call.work
         raw = [(b"content-type", answer.media), (b"x-request-id", call.work.request_id.encode()), *answer.headers]
         if work.asked:
             raw.append((b"x-service-tier", TIER_NAMES[work.tier].encode()))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Awaitable, Callable
@@ -125,6 +126,9 @@ COALESCE_MAX_BYTES = 65536  # a larger body is not copied to go out with its hea
 # A refused body is read and discarded after the answer (then: close) up to LINGER_BYTES, for at most
 # LINGER_MAX_S, and while its bytes keep coming (LINGER_S without one ends it). It was 64 MiB and 5 s in all:
 # an upload of more than 64 MiB refused with its 413 at once (its Content-Length) got a reset instead.
+# The scope key under which a request carries the time.monotonic() of its first byte (an extension of ours):
+# the request's clock (its deadline, its latency in the SLO ledger) starts there, as the client's does.
+FIRST_BYTE = "batchserve.first_byte"
 LINGER_BYTES = 1 << 30
 LINGER_S = 5.0
 LINGER_MAX_S = 30.0
@@ -324,6 +328,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.lingering = False  # answered before its body was read: the rest is read and discarded, then close
         self.linger_left = 0
         self.linger_end = 0.0
+        self.first_byte = 0.0  # time.monotonic() of the request head's first byte: where its clock starts
 
     # -- connection life ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -387,8 +392,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self.in_head:
             super().data_received(data)
             return
-        if self.head_bytes == 0 and not self.deadline:  # a head begins on a kept-alive connection
-            self.deadline = self.loop.time() + self.limits.header_timeout_s
+        if self.head_bytes == 0:  # a request begins: its clock starts here, not when the app is called
+            self.first_byte = time.monotonic()
+            if not self.deadline:  # on a kept-alive connection
+                self.deadline = self.loop.time() + self.limits.header_timeout_s
         room = self.limits.max_header_bytes - self.head_bytes
         if len(data) <= room:
             self.head_bytes += len(data)
@@ -422,6 +429,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        self.scope[FIRST_BYTE] = self.first_byte  # type: ignore[literal-required]  # an extension key of ours
         self.in_head = False
         self.guard.waiting.pop(self, None)
         self.deadline = self.loop.time() + self.limits.body_timeout_s
