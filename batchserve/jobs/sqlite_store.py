@@ -29,7 +29,20 @@ import orjson
 
 from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
 from batchserve.jobs.openai_batch import line_size
-from batchserve.jobs.store import ACTIVE, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome, Progress, Sizes
+from batchserve.jobs.store import (
+    ACTIVE,
+    PAGE_BYTES,
+    FileGone,
+    IdempotencyConflict,
+    ItemRow,
+    Job,
+    NewJob,
+    Outcome,
+    Progress,
+    Sizes,
+    row_cost,
+    whole_bytes,
+)
 
 T = TypeVar("T")
 
@@ -361,15 +374,41 @@ class SQLiteStore:
             )
         return [_job(r) for r in rows]
 
-    def _results(self, job_id: str, after_index: int, limit: int, with_input: bool) -> list[ItemRow]:
+    def _results(self, job_id: str, after_index: int, limit: int, with_input: bool, max_bytes: int) -> list[ItemRow]:
+        """Rows are taken from the cursor one at a time (SQLite computes each value's size, Python holds only
+        what is kept), until the next would pass `max_bytes`."""
         assert self._conn is not None
-        extra = ", input" if with_input else ""
-        rows = self._conn.execute(
-            f"SELECT idx, status, output, error, message{extra} FROM items WHERE job_id = ? "
-            "AND idx > ? ORDER BY idx LIMIT ?",
-            (job_id, after_index, limit),
+        # A value's bytes: length() of TEXT counts characters, of a BLOB bytes.
+        extra = (
+            ", CASE WHEN ib <= :whole THEN input END, ib, "
+            "CASE WHEN ib > :whole THEN json_extract(input, '$.custom_id') END"
+            if with_input
+            else ", NULL, 0, NULL"
         )
-        return [ItemRow(*r) for r in rows]
+        rows = self._conn.execute(
+            f"SELECT idx, status, CASE WHEN ob <= :whole THEN output END, ob, error, message{extra} "
+            "FROM (SELECT idx, status, output, error, message, input, "
+            "COALESCE(length(CAST(output AS BLOB)), 0) AS ob, length(CAST(input AS BLOB)) AS ib "
+            "FROM items WHERE job_id = :job AND idx > :after ORDER BY idx LIMIT :limit)",
+            {"job": job_id, "after": after_index, "limit": limit, "whole": whole_bytes(max_bytes)},
+        )
+        page: list[ItemRow] = []
+        held = 0
+        for index, status, output, size, error, message, line, line_bytes, custom_id in rows:
+            held += row_cost(size, line_bytes, message, max_bytes)
+            if page and held > max_bytes:
+                break
+            page.append(ItemRow(index, status, output, error, message, line, size, custom_id))
+        rows.close()
+        return page
+
+    def _output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
+        assert self._conn is not None
+        row = self._conn.execute(
+            "SELECT substr(CAST(COALESCE(output, '') AS BLOB), ?, ?) FROM items WHERE job_id = ? AND idx = ?",
+            (start + 1, size, job_id, index),
+        ).fetchone()
+        return None if row is None else bytes(row[0] or b"")
 
     # -- files -----------------------------------------------------------------------------------------------
     def _begin_file(self, meta: StoredFile, max_count: int) -> None:
@@ -667,8 +706,13 @@ class SQLiteStore:
     async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
         return await self._run(self._list, tenant, limit, after)
 
-    async def results(self, job_id: str, after_index: int, limit: int, with_input: bool = False) -> list[ItemRow]:
-        return await self._run(self._results, job_id, after_index, limit, with_input)
+    async def results(
+        self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
+    ) -> list[ItemRow]:
+        return await self._run(self._results, job_id, after_index, limit, with_input, max_bytes)
+
+    async def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
+        return await self._run(self._output_piece, job_id, index, start, size)
 
     async def begin_file(self, meta: StoredFile, max_count: int) -> None:
         await self._run(self._begin_file, meta, max_count)
