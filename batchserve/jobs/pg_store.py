@@ -612,7 +612,7 @@ class PostgresStore:
             )
             return [ItemRow(*r) for r in await cur.fetchall()]
 
-        return await self._tx(tx, bound_for(max_bytes, limit))
+        return await self._tx(tx, bound_for(READ_BYTES, limit))  # a held input's custom_id is parsed there
 
     async def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
         async def tx(conn: AsyncConnection) -> bytes | None:
@@ -624,7 +624,7 @@ class PostgresStore:
             row = await cur.fetchone()
             return None if row is None else bytes(row[0])
 
-        return await self._tx(tx, bound_for(size))
+        return await self._tx(tx, bound_for(READ_BYTES))  # the whole output is decompressed for each piece
 
     async def begin_file(self, meta: StoredFile, max_count: int) -> None:
         async def tx(conn: AsyncConnection) -> None:
