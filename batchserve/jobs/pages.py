@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
-from batchserve.jobs.store import PAGE_BYTES, ItemRow, JobStore
+from batchserve.jobs.store import PAGE_BYTES, PIECE_BYTES, ItemRow, JobStore
 
 RESULTS_PAGE = 2000  # rows read from the store at most per page
 
@@ -39,9 +39,15 @@ def around_output(render: Render, row: ItemRow) -> tuple[bytes, bytes] | None:
 
 
 async def pages(
-    store: JobStore, job_id: str, render: Render, with_input: bool = False, max_bytes: int = PAGE_BYTES
+    store: JobStore,
+    job_id: str,
+    render: Render,
+    with_input: bool = False,
+    max_bytes: int = PAGE_BYTES,
+    piece_bytes: int = PIECE_BYTES,
 ) -> AsyncIterator[bytes]:
-    """The job's lines in input order, at most about `max_bytes` at a time (rendered on a worker thread)."""
+    """The job's lines in input order: pages of at most about `max_bytes` (rendered on a worker thread), and
+    pieces of `piece_bytes` of a held output."""
     after = -1
     while rows := await store.results(job_id, after, RESULTS_PAGE, with_input, max_bytes):
         run: list[ItemRow] = []
@@ -51,22 +57,27 @@ async def pages(
                 run.append(row)
                 continue
             if run:
-                if page := await asyncio.to_thread(render_rows, render, run):
-                    yield page
+                page = await asyncio.to_thread(render_rows, render, run)
                 run = []
+                if page:
+                    yield page
+                page = b""  # not held while the output's pieces go out
             head, tail = parts
             if not head:
                 continue
             yield head
             start = 0
-            while (piece := await store.output_piece(job_id, row.index, start, max_bytes)) is not None:
+            while True:
+                piece = await store.output_piece(job_id, row.index, start, piece_bytes)
+                if piece is None:
+                    return  # the job was deleted meanwhile: its lines end here
+                size = len(piece)
                 if piece:
                     yield piece
-                if len(piece) < max_bytes:
+                piece = b""  # not held while the next one is read
+                if size < piece_bytes:
                     break
-                start += len(piece)
-            else:
-                return  # the job was deleted meanwhile: its lines end here
+                start += size
             yield tail
         if run and (page := await asyncio.to_thread(render_rows, render, run)):
             yield page
