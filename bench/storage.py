@@ -1,6 +1,6 @@
 """Files and batches at OpenAI's scale (issue 34, items 1 and 2), in one command:
 
-    python -m bench.storage                 # the three parts below, about 3 minutes; prints a table
+    python -m bench.storage                 # the four parts below, about 4 minutes; prints a table
     python -m bench.storage --record        # and writes bench/results/storage-<time>.{md,json}
 
 (a) Uploads beside interactive load. One sim device (100 ms batches). Another tenant's open-loop Poisson load
@@ -15,6 +15,9 @@
     that returns 384 floats per input (minilm's width, with ~19 digits each: no model to load on 2 cores),
     64 lines of 32 inputs. Reported: the output file's size and the server's RSS growth during the GETs
     (goal: under 100 MB).
+(d) Slow readers of an output of huge lines: 4 lines of 2,048 inputs each (~16 MB a line, ~63 MB in all, from a
+    ~0.07 MB input file), the same plugin, read by `--readers` (32) concurrent GETs at about 10 MB/s each.
+    Reported: the server's RSS growth during the GETs, per reader (goal: a few MB: a page of 1 MiB and a piece).
 
 Servers are stopped by PID on success, error or Ctrl-C. The machine is shared and noisy: the load average is
 reported with each part; quote ratios from one run.
@@ -229,18 +232,20 @@ def part_b(a: argparse.Namespace, work: Path) -> dict:
 
 
 # -- (c) ---------------------------------------------------------------------------------------------------------
-def part_c(a: argparse.Namespace, work: Path) -> dict:
+def vectors_output(a: argparse.Namespace, work: Path, name: str, lines: int, inputs: int
+                   ) -> tuple[servers.Server, dict]:
+    """A server of the Vectors plugin that has run an embeddings batch of `lines` lines of `inputs` inputs: the
+    server (to stop) and what the batch made (its output file's id and size, its status, its run time)."""
     (work / "vecplug.py").write_text(PLUGIN)
-    config = work / "c.toml"
+    config = work / f"{name}.toml"
     config.write_text('[[models]]\nname = "vec"\nbackend = "vecplug:Vectors"\n')
     env = {"PYTHONPATH": os.pathsep.join([str(work), str(servers.REPO)])}
-    server = start("storage-c", a, work, ["--config", str(config), "--slo-ms", "2000", "--timeout-ms", "20000"],
-                   env=env)
-    lines = b"".join(orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
-                                   "body": {"model": "vec", "input": [f"text {i} {j}" for j in range(32)]}}) + b"\n"
-                     for i in range(64))
+    server = start(name, a, work, ["--config", str(config), "--slo-ms", "2000", "--timeout-ms", "60000"], env=env)
+    content = b"".join(orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
+                                     "body": {"model": "vec", "input": [f"t{j}" for j in range(inputs)]}}) + b"\n"
+                       for i in range(lines))
     with httpx.Client(base_url=server.base, timeout=120) as h:
-        file_id = h.post("/v1/files", files={"file": ("in.jsonl", lines)}, data={"purpose": "batch"}).json()["id"]
+        file_id = h.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}).json()["id"]
         batch = h.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
                                             "completion_window": "24h"}).json()
         t0 = time.monotonic()
@@ -249,33 +254,64 @@ def part_c(a: argparse.Namespace, work: Path) -> dict:
         run_s = time.monotonic() - t0
         out_id = b["output_file_id"]
         size = h.get(f"/v1/files/{out_id}").json()["bytes"]
+    return server, {"out_id": out_id, "size": size, "status": b["status"], "batch_s": run_s,
+                    "input_mb": len(content) / MB}
+
+
+def concurrent_gets(server: servers.Server, out_id: str, readers: int, bytes_per_s: float | None
+                    ) -> tuple[list[int], RssWatch, float]:
+    """`readers` GETs of the file at once (each at most `bytes_per_s`, when given): bytes each got, the server's
+    RSS meanwhile, seconds."""
     got: list[int] = []
 
     def fetch() -> None:
-        n = 0
-        with httpx.Client(base_url=server.base, timeout=120) as c, c.stream("GET", f"/v1/files/{out_id}/content") as r:
-            for chunk in r.iter_bytes():
+        n, t0 = 0, time.monotonic()
+        with httpx.Client(base_url=server.base, timeout=300) as c, c.stream("GET", f"/v1/files/{out_id}/content") as r:
+            for chunk in r.iter_bytes(64 << 10):
                 n += len(chunk)
+                if bytes_per_s and (ahead := n / bytes_per_s - (time.monotonic() - t0)) > 0:
+                    time.sleep(ahead)
         got.append(n)
 
     time.sleep(1.0)  # let the batch's own allocations settle before the baseline sample
     with RssWatch(server.pid) as rss:
         t0 = time.monotonic()
-        threads = [threading.Thread(target=fetch) for _ in range(6)]
+        threads = [threading.Thread(target=fetch) for _ in range(readers)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        gets_s = time.monotonic() - t0
-    servers.stop(server)
-    return {"inputs": 2048, "lines": 64, "status": b["status"], "batch_s": run_s, "output_mb": size / MB,
-            "gets": 6, "each_got_all": all(n == size for n in got), "gets_s": gets_s,
-            "rss_start_mb": rss.start_mb, "rss_peak_mb": rss.peak_mb, "rss_growth_mb": rss.growth_mb,
+    return got, rss, time.monotonic() - t0
+
+
+def part_c(a: argparse.Namespace, work: Path) -> dict:
+    server, made = vectors_output(a, work, "storage-c", 64, 32)
+    try:
+        got, rss, gets_s = concurrent_gets(server, made["out_id"], 6, None)
+    finally:
+        servers.stop(server)
+    return {"inputs": 2048, "lines": 64, "status": made["status"], "batch_s": made["batch_s"],
+            "output_mb": made["size"] / MB, "gets": 6, "each_got_all": all(n == made["size"] for n in got),
+            "gets_s": gets_s, "rss_start_mb": rss.start_mb, "rss_peak_mb": rss.peak_mb, "rss_growth_mb": rss.growth_mb,
             "output": "plugin vecplug:Vectors (384 floats per input, no model)", "loadavg": loadavg()}
 
 
+# -- (d) ---------------------------------------------------------------------------------------------------------
+def part_d(a: argparse.Namespace, work: Path) -> dict:
+    server, made = vectors_output(a, work, "storage-d", 4, 2048)
+    try:
+        got, rss, gets_s = concurrent_gets(server, made["out_id"], a.readers, 10 * MB)
+    finally:
+        servers.stop(server)
+    return {"inputs": 4 * 2048, "lines": 4, "input_mb": made["input_mb"], "status": made["status"],
+            "batch_s": made["batch_s"], "output_mb": made["size"] / MB, "readers": a.readers,
+            "each_got_all": all(n == made["size"] for n in got) and len(got) == a.readers, "gets_s": gets_s,
+            "rss_start_mb": rss.start_mb, "rss_peak_mb": rss.peak_mb, "rss_growth_mb": rss.growth_mb,
+            "rss_per_reader_mb": rss.growth_mb / a.readers, "loadavg": loadavg()}
+
+
 def markdown(rep: dict) -> str:
-    a, b, c = rep.get("a"), rep.get("b"), rep.get("c")
+    a, b, c, d = rep.get("a"), rep.get("b"), rep.get("c"), rep.get("d")
     rows = []
     if a:
         rows += [["(a) other tenant's p95, baseline / with 3 uploads", f"{a['baseline_p95_ms']:.0f} / "
@@ -292,6 +328,10 @@ def markdown(rep: dict) -> str:
     if c:
         rows += [["(c) 2,048-input output, 6 concurrent GETs", f"{c['output_mb']:.1f} MB each, all whole: "
                   f"{c['each_got_all']}", f"RSS +{c['rss_growth_mb']:.0f} MB", "< 100 MB"]]
+    if d:
+        rows += [[f"(d) {d['readers']} slow readers of {d['lines']} lines of 2,048 inputs ({d['input_mb']:.2f} MB in)",
+                  f"{d['output_mb']:.1f} MB each, all whole: {d['each_got_all']}",
+                  f"RSS +{d['rss_growth_mb']:.0f} MB, {d['rss_per_reader_mb']:.1f} MB a reader", "a few MB a reader"]]
     out = [f"# Storage bench ({rep['when_utc']})", "", report.table(["measure", "value", "result", "goal"], rows)]
     if b:
         out += ["", "Loop rounds (b):", "", report.table(
@@ -310,7 +350,8 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=30.0, help="the other tenant's req/s (default %(default)g)")
     p.add_argument("--upload-mb", type=float, default=59.0, help="size of each upload (default %(default)g)")
     p.add_argument("--quota-mb", type=float, default=150.0, help="--tenant-storage-mb in part (b)")
-    p.add_argument("--parts", default="abc", help="which parts to run (default abc)")
+    p.add_argument("--parts", default="abcd", help="which parts to run (default abcd)")
+    p.add_argument("--readers", type=int, default=32, help="concurrent slow readers in part (d) (default 32)")
     common.add_output_flags(p, name="storage")
     a = p.parse_args()
     name = common.run_name(a, "storage")
@@ -318,7 +359,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-storage-"))
     try:
         with common.guarded(rep):
-            for part, fn in (("a", part_a), ("b", part_b), ("c", part_c)):
+            for part, fn in (("a", part_a), ("b", part_b), ("c", part_c), ("d", part_d)):
                 if part in a.parts:
                     print(f"part ({part}) ...", file=sys.stderr)
                     rep[part] = fn(a, work)

@@ -354,6 +354,7 @@ class Endpoint(Generic[Host, Req, Res]):
                 if gone():  # uvicorn drops what is sent to a closed connection: stop making it
                     raise Gone()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                del chunk  # the transport keeps what it could not write yet: not held while the next is made
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             status = "200"
         except (OSError, ClientDisconnect, Gone):

@@ -7,7 +7,8 @@ Uploads are multipart (`file`, `purpose=batch`, optionally `expires_after[anchor
 (429) and `--files-max-uploads` in all (503), and no upload that would pass the caller's byte quota (413). The
 caller is identified and rate-limited as on `/v1/batches`, and sees only its own files: another tenant's file
 id answers 404 exactly as an unknown one. Content is streamed from the store chunk by chunk; a job's output
-and error files (`openai_batch.py`) are its items, read a page at a time; metadata never reads content.
+and error files (`openai_batch.py`) are its items, read a page bounded in bytes at a time (`pages.py`);
+metadata never reads content.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.http.endpoint import Answer, Stream, json_answer
 from batchserve.http.plumbing import ascii_count
-from batchserve.jobs.routes import LIST_DEFAULT, LIST_MAX, RESULTS_PAGE, JobsHost, list_limit, route
+from batchserve.jobs.routes import LIST_DEFAULT, LIST_MAX, JobsHost, list_limit, route
 from batchserve.jobs.files import CHUNK_BYTES, FileLimitReached, StoredFile
 from batchserve.jobs.openai_batch import check_expires_after, file_line, job_of_file
+from batchserve.jobs.pages import pages
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import OUTPUT, Job, JobStore
 from batchserve.jobs.upload import FormError, FormStream
@@ -36,7 +38,6 @@ from batchserve.tenancy import Caller
 PURPOSES = ("batch",)
 MULTIPART_SLACK = 64 << 10  # the form's other fields and part headers, on top of the file itself
 MAX_FILENAME = 255
-PAGE_BYTES = 1 << 20  # about this much of an output file is read from the store and sent at once
 
 
 def not_found(file_id: str) -> ApiError:
@@ -178,18 +179,9 @@ async def generated(store: JobStore, caller: Caller, file_id: str) -> tuple[Job,
     return job, kind, job_file(job, file_id, kind)
 
 
-async def file_lines(store: JobStore, job: Job, kind: str) -> AsyncIterator[bytes]:
-    """The file's lines in input order, a page of about PAGE_BYTES at a time (rendered on a worker thread)."""
-    per_line = max(1, job.bytes // max(1, job.total))
-    limit = max(1, min(RESULTS_PAGE, PAGE_BYTES // per_line))
-    after = -1
-    while rows := await store.results(job.id, after, limit, with_input=True):
-        page = await asyncio.to_thread(
-            lambda: b"".join(line for r in rows if (line := file_line(job.id, r, kind)) is not None)
-        )
-        if page:
-            yield page
-        after = rows[-1].index
+def file_lines(store: JobStore, job: Job, kind: str) -> AsyncIterator[bytes]:
+    """The file's lines in input order, a page of at most about `PAGE_BYTES` at a time (`pages.py`)."""
+    return pages(store, job.id, lambda row: file_line(job.id, row, kind), with_input=True)
 
 
 async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:

@@ -256,8 +256,10 @@ def file_line(job_id: str, row: ItemRow, kind: str, response: str | None = None)
     (`response`: stands in for the row's output, for `line_size`)."""
     if row.status == "pending" or (row.status == "completed") != (kind == OUTPUT):
         return None
-    assert row.input is not None
-    custom_id = RAW_LINE.decode(row.input).custom_id  # its body skipped, not built
+    custom_id = row.custom_id  # read by the store where the input is large
+    if custom_id is None:
+        assert row.input is not None
+        custom_id = RAW_LINE.decode(row.input).custom_id  # its body skipped, not built
     line: dict[str, Any] = {
         "id": f"batch_req_{job_id.removeprefix('batch_')}_{row.index}",
         "custom_id": custom_id,

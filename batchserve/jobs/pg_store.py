@@ -54,6 +54,7 @@ from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, S
 from batchserve.jobs.openai_batch import line_size
 from batchserve.jobs.store import (
     ACTIVE,
+    PAGE_BYTES,
     FileGone,
     IdempotencyConflict,
     ItemRow,
@@ -65,6 +66,7 @@ from batchserve.jobs.store import (
     StoreDown,
     StoreUnavailable,
     UnstorableInput,
+    whole_bytes,
 )
 
 T = TypeVar("T")
@@ -575,18 +577,54 @@ class PostgresStore:
 
         return await self._tx(tx)
 
-    async def results(self, job_id: str, after_index: int, limit: int, with_input: bool = False) -> list[ItemRow]:
-        extra = ", input" if with_input else ""
+    async def results(
+        self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
+    ) -> list[ItemRow]:
+        """The rows that fit in `max_bytes` are chosen by their values' sizes first (octet_length reads a
+        TOASTed value's header, not the value), then read."""
+        in_bytes = "octet_length(input)" if with_input else "0"
+        line = "CASE WHEN octet_length(i.input) <= %(whole)s THEN i.input END" if with_input else "NULL"
+        custom_id = (
+            "CASE WHEN octet_length(i.input) > %(whole)s THEN i.input::json ->> 'custom_id' END"
+            if with_input
+            else "NULL"
+        )
 
         async def tx(conn: AsyncConnection) -> list[ItemRow]:
             cur = await conn.execute(
-                f"SELECT idx, status, output, error, message{extra} FROM batchserve_items "
-                "WHERE job_id = %s AND idx > %s ORDER BY idx LIMIT %s",
-                (job_id, after_index, limit),
+                "SELECT i.idx, i.status, CASE WHEN octet_length(i.output) <= %(whole)s THEN i.output END, "
+                f"i.error, i.message, {line}, COALESCE(octet_length(i.output), 0), "
+                f"{custom_id} "
+                "FROM (SELECT idx, row_number() OVER w AS n, SUM(cost) OVER w AS upto "
+                "FROM (SELECT idx, LEAST(COALESCE(octet_length(output), 0), %(whole)s) "
+                f"+ LEAST({in_bytes}, %(whole)s) + COALESCE(length(message), 0) AS cost "
+                "FROM batchserve_items WHERE job_id = %(job)s AND idx > %(after)s ORDER BY idx LIMIT %(limit)s) s "
+                "WINDOW w AS (ORDER BY idx)) c "
+                "JOIN batchserve_items i ON i.job_id = %(job)s AND i.idx = c.idx "
+                "WHERE c.n = 1 OR c.upto <= %(max)s ORDER BY i.idx",
+                {
+                    "job": job_id,
+                    "after": after_index,
+                    "limit": limit,
+                    "whole": whole_bytes(max_bytes),
+                    "max": max_bytes,
+                },
             )
             return [ItemRow(*r) for r in await cur.fetchall()]
 
-        return await self._tx(tx, bound_for(READ_BYTES, limit))
+        return await self._tx(tx, bound_for(READ_BYTES, limit))  # a held input's custom_id is parsed there
+
+    async def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
+        async def tx(conn: AsyncConnection) -> bytes | None:
+            cur = await conn.execute(
+                "SELECT substring(convert_to(COALESCE(output, ''), 'UTF8') FROM %s FOR %s) FROM batchserve_items "
+                "WHERE job_id = %s AND idx = %s",
+                (start + 1, size, job_id, index),
+            )
+            row = await cur.fetchone()
+            return None if row is None else bytes(row[0])
+
+        return await self._tx(tx, bound_for(READ_BYTES))  # the whole output is decompressed for each piece
 
     async def begin_file(self, meta: StoredFile, max_count: int) -> None:
         async def tx(conn: AsyncConnection) -> None:

@@ -16,7 +16,7 @@ import secrets
 import sqlite3
 import time
 from typing import Any, Protocol
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
@@ -35,13 +35,15 @@ from batchserve.http.model_choice import EMBEDDING, pick_model
 from batchserve.http.plumbing import ascii_count
 from batchserve.jobs.parse import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
-from batchserve.jobs.files import CHUNK_BYTES, StorageFull
+from batchserve.jobs.files import StorageFull
 from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, expires_s
+from batchserve.jobs.pages import pages
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import (
     ACTIVE,
     FileGone,
     IdempotencyConflict,
+    ItemRow,
     Job,
     JobStore,
     NewJob,
@@ -55,7 +57,6 @@ from batchserve.tenancy import Caller
 
 log = logging.getLogger("batchserve.jobs")
 
-RESULTS_PAGE = 2000  # rows read from the store per step of the NDJSON stream
 MAX_IDEMPOTENCY_KEY = 255
 LIST_DEFAULT, LIST_MAX = 20, 100
 
@@ -313,23 +314,11 @@ async def batch_results(request: Request, rt: JobsHost, svc: JobService, caller:
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None or store is None:
         raise errors.batch_not_found(job_id)
-    return Stream(ndjson_lines(store, job_id, page_rows(job)), media=b"application/x-ndjson")
+    return Stream(pages(store, job_id, ndjson_line), media=b"application/x-ndjson")
 
 
-def page_rows(job: Job) -> int:
-    """Rows of the job read at once: about CHUNK_BYTES of what it keeps, so a job of huge outputs is still
-    sent a little at a time (RESULTS_PAGE rows at most)."""
-    return max(1, min(RESULTS_PAGE, CHUNK_BYTES // max(1, job.bytes // max(1, job.total))))
-
-
-async def ndjson_lines(store: JobStore, job_id: str, limit: int = RESULTS_PAGE) -> AsyncIterator[bytes]:
-    after = -1
-    while True:
-        rows = await store.results(job_id, after, limit)
-        if not rows:
-            return
-        yield b"".join(orjson.dumps(r.public()) + b"\n" for r in rows)
-        after = rows[-1].index
+def ndjson_line(row: ItemRow) -> bytes:
+    return orjson.dumps(row.public()) + b"\n"
 
 
 async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:

