@@ -389,3 +389,31 @@ def test_the_contract_states_the_tier_table_the_code_has():
         (name, float(rate), float(burst), float(shed), 0.0 if aging == "—" else float(aging[:-2]))
         for name, rate, burst, shed, aging in rows
     ] == [(t.name, t.rate, t.burst, t.shed, t.aging_s) for t in TIERS]
+
+
+def tree_mistakes(page: Path, package: Path) -> list[str]:
+    """The entries of the package tree a page draws (a fenced block opening with `batchserve/`, a module or
+    folder first on each line, two spaces per level) that the package does not have."""
+    out, folder, drawing = [], "", False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            drawing = False
+        elif line == f"{package.name}/":
+            drawing = True
+        elif drawing and (entry := re.match(r"( {2}| {4})([\w.]+(?:\.py|/))(?:[ ,]|$)", line)):
+            indent, name = entry.groups()
+            path = name if len(indent) == 2 else folder + name
+            folder = name if len(indent) == 2 and name.endswith("/") else folder
+            if not (package / path).exists():
+                out.append(f"{page.name}:{number} → {package.name}/{path}")
+    return out
+
+
+def test_the_architecture_tree_draws_modules_that_exist(tmp_path: Path):
+    mistakes = tree_mistakes(ROOT / "docs" / "architecture.md", ROOT / "batchserve")
+    assert not mistakes, "docs/architecture.md draws modules batchserve/ does not have:\n" + "\n".join(mistakes)
+    (tmp_path / "pkg" / "core").mkdir(parents=True)
+    (tmp_path / "pkg" / "core" / "batcher.py").touch()
+    page = tmp_path / "a.md"
+    page.write_text("```\npkg/\n  core/  policy\n    batcher.py  x\n    gone.py  y\n  batcher.py  z\n```\n  old.py\n")
+    assert tree_mistakes(page, tmp_path / "pkg") == ["a.md:5 → pkg/core/gone.py", "a.md:6 → pkg/batcher.py"]
