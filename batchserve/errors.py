@@ -1,4 +1,4 @@
-"""Every error the API answers, as one exception type with a factory per code (DESIGN §2).
+"""Every error the API answers, as one exception type with a factory per code (docs/contract.md#errors).
 
 `ApiError` is raised anywhere on the request path and rendered once, by the HTTP face in the route's dialect
 (`http/dialects.py`: the native shape, OpenAI's, KServe v2's; gRPC's status in `kserve/grpc_service.py`).

@@ -1,4 +1,4 @@
-"""Device workers: one thread per device, each pulling one batch at a time from the batcher (DESIGN §4).
+"""Device workers: one thread per device, each pulling one batch at a time (docs/contract.md#workers-and-failures).
 
 A worker thread asks the batcher for its next batch only when it is free (pull, never push), calls the
 backend in its own thread, and hands the outcome back to the event loop, where every future is resolved.

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN §6), through prometheus-client, on a registry of the app's own.
+"""Prometheus metrics (docs/contract.md#observability), through prometheus-client, on a registry of the app's own.
 
 Queue wait and compute are separate histograms so "slow because we wait to batch" and "slow because the model
 is slow" can be told apart.

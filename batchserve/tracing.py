@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (DESIGN §6), with the standard SDK and its OTLP/HTTP exporter, on only when
+"""OpenTelemetry traces (docs/contract.md#observability), with the standard SDK and its OTLP/HTTP exporter, on only when
 `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set.
 
 Off, nothing of it runs: `Tracing.from_env` returns None, the app is not wrapped, and the door and the workers

@@ -1,5 +1,5 @@
-"""The seed contract, exactly: ~fixed time per batch whatever its size, 1..max inputs, one batch at a time
-per simulated device, each output the input reversed, plus fault hooks for tests and drills (DESIGN §7).
+"""The batch contract, exactly: ~fixed time per batch whatever its size, 1..max inputs, one batch at a time
+per simulated device, each output the input reversed, fault hooks for tests (docs/contract.md#batch-contract).
 A batch whose callers have all left ends early, as a real model's generation does; a hang never does.
 
 A plugin like any other (docs/backends.md), registered as the entry point `sim`; it reads the server's flags

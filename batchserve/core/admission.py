@@ -1,4 +1,4 @@
-"""The door's policy: refuse at once what cannot be served in time, never after it has waited (DESIGN §5).
+"""The door's policy: refuse at once, not after a wait, what cannot be served in time (docs/contract.md#admission).
 
 Predicted by the cost of the work ahead (issue 22). For a request of n inputs of tier t and tenant u:
 

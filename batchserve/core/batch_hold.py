@@ -1,5 +1,5 @@
 """Holding a free worker's batch for company while the load is high (issue 36): the flush rule "a worker is
-free and waiting longer would not help" (DESIGN §3), with "would not help" decided by the learned batch times.
+free and waiting longer would not help" (docs/contract.md#batching), "would not help" judged by the learned batch times.
 
 Why: a free worker takes what waits (one device: nothing to stagger, `Batcher.most_urgent`). Under low load
 that is right: one input alone, answered at once. Near capacity it is not: batches are whatever arrived while

@@ -1,4 +1,4 @@
-"""Queues and the flush policy: which items go into the next batch, and when (DESIGN §3).
+"""Queues and the flush policy: which items go into the next batch, and when (docs/contract.md#batching).
 
 Batches are formed at the moment a free worker asks for one (`next_batch`), never earlier, so a batch keeps
 filling until a worker actually takes it. One worker at a time waits for "its" batch (the `_turn` lock); the

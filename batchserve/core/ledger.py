@@ -1,4 +1,4 @@
-"""The SLO ledger (issue 33 item 5, DESIGN §6): what the server promised each answer and whether it kept it.
+"""The SLO ledger (docs/contract.md#observability): what the server promised each answer and whether it kept it.
 
 Every answer of a model route (/v1/inference, /v1/embeddings, KServe v2 infer, /v1/chat/completions,
 /v1/completions) is one of five outcomes:

@@ -5,7 +5,7 @@ Cost is what the backend says an input costs (`cost_of`: minilm's tokens; 1 for 
 the same figure the fair queue shares by and admission predicts with. The batcher's workers add every input
 answered with an output (`GpuPool`), once, however many times its batch was re-run; failed, expired and
 refused inputs cost nothing here. Readers: the ledger (per-tier aggregates for /metrics, where no tenant id may
-appear: DESIGN §6; a tenant's own figures at /v1/usage), the job scheduler (a tenant's share by cost), the
+appear: docs/contract.md#observability; a tenant's own at /v1/usage), the job scheduler (a tenant's share by cost), the
 generation engine (which adds its own answers to the same account). Totals since the process started, so a
 reader takes differences over its window; with `--processes N` each process keeps its own.
 """

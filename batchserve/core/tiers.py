@@ -1,4 +1,4 @@
-"""The priority tiers, in one table every module reads (DESIGN §3, §5).
+"""The priority tiers, in one table every module reads (docs/contract.md#tiers-and-tenants).
 
 A tier is a caller's class of service: a higher tier is taken first into a batch (`aging_s`: the head start
 a lower tier needs before it overtakes), is shed last under pressure (`shed`: a factor of `slo x slack`), and

@@ -18,7 +18,7 @@ Admission is the engine's (KV capacity, `kv_budget.py`) with this request's own 
 (max_new_tokens + 2) decode steps once started, so the predicted wait for a slot may be at most `timeout_ms` less
 that; a longer predicted wait is refused at the door with 503 and `retry_after_ms`, and a timeout shorter than
 the generation itself with 504 at once (no retry can meet it, as on the batch path). Once admitted a request is
-answered: a sequence that has started runs to its end even if the prediction was short (DESIGN §5). Only a
+answered: a started sequence runs to its end even if predicted short (docs/contract.md#deadlines-and-timeouts). Only a
 sequence still waiting when the whole deadline has passed gets 504 (it could not be answered in time at all).
 """
 

@@ -1,4 +1,4 @@
-"""One error type, `ApiError`, rendered in each dialect the server speaks: the native shape of DESIGN §2
+"""One error type, `ApiError`, rendered in each dialect the server speaks: the native shape of docs/contract.md#errors
 (`{error, message, request_id}`), OpenAI's (`{"error": {message, type, param, code}}`) and KServe v2's
 (`{"error": message}`). A dialect is a small renderer chosen per route (`http/endpoint.py`'s declarations), so an
 error is raised once, with one set of codes and retry hints, and each protocol only says how it looks.
@@ -67,7 +67,7 @@ class Dialect:
 
 @dataclass(frozen=True)
 class Native(Dialect):
-    """DESIGN §2: `{error: CODE, message, request_id[, retry_after_ms]}`."""
+    """docs/contract.md#errors: `{error: CODE, message, request_id[, retry_after_ms]}`."""
 
     def error_body(self, err: ApiError, request_id: str) -> bytes:
         body: dict[str, object] = {"error": err.code, "message": err.message, "request_id": request_id}

@@ -1,11 +1,11 @@
-"""The OpenAPI 3.1 document served at `GET /openapi.json` (DESIGN §2), generated from the declared shapes.
+"""The OpenAPI 3.1 document served at `GET /openapi.json` (docs/contract.md#api), generated from the declared shapes.
 
 Each wing declares its routes as `Operation`s (method, path, summary, the request's type, the answers' types per
 status, its error dialect) next to the msgspec `Struct`s its parser decodes (`<wing>/shapes.py`), and
 `app.create_app` builds the document from the operations of the routes it mounts. Every schema in the document
 comes from `msgspec.json.schema_components` over those types: the shapes a request is decoded into are the
 shapes the document describes, so the two cannot drift apart. Error answers take their dialect's shape
-(`Dialect`): DESIGN §2's `{error, message, request_id}` on batchserve's own routes, narrowed per status to the
+(`Dialect`): `{error, message, request_id}` (docs/contract.md#errors) on batchserve's routes, narrowed per status to the
 codes that status carries; OpenAI's `{"error": {...}}` on the OpenAI routes; KServe v2's `{"error": message}`.
 """
 
@@ -21,7 +21,7 @@ JSON = "application/json"
 VERSION = "0.1.0"
 REF = "#/components/schemas/{name}"
 
-# Every code the server answers, by status (DESIGN §2 table, the router's own, the jobs wing's).
+# Every code the server answers, by status (the table in docs/contract.md#errors lists them).
 ERROR_CODES: dict[int, tuple[str, ...]] = {
     400: ("INVALID_REQUEST", "TIMEOUT_TOO_SHORT"),
     401: ("UNAUTHORIZED",),

@@ -1,4 +1,4 @@
-"""Run the app on uvicorn + uvloop, with a graceful drain on SIGTERM/SIGINT (DESIGN §4).
+"""Run the app on uvicorn + uvloop, with a graceful drain on SIGTERM/SIGINT (docs/contract.md#drain).
 
 uvicorn's own handling closes the listening socket at the first signal; we keep serving instead, so
 `/readyz` can say 503 and new requests get a JSON 503 DRAINING while queued and running work is answered.

@@ -1,4 +1,4 @@
-"""The shapes the HTTP face itself answers: the error body of each dialect as the code renders it (DESIGN §2's
+"""The shapes the HTTP face itself answers: the error body of each dialect as the code renders it (the native
 `{error, message, request_id}` from `plumbing.error_body`, OpenAI's `{"error": {message, type, param, code}}`
 from `openai_error.OpenAIError.body`), `/v1/usage`'s answer, and the operations of the routes this package serves
 (`/v1/usage`, `/docs`)."""
@@ -25,7 +25,7 @@ Priority = Annotated[
 
 
 class Error(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """The one error body of batchserve's own routes (DESIGN §2)."""
+    """The one error body of batchserve's own routes (docs/contract.md#errors)."""
 
     error: Annotated[str, Meta(pattern="^[A-Z][A-Z0-9_]*$", description="machine-readable code")]
     message: Annotated[str, Meta(description="a human sentence")]

@@ -2,7 +2,7 @@
 refused, expired, failed: `core/ledger.py`), the cost units it was served (tokens, or inputs where a model costs 1
 an input) and the p50 / p95 latency of its served answers, over the last `window_s` seconds and since start.
 
-The figures are per tenant and so never in /metrics (DESIGN §6): here a caller sees its own tenant's only, found
+Per-tenant figures are never in /metrics (docs/contract.md#observability): here a caller sees its own tenant's, found
 from its key as every route finds it (`guard.identify`); a key with `admin = true` in the config file sees every
 tenant's. Anonymous callers are one tenant, "anonymous", as they are one lane of the fair queue. Reading it takes
 no rate-limit token: it is how a caller who is being refused finds out why. Each server process keeps its own

@@ -1,4 +1,4 @@
-"""uvicorn's httptools protocol, hardened: DESIGN §2's JSON error body for requests broken at the HTTP level,
+"""uvicorn's httptools protocol, hardened: the native JSON error body for requests broken at the HTTP level,
 bounded request heads, read timeouts and a connection cap (docs/hardening.md).
 
 A request the HTTP parser cannot read (a bad Content-Length, a malformed request line, bad chunk framing)
@@ -298,7 +298,7 @@ class _Refused(Exception):
 
 
 def json_error_answer(err: ApiError) -> bytes:
-    """A whole error answer in DESIGN §2's shape, written by the protocol itself (the app never saw it)."""
+    """A whole error answer in the native shape, written by the protocol itself (the app never saw it)."""
     request_id = new_request_id()
     body = orjson.dumps({"error": err.code, "message": err.message, "request_id": request_id})
     return b"".join(

@@ -1,4 +1,4 @@
-"""The inference routes (DESIGN §2): `POST /v1/inference` (and `/api/inference`), `GET /v1/requests/{id}`,
+"""The inference routes (docs/contract.md#api): `POST /v1/inference` (and `/api/inference`), `GET /v1/requests/{id}`,
 `GET /v1/models`, each declared on the one request path (`http/endpoint.py`).
 
 `POST /v1/inference`, the hot path: the skeleton identifies the caller and takes its rate token, reads the body →

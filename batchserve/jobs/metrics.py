@@ -1,4 +1,4 @@
-"""Prometheus metrics of batch jobs, on the app's own registry (so `/metrics` shows them beside DESIGN §6's).
+"""Prometheus metrics of batch jobs, on the app's own registry (so `/metrics` shows them beside the server's own).
 
 No series names a job or a tenant: `/metrics` may be scraped by people who must not learn other tenants' job
 ids, and a label per job would let any caller grow the exposition without bound (issue 12, item 9). Progress

@@ -77,7 +77,7 @@ def test_the_ledger_adds_up(overloaded):
         assert c.get("/v1/usage").status_code == 401  # keys configured: no anonymous figures
         bad = c.get("/v1/usage?window_s=nope", headers={"Authorization": f"Bearer {admin.key}"})
         assert bad.status_code == 400 and bad.json()["error"] == "INVALID_REQUEST"
-        assert "alpha" not in c.get("/metrics").text  # no tenant in /metrics (DESIGN §6)
+        assert "alpha" not in c.get("/metrics").text  # no tenant in /metrics (docs/contract.md#observability)
 
 
 def test_anonymous_callers_see_the_anonymous_tenant(server_factory):

@@ -1,7 +1,7 @@
 """Bad input through real HTTP (issue 3 §7): property-based, against a live server.
 
 Hypothesis throws malformed JSON, wrong types, huge and deeply nested bodies, invalid UTF-8 and odd content
-types at `POST /v1/inference`. For every example an oracle written from DESIGN §2 (not from the handler) says
+types at `POST /v1/inference`. For every example an oracle written from docs/contract.md#errors (not the handler) says
 which statuses are right; the answer must be one of them, an error must have exactly the error shape of the
 OpenAPI document, and a 200 must carry the input reversed (the sim contract). Afterwards the server must still be
 alive, have logged no traceback, and answer a correct request correctly.
@@ -72,9 +72,9 @@ def schemas(client: httpx.Client) -> Schemas:
                    ok=validator({"$ref": "#/components/schemas/InferenceResponse"}))
 
 
-# -- the oracle: DESIGN §2, field by field ---------------------------------------------------------------------
+# -- the oracle: docs/contract.md#errors, field by field ---------------------------------------------------------------
 def allowed(body: bytes, content_type: str | None) -> set[int]:
-    """Every status DESIGN §2 allows for this body: each problem found is a valid reason for its status.
+    """Every status docs/contract.md#errors allows for this body: each problem found is a valid reason for its status.
     The media type application/json or application/<anything>+json (any parameters), or none at all, means
     JSON; any other (text/json, application/notjson) 400."""
     content_type = (content_type or "").strip()  # HTTP trims header values; an empty one says nothing

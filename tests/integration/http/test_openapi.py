@@ -90,7 +90,7 @@ def test_live_answers_match_the_published_schemas(server, doc):
 
 
 def test_error_schema_is_exactly_the_contract(doc):
-    """DESIGN §2: {"error", "message", "request_id"} plus optional retry_after_ms, nothing else."""
+    """docs/contract.md#errors: {"error", "message", "request_id"} plus optional retry_after_ms, nothing else."""
     error = doc["components"]["schemas"]["Error"]
     assert set(error["required"]) == {"error", "message", "request_id"}
     assert set(error["properties"]) == {"error", "message", "request_id", "retry_after_ms"}

@@ -1,5 +1,5 @@
 """The one ApiError rendered in each dialect (`http/dialects.py`): every kind of error the factories make, in the
-native shape of DESIGN §2, OpenAI's and KServe v2's, with the same headers in all three."""
+native shape (docs/contract.md#errors), OpenAI's and KServe v2's, with the same headers in all three."""
 
 from __future__ import annotations
 

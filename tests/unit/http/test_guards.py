@@ -150,7 +150,7 @@ def test_the_ledger_books_every_model_answer_by_model_tier_and_outcome():
                 for s in f.samples if s.name == series)
     assert total == 6
     exposed = [s.labels for f in g.metrics.registry.collect() for s in f.samples]
-    assert not any("acme" in labels.values() or "tenant" in labels for labels in exposed)  # DESIGN §6
+    assert not any("acme" in labels.values() or "tenant" in labels for labels in exposed)  # contract.md#observability
     mine = g.usage.report("acme")
     assert mine["requests"] == {"met": 1, "slow": 1, "refused": 1, "expired": 1, "failed": 1}
     assert mine["inputs"]["met"] == 4 and mine["cost_served"] == 50.0
