@@ -178,6 +178,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add.add_argument("--tier", required=True, choices=CALLER_NAMES)
     add.add_argument("--rate", type=float, default=None, help="requests per second, overriding the tier's")
     add.add_argument("--admin", action="store_true", help="the key sees every tenant's figures at GET /v1/usage")
+    add.add_argument(
+        "--best-tier",
+        choices=CALLER_NAMES,
+        default=None,
+        help="the highest tier a request may ask for (priority, service_tier); default: the key's --tier",
+    )
     plan_parser = sub.add_parser(
         "plan",
         help="nodes needed for a target rate at the SLO, predicted p50/p95 and headroom (docs/capacity.md)",
@@ -234,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
         key = new_key()
         try:
-            append_key(args.config, args.tenant, args.tier, digest(key), args.rate, args.admin)
+            append_key(args.config, args.tenant, args.tier, digest(key), args.rate, args.admin, args.best_tier)
         except (ValueError, OSError) as exc:
             parsers["add"].error(f"{exc} (the file was not changed)")
         print(key)
@@ -251,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logsafe.install()  # one record, one line: a caller's control characters are escaped
     log.info("settings: %s", effective(settings))
+    if settings.grpc_port >= 0:  # an unfit grpcio or protobuf is one line before the port opens, not a traceback
+        from batchserve.kserve.grpc_messages import GrpcUnavailable, load
+
+        try:
+            load()
+        except GrpcUnavailable as exc:
+            print(f"batchserve: error: {exc}", file=sys.stderr)
+            return 2
     from batchserve.backends import sleeping_idle_threads
 
     sleeping_idle_threads()  # before any model (or a --processes child) loads torch

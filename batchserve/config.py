@@ -68,6 +68,11 @@ class Settings:
         "also serve KServe v2 over gRPC (Triton's gRPC clients) on this port, same host "
         "(-1 = off, 0 = a free one, logged)",
     )
+    grpc_max_connections: int = knob(
+        0,
+        "most open gRPC connections; past it new ones are closed at once (0 = a quarter of the "
+        "descriptor budget, HTTP's cap the rest: docs/hardening.md)",
+    )
     backend: str = knob(
         "sim",
         "backend of the default model: sim, smollm2, minilm, an installed plugin's name, "
@@ -171,7 +176,9 @@ class Settings:
     )
     keep_alive_timeout_s: float = knob(5.0, "an idle keep-alive connection is closed after this many seconds")
     max_connections: int = knob(
-        0, "most open connections; past it the longest idle one is closed (0 = the descriptor limit less a reserve)"
+        0,
+        "most open connections; past it the longest idle one is closed (0 = the descriptor limit "
+        "less a reserve, and less gRPC's share with --grpc-port)",
     )
     forwarded_allow_ips: str = knob(
         "",

@@ -197,6 +197,7 @@ KEY_KEYS = {
     "burst": positive,
     "admin": boolean,
     "storage_mb": positive,
+    "best_tier": one_of(tiers.CALLER_NAMES),  # the highest tier a request may ask for (`priority`); its tier if absent
 }  # storage_mb: the tenant's byte quota, in place of --tenant-storage-mb
 
 
@@ -271,7 +272,7 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         c.known(k, where, KEY_KEYS)
         for name in ("tenant", "tier", "sha256"):
             c.value(k, where, name, KEY_KEYS[name], required=True)
-        for name in ("rate", "burst", "admin", "storage_mb"):
+        for name in ("rate", "burst", "admin", "storage_mb", "best_tier"):
             c.value(k, where, name, KEY_KEYS[name])
         entry = dict(k)
         if "storage_mb" in entry:
@@ -289,7 +290,15 @@ def apply_config_file(settings: Settings, path: str) -> None:
     settings.tenant_storage_mb_by_tenant.update(loaded.storage_mb)
 
 
-def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | None, admin: bool = False) -> None:
+def append_key(
+    path: str,
+    tenant: str,
+    tier: str,
+    sha256: str,
+    rate: float | None,
+    admin: bool = False,
+    best_tier: str | None = None,
+) -> None:
     """Add a [[keys]] table to the file (created if missing); TOML basic strings are JSON strings. A file that
     does not pass `load` is left alone (ValueError): appending would bury its mistake under a new key."""
     try:
@@ -307,5 +316,7 @@ def append_key(path: str, tenant: str, tier: str, sha256: str, rate: float | Non
         lines.append(f"rate = {rate}")
     if admin:
         lines.append("admin = true")
+    if best_tier is not None:
+        lines.append(f"best_tier = {json.dumps(best_tier)}")
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")

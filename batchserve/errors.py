@@ -8,6 +8,8 @@ site that raises it.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 RETRY_SOON_MS = 1000  # retry hint where another node (or this one in a moment) can serve
@@ -134,8 +136,21 @@ def worker_hung(again: bool) -> ApiError:
     )
 
 
+def timeout_too_short(least_ms: float) -> ApiError:
+    """The request's timeout is shorter than one batch of its model (and the dispatch margin): no answer could
+    come in time whatever the load, so it is the request's fault, a 400 naming the least timeout to ask for (not
+    an outcome of the server's: the SLO ledger does not count it)."""
+    least = max(1, math.ceil(round(least_ms, 3)))
+    return ApiError(
+        400,
+        "TIMEOUT_TOO_SHORT",
+        f"the timeout is shorter than one batch of this model: it cannot be met; ask for at least {least} ms",
+    )
+
+
 def deadline_unmeetable(batch_ms: float) -> ApiError:
-    """The deadline is shorter than one batch of the model: no retry can meet it, so no retry hint."""
+    """No timeout a caller may ask for is as long as one batch of the model (by the door's figures): a 504 with no
+    retry hint, while a probe now and then tests the figure."""
     return ApiError(
         504,
         "DEADLINE_EXCEEDED",

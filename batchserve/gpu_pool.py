@@ -34,7 +34,8 @@ from prometheus_client import Counter
 from batchserve import errors
 from batchserve.backends import Backend, running_batch
 from batchserve.backends.outputs import OutputRule, check_outputs
-from batchserve.core.batcher import Batch, Batcher, Clock
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.tiers import BATCH
@@ -359,7 +360,7 @@ class GpuPool:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
             return None
-        self.batcher.observe_batch(batch.model, cycle, batch.cost, len(batch.items))
+        self.batcher.costs.observe(batch.model, cycle, batch.cost, len(batch.items))
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))
@@ -385,8 +386,7 @@ class GpuPool:
                     if bad and i in bad:
                         item.future.set_exception(errors.inference_failed(bad[i]))
                     else:
-                        cost = item.cost if item.batch_cost is None else None  # the route books it (render)
-                        item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n, cost))
+                        item.future.set_result(ItemResult(output, formed - item.arrived, elapsed, n))
                         if row is None or item.tenant != tenant or item.tier != tier:
                             tier, tenant = item.tier, item.tenant
                             row = account.row(model, tier, tenant)
@@ -518,7 +518,7 @@ class GpuPool:
                 self.batcher.return_items(batch.held)
             batch.held = []
         batch_s = self.batcher.batch_s[batch.model]
-        spare_after_loss = (healthy - 1) * self.batcher.full_n(batch.model) / batch_s
+        spare_after_loss = (healthy - 1) * self.batcher.costs.full_n(batch.model) / batch_s
         if batch.after_hang or healthy == 0 or spare_after_loss < 2 * self.demand():
             # Already hung once, no worker left, or too little spare capacity: answer rather than risk another.
             for item in batch.items:

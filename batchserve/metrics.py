@@ -294,7 +294,7 @@ def make_metrics() -> Metrics:
         ),
         batches=Counter(
             p + "batches",
-            "Dispatched batches by what flushed them: full, deadline, pace, hold, drain, retry",
+            "Dispatched batches by what flushed them: full, deadline, pace, burst, hold, drain, retry, isolated",
             ["model", "cause"],
             registry=r,
         ),

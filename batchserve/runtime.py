@@ -116,7 +116,14 @@ class Runtime:
             max_batch_cost=settings.max_batch_tokens,
             max_batch_s=settings.max_timeout_ms / 1000 / 2,
         )
-        admission = Admission(batcher, None, settings.max_queue, settings.slo_ms / 1000, settings.admission_slack)
+        admission = Admission(
+            batcher,
+            None,
+            settings.max_queue,
+            settings.slo_ms / 1000,
+            settings.admission_slack,
+            max_timeout_s=settings.max_timeout_ms / 1000,
+        )
         requests = RequestLog(settings.request_history)
         backends: dict[str, Backend] = {}
         service = InferenceService(batcher, admission, backends, requests)
@@ -247,9 +254,9 @@ class Runtime:
             for model, timings in loaded.batch_s_by_size.items():
                 for size, seconds in timings.items():
                     self.batcher.batch_s.observe(model, size, seconds)
-            self.batcher.model_limits.update(loaded.max_batch)
+            self.batcher.costs.model_limits.update(loaded.max_batch)
             for model in loaded.backends:  # a full batch the warm-up says would outlast the timeouts: fewer
-                self.batcher.fit_budget(model)
+                self.batcher.costs.fit_budget(model)
             devices = loaded.devices
             self.pool = GpuPool(
                 self.backends,
@@ -310,7 +317,7 @@ class Runtime:
         """The SLO (and default timeout) may have been derived from a measured batch or answer time
         (`warmup.apply_deadlines`): the batcher and admission pace by it, the SLO ledger holds answers to it."""
         self.batcher.slo_s = self.admission.slo_s = self.guard.slo_s = self.settings.slo_ms / 1000
-        self.batcher.latency_fit_s = self.admission.slo_s * self.settings.admission_slack / 2
+        self.batcher.costs.latency_fit_s = self.admission.slo_s * self.settings.admission_slack / 2
 
     async def _tick(self) -> None:
         last_answered, last_time = self.guard.answered, time.monotonic()

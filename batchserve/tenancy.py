@@ -33,6 +33,11 @@ class Caller:
     key_id: str = ""  # first 12 hex digits of the key's digest (safe to log); "" for anonymous callers
     owner: str = ""  # who its jobs and request records belong to: the tenant, or anonymous@<client address>
     admin: bool = False  # its key has `admin = true`: GET /v1/usage shows it every tenant
+    best: int = -1  # the highest tier (lowest rank) a request may ask for: its key's `best_tier`, else `tier`
+
+    @property
+    def ceiling(self) -> int:
+        return self.tier if self.best < 0 else self.best
 
 
 def lane_of(owner: str) -> str:
@@ -49,6 +54,7 @@ class KeyEntry:
     rate: float | None = None
     burst: float | None = None
     admin: bool = False  # GET /v1/usage shows this key every tenant's figures
+    best_tier: str | None = None  # the highest tier a request may ask for (`priority`, `service_tier`)
 
 
 @dataclass
@@ -143,7 +149,9 @@ class Tenancy:
                 found = entry
         if found is None:
             raise errors.unauthorized("unknown API key")
-        return Caller(found.tenant, tiers.by_name(found.tier).rank, wanted[:12], found.tenant, found.admin)
+        rank = tiers.by_name(found.tier).rank
+        best = min(rank, tiers.by_name(found.best_tier).rank) if found.best_tier else rank
+        return Caller(found.tenant, rank, wanted[:12], found.tenant, found.admin, best)
 
     def take_token(self, caller: Caller, count: int = 1) -> dict[str, str]:
         """Spend `count` requests (the inputs of a list, on /v1/embeddings) from the caller's bucket; returns the

@@ -71,6 +71,9 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
               "~1 min", "-", ("--duration", "5", "--warmup", "2", "--job-items", "5000")),
         Bench("startup", "seconds to port, /healthz and /readyz, and to exit after SIGTERM (`--code DIR`: "
               "another tree beside this one)", "~30 s (sim)", "-", ("--backend", "sim")),
+        Bench("locust", "the shipped locustfile against a server it starts: stages up to 1.5x capacity, each "
+              "stage's offered/answered rate, locust and server p50/p95, refusals; the ledger by tier", "~70 s",
+              "locust", ("--users", "20", "--run-time", "12s", "--stages", "2")),
     )),
     "models": ("real models on the CPU: the served rate against the model alone, and peers", (
         Bench("embed_bench", "all-MiniLM-L6-v2 offline by batch size, then batchserve and Infinity under the "
@@ -137,6 +140,9 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
                "--embed-clients", "0")),
         Bench("idle_flood", "server RSS before, during and after floods of idle connections", "~30 s", "-",
               ("--sizes", "2000")),
+        Bench("grpc_flood", "20,000 idle gRPC connections against a server of 20,000 descriptors while /healthz, a "
+              "keyed request and a gRPC call keep answering", "~40 s", "-",
+              ("--connections", "2000", "--server-fd-limit", "2000", "--hold-s", "4", "--idle-s", "1")),
         Bench("storage", "three 59 MB uploads beside another tenant's 30 req/s (p95, RSS), the upload -> batch "
               "-> cancel -> delete loop under a byte quota, six GETs of a 2,048-input output (issue 34)", "~3 min",
               "-", ("--upload-mb", "5", "--parts", "bc")),

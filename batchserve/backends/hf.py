@@ -12,12 +12,13 @@ from a folder"). The backend name is `hf`; `folder.inspect_folder` reads the fol
   engine loads the same folder (`generation_folder`) for /v1/chat/completions and /v1/completions, and its slot
   stepper answers /v1/inference by default.
 
-Tokenize once (issue 36): embedders and rerankers keep each input's `tokenizers.Encoding`, made by `tokenize`
+Tokenize once (issue 36): embedders and rerankers keep each input's tokens (`token_cache.Tokens`), made by `tokenize`
 (the door's tokenizer stage calls it on a worker thread with every queued text at once: the fast tokenizer's
 batch call), and read it both to cost the input on the event loop (`cost_of`, `bucket_of`) and to run it on the
 device thread (`batch`). Batch-job inputs go through the stage when the job scheduler reads them
-(`InferenceService.pretokenize`); a text that skipped it anyway (the cache was cleared meanwhile, the warm-up) is
-tokenized where it is first needed.
+(`InferenceService.pretokenize`); a text that skipped it anyway (the cache let it go meanwhile, the warm-up) is
+tokenized where it is first needed. The cache is bounded in bytes (`token_cache.py`), and the tokenizer never sees
+more of an input than `tokenizer_guard.char_bound` characters (an input it cannot cut safely is refused, 413).
 """
 
 from __future__ import annotations
@@ -33,13 +34,22 @@ from typing import Any
 
 import orjson
 
+from batchserve import errors
 from batchserve.backends import default_threads, onnx_runtime, pick_devices
 from batchserve.backends.folder import FolderError, FolderModel, inspect_folder
+from batchserve.backends.token_cache import CACHE_BYTES, Kept, TokenCache, Tokens, TooLong
+from batchserve.backends.tokenizer_guard import (
+    CHARS_PER_TOKEN,
+    TokenizerRefused,
+    char_bound,
+    check_tokenizer,
+    safe_cut,
+    too_long,
+)
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.hf")
 
-CACHE_ENTRIES = 65536  # encodings kept by text (cleared when full: a cache, not a store)
 LENGTH_CLASSES = (16, 32, 64, 128)  # bucket_of: token counts up to each bound share a queue; longer, the last
 CPU_PASS_TOKENS = 1024  # padded tokens per forward pass on a CPU (as minilm)
 GPU_PASS_TOKENS = 65536
@@ -84,9 +94,14 @@ def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]
 
 def load_fast_tokenizer(path: Path, max_tokens: int) -> Any:
     """The folder's `tokenizer.json` with truncation at `max_tokens` (longest first, for pairs) and no padding,
-    fixed once: threads may then encode with it at once."""
+    fixed once: threads may then encode with it at once. A tokenizer that makes too much of a probe input is
+    refused (`tokenizer_guard.check_tokenizer`, RuntimeError)."""
     from tokenizers import Tokenizer
 
+    try:
+        check_tokenizer(path)
+    except TokenizerRefused as exc:
+        raise RuntimeError(str(exc)) from None
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok.enable_truncation(max_tokens, strategy="longest_first")
     tok.no_padding()
@@ -103,15 +118,18 @@ class TokenModel:
     threads: int = 0
     pass_tokens: int = 0
     group_by_length: bool = True
+    chars_per_token: int = CHARS_PER_TOKEN  # an input is cut at max_tokens x this many characters before tokenizing
+    cache_bytes: int = CACHE_BYTES  # the kept tokens' budget (token_cache.py)
     tokenizer: Any = None
     models: dict[str, Any] = field(default_factory=dict)
-    encoded: dict[str, Any] = field(default_factory=dict, repr=False)  # text -> tokenizers.Encoding
-    tokenized_on_demand: int = 0  # texts tokenized outside the stage (the warm-up, a cleared cache): for tests and logs
+    tokenized_on_demand: int = 0  # texts tokenized outside the stage (the warm-up, a cache miss): for tests and logs
     onnx: onnx_runtime.OnnxPlan | None = None  # --runtime onnx: ONNX Runtime on the CPU in place of torch
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.tokenizer = load_fast_tokenizer(self.info.path, self.info.max_tokens)
+        self.kept = TokenCache(self.cache_bytes)  # text -> its tokens (or why it is refused)
+        self.max_chars = char_bound(self.info.max_tokens, self.chars_per_token)
         self._types = False  # whether the model's forward takes token_type_ids (set in setup)
 
     def devices(self) -> list[str]:
@@ -119,30 +137,51 @@ class TokenModel:
 
     # -- tokens ------------------------------------------------------------------------------------------
     def encode_many(self, texts: list[str]) -> list[Any]:
-        return self.tokenizer.encode_batch(texts)
+        """`tokenizers.Encoding`s of `texts`, each cut to `max_chars` first."""
+        return self.tokenizer.encode_batch([self.cut(t) for t in texts])
+
+    def cut(self, text: str) -> str:
+        return text if len(text) <= self.max_chars else text[: self.max_chars]
+
+    def whole(self, text: str, encoding: Any) -> bool:
+        """Whether `encoding` (of the text cut to `max_chars`) holds the text's own first tokens: it was not cut,
+        or the cut is safe (tokenizer_guard.safe_cut)."""
+        return len(text) <= self.max_chars or safe_cut(encoding)
+
+    def make(self, texts: list[str]) -> list[Kept]:
+        """Each text's tokens, from at most `max_chars` characters of it (of each side of a pair); a text whose
+        cut is not provably safe is a TooLong (tokenizer_guard). The encodings are dropped here: only the ids and
+        type ids are kept (an encoding holds every overflowing window of a long input)."""
+        out: list[Kept] = []
+        for text, enc in zip(texts, self.encode_many(texts)):
+            if self.whole(text, enc):
+                out.append(Tokens(text, list(enc.ids), list(enc.type_ids)))
+            else:
+                out.append(TooLong(text, too_long(len(text), self.max_chars, self.info.max_tokens)))
+        return out
 
     def tokenize(self, texts: list[str]) -> None:
-        """The tokenizer stage (a worker thread, every text queued since its last call): encode what is not
+        """The tokenizer stage (a worker thread, every text queued since its last call): make what is not
         kept yet in one batch call, and keep it."""
-        todo = list(dict.fromkeys(t for t in texts if t not in self.encoded))
+        todo = list(dict.fromkeys(t for t in texts if t not in self.kept))
         if not todo:
             return
-        encodings = self.encode_many(todo)
-        if len(self.encoded) + len(todo) > CACHE_ENTRIES:
-            self.encoded.clear()
-        self.encoded.update(zip(todo, encodings))
+        for text, made in zip(todo, self.make(todo)):
+            self.kept.put(text, made)
 
-    def encoding(self, text: str) -> Any:
-        found = self.encoded.get(text)
+    def encoding(self, text: str) -> Tokens:
+        """The text's kept tokens (made now when the cache has let them go); 413 for an input refused as too
+        long to cut safely."""
+        found = self.kept.get(text)
         if found is None:
             self.tokenized_on_demand += 1
-            found = self.encode_many([text])[0]
-            if len(self.encoded) >= CACHE_ENTRIES:
-                self.encoded.clear()
-            self.encoded[text] = found
+            found = self.make([text])[0]
+            self.kept.put(text, found)
+        if isinstance(found, TooLong):
+            raise errors.payload_too_large(found.message)
         return found
 
-    def encodings(self, texts: list[str]) -> list[Any]:
+    def encodings(self, texts: list[str]) -> list[Tokens]:
         return [self.encoding(t) for t in texts]
 
     def tokens(self, text: str) -> int:
@@ -243,6 +282,7 @@ class FolderEmbedder(TokenModel):
     output_kind: str = "embedding"
 
     def encode_many(self, texts: list[str]) -> list[Any]:
+        texts = [self.cut(t) for t in texts]
         if self.info.lower_case:
             texts = [t.lower() for t in texts]
         return self.tokenizer.encode_batch(texts)
@@ -285,8 +325,20 @@ class FolderReranker(TokenModel):
 
     def encode_many(self, texts: list[str]) -> list[Any]:
         """Each input as the pair it spells (`pair_input`), or, when it is no pair (a /v1/inference input, the
-        warm-up check), as one text alone."""
-        return self.tokenizer.encode_batch([read_pair(t) or t for t in texts])
+        warm-up check), as one text alone; each side cut to `max_chars`."""
+        inputs: list[Any] = []
+        for text in texts:
+            pair = read_pair(text)
+            inputs.append((self.cut(pair[0]), self.cut(pair[1])) if pair is not None else self.cut(text))
+        return self.tokenizer.encode_batch(inputs)
+
+    def whole(self, text: str, encoding: Any) -> bool:
+        """A pair's sides are cut alone, so each long side is checked on its own encoding (tokenizer_guard)."""
+        pair = read_pair(text)
+        if pair is None:
+            return super().whole(text, encoding)
+        long = [self.cut(side) for side in pair if len(side) > self.max_chars]
+        return not long or all(safe_cut(e) for e in self.tokenizer.encode_batch(long))
 
     def warm_inputs(self) -> list[str]:
         return [pair_input("what is a vector?", t) for t in WARM_TEXTS]
@@ -379,7 +431,8 @@ def resolve_folders(settings: Settings) -> None:
             continue
         try:
             info = inspect_folder(spec.path, spec.task)
-        except FolderError as exc:
+            check_tokenizer(info.path)  # a tokenizer that makes too much of a probe input is refused here
+        except (FolderError, TokenizerRefused) as exc:
             raise ValueError(f"model {spec.name}: {exc}") from None
         spec.path, spec.task = str(info.path), info.task
         log.info("model %s: %s from %s (%s)", spec.name, info.task, info.path, info.architecture or info.model_type)

@@ -263,6 +263,7 @@ class Admission:
     slo_s: float
     slack: float
     clock: Callable[[], float] = time.monotonic
+    max_timeout_s: float = math.inf  # --max-timeout-ms: the longest timeout a caller may ask for
     arrivals: RateMeter = field(default_factory=RateMeter)
     arrivals_fast: RateMeter = field(default_factory=lambda: RateMeter(tau_s=0.25))
     probed: dict[str, float] = field(default_factory=dict)  # per model: when a probe was last let through
@@ -440,9 +441,12 @@ class Admission:
         until_free = capacity.seconds_until_free(now)
         queued = batcher.depth.get(model, 0)
         idle = queued == 0 and until_free <= 0
-        if not deadline_s >= most_s:  # else even its slowest batch alone ends in time: the check below cannot refuse
+        if not deadline_s >= most_s + batcher.margin_s:  # else its slowest batch alone ends in time: nothing to refuse
             # the quickest any answer can come: a batch of its own longest input alone
             fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
+            least_s = fastest_s + batcher.margin_s  # one batch, and the dispatch margin the batcher keeps
+            if deadline_s < least_s <= self.max_timeout_s:  # the request's own fault: it can ask for enough
+                raise errors.timeout_too_short(least_s * 1000)
             if deadline_s < fastest_s:  # not even an idle worker could answer in time: retrying would not help...
                 if not (idle and now - self.probed.get(model, -math.inf) >= PROBE_EVERY_S):
                     raise errors.deadline_unmeetable(fastest_s * 1000)

@@ -49,6 +49,11 @@ class BatchBudget:
     row_cost: dict[tuple[str, int], float] = field(default_factory=dict)
     _budget_logged: set[str] = field(default_factory=set)
 
+    def set_max_batch_cost(self, value: float) -> None:
+        """A new cost budget for every batch: every model's door figures read from it go stale."""
+        self.max_batch_cost = value
+        self.batch_s.version += 1
+
     def limit(self, model: str) -> int:
         """The most inputs in one batch of this model."""
         return self.model_limits.get(model, self.max_batch_size)

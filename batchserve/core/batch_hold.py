@@ -13,8 +13,10 @@ The rule, per queue, when a worker is free (pacing due) and the queue is neither
 
 - only under load: where taking what waits would keep the workers busier than `BUSY_HOLD` (`greedy_busy`:
   at the model's arrival rate, all its length classes, its batches settle at the smallest k that arrives no
-  faster than it runs, k >= rate x S(k)); below it the batch goes now, as before (low load, lone inputs answered
-  at once);
+  faster than it runs, k >= rate x S(k)), and where even full batches would keep them at least `LOAD_MIN` busy;
+  below either the batch goes now (low load, lone inputs answered at once). The second matters where a batch's
+  time hardly grows with its size (a GPU, the sim): there taking what waits keeps the device "busy" at any
+  rate, yet waiting buys nothing the device lacks, and a hold only adds its length to every answer;
 - and not near capacity: where even the batches it would wait for keep the workers busier than `BUSY_MAX`,
   a worker idling while inputs wait loses time it cannot make up (and the door, seeing waits longer than it
   predicts, refuses more: measured here at 38/s on ~0.5 cores, 149 refusals against 8 taking what waits), so
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 BUSY_HOLD = 0.75  # hold only where taking what waits would keep the workers busier than this
+LOAD_MIN = 1 / 3  # ... and where full batches would keep them at least this busy (the load, at full batches)
 BUSY_MAX = 0.85  # ... and never where even the batches it waits for would keep them busier than this
 EFFICIENT_WITHIN = 0.15  # the batch worth waiting for: the smallest whose inputs cost at most this much more
 # each than in a full batch (where the per-input cost has flattened)
@@ -92,7 +95,7 @@ def hold_until(
     if n <= 0 or n >= full_n or model_rate <= 0.0 or queue_rate <= 0.0:
         return now
     share = model_rate / max(1, workers)  # inputs per second each worker serves
-    if greedy_busy(share, full_n, seconds) <= BUSY_HOLD:
+    if share * seconds(full_n) / full_n < LOAD_MIN or greedy_busy(share, full_n, seconds) <= BUSY_HOLD:
         return now
     best = (1.0 + EFFICIENT_WITHIN) * seconds(full_n) / full_n
     if seconds(n) / n <= best:

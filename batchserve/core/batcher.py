@@ -26,12 +26,7 @@ Every pass of the policy is one ladder (`_take`), for a worker that just finishe
 the loop) and for the worker holding the turn (`_wait_for_batch`, which sleeps until the next queue is due).
 
 Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
-Retried sub-batches (bisection after a failure, see `gpu_pool`) of interactive items go before new work; those
-of batch-job items go after it, as background batches (a failing job must not hold the workers).
-These background batches (job re-runs, and the groups of a job isolated for failing: `submit_group`) take at
-most one dispatch in `BACKGROUND_EVERY + 1` while other work is due, so another tenant's clean job keeps most
-of the workers, and the failing job still moves (issue 28, item 3); while interactive items wait they take
-one in `BACKGROUND_FLOOR_EVERY + 1`, a floor that keeps them moving under steady interactive load. That and the
+Re-runs and the background share of job work are `core/retries.py`'s: the ladder asks it first. The
 job items' pacing (`_paced_by_jobs`) and one tenant's job items per batch (`form`) are how batches are dispatched,
 not job policy: which job inputs to feed, and how many, is the job scheduler's (`jobs/refill.py`).
 """
@@ -42,16 +37,17 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from batchserve import errors
+from batchserve.core.batch import Batch
 from batchserve.core.batch_budget import BatchBudget
 from batchserve.core.batch_hold import Arrivals, hold_until
+from batchserve.core.burst import Bursts
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item, Shares
+from batchserve.core.retries import Retries
 from batchserve.core.tenant_cost import CostAccount
 
 Clock = Callable[[], float]
@@ -61,33 +57,7 @@ log = logging.getLogger("batchserve")
 # asks for its next batch this close to the pace (several devices) takes it at once instead of idling.
 PACE_EARLY_S = 0.002
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
-BACKGROUND_EVERY = 4  # regular dispatches between two background batches while both wait (a 1/5 share)
-# Even while interactive items wait, a background batch goes after this many regular dispatches: a floor, so an
-# isolated job (or a job's re-runs) always moves under steady interactive load, at the cost of one dispatch in
-# 51 to the interactive items then waiting (2 %: below what moves their p95).
-BACKGROUND_FLOOR_EVERY = 50
 LATE_FOR_BATCH = "the request's deadline would pass before its batch could end"  # an item dropped by `form`
-
-
-@dataclass(eq=False)
-class Batch:
-    model: str
-    items: list[Item]
-    formed: float
-    cause: str  # full | deadline | pace | hold | drain | retry | isolated
-    avoid_worker: int = -1  # a retry prefers another worker than the one that failed it
-    after_hang: bool = False  # items of a batch whose worker hung: not retried a second time
-    held: list[Item] = field(default_factory=list)  # bisection: the other half, waiting on this one's outcome
-    isolated: bool = False  # items of a job isolated for failing: never mixed into regular batches, halves included
-
-    @property
-    def cost(self) -> float:
-        """What this batch costs to run: the backend's `cost_of_batch` when it declares one (e.g. the sum of
-        tokens, or quadratic attention), else rows x the longest row (padded), 1 per input when inputs cost 1."""
-        fn = self.items[0].batch_cost if self.items else None
-        if fn is not None:
-            return float(fn([item.text for item in self.items]))
-        return len(self.items) * max([item.cost for item in self.items]) if self.items else 0.0
 
 
 def _nothing() -> None:
@@ -132,9 +102,7 @@ class Batcher:
         self.depth: dict[str, int] = {}  # queued items per model
         self.tier_depth: list[int] = tiers.counters()  # queued items per tier rank
         # Re-runs (bisection, hangs) and the background share of job work.
-        self.retries: deque[Batch] = deque()  # re-runs holding interactive items: before new work
-        self.background_retries: deque[Batch] = deque()  # re-runs of job items: after all of it
-        self._since_background = 0  # dispatches since the last background batch
+        self.retries = Retries()
         # Pacing: when batches went out, per model and per queue.
         self.healthy_workers = healthy_workers
         self.last_dispatch = 0.0
@@ -148,6 +116,7 @@ class Batcher:
         self._left_model: dict[str, int] = {}  # the same summed over a model's queues
         # Per queue: when its next batch's hold was decided, and until when it holds (the same: it does not).
         self._held: dict[tuple[str, int], tuple[float, float]] = {}
+        self.bursts: dict[str, Bursts] = {}  # per model: whether its inputs arrive in bursts (`core/burst.py`)
         # The workers' side: one waits for its batch at a time (`_turn`), woken by new work or a timer.
         self.draining = False
         self.closed = False
@@ -159,84 +128,6 @@ class Batcher:
         self.stage_after = math.inf
         self.on_stage: Callable[[], None] = _nothing
 
-    # -- the cost model, as the batcher's callers have always read it (`BatchBudget` holds it) ---------------
-    @property
-    def model_limits(self) -> dict[str, int]:
-        return self.costs.model_limits
-
-    @property
-    def max_batch_cost(self) -> float:
-        return self.costs.max_batch_cost
-
-    @max_batch_cost.setter
-    def max_batch_cost(self, value: float) -> None:
-        self.costs.max_batch_cost = value
-        self.batch_s.version += 1  # every model's budget moved
-
-    @property
-    def max_batch_s(self) -> float:
-        return self.costs.max_batch_s
-
-    @max_batch_s.setter
-    def max_batch_s(self, value: float) -> None:
-        self.costs.max_batch_s = value
-
-    @property
-    def latency_fit_s(self) -> float:
-        return self.costs.latency_fit_s
-
-    @latency_fit_s.setter
-    def latency_fit_s(self, value: float) -> None:
-        self.costs.latency_fit_s = value
-
-    @property
-    def cost_limits(self) -> dict[str, float]:
-        return self.costs.cost_limits
-
-    @property
-    def unit(self) -> dict[str, float]:
-        return self.costs.unit
-
-    @property
-    def widest(self) -> dict[str, float]:
-        return self.costs.widest
-
-    @property
-    def served(self) -> dict[str, tuple[float, float]]:
-        return self.costs.served
-
-    @property
-    def row_cost(self) -> dict[tuple[str, int], float]:
-        return self.costs.row_cost
-
-    def limit(self, model: str) -> int:
-        return self.costs.limit(model)
-
-    def budget(self, model: str) -> float:
-        return self.costs.budget(model)
-
-    def full_n(self, model: str) -> int:
-        return self.costs.full_n(model)
-
-    def note_cost(self, model: str, cost: float) -> None:
-        self.costs.note_cost(model, cost)
-
-    def estimate_cost(self, model: str, n: float, unit: float | None = None) -> float:
-        return self.costs.estimate_cost(model, n, unit)
-
-    def fit_budget(self, model: str) -> None:
-        self.costs.fit_budget(model)
-
-    def too_costly(self, model: str, cost: float) -> str | None:
-        return self.costs.too_costly(model, cost)
-
-    def served_rate(self, model: str) -> float | None:
-        return self.costs.served_rate(model)
-
-    def observe_batch(self, model: str, seconds: float, cost: float, rows: int = 0) -> None:
-        """A batch of this cost (and `rows` inputs) took `seconds` (`BatchBudget.observe`)."""
-        self.costs.observe(model, seconds, cost, rows)
-
     # -- the handlers' side ------------------------------------------------------------------------------
     def submit(self, item: Item) -> None:
         key = (item.model, item.bucket)
@@ -246,6 +137,10 @@ class Batcher:
         q.push(item)
         self.depth[item.model] = self.depth.get(item.model, 0) + 1  # `_count(item, +1)`, once per request: inline
         self.tier_depth[item.tier] += 1
+        bursts = self.bursts.get(item.model)
+        if bursts is None:
+            bursts = self.bursts[item.model] = Bursts()
+        bursts.arrived(item.arrived)
         if self._waiting and (len(q) == 1 or len(q) >= self.costs.limit(item.model)):
             self._wake.set()
         if item.arrived >= self.stage_after:  # within the lead of a busy worker's end: stage a full batch for it
@@ -317,7 +212,7 @@ class Batcher:
         thread's inbox (`GpuPool.stage`). None unless the most urgent queue is due because it is full, no
         retry waits (retries go first, to a worker as it frees) and no other worker waits for its turn (an idle
         worker takes the batch now)."""
-        if self.closed or self._turn.locked() or self.retries or self.background_retries:
+        if self.closed or self._turn.locked() or self.retries.interactive or self.retries.background:
             return None
         costs = self.costs  # asked by each arrival near a batch's end: no queue full, no pass of the flush policy
         if not any(len(q) >= costs.limit(m) or q.cost_sum >= costs.budget(m) for (m, _), q in self.queues.items()):
@@ -335,34 +230,26 @@ class Batcher:
         waiting worker does next: "again" (the due queue held only items that could not run: look again),
         "aside" (retries wait that this worker must leave to another), or "sleep" until the returned time (the
         next queue due; inf: nothing queued)."""
-        batch = self.take_retry(worker, now)
+        retries = self.retries
+        batch = self.take_retry(worker, now, background=False)
         if batch is not None:
             return batch, "", now
-        if self._background_turn():
-            batch = self.take_retry(worker, now, self.background_retries)
+        if retries.background_turn(self.interactive_waiting()):
+            batch = self.take_retry(worker, now, background=True)
             if batch is not None:
                 return batch, "", now
         key, due, cause = self.most_urgent(now)
         if key is not None and due <= now:
             batch = self.form(key, now, cause, due)
             return batch, "" if batch is not None else "again", now
-        background = bool(self.background_retries) and not self.interactive_waiting()
+        background = bool(retries.background) and not self.interactive_waiting()
         if background:
-            batch = self.take_retry(worker, now, self.background_retries)
+            batch = self.take_retry(worker, now, background=True)
             if batch is not None:
                 return batch, "", now
-        if self.retries or background:
+        if retries.interactive or background:
             return None, "aside", now
         return None, "sleep", due if key is not None else math.inf
-
-    def _background_turn(self) -> bool:
-        """A background batch goes before due regular work: its share is due and no interactive item waits, or
-        its floor is due whatever waits (`BACKGROUND_FLOOR_EVERY`: only gaps would starve it under steady load)."""
-        if not self.background_retries:
-            return False
-        return self._since_background >= BACKGROUND_FLOOR_EVERY or (
-            self._since_background >= BACKGROUND_EVERY and not self.interactive_waiting()
-        )
 
     async def _wait_for_batch(self, worker: int) -> tuple[Batch | None, bool]:
         """The batch for the worker holding the turn, once one is due (`_take`); (None, True) when it must step
@@ -381,15 +268,13 @@ class Batcher:
     def requeue(self, batch: Batch) -> None:
         """Run these items again as they are (a half of a failed batch): before any new work when it holds an
         interactive item, else (only batch-job items) once no interactive item waits."""
-        batch.formed = self.clock()
-        background = all(item.tier >= tiers.BATCH.rank for item in batch.items)
-        (self.background_retries if background else self.retries).append(batch)
+        self.retries.requeue(batch, self.clock())
         self._wake.set()
 
     def submit_group(self, items: list[Item]) -> None:
         """Batch-job items of one job that run as a batch of their own, in the background share (their job
         fails often: in a shared batch each failure would cost the batch-mates of other jobs a re-run)."""
-        self.background_retries.append(Batch(items[0].model, items, self.clock(), "isolated", isolated=True))
+        self.retries.isolate(items, self.clock())
         self._wake.set()
 
     def interactive_waiting(self) -> int:
@@ -438,14 +323,7 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(err)
                     answered += 1
-        for batch in (*self.retries, *self.background_retries):
-            for item in batch.items:
-                if not item.future.done():
-                    item.future.set_exception(err)
-                    answered += 1
-        self.retries.clear()
-        self.background_retries.clear()
-        return answered
+        return answered + self.retries.drop_all(err)
 
     # -- policy ------------------------------------------------------------------------------------------
     def dispatch_delay(self, model: str, size: float) -> float:
@@ -483,13 +361,20 @@ class Batcher:
                     # (the pace S only estimated when it would free: a smaller or quicker batch frees sooner).
                     # Several: a worker that frees a hair before the learned pace goes at once.
                     pace_due = min(pace_due, now)
-                    # ... unless the load is high and a larger batch, soon, would cost its inputs much less
+                    # ... unless the inputs come in bursts and the rest of this one is still arriving
+                    # (`core/burst.py`): then it waits a few ms for them, so the burst rides one batch ...
+                    bursts = self.bursts.get(key[0])
+                    burst_due = bursts.until(head.arrived) if bursts is not None else -math.inf
+                    # ... or the load is high and a larger batch, soon, would cost its inputs much less
                     # (`core/batch_hold.py`): then it waits for it, within the SLO.
-                    hold = self._held.get(key)  # decided once per batch: the wait does not renew itself
-                    if hold is None:
-                        hold = self._held[key] = (now, self._hold(key, q, head.arrived, now))
-                    if hold[1] > now:
-                        pace_due, pace_cause = hold[1], "hold"
+                    if burst_due > now:
+                        pace_due, pace_cause = burst_due, "burst"
+                    else:
+                        hold = self._held.get(key)  # decided once per batch: the wait does not renew itself
+                        if hold is None:
+                            hold = self._held[key] = (now, self._hold(key, q, head.arrived, now))
+                        if hold[1] > now:
+                            pace_due, pace_cause = hold[1], "hold"
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, pace_cause)
             # Among queues due now, a model served least recently goes first (then the earliest deadline), so
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
@@ -665,37 +550,16 @@ class Batcher:
         interval = self.batch_s.at(key[0], cost) / max(1, self.healthy_workers)
         self.last_dispatch = due if cause == "pace" and now - due < interval / 2 else now
         self.served_at[key[0]] = now
-        self._since_background += 1
+        self.retries.since_background += 1
         self.bucket_served_at[key] = now
         return batch
 
-    def take_retry(self, worker: int, now: float, retries: deque[Batch] | None = None) -> Batch | None:
-        """The oldest retry batch this worker may run (of `retries`, by default the interactive ones): one
-        that failed on it goes to another healthy worker, unless none has taken it within two batch times
-        (any busy worker is free by then)."""
-        retries = self.retries if retries is None else retries
-        for batch in list(retries):
-            batch.items = [i for i in batch.items if i.alive(now)]
-            if not batch.items:
-                retries.remove(batch)
-                continue
-            if (
-                batch.avoid_worker == worker
-                and self.healthy_workers > 1
-                and now - batch.formed < 2 * self.batch_s.at(batch.model, batch.cost)
-            ):
-                continue
-            retries.remove(batch)
-            batch.formed = now
-            for item in batch.items:
-                item.dispatched = now
+    def take_retry(self, worker: int, now: float, background: bool = False) -> Batch | None:
+        """The oldest re-run this worker may run (`Retries.take`), dispatched now."""
+        batch = self.retries.take(worker, now, background, self.healthy_workers, self.batch_s)
+        if batch is not None:
             self.last_dispatch = now
-            if retries is self.background_retries:
-                self._since_background = 0
-            else:
-                self._since_background += 1
-            return batch
-        return None
+        return batch
 
     async def _sleep(self, timeout: float | None) -> None:
         self._wake.clear()

@@ -14,40 +14,18 @@ The door stays the one entrance: it hands a model's work to the handler register
 from __future__ import annotations
 
 from typing import Protocol
-from collections.abc import Callable
 
 from batchserve.core.fairqueue import Item, ItemResult
+from batchserve.core.work import Work
 
 
 class InferenceHandler(Protocol):
-    async def infer(
-        self,
-        text: str,
-        model: str,
-        tier: int,
-        tenant: str,
-        timeout_s: float,
-        arrived: float,
-        request_id: str,
-        gone: Callable[[], bool] | None = None,
-        owner: str = "",
-    ) -> ItemResult:
+    async def infer(self, work: Work, text: str) -> ItemResult:
         """One input's answer, or the ApiError that fits (503 at the door, 504 past the deadline, 500), or
-        ClientGone when `gone` says the caller left."""
+        ClientGone when `work.gone` says the caller left. Fills in `work.inputs` and `work.cost`."""
         ...
 
-    async def infer_many(
-        self,
-        texts: list[str],
-        model: str,
-        tier: int,
-        tenant: str,
-        timeout_s: float,
-        arrived: float,
-        request_id: str,
-        gone: Callable[[], bool] | None = None,
-        owner: str = "",
-    ) -> list[ItemResult]:
+    async def infer_many(self, work: Work, texts: list[str]) -> list[ItemResult]:
         """`infer` for a request of several inputs: admitted together, answered together."""
         ...
 

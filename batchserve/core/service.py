@@ -29,6 +29,7 @@ from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.tenant_cost import CostAccount
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 from batchserve.core.tokenize_stage import Tokenize, TokenizeStage, tokenizer_of
+from batchserve.core.work import Work
 
 
 PRETOKENIZE_CHUNK = 256  # job inputs per tokenizer-stage call (`pretokenize`): interactive texts wait one chunk at most
@@ -139,9 +140,9 @@ class InferenceService:
         return JobRoom(
             b.depth.get(model, 0),
             self.admission.max_queue,
-            b.limit(model),
-            b.budget(model),
-            b.unit.get(model, 1.0),
+            b.costs.limit(model),
+            b.costs.budget(model),
+            b.costs.unit.get(model, 1.0),
             self.healthy_workers(),
         )
 
@@ -175,6 +176,17 @@ class InferenceService:
             self._tokenizers[model] = tokenizer_of(backend)
         return self._tokenizers[model]
 
+    async def _tokenize(self, tokenize: Tokenize, texts: list[str], model: str, tier: int, tenant: str) -> None:
+        """The inputs' tokens made on the tokenizer stage, in its fair order by tenant; the tokenizer time they
+        took is charged to the tenant's counter in the model's fair queue, in the model's cost units (what a full
+        batch costs per second of its learned time), whether the door then admits them or not."""
+        seconds = await self.tokenizing.run(tokenize, texts, tenant)
+        shares = self.batcher.shares.get(model)
+        if seconds > 0 and shares is not None:
+            costs = self.batcher.costs
+            full = costs.estimate_cost(model, costs.full_n(model))
+            shares.charge_work(tier, tenant, seconds * full / max(1e-6, self.batcher.batch_s.at(model, full)))
+
     def _check_quarantine(self, model: str, text: str) -> None:
         why = self.quarantine.reason(model, text)
         if why is not None:
@@ -186,47 +198,37 @@ class InferenceService:
             f"{self.quarantine.ttl_s:.0f} s: not run again)"
         )
 
-    def _admit(
-        self, model: str, tier: int, tenant: str, timeout_s: float, arrived: float, costs: Sequence[float], bucket: int
-    ) -> Ticket:
+    def _admit(self, work: Work, costs: Sequence[float], bucket: int) -> Ticket:
         """The door for a request of inputs costing `costs` (its first in length class `bucket`), for `infer` and
         `infer_many` alike: raises the 503 / 413 that fits, or returns its ticket (a probe or not; what the door
-        predicted, for `_answered` to learn from)."""
-        return self.admission.admit_ticket(model, tier, tenant, timeout_s - (self.clock() - arrived), costs, bucket)
+        predicted, for `_answered` to learn from). The request's cost is booked on `work` here."""
+        work.cost = sum(costs) if len(costs) > 1 else costs[0]
+        return self.admission.admit_ticket(
+            work.model, work.tier, work.tenant, work.deadline - self.clock(), costs, bucket
+        )
 
-    def _answered(
-        self, record: Record, model: str, ticket: Ticket, arrived: float, first: ItemResult, last: ItemResult
-    ) -> None:
+    def _answered(self, record: Record, work: Work, ticket: Ticket, first: ItemResult, last: ItemResult) -> None:
         """A request has all its answers (`first` / `last`: its first and last input's), for `infer` and
         `infer_many` alike. When its first batch started against what the door predicted: the door learns its
         own error."""
+        arrived = work.arrived
         if ticket.wait_s is not None:  # what `Admission.observed` learns from; None for most requests
-            self.admission.observed(model, ticket, arrived + first.queue_s)
+            self.admission.observed(work.model, ticket, arrived + first.queue_s)
         record.completed((self.clock() - arrived) * 1000, last.queue_s * 1000, last.compute_s * 1000, last.batch_size)
 
     # -- the door -----------------------------------------------------------------------------------------
-    async def infer(
-        self,
-        text: str,
-        model: str,
-        tier: int,
-        tenant: str,
-        timeout_s: float,
-        arrived: float,
-        request_id: str,
-        gone: Callable[[], bool] | None = None,
-        owner: str = "",
-    ) -> ItemResult:
+    async def infer(self, work: Work, text: str) -> ItemResult:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
-        504 at the deadline, 500 when it failed alone), or ClientGone when `gone` says the caller left.
-        An admitted request is recorded under (`owner` or `tenant`, `request_id`) with its status as it moves.
+        504 at the deadline, 500 when it failed alone), or ClientGone when `work.gone` says the caller left.
+        An admitted request is recorded under (`work.record_owner`, `work.request_id`) with its status as it moves.
 
         `infer_many` for one input, written out: the hot path of /v1/inference, where its lists, zips and
         gather cost ~3 µs a request (bench/hotpath.py). With tracing on, `infer_many` serves it (the spans).
         Both paths pass the same door (`_admit`) and book the same answer (`_answered`): what admission decides
         or learns per request goes there, never into one path only."""
+        model = work.model
         if self.tracing is not None or model in self.handlers:  # spans, or a model answered elsewhere
-            return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone, owner))[0]
+            return (await self.infer_many(work, [text]))[0]
         backend = self.backends.get(model)
         if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
             raise errors.warming_up()
@@ -235,37 +237,17 @@ class InferenceService:
             raise self._quarantined(why)
         tokenize = self._tokenizers[model] if model in self._tokenizers else self._tokenizer(model, backend)
         if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
-            await self.tokenizing.run(tokenize, [text])
+            await self._tokenize(tokenize, [text], model, work.tier, work.tenant)
         batch_cost = self._batch_costs[model] if model in self._batch_costs else self._batch_cost(model, backend)
         cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
         bucket = backend.bucket_of(text)
-        ticket = self._admit(model, tier, tenant, timeout_s, arrived, (cost,), bucket)
-        record = self.requests.add(owner or tenant, request_id, model)
+        ticket = self._admit(work, (cost,), bucket)
+        record = self.requests.add(work.record_owner, work.request_id, model)
         future = asyncio.get_running_loop().create_future()
-        deadline = arrived + timeout_s
-        # Every field in order, positionally: keywords cost ~0.4 µs more per request (mypy checks the order).
-        item = Item(
-            text,
-            model,
-            bucket,
-            future,
-            arrived,
-            deadline,
-            record,
-            tier,
-            tenant,
-            0.0,
-            0,
-            gone,
-            None,
-            None,
-            cost,
-            ticket.probe,
-            batch_cost,
-        )
+        item = Item.of(work, text, bucket, future, record, cost, ticket.probe, batch_cost)
         self.batcher.costs.note_cost(model, cost)
         self.batcher.submit(item)
-        self.deadlines.watch(timeout_s, deadline, future)
+        self.deadlines.watch(work.timeout_s, work.deadline, future)
         self.inflight += 1
         try:
             result: ItemResult = await future
@@ -279,32 +261,21 @@ class InferenceService:
             self.inflight -= 1
             if not future.done():
                 future.cancel()
-        self._answered(record, model, ticket, arrived, result, result)
+        self._answered(record, work, ticket, result, result)
         return result
 
-    async def infer_many(
-        self,
-        texts: list[str],
-        model: str,
-        tier: int,
-        tenant: str,
-        timeout_s: float,
-        arrived: float,
-        request_id: str,
-        gone: Callable[[], bool] | None = None,
-        owner: str = "",
-    ) -> list[ItemResult]:
+    async def infer_many(self, work: Work, texts: list[str]) -> list[ItemResult]:
         """`infer` for a request of several inputs: one admission decision for all of them, predicted as the
         batches they will make (so a request of 2,048 inputs is served when they fit its timeout), then each
         input as its own item, so they share batches with other callers' inputs. The first failure fails the
         request and withdraws the others (a cancelled item never takes a place in a batch)."""
+        model = work.model
+        work.inputs = len(texts)
         handler = self.handlers.get(model)
         if handler is not None:
-            return await self._elsewhere(
-                handler, texts, model, tier, tenant, timeout_s, arrived, request_id, gone, owner
-            )
+            return await self._elsewhere(handler, work, texts)
         tracing = self.tracing
-        trace = tracing.admitted(model, TIER_NAMES[tier]) if tracing is not None else None
+        trace = tracing.admitted(model, TIER_NAMES[work.tier]) if tracing is not None else None
         backend = self.backends.get(model)
         try:
             if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
@@ -313,7 +284,7 @@ class InferenceService:
                 self._check_quarantine(model, text)
             tokenize = self._tokenizer(model, backend)
             if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
-                await self.tokenizing.run(tokenize, texts)
+                await self._tokenize(tokenize, texts, model, work.tier, work.tenant)
             batch_cost = self._batch_cost(model, backend)
             costs = (
                 [float(backend.cost_of(text)) for text in texts]
@@ -321,35 +292,19 @@ class InferenceService:
                 else [float(batch_cost([text])) for text in texts]
             )
             buckets = [backend.bucket_of(text) for text in texts]
-            ticket = self._admit(model, tier, tenant, timeout_s, arrived, costs, buckets[0])
+            ticket = self._admit(work, costs, buckets[0])
         except ApiError as err:
             if tracing is not None:
-                tracing.answered(model, arrived, 0.0, None, err.code)
+                tracing.answered(model, work.arrived, 0.0, None, err.code)
             raise
-        record = self.requests.add(owner or tenant, request_id, model)
+        record = self.requests.add(work.record_owner, work.request_id, model)
         loop = asyncio.get_running_loop()
-        deadline = arrived + timeout_s
         items = []
         for text, cost, bucket in zip(texts, costs, buckets):
-            item = Item(
-                text,
-                model,
-                bucket,
-                loop.create_future(),
-                arrived,
-                deadline,
-                record,
-                tier,
-                tenant,
-                gone=gone,
-                trace=trace,
-                cost=cost,
-                probe=ticket.probe,
-                batch_cost=batch_cost,
-            )
+            item = Item.of(work, text, bucket, loop.create_future(), record, cost, ticket.probe, batch_cost, trace)
             self.batcher.costs.note_cost(model, cost)
             self.batcher.submit(item)
-            self.deadlines.watch(timeout_s, item.deadline, item.future)
+            self.deadlines.watch(work.timeout_s, item.deadline, item.future)
             items.append(item)
         self.inflight += 1
         try:
@@ -361,7 +316,7 @@ class InferenceService:
             record.status, record.error = "failed", err.code
             if tracing is not None:
                 tracing.answered(
-                    model, arrived, 0.0, next((i.batch_trace for i in items if i.batch_trace), None), err.code
+                    model, work.arrived, 0.0, next((i.batch_trace for i in items if i.batch_trace), None), err.code
                 )
             raise
         except ClientGone:
@@ -372,36 +327,24 @@ class InferenceService:
             for item in items:
                 if not item.future.done():
                     item.future.cancel()
-        self._answered(record, model, ticket, arrived, results[0], results[-1])
+        self._answered(record, work, ticket, results[0], results[-1])
         if tracing is not None:  # a queue-wait span per input, each linked to the batch that carried it
             for item, result in zip(items, results):
-                tracing.answered(model, arrived, result.queue_s, item.batch_trace, "ok")
+                tracing.answered(model, work.arrived, result.queue_s, item.batch_trace, "ok")
         return results
 
-    async def _elsewhere(
-        self,
-        handler: InferenceHandler,
-        texts: list[str],
-        model: str,
-        tier: int,
-        tenant: str,
-        timeout_s: float,
-        arrived: float,
-        request_id: str,
-        gone: Callable[[], bool] | None,
-        owner: str,
-    ) -> list[ItemResult]:
+    async def _elsewhere(self, handler: InferenceHandler, work: Work, texts: list[str]) -> list[ItemResult]:
         """A request for a model another handler answers: refused while draining, counted in flight (the
         drain waits for it), then the handler's own admission and answer."""
         if self.batcher.draining:
             raise errors.draining()
         self.inflight += 1
         try:
-            return await handler.infer_many(texts, model, tier, tenant, timeout_s, arrived, request_id, gone, owner)
+            return await handler.infer_many(work, texts)
         finally:
             self.inflight -= 1
 
-    async def pretokenize(self, model: str, texts: list[str]) -> None:
+    async def pretokenize(self, model: str, texts: list[str], tenant: str = "") -> None:
         """Batch-job inputs, read ahead of their feeding: their tokens made on the tokenizer stage's thread (as an
         interactive request's are), so `submit_background` costs them by a look-up and the device thread runs
         the kept tokens; the event loop tokenizes none of them. In chunks, so an interactive request's texts
@@ -413,8 +356,8 @@ class InferenceService:
         tokenize = self._tokenizer(model, backend)
         if tokenize is None:
             return
-        for start in range(0, len(texts), PRETOKENIZE_CHUNK):
-            await self.tokenizing.run(tokenize, texts[start : start + PRETOKENIZE_CHUNK])
+        for start in range(0, len(texts), PRETOKENIZE_CHUNK):  # in the job's tenant's lane
+            await self._tokenize(tokenize, texts[start : start + PRETOKENIZE_CHUNK], model, BATCH.rank, tenant)
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
         """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
@@ -448,11 +391,16 @@ class InferenceService:
         now = self.clock()
         backend = self.backends[model]
         batch_cost = self._batch_cost(model, backend)
-        cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
+        refused: ApiError | None = None
+        try:
+            cost = float(backend.cost_of(text)) if batch_cost is None else float(batch_cost([text]))
+            bucket = backend.bucket_of(text)
+        except ApiError as err:  # an input the backend refuses to cost (one too long to cut safely): answered below
+            cost, bucket, refused = 1.0, 0, err
         item = Item(
             text,
             model,
-            backend.bucket_of(text),
+            bucket,
             asyncio.get_running_loop().create_future(),
             now,
             now + deadline_s,
@@ -463,6 +411,8 @@ class InferenceService:
             batch_cost=batch_cost,
         )
         try:
+            if refused is not None:
+                raise refused
             self._check_quarantine(model, text)
         except ApiError as err:  # answered at once: the scheduler's callback records it failed
             item.future.set_exception(err)

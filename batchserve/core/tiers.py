@@ -43,6 +43,31 @@ def by_name(name: str) -> Tier:
     return tier
 
 
+# OpenAI's `service_tier` values, beside the tier names, as a request may ask for its priority: "auto" and
+# "default" its key's tier, "priority" the best its key allows, "flex" the batch tier (spare capacity only).
+SERVICE_TIERS: tuple[str, ...] = ("auto", "default", "priority", "flex")
+ASKABLE: tuple[str, ...] = (*SERVICE_TIERS, *NAMES)
+
+
+def asked(value: str | int, tier: int, best: int) -> int | None:
+    """The rank a request runs at when it asks for `value` (a tier name, a `service_tier`, or Triton's priority
+    level: 0 the default, 1 the highest, each next one a tier lower), for a caller of `tier` whose key allows up to
+    `best`: a request may ask for less than its key's tier, and for more only up to `best` (capped there). None
+    when `value` names nothing."""
+    if isinstance(value, int):
+        if value < 0:
+            return None
+        return tier if value == 0 else max(min(value - 1, BATCH.rank), best)
+    if value in ("auto", "default"):
+        return tier
+    if value == "priority":
+        return best
+    if value == "flex":
+        return BATCH.rank
+    found = BY_NAME.get(value)
+    return None if found is None else max(found.rank, best)
+
+
 def counters() -> list[int]:
     """A zeroed per-tier counter list."""
     return [0] * len(TIERS)

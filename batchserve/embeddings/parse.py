@@ -28,6 +28,7 @@ class EmbeddingRequest:
     base64: bool
     timeout_s: float
     dimensions: int | None = None  # keep the first this many components, then L2-normalise again (Matryoshka)
+    service_tier: str | None = None  # the priority it asks for (`Work.ask`)
 
 
 def refused(r: BodyRefusal) -> ApiError:
@@ -51,4 +52,6 @@ def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms
     timeout_ms = default_timeout_ms if req.timeout_ms is msgspec.UNSET else req.timeout_ms
     if not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms):
         raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
-    return EmbeddingRequest(inputs, req.model, req.encoding_format == "base64", timeout_ms / 1000, req.dimensions)
+    return EmbeddingRequest(
+        inputs, req.model, req.encoding_format == "base64", timeout_ms / 1000, req.dimensions, req.service_tier
+    )

@@ -21,7 +21,7 @@ from batchserve.core.service import InferenceService
 from batchserve.embeddings.parse import EmbeddingRequest, parse
 from batchserve.embeddings.render import answer
 from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint
+from batchserve.http.endpoint import Answer, Call, Endpoint
 from batchserve.http.guards import Guard
 from batchserve.http.model_choice import EMBEDDING, pick_model
 from batchserve.models import ModelRegistry
@@ -68,39 +68,29 @@ class Embed:
 def parse_request(rt: EmbeddingsHost, call: Call, body: bytes) -> Embed:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
-    call.inputs = len(req.inputs)
     model_id, backend = pick_model(rt, EMBEDDING, req.model, call.who.key_id)
-    call.model = model_id
+    call.work.model = model_id
+    call.work.due_in(req.timeout_s)
+    call.run_at(req.service_tier, "service_tier")
     return Embed(req, backend)
 
 
 async def embed(rt: EmbeddingsHost, call: Call, e: Embed) -> tuple[list[ItemResult], int]:
     """Every input as its own item, admitted together (the door predicts the batches they will make); the
     prompt tokens counted beside them (on a thread for a long text)."""
-    inputs, caller = e.req.inputs, call.who
+    inputs = e.req.inputs
     counting = None
     if sum(map(len, inputs)) > COUNT_INLINE_CHARS:
         counting = asyncio.ensure_future(asyncio.to_thread(e.backend.count_tokens, inputs))
         counting.add_done_callback(_retrieve)  # when the request fails first, nobody awaits it
-    results = await rt.service.infer_many(
-        inputs,
-        call.model,
-        caller.tier,
-        caller.tenant,
-        e.req.timeout_s,
-        call.arrived,
-        call.request_id,
-        call.gone(),
-        caller.owner,
-    )
+    results = await rt.service.infer_many(call.work, inputs)
     tokens = await prompt_tokens(e.backend, inputs, counting)
-    call.cost = costs_of(e.backend, inputs)
     return results, tokens
 
 
 def render(rt: EmbeddingsHost, call: Call, e: Embed, done: tuple[list[ItemResult], int]) -> Answer:
     results, tokens = done
-    return Answer(answer([r.output for r in results], e.req.base64, call.model, tokens, e.req.dimensions))
+    return Answer(answer([r.output for r in results], e.req.base64, call.work.model, tokens, e.req.dimensions))
 
 
 embeddings: Endpoint[EmbeddingsHost, Embed, tuple[list[ItemResult], int]] = Endpoint(

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import Answer, Operation
-from batchserve.http.shapes import OPENAI, NonNegative
+from batchserve.http.shapes import OPENAI, NonNegative, Priority
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 
@@ -41,6 +41,7 @@ class EmbeddingRequest(Struct):
     timeout_ms: (
         Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")] | UnsetType
     ) = UNSET
+    service_tier: Priority | None = None
 
 
 class Embedding(Struct):

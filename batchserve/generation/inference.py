@@ -37,6 +37,7 @@ from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.handler import InferenceHandler
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH
+from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
 from batchserve.generation.engine import Engine, SamplingParams, Sequence, enabled
 from batchserve.generation.inference_records import StepperRecords
@@ -169,38 +170,19 @@ class StepperInference:
         return ItemResult(text, max(0.0, joined.at - arrived), end - joined.at, joined.rows)
 
     # -- InferenceHandler ------------------------------------------------------------------------------------
-    async def infer(
-        self,
-        text: str,
-        model: str,
-        tier: int,
-        tenant: str,
-        timeout_s: float,
-        arrived: float,
-        request_id: str,
-        gone: Callable[[], bool] | None = None,
-        owner: str = "",
-    ) -> ItemResult:
-        return (await self.infer_many([text], model, tier, tenant, timeout_s, arrived, request_id, gone, owner))[0]
+    async def infer(self, work: Work, text: str) -> ItemResult:
+        return (await self.infer_many(work, [text]))[0]
 
-    async def infer_many(
-        self,
-        texts: list[str],
-        model: str,
-        tier: int,
-        tenant: str,
-        timeout_s: float,
-        arrived: float,
-        request_id: str,
-        gone: Callable[[], bool] | None = None,
-        owner: str = "",
-    ) -> list[ItemResult]:
+    async def infer_many(self, work: Work, texts: list[str]) -> list[ItemResult]:
         """Every input as a sequence of its own, admitted together (one refused: the others are withdrawn)."""
+        model, tier, tenant, arrived, deadline = work.model, work.tier, work.tenant, work.arrived, work.deadline
+        work.inputs = len(texts)
         trace = self.records.admitted(model, tier)
-        deadline = arrived + timeout_s
         seqs: list[tuple[Sequence, Joined]] = []
         try:
             prompts = await self.prompts(texts)
+            # prompt tokens plus the most it decodes: the batch path's `cost_of` of the same input
+            work.cost = float(sum(len(ids) + self.params.max_tokens for ids in prompts))
             for ids in prompts:
                 joined = Joined()
                 seqs.append((self._submit(ids, model, tier, arrived, deadline - self.clock(), joined, tenant), joined))
@@ -209,7 +191,8 @@ class StepperInference:
                 self.engine.cancel(seq, "withdrawn")
             self.records.refused(model, arrived, err.code)
             raise
-        record = self.requests.add(owner or tenant, request_id, model) if self.requests is not None else None
+        record = self.requests.add(work.record_owner, work.request_id, model) if self.requests is not None else None
+        gone = work.gone
         if gone is not None:
             for seq, _ in seqs:
                 self._watch(seq, gone)

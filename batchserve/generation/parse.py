@@ -27,6 +27,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     max_tokens_given: bool = True  # False: params.max_tokens is the cap, and may shrink to fit the context
+    service_tier: str | None = None  # the priority it asks for (`Work.ask`)
 
 
 _CHAT = msgspec.json.Decoder(shapes.ChatCompletionRequest)
@@ -106,7 +107,7 @@ def parse(
         ignore_eos=req.ignore_eos,
     )
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return GenRequest(req.model, prompt, params, req.stream, include_usage, max_tokens is not None)
+    return GenRequest(req.model, prompt, params, req.stream, include_usage, max_tokens is not None, req.service_tier)
 
 
 def _text(content: str | list[shapes.ContentPart]) -> str:

@@ -70,7 +70,7 @@ async def throttle(rt: GenerationHost, call: Call) -> None:
 
 def read(rt: GenerationHost, call: Call, body: bytes) -> bytes:
     """The body as read: it is parsed with the prompt's tokenizing (`complete.prepare`, off the loop)."""
-    call.model = rt.generation.cfg.model_id if rt.generation is not None else "unknown"
+    call.work.model = rt.generation.cfg.model_id if rt.generation is not None else "unknown"
     return body
 
 
@@ -95,7 +95,7 @@ class EngineBook:
 
     def refused(self, rt: GenerationHost, call: Call, err: ApiError) -> None:
         rt.guard.counted()
-        rt.guard.settle(call.model, call.caller, err.status, 0.0)
+        rt.guard.settle(call.work.model, call.caller, err.status, 0.0)
         if rt.generation is not None:
             rt.generation.metrics.requests.labels(self.endpoint, str(err.status)).inc()
         if 400 <= err.status < 500 and err.status != 429:  # refused for what it sent (429 has its own limit)
@@ -117,10 +117,11 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
     engine = rt.generation
     if engine is None:
         raise not_serving(rt)
-    caller = call.who
     rt.service.check_open(needs_workers=False)  # the engine is its own worker; draining still refuses
     prep = await prepare(rt.settings, engine, body, chat)
     req, prompt_ids, params = prep.req, prep.prompt_ids, prep.params
+    call.run_at(req.service_tier, "service_tier")
+    caller = call.who
     try:
         seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream, tenant=caller.tenant)
     except ApiError as err:
@@ -128,7 +129,7 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
             rt.guard.shed(err)
         raise
     endpoint = "chat" if chat else "completions"
-    model = call.model
+    model = call.work.model
     answer = Answer(
         chat,
         ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
@@ -156,7 +157,7 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
 
     try:
         first = await next_or_gone(call, seq)  # before any byte: a queue timeout can still be a 504
-        first_s = time.monotonic() - call.arrived
+        first_s = time.monotonic() - call.work.arrived
         if first is None:
             cleanup("499")
             raise Gone()

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import Answer, Operation
-from batchserve.http.shapes import NATIVE, OPENAI, NonNegative
+from batchserve.http.shapes import NATIVE, OPENAI, NonNegative, Priority
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
 
@@ -54,6 +54,7 @@ class _Sampling(Struct):
     logprobs: Annotated[bool | int | None, Meta(description="not supported (false or absent only)")] = None
     top_logprobs: Annotated[int | None, Meta(description="not supported")] = None
     logit_bias: Annotated[dict[str, float] | None, Meta(description="not supported (empty or absent only)")] = None
+    service_tier: Priority | None = None
 
 
 class ContentPart(Struct):

@@ -7,7 +7,7 @@
          anything unexpected → logged, a 500 in the dialect, counted
 
 A wing declares an endpoint as its dialect (`http/dialects.py`) and three functions: `parse` (body → request;
-may pick the model, `call.model`), `handle` (request → result, through the door) and `render` (result → the
+may pick the model, `call.work.model`), `handle` (request → result, through the door) and `render` (result → the
 answer's bytes). It never reads a body, takes rate tokens, renders an error or counts an answer itself
 (tests/unit/test_structure.py keeps it so). The skeleton is a plain ASGI app, so the hot routes
 (`app.FastPath`) run it without Starlette's Request/Response, and it writes a whole answer in one write through
@@ -15,11 +15,12 @@ answer's bytes). It never reads a body, takes rate tokens, renders an error or c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from functools import partial
 from types import MappingProxyType
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -30,6 +31,8 @@ from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
 from batchserve.config import Settings
+from batchserve.core.tiers import NAMES as TIER_NAMES
+from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.dialects import Dialect
 from batchserve.http.disconnect import Watcher
@@ -47,27 +50,6 @@ NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 JSON_MEDIA = b"application/json"
 
 
-class Coster(Protocol):
-    """What the ledger asks of a backend: the cost of one input (tokens; 1 for a plugin that declares none)."""
-
-    def cost_of(self, text: str) -> float: ...
-
-
-def costs_of(backend: Coster | None, texts: Sequence[str]) -> float:
-    """The cost units of a request's inputs as the batcher counts them (`backend.cost_of`, cached by the
-    built-in backends since admission asked): 1 an input when the backend is gone or cannot say. What a
-    wing's `handle` puts in `call.cost` for the accounting."""
-    if backend is None:
-        return float(len(texts))
-    total = 0.0
-    try:
-        for text in texts:
-            total += backend.cost_of(text)
-    except Exception:  # noqa: BLE001 - the answer went out; its cost is then counted as its inputs
-        return float(len(texts))
-    return total
-
-
 class Served(Protocol):
     """What the skeleton reads from `app.state.rt`: the guard and the body limit. Each wing's host Protocol
     (`InferenceHost`, `EmbeddingsHost`, ...) adds what its own functions read."""
@@ -77,20 +59,17 @@ class Served(Protocol):
 
 
 class Call(msgspec.Struct, eq=False):
-    """One request on its way through the skeleton: what the wing's functions read (the request id, the
-    caller, the scope) and what they tell the accounting (the model, the inputs served and their cost). A Struct:
-    one per request, built in C with its defaults (a class with an `__init__` cost ~0.5 µs more)."""
+    """One HTTP request on its way through the skeleton: what the wing's functions read (the caller, the scope,
+    the headers) and the request's `Work`, the one value handed down to the door and read back by the
+    accounting (the model, the inputs served and their cost). A Struct: one per request, built in C with its
+    defaults (a class with an `__init__` cost ~0.5 µs more)."""
 
     scope: Scope
     receive: Receive
-    request_id: str
-    arrived: float
+    work: Work
     headers: dict[str, str]  # the request headers the endpoint reads, by lower-case name
     # What a wing may set, by default:
     caller: Caller | None = None
-    model: str = "unknown"  # the model version answering, once the wing has picked it
-    inputs: int = 1  # inputs the request holds (a list's length), for the ledger
-    cost: float = 1.0  # cost units served (tokens, or 1 an input), for the ledger
     answer_headers: Mapping[str, str] = NO_HEADERS  # on every answer: the X-RateLimit-* headers
     booked: bool = False  # the wing booked this answer itself (a generation sequence books its own outcome)
 
@@ -109,6 +88,16 @@ class Call(msgspec.Struct, eq=False):
         generation engine's deltas) and must stop when nobody will read its answer."""
         while (await self.receive())["type"] != "http.disconnect":
             pass
+
+    def run_at(self, value: str | int | None, field: str) -> None:
+        """The request's own priority (`Work.ask`): its Work and its caller (what the books and the rate limits
+        read) both at the tier it runs at."""
+        if value is None:
+            return
+        caller = self.who
+        rank = self.work.ask(value, caller.tier, caller.ceiling, field)
+        if rank != caller.tier:
+            self.caller = dataclasses.replace(caller, tier=rank)
 
     @property
     def who(self) -> Caller:
@@ -154,14 +143,32 @@ Host = TypeVar("Host", bound=Served, contravariant=True)
 
 
 class Book(Protocol[Host]):
-    """How an endpoint's answers are counted, where not as a model's (`guard.ok` / `guard.refused`, the default):
-    `COUNTED` for the routes that serve no model, or a wing's own (the generation engine's metrics)."""
+    """How an endpoint's answers are counted: `MODEL` (the default: the model's metrics and the SLO ledger, from
+    the request's `Work`), `COUNTED` for the routes that serve no model, `UNCOUNTED` for probes, or a wing's own
+    (the generation engine's metrics). The one place an answer is counted; a wing that books an answer itself
+    (a stream, at its end) marks `call.booked` and is not counted again."""
 
     def ok(self, rt: Host, call: Call) -> None: ...
 
     def refused(self, rt: Host, call: Call, err: ApiError) -> None: ...
 
     def gone(self, rt: Host, call: Call) -> None: ...
+
+
+class ModelBook:
+    """The answers of a model route: the model's metrics and the SLO ledger, by the caller's tier and tenant."""
+
+    def ok(self, rt: Served, call: Call) -> None:
+        work = call.work
+        caller = call.caller
+        if caller is not None:
+            rt.guard.ok(work.model, time.monotonic() - work.arrived, caller, work.inputs, work.cost)
+
+    def refused(self, rt: Served, call: Call, err: ApiError) -> None:
+        rt.guard.refused(call.work.model, err, call.caller, call.work.inputs)
+
+    def gone(self, rt: Served, call: Call) -> None:
+        rt.guard.gone(call.work.model)
 
 
 class Counted:
@@ -192,6 +199,7 @@ class Uncounted:
         pass
 
 
+MODEL = ModelBook()
 COUNTED = Counted()
 UNCOUNTED = Uncounted()
 
@@ -205,7 +213,7 @@ class Endpoint(Generic[Host, Req, Res]):
     token before the body; `rate` False: a caller is identified but takes no token (GET /v1/usage: how a refused
     caller finds out why). `identify` False: a public route (no caller, no tokens); `ops_key`: an operational
     route, served only with `--metrics-key` when one is set (401 before anything else); `book`: how its answers are
-    counted when not as a model's (`COUNTED`, or the wing's own); `body` False: a GET; `before_body`: what waits
+    counted (`Book`: a model's by default); `body` False: a GET; `before_body`: what waits
     before the body is read (the generation routes' refusal throttle). `headers`: request headers beyond the
     four every endpoint reads."""
 
@@ -217,7 +225,7 @@ class Endpoint(Generic[Host, Req, Res]):
     identify: bool = True
     rate: bool = True
     ops_key: bool = False
-    book: Book[Host] | None = None
+    book: Book[Host] = MODEL
     body: bool = True
     before_body: Callable[[Host, Call], Awaitable[None]] | None = None
     headers: tuple[bytes, ...] = ()
@@ -239,7 +247,8 @@ class Endpoint(Generic[Host, Req, Res]):
             key = names.get(name.lower())
             if key is not None and key not in headers:
                 headers[key] = value.decode("latin-1")
-        call = Call(scope, receive, "", time.monotonic(), headers)
+        work = Work("", time.monotonic())
+        call = Call(scope, receive, work, headers)
         caller = None
         try:
             if self.ops_key:
@@ -248,6 +257,8 @@ class Endpoint(Generic[Host, Req, Res]):
                 caller = call.caller = guard.identify(
                     headers.get("authorization"), scope, self.dialect.any_key_anonymous
                 )
+                work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
+                work.gone = call.gone()
                 if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
                     call.answer_headers = guard.take(caller)
                 elif self.take_by_body:
@@ -255,7 +266,7 @@ class Endpoint(Generic[Host, Req, Res]):
             # The request id once the caller may send (beside the body read, in the same module: the path's
             # steps in order, tests/unit/http/test_request_path.py); a refusal above makes it when it renders.
             given = headers.get("x-request-id")  # `request_id_from`, written out: every request
-            call.request_id = given if given and REQUEST_ID_OK.match(given) else new_request_id()
+            work.request_id = given if given and REQUEST_ID_OK.match(given) else new_request_id()
             if self.before_body is not None:
                 await self.before_body(rt, call)
             body = (
@@ -268,50 +279,47 @@ class Endpoint(Generic[Host, Req, Res]):
                 call.answer_headers = guard.take(caller, self.tokens(req))
             answer = self.render(rt, call, req, await self.handle(rt, call, req))
         except ApiError as err:
-            if not call.request_id:
-                call.request_id = request_id_from(headers.get("x-request-id"))
+            if not call.work.request_id:
+                call.work.request_id = request_id_from(headers.get("x-request-id"))
             self.refused(rt, call, err)
-            out, err_headers = self.dialect.render(err, call.request_id)
+            out, err_headers = self.dialect.render(err, call.work.request_id)
             if call.answer_headers and not err.headers:
                 err_headers.update(call.answer_headers)
             await send_json(send, err.status, out, err_headers)
             return
         except (ClientGone, ClientDisconnect, Gone):
             if not call.booked:
-                if self.book is None:
-                    guard.gone(call.model)
-                else:
-                    self.book.gone(rt, call)
+                self.book.gone(rt, call)
             return
         except Exception:
             log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
-            if not call.request_id:
-                call.request_id = request_id_from(headers.get("x-request-id"))
+            if not call.work.request_id:
+                call.work.request_id = request_id_from(headers.get("x-request-id"))
             failed = errors.internal_error()
             self.refused(rt, call, failed)
-            out, err_headers = self.dialect.render(failed, call.request_id)
+            out, err_headers = self.dialect.render(failed, call.work.request_id)
             await send_json(send, 500, out, err_headers)
             return
-        if call.booked:
-            pass
-        elif self.book is not None:
+        if not call.booked:
             self.book.ok(rt, call)
-        elif caller is not None:
-            guard.ok(call.model, time.monotonic() - call.arrived, caller, call.inputs, call.cost)
         if isinstance(answer, Stream):
             await self.stream(answer, call, send)
             return
         # The answer in one write under batchserve's own protocol, else as the usual ASGI messages.
         send_whole = whole_answer_sender(send)
         if send_whole is not None:
-            head = b"content-type: %s\r\nx-request-id: %s\r\n" % (answer.media, call.request_id.encode())
+            head = b"content-type: %s\r\nx-request-id: %s\r\n" % (answer.media, call.work.request_id.encode())
             for name, value in answer.headers:
                 head += b"%s: %s\r\n" % (name, value)
             for key, text in call.answer_headers.items():
                 head += b"%s: %s\r\n" % (key.encode(), text.encode())
+            if work.asked:  # the tier it ran at, as OpenAI answers `service_tier`
+                head += b"x-service-tier: %s\r\n" % TIER_NAMES[work.tier].encode()
             await send_whole(answer.status, head, answer.body)
             return
-        raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode()), *answer.headers]
+        raw = [(b"content-type", answer.media), (b"x-request-id", call.work.request_id.encode()), *answer.headers]
+        if work.asked:
+            raw.append((b"x-service-tier", TIER_NAMES[work.tier].encode()))
         if call.answer_headers:
             raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
         raw.append((b"content-length", b"%d" % len(answer.body)))
@@ -319,19 +327,17 @@ class Endpoint(Generic[Host, Req, Res]):
         await send({"type": "http.response.body", "body": answer.body})
 
     def refused(self, rt: Host, call: Call, err: ApiError) -> None:
-        if call.booked:
-            return
-        if self.book is None:
-            rt.guard.refused(call.model, err, call.caller, call.inputs)
-        else:
+        if not call.booked:
             self.book.refused(rt, call, err)
 
     @staticmethod
     async def stream(answer: Stream, call: Call, send: Send) -> None:
         """A streamed answer: its head, then each chunk as it comes; `close` says how it ended."""
         status = "500"
-        raw = [(b"content-type", answer.media), (b"x-request-id", call.request_id.encode())]
+        raw = [(b"content-type", answer.media), (b"x-request-id", call.work.request_id.encode())]
         raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
+        if call.work.asked:
+            raw.append((b"x-service-tier", TIER_NAMES[call.work.tier].encode()))
         raw.append((b"cache-control", b"no-cache"))
         gone = call.gone()
         try:

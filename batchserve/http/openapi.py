@@ -23,7 +23,7 @@ REF = "#/components/schemas/{name}"
 
 # Every code the server answers, by status (DESIGN §2 table, the router's own, the jobs wing's).
 ERROR_CODES: dict[int, tuple[str, ...]] = {
-    400: ("INVALID_REQUEST",),
+    400: ("INVALID_REQUEST", "TIMEOUT_TOO_SHORT"),
     401: ("UNAUTHORIZED",),
     404: ("MODEL_NOT_FOUND", "REQUEST_NOT_FOUND", "NOT_FOUND", "BATCH_NOT_FOUND", "FILE_NOT_FOUND"),
     405: ("METHOD_NOT_ALLOWED",),
@@ -38,7 +38,7 @@ ERROR_CODES: dict[int, tuple[str, ...]] = {
     504: ("DEADLINE_EXCEEDED",),
 }
 ERROR_WHEN: dict[int, str] = {
-    400: "the body or a parameter is not what the route takes (the message names the field)",
+    400: "the body or a parameter is not what the route takes (the message names the field), or a timeout too short",
     401: "API keys are configured and the key is missing or wrong",
     404: "unknown model or version, unknown request, job or file id, or unknown route",
     405: "the route does not take this method",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection, Iterable
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -67,6 +68,19 @@ INFERENCE_HEADERS = {
     b"content-type": "content-type",
     b"content-length": "content-length",
 }
+
+
+def first_values(pairs: Iterable[tuple[str, str | bytes]], names: Collection[str]) -> dict[str, str]:
+    """The first value of each of `names` (lower-case) among header or metadata pairs: where a name comes twice
+    (two `authorization` entries), the first wins, as the HTTP request path reads its headers (`endpoint.py`,
+    `inference_headers`); the gRPC listener reads its metadata through this, so the two read a caller alike.
+    Binary values (gRPC's `-bin` keys) are skipped."""
+    found: dict[str, str] = {}
+    for name, value in pairs:
+        key = name.lower()
+        if key in names and key not in found and isinstance(value, str):
+            found[key] = value
+    return found
 
 
 def inference_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp
 from batchserve.backends.loading import EXIT_BACKEND_FAILED, LoadedModels, loading_abandoned
 from batchserve.config import Settings, proxy_list
 from batchserve.gc_tuning import tune_gc
+from batchserve.http.budget import connection_budget
 from batchserve.http.uvicorn_protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
 
 log = logging.getLogger("batchserve")
@@ -166,14 +167,15 @@ SWITCH_INTERVAL_S = 0.0001
 
 
 def connection_guard(settings: Settings) -> ConnectionGuard:
-    """The limits every connection is held to (docs/hardening.md)."""
+    """The limits every connection is held to (docs/hardening.md); the cap is HTTP's share of the descriptor
+    budget (`budget.py`: gRPC's share taken out when `--grpc-port` is on)."""
     return ConnectionGuard.create(
         ConnectionLimits(
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
             header_timeout_s=settings.header_timeout_s,
             body_timeout_s=settings.body_timeout_s,
-            max_connections=settings.max_connections,
+            max_connections=connection_budget(settings).http,
         )
     )
 

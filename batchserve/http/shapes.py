@@ -13,6 +13,15 @@ from batchserve.core.ledger import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from batchserve.http.openapi import Answer, Dialect, Operation, Param
 
 NonNegative = Annotated[int, Meta(ge=0)]
+# A request's own priority (`priority` on the native and v2 routes, `service_tier` on OpenAI's): core/tiers.ASKABLE.
+Priority = Annotated[
+    Literal["auto", "default", "priority", "flex", "enterprise", "paid", "free", "batch"],
+    Meta(
+        description="the tier this request runs at: a tier name, or OpenAI's service_tier (auto and default: the "
+        "key's tier; priority: the best the key allows, its `best_tier`; flex: the batch tier). Above what the key "
+        "allows it is capped; the answer's `x-service-tier` header names the tier it ran at"
+    ),
+]
 
 
 class Error(Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import resource
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Awaitable, Callable
@@ -42,6 +41,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from batchserve import errors
 from batchserve.errors import ApiError
+from batchserve.http.budget import descriptor_limit, split
 from batchserve.heap import release_free_memory
 from batchserve.http.plumbing import new_request_id
 
@@ -58,21 +58,9 @@ class ConnectionLimits:
 
 
 def connection_cap(configured: int) -> int:
-    """The connection cap: as configured, or (0) the descriptor limit less a reserve for the process's own
-    files (the jobs database, logs, model weights, the listener). Raises the soft descriptor limit to the hard
-    one first, so the cap is as high as the system allows."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    if configured > 0:
-        return configured
-    if soft == resource.RLIM_INFINITY:
-        return 65536
-    return max(16, soft - max(32, soft // 8))
+    """The connection cap: as configured, or (0) the whole descriptor budget (`budget.py`; the server passes
+    HTTP's share of it, gRPC's taken out, as configured)."""
+    return split(descriptor_limit(), configured, 0, grpc_on=False).http
 
 
 @dataclass(eq=False)

@@ -16,8 +16,8 @@ from batchserve.inference.shapes import InferenceRequest
 _DECODER = msgspec.json.Decoder(InferenceRequest)
 
 
-def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float]:
-    """(input, model, timeout in seconds) from the body, or 400/413 with the reason."""
+def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float, str | None]:
+    """(input, model, timeout in seconds, priority) from the body, or 400/413 with the reason."""
     if content_type != JSON:  # what nearly every client sends, compared without a call
         check_json_content_type(content_type)
     # An ASCII body (nearly all) goes straight to the decoder; `decode` checks UTF-8 first for the rest.
@@ -37,4 +37,4 @@ def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, s
     timeout_ms = s.timeout_ms if req.timeout_ms is msgspec.UNSET else req.timeout_ms
     if not timeout_ms <= s.max_timeout_ms:
         raise errors.invalid(f'"timeout_ms" must be a number of milliseconds in (0, {s.max_timeout_ms:.0f}]')
-    return text, req.model, timeout_ms / 1000
+    return text, req.model, timeout_ms / 1000, req.priority

@@ -23,7 +23,7 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.core.requests_log import Record, RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import COUNTED, JSON_MEDIA, Answer, Call, costs_of, Endpoint, no_body, public
+from batchserve.http.endpoint import COUNTED, JSON_MEDIA, Answer, Call, Endpoint, no_body, public
 from batchserve.http.guards import Guard
 from batchserve.inference.parse import parse_inference
 from batchserve.models import ModelRegistry
@@ -44,40 +44,39 @@ class InferenceHost(Protocol):
         ...
 
 
-def parse(rt: InferenceHost, call: Call, body: bytes) -> tuple[str, float]:
-    """The input and its timeout; the model version that answers (404 when none), in `call.model`."""
-    text, requested_model, timeout_s = parse_inference(body, call.headers.get("content-type", ""), rt.settings)
+def parse(rt: InferenceHost, call: Call, body: bytes) -> str:
+    """The input; the model version that answers (404 when none) and the deadline, in `call.work`."""
+    text, requested_model, timeout_s, priority = parse_inference(
+        body, call.headers.get("content-type", ""), rt.settings
+    )
     caller = call.caller
     assert caller is not None  # the endpoint identifies its callers
     model = rt.registry.resolve_id(requested_model, caller.key_id)
     if model is None:
         raise errors.model_not_found(requested_model)
-    call.model = model
-    return text, timeout_s
+    call.work.model = model
+    call.work.due_in(timeout_s)
+    if priority is not None:
+        call.run_at(priority, "priority")
+    return text
 
 
-def infer(rt: InferenceHost, call: Call, req: tuple[str, float]) -> Awaitable[ItemResult]:
+def infer(rt: InferenceHost, call: Call, text: str) -> Awaitable[ItemResult]:
     """The one door, read as the narrow handler: it answers on the batcher, or hands a generative model to the
     generation engine's stepper (`--inference-path`, generation/inference.py). Its awaitable, handed back to the
     skeleton as it is (no coroutine of this route's own in between: the hot path)."""
     handler: InferenceHandler = rt.service
-    caller = call.caller
-    assert caller is not None  # the endpoint identifies its callers
-    return handler.infer(
-        req[0], call.model, caller.tier, caller.tenant, req[1], call.arrived, call.request_id, call.gone(), caller.owner
-    )
+    return handler.infer(call.work, text)
 
 
-def render(rt: InferenceHost, call: Call, req: tuple[str, float], result: ItemResult) -> Answer:
-    # The door's cost of the input where it was the backend's `cost_of` (not asked again), else asked here.
-    call.cost = result.cost if result.cost is not None else costs_of(rt.backends.get(call.model), (req[0],))
+def render(rt: InferenceHost, call: Call, text: str, result: ItemResult) -> Answer:
     queue_ms, compute_ms = result.queue_s * 1000, result.compute_s * 1000
     out = orjson.dumps(
         {
-            "request_id": call.request_id,
+            "request_id": call.work.request_id,
             "output": result.output,
-            "model": call.model,
-            "latency_ms": round((time.monotonic() - call.arrived) * 1000),
+            "model": call.work.model,
+            "latency_ms": round((time.monotonic() - call.work.arrived) * 1000),
             "queue_ms": round(queue_ms),
             "compute_ms": round(compute_ms),
             "batch_size": result.batch_size,
@@ -123,7 +122,7 @@ def render_models(rt: InferenceHost, call: Call, req: None, data: list[dict[str,
     return Answer(orjson.dumps({"object": "list", "data": data}))
 
 
-inference: Endpoint[InferenceHost, tuple[str, float], ItemResult] = Endpoint(NATIVE, parse, infer, render)
+inference: Endpoint[InferenceHost, str, ItemResult] = Endpoint(NATIVE, parse, infer, render)
 request_status: Endpoint[InferenceHost, None, Record] = Endpoint(
     NATIVE, no_body, find_request, render_record, book=COUNTED, body=False
 )

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import REQUEST_ID, Answer, Header, Operation, Param
-from batchserve.http.shapes import NATIVE, NonNegative
+from batchserve.http.shapes import NATIVE, NonNegative, Priority
 
 
 class InferenceRequest(Struct):
@@ -37,6 +37,7 @@ class InferenceRequest(Struct):
         ]
         | UnsetType
     ) = UNSET
+    priority: Priority | None = None
 
 
 class InferenceResponse(Struct):

@@ -271,7 +271,7 @@ class LineRunner:
                 )
                 texts, finish = req.inputs, self._embeddings(model, req.inputs, req.base64, request_id)
             elif endpoint == INFERENCE:
-                text, _, _ = parse_inference(body, "application/json", self.settings)
+                text, _, _, _ = parse_inference(body, "application/json", self.settings)
                 texts, finish = [text], self._inference(model, request_id)
             else:
                 raise AssertionError(f"{endpoint} lines are refused when the batch is created")

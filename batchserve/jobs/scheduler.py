@@ -78,7 +78,7 @@ class Door(Protocol):
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item: ...
     def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
     def job_room(self, model: str) -> Room | None: ...
-    async def pretokenize(self, model: str, texts: list[str]) -> None: ...
+    async def pretokenize(self, model: str, texts: list[str], tenant: str = "") -> None: ...
 
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
@@ -409,7 +409,7 @@ class Scheduler:
         else:
             texts = [text for _, text in rows]
         if texts:
-            await self.door.pretokenize(job.model, texts)
+            await self.door.pretokenize(job.model, texts, job.tenant)
             if job.cancelled:
                 return
         for index, text in rows:

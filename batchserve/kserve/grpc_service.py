@@ -1,24 +1,36 @@
 """KServe Open Inference Protocol v2 over gRPC (`--grpc-port`): the service Triton's gRPC clients call.
 
 The same model view as the HTTP v2 routes (`parse.py`, `render.py`: one BYTES input `input`, one output `output`,
-BYTES or FP32) and the same request path: identify the caller (the `authorization` metadata), one rate-limit token
-per element, every element through the door (`InferenceService.infer_many`) as its own item, so gRPC callers share
-batches with every HTTP route, and each answer counted by the guard. The messages come from `grpc_inference.proto`,
-loaded at start (grpcio-tools), never generated into the tree.
+BYTES or FP32) and the same request path: identify the caller as HTTP does (the FIRST `authorization` entry,
+`plumbing.first_values`, then `Guard.identify`), one rate-limit token per element, every element through the door
+(`InferenceService.infer_many`) as its own item, so gRPC callers share batches with every HTTP route, and each
+answer counted by the guard. The messages are built from the descriptor shipped in the package
+(`grpc_messages.py`), never compiled at start.
 
-Refusals are gRPC status codes (400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 413
-INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 5xx INTERNAL) with the message
-as details and, where retrying later helps, `retry-after-ms` in the trailing metadata.
+The listener is held to the limits HTTP's connections are (docs/hardening.md): its own share of the descriptor
+budget as a connection cap (`http/budget.py`), connections without a call closed after `--keep-alive-timeout-s`
+(and those that never finish the HTTP/2 preface after `--header-timeout-s`), at most MAX_STREAMS calls at once on
+one connection, and a call's request message read within `--body-timeout-s` of the call (each method is
+registered as client-streaming so the read is ours to bound: unary clients send the same bytes). A message that
+is not the method's protobuf is INVALID_ARGUMENT, and no refusal names a Python exception.
+
+Refusals are gRPC status codes (400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 408 DEADLINE_EXCEEDED,
+413 INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 5xx INTERNAL) with the
+message as details and, where retrying later helps, `retry-after-ms` in the trailing metadata.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from batchserve import __version__, errors
@@ -26,11 +38,14 @@ from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
-from batchserve.http.plumbing import request_id_from
-from batchserve.http.endpoint import costs_of
+from batchserve.core.tiers import NAMES as TIER_NAMES
+from batchserve.core.work import Work
+from batchserve.http.budget import connection_budget
 from batchserve.http.guards import Guard
+from batchserve.http.plumbing import first_values, request_id_from
 from batchserve.kserve import render
 from batchserve.kserve.parse import bad, bytes_elements
+from batchserve.kserve.grpc_messages import SERVICE, Messages, load
 from batchserve.kserve.render import model_metadata
 from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME
 from batchserve.models import ModelRegistry
@@ -40,13 +55,19 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 log = logging.getLogger("batchserve.grpc")
-PROTO = "batchserve/kserve/grpc_inference.proto"
-protos, services = grpc.protos_and_services(PROTO)
+protos: Messages = load()  # cli.py loads them first, so an unfit protobuf is one line and exit 2 before start
+
+MAX_STREAMS = 100  # calls open at once on one connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS)
+MAX_AGE_S = 3600.0  # a connection is asked to close (GOAWAY) after about this long, so none is held for ever
+KEEPALIVE_S = 60.0  # the server pings a connection with calls open this often: a vanished peer is found
+KEEPALIVE_TIMEOUT_S = 20.0
+METADATA = ("authorization", "x-request-id")  # what the service reads of a call's metadata
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -79,6 +100,7 @@ class OutputRequest(Protocol):
 
 class Parameter(Protocol):
     int64_param: int
+    string_param: str
 
     def WhichOneof(self, group: str) -> str | None: ...  # noqa: N802 - protobuf's name
 
@@ -109,8 +131,11 @@ class GrpcHost(Protocol):
         ...
 
 
-def find_model(rt: GrpcHost, name: str, version: str) -> ModelSpec:
-    """The model named (its versions split by weight when `version` is empty), or a 404 in v2's words."""
+def find_model(rt: GrpcHost, name: str, version: str, field: str = "name") -> ModelSpec:
+    """The model named (its versions split by weight when `version` is empty), or a 404 in v2's words; an empty
+    name is a 400 naming `field` (HTTP's v2 paths always name a model: none is picked for the caller)."""
+    if not name:
+        raise bad(f"'{field}' is required: the model to call (see ServerMetadata and ModelMetadata)")
     spec = rt.registry.by_id.get(f"{name}@{version}") if version else rt.registry.resolve(name)
     if spec is None:
         raise ApiError(
@@ -174,39 +199,47 @@ def output_tensor(outputs: Sequence[object], shape: list[int], kind: str) -> tup
     return tensor["datatype"], tensor["shape"], render.to_binary(tensor["datatype"], flat)
 
 
-class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[name-defined]
-    """The six v2 methods over the runtime's door; everything else is the generated base's UNIMPLEMENTED."""
+Read = Callable[[], Awaitable[object]]  # the call's request message, read within the body timeout
+
+
+class InferenceServicer:
+    """The six v2 methods over the runtime's door; a method the service does not declare is gRPC's UNIMPLEMENTED.
+    Each is handed `read` for its request message, so a method can refuse a caller before its message is read."""
 
     def __init__(self, rt: GrpcHost) -> None:
         self.rt = rt
 
-    async def ServerLive(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802 - v2's names
+    async def ServerLive(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802 - v2's names
+        await read()
         return protos.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+    async def ServerReady(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
+        await read()
         return protos.ServerReadyResponse(ready=self.rt.not_ready_reason() is None)
 
-    async def ModelReady(self, request: ModelRef, context: aio.ServicerContext) -> object:  # noqa: N802
+    async def ModelReady(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
+        request: ModelRef = await read()  # type: ignore[assignment]
         try:
             spec = find_model(self.rt, request.name, request.version)
-        except ApiError:
+        except ApiError as err:
+            if err.status != 404:  # no name at all: the 400 that names the field
+                raise
             return protos.ModelReadyResponse(ready=False)  # as HTTP's tritonclient reads a 404: not ready
         ready = self.rt.not_ready_reason() is None and spec.id in self.rt.backends
         return protos.ModelReadyResponse(ready=ready)
 
-    async def ServerMetadata(self, request: object, context: aio.ServicerContext) -> object:  # noqa: N802
+    async def ServerMetadata(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
+        await read()
         return protos.ServerMetadataResponse(name="batchserve", version=__version__, extensions=EXTENSIONS)
 
-    async def ModelMetadata(self, request: ModelRef, context: aio.ServicerContext) -> object:  # noqa: N802
-        try:
-            spec = find_model(self.rt, request.name, request.version)
-        except ApiError as err:
-            await abort(context, err)
+    async def ModelMetadata(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
+        request: ModelRef = await read()  # type: ignore[assignment]
+        spec = find_model(self.rt, request.name, request.version)
         backend = self.rt.backends.get(spec.id)
         kind = backend.output_kind if backend is not None else "text"
         versions = [s.version for s in self.rt.registry.by_name.get(spec.name, [])]
         meta = model_metadata(spec.name, versions, spec.backend, kind)
-        tensors = protos.ModelMetadataResponse.TensorMetadata
+        tensors = protos.ModelMetadataResponse.TensorMetadata  # type: ignore[attr-defined]
         return protos.ModelMetadataResponse(
             name=meta["name"],
             versions=meta["versions"],
@@ -215,22 +248,30 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
             outputs=[tensors(**t) for t in meta["outputs"]],
         )
 
-    async def ModelInfer(self, request: InferRequest, context: aio.ServicerContext) -> object:  # noqa: N802
+    async def ModelInfer(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
         rt = self.rt
         s = rt.settings
         guard = rt.guard
         arrived = time.monotonic()
-        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        request_id = request_id_from(metadata.get("x-request-id"))
-        model_id = "unknown"
+        metadata = first_values(context.invocation_metadata() or (), METADATA)
+        work = Work(request_id_from(metadata.get("x-request-id")), arrived, gone=context.cancelled)
         caller: Caller | None = None  # known once identified: a 429 or a 5xx is booked to it (the SLO ledger)
-        inputs = 1  # until the tensor is read
         try:
             caller = guard.identify(metadata.get("authorization"), {"client": peer_address(context.peer())})
+            work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
+            guard.check(caller)  # as HTTP's `enter`: a caller who may not send is refused before its message is read
+            request: InferRequest = await read()  # type: ignore[assignment]
+            spec = find_model(rt, request.model_name, request.model_version, "model_name")
+            work.model = spec.id
             texts, shape, timeout_us = parse_request(request, s.max_input_chars)
-            inputs = len(texts)
-            spec = find_model(rt, request.model_name, request.model_version)
-            model_id = spec.id
+            work.inputs = len(texts)
+            if "priority" in request.parameters:  # the tier it asks to run at, within its key's (`Work.ask`)
+                asked = request.parameters["priority"]
+                kind = asked.WhichOneof("parameter_choice")
+                if kind not in ("string_param", "int64_param", "uint64_param"):  # a name, or a Triton level
+                    raise bad("'parameters.priority' must be a tier name or Triton's priority level")
+                rank = work.ask(getattr(asked, kind), caller.tier, caller.ceiling, "parameters.priority")
+                caller = dataclasses.replace(caller, tier=rank)
             backend = rt.backends.get(spec.id)
             if backend is None:
                 raise errors.warming_up()
@@ -242,35 +283,73 @@ class InferenceServicer(services.GRPCInferenceServiceServicer):  # type: ignore[
                 raise bad(f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms)")
             guard.take(caller, len(texts))
             try:
-                results = await rt.service.infer_many(
-                    texts,
-                    spec.id,
-                    caller.tier,
-                    caller.tenant,
-                    timeout_ms / 1000,
-                    arrived,
-                    request_id,
-                    context.cancelled,
-                    caller.owner,
-                )
+                results = await rt.service.infer_many(work.due_in(timeout_ms / 1000), texts)
             except ClientGone:
-                guard.gone(model_id)
+                guard.gone(work.model)
                 return protos.ModelInferResponse()  # nobody reads it: the call was cancelled
             datatype, out_shape, raw = output_tensor([r.output for r in results], shape, backend.output_kind)
-            guard.ok(model_id, time.monotonic() - arrived, caller, len(texts), costs_of(backend, texts))
+            guard.ok(work.model, time.monotonic() - arrived, caller, work.inputs, work.cost)
         except ApiError as err:
-            guard.refused(model_id, err, caller, inputs)
-            await abort(context, err, request_id)
+            guard.refused(work.model, err, caller, work.inputs)
+            await abort(context, err, work.request_id)
         except Exception:  # as the HTTP skeleton: logged, an INTERNAL status that says nothing of it, counted
             log.exception("unhandled error in ModelInfer")
             failed = errors.internal_error()
-            guard.refused(model_id, failed, caller, inputs)
-            await abort(context, failed, request_id)
-        await context.send_initial_metadata((("x-request-id", request_id),))
-        tensor = protos.ModelInferResponse.InferOutputTensor(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
+            guard.refused(work.model, failed, caller, work.inputs)
+            await abort(context, failed, work.request_id)
+        head: tuple[tuple[str, str], ...] = (("x-request-id", work.request_id),)
+        if work.asked:
+            head += (("x-service-tier", TIER_NAMES[work.tier]),)
+        await context.send_initial_metadata(head)
+        output = protos.ModelInferResponse.InferOutputTensor  # type: ignore[attr-defined]
+        tensor = output(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
         return protos.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=request.id, outputs=[tensor], raw_output_contents=[raw]
         )
+
+
+async def read_request(context: aio.ServicerContext, message: type, timeout_s: float) -> object:
+    """The call's one request message, decoded: 408 (DEADLINE_EXCEEDED) when it has not arrived whole within
+    `timeout_s` of the call (`--body-timeout-s`, as HTTP bodies), 400 when it is missing or not `message`."""
+    try:
+        raw = await asyncio.wait_for(context.read(), timeout_s)
+    except TimeoutError:
+        raise errors.request_timeout(f"the request message did not arrive within {timeout_s:g} s") from None
+    if not isinstance(raw, bytes):  # aio.EOF: the client half-closed without a message
+        raise bad("the call carried no request message")
+    try:
+        return message.FromString(raw)  # type: ignore[attr-defined]
+    except DecodeError:
+        raise bad(f"the request message is not a valid {message.__name__} (protobuf)") from None
+
+
+Impl = Callable[[Read, aio.ServicerContext], Awaitable[object]]
+
+
+def method_handler(name: str, impl: Impl, message: type, timeout_s: float) -> grpc.RpcMethodHandler:
+    """One method, registered client-streaming (a unary client's bytes are the same) so that reading its request
+    is `read_request`'s: bounded in time, decoded here. An error of the method that is no ApiError is logged and
+    answered INTERNAL without its name, never gRPC's "Unexpected <class ...>"."""
+
+    async def call(requests: object, context: aio.ServicerContext) -> object:
+        async def read() -> object:
+            return await read_request(context, message, timeout_s)
+
+        try:
+            return await impl(read, context)
+        except ApiError as err:  # ModelInfer counts and answers its own; these are the other methods'
+            await abort(context, err)
+        except aio.AbortError:
+            raise
+        except Exception:
+            log.exception("unhandled error in %s", name)
+            await abort(context, errors.internal_error())
+
+    return grpc.stream_unary_rpc_method_handler(call, response_serializer=serialize)
+
+
+def serialize(message: object) -> bytes:
+    return message.SerializeToString()  # type: ignore[attr-defined]
 
 
 def peer_address(peer: str) -> tuple[str, int] | None:
@@ -297,12 +376,40 @@ async def abort(context: aio.ServicerContext, err: ApiError, request_id: str = "
     raise AssertionError("context.abort returned")  # it raises; this keeps the type checker told
 
 
+def server_options(s: Settings, max_connections: int) -> list[tuple[str, int]]:
+    """grpcio's server arguments that hold its connections to HTTP's limits (docs/hardening.md)."""
+
+    def ms(seconds: float) -> int:
+        return max(1, round(seconds * 1000))
+
+    return [
+        ("grpc.max_receive_message_length", s.max_body_bytes),
+        ("grpc.max_metadata_size", s.max_header_bytes),
+        ("grpc.max_allowed_incoming_connections", max_connections),  # past it, a new connection is closed at once
+        ("grpc.server_handshake_timeout_ms", ms(s.header_timeout_s)),  # the HTTP/2 preface and SETTINGS
+        ("grpc.max_connection_idle_ms", ms(s.keep_alive_timeout_s)),  # no call open: GOAWAY, then closed
+        ("grpc.max_connection_age_ms", ms(MAX_AGE_S)),
+        ("grpc.max_connection_age_grace_ms", ms(s.body_timeout_s + s.max_timeout_ms / 1000)),
+        ("grpc.max_concurrent_streams", MAX_STREAMS),
+        ("grpc.keepalive_time_ms", ms(KEEPALIVE_S)),
+        ("grpc.keepalive_timeout_ms", ms(KEEPALIVE_TIMEOUT_S)),
+        ("grpc.keepalive_permit_without_calls", 0),  # a client's pings on an idle connection are bad pings
+        ("grpc.http2.max_ping_strikes", 2),  # a client pinging too often is sent GOAWAY (gRPC's default, said)
+    ]
+
+
 async def start_grpc(rt: GrpcHost, host: str, port: int) -> tuple[aio.Server, int]:
     """The gRPC server on `host:port` (0 = a free port), on the running event loop: (server, bound port)."""
-    server = aio.server(options=[("grpc.max_receive_message_length", rt.settings.max_body_bytes)])
-    services.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(rt), server)
+    s = rt.settings
+    cap = connection_budget(s).grpc
+    server = aio.server(options=server_options(s, cap))
+    servicer = InferenceServicer(rt)
+    handlers = {
+        m.name: method_handler(m.name, getattr(servicer, m.name), m.request, s.body_timeout_s) for m in protos.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_insecure_port(address)
     await server.start()
-    log.info("gRPC (KServe v2) listening on %s:%d", host, bound)
+    log.info("gRPC (KServe v2) listening on %s:%d; at most %d connections", host, bound, cap)
     return server, bound

@@ -40,6 +40,7 @@ class InferRequest:
     binary_output: bool
     timeout_us: float | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    priority: str | int | None = None  # `parameters.priority`: the tier it asks to run at (`Work.ask`)
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -164,4 +165,7 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
         binary_output = o.parameters is not None and o.parameters.binary_data is True
     timeout = params.timeout if params is not None else None
     given = msgspec.structs.asdict(params) if params is not None else {}
-    return InferRequest(req.id, texts, shape, binary_output, timeout, {k: v for k, v in given.items() if v is not None})
+    priority = params.priority if params is not None else None
+    return InferRequest(
+        req.id, texts, shape, binary_output, timeout, {k: v for k, v in given.items() if v is not None}, priority
+    )

@@ -26,7 +26,7 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.http.dialects import KSERVE
-from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint, public
+from batchserve.http.endpoint import Answer, Call, Endpoint, public
 from batchserve.http.guards import Guard
 from batchserve.kserve.parse import InferRequest, parse_infer
 from batchserve.kserve.render import infer_answer, model_metadata
@@ -134,7 +134,6 @@ class Infer:
     req: InferRequest
     spec: ModelSpec
     backend: Backend
-    timeout_s: float
 
 
 def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
@@ -144,9 +143,8 @@ def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
     params = scope.get("path_params") or infer_path_params(scope["path"]) or {}
     scope["path_params"] = params  # for the request span's route name (tracing.py)
     req = parse_infer(body, call.headers.get(HEADER_LENGTH), s.max_input_chars)
-    call.inputs = len(req.texts)
     spec = find_model(rt, params.get("model", ""), params.get("version"))
-    call.model = spec.id
+    call.work.model = spec.id
     backend = rt.backends.get(spec.id)
     if backend is None:
         raise errors.warming_up()
@@ -156,26 +154,14 @@ def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
             f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms = "
             f"{s.max_timeout_ms * 1000:.0f} microseconds)"
         )
-    return Infer(req, spec, backend, timeout_ms / 1000)
+    call.work.due_in(timeout_ms / 1000)
+    call.run_at(req.priority, "parameters.priority")
+    return Infer(req, spec, backend)
 
 
 async def infer_many(rt: KServeHost, call: Call, x: Infer) -> list[ItemResult]:
     """Every element its own item, admitted together (as the inputs of /v1/embeddings)."""
-    caller = call.who
-    texts = x.req.texts
-    results = await rt.service.infer_many(
-        texts,
-        x.spec.id,
-        caller.tier,
-        caller.tenant,
-        x.timeout_s,
-        call.arrived,
-        call.request_id,
-        call.gone(),
-        caller.owner,
-    )
-    call.cost = costs_of(x.backend, texts)
-    return results
+    return await rt.service.infer_many(call.work, x.req.texts)
 
 
 def render(rt: KServeHost, call: Call, x: Infer, results: list[ItemResult]) -> Answer:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import Answer, Dialect, Operation, Param
+from batchserve.http.shapes import Priority
 
 MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
 MAX_DIMS = 8
@@ -61,6 +62,11 @@ class V2ModelMetadata(Struct):
 class InferParameters(Struct):
     timeout: Annotated[float, Meta(gt=0, description="the request's deadline in microseconds")] | None = None
     binary_data_output: Annotated[bool, Meta(description="the output tensor in binary")] | None = None
+    priority: (
+        Priority
+        | Annotated[int, Meta(ge=0, description="Triton's priority level: 0 the default, 1 the highest (enterprise)")]
+        | None
+    ) = None
 
 
 class InputParameters(Struct):

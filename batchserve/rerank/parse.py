@@ -26,6 +26,7 @@ class RerankRequest:
     return_documents: bool
     model: str | None  # None: the first reranking model
     timeout_s: float
+    service_tier: str | None = None  # the priority it asks for (`Work.ask`)
 
 
 def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms: float) -> RerankRequest:
@@ -49,4 +50,5 @@ def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms
         return_documents=req.return_documents,
         model=req.model,
         timeout_s=timeout_ms / 1000,
+        service_tier=req.service_tier,
     )

@@ -17,7 +17,7 @@ from batchserve.config import Settings
 from batchserve.core.fairqueue import ItemResult
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import Answer, Call, costs_of, Endpoint
+from batchserve.http.endpoint import Answer, Call, Endpoint
 from batchserve.http.guards import Guard
 from batchserve.http.model_choice import RERANKING, pick_model
 from batchserve.models import ModelRegistry
@@ -48,31 +48,20 @@ def parse_request(rt: RerankHost, call: Call, body: bytes) -> Rerank:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
     model_id, backend = pick_model(rt, RERANKING, req.model, call.who.key_id)
-    call.model = model_id
+    call.work.model = model_id
+    call.work.due_in(req.timeout_s)
+    call.run_at(req.service_tier, "service_tier")
     pairs = [pair_input(req.query, doc) for doc in req.documents]
-    call.inputs = max(1, len(pairs))
     return Rerank(req, pairs, backend)
 
 
 async def score(rt: RerankHost, call: Call, r: Rerank) -> tuple[list[ItemResult], int]:
     """Each pair its own item, admitted together; the tokens from the pairs' kept encodings (no tokenizing)."""
-    caller = call.who
-    results = await rt.service.infer_many(
-        r.pairs,
-        call.model,
-        caller.tier,
-        caller.tenant,
-        r.req.timeout_s,
-        call.arrived,
-        call.request_id,
-        call.gone(),
-        caller.owner,
-    )
+    results = await rt.service.infer_many(call.work, r.pairs)
     try:
         tokens = sum(r.backend.count_tokens(r.pairs) or ())
     except Exception:  # noqa: BLE001 - usage is not worth failing the answer
         tokens = 0
-    call.cost = costs_of(r.backend, r.pairs)
     return results, tokens
 
 
@@ -80,7 +69,7 @@ def render(rt: RerankHost, call: Call, r: Rerank, done: tuple[list[ItemResult], 
     results, tokens = done
     req = r.req
     return Answer(
-        answer([x.output for x in results], req.documents, req.top_n, req.return_documents, call.model, tokens)
+        answer([x.output for x in results], req.documents, req.top_n, req.return_documents, call.work.model, tokens)
     )
 
 

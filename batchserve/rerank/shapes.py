@@ -9,7 +9,7 @@ from typing import Annotated
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import Answer, Operation
-from batchserve.http.shapes import OPENAI, NonNegative
+from batchserve.http.shapes import OPENAI, NonNegative, Priority
 
 MAX_DOCUMENTS = 1000  # documents per request (Cohere's limit)
 
@@ -39,6 +39,7 @@ class RerankRequest(Struct):
     timeout_ms: (
         Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")] | UnsetType
     ) = UNSET
+    service_tier: Priority | None = None
 
 
 class RerankResult(Struct, omit_defaults=True):

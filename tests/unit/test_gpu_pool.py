@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from batchserve.core.batcher import Batch
+from batchserve.core.batch import Batch
 from batchserve.gpu_pool import GpuPool, Worker
 from batchserve.metrics import make_metrics
 from tests.unit.core.test_policy import S, make_batcher, make_item

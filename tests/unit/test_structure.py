@@ -137,10 +137,6 @@ def test_no_wing_imports_another_wings_routes():
     assert not any(wrong.values()), wrong
 
 
-def test_nothing_in_the_package_imports_the_batcher_shim():
-    """batchserve/batcher.py re-exports core/batcher.py for the design card's sake only."""
-    assert not importers_of(import_graph(), {"batchserve.batcher"})
-
 
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

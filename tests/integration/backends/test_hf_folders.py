@@ -8,6 +8,7 @@ tests/integration/generation/test_folder_generation.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -73,6 +74,22 @@ def test_dimensions_truncates_and_normalises_again(server: LiveServer) -> None:
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "x", "model": "emb", "dimensions": 33})
     assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
     assert "32" in r.json()["error"]["message"]
+
+
+def test_a_long_input_is_embedded_from_a_cut_and_an_unsafe_one_is_a_clear_413(
+    server: LiveServer, folders: dict[str, Path]
+) -> None:
+    """"emb" reads 64 tokens, so the tokenizer is given at most 2,048 characters of an input: a 10,000-character
+    text gets the vector sentence-transformers gives the whole text; 5,000 spaces before two words (no safe cut:
+    its first 2,048 characters make no token) get a JSON 413 naming the bound, not a vector of 2 tokens."""
+    from sentence_transformers import SentenceTransformer
+
+    long = (" ".join(TEXTS) + " ") * 25
+    assert 10_000 < len(long) < 16_384  # --max-input-chars
+    want = SentenceTransformer(str(folders["emb"]), device="cpu").encode([long])
+    np.testing.assert_allclose(embed(server, "emb", [long]), want, atol=1e-5)
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": " " * 5000 + "the cat", "model": "emb"}, timeout=60)
+    assert r.status_code == 413 and "2048" in r.json()["error"]["message"], r.text
 
 
 def test_usage_counts_the_folders_tokens(server: LiveServer, folders: dict[str, Path]) -> None:
@@ -167,7 +184,15 @@ def test_a_folder_that_cannot_be_served_exits_2_with_one_line(tmp_path: Path, fo
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     (gpt2 / "tokenizer.json").write_text((folders["rr"] / "tokenizer.json").read_text())
-    cases = [(("--model", str(seq2seq)), "cannot tell what to serve"),
+    hostile = tmp_path / "hostile"  # a normalizer that turns each space into 4 KB: one request once took 8 GB
+    shutil.copytree(folders["emb"], hostile)
+    from tokenizers import Tokenizer, normalizers
+
+    tok = Tokenizer.from_file(str(hostile / "tokenizer.json"))
+    tok.normalizer = normalizers.Sequence([tok.normalizer, normalizers.Replace(" ", "x" * 4096)])
+    tok.save(str(hostile / "tokenizer.json"))
+    cases = [(("--model", str(hostile)), "its normalizer turns"),
+             (("--model", str(seq2seq)), "cannot tell what to serve"),
              (("--model", str(gpt2), "--task", "generation"), "cannot run on the generation engine"),
              (("--model", str(folders["rr"]), "--task", "generation"), "cannot run on the generation engine"),
              (("--model", str(tmp_path / "missing")), "no such folder"),

@@ -253,9 +253,14 @@ def test_small_refusals_json_type_echoes_and_unmeetable_deadlines(server_factory
         assert r.status_code == 404 and len(r.content) < 1000
         r = c.get("/v1/requests/" + "r" * 8000)
         assert r.status_code == 404 and len(r.content) < 1000
-        # A deadline no batch can meet: 504 at the door, and no hint to retry.
-        r = c.post("/v1/inference", json={"input": "a", "timeout_ms": 1e-300})
-        assert r.status_code == 504 and "retry_after_ms" not in r.json() and "retry-after" not in r.headers
+        # A deadline no batch can meet: the request's fault, a 400 at the door naming the least timeout (one 50 ms
+        # batch and the 5 ms dispatch margin), no retry hint, every time (no probe: a longer timeout may be asked).
+        for _ in range(2):
+            r = c.post("/v1/inference", json={"input": "a", "timeout_ms": 1e-300})
+            assert r.status_code == 400 and r.json()["error"] == "TIMEOUT_TOO_SHORT", r.text
+            assert "ask for at least 55 ms" in r.json()["message"]
+            assert "retry_after_ms" not in r.json() and "retry-after" not in r.headers
+        assert c.post("/v1/inference", json={"input": "a", "timeout_ms": 60}).status_code == 200
 
 
 def test_one_slow_first_batch_does_not_shut_the_door_for_good(server_factory):

@@ -32,8 +32,8 @@ def reference(batcher: Batcher, model: str, until_free_s: float, healthy: int, a
               bucket: int | None = None, rates: Mapping[int, float] | None = None) -> Prediction:
     """`admission.predict` as it was before the hot-path cuts (ebee825), line for line."""
     times = batcher.batch_s
-    full_n, limit, budget = batcher.full_n(model), batcher.limit(model), batcher.budget(model)
-    unit = batcher.unit.get(model, 1.0)
+    full_n, limit, budget = batcher.costs.full_n(model), batcher.costs.limit(model), batcher.costs.budget(model)
+    unit = batcher.costs.unit.get(model, 1.0)
 
     def per(cost: float) -> int:
         return limit if budget == math.inf else max(1, min(limit, int(budget // cost)))
@@ -46,23 +46,23 @@ def reference(batcher: Batcher, model: str, until_free_s: float, healthy: int, a
         return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {}, per)
     full_s = times[model]
     if bucket is not None:
-        row = batcher.row_cost.get((model, bucket), 0.0)
+        row = batcher.costs.row_cost.get((model, bucket), 0.0)
         own_q = batcher.queues.get((model, bucket))
         unit = max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
         own_unit = max(own_unit, row)
         full_n, per_batch = per(unit), per(own_unit)
-        full_s = times.at(model, batcher.estimate_cost(model, full_n, unit))
+        full_s = times.at(model, batcher.costs.estimate_cost(model, full_n, unit))
     base = until_free_s + (ahead // full_n) * full_s / share
     rem = ahead % full_n
     if rem + 1 > per_batch:
-        base += times.at(model, batcher.estimate_cost(model, rem, unit)) / share
+        base += times.at(model, batcher.costs.estimate_cost(model, rem, unit)) / share
         rem = 0
-    first = base + times.at(model, batcher.estimate_cost(model, rem + 1, own_unit))
+    first = base + times.at(model, batcher.costs.estimate_cost(model, rem + 1, own_unit))
     total = rem + max(1, len(costs))
     k = -(-total // per_batch)
     last_rows = total - (k - 1) * per_batch
-    last = (base + (k - 1) * times.at(model, batcher.estimate_cost(model, per_batch, own_unit)) / share
-            + times.at(model, batcher.estimate_cost(model, last_rows, own_unit)))
+    last = (base + (k - 1) * times.at(model, batcher.costs.estimate_cost(model, per_batch, own_unit)) / share
+            + times.at(model, batcher.costs.estimate_cost(model, last_rows, own_unit)))
     return Prediction(first, max(first, last), base)
 
 
@@ -89,10 +89,10 @@ def random_batcher(rng: random.Random, clock: Clock, loop) -> Batcher:
         cost = rng.uniform(1, 60) * (bucket + 1) if costed else 1.0
         it = Item("x", M, bucket, loop.create_future(), clock.t, clock.t + 30, None, rng.randint(0, 2),
                   rng.choice("abc"), cost=cost)
-        b.note_cost(M, cost)
+        b.costs.note_cost(M, cost)
         b.submit(it)
     if costed and rng.random() < 0.5:
-        b.row_cost[(M, rng.randint(0, 2))] = rng.uniform(1, 200)
+        b.costs.row_cost[(M, rng.randint(0, 2))] = rng.uniform(1, 200)
     return b
 
 
@@ -194,7 +194,7 @@ def test_the_reference_is_not_trivially_equal(loop) -> None:
     clock = Clock()
     b = random_batcher(random.Random(5), clock, loop)
     real = predict(b, M, 0.05, 1, 150, [1.0], None, None)
-    shifted = reference(b, M, 0.05, 1, 150 + b.full_n(M), [1.0], None, None)
+    shifted = reference(b, M, 0.05, 1, 150 + b.costs.full_n(M), [1.0], None, None)
     assert real != shifted
 
 
@@ -243,20 +243,20 @@ def test_kept_figures_decide_as_figures_read_afresh(loop, monkeypatch) -> None:
             for _ in range(40):
                 step = rng.randrange(24)
                 if step == 0:
-                    b.observe_batch(M, rng.uniform(0.005, 0.5), rng.uniform(1, 100), rng.randint(1, 100))
+                    b.costs.observe(M, rng.uniform(0.005, 0.5), rng.uniform(1, 100), rng.randint(1, 100))
                 elif step == 1:
                     b.batch_s.seed(M, rng.uniform(0.01, 0.3))
                 elif step == 2:
                     workers.healthy = rng.choice([0, 1, 1, 2])
                 elif step == 3:
-                    b.max_batch_cost = rng.choice([0.0, rng.uniform(50, 5000)])
+                    b.costs.set_max_batch_cost(rng.choice([0.0, rng.uniform(50, 5000)]))
                 elif step == 4:
-                    b.note_cost(M, rng.uniform(1, 300))
+                    b.costs.note_cost(M, rng.uniform(1, 300))
                 elif step == 5:  # as the start-up does: the warm-up's timings, then the budget fitted to them
                     b.batch_s.observe(M, rng.uniform(1, 100), rng.uniform(0.005, 2.0))
                 elif step == 6:
-                    b.max_batch_s = rng.uniform(0.01, 0.5)
-                    b.fit_budget(M)
+                    b.costs.max_batch_s = rng.uniform(0.01, 0.5)
+                    b.costs.fit_budget(M)
                 clock.t += rng.uniform(0, 0.01)
                 asked += not fresh
                 costs = [1.0] if rng.random() < 0.7 else [rng.uniform(1, 200) for _ in range(rng.choice([1, 3]))]

@@ -37,7 +37,7 @@ def batcher(clock: Clock, budget: float) -> Batcher:
 
 def submit(b: Batcher, loop, cost: float, bucket: int, at: float) -> Item:
     it = Item(f"x{cost}", M, bucket, loop.create_future(), at, 1e9, None, 1, "t", cost=cost)
-    b.note_cost(M, cost)
+    b.costs.note_cost(M, cost)
     b.submit(it)
     return it
 
@@ -101,7 +101,7 @@ def test_a_class_batch_is_as_long_as_its_longest_input(loop) -> None:
         batch = b.form(key, clock.t, cause, due)
         assert batch is not None and len(batch.items) == 4
         clock.t += token_s(batch.cost)
-    assert b.row_cost[(M, 1)] == pytest.approx(32.0)
+    assert b.costs.row_cost[(M, 1)] == pytest.approx(32.0)
     for k in range(5):
         submit(b, loop, 32.0 if k == 2 else 18.0, 1, clock.t)
     p = predict(b, M, 0.0, 1, b.ahead_of(1, "t"), [18.0], bucket=1)

@@ -107,12 +107,13 @@ def test_what_a_worker_served_is_kept_for_costed_models_only() -> None:
     assert costs.served_rate(M) == pytest.approx(200.0)
 
 
-def test_the_batcher_reads_and_sets_its_cost_model() -> None:
-    b = Batcher(max_batch_size=100, slo_s=0.2, margin_s=0.005, batch_s=learned(), max_batch_cost=40)
-    assert b.costs.max_batch_cost == 40 and b.unit is b.costs.unit and b.row_cost is b.costs.row_cost
-    b.max_batch_cost = 80  # as tests and the runtime set it
-    b.latency_fit_s = 0.125
-    assert b.costs.max_batch_cost == 80 and b.costs.latency_fit_s == 0.125 and b.budget(M) == 80
+def test_a_new_cost_budget_makes_every_door_figure_stale() -> None:
+    """The door keeps its figures until `BatchTimes.version` moves: a new budget must move it."""
+    times = learned()
+    costs = BatchBudget(100, times, max_batch_cost=40)
+    before = times.version
+    costs.set_max_batch_cost(80)
+    assert costs.budget(M) == 80 and times.version == before + 1
 
 
 # -- the flush ladder, one pass for the two callers ------------------------------------------------------------

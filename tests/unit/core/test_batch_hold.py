@@ -289,3 +289,14 @@ def test_a_hold_is_decided_once_per_batch(loop) -> None:
     )  # a new look would hold again
     batch = b.take_now(0)
     assert batch is not None and batch.cause == "hold" and len(batch.items) == 2
+
+
+def test_a_flat_batch_time_never_holds_at_a_small_share_of_capacity() -> None:
+    # A GPU-like device (the sim): 100 ms whatever the batch. At 20/s taking what waits keeps it "busy" (batches
+    # of 2 back to back), but full batches would serve 1,000/s: waiting buys nothing, and every answer would pay it.
+    def flat(k: float) -> float:
+        return 0.1
+
+    assert greedy_busy(20.0, 100, flat) > BUSY_HOLD
+    assert hold_until(10.0, 10.0, 2, 100, flat, 20.0, 20.0, 1, 0.3) == 10.0
+    assert hold_until(10.0, 10.0, 2, 100, flat, 20.0, 20.0, 1, 1.0) == 10.0

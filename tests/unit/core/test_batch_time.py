@@ -12,7 +12,8 @@ import pytest
 
 from batchserve.core.batch_time import BatchTimes, size_bucket
 from batchserve.errors import ApiError
-from batchserve.core.batcher import Batch, Batcher
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher
 from batchserve.core.admission import Admission, predicted_latency_s
 from batchserve.core.fairqueue import Item
 from batchserve.gpu_pool import GpuPool, Worker
@@ -137,8 +138,8 @@ def test_pacing_spaces_dispatches_by_the_time_of_the_batch_formed_now(loop) -> N
 
 def test_a_finished_batch_teaches_the_bucket_of_its_size(loop) -> None:
     b = batcher(Clock(), BatchTimes(100, {M: 1.0}))
-    b.observe_batch(M, 0.05, 3)
-    b.observe_batch(M, 0.5, 90)
+    b.costs.observe(M, 0.05, 3)
+    b.costs.observe(M, 0.5, 90)
     assert b.batch_s.by_size(M) == {3: 0.05, 90: 0.5}
 
 

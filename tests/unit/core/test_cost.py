@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from batchserve.core.batcher import Batch, Batcher
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher
 from batchserve.core.admission import Admission, predict
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item
@@ -43,7 +44,7 @@ def item(loop, cost: float, at: float = 100.0, tenant: str = "t", deadline: floa
 
 
 def submit(b: Batcher, it: Item) -> None:
-    b.note_cost(M, it.cost)  # as the door does for every admitted input
+    b.costs.note_cost(M, it.cost)  # as the door does for every admitted input
     b.submit(it)
 
 
@@ -66,18 +67,18 @@ def test_batch_time_is_read_at_the_batch_cost_not_its_size(loop) -> None:
 def test_a_model_whose_inputs_cost_one_keeps_its_count_model(loop) -> None:
     clock = Clock()
     b = make_batcher(clock)
-    b.note_cost(M, 1.0)
-    assert M not in b.unit and M not in b.batch_s.caps and M not in b.batch_s.full  # nothing changed
-    assert b.full_n(M) == 100 and b.batch_s[M] == b.batch_s.at(M, 100)
+    b.costs.note_cost(M, 1.0)
+    assert M not in b.costs.unit and M not in b.batch_s.caps and M not in b.batch_s.full  # nothing changed
+    assert b.costs.full_n(M) == 100 and b.batch_s[M] == b.batch_s.at(M, 100)
 
 
 def test_a_full_batch_is_read_at_the_mean_input_cost(loop) -> None:
     clock = Clock()
     b = make_batcher(clock)
     for _ in range(500):
-        b.note_cost(M, 30.0)
-    assert b.unit[M] == pytest.approx(30.0)
-    assert b.full_n(M) == 100
+        b.costs.note_cost(M, 30.0)
+    assert b.costs.unit[M] == pytest.approx(30.0)
+    assert b.costs.full_n(M) == 100
     assert b.batch_s[M] == pytest.approx(token_s(100 * 30), rel=1e-3)  # capacity reads S at a full batch's cost
 
 
@@ -102,7 +103,7 @@ def test_the_budget_counts_padding_and_an_input_alone_still_runs(loop) -> None:
     assert [i.cost for i in first.items] == [10, 10]  # with the 50 the batch would cost 3 x 50 = 150
     second = b.form((M, 0), clock.t, "full")
     assert [i.cost for i in second.items] == [50, 10] and second.cost == 100  # padded to the 50: just fits
-    b.max_batch_cost = 40
+    b.costs.set_max_batch_cost(40)
     submit(b, item(loop, 60))
     alone = b.form((M, 0), clock.t, "full")
     assert [i.cost for i in alone.items] == [60]  # over the budget alone (lowered since it was admitted): runs
@@ -165,26 +166,26 @@ def test_a_full_batch_past_the_longest_timeout_lowers_the_budget_then_it_comes_b
     clock = Clock()
     b = make_batcher(clock, max_batch_s=1.0)
     for _ in range(200):
-        b.note_cost(M, 100.0)  # a full batch: 100 x 100 tokens, expected 5 s
+        b.costs.note_cost(M, 100.0)  # a full batch: 100 x 100 tokens, expected 5 s
     with caplog.at_level(logging.WARNING, logger="batchserve"):
-        b.observe_batch(M, token_s(3200), 3200)
-    limited = b.cost_limits[M]
+        b.costs.observe(M, token_s(3200), 3200)
+    limited = b.costs.cost_limits[M]
     assert b.batch_s.at(M, limited) <= 1.0 and limited >= 100
-    assert b.full_n(M) < 100 and b.batch_s[M] <= 1.0
+    assert b.costs.full_n(M) < 100 and b.batch_s[M] <= 1.0
     assert sum("its batches are limited to cost" in r.getMessage() for r in caplog.records) == 1
-    b.observe_batch(M, token_s(3200), 3200)  # the same figure again: no second line
+    b.costs.observe(M, token_s(3200), 3200)  # the same figure again: no second line
     assert sum("its batches are limited to cost" in r.getMessage() for r in caplog.records) == 1
     # The figure was wrong (the machine was busy): batches within the budget run ten times faster, the line
     # above them no longer says a full batch misses, and the budget goes back: step by step, each step at most
     # twice the costliest batch that ran (batches fill to the budget of the moment, as traffic would fill them).
     rises = []
     for _ in range(30):
-        now_limit = b.cost_limits.get(M, 100 * 100.0)
+        now_limit = b.costs.cost_limits.get(M, 100 * 100.0)
         rises.append(now_limit)
-        b.observe_batch(M, token_s(now_limit) / 10, now_limit)
-        b.observe_batch(M, token_s(100) / 10, 100)
+        b.costs.observe(M, token_s(now_limit) / 10, now_limit)
+        b.costs.observe(M, token_s(100) / 10, 100)
     assert all(b2 <= 2 * a2 for a2, b2 in zip(rises, rises[1:]))
-    assert M not in b.cost_limits and b.full_n(M) == 100
+    assert M not in b.costs.cost_limits and b.costs.full_n(M) == 100
 
 
 def test_a_lowered_budget_rises_no_faster_than_twice_the_costliest_batch_measured(loop) -> None:
@@ -196,15 +197,15 @@ def test_a_lowered_budget_rises_no_faster_than_twice_the_costliest_batch_measure
     b.batch_s.observe(M, 300, 0.045)  # warm-up: short inputs, batches costing 300 and 1,200 tokens
     b.batch_s.observe(M, 1200, 0.060)
     for _ in range(50):
-        b.note_cost(M, 12.0)
-    b.note_cost(M, 256.0)  # a long input: a full batch of them would not fit, the budget is lowered
-    lowered = b.cost_limits[M]
+        b.costs.note_cost(M, 12.0)
+    b.costs.note_cost(M, 256.0)  # a long input: a full batch of them would not fit, the budget is lowered
+    lowered = b.costs.cost_limits[M]
     assert lowered < 100 * 256
-    b.observe_batch(M, 0.058, 256)  # one long input alone, about as slow as the big short batch: a flat line...
+    b.costs.observe(M, 0.058, 256)  # one long input alone, about as slow as the big short batch: a flat line...
     assert b.batch_s.at(M, 100 * 256) <= 0.125  # ...which promises that a whole batch of them fits
-    assert b.cost_limits.get(M, math.inf) <= max(lowered, 2 * 1200)  # but the budget rises to twice what ran
-    b.observe_batch(M, 0.09, 2400)  # a batch that costly ran in time: the next may be twice as costly
-    assert b.cost_limits.get(M, math.inf) <= max(lowered, 2 * 2400)
+    assert b.costs.cost_limits.get(M, math.inf) <= max(lowered, 2 * 1200)  # but the budget rises to twice what ran
+    b.costs.observe(M, 0.09, 2400)  # a batch that costly ran in time: the next may be twice as costly
+    assert b.costs.cost_limits.get(M, math.inf) <= max(lowered, 2 * 2400)
 
 
 # -- the door -------------------------------------------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_a_request_of_many_inputs_is_predicted_as_the_batches_it_will_make(loop)
     clock = Clock()
     b = make_batcher(clock)
     for _ in range(200):
-        b.note_cost(M, 12.0)
+        b.costs.note_cost(M, 12.0)
     p = predict(b, M, 0.0, 1, 0, [12.0] * 2048)
     full_s = b.batch_s[M]
     assert p.first_s == pytest.approx(b.batch_s.at(M, 12.0))
@@ -260,18 +261,18 @@ def test_pressure_reads_what_a_costed_models_batches_really_serve(loop) -> None:
     clock = Clock()
     b = make_batcher(clock, budget=1000)
     for _ in range(50):
-        b.note_cost(M, 10.0)
+        b.costs.note_cost(M, 10.0)
     d = door(b, clock)
-    assert b.full_n(M) / b.batch_s[M] > 150
+    assert b.costs.full_n(M) / b.batch_s[M] > 150
     assert not d.under_pressure(M, 80.0, 80.0)  # nothing measured yet: the full batch's figure
     for _ in range(20):
-        b.observe_batch(M, 0.2, 10 * 10.0, rows=10)
-    assert b.served_rate(M) == pytest.approx(50.0)
+        b.costs.observe(M, 0.2, 10 * 10.0, rows=10)
+    assert b.costs.served_rate(M) == pytest.approx(50.0)
     assert d.under_pressure(M, 80.0, 80.0) and not d.under_pressure(M, 40.0, 40.0)
     # A model whose inputs all cost 1 (the sim, a plugin without cost_of) keeps the full batch's figure.
     sim = Batcher(max_batch_size=100, slo_s=0.2, margin_s=0.005, batch_s=BatchTimes(100, {"sim": 0.1}), clock=clock)
-    sim.observe_batch("sim", 0.1, 10, rows=10)
-    assert sim.served_rate("sim") is None
+    sim.costs.observe("sim", 0.1, 10, rows=10)
+    assert sim.costs.served_rate("sim") is None
 
 
 def test_a_flood_of_many_inputs_still_admits_what_fits_its_deadline(loop) -> None:
@@ -280,7 +281,7 @@ def test_a_flood_of_many_inputs_still_admits_what_fits_its_deadline(loop) -> Non
     clock = Clock()
     b = make_batcher(clock)
     for _ in range(200):
-        b.note_cost(M, 12.0)
+        b.costs.note_cost(M, 12.0)
     d = door(b, clock, FakeWorkers(until_free=0.01))
     d.admit(M, 1, "t", deadline_s=60.0, costs=[12.0] * 2048)
     assert d.under_pressure(M, d.arrivals.current(clock.t), d.arrivals_fast.current(clock.t))
@@ -338,7 +339,7 @@ def test_one_tenants_long_inputs_are_shed_before_anothers_short_ones(loop) -> No
 def test_the_watchdog_limit_follows_the_batch_cost_between_floor_and_ceiling(loop) -> None:
     clock = Clock()
     b = make_batcher(clock)
-    b.note_cost(M, 256.0)
+    b.costs.note_cost(M, 256.0)
     pool = GpuPool({}, b, None, loop, ["cpu"], clock=clock, gpu_timeout_ceiling_s=60.0)  # type: ignore[arg-type]
     short = Batch(M, [item(loop, 16) for _ in range(4)], clock.t, "full")
     long = Batch(M, [item(loop, 256) for _ in range(30)], clock.t, "full")
@@ -427,7 +428,7 @@ def test_the_door_costs_inputs_by_the_declared_batch_cost(loop) -> None:
 def test_the_watchdog_reads_a_declared_batch_cost(loop) -> None:
     clock = Clock()
     b = make_batcher(clock)
-    b.note_cost(M, 256.0)
+    b.costs.note_cost(M, 256.0)
     pool = GpuPool({}, b, None, loop, ["cpu"], clock=clock, gpu_timeout_ceiling_s=60.0)  # type: ignore[arg-type]
     summed = Batch(M, [words_item(loop, 256)] + [words_item(loop, 4) for _ in range(29)], clock.t, "full")
     assert summed.cost == 256 + 29 * 4

@@ -15,7 +15,8 @@ import pytest
 from batchserve.core import tiers
 from batchserve.core.admission import Admission
 from batchserve.core.batch_time import BatchTimes
-from batchserve.core.batcher import Batch, Batcher
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import FairQueue, Item
 from batchserve.core.tenant_cost import CostAccount
 from batchserve.errors import ApiError
@@ -278,25 +279,6 @@ def test_the_account_adds_cost_answered_per_model_tier_and_tenant(loop):
     before = account.snapshot()
     account.add(M, PAID, "long", 5.0)
     assert before[(M, PAID, "long")].cost == LONG  # a copy
-
-
-def test_each_answer_carries_its_inputs_cost_when_the_backend_costed_it_alone(loop):
-    """The route books an answer's cost from its result (`ItemResult.cost`) instead of asking the backend again:
-    the item's cost where it was the backend's `cost_of`; None where a `cost_of_batch` costed it (the route then
-    asks `cost_of` itself, as before)."""
-    clock = Clock(1000.0)
-    b = batcher(clock)
-    pool = GpuPool({}, b, make_metrics(), loop, ["d0"], gpu_timeout_s=1.0, clock=clock)
-    w = Worker(0, "d0")
-    pool.workers = [w]
-    items = [item(loop, "long", LONG), item(loop, "short", SHORT), item(loop, "short", 3.0)]
-    items[2].batch_cost = lambda texts: float(len(texts))
-    batch = Batch(M, items, clock.now, "full")
-    w.batch, w.started = batch, clock.now
-    answer = pool._finish(w, w.generation, batch, ["o"] * 3, None, {}, 0.01)
-    assert answer is not None
-    answer()
-    assert [i.future.result().cost for i in items] == [LONG, SHORT, None]
 
 
 def test_cost_account_sums_across_models_only_when_asked():

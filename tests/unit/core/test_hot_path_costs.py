@@ -15,7 +15,8 @@ from collections import deque
 
 import pytest
 
-from batchserve.core.batcher import Batch, Batcher
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher
 from batchserve.errors import ApiError
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.deadlines import KEYS_KEPT, DeadlineWatch

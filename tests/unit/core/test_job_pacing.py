@@ -89,7 +89,7 @@ def test_one_worker_takes_a_job_filled_batch_at_once(loop):
 def test_under_steady_interactive_load_a_background_batch_still_gets_its_floor(loop):
     """An isolated job's groups went only in gaps: with interactive items always waiting they never ran (the
     soak's 10 %-failing job with a pass/fail backend). Now one dispatch in BACKGROUND_FLOOR_EVERY + 1."""
-    from batchserve.core.batcher import BACKGROUND_FLOOR_EVERY
+    from batchserve.core.retries import BACKGROUND_FLOOR_EVERY
 
     clock = Clock(1000.0)
     b = batcher(clock, workers=1, max_batch=2)

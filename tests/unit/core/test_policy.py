@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from batchserve.core.batch_time import BatchTimes
-from batchserve.core.batcher import Batch, Batcher
+from batchserve.core.batch import Batch
+from batchserve.core.batcher import Batcher
 from batchserve.core import tiers
 from batchserve.core.admission import PROBE_EVERY_S, Admission, predicted_latency_s
 from batchserve.core.fairqueue import FairQueue, Item
@@ -87,7 +88,7 @@ def test_a_batch_takes_job_items_of_one_tenant_and_job_tenants_take_turns_by_bat
 def test_background_batches_take_one_dispatch_in_five_while_job_work_is_due_and_none_while_interactive_waits(loop):
     """Issue 28, item 3: an isolated job's groups (and job re-runs) get a small share of the workers while
     other job work is due, so they move without slowing the others much; never ahead of interactive items."""
-    from batchserve.core.batcher import BACKGROUND_EVERY
+    from batchserve.core.retries import BACKGROUND_EVERY
 
     clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=2)
@@ -316,7 +317,7 @@ def test_a_batch_skips_what_cannot_run_and_fills_up_behind_it(loop, budget):
     ones behind them and leave the rest queued, counted and uncharged."""
     clock = Clock(1000.0)
     b = make_batcher(clock, max_batch=3)  # S = 0.1 s
-    b.max_batch_cost = budget
+    b.costs.set_max_batch_cost(budget)
     now = clock.now
     answered = make_item(loop, "answered", arrived=now)
     answered.future.set_result(None)
@@ -409,7 +410,7 @@ def test_a_failed_batch_runs_one_half_alone_and_holds_the_other(loop):
     pool = make_pool(loop, b)
     items = [make_item(loop, str(i), arrived=clock.now) for i in range(6)]
     pool._retry_or_fail(Batch("m", items, clock.now, "pace"), pool.workers[0], "boom", "error")
-    (retry,) = b.retries
+    (retry,) = b.retries.interactive
     assert [i.text for i in retry.items] == ["0", "1", "2"] and [i.text for i in retry.held] == ["3", "4", "5"]
     assert retry.avoid_worker == 0  # prefers another worker than the one that failed it
 
@@ -421,7 +422,7 @@ def test_a_failing_half_returns_its_held_sibling_to_the_queue(loop):
     half, held = [make_item(loop, "a"), make_item(loop, "b")], [make_item(loop, "c"), make_item(loop, "d")]
     pool._retry_or_fail(Batch("m", half, clock.now, "retry", held=held), pool.workers[1], "boom", "error")
     assert b.depth["m"] == 2  # the held half is presumed clean: back at the head of its queue
-    (retry,) = b.retries
+    (retry,) = b.retries.interactive
     assert [i.text for i in retry.items] == ["a"] and [i.text for i in retry.held] == ["b"]
 
 
@@ -431,10 +432,10 @@ def test_a_lone_failing_item_is_retried_once_elsewhere_then_fails(loop):
     pool = make_pool(loop, b, healthy=2)
     item = make_item(loop, "poison")
     pool._retry_or_fail(Batch("m", [item], clock.now, "retry"), pool.workers[0], "boom", "error")
-    assert len(b.retries) == 1 and item.attempts == 1 and not item.future.done()
-    b.retries.clear()
+    assert len(b.retries.interactive) == 1 and item.attempts == 1 and not item.future.done()
+    b.retries.interactive.clear()
     pool._retry_or_fail(Batch("m", [item], clock.now, "retry"), pool.workers[1], "boom", "error")
-    assert not b.retries and item.future.exception().status == 500
+    assert not b.retries.interactive and item.future.exception().status == 500
 
 
 def test_with_one_worker_a_lone_failing_item_fails_at_once(loop):
@@ -467,12 +468,12 @@ def test_a_hung_batch_is_rerun_spread_over_the_workers_when_capacity_allows(loop
     w.running, w.running_since = batch, clock.now  # what the worker thread notes as it begins the batch
     clock.now += 0.5
     pool._abandon(w, batch, 1.0)  # a timer firing early (or a stalled loop's late one) is no evidence
-    assert w.healthy and not b.retries
+    assert w.healthy and not b.retries.interactive
     clock.now += 1.0
     pool._abandon(w, batch, 1.0)
     assert not w.healthy and pool.healthy_count() == 2
-    assert len(b.retries) == 2 and all(r.after_hang for r in b.retries)
-    assert sum(len(r.items) for r in b.retries) == 9
+    assert len(b.retries.interactive) == 2 and all(r.after_hang for r in b.retries.interactive)
+    assert sum(len(r.items) for r in b.retries.interactive) == 9
 
 
 def test_a_hung_batch_is_answered_504_when_another_loss_would_not_be_absorbed(loop):
@@ -486,7 +487,7 @@ def test_a_hung_batch_is_answered_504_when_another_loss_would_not_be_absorbed(lo
     w.running, w.running_since = batch, clock.now
     clock.now += 1.5
     pool._abandon(w, batch, 1.0)
-    assert not b.retries and all(i.future.exception().status == 504 for i in items)
+    assert not b.retries.interactive and all(i.future.exception().status == 504 for i in items)
 
 
 # -- admission ---------------------------------------------------------------------------------------------
@@ -532,6 +533,7 @@ def test_a_stale_slow_batch_time_does_not_refuse_what_a_free_worker_can_try(loop
     # a free worker and nothing ahead the item is admitted (its run corrects S); with work ahead it is refused.
     clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity())
+    adm.max_timeout_s = 0.08  # no timeout a caller may ask for fits one batch: not the caller's fault
     adm.batcher.batch_s.observe("m", 1, 2.5)
     assert adm.admit("m", PAID, "t", deadline_s=1.0) is False  # admitted, not as a probe
     # Below even the seed: no batch can meet it, unless the seed is wrong too; one such request now and then
@@ -609,3 +611,17 @@ def test_a_batch_freed_early_makes_the_next_dispatch_due_on_the_injected_clock()
     b.last_dispatch = clock()
     b.freed_early("m")
     assert b.last_dispatch == pytest.approx(clock() - S / 2)  # one pace interval back: due now
+
+
+def test_a_timeout_shorter_than_one_batch_is_the_requests_fault_when_a_longer_one_may_be_asked(loop):
+    # S = 0.1 s, margin 5 ms: a 50 ms timeout cannot be met by any batch. With --max-timeout-ms above 105 ms the
+    # caller can ask for enough: a 400 naming it, every time (no probe); the least timeout itself is admitted.
+    clock = Clock(1000.0)
+    adm = make_admission(loop, clock, FakeCapacity())
+    adm.max_timeout_s = 60.0
+    for _ in range(2):
+        with pytest.raises(ApiError) as refused:
+            adm.admit("m", PAID, "t", deadline_s=0.05)
+        assert (refused.value.status, refused.value.code) == (400, "TIMEOUT_TOO_SHORT")
+        assert refused.value.message.endswith("ask for at least 105 ms")
+    assert adm.admit("m", PAID, "t", deadline_s=0.1051) is False

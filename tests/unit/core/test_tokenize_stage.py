@@ -11,7 +11,9 @@ import time
 import pytest
 
 from batchserve.config import Settings
+from batchserve.core.fairqueue import Shares
 from batchserve.core.tokenize_stage import TokenizeStage
+from batchserve.core.work import Work
 from batchserve.runtime import Runtime
 
 
@@ -80,8 +82,8 @@ def test_the_door_tokenizes_on_the_stage_before_costing(many: bool) -> None:
         rt = Runtime.create(Settings())
         rt.service.backends["sim@v1"] = backend  # type: ignore[index]
         texts = ["one two", "three four five"] if many else ["one two"]
-        call = (rt.service.infer_many(texts, "sim@v1", 1, "t", 5.0, time.monotonic(), "req") if many
-                else rt.service.infer(texts[0], "sim@v1", 1, "t", 5.0, time.monotonic(), "req"))
+        work = Work("req", time.monotonic(), 1, "t", model="sim@v1").due_in(5.0)
+        call = rt.service.infer_many(work, texts) if many else rt.service.infer(work, texts[0])
         task = asyncio.ensure_future(call)
         for _ in range(200):
             if len(backend.costed) >= len(texts):
@@ -120,3 +122,140 @@ def test_job_inputs_are_tokenized_on_the_stage_before_the_door_costs_them() -> N
     assert calls == 3  # 522 texts in chunks of 256
     assert len(backend.costed) == 5 and all(backend.costed)
     assert backend.threads and all(name.startswith("tokenize") for name in backend.threads)
+
+
+# -- fair order between tenants (Lanes: pure policy) -----------------------------------------------------------
+
+
+def _request(tenant: str, texts: list[str], tokenize=None) -> object:
+    from collections import deque
+
+    from batchserve.core.tokenize_stage import Request
+
+    loop = asyncio.new_event_loop()
+    try:
+        done = loop.create_future()
+    finally:
+        loop.close()
+    return Request(tokenize or _noop, tenant, deque(texts), done)
+
+
+def _noop(texts: list[str]) -> None:
+    return None
+
+
+def _taken(chunks: list) -> list[tuple[str, list[str]]]:
+    return [(request.tenant, texts) for request, texts in chunks]
+
+
+def test_a_tenant_of_long_inputs_waits_its_turn_behind_another_tenants_short_ones() -> None:
+    """Tenant "big" queued ten requests of 16,000 characters first; "small" comes after with short ones. Each call
+    takes at most `call_chars` (a long text alone), and the least charged tenant goes first: "small"'s request
+    is in the very next call, not after the 160,000 characters queued before it."""
+    from batchserve.core.tokenize_stage import Lanes
+
+    lanes = Lanes(call_chars=4096)
+    for i in range(10):
+        lanes.add(_request("big", [f"{i}" * 16000]))
+    first = _taken(lanes.take())
+    assert first == [("big", ["0" * 16000])]  # a call's first text may be any length
+    lanes.add(_request("small", ["hello there"]))
+    lanes.add(_request("small", ["a second one"]))
+    assert _taken(lanes.take()) == [("small", ["hello there"]), ("small", ["a second one"])]
+    assert _taken(lanes.take()) == [("big", ["1" * 16000])]
+    assert lanes.charged["big"] == 32000 and lanes.charged["small"] >= 0
+
+
+def test_calls_take_by_least_charged_characters_and_split_a_request_across_calls() -> None:
+    from batchserve.core.tokenize_stage import Lanes
+
+    lanes = Lanes(call_chars=10)
+    lanes.add(_request("a", ["aaaa", "aaaa", "aaaa", "aaaa"]))
+    lanes.add(_request("b", ["bb", "bb", "bb"]))
+    # a: 8 characters (2 texts) fill the room before a third; b joined at the same floor, so it is listed after a.
+    assert _taken(lanes.take()) == [("a", ["aaaa", "aaaa"]), ("b", ["bb"])]
+    # b (2) is charged less than a (8): b's texts first, then a's while there is room.
+    assert _taken(lanes.take()) == [("b", ["bb", "bb"]), ("a", ["aaaa"])]
+    assert _taken(lanes.take()) == [("a", ["aaaa"])]
+    assert not lanes and lanes.take() == []
+
+
+def test_a_tenant_that_comes_back_is_lifted_no_credit_for_idle_time() -> None:
+    """Tenant "a" was served 100,000 characters alone; "b", idle all along, joins: it is lifted to within one call
+    of "a" rather than starting at 0 (it would then take the next 100,000 characters' worth of calls alone)."""
+    from batchserve.core.tokenize_stage import Lanes
+
+    lanes = Lanes(call_chars=1000)
+    for _ in range(100):
+        lanes.add(_request("a", ["x" * 1000]))
+        lanes.take()
+    lanes.add(_request("a", ["x" * 1000] * 3))
+    lanes.add(_request("b", ["y" * 1000] * 3))
+    order = [lanes.take()[0][0].tenant for _ in range(6)]
+    assert order == ["b", "a", "b", "a", "b", "a"]
+    assert lanes.charged["b"] >= 99_000
+
+
+def test_requests_for_another_tokenizer_wait_for_the_next_call() -> None:
+    from batchserve.core.tokenize_stage import Lanes
+
+    def other(texts: list[str]) -> None:
+        return None
+
+    lanes = Lanes(call_chars=100)
+    lanes.add(_request("a", ["one"]))
+    lanes.add(_request("b", ["two"], other))
+    assert _taken(lanes.take()) == [("a", ["one"])]
+    assert _taken(lanes.take()) == [("b", ["two"])]
+
+
+def test_the_stage_returns_each_request_its_share_of_the_call_time_by_characters() -> None:
+    """With an injected clock every call takes 1.0 s: two requests sharing one call get 0.8 and 0.2 by their
+    characters (what the door charges to each tenant's counter in the fair queue)."""
+    ticks = iter(range(100))
+    release = threading.Event()
+    calls: list[list[str]] = []
+
+    def tokenize(texts: list[str]) -> None:
+        calls.append(texts)
+        if len(calls) == 1:
+            release.wait(5)
+
+    async def main() -> list[float]:
+        stage = TokenizeStage(call_chars=1000, clock=lambda: float(next(ticks)))
+        first = asyncio.create_task(stage.run(tokenize, ["warm"], "c"))
+        await asyncio.sleep(0.05)
+        a = asyncio.create_task(stage.run(tokenize, ["x" * 80], "a"))
+        b = asyncio.create_task(stage.run(tokenize, ["y" * 20], "b"))
+        await asyncio.sleep(0.05)
+        release.set()
+        got = await asyncio.wait_for(asyncio.gather(first, a, b), 5)
+        stage.close()
+        return list(got)
+
+    seconds = asyncio.run(main())
+    assert calls == [["warm"], ["x" * 80, "y" * 20]]
+    assert seconds == pytest.approx([1.0, 0.8, 0.2])
+
+
+def test_a_refused_tenants_tokenizing_is_charged_to_its_fair_queue_counter() -> None:
+    """The door charges the stage's time to the tenant's counter in the model's fair queue before admission
+    decides, so a tenant whose requests are all refused still falls behind in the queue's order."""
+    from batchserve import errors
+
+    class Refusing(Tokenized):
+        def cost_of(self, text: str) -> float:
+            raise errors.payload_too_large("too long")
+
+    backend = Refusing()
+
+    async def main() -> float:
+        rt = Runtime.create(Settings())
+        rt.service.backends["sim@v1"] = backend  # type: ignore[index]
+        rt.batcher.shares.setdefault("sim@v1", Shares())
+        with pytest.raises(errors.ApiError):
+            await rt.service.infer("w " * 5000, "sim@v1", 1, "greedy", 5.0, time.monotonic(), "r1")
+        rt.service.tokenizing.close()
+        return rt.batcher.shares["sim@v1"].counter.get((1, "greedy"), 0.0)
+
+    assert asyncio.run(main()) > 0

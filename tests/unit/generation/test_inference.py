@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batchserve.config import Settings
+from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
 from batchserve.generation import engine as engine_module
 from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
@@ -29,6 +30,11 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock(1000.0)
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=c))
     return c
+
+
+def work(model: str, arrived: float, timeout_s: float, tier: int = 1, gone: Any = None) -> Work:
+    """A request of tenant "t" for `model`, due `timeout_s` after `arrived`."""
+    return Work("req", arrived, tier, "t", model=model, gone=gone).due_in(timeout_s)
 
 
 def make(clock: Clock, max_seqs: int = 2, step_s: float = 0.1) -> tuple[Engine, StepperInference]:
@@ -53,7 +59,7 @@ async def until(check: Any) -> None:
 
 
 def ask(h: StepperInference, clock: Clock, text: str, timeout_s: float = 10.0, tier: int = 1) -> asyncio.Task:
-    return asyncio.ensure_future(h.infer(text, "smollm2@v1", tier, "t", timeout_s, clock(), "req"))
+    return asyncio.ensure_future(h.infer(work("smollm2@v1", clock(), timeout_s, tier=tier), text))
 
 
 def test_more_inputs_than_slots_wait_for_one_and_report_their_step(clock: Clock) -> None:
@@ -140,7 +146,7 @@ def test_a_caller_that_hangs_up_frees_its_slot(clock: Clock) -> None:
     async def main() -> None:
         engine, h = make(clock, max_seqs=1)
         gone = [False]
-        task = asyncio.ensure_future(h.infer("ab", "m", 1, "t", 10.0, clock(), "req", lambda: gone[0]))
+        task = asyncio.ensure_future(h.infer(work("m", clock(), 10.0, gone=lambda: gone[0]), "ab"))
         await until(lambda: engine.running)
         gone[0] = True
         with pytest.raises(ClientGone):
@@ -187,8 +193,8 @@ def test_the_door_hands_a_stepper_model_over_and_refuses_while_draining() -> Non
         def __init__(self) -> None:
             self.calls: list[tuple[str, ...]] = []
 
-        async def infer_many(self, texts: list[str], model: str, *rest: Any) -> list[Any]:
-            self.calls.append(("infer", model, *texts))
+        async def infer_many(self, work: Work, texts: list[str]) -> list[Any]:
+            self.calls.append(("infer", work.model, *texts))
             return [SimpleNamespace(output=t) for t in texts]
 
         def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool) -> Any:
@@ -203,7 +209,7 @@ def test_the_door_hands_a_stepper_model_over_and_refuses_while_draining() -> Non
         rt = Runtime.create(Settings(backend="smollm2"))
         handler = Recorder()
         rt.service.serve_with("smollm2@v1", handler)  # type: ignore[arg-type]
-        result = await rt.service.infer("hi", "smollm2@v1", 1, "t", 5.0, 0.0, "req")
+        result = await rt.service.infer(work("smollm2@v1", 0.0, 5.0), "hi")
         assert result.output == "hi" and rt.service.inflight == 0
         assert rt.service.submit_background("a", "smollm2@v1", "t", 60.0) == "item"
         assert rt.service.submit_group(["b", "c"], "smollm2@v1", "t", 60.0) == ["item", "item"]
@@ -211,7 +217,7 @@ def test_the_door_hands_a_stepper_model_over_and_refuses_while_draining() -> Non
                                  ("group", "smollm2@v1", "b", "c")]
         rt.batcher.start_drain()
         with pytest.raises(ApiError) as err:
-            await rt.service.infer("hi", "smollm2@v1", 1, "t", 5.0, 0.0, "req")
+            await rt.service.infer(work("smollm2@v1", 0.0, 5.0), "hi")
         assert err.value.code == "DRAINING" and len(handler.calls) == 3
 
     asyncio.run(main())

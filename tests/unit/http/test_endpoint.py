@@ -65,8 +65,8 @@ def parse(rt: Any, call: Call, body: bytes) -> list[str]:
     data = orjson.loads(body) if body else None
     if not isinstance(data, list) or not data:
         raise errors.invalid("the body must be a non-empty list")
-    call.model = "m@v1"
-    call.inputs = len(data)
+    call.work.model = "m@v1"
+    call.work.inputs = len(data)
     return data
 
 
@@ -77,7 +77,7 @@ async def handle(rt: Any, call: Call, texts: list[str]) -> list[str]:
         raise ZeroDivisionError("a bug")
     if "overloaded" in texts:
         raise errors.overloaded("busy", 1200)
-    call.cost = float(len(texts))
+    call.work.cost = float(len(texts))
     return [t.upper() for t in texts]
 
 

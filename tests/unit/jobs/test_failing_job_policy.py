@@ -47,7 +47,7 @@ class HeldDoor:
     def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]:
         return [self._item(t, model, tenant, deadline_s) for t in texts]
 
-    async def pretokenize(self, model: str, texts: list[str]) -> None:
+    async def pretokenize(self, model: str, texts: list[str], tenant: str = "") -> None:
         return None
 
 

@@ -71,7 +71,7 @@ class QueueDoor:
     def job_room(self, model: str) -> Room:
         return Room(self.depth, self.max_queue, self.max_batch_size, self.budget, self.unit, 1)
 
-    async def pretokenize(self, model: str, texts: list[str]) -> None:
+    async def pretokenize(self, model: str, texts: list[str], tenant: str = "") -> None:
         await asyncio.sleep(0)  # a trip to the stage's thread and back
         self.tokenized.update(texts)
 

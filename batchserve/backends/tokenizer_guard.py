@@ -1,0 +1,122 @@
+"""What a tokenizer may be given, and what it may make of it.
+
+A bound on characters before tokenizing. An embedder or reranker reads only an input's first `max_tokens`
+tokens, but a tokenizer's time and memory grow with the whole input. So an input longer than
+`max_tokens x chars_per_token` characters (32 a token by default: 8,192 characters for minilm's 256 tokens; natural
+text takes 3 to 6) is cut to that many characters before the tokenizer sees it, and kept only when the cut
+provably leaves its first tokens as they were (`safe_cut`):
+
+- A tokenizer normalizes per character (lower case, accents, Unicode forms, control characters), splits the
+  normalized text into words (its pre-tokenizer: whitespace, punctuation, a regex) where each split depends only
+  on the characters around it, then turns each word into tokens on its own (WordPiece, BPE, Unigram). So the
+  words of a prefix are the words of the whole text, except the last one, which the cut may have shortened, and
+  their tokens are the same.
+- The prefix's encoding says, per token, which word it came from (`word_ids`), and keeps its overflowing windows
+  (`overflowing`) when its tokens passed `max_tokens`. When it overflowed and its last kept token comes from a
+  word before the prefix's last (cut) word, every kept token is one the whole text makes, in the same place, and
+  the whole text overflows too: the input's first `max_tokens` tokens, and so its answer, are unchanged.
+- Otherwise (under one token per 32 characters: runs of whitespace the tokenizer drops, a word of thousands of
+  characters; or a tokenizer that gives no words) the input is refused with 413 and the bound in its message,
+  rather than embedded from fewer tokens than it has. Natural text never gets there.
+
+For a (query, document) pair each side is cut alone and checked the same way on its own encoding: truncation
+`longest_first` keeps at most `max_tokens` of a side, so a side whose own first `max_tokens` are unchanged gives
+the pair the same tokens.
+
+A cap on a folder's tokenizer, at start (`check_tokenizer`). A `tokenizer.json` is code-like: its normalizer may
+replace a character by kilobytes, its model may make many tokens of one character. It tokenizes a probe of mixed
+text (ASCII words and punctuation, whitespace runs, accents, CJK, emoji, combining marks) and the folder is refused
+when the normalized text is over `MAX_NORMALIZED_GROWTH` times the probe's bytes or the tokens over
+`MAX_TOKENS_PER_CHAR` per character. At run time the character bound limits what any input can make of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CHARS_PER_TOKEN = 32  # characters an input may have per token the model reads, before it is cut
+MAX_TOKENS_PER_CHAR = 2.0  # a probe tokenized into more is refused (byte-level BPE makes at most ~1 per byte of text)
+MAX_NORMALIZED_GROWTH = 8.0  # a normalizer whose output is over this many times the probe's bytes is refused
+_PIECES = (
+    "The quick brown fox jumps over the lazy dog. ",
+    "PACK my box with FIVE dozen liquor jugs!? ",
+    "0123456789 3.14159 1,000,000 x=y+z*(a/b)-c% ",
+    "!\"#$&'()*+,-./:;<=>@[\\]^_`{|}~ ",
+    "   indented\tand\ttabbed\r\n\n",
+    "naïve café résumé straße ĳssel Ωμέγα Привет мир ",
+    "東京都は日本の首都です。北京 서울 ",
+    "مرحبا بالعالم שלום ",
+    "😀🚀 ❤️ 👍🏽 ",
+    "e\u0301 a\u0308 n\u0303 \u00a0nbsp\u200bzw\u3000wide ",
+)
+SHORT_PROBE = "".join(_PIECES)  # tried first: a normalizer that blows up is caught on ~350 characters
+PROBE = (SHORT_PROBE * 8)[:2000]
+
+
+def char_bound(max_tokens: int, chars_per_token: int = CHARS_PER_TOKEN) -> int:
+    """The most characters of an input the tokenizer is given."""
+    return max(1, max_tokens) * max(1, chars_per_token)
+
+
+def _last_word(windows: list[Any]) -> int | None:
+    """The word of the last token (not a special one) of the last window that has one."""
+    for window in reversed(windows):
+        for word in reversed(window.word_ids):
+            if word is not None:
+                return int(word)
+    return None
+
+
+def safe_cut(encoding: Any) -> bool:
+    """Whether the encoding of a cut input (its prefix, truncated at max_tokens) holds the whole input's first
+    tokens: it overflowed, and its last kept token comes from a word before the prefix's last (module
+    docstring)."""
+    if not encoding.overflowing:
+        return False
+    kept = _last_word([encoding])
+    last = _last_word(list(encoding.overflowing))
+    return kept is not None and last is not None and kept < last
+
+
+def too_long(chars: int, bound: int, max_tokens: int) -> str:
+    """The 413's message for an input `safe_cut` refused."""
+    return (
+        f"an input of {chars} characters is over the {bound}-character bound, and its first {bound} characters do "
+        f"not make its first {max_tokens} tokens (the model reads no more) in whole words: send at most {bound} "
+        f"characters"
+    )
+
+
+class TokenizerRefused(ValueError):
+    """A tokenizer that makes too much of a probe input; its message is one line."""
+
+
+def check_tokenizer(path: Path) -> None:
+    """Refuse the folder's `tokenizer.json` (TokenizerRefused) when its normalizer grows the probe past
+    MAX_NORMALIZED_GROWTH times its bytes, or it makes over MAX_TOKENS_PER_CHAR tokens a character. A file the
+    library cannot read is left to whatever loads it (and says why there)."""
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception:  # noqa: BLE001 - whatever the library raises for a file it cannot read
+        return
+    tok.no_truncation()
+    tok.no_padding()
+    for probe in (SHORT_PROBE, PROBE):
+        size = len(probe.encode())
+        if tok.normalizer is not None:
+            grown = len(tok.normalizer.normalize_str(probe).encode())
+            if grown > MAX_NORMALIZED_GROWTH * size:
+                raise TokenizerRefused(
+                    f"{file}: its normalizer turns {size} bytes of text into {grown} (over "
+                    f"{MAX_NORMALIZED_GROWTH:g}x): refused"
+                )
+        tokens = len(tok.encode(probe).ids)
+        if tokens > MAX_TOKENS_PER_CHAR * len(probe):
+            raise TokenizerRefused(
+                f"{file}: it makes {tokens} tokens of {len(probe)} characters (over {MAX_TOKENS_PER_CHAR:g} a "
+                f"character): refused"
+            )

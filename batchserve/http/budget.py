@@ -1,0 +1,58 @@
+"""The process's descriptor budget, split between its listeners: one function both the HTTP and the gRPC listener
+size their connection caps from, so the two together stay under the descriptor limit whatever the clients of either
+port do (a flood of idle gRPC connections cannot take the descriptors HTTP's /healthz needs, nor the reverse).
+
+The budget is the descriptor limit (RLIMIT_NOFILE, its soft limit raised to the hard one) less a reserve for the
+process's own files (the jobs database, logs, model weights, the listeners, gRPC's own event descriptors): an
+eighth, at least 32. With gRPC off, HTTP may hold all of it; with `--grpc-port`, gRPC's cap is a quarter of it and
+HTTP's the rest (each as configured instead, when `--max-connections` / `--grpc-max-connections` say). With the
+common limit of 20,000: a reserve of 2,500, gRPC 4,375 connections, HTTP 13,125 (17,500 when gRPC is off).
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+
+from batchserve.config import Settings
+
+UNLIMITED_BUDGET = 65536  # the budget when the descriptor limit is unlimited
+GRPC_SHARE = 4  # gRPC's derived cap: a quarter of the budget
+MIN_CAP = 16
+
+
+@dataclass(frozen=True)
+class ConnectionBudget:
+    descriptors: int  # the descriptor limit in force (UNLIMITED_BUDGET when there is none)
+    total: int  # what the listeners may hold together: the limit less the reserve
+    http: int  # HTTP's connection cap
+    grpc: int  # gRPC's connection cap (0 when --grpc-port is off)
+
+
+def descriptor_limit() -> int | None:
+    """The soft descriptor limit, raised to the hard one first (so the caps are as high as the system allows);
+    None when unlimited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def split(limit: int | None, http_configured: int, grpc_configured: int, grpc_on: bool) -> ConnectionBudget:
+    """The caps for a descriptor limit (None: unlimited); a configured cap (> 0) is taken as it is."""
+    if limit is None:
+        descriptors = total = UNLIMITED_BUDGET
+    else:
+        descriptors, total = limit, max(MIN_CAP, limit - max(32, limit // 8))
+    grpc = (grpc_configured or max(MIN_CAP, total // GRPC_SHARE)) if grpc_on else 0
+    http = http_configured or max(MIN_CAP, total - grpc)
+    return ConnectionBudget(descriptors, total, http, grpc)
+
+
+def connection_budget(settings: Settings) -> ConnectionBudget:
+    """The caps of this process's listeners, from its settings and its descriptor limit."""
+    return split(descriptor_limit(), settings.max_connections, settings.grpc_max_connections, settings.grpc_port >= 0)
