@@ -368,6 +368,24 @@ class Settings:
         "core (split among --processes; a causal LM's decoding one fewer), with OpenMP's idle threads "
         "sleeping (OMP_WAIT_POLICY=PASSIVE unless the environment sets it)",
     )
+    runtime: str = knob(
+        "torch",
+        "what runs the encoder models (embedder and reranker folders, minilm): torch = the model's own "
+        "code (CPU or CUDA); onnx = ONNX Runtime on the CPU, the model exported once into --weights-cache "
+        "(refused on a host with CUDA devices; docs/backends.md)",
+        ("torch", "onnx"),
+    )
+    quantize: str = knob(
+        "none",
+        "with --runtime onnx: int8 = dynamic int8 weights (per channel, MatMul only), checked at start "
+        "against fp32 on a probe set (--quantize-cosine-floor)",
+        ("none", "int8"),
+    )
+    quantize_cosine_floor: float = knob(
+        0.98,
+        "with --quantize int8: the start is refused (exit 2) when an int8 model's vectors fall below this "
+        "cosine to fp32's on the probe set (a reranker: its scores' correlation)",
+    )
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
     models: list[ModelSpec] = field(default_factory=list, metadata={"cli": False})
@@ -474,6 +492,9 @@ class Settings:
         need(0 < self.generation_batch_beside_interactive <= 1, "generation_batch_beside_interactive", "in (0, 1]")
         need(self.generation_batch_slowdown >= 1, "generation_batch_slowdown", "1 or more")
         need(self.torch_threads >= 0, "torch_threads", "0 (auto) or more")
+        if self.quantize == "int8" and self.runtime != "onnx":
+            problems.append(f"{self.source('quantize')} int8 needs --runtime onnx (torch runs the model's own weights)")
+        need(0 < self.quantize_cosine_floor <= 1, "quantize_cosine_floor", "in (0, 1]")
         for name in ("generation_max_seqs", "generation_kv_tokens"):
             need(getattr(self, name) >= 0, name, "0 (auto) or more")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):

@@ -24,7 +24,9 @@ def wordpiece_tokenizer(max_length: int = 128):
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     letters = sorted(set("".join(WORDS)) | set("0123456789.,?!'"))
-    vocab = {t: i for i, t in enumerate(specials + list(WORDS) + letters + ["##" + c for c in letters])}
+    # one id per token: a letter that is also a word ("a") is listed twice, and ids must stay below len(vocab)
+    tokens = dict.fromkeys(specials + list(WORDS) + letters + ["##" + c for c in letters])
+    vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

@@ -35,10 +35,14 @@ import importlib.util
 import os
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 from collections.abc import Callable, Iterator
 
 from batchserve.config import did_you_mean
+
+if TYPE_CHECKING:
+    from batchserve.config import Settings
 
 ENTRY_POINT_GROUP = "batchserve.backends"
 OUTPUT_KINDS = ("text", "json", "embedding")  # "embedding": each output is a list of floats (/v1/embeddings)
@@ -77,6 +81,18 @@ def default_threads(processes: int = 1, decode: bool = False) -> int:
     spinning and 68-87 / 143-196 / 153-269 on two sleeping ones."""
     cores = max(1, len(os.sched_getaffinity(0)) // processes)
     return max(1, cores - 1) if decode else cores
+
+
+def cache_root(settings: Settings | None = None) -> Path:
+    """Where extracted weights live: `--weights-cache` when set (as smollm2's converted copy), else
+    $BATCHSERVE_CACHE_DIR (its older name, kept as an alias), else $XDG_CACHE_HOME/batchserve, else
+    ~/.cache/batchserve."""
+    if settings is not None and "weights_cache" in settings.given and settings.weights_cache:
+        return Path(os.path.expanduser(settings.weights_cache))
+    if os.environ.get("BATCHSERVE_CACHE_DIR"):
+        return Path(os.environ["BATCHSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "batchserve"
 
 
 def sleeping_idle_threads() -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 from batchserve import errors
-from batchserve.backends import default_threads, pick_devices
+from batchserve.backends import default_threads, onnx_runtime, pick_devices
 from batchserve.backends.folder import FolderError, FolderModel, inspect_folder
 from batchserve.backends.token_cache import CACHE_BYTES, Kept, TokenCache, Tokens, TooLong
 from batchserve.backends.tokenizer_guard import (
@@ -123,6 +123,7 @@ class TokenModel:
     tokenizer: Any = None
     models: dict[str, Any] = field(default_factory=dict)
     tokenized_on_demand: int = 0  # texts tokenized outside the stage (the warm-up, a cache miss): for tests and logs
+    onnx: onnx_runtime.OnnxPlan | None = None  # --runtime onnx: ONNX Runtime on the CPU in place of torch
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -209,6 +210,10 @@ class TokenModel:
         raise NotImplementedError
 
     def setup(self, device: str) -> None:
+        if self.onnx is not None:  # the graph takes the token type ids it has (onnx_runtime.OnnxModel)
+            self._types = True
+            self.models[device] = onnx_runtime.load(self.onnx, self, device)
+            return
         import inspect
 
         import torch
@@ -235,6 +240,10 @@ class TokenModel:
 
     def warm_inputs(self) -> list[str]:
         return list(WARM_TEXTS)
+
+    def probe_inputs(self) -> list[str]:
+        """The inputs an int8 graph is checked on against fp32 (onnx_runtime.check_int8)."""
+        return list(onnx_runtime.PROBE_TEXTS)
 
     def forward(self, texts: list[str], device: str, head: Any) -> list[Any]:
         """Run `texts` in passes of like lengths; `head(outputs, ids, attention, lengths)` turns a pass's model
@@ -334,6 +343,11 @@ class FolderReranker(TokenModel):
     def warm_inputs(self) -> list[str]:
         return [pair_input("what is a vector?", t) for t in WARM_TEXTS]
 
+    def probe_inputs(self) -> list[str]:
+        """Each probe text paired with others (queries and documents of varied relevance)."""
+        texts = onnx_runtime.PROBE_TEXTS
+        return [pair_input(q, texts[(i * 7 + k) % len(texts)]) for i, q in enumerate(texts) for k in (0, 3)]
+
     def load(self, device: str, dtype: Any) -> Any:
         from transformers import AutoModelForSequenceClassification
 
@@ -364,6 +378,8 @@ class HFModel:
         info = model_of(spec)
         options = {"threads": settings.torch_threads, **spec.options}
         devices = pick_devices(settings.devices)
+        if info.task in ("embeddings", "reranking") and settings.runtime == "onnx":
+            options["onnx"] = onnx_runtime.plan_of(settings, devices)
         if info.task == "embeddings":
             return FolderEmbedder(info, devices, **options)
         if info.task == "reranking":

@@ -45,7 +45,9 @@ from typing import Any
 
 from batchserve.backends import pick_devices
 from batchserve.backends import default_threads  # noqa: F401 - minilm.default_threads, as before
+from batchserve.backends import cache_root  # where the package is extracted (the ONNX cache shares it)
 from batchserve.backends.hf import passes  # noqa: F401 - minilm.passes, as before
+from batchserve.backends.onnx_runtime import OnnxPlan, plan_of
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.minilm")
@@ -70,18 +72,6 @@ COPY_FILES = (
     "config_sentence_transformers.json",
     "1_Pooling/config.json",
 )
-
-
-def cache_root(settings: Settings | None = None) -> Path:
-    """Where extracted weights live: `--weights-cache` when set (as smollm2's converted copy), else
-    $BATCHSERVE_CACHE_DIR (its older name, kept as an alias), else $XDG_CACHE_HOME/batchserve, else
-    ~/.cache/batchserve."""
-    if settings is not None and "weights_cache" in settings.given and settings.weights_cache:
-        return Path(os.path.expanduser(settings.weights_cache))
-    if os.environ.get("BATCHSERVE_CACHE_DIR"):
-        return Path(os.environ["BATCHSERVE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "batchserve"
 
 
 def model_zip() -> Path:
@@ -211,13 +201,15 @@ class MiniLM:
     group_by_length: bool = True  # one queue per length class (bucket_of); False: one queue for all
     output_kind: str = "embedding"
     embedder: Any = None  # hf.FolderEmbedder: what runs it
+    onnx: OnnxPlan | None = None  # --runtime onnx (onnx_runtime.plan_of)
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, settings: Settings) -> MiniLM:
         """[models.options] may set `threads`, `pass_tokens`, `group_by_length` and `path`."""
         devices = pick_devices(settings.devices)
+        onnx = plan_of(settings, devices)
         size_for_device(settings, devices)
-        options = {"threads": settings.torch_threads, **spec.options}
+        options = {"threads": settings.torch_threads, "onnx": onnx, **spec.options}
         if "path" not in options:
             options["path"] = weights_path(settings)  # extracted under --weights-cache when it is set
         return cls(devices, **options)
@@ -238,7 +230,7 @@ class MiniLM:
                 info.pooling.normalize,
             )
         self.embedder = FolderEmbedder(
-            info, list(self.device_list), self.threads, self.pass_tokens, self.group_by_length
+            info, list(self.device_list), self.threads, self.pass_tokens, self.group_by_length, onnx=self.onnx
         )
 
     @property

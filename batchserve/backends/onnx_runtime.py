@@ -1,0 +1,400 @@
+"""ONNX Runtime for the encoder models (`--runtime onnx`, `--quantize int8`; docs/backends.md): embedder and
+reranker folders and minilm run their transformer as an ONNX graph on the CPU instead of torch.
+
+- Exported once, at the first start, into the weights cache (`backends.cache_root`: `--weights-cache` when set)
+  under `onnx/<key>/`, the key a hash of the folder's content (config.json and the weight files' bytes, not
+  their times) and the task: a second start, or a copy of the folder elsewhere, reuses it; changed weights
+  export anew. Torch's legacy exporter (`dynamo=False`: it needs only the `onnx` package), batch and sequence
+  axes dynamic. The export is checked against torch's outputs once, when it is made.
+- The graph ends where the model's own code ends (`last_hidden_state`, or a cross-encoder's `logits`); pooling,
+  normalisation and the score's activation stay the torch backend's code (`hf.FolderEmbedder.pool`,
+  `hf.FolderReranker.score`), run on the graph's outputs, so the two runtimes pool alike by construction.
+- int8: `onnxruntime.quantization.quantize_dynamic` (per channel, MatMul only, QInt8 weights), saved beside the
+  fp32 graph. At every start the int8 graph's answers on a probe set (`PROBE_TEXTS`) are compared with the fp32
+  graph's: below `--quantize-cosine-floor` (an embedder: the lowest cosine of its vectors; a reranker: the
+  correlation of its scores) the start is refused in one line (exit status 2).
+- The session: intra-op threads for every core the process may use (`backends.default_threads`, or the model's
+  `threads`), sequential execution, and idle threads that sleep rather than spin (as torch's do here: a spinning
+  thread holds the core the event loop needs).
+- CPU only: torch stays the GPU path (float16 on CUDA). A host with CUDA devices refuses `--runtime onnx`
+  rather than leave its GPUs idle (`plan_of`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from batchserve.backends import cache_root, default_threads
+from batchserve.backends.folder import FolderModel
+from batchserve.config import Settings
+
+log = logging.getLogger("batchserve.onnx")
+
+EXPORT_FORMAT = "1"  # part of the cache key: a change to what an export holds makes the old ones unused
+OPSET = 17
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+FP32_FILE, INT8_FILE = "model.onnx", "model.int8.onnx"
+EXPORT_TOLERANCE = 1e-3  # the largest difference from torch's outputs, relative to their scale, an export may show
+# Varied inputs the int8 graph is checked on against fp32: sentences and passages of 4-40 words, questions,
+# lists, numbers, code, other scripts, repetition; for a reranker each paired with others. One- and two-word
+# inputs are left out: pooled over a handful of tokens, int8's noise averages out least there (all-MiniLM-L6-v2
+# on this machine: cosine 0.965 for "OK"; 0.981 and up for every text below, mean 0.993), so they alone would
+# decide every model's floor; docs/backends.md says so.
+PROBE_TEXTS = (
+    "Thanks, that works for me.",
+    "A man is eating food.",
+    "What is the capital of France?",
+    "Paris is the capital and most populous city of France.",
+    "The quick brown fox jumps over the lazy dog.",
+    "How do I reset my password if I no longer have access to my email?",
+    "Embeddings map text to vectors so that similar meanings lie close together.",
+    "I loved this film: the acting, the music, the ending. Ten out of ten.",
+    "Terrible service, cold food, and we waited an hour for the bill.",
+    "def add(a, b):\n    return a + b",
+    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;",
+    "The meeting moved to 3:45 pm on 12 March 2027, room 4B.",
+    "Temperatures will reach 31 degrees on Tuesday, with storms in the evening.",
+    "1 2 3 4 5 6 7 8 9 10",
+    "Le chat est assis sur le tapis.",
+    "Der schnelle braune Fuchs springt über den faulen Hund.",
+    "¿Dónde está la biblioteca más cercana?",
+    "東京は日本の首都です。",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "The mitochondria is the powerhouse of the cell.",
+    "Interest rates rose by a quarter point, the third increase this year.",
+    "She plays the guitar in a small jazz band on Friday nights.",
+    "Rain, rain, go away, come again another day.",
+    "Error 503: the service is temporarily unavailable; retry after 30 seconds.",
+    "Mix the flour and the butter, then add two eggs and a pinch of salt.",
+    "The river floods the valley every spring when the snow melts in the mountains.",
+    "Is it safe to take ibuprofen with coffee?",
+    "buy cheap flights to new york",
+    "a a a a a a a a a a a a a a a a",
+    "Quantum computers use qubits, which can be in a superposition of states.",
+    "The committee will review the proposal and publish its findings next month, after consulting the "
+    "stakeholders, the regional councils and the independent auditors appointed last year.",
+    "In 1969, Apollo 11 landed on the Moon; Neil Armstrong and Buzz Aldrin walked on its surface while "
+    "Michael Collins orbited above in the command module.",
+    "Where can I buy a cheap second-hand bicycle?",
+    "Why is the sky blue during the day and red at sunset?",
+    "Tokyo, Delhi, Shanghai, São Paulo and Mexico City are among the largest cities in the world.",
+    "The patient reported mild headaches, fatigue and occasional dizziness over the past two weeks.",
+)
+
+
+class OnnxError(RuntimeError):
+    """The ONNX graph cannot be made or opened: one line."""
+
+
+class QuantizationRefused(RuntimeError):
+    """The int8 graph is further from fp32 than `--quantize-cosine-floor` allows: one line."""
+
+
+class Encoder(Protocol):
+    """What this module needs of an embedder or reranker (`hf.TokenModel`)."""
+
+    info: FolderModel
+    threads: int
+    models: dict[str, Any]
+
+    def load(self, device: str, dtype: Any) -> Any: ...  # the torch model, as the torch runtime loads it
+
+    def batch(self, inputs: list[str], device: str) -> Sequence[object]: ...
+
+    def probe_inputs(self) -> list[str]: ...  # PROBE_TEXTS as this model's inputs
+
+
+@dataclass(frozen=True)
+class OnnxPlan:
+    """How a model runs on ONNX Runtime: int8 or not, the floor int8 must reach, where exports are kept."""
+
+    quantize: str = "none"  # "none" | "int8"
+    cosine_floor: float = 0.98
+    cache: Path | None = None  # the weights cache root; None: a temporary directory for this process
+
+
+def plan_of(settings: Settings, devices: list[str]) -> OnnxPlan | None:
+    """The plan `--runtime onnx` asks for (None for torch); refused, in one line, on CUDA devices."""
+    if settings.runtime != "onnx":
+        return None
+    if any(d.startswith("cuda") for d in devices):
+        raise OnnxError(
+            f"--runtime onnx runs on the CPU (ONNX Runtime's CPU provider) and this host has CUDA devices "
+            f"({', '.join(devices)}), where torch runs the model in float16: serve with --runtime torch, or "
+            f"hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on the CPU"
+        )
+    return OnnxPlan(settings.quantize, settings.quantize_cosine_floor, cache_root(settings))
+
+
+def content_files(folder: Path) -> list[Path]:
+    """The files an export is made from: config.json and the weights (any shard), by name."""
+    files = [p for p in folder.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES)]
+    return sorted((p for p in files if p.is_file()), key=lambda p: p.name)
+
+
+def content_key(folder: Path, task: str) -> str:
+    """A hash of what the export depends on: the task, the export format and each content file's name and
+    bytes. A file's time is not in it: touching a file changes nothing, changing a byte makes a new key."""
+    digest = hashlib.sha256(f"batchserve-onnx {EXPORT_FORMAT} {task}\n".encode())
+    for path in content_files(folder):
+        with path.open("rb") as f:
+            digest.update(f"{path.name} {hashlib.file_digest(f, 'sha256').hexdigest()}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def export_dir(plan: OnnxPlan, info: FolderModel) -> Path:
+    """The cache directory of this folder's export, made if needed: under the weights cache, else (it cannot
+    be written) under a temporary directory removed at exit, with a warning."""
+    key = content_key(info.path, info.task)
+    if plan.cache is not None:
+        target = plan.cache / "onnx" / key
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            return target
+        except OSError as exc:
+            log.warning("the weights cache %s is not writable (%s): exporting into a temporary one", plan.cache, exc)
+    tmp = Path(tempfile.mkdtemp(prefix="batchserve-onnx-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    target = tmp / key
+    target.mkdir()
+    return target
+
+
+def output_name(info: FolderModel) -> str:
+    return "logits" if info.task == "reranking" else "last_hidden_state"
+
+
+def export(encoder: Encoder, target: Path) -> None:
+    """Export the folder's torch model (fp32, CPU) to `target`, atomically (a temporary file renamed into place:
+    two processes starting at once cannot read half a graph), and check it against torch once."""
+    import inspect
+
+    import torch
+
+    info = encoder.info
+    model = encoder.load("cpu", torch.float32).to("cpu").eval()
+    names = ["input_ids", "attention_mask"]
+    if "token_type_ids" in inspect.signature(model.forward).parameters:
+        names.append("token_type_ids")
+    output = output_name(info)
+
+    class Graph(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+            return getattr(self.model(**dict(zip(names, tensors))), output)
+
+    def sample(rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        ids = torch.arange(rows * width).reshape(rows, width) % 90 + 5
+        mask = torch.ones_like(ids)
+        mask[-1, width // 2 :] = 0  # one padded row
+        return (ids, mask, torch.zeros_like(ids))[: len(names)]
+
+    axes = {name: {0: "batch", 1: "sequence"} for name in names}
+    axes[output] = {0: "batch", 1: "sequence"} if output == "last_hidden_state" else {0: "batch"}
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    graph = Graph().eval()  # the exporter restores the module's mode afterwards: eval, not train
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings():  # the tracer's warnings about Python branches it fixed; checked below
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                graph,
+                sample(2, 8),
+                str(partial),
+                dynamo=False,
+                input_names=names,
+                output_names=[output],
+                dynamic_axes=axes,
+                opset_version=OPSET,
+            )
+        check_export(partial, graph, sample(3, 13), names, output)
+        os.replace(partial, target)
+    except (Exception, SystemExit) as exc:  # any exporter failure is the same one line
+        partial.unlink(missing_ok=True)
+        if isinstance(exc, OnnxError):
+            raise
+        raise OnnxError(
+            f"exporting {info.path} to ONNX failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}): "
+            f"serve it with --runtime torch"
+        ) from None
+    log.info("exported %s to ONNX in %.1f s: %s", info.path, time.perf_counter() - started, target)
+
+
+def check_export(path: Path, graph: Any, inputs: tuple[Any, ...], names: list[str], output: str) -> None:
+    """The graph on inputs of another shape than it was traced at must give torch's outputs: a shape the tracer
+    fixed as a constant would show here, not in a caller's vectors."""
+    import numpy as np
+    import torch
+
+    with torch.inference_mode():
+        want = graph(*inputs).float().numpy()
+    session = open_session(path, 1)
+    (got,) = session.run([output], {n: t.numpy() for n, t in zip(names, inputs)})
+    if output == "last_hidden_state":  # padded positions are never read
+        keep = inputs[1].numpy()[..., None].astype(bool)
+        want, got = want * keep, got * keep
+    scale = max(1.0, float(np.abs(want).max()))
+    worst = float(np.abs(got - want).max()) / scale
+    if worst > EXPORT_TOLERANCE:
+        raise OnnxError(f"the ONNX export differs from torch's outputs by {worst:.2g}: serve it with --runtime torch")
+
+
+class QuantizerChatter(logging.Filter):
+    """Drops what onnxruntime's quantizer logs below ERROR ("Ignore MatMul due to non constant B", advice)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or "onnxruntime" not in record.pathname
+
+
+def quantize(fp32: Path, target: Path) -> None:
+    """Dynamic int8 weights (per output channel) for the MatMuls, saved atomically beside the fp32 graph."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    started = time.perf_counter()
+    root = logging.getLogger()
+    quiet = QuantizerChatter()
+    root.addFilter(quiet)  # it logs a line per tensor it leaves alone, on the root logger
+    try:
+        quantize_dynamic(
+            str(fp32), str(partial), per_channel=True, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8
+        )
+        os.replace(partial, target)
+    finally:
+        root.removeFilter(quiet)
+        partial.unlink(missing_ok=True)
+    log.info("quantized %s to int8 in %.1f s: %s", fp32, time.perf_counter() - started, target)
+
+
+def open_session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3  # errors only: its warnings about initializers are no news
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+@dataclass
+class Outputs:
+    """A graph's output where the torch model's pooling and scoring read it."""
+
+    last_hidden_state: Any = None
+    logits: Any = None
+
+
+@dataclass
+class OnnxModel:
+    """An ONNX session called as the torch model is (`model(input_ids=..., attention_mask=..., ...)`, torch
+    tensors in, an object with `last_hidden_state` or `logits` out): the batch path does not tell them apart.
+    It feeds the inputs its graph has: token type ids it lacks are dropped, ones it needs and is not given
+    are zeros."""
+
+    session: Any
+    output: str
+    path: Path
+
+    def __post_init__(self) -> None:
+        self.inputs = tuple(i.name for i in self.session.get_inputs())
+
+    def __call__(self, **tensors: Any) -> Outputs:
+        import numpy as np
+        import torch
+
+        arrays = {name: t.numpy() for name, t in tensors.items()}
+        feed = {name: arrays[name] if name in arrays else np.zeros_like(arrays["input_ids"]) for name in self.inputs}
+        (out,) = self.session.run([self.output], feed)
+        return Outputs(**{self.output: torch.from_numpy(out)})
+
+
+def load(plan: OnnxPlan, encoder: Encoder, device: str) -> OnnxModel:
+    """The model to serve on `device` (the CPU): the folder's ONNX graph, exported on the first start and
+    read from the cache after; with int8, the int8 graph, once it has passed the probe against fp32."""
+    info = encoder.info
+    where = export_dir(plan, info)
+    fp32_path = where / FP32_FILE
+    if fp32_path.exists():
+        log.info("ONNX graph of %s from the cache: %s", info.path, fp32_path)
+    else:
+        export(encoder, fp32_path)
+        files = [p.name for p in content_files(info.path)]
+        (where / "source.json").write_text(json.dumps({"folder": str(info.path), "task": info.task, "files": files}))
+    threads = encoder.threads or default_threads()
+    output = output_name(info)
+    fp32 = OnnxModel(open_session(fp32_path, threads), output, fp32_path)
+    if plan.quantize != "int8":
+        return fp32
+    int8_path = where / INT8_FILE
+    if int8_path.exists():
+        log.info("int8 ONNX graph of %s from the cache: %s", info.path, int8_path)
+    else:
+        quantize(fp32_path, int8_path)
+    int8 = OnnxModel(open_session(int8_path, threads), output, int8_path)
+    check_int8(plan, encoder, device, fp32, int8)
+    return int8
+
+
+def agreement(task: str, reference: Sequence[object], other: Sequence[object]) -> float:
+    """How close `other` is to `reference`: an embedder's lowest cosine between the two vectors of an input;
+    a reranker's correlation of the two score lists (scores are one number each: their cosine says nothing)."""
+    import numpy as np
+
+    a = np.asarray(reference, dtype=np.float64)
+    b = np.asarray(other, dtype=np.float64)
+    if task == "reranking":
+        a, b = a - a.mean(), b - b.mean()
+        if not a.any() or not b.any():
+            return 1.0 if np.allclose(a, b) else 0.0
+        return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    norms = np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+    return float(((a * b).sum(axis=1) / norms).min())
+
+
+def measure_name(task: str) -> str:
+    return "score correlation" if task == "reranking" else "lowest cosine"
+
+
+def check_int8(plan: OnnxPlan, encoder: Encoder, device: str, fp32: OnnxModel, int8: OnnxModel) -> None:
+    """Run the probe set through both graphs (the model's own batch path: tokenizer, pooling, normalisation)
+    and refuse int8 when it falls below the floor."""
+    info = encoder.info
+    inputs = encoder.probe_inputs()
+    answers = []
+    for model in (fp32, int8):
+        encoder.models[device] = model
+        answers.append(encoder.batch(inputs, device))
+    encoder.models.pop(device, None)
+    value = agreement(info.task, answers[0], answers[1])
+    measure = measure_name(info.task)
+    if value < plan.cosine_floor:
+        raise QuantizationRefused(
+            f"int8 {measure} {value:.6f} against fp32 over {len(inputs)} probe inputs is below "
+            f"--quantize-cosine-floor {plan.cosine_floor}: serve {info.path} with --quantize none, or lower the floor"
+        )
+    log.info(
+        "int8 of %s: %s %.6f against fp32 over %d probe inputs (--quantize-cosine-floor %s)",
+        info.path,
+        measure,
+        value,
+        len(inputs),
+        plan.cosine_floor,
+    )

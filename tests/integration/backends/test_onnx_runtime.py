@@ -1,0 +1,200 @@
+"""`--runtime onnx` and `--quantize int8` (backends/onnx_runtime.py) on small folders the test builds (random
+weights, hidden size 32, 2 layers, `tests/hf_folders.py`): the ONNX fp32 graph gives torch's vectors and scores
+(the backend objects, and a live server's /v1/embeddings and /v1/rerank against sentence-transformers' own
+answers); int8 stays within the cosine floor and is refused, exit 2 in one line, above a floor it cannot reach;
+the export is made once, kept in the weights cache by the folder's content (a touched file reuses it, a changed
+byte exports anew) and reused by the next server start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from batchserve.backends import onnx_runtime
+from batchserve.backends.folder import inspect_folder
+from batchserve.backends.hf import FolderEmbedder, FolderReranker, TokenModel, pair_input
+from tests import hf_folders
+from tests.conftest import start_server
+
+TEXTS = [
+    "hello world",
+    "the cat is on the road",
+    "what is the capital of france",
+    "a big red car " * 30,  # past max_seq_length: truncated
+    "Quick brown fox, jumping!",
+    "fish",
+]
+QUERY = "what is the capital of france"
+DOCUMENTS = ["paris is the capital of france", "the cat eats fish", "a big city on a river", "france", "hello world"]
+
+
+def cross_encoder(folder: Path) -> Path:
+    """A cross-encoder whose scores spread (larger random weights than `hf_folders.cross_encoder`'s, whose
+    scores all lie within 1e-5 of 0.5): a difference in them shows."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(3)
+    tokenizer = hf_folders.wordpiece_tokenizer()
+    config = hf_folders.bert_config(tokenizer, num_labels=1, initializer_range=0.15)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("onnx-folders")
+    return {
+        "emb": hf_folders.embedder(root / "emb"),
+        "cls": hf_folders.embedder(root / "cls", pooling="cls", normalize=False, max_seq_length=16),
+        "rr": cross_encoder(root / "rr"),
+    }
+
+
+def backend(path: Path, plan: onnx_runtime.OnnxPlan | None) -> TokenModel:
+    info = inspect_folder(str(path))
+    made = (FolderReranker if info.task == "reranking" else FolderEmbedder)(info, ["cpu"], onnx=plan)
+    made.setup("cpu")
+    return made
+
+
+def inputs_of(model: TokenModel) -> list[str]:
+    return [pair_input(QUERY, d) for d in DOCUMENTS + TEXTS] if isinstance(model, FolderReranker) else TEXTS
+
+
+@pytest.mark.parametrize("name", ["emb", "cls", "rr"])
+def test_onnx_fp32_gives_torchs_answers(folders: dict[str, Path], tmp_path: Path, name: str) -> None:
+    torch_model = backend(folders[name], None)
+    onnx_model = backend(folders[name], onnx_runtime.OnnxPlan("none", cache=tmp_path))
+    assert isinstance(onnx_model.models["cpu"], onnx_runtime.OnnxModel)  # the graph runs, not torch
+    want = np.array(torch_model.batch(inputs_of(torch_model), "cpu"))
+    got = np.array(onnx_model.batch(inputs_of(onnx_model), "cpu"))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    if name == "rr":
+        assert np.ptp(want) > 0.05  # scores that differ, so equal ones say something
+        assert list(np.argsort(got)) == list(np.argsort(want))
+
+
+def test_int8_serves_within_the_floor_and_is_refused_above_it(
+    folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="batchserve.onnx"):
+        int8 = backend(folders["emb"], onnx_runtime.OnnxPlan("int8", 0.98, tmp_path))
+    assert isinstance(int8.models["cpu"], onnx_runtime.OnnxModel) and int8.models["cpu"].path.name == "model.int8.onnx"
+    assert "int8 of" in caplog.text and "lowest cosine 0.99" in caplog.text, caplog.text
+    assert "Ignore MatMul" not in caplog.text  # the quantizer's chatter on the root logger is dropped
+    want = np.array(backend(folders["emb"], None).batch(TEXTS, "cpu"))
+    got = np.array(int8.batch(TEXTS, "cpu"))
+    cosines = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosines.min() >= 0.98
+    assert np.abs(got - want).max() > 1e-6  # int8 weights: not fp32's vectors exactly
+    with pytest.raises(onnx_runtime.QuantizationRefused, match=r"lowest cosine 0\.99\d+ .* --quantize-cosine-floor"):
+        backend(folders["emb"], onnx_runtime.OnnxPlan("int8", 0.9999999, tmp_path))
+
+
+def test_the_export_is_made_once_and_kept_by_content(
+    folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    folder = tmp_path / "emb"
+    shutil.copytree(folders["emb"], folder)
+    plan = onnx_runtime.OnnxPlan("none", cache=tmp_path / "cache")
+
+    def start() -> tuple[str, list[Path]]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="batchserve.onnx"):
+            backend(folder, plan)
+        return caplog.text, sorted((tmp_path / "cache" / "onnx").glob("*/model.onnx"))
+
+    log, graphs = start()
+    assert "exported" in log and len(graphs) == 1
+    made = graphs[0].stat().st_mtime_ns
+    log, graphs = start()
+    assert "from the cache" in log and "exported" not in log
+    assert len(graphs) == 1 and graphs[0].stat().st_mtime_ns == made
+    for name in ("config.json", "model.safetensors"):
+        os.utime(folder / name)  # a newer time, the same bytes
+    log, graphs = start()
+    assert "from the cache" in log and "exported" not in log and graphs[0].stat().st_mtime_ns == made
+    (folder / "config.json").write_text((folder / "config.json").read_text() + "\n")  # one byte more
+    log, graphs = start()
+    assert "exported" in log and len(graphs) == 2
+
+
+def test_a_server_on_onnx_answers_as_torch_and_a_restart_reuses_the_export(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    cache = tmp_path / "cache"
+    common = ("--runtime", "onnx", "--weights-cache", str(cache), "--jobs-db", "")
+    server = start_server(
+        "--model", f"emb={folders['emb']}", "--model", f"rr={folders['rr']}", *common, "--slo-ms", "2000",
+        "--timeout-ms", "20000", timeout=180,
+    )  # fmt: skip
+    try:
+        r = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS, "model": "emb"}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = np.array([d["embedding"] for d in r.json()["data"]])
+        r = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60)
+        assert r.status_code == 200, r.text
+        scores = {item["index"]: item["relevance_score"] for item in r.json()["results"]}
+    finally:
+        server.stop()
+    assert server.log().count("exported") == 2, server.log()
+    np.testing.assert_allclose(got, SentenceTransformer(str(folders["emb"]), device="cpu").encode(TEXTS), atol=1e-4)
+    want = CrossEncoder(str(folders["rr"]), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])
+    np.testing.assert_allclose([scores[i] for i in range(len(DOCUMENTS))], want, atol=1e-4)
+
+    # The next start reads the export (and makes int8 beside it), then refuses a floor int8 cannot reach.
+    done = subprocess.run(
+        [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--model", f"emb={folders['emb']}", *common,
+         "--quantize", "int8", "--quantize-cosine-floor", "0.9999999"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    assert "ONNX graph of" in output and "from the cache" in output and "exported" not in output, output
+    errors = [line for line in done.stderr.splitlines() if line.startswith("batchserve: error:")]
+    assert len(errors) == 1 and "Traceback" not in output, done.stderr
+    assert "lowest cosine 0.99" in errors[0] and "--quantize-cosine-floor 0.9999999" in errors[0], errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parallel
+def test_minilm_serves_int8_within_the_floor(tmp_path: Path) -> None:
+    """The real all-MiniLM-L6-v2 (`--backend minilm`) on int8 passes the default floor at start and answers
+    /v1/embeddings within it of sentence-transformers' fp32 vectors on the probe set; a one-word input moves more
+    (docs/backends.md), within 0.95 here."""
+    from sentence_transformers import SentenceTransformer
+
+    from batchserve.backends import minilm
+
+    server = start_server(
+        "--backend", "minilm", "--runtime", "onnx", "--quantize", "int8", "--weights-cache", str(tmp_path),
+        "--jobs-db", "", ready=False, timeout=300,
+    )  # fmt: skip
+    try:
+        texts = list(onnx_runtime.PROBE_TEXTS) + TEXTS
+        want = SentenceTransformer(str(minilm.model_dir()), device="cpu").encode(texts)
+        server.wait_ready(300)
+        r = httpx.post(server.url + "/v1/embeddings", json={"input": texts, "model": "minilm"}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+    assert "int8 of" in server.log() and "lowest cosine" in server.log(), server.log()
+    got = np.array([d["embedding"] for d in r.json()["data"]])
+    assert got.shape == want.shape == (len(texts), 384)
+    cosines = (got * want).sum(1)
+    assert cosines[: len(onnx_runtime.PROBE_TEXTS)].min() >= 0.98 and cosines.min() >= 0.95, cosines
+    assert cosines.max() < 0.9999  # int8's vectors, not fp32's
