@@ -102,6 +102,7 @@ def test_a_class_batch_is_as_long_as_its_longest_input(loop) -> None:
         assert batch is not None and len(batch.items) == 4
         clock.t += token_s(batch.cost)
     assert b.costs.row_cost[(M, 1)] == pytest.approx(32.0)
+    b.bursts.clear()  # the 40 above came at one instant, a burst (core/burst.py): the wait here is the class's alone
     for k in range(5):
         submit(b, loop, 32.0 if k == 2 else 18.0, 1, clock.t)
     p = predict(b, M, 0.0, 1, b.ahead_of(1, "t"), [18.0], bucket=1)

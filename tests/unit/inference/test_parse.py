@@ -14,8 +14,9 @@ JSON = "application/json"
 
 
 def test_a_typical_body():
-    assert parse_inference(b'{"input": "hi", "model": "sim@v1", "timeout_ms": 1500}', JSON, S) == ("hi", "sim@v1", 1.5)
-    assert parse_inference(b'{"input": "hi", "extra": [1, {"x": null}]}', "", S) == ("hi", None, S.timeout_ms / 1000)
+    assert parse_inference(b'{"input": "hi", "model": "sim@v1", "timeout_ms": 1500}', JSON, S) == ("hi", "sim@v1", 1.5, None)
+    assert parse_inference(b'{"input": "hi", "priority": "flex"}', JSON, S)[3] == "flex"
+    assert parse_inference(b'{"input": "hi", "extra": [1, {"x": null}]}', "", S) == ("hi", None, S.timeout_ms / 1000, None)
     assert parse_inference('{"input": "café"}'.encode(), JSON, S)[0] == "café"
 
 
