@@ -31,7 +31,9 @@ class FakeStepper(FeedStepper):
         self.added: list[str] = []
         self.cancelled: list[str] = []
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False, tenant: str = ""
+    ) -> None:
         self.added.append(seq_id)
 
     def cancel(self, seq_id: str) -> None:
