@@ -19,10 +19,11 @@ share of the places is all that holds (`shares.py`).
 
 - **Order.** Pieces go to the lane (tenant x interactive/batch, as `shares.Lane`) with the fewest prompt tokens
   charged: each piece prefilled is charged to its lane in tokens (`LaneCharges`); a lane that starts prefilling
-  begins at the least charge among those prefilling, so time without prefill banks nothing. Interactive lanes go
-  before batch lanes; within a lane, oldest first; a piece that does not fit the step's budget ends the plan
-  (the next one does not overtake it). So a short prompt is prefilled in the next step, not behind another key's
-  queue of long ones, and two tenants prefilling alternate.
+  begins at the least charge among those prefilling, so time without prefill banks nothing; at equal charges the
+  shorter piece first. Interactive lanes go before batch lanes; within a lane, oldest first. A piece past the
+  step's budget is cut to the room left, or, with less than `MIN_PIECE` left, ends the plan (nothing overtakes
+  it). So a short prompt is prefilled in the next step, not behind another key's queue of long ones, and two
+  tenants prefilling alternate.
 - **Priced beside decodes.** While rows of another interactive lane decode, a lane's prefill is time those rows
   wait. Interactive prefill then draws on a ledger (`PrefillLedger`) that earns `BESIDE_DECODE` x each decode
   step's measured time and spends each prefill's measured time: the decoding rows' time in steps and waiting on
@@ -99,10 +100,11 @@ def plan_prefill(
     limited: Collection[Lane] = (),
 ) -> list[Piece]:
     """This step's prefill pieces for `prompts` (oldest first): each prompt's next `chunk` tokens at most, taken
-    lane by lane, the lane with the least `charged` (plus what this plan gives it) first, interactive lanes
-    before batch ones, within a lane oldest first, while their sum stays within `step_tokens` (the first piece
-    always goes; one that does not fit ends the plan). A lane in `limited` draws on its class's pool in `pools`
-    (tokens): a piece is cut to what is left of it, and none goes from an empty one."""
+    lane by lane, the lane with the least `charged` (plus what this plan gives it) first (at equal charges the
+    shorter piece), interactive lanes before batch ones, within a lane oldest first, while their sum stays
+    within `step_tokens` (the first piece always goes; one past it is cut to the room left, and one that cannot
+    keep `MIN_PIECE` ends the plan). A lane in `limited` draws on its class's pool in `pools` (tokens): a piece
+    is cut to what is left of it, and none goes from a pool under `MIN_PIECE`."""
     charges = dict(charged or {})
     left = dict(pools or {})
     heads: dict[Lane, list[int]] = {}
@@ -112,26 +114,43 @@ def plan_prefill(
     pieces: list[Piece] = []
     used = 0
     while heads:
-        lane = min(heads, key=lambda ln: (ln[0], charges.get(ln, 0.0), heads[ln][0]))
+        lane = min(heads, key=lambda ln: _rank(ln, heads[ln][0], prompts, charges, chunk))
         index = heads[lane].pop(0)
         if not heads[lane]:
             del heads[lane]
         p = prompts[index]
-        n = min(max(1, chunk), p.total - p.done)
-        if lane in limited:
-            room = left.get(lane[0], 0)
-            if room < min(n, MIN_PIECE):  # that pool is spent: its lanes wait
-                for other in [ln for ln in heads if ln in limited and ln[0] == lane[0]]:
-                    del heads[other]
-                continue
-            n = min(n, room)
-            left[lane[0]] -= n
+        want = min(max(1, chunk), p.total - p.done)
+        least = min(want, MIN_PIECE)  # a piece cut shorter than this waits (a forward has a fixed cost)
+        if lane in limited and left.get(lane[0], 0) < least:  # that pool is spent: its lanes wait
+            for other in [ln for ln in heads if ln in limited and ln[0] == lane[0]]:
+                del heads[other]
+            continue
+        n = min(want, left[lane[0]]) if lane in limited else want
         if pieces and used + n > step_tokens:
-            break
+            n = step_tokens - used  # cut to the step's room; too little ends the plan (nothing overtakes it)
+            if n < least:
+                break
+        if lane in limited:
+            left[lane[0]] -= n
         pieces.append(Piece(index, p.done, n, p.done + n == p.total))
         used += n
         charges[lane] = charges.get(lane, 0.0) + n
     return pieces
+
+
+def _rank(lane: Lane, head: int, prompts: Sequence[Prompt], charges: Mapping[Lane, float], chunk: int) -> tuple:
+    """Where a lane's next piece (of `prompts[head]`) stands in the plan's order: lower first."""
+    p = prompts[head]
+    return (lane[0], charges.get(lane, 0.0), min(max(1, chunk), p.total - p.done), head)
+
+
+def first_lane(prompts: Sequence[Prompt], charges: Mapping[Lane, float], chunk: int) -> Lane | None:
+    """The interactive lane `plan_prefill` serves first (the one charged least), or None."""
+    heads: dict[Lane, int] = {}
+    for index, p in enumerate(prompts):
+        if p.total > p.done and p.lane[0] == INTERACTIVE:
+            heads.setdefault(p.lane, index)
+    return min(heads, key=lambda ln: _rank(ln, heads[ln], prompts, charges, chunk), default=None)
 
 
 @dataclass
@@ -175,13 +194,16 @@ class TokenRate:
         return MIN_PIECE if skipped >= max_skip else 0
 
 
-def limited_lanes(prefilling: Collection[Lane], decoding: Collection[str]) -> set[Lane]:
+def limited_lanes(prefilling: Collection[Lane], decoding: Collection[str], first: Lane | None = None) -> set[Lane]:
     """Of the lanes with prefill waiting, those whose prefill draws on a pool: an interactive lane while another
-    interactive lane's rows decode (`decoding`: their tenants), a batch lane while any interactive rows do."""
+    tenant's interactive rows decode (`decoding`: their tenants) or another interactive lane is served first
+    (`first`: the lane charged least, whose sequence's first token would otherwise wait on this one's piece);
+    a batch lane while any interactive rows decode or any interactive prompt is being prefilled."""
     out: set[Lane] = set()
     for lane in prefilling:
-        if lane[0] == SPARE and decoding:
-            out.add(lane)
-        elif lane[0] == INTERACTIVE and any(tenant != lane[1] for tenant in decoding):
+        if lane[0] == SPARE:
+            if decoding or any(other[0] == INTERACTIVE for other in prefilling):
+                out.add(lane)
+        elif any(tenant != lane[1] for tenant in decoding) or (first is not None and first != lane):
             out.add(lane)
     return out

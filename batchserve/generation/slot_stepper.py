@@ -50,6 +50,7 @@ from batchserve.generation.prefill_share import (
     PrefillLedger,
     Prompt,
     TokenRate,
+    first_lane,
     limited_lanes,
     plan_prefill,
 )
@@ -109,6 +110,7 @@ class Filling:
     slot: int
     done: int = 0  # prompt tokens whose K/V are in the slot
     over: bool = False  # live now, or failed: leaves the prefilling list
+    high: bool = False  # a prompt longer than a piece, in the highest free slot (see `_take_slots`)
 
 
 @dataclass(frozen=True)
@@ -326,11 +328,20 @@ class SlotStepper:
         """The joins take their slots, shortest prompts first, and queue for prefill: a foreground join the
         lowest free slot; a background one the highest free slot within the bucket that holds the occupied
         slots with it and a slot above every foreground one (at least one is free there), so a full step
-        covers no more rows than it needs to and the foreground prefix stays below it."""
+        covers no more rows than it needs to and the foreground prefix stays below it. A prompt longer than one
+        piece (either kind) takes the highest free slot: it is prefilled over several steps, and a short chat
+        joining meanwhile takes a low slot rather than one above it, so the decode steps do not cover its held
+        row (on a CPU a step's second row adds ~66%); once live, `_compact` moves it down if that halves the
+        rows, and `_separate` puts a foreground one below background ones."""
         for join in sorted(joins, key=lambda j: len(j.prompt_ids)):
-            if join.background:
+            high = len(join.prompt_ids) > self.decoder.chunk_tokens
+            if high:
+                slot = max(self._free)
+                self._free.remove(slot)
+                heapq.heapify(self._free)
+            elif join.background:
                 front = [slot for slot, live in self._live.items() if not live.background]
-                front += [f.slot for f in self._filling if not f.join.background]
+                front += [f.slot for f in self._filling if not f.join.background and not f.high]
                 need = max(len(self._slot_of) + 1, max(front, default=-1) + 2)
                 within = self.decoder.shape(min(need, self.decoder.slots), 1)[0]
                 slot = max(s for s in self._free if s < within)
@@ -339,7 +350,7 @@ class SlotStepper:
             else:
                 slot = heapq.heappop(self._free)
             self._slot_of[join.seq_id] = slot
-            self._filling.append(Filling(join, slot))
+            self._filling.append(Filling(join, slot, high=high))
 
     def _prefill(self, background: bool = True) -> list[TokenUpdate]:
         """This step's share of the prefill (`prefill_share.plan_prefill`: by lane, the fewest prompt tokens
@@ -349,7 +360,9 @@ class SlotStepper:
         step leaves their rows out)."""
         self.charges.present({f.join.lane for f in self._filling})
         decoding = {live.tenant for live in self._live.values() if not live.background}
-        limited = limited_lanes({f.join.lane for f in self._filling}, decoding)
+        prompts = [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in self._filling]
+        first = first_lane(prompts, self.charges.tokens, self.decoder.chunk_tokens)
+        limited = limited_lanes({f.join.lane for f in self._filling}, decoding, first)
         filling = [f for f in self._filling if background or not f.join.background]
         pools: dict[int, int] = {}
         if any(lane[0] == INTERACTIVE for lane in limited):

@@ -1,7 +1,6 @@
 """Rows to the memory (issue 25) without a device or a model: the slot count and KV budget from made-up free-memory
 figures, the row buckets up to it (the per-step prefill plan: test_prefill_share.py). The decoder prefilling in
-pieces, on a 2-layer
-random Llama, is tests/integration/generation/test_sizing.py."""
+pieces, on a 2-layer random Llama, is tests/integration/generation/test_sizing.py."""
 
 from __future__ import annotations
 
