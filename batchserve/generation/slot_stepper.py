@@ -39,10 +39,9 @@ import heapq
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from collections.abc import Callable
 
 from batchserve.generation.prefill_share import (
     LaneCharges,
