@@ -47,7 +47,7 @@ class FeedStepper:
     def start(self, loop: Any, deliver: Any) -> None:
         self.deliver = deliver
 
-    def add(self, *a: Any) -> None:
+    def add(self, *a: Any, **kw: Any) -> None:
         pass
 
     def cancel(self, seq_id: str) -> None:

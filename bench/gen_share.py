@@ -7,6 +7,7 @@
     python -m bench.gen_share --scenarios batch --beside 1,0.25   # the batch cap off, then at 0.25, one run
     python -m bench.gen_share --code /tmp/base     # the tree in /tmp/base first (`git archive <commit> | tar -x
                                                    # -C /tmp/base`), then this checkout: without and with a change
+    python -m bench.gen_share --scenarios prompts  # short chats beside long prompts (issue 46 item 4)
 
 1. `hog`: one tenant holds every slot with long streamed chats (slots + 2 of them, EOS ignored), another
    sends `--short` short chats one after another. Reported: how many were answered, their p50 alone and
@@ -18,6 +19,12 @@
    valid line completes, <= 1.5x). The issue measured 84 of 100 lines failed and p50 0.7 s -> 8.9 s before.
    `--beside` runs it once per value of `--generation-batch-beside-interactive` (the share of the slots batch
    lines keep while interactive work is there; 1 = no cap, as before it), in the order given, in one run.
+
+3. `prompts`: short chats beside another tenant's long prompts (`--prompt-tokens`, ~1,500, `max_tokens` 1):
+   first from `--prompt-streams` interactive callers in closed loops, then from a chat batch of `--prompt-lines`
+   lines of them. Reported per phase: chats answered, p50 alone and beside, the ratio (goal: all answered,
+   <= 3x). The issue measured one answer in 20 s beside the interactive prompts (0.8 s alone) and p50 16.2 s
+   beside the batch, before prefill was priced (`generation/prefill_share.py`).
 
 A fresh server per scenario (each with its own temporary TOML config of keys); every server stopped by PID.
 The machine is shared: the load average is printed and recorded with the results; quote ratios from one run.
@@ -246,11 +253,70 @@ def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path,
             "steps_interactive_only": mix["interactive_only"], "steps_unseparated": mix["unseparated"]}
 
 
+def long_prompt(i: int, tokens: int) -> str:
+    """About `tokens` tokens of SmolLM2's tokenizer (" apple" is one), distinct per `i`."""
+    return f"Document {i}. Count the apples:" + " apple" * tokens
+
+
+def prompts_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
+    """Short chats alone, then beside an interactive tenant's long prompts, then beside a chat batch of them."""
+    config, keys = keyed(tmp, ("prompter", "caller"))
+    s = start(f"gen-share-prompts{'-' + Path(code).name if code else ''}", code, a, config, log_dir,
+              ["--jobs-db", str(tmp / "jobs.db")])
+    shorts = [chat(f"What is {i} plus {i}?", a.short_tokens) for i in range(a.short)]
+    longs = [chat(long_prompt(i, a.prompt_tokens), 1) for i in range(max(a.prompt_lines, a.prompt_streams))]
+    timed_chats(s.base, keys["caller"], shorts[:1])  # warm
+    alone, _ = timed_chats(s.base, keys["caller"], shorts)
+    stop = threading.Event()
+    streams = [threading.Thread(target=timed_chats, args=(s.base, keys["prompter"], longs[i::a.prompt_streams], stop),
+                                daemon=True) for i in range(a.prompt_streams)]
+    for t in streams:
+        t.start()
+    wait_until(lambda: engine_stats(s.base)["running"] >= 1, 120, 0.05)
+    beside_i, answers_i = timed_chats(s.base, keys["caller"], shorts)
+    stop.set()
+    for t in streams:
+        t.join(300)
+    done: dict[str, Any] = {}
+
+    def batch() -> None:
+        try:
+            done.update(run_batch(s.base, keys["prompter"], longs[: a.prompt_lines], a.batch_timeout_s))
+        except httpx.HTTPError:
+            pass  # the server stopped under it: the chats beside it are what is measured
+
+    t = threading.Thread(target=batch, daemon=True)
+    t.start()
+    wait_until(lambda: engine_stats(s.base)["batch_running"] >= 1, 120, 0.05)
+    beside_b, answers_b = timed_chats(s.base, keys["caller"], shorts)
+    stats = engine_stats(s.base)
+    servers.stop(s)
+    t.join(30)
+    ok_i, ok_b = ok_times(beside_i, answers_i), ok_times(beside_b, answers_b)
+    return {"scenario": "prompts", "code": code or "this checkout", "prompt_tokens": a.prompt_tokens,
+            "prompt_streams": a.prompt_streams, "prompt_lines": a.prompt_lines, "short_chats": a.short,
+            "p50_alone_s": p50(alone), "interactive_answered": len(ok_i), "p50_beside_interactive_s": p50(ok_i),
+            "ratio_interactive": p50(ok_i) / p50(alone), "batch_answered": len(ok_b),
+            "p50_beside_batch_s": p50(ok_b), "ratio_batch": p50(ok_b) / p50(alone), "goal_ratio": 3.0,
+            "preempted": stats.get("preempted"), "steps": stats.get("steps")}
+
+
 def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> str:
     out = [f"# Generation shares by tenant (issue 33 item 3)\n\nload average at start {load[0]:.2f} "
            f"{load[1]:.2f} {load[2]:.2f} (a shared machine: one run's figures)\n"]
     for r in rows:
-        if r["scenario"] == "hog":
+        if r["scenario"] == "prompts":
+            out.append(report.table(
+                ["scenario", "code", "prompt tokens", "short chats beside", "answered", "p50 alone s", "p50 beside s",
+                 "ratio (goal 3)"],
+                [[f"{r['prompt_streams']} interactive streams of long prompts", r["code"], r["prompt_tokens"],
+                  "interactive", f"{r['interactive_answered']}/{r['short_chats']}",
+                  report.fmt(r["p50_alone_s"], ".2f"), report.fmt(r["p50_beside_interactive_s"], ".2f"),
+                  report.fmt(r["ratio_interactive"], ".2f")],
+                 [f"a chat batch of {r['prompt_lines']} long prompts", r["code"], r["prompt_tokens"], "batch",
+                  f"{r['batch_answered']}/{r['short_chats']}", report.fmt(r["p50_alone_s"], ".2f"),
+                  report.fmt(r["p50_beside_batch_s"], ".2f"), report.fmt(r["ratio_batch"], ".2f")]]))
+        elif r["scenario"] == "hog":
             out.append(report.table(
                 ["scenario", "code", "slots", "hog chats", "answered", "p50 alone s", "p50 beside s",
                  "ratio (goal 3)", "preempted"],
@@ -276,7 +342,8 @@ def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> st
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", default="hog,batch", help="comma-separated: hog, batch (default both)")
+    p.add_argument("--scenarios", default="hog,batch",
+                   help="comma-separated: hog, batch, prompts (default hog,batch)")
     p.add_argument("--max-seqs", type=int, default=0, help="--generation-max-seqs (default 0: the server's, 8 on a CPU)")
     p.add_argument("--max-context", type=int, default=2048, help="--generation-max-context (default %(default)s)")
     p.add_argument("--short", type=int, default=10, help="short / interactive chats (default %(default)s)")
@@ -284,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hog-tokens", type=int, default=1500, help="max_tokens of a hog's chat (default %(default)s)")
     p.add_argument("--lines", type=int, default=100, help="chat batch lines (default %(default)s)")
     p.add_argument("--line-tokens", type=int, default=160, help="max_tokens of a line (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=1500, help="prompts: a long prompt's tokens (about)")
+    p.add_argument("--prompt-streams", type=int, default=4, help="prompts: interactive callers of long prompts")
+    p.add_argument("--prompt-lines", type=int, default=60, help="prompts: chat batch lines of long prompts")
     p.add_argument("--batch-timeout-s", type=float, default=5400,
                    help="give up on the batch after this (default %(default)s: 100 x 160 takes ~3,300 s on 2 cores)")
     p.add_argument("--beside", default="",
@@ -308,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                 directory.mkdir()
                 if scenario == "batch":
                     rows.append(batch_scenario(code, a, directory, log_dir, beside))
+                elif scenario == "prompts":
+                    rows.append(prompts_scenario(code, a, directory, log_dir))
                 else:
                     rows.append(hog_scenario(code, a, directory, log_dir))
                 print(rows[-1], flush=True)

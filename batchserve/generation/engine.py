@@ -820,7 +820,7 @@ class Engine:
         self.running[seq.run_id] = seq
         self.lane_running.setdefault(lane, {})[seq.run_id] = seq
         self.lane_held[lane] = self.lane_held.get(lane, 0) + seq.blocks
-        self.stepper.add(seq.run_id, prompt, params, background=lane[0] == SPARE)
+        self.stepper.add(seq.run_id, prompt, params, background=lane[0] == SPARE, tenant=seq.tenant)
         if seq.on_start is not None and seq.runs == 1:
             seq.on_start(seq)
         self._gauges()

@@ -120,8 +120,10 @@ class ManagerStepper:
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         self._deliver = deliver  # the manager itself was started (and warmed) when it was built
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
-        """`background` is not used: the library's scheduler runs every request in every step."""
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False, tenant: str = ""
+    ) -> None:
+        """`background` and `tenant` are not used: the library's scheduler runs every request in every step."""
         seen = 0
 
         def on_output(out: Any) -> None:  # on the loop, via the library's call_soon_threadsafe

@@ -12,15 +12,13 @@ Why these rules:
 - Row buckets up to the slots, denser above 256 (384, 768, 1,536): a step runs padded up to its bucket, and
   513 live rows padded to 1,024 would pay ~40 % more per step than they need.
 - Prefill in pieces. Every prefill pauses the running sequences, so one step carries at most
-  `step_tokens` prompt tokens of prefill (oldest first), each prompt in pieces of at most `chunk` tokens: a
-  burst of a thousand new sequences, or one long prompt, is spread over several steps instead of stalling
-  every running sequence for all of it at once.
+  `step_tokens` prompt tokens of prefill, each prompt in pieces of at most `chunk` tokens: a burst of a
+  thousand new sequences, or one long prompt, is spread over several steps instead of stalling every running
+  sequence for all of it at once (`prefill_share.plan_prefill`, which also shares and prices it by lane).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from collections.abc import Sequence
 
 GPU_MAX_SEQS = 2048  # auto slots on a GPU at most (a step of 1,024 rows took 8.18 ms on an H200; 256 took 4.8)
 SLOT_ROUND = 64  # auto slots on a GPU are a multiple of this (when at least this many fit)
@@ -43,31 +41,3 @@ def kv_tokens_for(free_bytes: int, share: float, bytes_per_token: int) -> int:
 def row_buckets(slots: int) -> list[int]:
     """The decode row counts a step is padded up to (and captured at): the buckets below `slots`, and `slots`."""
     return sorted({b for b in ROW_BUCKETS if b < slots} | {slots})
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of one prompt a step prefills: `index` into the prefilling list, tokens [start, start+length)."""
-
-    index: int
-    start: int
-    length: int
-    last: bool  # this piece ends the prompt: its forward draws the sequence's first token
-
-
-def plan_prefill(progress: Sequence[tuple[int, int]], step_tokens: int, chunk: int) -> list[Piece]:
-    """This step's prefill pieces for prompts given as (tokens done, prompt length), oldest first: each the
-    next `chunk` tokens of its prompt at most, taken in order while their sum stays within `step_tokens`. The
-    first always goes (so a budget smaller than a chunk still moves); the order is kept (a later, shorter
-    piece does not overtake one that does not fit), so a prompt's wait is bounded by those before it."""
-    pieces: list[Piece] = []
-    used = 0
-    for index, (done, total) in enumerate(progress):
-        n = min(max(1, chunk), total - done)
-        if n <= 0:
-            continue
-        if pieces and used + n > step_tokens:
-            break
-        pieces.append(Piece(index, done, n, done + n == total))
-        used += n
-    return pieces

@@ -12,10 +12,12 @@ which only rounds the attended span up. Which slots are live, and each one's pos
 ints, so choosing the step's shape needs nothing from the device.
 
 Prefill (issue 25): joins take their slots at once and are prefilled over the following steps, at most
-`prefill_step_tokens` prompt tokens a step, oldest first, each prompt in pieces of the decoder's `chunk_tokens`
-(`sizing.plan_prefill`). So a burst of new sequences, or one long prompt, costs the running sequences a bounded
-pause per step rather than all of its prefill before their next token; a sequence being prefilled holds its slot
-(its row held still by the decoder) and is live from its last piece on.
+`prefill_step_tokens` prompt tokens a step, each prompt in pieces of the decoder's `chunk_tokens`. So a burst of
+new sequences, or one long prompt, costs the running sequences a bounded pause per step rather than all of its
+prefill before their next token; a sequence being prefilled holds its slot (its row held still by the decoder) and
+is live from its last piece on. Prefill is priced and shared by lane (`prefill_share.py`): pieces go to the
+tenant with the fewest prompt tokens prefilled first, and while another tenant's rows decode a tenant's prefill
+takes at most what a ledger of their steps' time affords (batch prefill: what the slowdown ledger does).
 
 Rows: a step covers the slots up to the highest live one, padded up to a bucket, and new sequences take the
 lowest free slot. When the live sequences would fit a bucket half the size or less (the long sequences of a
@@ -37,10 +39,21 @@ import heapq
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from batchserve.generation.sizing import Piece, plan_prefill
+from batchserve.generation.prefill_share import (
+    LaneCharges,
+    Piece,
+    PrefillLedger,
+    Prompt,
+    TokenRate,
+    first_lane,
+    limited_lanes,
+    plan_prefill,
+)
+from batchserve.generation.shares import INTERACTIVE, SPARE, Lane
 from batchserve.generation.slot_decoder import SlotDecoder, LaunchedStep
 from batchserve.generation.step_share import Booking, StepShare
 from batchserve.generation.stepper import KvCapacity, Deliver, SamplingParams, TokenUpdate
@@ -71,6 +84,7 @@ class Live:
     sampling: bool
     ended: bool = False  # its slot was freed: later steps' tokens for it are ignored
     background: bool = False  # a batch line: kept out of the steps the foreground rows need alone
+    tenant: str = ""  # whose rows these are (another tenant's prefill beside them is priced: `prefill_share`)
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,11 @@ class Join:
     params: SamplingParams
     step: int  # steps launched when it was added
     background: bool = False
+    tenant: str = ""
+
+    @property
+    def lane(self) -> Lane:
+        return (SPARE if self.background else INTERACTIVE, self.tenant)
 
 
 @dataclass(eq=False)
@@ -90,6 +109,7 @@ class Filling:
     slot: int
     done: int = 0  # prompt tokens whose K/V are in the slot
     over: bool = False  # live now, or failed: leaves the prefilling list
+    high: bool = False  # a prompt longer than a piece, in the highest free slot (see `_take_slots`)
 
 
 @dataclass(frozen=True)
@@ -113,11 +133,12 @@ class SlotStepper:
         join_delay_steps: int = JOIN_DELAY_STEPS,
         prefill_step_tokens: int = 0,
         slowdown: float = 1.25,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """`join_batch` (default: a sixteenth of the slots, at least 1) and `join_delay_steps`: see join_now;
         `prefill_step_tokens`: prompt tokens prefilled between two steps at most (default: the decoder's
-        prefill_tokens, what one prefill forward holds); `slowdown`: the most background rows may lengthen the
-        foreground rows' steps (`step_share.StepShare`)."""
+        prefill_tokens, what one prefill forward holds); `slowdown`: the most background rows (and their prefill)
+        may lengthen the foreground rows' steps (`step_share.StepShare`); `clock` times prefills."""
         self.decoder = decoder
         self.prefill_step_tokens = prefill_step_tokens or decoder.prefill_tokens
         self.prefills = 0  # prefill forwards run
@@ -128,6 +149,11 @@ class SlotStepper:
         self.steps = 0  # steps launched
         self.moved = 0  # sequences moved to lower slots
         self.share = StepShare(slowdown, seed=decoder.step_times)
+        self._clock = clock
+        self.charges = LaneCharges()  # prompt tokens prefilled by lane (`prefill_share`)
+        self.prefill_ledger = PrefillLedger()  # interactive prefill beside another tenant's decoding rows
+        self.prefill_rate = TokenRate()  # seconds per prompt token, learned
+        self.batch_prefill_skipped = 0  # steps in a row batch prefill waited beside interactive rows, and got none
         self.full_steps = 0  # steps with foreground rows live and background rows in them
         self.interactive_only_steps = 0  # steps of the foreground rows alone while background work waited
         self.unseparated_steps = 0  # of the full steps, those the ledger would have run without background rows
@@ -167,9 +193,11 @@ class SlotStepper:
         self._thread = threading.Thread(target=self._run, name="batchserve-generation", daemon=True)
         self._thread.start()
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False, tenant: str = ""
+    ) -> None:
         with self._cond:
-            self._joins.append(Join(seq_id, prompt_ids, params, self.steps, background))
+            self._joins.append(Join(seq_id, prompt_ids, params, self.steps, background, tenant))
             self._cond.notify()
 
     def cancel(self, seq_id: str) -> None:
@@ -230,18 +258,7 @@ class SlotStepper:
                             self.join_delay_steps,
                         )
                     joins, self._joins = self._joins[:take], self._joins[take:]
-                updates: list[TokenUpdate] = []
-                self._drop(cancels)
-                if joins:
-                    self._take_slots(joins)
-                include = self._include()  # decided before the prefill: background prefill goes with its rows
-                if self._filling:
-                    updates += self._prefill(include)
-                self._compact()
-                launched = self._launch(include) if self._live else None
-                if pending is not None:
-                    updates += self._collect(pending)
-                pending = launched
+                updates, pending = self._turn(cancels, joins, pending)
                 if updates:
                     self._send(updates)
         except BaseException as exc:  # reported to every sequence; is_running() turns False
@@ -260,6 +277,24 @@ class SlotStepper:
                     ]
                 ]
             )
+
+    def _turn(
+        self, cancels: list[str], joins: list[Join], pending: Pending | None
+    ) -> tuple[list[TokenUpdate], Pending | None]:
+        """One turn of the thread: drop the cancelled, seat the joins, this step's prefill, launch the next step,
+        collect the previous one. Returns the updates to hand over and the step now in flight."""
+        updates: list[TokenUpdate] = []
+        self._drop(cancels)
+        if joins:
+            self._take_slots(joins)
+        include = self._include()  # decided before the prefill: background prefill goes with its rows
+        if self._filling:
+            updates += self._prefill(include)
+        self._compact()
+        launched = self._launch(include) if self._live else None
+        if pending is not None:
+            updates += self._collect(pending)
+        return updates, launched
 
     def _send(self, updates: list[TokenUpdate]) -> None:
         assert self._loop is not None and self._deliver is not None
@@ -292,11 +327,20 @@ class SlotStepper:
         """The joins take their slots, shortest prompts first, and queue for prefill: a foreground join the
         lowest free slot; a background one the highest free slot within the bucket that holds the occupied
         slots with it and a slot above every foreground one (at least one is free there), so a full step
-        covers no more rows than it needs to and the foreground prefix stays below it."""
+        covers no more rows than it needs to and the foreground prefix stays below it. A prompt longer than one
+        piece (either kind) takes the highest free slot: it is prefilled over several steps, and a short chat
+        joining meanwhile takes a low slot rather than one above it, so the decode steps do not cover its held
+        row (on a CPU a step's second row adds ~66%); once live, `_compact` moves it down if that halves the
+        rows, and `_separate` puts a foreground one below background ones."""
         for join in sorted(joins, key=lambda j: len(j.prompt_ids)):
-            if join.background:
+            high = len(join.prompt_ids) > self.decoder.chunk_tokens
+            if high:
+                slot = max(self._free)
+                self._free.remove(slot)
+                heapq.heapify(self._free)
+            elif join.background:
                 front = [slot for slot, live in self._live.items() if not live.background]
-                front += [f.slot for f in self._filling if not f.join.background]
+                front += [f.slot for f in self._filling if not f.join.background and not f.high]
                 need = max(len(self._slot_of) + 1, max(front, default=-1) + 2)
                 within = self.decoder.shape(min(need, self.decoder.slots), 1)[0]
                 slot = max(s for s in self._free if s < within)
@@ -305,39 +349,66 @@ class SlotStepper:
             else:
                 slot = heapq.heappop(self._free)
             self._slot_of[join.seq_id] = slot
-            self._filling.append(Filling(join, slot))
+            self._filling.append(Filling(join, slot, high=high))
 
     def _prefill(self, background: bool = True) -> list[TokenUpdate]:
-        """This step's share of the prefill (`plan_prefill`), in forwards that one prefill holds (the decoder's
-        prefill_tokens, and on a GPU a captured shape): first pieces and later pieces apart, shortest first.
-        `background` False: the background joins wait (this step leaves their rows out); run while foreground
-        rows are live, their prefill's time is charged to the ledger."""
+        """This step's share of the prefill (`prefill_share.plan_prefill`: by lane, the fewest prompt tokens
+        charged first, within the step budget and, beside another tenant's decoding rows, what the ledgers
+        afford), in forwards that one prefill holds (the decoder's prefill_tokens, and on a GPU a captured shape):
+        first pieces and later pieces apart, shortest first. `background` False: the background joins wait (this
+        step leaves their rows out)."""
+        self.charges.present({f.join.lane for f in self._filling})
+        decoding = {live.tenant for live in self._live.values() if not live.background}
+        prompts = [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in self._filling]
+        first = first_lane(prompts, self.charges.tokens, self.decoder.chunk_tokens)
+        limited = limited_lanes({f.join.lane for f in self._filling}, decoding, first)
         filling = [f for f in self._filling if background or not f.join.background]
+        pools: dict[int, int] = {}
+        if any(lane[0] == INTERACTIVE for lane in limited):
+            ledger = self.prefill_ledger
+            pools[INTERACTIVE] = self.prefill_rate.afford(ledger.credit, ledger.skipped)
+        if background and any(lane[0] == SPARE for lane in limited):
+            alone, rows = self._rows()
+            room = self.share.prefill_room(alone, rows)
+            pools[SPARE] = self.prefill_rate.afford(room, self.batch_prefill_skipped)
         pieces = plan_prefill(
-            [(f.done, len(f.join.prompt_ids)) for f in filling],
+            [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in filling],
             self.prefill_step_tokens,
             self.decoder.chunk_tokens,
+            self.charges.tokens,
+            pools,
+            limited,
         )
-        charged = any(not live.background for live in self._live.values())
+        went = {filling[p.index].join.lane[0] for p in pieces if filling[p.index].join.lane in limited}
+        waited = {lane[0] for lane in limited}
+        self.prefill_ledger.skipped = self.prefill_ledger.skipped + 1 if INTERACTIVE in waited - went else 0
+        self.batch_prefill_skipped = self.batch_prefill_skipped + 1 if SPARE in waited - went else 0
         updates: list[TokenUpdate] = []
         for continued in (False, True):
             group: list[Piece] = []
             for piece in sorted((p for p in pieces if (p.start > 0) == continued), key=lambda p: p.length):
                 if group and not self.decoder.prefill_fits(len(group) + 1, piece.length, continued):
-                    updates += self._prefill_group(filling, group, charged)
+                    updates += self._prefill_group(filling, group, limited)
                     group = []
                 group.append(piece)
             if group:
-                updates += self._prefill_group(filling, group, charged)
+                updates += self._prefill_group(filling, group, limited)
         self._filling = [f for f in self._filling if not f.over]
         return updates
 
-    def _prefill_group(self, filling: list[Filling], group: list[Piece], charged: bool = False) -> list[TokenUpdate]:
-        """One prefill forward of these pieces (indexes into `filling`); `charged`: foreground rows are live, so
-        the background pieces' share of its time goes to the ledger."""
+    def _rows(self) -> tuple[int, int]:
+        """The rows (padded) of a step over the foreground rows alone, and over every live row."""
+        front = [slot for slot, live in self._live.items() if not live.background]
+        top = max(self._live, default=-1) + 1
+        return self.decoder.shape(max(front, default=-1) + 1, 1)[0], self.decoder.shape(top, 1)[0]
+
+    def _prefill_group(self, filling: list[Filling], group: list[Piece], limited: set[Lane]) -> list[TokenUpdate]:
+        """One prefill forward of these pieces (indexes into `filling`). Its tokens are charged to their lanes,
+        and the time of those of `limited` lanes to their ledger: an interactive lane's to the prefill ledger, a
+        background one's to the slowdown ledger."""
         fills = [filling[p.index] for p in group]
         slots = [f.slot for f in fills]
-        began = time.perf_counter()
+        began = self._clock()
         try:
             first, done = self.decoder.prefill(
                 slots,
@@ -354,14 +425,22 @@ class SlotStepper:
                 del self._slot_of[f.join.seq_id]
                 heapq.heappush(self._free, f.slot)
             return [TokenUpdate(f.join.seq_id, [], True, f"{type(exc).__name__}: {exc}") for f in fills]
+        seconds = self._clock() - began
         self.prefills += 1
         self.pieces += len(group)
+        tokens = sum(p.length for p in group)
+        self.prefill_rate.measured(seconds, tokens)
         background = sum(p.length for f, p in zip(fills, group) if f.join.background)
         self._background_prefilled |= background > 0
-        if charged:
-            tokens = sum(p.length for p in group)
-            if background:
-                self.share.charge((time.perf_counter() - began) * background / tokens)
+        priced = {INTERACTIVE: 0, SPARE: 0}
+        for f, p in zip(fills, group):
+            self.charges.charge(f.join.lane, p.length)
+            if f.join.lane in limited:
+                priced[f.join.lane[0]] += p.length
+        if priced[SPARE]:
+            self.share.charge(seconds * priced[SPARE] / tokens)
+        if priced[INTERACTIVE]:
+            self.prefill_ledger.spend(seconds * priced[INTERACTIVE] / tokens)
         updates = []
         for f, piece, token, ended in zip(fills, group, first, done):
             f.done += piece.length
@@ -369,7 +448,12 @@ class SlotStepper:
                 continue
             f.over = True
             self._live[f.slot] = Live(
-                f.join.seq_id, f.slot, len(f.join.prompt_ids), not f.join.params.greedy, background=f.join.background
+                f.join.seq_id,
+                f.slot,
+                len(f.join.prompt_ids),
+                not f.join.params.greedy,
+                background=f.join.background,
+                tenant=f.join.tenant,
             )
             updates.append(TokenUpdate(f.join.seq_id, [token], ended))
             if ended:
@@ -471,7 +555,11 @@ class SlotStepper:
         """The step's token for each member still live; members whose row the device marked done leave. Its
         time goes to the ledger."""
         tokens, done = self.decoder.collect(pending.ticket)
-        self.share.measured(pending.rows, self.decoder.step_seconds(pending.ticket), pending.booking)
+        seconds = self.decoder.step_seconds(pending.ticket)
+        self.share.measured(pending.rows, seconds, pending.booking)
+        decoding = {live.tenant for live in self._live.values() if not live.background}
+        if any(not f.join.background and decoding - {f.join.tenant} for f in self._filling):
+            self.prefill_ledger.earn(seconds)  # another tenant's prefill waited beside these rows
         updates = []
         for live, slot in pending.members:
             if live.ended:

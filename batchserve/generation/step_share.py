@@ -13,9 +13,10 @@ stepper's measured step times; a GPU's padded row bucket is the count), and keep
 that runs while foreground rows are live and background work waits is booked at its cost less `slowdown` x
 what a foreground-only step costs: a foreground-only step earns credit ((slowdown - 1) x its time), a full step
 spends it (its extra time over slowdown x a foreground-only step), and background prefill run meanwhile spends
-its time too. The background rows go into a step when the credit, after booking that step, stays at or above
-zero. So the time foreground rows spend in steps (and waiting on background prefill) stays within `slowdown`
-x what foreground-only steps would have cost, over every stretch of steps, to within one step. A step is booked
+its time too (and may take only what the credit leaves after the step: `prefill_room`, `prefill_share.py`). The
+background rows go into a step when the credit, after booking that step, stays at or above zero. So the time
+foreground rows spend in steps (and waiting on background prefill) stays within `slowdown` x what
+foreground-only steps would have cost, over every stretch of steps, to within one step. A step is booked
 when it is launched, at its estimated cost, and corrected when its measured time comes back (one step later).
 
 - With no foreground rows live there is nothing to protect: the stepper does not ask, every step runs all rows.
@@ -114,6 +115,15 @@ class StepShare:
             return
         self.credit += booking.booked - (seconds - self.slowdown * alone)
         self._bound(booking)
+
+    def prefill_room(self, foreground_rows: int, rows: int) -> float:
+        """Seconds of background prefill the credit affords before a step of `rows` rows (background prefill
+        runs only in steps the background rows go in), once that step is booked: spent before it runs, so the
+        prefill keeps to the slowdown as the rows do (`prefill_share`)."""
+        full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
+        if full is None or alone is None:
+            return self.credit
+        return self.credit + self.slowdown * alone - full
 
     def charge(self, seconds: float) -> None:
         """Background work outside the steps (its prefill) held the foreground rows up `seconds`."""

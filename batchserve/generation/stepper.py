@@ -75,12 +75,15 @@ class Stepper(Protocol):
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         """Begin running; `deliver` is called on `loop` with each step's updates."""
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False, tenant: str = ""
+    ) -> None:
         """Start a sequence (admission has checked that it fits). Called on the loop. A resumed (preempted)
         sequence comes back under a new id, its prompt followed by the tokens it had made, and
         `params.resumed` = how many: a resumable stepper counts its tokens and keys its seeded draws from there.
         `background`: a batch line (spare lane), which a stepper that `shares_steps` keeps out of some steps
-        while foreground sequences run."""
+        while foreground sequences run. `tenant`: whose it is (with `background`, its lane): a stepper that
+        `shares_steps` shares and prices prefill by it (`prefill_share`)."""
 
     def cancel(self, seq_id: str) -> None:
         """Drop a sequence now; no more updates matter for it. Called on the loop."""

@@ -117,3 +117,40 @@ def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> N
     assert bool(dec.done[0])
     got = run_stepper(stepper, [(short, greedy)])
     assert got["0"] == alone(model, short, None, 6)
+
+
+def test_another_tenants_long_prompt_is_prefilled_between_a_chats_steps_and_both_decode_as_generate(
+    model: Any,  # noqa: F811
+) -> None:
+    """Tenant a's 24-token prompt (pieces of 8) is under way when tenant b's 5-token chat joins: b's prompt is
+    prefilled first, and from then on a's pieces go only as the prefill ledger affords (`prefill_share`; the
+    injected clock makes every prefill look dear, so only the starvation bound lets a piece through), so b gets a
+    token at every turn while a's prompt is spread over many of b's steps. a's prompt waited in the highest slot,
+    and is moved down next to b's once live; both get `generate`'s tokens. Driven by hand, turn by turn."""
+    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.generation.slot_stepper import Join, SlotStepper
+
+    chat, long = prompts(model, (5, 24), seed=61)
+    ticks = iter(range(10**6))
+    dec = SlotDecoder(model, slots=4, slot_tokens=48, eos_ids=[], pad_id=PAD, chunk_tokens=8)
+    stepper = SlotStepper(dec, step_s=0.01, join_batch=1, clock=lambda: float(next(ticks)))
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    turns: list[tuple[int, int]] = []  # (a's prompt tokens done, b's tokens) after each turn
+    joins = [Join("a", long, SamplingParams(max_tokens=4, temperature=0), 0, False, "a")]
+    pending = None
+    for turn in range(200):
+        updates, pending = stepper._turn([], joins, pending)
+        joins = [Join("b", chat, greedy, stepper.steps, False, "b")] if turn == 0 else []
+        for u in updates:
+            assert u.error is None
+            got[u.seq_id] += u.tokens
+        filling = {f.join.seq_id: f.done for f in stepper._filling}
+        turns.append((filling.get("a", len(long)), len(got["b"])))
+        if len(got["a"]) == 4 and len(got["b"]) == 24:
+            break
+    assert got["b"] == alone(model, chat, None, 24) and got["a"] == alone(model, long, None, 4)
+    assert stepper.moved >= 1  # a went live in the highest slot and moved down beside b
+    spread = [b for done, b in turns if 8 <= done < len(long)]
+    assert len(spread) >= 8  # b made tokens through at least 8 turns while a's prompt was half done
+    assert all(later - earlier == 1 for earlier, later in zip(spread, spread[1:]))  # one token every turn

@@ -30,9 +30,13 @@ class FakeStepper(FeedStepper):
                                   max_sequence_tokens=blocks * page_size), step_s=0.01)
         self.added: list[str] = []
         self.cancelled: list[str] = []
+        self.tenants: dict[str, str] = {}
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False, tenant: str = ""
+    ) -> None:
         self.added.append(seq_id)
+        self.tenants[seq_id] = tenant
 
     def cancel(self, seq_id: str) -> None:
         self.cancelled.append(seq_id)
@@ -277,5 +281,15 @@ def test_predicted_start_of_a_new_sequence_is_zero_with_a_free_slot_and_the_queu
         e.submit([1], params(10))  # one waiting ahead: it takes the first free slot, a new one the next
         assert e.predicted_start_s(10) > first
         assert len(e.waiting) == 1  # reading the prediction queued nothing
+
+    run(main())
+
+
+def test_the_stepper_is_told_whose_sequence_it_runs() -> None:
+    # the slot stepper shares and prices prefill by tenant (`prefill_share.py`): it must know whose prompt it is
+    async def main() -> None:
+        e = engine(max_seqs=2)
+        a, b = e.submit([1], params(), tenant="acme"), e.submit([1], params(), tenant="globex")
+        assert e.stepper.tenants == {a.id: "acme", b.id: "globex"}
 
     run(main())

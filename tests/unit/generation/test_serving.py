@@ -34,7 +34,9 @@ class AnsweringStepper(FeedStepper):
         super().__init__(KvCapacity(blocks=4, page_size=16, max_seqs=1, max_sequence_tokens=64), step_s=step_s)
         self.delay_s = delay_s
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False, tenant: str = ""
+    ) -> None:
         if prompt_ids[0] != HOLD:
             update = TokenUpdate(seq_id, [CHARS.index(c) for c in "abc"], True)
             asyncio.get_running_loop().call_later(self.delay_s, self.deliver, [update])

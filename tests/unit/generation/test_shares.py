@@ -130,7 +130,9 @@ class Recording(FakeStepper):
         self.runs: dict[str, tuple[list[int], SamplingParams]] = {}
         self.background: dict[str, bool] = {}
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False) -> None:
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False, tenant: str = ""
+    ) -> None:
         super().add(seq_id, prompt_ids, params, background)
         self.runs[seq_id] = (list(prompt_ids), params)
         self.background[seq_id] = background

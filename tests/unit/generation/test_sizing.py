@@ -1,11 +1,11 @@
 """Rows to the memory (issue 25) without a device or a model: the slot count and KV budget from made-up free-memory
-figures, the row buckets up to it, the per-step prefill plan. The decoder prefilling in pieces, on a 2-layer
-random Llama, is tests/integration/generation/test_sizing.py."""
+figures, the row buckets up to it (the per-step prefill plan: test_prefill_share.py). The decoder prefilling in
+pieces, on a 2-layer random Llama, is tests/integration/generation/test_sizing.py."""
 
 from __future__ import annotations
 
 from batchserve.generation.engine import EngineConfig, slot_plan
-from batchserve.generation.sizing import GPU_MAX_SEQS, Piece, auto_gpu_slots, kv_tokens_for, plan_prefill, row_buckets
+from batchserve.generation.sizing import GPU_MAX_SEQS, auto_gpu_slots, kv_tokens_for, row_buckets
 
 GB = 10**9
 SMOLLM2_TOKEN = 30 * 2 * 3 * 64 * 2  # bytes of K and V a token: 30 layers x K,V x 3 heads x 64 x bf16 = 23,040
@@ -40,22 +40,3 @@ def test_row_buckets_reach_the_slots() -> None:
     assert row_buckets(1408) == [1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1408]
     assert row_buckets(20) == [1, 8, 16, 20]
     assert row_buckets(2048)[-3:] == [1024, 1536, 2048]
-
-
-def test_prefill_plan_keeps_order_and_the_step_budget() -> None:
-    # (tokens done, prompt length), oldest first; a step of 100 tokens, pieces of 40
-    got = plan_prefill([(0, 30), (0, 90), (40, 90), (0, 10)], 100, 40)
-    assert got == [Piece(0, 0, 30, True), Piece(1, 0, 40, False)]  # 30 + 40; the next 40 would pass 100
-    assert plan_prefill([(80, 90), (0, 10)], 100, 40) == [Piece(0, 80, 10, True), Piece(1, 0, 10, True)]
-    # one piece always goes, even over a budget smaller than a chunk
-    assert plan_prefill([(0, 500)], 64, 128) == [Piece(0, 0, 128, False)]
-    # later, shorter pieces do not overtake one that does not fit
-    assert plan_prefill([(0, 60), (0, 60), (0, 5)], 100, 64) == [Piece(0, 0, 60, True)]
-    assert plan_prefill([], 100, 40) == []
-    # a prompt of n tokens in pieces of c takes ceil(n / c) steps when alone
-    steps, progress = 0, [(0, 130)]
-    while progress[0][0] < 130:
-        (piece,) = plan_prefill(progress, 1000, 40)
-        progress = [(piece.start + piece.length, 130)]
-        steps += 1
-    assert steps == 4
