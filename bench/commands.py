@@ -74,6 +74,9 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
         Bench("locust", "the shipped locustfile against a server it starts: stages up to 1.5x capacity, each "
               "stage's offered/answered rate, locust and server p50/p95, refusals; the ledger by tier", "~70 s",
               "locust", ("--users", "20", "--run-time", "12s", "--stages", "2")),
+        Bench("burst", "a burst rides one batch: locust users spawned at once at 10, 180 and 900 req/s (locust's "
+              "and the server's p50/p95, refusals) and open-loop Poisson at 10-950 req/s and 4 devices, beside "
+              "`--base DIR`", "~6 min", "locust", ("--duration", "4")),
     )),
     "models": ("real models on the CPU: the served rate against the model alone, and peers", (
         Bench("embed_bench", "all-MiniLM-L6-v2 offline by batch size, then batchserve and Infinity under the "

@@ -380,15 +380,18 @@ class Batcher:
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
             # Inside a model, its length classes (buckets) take turns the same way: a queue of long inputs is
             # always full by cost, and must not keep a short input waiting until its deadline.
-            recency = self.served_at.get(key[0], 0.0) if due <= now and not full_count else 0.0
+            # A queue holding for the rest of a burst ranks as due now (its wait is a few ms): the worker then waits
+            # for it rather than letting a queue behind it in turn go first, a whole batch ahead of the burst.
+            at = now if cause == "burst" else due
+            recency = self.served_at.get(key[0], 0.0) if at <= now and not full_count else 0.0
             # Queues due at once are shared by cost between tenants too (issue 33): one whose next tenant is
             # behind the least served waiting tenant of its tier goes before one whose next tenant is ahead (a
             # tenant of short inputs and one of long ones land in different length classes, and the short
             # ones' queue, full by count, would otherwise always go first); a lone tenant, the same tenant or
             # tenants level (lag 0) leave it to the order below.
-            lag = q.lag() if due <= now else 0.0
-            turn = self.bucket_served_at.get(key, 0.0) if due <= now else 0.0
-            rank = (max(due, now), lag, recency, turn, q.earliest_deadline())
+            lag = q.lag() if at <= now else 0.0
+            turn = self.bucket_served_at.get(key, 0.0) if at <= now else 0.0
+            rank = (max(at, now), lag, recency, turn, q.earliest_deadline())
             if rank < best_rank:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause

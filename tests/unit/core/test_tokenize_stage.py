@@ -254,7 +254,7 @@ def test_a_refused_tenants_tokenizing_is_charged_to_its_fair_queue_counter() -> 
         rt.service.backends["sim@v1"] = backend  # type: ignore[index]
         rt.batcher.shares.setdefault("sim@v1", Shares())
         with pytest.raises(errors.ApiError):
-            await rt.service.infer("w " * 5000, "sim@v1", 1, "greedy", 5.0, time.monotonic(), "r1")
+            await rt.service.infer(Work("r1", time.monotonic(), 1, "greedy", model="sim@v1").due_in(5.0), "w " * 5000)
         rt.service.tokenizing.close()
         return rt.batcher.shares["sim@v1"].counter.get((1, "greedy"), 0.0)
 

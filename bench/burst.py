@@ -1,0 +1,144 @@
+"""A burst rides one batch: locust's closed-loop users beside open-loop Poisson, this checkout beside a base.
+
+    python -m bench.burst --base /work/wt/base            # about 6 minutes on this machine
+    python -m bench.burst --base DIR --record             # into bench/results/burst-<time>.{md,json}
+
+One sim device (100 ms batches of up to 100, the default SLO) unless a row says otherwise, a fresh server per
+row, each commit's rows run in turns:
+
+- closed loop: the shipped locustfile's InferenceUser, every user spawned at once and paced at `pace` requests/s
+  (users x pace = the offered rate), as locust users run; locust's own p50 / p95 beside the server's
+  `latency_ms` (the locustfile's `server` rows), and the refusals (503s, its `refused` rows) and failures;
+- open loop: `bench.loadgen`'s Poisson arrivals at each rate, and at 4 devices, p50 / p95 and errors.
+
+Goals (issue 47): closed loop at 10 and 180 req/s the server's p50 <= 115 ms and p95 <= 130 ms; at 0.9x capacity
+0 refusals and p95 <= 230 ms; open loop within 3 ms of the base at p95, no new errors. `--record` refuses a busy
+machine (1-minute load average >= --max-load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import common, report, servers
+from bench.loadgen import measure
+
+LOCUSTFILE = servers.REPO / "bench" / "locustfile.py"
+CLOSED = ((10, 1.0), (60, 3.0), (300, 3.0))  # (users, requests/s each): 10, 180 and 900 req/s (0.9x of 1,000/s)
+OPEN = ((1, 10.0), (1, 180.0), (1, 450.0), (1, 900.0), (1, 950.0), (4, 3600.0))  # (devices, req/s)
+
+
+def server_cmd(devices: int, base: str) -> list[str]:
+    cmd = servers.batchserve_cmd(devices, 100.0, 100, [])
+    if not base:
+        return cmd
+    boot = (
+        f"import runpy, sys; sys.path.insert(0, {str(Path(base).resolve())!r}); "
+        "runpy.run_module('batchserve', run_name='__main__', alter_sys=True)"
+    )
+    return [cmd[0], "-c", boot, *cmd[3:]]
+
+
+def closed_loop(url: str, users: int, pace: float, seconds: float, work: Path) -> dict[str, float]:
+    """One locust run; its client and server rows from the stats CSV."""
+    prefix = work / f"locust-{users}x{pace:g}"
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(users), "-r", str(users),
+        "-t", f"{seconds:g}s", "-H", url, "--csv", str(prefix), "--only-summary", "--bs-pace", f"{pace:g}",
+        "--bs-surfaces", "inference", "InferenceUser",
+    ]  # fmt: skip
+    subprocess.run(cmd, cwd=servers.REPO, capture_output=True, text=True, timeout=seconds + 60, check=False)
+    rows = {row["Name"]: row for row in csv.DictReader(open(f"{prefix}_stats.csv"))}
+    client, server = rows.get("/v1/inference", {}), rows.get("latency_ms /v1/inference", {})
+    refused = sum(int(r["Request Count"]) for name, r in rows.items() if "refused" in name)
+
+    def num(row: dict, key: str) -> float:
+        return float(row.get(key) or "nan")
+
+    return {
+        "offered": users * pace,
+        "answered": num(client, "Request Count"),
+        "locust_p50": num(client, "50%"),
+        "locust_p95": num(client, "95%"),
+        "server_p50": num(server, "50%"),
+        "server_p95": num(server, "95%"),
+        "failures": num(client, "Failure Count"),
+        "refused": float(refused),
+    }
+
+
+def run(a: argparse.Namespace) -> dict:
+    commits = {"this": ""} | ({"base": a.base} if a.base else {})
+    rep: dict = {"provenance": report.provenance(), "settings": vars(a) | {"out_dir": str(a.out_dir)}, "closed": [],
+                 "open": []}  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="burst-"))
+    logs = common.log_dir(a, "burst")
+    with common.guarded(rep):
+        for users, pace in CLOSED:
+            for name, base in commits.items():
+                server = servers.start(f"{name}-closed-{users}", server_cmd(1, base), logs)
+                try:
+                    row = closed_loop(server.base, users, pace, a.duration, work)
+                finally:
+                    servers.stop(server)
+                rep["closed"].append({"commit": name, "users": users, "pace": pace, **row})
+                print(f"closed {name} {users}x{pace:g}: {row}", file=sys.stderr)
+        for devices, rate in OPEN:
+            for name, base in commits.items():
+                server = servers.start(f"{name}-open-{devices}-{rate:g}", server_cmd(devices, base), logs)
+                try:
+                    r = measure(server.base, rate, a.duration, a.warmup, a.seed, server_pid=server.pid)
+                finally:
+                    servers.stop(server)
+                row = {"commit": name, "devices": devices, "rate": rate, "p50": r.p50_ms, "p95": r.p95_ms,
+                       "errors": sum(r.errors.values()), "answered": r.ok}  # fmt: skip
+                rep["open"].append(row)
+                print(f"open {name} {devices} dev {rate:g}/s: {row}", file=sys.stderr)
+    rep["machine_load_end"] = list(os.getloadavg())
+    return rep
+
+
+def markdown(rep: dict) -> str:
+    closed = report.table(
+        ["commit", "users x pace", "offered/s", "answered", "locust p50", "locust p95", "server p50", "server p95",
+         "refused", "failures"],
+        [[r["commit"], f"{r['users']} x {r['pace']:g}", r["offered"], r["answered"], r["locust_p50"],
+          r["locust_p95"], r["server_p50"], r["server_p95"], r["refused"], r["failures"]] for r in rep["closed"]],
+    )  # fmt: skip
+    opened = report.table(
+        ["commit", "devices", "rate/s", "answered", "p50 ms", "p95 ms", "errors"],
+        [[r["commit"], r["devices"], r["rate"], r["answered"], r["p50"], r["p95"], r["errors"]] for r in rep["open"]],
+    )
+    load = rep["provenance"]["machine"]["loadavg_at_start"]
+    return (
+        f"# A burst rides one batch ({rep['provenance']['git']['commit'][:8]}, load at start {load})\n\n"
+        f"Closed loop (locust, users spawned at once), one sim device:\n\n{closed}\n\n"
+        f"Open loop (bench.loadgen, Poisson):\n\n{opened}\n"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="", help="another checkout: its batchserve runs every row too")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds a row (default %(default)s)")
+    p.add_argument("--warmup", type=float, default=3.0, help="open loop: seconds before the measured window")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--max-load", type=float, default=1.5, help="--record refuses to start at this load or more")
+    common.add_output_flags(p)
+    a = p.parse_args()
+    if a.record and os.getloadavg()[0] >= a.max_load:
+        sys.exit(f"the machine is busy (load {os.getloadavg()[0]:.2f} >= {a.max_load}): not a result to record")
+    rep = run(a)
+    md = markdown(rep)
+    print(md)
+    print(report.written(report.write(common.run_name(a, "burst"), rep, md, common.out_dir(a))))
+
+
+if __name__ == "__main__":
+    main()
