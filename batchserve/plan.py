@@ -494,6 +494,9 @@ class Measured:
     source: str
     cpu_s_per_request: float | None = None  # from the process's own counters over a window under load
     processes: int = 1  # a `serve --processes` node: `devices` is then the node's, every process's together
+    slo_ms: float | None = None  # the server's SLO and deadline in force (set, or derived from its warm-up)
+    timeout_ms: float | None = None
+    probed: bool = False  # the batch time by size from a probe; else the learned one taken at every size
 
 
 def metric_sum(metrics_text: str, name: str) -> float | None:
@@ -636,6 +639,9 @@ def measure(
     `cpu_window_s`, the process's CPU per request over that window (`cpu_per_request`)."""
     base = base.rstrip("/")
     health = json.loads(_get(base + "/internal/health"))
+    if health.get("status") == "starting":  # no workers, no batch time yet: nothing to read
+        raise OSError(f"{base} is still warming up (its models load); run again once {base}/readyz answers 200")
+    slo_ms, timeout_ms = _positive(health.get("slo_ms")), _positive(health.get("timeout_ms"))
     devices = sum(1 for w in health.get("workers", []) if w.get("healthy")) or len(health.get("workers", []))
     processes = int((health.get("process") or {}).get("of", 1))  # one process answered: its siblings match it
     devices *= processes
@@ -661,6 +667,9 @@ def measure(
             "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x),
             cpu_s,
             processes,
+            slo_ms,
+            timeout_ms,
+            probed=True,
         )
     mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
     source = (
@@ -673,7 +682,12 @@ def measure(
         source += f"; {cpu_note}"
     if processes > 1:
         source += f"; {processes} processes of {devices // processes} device(s)"
-    return Measured(devices, BatchTime.constant(learned[name]), source, cpu_s, processes)
+    return Measured(devices, BatchTime.constant(learned[name]), source, cpu_s, processes, slo_ms, timeout_ms)
+
+
+def _positive(value: object) -> float | None:
+    """A number from /internal/health, when it is one above 0 (an older server has no such member)."""
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 # -- the command ---------------------------------------------------------------------------------------------
@@ -697,7 +711,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, required=True, help="target requests/s across the service")
-    p.add_argument("--slo-ms", type=float, default=200.0, help="p95 latency objective")
+    p.add_argument(
+        "--slo-ms", type=float, default=None, help="p95 latency objective [200, or with --measure the server's]"
+    )
     p.add_argument("--devices", type=int, default=None, help="devices (GPUs) per node [1, or measured]")
     p.add_argument("--max-batch", type=int, default=100, help="most inputs in one batch (--max-batch-size)")
     p.add_argument(
@@ -729,7 +745,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default="", help="with --probe: the key to send")
     p.add_argument("--model", default=None, help="with --measure: which model's batch time (default: the first)")
     p.add_argument("--margin-ms", type=float, default=5.0, help="the server's --dispatch-margin-ms")
-    p.add_argument("--timeout-ms", type=float, default=2000.0, help="request deadline (--timeout-ms)")
+    p.add_argument(
+        "--timeout-ms",
+        type=float,
+        default=None,
+        help="request deadline (--timeout-ms) [2000, or with --measure the server's]",
+    )
     p.add_argument(
         "--overhead-ms",
         type=float,
@@ -777,11 +798,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+DEFAULT_SLO_MS = 200.0
+DEFAULT_TIMEOUT_MS = 2000.0
+
+
 def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
+    contract, source, _ = measured_contract(a)
+    return contract, source
+
+
+def measured_contract(a: argparse.Namespace) -> tuple[Contract, str, Measured | None]:
+    """The contract the flags describe, what it was read from, and what `--measure` read (None without it):
+    the SLO and deadline left unset are the measured server's, else DEFAULT_SLO_MS / DEFAULT_TIMEOUT_MS."""
     given = [x for x in (a.batch_ms, a.batch_ms_by_size, a.measure) if x is not None]
     if len(given) != 1:
         raise ValueError("give exactly one of --batch-ms, --batch-ms-by-size, --measure URL")
     devices, processes, source = a.devices, a.processes, "given"
+    slo_ms, timeout_ms, m = a.slo_ms, a.timeout_ms, None
     if a.cpu_us_per_request is not None and a.cpu_us_per_request <= 0:
         raise ValueError("--cpu-us-per-request must be positive")
     cpu_s = a.cpu_us_per_request / 1e6 if a.cpu_us_per_request is not None else 0.0
@@ -793,6 +826,15 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
         devices = devices if devices is not None else m.devices
         processes = processes if processes is not None else m.processes
         cpu_s = cpu_s or (m.cpu_s_per_request or 0.0)
+        read = []
+        if slo_ms is None and m.slo_ms is not None:
+            slo_ms = m.slo_ms
+            read.append(f"SLO {slo_ms:g} ms")
+        if timeout_ms is None and m.timeout_ms is not None:
+            timeout_ms = m.timeout_ms
+            read.append(f"timeout {timeout_ms:g} ms")
+        if read:
+            source += f"; the server's {' and '.join(read)}"
     elif a.batch_ms_by_size is not None:
         batch_time = BatchTime.parse(a.batch_ms_by_size)
     else:
@@ -801,26 +843,32 @@ def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
         batch_time = BatchTime.constant(a.batch_ms)
     devices = 1 if devices is None else devices
     processes = 1 if processes is None else processes
-    if devices < 1 or a.max_batch < 1 or a.slo_ms <= 0 or not 0 < a.max_busy <= 1:
+    slo_ms = DEFAULT_SLO_MS if slo_ms is None else slo_ms
+    timeout_ms = DEFAULT_TIMEOUT_MS if timeout_ms is None else timeout_ms
+    if devices < 1 or a.max_batch < 1 or slo_ms <= 0 or not 0 < a.max_busy <= 1:
         raise ValueError("--devices and --max-batch must be >= 1, --slo-ms positive, --max-busy in (0, 1]")
     if processes < 1 or a.cores < 0 or not 0 < a.max_cpu_busy <= 1:
         raise ValueError("--processes must be >= 1, --cores 0 or more, --max-cpu-busy in (0, 1]")
     if a.gpu_cost_per_hour < 0 or a.node_cost_per_hour < 0:
         raise ValueError("--gpu-cost-per-hour and --node-cost-per-hour must be 0 or more")
-    return Contract(
-        batch_time,
-        devices,
-        a.max_batch,
-        a.slo_ms / 1000,
-        a.margin_ms / 1000,
-        a.timeout_ms / 1000,
-        a.overhead_ms / 1000,
-        a.max_busy,
-        cpu_s,
-        processes,
-        a.cores,
-        a.max_cpu_busy,
-    ), source
+    return (
+        Contract(
+            batch_time,
+            devices,
+            a.max_batch,
+            slo_ms / 1000,
+            a.margin_ms / 1000,
+            timeout_ms / 1000,
+            a.overhead_ms / 1000,
+            a.max_busy,
+            cpu_s,
+            processes,
+            a.cores,
+            a.max_cpu_busy,
+        ),
+        source,
+        m,
+    )
 
 
 def prices_from(a: argparse.Namespace) -> Prices | None:
@@ -916,10 +964,20 @@ def render(plan: Plan, source: str) -> str:
 
 def main(a: argparse.Namespace) -> int:
     try:
-        contract, source = contract_from(a)
-        plan = make_plan(a.rate, contract, a.sim_s, a.seed, prices_from(a))
+        contract, source, m = measured_contract(a)
     except (ValueError, OSError) as exc:
         print(f"batchserve plan: {exc}", file=sys.stderr)
+        return 2
+    try:
+        plan = make_plan(a.rate, contract, a.sim_s, a.seed, prices_from(a))
+    except ValueError as exc:
+        hint = ""
+        if m is not None and not m.probed:  # the learned batch time at every size: small batches may be faster
+            hint = (
+                f"; the batch time was the server's learned {contract.batch_time(1) * 1000:g} ms taken at every "
+                f"size: --probe 1,8,32 measures it by size (a real model's small batches are often faster)"
+            )
+        print(f"batchserve plan: {exc}{hint}", file=sys.stderr)
         return 2
     print(json.dumps(plan.as_dict(), indent=1) if a.json else render(plan, source))
     return 0

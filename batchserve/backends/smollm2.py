@@ -27,6 +27,7 @@ from typing import Any, Literal
 from collections.abc import Callable, Iterator
 
 from batchserve.backends import all_callers_gone, default_threads, pick_devices
+from batchserve.backends.content_key import file_digest
 from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.smollm2")
@@ -93,22 +94,14 @@ def gguf_read_once() -> Iterator[None]:
 
 def converted_dir(cache: str) -> str:
     """The GGUF's weights and tokenizer in transformers' format, converted once into `cache` (a directory per
-    GGUF file and transformers version) and read from there afterwards: reading the GGUF costs ~20 s of CPU at
-    every start otherwise (~1-2 s from the copy), and the server loads it once per replica (batch model and
+    GGUF content and transformers version) and read from there afterwards: reading the GGUF costs ~20 s of CPU
+    at every start otherwise (~1-2 s from the copy), and the server loads it once per replica (batch model and
     generation engine).
     "" when `cache` is empty or cannot be written (the caller then reads the GGUF itself)."""
     if not cache:
         return ""
-    import transformers
-
-    source = os.path.join(weights_dir(), GGUF_FILE)
-    stat = os.stat(source)
     root = os.path.expanduser(cache)
-    target = os.path.join(
-        root,
-        f"{GGUF_FILE.removesuffix('.gguf')}-{stat.st_size}-{int(stat.st_mtime)}"
-        f"-transformers{transformers.__version__}-v{CONVERTED_FORMAT}",
-    )
+    target = os.path.join(root, converted_name(os.path.join(weights_dir(), GGUF_FILE), root))
     if os.path.exists(os.path.join(target, "config.json")):
         return target
     import torch
@@ -142,6 +135,19 @@ def converted_dir(cache: str) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def converted_name(source: str, root: str) -> str:
+    """The copy's folder name: the GGUF's content (its bytes' SHA-256, memoized in `root` per path, size and
+    mtime), not its mtime, so the same weights installed again (a fresh virtualenv) find their copy; and the
+    transformers version and `CONVERTED_FORMAT` that wrote it."""
+    import transformers
+
+    digest = file_digest(source, root)
+    return (
+        f"{os.path.basename(source).removesuffix('.gguf')}-sha256-{digest[:16]}"
+        f"-transformers{transformers.__version__}-v{CONVERTED_FORMAT}"
+    )
 
 
 def source_dir(s: Settings) -> str:

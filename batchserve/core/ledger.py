@@ -15,7 +15,8 @@ server made, and a caller who hangs up before its answer (499) reads no answer: 
 
 This module is the policy only: the classification and the per-tenant usage window read by `GET /v1/usage`
 (`UsageBook`, bounded: per tenant, counts in `BUCKET_S` time buckets over at most `MAX_WINDOW_S`, older ones
-folded into one row, and the latest `LATENCIES` latencies for percentiles). It runs on every answer, so a
+folded into one row, and the latest `LATENCIES` latencies for percentiles, of all its models and of each model
+apart: a tenant's p95 over a fast embedder and a slow LM describes neither). It runs on every answer, so a
 record touches one row of counts and rolls a bucket at most once per BUCKET_S. The Prometheus counters, per model
 and tier and never per
 tenant, are `batchserve/metrics.py`'s; `http/guards.py` feeds both from the one place every answer passes.
@@ -36,7 +37,7 @@ ADMITTED = (MET, SLOW, EXPIRED, FAILED)  # what SLO attainment divides by: the r
 BUCKET_S = 5.0  # resolution of the usage window: a window is rounded out to whole buckets
 MAX_WINDOW_S = 3600.0  # the longest window /v1/usage answers for (the buckets kept per tenant)
 DEFAULT_WINDOW_S = 300.0
-LATENCIES = 2048  # per tenant: the latest served answers' latencies kept for p50 / p95
+LATENCIES = 2048  # per tenant, and per tenant and model: the latest served answers' latencies kept for p50 / p95
 
 
 def served_outcome(latency_s: float, slo_s: float) -> int:
@@ -68,7 +69,8 @@ def _new_bucket(index: int) -> list[float]:
 @dataclass(slots=True)
 class TenantUsage:
     """One tenant's counts per time bucket (`buckets`, the newest `row` until `row_end`), what older buckets
-    held (`evicted`: since start = evicted + buckets), and its served answers' latest latencies."""
+    held (`evicted`: since start = evicted + buckets), and its served answers' latest latencies, of all its
+    models (`latencies`) and of each (`by_model`)."""
 
     tier: str
     buckets: deque[list[float]] = field(default_factory=deque)
@@ -76,6 +78,7 @@ class TenantUsage:
     row_end: float = -math.inf  # when `row` is over
     evicted: list[float] = field(default_factory=lambda: _new_bucket(-1))
     latencies: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=LATENCIES))
+    by_model: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
 
     def roll(self, now: float) -> list[float]:
         """A new bucket for `now`, the ones past MAX_WINDOW_S folded into `evicted`."""
@@ -104,6 +107,15 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def _latency(samples: deque[tuple[float, float]], since: float) -> dict[str, object]:
+    """count / p50 / p95 (ms) of the samples at or after `since`."""
+    served = sorted(lat for at, lat in samples if at >= since)
+    if not served:
+        return {"count": 0, "p50": None, "p95": None}
+    p50, p95 = _percentile(served, 0.5), _percentile(served, 0.95)
+    return {"count": len(served), "p50": round(p50 * 1000, 1), "p95": round(p95 * 1000, 1)}
+
+
 def _counts(row: list[float]) -> dict[str, object]:
     return {
         "requests": {o: int(row[_REQ + i]) for i, o in enumerate(OUTCOMES)},
@@ -116,14 +128,17 @@ def _counts(row: list[float]) -> dict[str, object]:
 class UsageBook:
     """Per tenant (the scheduling lane: a configured tenant, or all anonymous callers as one): requests and
     inputs by outcome, cost served, latencies of served answers. Written by the event loop only (no lock);
-    its size is bounded by the tenants configured, each by MAX_WINDOW_S / BUCKET_S buckets and LATENCIES."""
+    its size is bounded by the tenants configured, each by MAX_WINDOW_S / BUCKET_S buckets and LATENCIES for
+    all its models and for each model served (the registry's and the generation engine's)."""
 
     clock: Callable[[], float] = time.monotonic
     tenants: dict[str, TenantUsage] = field(default_factory=dict)
 
-    def record(self, tenant: str, tier: str, outcome: int, inputs: int, cost: float, latency_s: float) -> None:
-        """One answer of `tenant`: `cost` counts when it was served (met or slow), `latency_s` then too. On every
-        answer of a model route: one row of counts touched, a bucket rolled every BUCKET_S at most."""
+    def record(
+        self, tenant: str, tier: str, outcome: int, inputs: int, cost: float, latency_s: float, model: str
+    ) -> None:
+        """One answer of `tenant` by `model`: `cost` counts when it was served (met or slow), `latency_s` then
+        too. On every answer of a model route: one row of counts touched, a bucket rolled every BUCKET_S at most."""
         now = self.clock()
         usage = self.tenants.get(tenant)
         if usage is None:
@@ -134,7 +149,12 @@ class UsageBook:
         row[_INP + outcome] += inputs
         if outcome <= SLOW:
             row[_COST] += cost
-            usage.latencies.append((now, latency_s))
+            sample = (now, latency_s)
+            usage.latencies.append(sample)
+            kept = usage.by_model.get(model)
+            if kept is None:
+                kept = usage.by_model[model] = deque(maxlen=LATENCIES)
+            kept.append(sample)
 
     def report(self, tenant: str, window_s: float = DEFAULT_WINDOW_S) -> dict[str, object]:
         """`tenant`'s figures over the last `window_s` (rounded out to whole buckets) and since start."""
@@ -149,12 +169,12 @@ class UsageBook:
                 for i in range(1, len(row)):
                     window[i] += row[i]
         since = now - window_s
-        served = sorted(lat for at, lat in usage.latencies if at >= since)
-        latency: dict[str, object] = {"count": len(served), "p50": None, "p95": None}
-        if served:
-            latency.update(
-                p50=round(_percentile(served, 0.5) * 1000, 1), p95=round(_percentile(served, 0.95) * 1000, 1)
-            )
+        by_model = {m: _latency(kept, since) for m, kept in sorted(usage.by_model.items())}
+        latency = {
+            **_latency(usage.latencies, since),
+            "sample_max": LATENCIES,
+            "by_model": {m: figures for m, figures in by_model.items() if figures["count"]},
+        }
         return {
             "tenant": tenant,
             "tier": usage.tier or None,

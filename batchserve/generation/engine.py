@@ -93,6 +93,7 @@ def enabled(settings: Settings) -> bool:
 @dataclass
 class EngineConfig:
     model_id: str = "SmolLM2-135M-Instruct"
+    backend: str = "smollm2"  # the served model's backend: smollm2, or hf for a causal LM folder (`--model`)
     max_tokens: int = 512  # cap on a request's max_tokens, and its default
     kv_tokens: int = 0  # KV capacity in tokens; 0 = auto (GPU: from free memory, CPU: CPU_KV_TOKENS)
     max_seqs: int = 0  # sequences decoding at once; 0 = auto (what the KV budget holds: slot_plan)
@@ -111,6 +112,8 @@ class EngineConfig:
     def from_settings(cls, s: Settings) -> EngineConfig:
         return cls(
             model_id=s.generation_model,
+            # As `generation_folder` picks what to load: a causal LM folder, else smollm2's weights.
+            backend=next((m.backend for m in s.models if m.generates), "smollm2"),
             max_tokens=s.generation_max_tokens,
             kv_tokens=s.generation_kv_tokens,
             max_seqs=s.generation_max_seqs,

@@ -28,7 +28,7 @@ def model_cards(engine: Engine | None) -> list[dict[str, Any]]:
             "object": "model",
             "created": 0,
             "owned_by": "batchserve",
-            "backend": "smollm2-continuous-batching",
+            "backend": f"{engine.cfg.backend}-continuous-batching",
             "max_tokens": engine.cfg.max_tokens,
         }
     ]

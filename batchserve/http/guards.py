@@ -71,7 +71,7 @@ class Guard:
         outcome = ledger.MET if latency_s <= self.slo_s else ledger.SLOW
         tier = TIER_NAMES[caller.tier]  # `_book` for a served answer, inline: once per answer of every model route
         self.metrics.count_ok(model, latency_s, tier, ledger.OUTCOMES[outcome], inputs, cost)
-        self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s)
+        self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s, model)
 
     def refused(self, model: str, err: ApiError, caller: Caller | None, inputs: int = 1) -> None:
         """An error went out, counted by its code (`model` is "unknown" before one was picked), and in the
@@ -100,7 +100,7 @@ class Guard:
         self.metrics.count_outcome(
             model, tier, ledger.OUTCOMES[outcome], inputs if served else 0, cost if served else 0.0
         )
-        self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s)
+        self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s, model)
 
     def shed(self, err: ApiError) -> None:
         """A refusal of work outside the batcher (the generation engine's 503s): `batchserve_rejected_total`

@@ -34,6 +34,9 @@ class Task:
     none_served: str
     not_this: Callable[[str, Backend], str]
     reason: str
+    # Whether a version whose backend is still loading may turn out to do the task (what its spec says
+    # before the backend does: a folder's task is read at start, a plugin's output kind only once loaded).
+    may_do: Callable[[ModelSpec], bool] = lambda spec: True
 
 
 def served(rt: Models, task: Task) -> list[ModelSpec]:
@@ -44,10 +47,13 @@ def served(rt: Models, task: Task) -> list[ModelSpec]:
 
 def pick_model(rt: Models, task: Task, requested: str | None, sticky_key: str) -> tuple[str, Backend]:
     """The id of the model version that answers and its backend: 404 when unknown (or none does the task),
-    503 while it warms up, 400 when it does not do the task."""
+    503 while it warms up (the one named, or with none named, a version that may do the task), 400 when it
+    does not do the task."""
     if requested is None:
         doing = served(rt, task)
         if not doing:
+            if any(model_id not in rt.backends and task.may_do(spec) for model_id, spec in rt.registry.by_id.items()):
+                raise errors.warming_up()  # which model embeds is known once the backends are loaded
             raise ApiError(404, "MODEL_NOT_FOUND", task.none_served, param="model", reason="model_not_found")
         requested = doing[0].name
     spec = rt.registry.resolve(requested, sticky_key)
@@ -70,6 +76,7 @@ EMBEDDING = Task(
         "POST /v1/inference"
     ),
     reason="model_not_embedding",
+    may_do=lambda spec: spec.task in ("", "embeddings"),  # a folder read as generation or reranking does not
 )
 RERANKING = Task(
     does=lambda spec, backend: spec.task == "reranking",

@@ -78,13 +78,29 @@ class Counts(Struct, forbid_unknown_fields=True):
     cost_served: Annotated[float, Meta(ge=0, description=_COST)]
 
 
-class Latency(Struct, forbid_unknown_fields=True):
-    """Arrival to answer of the served (2xx) answers in the window; on the generation routes, arrival to the
-    first token."""
+class ModelLatency(Struct, forbid_unknown_fields=True):
+    """One model's served answers in the window (the latest `sample_max` of them at most)."""
 
     count: NonNegative
     p50: float | None
     p95: float | None
+
+
+class Latency(Struct, forbid_unknown_fields=True):
+    """Arrival to answer of the served (2xx) answers in the window; on the generation routes, arrival to the
+    first token. The tenant's figures mix its models; `by_model` has each model's apart."""
+
+    count: NonNegative
+    p50: float | None
+    p95: float | None
+    sample_max: Annotated[
+        NonNegative,
+        Meta(
+            description="the latest answers kept, for the tenant and for each model: the percentiles are over "
+            "the window's answers among them"
+        ),
+    ]
+    by_model: Annotated[dict[str, ModelLatency], Meta(description="per model id (name@version) served in the window")]
 
 
 class TenantUsage(Struct, forbid_unknown_fields=True):
@@ -108,7 +124,8 @@ _USAGE_DESCRIPTION = (
     "The caller's own tenant (from its API key; all anonymous callers are the tenant 'anonymous'); a key with "
     "`admin = true` sees every tenant. Counts are over the last `window_s` seconds, rounded out to whole 5-second "
     "buckets, and since the process started; latency percentiles are over the served answers of the window (the "
-    "latest 2,048 at most). Other 4xx answers than 429, and callers who hung up, are not counted."
+    "latest 2,048 at most, `sample_max`), of all the tenant's models and of each (`by_model`). Other 4xx "
+    "answers than 429, and callers who hung up, are not counted."
 )
 
 USAGE = (

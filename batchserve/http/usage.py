@@ -1,6 +1,7 @@
 """`GET /v1/usage`: a tenant's own SLO ledger (issue 33 item 5): its requests and inputs by outcome (met, slow,
 refused, expired, failed: `core/ledger.py`), the cost units it was served (tokens, or inputs where a model costs 1
-an input) and the p50 / p95 latency of its served answers, over the last `window_s` seconds and since start.
+an input) and the p50 / p95 latency of its served answers (of all its models, and of each: `by_model`; over the
+latest `ledger.LATENCIES` answers at most, said as `sample_max`), over the last `window_s` seconds and since start.
 
 Per-tenant figures are never in /metrics (docs/contract.md#observability): here a caller sees its own tenant's, found
 from its key as every route finds it (`guard.identify`); a key with `admin = true` in the config file sees every

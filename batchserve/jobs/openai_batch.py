@@ -116,7 +116,12 @@ class InputCheck:
             # runner once encoded bodies again with it; it now hands the route the body's own bytes).
             orjson.dumps(body)
         except TypeError:
-            raise errors.invalid(f"line {n}: 'body' is nested too deeply (JSON deeper than 254 levels)") from None
+            # orjson refuses an integer past 64 bits too: JSON has no such bound, and the route's own parser
+            # judges it when the line runs (that line's 400 if its field cannot take it, the others run).
+            if depth(body) > MAX_BODY_DEPTH:
+                raise errors.invalid(
+                    f"line {n}: 'body' is nested too deeply (JSON deeper than {MAX_BODY_DEPTH} levels)"
+                ) from None
         self.inputs += line_inputs(self.endpoint, body)
         if self.inputs > self.max_inputs:
             raise errors.invalid(
@@ -126,6 +131,22 @@ class InputCheck:
             )
         model = body.get("model")
         self.models.add(model if isinstance(model, str) and model else None)
+
+
+MAX_BODY_DEPTH = 254  # containers nested in a line's body (orjson's bound)
+
+
+def depth(value: object) -> int:
+    """How deep containers nest in a decoded JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level + 1)
+            stack.extend((child, level + 1) for child in item)
+    return deepest
 
 
 _LINE = msgspec.json.Decoder(shapes.BatchInputLine[dict[str, Any]])

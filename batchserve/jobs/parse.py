@@ -34,6 +34,8 @@ SCAN_TAIL = 12  # bytes of a slice scanned again with the next one: an escape pa
 
 def not_json(exc: Exception) -> errors.ApiError:
     first = str(exc).split("\\n")[0].split("\n")[0].lstrip("b'\"")
+    if "integer overflow" in first:  # yajl's: JSON, but past what its integers hold
+        return errors.invalid("the body holds an integer outside the 64-bit range, which no member of a job takes")
     return errors.invalid(f"the body is not valid JSON in UTF-8: {errors.short(first, 80)}")
 
 

@@ -14,8 +14,11 @@ from batchserve.http.shapes import OPENAI, NonNegative, Priority
 MAX_DOCUMENTS = 1000  # documents per request (Cohere's limit)
 
 
+Text = Annotated[str, Meta(min_length=1)]  # an empty document has nothing to score: 400, as /v1/embeddings
+
+
 class Document(Struct):
-    text: str
+    text: Text
 
 
 class RerankRequest(Struct):
@@ -23,7 +26,7 @@ class RerankRequest(Struct):
 
     query: Annotated[str, Meta(min_length=1)]
     documents: Annotated[
-        list[str | Document],
+        list[Text | Document],
         Meta(
             min_length=1,
             max_length=MAX_DOCUMENTS,

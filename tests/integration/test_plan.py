@@ -75,3 +75,49 @@ def test_plan_measure_with_its_defaults_against_a_live_server(server_factory):
         return
     assert run.returncode == 0, run.stderr
     assert "us per request" in run.stdout and "nodes needed" in run.stdout
+
+
+HELD = """
+import os
+import time
+
+
+class Held:
+    def __init__(self, gate):
+        while not os.path.exists(gate):  # loading, until the test says
+            time.sleep(0.02)
+
+    def batch(self, inputs):
+        time.sleep(0.3)  # a real model's batch: longer than the planner's own 200 ms default
+        return inputs
+"""
+
+
+def test_plan_measure_says_warming_up_then_plans_at_the_servers_slo(tmp_path, capsys):
+    """One reason at a time: while the server loads, that it is warming up (it once said `--devices ... must be
+    >= 1` then, and after the load `no rate meets a 200 ms SLO`, the planner's default, where the server held
+    1,500 ms); loaded, the plan is at the server's SLO and timeout."""
+    from batchserve import cli
+    from tests.conftest import start_server
+    from tests.integration.backends.test_plugin import write_plugins
+
+    env = write_plugins(tmp_path, heldplug=HELD)
+    gate = tmp_path / "loaded"
+    (tmp_path / "bs.toml").write_text(f'[[models]]\nname = "m"\nbackend = "heldplug:Held"\n'
+                                      f'[models.options]\ngate = "{gate}"\n')
+    server = start_server("--config", str(tmp_path / "bs.toml"), "--slo-ms", "1500", "--timeout-ms", "6000",
+                          env=env, ready=False)
+    args = ["plan", "--rate", "5", "--measure", server.url, "--cpu-us-per-request", "100", "--sim-s", "10"]
+    try:
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err
+        assert "is still warming up" in err and err.count("batchserve plan:") == 1, err
+        gate.touch()
+        server.wait_ready()
+        assert cli.main(args) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "at p95 <= 1500 ms" in out and "the server's SLO 1500 ms and timeout 6000 ms" in out, out
+        assert cli.main([*args, "--slo-ms", "200"]) == 2
+        assert "--probe 1,8,32" in capsys.readouterr().err
+    finally:
+        server.stop()

@@ -248,3 +248,32 @@ def test_a_rate_so_low_that_nothing_arrives_is_no_evidence_of_a_miss():
     ended with "no rate meets ... one batch alone takes 125.9 ms", which a lone request plainly does."""
     with pytest.raises(ValueError, match=r"p95 meets 200 ms only below 0\.\d requests/s a node"):
         make_plan(10000, Contract(BatchTime.constant(125.9)))
+
+
+def health_of(monkeypatch, **members):
+    """/internal/health answering these members (beside one healthy worker and a learned batch time)."""
+    import json
+
+    from batchserve import plan
+
+    health = {"status": "ok", "workers": [{"healthy": True}], "batch_ms": {"m@v1": 300.0}, **members}
+    monkeypatch.setattr(plan, "_get", lambda url, timeout=10.0: json.dumps(health).encode())
+
+
+def test_measure_reads_the_servers_slo_and_timeout_unless_given(monkeypatch, capsys):
+    health_of(monkeypatch, slo_ms=1500.0, timeout_ms=6000.0)
+    args = ["plan", "--rate", "5", "--measure", "http://127.0.0.1:1", "--cpu-us-per-request", "100", "--sim-s", "10"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "at p95 <= 1500 ms" in out and "the server's SLO 1500 ms and timeout 6000 ms" in out
+    assert cli.main([*args, "--slo-ms", "200"]) == 2  # given, the flag wins
+    err = capsys.readouterr().err
+    assert err.count("batchserve plan:") == 1 and "no rate meets a 200 ms SLO" in err
+    assert "--probe 1,8,32 measures it by size" in err  # the learned batch time was taken at every size
+
+
+def test_measure_of_a_server_still_warming_up_says_so(monkeypatch, capsys):
+    health_of(monkeypatch, status="starting", workers=[], batch_ms={}, slo_ms=200.0)
+    assert cli.main(["plan", "--rate", "5", "--measure", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "is still warming up" in err and "/readyz" in err and "--devices" not in err, err

@@ -132,6 +132,8 @@ def test_rerank_top_n_and_return_documents(server: LiveServer) -> None:
     ({"query": "", "documents": ["a"]}, 400, "query"),
     ({"query": "q", "documents": []}, 400, "documents"),
     ({"query": "q", "documents": [3]}, 400, "documents"),
+    ({"query": "q", "documents": ["", "x"]}, 400, "documents"),
+    ({"query": "q", "documents": [{"text": "x"}, {"text": ""}]}, 400, "documents"),
     ({"query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n"),
     ({"query": "q", "documents": ["a"], "model": "emb"}, 400, "model"),
     ({"query": "q", "documents": ["a"], "model": "nope"}, 404, "model"),

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from batchserve.backends import smollm2
+from batchserve.backends import content_key, smollm2
 from batchserve.config import Settings
 
 # In process, the copy's tensors against the GGUF's, no timing: CI runs it in the parallel workers.
@@ -51,7 +51,8 @@ def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch, caplog)
     monkeypatch.undo()
     assert re.search(r"converted \S+\.gguf in \d+\.\d s", caplog.text), caplog.text  # the time it took, logged
     assert copy_dir.startswith(str(tmp_path / "cache")) and "transformers" in copy_dir
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [copy_dir.rsplit("/", 1)[1]]  # no staging left
+    kept = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert kept == sorted([copy_dir.rsplit("/", 1)[1], content_key.DIGESTS])  # no staging left; the GGUF's digest
 
     copy = smollm2.load_model("cpu", copy_dir)
     expected, got = gguf_model.state_dict(), copy.state_dict()

@@ -92,3 +92,24 @@ def test_anonymous_callers_see_the_anonymous_tenant(server_factory):
         (mine,) = answer["data"]
         assert mine["tenant"] == "anonymous" and mine["window_s"] == 60
         assert mine["requests"] == {"met": 3, "slow": 0, "refused": 0, "expired": 0, "failed": 0}
+
+
+def test_usage_has_each_models_percentiles_beside_the_tenants(server_factory, tmp_path):
+    """A fast and a slow model called by one tenant: the tenant's figures mix them, `by_model` has each one's
+    own (the slow model's p50 is at least its batch time), with the sample bound said in the answer."""
+    config = tmp_path / "bs.toml"
+    config.write_text('[[models]]\nname = "fast"\nsim_batch_ms = 5\n\n[[models]]\nname = "slow"\nsim_batch_ms = 300\n')
+    server = server_factory("--config", str(config), "--slo-ms", "5000", "--timeout-ms", "10000")
+    with server.client() as c:
+        for i in range(4):
+            assert c.post("/v1/inference", json={"input": f"f{i}", "model": "fast"}).status_code == 200
+        assert c.post("/v1/inference", json={"input": "s", "model": "slow"}).status_code == 200
+        answer = c.get("/v1/usage").json()
+        doc = c.get("/openapi.json").json()
+        jsonschema.Draft202012Validator({**doc, "$ref": "#/components/schemas/UsageList"}).validate(answer)
+    latency = answer["data"][0]["latency_ms"]
+    assert latency["count"] == 5 and latency["sample_max"] == 2048
+    by_model = latency["by_model"]
+    assert set(by_model) == {"fast@v1", "slow@v1"}, by_model
+    assert by_model["fast@v1"]["count"] == 4 and by_model["slow@v1"]["count"] == 1
+    assert by_model["slow@v1"]["p50"] >= 300 > by_model["fast@v1"]["p50"], by_model

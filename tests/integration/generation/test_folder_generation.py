@@ -118,3 +118,10 @@ def test_the_folders_sampling_defaults_are_logged_and_applied(server: LiveServer
     seeds = range(4)
     assert [text(s) for s in seeds] == [text(s, temperature=0.7, top_p=0.9) for s in seeds]
     assert [text(s) for s in seeds] != [text(s, temperature=1.0, top_p=1.0) for s in seeds]
+
+
+def test_the_models_card_names_the_folders_backend(server: LiveServer) -> None:
+    cards = httpx.get(server.url + "/v1/models").json()["data"]
+    chat = next(c for c in cards if c["id"] == "tiny-llama")
+    assert chat["backend"] == "hf-continuous-batching", cards
+    assert not any(c["backend"].startswith("smollm2") for c in cards), cards

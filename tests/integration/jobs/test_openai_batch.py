@@ -135,6 +135,24 @@ def test_inference_lines_and_the_native_body_beside_them(client: openai.OpenAI, 
     assert batch.error_file_id is None
 
 
+def test_an_integer_past_64_bits_fails_its_line_alone(client: openai.OpenAI):
+    """JSON has no bound on integers (orjson's 64 bits refused the whole file as 'nested too deeply'): a line
+    whose field takes it runs, one whose field cannot is that line's 400, and the others run."""
+    big = "123456789012345678901234567890"
+    raw = "".join(
+        '{"custom_id": "%s", "method": "POST", "url": "/v1/inference", "body": {"model": "echo", %s}}\n' % (cid, body)
+        for cid, body in [("plain", '"input": "a"'), ("ignored", f'"input": "b", "n": {big}'),
+                          ("bad", f'"input": "c", "timeout_ms": {big}'), ("after", '"input": "d"')])
+    file_id = client.files.create(file=("big.jsonl", raw.encode(), "application/jsonl"), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/inference", completion_window="24h")
+    batch = wait_done(client, batch.id)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 3, 1)
+    assert [o["custom_id"] for o in lines_of(client, batch.output_file_id)] == ["plain", "ignored", "after"]
+    (bad,) = lines_of(client, batch.error_file_id)
+    assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 400
+    assert "timeout_ms" in bad["response"]["body"]["message"], bad
+
+
 def test_cancel_stops_the_lines_not_yet_run(client: openai.OpenAI):
     lines = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/inference",
               "body": {"model": "slow", "input": f"x{i}"}} for i in range(200)]  # 300 ms per 8 lines: ~8 s

@@ -347,3 +347,9 @@ def test_a_job_file_from_before_json_outputs_reads_back_the_same(tmp_path, serve
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 2  # sqlite_store.SCHEMA_VERSION: 2 since file chunks and byte accounting
     conn.close()
+
+
+def test_an_integer_past_64_bits_in_a_job_body_is_named_as_such(c):
+    body = b'{"inputs": ["a"], "metadata": {"n": 123456789012345678901234567890}}'
+    r = c.post("/v1/batches", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "integer outside the 64-bit range" in r.json()["message"], r.text

@@ -47,7 +47,10 @@ def test_the_named_model_or_the_first_that_does_the_work(task: Task, requested: 
 
 @pytest.mark.parametrize("task, specs, requested, status, reason, words", [
     (EMBEDDING, [(ECHO, "json")], None, 404, "model_not_found", "no model serves embeddings"),
-    (EMBEDDING, [(EMBED, None)], None, 404, "model_not_found", "no model serves embeddings"),  # none loaded yet
+    (EMBEDDING, [(EMBED, None)], None, 503, None, "warming up"),  # none loaded yet: it may be the embedder
+    (EMBEDDING, [(ECHO, "json"), (EMBED, None)], None, 503, None, "warming up"),
+    (EMBEDDING, [(ModelSpec("lm", backend="hf", task="generation"), None)], None, 404, "model_not_found",
+     "no model serves embeddings"),  # a folder read as a causal LM will not embed, loaded or not
     (RERANKING, [(ECHO, "json")], None, 404, "model_not_found", "no model serves reranking"),
     (EMBEDDING, [(EMBED, "embedding")], "nope", 404, "model_not_found", "'nope' does not exist here"),
     (EMBEDDING, [(ECHO, "json"), (EMBED, "embedding")], "echo", 400, "model_not_embedding",

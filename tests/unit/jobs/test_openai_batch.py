@@ -79,3 +79,25 @@ def test_the_batch_body_and_expiries_are_converted_to_their_declared_shapes():
                              "output_expires_after": {"anchor": "created_at", "seconds": 0}}, False)
     with pytest.raises(ApiError, match="generation engine, which is off"):
         check_batch_request({"input_file_id": "f", "endpoint": "/v1/chat/completions"}, False)
+
+
+BIG = b"123456789012345678901234567890"  # past 64 bits: JSON, though orjson cannot write it
+
+
+def test_an_integer_past_64_bits_is_the_lines_own_business():
+    """Taken at the check: the route's parser judges it when the line runs (test_openai_batch in integration)."""
+    big = b'{"custom_id": "b", "url": "/v1/embeddings", "body": {"input": "x", "n": ' + BIG + b"}}"
+    c = check(line(), big.replace(b'"b"', b'"c"'), big)
+    assert (c.lines, c.inputs) == (3, 3)
+
+
+@pytest.mark.parametrize("levels, refused", [(253, False), (254, True)])
+def test_a_body_past_254_levels_is_refused_with_or_without_a_big_integer(levels: int, refused: bool):
+    nested = b"[" * levels + BIG + b"]" * levels  # the body itself is one level more
+    raw = b'{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x", "n": ' + nested + b"}}"
+    if not refused:
+        assert check(raw).lines == 1
+        return
+    with pytest.raises(ApiError) as caught:
+        check(raw)
+    assert "line 1: 'body' is nested too deeply (JSON deeper than 254 levels)" in caught.value.message
