@@ -186,6 +186,12 @@ class Settings:
         "separated addresses or networks (10.0.0.0/8), or * (empty = none: "
         "every caller is its own peer address)",
     )
+    gateway_ips: str = knob(
+        "",
+        "an inference gateway's addresses or networks, comma-separated (llm-d's "
+        "endpoint picker): its fairness-id header names the fair queue's lane, its "
+        "objective header a tier; from anywhere else both are ignored (empty = none)",
+    )
     metrics_key: str = knob(
         "",
         "bearer token required on /metrics, /internal/health and /internal/generation "
@@ -499,6 +505,8 @@ class Settings:
             need(getattr(self, name) >= 0, name, "0 (auto) or more")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             need(getattr(self, name) > 0, name, "positive")
+        bad_gateways = [p for p in proxy_list(self.gateway_ips) if p == "*" or not is_address_or_network(p)]
+        need(not bad_gateways, "gateway_ips", "addresses or networks (10.0.0.0/8), comma-separated")
         bad_proxies = [p for p in proxy_list(self.forwarded_allow_ips) if not is_address_or_network(p)]
         if bad_proxies:
             problems.append(

@@ -9,6 +9,7 @@ so no wing imports this module; the wings' services receive only the narrow part
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from batchserve.backends.loading import EXIT_BACKEND_FAILED, EXIT_STARTUP_FAILED
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core import load_signal
-from batchserve.config import Settings
+from batchserve.config import Settings, proxy_list
 from batchserve.core.admission import Admission
 from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.requests_log import RequestLog
@@ -136,7 +137,13 @@ class Runtime:
             batcher,
             admission,
             service,
-            Guard(Tenancy.from_settings(settings), metrics, settings.metrics_key, slo_s=settings.slo_ms / 1000),
+            Guard(
+                Tenancy.from_settings(settings),
+                metrics,
+                settings.metrics_key,
+                slo_s=settings.slo_ms / 1000,
+                gateways=tuple(ipaddress.ip_network(p, strict=False) for p in proxy_list(settings.gateway_ips)),
+            ),
             backends,
             loaded,
         )

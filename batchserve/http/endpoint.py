@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
 from batchserve.config import Settings
-from batchserve.core.tiers import NAMES as TIER_NAMES
+from batchserve.core.tiers import ASKABLE, NAMES as TIER_NAMES
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.dialects import Dialect
@@ -44,8 +44,17 @@ from batchserve.tenancy import Caller
 
 log = logging.getLogger("batchserve.http")
 
+# An inference gateway's headers (llm-d's endpoint picker), read only from a `--gateway-ips` peer (`from_gateway`).
+GATEWAY_HEADERS = (
+    b"x-llm-d-inference-fairness-id",
+    b"x-gateway-inference-fairness-id",
+    b"x-llm-d-inference-objective",
+    b"x-gateway-inference-objective",
+)
+GATEWAY_NAMES = tuple(name.decode() for name in GATEWAY_HEADERS)
+MAX_LANE_CHARS = 128  # a fairness id longer than this names no lane
 # The request headers every endpoint reads, by their lower-case wire name (one pass over the raw list).
-READ_HEADERS = (b"x-request-id", b"authorization", b"content-type", b"content-length")
+READ_HEADERS = (b"x-request-id", b"authorization", b"content-type", b"content-length", *GATEWAY_HEADERS)
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 JSON_MEDIA = b"application/json"
 
@@ -259,6 +268,8 @@ class Endpoint(Generic[Host, Req, Res]):
                 )
                 work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
                 work.gone = call.gone()
+                if guard.gateways and any(name in headers for name in GATEWAY_NAMES):
+                    self.from_gateway(guard, call)
                 if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
                     call.answer_headers = guard.take(caller)
                 elif self.take_by_body:
@@ -333,6 +344,21 @@ class Endpoint(Generic[Host, Req, Res]):
         raw.append((b"content-length", b"%d" % len(answer.body)))
         await send({"type": "http.response.start", "status": answer.status, "headers": raw})
         await send({"type": "http.response.body", "body": answer.body})
+
+    @staticmethod
+    def from_gateway(guard: Guard, call: Call) -> None:
+        """An inference gateway's headers, believed from a `--gateway-ips` peer only: its fairness id names the
+        fair queue's lane (so the gateway's per-tenant fairness and the server's are one), and its objective,
+        where it names a tier or a `service_tier`, the tier the request runs at, within its key's."""
+        if not guard.via_gateway(call.scope):
+            return
+        headers = call.headers
+        fairness = headers.get("x-llm-d-inference-fairness-id") or headers.get("x-gateway-inference-fairness-id")
+        if fairness and len(fairness) <= MAX_LANE_CHARS and fairness.isprintable():
+            call.work.tenant = "gateway:" + fairness
+        objective = headers.get("x-llm-d-inference-objective") or headers.get("x-gateway-inference-objective")
+        if objective in ASKABLE:
+            call.run_at(objective, "x-llm-d-inference-objective")
 
     def refused(self, rt: Host, call: Call, err: ApiError) -> None:
         if not call.booked:

@@ -8,6 +8,8 @@ its own answers)."""
 
 from __future__ import annotations
 
+import ipaddress
+
 import hmac
 from dataclasses import dataclass, field
 
@@ -30,6 +32,20 @@ class Guard:
     answered: int = 0  # requests answered since start, any status (the 1 s tick's requests per second)
     slo_s: float = 0.2  # the latency objective the ledger holds 2xx answers to (--slo-ms, set as derived)
     usage: UsageBook = field(default_factory=UsageBook)  # per tenant, for GET /v1/usage
+    # --gateway-ips: the inference gateway whose fairness and objective headers are believed (`via_gateway`)
+    gateways: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    def via_gateway(self, scope: Scope) -> bool:
+        """Whether the request's peer is a configured gateway: only then do its fairness-id and objective headers
+        say anything (anyone else could send them to jump a queue or another tenant's lane)."""
+        client = scope.get("client")
+        if not client or not self.gateways:
+            return False
+        try:
+            peer = ipaddress.ip_address(client[0])
+        except ValueError:
+            return False
+        return any(peer in network for network in self.gateways)
 
     def identify(self, authorization: str | None, scope: Scope, openai: bool = False) -> Caller:
         """The caller (401 when keys are configured and its key is missing or wrong). The peer's address, read

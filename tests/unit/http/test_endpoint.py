@@ -6,6 +6,8 @@ endpoint's dialect, and the streamed answer."""
 
 from __future__ import annotations
 
+import ipaddress
+
 import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -16,6 +18,8 @@ import pytest
 
 from batchserve import errors
 from batchserve.config import Settings
+from batchserve.core.tiers import BATCH
+from batchserve.core.work import Work
 from batchserve.errors import ClientGone
 from batchserve.http.dialects import KSERVE, NATIVE, OPENAI, Dialect
 from batchserve.http.endpoint import Answer, Call, Endpoint, Stream
@@ -89,9 +93,11 @@ def endpoint(dialect: Dialect = NATIVE, **options: Any) -> Endpoint:
     return Endpoint(dialect, parse, handle, render, **options)
 
 
-def run(ep: Endpoint, rt: SimpleNamespace, body: bytes, key: str | None = KEY) -> Cycle:
+def run(
+    ep: Endpoint, rt: SimpleNamespace, body: bytes, key: str | None = KEY, extra: tuple[tuple[bytes, bytes], ...] = ()
+) -> Cycle:
     cycle = Cycle(body)
-    headers = [(b"content-type", b"application/json"), (b"x-request-id", b"unit-1")]
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", b"unit-1"), *extra]
     if key is not None:
         headers.append((b"authorization", f"Bearer {key}".encode()))
     scope = {"type": "http", "method": "POST", "path": "/unit", "headers": headers, "client": ("127.0.0.1", 1),
@@ -201,3 +207,25 @@ def test_a_stream_is_written_as_it_comes_and_closed_once() -> None:
     assert cycle.status == 200 and cycle.headers[b"content-type"] == b"text/event-stream"
     assert [c for c in cycle.chunks if c] == [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
     assert closed == ["200"] and booked(rt, "m@v1", "met") == 0  # booked by the wing, not twice
+
+
+GATEWAY = ((b"x-llm-d-inference-fairness-id", b"team-7"), (b"x-llm-d-inference-objective", b"flex"))
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_a_gateways_fairness_id_and_objective_are_believed_from_its_address_only(trusted: bool) -> None:
+    seen: list[Work] = []
+
+    async def spy(rt: Any, call: Call, texts: list[str]) -> list[str]:
+        seen.append(call.work)
+        return texts
+
+    rt = served()
+    rt.guard.gateways = (ipaddress.ip_network("127.0.0.0/8" if trusted else "10.0.0.0/8"),)
+    cycle = run(Endpoint(NATIVE, parse, spy, render), rt, b'["a"]', extra=GATEWAY)
+    assert cycle.status == 200
+    if trusted:
+        assert (seen[0].tenant, seen[0].tier) == ("gateway:team-7", BATCH.rank)
+        assert cycle.headers[b"x-service-tier"] == b"batch"
+    else:  # anyone else could name another's lane or a higher tier
+        assert (seen[0].tenant, seen[0].tier) == ("t", 1) and b"x-service-tier" not in cycle.headers
