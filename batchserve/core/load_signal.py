@@ -112,8 +112,8 @@ def export(load_ratio: Gauge, predicted_wait_ratio: Gauge, read: Callable[[], Re
 # -- gateway gauges -------------------------------------------------------------------------------------------
 # Kubernetes' Gateway API Inference Extension (its endpoint picker) sends each request to the replica with the
 # fewest waiting and running requests and the emptiest KV cache, reading gauges named as vLLM's
-# (`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`); docs/deploy.md shows
-# the picker's flags that point it at these.
+# (`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`); docs/deploy.md's
+# EndpointPickerConfig declares batchserve as an engine whose gauges are these.
 
 
 @dataclass(frozen=True)
