@@ -40,6 +40,8 @@ from batchserve.ops import routes as ops
 from batchserve.ops import shapes as ops_shapes
 from batchserve.rerank import routes as rerank_routes
 from batchserve.rerank import shapes as rerank_shapes
+from batchserve.tokenize import routes as tokenize_routes
+from batchserve.tokenize import shapes as tokenize_shapes
 from batchserve.runtime import Runtime
 from batchserve.tracing import RequestSpans, Tracing
 
@@ -53,6 +55,7 @@ WINGS = (
     (generation_routes.ROUTES, generation_shapes.OPERATIONS),
     (embeddings_routes.ROUTES, embeddings_shapes.OPERATIONS),
     (rerank_routes.ROUTES, rerank_shapes.OPERATIONS),
+    (tokenize_routes.ROUTES, tokenize_shapes.OPERATIONS),
     (kserve_routes.ROUTES, kserve_shapes.OPERATIONS),
     (usage.ROUTES, usage.OPERATIONS),
     (docs_page.ROUTES, docs_page.OPERATIONS),

@@ -15,7 +15,9 @@ from batchserve.rerank.shapes import MAX_DOCUMENTS
 
 __all__ = ["MAX_DOCUMENTS", "RerankRequest", "parse"]
 
-_DECODER = msgspec.json.Decoder(shapes.RerankRequest)
+Shape = msgspec.json.Decoder[shapes.RerankRequest | shapes.V2RerankRequest]
+V1: Shape = msgspec.json.Decoder(shapes.RerankRequest)
+V2: Shape = msgspec.json.Decoder(shapes.V2RerankRequest)  # Cohere's v2: strings only, no return_documents
 
 
 @dataclass
@@ -29,9 +31,16 @@ class RerankRequest:
     service_tier: str | None = None  # the priority it asks for (`Work.ask`)
 
 
-def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms: float) -> RerankRequest:
+def parse(
+    body: bytes,
+    max_chars: int,
+    default_timeout_ms: float,
+    max_timeout_ms: float,
+    shape: Shape = V1,
+) -> RerankRequest:
+    """`shape`: the body's declared shape, Cohere's v1 (`/v1/rerank`, the default) or v2 (`/v2/rerank`)."""
     try:
-        req = decode(_DECODER, body)
+        req = decode(shape, body)
     except BodyRefusal as r:
         raise bad(
             None if r.not_json else r.field, r.message, "invalid_json" if r.field is None else "invalid_value"
@@ -47,7 +56,7 @@ def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms
         query=req.query,
         documents=documents,
         top_n=req.top_n,
-        return_documents=req.return_documents,
+        return_documents=isinstance(req, shapes.RerankRequest) and req.return_documents,
         model=req.model,
         timeout_s=timeout_ms / 1000,
         service_tier=req.service_tier,

@@ -1,12 +1,14 @@
-"""`POST /v1/rerank` and `/rerank` (Cohere's shape) on the one request path (`http/endpoint.py`), as
-`/v1/embeddings`: parse the body (`parse.py`) and pick a reranking model → (the skeleton takes one rate-limit
-token per document) → each (query, document) pair through the door as one input (`InferenceService.infer_many`:
-one admission for the request, each pair its own item), so the pairs of concurrent callers share batches → sort
-by score, cut at top_n (`render.py`). Errors in OpenAI's shape."""
+"""`POST /v1/rerank` and `/rerank` (Cohere's v1 shape) and `POST /v2/rerank` (Cohere's v2 shape) on the one
+request path (`http/endpoint.py`), as `/v1/embeddings`: parse the body (`parse.py`, by the route's shape) and
+pick a reranking model → (the skeleton takes one rate-limit token per document) → each (query, document) pair
+through the door as one input (`InferenceService.infer_many`: one admission for the request, each pair its own
+item), so the pairs of concurrent callers share batches → sort by score, cut at top_n (`render.py`, by the
+route's shape). Errors in OpenAI's shape."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from starlette.routing import Route
@@ -21,8 +23,8 @@ from batchserve.http.endpoint import Answer, Call, Endpoint
 from batchserve.http.guards import Guard
 from batchserve.http.model_choice import RERANKING, pick_model
 from batchserve.models import ModelRegistry
-from batchserve.rerank.parse import RerankRequest, parse
-from batchserve.rerank.render import answer
+from batchserve.rerank.parse import V1, V2, RerankRequest, Shape, parse
+from batchserve.rerank.render import answer, answer_v2
 
 
 class RerankHost(Protocol):
@@ -44,9 +46,9 @@ class Rerank:
     backend: Backend
 
 
-def parse_request(rt: RerankHost, call: Call, body: bytes) -> Rerank:
+def parse_request(rt: RerankHost, call: Call, body: bytes, shape: Shape = V1) -> Rerank:
     s = rt.settings
-    req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
+    req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms, shape)
     model_id, backend = pick_model(rt, RERANKING, req.model, call.who.key_id)
     call.work.model = model_id
     call.work.due_in(req.timeout_s)
@@ -73,8 +75,20 @@ def render(rt: RerankHost, call: Call, r: Rerank, done: tuple[list[ItemResult], 
     )
 
 
+def render_v2(rt: RerankHost, call: Call, r: Rerank, done: tuple[list[ItemResult], int]) -> Answer:
+    results, tokens = done
+    return Answer(answer_v2([x.output for x in results], r.req.top_n, tokens))
+
+
 rerank: Endpoint[RerankHost, Rerank, tuple[list[ItemResult], int]] = Endpoint(
     OPENAI, parse_request, score, render, tokens=lambda r: len(r.pairs)
 )
+rerank_v2: Endpoint[RerankHost, Rerank, tuple[list[ItemResult], int]] = Endpoint(
+    OPENAI, partial(parse_request, shape=V2), score, render_v2, tokens=lambda r: len(r.pairs)
+)
 
-ROUTES = [Route("/v1/rerank", rerank, methods=["POST"]), Route("/rerank", rerank, methods=["POST"])]
+ROUTES = [
+    Route("/v1/rerank", rerank, methods=["POST"]),
+    Route("/rerank", rerank, methods=["POST"]),
+    Route("/v2/rerank", rerank_v2, methods=["POST"]),
+]

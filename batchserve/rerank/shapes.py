@@ -1,6 +1,6 @@
-"""The declared shapes of `POST /v1/rerank` and `/rerank` (Cohere's, as TEI, Infinity and vLLM take it): the
-request `parse.py` decodes, the answer `render.py` writes, and the operations in /openapi.json. Errors in
-OpenAI's shape."""
+"""The declared shapes of `POST /v1/rerank` and `/rerank` (Cohere's v1, as TEI, Infinity and vLLM take it) and
+`POST /v2/rerank` (Cohere's v2, as `cohere.ClientV2.rerank` sends it): the requests `parse.py` decodes, the
+answers `render.py` writes, and the operations in /openapi.json. Errors in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -66,6 +66,53 @@ class RerankResponse(Struct):
     usage: RerankUsage
 
 
+class V2RerankRequest(Struct):
+    """What `POST /v2/rerank` takes (Cohere's v2: documents are strings); members it does not know are ignored
+    (`relevant_spans`, `priority`)."""
+
+    query: Annotated[str, Meta(min_length=1)]
+    documents: Annotated[
+        list[Text],
+        Meta(min_length=1, max_length=MAX_DOCUMENTS, description="each (query, document) pair is one input"),
+    ]
+    model: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(description="a reranking model (GET /v1/models); default: the first"),
+    ] = None
+    top_n: Annotated[int, Meta(ge=1, description="answer the best N only (default: all)")] | None = None
+    max_tokens_per_doc: (
+        Annotated[int, Meta(ge=1, description="accepted; a pair is cut at the model's own sequence length")] | None
+    ) = None
+    timeout_ms: (
+        Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")] | UnsetType
+    ) = UNSET
+    service_tier: Priority | None = None
+
+
+class V2RerankResult(Struct):
+    index: Annotated[int, Meta(ge=0, description="the document's place in the request")]
+    relevance_score: float
+
+
+class ApiVersion(Struct):
+    version: str
+
+
+class MetaTokens(Struct):
+    input_tokens: NonNegative
+
+
+class V2RerankMeta(Struct):
+    api_version: ApiVersion
+    tokens: MetaTokens
+
+
+class V2RerankResponse(Struct):
+    id: str
+    results: Annotated[list[V2RerankResult], Meta(description="sorted by relevance_score, highest first")]
+    meta: V2RerankMeta
+
+
 def _operation(path: str, op_id: str) -> Operation:
     return Operation(
         "POST",
@@ -79,4 +126,15 @@ def _operation(path: str, op_id: str) -> Operation:
     )
 
 
-OPERATIONS = (_operation("/v1/rerank", "rerank"), _operation("/rerank", "rerankUnversioned"))
+V2_OPERATION = Operation(
+    "POST",
+    "/v2/rerank",
+    "rerankV2",
+    "Rerank documents against a query (Cohere's v2 shape); each pair rides the batcher on its own",
+    (Answer(200, "the documents' scores, best first", V2RerankResponse),),
+    OPENAI,
+    errors=(400, 401, 404, 413, 429, 500, 503, 504),
+    request=Annotated[V2RerankRequest, Meta(examples=[{"model": "rr", "query": "capital", "documents": ["Paris"]}])],
+)
+
+OPERATIONS = (_operation("/v1/rerank", "rerank"), _operation("/rerank", "rerankUnversioned"), V2_OPERATION)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batchserve.errors import ApiError
-from batchserve.rerank.parse import parse
+from batchserve.rerank.parse import V2, parse
 
 
 def test_a_typical_body() -> None:
@@ -26,3 +26,11 @@ def test_an_empty_document_is_refused_naming_its_index(body: bytes, where: str) 
         parse(body, 100, 1000, 60000)
     assert (caught.value.status, caught.value.param) == (400, "documents")
     assert caught.value.message.startswith(where), caught.value.message
+
+
+def test_cohere_v2_takes_strings_and_no_return_documents() -> None:
+    req = parse(b'{"query": "q", "documents": ["a"], "return_documents": true, "max_tokens_per_doc": 9}', 100, 1, 9, V2)
+    assert (req.documents, req.return_documents) == (["a"], False)
+    with pytest.raises(ApiError) as caught:
+        parse(b'{"query": "q", "documents": [{"text": "a"}]}', 100, 1000, 60000, V2)
+    assert (caught.value.status, caught.value.param) == (400, "documents")

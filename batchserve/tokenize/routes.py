@@ -1,0 +1,156 @@
+"""`POST /tokenize` and `POST /detokenize` on the one request path (`http/endpoint.py`): parse the body
+(`shapes.py`) and pick a served model with a tokenizer (`backends/tokenizer_of.py`: the generation engine's,
+or a folder embedder's or reranker's) → run the tokenizer on a thread (no batch: the door is for model work,
+and a long text would hold the event loop) → vLLM's answer, or TEI's for `inputs`. Texts are bounded by
+--max-input-chars, token lists by as many tokens. Counted among the answers, not in a model's SLO ledger."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+from starlette.routing import Route
+
+from batchserve.backends import Backend
+from batchserve.backends.tokenizer_of import TextTokenizer, tokenizer_of
+from batchserve.config import Settings
+from batchserve.errors import ApiError, warming_up
+from batchserve.http.decoding import BodyRefusal, decode
+from batchserve.http.dialects import OPENAI
+from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, json_answer
+from batchserve.http.guards import Guard
+from batchserve.http.openai_error import bad, unknown_model
+from batchserve.models import ModelRegistry
+from batchserve.tokenize import shapes
+
+TOKENIZE = msgspec.json.Decoder(shapes.TokenizeRequest)
+DETOKENIZE = msgspec.json.Decoder(shapes.DetokenizeRequest)
+
+
+class TokenizeHost(Protocol):
+    """What these routes read from `app.state.rt`."""
+
+    settings: Settings
+    guard: Guard
+    registry: ModelRegistry
+    backends: dict[str, Backend]
+
+    @property
+    def generation(self) -> object | None: ...  # the generation engine: its `cfg.model_id` and `tokenizer`
+
+
+@dataclass(slots=True)
+class Texts:
+    """What to tokenize: the texts, whether it came in TEI's shape (`inputs`), and the tokenizer."""
+
+    texts: list[str]
+    tei: bool
+    special: bool
+    tok: TextTokenizer
+
+
+@dataclass(slots=True)
+class Ids:
+    ids: list[int]
+    tok: TextTokenizer
+
+
+def pick(rt: TokenizeHost, call: Call, requested: str | None) -> TextTokenizer:
+    """The tokenizer of the model named (the generation model's by its id), or with none named the generation
+    model's, else the first served model's that has one; 404 unknown, 503 loading, 400 a model without one."""
+    engine = rt.generation
+    engine_id = getattr(getattr(engine, "cfg", None), "model_id", None)
+    if engine is not None and requested in (None, engine_id):
+        tok = tokenizer_of(engine)
+        if tok is not None:
+            call.work.model = str(engine_id)
+            return tok
+    if requested is None:
+        for model_id, backend in rt.backends.items():
+            tok = tokenizer_of(backend)
+            if tok is not None:
+                call.work.model = model_id
+                return tok
+        if len(rt.backends) < len(rt.registry.by_id):
+            raise warming_up()
+        raise ApiError(
+            404, "MODEL_NOT_FOUND", "no model served here has a tokenizer", param="model", reason="model_not_found"
+        )
+    spec = rt.registry.resolve(requested, call.who.key_id)
+    if spec is None:
+        raise unknown_model(requested)
+    chosen = rt.backends.get(spec.id)
+    if chosen is None:
+        raise warming_up()
+    tok = tokenizer_of(chosen)
+    if tok is None:
+        raise bad("model", f"the model '{spec.id}' has no tokenizer (a Hugging Face folder has)", "model_no_tokenizer")
+    call.work.model = spec.id
+    return tok
+
+
+def refused(r: BodyRefusal) -> ApiError:
+    return bad(None if r.not_json else r.field, r.message, "invalid_json" if r.field is None else "invalid_value")
+
+
+def parse_tokenize(rt: TokenizeHost, call: Call, body: bytes) -> Texts:
+    try:
+        req = decode(TOKENIZE, body)
+    except BodyRefusal as r:
+        raise refused(r) from None
+    if (req.prompt is None) == (req.inputs is None):
+        raise bad("prompt", "give one of 'prompt' (vLLM's shape) or 'inputs' (TEI's)")
+    texts = [req.prompt] if req.prompt is not None else [req.inputs] if isinstance(req.inputs, str) else req.inputs
+    limit = rt.settings.max_input_chars
+    field = "prompt" if req.prompt is not None else "inputs"
+    if any(len(t) > limit for t in texts or ()):
+        raise bad(field, f"a text is over the {limit}-character limit", "string_above_max_length")
+    return Texts(list(texts or ()), req.inputs is not None, req.add_special_tokens, pick(rt, call, req.model))
+
+
+async def tokenize(rt: TokenizeHost, call: Call, t: Texts) -> list[list[int]]:
+    return await asyncio.to_thread(lambda: [t.tok.encode(text, t.special) for text in t.texts])
+
+
+def render_tokenize(rt: TokenizeHost, call: Call, t: Texts, ids: list[list[int]]) -> Answer:
+    if t.tei:
+        return json_answer([[{"id": i, "text": s} for i, s in zip(one, t.tok.token_texts(one))] for one in ids])
+    return json_answer({"count": len(ids[0]), "max_model_len": t.tok.max_model_len, "tokens": ids[0]})
+
+
+def parse_detokenize(rt: TokenizeHost, call: Call, body: bytes) -> Ids:
+    try:
+        req = decode(DETOKENIZE, body)
+    except BodyRefusal as r:
+        raise refused(r) from None
+    limit = rt.settings.max_input_chars
+    if len(req.tokens) > limit:
+        raise bad("tokens", f"over the {limit}-token limit (--max-input-chars)", "array_above_max_length")
+    tok = pick(rt, call, req.model)
+    size = tok.vocab_size()
+    if any(i >= size for i in req.tokens):
+        raise bad("tokens", f"a token id is not below the vocabulary's size ({size})")
+    return Ids(req.tokens, tok)
+
+
+async def detokenize(rt: TokenizeHost, call: Call, d: Ids) -> str:
+    return await asyncio.to_thread(d.tok.decode, d.ids)
+
+
+def render_detokenize(rt: TokenizeHost, call: Call, d: Ids, text: str) -> Answer:
+    return json_answer({"prompt": text})
+
+
+tokenize_route: Endpoint[TokenizeHost, Texts, list[list[int]]] = Endpoint(
+    OPENAI, parse_tokenize, tokenize, render_tokenize, book=COUNTED
+)
+detokenize_route: Endpoint[TokenizeHost, Ids, str] = Endpoint(
+    OPENAI, parse_detokenize, detokenize, render_detokenize, book=COUNTED
+)
+
+ROUTES = [
+    Route("/tokenize", tokenize_route, methods=["POST"]),
+    Route("/detokenize", detokenize_route, methods=["POST"]),
+]
