@@ -106,8 +106,8 @@ def allowed(body: bytes, content_type: str | None) -> set[int]:
         return reasons
     if model is not None and model not in MODELS_OK:
         return {404}
-    if timeout < COMFORTABLE_MS:  # too short a deadline may be refused at the door or expire: 503 / 504
-        return {200, 503, 504}
+    if timeout < COMFORTABLE_MS:  # too short a deadline: shorter than a batch (400), refused (503) or expired (504)
+        return {200, 400, 503, 504}
     return {200}
 
 
