@@ -3,8 +3,9 @@
 Uploads are multipart (`file`, `purpose=batch`, optionally `expires_after[anchor]=created_at` and
 `expires_after[seconds]`), parsed as they stream in (`upload.py`) and stored a chunk at a time (`files.py`):
 413 past `--files-max-bytes` while the body streams in (and at once for a larger Content-Length), at most
-`--files-max-count` files per caller, at most `--files-max-uploads-per-tenant` uploads in progress per caller
-(429) and `--files-max-uploads` in all (503), and no upload that would pass the caller's byte quota (413). The
+`--files-max-count` files per caller, upload places shared per tenant (`upload.UploadGate`: 429, and 503 past
+`--files-max-uploads` in all), an upload slower than `--files-upload-min-kbps` ended (408), and no upload that
+would pass the caller's byte quota (413; at once when its Content-Length says so). The
 caller is identified and rate-limited as on `/v1/batches`, and sees only its own files: another tenant's file
 id answers 404 exactly as an unknown one. Content is streamed from the store chunk by chunk; a job's output
 and error files (`openai_batch.py`) are its items, read a page bounded in bytes at a time (`pages.py`);

@@ -26,14 +26,20 @@ from tests.integration.jobs.test_storage import lines, upload, wait_for
 FILE_HEAD = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
 
 
-def open_upload(url: str, declared: int, first: bytes = b"", source: str = "127.0.0.1",
-                headers: bytes = b"") -> socket.socket:
+def open_upload(
+    url: str, declared: int, first: bytes = b"", source: str = "127.0.0.1", headers: bytes = b""
+) -> socket.socket:
     """An upload with a declared Content-Length, its head and `first` bytes of its file part sent (from the
     loopback address `source`: another anonymous caller per address); the rest is up to the test."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
-    sock.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
-                 + headers + b"Content-Length: %d\r\n\r\n" % declared + FILE_HEAD + first)
+    sock.sendall(
+        b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        + headers
+        + b"Content-Length: %d\r\n\r\n" % declared
+        + FILE_HEAD
+        + first
+    )
     return sock
 
 
@@ -67,12 +73,37 @@ def serve(tmp_path: Path) -> Iterator:
         token = ""
         if key:  # launch wrote the config afresh: add the key and start again on it
             s.stop()
-            token = subprocess.run([sys.executable, "-m", "batchserve", "keys", "add", "--config",
-                                    str(tmp_path / "bs.toml"), "--tenant", "keyed", "--tier", "paid"],
-                                   capture_output=True, text=True, check=True).stdout.strip()
+            token = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "batchserve",
+                    "keys",
+                    "add",
+                    "--config",
+                    str(tmp_path / "bs.toml"),
+                    "--tenant",
+                    "keyed",
+                    "--tier",
+                    "paid",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-            s = start_server("--config", str(tmp_path / "bs.toml"), "--slo-ms", "2000", "--jobs-db",
-                             str(tmp_path / "jobs.db"), "--files-max-bytes", "100000", *args, env=env)
+            s = start_server(
+                "--config",
+                str(tmp_path / "bs.toml"),
+                "--slo-ms",
+                "2000",
+                "--jobs-db",
+                str(tmp_path / "jobs.db"),
+                "--files-max-bytes",
+                "100000",
+                *args,
+                env=env,
+            )
         s.key = token  # type: ignore[attr-defined]
         started.append(s)
         return s
@@ -85,8 +116,16 @@ def serve(tmp_path: Path) -> Iterator:
 def test_anonymous_callers_are_one_tenant_and_cannot_take_every_place(tmp_path, serve):
     """Four anonymous callers on four addresses, each holding a slow upload, get two of the four places (the
     anonymous share); a keyed tenant still uploads."""
-    s = serve("--allow-anonymous", "--files-max-uploads", "4", "--files-max-uploads-per-tenant", "2",
-              "--files-upload-min-kbps", "0", key=True)
+    s = serve(
+        "--allow-anonymous",
+        "--files-max-uploads",
+        "4",
+        "--files-max-uploads-per-tenant",
+        "2",
+        "--files-upload-min-kbps",
+        "0",
+        key=True,
+    )
     key = s.key
     held, refused = [], []
     try:
@@ -111,8 +150,16 @@ def test_anonymous_callers_are_one_tenant_and_cannot_take_every_place(tmp_path, 
 def test_a_tenant_holding_places_leaves_the_last_ones_to_others(tmp_path, serve):
     """5 places, 3 per tenant: the anonymous tenant holds 3, a keyed one takes a 4th, and the last place is
     kept for a tenant holding none: the keyed tenant's second upload is refused though a place is free."""
-    s = serve("--allow-anonymous", "--files-max-uploads", "5", "--files-max-uploads-per-tenant", "3",
-              "--files-upload-min-kbps", "0", key=True)
+    s = serve(
+        "--allow-anonymous",
+        "--files-max-uploads",
+        "5",
+        "--files-max-uploads-per-tenant",
+        "3",
+        "--files-upload-min-kbps",
+        "0",
+        key=True,
+    )
     auth = b"Authorization: Bearer " + s.key.encode() + b"\r\n"
     held = [open_upload(s.url, 5000, b"z" * 100, source=f"127.0.0.{n}") for n in (2, 3, 4)]
     held.append(open_upload(s.url, 5000, b"z" * 100, headers=auth))
@@ -189,8 +236,16 @@ def test_an_aborted_upload_gives_its_pages_back(serve, tmp_path):
 def test_uploads_declared_past_the_quota_hold_nothing_that_refuses_another(serve):
     """Two uploads declared past their caller's quota are refused at once, so their bytes never count against
     the server's total; another caller's upload that fits is stored."""
-    s = serve("--files-max-bytes", "4000000", "--tenant-storage-mb", "2", "--storage-max-mb", "3",
-              "--files-upload-min-kbps", "0")
+    s = serve(
+        "--files-max-bytes",
+        "4000000",
+        "--tenant-storage-mb",
+        "2",
+        "--storage-max-mb",
+        "3",
+        "--files-upload-min-kbps",
+        "0",
+    )
     doomed = [open_upload(s.url, 2_600_000, b"z" * 1_100_000) for _ in range(2)]
     try:
         for sock in doomed:
@@ -198,8 +253,12 @@ def test_uploads_declared_past_the_quota_hold_nothing_that_refuses_another(serve
             status, body = answer(sock)
             assert status == 413 and "storage quota" in body["message"], body
         with httpx.Client(base_url=s.url, transport=httpx.HTTPTransport(local_address="127.0.0.7")) as other:
-            ok = other.post("/v1/files", files={"file": ("a.jsonl", b"y" * 1_500_000 + b"\n")},
-                            data={"purpose": "batch"}, timeout=10)
+            ok = other.post(
+                "/v1/files",
+                files={"file": ("a.jsonl", b"y" * 1_500_000 + b"\n")},
+                data={"purpose": "batch"},
+                timeout=10,
+            )
             assert ok.status_code == 200, ok.text
     finally:
         for sock in doomed:
