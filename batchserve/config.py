@@ -276,8 +276,16 @@ class Settings:
         16, "most POST /v1/files uploads in progress at once on this server (503 beyond; 0 = no cap)"
     )
     files_max_uploads_per_tenant: int = knob(
-        4, "most POST /v1/files uploads one caller has in progress at once (429 beyond; 0 = no cap)"
+        4,
+        "most POST /v1/files uploads one tenant has in progress at once, all callers without a key "
+        "counting as one (429 beyond; 0 = no cap)",
     )
+    files_upload_min_kbps: float = knob(
+        64.0,
+        "an upload arriving slower than this many KB/s on average (checked from "
+        "--files-upload-grace-s on) is ended with 408, freeing its place (0 = no floor)",
+    )
+    files_upload_grace_s: float = knob(5.0, "seconds an upload may take before --files-upload-min-kbps applies")
     files_expire_days: float = knob(
         30.0,
         "an uploaded file is deleted this long after its upload unless the "
@@ -485,6 +493,8 @@ class Settings:
         for name in (
             "files_max_uploads",
             "files_max_uploads_per_tenant",
+            "files_upload_min_kbps",
+            "files_upload_grace_s",
             "files_expire_days",
             "batches_expire_days",
             "tenant_storage_mb",

@@ -3,8 +3,9 @@
 Uploads are multipart (`file`, `purpose=batch`, optionally `expires_after[anchor]=created_at` and
 `expires_after[seconds]`), parsed as they stream in (`upload.py`) and stored a chunk at a time (`files.py`):
 413 past `--files-max-bytes` while the body streams in (and at once for a larger Content-Length), at most
-`--files-max-count` files per caller, at most `--files-max-uploads-per-tenant` uploads in progress per caller
-(429) and `--files-max-uploads` in all (503), and no upload that would pass the caller's byte quota (413). The
+`--files-max-count` files per caller, upload places shared per tenant (`upload.UploadGate`: 429, and 503 past
+`--files-max-uploads` in all), an upload slower than `--files-upload-min-kbps` ended (408), and no upload that
+would pass the caller's byte quota (413; at once when its Content-Length says so). The
 caller is identified and rate-limited as on `/v1/batches`, and sees only its own files: another tenant's file
 id answers 404 exactly as an unknown one. Content is streamed from the store chunk by chunk; a job's output
 and error files (`openai_batch.py`) are its items, read a page bounded in bytes at a time (`pages.py`);
@@ -32,7 +33,7 @@ from batchserve.jobs.openai_batch import check_expires_after, file_line, job_of_
 from batchserve.jobs.pages import pages
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import OUTPUT, Job, JobStore
-from batchserve.jobs.upload import FormError, FormStream
+from batchserve.jobs.upload import FormError, FormStream, UploadPace
 from batchserve.tenancy import Caller
 
 PURPOSES = ("batch",)
@@ -72,17 +73,28 @@ async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: C
     limit = rt.settings.files_max_bytes
     boundary = boundary_of(request.headers.get("content-type", ""))
     declared = request.headers.get("content-length")
+    size = None
     if declared is not None:
         size = ascii_count(declared, limit + MULTIPART_SLACK)
         if size is None:
             raise errors.invalid("Content-Length is not a number")
         if size > limit + MULTIPART_SLACK:
             raise too_large(limit)
-    svc.uploads.enter(caller.owner)
+    if size is not None:
+        await refuse_doomed(svc, caller, size - MULTIPART_SLACK)
+    svc.uploads.enter(caller.tenant, anonymous=not caller.key_id)
     try:
         return await _receive(request, rt, svc, caller, boundary, limit)
     finally:
-        svc.uploads.leave(caller.owner)
+        svc.uploads.leave(caller.tenant)
+
+
+async def refuse_doomed(svc: JobService, caller: Caller, least: int) -> None:
+    """413 at once for an upload whose declared size alone would pass the caller's quota or the server's total:
+    refused later, as its bytes arrive, it would hold what it stored (and refuse others) until then."""
+    store = await svc.open_store()
+    if least > 0 and store.limits.bounded:  # StorageFull: 413 past the caller's quota, 503 past the total
+        store.limits.check(caller.owner, *await store.usage(caller.owner), least, "this upload")
 
 
 async def _receive(
@@ -93,6 +105,8 @@ async def _receive(
     meta = StoredFile("file-" + secrets.token_hex(12), caller.owner, "upload.jsonl", "batch", 0, now)
     form = FormStream(boundary)
     seq, received, blank, began, done = 0, 0, True, False, False
+    loop = asyncio.get_running_loop()
+    pace = UploadPace(rt.settings.files_upload_min_kbps * 1000, rt.settings.files_upload_grace_s, loop.time())
 
     async def store_chunk(chunk: bytes | bytearray) -> None:
         nonlocal seq, began
@@ -111,7 +125,15 @@ async def _receive(
         seq += 1
 
     try:
-        async for data in request.stream():
+        body = request.stream().__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout_at(pace.deadline(received)):
+                    data = await anext(body)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise pace.too_slow(received, loop.time()) from None
             received += len(data)
             if received > limit + MULTIPART_SLACK:
                 raise too_large(limit)

@@ -458,6 +458,7 @@ class SQLiteStore:
     def _abort_file(self, file_id: str) -> None:
         with self._tx() as c:
             self._drop_file(c, file_id)
+        self._vacuum()  # the chunks stored so far give their pages back, as a delete's do
 
     @staticmethod
     def _drop_file(c: sqlite3.Connection, file_id: str) -> None:

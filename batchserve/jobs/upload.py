@@ -134,28 +134,47 @@ class FormStream:
 
 @dataclass(eq=False)
 class UploadGate:
-    """At most `per_tenant` uploads in progress per tenant and `total` in all (0 = no cap): an upload holds a
-    chunk in memory, a store writer and a share of the event loop for as long as its body takes to arrive."""
+    """Upload places: at most `total` uploads in progress in all and `per_tenant` per tenant (0 = no cap), a
+    tenant being a scheduling lane (all callers without a key are one). An upload holds a chunk in memory, a
+    store writer and a share of the event loop for as long as its body takes to arrive, so no tenant, and not
+    the anonymous crowd, may hold every place: besides its own cap, a tenant already holding a place may not
+    take one of the last `kept_free` free places, which are kept for tenants holding none."""
 
     total: int
     per_tenant: int
     active: Counter[str] = field(default_factory=Counter)
     count: int = 0
 
-    def enter(self, tenant: str) -> None:
-        """Take a place, or refuse: 429 when the tenant has its most uploads in progress, 503 when the
-        server has."""
-        if self.per_tenant and self.active[tenant] >= self.per_tenant:
+    @property
+    def kept_free(self) -> int:
+        """Places only a tenant holding none may take: one tenant's share, where the server has room beyond it."""
+        if not self.total or not self.per_tenant:
+            return 0
+        return min(self.per_tenant, max(0, self.total - self.per_tenant))
+
+    def enter(self, tenant: str, anonymous: bool = False) -> None:
+        """Take a place, or refuse: 429 when the tenant holds its share, 503 when the server is full."""
+        held = self.active[tenant]
+        who = "callers without a key (together one tenant) already have" if anonymous else "you already have"
+        if self.per_tenant and held >= self.per_tenant:
             raise ApiError(
                 429,
                 "RATE_LIMITED",
-                f"you already have {self.per_tenant} uploads in progress "
-                f"(--files-max-uploads-per-tenant); retry when one ends",
+                f"{who} {held} uploads in progress, the most one tenant may "
+                f"(--files-max-uploads-per-tenant {self.per_tenant}); retry when one ends",
                 retry_after_ms=1000,
             )
         if self.total and self.count >= self.total:
             raise errors.overloaded(
                 f"the server already has {self.total} uploads in progress (--files-max-uploads); retry shortly", 1000
+            )
+        if held and self.total - self.count <= self.kept_free:
+            raise ApiError(
+                429,
+                "RATE_LIMITED",
+                f"{who} {held} uploads in progress and the server's last {self.kept_free} upload places are kept "
+                f"for tenants with none (--files-max-uploads {self.total}); retry when one of yours ends",
+                retry_after_ms=1000,
             )
         self.active[tenant] += 1
         self.count += 1
@@ -165,3 +184,26 @@ class UploadGate:
         self.active[tenant] -= 1
         if self.active[tenant] <= 0:
             del self.active[tenant]
+
+
+@dataclass(frozen=True, slots=True)
+class UploadPace:
+    """The slowest an upload may arrive: `min_bps` bytes a second on average, counted from its start but only
+    checked from `grace_s` on (0 = no floor). An upload slower than that holds its place, a store writer and
+    its reserved bytes for nothing, so it is ended (408)."""
+
+    min_bps: float
+    grace_s: float
+    start: float  # the loop time the upload began
+
+    def deadline(self, received: int) -> float | None:
+        """Loop time by which more bytes must have come, given `received` so far (None: no floor)."""
+        if self.min_bps <= 0:
+            return None
+        return self.start + max(self.grace_s, received / self.min_bps)
+
+    def too_slow(self, received: int, now: float) -> ApiError:
+        return errors.request_timeout(
+            f"the upload arrived slower than {self.min_bps / 1000:g} KB/s (--files-upload-min-kbps): "
+            f"{received} bytes in {now - self.start:.1f} s; it was ended and nothing of it was kept"
+        )
