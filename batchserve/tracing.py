@@ -28,6 +28,8 @@ import functools
 import logging
 import os
 import time
+
+from batchserve.http.uvicorn_protocol import FIRST_BYTE
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from collections.abc import Callable, Iterable, Mapping
 
@@ -207,9 +209,11 @@ class RequestSpans:
         parent = self._propagate.extract(carrier) if carrier else None
         path, method = scope["path"], scope["method"]
         tracing = self.tracing
+        first_byte = scope.get(FIRST_BYTE)  # the request's clock starts there, its span too
         span = tracing.tracer.start_span(
             f"{method} {path}",
             context=parent,
+            start_time=wall_ns(first_byte) if first_byte else None,
             kind=tracing._kind.SERVER,
             attributes={"http.request.method": method, "url.path": path, "url.scheme": scope.get("scheme", "http")},
         )

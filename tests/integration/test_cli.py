@@ -79,5 +79,5 @@ def test_plan_help_shows_its_defaults_and_what_is_required():
     text = " ".join(done.stdout.split())  # argparse wraps to the terminal's width
     assert done.returncode == 0
     assert "target requests/s across the service (required)" in text
-    assert "p95 latency objective (default: 200.0)" in text and "(default: 5.0)" in text
+    assert "p95 latency objective [200, or with --measure the server's]" in text and "(default: 5.0)" in text
     assert "exactly one of --batch-ms, --batch-ms-by-size or --measure URL" in text
