@@ -99,7 +99,7 @@ class StandInRunner(Runner):
         width = max(len(p) for p in prompts)
         ids = torch.full((self.shape.batch, width), self.pad_id, dtype=torch.long)  # the real host-side build
         for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         p = self.params
         hold_lock_for(p.host_prefill_ms / 1000, self.scratch)
         self.clock.enqueue((p.prefill_ms + p.prefill_ms_per_row * self.shape.batch) / 1000)
@@ -123,18 +123,27 @@ class StandInRunner(Runner):
 class StandInDecoder(StaticDecoder):
     """`StaticDecoder` (its buckets, plan and `generate` are the real ones) over stood-in runners."""
 
-    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, max_batch: int,
-                 params: StandInParams) -> None:
-        super().__init__(SimpleNamespace(device=torch.device("cpu")), max_new_tokens, eos_ids, pad_id,
-                         max_batch=max_batch, use_graphs=False, fixed_shapes=True)
+    def __init__(
+        self, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, max_batch: int, params: StandInParams
+    ) -> None:
+        super().__init__(
+            SimpleNamespace(device=torch.device("cpu")),
+            max_new_tokens,
+            eos_ids,
+            pad_id,
+            max_batch=max_batch,
+            use_graphs=False,
+            fixed_shapes=True,
+        )
         self.use_graphs = True  # as on a GPU: the backend's warm() times every batch bucket
         self.check_every = GPU_CHECK_EVERY
         self.clock, self.params = DeviceClock(), params
 
     def warm(self) -> None:
         if not self.runners:
-            self.runners = {s: StandInRunner(s, self.max_new, self.pad_id, self.clock, self.params)
-                            for s in self.graphed_shapes()}
+            self.runners = {
+                s: StandInRunner(s, self.max_new, self.pad_id, self.clock, self.params) for s in self.graphed_shapes()
+            }
 
 
 class StandInSmolLM2(SmolLM2Backend):
@@ -145,7 +154,14 @@ class StandInSmolLM2(SmolLM2Backend):
         tokenizer = load_tokenizer(source_dir(s))
         params = StandInParams.from_env()
         devices = pick_devices(s.devices)
-        decoders = [StandInDecoder(s.max_new_tokens, [tokenizer.eos_token_id], tokenizer.pad_token_id,
-                                   s.max_batch_size, params) for _ in devices]
-        return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, decoders=decoders,
-                   should_stop=all_callers_gone)
+        decoders = [
+            StandInDecoder(s.max_new_tokens, [tokenizer.eos_token_id], tokenizer.pad_token_id, s.max_batch_size, params)
+            for _ in devices
+        ]
+        return cls(
+            devices=devices,
+            max_new_tokens=s.max_new_tokens,
+            tokenizer=tokenizer,
+            decoders=decoders,
+            should_stop=all_callers_gone,
+        )

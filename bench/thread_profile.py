@@ -66,9 +66,25 @@ class Recorder:
         spy = shutil.which("py-spy")
         if spy:
             self.spy = subprocess.Popen(
-                [spy, "record", "-p", str(self.pid), "-d", str(int(self.seconds)), "-r", str(self.rate_hz), "-t",
-                 "-f", "raw", "-o", str(self.raw), "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    spy,
+                    "record",
+                    "-p",
+                    str(self.pid),
+                    "-d",
+                    str(int(self.seconds)),
+                    "-r",
+                    str(self.rate_hz),
+                    "-t",
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(self.raw),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
 
     def stop(self) -> ThreadProfile:
         after, wall = thread_cpu(self.pid), time.monotonic() - self.at

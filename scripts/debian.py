@@ -15,8 +15,9 @@ from typing import Callable
 INSTALL_LOCK = Path(tempfile.gettempdir()) / "batchserve-apt-install.lock"
 
 
-def ensure_installed(find: Callable[[], str | None], install_cmd: str, what: str, error: type[Exception],
-                     timeout: float = 900) -> str:
+def ensure_installed(
+    find: Callable[[], str | None], install_cmd: str, what: str, error: type[Exception], timeout: float = 900
+) -> str:
     """The binary `find` locates; runs `install_cmd` (apt-get) first when it is missing and this is root.
     Raises `error` with the command to run when it cannot be installed here, or with apt's output when it failed."""
     found = find()

@@ -37,8 +37,18 @@ def test_two_backlogged_tenants_of_long_and_short_inputs_are_served_equal_tokens
     keys = {tenant: add_key(config, tenant, "paid", "--rate", "100000") for tenant in ("long", "short")}
     server = start_server("--config", str(config), "--slo-ms", str(SLO_MS), timeout=300)
     try:
-        served = asyncio.run(closed_loops(server.url, keys, WINDOW_S, WARMUP_S, backoff_s=0.05,
-                                          timeout_ms=TIMEOUT_MS, min_answers=MIN_ANSWERS, max_s=MAX_S))
+        served = asyncio.run(
+            closed_loops(
+                server.url,
+                keys,
+                WINDOW_S,
+                WARMUP_S,
+                backoff_s=0.05,
+                timeout_ms=TIMEOUT_MS,
+                min_answers=MIN_ANSWERS,
+                max_s=MAX_S,
+            )
+        )
     finally:
         server.stop()
     figures = {t: (s.tokens, s.answered, s.refused, s.other, round(s.window_s, 1)) for t, s in served.items()}

@@ -35,8 +35,13 @@ def generate_reference() -> Reference:
         with torch.inference_mode():
             for text in prompts:
                 ids = torch.tensor(prompt_ids(tokenizer, [text]))
-                new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                     do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+                new = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )[0, ids.shape[1] :]
                 out[text] = tokenizer.decode(new, skip_special_tokens=True).strip()
         return out
 
@@ -54,9 +59,23 @@ def keyed_generation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
 
     tmp = tmp_path_factory.mktemp("keyed-generation")
     config, keys = keyed(tmp, KEYED_TENANTS)
-    s = start_server("--devices", "1", "--generation", "on", "--generation-max-seqs", str(KEYED_SLOTS),
-                     "--generation-max-context", "1024", "--config", str(config), "--refused-per-s", "4",
-                     "--jobs-db", str(tmp / "jobs.db"), timeout=240)
+    s = start_server(
+        "--devices",
+        "1",
+        "--generation",
+        "on",
+        "--generation-max-seqs",
+        str(KEYED_SLOTS),
+        "--generation-max-context",
+        "1024",
+        "--config",
+        str(config),
+        "--refused-per-s",
+        "4",
+        "--jobs-db",
+        str(tmp / "jobs.db"),
+        timeout=240,
+    )
     try:
         yield s, keys
     finally:

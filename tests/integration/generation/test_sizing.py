@@ -20,6 +20,7 @@ from tests.integration.backends.test_static_decode import PAD, model, prompts  #
 
 def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:  # noqa: F811
     from batchserve.generation.slot_decoder import SlotDecoder
+
     dec = SlotDecoder(model, slots=1100, slot_tokens=128, eos_ids=[], pad_id=PAD, fixed_shapes=True)
     rows = sorted({r for r, _ in dec.shapes()})
     assert rows[-3:] == [768, 1024, 1100] and dec.shape(1025, 5) == (1100, 128) and dec.shape(300, 5) == (384, 128)
@@ -32,6 +33,7 @@ def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: A
     `generate` gives it alone. `gpu-layout`: padded rows, widths and spans as CUDA graphs run them, later
     pieces attending to the whole slot."""
     from batchserve.generation.slot_decoder import SlotDecoder
+
     short, long = prompts(model, (5, 23), seed=31)
     greedy = SamplingParams(max_tokens=10, temperature=0)
     dec = SlotDecoder(model, slots=4, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=fixed, chunk_tokens=7)
@@ -43,8 +45,9 @@ def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: A
     while len(got[0]) < 10 or len(got[2]) < 10:
         if done_tokens < len(long):
             n = min(7, len(long) - done_tokens)
-            first, ended = dec.prefill([2], [long[done_tokens:done_tokens + n]], [greedy], [done_tokens],
-                                       [done_tokens + n == len(long)])
+            first, ended = dec.prefill(
+                [2], [long[done_tokens : done_tokens + n]], [greedy], [done_tokens], [done_tokens + n == len(long)]
+            )
             done_tokens += n
             if done_tokens == len(long):
                 got[2] += first
@@ -70,6 +73,7 @@ def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model
     ends with `generate`'s tokens."""
     from batchserve.generation.slot_decoder import SlotDecoder
     from batchserve.generation.slot_stepper import SlotStepper
+
     batch = prompts(model, (3, 6, 5, 19, 4, 7, 22, 2, 5), seed=41)
     limits = [14, 6, 6, 6, 6, 6, 6, 6, 6]
     dec = SlotDecoder(model, slots=6, slot_tokens=48, eos_ids=[], pad_id=PAD, prefill_tokens=64, chunk_tokens=8)
@@ -92,7 +96,7 @@ def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model
         assert got[str(i)] == alone(model, p, None, n), i
     assert stepper.pieces > len(batch)  # the 19- and 22-token prompts went in pieces of 8
     between, worst = 0, 0
-    for kind, tokens in events[events.index(("step", 0)):]:
+    for kind, tokens in events[events.index(("step", 0)) :]:
         between = 0 if kind == "step" else between + tokens
         worst = max(worst, between)
     assert 0 < worst <= 10

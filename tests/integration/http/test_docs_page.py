@@ -26,8 +26,15 @@ def test_docs_renders_in_chromium_with_nothing_leaving_the_machine(server: LiveS
     page = load_page(server.url + "/docs", "document.querySelectorAll('.opblock').length > 20")
     # Rendered by Swagger UI's scripts (the served HTML holds none of these): operations of every wing.
     paths = set(re.findall(r'data-path="([^"]+)"', page.dom))
-    assert {"/v1/inference", "/v1/embeddings", "/v1/batches", "/v2/models/{model}/infer", "/v2/health/ready",
-            "/metrics", "/docs"} <= paths, sorted(paths)
+    assert {
+        "/v1/inference",
+        "/v1/embeddings",
+        "/v1/batches",
+        "/v2/models/{model}/infer",
+        "/v2/health/ready",
+        "/metrics",
+        "/docs",
+    } <= paths, sorted(paths)
     assert "One input, one synchronous answer" in page.dom  # an operation's summary
     assert "jsonSchemaDialect" not in page.dom and "Failed to load API definition" not in page.dom
     # Every request the page sent went to this server (the page, its assets, the document), none was blocked.
@@ -35,8 +42,13 @@ def test_docs_renders_in_chromium_with_nothing_leaving_the_machine(server: LiveS
     outside = [u for u in page.requested if urlsplit(u).netloc != host and not u.startswith("data:")]
     assert not outside and not page.blocked, (outside, page.blocked)
     asked = {urlsplit(u).path for u in page.requested}
-    assert {"/docs", "/docs/init.js", "/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css",
-            "/openapi.json"} <= asked, asked
+    assert {
+        "/docs",
+        "/docs/init.js",
+        "/docs/assets/swagger-ui-bundle.js",
+        "/docs/assets/swagger-ui.css",
+        "/openapi.json",
+    } <= asked, asked
 
 
 def test_docs_assets_are_local_and_only_the_pages_own(server: LiveServer):
