@@ -31,19 +31,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/autoscale_signal.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import math  # noqa: E402
-import secrets  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+import argparse
+import math
+import secrets
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from bench import common, report, servers  # noqa: E402
-from bench.faultload import run  # noqa: E402
-from bench.loadgen import parse_metrics  # noqa: E402
+from bench import common, report, servers
+from bench.faultload import run
+from bench.loadgen import parse_metrics
 
 # (label, metric, threshold): the signals compared, each at the thresholds an autoscaler would plausibly use.
 SIGNALS = (

@@ -65,7 +65,7 @@ class Workload:
     @classmethod
     def mixed(
         cls, prompts: list[list[int]], short: int = 16, long: int = 256, long_share: float = 0.2, seed: int = 0
-    ) -> "Workload":
+    ) -> Workload:
         n = len(prompts)
         n_long = round(n * long_share)
         lengths = [long] * n_long + [short] * (n - n_long)

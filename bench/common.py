@@ -121,7 +121,7 @@ def add_output_flags(p: argparse.ArgumentParser, *, name: str | None = None, tag
 
 
 def stamp() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def run_name(a: argparse.Namespace, prefix: str) -> str:

@@ -33,24 +33,24 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/cost_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import json
+import random
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
-from bench import common, report, servers  # noqa: E402
-from bench.embed_bench import INFINITY_VENV, WORDS, Target, free_port, start, start_infinity, torch_threads  # noqa: E402
-from bench.model_load import bins, histogram_counts  # noqa: E402
-from bench.procstat import raise_fd_limit  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.embed_bench import INFINITY_VENV, WORDS, Target, free_port, start, start_infinity, torch_threads
+from bench.model_load import bins, histogram_counts
+from bench.procstat import raise_fd_limit
+from bench.schedule import poisson_schedule
 
 FRACTIONS = (0.6, 1.0, 1.3, 2.0)
 SLACK = 1.25  # the server's --admission-slack (its default): the p95 bound is SLO x this
@@ -176,7 +176,7 @@ async def drive(
                         latency[i] = time.monotonic() - due
                     else:
                         status[i] = -1
-            except (asyncio.TimeoutError, aiohttp.ClientError, OSError, KeyError, orjson.JSONDecodeError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, KeyError, orjson.JSONDecodeError) as exc:
                 status[i] = -1
                 if sched[i] >= warmup:
                     other[type(exc).__name__] = other.get(type(exc).__name__, 0) + 1

@@ -30,21 +30,21 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/drill.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import secrets  # noqa: E402
-import signal  # noqa: E402
-import urllib.request  # noqa: E402
-from collections import Counter  # noqa: E402
+import argparse
+import datetime as dt
+import json
+import re
+import secrets
+import signal
+import urllib.request
+from collections import Counter
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from bench import common, report, servers  # noqa: E402
-from bench.faultload import Run, run, signal_event  # noqa: E402
-from bench.report import fmt, pct, table  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.faultload import Run, run, signal_event
+from bench.report import fmt, pct, table
+from bench.schedule import poisson_schedule
 
 POISON, HANG = "POISON", "HANG"
 PHASES = ("before hang", "after hang", "after signal")

@@ -33,26 +33,26 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/embed_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
 
-from bench import common, report, servers  # noqa: E402
-from bench.plot import Curves, Point  # noqa: E402
-from bench.procstat import process_cpu_s, raise_fd_limit  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.plot import Curves, Point
+from bench.procstat import process_cpu_s, raise_fd_limit
+from bench.schedule import poisson_schedule
 
 REPO = Path(__file__).resolve().parent.parent
 INFINITY_VENV = REPO / ".venv-infinity"
@@ -263,7 +263,7 @@ async def batch_metrics(base: str) -> tuple[float, float] | None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
             async with s.get(base + "/metrics") as r:
                 text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return None
     found = {}
     for line in text.splitlines():
@@ -302,7 +302,7 @@ async def drive(
                         error = "wrong length"
                     else:
                         latency[i] = end - due
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 error = "client_timeout"
             except (aiohttp.ClientError, OSError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
                 error = f"client:{type(exc).__name__}"

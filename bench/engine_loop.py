@@ -20,14 +20,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/engine_loop.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
 
-from bench import common, report  # noqa: E402
+from bench import common, report
 
 
 class FeedStepper:

@@ -41,9 +41,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchserve import metrics  # noqa: E402
-from bench import common, servers  # noqa: E402
-from bench.model_load import LoadRow, inputs, interpolate, run_load  # noqa: E402
+from batchserve import metrics
+from bench import common, servers
+from bench.model_load import LoadRow, inputs, interpolate, run_load
 
 
 @dataclass

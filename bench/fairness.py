@@ -35,20 +35,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/fairness.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
 
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
+import aiohttp
+import orjson
 
-from bench import report, servers  # noqa: E402
-from bench.common import add_output_flags, guarded, log_dir, out_dir, run_name  # noqa: E402
+from bench import report, servers
+from bench.common import add_output_flags, guarded, log_dir, out_dir, run_name
 
 BASE_COMMIT = "b6ba887"
 # 218 words of this sentence are 220 minilm tokens (with [CLS] and [SEP]); the short input is 8.

@@ -141,7 +141,7 @@ async def _sample_health(
             s.healthy, s.workers = sum(1 for w in workers if w.get("healthy")), len(workers)
             s.queue_depth, s.inflight, s.status = h.get("queue_depth"), h.get("inflight"), h.get("status")
             out.append(s)
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, AttributeError):
+        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, AttributeError):
             pass
         await asyncio.sleep(max(0.0, SAMPLE_EVERY_S - (time.monotonic() - t0 - s.t)))
 
@@ -202,7 +202,7 @@ async def _run(
                     r.server_ms[i] = body.get("latency_ms", np.nan)
                 else:
                     r.code[i] = str(body.get("error", "?"))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 r.failure[i] = "client_timeout"
             except aiohttp.ClientConnectorError:
                 r.failure[i] = "connect"  # never reached the server (it had exited): not an accepted request

@@ -28,26 +28,26 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/fleet.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import datetime as dt
+import math
+import os
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from bench import common, servers  # noqa: E402
-from bench.ideal import IdealResult, ideal, simulate  # noqa: E402
-from bench.loadgen import CLIENTS, LoadResult, measure, parse_metrics  # noqa: E402
-from bench.procstat import CpuSampler, machine_busy_s  # noqa: E402
-from bench.report import git_info, machine_info, write, written  # noqa: E402
-from bench.run_standard import fmt  # noqa: E402
-from bench.schedule import poisson_schedule, row_seed  # noqa: E402
-from deploy.nginx.local import LocalNginx, free_port, start_nginx  # noqa: E402
+from bench import common, servers
+from bench.ideal import IdealResult, ideal, simulate
+from bench.loadgen import CLIENTS, LoadResult, measure, parse_metrics
+from bench.procstat import CpuSampler, machine_busy_s
+from bench.report import git_info, machine_info, write, written
+from bench.run_standard import fmt
+from bench.schedule import poisson_schedule, row_seed
+from deploy.nginx.local import LocalNginx, free_port, start_nginx
 
 FLEET_SLACK_MS = 10.0  # fleet rows: p95 <= ideal + 10 ms
 GOAL_FACTOR = 2.5  # ... at 2.5 x one server's rate
@@ -124,7 +124,7 @@ class Sampling:
         while not self._stop.wait(SAMPLE_EVERY_S):
             self.sampler.sample()
 
-    def __enter__(self) -> "Sampling":
+    def __enter__(self) -> Sampling:
         self.started, self.busy0 = time.monotonic(), machine_busy_s()
         self.sampler.sample()
         self._thread.start()
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     name = common.run_name(a, "fleet")
     log_dir = common.log_dir(a, name)
     report: dict = {
-        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "git": git_info(),
         "nginx_version": nginx_version(),

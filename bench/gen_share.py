@@ -121,7 +121,7 @@ class Hog:
         """How many of the chats have started answering."""
         return sum(1 for n in self.lines if n > 2)
 
-    def __enter__(self) -> "Hog":
+    def __enter__(self) -> Hog:
         for t in self.threads:
             t.start()
         return self

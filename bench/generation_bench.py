@@ -25,13 +25,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/generation_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import asyncio
+import time
+from typing import Any
 
-from bench import cb_compare, common, report, servers  # noqa: E402
-from bench.cb_compare import Result, Workload  # noqa: E402
+from bench import cb_compare, common, report, servers
+from bench.cb_compare import Result, Workload
 
 QUESTIONS = [
     "What is the capital of France?",

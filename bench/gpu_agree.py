@@ -36,17 +36,18 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from batchserve.backends.static_decode import StaticDecoder  # noqa: E402
-from batchserve.generation.slot_decoder import SlotDecoder  # noqa: E402
-from batchserve.generation.slot_stepper import SlotStepper  # noqa: E402
-from batchserve.generation.stepper import SamplingParams, TokenUpdate  # noqa: E402
-from bench.cb_compare import TINY_VOCAB, machine, random_model  # noqa: E402
+from batchserve.backends.static_decode import StaticDecoder
+from batchserve.generation.slot_decoder import SlotDecoder
+from batchserve.generation.slot_stepper import SlotStepper
+from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from bench.cb_compare import TINY_VOCAB, machine, random_model
 
 PAD = 0
 STATIC_NEW = 32  # new tokens a row in the static batches

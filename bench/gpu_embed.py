@@ -25,17 +25,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/gpu_embed.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import asyncio
+import os
+import random
+import time
+from typing import Any
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
+import aiohttp
+import numpy as np
 
-from bench import common, report, servers  # noqa: E402
+from bench import common, report, servers
 
 WORDS = (
     "the a of to and in is it that for on with as was by batch server model vector token graph device "
@@ -134,7 +134,7 @@ async def load(base: str, data: list[str], per_request: int, concurrency: int, s
                                 if isinstance(body, dict)
                                 else 0.05
                             )
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 errors += 1
                 statuses[type(exc).__name__] = statuses.get(type(exc).__name__, 0) + 1
 

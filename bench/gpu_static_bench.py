@@ -19,14 +19,15 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from batchserve.backends.static_decode import StaticDecoder  # noqa: E402
-from bench.cb_compare import machine, random_model, random_prompts, sync  # noqa: E402
+from batchserve.backends.static_decode import StaticDecoder
+from bench.cb_compare import machine, random_model, random_prompts, sync
 
 NO_EOS = [-1]  # every row runs to the end
 

@@ -33,7 +33,8 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import orjson
 
@@ -343,8 +344,8 @@ def ab_main(a: argparse.Namespace) -> None:
         for t in trees
     }
     lines = [
-        f"| checkout | package | batchserve CPU µs/req | minimal batcher | bare Starlette | batchserve ÷ minimal "
-        f"(median of the rounds' ratios) | rounds (÷ minimal) |",
+        "| checkout | package | batchserve CPU µs/req | minimal batcher | bare Starlette | batchserve ÷ minimal "
+        "(median of the rounds' ratios) | rounds (÷ minimal) |",
         "|---|---|---|---|---|---|---|",
     ]
     for t in trees:

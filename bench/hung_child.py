@@ -28,25 +28,25 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/hung_child.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
-import uvloop  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
+import uvloop
 
-from bench import common, report, servers  # noqa: E402
-from bench.report import fmt, pct, table  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.report import fmt, pct, table
+from bench.schedule import poisson_schedule
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 BROKEN = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
@@ -129,7 +129,7 @@ async def drive(
                         continue
                     d.outcome[i] = f"failed: {type(exc).__name__} twice"
                     return
-                except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     d.outcome[i] = f"failed: {type(exc).__name__}"
                     return
                 d.done[i] = time.monotonic() - t0
@@ -153,7 +153,7 @@ async def drive(
                         async with fresh.get(base + "/readyz") as resp:
                             await resp.read()
                             what = str(resp.status)
-                except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     what = f"no answer ({type(exc).__name__})"
                 d.readyz.append((at, what, time.monotonic() - began))
 

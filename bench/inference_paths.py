@@ -24,19 +24,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/inference_paths.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
 
-from bench import common, report, servers  # noqa: E402
-from bench.report import fmt, pct, table  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.report import fmt, pct, table
+from bench.schedule import poisson_schedule
 
 SHORT = [
     "Hi",
@@ -107,7 +107,7 @@ async def offer(
                     out.outputs.setdefault(texts[i], answer["output"])
                 else:
                     out.code[i] = str(answer.get("error", "?"))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 out.code[i] = "client_timeout"
             except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
                 out.code[i] = type(exc).__name__

@@ -26,22 +26,22 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/job_pricing.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
+import aiohttp
+import numpy as np
 
-from bench import common, report, servers  # noqa: E402
+from bench import common, report, servers
 
 RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
@@ -194,7 +194,7 @@ async def interactive(
                 if r.status == 503:
                     message = str(json.loads(body).get("error", {}).get("message", ""))[:120]
                 rows.append((r.status, (time.monotonic() - t0) * 1000, message))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             rows.append((0, (time.monotonic() - t0) * 1000, type(exc).__name__))
 
     tasks, start, i = [], time.monotonic(), 0

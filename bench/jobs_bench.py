@@ -20,23 +20,23 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/jobs_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import START_DELAY_S, LoadResult, measure  # noqa: E402
-from bench.report import git_info, machine_info  # noqa: E402
-from bench.schedule import row_seed  # noqa: E402
+from bench import common, report, servers
+from bench.loadgen import START_DELAY_S, LoadResult, measure
+from bench.report import git_info, machine_info
+from bench.schedule import row_seed
 
 P95_SLACK_MS = 10.0
 POLL_S = 0.5
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     name = common.run_name(a, "jobs")
     log_dir = common.log_dir(a, name)
     rep: dict = {
-        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "git": git_info(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},

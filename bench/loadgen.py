@@ -192,7 +192,7 @@ async def drive(
                         server_ms[j] = answer.get("latency_ms", math.nan)
                 else:
                     error = f"{status} {answer.get('error', '?')}"
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 error = "client_timeout"
             except aiohttp.ClientError as exc:
                 error = f"conn:{type(exc).__name__}"
@@ -255,7 +255,7 @@ async def drive_with(
     )
 
 
-def _quiet_gc_run(coro):  # noqa: ANN001, ANN202 - any coroutine
+def _quiet_gc_run(coro):
     """Run on uvloop with the cyclic GC off: a full collection over tens of thousands of live tasks stalls the
     client for tens of ms, which would show up as latency. Runs are bounded; refcounting frees the rest."""
     gc.collect()
@@ -273,7 +273,7 @@ def _client_process(
     sched: np.ndarray,
     idx: np.ndarray,
     tag: str,
-    timeout_s: float,  # noqa: ANN001
+    timeout_s: float,
     connections: int,
     window_offsets: tuple[float, float],
     headers: dict[str, str] | None = None,
@@ -304,7 +304,7 @@ async def snapshot(base: str, pid: int | None, with_metrics: bool) -> Snapshot:
                 async with s.get(base + "/metrics") as resp:
                     if resp.status == 200:
                         metrics = parse_metrics(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             metrics = None
     return Snapshot(at, server, metrics)
 

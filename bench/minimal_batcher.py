@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import orjson
 import uvicorn

@@ -162,7 +162,7 @@ async def run_load(
                     else:
                         key = f"{r.status} {body.get('error', '?') if isinstance(body, dict) else '?'}"
                         errors[key] = errors.get(key, 0) + 1
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
 
         async def probe() -> None:

@@ -20,16 +20,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/overload.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import secrets  # noqa: E402
-from collections import Counter  # noqa: E402
+import argparse
+import secrets
+from collections import Counter
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from bench import common, report, servers  # noqa: E402
-from bench.faultload import Run, run  # noqa: E402
-from bench.report import fmt, pct, table  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.faultload import Run, run
+from bench.report import fmt, pct, table
+from bench.schedule import poisson_schedule
 
 ADMITTED_P95_GOAL_MS = 250.0
 REFUSAL_MEDIAN_GOAL_MS = 10.0

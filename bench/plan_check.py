@@ -21,15 +21,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/plan_check.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+import argparse
+import datetime as dt
+import json
+from dataclasses import asdict, dataclass
 
-from batchserve.plan import Arrivals, BatchTime, Contract, LatencyAtRate, latency_at  # noqa: E402
-from bench import common  # noqa: E402
-from bench.report import git_info, write, written  # noqa: E402
-from bench.run_standard import parse_rows  # noqa: E402
+from batchserve.plan import Arrivals, BatchTime, Contract, LatencyAtRate, latency_at
+from bench import common
+from bench.report import git_info, write, written
+from bench.run_standard import parse_rows
 
 
 def newest_standard() -> Path | None:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(text)
     rep = {
-        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git": git_info(),
         "source": str(a.file.name),
         "settings": {"sim_s": a.sim_s, "seed": a.seed},

@@ -20,20 +20,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/prefill_burst.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from bench import common, report  # noqa: E402
-from bench.cb_compare import random_model  # noqa: E402
-from batchserve.generation.slot_decoder import SlotDecoder  # noqa: E402
-from batchserve.generation.slot_stepper import SlotStepper  # noqa: E402
-from batchserve.generation.stepper import SamplingParams, TokenUpdate  # noqa: E402
+from bench import common, report
+from bench.cb_compare import random_model
+from batchserve.generation.slot_decoder import SlotDecoder
+from batchserve.generation.slot_stepper import SlotStepper
+from batchserve.generation.stepper import SamplingParams, TokenUpdate
 
 NO_BUDGET = 10**9
 

@@ -30,28 +30,28 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/protocols.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import http.server  # noqa: E402
-import math  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import os  # noqa: E402
-import secrets  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
-from typing import Callable, Mapping  # noqa: E402
+import argparse
+import asyncio
+import http.server
+import math
+import multiprocessing as mp
+import os
+import secrets
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
-import uvloop  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
+import uvloop
 
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import sleep_until  # noqa: E402
-from bench.procstat import process_cpu_s, raise_fd_limit  # noqa: E402
-from bench.schedule import poisson_schedule, row_seed  # noqa: E402
+from bench import common, report, servers
+from bench.loadgen import sleep_until
+from bench.procstat import process_cpu_s, raise_fd_limit
+from bench.schedule import poisson_schedule, row_seed
 
 V2_P95_SLACK_MS = 10.0
 ROWS = ("v1", "v2", "mixed", "v1+otel", "v1+otel10%")
@@ -71,7 +71,7 @@ class _Sink(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
 
-def _sink(conn) -> None:  # noqa: ANN001 - a multiprocessing Connection
+def _sink(conn) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     conn.send(server.server_port)
     server.serve_forever()
@@ -166,7 +166,7 @@ async def drive(
                 else:
                     latency[i] = end - due
                     answers[i] = (raw, answer_headers)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 errors[i] = "client_timeout"
             except Exception as exc:  # noqa: BLE001 - one odd answer must not end the measurement
                 errors[i] = f"client:{type(exc).__name__}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 

@@ -40,7 +40,7 @@ class RawOutcome:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection carrying one request at a time."""
 
-    def __init__(self, sender: "_Sender") -> None:
+    def __init__(self, sender: _Sender) -> None:
         self.sender = sender
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()

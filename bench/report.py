@@ -90,7 +90,7 @@ def provenance() -> dict:
     return {
         "machine": machine_info(),
         "git": git_info(),
-        "when_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "when_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
 
 

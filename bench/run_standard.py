@@ -20,19 +20,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/run_standard.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import datetime as dt
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
 
-from bench import common, report, servers  # noqa: E402
-from bench.ideal import IdealResult, ideal  # noqa: E402
-from bench.loadgen import LoadResult, measure  # noqa: E402
-from bench.plot import Curves, Point  # noqa: E402
-from bench.report import git_info, machine_info  # noqa: E402  (other scripts read them from here too)
-from bench.schedule import row_seed  # noqa: E402
+from bench import common, report, servers
+from bench.ideal import IdealResult, ideal
+from bench.loadgen import LoadResult, measure
+from bench.plot import Curves, Point
+from bench.report import git_info, machine_info
+from bench.schedule import row_seed
 
 STANDARD_ROWS = ((1, 100.0), (1, 500.0), (1, 900.0), (1, 950.0), (4, 400.0), (4, 2000.0))
 CPU_RATE = 900.0
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     name = common.run_name(a, "standard")
     log_dir = common.log_dir(a, name)
     rep: dict = {
-        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "git": git_info(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},

@@ -40,19 +40,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/scale.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-import json  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+import argparse
+import math
+import os
+import statistics
+import time
+import urllib.request
+import json
+from dataclasses import asdict, dataclass
 
-from batchserve.plan import BatchTime, Contract, Prices, make_plan, render  # noqa: E402
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import measure  # noqa: E402
-from bench.procstat import machine_busy_s, tree_cpu_s  # noqa: E402
+from batchserve.plan import BatchTime, Contract, Prices, make_plan, render
+from bench import common, report, servers
+from bench.loadgen import measure
+from bench.procstat import machine_busy_s, tree_cpu_s
 
 PASS_ANSWERED = 0.97  # share of the scheduled requests answered 200 for a row to pass
 HOST_ITERATIONS = 6

@@ -142,7 +142,7 @@ async def interactive(base: str, rate: float, until: float, t: Tally, key: str) 
                         t.wrong += answer["output"] != text[::-1]
             except (aiohttp.ClientOSError, ConnectionResetError, aiohttp.ServerDisconnectedError):
                 t.resets += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 t.failures += 1
 
         tasks = []
@@ -169,7 +169,7 @@ async def idle_flood(host: str, port: int, n: int, until: float, t: Tally) -> No
                 data = await asyncio.wait_for(reader.read(1), max(0.01, until - time.monotonic()))
                 if not data:
                     t.idle_closed_by_server += 1
-            except (asyncio.TimeoutError, OSError):
+            except (TimeoutError, OSError):
                 pass
             writer.close()
 
@@ -193,7 +193,7 @@ async def slowloris(host: str, port: int, n: int, until: float, t: Tally) -> Non
                     t.count(t.slowloris_answers, await asyncio.wait_for(answer, max(0.01, until - time.monotonic())))
                 answer.cancel()
                 writer.close()
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 await asyncio.sleep(0.2)
 
     await asyncio.gather(*(one() for _ in range(n)))
@@ -209,7 +209,7 @@ async def oversized(host: str, port: int, rate: float, until: float, t: Tally) -
             writer.write(line)
             t.count(t.oversized_answers, await asyncio.wait_for(first_status(reader), 10))
             writer.close()
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             t.count(t.oversized_answers, type(exc).__name__)
         await asyncio.sleep(1 / rate)
 
@@ -226,7 +226,7 @@ async def big_prompts(base: str, n: int, until: float, t: Tally, key: str) -> No
                 ) as r:
                     await r.read()
                     t.count(t.prompt_answers, r.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 t.count(t.prompt_answers, type(exc).__name__)
                 await asyncio.sleep(0.1)
 
@@ -248,7 +248,7 @@ async def long_embeddings(base: str, n: int, until: float, t: Tally, key: str) -
                     async with session.post(base + "/v1/embeddings", json=body) as r:
                         await r.read()
                         t.count(t.embed_long_answers, r.status)
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     t.count(t.embed_long_answers, type(exc).__name__)
                 await asyncio.sleep(max(0.0, min(until - time.monotonic(), sent + EMBED_EVERY_S - time.monotonic())))
 
@@ -269,7 +269,7 @@ async def neighbour(base: str, until: float, t: Tally, key: str) -> None:
                     t.count(t.neighbour_answers, r.status)
                     if r.status == 200:
                         t.neighbour_ms.append((time.monotonic() - start) * 1000)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 t.count(t.neighbour_answers, type(exc).__name__)
 
         tasks = []
@@ -297,7 +297,7 @@ class Attack:
     nice: int
 
 
-def attack(plan: Attack, until_wall: float, results: "multiprocessing.Queue[dict]") -> None:
+def attack(plan: Attack, until_wall: float, results: multiprocessing.Queue[dict]) -> None:
     """The hostile clients, in their own process (niced by `plan.nice`); their tallies go back through
     `results`. `until_wall` is the window's end on the wall clock (monotonic clocks are per process only in
     name: the same on Linux, but the wall clock says what is meant)."""
@@ -335,7 +335,7 @@ async def finish_jobs(base: str, jobs: dict[str, tuple[str, str]], wait_s: float
                 try:
                     async with session.get(f"{base}/v1/batches/{job_id}", headers=bearer(key)) as r:
                         job = orjson.loads(await r.read())
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass
                 if job.get("status") in ("completed", "failed", "cancelled") or time.monotonic() > give_up:
                     break
@@ -361,7 +361,7 @@ async def watch(base: str, pid: int, until: float, t: Tally) -> None:
                     for line in text.splitlines()
                     if line.startswith("batchserve_worker_healthy{") and line.endswith(" 0.0")
                 )
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 t.healthz_ms.append(float("inf"))
             await asyncio.sleep(0.5)
 

@@ -19,16 +19,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python bench/startup.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import re
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-from bench import common, report, servers  # noqa: E402
+from bench import common, report, servers
 
 STAGE = re.compile(
     r"^(\S+ \S+) INFO batchserve\S* (converting .*|loading .*|loaded .*|set up .*|warm-up round .*|"

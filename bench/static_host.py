@@ -31,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -54,7 +54,7 @@ class StandInParams:
     lagged: bool = True  # a check reads the flags of the step before its own (the GPU loop now)
 
     @classmethod
-    def from_env(cls) -> "StandInParams":
+    def from_env(cls) -> StandInParams:
         """`STATIC_STAND_IN="step_ms=3.4,lagged=0"`: any of the fields, comma-separated."""
         p = cls()
         names = [f.name for f in fields(cls)]
@@ -108,7 +108,7 @@ class StandInRunner(Runner):
         p = self.params
         self.clock.enqueue((p.step_ms + p.step_ms_per_row * self.shape.batch) / 1000)
 
-    def snapshot_finished(self) -> "FlagsDue":
+    def snapshot_finished(self) -> FlagsDue:
         return FlagsDue(self.clock, self.clock.free_at)  # the flags of the newest step launched
 
     def all_finished(self, snapshot: FlagsCopy) -> bool:
@@ -150,7 +150,7 @@ class StandInSmolLM2(SmolLM2Backend):
     """The smollm2 backend (real tokenizer, chat template and decoding of answers) on a stood-in device."""
 
     @classmethod
-    def from_settings(cls, spec: ModelSpec, s: Settings) -> "StandInSmolLM2":
+    def from_settings(cls, spec: ModelSpec, s: Settings) -> StandInSmolLM2:
         tokenizer = load_tokenizer(source_dir(s))
         params = StandInParams.from_env()
         devices = pick_devices(s.devices)

@@ -44,24 +44,25 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/stepper_host.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+import argparse
+import asyncio
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+from collections.abc import Sequence
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from batchserve.generation.slot_decoder import PREFILL_ROWS, SlotDecoder  # noqa: E402
-from batchserve.generation.stepper import SamplingParams  # noqa: E402
-from batchserve.gc_tuning import tune_gc  # noqa: E402
-from bench.device_clock import DeviceClock  # noqa: E402
-from batchserve.http.server import SWITCH_INTERVAL_S  # noqa: E402
-from bench import common, report, servers  # noqa: E402
-from bench.cb_compare import Workload, random_prompts  # noqa: E402
+from batchserve.generation.slot_decoder import PREFILL_ROWS, SlotDecoder
+from batchserve.generation.stepper import SamplingParams
+from batchserve.gc_tuning import tune_gc
+from bench.device_clock import DeviceClock
+from batchserve.http.server import SWITCH_INTERVAL_S
+from bench import common, report, servers
+from bench.cb_compare import Workload, random_prompts
 
 
 @dataclass(frozen=True)

@@ -31,21 +31,21 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/storage.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import sqlite3  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import os
+import shutil
+import sqlite3
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
 
-import httpx  # noqa: E402
-import orjson  # noqa: E402
+import httpx
+import orjson
 
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import measure  # noqa: E402
+from bench import common, report, servers
+from bench.loadgen import measure
 
 MB = 1_000_000
 PLUGIN = '''
@@ -78,7 +78,7 @@ class RssWatch:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def __enter__(self) -> "RssWatch":
+    def __enter__(self) -> RssWatch:
         self.start_mb = self.peak_mb = rss_mb(self.pid)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

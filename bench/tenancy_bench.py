@@ -36,23 +36,22 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/tenancy_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import math  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import os  # noqa: E402
-import secrets  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+import argparse
+import math
+import multiprocessing as mp
+import os
+import secrets
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import uvloop  # noqa: E402
+import aiohttp
+import numpy as np
+import uvloop
 
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import (  # noqa: E402
+from bench import common, report, servers
+from bench.loadgen import (
     INFERENCE_PATH,
     SPAWN_TIMEOUT_S,
     START_DELAY_S,
@@ -64,8 +63,8 @@ from bench.loadgen import (  # noqa: E402
     parse_metrics,
     sleep_until,
 )
-from bench.procstat import process_cpu_s, raise_fd_limit  # noqa: E402
-from bench.schedule import poisson_schedule, row_seed  # noqa: E402
+from bench.procstat import process_cpu_s, raise_fd_limit
+from bench.schedule import poisson_schedule, row_seed
 
 P95_GOAL_MS = 210.0
 HEAVY_RPS = 1000.0  # streams at or above this rate are split over --heavy-procs client processes
@@ -215,12 +214,12 @@ async def snap(base: str, pid: int) -> tuple[Snapshot, dict[str, float]]:
             async with session.get(base + "/metrics") as resp:
                 if resp.status == 200:
                     text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         pass
     return Snapshot(at, cpu, parse_metrics(text) if text else None), labelled(text)
 
 
-async def snaps_around(base: str, pid: int, window: tuple[float, float]):  # noqa: ANN201
+async def snaps_around(base: str, pid: int, window: tuple[float, float]):
     await sleep_until(window[0])
     first = await snap(base, pid)
     await sleep_until(window[1])

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 # apt-get fails at once when another apt-get holds dpkg's lock: the test workers (pytest-xdist) that need
 # chromium and nginx on a clean machine install one at a time, each waiting on this file's lock.

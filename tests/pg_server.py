@@ -57,7 +57,7 @@ class PgServer:
     _schemas: int = 0
 
     @classmethod
-    def start(cls) -> "PgServer":
+    def start(cls) -> PgServer:
         bin_dir = find_bin_dir()
         root = Path(tempfile.mkdtemp(prefix="batchserve-pg-"))
         as_user: list[str] = []

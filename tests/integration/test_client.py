@@ -202,7 +202,7 @@ def test_the_readme_client_example_runs_as_written(small_queue: LiveServer, caps
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     example = readme.split("## Python client", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert len(example.strip().splitlines()) == 5
-    exec(example.replace("http://127.0.0.1:8000", small_queue.url), {})  # noqa: S102 - our own README
+    exec(example.replace("http://127.0.0.1:8000", small_queue.url), {})
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == " slauqe E"
     assert [r["output"] for r in ast.literal_eval(printed[1])] == ["tac a", "god a"]

@@ -108,7 +108,7 @@ async def steady_load(url: str, rate: float, stop: threading.Event, outcomes: li
                     body = await r.json(content_type=None)
                     ok = r.status == 200 and body.get("output") == text[::-1]
                     outcomes.append((r.status, "ok" if ok else body.get("error", "?")))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 outcomes.append(("exception", type(exc).__name__))
 
         await open_loop(rate, stop, one)

@@ -66,7 +66,7 @@ class Counting:
         self.model, self.calls = model, 0
         self.forward = model.forward
 
-    def __enter__(self) -> "Counting":
+    def __enter__(self) -> Counting:
         def counted(*a: Any, **kw: Any) -> Any:
             self.calls += 1
             return self.forward(*a, **kw)

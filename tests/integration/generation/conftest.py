@@ -5,7 +5,7 @@ loaded its own), and one keyed `--generation on` server for the modules whose te
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import pytest
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import aiohttp
 import httpx
@@ -76,7 +75,7 @@ def closed_soon(sock: socket.socket, within: float = 3.0) -> bool:
         while sock.recv(65536):
             pass
         return True
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True

@@ -306,7 +306,7 @@ class HungDrill:
         with self.lock:
             return sum(1 for started, _, outcome in self.sent if started >= t and outcome == "200")
 
-    def __enter__(self) -> "HungDrill":
+    def __enter__(self) -> HungDrill:
         for t in self.threads:
             t.start()
         return self

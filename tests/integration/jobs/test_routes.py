@@ -8,7 +8,8 @@ import signal
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import httpx
 import jsonschema

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import socket
 import sqlite3
-import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -22,7 +22,7 @@ import pytest
 from batchserve.jobs.openai_batch import file_line
 from batchserve.jobs.store import OUTPUT, ItemRow
 from tests.conftest import LiveServer
-from tests.integration.jobs.test_openai_batch import jsonl, launch, wait_done
+from tests.integration.jobs.test_openai_batch import jsonl, launch
 
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "embed", "input": "x"}}
 STORE_PLUGIN = '''

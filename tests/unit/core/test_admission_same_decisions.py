@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 

@@ -6,7 +6,7 @@ sequence with the stepper's attributes), and a refusal's outcome."""
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import pytest
 

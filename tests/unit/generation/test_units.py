@@ -187,9 +187,7 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
         return out
 
     text = lambda chunks: "".join(
-        c["choices"][0]["delta"].get("content") or ""
-        for c in chunks  # noqa: E731
-        if isinstance(c, dict) and c.get("choices")
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if isinstance(c, dict) and c.get("choices")
     )
     # three waiting at once, then one at a time, then the end
     out = asyncio.run(

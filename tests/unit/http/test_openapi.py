@@ -136,7 +136,7 @@ def test_the_skeleton_statuses_read_the_declaration():
     from batchserve.http.dialects import NATIVE
     from batchserve.http.endpoint import Endpoint, no_body, operational, public
 
-    async def handle(rt, call, req):  # noqa: ANN001, ANN202
+    async def handle(rt, call, req):
         return None
 
     assert skeleton_statuses(public(NATIVE, handle, no_body)) == set()

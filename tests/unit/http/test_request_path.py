@@ -23,7 +23,8 @@ import asyncio
 import contextlib
 import sys
 from types import FrameType
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
 import orjson
 
