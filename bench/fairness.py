@@ -278,17 +278,20 @@ def markdown(rows: list[dict], a: argparse.Namespace, prov: dict) -> str:
         [
             "# Tokens served per tenant (issue 33, item 2)",
             "",
-            f"Two `paid` tenants on minilm, {a.loops_long} and {a.loops_short} closed loops for {a.warmup:g} s warm-up + {a.duration:g} s "
-            f"measured (extended up to {a.max_s:g} s until each tenant had {a.min_answers} answers): `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8; a refused request is sent again "
+            f"Two `paid` tenants on minilm, {a.loops_long} and {a.loops_short} closed loops for {a.warmup:g} s warm-up "
+            f"+ {a.duration:g} s measured (extended up to {a.max_s:g} s until each tenant had {a.min_answers} "
+            "answers): `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8; a refused request is sent again "
             f"after {a.backoff_ms:g} ms; timeout_ms {f'{a.timeout_ms:g}' if a.timeout_ms else 'the server default'}, "
-            f"server --slo-ms {f'{a.slo_ms:g}' if a.slo_ms else 'its default (derived from its warm-up)'}. Ratio: the larger tenant's tokens over the smaller's (1.00 = equal shares). "
+            f"server --slo-ms {f'{a.slo_ms:g}' if a.slo_ms else 'its default (derived from its warm-up)'}. Ratio: the "
+            "larger tenant's tokens over the smaller's (1.00 = equal shares). "
             f"`base` is commit {a.base} (tenants took turns one item a turn), extracted with `git archive`.",
             "",
             report.table(head, lines),
             "",
             f"Machine: {machine['cpu_model']}, {machine['cores_usable']} usable cores, load average at start "
             f"{machine['loadavg_at_start']} (shared by other sessions: noisy). Commit {git['commit'][:12]}"
-            f"{' (dirty)' if git['dirty'] else ''}, {prov['when_utc']}. Server flags: {' '.join(a.server_arg) or 'none'}.",
+            f"{' (dirty)' if git['dirty'] else ''}, {prov['when_utc']}. Server flags: "
+            f"{' '.join(a.server_arg) or 'none'}.",
         ]
     )
 

@@ -4,7 +4,8 @@ Why: on a shared 2-core machine wall-clock latency swings with whatever else run
 process spends per request moves little. This drives the ASGI apps directly (scope / receive / send, as
 uvicorn calls them, with uvicorn's per-request `disconnected` flag) with the same concurrency and body shape as
 the load bench, and reports process CPU per request for batchserve (sim backend, 100 ms batches of at most 100, with
-`--concurrency` 150 in flight as at 900 requests/s: ~0.16 s each x 900/s, so a batch runs while the next one queues) beside the bare Starlette endpoint of `bench/bare_app.py` and the minimal batcher of
+`--concurrency` 150 in flight as at 900 requests/s: ~0.16 s each x 900/s, so a batch runs while the next one queues)
+beside the bare Starlette endpoint of `bench/bare_app.py` and the minimal batcher of
 `bench/minimal_batcher.py` (a future per request and one task taking the waiting inputs: the least any batcher
 on this stack pays for holding a request across a batch). The sockets and HTTP parsing (uvicorn +
 httptools) are left out: they cost both apps the same. `--profile` writes a pyinstrument report of the
@@ -350,7 +351,8 @@ def ab_main(a: argparse.Namespace) -> None:
     ]
     for t in trees:
         lines.append(
-            f"| {t} ({commits[t]}) | `{packages[t]}` | {med(runs[t]['batchserve']):.1f} | {med(runs[t]['minimal batcher']):.1f} "
+            f"| {t} ({commits[t]}) | `{packages[t]}` | {med(runs[t]['batchserve']):.1f} | "
+            f"{med(runs[t]['minimal batcher']):.1f} "
             f"| {med(runs[t]['bare Starlette']):.1f} | {med(per_round[t]):.2f} "
             f"| {[round(v, 2) for v in per_round[t]]}" + (f" (non-200: {bad[t]})" if bad[t] else "") + " |"
         )

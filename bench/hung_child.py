@@ -6,7 +6,8 @@
 
 It starts `batchserve serve --processes 2 --devices 2 --sim-batch-ms 20` (`--process-hang-s` from `--hang-s`),
 sends open-loop Poisson load (latency from the scheduled send time; a new request whatever the earlier ones
-are doing) over keep-alive connections (`--fresh-connections`: a new one per request, as from many clients), and at `--stop-at` sends SIGSTOP to one child, SIGCONT `--stop-s`
+are doing) over keep-alive connections (`--fresh-connections`: a new one per request, as from many clients), and at
+`--stop-at` sends SIGSTOP to one child, SIGCONT `--stop-s`
 later (nothing, once it was killed). Each request whose connection breaks with no answer (the stopped child
 killed under it) is sent once more on a new connection, as a balancer retries an idempotent request; the
 report counts those apart. A prober asks the shared port's /readyz on a new connection every 0.5 s, with no
@@ -281,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"`batchserve serve --processes 2 --devices 2 --sim-batch-ms {a.sim_batch_ms:g} --process-hang-s "
         f"{a.hang_s:g}`; {a.rate:g} RPS open-loop Poisson for {a.duration:g} s "
-        f"({'a new connection per request' if a.fresh_connections else 'keep-alive connections'}); SIGSTOP of child pid {victim} "
+        f"({'a new connection per request' if a.fresh_connections else 'keep-alive connections'}); SIGSTOP of child "
+        f"pid {victim} "
         f"at {a.stop_at:g} s, SIGCONT at {a.stop_at + a.stop_s:g} s. Load average before: "
         f"{' '.join(f'{x:.2f}' for x in load_before)} (2 shared cores: noisy).",
         "",
@@ -294,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{int(d.retried.sum())}; unclear (neither an answer nor a clear status): {unclear or 'none'}",
         f"- /readyz on the shared port, a new connection every 0.5 s: {dict(ready)}; during the stop: "
         f"{dict(ready_during)}, the slowest ended after {fmt(ready_slowest)} s",
-        f"- children after: {sorted(after_kids)} (the stopped one {'replaced' if victim not in after_kids else 'still there'})",
+        f"- children after: {sorted(after_kids)} (the stopped one "
+        f"{'replaced' if victim not in after_kids else 'still there'})",
     ]
     markdown = "\n".join(md)
     print(markdown)

@@ -231,14 +231,17 @@ def markdown(rep: dict) -> str:
         ]
         for r in rep["rows"]
     ]
+    weights = (
+        "tiny random (2 layers, 64 wide)" if s["tiny"] else s["smollm2_dir"] or "SmolLM2-135M-Instruct (GGUF, real)"
+    )
     return "\n".join(
         [
             f"# /v1/inference: static batches vs the slot stepper — {rep['when_utc']}",
             f"`{s['command']}`  ",
             f"commit `{rep['git']['commit'][:12]}`{' (dirty)' if rep['git']['dirty'] else ''}, "
             f"{rep['machine']['cpu_model']} × {rep['machine']['cores_usable']} usable cores, load average at start "
-            f"{rep['machine']['loadavg_at_start']}; device {s['device']}, weights "
-            f"{'tiny random (2 layers, 64 wide)' if s['tiny'] else s['smollm2_dir'] or 'SmolLM2-135M-Instruct (GGUF, real)'}, {s['max_new_tokens']} new tokens at most, "
+            f"{rep['machine']['loadavg_at_start']}; device {s['device']}, weights {weights}, "
+            f"{s['max_new_tokens']} new tokens at most, "
             f"timeout_ms {s['timeout_ms']:g}, {s['duration']:g} s measured after {s['warmup']:g} s per rate, "
             f"open-loop Poisson, prompts 2/3 short 1/3 long (seed {s['seed']}); stepper slots "
             f"{s['slots'] or 'auto'}; ready in {rep['ready_s']}",

@@ -28,7 +28,8 @@ CPU is the only limit left, which is the point. Steps:
 
 The load generator is `bench.loadgen`'s, split over `--procs` client processes (the same Poisson schedule dealt
 round-robin; one raw-client process took ~0.25 cores at 10,000 requests/s here, so one was enough on 2 cores;
-a 16-core host aiming at 10,000+ needs several). Every server is started here on 127.0.0.1 and stopped by PID. The machine is shared: each row records what
+a 16-core host aiming at 10,000+ needs several). Every server is started here on 127.0.0.1 and stopped by PID. The
+machine is shared: each row records what
 the rest of the machine used (`others cores`), and a miss must be read beside it.
 """
 

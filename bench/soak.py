@@ -26,7 +26,8 @@ The hostile clients run in a process of their own, as attackers do, at `--attack
 2-core machine their own CPU would otherwise delay the interactive CLIENT's sends, which is no cost of the
 server's; 0 = not niced), and the minilm server at `--embed-nice` (default 10: a second deployment whose long
 batches hold one of the 2 cores for seconds; in production it would not share the sim server's cores). Both
-are measurement fixes, printed with the results. Goals: the interactive p95 of the B phases within `--p95-tolerance` (5 %) of the A
+are measurement fixes, printed with the results. Goals: the interactive p95 of the B phases within
+`--p95-tolerance` (5 %) of the A
 phases', and within the SLO; 0 connection resets or failures on interactive requests; 0 false hang
 detections (`batchserve_worker_healthy` never 0, no `batch_retries{cause="hang"}`); server RSS bounded
 (`--rss-growth-mb` over its start); every job completed; the embedding neighbour all 200. Prints a table per

@@ -1,4 +1,5 @@
-"""The test venv's own health by pip's own check, a subprocess (the Docker image checks are tests/unit/test_packaging.py)."""
+"""The test venv's own health by pip's own check, a subprocess (the Docker image checks are
+tests/unit/test_packaging.py)."""
 
 from __future__ import annotations
 

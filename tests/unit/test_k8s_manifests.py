@@ -56,7 +56,7 @@ def test_every_manifest_validates_strictly():
         "ConfigMap",
     }
     for version in VERSIONS:
-        for name, doc in docs:
+        for _name, doc in docs:
             kubernetes_validate.validate(doc, version, strict=True)
 
 

@@ -231,7 +231,9 @@ BROKEN = {
         "class Model:\n    output_kind = 'embedding'\n"
         "    def batch(self, inputs):\n        return [[0.5] * (i + 1) for i, _ in enumerate(inputs)]\n"
     ),
-    "text_not_str": "class Model:\n    output_kind = 'text'\n    def batch(self, inputs):\n        return [1 for _ in inputs]\n",
+    "text_not_str": (
+        "class Model:\n    output_kind = 'text'\n    def batch(self, inputs):\n        return [1 for _ in inputs]\n"
+    ),
 }
 
 CASES = [

@@ -2,9 +2,11 @@
 
 A real server with the real all-MiniLM-L6-v2 model; two API keys of tier `paid` (rates far above what is sent),
 tenants `long` and `short`, both backlogged by closed loops (8 and 16: each keeps several batches of inputs
-outstanding; bench/fairness.py's client and LOOPS: a refused request is sent again after 50 ms): `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8, to /v1/embeddings.
+outstanding; bench/fairness.py's client and LOOPS: a refused request is sent again after 50 ms): `long` sends 4
+inputs of 220 tokens a request, `short` 16 of 8, to /v1/embeddings.
 The tokens served to each (summed usage.prompt_tokens of its answers inside the window) are within 1.25x of each
-other in the bench; this test allows 1.35x, as it runs beside other tests' load. On b6ba887 the length classes took a batch a turn (a batch of 4 long inputs against one of 16-64 short
+other in the bench; this test allows 1.35x, as it runs beside other tests' load. On b6ba887 the length classes
+took a batch a turn (a batch of 4 long inputs against one of 16-64 short
 ones), the short class went first whenever it was full by count, and admission counted items: the long tenant
 got 2.2x the tokens in this scenario (bench/results/fairness-*). The timing figures (tokens per second,
 refusals) belong to the bench; this asserts the share only.

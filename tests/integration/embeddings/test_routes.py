@@ -1,7 +1,8 @@
 """`POST /v1/embeddings` (issue 11) on a live server, with a small embedding plugin (exact float32 values, no
 model to load): OpenAI's shapes through the official `openai` client in float and base64, each input riding the
 batcher on its own, usage from the backend's token counts, keys and a list of N inputs costing N rate-limit
-tokens, errors in OpenAI's shape, and the published schemas. The real model is in tests/integration/backends/test_minilm.py."""
+tokens, errors in OpenAI's shape, and the published schemas. The real model is in
+tests/integration/backends/test_minilm.py."""
 
 from __future__ import annotations
 

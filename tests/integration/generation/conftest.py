@@ -11,6 +11,12 @@ import pytest
 
 from tests.conftest import LiveServer, start_server
 
+# Fixtures of other modules that modules here take as parameters, imported once here rather than into each of them
+# (an import there is shadowed by the parameter, which pyflakes rightly reports as F811): `model` (SmolLM2 on the
+# CPU, module-scoped as in test_static_decode) and `receiver` (the OTLP receiver of test_tracing).
+from tests.integration.backends.test_static_decode import model  # noqa: F401
+from tests.integration.test_tracing import receiver  # noqa: F401
+
 Reference = Callable[[list[str], int], dict[str, str]]
 KEYED_SLOTS = 4
 # Tenants of keyed_generation: test_shares' (a hog and the small chats beside it, a preempted tenant and the
@@ -28,14 +34,14 @@ def generate_reference() -> Reference:
     from batchserve.config import Settings
 
     source = source_dir(Settings(backend="smollm2"))
-    tokenizer, model = load_tokenizer(source), load_model("cpu", source)
+    tokenizer, lm = load_tokenizer(source), load_model("cpu", source)
 
     def answers(prompts: list[str], max_new: int) -> dict[str, str]:
         out = {}
         with torch.inference_mode():
             for text in prompts:
                 ids = torch.tensor(prompt_ids(tokenizer, [text]))
-                new = model.generate(
+                new = lm.generate(
                     ids,
                     attention_mask=torch.ones_like(ids),
                     max_new_tokens=max_new,

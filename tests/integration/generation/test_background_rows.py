@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from batchserve.generation.stepper import SamplingParams, TokenUpdate
-from tests.integration.backends.test_static_decode import PAD, model, prompts  # noqa: F401 - model is a fixture
+from tests.integration.backends.test_static_decode import PAD, prompts
 from tests.integration.generation.test_slot_decoder import alone, drive
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import LiveServer, start_server
 from tests.integration.inference.test_routes import metric
 from tests.integration.jobs.test_routes import finished, wait_for as wait_until
-from tests.integration.test_tracing import Receiver, attrs, receiver, wait_for  # noqa: F401 (receiver: the fixture)
+from tests.integration.test_tracing import Receiver, attrs, wait_for
 
 # answers, metrics, spans and log lines only, no timing: CI runs it in the parallel workers (.ci/run)
 pytestmark = [pytest.mark.slow, pytest.mark.parallel]

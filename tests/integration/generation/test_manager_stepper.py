@@ -9,7 +9,7 @@ from batchserve.generation.engine import EngineConfig, build_stepper
 from batchserve.generation.manager_stepper import ManagerStepper
 from batchserve.generation.stepper import SamplingParams, TokenUpdate
 from tests.integration.generation.test_slot_decoder import run_updates
-from tests.integration.backends.test_static_decode import PAD, model, prompts, reference  # noqa: F401 - model is a fixture
+from tests.integration.backends.test_static_decode import PAD, prompts, reference
 
 
 class FakeTokenizer:

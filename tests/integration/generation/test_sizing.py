@@ -15,10 +15,10 @@ import pytest
 
 from batchserve.generation.stepper import SamplingParams
 from tests.integration.generation.test_slot_decoder import alone, run_stepper
-from tests.integration.backends.test_static_decode import PAD, model, prompts  # noqa: F401 - model is a fixture
+from tests.integration.backends.test_static_decode import PAD, prompts
 
 
-def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:  # noqa: F811
+def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:
     from batchserve.generation.slot_decoder import SlotDecoder
 
     dec = SlotDecoder(model, slots=1100, slot_tokens=128, eos_ids=[], pad_id=PAD, fixed_shapes=True)
@@ -27,7 +27,7 @@ def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:  # 
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["exact", "gpu-layout"])
-def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: Any, fixed: bool) -> None:  # noqa: F811
+def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: Any, fixed: bool) -> None:
     """A 23-token prompt prefilled in pieces of 7, 7, 7, 2 while another sequence decodes in a lower slot
     (and its held row runs along in the steps between pieces), then both decode to the end: each gets what
     `generate` gives it alone. `gpu-layout`: padded rows, widths and spans as CUDA graphs run them, later
@@ -66,7 +66,7 @@ def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: A
     assert got[2] == alone(model, long, None, 10)
 
 
-def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model: Any) -> None:  # noqa: F811
+def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model: Any) -> None:
     """One sequence runs; then a burst of eight joins, two of them longer than a piece, arrives with more
     sequences than slots. Between two decode steps the stepper prefills at most its step budget (the old
     behaviour prefilled the whole burst before the next step), long prompts go in pieces, and every sequence
@@ -102,7 +102,7 @@ def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model
     assert 0 < worst <= 10
 
 
-def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> None:  # noqa: F811
+def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> None:
     """Driven by hand (no thread): a 13-token prompt prefilled 4 tokens a step is cancelled after its first
     piece; its slot is free and held, nothing is reported for it, and the next sequence in that slot gets
     `generate`'s tokens."""
@@ -124,7 +124,7 @@ def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> N
 
 
 def test_another_tenants_long_prompt_is_prefilled_between_a_chats_steps_and_both_decode_as_generate(
-    model: Any,  # noqa: F811
+    model: Any,
 ) -> None:
     """Tenant a's 24-token prompt (pieces of 8) is under way when tenant b's 5-token chat joins: b's prompt is
     prefilled first, and from then on a's pieces go only as the prefill ledger affords (`prefill_share`; the

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from batchserve.generation.stepper import SamplingParams, TokenUpdate
-from tests.integration.backends.test_static_decode import PAD, an_eos, model, prompts, reference  # noqa: F401 - model is a fixture
+from tests.integration.backends.test_static_decode import PAD, an_eos, prompts, reference
 
 if TYPE_CHECKING:
     from batchserve.generation.slot_decoder import SlotDecoder

@@ -5,13 +5,20 @@ DevTools protocol reports them, goes to this server."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
 
 from scripts.chromium import ChromiumUnavailable, ensure_chromium, load_page
-from tests.conftest import LiveServer
-from tests.integration.http.test_openapi import server  # noqa: F401 (the fixture: a plain sim server)
+from tests.conftest import LiveServer, start_server
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    s = start_server("--devices", "1", "--sim-batch-ms", "5")
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -173,8 +173,7 @@ def test_slow_heads_slow_bodies_and_idle_connections_are_closed(server_factory):
         b"Transfer-Encoding: chunked\r\n\r\n"
     )
     started = time.monotonic()
-    slowloris_answer: list[bytes] = []
-    for i, byte in enumerate(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"):
+    for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa":
         try:
             slowloris.sendall(bytes([byte]))
             slow_body.sendall(b"1\r\na\r\n")

@@ -92,7 +92,6 @@ def test_one_process_drained_alone_under_load_loses_nothing_and_is_replaced(serv
     stop = threading.Event()
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
-    answered_by: Counter[int] = Counter()
     lock = threading.Lock()
 
     def client(k: int) -> None:

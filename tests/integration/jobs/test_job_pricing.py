@@ -4,8 +4,8 @@ and the interactive tenant is never refused while the batch completes with every
 counted as one item in flight, so all 4,096 inputs entered minilm's queue at once, past `--max-queue` (3,000
 here: issue 33's 6-line file did the same to the default 10,000), and the interactive tenant got 503 "the queue
 for minilm@v1 is full" until the batch had drained below it. And `--jobs-max-items` counts those inputs: a file
-of one line more than it allows is refused with a 400 naming the line (before, it counted lines). The in-process rules: tests/unit/jobs/
-test_job_pricing.py; the figures, before and after: bench/job_pricing.py."""
+of one line more than it allows is refused with a 400 naming the line (before, it counted lines). The in-process
+rules: tests/unit/jobs/test_job_pricing.py; the figures, before and after: bench/job_pricing.py."""
 
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ def test_an_integer_past_64_bits_fails_its_line_alone(client: openai.OpenAI):
     whose field takes it runs, one whose field cannot is that line's 400, and the others run."""
     big = "123456789012345678901234567890"
     raw = "".join(
-        '{"custom_id": "%s", "method": "POST", "url": "/v1/inference", "body": {"model": "echo", %s}}\n' % (cid, body)
+        f'{{"custom_id": "{cid}", "method": "POST", "url": "/v1/inference", "body": {{"model": "echo", {body}}}}}\n'
         for cid, body in [
             ("plain", '"input": "a"'),
             ("ignored", f'"input": "b", "n": {big}'),

@@ -250,7 +250,7 @@ def test_a_database_down_at_start_up_is_tried_once_a_second_and_used_once_it_is_
         pg.halt()
         s = server_factory(*NODE, "--jobs-db", url)
         with s.client(timeout=10) as c:
-            for i in range(10):
+            for _ in range(10):
                 started = time.monotonic()
                 r = c.get("/v1/batches")
                 assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text

@@ -2,7 +2,8 @@
 follow from it where the user set neither, and a batch whose callers all left stops early and frees its worker.
 
 The policy has unit tests with an injected clock; the early stop runs through a live sim server (the sim honours
-the same hook as the real model's generation, which tests/integration/backends/test_real_defaults.py checks on the weights).
+the same hook as the real model's generation, which tests/integration/backends/test_real_defaults.py checks on the
+weights).
 """
 
 from __future__ import annotations

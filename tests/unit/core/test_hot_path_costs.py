@@ -143,7 +143,7 @@ def test_a_tenants_share_is_read_without_walking_the_queue(loop) -> None:
     read off the model's counters (`Shares`), kept as items come and go, never by walking the queued items."""
     clock = Clock()
     b = Batcher(max_batch_size=64, slo_s=1.0, margin_s=0.01, batch_s=BatchTimes(64, {M: 0.1}), clock=clock)
-    for i in range(2000):
+    for _ in range(2000):
         b.submit(
             Item("l", M, 1, loop.create_future(), arrived=clock.t, deadline=clock.t + 60, tenant="long", cost=220.0)
         )

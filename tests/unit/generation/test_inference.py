@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry
 from batchserve.config import Settings
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
-from batchserve.generation import engine as engine_module
 from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
 from batchserve.generation.inference import StepperInference, stepper_models
 from tests.unit.generation.test_engine import FakeStepper
@@ -23,13 +22,6 @@ from tests.unit.fakes import Clock
 
 EOS = CHARS.index("!")
 MAX_NEW = 4  # an answer takes (4 + 2) steps once it joins
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock(1000.0)
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=c))
-    return c
 
 
 def work(model: str, arrived: float, timeout_s: float, tier: int = 1, gone: Any = None) -> Work:

@@ -14,7 +14,7 @@ from batchserve.errors import ApiError
 from batchserve.generation.inference_records import StepperRecords
 from batchserve.metrics import make_metrics
 from tests.unit.fakes import Clock
-from tests.unit.generation.test_inference import ask, clock, make, until  # noqa: F401 - `clock` is a fixture
+from tests.unit.generation.test_inference import ask, make, until
 
 MODEL = "smollm2@v1"
 

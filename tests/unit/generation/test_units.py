@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -186,9 +187,11 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
         await feeder
         return out
 
-    text = lambda chunks: "".join(
-        c["choices"][0]["delta"].get("content") or "" for c in chunks if isinstance(c, dict) and c.get("choices")
-    )
+    def text(chunks: list[Any]) -> str:
+        return "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if isinstance(c, dict) and c.get("choices")
+        )
+
     # three waiting at once, then one at a time, then the end
     out = asyncio.run(
         events(
