@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench import common, report, servers
-from bench.faultload import run
+from bench.faultload import Run, run
 from bench.loadgen import parse_metrics
 
 # (label, metric, threshold): the signals compared, each at the thresholds an autoscaler would plausibly use.
@@ -121,7 +121,7 @@ def window_p95(
     return out
 
 
-def analyse(a: argparse.Namespace, result, scrapes: list[Scrape]) -> dict:
+def analyse(a: argparse.Namespace, result: Run, scrapes: list[Scrape]) -> dict:
     rec = result.records
     cap = a.devices * a.max_batch_size * 1000 / a.sim_batch_ms
     r0, r1 = a.start_load * cap, a.end_load * cap

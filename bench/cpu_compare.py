@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -83,30 +84,33 @@ def one_window(name: str, a: argparse.Namespace, log_dir: Path, round_no: int) -
         servers.stop(server)
 
 
-def median(values: list[float]) -> float:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.median(values) if values else math.nan
+def median(values: Sequence[float | None]) -> float:
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(present) if present else math.nan
 
 
-def summarise(runs: dict[str, list[LoadResult]]) -> dict:
+def ratios(num: list[float | None], den: list[float | None], rounds: int) -> list[float]:
+    """num[i] / den[i] for each of the first `rounds` rounds where both were measured (and non-zero)."""
+    out = []
+    for i in range(rounds):
+        n, d = num[i], den[i]
+        if n and d:
+            out.append(n / d)
+    return out
+
+
+def summarise(runs: dict[str, list[LoadResult]]) -> dict[str, object]:
     """Medians per server, and the ratios / p95 gaps taken within each round before their median (a round's
     three windows ran minutes apart at most, on the same machine state)."""
     cpu = {n: [r.server_cpu_ms_per_req for r in rs] for n, rs in runs.items()}
     p95 = {n: [r.p95_ms for r in rs] for n, rs in runs.items()}
     rounds = min(len(rs) for rs in runs.values())
-    ratio = [
-        cpu["batchserve"][i] / cpu["bare Starlette"][i]
-        for i in range(rounds)
-        if cpu["batchserve"][i] and cpu["bare Starlette"][i]
-    ]
-    minimal_ratio = [
-        cpu["minimal batcher"][i] / cpu["bare Starlette"][i]
-        for i in range(rounds)
-        if cpu["minimal batcher"][i] and cpu["bare Starlette"][i]
-    ]
+    ratio = ratios(cpu["batchserve"], cpu["bare Starlette"], rounds)
+    minimal_ratio = ratios(cpu["minimal batcher"], cpu["bare Starlette"], rounds)
     gap = [p95["batchserve"][i] - p95["minimal batcher"][i] for i in range(rounds)]
     errors = {n: sum(r.error_count for r in rs) for n, rs in runs.items()}
-    out = {
+    ratio_median, gap_median = median(ratio), median(gap)
+    out: dict[str, object] = {
         "cpu_ms": cpu,
         "p95_ms": p95,
         "ratio_runs": ratio,
@@ -116,23 +120,22 @@ def summarise(runs: dict[str, list[LoadResult]]) -> dict:
         "cpu_ms_median": {n: median(v) for n, v in cpu.items()},
         "p95_ms_median": {n: median(v) for n, v in p95.items()},
         "achieved_rps_median": {n: median([r.achieved_rps for r in rs]) for n, rs in runs.items()},
-        "ratio": median(ratio),
+        "ratio": ratio_median,
         "minimal_ratio": median(minimal_ratio),
-        "p95_gap_ms": median(gap),
+        "p95_gap_ms": gap_median,
     }
-    out["cpu_passed"] = out["ratio"] <= CPU_RATIO_GOAL and errors["batchserve"] == 0
-    out["p95_passed"] = out["p95_gap_ms"] <= P95_SLACK_MS and errors["batchserve"] == 0
+    out["cpu_passed"] = ratio_median <= CPU_RATIO_GOAL and errors["batchserve"] == 0
+    out["p95_passed"] = gap_median <= P95_SLACK_MS and errors["batchserve"] == 0
     if BASE in runs:  # --base: the base's figures, and this checkout's CPU over the base's, round by round
-        out["base_ratio_runs"] = [
-            cpu[BASE][i] / cpu["bare Starlette"][i] for i in range(rounds) if cpu[BASE][i] and cpu["bare Starlette"][i]
-        ]
-        out["base_p95_gap_runs"] = [p95[BASE][i] - p95["minimal batcher"][i] for i in range(rounds)]
-        out["head_over_base_runs"] = [
-            cpu["batchserve"][i] / cpu[BASE][i] for i in range(rounds) if cpu["batchserve"][i] and cpu[BASE][i]
-        ]
-        out["base_ratio"] = median(out["base_ratio_runs"])
-        out["base_p95_gap_ms"] = median(out["base_p95_gap_runs"])
-        out["head_over_base"] = median(out["head_over_base_runs"])
+        base_ratio = ratios(cpu[BASE], cpu["bare Starlette"], rounds)
+        base_gap = [p95[BASE][i] - p95["minimal batcher"][i] for i in range(rounds)]
+        head_over_base = ratios(cpu["batchserve"], cpu[BASE], rounds)
+        out["base_ratio_runs"] = base_ratio
+        out["base_p95_gap_runs"] = base_gap
+        out["head_over_base_runs"] = head_over_base
+        out["base_ratio"] = median(base_ratio)
+        out["base_p95_gap_ms"] = median(base_gap)
+        out["head_over_base"] = median(head_over_base)
     return out
 
 
@@ -174,9 +177,10 @@ def markdown(rep: dict) -> str:
             f"**{'PASS' if s['p95_passed'] else 'FAIL'}**",
             *(
                 [
-                    f"- base (`{a['base']}`): CPU ratio {f(s['base_ratio'], '.2f')}, p95 gap {f(s['base_p95_gap_ms'], '+.1f')} ms "
-                    f"(rounds: {', '.join(f(v, '+.1f') for v in s['base_p95_gap_runs'])}); this checkout's CPU per request ÷ "
-                    f"the base's: **{f(s['head_over_base'], '.2f')}** (rounds: "
+                    f"- base (`{a['base']}`): CPU ratio {f(s['base_ratio'], '.2f')}, p95 gap "
+                    f"{f(s['base_p95_gap_ms'], '+.1f')} ms "
+                    f"(rounds: {', '.join(f(v, '+.1f') for v in s['base_p95_gap_runs'])}); "
+                    f"this checkout's CPU per request ÷ the base's: **{f(s['head_over_base'], '.2f')}** (rounds: "
                     f"{', '.join(f(v, '.2f') for v in s['head_over_base_runs'])})"
                 ]
                 if "head_over_base" in s

@@ -42,7 +42,7 @@ from collections import Counter
 import numpy as np
 
 from bench import common, report, servers
-from bench.faultload import Run, run, signal_event
+from bench.faultload import Records, Run, run, signal_event
 from bench.report import fmt, pct, table
 from bench.schedule import poisson_schedule
 
@@ -85,7 +85,7 @@ def phase_of(t: float, hang_at: float, signal_at: float) -> str:
     return PHASES[0] if t < hang_at else PHASES[1] if t < signal_at else PHASES[2]
 
 
-def outcome(r, i: int) -> str:
+def outcome(r: Records, i: int) -> str:
     """'200', '500 INFERENCE_FAILED', '200 WRONG OUTPUT' or 'no answer: client_timeout' ..."""
     if not r.status[i]:
         return f"no answer: {r.failure[i] or 'unknown'}"
@@ -117,7 +117,7 @@ ABANDON = re.compile(
 def abandons(log_path: Path, wall_t0: float) -> list[dict]:
     """The watchdog's "marked unhealthy" lines, on the run's clock: when, which worker, how big a batch, and
     when that batch had started (marked − ran for)."""
-    out = []
+    out: list[dict[str, object]] = []
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
@@ -179,7 +179,7 @@ def analyse(result: Run, a: argparse.Namespace, facts: dict, log_path: Path) -> 
         {"outcome": o, "phase": ph, "input": k, "expected": e, "count": c}
         for (o, ph, k, e), c in sorted(non200.items(), key=lambda kv: (PHASES.index(kv[0][1]), kv[0][0]))
     ]
-    unexpected = sum(row["count"] for row in non200_rows if not row["expected"])
+    unexpected = sum(c for (_, _, _, e), c in non200.items() if not e)
 
     unexpected_detail = [
         {

@@ -265,7 +265,7 @@ async def batch_metrics(base: str) -> tuple[float, float] | None:
                 text = await r.text()
     except (TimeoutError, aiohttp.ClientError):
         return None
-    found = {}
+    found: dict[str, float] = {}
     for line in text.splitlines():
         for name in ("batchserve_batch_size_sum", "batchserve_batch_size_count"):
             if line.startswith(name + "{") or line.startswith(name + " "):
@@ -283,7 +283,10 @@ async def drive(
     errors: dict[str, int] = {}
     base = target.url.rsplit("/", 2)[0] if target.metrics else ""
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=60)
-    edges: dict[str, object] = {}
+    # the window's edges ("start", "end"): when, the server's CPU seconds, its batch-size metrics (sum, count)
+    edge_at: dict[str, float] = {}
+    edge_cpu: dict[str, float] = {}
+    edge_batch: dict[str, tuple[float, float] | None] = {}
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
 
         async def send(i: int, due: float) -> None:
@@ -312,10 +315,10 @@ async def drive(
         async def window() -> None:
             for key, at in (("start", t0 + warmup), ("end", t0 + warmup + duration)):
                 await asyncio.sleep(max(0.0, at - time.monotonic()))
-                edges[key + "_at"] = time.monotonic()
-                edges[key + "_cpu"] = process_cpu_s(target.server.pid)
+                edge_at[key] = time.monotonic()
+                edge_cpu[key] = process_cpu_s(target.server.pid)
                 if target.metrics:
-                    edges[key + "_batch"] = await batch_metrics(base)
+                    edge_batch[key] = await batch_metrics(base)
 
         t0 = time.monotonic() + 0.2
         watcher = asyncio.create_task(window())
@@ -328,11 +331,12 @@ async def drive(
         await asyncio.gather(*tasks)
     measured = sched >= warmup
     ok = latency[measured & ~np.isnan(latency)] * 1000
-    wall = float(edges["end_at"]) - float(edges["start_at"])  # type: ignore[arg-type]
-    cpu = float(edges["end_cpu"]) - float(edges["start_cpu"])  # type: ignore[arg-type]
+    wall = edge_at["end"] - edge_at["start"]
+    cpu = edge_cpu["end"] - edge_cpu["start"]
     mean_batch = None
-    if target.metrics and edges.get("start_batch") and edges.get("end_batch"):
-        (s0, c0), (s1, c1) = edges["start_batch"], edges["end_batch"]  # type: ignore[misc]
+    start_batch, end_batch = edge_batch.get("start"), edge_batch.get("end")
+    if target.metrics and start_batch and end_batch:
+        (s0, c0), (s1, c1) = start_batch, end_batch
         mean_batch = (s1 - s0) / (c1 - c0) if c1 > c0 else None
     return Row(
         target.name,

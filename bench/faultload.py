@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import aiohttp
 import numpy as np
@@ -106,7 +108,7 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def watch_exit(proc, t0: float, out: list[float]) -> None:
+def watch_exit(proc: subprocess.Popen[bytes], t0: float, out: list[float]) -> None:
     """Record when the server process exits (a thread, since Popen.wait blocks)."""
 
     def wait() -> None:
@@ -152,7 +154,7 @@ async def _run(
     inputs: list[str],
     events: list[Event],
     pid: int,
-    proc,
+    proc: subprocess.Popen[bytes],
     timeout_s: float,
     connections: int,
     sample_until: float,
@@ -166,11 +168,15 @@ async def _run(
     samples: list[Sample] = []
     r = records
 
-    async def on_new(session, ctx, params) -> None:  # which connection a request went out on, for resets
+    async def on_new(
+        session: aiohttp.ClientSession, ctx: SimpleNamespace, params: aiohttp.TraceConnectionCreateEndParams
+    ) -> None:  # which connection a request went out on, for resets
         if ctx.trace_request_ctx is not None:
             r.new_conn[ctx.trace_request_ctx] = 1
 
-    async def on_reuse(session, ctx, params) -> None:
+    async def on_reuse(
+        session: aiohttp.ClientSession, ctx: SimpleNamespace, params: aiohttp.TraceConnectionReuseconnParams
+    ) -> None:
         if ctx.trace_request_ctx is not None:
             r.new_conn[ctx.trace_request_ctx] = 0
 
@@ -250,7 +256,7 @@ def run(
     kinds: list[str],
     events: list[Event],
     pid: int,
-    proc,
+    proc: subprocess.Popen[bytes],
     timeout_s: float = 10.0,
     connections: int = 4096,
     sample_until: float | None = None,

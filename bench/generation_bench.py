@@ -119,6 +119,7 @@ async def run_http(base: str, work: Workload, a: argparse.Namespace) -> Result:
                 extra_body={"ignore_eos": True},
             )
             latencies[i] = time.perf_counter() - started
+            assert r.usage is not None, "the server reports usage on every completion"
             return r.usage.completion_tokens
 
         tokens = sum(await asyncio.gather(*(one(i) for i in range(len(work.prompts)))))

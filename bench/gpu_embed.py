@@ -173,14 +173,14 @@ def main() -> int:
     a = p.parse_args()
     if a.tiny:
         a.texts, a.batch_size, a.inputs, a.concurrency, a.seconds = 128, 32, "1,8", 8, 2.0
-    from batchserve.backends import minilm
+    from batchserve.backends import default_threads, minilm
 
     folder = Path(a.minilm_dir) if a.minilm_dir else minilm.model_dir()
     cuda = a.device.startswith("cuda")
     if not cuda:
         import torch
 
-        torch.set_num_threads(minilm.default_threads())  # the server's own thread count on a CPU
+        torch.set_num_threads(default_threads())  # the server's own thread count on a CPU
     data = texts(a.texts)
     server_batch, server_tokens = minilm.gpu_batch_limits(minilm.free_memory(a.device)) if cuda else (100, 0)
     st_rate, st_first = offline_st(folder, a.device, data, a.batch_size)

@@ -241,15 +241,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
     if len(scenarios) < 2:
         return 1
-    base, with_job = scenarios
-    job = with_job.job
+    base, loaded = scenarios
+    job = loaded.job
     assert job is not None
     idle = a.max_batch_size * 1000 / a.sim_batch_ms - a.rate
-    delta = with_job.load.p95_ms - base.load.p95_ms
+    delta = loaded.load.p95_ms - base.load.p95_ms
     rep["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     rep["verdict"] = {
         "p95_without_ms": base.load.p95_ms,
-        "p95_with_ms": with_job.load.p95_ms,
+        "p95_with_ms": loaded.load.p95_ms,
         "p95_delta_ms": delta,
         "p95_met": delta <= P95_SLACK_MS,
         "job_items_per_s": job.items_per_s,
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "share_of_idle": job.items_per_s / idle if idle > 0 else math.nan,
         "outputs_checked": job.outputs_checked,
         "mismatches": job.mismatches,
-        "interactive_errors": base.load.error_count + with_job.load.error_count,
+        "interactive_errors": base.load.error_count + loaded.load.error_count,
     }
     rep["notes"] = [
         n

@@ -28,6 +28,7 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 
 import aiohttp
 import numpy as np
@@ -268,7 +269,7 @@ def _quiet_gc_run(coro):
 
 
 def _client_process(
-    conn,
+    conn: Connection[Part | str, float],
     url: str,
     sched: np.ndarray,
     idx: np.ndarray,
@@ -429,7 +430,9 @@ def combine(
     srv = srv[~np.isnan(srv)]
     count = int(measured.sum())
     window = last.at - first.at
-    server_cpu = (last.server_cpu - first.server_cpu) if first.server_cpu is not None else None
+    server_cpu = None
+    if first.server_cpu is not None and last.server_cpu is not None:
+        server_cpu = last.server_cpu - first.server_cpu
     batches = metric_delta(first.metrics, last.metrics, "batchserve_batch_size_count")
     return LoadResult(
         offered_rps=rate,

@@ -190,7 +190,7 @@ async def run_load(
         return m1.get(name, 0.0) - m0.get(name, 0.0)
 
     batches = delta("batchserve_batch_size_count")
-    by_size = next(iter(health.get("batch_ms_by_size", {}).values()), {})
+    by_size: dict[str, float] = next(iter(health.get("batch_ms_by_size", {}).values()), {})
     return LoadRow(
         rate=rate,
         window_s=round(window, 2),

@@ -87,7 +87,8 @@ def one_row(model: Any, a: argparse.Namespace, budget: int) -> dict[str, Any]:
 
     t0 = asyncio.run(main())
     t_end = max(times[f"b{i}"][0] for i in range(a.burst))
-    before, during = [], []
+    before: list[float] = []
+    during: list[float] = []
     for i in range(a.running):
         ts = times[f"r{i}"]
         for x, y in zip(ts, ts[1:]):

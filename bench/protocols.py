@@ -41,6 +41,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 from collections.abc import Callable, Mapping
 
 import aiohttp
@@ -71,7 +72,7 @@ class _Sink(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
 
-def _sink(conn) -> None:
+def _sink(conn: Connection[int, object]) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     conn.send(server.server_port)
     server.serve_forever()

@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def fmt(v: object, spec: str = ".1f") -> str:
     return format(v, spec) if isinstance(v, float) else str(v)
 
 
-def table(header: list[str], rows: list[list[object]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -97,7 +97,7 @@ def diagnose(row: Row, batch_ms: float, max_batch: int) -> list[str]:
             f"the worker's own overhead slows every batch"
         )
     gap = worker_gap_ms(r)
-    if row.devices == 1 and gap is not None and gap > 2:
+    if row.devices == 1 and gap is not None and gap > 2 and r.batches_per_s is not None:
         cycle = 1000 / r.batches_per_s
         notes.append(
             f"the worker sat idle {gap:.1f} ms between batches: one batch every {cycle:.1f} ms for a "
@@ -213,12 +213,15 @@ def cpu_section(cpu: dict) -> str:
         [
             f"| server at {cpu['rate']:g} RPS | CPU ms/req | server cores | achieved RPS | errors |",
             "|---|---|---|---|---|",
-            f"| batchserve (sim, 1 device) | {fmt(cpu['batchserve_ms'], '.3f')} | {fmt(cpu['batchserve_cores'], '.2f')} "
+            f"| batchserve (sim, 1 device) | {fmt(cpu['batchserve_ms'], '.3f')} | "
+            f"{fmt(cpu['batchserve_cores'], '.2f')} "
             f"| {cpu['batchserve_rps']:.0f} | {cpu['batchserve_errors']} |",
-            f"| bare Starlette | {fmt(cpu['bare_ms'], '.3f')} | {fmt(cpu['bare_cores'], '.2f')} | {cpu['bare_rps']:.0f} "
+            f"| bare Starlette | {fmt(cpu['bare_ms'], '.3f')} | {fmt(cpu['bare_cores'], '.2f')} | "
+            f"{cpu['bare_rps']:.0f} "
             f"| {cpu['bare_errors']} |",
             f"| minimal asyncio batcher (`bench/minimal_batcher.py`) | {fmt(cpu.get('minimal_ms'), '.3f')} "
-            f"| {fmt(cpu.get('minimal_cores'), '.2f')} | {cpu.get('minimal_rps', 0):.0f} | {cpu.get('minimal_errors', '–')} |",
+            f"| {fmt(cpu.get('minimal_cores'), '.2f')} | {cpu.get('minimal_rps', 0):.0f} | "
+            f"{cpu.get('minimal_errors', '–')} |",
             f"| bare Starlette answering after {cpu.get('hold_ms', 0):.0f} ms (batchserve's median latency) "
             f"| {fmt(cpu.get('bare_hold_ms'), '.3f')} | {fmt(cpu.get('bare_hold_cores'), '.2f')} "
             f"| {cpu.get('bare_hold_rps', 0):.0f} | {cpu.get('bare_hold_errors', '–')} |",

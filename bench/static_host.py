@@ -100,9 +100,9 @@ class StandInRunner(Runner):
         ids = torch.full((self.shape.batch, width), self.pad_id, dtype=torch.long)  # the real host-side build
         for row, p in enumerate(prompts):
             ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        p = self.params
-        hold_lock_for(p.host_prefill_ms / 1000, self.scratch)
-        self.clock.enqueue((p.prefill_ms + p.prefill_ms_per_row * self.shape.batch) / 1000)
+        params = self.params
+        hold_lock_for(params.host_prefill_ms / 1000, self.scratch)
+        self.clock.enqueue((params.prefill_ms + params.prefill_ms_per_row * self.shape.batch) / 1000)
 
     def step_once(self) -> None:
         p = self.params

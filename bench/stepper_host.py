@@ -216,10 +216,11 @@ def serve_stand_in(argv: list[str]) -> int:
         device = DeviceStandIn(cfg.max_seqs or 256, cfg.max_context, step_s, prefill_s)
         return SlotStepper(device, step_s)  # type: ignore[arg-type]  # the stand-in has its interface
 
-    smollm2.load_model = lambda device, source: SimpleNamespace(  # type: ignore[assignment]
-        config=SimpleNamespace(max_position_embeddings=8192, vocab_size=49152)
-    )
-    engine_module.build_stepper = stand_in_stepper  # type: ignore[assignment]
+    def stand_in_model(device: str, model_dir: str = "") -> SimpleNamespace:  # no weights: the shape it reports
+        return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192, vocab_size=49152))
+
+    smollm2.load_model = stand_in_model
+    engine_module.build_stepper = stand_in_stepper
     return cli_main(["serve", *rest])
 
 

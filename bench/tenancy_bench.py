@@ -45,6 +45,8 @@ import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import aiohttp
 import numpy as np
@@ -219,7 +221,9 @@ async def snap(base: str, pid: int) -> tuple[Snapshot, dict[str, float]]:
     return Snapshot(at, cpu, parse_metrics(text) if text else None), labelled(text)
 
 
-async def snaps_around(base: str, pid: int, window: tuple[float, float]):
+async def snaps_around(
+    base: str, pid: int, window: tuple[float, float]
+) -> tuple[tuple[Snapshot, dict[str, float]], tuple[Snapshot, dict[str, float]]]:
     await sleep_until(window[0])
     first = await snap(base, pid)
     await sleep_until(window[1])
@@ -256,7 +260,7 @@ def run_load(
     url = server.base + INFERENCE_PATH
     offsets = (a.warmup, a.warmup + a.duration)
     plans = []  # (stream, seed, schedule, procs)
-    jobs: list[tuple[int, object, mp.Process]] = []  # (stream index, pipe, process)
+    jobs: list[tuple[int, Connection[float, str | Part], BaseProcess]] = []  # (stream index, pipe, process)
     finished = False
     try:
         for si, s in enumerate(sc.streams):
@@ -288,14 +292,16 @@ def run_load(
         for si, pipe, _ in jobs:
             if not pipe.poll(a.timeout + 30):
                 raise RuntimeError("a client process did not report")
-            parts[si].append(pipe.recv())
+            part = pipe.recv()
+            assert isinstance(part, Part), "a client process sends its Part once the schedule is done"
+            parts[si].append(part)
         finished = True
     finally:
-        for _, _, child in jobs:  # after an error or Ctrl-C, at once: their schedules would run on
-            child.join(timeout=5 if finished else 0)
-            if child.is_alive():
-                child.kill()  # by its own PID; it is ours
-                child.join(timeout=5)
+        for _, _, proc in jobs:  # after an error or Ctrl-C, at once: their schedules would run on
+            proc.join(timeout=5 if finished else 0)
+            if proc.is_alive():
+                proc.kill()  # by its own PID; it is ours
+                proc.join(timeout=5)
 
     results = []
     for si, (s, seed, sched, procs) in enumerate(plans):
