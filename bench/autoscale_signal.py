@@ -31,19 +31,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/autoscale_signal.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import math  # noqa: E402
-import secrets  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+import argparse
+import math
+import secrets
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from bench import common, report, servers  # noqa: E402
-from bench.faultload import run  # noqa: E402
-from bench.loadgen import parse_metrics  # noqa: E402
+from bench import common, report, servers
+from bench.faultload import Run, run
+from bench.loadgen import parse_metrics
 
 # (label, metric, threshold): the signals compared, each at the thresholds an autoscaler would plausibly use.
 SIGNALS = (
@@ -108,8 +108,9 @@ def first_sustained(times: np.ndarray, ok: np.ndarray, sustain_s: float) -> floa
     return None
 
 
-def window_p95(sched: np.ndarray, latency_ms: np.ndarray, ok: np.ndarray, at: np.ndarray, window_s: float,
-               least: int = 20) -> np.ndarray:
+def window_p95(
+    sched: np.ndarray, latency_ms: np.ndarray, ok: np.ndarray, at: np.ndarray, window_s: float, least: int = 20
+) -> np.ndarray:
     """p95 of the requests sent in (t - window, t] for each t, a refused or failed request counted as infinite."""
     lat = np.where(ok, latency_ms, np.inf)
     out = np.full(len(at), np.nan)
@@ -120,7 +121,7 @@ def window_p95(sched: np.ndarray, latency_ms: np.ndarray, ok: np.ndarray, at: np
     return out
 
 
-def analyse(a: argparse.Namespace, result, scrapes: list[Scrape]) -> dict:
+def analyse(a: argparse.Namespace, result: Run, scrapes: list[Scrape]) -> dict:
     rec = result.records
     cap = a.devices * a.max_batch_size * 1000 / a.sim_batch_ms
     r0, r1 = a.start_load * cap, a.end_load * cap
@@ -136,29 +137,54 @@ def analyse(a: argparse.Namespace, result, scrapes: list[Scrape]) -> dict:
         if metric == "batchserve_worker_busy_ratio":
             values = values / a.devices  # summed over the workers by parse_metrics: their mean
         crossed = first_sustained(times, np.nan_to_num(values, nan=-1.0) >= threshold, a.sustain_s)
-        rows.append({"signal": label, "metric": metric, "threshold": threshold, "crossed_s": crossed,
-                     "load_at_crossing": offered(crossed, r0, r1, a.warmup_s, a.ramp_s) / cap
-                     if crossed is not None else None,
-                     "lead_s": breach - crossed if breach is not None and crossed is not None else None})
+        rows.append(
+            {
+                "signal": label,
+                "metric": metric,
+                "threshold": threshold,
+                "crossed_s": crossed,
+                "load_at_crossing": offered(crossed, r0, r1, a.warmup_s, a.ramp_s) / cap
+                if crossed is not None
+                else None,
+                "lead_s": breach - crossed if breach is not None and crossed is not None else None,
+            }
+        )
     timeline = []
     step = max(1, int(round(5.0 / a.every_s)))
     for k in range(0, len(times), step):
         s = scrapes[k].values
-        timeline.append({"t": float(times[k]), "offered_load": offered(times[k], r0, r1, a.warmup_s, a.ramp_s) / cap,
-                         "p95_ms": float(p95[k]), "load_ratio": s.get("batchserve_load_ratio"),
-                         "predicted_wait_ratio": s.get("batchserve_predicted_wait_ratio"),
-                         "gpu_busy": s.get("batchserve_worker_busy_ratio", math.nan) / a.devices,
-                         "queue_depth": s.get("batchserve_queue_depth")})
+        timeline.append(
+            {
+                "t": float(times[k]),
+                "offered_load": offered(times[k], r0, r1, a.warmup_s, a.ramp_s) / cap,
+                "p95_ms": float(p95[k]),
+                "load_ratio": s.get("batchserve_load_ratio"),
+                "predicted_wait_ratio": s.get("batchserve_predicted_wait_ratio"),
+                "gpu_busy": s.get("batchserve_worker_busy_ratio", math.nan) / a.devices,
+                "queue_depth": s.get("batchserve_queue_depth"),
+            }
+        )
     codes: dict[str, int] = {}
     for i in np.flatnonzero(~ok):
         key = rec.code[i] or rec.failure[i] or ("wrong output" if rec.wrong[i] else str(rec.status[i]))
         codes[key] = codes.get(key, 0) + 1
-    series = {"t": times.round(3).tolist(), "p95_ms": p95.tolist(),
-              **{metric: [sc.values.get(metric) for sc in scrapes] for _, metric, _ in SIGNALS}}
-    return {"capacity_rps": cap, "breach_s": breach, "series": series,
-            "load_at_breach": offered(breach, r0, r1, a.warmup_s, a.ramp_s) / cap if breach is not None else None,
-            "requests": len(rec.sched), "answered_200": int(ok.sum()), "not_200": codes, "samples": len(times),
-            "signals": rows, "timeline": timeline}
+    series = {
+        "t": times.round(3).tolist(),
+        "p95_ms": p95.tolist(),
+        **{metric: [sc.values.get(metric) for sc in scrapes] for _, metric, _ in SIGNALS},
+    }
+    return {
+        "capacity_rps": cap,
+        "breach_s": breach,
+        "series": series,
+        "load_at_breach": offered(breach, r0, r1, a.warmup_s, a.ramp_s) / cap if breach is not None else None,
+        "requests": len(rec.sched),
+        "answered_200": int(ok.sum()),
+        "not_200": codes,
+        "samples": len(times),
+        "signals": rows,
+        "timeline": timeline,
+    }
 
 
 def fmt(v: float | None, spec: str) -> str:
@@ -167,8 +193,11 @@ def fmt(v: float | None, spec: str) -> str:
 
 def markdown(rep: dict) -> str:
     s, r = rep["settings"], rep["result"]
-    breach = (f"at {r['breach_s']:.1f} s, offered load {r['load_at_breach']:.0%} of capacity"
-              if r["breach_s"] is not None else "never during the run")
+    breach = (
+        f"at {r['breach_s']:.1f} s, offered load {r['load_at_breach']:.0%} of capacity"
+        if r["breach_s"] is not None
+        else "never during the run"
+    )
     lines = [
         f"# Autoscaling signal vs SLO — {rep['when_utc']}",
         "",
@@ -189,16 +218,24 @@ def markdown(rep: dict) -> str:
     ]
     for row in r["signals"]:
         lead = row["lead_s"]
-        lines.append(f"| {row['signal']} (`{row['metric']}`) | {row['threshold']:g} | {fmt(row['crossed_s'], '.1f')} s "
-                     f"| {fmt(row['load_at_crossing'], '.0%')} | "
-                     f"{'never crossed' if row['crossed_s'] is None else fmt(lead, '+.1f') + ' s'} |")
-    lines += ["", "Timeline (every ~5 s):", "",
-              "| t s | offered load | p95 ms (window) | load ratio | predicted wait ratio | GPU busy | queue depth |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {row['signal']} (`{row['metric']}`) | {row['threshold']:g} | {fmt(row['crossed_s'], '.1f')} s "
+            f"| {fmt(row['load_at_crossing'], '.0%')} | "
+            f"{'never crossed' if row['crossed_s'] is None else fmt(lead, '+.1f') + ' s'} |"
+        )
+    lines += [
+        "",
+        "Timeline (every ~5 s):",
+        "",
+        "| t s | offered load | p95 ms (window) | load ratio | predicted wait ratio | GPU busy | queue depth |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for p in r["timeline"]:
-        lines.append(f"| {p['t']:.1f} | {p['offered_load']:.0%} | {fmt(p['p95_ms'], '.0f')} | "
-                     f"{fmt(p['load_ratio'], '.2f')} | {fmt(p['predicted_wait_ratio'], '.2f')} | "
-                     f"{fmt(p['gpu_busy'], '.2f')} | {fmt(p['queue_depth'], '.0f')} |")
+        lines.append(
+            f"| {p['t']:.1f} | {p['offered_load']:.0%} | {fmt(p['p95_ms'], '.0f')} | "
+            f"{fmt(p['load_ratio'], '.2f')} | {fmt(p['predicted_wait_ratio'], '.2f')} | "
+            f"{fmt(p['gpu_busy'], '.2f')} | {fmt(p['queue_depth'], '.0f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -235,13 +272,26 @@ def main(argv: list[str] | None = None) -> int:
         try:
             assert server.proc is not None
             sampler.start()
-            result = run(server.base, sched, inputs, ["normal"] * len(sched), [], server.pid, server.proc,
-                         timeout_s=a.timeout, sample_until=float(sched[-1]) + 1.0)
+            result = run(
+                server.base,
+                sched,
+                inputs,
+                ["normal"] * len(sched),
+                [],
+                server.pid,
+                server.proc,
+                timeout_s=a.timeout,
+                sample_until=float(sched[-1]) + 1.0,
+            )
         finally:
             stop.set()
             sampler.join(timeout=5)
-    rep = {**prov, "settings": {**vars(a), "server_cmd": cmd[1:]}, "result": analyse(a, result, scrapes),
-           "server_log": report.log_lines(server.log_path)}
+    rep = {
+        **prov,
+        "settings": {**vars(a), "server_cmd": cmd[1:]},
+        "result": analyse(a, result, scrapes),
+        "server_log": report.log_lines(server.log_path),
+    }
     md = markdown(rep)
     print(md)
     print("\n" + report.written(report.write(name, rep, md, common.out_dir(a)), log_dir))

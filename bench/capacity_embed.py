@@ -46,10 +46,12 @@ from bench.embed_bench import INFINITY_VENV, Row, Target, drive, free_port, star
 
 REPO = Path(__file__).resolve().parent.parent
 BEFORE = "b6ba887"  # the branch point of issue 36's work: minilm tokenizing on the loop and again on the device
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact river mountain music history science garden window "
-         "people light water energy market travel kitchen school letter story morning evening search query "
-         "document answer question model vector server batch token fast slow green quiet bright").split()
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact river mountain music history science garden window "
+    "people light water energy market travel kitchen school letter story morning evening search query "
+    "document answer question model vector server batch token fast slow green quiet bright"
+).split()
 P95_LIMIT_MS = 1000.0
 
 
@@ -74,7 +76,7 @@ def offline_child(folder: str, sizes: list[int], seconds: float, seed: int, thre
     for bs in sizes:  # one batch a call: a slow configuration (two spinning threads) still ends near `seconds`
         done, k, started = 0, 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
-            chunk = texts[k:k + bs] if k + bs <= len(texts) else texts[:bs]
+            chunk = texts[k : k + bs] if k + bs <= len(texts) else texts[:bs]
             k = (k + bs) % len(texts)
             model.encode(chunk, batch_size=bs, show_progress_bar=False)
             done += len(chunk)
@@ -95,20 +97,48 @@ def offline_child(folder: str, sizes: list[int], seconds: float, seed: int, thre
     started = time.thread_time()
     model.encode(texts[:512], batch_size=64, show_progress_bar=False)
     encode_us = (time.thread_time() - started) / 512 * 1e6  # this thread's share (torch's other threads apart)
-    print(json.dumps({"rates": out, "threads": torch.get_num_threads(), "tokenize_cpu_us": tokenize_us,
-                      "encode_cpu_us_this_thread": encode_us}))
+    print(
+        json.dumps(
+            {
+                "rates": out,
+                "threads": torch.get_num_threads(),
+                "tokenize_cpu_us": tokenize_us,
+                "encode_cpu_us_this_thread": encode_us,
+            }
+        )
+    )
 
 
 def offline_once(folder: Path, sizes: list[int], seconds: float, seed: int, threads: int) -> dict:
-    cmd = [sys.executable, "-m", "bench.capacity_embed", "--offline-child", str(folder), "--batch-sizes",
-           ",".join(map(str, sizes)), "--offline-seconds", str(seconds), "--seed", str(seed),
-           "--offline-threads", str(threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.capacity_embed",
+        "--offline-child",
+        str(folder),
+        "--batch-sizes",
+        ",".join(map(str, sizes)),
+        "--offline-seconds",
+        str(seconds),
+        "--seed",
+        str(seed),
+        "--offline-threads",
+        str(threads),
+    ]
     # A session of its own, as every server's (start_new_session): with the kernel's autogroup scheduling
     # (sched_autogroup_enabled) the CPU is shared by session first, so an offline child left in this process's
     # session would share one session's share with the load generator (and whatever else runs in it) while
     # each server had a whole one.
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=servers.clean_env(),
-                          check=False, start_new_session=True)
+    done = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=servers.clean_env(),
+        check=False,
+        start_new_session=True,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"offline measurement failed:\n{done.stderr[-2000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
@@ -124,14 +154,23 @@ def offline(folder: Path, sizes: list[int], seconds: float, seed: int, when: str
     for threads in dict.fromkeys((1, cores)):
         got = offline_once(folder, sizes, seconds, seed, threads)
         runs[got["threads"]] = got
-        print(f"  offline ({when}), {got['threads']} torch thread(s): "
-              + ", ".join(f"batch {bs} {v:.1f}/s" for bs, v in sorted(got["rates"].items())), flush=True)
-    (threads, bs), best = max((((t, bs), v) for t, got in runs.items() for bs, v in got["rates"].items()),
-                              key=lambda kv: kv[1])
+        print(
+            f"  offline ({when}), {got['threads']} torch thread(s): "
+            + ", ".join(f"batch {bs} {v:.1f}/s" for bs, v in sorted(got["rates"].items())),
+            flush=True,
+        )
+    (threads, bs), best = max(
+        (((t, bs), v) for t, got in runs.items() for bs, v in got["rates"].items()), key=lambda kv: kv[1]
+    )
     first = runs[1] if 1 in runs else next(iter(runs.values()))
-    return {"runs": {str(t): got["rates"] for t, got in runs.items()}, "best": best, "best_batch": bs,
-            "best_threads": threads, "tokenize_cpu_us": first["tokenize_cpu_us"],
-            "encode_cpu_us_this_thread": first["encode_cpu_us_this_thread"]}
+    return {
+        "runs": {str(t): got["rates"] for t, got in runs.items()},
+        "best": best,
+        "best_batch": bs,
+        "best_threads": threads,
+        "tokenize_cpu_us": first["tokenize_cpu_us"],
+        "encode_cpu_us_this_thread": first["encode_cpu_us_this_thread"],
+    }
 
 
 def before_tree(commit: str) -> Path:
@@ -142,18 +181,42 @@ def before_tree(commit: str) -> Path:
     return target
 
 
-def start_batchserve(name: str, tree: Path, model_args: list[str], extra: list[str], log_dir: Path,
-                     profile: Path | None = None) -> Target:
+def start_batchserve(
+    name: str, tree: Path, model_args: list[str], extra: list[str], log_dir: Path, profile: Path | None = None
+) -> Target:
     port = free_port()
     launcher = [sys.executable] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
-    cmd = [*launcher, "-m", "batchserve", "serve", "--port", str(port), *model_args, "--slo-ms", "1000",
-           "--max-batch-size", "64", "--jobs-db", "", "--log-level", "warning", *extra]
+    cmd = [
+        *launcher,
+        "-m",
+        "batchserve",
+        "serve",
+        "--port",
+        str(port),
+        *model_args,
+        "--slo-ms",
+        "1000",
+        "--max-batch-size",
+        "64",
+        "--jobs-db",
+        "",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     env = {**servers.clean_env(), "PYTHONPATH": str(tree)}
     server = servers.Server(name, cmd, log_dir / f"{name}.log", port=port)
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(server.log_path, "wb") as log:
-        server.proc = subprocess.Popen(cmd, cwd=tree, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        server.proc = subprocess.Popen(
+            cmd,
+            cwd=tree,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     import urllib.request
 
     give_up = time.monotonic() + 300
@@ -175,8 +238,9 @@ def answered_in_full(row: Row) -> bool:
     return not row.errors and row.ok == row.count and row.p95_ms <= P95_LIMIT_MS
 
 
-def ramp(targets: list[Target], rates: list[float], a: argparse.Namespace, texts: list[str],
-         stopping: list[int]) -> list[Row]:
+def ramp(
+    targets: list[Target], rates: list[float], a: argparse.Namespace, texts: list[str], stopping: list[int]
+) -> list[Row]:
     """Offered rates in order, each server in turn at each rate (interleaved: the machine's load moves by the
     minute, and servers measured minutes apart would not share it), a server leaving the ramp after two rates in
     a row not answered in full."""
@@ -190,10 +254,13 @@ def ramp(targets: list[Target], rates: list[float], a: argparse.Namespace, texts
             rows.append(row)
             full = answered_in_full(row)
             misses[target.name] = 0 if full else misses[target.name] + 1
-            print(f"  {target.name:<10} offered {rate:6.1f}/s: answered {row.sustained_rps:6.1f}/s, p50 "
-                  f"{row.p50_ms:7.1f} p95 {row.p95_ms:7.1f} ms, errors {row.errors or 0}, mean batch "
-                  f"{report.fmt(row.mean_batch)}, server {report.fmt(row.server_cores, '.2f')} cores, load "
-                  f"{row.load_avg:.1f}{'' if full else '  (not in full)'}", flush=True)
+            print(
+                f"  {target.name:<10} offered {rate:6.1f}/s: answered {row.sustained_rps:6.1f}/s, p50 "
+                f"{row.p50_ms:7.1f} p95 {row.p95_ms:7.1f} ms, errors {row.errors or 0}, mean batch "
+                f"{report.fmt(row.mean_batch)}, server {report.fmt(row.server_cores, '.2f')} cores, load "
+                f"{row.load_avg:.1f}{'' if full else '  (not in full)'}",
+                flush=True,
+            )
     return rows
 
 
@@ -227,54 +294,121 @@ def markdown(rep: dict, rows: list[Row]) -> str:
     prov = rep["provenance"]
     git, machine = prov["git"], prov["machine"]
     offs = rep["offline"]
-    out = ["# Embedding capacity: all-MiniLM-L6-v2, single-input requests of 8-40 words (CPU)", "",
-           f"{prov['when_utc']}, commit {str(git.get('commit'))[:9]}{' (dirty)' if git.get('dirty') else ''}, "
-           f"{machine.get('cpu_model')} x{machine.get('cores')}, load average at start "
-           f"{machine.get('loadavg_at_start')} (a machine shared by ~8 engineers: noisy)", "",
-           f"Settings: {json.dumps(rep['settings'])}", "",
-           "## Offline: SentenceTransformer.encode (inputs/s), before and after the servers' ramp", ""]
+    out = [
+        "# Embedding capacity: all-MiniLM-L6-v2, single-input requests of 8-40 words (CPU)",
+        "",
+        f"{prov['when_utc']}, commit {str(git.get('commit'))[:9]}{' (dirty)' if git.get('dirty') else ''}, "
+        f"{machine.get('cpu_model')} x{machine.get('cores')}, load average at start "
+        f"{machine.get('loadavg_at_start')} (a machine shared by ~8 engineers: noisy)",
+        "",
+        f"Settings: {json.dumps(rep['settings'])}",
+        "",
+        "## Offline: SentenceTransformer.encode (inputs/s), before and after the servers' ramp",
+        "",
+    ]
     sizes = sorted({int(bs) for off in offs for run in off["runs"].values() for bs in run})
-    table_rows = [[off["when"], f"{threads} thread(s)", *[run.get(bs, run.get(str(bs))) for bs in sizes]]
-                  for off in offs for threads, run in off["runs"].items()]
-    out += [report.table(["measured", "torch threads", *[f"batch {bs}" for bs in sizes]], table_rows), "",
-            "## Open loop, one input per request (capacity: answered in full at p95 <= 1 s), servers interleaved", "",
-            report.table(["server", "offered/s", "answered/s", "p50 ms", "p95 ms", "p99 ms", "errors", "mean batch",
-                          "server cores", "load avg"],
-                         [[r.server, r.rate, r.sustained_rps, r.p50_ms, r.p95_ms, r.p99_ms,
-                           json.dumps(r.errors) if r.errors else 0, r.mean_batch, r.server_cores, r.load_avg]
-                          for r in sorted(rows, key=lambda r: (r.server, r.rate))]),
-            "", "## Capacity", ""]
+    table_rows = [
+        [off["when"], f"{threads} thread(s)", *[run.get(bs, run.get(str(bs))) for bs in sizes]]
+        for off in offs
+        for threads, run in off["runs"].items()
+    ]
+    out += [
+        report.table(["measured", "torch threads", *[f"batch {bs}" for bs in sizes]], table_rows),
+        "",
+        "## Open loop, one input per request (capacity: answered in full at p95 <= 1 s), servers interleaved",
+        "",
+        report.table(
+            [
+                "server",
+                "offered/s",
+                "answered/s",
+                "p50 ms",
+                "p95 ms",
+                "p99 ms",
+                "errors",
+                "mean batch",
+                "server cores",
+                "load avg",
+            ],
+            [
+                [
+                    r.server,
+                    r.rate,
+                    r.sustained_rps,
+                    r.p50_ms,
+                    r.p95_ms,
+                    r.p99_ms,
+                    json.dumps(r.errors) if r.errors else 0,
+                    r.mean_batch,
+                    r.server_cores,
+                    r.load_avg,
+                ]
+                for r in sorted(rows, key=lambda r: (r.server, r.rate))
+            ],
+        ),
+        "",
+        "## Capacity",
+        "",
+    ]
     out += [f"- {line}" for line in rep["verdict"]]
     if rep.get("profile"):
-        out += ["", "## Where the time goes (the server's threads at after's capacity)", "",
-                "```", rep["profile"], "```"]
+        out += [
+            "",
+            "## Where the time goes (the server's threads at after's capacity)",
+            "",
+            "```",
+            rep["profile"],
+            "```",
+        ]
     return "\n".join(out)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rates", default="15,20,30,40,50,60,70,80,90,100,110,120,130,140,160,180,200",
-                   help="offered rates, ascending (per second; a server leaves after two rates in a row not "
-                        "answered in full, so the top only costs time on a machine that reaches it: quiet, this "
-                        "one served 115-130/s in the issue's first measurement)")
+    p.add_argument(
+        "--rates",
+        default="15,20,30,40,50,60,70,80,90,100,110,120,130,140,160,180,200",
+        help="offered rates, ascending (per second; a server leaves after two rates in a row not "
+        "answered in full, so the top only costs time on a machine that reaches it: quiet, this "
+        "one served 115-130/s in the issue's first measurement)",
+    )
     common.add_load_flags(p, duration=10.0, warmup=3.0, seed=5, timeout=10.0)
     p.add_argument("--batch-sizes", default="16,32,64,128", help="offline batch sizes")
     p.add_argument("--offline-seconds", type=float, default=6.0)
     p.add_argument("--before", default=BEFORE, help="commit measured as 'before' (empty: skip)")
-    p.add_argument("--servers", default="after,before,infinity",
-                   help="which servers (interleaved at each rate): after, before, infinity, base (--base)")
-    p.add_argument("--base", type=Path, default=None,
-                   help="another checkout (e.g. `git archive main | tar -x -C DIR`) run as 'base' with after's flags "
-                        "(--model): a change measured against it in one run (add base to --servers)")
-    p.add_argument("--after-flags", default="",
-                   help="more `batchserve serve` flags for 'after' alone, e.g. '--torch-threads 2' (split on spaces)")
-    p.add_argument("--infinity-threads", type=int, default=0,
-                   help="Infinity's OMP_NUM_THREADS (default 0: every core, as batchserve's default; "
-                        "its idle threads sleep, OMP_WAIT_POLICY=PASSIVE, as batchserve sets them)")
-    p.add_argument("--no-offline", dest="offline", action="store_false",
-                   help="skip the offline encode measurements (an A/B of servers alone; no ratio to offline)")
-    p.add_argument("--no-profile", dest="profile", action="store_false",
-                   help="skip the thread profile of 'after' at its capacity")
+    p.add_argument(
+        "--servers",
+        default="after,before,infinity",
+        help="which servers (interleaved at each rate): after, before, infinity, base (--base)",
+    )
+    p.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. `git archive main | tar -x -C DIR`) run as 'base' with after's flags "
+        "(--model): a change measured against it in one run (add base to --servers)",
+    )
+    p.add_argument(
+        "--after-flags",
+        default="",
+        help="more `batchserve serve` flags for 'after' alone, e.g. '--torch-threads 2' (split on spaces)",
+    )
+    p.add_argument(
+        "--infinity-threads",
+        type=int,
+        default=0,
+        help="Infinity's OMP_NUM_THREADS (default 0: every core, as batchserve's default; "
+        "its idle threads sleep, OMP_WAIT_POLICY=PASSIVE, as batchserve sets them)",
+    )
+    p.add_argument(
+        "--no-offline",
+        dest="offline",
+        action="store_false",
+        help="skip the offline encode measurements (an A/B of servers alone; no ratio to offline)",
+    )
+    p.add_argument(
+        "--no-profile", dest="profile", action="store_false", help="skip the thread profile of 'after' at its capacity"
+    )
     p.add_argument("--infinity-venv", type=Path, default=INFINITY_VENV)
     p.add_argument("--smoke", action="store_true", help="2 s windows, two rates, one offline batch size")
     common.add_output_flags(p)
@@ -313,21 +447,25 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for which in wanted:
                 if which == "after":
-                    targets.append(start_batchserve("after", REPO, ["--model", f"minilm={folder}"],
-                                                    a.after_flags.split(), logs))
+                    targets.append(
+                        start_batchserve("after", REPO, ["--model", f"minilm={folder}"], a.after_flags.split(), logs)
+                    )
                 elif which == "before":
                     if a.before:
-                        targets.append(start_batchserve("before", before_tree(a.before), ["--backend", "minilm"], [],
-                                                        logs))
+                        targets.append(
+                            start_batchserve("before", before_tree(a.before), ["--backend", "minilm"], [], logs)
+                        )
                 elif which == "base":
                     if a.base is None:
                         raise SystemExit("--servers base needs --base DIR")
-                    targets.append(start_batchserve("base", a.base.resolve(), ["--model", f"minilm={folder}"], [],
-                                                    logs))
+                    targets.append(
+                        start_batchserve("base", a.base.resolve(), ["--model", f"minilm={folder}"], [], logs)
+                    )
                 elif which == "infinity":
                     if not (a.infinity_venv / "bin" / "infinity_emb").exists():
-                        notes.append(f"Infinity skipped: no venv at {a.infinity_venv} (bench/README.md says how to "
-                                     f"make it)")
+                        notes.append(
+                            f"Infinity skipped: no venv at {a.infinity_venv} (bench/README.md says how to make it)"
+                        )
                         continue
                     threads = a.infinity_threads or len(os.sched_getaffinity(0))
                     # the threading batchserve serve sets for itself by default, so both run on the same terms
@@ -352,9 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     if offs:
         top = max(offs, key=lambda off: off["best"])
         best = top["best"]
-        verdict.append(f"offline SentenceTransformer.encode: {best:.1f} inputs/s at its best (batch "
-                       f"{top['best_batch']}, {top['best_threads']} torch thread(s), measured {top['when']} the ramp; "
-                       f"the higher of the two measurements is the ceiling)")
+        verdict.append(
+            f"offline SentenceTransformer.encode: {best:.1f} inputs/s at its best (batch "
+            f"{top['best_batch']}, {top['best_threads']} torch thread(s), measured {top['when']} the ramp; "
+            f"the higher of the two measurements is the ceiling)"
+        )
     for which in ("after", "base", "before", "infinity"):
         if any(r.server == which for r in rows):
             cap = capacity(rows, which)
@@ -362,26 +502,50 @@ def main(argv: list[str] | None = None) -> int:
     cap_after = capacity(rows, "after")
     if any(r.server == "base" for r in rows):
         cap_base = capacity(rows, "base")
-        verdict.append(f"after / base: {cap_after / cap_base:.2f}x" if cap_base else
-                       "after / base: no ratio (base answered no offered rate in full)")
+        verdict.append(
+            f"after / base: {cap_after / cap_base:.2f}x"
+            if cap_base
+            else "after / base: no ratio (base answered no offered rate in full)"
+        )
     inf = capacity(rows, "infinity")
     if any(r.server == "infinity" for r in rows):
-        verdict.append(f"after / Infinity: {cap_after / inf:.2f}x (goal >= 1.2)" if inf else
-                       "after / Infinity: no ratio (Infinity answered no offered rate in full)")
+        verdict.append(
+            f"after / Infinity: {cap_after / inf:.2f}x (goal >= 1.2)"
+            if inf
+            else "after / Infinity: no ratio (Infinity answered no offered rate in full)"
+        )
     if offs:
         off0 = offs[0]
-        verdict.append(f"tokenizing one input alone: {off0['tokenize_cpu_us']:.0f} us of CPU; sentence-transformers' "
-                       f"encode at batch 64 on 1 torch thread: {off0['encode_cpu_us_this_thread']:.0f} us of CPU per "
-                       f"input")
+        verdict.append(
+            f"tokenizing one input alone: {off0['tokenize_cpu_us']:.0f} us of CPU; sentence-transformers' "
+            f"encode at batch 64 on 1 torch thread: {off0['encode_cpu_us_this_thread']:.0f} us of CPU per "
+            f"input"
+        )
         verdict.append(f"goal after >= 0.8x offline: {'met' if cap_after >= 0.8 * best else 'NOT met'}")
     verdict += notes
-    rep = {"provenance": provenance, "offline": offs, "rows": [asdict(r) for r in rows],
-           "settings": {"rates": rates, "duration_s": a.duration, "warmup_s": a.warmup, "seed": a.seed,
-                        "before": a.before, "base": str(a.base) if a.base else None, "servers": wanted,
-                        "max_batch": 64, "slo_ms": 1000, "p95_limit_ms": P95_LIMIT_MS, "words": "8-40",
-                        "smoke": a.smoke, "after_flags": a.after_flags,
-                        "infinity_threads": a.infinity_threads},
-           "verdict": verdict, "profile": profile}
+    rep = {
+        "provenance": provenance,
+        "offline": offs,
+        "rows": [asdict(r) for r in rows],
+        "settings": {
+            "rates": rates,
+            "duration_s": a.duration,
+            "warmup_s": a.warmup,
+            "seed": a.seed,
+            "before": a.before,
+            "base": str(a.base) if a.base else None,
+            "servers": wanted,
+            "max_batch": 64,
+            "slo_ms": 1000,
+            "p95_limit_ms": P95_LIMIT_MS,
+            "words": "8-40",
+            "smoke": a.smoke,
+            "after_flags": a.after_flags,
+            "infinity_threads": a.infinity_threads,
+        },
+        "verdict": verdict,
+        "profile": profile,
+    }
     text = markdown(rep, rows)
     print()
     print(text)

@@ -36,9 +36,20 @@ from typing import Any
 import torch
 
 SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
-    hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
-    vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
-    hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
 )
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 TINY_VOCAB = 4096  # random_model(vocab=...): the token-for-token checks on the CPU (tests, gpu_agree --tiny)
@@ -52,8 +63,9 @@ class Workload:
     long: int
 
     @classmethod
-    def mixed(cls, prompts: list[list[int]], short: int = 16, long: int = 256, long_share: float = 0.2,
-              seed: int = 0) -> "Workload":
+    def mixed(
+        cls, prompts: list[list[int]], short: int = 16, long: int = 256, long_share: float = 0.2, seed: int = 0
+    ) -> Workload:
         n = len(prompts)
         n_long = round(n * long_share)
         lengths = [long] * n_long + [short] * (n - n_long)
@@ -88,17 +100,25 @@ class Result:
         return statistics.median(picked) if picked else float("nan")
 
     def row(self) -> dict[str, Any]:
-        return {"mode": self.mode, "concurrency": self.concurrency, "requests": self.requests,
-                "output_tokens": self.output_tokens, "seconds": round(self.seconds, 3),
-                "tokens_per_s": round(self.tokens_per_s, 1), "short_p50_s": round(self.p50("short"), 3),
-                "long_p50_s": round(self.p50("long"), 3),
-                "ttft_p50_s": round(statistics.median(self.ttft), 3) if self.ttft else "",
-                "ttft_p95_s": round(statistics.quantiles(self.ttft, n=20)[-1], 3) if len(self.ttft) > 1 else "",
-                "graphs": self.graphs, "full_step_ms": round(self.step_ms, 2)}
+        return {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "output_tokens": self.output_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "short_p50_s": round(self.p50("short"), 3),
+            "long_p50_s": round(self.p50("long"), 3),
+            "ttft_p50_s": round(statistics.median(self.ttft), 3) if self.ttft else "",
+            "ttft_p95_s": round(statistics.quantiles(self.ttft, n=20)[-1], 3) if len(self.ttft) > 1 else "",
+            "graphs": self.graphs,
+            "full_step_ms": round(self.step_ms, 2),
+        }
 
 
-def random_model(device: str, dtype: torch.dtype, tiny: bool = False, layers: int | None = None,
-                 vocab: int | None = None) -> Any:
+def random_model(
+    device: str, dtype: torch.dtype, tiny: bool = False, layers: int | None = None, vocab: int | None = None
+) -> Any:
     """SmolLM2-135M's architecture (or TINY's) with random weights. `vocab`: fewer tokens than SmolLM2's 49,152,
     for the decoders' CPU checks (TINY_VOCAB): a 64-wide model spends most of a step on the vocabulary's logits,
     argmax and nucleus sort, which take the same code path at any size."""
@@ -141,11 +161,17 @@ def run_static(model: Any, work: Workload, batch: int, pad_id: int) -> Result:
         mask = torch.zeros((len(idx), width), dtype=torch.long)
         for row, i in enumerate(idx):  # left padding: generation continues from the right edge
             p = work.prompts[i]
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         longest = max(work.max_tokens[i] for i in idx)
-        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
-                       min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+        model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
         sync(device)
         done = time.perf_counter() - started
         for i in idx:
@@ -158,8 +184,16 @@ def tristate(value: str) -> bool | None:
     return {"on": True, "off": False}.get(value)
 
 
-def make_manager(model: Any, max_seqs: int, page_size: int, kv_tokens: int, max_batch_tokens: int | None,
-                 cuda_graphs: str = "auto", async_batching: str = "auto", sampling: str = "library") -> Any:
+def make_manager(
+    model: Any,
+    max_seqs: int,
+    page_size: int,
+    kv_tokens: int,
+    max_batch_tokens: int | None,
+    cuda_graphs: str = "auto",
+    async_batching: str = "auto",
+    sampling: str = "library",
+) -> Any:
     """`cuda_graphs`/`async_batching`: on, off or auto (the library decides); `sampling`: library (plain greedy)
     or ours (batchserve's per-request processors, sync-free on CUDA: what the server's engine runs)."""
     from transformers import GenerationConfig
@@ -167,11 +201,15 @@ def make_manager(model: Any, max_seqs: int, page_size: int, kv_tokens: int, max_
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=-1, pad_token_id=0)
     # transformers >= 5.18 calls it page_size (block_size before); the GPU machine may hold either
-    size_field = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} \
-        else "block_size"
+    size_field = (
+        "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+    )
     cb = ContinuousBatchingConfig(
-        **{size_field: page_size}, num_blocks=-(-kv_tokens // page_size) if kv_tokens else None,
-        max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_seqs, safety_margin=0.0,
+        **{size_field: page_size},
+        num_blocks=-(-kv_tokens // page_size) if kv_tokens else None,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_seqs,
+        safety_margin=0.0,
         max_memory_percent=None if model.device.type == "cpu" else 0.5,
         **({"use_cuda_graph": tristate(cuda_graphs)} if cuda_graphs != "auto" else {}),
         **({"use_async_batching": tristate(async_batching)} if async_batching != "auto" else {}),
@@ -187,8 +225,15 @@ def make_manager(model: Any, max_seqs: int, page_size: int, kv_tokens: int, max_
     return manager
 
 
-def run_continuous(model: Any, work: Workload, max_seqs: int, page_size: int = 64, kv_tokens: int = 0,
-                   max_batch_tokens: int | None = None, **options: str) -> Result:
+def run_continuous(
+    model: Any,
+    work: Workload,
+    max_seqs: int,
+    page_size: int = 64,
+    kv_tokens: int = 0,
+    max_batch_tokens: int | None = None,
+    **options: str,
+) -> Result:
     """Every request queued at t = 0 with its own max_new_tokens; at most `max_seqs` decode at once.
 
     Not under inference_mode: transformers 5.17 (the GPU machine's) builds tensors in warmup() that its thread,
@@ -225,8 +270,14 @@ def run_continuous(model: Any, work: Workload, max_seqs: int, page_size: int = 6
     return Result("manager", max_seqs, len(order), tokens, seconds, latencies, work.max_tokens, work.short)
 
 
-def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048, max_prefill_tokens: int = 0,
-              cuda_graphs: str = "auto") -> Result:
+def run_slots(
+    model: Any,
+    work: Workload,
+    max_seqs: int,
+    max_context: int = 2048,
+    max_prefill_tokens: int = 0,
+    cuda_graphs: str = "auto",
+) -> Result:
     """batchserve's slot stepper (the server's default generation engine) on the same requests: every request
     handed to the stepper at t = 0, at most `max_seqs` in slots at once, tokens delivered to an event loop."""
     import asyncio
@@ -240,12 +291,22 @@ def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048
     graphs = on_gpu and cuda_graphs != "off"
     slot_tokens = max(max_context, max(map(len, work.prompts)) + max(work.max_tokens))
     started = time.perf_counter()
-    decoder = SlotDecoder(model, max_seqs, slot_tokens, eos_ids=[], pad_id=0, use_graphs=graphs,
-                          prefill_tokens=max_prefill_tokens or (8192 if on_gpu else 512))
+    decoder = SlotDecoder(
+        model,
+        max_seqs,
+        slot_tokens,
+        eos_ids=[],
+        pad_id=0,
+        use_graphs=graphs,
+        prefill_tokens=max_prefill_tokens or (8192 if on_gpu else 512),
+    )
     step_s = decoder.warm()
     graphs_made = len(decoder.graphs) + len(decoder.prefill_graphs) + len(decoder.chunk_graphs)
-    print(f"slots: {max_seqs} x {slot_tokens} tokens, {graphs_made} graphs captured in "
-          f"{time.perf_counter() - started:.1f} s, a full step {step_s * 1000:.2f} ms", flush=True)
+    print(
+        f"slots: {max_seqs} x {slot_tokens} tokens, {graphs_made} graphs captured in "
+        f"{time.perf_counter() - started:.1f} s, a full step {step_s * 1000:.2f} ms",
+        flush=True,
+    )
     stepper = SlotStepper(decoder, step_s)
     latencies = [0.0] * len(work.prompts)
     first_token = [0.0] * len(work.prompts)
@@ -272,8 +333,7 @@ def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048
         stepper.start(asyncio.get_running_loop(), deliver)
         t0 = time.perf_counter()
         for i, prompt in enumerate(work.prompts):
-            stepper.add(str(i), prompt, SamplingParams(max_tokens=work.max_tokens[i], temperature=0,
-                                                       ignore_eos=True))
+            stepper.add(str(i), prompt, SamplingParams(max_tokens=work.max_tokens[i], temperature=0, ignore_eos=True))
         await done.wait()
         return time.perf_counter() - t0
 
@@ -283,15 +343,38 @@ def run_slots(model: Any, work: Workload, max_seqs: int, max_context: int = 2048
         stepper.stop(30)
     if counted[0] != work.tokens:
         raise RuntimeError(f"{counted[0]} tokens came back, {work.tokens} were asked for")
-    return Result("slots", max_seqs, len(work.prompts), counted[0], seconds, latencies, work.max_tokens, work.short,
-                  first_token, graphs_made, step_s * 1000)
+    return Result(
+        "slots",
+        max_seqs,
+        len(work.prompts),
+        counted[0],
+        seconds,
+        latencies,
+        work.max_tokens,
+        work.short,
+        first_token,
+        graphs_made,
+        step_s * 1000,
+    )
 
 
 def markdown(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
     first = "static" if base["mode"] == "static" else "first row"
-    head = ["mode", "concurrency", "requests", "output_tokens", "seconds", "tokens_per_s", "short_p50_s",
-            "long_p50_s", "ttft_p50_s", "ttft_p95_s", "full_step_ms", f"tokens/s vs {first}",
-            f"short p50 {first} / this"]
+    head = [
+        "mode",
+        "concurrency",
+        "requests",
+        "output_tokens",
+        "seconds",
+        "tokens_per_s",
+        "short_p50_s",
+        "long_p50_s",
+        "ttft_p50_s",
+        "ttft_p95_s",
+        "full_step_ms",
+        f"tokens/s vs {first}",
+        f"short p50 {first} / this",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         speed = r["tokens_per_s"] / base["tokens_per_s"]
@@ -301,8 +384,12 @@ def markdown(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "platform": platform.platform(), "cpus": os.cpu_count()}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
     try:
         import transformers
 
@@ -314,8 +401,13 @@ def machine() -> dict[str, Any]:
     try:
         import subprocess
 
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     info["commit"] = info.get("commit") or os.environ.get("COMMIT", "")  # the GPU machine's copy has no .git
@@ -327,8 +419,14 @@ def save(out: str, header: str, rows: list[dict[str, Any]], info: dict[str, Any]
     if not out:
         return
     with open(out, "w") as f:
-        f.write(header + "\n" + markdown(rows, rows[0]) + "\n\n```\n" +
-                json.dumps({"machine": info, "settings": settings}, indent=1, default=str) + "\n```\n")
+        f.write(
+            header
+            + "\n"
+            + markdown(rows, rows[0])
+            + "\n\n```\n"
+            + json.dumps({"machine": info, "settings": settings}, indent=1, default=str)
+            + "\n```\n"
+        )
     with open(os.path.splitext(out)[0] + ".json", "w") as f:
         json.dump({"machine": info, "settings": settings, "rows": rows}, f, indent=1, default=str)
 
@@ -352,27 +450,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-static", action="store_true", help="continuous rows only (ratios to the first)")
     ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--async-batching", default="auto", choices=("auto", "on", "off"))
-    ap.add_argument("--sampling", default="library", choices=("library", "ours"),
-                    help="manager: ours = batchserve's per-request sampling processors (as --generation-engine "
-                         "manager runs them)")
-    ap.add_argument("--engines", default="manager",
-                    help="continuous rows to run, in order: slots (batchserve's slot stepper, the server's "
-                         "default) and/or manager (transformers'), e.g. slots,manager")
+    ap.add_argument(
+        "--sampling",
+        default="library",
+        choices=("library", "ours"),
+        help="manager: ours = batchserve's per-request sampling processors (as --generation-engine manager runs them)",
+    )
+    ap.add_argument(
+        "--engines",
+        default="manager",
+        help="continuous rows to run, in order: slots (batchserve's slot stepper, the server's "
+        "default) and/or manager (transformers'), e.g. slots,manager",
+    )
     ap.add_argument("--max-context", type=int, default=2048, help="slots: tokens per slot (the server's default)")
     args = ap.parse_args(argv)
     if not args.random:
         ap.error("only --random is supported here (bench/generation_bench.py runs the real weights)")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
-                                                           else torch.float32)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    )
     model = random_model(args.device, dtype, tiny=args.tiny, layers=args.layers or None)
     prompts = random_prompts(args.requests, args.prompt_len, model.config.vocab_size)
     work = Workload.mixed(prompts, args.short, args.long)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    settings["architecture"] = {k: getattr(model.config, k) for k in ("hidden_size", "num_hidden_layers",
-                                                                      "num_attention_heads", "num_key_value_heads",
-                                                                      "intermediate_size", "vocab_size")}
-    header = (f"Static vs continuous batching, {args.requests} requests (80 % x {args.short} tokens, 20 % x "
-              f"{args.long}), prompts of {args.prompt_len} random ids, random weights, {args.device} {dtype}\n")
+    settings["architecture"] = {
+        k: getattr(model.config, k)
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+    }
+    header = (
+        f"Static vs continuous batching, {args.requests} requests (80 % x {args.short} tokens, 20 % x "
+        f"{args.long}), prompts of {args.prompt_len} random ids, random weights, {args.device} {dtype}\n"
+    )
     info = machine()
     results = []
     if not args.skip_static:
@@ -387,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
             if engine == "slots":
                 result = run_slots(model, work, seqs, args.max_context, cuda_graphs=args.cuda_graphs)
             elif engine == "manager":
-                result = run_continuous(model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens,
-                                        **options)
+                result = run_continuous(
+                    model, work, seqs, page_size=args.page_size, kv_tokens=args.kv_tokens, **options
+                )
             else:
                 ap.error(f"unknown engine {engine!r} (slots or manager)")
             results.append(result.row())

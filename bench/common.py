@@ -21,20 +21,33 @@ from bench import servers
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def add_load_flags(p: argparse.ArgumentParser, *, duration: float | None = 20.0, warmup: float | None = 5.0,
-                   seed: int | None = 1, timeout: float | None = 10.0, procs: bool = False,
-                   connections: bool = False) -> None:
+def add_load_flags(
+    p: argparse.ArgumentParser,
+    *,
+    duration: float | None = 20.0,
+    warmup: float | None = 5.0,
+    seed: int | None = 1,
+    timeout: float | None = 10.0,
+    procs: bool = False,
+    connections: bool = False,
+) -> None:
     """The load window and the client: --duration, --warmup, --seed, --timeout (None leaves one out), and
     --procs / --connections when asked."""
     if duration is not None:
-        p.add_argument("--duration", type=float, default=duration,
-                       help="seconds of measured load (per row; default %(default)g)")
+        p.add_argument(
+            "--duration", type=float, default=duration, help="seconds of measured load (per row; default %(default)g)"
+        )
     if warmup is not None:
-        p.add_argument("--warmup", type=float, default=warmup,
-                       help="load before each measured window, not counted, s (default %(default)g)")
+        p.add_argument(
+            "--warmup",
+            type=float,
+            default=warmup,
+            help="load before each measured window, not counted, s (default %(default)g)",
+        )
     if seed is not None:
-        p.add_argument("--seed", type=int, default=seed,
-                       help="seed of the arrivals: a rerun replays them (default %(default)s)")
+        p.add_argument(
+            "--seed", type=int, default=seed, help="seed of the arrivals: a rerun replays them (default %(default)s)"
+        )
     if timeout is not None:
         p.add_argument("--timeout", type=float, default=timeout, help="client timeout per request, s")
     if procs:
@@ -43,8 +56,15 @@ def add_load_flags(p: argparse.ArgumentParser, *, duration: float | None = 20.0,
         p.add_argument("--connections", type=int, default=4096, help="connection limit per client process")
 
 
-def add_sim_flags(p: argparse.ArgumentParser, *, devices: int | None = None, max_batch_size: int | None = 100,
-                  slo_ms: float | None = 200.0, deadlines: bool = False, server_arg: bool = True) -> None:
+def add_sim_flags(
+    p: argparse.ArgumentParser,
+    *,
+    devices: int | None = None,
+    max_batch_size: int | None = 100,
+    slo_ms: float | None = 200.0,
+    deadlines: bool = False,
+    server_arg: bool = True,
+) -> None:
     """The sim server's flags: --sim-batch-ms, and (None / False leaves one out) --devices, --max-batch-size,
     --slo-ms, --margin-ms with --request-timeout-ms (`deadlines`), --server-arg."""
     if devices is not None:
@@ -56,11 +76,19 @@ def add_sim_flags(p: argparse.ArgumentParser, *, devices: int | None = None, max
         p.add_argument("--slo-ms", type=float, default=slo_ms, help="the server's --slo-ms (default %(default)g)")
     if deadlines:
         p.add_argument("--margin-ms", type=float, default=5.0, help="the server's --dispatch-margin-ms")
-        p.add_argument("--request-timeout-ms", type=float, default=2000.0,
-                       help="the server's --timeout-ms, the request deadline (default %(default)g)")
+        p.add_argument(
+            "--request-timeout-ms",
+            type=float,
+            default=2000.0,
+            help="the server's --timeout-ms, the request deadline (default %(default)g)",
+        )
     if server_arg:
-        p.add_argument("--server-arg", action="append", default=[],
-                       help="extra argument for `batchserve serve` (repeatable, e.g. --server-arg=--log-level=warning)")
+        p.add_argument(
+            "--server-arg",
+            action="append",
+            default=[],
+            help="extra argument for `batchserve serve` (repeatable, e.g. --server-arg=--log-level=warning)",
+        )
 
 
 def sim_server_flags(a: argparse.Namespace) -> list[str]:
@@ -73,10 +101,19 @@ def add_output_flags(p: argparse.ArgumentParser, *, name: str | None = None, tag
     """--record / --out DIR: the only ways a bench writes its results (default: print only); with `name`,
     --name (the result file's name, default <name>-<UTC time>); with `tag`, --tag (a suffix of it)."""
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--record", action="store_true",
-                       help="write the results (markdown + JSON) and the server logs to bench/results/")
-    where.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=None,
-                       help="write them to this directory instead (default: print only)")
+    where.add_argument(
+        "--record",
+        action="store_true",
+        help="write the results (markdown + JSON) and the server logs to bench/results/",
+    )
+    where.add_argument(
+        "--out",
+        "--out-dir",
+        dest="out_dir",
+        type=Path,
+        default=None,
+        help="write them to this directory instead (default: print only)",
+    )
     if name is not None:
         p.add_argument("--name", default="", help=f"result file name (default {name}-<UTC time>)")
     if tag:
@@ -84,7 +121,7 @@ def add_output_flags(p: argparse.ArgumentParser, *, name: str | None = None, tag
 
 
 def stamp() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def run_name(a: argparse.Namespace, prefix: str) -> str:
@@ -105,8 +142,9 @@ def log_dir(a: argparse.Namespace, name: str) -> Path:
 
 
 @contextlib.contextmanager
-def guarded(rep: dict | None = None, catch: tuple[type[BaseException], ...] = (servers.ServerFailed,)
-            ) -> Iterator[list[int]]:
+def guarded(
+    rep: dict | None = None, catch: tuple[type[BaseException], ...] = (servers.ServerFailed,)
+) -> Iterator[list[int]]:
     """Stop every server started in the block, by PID, however it ends (return, error, Ctrl-C, SIGTERM).
 
     Yields the list the received signals go to, so a run loop starts no new row after one. With `rep`, an

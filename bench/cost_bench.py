@@ -33,24 +33,24 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/cost_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import json
+import random
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
-from bench import common, report, servers  # noqa: E402
-from bench.embed_bench import INFINITY_VENV, WORDS, Target, free_port, start, start_infinity, torch_threads  # noqa: E402
-from bench.model_load import bins, histogram_counts  # noqa: E402
-from bench.procstat import raise_fd_limit  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.embed_bench import INFINITY_VENV, WORDS, Target, free_port, start, start_infinity, torch_threads
+from bench.model_load import bins, histogram_counts
+from bench.procstat import raise_fd_limit
+from bench.schedule import poisson_schedule
 
 FRACTIONS = (0.6, 1.0, 1.3, 2.0)
 SLACK = 1.25  # the server's --admission-slack (its default): the p95 bound is SLO x this
@@ -66,8 +66,7 @@ def start_batchserve(mode: str, threads: int, log_dir: Path) -> Target:
     """batchserve on minilm: "cost" (the defaults) or "count" (no length classes, no budget)."""
     port = free_port()
     options = [f"threads = {threads}"]
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", str(port), "--jobs-db", "",
-           "--log-level", "info"]
+    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", str(port), "--jobs-db", "", "--log-level", "info"]
     if mode == "count":
         options.append("group_by_length = false")
         cmd += ["--slo-ms", "60000", "--timeout-ms", "2000"]
@@ -93,6 +92,7 @@ async def capacity(target: Target, seconds: float, concurrency: int, texts: list
     stop_at = time.monotonic() + seconds
     counting_from = time.monotonic() + min(3.0, seconds / 4)  # the first seconds fill the queue: not counted
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
+
         async def caller(k: int) -> None:
             i = k
             while time.monotonic() < stop_at:
@@ -109,6 +109,7 @@ async def capacity(target: Target, seconds: float, concurrency: int, texts: list
                     await asyncio.sleep(min(1.0, max(0.05, float(retry) / 1000)))
                 else:
                     done["other"] += counted
+
         await asyncio.gather(*(caller(k) for k in range(concurrency)))
     window = seconds - (counting_from - (stop_at - seconds))
     return {"inputs_per_s": done["ok"] / window, **done, "window_s": window}
@@ -142,8 +143,17 @@ class Row:
     rows_per_batch: float = float("nan")  # inputs per batch over the row (batchserve_batch_size): what it runs at
 
 
-async def drive(target: Target, fraction: float, rate: float, duration: float, warmup: float, seed: int,
-                texts: list[str], deadline_s: float, client_timeout_s: float) -> Row:
+async def drive(
+    target: Target,
+    fraction: float,
+    rate: float,
+    duration: float,
+    warmup: float,
+    seed: int,
+    texts: list[str],
+    deadline_s: float,
+    client_timeout_s: float,
+) -> Row:
     """Open loop: request i leaves at its scheduled time whatever the answers; latency from that time."""
     sched = poisson_schedule(rate, warmup + duration, seed)
     n = len(sched)
@@ -151,8 +161,10 @@ async def drive(target: Target, fraction: float, rate: float, duration: float, w
     status = np.zeros(n, dtype=np.int32)
     other: dict[str, int] = {}
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=client_timeout_s)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=client_timeout_s)
+    ) as session:
+
         async def send(i: int, due: float) -> None:
             body = orjson.dumps({"input": texts[i % len(texts)], "model": "minilm", "encoding_format": "float"})
             try:
@@ -164,7 +176,7 @@ async def drive(target: Target, fraction: float, rate: float, duration: float, w
                         latency[i] = time.monotonic() - due
                     else:
                         status[i] = -1
-            except (asyncio.TimeoutError, aiohttp.ClientError, OSError, KeyError, orjson.JSONDecodeError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, KeyError, orjson.JSONDecodeError) as exc:
                 status[i] = -1
                 if sched[i] >= warmup:
                     other[type(exc).__name__] = other.get(type(exc).__name__, 0) + 1
@@ -180,23 +192,39 @@ async def drive(target: Target, fraction: float, rate: float, duration: float, w
     ok = latency[measured & (status == 200)]
     for code in set(status[measured].tolist()) - {200, 503, 504, -1, 0}:
         other[str(code)] = int((status[measured] == code).sum())
-    return Row(target.name.replace("-cost", ""), fraction, rate, int(measured.sum()), len(ok) / duration,
-               int((ok <= deadline_s).sum()) / duration, report.pct(ok * 1000, 50), report.pct(ok * 1000, 95),
-               int((status[measured] == 503).sum()), int((status[measured] == 504).sum()), other)
+    return Row(
+        target.name.replace("-cost", ""),
+        fraction,
+        rate,
+        int(measured.sum()),
+        len(ok) / duration,
+        int((ok <= deadline_s).sum()) / duration,
+        report.pct(ok * 1000, 50),
+        report.pct(ok * 1000, 95),
+        int((status[measured] == 503).sum()),
+        int((status[measured] == 504).sum()),
+        other,
+    )
 
 
 def verdict(rows: list[Row], cap: float, caps: dict[str, dict], slo_ms: float, skipped: str) -> list[str]:
     lines = []
     count, cost = caps["count"]["inputs_per_s"], caps["cost"]["inputs_per_s"]
-    lines.append(f"capacity: {cost:.1f} inputs/s with length classes and the cost budget, {count:.1f}/s by count "
-                 f"alone: x{cost / count:.2f}" if count else "capacity by count: not measured")
+    lines.append(
+        f"capacity: {cost:.1f} inputs/s with length classes and the cost budget, {count:.1f}/s by count "
+        f"alone: x{cost / count:.2f}"
+        if count
+        else "capacity by count: not measured"
+    )
     bound = slo_ms * SLACK
     for r in rows:
         if r.server != "batchserve" or r.fraction < 1.3:
             continue
         ok = r.answered_per_s >= 0.9 * cap and r.late_504 == 0 and r.p95_ms <= bound
-        lines.append(f"{r.fraction:g}x ({r.rate:.0f}/s): answered {r.answered_per_s:.1f}/s (>= {0.9 * cap:.1f}), "
-                     f"{r.late_504} x 504, p95 {r.p95_ms:.0f} ms (<= {bound:.0f}): {'met' if ok else 'NOT met'}")
+        lines.append(
+            f"{r.fraction:g}x ({r.rate:.0f}/s): answered {r.answered_per_s:.1f}/s (>= {0.9 * cap:.1f}), "
+            f"{r.late_504} x 504, p95 {r.p95_ms:.0f} ms (<= {bound:.0f}): {'met' if ok else 'NOT met'}"
+        )
     if skipped:
         lines.append(f"Infinity: {skipped}")
         return lines
@@ -205,8 +233,10 @@ def verdict(rows: list[Row], cap: float, caps: dict[str, dict], slo_ms: float, s
             continue
         inf = next((x for x in rows if x.server == "infinity" and x.fraction == r.fraction), None)
         if inf is not None:
-            lines.append(f"{r.fraction:g}x goodput: batchserve {r.goodput_per_s:.1f}/s, Infinity "
-                         f"{inf.goodput_per_s:.1f}/s ({'>=' if r.goodput_per_s >= inf.goodput_per_s else 'BELOW'})")
+            lines.append(
+                f"{r.fraction:g}x goodput: batchserve {r.goodput_per_s:.1f}/s, Infinity "
+                f"{inf.goodput_per_s:.1f}/s ({'>=' if r.goodput_per_s >= inf.goodput_per_s else 'BELOW'})"
+            )
     return lines
 
 
@@ -214,31 +244,80 @@ def markdown(rep: dict, rows: list[Row]) -> str:
     prov = rep["provenance"]
     git, machine = prov["git"], prov["machine"]
     caps = rep["capacity"]
-    out = ["# Cost, not count: minilm under overload, batchserve vs Infinity (CPU)", "",
-           f"{prov['when_utc']}, commit {str(git.get('commit'))[:9]}{' (dirty)' if git.get('dirty') else ''}, "
-           f"{machine.get('cpu_model')} x{machine.get('cores')}, load average at start "
-           f"{machine.get('loadavg_at_start')}", "", f"Settings: {json.dumps(rep['settings'])}", "",
-           "## Capacity (closed loop)", "",
-           report.table(["batchserve", "inputs/s", "answered", "503 (waited retry_after)", "window s"],
-                        [[k, v["inputs_per_s"], v["ok"], v["refused"], v["window_s"]] for k, v in caps.items()]),
-           "", f"## Open loop, one input per request (deadline {rep['settings']['deadline_ms']:.0f} ms, "
-               f"SLO {rep['settings']['slo_ms']:.0f} ms)", "",
-           report.table(["x capacity", "offered/s", "server", "answered/s", "goodput/s", "p50 ms", "p95 ms",
-                         "server's p95 ms (bucket)", "server's queue p95 ms (bucket)", "503", "504", "other errors",
-                         "rows/batch", "wait observed/predicted", "compared", "factor", "margin ms"],
-                        [[r.fraction, r.rate, r.server, r.answered_per_s, r.goodput_per_s, r.p50_ms, r.p95_ms,
-                          r.server_p95_ms, r.server_queue_p95_ms, r.refused_503, r.late_504,
-                          sum(r.other_errors.values()), r.rows_per_batch, r.wait_ratio, r.calibrated, r.wait_factor,
-                          r.wait_margin_ms]
-                         for r in rows]),
-           "", "The server's columns are batchserve's own histograms over the row (upper bound of the bucket "
-               "holding the 95th percentile): arrival at the route to answer, and arrival to dispatch in a batch; "
-               "the client's p95 adds what happens before the server reads a request and after it writes the answer. "
-               "'wait observed/predicted': for the requests admitted under pressure in the row, their queue waits "
-               "(admission to their first batch) summed over what admission predicted before calibration; "
-               "'factor' and 'margin': the calibration admission applied at the end of the row "
-               "(core/wait_calibration.py).",
-           "", "## Verdict", ""]
+    out = [
+        "# Cost, not count: minilm under overload, batchserve vs Infinity (CPU)",
+        "",
+        f"{prov['when_utc']}, commit {str(git.get('commit'))[:9]}{' (dirty)' if git.get('dirty') else ''}, "
+        f"{machine.get('cpu_model')} x{machine.get('cores')}, load average at start "
+        f"{machine.get('loadavg_at_start')}",
+        "",
+        f"Settings: {json.dumps(rep['settings'])}",
+        "",
+        "## Capacity (closed loop)",
+        "",
+        report.table(
+            ["batchserve", "inputs/s", "answered", "503 (waited retry_after)", "window s"],
+            [[k, v["inputs_per_s"], v["ok"], v["refused"], v["window_s"]] for k, v in caps.items()],
+        ),
+        "",
+        f"## Open loop, one input per request (deadline {rep['settings']['deadline_ms']:.0f} ms, "
+        f"SLO {rep['settings']['slo_ms']:.0f} ms)",
+        "",
+        report.table(
+            [
+                "x capacity",
+                "offered/s",
+                "server",
+                "answered/s",
+                "goodput/s",
+                "p50 ms",
+                "p95 ms",
+                "server's p95 ms (bucket)",
+                "server's queue p95 ms (bucket)",
+                "503",
+                "504",
+                "other errors",
+                "rows/batch",
+                "wait observed/predicted",
+                "compared",
+                "factor",
+                "margin ms",
+            ],
+            [
+                [
+                    r.fraction,
+                    r.rate,
+                    r.server,
+                    r.answered_per_s,
+                    r.goodput_per_s,
+                    r.p50_ms,
+                    r.p95_ms,
+                    r.server_p95_ms,
+                    r.server_queue_p95_ms,
+                    r.refused_503,
+                    r.late_504,
+                    sum(r.other_errors.values()),
+                    r.rows_per_batch,
+                    r.wait_ratio,
+                    r.calibrated,
+                    r.wait_factor,
+                    r.wait_margin_ms,
+                ]
+                for r in rows
+            ],
+        ),
+        "",
+        "The server's columns are batchserve's own histograms over the row (upper bound of the bucket "
+        "holding the 95th percentile): arrival at the route to answer, and arrival to dispatch in a batch; "
+        "the client's p95 adds what happens before the server reads a request and after it writes the answer. "
+        "'wait observed/predicted': for the requests admitted under pressure in the row, their queue waits "
+        "(admission to their first batch) summed over what admission predicted before calibration; "
+        "'factor' and 'margin': the calibration admission applied at the end of the row "
+        "(core/wait_calibration.py).",
+        "",
+        "## Verdict",
+        "",
+    ]
     out += [f"- {line}" for line in rep["verdict"]]
     return "\n".join(out)
 
@@ -252,10 +331,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--infinity-venv", type=Path, default=INFINITY_VENV)
     p.add_argument("--no-infinity", action="store_true", help="skip the Infinity rows")
     p.add_argument("--smoke", action="store_true", help="a quick check: short windows, no count mode")
-    p.add_argument("--fractions", type=lambda v: tuple(float(x) for x in v.split(",")), default=FRACTIONS,
-                   help="open-loop rates as fractions of capacity, comma-separated (default %(default)s)")
-    p.add_argument("--capacity", type=float, default=0.0,
-                   help="inputs/s to take as the capacity instead of measuring it (skips both closed loops)")
+    p.add_argument(
+        "--fractions",
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        default=FRACTIONS,
+        help="open-loop rates as fractions of capacity, comma-separated (default %(default)s)",
+    )
+    p.add_argument(
+        "--capacity",
+        type=float,
+        default=0.0,
+        help="inputs/s to take as the capacity instead of measuring it (skips both closed loops)",
+    )
     common.add_output_flags(p)
     a = p.parse_args(argv)
     if a.smoke:
@@ -303,8 +390,9 @@ def with_server_view(row: Row, before: str, after: str) -> Row:
         size_a, size_b = samples(after, "batchserve_batch_size_"), samples(before, "batchserve_batch_size_")
         batches = size_a.get("batchserve_batch_size_count", 0.0) - size_b.get("batchserve_batch_size_count", 0.0)
         if batches > 0:
-            row.rows_per_batch = (size_a.get("batchserve_batch_size_sum", 0.0)
-                                  - size_b.get("batchserve_batch_size_sum", 0.0)) / batches
+            row.rows_per_batch = (
+                size_a.get("batchserve_batch_size_sum", 0.0) - size_b.get("batchserve_batch_size_sum", 0.0)
+            ) / batches
         delta = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
         predicted = delta.get("batchserve_admission_predicted_wait_seconds_total", 0.0)
         row.calibrated = int(delta.get("batchserve_admission_calibrated_requests_total", 0.0))
@@ -341,8 +429,11 @@ def main(argv: list[str] | None = None) -> int:
                     caps[mode] = {"inputs_per_s": a.capacity, "ok": 0, "refused": 0, "window_s": 0.0}
                 else:
                     caps[mode] = asyncio.run(capacity(target, a.capacity_seconds, a.concurrency, texts))
-                print(f"  capacity ({mode}): {caps[mode]['inputs_per_s']:.1f} inputs/s "
-                      f"({caps[mode]['refused']} x 503 waited out)", flush=True)
+                print(
+                    f"  capacity ({mode}): {caps[mode]['inputs_per_s']:.1f} inputs/s "
+                    f"({caps[mode]['refused']} x 503 waited out)",
+                    flush=True,
+                )
                 if mode != "cost":
                     continue
                 h = health(target)
@@ -353,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                     if stopping:
                         break
                     before = scrape(target)
-                    row = asyncio.run(drive(target, f, rate, a.duration, a.warmup, a.seed + k, texts,
-                                            deadline_ms / 1000, a.timeout))
+                    row = asyncio.run(
+                        drive(target, f, rate, a.duration, a.warmup, a.seed + k, texts, deadline_ms / 1000, a.timeout)
+                    )
                     rows.append(with_server_view(row, before, scrape(target)))
                     print_row(rows[-1])
                 after = health(target)
@@ -367,22 +459,44 @@ def main(argv: list[str] | None = None) -> int:
                 for k, (f, rate) in enumerate(zip(a.fractions, rates)):
                     if stopping:
                         break
-                    rows.append(asyncio.run(drive(target, f, rate, a.duration, a.warmup, a.seed + k, texts,
-                                                  deadline_ms / 1000, a.timeout)))
+                    rows.append(
+                        asyncio.run(
+                            drive(
+                                target, f, rate, a.duration, a.warmup, a.seed + k, texts, deadline_ms / 1000, a.timeout
+                            )
+                        )
+                    )
                     print_row(rows[-1])
             finally:
                 servers.stop(target.server)
     if "count" not in caps:
         caps["count"] = {"inputs_per_s": 0.0, "ok": 0, "refused": 0, "window_s": 0.0}
-    rep.update({"provenance": report.provenance(), "capacity": caps, "rows": [asdict(r) for r in rows],
-                "batch_ms_by_size_after": after.get("batch_ms_by_size"),
-                "settings": {"fractions": a.fractions, "capacity_given": a.capacity, "rates": rates,
-                             "duration_s": a.duration, "warmup_s": a.warmup,
-                             "capacity_seconds": a.capacity_seconds, "concurrency": a.concurrency,
-                             "threads": a.threads, "seed": a.seed, "smoke": a.smoke, "slo_ms": slo_ms,
-                             "deadline_ms": deadline_ms, "slack": SLACK, "words": "8-40",
-                             "batchserve": "--backend minilm (config file), defaults",
-                             "infinity": "infinity_emb v2 --engine torch --batch-size 64, CPU"}})
+    rep.update(
+        {
+            "provenance": report.provenance(),
+            "capacity": caps,
+            "rows": [asdict(r) for r in rows],
+            "batch_ms_by_size_after": after.get("batch_ms_by_size"),
+            "settings": {
+                "fractions": a.fractions,
+                "capacity_given": a.capacity,
+                "rates": rates,
+                "duration_s": a.duration,
+                "warmup_s": a.warmup,
+                "capacity_seconds": a.capacity_seconds,
+                "concurrency": a.concurrency,
+                "threads": a.threads,
+                "seed": a.seed,
+                "smoke": a.smoke,
+                "slo_ms": slo_ms,
+                "deadline_ms": deadline_ms,
+                "slack": SLACK,
+                "words": "8-40",
+                "batchserve": "--backend minilm (config file), defaults",
+                "infinity": "infinity_emb v2 --engine torch --batch-size 64, CPU",
+            },
+        }
+    )
     rep["verdict"] = verdict(rows, caps["cost"]["inputs_per_s"], caps, slo_ms, skipped)
     text = markdown(rep, rows)
     print()
@@ -392,12 +506,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_row(r: Row) -> None:
-    print(f"  {r.server:<10} {r.fraction:g}x = {r.rate:6.1f}/s: answered {r.answered_per_s:6.1f}/s, goodput "
-          f"{r.goodput_per_s:6.1f}/s, p50 {r.p50_ms:7.1f} p95 {r.p95_ms:7.1f} ms (server's {r.server_p95_ms:g}, "
-          f"queue {r.server_queue_p95_ms:g}), 503 {r.refused_503}, 504 "
-          f"{r.late_504}, other {r.other_errors or 0}; {r.rows_per_batch:.1f} rows/batch; wait observed/predicted "
-          f"{r.wait_ratio:.2f} over "
-          f"{r.calibrated}, factor {r.wait_factor:.2f}, margin {r.wait_margin_ms:.0f} ms", flush=True)
+    print(
+        f"  {r.server:<10} {r.fraction:g}x = {r.rate:6.1f}/s: answered {r.answered_per_s:6.1f}/s, goodput "
+        f"{r.goodput_per_s:6.1f}/s, p50 {r.p50_ms:7.1f} p95 {r.p95_ms:7.1f} ms (server's {r.server_p95_ms:g}, "
+        f"queue {r.server_queue_p95_ms:g}), 503 {r.refused_503}, 504 "
+        f"{r.late_504}, other {r.other_errors or 0}; {r.rows_per_batch:.1f} rows/batch; wait observed/predicted "
+        f"{r.wait_ratio:.2f} over "
+        f"{r.calibrated}, factor {r.wait_factor:.2f}, margin {r.wait_margin_ms:.0f} ms",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

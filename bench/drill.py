@@ -30,28 +30,29 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/drill.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import secrets  # noqa: E402
-import signal  # noqa: E402
-import urllib.request  # noqa: E402
-from collections import Counter  # noqa: E402
+import argparse
+import datetime as dt
+import json
+import re
+import secrets
+import signal
+import urllib.request
+from collections import Counter
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from bench import common, report, servers  # noqa: E402
-from bench.faultload import Run, run, signal_event  # noqa: E402
-from bench.report import fmt, pct, table  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.faultload import Records, Run, run, signal_event
+from bench.report import fmt, pct, table
+from bench.schedule import poisson_schedule
 
 POISON, HANG = "POISON", "HANG"
 PHASES = ("before hang", "after hang", "after signal")
 
 
-def plan(rate: float, duration: float, seed: int, poison_every: int, hang_at: float
-         ) -> tuple[np.ndarray, list[str], list[str]]:
+def plan(
+    rate: float, duration: float, seed: int, poison_every: int, hang_at: float
+) -> tuple[np.ndarray, list[str], list[str]]:
     """The schedule and every request's input: distinct, non-palindromic, with the planted faults."""
     sched = poisson_schedule(rate, duration, seed)
     tag = secrets.token_hex(3)
@@ -72,8 +73,11 @@ def server_facts(base: str) -> dict:
     """gpu_timeout and the learned batch time, as the server states them before the load."""
     with urllib.request.urlopen(base + "/internal/health", timeout=5) as resp:
         h = json.loads(resp.read())
-    return {"gpu_timeout_ms": h.get("gpu_timeout_ms"), "batch_ms": h.get("batch_ms"),
-            "workers": len(h.get("workers", []))}
+    return {
+        "gpu_timeout_ms": h.get("gpu_timeout_ms"),
+        "batch_ms": h.get("batch_ms"),
+        "workers": len(h.get("workers", [])),
+    }
 
 
 # -- analysis -------------------------------------------------------------------------------------------------
@@ -81,7 +85,7 @@ def phase_of(t: float, hang_at: float, signal_at: float) -> str:
     return PHASES[0] if t < hang_at else PHASES[1] if t < signal_at else PHASES[2]
 
 
-def outcome(r, i: int) -> str:
+def outcome(r: Records, i: int) -> str:
     """'200', '500 INFERENCE_FAILED', '200 WRONG OUTPUT' or 'no answer: client_timeout' ..."""
     if not r.status[i]:
         return f"no answer: {r.failure[i] or 'unknown'}"
@@ -104,14 +108,16 @@ def expected(kind: str, out: str, sent: float, signal_fired: float) -> bool:
     return out == "503 DRAINING" and sent >= signal_fired
 
 
-ABANDON = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ERROR \S+ worker (\S+) ran a batch of (\d+) "
-                     r"for ([\d.]+)s \(gpu_timeout ([\d.]+)s\)")
+ABANDON = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ERROR \S+ worker (\S+) ran a batch of (\d+) "
+    r"for ([\d.]+)s \(gpu_timeout ([\d.]+)s\)"
+)
 
 
 def abandons(log_path: Path, wall_t0: float) -> list[dict]:
     """The watchdog's "marked unhealthy" lines, on the run's clock: when, which worker, how big a batch, and
     when that batch had started (marked − ran for)."""
-    out = []
+    out: list[dict[str, object]] = []
     try:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
@@ -120,9 +126,16 @@ def abandons(log_path: Path, wall_t0: float) -> list[dict]:
         m = ABANDON.match(line)
         if m:
             at = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_t0
-            out.append({"marked_s": at, "worker": m.group(2), "batch": int(m.group(3)),
-                        "ran_s": float(m.group(4)), "gpu_timeout_s": float(m.group(5)),
-                        "batch_started_s": at - float(m.group(4))})
+            out.append(
+                {
+                    "marked_s": at,
+                    "worker": m.group(2),
+                    "batch": int(m.group(3)),
+                    "ran_s": float(m.group(4)),
+                    "gpu_timeout_s": float(m.group(5)),
+                    "batch_started_s": at - float(m.group(4)),
+                }
+            )
     return out
 
 
@@ -144,22 +157,45 @@ def analyse(result: Run, a: argparse.Namespace, facts: dict, log_path: Path) -> 
     for ph in PHASES:
         idx = [i for i in range(n) if phases[i] == ph]
         ok = np.array([lat[i] for i in idx if outs[i] == "200"])
-        by_phase.append({"phase": ph, "requests": len(idx), "ok": len(ok),
-                         "p50_ms": pct(ok, 50), "p95_ms": pct(ok, 95), "p99_ms": pct(ok, 99),
-                         "max_ms": float(ok.max()) if len(ok) else float("nan"),
-                         "non_200": dict(Counter(outs[i] for i in idx if outs[i] != "200").most_common())})
+        by_phase.append(
+            {
+                "phase": ph,
+                "requests": len(idx),
+                "ok": len(ok),
+                "p50_ms": pct(ok, 50),
+                "p95_ms": pct(ok, 95),
+                "p99_ms": pct(ok, 99),
+                "max_ms": float(ok.max()) if len(ok) else float("nan"),
+                "non_200": dict(Counter(outs[i] for i in idx if outs[i] != "200").most_common()),
+            }
+        )
 
-    non200 = Counter((outs[i], phases[i], r.kinds[i], expected(r.kinds[i], outs[i], r.sent[i], signal_fired))
-                     for i in range(n) if outs[i] != "200")
-    non200_rows = [{"outcome": o, "phase": ph, "input": k, "expected": e, "count": c}
-                   for (o, ph, k, e), c in sorted(non200.items(), key=lambda kv: (PHASES.index(kv[0][1]), kv[0][0]))]
-    unexpected = sum(row["count"] for row in non200_rows if not row["expected"])
+    non200 = Counter(
+        (outs[i], phases[i], r.kinds[i], expected(r.kinds[i], outs[i], r.sent[i], signal_fired))
+        for i in range(n)
+        if outs[i] != "200"
+    )
+    non200_rows = [
+        {"outcome": o, "phase": ph, "input": k, "expected": e, "count": c}
+        for (o, ph, k, e), c in sorted(non200.items(), key=lambda kv: (PHASES.index(kv[0][1]), kv[0][0]))
+    ]
+    unexpected = sum(c for (_, _, _, e), c in non200.items() if not e)
 
     unexpected_detail = [
-        {"index": i, "input": r.kinds[i], "sent_s": r.sent[i], "outcome": outs[i],
-         "answered_after_ms": (r.done[i] - r.sent[i]) * 1000, "detail": r.detail[i],
-         "nearest_poison_before": max((j for j in range(max(0, i - 2000), i) if r.kinds[j] == "poison"), default=None)}
-        for i in range(n) if outs[i] != "200" and not expected(r.kinds[i], outs[i], r.sent[i], signal_fired)][:200]
+        {
+            "index": i,
+            "input": r.kinds[i],
+            "sent_s": r.sent[i],
+            "outcome": outs[i],
+            "answered_after_ms": (r.done[i] - r.sent[i]) * 1000,
+            "detail": r.detail[i],
+            "nearest_poison_before": max(
+                (j for j in range(max(0, i - 2000), i) if r.kinds[j] == "poison"), default=None
+            ),
+        }
+        for i in range(n)
+        if outs[i] != "200" and not expected(r.kinds[i], outs[i], r.sent[i], signal_fired)
+    ][:200]
     draining_early = [i for i in range(n) if outs[i] == "503 DRAINING" and r.sent[i] < signal_fired]
     poison = [i for i in range(n) if r.kinds[i] == "poison" and r.sent[i] < signal_fired]
 
@@ -174,25 +210,46 @@ def analyse(result: Run, a: argparse.Namespace, facts: dict, log_path: Path) -> 
         h = hang[0]
         start = marks[0]["batch_started_s"] if marks else float(r.sent[h])
         bound_ms = gpu_timeout_ms + a.sim_batch_ms
-        held = [i for i in range(n) if i != h and start - a.slo_ms / 1000 - 0.05 <= r.sent[i] <= start + 0.005
-                and not r.done[i] - r.sent[i] < 0.8 * gpu_timeout_ms / 1000]  # held long (or never answered)
+        held = [
+            i
+            for i in range(n)
+            if i != h
+            and start - a.slo_ms / 1000 - 0.05 <= r.sent[i] <= start + 0.005
+            and not r.done[i] - r.sent[i] < 0.8 * gpu_timeout_ms / 1000
+        ]  # held long (or never answered)
         after_ms = np.array([(r.done[i] - start) * 1000 for i in held])
         unhealthy = [s for s in result.samples if s.healthy is not None and s.workers and s.healthy < s.workers]
-        hang_section.update({
-            "hang_request": {"index": h, "sent_s": r.sent[h], "outcome": outs[h],
-                             "answered_after_ms": (r.done[h] - r.sent[h]) * 1000},
-            "batch_started_s": start, "batch_start_from": "server log" if marks else "HANG request sent",
-            "held_items": len(held),
-            "held_outcomes": dict(Counter(outs[i] for i in held).most_common()),
-            "held_answered_after_start_ms": {"min": float(np.nanmin(after_ms)) if len(after_ms) else None,
-                                             "median": pct(after_ms, 50),
-                                             "max": float(np.nanmax(after_ms)) if len(after_ms) else None},
-            "held_detail": [{"index": i, "sent_s": r.sent[i], "outcome": outs[i],
-                             "answered_after_start_ms": (r.done[i] - start) * 1000} for i in held[:100]],
-            "bound_ms": bound_ms,
-            "first_unhealthy_sample_s": unhealthy[0].t if unhealthy else None,
-            "min_healthy_workers": min((s.healthy for s in result.samples if s.healthy is not None), default=None),
-        })
+        hang_section.update(
+            {
+                "hang_request": {
+                    "index": h,
+                    "sent_s": r.sent[h],
+                    "outcome": outs[h],
+                    "answered_after_ms": (r.done[h] - r.sent[h]) * 1000,
+                },
+                "batch_started_s": start,
+                "batch_start_from": "server log" if marks else "HANG request sent",
+                "held_items": len(held),
+                "held_outcomes": dict(Counter(outs[i] for i in held).most_common()),
+                "held_answered_after_start_ms": {
+                    "min": float(np.nanmin(after_ms)) if len(after_ms) else None,
+                    "median": pct(after_ms, 50),
+                    "max": float(np.nanmax(after_ms)) if len(after_ms) else None,
+                },
+                "held_detail": [
+                    {
+                        "index": i,
+                        "sent_s": r.sent[i],
+                        "outcome": outs[i],
+                        "answered_after_start_ms": (r.done[i] - start) * 1000,
+                    }
+                    for i in held[:100]
+                ],
+                "bound_ms": bound_ms,
+                "first_unhealthy_sample_s": unhealthy[0].t if unhealthy else None,
+                "min_healthy_workers": min((s.healthy for s in result.samples if s.healthy is not None), default=None),
+            }
+        )
         answered_in_time = bool(held) and not np.isnan(after_ms).any() and float(after_ms.max()) <= bound_ms
         hang_section["answered_in_time"] = answered_in_time
         hang_section["all_200"] = bool(held) and all(outs[i] == "200" for i in held)
@@ -205,12 +262,21 @@ def analyse(result: Run, a: argparse.Namespace, facts: dict, log_path: Path) -> 
         qs = [s.queue_depth for s in result.samples if sec <= s.t < sec + 1 and s.queue_depth is not None]
         cpu = [(s.t, s.cpu_s) for s in result.samples if sec <= s.t < sec + 1 and s.cpu_s is not None]
         lag = np.array([(r.sent[i] - r.sched[i]) * 1000 for i in idx])
-        timeline.append({"second": sec, "requests": len(idx), "ok": len(ok), "p95_ms": pct(ok, 95),
-                         "send_lag_p99_ms": pct(lag, 99),
-                         "non_200": len(idx) - len(ok), "healthy_min": min(hs) if hs else None,
-                         "queue_max": max(qs) if qs else None,
-                         "server_cores": (cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0])
-                         if len(cpu) > 1 and cpu[-1][0] > cpu[0][0] else None})
+        timeline.append(
+            {
+                "second": sec,
+                "requests": len(idx),
+                "ok": len(ok),
+                "p95_ms": pct(ok, 95),
+                "send_lag_p99_ms": pct(lag, 99),
+                "non_200": len(idx) - len(ok),
+                "healthy_min": min(hs) if hs else None,
+                "queue_max": max(qs) if qs else None,
+                "server_cores": (cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0])
+                if len(cpu) > 1 and cpu[-1][0] > cpu[0][0]
+                else None,
+            }
+        )
 
     goals = {
         "no request left without an answer": len(lost) == 0,
@@ -223,20 +289,33 @@ def analyse(result: Run, a: argparse.Namespace, facts: dict, log_path: Path) -> 
         "no wrong output": not r.wrong.any(),
     }
     return {
-        "totals": {"scheduled": n, "answered_http": int((r.status > 0).sum()), "ok": outs.count("200"),
-                   "left_without_answer": len(lost),
-                   "lost_detail": dict(Counter(outs[i] for i in lost)),
-                   "lost_examples": [{"index": i, "sent_s": r.sent[i], "outcome": outs[i], "detail": r.detail[i],
-                                      "connection": {1: "new", 0: "reused"}.get(int(r.new_conn[i]), "?")}
-                                     for i in lost[:20]],
-                   "lost_by_connection": dict(Counter({1: "new", 0: "reused"}.get(int(r.new_conn[i]), "?")
-                                                      for i in lost)),
-                   "refused_connections": len(refused),
-                   "refused_before_signal": len(refused) - len(refused_after_signal),
-                   "wrong_outputs": int(r.wrong.sum())},
-        "events": {"signal_s": signal_fired, "server_exited_s": result.exited_at,
-                   "first_refused_connection_s": min((float(r.sent[i]) for i in refused_after_signal), default=None),
-                   "last_send_s": float(np.nanmax(r.sent)) if n else None},
+        "totals": {
+            "scheduled": n,
+            "answered_http": int((r.status > 0).sum()),
+            "ok": outs.count("200"),
+            "left_without_answer": len(lost),
+            "lost_detail": dict(Counter(outs[i] for i in lost)),
+            "lost_examples": [
+                {
+                    "index": i,
+                    "sent_s": r.sent[i],
+                    "outcome": outs[i],
+                    "detail": r.detail[i],
+                    "connection": {1: "new", 0: "reused"}.get(int(r.new_conn[i]), "?"),
+                }
+                for i in lost[:20]
+            ],
+            "lost_by_connection": dict(Counter({1: "new", 0: "reused"}.get(int(r.new_conn[i]), "?") for i in lost)),
+            "refused_connections": len(refused),
+            "refused_before_signal": len(refused) - len(refused_after_signal),
+            "wrong_outputs": int(r.wrong.sum()),
+        },
+        "events": {
+            "signal_s": signal_fired,
+            "server_exited_s": result.exited_at,
+            "first_refused_connection_s": min((float(r.sent[i]) for i in refused_after_signal), default=None),
+            "last_send_s": float(np.nanmax(r.sent)) if n else None,
+        },
         "phases": by_phase,
         "non_200": non200_rows,
         "unexpected_non_200": unexpected,
@@ -254,69 +333,182 @@ def analyse(result: Run, a: argparse.Namespace, facts: dict, log_path: Path) -> 
 def markdown(rep: dict) -> str:
     res, s = rep["result"], rep["settings"]
     t, hg = res["totals"], res["hang"]
-    out = [f"# Reliability drill — {rep['when_utc']}",
-           f"`{s['command']}`  ",
-           f"commit `{rep['git']['commit'][:12]}`{' (dirty)' if rep['git']['dirty'] else ''}, "
-           f"{rep['machine']['cpu_model']} × {rep['machine']['cores_usable']} usable cores, "
-           f"load average at start {rep['machine']['loadavg_at_start']}",
-           "", "## Goals", table(["goal", "met"], [[g, "yes" if ok else "**NO**"] for g, ok in res["goals"].items()]),
-           "", "## Totals",
-           table(["scheduled", "answered (HTTP)", "200", "left without an answer", "connection refused (never "
-                  "accepted)", "of which before the signal", "wrong outputs"],
-                 [[t["scheduled"], t["answered_http"], t["ok"], t["left_without_answer"],
-                   t["refused_connections"], t["refused_before_signal"], t["wrong_outputs"]]]),
-           f"\nSIGTERM at {fmt(res['events']['signal_s'], '.3f')} s; first refused connection (listener "
-           f"closed) at {fmt(res['events']['first_refused_connection_s'], '.3f')} s; server exited at "
-           f"{fmt(res['events']['server_exited_s'], '.3f')} s; last request sent at "
-           f"{fmt(res['events']['last_send_s'], '.3f')} s. Client send lag p99 "
-           f"{fmt(res['client']['send_lag_p99_ms'])} ms.",
-           "", "## Latency of the 200s by phase (ms, from the scheduled send time)",
-           table(["phase", "requests", "200", "p50", "p95", "p99", "max"],
-                 [[p["phase"], p["requests"], p["ok"], p["p50_ms"], p["p95_ms"], p["p99_ms"], p["max_ms"]]
-                  for p in res["phases"]]),
-           "", "## Every non-200",
-           table(["outcome", "phase", "input", "expected by the goals", "count"],
-                 [[x["outcome"], x["phase"], x["input"], "yes" if x["expected"] else "**no**", x["count"]]
-                  for x in res["non_200"]]) if res["non_200"] else "none",
-           "", "## The hang"]
+    out = [
+        f"# Reliability drill — {rep['when_utc']}",
+        f"`{s['command']}`  ",
+        f"commit `{rep['git']['commit'][:12]}`{' (dirty)' if rep['git']['dirty'] else ''}, "
+        f"{rep['machine']['cpu_model']} × {rep['machine']['cores_usable']} usable cores, "
+        f"load average at start {rep['machine']['loadavg_at_start']}",
+        "",
+        "## Goals",
+        table(["goal", "met"], [[g, "yes" if ok else "**NO**"] for g, ok in res["goals"].items()]),
+        "",
+        "## Totals",
+        table(
+            [
+                "scheduled",
+                "answered (HTTP)",
+                "200",
+                "left without an answer",
+                "connection refused (never accepted)",
+                "of which before the signal",
+                "wrong outputs",
+            ],
+            [
+                [
+                    t["scheduled"],
+                    t["answered_http"],
+                    t["ok"],
+                    t["left_without_answer"],
+                    t["refused_connections"],
+                    t["refused_before_signal"],
+                    t["wrong_outputs"],
+                ]
+            ],
+        ),
+        f"\nSIGTERM at {fmt(res['events']['signal_s'], '.3f')} s; first refused connection (listener "
+        f"closed) at {fmt(res['events']['first_refused_connection_s'], '.3f')} s; server exited at "
+        f"{fmt(res['events']['server_exited_s'], '.3f')} s; last request sent at "
+        f"{fmt(res['events']['last_send_s'], '.3f')} s. Client send lag p99 "
+        f"{fmt(res['client']['send_lag_p99_ms'])} ms.",
+        "",
+        "## Latency of the 200s by phase (ms, from the scheduled send time)",
+        table(
+            ["phase", "requests", "200", "p50", "p95", "p99", "max"],
+            [
+                [p["phase"], p["requests"], p["ok"], p["p50_ms"], p["p95_ms"], p["p99_ms"], p["max_ms"]]
+                for p in res["phases"]
+            ],
+        ),
+        "",
+        "## Every non-200",
+        table(
+            ["outcome", "phase", "input", "expected by the goals", "count"],
+            [
+                [x["outcome"], x["phase"], x["input"], "yes" if x["expected"] else "**no**", x["count"]]
+                for x in res["non_200"]
+            ],
+        )
+        if res["non_200"]
+        else "none",
+        "",
+        "## The hang",
+    ]
     if "hang_request" in hg:
         hr, ha = hg["hang_request"], hg["held_answered_after_start_ms"]
-        out += [f"HANG input sent at {fmt(hr['sent_s'], '.3f')} s, answered `{hr['outcome']}` after "
-                f"{fmt(hr['answered_after_ms'], '.0f')} ms. Its batch started at {fmt(hg['batch_started_s'], '.3f')} s "
-                f"(from the {hg['batch_start_from']}); gpu_timeout {fmt(hg['gpu_timeout_ms'], '.0f')} ms; "
-                f"first sample with a worker unhealthy at {fmt(hg['first_unhealthy_sample_s'], '.2f')} s; fewest "
-                f"healthy workers {fmt(hg['min_healthy_workers'])}.",
-                "",
-                table(["items held by the hang", "their outcomes", "answered after the batch started (min / median "
-                       "/ max ms)", "bound: gpu_timeout + one batch (ms)"],
-                      [[hg["held_items"], ", ".join(f"{k}: {v}" for k, v in hg["held_outcomes"].items()),
+        out += [
+            f"HANG input sent at {fmt(hr['sent_s'], '.3f')} s, answered `{hr['outcome']}` after "
+            f"{fmt(hr['answered_after_ms'], '.0f')} ms. Its batch started at {fmt(hg['batch_started_s'], '.3f')} s "
+            f"(from the {hg['batch_start_from']}); gpu_timeout {fmt(hg['gpu_timeout_ms'], '.0f')} ms; "
+            f"first sample with a worker unhealthy at {fmt(hg['first_unhealthy_sample_s'], '.2f')} s; fewest "
+            f"healthy workers {fmt(hg['min_healthy_workers'])}.",
+            "",
+            table(
+                [
+                    "items held by the hang",
+                    "their outcomes",
+                    "answered after the batch started (min / median / max ms)",
+                    "bound: gpu_timeout + one batch (ms)",
+                ],
+                [
+                    [
+                        hg["held_items"],
+                        ", ".join(f"{k}: {v}" for k, v in hg["held_outcomes"].items()),
                         f"{fmt(ha['min'], '.0f')} / {fmt(ha['median'], '.0f')} / {fmt(ha['max'], '.0f')}",
-                        fmt(hg["bound_ms"], ".0f")]]),
-                "", "Workers the watchdog abandoned:",
-                table(["marked unhealthy at s", "worker", "batch size", "ran for s", "detected after gpu_timeout + ms",
-                       "its batch started at s"],
-                      [[fmt(m["marked_s"], ".3f"), m["worker"], m["batch"], fmt(m["ran_s"], ".2f"),
-                        fmt((m["ran_s"] - m["gpu_timeout_s"]) * 1000, ".0f"), fmt(m["batch_started_s"], ".3f")]
-                       for m in hg["abandoned_workers"]])]
+                        fmt(hg["bound_ms"], ".0f"),
+                    ]
+                ],
+            ),
+            "",
+            "Workers the watchdog abandoned:",
+            table(
+                [
+                    "marked unhealthy at s",
+                    "worker",
+                    "batch size",
+                    "ran for s",
+                    "detected after gpu_timeout + ms",
+                    "its batch started at s",
+                ],
+                [
+                    [
+                        fmt(m["marked_s"], ".3f"),
+                        m["worker"],
+                        m["batch"],
+                        fmt(m["ran_s"], ".2f"),
+                        fmt((m["ran_s"] - m["gpu_timeout_s"]) * 1000, ".0f"),
+                        fmt(m["batch_started_s"], ".3f"),
+                    ]
+                    for m in hg["abandoned_workers"]
+                ],
+            ),
+        ]
     else:
         out.append("no HANG input was sent")
-    out += ["", "## Per second",
-            table(["s", "requests", "200", "p95 ms", "non-200", "healthy workers (min)", "queue (max)",
-                   "server CPU cores", "client send lag p99 ms"],
-                  [[x["second"], x["requests"], x["ok"], x["p95_ms"], x["non_200"], x["healthy_min"],
-                    x["queue_max"], x["server_cores"], x["send_lag_p99_ms"]] for x in res["timeline"]])]
+    out += [
+        "",
+        "## Per second",
+        table(
+            [
+                "s",
+                "requests",
+                "200",
+                "p95 ms",
+                "non-200",
+                "healthy workers (min)",
+                "queue (max)",
+                "server CPU cores",
+                "client send lag p99 ms",
+            ],
+            [
+                [
+                    x["second"],
+                    x["requests"],
+                    x["ok"],
+                    x["p95_ms"],
+                    x["non_200"],
+                    x["healthy_min"],
+                    x["queue_max"],
+                    x["server_cores"],
+                    x["send_lag_p99_ms"],
+                ]
+                for x in res["timeline"]
+            ],
+        ),
+    ]
     if t["lost_examples"]:
-        out += ["", "## Requests left without an answer (first 20)",
-                f"by connection: {t['lost_by_connection']}", "",
-                table(["index", "sent s", "outcome", "client error", "connection"],
-                      [[x["index"], fmt(x["sent_s"], ".3f"), x["outcome"], x["detail"], x["connection"]]
-                       for x in t["lost_examples"]])]
+        out += [
+            "",
+            "## Requests left without an answer (first 20)",
+            f"by connection: {t['lost_by_connection']}",
+            "",
+            table(
+                ["index", "sent s", "outcome", "client error", "connection"],
+                [
+                    [x["index"], fmt(x["sent_s"], ".3f"), x["outcome"], x["detail"], x["connection"]]
+                    for x in t["lost_examples"]
+                ],
+            ),
+        ]
     if res["unexpected_detail"]:
-        out += ["", "## Unexpected non-200s (first 40; all in the JSON up to 200)",
-                table(["index", "input", "sent s", "outcome", "answered after ms", "nearest poison before (index)"],
-                      [[x["index"], x["input"], fmt(x["sent_s"], ".3f"), x["outcome"],
-                        fmt(x["answered_after_ms"], ".0f"), x["nearest_poison_before"]]
-                       for x in res["unexpected_detail"][:40]])]
+        out += [
+            "",
+            "## Unexpected non-200s (first 40; all in the JSON up to 200)",
+            table(
+                ["index", "input", "sent s", "outcome", "answered after ms", "nearest poison before (index)"],
+                [
+                    [
+                        x["index"],
+                        x["input"],
+                        fmt(x["sent_s"], ".3f"),
+                        x["outcome"],
+                        fmt(x["answered_after_ms"], ".0f"),
+                        x["nearest_poison_before"],
+                    ]
+                    for x in res["unexpected_detail"][:40]
+                ],
+            ),
+        ]
     out += ["", "## Server log (warnings and errors, first lines)", "```", *rep["server_log"], "```"]
     return "\n".join(out)
 
@@ -336,8 +528,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     name = common.run_name(a, "drill")
-    extra = ["--slo-ms", f"{a.slo_ms:g}", "--sim-fail-marker", POISON, "--sim-hang-marker", HANG,
-             "--sim-hang-ms", "60000", *a.server_arg]
+    extra = [
+        "--slo-ms",
+        f"{a.slo_ms:g}",
+        "--sim-fail-marker",
+        POISON,
+        "--sim-hang-marker",
+        HANG,
+        "--sim-hang-ms",
+        "60000",
+        *a.server_arg,
+    ]
     cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, 100, extra)
     sched, inputs, kinds = plan(a.rate, a.duration, a.seed, a.poison_every, a.hang_at)
     prov = report.provenance()
@@ -346,15 +547,29 @@ def main(argv: list[str] | None = None) -> int:
         server = servers.start(name + ".server", cmd, logs)
         facts = server_facts(server.base)
         assert server.proc is not None
-        result = run(server.base, sched, inputs, kinds, [signal_event(a.signal_at, server.pid, signal.SIGTERM,
-                                                                      "SIGTERM")],
-                     server.pid, server.proc, timeout_s=a.timeout)
-    rep = {**prov,
-           "settings": {**vars(a), "command": " ".join(["python -m bench.drill", *(argv or sys.argv[1:])]),
-                        "server_cmd": cmd[1:], "server": facts, "requests": len(sched)},
-           "result": analyse(result, a, facts, server.log_path),
-           "server_exit_code": server.proc.returncode if server.proc else None,
-           "server_log": report.log_lines(server.log_path)}
+        result = run(
+            server.base,
+            sched,
+            inputs,
+            kinds,
+            [signal_event(a.signal_at, server.pid, signal.SIGTERM, "SIGTERM")],
+            server.pid,
+            server.proc,
+            timeout_s=a.timeout,
+        )
+    rep = {
+        **prov,
+        "settings": {
+            **vars(a),
+            "command": " ".join(["python -m bench.drill", *(argv or sys.argv[1:])]),
+            "server_cmd": cmd[1:],
+            "server": facts,
+            "requests": len(sched),
+        },
+        "result": analyse(result, a, facts, server.log_path),
+        "server_exit_code": server.proc.returncode if server.proc else None,
+        "server_log": report.log_lines(server.log_path),
+    }
     md = markdown(rep)
     print(md)
     print("\n" + report.written(report.write(name, rep, md, common.out_dir(a)), logs))

@@ -33,34 +33,36 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/embed_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
 
-from bench import common, report, servers  # noqa: E402
-from bench.plot import Curves, Point  # noqa: E402
-from bench.procstat import process_cpu_s, raise_fd_limit  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.plot import Curves, Point
+from bench.procstat import process_cpu_s, raise_fd_limit
+from bench.schedule import poisson_schedule
 
 REPO = Path(__file__).resolve().parent.parent
 INFINITY_VENV = REPO / ".venv-infinity"
 DIMENSIONS = 384
 MAX_BATCH = 64
-WORDS = ("the a model server batch input vector sentence fast slow queue worker request token embedding search "
-         "query document answer question city river mountain music history science garden window people time "
-         "light water energy market travel kitchen school letter story morning evening").split()
+WORDS = (
+    "the a model server batch input vector sentence fast slow queue worker request token embedding search "
+    "query document answer question city river mountain music history science garden window people time "
+    "light water energy market travel kitchen school letter story morning evening"
+).split()
 
 
 def corpus(n: int, seed: int = 7) -> list[str]:
@@ -93,14 +95,27 @@ def offline_child(batch_sizes: list[int], seconds: float, threads: int) -> None:
             model.batch(chunk, "cpu")
             times.append(time.perf_counter() - t)
             done += bs
-        out[bs] = {"inputs_per_s": done / sum(times), "batch_ms_p50": float(np.median(times)) * 1000,
-                   "batches": len(times)}
+        out[bs] = {
+            "inputs_per_s": done / sum(times),
+            "batch_ms_p50": float(np.median(times)) * 1000,
+            "batches": len(times),
+        }
     print(json.dumps(out))
 
 
 def offline(batch_sizes: list[int], seconds: float, threads: int) -> dict[int, dict]:
-    cmd = [sys.executable, "-m", "bench.embed_bench", "--offline-child", "--batch-sizes",
-           ",".join(map(str, batch_sizes)), "--offline-seconds", str(seconds), "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.embed_bench",
+        "--offline-child",
+        "--batch-sizes",
+        ",".join(map(str, batch_sizes)),
+        "--offline-seconds",
+        str(seconds),
+        "--threads",
+        str(threads),
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=servers.clean_env())
     if done.returncode != 0:
         raise RuntimeError(f"offline measurement failed:\n{done.stderr[-2000:]}")
@@ -129,14 +144,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(name: str, cmd: list[str], port: int, health: str, env: dict[str, str], log_dir: Path,
-          timeout_s: float) -> servers.Server:
+def start(
+    name: str, cmd: list[str], port: int, health: str, env: dict[str, str], log_dir: Path, timeout_s: float
+) -> servers.Server:
     """Start a server on a known port and wait for `health` to answer 200; stopped by PID later."""
     log_dir.mkdir(parents=True, exist_ok=True)
     server = servers.Server(name, cmd, log_dir / f"{name}.log", port=port)
     with open(server.log_path, "wb") as log:
-        server.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        server.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
         if server.proc.poll() is not None:
@@ -154,8 +177,20 @@ def start(name: str, cmd: list[str], port: int, health: str, env: dict[str, str]
 
 def start_batchserve(threads: int, log_dir: Path) -> Target:
     port = free_port()
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", str(port), "--backend", "minilm",
-           "--max-batch-size", str(MAX_BATCH), "--jobs-db", ""]
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchserve",
+        "serve",
+        "--port",
+        str(port),
+        "--backend",
+        "minilm",
+        "--max-batch-size",
+        str(MAX_BATCH),
+        "--jobs-db",
+        "",
+    ]
     config = log_dir / "batchserve-minilm.toml"
     if threads != torch_threads():
         config.write_text(f'[[models]]\nname = "minilm"\nbackend = "minilm"\n[models.options]\nthreads = {threads}\n')
@@ -167,12 +202,37 @@ def start_batchserve(threads: int, log_dir: Path) -> Target:
 def start_infinity(venv: Path, model_dir: Path, threads: int, log_dir: Path, wait_policy: str = "") -> Target:
     """Infinity on `threads` OpenMP threads; `wait_policy` sets its OMP_WAIT_POLICY (empty: OpenMP's default)."""
     port = free_port()
-    cmd = [str(venv / "bin" / "infinity_emb"), "v2", "--model-id", str(model_dir), "--served-model-name", "minilm",
-           "--device", "cpu", "--engine", "torch", "--batch-size", str(MAX_BATCH), "--host", "127.0.0.1",
-           "--port", str(port), "--no-bettertransformer", "--no-vector-disk-cache", "--log-level", "warning"]
-    env = {**servers.clean_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
-           "INFINITY_ANONYMOUS_USAGE_STATS": "0", "OMP_NUM_THREADS": str(threads),
-           **({"OMP_WAIT_POLICY": wait_policy} if wait_policy else {})}
+    cmd = [
+        str(venv / "bin" / "infinity_emb"),
+        "v2",
+        "--model-id",
+        str(model_dir),
+        "--served-model-name",
+        "minilm",
+        "--device",
+        "cpu",
+        "--engine",
+        "torch",
+        "--batch-size",
+        str(MAX_BATCH),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-bettertransformer",
+        "--no-vector-disk-cache",
+        "--log-level",
+        "warning",
+    ]
+    env = {
+        **servers.clean_env(),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "DO_NOT_TRACK": "1",
+        "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+        "OMP_NUM_THREADS": str(threads),
+        **({"OMP_WAIT_POLICY": wait_policy} if wait_policy else {}),
+    }
     server = start("infinity", cmd, port, "/health", env, log_dir, 300)
     return Target("infinity", server, f"http://127.0.0.1:{port}/embeddings", False)
 
@@ -203,9 +263,9 @@ async def batch_metrics(base: str) -> tuple[float, float] | None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
             async with s.get(base + "/metrics") as r:
                 text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return None
-    found = {}
+    found: dict[str, float] = {}
     for line in text.splitlines():
         for name in ("batchserve_batch_size_sum", "batchserve_batch_size_count"):
             if line.startswith(name + "{") or line.startswith(name + " "):
@@ -213,8 +273,9 @@ async def batch_metrics(base: str) -> tuple[float, float] | None:
     return found.get("batchserve_batch_size_sum", 0.0), found.get("batchserve_batch_size_count", 0.0)
 
 
-async def drive(target: Target, rate: float, duration: float, warmup: float, seed: int, texts: list[str],
-                timeout_s: float) -> Row:
+async def drive(
+    target: Target, rate: float, duration: float, warmup: float, seed: int, texts: list[str], timeout_s: float
+) -> Row:
     """Open loop: request i leaves at its scheduled time whatever the answers; latency from that time."""
     sched = poisson_schedule(rate, warmup + duration, seed)
     n = len(sched)
@@ -222,8 +283,12 @@ async def drive(target: Target, rate: float, duration: float, warmup: float, see
     errors: dict[str, int] = {}
     base = target.url.rsplit("/", 2)[0] if target.metrics else ""
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=60)
-    edges: dict[str, object] = {}
+    # the window's edges ("start", "end"): when, the server's CPU seconds, its batch-size metrics (sum, count)
+    edge_at: dict[str, float] = {}
+    edge_cpu: dict[str, float] = {}
+    edge_batch: dict[str, tuple[float, float] | None] = {}
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+
         async def send(i: int, due: float) -> None:
             body = orjson.dumps({"input": texts[i % len(texts)], "model": "minilm", "encoding_format": "float"})
             lag[i] = time.monotonic() - due
@@ -240,7 +305,7 @@ async def drive(target: Target, rate: float, duration: float, warmup: float, see
                         error = "wrong length"
                     else:
                         latency[i] = end - due
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 error = "client_timeout"
             except (aiohttp.ClientError, OSError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
                 error = f"client:{type(exc).__name__}"
@@ -250,10 +315,10 @@ async def drive(target: Target, rate: float, duration: float, warmup: float, see
         async def window() -> None:
             for key, at in (("start", t0 + warmup), ("end", t0 + warmup + duration)):
                 await asyncio.sleep(max(0.0, at - time.monotonic()))
-                edges[key + "_at"] = time.monotonic()
-                edges[key + "_cpu"] = process_cpu_s(target.server.pid)
+                edge_at[key] = time.monotonic()
+                edge_cpu[key] = process_cpu_s(target.server.pid)
                 if target.metrics:
-                    edges[key + "_batch"] = await batch_metrics(base)
+                    edge_batch[key] = await batch_metrics(base)
 
         t0 = time.monotonic() + 0.2
         watcher = asyncio.create_task(window())
@@ -266,35 +331,87 @@ async def drive(target: Target, rate: float, duration: float, warmup: float, see
         await asyncio.gather(*tasks)
     measured = sched >= warmup
     ok = latency[measured & ~np.isnan(latency)] * 1000
-    wall = float(edges["end_at"]) - float(edges["start_at"])  # type: ignore[arg-type]
-    cpu = float(edges["end_cpu"]) - float(edges["start_cpu"])  # type: ignore[arg-type]
+    wall = edge_at["end"] - edge_at["start"]
+    cpu = edge_cpu["end"] - edge_cpu["start"]
     mean_batch = None
-    if target.metrics and edges.get("start_batch") and edges.get("end_batch"):
-        (s0, c0), (s1, c1) = edges["start_batch"], edges["end_batch"]  # type: ignore[misc]
+    start_batch, end_batch = edge_batch.get("start"), edge_batch.get("end")
+    if target.metrics and start_batch and end_batch:
+        (s0, c0), (s1, c1) = start_batch, end_batch
         mean_batch = (s1 - s0) / (c1 - c0) if c1 > c0 else None
-    return Row(target.name, rate, len(ok) / duration, int(measured.sum()), len(ok), report.pct(ok, 50),
-               report.pct(ok, 95), report.pct(ok, 99), errors, cpu / wall if wall > 0 else None, mean_batch,
-               send_lag_p99_ms=report.pct(lag[measured] * 1000, 99), load_avg=os.getloadavg()[0])
+    return Row(
+        target.name,
+        rate,
+        len(ok) / duration,
+        int(measured.sum()),
+        len(ok),
+        report.pct(ok, 50),
+        report.pct(ok, 95),
+        report.pct(ok, 99),
+        errors,
+        cpu / wall if wall > 0 else None,
+        mean_batch,
+        send_lag_p99_ms=report.pct(lag[measured] * 1000, 99),
+        load_avg=os.getloadavg()[0],
+    )
 
 
 # -- the run --------------------------------------------------------------------------------------------------
 def markdown(rep: dict, rows: list[Row], limits: dict[int, dict]) -> str:
     prov = rep["provenance"]
     git, machine = prov["git"], prov["machine"]
-    out = ["# Embeddings: batchserve vs Infinity on all-MiniLM-L6-v2 (CPU)", "",
-           f"{prov['when_utc']}, commit {str(git.get('commit'))[:9]}{' (dirty)' if git.get('dirty') else ''}, "
-           f"{machine.get('cpu_model')} x{machine.get('cores')}, load average at start "
-           f"{machine.get('loadavg_at_start')}", "", f"Settings: {json.dumps(rep['settings'])}", "",
-           "## Offline (the model alone, the limit)", "",
-           report.table(["batch", "inputs/s", "batch p50 ms"],
-                        [[bs, v["inputs_per_s"], v["batch_ms_p50"]] for bs, v in sorted(limits.items())]),
-           "", "## Open-loop load, one input per request", "",
-           report.table(["offered RPS", "server", "sustained RPS", "p50 ms", "p95 ms", "p99 ms", "errors",
-                         "server cores", "mean batch", "share of offline", "load avg"],
-                        [[r.rate, r.server, r.sustained_rps, r.p50_ms, r.p95_ms, r.p99_ms,
-                          sum(r.errors.values()) if r.errors else 0, r.server_cores, r.mean_batch,
-                          r.goodput_share, r.load_avg] for r in rows]),
-           "", "## Verdict", ""]
+    out = [
+        "# Embeddings: batchserve vs Infinity on all-MiniLM-L6-v2 (CPU)",
+        "",
+        f"{prov['when_utc']}, commit {str(git.get('commit'))[:9]}{' (dirty)' if git.get('dirty') else ''}, "
+        f"{machine.get('cpu_model')} x{machine.get('cores')}, load average at start "
+        f"{machine.get('loadavg_at_start')}",
+        "",
+        f"Settings: {json.dumps(rep['settings'])}",
+        "",
+        "## Offline (the model alone, the limit)",
+        "",
+        report.table(
+            ["batch", "inputs/s", "batch p50 ms"],
+            [[bs, v["inputs_per_s"], v["batch_ms_p50"]] for bs, v in sorted(limits.items())],
+        ),
+        "",
+        "## Open-loop load, one input per request",
+        "",
+        report.table(
+            [
+                "offered RPS",
+                "server",
+                "sustained RPS",
+                "p50 ms",
+                "p95 ms",
+                "p99 ms",
+                "errors",
+                "server cores",
+                "mean batch",
+                "share of offline",
+                "load avg",
+            ],
+            [
+                [
+                    r.rate,
+                    r.server,
+                    r.sustained_rps,
+                    r.p50_ms,
+                    r.p95_ms,
+                    r.p99_ms,
+                    sum(r.errors.values()) if r.errors else 0,
+                    r.server_cores,
+                    r.mean_batch,
+                    r.goodput_share,
+                    r.load_avg,
+                ]
+                for r in rows
+            ],
+        ),
+        "",
+        "## Verdict",
+        "",
+    ]
     out += [f"- {line}" for line in rep["verdict"]]
     return "\n".join(out)
 
@@ -304,21 +421,28 @@ def verdict(rows: list[Row], p95_target: float, skipped: str) -> list[str]:
     bs_rows = [r for r in rows if r.server == "batchserve"]
     best = max(bs_rows, key=lambda r: r.sustained_rps, default=None)
     if best is not None and best.goodput_share is not None:
-        lines.append(f"batchserve's best sustained rate {best.sustained_rps:.1f}/s (offered {best.rate:g}/s) at mean batch "
-                     f"{best.mean_batch:.1f} is {best.goodput_share:.2f}x the offline rate at that batch size "
-                     f"({best.offline_at_batch:.1f}/s; goal >= 0.80: {'met' if best.goodput_share >= 0.8 else 'NOT met'})")
+        lines.append(
+            f"batchserve's best sustained rate {best.sustained_rps:.1f}/s (offered {best.rate:g}/s) at mean batch "
+            f"{best.mean_batch:.1f} is {best.goodput_share:.2f}x the offline rate at that batch size "
+            f"({best.offline_at_batch:.1f}/s; goal >= 0.80: {'met' if best.goodput_share >= 0.8 else 'NOT met'})"
+        )
 
     def sustained(name: str) -> float:
-        good = [r.sustained_rps for r in rows if r.server == name and r.p95_ms <= p95_target
-                and sum(r.errors.values()) <= 0.01 * max(1, r.count)]
+        good = [
+            r.sustained_rps
+            for r in rows
+            if r.server == name and r.p95_ms <= p95_target and sum(r.errors.values()) <= 0.01 * max(1, r.count)
+        ]
         return max(good, default=0.0)
 
     if skipped:
         lines.append(f"Infinity: {skipped}")
         return lines
     b, i = sustained("batchserve"), sustained("infinity")
-    lines.append(f"sustained rate with p95 <= {p95_target:.0f} ms and <= 1% errors: batchserve {b:.1f}/s, "
-                 f"Infinity {i:.1f}/s ({'ahead' if b > i else 'NOT ahead'})")
+    lines.append(
+        f"sustained rate with p95 <= {p95_target:.0f} ms and <= 1% errors: batchserve {b:.1f}/s, "
+        f"Infinity {i:.1f}/s ({'ahead' if b > i else 'NOT ahead'})"
+    )
     pairs = [(r, next((x for x in rows if x.server == "infinity" and x.rate == r.rate), None)) for r in bs_rows]
     better = sum(1 for r, x in pairs if x is not None and r.p95_ms < x.p95_ms)
     lines.append(f"p95 at equal offered rate: batchserve lower at {better} of {len(pairs)} rates")
@@ -327,8 +451,11 @@ def verdict(rows: list[Row], p95_target: float, skipped: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rates", default="", help="offered RPS, comma-separated (default: fractions of the offline "
-                                               "peak: 0.25 0.5 0.75 0.9 1.0 1.2)")
+    p.add_argument(
+        "--rates",
+        default="",
+        help="offered RPS, comma-separated (default: fractions of the offline peak: 0.25 0.5 0.75 0.9 1.0 1.2)",
+    )
     common.add_load_flags(p, seed=11)
     p.add_argument("--batch-sizes", default="1,8,32,64", help="offline batch sizes")
     p.add_argument("--offline-seconds", type=float, default=5.0, help="offline time per batch size, s")
@@ -378,9 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_infinity:
         skipped = "skipped (--no-infinity)"
     elif not (a.infinity_venv / "bin" / "infinity_emb").exists():
-        skipped = (f"skipped: no Infinity venv at {a.infinity_venv} (create it: python3 -m venv .venv-infinity && "
-                   f".venv-infinity/bin/pip install torch==2.13.0 && .venv-infinity/bin/pip install "
-                   f"\"infinity-emb[server,torch]\")")
+        skipped = (
+            f"skipped: no Infinity venv at {a.infinity_venv} (create it: python3 -m venv .venv-infinity && "
+            f".venv-infinity/bin/pip install torch==2.13.0 && .venv-infinity/bin/pip install "
+            f'"infinity-emb[server,torch]")'
+        )
     rows: list[Row] = []
     with common.guarded() as stopping:
         starters = [("batchserve", lambda: start_batchserve(a.threads, log_dir))]
@@ -398,25 +527,51 @@ def main(argv: list[str] | None = None) -> int:
                         row.offline_at_batch = offline_at(limits, row.mean_batch)
                         row.goodput_share = row.sustained_rps / row.offline_at_batch
                     rows.append(row)
-                    print(f"  {name:<10} offered {rate:7.1f}/s: sustained {row.sustained_rps:7.1f}/s, p50 "
-                          f"{row.p50_ms:7.1f} p95 {row.p95_ms:7.1f} p99 {row.p99_ms:7.1f} ms, errors "
-                          f"{row.errors or 0}, server {report.fmt(row.server_cores, '.2f')} cores, mean batch "
-                          f"{report.fmt(row.mean_batch)}, share of offline {report.fmt(row.goodput_share, '.2f')}",
-                          flush=True)
+                    print(
+                        f"  {name:<10} offered {rate:7.1f}/s: sustained {row.sustained_rps:7.1f}/s, p50 "
+                        f"{row.p50_ms:7.1f} p95 {row.p95_ms:7.1f} p99 {row.p99_ms:7.1f} ms, errors "
+                        f"{row.errors or 0}, server {report.fmt(row.server_cores, '.2f')} cores, mean batch "
+                        f"{report.fmt(row.mean_batch)}, share of offline {report.fmt(row.goodput_share, '.2f')}",
+                        flush=True,
+                    )
             finally:
                 servers.stop(target.server)
     if skipped:
         print(f"infinity: {skipped}")
-    rep = {"provenance": report.provenance(), "offline": limits, "rows": [asdict(r) for r in rows],
-           "settings": {"rates": rates, "duration_s": a.duration, "warmup_s": a.warmup, "threads": a.threads,
-                        "max_batch": MAX_BATCH, "p95_target_ms": a.p95_target, "seed": a.seed, "smoke": a.smoke,
-                        "model_dir": str(model)}}
+    rep = {
+        "provenance": report.provenance(),
+        "offline": limits,
+        "rows": [asdict(r) for r in rows],
+        "settings": {
+            "rates": rates,
+            "duration_s": a.duration,
+            "warmup_s": a.warmup,
+            "threads": a.threads,
+            "max_batch": MAX_BATCH,
+            "p95_target_ms": a.p95_target,
+            "seed": a.seed,
+            "smoke": a.smoke,
+            "model_dir": str(model),
+        },
+    }
     rep["verdict"] = verdict(rows, a.p95_target, skipped)
     text = markdown(rep, rows, limits)
     print()
     print(text)
-    print("\n" + report.written(report.write(out_name, rep, text, common.out_dir(a), curves=curves_of(rows),
-                                             plot_title="embeddings: batchserve beside its peers"), log_dir))
+    print(
+        "\n"
+        + report.written(
+            report.write(
+                out_name,
+                rep,
+                text,
+                common.out_dir(a),
+                curves=curves_of(rows),
+                plot_title="embeddings: batchserve beside its peers",
+            ),
+            log_dir,
+        )
+    )
     return 0
 
 

@@ -20,14 +20,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/engine_loop.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
 
-from bench import common, report  # noqa: E402
+from bench import common, report
 
 
 class FeedStepper:
@@ -78,8 +78,10 @@ async def one_run(tokenizer: Any, sequences: int, steps: int, seed: int, streame
     stepper = FeedStepper(KvCapacity(blocks=sequences, page_size=4096, max_seqs=sequences, max_sequence_tokens=4096))
     engine = Engine(EngineConfig(max_tokens=steps), tokenizer, stepper, CollectorRegistry(), 8192, 49152)
     stepper.start(None, engine._on_updates)
-    seqs = [engine.submit([1, 2, 3], SamplingParams(max_tokens=steps, temperature=0), streamed=streamed)
-            for _ in range(sequences)]
+    seqs = [
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=steps, temperature=0), streamed=streamed)
+        for _ in range(sequences)
+    ]
 
     async def consume(seq: Any) -> str:
         return "".join([d.text async for d in engine.stream(seq)])
@@ -116,23 +118,37 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.repeats):  # the two modes interleaved: this machine's noise falls on both alike
         for mode in ("streamed", "whole"):
             wall, cpu = asyncio.run(one_run(tokenizer, a.sequences, a.steps, seed=i, streamed=mode == "streamed"))
-            runs.append({"mode": mode, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
-                         "tokens_per_cpu_s": round(tokens / cpu)})
+            runs.append(
+                {
+                    "mode": mode,
+                    "wall_s": round(wall, 3),
+                    "cpu_s": round(cpu, 3),
+                    "tokens_per_cpu_s": round(tokens / cpu),
+                }
+            )
             print(runs[-1], flush=True)
-    median = {mode: statistics.median(r["tokens_per_cpu_s"] for r in runs if r["mode"] == mode)
-              for mode in ("streamed", "whole")}
-    title = (f"# Generation's loop side: {a.sequences} sequences x {a.steps} steps ({tokens} tokens), "
-             f"{a.repeats} runs a mode\n\nmedian tokens per CPU-second of the event loop: "
-             f"{median['streamed']:,.0f} streamed (a delta per token), {median['whole']:,.0f} whole (one delta)\n")
-    table = report.table(["run", "mode", "wall s", "loop CPU s", "tokens per CPU-second"],
-                         [[i // 2 + 1, r["mode"], r["wall_s"], r["cpu_s"], r["tokens_per_cpu_s"]]
-                          for i, r in enumerate(runs)])
+    median = {
+        mode: statistics.median(r["tokens_per_cpu_s"] for r in runs if r["mode"] == mode)
+        for mode in ("streamed", "whole")
+    }
+    title = (
+        f"# Generation's loop side: {a.sequences} sequences x {a.steps} steps ({tokens} tokens), "
+        f"{a.repeats} runs a mode\n\nmedian tokens per CPU-second of the event loop: "
+        f"{median['streamed']:,.0f} streamed (a delta per token), {median['whole']:,.0f} whole (one delta)\n"
+    )
+    table = report.table(
+        ["run", "mode", "wall s", "loop CPU s", "tokens per CPU-second"],
+        [[i // 2 + 1, r["mode"], r["wall_s"], r["cpu_s"], r["tokens_per_cpu_s"]] for i, r in enumerate(runs)],
+    )
     print("\n" + title + "\n" + table, flush=True)
     prov = report.provenance()
     md = title + "\n" + table + "\n\nmachine: " + str(prov["machine"]) + "\n\ngit: " + str(prov["git"]) + "\n"
-    paths = report.write(common.run_name(a, "engine-loop"), {**prov, "settings": vars(a), "runs": runs,
-                                                             "median_tokens_per_cpu_s": median}, md,
-                         common.out_dir(a))
+    paths = report.write(
+        common.run_name(a, "engine-loop"),
+        {**prov, "settings": vars(a), "runs": runs, "median_tokens_per_cpu_s": median},
+        md,
+        common.out_dir(a),
+    )
     print("\n" + report.written(paths))
     return 0
 

@@ -41,9 +41,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchserve import metrics  # noqa: E402
-from bench import common, servers  # noqa: E402
-from bench.model_load import LoadRow, inputs, interpolate, run_load  # noqa: E402
+from batchserve import metrics
+from bench import common, servers
+from bench.model_load import LoadRow, inputs, interpolate, run_load
 
 
 @dataclass
@@ -58,8 +58,13 @@ def offline(a: argparse.Namespace) -> Offline:
     from batchserve.backends.smollm2 import SmolLM2Backend
     from batchserve.config import ModelSpec, Settings
 
-    settings = Settings(backend=a.backend, max_new_tokens=a.max_new_tokens, smollm2_dir=a.smollm2_dir,
-                        decode=a.decode, max_batch_size=max(a.sizes))
+    settings = Settings(
+        backend=a.backend,
+        max_new_tokens=a.max_new_tokens,
+        smollm2_dir=a.smollm2_dir,
+        decode=a.decode,
+        max_batch_size=max(a.sizes),
+    )
     backend_class = resolve_backend(a.backend).target  # smollm2, or a SmolLM2Backend subclass (static_host)
     assert isinstance(backend_class, type) and issubclass(backend_class, SmolLM2Backend), a.backend
     backend = backend_class.from_settings(ModelSpec("smollm2", backend=a.backend), settings)
@@ -103,32 +108,76 @@ def offline_reference_s(off: Offline, batch_sizes: dict[str, int], mean_batch: f
 
 
 def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", a.backend, "--generation",
-           a.generation,
-           "--executor", executor, "--decode", a.decode, "--max-new-tokens", str(a.max_new_tokens),
-           "--max-batch-size", str(max(a.sizes)), "--slo-ms", str(a.slo_ms), "--timeout-ms", str(a.timeout_s * 1000),
-           "--max-timeout-ms", str(a.timeout_s * 1000), "--jobs-db", ""]
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchserve",
+        "serve",
+        "--port",
+        "0",
+        "--backend",
+        a.backend,
+        "--generation",
+        a.generation,
+        "--executor",
+        executor,
+        "--decode",
+        a.decode,
+        "--max-new-tokens",
+        str(a.max_new_tokens),
+        "--max-batch-size",
+        str(max(a.sizes)),
+        "--slo-ms",
+        str(a.slo_ms),
+        "--timeout-ms",
+        str(a.timeout_s * 1000),
+        "--max-timeout-ms",
+        str(a.timeout_s * 1000),
+        "--jobs-db",
+        "",
+    ]
     return cmd + (["--smollm2-dir", a.smollm2_dir] if a.smollm2_dir else [])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["executor", "rate", "achieved/s", "ok/sent", "errors", "p50 ms", "p95 ms", "server p95 ms", "mean batch",
-            "batch ms in server", "batch ms offline", "in/off", "offline at mean size", "server cores",
-            "healthz p50/p99/max ms", "ready s"]
+    head = [
+        "executor",
+        "rate",
+        "achieved/s",
+        "ok/sent",
+        "errors",
+        "p50 ms",
+        "p95 ms",
+        "server p95 ms",
+        "mean batch",
+        "batch ms in server",
+        "batch ms offline",
+        "in/off",
+        "offline at mean size",
+        "server cores",
+        "healthz p50/p99/max ms",
+        "ready s",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
-        lines.append(f"| {r['executor']} | {r['rate']:g} | {r['achieved_rps']} | {r['ok']}/{r['sent']} | {errors} | "
-                     f"{r['p50_ms']} | {r['p95_ms']} | {r['server_p95_ms']} | {r['mean_batch']} | {r['batch_ms']} | "
-                     f"{r['offline_ms']} | {r['ratio']} | {r.get('offline_mean_size_ms', '')} | "
-                     f"{r['server_cores']} | "
-                     f"{r['healthz_p50_ms']}/{r['healthz_p99_ms']}/{r['healthz_max_ms']} | {r.get('ready_s', '')} |")
+        lines.append(
+            f"| {r['executor']} | {r['rate']:g} | {r['achieved_rps']} | {r['ok']}/{r['sent']} | {errors} | "
+            f"{r['p50_ms']} | {r['p95_ms']} | {r['server_p95_ms']} | {r['mean_batch']} | {r['batch_ms']} | "
+            f"{r['offline_ms']} | {r['ratio']} | {r.get('offline_mean_size_ms', '')} | "
+            f"{r['server_cores']} | "
+            f"{r['healthz_p50_ms']}/{r['healthz_p99_ms']}/{r['healthz_max_ms']} | {r.get('ready_s', '')} |"
+        )
     return "\n".join(lines)
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                            "platform": platform.platform(), "load_avg": os.getloadavg()}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "load_avg": os.getloadavg(),
+    }
     try:
         import torch
 
@@ -138,8 +187,13 @@ def machine() -> dict[str, Any]:
     except ImportError:
         pass
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        timeout=5, cwd=common.RESULTS.parent).stdout.strip()
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=common.RESULTS.parent,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     info["commit"] = info.get("commit") or os.environ.get("COMMIT", "")  # the GPU machine's copy has no .git
@@ -156,13 +210,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--decode", default="static", choices=("static", "generate"))
-    p.add_argument("--backend", default="smollm2",
-                   help="smollm2, or package.module:Class for a SmolLM2Backend subclass (bench/static_host.py's "
-                        "stood-in device)")
-    p.add_argument("--generation", default="off", choices=("off", "on"),
-                   help="the server's generation engine (on: /v1/inference may run on the slot stepper, issue 25)")
-    p.add_argument("--smollm2-dir", default="",
-                   help="transformers-format SmolLM2 (random weights when it has no weight files)")
+    p.add_argument(
+        "--backend",
+        default="smollm2",
+        help="smollm2, or package.module:Class for a SmolLM2Backend subclass (bench/static_host.py's stood-in device)",
+    )
+    p.add_argument(
+        "--generation",
+        default="off",
+        choices=("off", "on"),
+        help="the server's generation engine (on: /v1/inference may run on the slot stepper, issue 25)",
+    )
+    p.add_argument(
+        "--smollm2-dir", default="", help="transformers-format SmolLM2 (random weights when it has no weight files)"
+    )
     p.add_argument("--slo-ms", type=float, default=10000.0)
     p.add_argument("--timeout-s", type=int, default=120)
     p.add_argument("--start-timeout-s", type=float, default=600.0)
@@ -183,13 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         for executor in a.executors.split(","):
             if stopping:
                 break
-            server = servers.start(f"executor-{executor}", server_cmd(a, executor), logs,
-                                   timeout_s=a.start_timeout_s)
+            server = servers.start(f"executor-{executor}", server_cmd(a, executor), logs, timeout_s=a.start_timeout_s)
             try:
                 rates = a.process_rates if executor == "process" and a.process_rates else a.rates
                 for k, rate in enumerate(float(r) for r in rates.split(",")):
-                    row: LoadRow = asyncio.run(run_load(server.base, rate, a.duration, server.pid, seed=k,
-                                                        timeout_s=a.timeout_s))
+                    row: LoadRow = asyncio.run(
+                        run_load(server.base, rate, a.duration, server.pid, seed=k, timeout_s=a.timeout_s)
+                    )
                     d = row.as_dict()
                     d["executor"] = executor
                     d["ready_s"] = round(server.ready_s, 1)  # start to /readyz: a spawned child loads and warms
@@ -205,21 +266,37 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 servers.stop(server)
     offline_rows = "\n".join(f"| {n} | {s * 1000:.1f} |" for n, s in off.seconds.items())
-    padding = (f"each read at the size it is padded to ({', '.join(map(str, off.padded_to))}), from the server's "
-               "batch-size histogram" if off.padded_to else "the offline time at the mean size")
-    text = (f"# In-server vs offline batch time, {a.backend} ({a.decode}, {a.max_new_tokens} new tokens)\n\n"
-            f"Offline (no server, median of {a.repeats}):\n\n| batch size | ms |\n|---|---|\n{offline_rows}\n\n"
-            f"Under open-loop load, {a.duration:g} s a row (batch ms in server = mean backend time of a batch; "
-            f"offline = the offline time of the same batches: {padding}; healthz = GET /healthz latency during "
-            "the load; ready s = from the server's start to /readyz 200):\n\n"
-            f"{table(rows)}\n\n```\n{json.dumps({'machine': machine(), 'settings': settings}, indent=1)}\n```\n")
+    padding = (
+        f"each read at the size it is padded to ({', '.join(map(str, off.padded_to))}), from the server's "
+        "batch-size histogram"
+        if off.padded_to
+        else "the offline time at the mean size"
+    )
+    text = (
+        f"# In-server vs offline batch time, {a.backend} ({a.decode}, {a.max_new_tokens} new tokens)\n\n"
+        f"Offline (no server, median of {a.repeats}):\n\n| batch size | ms |\n|---|---|\n{offline_rows}\n\n"
+        f"Under open-loop load, {a.duration:g} s a row (batch ms in server = mean backend time of a batch; "
+        f"offline = the offline time of the same batches: {padding}; healthz = GET /healthz latency during "
+        "the load; ready s = from the server's start to /readyz 200):\n\n"
+        f"{table(rows)}\n\n```\n{json.dumps({'machine': machine(), 'settings': settings}, indent=1)}\n```\n"
+    )
     print("\n" + text)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
-        Path(out).with_suffix(".json").write_text(json.dumps(
-            {"machine": machine(), "settings": settings, "offline_s": off.seconds, "padded_to": off.padded_to,
-             "rows": rows}, indent=1, default=str))
+        Path(out).with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "machine": machine(),
+                    "settings": settings,
+                    "offline_s": off.seconds,
+                    "padded_to": off.padded_to,
+                    "rows": rows,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 

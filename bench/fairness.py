@@ -35,20 +35,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/fairness.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
 
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
+import aiohttp
+import orjson
 
-from bench import report, servers  # noqa: E402
-from bench.common import add_output_flags, guarded, log_dir, out_dir, run_name  # noqa: E402
+from bench import report, servers
+from bench.common import add_output_flags, guarded, log_dir, out_dir, run_name
 
 BASE_COMMIT = "b6ba887"
 # 218 words of this sentence are 220 minilm tokens (with [CLS] and [SEP]); the short input is 8.
@@ -75,9 +75,17 @@ class Served:
     window_s: float = 0.0  # the measured window (extended until every tenant had its answers)
 
 
-async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup_s: float = 0.0,
-                       loops: dict[str, int] | None = None, backoff_s: float = 0.05, timeout_ms: float | None = None,
-                       min_answers: int = 0, max_s: float = 0.0) -> dict[str, Served]:
+async def closed_loops(
+    url: str,
+    keys: dict[str, str],
+    duration_s: float,
+    warmup_s: float = 0.0,
+    loops: dict[str, int] | None = None,
+    backoff_s: float = 0.05,
+    timeout_ms: float | None = None,
+    min_answers: int = 0,
+    max_s: float = 0.0,
+) -> dict[str, Served]:
     """Each tenant of `keys` (tenant -> API key) runs `loops[tenant]` closed loops (default `LOOPS`) of its
     `SCENARIO` request for
     `warmup_s`, then a measured window of `duration_s`, extended (up to `max_s` in all) until every tenant has
@@ -102,6 +110,7 @@ async def closed_loops(url: str, keys: dict[str, str], duration_s: float, warmup
 
     client_timeout = aiohttp.ClientTimeout(total=max(30.0, 2 * (timeout_ms or 0) / 1000))
     async with aiohttp.ClientSession(connector=conn, timeout=client_timeout) as session:
+
         async def loop(tenant: str) -> None:
             text, n = SCENARIO[tenant]
             # base64 vectors, as OpenAI's own client asks: parsing 16 x 384 floats per answer in Python delayed
@@ -150,9 +159,28 @@ def write_config(directory: Path, root: Path) -> tuple[Path, dict[str, str]]:
     config.write_text('[[models]]\nname = "minilm"\nbackend = "minilm"\n')
     keys = {}
     for tenant in SCENARIO:
-        done = subprocess.run([sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config), "--tenant",
-                               tenant, "--tier", "paid", "--rate", "100000"], cwd=root, env=env_for(root),
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "batchserve",
+                "keys",
+                "add",
+                "--config",
+                str(config),
+                "--tenant",
+                tenant,
+                "--tier",
+                "paid",
+                "--rate",
+                "100000",
+            ],
+            cwd=root,
+            env=env_for(root),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         keys[tenant] = done.stdout.strip()
     return config, keys
 
@@ -164,8 +192,9 @@ def env_for(root: Path) -> dict[str, str]:
 
 def extract(commit: str, into: Path) -> Path:
     """The tree of `commit` (its batchserve package) in `into`, by `git archive`: no checkout, no worktree."""
-    archive = subprocess.run(["git", "archive", commit, "batchserve", "pyproject.toml"], cwd=servers.REPO,
-                             capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "archive", commit, "batchserve", "pyproject.toml"], cwd=servers.REPO, capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
 
@@ -173,45 +202,98 @@ def extract(commit: str, into: Path) -> Path:
 def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         config, keys = write_config(Path(tmp), root)
-        cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--config", str(config),
-               "--drain-grace-s", "0", *([f"--slo-ms={a.slo_ms:g}"] if a.slo_ms else []), *a.server_arg]
+        cmd = [
+            sys.executable,
+            "-m",
+            "batchserve",
+            "serve",
+            "--port",
+            "0",
+            "--config",
+            str(config),
+            "--drain-grace-s",
+            "0",
+            *([f"--slo-ms={a.slo_ms:g}"] if a.slo_ms else []),
+            *a.server_arg,
+        ]
         server = servers.start(label, cmd, logs, timeout_s=300, env=env_for(root))
         try:
             load_before = os.getloadavg()[0]
-            served = asyncio.run(closed_loops(server.base, keys, a.duration, a.warmup,
-                                              {"long": a.loops_long, "short": a.loops_short},
-                                              a.backoff_ms / 1000, a.timeout_ms or None, a.min_answers, a.max_s))
+            served = asyncio.run(
+                closed_loops(
+                    server.base,
+                    keys,
+                    a.duration,
+                    a.warmup,
+                    {"long": a.loops_long, "short": a.loops_short},
+                    a.backoff_ms / 1000,
+                    a.timeout_ms or None,
+                    a.min_answers,
+                    a.max_s,
+                )
+            )
             load_after = os.getloadavg()[0]
         finally:
             servers.stop(server)
-    return {"label": label, "served": {t: asdict(s) for t, s in served.items()}, "ratio": ratio(served),
-            "loadavg": [round(load_before, 2), round(load_after, 2)]}
+    return {
+        "label": label,
+        "served": {t: asdict(s) for t, s in served.items()},
+        "ratio": ratio(served),
+        "loadavg": [round(load_before, 2), round(load_after, 2)],
+    }
 
 
 def markdown(rows: list[dict], a: argparse.Namespace, prov: dict) -> str:
-    head = ["run", "tenant", "tokens served", "answered", "refused", "other", "window s", "tokens/s", "ratio",
-            "load avg"]
+    head = [
+        "run",
+        "tenant",
+        "tokens served",
+        "answered",
+        "refused",
+        "other",
+        "window s",
+        "tokens/s",
+        "ratio",
+        "load avg",
+    ]
     lines = []
     for row in rows:
         for tenant, s in row["served"].items():
-            lines.append([row["label"], tenant, s["tokens"], s["answered"], s["refused"],
-                          ", ".join(f"{k}: {v}" for k, v in s["other"].items()) or "0",
-                          f"{s['window_s']:.1f}", f"{s['tokens'] / max(s['window_s'], 1e-9):.0f}",
-                          f"{row['ratio']:.2f}",
-                          f"{row['loadavg'][0]} → {row['loadavg'][1]}"])
+            lines.append(
+                [
+                    row["label"],
+                    tenant,
+                    s["tokens"],
+                    s["answered"],
+                    s["refused"],
+                    ", ".join(f"{k}: {v}" for k, v in s["other"].items()) or "0",
+                    f"{s['window_s']:.1f}",
+                    f"{s['tokens'] / max(s['window_s'], 1e-9):.0f}",
+                    f"{row['ratio']:.2f}",
+                    f"{row['loadavg'][0]} → {row['loadavg'][1]}",
+                ]
+            )
     machine, git = prov["machine"], prov["git"]
-    return "\n".join([
-        "# Tokens served per tenant (issue 33, item 2)", "",
-        f"Two `paid` tenants on minilm, {a.loops_long} and {a.loops_short} closed loops for {a.warmup:g} s warm-up + {a.duration:g} s "
-        f"measured (extended up to {a.max_s:g} s until each tenant had {a.min_answers} answers): `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8; a refused request is sent again "
-        f"after {a.backoff_ms:g} ms; timeout_ms {f'{a.timeout_ms:g}' if a.timeout_ms else 'the server default'}, "
-        f"server --slo-ms {f'{a.slo_ms:g}' if a.slo_ms else 'its default (derived from its warm-up)'}. Ratio: the larger tenant's tokens over the smaller's (1.00 = equal shares). "
-        f"`base` is commit {a.base} (tenants took turns one item a turn), extracted with `git archive`.", "",
-        report.table(head, lines), "",
-        f"Machine: {machine['cpu_model']}, {machine['cores_usable']} usable cores, load average at start "
-        f"{machine['loadavg_at_start']} (shared by other sessions: noisy). Commit {git['commit'][:12]}"
-        f"{' (dirty)' if git['dirty'] else ''}, {prov['when_utc']}. Server flags: {' '.join(a.server_arg) or 'none'}.",
-    ])
+    return "\n".join(
+        [
+            "# Tokens served per tenant (issue 33, item 2)",
+            "",
+            f"Two `paid` tenants on minilm, {a.loops_long} and {a.loops_short} closed loops for {a.warmup:g} s warm-up "
+            f"+ {a.duration:g} s measured (extended up to {a.max_s:g} s until each tenant had {a.min_answers} "
+            "answers): `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8; a refused request is sent again "
+            f"after {a.backoff_ms:g} ms; timeout_ms {f'{a.timeout_ms:g}' if a.timeout_ms else 'the server default'}, "
+            f"server --slo-ms {f'{a.slo_ms:g}' if a.slo_ms else 'its default (derived from its warm-up)'}. Ratio: the "
+            "larger tenant's tokens over the smaller's (1.00 = equal shares). "
+            f"`base` is commit {a.base} (tenants took turns one item a turn), extracted with `git archive`.",
+            "",
+            report.table(head, lines),
+            "",
+            f"Machine: {machine['cpu_model']}, {machine['cores_usable']} usable cores, load average at start "
+            f"{machine['loadavg_at_start']} (shared by other sessions: noisy). Commit {git['commit'][:12]}"
+            f"{' (dirty)' if git['dirty'] else ''}, {prov['when_utc']}. Server flags: "
+            f"{' '.join(a.server_arg) or 'none'}.",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,8 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops-long", type=int, default=LOOPS["long"], help="closed loops of the long tenant (8)")
     p.add_argument("--loops-short", type=int, default=LOOPS["short"], help="closed loops of the short tenant (16)")
     p.add_argument("--backoff-ms", type=float, default=50.0, help="wait before resending a refused request")
-    p.add_argument("--timeout-ms", type=float, default=20000.0,
-                   help="each request's timeout_ms (0: the server's default, derived from its warm-up)")
+    p.add_argument(
+        "--timeout-ms",
+        type=float,
+        default=20000.0,
+        help="each request's timeout_ms (0: the server's default, derived from its warm-up)",
+    )
     p.add_argument("--base", default=BASE_COMMIT, help="the commit of the old behaviour ('' skips it)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for `batchserve serve`")
     add_output_flags(p, name="fairness")

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import aiohttp
 import numpy as np
@@ -106,8 +108,9 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def watch_exit(proc, t0: float, out: list[float]) -> None:
+def watch_exit(proc: subprocess.Popen[bytes], t0: float, out: list[float]) -> None:
     """Record when the server process exits (a thread, since Popen.wait blocks)."""
+
     def wait() -> None:
         proc.wait()
         out.append(time.monotonic() - t0)
@@ -126,8 +129,9 @@ async def _sample_process(pid: int, t0: float, until: float, out: list[Sample], 
         await asyncio.sleep(SAMPLE_EVERY_S)
 
 
-async def _sample_health(session: aiohttp.ClientSession, base: str, t0: float, until: float,
-                         out: list[Sample], alive: Callable[[], bool]) -> None:
+async def _sample_health(
+    session: aiohttp.ClientSession, base: str, t0: float, until: float, out: list[Sample], alive: Callable[[], bool]
+) -> None:
     """Healthy workers, queue depth and in-flight count from /internal/health, about every SAMPLE_EVERY_S."""
     timeout = aiohttp.ClientTimeout(total=1.0)
     while time.monotonic() - t0 < until and alive():
@@ -139,13 +143,22 @@ async def _sample_health(session: aiohttp.ClientSession, base: str, t0: float, u
             s.healthy, s.workers = sum(1 for w in workers if w.get("healthy")), len(workers)
             s.queue_depth, s.inflight, s.status = h.get("queue_depth"), h.get("inflight"), h.get("status")
             out.append(s)
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, AttributeError):
+        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, AttributeError):
             pass
         await asyncio.sleep(max(0.0, SAMPLE_EVERY_S - (time.monotonic() - t0 - s.t)))
 
 
-async def _run(base: str, records: Records, inputs: list[str], events: list[Event], pid: int, proc,
-               timeout_s: float, connections: int, sample_until: float) -> Run:
+async def _run(
+    base: str,
+    records: Records,
+    inputs: list[str],
+    events: list[Event],
+    pid: int,
+    proc: subprocess.Popen[bytes],
+    timeout_s: float,
+    connections: int,
+    sample_until: float,
+) -> Run:
     url = base.rstrip("/") + "/v1/inference"
     t0 = time.monotonic() + 0.05
     wall_t0 = time.time() + 0.05
@@ -155,11 +168,15 @@ async def _run(base: str, records: Records, inputs: list[str], events: list[Even
     samples: list[Sample] = []
     r = records
 
-    async def on_new(session, ctx, params) -> None:  # which connection a request went out on, for resets
+    async def on_new(
+        session: aiohttp.ClientSession, ctx: SimpleNamespace, params: aiohttp.TraceConnectionCreateEndParams
+    ) -> None:  # which connection a request went out on, for resets
         if ctx.trace_request_ctx is not None:
             r.new_conn[ctx.trace_request_ctx] = 1
 
-    async def on_reuse(session, ctx, params) -> None:
+    async def on_reuse(
+        session: aiohttp.ClientSession, ctx: SimpleNamespace, params: aiohttp.TraceConnectionReuseconnParams
+    ) -> None:
         if ctx.trace_request_ctx is not None:
             r.new_conn[ctx.trace_request_ctx] = 0
 
@@ -167,15 +184,20 @@ async def _run(base: str, records: Records, inputs: list[str], events: list[Even
     tracing.on_connection_create_end.append(on_new)
     tracing.on_connection_reuseconn.append(on_reuse)
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=None)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     skip_auto_headers=("User-Agent",), trace_configs=[tracing]) as session:
+    async with aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        skip_auto_headers=("User-Agent",),
+        trace_configs=[tracing],
+    ) as session:
 
         async def send(i: int) -> None:
             text = inputs[i]
             r.sent[i] = time.monotonic() - t0
             try:
-                async with session.post(url, data=orjson.dumps({"input": text}), headers=JSON_HEADERS,
-                                        trace_request_ctx=i) as resp:
+                async with session.post(
+                    url, data=orjson.dumps({"input": text}), headers=JSON_HEADERS, trace_request_ctx=i
+                ) as resp:
                     raw = await resp.read()
                     r.status[i] = resp.status
                 r.done[i] = time.monotonic() - t0
@@ -186,7 +208,7 @@ async def _run(base: str, records: Records, inputs: list[str], events: list[Even
                     r.server_ms[i] = body.get("latency_ms", np.nan)
                 else:
                     r.code[i] = str(body.get("error", "?"))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 r.failure[i] = "client_timeout"
             except aiohttp.ClientConnectorError:
                 r.failure[i] = "connect"  # never reached the server (it had exited): not an accepted request
@@ -206,9 +228,10 @@ async def _run(base: str, records: Records, inputs: list[str], events: list[Even
             ev.fired = time.monotonic() - t0
             ev.action()
 
-        samplers = [asyncio.create_task(_sample_process(pid, t0, sample_until, samples, lambda: not exited)),
-                    asyncio.create_task(_sample_health(session, base, t0, sample_until, samples,
-                                                       lambda: not exited))]
+        samplers = [
+            asyncio.create_task(_sample_process(pid, t0, sample_until, samples, lambda: not exited)),
+            asyncio.create_task(_sample_health(session, base, t0, sample_until, samples, lambda: not exited)),
+        ]
         firing = [asyncio.create_task(fire(ev)) for ev in events]
         tasks = []
         loop = asyncio.get_running_loop()
@@ -226,8 +249,18 @@ async def _run(base: str, records: Records, inputs: list[str], events: list[Even
     return Run(r, samples, events, exited[0] if exited else None, wall_t0, time.process_time() - cpu0)
 
 
-def run(base: str, sched: np.ndarray, inputs: list[str], kinds: list[str], events: list[Event], pid: int,
-        proc, timeout_s: float = 10.0, connections: int = 4096, sample_until: float | None = None) -> Run:
+def run(
+    base: str,
+    sched: np.ndarray,
+    inputs: list[str],
+    kinds: list[str],
+    events: list[Event],
+    pid: int,
+    proc: subprocess.Popen[bytes],
+    timeout_s: float = 10.0,
+    connections: int = 4096,
+    sample_until: float | None = None,
+) -> Run:
     """Send one request per `sched` offset with `inputs[i]`, fire `events`, sample the server; on uvloop.
 
     The cyclic GC is off during the run (as in bench.loadgen): a full collection over tens of thousands of
@@ -237,8 +270,7 @@ def run(base: str, sched: np.ndarray, inputs: list[str], kinds: list[str], event
     gc.disable()
     try:
         until = float(sched[-1]) + timeout_s if sample_until is None and len(sched) else (sample_until or 0.0)
-        return uvloop.run(_run(base, Records(sched, kinds), inputs, events, pid, proc, timeout_s, connections,
-                               until))
+        return uvloop.run(_run(base, Records(sched, kinds), inputs, events, pid, proc, timeout_s, connections, until))
     finally:
         gc.enable()
         gc.collect()

@@ -58,18 +58,28 @@ def keyed(directory: Path, tenants: tuple[str, ...]) -> tuple[Path, dict[str, st
 
     keys = {t: new_key() for t in tenants}
     config = directory / "keys.toml"
-    config.write_text("".join(f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n'
-                              f'burst = 1000\n' for t, k in keys.items()))
+    config.write_text(
+        "".join(
+            f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\nburst = 1000\n'
+            for t, k in keys.items()
+        )
+    )
     return config, keys
 
 
 def chat(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
 
 
-def timed_chats(url: str, key: str, bodies: list[dict[str, Any]],
-                until: threading.Event | None = None) -> tuple[list[float], list[httpx.Response]]:
+def timed_chats(
+    url: str, key: str, bodies: list[dict[str, Any]], until: threading.Event | None = None
+) -> tuple[list[float], list[httpx.Response]]:
     """Each body in turn (a closed loop of one; cycling through them until `until` is set, if given): seconds
     per answer, and the answers."""
     times: list[float] = []
@@ -98,8 +108,7 @@ class Hog:
     def _one(self, i: int, max_tokens: int) -> None:
         body = chat(f"Tell me a very long story about the number {i}.", max_tokens, stream=True, ignore_eos=True)
         try:
-            with httpx.Client(base_url=self.url, timeout=900,
-                              headers={"Authorization": f"Bearer {self.key}"}) as c:
+            with httpx.Client(base_url=self.url, timeout=900, headers={"Authorization": f"Bearer {self.key}"}) as c:
                 with c.stream("POST", "/v1/chat/completions", json=body) as r:
                     for _ in r.iter_lines():
                         self.lines[i] += 1
@@ -112,7 +121,7 @@ class Hog:
         """How many of the chats have started answering."""
         return sum(1 for n in self.lines if n > 2)
 
-    def __enter__(self) -> "Hog":
+    def __enter__(self) -> Hog:
         for t in self.threads:
             t.start()
         return self
@@ -137,14 +146,17 @@ def wait_until(check: Any, timeout: float, every: float = 0.1) -> None:
 
 def run_batch(url: str, key: str, bodies: list[dict[str, Any]], give_up_s: float) -> dict[str, Any]:
     """An OpenAI chat batch of these bodies, polled to its end: the batch object."""
-    content = b"".join(orjson.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                     "body": body}) + b"\n" for i, body in enumerate(bodies))
+    content = b"".join(
+        orjson.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + b"\n"
+        for i, body in enumerate(bodies)
+    )
     with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as c:
-        f = c.post("/v1/files", files={"file": ("in.jsonl", content, "application/jsonl")},
-                   data={"purpose": "batch"})
+        f = c.post("/v1/files", files={"file": ("in.jsonl", content, "application/jsonl")}, data={"purpose": "batch"})
         f.raise_for_status()
-        b = c.post("/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/chat/completions",
-                                        "completion_window": "24h"})
+        b = c.post(
+            "/v1/batches",
+            json={"input_file_id": f.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
         b.raise_for_status()
         batch = b.json()
         give_up = time.monotonic() + give_up_s
@@ -161,17 +173,33 @@ def p50(xs: list[float]) -> float:
 
 
 # `python -m batchserve` from another tree: it goes first on sys.path (`-m` would put this checkout first)
-FROM_TREE = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'batchserve'; "
-             "runpy.run_module('batchserve', run_name='__main__', alter_sys=True)")
+FROM_TREE = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'batchserve'; "
+    "runpy.run_module('batchserve', run_name='__main__', alter_sys=True)"
+)
 
 
-def start(name: str, code: str, a: argparse.Namespace, config: Path, log_dir: Path,
-          extra: list[str]) -> servers.Server:
+def start(name: str, code: str, a: argparse.Namespace, config: Path, log_dir: Path, extra: list[str]) -> servers.Server:
     """A `--generation on` server of this checkout (`code` "") or of the tree in the directory `code`."""
     run = [sys.executable, "-c", FROM_TREE, code] if code else [sys.executable, "-m", "batchserve"]
-    cmd = [*run, "serve", "--port", "0", "--devices", "1", "--generation", "on",
-           "--generation-max-context", str(a.max_context), "--config", str(config), "--drain-grace-s", "0",
-           *(["--generation-max-seqs", str(a.max_seqs)] if a.max_seqs else []), *extra]
+    cmd = [
+        *run,
+        "serve",
+        "--port",
+        "0",
+        "--devices",
+        "1",
+        "--generation",
+        "on",
+        "--generation-max-context",
+        str(a.max_context),
+        "--config",
+        str(config),
+        "--drain-grace-s",
+        "0",
+        *(["--generation-max-seqs", str(a.max_seqs)] if a.max_seqs else []),
+        *extra,
+    ]
     return servers.start(name, cmd, log_dir, timeout_s=300)
 
 
@@ -194,24 +222,38 @@ def hog_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> 
     servers.stop(s)
     statuses = [r.status_code for r in answers]
     beside = ok_times(beside, answers)
-    return {"scenario": "hog", "code": code or "this checkout", "slots": slots, "hog_chats": slots + 2, "short_chats": a.short,
-            "answered": statuses.count(200), "statuses": sorted(set(statuses)), "p50_alone_s": p50(alone),
-            "p50_beside_s": p50(beside), "ratio": p50(beside) / p50(alone), "goal_ratio": 3.0,
-            "preempted": preempted}
+    return {
+        "scenario": "hog",
+        "code": code or "this checkout",
+        "slots": slots,
+        "hog_chats": slots + 2,
+        "short_chats": a.short,
+        "answered": statuses.count(200),
+        "statuses": sorted(set(statuses)),
+        "p50_alone_s": p50(alone),
+        "p50_beside_s": p50(beside),
+        "ratio": p50(beside) / p50(alone),
+        "goal_ratio": 3.0,
+        "preempted": preempted,
+    }
 
 
-def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path,
-                   share: str = "") -> dict[str, Any]:
+def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path, share: str = "") -> dict[str, Any]:
     """`share`: the server's --generation-batch-beside-interactive ("": its default)."""
     config, keys = keyed(tmp, ("batcher", "caller"))
     cap = ["--generation-batch-beside-interactive", share] if share else []
-    s = start(f"gen-share-batch{'-' + Path(code).name if code else ''}{'-' + share if share else ''}", code, a,
-              config, log_dir, ["--jobs-db", str(tmp / "jobs.db"), *cap])
+    s = start(
+        f"gen-share-batch{'-' + Path(code).name if code else ''}{'-' + share if share else ''}",
+        code,
+        a,
+        config,
+        log_dir,
+        ["--jobs-db", str(tmp / "jobs.db"), *cap],
+    )
     interactive = [chat(f"Name a color, number {i}.", a.short_tokens) for i in range(a.short)]
     timed_chats(s.base, keys["caller"], interactive[:1])  # warm
     alone, _ = timed_chats(s.base, keys["caller"], interactive)
-    lines = [chat(f"Describe the number {i} in one sentence.", a.line_tokens, ignore_eos=True)
-             for i in range(a.lines)]
+    lines = [chat(f"Describe the number {i} in one sentence.", a.line_tokens, ignore_eos=True) for i in range(a.lines)]
     done: dict[str, Any] = {}
     over = threading.Event()
     began = time.perf_counter()
@@ -242,15 +284,31 @@ def batch_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path,
     counts = done.get("request_counts") or {}
     statuses = [r.status_code for r in answers]
     beside = ok_times(beside, answers)
-    return {"scenario": "batch", "code": code or "this checkout", "beside": share or "default",
-            "batch_rows_beside_interactive": stats.get("batch_rows_beside_interactive"), "lines": a.lines, "line_tokens": a.line_tokens, "batch_status": done.get("status"),
-            "completed": counts.get("completed"), "failed": counts.get("failed"), "batch_wall_s": wall,
-            "interactive_chats": len(answers), "interactive_ok": statuses.count(200),
-            "p50_alone_s": p50(alone), "p50_beside_s": p50(beside), "ratio": p50(beside) / p50(alone),
-            "p50_alone_after_s": p50(after), "ratio_to_after": p50(beside) / p50(after),
-            "ratio_to_slower_alone": p50(beside) / max(p50(alone), p50(after)),
-            "goal_ratio": 1.5, "preempted": preempted, "steps_full": mix["full"],
-            "steps_interactive_only": mix["interactive_only"], "steps_unseparated": mix["unseparated"]}
+    return {
+        "scenario": "batch",
+        "code": code or "this checkout",
+        "beside": share or "default",
+        "batch_rows_beside_interactive": stats.get("batch_rows_beside_interactive"),
+        "lines": a.lines,
+        "line_tokens": a.line_tokens,
+        "batch_status": done.get("status"),
+        "completed": counts.get("completed"),
+        "failed": counts.get("failed"),
+        "batch_wall_s": wall,
+        "interactive_chats": len(answers),
+        "interactive_ok": statuses.count(200),
+        "p50_alone_s": p50(alone),
+        "p50_beside_s": p50(beside),
+        "ratio": p50(beside) / p50(alone),
+        "p50_alone_after_s": p50(after),
+        "ratio_to_after": p50(beside) / p50(after),
+        "ratio_to_slower_alone": p50(beside) / max(p50(alone), p50(after)),
+        "goal_ratio": 1.5,
+        "preempted": preempted,
+        "steps_full": mix["full"],
+        "steps_interactive_only": mix["interactive_only"],
+        "steps_unseparated": mix["unseparated"],
+    }
 
 
 def long_prompt(i: int, tokens: int) -> str:
@@ -261,15 +319,25 @@ def long_prompt(i: int, tokens: int) -> str:
 def prompts_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path) -> dict[str, Any]:
     """Short chats alone, then beside an interactive tenant's long prompts, then beside a chat batch of them."""
     config, keys = keyed(tmp, ("prompter", "caller"))
-    s = start(f"gen-share-prompts{'-' + Path(code).name if code else ''}", code, a, config, log_dir,
-              ["--jobs-db", str(tmp / "jobs.db")])
+    s = start(
+        f"gen-share-prompts{'-' + Path(code).name if code else ''}",
+        code,
+        a,
+        config,
+        log_dir,
+        ["--jobs-db", str(tmp / "jobs.db")],
+    )
     shorts = [chat(f"What is {i} plus {i}?", a.short_tokens) for i in range(a.short)]
     longs = [chat(long_prompt(i, a.prompt_tokens), 1) for i in range(max(a.prompt_lines, a.prompt_streams))]
     timed_chats(s.base, keys["caller"], shorts[:1])  # warm
     alone, _ = timed_chats(s.base, keys["caller"], shorts)
     stop = threading.Event()
-    streams = [threading.Thread(target=timed_chats, args=(s.base, keys["prompter"], longs[i::a.prompt_streams], stop),
-                                daemon=True) for i in range(a.prompt_streams)]
+    streams = [
+        threading.Thread(
+            target=timed_chats, args=(s.base, keys["prompter"], longs[i :: a.prompt_streams], stop), daemon=True
+        )
+        for i in range(a.prompt_streams)
+    ]
     for t in streams:
         t.start()
     wait_until(lambda: engine_stats(s.base)["running"] >= 1, 120, 0.05)
@@ -293,58 +361,148 @@ def prompts_scenario(code: str, a: argparse.Namespace, tmp: Path, log_dir: Path)
     servers.stop(s)
     t.join(30)
     ok_i, ok_b = ok_times(beside_i, answers_i), ok_times(beside_b, answers_b)
-    return {"scenario": "prompts", "code": code or "this checkout", "prompt_tokens": a.prompt_tokens,
-            "prompt_streams": a.prompt_streams, "prompt_lines": a.prompt_lines, "short_chats": a.short,
-            "p50_alone_s": p50(alone), "interactive_answered": len(ok_i), "p50_beside_interactive_s": p50(ok_i),
-            "ratio_interactive": p50(ok_i) / p50(alone), "batch_answered": len(ok_b),
-            "p50_beside_batch_s": p50(ok_b), "ratio_batch": p50(ok_b) / p50(alone), "goal_ratio": 3.0,
-            "preempted": stats.get("preempted"), "steps": stats.get("steps")}
+    return {
+        "scenario": "prompts",
+        "code": code or "this checkout",
+        "prompt_tokens": a.prompt_tokens,
+        "prompt_streams": a.prompt_streams,
+        "prompt_lines": a.prompt_lines,
+        "short_chats": a.short,
+        "p50_alone_s": p50(alone),
+        "interactive_answered": len(ok_i),
+        "p50_beside_interactive_s": p50(ok_i),
+        "ratio_interactive": p50(ok_i) / p50(alone),
+        "batch_answered": len(ok_b),
+        "p50_beside_batch_s": p50(ok_b),
+        "ratio_batch": p50(ok_b) / p50(alone),
+        "goal_ratio": 3.0,
+        "preempted": stats.get("preempted"),
+        "steps": stats.get("steps"),
+    }
 
 
 def markdown(rows: list[dict[str, Any]], load: tuple[float, float, float]) -> str:
-    out = [f"# Generation shares by tenant (issue 33 item 3)\n\nload average at start {load[0]:.2f} "
-           f"{load[1]:.2f} {load[2]:.2f} (a shared machine: one run's figures)\n"]
+    out = [
+        f"# Generation shares by tenant (issue 33 item 3)\n\nload average at start {load[0]:.2f} "
+        f"{load[1]:.2f} {load[2]:.2f} (a shared machine: one run's figures)\n"
+    ]
     for r in rows:
         if r["scenario"] == "prompts":
-            out.append(report.table(
-                ["scenario", "code", "prompt tokens", "short chats beside", "answered", "p50 alone s", "p50 beside s",
-                 "ratio (goal 3)"],
-                [[f"{r['prompt_streams']} interactive streams of long prompts", r["code"], r["prompt_tokens"],
-                  "interactive", f"{r['interactive_answered']}/{r['short_chats']}",
-                  report.fmt(r["p50_alone_s"], ".2f"), report.fmt(r["p50_beside_interactive_s"], ".2f"),
-                  report.fmt(r["ratio_interactive"], ".2f")],
-                 [f"a chat batch of {r['prompt_lines']} long prompts", r["code"], r["prompt_tokens"], "batch",
-                  f"{r['batch_answered']}/{r['short_chats']}", report.fmt(r["p50_alone_s"], ".2f"),
-                  report.fmt(r["p50_beside_batch_s"], ".2f"), report.fmt(r["ratio_batch"], ".2f")]]))
+            out.append(
+                report.table(
+                    [
+                        "scenario",
+                        "code",
+                        "prompt tokens",
+                        "short chats beside",
+                        "answered",
+                        "p50 alone s",
+                        "p50 beside s",
+                        "ratio (goal 3)",
+                    ],
+                    [
+                        [
+                            f"{r['prompt_streams']} interactive streams of long prompts",
+                            r["code"],
+                            r["prompt_tokens"],
+                            "interactive",
+                            f"{r['interactive_answered']}/{r['short_chats']}",
+                            report.fmt(r["p50_alone_s"], ".2f"),
+                            report.fmt(r["p50_beside_interactive_s"], ".2f"),
+                            report.fmt(r["ratio_interactive"], ".2f"),
+                        ],
+                        [
+                            f"a chat batch of {r['prompt_lines']} long prompts",
+                            r["code"],
+                            r["prompt_tokens"],
+                            "batch",
+                            f"{r['batch_answered']}/{r['short_chats']}",
+                            report.fmt(r["p50_alone_s"], ".2f"),
+                            report.fmt(r["p50_beside_batch_s"], ".2f"),
+                            report.fmt(r["ratio_batch"], ".2f"),
+                        ],
+                    ],
+                )
+            )
         elif r["scenario"] == "hog":
-            out.append(report.table(
-                ["scenario", "code", "slots", "hog chats", "answered", "p50 alone s", "p50 beside s",
-                 "ratio (goal 3)", "preempted"],
-                [["one tenant holds every slot", r["code"], r["slots"], r["hog_chats"], f"{r['answered']}/{r['short_chats']}",
-                  report.fmt(r["p50_alone_s"], ".2f"), report.fmt(r["p50_beside_s"], ".2f"),
-                  report.fmt(r["ratio"], ".2f"), r["preempted"]]]))
+            out.append(
+                report.table(
+                    [
+                        "scenario",
+                        "code",
+                        "slots",
+                        "hog chats",
+                        "answered",
+                        "p50 alone s",
+                        "p50 beside s",
+                        "ratio (goal 3)",
+                        "preempted",
+                    ],
+                    [
+                        [
+                            "one tenant holds every slot",
+                            r["code"],
+                            r["slots"],
+                            r["hog_chats"],
+                            f"{r['answered']}/{r['short_chats']}",
+                            report.fmt(r["p50_alone_s"], ".2f"),
+                            report.fmt(r["p50_beside_s"], ".2f"),
+                            report.fmt(r["ratio"], ".2f"),
+                            r["preempted"],
+                        ]
+                    ],
+                )
+            )
         else:
-            out.append(report.table(
-                ["scenario", "code", "batch rows beside interactive", "lines x tokens", "completed", "failed", "batch s", "interactive ok",
-                 "p50 alone s", "p50 beside s", "ratio (goal 1.5)", "p50 alone after s", "ratio to after",
-                 "preempted", "steps full / interactive-only"],
-                [[f"chat batch beside interactive ({r['batch_status']})", r["code"],
-                  f"{r.get('batch_rows_beside_interactive', 'all')} ({r.get('beside', 'default')})",
-                  f"{r['lines']} x {r['line_tokens']}",
-                  r["completed"], r["failed"], report.fmt(r["batch_wall_s"], ".0f"),
-                  f"{r['interactive_ok']}/{r['interactive_chats']}", report.fmt(r["p50_alone_s"], ".2f"),
-                  report.fmt(r["p50_beside_s"], ".2f"), report.fmt(r["ratio"], ".2f"),
-                  report.fmt(r.get("p50_alone_after_s", float("nan")), ".2f"),
-                  report.fmt(r.get("ratio_to_after", float("nan")), ".2f"), r["preempted"],
-                  f"{r.get('steps_full', '-')} / {r.get('steps_interactive_only', '-')}"]]))
+            out.append(
+                report.table(
+                    [
+                        "scenario",
+                        "code",
+                        "batch rows beside interactive",
+                        "lines x tokens",
+                        "completed",
+                        "failed",
+                        "batch s",
+                        "interactive ok",
+                        "p50 alone s",
+                        "p50 beside s",
+                        "ratio (goal 1.5)",
+                        "p50 alone after s",
+                        "ratio to after",
+                        "preempted",
+                        "steps full / interactive-only",
+                    ],
+                    [
+                        [
+                            f"chat batch beside interactive ({r['batch_status']})",
+                            r["code"],
+                            f"{r.get('batch_rows_beside_interactive', 'all')} ({r.get('beside', 'default')})",
+                            f"{r['lines']} x {r['line_tokens']}",
+                            r["completed"],
+                            r["failed"],
+                            report.fmt(r["batch_wall_s"], ".0f"),
+                            f"{r['interactive_ok']}/{r['interactive_chats']}",
+                            report.fmt(r["p50_alone_s"], ".2f"),
+                            report.fmt(r["p50_beside_s"], ".2f"),
+                            report.fmt(r["ratio"], ".2f"),
+                            report.fmt(r.get("p50_alone_after_s", float("nan")), ".2f"),
+                            report.fmt(r.get("ratio_to_after", float("nan")), ".2f"),
+                            r["preempted"],
+                            f"{r.get('steps_full', '-')} / {r.get('steps_interactive_only', '-')}",
+                        ]
+                    ],
+                )
+            )
     return "\n\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", default="hog,batch",
-                   help="comma-separated: hog, batch, prompts (default hog,batch)")
-    p.add_argument("--max-seqs", type=int, default=0, help="--generation-max-seqs (default 0: the server's, 8 on a CPU)")
+    p.add_argument("--scenarios", default="hog,batch", help="comma-separated: hog, batch, prompts (default hog,batch)")
+    p.add_argument(
+        "--max-seqs", type=int, default=0, help="--generation-max-seqs (default 0: the server's, 8 on a CPU)"
+    )
     p.add_argument("--max-context", type=int, default=2048, help="--generation-max-context (default %(default)s)")
     p.add_argument("--short", type=int, default=10, help="short / interactive chats (default %(default)s)")
     p.add_argument("--short-tokens", type=int, default=16, help="max_tokens of a short chat (default %(default)s)")
@@ -354,13 +512,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1500, help="prompts: a long prompt's tokens (about)")
     p.add_argument("--prompt-streams", type=int, default=4, help="prompts: interactive callers of long prompts")
     p.add_argument("--prompt-lines", type=int, default=60, help="prompts: chat batch lines of long prompts")
-    p.add_argument("--batch-timeout-s", type=float, default=5400,
-                   help="give up on the batch after this (default %(default)s: 100 x 160 takes ~3,300 s on 2 cores)")
-    p.add_argument("--beside", default="",
-                   help="batch scenario: comma-separated values of --generation-batch-beside-interactive, each "
-                        "run in turn (default: the server's)")
-    p.add_argument("--code", action="append", default=[],
-                   help="another tree of the code to run first (repeatable), e.g. the commit before a change")
+    p.add_argument(
+        "--batch-timeout-s",
+        type=float,
+        default=5400,
+        help="give up on the batch after this (default %(default)s: 100 x 160 takes ~3,300 s on 2 cores)",
+    )
+    p.add_argument(
+        "--beside",
+        default="",
+        help="batch scenario: comma-separated values of --generation-batch-beside-interactive, each "
+        "run in turn (default: the server's)",
+    )
+    p.add_argument(
+        "--code",
+        action="append",
+        default=[],
+        help="another tree of the code to run first (repeatable), e.g. the commit before a change",
+    )
     common.add_output_flags(p, name="gen-share")
     a = p.parse_args(argv)
     name = common.run_name(a, "gen-share")

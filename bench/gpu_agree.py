@@ -36,17 +36,18 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from batchserve.backends.static_decode import StaticDecoder  # noqa: E402
-from batchserve.generation.slot_decoder import SlotDecoder  # noqa: E402
-from batchserve.generation.slot_stepper import SlotStepper  # noqa: E402
-from batchserve.generation.stepper import SamplingParams, TokenUpdate  # noqa: E402
-from bench.cb_compare import TINY_VOCAB, machine, random_model  # noqa: E402
+from batchserve.backends.static_decode import StaticDecoder
+from batchserve.generation.slot_decoder import SlotDecoder
+from batchserve.generation.slot_stepper import SlotStepper
+from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from bench.cb_compare import TINY_VOCAB, machine, random_model
 
 PAD = 0
 STATIC_NEW = 32  # new tokens a row in the static batches
@@ -113,8 +114,16 @@ def ending_tokens(rows: Sequence[Sequence[int]], lo: int, hi: int) -> list[int]:
 
 # -- static -------------------------------------------------------------------------------------------------
 def static_decoder(model: Any, eos: list[int], graphs: bool, fixed: bool) -> StaticDecoder:
-    d = StaticDecoder(model, STATIC_NEW, eos, PAD, max_batch=max(STATIC_BATCHES), use_graphs=graphs,
-                      fixed_shapes=fixed, prompt_buckets=(64,))
+    d = StaticDecoder(
+        model,
+        STATIC_NEW,
+        eos,
+        PAD,
+        max_batch=max(STATIC_BATCHES),
+        use_graphs=graphs,
+        fixed_shapes=fixed,
+        prompt_buckets=(64,),
+    )
     d.warm()
     return d
 
@@ -131,8 +140,13 @@ def slot_requests(vocab: int, n: int, seed: int) -> list[Request]:
         max_tokens = rng.choice((1, 4, 16, 48, 96))
         ignore_eos = rng.random() < 0.3
         if rng.random() < 0.35:  # seeded sampling: a reproducible draw among the nucleus (see verdict)
-            params = SamplingParams(max_tokens, temperature=0.8, top_p=rng.choice((0.5, 0.8)),
-                                    seed=rng.randrange(1 << 30), ignore_eos=ignore_eos)
+            params = SamplingParams(
+                max_tokens,
+                temperature=0.8,
+                top_p=rng.choice((0.5, 0.8)),
+                seed=rng.randrange(1 << 30),
+                ignore_eos=ignore_eos,
+            )
         else:
             params = SamplingParams(max_tokens, temperature=0, ignore_eos=ignore_eos)
         out.append(Request(prompt, params))
@@ -140,8 +154,17 @@ def slot_requests(vocab: int, n: int, seed: int) -> list[Request]:
 
 
 def slot_decoder(model: Any, eos: list[int], graphs: bool, fixed: bool, slots: int = SLOTS) -> SlotDecoder:
-    d = SlotDecoder(model, slots, SLOT_TOKENS, eos, PAD, use_graphs=graphs, fixed_shapes=fixed,
-                    prefill_tokens=4096, chunk_tokens=CHUNK)
+    d = SlotDecoder(
+        model,
+        slots,
+        SLOT_TOKENS,
+        eos,
+        PAD,
+        use_graphs=graphs,
+        fixed_shapes=fixed,
+        prefill_tokens=4096,
+        chunk_tokens=CHUNK,
+    )
     d.warm()
     return d
 
@@ -197,17 +220,26 @@ def verdict(row: dict[str, Any]) -> bool:
     return greedy_ok and row["sampled_identical"] >= SAMPLED_AGREE * row["sampled"]
 
 
-def compare(path: str, name: str, reference: list[list[int]], tokens: list[list[int]], sampled: set[int],
-            eos: list[int]) -> dict[str, Any]:
+def compare(
+    path: str, name: str, reference: list[list[int]], tokens: list[list[int]], sampled: set[int], eos: list[int]
+) -> dict[str, Any]:
     """One candidate's row: identical requests, greedy and sampled apart, and the first few differences."""
     diffs = differences(reference, tokens)
     differ = {d.index for d in diffs}
     greedy = [i for i in range(len(reference)) if i not in sampled]
-    row = {"path": path, "candidate": name, "eos": eos, "requests": len(reference),
-           "tokens": sum(map(len, reference)), "ended_at_eos": sum(1 for r in reference if r and r[-1] in eos),
-           "greedy": len(greedy), "greedy_identical": sum(1 for i in greedy if i not in differ),
-           "sampled": len(sampled), "sampled_identical": sum(1 for i in sampled if i not in differ),
-           "first_diffs": [vars(d) for d in diffs[:5]]}
+    row = {
+        "path": path,
+        "candidate": name,
+        "eos": eos,
+        "requests": len(reference),
+        "tokens": sum(map(len, reference)),
+        "ended_at_eos": sum(1 for r in reference if r and r[-1] in eos),
+        "greedy": len(greedy),
+        "greedy_identical": sum(1 for i in greedy if i not in differ),
+        "sampled": len(sampled),
+        "sampled_identical": sum(1 for i in sampled if i not in differ),
+        "first_diffs": [vars(d) for d in diffs[:5]],
+    }
     row["agree"] = verdict(row)
     return row
 
@@ -240,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             eos = ending_tokens(probe, 2, STATIC_NEW - 2)
             batches, at = [], 0
             for n in STATIC_BATCHES:
-                batches.append(prompts[at:at + n])
+                batches.append(prompts[at : at + n])
                 at += n
             reference = static_tokens(static_decoder(ref_model, eos, False, True), batches)
             answers = {name: static_tokens(static_decoder(model, eos, g, f), batches) for name, g, f in candidates}
@@ -250,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             eos = ending_tokens(probe, 1, 12)
             sampled = {i for i, r in enumerate(requests) if not r.params.greedy}
             reference = slot_tokens(slot_decoder(ref_model, eos, False, True, a.slots), requests)
-            answers = {name: slot_tokens(slot_decoder(model, eos, g, f, a.slots), requests)
-                       for name, g, f in candidates}
+            answers = {
+                name: slot_tokens(slot_decoder(model, eos, g, f, a.slots), requests) for name, g, f in candidates
+            }
         else:
             raise SystemExit(f"unknown path {path!r} (static, slots)")
         for name, tokens in answers.items():
@@ -264,22 +297,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
-    head = ["path", "candidate", "requests", "tokens", "ended at EOS", "greedy identical", "sampled identical",
-            "first differences (request: token index)", "agree"]
+    head = [
+        "path",
+        "candidate",
+        "requests",
+        "tokens",
+        "ended at EOS",
+        "greedy identical",
+        "sampled identical",
+        "first differences (request: token index)",
+        "agree",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         diffs = ", ".join(f"{d['index']}: {d['first']}" for d in r["first_diffs"]) or "-"
-        lines.append(f"| {r['path']} | {r['candidate']} | {r['requests']} | {r['tokens']} | {r['ended_at_eos']} | "
-                     f"{r['greedy_identical']} / {r['greedy']} | {r['sampled_identical']} / {r['sampled']} | "
-                     f"{diffs} | **{'yes' if r['agree'] else 'NO'}** |")
+        lines.append(
+            f"| {r['path']} | {r['candidate']} | {r['requests']} | {r['tokens']} | {r['ended_at_eos']} | "
+            f"{r['greedy_identical']} / {r['greedy']} | {r['sampled_identical']} / {r['sampled']} | "
+            f"{diffs} | **{'yes' if r['agree'] else 'NO'}** |"
+        )
     name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
-    return (f"Each path's tokens against the same decoder eager on the CPU at the GPU's padded shapes "
-            f"({'64 wide, 4,096 tokens' if a.tiny else '576 wide'}, {a.layers} layers, float32, TF32 off, weights of "
-            f"std 0.5), {name}. "
-            f"static: batches of {'/'.join(map(str, STATIC_BATCHES))} prompts of 1-60 tokens, {STATIC_NEW} new "
-            f"tokens, greedy. slots: {a.requests} requests over {a.slots} slots, prompts of 1-120 tokens, "
-            f"max_tokens 1-96, about a third sampled with a seed (temperature 0.8, top_p 0.5 or 0.8). Agree: every "
-            f"greedy request identical and {SAMPLED_AGREE:.0%} of the sampled ones.\n\n" + "\n".join(lines) + "\n")
+    return (
+        f"Each path's tokens against the same decoder eager on the CPU at the GPU's padded shapes "
+        f"({'64 wide, 4,096 tokens' if a.tiny else '576 wide'}, {a.layers} layers, float32, TF32 off, weights of "
+        f"std 0.5), {name}. "
+        f"static: batches of {'/'.join(map(str, STATIC_BATCHES))} prompts of 1-60 tokens, {STATIC_NEW} new "
+        f"tokens, greedy. slots: {a.requests} requests over {a.slots} slots, prompts of 1-120 tokens, "
+        f"max_tokens 1-96, about a third sampled with a seed (temperature 0.8, top_p 0.5 or 0.8). Agree: every "
+        f"greedy request identical and {SAMPLED_AGREE:.0%} of the sampled ones.\n\n" + "\n".join(lines) + "\n"
+    )
 
 
 def save(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -287,8 +333,12 @@ def save(a: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     if not a.out:
         return
     with open(a.out, "w") as f:
-        f.write(markdown(a, rows) + "\n```\n" + json.dumps({"machine": machine(), "settings": vars(a)}, indent=1,
-                                                            default=str) + "\n```\n")
+        f.write(
+            markdown(a, rows)
+            + "\n```\n"
+            + json.dumps({"machine": machine(), "settings": vars(a)}, indent=1, default=str)
+            + "\n```\n"
+        )
     with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
         json.dump({"machine": machine(), "settings": vars(a), "rows": rows}, f, indent=1, default=str)
 

@@ -19,14 +19,16 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from functools import partial
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from batchserve.backends.static_decode import StaticDecoder  # noqa: E402
-from bench.cb_compare import machine, random_model, random_prompts, sync  # noqa: E402
+from batchserve.backends.static_decode import StaticDecoder
+from bench.cb_compare import machine, random_model, random_prompts, sync
 
 NO_EOS = [-1]  # every row runs to the end
 
@@ -65,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     graphs = None
     if cuda:
         started = time.perf_counter()
-        graphs = StaticDecoder(model, new, NO_EOS, pad_id=0, max_batch=max(sizes),
-                               prompt_buckets=(max(64, a.prompt_len),))
+        graphs = StaticDecoder(
+            model, new, NO_EOS, pad_id=0, max_batch=max(sizes), prompt_buckets=(max(64, a.prompt_len),)
+        )
         graphs.warm()
         print(f"captured {len(graphs.runners)} graphs in {time.perf_counter() - started:.1f} s", flush=True)
     anchor = None
@@ -82,16 +85,23 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.tensor(prompts, device=a.device)
             mask = torch.ones_like(ids)
 
-            def gen() -> None:
+            def gen(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> None:  # this size's tensors, bound now
                 with torch.inference_mode():
-                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                   do_sample=False, pad_token_id=0)
+                    model.generate(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        max_new_tokens=new,
+                        min_new_tokens=new,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
 
             row["generate_ms"] = timed(gen, a.device, a.repeats) * 1000
-        row["static_eager_ms"] = timed(lambda: eager.generate(prompts, min_tokens=new), a.device, a.repeats) * 1000
+        row["static_eager_ms"] = timed(partial(eager.generate, prompts, min_tokens=new), a.device, a.repeats) * 1000
         if graphs is not None:
-            row["static_graph_ms"] = timed(lambda: graphs.generate(prompts, min_tokens=new), a.device,
-                                           a.repeats) * 1000
+            row["static_graph_ms"] = (
+                timed(partial(graphs.generate, prompts, min_tokens=new), a.device, a.repeats) * 1000
+            )
         if anchor is not None:
             row["anchor_graph_ms"] = anchor(a.device, dtype, size, a.prompt_len, new, True, a.repeats) * 1000
         rows.append(row)
@@ -102,18 +112,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(a: argparse.Namespace, rows: list[dict[str, Any]], model: Any) -> str:
-    head = ["batch", "generate ms", "static eager ms", "static graph ms", "anchor graph ms", "graph / anchor",
-            "generate / graph", "graph output tokens/s"]
+    head = [
+        "batch",
+        "generate ms",
+        "static eager ms",
+        "static graph ms",
+        "anchor graph ms",
+        "graph / anchor",
+        "generate / graph",
+        "graph output tokens/s",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        g, an, gen = r.get("static_graph_ms", math.nan), r.get("anchor_graph_ms", math.nan), r.get("generate_ms",
-                                                                                                   math.nan)
-        lines.append(f"| {r['batch']} | {gen:.1f} | {r['static_eager_ms']:.1f} | {g:.1f} | {an:.1f} | {g / an:.2f} | "
-                     f"{gen / g:.1f} | {r['batch'] * a.new_tokens / g * 1000:.0f} |")
+        g, an, gen = (
+            r.get("static_graph_ms", math.nan),
+            r.get("anchor_graph_ms", math.nan),
+            r.get("generate_ms", math.nan),
+        )
+        lines.append(
+            f"| {r['batch']} | {gen:.1f} | {r['static_eager_ms']:.1f} | {g:.1f} | {an:.1f} | {g / an:.2f} | "
+            f"{gen / g:.1f} | {r['batch'] * a.new_tokens / g * 1000:.0f} |"
+        )
     name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
-    return (f"Offline batch time, {a.prompt_len}-id prompts x {a.new_tokens} new tokens (EOS ignored), SmolLM2-135M "
-            f"architecture{' (tiny)' if a.tiny else ''}, random weights, {name}, median of {a.repeats}. Goal: graph "
-            f"/ anchor <= 1.3 at batch 100.\n\n" + "\n".join(lines) + "\n")
+    return (
+        f"Offline batch time, {a.prompt_len}-id prompts x {a.new_tokens} new tokens (EOS ignored), SmolLM2-135M "
+        f"architecture{' (tiny)' if a.tiny else ''}, random weights, {name}, median of {a.repeats}. Goal: graph "
+        f"/ anchor <= 1.3 at batch 100.\n\n" + "\n".join(lines) + "\n"
+    )
 
 
 def save(a: argparse.Namespace, rows: list[dict[str, Any]], model: Any) -> None:
@@ -121,8 +146,12 @@ def save(a: argparse.Namespace, rows: list[dict[str, Any]], model: Any) -> None:
     if not a.out:
         return
     with open(a.out, "w") as f:
-        f.write(markdown(a, rows, model) + "\n```\n" + json.dumps({"machine": machine(), "settings": vars(a)},
-                                                                   indent=1, default=str) + "\n```\n")
+        f.write(
+            markdown(a, rows, model)
+            + "\n```\n"
+            + json.dumps({"machine": machine(), "settings": vars(a)}, indent=1, default=str)
+            + "\n```\n"
+        )
     with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
         json.dump({"machine": machine(), "settings": vars(a), "rows": rows}, f, indent=1, default=str)
 

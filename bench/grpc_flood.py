@@ -48,7 +48,9 @@ class Probe:
         return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000
 
 
-def probe_loop(url: str, grpc_target: str, stop: threading.Event, phase: list[str], probes: dict) -> None:
+def probe_loop(
+    url: str, grpc_target: str, stop: threading.Event, phase: list[str], probes: dict[tuple[str, str], Probe]
+) -> None:
     """Every 0.1 s: GET /healthz, a keyed POST /v1/inference, a gRPC ServerReady on a channel opened before the
     flood and one on a new connection, each booked to the phase."""
     import grpc
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         found = GRPC_LINE.search(server.log_path.read_bytes())
         assert found, "no gRPC port in the server's log"
         grpc_port = int(found.group(1))
-        phase, probes, stop = ["before"], {}, threading.Event()
+        phase, stop = ["before"], threading.Event()
+        probes: dict[tuple[str, str], Probe] = {}
         prober = threading.Thread(
             target=probe_loop, args=(f"http://127.0.0.1:{server.port}", f"127.0.0.1:{grpc_port}", stop, phase, probes)
         )

@@ -4,7 +4,8 @@ Why: on a shared 2-core machine wall-clock latency swings with whatever else run
 process spends per request moves little. This drives the ASGI apps directly (scope / receive / send, as
 uvicorn calls them, with uvicorn's per-request `disconnected` flag) with the same concurrency and body shape as
 the load bench, and reports process CPU per request for batchserve (sim backend, 100 ms batches of at most 100, with
-`--concurrency` 150 in flight as at 900 requests/s: ~0.16 s each x 900/s, so a batch runs while the next one queues) beside the bare Starlette endpoint of `bench/bare_app.py` and the minimal batcher of
+`--concurrency` 150 in flight as at 900 requests/s: ~0.16 s each x 900/s, so a batch runs while the next one queues)
+beside the bare Starlette endpoint of `bench/bare_app.py` and the minimal batcher of
 `bench/minimal_batcher.py` (a future per request and one task taking the waiting inputs: the least any batcher
 on this stack pays for holding a request across a batch). The sockets and HTTP parsing (uvicorn +
 httptools) are left out: they cost both apps the same. `--profile` writes a pyinstrument report of the
@@ -33,7 +34,8 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import orjson
 
@@ -64,12 +66,26 @@ class Cycle:
 
 
 def scope_for(body: bytes) -> dict[str, Any]:
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-            "scheme": "http", "path": "/v1/inference", "raw_path": b"/v1/inference", "query_string": b"",
-            "root_path": "", "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                                         (b"content-length", str(len(body)).encode()),
-                                         (b"user-agent", b"bench")],
-            "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), "state": {}}
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/inference",
+        "raw_path": b"/v1/inference",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"user-agent", b"bench"),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
 
 
 async def one(app: ASGIApp, i: int) -> int:
@@ -143,8 +159,11 @@ async def the_three_apps(stack: contextlib.AsyncExitStack) -> dict[str, Any]:
     async def minimal() -> Any:
         return minimal_batcher.create_app()
 
-    return {"bare Starlette": await prepare(bare, stack), "minimal batcher": await prepare(minimal, stack),
-            "batchserve": await prepare(batchserve_app, stack)}
+    return {
+        "bare Starlette": await prepare(bare, stack),
+        "minimal batcher": await prepare(minimal, stack),
+        "batchserve": await prepare(batchserve_app, stack),
+    }
 
 
 async def main_async(a: argparse.Namespace) -> None:
@@ -198,24 +217,40 @@ async def main_async(a: argparse.Namespace) -> None:
                 fh.write(profiler.output_html() if a.profile.endswith(".html") else profile_text)
     base = statistics.median(runs["bare Starlette"])
     minimal_med = statistics.median(runs["minimal batcher"])
-    lines = [f"| app | CPU µs/req (median of {a.repeats}) | ratio | ÷ minimal batcher | runs |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"| app | CPU µs/req (median of {a.repeats}) | ratio | ÷ minimal batcher | runs |",
+        "|---|---|---|---|---|",
+    ]
     for name, values in runs.items():
         med = statistics.median(values)
-        lines.append(f"| {name} | {med:.1f} | {med / base:.2f} | {med / minimal_med:.2f} | "
-                     f"{[round(v, 1) for v in values]}" + (f" (non-200: {bad[name]})" if bad[name] else "") + " |")
-    md = "\n".join(["# CPU per request of the inference route, in-process (bench/hotpath.py)", "",
-                    f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of {BATCH_MS:g} ms; "
-                    "runs interleaved; process CPU time (the worker thread included); "
-                    f"{'default' if a.default_gc else 'the server'}'s GC settings; load average {load_start} at "
-                    "the start.", "", *lines])
+        lines.append(
+            f"| {name} | {med:.1f} | {med / base:.2f} | {med / minimal_med:.2f} | "
+            f"{[round(v, 1) for v in values]}" + (f" (non-200: {bad[name]})" if bad[name] else "") + " |"
+        )
+    md = "\n".join(
+        [
+            "# CPU per request of the inference route, in-process (bench/hotpath.py)",
+            "",
+            f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of {BATCH_MS:g} ms; "
+            "runs interleaved; process CPU time (the worker thread included); "
+            f"{'default' if a.default_gc else 'the server'}'s GC settings; load average {load_start} at "
+            "the start.",
+            "",
+            *lines,
+        ]
+    )
     if profile_text:
         md += "\n\n## Profile of the batchserve runs (pyinstrument)\n\n```\n" + profile_text + "\n```"
     print(md)
     from bench import common, report
 
-    rep = {"provenance": report.provenance(), "settings": vars(a), "runs_us": runs, "non_200": bad,
-           "loadavg_start": load_start}
+    rep = {
+        "provenance": report.provenance(),
+        "settings": vars(a),
+        "runs_us": runs,
+        "non_200": bad,
+        "loadavg_start": load_start,
+    }
     print(report.written(report.write(common.run_name(a, "hotpath"), rep, md, common.out_dir(a))))
 
 
@@ -260,11 +295,21 @@ def ab_main(a: argparse.Namespace) -> None:
         for label, tree in trees.items():
             # The harness (bench/) from this checkout, the package from `tree`: `--child` puts `tree` first on
             # the path before anything imports batchserve.
-            cmd = [sys.executable, "-m", "bench.hotpath", "--child", str(tree), "--requests", str(a.requests),
-                   "--concurrency", str(a.concurrency)] + (["--default-gc"] if a.default_gc else [])
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.hotpath",
+                "--child",
+                str(tree),
+                "--requests",
+                str(a.requests),
+                "--concurrency",
+                str(a.concurrency),
+            ] + (["--default-gc"] if a.default_gc else [])
             env = {**os.environ, "PYTHONPATH": str(here)}
-            children[label] = subprocess.Popen(cmd, cwd=here, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                               text=True)
+            children[label] = subprocess.Popen(
+                cmd, cwd=here, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
             ready = orjson.loads(children[label].stdout.readline())  # type: ignore[union-attr]
             packages[label] = ready["package"]
         names = ("bare Starlette", "minimal batcher", "batchserve")
@@ -293,44 +338,90 @@ def ab_main(a: argparse.Namespace) -> None:
     head, base = runs["this checkout"], runs["base"]
     per_round = {t: [b / m for b, m in zip(runs[t]["batchserve"], runs[t]["minimal batcher"])] for t in trees}
     head_over_base = [h / b for h, b in zip(head["batchserve"], base["batchserve"])]
-    commits = {t: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=trees[t], capture_output=True, text=True,
-                                 check=False).stdout.strip() for t in trees}
-    lines = [f"| checkout | package | batchserve CPU µs/req | minimal batcher | bare Starlette | batchserve ÷ minimal "
-             f"(median of the rounds' ratios) | rounds (÷ minimal) |", "|---|---|---|---|---|---|---|"]
+    commits = {
+        t: subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=trees[t], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        for t in trees
+    }
+    lines = [
+        "| checkout | package | batchserve CPU µs/req | minimal batcher | bare Starlette | batchserve ÷ minimal "
+        "(median of the rounds' ratios) | rounds (÷ minimal) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t in trees:
-        lines.append(f"| {t} ({commits[t]}) | `{packages[t]}` | {med(runs[t]['batchserve']):.1f} | {med(runs[t]['minimal batcher']):.1f} "
-                     f"| {med(runs[t]['bare Starlette']):.1f} | {med(per_round[t]):.2f} "
-                     f"| {[round(v, 2) for v in per_round[t]]}" + (f" (non-200: {bad[t]})" if bad[t] else "") + " |")
-    md = "\n".join(["# CPU per request of the inference route, in-process, this checkout vs a base (bench/hotpath.py "
-                    "--base)", "", f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of "
-                    f"{BATCH_MS:g} ms; {a.repeats} rounds, the two checkouts' processes taking turns app by app; "
-                    f"{'default' if a.default_gc else 'the server'}'s GC settings; load average {load_start} at the "
-                    "start.", "", *lines, "",
-                    f"- batchserve, this checkout ÷ base: **{med(head_over_base):.2f}** (rounds: "
-                    f"{[round(v, 2) for v in head_over_base]})",
-                    f"- batchserve ÷ minimal batcher: this checkout **{med(per_round['this checkout']):.2f}**, base "
-                    f"**{med(per_round['base']):.2f}** (goal of issue 35: ≤ 1.25)"])
+        lines.append(
+            f"| {t} ({commits[t]}) | `{packages[t]}` | {med(runs[t]['batchserve']):.1f} | "
+            f"{med(runs[t]['minimal batcher']):.1f} "
+            f"| {med(runs[t]['bare Starlette']):.1f} | {med(per_round[t]):.2f} "
+            f"| {[round(v, 2) for v in per_round[t]]}" + (f" (non-200: {bad[t]})" if bad[t] else "") + " |"
+        )
+    md = "\n".join(
+        [
+            "# CPU per request of the inference route, in-process, this checkout vs a base (bench/hotpath.py --base)",
+            "",
+            f"{a.requests} requests per run, {a.concurrency} in flight, sim batches of "
+            f"{BATCH_MS:g} ms; {a.repeats} rounds, the two checkouts' processes taking turns app by app; "
+            f"{'default' if a.default_gc else 'the server'}'s GC settings; load average {load_start} at the "
+            "start.",
+            "",
+            *lines,
+            "",
+            f"- batchserve, this checkout ÷ base: **{med(head_over_base):.2f}** (rounds: "
+            f"{[round(v, 2) for v in head_over_base]})",
+            f"- batchserve ÷ minimal batcher: this checkout **{med(per_round['this checkout']):.2f}**, base "
+            f"**{med(per_round['base']):.2f}** (goal of issue 35: ≤ 1.25)",
+        ]
+    )
     print(md)
-    rep = {"provenance": report.provenance(), "settings": vars(a), "runs_us": runs, "non_200": bad,
-           "packages": packages, "commits": commits, "ratio_to_minimal": per_round, "head_over_base": head_over_base,
-           "loadavg_start": load_start}
+    rep = {
+        "provenance": report.provenance(),
+        "settings": vars(a),
+        "runs_us": runs,
+        "non_200": bad,
+        "packages": packages,
+        "commits": commits,
+        "ratio_to_minimal": per_round,
+        "head_over_base": head_over_base,
+        "loadavg_start": load_start,
+    }
     print(report.written(report.write(common.run_name(a, "hotpath"), rep, md, common.out_dir(a))))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=3000, help="requests per run")
-    p.add_argument("--concurrency", type=int, default=150, help="requests in flight at once (default %(default)s: "
-                   "900 requests/s x ~0.16 s; at 100 every request arrived while the worker was between batches)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=150,
+        help="requests in flight at once (default %(default)s: "
+        "900 requests/s x ~0.16 s; at 100 every request arrived while the worker was between batches)",
+    )
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--floor", action="store_true", help="also run the bare endpoint and the minimal batcher as "
-                   "plain ASGI apps (bench/raw_apps.py), as batchserve's route is: the floor under its hot path")
-    p.add_argument("--default-gc", action="store_true", help="keep CPython's collector thresholds (700) instead of "
-                   "the server's (`batchserve.gc_tuning.tune_gc`)")
-    p.add_argument("--profile", default="", help="profile the batchserve runs with pyinstrument: write it here "
-                   "(.html, else text; '-' only into the report)")
-    p.add_argument("--base", default="", help="another checkout (a git worktree of main, say): run its batchserve "
-                   "and this one's in turn, in a process each, and quote both (module docstring)")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run the bare endpoint and the minimal batcher as "
+        "plain ASGI apps (bench/raw_apps.py), as batchserve's route is: the floor under its hot path",
+    )
+    p.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="keep CPython's collector thresholds (700) instead of the server's (`batchserve.gc_tuning.tune_gc`)",
+    )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="profile the batchserve runs with pyinstrument: write it here "
+        "(.html, else text; '-' only into the report)",
+    )
+    p.add_argument(
+        "--base",
+        default="",
+        help="another checkout (a git worktree of main, say): run its batchserve "
+        "and this one's in turn, in a process each, and quote both (module docstring)",
+    )
     p.add_argument("--child", default="", help=argparse.SUPPRESS)  # a `--base` run's process: the package's tree
     from bench import common
 

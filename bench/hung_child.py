@@ -6,7 +6,8 @@
 
 It starts `batchserve serve --processes 2 --devices 2 --sim-batch-ms 20` (`--process-hang-s` from `--hang-s`),
 sends open-loop Poisson load (latency from the scheduled send time; a new request whatever the earlier ones
-are doing) over keep-alive connections (`--fresh-connections`: a new one per request, as from many clients), and at `--stop-at` sends SIGSTOP to one child, SIGCONT `--stop-s`
+are doing) over keep-alive connections (`--fresh-connections`: a new one per request, as from many clients), and at
+`--stop-at` sends SIGSTOP to one child, SIGCONT `--stop-s`
 later (nothing, once it was killed). Each request whose connection breaks with no answer (the stopped child
 killed under it) is sent once more on a new connection, as a balancer retries an idempotent request; the
 report counts those apart. A prober asks the shared port's /readyz on a new connection every 0.5 s, with no
@@ -28,25 +29,25 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/hung_child.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
-import uvloop  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
+import uvloop
 
-from bench import common, report, servers  # noqa: E402
-from bench.report import fmt, pct, table  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.report import fmt, pct, table
+from bench.schedule import poisson_schedule
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 BROKEN = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
@@ -94,15 +95,26 @@ def watch_gone(pid: int, t0: float, out: list[float], stop: threading.Event) -> 
         time.sleep(0.02)
 
 
-async def drive(base: str, d: Drill, t0: float, stop_at: float, stop_s: float, victim: int, timeout_s: float,
-                fresh_connections: bool = False) -> None:
+async def drive(
+    base: str,
+    d: Drill,
+    t0: float,
+    stop_at: float,
+    stop_s: float,
+    victim: int,
+    timeout_s: float,
+    fresh_connections: bool = False,
+) -> None:
     """The load, the SIGSTOP / SIGCONT and the /readyz prober, all timed from t0 (time.monotonic())."""
     url = base + "/v1/inference"
     tag = os.urandom(3).hex()
     # Keep-alive: a request takes an idle connection, so those stuck on the stopped child take no new ones. Fresh:
     # a new connection per request (many independent clients), each dealt by the kernel, half to the stopped child.
-    connector = aiohttp.TCPConnector(limit=0, force_close=True) if fresh_connections else \
-        aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    connector = (
+        aiohttp.TCPConnector(limit=0, force_close=True)
+        if fresh_connections
+        else aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    )
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
 
         async def send(i: int) -> None:
@@ -118,7 +130,7 @@ async def drive(base: str, d: Drill, t0: float, stop_at: float, stop_s: float, v
                         continue
                     d.outcome[i] = f"failed: {type(exc).__name__} twice"
                     return
-                except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     d.outcome[i] = f"failed: {type(exc).__name__}"
                     return
                 d.done[i] = time.monotonic() - t0
@@ -142,7 +154,7 @@ async def drive(base: str, d: Drill, t0: float, stop_at: float, stop_s: float, v
                         async with fresh.get(base + "/readyz") as resp:
                             await resp.read()
                             what = str(resp.status)
-                except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     what = f"no answer ({type(exc).__name__})"
                 d.readyz.append((at, what, time.monotonic() - began))
 
@@ -173,18 +185,26 @@ async def drive(base: str, d: Drill, t0: float, stop_at: float, stop_s: float, v
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rate", type=float, default=30.0, help="requests per second (default %(default)g)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load (default %(default)g)")
     p.add_argument("--stop-at", type=float, default=10.0, help="SIGSTOP one child at this second (default %(default)g)")
     p.add_argument("--stop-s", type=float, default=10.0, help="SIGCONT this long after (default %(default)g)")
-    p.add_argument("--hang-s", type=float, default=3.0, help="the server's --process-hang-s (0: detection off, "
-                                                            "the behaviour before; default %(default)g)")
+    p.add_argument(
+        "--hang-s",
+        type=float,
+        default=3.0,
+        help="the server's --process-hang-s (0: detection off, the behaviour before; default %(default)g)",
+    )
     p.add_argument("--sim-batch-ms", type=float, default=20.0, help="default %(default)g")
     p.add_argument("--timeout", type=float, default=30.0, help="client timeout per request, s (default %(default)g)")
-    p.add_argument("--fresh-connections", action="store_true",
-                   help="a new connection per request (default: keep-alive connections, an idle one reused)")
+    p.add_argument(
+        "--fresh-connections",
+        action="store_true",
+        help="a new connection per request (default: keep-alive connections, an idle one reused)",
+    )
     p.add_argument("--seed", type=int, default=34)
     common.add_output_flags(p, name="hung-child", tag=True)
     return p.parse_args(argv)
@@ -195,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     name = common.run_name(a, "hung-child")
     logs = common.log_dir(a, name)
     load_before = os.getloadavg()
-    cmd = servers.batchserve_cmd(2, a.sim_batch_ms, 100, ["--processes", "2", "--slo-ms", "2000", "--timeout-ms",
-                                                          "10000", "--process-hang-s", f"{a.hang_s:g}"])
+    cmd = servers.batchserve_cmd(
+        2,
+        a.sim_batch_ms,
+        100,
+        ["--processes", "2", "--slo-ms", "2000", "--timeout-ms", "10000", "--process-hang-s", f"{a.hang_s:g}"],
+    )
     d = Drill(poisson_schedule(a.rate, a.duration, a.seed))
     gone: list[float] = []
     stop_watch = threading.Event()
@@ -227,41 +251,73 @@ def main(argv: list[str] | None = None) -> int:
 
     before, during, after = phase(0, a.stop_at), phase(a.stop_at, stop_end), phase(stop_end, a.duration + 1)
     sent_before_kill = d.sched < stop_end
-    resumed_at = float(np.nanmax(d.done[sent_before_kill & (d.sched >= a.stop_at)])) \
-        if np.any(sent_before_kill & (d.sched >= a.stop_at)) else float("nan")
+    resumed_at = (
+        float(np.nanmax(d.done[sent_before_kill & (d.sched >= a.stop_at)]))
+        if np.any(sent_before_kill & (d.sched >= a.stop_at))
+        else float("nan")
+    )
     outcomes = Counter(d.outcome)
     clear = {o: n for o, n in outcomes.items() if o == "200" or o[:3] in ("429", "503", "504")}
     unclear = {o: n for o, n in outcomes.items() if o not in clear}
     ready = Counter(what for _, what, _ in d.readyz)
     ready_during = Counter(what for at, what, _ in d.readyz if a.stop_at <= at < stop_end)
     ready_slowest = max((took for at, _, took in d.readyz if a.stop_at <= at < stop_end), default=float("nan"))
-    rows = [[label, int(mask.sum()), int((mask & ok).sum()), fmt(pct(lat[mask & ok], 50)), fmt(pct(lat[mask & ok], 95)),
-             fmt(float(np.nanmax(lat[mask])) if np.any(mask & ~np.isnan(lat)) else float("nan"))]
-            for label, mask in (("before the stop", before), ("during (stop to kill, or to SIGCONT)", during),
-                                ("after (the kill, or SIGCONT)", after))]
-    md = [f"# Hung child drill ({name})", "",
-          f"`batchserve serve --processes 2 --devices 2 --sim-batch-ms {a.sim_batch_ms:g} --process-hang-s "
-          f"{a.hang_s:g}`; {a.rate:g} RPS open-loop Poisson for {a.duration:g} s "
-          f"({'a new connection per request' if a.fresh_connections else 'keep-alive connections'}); SIGSTOP of child pid {victim} "
-          f"at {a.stop_at:g} s, SIGCONT at {a.stop_at + a.stop_s:g} s. Load average before: "
-          f"{' '.join(f'{x:.2f}' for x in load_before)} (2 shared cores: noisy).", "",
-          table(["requests scheduled", "n", "200", "p50 ms", "p95 ms", "max ms"], rows), "",
-          f"- stopped child killed: {fmt(killed_at - a.stop_at) + ' s after the SIGSTOP' if killed_at else 'never'}",
-          f"- answers resumed (the last request sent between the stop and the kill answered): "
-          f"{fmt(resumed_at - a.stop_at)} s after the SIGSTOP",
-          f"- outcomes: {dict(outcomes)}; connections broken with no answer and retried once: "
-          f"{int(d.retried.sum())}; unclear (neither an answer nor a clear status): {unclear or 'none'}",
-          f"- /readyz on the shared port, a new connection every 0.5 s: {dict(ready)}; during the stop: "
-          f"{dict(ready_during)}, the slowest ended after {fmt(ready_slowest)} s",
-          f"- children after: {sorted(after_kids)} (the stopped one {'replaced' if victim not in after_kids else 'still there'})"]
+    rows = [
+        [
+            label,
+            int(mask.sum()),
+            int((mask & ok).sum()),
+            fmt(pct(lat[mask & ok], 50)),
+            fmt(pct(lat[mask & ok], 95)),
+            fmt(float(np.nanmax(lat[mask])) if np.any(mask & ~np.isnan(lat)) else float("nan")),
+        ]
+        for label, mask in (
+            ("before the stop", before),
+            ("during (stop to kill, or to SIGCONT)", during),
+            ("after (the kill, or SIGCONT)", after),
+        )
+    ]
+    md = [
+        f"# Hung child drill ({name})",
+        "",
+        f"`batchserve serve --processes 2 --devices 2 --sim-batch-ms {a.sim_batch_ms:g} --process-hang-s "
+        f"{a.hang_s:g}`; {a.rate:g} RPS open-loop Poisson for {a.duration:g} s "
+        f"({'a new connection per request' if a.fresh_connections else 'keep-alive connections'}); SIGSTOP of child "
+        f"pid {victim} "
+        f"at {a.stop_at:g} s, SIGCONT at {a.stop_at + a.stop_s:g} s. Load average before: "
+        f"{' '.join(f'{x:.2f}' for x in load_before)} (2 shared cores: noisy).",
+        "",
+        table(["requests scheduled", "n", "200", "p50 ms", "p95 ms", "max ms"], rows),
+        "",
+        f"- stopped child killed: {fmt(killed_at - a.stop_at) + ' s after the SIGSTOP' if killed_at else 'never'}",
+        f"- answers resumed (the last request sent between the stop and the kill answered): "
+        f"{fmt(resumed_at - a.stop_at)} s after the SIGSTOP",
+        f"- outcomes: {dict(outcomes)}; connections broken with no answer and retried once: "
+        f"{int(d.retried.sum())}; unclear (neither an answer nor a clear status): {unclear or 'none'}",
+        f"- /readyz on the shared port, a new connection every 0.5 s: {dict(ready)}; during the stop: "
+        f"{dict(ready_during)}, the slowest ended after {fmt(ready_slowest)} s",
+        f"- children after: {sorted(after_kids)} (the stopped one "
+        f"{'replaced' if victim not in after_kids else 'still there'})",
+    ]
     markdown = "\n".join(md)
     print(markdown)
-    rep = {**report.provenance(), "settings": vars(a) | {"out_dir": str(a.out_dir) if a.out_dir else None},
-           "load_before": load_before, "victim": victim, "killed_after_s": killed_at - a.stop_at if killed_at else None,
-           "resumed_after_s": resumed_at - a.stop_at, "phases": rows, "outcomes": dict(outcomes),
-           "retried": int(d.retried.sum()), "unclear": unclear, "readyz": dict(ready), "readyz_during": dict(ready_during),
-           "readyz_slowest_during_s": ready_slowest,
-           "children_after": sorted(after_kids), "log": report.log_lines(server_log)}
+    rep = {
+        **report.provenance(),
+        "settings": vars(a) | {"out_dir": str(a.out_dir) if a.out_dir else None},
+        "load_before": load_before,
+        "victim": victim,
+        "killed_after_s": killed_at - a.stop_at if killed_at else None,
+        "resumed_after_s": resumed_at - a.stop_at,
+        "phases": rows,
+        "outcomes": dict(outcomes),
+        "retried": int(d.retried.sum()),
+        "unclear": unclear,
+        "readyz": dict(ready),
+        "readyz_during": dict(ready_during),
+        "readyz_slowest_during_s": ready_slowest,
+        "children_after": sorted(after_kids),
+        "log": report.log_lines(server_log),
+    }
     paths = report.write(name, rep, markdown, common.out_dir(a))
     print(report.written(paths, logs))
     return 0 if not unclear and (a.hang_s == 0 or (killed_at is not None and resumed_at - a.stop_at < 5)) else 1

@@ -39,9 +39,16 @@ class IdealResult:
     count: int  # items in the measured window
 
 
-def simulate(arrivals: np.ndarray, devices: int, batch_s: float, max_batch: int, slo_s: float = 0.2,
-             margin_s: float = 0.005, policy: str = "paced", timeout_s: float = 2.0
-             ) -> tuple[np.ndarray, np.ndarray]:
+def simulate(
+    arrivals: np.ndarray,
+    devices: int,
+    batch_s: float,
+    max_batch: int,
+    slo_s: float = 0.2,
+    margin_s: float = 0.005,
+    policy: str = "paced",
+    timeout_s: float = 2.0,
+) -> tuple[np.ndarray, np.ndarray]:
     """Completion time of each arrival (NaN when it expired) and the dispatch time of each batch's size.
 
     Returns (done, batch_sizes) where done[i] is when arrival i got its answer."""
@@ -92,9 +99,19 @@ def simulate(arrivals: np.ndarray, devices: int, batch_s: float, max_batch: int,
             last_dispatch = now
 
 
-def ideal(rate: float, duration_s: float, warmup_s: float, seed: int, devices: int, batch_s: float = 0.1,
-          max_batch: int = 100, slo_s: float = 0.2, margin_s: float = 0.005, policy: str = "paced",
-          timeout_s: float = 2.0) -> IdealResult:
+def ideal(
+    rate: float,
+    duration_s: float,
+    warmup_s: float,
+    seed: int,
+    devices: int,
+    batch_s: float = 0.1,
+    max_batch: int = 100,
+    slo_s: float = 0.2,
+    margin_s: float = 0.005,
+    policy: str = "paced",
+    timeout_s: float = 2.0,
+) -> IdealResult:
     """Percentiles over the measured window (arrivals after the warm-up) of the same schedule the load
     generator sends: `poisson_schedule(rate, warmup_s + duration_s, seed)`."""
     arrivals = poisson_schedule(rate, warmup_s + duration_s, seed)
@@ -103,8 +120,15 @@ def ideal(rate: float, duration_s: float, warmup_s: float, seed: int, devices: i
     lat = (done - arrivals)[window]
     ok = lat[~np.isnan(lat)] * 1000
     pct = np.percentile(ok, [50, 95, 99]) if len(ok) else [math.nan] * 3
-    return IdealResult(policy, float(pct[0]), float(pct[1]), float(pct[2]),
-                       float(sizes.mean()) if len(sizes) else math.nan, int(np.isnan(lat).sum()), int(window.sum()))
+    return IdealResult(
+        policy,
+        float(pct[0]),
+        float(pct[1]),
+        float(pct[2]),
+        float(sizes.mean()) if len(sizes) else math.nan,
+        int(np.isnan(lat).sum()),
+        int(window.sum()),
+    )
 
 
 def main() -> None:
@@ -119,10 +143,22 @@ def main() -> None:
     a = p.parse_args()
     for rate in a.rate or [100, 500, 900, 950]:
         for policy in POLICIES:
-            r = ideal(rate, a.duration, a.warmup, row_seed(a.seed, a.devices, rate), a.devices, a.batch_ms / 1000,
-                      a.max_batch, a.slo_ms / 1000, a.margin_ms / 1000, policy)
-            print(f"devices={a.devices} rate={rate:g} {policy:5s} p50={r.p50_ms:6.1f} p95={r.p95_ms:6.1f} "
-                  f"p99={r.p99_ms:6.1f} ms  mean batch {r.mean_batch:5.1f}  expired {r.expired}/{r.count}")
+            r = ideal(
+                rate,
+                a.duration,
+                a.warmup,
+                row_seed(a.seed, a.devices, rate),
+                a.devices,
+                a.batch_ms / 1000,
+                a.max_batch,
+                a.slo_ms / 1000,
+                a.margin_ms / 1000,
+                policy,
+            )
+            print(
+                f"devices={a.devices} rate={rate:g} {policy:5s} p50={r.p50_ms:6.1f} p95={r.p95_ms:6.1f} "
+                f"p99={r.p99_ms:6.1f} ms  mean batch {r.mean_batch:5.1f}  expired {r.expired}/{r.count}"
+            )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,13 @@ def flood(port: int, pid: int, n: int, settle_s: float) -> dict:
         sock.close()
     time.sleep(settle_s)  # the sweep sees them gone (under a second) and trims
     after = rss_mb(pid)
-    return {"connections": n, "rss_before_mb": before, "rss_held_mb": held, "rss_after_mb": after,
-            "kept_of_growth": (after - before) / (held - before) if held > before else float("nan")}
+    return {
+        "connections": n,
+        "rss_before_mb": before,
+        "rss_held_mb": held,
+        "rss_after_mb": after,
+        "kept_of_growth": (after - before) / (held - before) if held > before else float("nan"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,16 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     rep: dict = {"kind": "idle-flood", "settings": {"sizes": sizes, "settle_s": a.settle}, **report.provenance()}
     with common.guarded(rep):
-        server = servers.start("batchserve", servers.batchserve_cmd(1, 5, 100, [
-            f"--max-connections={max(sizes) + 1000}"]), logs)
+        server = servers.start(
+            "batchserve", servers.batchserve_cmd(1, 5, 100, [f"--max-connections={max(sizes) + 1000}"]), logs
+        )
         for n in sizes:
             rows.append(flood(server.port, server.pid, n, a.settle))
             print(f"{n} connections: {rows[-1]}", file=sys.stderr)
     servers.stop_all()
     rep["rows"] = rows
-    table = report.table(["connections", "RSS before MB", "held MB", "after close MB", "kept of the growth"],
-                         [[r["connections"], r["rss_before_mb"], r["rss_held_mb"], r["rss_after_mb"],
-                           f"{r['kept_of_growth']:.0%}"] for r in rows])
+    table = report.table(
+        ["connections", "RSS before MB", "held MB", "after close MB", "kept of the growth"],
+        [
+            [r["connections"], r["rss_before_mb"], r["rss_held_mb"], r["rss_after_mb"], f"{r['kept_of_growth']:.0%}"]
+            for r in rows
+        ],
+    )
     markdown = f"# batchserve idle-connection flood — {rep['when_utc']}\n\n{table}\n"
     print(table)
     print(report.written(report.write(name, rep, markdown, common.out_dir(a)), logs))

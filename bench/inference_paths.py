@@ -24,33 +24,44 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/inference_paths.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
 
-from bench import common, report, servers  # noqa: E402
-from bench.report import fmt, pct, table  # noqa: E402
-from bench.schedule import poisson_schedule  # noqa: E402
+from bench import common, report, servers
+from bench.report import fmt, pct, table
+from bench.schedule import poisson_schedule
 
-SHORT = ["Hi", "What is the capital of France?", "What is 2 + 2?", "Name a colour.", "Say hello in Spanish.",
-         "Is the sea salty?", "What day comes after Monday?", "Spell cat."]
-LONG = ["Write a short story about a dragon who learns to fly, with a beginning, a middle and an end.",
-        "Explain why the sky is blue, in a few sentences a child would follow, and then say why sunsets are red.",
-        "List the planets of the solar system in order from the sun, with one fact about each of them.",
-        "Describe how bread is made, from the flour and the water to the loaf, step by step."]
+SHORT = [
+    "Hi",
+    "What is the capital of France?",
+    "What is 2 + 2?",
+    "Name a colour.",
+    "Say hello in Spanish.",
+    "Is the sea salty?",
+    "What day comes after Monday?",
+    "Spell cat.",
+]
+LONG = [
+    "Write a short story about a dragon who learns to fly, with a beginning, a middle and an end.",
+    "Explain why the sky is blue, in a few sentences a child would follow, and then say why sunsets are red.",
+    "List the planets of the solar system in order from the sun, with one fact about each of them.",
+    "Describe how bread is made, from the flour and the water to the loaf, step by step.",
+]
 
 
 def prompts(n: int, seed: int) -> list[str]:
     """n prompts, 2 in 3 short and 1 in 3 long, drawn with `seed` (both paths get the same ones)."""
     rng = np.random.default_rng(seed)
-    return [(LONG[rng.integers(len(LONG))] if rng.random() < 1 / 3 else SHORT[rng.integers(len(SHORT))])
-            for _ in range(n)]
+    return [
+        (LONG[rng.integers(len(LONG))] if rng.random() < 1 / 3 else SHORT[rng.integers(len(SHORT))]) for _ in range(n)
+    ]
 
 
 @dataclass
@@ -63,22 +74,29 @@ class Outcome:
     outputs: dict[str, str] = field(default_factory=dict)
 
 
-async def offer(base: str, sched: np.ndarray, texts: list[str], timeout_ms: float, client_timeout_s: float,
-                ) -> Outcome:
+async def offer(
+    base: str,
+    sched: np.ndarray,
+    texts: list[str],
+    timeout_ms: float,
+    client_timeout_s: float,
+) -> Outcome:
     """Send request i at sched[i] whatever the answers (open loop)."""
     n = len(sched)
     out = Outcome(np.full(n, np.nan), [0] * n, [""] * n)
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=client_timeout_s)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=client_timeout_s)
+    ) as session:
         t0 = time.monotonic() + 0.2
 
         async def send(i: int) -> None:
             due = t0 + float(sched[i])
             body = orjson.dumps({"input": texts[i], "timeout_ms": timeout_ms})
             try:
-                async with session.post(base + "/v1/inference", data=body,
-                                        headers={"Content-Type": "application/json"}) as resp:
+                async with session.post(
+                    base + "/v1/inference", data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
                     raw = await resp.read()
                     out.status[i] = resp.status
                 answer = orjson.loads(raw)
@@ -89,7 +107,7 @@ async def offer(base: str, sched: np.ndarray, texts: list[str], timeout_ms: floa
                     out.outputs.setdefault(texts[i], answer["output"])
                 else:
                     out.code[i] = str(answer.get("error", "?"))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 out.code[i] = "client_timeout"
             except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
                 out.code[i] = type(exc).__name__
@@ -110,15 +128,29 @@ def row(path: str, rate: float, a: argparse.Namespace, sched: np.ndarray, o: Out
     refused = window & (np.array(o.status) == 503)
     errors = Counter(f"{s} {c}" if s else c for s, c, w in zip(o.status, o.code, window) if w and s != 200)
     lat = o.latency_ms[window]
-    return {"path": path, "rate": rate, "offered": int(window.sum()), "answered": int(ok.sum()),
-            "answered_per_s": float(ok.sum()) / a.duration, "p50_ms": pct(lat, 50), "p95_ms": pct(lat, 95),
-            "refused_503": int(refused.sum()), "errors": dict(errors),
-            "mean_batch": float(np.mean(o.batch)) if o.batch else None,
-            "mean_queue_ms": float(np.mean(o.queue_ms)) if o.queue_ms else None}
+    return {
+        "path": path,
+        "rate": rate,
+        "offered": int(window.sum()),
+        "answered": int(ok.sum()),
+        "answered_per_s": float(ok.sum()) / a.duration,
+        "p50_ms": pct(lat, 50),
+        "p95_ms": pct(lat, 95),
+        "refused_503": int(refused.sum()),
+        "errors": dict(errors),
+        "mean_batch": float(np.mean(o.batch)) if o.batch else None,
+        "mean_queue_ms": float(np.mean(o.queue_ms)) if o.queue_ms else None,
+    }
 
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 
 
 def tiny_model_dir(source: str) -> str:
@@ -149,9 +181,28 @@ def server_cmd(a: argparse.Namespace, path: str) -> list[str]:
     """The server of one path. The static one runs without the generation engine (it is not used there, and
     its start, CUDA graphs included, would only lengthen the run); the stepper one decodes its (unused) batch
     path with `generate`, which warms without capturing the static decoder's graphs."""
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", "smollm2", "--drain-grace-s", "0",
-           "--inference-path", path, "--max-new-tokens", str(a.max_new_tokens), "--timeout-ms", f"{a.timeout_ms:g}",
-           "--max-timeout-ms", f"{max(a.timeout_ms, 60000):g}", "--jobs-db", ""]
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchserve",
+        "serve",
+        "--port",
+        "0",
+        "--backend",
+        "smollm2",
+        "--drain-grace-s",
+        "0",
+        "--inference-path",
+        path,
+        "--max-new-tokens",
+        str(a.max_new_tokens),
+        "--timeout-ms",
+        f"{a.timeout_ms:g}",
+        "--max-timeout-ms",
+        f"{max(a.timeout_ms, 60000):g}",
+        "--jobs-db",
+        "",
+    ]
     if a.model_dir:
         cmd += ["--smollm2-dir", a.model_dir]
     cmd += ["--generation", "off"] if path == "static" else ["--decode", "generate"]
@@ -164,47 +215,93 @@ def server_cmd(a: argparse.Namespace, path: str) -> list[str]:
 
 def markdown(rep: dict) -> str:
     s = rep["settings"]
-    rows = [[r["path"], r["rate"], r["offered"], r["answered"], r["answered_per_s"], r["p50_ms"], r["p95_ms"],
-             r["refused_503"], sum(r["errors"].values()) - r["refused_503"], r["mean_batch"], r["mean_queue_ms"]]
-            for r in rep["rows"]]
-    return "\n".join([
-        f"# /v1/inference: static batches vs the slot stepper — {rep['when_utc']}",
-        f"`{s['command']}`  ",
-        f"commit `{rep['git']['commit'][:12]}`{' (dirty)' if rep['git']['dirty'] else ''}, "
-        f"{rep['machine']['cpu_model']} × {rep['machine']['cores_usable']} usable cores, load average at start "
-        f"{rep['machine']['loadavg_at_start']}; device {s['device']}, weights "
-        f"{'tiny random (2 layers, 64 wide)' if s['tiny'] else s['smollm2_dir'] or 'SmolLM2-135M-Instruct (GGUF, real)'}, {s['max_new_tokens']} new tokens at most, "
-        f"timeout_ms {s['timeout_ms']:g}, {s['duration']:g} s measured after {s['warmup']:g} s per rate, "
-        f"open-loop Poisson, prompts 2/3 short 1/3 long (seed {s['seed']}); stepper slots "
-        f"{s['slots'] or 'auto'}; ready in {rep['ready_s']}",
-        "",
-        table(["path", "offered /s", "offered", "answered", "answered /s", "p50 ms", "p95 ms", "503", "other errors",
-               "mean batch_size", "mean queue_ms"], rows),
-        "",
-        f"Same text from both paths: {rep['same_text']}. Other errors: "
-        f"{ {r['path'] + ' @ ' + fmt(r['rate'], 'g'): r['errors'] for r in rep['rows'] if r['errors']} }",
-    ])
+    rows = [
+        [
+            r["path"],
+            r["rate"],
+            r["offered"],
+            r["answered"],
+            r["answered_per_s"],
+            r["p50_ms"],
+            r["p95_ms"],
+            r["refused_503"],
+            sum(r["errors"].values()) - r["refused_503"],
+            r["mean_batch"],
+            r["mean_queue_ms"],
+        ]
+        for r in rep["rows"]
+    ]
+    weights = (
+        "tiny random (2 layers, 64 wide)" if s["tiny"] else s["smollm2_dir"] or "SmolLM2-135M-Instruct (GGUF, real)"
+    )
+    return "\n".join(
+        [
+            f"# /v1/inference: static batches vs the slot stepper — {rep['when_utc']}",
+            f"`{s['command']}`  ",
+            f"commit `{rep['git']['commit'][:12]}`{' (dirty)' if rep['git']['dirty'] else ''}, "
+            f"{rep['machine']['cpu_model']} × {rep['machine']['cores_usable']} usable cores, load average at start "
+            f"{rep['machine']['loadavg_at_start']}; device {s['device']}, weights {weights}, "
+            f"{s['max_new_tokens']} new tokens at most, "
+            f"timeout_ms {s['timeout_ms']:g}, {s['duration']:g} s measured after {s['warmup']:g} s per rate, "
+            f"open-loop Poisson, prompts 2/3 short 1/3 long (seed {s['seed']}); stepper slots "
+            f"{s['slots'] or 'auto'}; ready in {rep['ready_s']}",
+            "",
+            table(
+                [
+                    "path",
+                    "offered /s",
+                    "offered",
+                    "answered",
+                    "answered /s",
+                    "p50 ms",
+                    "p95 ms",
+                    "503",
+                    "other errors",
+                    "mean batch_size",
+                    "mean queue_ms",
+                ],
+                rows,
+            ),
+            "",
+            f"Same text from both paths: {rep['same_text']}. Other errors: "
+            f"{ {r['path'] + ' @ ' + fmt(r['rate'], 'g'): r['errors'] for r in rep['rows'] if r['errors']} }",
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="/v1/inference of SmolLM2: static batches vs the slot stepper")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--smollm2-dir", default="", help="transformers-format weights (a config alone: random weights)")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide SmolLM2 with random weights (a smoke "
-                                                          "test: rates 2,4, 4 s each, 8 new tokens)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a 2-layer, 64-wide SmolLM2 with random weights (a smoke test: rates 2,4, 4 s each, 8 new tokens)",
+    )
     p.add_argument("--paths", default="static,stepper", help="which paths, in order (default %(default)s)")
-    p.add_argument("--rates", default=None, help="offered requests per second, comma-separated (default 1,2,4 on "
-                                                 "a CPU, 300,1000 on CUDA, 2,4 with --tiny)")
+    p.add_argument(
+        "--rates",
+        default=None,
+        help="offered requests per second, comma-separated (default 1,2,4 on a CPU, 300,1000 on CUDA, 2,4 with --tiny)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 16 on a CPU, 64 on CUDA, 8 with --tiny")
     p.add_argument("--slots", type=int, default=0, help="the stepper's --generation-max-seqs (0 = the server's auto)")
     p.add_argument("--timeout-ms", type=float, default=20000.0, help="each request's timeout_ms")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for `batchserve serve`")
     common.add_load_flags(p, duration=None, warmup=None, seed=1, timeout=None)
-    p.add_argument("--duration", type=float, default=None, help="seconds measured per rate (default 20 on a CPU, "
-                                                                  "5 on CUDA, 4 with --tiny)")
-    p.add_argument("--warmup", type=float, default=None, help="seconds of load before each measured window "
-                                                                "(default 3; 1 on CUDA and with --tiny)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds measured per rate (default 20 on a CPU, 5 on CUDA, 4 with --tiny)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds of load before each measured window (default 3; 1 on CUDA and with --tiny)",
+    )
     common.add_output_flags(p, name="inference-paths")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
@@ -222,10 +319,16 @@ def main(argv: list[str] | None = None) -> int:
     name = common.run_name(a, f"inference-paths-{a.device}{'-tiny' if a.tiny else ''}")
     logs = common.log_dir(a, name)
     a.model_dir = tiny_model_dir(a.smollm2_dir) if a.tiny else a.smollm2_dir
-    rep: dict = {**report.provenance(), "settings": {**vars(a), "out_dir": str(a.out_dir) if a.out_dir else None,
-                                                    "command": " ".join(["python -m bench.inference_paths",
-                                                                         *(argv if argv is not None else sys.argv[1:])])},
-                 "rows": [], "ready_s": {}}
+    rep: dict = {
+        **report.provenance(),
+        "settings": {
+            **vars(a),
+            "out_dir": str(a.out_dir) if a.out_dir else None,
+            "command": " ".join(["python -m bench.inference_paths", *(argv if argv is not None else sys.argv[1:])]),
+        },
+        "rows": [],
+        "ready_s": {},
+    }
     outputs: dict[str, dict[str, str]] = {}
     with common.guarded(rep) as stopping:
         for path in paths:
@@ -241,8 +344,11 @@ def main(argv: list[str] | None = None) -> int:
                 r = row(path, rate, a, sched, o)
                 rep["rows"].append(r)
                 outputs[path].update(o.outputs)
-                print(f"{path:8s} {rate:7g}/s: answered {r['answered_per_s']:.2f}/s, p95 {fmt(r['p95_ms'])} ms, "
-                      f"503 {r['refused_503']}, errors {r['errors']}", flush=True)
+                print(
+                    f"{path:8s} {rate:7g}/s: answered {r['answered_per_s']:.2f}/s, p95 {fmt(r['p95_ms'])} ms, "
+                    f"503 {r['refused_503']}, errors {r['errors']}",
+                    flush=True,
+                )
             rep.setdefault("server_log", {})[path] = report.log_lines(server.log_path)
             servers.stop(server)
     if len(outputs) == 2:

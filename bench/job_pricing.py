@@ -26,22 +26,22 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/job_pricing.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
+import aiohttp
+import numpy as np
 
-from bench import common, report, servers  # noqa: E402
+from bench import common, report, servers
 
 RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
@@ -79,11 +79,32 @@ def start_server(repo: Path, tmp: Path, log_dir: Path, name: str) -> tuple[subpr
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     env = {**servers.clean_env(), "PYTHONPATH": str(repo)}
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--config", str(tmp / "bs.toml"),
-           "--jobs-db", str(tmp / "jobs.db"), "--drain-grace-s", "0", "--log-level", "info"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchserve",
+        "serve",
+        "--port",
+        "0",
+        "--config",
+        str(tmp / "bs.toml"),
+        "--jobs-db",
+        str(tmp / "jobs.db"),
+        "--drain-grace-s",
+        "0",
+        "--log-level",
+        "info",
+    ]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=repo,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     give_up = time.monotonic() + 300
     port = 0
     while time.monotonic() < give_up:
@@ -110,36 +131,70 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def add_key(repo: Path, config: Path, tenant: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config), "--tenant",
-                          tenant, "--tier", "paid", "--rate", "100000"], cwd=repo, capture_output=True, text=True,
-                         check=True, env={**servers.clean_env(), "PYTHONPATH": str(repo)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchserve",
+            "keys",
+            "add",
+            "--config",
+            str(config),
+            "--tenant",
+            tenant,
+            "--tier",
+            "paid",
+            "--rate",
+            "100000",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**servers.clean_env(), "PYTHONPATH": str(repo)},
+    )
     return out.stdout.strip()
 
 
 def summarize(name: str, rows: list[tuple[int, float, str]]) -> Phase:
     lat = np.array([ms for status, ms, _ in rows if status == 200])
     msgs = Counter(re.sub(r"\d[\d,.]*", "N", m) for status, _, m in rows if status == 503)
-    return Phase(name, len(rows), int(sum(s == 200 for s, _, _ in rows)), int(sum(s == 503 for s, _, _ in rows)),
-                 int(sum(s not in (200, 503) for s, _, _ in rows)), report.pct(lat, 50), report.pct(lat, 95),
-                 dict(msgs.most_common(3)))
+    return Phase(
+        name,
+        len(rows),
+        int(sum(s == 200 for s, _, _ in rows)),
+        int(sum(s == 503 for s, _, _ in rows)),
+        int(sum(s not in (200, 503) for s, _, _ in rows)),
+        report.pct(lat, 50),
+        report.pct(lat, 95),
+        dict(msgs.most_common(3)),
+    )
 
 
-async def interactive(session: aiohttp.ClientSession, url: str, key: str, rate: float, seconds: float,
-                      ) -> list[tuple[int, float, str]]:
+async def interactive(
+    session: aiohttp.ClientSession,
+    url: str,
+    key: str,
+    rate: float,
+    seconds: float,
+) -> list[tuple[int, float, str]]:
     """Open loop: one short input every 1/rate s, whatever the answers; (status, ms, 503 message) each."""
     rows: list[tuple[int, float, str]] = []
 
     async def one(i: int) -> None:
         t0 = time.monotonic()
         try:
-            async with session.post(url + "/v1/embeddings", json={"input": f"a short sentence, number {i}"},
-                                    headers={"Authorization": f"Bearer {key}"}) as r:
+            async with session.post(
+                url + "/v1/embeddings",
+                json={"input": f"a short sentence, number {i}"},
+                headers={"Authorization": f"Bearer {key}"},
+            ) as r:
                 body = await r.read()
                 message = ""
                 if r.status == 503:
                     message = str(json.loads(body).get("error", {}).get("message", ""))[:120]
                 rows.append((r.status, (time.monotonic() - t0) * 1000, message))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             rows.append((0, (time.monotonic() - t0) * 1000, type(exc).__name__))
 
     tasks, start, i = [], time.monotonic(), 0
@@ -152,17 +207,27 @@ async def interactive(session: aiohttp.ClientSession, url: str, key: str, rate: 
 
 
 def input_file(lines: int, inputs: int) -> bytes:
-    return b"".join(json.dumps({"custom_id": f"line-{n}", "method": "POST", "url": "/v1/embeddings",
-                                "body": {"model": "minilm", "input": [f"w{k}" for k in range(inputs)]}}).encode()
-                    + b"\n" for n in range(lines))
+    return b"".join(
+        json.dumps(
+            {
+                "custom_id": f"line-{n}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "minilm", "input": [f"w{k}" for k in range(inputs)]},
+            }
+        ).encode()
+        + b"\n"
+        for n in range(lines)
+    )
 
 
 async def scenario(url: str, keys: dict[str, str], a: argparse.Namespace, run: Run) -> None:
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         for i in range(5):  # warm the path
-            async with s.post(url + "/v1/embeddings", json={"input": f"warm {i}"},
-                              headers={"Authorization": f"Bearer {keys['web']}"}) as r:
+            async with s.post(
+                url + "/v1/embeddings", json={"input": f"warm {i}"}, headers={"Authorization": f"Bearer {keys['web']}"}
+            ) as r:
                 await r.read()
         run.alone = summarize("alone", await interactive(s, url, keys["web"], a.rate, a.alone_s))
         batch_auth = {"Authorization": f"Bearer {keys['batch']}"}
@@ -172,8 +237,11 @@ async def scenario(url: str, keys: dict[str, str], a: argparse.Namespace, run: R
         async with s.post(url + "/v1/files", data=form, headers=batch_auth) as r:
             file_id = (await r.json())["id"]
         created = time.monotonic()
-        async with s.post(url + "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
-                                                     "completion_window": "24h"}, headers=batch_auth) as r:
+        async with s.post(
+            url + "/v1/batches",
+            json={"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"},
+            headers=batch_auth,
+        ) as r:
             batch = await r.json()
             if r.status != 202:
                 raise RuntimeError(f"batch refused: {r.status} {batch}")
@@ -224,18 +292,31 @@ def one_checkout(label: str, repo: Path, a: argparse.Namespace, logs: Path, comm
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--base", type=Path, default=None,
-                   help="a checkout of the commit before (e.g. `git worktree add /tmp/bs-base b6ba887`): run it first")
-    p.add_argument("--base-commit", default="", help="the base checkout's commit, for the table (default: its HEAD; "
-                                                     "give it when the checkout is an export, not a worktree)")
+    p.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="a checkout of the commit before (e.g. `git worktree add /tmp/bs-base b6ba887`): run it first",
+    )
+    p.add_argument(
+        "--base-commit",
+        default="",
+        help="the base checkout's commit, for the table (default: its HEAD; "
+        "give it when the checkout is an export, not a worktree)",
+    )
     p.add_argument("--lines", type=int, default=6, help="lines in the batch's input file (default %(default)s)")
     p.add_argument("--inputs", type=int, default=2048, help="inputs per line (default %(default)s)")
     p.add_argument("--rate", type=float, default=5.0, help="interactive requests/s (default %(default)s)")
     p.add_argument("--alone-s", type=float, default=8.0, help="interactive load alone (default %(default)s)")
-    p.add_argument("--beside-s", type=float, default=20.0, help="interactive load beside the batch "
-                                                                "(default %(default)s)")
-    p.add_argument("--job-wait-s", type=float, default=240.0, help="wait this long for the batch from its "
-                                                                   "creation, then cancel it (default %(default)s)")
+    p.add_argument(
+        "--beside-s", type=float, default=20.0, help="interactive load beside the batch (default %(default)s)"
+    )
+    p.add_argument(
+        "--job-wait-s",
+        type=float,
+        default=240.0,
+        help="wait this long for the batch from its creation, then cancel it (default %(default)s)",
+    )
     common.add_output_flags(p, name="job-pricing", tag=True)
     a = p.parse_args()
     name = common.run_name(a, "job-pricing")
@@ -248,19 +329,59 @@ def main() -> None:
     rows = []
     for r in runs:
         for ph in (r.alone, r.beside):
-            rows.append([f"{r.label} ({r.commit})", ph.name, ph.sent, ph.ok, ph.refused, ph.other, ph.p50_ms,
-                         ph.p95_ms, "; ".join(f"{n} x {m}" for m, n in ph.messages.items()) or "–"])
-    batch_rows = [[f"{r.label} ({r.commit})", r.batch_inputs, r.lines_done_in_window, r.batch_status, r.batch_s,
-                   r.embeddings, r.load_avg, r.error or "–"] for r in runs]
-    md = (f"# Job pricing: interactive /v1/embeddings beside an embeddings batch of {a.lines} x {a.inputs}-input "
-          f"lines (minilm)\n\ninteractive {a.rate:g} req/s of one short input, {a.alone_s:g} s alone then "
-          f"{a.beside_s:g} s beside the batch; shared 2-core machine, noisy\n\n"
-          + report.table(["checkout", "phase", "sent", "200", "503", "other", "p50 ms", "p95 ms", "503 says"], rows)
-          + "\n\n" + report.table(["checkout", "batch inputs", "lines done in the window", "batch status",
-                                   "batch s", "embeddings", "load avg (1/5/15 min)", "error"], batch_rows))
+            rows.append(
+                [
+                    f"{r.label} ({r.commit})",
+                    ph.name,
+                    ph.sent,
+                    ph.ok,
+                    ph.refused,
+                    ph.other,
+                    ph.p50_ms,
+                    ph.p95_ms,
+                    "; ".join(f"{n} x {m}" for m, n in ph.messages.items()) or "–",
+                ]
+            )
+    batch_rows = [
+        [
+            f"{r.label} ({r.commit})",
+            r.batch_inputs,
+            r.lines_done_in_window,
+            r.batch_status,
+            r.batch_s,
+            r.embeddings,
+            r.load_avg,
+            r.error or "–",
+        ]
+        for r in runs
+    ]
+    md = (
+        f"# Job pricing: interactive /v1/embeddings beside an embeddings batch of {a.lines} x {a.inputs}-input "
+        f"lines (minilm)\n\ninteractive {a.rate:g} req/s of one short input, {a.alone_s:g} s alone then "
+        f"{a.beside_s:g} s beside the batch; shared 2-core machine, noisy\n\n"
+        + report.table(["checkout", "phase", "sent", "200", "503", "other", "p50 ms", "p95 ms", "503 says"], rows)
+        + "\n\n"
+        + report.table(
+            [
+                "checkout",
+                "batch inputs",
+                "lines done in the window",
+                "batch status",
+                "batch s",
+                "embeddings",
+                "load avg (1/5/15 min)",
+                "error",
+            ],
+            batch_rows,
+        )
+    )
     print(md)
-    rep = {"bench": "job_pricing", "settings": vars(a) | {"base": str(a.base)}, "provenance": report.provenance(),
-           "runs": [asdict(r) for r in runs]}
+    rep = {
+        "bench": "job_pricing",
+        "settings": vars(a) | {"base": str(a.base)},
+        "provenance": report.provenance(),
+        "runs": [asdict(r) for r in runs],
+    }
     print(report.written(report.write(name, rep, md, common.out_dir(a)), logs if common.out_dir(a) else None))
 
 

@@ -20,23 +20,23 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/jobs_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import START_DELAY_S, LoadResult, measure  # noqa: E402
-from bench.report import git_info, machine_info  # noqa: E402
-from bench.schedule import row_seed  # noqa: E402
+from bench import common, report, servers
+from bench.loadgen import START_DELAY_S, LoadResult, measure
+from bench.report import git_info, machine_info
+from bench.schedule import row_seed
 
 P95_SLACK_MS = 10.0
 POLL_S = 0.5
@@ -130,11 +130,20 @@ def run_scenario(name: str, with_job: bool, a: argparse.Namespace, log_dir: Path
         driver = None
         if job is not None:
             window_open = time.monotonic() + START_DELAY_S + a.warmup
-            driver = threading.Thread(target=drive_job, args=(server.base, job, window_open, window_open + a.duration),
-                                      daemon=True)
+            driver = threading.Thread(
+                target=drive_job, args=(server.base, job, window_open, window_open + a.duration), daemon=True
+            )
             driver.start()
-        load = measure(server.base, a.rate, a.duration, a.warmup, row_seed(a.seed, 1, a.rate),
-                       server_pid=server.pid, timeout_s=a.timeout, procs=a.procs)
+        load = measure(
+            server.base,
+            a.rate,
+            a.duration,
+            a.warmup,
+            row_seed(a.seed, 1, a.rate),
+            server_pid=server.pid,
+            timeout_s=a.timeout,
+            procs=a.procs,
+        )
         if driver is not None and job is not None:
             driver.join(timeout=a.duration + 60)
             if job.job_id:
@@ -167,18 +176,26 @@ def markdown(report: dict, scenarios: list[Scenario]) -> str:
     ]
     for sc in scenarios:
         r, j = sc.load, sc.job
-        job = (f"{fmt(j.items_per_s, '.0f')} ({fmt(j.steady_items_per_s, '.0f')}) | {fmt(j.submit_ms, '.0f')}"
-               if j else "n/a | n/a")
-        lines.append(f"| {sc.name} | {r.achieved_rps:.0f} | {fmt(r.p50_ms)} | {fmt(r.p95_ms)} | {fmt(r.p99_ms)} | "
-                     f"{r.error_count} | {fmt(r.mean_batch)} | {fmt(r.batches_per_s)} | {job} |")
+        job = (
+            f"{fmt(j.items_per_s, '.0f')} ({fmt(j.steady_items_per_s, '.0f')}) | {fmt(j.submit_ms, '.0f')}"
+            if j
+            else "n/a | n/a"
+        )
+        lines.append(
+            f"| {sc.name} | {r.achieved_rps:.0f} | {fmt(r.p50_ms)} | {fmt(r.p95_ms)} | {fmt(r.p99_ms)} | "
+            f"{r.error_count} | {fmt(r.mean_batch)} | {fmt(r.batches_per_s)} | {job} |"
+        )
     v = report["verdict"]
-    lines += ["", f"- interactive p95 with the job − without: **{fmt(v['p95_delta_ms'])} ms** (goal ≤ "
-                  f"{P95_SLACK_MS:g} ms): {'met' if v['p95_met'] else 'MISSED'}",
-              f"- job throughput: **{fmt(v['job_items_per_s'], '.0f')} items/s** of the ~{v['idle_capacity']:.0f} "
-              f"items/s the interactive load leaves idle ({fmt(v['share_of_idle'] * 100, '.0f')}%); "
-              f"{fmt(v['job_steady_items_per_s'], '.0f')} items/s once running (from 1 s after the submit)",
-              f"- job outputs checked: {v['outputs_checked']}, wrong: {v['mismatches']}; interactive errors: "
-              f"{v['interactive_errors']}"]
+    lines += [
+        "",
+        f"- interactive p95 with the job − without: **{fmt(v['p95_delta_ms'])} ms** (goal ≤ "
+        f"{P95_SLACK_MS:g} ms): {'met' if v['p95_met'] else 'MISSED'}",
+        f"- job throughput: **{fmt(v['job_items_per_s'], '.0f')} items/s** of the ~{v['idle_capacity']:.0f} "
+        f"items/s the interactive load leaves idle ({fmt(v['share_of_idle'] * 100, '.0f')}%); "
+        f"{fmt(v['job_steady_items_per_s'], '.0f')} items/s once running (from 1 s after the submit)",
+        f"- job outputs checked: {v['outputs_checked']}, wrong: {v['mismatches']}; interactive errors: "
+        f"{v['interactive_errors']}",
+    ]
     if report.get("notes"):
         lines += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines)
@@ -198,41 +215,61 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     name = common.run_name(a, "jobs")
     log_dir = common.log_dir(a, name)
-    rep: dict = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                    "machine": machine_info(), "git": git_info(),
-                    "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-                    "server_log_dir": str(log_dir)}
+    rep: dict = {
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "git": git_info(),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "server_log_dir": str(log_dir),
+    }
     scenarios: list[Scenario] = []
     with common.guarded(rep):
         for label, with_job in (("interactive only", False), ("interactive + job", True)):
             print(f"-- {label}: {a.rate:g} RPS, {a.warmup:g} s warm-up + {a.duration:g} s ...", flush=True)
             scenarios.append(run_scenario(label.replace(" ", "-").replace("+", "plus"), with_job, a, log_dir))
             sc = scenarios[-1]
-            print(f"   p95 {fmt(sc.load.p95_ms)} ms, errors {sc.load.error_count}, mean batch "
-                  f"{fmt(sc.load.mean_batch)}" + (f", job {fmt(sc.job.items_per_s, '.0f')} items/s"
-                                                  f"{' ' + sc.job.error if sc.job.error else ''}" if sc.job else ""),
-                  flush=True)
+            print(
+                f"   p95 {fmt(sc.load.p95_ms)} ms, errors {sc.load.error_count}, mean batch "
+                f"{fmt(sc.load.mean_batch)}"
+                + (
+                    f", job {fmt(sc.job.items_per_s, '.0f')} items/s{' ' + sc.job.error if sc.job.error else ''}"
+                    if sc.job
+                    else ""
+                ),
+                flush=True,
+            )
             time.sleep(0.5)
     if len(scenarios) < 2:
         return 1
-    base, with_job = scenarios
-    job = with_job.job
+    base, loaded = scenarios
+    job = loaded.job
     assert job is not None
     idle = a.max_batch_size * 1000 / a.sim_batch_ms - a.rate
-    delta = with_job.load.p95_ms - base.load.p95_ms
+    delta = loaded.load.p95_ms - base.load.p95_ms
     rep["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     rep["verdict"] = {
-        "p95_without_ms": base.load.p95_ms, "p95_with_ms": with_job.load.p95_ms, "p95_delta_ms": delta,
-        "p95_met": delta <= P95_SLACK_MS, "job_items_per_s": job.items_per_s,
-        "job_steady_items_per_s": job.steady_items_per_s, "idle_capacity": idle,
+        "p95_without_ms": base.load.p95_ms,
+        "p95_with_ms": loaded.load.p95_ms,
+        "p95_delta_ms": delta,
+        "p95_met": delta <= P95_SLACK_MS,
+        "job_items_per_s": job.items_per_s,
+        "job_steady_items_per_s": job.steady_items_per_s,
+        "idle_capacity": idle,
         "share_of_idle": job.items_per_s / idle if idle > 0 else math.nan,
-        "outputs_checked": job.outputs_checked, "mismatches": job.mismatches,
-        "interactive_errors": base.load.error_count + with_job.load.error_count,
+        "outputs_checked": job.outputs_checked,
+        "mismatches": job.mismatches,
+        "interactive_errors": base.load.error_count + loaded.load.error_count,
     }
-    rep["notes"] = [n for n in (job.error and f"job: {job.error}",
-                                   max(s.loadavg_before for s in scenarios) > 0.5
-                                   and "the machine was not idle before a run (load average > 0.5): shared cores "
-                                       "add latency to both runs alike, but noisily") if n]
+    rep["notes"] = [
+        n
+        for n in (
+            job.error and f"job: {job.error}",
+            max(s.loadavg_before for s in scenarios) > 0.5
+            and "the machine was not idle before a run (load average > 0.5): shared cores "
+            "add latency to both runs alike, but noisily",
+        )
+        if n
+    ]
     rep["scenarios"] = [asdict(s) for s in scenarios]
     md = markdown(rep, scenarios)
     print()

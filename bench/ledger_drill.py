@@ -60,16 +60,22 @@ class Tally:
         """The client's count in the ledger's terms (met by the server-reported latency)."""
         s = self.statuses
         ok = sum(n for st, n in s.items() if 200 <= st < 300)
-        return {"met": self.met_by_server_latency, "slow": ok - self.met_by_server_latency,
-                "refused": s.get(429, 0) + s.get(503, 0), "expired": s.get(504, 0),
-                "failed": sum(n for st, n in s.items() if st >= 500 and st not in (503, 504))}
+        return {
+            "met": self.met_by_server_latency,
+            "slow": ok - self.met_by_server_latency,
+            "refused": s.get(429, 0) + s.get(503, 0),
+            "expired": s.get(504, 0),
+            "failed": sum(n for st, n in s.items() if st >= 500 and st not in (503, 504)),
+        }
 
 
 async def drive(url: str, tenant: Tenant, seconds: float, slo_ms: float, timeout_ms: float, tally: Tally) -> None:
     """Open-loop load: one request every 1/rate s for `seconds`, whatever the answers; then waits for all."""
     headers = {"Authorization": f"Bearer {tenant.key}"}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
-                                     timeout=aiohttp.ClientTimeout(total=timeout_ms / 1000 + 30)) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=1024), timeout=aiohttp.ClientTimeout(total=timeout_ms / 1000 + 30)
+    ) as session:
+
         async def one(i: int) -> None:
             body = {"input": f"{tenant.name}-{i}", "timeout_ms": timeout_ms}
             started = time.perf_counter()
@@ -127,8 +133,13 @@ def drill(url: str, tenants: list[Tenant], seconds: float, slo_ms: float, timeou
     asyncio.run(all_of())
     ledger = ledger_of(get(url + "/metrics").decode())
     usage = {t.name: orjson.loads(get(url + "/v1/usage", t.key))["data"][0] for t in tenants}
-    return {"tallies": tallies, "ledger": ledger, "server": by_outcome(ledger),
-            "server_by_tier": {t.tier: by_outcome(ledger, t.tier) for t in tenants}, "usage": usage}
+    return {
+        "tallies": tallies,
+        "ledger": ledger,
+        "server": by_outcome(ledger),
+        "server_by_tier": {t.tier: by_outcome(ledger, t.tier) for t in tenants},
+        "usage": usage,
+    }
 
 
 def write_keys(config: Path, tenants: list[Tenant]) -> None:
@@ -154,36 +165,67 @@ def markdown(rep: dict, result: dict) -> str:
     rows = []
     for name, tally in result["tallies"].items():
         mine, usage = tally.outcomes(), result["usage"][name]["requests"]
-        rows.append([name, tally.sent, *[f"{mine[o]} / {usage[o]}" for o in OUTCOMES], sum(usage.values()),
-                     tally.met_by_client_clock, tally.transport_errors])
+        rows.append(
+            [
+                name,
+                tally.sent,
+                *[f"{mine[o]} / {usage[o]}" for o in OUTCOMES],
+                sum(usage.values()),
+                tally.met_by_client_clock,
+                tally.transport_errors,
+            ]
+        )
     total = {o: sum(t.outcomes()[o] for t in result["tallies"].values()) for o in OUTCOMES}
     sent = sum(t.sent for t in result["tallies"].values())
     server = result["server"]
-    rows.append(["all (clients / server ledger)", sent, *[f"{total[o]} / {server[o]}" for o in OUTCOMES],
-                 sum(server.values()), sum(t.met_by_client_clock for t in result["tallies"].values()),
-                 sum(t.transport_errors for t in result["tallies"].values())])
+    rows.append(
+        [
+            "all (clients / server ledger)",
+            sent,
+            *[f"{total[o]} / {server[o]}" for o in OUTCOMES],
+            sum(server.values()),
+            sum(t.met_by_client_clock for t in result["tallies"].values()),
+            sum(t.transport_errors for t in result["tallies"].values()),
+        ]
+    )
     m = rep["machine"]
     who = ", ".join(f"{t['name']} ({t['tier']}) {t['rate']:g}/s" for t in a["tenants"])
-    tiers = "; ".join(f"{tier} {attainment(counts):.3f} of {admitted(counts)} admitted, {counts['refused']} refused"
-                      for tier, counts in result["server_by_tier"].items())
-    setting = (f"Sim server: 1 device, {a['sim_batch_ms']:g} ms batches of at most {a['max_batch_size']}, "
-               f"--max-queue {a['max_queue']}, --slo-ms {a['slo_ms']:g}, requests' timeout_ms {a['timeout_ms']:g}; "
-               f"{a['seconds']:g} s of open-loop load from two keyed tenants ({who}) against a capacity of "
-               f"~{a['capacity_rps']:.0f} requests/s. Client and server share the machine "
-               f"({m.get('cores_usable', '?')} usable cores, {m.get('cpu_model', '?')}, load average "
-               f"{rep['loadavg_before']} before, {rep['loadavg_after']} after); commit "
-               f"{rep['git'].get('commit', '?')[:12]}.")
-    legend = ("Each cell: the client's own count / the server's (the tenant's GET /v1/usage; the last row: the sum "
-              "of `batchserve_slo_requests_total`). Client `met` counts 2xx answers whose `latency_ms` (the "
-              "server's time, which the SLO is held to) is within the SLO; `met by client clock` counts those the "
-              "client itself saw within it (send to answer read: the client's own event loop and the connection "
-              "included).")
-    summary = (f"SLO attainment of admitted requests (met / (met + slow + expired + failed)): "
-               f"{rep['attainment']:.3f}; of all requests sent (met / sent): {server['met'] / max(1, sent):.3f}. "
-               f"Per tier, from /metrics: {tiers}.")
-    lines = ["# The overload drill's ledger (bench/ledger_drill.py)", "", setting, "", legend, "",
-             report.table(["tenant", "sent", *OUTCOMES, "server sum", "met by client clock", "no answer"], rows),
-             "", summary]
+    tiers = "; ".join(
+        f"{tier} {attainment(counts):.3f} of {admitted(counts)} admitted, {counts['refused']} refused"
+        for tier, counts in result["server_by_tier"].items()
+    )
+    setting = (
+        f"Sim server: 1 device, {a['sim_batch_ms']:g} ms batches of at most {a['max_batch_size']}, "
+        f"--max-queue {a['max_queue']}, --slo-ms {a['slo_ms']:g}, requests' timeout_ms {a['timeout_ms']:g}; "
+        f"{a['seconds']:g} s of open-loop load from two keyed tenants ({who}) against a capacity of "
+        f"~{a['capacity_rps']:.0f} requests/s. Client and server share the machine "
+        f"({m.get('cores_usable', '?')} usable cores, {m.get('cpu_model', '?')}, load average "
+        f"{rep['loadavg_before']} before, {rep['loadavg_after']} after); commit "
+        f"{rep['git'].get('commit', '?')[:12]}."
+    )
+    legend = (
+        "Each cell: the client's own count / the server's (the tenant's GET /v1/usage; the last row: the sum "
+        "of `batchserve_slo_requests_total`). Client `met` counts 2xx answers whose `latency_ms` (the "
+        "server's time, which the SLO is held to) is within the SLO; `met by client clock` counts those the "
+        "client itself saw within it (send to answer read: the client's own event loop and the connection "
+        "included)."
+    )
+    summary = (
+        f"SLO attainment of admitted requests (met / (met + slow + expired + failed)): "
+        f"{rep['attainment']:.3f}; of all requests sent (met / sent): {server['met'] / max(1, sent):.3f}. "
+        f"Per tier, from /metrics: {tiers}."
+    )
+    lines = [
+        "# The overload drill's ledger (bench/ledger_drill.py)",
+        "",
+        setting,
+        "",
+        legend,
+        "",
+        report.table(["tenant", "sent", *OUTCOMES, "server sum", "met by client clock", "no answer"], rows),
+        "",
+        summary,
+    ]
     return "\n".join(lines)
 
 
@@ -201,25 +243,37 @@ def main(argv: list[str] | None = None) -> int:
     ra, rb = (float(r) for r in a.rates.split(","))
     tenants = [Tenant("alpha", "paid", ra, key_rate=10000), Tenant("beta", "free", rb, key_rate=40)]
     name = common.run_name(a, "ledger-drill")
-    rep: dict = {**report.provenance(), "settings": {
-        "seconds": a.seconds, "sim_batch_ms": a.sim_batch_ms, "max_batch_size": a.max_batch_size,
-        "max_queue": a.max_queue, "slo_ms": a.slo_ms, "timeout_ms": a.timeout_ms,
-        "capacity_rps": a.max_batch_size / a.sim_batch_ms * 1000,
-        "tenants": [{"name": t.name, "tier": t.tier, "rate": t.rate, "key_rate": t.key_rate} for t in tenants]}}
+    rep: dict = {
+        **report.provenance(),
+        "settings": {
+            "seconds": a.seconds,
+            "sim_batch_ms": a.sim_batch_ms,
+            "max_batch_size": a.max_batch_size,
+            "max_queue": a.max_queue,
+            "slo_ms": a.slo_ms,
+            "timeout_ms": a.timeout_ms,
+            "capacity_rps": a.max_batch_size / a.sim_batch_ms * 1000,
+            "tenants": [{"name": t.name, "tier": t.tier, "rate": t.rate, "key_rate": t.key_rate} for t in tenants],
+        },
+    }
     rep["loadavg_before"] = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="ledger-drill-") as tmp, common.guarded():
         config = Path(tmp) / "keys.toml"
         write_keys(config, tenants)
-        cmd = servers.batchserve_cmd(1, a.sim_batch_ms, a.max_batch_size,
-                                     ["--config", str(config), "--max-queue", str(a.max_queue),
-                                      "--slo-ms", f"{a.slo_ms:g}"])
+        cmd = servers.batchserve_cmd(
+            1,
+            a.sim_batch_ms,
+            a.max_batch_size,
+            ["--config", str(config), "--max-queue", str(a.max_queue), "--slo-ms", f"{a.slo_ms:g}"],
+        )
         server = servers.start("batchserve", cmd, common.log_dir(a, name))
         result = drill(server.base, tenants, a.seconds, a.slo_ms, a.timeout_ms)
     rep["loadavg_after"] = round(os.getloadavg()[0], 2)
     s = result["server"]
     rep["attainment"] = attainment(s)
-    rep["clients"] = {n: {**asdict(t), "client_ms": None, "outcomes": t.outcomes()}
-                      for n, t in result["tallies"].items()}
+    rep["clients"] = {
+        n: {**asdict(t), "client_ms": None, "outcomes": t.outcomes()} for n, t in result["tallies"].items()
+    }
     rep["server"], rep["server_by_tier"], rep["usage"] = s, result["server_by_tier"], result["usage"]
     md = markdown(rep, result)
     print(md)

@@ -28,6 +28,7 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 
 import aiohttp
 import numpy as np
@@ -129,8 +130,7 @@ def metric_delta(a: dict[str, float] | None, b: dict[str, float] | None, name: s
     return b[name] - a.get(name, 0.0)
 
 
-def metric_mean(a: dict[str, float] | None, b: dict[str, float] | None, name: str, scale: float = 1.0
-                ) -> float | None:
+def metric_mean(a: dict[str, float] | None, b: dict[str, float] | None, name: str, scale: float = 1.0) -> float | None:
     n, s = metric_delta(a, b, name + "_count"), metric_delta(a, b, name + "_sum")
     return s / n * scale if n and s is not None else None
 
@@ -146,9 +146,18 @@ async def sleep_until(t: float) -> None:
 
 
 # -- the sending side (one per client process) -----------------------------------------------------------
-async def drive(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: str, timeout_s: float,
-                connections: int, window: tuple[float, float], headers: dict[str, str] | None = None,
-                extra: dict | None = None) -> Part:
+async def drive(
+    url: str,
+    sched: np.ndarray,
+    idx: np.ndarray,
+    t0: float,
+    tag: str,
+    timeout_s: float,
+    connections: int,
+    window: tuple[float, float],
+    headers: dict[str, str] | None = None,
+    extra: dict | None = None,
+) -> Part:
     """Send request i at t0 + sched[i] for every i in idx, whatever the answers; bounded by the schedule's
     length and the client timeout. `headers` (e.g. Authorization) and `extra` body fields (e.g. "model") go
     with every request."""
@@ -159,8 +168,9 @@ async def drive(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: st
     cpu: list[float] = []
 
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=None)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     skip_auto_headers=("User-Agent",)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s), skip_auto_headers=("User-Agent",)
+    ) as session:
 
         async def send(j: int, i: int, due: float) -> None:
             text = input_for(tag, i)
@@ -183,7 +193,7 @@ async def drive(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: st
                         server_ms[j] = answer.get("latency_ms", math.nan)
                 else:
                     error = f"{status} {answer.get('error', '?')}"
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 error = "client_timeout"
             except aiohttp.ClientError as exc:
                 error = f"conn:{type(exc).__name__}"
@@ -215,9 +225,19 @@ async def drive(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: st
 CLIENTS = ("aiohttp", "raw")  # raw: bench/rawclient.py, the same schedule and outcomes at a fraction of the CPU
 
 
-async def drive_with(client: str, url: str, sched: np.ndarray, idx: np.ndarray, t0: float, tag: str,
-                     timeout_s: float, connections: int, window: tuple[float, float],
-                     headers: dict[str, str] | None = None, extra: dict | None = None) -> Part:
+async def drive_with(
+    client: str,
+    url: str,
+    sched: np.ndarray,
+    idx: np.ndarray,
+    t0: float,
+    tag: str,
+    timeout_s: float,
+    connections: int,
+    window: tuple[float, float],
+    headers: dict[str, str] | None = None,
+    extra: dict | None = None,
+) -> Part:
     """`drive` with the chosen sender."""
     if client == "aiohttp":
         return await drive(url, sched, idx, t0, tag, timeout_s, connections, window, headers, extra)
@@ -231,11 +251,12 @@ async def drive_with(client: str, url: str, sched: np.ndarray, idx: np.ndarray, 
     edges = asyncio.create_task(cpu_edges())
     out = await drive_raw(url, sched, idx, t0, lambda i: input_for(tag, i), timeout_s, connections, headers, extra)
     await edges
-    return Part(idx, out.latency_s, out.lag_s, out.server_ms, out.errors,
-                cpu[1] - cpu[0] if len(cpu) == 2 else math.nan)
+    return Part(
+        idx, out.latency_s, out.lag_s, out.server_ms, out.errors, cpu[1] - cpu[0] if len(cpu) == 2 else math.nan
+    )
 
 
-def _quiet_gc_run(coro):  # noqa: ANN001, ANN202 - any coroutine
+def _quiet_gc_run(coro):
     """Run on uvloop with the cyclic GC off: a full collection over tens of thousands of live tasks stalls the
     client for tens of ms, which would show up as latency. Runs are bounded; refcounting frees the rest."""
     gc.collect()
@@ -247,9 +268,19 @@ def _quiet_gc_run(coro):  # noqa: ANN001, ANN202 - any coroutine
         gc.collect()
 
 
-def _client_process(conn, url: str, sched: np.ndarray, idx: np.ndarray, tag: str, timeout_s: float,  # noqa: ANN001
-                    connections: int, window_offsets: tuple[float, float], headers: dict[str, str] | None = None,
-                    extra: dict | None = None, client: str = "aiohttp") -> None:
+def _client_process(
+    conn: Connection[Part | str, float],
+    url: str,
+    sched: np.ndarray,
+    idx: np.ndarray,
+    tag: str,
+    timeout_s: float,
+    connections: int,
+    window_offsets: tuple[float, float],
+    headers: dict[str, str] | None = None,
+    extra: dict | None = None,
+    client: str = "aiohttp",
+) -> None:
     """Entry point of an extra client process: say ready, get t0, drive its share, send back its Part."""
     raise_fd_limit()
     conn.send("ready")
@@ -257,8 +288,9 @@ def _client_process(conn, url: str, sched: np.ndarray, idx: np.ndarray, tag: str
         return
     t0 = conn.recv()
     window = (t0 + window_offsets[0], t0 + window_offsets[1])
-    conn.send(_quiet_gc_run(drive_with(client, url, sched, idx, t0, tag, timeout_s, connections, window, headers,
-                                       extra)))
+    conn.send(
+        _quiet_gc_run(drive_with(client, url, sched, idx, t0, tag, timeout_s, connections, window, headers, extra))
+    )
     conn.close()
 
 
@@ -273,22 +305,34 @@ async def snapshot(base: str, pid: int | None, with_metrics: bool) -> Snapshot:
                 async with s.get(base + "/metrics") as resp:
                     if resp.status == 200:
                         metrics = parse_metrics(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             metrics = None
     return Snapshot(at, server, metrics)
 
 
-async def window_snapshots(base: str, pid: int | None, with_metrics: bool, window: tuple[float, float]
-                           ) -> tuple[Snapshot, Snapshot]:
+async def window_snapshots(
+    base: str, pid: int | None, with_metrics: bool, window: tuple[float, float]
+) -> tuple[Snapshot, Snapshot]:
     await sleep_until(window[0])
     first = await snapshot(base, pid, with_metrics)
     await sleep_until(window[1])
     return first, await snapshot(base, pid, with_metrics)
 
 
-def measure(base: str, rate: float, duration_s: float, warmup_s: float, seed: int, server_pid: int | None = None,
-            timeout_s: float = 10.0, connections: int = 4096, path: str = INFERENCE_PATH, metrics: bool = True,
-            procs: int = 1, client: str = "aiohttp") -> LoadResult:
+def measure(
+    base: str,
+    rate: float,
+    duration_s: float,
+    warmup_s: float,
+    seed: int,
+    server_pid: int | None = None,
+    timeout_s: float = 10.0,
+    connections: int = 4096,
+    path: str = INFERENCE_PATH,
+    metrics: bool = True,
+    procs: int = 1,
+    client: str = "aiohttp",
+) -> LoadResult:
     """Send `poisson_schedule(rate, warmup_s + duration_s, seed)` to `base + path` from `procs` client processes
     and measure the requests scheduled after `warmup_s`, with the `client` sender (see CLIENTS)."""
     if client not in CLIENTS:
@@ -313,9 +357,11 @@ def measure(base: str, rate: float, duration_s: float, warmup_s: float, seed: in
     try:
         for k in range(1, procs):
             parent_end, child_end = ctx.Pipe()
-            child = ctx.Process(target=_client_process, daemon=True,
-                                args=(child_end, url, sched, shares[k], tag, timeout_s, connections, offsets,
-                                      None, None, client))
+            child = ctx.Process(
+                target=_client_process,
+                daemon=True,
+                args=(child_end, url, sched, shares[k], tag, timeout_s, connections, offsets, None, None, client),
+            )
             child.start()
             pipes.append(parent_end)
             children.append(child)
@@ -336,13 +382,42 @@ def measure(base: str, rate: float, duration_s: float, warmup_s: float, seed: in
             child.join(timeout=5)
             if child.is_alive():
                 child.kill()
-    return combine(parts, sched, rate, duration_s, warmup_s, seed, first, last, procs,
-                   {"url": url, "timeout_s": timeout_s, "connections": connections, "rate": rate,
-                    "duration_s": duration_s, "warmup_s": warmup_s, "seed": seed, "procs": procs, "client": client})
+    return combine(
+        parts,
+        sched,
+        rate,
+        duration_s,
+        warmup_s,
+        seed,
+        first,
+        last,
+        procs,
+        {
+            "url": url,
+            "timeout_s": timeout_s,
+            "connections": connections,
+            "rate": rate,
+            "duration_s": duration_s,
+            "warmup_s": warmup_s,
+            "seed": seed,
+            "procs": procs,
+            "client": client,
+        },
+    )
 
 
-def combine(parts: list[Part], sched: np.ndarray, rate: float, duration_s: float, warmup_s: float, seed: int,
-            first: Snapshot, last: Snapshot, procs: int, settings: dict) -> LoadResult:
+def combine(
+    parts: list[Part],
+    sched: np.ndarray,
+    rate: float,
+    duration_s: float,
+    warmup_s: float,
+    seed: int,
+    first: Snapshot,
+    last: Snapshot,
+    procs: int,
+    settings: dict,
+) -> LoadResult:
     n = len(sched)
     latency, lag, server_ms = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     errors: Counter[str] = Counter()
@@ -355,7 +430,9 @@ def combine(parts: list[Part], sched: np.ndarray, rate: float, duration_s: float
     srv = srv[~np.isnan(srv)]
     count = int(measured.sum())
     window = last.at - first.at
-    server_cpu = (last.server_cpu - first.server_cpu) if first.server_cpu is not None else None
+    server_cpu = None
+    if first.server_cpu is not None and last.server_cpu is not None:
+        server_cpu = last.server_cpu - first.server_cpu
     batches = metric_delta(first.metrics, last.metrics, "batchserve_batch_size_count")
     return LoadResult(
         offered_rps=rate,
@@ -363,9 +440,13 @@ def combine(parts: list[Part], sched: np.ndarray, rate: float, duration_s: float
         achieved_rps=len(ok_lat) / duration_s,
         count=count,
         ok=len(ok_lat),
-        p50_ms=pct(ok_lat, 50), p95_ms=pct(ok_lat, 95), p99_ms=pct(ok_lat, 99),
+        p50_ms=pct(ok_lat, 50),
+        p95_ms=pct(ok_lat, 95),
+        p99_ms=pct(ok_lat, 99),
         max_ms=float(ok_lat.max()) if len(ok_lat) else math.nan,
-        server_p50_ms=pct(srv, 50), server_p95_ms=pct(srv, 95), server_p99_ms=pct(srv, 99),
+        server_p50_ms=pct(srv, 50),
+        server_p95_ms=pct(srv, 95),
+        server_p99_ms=pct(srv, 99),
         errors=dict(errors.most_common()),
         error_count=sum(errors.values()),
         client_timeouts=errors.get("client_timeout", 0),
@@ -392,14 +473,16 @@ def summary(r: LoadResult) -> str:
     def f(v: float | None, spec: str = ".1f") -> str:
         return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
-    return (f"offered {r.offered_rps:g} RPS (scheduled {r.scheduled_rps:.0f}), achieved {r.achieved_rps:.0f} RPS; "
-            f"p50 {f(r.p50_ms)} p95 {f(r.p95_ms)} p99 {f(r.p99_ms)} max {f(r.max_ms)} ms "
-            f"(server's view p50 {f(r.server_p50_ms)} p95 {f(r.server_p95_ms)} p99 {f(r.server_p99_ms)}); "
-            f"errors {r.error_count} {r.errors or ''}; mean batch {f(r.mean_batch)}, "
-            f"{f(r.batches_per_s)} batches/s, batch time {f(r.server_mean_compute_ms)} ms; "
-            f"server CPU {f(r.server_cpu_ms_per_req, '.3f')} ms/req ({f(r.server_cores, '.2f')} cores); "
-            f"client {f(r.client_cores, '.2f')} cores in {r.client_procs} proc(s), "
-            f"send lag p99 {f(r.send_lag_p99_ms)} ms")
+    return (
+        f"offered {r.offered_rps:g} RPS (scheduled {r.scheduled_rps:.0f}), achieved {r.achieved_rps:.0f} RPS; "
+        f"p50 {f(r.p50_ms)} p95 {f(r.p95_ms)} p99 {f(r.p99_ms)} max {f(r.max_ms)} ms "
+        f"(server's view p50 {f(r.server_p50_ms)} p95 {f(r.server_p95_ms)} p99 {f(r.server_p99_ms)}); "
+        f"errors {r.error_count} {r.errors or ''}; mean batch {f(r.mean_batch)}, "
+        f"{f(r.batches_per_s)} batches/s, batch time {f(r.server_mean_compute_ms)} ms; "
+        f"server CPU {f(r.server_cpu_ms_per_req, '.3f')} ms/req ({f(r.server_cores, '.2f')} cores); "
+        f"client {f(r.client_cores, '.2f')} cores in {r.client_procs} proc(s), "
+        f"send lag p99 {f(r.send_lag_p99_ms)} ms"
+    )
 
 
 def is_loopback(url: str) -> bool:
@@ -413,16 +496,32 @@ def main() -> None:
     p.add_argument("--rate", type=float, required=True, help="offered requests per second")
     common.add_load_flags(p, procs=True, connections=True)
     p.add_argument("--server-pid", type=int, help="server PID, for CPU per request from /proc")
-    p.add_argument("--client", choices=CLIENTS, default="aiohttp", help="sender: aiohttp, or raw (bench/rawclient.py: "
-                                                                        "far less CPU per request)")
+    p.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="aiohttp",
+        help="sender: aiohttp, or raw (bench/rawclient.py: far less CPU per request)",
+    )
     p.add_argument("--path", default=INFERENCE_PATH)
     p.add_argument("--no-metrics", action="store_true", help="do not read /metrics (e.g. the bare app)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     a = p.parse_args()
     if not is_loopback(a.url):
         p.error("load tests run against the loopback address only")
-    r = measure(a.url, a.rate, a.duration, a.warmup, a.seed, server_pid=a.server_pid, timeout_s=a.timeout,
-                connections=a.connections, path=a.path, metrics=not a.no_metrics, procs=a.procs, client=a.client)
+    r = measure(
+        a.url,
+        a.rate,
+        a.duration,
+        a.warmup,
+        a.seed,
+        server_pid=a.server_pid,
+        timeout_s=a.timeout,
+        connections=a.connections,
+        path=a.path,
+        metrics=not a.no_metrics,
+        procs=a.procs,
+        client=a.client,
+    )
     print(json.dumps(asdict(r), indent=2) if a.json else summary(r))
 
 

@@ -574,7 +574,9 @@ USERS: dict[str, type[Surface]] = {
 # -- the run: which classes, the load poller, the verdict ---------------------------------------------------
 def choose(environment: Environment) -> None:
     """Keep only the classes whose surface is served (or asked for), in this process's discovery."""
-    wanted = environment.parsed_options.bs_surfaces.strip() or "auto"
+    options = environment.parsed_options
+    assert options is not None, "locust parses its options before the init event"
+    wanted = options.bs_surfaces.strip() or "auto"
     key = S.keys[0] if S.keys else ""
     if wanted == "auto":
         SERVED.update(discover(environment.host or "", key))
@@ -588,7 +590,6 @@ def choose(environment: Environment) -> None:
         unknown = names - set(SURFACES)
         if unknown:
             raise ValueError(f"--bs-surfaces: unknown {', '.join(sorted(unknown))}; known: {', '.join(SURFACES)}")
-    options = environment.parsed_options
     if options.tags:  # a class whose task locust's own tag filter removes would fail on start
         names &= set(options.tags)
     names -= set(options.exclude_tags or ())

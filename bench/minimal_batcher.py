@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import orjson
 import uvicorn
@@ -59,10 +59,21 @@ async def inference(request: Request) -> Response:
     output, compute_ms, size = await future
     request_id = "req_" + secrets.token_hex(8)
     latency_ms = (time.perf_counter() - started) * 1000
-    return Response(orjson.dumps({"request_id": request_id, "output": output, "model": "minimal@v1",
-                                  "latency_ms": round(latency_ms), "queue_ms": round(latency_ms - compute_ms),
-                                  "compute_ms": round(compute_ms), "batch_size": size}),
-                    media_type="application/json", headers={"X-Request-ID": request_id})
+    return Response(
+        orjson.dumps(
+            {
+                "request_id": request_id,
+                "output": output,
+                "model": "minimal@v1",
+                "latency_ms": round(latency_ms),
+                "queue_ms": round(latency_ms - compute_ms),
+                "compute_ms": round(compute_ms),
+                "batch_size": size,
+            }
+        ),
+        media_type="application/json",
+        headers={"X-Request-ID": request_id},
+    )
 
 
 async def readyz(request: Request) -> Response:
@@ -77,9 +88,14 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
 
 
 def create_app() -> Starlette:
-    return Starlette(routes=[Route("/v1/inference", inference, methods=["POST"]),
-                             Route("/readyz", readyz, methods=["GET"]), Route("/healthz", readyz, methods=["GET"])],
-                     lifespan=lifespan)
+    return Starlette(
+        routes=[
+            Route("/v1/inference", inference, methods=["POST"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/healthz", readyz, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
 
 
 def main() -> None:
@@ -88,8 +104,18 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8002)
     a = p.parse_args()
     # The same uvicorn settings as batchserve/http/server.py.
-    uvicorn.run(create_app(), host=a.host, port=a.port, loop="uvloop", http="httptools", lifespan="on",
-                access_log=False, log_level="info", timeout_graceful_shutdown=5, backlog=4096)
+    uvicorn.run(
+        create_app(),
+        host=a.host,
+        port=a.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        backlog=4096,
+    )
 
 
 if __name__ == "__main__":

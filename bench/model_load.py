@@ -24,9 +24,16 @@ from bench.loadgen import parse_metrics
 from bench.procstat import process_cpu_s, raise_fd_limit
 from bench.schedule import poisson_schedule
 
-QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is two plus two?",
-             "Say hello in Spanish.", "Which planet is the largest?", "Give me a word that rhymes with cat.",
-             "How many legs does a spider have?", "What is the opposite of hot?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "What is two plus two?",
+    "Say hello in Spanish.",
+    "Which planet is the largest?",
+    "Give me a word that rhymes with cat.",
+    "How many legs does a spider have?",
+    "What is the opposite of hot?",
+]
 
 
 def inputs(n: int) -> list[str]:
@@ -110,8 +117,16 @@ class LoadRow:
         return asdict(self)
 
 
-async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: int = 0, timeout_s: float = 60.0,
-                   probe_every_s: float = 0.05, model_key: str = "") -> LoadRow:
+async def run_load(
+    base: str,
+    rate: float,
+    duration_s: float,
+    pid: int,
+    seed: int = 0,
+    timeout_s: float = 60.0,
+    probe_every_s: float = 0.05,
+    model_key: str = "",
+) -> LoadRow:
     """Requests on a Poisson schedule of `rate` for `duration_s` (sent whatever the answers), latency counted
     from each request's scheduled time; /healthz probed alongside on a separate connection."""
     raise_fd_limit()
@@ -124,8 +139,10 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
     done = asyncio.Event()
     headers = {"Authorization": f"Bearer {model_key}"} if model_key else {}
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
-            aiohttp.ClientSession() as probe_session:
+    async with (
+        aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s,
+        aiohttp.ClientSession() as probe_session,
+    ):
         text0 = await (await s.get(base + "/metrics")).text()
         m0 = parse_metrics(text0)
         cpu0, t_start = family_cpu_s(pid), time.monotonic()
@@ -135,8 +152,9 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
             due = t0 + float(sched[i])
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             try:
-                async with s.post(base + "/v1/inference", json={"input": texts[i], "timeout_ms": timeout_s * 1000},
-                                  headers=headers) as r:
+                async with s.post(
+                    base + "/v1/inference", json={"input": texts[i], "timeout_ms": timeout_s * 1000}, headers=headers
+                ) as r:
                     body = await r.json(content_type=None)
                     if r.status == 200 and isinstance(body.get("output"), str):
                         latency.append(time.monotonic() - due)
@@ -144,7 +162,7 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
                     else:
                         key = f"{r.status} {body.get('error', '?') if isinstance(body, dict) else '?'}"
                         errors[key] = errors.get(key, 0) + 1
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
 
         async def probe() -> None:
@@ -172,18 +190,31 @@ async def run_load(base: str, rate: float, duration_s: float, pid: int, seed: in
         return m1.get(name, 0.0) - m0.get(name, 0.0)
 
     batches = delta("batchserve_batch_size_count")
-    by_size = next(iter(health.get("batch_ms_by_size", {}).values()), {})
+    by_size: dict[str, float] = next(iter(health.get("batch_ms_by_size", {}).values()), {})
     return LoadRow(
-        rate=rate, window_s=round(window, 2), sent=len(sched), ok=len(latency), errors=errors,
-        achieved_rps=round(len(latency) / window, 2), p50_ms=round(pct(latency, 50) * 1000, 1),
-        p95_ms=round(pct(latency, 95) * 1000, 1), server_p95_ms=round(pct(server_ms, 95), 1),
+        rate=rate,
+        window_s=round(window, 2),
+        sent=len(sched),
+        ok=len(latency),
+        errors=errors,
+        achieved_rps=round(len(latency) / window, 2),
+        p50_ms=round(pct(latency, 50) * 1000, 1),
+        p95_ms=round(pct(latency, 95) * 1000, 1),
+        server_p95_ms=round(pct(server_ms, 95), 1),
         mean_batch=round(delta("batchserve_batch_size_sum") / batches, 2) if batches else math.nan,
-        batch_sizes={f"{bound:g}": n for bound, n in bins(histogram_counts(text0, "batchserve_batch_size"),
-                                                          histogram_counts(text1, "batchserve_batch_size")).items()},
+        batch_sizes={
+            f"{bound:g}": n
+            for bound, n in bins(
+                histogram_counts(text0, "batchserve_batch_size"), histogram_counts(text1, "batchserve_batch_size")
+            ).items()
+        },
         batch_ms=round(delta("batchserve_batch_compute_seconds_sum") / batches * 1000, 1) if batches else math.nan,
-        batch_ms_by_size=by_size, server_cores=round((cpu1 - cpu0) / window, 2),
-        healthz_p50_ms=round(pct(probes, 50) * 1000, 2), healthz_p99_ms=round(pct(probes, 99) * 1000, 2),
-        healthz_max_ms=round(max(probes) * 1000, 2) if probes else math.nan)
+        batch_ms_by_size=by_size,
+        server_cores=round((cpu1 - cpu0) / window, 2),
+        healthz_p50_ms=round(pct(probes, 50) * 1000, 2),
+        healthz_p99_ms=round(pct(probes, 99) * 1000, 2),
+        healthz_max_ms=round(max(probes) * 1000, 2) if probes else math.nan,
+    )
 
 
 def interpolate(points: dict[int, float], size: float) -> float:

@@ -21,16 +21,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/plan_check.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+import argparse
+import datetime as dt
+import json
+from dataclasses import asdict, dataclass
 
-from batchserve.plan import Arrivals, BatchTime, Contract, LatencyAtRate, latency_at  # noqa: E402
-from bench import common  # noqa: E402
-from bench.report import git_info, write, written  # noqa: E402
-from bench.run_standard import parse_rows  # noqa: E402
-
+from batchserve.plan import Arrivals, BatchTime, Contract, LatencyAtRate, latency_at
+from bench import common
+from bench.report import git_info, write, written
+from bench.run_standard import parse_rows
 
 
 def newest_standard() -> Path | None:
@@ -80,16 +79,34 @@ def check(report: dict, rows: list[tuple[int, float]], sim_s: float, seed: int) 
             have = ", ".join(f"{r['devices']}:{r['rate']:g}" for r in report["rows"])
             raise SystemExit(f"no row {devices}:{rate:g} in the file (it has {have})")
 
-        def contract(batch_ms: float) -> Contract:
-            return Contract(BatchTime.constant(batch_ms), devices, s["max_batch_size"], s["slo_ms"] / 1000,
-                            s["margin_ms"] / 1000, s.get("request_timeout_ms", 2000.0) / 1000)
+        def contract(batch_ms: float, devices: int = devices) -> Contract:
+            return Contract(
+                BatchTime.constant(batch_ms),
+                devices,
+                s["max_batch_size"],
+                s["slo_ms"] / 1000,
+                s["margin_ms"] / 1000,
+                s.get("request_timeout_ms", 2000.0) / 1000,
+            )
+
         load = row["load"]
         per_s = load.get("batches_per_s")
         batch_ms = devices * 1000 / per_s if per_s else load.get("server_mean_compute_ms")
         planned = latency_at(rate, contract(s["sim_batch_ms"]), Arrivals(seed), sim_s)
         as_run = latency_at(rate, contract(batch_ms), Arrivals(seed), sim_s) if batch_ms else None
-        out.append(Check(devices, rate, load["p50_ms"], load["p95_ms"], load.get("server_p95_ms"),
-                         row["ideal"]["p95_ms"], batch_ms, planned, as_run))
+        out.append(
+            Check(
+                devices,
+                rate,
+                load["p50_ms"],
+                load["p95_ms"],
+                load.get("server_p95_ms"),
+                row["ideal"]["p95_ms"],
+                batch_ms,
+                planned,
+                as_run,
+            )
+        )
     return out
 
 
@@ -98,25 +115,32 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def table(checks: list[Check]) -> str:
-    lines = ["| devices | RPS | measured p50 | planned p50 | measured p95 | planned p95 | p95 error | within "
-             f"{GOAL_PCT:g} % | server's own p95 | ideal p95 (same arrivals) | device ms per batch as run | "
-             "planned p95 at that | its error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| devices | RPS | measured p50 | planned p50 | measured p95 | planned p95 | p95 error | within "
+        f"{GOAL_PCT:g} % | server's own p95 | ideal p95 (same arrivals) | device ms per batch as run | "
+        "planned p95 at that | its error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in checks:
         lines.append(
             f"| {c.devices} | {c.rate:g} | {c.measured_p50_ms:.1f} | {c.planned.p50_ms:.1f} | {c.measured_p95_ms:.1f} "
-            f"| {c.planned.p95_ms:.1f} | {c.p95_error_pct:+.1f} % | {'yes' if abs(c.p95_error_pct) <= GOAL_PCT else 'NO'} "
+            f"| {c.planned.p95_ms:.1f} | {c.p95_error_pct:+.1f} % | "
+            f"{'yes' if abs(c.p95_error_pct) <= GOAL_PCT else 'NO'} "
             f"| {fmt(c.server_p95_ms, '.0f')} | {c.ideal_p95_ms:.1f} | {fmt(c.batch_ms)} "
             f"| {fmt(c.planned_as_run.p95_ms if c.planned_as_run else None)} | "
-            f"{fmt(c.as_run_error_pct, '+.1f')} % |")
+            f"{fmt(c.as_run_error_pct, '+.1f')} % |"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="batchserve plan's predictions against a recorded standard bench")
-    p.add_argument("--file", type=Path, default=newest_standard(),
-                   help="a standard-*.json (default: the newest in bench/results/)")
-    p.add_argument("--rows", type=parse_rows, default=parse_rows(DEFAULT_ROWS), help=f"DEVICES:RPS,... ({DEFAULT_ROWS})")
+    p.add_argument(
+        "--file", type=Path, default=newest_standard(), help="a standard-*.json (default: the newest in bench/results/)"
+    )
+    p.add_argument(
+        "--rows", type=parse_rows, default=parse_rows(DEFAULT_ROWS), help=f"DEVICES:RPS,... ({DEFAULT_ROWS})"
+    )
     p.add_argument("--sim-s", type=float, default=60.0, help="simulated seconds per prediction")
     p.add_argument("--seed", type=int, default=1, help="the planner's seed (its own draws, not the bench's)")
     common.add_output_flags(p)
@@ -128,24 +152,37 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(a.file.read_text())
     checks = check(report, a.rows, a.sim_s, a.seed)
     worst = max(abs(c.p95_error_pct) for c in checks)
-    text = "\n".join([
-        f"# batchserve plan vs measured — {a.file.name} ({report['timestamp']})",
-        "",
-        f"Planner: `batchserve.plan.latency_at`, {a.sim_s:g} s simulated per row after 5 s warm-up, seed {a.seed}; "
-        f"bench settings {report['settings']['sim_batch_ms']:g} ms batches, max batch "
-        f"{report['settings']['max_batch_size']}, SLO {report['settings']['slo_ms']:g} ms. Error = (planned − "
-        "measured) / measured.",
-        "",
-        table(checks),
-        "",
-        f"Largest p95 error: {worst:.1f} % (goal within {GOAL_PCT:g} %: "
-        f"{'met' if worst <= GOAL_PCT else 'NOT met'}).",
-    ])
+    text = "\n".join(
+        [
+            f"# batchserve plan vs measured — {a.file.name} ({report['timestamp']})",
+            "",
+            f"Planner: `batchserve.plan.latency_at`, {a.sim_s:g} s simulated per row after 5 s warm-up, seed {a.seed}; "
+            f"bench settings {report['settings']['sim_batch_ms']:g} ms batches, max batch "
+            f"{report['settings']['max_batch_size']}, SLO {report['settings']['slo_ms']:g} ms. Error = (planned − "
+            "measured) / measured.",
+            "",
+            table(checks),
+            "",
+            f"Largest p95 error: {worst:.1f} % (goal within {GOAL_PCT:g} %: "
+            f"{'met' if worst <= GOAL_PCT else 'NOT met'}).",
+        ]
+    )
     print(text)
-    rep = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git": git_info(),
-           "source": str(a.file.name), "settings": {"sim_s": a.sim_s, "seed": a.seed},
-           "rows": [{**asdict(c), "p95_error_pct": c.p95_error_pct, "p50_error_pct": c.p50_error_pct,
-                     "as_run_error_pct": c.as_run_error_pct} for c in checks]}
+    rep = {
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "git": git_info(),
+        "source": str(a.file.name),
+        "settings": {"sim_s": a.sim_s, "seed": a.seed},
+        "rows": [
+            {
+                **asdict(c),
+                "p95_error_pct": c.p95_error_pct,
+                "p50_error_pct": c.p50_error_pct,
+                "as_run_error_pct": c.as_run_error_pct,
+            }
+            for c in checks
+        ],
+    }
     print("\n" + written(write(common.run_name(a, "plan-check"), rep, text, common.out_dir(a))))
     return 0
 

@@ -20,20 +20,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/prefill_burst.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from bench import common, report  # noqa: E402
-from bench.cb_compare import random_model  # noqa: E402
-from batchserve.generation.slot_decoder import SlotDecoder  # noqa: E402
-from batchserve.generation.slot_stepper import SlotStepper  # noqa: E402
-from batchserve.generation.stepper import SamplingParams, TokenUpdate  # noqa: E402
+from bench import common, report
+from bench.cb_compare import random_model
+from batchserve.generation.slot_decoder import SlotDecoder
+from batchserve.generation.slot_stepper import SlotStepper
+from batchserve.generation.stepper import SamplingParams, TokenUpdate
 
 NO_BUDGET = 10**9
 
@@ -44,8 +44,15 @@ def one_row(model: Any, a: argparse.Namespace, budget: int) -> dict[str, Any]:
     running = [rng.integers(3, vocab, 16).tolist() for _ in range(a.running)]
     burst = [rng.integers(3, vocab, a.prompt_len).tolist() for _ in range(a.burst)]
     slot_tokens = a.prompt_len + a.running_tokens + 16
-    decoder = SlotDecoder(model, a.running + a.burst, slot_tokens, eos_ids=[], pad_id=0,
-                          prefill_tokens=a.prefill_tokens, chunk_tokens=a.chunk)
+    decoder = SlotDecoder(
+        model,
+        a.running + a.burst,
+        slot_tokens,
+        eos_ids=[],
+        pad_id=0,
+        prefill_tokens=a.prefill_tokens,
+        chunk_tokens=a.chunk,
+    )
     stepper = SlotStepper(decoder, decoder.warm(), prefill_step_tokens=budget)
     times: dict[str, list[float]] = {}
 
@@ -80,21 +87,26 @@ def one_row(model: Any, a: argparse.Namespace, budget: int) -> dict[str, Any]:
 
     t0 = asyncio.run(main())
     t_end = max(times[f"b{i}"][0] for i in range(a.burst))
-    before, during = [], []
+    before: list[float] = []
+    during: list[float] = []
     for i in range(a.running):
         ts = times[f"r{i}"]
         for x, y in zip(ts, ts[1:]):
             (during if t0 <= y and x <= t_end else before if y < t0 else []).append(y - x)
     ttft = [times[f"b{i}"][0] - t0 for i in range(a.burst)]
     ms = 1000.0
-    return {"budget": "none" if budget >= NO_BUDGET else budget, "prefills": stepper.prefills,
-            "pieces": stepper.pieces,
-            "gap_before_ms": statistics.median(before) * ms if before else float("nan"),
-            "gap_during_p50_ms": statistics.median(during) * ms if during else float("nan"),
-            "gap_during_p99_ms": report.pct(np.array(during) * ms, 99) if during else float("nan"),
-            "gap_during_max_ms": max(during) * ms if during else float("nan"),
-            "ttft_p50_ms": statistics.median(ttft) * ms, "ttft_p95_ms": report.pct(np.array(ttft) * ms, 95),
-            "burst_in_ms": (t_end - t0) * ms}
+    return {
+        "budget": "none" if budget >= NO_BUDGET else budget,
+        "prefills": stepper.prefills,
+        "pieces": stepper.pieces,
+        "gap_before_ms": statistics.median(before) * ms if before else float("nan"),
+        "gap_during_p50_ms": statistics.median(during) * ms if during else float("nan"),
+        "gap_during_p99_ms": report.pct(np.array(during) * ms, 99) if during else float("nan"),
+        "gap_during_max_ms": max(during) * ms if during else float("nan"),
+        "ttft_p50_ms": statistics.median(ttft) * ms,
+        "ttft_p95_ms": report.pct(np.array(ttft) * ms, 95),
+        "burst_in_ms": (t_end - t0) * ms,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,12 +130,24 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     model = random_model("cpu", torch.float32, layers=a.layers)
     rows = [one_row(model, a, int(b) or NO_BUDGET) for b in a.budgets.split(",")]
-    head = ["budget", "prefills", "pieces", "gap_before_ms", "gap_during_p50_ms", "gap_during_p99_ms",
-            "gap_during_max_ms", "ttft_p50_ms", "ttft_p95_ms", "burst_in_ms"]
-    md = (f"Prefill under a per-step budget, CPU ({a.threads} thread), SmolLM2's architecture at {a.layers} layers, "
-          f"random weights: {a.running} sequences decoding, then {a.burst} joining with {a.prompt_len}-token "
-          f"prompts; prefill forwards of at most {a.prefill_tokens} padded tokens\n\n"
-          + report.table(head, [[r[h] for h in head] for r in rows]))
+    head = [
+        "budget",
+        "prefills",
+        "pieces",
+        "gap_before_ms",
+        "gap_during_p50_ms",
+        "gap_during_p99_ms",
+        "gap_during_max_ms",
+        "ttft_p50_ms",
+        "ttft_p95_ms",
+        "burst_in_ms",
+    ]
+    md = (
+        f"Prefill under a per-step budget, CPU ({a.threads} thread), SmolLM2's architecture at {a.layers} layers, "
+        f"random weights: {a.running} sequences decoding, then {a.burst} joining with {a.prompt_len}-token "
+        f"prompts; prefill forwards of at most {a.prefill_tokens} padded tokens\n\n"
+        + report.table(head, [[r[h] for h in head] for r in rows])
+    )
     print(md)
     rep = {**report.provenance(), "settings": {k: v for k, v in vars(a).items() if k != "out_dir"}, "rows": rows}
     print(report.written(report.write(common.run_name(a, "prefill-burst"), rep, md, common.out_dir(a))))

@@ -30,28 +30,29 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/protocols.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import http.server  # noqa: E402
-import math  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import os  # noqa: E402
-import secrets  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
-from typing import Callable, Mapping  # noqa: E402
+import argparse
+import asyncio
+import http.server
+import math
+import multiprocessing as mp
+import os
+import secrets
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from collections.abc import Callable, Mapping
 
-import aiohttp  # noqa: E402
-import numpy as np  # noqa: E402
-import orjson  # noqa: E402
-import uvloop  # noqa: E402
+import aiohttp
+import numpy as np
+import orjson
+import uvloop
 
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import sleep_until  # noqa: E402
-from bench.procstat import process_cpu_s, raise_fd_limit  # noqa: E402
-from bench.schedule import poisson_schedule, row_seed  # noqa: E402
+from bench import common, report, servers
+from bench.loadgen import sleep_until
+from bench.procstat import process_cpu_s, raise_fd_limit
+from bench.schedule import poisson_schedule, row_seed
 
 V2_P95_SLACK_MS = 10.0
 ROWS = ("v1", "v2", "mixed", "v1+otel", "v1+otel10%")
@@ -71,7 +72,7 @@ class _Sink(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
 
-def _sink(conn) -> None:  # noqa: ANN001 - a multiprocessing Connection
+def _sink(conn: Connection[int, object]) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     conn.send(server.server_port)
     server.serve_forever()
@@ -131,8 +132,9 @@ class RowResult:
     errors: dict[str, int] = field(default_factory=dict)
 
 
-async def drive(base: str, protos: list[Protocol], sched: np.ndarray, warmup_s: float, pid: int, timeout_s: float
-                ) -> tuple[np.ndarray, np.ndarray, list[str], float | None]:
+async def drive(
+    base: str, protos: list[Protocol], sched: np.ndarray, warmup_s: float, pid: int, timeout_s: float
+) -> tuple[np.ndarray, np.ndarray, list[str], float | None]:
     """Send request i at t0 + sched[i] whatever the answers; latency from the scheduled time (NaN unless the
     answer is 200 and right); the server's CPU seconds over the measured window. Request i speaks
     `protos[i % len(protos)]`. The bodies are built before
@@ -148,8 +150,9 @@ async def drive(base: str, protos: list[Protocol], sched: np.ndarray, warmup_s: 
     answers: list[tuple[bytes, Mapping[str, str]] | None] = [None] * n
     cpu: list[float] = []
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     skip_auto_headers=("User-Agent",)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s), skip_auto_headers=("User-Agent",)
+    ) as session:
 
         async def send(i: int, due: float) -> None:
             body, headers = bodies[i]
@@ -164,7 +167,7 @@ async def drive(base: str, protos: list[Protocol], sched: np.ndarray, warmup_s: 
                 else:
                     latency[i] = end - due
                     answers[i] = (raw, answer_headers)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 errors[i] = "client_timeout"
             except Exception as exc:  # noqa: BLE001 - one odd answer must not end the measurement
                 errors[i] = f"client:{type(exc).__name__}"
@@ -218,9 +221,20 @@ def run_row(row: str, run: int, a: argparse.Namespace, log_dir: Path, sink_port:
     for k, name in enumerate(["mixed:v1", "mixed:v2"] if row == "mixed" else [row]):
         mine = counted & (np.arange(len(sched)) % len(protos) == k)
         lat_ms = latency[mine] * 1000
-        out.append(RowResult(name, run, int(mine.sum()), int(np.sum(~np.isnan(lat_ms))), report.pct(lat_ms, 50),
-                             report.pct(lat_ms, 95), report.pct(lat_ms, 99), report.pct(lag[mine] * 1000, 99), cpu_ms,
-                             dict(Counter(e for e, c in zip(errors, mine) if c and e))))
+        out.append(
+            RowResult(
+                name,
+                run,
+                int(mine.sum()),
+                int(np.sum(~np.isnan(lat_ms))),
+                report.pct(lat_ms, 50),
+                report.pct(lat_ms, 95),
+                report.pct(lat_ms, 99),
+                report.pct(lag[mine] * 1000, 99),
+                cpu_ms,
+                dict(Counter(e for e, c in zip(errors, mine) if c and e)),
+            )
+        )
     return out
 
 
@@ -252,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"unknown rows: {', '.join(sorted(unknown))}")
     name = common.run_name(a, "protocols")
     logs = common.log_dir(a, name)
-    rep: dict = {"settings": {k: v for k, v in vars(a).items() if k != "out_dir"}, **report.provenance(),
-                 "server": "sim, 1 device, 100 ms batches of up to 100, --slo-ms 200", "runs": []}
+    rep: dict = {
+        "settings": {k: v for k, v in vars(a).items() if k != "out_dir"},
+        **report.provenance(),
+        "server": "sim, 1 device, 100 ms batches of up to 100, --slo-ms 200",
+        "runs": [],
+    }
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     sink = ctx.Process(target=_sink, args=(child,), daemon=True)
@@ -268,9 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     for r in run_row(row, run, a, logs, sink_port):
                         results.append(r)
-                        print(f"{r.row:8} run {run}: p50 {r.p50_ms:.1f}  p95 {r.p95_ms:.1f}  p99 {r.p99_ms:.1f} ms, "
-                              f"{r.ok}/{r.count} ok, errors {r.errors or 0}, server CPU "
-                              f"{report.fmt(r.server_cpu_ms_per_req, '.3f')} ms/req", flush=True)
+                        print(
+                            f"{r.row:8} run {run}: p50 {r.p50_ms:.1f}  p95 {r.p95_ms:.1f}  p99 {r.p99_ms:.1f} ms, "
+                            f"{r.ok}/{r.count} ok, errors {r.errors or 0}, server CPU "
+                            f"{report.fmt(r.server_cpu_ms_per_req, '.3f')} ms/req",
+                            flush=True,
+                        )
     finally:
         sink.kill()
         sink.join(5)
@@ -278,46 +299,83 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for row in dict.fromkeys(r.row for r in results):
         mine = [r for r in results if r.row == row]
-        summary[row] = {"runs": len(mine), "p50_ms": median([r.p50_ms for r in mine]),
-                        "p95_ms": median([r.p95_ms for r in mine]), "p99_ms": median([r.p99_ms for r in mine]),
-                        "send_lag_p99_ms": median([r.send_lag_p99_ms for r in mine]),
-                        "server_cpu_ms_per_req": median([r.server_cpu_ms_per_req for r in mine]),
-                        "errors": sum(sum(r.errors.values()) for r in mine)}
+        summary[row] = {
+            "runs": len(mine),
+            "p50_ms": median([r.p50_ms for r in mine]),
+            "p95_ms": median([r.p95_ms for r in mine]),
+            "p99_ms": median([r.p99_ms for r in mine]),
+            "send_lag_p99_ms": median([r.send_lag_p99_ms for r in mine]),
+            "server_cpu_ms_per_req": median([r.server_cpu_ms_per_req for r in mine]),
+            "errors": sum(sum(r.errors.values()) for r in mine),
+        }
     rep["summary"] = summary
-    table = report.table(["row", "runs", "p50 ms", "p95 ms", "p99 ms", "client lag p99 ms", "server CPU ms/req",
-                          "errors"],
-                         [[row, s["runs"], s["p50_ms"], s["p95_ms"], s["p99_ms"], s["send_lag_p99_ms"],
-                           report.fmt(s["server_cpu_ms_per_req"], ".3f"), s["errors"]] for row, s in summary.items()])
+    table = report.table(
+        ["row", "runs", "p50 ms", "p95 ms", "p99 ms", "client lag p99 ms", "server CPU ms/req", "errors"],
+        [
+            [
+                row,
+                s["runs"],
+                s["p50_ms"],
+                s["p95_ms"],
+                s["p99_ms"],
+                s["send_lag_p99_ms"],
+                report.fmt(s["server_cpu_ms_per_req"], ".3f"),
+                s["errors"],
+            ]
+            for row, s in summary.items()
+        ],
+    )
     verdicts = []
     if "v1" in summary and "v2" in summary:
         gap = summary["v2"]["p95_ms"] - summary["v1"]["p95_ms"]
         ok = gap <= V2_P95_SLACK_MS and summary["v2"]["errors"] == 0
-        verdicts.append(f"v2 p95 − v1 p95 = {gap:+.1f} ms (goal ≤ {V2_P95_SLACK_MS:g} ms, 0 errors): "
-                        f"{'PASS' if ok else 'FAIL'}")
+        verdicts.append(
+            f"v2 p95 − v1 p95 = {gap:+.1f} ms (goal ≤ {V2_P95_SLACK_MS:g} ms, 0 errors): {'PASS' if ok else 'FAIL'}"
+        )
         rep["v2_p95_gap_ms"], rep["v2_pass"] = gap, ok
     if "mixed:v1" in summary and "mixed:v2" in summary:
-        runs = [(v1.p95_ms, v2.p95_ms) for v1 in results if v1.row == "mixed:v1"
-                for v2 in results if v2.row == "mixed:v2" and v2.run == v1.run]
+        runs = [
+            (v1.p95_ms, v2.p95_ms)
+            for v1 in results
+            if v1.row == "mixed:v1"
+            for v2 in results
+            if v2.row == "mixed:v2" and v2.run == v1.run
+        ]
         gap = median([b - c for c, b in runs])
         # Both halves share one server: a refusal there (the machine starved) falls on both alike, so the
         # protocol is judged on not failing more than v1 beside it.
         more = summary["mixed:v2"]["errors"] - summary["mixed:v1"]["errors"]
         ok = gap <= V2_P95_SLACK_MS and more <= max(2, 0.1 * summary["mixed:v1"]["errors"])
-        verdicts.append(f"mixed (the same server and batches, alternate requests): v2 p95 − v1 p95 = {gap:+.1f} ms, "
-                        f"median of the runs' differences; errors v2 {summary['mixed:v2']['errors']} vs v1 "
-                        f"{summary['mixed:v1']['errors']} (goal ≤ {V2_P95_SLACK_MS:g} ms, no more errors than v1): "
-                        f"{'PASS' if ok else 'FAIL'}")
+        verdicts.append(
+            f"mixed (the same server and batches, alternate requests): v2 p95 − v1 p95 = {gap:+.1f} ms, "
+            f"median of the runs' differences; errors v2 {summary['mixed:v2']['errors']} vs v1 "
+            f"{summary['mixed:v1']['errors']} (goal ≤ {V2_P95_SLACK_MS:g} ms, no more errors than v1): "
+            f"{'PASS' if ok else 'FAIL'}"
+        )
         rep["mixed_p95_gap_ms"], rep["mixed_pass"] = gap, ok
     for otel in ("v1+otel", "v1+otel10%"):
         if "v1" in summary and otel in summary:
             d95 = summary[otel]["p95_ms"] - summary["v1"]["p95_ms"]
             base_cpu, otel_cpu = summary["v1"]["server_cpu_ms_per_req"], summary[otel]["server_cpu_ms_per_req"]
-            verdicts.append(f"{otel}: p95 {d95:+.1f} ms against v1, server CPU {otel_cpu:.3f} vs {base_cpu:.3f} ms/req "
-                            f"(×{otel_cpu / base_cpu:.2f})" if base_cpu else f"{otel}: p95 {d95:+.1f} ms")
+            verdicts.append(
+                f"{otel}: p95 {d95:+.1f} ms against v1, server CPU {otel_cpu:.3f} vs {base_cpu:.3f} ms/req "
+                f"(×{otel_cpu / base_cpu:.2f})"
+                if base_cpu
+                else f"{otel}: p95 {d95:+.1f} ms"
+            )
             rep[f"{otel}_p95_delta_ms"] = d95
-    markdown = "\n".join([f"# Protocols at {a.rate:g} req/s ({name})", "", rep["server"] + f"; {a.duration:g} s "
-                          f"windows after {a.warmup:g} s, seed {a.seed}, medians of {a.repeat} interleaved run(s).",
-                          "", table, "", *[f"- {v}" for v in verdicts]])
+    markdown = "\n".join(
+        [
+            f"# Protocols at {a.rate:g} req/s ({name})",
+            "",
+            rep["server"] + f"; {a.duration:g} s "
+            f"windows after {a.warmup:g} s, seed {a.seed}, medians of {a.repeat} interleaved run(s).",
+            "",
+            table,
+            "",
+            *[f"- {v}" for v in verdicts],
+        ]
+    )
     print()
     print(markdown)
     paths = report.write(name, rep, markdown, common.out_dir(a))

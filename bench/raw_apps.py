@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 
@@ -35,8 +35,13 @@ async def _body(receive: Receive) -> bytes:
 
 
 async def _answer(send: Send, out: bytes, request_id: str) -> None:
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [*HEADERS, (b"x-request-id", request_id.encode()), (b"content-length", b"%d" % len(out))]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [*HEADERS, (b"x-request-id", request_id.encode()), (b"content-length", b"%d" % len(out))],
+        }
+    )
     await send({"type": "http.response.body", "body": out})
 
 
@@ -46,9 +51,21 @@ class BareAsgi:
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         text = orjson.loads(await _body(receive))["input"]
         request_id = "req_" + secrets.token_hex(8)
-        await _answer(send, orjson.dumps({"request_id": request_id, "output": text[::-1], "model": "bare@v1",
-                                          "latency_ms": 0, "queue_ms": 0, "compute_ms": 0, "batch_size": 1}),
-                      request_id)
+        await _answer(
+            send,
+            orjson.dumps(
+                {
+                    "request_id": request_id,
+                    "output": text[::-1],
+                    "model": "bare@v1",
+                    "latency_ms": 0,
+                    "queue_ms": 0,
+                    "compute_ms": 0,
+                    "batch_size": 1,
+                }
+            ),
+            request_id,
+        )
 
 
 class MinimalAsgi:
@@ -71,9 +88,21 @@ class MinimalAsgi:
         output, compute_ms, size = await future
         request_id = "req_" + secrets.token_hex(8)
         latency_ms = (time.perf_counter() - started) * 1000
-        await _answer(send, orjson.dumps({"request_id": request_id, "output": output, "model": "minimal@v1",
-                                          "latency_ms": round(latency_ms), "queue_ms": round(latency_ms - compute_ms),
-                                          "compute_ms": round(compute_ms), "batch_size": size}), request_id)
+        await _answer(
+            send,
+            orjson.dumps(
+                {
+                    "request_id": request_id,
+                    "output": output,
+                    "model": "minimal@v1",
+                    "latency_ms": round(latency_ms),
+                    "queue_ms": round(latency_ms - compute_ms),
+                    "compute_ms": round(compute_ms),
+                    "batch_size": size,
+                }
+            ),
+            request_id,
+        )
 
     def stop(self) -> None:
         if self.task is not None:

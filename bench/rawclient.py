@@ -40,7 +40,7 @@ class RawOutcome:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection carrying one request at a time."""
 
-    def __init__(self, sender: "_Sender") -> None:
+    def __init__(self, sender: _Sender) -> None:
         self.sender = sender
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
@@ -80,8 +80,8 @@ class _Conn(asyncio.Protocol):
                     return
             self.body_at, self.need = end + 4, end + 4 + length
         if len(self.buf) >= self.need:
-            body = bytes(self.buf[self.body_at:self.need])
-            del self.buf[:self.need]
+            body = bytes(self.buf[self.body_at : self.need])
+            del self.buf[: self.need]
             j, status = self.j, self.status
             self.j, self.need, self.body_at = -1, -1, -1
             self.sender.answered(self, j, status, body)
@@ -101,8 +101,17 @@ class _Conn(asyncio.Protocol):
 
 
 class _Sender:
-    def __init__(self, url: str, k: int, text_of: Callable[[int], str], idx: np.ndarray, timeout_s: float,
-                 connections: int, headers: dict[str, str] | None, extra: dict | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        k: int,
+        text_of: Callable[[int], str],
+        idx: np.ndarray,
+        timeout_s: float,
+        connections: int,
+        headers: dict[str, str] | None,
+        extra: dict | None,
+    ) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         head = f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
@@ -148,12 +157,12 @@ class _Sender:
     async def connect(self, j: int, request: bytes) -> None:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(self), self.host, self.port),
-                                             self.timeout_s)
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(self), self.host, self.port), self.timeout_s
+            )
         except Exception as exc:  # noqa: BLE001 - refused, timed out, or anything else: this request failed
             self.opening -= 1
-            self.failed(j, "client_timeout" if isinstance(exc, asyncio.TimeoutError) else
-                        f"conn:{type(exc).__name__}")
+            self.failed(j, "client_timeout" if isinstance(exc, asyncio.TimeoutError) else f"conn:{type(exc).__name__}")
             self.next_waiting()
             return
         self.opening -= 1
@@ -219,9 +228,17 @@ class _Sender:
                 conn.transport.close()
 
 
-async def drive_raw(url: str, sched: np.ndarray, idx: np.ndarray, t0: float, text_of: Callable[[int], str],
-                    timeout_s: float, connections: int, headers: dict[str, str] | None = None,
-                    extra: dict | None = None) -> RawOutcome:
+async def drive_raw(
+    url: str,
+    sched: np.ndarray,
+    idx: np.ndarray,
+    t0: float,
+    text_of: Callable[[int], str],
+    timeout_s: float,
+    connections: int,
+    headers: dict[str, str] | None = None,
+    extra: dict | None = None,
+) -> RawOutcome:
     """Send request i (body `{"input": text_of(i), **extra}`) at t0 + sched[i] for every i in idx, whatever
     the answers; return when every one is answered or has failed."""
     sender = _Sender(url, len(idx), text_of, idx, timeout_s, connections, headers, extra)

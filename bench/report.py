@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def fmt(v: object, spec: str = ".1f") -> str:
     return format(v, spec) if isinstance(v, float) else str(v)
 
 
-def table(header: list[str], rows: list[list[object]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -55,28 +56,43 @@ def machine_info() -> dict:
                 mem_gib = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    return {"cpu_model": model, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
-            "memory_gib": mem_gib, "python": platform.python_version(),
-            "python_impl": platform.python_implementation(), "platform": platform.platform(),
-            "hostname": platform.node(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu_model": model,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "python_impl": platform.python_implementation(),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def git_info() -> dict:
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], check=False, cwd=servers.REPO, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *args], check=False, cwd=servers.REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
     dirty = git("status", "--porcelain", "--", "batchserve", "bench", "pyproject.toml")
-    return {"commit": git("rev-parse", "HEAD") or "unknown", "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty": bool(dirty), "dirty_files": dirty.splitlines()[:50]}
+    return {
+        "commit": git("rev-parse", "HEAD") or "unknown",
+        "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+        "dirty": bool(dirty),
+        "dirty_files": dirty.splitlines()[:50],
+    }
 
 
 def provenance() -> dict:
-    return {"machine": machine_info(), "git": git_info(),
-            "when_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "machine": machine_info(),
+        "git": git_info(),
+        "when_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
 
 
 def clean(value: object) -> object:
@@ -92,8 +108,15 @@ def clean(value: object) -> object:
     return value
 
 
-def write(name: str, report: dict, markdown: str, directory: Path | None, curves: Curves | None = None,
-          plot_title: str = "", plot_unit: str = "req/s") -> tuple[Path, Path] | None:
+def write(
+    name: str,
+    report: dict,
+    markdown: str,
+    directory: Path | None,
+    curves: Curves | None = None,
+    plot_title: str = "",
+    plot_unit: str = "req/s",
+) -> tuple[Path, Path] | None:
     """Markdown and JSON side by side in `directory`; nothing (None) when it is None. With `curves` (a load
     bench's p95 and goodput per offered rate, per server), also `<name>.png`, shown in the markdown."""
     if directory is None:
@@ -118,8 +141,9 @@ def written(paths: tuple[Path, Path] | None, logs: Path | None = None) -> str:
     return f"written: {paths[1]}{f', {png}' if png.exists() else ''} and {paths[0]}{where}"
 
 
-def log_lines(path: Path, levels: tuple[str, ...] = ("WARNING", "ERROR", "CRITICAL", "Traceback"),
-              limit: int = 60) -> list[str]:
+def log_lines(
+    path: Path, levels: tuple[str, ...] = ("WARNING", "ERROR", "CRITICAL", "Traceback"), limit: int = 60
+) -> list[str]:
     """The server log's notable lines (first `limit`), kept in the JSON as evidence."""
     try:
         lines = path.read_text(errors="replace").splitlines()

@@ -28,7 +28,8 @@ CPU is the only limit left, which is the point. Steps:
 
 The load generator is `bench.loadgen`'s, split over `--procs` client processes (the same Poisson schedule dealt
 round-robin; one raw-client process took ~0.25 cores at 10,000 requests/s here, so one was enough on 2 cores;
-a 16-core host aiming at 10,000+ needs several). Every server is started here on 127.0.0.1 and stopped by PID. The machine is shared: each row records what
+a 16-core host aiming at 10,000+ needs several). Every server is started here on 127.0.0.1 and stopped by PID. The
+machine is shared: each row records what
 the rest of the machine used (`others cores`), and a miss must be read beside it.
 """
 
@@ -40,19 +41,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/scale.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-import json  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+import argparse
+import math
+import os
+import statistics
+import time
+import urllib.request
+import json
+from dataclasses import asdict, dataclass
 
-from batchserve.plan import BatchTime, Contract, Prices, make_plan, render  # noqa: E402
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import measure  # noqa: E402
-from bench.procstat import machine_busy_s, tree_cpu_s  # noqa: E402
+from batchserve.plan import BatchTime, Contract, Prices, make_plan, render
+from bench import common, report, servers
+from bench.loadgen import measure
+from bench.procstat import machine_busy_s, tree_cpu_s
 
 PASS_ANSWERED = 0.97  # share of the scheduled requests answered 200 for a row to pass
 HOST_ITERATIONS = 6
@@ -97,8 +98,9 @@ def children_ready(base: str, want: int, timeout_s: float = 60.0) -> list[int]:
     raise servers.ServerFailed(f"only {len(seen)} of {want} processes answered behind {base}")
 
 
-def run_row(base: str, pid: int, processes: int, factor: float, rate: float, predicted: float,
-            a: argparse.Namespace) -> Row:
+def run_row(
+    base: str, pid: int, processes: int, factor: float, rate: float, predicted: float, a: argparse.Namespace
+) -> Row:
     cpu0, busy0, t0 = tree_cpu_s(pid), machine_busy_s(), time.monotonic()
     r = measure(base, rate, a.duration, a.warmup, a.seed, timeout_s=a.timeout, procs=a.procs, client="raw")
     cpu1, busy1, wall = tree_cpu_s(pid), machine_busy_s(), time.monotonic() - t0
@@ -106,20 +108,42 @@ def run_row(base: str, pid: int, processes: int, factor: float, rate: float, pre
     server_cpu = cpu1 - cpu0
     server_cores = server_cpu / wall
     others = (busy1 - busy0) / wall - server_cores - r.client_cores
-    passed = (r.error_count == 0 and r.p95_ms <= a.slo_ms and r.ok >= PASS_ANSWERED * r.count)
-    return Row(processes, factor, rate, predicted, r.achieved_rps, r.p50_ms, r.p95_ms, r.p99_ms, r.error_count,
-               r.errors, server_cores, server_cpu / max(1.0, sent) * 1e6, r.client_cores, max(0.0, others),
-               r.send_lag_p99_ms, passed)
+    passed = r.error_count == 0 and r.p95_ms <= a.slo_ms and r.ok >= PASS_ANSWERED * r.count
+    return Row(
+        processes,
+        factor,
+        rate,
+        predicted,
+        r.achieved_rps,
+        r.p50_ms,
+        r.p95_ms,
+        r.p99_ms,
+        r.error_count,
+        r.errors,
+        server_cores,
+        server_cpu / max(1.0, sent) * 1e6,
+        r.client_cores,
+        max(0.0, others),
+        r.send_lag_p99_ms,
+        passed,
+    )
 
 
 def contract(a: argparse.Namespace, processes: int, cpu_s: float, cores: float) -> Contract:
-    return Contract(BatchTime.constant(a.sim_batch_ms), devices=processes * a.devices_per_process,
-                    max_batch=a.max_batch_size, slo_s=a.slo_ms / 1000, cpu_s_per_request=cpu_s,
-                    processes=processes, cores=cores)
+    return Contract(
+        BatchTime.constant(a.sim_batch_ms),
+        devices=processes * a.devices_per_process,
+        max_batch=a.max_batch_size,
+        slo_s=a.slo_ms / 1000,
+        cpu_s_per_request=cpu_s,
+        processes=processes,
+        cores=cores,
+    )
 
 
-def predict_host(a: argparse.Namespace, processes: int, cpu_s: float, client_s: float, others: float
-                 ) -> tuple[float, float]:
+def predict_host(
+    a: argparse.Namespace, processes: int, cpu_s: float, client_s: float, others: float
+) -> tuple[float, float]:
     """The planner's capacity for `processes` on this host, and the cores it was given: one per process, at
     most the host's cores less what the rest of the machine used at one process's ceiling and what the load
     generator burns at the predicted rate (solved by iteration)."""
@@ -153,17 +177,22 @@ def markdown(rep: dict) -> str:
         f"{probe['errors']} errors), where the server used **{probe['server_us_per_req']:.0f} µs of CPU per "
         f"request** ({probe['server_cores']:.2f} cores); the load generator {probe['client_us_per_req']:.0f} µs per "
         f"request; the rest of the machine {probe['others_cores']:.2f} cores. "
-        + (f"The next row, {probe['first_failing']['rate']:.0f} requests/s, failed (p95 "
-           f"{probe['first_failing']['p95_ms']:.1f} ms, {probe['first_failing']['errors']} errors)."
-           if probe["first_failing"] else "No row failed: the ramp ran out of rows before the ceiling."),
+        + (
+            f"The next row, {probe['first_failing']['rate']:.0f} requests/s, failed (p95 "
+            f"{probe['first_failing']['p95_ms']:.1f} ms, {probe['first_failing']['errors']} errors)."
+            if probe["first_failing"]
+            else "No row failed: the ramp ran out of rows before the ceiling."
+        ),
         "",
         "| offered | achieved | p50 | p95 | p99 | errors | server cores | server µs/req | client cores | "
         "others cores | pass |",
         "|" + "---|" * 11,
-        *[f"| {r['rate']:.0f} | {r['achieved']:.0f} | {report.fmt(r['p50_ms'])} | {report.fmt(r['p95_ms'])} | "
-          f"{report.fmt(r['p99_ms'])} | {r['errors']} | {r['server_cores']:.2f} | {r['server_us_per_req']:.0f} | "
-          f"{r['client_cores']:.2f} | {r['others_cores']:.2f} | {'yes' if r['passed'] else 'no'} |"
-          for r in rep["ramp"]],
+        *[
+            f"| {r['rate']:.0f} | {r['achieved']:.0f} | {report.fmt(r['p50_ms'])} | {report.fmt(r['p95_ms'])} | "
+            f"{report.fmt(r['p99_ms'])} | {r['errors']} | {r['server_cores']:.2f} | {r['server_us_per_req']:.0f} | "
+            f"{r['client_cores']:.2f} | {r['others_cores']:.2f} | {'yes' if r['passed'] else 'no'} |"
+            for r in rep["ramp"]
+        ],
         "",
         "The planner's predictions below take that CPU per request, 90 % of a core per process (its default), "
         "and as cores the host's less what the rest of the machine used (the median over the ramp: "
@@ -179,26 +208,41 @@ def markdown(rep: dict) -> str:
         err = f"{(c['measured'] / c['predicted'] - 1) * 100:+.1f} %" if c["measured"] else "–"
         if c["measured"] and not c.get("failed", True):
             err += " (a lower bound: no row failed)"
-        lines.append(f"| {c['processes']} | {c['predicted']:.0f} | {c['cores']:.2f} | "
-                     f"{c['measured']:.0f} | {err} |" if c["measured"] else
-                     f"| {c['processes']} | {c['predicted']:.0f} | {c['cores']:.2f} | none passed | – |")
-    lines += ["", "Measured ceiling = the highest passing row (its offered rate); the grid's steps bound the "
-              "error's resolution.", "", "## Rows (in the order run)", "",
-              "| processes | factor | offered | planner | achieved | p50 | p95 | p99 | errors | server cores | "
-              "server µs/req | client cores | others cores | send lag p99 | pass |",
-              "|" + "---|" * 15]
+        lines.append(
+            f"| {c['processes']} | {c['predicted']:.0f} | {c['cores']:.2f} | {c['measured']:.0f} | {err} |"
+            if c["measured"]
+            else f"| {c['processes']} | {c['predicted']:.0f} | {c['cores']:.2f} | none passed | – |"
+        )
+    lines += [
+        "",
+        "Measured ceiling = the highest passing row (its offered rate); the grid's steps bound the error's resolution.",
+        "",
+        "## Rows (in the order run)",
+        "",
+        "| processes | factor | offered | planner | achieved | p50 | p95 | p99 | errors | server cores | "
+        "server µs/req | client cores | others cores | send lag p99 | pass |",
+        "|" + "---|" * 15,
+    ]
     for r in rep["rows"]:
-        errs = str(r["errors"]) + (f" ({', '.join(f'{k}: {v}' for k, v in r['error_kinds'].items())})"
-                                   if r["error_kinds"] else "")
-        lines.append(f"| {r['processes']} | {r['factor']:g} | {r['rate']:.0f} | {r['predicted']:.0f} | "
-                     f"{r['achieved']:.0f} | {report.fmt(r['p50_ms'])} | {report.fmt(r['p95_ms'])} | "
-                     f"{report.fmt(r['p99_ms'])} | {errs} | {r['server_cores']:.2f} | {r['server_us_per_req']:.0f} | "
-                     f"{r['client_cores']:.2f} | {r['others_cores']:.2f} | {report.fmt(r['send_lag_p99_ms'])} | "
-                     f"{'yes' if r['passed'] else 'no'} |")
-    lines += ["", f"## The plan for {s['plan_rate']:g} requests/s", "",
-              f"With the probe's CPU per request, on nodes of {s['plan_devices']} GPUs at {s['plan_batch_ms']:g} ms "
-              f"a batch of {s['max_batch_size']}, at example prices (not quotes) of {s['gpu_cost_per_hour']:g} "
-              f"per GPU-hour and {s['node_cost_per_hour']:g} per node-hour:", ""]
+        errs = str(r["errors"]) + (
+            f" ({', '.join(f'{k}: {v}' for k, v in r['error_kinds'].items())})" if r["error_kinds"] else ""
+        )
+        lines.append(
+            f"| {r['processes']} | {r['factor']:g} | {r['rate']:.0f} | {r['predicted']:.0f} | "
+            f"{r['achieved']:.0f} | {report.fmt(r['p50_ms'])} | {report.fmt(r['p95_ms'])} | "
+            f"{report.fmt(r['p99_ms'])} | {errs} | {r['server_cores']:.2f} | {r['server_us_per_req']:.0f} | "
+            f"{r['client_cores']:.2f} | {r['others_cores']:.2f} | {report.fmt(r['send_lag_p99_ms'])} | "
+            f"{'yes' if r['passed'] else 'no'} |"
+        )
+    lines += [
+        "",
+        f"## The plan for {s['plan_rate']:g} requests/s",
+        "",
+        f"With the probe's CPU per request, on nodes of {s['plan_devices']} GPUs at {s['plan_batch_ms']:g} ms "
+        f"a batch of {s['max_batch_size']}, at example prices (not quotes) of {s['gpu_cost_per_hour']:g} "
+        f"per GPU-hour and {s['node_cost_per_hour']:g} per node-hour:",
+        "",
+    ]
     for text in rep["plans"]:
         lines += ["```", text, "```", ""]
     return "\n".join(lines)
@@ -214,8 +258,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start-rate", type=float, default=3000.0, help="the one-process ramp's first rate")
     p.add_argument("--ramp-step", type=float, default=1.25, help="the ramp's factor from row to row")
     p.add_argument("--max-ramp-rows", type=int, default=10)
-    p.add_argument("--factors", default="0.8,0.9,0.95,1.0,1.05,1.1,1.2",
-                   help="rows at these multiples of each configuration's predicted ceiling")
+    p.add_argument(
+        "--factors",
+        default="0.8,0.9,0.95,1.0,1.05,1.1,1.2",
+        help="rows at these multiples of each configuration's predicted ceiling",
+    )
     p.add_argument("--extend-step", type=float, default=0.1, help="past --factors, step by this until a fail")
     p.add_argument("--max-factor", type=float, default=2.0)
     p.add_argument("--plan-rate", type=float, default=10000.0)
@@ -240,8 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     with common.guarded(rep) as stopping:
         started = {}
         for n in counts:
-            cmd = servers.batchserve_cmd(n * a.devices_per_process, a.sim_batch_ms, a.max_batch_size,
-                                         ["--processes", str(n), "--slo-ms", f"{a.slo_ms:g}"])
+            cmd = servers.batchserve_cmd(
+                n * a.devices_per_process,
+                a.sim_batch_ms,
+                a.max_batch_size,
+                ["--processes", str(n), "--slo-ms", f"{a.slo_ms:g}"],
+            )
             server = servers.start(f"{name}.p{n}", cmd, log_dir)
             if n > 1:
                 children_ready(server.base, n)
@@ -252,10 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         while len(ramp) < a.max_ramp_rows and not stopping:
             row = run_row(one.base, one.pid, 1, 0.0, rate, math.nan, a)
             ramp.append(row)
-            print(f"ramp, 1 process: {rate:.0f} offered, p95 {row.p95_ms:.1f} ms, errors {row.errors}, server "
-                  f"{row.server_cores:.2f} cores at {row.server_us_per_req:.0f} us/req, client "
-                  f"{row.client_cores:.2f}, others {row.others_cores:.2f}: {'pass' if row.passed else 'FAIL'}",
-                  flush=True)
+            print(
+                f"ramp, 1 process: {rate:.0f} offered, p95 {row.p95_ms:.1f} ms, errors {row.errors}, server "
+                f"{row.server_cores:.2f} cores at {row.server_us_per_req:.0f} us/req, client "
+                f"{row.client_cores:.2f}, others {row.others_cores:.2f}: {'pass' if row.passed else 'FAIL'}",
+                flush=True,
+            )
             if not row.passed:
                 break
             rate *= a.ramp_step
@@ -266,10 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         cpu_s = top.server_us_per_req / 1e6
         client_s = top.client_cores / max(1.0, top.achieved)
         rep["ramp"] = [asdict(r) for r in ramp]
-        rep["probe"] = {"rate": top.rate, "server_us_per_req": top.server_us_per_req,
-                        "server_cores": top.server_cores, "client_us_per_req": client_s * 1e6,
-                        "p95_ms": top.p95_ms, "errors": top.errors, "others_cores": top.others_cores,
-                        "first_failing": asdict(ramp[-1]) if not ramp[-1].passed else None}
+        rep["probe"] = {
+            "rate": top.rate,
+            "server_us_per_req": top.server_us_per_req,
+            "server_cores": top.server_cores,
+            "client_us_per_req": client_s * 1e6,
+            "p95_ms": top.p95_ms,
+            "errors": top.errors,
+            "others_cores": top.others_cores,
+            "first_failing": asdict(ramp[-1]) if not ramp[-1].passed else None,
+        }
         # What the rest of the machine used: the median over the ramp, not the one row's (it swings 0.3-1.6 cores).
         others = statistics.median(r.others_cores for r in ramp)
         rep["others_for_plan"] = others
@@ -290,26 +349,45 @@ def main(argv: list[str] | None = None) -> int:
                 rate = f * predicted[n][0]
                 row = run_row(started[n].base, started[n].pid, n, f, rate, predicted[n][0], a)
                 rep["rows"].append(asdict(row))
-                print(f"{n} proc x{f:g}: {rate:.0f} offered, p95 {row.p95_ms:.1f} ms, errors {row.errors}, "
-                      f"server {row.server_cores:.2f} cores, client {row.client_cores:.2f}, others "
-                      f"{row.others_cores:.2f}: {'pass' if row.passed else 'FAIL'}", flush=True)
+                print(
+                    f"{n} proc x{f:g}: {rate:.0f} offered, p95 {row.p95_ms:.1f} ms, errors {row.errors}, "
+                    f"server {row.server_cores:.2f} cores, client {row.client_cores:.2f}, others "
+                    f"{row.others_cores:.2f}: {'pass' if row.passed else 'FAIL'}",
+                    flush=True,
+                )
                 if row.passed:
                     best[n] = rate
                 else:
                     failed.add(n)
-        rep["ceilings"] = [{"processes": n, "predicted": predicted[n][0], "cores": predicted[n][1],
-                            "measured": best.get(n, 0.0), "failed": n in failed} for n in counts]
+        rep["ceilings"] = [
+            {
+                "processes": n,
+                "predicted": predicted[n][0],
+                "cores": predicted[n][1],
+                "measured": best.get(n, 0.0),
+                "failed": n in failed,
+            }
+            for n in counts
+        ]
     prices = Prices(a.gpu_cost_per_hour, a.node_cost_per_hour)
     cpu = rep.get("probe", {}).get("server_us_per_req")
     if cpu:
         for procs in (1, 2):
-            c = Contract(BatchTime.constant(a.plan_batch_ms), devices=a.plan_devices, max_batch=a.max_batch_size,
-                         slo_s=a.slo_ms / 1000, cpu_s_per_request=cpu / 1e6, processes=procs)
+            c = Contract(
+                BatchTime.constant(a.plan_batch_ms),
+                devices=a.plan_devices,
+                max_batch=a.max_batch_size,
+                slo_s=a.slo_ms / 1000,
+                cpu_s_per_request=cpu / 1e6,
+                processes=procs,
+            )
             plan = make_plan(a.plan_rate, c, prices=prices)
-            rep["plans"].append(f"$ batchserve plan --rate {a.plan_rate:g} --batch-ms {a.plan_batch_ms:g} "
-                                f"--devices {a.plan_devices} --processes {procs} --cpu-us-per-request {cpu:.0f} "
-                                f"--gpu-cost-per-hour {a.gpu_cost_per_hour:g} --node-cost-per-hour "
-                                f"{a.node_cost_per_hour:g}\n" + render(plan, "given"))
+            rep["plans"].append(
+                f"$ batchserve plan --rate {a.plan_rate:g} --batch-ms {a.plan_batch_ms:g} "
+                f"--devices {a.plan_devices} --processes {procs} --cpu-us-per-request {cpu:.0f} "
+                f"--gpu-cost-per-hour {a.gpu_cost_per_hour:g} --node-cost-per-hour "
+                f"{a.node_cost_per_hour:g}\n" + render(plan, "given")
+            )
     md = markdown(rep) if "probe" in rep else json.dumps(rep, indent=1, default=str)
     print(md)
     print("\n" + report.written(report.write(name, rep, md, common.out_dir(a)), log_dir))

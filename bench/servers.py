@@ -62,16 +62,24 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("BATCHSERVE_")}
 
 
-def start(name: str, cmd: list[str], log_dir: Path, timeout_s: float = START_TIMEOUT_S,
-          env: dict[str, str] | None = None) -> Server:
+def start(
+    name: str, cmd: list[str], log_dir: Path, timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None
+) -> Server:
     """Start `cmd`, read the port from uvicorn's "running on" line, wait for GET /readyz to answer 200. `env`:
     variables added to the (BATCHSERVE_*-free) environment."""
     log_dir.mkdir(parents=True, exist_ok=True)
     server = Server(name, cmd, log_dir / f"{name}.log")
     log = open(server.log_path, "wb")
     try:
-        server.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env={**clean_env(), **(env or {})}, start_new_session=True)
+        server.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**clean_env(), **(env or {})},
+            start_new_session=True,
+        )
     finally:
         log.close()
     _started.append(server)
@@ -122,9 +130,25 @@ def stop_all() -> None:
 
 def batchserve_cmd(devices: int, sim_batch_ms: float, max_batch_size: int, extra: list[str]) -> list[str]:
     # No drain grace (a bench stops its server with nobody left to answer); `extra` may give one.
-    return [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", "sim", "--devices",
-            str(devices), "--sim-batch-ms", f"{sim_batch_ms:g}", "--max-batch-size", str(max_batch_size),
-            "--drain-grace-s", "0", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "batchserve",
+        "serve",
+        "--port",
+        "0",
+        "--backend",
+        "sim",
+        "--devices",
+        str(devices),
+        "--sim-batch-ms",
+        f"{sim_batch_ms:g}",
+        "--max-batch-size",
+        str(max_batch_size),
+        "--drain-grace-s",
+        "0",
+        *extra,
+    ]
 
 
 def bare_cmd(hold_ms: float = 0.0) -> list[str]:

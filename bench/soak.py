@@ -26,7 +26,8 @@ The hostile clients run in a process of their own, as attackers do, at `--attack
 2-core machine their own CPU would otherwise delay the interactive CLIENT's sends, which is no cost of the
 server's; 0 = not niced), and the minilm server at `--embed-nice` (default 10: a second deployment whose long
 batches hold one of the 2 cores for seconds; in production it would not share the sim server's cores). Both
-are measurement fixes, printed with the results. Goals: the interactive p95 of the B phases within `--p95-tolerance` (5 %) of the A
+are measurement fixes, printed with the results. Goals: the interactive p95 of the B phases within
+`--p95-tolerance` (5 %) of the A
 phases', and within the SLO; 0 connection resets or failures on interactive requests; 0 false hang
 detections (`batchserve_worker_healthy` never 0, no `batch_retries{cause="hang"}`); server RSS bounded
 (`--rss-growth-mb` over its start); every job completed; the embedding neighbour all 200. Prints a table per
@@ -96,8 +97,14 @@ class Tally:
         table[str(key)] = table.get(str(key), 0) + 1
 
 
-HOSTILE = ("idle_opened", "idle_closed_by_server", "slowloris_answers", "oversized_answers", "prompt_answers",
-           "embed_long_answers")  # what the attack process sends back
+HOSTILE = (
+    "idle_opened",
+    "idle_closed_by_server",
+    "slowloris_answers",
+    "oversized_answers",
+    "prompt_answers",
+    "embed_long_answers",
+)  # what the attack process sends back
 
 
 def rss_mb(pid: int) -> float:
@@ -118,8 +125,10 @@ def bearer(key: str) -> dict[str, str]:
 
 
 async def interactive(base: str, rate: float, until: float, t: Tally, key: str) -> None:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=bearer(key),
-                                     timeout=aiohttp.ClientTimeout(total=10)) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), headers=bearer(key), timeout=aiohttp.ClientTimeout(total=10)
+    ) as session:
+
         async def one(i: int) -> None:
             text = f"live-{i}-{random.random():.6f}"
             start = time.monotonic()
@@ -134,7 +143,7 @@ async def interactive(base: str, rate: float, until: float, t: Tally, key: str) 
                         t.wrong += answer["output"] != text[::-1]
             except (aiohttp.ClientOSError, ConnectionResetError, aiohttp.ServerDisconnectedError):
                 t.resets += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 t.failures += 1
 
         tasks = []
@@ -161,7 +170,7 @@ async def idle_flood(host: str, port: int, n: int, until: float, t: Tally) -> No
                 data = await asyncio.wait_for(reader.read(1), max(0.01, until - time.monotonic()))
                 if not data:
                     t.idle_closed_by_server += 1
-            except (asyncio.TimeoutError, OSError):
+            except (TimeoutError, OSError):
                 pass
             writer.close()
 
@@ -185,7 +194,7 @@ async def slowloris(host: str, port: int, n: int, until: float, t: Tally) -> Non
                     t.count(t.slowloris_answers, await asyncio.wait_for(answer, max(0.01, until - time.monotonic())))
                 answer.cancel()
                 writer.close()
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 await asyncio.sleep(0.2)
 
     await asyncio.gather(*(one() for _ in range(n)))
@@ -201,24 +210,24 @@ async def oversized(host: str, port: int, rate: float, until: float, t: Tally) -
             writer.write(line)
             t.count(t.oversized_answers, await asyncio.wait_for(first_status(reader), 10))
             writer.close()
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             t.count(t.oversized_answers, type(exc).__name__)
         await asyncio.sleep(1 / rate)
 
 
 async def big_prompts(base: str, n: int, until: float, t: Tally, key: str) -> None:
     """Clients looping ~1 MB chat prompts (issue 28: tokenizing them on the event loop held every route)."""
-    body = orjson.dumps({"messages": [{"role": "user", "content": "word " * (PROMPT_BYTES // 5)}],
-                         "max_tokens": 1})
+    body = orjson.dumps({"messages": [{"role": "user", "content": "word " * (PROMPT_BYTES // 5)}], "max_tokens": 1})
 
     async def one(session: aiohttp.ClientSession) -> None:
         while time.monotonic() < until:
             try:
-                async with session.post(base + "/v1/chat/completions", data=body,
-                                        headers={"Content-Type": "application/json"}) as r:
+                async with session.post(
+                    base + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     await r.read()
                     t.count(t.prompt_answers, r.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 t.count(t.prompt_answers, type(exc).__name__)
                 await asyncio.sleep(0.1)
 
@@ -232,6 +241,7 @@ async def long_embeddings(base: str, n: int, until: float, t: Tally, key: str) -
     body = {"model": "minilm", "input": [("long " * (EMBED_CHARS // 5))[:EMBED_CHARS]] * EMBED_INPUTS}
 
     async with aiohttp.ClientSession(headers=bearer(key), timeout=aiohttp.ClientTimeout(total=60)) as session:
+
         async def sender() -> None:
             while time.monotonic() < until:
                 sent = time.monotonic()
@@ -239,7 +249,7 @@ async def long_embeddings(base: str, n: int, until: float, t: Tally, key: str) -
                     async with session.post(base + "/v1/embeddings", json=body) as r:
                         await r.read()
                         t.count(t.embed_long_answers, r.status)
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     t.count(t.embed_long_answers, type(exc).__name__)
                 await asyncio.sleep(max(0.0, min(until - time.monotonic(), sent + EMBED_EVERY_S - time.monotonic())))
 
@@ -249,16 +259,18 @@ async def long_embeddings(base: str, n: int, until: float, t: Tally, key: str) -
 async def neighbour(base: str, until: float, t: Tally, key: str) -> None:
     """Another tenant of the embedding server: one short sentence every 0.1 s, which must keep getting 200."""
     async with aiohttp.ClientSession(headers=bearer(key), timeout=aiohttp.ClientTimeout(total=60)) as session:
+
         async def one(i: int) -> None:
             start = time.monotonic()
             try:
-                async with session.post(base + "/v1/embeddings",
-                                        json={"model": "minilm", "input": f"a short sentence {i}"}) as r:
+                async with session.post(
+                    base + "/v1/embeddings", json={"model": "minilm", "input": f"a short sentence {i}"}
+                ) as r:
                     await r.read()
                     t.count(t.neighbour_answers, r.status)
                     if r.status == 200:
                         t.neighbour_ms.append((time.monotonic() - start) * 1000)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 t.count(t.neighbour_answers, type(exc).__name__)
 
         tasks = []
@@ -286,7 +298,7 @@ class Attack:
     nice: int
 
 
-def attack(plan: Attack, until_wall: float, results: "multiprocessing.Queue[dict]") -> None:
+def attack(plan: Attack, until_wall: float, results: multiprocessing.Queue[dict]) -> None:
     """The hostile clients, in their own process (niced by `plan.nice`); their tallies go back through
     `results`. `until_wall` is the window's end on the wall clock (monotonic clocks are per process only in
     name: the same on Linux, but the wall clock says what is meant)."""
@@ -302,8 +314,12 @@ def attack(plan: Attack, until_wall: float, results: "multiprocessing.Queue[dict
             slowloris(plan.host, plan.port, plan.slowloris, until, t),
             oversized(plan.host, plan.port, plan.oversized_rate, until, t),
             big_prompts(base, plan.prompt_clients, until, t, plan.abuser_key),
-            *([long_embeddings(plan.embed_base, plan.embed_clients, until, t, plan.abuser_key)]
-              if plan.embed_base else []))
+            *(
+                [long_embeddings(plan.embed_base, plan.embed_clients, until, t, plan.abuser_key)]
+                if plan.embed_base
+                else []
+            ),
+        )
         results.put({k: getattr(t, k) for k in HOSTILE})
 
     raise_fd_limit()
@@ -320,7 +336,7 @@ async def finish_jobs(base: str, jobs: dict[str, tuple[str, str]], wait_s: float
                 try:
                     async with session.get(f"{base}/v1/batches/{job_id}", headers=bearer(key)) as r:
                         job = orjson.loads(await r.read())
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass
                 if job.get("status") in ("completed", "failed", "cancelled") or time.monotonic() > give_up:
                     break
@@ -341,9 +357,12 @@ async def watch(base: str, pid: int, until: float, t: Tally) -> None:
                 t.healthz_ms.append((time.monotonic() - start) * 1000)
                 async with session.get(base + "/metrics") as r:
                     text = await r.text()
-                t.unhealthy_seen += sum(1 for line in text.splitlines()
-                                        if line.startswith("batchserve_worker_healthy{") and line.endswith(" 0.0"))
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                t.unhealthy_seen += sum(
+                    1
+                    for line in text.splitlines()
+                    if line.startswith("batchserve_worker_healthy{") and line.endswith(" 0.0")
+                )
+            except (TimeoutError, aiohttp.ClientError):
                 t.healthz_ms.append(float("inf"))
             await asyncio.sleep(0.5)
 
@@ -354,11 +373,14 @@ def failing_inputs(n: int, share: float) -> list[str]:
     return [f"{FAIL_MARKER}-{i}" if every and i % every == 0 else f"ok-{i}" for i in range(n)]
 
 
-async def create_jobs(session: aiohttp.ClientSession, a: argparse.Namespace, base: str, keys: dict[str, str],
-                      phase: int) -> dict[str, tuple[str, str]]:
+async def create_jobs(
+    session: aiohttp.ClientSession, a: argparse.Namespace, base: str, keys: dict[str, str], phase: int
+) -> dict[str, tuple[str, str]]:
     jobs: dict[str, tuple[str, str]] = {}
-    for tenant, inputs in (("acme", failing_inputs(a.job_items, a.job_fail_share)),
-                           ("globex", [f"clean-{phase}-{i}" for i in range(a.clean_job_items)])):
+    for tenant, inputs in (
+        ("acme", failing_inputs(a.job_items, a.job_fail_share)),
+        ("globex", [f"clean-{phase}-{i}" for i in range(a.clean_job_items)]),
+    ):
         if not inputs:
             continue
         async with session.post(base + "/v1/batches", json={"inputs": inputs}, headers=bearer(keys[tenant])) as r:
@@ -367,8 +389,14 @@ async def create_jobs(session: aiohttp.ClientSession, a: argparse.Namespace, bas
     return jobs
 
 
-async def phase(a: argparse.Namespace, kind: str, number: int, server: servers.Server, keys: dict[str, str],
-                embed: servers.Server | None) -> Tally:
+async def phase(
+    a: argparse.Namespace,
+    kind: str,
+    number: int,
+    server: servers.Server,
+    keys: dict[str, str],
+    embed: servers.Server | None,
+) -> Tally:
     """One window: the interactive load and the neighbour, and in a B phase the abuse and the jobs."""
     t = Tally(kind=kind)
     capacity = a.devices * a.max_batch_size / (a.sim_batch_ms / 1000)
@@ -380,8 +408,18 @@ async def phase(a: argparse.Namespace, kind: str, number: int, server: servers.S
         if abuse:
             ctx = multiprocessing.get_context("spawn")
             results = ctx.Queue()
-            plan = Attack("127.0.0.1", server.port, a.idle, a.slowloris, a.oversized_rate, a.prompt_clients,
-                          keys["acme"], embed.base if embed is not None else None, a.embed_clients, a.attack_nice)
+            plan = Attack(
+                "127.0.0.1",
+                server.port,
+                a.idle,
+                a.slowloris,
+                a.oversized_rate,
+                a.prompt_clients,
+                keys["acme"],
+                embed.base if embed is not None else None,
+                a.embed_clients,
+                a.attack_nice,
+            )
             attackers = ctx.Process(target=attack, args=(plan, time.time() + a.duration, results), daemon=True)
             attackers.start()
         start = time.monotonic()
@@ -391,7 +429,8 @@ async def phase(a: argparse.Namespace, kind: str, number: int, server: servers.S
             await asyncio.gather(
                 interactive(server.base, a.load * capacity, until, t, keys["live"]),
                 watch(server.base, server.pid, until, t),
-                *([neighbour(embed.base, until, t, keys["live"])] if embed is not None else []))
+                *([neighbour(embed.base, until, t, keys["live"])] if embed is not None else []),
+            )
             if attackers is not None and results is not None:
                 try:
                     hostile: dict = await asyncio.to_thread(results.get, True, 60)
@@ -408,8 +447,9 @@ async def phase(a: argparse.Namespace, kind: str, number: int, server: servers.S
     return t
 
 
-async def run(a: argparse.Namespace, server: servers.Server, keys: dict[str, str],
-              embed: servers.Server | None) -> tuple[list[Tally], str]:
+async def run(
+    a: argparse.Namespace, server: servers.Server, keys: dict[str, str], embed: servers.Server | None
+) -> tuple[list[Tally], str]:
     if a.warmup > 0:  # the interactive load alone, not counted: the first phase must not pay for a cold start
         capacity = a.devices * a.max_batch_size / (a.sim_batch_ms / 1000)
         await interactive(server.base, a.load * capacity, time.monotonic() + a.warmup, Tally(), keys["live"])
@@ -428,13 +468,16 @@ def p95(values: list[float]) -> float:
 
 
 def phase_line(t: Tally) -> str:
-    return (f"interactive p95 {p95(t.latencies_ms):.1f} ms of {len(t.latencies_ms)}, "
-            f"statuses {t.statuses}, resets {t.resets}, failures {t.failures}")
+    return (
+        f"interactive p95 {p95(t.latencies_ms):.1f} ms of {len(t.latencies_ms)}, "
+        f"statuses {t.statuses}, resets {t.resets}, failures {t.failures}"
+    )
 
 
 def metric_sum(metrics: str, name: str, label: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith(name + "{") and label in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{") and label in line
+    )
 
 
 def summarize(a: argparse.Namespace, phases: list[Tally], metrics: str) -> dict:
@@ -458,11 +501,15 @@ def summarize(a: argparse.Namespace, phases: list[Tally], metrics: str) -> dict:
     jobs = [j for t in loud for j in t.jobs.values()]
     worst = max((p95(t.latencies_ms) for t in phases if t.latencies_ms), default=float("nan"))
     goals = {
-        f"interactive p95 under abuse within {a.p95_tolerance:.0%} of the no-abuse phases'":
-            bool(ratio <= 1 + a.p95_tolerance) if quiet and loud else True,
+        f"interactive p95 under abuse within {a.p95_tolerance:.0%} of the no-abuse phases'": bool(
+            ratio <= 1 + a.p95_tolerance
+        )
+        if quiet and loud
+        else True,
         "interactive p95 within the SLO in every phase": worst <= a.slo_ms,
-        "0 resets or failed interactive requests": every.resets == 0 and every.failures == 0
-                                                    and set(every.statuses) <= {"200"},
+        "0 resets or failed interactive requests": every.resets == 0
+        and every.failures == 0
+        and set(every.statuses) <= {"200"},
         "0 false hang detections": hang_retries == 0 and every.unhealthy_seen == 0,
         f"RSS growth under {a.rss_growth_mb} MB": max(rss) - rss[0] < a.rss_growth_mb,
         "every answer its own": every.wrong == 0,
@@ -471,24 +518,47 @@ def summarize(a: argparse.Namespace, phases: list[Tally], metrics: str) -> dict:
         "1 MB prompts refused with a 4xx": all(k.startswith("4") for k in every.prompt_answers),
         "embedding neighbour all 200": set(every.neighbour_answers) <= {"200"},
     }
-    return {"config": vars(a), "p95_a_ms": p95_a, "p95_b_ms": p95_b, "ratio": ratio,
-            "p50_a_ms": float(np.percentile(pooled["A"], 50)) if pooled["A"] else float("nan"),
-            "p50_b_ms": float(np.percentile(pooled["B"], 50)) if pooled["B"] else float("nan"),
-            "hang_retries": hang_retries, "job_items_failed": job_failed, "rss_start_mb": rss[0],
-            "rss_max_mb": max(rss),
-            "phases": [{"kind": t.kind, "p50_ms": float(np.percentile(t.latencies_ms, 50)) if t.latencies_ms
-                        else float("nan"), "p95_ms": p95(t.latencies_ms), "server_p95_ms": p95(t.server_ms),
-                        "neighbour_p95_ms": p95(t.neighbour_ms),
-                        "healthz_max_ms": max(t.healthz_ms or [float("nan")]),
-                        **{k: v for k, v in asdict(t).items()
-                           if k not in ("kind", "latencies_ms", "server_ms", "rss_mb", "healthz_ms", "neighbour_ms")}}
-                       for t in phases],
-            "goals": goals, "passed": all(goals.values())}
+    return {
+        "config": vars(a),
+        "p95_a_ms": p95_a,
+        "p95_b_ms": p95_b,
+        "ratio": ratio,
+        "p50_a_ms": float(np.percentile(pooled["A"], 50)) if pooled["A"] else float("nan"),
+        "p50_b_ms": float(np.percentile(pooled["B"], 50)) if pooled["B"] else float("nan"),
+        "hang_retries": hang_retries,
+        "job_items_failed": job_failed,
+        "rss_start_mb": rss[0],
+        "rss_max_mb": max(rss),
+        "phases": [
+            {
+                "kind": t.kind,
+                "p50_ms": float(np.percentile(t.latencies_ms, 50)) if t.latencies_ms else float("nan"),
+                "p95_ms": p95(t.latencies_ms),
+                "server_p95_ms": p95(t.server_ms),
+                "neighbour_p95_ms": p95(t.neighbour_ms),
+                "healthz_max_ms": max(t.healthz_ms or [float("nan")]),
+                **{
+                    k: v
+                    for k, v in asdict(t).items()
+                    if k not in ("kind", "latencies_ms", "server_ms", "rss_mb", "healthz_ms", "neighbour_ms")
+                },
+            }
+            for t in phases
+        ],
+        "goals": goals,
+        "passed": all(goals.values()),
+    }
 
 
 def jobs_cell(jobs: dict[str, dict]) -> str:
-    return "; ".join(f"{tenant} {j.get('status')} {j.get('completed')}/{j.get('failed')}/{j.get('pending')} "
-                     f"in {j.get('seconds')} s" for tenant, j in jobs.items()) or "-"
+    return (
+        "; ".join(
+            f"{tenant} {j.get('status')} {j.get('completed')}/{j.get('failed')}/{j.get('pending')} "
+            f"in {j.get('seconds')} s"
+            for tenant, j in jobs.items()
+        )
+        or "-"
+    )
 
 
 def table(s: dict) -> str:
@@ -505,22 +575,32 @@ def table(s: dict) -> str:
         ("1 MB prompt answers", lambda p: str(p["prompt_answers"] or "-")),
         ("jobs (completed/failed/pending)", lambda p: jobs_cell(p["jobs"])),
         ("long-embedding answers", lambda p: str(p["embed_long_answers"] or "-")),
-        ("embedding neighbour answers / p95", lambda p: f"{p['neighbour_answers'] or '-'} / {p['neighbour_p95_ms']:.0f} ms"),
+        (
+            "embedding neighbour answers / p95",
+            lambda p: f"{p['neighbour_answers'] or '-'} / {p['neighbour_p95_ms']:.0f} ms",
+        ),
         ("unhealthy samples / slowest /healthz", lambda p: f"{p['unhealthy_seen']} / {p['healthz_max_ms']:.0f} ms"),
     ]
     out = [head, "| --- |" + " --- |" * len(ph), *(f"| {k} | " + " | ".join(f(p) for p in ph) + " |" for k, f in rows)]
     c = s["config"]
-    out += ["", "| over all phases | value |", "| --- | --- |",
-            f"| interactive p95, no abuse (A) / abuse (B) | {s['p95_a_ms']:.1f} / {s['p95_b_ms']:.1f} ms: "
-            f"B/A = {s['ratio']:.3f} (goal <= {1 + c['p95_tolerance']:.2f}) |",
-            f"| interactive p50, A / B | {s['p50_a_ms']:.1f} / {s['p50_b_ms']:.1f} ms |",
-            f"| hang retries | {s['hang_retries']:.0f} |",
-            f"| job items recorded failed | {s['job_items_failed']:.0f} |",
-            f"| server RSS start / max | {s['rss_start_mb']:.0f} / {s['rss_max_mb']:.0f} MB |",
-            f"| attack processes / minilm server | nice {c['attack_nice']} / {c['embed_nice']} (a measurement fix: "
-            "on these 2 shared cores their CPU would be taken from the sim server and the interactive client; "
-            "in production neither shares its cores) |",
-            "", "| goal | met |", "| --- | --- |", *(f"| {k} | {'yes' if v else 'NO'} |" for k, v in s["goals"].items())]
+    out += [
+        "",
+        "| over all phases | value |",
+        "| --- | --- |",
+        f"| interactive p95, no abuse (A) / abuse (B) | {s['p95_a_ms']:.1f} / {s['p95_b_ms']:.1f} ms: "
+        f"B/A = {s['ratio']:.3f} (goal <= {1 + c['p95_tolerance']:.2f}) |",
+        f"| interactive p50, A / B | {s['p50_a_ms']:.1f} / {s['p50_b_ms']:.1f} ms |",
+        f"| hang retries | {s['hang_retries']:.0f} |",
+        f"| job items recorded failed | {s['job_items_failed']:.0f} |",
+        f"| server RSS start / max | {s['rss_start_mb']:.0f} / {s['rss_max_mb']:.0f} MB |",
+        f"| attack processes / minilm server | nice {c['attack_nice']} / {c['embed_nice']} (a measurement fix: "
+        "on these 2 shared cores their CPU would be taken from the sim server and the interactive client; "
+        "in production neither shares its cores) |",
+        "",
+        "| goal | met |",
+        "| --- | --- |",
+        *(f"| {k} | {'yes' if v else 'NO'} |" for k, v in s["goals"].items()),
+    ]
     return "\n".join(out)
 
 
@@ -536,21 +616,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--oversized-rate", type=float, default=2.0, help="per second (0: none)")
     p.add_argument("--job-items", type=int, default=5000, help="the failing job's inputs (0: none)")
     p.add_argument("--job-fail-share", type=float, default=0.1, help="share of them that fail (1 = every one)")
-    p.add_argument("--job-fail-mode", choices=("input", "batch"), default="input",
-                   help="input: the backend names the failing input; batch: the whole batch raises (bisected)")
+    p.add_argument(
+        "--job-fail-mode",
+        choices=("input", "batch"),
+        default="input",
+        help="input: the backend names the failing input; batch: the whole batch raises (bisected)",
+    )
     p.add_argument("--clean-job-items", type=int, default=1000, help="another tenant's clean job (0: none)")
     p.add_argument("--job-wait-s", type=float, default=60.0, help="longest wait for a phase's jobs after its window")
-    p.add_argument("--prompt-clients", type=int, default=2,
-                   help="clients looping 1 MB chat prompts (the server then loads SmolLM2's generation engine)")
-    p.add_argument("--embed-clients", type=int, default=1,
-                   help="long-embedding clients on a second, minilm server (0: no such server, no neighbour)")
+    p.add_argument(
+        "--prompt-clients",
+        type=int,
+        default=2,
+        help="clients looping 1 MB chat prompts (the server then loads SmolLM2's generation engine)",
+    )
+    p.add_argument(
+        "--embed-clients",
+        type=int,
+        default=1,
+        help="long-embedding clients on a second, minilm server (0: no such server, no neighbour)",
+    )
     p.add_argument("--attack-nice", type=int, default=10, help="niceness of the attack process (0: not niced)")
-    p.add_argument("--embed-nice", type=int, default=10,
-                   help="niceness of the minilm server (0: not niced): a second deployment on the same cores, whose "
-                        "long batches are no CPU of the sim server's in production")
-    p.add_argument("--max-connections", type=int, default=0,
-                   help="the server's cap (0: its default, above the idle flood; a flood past the cap that reconnects at once "
-                        "is a reconnect storm, met at the network layer: docs/hardening.md)")
+    p.add_argument(
+        "--embed-nice",
+        type=int,
+        default=10,
+        help="niceness of the minilm server (0: not niced): a second deployment on the same cores, whose "
+        "long batches are no CPU of the sim server's in production",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="the server's cap (0: its default, above the idle flood; a flood past the cap that reconnects at once "
+        "is a reconnect storm, met at the network layer: docs/hardening.md)",
+    )
     p.add_argument("--rss-growth-mb", type=float, default=200.0)
     common.add_output_flags(p)
     a = p.parse_args(argv)
@@ -567,23 +667,64 @@ def main(argv: list[str] | None = None) -> int:
     logs = common.log_dir(a, name)
     workdir = Path(tempfile.mkdtemp(prefix="soak-"))  # the job store and the keys: never kept
     keys = {tenant: new_key() for tenant in TENANTS}
-    (workdir / "keys.toml").write_text("".join(
-        f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 100000\n' for t, k in keys.items()))
+    (workdir / "keys.toml").write_text(
+        "".join(
+            f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 100000\n' for t, k in keys.items()
+        )
+    )
     marker = "--sim-input-fail-marker" if a.job_fail_mode == "input" else "--sim-fail-marker"
-    cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, a.max_batch_size, [
-        "--slo-ms", f"{a.slo_ms:g}", marker, FAIL_MARKER, "--jobs-db", str(workdir / "jobs.db"),
-        "--header-timeout-s", "5", "--body-timeout-s", "5", "--keep-alive-timeout-s", "5",
-        "--max-connections", str(a.max_connections), "--config", str(workdir / "keys.toml"),
-        "--generation", "on" if a.prompt_clients else "off"])
+    cmd = servers.batchserve_cmd(
+        a.devices,
+        a.sim_batch_ms,
+        a.max_batch_size,
+        [
+            "--slo-ms",
+            f"{a.slo_ms:g}",
+            marker,
+            FAIL_MARKER,
+            "--jobs-db",
+            str(workdir / "jobs.db"),
+            "--header-timeout-s",
+            "5",
+            "--body-timeout-s",
+            "5",
+            "--keep-alive-timeout-s",
+            "5",
+            "--max-connections",
+            str(a.max_connections),
+            "--config",
+            str(workdir / "keys.toml"),
+            "--generation",
+            "on" if a.prompt_clients else "off",
+        ],
+    )
     with common.guarded():
         server = servers.start("soak", cmd, logs, timeout_s=180)
         embed = None
         if a.embed_clients:
             niced = ["nice", "-n", str(a.embed_nice)] if a.embed_nice else []
-            embed = servers.start("soak-minilm", [*niced, sys.executable, "-m", "batchserve", "serve", "--port", "0",
-                                                  "--backend", "minilm", "--drain-grace-s", "0", "--jobs-db", "",
-                                                  "--config", str(workdir / "keys.toml")],
-                                  logs, timeout_s=180)
+            embed = servers.start(
+                "soak-minilm",
+                [
+                    *niced,
+                    sys.executable,
+                    "-m",
+                    "batchserve",
+                    "serve",
+                    "--port",
+                    "0",
+                    "--backend",
+                    "minilm",
+                    "--drain-grace-s",
+                    "0",
+                    "--jobs-db",
+                    "",
+                    "--config",
+                    str(workdir / "keys.toml"),
+                ],
+                logs,
+                timeout_s=180,
+            )
         phases, metrics = uvloop.run(run(a, server, keys, embed))
     summary = summarize(a, phases, metrics)
     text = table(summary)
@@ -593,8 +734,10 @@ def main(argv: list[str] | None = None) -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
         summary.update(commit=commit, dirty=dirty, command=" ".join(sys.argv), load_average=os.getloadavg())
-        text = (f"# Soak {stamp} (commit {commit}{', dirty' if dirty else ''})\n\n"
-                f"`{' '.join(sys.argv)}` (load average at the end {os.getloadavg()[0]:.2f})\n\n{text}")
+        text = (
+            f"# Soak {stamp} (commit {commit}{', dirty' if dirty else ''})\n\n"
+            f"`{' '.join(sys.argv)}` (load average at the end {os.getloadavg()[0]:.2f})\n\n{text}"
+        )
     print("\n" + report.written(report.write(name, summary, text, directory), logs))
     return 0 if summary["passed"] else 1
 

@@ -19,19 +19,21 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python bench/startup.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import re
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
-from bench import common, report, servers  # noqa: E402
+from bench import common, report, servers
 
-STAGE = re.compile(r"^(\S+ \S+) INFO batchserve\S* (converting .*|loading .*|loaded .*|set up .*|warm-up round .*|"
-                   r"warmed .*|deadlines .*|not loading .*|generation ready: .*|ready: .*)$")
+STAGE = re.compile(
+    r"^(\S+ \S+) INFO batchserve\S* (converting .*|loading .*|loaded .*|set up .*|warm-up round .*|"
+    r"warmed .*|deadlines .*|not loading .*|generation ready: .*|ready: .*)$"
+)
 
 
 @dataclass
@@ -73,15 +75,21 @@ def status(url: str) -> int:
         return 0
 
 
-def measure(code: str, cmd: list[str], pythonpath: str, log_path: Path, poll_s: float,
-            timeout_s: float) -> Start:
+def measure(code: str, cmd: list[str], pythonpath: str, log_path: Path, poll_s: float, timeout_s: float) -> Start:
     """One start, polled from the moment the process is spawned."""
     env = {**servers.clean_env(), "PYTHONPATH": pythonpath}
     server = servers.Server(code, cmd, log_path)
     with open(log_path, "wb") as log:
         # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
-        server.proc = subprocess.Popen(cmd, cwd=pythonpath, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        server.proc = subprocess.Popen(
+            cmd,
+            cwd=pythonpath,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     servers._started.append(server)  # the run guard stops it however the run ends
     began = time.monotonic()
     out = Start(code)
@@ -113,29 +121,58 @@ def measure(code: str, cmd: list[str], pythonpath: str, log_path: Path, poll_s: 
         servers.stop(server)
         if out.ready_s == out.ready_s:  # ready (not NaN): a clean stop, timed
             out.stop_s = time.monotonic() - stopping
-    out.stages = [" ".join(m.groups()) for line in log_path.read_text(errors="replace").splitlines()
-                  if (m := STAGE.match(line))]
+    out.stages = [
+        " ".join(m.groups()) for line in log_path.read_text(errors="replace").splitlines() if (m := STAGE.match(line))
+    ]
     return out
 
 
 def markdown(rep: dict, runs: list[Start]) -> str:
     prov = rep["provenance"]
-    lines = [f"# batchserve start-up — {prov['when_utc']}", "",
-             f"Machine: {prov['machine']}.", f"Code: {prov['git']}.",
-             f"Settings: {rep['settings']}.", "",
-             report.table(["code", "port open s", "first /healthz 200 s", "first /readyz 200 s",
-                           "RSS at ready MiB", "/healthz refused (polls)", "/readyz 503 (polls)",
-                           "SIGTERM to exit s"],
-                          [[r.code, r.port_s, r.healthz_s, r.ready_s, r.rss_mb, r.healthz_refused, r.readyz_503,
-                            r.stop_s]
-                           for r in runs])]
+    lines = [
+        f"# batchserve start-up — {prov['when_utc']}",
+        "",
+        f"Machine: {prov['machine']}.",
+        f"Code: {prov['git']}.",
+        f"Settings: {rep['settings']}.",
+        "",
+        report.table(
+            [
+                "code",
+                "port open s",
+                "first /healthz 200 s",
+                "first /readyz 200 s",
+                "RSS at ready MiB",
+                "/healthz refused (polls)",
+                "/readyz 503 (polls)",
+                "SIGTERM to exit s",
+            ],
+            [
+                [r.code, r.port_s, r.healthz_s, r.ready_s, r.rss_mb, r.healthz_refused, r.readyz_503, r.stop_s]
+                for r in runs
+            ],
+        ),
+    ]
     codes = list(dict.fromkeys(r.code for r in runs))
     if len(runs) > len(codes):
-        lines += ["", "Medians:", "", report.table(
-            ["code", "runs", "port open s", "first /readyz 200 s", "SIGTERM to exit s"],
-            [[c, len(mine := [r for r in runs if r.code == c]), statistics.median(r.port_s for r in mine),
-              statistics.median(r.ready_s for r in mine), statistics.median(r.stop_s for r in mine)]
-             for c in codes])]
+        lines += [
+            "",
+            "Medians:",
+            "",
+            report.table(
+                ["code", "runs", "port open s", "first /readyz 200 s", "SIGTERM to exit s"],
+                [
+                    [
+                        c,
+                        len(mine := [r for r in runs if r.code == c]),
+                        statistics.median(r.port_s for r in mine),
+                        statistics.median(r.ready_s for r in mine),
+                        statistics.median(r.stop_s for r in mine),
+                    ]
+                    for c in codes
+                ],
+            ),
+        ]
     for c in codes:
         first = next(r for r in runs if r.code == c)
         lines += ["", f"Stages logged ({c}, first run):", "", "```", *first.stages, "```"]
@@ -145,8 +182,13 @@ def markdown(rep: dict, runs: list[Start]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Seconds to port open, /healthz 200 and /readyz 200 of one start")
     p.add_argument("--backend", default="minilm", help="the backend to start (default %(default)s)")
-    p.add_argument("--code", action="append", default=[], metavar="DIR",
-                   help="another tree of the code to measure first (repeatable)")
+    p.add_argument(
+        "--code",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another tree of the code to measure first (repeatable)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="starts of each tree, taken in turn (default %(default)s)")
     p.add_argument("--poll-s", type=float, default=0.05, help="probe interval (default %(default)g)")
     p.add_argument("--timeout", type=float, default=300.0, help="give up on a start after this long, s")
@@ -160,20 +202,39 @@ def main(argv: list[str] | None = None) -> int:
     name = common.run_name(a, "startup")
     logs = common.log_dir(a, name)
     logs.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", a.backend, "--jobs-db", "",
-           "--drain-grace-s", "0", "--log-level", "info", *a.server_arg]
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchserve",
+        "serve",
+        "--port",
+        "0",
+        "--backend",
+        a.backend,
+        "--jobs-db",
+        "",
+        "--drain-grace-s",
+        "0",
+        "--log-level",
+        "info",
+        *a.server_arg,
+    ]
     trees = [(Path(d).name or d, str(Path(d).resolve())) for d in a.code] + [("this checkout", str(servers.REPO))]
-    rep: dict = {"provenance": report.provenance(), "settings": {"backend": a.backend, "cmd": cmd[1:],
-                                                                  "poll_s": a.poll_s, "code": a.code,
-                                                                  "repeat": a.repeat}}
+    rep: dict = {
+        "provenance": report.provenance(),
+        "settings": {"backend": a.backend, "cmd": cmd[1:], "poll_s": a.poll_s, "code": a.code, "repeat": a.repeat},
+    }
     runs: list[Start] = []
     with common.guarded(rep):
         for k in range(a.repeat):  # the trees in turn, so a change in the machine's load falls on each alike
             for i, (label, path) in enumerate(trees):
                 print(f"-- {label}: {a.backend} ...", flush=True)
                 run = measure(label, cmd, path, logs / f"{i}-{k}-{a.backend}.log", a.poll_s, a.timeout)
-                print(f"   port {run.port_s:.2f} s, /healthz {run.healthz_s:.2f} s, /readyz {run.ready_s:.2f} s, "
-                      f"RSS {run.rss_mb:.0f} MiB, SIGTERM to exit {run.stop_s:.2f} s", flush=True)
+                print(
+                    f"   port {run.port_s:.2f} s, /healthz {run.healthz_s:.2f} s, /readyz {run.ready_s:.2f} s, "
+                    f"RSS {run.rss_mb:.0f} MiB, SIGTERM to exit {run.stop_s:.2f} s",
+                    flush=True,
+                )
                 runs.append(run)
     rep["runs"] = [asdict(r) for r in runs]
     md = markdown(rep, runs)

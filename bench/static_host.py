@@ -31,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -54,7 +54,7 @@ class StandInParams:
     lagged: bool = True  # a check reads the flags of the step before its own (the GPU loop now)
 
     @classmethod
-    def from_env(cls) -> "StandInParams":
+    def from_env(cls) -> StandInParams:
         """`STATIC_STAND_IN="step_ms=3.4,lagged=0"`: any of the fields, comma-separated."""
         p = cls()
         names = [f.name for f in fields(cls)]
@@ -99,16 +99,16 @@ class StandInRunner(Runner):
         width = max(len(p) for p in prompts)
         ids = torch.full((self.shape.batch, width), self.pad_id, dtype=torch.long)  # the real host-side build
         for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        p = self.params
-        hold_lock_for(p.host_prefill_ms / 1000, self.scratch)
-        self.clock.enqueue((p.prefill_ms + p.prefill_ms_per_row * self.shape.batch) / 1000)
+            ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        params = self.params
+        hold_lock_for(params.host_prefill_ms / 1000, self.scratch)
+        self.clock.enqueue((params.prefill_ms + params.prefill_ms_per_row * self.shape.batch) / 1000)
 
     def step_once(self) -> None:
         p = self.params
         self.clock.enqueue((p.step_ms + p.step_ms_per_row * self.shape.batch) / 1000)
 
-    def snapshot_finished(self) -> "FlagsDue":
+    def snapshot_finished(self) -> FlagsDue:
         return FlagsDue(self.clock, self.clock.free_at)  # the flags of the newest step launched
 
     def all_finished(self, snapshot: FlagsCopy) -> bool:
@@ -123,29 +123,45 @@ class StandInRunner(Runner):
 class StandInDecoder(StaticDecoder):
     """`StaticDecoder` (its buckets, plan and `generate` are the real ones) over stood-in runners."""
 
-    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, max_batch: int,
-                 params: StandInParams) -> None:
-        super().__init__(SimpleNamespace(device=torch.device("cpu")), max_new_tokens, eos_ids, pad_id,
-                         max_batch=max_batch, use_graphs=False, fixed_shapes=True)
+    def __init__(
+        self, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, max_batch: int, params: StandInParams
+    ) -> None:
+        super().__init__(
+            SimpleNamespace(device=torch.device("cpu")),
+            max_new_tokens,
+            eos_ids,
+            pad_id,
+            max_batch=max_batch,
+            use_graphs=False,
+            fixed_shapes=True,
+        )
         self.use_graphs = True  # as on a GPU: the backend's warm() times every batch bucket
         self.check_every = GPU_CHECK_EVERY
         self.clock, self.params = DeviceClock(), params
 
     def warm(self) -> None:
         if not self.runners:
-            self.runners = {s: StandInRunner(s, self.max_new, self.pad_id, self.clock, self.params)
-                            for s in self.graphed_shapes()}
+            self.runners = {
+                s: StandInRunner(s, self.max_new, self.pad_id, self.clock, self.params) for s in self.graphed_shapes()
+            }
 
 
 class StandInSmolLM2(SmolLM2Backend):
     """The smollm2 backend (real tokenizer, chat template and decoding of answers) on a stood-in device."""
 
     @classmethod
-    def from_settings(cls, spec: ModelSpec, s: Settings) -> "StandInSmolLM2":
+    def from_settings(cls, spec: ModelSpec, s: Settings) -> StandInSmolLM2:
         tokenizer = load_tokenizer(source_dir(s))
         params = StandInParams.from_env()
         devices = pick_devices(s.devices)
-        decoders = [StandInDecoder(s.max_new_tokens, [tokenizer.eos_token_id], tokenizer.pad_token_id,
-                                   s.max_batch_size, params) for _ in devices]
-        return cls(devices=devices, max_new_tokens=s.max_new_tokens, tokenizer=tokenizer, decoders=decoders,
-                   should_stop=all_callers_gone)
+        decoders = [
+            StandInDecoder(s.max_new_tokens, [tokenizer.eos_token_id], tokenizer.pad_token_id, s.max_batch_size, params)
+            for _ in devices
+        ]
+        return cls(
+            devices=devices,
+            max_new_tokens=s.max_new_tokens,
+            tokenizer=tokenizer,
+            decoders=decoders,
+            should_stop=all_callers_gone,
+        )

@@ -44,24 +44,25 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/stepper_host.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+import argparse
+import asyncio
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+from collections.abc import Sequence
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from batchserve.generation.slot_decoder import PREFILL_ROWS, SlotDecoder  # noqa: E402
-from batchserve.generation.stepper import SamplingParams  # noqa: E402
-from batchserve.gc_tuning import tune_gc  # noqa: E402
-from bench.device_clock import DeviceClock  # noqa: E402
-from batchserve.http.server import SWITCH_INTERVAL_S  # noqa: E402
-from bench import common, report, servers  # noqa: E402
-from bench.cb_compare import Workload, random_prompts  # noqa: E402
+from batchserve.generation.slot_decoder import PREFILL_ROWS, SlotDecoder
+from batchserve.generation.stepper import SamplingParams
+from batchserve.gc_tuning import tune_gc
+from bench.device_clock import DeviceClock
+from batchserve.http.server import SWITCH_INTERVAL_S
+from bench import common, report, servers
+from bench.cb_compare import Workload, random_prompts
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ class DeviceStandIn:
     prefill_shape = SlotDecoder.prefill_shape
     prefill_fits = SlotDecoder.prefill_fits
 
-    def __init__(self, slots: int, slot_tokens: int, step_s: float, prefill_s: float,
-                 prefill_tokens: int = 8192) -> None:
+    def __init__(
+        self, slots: int, slot_tokens: int, step_s: float, prefill_s: float, prefill_tokens: int = 8192
+    ) -> None:
         self.slots, self.slot_tokens, self.prefill_tokens = slots, slot_tokens, prefill_tokens
         self.chunk_tokens = min(512, prefill_tokens, slot_tokens)
         self.prefill_rows = tuple(sorted({r for r in PREFILL_ROWS if r < slots} | {min(slots, max(PREFILL_ROWS))}))
@@ -117,9 +119,14 @@ class DeviceStandIn:
         self.clock.wait(ticket.due)
         return ticket.tokens.tolist(), ticket.done.tolist()
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                starts: Sequence[int] | None = None,
-                last: Sequence[bool] | None = None) -> tuple[list[int], list[bool]]:
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        starts: Sequence[int] | None = None,
+        last: Sequence[bool] | None = None,
+    ) -> tuple[list[int], list[bool]]:
         self.prefills += 1
         index = np.asarray(slots)
         self.count[index] = 0
@@ -153,8 +160,14 @@ async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: i
 
     device = DeviceStandIn(a.slots, 2048, a.step_ms / 1000, a.prefill_ms / 1000)
     stepper = SlotStepper(device, a.step_ms / 1000)  # type: ignore[arg-type]  # the stand-in has its interface
-    engine = Engine(EngineConfig(max_tokens=256, max_waiting=a.requests, queue_timeout_s=3600), tokenizer, stepper,
-                    CollectorRegistry(), 8192, 49152)
+    engine = Engine(
+        EngineConfig(max_tokens=256, max_waiting=a.requests, queue_timeout_s=3600),
+        tokenizer,
+        stepper,
+        CollectorRegistry(),
+        8192,
+        49152,
+    )
     stepper.start(asyncio.get_running_loop(), engine._on_updates)
     work = workload(a.requests, seed)
 
@@ -163,18 +176,27 @@ async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: i
 
     wall, cpu = time.perf_counter(), time.process_time()
     try:
-        seqs = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), streamed=streamed)
-                for p, n in zip(work.prompts, work.max_tokens)]
+        seqs = [
+            engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), streamed=streamed)
+            for p, n in zip(work.prompts, work.max_tokens)
+        ]
         await asyncio.gather(*(read(s) for s in seqs))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         await asyncio.to_thread(stepper.stop, 10)
     tokens = sum(s.tokens for s in seqs)
     assert tokens == sum(s.params.max_tokens for s in seqs) and all(s.finish_reason == "length" for s in seqs)
-    return {"mode": "streamed" if streamed else "whole", "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall), "device_busy": round(device.busy_s / wall, 3),
-            "host_cpu_ms_per_1k_tokens": round(cpu / tokens * 1e6, 1), "steps": device.steps,
-            "prefills": device.prefills, "moved": stepper.moved}
+    return {
+        "mode": "streamed" if streamed else "whole",
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall),
+        "device_busy": round(device.busy_s / wall, 3),
+        "host_cpu_ms_per_1k_tokens": round(cpu / tokens * 1e6, 1),
+        "steps": device.steps,
+        "prefills": device.prefills,
+        "moved": stepper.moved,
+    }
 
 
 def serve_stand_in(argv: list[str]) -> int:
@@ -188,20 +210,21 @@ def serve_stand_in(argv: list[str]) -> int:
     from batchserve.generation.slot_stepper import SlotStepper
 
     step_s, prefill_s = float(argv[0]) / 1000, float(argv[1]) / 1000
-    rest = argv[argv.index("--") + 1:]
+    rest = argv[argv.index("--") + 1 :]
 
     def stand_in_stepper(model: Any, tokenizer: Any, cfg: Any) -> SlotStepper:
         device = DeviceStandIn(cfg.max_seqs or 256, cfg.max_context, step_s, prefill_s)
         return SlotStepper(device, step_s)  # type: ignore[arg-type]  # the stand-in has its interface
 
-    smollm2.load_model = lambda device, source: SimpleNamespace(  # type: ignore[assignment]
-        config=SimpleNamespace(max_position_embeddings=8192, vocab_size=49152))
-    engine_module.build_stepper = stand_in_stepper  # type: ignore[assignment]
+    def stand_in_model(device: str, model_dir: str = "") -> SimpleNamespace:  # no weights: the shape it reports
+        return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192, vocab_size=49152))
+
+    smollm2.load_model = stand_in_model
+    engine_module.build_stepper = stand_in_stepper
     return cli_main(["serve", *rest])
 
 
-async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: bool,
-                   seed: int) -> dict[str, Any]:
+async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: bool, seed: int) -> dict[str, Any]:
     """The workload as OpenAI completions against a live server, all sent at once."""
     import aiohttp
     import orjson
@@ -210,9 +233,16 @@ async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: 
 
     work = workload(a.requests, seed)
     lengths = work.max_tokens
-    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, "stream": streamed,
-               **({"stream_options": {"include_usage": True}} if streamed else {})}
-              for p, n in zip(work.prompts, lengths)]
+    bodies = [
+        {
+            "prompt": p,
+            "max_tokens": n,
+            "temperature": 0,
+            "stream": streamed,
+            **({"stream_options": {"include_usage": True}} if streamed else {}),
+        }
+        for p, n in zip(work.prompts, lengths)
+    ]
 
     async def one(session: aiohttp.ClientSession, body: dict[str, Any]) -> int:
         async with session.post(base + "/v1/completions", json=body) as r:
@@ -236,9 +266,17 @@ async def http_run(base: str, server_pid: int, a: argparse.Namespace, streamed: 
     else:
         assert tokens == lengths, "an answer's completion tokens differ from its max_tokens"
     total = sum(tokens)
-    return {"mode": "streamed" if streamed else "whole", "tokens": total, "wall_s": round(wall, 3),
-            "tokens_per_s": round(total / wall), "device_busy": float("nan"),
-            "host_cpu_ms_per_1k_tokens": round(cpu / total * 1e6, 1), "steps": None, "prefills": None, "moved": None}
+    return {
+        "mode": "streamed" if streamed else "whole",
+        "tokens": total,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(total / wall),
+        "device_busy": float("nan"),
+        "host_cpu_ms_per_1k_tokens": round(cpu / total * 1e6, 1),
+        "steps": None,
+        "prefills": None,
+        "moved": None,
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -249,8 +287,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=1536)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--http", action="store_true", help="through a live server's /v1/completions")
-    ap.add_argument("--real-model", default="", metavar="DIR",
-                    help="with --http: serve a real model from DIR (auto: the server's default), not the stand-in")
+    ap.add_argument(
+        "--real-model",
+        default="",
+        metavar="DIR",
+        help="with --http: serve a real model from DIR (auto: the server's default), not the stand-in",
+    )
     ap.add_argument("--start-timeout-s", type=float, default=60.0, help="--http: how long the server may take to start")
     common.add_output_flags(ap, name="stepper-host")
     a = ap.parse_args(argv)
@@ -274,52 +316,121 @@ def main(argv: list[str] | None = None) -> int:
     with common.guarded() as stopping:
         server = None
         if a.http:
-            flags = ["--port", "0", "--backend", "sim", "--generation", "on", "--generation-max-seqs", str(a.slots),
-                     "--generation-max-tokens", "256", "--max-queue", str(a.requests * 2),
-                     "--generation-queue-timeout-ms", "600000", "--jobs-db", "", "--drain-grace-s", "0"]
+            flags = [
+                "--port",
+                "0",
+                "--backend",
+                "sim",
+                "--generation",
+                "on",
+                "--generation-max-seqs",
+                str(a.slots),
+                "--generation-max-tokens",
+                "256",
+                "--max-queue",
+                str(a.requests * 2),
+                "--generation-queue-timeout-ms",
+                "600000",
+                "--jobs-db",
+                "",
+                "--drain-grace-s",
+                "0",
+            ]
             if a.real_model:
                 model = [] if a.real_model == "auto" else ["--smollm2-dir", a.real_model]
                 cmd = [sys.executable, "-m", "batchserve", "serve", *flags, *model]
             else:
-                cmd = [sys.executable, "-m", "bench.stepper_host", "serve", str(a.step_ms), str(a.prefill_ms), "--",
-                       *flags]
-            server = servers.start("stepper-host", cmd, Path(tempfile.mkdtemp(prefix="stepper-host-")),
-                                   timeout_s=a.start_timeout_s)
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.stepper_host",
+                    "serve",
+                    str(a.step_ms),
+                    str(a.prefill_ms),
+                    "--",
+                    *flags,
+                ]
+            server = servers.start(
+                "stepper-host", cmd, Path(tempfile.mkdtemp(prefix="stepper-host-")), timeout_s=a.start_timeout_s
+            )
         try:
             for i in range(a.repeats):  # the two modes interleaved: this machine's noise falls on both alike
                 for streamed in (True, False):
                     if stopping:
                         break
-                    run = (http_run(server.base, server.pid, a, streamed, seed=i) if server is not None
-                           else one_run(tokenizer, a, streamed, seed=i))
+                    run = (
+                        http_run(server.base, server.pid, a, streamed, seed=i)
+                        if server is not None
+                        else one_run(tokenizer, a, streamed, seed=i)
+                    )
                     runs.append(asyncio.run(run))
                     print(runs[-1], flush=True)
         finally:
             if server is not None:
                 servers.stop(server)
-    median = {mode: {k: statistics.median(r[k] for r in runs if r["mode"] == mode)
-                     for k in ("tokens_per_s", "device_busy", "host_cpu_ms_per_1k_tokens")}
-              for mode in ("streamed", "whole")}
+    median = {
+        mode: {
+            k: statistics.median(r[k] for r in runs if r["mode"] == mode)
+            for k in ("tokens_per_s", "device_busy", "host_cpu_ms_per_1k_tokens")
+        }
+        for mode in ("streamed", "whole")
+    }
     ceiling = a.slots / (a.step_ms / 1000) if a.step_ms and not a.real_model else float("nan")
     where = "through a live server's /v1/completions" if a.http else "in process"
-    device = (f"the real model ({a.real_model})" if a.real_model else
-              f"the device stood in ({a.step_ms:g} ms a step, {a.prefill_ms:g} ms a prefill)")
-    title = (f"# Continuous batching, {device}, {where}: {a.slots} slots, {a.requests} requests (80 % x 16 tokens, "
-             f"20 % x 256)\n\nMedians of {a.repeats} runs a mode: "
-             + ", ".join(f"{mode} {m['tokens_per_s']:,.0f} output tokens/s"
-                         + ("" if a.http else f" (device busy {m['device_busy']:.2f})") for mode, m in median.items())
-             + ("" if math.isnan(ceiling) else f"; a full step's ceiling {ceiling:,.0f} tokens/s") + "\n")
-    table = report.table(["run", "mode", "tokens", "wall s", "output tokens/s", "device busy",
-                          "host CPU-ms / 1k tokens", "steps", "prefills", "moved"],
-                         [[i // 2 + 1, r["mode"], r["tokens"], r["wall_s"], r["tokens_per_s"],
-                           report.fmt(r["device_busy"], ".2f"), r["host_cpu_ms_per_1k_tokens"], r["steps"],
-                           r["prefills"], r["moved"]]
-                          for i, r in enumerate(runs)])
+    device = (
+        f"the real model ({a.real_model})"
+        if a.real_model
+        else f"the device stood in ({a.step_ms:g} ms a step, {a.prefill_ms:g} ms a prefill)"
+    )
+    title = (
+        f"# Continuous batching, {device}, {where}: {a.slots} slots, {a.requests} requests (80 % x 16 tokens, "
+        f"20 % x 256)\n\nMedians of {a.repeats} runs a mode: "
+        + ", ".join(
+            f"{mode} {m['tokens_per_s']:,.0f} output tokens/s"
+            + ("" if a.http else f" (device busy {m['device_busy']:.2f})")
+            for mode, m in median.items()
+        )
+        + ("" if math.isnan(ceiling) else f"; a full step's ceiling {ceiling:,.0f} tokens/s")
+        + "\n"
+    )
+    table = report.table(
+        [
+            "run",
+            "mode",
+            "tokens",
+            "wall s",
+            "output tokens/s",
+            "device busy",
+            "host CPU-ms / 1k tokens",
+            "steps",
+            "prefills",
+            "moved",
+        ],
+        [
+            [
+                i // 2 + 1,
+                r["mode"],
+                r["tokens"],
+                r["wall_s"],
+                r["tokens_per_s"],
+                report.fmt(r["device_busy"], ".2f"),
+                r["host_cpu_ms_per_1k_tokens"],
+                r["steps"],
+                r["prefills"],
+                r["moved"],
+            ]
+            for i, r in enumerate(runs)
+        ],
+    )
     print("\n" + title + "\n" + table, flush=True)
     prov = report.provenance()
     md = title + "\n" + table + "\n\nmachine: " + str(prov["machine"]) + "\n\ngit: " + str(prov["git"]) + "\n"
-    paths = report.write(common.run_name(a, "stepper-host"), {**prov, "settings": vars(a), "runs": runs,
-                                                              "medians": median}, md, common.out_dir(a))
+    paths = report.write(
+        common.run_name(a, "stepper-host"),
+        {**prov, "settings": vars(a), "runs": runs, "medians": median},
+        md,
+        common.out_dir(a),
+    )
     print("\n" + report.written(paths))
     return 0
 

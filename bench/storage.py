@@ -31,21 +31,21 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/storage.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import sqlite3  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+import argparse
+import os
+import shutil
+import sqlite3
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
 
-import httpx  # noqa: E402
-import orjson  # noqa: E402
+import httpx
+import orjson
 
-from bench import common, report, servers  # noqa: E402
-from bench.loadgen import measure  # noqa: E402
+from bench import common, report, servers
+from bench.loadgen import measure
 
 MB = 1_000_000
 PLUGIN = '''
@@ -78,7 +78,7 @@ class RssWatch:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def __enter__(self) -> "RssWatch":
+    def __enter__(self) -> RssWatch:
         self.start_mb = self.peak_mb = rss_mb(self.pid)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -108,8 +108,17 @@ def input_file(path: Path, size: int, endpoint: str = "/v1/inference") -> int:
     with path.open("wb") as fh:
         written = 0
         while written < size:
-            line = orjson.dumps({"custom_id": f"r{n}", "method": "POST", "url": endpoint,
-                                 "body": {"input": f"line {n} " + "word " * 250}}) + b"\n"
+            line = (
+                orjson.dumps(
+                    {
+                        "custom_id": f"r{n}",
+                        "method": "POST",
+                        "url": endpoint,
+                        "body": {"input": f"line {n} " + "word " * 250},
+                    }
+                )
+                + b"\n"
+            )
             fh.write(line)
             written += len(line)
             n += 1
@@ -117,9 +126,23 @@ def input_file(path: Path, size: int, endpoint: str = "/v1/inference") -> int:
 
 
 def curl_upload(base: str, path: Path, key: str) -> tuple[int, dict]:
-    out = subprocess.run(["curl", "-sS", "-H", f"Authorization: Bearer {key}", "-F", "purpose=batch",
-                          "-F", f"file=@{path}", "-w", "\n%{http_code}", base + "/v1/files"],
-                         capture_output=True, timeout=300)
+    out = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-H",
+            f"Authorization: Bearer {key}",
+            "-F",
+            "purpose=batch",
+            "-F",
+            f"file=@{path}",
+            "-w",
+            "\n%{http_code}",
+            base + "/v1/files",
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     body, _, code = out.stdout.rpartition(b"\n")
     try:
         return int(code), orjson.loads(body)
@@ -128,14 +151,33 @@ def curl_upload(base: str, path: Path, key: str) -> tuple[int, dict]:
 
 
 def add_key(config: Path, tenant: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config), "--tenant",
-                          tenant, "--tier", "enterprise", "--rate", "100000"], capture_output=True, text=True,
-                         check=True, cwd=servers.REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchserve",
+            "keys",
+            "add",
+            "--config",
+            str(config),
+            "--tenant",
+            tenant,
+            "--tier",
+            "enterprise",
+            "--rate",
+            "100000",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=servers.REPO,
+    )
     return out.stdout.strip()
 
 
-def start(name: str, a: argparse.Namespace, work: Path, extra: list[str], env: dict[str, str] | None = None
-          ) -> servers.Server:
+def start(
+    name: str, a: argparse.Namespace, work: Path, extra: list[str], env: dict[str, str] | None = None
+) -> servers.Server:
     cmd = servers.batchserve_cmd(1, a.sim_batch_ms, 100, ["--jobs-db", str(work / f"{name}.db"), *extra])
     return servers.start(name, cmd, common.log_dir(a, name) if common.out_dir(a) else work / "logs", env=env)
 
@@ -172,21 +214,33 @@ def part_a(a: argparse.Namespace, work: Path) -> dict:
             t.join()
     servers.stop(server)
     ok = [s for code, s in uploads if code == 200]
-    return {"rate": a.rate, "upload_mb": a.upload_mb, "baseline_p95_ms": base_load.p95_ms,
-            "with_uploads_p95_ms": loaded.p95_ms, "p95_ratio": loaded.p95_ms / base_load.p95_ms,
-            "baseline_errors": base_load.error_count, "with_uploads_errors": loaded.error_count,
-            "uploads_ok": len(ok), "uploads_refused": len(uploads) - len(ok),
-            "upload_s_median": sorted(ok)[len(ok) // 2] if ok else None,
-            "rss_start_mb": rss.start_mb, "rss_peak_mb": rss.peak_mb, "rss_growth_mb": rss.growth_mb,
-            "loadavg": loadavg()}
+    return {
+        "rate": a.rate,
+        "upload_mb": a.upload_mb,
+        "baseline_p95_ms": base_load.p95_ms,
+        "with_uploads_p95_ms": loaded.p95_ms,
+        "p95_ratio": loaded.p95_ms / base_load.p95_ms,
+        "baseline_errors": base_load.error_count,
+        "with_uploads_errors": loaded.error_count,
+        "uploads_ok": len(ok),
+        "uploads_refused": len(uploads) - len(ok),
+        "upload_s_median": sorted(ok)[len(ok) // 2] if ok else None,
+        "rss_start_mb": rss.start_mb,
+        "rss_peak_mb": rss.peak_mb,
+        "rss_growth_mb": rss.growth_mb,
+        "loadavg": loadavg(),
+    }
 
 
 # -- (b) ---------------------------------------------------------------------------------------------------------
 def kept(db: Path) -> int:
     conn = sqlite3.connect(db)
     try:
-        return int(conn.execute("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + "
-                                "(SELECT COALESCE(SUM(bytes), 0) FROM jobs)").fetchone()[0])
+        return int(
+            conn.execute(
+                "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
+            ).fetchone()[0]
+        )
     finally:
         conn.close()
 
@@ -208,8 +262,10 @@ def part_b(a: argparse.Namespace, work: Path) -> dict:
             row: dict = {"round": i + 1, "upload": code}
             if code == 200:
                 t0 = time.monotonic()
-                made = h.post("/v1/batches", json={"input_file_id": body["id"], "endpoint": "/v1/inference",
-                                                   "completion_window": "24h"})
+                made = h.post(
+                    "/v1/batches",
+                    json={"input_file_id": body["id"], "endpoint": "/v1/inference", "completion_window": "24h"},
+                )
                 row["batch"] = made.status_code
                 row["batch_s"] = time.monotonic() - t0
                 if made.status_code == 202:
@@ -226,14 +282,20 @@ def part_b(a: argparse.Namespace, work: Path) -> dict:
             h.delete(f"/v1/batches/{b['id']}")
         after = {"kept_mb": kept(db) / MB, "disk_mb": on_disk(db) / MB}
     servers.stop(server)
-    return {"quota_mb": a.quota_mb, "upload_mb": a.upload_mb, "rounds": rounds,
-            "max_kept_mb": max(r["kept_mb"] for r in rounds), "after_deleting_batches": after,
-            "loadavg": loadavg()}
+    return {
+        "quota_mb": a.quota_mb,
+        "upload_mb": a.upload_mb,
+        "rounds": rounds,
+        "max_kept_mb": max(r["kept_mb"] for r in rounds),
+        "after_deleting_batches": after,
+        "loadavg": loadavg(),
+    }
 
 
 # -- (c) ---------------------------------------------------------------------------------------------------------
-def vectors_output(a: argparse.Namespace, work: Path, name: str, lines: int, inputs: int
-                   ) -> tuple[servers.Server, dict]:
+def vectors_output(
+    a: argparse.Namespace, work: Path, name: str, lines: int, inputs: int
+) -> tuple[servers.Server, dict]:
     """A server of the Vectors plugin that has run an embeddings batch of `lines` lines of `inputs` inputs: the
     server (to stop) and what the batch made (its output file's id and size, its status, its run time)."""
     (work / "vecplug.py").write_text(PLUGIN)
@@ -241,25 +303,41 @@ def vectors_output(a: argparse.Namespace, work: Path, name: str, lines: int, inp
     config.write_text('[[models]]\nname = "vec"\nbackend = "vecplug:Vectors"\n')
     env = {"PYTHONPATH": os.pathsep.join([str(work), str(servers.REPO)])}
     server = start(name, a, work, ["--config", str(config), "--slo-ms", "2000", "--timeout-ms", "60000"], env=env)
-    content = b"".join(orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
-                                     "body": {"model": "vec", "input": [f"t{j}" for j in range(inputs)]}}) + b"\n"
-                       for i in range(lines))
+    content = b"".join(
+        orjson.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "vec", "input": [f"t{j}" for j in range(inputs)]},
+            }
+        )
+        + b"\n"
+        for i in range(lines)
+    )
     with httpx.Client(base_url=server.base, timeout=120) as h:
         file_id = h.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}).json()["id"]
-        batch = h.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
-                                            "completion_window": "24h"}).json()
+        batch = h.post(
+            "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"}
+        ).json()
         t0 = time.monotonic()
         while (b := h.get(f"/v1/batches/{batch['id']}").json())["status"] == "in_progress":
             time.sleep(0.2)
         run_s = time.monotonic() - t0
         out_id = b["output_file_id"]
         size = h.get(f"/v1/files/{out_id}").json()["bytes"]
-    return server, {"out_id": out_id, "size": size, "status": b["status"], "batch_s": run_s,
-                    "input_mb": len(content) / MB}
+    return server, {
+        "out_id": out_id,
+        "size": size,
+        "status": b["status"],
+        "batch_s": run_s,
+        "input_mb": len(content) / MB,
+    }
 
 
-def concurrent_gets(server: servers.Server, out_id: str, readers: int, bytes_per_s: float | None
-                    ) -> tuple[list[int], RssWatch, float]:
+def concurrent_gets(
+    server: servers.Server, out_id: str, readers: int, bytes_per_s: float | None
+) -> tuple[list[int], RssWatch, float]:
     """`readers` GETs of the file at once (each at most `bytes_per_s`, when given): bytes each got, the server's
     RSS meanwhile, seconds."""
     got: list[int] = []
@@ -290,10 +368,21 @@ def part_c(a: argparse.Namespace, work: Path) -> dict:
         got, rss, gets_s = concurrent_gets(server, made["out_id"], 6, None)
     finally:
         servers.stop(server)
-    return {"inputs": 2048, "lines": 64, "status": made["status"], "batch_s": made["batch_s"],
-            "output_mb": made["size"] / MB, "gets": 6, "each_got_all": all(n == made["size"] for n in got),
-            "gets_s": gets_s, "rss_start_mb": rss.start_mb, "rss_peak_mb": rss.peak_mb, "rss_growth_mb": rss.growth_mb,
-            "output": "plugin vecplug:Vectors (384 floats per input, no model)", "loadavg": loadavg()}
+    return {
+        "inputs": 2048,
+        "lines": 64,
+        "status": made["status"],
+        "batch_s": made["batch_s"],
+        "output_mb": made["size"] / MB,
+        "gets": 6,
+        "each_got_all": all(n == made["size"] for n in got),
+        "gets_s": gets_s,
+        "rss_start_mb": rss.start_mb,
+        "rss_peak_mb": rss.peak_mb,
+        "rss_growth_mb": rss.growth_mb,
+        "output": "plugin vecplug:Vectors (384 floats per input, no model)",
+        "loadavg": loadavg(),
+    }
 
 
 # -- (d) ---------------------------------------------------------------------------------------------------------
@@ -303,43 +392,111 @@ def part_d(a: argparse.Namespace, work: Path) -> dict:
         got, rss, gets_s = concurrent_gets(server, made["out_id"], a.readers, 10 * MB)
     finally:
         servers.stop(server)
-    return {"inputs": 4 * 2048, "lines": 4, "input_mb": made["input_mb"], "status": made["status"],
-            "batch_s": made["batch_s"], "output_mb": made["size"] / MB, "readers": a.readers,
-            "each_got_all": all(n == made["size"] for n in got) and len(got) == a.readers, "gets_s": gets_s,
-            "rss_start_mb": rss.start_mb, "rss_peak_mb": rss.peak_mb, "rss_growth_mb": rss.growth_mb,
-            "rss_per_reader_mb": rss.growth_mb / a.readers, "loadavg": loadavg()}
+    return {
+        "inputs": 4 * 2048,
+        "lines": 4,
+        "input_mb": made["input_mb"],
+        "status": made["status"],
+        "batch_s": made["batch_s"],
+        "output_mb": made["size"] / MB,
+        "readers": a.readers,
+        "each_got_all": all(n == made["size"] for n in got) and len(got) == a.readers,
+        "gets_s": gets_s,
+        "rss_start_mb": rss.start_mb,
+        "rss_peak_mb": rss.peak_mb,
+        "rss_growth_mb": rss.growth_mb,
+        "rss_per_reader_mb": rss.growth_mb / a.readers,
+        "loadavg": loadavg(),
+    }
 
 
 def markdown(rep: dict) -> str:
     a, b, c, d = rep.get("a"), rep.get("b"), rep.get("c"), rep.get("d")
     rows = []
     if a:
-        rows += [["(a) other tenant's p95, baseline / with 3 uploads", f"{a['baseline_p95_ms']:.0f} / "
-                  f"{a['with_uploads_p95_ms']:.0f} ms", f"{a['p95_ratio']:.2f}x", "≤ 1.25x"],
-                 ["(a) server RSS start / peak", f"{a['rss_start_mb']:.0f} / {a['rss_peak_mb']:.0f} MB",
-                  f"+{a['rss_growth_mb']:.0f} MB", "≤ +200 MB"],
-                 ["(a) uploads done / refused, median s", f"{a['uploads_ok']} / {a['uploads_refused']}",
-                  report.fmt(a["upload_s_median"], ".1f"), ""]]
+        rows += [
+            [
+                "(a) other tenant's p95, baseline / with 3 uploads",
+                f"{a['baseline_p95_ms']:.0f} / {a['with_uploads_p95_ms']:.0f} ms",
+                f"{a['p95_ratio']:.2f}x",
+                "≤ 1.25x",
+            ],
+            [
+                "(a) server RSS start / peak",
+                f"{a['rss_start_mb']:.0f} / {a['rss_peak_mb']:.0f} MB",
+                f"+{a['rss_growth_mb']:.0f} MB",
+                "≤ +200 MB",
+            ],
+            [
+                "(a) uploads done / refused, median s",
+                f"{a['uploads_ok']} / {a['uploads_refused']}",
+                report.fmt(a["upload_s_median"], ".1f"),
+                "",
+            ],
+        ]
     if b:
-        rows += [["(b) tenant's bytes, most over 5 rounds", f"{b['max_kept_mb']:.1f} MB", f"quota {b['quota_mb']:g} MB",
-                  "≤ quota"],
-                 ["(b) after deleting the batches: kept / on disk", f"{b['after_deleting_batches']['kept_mb']:.1f} / "
-                  f"{b['after_deleting_batches']['disk_mb']:.1f} MB", "", ""]]
+        rows += [
+            [
+                "(b) tenant's bytes, most over 5 rounds",
+                f"{b['max_kept_mb']:.1f} MB",
+                f"quota {b['quota_mb']:g} MB",
+                "≤ quota",
+            ],
+            [
+                "(b) after deleting the batches: kept / on disk",
+                f"{b['after_deleting_batches']['kept_mb']:.1f} / {b['after_deleting_batches']['disk_mb']:.1f} MB",
+                "",
+                "",
+            ],
+        ]
     if c:
-        rows += [["(c) 2,048-input output, 6 concurrent GETs", f"{c['output_mb']:.1f} MB each, all whole: "
-                  f"{c['each_got_all']}", f"RSS +{c['rss_growth_mb']:.0f} MB", "< 100 MB"]]
+        rows += [
+            [
+                "(c) 2,048-input output, 6 concurrent GETs",
+                f"{c['output_mb']:.1f} MB each, all whole: {c['each_got_all']}",
+                f"RSS +{c['rss_growth_mb']:.0f} MB",
+                "< 100 MB",
+            ]
+        ]
     if d:
-        rows += [[f"(d) {d['readers']} slow readers of {d['lines']} lines of 2,048 inputs ({d['input_mb']:.2f} MB in)",
-                  f"{d['output_mb']:.1f} MB each, all whole: {d['each_got_all']}",
-                  f"RSS +{d['rss_growth_mb']:.0f} MB, {d['rss_per_reader_mb']:.1f} MB a reader", "a few MB a reader"]]
+        rows += [
+            [
+                f"(d) {d['readers']} slow readers of {d['lines']} lines of 2,048 inputs ({d['input_mb']:.2f} MB in)",
+                f"{d['output_mb']:.1f} MB each, all whole: {d['each_got_all']}",
+                f"RSS +{d['rss_growth_mb']:.0f} MB, {d['rss_per_reader_mb']:.1f} MB a reader",
+                "a few MB a reader",
+            ]
+        ]
     out = [f"# Storage bench ({rep['when_utc']})", "", report.table(["measure", "value", "result", "goal"], rows)]
     if b:
-        out += ["", "Loop rounds (b):", "", report.table(
-            ["round", "upload", "batch", "cancel", "delete", "kept MB", "on disk MB", "why"],
-            [[r["round"], r["upload"], r.get("batch", "–"), r.get("cancel", "–"), r.get("delete", "–"),
-              f"{r['kept_mb']:.1f}", f"{r['disk_mb']:.1f}", r.get("why", "")] for r in b["rounds"]])]
-    out += ["", f"Settings: {rep['settings']}", f"Machine: {rep['machine']}", f"Commit: {rep['git']}",
-            "The machine is shared (2 cores, other sessions' work): load averages per part are in the JSON."]
+        out += [
+            "",
+            "Loop rounds (b):",
+            "",
+            report.table(
+                ["round", "upload", "batch", "cancel", "delete", "kept MB", "on disk MB", "why"],
+                [
+                    [
+                        r["round"],
+                        r["upload"],
+                        r.get("batch", "–"),
+                        r.get("cancel", "–"),
+                        r.get("delete", "–"),
+                        f"{r['kept_mb']:.1f}",
+                        f"{r['disk_mb']:.1f}",
+                        r.get("why", ""),
+                    ]
+                    for r in b["rounds"]
+                ],
+            ),
+        ]
+    out += [
+        "",
+        f"Settings: {rep['settings']}",
+        f"Machine: {rep['machine']}",
+        f"Commit: {rep['git']}",
+        "The machine is shared (2 cores, other sessions' work): load averages per part are in the JSON.",
+    ]
     return "\n".join(out)
 
 

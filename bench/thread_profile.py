@@ -66,9 +66,25 @@ class Recorder:
         spy = shutil.which("py-spy")
         if spy:
             self.spy = subprocess.Popen(
-                [spy, "record", "-p", str(self.pid), "-d", str(int(self.seconds)), "-r", str(self.rate_hz), "-t",
-                 "-f", "raw", "-o", str(self.raw), "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    spy,
+                    "record",
+                    "-p",
+                    str(self.pid),
+                    "-d",
+                    str(int(self.seconds)),
+                    "-r",
+                    str(self.rate_hz),
+                    "-t",
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(self.raw),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
 
     def stop(self) -> ThreadProfile:
         after, wall = thread_cpu(self.pid), time.monotonic() - self.at
@@ -93,10 +109,10 @@ class Recorder:
                         continue
                     names[tid] = name
                     frames[name][parts[-1] if len(parts) > 1 else "?"] += int(count)
-        cores: dict[str, float] = collections.Counter()
+        cores: dict[str, float] = {}
         for tid, cpu in after.items():
             name = names.get(tid, f"native {tid}")
-            cores[name] += max(0.0, cpu - self.before.get(tid, 0.0)) / wall
+            cores[name] = cores.get(name, 0.0) + max(0.0, cpu - self.before.get(tid, 0.0)) / wall
         shares = {name: [(fn, n / sum(c.values())) for fn, n in c.most_common(8)] for name, c in frames.items()}
         shutil.rmtree(self.raw.parent, ignore_errors=True)
         return ThreadProfile(wall, dict(cores), shares, sampler)

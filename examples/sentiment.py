@@ -32,8 +32,7 @@ WORD = re.compile(r"[a-z']+")
 class KeywordSentiment:
     max_batch_size = 64  # lowers the server's --max-batch-size for this model
 
-    def __init__(self, positive: list[str] | None = None, negative: list[str] | None = None,
-                 devices: int = 1) -> None:
+    def __init__(self, positive: list[str] | None = None, negative: list[str] | None = None, devices: int = 1) -> None:
         self.positive = set(positive or ["good", "great", "love", "excellent", "happy"])
         self.negative = set(negative or ["bad", "awful", "hate", "poor", "sad"])
         self.device_count = devices

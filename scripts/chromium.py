@@ -32,16 +32,28 @@ RENDER_BUDGET_MS = 15000  # virtual time the page gets to run its scripts before
 
 # The browser's own traffic (time sync, sign-in, safe browsing, updates, hints) switched off, so what it sends
 # is what the page asks for.
-QUIET = ("--no-pings", "--disable-domain-reliability", "--disable-client-side-phishing-detection",
-         "--disable-default-apps", "--no-service-autorun", "--metrics-recording-only", "--password-store=basic",
-         "--use-mock-keychain", "--disable-breakpad", "--safebrowsing-disable-auto-update",
-         "--allow-browser-signin=false", "--dns-prefetch-disable", "--enable-automation",
-         "--disable-component-extensions-with-background-pages", "--disable-search-engine-choice-screen",
-         "--disable-features=NetworkTimeServiceQuerying,OptimizationHints,MediaRouter,Translate,"
-         "AutofillServerCommunication,CertificateTransparencyComponentUpdater,DialMediaRouteProvider,"
-         "InterestFeedContentSuggestions,SafeBrowsingEnhancedProtection,SigninInterceptBubble,PreconnectToSearch,"
-         "SearchPrefetchServicePrefetching,NetworkPrediction,ChromeSignin,DiceWebSigninInterception,"
-         "PrivacySandboxSettings4,OptimizationGuideModelDownloading")
+QUIET = (
+    "--no-pings",
+    "--disable-domain-reliability",
+    "--disable-client-side-phishing-detection",
+    "--disable-default-apps",
+    "--no-service-autorun",
+    "--metrics-recording-only",
+    "--password-store=basic",
+    "--use-mock-keychain",
+    "--disable-breakpad",
+    "--safebrowsing-disable-auto-update",
+    "--allow-browser-signin=false",
+    "--dns-prefetch-disable",
+    "--enable-automation",
+    "--disable-component-extensions-with-background-pages",
+    "--disable-search-engine-choice-screen",
+    "--disable-features=NetworkTimeServiceQuerying,OptimizationHints,MediaRouter,Translate,"
+    "AutofillServerCommunication,CertificateTransparencyComponentUpdater,DialMediaRouteProvider,"
+    "InterestFeedContentSuggestions,SafeBrowsingEnhancedProtection,SigninInterceptBubble,PreconnectToSearch,"
+    "SearchPrefetchServicePrefetching,NetworkPrediction,ChromeSignin,DiceWebSigninInterception,"
+    "PrivacySandboxSettings4,OptimizationGuideModelDownloading",
+)
 
 
 class ChromiumUnavailable(RuntimeError):
@@ -57,19 +69,34 @@ def ensure_chromium() -> str:
     return ensure_installed(find_chromium, INSTALL_CMD, "chromium", ChromiumUnavailable, timeout=900)
 
 
-def run_headless(url: str, *actions: str, width: int = 1280, height: int = 1400,
-                 timeout: float = 120) -> subprocess.CompletedProcess:
+def run_headless(
+    url: str, *actions: str, width: int = 1280, height: int = 1400, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Load `url` in headless Chromium and do `actions` (`--dump-dom`, `--screenshot=PATH`)."""
     binary = ensure_chromium()
     with tempfile.TemporaryDirectory(prefix="bs-chromium-") as profile:
-        cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-               "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--disable-extensions", "--hide-scrollbars",
-               *QUIET,
-               f"--user-data-dir={profile}", f"--window-size={width},{height}",
-               f"--virtual-time-budget={RENDER_BUDGET_MS}", *actions]
-        return subprocess.run([*cmd, url], capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "HOME": profile})
+        cmd = [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-extensions",
+            "--hide-scrollbars",
+            *QUIET,
+            f"--user-data-dir={profile}",
+            f"--window-size={width},{height}",
+            f"--virtual-time-budget={RENDER_BUDGET_MS}",
+            *actions,
+        ]
+        return subprocess.run(
+            [*cmd, url], capture_output=True, text=True, timeout=timeout, env={**os.environ, "HOME": profile}
+        )
 
 
 @dataclass
@@ -82,8 +109,10 @@ class PageLoad:
     blocked: list[str]
 
 
-RECORD_CSP = ("window.__blocked = []; document.addEventListener('securitypolicyviolation', "
-              "e => window.__blocked.push(e.blockedURI));")
+RECORD_CSP = (
+    "window.__blocked = []; document.addEventListener('securitypolicyviolation', "
+    "e => window.__blocked.push(e.blockedURI));"
+)
 
 
 async def _load_page(ws_url: str, url: str, ready_js: str, timeout: float) -> PageLoad:
@@ -97,8 +126,11 @@ async def _load_page(ws_url: str, url: str, ready_js: str, timeout: float) -> Pa
 
         async def call(method: str, session: str | None = None, **params: object) -> dict:
             msg_id = next(ids)
-            await ws.send(json.dumps({"id": msg_id, "method": method, "params": params,
-                                      **({"sessionId": session} if session else {})}))
+            await ws.send(
+                json.dumps(
+                    {"id": msg_id, "method": method, "params": params, **({"sessionId": session} if session else {})}
+                )
+            )
             while True:
                 msg = json.loads(await ws.recv())
                 if msg.get("method") == "Network.requestWillBeSent":
@@ -115,14 +147,19 @@ async def _load_page(ws_url: str, url: str, ready_js: str, timeout: float) -> Pa
         await call("Page.addScriptToEvaluateOnNewDocument", session, source=RECORD_CSP)
         await call("Page.navigate", session, url=url)
         give_up = time.monotonic() + timeout
-        while not (await call("Runtime.evaluate", session, expression=f"Boolean({ready_js})",
-                              returnByValue=True))["result"].get("value"):
+        while not (await call("Runtime.evaluate", session, expression=f"Boolean({ready_js})", returnByValue=True))[
+            "result"
+        ].get("value"):
             if time.monotonic() > give_up:
                 break
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)  # anything the rendered page still sends
-        value = (await call("Runtime.evaluate", session, returnByValue=True,
-                            expression="JSON.stringify([document.documentElement.outerHTML, window.__blocked])"))
+        value = await call(
+            "Runtime.evaluate",
+            session,
+            returnByValue=True,
+            expression="JSON.stringify([document.documentElement.outerHTML, window.__blocked])",
+        )
         dom, blocked = json.loads(value["result"]["value"])
         await call("Browser.close")
         return PageLoad(dom, requested, blocked)
@@ -133,11 +170,23 @@ def load_page(url: str, ready_js: str = "true", timeout: float = 60) -> PageLoad
     requests it sent (the browser's own background traffic is not the page's, and is not in the list)."""
     binary = ensure_chromium()
     with tempfile.TemporaryDirectory(prefix="bs-chromium-") as profile:
-        cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-               "--disable-extensions", *QUIET, f"--user-data-dir={profile}", "--remote-debugging-port=0",
-               "--remote-debugging-address=127.0.0.1", "about:blank"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "HOME": profile})
+        cmd = [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--disable-extensions",
+            *QUIET,
+            f"--user-data-dir={profile}",
+            "--remote-debugging-port=0",
+            "--remote-debugging-address=127.0.0.1",
+            "about:blank",
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "HOME": profile}
+        )
         try:
             assert proc.stderr is not None
             ws_url = ""

@@ -8,15 +8,16 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 # apt-get fails at once when another apt-get holds dpkg's lock: the test workers (pytest-xdist) that need
 # chromium and nginx on a clean machine install one at a time, each waiting on this file's lock.
 INSTALL_LOCK = Path(tempfile.gettempdir()) / "batchserve-apt-install.lock"
 
 
-def ensure_installed(find: Callable[[], str | None], install_cmd: str, what: str, error: type[Exception],
-                     timeout: float = 900) -> str:
+def ensure_installed(
+    find: Callable[[], str | None], install_cmd: str, what: str, error: type[Exception], timeout: float = 900
+) -> str:
     """The binary `find` locates; runs `install_cmd` (apt-get) first when it is missing and this is root.
     Raises `error` with the command to run when it cannot be installed here, or with apt's output when it failed."""
     found = find()

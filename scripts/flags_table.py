@@ -9,9 +9,11 @@ from batchserve.config import Settings, cli_fields, env_name
 HEADER = "| flag | environment | default | what it does |"
 
 
-MODEL_ROW = ("| `--model` | `BATCHSERVE_MODEL` | (none) | serve a Hugging Face model folder, or a hub id from the "
-             "local cache (offline): `[name=]PATH`, repeatable (the variable: comma-separated); its task read from "
-             "the folder, --task overrides (docs/backends.md) |")
+MODEL_ROW = (
+    "| `--model` | `BATCHSERVE_MODEL` | (none) | serve a Hugging Face model folder, or a hub id from the "
+    "local cache (offline): `[name=]PATH`, repeatable (the variable: comma-separated); its task read from "
+    "the folder, --task overrides (docs/backends.md) |"
+)
 
 
 def table() -> str:

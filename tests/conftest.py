@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -81,16 +81,26 @@ class LiveServer:
         return self.proc.returncode
 
 
-def start_server(*args: str, ready: bool = True, env: dict[str, str] | None = None,
-                 timeout: float = 60, preexec_fn: Callable[[], None] | None = None) -> LiveServer:
+def start_server(
+    *args: str,
+    ready: bool = True,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+    preexec_fn: Callable[[], None] | None = None,
+) -> LiveServer:
     """Start `batchserve serve` on port 0 and return once it listens (and, if `ready`, once /readyz is 200).
     `preexec_fn` runs in the child before the server starts (e.g. to lower its descriptor limit)."""
     cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--log-level", "info", *args]
     # No drain grace unless a test asks for one (--drain-grace-s wins over the variable): most tests stop
     # their servers with SIGTERM, and each would otherwise wait the default grace with nobody to answer.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={"BATCHSERVE_DRAIN_GRACE_S": "0", **os.environ, **(env or {})},
-                            preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={"BATCHSERVE_DRAIN_GRACE_S": "0", **os.environ, **(env or {})},
+        preexec_fn=preexec_fn,
+    )
     lines: list[str] = []
     port: list[int] = []
 
@@ -139,8 +149,10 @@ def hang_up_behind_a_busy_worker(url: str, path: str, busy: dict, gone: bytes, r
             held = asyncio.ensure_future(s.post(url + path, json=busy))
             await asyncio.sleep(0.2)  # the worker is busy: what comes now waits in the queue
             sock = socket.create_connection((host, int(port)))
-            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nX-Request-ID: %s\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (path.encode(), request_id.encode(), len(gone), gone))
+            sock.sendall(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nX-Request-ID: %s\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (path.encode(), request_id.encode(), len(gone), gone)
+            )
             await asyncio.sleep(0.2)
             sock.close()
             r = await held

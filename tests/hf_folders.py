@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-WORDS = ("the a an is are was of to and in on for with that this it as be by at from or not but what which who "
-         "how why when where cat dog fish bird tree house car road city river sea sky sun moon star rain snow "
-         "red blue green big small fast slow good bad new old hot cold eat run jump swim fly read write sing "
-         "play think know see hear hello world question answer model vector text search rank query document "
-         "paris france capital food man woman guitar music").split()
+WORDS = (
+    "the a an is are was of to and in on for with that this it as be by at from or not but what which who "
+    "how why when where cat dog fish bird tree house car road city river sea sky sun moon star rain snow "
+    "red blue green big small fast slow good bad new old hot cold eat run jump swim fly read write sing "
+    "play think know see hear hello world question answer model vector text search rank query document "
+    "paris france capital food man woman guitar music"
+).split()
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def wordpiece_tokenizer(max_length: int = 128):
@@ -31,23 +35,40 @@ def wordpiece_tokenizer(max_length: int = 128):
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
-    return BertTokenizerFast(tokenizer_object=tok, model_max_length=max_length, unk_token="[UNK]",
-                             pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    return BertTokenizerFast(
+        tokenizer_object=tok,
+        model_max_length=max_length,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
 
 
 def bert_config(tokenizer, **extra):
     from transformers import BertConfig
 
-    return BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=64, max_position_embeddings=128, **extra)
+    return BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        **extra,
+    )
 
 
 def embedder(folder: Path, pooling: str = "mean", normalize: bool = True, max_seq_length: int = 64) -> Path:
     """A sentence-transformers embedder (Transformer, Pooling, and Normalize when `normalize`), saved."""
     import torch
     from sentence_transformers import SentenceTransformer
+
     try:
         from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     except ImportError:  # sentence-transformers before 6
@@ -88,8 +109,9 @@ def byte_bpe_tokenizer():
     tok = Tokenizer(BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([" ".join(WORDS)] * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
@@ -104,13 +126,24 @@ def causal_lm(folder: Path, architecture: str = "llama", generation: dict | None
 
     torch.manual_seed(2)
     tokenizer = byte_bpe_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, initializer_range=0.2)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
     model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id, **(generation or {}))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **(generation or {})
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

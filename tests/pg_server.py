@@ -22,17 +22,22 @@ from urllib.parse import quote
 import psycopg
 import pytest
 
-INSTALL_HINT = ("PostgreSQL's server binaries (initdb, pg_ctl) were not found in /usr/lib/postgresql/*/bin or on "
-                "PATH; install them (Debian: apt-get install -y postgresql-15) or point BATCHSERVE_PG_BIN at "
-                "their directory")
+INSTALL_HINT = (
+    "PostgreSQL's server binaries (initdb, pg_ctl) were not found in /usr/lib/postgresql/*/bin or on "
+    "PATH; install them (Debian: apt-get install -y postgresql-15) or point BATCHSERVE_PG_BIN at "
+    "their directory"
+)
 
 
 def find_bin_dir() -> Path:
     """The directory holding initdb and pg_ctl: BATCHSERVE_PG_BIN, else the newest Debian install, else PATH."""
     given = os.environ.get("BATCHSERVE_PG_BIN")
     candidates = [given] if given else []
-    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(Path(d).parent.name)
-                         if Path(d).parent.name.isdigit() else 0, reverse=True)
+    candidates += sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda d: int(Path(d).parent.name) if Path(d).parent.name.isdigit() else 0,
+        reverse=True,
+    )
     on_path = shutil.which("initdb")
     if on_path:
         candidates.append(str(Path(on_path).parent))
@@ -52,7 +57,7 @@ class PgServer:
     _schemas: int = 0
 
     @classmethod
-    def start(cls) -> "PgServer":
+    def start(cls) -> PgServer:
         bin_dir = find_bin_dir()
         root = Path(tempfile.mkdtemp(prefix="batchserve-pg-"))
         as_user: list[str] = []
@@ -62,18 +67,30 @@ class PgServer:
             as_user = ["runuser", "-u", "postgres", "--"]
         server = cls(bin_dir, root, as_user=as_user)
         data = root / "data"
-        server._run("initdb", "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--locale=C",
-                    "--no-sync")
+        server._run("initdb", "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--locale=C", "--no-sync")
         # Durability settings off: a test database need not survive a power cut, and fsync is slow on CI disks.
         server.resume()
         return server
 
     def resume(self) -> None:
         """Start the server (again, after `halt`), on the same data and socket."""
-        options = (f"-k {self.root} -c listen_addresses='' -p {self.port} -c fsync=off -c synchronous_commit=off "
-                   f"-c full_page_writes=off -c max_connections=200")
-        self._run("pg_ctl", "-D", str(self.root / "data"), "-o", options, "-l", str(self.root / "server.log"), "-w",
-                  "-t", "60", "start")
+        options = (
+            f"-k {self.root} -c listen_addresses='' -p {self.port} -c fsync=off -c synchronous_commit=off "
+            f"-c full_page_writes=off -c max_connections=200"
+        )
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.root / "data"),
+            "-o",
+            options,
+            "-l",
+            str(self.root / "server.log"),
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
         self.running = True
 
     def halt(self) -> None:

@@ -43,9 +43,11 @@ http {{
     include {dir}/batchserve.conf;
 }}
 """
-ACCESS_LOG = ("log_format upstreams '$request_uri $status upstream=$upstream_addr "
-              "upstream_status=$upstream_status rt=$request_time';\n"
-              "    access_log {dir}/access.log upstreams;")
+ACCESS_LOG = (
+    "log_format upstreams '$request_uri $status upstream=$upstream_addr "
+    "upstream_status=$upstream_status rt=$request_time';\n"
+    "    access_log {dir}/access.log upstreams;"
+)
 
 
 class NginxUnavailable(RuntimeError):
@@ -118,24 +120,39 @@ class LocalNginx:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_nginx(backends: list[str], workers: int = 1, access_log: bool = True, keepalive: int = 256,
-                port: int = 0) -> LocalNginx:
+def start_nginx(
+    backends: list[str], workers: int = 1, access_log: bool = True, keepalive: int = 256, port: int = 0
+) -> LocalNginx:
     """Run nginx in front of `backends` (HOST:PORT each) on 127.0.0.1 and return once it accepts connections."""
     binary = ensure_nginx()
     run_dir = Path(tempfile.mkdtemp(prefix="batchserve-nginx-"))
     run_dir.chmod(0o755)  # run as root, nginx's workers are `nobody`: they must reach the temp paths
     (run_dir / "tmp").mkdir()
-    main = MAIN_CONF.format(dir=run_dir, workers=workers,
-                            access_log=ACCESS_LOG.format(dir=run_dir) if access_log else "access_log off;")
+    main = MAIN_CONF.format(
+        dir=run_dir, workers=workers, access_log=ACCESS_LOG.format(dir=run_dir) if access_log else "access_log off;"
+    )
     (run_dir / "nginx.conf").write_text(main)
     last_error = ""
     for _ in range(BIND_RETRIES):
         chosen = port or free_port()
         (run_dir / "batchserve.conf").write_text(render(backends, f"127.0.0.1:{chosen}", keepalive))
-        proc = subprocess.Popen([binary, "-p", str(run_dir), "-c", str(run_dir / "nginx.conf"),
-                                 "-e", str(run_dir / "error.log"), "-g", "daemon off;"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                binary,
+                "-p",
+                str(run_dir),
+                "-c",
+                str(run_dir / "nginx.conf"),
+                "-e",
+                str(run_dir / "error.log"),
+                "-g",
+                "daemon off;",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         give_up = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < give_up and proc.poll() is None:
             try:
@@ -147,8 +164,9 @@ def start_nginx(backends: list[str], workers: int = 1, access_log: bool = True, 
             proc.kill()
         proc.wait()
         log = run_dir / "error.log"
-        last_error = ((proc.stderr.read() if proc.stderr else "")
-                      + (log.read_text(errors="replace") if log.exists() else ""))
+        last_error = (proc.stderr.read() if proc.stderr else "") + (
+            log.read_text(errors="replace") if log.exists() else ""
+        )
         if "Address already in use" not in last_error or port:
             break
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -32,15 +32,23 @@ def render(backends: list[str], listen: str = "80", keepalive: int = 256) -> str
     if keepalive < 1:
         raise ValueError("keepalive must be at least 1")
     text = TEMPLATE.read_text()
-    return (text.replace("@SERVERS@", "\n".join(server_line(b) for b in backends))
-            .replace("@KEEPALIVE@", str(keepalive)).replace("@LISTEN@", listen))
+    return (
+        text.replace("@SERVERS@", "\n".join(server_line(b) for b in backends))
+        .replace("@KEEPALIVE@", str(keepalive))
+        .replace("@LISTEN@", listen)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Render the nginx config of a batchserve fleet")
     p.add_argument("--backend", action="append", default=[], metavar="HOST:PORT", help="a batchserve process")
-    p.add_argument("--local", type=int, default=0, metavar="N",
-                   help="N processes on this host, on ports --first-port, --first-port+1, ...")
+    p.add_argument(
+        "--local",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes on this host, on ports --first-port, --first-port+1, ...",
+    )
     p.add_argument("--first-port", type=int, default=8001)
     p.add_argument("--listen", default="80", help="what nginx listens on: PORT or ADDR:PORT")
     p.add_argument("--keepalive", type=int, default=256, help="idle upstream connections kept per nginx worker")

@@ -19,9 +19,10 @@ def no_job_store_in_the_checkout():
     existed = DEFAULT_JOBS_DB.exists()
     yield
     if not existed and DEFAULT_JOBS_DB.exists():
-        pytest.fail(f"a server started by this test (or one running beside it) created {DEFAULT_JOBS_DB.resolve()}: "
-                    "give the test's servers a --jobs-db of its own")
-
+        pytest.fail(
+            f"a server started by this test (or one running beside it) created {DEFAULT_JOBS_DB.resolve()}: "
+            "give the test's servers a --jobs-db of its own"
+        )
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: the order of what runs
@@ -33,6 +34,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    ordered = sorted(modules.values(),
-                     key=lambda tests: (not any(t.get_closest_marker("slow") for t in tests), -len(tests)))
+    ordered = sorted(
+        modules.values(), key=lambda tests: (not any(t.get_closest_marker("slow") for t in tests), -len(tests))
+    )
     items[:] = [item for tests in ordered for item in tests]

@@ -45,8 +45,18 @@ def wait_for(predicate, timeout: float = 30.0) -> None:
 
 def test_healthz_answers_and_readyz_says_warming_up_until_the_warm_up_ends(tmp_path: Path):
     env, gate = gated_env(tmp_path)
-    server = start_server("--backend", "gated:Model", "--jobs-db", str(tmp_path / "jobs.db"), "--slo-ms", "5000",
-                          "--timeout-ms", "10000", env=env, ready=False)
+    server = start_server(
+        "--backend",
+        "gated:Model",
+        "--jobs-db",
+        str(tmp_path / "jobs.db"),
+        "--slo-ms",
+        "5000",
+        "--timeout-ms",
+        "10000",
+        env=env,
+        ready=False,
+    )
     try:
         with server.client() as c:
             assert c.get("/healthz").status_code == 200
@@ -65,8 +75,14 @@ def test_healthz_answers_and_readyz_says_warming_up_until_the_warm_up_ends(tmp_p
             assert r.status_code == 200 and r.json()["output"] == "HI"
         log = server.log()
         # one line per stage, in order: loading, loaded, set up, each warm-up round with its time, ready
-        stages = ["loading gated@v1", "loaded gated@v1 in", "set up gated@v1 on cpu", "warm-up round 1 of gated@v1",
-                  "warm-up round 2 of gated@v1", "ready: 1 worker"]
+        stages = [
+            "loading gated@v1",
+            "loaded gated@v1 in",
+            "set up gated@v1 on cpu",
+            "warm-up round 1 of gated@v1",
+            "warm-up round 2 of gated@v1",
+            "ready: 1 worker",
+        ]
         positions = [log.find(s) for s in stages]
         assert -1 not in positions and positions == sorted(positions), log
         assert log.find("Uvicorn running") < log.find("warm-up round 1")  # the port opened before warming
@@ -106,11 +122,18 @@ def test_sigterm_during_the_warm_up_stops_the_process_at_once_and_cleanly(tmp_pa
 
 
 def test_a_backend_that_fails_its_warm_up_exits_2_with_its_line_last(tmp_path: Path):
-    (tmp_path / "badwarm.py").write_text("class Model:\n    def warm(self):\n        raise ValueError('cannot warm')\n"
-                                         "    def batch(self, inputs):\n        return inputs\n")
+    (tmp_path / "badwarm.py").write_text(
+        "class Model:\n    def warm(self):\n        raise ValueError('cannot warm')\n"
+        "    def batch(self, inputs):\n        return inputs\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", "badwarm:Model",
-                           "--jobs-db", ""], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", "badwarm:Model", "--jobs-db", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("batchserve: error: backend 'badwarm:Model'") and "cannot warm" in last, done.stderr
@@ -119,11 +142,13 @@ def test_a_backend_that_fails_its_warm_up_exits_2_with_its_line_last(tmp_path: P
 
 def test_no_progress_bars_when_stderr_is_not_a_terminal():
     """transformers reads the hub's switch when it is imported: the CLI sets it first (not on a terminal)."""
-    code = ("import os, sys; os.environ.pop('HF_HUB_DISABLE_PROGRESS_BARS', None); os.environ.pop('TQDM_DISABLE', None)\n"
-            "from batchserve.cli import quiet_progress_bars\n"
-            "quiet_progress_bars(sys.argv[1] == 'tty')\n"
-            "from transformers.utils import logging\n"
-            "print(logging.is_progress_bar_enabled())\n")
+    code = (
+        "import os, sys; os.environ.pop('HF_HUB_DISABLE_PROGRESS_BARS', None); os.environ.pop('TQDM_DISABLE', None)\n"
+        "from batchserve.cli import quiet_progress_bars\n"
+        "quiet_progress_bars(sys.argv[1] == 'tty')\n"
+        "from transformers.utils import logging\n"
+        "print(logging.is_progress_bar_enabled())\n"
+    )
     for mode, enabled in (("file", "False"), ("tty", "True")):
         done = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120)
         assert done.stdout.strip() == enabled, done.stderr

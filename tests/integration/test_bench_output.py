@@ -20,8 +20,14 @@ def listing() -> set[str]:
 
 
 def bench(*args: str, tmp: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TMPDIR": str(tmp), **(env or {})})
+    return subprocess.run(
+        [*args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp), **(env or {})},
+    )
 
 
 def test_the_run_guard_stops_its_servers_and_says_why(tmp_path: Path) -> None:
@@ -53,8 +59,20 @@ def test_a_run_prints_and_writes_only_where_asked(tmp_path: Path) -> None:
     assert "# " in run.stdout and "not recorded" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     assert listing() == before
     out = tmp_path / "out"
-    bench(sys.executable, "-m", "bench.overload", "--duration", "1", "--rate", "50", "--out", str(out),
-          "--name", "smoke", tmp=tmp_path)
+    bench(
+        sys.executable,
+        "-m",
+        "bench.overload",
+        "--duration",
+        "1",
+        "--rate",
+        "50",
+        "--out",
+        str(out),
+        "--name",
+        "smoke",
+        tmp=tmp_path,
+    )
     assert (out / "smoke.md").exists() and (out / "smoke.json").exists()
     assert list((out / "logs" / "smoke").glob("*.log"))
     assert listing() == before
@@ -91,7 +109,9 @@ def test_the_executor_bench_times_the_real_backend_offline() -> None:
 
     from bench import executor_bench
 
-    a = argparse.Namespace(max_new_tokens=2, smollm2_dir="", decode="static", backend="smollm2", sizes=[1, 2], repeats=1)
+    a = argparse.Namespace(
+        max_new_tokens=2, smollm2_dir="", decode="static", backend="smollm2", sizes=[1, 2], repeats=1
+    )
     off = executor_bench.offline(a)
     assert sorted(off.seconds) == [1, 2] and all(0 < t < 60 for t in off.seconds.values())
     assert off.padded_to == ()  # the CPU runs a batch at its own size
@@ -105,8 +125,23 @@ def test_a_recorded_load_table_gets_its_plot_beside_it(tmp_path: Path) -> None:
     from matplotlib.image import imread
 
     out = tmp_path / "out"
-    run = bench(sys.executable, "-m", "bench.run_standard", "--rows", "1:50,1:150", "--duration", "1", "--warmup",
-                "0.25", "--skip-cpu", "--out", str(out), "--tag", "plot", tmp=tmp_path)
+    run = bench(
+        sys.executable,
+        "-m",
+        "bench.run_standard",
+        "--rows",
+        "1:50,1:150",
+        "--duration",
+        "1",
+        "--warmup",
+        "0.25",
+        "--skip-cpu",
+        "--out",
+        str(out),
+        "--tag",
+        "plot",
+        tmp=tmp_path,
+    )
     pngs = list(out.glob("standard-*-plot.png"))
     assert len(pngs) == 1, run.stdout[-2000:] + run.stderr[-2000:]
     md = pngs[0].with_suffix(".md").read_text()

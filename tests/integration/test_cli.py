@@ -9,11 +9,13 @@ import sys
 
 import pytest
 
-WITHOUT = ("import importlib.util as u, sys\n"
-           "real = u.find_spec\n"
-           "u.find_spec = lambda name, *a, **k: None if name == {missing!r} else real(name, *a, **k)\n"
-           "from batchserve.cli import main\n"
-           "sys.exit(main(sys.argv[1:]))\n")
+WITHOUT = (
+    "import importlib.util as u, sys\n"
+    "real = u.find_spec\n"
+    "u.find_spec = lambda name, *a, **k: None if name == {missing!r} else real(name, *a, **k)\n"
+    "from batchserve.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
 
 
 def run(*args: str, env: dict[str, str] | None = None, code: str | None = None) -> subprocess.CompletedProcess:
@@ -21,13 +23,17 @@ def run(*args: str, env: dict[str, str] | None = None, code: str | None = None) 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("args,env,fragment", [
-    (["serve", "--slo-ms", "-5"], {}, "--slo-ms"),
-    (["serve"], {"BATCHSERVE_SLO_MS": "fast"}, "BATCHSERVE_SLO_MS"),
-    (["serve", "--backend", "smolm2"], {}, "did you mean 'smollm2'"),
-    (["serve", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
-    (["serve", "--decode", "fast"], {}, "invalid choice: 'fast'"),
-], ids=["flag", "env", "backend", "unknown-flag", "choice"])
+@pytest.mark.parametrize(
+    "args,env,fragment",
+    [
+        (["serve", "--slo-ms", "-5"], {}, "--slo-ms"),
+        (["serve"], {"BATCHSERVE_SLO_MS": "fast"}, "BATCHSERVE_SLO_MS"),
+        (["serve", "--backend", "smolm2"], {}, "did you mean 'smollm2'"),
+        (["serve", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+        (["serve", "--decode", "fast"], {}, "invalid choice: 'fast'"),
+    ],
+    ids=["flag", "env", "backend", "unknown-flag", "choice"],
+)
 def test_a_mistake_is_one_line_without_the_usage(args: list[str], env: dict[str, str], fragment: str):
     done = run(*args, env=env)
     assert done.returncode == 2, done.stderr
@@ -63,11 +69,15 @@ def test_a_postgresql_job_store_without_psycopg_says_what_to_install():
     assert "pip install 'batchserve[postgres]'" in lines[0]
 
 
-@pytest.mark.parametrize("args,hint", [
-    (["serve", "--max-batch-sise", "10"], "(did you mean '--max-batch-size'?)"),
-    (["plan", "--rate", "1", "--batchms", "3"], "(did you mean '--batch-ms'?)"),
-    (["infer", "--urll", "http://x"], "(did you mean '--url'?)"),
-], ids=["serve", "plan", "infer"])
+@pytest.mark.parametrize(
+    "args,hint",
+    [
+        (["serve", "--max-batch-sise", "10"], "(did you mean '--max-batch-size'?)"),
+        (["plan", "--rate", "1", "--batchms", "3"], "(did you mean '--batch-ms'?)"),
+        (["infer", "--urll", "http://x"], "(did you mean '--url'?)"),
+    ],
+    ids=["serve", "plan", "infer"],
+)
 def test_a_mistyped_flag_gets_a_did_you_mean(args: list[str], hint: str):
     done = run(*args)
     assert done.returncode == 2 and hint in done.stderr, done.stderr

@@ -32,8 +32,22 @@ CALLERS = 12
 def small_queue(tmp_path_factory: pytest.TempPathFactory):
     """One device, batches of at most 2 taking 300 ms, room for 2 waiting: a burst of 12 is mostly refused."""
     root = tmp_path_factory.mktemp("client")
-    s = start_server("--devices", "1", "--max-batch-size", "2", "--sim-batch-ms", "300", "--max-queue", "2",
-                     "--slo-ms", "20000", "--timeout-ms", "30000", "--jobs-db", str(root / "jobs.db"))
+    s = start_server(
+        "--devices",
+        "1",
+        "--max-batch-size",
+        "2",
+        "--sim-batch-ms",
+        "300",
+        "--max-queue",
+        "2",
+        "--slo-ms",
+        "20000",
+        "--timeout-ms",
+        "30000",
+        "--jobs-db",
+        str(root / "jobs.db"),
+    )
     yield s
     s.stop()
 
@@ -67,14 +81,12 @@ def test_the_burst_overloads_the_server_without_retries(small_queue: LiveServer)
     assert all(r.json()["retry_after_ms"] > 0 for r in refused)
     with Client(small_queue.url, retry=Retry(attempts=1)) as bs:  # and without retries the client raises it
         failures = [a for a in burst(lambda i: bs.infer(f"y{i}")) if isinstance(a, BatchserveError)]
-    assert failures and all(f.status == 503 and f.error == "SERVICE_OVERLOADED" and f.request_id
-                            for f in failures)
+    assert failures and all(f.status == 503 and f.error == "SERVICE_OVERLOADED" and f.request_id for f in failures)
 
 
 def test_every_caller_gets_its_answer_through_the_retries(small_queue: LiveServer):
     retries: list[tuple[int, float, BatchserveError]] = []
-    with Client(small_queue.url, retry=Retry(attempts=50, deadline_s=90),
-                on_retry=lambda *a: retries.append(a)) as bs:
+    with Client(small_queue.url, retry=Retry(attempts=50, deadline_s=90), on_retry=lambda *a: retries.append(a)) as bs:
         answers = burst(lambda i: bs.infer(f"input {i}"))
     assert [a["output"] for a in answers] == [f"input {i}"[::-1] for i in range(CALLERS)], answers
     assert retries, "nobody was refused: the burst did not overload the server"
@@ -86,8 +98,9 @@ def test_the_async_client_retries_the_same_way(small_queue: LiveServer):
     retries: list = []
 
     async def main() -> list[dict]:
-        async with AsyncClient(small_queue.url, retry=Retry(attempts=50, deadline_s=90),
-                               on_retry=lambda *a: retries.append(a)) as bs:
+        async with AsyncClient(
+            small_queue.url, retry=Retry(attempts=50, deadline_s=90), on_retry=lambda *a: retries.append(a)
+        ) as bs:
             return await asyncio.gather(*(bs.infer(f"async {i}") for i in range(CALLERS)))
 
     answers = asyncio.run(main())
@@ -109,8 +122,9 @@ def test_the_client_runs_a_job_from_submit_to_results(small_queue: LiveServer):
 
 
 def cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchserve", *args], capture_output=True, text=True,
-                          timeout=120, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "batchserve", *args], capture_output=True, text=True, timeout=120, **kw
+    )
 
 
 def test_cli_infer_prints_the_output(small_queue: LiveServer):
@@ -122,15 +136,19 @@ def test_cli_infer_prints_the_output(small_queue: LiveServer):
     assert refused.returncode == 1 and refused.stderr.startswith("batchserve infer: error: 404 MODEL_NOT_FOUND")
 
 
-def test_cli_jobs_submit_wait_completes_and_prints_results_without_a_bar_in_a_pipe(small_queue: LiveServer,
-                                                                                  tmp_path: Path):
+def test_cli_jobs_submit_wait_completes_and_prints_results_without_a_bar_in_a_pipe(
+    small_queue: LiveServer, tmp_path: Path
+):
     inputs = tmp_path / "inputs.txt"
     inputs.write_text("one\n\ntwo\nthree\n")
     done = cli("jobs", "submit", str(inputs), "--wait", "--poll-s", "0.1", "--url", small_queue.url)
     assert done.returncode == 0, done.stderr
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert [(r["index"], r["status"], r["output"]) for r in results] == [
-        (0, "completed", "eno"), (1, "completed", "owt"), (2, "completed", "eerht")]
+        (0, "completed", "eno"),
+        (1, "completed", "owt"),
+        (2, "completed", "eerht"),
+    ]
     assert done.stderr == ""  # stderr is a pipe here: no progress drawn into it
     job_id = json.loads(cli("jobs", "submit", str(inputs), "--url", small_queue.url).stdout)["id"]
     got = json.loads(cli("jobs", "get", job_id, "--url", small_queue.url).stdout)
@@ -143,9 +161,24 @@ def test_cli_jobs_submit_wait_draws_a_progress_bar_on_a_terminal(small_queue: Li
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal's size
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "batchserve", "jobs", "submit", str(inputs), "--wait",
-                                 "--poll-s", "0.1", "--url", small_queue.url], stdout=subprocess.PIPE,
-                                stderr=follower, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "batchserve",
+                "jobs",
+                "submit",
+                str(inputs),
+                "--wait",
+                "--poll-s",
+                "0.1",
+                "--url",
+                small_queue.url,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+        )
         os.close(follower)
         drawn = b""
         while True:  # read the terminal until the process closes it
@@ -169,16 +202,18 @@ def test_the_readme_client_example_runs_as_written(small_queue: LiveServer, caps
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     example = readme.split("## Python client", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert len(example.strip().splitlines()) == 5
-    exec(example.replace("http://127.0.0.1:8000", small_queue.url), {})  # noqa: S102 - our own README
+    exec(example.replace("http://127.0.0.1:8000", small_queue.url), {})
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == " slauqe E"
     assert [r["output"] for r in ast.literal_eval(printed[1])] == ["tac a", "god a"]
 
 
 def test_embed_returns_one_vector_per_input_in_order(tmp_path: Path):
-    (tmp_path / "vec.py").write_text("class Model:\n    output_kind = 'embedding'\n"
-                                     "    def batch(self, inputs):\n"
-                                     "        return [[float(len(s)), 1.0] for s in inputs]\n")
+    (tmp_path / "vec.py").write_text(
+        "class Model:\n    output_kind = 'embedding'\n"
+        "    def batch(self, inputs):\n"
+        "        return [[float(len(s)), 1.0] for s in inputs]\n"
+    )
     path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
     server = start_server("--backend", "vec:Model", "--jobs-db", "", env={"PYTHONPATH": path})
     try:
@@ -209,5 +244,7 @@ def test_cli_infer_against_a_dead_port_names_the_url_without_a_status_0():
     url = f"http://127.0.0.1:{port}"
     done = cli("infer", "hello", "--url", url, "--deadline-s", "1")
     assert done.returncode == 1
-    assert done.stderr.startswith(f"batchserve infer: error: CONNECTION_FAILED: could not connect to {url}/v1/inference")
+    assert done.stderr.startswith(
+        f"batchserve infer: error: CONNECTION_FAILED: could not connect to {url}/v1/inference"
+    )
     assert " 0 " not in done.stderr

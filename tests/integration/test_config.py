@@ -27,8 +27,13 @@ class Run:
 def batchserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> Run:
     """`python -m batchserve ARGS`; a server that starts instead of refusing is killed after `timeout`."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("BATCHSERVE_")}
-    proc = subprocess.Popen([sys.executable, "-m", "batchserve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**clean, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchserve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**clean, **(env or {})},
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         return Run(proc.returncode, out, err)
@@ -58,7 +63,7 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-MODELS = '''[[models]]
+MODELS = """[[models]]
 name = "echo"
 version = "v1"
 
@@ -66,22 +71,27 @@ version = "v1"
 name = "echo"
 version = "v2"
 {extra}
-'''
+"""
 
 
-@pytest.mark.parametrize("extra, phrases", [
-    ('wieght = 10', [":8: models[1].wieght", "unknown key 'wieght'", "did you mean 'weight'"]),
-    ('sim_batch_ms = "fast"', [":8: models[1].sim_batch_ms", "expected a positive number", "'fast'"]),
-    ('backend = "smollm"', [":8: models[1].backend", "unknown backend 'smollm'", "did you mean 'smollm2'"]),
-    ('weight = -5', [":8: models[1].weight", "0 or more"]),
-    ('\n[tierz.free]\nrate = 5', [":9: tierz", "unknown key 'tierz' at the top level", "did you mean 'tiers'"]),
-    ('\n[tiers.fre]\nrate = 5', [":9: tiers.fre", "unknown tier 'fre'", "did you mean 'free'"]),
-    ('\n[tiers.free]\nrat = 5', [":10: tiers.free.rat", "did you mean 'rate'"]),
-    ('\n[[keys]]\ntenant = "a"\ntier = "paid"\nsha256 = "abc"', [":12: keys[0].sha256", "64 lowercase hex"]),
-    ('\n[[keys]]\ntenant = "a"\ntier = "paid"\nsha256 = "' + "a" * 64 + '"\nadmin = "yes"',
-     [":13: keys[0].admin", "expected true or false"]),
-    ('\nslo_ms = 500', ["models[1].slo_ms"]),  # a key after [[models]] belongs to that table
-])
+@pytest.mark.parametrize(
+    "extra, phrases",
+    [
+        ("wieght = 10", [":8: models[1].wieght", "unknown key 'wieght'", "did you mean 'weight'"]),
+        ('sim_batch_ms = "fast"', [":8: models[1].sim_batch_ms", "expected a positive number", "'fast'"]),
+        ('backend = "smollm"', [":8: models[1].backend", "unknown backend 'smollm'", "did you mean 'smollm2'"]),
+        ("weight = -5", [":8: models[1].weight", "0 or more"]),
+        ("\n[tierz.free]\nrate = 5", [":9: tierz", "unknown key 'tierz' at the top level", "did you mean 'tiers'"]),
+        ("\n[tiers.fre]\nrate = 5", [":9: tiers.fre", "unknown tier 'fre'", "did you mean 'free'"]),
+        ("\n[tiers.free]\nrat = 5", [":10: tiers.free.rat", "did you mean 'rate'"]),
+        ('\n[[keys]]\ntenant = "a"\ntier = "paid"\nsha256 = "abc"', [":12: keys[0].sha256", "64 lowercase hex"]),
+        (
+            '\n[[keys]]\ntenant = "a"\ntier = "paid"\nsha256 = "' + "a" * 64 + '"\nadmin = "yes"',
+            [":13: keys[0].admin", "expected true or false"],
+        ),
+        ("\nslo_ms = 500", ["models[1].slo_ms"]),  # a key after [[models]] belongs to that table
+    ],
+)
 def test_config_file_mistakes_name_file_line_and_key(tmp_path: Path, extra: str, phrases: list[str]) -> None:
     config = write(tmp_path, MODELS.format(extra=extra))
     line = refused(serve("--config", str(config)), *phrases)
@@ -98,18 +108,21 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
     refused(serve("--config", str(config)), str(config), "not valid TOML")
 
 
-@pytest.mark.parametrize("env, args, phrases", [
-    ({"BATCHSERVE_PORT": "abc"}, [], ["BATCHSERVE_PORT='abc'", "expected an integer"]),
-    ({"BATCHSERVE_SLO_MS": "fast"}, [], ["BATCHSERVE_SLO_MS='fast'", "expected a number"]),
-    ({"BATCHSERVE_ALLOW_ANONYMOUS": "ture"}, [], ["BATCHSERVE_ALLOW_ANONYMOUS='ture'", "true or false"]),
-    ({"BATCHSERVE_BACKEND": "smolm2"}, [], ["BATCHSERVE_BACKEND", "unknown backend 'smolm2'", "'smollm2'"]),
-    ({"BATCHSERVE_LOG_LEVEL": "verbose"}, [], ["BATCHSERVE_LOG_LEVEL must be one of"]),
-    ({"BATCHSERVE_MAX_BATCH_SIZE": "0"}, [], ["BATCHSERVE_MAX_BATCH_SIZE must be between 1 and 100000"]),
-    ({}, ["--backend", "nope"], ["--backend", "unknown backend 'nope'"]),
-    ({}, ["--max-batch-size", "0"], ["--max-batch-size must be between 1 and 100000"]),
-    ({}, ["--timeout-ms", "90000"], ["--timeout-ms must be at most --max-timeout-ms"]),
-    ({}, ["--port", "abc"], ["--port", "invalid int value"]),
-])
+@pytest.mark.parametrize(
+    "env, args, phrases",
+    [
+        ({"BATCHSERVE_PORT": "abc"}, [], ["BATCHSERVE_PORT='abc'", "expected an integer"]),
+        ({"BATCHSERVE_SLO_MS": "fast"}, [], ["BATCHSERVE_SLO_MS='fast'", "expected a number"]),
+        ({"BATCHSERVE_ALLOW_ANONYMOUS": "ture"}, [], ["BATCHSERVE_ALLOW_ANONYMOUS='ture'", "true or false"]),
+        ({"BATCHSERVE_BACKEND": "smolm2"}, [], ["BATCHSERVE_BACKEND", "unknown backend 'smolm2'", "'smollm2'"]),
+        ({"BATCHSERVE_LOG_LEVEL": "verbose"}, [], ["BATCHSERVE_LOG_LEVEL must be one of"]),
+        ({"BATCHSERVE_MAX_BATCH_SIZE": "0"}, [], ["BATCHSERVE_MAX_BATCH_SIZE must be between 1 and 100000"]),
+        ({}, ["--backend", "nope"], ["--backend", "unknown backend 'nope'"]),
+        ({}, ["--max-batch-size", "0"], ["--max-batch-size must be between 1 and 100000"]),
+        ({}, ["--timeout-ms", "90000"], ["--timeout-ms must be at most --max-timeout-ms"]),
+        ({}, ["--port", "abc"], ["--port", "invalid int value"]),
+    ],
+)
 def test_bad_values_name_their_flag_or_variable(env: dict, args: list[str], phrases: list[str]) -> None:
     refused(serve(*args, env=env), *phrases)
 

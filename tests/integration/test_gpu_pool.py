@@ -14,6 +14,7 @@ from tests.integration.inference.test_routes import metric
 
 async def post_many(url: str, inputs: list[str], timeout_ms: int = 10000) -> list[tuple[int, dict]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(inputs))) as s:
+
         async def one(text: str) -> tuple[int, dict]:
             async with s.post(url + "/v1/inference", json={"input": text, "timeout_ms": timeout_ms}) as r:
                 return r.status, await r.json()
@@ -68,8 +69,18 @@ def test_single_broken_device_fails_with_500_not_a_hang(server_factory):
 
 
 def test_hung_worker_is_abandoned_while_the_others_serve(server_factory):
-    server = server_factory("--devices", "3", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2500",
-                            "--gpu-timeout-ms", "400", "--slo-ms", "3000")
+    server = server_factory(
+        "--devices",
+        "3",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "2500",
+        "--gpu-timeout-ms",
+        "400",
+        "--slo-ms",
+        "3000",
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
@@ -97,8 +108,9 @@ def test_hung_worker_is_abandoned_while_the_others_serve(server_factory):
 
 
 def test_no_healthy_worker_503_until_the_hung_call_returns(server_factory):
-    server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2000",
-                            "--gpu-timeout-ms", "300")
+    server = server_factory(
+        "--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2000", "--gpu-timeout-ms", "300"
+    )
     with server.client() as c:
         r = c.post("/v1/inference", json={"input": "HANG"})
         assert r.status_code == 504
@@ -118,6 +130,7 @@ def test_predicted_wait_refuses_at_the_door_before_any_batch_finishes(server_fac
     async def scenario():
         done_order: list[int] = []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=400)) as s:
+
             async def one(i: int):
                 async with s.post(server.url + "/v1/inference", json={"input": f"x{i}", "timeout_ms": 1000}) as r:
                     body = await r.json()
@@ -144,6 +157,7 @@ def test_full_batches_are_staged_and_every_caller_gets_its_own_answer(server_fac
 
     async def paced(url: str) -> list[tuple[int, dict]]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(inputs))) as s:
+
             async def one(i: int, text: str) -> tuple[int, dict]:
                 await asyncio.sleep(i * 0.004)
                 async with s.post(url + "/v1/inference", json={"input": text, "timeout_ms": 20000}) as r:
@@ -152,8 +166,9 @@ def test_full_batches_are_staged_and_every_caller_gets_its_own_answer(server_fac
             return await asyncio.gather(*(one(i, t) for i, t in enumerate(inputs)))
 
     for lead, staged in (("10", True), ("0", False)):
-        server = server_factory("--max-batch-size", "10", "--sim-batch-ms", "50", "--slo-ms", "10000",
-                                "--stage-lead-ms", lead)
+        server = server_factory(
+            "--max-batch-size", "10", "--sim-batch-ms", "50", "--slo-ms", "10000", "--stage-lead-ms", lead
+        )
         results = asyncio.run(paced(server.url))
         assert all(s == 200 and b["output"] == t[::-1] for t, (s, b) in zip(inputs, results)), results[:3]
         with server.client() as c:
@@ -185,8 +200,20 @@ def test_sigterm_drains_every_queued_item_then_exits(server_factory):
 
 
 def test_drain_timeout_answers_leftovers_with_503(server_factory):
-    server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "5000",
-                            "--gpu-timeout-ms", "60000", "--drain-timeout-s", "0.5", "--slo-ms", "5000")
+    server = server_factory(
+        "--devices",
+        "1",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "5000",
+        "--gpu-timeout-ms",
+        "60000",
+        "--drain-timeout-s",
+        "0.5",
+        "--slo-ms",
+        "5000",
+    )
 
     async def scenario():
         pending = asyncio.ensure_future(post_many(server.url, ["HANG", "behind"]))
@@ -206,6 +233,7 @@ def test_a_burst_within_capacity_is_queued_not_refused(server_factory):
     server = server_factory("--devices", "1")
     inputs = [f"b{i}" for i in range(250)]
     results = asyncio.run(post_many(server.url, inputs, timeout_ms=2000))
-    assert all(s == 200 and b["output"] == t[::-1] for t, (s, b) in zip(inputs, results)), \
-        [b for s, b in results if s != 200][:3]
+    assert all(s == 200 and b["output"] == t[::-1] for t, (s, b) in zip(inputs, results)), [
+        b for s, b in results if s != 200
+    ][:3]
     assert max(b["latency_ms"] for _, b in results) > 250

@@ -19,13 +19,35 @@ def test_the_manifest_configuration_serves_batch_jobs_on_postgresql(pg_server, t
     from tests.conftest import start_server
 
     config = tmp_path / "config.toml"
-    made = subprocess.run([sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config), "--tenant",
-                           "acme", "--tier", "paid"], capture_output=True, text=True, timeout=60, check=True)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchserve",
+            "keys",
+            "add",
+            "--config",
+            str(config),
+            "--tenant",
+            "acme",
+            "--tier",
+            "paid",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     key = made.stdout.strip()
     env = rendered_env()
     assert env["BATCHSERVE_JOBS_DB"].startswith("postgresql://") and env["BATCHSERVE_BACKEND"] == "smollm2"
-    env.update(BATCHSERVE_BACKEND="sim", BATCHSERVE_HOST="127.0.0.1", BATCHSERVE_CONFIG=str(config),
-               BATCHSERVE_JOBS_DB=pg_server.fresh_url(), BATCHSERVE_DRAIN_GRACE_S="0")
+    env.update(
+        BATCHSERVE_BACKEND="sim",
+        BATCHSERVE_HOST="127.0.0.1",
+        BATCHSERVE_CONFIG=str(config),
+        BATCHSERVE_JOBS_DB=pg_server.fresh_url(),
+        BATCHSERVE_DRAIN_GRACE_S="0",
+    )
     server = start_server(env=env)  # --port 0 wins over the manifest's BATCHSERVE_PORT
     try:
         with Client(server.url, api_key=key) as bs:

@@ -27,8 +27,16 @@ from tests.conftest import LiveServer, open_loop, start_server
 SERVERS = 3
 RATE = 100.0  # requests per second through nginx during the rolling restart
 GRACE_S = 1.0  # --drain-grace-s of the servers under test (the default, 5 s, would only make the test slower)
-SERVER_ARGS = ("--devices", "1", "--sim-batch-ms", "50", "--drain-grace-s", str(GRACE_S),
-               "--forwarded-allow-ips", "127.0.0.1")  # nginx's address, as the template's comment says
+SERVER_ARGS = (
+    "--devices",
+    "1",
+    "--sim-batch-ms",
+    "50",
+    "--drain-grace-s",
+    str(GRACE_S),
+    "--forwarded-allow-ips",
+    "127.0.0.1",
+)  # nginx's address, as the template's comment says
 
 
 @dataclass
@@ -78,16 +86,20 @@ def test_nginx_answers_through_the_proxy_from_every_server(fleet):
         assert bad.status_code == 400 and bad.json()["error"] == "INVALID_REQUEST"
         missing = c.post("/v1/inference", json={"input": "x", "model": "nope"})
         assert missing.status_code == 404 and missing.json()["error"] == "MODEL_NOT_FOUND"
-    by_upstream = Counter(re.search(r"upstream=(\S+)", line).group(1) for line in fleet.nginx.access_log()
-                          if "upstream=" in line and "/v1/inference 200" in line)
+    by_upstream = Counter(
+        re.search(r"upstream=(\S+)", line).group(1)
+        for line in fleet.nginx.access_log()
+        if "upstream=" in line and "/v1/inference 200" in line
+    )
     assert sorted(by_upstream) == sorted(f"127.0.0.1:{p}" for p in fleet.ports)
     assert all(n >= 2 for n in by_upstream.values()), by_upstream
 
 
 async def steady_load(url: str, rate: float, stop: threading.Event, outcomes: list) -> None:
     """Open-loop: one request every 1/rate s on a keep-alive session, whatever the answers, until `stop`."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=500),
-                                     timeout=aiohttp.ClientTimeout(total=30)) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=500), timeout=aiohttp.ClientTimeout(total=30)
+    ) as session:
 
         async def one(i: int) -> None:
             text = f"roll-{i:05d}"
@@ -96,7 +108,7 @@ async def steady_load(url: str, rate: float, stop: threading.Event, outcomes: li
                     body = await r.json(content_type=None)
                     ok = r.status == 200 and body.get("output") == text[::-1]
                     outcomes.append((r.status, "ok" if ok else body.get("error", "?")))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 outcomes.append(("exception", type(exc).__name__))
 
         await open_loop(rate, stop, one)
@@ -120,8 +132,11 @@ def test_rolling_restart_under_load_loses_nothing(fleet):
     assert [s.proc.pid for s in fleet.servers] != old_pids and all(s.proc.poll() is None for s in fleet.servers)
 
     counts = Counter(outcomes)
-    lost = {k: n for k, n in counts.items() if not (k == (200, "ok") or (k[0] == 503 and k[1] in (
-        "DRAINING", "SERVICE_OVERLOADED", "NO_HEALTHY_WORKER")))}
+    lost = {
+        k: n
+        for k, n in counts.items()
+        if not (k == (200, "ok") or (k[0] == 503 and k[1] in ("DRAINING", "SERVICE_OVERLOADED", "NO_HEALTHY_WORKER")))
+    }
     assert len(outcomes) >= RATE * 3 and not lost, f"lost: {lost} of {len(outcomes)}; all: {dict(counts)}"
     # Stronger: nginx passed every refusal to another server, so no client saw even a 503.
     assert counts[(200, "ok")] == len(outcomes), dict(counts)

@@ -62,8 +62,12 @@ def test_plan_measure_with_its_defaults_against_a_live_server(server_factory):
     for t in threads:
         t.start()
     try:
-        run = subprocess.run([sys.executable, "-m", "batchserve", "plan", "--rate", "10000", "--measure", server.url],
-                             capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [sys.executable, "-m", "batchserve", "plan", "--rate", "10000", "--measure", server.url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         stop.set()
         for t in threads:
@@ -103,10 +107,12 @@ def test_plan_measure_says_warming_up_then_plans_at_the_servers_slo(tmp_path, ca
 
     env = write_plugins(tmp_path, heldplug=HELD)
     gate = tmp_path / "loaded"
-    (tmp_path / "bs.toml").write_text(f'[[models]]\nname = "m"\nbackend = "heldplug:Held"\n'
-                                      f'[models.options]\ngate = "{gate}"\n')
-    server = start_server("--config", str(tmp_path / "bs.toml"), "--slo-ms", "1500", "--timeout-ms", "6000",
-                          env=env, ready=False)
+    (tmp_path / "bs.toml").write_text(
+        f'[[models]]\nname = "m"\nbackend = "heldplug:Held"\n[models.options]\ngate = "{gate}"\n'
+    )
+    server = start_server(
+        "--config", str(tmp_path / "bs.toml"), "--slo-ms", "1500", "--timeout-ms", "6000", env=env, ready=False
+    )
     args = ["plan", "--rate", "5", "--measure", server.url, "--cpu-us-per-request", "100", "--sim-s", "10"]
     try:
         assert cli.main(args) == 2

@@ -14,8 +14,25 @@ from tests.integration.inference.test_routes import metric
 
 
 def add_key(config: Path, tenant: str, tier: str, *extra: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config),
-                          "--tenant", tenant, "--tier", tier, *extra], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchserve",
+            "keys",
+            "add",
+            "--config",
+            str(config),
+            "--tenant",
+            tenant,
+            "--tier",
+            tier,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
@@ -24,8 +41,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 async def post(s: aiohttp.ClientSession, url: str, text: str, key: str | None = None, **body) -> tuple[int, dict]:
-    async with s.post(url + "/v1/inference", json={"input": text, **body},
-                      headers=bearer(key) if key else {}) as r:
+    async with s.post(url + "/v1/inference", json={"input": text, **body}, headers=bearer(key) if key else {}) as r:
         return r.status, await r.json()
 
 
@@ -52,8 +68,12 @@ def test_auth_401_and_anonymous_rules(tmp_path, server_factory):
         ok = c.post("/v1/inference", json={"input": "abc"}, headers=bearer(key))
         assert ok.status_code == 200 and ok.json()["output"] == "cba"
     # No keys and a non-loopback address: refused at start-up unless --allow-anonymous.
-    refused = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--host", "0.0.0.0", "--port", "0"],
-                             capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(
+        [sys.executable, "-m", "batchserve", "serve", "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode != 0 and "--allow-anonymous" in refused.stderr
 
 
@@ -73,8 +93,9 @@ def test_rate_limit_429_with_headers(tmp_path, server_factory):
         assert int(limited.headers["retry-after"]) >= 1
         assert limited.headers["x-ratelimit-remaining"] == "0" and int(limited.headers["x-ratelimit-reset"]) >= 1
         # The per-key override and other keys are untouched by one key's limit.
-        assert all(c.post("/v1/inference", json={"input": "y"}, headers=bearer(rich)).status_code == 200
-                   for _ in range(5))
+        assert all(
+            c.post("/v1/inference", json={"input": "y"}, headers=bearer(rich)).status_code == 200 for _ in range(5)
+        )
 
 
 def test_rate_limit_headers_never_show_more_remaining_than_the_limit(tmp_path, server_factory):
@@ -94,14 +115,31 @@ def test_rate_limit_headers_never_show_more_remaining_than_the_limit(tmp_path, s
 
 def busy_worker_server(server_factory, config: Path, *extra: str):
     """One device held by a HANG batch, so what queues behind it shows the order batches are filled in."""
-    return server_factory("--config", str(config), "--allow-anonymous", "--devices", "1",
-                          "--sim-hang-marker", "HANG", "--sim-hang-ms", "700", "--gpu-timeout-ms", "60000",
-                          "--slo-ms", "20000", "--timeout-ms", "20000", *extra)
+    return server_factory(
+        "--config",
+        str(config),
+        "--allow-anonymous",
+        "--devices",
+        "1",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "700",
+        "--gpu-timeout-ms",
+        "60000",
+        "--slo-ms",
+        "20000",
+        "--timeout-ms",
+        "20000",
+        *extra,
+    )
 
 
-def behind_a_hang(url: str, first: list[tuple[str, str]], then: list[tuple[str, str]]
-                  ) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
+def behind_a_hang(
+    url: str, first: list[tuple[str, str]], then: list[tuple[str, str]]
+) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
     """A HANG batch takes the one device; `first` (input, key) queue behind it, `then` 0.1 s later: their answers."""
+
     async def scenario():
         async with aiohttp.ClientSession() as s:
             hang = asyncio.ensure_future(post(s, url, "HANG"))
@@ -121,8 +159,9 @@ def test_higher_tier_is_batched_first(tmp_path, server_factory):
     ent = add_key(config, "e", "enterprise")
     server = busy_worker_server(server_factory, config, "--max-batch-size", "4")
 
-    frees, ents = behind_a_hang(server.url, [(f"free-{i}", free) for i in range(4)],
-                                [(f"ent-{i}", ent) for i in range(4)])
+    frees, ents = behind_a_hang(
+        server.url, [(f"free-{i}", free) for i in range(4)], [(f"ent-{i}", ent) for i in range(4)]
+    )
     assert all(s == 200 for s, _ in frees + ents)
     # Enterprise arrived later yet ran in the first batch after the hang; free waited one batch more.
     assert max(b["queue_ms"] for _, b in ents) < min(b["queue_ms"] for _, b in frees)
@@ -134,8 +173,9 @@ def test_tenants_of_a_tier_take_turns(tmp_path, server_factory):
     light = add_key(config, "light", "paid")
     server = busy_worker_server(server_factory, config, "--max-batch-size", "4")
 
-    flood, lights = behind_a_hang(server.url, [(f"h-{i}", heavy) for i in range(16)],
-                                  [(f"l-{i}", light) for i in range(2)])
+    flood, lights = behind_a_hang(
+        server.url, [(f"h-{i}", heavy) for i in range(16)], [(f"l-{i}", light) for i in range(2)]
+    )
     assert all(s == 200 for s, _ in flood + lights)
     # The light tenant arrived after 16 heavy items but shares the first batch half and half.
     first_batch_heavy = sorted(b["queue_ms"] for _, b in flood)[:2]
@@ -147,12 +187,14 @@ def test_lower_tier_is_delayed_never_starved(tmp_path, server_factory):
     config = tmp_path / "bs.toml"
     free = add_key(config, "f", "free")
     ent = add_key(config, "e", "enterprise", "--rate", "10000")
-    server = server_factory("--config", str(config), "--devices", "1", "--max-batch-size", "2",
-                            "--slo-ms", "60000", "--timeout-ms", "60000")
+    server = server_factory(
+        "--config", str(config), "--devices", "1", "--max-batch-size", "2", "--slo-ms", "60000", "--timeout-ms", "60000"
+    )
 
     async def scenario():
         order: list[str] = []
         async with aiohttp.ClientSession() as s:
+
             async def tracked(text: str, key: str):
                 result = await post(s, server.url, text, key)
                 order.append(text)
@@ -178,9 +220,25 @@ def test_lower_tiers_are_shed_first(tmp_path, server_factory):
     config = tmp_path / "bs.toml"
     free = add_key(config, "f", "free")
     ent = add_key(config, "e", "enterprise")
-    server = server_factory("--config", str(config), "--allow-anonymous", "--devices", "1",
-                            "--max-batch-size", "1", "--slo-ms", "1000", "--sim-hang-marker", "HANG",
-                            "--sim-hang-ms", "2500", "--gpu-timeout-ms", "60000", "--timeout-ms", "20000")
+    server = server_factory(
+        "--config",
+        str(config),
+        "--allow-anonymous",
+        "--devices",
+        "1",
+        "--max-batch-size",
+        "1",
+        "--slo-ms",
+        "1000",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "2500",
+        "--gpu-timeout-ms",
+        "60000",
+        "--timeout-ms",
+        "20000",
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
@@ -248,7 +306,7 @@ def test_models_versions_and_batches_never_mix(tmp_path, server_factory):
         assert body["model"].startswith(wanted.split("@")[0]) and ("@" not in wanted or body["model"] == wanted)
     assert served["echo@v1"] > 100 and served["echo@v2"] > 100  # the 50/50 split, plus explicit picks
     for k in range(6):  # one key always lands on the same version
-        assert len({b["model"] for s, b in sticky[k * 8:(k + 1) * 8]}) == 1
+        assert len({b["model"] for s, b in sticky[k * 8 : (k + 1) * 8]}) == 1
     for status, body in sticky:
         assert status == 200
         served[body["model"]] += 1
@@ -264,9 +322,24 @@ def test_models_versions_and_batches_never_mix(tmp_path, server_factory):
 def test_a_quiet_model_is_not_kept_behind_a_busy_one(tmp_path, server_factory):
     config = tmp_path / "bs.toml"
     config.write_text('[[models]]\nname = "busy"\n[[models]]\nname = "quiet"\n')
-    server = server_factory("--config", str(config), "--devices", "1", "--max-batch-size", "10",
-                            "--sim-hang-marker", "HANG", "--sim-hang-ms", "600", "--gpu-timeout-ms", "60000",
-                            "--slo-ms", "20000", "--timeout-ms", "20000")
+    server = server_factory(
+        "--config",
+        str(config),
+        "--devices",
+        "1",
+        "--max-batch-size",
+        "10",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "600",
+        "--gpu-timeout-ms",
+        "60000",
+        "--slo-ms",
+        "20000",
+        "--timeout-ms",
+        "20000",
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:

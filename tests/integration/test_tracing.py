@@ -13,8 +13,10 @@ import time
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                      ExportTraceServiceResponse)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from tests.conftest import start_server
@@ -56,8 +58,13 @@ def attrs(span: Span) -> dict:
     out = {}
     for a in span.attributes:
         v = a.value
-        out[a.key] = v.string_value if v.HasField("string_value") else v.int_value if v.HasField("int_value") else (
-            v.double_value if v.HasField("double_value") else v.bool_value)
+        out[a.key] = (
+            v.string_value
+            if v.HasField("string_value")
+            else v.int_value
+            if v.HasField("int_value")
+            else (v.double_value if v.HasField("double_value") else v.bool_value)
+        )
     return out
 
 
@@ -92,18 +99,27 @@ def wait_for(receiver: Receiver, found, timeout: float = 15.0):
 def test_spans_reach_the_receiver_linked_and_parented(server, receiver):
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # company in the batch, from other traces
-        others = [pool.submit(httpx.post, server.url + "/v1/inference", json={"input": f"other {i}"}, timeout=30)
-                  for i in range(3)]
-        r = httpx.post(server.url + "/v1/inference", json={"input": "traced"}, timeout=30,
-                       headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+        others = [
+            pool.submit(httpx.post, server.url + "/v1/inference", json={"input": f"other {i}"}, timeout=30)
+            for i in range(3)
+        ]
+        r = httpx.post(
+            server.url + "/v1/inference",
+            json={"input": "traced"},
+            timeout=30,
+            headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+        )
         assert r.status_code == 200 and all(f.result().status_code == 200 for f in others)
 
     def complete(spans: list[Span]):
         mine = [s for s in spans if s.trace_id.hex() == trace_id]
         request = [s for s in mine if s.kind == Span.SPAN_KIND_SERVER]
         queue = [s for s in mine if s.name == "queue"]
-        batch = [s for s in spans if s.name == "batch sim@v1" and request
-                 and any(link.span_id == request[0].span_id for link in s.links)]
+        batch = [
+            s
+            for s in spans
+            if s.name == "batch sim@v1" and request and any(link.span_id == request[0].span_id for link in s.links)
+        ]
         return (request[0], queue[0], batch[0]) if request and queue and batch else None
 
     found, spans = wait_for(receiver, complete)
@@ -134,8 +150,11 @@ def test_v2_infer_and_a_refusal_are_traced_by_route(server, receiver):
     tp = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
     assert httpx.post(server.url + "/v2/models/sim/infer", json=body, headers=tp, timeout=30).status_code == 200
     missing = secrets.token_hex(16)
-    r = httpx.post(server.url + "/v1/inference", json={"input": "x", "model": "nope"},
-                   headers={"traceparent": f"00-{missing}-{secrets.token_hex(8)}-01"})
+    r = httpx.post(
+        server.url + "/v1/inference",
+        json={"input": "x", "model": "nope"},
+        headers={"traceparent": f"00-{missing}-{secrets.token_hex(8)}-01"},
+    )
     assert r.status_code == 404
 
     def both(spans: list[Span]):
@@ -147,8 +166,9 @@ def test_v2_infer_and_a_refusal_are_traced_by_route(server, receiver):
     assert found
     v2, refused = found
     assert v2.name == "POST /v2/models/{model}/infer" and attrs(v2)["http.route"] == "/v2/models/{model}/infer"
-    _, spans = wait_for(receiver, lambda spans: len([s for s in spans if s.trace_id.hex() == trace_id
-                                                     and s.name == "queue"]) == 3)
+    _, spans = wait_for(
+        receiver, lambda spans: len([s for s in spans if s.trace_id.hex() == trace_id and s.name == "queue"]) == 3
+    )
     assert len([s for s in spans if s.trace_id.hex() == trace_id and s.name == "queue"]) == 3  # one per element
     assert [s.name for s in refused] == ["POST /v1/inference"]  # no queue span: it never waited
     assert attrs(refused[0])["http.response.status_code"] == 404
@@ -156,11 +176,12 @@ def test_v2_infer_and_a_refusal_are_traced_by_route(server, receiver):
 
 def test_openai_routes_carry_the_genai_operation(server, receiver):
     trace_id = secrets.token_hex(16)
-    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"},  # the sim makes no vectors: 404/400
-                   headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+    r = httpx.post(
+        server.url + "/v1/embeddings",
+        json={"input": "x"},  # the sim makes no vectors: 404/400
+        headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},
+    )
     assert r.status_code in (400, 404)
     found, _ = wait_for(receiver, lambda spans: [s for s in spans if s.trace_id.hex() == trace_id])
     assert found and attrs(found[0])["gen_ai.operation.name"] == "embeddings"
     assert attrs(found[0])["http.response.status_code"] == r.status_code
-
-

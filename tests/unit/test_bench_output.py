@@ -11,9 +11,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-SCRIPTS = ["run_standard", "drill", "overload", "tenancy_bench", "jobs_bench", "generation_bench", "fleet", "soak",
-           "autoscale_signal", "embed_bench", "plan_check", "engine_loop", "stepper_host", "startup", "scale", "protocols", "prefill_burst",
-           "cpu_compare", "inference_paths", "hung_child"]
+SCRIPTS = [
+    "run_standard",
+    "drill",
+    "overload",
+    "tenancy_bench",
+    "jobs_bench",
+    "generation_bench",
+    "fleet",
+    "soak",
+    "autoscale_signal",
+    "embed_bench",
+    "plan_check",
+    "engine_loop",
+    "stepper_host",
+    "startup",
+    "scale",
+    "protocols",
+    "prefill_burst",
+    "cpu_compare",
+    "inference_paths",
+    "hung_child",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -35,10 +54,18 @@ def test_the_stood_in_gpu_runs_the_real_decode_loop(lagged: str, monkeypatch: py
 
     from bench import executor_bench
 
-    monkeypatch.setenv("STATIC_STAND_IN", f"step_ms=5,step_ms_per_row=0,prefill_ms=3,prefill_ms_per_row=0,"
-                                          f"host_prefill_ms=1,lagged={lagged}")
-    a = argparse.Namespace(max_new_tokens=9, smollm2_dir="", decode="static",
-                           backend="bench.static_host:StandInSmolLM2", sizes=[1, 8], repeats=1)
+    monkeypatch.setenv(
+        "STATIC_STAND_IN",
+        f"step_ms=5,step_ms_per_row=0,prefill_ms=3,prefill_ms_per_row=0,host_prefill_ms=1,lagged={lagged}",
+    )
+    a = argparse.Namespace(
+        max_new_tokens=9,
+        smollm2_dir="",
+        decode="static",
+        backend="bench.static_host:StandInSmolLM2",
+        sizes=[1, 8],
+        repeats=1,
+    )
     off = executor_bench.offline(a)
     assert off.padded_to == (1, 8)
     assert all(0.044 <= t < 5 for t in off.seconds.values()), off.seconds  # 3 + 1 ms, then 8 steps of 5 ms
@@ -83,7 +110,8 @@ def test_the_agreement_check_tells_a_broken_path_from_rounding() -> None:
     from bench.gpu_agree import compare, differences
 
     assert [vars(d) for d in differences([[1, 2, 3], [4, 5]], [[1, 2, 3], [4]])] == [
-        {"index": 1, "first": 1, "reference_len": 2, "candidate_len": 1}]
+        {"index": 1, "first": 1, "reference_len": 2, "candidate_len": 1}
+    ]
     reference = [[7, i, 2] for i in range(20)]
     sampled = set(range(10, 20))
     same = compare("slots", "graphs", reference, [list(r) for r in reference], sampled, [2])
@@ -103,9 +131,22 @@ def test_the_load_curves_put_batchserve_beside_its_peers() -> None:
     from bench import embed_bench, report
     from bench.plot import PNG_MAGIC, load_png
 
-    rows = [embed_bench.Row(server=s, rate=r, sustained_rps=r * f, count=10, ok=10, p50_ms=1, p95_ms=p, p99_ms=p,
-                            errors={}, server_cores=None)
-            for s, f, p in (("batchserve", 1.0, 50.0), ("infinity", 0.8, 400.0)) for r in (20.0, 40.0)]
+    rows = [
+        embed_bench.Row(
+            server=s,
+            rate=r,
+            sustained_rps=r * f,
+            count=10,
+            ok=10,
+            p50_ms=1,
+            p95_ms=p,
+            p99_ms=p,
+            errors={},
+            server_cores=None,
+        )
+        for s, f, p in (("batchserve", 1.0, 50.0), ("infinity", 0.8, 400.0))
+        for r in (20.0, 40.0)
+    ]
     curves = embed_bench.curves_of(rows)
     assert sorted(curves) == ["batchserve", "infinity"]
     assert [(p.offered, p.p95_ms, p.goodput) for p in curves["infinity"]] == [(20.0, 400.0, 16.0), (40.0, 400.0, 32.0)]

@@ -82,7 +82,10 @@ def test_every_command_in_the_catalogue_exists_and_takes_its_quick_flags(monkeyp
 def test_the_readme_table_lists_each_command_once():
     from bench.commands import GROUPS
 
-    rows = [line for line in (BENCH / "README.md").read_text().splitlines()
-            if line.startswith(("| `python -m bench.", "| `bash bench/"))]
+    rows = [
+        line
+        for line in (BENCH / "README.md").read_text().splitlines()
+        if line.startswith(("| `python -m bench.", "| `bash bench/"))
+    ]
     listed = [row.split("`")[1].split()[-1].removeprefix("bench.").removeprefix("bench/") for row in rows]
     assert sorted(listed) == sorted(b.name for _, benches in GROUPS.values() for b in benches)

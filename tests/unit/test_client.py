@@ -30,8 +30,11 @@ def test_no_wait_past_the_deadline_or_the_last_attempt():
 
 
 def test_the_hint_comes_from_the_body_else_the_header():
-    body = httpx.Response(503, json={"error": "SERVICE_OVERLOADED", "message": "m", "request_id": "r",
-                                     "retry_after_ms": 250}, headers={"Retry-After": "1"})
+    body = httpx.Response(
+        503,
+        json={"error": "SERVICE_OVERLOADED", "message": "m", "request_id": "r", "retry_after_ms": 250},
+        headers={"Retry-After": "1"},
+    )
     assert server_wait_s(body) == 0.25
     assert server_wait_s(httpx.Response(429, text="slow down", headers={"Retry-After": "3"})) == 3.0
     assert server_wait_s(httpx.Response(503, text="<html>bad gateway</html>")) is None
@@ -59,8 +62,11 @@ def test_a_zero_negative_or_garbage_hint_still_waits_a_doubling_floor(hint):
     body = {"error": "SERVICE_OVERLOADED", "message": "m", "request_id": "r"}
     if hint is not None:
         body["retry_after_ms"] = hint
-    response = httpx.Response(503, content=__import__("json").dumps(body).encode(),
-                              headers={"Content-Type": "application/json", "Retry-After": "0"})
+    response = httpx.Response(
+        503,
+        content=__import__("json").dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Retry-After": "0"},
+    )
     policy = Retry(attempts=8, deadline_s=600)
     waits = [next_wait_s(policy, n, server_wait_s(response), remaining_s=600, rand=lambda: 0.0) for n in range(1, 8)]
     assert waits == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2])
@@ -68,8 +74,11 @@ def test_a_zero_negative_or_garbage_hint_still_waits_a_doubling_floor(hint):
 
 def test_a_huge_hint_gives_up_at_once_without_an_overflow():
     """retry_after_ms of 10**400 (valid JSON) raised OverflowError; now it is a wait past any deadline."""
-    response = httpx.Response(503, content=b'{"error": "SERVICE_OVERLOADED", "message": "m", "retry_after_ms": 1'
-                                           + b"0" * 400 + b"}", headers={"Content-Type": "application/json"})
+    response = httpx.Response(
+        503,
+        content=b'{"error": "SERVICE_OVERLOADED", "message": "m", "retry_after_ms": 1' + b"0" * 400 + b"}",
+        headers={"Content-Type": "application/json"},
+    )
     assert server_wait_s(response) == float("inf")
     assert next_wait_s(Retry(), 1, server_wait_s(response), remaining_s=60) is None
 
@@ -79,8 +88,12 @@ def test_a_huge_error_message_is_cut_in_the_raised_error():
 
     big = "x" * 5_000_000
     client = Client(retry=Retry(attempts=1))
-    client.http = httpx.Client(base_url="http://test", transport=httpx.MockTransport(
-        lambda request: httpx.Response(400, json={"error": "INVALID_REQUEST", "message": big, "request_id": "r"})))
+    client.http = httpx.Client(
+        base_url="http://test",
+        transport=httpx.MockTransport(
+            lambda request: httpx.Response(400, json={"error": "INVALID_REQUEST", "message": big, "request_id": "r"})
+        ),
+    )
     with client, pytest.raises(BatchserveError) as raised:
         client.infer("a")
     assert len(raised.value.message) < MAX_MESSAGE_CHARS + 100 and len(str(raised.value)) < MAX_MESSAGE_CHARS + 200
@@ -94,9 +107,14 @@ def test_a_zero_hint_spaces_the_client_s_retries():
 
     waits: list[float] = []
     client = Client(retry=Retry(attempts=4), on_retry=lambda attempt, wait, err: waits.append(wait))
-    client.http = httpx.Client(base_url="http://test", transport=httpx.MockTransport(
-        lambda request: httpx.Response(503, json={"error": "SERVICE_OVERLOADED", "message": "m",
-                                                  "retry_after_ms": 0})))
+    client.http = httpx.Client(
+        base_url="http://test",
+        transport=httpx.MockTransport(
+            lambda request: httpx.Response(
+                503, json={"error": "SERVICE_OVERLOADED", "message": "m", "retry_after_ms": 0}
+            )
+        ),
+    )
     with client, pytest.raises(BatchserveError):
         client.infer("a")
     assert len(waits) == 3 and sum(waits) >= 0.35

@@ -15,11 +15,13 @@ def test_readme_flag_table_matches_the_code():
     readme = (ROOT / "README.md").read_text()
     generated = table().splitlines()
     missing = [row for row in generated if row not in readme]
-    assert not missing, "README.md flag table is out of date; regenerate with python scripts/flags_table.py:\n" + \
-        "\n".join(missing)
+    assert not missing, (
+        "README.md flag table is out of date; regenerate with python scripts/flags_table.py:\n" + "\n".join(missing)
+    )
     stale = [row for row in readme.splitlines() if row.startswith("| `--") and row not in generated]
-    assert not stale, "README.md documents flags the code does not have (or no longer describes so):\n" + \
-        "\n".join(stale)
+    assert not stale, "README.md documents flags the code does not have (or no longer describes so):\n" + "\n".join(
+        stale
+    )
 
 
 def install_commands() -> list[str]:
@@ -64,8 +66,9 @@ def test_deploy_md_names_the_route_the_image_healthcheck_polls():
     dockerfile = (ROOT / "Dockerfile").read_text()
     polled = re.findall(r"HEALTHCHECK[^\n]*\n[^\n]*?(/\w+z)", dockerfile)
     assert polled == ["/readyz"], polled
-    row = next(line for line in (ROOT / "docs" / "deploy.md").read_text().splitlines()
-               if line.startswith("| `Dockerfile`"))
+    row = next(
+        line for line in (ROOT / "docs" / "deploy.md").read_text().splitlines() if line.startswith("| `Dockerfile`")
+    )
     assert f"`HEALTHCHECK` on `{polled[0]}`" in row, row
 
 
@@ -75,8 +78,11 @@ UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 def documented_sizes() -> list[tuple[str, str, int]]:
     """Every `--flag (N MiB)` the docs and the nginx template state, as (file, flag, bytes)."""
-    files = [ROOT / "README.md", ROOT / "deploy" / "nginx" / "batchserve.conf.template",
-             *sorted((ROOT / "docs").glob("*.md"))]
+    files = [
+        ROOT / "README.md",
+        ROOT / "deploy" / "nginx" / "batchserve.conf.template",
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]
     found = []
     for path in files:
         for flag, number, unit in SIZE.findall(path.read_text()):
@@ -88,8 +94,7 @@ def test_sizes_the_docs_state_for_a_flag_are_its_default():
     sizes = documented_sizes()
     assert any(flag == "jobs-max-body-bytes" for _, flag, _ in sizes)
     defaults = Settings()
-    wrong = [(name, flag, size) for name, flag, size in sizes
-             if size != getattr(defaults, flag.replace("-", "_"))]
+    wrong = [(name, flag, size) for name, flag, size in sizes if size != getattr(defaults, flag.replace("-", "_"))]
     assert not wrong, f"stated defaults that are not the code's: {wrong}"
 
 
@@ -120,9 +125,11 @@ def test_the_docs_quote_no_test_counts_or_suite_times():
     """Counts and times of the test suite drift with every commit (the README said "about 15 s" for a 32 s unit
     run; 413 vs 414 tests; 445 vs 585 s): pytest prints them, the docs do not quote them."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    quoted = re.compile(r"\b\d[\d,]* (?:unit |integration )?tests\b(?! (?:of|for|that|each|per)\b)"
-                        r"|pytest -q tests/(?:unit|integration)`[^.\n]{0,40}\b\d+(?:\.\d+)? s\b"
-                        r"|whole suite \d")
+    quoted = re.compile(
+        r"\b\d[\d,]* (?:unit |integration )?tests\b(?! (?:of|for|that|each|per)\b)"
+        r"|pytest -q tests/(?:unit|integration)`[^.\n]{0,40}\b\d+(?:\.\d+)? s\b"
+        r"|whole suite \d"
+    )
     found = [f"{page.name}: {m.group(0)}" for page in pages for m in quoted.finditer(page.read_text())]
     assert not found, "quoted test counts or suite times:\n" + "\n".join(found)
 

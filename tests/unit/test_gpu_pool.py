@@ -22,8 +22,16 @@ LEAD_S = 0.01
 
 def staging_pool(loop: asyncio.AbstractEventLoop, clock: Clock, workers: int = 1, max_batch: int = 4) -> GpuPool:
     b = make_batcher(clock, workers=workers, max_batch=max_batch)
-    pool = GpuPool({}, b, make_metrics(), loop, [f"d{i}" for i in range(workers)], gpu_timeout_s=1.0,
-                   clock=clock, stage_lead_s=LEAD_S)
+    pool = GpuPool(
+        {},
+        b,
+        make_metrics(),
+        loop,
+        [f"d{i}" for i in range(workers)],
+        gpu_timeout_s=1.0,
+        clock=clock,
+        stage_lead_s=LEAD_S,
+    )
     pool.workers = [Worker(i, f"d{i}") for i in range(workers)]
     pool._update_health()
     return pool

@@ -25,8 +25,12 @@ LEDGER = "batchserve_slo_requests_total"
 # What Grafana substitutes before the query reaches Prometheus: its interval macro and the dashboard's variables
 # (a multi-value variable becomes a regex alternation).
 GRAFANA_VALUES = {"$__rate_interval": "1m", "$__interval": "15s", "$model": "a|b", "$instance": ".*"}
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "gauge": ("",), "summary": ("_sum", "_count", "_created")}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "summary": ("_sum", "_count", "_created"),
+}
 
 
 def dashboard() -> dict:
@@ -82,14 +86,18 @@ def test_the_dashboard_validates_against_the_dashboard_schema():
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
 
 
-@pytest.mark.parametrize("break_it", [
-    lambda b: b["panels"][0].pop("gridPos"),
-    lambda b: b["panels"][0]["gridPos"].update(w=30),
-    lambda b: b["panels"][1]["targets"][0].pop("expr"),
-    lambda b: b["panels"][2].update(targets=[]),
-    lambda b: b["templating"]["list"][1].pop("query"),
-    lambda b: b.pop("schemaVersion"),
-], ids=["no-gridPos", "too-wide", "no-expr", "no-targets", "variable-without-query", "no-schemaVersion"])
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda b: b["panels"][0].pop("gridPos"),
+        lambda b: b["panels"][0]["gridPos"].update(w=30),
+        lambda b: b["panels"][1]["targets"][0].pop("expr"),
+        lambda b: b["panels"][2].update(targets=[]),
+        lambda b: b["templating"]["list"][1].pop("query"),
+        lambda b: b.pop("schemaVersion"),
+    ],
+    ids=["no-gridPos", "too-wide", "no-expr", "no-targets", "variable-without-query", "no-schemaVersion"],
+)
 def test_the_schema_rejects_a_broken_dashboard(break_it):
     broken = copy.deepcopy(dashboard())
     break_it(broken)
@@ -123,8 +131,11 @@ def test_a_misspelt_metric_is_caught():
 
 def test_the_dashboard_shows_what_an_operator_asks_first():
     panels = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in dashboard()["panels"]}
-    split = [e for e in panels.values() if "batchserve_queue_wait_seconds_bucket" in e
-             and "batchserve_batch_compute_seconds_bucket" in e]
+    split = [
+        e
+        for e in panels.values()
+        if "batchserve_queue_wait_seconds_bucket" in e and "batchserve_batch_compute_seconds_bucket" in e
+    ]
     assert split, "latency split into queue wait and compute"
     assert any("batchserve_batch_size" in e for e in panels.values()), "batch sizes"
     assert any(re.search(r"sum by \(reason\) \(rate\(batchserve_rejected_total", e) for e in panels.values())
@@ -176,10 +187,13 @@ def attainment_ratio(expr: promql_parser.Expr) -> promql_parser.BinaryExpr | Non
     found: list[promql_parser.BinaryExpr] = []
 
     def visit(n: object) -> bool:
-        if (isinstance(n, promql_parser.BinaryExpr) and str(n.op) == "/"
-                and outcomes_selected(n.lhs) == {"met"}
-                and outcomes_selected(n.rhs) == {OUTCOMES[i] for i in ADMITTED}
-                and all("by (tier)" in str(side) for side in (n.lhs, n.rhs))):
+        if (
+            isinstance(n, promql_parser.BinaryExpr)
+            and str(n.op) == "/"
+            and outcomes_selected(n.lhs) == {"met"}
+            and outcomes_selected(n.rhs) == {OUTCOMES[i] for i in ADMITTED}
+            and all("by (tier)" in str(side) for side in (n.lhs, n.rhs))
+        ):
             found.append(n)
         return True
 
@@ -194,8 +208,10 @@ def test_the_dashboard_shows_slo_attainment_per_tier():
 
 
 def test_the_attainment_check_catches_refusals_in_the_denominator():
-    wrong = ('sum by (tier) (rate(batchserve_slo_requests_total{outcome="met"}[1m])) / '
-             'sum by (tier) (rate(batchserve_slo_requests_total[1m]))')  # refused counted as admitted
+    wrong = (
+        'sum by (tier) (rate(batchserve_slo_requests_total{outcome="met"}[1m])) / '
+        "sum by (tier) (rate(batchserve_slo_requests_total[1m]))"
+    )  # refused counted as admitted
     assert attainment_ratio(parsed(wrong)) is None
     right = wrong.replace("total[1m]))", 'total{outcome!="refused"}[1m]))')
     assert attainment_ratio(parsed(right)) is not None
@@ -225,7 +241,10 @@ def test_the_alert_rules_file_has_prometheus_shape():
 def test_an_alert_fires_on_slo_attainment_of_admitted_requests_below_target():
     alerts = [(r, attainment_ratio(parsed(r["expr"]))) for r in rules()]
     (rule,) = [r for r, a in alerts if a is not None]
-    comparison = next(n for n in [parsed(rule["expr"]).lhs, parsed(rule["expr"])]
-                      if isinstance(n, promql_parser.BinaryExpr) and str(n.op) == "<")
+    comparison = next(
+        n
+        for n in [parsed(rule["expr"]).lhs, parsed(rule["expr"])]
+        if isinstance(n, promql_parser.BinaryExpr) and str(n.op) == "<"
+    )
     assert isinstance(comparison.rhs, promql_parser.NumberLiteral) and 0.5 <= comparison.rhs.val < 1
     assert "{{ $labels.tier }}" in rule["annotations"]["summary"]

@@ -48,10 +48,15 @@ def env_of(c: dict) -> dict[str, dict]:
 
 def test_every_manifest_validates_strictly():
     docs = documents()
-    assert {d["kind"] for _, d in docs} >= {"Deployment", "Service", "PodDisruptionBudget",
-                                            "HorizontalPodAutoscaler", "ConfigMap"}
+    assert {d["kind"] for _, d in docs} >= {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "ConfigMap",
+    }
     for version in VERSIONS:
-        for name, doc in docs:
+        for _name, doc in docs:
             kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -69,8 +74,10 @@ def test_deployment_runs_one_gpu_pod_per_node_with_the_probes_the_server_answers
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["topologyKey"] == "kubernetes.io/hostname"
-    assert anti["labelSelector"]["matchLabels"].items() <= by_kind("Deployment")["spec"]["template"]["metadata"][
-        "labels"].items()
+    assert (
+        anti["labelSelector"]["matchLabels"].items()
+        <= by_kind("Deployment")["spec"]["template"]["metadata"]["labels"].items()
+    )
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -208,5 +215,3 @@ def test_the_extras_check_sees_a_missing_postgres_extra():
     before = DOCKERFILE.read_text().replace(".[model,postgres]", ".[model]")
     assert image_extras(before) == {"model"}
     assert extras_needed(rendered_env()) - image_extras(before) == {"postgres"}
-
-

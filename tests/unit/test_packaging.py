@@ -144,9 +144,18 @@ def ignored(path: str) -> bool:
     return verdict
 
 
-@pytest.mark.parametrize("path", [".venv/lib/python3.11/site-packages/torch/__init__.py", ".git/HEAD",
-                                  "bench/results/standard.json", "batchserve/__pycache__/app.cpython-311.pyc",
-                                  "batchserve-jobs.db", "tests/test_api.py", ".pytest_cache/README.md"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".venv/lib/python3.11/site-packages/torch/__init__.py",
+        ".git/HEAD",
+        "bench/results/standard.json",
+        "batchserve/__pycache__/app.cpython-311.pyc",
+        "batchserve-jobs.db",
+        "tests/test_api.py",
+        ".pytest_cache/README.md",
+    ],
+)
 def test_dockerignore_keeps_out(path: str) -> None:
     assert ignored(path)
 
@@ -155,8 +164,9 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
     sources = [src for args in all_of("COPY") for src in shlex.split(args)[:-1]]
     assert sources
     for src in sources:
-        for path in ([str(p.relative_to(ROOT)) for p in (ROOT / src).rglob("*.py") if "__pycache__" not in p.parts]
-                     if (ROOT / src).is_dir() else [src]):
+        for path in (
+            [str(p.relative_to(ROOT)) for p in (ROOT / src).rglob("*.py") if "__pycache__" not in p.parts]
+            if (ROOT / src).is_dir()
+            else [src]
+        ):
             assert not ignored(path), path
-
-

@@ -9,7 +9,19 @@ import math
 import pytest
 
 from batchserve import cli
-from batchserve.plan import HOURS_PER_MONTH, Arrivals, BatchTime, Contract, Prices, capacity, make_plan, metric_sum, percentile, latency_at, simulate
+from batchserve.plan import (
+    HOURS_PER_MONTH,
+    Arrivals,
+    BatchTime,
+    Contract,
+    Prices,
+    capacity,
+    make_plan,
+    metric_sum,
+    percentile,
+    latency_at,
+    simulate,
+)
 
 SEED = Contract(BatchTime.constant(100))  # the seed contract: 100 ms per batch of 1..100, SLO 200 ms
 
@@ -73,8 +85,7 @@ def test_capacity_is_capped_below_the_ceiling_where_the_slo_does_not_bind():
     assert capacity(c) == pytest.approx(0.95 * 4000)
 
 
-@pytest.mark.parametrize("devices,rates", [(1, (800, 900, 950, 1000, 1050, 1100)),
-                                           (4, (3600, 3800, 3900, 4000, 4200))])
+@pytest.mark.parametrize("devices,rates", [(1, (800, 900, 950, 1000, 1050, 1100)), (4, (3600, 3800, 3900, 4000, 4200))])
 def test_p95_rises_with_the_rate_towards_the_ceiling(devices, rates):
     """(Below that the deadline policy holds p95 near slo - margin on one device, and near S + S/G on four,
     whatever the rate.) Common random numbers: every rate sees the same draws, so the rise is smooth."""
@@ -98,25 +109,46 @@ def test_nodes_are_the_target_over_one_node_capacity_rounded_up():
 
 
 def test_the_plan_command_prints_the_seed_plan(capsys):
-    assert cli.main(["plan", "--rate", "10000", "--slo-ms", "200", "--batch-ms", "100", "--max-batch", "100",
-                     "--devices", "1", "--sim-s", "10"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--rate",
+                "10000",
+                "--slo-ms",
+                "200",
+                "--batch-ms",
+                "100",
+                "--max-batch",
+                "100",
+                "--devices",
+                "1",
+                "--sim-s",
+                "10",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     expected = make_plan(10000, SEED, sim_s=10)
     assert f"nodes needed      {expected.nodes}  " in out
     assert f"p95 {expected.at_target.p95_ms:.0f} ms" in out and "one node down" in out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--rate", "100"], "exactly one of"),
-    (["--rate", "100", "--batch-ms", "100", "--batch-ms-by-size", "1:100"], "exactly one of"),
-    (["--rate", "100", "--batch-ms", "250"], "no rate meets a 200 ms SLO"),
-    (["--rate", "100", "--batch-ms-by-size", "1:x"], "size:ms"),
-    (["--rate", "100", "--batch-ms", "100", "--overhead-ms", "10"], "it takes more devices per node"),
-    (["--rate", "100", "--measure", "http://127.0.0.1:9"], "refused"),
-    (["--rate", "100", "--batch-ms", "100", "--devices", "3", "--processes", "2"], "do not split evenly"),
-    (["--rate", "100", "--batch-ms", "100", "--cpu-us-per-request", "0"], "--cpu-us-per-request must be positive"),
-    (["--rate", "100", "--batch-ms", "100", "--gpu-cost-per-hour", "-1"], "must be 0 or more"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--rate", "100"], "exactly one of"),
+        (["--rate", "100", "--batch-ms", "100", "--batch-ms-by-size", "1:100"], "exactly one of"),
+        (["--rate", "100", "--batch-ms", "250"], "no rate meets a 200 ms SLO"),
+        (["--rate", "100", "--batch-ms-by-size", "1:x"], "size:ms"),
+        (["--rate", "100", "--batch-ms", "100", "--overhead-ms", "10"], "it takes more devices per node"),
+        (["--rate", "100", "--measure", "http://127.0.0.1:9"], "refused"),
+        (["--rate", "100", "--batch-ms", "100", "--devices", "3", "--processes", "2"], "do not split evenly"),
+        (["--rate", "100", "--batch-ms", "100", "--cpu-us-per-request", "0"], "--cpu-us-per-request must be positive"),
+        (["--rate", "100", "--batch-ms", "100", "--gpu-cost-per-hour", "-1"], "must be 0 or more"),
+    ],
+)
 def test_bad_plan_arguments_say_why(capsys, args, message):
     assert cli.main(["plan", *args]) == 2
     assert message in capsys.readouterr().err
@@ -126,11 +158,13 @@ def test_bad_plan_arguments_say_why(capsys, args, message):
 def test_the_cpu_ceiling_is_a_core_per_process_over_cpu_per_request():
     one = Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=125e-6, max_cpu_busy=0.9)
     assert one.cpu_ceiling() == pytest.approx(0.9 / 125e-6)  # 7,200 requests/s on one core
-    assert Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=125e-6, max_cpu_busy=0.9,
-                    processes=4).cpu_ceiling() == pytest.approx(4 * 7200)
+    assert Contract(
+        BatchTime.constant(100), devices=8, cpu_s_per_request=125e-6, max_cpu_busy=0.9, processes=4
+    ).cpu_ceiling() == pytest.approx(4 * 7200)
     # Four processes on two cores share them: the cores, not the processes, set the ceiling.
-    assert Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=125e-6, max_cpu_busy=0.9,
-                    processes=4, cores=2).cpu_ceiling() == pytest.approx(2 * 7200)
+    assert Contract(
+        BatchTime.constant(100), devices=8, cpu_s_per_request=125e-6, max_cpu_busy=0.9, processes=4, cores=2
+    ).cpu_ceiling() == pytest.approx(2 * 7200)
     assert math.isinf(Contract(BatchTime.constant(100)).cpu_ceiling())  # left out: never binds
     with pytest.raises(ValueError, match="split evenly"):
         Contract(BatchTime.constant(100), devices=6, processes=4)
@@ -147,8 +181,11 @@ def test_one_process_on_eight_devices_is_bound_by_its_cpu():
     assert plan.binding == "cpu" and plan.capacity == plan.cpu_capacity
     assert plan.nodes == math.ceil(10000 / plan.cpu_capacity)
     assert plan.processes_for_cpu == 2  # 2 x 6,923 clears 7,600
-    split = make_plan(10000, Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=130e-6,
-                                      max_cpu_busy=0.9, processes=2), sim_s=10)
+    split = make_plan(
+        10000,
+        Contract(BatchTime.constant(100), devices=8, cpu_s_per_request=130e-6, max_cpu_busy=0.9, processes=2),
+        sim_s=10,
+    )
     assert split.binding == "devices" and split.capacity == pytest.approx(7600)
     assert split.processes_for_cpu is None
     without = make_plan(10000, Contract(BatchTime.constant(100), devices=8), sim_s=10)
@@ -186,14 +223,53 @@ def test_cost_per_thousand_requests_and_per_month():
 
 
 def test_the_plan_command_prints_the_binding_limit_and_the_cost(capsys):
-    assert cli.main(["plan", "--rate", "10000", "--batch-ms", "100", "--devices", "8", "--sim-s", "10",
-                     "--cpu-us-per-request", "130", "--gpu-cost-per-hour", "2.5", "--node-cost-per-hour", "1"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--rate",
+                "10000",
+                "--batch-ms",
+                "100",
+                "--devices",
+                "8",
+                "--sim-s",
+                "10",
+                "--cpu-us-per-request",
+                "130",
+                "--gpu-cost-per-hour",
+                "2.5",
+                "--node-cost-per-hour",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "the CPU binds" in out and "--processes 2 (4 device(s) each)" in out
     assert "nodes needed      2 " in out
     assert "42.00 an hour for 2 node(s) (21.00 each); 0.0012 per 1,000 requests" in out
-    assert cli.main(["plan", "--rate", "10000", "--batch-ms", "100", "--devices", "8", "--sim-s", "10",
-                     "--cpu-us-per-request", "130", "--processes", "2", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--rate",
+                "10000",
+                "--batch-ms",
+                "100",
+                "--devices",
+                "8",
+                "--sim-s",
+                "10",
+                "--cpu-us-per-request",
+                "130",
+                "--processes",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     import json
 
     d = json.loads(capsys.readouterr().out)
@@ -201,15 +277,15 @@ def test_the_plan_command_prints_the_binding_limit_and_the_cost(capsys):
 
 
 def test_metric_sum_adds_every_label_set_of_one_name_only():
-    text = ('batchserve_requests_total{model="a",status="200"} 7.0\n'
-            'batchserve_requests_total{model="a",status="503"} 3.0\n'
-            'batchserve_requests_created{model="a"} 1.7e9\n'
-            'process_cpu_seconds_total 12.5\n')
+    text = (
+        'batchserve_requests_total{model="a",status="200"} 7.0\n'
+        'batchserve_requests_total{model="a",status="503"} 3.0\n'
+        'batchserve_requests_created{model="a"} 1.7e9\n'
+        "process_cpu_seconds_total 12.5\n"
+    )
     assert metric_sum(text, "batchserve_requests_total") == 10.0
     assert metric_sum(text, "process_cpu_seconds_total") == 12.5
     assert metric_sum(text, "process_cpu_seconds") is None
-
-
 
 
 def test_measure_of_a_model_on_the_generation_engines_stepper_says_it_has_no_batch_time(monkeypatch):
@@ -217,8 +293,12 @@ def test_measure_of_a_model_on_the_generation_engines_stepper_says_it_has_no_bat
 
     from batchserve import plan
 
-    health = {"workers": [{"healthy": True}], "batch_ms": {}, "answer_ms": {"smollm2": 780.0},
-              "inference_path": {"smollm2": "stepper"}}
+    health = {
+        "workers": [{"healthy": True}],
+        "batch_ms": {},
+        "answer_ms": {"smollm2": 780.0},
+        "inference_path": {"smollm2": "stepper"},
+    }
     monkeypatch.setattr(plan, "_get", lambda url, timeout=10.0: json.dumps(health).encode())
     for model in (None, "smollm2"):
         with pytest.raises(OSError, match="smollm2 on the generation engine's stepper .780 ms"):

@@ -24,8 +24,11 @@ HOSTS = (InferenceHost, OpsHost, EmbeddingsHost, KServeHost, GenerationHost, Job
 def members(protocol: type) -> set[str]:
     """What a Protocol declares: its annotated attributes and its methods and properties."""
     declared = set(typing.get_type_hints(protocol))
-    declared |= {name for name, value in vars(protocol).items()
-                 if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+    declared |= {
+        name
+        for name, value in vars(protocol).items()
+        if not name.startswith("_") and (callable(value) or isinstance(value, property))
+    }
     return declared
 
 

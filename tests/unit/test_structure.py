@@ -56,7 +56,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -132,10 +132,12 @@ def test_no_wing_imports_another_wings_routes():
     graph = import_graph()
     routes = {m for m in graph if m.endswith("routes")}
     assert "batchserve.inference.routes" in routes and "batchserve.jobs.routes" in routes
-    wrong = {m: {t for t in ts if package_of(t) != package_of(m)}
-             for m, ts in importers_of(graph, routes).items() if m not in WIRING}
+    wrong = {
+        m: {t for t in ts if package_of(t) != package_of(m)}
+        for m, ts in importers_of(graph, routes).items()
+        if m not in WIRING
+    }
     assert not any(wrong.values()), wrong
-
 
 
 def test_the_cycle_finder_finds_one():
@@ -149,8 +151,13 @@ def test_only_the_door_submits_to_the_batcher():
     callers = []
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "submit"
-                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "batcher"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "submit"
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "batcher"
+            ):
                 callers.append(name)
     assert callers and set(callers) == {"batchserve.core.service"}, callers
 
@@ -167,7 +174,8 @@ def test_the_architecture_page_names_only_modules_that_exist():
 
 # -- the one request path (issue 35 item 2) -----------------------------------------------------------------------
 ROUTE_MODULES = sorted(
-    {p for p in PACKAGE.glob("*/routes.py")} | {p for p in PACKAGE.glob("*/file_routes.py")}
+    {p for p in PACKAGE.glob("*/routes.py")}
+    | {p for p in PACKAGE.glob("*/file_routes.py")}
     | {PACKAGE / "generation" / "serving.py", PACKAGE / "http" / "usage.py"}
 )
 # What only the skeleton (`http/endpoint.py`) and the dialects (`http/dialects.py`) do.

@@ -15,6 +15,8 @@ def test_off_without_an_endpoint():
 
 
 def test_route_template_names_no_values():
-    assert route_template("/v2/models/sim/versions/v1/infer", {"model": "sim", "version": "v1"}) == \
-        "/v2/models/{model}/versions/{version}/infer"
+    assert (
+        route_template("/v2/models/sim/versions/v1/infer", {"model": "sim", "version": "v1"})
+        == "/v2/models/{model}/versions/{version}/infer"
+    )
     assert route_template("/v1/inference", None) == "/v1/inference"

@@ -21,26 +21,46 @@ import pytest
 from tests import hf_folders
 from tests.conftest import LiveServer, start_server
 
-TEXTS = ["hello world", "the cat is on the road", "what is the capital of france", "a big red car " * 30,
-         "Quick brown fox, jumping!"]
+TEXTS = [
+    "hello world",
+    "the cat is on the road",
+    "what is the capital of france",
+    "a big red car " * 30,
+    "Quick brown fox, jumping!",
+]
 QUERY = "what is the capital of france"
-DOCUMENTS = ["paris is the capital of france", "the cat eats fish", "a big city on a river",
-             "france", "hello world", "the capital of the sea is blue"]
+DOCUMENTS = [
+    "paris is the capital of france",
+    "the cat eats fish",
+    "a big city on a river",
+    "france",
+    "hello world",
+    "the capital of the sea is blue",
+]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {"emb": hf_folders.embedder(root / "emb"),
-            "cls": hf_folders.embedder(root / "cls", pooling="cls", normalize=False, max_seq_length=16),
-            "rr": hf_folders.cross_encoder(root / "rr")}
+    return {
+        "emb": hf_folders.embedder(root / "emb"),
+        "cls": hf_folders.embedder(root / "cls", pooling="cls", normalize=False, max_seq_length=16),
+        "rr": hf_folders.cross_encoder(root / "rr"),
+    }
 
 
 @pytest.fixture(scope="module")
 def server(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    s = start_server(*(a for name, path in folders.items() for a in ("--model", f"{name}={path}")),
-                     "--slo-ms", "2000", "--timeout-ms", "20000",
-                     "--jobs-db", str(tmp_path_factory.mktemp("jobs") / "jobs.db"), timeout=180)
+    s = start_server(
+        *(a for name, path in folders.items() for a in ("--model", f"{name}={path}")),
+        "--slo-ms",
+        "2000",
+        "--timeout-ms",
+        "20000",
+        "--jobs-db",
+        str(tmp_path_factory.mktemp("jobs") / "jobs.db"),
+        timeout=180,
+    )
     yield s
     s.stop()
 
@@ -79,7 +99,7 @@ def test_dimensions_truncates_and_normalises_again(server: LiveServer) -> None:
 def test_a_long_input_is_embedded_from_a_cut_and_an_unsafe_one_is_a_clear_413(
     server: LiveServer, folders: dict[str, Path]
 ) -> None:
-    """"emb" reads 64 tokens, so the tokenizer is given at most 2,048 characters of an input: a 10,000-character
+    """ "emb" reads 64 tokens, so the tokenizer is given at most 2,048 characters of an input: a 10,000-character
     text gets the vector sentence-transformers gives the whole text; 5,000 spaces before two words (no safe cut:
     its first 2,048 characters make no token) get a JSON 413 naming the bound, not a vector of 2 tokens."""
     from sentence_transformers import SentenceTransformer
@@ -120,24 +140,36 @@ def test_rerank_scores_equal_cross_encoder_and_are_sorted(server: LiveServer, fo
 
 def test_rerank_top_n_and_return_documents(server: LiveServer) -> None:
     full = httpx.post(server.url + "/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60).json()
-    r = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCUMENTS],
-                                                    "top_n": 2, "return_documents": True, "model": "rr"}, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/rerank",
+        json={
+            "query": QUERY,
+            "documents": [{"text": d} for d in DOCUMENTS],
+            "top_n": 2,
+            "return_documents": True,
+            "model": "rr",
+        },
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     top = r.json()["results"]
     assert [t["index"] for t in top] == [t["index"] for t in full["results"][:2]]
     assert [t["document"]["text"] for t in top] == [DOCUMENTS[t["index"]] for t in top]
 
 
-@pytest.mark.parametrize("body,status,param", [
-    ({"query": "", "documents": ["a"]}, 400, "query"),
-    ({"query": "q", "documents": []}, 400, "documents"),
-    ({"query": "q", "documents": [3]}, 400, "documents"),
-    ({"query": "q", "documents": ["", "x"]}, 400, "documents"),
-    ({"query": "q", "documents": [{"text": "x"}, {"text": ""}]}, 400, "documents"),
-    ({"query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n"),
-    ({"query": "q", "documents": ["a"], "model": "emb"}, 400, "model"),
-    ({"query": "q", "documents": ["a"], "model": "nope"}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"query": "", "documents": ["a"]}, 400, "query"),
+        ({"query": "q", "documents": []}, 400, "documents"),
+        ({"query": "q", "documents": [3]}, 400, "documents"),
+        ({"query": "q", "documents": ["", "x"]}, 400, "documents"),
+        ({"query": "q", "documents": [{"text": "x"}, {"text": ""}]}, 400, "documents"),
+        ({"query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n"),
+        ({"query": "q", "documents": ["a"], "model": "emb"}, 400, "model"),
+        ({"query": "q", "documents": ["a"], "model": "nope"}, 404, "model"),
+    ],
+)
 def test_rerank_refuses_bad_bodies_in_openai_shape(server: LiveServer, body: dict, status: int, param: str) -> None:
     r = httpx.post(server.url + "/v1/rerank", json=body)
     assert r.status_code == status, r.text
@@ -154,14 +186,18 @@ def test_a_folder_embedder_serves_kserve_v2_and_a_batch_job(server: LiveServer) 
     """Everything a built-in model has: KServe v2 (FP32 [n, 32], the vectors of /v1/embeddings) and batch jobs
     (their items tokenized by the tokenizer stage when the job scheduler reads them, `pretokenize`)."""
     want = embed(server, "emb", TEXTS[:2])
-    r = httpx.post(server.url + "/v2/models/emb/infer", json={"inputs": [
-        {"name": "input", "datatype": "BYTES", "shape": [2], "data": TEXTS[:2]}]}, timeout=60)
+    r = httpx.post(
+        server.url + "/v2/models/emb/infer",
+        json={"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2], "data": TEXTS[:2]}]},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     out = r.json()["outputs"][0]
     assert out["datatype"] == "FP32" and out["shape"] == [2, 32]
     np.testing.assert_allclose(np.array(out["data"]).reshape(2, 32), want, atol=1e-6)
-    job = httpx.post(server.url + "/v1/batches", json={"model": "rr", "inputs": ["new text one", "another"]},
-                     timeout=30)
+    job = httpx.post(
+        server.url + "/v1/batches", json={"model": "rr", "inputs": ["new text one", "another"]}, timeout=30
+    )
     assert job.status_code in (200, 201, 202), job.text
     job_id = job.json()["id"]
     for _ in range(300):
@@ -173,15 +209,21 @@ def test_a_folder_embedder_serves_kserve_v2_and_a_batch_job(server: LiveServer) 
 
 
 def serve_exit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", *args],
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "batchserve", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_a_folder_that_cannot_be_served_exits_2_with_one_line(tmp_path: Path, folders: dict[str, Path]) -> None:
     seq2seq = tmp_path / "t5"
     seq2seq.mkdir()
-    (seq2seq / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"],
-                                                     "model_type": "t5"}))
+    (seq2seq / "config.json").write_text(
+        json.dumps({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5"})
+    )
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
@@ -193,12 +235,14 @@ def test_a_folder_that_cannot_be_served_exits_2_with_one_line(tmp_path: Path, fo
     tok = Tokenizer.from_file(str(hostile / "tokenizer.json"))
     tok.normalizer = normalizers.Sequence([tok.normalizer, normalizers.Replace(" ", "x" * 4096)])
     tok.save(str(hostile / "tokenizer.json"))
-    cases = [(("--model", str(hostile)), "its normalizer turns"),
-             (("--model", str(seq2seq)), "cannot tell what to serve"),
-             (("--model", str(gpt2), "--task", "generation"), "cannot run on the generation engine"),
-             (("--model", str(folders["rr"]), "--task", "generation"), "cannot run on the generation engine"),
-             (("--model", str(tmp_path / "missing")), "no such folder"),
-             (("--model", "nobody/no-such-model"), "not in the local Hugging Face cache")]
+    cases = [
+        (("--model", str(hostile)), "its normalizer turns"),
+        (("--model", str(seq2seq)), "cannot tell what to serve"),
+        (("--model", str(gpt2), "--task", "generation"), "cannot run on the generation engine"),
+        (("--model", str(folders["rr"]), "--task", "generation"), "cannot run on the generation engine"),
+        (("--model", str(tmp_path / "missing")), "no such folder"),
+        (("--model", "nobody/no-such-model"), "not in the local Hugging Face cache"),
+    ]
     for args, says in cases:
         done = serve_exit(*args)
         lines = done.stderr.strip().splitlines()

@@ -83,15 +83,21 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 
 def test_a_paraphrase_scores_above_an_unrelated_sentence(server: LiveServer):
-    a, para, other = (d["embedding"] for d in embed(server, [
-        "A man is playing a guitar.", "Someone is playing an instrument.",
-        "The stock market fell sharply today."], encoding_format="float")["data"])
+    a, para, other = (
+        d["embedding"]
+        for d in embed(
+            server,
+            ["A man is playing a guitar.", "Someone is playing an instrument.", "The stock market fell sharply today."],
+            encoding_format="float",
+        )["data"]
+    )
     assert cosine(a, para) > cosine(a, other) + 0.2
 
 
 @pytest.mark.parametrize("encoding", ["float", "base64"])
 def test_the_openai_client_gets_one_vector_and_a_list(server: LiveServer, reference, encoding: str):
     import openai
+
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     roomy = {"timeout_ms": 60000}
     one = client.embeddings.create(input=SENTENCES[0], model="minilm", encoding_format=encoding, extra_body=roomy)
@@ -118,15 +124,17 @@ def test_inference_route_answers_384_floats(server: LiveServer):
 
 def test_the_weights_are_found_without_importing_their_package_and_extracted_once(tmp_path: Path):
     """find_spec, not import (the package prints); two extractions at once leave one complete directory."""
-    code = ("import sys, os; os.environ['BATCHSERVE_CACHE_DIR'] = sys.argv[1]\n"
-            "from batchserve.backends import minilm\n"
-            "import threading\n"
-            "found = []\n"
-            "ts = [threading.Thread(target=lambda: found.append(minilm.model_dir())) for _ in range(2)]\n"
-            "[t.start() for t in ts]; [t.join() for t in ts]\n"
-            "assert len(set(found)) == 1, found\n"
-            "assert 'all_minilm_l6_v2' not in sys.modules\n"
-            "print(found[0])\n")
+    code = (
+        "import sys, os; os.environ['BATCHSERVE_CACHE_DIR'] = sys.argv[1]\n"
+        "from batchserve.backends import minilm\n"
+        "import threading\n"
+        "found = []\n"
+        "ts = [threading.Thread(target=lambda: found.append(minilm.model_dir())) for _ in range(2)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "assert len(set(found)) == 1, found\n"
+        "assert 'all_minilm_l6_v2' not in sys.modules\n"
+        "print(found[0])\n"
+    )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("all-MiniLM-L6-v2-0.1.2")  # nothing else printed: the package never ran
@@ -142,5 +150,3 @@ def test_inputs_sorted_by_length_come_back_in_input_order():
     together = backend.batch(texts, "cpu")
     alone = [backend.batch([t], "cpu")[0] for t in texts]
     assert np.abs(np.array(together) - np.array(alone)).max() < 1e-5
-
-

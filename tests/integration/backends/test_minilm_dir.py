@@ -20,8 +20,7 @@ from batchserve.backends import minilm
 from batchserve.config import ModelSpec, Settings
 from tests.conftest import start_server
 
-TEXTS = ["A man is playing a guitar.", "Hi", "Embeddings turn text into vectors that can be compared.",
-         "word " * 300]
+TEXTS = ["A man is playing a guitar.", "Hi", "Embeddings turn text into vectors that can be compared.", "word " * 300]
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +52,9 @@ def test_an_fp32_copy_gives_the_packages_vectors(copies: dict[str, Path], packag
     np.testing.assert_allclose(vectors(copies["float32"]), package_vectors, atol=1e-6)
 
 
-def test_an_fp16_copy_is_half_the_size_and_the_same_to_its_precision(copies: dict[str, Path],
-                                                                     package_vectors: np.ndarray,
-                                                                     fp16_vectors: np.ndarray) -> None:
+def test_an_fp16_copy_is_half_the_size_and_the_same_to_its_precision(
+    copies: dict[str, Path], package_vectors: np.ndarray, fp16_vectors: np.ndarray
+) -> None:
     size16 = (copies["float16"] / "model.safetensors").stat().st_size
     size32 = (copies["float32"] / "model.safetensors").stat().st_size
     assert size16 < 0.51 * size32
@@ -75,13 +74,13 @@ def test_the_variable_names_the_folder(copies: dict[str, Path], monkeypatch: pyt
 @pytest.mark.slow
 @pytest.mark.parallel  # answers only, no timing: CI runs it in the parallel workers
 def test_a_server_serves_the_folder_the_variable_names(copies: dict[str, Path], request: pytest.FixtureRequest) -> None:
-    server = start_server("--backend", "minilm", env={minilm.DIR_ENV: str(copies["float16"])}, ready=False,
-                          timeout=300)
+    server = start_server("--backend", "minilm", env={minilm.DIR_ENV: str(copies["float16"])}, ready=False, timeout=300)
     try:
         want = request.getfixturevalue("fp16_vectors")  # in process while the server loads (once per module)
         server.wait_ready(300)
-        r = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS, "model": "minilm", "timeout_ms": 60000},
-                       timeout=120)
+        r = httpx.post(
+            server.url + "/v1/embeddings", json={"input": TEXTS, "model": "minilm", "timeout_ms": 60000}, timeout=120
+        )
         assert r.status_code == 200, r.text
         got = np.array([d["embedding"] for d in r.json()["data"]])
         np.testing.assert_allclose(got, want, atol=1e-5)

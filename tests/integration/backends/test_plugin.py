@@ -20,13 +20,13 @@ import pytest
 from tests.conftest import LiveServer, start_server
 from tests.integration.inference.test_routes import metric
 
-FUNCTION_PLUGIN = '''
+FUNCTION_PLUGIN = """
 import time
 
 def batch(inputs):
     time.sleep(0.01)
     return ["fn:" + text[::-1] for text in inputs]
-'''
+"""
 
 CLASS_PLUGIN = '''
 import threading
@@ -62,7 +62,7 @@ class Scorer:
         return outputs
 '''
 
-CONFIG = '''
+CONFIG = """
 [[models]]
 name = "scorer"
 backend = "classplug:Scorer"
@@ -73,7 +73,7 @@ sleep_ms = 10
 [[models]]
 name = "fn"
 backend = "fnplug:batch"
-'''
+"""
 
 
 def write_plugins(root: Path, **modules: str) -> dict[str, str]:
@@ -87,14 +87,26 @@ def plugin_server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("plugins")
     env = write_plugins(root, fnplug=FUNCTION_PLUGIN, classplug=CLASS_PLUGIN)
     (root / "plugins.toml").write_text(CONFIG)
-    s = start_server("--config", str(root / "plugins.toml"), "--devices", "2", "--slo-ms", "20000",
-                     "--timeout-ms", "30000", "--jobs-db", str(root / "jobs.db"), env=env)
+    s = start_server(
+        "--config",
+        str(root / "plugins.toml"),
+        "--devices",
+        "2",
+        "--slo-ms",
+        "20000",
+        "--timeout-ms",
+        "30000",
+        "--jobs-db",
+        str(root / "jobs.db"),
+        env=env,
+    )
     yield s
     s.stop()
 
 
 async def post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(bodies))) as session:
+
         async def one(body: dict) -> tuple[int, dict]:
             async with session.post(url + "/v1/inference", json=body) as r:
                 return r.status, await r.json()
@@ -112,7 +124,8 @@ def test_function_plugin_serves_a_thousand_concurrent_callers_each_their_own_ans
 
 
 def test_class_plugin_serves_a_thousand_concurrent_callers_with_its_options_limit_and_devices(
-        plugin_server: LiveServer):
+    plugin_server: LiveServer,
+):
     inputs = [f"class-caller-{i}" for i in range(1000)]
     results = asyncio.run(post_all(plugin_server.url, [{"input": t, "model": "scorer"} for t in inputs]))
     devices = set()
@@ -152,7 +165,8 @@ def test_an_output_that_is_not_json_fails_its_own_input_without_rerunning_the_ba
     with plugin_server.client() as c:
         after = c.get("/metrics").text
     retried = metric(after, "batchserve_batch_retries_total", model="scorer@v1", cause="error") - metric(
-        before, "batchserve_batch_retries_total", model="scorer@v1", cause="error")
+        before, "batchserve_batch_retries_total", model="scorer@v1", cause="error"
+    )
     assert retried == 0  # the output's index named the culprit: nothing ran twice
 
 
@@ -171,10 +185,13 @@ def test_batch_job_results_hold_json_objects(plugin_server: LiveServer):
 
 # -- a plugin found by name through an entry point -----------------------------------------------------------
 def test_a_plugin_registered_as_an_entry_point_is_found_by_name(tmp_path: Path, server_factory):
-    env = write_plugins(tmp_path, shoutplug='''
+    env = write_plugins(
+        tmp_path,
+        shoutplug="""
         def batch(inputs):
             return [text.upper() + "!" for text in inputs]
-    ''')
+    """,
+    )
     dist = tmp_path / "shoutplug-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: shoutplug\nVersion: 1.0\n")
@@ -193,20 +210,30 @@ BROKEN = {
     "boom_at_import": 'raise RuntimeError("boom at import")\n',
     "three_args": "def batch(a, b, c):\n    return a\n",
     "no_inputs": "class Model:\n    def batch(self):\n        return []\n",
-    "bad_setup": ("class Model:\n    def setup(self, device):\n        raise OSError('no GPU here')\n"
-                  "    def batch(self, inputs):\n        return inputs\n"),
-    "bad_warm": ("class Model:\n    def warm(self):\n        raise ValueError('cannot warm')\n"
-                 "    def batch(self, inputs):\n        return inputs\n"),
+    "bad_setup": (
+        "class Model:\n    def setup(self, device):\n        raise OSError('no GPU here')\n"
+        "    def batch(self, inputs):\n        return inputs\n"
+    ),
+    "bad_warm": (
+        "class Model:\n    def warm(self):\n        raise ValueError('cannot warm')\n"
+        "    def batch(self, inputs):\n        return inputs\n"
+    ),
     "strict_ctor": "class Model:\n    def __init__(self, size=1):\n        pass\n    def batch(self, inputs):\n"
-                   "        return inputs\n",
+    "        return inputs\n",
     "bad_limit": "class Model:\n    max_batch_size = 0\n    def batch(self, inputs):\n        return inputs\n",
     # Wrong answers, caught by the warm-up's answer check (issue 22 item 5) rather than by the first callers:
     "one_too_many": "def batch(inputs):\n    return inputs + ['extra']\n",
-    "nan_json": ("class Model:\n    output_kind = 'json'\n    def warm(self):\n        pass\n"
-                 "    def batch(self, inputs):\n        return [{'score': float('nan')} for _ in inputs]\n"),
-    "ragged_vectors": ("class Model:\n    output_kind = 'embedding'\n"
-                       "    def batch(self, inputs):\n        return [[0.5] * (i + 1) for i, _ in enumerate(inputs)]\n"),
-    "text_not_str": "class Model:\n    output_kind = 'text'\n    def batch(self, inputs):\n        return [1 for _ in inputs]\n",
+    "nan_json": (
+        "class Model:\n    output_kind = 'json'\n    def warm(self):\n        pass\n"
+        "    def batch(self, inputs):\n        return [{'score': float('nan')} for _ in inputs]\n"
+    ),
+    "ragged_vectors": (
+        "class Model:\n    output_kind = 'embedding'\n"
+        "    def batch(self, inputs):\n        return [[0.5] * (i + 1) for i, _ in enumerate(inputs)]\n"
+    ),
+    "text_not_str": (
+        "class Model:\n    output_kind = 'text'\n    def batch(self, inputs):\n        return [1 for _ in inputs]\n"
+    ),
 }
 
 CASES = [
@@ -221,11 +248,22 @@ CASES = [
     ("strict_ctor:Model", {"colour": "red"}, ["'strict_ctor'", "'Model'", "options ['colour'] do not fit"]),
     ("bad_limit:Model", None, ["'bad_limit'", "'Model'", "max_batch_size must be a positive integer"]),
     ("no_such_backend", None, ["'no_such_backend'", "unknown backend", "minilm, sim, smollm2"]),
-    ("one_too_many:batch", None, ["'one_too_many'", "warm-up batch of 2 input(s) got a wrong answer",
-                                  "backend returned 3 outputs for 2 inputs", "on cpu"]),
+    (
+        "one_too_many:batch",
+        None,
+        [
+            "'one_too_many'",
+            "warm-up batch of 2 input(s) got a wrong answer",
+            "backend returned 3 outputs for 2 inputs",
+            "on cpu",
+        ],
+    ),
     ("nan_json:Model", None, ["'nan_json'", "wrong answer for input 0 of 2 (output kind 'json')", "nan"]),
-    ("ragged_vectors:Model", None, ["'ragged_vectors'", "input 1 of 2 (output kind 'embedding')",
-                                    "a vector of 2 numbers; this model's have 1"]),
+    (
+        "ragged_vectors:Model",
+        None,
+        ["'ragged_vectors'", "input 1 of 2 (output kind 'embedding')", "a vector of 2 numbers; this model's have 1"],
+    ),
     ("text_not_str:Model", None, ["'text_not_str'", "(output kind 'text'): output is int, not text"]),
 ]
 
@@ -235,19 +273,27 @@ BEFORE_THE_PORT = {"boom_at_import:batch", "no_such_module_xyz:batch", "three_ar
 
 @pytest.mark.parametrize("backend,options,fragments", CASES, ids=[c[0] for c in CASES])
 def test_a_plugin_that_cannot_serve_exits_2_with_one_line(
-        tmp_path: Path, backend: str, options: dict | None, fragments: list[str]):
+    tmp_path: Path, backend: str, options: dict | None, fragments: list[str]
+):
     env = write_plugins(tmp_path, **BROKEN)
     args = ["--backend", backend]
     if options is not None:
         items = "\n".join(f"{k} = {v!r}".replace("'", '"') for k, v in options.items())
         (tmp_path / "c.toml").write_text(f'[[models]]\nname = "m"\nbackend = "{backend}"\n[models.options]\n{items}\n')
         args = ["--config", str(tmp_path / "c.toml")]
-    done = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **env}, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "batchserve", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     # the loader's "batchserve: error: ..." or, for a name checked with the settings, argparse's
-    errors = [line for line in done.stderr.splitlines() if line.startswith(("batchserve: error:",
-                                                                             "batchserve serve: error:"))]
+    errors = [
+        line for line in done.stderr.splitlines() if line.startswith(("batchserve: error:", "batchserve serve: error:"))
+    ]
     assert len(errors) == 1, done.stderr
     for fragment in fragments:
         assert fragment in errors[0], errors[0]

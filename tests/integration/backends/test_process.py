@@ -42,8 +42,9 @@ def test_batches_run_in_one_process_per_device(server_factory):
 
 
 def test_a_poison_input_fails_alone_through_the_pipe(server_factory):
-    server = server_factory("--executor", "process", "--devices", "2", "--sim-fail-marker", "POISON",
-                            "--slo-ms", "3000")
+    server = server_factory(
+        "--executor", "process", "--devices", "2", "--sim-fail-marker", "POISON", "--slo-ms", "3000"
+    )
     inputs = [f"mate-{i}" for i in range(40)]
     inputs[11] = "a POISON pill"
     results = asyncio.run(post_many(server.url, inputs))
@@ -62,8 +63,20 @@ def test_a_broken_device_process_is_routed_around(server_factory):
 
 
 def test_a_hung_device_process_is_abandoned_then_taken_back(server_factory):
-    server = server_factory("--executor", "process", "--devices", "2", "--sim-hang-marker", "HANG",
-                            "--sim-hang-ms", "1500", "--gpu-timeout-ms", "400", "--slo-ms", "3000")
+    server = server_factory(
+        "--executor",
+        "process",
+        "--devices",
+        "2",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "1500",
+        "--gpu-timeout-ms",
+        "400",
+        "--slo-ms",
+        "3000",
+    )
     with server.client() as c:
         r = c.post("/v1/inference", json={"input": "HANG here", "timeout_ms": 8000})
         assert r.status_code == 504  # hung once, then hung its retry's worker too: answered, not retried again

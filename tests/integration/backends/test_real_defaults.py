@@ -69,13 +69,16 @@ def test_the_longest_answer_fits_the_default_timeout(server: LiveServer) -> None
 
 def test_a_batch_whose_caller_left_stops_between_steps(server: LiveServer) -> None:
     batch_ms = health(server)["batch_ms"]["smollm2@v1"]
-    before = metric(httpx.get(server.url + "/metrics").text, "batchserve_batches_stopped_early_total",
-                    model="smollm2@v1")
+    before = metric(
+        httpx.get(server.url + "/metrics").text, "batchserve_batches_stopped_early_total", model="smollm2@v1"
+    )
     host, port = server.url.removeprefix("http://").split(":")
     body = json.dumps({"input": STORY}).encode()
     with socket.create_connection((host, int(port))) as caller:
-        caller.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        caller.sendall(
+            b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         give_up = time.monotonic() + 2 * batch_ms / 1000  # at most one pace interval in the queue
         while not health(server)["workers"][0]["busy"]:  # hang up once its batch runs, not while it queues
             assert time.monotonic() < give_up, "the batch never started"

@@ -33,16 +33,19 @@ def test_the_package_folder_loads_through_the_folder_path(tiny_lm: Path) -> None
     assert generation_folder(settings) == str(tiny_lm)  # the generation engine loads the same folder
 
 
-def test_a_package_folder_the_slot_stepper_cannot_run_stops_the_start_in_one_line(tmp_path: Path,
-                                                                                   tiny_lm: Path) -> None:
+def test_a_package_folder_the_slot_stepper_cannot_run_stops_the_start_in_one_line(
+    tmp_path: Path, tiny_lm: Path
+) -> None:
     """Checked as a `--model` folder is: before, any folder was loaded (a GPT-2 here) and failed later, or not."""
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     shutil.copyfile(tiny_lm / "tokenizer.json", gpt2 / "tokenizer.json")
     settings = Settings(backend="smollm2", smollm2_dir=str(gpt2))
-    for load in (lambda: SmolLM2Backend.from_settings(ModelSpec("smollm2", backend="smollm2"), settings),
-                 lambda: SmolLM2Backend.shell(settings)):
+    for load in (
+        lambda: SmolLM2Backend.from_settings(ModelSpec("smollm2", backend="smollm2"), settings),
+        lambda: SmolLM2Backend.shell(settings),
+    ):
         with pytest.raises(RuntimeError) as err:
             load()
         message = str(err.value)

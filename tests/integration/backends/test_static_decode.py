@@ -20,6 +20,7 @@ def model() -> Any:
     import torch
 
     from bench.cb_compare import TINY_VOCAB, random_model
+
     # 4,096 tokens, not SmolLM2's 49,152: the same decode paths, and the vocabulary's logits, argmax and sort were
     # most of this model's step (these tests, test_slot_decoder's and test_manager_stepper's took 1.5x as long)
     m = random_model("cpu", torch.float32, tiny=True, vocab=TINY_VOCAB)
@@ -37,15 +38,17 @@ def prompts(model: Any, lengths: tuple[int, ...] = (5, 9, 3, 12, 1), seed: int =
 def reference(model: Any, batch: list[list[int]], eos: int | None, new: int = NEW) -> list[list[int]]:
     """transformers' generate on the left-padded batch, each row cut after its first eos (None: no eos)."""
     import torch
+
     width = max(map(len, batch))
     ids = torch.full((len(batch), width), PAD)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(batch):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                             pad_token_id=PAD, eos_token_id=eos)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD, eos_token_id=eos
+        )
     rows = out[:, width:].tolist()
     return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
 
@@ -63,7 +66,7 @@ class Counting:
         self.model, self.calls = model, 0
         self.forward = model.forward
 
-    def __enter__(self) -> "Counting":
+    def __enter__(self) -> Counting:
         def counted(*a: Any, **kw: Any) -> Any:
             self.calls += 1
             return self.forward(*a, **kw)
@@ -77,6 +80,7 @@ class Counting:
 
 def test_greedy_tokens_are_generates_for_mixed_lengths_and_early_ends(model: Any) -> None:
     from batchserve.backends.static_decode import StaticDecoder
+
     batch = prompts(model)
     eos = an_eos(model, batch)
     want = reference(model, batch, eos)
@@ -89,11 +93,13 @@ def test_fixed_shapes_pad_rows_and_cache_and_split_batches_without_changing_a_to
     """The GPU layout, run eagerly: batches padded to a bucket with finished filler rows, caches sized by
     prompt bucket over one shared KV pool, a batch larger than its shape's bucket split in runs."""
     from batchserve.backends.static_decode import Shape, StaticDecoder
+
     batch = prompts(model)
     eos = an_eos(model, batch)
     exact = StaticDecoder(model, NEW, [eos], PAD).generate(batch)
-    fixed = StaticDecoder(model, NEW, [eos], PAD, max_batch=8, fixed_shapes=True, prompt_buckets=(8, 16),
-                          kv_tokens=8 * (8 + NEW))  # 16-token prompts fit only a batch of 1
+    fixed = StaticDecoder(
+        model, NEW, [eos], PAD, max_batch=8, fixed_shapes=True, prompt_buckets=(8, 16), kv_tokens=8 * (8 + NEW)
+    )  # 16-token prompts fit only a batch of 1
     fixed.warm()
     assert sorted(fixed.runners) == [Shape(1, 8 + NEW), Shape(1, 16 + NEW), Shape(8, 8 + NEW)]
     assert all(r.graph is None for r in fixed.runners.values())  # no CUDA here: nothing captured
@@ -106,6 +112,7 @@ def test_fixed_shapes_pad_rows_and_cache_and_split_batches_without_changing_a_to
 
 def test_the_loop_stops_once_every_row_has_ended(model: Any) -> None:
     from batchserve.backends.static_decode import StaticDecoder
+
     batch = prompts(model, (4, 4, 4))
     free = reference(model, batch, eos=None, new=40)
     # an eos every row reaches by step 5 at the latest: its token at step 4, if each row has a common one
@@ -124,6 +131,7 @@ def test_a_lagged_check_costs_steps_only_when_the_last_row_ends_on_a_checks_step
     the same answers, the same stop, but for a batch whose last row ends on a check's very step, which stops
     one check later. Run on the CPU with the lag turned on, all that differs on a GPU but the copy's event."""
     from batchserve.backends.static_decode import StaticDecoder
+
     row = prompts(model, (4,))[0]
     free = reference(model, [row], eos=None, new=40)[0]
     firsts = [k for k in range(4, 30) if free[k] not in free[:k]]  # token k may be the row's eos
@@ -140,13 +148,14 @@ def test_a_lagged_check_costs_steps_only_when_the_last_row_ends_on_a_checks_step
             with Counting(model) as c:
                 answers[lagged] = dec.generate([row] * 3)
             calls[lagged] = c.calls  # the prefill (token 1) and a step per further token
-        assert answers[True] == answers[False] == [free[:k + 1]] * 3
+        assert answers[True] == answers[False] == [free[: k + 1]] * 3
         assert calls[False] == -(-(k + 1) // 4) * 4, (k, calls)  # the first check after the eos
         assert calls[True] == calls[False] + late, (k, calls)
 
 
 def test_a_stop_callback_ends_the_batch_between_steps(model: Any) -> None:
     from batchserve.backends.static_decode import StaticDecoder
+
     asked = []
 
     def stop() -> bool:
@@ -162,6 +171,7 @@ def test_no_cuda_capture_is_attempted_without_cuda(model: Any, monkeypatch: pyte
     import torch
 
     from batchserve.backends.static_decode import StaticDecoder
+
     def refuse(*a: Any, **kw: Any) -> None:
         raise AssertionError("a CUDA graph was asked for on the CPU")
 
@@ -187,6 +197,7 @@ def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
     import torch
 
     from batchserve.backends.static_decode import Runner, Shape
+
     with torch.inference_mode():
         runner = Runner(model, Shape(4, 32), 8, [-1], PAD, None)
         runner.prefill(prompts(model, (3, 1, 2, 5)))
@@ -204,11 +215,16 @@ def test_smollm2_static_path_gives_generates_answers_on_the_real_weights() -> No
     from batchserve.backends.smollm2 import SmolLM2Backend
     from batchserve.config import ModelSpec, Settings
 
-    backend = SmolLM2Backend.from_settings(ModelSpec("smollm2", backend="smollm2"),
-                                           Settings(backend="smollm2", max_new_tokens=48))
-    inputs = ["What is the capital of France?", "Hi",
-              "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
-              "List three prime numbers.", "2+2="]
+    backend = SmolLM2Backend.from_settings(
+        ModelSpec("smollm2", backend="smollm2"), Settings(backend="smollm2", max_new_tokens=48)
+    )
+    inputs = [
+        "What is the capital of France?",
+        "Hi",
+        "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
+        "List three prime numbers.",
+        "2+2=",
+    ]
     assert backend.decoders and not backend.decoders[0].use_graphs
     tokens = backend.decoders[0].generate(backend.encode(inputs))
     assert any(len(t) < 48 for t in tokens) and any(len(t) == 48 for t in tokens)  # some end before the limit

@@ -25,13 +25,24 @@ BATCH_MS = 2000  # long enough that a batch run to its end and one stopped early
 
 
 def test_a_batch_whose_callers_all_left_frees_its_worker(server_factory) -> None:
-    server = server_factory("--devices", "1", "--sim-batch-ms", str(BATCH_MS), "--max-batch-size", "2",
-                            "--slo-ms", "10000", "--timeout-ms", "20000", "--gpu-timeout-ms", "60000")
+    server = server_factory(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        str(BATCH_MS),
+        "--max-batch-size",
+        "2",
+        "--slo-ms",
+        "10000",
+        "--timeout-ms",
+        "20000",
+        "--gpu-timeout-ms",
+        "60000",
+    )
     stopped = 'batchserve_batches_stopped_early_total{model="sim@v1"}'
 
     def stopped_early() -> float:
-        return metric(httpx.get(server.url + "/metrics").text, "batchserve_batches_stopped_early_total",
-                      model="sim@v1")
+        return metric(httpx.get(server.url + "/metrics").text, "batchserve_batches_stopped_early_total", model="sim@v1")
 
     # A caller hangs up 0.5 s into a 2 s batch it has alone: the batch stops, and the next caller runs at once
     # instead of waiting for the rest of it (and for the pace it set).
@@ -47,9 +58,11 @@ def test_a_batch_whose_callers_all_left_frees_its_worker(server_factory) -> None
     # One caller of two leaves mid-batch: the other still waits, so the batch runs to its end.
     async def shared_batch() -> dict:
         async with aiohttp.ClientSession() as s:
+
             async def post(text: str, timeout: float | None) -> dict:
-                async with s.post(server.url + "/v1/inference", json={"input": text},
-                                  timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                async with s.post(
+                    server.url + "/v1/inference", json={"input": text}, timeout=aiohttp.ClientTimeout(total=timeout)
+                ) as r:
                     return await r.json()
 
             busy = asyncio.ensure_future(post("busy", None))  # holds the worker, so the next two queue together

@@ -65,8 +65,9 @@ def test_the_converted_copy_is_the_gguf_made_once(tmp_path, monkeypatch, caplog)
     from_copy = smollm2.load_tokenizer(copy_dir)
     prompts = ["What is the capital of France?", "Ünïcödé and\ttabs", "x" * 300]
     chats = [[{"role": "user", "content": p}] for p in prompts]
-    assert [from_copy.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats] == \
-        [from_gguf.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    assert [from_copy.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats] == [
+        from_gguf.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats
+    ]
     assert from_copy(prompts)["input_ids"] == from_gguf(prompts)["input_ids"]
     assert from_copy.pad_token_id == from_gguf.pad_token_id and from_copy.padding_side == "left"
 

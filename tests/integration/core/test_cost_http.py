@@ -23,7 +23,7 @@ from tests.integration.test_tenancy import add_key
 # round — takes 2.5 s; call 9 is the answer check, and every batch served after it takes 0.5 s. The slower of the
 # last two rounds (the old figure) is 2.5 s, past --max-timeout-ms 2000: every request was refused "timeout_ms is
 # shorter than one batch". The median of the rounds after the first is 80 ms.
-SLOW_ROUND = '''
+SLOW_ROUND = """
 import time
 calls = [0]
 
@@ -32,7 +32,7 @@ def batch(inputs):
     n = calls[0]
     time.sleep(2.5 if n == 8 else 0.5 if n > 9 else (0.05 if n % 2 else 0.08))
     return [s.upper() for s in inputs]
-'''
+"""
 
 
 def test_one_slow_warm_up_round_does_not_lock_the_model_out(tmp_path: Path) -> None:
@@ -43,18 +43,22 @@ def test_one_slow_warm_up_round_does_not_lock_the_model_out(tmp_path: Path) -> N
     10 answered); with the robust figure they are queued and run in the next batch (about 1 s, within the 2 s
     timeout). `--slo-ms` is set so the SLO bound admits a second 0.5 s batch whatever the figure."""
     env = write_plugins(tmp_path, slowround=SLOW_ROUND)
-    server = start_server("--backend", "slowround:batch", "--max-timeout-ms", "2000", "--slo-ms", "1500",
-                          env=env, timeout=120)
+    server = start_server(
+        "--backend", "slowround:batch", "--max-timeout-ms", "2000", "--slo-ms", "1500", env=env, timeout=120
+    )
     try:
         warmed = [line for line in server.log_lines if "warmed" in line]
         assert warmed and re.search(r", 2\d{3} ms \(not stable\)$", warmed[0]), warmed  # the last round: 2.5 s
 
         async def at_once() -> list[tuple[int, str]]:
             async with aiohttp.ClientSession() as session:
+
                 async def one(i: int) -> tuple[int, str]:
                     async with session.post(server.url + "/v1/inference", json={"input": f"x{i}"}) as r:
                         return r.status, await r.text()
+
                 return list(await asyncio.gather(*(one(i) for i in range(10))))
+
         answers = asyncio.run(at_once())
         assert [status for status, _ in answers] == [200] * 10, answers
     finally:
@@ -62,26 +66,30 @@ def test_one_slow_warm_up_round_does_not_lock_the_model_out(tmp_path: Path) -> N
 
 
 # 30 ms a batch plus 1 ms an input: a burst of 60 is two short batches.
-STEADY = '''
+STEADY = """
 import time
 
 def batch(inputs):
     time.sleep(0.03 + 0.001 * len(inputs))
     return [s.upper() for s in inputs]
-'''
+"""
 
 
 def test_a_burst_within_capacity_right_after_start_is_queued(tmp_path: Path) -> None:
     env = write_plugins(tmp_path, steady=STEADY)
     server = start_server("--backend", "steady:batch", env=env, timeout=120)
     try:
+
         async def burst() -> list[int]:
             async with aiohttp.ClientSession() as session:
+
                 async def one(i: int) -> int:
                     async with session.post(server.url + "/v1/inference", json={"input": f"b{i}"}) as r:
                         await r.read()
                         return r.status
+
                 return list(await asyncio.gather(*(one(i) for i in range(60))))
+
         codes = asyncio.run(burst())
         assert codes.count(200) == 60, (sorted(set(codes)), server.log())
     finally:
@@ -89,18 +97,23 @@ def test_a_burst_within_capacity_right_after_start_is_queued(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_minilm_many_inputs_are_served_and_long_inputs_do_not_take_the_worker_from_short_ones(
-        tmp_path: Path) -> None:
+def test_minilm_many_inputs_are_served_and_long_inputs_do_not_take_the_worker_from_short_ones(tmp_path: Path) -> None:
     config = tmp_path / "bs.toml"
     config.write_text('[[models]]\nname = "minilm"\nbackend = "minilm"\n')
-    keys = {tenant: {"Authorization": f"Bearer {add_key(config, tenant, 'paid', '--rate', '100000')}"}
-            for tenant in ("long", "short")}
+    keys = {
+        tenant: {"Authorization": f"Bearer {add_key(config, tenant, 'paid', '--rate', '100000')}"}
+        for tenant in ("long", "short")
+    }
     server = start_server("--config", str(config), timeout=300)
     try:
         # 2,048 inputs (the documented limit) on an idle server, with a timeout their batches fit: served.
         inputs = [f"item {i} of the list" for i in range(2048)]
-        r = httpx.post(server.url + "/v1/embeddings", json={"input": inputs, "timeout_ms": 60000}, timeout=120,
-                       headers=keys["short"])
+        r = httpx.post(
+            server.url + "/v1/embeddings",
+            json={"input": inputs, "timeout_ms": 60000},
+            timeout=120,
+            headers=keys["short"],
+        )
         assert r.status_code == 200, r.text
         assert len(r.json()["data"]) == 2048
 
@@ -126,8 +139,9 @@ def test_minilm_many_inputs_are_served_and_long_inputs_do_not_take_the_worker_fr
         with httpx.Client(base_url=server.url, timeout=30, headers=keys["short"]) as c:
             while time.monotonic() < stop:
                 rr = c.post("/v1/embeddings", json={"input": "a short sentence to embed"})
-                short_codes.append(str(rr.status_code) if rr.status_code != 503 else
-                                   rr.json()["error"].get("code") or "503")
+                short_codes.append(
+                    str(rr.status_code) if rr.status_code != 503 else rr.json()["error"].get("code") or "503"
+                )
                 time.sleep(0.1)
         thread.join(timeout=120)
         log = server.log()
@@ -139,10 +153,9 @@ def test_minilm_many_inputs_are_served_and_long_inputs_do_not_take_the_worker_fr
         server.stop()
 
 
-
 # A backend whose batch costs the sum of its inputs' words (no padding), declared as cost_of_batch. A batch with
 # "slow" in it takes 0.6 s, so the inputs sent meanwhile queue together and the test sees how they are batched.
-SUMMED = '''
+SUMMED = """
 import time
 
 
@@ -153,26 +166,32 @@ class Summed:
     def batch(self, inputs):
         time.sleep(0.6 if "slow" in inputs else 0.02)
         return [s.upper() for s in inputs]
-'''
+"""
 
 
 def test_a_plugin_declaring_cost_of_batch_is_budgeted_and_admitted_by_it(tmp_path: Path) -> None:
     env = write_plugins(tmp_path, summed=SUMMED)
-    server = start_server("--backend", "summed:Summed", "--max-batch-tokens", "100", "--slo-ms", "5000",
-                          env=env, timeout=120)  # a long objective: the 0.6 s batch lowers no budget
+    server = start_server(
+        "--backend", "summed:Summed", "--max-batch-tokens", "100", "--slo-ms", "5000", env=env, timeout=120
+    )  # a long objective: the 0.6 s batch lowers no budget
     try:
+
         async def queued_together() -> list[tuple[int, int]]:
             async with aiohttp.ClientSession() as session:
+
                 async def one(text: str, delay: float) -> tuple[int, int]:
                     await asyncio.sleep(delay)
-                    async with session.post(server.url + "/v1/inference",
-                                            json={"input": text, "timeout_ms": 20000}) as r:
+                    async with session.post(
+                        server.url + "/v1/inference", json={"input": text, "timeout_ms": 20000}
+                    ) as r:
                         body = await r.json()
                         return r.status, body.get("batch_size", 0)
+
                 # While "slow" runs, one input of 40 words and ten of 4 queue. Summed they cost 80, within the
                 # budget: one batch of 11. Padded (rows x longest) the long input's batch would hold 2.
                 texts = [" ".join(["w"] * 40)] + ["a b c d"] * 10
                 return list(await asyncio.gather(one("slow", 0.0), *(one(t, 0.2) for t in texts)))
+
         answers = asyncio.run(queued_together())
         assert [status for status, _ in answers] == [200] * 12, (answers, server.log())
         assert [size for _, size in answers[1:]] == [11] * 11, (answers, server.log())

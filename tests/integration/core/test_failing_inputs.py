@@ -19,17 +19,18 @@ from tests.integration.backends.test_plugin import write_plugins
 from batchserve.tenancy import digest, new_key
 from tests.integration.test_tenancy import bearer
 
-PER_INPUT_PLUGIN = '''
+PER_INPUT_PLUGIN = """
 import time
 
 def batch(inputs):
     time.sleep(0.02)
     return [ValueError("no answer for " + t) if t.startswith("BAD") else t.upper() for t in inputs]
-'''
+"""
 
 
 async def post_all(url: str, inputs: list[str]) -> list[tuple[int, dict]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(inputs))) as session:
+
         async def one(text: str) -> tuple[int, dict]:
             async with session.post(url + "/v1/inference", json={"input": text}) as r:
                 return r.status, await r.json()
@@ -38,14 +39,27 @@ async def post_all(url: str, inputs: list[str]) -> list[tuple[int, dict]]:
 
 
 def batches_run(text: str, model: str) -> float:
-    return sum(metric(text, "batchserve_batches_total", model=model, cause=cause)
-               for cause in ("full", "deadline", "pace", "hold", "drain", "retry", "isolated"))
+    return sum(
+        metric(text, "batchserve_batches_total", model=model, cause=cause)
+        for cause in ("full", "deadline", "pace", "hold", "drain", "retry", "isolated")
+    )
 
 
 def test_a_backend_that_names_the_failing_input_fails_it_alone_without_bisection(tmp_path, server_factory):
     env = write_plugins(tmp_path, perinput=PER_INPUT_PLUGIN)
-    s: LiveServer = server_factory("--backend", "perinput:batch", "--devices", "2", "--max-batch-size", "16",
-                                   "--slo-ms", "2000", "--timeout-ms", "10000", env=env)
+    s: LiveServer = server_factory(
+        "--backend",
+        "perinput:batch",
+        "--devices",
+        "2",
+        "--max-batch-size",
+        "16",
+        "--slo-ms",
+        "2000",
+        "--timeout-ms",
+        "10000",
+        env=env,
+    )
     inputs = [f"BAD-{i}" if i % 10 == 3 else f"ok-{i}" for i in range(40)]
     results_ = asyncio.run(post_all(s.url, inputs))
     for text, (status, body) in zip(inputs, results_):
@@ -66,13 +80,24 @@ def test_a_backend_that_names_the_failing_input_fails_it_alone_without_bisection
     assert batches_run(after, "perinput@v1") == batches_run(text, "perinput@v1") + 1
 
 
-def test_the_sims_input_fail_marker_fails_that_input_alone_and_its_job_completes_unisolated(tmp_path,
-                                                                                            server_factory):
+def test_the_sims_input_fail_marker_fails_that_input_alone_and_its_job_completes_unisolated(tmp_path, server_factory):
     """`--sim-input-fail-marker` (the soak's failing job): the sim names the failing input as a backend that
     can tell does, so a job with 10 % such inputs rides shared batches at a clean job's pace (no bisection,
     no isolation) and completes with exactly those inputs failed."""
-    s = server_factory("--devices", "2", "--sim-batch-ms", "20", "--max-batch-size", "20", "--slo-ms", "2000",
-                       "--sim-input-fail-marker", "FAIL", "--jobs-db", str(tmp_path / "j.db"))
+    s = server_factory(
+        "--devices",
+        "2",
+        "--sim-batch-ms",
+        "20",
+        "--max-batch-size",
+        "20",
+        "--slo-ms",
+        "2000",
+        "--sim-input-fail-marker",
+        "FAIL",
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+    )
     inputs = ["FAIL-1" if i == 5 else f"mate-{i}" for i in range(20)]
     first = asyncio.run(post_all(s.url, inputs))
     assert first[5][0] == 500 and "input fail marker" in first[5][1]["message"], first[5]
@@ -90,9 +115,22 @@ def test_the_sims_input_fail_marker_fails_that_input_alone_and_its_job_completes
 
 
 def test_an_input_that_failed_alone_is_answered_at_once_on_retry(tmp_path, server_factory):
-    s = server_factory("--devices", "2", "--sim-batch-ms", "30", "--max-batch-size", "20", "--slo-ms", "2000",
-                       "--timeout-ms", "10000", "--sim-fail-marker", "POISON",
-                       "--jobs-db", str(tmp_path / "j.db"))
+    s = server_factory(
+        "--devices",
+        "2",
+        "--sim-batch-ms",
+        "30",
+        "--max-batch-size",
+        "20",
+        "--slo-ms",
+        "2000",
+        "--timeout-ms",
+        "10000",
+        "--sim-fail-marker",
+        "POISON",
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+    )
     inputs = ["POISON-1" if i == 7 else f"mate-{i}" for i in range(20)]
     first = asyncio.run(post_all(s.url, inputs))
     assert first[7][0] == 500 and all(st == 200 for i, (st, _) in enumerate(first) if i != 7)
@@ -113,14 +151,18 @@ def test_an_input_that_failed_alone_is_answered_at_once_on_retry(tmp_path, serve
     assert all("quarantined" in line["error"]["message"] for line in lines[:30])
     assert batches_run(after, "sim@v1") - batches_run(before, "sim@v1") == 1  # only the clean item ran
     assert metric(after, "batchserve_batch_retries_total", model="sim@v1", cause="error") == metric(
-        before, "batchserve_batch_retries_total", model="sim@v1", cause="error")
+        before, "batchserve_batch_retries_total", model="sim@v1", cause="error"
+    )
 
 
 def _tenants(tmp_path, *names: str) -> tuple[str, dict[str, str]]:
     keys = {t: new_key() for t in names}
     config = tmp_path / "keys.toml"
-    config.write_text("".join(f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n'
-                              for t, k in keys.items()))
+    config.write_text(
+        "".join(
+            f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n' for t, k in keys.items()
+        )
+    )
     return str(config), keys
 
 
@@ -148,8 +190,22 @@ def test_one_tenants_failing_job_leaves_anothers_clean_job_near_its_own_speed(tm
     the order its outcomes come back in (2 costly failures among its last 64), so it is not asserted here:
     tests/unit/jobs/test_failing_job_policy.py checks each rule alone, in-process."""
     config, keys = _tenants(tmp_path, "acme", "globex")
-    s = server_factory("--devices", "1", "--sim-batch-ms", "20", "--max-batch-size", "20", "--config", config,
-                       "--sim-fail-marker", "FAIL", "--jobs-max-inflight", "200", "--jobs-db", str(tmp_path / "j.db"))
+    s = server_factory(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "20",
+        "--max-batch-size",
+        "20",
+        "--config",
+        config,
+        "--sim-fail-marker",
+        "FAIL",
+        "--jobs-max-inflight",
+        "200",
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+    )
     clean = [f"clean-{i}" for i in range(400)]
     failing = [f"FAIL-{i}" if i % 10 == 0 else f"ok-{i}" for i in range(500)]  # its bisection runs ~5 s
     acme = s.client(headers=bearer(keys["acme"]))
@@ -171,8 +227,10 @@ def test_one_tenants_failing_job_leaves_anothers_clean_job_near_its_own_speed(tm
 
 def _interactive_until(url: str, key: str, rate: float, stop: threading.Event, statuses: list[int]) -> None:
     """Steady interactive load from another tenant, in a thread, until `stop`."""
+
     async def main() -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=bearer(key)) as session:
+
             async def one(i: int) -> None:
                 async with session.post(url + "/v1/inference", json={"input": f"live-{i}"}) as r:
                     statuses.append(r.status)
@@ -189,8 +247,22 @@ def test_beside_interactive_load_a_failing_job_does_not_hold_another_tenants_job
     job took first stayed held there (before: the clean job did not finish in 60 s; here 0.7 s alone, 0.9 to
     1.3 s beside). A batch now takes job items of one tenant only, and each tenant takes its share at once."""
     config, keys = _tenants(tmp_path, "live", "acme", "globex")
-    s = server_factory("--devices", "2", "--sim-batch-ms", "50", "--max-batch-size", "20", "--config", config,
-                       "--slo-ms", "200", "--sim-fail-marker", "FAIL", "--jobs-db", str(tmp_path / "j.db"))
+    s = server_factory(
+        "--devices",
+        "2",
+        "--sim-batch-ms",
+        "50",
+        "--max-batch-size",
+        "20",
+        "--config",
+        config,
+        "--slo-ms",
+        "200",
+        "--sim-fail-marker",
+        "FAIL",
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+    )
     stop, statuses = threading.Event(), []
     load = threading.Thread(target=_interactive_until, args=(s.url, keys["live"], 300.0, stop, statuses))
     load.start()

@@ -2,9 +2,11 @@
 
 A real server with the real all-MiniLM-L6-v2 model; two API keys of tier `paid` (rates far above what is sent),
 tenants `long` and `short`, both backlogged by closed loops (8 and 16: each keeps several batches of inputs
-outstanding; bench/fairness.py's client and LOOPS: a refused request is sent again after 50 ms): `long` sends 4 inputs of 220 tokens a request, `short` 16 of 8, to /v1/embeddings.
+outstanding; bench/fairness.py's client and LOOPS: a refused request is sent again after 50 ms): `long` sends 4
+inputs of 220 tokens a request, `short` 16 of 8, to /v1/embeddings.
 The tokens served to each (summed usage.prompt_tokens of its answers inside the window) are within 1.25x of each
-other in the bench; this test allows 1.35x, as it runs beside other tests' load. On b6ba887 the length classes took a batch a turn (a batch of 4 long inputs against one of 16-64 short
+other in the bench; this test allows 1.35x, as it runs beside other tests' load. On b6ba887 the length classes
+took a batch a turn (a batch of 4 long inputs against one of 16-64 short
 ones), the short class went first whenever it was full by count, and admission counted items: the long tenant
 got 2.2x the tokens in this scenario (bench/results/fairness-*). The timing figures (tokens per second,
 refusals) belong to the bench; this asserts the share only.
@@ -37,8 +39,18 @@ def test_two_backlogged_tenants_of_long_and_short_inputs_are_served_equal_tokens
     keys = {tenant: add_key(config, tenant, "paid", "--rate", "100000") for tenant in ("long", "short")}
     server = start_server("--config", str(config), "--slo-ms", str(SLO_MS), timeout=300)
     try:
-        served = asyncio.run(closed_loops(server.url, keys, WINDOW_S, WARMUP_S, backoff_s=0.05,
-                                          timeout_ms=TIMEOUT_MS, min_answers=MIN_ANSWERS, max_s=MAX_S))
+        served = asyncio.run(
+            closed_loops(
+                server.url,
+                keys,
+                WINDOW_S,
+                WARMUP_S,
+                backoff_s=0.05,
+                timeout_ms=TIMEOUT_MS,
+                min_answers=MIN_ANSWERS,
+                max_s=MAX_S,
+            )
+        )
     finally:
         server.stop()
     figures = {t: (s.tokens, s.answered, s.refused, s.other, round(s.window_s, 1)) for t, s in served.items()}

@@ -16,13 +16,16 @@ from tests.unit.core.test_gateway_gauges import gauges
 def test_gauges_move_under_load(server_factory):
     """One device taking batches of at most 4 for 400 ms: 10 requests at once are 4 running and 6 waiting,
     then 4 and 2, then 2 and 0; once answered, 0 and 0."""
-    server = server_factory("--devices", "1", "--max-batch-size", "4", "--sim-batch-ms", "400", "--slo-ms", "5000",
-                            "--timeout-ms", "20000")
+    server = server_factory(
+        "--devices", "1", "--max-batch-size", "4", "--sim-batch-ms", "400", "--slo-ms", "5000", "--timeout-ms", "20000"
+    )
 
     async def run() -> tuple[list[int], list[dict]]:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
             assert gauges((await c.get("/metrics")).text) == {
-                ("batchserve_num_requests_waiting", "sim@v1"): 0, ("batchserve_num_requests_running", "sim@v1"): 0}
+                ("batchserve_num_requests_waiting", "sim@v1"): 0,
+                ("batchserve_num_requests_running", "sim@v1"): 0,
+            }
             tasks = [asyncio.create_task(c.post("/v1/inference", json={"input": f"g{i}"})) for i in range(10)]
             seen = []
             while not all(t.done() for t in tasks):

@@ -31,8 +31,22 @@ def overloaded(server_factory, tmp_path):
     admin = Tenant("ops", "enterprise", 0.0)
     write_keys(config, [*tenants, admin])
     config.write_text(config.read_text().replace('tenant = "ops"', 'tenant = "ops"\nadmin = true'))
-    server = server_factory("--config", str(config), "--backend", "sim", "--devices", "1", "--sim-batch-ms", "40",
-                            "--max-batch-size", "4", "--max-queue", "8", "--slo-ms", f"{SLO_MS:g}")
+    server = server_factory(
+        "--config",
+        str(config),
+        "--backend",
+        "sim",
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "40",
+        "--max-batch-size",
+        "4",
+        "--max-queue",
+        "8",
+        "--slo-ms",
+        f"{SLO_MS:g}",
+    )
     return server, tenants, admin
 
 
@@ -41,8 +55,10 @@ def test_the_ledger_adds_up(overloaded):
     result = drill(server.url, tenants, 3.0, SLO_MS, TIMEOUT_MS)
     tallies = result["tallies"]
     sent = sum(t.sent for t in tallies.values())
-    print({n: (t.sent, t.statuses, t.met_by_server_latency, t.met_by_client_clock) for n, t in tallies.items()},
-          result["server"])
+    print(
+        {n: (t.sent, t.statuses, t.met_by_server_latency, t.met_by_client_clock) for n, t in tallies.items()},
+        result["server"],
+    )
     assert all(t.transport_errors == 0 for t in tallies.values()), "every request got an HTTP answer"
     clients = {o: sum(t.outcomes()[o] for t in tallies.values()) for o in OUTCOMES}
     assert clients["refused"] > 0 and clients["met"] > 0, f"not an overload drill: {clients}"
@@ -72,8 +88,7 @@ def test_the_ledger_adds_up(overloaded):
     with server.client() as c:
         everyone = c.get("/v1/usage", headers={"Authorization": f"Bearer {admin.key}"}).json()["data"]
         assert {u["tenant"] for u in everyone} == {"alpha", "beta"}  # the admin itself sent nothing
-        assert {u["tenant"]: u["requests"] for u in everyone} == {n: u["requests"]
-                                                                  for n, u in result["usage"].items()}
+        assert {u["tenant"]: u["requests"] for u in everyone} == {n: u["requests"] for n, u in result["usage"].items()}
         assert c.get("/v1/usage").status_code == 401  # keys configured: no anonymous figures
         bad = c.get("/v1/usage?window_s=nope", headers={"Authorization": f"Bearer {admin.key}"})
         assert bad.status_code == 400 and bad.json()["error"] == "INVALID_REQUEST"

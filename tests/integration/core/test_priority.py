@@ -62,8 +62,11 @@ def booked(server: LiveServer) -> dict[str, float]:
     ],
 )
 def test_native_priority_runs_within_the_key_and_says_where(server: LiveServer, key, asked, ran) -> None:
-    r = httpx.post(server.url + "/v1/inference", json={"input": "abc", "model": "echo", "priority": asked},
-                   headers={"Authorization": f"Bearer {key}"})
+    r = httpx.post(
+        server.url + "/v1/inference",
+        json={"input": "abc", "model": "echo", "priority": asked},
+        headers={"Authorization": f"Bearer {key}"},
+    )
     assert r.status_code == 200 and r.json()["output"] == "cba", r.text
     assert r.headers["x-service-tier"] == ran
 
@@ -72,8 +75,9 @@ def test_no_priority_asked_no_header_and_a_bad_one_is_a_400(server: LiveServer) 
     auth = {"Authorization": f"Bearer {CAPPED}"}
     r = httpx.post(server.url + "/v1/inference", json={"input": "abc", "model": "echo"}, headers=auth)
     assert r.status_code == 200 and "x-service-tier" not in r.headers
-    r = httpx.post(server.url + "/v1/inference", json={"input": "abc", "model": "echo", "priority": "urgent"},
-                   headers=auth)
+    r = httpx.post(
+        server.url + "/v1/inference", json={"input": "abc", "model": "echo", "priority": "urgent"}, headers=auth
+    )
     assert r.status_code == 400 and "priority" in r.json()["message"], r.text
 
 

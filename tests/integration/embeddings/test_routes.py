@@ -1,7 +1,8 @@
 """`POST /v1/embeddings` (issue 11) on a live server, with a small embedding plugin (exact float32 values, no
 model to load): OpenAI's shapes through the official `openai` client in float and base64, each input riding the
 batcher on its own, usage from the backend's token counts, keys and a list of N inputs costing N rate-limit
-tokens, errors in OpenAI's shape, and the published schemas. The real model is in tests/integration/backends/test_minilm.py."""
+tokens, errors in OpenAI's shape, and the published schemas. The real model is in
+tests/integration/backends/test_minilm.py."""
 
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("embed")
     (root / "embedplug.py").write_text(EMBED_PLUGIN)
     config = root / "bs.toml"
-    config.write_text('[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n\n'
-                      '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n')
+    config.write_text(
+        '[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n\n'
+        '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n'
+    )
     key = add_key(config, "big", "enterprise", "--rate", "10000")
     small = add_key(config, "small", "free", "--rate", "0.01")
     with config.open("a") as fh:
@@ -66,6 +69,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
     import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0, timeout=30)
 
 
@@ -96,8 +100,12 @@ def test_openai_client_one_input_and_a_list(client: openai.OpenAI, encoding: str
 
 def test_base64_is_little_endian_float32_and_the_clients_default_decodes(server: LiveServer):
     import openai
-    r = httpx.post(server.url + "/v1/embeddings", json={"input": "xyz", "model": "embed", "encoding_format": "base64"},
-                   headers={"Authorization": f"Bearer {server.key}"})
+
+    r = httpx.post(
+        server.url + "/v1/embeddings",
+        json={"input": "xyz", "model": "embed", "encoding_format": "base64"},
+        headers={"Authorization": f"Bearer {server.key}"},
+    )
     raw = base64.b64decode(r.json()["data"][0]["embedding"])
     assert raw == struct.pack("<4f", 3.0, 1.0, 0.5, -1.25)
     default = openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0)
@@ -112,10 +120,12 @@ async def _post(session: aiohttp.ClientSession, url: str, key: str, body: dict) 
 def test_each_input_rides_the_batcher_and_concurrent_callers_share_batches(server: LiveServer):
     async def scenario() -> tuple[list, tuple]:
         async with aiohttp.ClientSession() as session:
-            singles = [_post(session, server.url, server.key, {"input": f"single {i}", "model": "embed"})
-                       for i in range(24)]
-            listed = _post(session, server.url, server.key,
-                           {"input": [f"listed {i}" for i in range(30)], "model": "embed"})
+            singles = [
+                _post(session, server.url, server.key, {"input": f"single {i}", "model": "embed"}) for i in range(24)
+            ]
+            listed = _post(
+                session, server.url, server.key, {"input": [f"listed {i}" for i in range(30)], "model": "embed"}
+            )
             *answers, whole = await asyncio.gather(*singles, listed)
             return answers, whole
 
@@ -131,8 +141,12 @@ def test_each_input_rides_the_batcher_and_concurrent_callers_share_batches(serve
 
 def test_a_list_of_n_inputs_costs_n_rate_limit_tokens(server: LiveServer):
     def post(n: int) -> httpx.Response:
-        return httpx.post(server.url + "/v1/embeddings", json={"input": ["t"] * n, "model": "embed"},
-                          headers={"Authorization": f"Bearer {server.small_key}"}, timeout=30)
+        return httpx.post(
+            server.url + "/v1/embeddings",
+            json={"input": ["t"] * n, "model": "embed"},
+            headers={"Authorization": f"Bearer {server.small_key}"},
+            timeout=30,
+        )
 
     first = post(7)
     assert first.status_code == 200 and first.headers["x-ratelimit-remaining"] == "3"
@@ -146,27 +160,32 @@ def test_a_list_of_n_inputs_costs_n_rate_limit_tokens(server: LiveServer):
     # client announces 100 kB and never sends them; a server that waited for the body would not answer).
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer %s\r\nContent-Length: 100000\r\n\r\n" % server.small_key.encode())
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: 100000\r\n\r\n" % server.small_key.encode()
+        )
         head = sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 429"), head[:200]
     assert b"rate_limit_error" in head and b"x-request-id:" in head.lower()
 
 
-@pytest.mark.parametrize("body,status,param,code", [
-    ({"input": "x", "model": "embed", "dimensions": 5}, 400, "dimensions", "invalid_value"),
-    ({"input": "x", "model": "embed", "dimensions": 0}, 400, "dimensions", "invalid_value"),
-    ({"input": "x", "model": "embed", "dimensions": 2.5}, 400, "dimensions", "invalid_value"),
-    ({"input": [1, 2, 3], "model": "embed"}, 400, "input", "unsupported_value"),
-    ({"input": [[1, 2], [3]], "model": "embed"}, 400, "input", "unsupported_value"),
-    ({"input": ["x"] * 2049, "model": "embed"}, 400, "input", "invalid_value"),
-    ({"input": [], "model": "embed"}, 400, "input", "invalid_value"),
-    ({"input": ["ok", ""], "model": "embed"}, 400, "input", "invalid_value"),
-    ({"input": "x", "model": "embed", "encoding_format": "int8"}, 400, "encoding_format", "invalid_value"),
-    ({"input": "x", "model": "echo"}, 400, "model", "model_not_embedding"),
-    ({"input": "x", "model": "nope"}, 404, "model", "model_not_found"),
-    ({"model": "embed"}, 400, "input", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "body,status,param,code",
+    [
+        ({"input": "x", "model": "embed", "dimensions": 5}, 400, "dimensions", "invalid_value"),
+        ({"input": "x", "model": "embed", "dimensions": 0}, 400, "dimensions", "invalid_value"),
+        ({"input": "x", "model": "embed", "dimensions": 2.5}, 400, "dimensions", "invalid_value"),
+        ({"input": [1, 2, 3], "model": "embed"}, 400, "input", "unsupported_value"),
+        ({"input": [[1, 2], [3]], "model": "embed"}, 400, "input", "unsupported_value"),
+        ({"input": ["x"] * 2049, "model": "embed"}, 400, "input", "invalid_value"),
+        ({"input": [], "model": "embed"}, 400, "input", "invalid_value"),
+        ({"input": ["ok", ""], "model": "embed"}, 400, "input", "invalid_value"),
+        ({"input": "x", "model": "embed", "encoding_format": "int8"}, 400, "encoding_format", "invalid_value"),
+        ({"input": "x", "model": "echo"}, 400, "model", "model_not_embedding"),
+        ({"input": "x", "model": "nope"}, 404, "model", "model_not_found"),
+        ({"model": "embed"}, 400, "input", "invalid_value"),
+    ],
+)
 def test_bad_requests_answer_in_openai_shape(server: LiveServer, body: dict, status: int, param: str, code: str):
     r = httpx.post(server.url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {server.key}"})
     assert r.status_code == status, r.text
@@ -176,22 +195,31 @@ def test_bad_requests_answer_in_openai_shape(server: LiveServer, body: dict, sta
 
 def test_keys_are_required_and_errors_keep_the_shape(server: LiveServer, client: openai.OpenAI):
     import openai
+
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    r = httpx.post(server.url + "/v1/embeddings", content=b"{not json", headers={"Authorization": f"Bearer {server.key}"})
+    r = httpx.post(
+        server.url + "/v1/embeddings", content=b"{not json", headers={"Authorization": f"Bearer {server.key}"}
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(input="x", model="embed", dimensions=5)  # over the plugin's 4
     # without "model": the first model that serves embeddings
-    r = httpx.post(server.url + "/v1/embeddings", json={"input": "abc", "encoding_format": "float"},
-                   headers={"Authorization": f"Bearer {server.key}"})
+    r = httpx.post(
+        server.url + "/v1/embeddings",
+        json={"input": "abc", "encoding_format": "float"},
+        headers={"Authorization": f"Bearer {server.key}"},
+    )
     assert r.status_code == 200 and r.json()["model"] == "embed@v1"
 
 
 def test_dimensions_truncates_and_normalises_again(server: LiveServer, client: openai.OpenAI):
     """OpenAI's `dimensions`: the first N components of the plugin's [chars, n, 0.5, -1.25], L2-normalised."""
-    r = httpx.post(server.url + "/v1/embeddings", json={"input": ["four", "sixsix"], "model": "embed", "dimensions": 3},
-                   headers={"Authorization": f"Bearer {server.key}"})
+    r = httpx.post(
+        server.url + "/v1/embeddings",
+        json={"input": ["four", "sixsix"], "model": "embed", "dimensions": 3},
+        headers={"Authorization": f"Bearer {server.key}"},
+    )
     assert r.status_code == 200, r.text
     for item, chars in zip(r.json()["data"], (4.0, 6.0)):
         got = item["embedding"]
@@ -203,8 +231,11 @@ def test_dimensions_truncates_and_normalises_again(server: LiveServer, client: o
 
 
 def test_inference_route_returns_the_vector_as_output(server: LiveServer):
-    r = httpx.post(server.url + "/v1/inference", json={"input": "four", "model": "embed"},
-                   headers={"Authorization": f"Bearer {server.key}"})
+    r = httpx.post(
+        server.url + "/v1/inference",
+        json={"input": "four", "model": "embed"},
+        headers={"Authorization": f"Bearer {server.key}"},
+    )
     assert r.status_code == 200 and r.json()["output"] == vector("four", 1.0)
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {server.key}"}).json()["data"]
     assert {m["id"]: m["output_kind"] for m in models} == {"embed@v1": "embedding", "echo@v1": "text"}
@@ -244,11 +275,20 @@ def test_an_embeddings_caller_who_hangs_up_never_takes_a_place_in_a_batch(tmp_pa
     config = tmp_path / "bs.toml"
     config.write_text('[[models]]\nname = "embed"\nbackend = "hangplug:Embed"\n')
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    server = server_factory("--config", str(config), "--devices", "1", "--slo-ms", "2000", "--timeout-ms", "10000",
-                            env=env)
+    server = server_factory(
+        "--config", str(config), "--devices", "1", "--slo-ms", "2000", "--timeout-ms", "10000", env=env
+    )
 
-    assert hang_up_behind_a_busy_worker(server.url, "/v1/embeddings", {"model": "embed", "input": "HANG"},
-                                        b'{"model": "embed", "input": "gone"}', "gone-e") == 200
+    assert (
+        hang_up_behind_a_busy_worker(
+            server.url,
+            "/v1/embeddings",
+            {"model": "embed", "input": "HANG"},
+            b'{"model": "embed", "input": "gone"}',
+            "gone-e",
+        )
+        == 200
+    )
     time.sleep(0.3)
     with httpx.Client(base_url=server.url, timeout=10) as c:
         record = c.get("/v1/requests/gone-e").json()

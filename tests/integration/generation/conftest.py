@@ -5,11 +5,17 @@ loaded its own), and one keyed `--generation on` server for the modules whose te
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
 from tests.conftest import LiveServer, start_server
+
+# Fixtures of other modules that modules here take as parameters, imported once here rather than into each of them
+# (an import there is shadowed by the parameter, which pyflakes rightly reports as F811): `model` (SmolLM2 on the
+# CPU, module-scoped as in test_static_decode) and `receiver` (the OTLP receiver of test_tracing).
+from tests.integration.backends.test_static_decode import model  # noqa: F401
+from tests.integration.test_tracing import receiver  # noqa: F401
 
 Reference = Callable[[list[str], int], dict[str, str]]
 KEYED_SLOTS = 4
@@ -28,15 +34,20 @@ def generate_reference() -> Reference:
     from batchserve.config import Settings
 
     source = source_dir(Settings(backend="smollm2"))
-    tokenizer, model = load_tokenizer(source), load_model("cpu", source)
+    tokenizer, lm = load_tokenizer(source), load_model("cpu", source)
 
     def answers(prompts: list[str], max_new: int) -> dict[str, str]:
         out = {}
         with torch.inference_mode():
             for text in prompts:
                 ids = torch.tensor(prompt_ids(tokenizer, [text]))
-                new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                     do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+                new = lm.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )[0, ids.shape[1] :]
                 out[text] = tokenizer.decode(new, skip_special_tokens=True).strip()
         return out
 
@@ -54,9 +65,23 @@ def keyed_generation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
 
     tmp = tmp_path_factory.mktemp("keyed-generation")
     config, keys = keyed(tmp, KEYED_TENANTS)
-    s = start_server("--devices", "1", "--generation", "on", "--generation-max-seqs", str(KEYED_SLOTS),
-                     "--generation-max-context", "1024", "--config", str(config), "--refused-per-s", "4",
-                     "--jobs-db", str(tmp / "jobs.db"), timeout=240)
+    s = start_server(
+        "--devices",
+        "1",
+        "--generation",
+        "on",
+        "--generation-max-seqs",
+        str(KEYED_SLOTS),
+        "--generation-max-context",
+        "1024",
+        "--config",
+        str(config),
+        "--refused-per-s",
+        "4",
+        "--jobs-db",
+        str(tmp / "jobs.db"),
+        timeout=240,
+    )
     try:
         yield s, keys
     finally:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from batchserve.generation.stepper import SamplingParams, TokenUpdate
-from tests.integration.backends.test_static_decode import PAD, model, prompts  # noqa: F401 - model is a fixture
+from tests.integration.backends.test_static_decode import PAD, prompts
 from tests.integration.generation.test_slot_decoder import alone, drive
 
 if TYPE_CHECKING:
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 def test_a_row_left_out_of_steps_keeps_its_state_and_goes_on_as_it_would_have(model: Any) -> None:
     from batchserve.generation.slot_decoder import SlotDecoder
+
     fg, bg = prompts(model, (5, 7), seed=31)
     params = SamplingParams(max_tokens=12, temperature=0)
     dec = SlotDecoder(model, slots=4, slot_tokens=40, eos_ids=[], pad_id=PAD)
@@ -55,9 +56,12 @@ class Alternate:
         return self.calls % 3 == 0
 
 
-def run_waves(stepper: SlotStepper, waves: list[list[tuple[str, list[int], SamplingParams, bool]]]) -> dict[str, list[int]]:
+def run_waves(
+    stepper: SlotStepper, waves: list[list[tuple[str, list[int], SamplingParams, bool]]]
+) -> dict[str, list[int]]:
     """Add each wave once every sequence of the one before has made a token (so background rows are live when
     foreground ones join); every sequence's tokens once all have finished."""
+
     async def main() -> dict[str, list[int]]:
         seen: dict[str, list[int]] = {}
         ended: set[str] = set()
@@ -95,6 +99,7 @@ def test_batch_rows_sitting_out_steps_beside_interactive_ones_answer_token_for_t
     sequence's tokens are what it makes alone."""
     from batchserve.generation.slot_decoder import SlotDecoder
     from batchserve.generation.slot_stepper import SlotStepper
+
     batch = prompts(model, (6, 9, 4), seed=41)
     chats = prompts(model, (3, 8, 5), seed=42)
     seeded = SamplingParams(max_tokens=30, temperature=1.2, top_p=0.9, seed=9, ignore_eos=True)
@@ -127,6 +132,7 @@ def test_the_gpu_layout_with_batch_rows_sitting_out_gives_the_same_tokens(model:
     below; the ledger's real decisions on measured times. Every sequence's tokens are its own alone."""
     from batchserve.generation.slot_decoder import SlotDecoder
     from batchserve.generation.slot_stepper import SlotStepper
+
     batch = prompts(model, (6, 9, 4, 7), seed=51)
     chats = prompts(model, (3, 8), seed=52)
     long = SamplingParams(max_tokens=24, temperature=0)

@@ -23,8 +23,9 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return hf_folders.causal_lm(tmp_path_factory.mktemp("lm") / "tiny-llama",
-                                generation={"temperature": 0.7, "top_p": 0.9, "do_sample": True})
+    return hf_folders.causal_lm(
+        tmp_path_factory.mktemp("lm") / "tiny-llama", generation={"temperature": 0.7, "top_p": 0.9, "do_sample": True}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,14 @@ def generate(reference: tuple[Any, Any], ids: list[int]) -> tuple[str, int, str]
 
     model, tok = reference
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
-    new = out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    new = out[0, len(ids) :].tolist()
     ended = bool(new) and new[-1] == tok.eos_token_id
     # A random model emits stray byte-level tokens: an answer may end inside a UTF-8 character, which `decode`
     # writes as U+FFFD and the server's incremental decoder (tokenizers' DecodeStream) holds back unsent.
@@ -57,8 +63,9 @@ def generate(reference: tuple[Any, Any], ids: list[int]) -> tuple[str, int, str]
 
 
 def chat_ids(reference: tuple[Any, Any], text: str) -> list[int]:
-    enc = reference[1].apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=True)
+    enc = reference[1].apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
@@ -76,8 +83,7 @@ def streamed(server: LiveServer, path: str, body: dict) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("i", range(len(CHATS)))
-def test_greedy_chat_equals_generate_whole_and_streamed(server: LiveServer, reference: tuple[Any, Any],
-                                                        i: int) -> None:
+def test_greedy_chat_equals_generate_whole_and_streamed(server: LiveServer, reference: tuple[Any, Any], i: int) -> None:
     want_text, want_tokens, want_finish = generate(reference, chat_ids(reference, CHATS[i]))
     body = {"messages": [{"role": "user", "content": CHATS[i]}], "temperature": 0, "max_tokens": MAX_TOKENS}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
@@ -91,22 +97,29 @@ def test_greedy_chat_equals_generate_whole_and_streamed(server: LiveServer, refe
 
 
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
-def test_greedy_completions_equal_generate_whole_and_streamed(server: LiveServer, reference: tuple[Any, Any],
-                                                              i: int) -> None:
+def test_greedy_completions_equal_generate_whole_and_streamed(
+    server: LiveServer, reference: tuple[Any, Any], i: int
+) -> None:
     ids = reference[1](PROMPTS[i], add_special_tokens=False)["input_ids"]
     want_text, want_tokens, want_finish = generate(reference, ids)
     body = {"prompt": PROMPTS[i], "temperature": 0, "max_tokens": MAX_TOKENS}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     got = r.json()
-    assert (got["choices"][0]["text"], got["usage"]["completion_tokens"], got["choices"][0]["finish_reason"]) == \
-        (want_text, want_tokens, want_finish)
+    assert (got["choices"][0]["text"], got["usage"]["completion_tokens"], got["choices"][0]["finish_reason"]) == (
+        want_text,
+        want_tokens,
+        want_finish,
+    )
     assert streamed(server, "/v1/completions", body) == (want_text, want_finish)
 
 
 def test_the_folders_sampling_defaults_are_logged_and_applied(server: LiveServer, reference: tuple[Any, Any]) -> None:
-    assert any("sampling defaults temperature=0.7 top_p=0.9 from the model's generation_config.json" in line
-               for line in server.log_lines), server.log()
+    assert any(
+        "sampling defaults temperature=0.7 top_p=0.9 from the model's generation_config.json" in line
+        for line in server.log_lines
+    ), server.log()
+
     # Left out, temperature and top_p are the folder's: a seeded answer equals the one asking 0.7 / 0.9 outright,
     # and differs from OpenAI's 1.0 / 1.0 for some seed.
     def text(seed: int, **params: float) -> str:

@@ -38,9 +38,24 @@ PROMPTS = [
 def started(tmp_path_factory: pytest.TempPathFactory, generate_reference: Reference):
     """(the server, the reference answers): the server loads and warms its model while `generate` answers
     PROMPTS here, in the test process (each alone took ~10 s of the suite, one after the other)."""
-    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW), "--generation-max-seqs", str(SLOTS),
-                     "--generation-max-context", "512", "--timeout-ms", "120000", "--max-timeout-ms", "300000",
-                     "--jobs-db", str(tmp_path_factory.mktemp("jobs") / "jobs.db"), ready=False, timeout=300)
+    s = start_server(
+        "--backend",
+        "smollm2",
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--generation-max-seqs",
+        str(SLOTS),
+        "--generation-max-context",
+        "512",
+        "--timeout-ms",
+        "120000",
+        "--max-timeout-ms",
+        "300000",
+        "--jobs-db",
+        str(tmp_path_factory.mktemp("jobs") / "jobs.db"),
+        ready=False,
+        timeout=300,
+    )
     try:
         answers = generate_reference(PROMPTS, MAX_NEW)
         s.wait_ready(300)
@@ -67,8 +82,7 @@ def infer(server: LiveServer, text: str, timeout_ms: int = 120000) -> httpx.Resp
     return httpx.post(server.url + "/v1/inference", json={"input": text, "timeout_ms": timeout_ms}, timeout=180)
 
 
-def test_mixed_prompts_beyond_the_slots_answer_as_generate_does(server: LiveServer,
-                                                                reference: dict[str, str]) -> None:
+def test_mixed_prompts_beyond_the_slots_answer_as_generate_does(server: LiveServer, reference: dict[str, str]) -> None:
     before = engine(server)["generated_tokens"]
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         answers = list(pool.map(lambda t: infer(server, t), PROMPTS))
@@ -84,8 +98,7 @@ def test_mixed_prompts_beyond_the_slots_answer_as_generate_does(server: LiveServ
     assert status["status"] == "completed" and status["batch_size"] == bodies[0]["batch_size"]
 
 
-def test_a_batch_job_of_inference_inputs_runs_on_the_stepper(server: LiveServer,
-                                                              reference: dict[str, str]) -> None:
+def test_a_batch_job_of_inference_inputs_runs_on_the_stepper(server: LiveServer, reference: dict[str, str]) -> None:
     inputs = PROMPTS[:4]
     before = engine(server)["generated_tokens"]
     with httpx.Client(base_url=server.url, timeout=30) as c:
@@ -104,12 +117,18 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_the_door(server: LiveServer
     # for one longer than that, so it is refused now with a hint, rather than failing with 504 later.
     # The holders stream, and hang up once the refusal is checked: their cancel frees the slots at once
     # instead of after the ~400 steps (25 s of the suite on 2 cores) that running them out took.
-    long = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    long = {
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     def cancelled() -> float:
-        return metric(httpx.get(server.url + "/metrics").text, "batchserve_generation_cancelled_total",
-                      reason="client_disconnect")
+        return metric(
+            httpx.get(server.url + "/metrics").text, "batchserve_generation_cancelled_total", reason="client_disconnect"
+        )
 
     before = cancelled()
     with httpx.Client(base_url=server.url, timeout=300) as c, contextlib.ExitStack() as holding:

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import LiveServer, start_server
 from tests.integration.inference.test_routes import metric
 from tests.integration.jobs.test_routes import finished, wait_for as wait_until
-from tests.integration.test_tracing import Receiver, attrs, receiver, wait_for  # noqa: F401 (receiver: the fixture)
+from tests.integration.test_tracing import Receiver, attrs, wait_for
 
 # answers, metrics, spans and log lines only, no timing: CI runs it in the parallel workers (.ci/run)
 pytestmark = [pytest.mark.slow, pytest.mark.parallel]
@@ -29,9 +29,20 @@ PROMPTS = ["Hi", "What is 2 + 2?", "Name a colour.", "Say yes."]
 def server(receiver: Receiver, tmp_path_factory: pytest.TempPathFactory):
     # No --timeout-ms / --slo-ms: the deadlines are derived, now from the stepper's answer time.
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.server_port}", "OTEL_BSP_SCHEDULE_DELAY": "50"}
-    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW), "--generation-max-seqs", str(SLOTS),
-                     "--generation-max-context", "256", "--jobs-db",
-                     str(tmp_path_factory.mktemp("jobs") / "jobs.db"), env=env, timeout=300)
+    s = start_server(
+        "--backend",
+        "smollm2",
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--generation-max-seqs",
+        str(SLOTS),
+        "--generation-max-context",
+        "256",
+        "--jobs-db",
+        str(tmp_path_factory.mktemp("jobs") / "jobs.db"),
+        env=env,
+        timeout=300,
+    )
     yield s
     s.stop()
 
@@ -57,8 +68,11 @@ def test_the_static_batch_backend_is_neither_loaded_nor_warmed(server: LiveServe
     assert httpx.get(server.url + "/readyz").status_code == 200
     # The deadlines left unset follow an answer's time on the stepper: (max_new_tokens + 2) warm-up steps.
     step = re.search(r"generation ready: .*, ([\d.]+) ms/step", log)
-    derived = re.search(r"deadlines from the stepper's answer time (\d+) ms: slo_ms=(\d+) \(derived\) "
-                        r"timeout_ms=(\d+) \(derived\)", log)
+    derived = re.search(
+        r"deadlines from the stepper's answer time (\d+) ms: slo_ms=(\d+) \(derived\) "
+        r"timeout_ms=(\d+) \(derived\)",
+        log,
+    )
     assert step and derived, log
     answer_ms, slo_ms, timeout_ms = (float(x) for x in derived.groups())
     assert answer_ms == pytest.approx((MAX_NEW + 2) * float(step.group(1)), abs=MAX_NEW + 2)  # ms/step rounded
@@ -75,8 +89,10 @@ def test_kserve_reads_the_shell_and_answers_through_the_stepper(server: LiveServ
     assert httpx.get(server.url + f"/v2/models/{name}/ready").status_code == 200
     assert httpx.get(server.url + f"/v2/models/{name}").json()["outputs"][0]["datatype"] == "BYTES"
     generated = httpx.get(server.url + "/internal/generation").json()["generated_tokens"]
-    body = {"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}],
-            "parameters": {"timeout": 60_000_000}}
+    body = {
+        "inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["Hi"]}],
+        "parameters": {"timeout": 60_000_000},
+    }
     r = httpx.post(server.url + f"/v2/models/{name}/infer", json=body, timeout=120)
     assert r.status_code == 200 and r.json()["outputs"][0]["data"][0], r.text
     assert httpx.get(server.url + "/internal/generation").json()["generated_tokens"] > generated  # the engine's
@@ -111,29 +127,37 @@ def test_stepper_answers_feed_the_batch_paths_histograms(server: LiveServer) -> 
     # The sums are the answers' own figures: rows joined, seconds queued and computing.
     assert grew("batchserve_batch_size_sum", model=model) == sum(b["batch_size"] for b in bodies)
     assert grew("batchserve_queue_wait_seconds_sum", model=model) == pytest.approx(
-        sum(b["queue_ms"] for b in bodies) / 1000, abs=0.002 * n)
+        sum(b["queue_ms"] for b in bodies) / 1000, abs=0.002 * n
+    )
     assert grew("batchserve_batch_compute_seconds_sum", model=model) == pytest.approx(
-        sum(b["compute_ms"] for b in bodies) / 1000, abs=0.002 * n)
+        sum(b["compute_ms"] for b in bodies) / 1000, abs=0.002 * n
+    )
     # A refusal is counted as one on the batch path is.
     refused = infer(server, "Hi", timeout_ms=1)
     assert refused.status_code == 504
-    assert metric(httpx.get(server.url + "/metrics").text, "batchserve_requests_total", model=model,
-                  status="504") >= 1
+    assert metric(httpx.get(server.url + "/metrics").text, "batchserve_requests_total", model=model, status="504") >= 1
 
 
 def test_stepper_answers_make_the_batch_paths_spans(server: LiveServer, receiver: Receiver) -> None:
     model = model_id(server)
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
-    r = httpx.post(server.url + "/v1/inference", json={"input": "Hi", "timeout_ms": 60000}, timeout=120,
-                   headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+    r = httpx.post(
+        server.url + "/v1/inference",
+        json={"input": "Hi", "timeout_ms": 60000},
+        timeout=120,
+        headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+    )
     assert r.status_code == 200, r.text
 
     def complete(spans):
         mine = [s for s in spans if s.trace_id.hex() == trace_id]
         request = [s for s in mine if s.name == "POST /v1/inference"]
         queue = [s for s in mine if s.name == "queue"]
-        batch = [s for s in spans if s.name == f"batch {model}" and request
-                 and any(link.span_id == request[0].span_id for link in s.links)]
+        batch = [
+            s
+            for s in spans
+            if s.name == f"batch {model}" and request and any(link.span_id == request[0].span_id for link in s.links)
+        ]
         return (request[0], queue[0], batch[0]) if request and queue and batch else None
 
     found, spans = wait_for(receiver, complete)
@@ -150,15 +174,30 @@ def test_stepper_answers_make_the_batch_paths_spans(server: LiveServer, receiver
     assert b["batchserve.path"] == "stepper" and b["batchserve.worker"] == "stepper"
     assert b["batchserve.batch.size"] == b["batchserve.stepper.rows"] == r.json()["batch_size"]
     assert 1 <= b["gen_ai.usage.output_tokens"] <= MAX_NEW
-    assert (batch.end_time_unix_nano - batch.start_time_unix_nano) / 1e6 == pytest.approx(r.json()["compute_ms"],
-                                                                                         abs=20.0)
+    assert (batch.end_time_unix_nano - batch.start_time_unix_nano) / 1e6 == pytest.approx(
+        r.json()["compute_ms"], abs=20.0
+    )
 
 
 def test_each_process_of_a_group_leaves_the_static_backend_unloaded(server_factory) -> None:
     # `--processes N` loads its models in each child before the runtime starts: the wiring hands them the choice.
-    s = server_factory("--backend", "smollm2", "--processes", "2", "--devices", "2", "--max-new-tokens",
-                       str(MAX_NEW), "--generation-max-seqs", "1", "--generation-max-context", "256",
-                       "--jobs-db", "", timeout=300)
+    s = server_factory(
+        "--backend",
+        "smollm2",
+        "--processes",
+        "2",
+        "--devices",
+        "2",
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--generation-max-seqs",
+        "1",
+        "--generation-max-context",
+        "256",
+        "--jobs-db",
+        "",
+        timeout=300,
+    )
     with httpx.Client(base_url=s.url, timeout=120) as c:
         wait_until(lambda: c.get("/readyz").status_code == 200, timeout=240, every=0.2)
         r = c.post("/v1/inference", json={"input": "Hi", "timeout_ms": 60000})

@@ -9,7 +9,7 @@ from batchserve.generation.engine import EngineConfig, build_stepper
 from batchserve.generation.manager_stepper import ManagerStepper
 from batchserve.generation.stepper import SamplingParams, TokenUpdate
 from tests.integration.generation.test_slot_decoder import run_updates
-from tests.integration.backends.test_static_decode import PAD, model, prompts, reference  # noqa: F401 - model is a fixture
+from tests.integration.backends.test_static_decode import PAD, prompts, reference
 
 
 class FakeTokenizer:
@@ -35,8 +35,9 @@ def test_manager_stepper_gives_generates_tokens_as_updates_and_cancels(model: An
         if u.seq_id == "c" and sum(len(x.tokens) for x in seen["c"]) >= 2 and not u.finished:
             stepper.cancel("c")
 
-    adds = [(name, p, SamplingParams(max_tokens=8 if name != "c" else 16, temperature=0))
-            for name, p in zip("abc", batch)]
+    adds = [
+        (name, p, SamplingParams(max_tokens=8 if name != "c" else 16, temperature=0)) for name, p in zip("abc", batch)
+    ]
     seen = run_updates(stepper, adds, {"a", "b"}, react=cancel_c)
     for name, p in zip("ab", batch):
         assert [t for u in seen[name] for t in u.tokens] == reference(model, [p], None, 8)[0]

@@ -39,8 +39,7 @@ def test_a_tenant_looping_refused_prompts_is_slowed_and_another_is_not(
             began = time.perf_counter()
             other = c.post("/v1/chat/completions", json=huge)
             other_s = time.perf_counter() - began
-            ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                      "max_tokens": 2})
+            ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         counted_at, counted = time.monotonic(), len(statuses)
         time.sleep(2.0)  # ~8 answers at 4 a second (~9 with one at each edge: 4.5/s), hundreds unslowed
         rate = (len(statuses) - counted) / (time.monotonic() - counted_at)

@@ -28,8 +28,14 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 MAX_NEW_TOKENS = 8
-CAPITALS = {"France": "Paris", "Germany": "Berlin", "Japan": "Tokyo", "England": "London", "Russia": "Moscow",
-            "China": "Beijing"}
+CAPITALS = {
+    "France": "Paris",
+    "Germany": "Berlin",
+    "Japan": "Tokyo",
+    "England": "London",
+    "Russia": "Moscow",
+    "China": "Beijing",
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +48,24 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def server(key: tuple[str, str], request: pytest.FixtureRequest):
     # /v1/inference on the static batch path (not the stepper, the default): the overlap test below is about
     # the batch path's model and the engine's never corrupting each other.
-    s = start_server("--backend", "smollm2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--generation-max-seqs", "4",
-                     "--generation-max-context", "512", "--generation-queue-timeout-ms", "10000",
-                     "--inference-path", "static", "--config", key[0], ready=False, timeout=180)
+    s = start_server(
+        "--backend",
+        "smollm2",
+        "--max-new-tokens",
+        str(MAX_NEW_TOKENS),
+        "--generation-max-seqs",
+        "4",
+        "--generation-max-context",
+        "512",
+        "--generation-queue-timeout-ms",
+        "10000",
+        "--inference-path",
+        "static",
+        "--config",
+        key[0],
+        ready=False,
+        timeout=180,
+    )
     s.key = key[1]  # type: ignore[attr-defined]
     try:
         # the session's in-process SmolLM2 (the static path's test below compares with it) loads meanwhile
@@ -58,6 +79,7 @@ def server(key: tuple[str, str], request: pytest.FixtureRequest):
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
     import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0, timeout=60)
 
 
@@ -105,8 +127,16 @@ def test_chat(client: openai.OpenAI) -> None:
 
 
 def test_chat_stream(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model=MODEL, messages=ask("France"), temperature=0, max_tokens=24,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ask("France"),
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text
@@ -124,15 +154,19 @@ def test_completions(client: openai.OpenAI) -> None:
 
 
 def test_completions_stream(client: openai.OpenAI) -> None:
-    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
-                                            max_tokens=5, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, stream=True
+        )
+    )
     assert "Paris" in "".join(c.choices[0].text for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=ask("France"), temperature=0, max_tokens=24,
-                                       stop=["Paris"])
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask("France"), temperature=0, max_tokens=24, stop=["Paris"]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content.startswith("The capital of France is")
     assert "Paris" not in r.choices[0].message.content
@@ -140,8 +174,15 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
 
 def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
     def draw(seed: int) -> str:
-        r = client.chat.completions.create(model=MODEL, messages=ask("Japan"), temperature=1.0, top_p=0.95,
-                                           seed=seed, max_tokens=12, extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=ask("Japan"),
+            temperature=1.0,
+            top_p=0.95,
+            seed=seed,
+            max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
         return r.choices[0].message.content
 
     first = draw(7)
@@ -151,15 +192,16 @@ def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
 
 def test_concurrent_streams_all_complete_with_sensible_text(server: LiveServer) -> None:
     import openai
+
     async def one(c: openai.AsyncOpenAI, country: str) -> str:
-        stream = await c.chat.completions.create(model=MODEL, messages=ask(country), temperature=0, max_tokens=24,
-                                                 stream=True)
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=ask(country), temperature=0, max_tokens=24, stream=True
+        )
         parts = [chunk.choices[0].delta.content or "" async for chunk in stream]
         return "".join(parts)
 
     async def main() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0,
-                                      timeout=90) as c:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.key, max_retries=0, timeout=90) as c:
             return await asyncio.gather(*(one(c, country) for country in CAPITALS))
 
     texts = asyncio.run(main())  # 6 streams, 4 slots: two wait for a slot, then run
@@ -171,8 +213,9 @@ def test_concurrent_streams_all_complete_with_sensible_text(server: LiveServer) 
 def test_disconnect_mid_stream_frees_its_slot(server: LiveServer, client: openai.OpenAI) -> None:
     before = metric(server, 'batchserve_generation_cancelled_total{reason="client_disconnect"}')
     tokens_before = wait_idle(server, 5)["generated_tokens"]
-    stream = client.chat.completions.create(model=MODEL, messages=ask("China"), temperature=0, max_tokens=400,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ask("China"), temperature=0, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
     it = iter(stream)
     for _ in range(3):
         next(it)
@@ -189,9 +232,13 @@ def test_disconnect_mid_stream_frees_its_slot(server: LiveServer, client: openai
 
 def test_request_behind_full_slots_gets_503_not_a_long_wait(server: LiveServer, client: openai.OpenAI) -> None:
     import openai
-    streams = [client.chat.completions.create(model=MODEL, messages=ask(c), temperature=0, max_tokens=450,
-                                              stream=True, extra_body={"ignore_eos": True})
-               for c in ("France", "Germany", "Japan", "England")]
+
+    streams = [
+        client.chat.completions.create(
+            model=MODEL, messages=ask(c), temperature=0, max_tokens=450, stream=True, extra_body={"ignore_eos": True}
+        )
+        for c in ("France", "Germany", "Japan", "England")
+    ]
     try:
         for s in streams:  # all 4 slots hold a 450-token sequence
             next(iter(s))
@@ -208,20 +255,24 @@ def test_request_behind_full_slots_gets_503_not_a_long_wait(server: LiveServer, 
     wait_idle(server, 5)
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"temperature": 2.5}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ({"logprobs": True}, "logprobs"),
-    ({"seed": "seven"}, "seed"),
-    ({"presence_penalty": 1.0}, "presence_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"logprobs": True}, "logprobs"),
+        ({"seed": "seven"}, "seed"),
+        ({"presence_penalty": 1.0}, "presence_penalty"),
+    ],
+)
 def test_bad_parameters_get_400_in_openai_shape(client: openai.OpenAI, kwargs: dict, param: str) -> None:
     import openai
+
     body = {"model": MODEL, "messages": ask("France"), "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**body)
@@ -234,6 +285,7 @@ def test_a_long_prompt_without_max_tokens_runs_to_the_end_of_the_context(client:
     """Each sequence holds 512 tokens here: 500 prompt tokens leave 12 (OpenAI's rule when max_tokens is not
     given); asking for more than fits is a 400 that says so."""
     import openai
+
     prompt = [(i * 7919) % 40000 + 100 for i in range(500)]
     r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
@@ -244,6 +296,7 @@ def test_a_long_prompt_without_max_tokens_runs_to_the_end_of_the_context(client:
 
 def test_bad_completion_prompt_and_unknown_model(client: openai.OpenAI) -> None:
     import openai
+
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="", max_tokens=4)
     assert err.value.param == "prompt"
@@ -253,8 +306,11 @@ def test_bad_completion_prompt_and_unknown_model(client: openai.OpenAI) -> None:
 
 
 def test_not_json_gets_openai_error_shape(server: LiveServer) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{nope",
-                   headers={"content-type": "application/json", **auth(server)})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{nope",
+        headers={"content-type": "application/json", **auth(server)},
+    )
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -266,14 +322,23 @@ def test_answers_match_the_published_openapi_schemas(server: LiveServer) -> None
     def check(name: str, value: dict) -> None:
         jsonschema.Draft202012Validator({**doc, "$ref": f"#/components/schemas/{name}"}).validate(value)
 
-    ok = httpx.post(server.url + "/v1/chat/completions", timeout=30, headers=auth(server),
-                    json={"model": MODEL, "messages": ask("France"), "temperature": 0, "max_tokens": 4})
+    ok = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        headers=auth(server),
+        json={"model": MODEL, "messages": ask("France"), "temperature": 0, "max_tokens": 4},
+    )
     check("ChatCompletion", ok.json())
-    ok = httpx.post(server.url + "/v1/completions", timeout=30, headers=auth(server),
-                    json={"model": MODEL, "prompt": "Hi", "temperature": 0, "max_tokens": 2})
+    ok = httpx.post(
+        server.url + "/v1/completions",
+        timeout=30,
+        headers=auth(server),
+        json={"model": MODEL, "prompt": "Hi", "temperature": 0, "max_tokens": 2},
+    )
     check("Completion", ok.json())
-    bad = httpx.post(server.url + "/v1/completions", headers=auth(server),
-                     json={"model": MODEL, "prompt": "Hi", "top_p": 7})
+    bad = httpx.post(
+        server.url + "/v1/completions", headers=auth(server), json={"model": MODEL, "prompt": "Hi", "top_p": 7}
+    )
     assert bad.status_code == 400
     check("OpenAIError", bad.json())
     check("GenerationStatus", httpx.get(server.url + "/internal/generation").json())
@@ -281,6 +346,7 @@ def test_answers_match_the_published_openapi_schemas(server: LiveServer) -> None
 
 def test_wrong_key_gets_401_in_openai_shape(server: LiveServer) -> None:
     import openai
+
     stranger = openai.OpenAI(base_url=server.url + "/v1", api_key="bs_not-a-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as err:
         stranger.chat.completions.create(model=MODEL, messages=ask("France"), max_tokens=4)
@@ -292,15 +358,26 @@ def test_inference_during_and_after_a_long_stream_answers_right(server: LiveServ
     """Generation and the batch path never corrupt each other (issue 9 §1): they once shared one model object,
     and the engine's steps flipped `config.is_causal` under the batch's `generate` ("The capital of France is
     France.", and so on for every later answer)."""
+
     def inference(question: str) -> str:
-        r = httpx.post(server.url + "/v1/inference", json={"input": question, "timeout_ms": 60000},
-                       headers=auth(server), timeout=120)
+        r = httpx.post(
+            server.url + "/v1/inference",
+            json={"input": question, "timeout_ms": 60000},
+            headers=auth(server),
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         return r.json()["output"]
 
     wait_idle(server, 5)
-    stream = client.chat.completions.create(model=MODEL, messages=ask("Germany"), temperature=0, max_tokens=400,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ask("Germany"),
+        temperature=0,
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     chunks = iter(stream)
     text = [next(chunks).choices[0].delta.content or "" for _ in range(3)]
     during = [inference("What is the capital of France?"), inference("What is the capital of Japan?")]
@@ -318,15 +395,27 @@ def test_inference_during_and_after_a_long_stream_answers_right(server: LiveServ
 
 
 def test_chat_and_completion_without_model_use_the_served_one(server: LiveServer) -> None:
-    chat = httpx.post(server.url + "/v1/chat/completions", headers=auth(server), timeout=60,
-                      json={"messages": ask("France"), "temperature": 0, "max_tokens": 24})
+    chat = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers=auth(server),
+        timeout=60,
+        json={"messages": ask("France"), "temperature": 0, "max_tokens": 24},
+    )
     assert chat.status_code == 200, chat.text
     assert chat.json()["model"] == MODEL and "Paris" in chat.json()["choices"][0]["message"]["content"]
-    completion = httpx.post(server.url + "/v1/completions", headers=auth(server), timeout=60,
-                            json={"prompt": "The capital of France is", "temperature": 0, "max_tokens": 5})
+    completion = httpx.post(
+        server.url + "/v1/completions",
+        headers=auth(server),
+        timeout=60,
+        json={"prompt": "The capital of France is", "temperature": 0, "max_tokens": 5},
+    )
     assert completion.status_code == 200 and "Paris" in completion.json()["choices"][0]["text"]
-    empty = httpx.post(server.url + "/v1/chat/completions", headers=auth(server), timeout=60,
-                       json={"model": "", "messages": ask("France"), "max_tokens": 4})
+    empty = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers=auth(server),
+        timeout=60,
+        json={"model": "", "messages": ask("France"), "max_tokens": 4},
+    )
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "model"
 
 
@@ -338,8 +427,9 @@ def test_the_static_path_answers_as_generate_does(server: LiveServer, generate_r
     reference = generate_reference(prompts, MAX_NEW_TOKENS)
     before = wait_idle(server, 5)["generated_tokens"]
     for text in prompts:  # one at a time: batches of one, as `generate` ran them
-        r = httpx.post(server.url + "/v1/inference", json={"input": text, "timeout_ms": 60000}, headers=auth(server),
-                       timeout=120)
+        r = httpx.post(
+            server.url + "/v1/inference", json={"input": text, "timeout_ms": 60000}, headers=auth(server), timeout=120
+        )
         assert r.status_code == 200 and r.json()["output"] == reference[text], (r.text, reference[text])
     assert engine_stats(server)["generated_tokens"] == before  # the engine is on, and untouched: the batcher answered
 
@@ -353,11 +443,20 @@ def test_the_ledger_books_each_answer_with_its_tokens(server: LiveServer, client
     """The SLO ledger on the generation routes (issue 33): each answer once, an outcome by its time to the first
     token, cost served = prompt + completion tokens (the answers' own usage), a 400 not an outcome."""
     import openai
+
     wait_idle(server, 5)
     before = usage_of(server)
     chat = client.chat.completions.create(model=MODEL, messages=ask("Japan"), temperature=0, max_tokens=8)
-    chunks = list(client.completions.create(model=MODEL, prompt="The capital of Italy is", temperature=0,
-                                            max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The capital of Italy is",
+            temperature=0,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=ask("France"), max_tokens=0)
     tokens = chat.usage.total_tokens + chunks[-1].usage.total_tokens

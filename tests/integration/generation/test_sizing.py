@@ -15,23 +15,25 @@ import pytest
 
 from batchserve.generation.stepper import SamplingParams
 from tests.integration.generation.test_slot_decoder import alone, run_stepper
-from tests.integration.backends.test_static_decode import PAD, model, prompts  # noqa: F401 - model is a fixture
+from tests.integration.backends.test_static_decode import PAD, prompts
 
 
-def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:  # noqa: F811
+def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:
     from batchserve.generation.slot_decoder import SlotDecoder
+
     dec = SlotDecoder(model, slots=1100, slot_tokens=128, eos_ids=[], pad_id=PAD, fixed_shapes=True)
     rows = sorted({r for r, _ in dec.shapes()})
     assert rows[-3:] == [768, 1024, 1100] and dec.shape(1025, 5) == (1100, 128) and dec.shape(300, 5) == (384, 128)
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["exact", "gpu-layout"])
-def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: Any, fixed: bool) -> None:  # noqa: F811
+def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: Any, fixed: bool) -> None:
     """A 23-token prompt prefilled in pieces of 7, 7, 7, 2 while another sequence decodes in a lower slot
     (and its held row runs along in the steps between pieces), then both decode to the end: each gets what
     `generate` gives it alone. `gpu-layout`: padded rows, widths and spans as CUDA graphs run them, later
     pieces attending to the whole slot."""
     from batchserve.generation.slot_decoder import SlotDecoder
+
     short, long = prompts(model, (5, 23), seed=31)
     greedy = SamplingParams(max_tokens=10, temperature=0)
     dec = SlotDecoder(model, slots=4, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=fixed, chunk_tokens=7)
@@ -43,8 +45,9 @@ def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: A
     while len(got[0]) < 10 or len(got[2]) < 10:
         if done_tokens < len(long):
             n = min(7, len(long) - done_tokens)
-            first, ended = dec.prefill([2], [long[done_tokens:done_tokens + n]], [greedy], [done_tokens],
-                                       [done_tokens + n == len(long)])
+            first, ended = dec.prefill(
+                [2], [long[done_tokens : done_tokens + n]], [greedy], [done_tokens], [done_tokens + n == len(long)]
+            )
             done_tokens += n
             if done_tokens == len(long):
                 got[2] += first
@@ -63,13 +66,14 @@ def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: A
     assert got[2] == alone(model, long, None, 10)
 
 
-def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model: Any) -> None:  # noqa: F811
+def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model: Any) -> None:
     """One sequence runs; then a burst of eight joins, two of them longer than a piece, arrives with more
     sequences than slots. Between two decode steps the stepper prefills at most its step budget (the old
     behaviour prefilled the whole burst before the next step), long prompts go in pieces, and every sequence
     ends with `generate`'s tokens."""
     from batchserve.generation.slot_decoder import SlotDecoder
     from batchserve.generation.slot_stepper import SlotStepper
+
     batch = prompts(model, (3, 6, 5, 19, 4, 7, 22, 2, 5), seed=41)
     limits = [14, 6, 6, 6, 6, 6, 6, 6, 6]
     dec = SlotDecoder(model, slots=6, slot_tokens=48, eos_ids=[], pad_id=PAD, prefill_tokens=64, chunk_tokens=8)
@@ -92,13 +96,13 @@ def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model
         assert got[str(i)] == alone(model, p, None, n), i
     assert stepper.pieces > len(batch)  # the 19- and 22-token prompts went in pieces of 8
     between, worst = 0, 0
-    for kind, tokens in events[events.index(("step", 0)):]:
+    for kind, tokens in events[events.index(("step", 0)) :]:
         between = 0 if kind == "step" else between + tokens
         worst = max(worst, between)
     assert 0 < worst <= 10
 
 
-def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> None:  # noqa: F811
+def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> None:
     """Driven by hand (no thread): a 13-token prompt prefilled 4 tokens a step is cancelled after its first
     piece; its slot is free and held, nothing is reported for it, and the next sequence in that slot gets
     `generate`'s tokens."""
@@ -120,7 +124,7 @@ def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> N
 
 
 def test_another_tenants_long_prompt_is_prefilled_between_a_chats_steps_and_both_decode_as_generate(
-    model: Any,  # noqa: F811
+    model: Any,
 ) -> None:
     """Tenant a's 24-token prompt (pieces of 8) is under way when tenant b's 5-token chat joins: b's prompt is
     prefilled first, and from then on a's pieces go only as the prefill ledger affords (`prefill_share`; the

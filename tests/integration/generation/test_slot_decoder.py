@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import pytest
 
 from batchserve.generation.stepper import SamplingParams, TokenUpdate
-from tests.integration.backends.test_static_decode import PAD, an_eos, model, prompts, reference  # noqa: F401 - model is a fixture
+from tests.integration.backends.test_static_decode import PAD, an_eos, prompts, reference
 
 if TYPE_CHECKING:
     from batchserve.generation.slot_decoder import SlotDecoder
@@ -46,8 +47,13 @@ def drive(dec: SlotDecoder, work: list[tuple[int, list[int], SamplingParams]]) -
             else:
                 live[slot] = [i, len(work[i][1])]
         if live:
-            tokens, done = dec.collect(dec.launch(max(live) + 1, max(p for _, p in live.values()) + 1,
-                                                  any(not work[i][2].greedy for i, _ in live.values())))
+            tokens, done = dec.collect(
+                dec.launch(
+                    max(live) + 1,
+                    max(p for _, p in live.values()) + 1,
+                    any(not work[i][2].greedy for i, _ in live.values()),
+                )
+            )
             for slot in list(live):
                 got[live[slot][0]].append(tokens[slot])
                 live[slot][1] += 1
@@ -63,11 +69,13 @@ def test_greedy_tokens_are_generates_whatever_joins_and_leaves(model: Any) -> No
     """Six prompts of mixed lengths through three slots: they join at different steps, reuse freed slots, end
     at an EOS or at their own max_tokens, and each gets exactly what `generate` gives it alone."""
     from batchserve.generation.slot_decoder import SlotDecoder
+
     batch = prompts(model, (5, 9, 3, 12, 1, 7))
     eos = an_eos(model, batch)
     limits = [12, 5, 12, 9, 12, 3]
-    work = [(join, p, SamplingParams(max_tokens=n, temperature=0))
-            for join, p, n in zip((0, 0, 2, 3, 3, 7), batch, limits)]
+    work = [
+        (join, p, SamplingParams(max_tokens=n, temperature=0)) for join, p, n in zip((0, 0, 2, 3, 3, 7), batch, limits)
+    ]
     dec = SlotDecoder(model, slots=3, slot_tokens=32, eos_ids=[eos], pad_id=PAD)
     dec.warm()
     got = drive(dec, work)
@@ -80,6 +88,7 @@ def test_the_gpu_layout_pads_rows_and_spans_without_changing_a_token(model: Any)
     """The shapes CUDA graphs use, checked on the CPU: rows padded up to a row bucket (idle slots run along,
     held by their done flag) and the attended span up to a span bucket (masked)."""
     from batchserve.generation.slot_decoder import SlotDecoder
+
     batch = prompts(model, (5, 9, 3, 12, 1, 7, 2, 6, 4, 8), seed=4)
     work = [(join, p, SamplingParams(max_tokens=10, temperature=0)) for join, p in zip(range(0, 20, 2), batch)]
     dec = SlotDecoder(model, slots=12, slot_tokens=160, eos_ids=[], pad_id=PAD, fixed_shapes=True)
@@ -91,6 +100,7 @@ def test_the_gpu_layout_pads_rows_and_spans_without_changing_a_token(model: Any)
 
 def test_prefill_of_several_prompts_at_once_gives_the_same_tokens(model: Any) -> None:
     from batchserve.generation.slot_decoder import SlotDecoder
+
     batch = prompts(model, (4, 11, 2))
     dec = SlotDecoder(model, slots=4, slot_tokens=32, eos_ids=[], pad_id=PAD)
     first, done = dec.prefill([2, 0, 3], batch, [GREEDY] * 3)
@@ -101,6 +111,7 @@ def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model
     """The GPU's prefill layout on the CPU: three joins padded up to 4 rows and 16 tokens; the padding row
     writes into the scratch slot past the last real one, and the three sequences decode as `generate` does."""
     from batchserve.generation.slot_decoder import SlotDecoder
+
     batch = prompts(model, (4, 11, 2), seed=12)
     dec = SlotDecoder(model, slots=6, slot_tokens=48, eos_ids=[], pad_id=PAD, fixed_shapes=True)
     assert dec.prefill_shape(3, 11) == (4, 32) and dec.scratch == 6
@@ -126,6 +137,7 @@ def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model
 def test_a_released_slot_is_held_still(model: Any) -> None:
     """A cancelled sequence's row stops where it is (a row left running would walk its position past the slot)."""
     from batchserve.generation.slot_decoder import SlotDecoder
+
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     dec.prefill([0, 1], prompts(model, (3, 4)), [GREEDY] * 2)
     dec.release([1])
@@ -136,6 +148,7 @@ def test_a_released_slot_is_held_still(model: Any) -> None:
 
 def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> None:
     from batchserve.generation.slot_decoder import SlotDecoder
+
     prompt = prompts(model, (6,))[0]
     seeded = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.9, seed=1234)
     dec = SlotDecoder(model, slots=4, slot_tokens=32, eos_ids=[], pad_id=PAD)
@@ -150,9 +163,13 @@ def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> N
 
 def test_greedy_rows_beside_sampled_rows_keep_generates_tokens(model: Any) -> None:
     from batchserve.generation.slot_decoder import SlotDecoder
+
     batch = prompts(model, (5, 7, 2))
-    work = [(0, batch[0], GREEDY), (0, batch[1], SamplingParams(max_tokens=12, temperature=1.0)),
-            (1, batch[2], SamplingParams(max_tokens=12, temperature=0.7, top_p=1e-6))]
+    work = [
+        (0, batch[0], GREEDY),
+        (0, batch[1], SamplingParams(max_tokens=12, temperature=1.0)),
+        (1, batch[2], SamplingParams(max_tokens=12, temperature=0.7, top_p=1e-6)),
+    ]
     got = drive(SlotDecoder(model, slots=3, slot_tokens=32, eos_ids=[], pad_id=PAD), work)
     assert got[0] == alone(model, batch[0], None, 12)
     assert got[2] == alone(model, batch[2], None, 12)  # top_p that small keeps only the top token: greedy
@@ -165,6 +182,7 @@ def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
     import torch
 
     from batchserve.generation.slot_decoder import SlotDecoder
+
     batch = prompts(model, (3, 6))
     for sampling in (True,):
         traced = SlotDecoder(model, slots=4, slot_tokens=16, eos_ids=[], pad_id=PAD)
@@ -182,6 +200,7 @@ def test_the_prefill_traces_as_one_graph(model: Any) -> None:
     import torch
 
     from batchserve.generation.slot_decoder import SlotDecoder
+
     batch = prompts(model, (3, 6))
     for sampling in (True,):  # as for the step: the greedy variant's ops are a subset
         params = [SamplingParams(max_tokens=8, temperature=0.0 if not sampling else 1.0, seed=7)] * 2
@@ -197,6 +216,7 @@ def test_no_cuda_capture_without_cuda(model: Any, monkeypatch: pytest.MonkeyPatc
     import torch
 
     from batchserve.generation.slot_decoder import SlotDecoder
+
     def refuse(*a: Any, **kw: Any) -> None:
         raise AssertionError("a CUDA graph was asked for on the CPU")
 
@@ -213,6 +233,7 @@ def test_a_failed_capture_leaves_the_steps_eager(model: Any, monkeypatch: pytest
     import torch
 
     from batchserve.generation.slot_decoder import SlotDecoder
+
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     dec.use_graphs = dec.fixed_shapes = True  # as on CUDA
 
@@ -235,6 +256,7 @@ def test_the_capture_records_every_bucket_of_step_and_prefill(model: Any, monkey
     import torch
 
     from batchserve.generation.slot_decoder import SlotDecoder
+
     recorded: list[str] = []
 
     class Stream:
@@ -253,12 +275,16 @@ def test_the_capture_records_every_bucket_of_step_and_prefill(model: Any, monkey
         recorded.append("capture")
         yield
 
-    for name, fake in (("graph_pool_handle", lambda: "pool"), ("Stream", lambda *a: Stream()),
-                       ("current_stream", lambda *a: Stream()), ("stream", lambda s: contextlib.nullcontext()),
-                       ("graph", graph), ("CUDAGraph", Graph)):
+    for name, fake in (
+        ("graph_pool_handle", lambda: "pool"),
+        ("Stream", lambda *a: Stream()),
+        ("current_stream", lambda *a: Stream()),
+        ("stream", lambda s: contextlib.nullcontext()),
+        ("graph", graph),
+        ("CUDAGraph", Graph),
+    ):
         monkeypatch.setattr(torch.cuda, name, fake)
-    dec = SlotDecoder(model, slots=20, slot_tokens=300, eos_ids=[], pad_id=PAD, fixed_shapes=True,
-                      prefill_tokens=2048)
+    dec = SlotDecoder(model, slots=20, slot_tokens=300, eos_ids=[], pad_id=PAD, fixed_shapes=True, prefill_tokens=2048)
     dec._capture()
     assert set(dec.graphs) == {(r, s, g) for r, s in dec.shapes() for g in (False, True)}
     assert set(dec.prefill_graphs) == {(r, w, g) for r, w in dec.prefill_shapes() for g in (False, True)}
@@ -276,6 +302,7 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
     while it runs and one before it could join. The rest end with `generate`'s tokens, one update per token."""
     from batchserve.generation.slot_decoder import SlotDecoder
     from batchserve.generation.slot_stepper import SlotStepper
+
     batch = prompts(model, (5, 9, 3, 12, 1, 7, 4), seed=2)
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD, prefill_tokens=8)
     stepper = SlotStepper(dec, step_s=dec.warm())
@@ -286,8 +313,13 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
             waiting_for.discard("s0")
 
     adds = [(f"s{i}", p, SamplingParams(max_tokens=10, temperature=0)) for i, p in enumerate(batch)]
-    seen = run_updates(stepper, adds, {f"s{i}" for i in range(len(batch))} - {"s5"}, react=cancel_s0,
-                       after_adds=lambda: stepper.cancel("s5"))  # 2 slots: s5 is still waiting to join
+    seen = run_updates(
+        stepper,
+        adds,
+        {f"s{i}" for i in range(len(batch))} - {"s5"},
+        react=cancel_s0,
+        after_adds=lambda: stepper.cancel("s5"),
+    )  # 2 slots: s5 is still waiting to join
     assert not stepper.is_running() and stepper.failure is None and stepper.kv_usage() == 0
     assert "s5" not in seen
     assert 3 <= len(seen["s0"]) < 10 and not any(u.finished for u in seen["s0"])
@@ -297,12 +329,18 @@ def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_o
         assert [t for u in updates for t in u.tokens] == alone(model, batch[i], None, 10)
 
 
-def run_updates(stepper: Any, adds: list[tuple[str, list[int], SamplingParams]], waiting_for: set[str],
-                react: Callable[[TokenUpdate, dict[str, list[TokenUpdate]], set[str]], None] | None = None,
-                after_adds: Callable[[], None] | None = None, pause_s: float = 0.0) -> dict[str, list[TokenUpdate]]:
+def run_updates(
+    stepper: Any,
+    adds: list[tuple[str, list[int], SamplingParams]],
+    waiting_for: set[str],
+    react: Callable[[TokenUpdate, dict[str, list[TokenUpdate]], set[str]], None] | None = None,
+    after_adds: Callable[[], None] | None = None,
+    pause_s: float = 0.0,
+) -> dict[str, list[TokenUpdate]]:
     """Run a stepper (either kind) on an event loop: add each (id, prompt, params), `pause_s` apart, then call
     `after_adds`; hand every update to `react` (which may cancel, and take the id out of `waiting_for`); stop
     once every id in `waiting_for` has finished. Each id's updates."""
+
     async def main() -> dict[str, list[TokenUpdate]]:
         seen: dict[str, list[TokenUpdate]] = {}
         done = asyncio.Event()
@@ -346,6 +384,7 @@ def test_long_sequences_left_in_high_slots_move_down_without_changing_a_token(mo
     have been."""
     from batchserve.generation.slot_decoder import SlotDecoder
     from batchserve.generation.slot_stepper import SlotStepper
+
     short = prompts(model, (1, 2, 3, 4, 5, 6), seed=8)
     long = prompts(model, (9, 12), seed=9)
     seeded = SamplingParams(max_tokens=14, temperature=1.3, top_p=0.9, seed=42)
@@ -368,14 +407,16 @@ def test_the_gpu_configuration_end_to_end_on_the_cpu(model: Any) -> None:
     greedy and seeded, each against its reference."""
     from batchserve.generation.slot_decoder import SlotDecoder
     from batchserve.generation.slot_stepper import SlotStepper
+
     batch = prompts(model, tuple(1 + (i * 7) % 15 for i in range(20)), seed=21)
     limits = [4 if i % 3 else 14 for i in range(20)]
     # seeded draws at top_p 0.9: among the likely tokens, where the rounding differences between batch shapes
     # cannot move a draw to a neighbouring token (in a flat tail they can: see sampling.choose_tokens)
-    params = [SamplingParams(max_tokens=n, temperature=1.1 if i % 4 == 0 else 0, top_p=0.9, seed=i)
-              for i, n in enumerate(limits)]
-    dec = SlotDecoder(model, slots=12, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=True,
-                      prefill_tokens=128)
+    params = [
+        SamplingParams(max_tokens=n, temperature=1.1 if i % 4 == 0 else 0, top_p=0.9, seed=i)
+        for i, n in enumerate(limits)
+    ]
+    dec = SlotDecoder(model, slots=12, slot_tokens=40, eos_ids=[], pad_id=PAD, fixed_shapes=True, prefill_tokens=128)
     stepper = SlotStepper(dec, step_s=0.01, join_batch=3)
     got = run_stepper(stepper, list(zip(batch, params)))
     for i, (p, q) in enumerate(zip(batch, params)):
@@ -389,11 +430,14 @@ def test_the_gpu_configuration_end_to_end_on_the_cpu(model: Any) -> None:
 def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
     from batchserve.generation.slot_decoder import SlotDecoder
     from batchserve.generation.slot_stepper import SlotStepper
+
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     stepper = SlotStepper(dec, step_s=0.01)
     good = prompts(model, (4,))[0]
-    adds = [("bad", [model.config.vocab_size + 5], SamplingParams(max_tokens=4, temperature=0)),
-            ("good", good, SamplingParams(max_tokens=4, temperature=0))]
+    adds = [
+        ("bad", [model.config.vocab_size + 5], SamplingParams(max_tokens=4, temperature=0)),
+        ("good", good, SamplingParams(max_tokens=4, temperature=0)),
+    ]
     seen = run_updates(stepper, adds, {"bad", "good"}, pause_s=0.2)
     assert seen["bad"][-1].error and seen["bad"][-1].tokens == []
     assert [t for u in seen["good"] for t in u.tokens] == alone(model, good, None, 4)
@@ -414,18 +458,32 @@ def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
     source = source_dir(Settings(backend="smollm2"))
     tok = load_tokenizer(source)
     mdl = load_model("cpu", source)
-    questions = ["What is the capital of France?", "Hi",
-                 "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
-                 "2+2="]
-    chats = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"]) for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "Hi",
+        "Write one sentence about the sea and the wind, for a child who has never seen either of them.",
+        "2+2=",
+    ]
+    chats = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
     new = 24
     want = []
     with torch.inference_mode():
         for ids in chats:
-            out = mdl.generate(input_ids=torch.tensor([ids]), max_new_tokens=new, do_sample=False,
-                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-            row = out[0, len(ids):].tolist()
+            out = mdl.generate(
+                input_ids=torch.tensor([ids]),
+                max_new_tokens=new,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+            row = out[0, len(ids) :].tolist()
             want.append(row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
     assert any(len(w) < new for w in want) and any(len(w) == new for w in want)
     dec = SlotDecoder(mdl, slots=3, slot_tokens=256, eos_ids=[tok.eos_token_id], pad_id=tok.eos_token_id)
@@ -441,9 +499,12 @@ def test_a_sequence_dropped_and_resumed_from_its_tokens_goes_on_as_it_would_have
     a seeded draw keyed by the same token index, and it ends at the same max_tokens. Without `resumed` the
     seeded draws restart from index 0 and the length end comes max_tokens after the pause."""
     from batchserve.generation.slot_decoder import SlotDecoder
+
     prompt, other = prompts(model, (6, 9), seed=11)
-    for params in (SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                   SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)):
+    for params in (
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
+    ):
         dec = SlotDecoder(model, slots=2, slot_tokens=40, eos_ids=[1], pad_id=PAD)
         dec.warm()
         whole = drive(dec, [(0, prompt, params)])[0]

@@ -30,8 +30,7 @@ MAX_TIMEOUT_MS = 60000
 COMFORTABLE_MS = 5000  # a deadline this long is always enough on the idle test server
 MODELS_OK = {"sim", "sim@v1"}
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                database=None)
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 
 
 # -- the live server and the schemas it publishes ------------------------------------------------------------
@@ -66,10 +65,16 @@ def schemas(client: httpx.Client) -> Schemas:
     def validator(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
         return jsonschema.Draft202012Validator({**doc, **schema})  # the document is the root for its $refs
 
-    by_status = {int(k): validator(v["content"]["application/json"]["schema"])
-                 for k, v in responses.items() if k.isdigit() and k != "200"}
-    return Schemas(error=validator({"$ref": "#/components/schemas/Error"}), by_status=by_status,
-                   ok=validator({"$ref": "#/components/schemas/InferenceResponse"}))
+    by_status = {
+        int(k): validator(v["content"]["application/json"]["schema"])
+        for k, v in responses.items()
+        if k.isdigit() and k != "200"
+    }
+    return Schemas(
+        error=validator({"$ref": "#/components/schemas/Error"}),
+        by_status=by_status,
+        ok=validator({"$ref": "#/components/schemas/InferenceResponse"}),
+    )
 
 
 # -- the oracle: docs/contract.md#errors, field by field ---------------------------------------------------------------
@@ -79,8 +84,11 @@ def allowed(body: bytes, content_type: str | None) -> set[int]:
     JSON; any other (text/json, application/notjson) 400."""
     content_type = (content_type or "").strip()  # HTTP trims header values; an empty one says nothing
     media = content_type.split(";")[0].strip().lower()
-    if media and media != "application/json" and not (
-            media.startswith("application/") and media.endswith("+json") and len(media) > len("application/+json")):
+    if (
+        media
+        and media != "application/json"
+        and not (media.startswith("application/") and media.endswith("+json") and len(media) > len("application/+json"))
+    ):
         return {400}
     if len(body) > MAX_BODY:
         return {413}
@@ -142,26 +150,49 @@ def assert_alive_and_correct(server: LiveServer, client: httpx.Client) -> None:
 
 
 # -- strategies -----------------------------------------------------------------------------------------------
-json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | \
-    st.text(max_size=40)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+json_scalars = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 inputs = st.one_of(
     st.text(min_size=1, max_size=60),
     st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=60),
     st.sampled_from(["", " ", "\x00", "a" * MAX_INPUT, "é" * MAX_INPUT, "a" * (MAX_INPUT + 1), "😀" * 9000]),
 )
-timeouts = st.one_of(st.sampled_from([0, -1, 1, 0.5, 5000, 60000, 60000.5, 60001, 1e300, True, False, "100"]),
-                     st.integers(-10, 120000), st.floats(allow_nan=False, allow_infinity=False))
+timeouts = st.one_of(
+    st.sampled_from([0, -1, 1, 0.5, 5000, 60000, 60000.5, 60001, 1e300, True, False, "100"]),
+    st.integers(-10, 120000),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
 models = st.one_of(st.sampled_from(["sim", "sim@v1", "sim@v2", "nope", "", "@", "sim@"]), json_values)
 content_types = st.one_of(
     st.none(),
-    st.sampled_from(["application/json", "application/json; charset=utf-8", "APPLICATION/JSON",
-                     "application/vnd.api+json", "text/json", "text/plain", "application/x-www-form-urlencoded",
-                     "multipart/form-data; boundary=x", "application/octet-stream", "", ";", "json",
-                     "application/notjson", "application/+json", "application/problem+json; charset=utf-8",
-                     "application/json;;;", "*/*"]),
-    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=40).map(str.strip),
+    st.sampled_from(
+        [
+            "application/json",
+            "application/json; charset=utf-8",
+            "APPLICATION/JSON",
+            "application/vnd.api+json",
+            "text/json",
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "application/octet-stream",
+            "",
+            ";",
+            "json",
+            "application/notjson",
+            "application/+json",
+            "application/problem+json; charset=utf-8",
+            "application/json;;;",
+            "*/*",
+        ]
+    ),
+    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(str.strip),
 )  # stripped: HTTP trims header values and h11 refuses to send untrimmed ones
 
 
@@ -175,8 +206,7 @@ def request_objects(draw: st.DrawFn) -> dict[str, Any]:
         obj["model"] = draw(models)
     if draw(st.booleans()):
         obj["timeout_ms"] = draw(timeouts)
-    obj.update(draw(st.dictionaries(st.text(max_size=10).filter(lambda k: k not in obj), json_values,
-                                    max_size=3)))
+    obj.update(draw(st.dictionaries(st.text(max_size=10).filter(lambda k: k not in obj), json_values, max_size=3)))
     return obj
 
 
@@ -185,16 +215,35 @@ def mangled_json(draw: st.DrawFn) -> bytes:
     """Valid JSON with bytes cut, swapped in or spliced: truncation, invalid UTF-8, stray controls."""
     body = json.dumps(draw(request_objects()), ensure_ascii=False).encode()
     cut = draw(st.integers(0, len(body)))
-    splice = draw(st.sampled_from([b"", b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x00",
-                                   b"\\ud800", b"\\", b'"', b",", b"}", b"]", b"NaN", b"\xef\xbb\xbf",
-                                   b"\xc0\xaf", b"\r\n"]))
+    splice = draw(
+        st.sampled_from(
+            [
+                b"",
+                b"\xff",
+                b"\xc3",
+                b"\xed\xa0\x80",
+                b"\xf4\x90\x80\x80",
+                b"\x00",
+                b"\\ud800",
+                b"\\",
+                b'"',
+                b",",
+                b"}",
+                b"]",
+                b"NaN",
+                b"\xef\xbb\xbf",
+                b"\xc0\xaf",
+                b"\r\n",
+            ]
+        )
+    )
     how = draw(st.sampled_from(["cut", "insert", "replace", "prefix"]))
     if how == "cut":
         return body[:cut]
     if how == "insert":
         return body[:cut] + splice + body[cut:]
     if how == "replace":
-        return body[:cut] + splice + body[cut + len(splice):]
+        return body[:cut] + splice + body[cut + len(splice) :]
     return splice + body
 
 
@@ -233,13 +282,17 @@ def test_deeply_nested(server, client, schemas, depth, kind):
     check_answer(schemas, post(client, body, "application/json"), body, "application/json")
 
 
-@pytest.mark.parametrize("body", [
-    orjson.dumps({"input": "x" * (MAX_BODY - 20)}),                  # body under the limit, input over its own
-    orjson.dumps({"input": "ok", "pad": "x" * MAX_BODY}),           # body just over the limit
-    orjson.dumps({"input": "é" * MAX_INPUT}),                        # at the input limit in characters
-    orjson.dumps({"input": "é" * (MAX_INPUT + 1)}),                  # just over it
-    b"[" + b"1," * (MAX_BODY // 2 - 2) + b"1]",                       # a huge array, just under the limit
-], ids=["input-over", "body-over", "input-at-limit", "input-over-multibyte", "huge-array"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        orjson.dumps({"input": "x" * (MAX_BODY - 20)}),  # body under the limit, input over its own
+        orjson.dumps({"input": "ok", "pad": "x" * MAX_BODY}),  # body just over the limit
+        orjson.dumps({"input": "é" * MAX_INPUT}),  # at the input limit in characters
+        orjson.dumps({"input": "é" * (MAX_INPUT + 1)}),  # just over it
+        b"[" + b"1," * (MAX_BODY // 2 - 2) + b"1]",  # a huge array, just under the limit
+    ],
+    ids=["input-over", "body-over", "input-at-limit", "input-over-multibyte", "huge-array"],
+)
 def test_huge_bodies(server, client, schemas, body):
     check_answer(schemas, post(client, body, "application/json"), body, "application/json")
 
@@ -286,8 +339,10 @@ def test_chunked_10mb_body_gets_413_before_it_is_all_sent(server, client):
     frame = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
     with socket.create_connection(("127.0.0.1", port_of(server))) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
-        sock.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(
+            b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         sent = 0
         while sent < total:
             if select.select([sock], [], [], 0.005)[0]:
@@ -307,8 +362,10 @@ def test_chunked_10mb_body_gets_413_before_it_is_all_sent(server, client):
 def test_declared_10mb_body_gets_413_at_once(server):
     with socket.create_connection(("127.0.0.1", port_of(server)), timeout=30) as sock:
         # Only the headers and a few bytes go out: the answer comes without the body ever being sent.
-        sock.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 10000000\r\n\r\n{\"input\": \"")
+        sock.sendall(
+            b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 10000000\r\n\r\n{"input": "'
+        )
         status, headers, body = read_response(sock)
     check_error(status, headers, body, 413, "PAYLOAD_TOO_LARGE")
 
@@ -316,10 +373,12 @@ def test_declared_10mb_body_gets_413_at_once(server):
 def test_malformed_http_gets_the_json_400(server, client):
     """Requests broken at the HTTP level never reach the app: the HTTP protocol answers them (batchserve's
     subclass of uvicorn's), with the same JSON 400 as the app, and the server goes on."""
-    for raw in (b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nContent-Length: abc\r\n\r\n{}",
-                b"GARBAGE\r\n\r\n",
-                b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-                b"POST /v1/inference HTTP/1.1\r\nHo st: t\r\n\r\n"):
+    for raw in (
+        b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nContent-Length: abc\r\n\r\n{}",
+        b"GARBAGE\r\n\r\n",
+        b"POST /v1/inference HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"POST /v1/inference HTTP/1.1\r\nHo st: t\r\n\r\n",
+    ):
         with socket.create_connection(("127.0.0.1", port_of(server))) as sock:
             sock.sendall(raw)
             status, headers, body = read_response(sock)
@@ -330,9 +389,10 @@ def test_malformed_http_gets_the_json_400(server, client):
 
 # -- other routes and methods ----------------------------------------------------------------------------------
 @settings(max_examples=100, deadline=None, database=None)
-@given(path=st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7e, exclude_characters="#?%"),
-                    max_size=40),
-       method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
+@given(
+    path=st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="#?%"), max_size=40),
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
+)
 def test_unknown_routes_and_methods_answer_the_error_shape(server, client, schemas, path, method):
     resp = client.request(method, "/" + path.lstrip("/"), content=b"{}")
     assert resp.status_code < 500, resp.text
@@ -345,11 +405,14 @@ MAX_ID = 128
 
 
 @settings(max_examples=40, deadline=None, database=None)
-@given(request_id=st.one_of(
-    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=200)
-    .map(str.strip),  # HTTP trims header values; h11 refuses to send untrimmed ones
-    st.text(alphabet=SAFE_ID_CHARS, max_size=MAX_ID + 20),  # safe characters, around the length limit
-))
+@given(
+    request_id=st.one_of(
+        st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=200).map(
+            str.strip
+        ),  # HTTP trims header values; h11 refuses to send untrimmed ones
+        st.text(alphabet=SAFE_ID_CHARS, max_size=MAX_ID + 20),  # safe characters, around the length limit
+    )
+)
 def test_request_id_header_is_echoed_only_when_safe(server, client, request_id):
     resp = client.post("/v1/inference", json={"input": "abc"}, headers={"x-request-id": request_id})
     assert resp.status_code == 200
@@ -363,10 +426,19 @@ def test_request_id_header_is_echoed_only_when_safe(server, client, request_id):
     assert all(c in SAFE_ID_CHARS for c in echoed)
 
 
-@pytest.mark.parametrize("request_id, echoed", [
-    ("trace-42", True), ("a" * MAX_ID, True), ("ns:svc.v1_x-1", True),
-    ("a" * (MAX_ID + 1), False), ("two words", False), ("a\tb", False), ("x<y>", False), ("", False),
-])
+@pytest.mark.parametrize(
+    "request_id, echoed",
+    [
+        ("trace-42", True),
+        ("a" * MAX_ID, True),
+        ("ns:svc.v1_x-1", True),
+        ("a" * (MAX_ID + 1), False),
+        ("two words", False),
+        ("a\tb", False),
+        ("x<y>", False),
+        ("", False),
+    ],
+)
 def test_request_id_examples(client, request_id, echoed):
     r = client.post("/v1/inference", json={"input": "abc"}, headers={"x-request-id": request_id})
     assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["request_id"]

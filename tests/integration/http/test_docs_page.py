@@ -5,13 +5,20 @@ DevTools protocol reports them, goes to this server."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
 
 from scripts.chromium import ChromiumUnavailable, ensure_chromium, load_page
-from tests.conftest import LiveServer
-from tests.integration.http.test_openapi import server  # noqa: F401 (the fixture: a plain sim server)
+from tests.conftest import LiveServer, start_server
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    s = start_server("--devices", "1", "--sim-batch-ms", "5")
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +33,15 @@ def test_docs_renders_in_chromium_with_nothing_leaving_the_machine(server: LiveS
     page = load_page(server.url + "/docs", "document.querySelectorAll('.opblock').length > 20")
     # Rendered by Swagger UI's scripts (the served HTML holds none of these): operations of every wing.
     paths = set(re.findall(r'data-path="([^"]+)"', page.dom))
-    assert {"/v1/inference", "/v1/embeddings", "/v1/batches", "/v2/models/{model}/infer", "/v2/health/ready",
-            "/metrics", "/docs"} <= paths, sorted(paths)
+    assert {
+        "/v1/inference",
+        "/v1/embeddings",
+        "/v1/batches",
+        "/v2/models/{model}/infer",
+        "/v2/health/ready",
+        "/metrics",
+        "/docs",
+    } <= paths, sorted(paths)
     assert "One input, one synchronous answer" in page.dom  # an operation's summary
     assert "jsonSchemaDialect" not in page.dom and "Failed to load API definition" not in page.dom
     # Every request the page sent went to this server (the page, its assets, the document), none was blocked.
@@ -35,8 +49,13 @@ def test_docs_renders_in_chromium_with_nothing_leaving_the_machine(server: LiveS
     outside = [u for u in page.requested if urlsplit(u).netloc != host and not u.startswith("data:")]
     assert not outside and not page.blocked, (outside, page.blocked)
     asked = {urlsplit(u).path for u in page.requested}
-    assert {"/docs", "/docs/init.js", "/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css",
-            "/openapi.json"} <= asked, asked
+    assert {
+        "/docs",
+        "/docs/init.js",
+        "/docs/assets/swagger-ui-bundle.js",
+        "/docs/assets/swagger-ui.css",
+        "/openapi.json",
+    } <= asked, asked
 
 
 def test_docs_assets_are_local_and_only_the_pages_own(server: LiveServer):

@@ -21,8 +21,12 @@ SEND_UNTIL_S = GRACE_S - 0.4  # after the signal; the margin keeps a busy machin
 
 
 def post_on(conn: http.client.HTTPConnection, text: str) -> tuple[int, dict, dict[str, str]]:
-    conn.request("POST", "/v1/inference", body=json.dumps({"input": text, "timeout_ms": 10000}),
-                 headers={"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/inference",
+        body=json.dumps({"input": text, "timeout_ms": 10000}),
+        headers={"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     body = json.loads(resp.read() or b"{}")
     return resp.status, body, {k.lower(): v for k, v in resp.getheaders()}
@@ -40,8 +44,18 @@ def one_new_connection(host: str, port: int, text: str, out: list, sent_at: floa
 
 
 def test_sigterm_keeps_answering_new_connections_for_the_grace(server_factory):
-    server = server_factory("--devices", "1", "--sim-batch-ms", "150", "--max-batch-size", "4",
-                            "--slo-ms", "5000", "--drain-grace-s", str(GRACE_S))
+    server = server_factory(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "150",
+        "--max-batch-size",
+        "4",
+        "--slo-ms",
+        "5000",
+        "--drain-grace-s",
+        str(GRACE_S),
+    )
     parts = urlsplit(server.url)
     host, port = parts.hostname, parts.port
     assert host and port

@@ -69,16 +69,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("dialects")
     (root / "failplug.py").write_text(EMBED_PLUGIN)
     config = root / "bs.toml"
-    config.write_text('[[models]]\nname = "embed"\nbackend = "failplug:Embed"\n\n'
-                      '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n')
+    config.write_text(
+        '[[models]]\nname = "embed"\nbackend = "failplug:Embed"\n\n'
+        '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n'
+    )
     keys = {"big": add_key(config, "big", "enterprise", "--rate", "10000")}
     for name in DIALECTS:  # one token each, refilled once in 1,000 s: the second request is a 429
         keys[name] = add_key(config, f"one-{name}", "free", "--rate", "0.001")
         with config.open("a") as fh:
             fh.write("burst = 1\n")
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    s = start_server("--config", str(config), "--slo-ms", "5000", "--timeout-ms", "10000",
-                     "--sim-input-fail-marker", FAIL, env=env)
+    s = start_server(
+        "--config", str(config), "--slo-ms", "5000", "--timeout-ms", "10000", "--sim-input-fail-marker", FAIL, env=env
+    )
     s.keys = keys  # type: ignore[attr-defined]
     yield s
     s.stop()
@@ -120,8 +123,9 @@ def test_a_refusal_is_a_429_in_the_dialect_and_booked_refused(server: LiveServer
     shape = DIALECTS[dialect][1]
     key = server.keys[dialect]  # type: ignore[attr-defined]
     before = counted(server)("batchserve_slo_requests_total", model="unknown", tier="free", outcome="refused")
-    before_model = counted(server)("batchserve_slo_requests_total", model=DIALECTS[dialect][2], tier="free",
-                                   outcome="refused")
+    before_model = counted(server)(
+        "batchserve_slo_requests_total", model=DIALECTS[dialect][2], tier="free", outcome="refused"
+    )
     first = post(server, dialect, "spends the one token", key)
     assert first.status_code == 200, first.text
     r = post(server, dialect, "one too many", key)
@@ -130,8 +134,9 @@ def test_a_refusal_is_a_429_in_the_dialect_and_booked_refused(server: LiveServer
     assert int(r.headers["retry-after"]) >= 1 and r.headers["x-request-id"] == f"dialect-{dialect}"
     now = counted(server)
     booked = now("batchserve_slo_requests_total", model="unknown", tier="free", outcome="refused") - before
-    booked += now("batchserve_slo_requests_total", model=DIALECTS[dialect][2], tier="free",
-                  outcome="refused") - before_model
+    booked += (
+        now("batchserve_slo_requests_total", model=DIALECTS[dialect][2], tier="free", outcome="refused") - before_model
+    )
     assert booked == 1  # to the model where the route knew it when it refused, else "unknown": once
 
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import aiohttp
 import httpx
@@ -76,7 +75,7 @@ def closed_soon(sock: socket.socket, within: float = 3.0) -> bool:
         while sock.recv(65536):
             pass
         return True
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True
@@ -98,8 +97,12 @@ def test_request_records_belong_to_their_tenant_and_ids_are_unguessable(tmp_path
         assert r.status_code == 200
         # Another tenant can neither read it nor, by reusing the id, overwrite it.
         assert c.get("/v1/requests/order-1", headers=bearer(b)).status_code == 404
-        assert c.post("/v1/inference", json={"input": "FAIL"},
-                      headers={**bearer(b), "X-Request-ID": "order-1"}).status_code == 500
+        assert (
+            c.post(
+                "/v1/inference", json={"input": "FAIL"}, headers={**bearer(b), "X-Request-ID": "order-1"}
+            ).status_code
+            == 500
+        )
         mine = c.get("/v1/requests/order-1", headers=bearer(a))
         assert mine.status_code == 200 and mine.json()["status"] == "completed", mine.text
         theirs = c.get("/v1/requests/order-1", headers=bearer(b))  # each tenant sees its own request of that id
@@ -107,8 +110,10 @@ def test_request_records_belong_to_their_tenant_and_ids_are_unguessable(tmp_path
         other = c.get("/v1/requests/never-sent", headers=bearer(b))
         assert other.status_code == 404 and other.json()["error"] == "REQUEST_NOT_FOUND"
         # Without a key: 401, and nothing in it that looks like another answer's id.
-        generated = [c.post("/v1/inference", json={"input": f"g{i}"}, headers=bearer(a)).headers["x-request-id"]
-                     for i in range(4)]
+        generated = [
+            c.post("/v1/inference", json={"input": f"g{i}"}, headers=bearer(a)).headers["x-request-id"]
+            for i in range(4)
+        ]
         unauthorized = c.get(f"/v1/requests/{generated[0]}")
         assert unauthorized.status_code == 401
         assert c.get(f"/v1/requests/{generated[0]}", headers=bearer(a)).status_code == 200
@@ -148,16 +153,27 @@ def test_request_heads_are_bounded_431(server_factory):
 
 # -- 3. timeouts and the connection cap ----------------------------------------------------------------------
 def test_slow_heads_slow_bodies_and_idle_connections_are_closed(server_factory):
-    s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--header-timeout-s", "0.5",
-                       "--body-timeout-s", "0.5", "--keep-alive-timeout-s", "0.5")
+    s = server_factory(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "5",
+        "--header-timeout-s",
+        "0.5",
+        "--body-timeout-s",
+        "0.5",
+        "--keep-alive-timeout-s",
+        "0.5",
+    )
     idle = connect(s)  # never sends a byte
     slowloris = connect(s)
     slow_body = connect(s)
-    slow_body.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Transfer-Encoding: chunked\r\n\r\n")
+    slow_body.sendall(
+        b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
     started = time.monotonic()
-    slowloris_answer: list[bytes] = []
-    for i, byte in enumerate(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"):
+    for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa":
         try:
             slowloris.sendall(bytes([byte]))
             slow_body.sendall(b"1\r\na\r\n")
@@ -210,14 +226,18 @@ def test_refusals_before_the_body_close_instead_of_reading_it(tmp_path, server_f
     s = server_factory("--devices", "1", "--sim-batch-ms", "5", "--config", str(config))
     # 401 with 1 GB declared: answered at once, Connection: close, and the server stops reading.
     sock = connect(s)
-    sock.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000000000\r\n\r\n" + b"a" * 65536)
+    sock.sendall(
+        b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000000\r\n\r\n" + b"a" * 65536
+    )
     status, headers, body, closed = read_answer(sock)
     assert (status, error_of(body), headers.get("connection"), closed) == (401, "UNAUTHORIZED", "close", True)
     # 413 on an endless chunked body.
     sock = connect(s)
-    sock.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + key.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + key.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     answer: list[tuple] = []
     reader = threading.Thread(target=lambda: answer.append(read_answer(sock)))
     reader.start()
@@ -231,8 +251,10 @@ def test_refusals_before_the_body_close_instead_of_reading_it(tmp_path, server_f
     assert (status, error_of(body), headers.get("connection"), closed) == (413, "PAYLOAD_TOO_LARGE", "close", True)
     # Any transfer coding but chunked: 501, not a body read still encoded.
     sock = connect(s)
-    sock.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Transfer-Encoding: gzip, chunked\r\n\r\n5\r\nabcde\r\n0\r\n\r\n")
+    sock.sendall(
+        b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: gzip, chunked\r\n\r\n5\r\nabcde\r\n0\r\n\r\n"
+    )
     status, _, body, closed = read_answer(sock)
     assert (status, error_of(body), closed) == (501, "NOT_IMPLEMENTED", True)
     # A well-formed keep-alive exchange is untouched.
@@ -245,8 +267,11 @@ def test_small_refusals_json_type_echoes_and_unmeetable_deadlines(server_factory
     with s.client() as c:
         r = c.post("/v1/inference", content=b'{"input": "a"}', headers={"Content-Type": "application/notjson"})
         assert r.status_code == 400 and r.json()["error"] == "INVALID_REQUEST"
-        r = c.post("/v1/inference", content=b'{"input": "ab"}',
-                   headers={"Content-Type": "application/vnd.acme+json; charset=utf-8"})
+        r = c.post(
+            "/v1/inference",
+            content=b'{"input": "ab"}',
+            headers={"Content-Type": "application/vnd.acme+json; charset=utf-8"},
+        )
         assert r.status_code == 200
         # No echo of a caller's huge value: not the model name, not a path's request id.
         r = c.post("/v1/inference", json={"input": "a", "model": "m" * 100_000})
@@ -266,8 +291,9 @@ def test_small_refusals_json_type_echoes_and_unmeetable_deadlines(server_factory
 def test_one_slow_first_batch_does_not_shut_the_door_for_good(server_factory):
     # The first batch hangs past the default 2 s timeout and is learned as the batch time of a lone input; a
     # deadline shorter than that is still not "unmeetable": the next request runs and answers in ~100 ms.
-    s = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2500",
-                       "--gpu-timeout-ms", "60000")
+    s = server_factory(
+        "--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "2500", "--gpu-timeout-ms", "60000"
+    )
     with s.client() as c:
         assert c.post("/v1/inference", json={"input": "HANG"}).status_code == 504
         wait_for(lambda: c.get("/internal/health").json()["batch_ms_by_size"]["sim@v1"].get("1", 0) > 2000)
@@ -291,12 +317,21 @@ def test_operational_routes_need_the_metrics_key(server_factory):
 def test_metrics_name_no_job_and_cancelled_jobs_leave_them(tmp_path, server_factory):
     config = tmp_path / "keys.toml"
     key = add_key(config, "acme-secret-tenant", "paid")
-    s = server_factory("--devices", "1", "--sim-batch-ms", "100", "--max-batch-size", "2",
-                       "--jobs-db", str(tmp_path / "j.db"), "--config", str(config))
+    s = server_factory(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "100",
+        "--max-batch-size",
+        "2",
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+        "--config",
+        str(config),
+    )
     with s.client(headers=bearer(key)) as c:
         ids = [c.post("/v1/batches", json={"inputs": [f"i{k}" for k in range(200)]}).json()["id"] for _ in range(5)]
-        wait_for(lambda: metric(c.get("/metrics").text, "batchserve_job_items", model="sim@v1",
-                                status="pending") > 0)
+        wait_for(lambda: metric(c.get("/metrics").text, "batchserve_job_items", model="sim@v1", status="pending") > 0)
         for job_id in ids:
             assert c.post(f"/v1/batches/{job_id}/cancel").json()["status"] == "cancelled"
 
@@ -345,8 +380,9 @@ def test_odd_query_values_and_unexpected_errors_are_json(jobs_server: LiveServer
     # is added to the real app, served by the real server function.
     script = BOOM_SERVER
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", script, str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         r = wait_for(lambda: _try_get(f"http://127.0.0.1:{port}/boom"), timeout=30)
         assert r.status_code == 500 and r.headers["content-type"] == "application/json"
@@ -390,9 +426,24 @@ def test_a_repaired_jobs_database_opens_on_the_next_request(tmp_path, server_fac
 def test_a_hanging_job_item_costs_at_most_two_workers(tmp_path, server_factory):
     """A job item that hangs its batch is re-run once (as on the interactive path), then recorded failed:
     not retried up to --jobs-max-attempts, each try hanging a worker."""
-    s = server_factory("--devices", "2", "--sim-batch-ms", "20", "--gpu-timeout-ms", "300", "--sim-hang-marker",
-                       "HANG", "--sim-hang-ms", "500", "--jobs-retry-base-ms", "50", "--jobs-max-attempts", "5",
-                       "--jobs-db", str(tmp_path / "j.db"))
+    s = server_factory(
+        "--devices",
+        "2",
+        "--sim-batch-ms",
+        "20",
+        "--gpu-timeout-ms",
+        "300",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "500",
+        "--jobs-retry-base-ms",
+        "50",
+        "--jobs-max-attempts",
+        "5",
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+    )
     inputs = [f"t{i}" for i in range(20)]
     inputs[7] = "HANG-7"
     with s.client() as c:
@@ -411,9 +462,20 @@ def test_a_huge_job_body_neither_stalls_the_loop_nor_marks_workers_hung(tmp_path
     """48 MB of one-character inputs, parsed whole, held the loop (and the GIL) for about a second while a
     batch ran: its watchdog fired late and marked a healthy worker hung. Now the body is parsed a slice at a
     time and refused after item 1,001; the watchdog reads the worker's own clock."""
-    s = server_factory("--devices", "1", "--sim-batch-ms", "150", "--gpu-timeout-ms", "300",
-                       "--jobs-max-items", "1000", "--jobs-max-body-bytes", str(64 << 20),
-                       "--jobs-db", str(tmp_path / "j.db"))
+    s = server_factory(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "150",
+        "--gpu-timeout-ms",
+        "300",
+        "--jobs-max-items",
+        "1000",
+        "--jobs-max-body-bytes",
+        str(64 << 20),
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+    )
     stop = threading.Event()
 
     def steady() -> None:  # keep a batch running on the worker all along
@@ -445,6 +507,7 @@ def test_a_huge_job_body_neither_stalls_the_loop_nor_marks_workers_hung(tmp_path
 async def _interactive(url: str, rate: float, seconds: float) -> list[int]:
     statuses: list[int] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
         async def one(i: int) -> None:
             async with session.post(url + "/v1/inference", json={"input": f"live-{i}"}) as r:
                 statuses.append(r.status)
@@ -467,8 +530,20 @@ def test_a_failing_job_does_not_hold_interactive_work(tmp_path, server_factory):
     """A job whose every input fails, beside interactive load at about half the capacity: the job's
     bisection re-runs wait behind interactive work, and once its items keep failing they run alone, so the
     interactive answers stay 200 and their queue waits within the SLO."""
-    s = server_factory("--devices", "2", "--sim-batch-ms", "50", "--max-batch-size", "10", "--slo-ms", "200",
-                       "--sim-fail-marker", "FAIL", "--jobs-db", str(tmp_path / "j.db"))
+    s = server_factory(
+        "--devices",
+        "2",
+        "--sim-batch-ms",
+        "50",
+        "--max-batch-size",
+        "10",
+        "--slo-ms",
+        "200",
+        "--sim-fail-marker",
+        "FAIL",
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+    )
     with s.client() as c:
         job = c.post("/v1/batches", json={"inputs": [f"FAIL-{i}" for i in range(600)]}).json()
         statuses = asyncio.run(_interactive(s.url, rate=150, seconds=6))

@@ -34,8 +34,9 @@ def plain(tmp_path_factory: pytest.TempPathFactory):
     """One sim server with no option under test (1 device, 5 ms batches, its own jobs store), for the tests that
     need only a server: a start and stop each is ~0.7 s of the suite. They leave nothing another reads: no
     batch job (one test checks that none was stored), request ids of their own."""
-    s = start_server("--devices", "1", "--sim-batch-ms", "5", "--jobs-db",
-                     str(tmp_path_factory.mktemp("plain") / "j.db"))
+    s = start_server(
+        "--devices", "1", "--sim-batch-ms", "5", "--jobs-db", str(tmp_path_factory.mktemp("plain") / "j.db")
+    )
     yield s
     s.stop()
 
@@ -44,15 +45,24 @@ def plain(tmp_path_factory: pytest.TempPathFactory):
 def test_forwarded_for_is_believed_only_from_named_proxies(plain: LiveServer, server_factory):
     with plain.client() as c:
         # A local caller poses as 10.0.0.9: by default that header is ignored, the record is its own address's.
-        assert c.post("/v1/inference", json={"input": "ab"},
-                      headers={**owned_by("10.0.0.9"), "X-Request-ID": "posed"}).status_code == 200
+        assert (
+            c.post(
+                "/v1/inference", json={"input": "ab"}, headers={**owned_by("10.0.0.9"), "X-Request-ID": "posed"}
+            ).status_code
+            == 200
+        )
         assert c.get("/v1/requests/posed").status_code == 200
         assert c.get("/v1/requests/posed", headers=owned_by("10.0.0.9")).status_code == 200
-    behind = server_factory("--devices", "1", "--sim-batch-ms", "5", "--forwarded-allow-ips", "127.0.0.1",
-                            "--request-history", "20")
+    behind = server_factory(
+        "--devices", "1", "--sim-batch-ms", "5", "--forwarded-allow-ips", "127.0.0.1", "--request-history", "20"
+    )
     with behind.client() as c:
-        assert c.post("/v1/inference", json={"input": "ab"},
-                      headers={**owned_by("10.0.0.9"), "X-Request-ID": "kept"}).status_code == 200
+        assert (
+            c.post(
+                "/v1/inference", json={"input": "ab"}, headers={**owned_by("10.0.0.9"), "X-Request-ID": "kept"}
+            ).status_code
+            == 200
+        )
         assert c.get("/v1/requests/kept").status_code == 404  # the proxy's own address is another caller
         assert c.get("/v1/requests/kept", headers=owned_by("10.0.0.9")).status_code == 200
         # item 7: the request history is kept per caller: another caller's 60 requests (3 x the history)
@@ -66,14 +76,27 @@ def test_forwarded_for_is_believed_only_from_named_proxies(plain: LiveServer, se
 
 
 def test_a_bad_forwarded_allow_ips_stops_the_start():
-    done = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--forwarded-allow-ips",
-                           "127.0.0.1,not-an-address"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchserve",
+            "serve",
+            "--port",
+            "0",
+            "--forwarded-allow-ips",
+            "127.0.0.1,not-an-address",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "--forwarded-allow-ips" in done.stderr and "not-an-address" in done.stderr
 
 
 # -- item 7: outputs checked per output kind -----------------------------------------------------------------------
 PLUGINS = {
-    "kinds": '''
+    "kinds": """
         import math
 
         HUGE = "x" * (5 << 20)
@@ -106,9 +129,9 @@ PLUGINS = {
                 table = {"short": [1.0, 2.0], "strings": ["a", "b", "c"], "bools": [True, 1.0, 2.0],
                          "nan": [math.nan, 1.0, 2.0], "huge": [1e300, 0.0, 0.0], "none": None}
                 return [table.get(t, [0.5, 0.25, -1.0]) for t in inputs]
-    ''',
+    """,
 }
-CONFIG = '''
+CONFIG = """
 [[models]]
 name = "json"
 backend = "kinds:Json"
@@ -120,7 +143,7 @@ backend = "kinds:Text"
 [[models]]
 name = "vec"
 backend = "kinds:Vectors"
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +155,9 @@ def kinds_server(tmp_path_factory: pytest.TempPathFactory):
         (root / f"{name}.py").write_text(textwrap.dedent(source))
     (root / "c.toml").write_text(CONFIG)
     env = {"PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    s = start_server("--config", str(root / "c.toml"), "--devices", "1", "--slo-ms", "5000", "--timeout-ms",
-                     "20000", env=env)
+    s = start_server(
+        "--config", str(root / "c.toml"), "--devices", "1", "--slo-ms", "5000", "--timeout-ms", "20000", env=env
+    )
     yield s
     s.stop()
 
@@ -144,8 +168,17 @@ def infer(c: httpx.Client, model: str, text: str) -> httpx.Response:
 
 def test_outputs_that_break_their_kind_are_a_clear_500_never_a_null_200(kinds_server: LiveServer):
     with kinds_server.client() as c:
-        for model, text in [("json", "nan"), ("json", "none"), ("json", "inf"), ("text", "int"),
-                            ("vec", "short"), ("vec", "strings"), ("vec", "bools"), ("vec", "nan"), ("vec", "none")]:
+        for model, text in [
+            ("json", "nan"),
+            ("json", "none"),
+            ("json", "inf"),
+            ("text", "int"),
+            ("vec", "short"),
+            ("vec", "strings"),
+            ("vec", "bools"),
+            ("vec", "nan"),
+            ("vec", "none"),
+        ]:
             r = infer(c, model, text)
             assert r.status_code == 500, (model, text, r.text)
             body = r.json()
@@ -156,8 +189,10 @@ def test_outputs_that_break_their_kind_are_a_clear_500_never_a_null_200(kinds_se
         assert infer(c, "vec", "huge").json()["output"][0] == 1e300  # finite: fine as JSON floats
 
         # On OpenAI's route: OpenAI's error shape, for the wrong vector and for one that does not fit float32.
-        for body in ({"input": ["fine", "strings"], "model": "vec"},
-                     {"input": ["huge"], "model": "vec", "encoding_format": "base64"}):
+        for body in (
+            {"input": ["fine", "strings"], "model": "vec"},
+            {"input": ["huge"], "model": "vec", "encoding_format": "base64"},
+        ):
             r = c.post("/v1/embeddings", json=body)
             assert r.status_code == 500, r.text
             err = r.json()["error"]
@@ -181,8 +216,10 @@ def test_absurd_numbers_nesting_and_lone_surrogates_are_4xx(plain: LiveServer):
     digits = "9" * 5000  # Python refuses int() of more than 4,300 digits: once a 500 with a traceback
     for path in ("/v1/inference", "/v1/batches"):
         sock = connect(s)
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {digits}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {digits}\r\n\r\n".encode()
+        )
         status, _, body, _ = read_answer(sock)
         sock.close()
         # httptools itself refuses a length past 64 bits (400); the app's checks answer 413 (a shorter one)
@@ -190,12 +227,14 @@ def test_absurd_numbers_nesting_and_lone_surrogates_are_4xx(plain: LiveServer):
     with s.client() as c:
         r = c.get("/v1/batches", params={"limit": digits})
         assert r.status_code == 400 and r.json()["error"] == "INVALID_REQUEST", r.text
-        r = c.post("/v1/batches", content=_deep_body(300),
-                   headers={"Content-Type": "application/json"})
+        r = c.post("/v1/batches", content=_deep_body(300), headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "nested" in r.json()["message"], r.text
         # One input rule everywhere: a lone surrogate is a 400 on /v1/batches as on /v1/inference.
-        for path, body in (("/v1/inference", b'{"input": "a\\ud800b"}'), ("/v1/batches", b'{"inputs": ["a\\ud800b"]}'),
-                           ("/v1/batches", b'{"inputs": ["a"], "metadata": {"k": "\\udc00"}}')):
+        for path, body in (
+            ("/v1/inference", b'{"input": "a\\ud800b"}'),
+            ("/v1/batches", b'{"inputs": ["a\\ud800b"]}'),
+            ("/v1/batches", b'{"inputs": ["a"], "metadata": {"k": "\\udc00"}}'),
+        ):
             r = c.post(path, content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 400 and r.json()["error"] == "INVALID_REQUEST", (path, r.text)
         assert c.get("/v1/batches").json()["data"] == []  # nothing was stored with a "?" in its place
@@ -222,8 +261,9 @@ def test_a_500_keeps_the_connection_for_the_next_request(tmp_path):
     client's next request, already on its way, was reset."""
     script = BOOM_SERVER
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", script, str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         wait_for(lambda: _try_get(f"http://127.0.0.1:{port}/healthz"), timeout=30)
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -250,8 +290,11 @@ def test_a_client_that_writes_the_whole_body_first_reads_its_413(plain: LiveServ
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             statuses = []
             for _ in range(3):
-                r = await c.post("/v1/inference", content=b'{"input": "' + b"a" * (10 << 20) + b'"}',
-                                 headers={"Content-Type": "application/json"})
+                r = await c.post(
+                    "/v1/inference",
+                    content=b'{"input": "' + b"a" * (10 << 20) + b'"}',
+                    headers={"Content-Type": "application/json"},
+                )
                 statuses.append(r.status_code)
                 assert r.json()["error"] == "PAYLOAD_TOO_LARGE"
             return statuses
@@ -263,8 +306,20 @@ def test_a_client_that_writes_the_whole_body_first_reads_its_413(plain: LiveServ
 @pytest.mark.slow
 @pytest.mark.serial  # health checks' latency (median under 50 ms): other workers' CPU would be measured too
 def test_megabyte_chat_prompts_do_not_hold_other_callers(server_factory):
-    s = server_factory("--backend", "smollm2", "--max-new-tokens", "4", "--generation-max-seqs", "2",
-                       "--generation-max-context", "256", "--slo-ms", "20000", "--timeout-ms", "60000")
+    s = server_factory(
+        "--backend",
+        "smollm2",
+        "--max-new-tokens",
+        "4",
+        "--generation-max-seqs",
+        "2",
+        "--generation-max-context",
+        "256",
+        "--slo-ms",
+        "20000",
+        "--timeout-ms",
+        "60000",
+    )
     huge = {"messages": [{"role": "user", "content": "hello world " * 80_000}], "max_tokens": 2}  # ~0.96 MB
     statuses: list[int] = []
     stop = threading.Event()

@@ -37,8 +37,13 @@ def test_an_encoded_newline_in_a_path_cannot_forge_a_log_line():
     """`GET /boom/x%0A<a log line>` reaches a 500; its path (decoded: a real newline) was logged as given, so the
     log showed a line the server never wrote. Now the control characters are escaped: one record, one line."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", BOOM_CLI, str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "BATCHSERVE_DRAIN_GRACE_S": "0"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BOOM_CLI, str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "BATCHSERVE_DRAIN_GRACE_S": "0"},
+    )
     try:
         wait_for(lambda: _try_get(f"http://127.0.0.1:{port}/readyz"), timeout=30)
         path = "/boom/x%0A" + FORGED.replace(" ", "%20") + "%0D%1B[31m"
@@ -59,15 +64,17 @@ def plain():
     s.stop()
 
 
-@pytest.mark.parametrize("method,path", [("GET", "/readyz/"), ("POST", "/v1/inference/"), ("GET", "/v1/models/"),
-                                         ("GET", "/nope/")])
+@pytest.mark.parametrize(
+    "method,path", [("GET", "/readyz/"), ("POST", "/v1/inference/"), ("GET", "/v1/models/"), ("GET", "/nope/")]
+)
 def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_the_host_header(plain: LiveServer, method, path):
     """It was a 307 whose Location was `http://<the caller's Host>/readyz`: an open redirect off any proxy
     that passes Host through. Now a JSON 404 that names the path without its slash, and no Location."""
     import httpx
 
-    r = httpx.request(method, plain.url + path, headers={"Host": "evil.example"}, json={"input": "x"},
-                      follow_redirects=False)
+    r = httpx.request(
+        method, plain.url + path, headers={"Host": "evil.example"}, json={"input": "x"}, follow_redirects=False
+    )
     assert r.status_code == 404 and "location" not in r.headers, (r.status_code, r.headers)
     assert r.json()["error"] == "NOT_FOUND" and f"no trailing slash ({path.rstrip('/')})" in r.json()["message"]
 

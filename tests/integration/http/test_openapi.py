@@ -113,8 +113,10 @@ def test_metrics_and_document_routes(server, doc):
         assert r.headers["content-type"].split(";")[0] in response_content(doc, "/metrics")
         families = {f.name: f for f in text_string_to_metric_families(r.text)}  # raises on malformed text
         assert {"batchserve_requests", "batchserve_request_duration_seconds", "batchserve_queue_depth"} <= set(families)
-        assert any(s.name == "batchserve_requests_total" and s.labels.get("status") == "200" and s.value >= 1
-                   for s in families["batchserve_requests"].samples)
+        assert any(
+            s.name == "batchserve_requests_total" and s.labels.get("status") == "200" and s.value >= 1
+            for s in families["batchserve_requests"].samples
+        )
         r = httpx.get(server.url + "/openapi.json")
         assert r.headers["content-type"].split(";")[0] in response_content(doc, "/openapi.json")
         assert r.json() == doc

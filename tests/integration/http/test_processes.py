@@ -74,13 +74,24 @@ def test_one_process_drained_alone_under_load_loses_nothing_and_is_replaced(serv
     it holds, and exits; a request reaching it on an open keep-alive connection gets 503 DRAINING (it never
     ran) and its retry on a new connection reaches the sibling. Every request ends in its right answer, no
     connection fails, and the parent starts a replacement that joins the port."""
-    server = server_factory("--processes", "2", "--devices", "2", "--sim-batch-ms", "20", "--slo-ms", "2000",
-                            "--timeout-ms", "10000", "--drain-grace-s", "5")
+    server = server_factory(
+        "--processes",
+        "2",
+        "--devices",
+        "2",
+        "--sim-batch-ms",
+        "20",
+        "--slo-ms",
+        "2000",
+        "--timeout-ms",
+        "10000",
+        "--drain-grace-s",
+        "5",
+    )
     kids = children(server)
     stop = threading.Event()
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
-    answered_by: Counter[int] = Counter()
     lock = threading.Lock()
 
     def client(k: int) -> None:
@@ -178,15 +189,23 @@ def test_a_child_killed_outright_is_replaced(server_factory):
 
 
 def test_uneven_device_split_is_refused_before_anything_starts():
-    r = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2",
-                        "--devices", "3"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2", "--devices", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "does not split evenly over --processes 2" in r.stderr
 
 
 def test_a_sqlite_job_store_is_refused_with_several_processes():
     """A SQLite file belongs to one process, and the shared port would send a job's GET to another."""
-    r = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2",
-                        "--jobs-db", "jobs.db"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2", "--jobs-db", "jobs.db"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--jobs-db is a SQLite file, which belongs to one process" in r.stderr
 
 
@@ -197,15 +216,31 @@ def test_a_child_that_cannot_listen_stops_the_group_with_its_status():
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
-        r = subprocess.run([sys.executable, "-m", "batchserve", "serve", "--port", "0", "--processes", "2",
-                            "--devices", "2", "--process-port-base", str(taken.getsockname()[1]),
-                            "--drain-grace-s", "0"], capture_output=True, text=True, timeout=90)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "batchserve",
+                "serve",
+                "--port",
+                "0",
+                "--processes",
+                "2",
+                "--devices",
+                "2",
+                "--process-port-base",
+                str(taken.getsockname()[1]),
+                "--drain-grace-s",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
     finally:
         taken.close()
     assert r.returncode == 1, r.stderr
     assert "cannot bind" in r.stderr and "before it listened: stopping the others" in r.stderr
-
-
 
 
 class HungDrill:
@@ -270,7 +305,7 @@ class HungDrill:
         with self.lock:
             return sum(1 for started, _, outcome in self.sent if started >= t and outcome == "200")
 
-    def __enter__(self) -> "HungDrill":
+    def __enter__(self) -> HungDrill:
         for t in self.threads:
             t.start()
         return self
@@ -298,8 +333,9 @@ def test_a_stopped_child_is_killed_and_replaced_and_every_request_is_answered(se
     its 30 s timeout (a batch running when the process stopped may end 504 DEADLINE_EXCEEDED: it outlived its
     worker's deadline), and afterwards the shared port's /readyz is answered by live children only.
     (Checked: with --process-hang-s 0, the old behaviour, the stopped child's requests time out.)"""
-    server = server_factory("--processes", "2", "--devices", "2", "--sim-batch-ms", "20", "--slo-ms", "2000",
-                            "--timeout-ms", "10000")
+    server = server_factory(
+        "--processes", "2", "--devices", "2", "--sim-batch-ms", "20", "--slo-ms", "2000", "--timeout-ms", "10000"
+    )
     kids = children(server)
     victim = min(kids)
     try:
@@ -325,8 +361,10 @@ def test_a_stopped_child_is_killed_and_replaced_and_every_request_is_answered(se
             os.kill(victim, signal.SIGKILL)
     assert drill.failures == [], drill.failures[:5]
     slowest = max(took for started, took, _ in drill.sent if started >= stopped_at - 0.5)
-    print(f"killed {killed_after:.1f} s after the stop; slowest request {slowest:.1f} s; "
-          f"{drill.retried} connection(s) broken and retried; {drill.outcomes()}")
+    print(
+        f"killed {killed_after:.1f} s after the stop; slowest request {slowest:.1f} s; "
+        f"{drill.retried} connection(s) broken and retried; {drill.outcomes()}"
+    )
     assert killed_after < 10, f"the stopped child was killed {killed_after:.1f} s after the stop"
     assert slowest < 10, f"a request took {slowest:.1f} s across the stop"
     assert "answered no health probe on its own port" in server.log()

@@ -27,6 +27,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 async def burst(url: str, n: int) -> list[tuple[int, dict]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n)) as session:
+
         async def one(i: int) -> tuple[int, dict]:
             async with session.post(url + "/v1/inference", json={"input": f"caller-{i}-{'x' * (i % 7)}"}) as r:
                 return r.status, await r.json()
@@ -45,23 +46,28 @@ def test_thousand_concurrent_callers_each_get_their_own_answer(sim_server):
     with sim_server.client() as c:
         after = c.get("/metrics").text
     batches = metric(after, "batchserve_batch_size_count", model="sim@v1") - metric(
-        before, "batchserve_batch_size_count", model="sim@v1")
+        before, "batchserve_batch_size_count", model="sim@v1"
+    )
     items = metric(after, "batchserve_batch_size_sum", model="sim@v1") - metric(
-        before, "batchserve_batch_size_sum", model="sim@v1")
+        before, "batchserve_batch_size_sum", model="sim@v1"
+    )
     assert items == 1000
     assert batches >= 10  # 1000 items in batches of at most 100
     over_100 = metric(after, "batchserve_batch_size_bucket", model="sim@v1", le="+Inf") - metric(
-        after, "batchserve_batch_size_bucket", model="sim@v1", le="100.0")
+        after, "batchserve_batch_size_bucket", model="sim@v1", le="100.0"
+    )
     assert over_100 == 0
     assert max(b["batch_size"] for _, b in results) > 1  # it really batched
     full = metric(after, "batchserve_batches_total", model="sim@v1", cause="full") - metric(
-        before, "batchserve_batches_total", model="sim@v1", cause="full")
+        before, "batchserve_batches_total", model="sim@v1", cause="full"
+    )
     assert full >= 1  # a burst fills batches to the brim: flushed because full
 
 
 async def steady(url: str, n: int, gap_s: float) -> list[tuple[int, dict]]:
     """n requests leaving gap_s apart (open loop), answers gathered at the end."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n)) as session:
+
         async def one(i: int) -> tuple[int, dict]:
             async with session.post(url + "/v1/inference", json={"input": f"s{i}"}) as r:
                 return r.status, await r.json()
@@ -73,10 +79,13 @@ async def steady(url: str, n: int, gap_s: float) -> list[tuple[int, dict]]:
         return await asyncio.gather(*tasks)
 
 
-@pytest.mark.parametrize("devices,slo_ms,cause", [
-    ("4", "200", "pace"),  # dispatch delay 95 ms > S/G = 25 ms: batches go out paced S/G apart
-    ("2", "150", "deadline"),  # dispatch delay 45 ms < S/G = 50 ms: the oldest item's deadline sends it
-])
+@pytest.mark.parametrize(
+    "devices,slo_ms,cause",
+    [
+        ("4", "200", "pace"),  # dispatch delay 95 ms > S/G = 25 ms: batches go out paced S/G apart
+        ("2", "150", "deadline"),  # dispatch delay 45 ms < S/G = 50 ms: the oldest item's deadline sends it
+    ],
+)
 def test_steady_load_flushes_by_pace_or_deadline(server_factory, devices, slo_ms, cause):
     server = server_factory("--devices", devices, "--slo-ms", slo_ms)
     results = asyncio.run(steady(server.url, 120, 0.005))
@@ -106,18 +115,21 @@ def test_answer_shape_headers_and_request_status(sim_server):
         assert missing.status_code == 404 and missing.json()["error"] == "REQUEST_NOT_FOUND"
 
 
-@pytest.mark.parametrize("body,content_type,fragment", [
-    (b"{not json", "application/json", "not valid JSON"),
-    (b"[1, 2]", "application/json", "JSON object"),
-    (b"{}", "application/json", "input"),
-    (b'{"input": 5}', "application/json", "input"),
-    (b'{"input": ""}', "application/json", "input"),
-    (b'{"input": "a", "timeout_ms": -1}', "application/json", "timeout_ms"),
-    (b'{"input": "a", "timeout_ms": "soon"}', "application/json", "timeout_ms"),
-    (b'{"input": "\xff\xfe"}', "application/json", "UTF-8"),
-    (b'{"input": "a"}', "text/plain", "Content-Type"),
-    (b'{"input": "a", "model": 7}', "application/json", "model"),
-])
+@pytest.mark.parametrize(
+    "body,content_type,fragment",
+    [
+        (b"{not json", "application/json", "not valid JSON"),
+        (b"[1, 2]", "application/json", "JSON object"),
+        (b"{}", "application/json", "input"),
+        (b'{"input": 5}', "application/json", "input"),
+        (b'{"input": ""}', "application/json", "input"),
+        (b'{"input": "a", "timeout_ms": -1}', "application/json", "timeout_ms"),
+        (b'{"input": "a", "timeout_ms": "soon"}', "application/json", "timeout_ms"),
+        (b'{"input": "\xff\xfe"}', "application/json", "UTF-8"),
+        (b'{"input": "a"}', "text/plain", "Content-Type"),
+        (b'{"input": "a", "model": 7}', "application/json", "model"),
+    ],
+)
 def test_bad_requests_get_400_json(sim_server, body, content_type, fragment):
     with sim_server.client() as c:
         r = c.post("/v1/inference", content=body, headers={"Content-Type": content_type})
@@ -147,8 +159,10 @@ def test_payload_limits_413_before_buffering(server_factory):
     # and the answer still comes, so nothing waited for (or buffered) the body.
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 10000000\r\n\r\n" + b"{" * 100)
+        sock.sendall(
+            b"POST /v1/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 10000000\r\n\r\n" + b"{" * 100
+        )
         answer = ""
         while "PAYLOAD_TOO_LARGE" not in answer:
             chunk = sock.recv(4096).decode()
@@ -171,15 +185,19 @@ def test_payload_limits_413_before_buffering(server_factory):
 
 def test_deadline_in_queue_gives_504_and_never_reaches_backend(server_factory):
     # The one worker is stuck on a hang (gpu_timeout far away), so the next item waits in the queue.
-    server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "1500",
-                            "--gpu-timeout-ms", "60000")
+    server = server_factory(
+        "--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "1500", "--gpu-timeout-ms", "60000"
+    )
 
     async def scenario() -> tuple[int, dict, int, dict]:
         async with aiohttp.ClientSession() as s:
             hang = asyncio.ensure_future(s.post(server.url + "/v1/inference", json={"input": "HANG"}))
             await asyncio.sleep(0.3)
-            async with s.post(server.url + "/v1/inference", json={"input": "late", "timeout_ms": 400},
-                              headers={"X-Request-ID": "late-1"}) as r:
+            async with s.post(
+                server.url + "/v1/inference",
+                json={"input": "late", "timeout_ms": 400},
+                headers={"X-Request-ID": "late-1"},
+            ) as r:
                 late = (r.status, await r.json())
             h = await hang
             return late[0], late[1], h.status, await h.json()
@@ -195,11 +213,14 @@ def test_deadline_in_queue_gives_504_and_never_reaches_backend(server_factory):
 
 
 def test_disconnected_caller_frees_its_place(server_factory):
-    server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "800",
-                            "--gpu-timeout-ms", "60000")
+    server = server_factory(
+        "--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "800", "--gpu-timeout-ms", "60000"
+    )
 
-    assert hang_up_behind_a_busy_worker(server.url, "/v1/inference", {"input": "HANG"}, b'{"input": "gone"}',
-                                        "gone-1") == 200
+    assert (
+        hang_up_behind_a_busy_worker(server.url, "/v1/inference", {"input": "HANG"}, b'{"input": "gone"}', "gone-1")
+        == 200
+    )
     time.sleep(0.3)
     with server.client() as c:
         record = c.get("/v1/requests/gone-1").json()
@@ -209,15 +230,26 @@ def test_disconnected_caller_frees_its_place(server_factory):
 
 
 def test_overload_is_refused_at_the_door(server_factory):
-    server = server_factory("--devices", "1", "--sim-hang-marker", "HANG", "--sim-hang-ms", "1000",
-                            "--gpu-timeout-ms", "60000", "--max-queue", "2")
+    server = server_factory(
+        "--devices",
+        "1",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "1000",
+        "--gpu-timeout-ms",
+        "60000",
+        "--max-queue",
+        "2",
+    )
 
     async def scenario() -> list[tuple[int, dict, float]]:
         async with aiohttp.ClientSession() as s:
             hang = asyncio.ensure_future(s.post(server.url + "/v1/inference", json={"input": "HANG"}))
             await asyncio.sleep(0.2)
-            queued = [asyncio.ensure_future(s.post(server.url + "/v1/inference", json={"input": f"q{i}"}))
-                      for i in range(2)]
+            queued = [
+                asyncio.ensure_future(s.post(server.url + "/v1/inference", json={"input": f"q{i}"})) for i in range(2)
+            ]
             await asyncio.sleep(0.1)
             t = time.monotonic()
             async with s.post(server.url + "/v1/inference", json={"input": "third"}) as r:
@@ -226,7 +258,7 @@ def test_overload_is_refused_at_the_door(server_factory):
                 (await f).release()
             return [refused]
 
-    (status, body, _, retry_after), = asyncio.run(scenario())
+    ((status, body, _, retry_after),) = asyncio.run(scenario())
     assert status == 503 and body["error"] == "SERVICE_OVERLOADED"
     assert body["retry_after_ms"] >= 1 and int(retry_after) >= 1
 
@@ -243,10 +275,17 @@ def test_health_endpoints_and_metrics_names(sim_server):
         assert {"gpu_utilization", "queue_depth", "requests_per_second", "workers"} <= h.keys()
         text = c.get("/metrics").text
         models = c.get("/v1/models").json()
-    for name in ["batchserve_requests_total", "batchserve_request_duration_seconds_bucket",
-                 "batchserve_queue_wait_seconds_bucket", "batchserve_batch_compute_seconds_bucket",
-                 "batchserve_batch_size_bucket", "batchserve_queue_depth", "batchserve_inflight_requests",
-                 "batchserve_worker_busy_ratio", "batchserve_worker_healthy"]:
+    for name in [
+        "batchserve_requests_total",
+        "batchserve_request_duration_seconds_bucket",
+        "batchserve_queue_wait_seconds_bucket",
+        "batchserve_batch_compute_seconds_bucket",
+        "batchserve_batch_size_bucket",
+        "batchserve_queue_depth",
+        "batchserve_inflight_requests",
+        "batchserve_worker_busy_ratio",
+        "batchserve_worker_healthy",
+    ]:
         assert name in text, name
     assert metric(text, "batchserve_requests_total", model="sim@v1", status="200") >= 1
     assert models["object"] == "list" and models["data"][0]["id"] == "sim@v1"

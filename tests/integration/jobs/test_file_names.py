@@ -25,14 +25,19 @@ LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/inference", "body": {"
 def multipart(filename: bytes) -> tuple[bytes, str]:
     """A form with this filename as raw bytes (httpx would percent-encode a control character)."""
     boundary = "bsboundary7"
-    body = (b"--bsboundary7\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-            b"--bsboundary7\r\nContent-Disposition: form-data; name=\"file\"; filename=\"" + filename + b"\"\r\n"
-            b"Content-Type: application/jsonl\r\n\r\n" + LINE + b"\r\n--bsboundary7--\r\n")
+    body = (
+        b'--bsboundary7\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--bsboundary7\r\nContent-Disposition: form-data; name="file"; filename="' + filename + b'"\r\n'
+        b"Content-Type: application/jsonl\r\n\r\n" + LINE + b"\r\n--bsboundary7--\r\n"
+    )
     return body, f"multipart/form-data; boundary={boundary}"
 
 
-@pytest.mark.parametrize("name", [b"in\x00put.jsonl", b"\x1b[31mred.jsonl", b"a\x7f.jsonl", b"tab\there.jsonl"],
-                         ids=["nul", "escape", "del", "tab"])
+@pytest.mark.parametrize(
+    "name",
+    [b"in\x00put.jsonl", b"\x1b[31mred.jsonl", b"a\x7f.jsonl", b"tab\there.jsonl"],
+    ids=["nul", "escape", "del", "tab"],
+)
 def test_a_control_character_in_an_upload_s_filename_is_a_400(server: LiveServer, name: bytes):
     body, ctype = multipart(name)
     with httpx.Client(base_url=server.url) as c:

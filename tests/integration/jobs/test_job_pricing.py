@@ -4,8 +4,8 @@ and the interactive tenant is never refused while the batch completes with every
 counted as one item in flight, so all 4,096 inputs entered minilm's queue at once, past `--max-queue` (3,000
 here: issue 33's 6-line file did the same to the default 10,000), and the interactive tenant got 503 "the queue
 for minilm@v1 is full" until the batch had drained below it. And `--jobs-max-items` counts those inputs: a file
-of one line more than it allows is refused with a 400 naming the line (before, it counted lines). The in-process rules: tests/unit/jobs/
-test_job_pricing.py; the figures, before and after: bench/job_pricing.py."""
+of one line more than it allows is refused with a 400 naming the line (before, it counted lines). The in-process
+rules: tests/unit/jobs/test_job_pricing.py; the figures, before and after: bench/job_pricing.py."""
 
 from __future__ import annotations
 
@@ -29,8 +29,17 @@ def test_an_embeddings_batch_of_2048_input_lines_beside_interactive_requests(tmp
     config = tmp_path / "bs.toml"
     config.write_text('[[models]]\nname = "minilm"\nbackend = "minilm"\n')
     web, batch_key = (add_key(config, tenant, "paid", "--rate", "100000") for tenant in ("web", "batch"))
-    server = start_server("--config", str(config), "--jobs-db", str(tmp_path / "jobs.db"), "--max-queue", "3000",
-                          "--jobs-max-items", str(LINES * INPUTS), timeout=300)
+    server = start_server(
+        "--config",
+        str(config),
+        "--jobs-db",
+        str(tmp_path / "jobs.db"),
+        "--max-queue",
+        "3000",
+        "--jobs-max-items",
+        str(LINES * INPUTS),
+        timeout=300,
+    )
     codes: list[int] = []
     refusals: list[str] = []
     done = threading.Event()
@@ -49,23 +58,40 @@ def test_an_embeddings_batch_of_2048_input_lines_beside_interactive_requests(tmp
     thread = threading.Thread(target=interactive)
     try:
         thread.start()
-        lines = [{"custom_id": f"line-{n}", "method": "POST", "url": "/v1/embeddings",
-                  "body": {"model": "minilm", "input": [f"w{k} {n}" for k in range(INPUTS)]}} for n in range(LINES)]
+        lines = [
+            {
+                "custom_id": f"line-{n}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "minilm", "input": [f"w{k} {n}" for k in range(INPUTS)]},
+            }
+            for n in range(LINES)
+        ]
         auth = {"Authorization": f"Bearer {batch_key}"}
         with httpx.Client(base_url=server.url, timeout=60, headers=auth) as c:
             # --jobs-max-items counts inputs: one line more (3 x 2,048 inputs, 3 lines) is refused, naming the line
             more = lines + [{**lines[0], "custom_id": "one-more"}]
-            up = c.post("/v1/files", data={"purpose": "batch"},
-                        files={"file": ("more.jsonl", b"\n".join(map(orjson.dumps, more)), "application/jsonl")})
-            refused = c.post("/v1/batches", json={"input_file_id": up.json()["id"], "endpoint": "/v1/embeddings",
-                                                  "completion_window": "24h"})
+            up = c.post(
+                "/v1/files",
+                data={"purpose": "batch"},
+                files={"file": ("more.jsonl", b"\n".join(map(orjson.dumps, more)), "application/jsonl")},
+            )
+            refused = c.post(
+                "/v1/batches",
+                json={"input_file_id": up.json()["id"], "endpoint": "/v1/embeddings", "completion_window": "24h"},
+            )
             assert refused.status_code == 400, refused.text
             assert f"line {LINES + 1} brings them to {(LINES + 1) * INPUTS}" in refused.json()["message"]
-            up = c.post("/v1/files", data={"purpose": "batch"},
-                        files={"file": ("in.jsonl", b"\n".join(map(orjson.dumps, lines)), "application/jsonl")})
+            up = c.post(
+                "/v1/files",
+                data={"purpose": "batch"},
+                files={"file": ("in.jsonl", b"\n".join(map(orjson.dumps, lines)), "application/jsonl")},
+            )
             assert up.status_code == 200, up.text
-            created = c.post("/v1/batches", json={"input_file_id": up.json()["id"], "endpoint": "/v1/embeddings",
-                                                  "completion_window": "24h"})
+            created = c.post(
+                "/v1/batches",
+                json={"input_file_id": up.json()["id"], "endpoint": "/v1/embeddings", "completion_window": "24h"},
+            )
             assert created.status_code == 202, created.text
             give_up = time.monotonic() + 240
             while (b := c.get(f"/v1/batches/{created.json()['id']}").json())["status"] == "in_progress":
@@ -73,8 +99,11 @@ def test_an_embeddings_batch_of_2048_input_lines_beside_interactive_requests(tmp
                 time.sleep(0.5)
             done.set()
             thread.join(timeout=60)
-            assert b["status"] == "completed" and b["request_counts"] == {"total": LINES, "completed": LINES,
-                                                                         "failed": 0}, b
+            assert b["status"] == "completed" and b["request_counts"] == {
+                "total": LINES,
+                "completed": LINES,
+                "failed": 0,
+            }, b
             out = [orjson.loads(x) for x in c.get(f"/v1/files/{b['output_file_id']}/content").content.splitlines()]
         assert [o["custom_id"] for o in out] == [f"line-{n}" for n in range(LINES)]
         data = [o["response"]["body"]["data"] for o in out]

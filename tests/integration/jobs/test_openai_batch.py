@@ -21,9 +21,11 @@ from tests.integration.embeddings.test_routes import EMBED_PLUGIN
 if TYPE_CHECKING:
     import openai
 
-CONFIG = ('[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n\n'
-          '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n\n'
-          '[[models]]\nname = "slow"\nbackend = "sim"\nsim_batch_ms = 300\n')
+CONFIG = (
+    '[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n\n'
+    '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n\n'
+    '[[models]]\nname = "slow"\nbackend = "sim"\nsim_batch_ms = 300\n'
+)
 
 
 def launch(tmp: Any, *args: str, models: str = "") -> LiveServer:
@@ -31,8 +33,20 @@ def launch(tmp: Any, *args: str, models: str = "") -> LiveServer:
     (tmp / "embedplug.py").write_text(EMBED_PLUGIN)
     (tmp / "bs.toml").write_text(CONFIG + models)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))}
-    return start_server("--config", str(tmp / "bs.toml"), "--slo-ms", "2000", "--timeout-ms", "10000",
-                        "--jobs-max-inflight", "8", "--files-max-bytes", "100000", *args, env=env)
+    return start_server(
+        "--config",
+        str(tmp / "bs.toml"),
+        "--slo-ms",
+        "2000",
+        "--timeout-ms",
+        "10000",
+        "--jobs-max-inflight",
+        "8",
+        "--files-max-bytes",
+        "100000",
+        *args,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
@@ -47,6 +61,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
     import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key="any", max_retries=0, timeout=30)
 
 
@@ -84,13 +99,18 @@ def unbatched(body: dict) -> dict:
 
 def test_300_line_embeddings_batch_from_file_to_output_file(client: openai.OpenAI, server: LiveServer):
     texts = [f"line {i} " + "w " * (i % 5) for i in range(300)]
-    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/embeddings",
-              "body": {"model": "embed", "input": text}} for i, text in enumerate(texts)]
-    lines.insert(150, {"custom_id": "bad-one", "method": "POST", "url": "/v1/embeddings",
-                       "body": {"model": "embed", "input": ""}})  # the online route answers this 400
+    lines = [
+        {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": "embed", "input": text}}
+        for i, text in enumerate(texts)
+    ]
+    lines.insert(
+        150,
+        {"custom_id": "bad-one", "method": "POST", "url": "/v1/embeddings", "body": {"model": "embed", "input": ""}},
+    )  # the online route answers this 400
     file_id = upload(client, lines)
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h",
-                                  metadata={"run": "300"})
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h", metadata={"run": "300"}
+    )
     assert batch.id.startswith("batch_") and batch.status == "in_progress" and batch.input_file_id == file_id
     assert batch.endpoint == "/v1/embeddings" and batch.metadata == {"run": "300"}
     batch = wait_done(client, batch.id)
@@ -119,10 +139,18 @@ def test_300_line_embeddings_batch_from_file_to_output_file(client: openai.OpenA
 
 
 def test_inference_lines_and_the_native_body_beside_them(client: openai.OpenAI, server: LiveServer):
-    lines = [{"custom_id": f"inf-{i}", "method": "POST", "url": "/v1/inference",
-              "body": {"model": "echo", "input": f"abc{i}"}} for i in range(20)]
-    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/inference",
-                                  completion_window="24h")
+    lines = [
+        {
+            "custom_id": f"inf-{i}",
+            "method": "POST",
+            "url": "/v1/inference",
+            "body": {"model": "echo", "input": f"abc{i}"},
+        }
+        for i in range(20)
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines), endpoint="/v1/inference", completion_window="24h"
+    )
     batch = wait_done(client, batch.id)
     out = lines_of(client, batch.output_file_id)
     with httpx.Client(base_url=server.url) as c:
@@ -140,9 +168,14 @@ def test_an_integer_past_64_bits_fails_its_line_alone(client: openai.OpenAI):
     whose field takes it runs, one whose field cannot is that line's 400, and the others run."""
     big = "123456789012345678901234567890"
     raw = "".join(
-        '{"custom_id": "%s", "method": "POST", "url": "/v1/inference", "body": {"model": "echo", %s}}\n' % (cid, body)
-        for cid, body in [("plain", '"input": "a"'), ("ignored", f'"input": "b", "n": {big}'),
-                          ("bad", f'"input": "c", "timeout_ms": {big}'), ("after", '"input": "d"')])
+        f'{{"custom_id": "{cid}", "method": "POST", "url": "/v1/inference", "body": {{"model": "echo", {body}}}}}\n'
+        for cid, body in [
+            ("plain", '"input": "a"'),
+            ("ignored", f'"input": "b", "n": {big}'),
+            ("bad", f'"input": "c", "timeout_ms": {big}'),
+            ("after", '"input": "d"'),
+        ]
+    )
     file_id = client.files.create(file=("big.jsonl", raw.encode(), "application/jsonl"), purpose="batch").id
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/inference", completion_window="24h")
     batch = wait_done(client, batch.id)
@@ -154,10 +187,13 @@ def test_an_integer_past_64_bits_fails_its_line_alone(client: openai.OpenAI):
 
 
 def test_cancel_stops_the_lines_not_yet_run(client: openai.OpenAI):
-    lines = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/inference",
-              "body": {"model": "slow", "input": f"x{i}"}} for i in range(200)]  # 300 ms per 8 lines: ~8 s
-    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/inference",
-                                  completion_window="24h")
+    lines = [
+        {"custom_id": f"c-{i}", "method": "POST", "url": "/v1/inference", "body": {"model": "slow", "input": f"x{i}"}}
+        for i in range(200)
+    ]  # 300 ms per 8 lines: ~8 s
+    batch = client.batches.create(
+        input_file_id=upload(client, lines), endpoint="/v1/inference", completion_window="24h"
+    )
     cancelled = client.batches.cancel(batch.id)
     assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
     batch = client.batches.retrieve(batch.id)
@@ -174,8 +210,11 @@ def test_list_batches_and_files_with_a_cursor(client: openai.OpenAI):
     made = []
     for n in range(3):
         line = [{"custom_id": "only", "method": "POST", "url": "/v1/inference", "body": {"input": f"l{n}"}}]
-        made.append(client.batches.create(input_file_id=upload(client, line, f"l{n}.jsonl"),
-                                          endpoint="/v1/inference", completion_window="24h").id)
+        made.append(
+            client.batches.create(
+                input_file_id=upload(client, line, f"l{n}.jsonl"), endpoint="/v1/inference", completion_window="24h"
+            ).id
+        )
     page = client.batches.list(limit=2)
     assert [b.id for b in page.data] == made[::-1][:2] and page.has_more
     rest = client.batches.list(limit=2, after=page.data[-1].id)
@@ -189,6 +228,7 @@ def test_list_batches_and_files_with_a_cursor(client: openai.OpenAI):
 
 def test_file_retrieve_content_and_delete(client: openai.OpenAI):
     import openai
+
     lines = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "q"}}]
     file_id = upload(client, lines, "keep.jsonl")
     assert client.files.retrieve(file_id).filename == "keep.jsonl"
@@ -200,19 +240,36 @@ def test_file_retrieve_content_and_delete(client: openai.OpenAI):
         client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
 
 
-@pytest.mark.parametrize("lines, endpoint, says", [
-    ([{"custom_id": "a", "method": "POST", "url": "/v1/inference", "body": {"input": "x"}}], "/v1/embeddings",
-     "line 1: 'url'"),
-    ([{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}] * 2, "/v1/embeddings", "appears twice"),
-    ([{"custom_id": "a", "url": "/v1/embeddings", "body": "x"}], "/v1/embeddings", "'body' must be"),
-    ([{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x", "model": "echo"}}], "/v1/embeddings",
-     "does not produce embeddings"),
-    ([{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x", "model": "embed"}},
-      {"custom_id": "b", "url": "/v1/embeddings", "body": {"input": "x", "model": "echo"}}], "/v1/embeddings",
-     "different models"),
-    ([{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": []}}], "/v1/chat/completions",
-     "generation engine, which is off"),
-])
+@pytest.mark.parametrize(
+    "lines, endpoint, says",
+    [
+        (
+            [{"custom_id": "a", "method": "POST", "url": "/v1/inference", "body": {"input": "x"}}],
+            "/v1/embeddings",
+            "line 1: 'url'",
+        ),
+        ([{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}] * 2, "/v1/embeddings", "appears twice"),
+        ([{"custom_id": "a", "url": "/v1/embeddings", "body": "x"}], "/v1/embeddings", "'body' must be"),
+        (
+            [{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x", "model": "echo"}}],
+            "/v1/embeddings",
+            "does not produce embeddings",
+        ),
+        (
+            [
+                {"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x", "model": "embed"}},
+                {"custom_id": "b", "url": "/v1/embeddings", "body": {"input": "x", "model": "echo"}},
+            ],
+            "/v1/embeddings",
+            "different models",
+        ),
+        (
+            [{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": []}}],
+            "/v1/chat/completions",
+            "generation engine, which is off",
+        ),
+    ],
+)
 def test_a_bad_input_file_is_refused_whole(client: openai.OpenAI, server: LiveServer, lines, endpoint, says):
     file_id = upload(client, lines)
     with httpx.Client(base_url=server.url) as c:
@@ -226,6 +283,7 @@ def test_a_bad_input_file_is_refused_whole(client: openai.OpenAI, server: LiveSe
 
 def test_file_limits(tmp_path):
     import openai
+
     s = launch(tmp_path, "--jobs-db", str(tmp_path / "jobs.db"), "--files-max-count", "2")
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="any", max_retries=0)

@@ -32,9 +32,25 @@ PROMPTS = ("The capital of Spain is", "One, two, three,")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("gen-batch")
-    s = start_server("--backend", "smollm2", "--max-new-tokens", "8", "--generation-max-seqs", "1",
-                     "--max-queue", "1", "--generation-max-context", "512", "--jobs-db", str(tmp / "jobs.db"),
-                     "--jobs-retry-base-ms", "20", "--jobs-max-attempts", "200", timeout=180)
+    s = start_server(
+        "--backend",
+        "smollm2",
+        "--max-new-tokens",
+        "8",
+        "--generation-max-seqs",
+        "1",
+        "--max-queue",
+        "1",
+        "--generation-max-context",
+        "512",
+        "--jobs-db",
+        str(tmp / "jobs.db"),
+        "--jobs-retry-base-ms",
+        "20",
+        "--jobs-max-attempts",
+        "200",
+        timeout=180,
+    )
     yield s
     s.stop()
 
@@ -42,12 +58,17 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
     import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key="any", max_retries=0, timeout=60)
 
 
 def chat_body(country: str) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": f"What is the capital of {country}?"}],
-            "max_tokens": 8, "temperature": 0}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"What is the capital of {country}?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
 
 
 def completion_body(prompt: str) -> dict[str, Any]:
@@ -124,6 +145,8 @@ def test_an_unknown_model_is_refused_at_creation(server: LiveServer, client: ope
     body = {**completion_body("x"), "model": "no-such-model"}
     line = orjson.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}) + b"\n"
     f = client.files.create(file=("in.jsonl", line, "application/jsonl"), purpose="batch")
-    r = httpx.post(server.url + "/v1/batches", json={"input_file_id": f.id, "endpoint": "/v1/completions",
-                                                      "completion_window": "24h"})
+    r = httpx.post(
+        server.url + "/v1/batches",
+        json={"input_file_id": f.id, "endpoint": "/v1/completions", "completion_window": "24h"},
+    )
     assert r.status_code == 404 and set(r.json()) >= {"error", "message", "request_id"}, r.text

@@ -15,23 +15,37 @@ from tests.integration.jobs.test_routes import finished, results, wait_for
 
 # 1 sim device per node, 10-item batches of 50 ms (200 items/s a node); a 1 s lease, the store polled 5 times a
 # second, so a dead node's items come back within about a second and a half.
-NODE = ("--devices", "1", "--sim-batch-ms", "50", "--max-batch-size", "10", "--jobs-lease-s", "1",
-        "--jobs-poll-s", "0.2")
+NODE = (
+    "--devices",
+    "1",
+    "--sim-batch-ms",
+    "50",
+    "--max-batch-size",
+    "10",
+    "--jobs-lease-s",
+    "1",
+    "--jobs-poll-s",
+    "0.2",
+)
 
 
 def items(url: str, job_id: str) -> list[tuple]:
     """(idx, input, status, output, writes, holder) of every item, in index order."""
     with psycopg.connect(url) as conn:
-        return conn.execute("SELECT idx, input, status, output, writes, holder FROM batchserve_items "
-                            "WHERE job_id = %s ORDER BY idx", (job_id,)).fetchall()
+        return conn.execute(
+            "SELECT idx, input, status, output, writes, holder FROM batchserve_items WHERE job_id = %s ORDER BY idx",
+            (job_id,),
+        ).fetchall()
 
 
 def held_by(url: str, job_id: str, pid: int) -> list[int]:
     """Items still pending under a live lease of the process `pid` (holders are host/pid/random)."""
     with psycopg.connect(url) as conn:
-        rows = conn.execute("SELECT idx FROM batchserve_items WHERE job_id = %s AND status = 'pending' "
-                            "AND holder LIKE %s AND lease_until > clock_timestamp() ORDER BY idx",
-                            (job_id, f"%/{pid}/%")).fetchall()
+        rows = conn.execute(
+            "SELECT idx FROM batchserve_items WHERE job_id = %s AND status = 'pending' "
+            "AND holder LIKE %s AND lease_until > clock_timestamp() ORDER BY idx",
+            (job_id, f"%/{pid}/%"),
+        ).fetchall()
     return [r[0] for r in rows]
 
 
@@ -39,8 +53,7 @@ def pid_of(holder: str | None) -> int:
     return int(holder.split("/")[1]) if holder else -1
 
 
-def test_two_nodes_share_a_job_and_one_sigkilled_mid_job_leaves_nothing_lost_or_doubled(pg_server,
-                                                                                         server_factory):
+def test_two_nodes_share_a_job_and_one_sigkilled_mid_job_leaves_nothing_lost_or_doubled(pg_server, server_factory):
     url = pg_server.fresh_url()
     a = server_factory(*NODE, "--jobs-db", url)
     b = server_factory(*NODE, "--jobs-db", url)
@@ -81,8 +94,18 @@ def test_two_nodes_share_a_job_and_one_sigkilled_mid_job_leaves_nothing_lost_or_
 
 def test_a_job_is_read_listed_and_cancelled_from_any_node_and_freezes_everywhere(pg_server, server_factory):
     url = pg_server.fresh_url()
-    slow = ("--devices", "1", "--sim-batch-ms", "100", "--max-batch-size", "5", "--jobs-lease-s", "2",
-            "--jobs-poll-s", "0.2")
+    slow = (
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "100",
+        "--max-batch-size",
+        "5",
+        "--jobs-lease-s",
+        "2",
+        "--jobs-poll-s",
+        "0.2",
+    )
     a = server_factory(*slow, "--jobs-db", url)
     b = server_factory(*slow, "--jobs-db", url)
     with a.client() as ca, b.client() as cb:
@@ -98,22 +121,39 @@ def test_a_job_is_read_listed_and_cancelled_from_any_node_and_freezes_everywhere
         after = ca.get(f"/v1/batches/{job_id}").json()
         assert (after["status"], after["completed"], after["cancelled"]) == ("cancelled", frozen, 2000 - frozen)
         nul = ca.post("/v1/batches", json={"inputs": ["fine", "nul\x00here"]})  # PostgreSQL text cannot hold it
-        assert nul.status_code == 400 and nul.json()["error"] == "INVALID_REQUEST" and '"inputs"[1]' in \
-            nul.json()["message"]
+        assert (
+            nul.status_code == 400
+            and nul.json()["error"] == "INVALID_REQUEST"
+            and '"inputs"[1]' in nul.json()["message"]
+        )
 
 
 def test_a_node_stopped_with_sigterm_hands_its_leased_items_back_at_once(pg_server, server_factory):
     """A rolling restart: the stopping node releases its leases, so the other node does not wait them out."""
     url = pg_server.fresh_url()
-    node = ("--devices", "1", "--sim-batch-ms", "50", "--max-batch-size", "10", "--jobs-lease-s", "60",
-            "--jobs-poll-s", "0.2")
+    node = (
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "50",
+        "--max-batch-size",
+        "10",
+        "--jobs-lease-s",
+        "60",
+        "--jobs-poll-s",
+        "0.2",
+    )
     a = server_factory(*node, "--jobs-db", url)
     b = server_factory(*node, "--jobs-db", url)
     inputs = [f"term-{i:04d}" for i in range(800)]
     with a.client() as ca:
         job_id = ca.post("/v1/batches", json={"inputs": inputs}).json()["id"]
-        wait_for(lambda: len(held_by(url, job_id, a.proc.pid)) > 0
-                 and sum(row[2] == "completed" for row in items(url, job_id)) >= 100)
+        wait_for(
+            lambda: (
+                len(held_by(url, job_id, a.proc.pid)) > 0
+                and sum(row[2] == "completed" for row in items(url, job_id)) >= 100
+            )
+        )
     assert a.stop(signal.SIGTERM) == 0
     assert held_by(url, job_id, a.proc.pid) == []  # given back on the way out
     with b.client() as cb:
@@ -126,22 +166,35 @@ def test_leases_are_renewed_so_two_live_nodes_never_run_an_item_twice(pg_server,
     """A 1 s lease, items held longer than that (claimed 128 at a time by a node running 100 a second): only
     the renewals keep the other node off them. Each node counts the results it produced, recorded or not."""
     url = pg_server.fresh_url()
-    node = ("--devices", "1", "--sim-batch-ms", "100", "--max-batch-size", "10", "--jobs-lease-s", "1",
-            "--jobs-poll-s", "0.1")
+    node = (
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "100",
+        "--max-batch-size",
+        "10",
+        "--jobs-lease-s",
+        "1",
+        "--jobs-poll-s",
+        "0.1",
+    )
     a = server_factory(*node, "--jobs-db", url)
     b = server_factory(*node, "--jobs-db", url)
     with a.client() as ca, b.client() as cb:
         job_id = ca.post("/v1/batches", json={"inputs": [f"r-{i}" for i in range(600)]}).json()["id"]
         done = wait_for(lambda: finished(cb, job_id), timeout=60)
-        produced = [gauge_sum(c.get("/metrics").text, "batchserve_job_items_processed_total", 'outcome="completed"')
-                    for c in (ca, cb)]
+        produced = [
+            gauge_sum(c.get("/metrics").text, "batchserve_job_items_processed_total", 'outcome="completed"')
+            for c in (ca, cb)
+        ]
     assert (done["status"], done["completed"]) == ("completed", 600)
     assert all(n > 0 for n in produced) and sum(produced) == 600  # every item run once, by one of them
 
 
 def gauge_sum(metrics: str, name: str, label: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith(name + "{") and label in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{") and label in line
+    )
 
 
 def test_a_database_outage_answers_503_at_once_and_recovers_within_seconds(server_factory):
@@ -160,7 +213,7 @@ def test_a_database_outage_answers_503_at_once_and_recovers_within_seconds(serve
             slowest = 0.0
             for i in range(20):
                 started = time.monotonic()
-                r = (c.get("/v1/batches") if i % 2 else c.post("/v1/batches", json={"inputs": ["x"]}))
+                r = c.get("/v1/batches") if i % 2 else c.post("/v1/batches", json={"inputs": ["x"]})
                 slowest = max(slowest, time.monotonic() - started)
                 assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text
                 assert r.json()["retry_after_ms"] > 0
@@ -170,8 +223,13 @@ def test_a_database_outage_answers_503_at_once_and_recovers_within_seconds(serve
             assert slowest < 2.0, f"a /v1/batches call took {slowest:.1f} s while the database was down"
             pg.resume()
             back = time.monotonic()
-            r = wait_for(lambda: (lambda r: r if r.status_code == 202 else None)(
-                c.post("/v1/batches", json={"inputs": ["after-1", "after-2"]})), timeout=10, every=0.1)
+            r = wait_for(
+                lambda: (lambda r: r if r.status_code == 202 else None)(
+                    c.post("/v1/batches", json={"inputs": ["after-1", "after-2"]})
+                ),
+                timeout=10,
+                every=0.1,
+            )
             recovered = time.monotonic() - back
             done = wait_for(lambda: finished(c, r.json()["id"]), timeout=20)
         assert recovered < 5.0, f"jobs were accepted again {recovered:.1f} s after the database returned"
@@ -192,7 +250,7 @@ def test_a_database_down_at_start_up_is_tried_once_a_second_and_used_once_it_is_
         pg.halt()
         s = server_factory(*NODE, "--jobs-db", url)
         with s.client(timeout=10) as c:
-            for i in range(10):
+            for _ in range(10):
                 started = time.monotonic()
                 r = c.get("/v1/batches")
                 assert r.status_code == 503 and r.json()["error"] == "JOBS_UNAVAILABLE", r.text
@@ -203,8 +261,13 @@ def test_a_database_down_at_start_up_is_tried_once_a_second_and_used_once_it_is_
             assert c.post("/v1/inference", json={"input": "up"}).json()["output"] == "pu"
             pg.resume()
             back = time.monotonic()
-            r = wait_for(lambda: (lambda r: r if r.status_code == 202 else None)(
-                c.post("/v1/batches", json={"inputs": ["late"]})), timeout=10, every=0.1)
+            r = wait_for(
+                lambda: (lambda r: r if r.status_code == 202 else None)(
+                    c.post("/v1/batches", json={"inputs": ["late"]})
+                ),
+                timeout=10,
+                every=0.1,
+            )
             assert time.monotonic() - back < 5.0
             assert wait_for(lambda: finished(c, r.json()["id"]), timeout=20)["completed"] == 1
     finally:
@@ -270,13 +333,20 @@ def test_a_black_holed_database_costs_a_call_its_bound_then_503_with_one_log_lin
             pg.thaw(frozen)
             frozen = []
             back = time.monotonic()
-            r = wait_for(lambda: (lambda r: r if r.status_code == 202 else None)(
-                c.post("/v1/batches", json={"inputs": ["after-1", "after-2"]})), timeout=15, every=0.1)
+            r = wait_for(
+                lambda: (lambda r: r if r.status_code == 202 else None)(
+                    c.post("/v1/batches", json={"inputs": ["after-1", "after-2"]})
+                ),
+                timeout=15,
+                every=0.1,
+            )
             recovered = time.monotonic() - back
             done = wait_for(lambda: finished(c, r.json()["id"]), timeout=20)
         slowest = max(took for _, took, _, _ in calls)
-        print(f"{len(calls)} calls in the outage, slowest {slowest:.2f} s; {sum(t > 1 for _, t, _, _ in calls)} "
-              f"over 1 s; recovered {recovered:.1f} s after SIGCONT")
+        print(
+            f"{len(calls)} calls in the outage, slowest {slowest:.2f} s; {sum(t > 1 for _, t, _, _ in calls)} "
+            f"over 1 s; recovered {recovered:.1f} s after SIGCONT"
+        )
         wrong = [call for call in calls if (call[2], call[3]) != (503, "JOBS_UNAVAILABLE")]
         assert not wrong, wrong[:5]
         assert slowest < 5.0, f"a jobs call took {slowest:.1f} s while the database was stopped"

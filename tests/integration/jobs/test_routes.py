@@ -8,7 +8,8 @@ import signal
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import httpx
 import jsonschema
@@ -46,21 +47,36 @@ def db_items(path: Path, job_id: str) -> list[dict]:
     conn = sqlite3.connect(path)
     conn.row_factory = sqlite3.Row
     try:
-        rows = conn.execute("SELECT idx, input, status, output, error, writes FROM items WHERE job_id = ? "
-                            "ORDER BY idx", (job_id,)).fetchall()
+        rows = conn.execute(
+            "SELECT idx, input, status, output, error, writes FROM items WHERE job_id = ? ORDER BY idx", (job_id,)
+        ).fetchall()
     finally:
         conn.close()
-    return [{**dict(row), "output": orjson.loads(row["output"]) if row["output"] is not None else None}
-            for row in rows]
+    return [{**dict(row), "output": orjson.loads(row["output"]) if row["output"] is not None else None} for row in rows]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """1 sim device, 20-item batches of 20 ms (1,000 items/s), small limits, a poison marker."""
     db = tmp_path_factory.mktemp("jobs") / "jobs.db"
-    s = start_server("--devices", "1", "--sim-batch-ms", "20", "--max-batch-size", "20", "--jobs-db", str(db),
-                     "--jobs-max-items", "3000", "--max-input-chars", "100", "--jobs-max-body-bytes", "200000",
-                     "--sim-fail-marker", "POISON")
+    s = start_server(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "20",
+        "--max-batch-size",
+        "20",
+        "--jobs-db",
+        str(db),
+        "--jobs-max-items",
+        "3000",
+        "--max-input-chars",
+        "100",
+        "--jobs-max-body-bytes",
+        "200000",
+        "--sim-fail-marker",
+        "POISON",
+    )
     yield s
     s.stop()
 
@@ -141,8 +157,11 @@ def test_idempotency_key_returns_the_same_job_and_refuses_another_body(c):
     first = c.post("/v1/batches", json=body, headers={"Idempotency-Key": "idem-1"})
     assert first.status_code == 202
     # The same request again, even spelled differently (key order, spacing): the same job, 200.
-    again = c.post("/v1/batches", content=b'{"metadata": {"y": 2, "x": 1},  "inputs": ["a","b","c"]}',
-                   headers={"Idempotency-Key": "idem-1", "Content-Type": "application/json"})
+    again = c.post(
+        "/v1/batches",
+        content=b'{"metadata": {"y": 2, "x": 1},  "inputs": ["a","b","c"]}',
+        headers={"Idempotency-Key": "idem-1", "Content-Type": "application/json"},
+    )
     assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
     conflict = c.post("/v1/batches", json={"inputs": ["a", "b", "d"]}, headers={"Idempotency-Key": "idem-1"})
     assert conflict.status_code == 409 and conflict.json()["error"] == "CONFLICT"
@@ -170,18 +189,21 @@ def test_cancel_stops_the_job_and_freezes_its_counts(c):
     assert c.post(f"/v1/batches/{job['id']}/cancel").json()["status"] == "cancelled"  # idempotent
 
 
-@pytest.mark.parametrize("body, status", [
-    ({"inputs": [f"i{n}" for n in range(3001)]}, 400),  # over --jobs-max-items
-    ({"inputs": ["ok", "y" * 101]}, 413),  # an input over --max-input-chars
-    ({"inputs": ["ok"] * 999 + ["z" * 1000]}, 413),
-    ({"inputs": []}, 400),
-    ({"inputs": ["ok", 7]}, 400),
-    ({"inputs": ["ok", ""]}, 400),
-    ({"inputs": "not a list"}, 400),
-    ({"inputs": ["ok"], "metadata": "not an object"}, 400),
-    ({"inputs": ["ok"], "model": "nope"}, 404),
-    ({"input": "ok"}, 400),
-])
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ({"inputs": [f"i{n}" for n in range(3001)]}, 400),  # over --jobs-max-items
+        ({"inputs": ["ok", "y" * 101]}, 413),  # an input over --max-input-chars
+        ({"inputs": ["ok"] * 999 + ["z" * 1000]}, 413),
+        ({"inputs": []}, 400),
+        ({"inputs": ["ok", 7]}, 400),
+        ({"inputs": ["ok", ""]}, 400),
+        ({"inputs": "not a list"}, 400),
+        ({"inputs": ["ok"], "metadata": "not an object"}, 400),
+        ({"inputs": ["ok"], "model": "nope"}, 404),
+        ({"input": "ok"}, 400),
+    ],
+)
 def test_limits_refuse_the_whole_job(c, body, status):
     before = len(c.get("/v1/batches", params={"limit": 100}).json()["data"])
     r = c.post("/v1/batches", json=body)
@@ -191,32 +213,52 @@ def test_limits_refuse_the_whole_job(c, body, status):
 
 
 def test_body_over_the_job_body_limit_gets_413(c):
-    r = c.post("/v1/batches", content=b'{"inputs": ["' + b"a" * 300_000 + b'"]}',
-               headers={"Content-Type": "application/json"})
+    r = c.post(
+        "/v1/batches", content=b'{"inputs": ["' + b"a" * 300_000 + b'"]}', headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["error"] == "PAYLOAD_TOO_LARGE"
 
 
 def test_unknown_job_is_404_in_the_error_shape(c):
-    for r in (c.get("/v1/batches/batch_nope"), c.get("/v1/batches/batch_nope/results"),
-              c.post("/v1/batches/batch_nope/cancel")):
+    for r in (
+        c.get("/v1/batches/batch_nope"),
+        c.get("/v1/batches/batch_nope/results"),
+        c.post("/v1/batches/batch_nope/cancel"),
+    ):
         assert r.status_code == 404 and r.json()["error"] == "BATCH_NOT_FOUND"
 
 
 def test_tenants_see_only_their_own_jobs(tmp_path, server_factory):
     keys = {"acme": new_key(), "globex": new_key()}
     config = tmp_path / "keys.toml"
-    config.write_text("".join(f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n'
-                              for t, k in keys.items()))
-    s = server_factory("--devices", "1", "--sim-batch-ms", "50", "--max-batch-size", "10", "--config", str(config),
-                       "--jobs-db", str(tmp_path / "jobs.db"))
+    config.write_text(
+        "".join(
+            f'[[keys]]\ntenant = "{t}"\ntier = "paid"\nsha256 = "{digest(k)}"\nrate = 1000\n' for t, k in keys.items()
+        )
+    )
+    s = server_factory(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "50",
+        "--max-batch-size",
+        "10",
+        "--config",
+        str(config),
+        "--jobs-db",
+        str(tmp_path / "jobs.db"),
+    )
     acme = s.client(headers={"Authorization": f"Bearer {keys['acme']}"})
     globex = s.client(headers={"Authorization": f"Bearer {keys['globex']}"})
     with acme, globex, s.client() as anonymous:
         job = acme.post("/v1/batches", json={"inputs": ["secret"]}, headers={"Idempotency-Key": "k"}).json()
         wait_for(lambda: finished(acme, job["id"]))
         assert results(acme, job["id"])[0]["output"] == "terces"
-        for r in (globex.get(f"/v1/batches/{job['id']}"), globex.get(f"/v1/batches/{job['id']}/results"),
-                  globex.post(f"/v1/batches/{job['id']}/cancel")):
+        for r in (
+            globex.get(f"/v1/batches/{job['id']}"),
+            globex.get(f"/v1/batches/{job['id']}/results"),
+            globex.post(f"/v1/batches/{job['id']}/cancel"),
+        ):
             assert r.status_code == 404 and r.json()["error"] == "BATCH_NOT_FOUND"
         assert globex.get("/v1/batches").json()["data"] == []
         assert [j["id"] for j in acme.get("/v1/batches").json()["data"]] == [job["id"]]
@@ -241,10 +283,26 @@ def test_transient_failures_retry_with_backoff(tmp_path, server_factory):
     its backoff (0.75-1.5 s here), so the items behind it, which run as soon as the worker is back (0.3 s), all
     finish while it is still pending; it keeps failing and ends failed after --jobs-max-attempts runs. Without
     the backoff its retry would be first in line when the worker came back, and fail before they finish."""
-    s = server_factory("--devices", "1", "--sim-batch-ms", "10", "--max-batch-size", "1",
-                       "--sim-hang-marker", "HANG", "--sim-hang-ms", "300", "--gpu-timeout-ms", "100",
-                       "--jobs-max-attempts", "2", "--jobs-retry-base-ms", "1500",
-                       "--jobs-db", str(tmp_path / "j.db"))
+    s = server_factory(
+        "--devices",
+        "1",
+        "--sim-batch-ms",
+        "10",
+        "--max-batch-size",
+        "1",
+        "--sim-hang-marker",
+        "HANG",
+        "--sim-hang-ms",
+        "300",
+        "--gpu-timeout-ms",
+        "100",
+        "--jobs-max-attempts",
+        "2",
+        "--jobs-retry-base-ms",
+        "1500",
+        "--jobs-db",
+        str(tmp_path / "j.db"),
+    )
     inputs = [f"t{i}" for i in range(10)]
     inputs[3] = "HANG-3"
 
@@ -327,13 +385,17 @@ def test_a_job_file_from_before_json_outputs_reads_back_the_same(tmp_path, serve
     from batchserve.jobs.sqlite_store import SCHEMA
 
     db = tmp_path / "old.db"
-    legacy = ['olleh', 'say "hi"\\ ÿ→', '{"not": "an object"}']
+    legacy = ["olleh", 'say "hi"\\ ÿ→', '{"not": "an object"}']
     conn = sqlite3.connect(db)
     conn.executescript(SCHEMA)
-    conn.execute("INSERT INTO jobs (id, tenant, model, status, total, completed, request_hash, created_at, "
-                 "finished_at) VALUES ('batch_old', 'anonymous@127.0.0.1', 'sim@v1', 'completed', 3, 3, 'h', 1.0, 2.0)")
-    conn.executemany("INSERT INTO items (job_id, idx, input, status, output, writes) VALUES "
-                     "('batch_old', ?, ?, 'completed', ?, 1)", [(i, out[::-1], out) for i, out in enumerate(legacy)])
+    conn.execute(
+        "INSERT INTO jobs (id, tenant, model, status, total, completed, request_hash, created_at, "
+        "finished_at) VALUES ('batch_old', 'anonymous@127.0.0.1', 'sim@v1', 'completed', 3, 3, 'h', 1.0, 2.0)"
+    )
+    conn.executemany(
+        "INSERT INTO items (job_id, idx, input, status, output, writes) VALUES ('batch_old', ?, ?, 'completed', ?, 1)",
+        [(i, out[::-1], out) for i, out in enumerate(legacy)],
+    )
     conn.commit()
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 0
     conn.close()
@@ -345,7 +407,9 @@ def test_a_job_file_from_before_json_outputs_reads_back_the_same(tmp_path, serve
         done = wait_for(lambda: finished(c, new["id"]))
         assert done["status"] == "completed" and results(c, new["id"])[0]["output"] == "cba"
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2  # sqlite_store.SCHEMA_VERSION: 2 since file chunks and byte accounting
+    assert (
+        conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    )  # sqlite_store.SCHEMA_VERSION: 2 since file chunks and byte accounting
     conn.close()
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import socket
 import sqlite3
-import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -22,7 +22,7 @@ import pytest
 from batchserve.jobs.openai_batch import file_line
 from batchserve.jobs.store import OUTPUT, ItemRow
 from tests.conftest import LiveServer
-from tests.integration.jobs.test_openai_batch import jsonl, launch, wait_done
+from tests.integration.jobs.test_openai_batch import jsonl, launch
 
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "embed", "input": "x"}}
 STORE_PLUGIN = '''
@@ -60,29 +60,51 @@ class Held:
 def store_models(tmp: Path) -> str:
     """The [[models]] `big` and `held` (STORE_PLUGIN, written in `tmp`), for `serve(models=...)`."""
     (tmp / "storeplug.py").write_text(STORE_PLUGIN)
-    return ('\n[[models]]\nname = "big"\nbackend = "storeplug:Big"\n'
-            '\n[[models]]\nname = "held"\nbackend = "storeplug:Held"\n')
+    return (
+        '\n[[models]]\nname = "big"\nbackend = "storeplug:Big"\n'
+        '\n[[models]]\nname = "held"\nbackend = "storeplug:Held"\n'
+    )
 
 
 def lines(n: int, inputs: int = 1, pad: int = 0) -> bytes:
-    return jsonl([{"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
-                   "body": {"model": "embed", "input": ["w" * (1 + pad)] * inputs}} for i in range(n)])
+    return jsonl(
+        [
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "embed", "input": ["w" * (1 + pad)] * inputs},
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def slow_lines(n: int, pad: int = 0) -> bytes:
     """/v1/inference lines on the 300 ms sim model: a batch of them runs for seconds (8 items in flight)."""
-    return jsonl([{"custom_id": f"s{i}", "method": "POST", "url": "/v1/inference",
-                   "body": {"model": "slow", "input": "w" * (1 + pad)}} for i in range(n)])
+    return jsonl(
+        [
+            {
+                "custom_id": f"s{i}",
+                "method": "POST",
+                "url": "/v1/inference",
+                "body": {"model": "slow", "input": "w" * (1 + pad)},
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def upload(h: httpx.Client, content: bytes, **fields: str) -> httpx.Response:
-    return h.post("/v1/files", files={"file": ("in.jsonl", content, "application/jsonl")},
-                  data={"purpose": "batch", **fields})
+    return h.post(
+        "/v1/files", files={"file": ("in.jsonl", content, "application/jsonl")}, data={"purpose": "batch", **fields}
+    )
 
 
 def create(h: httpx.Client, file_id: str, endpoint: str = "/v1/embeddings", **extra: Any) -> httpx.Response:
-    return h.post("/v1/batches", json={"input_file_id": file_id, "endpoint": endpoint,
-                                       "completion_window": "24h", **extra})
+    return h.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h", **extra}
+    )
 
 
 class Store:
@@ -92,8 +114,7 @@ class Store:
         self.location = location
 
     def kept(self) -> int:
-        query = ("SELECT (SELECT COALESCE(SUM(bytes), 0) FROM {p}files) + "
-                 "(SELECT COALESCE(SUM(bytes), 0) FROM {p}jobs)")
+        query = "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM {p}files) + (SELECT COALESCE(SUM(bytes), 0) FROM {p}jobs)"
         if self.location.startswith("postgresql://"):
             with psycopg.connect(self.location) as conn:
                 return int(conn.execute(query.format(p="batchserve_")).fetchone()[0])  # type: ignore[index]
@@ -146,8 +167,10 @@ def test_413_in_json_past_the_limit_declared_or_streamed_even_past_64_mib(serve)
     with s.client() as h:
 
         def chunks() -> Iterator[bytes]:  # no Content-Length: refused as it streams in
-            yield (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-                   b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n')
+            yield (
+                b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+            )
             for _ in range(big // (1 << 20)):
                 yield b"y" * (1 << 20)
 
@@ -163,8 +186,10 @@ def raw_post(url: str, size: int) -> tuple[int, bytes]:
     reset while writing or reading fails the test)."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
-                     b"Content-Length: %d\r\n\r\n" % size)
+        sock.sendall(
+            b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+            b"Content-Length: %d\r\n\r\n" % size
+        )
         block = b"x" * (1 << 20)
         for _ in range(size // len(block)):
             sock.sendall(block)
@@ -181,8 +206,10 @@ def hold_upload(url: str) -> socket.socket:
     """An upload whose body is sent in part and then held: it stays in progress until the socket closes."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    head = (b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
-            b"Content-Length: 5000\r\n\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\n")
+    head = (
+        b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        b'Content-Length: 5000\r\n\r\n--b\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n'
+    )
     sock.sendall(head + b"z" * 100)
     return sock
 
@@ -215,7 +242,9 @@ def test_uploads_in_progress_are_capped_in_all_503(serve):
         held = hold_upload(s.url)
         try:
             refused = wait_for(lambda: (r := upload(h, lines(2))).status_code == 503 and r)
-            assert refused.json()["error"] == "SERVICE_OVERLOADED" and "--files-max-uploads" in refused.json()["message"]
+            assert (
+                refused.json()["error"] == "SERVICE_OVERLOADED" and "--files-max-uploads" in refused.json()["message"]
+            )
         finally:
             held.close()
         assert wait_for(lambda: upload(h, lines(2)).status_code == 200)
@@ -227,8 +256,9 @@ def test_output_file_is_streamed_and_its_size_known_without_rendering_it(serve):
     with s.client() as h:
         file_id = upload(h, lines(300, inputs=3)).json()["id"]
         batch = create(h, file_id).json()
-        done = wait_for(lambda: (b := h.get(f"/v1/batches/{batch['id']}").json())["status"] == "completed" and b,
-                        timeout=60)
+        done = wait_for(
+            lambda: (b := h.get(f"/v1/batches/{batch['id']}").json())["status"] == "completed" and b, timeout=60
+        )
         meta = h.get(f"/v1/files/{done['output_file_id']}").json()
         with h.stream("GET", f"/v1/files/{done['output_file_id']}/content") as r:
             assert r.status_code == 200 and r.headers.get("transfer-encoding") == "chunked"
@@ -248,8 +278,12 @@ def test_outputs_of_megabytes_from_tiny_inputs_are_downloaded_whole(serve, db, t
     s = serve(models=store_models(tmp_path))
     store = Store(db)
     sizes = ["5", "700000", "40", "150000", "300000", "9"]  # characters of two bytes each
-    content = jsonl([{"custom_id": f"r{i}", "method": "POST", "url": "/v1/inference",
-                      "body": {"model": "big", "input": n}} for i, n in enumerate(sizes)])
+    content = jsonl(
+        [
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/inference", "body": {"model": "big", "input": n}}
+            for i, n in enumerate(sizes)
+        ]
+    )
     with s.client(timeout=60) as h:
         batch = create(h, upload(h, content).json()["id"], "/v1/inference").json()
         native = h.post("/v1/batches", json={"model": "big", "inputs": sizes}).json()
@@ -262,8 +296,9 @@ def test_outputs_of_megabytes_from_tiny_inputs_are_downloaded_whole(serve, db, t
     assert len(body) == stated > 2 * 1_150_000
     assert body == b"".join(file_line(batch["id"], row, OUTPUT) or b"" for row in store.rows(batch["id"]))
     lines = [orjson.loads(line) for line in body.splitlines()]
-    assert [(line["custom_id"], line["response"]["body"]["output"]) for line in lines] == \
-        [(f"r{i}", "\u00e9" * int(n)) for i, n in enumerate(sizes)]
+    assert [(line["custom_id"], line["response"]["body"]["output"]) for line in lines] == [
+        (f"r{i}", "\u00e9" * int(n)) for i, n in enumerate(sizes)
+    ]
     assert results == b"".join(orjson.dumps(row.public()) + b"\n" for row in store.rows(native["id"]))
     assert [orjson.loads(line)["output"] for line in results.splitlines()] == ["\u00e9" * int(n) for n in sizes]
 
@@ -319,9 +354,24 @@ def test_a_keys_storage_mb_in_the_config_file_is_its_tenants_quota(tmp_path, db)
     config.write_text(CONFIG)
 
     def add(tenant: str) -> str:
-        return subprocess.run([sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config),
-                               "--tenant", tenant, "--tier", "paid"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "batchserve",
+                "keys",
+                "add",
+                "--config",
+                str(config),
+                "--tenant",
+                tenant,
+                "--tier",
+                "paid",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
 
     small = add("small")
     big = add("big")
@@ -348,8 +398,13 @@ def test_a_batch_whose_outputs_would_pass_the_quota_fails_saying_why(serve, db):
         file_id = upload(h, lines(20, inputs=20)).json()["id"]
         batch = create(h, file_id)
         assert batch.status_code == 202, batch.text
-        done = wait_for(lambda: (b := h.get(f"/v1/batches/{batch.json()['id']}").json())["status"]
-                        not in ("in_progress", "validating") and b, timeout=60)
+        done = wait_for(
+            lambda: (
+                (b := h.get(f"/v1/batches/{batch.json()['id']}").json())["status"] not in ("in_progress", "validating")
+                and b
+            ),
+            timeout=60,
+        )
         assert done["status"] == "failed", done
         assert done["errors"]["data"][0]["code"] == "storage_quota_exceeded"
         assert "--tenant-storage-mb" in done["errors"]["data"][0]["message"]
@@ -380,8 +435,10 @@ def test_expiry_deletes_files_and_batches_and_frees_their_bytes(serve, db):
 
 
 def wait_done_http(h: httpx.Client, batch_id: str) -> dict:
-    return wait_for(lambda: (b := h.get(f"/v1/batches/{batch_id}").json())["status"]
-                    in ("completed", "failed", "cancelled") and b, timeout=60)
+    return wait_for(
+        lambda: (b := h.get(f"/v1/batches/{batch_id}").json())["status"] in ("completed", "failed", "cancelled") and b,
+        timeout=60,
+    )
 
 
 def test_upload_batch_cancel_delete_loop_stays_within_the_quota(serve, db):
@@ -486,12 +543,19 @@ def test_a_store_file_from_before_keeps_its_uploads_and_jobs(tmp_path):
     content = lines(30)
     conn = sqlite3.connect(db)
     conn.executescript(SCHEMA_V1 + "ALTER TABLE jobs ADD COLUMN openai TEXT; PRAGMA user_version = 1;")
-    conn.execute("INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, content) VALUES "
-                 "('file-old', 'anonymous@127.0.0.1', 'old.jsonl', 'batch', ?, 1.0, ?)", (len(content), content))
-    conn.execute("INSERT INTO jobs (id, tenant, model, status, total, completed, request_hash, created_at, "
-                 "finished_at) VALUES ('batch_old', 'anonymous@127.0.0.1', 'echo@v1', 'completed', 1, 1, 'h', 1.0, 2.0)")
-    conn.execute("INSERT INTO items (job_id, idx, input, status, output, writes) VALUES "
-                 "('batch_old', 0, 'abcd', 'completed', '\"dcba\"', 1)")
+    conn.execute(
+        "INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, content) VALUES "
+        "('file-old', 'anonymous@127.0.0.1', 'old.jsonl', 'batch', ?, 1.0, ?)",
+        (len(content), content),
+    )
+    conn.execute(
+        "INSERT INTO jobs (id, tenant, model, status, total, completed, request_hash, created_at, "
+        "finished_at) VALUES ('batch_old', 'anonymous@127.0.0.1', 'echo@v1', 'completed', 1, 1, 'h', 1.0, 2.0)"
+    )
+    conn.execute(
+        "INSERT INTO items (job_id, idx, input, status, output, writes) VALUES "
+        "('batch_old', 0, 'abcd', 'completed', '\"dcba\"', 1)"
+    )
     conn.commit()
     conn.close()
     s = launch(tmp_path, "--jobs-db", str(db))
@@ -514,8 +578,10 @@ def test_a_store_file_from_before_keeps_its_uploads_and_jobs(tmp_path):
 def test_a_line_nested_too_deep_is_a_400_at_batch_creation(serve, depth):
     s = serve()
     nested = b"[" * depth + b"]" * depth
-    content = jsonl([LINE]) + (b'{"custom_id": "deep", "method": "POST", "url": "/v1/embeddings", '
-                               b'"body": {"model": "embed", "input": ' + nested + b"}}\n")
+    content = jsonl([LINE]) + (
+        b'{"custom_id": "deep", "method": "POST", "url": "/v1/embeddings", '
+        b'"body": {"model": "embed", "input": ' + nested + b"}}\n"
+    )
     with s.client() as h:
         file_id = upload(h, content).json()["id"]
         r = create(h, file_id)

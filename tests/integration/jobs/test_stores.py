@@ -11,7 +11,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 import psycopg
@@ -78,11 +78,25 @@ def run(stores: Stores, scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-def new_job(n: int = 10, tenant: str = "acme", key: str | None = None, inputs: list[str] | None = None,
-            job_id: str | None = None, model: str = "sim@v1") -> NewJob:
+def new_job(
+    n: int = 10,
+    tenant: str = "acme",
+    key: str | None = None,
+    inputs: list[str] | None = None,
+    job_id: str | None = None,
+    model: str = "sim@v1",
+) -> NewJob:
     inputs = inputs if inputs is not None else [f"in-{i}" for i in range(n)]
-    return NewJob(job_id or f"batch_{time.monotonic_ns()}", tenant, model, inputs, {"b": 1, "a": [2]}, key,
-                  "hash-of-" + ",".join(inputs), time.time())
+    return NewJob(
+        job_id or f"batch_{time.monotonic_ns()}",
+        tenant,
+        model,
+        inputs,
+        {"b": 1, "a": [2]},
+        key,
+        "hash-of-" + ",".join(inputs),
+        time.time(),
+    )
 
 
 def done(job_id: str, index: int, output: str = "") -> Outcome:
@@ -121,8 +135,9 @@ def test_an_idempotency_key_holds_across_nodes_submitting_at_once(stores):
 
     async def scenario() -> None:
         a, b = await stores.two()
-        results = await asyncio.gather(*(s.create(new_job(50, key="same", job_id=f"batch_{n}"))
-                                         for n, s in enumerate([a, b, a, b])))
+        results = await asyncio.gather(
+            *(s.create(new_job(50, key="same", job_id=f"batch_{n}")) for n, s in enumerate([a, b, a, b]))
+        )
         assert sum(created for _, created in results) == 1
         assert len({job.id for job, _ in results}) == 1
         with pytest.raises(IdempotencyConflict):
@@ -191,13 +206,22 @@ def test_each_result_is_recorded_exactly_once_and_results_stay_in_input_order(st
         job, _ = await a.create(new_job(6))
         await a.claim(job.id, 6, LONG, time.time())
         # Out of order, and items 1 and 4 run twice (by two nodes: a lease ran out under a slow one).
-        await asyncio.gather(a.record([done(job.id, 4), done(job.id, 1, "first")], time.time()),
-                             b.record([done(job.id, 1, "second"), done(job.id, 4)], time.time()))
-        progress = await b.record([done(job.id, 4, "late"), done(job.id, 5), done(job.id, 0),
-                                   Outcome(job.id, 3, "failed", error="INFERENCE_FAILED", message="poison")],
-                                  time.time())
-        assert [(p.status, p.counts["completed"], p.counts["failed"], p.counts["pending"]) for p in progress] == \
-            [("running", 4, 1, 1)]
+        await asyncio.gather(
+            a.record([done(job.id, 4), done(job.id, 1, "first")], time.time()),
+            b.record([done(job.id, 1, "second"), done(job.id, 4)], time.time()),
+        )
+        progress = await b.record(
+            [
+                done(job.id, 4, "late"),
+                done(job.id, 5),
+                done(job.id, 0),
+                Outcome(job.id, 3, "failed", error="INFERENCE_FAILED", message="poison"),
+            ],
+            time.time(),
+        )
+        assert [(p.status, p.counts["completed"], p.counts["failed"], p.counts["pending"]) for p in progress] == [
+            ("running", 4, 1, 1)
+        ]
         final = await a.record([done(job.id, 2), done(job.id, 0, "again")], time.time())
         assert [(p.status, p.counts["completed"], p.counts["pending"]) for p in final] == [("completed", 5, 0)]
         lines = await a.results(job.id, -1, 100)
@@ -220,8 +244,11 @@ def test_cancel_freezes_the_job_and_a_late_result_is_not_recorded(stores):
         await a.claim(job.id, 2, LONG, time.time())
         await a.record([done(job.id, 0)], time.time())
         cancelled = await b.cancel("acme", job.id, time.time())
-        assert cancelled is not None and (cancelled.status, cancelled.completed, cancelled.cancelled) == \
-            ("cancelled", 1, 4)
+        assert cancelled is not None and (cancelled.status, cancelled.completed, cancelled.cancelled) == (
+            "cancelled",
+            1,
+            4,
+        )
         await a.record([done(job.id, 1)], time.time())  # was running when the cancel came
         after = await a.get("acme", job.id)
         assert after is not None and (after.status, after.completed, after.cancelled) == ("cancelled", 1, 4)

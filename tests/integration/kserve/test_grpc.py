@@ -45,15 +45,16 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("grpc")
     (root / "embedplug.py").write_text(EMBED_PLUGIN)
     config = root / "bs.toml"
-    config.write_text('[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 50\n\n'
-                      '[[models]]\nname = "slow"\nbackend = "sim"\nsim_batch_ms = 600\n\n'
-                      '[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n\n'
-                      f'[[keys]]\ntenant = "slow"\ntier = "paid"\nsha256 = "{digest("sk-grpc")}"\nrate = 0.01\n'
-                      'burst = 4\n\n'
-                      f'[[keys]]\ntenant = "roomy"\ntier = "paid"\nsha256 = "{digest("sk-roomy")}"\nrate = 1000\n')
+    config.write_text(
+        '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 50\n\n'
+        '[[models]]\nname = "slow"\nbackend = "sim"\nsim_batch_ms = 600\n\n'
+        '[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n\n'
+        f'[[keys]]\ntenant = "slow"\ntier = "paid"\nsha256 = "{digest("sk-grpc")}"\nrate = 0.01\n'
+        "burst = 4\n\n"
+        f'[[keys]]\ntenant = "roomy"\ntier = "paid"\nsha256 = "{digest("sk-roomy")}"\nrate = 1000\n'
+    )
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    s = start_server("--config", str(config), "--grpc-port", "0", "--slo-ms", "2000", "--timeout-ms", "10000",
-                     env=env)
+    s = start_server("--config", str(config), "--grpc-port", "0", "--slo-ms", "2000", "--timeout-ms", "10000", env=env)
     yield s
     s.stop()
 
@@ -61,6 +62,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> triton.InferenceServerClient:
     import tritonclient.grpc as triton
+
     return triton.InferenceServerClient(f"127.0.0.1:{grpc_port(server)}")
 
 
@@ -69,6 +71,7 @@ ROOMY = {"authorization": "Bearer sk-roomy"}
 
 def strings(*texts: str) -> triton.InferInput:
     import tritonclient.grpc as triton
+
     tensor = triton.InferInput("input", [len(texts)], "BYTES")
     tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
     return tensor
@@ -76,6 +79,7 @@ def strings(*texts: str) -> triton.InferInput:
 
 def test_health_and_metadata(client):
     from tritonclient.utils import InferenceServerException
+
     assert client.is_server_live() and client.is_server_ready()
     meta = client.get_server_metadata(as_json=True)
     assert meta["name"] == "batchserve" and "binary_tensor_data" in meta["extensions"]
@@ -110,13 +114,16 @@ def test_fp32_vectors_of_an_embedding_model(client):
 def test_grpc_and_http_callers_share_batches(server, client):
     """Inputs of gRPC and HTTP callers that wait together ride one sim batch: the door is one. A first request
     holds the model's only worker (600 ms batches) while the eight others queue behind it."""
-    with httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": "Bearer sk-roomy"}) as http, \
-            concurrent.futures.ThreadPoolExecutor(9) as pool:
+    with (
+        httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": "Bearer sk-roomy"}) as http,
+        concurrent.futures.ThreadPoolExecutor(9) as pool,
+    ):
         blocker = pool.submit(http.post, "/v1/inference", json={"input": "first", "model": "slow"})
         time.sleep(0.2)
         grpc_calls = [pool.submit(client.infer, "slow", [strings(f"grpc {i}")], headers=ROOMY) for i in range(4)]
-        http_calls = [pool.submit(http.post, "/v1/inference", json={"input": f"http {i}", "model": "slow"})
-                      for i in range(4)]
+        http_calls = [
+            pool.submit(http.post, "/v1/inference", json={"input": f"http {i}", "model": "slow"}) for i in range(4)
+        ]
         sizes = [c.result().json()["batch_size"] for c in http_calls]
         outs = [c.result().as_numpy("output")[0].decode() for c in grpc_calls]
         assert blocker.result().status_code == 200
@@ -127,6 +134,7 @@ def test_grpc_and_http_callers_share_batches(server, client):
 def test_refusals_are_grpc_status_codes(server, client):
     import tritonclient.grpc as triton
     from tritonclient.utils import InferenceServerException
+
     def status(call) -> str:
         with pytest.raises(InferenceServerException) as caught:
             call()
@@ -151,6 +159,7 @@ def test_refusals_are_grpc_status_codes(server, client):
 @pytest.mark.parallel  # answers only, no timing: CI runs it in the parallel workers
 def test_minilm_over_grpc_equals_its_http_vectors():
     import tritonclient.grpc as triton
+
     s = start_server("--backend", "minilm", "--grpc-port", "0", timeout=300)
     try:
         client = triton.InferenceServerClient(f"127.0.0.1:{grpc_port(s)}")

@@ -27,11 +27,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("kserve")
     (root / "embedplug.py").write_text(EMBED_PLUGIN)
     config = root / "bs.toml"
-    config.write_text('[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n\n'
-                      '[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n')
+    config.write_text(
+        '[[models]]\nname = "echo"\nbackend = "sim"\nsim_batch_ms = 5\n\n'
+        '[[models]]\nname = "embed"\nbackend = "embedplug:Embed"\n'
+    )
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    s = start_server("--config", str(config), "--slo-ms", "2000", "--timeout-ms", "10000", "--max-body-bytes",
-                     "65536", env=env)
+    s = start_server(
+        "--config", str(config), "--slo-ms", "2000", "--timeout-ms", "10000", "--max-body-bytes", "65536", env=env
+    )
     yield s
     s.stop()
 
@@ -39,11 +42,13 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> triton.InferenceServerClient:
     import tritonclient.http as triton
+
     return triton.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=30)
 
 
 def strings(*texts: str, binary: bool = True) -> triton.InferInput:
     import tritonclient.http as triton
+
     tensor = triton.InferInput("input", [len(texts)], "BYTES")
     tensor.set_data_from_numpy(np.array(texts, dtype=object), binary_data=binary)
     return tensor
@@ -51,6 +56,7 @@ def strings(*texts: str, binary: bool = True) -> triton.InferInput:
 
 def test_health_and_metadata(client):
     from tritonclient.utils import InferenceServerException
+
     assert client.is_server_live() and client.is_server_ready()
     meta = client.get_server_metadata()
     assert meta["name"] == "batchserve" and "binary_tensor_data" in meta["extensions"]
@@ -69,9 +75,14 @@ def test_health_and_metadata(client):
 @pytest.mark.parametrize("binary", [True, False])
 def test_three_inputs_on_the_sim(client, binary):
     import tritonclient.http as triton
+
     texts = ("a cat", "hello world", "é ü ✓")
-    result = client.infer("echo", [strings(*texts, binary=binary)], request_id="three",
-                          outputs=[triton.InferRequestedOutput("output", binary_data=binary)])
+    result = client.infer(
+        "echo",
+        [strings(*texts, binary=binary)],
+        request_id="three",
+        outputs=[triton.InferRequestedOutput("output", binary_data=binary)],
+    )
     out = result.as_numpy("output")
     assert out.shape == (3,)
     got = [o.decode() if isinstance(o, bytes) else o for o in out]
@@ -103,6 +114,7 @@ def test_concurrent_v2_callers_share_batches(server):
     """Sixteen one-element requests at once, each on its own connection: they are batched together (the
     plugin holds 8 a batch and takes 20 ms, so 16 lone requests would each report a batch of 1)."""
     import tritonclient.http as triton
+
     def one(i: int) -> float:
         c = triton.InferenceServerClient(server.url.removeprefix("http://"))
         try:
@@ -115,28 +127,51 @@ def test_concurrent_v2_callers_share_batches(server):
     assert max(sizes) > 1, sizes
 
 
-@pytest.mark.parametrize("body,status,words", [
-    (b"not json", 400, "not valid JSON"),
-    (b'{"inputs": []}', 400, "exactly one tensor"),
-    (b'{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}', 400, "unknown input"),
-    (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1], "data": [1.0]}]}', 400, "datatype BYTES"),
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2], "data": ["x"]}]}', 400, "must hold 2"),
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": [""]}]}', 400, "non-empty"),
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [0], "data": []}]}', 400, "1 to 2048"),
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["x"]}],'
-     b' "outputs": [{"name": "logits"}]}', 400, "unknown output"),
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["x"]}],'
-     b' "parameters": {"timeout": -5}}', 400, "microseconds"),
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["' + b"x" * 70000 + b'"]}]}',
-     413, "limit"),
-    # ragged: four strings, but not nested as a [2, 2] tensor (it was accepted)
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2, 2], "data": [["a"], ["b", "c", "d"]]}]}',
-     400, "nested unlike its shape [2, 2]"),
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2, 2], "data": [["a", "b"], "c", "d"]}]}',
-     400, "nested unlike its shape"),
-    (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2], "data": [["a"], ["b"]]}]}',
-     400, "nested deeper than its shape [2]"),
-])
+@pytest.mark.parametrize(
+    "body,status,words",
+    [
+        (b"not json", 400, "not valid JSON"),
+        (b'{"inputs": []}', 400, "exactly one tensor"),
+        (b'{"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}', 400, "unknown input"),
+        (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1], "data": [1.0]}]}', 400, "datatype BYTES"),
+        (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2], "data": ["x"]}]}', 400, "must hold 2"),
+        (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": [""]}]}', 400, "non-empty"),
+        (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [0], "data": []}]}', 400, "1 to 2048"),
+        (
+            b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["x"]}],'
+            b' "outputs": [{"name": "logits"}]}',
+            400,
+            "unknown output",
+        ),
+        (
+            b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["x"]}],'
+            b' "parameters": {"timeout": -5}}',
+            400,
+            "microseconds",
+        ),
+        (
+            b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["' + b"x" * 70000 + b'"]}]}',
+            413,
+            "limit",
+        ),
+        # ragged: four strings, but not nested as a [2, 2] tensor (it was accepted)
+        (
+            b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2, 2], "data": [["a"], ["b", "c", "d"]]}]}',
+            400,
+            "nested unlike its shape [2, 2]",
+        ),
+        (
+            b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2, 2], "data": [["a", "b"], "c", "d"]}]}',
+            400,
+            "nested unlike its shape",
+        ),
+        (
+            b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [2], "data": [["a"], ["b"]]}]}',
+            400,
+            "nested deeper than its shape [2]",
+        ),
+    ],
+)
 def test_bad_requests_get_v2_errors(server, body, status, words):
     r = httpx.post(server.url + "/v2/models/echo/infer", content=body)
     assert r.status_code == status, r.text
@@ -147,23 +182,32 @@ def test_bad_requests_get_v2_errors(server, body, status, words):
 def test_binary_body_that_lies_about_its_size(server):
     tail = struct.pack("<I", 100) + b"abc"  # the length prefix says 100 bytes, 3 follow
     for declared, words in ((9, "binary_data_size"), (len(tail), "ends inside an element")):
-        head = (b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], '
-                b'"parameters": {"binary_data_size": %d}}]}' % declared)
-        r = httpx.post(server.url + "/v2/models/echo/infer", content=head + tail,
-                       headers={"Inference-Header-Content-Length": str(len(head))})
+        head = (
+            b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], '
+            b'"parameters": {"binary_data_size": %d}}]}' % declared
+        )
+        r = httpx.post(
+            server.url + "/v2/models/echo/infer",
+            content=head + tail,
+            headers={"Inference-Header-Content-Length": str(len(head))},
+        )
         assert r.status_code == 400 and words in r.json()["error"], r.text
-    r = httpx.post(server.url + "/v2/models/echo/infer", content=b"{}",
-                   headers={"Inference-Header-Content-Length": "99"})
+    r = httpx.post(
+        server.url + "/v2/models/echo/infer", content=b"{}", headers={"Inference-Header-Content-Length": "99"}
+    )
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"]
     # 4,301 digits: past Python's int-from-string limit, which raised a ValueError (a 500)
-    r = httpx.post(server.url + "/v2/models/echo/infer", content=b"{}",
-                   headers={"Inference-Header-Content-Length": "9" * 4301})
+    r = httpx.post(
+        server.url + "/v2/models/echo/infer", content=b"{}", headers={"Inference-Header-Content-Length": "9" * 4301}
+    )
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"], r.text
 
 
 def test_unknown_model_and_the_server_still_serves(server, client):
-    r = httpx.post(server.url + "/v2/models/nope/infer",
-                   json={"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["x"]}]})
+    r = httpx.post(
+        server.url + "/v2/models/nope/infer",
+        json={"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["x"]}]},
+    )
     assert r.status_code == 404 and set(r.json()) == {"error"}
     assert client.infer("echo", [strings("still")]).as_numpy("output")[0] == b"llits"
 
@@ -171,14 +215,20 @@ def test_unknown_model_and_the_server_still_serves(server, client):
 def test_answers_match_the_published_schemas(server):
     doc = httpx.get(server.url + "/openapi.json").json()
     with httpx.Client(base_url=server.url) as c:
-        for path, schema in (("/v2", "V2ServerMetadata"), ("/v2/models/echo", "V2ModelMetadata"),
-                             ("/v2/health/ready", "V2Ready"), ("/v2/health/live", "V2Live"),
-                             ("/v2/models/embed/ready", "V2Ready")):
+        for path, schema in (
+            ("/v2", "V2ServerMetadata"),
+            ("/v2/models/echo", "V2ModelMetadata"),
+            ("/v2/health/ready", "V2Ready"),
+            ("/v2/health/live", "V2Live"),
+            ("/v2/models/embed/ready", "V2Ready"),
+        ):
             r = c.get(path)
             assert r.status_code == 200, path
             validate(doc, {"$ref": f"#/components/schemas/{schema}"}, r.json())
-        r = c.post("/v2/models/embed/infer",
-                   json={"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["x"]}]})
+        r = c.post(
+            "/v2/models/embed/infer",
+            json={"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["x"]}]},
+        )
         validate(doc, {"$ref": "#/components/schemas/V2InferResponse"}, r.json())
         assert r.json()["outputs"][0]["data"] == [1.0, 1.0, 0.5, -1.25]
         validate(doc, {"$ref": "#/components/schemas/V2Error"}, c.get("/v2/models/nope").json())

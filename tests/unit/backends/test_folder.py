@@ -27,40 +27,73 @@ def write(folder: Path, files: dict[str, object]) -> Path:
 
 
 def bert(folder: Path, **config: object) -> dict[str, object]:
-    return {"config.json": {"architectures": ["BertModel"], "model_type": "bert", "max_position_embeddings": 512,
-                            **config}, "tokenizer.json": {}}
+    return {
+        "config.json": {"architectures": ["BertModel"], "model_type": "bert", "max_position_embeddings": 512, **config},
+        "tokenizer.json": {},
+    }
 
 
-ST6 = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
-       {"idx": 1, "name": "1", "path": "1_Pooling",
-        "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
-       {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"}]
-OLD = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-       {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+ST6 = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+    {
+        "idx": 1,
+        "name": "1",
+        "path": "1_Pooling",
+        "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+    },
+    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"},
+]
+OLD = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+]
 
 
 def test_a_sentence_transformers_6_folder_is_an_embedder(tmp_path: Path) -> None:
-    write(tmp_path, {**bert(tmp_path), "modules.json": ST6, "1_Pooling/config.json": {"pooling_mode": "cls"},
-                     "tokenizer_config.json": {"model_max_length": 128}})
+    write(
+        tmp_path,
+        {
+            **bert(tmp_path),
+            "modules.json": ST6,
+            "1_Pooling/config.json": {"pooling_mode": "cls"},
+            "tokenizer_config.json": {"model_max_length": 128},
+        },
+    )
     info = inspect_folder(str(tmp_path))
     assert (info.task, info.pooling, info.max_tokens) == ("embeddings", Pooling("cls", True), 128)
 
 
 def test_an_older_folder_with_sentence_bert_config(tmp_path: Path) -> None:
-    write(tmp_path, {**bert(tmp_path), "modules.json": OLD,
-                     "1_Pooling/config.json": {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False},
-                     "sentence_bert_config.json": {"max_seq_length": 256, "do_lower_case": True},
-                     "tokenizer_config.json": {"model_max_length": 1e30}})
+    write(
+        tmp_path,
+        {
+            **bert(tmp_path),
+            "modules.json": OLD,
+            "1_Pooling/config.json": {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False},
+            "sentence_bert_config.json": {"max_seq_length": 256, "do_lower_case": True},
+            "tokenizer_config.json": {"model_max_length": 1e30},
+        },
+    )
     info = inspect_folder(str(tmp_path))
     assert (info.pooling, info.max_tokens, info.lower_case) == (Pooling("mean", False), 256, True)
 
 
-@pytest.mark.parametrize("modules,pooling,says", [
-    (OLD + [{"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}],
-     {"pooling_mode_mean_tokens": True}, "not supported here"),
-    (OLD, {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, r"pooling mean\+max is not supported"),
-    (OLD[:1], {}, "no Pooling module"),
-])
+@pytest.mark.parametrize(
+    "modules,pooling,says",
+    [
+        (
+            OLD + [{"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}],
+            {"pooling_mode_mean_tokens": True},
+            "not supported here",
+        ),
+        (
+            OLD,
+            {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True},
+            r"pooling mean\+max is not supported",
+        ),
+        (OLD[:1], {}, "no Pooling module"),
+    ],
+)
 def test_embedder_folders_it_cannot_serve(tmp_path: Path, modules: list, pooling: dict, says: str) -> None:
     write(tmp_path, {**bert(tmp_path), "modules.json": modules, "1_Pooling/config.json": pooling})
     with pytest.raises(FolderError, match=says):
@@ -68,36 +101,65 @@ def test_embedder_folders_it_cannot_serve(tmp_path: Path, modules: list, pooling
 
 
 def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
-    lm = write(tmp_path / "lm", {"config.json": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
-                                 "tokenizer.json": {}})
+    lm = write(
+        tmp_path / "lm",
+        {"config.json": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "tokenizer.json": {}},
+    )
     assert inspect_folder(str(lm)).task == "generation"
-    ce = write(tmp_path / "ce", {"config.json": {"architectures": ["BertForSequenceClassification"],
-                                                 "model_type": "bert", "id2label": {"0": "LABEL_0"}},
-                                 "tokenizer.json": {}})
+    ce = write(
+        tmp_path / "ce",
+        {
+            "config.json": {
+                "architectures": ["BertForSequenceClassification"],
+                "model_type": "bert",
+                "id2label": {"0": "LABEL_0"},
+            },
+            "tokenizer.json": {},
+        },
+    )
     assert (inspect_folder(str(ce)).task, inspect_folder(str(ce)).activation) == ("reranking", "sigmoid")
-    write(ce, {"config.json": {"architectures": ["BertForSequenceClassification"], "model_type": "bert",
-                               "num_labels": 1, "sentence_transformers": {
-                                   "activation_fn": "torch.nn.modules.linear.Identity"}}})
+    write(
+        ce,
+        {
+            "config.json": {
+                "architectures": ["BertForSequenceClassification"],
+                "model_type": "bert",
+                "num_labels": 1,
+                "sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"},
+            }
+        },
+    )
     assert inspect_folder(str(ce)).activation == "identity"
-    three = write(tmp_path / "nli", {"config.json": {"architectures": ["BertForSequenceClassification"],
-                                                     "model_type": "bert", "num_labels": 3}, "tokenizer.json": {}})
+    three = write(
+        tmp_path / "nli",
+        {
+            "config.json": {"architectures": ["BertForSequenceClassification"], "model_type": "bert", "num_labels": 3},
+            "tokenizer.json": {},
+        },
+    )
     with pytest.raises(FolderError, match="one label"):
         inspect_folder(str(three))
-    gpt2 = write(tmp_path / "gpt2", {"config.json": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
-                                     "tokenizer.json": {}})
+    gpt2 = write(
+        tmp_path / "gpt2",
+        {"config.json": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "tokenizer.json": {}},
+    )
     with pytest.raises(FolderError, match="cannot tell what to serve"):
         inspect_folder(str(gpt2))
     with pytest.raises(FolderError, match="cannot run on the generation engine's slot stepper"):
         inspect_folder(str(gpt2), "generation")
-    falcon = write(tmp_path / "falcon", {"config.json": {"architectures": ["FalconForCausalLM"],
-                                                         "model_type": "falcon"}, "tokenizer.json": {}})
+    falcon = write(
+        tmp_path / "falcon",
+        {"config.json": {"architectures": ["FalconForCausalLM"], "model_type": "falcon"}, "tokenizer.json": {}},
+    )
     with pytest.raises(FolderError, match="llama, mistral, qwen2, qwen3"):
         inspect_folder(str(falcon))
 
 
 def test_names_the_cli_and_one_generation_model(tmp_path: Path) -> None:
-    lm = write(tmp_path / "tiny", {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
-                                   "tokenizer.json": {}})
+    lm = write(
+        tmp_path / "tiny",
+        {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": {}},
+    )
     assert folder_spec(f"chat={lm}").name == "chat" and folder_spec(str(lm) + "/").name == "tiny"
     parser, _ = build_parser()
     s = settings_from(parser.parse_args(["serve", "--model", str(lm)]), environ={})
@@ -133,8 +195,10 @@ def test_a_hub_id_resolves_through_the_local_cache_only(tmp_path: Path, monkeypa
 
     cache = tmp_path / "hub"
     repo = cache / "models--acme--tiny-lm"
-    snapshot = write(repo / "snapshots" / "abc123", {
-        "config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": {}})
+    snapshot = write(
+        repo / "snapshots" / "abc123",
+        {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": {}},
+    )
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))

@@ -23,7 +23,7 @@ class Heavy:
         self.calls.append("shell" if shell else "built")
 
     @classmethod
-    def shell(cls, settings: Settings) -> "Heavy":
+    def shell(cls, settings: Settings) -> Heavy:
         return cls(shell=True)
 
     def setup(self, device: str) -> None:

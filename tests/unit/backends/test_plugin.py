@@ -44,8 +44,16 @@ def test_outputs_are_held_to_their_kind():
     assert check_outputs(["a", 5, None], 3, OutputRule("text"))[1].keys() == {1, 2}
     problem, bad = check_outputs([{"a": nan}, None, {"a": None}, [1.0, [inf]], "fine"], 5, OutputRule("json"))
     assert problem is None and bad.keys() == {0, 1, 3} and "null" in bad[1]
-    vectors = [[1.0, 2, 3], [1.0, 2.0], ["a", "b", "c"], [True, 1.0, 2.0], [nan, 1.0, 1.0],
-               [1e308, 1e308, 1e308], "x", [0.5, 0.5, 0.5]]
+    vectors = [
+        [1.0, 2, 3],
+        [1.0, 2.0],
+        ["a", "b", "c"],
+        [True, 1.0, 2.0],
+        [nan, 1.0, 1.0],
+        [1e308, 1e308, 1e308],
+        "x",
+        [0.5, 0.5, 0.5],
+    ]
     problem, bad = check_outputs(vectors, len(vectors), OutputRule("embedding", dims=3))
     assert problem is None and bad.keys() == {1, 2, 3, 4, 6}  # 1e308 x 3: finite, though their sum is not
     rule = OutputRule("embedding")

@@ -33,7 +33,9 @@ def test_serve_sets_the_wait_policy_before_it_imports_a_model(tmp_path: Path) ->
     """`batchserve serve` sets it before any backend module is imported: this plugin says what it saw and stops
     its own import, which the server reports as a plugin that cannot load (exit 2)."""
     (tmp_path / "probe.py").write_text(
-        "import os, sys\nprint('OMP_WAIT_POLICY=' + os.environ.get('OMP_WAIT_POLICY', 'unset'), flush=True)\nsys.exit(3)\n"
+        "import os, sys\n"
+        "print('OMP_WAIT_POLICY=' + os.environ.get('OMP_WAIT_POLICY', 'unset'), flush=True)\n"
+        "sys.exit(3)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     for given, seen in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):

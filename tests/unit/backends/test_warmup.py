@@ -2,7 +2,8 @@
 follow from it where the user set neither, and a batch whose callers all left stops early and frees its worker.
 
 The policy has unit tests with an injected clock; the early stop runs through a live sim server (the sim honours
-the same hook as the real model's generation, which tests/integration/backends/test_real_defaults.py checks on the weights).
+the same hook as the real model's generation, which tests/integration/backends/test_real_defaults.py checks on the
+weights).
 """
 
 from __future__ import annotations
@@ -50,11 +51,10 @@ def test_deadlines_derive_from_the_batch_time_unless_set() -> None:
     assert (fast.slo_ms, fast.timeout_ms) == (200, 2000)
     capped = derive_deadlines(Settings(backend="smollm2", max_timeout_ms=8000), batch_s=1.5)
     assert capped.timeout_ms == 8000
-    chosen = derive_deadlines(Settings(backend="smollm2", given={"slo_ms": "--slo-ms",
-                                                                "timeout_ms": "BATCHSERVE_TIMEOUT_MS"}), 1.5)
+    chosen = derive_deadlines(
+        Settings(backend="smollm2", given={"slo_ms": "--slo-ms", "timeout_ms": "BATCHSERVE_TIMEOUT_MS"}), 1.5
+    )
     assert (chosen.slo_ms, chosen.timeout_ms) == (None, None)
-
-
 
 
 def test_one_slow_last_round_does_not_become_the_batch_time() -> None:

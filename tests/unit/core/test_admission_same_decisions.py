@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
@@ -28,8 +28,16 @@ from tests.unit.fakes import Clock, Workers
 M = "m@v1"
 
 
-def reference(batcher: Batcher, model: str, until_free_s: float, healthy: int, ahead: int, costs: Sequence[float],
-              bucket: int | None = None, rates: Mapping[int, float] | None = None) -> Prediction:
+def reference(
+    batcher: Batcher,
+    model: str,
+    until_free_s: float,
+    healthy: int,
+    ahead: int,
+    costs: Sequence[float],
+    bucket: int | None = None,
+    rates: Mapping[int, float] | None = None,
+) -> Prediction:
     """`admission.predict` as it was before the hot-path cuts (ebee825), line for line."""
     times = batcher.batch_s
     full_n, limit, budget = batcher.costs.full_n(model), batcher.costs.limit(model), batcher.costs.budget(model)
@@ -41,8 +49,9 @@ def reference(batcher: Batcher, model: str, until_free_s: float, healthy: int, a
     own_unit = max(costs, default=1.0)
     per_batch = per(own_unit)
     share = max(1, healthy)
-    if bucket is not None and any(m == model and b != bucket and (len(q) or (rates and rates.get(b)))
-                                  for (m, b), q in batcher.queues.items()):
+    if bucket is not None and any(
+        m == model and b != bucket and (len(q) or (rates and rates.get(b))) for (m, b), q in batcher.queues.items()
+    ):
         return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {}, per)
     full_s = times[model]
     if bucket is not None:
@@ -61,15 +70,23 @@ def reference(batcher: Batcher, model: str, until_free_s: float, healthy: int, a
     total = rem + max(1, len(costs))
     k = -(-total // per_batch)
     last_rows = total - (k - 1) * per_batch
-    last = (base + (k - 1) * times.at(model, batcher.costs.estimate_cost(model, per_batch, own_unit)) / share
-            + times.at(model, batcher.costs.estimate_cost(model, last_rows, own_unit)))
+    last = (
+        base
+        + (k - 1) * times.at(model, batcher.costs.estimate_cost(model, per_batch, own_unit)) / share
+        + times.at(model, batcher.costs.estimate_cost(model, last_rows, own_unit))
+    )
     return Prediction(first, max(first, last), base)
 
 
 def fresh_s(times: BatchTimes, model: str, cost: float) -> float:
     """S at `cost` read off a line built now (no memo)."""
-    copy = BatchTimes(times.max_batch_size, dict(times.seeds), dict(times.full), dict(times.caps),
-                      {m: dict(p) for m, p in times.points.items()})
+    copy = BatchTimes(
+        times.max_batch_size,
+        dict(times.seeds),
+        dict(times.full),
+        dict(times.caps),
+        {m: dict(p) for m, p in times.points.items()},
+    )
     return copy.at(model, cost)
 
 
@@ -81,14 +98,30 @@ def random_batcher(rng: random.Random, clock: Clock, loop) -> Batcher:
         cost = rng.uniform(1, 4000) if costed else float(rng.randint(1, 100))
         times.observe(M, cost, rng.uniform(0.005, 0.5))
     budget = rng.choice([0.0, 0.0, rng.uniform(50, 5000)])
-    b = Batcher(max_batch_size=rng.choice([8, 32, 100]), slo_s=0.5, margin_s=0.005, batch_s=times,
-                max_batch_cost=budget, clock=clock)
+    b = Batcher(
+        max_batch_size=rng.choice([8, 32, 100]),
+        slo_s=0.5,
+        margin_s=0.005,
+        batch_s=times,
+        max_batch_cost=budget,
+        clock=clock,
+    )
     classes = rng.choice([1, 3]) if costed else 1  # one queue only: other classes known by their rates alone
     for _ in range(rng.randint(0, 250)):
         bucket = rng.randrange(classes)
         cost = rng.uniform(1, 60) * (bucket + 1) if costed else 1.0
-        it = Item("x", M, bucket, loop.create_future(), clock.t, clock.t + 30, None, rng.randint(0, 2),
-                  rng.choice("abc"), cost=cost)
+        it = Item(
+            "x",
+            M,
+            bucket,
+            loop.create_future(),
+            clock.t,
+            clock.t + 30,
+            None,
+            rng.randint(0, 2),
+            rng.choice("abc"),
+            cost=cost,
+        )
         b.costs.note_cost(M, cost)
         b.submit(it)
     if costed and rng.random() < 0.5:
@@ -147,8 +180,9 @@ def admit_all(d: Admission, rng: random.Random, clock: Clock) -> list[object]:
         clock.t += rng.uniform(0, 0.01)
         costs = [rng.uniform(1, 200) for _ in range(rng.choice([1, 1, 3]))]
         try:
-            t = d.admit_ticket(M, rng.randint(0, 2), rng.choice("abc"), rng.uniform(0.01, 2.0), costs,
-                               rng.choice([None, 0, 1, 2]))
+            t = d.admit_ticket(
+                M, rng.randint(0, 2), rng.choice("abc"), rng.uniform(0.01, 2.0), costs, rng.choice([None, 0, 1, 2])
+            )
             out.append((t.probe, t.at, t.wait_s))
         except ApiError as err:
             out.append((err.code, err.message, err.retry_after_ms))
@@ -176,6 +210,7 @@ def test_the_door_decides_the_same_as_with_every_prediction_made(loop, monkeypat
             elif force:
                 monkeypatch.setattr(Admission, forced, lambda self, *args: answer)
             else:
+
                 def counted(self: Admission, *args: object) -> bool:
                     nonlocal skipped
                     got = real(self, *args)
@@ -261,8 +296,9 @@ def test_kept_figures_decide_as_figures_read_afresh(loop, monkeypatch) -> None:
                 asked += not fresh
                 costs = [1.0] if rng.random() < 0.7 else [rng.uniform(1, 200) for _ in range(rng.choice([1, 3]))]
                 try:
-                    t = d.admit_ticket(M, rng.randint(0, 2), rng.choice("abc"), rng.uniform(0.01, 2.0), costs,
-                                       rng.choice([None, 0]))
+                    t = d.admit_ticket(
+                        M, rng.randint(0, 2), rng.choice("abc"), rng.uniform(0.01, 2.0), costs, rng.choice([None, 0])
+                    )
                     out.append((t.probe, t.at, t.wait_s))
                 except ApiError as err:
                     out.append((err.code, err.message, err.retry_after_ms))

@@ -179,8 +179,9 @@ def test_a_door_that_predicted_half_the_wait_learns_it_and_refuses_what_would_be
         d.admit_ticket(M, 1, "t", 2.0, (2.0,), bucket=0)  # 0.2 s + its batch: past 0.25 s
     assert refused.value.status == 503 and "latency objective" in refused.value.message
     # Without pressure only the deadline bounds it, and the learned factor is not applied.
-    quiet = Admission(b, Capacity(until_free=0.1), max_queue=100_000, slo_s=0.2, slack=1.25, clock=clock,
-                      calibration=d.calibration)
+    quiet = Admission(
+        b, Capacity(until_free=0.1), max_queue=100_000, slo_s=0.2, slack=1.25, clock=clock, calibration=d.calibration
+    )
     assert quiet.admit_ticket(M, 1, "t", 2.0, (2.0,), bucket=0).wait_s is None
 
 

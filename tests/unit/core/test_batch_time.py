@@ -31,8 +31,21 @@ def gpu_like(max_batch: int = 100) -> BatchTimes:
 
 # -- the estimator --------------------------------------------------------------------------------------------
 def test_sizes_fall_in_power_of_two_buckets() -> None:
-    assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 100, 128)] == \
-        [0, 1, 2, 2, 3, 3, 4, 4, 5, 6, 7, 7, 7]
+    assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 100, 128)] == [
+        0,
+        1,
+        2,
+        2,
+        3,
+        3,
+        4,
+        4,
+        5,
+        6,
+        7,
+        7,
+        7,
+    ]
 
 
 def test_the_seed_holds_until_a_batch_is_measured() -> None:
@@ -182,7 +195,8 @@ def test_admission_predicts_a_lone_item_by_its_own_small_batch(loop) -> None:
 
 
 def test_predicted_latency_adds_full_batches_ahead_and_its_own_batch() -> None:
-    assert predicted_latency_s(0.1, ahead=250, max_batch_size=100, batch_s=0.4, healthy=2, own_batch_s=0.2) == \
-        pytest.approx(0.1 + 2 * 0.4 / 2 + 0.2)
+    assert predicted_latency_s(
+        0.1, ahead=250, max_batch_size=100, batch_s=0.4, healthy=2, own_batch_s=0.2
+    ) == pytest.approx(0.1 + 2 * 0.4 / 2 + 0.2)
     assert predicted_latency_s(0.0, 0, 100, 0.4, 1) == 0.4  # no own size given: a full batch
     assert not math.isnan(predicted_latency_s(0.0, 0, 100, 0.4, 0))

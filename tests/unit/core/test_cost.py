@@ -33,10 +33,18 @@ def learned(max_batch: int = 100) -> BatchTimes:
     return times
 
 
-def make_batcher(clock: Clock, budget: float = 0, max_batch: int = 100, slo_s: float = 0.2,
-                 max_batch_s: float = math.inf) -> Batcher:
-    return Batcher(max_batch_size=max_batch, slo_s=slo_s, margin_s=0.005, batch_s=learned(max_batch),
-                   max_batch_cost=budget, max_batch_s=max_batch_s, clock=clock)
+def make_batcher(
+    clock: Clock, budget: float = 0, max_batch: int = 100, slo_s: float = 0.2, max_batch_s: float = math.inf
+) -> Batcher:
+    return Batcher(
+        max_batch_size=max_batch,
+        slo_s=slo_s,
+        margin_s=0.005,
+        batch_s=learned(max_batch),
+        max_batch_cost=budget,
+        max_batch_s=max_batch_s,
+        clock=clock,
+    )
 
 
 def item(loop, cost: float, at: float = 100.0, tenant: str = "t", deadline: float = 1e9, bucket: int = 0) -> Item:
@@ -192,8 +200,14 @@ def test_a_lowered_budget_rises_no_faster_than_twice_the_costliest_batch_measure
     """The soak's first request of 60 long inputs: after one cheap long-input batch the line past the points said
     a batch of 59 of them fitted the latency objective; it took 4.3 s and the only worker was marked hung."""
     clock = Clock()
-    b = Batcher(max_batch_size=100, slo_s=0.2, margin_s=0.005, batch_s=BatchTimes(100, {M: 0.045}),
-                latency_fit_s=0.125, clock=clock)
+    b = Batcher(
+        max_batch_size=100,
+        slo_s=0.2,
+        margin_s=0.005,
+        batch_s=BatchTimes(100, {M: 0.045}),
+        latency_fit_s=0.125,
+        clock=clock,
+    )
     b.batch_s.observe(M, 300, 0.045)  # warm-up: short inputs, batches costing 300 and 1,200 tokens
     b.batch_s.observe(M, 1200, 0.060)
     for _ in range(50):
@@ -361,8 +375,9 @@ def words_sum(texts: list[str]) -> float:
 
 def words_item(loop, words: int, deadline: float = 1e9) -> Item:
     text = " ".join(["w"] * words)
-    return Item(text, M, 0, loop.create_future(), 100.0, deadline, None, 1, "t",
-                cost=words_sum([text]), batch_cost=words_sum)
+    return Item(
+        text, M, 0, loop.create_future(), 100.0, deadline, None, 1, "t", cost=words_sum([text]), batch_cost=words_sum
+    )
 
 
 def test_a_declared_batch_cost_is_what_the_batch_costs_and_what_fills_it(loop) -> None:

@@ -29,8 +29,9 @@ M = "m"
 LONG, SHORT = 220.0, 8.0  # tokens of the issue's two tenants' inputs
 
 
-def item(loop, tenant: str, cost: float, arrived: float = 1000.0, tier: int = PAID, bucket: int = 0,
-         text: str = "x") -> Item:
+def item(
+    loop, tenant: str, cost: float, arrived: float = 1000.0, tier: int = PAID, bucket: int = 0, text: str = "x"
+) -> Item:
     return Item(text, M, bucket, loop.create_future(), arrived, 1e9, None, tier, tenant, cost=cost)
 
 
@@ -88,8 +89,9 @@ def test_tiers_and_aging_are_unchanged_by_cost(loop):
     for i in range(40):
         q.push(item(loop, "long", LONG, text=f"long{i}"))
         q.push(item(loop, "short", SHORT, text=f"short{i}"))
-    q.push(item(loop, "old-free", SHORT, arrived=1000.0 - tiers.BY_NAME["free"].aging_s - 0.01, tier=FREE,
-                text="old-free"))
+    q.push(
+        item(loop, "old-free", SHORT, arrived=1000.0 - tiers.BY_NAME["free"].aging_s - 0.01, tier=FREE, text="old-free")
+    )
     order = [q.pop().text for _ in range(4)]
     assert order[0] == "old-free" and order[1:] == ["ent0", "ent1", "ent2"]
     paid = served_by_tenant([q.pop() for _ in range(40)])
@@ -112,8 +114,14 @@ def test_a_tenant_that_leaves_and_returns_keeps_its_lead(loop):
 
 # -- the batcher: length classes of one model ---------------------------------------------------------------------
 def batcher(clock: Clock, budget: float = 2048.0) -> Batcher:
-    return Batcher(max_batch_size=64, slo_s=0.2, margin_s=0.005, batch_s=BatchTimes(64, {M: 0.05}),
-                   max_batch_cost=budget, clock=clock)
+    return Batcher(
+        max_batch_size=64,
+        slo_s=0.2,
+        margin_s=0.005,
+        batch_s=BatchTimes(64, {M: 0.05}),
+        max_batch_cost=budget,
+        clock=clock,
+    )
 
 
 def test_length_classes_are_shared_by_cost_between_their_tenants(loop):
@@ -156,6 +164,7 @@ def closed_loops(loop, b: Batcher, clock: Clock, loops: int, batches: int) -> di
         left[rid] = [tenant, n]
         for _ in range(n):
             b.submit(item(loop, tenant, cost, arrived=clock.now, bucket=bucket, text=str(rid)))
+
     for tenant in ("long", "short"):
         for _ in range(loops):
             send(tenant)
@@ -262,8 +271,12 @@ def test_the_account_adds_cost_answered_per_model_tier_and_tenant(loop):
     pool = GpuPool({}, b, make_metrics(), loop, ["d0"], gpu_timeout_s=1.0, clock=clock)
     w = Worker(0, "d0")
     pool.workers = [w]
-    items = [item(loop, "long", LONG, bucket=4), item(loop, "short", SHORT), item(loop, "short", SHORT),
-             item(loop, "ent", 3.0, tier=ENT)]
+    items = [
+        item(loop, "long", LONG, bucket=4),
+        item(loop, "short", SHORT),
+        item(loop, "short", SHORT),
+        item(loop, "ent", 3.0, tier=ENT),
+    ]
     batch = Batch(M, items, clock.now, "full")
     w.batch, w.started = batch, clock.now
     answer = pool._finish(w, w.generation, batch, ["o"] * 4, None, {2: "bad input"}, 0.01)

@@ -24,9 +24,12 @@ def test_collector_exports_one_series_per_model_and_kv_only_for_generation():
     registry = CollectorRegistry()
     GatewayGauges(lambda: loads, registry)
     got = gauges(generate_latest(registry).decode())
-    assert got == {("batchserve_num_requests_waiting", "sim@v1"): 3, ("batchserve_num_requests_running", "sim@v1"): 2,
-                   ("batchserve_num_requests_waiting", "SmolLM2-135M-Instruct"): 1,
-                   ("batchserve_num_requests_running", "SmolLM2-135M-Instruct"): 4,
-                   ("batchserve_kv_cache_usage_perc", "SmolLM2-135M-Instruct"): 0.25}
+    assert got == {
+        ("batchserve_num_requests_waiting", "sim@v1"): 3,
+        ("batchserve_num_requests_running", "sim@v1"): 2,
+        ("batchserve_num_requests_waiting", "SmolLM2-135M-Instruct"): 1,
+        ("batchserve_num_requests_running", "SmolLM2-135M-Instruct"): 4,
+        ("batchserve_kv_cache_usage_perc", "SmolLM2-135M-Instruct"): 0.25,
+    }
     loads["sim@v1"] = ModelLoad(0, 0)  # read at scrape time, not when registered
     assert gauges(generate_latest(registry).decode())[("batchserve_num_requests_waiting", "sim@v1")] == 0

@@ -48,8 +48,10 @@ def test_the_running_batch_is_costed_once_when_handed_not_on_every_admission(loo
     worker = Worker(0, "gpu:0")
     pool.workers.append(worker)
     costing = CountingCost()
-    items = [Item(f"input {i:03d}", M, 0, loop.create_future(), arrived=clock.t, deadline=clock.t + 60,
-                  batch_cost=costing) for i in range(100)]
+    items = [
+        Item(f"input {i:03d}", M, 0, loop.create_future(), arrived=clock.t, deadline=clock.t + 60, batch_cost=costing)
+        for i in range(100)
+    ]
     batch = Batch(M, items, clock.t, "full")
     pool._hand(worker, batch)
     handed = costing.calls
@@ -141,11 +143,13 @@ def test_a_tenants_share_is_read_without_walking_the_queue(loop) -> None:
     read off the model's counters (`Shares`), kept as items come and go, never by walking the queued items."""
     clock = Clock()
     b = Batcher(max_batch_size=64, slo_s=1.0, margin_s=0.01, batch_s=BatchTimes(64, {M: 0.1}), clock=clock)
-    for i in range(2000):
-        b.submit(Item("l", M, 1, loop.create_future(), arrived=clock.t, deadline=clock.t + 60, tenant="long",
-                      cost=220.0))
-        b.submit(Item("s", M, 0, loop.create_future(), arrived=clock.t, deadline=clock.t + 60, tenant="short",
-                      cost=8.0))
+    for _ in range(2000):
+        b.submit(
+            Item("l", M, 1, loop.create_future(), arrived=clock.t, deadline=clock.t + 60, tenant="long", cost=220.0)
+        )
+        b.submit(
+            Item("s", M, 0, loop.create_future(), arrived=clock.t, deadline=clock.t + 60, tenant="short", cost=8.0)
+        )
     for q in b.queues.values():
         for lane in q.lanes.values():
             lane.items = Unwalkable(lane.items)

@@ -26,8 +26,14 @@ def item(loop, text: str, arrived: float, tier: int = PAID, tenant: str = "live"
 
 
 def batcher(clock: Clock, workers: int, max_batch: int = 4) -> Batcher:
-    b = Batcher(max_batch_size=max_batch, slo_s=0.2, margin_s=0.005, batch_s=BatchTimes(max_batch, {"m": S}),
-                healthy_workers=workers, clock=clock)
+    b = Batcher(
+        max_batch_size=max_batch,
+        slo_s=0.2,
+        margin_s=0.005,
+        batch_s=BatchTimes(max_batch, {"m": S}),
+        healthy_workers=workers,
+        clock=clock,
+    )
     b.last_dispatch = clock.now  # a batch just went out: the pace S/G is ahead
     return b
 

@@ -17,10 +17,23 @@ class Clock:
         return self.now
 
 
-@pytest.mark.parametrize("status, outcome", [
-    (429, "refused"), (503, "refused"), (504, "expired"), (500, "failed"), (501, "failed"), (502, "failed"),
-    (400, None), (401, None), (404, None), (413, None), (408, None), (422, None),
-])
+@pytest.mark.parametrize(
+    "status, outcome",
+    [
+        (429, "refused"),
+        (503, "refused"),
+        (504, "expired"),
+        (500, "failed"),
+        (501, "failed"),
+        (502, "failed"),
+        (400, None),
+        (401, None),
+        (404, None),
+        (413, None),
+        (408, None),
+        (422, None),
+    ],
+)
 def test_error_outcomes(status, outcome):
     got = ledger.error_outcome(status)
     assert (None if got is None else ledger.OUTCOMES[got]) == outcome

@@ -11,8 +11,7 @@ from batchserve.core.load_signal import SATURATED, EngineLoad, Reading
 
 
 def reading(**kw) -> Reading:
-    base = dict(arrivals_per_s=500.0, healthy=2, max_batch=100, batch_s=0.1, until_free_s=0.02, depth=0,
-                slo_s=0.2)
+    base = dict(arrivals_per_s=500.0, healthy=2, max_batch=100, batch_s=0.1, until_free_s=0.02, depth=0, slo_s=0.2)
     return Reading(**{**base, **kw})
 
 
@@ -32,8 +31,6 @@ def test_predicted_wait_ratio_is_the_wait_for_a_batch_over_what_the_slo_leaves()
     assert reading(batch_s=0.25).predicted_wait_ratio() == SATURATED  # the batch alone passes the SLO
     assert reading(healthy=0, depth=3).predicted_wait_ratio() == SATURATED
     assert reading(healthy=0, depth=0, arrivals_per_s=0).predicted_wait_ratio() == 0
-
-
 
 
 # -- the generation engine's side (its stepper answers /v1/inference of a model the batcher never sees) ------
@@ -68,8 +65,9 @@ def test_engine_predicted_wait_is_the_wait_for_a_slot_over_what_the_slo_leaves_a
 def test_a_node_busy_only_on_the_engine_reads_the_engines_load_not_zero():
     idle_batcher = reading(arrivals_per_s=0, depth=0, until_free_s=0.0)
     assert idle_batcher.load_ratio() == 0
-    busy = reading(arrivals_per_s=0, depth=0, until_free_s=0.0, slo_s=1.5,
-                   engine=engine(running=4, waiting=2, wait_s=0.5))
+    busy = reading(
+        arrivals_per_s=0, depth=0, until_free_s=0.0, slo_s=1.5, engine=engine(running=4, waiting=2, wait_s=0.5)
+    )
     assert busy.load_ratio() == pytest.approx(1.5)
     assert busy.predicted_wait_ratio() == pytest.approx(0.5)
     # each signal is the larger side's: a busier batcher still reads its own

@@ -24,15 +24,29 @@ ENT, PAID, FREE, BATCH = (tiers.BY_NAME[n].rank for n in ("enterprise", "paid", 
 S = 0.1  # the learned batch time of model "m"
 
 
-def make_item(loop, text: str = "x", arrived: float = 1000.0, tier: int = PAID, tenant: str = "t",
-              model: str = "m", deadline: float = 1e9) -> Item:
+def make_item(
+    loop,
+    text: str = "x",
+    arrived: float = 1000.0,
+    tier: int = PAID,
+    tenant: str = "t",
+    model: str = "m",
+    deadline: float = 1e9,
+) -> Item:
     return Item(text, model, 0, loop.create_future(), arrived, deadline, None, tier, tenant)
 
 
-def make_batcher(clock: Clock, workers: int = 1, max_batch: int = 100, slo_s: float = 0.2,
-                 models: tuple[str, ...] = ("m",)) -> Batcher:
-    return Batcher(max_batch_size=max_batch, slo_s=slo_s, margin_s=0.005,
-                   batch_s=BatchTimes(max_batch, {m: S for m in models}), healthy_workers=workers, clock=clock)
+def make_batcher(
+    clock: Clock, workers: int = 1, max_batch: int = 100, slo_s: float = 0.2, models: tuple[str, ...] = ("m",)
+) -> Batcher:
+    return Batcher(
+        max_batch_size=max_batch,
+        slo_s=slo_s,
+        margin_s=0.005,
+        batch_s=BatchTimes(max_batch, {m: S for m in models}),
+        healthy_workers=workers,
+        clock=clock,
+    )
 
 
 # -- fair queue -----------------------------------------------------------------------------------------------
@@ -154,7 +168,11 @@ def test_a_sole_lanes_head_is_what_pop_takes_and_leaves_the_queue_as_pop_does(lo
     taken_head = [by_head.pop_head(lane, charge=False).text for _ in range(3)]
     assert taken_head == [by_pop.pop(charge=False).text for _ in range(3)] == ["x0", "x1", "x2"]
     assert (len(by_head), by_head.cost_sum, by_head.shares.depth, by_head.shares.queued) == (
-        len(by_pop), by_pop.cost_sum, by_pop.shares.depth, by_pop.shares.queued)
+        len(by_pop),
+        by_pop.cost_sum,
+        by_pop.shares.depth,
+        by_pop.shares.queued,
+    )
     by_head.push(make_item(loop, "other", tenant="other"))  # another tenant of the tier: turns, no sole lane
     assert by_head.sole_lane() is None
     q = FairQueue()
@@ -166,8 +184,17 @@ def test_a_sole_lanes_head_is_what_pop_takes_and_leaves_the_queue_as_pop_does(lo
 
 def _shares_state(q: FairQueue) -> tuple:
     sh = q.shares
-    return (len(q), q.cost_sum, dict(sh.depth), dict(sh.queued), list(sh.tier_queued), list(sh.active), dict(sh.behind),
-            dict(sh.counter), list(sh.vtime))
+    return (
+        len(q),
+        q.cost_sum,
+        dict(sh.depth),
+        dict(sh.queued),
+        list(sh.tier_queued),
+        list(sh.active),
+        dict(sh.behind),
+        dict(sh.counter),
+        list(sh.vtime),
+    )
 
 
 @pytest.mark.parametrize("elsewhere", [0, 2], ids=["its-last-inputs", "more-in-another-class"])
@@ -176,6 +203,7 @@ def test_a_run_off_a_sole_lane_leaves_the_queue_and_shares_as_pop_head_one_by_on
     the queue and the model's shares bit for bit as `pop_head` + `charge` item by item: fractional costs (float
     steps in the same order), another tenant waiting in another length class of the model (so the tenant's last
     input records what it is owed), and the tenant with `elsewhere` inputs of its own in that other class."""
+
     def build() -> tuple[FairQueue, FairQueue]:
         q = FairQueue()
         other = FairQueue(q.shares)  # another length class of the same model: the shares are the model's
@@ -396,8 +424,7 @@ def test_ahead_of_counts_higher_tiers_and_a_fair_share_of_its_own(loop):
 
 # -- the pool: retries and bisection ------------------------------------------------------------------------
 def make_pool(loop, b: Batcher, healthy: int = 2, demand: float = 0.0) -> GpuPool:
-    pool = GpuPool({}, b, make_metrics(), loop, [f"d{i}" for i in range(healthy)], gpu_timeout_s=1.0,
-                   clock=b.clock)
+    pool = GpuPool({}, b, make_metrics(), loop, [f"d{i}" for i in range(healthy)], gpu_timeout_s=1.0, clock=b.clock)
     pool.workers = [Worker(i, f"d{i}") for i in range(healthy)]
     pool.demand = lambda: demand
     pool._update_health()

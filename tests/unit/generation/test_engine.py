@@ -26,8 +26,10 @@ class FakeStepper(FeedStepper):
     """Records what the engine adds and cancels; `emit` plays a step's output, on the loop as a stepper does."""
 
     def __init__(self, blocks: int, max_seqs: int, page_size: int) -> None:
-        super().__init__(KvCapacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs,
-                                  max_sequence_tokens=blocks * page_size), step_s=0.01)
+        super().__init__(
+            KvCapacity(blocks=blocks, page_size=page_size, max_seqs=max_seqs, max_sequence_tokens=blocks * page_size),
+            step_s=0.01,
+        )
         self.added: list[str] = []
         self.cancelled: list[str] = []
         self.tenants: dict[str, str] = {}
@@ -45,8 +47,13 @@ class FakeStepper(FeedStepper):
         self.deliver([TokenUpdate(seq_id, [CHARS.index(c) for c in text], finished)])
 
 
-def engine(blocks: int = 8, max_seqs: int = 1, step_s: float = 0.01, queue_timeout_s: float = 5.0,
-           registry: CollectorRegistry | None = None) -> Engine:
+def engine(
+    blocks: int = 8,
+    max_seqs: int = 1,
+    step_s: float = 0.01,
+    queue_timeout_s: float = 5.0,
+    registry: CollectorRegistry | None = None,
+) -> Engine:
     cfg = EngineConfig(max_tokens=64, max_seqs=max_seqs, page_size=16, queue_timeout_s=queue_timeout_s)
     tokenizer = SimpleNamespace(backend_tokenizer=char_tokenizer(), eos_token_id=EOS)
     stepper = FakeStepper(blocks, max_seqs, page_size=16)

@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry
 from batchserve.config import Settings
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
-from batchserve.generation import engine as engine_module
 from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
 from batchserve.generation.inference import StepperInference, stepper_models
 from tests.unit.generation.test_engine import FakeStepper
@@ -25,13 +24,6 @@ EOS = CHARS.index("!")
 MAX_NEW = 4  # an answer takes (4 + 2) steps once it joins
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock(1000.0)
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=c))
-    return c
-
-
 def work(model: str, arrived: float, timeout_s: float, tier: int = 1, gone: Any = None) -> Work:
     """A request of tenant "t" for `model`, due `timeout_s` after `arrived`."""
     return Work("req", arrived, tier, "t", model=model, gone=gone).due_in(timeout_s)
@@ -40,8 +32,9 @@ def work(model: str, arrived: float, timeout_s: float, tier: int = 1, gone: Any 
 def make(clock: Clock, max_seqs: int = 2, step_s: float = 0.1) -> tuple[Engine, StepperInference]:
     cfg = EngineConfig(max_tokens=64, max_seqs=max_seqs, page_size=512, queue_timeout_s=1000)
     char = char_tokenizer()
-    tokenizer = SimpleNamespace(backend_tokenizer=char, eos_token_id=EOS,
-                                decode=lambda ids, skip_special_tokens: char.decode(ids))
+    tokenizer = SimpleNamespace(
+        backend_tokenizer=char, eos_token_id=EOS, decode=lambda ids, skip_special_tokens: char.decode(ids)
+    )
     stepper = FakeStepper(blocks=max_seqs, max_seqs=max_seqs, page_size=512)
     stepper.step_s = step_s
     engine = Engine(cfg, tokenizer, stepper, CollectorRegistry(), max_position=4096, vocab_size=len(CHARS))
@@ -183,6 +176,7 @@ def test_batch_job_items_wait_behind_interactive_ones_and_can_be_taken_back(cloc
         await until(lambda: other.dispatched)
         other.future.cancel()
         await until(lambda: not engine.running and not engine.waiting)
+
     asyncio.run(main())
 
 
@@ -213,8 +207,11 @@ def test_the_door_hands_a_stepper_model_over_and_refuses_while_draining() -> Non
         assert result.output == "hi" and rt.service.inflight == 0
         assert rt.service.submit_background("a", "smollm2@v1", "t", 60.0) == "item"
         assert rt.service.submit_group(["b", "c"], "smollm2@v1", "t", 60.0) == ["item", "item"]
-        assert handler.calls == [("infer", "smollm2@v1", "hi"), ("background", "smollm2@v1", "a"),
-                                 ("group", "smollm2@v1", "b", "c")]
+        assert handler.calls == [
+            ("infer", "smollm2@v1", "hi"),
+            ("background", "smollm2@v1", "a"),
+            ("group", "smollm2@v1", "b", "c"),
+        ]
         rt.batcher.start_drain()
         with pytest.raises(ApiError) as err:
             await rt.service.infer(work("smollm2@v1", 0.0, 5.0), "hi")

@@ -6,7 +6,7 @@ sequence with the stepper's attributes), and a refusal's outcome."""
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import pytest
 
@@ -14,7 +14,7 @@ from batchserve.errors import ApiError
 from batchserve.generation.inference_records import StepperRecords
 from batchserve.metrics import make_metrics
 from tests.unit.fakes import Clock
-from tests.unit.generation.test_inference import ask, clock, make, until  # noqa: F401 - `clock` is a fixture
+from tests.unit.generation.test_inference import ask, make, until
 
 MODEL = "smollm2@v1"
 
@@ -32,11 +32,29 @@ class Tracer:
     def answered(self, model: str, arrived: float, queue_s: float, batch: object, outcome: str) -> None:
         self.answers.append((queue_s, batch, outcome))
 
-    def batch(self, model: str, size: int, worker: str, cause: str, started: float, ended: float,
-              requests: Iterable[object], failed: str | None = None,
-              attributes: Mapping[str, str | int | float] | None = None) -> object:
-        self.batches.append({"size": size, "worker": worker, "cause": cause, "s": ended - started,
-                             "requests": list(requests), "failed": failed, **(attributes or {})})
+    def batch(
+        self,
+        model: str,
+        size: int,
+        worker: str,
+        cause: str,
+        started: float,
+        ended: float,
+        requests: Iterable[object],
+        failed: str | None = None,
+        attributes: Mapping[str, str | int | float] | None = None,
+    ) -> object:
+        self.batches.append(
+            {
+                "size": size,
+                "worker": worker,
+                "cause": cause,
+                "s": ended - started,
+                "requests": list(requests),
+                "failed": failed,
+                **(attributes or {}),
+            }
+        )
         return f"span-{len(self.batches)}"
 
 
@@ -70,15 +88,23 @@ def test_answers_feed_the_histograms_and_spans_a_batch_would(clock: Clock) -> No
     assert sum(rows.counts) == 4 and rows.sum == 1 + 2 + 2 + 1
     compute = metrics.batch_compute.labels(MODEL)
     assert sum(compute.counts) == 4 and compute.sum == pytest.approx(0.3 + 0.8 + 0.5 + 0.2)
-    assert [(s["size"], s["worker"], s["cause"], s["batchserve.path"], s["batchserve.stepper.rows"])
-            for s in tracer.batches] == [(1, "stepper", "joined", "stepper", 1), (2, "stepper", "joined", "stepper", 2),
-                                         (2, "stepper", "joined", "stepper", 2), (1, "stepper", "joined", "stepper", 1)]
+    assert [
+        (s["size"], s["worker"], s["cause"], s["batchserve.path"], s["batchserve.stepper.rows"]) for s in tracer.batches
+    ] == [
+        (1, "stepper", "joined", "stepper", 1),
+        (2, "stepper", "joined", "stepper", 2),
+        (2, "stepper", "joined", "stepper", 2),
+        (1, "stepper", "joined", "stepper", 1),
+    ]
     assert [s["gen_ai.usage.output_tokens"] for s in tracer.batches] == [3, 3, 4, 3]
     assert [s["requests"] for s in tracer.batches[:3]] == [["request-paid"]] * 3  # linked to their requests
     assert tracer.batches[3]["requests"] == [None]  # a job item has no request span
     # Each answered input's queue span links to its own sequence's span (a: span-1, b: span-2, c: span-3).
     assert sorted((round(q, 6), span, outcome) for q, span, outcome in tracer.answers) == [
-        (0.0, "span-1", "ok"), (0.0, "span-2", "ok"), (0.3, "span-3", "ok")]
+        (0.0, "span-1", "ok"),
+        (0.0, "span-2", "ok"),
+        (0.3, "span-3", "ok"),
+    ]
 
 
 def test_a_refusal_sets_the_outcome_and_observes_nothing(clock: Clock) -> None:

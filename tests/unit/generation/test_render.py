@@ -29,8 +29,14 @@ def test_stream_chunks():
     assert chat.chunk("x")["object"] == "chat.completion.chunk"
     text = Answer(False, "t", "m", 1, 2)
     assert text.chunk(None, "stop")["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
-    assert text.usage_chunk(4) | {"usage": None} == {"id": "t", "object": "text_completion", "created": 1,
-                                                      "model": "m", "choices": [], "usage": None}
+    assert text.usage_chunk(4) | {"usage": None} == {
+        "id": "t",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [],
+        "usage": None,
+    }
     assert text.usage_chunk(4)["usage"]["total_tokens"] == 6
     raw = sse({"a": 1})
     assert raw == b'data: {"a":1}\n\n'

@@ -63,8 +63,14 @@ def served(delay_s: float = 0.0, slo_s: float = 10.0, step_s: float = 0.01) -> t
     stepper.start(None, engine._on_updates)
     guard = Guard(Tenancy(), make_metrics(), slo_s=slo_s)
     app = Starlette(routes=routes.ROUTES)
-    app.state.rt = SimpleNamespace(settings=Settings(), guard=guard, service=Door(), generation=engine,
-                                   startup_error="", refusals=RefusalThrottle(0.0))
+    app.state.rt = SimpleNamespace(
+        settings=Settings(),
+        guard=guard,
+        service=Door(),
+        generation=engine,
+        startup_error="",
+        refusals=RefusalThrottle(0.0),
+    )
     return app, guard, engine
 
 
@@ -90,8 +96,12 @@ def test_an_answer_is_booked_once_with_its_tokens():
     assert booked(guard, engine, "met") == 1 and booked(guard, engine, "slow") == 0
     mine = guard.usage.report("anonymous")
     assert mine["cost_served"] == 6 and mine["inputs"]["met"] == 1 and mine["latency_ms"]["count"] == 1
-    assert guard.metrics.registry.get_sample_value("batchserve_cost_served_total",
-                                                   {"model": engine.cfg.model_id, "tier": "paid"}) == 6
+    assert (
+        guard.metrics.registry.get_sample_value(
+            "batchserve_cost_served_total", {"model": engine.cfg.model_id, "tier": "paid"}
+        )
+        == 6
+    )
 
 
 def test_a_first_token_past_the_slo_is_slow():

@@ -104,8 +104,9 @@ def test_where_rows_are_dear_batch_lines_keep_only_the_rows_that_fit_the_slowdow
 
 def test_the_engine_keeps_batch_rows_to_the_fewer_of_its_share_and_what_the_slowdown_allows() -> None:
     def cap(row_growth: float, beside: float, slowdown: float, shares_steps: bool = False) -> int:
-        cfg = EngineConfig(max_tokens=64, max_seqs=8, page_size=16, batch_beside_interactive=beside,
-                           batch_slowdown=slowdown)
+        cfg = EngineConfig(
+            max_tokens=64, max_seqs=8, page_size=16, batch_beside_interactive=beside, batch_slowdown=slowdown
+        )
         stepper = Recording(8, 8, 16)
         stepper.row_growth, stepper.shares_steps = row_growth, shares_steps
         tokenizer = SimpleNamespace(backend_tokenizer=char_tokenizer(), eos_token_id=EOS)

@@ -4,7 +4,6 @@ token for token is tests/integration/generation/test_background_rows.py, on a mo
 
 from __future__ import annotations
 
-from typing import Any
 
 from batchserve.generation.slot_decoder import LaunchedStep, bucket_up
 from batchserve.generation.sizing import ROW_BUCKETS

@@ -21,7 +21,7 @@ def drive(
     times: list[float] = []
     included: list[bool] = []
     pending = None
-    for i in range(steps):
+    for _ in range(steps):
         inc = share.include(FG, ALL)
         extra = 0.0
         if inc and prefill is not None:  # batch prefill runs only before steps with the batch rows

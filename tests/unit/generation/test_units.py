@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -186,14 +187,23 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
         await feeder
         return out
 
-    text = lambda chunks: "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks  # noqa: E731
-                                  if isinstance(c, dict) and c.get("choices"))
+    def text(chunks: list[Any]) -> str:
+        return "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if isinstance(c, dict) and c.get("choices")
+        )
+
     # three waiting at once, then one at a time, then the end
-    out = asyncio.run(events([Delta("He", 1), Delta("llo", 2), Delta(",", 3)],
-                             [Delta(" wor", 4), Delta("ld", 5), Delta("", 5, "stop")]))
+    out = asyncio.run(
+        events(
+            [Delta("He", 1), Delta("llo", 2), Delta(",", 3)], [Delta(" wor", 4), Delta("ld", 5), Delta("", 5, "stop")]
+        )
+    )
     assert text(out) == "Hello, world"
-    contents = [c["choices"][0]["delta"]["content"] for c in out[1:] if isinstance(c, dict) and c.get("choices")
-                and c["choices"][0]["delta"].get("content")]
+    contents = [
+        c["choices"][0]["delta"]["content"]
+        for c in out[1:]
+        if isinstance(c, dict) and c.get("choices") and c["choices"][0]["delta"].get("content")
+    ]
     assert contents == ["Hello,", " wor", "ld"]
     assert out[-3]["choices"][0]["finish_reason"] == "stop" and out[-2]["usage"]["completion_tokens"] == 6
     assert out[-1] == "[DONE]"

@@ -22,16 +22,19 @@ class Shape(msgspec.Struct):
 D = msgspec.json.Decoder(Shape)
 
 
-@pytest.mark.parametrize("body,field,path,got,not_json", [
-    (b"{", None, "", "", True),
-    (b'"x"', None, "", "str", False),
-    (b"{}", "query", "query", "", False),
-    (b'{"query": 1}', "query", "query", "int", False),
-    (b'{"query": ""}', "query", "query", "", False),
-    (b'{"query": "q", "docs": [1]}', "docs", "docs[0]", "int", False),
-    (b'{"query": "q", "docs": [{}]}', "docs", "docs[0].text", "", False),
-    (b'{"query": "q", "z": "\xfe"}', None, "", "", True),
-])
+@pytest.mark.parametrize(
+    "body,field,path,got,not_json",
+    [
+        (b"{", None, "", "", True),
+        (b'"x"', None, "", "str", False),
+        (b"{}", "query", "query", "", False),
+        (b'{"query": 1}', "query", "query", "int", False),
+        (b'{"query": ""}', "query", "query", "", False),
+        (b'{"query": "q", "docs": [1]}', "docs", "docs[0]", "int", False),
+        (b'{"query": "q", "docs": [{}]}', "docs", "docs[0].text", "", False),
+        (b'{"query": "q", "z": "\xfe"}', None, "", "", True),
+    ],
+)
 def test_the_refusal_names_the_member(body: bytes, field: str | None, path: str, got: str, not_json: bool):
     with pytest.raises(BodyRefusal) as caught:
         decode(D, body)

@@ -26,8 +26,13 @@ KINDS: dict[str, ApiError] = {
     "openai_bad": bad("temperature", "'temperature' must be a number"),
     "openai_unknown_model": unknown_model("gpt-9"),
 }
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error"}
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -54,8 +59,12 @@ def test_openai_shape(kind: str) -> None:
 
 def test_openai_names_the_field_and_the_finer_code() -> None:
     inner = orjson.loads(OPENAI.render(KINDS["openai_bad"], "r")[0])["error"]
-    assert inner == {"message": "'temperature' must be a number", "type": "invalid_request_error",
-                     "param": "temperature", "code": "invalid_value"}
+    assert inner == {
+        "message": "'temperature' must be a number",
+        "type": "invalid_request_error",
+        "param": "temperature",
+        "code": "invalid_value",
+    }
     inner = orjson.loads(OPENAI.render(KINDS["openai_unknown_model"], "r")[0])["error"]
     assert inner["param"] == "model" and inner["code"] == "model_not_found"
     assert orjson.loads(OPENAI.render(KINDS["overloaded"], "r")[0])["error"]["code"] == "service_overloaded"

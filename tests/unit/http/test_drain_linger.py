@@ -39,8 +39,7 @@ def test_with_no_connection_open_the_linger_does_not_wait(loop: asyncio.Abstract
     loop.run_until_complete(asyncio.wait_for(draining_server().linger(served=0), timeout=2))
 
 
-def test_connections_taken_from_the_backlog_get_the_whole_linger(loop: asyncio.AbstractEventLoop,
-                                                                 monkeypatch) -> None:
+def test_connections_taken_from_the_backlog_get_the_whole_linger(loop: asyncio.AbstractEventLoop, monkeypatch) -> None:
     """Their protocols are still being made (not yet in the connection set): the linger does not end early."""
     monkeypatch.setattr(http_server, "DRAIN_LINGER_S", 0.2)
     began = loop.time()

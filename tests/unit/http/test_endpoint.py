@@ -59,8 +59,9 @@ class Cycle:
 
 
 def served(burst: float = 100.0) -> SimpleNamespace:
-    tenancy = Tenancy.from_settings(Settings(keys=[{"tenant": "t", "tier": "paid", "sha256": digest(KEY),
-                                                     "rate": 0.001, "burst": burst}]))
+    tenancy = Tenancy.from_settings(
+        Settings(keys=[{"tenant": "t", "tier": "paid", "sha256": digest(KEY), "rate": 0.001, "burst": burst}])
+    )
     rt = SimpleNamespace(settings=Settings(max_body_bytes=64), guard=Guard(tenancy, make_metrics(), slo_s=10.0))
     return rt
 
@@ -100,8 +101,14 @@ def run(
     headers = [(b"content-type", b"application/json"), (b"x-request-id", b"unit-1"), *extra]
     if key is not None:
         headers.append((b"authorization", f"Bearer {key}".encode()))
-    scope = {"type": "http", "method": "POST", "path": "/unit", "headers": headers, "client": ("127.0.0.1", 1),
-             "app": SimpleNamespace(state=SimpleNamespace(rt=rt))}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/unit",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "app": SimpleNamespace(state=SimpleNamespace(rt=rt)),
+    }
     asyncio.run(ep(scope, cycle.receive, cycle.send))
     return cycle
 

@@ -103,13 +103,18 @@ def calls_outside_the_guard() -> list[str]:
         if path.name == "guards.py" and path.parent.name == "http":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("identify", "take_token", "count_ok", "count_error",
-                                               "count_outcome")
-                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "guard"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("identify", "take_token", "count_ok", "count_error", "count_outcome")
+                and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "guard"))
+            ):
                 found.append(f"{path.relative_to(package)}:{node.lineno} {node.func.attr}")
-            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Attribute) \
-                    and node.target.attr == "answered":
+            if (
+                isinstance(node, ast.AugAssign)
+                and isinstance(node.target, ast.Attribute)
+                and node.target.attr == "answered"
+            ):
                 found.append(f"{path.relative_to(package)}:{node.lineno} answered +=")
     return found
 
@@ -146,8 +151,13 @@ def test_the_ledger_books_every_model_answer_by_model_tier_and_outcome():
     assert ledger_sample(g, "batchserve_cost_served_total", model="m", tier="free") == 50.0
     assert ledger_sample(g, "batchserve_inputs_served_total", model="m", tier="free") == 6
     assert ledger_sample(g, "batchserve_inputs_served_total", model="m", tier="paid") == 0
-    total = sum(s.value for f in g.metrics.registry.collect() if f.name == "batchserve_slo_requests"
-                for s in f.samples if s.name == series)
+    total = sum(
+        s.value
+        for f in g.metrics.registry.collect()
+        if f.name == "batchserve_slo_requests"
+        for s in f.samples
+        if s.name == series
+    )
     assert total == 6
     exposed = [s.labels for f in g.metrics.registry.collect() for s in f.samples]
     assert not any("acme" in labels.values() or "tenant" in labels for labels in exposed)  # contract.md#observability

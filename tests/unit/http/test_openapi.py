@@ -55,9 +55,10 @@ def test_every_schema_is_generated_from_a_declared_type():
         if name.startswith("Error") and name[5:].isdigit():
             continue
         assert name in declared, f"{name} is not a declared shape"
-        assert schema == msgspec.json.schema_components([declared[name]], ref_template="#/components/schemas/{name}")[
-            1
-        ][name]
+        assert (
+            schema
+            == msgspec.json.schema_components([declared[name]], ref_template="#/components/schemas/{name}")[1][name]
+        )
 
 
 def test_each_dialect_renders_its_declared_error_shape():
@@ -135,7 +136,7 @@ def test_the_skeleton_statuses_read_the_declaration():
     from batchserve.http.dialects import NATIVE
     from batchserve.http.endpoint import Endpoint, no_body, operational, public
 
-    async def handle(rt, call, req):  # noqa: ANN001, ANN202
+    async def handle(rt, call, req):
         return None
 
     assert skeleton_statuses(public(NATIVE, handle, no_body)) == set()

@@ -1,4 +1,5 @@
-"""How `--processes N` splits the devices, in process (the real processes are tests/integration/http/test_processes.py)."""
+"""How `--processes N` splits the devices, in process (the real processes are
+tests/integration/http/test_processes.py)."""
 
 from __future__ import annotations
 

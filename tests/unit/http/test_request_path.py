@@ -23,7 +23,8 @@ import asyncio
 import contextlib
 import sys
 from types import FrameType
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
 import orjson
 
@@ -52,7 +53,7 @@ class Embed:
 def module_of(frame: FrameType) -> str | None:
     """'inference/routes' for batchserve.inference.routes; None outside batchserve."""
     name = frame.f_globals.get("__name__", "")
-    return name[len("batchserve."):].replace(".", "/") if name.startswith("batchserve.") else None
+    return name[len("batchserve.") :].replace(".", "/") if name.startswith("batchserve.") else None
 
 
 SKELETON = "http/endpoint"  # the one request path every route runs through (issue 35)
@@ -111,13 +112,29 @@ class Cycle(HotpathCycle):
 
 
 def scope_for(path: str, body: bytes, key: str = "") -> dict[str, Any]:
-    headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode()), (b"x-request-id", b"path-test")]
+    headers = [
+        (b"host", b"127.0.0.1"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", b"path-test"),
+    ]
     if key:
         headers.append((b"authorization", f"Bearer {key}".encode()))
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-            "headers": headers, "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), "state": {}}
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
 
 
 async def post(app: Any, path: str, body: dict, key: str = "") -> Cycle:
@@ -130,11 +147,13 @@ async def post(app: Any, path: str, body: dict, key: str = "") -> Cycle:
 @contextlib.asynccontextmanager
 async def running() -> AsyncIterator[Any]:
     """The real app, started (lifespan) and ready: a sim model, the embedding plugin, one small key."""
-    settings = Settings(slo_ms=5000, timeout_ms=30000, allow_anonymous=True,
-                        keys=[{"tenant": "small", "tier": "free", "sha256": digest(SMALL_KEY), "rate": 0.01,
-                               "burst": 1}],
-                        models=[ModelSpec("echo", backend="sim", sim_batch_ms=1),
-                                ModelSpec("embed", backend=f"{__name__}:Embed")])
+    settings = Settings(
+        slo_ms=5000,
+        timeout_ms=30000,
+        allow_anonymous=True,
+        keys=[{"tenant": "small", "tier": "free", "sha256": digest(SMALL_KEY), "rate": 0.01, "burst": 1}],
+        models=[ModelSpec("echo", backend="sim", sim_batch_ms=1), ModelSpec("embed", backend=f"{__name__}:Embed")],
+    )
     app = create_app(settings)
     starlette = app.app
     async with starlette.router.lifespan_context(starlette):
@@ -146,9 +165,11 @@ async def running() -> AsyncIterator[Any]:
 
 async def traced_paths() -> dict[str, tuple[list[str], Cycle]]:
     """The path of each request, by the route and body that made it."""
-    requests = [("inference/routes", "/v1/inference", {"input": "hello", "model": "echo"}),
-                ("embeddings/routes", "/v1/embeddings", {"input": ["one two", "three"], "model": "embed"}),
-                ("embeddings/routes", "/v1/embeddings", {"input": "no model named"})]  # the first that embeds
+    requests = [
+        ("inference/routes", "/v1/inference", {"input": "hello", "model": "echo"}),
+        ("embeddings/routes", "/v1/embeddings", {"input": ["one two", "three"], "model": "embed"}),
+        ("embeddings/routes", "/v1/embeddings", {"input": "no model named"}),
+    ]  # the first that embeds
     traced = {}
     async with running() as app:
         for route, url, body in requests:
@@ -173,8 +194,11 @@ async def refusals() -> dict[str, Cycle]:
     one = {"input": ["one"], "model": "embed"}
     async with running() as app:
         spent = await post(app, "/v1/embeddings", one, SMALL_KEY)  # the bucket's one token
-        return {"spent": spent, "429": await post(app, "/v1/embeddings", one, SMALL_KEY),
-                "401": await post(app, "/v1/embeddings", one, "bs_wrong")}
+        return {
+            "spent": spent,
+            "429": await post(app, "/v1/embeddings", one, SMALL_KEY),
+            "401": await post(app, "/v1/embeddings", one, "bs_wrong"),
+        }
 
 
 def test_embeddings_refuses_a_caller_before_reading_its_body(loop: asyncio.AbstractEventLoop):

@@ -14,7 +14,12 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from batchserve.http.uvicorn_protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol, whole_answer_sender
+from batchserve.http.uvicorn_protocol import (
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedHttpToolsProtocol,
+    whole_answer_sender,
+)
 
 
 class RecordingTransport(asyncio.Transport):
@@ -63,12 +68,19 @@ async def exchange(app, request: bytes, settle: int = 20) -> RecordingTransport:
 def fixed_body_app(body: bytes, chunks: int = 1):
     async def app(scope, receive, send):
         await receive()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+            }
+        )
         step = -(-len(body) // chunks)
         for i in range(chunks):
-            await send({"type": "http.response.body", "body": body[i * step:(i + 1) * step],
-                        "more_body": i < chunks - 1})
+            await send(
+                {"type": "http.response.body", "body": body[i * step : (i + 1) * step], "more_body": i < chunks - 1}
+            )
+
     return app
 
 
@@ -135,8 +147,7 @@ def test_a_large_body_is_not_copied_to_join_its_head():
 
 def test_an_answer_before_the_body_closes_after_one_write():
     async def refuse(scope, receive, send):  # answers without reading the declared body
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"{}"})
 
     t = asyncio.run(exchange(refuse, b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"))
@@ -145,16 +156,25 @@ def test_an_answer_before_the_body_closes_after_one_write():
 
 
 # -- send_whole: the inference route's answer, written without the ASGI messages -----------------------------
-HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"abc-1"),
-           (b"server-timing", b"queue;dur=1.0, compute;dur=100.2")]
+HEADERS = [
+    (b"content-type", b"application/json"),
+    (b"x-request-id", b"abc-1"),
+    (b"server-timing", b"queue;dur=1.0, compute;dur=100.2"),
+]
 
 
 def asgi_app(body: bytes):
     async def app(scope, receive, send):
         await receive()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*HEADERS, (b"content-length", b"%d" % len(body))]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*HEADERS, (b"content-length", b"%d" % len(body))],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
+
     return app
 
 
@@ -165,15 +185,19 @@ def whole_app(body: bytes, read_body: bool = True):
         send_whole = whole_answer_sender(send)
         assert send_whole is not None
         await send_whole(200, b"".join(b"%s: %s\r\n" % h for h in HEADERS), body)
+
     return app
 
 
-@pytest.mark.parametrize("request_bytes", [
-    GET,
-    b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n",
-    b"GET / HTTP/1.0\r\n\r\n",  # no keep-alive: connection: close, and the connection closes
-    b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello",
-])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        GET,
+        b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n",
+        b"GET / HTTP/1.0\r\n\r\n",  # no keep-alive: connection: close, and the connection closes
+        b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello",
+    ],
+)
 def test_send_whole_writes_the_bytes_send_would_in_one_write(request_bytes):
     body = b'{"output":"olleh"}'
     expected = asyncio.run(exchange(asgi_app(body), request_bytes))
@@ -184,8 +208,9 @@ def test_send_whole_writes_the_bytes_send_would_in_one_write(request_bytes):
 
 
 def test_send_whole_before_the_body_was_read_closes_the_connection():
-    t = asyncio.run(exchange(whole_app(b"{}", read_body=False),
-                             b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"))
+    t = asyncio.run(
+        exchange(whole_app(b"{}", read_body=False), b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n")
+    )
     assert len(t.writes) == 1 and b"connection: close\r\n" in t.writes[0] and t.closed_by_answer
 
 

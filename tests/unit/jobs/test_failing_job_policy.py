@@ -37,11 +37,9 @@ class HeldDoor:
 
     def _item(self, text: str, model: str, tenant: str, deadline_s: float) -> Item:
         self.submitted[tenant] = self.submitted.get(tenant, 0) + 1
-        return Item(text, model, 0, asyncio.get_running_loop().create_future(), 0.0, deadline_s, tier=3,
-                    tenant=tenant)
+        return Item(text, model, 0, asyncio.get_running_loop().create_future(), 0.0, deadline_s, tier=3, tenant=tenant)
 
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
-                          alone: bool = False) -> Item:
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
         return self._item(text, model, tenant, deadline_s)
 
     def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]:
@@ -71,6 +69,7 @@ def test_a_tenant_that_comes_later_gets_its_share_while_the_first_holds_every_pl
     globex's job then gets its share at once: ceil(2 batches per tenant x 2 tenants / 2) = 40 places, past the
     40 acme holds. With one pool of places for all tenants (the share undone) globex got none until acme's
     re-runs ended."""
+
     async def main() -> tuple[dict[str, int], int]:
         door = HeldDoor()
         store = RowsStore({"a": [(i, f"a-{i}") for i in range(500)], "g": [(i, f"g-{i}") for i in range(400)]})

@@ -75,12 +75,20 @@ class QueueDoor:
         await asyncio.sleep(0)  # a trip to the stage's thread and back
         self.tokenized.update(texts)
 
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float,
-                          alone: bool = False) -> Item:
+    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
         if text not in self.tokenized:
             self.unready.append(text)
-        item = Item(text, model, 0, asyncio.get_running_loop().create_future(), 0.0, deadline_s, tier=3,
-                    tenant=tenant, cost=self.cost)
+        item = Item(
+            text,
+            model,
+            0,
+            asyncio.get_running_loop().create_future(),
+            0.0,
+            deadline_s,
+            tier=3,
+            tenant=tenant,
+            cost=self.cost,
+        )
         self.queue.append(item)
         self.peak = max(self.peak, self.depth)
         return item
@@ -113,17 +121,22 @@ class RowsStore:
 
 
 def embeddings_line(i: int, inputs: int) -> str:
-    return orjson.dumps({"custom_id": f"l{i}", "body": {"model": "m",
-                                                        "input": [f"w{i}-{k}" for k in range(inputs)]}}).decode()
+    return orjson.dumps(
+        {"custom_id": f"l{i}", "body": {"model": "m", "input": [f"w{i}-{k}" for k in range(inputs)]}}
+    ).decode()
 
 
 def scheduler(door: QueueDoor, lines: list[str], settings: Settings | None = None) -> Scheduler:
     settings = settings or Settings()
     store = RowsStore({"j": list(enumerate(lines))})
-    s = Scheduler(store, door, settings, JobMetrics.create(CollectorRegistry()),  # type: ignore[arg-type]
-                  LineRunner(door, settings, lambda model, texts: 0))
-    s.add(Job("j", "acme", "m", "in_progress", len(lines), 0, 0, 0, 0.0, None, None,
-              openai={"endpoint": EMBEDDINGS}))
+    s = Scheduler(
+        store,
+        door,
+        settings,
+        JobMetrics.create(CollectorRegistry()),  # type: ignore[arg-type]
+        LineRunner(door, settings, lambda model, texts: 0),
+    )
+    s.add(Job("j", "acme", "m", "in_progress", len(lines), 0, 0, 0, 0.0, None, None, openai={"endpoint": EMBEDDINGS}))
     return s
 
 
@@ -136,6 +149,7 @@ def test_a_line_of_2048_inputs_takes_2048_places_and_never_more_than_the_spare_c
     """Six lines of 2,048 inputs (issue 33's 6-line file): the queue holds at most the job's places, two full
     batches for the one worker (128 inputs), however many lines are read. Undone (a line priced as one item),
     the first refill queued all 12,288 inputs."""
+
     async def main() -> tuple[int, int, int]:
         door = QueueDoor()
         s = scheduler(door, [embeddings_line(i, 2048) for i in range(6)])
@@ -152,6 +166,7 @@ def test_a_line_of_2048_inputs_takes_2048_places_and_never_more_than_the_spare_c
 def test_the_job_goes_on_as_inputs_are_answered_and_each_line_gets_every_embedding() -> None:
     """Fed as the worker answers, a batch at a time, the queue never passes the job's places, and each line's
     answer holds its 2,048 embeddings in input order."""
+
     async def main() -> tuple[int, list[list[float]], int, int]:
         door = QueueDoor()
         s = scheduler(door, [embeddings_line(i, 2048) for i in range(3)])
@@ -180,6 +195,7 @@ def test_job_inputs_leave_the_interactive_share_of_the_queue_alone() -> None:
     """Another tenant's 2,490 interactive inputs wait in a --max-queue 10000 queue: job inputs may bring it to a
     quarter of --max-queue (2,500), so 10 go in, and none while it is that deep. Undone (no bound by the
     queue), the job took its 128 places on top."""
+
     async def main() -> int:
         door = QueueDoor(interactive=2490)
         s = scheduler(door, [embeddings_line(i, 2048) for i in range(2)])
@@ -191,6 +207,7 @@ def test_job_inputs_leave_the_interactive_share_of_the_queue_alone() -> None:
 
 def test_an_operator_set_jobs_max_inflight_still_leaves_three_quarters_of_the_queue() -> None:
     """--jobs-max-inflight 100000 counts inputs too, and is held to a quarter of --max-queue per model."""
+
     async def main() -> int:
         door = QueueDoor(max_queue=1000)
         s = scheduler(door, [embeddings_line(i, 2048) for i in range(2)], Settings(jobs_max_inflight=100_000))
@@ -204,6 +221,7 @@ def test_an_operator_set_jobs_max_inflight_still_leaves_three_quarters_of_the_qu
 def test_long_inputs_take_fewer_places_by_cost() -> None:
     """A model whose batches may cost 640 (tokens), with inputs of cost 40: a full batch holds 16 of them, so
     the job has 2 x 16 places, not 2 x 64. Undone (counted in inputs, not by cost), 128 went in."""
+
     async def main() -> int:
         door = QueueDoor(budget=640.0, unit=10.0, cost=40.0)
         s = scheduler(door, [embeddings_line(i, 2048) for i in range(2)])
@@ -217,6 +235,7 @@ def test_long_inputs_take_fewer_places_by_cost() -> None:
 def test_a_failing_input_fails_its_line_withdraws_the_rest_and_frees_every_place() -> None:
     """The first input that fails fails the line: its queued inputs leave the queue, its places are freed, and
     nothing more of it is fed (it is retried later as a whole)."""
+
     async def main() -> tuple[int, int, list[str]]:
         door = QueueDoor(fail={"w0-3"})
         s = scheduler(door, [embeddings_line(0, 2048)], Settings(jobs_max_attempts=1))
@@ -236,8 +255,13 @@ def test_a_failing_input_fails_its_line_withdraws_the_rest_and_frees_every_place
 def test_jobs_max_items_counts_the_inputs_of_an_input_file(inputs: list[int], limit: int, ok: bool) -> None:
     """Two lines of 3 inputs are 6 inputs, over a limit of 5: 400 naming the line and the count. Undone (lines
     counted), the file was accepted, and one 'job' of 50,000 lines could hold ~100 M embeddings (issue 34)."""
-    content = b"\n".join(orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": EMBEDDINGS,
-                                       "body": {"input": [f"t{k}" for k in range(n)]}}) for i, n in enumerate(inputs))
+    content = b"\n".join(
+        orjson.dumps(
+            {"custom_id": f"c{i}", "method": "POST", "url": EMBEDDINGS, "body": {"input": [f"t{k}" for k in range(n)]}}
+        )
+        for i, n in enumerate(inputs)
+    )
+
     def check() -> InputCheck:
         parsed = InputCheck(EMBEDDINGS, limit, 1 << 20)
         parsed.feed(content)
@@ -258,6 +282,7 @@ def test_a_tenant_that_comes_later_gets_room_on_the_model_the_first_fills() -> N
     gets its own 2 batches at once: the model's room grows with the tenants that have work on it, as the places
     do (a batch takes job inputs of one tenant only). Undone (the room by workers alone), globex got nothing
     until acme's inputs were answered."""
+
     async def main() -> dict[str, int]:
         door = QueueDoor()
         store = RowsStore({"a": [(i, f"a{i}") for i in range(500)], "g": [(i, f"g{i}") for i in range(500)]})
@@ -277,6 +302,7 @@ def test_a_node_leases_the_lines_it_can_feed_soon_not_128_of_them() -> None:
     """Rows are claimed from the store (and leased: no other node may run them) by the inputs they hold: a few
     lines first, then as many as the inputs wanted need. Undone (128 rows a claim whatever they hold), this
     node leased all 20 lines (40,960 inputs) to feed 128 of them, and held them from every other node."""
+
     async def main() -> tuple[int, int]:
         door = QueueDoor()
         s = scheduler(door, [embeddings_line(i, 2048) for i in range(20)])
@@ -302,6 +328,7 @@ def test_job_inputs_reach_the_door_tokenized_by_the_stage(lines: bool) -> None:
     before any of them is fed, so the door costs each by a look-up and the event loop tokenizes none: an OpenAI
     batch's embeddings lines (every input of each line) and a native job's rows alike. Undone, every job input
     was tokenized on the loop by `cost_of` as it was fed."""
+
     async def main() -> tuple[set[str], list[str], int]:
         door = QueueDoor()
         if lines:

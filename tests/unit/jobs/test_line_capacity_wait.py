@@ -18,8 +18,14 @@ from batchserve.jobs import lines
 from batchserve.jobs.lines import CAPACITY_BACKOFF_CAP_S, LineRunner, window_end
 from tests.unit.fakes import Clock
 
-LINE = orjson.dumps({"custom_id": "1", "method": "POST", "url": "/v1/chat/completions",
-                     "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}).decode()
+LINE = orjson.dumps(
+    {
+        "custom_id": "1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    }
+).decode()
 
 
 class Engine:
@@ -31,18 +37,33 @@ def runner(clock: Clock, slept: list[float]) -> LineRunner:
         slept.append(s)
         clock.t += s
 
-    return LineRunner(door=None, settings=Settings(), count_tokens=lambda m, t: 0,  # type: ignore[arg-type]
-                      engine=Engine(), clock=clock, sleep=sleep)  # type: ignore[arg-type]
+    return LineRunner(
+        door=None,
+        settings=Settings(),
+        count_tokens=lambda m, t: 0,  # type: ignore[arg-type]
+        engine=Engine(),
+        clock=clock,
+        sleep=sleep,
+    )  # type: ignore[arg-type]
 
 
 def refusing(times: int, calls: list[dict[str, Any]]) -> Any:
-    async def complete(settings: Any, engine: Any, body: bytes, chat: bool, tier: int, tenant: str = "",
-                       max_wait_s: float | None = None) -> bytes:
+    async def complete(
+        settings: Any,
+        engine: Any,
+        body: bytes,
+        chat: bool,
+        tier: int,
+        tenant: str = "",
+        max_wait_s: float | None = None,
+    ) -> bytes:
         calls.append({"tenant": tenant, "max_wait_s": max_wait_s, "tier": tier})
         if len(calls) <= times:
-            raise errors.overloaded("predicted wait for KV-cache capacity 42.6 s would pass the 30.0 s limit",
-                                    retry_after_ms=12_600)
+            raise errors.overloaded(
+                "predicted wait for KV-cache capacity 42.6 s would pass the 30.0 s limit", retry_after_ms=12_600
+            )
         return b'{"ok": true}'
+
     return complete
 
 
@@ -52,8 +73,14 @@ def test_a_line_refused_for_capacity_waits_with_backoff_and_completes(monkeypatc
 
     async def main() -> Any:
         r = runner(clock, slept)
-        run = r.start("/v1/chat/completions", LINE, "m", "acme", 600.0,
-                      expires_at=window_end(clock.t, {"completion_window": "24h"}))
+        run = r.start(
+            "/v1/chat/completions",
+            LINE,
+            "m",
+            "acme",
+            600.0,
+            expires_at=window_end(clock.t, {"completion_window": "24h"}),
+        )
         run.feed(alone=False)  # the scheduler's feed starts it on the engine
         return await run.future
 
@@ -70,8 +97,7 @@ def test_past_its_window_the_refusal_goes_to_the_scheduler(monkeypatch: Any) -> 
     monkeypatch.setattr(lines, "complete", refusing(1_000, calls))
 
     async def main() -> Any:
-        run = runner(clock, slept).start("/v1/chat/completions", LINE, "m", "acme", 600.0,
-                                         expires_at=clock.t + 100)
+        run = runner(clock, slept).start("/v1/chat/completions", LINE, "m", "acme", 600.0, expires_at=clock.t + 100)
         run.feed(alone=False)  # the scheduler's feed starts it on the engine
         return await run.future
 
@@ -90,8 +116,7 @@ def test_other_errors_are_not_waited_on(monkeypatch: Any) -> None:
     monkeypatch.setattr(lines, "complete", complete)
 
     async def main() -> Any:
-        run = runner(clock, slept).start("/v1/chat/completions", LINE, "m", "acme", 600.0,
-                                         expires_at=clock.t + 3600)
+        run = runner(clock, slept).start("/v1/chat/completions", LINE, "m", "acme", 600.0, expires_at=clock.t + 3600)
         run.feed(alone=False)
         return await run.future
 

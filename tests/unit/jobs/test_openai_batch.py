@@ -25,22 +25,31 @@ def line(**kw) -> bytes:
     return orjson.dumps({"custom_id": "a", "url": EMBED, "body": {"input": "x"}, **kw})
 
 
-@pytest.mark.parametrize("raw, words", [
-    (line(custom_id=""), "line 1: 'custom_id' must be a string of 1 to 512 characters (`custom_id`: expected `str` "
-                         "of length >= 1)"),
-    (line(custom_id="x" * 513), "'custom_id' must be a string of 1 to 512 characters"),
-    (orjson.dumps({"url": EMBED, "body": {}}), "line 1: 'custom_id' must be a string of 1 to 512 characters "
-                                               "(`custom_id` is required)"),
-    (line(method="GET"), "line 1: 'method' must be POST"),
-    (orjson.dumps({"custom_id": "a", "body": {}}), "line 1: 'url' must be the batch's endpoint, /v1/embeddings "
-                                                   "(`url` is required)"),
-    (line(url=3), "line 1: 'url' must be the batch's endpoint"),
-    (line(url="/v1/inference"), "line 1: 'url' is '/v1/inference', but the batch's endpoint is /v1/embeddings"),
-    (line(body=[1]), "line 1: 'body' must be a JSON object (`body`: expected `object`, got `array`)"),
-    (b"[1]", "line 1 of the input file must be a JSON object"),
-    (b'{"custom_id": "a", "x": "\xff"}', "line 1 of the input file is not JSON in UTF-8"),
-    (b"{nope", "line 1 of the input file is not JSON in UTF-8: JSON is malformed"),
-])
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (
+            line(custom_id=""),
+            "line 1: 'custom_id' must be a string of 1 to 512 characters (`custom_id`: expected `str` of length >= 1)",
+        ),
+        (line(custom_id="x" * 513), "'custom_id' must be a string of 1 to 512 characters"),
+        (
+            orjson.dumps({"url": EMBED, "body": {}}),
+            "line 1: 'custom_id' must be a string of 1 to 512 characters (`custom_id` is required)",
+        ),
+        (line(method="GET"), "line 1: 'method' must be POST"),
+        (
+            orjson.dumps({"custom_id": "a", "body": {}}),
+            "line 1: 'url' must be the batch's endpoint, /v1/embeddings (`url` is required)",
+        ),
+        (line(url=3), "line 1: 'url' must be the batch's endpoint"),
+        (line(url="/v1/inference"), "line 1: 'url' is '/v1/inference', but the batch's endpoint is /v1/embeddings"),
+        (line(body=[1]), "line 1: 'body' must be a JSON object (`body`: expected `object`, got `array`)"),
+        (b"[1]", "line 1 of the input file must be a JSON object"),
+        (b'{"custom_id": "a", "x": "\xff"}', "line 1 of the input file is not JSON in UTF-8"),
+        (b"{nope", "line 1 of the input file is not JSON in UTF-8: JSON is malformed"),
+    ],
+)
 def test_each_refusal_names_the_line_and_the_member(raw: bytes, words: str):
     with pytest.raises(ApiError) as caught:
         check(raw)
@@ -62,21 +71,26 @@ def test_a_checked_line_runs_with_its_body_as_sent():
 def test_the_batch_body_and_expiries_are_converted_to_their_declared_shapes():
     from batchserve.jobs.openai_batch import check_batch_request, check_expires_after, expires_s
 
-    req = check_batch_request({"input_file_id": "f", "endpoint": EMBED,
-                               "output_expires_after": {"anchor": "created_at", "seconds": 9}}, False)
+    req = check_batch_request(
+        {"input_file_id": "f", "endpoint": EMBED, "output_expires_after": {"anchor": "created_at", "seconds": 9}}, False
+    )
     assert (req.input_file_id, req.endpoint, req.completion_window, expires_s(req)) == ("f", EMBED, "24h", 9.0)
     assert expires_s(check_batch_request({"input_file_id": "f", "endpoint": EMBED}, False)) is None
     assert check_expires_after({"anchor": "created_at", "seconds": 60}, "expires_after") == 60.0
     assert check_expires_after(None, "expires_after") is None
-    for given, words in [({"anchor": "last_active_at", "seconds": 5}, "`anchor`: invalid enum value"),
-                         ({"anchor": "created_at", "seconds": True}, "`seconds`: expected `int`, got `bool`"),
-                         ({"anchor": "created_at", "seconds": 2592001}, "`seconds`: expected `int` <= 2592000")]:
+    for given, words in [
+        ({"anchor": "last_active_at", "seconds": 5}, "`anchor`: invalid enum value"),
+        ({"anchor": "created_at", "seconds": True}, "`seconds`: expected `int`, got `bool`"),
+        ({"anchor": "created_at", "seconds": 2592001}, "`seconds`: expected `int` <= 2592000"),
+    ]:
         with pytest.raises(ApiError) as caught:
             check_expires_after(given, "expires_after")
         assert caught.value.message.startswith("'expires_after' must be") and words in caught.value.message
     with pytest.raises(ApiError, match="'output_expires_after' must be .*`output_expires_after.seconds`"):
-        check_batch_request({"input_file_id": "f", "endpoint": EMBED,
-                             "output_expires_after": {"anchor": "created_at", "seconds": 0}}, False)
+        check_batch_request(
+            {"input_file_id": "f", "endpoint": EMBED, "output_expires_after": {"anchor": "created_at", "seconds": 0}},
+            False,
+        )
     with pytest.raises(ApiError, match="generation engine, which is off"):
         check_batch_request({"input_file_id": "f", "endpoint": "/v1/chat/completions"}, False)
 

@@ -12,7 +12,7 @@ def test_the_job_parser_finds_a_lone_surrogate_in_any_slicing():
         parser = JobBodyParser(10, 100)
         try:
             for at in range(0, len(body), step):
-                parser.feed(body[at:at + step])
+                parser.feed(body[at : at + step])
             return parser.finish().inputs
         except ApiError as err:
             return err.code
@@ -32,8 +32,10 @@ def test_an_integer_past_64_bits_is_named_as_such_not_as_broken_json():
     from batchserve.errors import ApiError
     from batchserve.jobs.parse import JobBodyParser
 
-    for body in (b'{"inputs": ["a"], "metadata": {"n": 123456789012345678901234567890}}',
-                 b'{"inputs": ["a", -123456789012345678901234567890]}'):
+    for body in (
+        b'{"inputs": ["a"], "metadata": {"n": 123456789012345678901234567890}}',
+        b'{"inputs": ["a", -123456789012345678901234567890]}',
+    ):
         parser = JobBodyParser(10, 100)
         with pytest.raises(ApiError) as caught:
             parser.feed(body)

@@ -17,7 +17,7 @@ def split_all(data: bytes, size: int, max_line: int = 1 << 30) -> list[bytes]:
     s = LineSplitter(max_line)
     out: list[bytes] = []
     for i in range(0, len(data), size):
-        out += s.feed(data[i:i + size])
+        out += s.feed(data[i : i + size])
     return out + s.end()
 
 
@@ -46,12 +46,13 @@ def multipart(parts: list[tuple[str, bytes, str | None]], boundary: bytes = b"Xy
 @pytest.mark.parametrize("step", [1, 5, 4096])
 def test_the_form_streams_the_file_part_out_and_keeps_the_small_fields(step: int) -> None:
     content = b"line one\r\nline two\n--XyZ is not the boundary here\n" * 50
-    body = multipart([("purpose", b"batch", None), ("file", content, "in.jsonl"),
-                      ("expires_after[seconds]", b"60", None)])
+    body = multipart(
+        [("purpose", b"batch", None), ("file", content, "in.jsonl"), ("expires_after[seconds]", b"60", None)]
+    )
     form = FormStream(b"XyZ")
     got = b""
     for i in range(0, len(body), step):
-        form.feed(body[i:i + step])
+        form.feed(body[i : i + step])
         got += form.take()  # what the route stores every chunk: nothing accumulates
     form.finish()
     got += form.take()
@@ -96,7 +97,9 @@ def test_storage_limits() -> None:
     limits.check("t", 60, 500, 40, "x")  # exactly at the quota is allowed
     with pytest.raises(StorageFull) as tenant:
         limits.check("t", 61, 500, 40, "this upload")
-    assert not tenant.value.server and "this upload" in tenant.value.message and "--tenant-storage-mb" in str(tenant.value)
+    assert (
+        not tenant.value.server and "this upload" in tenant.value.message and "--tenant-storage-mb" in str(tenant.value)
+    )
     with pytest.raises(StorageFull) as server:
         limits.check("t", 0, 990, 20, "x")
     assert server.value.server and "--storage-max-mb" in server.value.message
@@ -113,6 +116,7 @@ def test_storage_limits() -> None:
 def test_a_keys_storage_mb_is_its_tenants_quota(tmp_path) -> None:
     from batchserve.config import Settings
     from batchserve.config_file import apply_config_file
+
     path = tmp_path / "bs.toml"
     path.write_text('[[keys]]\ntenant = "acme"\ntier = "paid"\nsha256 = "' + "a" * 64 + '"\nstorage_mb = 5\n')
     s = Settings()
@@ -130,7 +134,7 @@ def line(i: int, body: object, url: str = "/v1/embeddings") -> bytes:
 def check(data: bytes, max_lines: int = 100, max_line: int = 1 << 20) -> InputCheck:
     c = InputCheck("/v1/embeddings", max_lines, max_line)
     for i in range(0, len(data), 5):
-        c.feed(data[i:i + 5])
+        c.feed(data[i : i + 5])
     c.end()
     return c
 
@@ -139,13 +143,17 @@ def test_input_check_counts_and_refuses_by_line() -> None:
     good = line(0, {"input": "a", "model": "m"}) + b"\n" + line(1, {"input": ["b"]})
     c = check(good)
     assert (c.lines, c.nbytes, c.models) == (2, len(good) - 3, {"m", None})
-    for bad, words in [(line(0, {"input": "a"}) * 2, "appears twice"),
-                       (line(0, {}, url="/v1/inference"), "'url'"),
-                       (line(0, []), "'body' must be"),
-                       (b"{not json\n", "not JSON"),
-                       (line(0, {"input": "a"}) + line(1, {"input": orjson.Fragment(b"[" * 300 + b"]" * 300)}),
-                        "line 2: 'body' is nested too deeply"),
-                       (b"\n\n", "no requests")]:
+    for bad, words in [
+        (line(0, {"input": "a"}) * 2, "appears twice"),
+        (line(0, {}, url="/v1/inference"), "'url'"),
+        (line(0, []), "'body' must be"),
+        (b"{not json\n", "not JSON"),
+        (
+            line(0, {"input": "a"}) + line(1, {"input": orjson.Fragment(b"[" * 300 + b"]" * 300)}),
+            "line 2: 'body' is nested too deeply",
+        ),
+        (b"\n\n", "no requests"),
+    ]:
         with pytest.raises(ApiError) as err:
             check(bad)
         assert err.value.status == 400 and words in err.value.message, err.value.message
@@ -155,11 +163,14 @@ def test_input_check_counts_and_refuses_by_line() -> None:
         check(line(0, {"input": "x" * 100}), max_line=40)
 
 
-@pytest.mark.parametrize("row", [
-    ItemRow(3, "completed", '{"status_code": 200, "body": {"x": "é"}}', None, None),
-    ItemRow(4, "failed", '{"status_code": 400, "body": {}}', "INVALID", "bad"),
-    ItemRow(5, "cancelled", None, "CANCELLED", "the job was cancelled"),
-])
+@pytest.mark.parametrize(
+    "row",
+    [
+        ItemRow(3, "completed", '{"status_code": 200, "body": {"x": "é"}}', None, None),
+        ItemRow(4, "failed", '{"status_code": 400, "body": {}}', "INVALID", "bad"),
+        ItemRow(5, "cancelled", None, "CANCELLED", "the job was cancelled"),
+    ],
+)
 def test_line_size_is_the_rendered_lines_length(row: ItemRow) -> None:
     row.input = line(row.index, {"input": "x"}).decode()
     kind, size = line_size("batch_abc", row)

@@ -25,11 +25,14 @@ def test_fp32_and_bytes_outputs_as_raw_contents():
     assert caught.value.status == 500
 
 
-@pytest.mark.parametrize("raw, count, words", [
-    (struct.pack("<I", 5) + b"ab", 1, "raw_input_contents[0] ends inside an element"),
-    (b"\x01", 1, "raw_input_contents[0] ends inside an element's length prefix"),
-    (struct.pack("<I", 1) + b"a" + struct.pack("<I", 1) + b"b", 1, "raw_input_contents[0] holds 2 element(s)"),
-])
+@pytest.mark.parametrize(
+    "raw, count, words",
+    [
+        (struct.pack("<I", 5) + b"ab", 1, "raw_input_contents[0] ends inside an element"),
+        (b"\x01", 1, "raw_input_contents[0] ends inside an element's length prefix"),
+        (struct.pack("<I", 1) + b"a" + struct.pack("<I", 1) + b"b", 1, "raw_input_contents[0] holds 2 element(s)"),
+    ],
+)
 def test_raw_contents_that_break_the_shape_name_the_field(raw: bytes, count: int, words: str):
     with pytest.raises(ApiError) as caught:
         bytes_elements(raw, count, "raw_input_contents[0]")
