@@ -14,10 +14,10 @@ import pytest
 from tests import hf_folders
 from tests.conftest import LiveServer, start_server
 
-PLUGIN = '''
+PLUGIN = """
 def batch(inputs):
     return [len(t) for t in inputs]
-'''
+"""
 TEXT = "the cat is on the road"
 
 
@@ -31,11 +31,14 @@ def server(folder: Path, tmp_path_factory: pytest.TempPathFactory):
     plug = tmp_path_factory.mktemp("plug")
     (plug / "tokplug.py").write_text(PLUGIN)
     config = plug / "bs.toml"
-    config.write_text(f'[[models]]\nname = "rr"\nbackend = "hf"\npath = "{folder}"\n\n'
-                      '[[models]]\nname = "plain"\nbackend = "tokplug:batch"\n')
+    config.write_text(
+        f'[[models]]\nname = "rr"\nbackend = "hf"\npath = "{folder}"\n\n'
+        '[[models]]\nname = "plain"\nbackend = "tokplug:batch"\n'
+    )
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(plug), os.environ.get("PYTHONPATH")]))}
-    s = start_server("--config", str(config), "--max-input-chars", "4000", "--jobs-db", str(plug / "jobs.db"),
-                     env=env, timeout=120)
+    s = start_server(
+        "--config", str(config), "--max-input-chars", "4000", "--jobs-db", str(plug / "jobs.db"), env=env, timeout=120
+    )
     yield s
     s.stop()
 
