@@ -30,6 +30,8 @@ Options (locust arguments; each also from its environment variable):
   --bs-metrics-key ''    BATCHSERVE_LOCUST_METRICS_KEY  to read /internal/health where --metrics-key is set
   --bs-max-error-rate 0  BATCHSERVE_LOCUST_MAX_ERROR_RATE  verdict: exit 1 past this share of failures
   --bs-min-rate 0        BATCHSERVE_LOCUST_MIN_RATE  verdict: exit 1 below this many answers/s
+  --bs-spread            BATCHSERVE_LOCUST_SPREAD  closed loop: each user starts at a random phase (default: as
+                                                   spawned, as plain locust: users spawned together send together)
   --bs-job-items 50, --bs-job-pace 0.1 (jobs/s per user), --bs-job-poll 1 (s), --bs-max-tokens 32, --bs-stream
 
 Closed or open loop: plain locust is closed loop, each user waits for its answer before its next request, so a
@@ -117,6 +119,7 @@ def _options(parser: Any) -> None:
     add("--bs-job-poll", "1", "seconds between polls of a job")
     add("--bs-max-tokens", "32", "max_tokens of each chat completion")
     add("--bs-stream", "", "stream chat completions", action="store_true")
+    add("--bs-spread", "", "closed loop: each user starts at a random phase (default: as spawned)", action="store_true")
 
 
 def span(text: str) -> tuple[int, int]:
@@ -139,6 +142,7 @@ class Settings:
     max_tokens: int = 32
     stream: bool = False
     processes: int = 1
+    spread: bool = False  # closed loop: a random phase per user, not as spawned
 
     @classmethod
     def of(cls, o: Any) -> Settings:
@@ -158,6 +162,7 @@ class Settings:
             int(o.bs_max_tokens),
             bool(o.bs_stream),
             max(1, int(getattr(o, "processes", 0) or 0)),
+            bool(o.bs_spread),
         )
 
 
@@ -380,8 +385,13 @@ class Surface(FastHttpUser):
         key = S.keys[Surface.dealt % len(S.keys)] if S.keys else ""
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.model = SERVED.get(self.surface, "")
-        # A random phase, so users started together do not send together; open loop: the pacer's first slot.
-        gevent.sleep(PACER.wait(S.rate / S.processes) if S.rate > 0 else random.uniform(0, 1.0 / self.pace()))
+        # Closed loop, as plain locust: users spawned together send together (a burst the server must take as one
+        # batch), each then paced from its own last send; `--bs-spread` gives each a random phase instead.
+        # Open loop: the pacer's first slot.
+        if S.rate > 0:
+            gevent.sleep(PACER.wait(S.rate / S.processes))
+        elif S.spread:
+            gevent.sleep(random.uniform(0, 1.0 / self.pace()))
         self._last_start = time.perf_counter()
 
     def started(self) -> None:

@@ -364,7 +364,7 @@ class Batcher:
                     # ... unless the inputs come in bursts and the rest of this one is still arriving
                     # (`core/burst.py`): then it waits a few ms for them, so the burst rides one batch ...
                     bursts = self.bursts.get(key[0])
-                    burst_due = bursts.until(head.arrived) if bursts is not None else -math.inf
+                    burst_due = bursts.until(head.arrived, self.batch_s.at(key[0], size)) if bursts else -math.inf
                     # ... or the load is high and a larger batch, soon, would cost its inputs much less
                     # (`core/batch_hold.py`): then it waits for it, within the SLO.
                     if burst_due > now:

@@ -8,11 +8,12 @@ behind it: every caller's latency doubled at any load, though the device was idl
 The rule, per model, from the gaps between the arrivals the door sees (`arrived`, the requests' first byte):
 
 - a gap of at most `GAP_MAX_S` is a gap inside a burst; the share of arrivals that come so (`share`) and the
-  typical such gap (`gap_s`) are decayed means over the last few dozen arrivals;
+  typical such gap (`gap_s`) are decayed means over the last ten or so arrivals (one burst teaches them);
 - while at least `BURSTY_SHARE` of arrivals come inside bursts, a free worker waits until no input has arrived
   for `QUIET_GAPS` typical gaps (at least `QUIET_MIN_S`, at most `GAP_MAX_S`): the burst is over;
-- never longer than `WINDOW_MAX_S` after the oldest waiting input arrived, and never past its dispatch deadline
-  (the batcher's rule, unchanged), so an input that waited through a running batch goes at once;
+- never longer than a share of one batch's time after the oldest waiting input arrived (`WINDOW_BATCH_SHARE`, at
+  most `WINDOW_MAX_S`), and never past its dispatch deadline (the batcher's rule, unchanged), so an input that
+  waited through a running batch goes at once;
 - arrivals that are spread (open-loop, Poisson at a rate where gaps of a few ms are rare) hold nothing.
 
 A full queue goes at once. Pure arithmetic over arrival times, so the unit tests drive it with an injected
@@ -24,12 +25,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GAP_MAX_S = 0.004  # a gap this short or shorter is inside a burst; also the longest quiet a worker waits for
-QUIET_GAPS = 4.0  # the burst is over once no input came for this many typical in-burst gaps
-QUIET_MIN_S = 0.001  # ... but at least this long: the door's own jitter between two requests sent together
-WINDOW_MAX_S = 0.010  # the most a burst holds its first input, from its arrival
+GAP_MAX_S = 0.008  # a gap this short or shorter is inside a burst; also the longest quiet a worker waits for
+QUIET_GAPS = 8.0  # the burst is over once no input came for this many typical in-burst gaps
+# ... but at least this long: the door's own hiccups inside a burst (its first request's cold path, a batch's
+# answers written meanwhile) and the client's (one locust process sends 60 users' requests over ~30 ms) part two
+# requests sent together by 1-8 ms on this machine, where most are 0.1 ms apart
+QUIET_MIN_S = 0.006
+# The most a burst holds its first input, from its arrival: a share of one batch's time, and never more than
+# WINDOW_MAX_S. A burst of 60 users from one locust process takes ~20 ms to arrive; an input that waited through a
+# running batch (its wait already a batch time long) is past its window, so a busy device never idles for one.
+WINDOW_BATCH_SHARE = 0.4
+WINDOW_MAX_S = 0.040
 BURSTY_SHARE = 0.5  # arrivals come in bursts when at least this share of them follow another within GAP_MAX_S
-ALPHA = 0.05  # weight of the newest arrival in the decayed means (the last few dozen arrivals)
+INITIAL_SHARE = 0.7  # bursty until arrivals say otherwise: one lone input (x 0.8) leaves it above BURSTY_SHARE
+ALPHA = 0.2  # weight of the newest arrival in the decayed means (the last ten or so: one burst teaches it)
 
 
 @dataclass
@@ -37,7 +46,9 @@ class Bursts:
     """One model's arrivals: whether they come in bursts, and how far apart inside one."""
 
     last: float = -math.inf  # when the latest input arrived
-    share: float = 0.0  # decayed share of arrivals that followed another within GAP_MAX_S
+    # Decayed share of arrivals that followed another within GAP_MAX_S; it starts as if bursty, so a server's very
+    # first burst rides one batch too (a lone first input then waits one quiet, a few ms).
+    share: float = INITIAL_SHARE
     gap_s: float = GAP_MAX_S  # decayed mean of those gaps
 
     def arrived(self, at: float) -> None:
@@ -51,10 +62,10 @@ class Bursts:
         if at > self.last:
             self.last = at
 
-    def until(self, oldest: float) -> float:
+    def until(self, oldest: float, batch_s: float) -> float:
         """Until when a free worker waits for the rest of the burst whose oldest waiting input arrived at
-        `oldest` (-inf: it does not wait)."""
+        `oldest`, for a model whose batch takes `batch_s` (-inf: it does not wait)."""
         if self.share < BURSTY_SHARE:
             return -math.inf
         quiet = min(GAP_MAX_S, max(QUIET_MIN_S, QUIET_GAPS * self.gap_s))
-        return min(self.last + quiet, oldest + WINDOW_MAX_S)
+        return min(self.last + quiet, oldest + min(WINDOW_MAX_S, WINDOW_BATCH_SHARE * batch_s))

@@ -17,6 +17,7 @@ import math
 import pytest
 
 from batchserve.core.batcher import Batcher
+from batchserve.core.burst import Bursts
 from batchserve.core.admission import Admission, Prediction, predict
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.class_turns import ClassQueue, Own, drain
@@ -105,12 +106,12 @@ def test_a_class_batch_is_as_long_as_its_longest_input(loop) -> None:
         assert batch is not None and len(batch.items) == 4
         clock.t += token_s(batch.cost)
     assert b.costs.row_cost[(M, 1)] == pytest.approx(32.0)
-    b.bursts.clear()  # the 40 above came at one instant, a burst (core/burst.py): the wait here is the class's alone
     for k in range(5):
         submit(b, loop, 32.0 if k == 2 else 18.0, 1, clock.t)
     p = predict(b, M, 0.0, 1, b.ahead_of(1, "t"), [18.0], bucket=1)
     admitted = clock.t
     target = submit(b, loop, 18.0, 1, clock.t)
+    b.bursts[M] = Bursts(share=0.0)  # these came at once, a burst (core/burst.py): the class's wait alone
     waited = drain_until(b, clock, loop, target, []) - admitted
     assert waited == pytest.approx(token_s(4 * 32.0))  # one batch of 4 ahead of it
     assert p.wait_s == pytest.approx(waited)

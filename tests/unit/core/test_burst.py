@@ -9,7 +9,7 @@ import pytest
 
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batcher import Batcher
-from batchserve.core.burst import GAP_MAX_S, QUIET_MIN_S, WINDOW_MAX_S, Bursts
+from batchserve.core.burst import GAP_MAX_S, QUIET_MIN_S, WINDOW_BATCH_SHARE, WINDOW_MAX_S, Bursts
 from batchserve.core.fairqueue import Item
 from tests.unit.fakes import Clock
 
@@ -31,23 +31,24 @@ def test_spread_arrivals_hold_nothing() -> None:
         for _ in range(500):
             t += rng.expovariate(rate)
             b.arrived(t)
-        assert b.until(t) == -math.inf, rate
+        assert b.until(t, 0.1) == -math.inf, rate
 
 
 def test_a_burst_waits_for_its_quiet_then_goes() -> None:
     b = bursts_of(10, 0.0003, 1.0, 20)  # 10 users answered together, paced at 1/s
     last = 100.0 + 19 + 9 * 0.0003
-    due = b.until(100.0 + 19)
+    due = b.until(100.0 + 19, 0.1)
     assert last + QUIET_MIN_S <= due <= last + GAP_MAX_S  # a few typical gaps after the latest input
-    assert due <= 100.0 + 19 + WINDOW_MAX_S
+    assert due <= 100.0 + 19 + WINDOW_BATCH_SHARE * 0.1
 
 
 def test_a_burst_never_holds_past_its_window_from_the_oldest_input() -> None:
     b = bursts_of(200, 0.0009, 1.0, 5)  # a long burst: inputs keep coming
     oldest = 100.0 + 4
-    assert b.until(oldest) == pytest.approx(oldest + WINDOW_MAX_S)
+    assert b.until(oldest, 0.05) == pytest.approx(oldest + WINDOW_BATCH_SHARE * 0.05)  # a share of a short batch
+    assert b.until(oldest, 10.0) == pytest.approx(oldest + WINDOW_MAX_S)  # at most WINDOW_MAX_S of a long one
     # an input that waited through a running batch: its window has long passed
-    assert b.until(oldest - 0.1) < oldest
+    assert b.until(oldest - 0.1, 0.1) < oldest
 
 
 def test_out_of_order_arrivals_count_as_no_gap() -> None:
@@ -71,7 +72,8 @@ def test_an_idle_device_takes_a_whole_burst_in_one_batch(loop, bursty: bool) -> 
     rest of it, where arrivals that are spread go at once (a lone input answered at once, as before)."""
     clock = Clock(1000.0)
     b = batcher(clock)
-    warm = bursts_of(10, 0.0003, 1.0, 20, start=900.0) if bursty else Bursts()
+    # bursts of 10 before, or lone inputs a second apart
+    warm = bursts_of(10, 0.0003, 1.0, 20, start=900.0) if bursty else bursts_of(1, 0.0, 1.0, 20, start=900.0)
     b.bursts[M] = warm
     burst = items(loop, [clock.now + j * 0.0003 for j in range(10)])
     b.submit(burst[0])
@@ -79,7 +81,7 @@ def test_an_idle_device_takes_a_whole_burst_in_one_batch(loop, bursty: bool) -> 
     if not bursty:
         assert due <= clock.now and cause == "pace"
         return
-    assert cause == "burst" and clock.now < due <= clock.now + WINDOW_MAX_S
+    assert cause == "burst" and clock.now < due <= clock.now + WINDOW_BATCH_SHARE * 0.1
     for it in burst[1:]:
         clock.t = it.arrived
         b.submit(it)
@@ -89,3 +91,15 @@ def test_an_idle_device_takes_a_whole_burst_in_one_batch(loop, bursty: bool) -> 
     assert due <= clock.now and key is not None
     batch = b.form(key, clock.now, cause, due)
     assert batch is not None and [i.text for i in batch.items] == [i.text for i in burst]
+
+
+def test_a_fresh_servers_first_burst_rides_one_batch_and_a_lone_input_waits_one_quiet_at_most() -> None:
+    b = Bursts()
+    b.arrived(50.0)
+    assert 50.0 < b.until(50.0, 0.1) <= 50.0 + GAP_MAX_S  # the first input: it may be a burst's
+    b.arrived(50.0003)
+    assert b.until(50.0, 0.1) > 50.0003  # it is: the worker waits for the rest
+    lone = Bursts()
+    for t in (10.0, 11.0, 12.0):  # inputs a second apart: not bursts, after the second of them
+        lone.arrived(t)
+    assert lone.until(12.0, 0.1) == -math.inf
