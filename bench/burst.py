@@ -6,9 +6,9 @@
 One sim device (100 ms batches of up to 100, the default SLO) unless a row says otherwise, a fresh server per
 row, each commit's rows run in turns:
 
-- closed loop: the shipped locustfile's InferenceUser, every user spawned at once and paced at `pace` requests/s
-  (users x pace = the offered rate), as locust users run; locust's own p50 / p95 beside the server's
-  `latency_ms` (the locustfile's `server` rows), and the refusals (503s, its `refused` rows) and failures;
+- closed loop: the shipped locustfile's InferenceUser, every user spawned at once (`-r 1000`) and paced at `pace`
+  requests/s each (users x pace = the offered rate), as locust users run; locust's own p50 / p95 beside the
+  server's `latency_ms` (the locustfile's `server` rows), and the refusals (503s, its `refused` rows) and failures;
 - open loop: `bench.loadgen`'s Poisson arrivals at each rate, and at 4 devices, p50 / p95 and errors.
 
 Goals (issue 47): closed loop at 10 and 180 req/s the server's p50 <= 115 ms and p95 <= 130 ms; at 0.9x capacity
@@ -31,7 +31,7 @@ from bench.loadgen import measure
 
 LOCUSTFILE = servers.REPO / "bench" / "locustfile.py"
 CLOSED = ((10, 1.0), (60, 3.0), (300, 3.0))  # (users, requests/s each): 10, 180 and 900 req/s (0.9x of 1,000/s)
-OPEN = ((1, 10.0), (1, 180.0), (1, 450.0), (1, 900.0), (1, 950.0), (4, 3600.0))  # (devices, req/s)
+OPEN = ((1, 10.0), (1, 180.0), (1, 450.0), (1, 900.0), (1, 950.0), (4, 1800.0))  # (devices, req/s): one client
 
 
 def server_cmd(devices: int, base: str) -> list[str]:
@@ -49,7 +49,7 @@ def closed_loop(url: str, users: int, pace: float, seconds: float, work: Path) -
     """One locust run; its client and server rows from the stats CSV."""
     prefix = work / f"locust-{users}x{pace:g}"
     cmd = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(users), "-r", str(users),
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(users), "-r", "1000",
         "-t", f"{seconds:g}s", "-H", url, "--csv", str(prefix), "--only-summary", "--bs-pace", f"{pace:g}",
         "--bs-surfaces", "inference", "InferenceUser",
     ]  # fmt: skip
