@@ -14,7 +14,9 @@ The rule, per model, from the gaps between the arrivals the door sees (`arrived`
 - never longer than a share of one batch's time after the oldest waiting input arrived (`WINDOW_BATCH_SHARE`, at
   most `WINDOW_MAX_S`), and never past its dispatch deadline (the batcher's rule, unchanged), so an input that
   waited through a running batch goes at once;
-- arrivals that are spread (open-loop, Poisson at a rate where gaps of a few ms are rare) hold nothing.
+- arrivals that are spread (open-loop, Poisson at a rate where gaps of a few ms are rare) hold nothing, and
+  neither do arrivals so dense that they never fall quiet (a run of close arrivals longer than the window is a
+  stream, not a burst: several devices at high rates would otherwise each wait out the window).
 
 A full queue goes at once. Pure arithmetic over arrival times, so the unit tests drive it with an injected
 clock (tests/unit/core/test_burst.py).
@@ -46,6 +48,7 @@ class Bursts:
     """One model's arrivals: whether they come in bursts, and how far apart inside one."""
 
     last: float = -math.inf  # when the latest input arrived
+    started: float = -math.inf  # when the run of close arrivals the latest belongs to began
     # Decayed share of arrivals that followed another within GAP_MAX_S; it starts as if bursty, so a server's very
     # first burst rides one batch too (a lone first input then waits one quiet, a few ms).
     share: float = INITIAL_SHARE
@@ -59,6 +62,7 @@ class Bursts:
             self.gap_s += ALPHA * (max(0.0, gap) - self.gap_s)
         else:
             self.share -= ALPHA * self.share
+            self.started = at
         if at > self.last:
             self.last = at
 
@@ -67,5 +71,8 @@ class Bursts:
         `oldest`, for a model whose batch takes `batch_s` (-inf: it does not wait)."""
         if self.share < BURSTY_SHARE:
             return -math.inf
+        window = min(WINDOW_MAX_S, WINDOW_BATCH_SHARE * batch_s)
+        if self.last - self.started > window:  # close arrivals for longer than a burst lasts: a stream, no burst
+            return -math.inf
         quiet = min(GAP_MAX_S, max(QUIET_MIN_S, QUIET_GAPS * self.gap_s))
-        return min(self.last + quiet, oldest + min(WINDOW_MAX_S, WINDOW_BATCH_SHARE * batch_s))
+        return min(self.last + quiet, oldest + window)
