@@ -120,8 +120,8 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
             Bench(
                 "burst",
                 "a burst rides one batch: locust users spawned at once at 10, 180 and 900 req/s (locust's "
-                "and the server's p50/p95, refusals) and open-loop Poisson at 10-950 req/s and 1,800 req/s on 4 devices, beside "
-                "`--base DIR`",
+                "and the server's p50/p95, refusals) and open-loop Poisson at 10-950 req/s and 1,800 req/s on 4 "
+                "devices, beside `--base DIR`",
                 "~6 min",
                 "locust",
                 ("--duration", "4"),
