@@ -7,12 +7,13 @@ Keys and tier rates come from the TOML config file (`config_file.py`); `batchser
 
 from __future__ import annotations
 
+
 import hashlib
 import hmac
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from batchserve import errors
 from batchserve.config import Settings
@@ -38,6 +39,10 @@ class Caller:
     @property
     def ceiling(self) -> int:
         return self.tier if self.best < 0 else self.best
+
+    def at(self, tier: int) -> Caller:
+        """This caller running one request at `tier` (its own priority, `Work.ask`): what the books read."""
+        return self if tier == self.tier else replace(self, tier=tier)
 
 
 def lane_of(owner: str) -> str:

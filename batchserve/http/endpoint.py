@@ -15,7 +15,6 @@ answer's bytes). It never reads a body, takes rate tokens, renders an error or c
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from functools import partial
@@ -104,9 +103,7 @@ class Call(msgspec.Struct, eq=False):
         if value is None:
             return
         caller = self.who
-        rank = self.work.ask(value, caller.tier, caller.ceiling, field)
-        if rank != caller.tier:
-            self.caller = dataclasses.replace(caller, tier=rank)
+        self.caller = caller.at(self.work.ask(value, caller.tier, caller.ceiling, field))
 
     @property
     def who(self) -> Caller:

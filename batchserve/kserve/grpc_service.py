@@ -22,7 +22,6 @@ message as details and, where retrying later helps, `retry-after-ms` in the trai
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -270,8 +269,7 @@ class InferenceServicer:
                 kind = asked.WhichOneof("parameter_choice")
                 if kind not in ("string_param", "int64_param", "uint64_param"):  # a name, or a Triton level
                     raise bad("'parameters.priority' must be a tier name or Triton's priority level")
-                rank = work.ask(getattr(asked, kind), caller.tier, caller.ceiling, "parameters.priority")
-                caller = dataclasses.replace(caller, tier=rank)
+                caller = caller.at(work.ask(getattr(asked, kind), caller.tier, caller.ceiling, "parameters.priority"))
             backend = rt.backends.get(spec.id)
             if backend is None:
                 raise errors.warming_up()
