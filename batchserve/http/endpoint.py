@@ -264,7 +264,6 @@ class Endpoint(Generic[Host, Req, Res]):
                     headers.get("authorization"), scope, self.dialect.any_key_anonymous
                 )
                 work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
-                work.gone = call.gone()
                 if guard.gateways and any(name in headers for name in GATEWAY_NAMES):
                     self.from_gateway(guard, call)
                 if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
@@ -282,6 +281,8 @@ class Endpoint(Generic[Host, Req, Res]):
                 if self.body
                 else b""
             )
+            if caller is not None:  # after the body: elsewhere than uvicorn the check reads `receive` itself
+                work.gone = call.gone()
             req = self.parse(rt, call, body)
             if self.take_by_body and caller is not None and self.tokens is not None:
                 call.answer_headers = guard.take(caller, self.tokens(req))

@@ -236,3 +236,38 @@ def test_a_gateways_fairness_id_and_objective_are_believed_from_its_address_only
         assert cycle.headers[b"x-service-tier"] == b"batch"
     else:  # anyone else could name another's lane or a higher tier
         assert (seen[0].tenant, seen[0].tier) == ("t", 1) and b"x-service-tier" not in cycle.headers
+
+
+class ChunkedReceive:
+    """An ASGI server other than uvicorn (no `disconnected` flag on `receive`), sending the body in two messages:
+    the door's disconnect watch must not start reading `receive` before the skeleton has read the whole body."""
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = parts
+
+    async def __call__(self) -> dict:
+        await asyncio.sleep(0)  # each message a loop turn apart, as a socket's reads are
+        if self.parts:
+            body = self.parts.pop(0)
+            return {"type": "http.request", "body": body, "more_body": bool(self.parts)}
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+
+def test_the_disconnect_watch_starts_after_the_body_is_read_whole() -> None:
+    rt = served()
+    cycle = Cycle(b"")
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/unit",
+        "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode())],
+        "client": ("127.0.0.1", 1),
+        "app": SimpleNamespace(state=SimpleNamespace(rt=rt)),
+    }
+
+    async def main() -> None:
+        await asyncio.wait_for(endpoint()(scope, ChunkedReceive([b'["a", ', b'"b"]']), cycle.send), 5)
+
+    asyncio.run(main())
+    assert cycle.status == 200 and orjson.loads(cycle.answer) == ["A", "B"]
