@@ -15,16 +15,12 @@ import tempfile
 log = logging.getLogger("batchserve.content_key")
 
 DIGESTS = ".content-digests.json"  # in the memo folder: {real path: {"size", "mtime_ns", "sha256"}}
-_CHUNK = 1 << 20
 
 
 def sha256_of(path: str) -> str:
-    """The hex SHA-256 of the file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
+    """The hex SHA-256 of the file's bytes."""
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_digest(path: str, memo_dir: str) -> str:

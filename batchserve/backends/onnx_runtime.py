@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from batchserve.backends import cache_root, default_threads
+from batchserve.backends.content_key import file_digest, sha256_of
 from batchserve.backends.folder import FolderModel
 from batchserve.config import Settings
 
@@ -144,20 +145,22 @@ def content_files(folder: Path) -> list[Path]:
     return sorted((p for p in files if p.is_file()), key=lambda p: p.name)
 
 
-def content_key(folder: Path, task: str) -> str:
+def content_key(folder: Path, task: str, memo_dir: Path | None = None) -> str:
     """A hash of what the export depends on: the task, the export format and each content file's name and
-    bytes. A file's time is not in it: touching a file changes nothing, changing a byte makes a new key."""
+    bytes. A file's time is not in it: touching a file changes nothing, changing a byte makes a new key. With
+    `memo_dir` (the weights cache) each file's digest is kept there (`content_key.file_digest`), so a later
+    start does not hash the weights again."""
     digest = hashlib.sha256(f"batchserve-onnx {EXPORT_FORMAT} {task}\n".encode())
     for path in content_files(folder):
-        with path.open("rb") as f:
-            digest.update(f"{path.name} {hashlib.file_digest(f, 'sha256').hexdigest()}\n".encode())
+        sha = file_digest(str(path), str(memo_dir)) if memo_dir is not None else sha256_of(str(path))
+        digest.update(f"{path.name} {sha}\n".encode())
     return digest.hexdigest()[:32]
 
 
 def export_dir(plan: OnnxPlan, info: FolderModel) -> Path:
     """The cache directory of this folder's export, made if needed: under the weights cache, else (it cannot
     be written) under a temporary directory removed at exit, with a warning."""
-    key = content_key(info.path, info.task)
+    key = content_key(info.path, info.task, plan.cache if plan.cache is not None and plan.cache.is_dir() else None)
     if plan.cache is not None:
         target = plan.cache / "onnx" / key
         try:
