@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
+from ray import serve
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("ray.serve")
-
 from deploy.rayserve.app import (
     LOAD_RATIO,
     ONGOING_PER_BATCH,
