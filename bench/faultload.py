@@ -14,6 +14,7 @@ finite, every request has a client timeout, and the sampler stops with the run.
 from __future__ import annotations
 
 import asyncio
+import math
 import gc
 import os
 import subprocess
@@ -28,7 +29,7 @@ import numpy as np
 import orjson
 import uvloop
 
-from bench.procstat import process_cpu_s, raise_fd_limit
+from bench.procstat import process_cpu_s, raise_fd_limit, rss_mb
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 SAMPLE_EVERY_S = 0.1
@@ -96,18 +97,6 @@ class Run:
     client_cpu_s: float
 
 
-def rss_mb(pid: int) -> float | None:
-    """Resident memory of the process from /proc/<pid>/status (VmRSS), in MiB; None once it has exited."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def watch_exit(proc: subprocess.Popen[bytes], t0: float, out: list[float]) -> None:
     """Record when the server process exits (a thread, since Popen.wait blocks)."""
 
@@ -125,7 +114,8 @@ async def _sample_process(pid: int, t0: float, until: float, out: list[Sample], 
             cpu = process_cpu_s(pid)
         except (OSError, IndexError, ValueError):
             cpu = None
-        out.append(Sample(time.monotonic() - t0, rss_mb(pid), cpu))
+        rss = rss_mb(pid)
+        out.append(Sample(time.monotonic() - t0, None if math.isnan(rss) else rss, cpu))
         await asyncio.sleep(SAMPLE_EVERY_S)
 
 

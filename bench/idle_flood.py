@@ -15,17 +15,9 @@ import argparse
 import socket
 import sys
 import time
-from pathlib import Path
 
 from bench import common, report, servers
-from bench.procstat import raise_fd_limit
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+from bench.procstat import raise_fd_limit, rss_mb
 
 
 def flood(port: int, pid: int, n: int, settle_s: float) -> dict:

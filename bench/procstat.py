@@ -1,9 +1,13 @@
-"""CPU time of a process from /proc, and of this client, so CPU per request can be measured from outside."""
+"""CPU time and resident memory of a process from /proc, and this client's CPU, so a bench measures the server
+from outside."""
 
 from __future__ import annotations
 
+import math
 import os
 import resource
+import threading
+from dataclasses import dataclass, field
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -105,3 +109,47 @@ class CpuSampler:
             if pid in self.first:
                 out[label] = out.get(label, 0.0) + self.last[pid] - self.first[pid]
         return out
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of the process (VmRSS of /proc/<pid>/status), MiB; NaN once it has exited."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            return next((int(line.split()[1]) / 1024 for line in f if line.startswith(b"VmRSS:")), math.nan)
+    except (OSError, ValueError):
+        return math.nan
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of `pid` and its live descendants (a server's device processes), MiB."""
+    return sum(r for r in map(rss_mb, tree_pids(pid)) if not math.isnan(r))
+
+
+@dataclass
+class RssWatch:
+    """Samples a process's RSS every 50 ms in a thread: its value at the start and its peak."""
+
+    pid: int
+    start_mb: float = 0.0
+    peak_mb: float = 0.0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> RssWatch:
+        self.start_mb = self.peak_mb = rss_mb(self.pid)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak_mb = max(self.peak_mb, rss_mb(self.pid))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def growth_mb(self) -> float:
+        return self.peak_mb - self.start_mb

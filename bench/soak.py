@@ -60,7 +60,7 @@ import uvloop
 
 from batchserve.tenancy import digest, new_key
 from bench import common, report, servers
-from bench.procstat import raise_fd_limit
+from bench.procstat import raise_fd_limit, rss_mb
 
 TENANTS = ("live", "acme", "globex")  # interactive, the abuse and the failing job, the clean job
 PROMPT_BYTES = 1_000_000
@@ -105,14 +105,6 @@ HOSTILE = (
     "prompt_answers",
     "embed_long_answers",
 )  # what the attack process sends back
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def first_status(reader: asyncio.StreamReader) -> str:

@@ -29,6 +29,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 
 from bench import common, report, servers
+from bench.procstat import tree_rss_mb
 
 STAGE = re.compile(
     r"^(\S+ \S+) INFO batchserve\S* (converting .*|loading .*|loaded .*|set up .*|warm-up round .*|"
@@ -47,21 +48,6 @@ class Start:
     rss_mb: float = float("nan")  # resident memory of the server and its children at the first /readyz 200
     stop_s: float = float("nan")  # SIGTERM (once ready, nobody connected) to the process's exit
     stages: list[str] = field(default_factory=list)
-
-
-def tree_rss_mb(pid: int) -> float:
-    """VmRSS of the process and its descendants (a `--executor process` server's device processes), MiB."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/status", "rb") as f:
-                total += next((int(line.split()[1]) for line in f if line.startswith(b"VmRSS:")), 0) / 1024
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:  # exited meanwhile
-            continue
-    return total
 
 
 def status(url: str) -> int:

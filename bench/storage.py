@@ -39,13 +39,13 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import orjson
 
 from bench import common, report, servers
 from bench.loadgen import measure
+from bench.procstat import RssWatch
 
 MB = 1_000_000
 PLUGIN = '''
@@ -59,43 +59,6 @@ class Vectors:
         return [[((i * 7919 + j * 104729) % 1000003) / 1000003.123456789 for j in range(384)]
                 for i, _ in enumerate(inputs)]
 '''
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-@dataclass
-class RssWatch:
-    """Samples a process's RSS every 50 ms in a thread: its value at the start and its peak."""
-
-    pid: int
-    start_mb: float = 0.0
-    peak_mb: float = 0.0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def __enter__(self) -> RssWatch:
-        self.start_mb = self.peak_mb = rss_mb(self.pid)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak_mb = max(self.peak_mb, rss_mb(self.pid))
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    @property
-    def growth_mb(self) -> float:
-        return self.peak_mb - self.start_mb
 
 
 def loadavg() -> str:
