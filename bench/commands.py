@@ -342,6 +342,14 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
                 ("--duration", "10", "--stop-at", "3", "--stop-s", "4"),
             ),
             Bench(
+                "tokenize_bench",
+                "the tokenizer stage on the real minilm: RSS across ten 938 KB embeddings and three 94 KB rerank "
+                "bodies, another tenant's answers beside 16,000-character inputs (issue 46)",
+                "~1.5 min",
+                "real model (CPU)",
+                ("--seconds", "3", "--settle", "3"),
+            ),
+            Bench(
                 "ledger_drill",
                 "two keyed tenants overloading a sim server: the SLO ledger's outcomes against the "
                 "clients' own counts, per tier and per key (issue 33)",
