@@ -1,7 +1,7 @@
 """Fairness between two backlogged tenants in the literature's terms (issue 49, item 5): the service difference
 over time, Jain's index per window, and work conservation, on one sim device, measured from the server's side.
 
-    python -m bench.fair_service               # 31 s of load (3 windows of 10 s after the first second), ~45 s
+    python -m bench.fair_service               # 32 s of load (3 windows of 10 s after the first second), ~45 s
     python -m bench.fair_service --quick       # 12 s: one window, a check of the path, not a measurement
     python -m bench.fair_service --record      # and bench/results/fair-service-<time>.{md,json,png}
 
@@ -500,7 +500,7 @@ def markdown(rep: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_sim_flags(p, slo_ms=1000.0)
-    p.add_argument("--seconds", type=float, default=31.0, help="seconds of load (default %(default)g)")
+    p.add_argument("--seconds", type=float, default=32.0, help="seconds of load (default %(default)g)")
     p.add_argument("--window-s", type=float, default=10.0, help="Jain's index window (default %(default)g)")
     p.add_argument("--sample-ms", type=float, default=200.0, help="how often the server is read (default %(default)g)")
     p.add_argument("--small-loops", type=int, default=300, help="closed loops of 1-input requests")
