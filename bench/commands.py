@@ -357,6 +357,22 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
                 "-",
                 ("--seconds", "2"),
             ),
+            Bench(
+                "priority",
+                "one key's two classes at 1.5x one sim device's capacity: `\"priority\"` requests (enterprise) "
+                "beside default ones (paid): per class 200 / refused / 504 and the server's queue wait (issue 49)",
+                "~40 s",
+                "-",
+                ("--quick",),
+            ),
+            Bench(
+                "fair_service",
+                "two backlogged paid tenants (1-input and 8-input requests, closed loops) on one sim device: "
+                "the service difference over time, Jain's index per 10 s, device idle while inputs wait (issue 49)",
+                "~45 s",
+                "-",
+                ("--quick",),
+            ),
         ),
     ),
 }

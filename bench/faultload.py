@@ -148,6 +148,8 @@ async def _run(
     timeout_s: float,
     connections: int,
     sample_until: float,
+    headers: dict[str, str] | None = None,
+    extras: list[dict | None] | None = None,
 ) -> Run:
     url = base.rstrip("/") + "/v1/inference"
     t0 = time.monotonic() + 0.05
@@ -157,6 +159,7 @@ async def _run(
     watch_exit(proc, t0, exited)
     samples: list[Sample] = []
     r = records
+    req_headers = {**JSON_HEADERS, **headers} if headers else JSON_HEADERS
 
     async def on_new(
         session: aiohttp.ClientSession, ctx: SimpleNamespace, params: aiohttp.TraceConnectionCreateEndParams
@@ -183,11 +186,11 @@ async def _run(
 
         async def send(i: int) -> None:
             text = inputs[i]
+            extra = extras[i] if extras is not None else None
+            body = orjson.dumps({"input": text, **extra} if extra else {"input": text})
             r.sent[i] = time.monotonic() - t0
             try:
-                async with session.post(
-                    url, data=orjson.dumps({"input": text}), headers=JSON_HEADERS, trace_request_ctx=i
-                ) as resp:
+                async with session.post(url, data=body, headers=req_headers, trace_request_ctx=i) as resp:
                     raw = await resp.read()
                     r.status[i] = resp.status
                 r.done[i] = time.monotonic() - t0
@@ -250,8 +253,11 @@ def run(
     timeout_s: float = 10.0,
     connections: int = 4096,
     sample_until: float | None = None,
+    headers: dict[str, str] | None = None,
+    extras: list[dict | None] | None = None,
 ) -> Run:
     """Send one request per `sched` offset with `inputs[i]`, fire `events`, sample the server; on uvloop.
+    `headers` (an API key) go with every request, `extras[i]` (body fields: a priority) with request i.
 
     The cyclic GC is off during the run (as in bench.loadgen): a full collection over tens of thousands of
     live tasks stalls the client, which would show up as server latency."""
@@ -260,7 +266,9 @@ def run(
     gc.disable()
     try:
         until = float(sched[-1]) + timeout_s if sample_until is None and len(sched) else (sample_until or 0.0)
-        return uvloop.run(_run(base, Records(sched, kinds), inputs, events, pid, proc, timeout_s, connections, until))
+        return uvloop.run(
+            _run(base, Records(sched, kinds), inputs, events, pid, proc, timeout_s, connections, until, headers, extras)
+        )
     finally:
         gc.enable()
         gc.collect()

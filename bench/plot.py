@@ -56,3 +56,33 @@ def load_png(curves: Curves, title: str, unit: str = "req/s", p95_target_ms: flo
     out = io.BytesIO()
     fig.savefig(out, format="png")
     return out.getvalue()
+
+
+def series_png(
+    series: dict[str, tuple[list[float], list[float]]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    bounds: tuple[float, ...] = (),
+) -> bytes:
+    """One panel of lines over time (a bench's running figure: a service difference, a queue): `series` maps a
+    label to its (xs, ys); each of `bounds` a dotted horizontal line (a goal)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), dpi=100)
+    axes = fig.subplots(1, 1)
+    for label, (xs, ys) in series.items():
+        axes.plot(xs, ys, label=label, linewidth=1.2)
+    for bound in bounds:
+        axes.axhline(bound, linestyle=":", color="grey", label=f"goal {bound:g}" if bound >= 0 else None)
+    axes.axhline(0, color="black", linewidth=0.6)
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize="small")
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png")
+    return out.getvalue()

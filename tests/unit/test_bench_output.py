@@ -32,6 +32,8 @@ SCRIPTS = [
     "cpu_compare",
     "inference_paths",
     "hung_child",
+    "priority",
+    "fair_service",
 ]
 
 
@@ -152,3 +154,43 @@ def test_the_load_curves_put_batchserve_beside_its_peers() -> None:
     assert [(p.offered, p.p95_ms, p.goodput) for p in curves["infinity"]] == [(20.0, 400.0, 16.0), (40.0, 400.0, 32.0)]
     assert load_png(curves, "t").startswith(PNG_MAGIC)
     assert report.write("x", {}, "md", None, curves=curves) is None  # print only: no file
+
+
+def test_the_fair_service_reads_whole_usage_readings_only() -> None:
+    """bench/fair_service.py: D and Jain's index come from usage readings taken between two batches' answers; a
+    reading taken while a batch's answers were being recorded (one tenant's counted, the other's not yet) is left
+    out, and the device's idle time is the interval less its busy time's growth."""
+    from bench.fair_service import Sample, analyse, jain
+    from bench.plot import PNG_MAGIC, series_png
+
+    assert jain([5.0, 5.0]) == 1.0 and jain([1.0, 0.0]) == 0.5
+    samples = []
+    for k in range(60):  # a batch of 100 inputs every 0.1 s, 50 to each tenant, read every 0.2 s
+        done = 2 * k + (1 if k == 30 else 0)  # batches finished
+        cost = {"small": 50.0 * done, "large": 50.0 * done}
+        if k == 30:  # read just as a batch ended, while its answers went out: the small tenant's counted only
+            cost["large"] -= 50.0
+        samples.append(
+            Sample(
+                t=0.2 * k + 0.01,
+                cost=cost,
+                t_health=0.2 * k,
+                busy=True,
+                running_s=0.03,
+                running_size=100,
+                batches=done,
+                queue_depth=200,
+                compute_sum=0.098 * 2 * k,  # 2 ms of every 100 idle: the hand-off
+                compute_count=done,
+                formed=done + 1,
+                formed_inputs=100.0 * (done + 1),
+            )
+        )
+    res = analyse(samples, ("small", "large"), unit=8.0, window_s=10.0)
+    assert res["readings"] == len(res["diff"]) == res["samples"] - 1  # the reading at k = 30 left out
+    assert res["max_abs_d"] == 0.0 and res["goals"]["|D| never above 2 after the first second"]
+    (window,) = [w for w in res["windows"] if w["to_s"] - w["from_s"] >= 9]
+    assert window["jain"] == 1.0 and window["idle_share"] == pytest.approx(0.02, abs=1e-6)
+    assert not res["goals"]["device idle while inputs wait <= 1% of each window"]
+    png = series_png({"D": ([0.0, 1.0], [0.0, 0.5])}, "t", "s", "D", bounds=(2.0, -2.0))
+    assert png.startswith(PNG_MAGIC)
