@@ -55,7 +55,7 @@ def parse(rt: InferenceHost, call: Call, body: bytes) -> str:
     if model is None:
         raise errors.model_not_found(requested_model)
     call.work.model = model
-    call.work.due_in(timeout_s)
+    call.work.due_in(rt.registry.deadlines[model].timeout_s if timeout_s is None else timeout_s)  # its own default
     if priority is not None:
         call.run_at(priority, "priority")
     return text
