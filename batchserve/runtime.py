@@ -240,8 +240,14 @@ class Runtime:
         return None
 
     def model_cards(self) -> list[dict[str, object]]:
-        """GET /v1/models' entries for the models outside the batcher (the generation engine's)."""
-        return model_cards(self.generation)
+        """GET /v1/models' entries for the models outside the batcher (the generation engine's), with the SLO
+        its answers are held to (its requests name no timeout)."""
+        cards = model_cards(self.generation)
+        for card in cards:
+            d = self.registry.deadlines.get(str(card["id"]))
+            if d is not None:
+                card["slo_ms"] = d.public()["slo_ms"]
+        return cards
 
     def prompt_tokens(self, model: str, texts: list[str]) -> int:
         """The model's token count of these texts (0 when its backend cannot count): OpenAI's usage, for the

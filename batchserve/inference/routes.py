@@ -110,6 +110,7 @@ async def models(rt: InferenceHost, call: Call, req: None) -> list[dict[str, obj
             "backend": spec.backend,
             "weight": spec.weight,
             "output_kind": b.output_kind if (b := rt.backends.get(spec.id)) is not None else None,
+            **rt.registry.deadlines[spec.id].public(),  # its own SLO and timeouts (slo.Deadlines)
         }
         for spec in rt.registry.specs
     ]

@@ -6,6 +6,7 @@ dispatch deadline, admission's objective under pressure and its 400/504 line, th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -17,7 +18,9 @@ from batchserve.core.admission import Admission
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.errors import ApiError
+from batchserve.inference.routes import models as model_cards
 from batchserve.slo import DEFAULT, DERIVED, SET, Deadlines
+from batchserve.ops.routes import internal_health
 from batchserve.runtime import Runtime
 from tests.unit.core.test_policy import FakeCapacity, make_item
 from tests.unit.fakes import Clock
@@ -82,6 +85,22 @@ def test_the_runtime_keeps_one_table_every_reader_shares(caplog: pytest.LogCaptu
         rt.derive_deadlines({FAST: None}, "the warm-up batch time")  # nothing measured: its figures stay
     assert table[FAST].slo_s == 0.205 and "deadlines of embed@v1: " not in caplog.text
     assert f"deadlines of {FAST} from the warm-up batch time 68 ms" in caplog.text
+
+
+def test_models_and_health_show_each_models_own_figures() -> None:
+    rt = Runtime.create(two_models())
+    rt.derive_deadlines({FAST: FAST_S, SLOW: SLOW_S}, "the warm-up batch time")
+    cards = {c["id"]: c for c in asyncio.run(model_cards(rt, None, None))}  # type: ignore[arg-type]
+    assert {k: cards[FAST][k] for k in ("slo_ms", "timeout_ms", "max_timeout_ms")} == {
+        "slo_ms": 205.0,
+        "timeout_ms": 2000.0,
+        "max_timeout_ms": 60000.0,
+    }
+    assert (cards[SLOW]["slo_ms"], cards[SLOW]["timeout_ms"]) == (29411.0, 60000.0)
+    health = asyncio.run(internal_health(rt, None, None))  # type: ignore[arg-type]
+    assert health["slo_ms"] == {FAST: 205.0, SLOW: 29411.0}
+    assert health["timeout_ms"] == {FAST: 2000.0, SLOW: 60000.0}
+    assert health["max_timeout_ms"] == {FAST: 60000.0, SLOW: 60000.0}
 
 
 def batcher(clock: Clock) -> Batcher:
