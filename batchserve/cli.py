@@ -104,12 +104,12 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
     return settings
 
 
-DERIVABLE = ("slo_ms", "timeout_ms")  # left unset, derived from a model's measured warm-up (backends/warmup.py)
+DERIVABLE = ("slo_ms", "timeout_ms")  # left unset, each model's derived from its own measured warm-up (warmup.py)
 
 
 def effective(settings: Settings) -> str:
-    """The settings line. An unset SLO or timeout is marked provisional: a model whose warm-up is measured
-    replaces it (the 'deadlines from ...' line), so the figure shown here may not be the one in force."""
+    """The settings line. An unset SLO or timeout is marked provisional: a model whose warm-up is measured has
+    its own (its 'deadlines of MODEL ...' line), so the figure shown here may not be the one in force."""
     shown = {f.name: getattr(settings, f.name) for f in cli_fields() if f.name != "config" or settings.config}
     shown["models"] = [m.id for m in settings.models]
     shown["jobs_db"] = redact_url(settings.jobs_db)  # a postgresql:// URL may carry a password
@@ -117,8 +117,8 @@ def effective(settings: Settings) -> str:
     for name in provisional:
         shown[name] = f"{shown[name]}(provisional)"
     note = (
-        f"; {' and '.join(provisional)} provisional: unset, derived from a measured warm-up where a model has "
-        f"one ('deadlines from ...' below)"
+        f"; {' and '.join(provisional)} provisional: unset, each model's own derived from its measured warm-up "
+        f"where it has one ('deadlines of MODEL ...' below)"
         if provisional
         else ""
     )

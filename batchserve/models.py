@@ -1,4 +1,5 @@
-"""Which model version serves a request: `"name"` picks a version by weight, `"name@version"` names one."""
+"""Which model version serves a request: `"name"` picks a version by weight, `"name@version"` names one; and
+each version's own latency objective and timeouts (`slo.Deadlines`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 from dataclasses import dataclass, field
 
 from batchserve.config import ModelSpec
+from batchserve.slo import Deadlines
 
 
 @dataclass
@@ -17,6 +19,9 @@ class ModelRegistry:
     # What a request naming no model, a name of one version or an id is answered by: its version's id, read by
     # one look-up on the hot path (`resolve_id`); names of several versions are split as `resolve` splits them.
     fixed_ids: dict[str, str] = field(default_factory=dict)
+    # Each model id's own SLO and timeouts; the batcher, admission and the guard read this same dict (the
+    # runtime shares it), so a figure derived after the warm-up is seen by all of them at once.
+    deadlines: dict[str, Deadlines] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for spec in self.specs:

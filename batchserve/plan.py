@@ -641,7 +641,6 @@ def measure(
     health = json.loads(_get(base + "/internal/health"))
     if health.get("status") == "starting":  # no workers, no batch time yet: nothing to read
         raise OSError(f"{base} is still warming up (its models load); run again once {base}/readyz answers 200")
-    slo_ms, timeout_ms = _positive(health.get("slo_ms")), _positive(health.get("timeout_ms"))
     devices = sum(1 for w in health.get("workers", []) if w.get("healthy")) or len(health.get("workers", []))
     processes = int((health.get("process") or {}).get("of", 1))  # one process answered: its siblings match it
     devices *= processes
@@ -659,6 +658,7 @@ def measure(
     name = model if model is not None else next(iter(learned))
     if name not in learned:
         raise OSError(f"{base} serves {', '.join(learned)}, not {name}")
+    slo_ms, timeout_ms = _positive(_of_model(health, "slo_ms", name)), _positive(_of_model(health, "timeout_ms", name))
     cpu_s, cpu_note = cpu_per_request(base, cpu_window_s, api_key) if cpu_window_s > 0 else (None, "")
     if probe_sizes:
         return Measured(
@@ -683,6 +683,12 @@ def measure(
     if processes > 1:
         source += f"; {processes} processes of {devices // processes} device(s)"
     return Measured(devices, BatchTime.constant(learned[name]), source, cpu_s, processes, slo_ms, timeout_ms)
+
+
+def _of_model(health: dict, member: str, model: str) -> object:
+    """A figure of /internal/health for `model`: each model's own (a map by model id), or an older server's one."""
+    value = health.get(member)
+    return value.get(model) if isinstance(value, dict) else value
 
 
 def _positive(value: object) -> float | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from batchserve import errors
 from batchserve.backends import Backend, PluginError
-from batchserve.backends.warmup import apply_deadlines
+from batchserve.backends.warmup import deadlines_for, log_deadlines
 from batchserve.backends.loading import EXIT_BACKEND_FAILED, EXIT_STARTUP_FAILED, LOAD_THREAD, LoadedModels, load_models
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batcher import Batcher
@@ -38,6 +38,7 @@ from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
 from batchserve.metrics import AdmissionWaitCollector, Metrics, make_metrics
 from batchserve.models import ModelRegistry
+from batchserve.slo import Deadlines
 from batchserve.http.guards import Guard
 from batchserve.tenancy import Tenancy
 from batchserve.tracing import Tracing
@@ -129,9 +130,14 @@ class Runtime:
         backends: dict[str, Backend] = {}
         service = InferenceService(batcher, admission, backends, requests)
         metrics = make_metrics()
+        registry = ModelRegistry(settings.models)
+        # Each model's own SLO and timeouts, as set or by default until its warm-up says otherwise (`start`): one
+        # dict, read by the batcher, admission and the guard alike.
+        registry.deadlines.update((spec.id, Deadlines.of_settings(settings)) for spec in settings.models)
+        batcher.deadlines = admission.deadlines = registry.deadlines
         rt = cls(
             settings,
-            ModelRegistry(settings.models),
+            registry,
             metrics,
             requests,
             batcher,
@@ -147,6 +153,7 @@ class Runtime:
             backends,
             loaded,
         )
+        rt.guard.deadlines = registry.deadlines
         rt.refusals = RefusalThrottle(settings.refused_per_s)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
@@ -178,14 +185,16 @@ class Runtime:
         now = time.monotonic()
         pool = self.pool
         healthy = pool.healthy_count() if pool is not None else 0
+        times = self.batch_times()
+        slowest = max(times, key=times.__getitem__, default="")  # its batch time is read: so is its SLO
         return load_signal.Reading(
             self.admission.arrivals.current(now),
             healthy,
             self.batcher.max_batch_size,
-            max(self.batch_times().values(), default=0.0),
+            times.get(slowest, 0.0),
             pool.seconds_until_free(now) if pool is not None and healthy else 0.0,
             self.batcher.total_depth(),
-            self.batcher.slo_s,
+            self.batcher.slo_of(slowest),
             self.engine_load(),
         )
 
@@ -202,6 +211,7 @@ class Runtime:
             lambda: engine.predicted_start_s(self.settings.max_new_tokens),
             self.stepper.run_s() if self.stepper is not None else 0.0,
             engine.healthy,
+            self.batcher.slo_of(engine.cfg.model_id),
         )
 
     def batch_times(self) -> dict[str, float]:
@@ -230,8 +240,14 @@ class Runtime:
         return None
 
     def model_cards(self) -> list[dict[str, object]]:
-        """GET /v1/models' entries for the models outside the batcher (the generation engine's)."""
-        return model_cards(self.generation)
+        """GET /v1/models' entries for the models outside the batcher (the generation engine's), with the SLO
+        its answers are held to (its requests name no timeout)."""
+        cards = model_cards(self.generation)
+        for card in cards:
+            d = self.registry.deadlines.get(str(card["id"]))
+            if d is not None:
+                card["slo_ms"] = d.public()["slo_ms"]
+        return cards
 
     def prompt_tokens(self, model: str, texts: list[str]) -> int:
         """The model's token count of these texts (0 when its backend cannot count): OpenAI's usage, for the
@@ -254,7 +270,11 @@ class Runtime:
             if loaded is None:
                 loaded = await in_daemon_thread(lambda: load_models(self.settings, elsewhere), LOAD_THREAD)
             self.loaded = loaded
-            self._deadlines_changed()  # the warm-up may have derived the SLO the user left unset
+            # Each model's own deadlines, from its own warm-up where it was measured; the stepper's models' once
+            # its answer time is known (below).
+            self.derive_deadlines(
+                {m: loaded.measured.get(m) for m in self.registry.by_id if m not in elsewhere}, "the warm-up batch time"
+            )
             self.backends.update(loaded.backends)
             for model, seconds in loaded.batch_s.items():
                 self.batcher.batch_s.seed(model, seconds)
@@ -290,14 +310,14 @@ class Runtime:
                     self.service, self.generation, self.settings, StepperRecords(self.metrics, self.tracing)
                 )
                 self.stepper = stepper
-                if stepper is not None:  # no warm-up batch of theirs: the deadlines follow the stepper's answer
-                    run_s = stepper.run_s()
-                    apply_deadlines(
-                        self.settings,
-                        max(loaded.measured_s, run_s),
-                        "the warm-up batch time" if loaded.measured_s > run_s else "the stepper's answer time",
+                if stepper is not None:  # no warm-up batch of theirs: their deadlines follow the stepper's answer
+                    self.derive_deadlines({m: stepper.run_s() for m in elsewhere}, "the stepper's answer time")
+                # The engine's own model (/v1/chat/completions, booked under its id) is the generating model.
+                generating = next((spec.id for spec in self.settings.models if spec.generates), None)
+                if generating is not None:
+                    self.registry.deadlines.setdefault(
+                        self.generation.cfg.model_id, self.registry.deadlines[generating]
                     )
-                    self._deadlines_changed()
             self.service.attach(self.pool)
             self.jobs = await JobService.start(
                 self.service, self.settings, self.metrics.registry, self.prompt_tokens, self.generation
@@ -320,11 +340,22 @@ class Runtime:
             if self.on_startup_failure is not None:
                 self.on_startup_failure(self.startup_error, EXIT_STARTUP_FAILED)
 
+    def derive_deadlines(self, times: dict[str, float | None], what: str) -> None:
+        """Each model's own SLO and default timeout (issue 46 item 7): from its own measured time in `times`
+        (`what` says which: a warm-up batch, the stepper's answer), for the figures the user left unset; a model
+        whose time is None (the sim declares its own) keeps the settings' figures. One log line per model."""
+        for model, seconds in times.items():
+            if seconds is not None:
+                self.registry.deadlines[model] = deadlines_for(self.settings, seconds, what)
+            log_deadlines(model, self.registry.deadlines[model])
+        self._deadlines_changed()
+
     def _deadlines_changed(self) -> None:
-        """The SLO (and default timeout) may have been derived from a measured batch or answer time
-        (`warmup.apply_deadlines`): the batcher and admission pace by it, the SLO ledger holds answers to it."""
-        self.batcher.slo_s = self.admission.slo_s = self.guard.slo_s = self.settings.slo_ms / 1000
-        self.batcher.costs.latency_fit_s = self.admission.slo_s * self.settings.admission_slack / 2
+        """A model's SLO may have been derived from its measured batch or answer time (`warmup.deadlines_for`):
+        the batcher, admission and the SLO ledger read it from the shared `registry.deadlines`; a costed model's
+        batches are fitted within half of its own SLO with its slack (`BatchBudget.fit_budget`)."""
+        half_slack = self.settings.admission_slack / 2
+        self.batcher.costs.latency_fits = {m: d.slo_s * half_slack for m, d in self.registry.deadlines.items()}
 
     async def _tick(self) -> None:
         last_answered, last_time = self.guard.answered, time.monotonic()

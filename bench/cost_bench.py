@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                 if mode != "cost":
                     continue
                 h = health(target)
-                slo_ms, deadline_ms = float(h["slo_ms"]), float(h["timeout_ms"])
+                slo_ms, deadline_ms = float(h["slo_ms"]["minilm@v1"]), float(h["timeout_ms"]["minilm@v1"])  # its own
                 cap = caps["cost"]["inputs_per_s"]
                 rates = [round(f * cap, 1) for f in a.fractions]
                 for k, (f, rate) in enumerate(zip(a.fractions, rates)):

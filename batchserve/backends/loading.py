@@ -7,9 +7,9 @@ time): a real model's start takes minutes on a CPU and must not look hung.
 A backend that declares its batch time (`initial_batch_s`, as the sim does) is warmed once. Any other is warmed
 until two rounds agree (`warmup.warm_until_stable`: a cold first batch pays one-off costs), the batcher's
 learned batch time starts from the median of the rounds after the first (per batch size or cost when the
-backend timed them), and the SLO and default timeout the user left unset follow
-from it (`warmup.apply_deadlines`). From the first real batch on, the batcher's moving average of the batch
-cycle as the event loop sees it takes over.
+backend timed them), and the model's own SLO and default timeout, where the user left them unset, follow from
+it (`LoadedModels.measured`, `warmup.deadlines_for`: each model its own). From the first real batch on, the
+batcher's moving average of the batch cycle as the event loop sees it takes over.
 
 A model whose batches never reach the workers (`elsewhere`: smollm2 while the generation engine's stepper answers
 its `/v1/inference`, `generation/inference.py`) is built as its plugin's `shell` only (devices, buckets, costs,
@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable, Collection, Iterator
 
 from batchserve.backends import Backend, PluginError, describe
@@ -34,7 +34,7 @@ from batchserve.backends.outputs import OutputRule, check_warm_answer
 from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
 from batchserve.backends.device_thread import DeviceThread
-from batchserve.backends.warmup import apply_deadlines, ms, robust, warm_until_stable
+from batchserve.backends.warmup import ms, robust, warm_until_stable
 
 log = logging.getLogger("batchserve")
 
@@ -61,7 +61,9 @@ class LoadedModels:
     batch_s_by_size: dict[str, dict[int, float]]  # model id -> batch seconds by size the warm-up measured
     max_batch: dict[str, int]  # model id -> most inputs per batch (the server's, or the plugin's if lower)
     rules: dict[str, OutputRule] | None = None  # model id -> its outputs' rule, checked on the warm-up answers
-    measured_s: float = 0.0  # the slowest measured warm-up batch time (the deadlines were derived from it); 0: none
+    # model id -> its stable warm-up batch time, for the models that were measured (not those declaring theirs,
+    # as the sim does): each one's unset deadlines follow from its own (`warmup.deadlines_for`)
+    measured: dict[str, float] = field(default_factory=dict)
 
 
 def load_models(settings: Settings, elsewhere: Collection[str] = ()) -> LoadedModels:
@@ -104,14 +106,10 @@ def _load(settings: Settings, backends: dict[str, Backend], every: dict[str, Bac
         for model, b in backends.items()
     }
     measured = {model: batch_s[model] for model, b in backends.items() if b.initial_batch_s is None}
-    if measured:
-        apply_deadlines(settings, max(measured.values()))
     max_batch = {
         model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size) for model, b in every.items()
     }
-    return LoadedModels(
-        dict(every), devices, threads, batch_s, by_size, max_batch, rules, max(measured.values(), default=0.0)
-    )
+    return LoadedModels(dict(every), devices, threads, batch_s, by_size, max_batch, rules, measured)
 
 
 def _on_every_device(

@@ -4,8 +4,9 @@ Why: the first batches of a real model pay one-off costs (allocator growth, kern
 CUDA context); seeding the learned batch time from them once made an idle server refuse requests with a
 25 s `retry_after_ms`. And the sim's defaults (200 ms SLO, 2 s timeout) cut a real model's longer answers off
 at 2 s. So warm-up rounds run until two in a row agree, the learned batch time starts from the median of the
-rounds after the cold first one, and `--slo-ms` / `--timeout-ms`, when the user set neither flag nor variable,
-follow from it. The sim's batch time is known (`--sim-batch-ms`), so it keeps its defaults and is warmed once.
+rounds after the cold first one, and the model's own SLO and default timeout (`--slo-ms` / `--timeout-ms`, where
+the user set neither flag nor variable) follow from it: each model from its own batch time, not the slowest's.
+The sim's batch time is known (`--sim-batch-ms`), so it keeps its defaults and is warmed once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 from batchserve.config import Settings
+from batchserve.slo import DERIVED, Deadlines
 
 log = logging.getLogger("batchserve")
 
@@ -95,28 +97,38 @@ def derive_deadlines(settings: Settings, batch_s: float) -> Derived:
     return Derived(slo, timeout)
 
 
-def apply_deadlines(settings: Settings, batch_s: float, measured: str = "the warm-up batch time") -> None:
-    """Set the SLO and default timeout the user left unset from the slowest model's stable warm-up batch time
-    (or, for a model the generation engine's stepper answers, an answer's time there: `measured` says which),
-    and say so in the log (with a warning when no request could ever be served in time)."""
+def deadlines_for(settings: Settings, batch_s: float, measured: str = "the warm-up batch time") -> Deadlines:
+    """One model's SLO and default timeout from its own measured batch time (or, for a model the generation
+    engine's stepper answers, its answer time there: `measured` says which), for the figures the user left unset;
+    the rest as set, or their defaults (issue 46 item 7: each model its own, never the slowest model's)."""
     derived = derive_deadlines(settings, batch_s)
+    got = Deadlines.of_settings(settings)
+    got.measured_s, got.measured = batch_s, measured
     if derived.slo_ms is not None:
-        settings.slo_ms = derived.slo_ms
+        got.slo_s, got.slo_from = derived.slo_ms / 1000, DERIVED
     if derived.timeout_ms is not None:
-        settings.timeout_ms = derived.timeout_ms
+        got.timeout_s, got.timeout_from = derived.timeout_ms / 1000, DERIVED
+    return got
+
+
+def log_deadlines(model: str, d: Deadlines) -> None:
+    """The model's figures in force, one line (with a warning when no request of it could ever be served in time)."""
     log.info(
-        "deadlines from %s %.0f ms: slo_ms=%.0f (%s) timeout_ms=%.0f (%s)",
-        measured,
-        batch_s * 1000,
-        settings.slo_ms,
-        "derived" if derived.slo_ms is not None else "set",
-        settings.timeout_ms,
-        "derived" if derived.timeout_ms is not None else "set",
+        "deadlines of %s%s: slo_ms=%.0f (%s) timeout_ms=%.0f (%s) max_timeout_ms=%.0f (%s)",
+        model,
+        f" from {d.measured} {d.measured_s * 1000:.0f} ms" if d.measured else "",
+        d.slo_s * 1000,
+        d.slo_from,
+        d.timeout_s * 1000,
+        d.timeout_from,
+        d.max_timeout_s * 1000,
+        d.max_timeout_from,
     )
-    if batch_s * 1000 >= settings.max_timeout_ms:
+    if d.measured and d.measured_s >= d.max_timeout_s:
         log.warning(
-            "a batch takes %.0f ms, longer than --max-timeout-ms %.0f: every request will be refused "
+            "a batch of %s takes %.0f ms, longer than --max-timeout-ms %.0f: every request of it will be refused "
             "(fewer --max-new-tokens, a GPU, or a larger --max-timeout-ms)",
-            batch_s * 1000,
-            settings.max_timeout_ms,
+            model,
+            d.measured_s * 1000,
+            d.max_timeout_s * 1000,
         )

@@ -21,9 +21,10 @@ lately (`wait_calibration.WaitCalibration`, fed by the service with each admitte
 The last input is checked against the request's deadline: a many-input request is predicted as the batches it
 will make and served when they fit its timeout.
 Under pressure — arrivals faster than the healthy workers serve, or a worker lost — the first input is also
-checked against `slo_ms x slack x tier factor`, so lower tiers are refused first and admitted requests stay near
-the objective; since a long input makes its own batch costlier, one tenant's long inputs pass that bound
-before another's short ones do, and are shed first. Without pressure a passing burst is queued, not refused.
+checked against `slo_ms x slack x tier factor` (the model's own SLO: `slo.Deadlines`), so lower tiers are
+refused first and admitted requests stay near the objective; since a long input makes its own batch costlier, one
+tenant's long inputs pass that bound before another's short ones do, and are shed first. Without pressure a
+passing burst is queued, not refused.
 
 No lock-out: a free worker with nothing queued ahead admits what its deadline might allow (the quickest a batch
 may take, `BatchTimes.lower_bound`), and when even that says no, one request now and then (`PROBE_EVERY_S`) is
@@ -50,6 +51,7 @@ from batchserve.core.batcher import Batcher
 from batchserve.core.class_turns import ClassQueue, Own, drain
 from batchserve.core.tiers import SHED
 from batchserve.core.wait_calibration import WaitCalibration
+from batchserve.slo import Deadlines
 
 FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once
 PROBE_EVERY_S = 5.0  # an idle model that refuses everything on its learned time lets one request run this often
@@ -260,10 +262,12 @@ class Admission:
     batcher: Batcher
     capacity: WorkerCapacity | None  # None until the workers have started
     max_queue: int
-    slo_s: float
+    slo_s: float  # the SLO of a model without figures of its own in `deadlines`
     slack: float
     clock: Callable[[], float] = time.monotonic
-    max_timeout_s: float = math.inf  # --max-timeout-ms: the longest timeout a caller may ask for
+    max_timeout_s: float = math.inf  # --max-timeout-ms: the longest timeout a caller may ask for (the same)
+    # Each model's own SLO and timeouts (the runtime shares `ModelRegistry.deadlines`, as the batcher does).
+    deadlines: dict[str, Deadlines] = field(default_factory=dict)
     arrivals: RateMeter = field(default_factory=RateMeter)
     arrivals_fast: RateMeter = field(default_factory=lambda: RateMeter(tau_s=0.25))
     probed: dict[str, float] = field(default_factory=dict)  # per model: when a probe was last let through
@@ -272,9 +276,10 @@ class Admission:
     calibration: WaitCalibration = field(default_factory=WaitCalibration)  # the prediction's learned error
     _figures: dict[str, DoorFigures] = field(default_factory=dict)  # per model: `read_figures`, kept until stale
 
-    def tier_bound_s(self, tier: int) -> float:
-        """The tier's latency bound under pressure: slo x slack x the tier's shed factor."""
-        return self.slo_s * self.slack * SHED[tier]
+    def tier_bound_s(self, tier: int, model: str = "") -> float:
+        """The tier's latency bound under pressure: the model's own slo x slack x the tier's shed factor."""
+        d = self.deadlines.get(model)
+        return (self.slo_s if d is None else d.slo_s) * self.slack * SHED[tier]
 
     def arrival_rate(self) -> float:
         return self.arrivals.current(self.clock())
@@ -449,7 +454,8 @@ class Admission:
             fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
             least_s = fastest_s + batcher.margin_s  # one batch, and the dispatch margin the batcher keeps
             asked_s = deadline_s if timeout_s is None else timeout_s
-            if asked_s < least_s <= self.max_timeout_s:  # the request's own fault: it can ask for enough
+            d = self.deadlines.get(model)
+            if asked_s < least_s <= (self.max_timeout_s if d is None else d.max_timeout_s):  # it can ask for enough
                 raise errors.timeout_too_short(least_s * 1000)
             if deadline_s < fastest_s <= asked_s:  # enough was asked, but it went before the request was read
                 raise errors.deadline_exceeded()
@@ -496,7 +502,7 @@ class Admission:
         raw_wait_s = p.wait_s
         if pressure:  # the queue part as long as such predictions really turned out lately
             p = p.scaled(self.calibration.factor(model))
-        bound_s = self.tier_bound_s(tier) if pressure else math.inf
+        bound_s = self.tier_bound_s(tier, model) if pressure else math.inf
         # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
         # then allow at most one batch ahead of this one.
         bound_s = max(bound_s, 2 * batch_s)

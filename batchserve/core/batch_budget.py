@@ -40,6 +40,7 @@ class BatchBudget:
     max_batch_cost: float = 0.0  # --max-batch-tokens: the cost budget of one batch (0 = none)
     max_batch_s: float = math.inf  # a full batch expected longer than this lowers the model's budget to fit
     latency_fit_s: float = math.inf  # a costed model's full batch longer than this lowers its budget (slo x slack / 2)
+    latency_fits: dict[str, float] = field(default_factory=dict)  # per model id, from its own SLO: in place of it
     cost_limits: dict[str, float] = field(default_factory=dict)  # per model: a budget lowered to fit (fit_budget)
     unit: dict[str, float] = field(default_factory=dict)  # per model: mean cost of an input (1 until one costs more)
     widest: dict[str, float] = field(default_factory=dict)  # per model: the costliest input seen
@@ -115,7 +116,8 @@ class BatchBudget:
     def fit_budget(self, model: str) -> None:
         """Lower the model's cost budget so a full batch fits: within `max_batch_s` (half the longest allowed
         timeout) always, and, for a model whose inputs have costs (tokens), within `latency_fit_s` (half the latency
-        objective with its slack: an input may wait for the batch running, then run in its own): one batch of
+        objective with its slack, the model's own: `latency_fits`; an input may wait for the batch running, then run
+        in its own): one batch of
         long inputs must not hold the worker for seconds while other callers' short inputs wait behind it. The
         price on a CPU, where a batch has a large fixed part: fewer inputs a second than batches of 64 would
         serve (bench/cost_bench.py measures it). Raised back toward the configured budget once a
@@ -127,10 +129,11 @@ class BatchBudget:
         full_s = times.at(model, top)
         hard = times.fit(model, self.max_batch_s, unit, top) if self.max_batch_s < math.inf else top
         fitted = hard
-        if self.latency_fit_s < math.inf and model in self.unit:
+        latency_fit_s = self.latency_fits.get(model, self.latency_fit_s)
+        if latency_fit_s < math.inf and model in self.unit:
             # Down to its mean input at least: when even that does not fit (a busy machine), a long input runs
             # alone, never a whole request of them in one batch.
-            fitted = times.fit(model, self.latency_fit_s, unit, hard)
+            fitted = times.fit(model, latency_fit_s, unit, hard)
         if hard < top:
             times.forget_above(model, hard)  # a slow point above the budget would hold it down for good
         before = self.cost_limits.get(model, math.inf)
@@ -157,7 +160,7 @@ class BatchBudget:
                 full_s * 1000,
                 fitted,
                 self.full_n(model),
-                (self.max_batch_s if hard < top else self.latency_fit_s) * 1000,
+                (self.max_batch_s if hard < top else latency_fit_s) * 1000,
             )
         if model in self.unit:
             self.batch_s.full[model] = self.full_n(model) * unit

@@ -49,6 +49,7 @@ from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item, Shares
 from batchserve.core.retries import Retries
 from batchserve.core.tenant_cost import CostAccount
+from batchserve.slo import Deadlines
 
 Clock = Callable[[], float]
 log = logging.getLogger("batchserve")
@@ -82,7 +83,9 @@ class Batcher:
         clock: Clock = time.monotonic,  # injected in the policy's unit tests
     ) -> None:
         self.max_batch_size = max_batch_size
-        self.slo_s = slo_s
+        self.slo_s = slo_s  # the SLO of a model without figures of its own in `deadlines`
+        # Each model's own SLO and timeouts (the runtime shares `ModelRegistry.deadlines`): `slo_of`.
+        self.deadlines: dict[str, Deadlines] = {}
         self.margin_s = margin_s
         self.batch_s = batch_s
         self.clock = clock
@@ -326,10 +329,15 @@ class Batcher:
         return answered + self.retries.drop_all(err)
 
     # -- policy ------------------------------------------------------------------------------------------
+    def slo_of(self, model: str) -> float:
+        """The model's own SLO (issue 46 item 7), or the server's for a model without figures of its own."""
+        d = self.deadlines.get(model)
+        return self.slo_s if d is None else d.slo_s
+
     def dispatch_delay(self, model: str, size: float) -> float:
-        """How long the oldest item may wait for company: the SLO less one batch (of cost `size`) and a
+        """How long the oldest item may wait for company: the model's SLO less one batch (of cost `size`) and a
         margin."""
-        return max(0.0, self.slo_s - self.batch_s.at(model, size) - self.margin_s)
+        return max(0.0, self.slo_of(model) - self.batch_s.at(model, size) - self.margin_s)
 
     def most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
         best: tuple[str, int] | None = None
@@ -420,7 +428,7 @@ class Batcher:
             model_rate.current(now) + pending_model,
             queue_rate.current(now) + pending,
             self.healthy_workers,
-            self.slo_s,
+            self.slo_of(model),
         )
 
     def _count_arrivals(self, key: tuple[str, int], now: float, queued: int) -> None:

@@ -1,7 +1,7 @@
 """Answer 504 at each waiting caller's deadline, with one loop timer per timeout value instead of one per
 request.
 
-Callers that share a timeout (almost all use the server's default) arrive in deadline order, so each timeout
+Callers that share a timeout (almost all use their model's default) arrive in deadline order, so each timeout
 value keeps a FIFO of (deadline, future) and one timer armed for its head: watching a request costs an append,
 and an answered request is dropped from the head when a later one is watched (or skipped when its turn comes).
 A per-request `loop.call_at` + `cancel` costs about 4.5 µs on uvloop; this costs well under one. An entry that

@@ -12,14 +12,15 @@ node is already at its limit, so depth moves only once latency has. What leads i
   healthy worker's time to free + the full batches queued ahead of it) over the wait the SLO leaves it
   (slo - batch time). Above 1 a request arriving now misses the SLO; it is instantaneous, so it spikes.
 
-With several models the slowest batch time is used (the lower capacity). With no healthy worker but demand,
-both read `SATURATED`, a large finite number (an autoscaler's arithmetic should not meet +Inf).
+With several models the slowest batch time is used (the lower capacity), against that model's own SLO. With no
+healthy worker but demand, both read `SATURATED`, a large finite number
+(an autoscaler's arithmetic should not meet +Inf).
 
 The generation engine's work (`/v1/chat/completions`, and `/v1/inference` of a model on its stepper, which never
 reaches the batcher or its arrival count) is read as its own demand against its own capacity (`EngineLoad`):
-sequences running and waiting over its slots, and the engine's predicted wait for a new sequence over what the
-SLO leaves after its answer time. Each signal is the larger of the batcher's and the engine's: the node needs
-more replicas when either is short.
+sequences running and waiting over its slots, and the engine's predicted wait for a new sequence over what its
+model's own SLO leaves after its answer time. Each signal is the larger of the batcher's and the engine's: the
+node needs more replicas when either is short.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class EngineLoad:
     predicted_start_s: Callable[[], float]
     answer_s: float
     healthy: bool = True
+    slo_s: float | None = None  # the engine's model's own SLO (None: the reading's)
 
     def load_ratio(self) -> float:
         demand = self.running + self.waiting
@@ -75,7 +77,7 @@ class Reading:
     batch_s: float  # the slowest model's learned batch time
     until_free_s: float  # until the first healthy worker is free
     depth: int  # items queued, every model
-    slo_s: float
+    slo_s: float  # the SLO of the model whose batch time is read (the slowest's own)
     engine: EngineLoad | None = None  # the generation engine, when it is on
 
     def load_ratio(self) -> float:
@@ -84,7 +86,10 @@ class Reading:
 
     def predicted_wait_ratio(self) -> float:
         batcher = self.batcher_predicted_wait_ratio()
-        return batcher if self.engine is None else max(batcher, self.engine.predicted_wait_ratio(self.slo_s))
+        engine = self.engine
+        if engine is None:
+            return batcher
+        return max(batcher, engine.predicted_wait_ratio(self.slo_s if engine.slo_s is None else engine.slo_s))
 
     def batcher_load_ratio(self) -> float:
         if self.arrivals_per_s <= 0:

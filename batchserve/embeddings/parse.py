@@ -26,7 +26,7 @@ class EmbeddingRequest:
     inputs: list[str]
     model: str | None  # None: the first model that serves embeddings
     base64: bool
-    timeout_s: float
+    timeout_s: float | None  # None: none named, the model's own default applies (`slo.Deadlines`)
     dimensions: int | None = None  # keep the first this many components, then L2-normalise again (Matryoshka)
     service_tier: str | None = None  # the priority it asks for (`Work.ask`)
 
@@ -40,7 +40,7 @@ def refused(r: BodyRefusal) -> ApiError:
     return bad(r.field, r.message)
 
 
-def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms: float) -> EmbeddingRequest:
+def parse(body: bytes, max_chars: int, max_timeout_ms: float) -> EmbeddingRequest:
     try:
         req = decode(_DECODER, body)
     except BodyRefusal as r:
@@ -49,9 +49,14 @@ def parse(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms
     for i, text in enumerate(inputs):
         if len(text) > max_chars:
             raise bad("input", f"input[{i}] is over the {max_chars}-character limit", "string_above_max_length")
-    timeout_ms = default_timeout_ms if req.timeout_ms is msgspec.UNSET else req.timeout_ms
-    if not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms):
+    timeout_ms = None if req.timeout_ms is msgspec.UNSET else req.timeout_ms
+    if timeout_ms is not None and (not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms)):
         raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
     return EmbeddingRequest(
-        inputs, req.model, req.encoding_format == "base64", timeout_ms / 1000, req.dimensions, req.service_tier
+        inputs,
+        req.model,
+        req.encoding_format == "base64",
+        None if timeout_ms is None else timeout_ms / 1000,
+        req.dimensions,
+        req.service_tier,
     )

@@ -67,10 +67,10 @@ class Embed:
 
 def parse_request(rt: EmbeddingsHost, call: Call, body: bytes) -> Embed:
     s = rt.settings
-    req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
+    req = parse(body, s.max_input_chars, s.max_timeout_ms)
     model_id, backend = pick_model(rt, EMBEDDING, req.model, call.who.key_id)
     call.work.model = model_id
-    call.work.due_in(req.timeout_s)
+    call.work.due_in(rt.registry.deadlines[model_id].timeout_s if req.timeout_s is None else req.timeout_s)
     call.run_at(req.service_tier, "service_tier")
     return Embed(req, backend)
 

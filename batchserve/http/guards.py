@@ -21,6 +21,7 @@ from batchserve.core.ledger import UsageBook
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.errors import ApiError
 from batchserve.metrics import Metrics
+from batchserve.slo import Deadlines
 from batchserve.tenancy import Caller, Tenancy
 
 
@@ -30,7 +31,10 @@ class Guard:
     metrics: Metrics
     metrics_key: str = ""  # --metrics-key: what the operational routes ask for ("" = open)
     answered: int = 0  # requests answered since start, any status (the 1 s tick's requests per second)
-    slo_s: float = 0.2  # the latency objective the ledger holds 2xx answers to (--slo-ms, set as derived)
+    slo_s: float = 0.2  # the latency objective the ledger holds 2xx answers of a model without its own figures to
+    # Each model's own SLO (and timeouts): the ledger holds a model's answers to its own (issue 46 item 7). The
+    # runtime shares `ModelRegistry.deadlines`, which the door and the batcher read too.
+    deadlines: dict[str, Deadlines] = field(default_factory=dict)
     usage: UsageBook = field(default_factory=UsageBook)  # per tenant, for GET /v1/usage
     # --gateway-ips: the inference gateway whose fairness and objective headers are believed (`via_gateway`)
     gateways: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
@@ -84,7 +88,8 @@ class Guard:
     def ok(self, model: str, latency_s: float, caller: Caller, inputs: int = 1, cost: float = 1.0) -> None:
         """A model's answer went out: `inputs` served, costing `cost` units (tokens, or 1 an input)."""
         self.answered += 1
-        outcome = ledger.MET if latency_s <= self.slo_s else ledger.SLOW
+        d = self.deadlines.get(model)
+        outcome = ledger.MET if latency_s <= (self.slo_s if d is None else d.slo_s) else ledger.SLOW
         tier = TIER_NAMES[caller.tier]  # `_book` for a served answer, inline: once per answer of every model route
         self.metrics.count_ok(model, latency_s, tier, ledger.OUTCOMES[outcome], inputs, cost)
         self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s, model)
@@ -104,7 +109,8 @@ class Guard:
         if caller is None:
             return
         if 200 <= status < 300:
-            outcome: int | None = ledger.MET if latency_s <= self.slo_s else ledger.SLOW
+            d = self.deadlines.get(model)
+            outcome: int | None = ledger.MET if latency_s <= (self.slo_s if d is None else d.slo_s) else ledger.SLOW
         else:
             outcome = ledger.error_outcome(status) if status != 499 else None
         if outcome is not None:

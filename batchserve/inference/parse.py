@@ -16,8 +16,9 @@ from batchserve.inference.shapes import InferenceRequest
 _DECODER = msgspec.json.Decoder(InferenceRequest)
 
 
-def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float, str | None]:
-    """(input, model, timeout in seconds, priority) from the body, or 400/413 with the reason."""
+def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, str | None, float | None, str | None]:
+    """(input, model, timeout in seconds, priority) from the body, or 400/413 with the reason. The timeout is None
+    when the body names none: the model's own default applies (`slo.Deadlines`), known once it is picked."""
     if content_type != JSON:  # what nearly every client sends, compared without a call
         check_json_content_type(content_type)
     # An ASCII body (nearly all) goes straight to the decoder; `decode` checks UTF-8 first for the rest.
@@ -34,7 +35,9 @@ def parse_inference(body: bytes, content_type: str, s: Settings) -> tuple[str, s
     text = req.input
     if len(text) > s.max_input_chars:
         raise errors.payload_too_large(f'"input" is over the {s.max_input_chars}-character limit')
-    timeout_ms = s.timeout_ms if req.timeout_ms is msgspec.UNSET else req.timeout_ms
-    if not timeout_ms <= s.max_timeout_ms:
+    if req.timeout_ms is msgspec.UNSET:
+        return text, req.model, None, req.priority
+    timeout_ms = req.timeout_ms
+    if not timeout_ms <= s.max_timeout_ms:  # every model's longest timeout (`Deadlines.max_timeout_s`)
         raise errors.invalid(f'"timeout_ms" must be a number of milliseconds in (0, {s.max_timeout_ms:.0f}]')
     return text, req.model, timeout_ms / 1000, req.priority

@@ -55,7 +55,7 @@ def parse(rt: InferenceHost, call: Call, body: bytes) -> str:
     if model is None:
         raise errors.model_not_found(requested_model)
     call.work.model = model
-    call.work.due_in(timeout_s)
+    call.work.due_in(rt.registry.deadlines[model].timeout_s if timeout_s is None else timeout_s)  # its own default
     if priority is not None:
         call.run_at(priority, "priority")
     return text
@@ -110,6 +110,7 @@ async def models(rt: InferenceHost, call: Call, req: None) -> list[dict[str, obj
             "backend": spec.backend,
             "weight": spec.weight,
             "output_kind": b.output_kind if (b := rt.backends.get(spec.id)) is not None else None,
+            **rt.registry.deadlines[spec.id].public(),  # its own SLO and timeouts (slo.Deadlines)
         }
         for spec in rt.registry.specs
     ]

@@ -31,8 +31,9 @@ class InferenceRequest(Struct):
             float,
             Meta(
                 gt=0,
-                description="the request's deadline in ms, at most --max-timeout-ms (default 60000); default "
-                "--timeout-ms (2000)",
+                description="the request's deadline in ms, at most the model's max_timeout_ms (GET /v1/models; "
+                "--max-timeout-ms, default 60000); default the model's own timeout_ms (GET /v1/models: --timeout-ms "
+                "when set, else derived from its warm-up, else 2000)",
             ),
         ]
         | UnsetType
@@ -85,6 +86,29 @@ class Model(Struct):
             "(null while the backends load)"
         ),
     ] = None
+    slo_ms: (
+        Annotated[
+            float,
+            Meta(
+                gt=0,
+                description="this model's own SLO: the p95 latency its answers are held to (--slo-ms when set, else "
+                "derived from its own warm-up batch time, or answer time on the generation engine's stepper, else "
+                "the default)",
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
+    timeout_ms: (
+        Annotated[
+            float,
+            Meta(gt=0, description="the deadline of a request to this model that names no timeout_ms (as slo_ms)"),
+        ]
+        | UnsetType
+    ) = UNSET
+    max_timeout_ms: (
+        Annotated[float, Meta(gt=0, description="the longest timeout_ms a request to this model may ask for")]
+        | UnsetType
+    ) = UNSET
 
 
 class ModelList(Struct):

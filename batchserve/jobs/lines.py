@@ -266,9 +266,7 @@ class LineRunner:
             return self._generate(body, endpoint == CHAT, request_id, line, tenant, until)
         try:
             if endpoint == EMBEDDINGS:
-                req = parse_embeddings(
-                    body, self.settings.max_input_chars, self.settings.timeout_ms, self.settings.max_timeout_ms
-                )
+                req = parse_embeddings(body, self.settings.max_input_chars, self.settings.max_timeout_ms)
                 texts, finish = req.inputs, self._embeddings(model, req.inputs, req.base64, request_id)
             elif endpoint == INFERENCE:
                 text, _, _, _ = parse_inference(body, "application/json", self.settings)

@@ -273,7 +273,8 @@ class InferenceServicer:
             backend = rt.backends.get(spec.id)
             if backend is None:
                 raise errors.warming_up()
-            timeout_ms = s.timeout_ms if timeout_us is None else timeout_us / 1000
+            # none named: the model's own default (`slo.Deadlines`)
+            timeout_ms = rt.registry.deadlines[spec.id].timeout_s * 1000 if timeout_us is None else timeout_us / 1000
             remaining = context.time_remaining()  # the client's own gRPC deadline, when it set one
             if remaining is not None:
                 timeout_ms = min(timeout_ms, remaining * 1000)

@@ -148,7 +148,8 @@ def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
     backend = rt.backends.get(spec.id)
     if backend is None:
         raise errors.warming_up()
-    timeout_ms = s.timeout_ms if req.timeout_us is None else req.timeout_us / 1000
+    # none named: the model's own default (`slo.Deadlines`)
+    timeout_ms = rt.registry.deadlines[spec.id].timeout_s * 1000 if req.timeout_us is None else req.timeout_us / 1000
     if timeout_ms > s.max_timeout_ms:
         raise errors.invalid(
             f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms = "

@@ -22,6 +22,7 @@ from batchserve.http.dialects import NATIVE
 from batchserve.http.guards import Guard
 from batchserve.http.endpoint import Answer, Call, Endpoint, operational, public
 from batchserve.metrics import Metrics
+from batchserve.models import ModelRegistry
 
 
 class OpsHost(Protocol):
@@ -30,6 +31,7 @@ class OpsHost(Protocol):
     settings: Settings
     guard: Guard
     metrics: Metrics
+    registry: ModelRegistry
     batcher: Batcher
     admission: Admission
     service: InferenceService
@@ -91,6 +93,7 @@ async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, objec
     healthy = sum(1 for w in workers if w["healthy"])
     load = rt.load_reading()
     batch_times, answer_times = rt.batch_times(), rt.answer_times()
+    deadlines = {m: d.public() for m, d in rt.registry.deadlines.items()}
     status = (
         "draining"
         if rt.draining
@@ -113,8 +116,10 @@ async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, objec
         "batch_ms": {m: round(v * 1000, 1) for m, v in batch_times.items()},
         "answer_ms": {m: round(v * 1000, 1) for m, v in answer_times.items()},
         "inference_path": {**{m: "batcher" for m in batch_times}, **{m: "stepper" for m in answer_times}},
-        "slo_ms": rt.settings.slo_ms,
-        "timeout_ms": rt.settings.timeout_ms,  # set, or derived from the warm-up
+        # Each model's own SLO, default and longest timeout (set, or derived from its own warm-up or answer time)
+        "slo_ms": {m: d["slo_ms"] for m, d in deadlines.items()},
+        "timeout_ms": {m: d["timeout_ms"] for m, d in deadlines.items()},
+        "max_timeout_ms": {m: d["max_timeout_ms"] for m, d in deadlines.items()},
         "batch_ms_by_size": {
             m: {str(n): round(v * 1000, 1) for n, v in rt.batcher.batch_s.by_size(m).items()}
             for m in rt.batcher.batch_s.models()

@@ -73,8 +73,23 @@ class InternalHealth(Struct):
             description="per model id: measured batch time by (mean) batch size, one entry per power-of-two size bucket"
         ),
     ] = {}
-    slo_ms: Annotated[float, Meta(description="the SLO in force (set, or derived from the warm-up)")] = 0.0
-    timeout_ms: Annotated[float, Meta(description="the default deadline in force (set, or derived)")] = 0.0
+    slo_ms: Annotated[
+        PerModel,
+        Meta(
+            description="per model id: its own SLO in force, the p95 latency its answers are held to (--slo-ms when "
+            "set, else derived from its own warm-up batch time or stepper answer time, else the default)"
+        ),
+    ] = {}
+    timeout_ms: Annotated[
+        PerModel,
+        Meta(
+            description="per model id: the deadline of a request that names none (--timeout-ms when set, else "
+            "derived as its SLO is, else the default)"
+        ),
+    ] = {}
+    max_timeout_ms: Annotated[
+        PerModel, Meta(description="per model id: the longest timeout_ms a request may ask for (--max-timeout-ms)")
+    ] = {}
     gpu_timeout_ms: int | None = None
     arrivals_per_s: Annotated[float, Meta(ge=0, description="arrivals per second, as admission counts them")] = 0.0
     load_ratio: Annotated[

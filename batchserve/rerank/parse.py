@@ -27,14 +27,13 @@ class RerankRequest:
     top_n: int | None  # None: every document
     return_documents: bool
     model: str | None  # None: the first reranking model
-    timeout_s: float
+    timeout_s: float | None  # None: none named, the model's own default applies (`slo.Deadlines`)
     service_tier: str | None = None  # the priority it asks for (`Work.ask`)
 
 
 def parse(
     body: bytes,
     max_chars: int,
-    default_timeout_ms: float,
     max_timeout_ms: float,
     shape: Shape = V1,
 ) -> RerankRequest:
@@ -49,8 +48,8 @@ def parse(
     for name, text in [("query", req.query), *(("documents", d) for d in documents)]:
         if len(text) > max_chars:
             raise bad(name, f"a {name.rstrip('s')} is over the {max_chars}-character limit", "string_above_max_length")
-    timeout_ms = default_timeout_ms if req.timeout_ms is msgspec.UNSET else req.timeout_ms
-    if not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms):
+    timeout_ms = None if req.timeout_ms is msgspec.UNSET else req.timeout_ms
+    if timeout_ms is not None and (not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms)):
         raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
     return RerankRequest(
         query=req.query,
@@ -58,6 +57,6 @@ def parse(
         top_n=req.top_n,
         return_documents=isinstance(req, shapes.RerankRequest) and req.return_documents,
         model=req.model,
-        timeout_s=timeout_ms / 1000,
+        timeout_s=None if timeout_ms is None else timeout_ms / 1000,
         service_tier=req.service_tier,
     )

@@ -48,10 +48,10 @@ class Rerank:
 
 def parse_request(rt: RerankHost, call: Call, body: bytes, shape: Shape = V1) -> Rerank:
     s = rt.settings
-    req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms, shape)
+    req = parse(body, s.max_input_chars, s.max_timeout_ms, shape)
     model_id, backend = pick_model(rt, RERANKING, req.model, call.who.key_id)
     call.work.model = model_id
-    call.work.due_in(req.timeout_s)
+    call.work.due_in(rt.registry.deadlines[model_id].timeout_s if req.timeout_s is None else req.timeout_s)
     call.run_at(req.service_tier, "service_tier")
     pairs = [pair_input(req.query, doc) for doc in req.documents]
     return Rerank(req, pairs, backend)

@@ -340,8 +340,21 @@ def health_of(monkeypatch, **members):
     monkeypatch.setattr(plan, "_get", lambda url, timeout=10.0: json.dumps(health).encode())
 
 
-def test_measure_reads_the_servers_slo_and_timeout_unless_given(monkeypatch, capsys):
-    health_of(monkeypatch, slo_ms=1500.0, timeout_ms=6000.0)
+@pytest.mark.parametrize(
+    "figures",
+    [
+        # each model's own (issue 46 item 7): the measured model's, not the fast one's beside it
+        {
+            "slo_ms": {"m@v1": 1500.0, "fast@v1": 200.0},
+            "timeout_ms": {"m@v1": 6000.0, "fast@v1": 2000.0},
+            "batch_ms": {"m@v1": 300.0, "fast@v1": 5.0},
+        },
+        {"slo_ms": 1500.0, "timeout_ms": 6000.0},  # an older server's one figure
+    ],
+    ids=["per-model", "one-figure"],
+)
+def test_measure_reads_the_servers_slo_and_timeout_unless_given(monkeypatch, capsys, figures):
+    health_of(monkeypatch, **figures)
     args = ["plan", "--rate", "5", "--measure", "http://127.0.0.1:1", "--cpu-us-per-request", "100", "--sim-s", "10"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out

@@ -47,7 +47,7 @@ def test_deadlines_are_derived_from_the_stable_warm_up(server: LiveServer) -> No
     warmed = re.search(r"warmed smollm2@v1 on \S+: ([\d, ]+) ms", log_line(server, "warmed smollm2@v1"))
     assert warmed
     rounds = [float(x) for x in warmed.group(1).split(", ")]
-    line = log_line(server, "deadlines from the warm-up")
+    line = log_line(server, "deadlines of smollm2@v1 from the warm-up")
     derived = re.search(r"batch time (\d+) ms: slo_ms=(\d+) \(derived\) timeout_ms=(\d+) \(derived\)", line)
     assert derived, line
     batch_ms, slo_ms, timeout_ms = (float(x) for x in derived.groups())
@@ -56,7 +56,7 @@ def test_deadlines_are_derived_from_the_stable_warm_up(server: LiveServer) -> No
     assert slo_ms == pytest.approx(max(200, 3 * batch_ms), abs=2)
     assert timeout_ms == pytest.approx(min(60000, max(2000, 10 * batch_ms, slo_ms)), abs=5)
     h = health(server)
-    assert (h["slo_ms"], h["timeout_ms"]) == (slo_ms, timeout_ms)
+    assert (h["slo_ms"]["smollm2@v1"], h["timeout_ms"]["smollm2@v1"]) == (slo_ms, timeout_ms)
 
 
 def test_the_longest_answer_fits_the_default_timeout(server: LiveServer) -> None:

@@ -17,8 +17,9 @@ def test_the_sim_keeps_its_defaults(server_factory) -> None:
     server = server_factory()
     with server.client() as c:
         health = c.get("/internal/health").json()
-    assert (health["slo_ms"], health["timeout_ms"]) == (200.0, 2000.0)
-    assert "deadlines from the warm-up" not in server.log()
+    assert (health["slo_ms"], health["timeout_ms"]) == ({"sim@v1": 200.0}, {"sim@v1": 2000.0})
+    assert "deadlines of sim@v1: slo_ms=200 (default) timeout_ms=2000 (default)" in server.log()
+    assert "from the warm-up batch time" not in server.log()
 
 
 BATCH_MS = 2000  # long enough that a batch run to its end and one stopped early differ by seconds

@@ -69,7 +69,7 @@ def test_the_static_batch_backend_is_neither_loaded_nor_warmed(server: LiveServe
     # The deadlines left unset follow an answer's time on the stepper: (max_new_tokens + 2) warm-up steps.
     step = re.search(r"generation ready: .*, ([\d.]+) ms/step", log)
     derived = re.search(
-        r"deadlines from the stepper's answer time (\d+) ms: slo_ms=(\d+) \(derived\) "
+        rf"deadlines of {re.escape(model)} from the stepper's answer time (\d+) ms: slo_ms=(\d+) \(derived\) "
         r"timeout_ms=(\d+) \(derived\)",
         log,
     )
@@ -79,7 +79,7 @@ def test_the_static_batch_backend_is_neither_loaded_nor_warmed(server: LiveServe
     assert slo_ms == pytest.approx(max(200, 3 * answer_ms), abs=2)
     assert timeout_ms == pytest.approx(min(60000, max(2000, 10 * answer_ms, slo_ms)), abs=5)
     h = httpx.get(server.url + "/internal/health").json()
-    assert (h["slo_ms"], h["timeout_ms"]) == (slo_ms, timeout_ms)
+    assert (h["slo_ms"][model], h["timeout_ms"][model]) == (slo_ms, timeout_ms)
     r = infer(server, "Hi")  # the body names no timeout: the derived default must leave room for the answer
     assert r.status_code == 200 and r.json()["output"], r.text
 

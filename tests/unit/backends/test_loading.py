@@ -57,10 +57,11 @@ def test_a_model_answered_elsewhere_is_a_shell_never_set_up_warmed_or_run(plugin
     assert list(loaded.backends) == ["gen@v1", "sim@v1"]  # the models' order: the first is the default one
     assert loaded.backends["gen@v1"].output_kind == "text" and loaded.devices == ["cpu"]
     assert "gen@v1" not in loaded.batch_s and "sim@v1" in loaded.batch_s  # nothing measured of it
-    assert loaded.measured_s == 0.0  # the sim declares its batch time: no deadline was derived here
+    assert loaded.measured == {}  # the sim declares its batch time: no deadline is derived from it
 
 
 def test_without_elsewhere_the_same_model_loads_and_warms(plugins: type[Heavy]) -> None:
     loaded = load_models(settings())
     assert plugins.calls[:3] == ["built", "setup", "warm"] and "batch" in plugins.calls  # the answer check
-    assert loaded.measured_s == loaded.batch_s["gen@v1"] > 0
+    assert loaded.measured == {"gen@v1": loaded.batch_s["gen@v1"]}  # the sim's is declared, not measured
+    assert loaded.measured["gen@v1"] > 0
