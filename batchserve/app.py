@@ -21,6 +21,8 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from batchserve.backends.loading import LoadedModels
+from batchserve.classify import routes as classify_routes
+from batchserve.classify import shapes as classify_shapes
 from batchserve.config import Settings
 from batchserve.embeddings import routes as embeddings_routes
 from batchserve.embeddings import shapes as embeddings_shapes
@@ -55,6 +57,7 @@ WINGS = (
     (generation_routes.ROUTES, generation_shapes.OPERATIONS),
     (embeddings_routes.ROUTES, embeddings_shapes.OPERATIONS),
     (rerank_routes.ROUTES, rerank_shapes.OPERATIONS),
+    (classify_routes.ROUTES, classify_shapes.OPERATIONS),
     (tokenize_routes.ROUTES, tokenize_shapes.OPERATIONS),
     (kserve_routes.ROUTES, kserve_shapes.OPERATIONS),
     (usage.ROUTES, usage.OPERATIONS),

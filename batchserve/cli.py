@@ -43,7 +43,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="[NAME=]PATH",
         help="serve a Hugging Face model folder, or a hub id from the local cache (offline), by "
-        "task: embeddings, generation or reranking, read from the folder (--task overrides); "
+        "task: embeddings, generation, reranking or classification, read from the folder (--task overrides); "
         "repeatable; the first is the default model unless --backend is given "
         f"(docs/backends.md) [env {MODEL_ENV}, comma-separated]",
     )

@@ -38,7 +38,7 @@ class ModelSpec:
     weight: float = 100.0  # share of its name's traffic among versions (canary split)
     options: dict[str, Any] = field(default_factory=dict)  # [models.options]: keyword arguments of the plugin
     path: str = ""  # backend "hf": a Hugging Face model folder, or a hub id in the local cache (--model)
-    task: str = ""  # backend "hf": embeddings, generation or reranking; "" = read from the folder (--task)
+    task: str = ""  # backend "hf": embeddings, generation, reranking or classification; "" = read from the folder
 
     @property
     def id(self) -> str:
@@ -87,8 +87,8 @@ class Settings:
         "auto",
         "what the --model folders serve: auto = read from each folder (sentence-transformers' "
         "modules.json -> embeddings, *ForCausalLM -> generation, *ForSequenceClassification "
-        "with one label -> reranking)",
-        ("auto", "embeddings", "generation", "reranking"),
+        "with one label -> reranking, with more -> classification)",
+        ("auto", "embeddings", "generation", "reranking", "classification"),
     )
     devices: int = knob(0, "worker devices: sim devices, or CUDA devices to use (0 = all GPUs, or 1 CPU)")
     processes: int = knob(

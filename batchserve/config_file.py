@@ -12,7 +12,7 @@ threshold = 0.5
 [[models]]             # a Hugging Face model folder (or a hub id in the local cache): backend "hf"
 name = "bge"
 path = "/models/bge-small-en-v1.5"
-task = "embeddings"    # optional: read from the folder (embeddings, generation, reranking)
+task = "embeddings"    # optional: read from the folder (embeddings, generation, reranking, classification)
 [tiers.free]           # also paid, enterprise: requests per second and burst per key
 rate = 10
 burst = 20
@@ -185,7 +185,8 @@ def sha256_hex(value: Any) -> str | None:
     return None if isinstance(value, str) and HEX64.match(value) else "expected 64 lowercase hex digits"
 
 
-FOLDER_TASKS = ("embeddings", "generation", "reranking")  # backends/folder.py's TASKS (config stays below backends)
+# backends/folder.py's TASKS (config stays below backends)
+FOLDER_TASKS = ("embeddings", "generation", "reranking", "classification")
 TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
 MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
 TIER_KEYS = {"rate": positive, "burst": positive}

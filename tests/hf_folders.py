@@ -1,6 +1,7 @@
 """Tiny Hugging Face model folders the tests build themselves (random weights, `save_pretrained`): a BERT-style
-sentence-transformers embedder, a BERT cross-encoder (one label) and a Llama-style causal LM with a chat
-template. Hidden size 32, 2 layers: built and loaded in well under a second each."""
+sentence-transformers embedder, a BERT cross-encoder (one label), a BERT sequence classifier (several labels,
+single- or multi-label) and a Llama-style causal LM with a chat template. Hidden size 32, 2 layers: built and
+loaded in well under a second each."""
 
 from __future__ import annotations
 
@@ -95,6 +96,27 @@ def cross_encoder(folder: Path) -> Path:
     torch.manual_seed(1)
     tokenizer = wordpiece_tokenizer()
     BertForSequenceClassification(bert_config(tokenizer, num_labels=1)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def classifier(folder: Path, labels: tuple[str, ...] = ("negative", "neutral", "positive"), multi_label=False) -> Path:
+    """A BERT sequence classifier built from its config (`from_config`, random weights) with these `id2label`
+    names; `multi_label`: `problem_type: multi_label_classification` (scored with sigmoid, not softmax). Saved
+    with its tokenizer."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(3)
+    tokenizer = wordpiece_tokenizer()
+    config = bert_config(
+        tokenizer,
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+        problem_type="multi_label_classification" if multi_label else "single_label_classification",
+        initializer_range=0.5,  # logits far enough apart that the scores differ visibly
+    )
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -1,5 +1,6 @@
 """A Hugging Face model folder (or a hub id in the local cache), read without loading it: what task it serves
-(embeddings, generation, reranking) and how (`--model [name=]PATH`, `[[models]] path = ...`; docs/backends.md,
+(embeddings, generation, reranking,
+classification) and how (`--model [name=]PATH`, `[[models]] path = ...`; docs/backends.md,
 "Any model from a folder").
 
 Read from the folder's own files, as sentence-transformers and transformers would:
@@ -7,7 +8,8 @@ Read from the folder's own files, as sentence-transformers and transformers woul
   normalised as its `*_Pooling/config.json` and a Normalize module say, up to `max_seq_length` tokens;
 - `config.json` whose `architectures` has a `*ForCausalLM` -> generation, on the generation engine's slot stepper
   (decoder-only models of the Llama family only: `GENERATION_TYPES`);
-- `*ForSequenceClassification` with one label -> reranking (a cross-encoder: one score per (query, document)).
+- `*ForSequenceClassification` with one label -> reranking (a cross-encoder: one score per (query, document));
+  with more -> classification (a label's score each, softmax or sigmoid as transformers' pipeline applies them).
 `--task` overrides the guess. Everything that cannot be served is a `FolderError`: one line, said before the port
 opens (the CLI exits 2), never a stack trace from transformers minutes later.
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TASKS = ("embeddings", "generation", "reranking")
+TASKS = ("embeddings", "generation", "reranking", "classification")
 # model_type of the causal LMs the slot stepper runs (the Llama family's attention and cache interface); others
 # are refused at start with this list in the message
 GENERATION_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -56,7 +58,8 @@ class FolderModel:
     max_tokens: int  # tokens per input after truncation (max_seq_length for an embedder, the model's for others)
     pooling: Pooling = field(default_factory=Pooling)  # embeddings only
     lower_case: bool = False  # embeddings: sentence-transformers' do_lower_case (the text is lowered first)
-    activation: str = "sigmoid"  # reranking: applied to the one logit (CrossEncoder's default for one label)
+    activation: str = "sigmoid"  # reranking: applied to the one logit (CrossEncoder's default for one label);
+    # classification: softmax, sigmoid or identity over the logits (`classifier_activation`)
     config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -171,11 +174,11 @@ def guess_task(folder: Path, architecture: str, config: dict[str, Any]) -> str:
     if architecture.endswith("ForCausalLM"):
         return "generation"
     if architecture.endswith("ForSequenceClassification"):
-        return "reranking"
+        return "reranking" if labels(config) == 1 else "classification"
     raise FolderError(
         f"{folder}: cannot tell what to serve: architecture {architecture or 'unknown'!r} "
         f"(embeddings need sentence-transformers' modules.json, generation a *ForCausalLM, "
-        f"reranking a *ForSequenceClassification with one label); say it with --task"
+        f"reranking a *ForSequenceClassification with one label, classification one with more); say it with --task"
     )
 
 
@@ -189,6 +192,17 @@ def reranker_activation(config: dict[str, Any]) -> str:
     """The activation CrossEncoder applies to the one logit: what it saved in config.json, else sigmoid."""
     saved = str((config.get("sentence_transformers") or {}).get("activation_fn") or "")
     return "identity" if saved.endswith("Identity") else "sigmoid"
+
+
+def classifier_activation(config: dict[str, Any]) -> str:
+    """What transformers' text-classification pipeline applies to a classifier's logits by default: none for
+    regression, sigmoid for multi-label (or one label), else softmax."""
+    problem = config.get("problem_type")
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification" or labels(config) == 1:
+        return "sigmoid"
+    return "softmax"
 
 
 def inspect_folder(name: str, task: str = "") -> FolderModel:
@@ -231,6 +245,20 @@ def inspect_folder(name: str, task: str = "") -> FolderModel:
             model_type,
             min(positions, tokenizer_max_length(folder) or positions),
             activation=reranker_activation(config),
+            config=config,
+        )
+    if task == "classification":
+        if not architecture.endswith("ForSequenceClassification"):
+            raise FolderError(
+                f"{folder}: classification needs a *ForSequenceClassification, not {architecture or 'unknown'}"
+            )
+        return FolderModel(
+            folder,
+            task,
+            architecture,
+            model_type,
+            min(positions, tokenizer_max_length(folder) or positions),
+            activation=classifier_activation(config),
             config=config,
         )
     if not architecture.endswith("ForCausalLM") or model_type not in GENERATION_TYPES:

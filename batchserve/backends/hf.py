@@ -8,6 +8,10 @@ from a folder"). The backend name is `hf`; `folder.inspect_folder` reads the fol
   one (query, document) pair, written `pair_input(query, document)` (a JSON array of the two strings) by
   /v1/rerank (`batchserve/rerank/`), answered with its score (sigmoid of the logit, as CrossEncoder.predict);
   an input that is no pair (`/v1/inference`) is scored as one text alone;
+- classification -> `FolderClassifier`: the same model class with more labels, the same pairs and tokens
+  (`SequenceModel`); each input a text or a pair (/v1/classify, /predict: `batchserve/classify/`), answered with
+  every class's `{label, score, logit}` in label order (the scores as transformers' text-classification pipeline
+  gives them: softmax, or sigmoid for a multi-label folder);
 - generation -> the smollm2 backend's code on the folder's weights (`SmolLM2Backend.from_source`): the generation
   engine loads the same folder (`generation_folder`) for /v1/chat/completions and /v1/completions, and its slot
   stepper answers /v1/inference by default.
@@ -317,28 +321,45 @@ class FolderEmbedder(TokenModel):
 
 
 @dataclass
-class FolderReranker(TokenModel):
-    """A cross-encoder from its folder: each input a (query, document) pair (`pair_input`), its output the
-    score CrossEncoder.predict gives (the logit through the saved activation: sigmoid by default)."""
+class SequenceModel(TokenModel):
+    """What cross-encoders and classifiers share (`AutoModelForSequenceClassification`): each input one text or
+    a (first, second) pair spelled by `pair_input`, tokenized as the tokenizer's pair (`[CLS] a [SEP] b [SEP]`),
+    each side cut alone; logits out."""
 
     output_kind: str = "json"
 
+    def sides(self, text: str) -> tuple[str, str] | str:
+        """The (query, document) an input spells (`pair_input`), or the text itself when it is no pair."""
+        pair = read_pair(text)
+        return pair if pair is not None else text
+
     def encode_many(self, texts: list[str]) -> list[Any]:
-        """Each input as the pair it spells (`pair_input`), or, when it is no pair (a /v1/inference input, the
+        """Each input as the pair it spells (`sides`), or, when it is no pair (a /v1/inference input, the
         warm-up check), as one text alone; each side cut to `max_chars`."""
         inputs: list[Any] = []
         for text in texts:
-            pair = read_pair(text)
-            inputs.append((self.cut(pair[0]), self.cut(pair[1])) if pair is not None else self.cut(text))
+            seq = self.sides(text)
+            inputs.append(self.cut(seq) if isinstance(seq, str) else (self.cut(seq[0]), self.cut(seq[1])))
         return self.tokenizer.encode_batch(inputs)
 
     def whole(self, text: str, encoding: Any) -> bool:
         """A pair's sides are cut alone, so each long side is checked on its own encoding (tokenizer_guard)."""
-        pair = read_pair(text)
-        if pair is None:
-            return super().whole(text, encoding)
-        long = [self.cut(side) for side in pair if len(side) > self.max_chars]
+        seq = self.sides(text)
+        if isinstance(seq, str):
+            return super().whole(seq, encoding)
+        long = [self.cut(side) for side in seq if len(side) > self.max_chars]
         return not long or all(safe_cut(e) for e in self.tokenizer.encode_batch(long))
+
+    def load(self, device: str, dtype: Any) -> Any:
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification.from_pretrained(str(self.info.path), dtype=dtype)
+
+
+@dataclass
+class FolderReranker(SequenceModel):
+    """A cross-encoder from its folder: each input a (query, document) pair (`pair_input`), its output the
+    score CrossEncoder.predict gives (the logit through the saved activation: sigmoid by default)."""
 
     def warm_inputs(self) -> list[str]:
         return [pair_input("what is a vector?", t) for t in WARM_TEXTS]
@@ -348,11 +369,6 @@ class FolderReranker(TokenModel):
         texts = onnx_runtime.PROBE_TEXTS
         return [pair_input(q, texts[(i * 7 + k) % len(texts)]) for i, q in enumerate(texts) for k in (0, 3)]
 
-    def load(self, device: str, dtype: Any) -> Any:
-        from transformers import AutoModelForSequenceClassification
-
-        return AutoModelForSequenceClassification.from_pretrained(str(self.info.path), dtype=dtype)
-
     def batch(self, inputs: list[str], device: str) -> list[float]:
         return self.forward(inputs, device, self.score)
 
@@ -361,6 +377,60 @@ class FolderReranker(TokenModel):
         if self.info.activation == "sigmoid":
             logits = logits.sigmoid()
         return [v if math.isfinite(v) else 0.0 for v in logits.cpu().tolist()]
+
+
+def single_input(text: str) -> str:
+    """One classifier input of one text: the text itself, or, when it could read as a pair (`read_pair`), the
+    JSON array of that one string (`FolderClassifier.sides` reads it back)."""
+    return orjson.dumps([text]).decode() if text.startswith("[") else text
+
+
+def class_labels(config: dict[str, Any], count: int) -> list[str]:
+    """A classifier's class names in logit order: its `id2label` (config.json keys the indices as strings),
+    else transformers' own `LABEL_i`."""
+    names = config.get("id2label") or {}
+    return [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count)]
+
+
+def finite(values: list[float]) -> list[float]:
+    return [v if math.isfinite(v) else 0.0 for v in values]
+
+
+@dataclass
+class FolderClassifier(SequenceModel):
+    """A sequence classifier from its folder (`*ForSequenceClassification` with its `id2label`), for
+    /v1/classify and /predict: each input a text (`single_input`) or a pair (`pair_input`), its output every
+    class's `{label, score, logit}` in the model's label order, the score the logit through what transformers'
+    text-classification pipeline applies (`folder.classifier_activation`: softmax, sigmoid for multi-label,
+    none for regression)."""
+
+    def sides(self, text: str) -> tuple[str, str] | str:
+        """As a cross-encoder's, and a JSON array of one string (`single_input`) is that string alone."""
+        if text.startswith("["):
+            try:
+                one = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                return text
+            if isinstance(one, list) and len(one) == 1 and isinstance(one[0], str):
+                return one[0]
+        return super().sides(text)
+
+    def batch(self, inputs: list[str], device: str) -> list[list[dict[str, Any]]]:
+        return self.forward(inputs, device, self.classify)
+
+    def classify(self, outputs: Any, attention: Any, lengths: list[int]) -> list[list[dict[str, Any]]]:
+        logits = outputs.logits.float()
+        if self.info.activation == "softmax":
+            scores = logits.softmax(-1)
+        elif self.info.activation == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits
+        names = class_labels(self.info.config, logits.shape[-1])
+        return [
+            [{"label": name, "score": s, "logit": x} for name, s, x in zip(names, finite(row), finite(raw))]
+            for row, raw in zip(scores.cpu().tolist(), logits.cpu().tolist())
+        ]
 
 
 def model_of(spec: ModelSpec) -> FolderModel:
@@ -378,12 +448,14 @@ class HFModel:
         info = model_of(spec)
         options = {"threads": settings.torch_threads, **spec.options}
         devices = pick_devices(settings.devices)
-        if info.task in ("embeddings", "reranking") and settings.runtime == "onnx":
+        if info.task in ("embeddings", "reranking") and settings.runtime == "onnx":  # a classifier: torch
             options["onnx"] = onnx_runtime.plan_of(settings, devices)
         if info.task == "embeddings":
             return FolderEmbedder(info, devices, **options)
         if info.task == "reranking":
             return FolderReranker(info, devices, **options)
+        if info.task == "classification":
+            return FolderClassifier(info, devices, **options)
         from batchserve.backends.smollm2 import SmolLM2Backend
 
         return SmolLM2Backend.from_source(str(info.path), settings)

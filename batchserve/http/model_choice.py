@@ -1,7 +1,7 @@
-"""Which model answers a request for work only some models do (embeddings, reranking): the one it names, or the
-first served that does that work; refused in OpenAI's words (`param: model`) when it names none that does. One
-function for `/v1/embeddings`, `/v1/rerank` and the OpenAI batches of embeddings lines, so a batch line lands on
-the model its online route would pick."""
+"""Which model answers a request for work only some models do (embeddings, reranking, classification): the one it
+names, or the first served that does that work; refused in OpenAI's words (`param: model`) when it names none that
+does. One function for `/v1/embeddings`, `/v1/rerank`, `/v1/classify` and `/predict`, and the OpenAI batches of
+embeddings lines, so a batch line lands on the model its online route would pick."""
 
 from __future__ import annotations
 
@@ -83,4 +83,13 @@ RERANKING = Task(
     none_served="no model serves reranking here (serve a cross-encoder folder with --model; see GET /v1/models)",
     not_this=lambda model_id, backend: f"the model '{model_id}' does not rerank (a cross-encoder folder does)",
     reason="model_not_reranker",
+)
+CLASSIFICATION = Task(
+    does=lambda spec, backend: spec.task == "classification",
+    none_served="no model serves classification here (serve a sequence-classification folder with --model; see "
+    "GET /v1/models)",
+    not_this=lambda model_id, backend: (
+        f"the model '{model_id}' does not classify (a sequence-classification folder with its labels does)"
+    ),
+    reason="model_not_classifier",
 )

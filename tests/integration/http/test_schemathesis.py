@@ -1,6 +1,7 @@
 """A property-based run of the API against its own `/openapi.json` (issue 35): schemathesis generates requests
 from the document's declared shapes for every operation and checks each answer: no 5xx, a documented status, a
-body of the documented shape. A real server (sim backend, plugins that embed and rerank so those routes answer too),
+body of the documented shape. A real server (sim backend, plugins that embed, rerank and classify so those routes answer
+too),
 a few examples per operation, a fixed derandomized generation: a bounded, repeatable run (well under a minute)."""
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ class Rerank:
 
     def batch(self, inputs):
         return [1.0 / (1 + len(text)) for text in inputs]
+
+
+class Classify:
+    """Two classes' {label, score, logit} per input: so /v1/classify and /predict have a model."""
+
+    output_kind = "json"
+    max_batch_size = 8
+
+    def batch(self, inputs):
+        long = {"label": "long", "score": 0.5, "logit": 1.0}
+        return [[{"label": "short", "score": 1.0 / (1 + len(t)), "logit": 0.0}, long] for t in inputs]
 '''
 
 # Swagger UI's static files (megabytes of JavaScript, no JSON shape) are left out; everything else is run.
@@ -72,7 +84,8 @@ def server(tmp_path_factory) -> LiveServer:
     config.write_text(
         '[[models]]\nname = "sim"\nbackend = "sim"\nsim_batch_ms = 2\n\n'
         '[[models]]\nname = "embed"\nbackend = "schemaplug:Embed"\n\n'
-        '[[models]]\nname = "rr"\nbackend = "schemaplug:Rerank"\ntask = "reranking"\n'
+        '[[models]]\nname = "rr"\nbackend = "schemaplug:Rerank"\ntask = "reranking"\n\n'
+        '[[models]]\nname = "clf"\nbackend = "schemaplug:Classify"\ntask = "classification"\n'
     )
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
     jobs_db = str(folder / "jobs.db")  # its generated batches and files, not ./batchserve-jobs.db

@@ -137,8 +137,9 @@ def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
             "tokenizer.json": {},
         },
     )
+    assert (inspect_folder(str(three)).task, inspect_folder(str(three)).activation) == ("classification", "softmax")
     with pytest.raises(FolderError, match="one label"):
-        inspect_folder(str(three))
+        inspect_folder(str(three), "reranking")
     gpt2 = write(
         tmp_path / "gpt2",
         {"config.json": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "tokenizer.json": {}},
@@ -153,6 +154,32 @@ def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
     )
     with pytest.raises(FolderError, match="llama, mistral, qwen2, qwen3"):
         inspect_folder(str(falcon))
+
+
+def test_a_classifier_takes_the_pipelines_activation(tmp_path: Path) -> None:
+    """More than one label is classification, scored as transformers' text-classification pipeline scores it:
+    softmax, sigmoid for a multi-label folder, the logits for regression; a head of one label stays a reranker
+    unless --task says classification (then sigmoid, as the pipeline)."""
+
+    def folder(name: str, **config: object) -> str:
+        body = {"architectures": ["BertForSequenceClassification"], "model_type": "bert", **config}
+        return str(write(tmp_path / name, {"config.json": body, "tokenizer.json": {}}))
+
+    labels = {"0": "neg", "1": "neu", "2": "pos"}
+    assert inspect_folder(folder("nli", id2label=labels)).activation == "softmax"
+    multi = folder("multi", id2label=labels, problem_type="multi_label_classification")
+    assert (inspect_folder(multi).task, inspect_folder(multi).activation) == ("classification", "sigmoid")
+    regression = folder("reg", num_labels=2, problem_type="regression")
+    assert inspect_folder(regression).activation == "identity"
+    one = folder("one", id2label={"0": "LABEL_0"})
+    assert inspect_folder(one).task == "reranking"
+    assert (inspect_folder(one, "classification").task, inspect_folder(one, "classification").activation) == (
+        "classification",
+        "sigmoid",
+    )
+    encoder = write(tmp_path / "enc", {"config.json": {"architectures": ["BertModel"]}, "tokenizer.json": {}})
+    with pytest.raises(FolderError, match="classification needs a \\*ForSequenceClassification"):
+        inspect_folder(str(encoder), "classification")
 
 
 def test_names_the_cli_and_one_generation_model(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from batchserve.config import ModelSpec
 from batchserve.errors import ApiError
-from batchserve.http.model_choice import EMBEDDING, RERANKING, Task, pick_model
+from batchserve.http.model_choice import CLASSIFICATION, EMBEDDING, RERANKING, Task, pick_model
 from batchserve.models import ModelRegistry
 
 
@@ -32,6 +32,7 @@ def rt(*specs: tuple[ModelSpec, str | None]) -> Rt:
 
 ECHO, EMBED, EMBED2 = ModelSpec("echo", backend="sim"), ModelSpec("embed"), ModelSpec("embed2")
 RR = ModelSpec("rr", task="reranking")
+CLF = ModelSpec("clf", task="classification")
 
 
 @pytest.mark.parametrize(
@@ -42,10 +43,11 @@ RR = ModelSpec("rr", task="reranking")
         (EMBEDDING, "embed2@v1", "embed2@v1"),
         (RERANKING, None, "rr@v1"),
         (RERANKING, "rr", "rr@v1"),
+        (CLASSIFICATION, None, "clf@v1"),
     ],
 )
 def test_the_named_model_or_the_first_that_does_the_work(task: Task, requested: str | None, want: str):
-    runtime = rt((ECHO, "json"), (EMBED, "embedding"), (EMBED2, "embedding"), (RR, "json"))
+    runtime = rt((ECHO, "json"), (EMBED, "embedding"), (EMBED2, "embedding"), (RR, "json"), (CLF, "json"))
     model_id, backend = pick_model(runtime, task, requested, "key")
     assert model_id == want and backend is runtime.backends[want]
 
@@ -75,6 +77,9 @@ def test_the_named_model_or_the_first_that_does_the_work(task: Task, requested: 
             "the model 'echo@v1' does not produce embeddings (its outputs are json)",
         ),
         (RERANKING, [(ECHO, "json"), (RR, "json")], "echo", 400, "model_not_reranker", "'echo@v1' does not rerank"),
+        (CLASSIFICATION, [(RR, "json")], None, 404, "model_not_found", "no model serves classification"),
+        (CLASSIFICATION, [(RR, "json"), (CLF, "json")], "rr", 400, "model_not_classifier", "'rr@v1' does not classify"),
+        (RERANKING, [(CLF, "json")], None, 404, "model_not_found", "no model serves reranking"),
         (EMBEDDING, [(EMBED, None)], "embed", 503, None, "warming up"),
         (RERANKING, [(RR, None)], "rr", 503, None, "warming up"),
     ],

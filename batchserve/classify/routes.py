@@ -1,0 +1,96 @@
+"""`POST /v1/classify` and `/classify` (vLLM's shape) and `POST /predict` (TEI's shape) on the one request path
+(`http/endpoint.py`), as `/v1/embeddings` and `/v1/rerank`: parse the body (`parse.py`, by the route's shape) and
+pick a classification model → (the skeleton takes one rate-limit token per input) → each text or pair through
+the door as one input (`InferenceService.infer_many`: one admission for the request, each input its own item,
+costed by its tokens on the fair queue and counted on the ledger like every other), so the inputs of concurrent
+callers share batches → the answer (`render.py`, by the route's shape). Errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+from starlette.routing import Route
+
+from batchserve.backends import Backend
+from batchserve.backends.hf import pair_input, single_input
+from batchserve.classify.parse import Classify, parse_classify, parse_predict
+from batchserve.classify.render import answer, answer_predict
+from batchserve.config import Settings
+from batchserve.core.fairqueue import ItemResult
+from batchserve.core.service import InferenceService
+from batchserve.http.dialects import OPENAI
+from batchserve.http.endpoint import Answer, Call, Endpoint
+from batchserve.http.guards import Guard
+from batchserve.http.model_choice import CLASSIFICATION, pick_model
+from batchserve.models import ModelRegistry
+
+
+Parse = Callable[[bytes, int, float, float], Classify]
+
+
+class ClassifyHost(Protocol):
+    """What the classify routes read from `app.state.rt` (the runtime, which app.py wires)."""
+
+    settings: Settings
+    guard: Guard
+    registry: ModelRegistry
+    service: InferenceService
+    backends: dict[str, Backend]
+
+
+@dataclass(slots=True)
+class Job:
+    """A parsed request, its inputs as the door takes them and the model version that classifies them."""
+
+    req: Classify
+    inputs: list[str]
+    backend: Backend
+
+
+def parse_request(rt: ClassifyHost, call: Call, body: bytes, parse: Parse = parse_classify) -> Job:
+    """`parse`: the route's body shape, vLLM's (`/v1/classify`, the default) or TEI's (`/predict`)."""
+    s = rt.settings
+    req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
+    model_id, backend = pick_model(rt, CLASSIFICATION, req.model, call.who.key_id)
+    call.work.model = model_id
+    call.work.due_in(req.timeout_s)
+    call.run_at(req.service_tier, "service_tier")
+    inputs = [single_input(seq) if isinstance(seq, str) else pair_input(*seq) for seq in req.sequences]
+    return Job(req, inputs, backend)
+
+
+async def classify(rt: ClassifyHost, call: Call, job: Job) -> tuple[list[ItemResult], int]:
+    """Each input its own item, admitted together; the tokens from the inputs' kept encodings."""
+    results = await rt.service.infer_many(call.work, job.inputs)
+    try:
+        tokens = sum(job.backend.count_tokens(job.inputs) or ())
+    except Exception:  # noqa: BLE001 - usage is not worth failing the answer
+        tokens = 0
+    return results, tokens
+
+
+def render(rt: ClassifyHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:
+    results, tokens = done
+    return Answer(answer([r.output for r in results], call.work.model, tokens))
+
+
+def render_predict(rt: ClassifyHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:
+    results, _ = done
+    return Answer(answer_predict([r.output for r in results], job.req.raw_scores, job.req.batch))
+
+
+classify_endpoint: Endpoint[ClassifyHost, Job, tuple[list[ItemResult], int]] = Endpoint(
+    OPENAI, parse_request, classify, render, tokens=lambda job: len(job.inputs)
+)
+predict_endpoint: Endpoint[ClassifyHost, Job, tuple[list[ItemResult], int]] = Endpoint(
+    OPENAI, partial(parse_request, parse=parse_predict), classify, render_predict, tokens=lambda job: len(job.inputs)
+)
+
+ROUTES = [
+    Route("/v1/classify", classify_endpoint, methods=["POST"]),
+    Route("/classify", classify_endpoint, methods=["POST"]),
+    Route("/predict", predict_endpoint, methods=["POST"]),
+]
