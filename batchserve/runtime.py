@@ -355,6 +355,7 @@ class Runtime:
         the batcher, admission and the SLO ledger read it from the shared `registry.deadlines`; a costed model's
         batches are fitted within half of its own SLO with its slack (`BatchBudget.fit_budget`)."""
         half_slack = self.settings.admission_slack / 2
+        self.batcher.deadlines_changed()
         self.batcher.costs.latency_fits = {m: d.slo_s * half_slack for m, d in self.registry.deadlines.items()}
 
     async def _tick(self) -> None:

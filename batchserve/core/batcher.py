@@ -155,8 +155,13 @@ class Batcher:
         shares = self.shares.get(key[0])
         if shares is None:
             shares = self.shares[key[0]] = Shares()
-        q = self.queues[key] = FairQueue(shares)
+        q = self.queues[key] = FairQueue(shares, aging=tiers.aging_for(self.slo_of(key[0])))
         return q
+
+    def deadlines_changed(self) -> None:
+        """A model's SLO was derived (`Runtime.derive_deadlines`): its queues' head starts follow it."""
+        for (model, _), q in self.queues.items():
+            q.aging = tiers.aging_for(self.slo_of(model))
 
     def total_depth(self) -> int:
         return sum(self.depth.values())

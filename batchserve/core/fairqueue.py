@@ -1,9 +1,9 @@
 """One model's waiting items, ordered by tier with aging, and shared between the tenants of a tier by cost.
 
 `Item` (one caller's input and the future that carries its answer) lives here, with the queue that holds it.
-A batch is filled by repeatedly taking the lane head with the smallest `arrived + tiers.AGING_S[tier]`:
-a higher tier goes first, but an item of a lower tier that has waited longer than the gap between the two
-tiers' offsets overtakes, so no tier waits forever.
+A batch is filled by repeatedly taking the lane head with the smallest `arrived + aging[tier]` (each tier's head
+start on this model, `tiers.aging_for` its SLO): a higher tier goes first, but an item of a lower tier that has
+waited longer than the gap between the two tiers' offsets overtakes, so no tier waits forever.
 
 Inside a tier, backlogged tenants receive equal shares of COST served, not one item a turn (issue 33, item 2):
 a virtual-token counter per (tier, tenant) of the model (`Shares`, shared by the model's length-class queues)
@@ -294,6 +294,7 @@ class FairQueue:
     ready: dict[int, list[Entry]] = field(default_factory=dict)  # per tier: lazy heap of lanes, least counter first
     size: int = 0
     cost_sum: float = 0.0  # the queued items' costs: a batch formed now is estimated from their mean
+    aging: tuple[float, ...] = AGING_S  # each tier's head start in seconds, by rank (`tiers.aging_for` the SLO)
     _order: itertools.count = field(default_factory=itertools.count)
 
     def mean_cost(self) -> float:
@@ -368,13 +369,14 @@ class FairQueue:
         it has items), then the best aged head."""
         best: Lane | None = None
         best_key = float("inf")
+        aging = self.aging
         for tier, heap in self.ready.items():
             if stick and tier in stick:  # only that tenant's lane, even when it is empty
                 lane = self.lanes.get((tier, stick[tier]))
             else:
                 lane = self._least_served(tier, heap)
             if lane is not None and lane.items:
-                key = lane.items[0].arrived + AGING_S[tier]
+                key = lane.items[0].arrived + aging[tier]
                 if key < best_key:
                     best, best_key = lane, key
         return best

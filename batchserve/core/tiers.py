@@ -1,8 +1,14 @@
 """The priority tiers, in one table every module reads (docs/contract.md#tiers-and-tenants).
 
-A tier is a caller's class of service: a higher tier is taken first into a batch (`aging_s`: the head start
-a lower tier needs before it overtakes), is shed last under pressure (`shed`: a factor of `slo x slack`), and
-gets a larger default rate limit per key (`rate`, `burst`). Adding a tier is one line here.
+A tier is a caller's class of service: a higher tier is taken first into a batch (`head_start`: the waiting a
+lower tier needs before it overtakes, in the model's SLOs), is shed last under pressure (`shed`: a factor of
+`slo x slack`), and gets a larger default rate limit per key (`rate`, `burst`). Adding a tier is one line here.
+
+Head starts count in the model's SLO, not in seconds: a model's queue waits scale with its SLO (admission lets
+them reach `slo x slack x shed`), so a fixed 0.1 s lead of a higher tier was most of it for a 200 ms model and
+next to nothing for a 1 s one (its priority requests waited 0.86x the default's, issue 49). A `paid` input
+overtakes once it has waited one SLO, about when admission's bound says it would start to miss: before that the
+higher tier goes first. Batch-job work keeps a fixed 30 s: it fills spare capacity whatever the model.
 """
 
 from __future__ import annotations
@@ -17,22 +23,34 @@ class Tier:
     rate: float  # default requests per second per key
     burst: float  # default bucket size per key
     shed: float  # under pressure, refuse past slo x slack x this
-    aging_s: float  # seconds of waiting an item of this tier needs to overtake a fresh item of rank 0
+    head_start: float  # waiting an item of this tier needs to overtake a fresh item of rank 0, in SLOs
     interactive: bool = True  # False for work that only fills spare places (batch jobs)
+    fixed_s: float | None = None  # a head start in seconds instead, whatever the SLO (the batch tier)
+
+    def aging_s(self, slo_s: float) -> float:
+        """The head start in seconds on a model of this SLO."""
+        return self.fixed_s if self.fixed_s is not None else self.head_start * slo_s
 
 
 TIERS: tuple[Tier, ...] = (
-    Tier("enterprise", 0, rate=1000.0, burst=2000.0, shed=1.2, aging_s=0.0),
-    Tier("paid", 1, rate=100.0, burst=200.0, shed=1.0, aging_s=0.1),
-    Tier("free", 2, rate=10.0, burst=20.0, shed=0.8, aging_s=0.5),
-    Tier("batch", 3, rate=10.0, burst=20.0, shed=0.8, aging_s=30.0, interactive=False),
+    Tier("enterprise", 0, rate=1000.0, burst=2000.0, shed=1.2, head_start=0.0),
+    Tier("paid", 1, rate=100.0, burst=200.0, shed=1.0, head_start=1.0),
+    Tier("free", 2, rate=10.0, burst=20.0, shed=0.8, head_start=2.5),
+    Tier("batch", 3, rate=10.0, burst=20.0, shed=0.8, head_start=0.0, interactive=False, fixed_s=30.0),
 )
 
 NAMES: tuple[str, ...] = tuple(t.name for t in TIERS)
 BY_NAME: dict[str, Tier] = {t.name: t for t in TIERS}
 CALLER_NAMES: tuple[str, ...] = tuple(t.name for t in TIERS if t.interactive)  # tiers an API key may have
 BATCH: Tier = BY_NAME["batch"]
-AGING_S: tuple[float, ...] = tuple(t.aging_s for t in TIERS)  # by rank, for the fair queue's hot loop
+
+
+def aging_for(slo_s: float) -> tuple[float, ...]:
+    """Each tier's head start in seconds on a model of this SLO, by rank (the fair queue's hot loop reads it)."""
+    return tuple(t.aging_s(slo_s) for t in TIERS)
+
+
+AGING_S: tuple[float, ...] = aging_for(0.2)  # a queue's until its model's SLO is known (the default SLO's)
 SHED: tuple[float, ...] = tuple(t.shed for t in TIERS)
 
 

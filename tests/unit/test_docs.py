@@ -404,14 +404,20 @@ def test_the_contract_states_the_tier_table_the_code_has():
     from batchserve.core.tiers import TIERS
 
     rows = re.findall(
-        r"^\| `(\w+)`[^|]* \| ([\d.]+), ([\d.]+) \| ([\d.]+) × slo × slack \| (—|[\d.]+ s) \|$",
+        r"^\| `(\w+)`[^|]* \| ([\d.]+), ([\d.]+) \| ([\d.]+) × slo × slack \| (—|[\d.]+ × slo|[\d.]+ s) \|$",
         contract_section("Tiers and tenants"),
         re.M,
     )
-    assert [
-        (name, float(rate), float(burst), float(shed), 0.0 if aging == "—" else float(aging[:-2]))
-        for name, rate, burst, shed, aging in rows
-    ] == [(t.name, t.rate, t.burst, t.shed, t.aging_s) for t in TIERS]
+    assert [(name, float(rate), float(burst), float(shed), aging) for name, rate, burst, shed, aging in rows] == [
+        (
+            t.name,
+            t.rate,
+            t.burst,
+            t.shed,
+            f"{t.fixed_s:g} s" if t.fixed_s else f"{t.head_start:g} × slo" if t.head_start else "—",
+        )
+        for t in TIERS
+    ]
 
 
 def tree_mistakes(page: Path, package: Path) -> list[str]:

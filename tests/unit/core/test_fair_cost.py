@@ -89,9 +89,7 @@ def test_tiers_and_aging_are_unchanged_by_cost(loop):
     for i in range(40):
         q.push(item(loop, "long", LONG, text=f"long{i}"))
         q.push(item(loop, "short", SHORT, text=f"short{i}"))
-    q.push(
-        item(loop, "old-free", SHORT, arrived=1000.0 - tiers.BY_NAME["free"].aging_s - 0.01, tier=FREE, text="old-free")
-    )
+    q.push(item(loop, "old-free", SHORT, arrived=1000.0 - q.aging[FREE] - 0.01, tier=FREE, text="old-free"))
     order = [q.pop().text for _ in range(4)]
     assert order[0] == "old-free" and order[1:] == ["ent0", "ent1", "ent2"]
     paid = served_by_tenant([q.pop() for _ in range(40)])

@@ -58,16 +58,23 @@ def test_fair_queue_takes_higher_tiers_first(loop):
     assert q.pop() is None and len(q) == 0
 
 
-def test_fair_queue_aging_lets_a_lower_tier_overtake(loop):
-    q = FairQueue()
+@pytest.mark.parametrize("slo_s", [0.2, 1.0])
+def test_fair_queue_aging_lets_a_lower_tier_overtake(loop, slo_s):
+    q = FairQueue(aging=tiers.aging_for(slo_s))
+    head_start = tiers.BY_NAME["free"].head_start * slo_s  # in the model's SLOs: 0.5 s at 200 ms, 2.5 s at 1 s
     fresh = 1000.0
     q.push(make_item(loop, "ent", arrived=fresh, tier=ENT))
-    # A free item that waited longer than free's aging offset (0.5 s) goes before a fresh enterprise one ...
-    q.push(make_item(loop, "old-free", arrived=fresh - tiers.BY_NAME["free"].aging_s - 0.01, tier=FREE))
+    # A free item that waited longer than free's head start goes before a fresh enterprise one ...
+    q.push(make_item(loop, "old-free", arrived=fresh - head_start - 0.01, tier=FREE))
     assert q.pop().text == "old-free"
     # ... one that waited less does not.
-    q.push(make_item(loop, "young-free", arrived=fresh - tiers.BY_NAME["free"].aging_s + 0.01, tier=FREE))
+    q.push(make_item(loop, "young-free", arrived=fresh - head_start + 0.01, tier=FREE))
     assert q.pop().text == "ent"
+
+
+def test_head_starts_follow_the_models_slo_but_the_batch_tier_s_does_not():
+    assert tiers.aging_for(0.2) == pytest.approx((0.0, 0.2, 0.5, 30.0))
+    assert tiers.aging_for(1.0) == pytest.approx((0.0, 1.0, 2.5, 30.0))
 
 
 def test_fair_queue_tenants_of_a_tier_take_turns(loop):
