@@ -174,7 +174,7 @@ def test_a_classifier_takes_the_pipelines_activation(tmp_path: Path) -> None:
 
     def folder(name: str, **config: object) -> str:
         body = {"architectures": ["BertForSequenceClassification"], "model_type": "bert", **config}
-        return str(write(tmp_path / name, {"config.json": body, "tokenizer.json": {}}))
+        return str(write(tmp_path / name, {"config.json": body, "tokenizer.json": TOKENIZER}))
 
     labels = {"0": "neg", "1": "neu", "2": "pos"}
     assert inspect_folder(folder("nli", id2label=labels)).activation == "softmax"
@@ -189,7 +189,8 @@ def test_a_classifier_takes_the_pipelines_activation(tmp_path: Path) -> None:
         "sigmoid",
     )
     encoder = write(
-        tmp_path / "enc", {"config.json": {"architectures": ["BertModel"], "model_type": "bert"}, "tokenizer.json": {}}
+        tmp_path / "enc",
+        {"config.json": {"architectures": ["BertModel"], "model_type": "bert"}, "tokenizer.json": TOKENIZER},
     )
     with pytest.raises(FolderError, match="classification needs a \\*ForSequenceClassification"):
         inspect_folder(str(encoder), "classification")
@@ -337,3 +338,9 @@ def test_an_unforeseen_error_of_a_folder_is_still_one_folder_error(
     write(tmp_path, {"config.json": ce, "tokenizer.json": TOKENIZER})
     with pytest.raises(FolderError, match=f"^{tmp_path}: its files are not as transformers writes them "):
         inspect_folder(str(tmp_path))
+
+
+def test_a_tokenizer_json_the_library_cannot_read_is_refused_at_start(tmp_path: Path) -> None:
+    write(tmp_path, {**LM, "tokenizer.json": {"version": 1}})
+    with pytest.raises(ValueError, match=r"^model m: .*tokenizer.json: the tokenizers library cannot read it"):
+        resolve_folders(Settings(models=[folder_spec(f"m={tmp_path}")]))
