@@ -1,7 +1,6 @@
 """A Hugging Face model folder (or a hub id in the local cache), read without loading it: what task it serves
-(embeddings, generation, reranking,
-classification) and how (`--model [name=]PATH`, `[[models]] path = ...`; docs/backends.md,
-"Any model from a folder").
+(embeddings, generation, reranking, classification) and how (`--model [name=]PATH`, `[[models]] path = ...`;
+docs/backends.md, "Any model from a folder").
 
 Read from the folder's own files, as sentence-transformers and transformers would:
 - `modules.json` naming a Pooling module (sentence-transformers' embedder format) -> embeddings, pooled and
@@ -13,17 +12,23 @@ Read from the folder's own files, as sentence-transformers and transformers woul
 `--task` overrides the guess. Everything that cannot be served is a `FolderError`: one line, said before the port
 opens (the CLI exits 2), never a stack trace from transformers minutes later.
 
+Each JSON file is decoded into the shape the server reads of it (the msgspec Structs below: only the members it
+uses, each of its type; the rest is transformers' to read), so a file of the wrong shape (a list for an object, a
+string for a length, a module that is a number) is refused naming the file and the member. `inspect_folder` turns
+any other error of a file's shape into a FolderError too: no malformed folder ends in a traceback.
+
 A name that is not a directory is taken as a hub id and looked up in the local Hugging Face cache only
 (`huggingface_hub.snapshot_download(local_files_only=True)`): the server never downloads at start.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+import msgspec
 
 TASKS = ("embeddings", "generation", "reranking", "classification")
 # model_type of the causal LMs the slot stepper runs (the Llama family's attention and cache interface); others
@@ -33,10 +38,91 @@ POOLING_MODES = ("mean", "cls", "lasttoken", "max", "mean_sqrt_len_tokens")
 # sentence-transformers' module types (old `sentence_transformers.models.X` and 6.x's module paths) by role
 ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE = "Transformer", "Pooling", "Normalize"
 UNBOUNDED_LENGTH = 1_000_000  # a tokenizer's model_max_length this large means "not set" (transformers' 1e30)
+DEFAULT_POSITIONS = 512  # a config.json without max_position_embeddings
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 
 class FolderError(ValueError):
     """A folder that cannot be served, in one line."""
+
+
+# -- the shapes of the files read (what the server reads of each; unknown members are ignored) ---------------
+class CrossEncoderSaved(msgspec.Struct):
+    """config.json's `sentence_transformers` member, as CrossEncoder saves it."""
+
+    activation_fn: str | None = None
+
+
+class ModelConfig(msgspec.Struct):
+    """config.json. `model_type` is required: transformers' AutoConfig cannot load a folder without it."""
+
+    model_type: str
+    architectures: list[str] | None = None
+    max_position_embeddings: Positive | None = None
+    num_labels: int | None = None
+    id2label: dict[str, Any] | None = None
+    problem_type: str | None = None
+    sentence_transformers: CrossEncoderSaved | None = None
+
+
+class StModule(msgspec.Struct):
+    """One entry of sentence-transformers' modules.json."""
+
+    type: str
+    path: str = ""
+
+
+class PoolingConfig(msgspec.Struct):
+    """`*_Pooling/config.json`: 6.x's `pooling_mode`, or the older booleans."""
+
+    pooling_mode: str | None = None
+    pooling_mode_cls_token: bool = False
+    pooling_mode_mean_tokens: bool = False
+    pooling_mode_max_tokens: bool = False
+    pooling_mode_mean_sqrt_len_tokens: bool = False
+    pooling_mode_lasttoken: bool = False
+    pooling_mode_weightedmean_tokens: bool = False
+
+
+class SentenceBertConfig(msgspec.Struct):
+    """sentence_bert_config.json."""
+
+    max_seq_length: Positive | None = None
+    do_lower_case: bool = False
+
+
+class TokenizerConfig(msgspec.Struct):
+    """tokenizer_config.json (1e30, transformers' "not set", is a float)."""
+
+    model_max_length: float | None = None
+
+
+class GenerationConfig(msgspec.Struct):
+    """generation_config.json: the sampling defaults the generation engine reads (engine.sampling_defaults)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+Shape = TypeVar("Shape")
+
+
+def read_as(path: Path, shape: type[Shape]) -> Shape:
+    """The JSON file at `path` decoded as `shape`; FolderError naming the file and what is wrong with it."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=shape)
+    except OSError as exc:
+        raise FolderError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except msgspec.ValidationError as exc:
+        raise FolderError(f"{path}: malformed: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise FolderError(f"{path}: not valid JSON ({exc})") from None
+
+
+def read_if_there(path: Path, shape: type[Shape]) -> Shape:
+    """`read_as`, or the shape's defaults when the file is absent."""
+    return read_as(path, shape) if path.exists() else shape()
 
 
 @dataclass(frozen=True)
@@ -60,17 +146,7 @@ class FolderModel:
     lower_case: bool = False  # embeddings: sentence-transformers' do_lower_case (the text is lowered first)
     activation: str = "sigmoid"  # reranking: applied to the one logit (CrossEncoder's default for one label);
     # classification: softmax, sigmoid or identity over the logits (`classifier_activation`)
-    config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise FolderError(f"{path}: cannot read it as JSON ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, dict | list):
-        raise FolderError(f"{path}: not a JSON object")
-    return data  # type: ignore[return-value]
+    config: ModelConfig | None = field(default=None, repr=False, compare=False)  # what was read of config.json
 
 
 def resolve_path(name: str) -> Path:
@@ -102,73 +178,79 @@ def st_role(module_type: str) -> str:
     return module_type.rsplit(".", 1)[-1]
 
 
-def read_pooling(path: Path, config: dict[str, Any]) -> Pooling:
+# older sentence-transformers' pooling booleans, by the mode each turns on
+POOLING_FLAGS = (
+    ("cls", "pooling_mode_cls_token"),
+    ("mean", "pooling_mode_mean_tokens"),
+    ("max", "pooling_mode_max_tokens"),
+    ("mean_sqrt_len_tokens", "pooling_mode_mean_sqrt_len_tokens"),
+    ("lasttoken", "pooling_mode_lasttoken"),
+    ("weightedmean", "pooling_mode_weightedmean_tokens"),
+)
+POOLING_ALIASES = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max", "last": "lasttoken"}
+
+
+def read_pooling(path: Path) -> Pooling:
     """The pooling mode of a sentence-transformers Pooling config (6.x's `pooling_mode`, or the older
     `pooling_mode_*_token(s)` booleans)."""
-    mode = config.get("pooling_mode")
+    config = read_as(path, PoolingConfig)
+    mode = config.pooling_mode
     if mode is None:
-        chosen = [
-            m
-            for m, key in (
-                ("cls", "pooling_mode_cls_token"),
-                ("mean", "pooling_mode_mean_tokens"),
-                ("max", "pooling_mode_max_tokens"),
-                ("mean_sqrt_len_tokens", "pooling_mode_mean_sqrt_len_tokens"),
-                ("lasttoken", "pooling_mode_lasttoken"),
-                ("weightedmean", "pooling_mode_weightedmean_tokens"),
-            )
-            if config.get(key)
-        ]
+        chosen = [m for m, flag in POOLING_FLAGS if getattr(config, flag)]
         if len(chosen) != 1:
             raise FolderError(
                 f"{path}: pooling {'+'.join(chosen) or 'none'} is not supported (one of {', '.join(POOLING_MODES)})"
             )
         mode = chosen[0]
-    mode = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max", "last": "lasttoken"}.get(mode, mode)
+    mode = POOLING_ALIASES.get(mode, mode)
     if mode not in POOLING_MODES:
         raise FolderError(f"{path}: pooling {mode!r} is not supported (one of {', '.join(POOLING_MODES)})")
     return Pooling(mode=mode)
 
 
 def tokenizer_max_length(folder: Path) -> int | None:
-    tok_config = folder / "tokenizer_config.json"
-    if not tok_config.exists():
-        return None
-    n = read_json(tok_config).get("model_max_length")
-    return int(n) if isinstance(n, int | float) and 0 < n < UNBOUNDED_LENGTH else None
+    n = read_if_there(folder / "tokenizer_config.json", TokenizerConfig).model_max_length
+    return int(n) if n is not None and 0 < n < UNBOUNDED_LENGTH else None
 
 
-def embedder_settings(folder: Path, positions: int) -> tuple[Pooling, int, bool]:
-    """(pooling, max_seq_length, do_lower_case) from sentence-transformers' files; FolderError for a module
-    this server cannot run (a Dense layer, a second transformer...)."""
-    modules = read_json(folder / "modules.json")
-    if not isinstance(modules, list):
-        raise FolderError(f"{folder / 'modules.json'}: not a list of modules")
+def positions_cut(folder: Path, positions: int) -> int:
+    """Tokens per input: the model's positions, or fewer when the tokenizer's model_max_length says so."""
+    return min(positions, tokenizer_max_length(folder) or positions)
+
+
+def st_pipeline(folder: Path) -> Pooling:
+    """The Pooling (and Normalize) of sentence-transformers' modules.json; FolderError for a module this server
+    cannot run (a Dense layer, a second transformer...)."""
+    listed = folder / "modules.json"
     pooling: Pooling | None = None
     normalize = False
-    for i, module in enumerate(modules):
-        role = st_role(str(module.get("type", "")))
-        where = folder / str(module.get("path", ""))
+    for i, module in enumerate(read_as(listed, list[StModule])):
+        role = st_role(module.type)
         if role == ST_TRANSFORMER and i == 0:
             continue
         if role == ST_POOLING and pooling is None:
-            pooling = read_pooling(where / "config.json", read_json(where / "config.json"))
+            pooling = read_pooling(folder / module.path / "config.json")
         elif role == ST_NORMALIZE:
             normalize = True
         else:
             raise FolderError(
-                f"{folder / 'modules.json'}: module {i} ({module.get('type')}) is not supported "
+                f"{listed}: module {i} ({module.type}) is not supported "
                 f"here (a Transformer, then Pooling, then optionally Normalize)"
             )
     if pooling is None:
-        raise FolderError(f"{folder / 'modules.json'}: no Pooling module")
-    st_config = folder / "sentence_bert_config.json"
-    st = read_json(st_config) if st_config.exists() else {}
-    length = st.get("max_seq_length") or tokenizer_max_length(folder) or positions
-    return Pooling(pooling.mode, normalize), int(min(length, positions)), bool(st.get("do_lower_case", False))
+        raise FolderError(f"{listed}: no Pooling module")
+    return Pooling(pooling.mode, normalize)
 
 
-def guess_task(folder: Path, architecture: str, config: dict[str, Any]) -> str:
+def embedder_settings(folder: Path, positions: int) -> tuple[Pooling, int, bool]:
+    """(pooling, max_seq_length, do_lower_case) from sentence-transformers' files."""
+    pooling = st_pipeline(folder)
+    st = read_if_there(folder / "sentence_bert_config.json", SentenceBertConfig)
+    length = st.max_seq_length or tokenizer_max_length(folder) or positions
+    return pooling, min(length, positions), st.do_lower_case
+
+
+def guess_task(folder: Path, architecture: str, config: ModelConfig) -> str:
     if (folder / "modules.json").exists() and "ForSequenceClassification" not in architecture:
         return "embeddings"
     if architecture.endswith("ForCausalLM"):
@@ -182,89 +264,77 @@ def guess_task(folder: Path, architecture: str, config: dict[str, Any]) -> str:
     )
 
 
-def labels(config: dict[str, Any]) -> int:
-    if isinstance(config.get("num_labels"), int):
-        return int(config["num_labels"])
-    return len(config.get("id2label") or {"0": "LABEL_0"})
+def labels(config: ModelConfig) -> int:
+    if config.num_labels is not None:
+        return config.num_labels
+    return len(config.id2label or {"0": "LABEL_0"})
 
 
-def reranker_activation(config: dict[str, Any]) -> str:
+def reranker_activation(config: ModelConfig) -> str:
     """The activation CrossEncoder applies to the one logit: what it saved in config.json, else sigmoid."""
-    saved = str((config.get("sentence_transformers") or {}).get("activation_fn") or "")
+    saved = (config.sentence_transformers or CrossEncoderSaved()).activation_fn or ""
     return "identity" if saved.endswith("Identity") else "sigmoid"
 
 
-def classifier_activation(config: dict[str, Any]) -> str:
+def classifier_activation(config: ModelConfig) -> str:
     """What transformers' text-classification pipeline applies to a classifier's logits by default: none for
     regression, sigmoid for multi-label (or one label), else softmax."""
-    problem = config.get("problem_type")
-    if problem == "regression":
+    if config.problem_type == "regression":
         return "identity"
-    if problem == "multi_label_classification" or labels(config) == 1:
+    if config.problem_type == "multi_label_classification" or labels(config) == 1:
         return "sigmoid"
     return "softmax"
 
 
 def inspect_folder(name: str, task: str = "") -> FolderModel:
-    """Read a folder (or a cached hub id) and decide what it serves; FolderError says why it cannot."""
-    folder = resolve_path(name)
-    if not (folder / "config.json").exists():
-        raise FolderError(f"{folder}: no config.json (a Hugging Face model folder, as save_pretrained writes it)")
-    config = read_json(folder / "config.json")
-    architectures = config.get("architectures") or []
-    architecture = str(architectures[0]) if architectures else ""
-    model_type = str(config.get("model_type", ""))
+    """Read a folder (or a cached hub id) and decide what it serves; FolderError says why it cannot. An error
+    no reader foresaw (a file's shape the Structs let through) is a FolderError naming the folder too."""
     if task and task not in TASKS:
         raise FolderError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    folder = resolve_path(name)
+    try:
+        return _inspect(folder, task)
+    except FolderError:
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+        raise FolderError(
+            f"{folder}: its files are not as transformers writes them ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _inspect(folder: Path, task: str) -> FolderModel:
+    if not (folder / "config.json").exists():
+        raise FolderError(f"{folder}: no config.json (a Hugging Face model folder, as save_pretrained writes it)")
+    config = read_as(folder / "config.json", ModelConfig)
+    architecture = config.architectures[0] if config.architectures else ""
     task = task or guess_task(folder, architecture, config)
     if not (folder / "tokenizer.json").exists():
         raise FolderError(f"{folder}: no tokenizer.json (a fast tokenizer, as save_pretrained writes it)")
-    positions = int(config.get("max_position_embeddings") or 512)
+    positions = config.max_position_embeddings or DEFAULT_POSITIONS
+    model = FolderModel(folder, task, architecture, config.model_type, positions, config=config)
     if task == "embeddings":
         if not (folder / "modules.json").exists():  # --task embeddings on a bare encoder: mean + normalise
-            return FolderModel(
-                folder,
-                task,
-                architecture,
-                model_type,
-                min(positions, tokenizer_max_length(folder) or positions),
-                config=config,
-            )
+            return replace(model, max_tokens=positions_cut(folder, positions))
         pooling, length, lower = embedder_settings(folder, positions)
-        return FolderModel(folder, task, architecture, model_type, length, pooling, lower, config=config)
+        return replace(model, max_tokens=length, pooling=pooling, lower_case=lower)
     if task == "reranking":
         if not architecture.endswith("ForSequenceClassification") or labels(config) != 1:
             raise FolderError(
                 f"{folder}: reranking needs a *ForSequenceClassification with one label (a "
                 f"cross-encoder), not {architecture or 'unknown'} with {labels(config)} label(s)"
             )
-        return FolderModel(
-            folder,
-            task,
-            architecture,
-            model_type,
-            min(positions, tokenizer_max_length(folder) or positions),
-            activation=reranker_activation(config),
-            config=config,
-        )
+        return replace(model, max_tokens=positions_cut(folder, positions), activation=reranker_activation(config))
     if task == "classification":
         if not architecture.endswith("ForSequenceClassification"):
             raise FolderError(
                 f"{folder}: classification needs a *ForSequenceClassification, not {architecture or 'unknown'}"
             )
-        return FolderModel(
-            folder,
-            task,
-            architecture,
-            model_type,
-            min(positions, tokenizer_max_length(folder) or positions),
-            activation=classifier_activation(config),
-            config=config,
-        )
-    if not architecture.endswith("ForCausalLM") or model_type not in GENERATION_TYPES:
+        return replace(model, max_tokens=positions_cut(folder, positions), activation=classifier_activation(config))
+    if not architecture.endswith("ForCausalLM") or config.model_type not in GENERATION_TYPES:
         raise FolderError(
-            f"{folder}: architecture {architecture or 'unknown'} ({model_type or 'no model_type'}) "
+            f"{folder}: architecture {architecture or 'unknown'} ({config.model_type}) "
             f"cannot run on the generation engine's slot stepper (decoder-only models of type "
             f"{', '.join(GENERATION_TYPES)})"
         )
-    return FolderModel(folder, task, architecture, model_type, positions, config=config)
+    read_if_there(folder / "generation_config.json", GenerationConfig)  # the engine's sampling defaults
+    return model

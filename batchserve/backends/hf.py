@@ -40,7 +40,7 @@ import orjson
 
 from batchserve import errors
 from batchserve.backends import default_threads, onnx_runtime, pick_devices
-from batchserve.backends.folder import FolderError, FolderModel, inspect_folder
+from batchserve.backends.folder import FolderError, FolderModel, ModelConfig, inspect_folder
 from batchserve.backends.token_cache import CACHE_BYTES, Kept, TokenCache, Tokens, TooLong
 from batchserve.backends.tokenizer_guard import (
     CHARS_PER_TOKEN,
@@ -385,11 +385,11 @@ def single_input(text: str) -> str:
     return orjson.dumps([text]).decode() if text.startswith("[") else text
 
 
-def class_labels(config: dict[str, Any], count: int) -> list[str]:
+def class_labels(config: ModelConfig | None, count: int) -> list[str]:
     """A classifier's class names in logit order: its `id2label` (config.json keys the indices as strings),
     else transformers' own `LABEL_i`."""
-    names = config.get("id2label") or {}
-    return [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count)]
+    names = (config.id2label if config is not None else None) or {}
+    return [str(names.get(str(i), f"LABEL_{i}")) for i in range(count)]
 
 
 def finite(values: list[float]) -> list[float]:

@@ -27,7 +27,8 @@ A cap on a folder's tokenizer, at start (`check_tokenizer`). A `tokenizer.json` 
 replace a character by kilobytes, its model may make many tokens of one character. It tokenizes a probe of mixed
 text (ASCII words and punctuation, whitespace runs, accents, CJK, emoji, combining marks) and the folder is refused
 when the normalized text is over `MAX_NORMALIZED_GROWTH` times the probe's bytes or the tokens over
-`MAX_TOKENS_PER_CHAR` per character. At run time the character bound limits what any input can make of it.
+`MAX_TOKENS_PER_CHAR` per character, or when the library cannot read it at all. At run time the character bound
+limits what any input can make of it.
 """
 
 from __future__ import annotations
@@ -94,15 +95,17 @@ class TokenizerRefused(ValueError):
 
 def check_tokenizer(path: Path) -> None:
     """Refuse the folder's `tokenizer.json` (TokenizerRefused) when its normalizer grows the probe past
-    MAX_NORMALIZED_GROWTH times its bytes, or it makes over MAX_TOKENS_PER_CHAR tokens a character. A file the
-    library cannot read is left to whatever loads it (and says why there)."""
+    MAX_NORMALIZED_GROWTH times its bytes, or it makes over MAX_TOKENS_PER_CHAR tokens a character; and one the
+    library cannot read (every path that serves the folder loads it with this library)."""
     from tokenizers import Tokenizer
 
     file = path / "tokenizer.json"
     try:
         tok = Tokenizer.from_file(str(file))
-    except Exception:  # noqa: BLE001 - whatever the library raises for a file it cannot read
-        return
+    except Exception as exc:  # noqa: BLE001 - whatever the library raises for a file it cannot read
+        raise TokenizerRefused(
+            f"{file}: the tokenizers library cannot read it ({' '.join(str(exc).split())})"
+        ) from None
     tok.no_truncation()
     tok.no_padding()
     for probe in (SHORT_PROBE, PROBE):

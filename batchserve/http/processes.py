@@ -13,17 +13,21 @@ listening socket to it, and the kernel deals each new connection to one of them 
   child SIGTERM, each drains as a lone server does (listener open for `--drain-grace-s` answering 503
   DRAINING, /readyz 503), and the parent exits 0 once all have. SIGTERM to one child alone (flag down): it
   closes its share of the port at once — the kernel gives new connections to its siblings — answers what it
-  holds, and exits; the parent starts a replacement on the same devices, which joins the port once warm. A
+  holds, and exits; the parent starts a replacement on the same devices, which joins the port once ready. A
   request that arrives meanwhile on one of its open keep-alive connections gets 503 DRAINING with
   Connection: close: it never ran, and its retry on a new connection reaches a sibling.
+- Joining the port: a child listens on the shared port only once it is ready (its models loaded and warmed
+  here, its runtime started behind its own port: `server.DrainingServer.join_when_ready`), and only then sets
+  its `listening` event. The kernel deals new connections to every listening socket at once, so a replacement
+  that listened while warming would answer its share 503 "warming up"; until it joins, its siblings take them.
 - Metrics and readiness: each child also listens on a port of its own (`--process-port-base` + index, or a
   free one), logged and shown in /internal/health (`process`), where its /metrics, /readyz and
   /internal/health are its alone; scrape each. (Prometheus' multiprocess mode was not used: the server's
   per-request counters are plain loop-owned counts, and a merged view would hide one child's readiness.)
-- A child that exits after it listened, or is killed by a signal, is replaced (at most one start a second);
-  one that exits by itself before it ever listened (a model that cannot load, a port in use) stops the group
-  with its exit status.
-- A hung child (issue 34, item 3) is killed and replaced: once a child listens, the parent asks its own port
+- A child that exits after it joined the shared port, or is killed by a signal, is replaced (at most one start a
+  second); one that exits by itself before it ever joined (a model that cannot load, a port in use) stops the
+  group with its exit status.
+- A hung child (issue 34, item 3) is killed and replaced: once a child has joined, the parent asks its own port
   `GET /healthz` every 0.5 s (`liveness.py`, which says what "hung" means), and a child whose event loop has
   answered none for `--process-hang-s` (3 s) gets SIGKILL (its process group: its device workers too), after
   which it is replaced as any killed child. Until then the kernel still deals it new connections, which wait;
@@ -95,7 +99,8 @@ def device_shares(settings: Settings) -> list[Share]:
 
 
 def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """A bound TCP socket (not yet listening: uvicorn listens once the app has started)."""
+    """A bound TCP socket (not yet listening: uvicorn listens once the app has started, a child on the shared
+    port once it is ready)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

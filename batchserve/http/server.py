@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 from collections.abc import Callable
 
 import uvicorn
@@ -38,6 +38,7 @@ log = logging.getLogger("batchserve")
 BACKLOG = 4096  # the listen backlog (uvicorn.Config below): the most connections waiting to be accepted
 DRAIN_LINGER_S = 0.5  # after the drain: listener closed, open connections still answered
 LINGER_POLL_S = 0.02  # how often the linger looks whether any connection is still open
+JOIN_POLL_S = 0.02  # how often a --processes child that warms looks whether its runtime is ready
 
 
 class Group(Protocol):
@@ -47,7 +48,7 @@ class Group(Protocol):
         """True when the whole group drains (SIGTERM to the parent), False when this process drains alone."""
 
     def listening(self) -> None:
-        """Called once the server has started and listens."""
+        """Called once the child listens on the group's shared port (when its runtime is ready)."""
 
 
 class AppFactory(Protocol):
@@ -62,21 +63,62 @@ class AppFactory(Protocol):
 
 
 class DrainingServer(uvicorn.Server):
+    """uvicorn with the drain above. In a `--processes` group (`group`), the first socket is the shared port and
+    the child listens on it only once its runtime is ready (`join_when_ready`): with SO_REUSEPORT the kernel
+    deals new connections to every listening socket at once, so a replacement listening while it warms would
+    answer its share 503 "warming up" while its siblings could have served them. Its own port opens at once."""
+
     def __init__(self, config: uvicorn.Config, grace_s: float = 0.0, group: Group | None = None) -> None:
         super().__init__(config)
         self.grace_s = grace_s
         self.group = group
         self._drain_task: asyncio.Task | None = None
+        self._join_task: asyncio.Task | None = None  # held: a task nobody references may be collected
+        self.shared: asyncio.Server | None = None  # the group's shared port, once this child listens on it
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if sockets is not None and not self.should_exit:  # uvicorn says where it listens only for its own sockets
-            host, port = sockets[0].getsockname()[:2]
-            logging.getLogger("uvicorn.error").info(
-                "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port
-            )
-        if self.group is not None and not self.should_exit:
-            self.group.listening()
+        held = sockets[0] if self.group is not None and sockets else None
+        await super().startup(sockets=sockets[1:] if sockets and held is not None else sockets)
+        if self.should_exit or sockets is None:
+            return
+        if held is None:
+            self.say_listening(sockets[0])
+        else:
+            self._join_task = asyncio.get_running_loop().create_task(self.join_when_ready(held))
+
+    @staticmethod
+    def say_listening(sock: socket.socket) -> None:
+        """uvicorn says where it listens only for its own sockets (the tests and benches read this line)."""
+        host, port = sock.getsockname()[:2]
+        logging.getLogger("uvicorn.error").info(
+            "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port
+        )
+
+    async def join_when_ready(self, sock: socket.socket) -> None:
+        """Listen on the group's shared port once the runtime is ready (never, if start-up fails or a drain
+        comes first), then tell the group (the parent's hang probes start then)."""
+        while not getattr(self.runtime(), "ready", False):
+            if self.should_exit or self._drain_task is not None:
+                return
+            await asyncio.sleep(JOIN_POLL_S)
+        loop = asyncio.get_running_loop()
+        self.shared = await loop.create_server(self.protocol, sock=sock, backlog=self.config.backlog)
+        self.servers.append(self.shared)
+        self.say_listening(sock)
+        assert self.group is not None
+        self.group.listening()
+
+    def runtime(self) -> Any:
+        """The app's runtime (`app.state.rt`), under uvicorn's middleware; None before the lifespan made it."""
+        app = self.config.loaded_app
+        while hasattr(app, "app") and not hasattr(app, "state"):  # unwrap uvicorn's middleware
+            app = app.app
+        return getattr(getattr(app, "state", None), "rt", None)
+
+    def protocol(self) -> asyncio.Protocol:
+        """A connection's protocol, as uvicorn makes one for its listeners."""
+        config = self.config
+        return config.http_protocol_class(config=config, server_state=self.server_state, app_state=self.lifespan.state)  # type: ignore[call-arg]
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None:
@@ -89,20 +131,18 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         grace_over = time.monotonic() + self.grace_s
-        app = self.config.loaded_app
-        while hasattr(app, "app") and not hasattr(app, "state"):  # unwrap uvicorn's middleware
-            app = app.app
-        runtime = getattr(getattr(app, "state", None), "rt", None)
-        # One of --processes drained alone: its share of the shared port closes now, so the kernel gives new
-        # connections to its siblings (a grace would only send them 503s: no balancer polls this process's
-        # /readyz to take it out, the kernel does at the close). Its own port stays open for /readyz.
-        alone = self.group is not None and not self.group.draining()
-        if alone and getattr(self, "servers", None):  # (none yet when the signal comes during start-up)
+        runtime = self.runtime()
+        # One of --processes drained alone: its share of the shared port closes now (or is never opened, when it
+        # was still warming), so the kernel gives new connections to its siblings (a grace would only send them
+        # 503s: no balancer polls this process's /readyz to take it out, the kernel does at the close). Its own
+        # port stays open for /readyz.
+        if self.group is not None and not self.group.draining():
             log.info(
                 "draining this process alone: its listener on the shared port is closed; the other "
                 "processes take new connections"
             )
-            self.servers[0].close()
+            if self.shared is not None:
+                self.shared.close()
             grace_over = time.monotonic()
         try:
             if runtime is not None:
@@ -135,11 +175,6 @@ class DrainingServer(uvicorn.Server):
         socket closes (7 of every drain, with 8 clients reconnecting in a loop): accept them here, in the same
         turn of the loop as the close, and serve them (503 DRAINING, `Connection: close`). Returns how many."""
         loop = asyncio.get_running_loop()
-        config, state, app_state = self.config, self.server_state, self.lifespan.state
-
-        def protocol() -> asyncio.Protocol:
-            return config.http_protocol_class(config=config, server_state=state, app_state=app_state)  # type: ignore[call-arg]
-
         served = 0
         for listening in getattr(listener, "sockets", None) or ():
             sock = socket.socket(fileno=os.dup(listening.fileno()))  # a duplicate: closing it leaves the listener
@@ -151,7 +186,7 @@ class DrainingServer(uvicorn.Server):
                     except OSError:  # BlockingIOError: the backlog is empty
                         break
                     conn.setblocking(False)
-                    loop.create_task(loop.connect_accepted_socket(protocol, conn))
+                    loop.create_task(loop.connect_accepted_socket(self.protocol, conn))
                     served += 1
             finally:
                 sock.close()

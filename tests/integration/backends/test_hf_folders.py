@@ -2,8 +2,8 @@
 2 layers, `tests/hf_folders.py`), over real HTTP, against the libraries' own answers on the same folders:
 embeddings equal `SentenceTransformer(folder).encode` (mean pooling + Normalize, and CLS pooling without it),
 `dimensions` truncates and normalises again; /v1/rerank's scores equal `CrossEncoder(folder).predict`, sorted,
-with top_n and return_documents; a folder that cannot be served exits 2 with one line. Generation folders are
-tests/integration/generation/test_folder_generation.py."""
+with top_n and return_documents; a folder that cannot be served, or whose files are malformed, exits 2 with one
+line naming why. Generation folders are tests/integration/generation/test_folder_generation.py."""
 
 from __future__ import annotations
 
@@ -248,3 +248,48 @@ def test_a_folder_that_cannot_be_served_exits_2_with_one_line(tmp_path: Path, fo
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, (args, done.stderr)
         assert lines[0].startswith("batchserve serve: error: model ") and says in lines[0], lines[0]
+
+
+def corrupt(folder: Path, file: str, content: object) -> None:
+    """Rewrite one of the folder's files: `content` as JSON, a str as it is, a callable of the file's JSON."""
+    path = folder / file
+    if callable(content):
+        content = content(json.loads(path.read_text()))
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+
+
+def without(key: str):
+    return lambda d: {k: v for k, v in d.items() if k != key}
+
+
+# (folder, file, new content, what the line says is wrong): the three of issue 46 first
+MALFORMED = [
+    ("emb", "config.json", [1, 2], "malformed: Expected `object`, got `array`"),
+    ("emb", "sentence_bert_config.json", {"max_seq_length": "256"}, "got `str` - at `$.max_seq_length`"),
+    ("emb", "modules.json", [0, 1, 2], "malformed: Expected `object`, got `int` - at `$[0]`"),
+    ("emb", "tokenizer_config.json", ["not", "an", "object"], "malformed: Expected `object`, got `array`"),
+    ("emb", "1_Pooling/config.json", '{"pooling_mode": "mean",', "not valid JSON"),
+    ("emb", "modules.json", lambda m: m[:1] + [{"type": m[1]["type"], "path": 1}], "at `$[1].path`"),
+    ("rr", "config.json", without("model_type"), "missing required field `model_type`"),
+    ("rr", "config.json", lambda c: {**c, "id2label": 1}, "at `$.id2label`"),
+    ("rr", "tokenizer.json", {"version": 1}, "the tokenizers library cannot read it"),
+]
+
+
+@pytest.mark.parametrize(
+    "name,file,content,says", MALFORMED, ids=[f"{m[0]}-{m[1]}-{i}" for i, m in enumerate(MALFORMED)]
+)
+def test_a_malformed_folder_exits_2_with_one_line_naming_the_file(
+    tmp_path: Path, folders: dict[str, Path], name: str, file: str, content: object, says: str
+) -> None:
+    """Issue 46, item 11: a folder whose JSON files have the wrong shape ends start-up in one line naming the file
+    and what is wrong with it, exit status 2, no traceback (read before any weight is loaded)."""
+    folder = tmp_path / name
+    shutil.copytree(folders[name], folder)
+    corrupt(folder, file, content)
+    done = serve_exit("--model", f"x={folder}")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and not done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert lines[0].startswith(f"batchserve serve: error: model x: {folder / file}: "), lines[0]
+    assert says in lines[0], lines[0]

@@ -1,6 +1,7 @@
 """`batchserve serve --processes N` (batchserve/http/processes.py): real processes on one port shared with
 SO_REUSEPORT, each a whole server on its share of the devices; one drained alone under load with nothing
-lost and replaced; the group drained by SIGTERM to the parent."""
+lost and replaced; one killed outright replaced by a child that joins the port only once ready; the group drained
+by SIGTERM to the parent."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 
 from batchserve.plan import measure
+from tests import hf_folders
 from tests.conftest import LiveServer
 from tests.integration.jobs.test_routes import wait_for
 
@@ -186,6 +188,83 @@ def test_a_child_killed_outright_is_replaced(server_factory):
     assert victim not in now and len(now) == 2
     assert sorted(d["process"]["index"] for d in now.values()) == [0, 1]  # the same slot, filled again
     assert "starting a replacement" in server.log()
+
+
+PAUSE_S = 0.05  # between one client's requests: enough of them, and CPU left for the replacement to warm
+
+
+class FreshConnections:
+    """Clients each sending one request per new connection (so the kernel deals them over every listener on the
+    shared port, as from many callers): /readyz, and a one-token completion. What each ended in, and when."""
+
+    def __init__(self, url: str, clients: int = 2) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.lock = threading.Lock()
+        self.sent: list[tuple[float, str, int | None]] = []  # (sent at, outcome, the answering child's pid)
+        self.threads = [threading.Thread(target=self.client, args=(k,)) for k in range(clients)]
+
+    def ask(self, i: int) -> tuple[str, int | None]:
+        with httpx.Client(base_url=self.url, timeout=30) as c:  # closed after one request: a new connection each
+            if i % 2:
+                r = c.get("/readyz")
+            else:
+                body = {"model": "lm", "prompt": "hello", "max_tokens": 1, "temperature": 0}
+                r = c.post("/v1/completions", json=body)
+            pid = c.get("/internal/health").json()["pid"] if r.status_code == 200 else None
+        return f"{r.status_code} {r.text[:120]}" if r.status_code != 200 else "200", pid
+
+    def client(self, k: int) -> None:
+        i = k
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                outcome, pid = self.ask(i)
+            except httpx.HTTPError as exc:
+                outcome, pid = f"{type(exc).__name__}: {exc}", None
+            i += 1
+            with self.lock:
+                self.sent.append((started, outcome, pid))
+            time.sleep(PAUSE_S)
+
+    def since(self, t: float) -> list[tuple[float, str, int | None]]:
+        with self.lock:
+            return [s for s in self.sent if s[0] >= t]
+
+    def __enter__(self) -> FreshConnections:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def test_a_replacement_takes_no_connection_of_the_shared_port_until_it_is_ready(server_factory, tmp_path):
+    """Issue 46, item 11: a child killed outright (SIGKILL) is replaced; the replacement warms (here a generation
+    folder's engine loads its own replica, seconds after the batch models) while its sibling serves, and joins the
+    shared port only once ready. Every request sent after the killed child is gone, on a new connection each, is
+    answered 200 by a ready child: no 503 "warming up" from the replacement, no connection error. (The requests
+    the killed child held when it died are lost with it, as with any SIGKILL: the count starts once it is gone.)
+    Then the replacement answers its share of the port."""
+    lm = hf_folders.causal_lm(tmp_path / "lm")
+    server = server_factory("--processes", "2", "--model", f"lm={lm}", timeout=240)
+    kids = children(server, timeout=120)
+    victim = min(kids)
+    with FreshConnections(server.url) as drill:
+        wait_for(lambda: len(drill.since(0)) > 20, timeout=60, every=0.05)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: gone(victim), timeout=30, every=0.02)
+        since = time.monotonic()
+        replaced = children(server, timeout=180)
+        (replacement,) = set(replaced) - set(kids)
+        joined = time.monotonic()
+        wait_for(lambda: any(pid == replacement for _, _, pid in drill.since(joined)), timeout=30, every=0.05)
+    outcomes = Counter(outcome for _, outcome, _ in drill.since(since))
+    print(f"replacement joined {joined - since:.1f} s after the kill; outcomes since: {dict(outcomes)}")
+    assert set(outcomes) == {"200"}, outcomes
+    assert outcomes["200"] > 20 and "starting a replacement" in server.log()
 
 
 def test_uneven_device_split_is_refused_before_anything_starts():

@@ -18,6 +18,17 @@ from batchserve.config import Settings
 from batchserve.config_file import load
 
 
+def tokenizer() -> dict[str, object]:
+    """The smallest tokenizer.json the tokenizers library reads (one word, one unknown token)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    return json.loads(Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).to_str())
+
+
+TOKENIZER = tokenizer()
+
+
 def write(folder: Path, files: dict[str, object]) -> Path:
     for name, content in files.items():
         path = folder / name
@@ -29,7 +40,7 @@ def write(folder: Path, files: dict[str, object]) -> Path:
 def bert(folder: Path, **config: object) -> dict[str, object]:
     return {
         "config.json": {"architectures": ["BertModel"], "model_type": "bert", "max_position_embeddings": 512, **config},
-        "tokenizer.json": {},
+        "tokenizer.json": TOKENIZER,
     }
 
 
@@ -103,7 +114,7 @@ def test_embedder_folders_it_cannot_serve(tmp_path: Path, modules: list, pooling
 def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
     lm = write(
         tmp_path / "lm",
-        {"config.json": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "tokenizer.json": {}},
+        {"config.json": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "tokenizer.json": TOKENIZER},
     )
     assert inspect_folder(str(lm)).task == "generation"
     ce = write(
@@ -114,7 +125,7 @@ def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
                 "model_type": "bert",
                 "id2label": {"0": "LABEL_0"},
             },
-            "tokenizer.json": {},
+            "tokenizer.json": TOKENIZER,
         },
     )
     assert (inspect_folder(str(ce)).task, inspect_folder(str(ce)).activation) == ("reranking", "sigmoid")
@@ -134,7 +145,7 @@ def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
         tmp_path / "nli",
         {
             "config.json": {"architectures": ["BertForSequenceClassification"], "model_type": "bert", "num_labels": 3},
-            "tokenizer.json": {},
+            "tokenizer.json": TOKENIZER,
         },
     )
     assert (inspect_folder(str(three)).task, inspect_folder(str(three)).activation) == ("classification", "softmax")
@@ -142,7 +153,7 @@ def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
         inspect_folder(str(three), "reranking")
     gpt2 = write(
         tmp_path / "gpt2",
-        {"config.json": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "tokenizer.json": {}},
+        {"config.json": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "tokenizer.json": TOKENIZER},
     )
     with pytest.raises(FolderError, match="cannot tell what to serve"):
         inspect_folder(str(gpt2))
@@ -150,7 +161,7 @@ def test_causal_lms_and_cross_encoders(tmp_path: Path) -> None:
         inspect_folder(str(gpt2), "generation")
     falcon = write(
         tmp_path / "falcon",
-        {"config.json": {"architectures": ["FalconForCausalLM"], "model_type": "falcon"}, "tokenizer.json": {}},
+        {"config.json": {"architectures": ["FalconForCausalLM"], "model_type": "falcon"}, "tokenizer.json": TOKENIZER},
     )
     with pytest.raises(FolderError, match="llama, mistral, qwen2, qwen3"):
         inspect_folder(str(falcon))
@@ -163,7 +174,7 @@ def test_a_classifier_takes_the_pipelines_activation(tmp_path: Path) -> None:
 
     def folder(name: str, **config: object) -> str:
         body = {"architectures": ["BertForSequenceClassification"], "model_type": "bert", **config}
-        return str(write(tmp_path / name, {"config.json": body, "tokenizer.json": {}}))
+        return str(write(tmp_path / name, {"config.json": body, "tokenizer.json": TOKENIZER}))
 
     labels = {"0": "neg", "1": "neu", "2": "pos"}
     assert inspect_folder(folder("nli", id2label=labels)).activation == "softmax"
@@ -177,7 +188,10 @@ def test_a_classifier_takes_the_pipelines_activation(tmp_path: Path) -> None:
         "classification",
         "sigmoid",
     )
-    encoder = write(tmp_path / "enc", {"config.json": {"architectures": ["BertModel"]}, "tokenizer.json": {}})
+    encoder = write(
+        tmp_path / "enc",
+        {"config.json": {"architectures": ["BertModel"], "model_type": "bert"}, "tokenizer.json": TOKENIZER},
+    )
     with pytest.raises(FolderError, match="classification needs a \\*ForSequenceClassification"):
         inspect_folder(str(encoder), "classification")
 
@@ -185,7 +199,7 @@ def test_a_classifier_takes_the_pipelines_activation(tmp_path: Path) -> None:
 def test_names_the_cli_and_one_generation_model(tmp_path: Path) -> None:
     lm = write(
         tmp_path / "tiny",
-        {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": {}},
+        {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": TOKENIZER},
     )
     assert folder_spec(f"chat={lm}").name == "chat" and folder_spec(str(lm) + "/").name == "tiny"
     parser, _ = build_parser()
@@ -224,7 +238,7 @@ def test_a_hub_id_resolves_through_the_local_cache_only(tmp_path: Path, monkeypa
     repo = cache / "models--acme--tiny-lm"
     snapshot = write(
         repo / "snapshots" / "abc123",
-        {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": {}},
+        {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": TOKENIZER},
     )
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
@@ -267,3 +281,66 @@ def test_torch_threads_reach_the_causal_lm_batch_backend(monkeypatch: Any) -> No
     monkeypatch.setattr(smollm2.SmolLM2Backend, "__init__", lambda self, **kw: None)
     smollm2.SmolLM2Backend.from_source("", Settings(torch_threads=2, decode="generate"))
     assert set_to == [2]
+
+
+LM = {"config.json": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "tokenizer.json": TOKENIZER}
+ST = {"modules.json": OLD, "1_Pooling/config.json": {"pooling_mode": "mean"}}
+
+
+@pytest.mark.parametrize(
+    "files,file,says",
+    [
+        ({"config.json": [1, 2]}, "config.json", "Expected `object`, got `array`"),
+        ({**ST, "sentence_bert_config.json": {"max_seq_length": "256"}}, "sentence_bert_config.json", "max_seq_length"),
+        ({**ST, "sentence_bert_config.json": {"max_seq_length": 0}}, "sentence_bert_config.json", ">= 1"),
+        ({"modules.json": [1, 2]}, "modules.json", "got `int` - at `$[0]`"),
+        ({**ST, "tokenizer_config.json": []}, "tokenizer_config.json", "Expected `object`, got `array`"),
+        ({**ST, "1_Pooling/config.json": "mean"}, "1_Pooling/config.json", "Expected `object`, got `str`"),
+        ({"config.json": {"architectures": ["BertModel"]}}, "config.json", "missing required field `model_type`"),
+        ({"config.json": {"model_type": "bert", "architectures": "BertModel"}}, "config.json", "$.architectures"),
+        ({"config.json": {"model_type": "bert", "max_position_embeddings": "x"}}, "config.json", "max_position"),
+    ],
+)
+def test_a_file_of_the_wrong_shape_is_one_folder_error_naming_it(
+    tmp_path: Path, files: dict[str, object], file: str, says: str
+) -> None:
+    """Issue 46, item 11: each file is decoded into the shape the server reads of it; one of another shape is
+    a FolderError naming the file and the member, never an AttributeError or TypeError from deep inside."""
+    write(tmp_path, {**bert(tmp_path), **files})
+    with pytest.raises(FolderError) as caught:
+        inspect_folder(str(tmp_path), "embeddings")
+    assert str(caught.value).startswith(f"{tmp_path / file}: malformed: ") and says in str(caught.value)
+
+
+def test_malformed_json_and_generation_and_reranker_files(tmp_path: Path) -> None:
+    (write(tmp_path / "bad", bert(tmp_path)) / "config.json").write_text('{"model_type": ')
+    with pytest.raises(FolderError, match=r"bad/config.json: not valid JSON"):
+        inspect_folder(str(tmp_path / "bad"))
+    write(tmp_path / "lm", {**LM, "generation_config.json": ["greedy"]})
+    with pytest.raises(FolderError, match=r"lm/generation_config.json: malformed: Expected `object`"):
+        inspect_folder(str(tmp_path / "lm"))
+    ce = {"architectures": ["BertForSequenceClassification"], "model_type": "bert"}
+    write(tmp_path / "ce", {"config.json": {**ce, "sentence_transformers": "sigmoid"}, "tokenizer.json": TOKENIZER})
+    with pytest.raises(FolderError, match=r"ce/config.json: malformed: .* `\$.sentence_transformers`"):
+        inspect_folder(str(tmp_path / "ce"))
+
+
+def test_an_unforeseen_error_of_a_folder_is_still_one_folder_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchserve.backends import folder
+
+    def broken(config: object) -> int:
+        raise TypeError("an unforeseen shape")
+
+    monkeypatch.setattr(folder, "labels", broken)
+    ce = {"architectures": ["BertForSequenceClassification"], "model_type": "bert"}
+    write(tmp_path, {"config.json": ce, "tokenizer.json": TOKENIZER})
+    with pytest.raises(FolderError, match=f"^{tmp_path}: its files are not as transformers writes them "):
+        inspect_folder(str(tmp_path))
+
+
+def test_a_tokenizer_json_the_library_cannot_read_is_refused_at_start(tmp_path: Path) -> None:
+    write(tmp_path, {**LM, "tokenizer.json": {"version": 1}})
+    with pytest.raises(ValueError, match=r"^model m: .*tokenizer.json: the tokenizers library cannot read it"):
+        resolve_folders(Settings(models=[folder_spec(f"m={tmp_path}")]))
