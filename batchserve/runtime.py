@@ -28,7 +28,7 @@ from batchserve.config import Settings, proxy_list
 from batchserve.core.admission import Admission
 from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.requests_log import RequestLog
-from batchserve.core.service import InferenceService
+from batchserve.core.service import InferenceService, tokens_in
 from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.generation.engine import Engine, start_generation
 from batchserve.generation.routes import model_cards
@@ -252,13 +252,7 @@ class Runtime:
     def prompt_tokens(self, model: str, texts: list[str]) -> int:
         """The model's token count of these texts (0 when its backend cannot count): OpenAI's usage, for the
         embeddings lines of batch jobs, as the embeddings route reports it."""
-        backend = self.backends.get(model)
-        try:
-            counts = backend.count_tokens(texts) if backend is not None else None
-        except Exception:  # the vectors are still the answer
-            log.warning("count_tokens of %s failed", model, exc_info=True)
-            return 0
-        return sum(counts) if counts else 0
+        return tokens_in(self.backends.get(model), texts)
 
     # -- start ---------------------------------------------------------------------------------------------
     async def start(self) -> None:

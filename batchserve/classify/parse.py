@@ -4,7 +4,6 @@ checked against the server's limits: 400 in OpenAI's error shape naming the `par
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import msgspec
@@ -12,7 +11,7 @@ import msgspec
 from batchserve.classify import shapes
 from batchserve.classify.shapes import MAX_INPUTS
 from batchserve.http.decoding import BodyRefusal, decode
-from batchserve.http.openai_error import bad
+from batchserve.http.openai_error import bad, timeout_s
 from batchserve.errors import ApiError
 
 __all__ = ["MAX_INPUTS", "Classify", "parse_classify", "parse_predict"]
@@ -27,7 +26,7 @@ Sequence = str | tuple[str, str]  # one text, or a (text, text_pair)
 class Classify:
     sequences: list[Sequence]
     model: str | None  # None: the first classification model
-    timeout_s: float
+    timeout_s: float | None  # None: none named, the model's own default applies (`slo.Deadlines`)
     service_tier: str | None = None
     raw_scores: bool = False  # /predict: the logits
     batch: bool = False  # /predict: the inputs were a list of lists, answered with a list per input
@@ -38,25 +37,17 @@ def refused(r: BodyRefusal) -> ApiError:
 
 
 def checked(
-    sequences: list[Sequence],
-    param: str,
-    max_chars: int,
-    timeout_ms: float | msgspec.UnsetType,
-    default_timeout_ms: float,
-    max_timeout_ms: float,
-) -> float:
-    """The request's timeout in seconds, once every text is within `max_chars`."""
+    sequences: list[Sequence], param: str, max_chars: int, timeout_ms: float | msgspec.UnsetType, max_timeout_ms: float
+) -> float | None:
+    """The request's timeout in seconds (None: none named), once every text is within `max_chars`."""
     for i, seq in enumerate(sequences):
         for text in (seq,) if isinstance(seq, str) else seq:
             if len(text) > max_chars:
                 raise bad(param, f"{param}[{i}] is over the {max_chars}-character limit", "string_above_max_length")
-    ms = default_timeout_ms if timeout_ms is msgspec.UNSET else timeout_ms
-    if not (0 < ms <= max_timeout_ms) or not math.isfinite(ms):
-        raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
-    return float(ms) / 1000
+    return timeout_s(timeout_ms, max_timeout_ms)
 
 
-def parse_classify(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms: float) -> Classify:
+def parse_classify(body: bytes, max_chars: int, max_timeout_ms: float) -> Classify:
     """`/v1/classify`: `input` a text or a list of texts."""
     try:
         req = decode(CLASSIFY, body)
@@ -65,7 +56,7 @@ def parse_classify(body: bytes, max_chars: int, default_timeout_ms: float, max_t
             raise bad("input", "token-id arrays are not supported here: send the text", "unsupported_value") from None
         raise refused(r) from None
     sequences: list[Sequence] = [req.input] if isinstance(req.input, str) else list(req.input)
-    timeout_s = checked(sequences, "input", max_chars, req.timeout_ms, default_timeout_ms, max_timeout_ms)
+    timeout_s = checked(sequences, "input", max_chars, req.timeout_ms, max_timeout_ms)
     return Classify(sequences, req.model, timeout_s, req.service_tier)
 
 
@@ -73,7 +64,7 @@ def sequence(items: list[str]) -> Sequence:
     return items[0] if len(items) == 1 else (items[0], items[1])
 
 
-def parse_predict(body: bytes, max_chars: int, default_timeout_ms: float, max_timeout_ms: float) -> Classify:
+def parse_predict(body: bytes, max_chars: int, max_timeout_ms: float) -> Classify:
     """`/predict`, as TEI reads `inputs`: a text; a list of strings, one text or one pair (two strings); or a
     batch, a list of lists of one or two strings. Strings and lists mixed in one list are refused, as TEI does."""
     try:
@@ -93,5 +84,5 @@ def parse_predict(body: bytes, max_chars: int, default_timeout_ms: float, max_ti
         )
     batch = bool(lists)
     sequences: list[Sequence] = [sequence(x) for x in lists] if batch else [sequence(texts)]
-    timeout_s = checked(sequences, "inputs", max_chars, req.timeout_ms, default_timeout_ms, max_timeout_ms)
+    timeout_s = checked(sequences, "inputs", max_chars, req.timeout_ms, max_timeout_ms)
     return Classify(sequences, req.model, timeout_s, req.service_tier, req.raw_scores, batch)

@@ -28,7 +28,7 @@ from batchserve.http.model_choice import CLASSIFICATION, pick_model
 from batchserve.models import ModelRegistry
 
 
-Parse = Callable[[bytes, int, float, float], Classify]
+Parse = Callable[[bytes, int, float], Classify]
 
 
 class ClassifyHost(Protocol):
@@ -43,33 +43,27 @@ class ClassifyHost(Protocol):
 
 @dataclass(slots=True)
 class Job:
-    """A parsed request, its inputs as the door takes them and the model version that classifies them."""
+    """A parsed request and its inputs as the door takes them."""
 
     req: Classify
     inputs: list[str]
-    backend: Backend
 
 
 def parse_request(rt: ClassifyHost, call: Call, body: bytes, parse: Parse = parse_classify) -> Job:
     """`parse`: the route's body shape, vLLM's (`/v1/classify`, the default) or TEI's (`/predict`)."""
     s = rt.settings
-    req = parse(body, s.max_input_chars, s.timeout_ms, s.max_timeout_ms)
-    model_id, backend = pick_model(rt, CLASSIFICATION, req.model, call.who.key_id)
+    req = parse(body, s.max_input_chars, s.max_timeout_ms)
+    model_id, _ = pick_model(rt, CLASSIFICATION, req.model, call.who.key_id)
     call.work.model = model_id
-    call.work.due_in(req.timeout_s)
+    call.work.due_in(rt.registry.deadlines[model_id].timeout_s if req.timeout_s is None else req.timeout_s)
     call.run_at(req.service_tier, "service_tier")
     inputs = [single_input(seq) if isinstance(seq, str) else pair_input(*seq) for seq in req.sequences]
-    return Job(req, inputs, backend)
+    return Job(req, inputs)
 
 
 async def classify(rt: ClassifyHost, call: Call, job: Job) -> tuple[list[ItemResult], int]:
-    """Each input its own item, admitted together; the tokens from the inputs' kept encodings."""
-    results = await rt.service.infer_many(call.work, job.inputs)
-    try:
-        tokens = sum(job.backend.count_tokens(job.inputs) or ())
-    except Exception:  # noqa: BLE001 - usage is not worth failing the answer
-        tokens = 0
-    return results, tokens
+    """Each input its own item, admitted together, and their tokens."""
+    return await rt.service.infer_counted(call.work, job.inputs)
 
 
 def render(rt: ClassifyHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:

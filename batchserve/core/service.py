@@ -12,6 +12,7 @@ state, builds each `Item`, arms its deadline and counts what is in flight; nothi
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -31,6 +32,8 @@ from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 from batchserve.core.tokenize_stage import Tokenize, TokenizeStage, tokenizer_of
 from batchserve.core.work import Work
 
+
+log = logging.getLogger("batchserve")
 
 PRETOKENIZE_CHUNK = 256  # job inputs per tokenizer-stage call (`pretokenize`): interactive texts wait one chunk at most
 
@@ -53,6 +56,25 @@ class BatchCoster(Protocol):
 def batch_cost_of(backend: object) -> Callable[[list[str]], float] | None:
     """The backend's `cost_of_batch`, or None when it declares none (the padded formula applies)."""
     return backend.cost_of_batch if isinstance(backend, BatchCoster) else None
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """A backend that counts its inputs' tokens (from their kept encodings) for an answer's usage."""
+
+    def count_tokens(self, texts: list[str]) -> list[int] | None: ...
+
+
+def tokens_in(backend: object, texts: list[str]) -> int:
+    """The texts' tokens by the backend, for an answer's usage: 0 when it cannot count them or fails to (usage is
+    not worth failing an answer over)."""
+    if not isinstance(backend, TokenCounter):
+        return 0
+    try:
+        return sum(backend.count_tokens(texts) or ())
+    except Exception:
+        log.warning("count_tokens failed", exc_info=True)
+        return 0
 
 
 class ItemTracer(Protocol):
@@ -263,6 +285,12 @@ class InferenceService:
                 future.cancel()
         self._answered(record, work, ticket, result, result)
         return result
+
+    async def infer_counted(self, work: Work, texts: list[str]) -> tuple[list[ItemResult], int]:
+        """`infer_many`, and the inputs' tokens for the answer's usage (`tokens_in`: no tokenizing, the backend
+        reads its kept encodings)."""
+        results = await self.infer_many(work, texts)
+        return results, tokens_in(self.backends.get(work.model), texts)
 
     async def infer_many(self, work: Work, texts: list[str]) -> list[ItemResult]:
         """`infer` for a request of several inputs: one admission decision for all of them, predicted as the

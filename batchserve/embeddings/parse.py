@@ -5,7 +5,6 @@ lines that name `/v1/embeddings` (`jobs/lines.py`), so both refuse the same bodi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import msgspec
@@ -14,7 +13,7 @@ from batchserve.embeddings import shapes
 from batchserve.embeddings.shapes import MAX_INPUTS
 from batchserve.http.decoding import BodyRefusal, decode
 from batchserve.errors import ApiError
-from batchserve.http.openai_error import bad
+from batchserve.http.openai_error import bad, timeout_s
 
 __all__ = ["MAX_INPUTS", "EmbeddingRequest", "parse"]
 
@@ -49,14 +48,11 @@ def parse(body: bytes, max_chars: int, max_timeout_ms: float) -> EmbeddingReques
     for i, text in enumerate(inputs):
         if len(text) > max_chars:
             raise bad("input", f"input[{i}] is over the {max_chars}-character limit", "string_above_max_length")
-    timeout_ms = None if req.timeout_ms is msgspec.UNSET else req.timeout_ms
-    if timeout_ms is not None and (not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms)):
-        raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
     return EmbeddingRequest(
         inputs,
         req.model,
         req.encoding_format == "base64",
-        None if timeout_ms is None else timeout_ms / 1000,
+        timeout_s(req.timeout_ms, max_timeout_ms),
         req.dimensions,
         req.service_tier,
     )

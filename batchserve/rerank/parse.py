@@ -3,13 +3,12 @@ the server's limits: 400 in OpenAI's error shape naming the `param`. What the an
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import msgspec
 
 from batchserve.http.decoding import BodyRefusal, decode
-from batchserve.http.openai_error import bad
+from batchserve.http.openai_error import bad, timeout_s
 from batchserve.rerank import shapes
 from batchserve.rerank.shapes import MAX_DOCUMENTS
 
@@ -48,15 +47,12 @@ def parse(
     for name, text in [("query", req.query), *(("documents", d) for d in documents)]:
         if len(text) > max_chars:
             raise bad(name, f"a {name.rstrip('s')} is over the {max_chars}-character limit", "string_above_max_length")
-    timeout_ms = None if req.timeout_ms is msgspec.UNSET else req.timeout_ms
-    if timeout_ms is not None and (not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms)):
-        raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
     return RerankRequest(
         query=req.query,
         documents=documents,
         top_n=req.top_n,
         return_documents=isinstance(req, shapes.RerankRequest) and req.return_documents,
         model=req.model,
-        timeout_s=None if timeout_ms is None else timeout_ms / 1000,
+        timeout_s=timeout_s(req.timeout_ms, max_timeout_ms),
         service_tier=req.service_tier,
     )

@@ -39,32 +39,26 @@ class RerankHost(Protocol):
 
 @dataclass(slots=True)
 class Rerank:
-    """A parsed request, its (query, document) pairs and the model version that scores them."""
+    """A parsed request and its (query, document) pairs."""
 
     req: RerankRequest
     pairs: list[str]
-    backend: Backend
 
 
 def parse_request(rt: RerankHost, call: Call, body: bytes, shape: Shape = V1) -> Rerank:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms, shape)
-    model_id, backend = pick_model(rt, RERANKING, req.model, call.who.key_id)
+    model_id, _ = pick_model(rt, RERANKING, req.model, call.who.key_id)
     call.work.model = model_id
     call.work.due_in(rt.registry.deadlines[model_id].timeout_s if req.timeout_s is None else req.timeout_s)
     call.run_at(req.service_tier, "service_tier")
     pairs = [pair_input(req.query, doc) for doc in req.documents]
-    return Rerank(req, pairs, backend)
+    return Rerank(req, pairs)
 
 
 async def score(rt: RerankHost, call: Call, r: Rerank) -> tuple[list[ItemResult], int]:
-    """Each pair its own item, admitted together; the tokens from the pairs' kept encodings (no tokenizing)."""
-    results = await rt.service.infer_many(call.work, r.pairs)
-    try:
-        tokens = sum(r.backend.count_tokens(r.pairs) or ())
-    except Exception:  # noqa: BLE001 - usage is not worth failing the answer
-        tokens = 0
-    return results, tokens
+    """Each pair its own item, admitted together, and their tokens."""
+    return await rt.service.infer_counted(call.work, r.pairs)
 
 
 def render(rt: RerankHost, call: Call, r: Rerank, done: tuple[list[ItemResult], int]) -> Answer:

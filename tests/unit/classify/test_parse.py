@@ -9,7 +9,7 @@ import pytest
 from batchserve.classify.parse import parse_classify, parse_predict
 from batchserve.errors import ApiError
 
-LIMITS = (100, 1000, 60000)  # max_chars, default timeout ms, max timeout ms
+LIMITS = (100, 60000)  # max_chars, max timeout ms
 
 
 def test_classify_takes_a_text_or_a_list() -> None:
