@@ -20,9 +20,10 @@ lately (`wait_calibration.WaitCalibration`, fed by the service with each admitte
 
 The last input is checked against the request's deadline: a many-input request is predicted as the batches it
 will make and served when they fit its timeout.
-Under pressure — arrivals faster than the healthy workers serve, or a worker lost — the first input is also
-checked against `slo_ms x slack x tier factor`, so lower tiers are refused first and admitted requests stay near
-the objective; since a long input makes its own batch costlier, one tenant's long inputs pass that bound
+Under pressure — arrivals faster than the healthy workers serve (over ~2 s; or, a flood's start, over ~0.25 s
+well above it after staying above it for `FAST_HELD_S`: not a passing burst), or a worker lost — the first input
+is also checked against `slo_ms x slack x tier factor`, so lower tiers are refused first and admitted requests
+stay near the objective; since a long input makes its own batch costlier, one tenant's long inputs pass that bound
 before another's short ones do, and are shed first. Without pressure a passing burst is queued, not refused.
 
 No lock-out: a free worker with nothing queued ahead admits what its deadline might allow (the quickest a batch
@@ -51,7 +52,12 @@ from batchserve.core.class_turns import ClassQueue, Own, drain
 from batchserve.core.tiers import SHED
 from batchserve.core.wait_calibration import WaitCalibration
 
-FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once
+FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure...
+# ... once that rate has stayed above capacity this long without a dip: a flood's start. A passing burst lifts it
+# for less: closed-loop users sending together (300 locust users at 0.9x capacity: ~300 inputs every 333 ms, the
+# 0.25 s rate peaking at ~1.7x capacity and falling below it between bursts) are within capacity, and refusing
+# the tail of each burst by the latency objective turned slow answers into errors (issue 47).
+FAST_HELD_S = 0.25
 PROBE_EVERY_S = 5.0  # an idle model that refuses everything on its learned time lets one request run this often
 
 
@@ -227,9 +233,11 @@ class RateMeter:
     tau_s: float = 2.0
     rate: float = 0.0
     last: float = 0.0
+    before: float = 0.0  # the rate just before the latest tick: its lowest since the tick before (it only decays)
 
     def tick(self, now: float, n: int = 1) -> float:
-        self.rate = self.rate * math.exp(-(now - self.last) / self.tau_s) + n / self.tau_s
+        self.before = self.rate * math.exp(-(now - self.last) / self.tau_s)
+        self.rate = self.before + n / self.tau_s
         self.last = now
         return self.rate
 
@@ -271,6 +279,8 @@ class Admission:
     class_arrivals: dict[tuple[str, int], RateMeter] = field(default_factory=dict)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)  # the prediction's learned error
     _figures: dict[str, DoorFigures] = field(default_factory=dict)  # per model: `read_figures`, kept until stale
+    # Per model: since when the short-horizon rate has stayed above its capacity (absent: it is not above it).
+    fast_above_since: dict[str, float] = field(default_factory=dict)
 
     def tier_bound_s(self, tier: int) -> float:
         """The tier's latency bound under pressure: slo x slack x the tier's shed factor."""
@@ -280,8 +290,9 @@ class Admission:
         return self.arrivals.current(self.clock())
 
     def under_pressure(self, model: str, rate: float, fast_rate: float) -> bool:
-        """Arrivals over ~2 s above what the healthy workers serve, or over ~0.25 s well above it (the start of
-        a flood, before the slow average sees it), or a worker lost."""
+        """Arrivals over ~2 s above what the healthy workers serve, or over ~0.25 s well above it after staying
+        above it for `FAST_HELD_S` (the start of a flood, before the slow average sees it; not a passing burst), or
+        a worker lost. `fast_rate` is `arrivals_fast` as ticked by the door (`held_fast`)."""
         assert self.capacity is not None
         return self._pressure(
             model,
@@ -297,7 +308,27 @@ class Admission:
         and its S."""
         assert self.capacity is not None
         capacity = self._capacity(model, healthy, full_n, full_s)
-        return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
+        flood = fast_rate > FAST_SPIKE * capacity and self._held_since(model, capacity) <= self.clock() - FAST_HELD_S
+        return rate > capacity or flood or healthy < self.capacity.worker_count()
+
+    def held_fast(self, model: str, now: float, fast_rate: float, capacity: float) -> float:
+        """Since when the short-horizon rate (`arrivals_fast`, just ticked at `now` to `fast_rate`) has stayed
+        above `capacity` (inf: it is not above it). Between ticks the rate only decays, so its lowest since
+        the tick before is what it had decayed to (`RateMeter.before`): a dip below capacity there starts anew."""
+        if fast_rate <= capacity:
+            if self.fast_above_since:
+                self.fast_above_since.pop(model, None)
+            return math.inf
+        since = self.fast_above_since.get(model)
+        if since is None or self.arrivals_fast.before <= capacity:
+            since = self.fast_above_since[model] = now
+        return since
+
+    def _held_since(self, model: str, capacity: float) -> float:
+        """`held_fast` as the door last saw it, the rate read now (for `under_pressure`, which ticks nothing)."""
+        if self.arrivals_fast.current(self.clock()) <= capacity:
+            return math.inf
+        return self.fast_above_since.get(model, math.inf)
 
     def _capacity(self, model: str, healthy: int, full_n: int, full_s: float) -> float:
         """Inputs per second the healthy workers serve: full batches at their S, or a costed model's batches as
@@ -466,6 +497,10 @@ class Admission:
                 f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=batch_s * 1000
             )
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
+        cap = fig.capacity
+        # `held_fast`, written out for the common case: the short-horizon rate below capacity, nothing on record
+        held = fast_rate > cap or self.fast_above_since
+        fast_since = self.held_fast(model, now, fast_rate, cap) if held else math.inf
         most_n, budget, full_n = fig.most_n, fig.budget, fig.full_n
         rows = most_n if budget == math.inf else 1  # `_surely_in_time`'s batches ahead: at least this many inputs each
         # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
@@ -474,7 +509,8 @@ class Admission:
         if idle and n <= full_n:
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
-        pressure = rate > fig.capacity or fast_rate > FAST_SPIKE * fig.capacity or fig.lost  # `_pressure`
+        # `_pressure`: the long horizon over capacity, a flood's start (the short one well over it, held), a worker lost
+        pressure = rate > cap or (fast_rate > FAST_SPIKE * cap and now - fast_since >= FAST_HELD_S) or fig.lost
         other_classes = bucket is not None and self._classes(model, bucket)
         if not pressure and n == 1 and not other_classes:
             # Without pressure only the deadline can refuse: when no prediction could reach it, admitted as the
