@@ -11,6 +11,12 @@ row, each commit's rows run in turns:
   server's `latency_ms` (the locustfile's `server` rows), and the refusals (503s, its `refused` rows) and failures;
 - open loop: `bench.loadgen`'s Poisson arrivals at each rate, and at 4 devices, p50 / p95 and errors.
 
+`--closed 300x3` / `--open 1x900` run only the rows named (`--open none`: no open-loop row); `--burst-off` runs
+this checkout a second time with the burst rule off (commit "off": `core/burst.py`'s BURSTY_SHARE set past 1 as
+the server starts), so both are measured in the same run on the same busy machine. Each closed-loop row reports
+too what the server's door learned (its /metrics at the row's end): the queue wait it predicted and observed for
+requests admitted under pressure, the factor and margin it applies, and its batches by cause.
+
 Goals (issue 47): closed loop at 10 and 180 req/s the server's p50 <= 115 ms and p95 <= 130 ms; at 0.9x capacity
 0 refusals and p95 <= 230 ms; open loop within 3 ms of the base at p95, no new errors. `--record` refuses a busy
 machine (1-minute load average >= --max-load).
@@ -24,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from bench import common, report, servers
@@ -34,15 +41,61 @@ CLOSED = ((10, 1.0), (60, 3.0), (300, 3.0))  # (users, requests/s each): 10, 180
 OPEN = ((1, 10.0), (1, 180.0), (1, 450.0), (1, 900.0), (1, 950.0), (4, 1800.0))  # (devices, req/s): one client
 
 
+BURST_OFF = "off"  # the commit name of this checkout run with the burst rule off (`--burst-off`)
+
+
 def server_cmd(devices: int, base: str) -> list[str]:
+    """The server of a row: this checkout (base ""), this checkout with the burst rule off (BURST_OFF), or
+    another checkout's batchserve (base: its directory)."""
     cmd = servers.batchserve_cmd(devices, 100.0, 100, [])
     if not base:
         return cmd
-    boot = (
-        f"import runpy, sys; sys.path.insert(0, {str(Path(base).resolve())!r}); "
-        "runpy.run_module('batchserve', run_name='__main__', alter_sys=True)"
-    )
+    if base == BURST_OFF:  # never bursty: `Bursts.until` holds nothing
+        pre = "import batchserve.core.burst as b; b.BURSTY_SHARE = 2.0; "
+    else:
+        pre = f"sys.path.insert(0, {str(Path(base).resolve())!r}); "
+    boot = f"import runpy, sys; {pre}runpy.run_module('batchserve', run_name='__main__', alter_sys=True)"
     return [cmd[0], "-c", boot, *cmd[3:]]
+
+
+def door_figures(url: str) -> dict[str, float]:
+    """What the server's door learned by now (/metrics): the queue waits predicted and observed for requests
+    admitted under pressure (s, summed), their count, the factor and margin (ms) it applies, its refusals and
+    its batches by cause (`batches_<cause>`)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    names = {
+        "batchserve_admission_predicted_wait_seconds_total": "predicted_wait_s",
+        "batchserve_admission_actual_wait_seconds_total": "actual_wait_s",
+        "batchserve_admission_calibrated_requests_total": "calibrated",
+        "batchserve_admission_wait_factor": "factor",
+        "batchserve_admission_wait_margin_seconds": "margin_ms",
+    }
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        bare = name.split("{", 1)[0]
+        if bare in names:
+            key = names[bare]
+            got[key] = got.get(key, 0.0) + float(value) * (1000.0 if key == "margin_ms" else 1.0)
+        elif bare == "batchserve_batches_total" and 'cause="' in name:
+            key = "batches_" + name.split('cause="', 1)[1].split('"', 1)[0]
+            got[key] = got.get(key, 0.0) + float(value)
+    return got
+
+
+def pick(rows: tuple[tuple[int, float], ...], asked: list[str] | None) -> list[tuple[int, float]]:
+    """The rows named by `--closed` / `--open` (`AxB`: users x pace, or devices x rate; `none`), else all."""
+    if asked is None:
+        return list(rows)
+    want = {a for arg in asked for a in arg.split(",") if a and a != "none"}
+    known = {f"{a}x{b:g}": (a, b) for a, b in rows}
+    unknown = want - set(known)
+    if unknown:
+        sys.exit(f"no such row: {', '.join(sorted(unknown))} (rows: {', '.join(known)})")
+    return [row for name, row in known.items() if name in want]
 
 
 def closed_loop(url: str, users: int, pace: float, seconds: float, work: Path) -> dict[str, float]:
@@ -74,22 +127,23 @@ def closed_loop(url: str, users: int, pace: float, seconds: float, work: Path) -
 
 
 def run(a: argparse.Namespace) -> dict:
-    commits = {"this": ""} | ({"base": a.base} if a.base else {})
+    commits = {"this": ""} | ({BURST_OFF: BURST_OFF} if a.burst_off else {}) | ({"base": a.base} if a.base else {})
     rep: dict = {"provenance": report.provenance(), "settings": vars(a) | {"out_dir": str(a.out_dir)}, "closed": [],
                  "open": []}  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="burst-"))
     logs = common.log_dir(a, "burst")
     with common.guarded(rep):
-        for users, pace in CLOSED:
+        for users, pace in pick(CLOSED, a.closed):
             for name, base in commits.items():
                 server = servers.start(f"{name}-closed-{users}", server_cmd(1, base), logs)
                 try:
                     row = closed_loop(server.base, users, pace, a.duration, work)
+                    door = door_figures(server.base)
                 finally:
                     servers.stop(server)
-                rep["closed"].append({"commit": name, "users": users, "pace": pace, **row})
+                rep["closed"].append({"commit": name, "users": users, "pace": pace, **row, "door": door})
                 print(f"closed {name} {users}x{pace:g}: {row}", file=sys.stderr)
-        for devices, rate in OPEN:
+        for devices, rate in pick(OPEN, a.open):
             for name, base in commits.items():
                 server = servers.start(f"{name}-open-{devices}-{rate:g}", server_cmd(devices, base), logs)
                 try:
@@ -111,6 +165,13 @@ def markdown(rep: dict) -> str:
         [[r["commit"], f"{r['users']} x {r['pace']:g}", r["offered"], r["answered"], r["locust_p50"],
           r["locust_p95"], r["server_p50"], r["server_p95"], r["refused"], r["failures"]] for r in rep["closed"]],
     )  # fmt: skip
+    causes = sorted({k for r in rep["closed"] for k in r.get("door", {}) if k.startswith("batches_")})
+    door = report.table(
+        ["commit", "users x pace", "calibrated", "predicted wait s", "observed wait s", "factor", "margin ms",
+         *(c.removeprefix("batches_") for c in causes)],
+        [[r["commit"], f"{r['users']} x {r['pace']:g}", *(r.get("door", {}).get(k, 0.0) for k in
+          ("calibrated", "predicted_wait_s", "actual_wait_s", "factor", "margin_ms", *causes))] for r in rep["closed"]],
+    )  # fmt: skip
     opened = report.table(
         ["commit", "devices", "rate/s", "answered", "p50 ms", "p95 ms", "errors"],
         [[r["commit"], r["devices"], r["rate"], r["answered"], r["p50"], r["p95"], r["errors"]] for r in rep["open"]],
@@ -119,6 +180,7 @@ def markdown(rep: dict) -> str:
     return (
         f"# A burst rides one batch ({rep['provenance']['git']['commit'][:8]}, load at start {load})\n\n"
         f"Closed loop (locust, users spawned at once), one sim device:\n\n{closed}\n\n"
+        f"What the door learned under pressure by each closed-loop row's end, and its batches by cause:\n\n{door}\n\n"
         f"Open loop (bench.loadgen, Poisson):\n\n{opened}\n"
     )
 
@@ -129,6 +191,9 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=20.0, help="seconds a row (default %(default)s)")
     p.add_argument("--warmup", type=float, default=3.0, help="open loop: seconds before the measured window")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--closed", action="append", help="closed-loop rows to run, e.g. 300x3 (repeat or comma-separate)")
+    p.add_argument("--open", action="append", help="open-loop rows to run, e.g. 1x900 or 4x1800; none: no row")
+    p.add_argument("--burst-off", action="store_true", help="also run this checkout with the burst rule off")
     p.add_argument("--max-load", type=float, default=1.5, help="--record refuses to start at this load or more")
     common.add_output_flags(p)
     a = p.parse_args()

@@ -20,11 +20,12 @@ lately (`wait_calibration.WaitCalibration`, fed by the service with each admitte
 
 The last input is checked against the request's deadline: a many-input request is predicted as the batches it
 will make and served when they fit its timeout.
-Under pressure — arrivals faster than the healthy workers serve, or a worker lost — the first input is also
-checked against `slo_ms x slack x tier factor` (the model's own SLO: `slo.Deadlines`), so lower tiers are
-refused first and admitted requests stay near the objective; since a long input makes its own batch costlier, one
-tenant's long inputs pass that bound before another's short ones do, and are shed first. Without pressure a
-passing burst is queued, not refused.
+Under pressure — arrivals faster than the healthy workers serve (over ~2 s; or, a flood's start, over ~0.25 s
+well above it, where bursts passed lately only once it held above it `FAST_HELD_S`), or a worker lost — the first
+input is also checked against `slo_ms x slack x tier factor` (the model's own SLO: `slo.Deadlines`), so lower
+tiers are refused first and admitted requests stay near the objective; since a long input makes its own batch
+costlier, one tenant's long inputs pass that bound before another's short ones do, and are shed first. Without
+pressure a passing burst is queued, not refused.
 
 No lock-out: a free worker with nothing queued ahead admits what its deadline might allow (the quickest a batch
 may take, `BatchTimes.lower_bound`), and when even that says no, one request now and then (`PROBE_EVERY_S`) is
@@ -53,7 +54,16 @@ from batchserve.core.tiers import SHED
 from batchserve.core.wait_calibration import WaitCalibration
 from batchserve.slo import Deadlines
 
-FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once
+FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once (a flood's start)...
+# ... unless a burst passed lately (that rate rose above capacity and fell back below BURST_LOW of it within
+# BURST_MEMORY_S): then only once it has stayed above capacity FAST_HELD_S without a dip. Closed-loop users
+# answered together send together (300 locust users at 0.9x capacity: ~300 inputs every 333 ms, the 0.25 s rate
+# peaking at ~1.7x capacity and well below it between bursts): within capacity, yet read as a flood at every
+# burst, the tail of each was refused by the latency objective, slow answers turned into errors (issue 47). A
+# flood out of steady traffic is still seen at once; one that follows bursts, FAST_HELD_S later.
+FAST_HELD_S = 0.25
+BURST_MEMORY_S = 2.0  # the long horizon: bursts that passed this lately are expected again
+BURST_LOW = 0.8  # a burst has passed once that rate is back this far below capacity (not the wobble of a rise)
 PROBE_EVERY_S = 5.0  # an idle model that refuses everything on its learned time lets one request run this often
 
 
@@ -229,9 +239,11 @@ class RateMeter:
     tau_s: float = 2.0
     rate: float = 0.0
     last: float = 0.0
+    before: float = 0.0  # the rate just before the latest tick: its lowest since the tick before (it only decays)
 
     def tick(self, now: float, n: int = 1) -> float:
-        self.rate = self.rate * math.exp(-(now - self.last) / self.tau_s) + n / self.tau_s
+        self.before = self.rate * math.exp(-(now - self.last) / self.tau_s)
+        self.rate = self.before + n / self.tau_s
         self.last = now
         return self.rate
 
@@ -275,6 +287,10 @@ class Admission:
     class_arrivals: dict[tuple[str, int], RateMeter] = field(default_factory=dict)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)  # the prediction's learned error
     _figures: dict[str, DoorFigures] = field(default_factory=dict)  # per model: `read_figures`, kept until stale
+    # Per model, while the short-horizon rate is above its capacity or has not fallen back below BURST_LOW of it
+    # since: since when it has stayed above capacity (inf: it is not above it now); and when a burst last passed.
+    fast_above: dict[str, float] = field(default_factory=dict)
+    burst_passed: dict[str, float] = field(default_factory=dict)
 
     def tier_bound_s(self, tier: int, model: str = "") -> float:
         """The tier's latency bound under pressure: the model's own slo x slack x the tier's shed factor."""
@@ -286,7 +302,8 @@ class Admission:
 
     def under_pressure(self, model: str, rate: float, fast_rate: float) -> bool:
         """Arrivals over ~2 s above what the healthy workers serve, or over ~0.25 s well above it (the start of
-        a flood, before the slow average sees it), or a worker lost."""
+        a flood, before the slow average sees it; where bursts passed lately, once it held: `flood_from`), or a
+        worker lost. `fast_rate` is `arrivals_fast` as the door ticked it."""
         assert self.capacity is not None
         return self._pressure(
             model,
@@ -302,7 +319,42 @@ class Admission:
         and its S."""
         assert self.capacity is not None
         capacity = self._capacity(model, healthy, full_n, full_s)
-        return rate > capacity or fast_rate > FAST_SPIKE * capacity or healthy < self.capacity.worker_count()
+        now = self.clock()
+        above = math.inf  # since when the short horizon is above capacity, as the door saw it (else: from now)
+        if self.arrivals_fast.current(now) > capacity:
+            above = self.fast_above.get(model, now)
+            above = now if above == math.inf else above
+        flood = fast_rate > FAST_SPIKE * capacity and now >= self._flood_at(model, above)
+        return rate > capacity or flood or healthy < self.capacity.worker_count()
+
+    def flood_from(self, model: str, now: float, fast_rate: float, capacity: float) -> float:
+        """From when the short-horizon rate (`arrivals_fast`, just ticked at `now` to `fast_rate`) is a flood's
+        start while it is above FAST_SPIKE x capacity: at once, or where a burst passed lately FAST_HELD_S after
+        it rose above capacity (inf: it is below capacity). Between ticks the rate only decays, so its lowest
+        since the tick before is what it had decayed to (`RateMeter.before`): a dip below capacity there starts
+        the hold anew, and one below BURST_LOW x capacity after a rise above it is a burst that passed."""
+        above = self.fast_above.get(model)
+        meter = self.arrivals_fast
+        lowest, low = meter.before, BURST_LOW * capacity
+        if above is not None and lowest <= low:  # a burst passed: when the rate, decaying, crossed `low`
+            del self.fast_above[model]
+            self.burst_passed[model] = now - meter.tau_s * math.log(low / max(lowest, 1e-9))
+            above = None
+        if fast_rate <= capacity:
+            if above is not None and above != math.inf:
+                self.fast_above[model] = math.inf  # fell back, not yet far: a rise now holds anew
+            return math.inf
+        if above is None or above == math.inf or lowest <= capacity:
+            above = self.fast_above[model] = now
+        return self._flood_at(model, above)
+
+    def _flood_at(self, model: str, since: float) -> float:
+        """For a short-horizon rate above capacity since `since`: from when it is a flood (`flood_from`)."""
+        if since == math.inf:
+            return math.inf
+        if since - self.burst_passed.get(model, -math.inf) > BURST_MEMORY_S:
+            return -math.inf
+        return since + FAST_HELD_S
 
     def _capacity(self, model: str, healthy: int, full_n: int, full_s: float) -> float:
         """Inputs per second the healthy workers serve: full batches at their S, or a costed model's batches as
@@ -472,6 +524,9 @@ class Admission:
                 f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=batch_s * 1000
             )
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
+        cap = fig.capacity
+        # `flood_from`, written out for the common case: the short-horizon rate below capacity, nothing on record
+        flood_at = self.flood_from(model, now, fast_rate, cap) if fast_rate > cap or self.fast_above else math.inf
         most_n, budget, full_n = fig.most_n, fig.budget, fig.full_n
         rows = most_n if budget == math.inf else 1  # `_surely_in_time`'s batches ahead: at least this many inputs each
         # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
@@ -480,7 +535,8 @@ class Admission:
         if idle and n <= full_n:
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
-        pressure = rate > fig.capacity or fast_rate > FAST_SPIKE * fig.capacity or fig.lost  # `_pressure`
+        # `_pressure`: the long horizon over capacity, a flood's start (the short one well over it), a worker lost
+        pressure = rate > cap or (fast_rate > FAST_SPIKE * cap and now >= flood_at) or fig.lost
         other_classes = bucket is not None and self._classes(model, bucket)
         if not pressure and n == 1 and not other_classes:
             # Without pressure only the deadline can refuse: when no prediction could reach it, admitted as the
