@@ -123,10 +123,10 @@ class Settings:
     dispatch_margin_ms: float = knob(5.0, "slack kept between the dispatch deadline and the SLO")
     stage_lead_ms: float = knob(
         10.0,
-        "a request arriving within this long of a busy device's expected end, while a "
-        "full batch waits, has that batch formed and handed to the device's thread, "
-        "which begins it the moment the running batch ends (0 = off: the next batch "
-        "is formed once the event loop hears the device is free)",
+        "while a full batch waits, this long before a busy device's expected end (a "
+        "timer, or a request arriving then) that batch is formed and handed to the "
+        "device's thread, which begins it the moment the running batch ends (0 = off: "
+        "the next batch is formed once the event loop hears the device is free)",
     )
     timeout_ms: float = knob(
         2000.0,

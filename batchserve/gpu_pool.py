@@ -45,6 +45,7 @@ from batchserve.metrics import Metrics
 log = logging.getLogger("batchserve.pool")
 GPU_TIMEOUT_FLOOR_S = 1.0
 GPU_TIMEOUT_BATCHES = 10  # derived gpu_timeout: this many learned batch times, at least the floor
+TIMER_LATE_DECAY = 0.2  # `GpuPool._timer_late` loses this share of itself with each staging timer run in time
 LOGGED_CHARS = 4096  # most characters of a backend's exception text kept (the log line; the retry's reason)
 
 
@@ -74,6 +75,10 @@ class Worker:
     staged: Batch | None = None
     staged_cost: float = 1.0
     ends: float = math.inf  # when `batch` is expected to end (this clock): staging opens `stage_lead_s` before
+    # The staging timer (`GpuPool._arm`): at most one per batch, armed while a full batch waits behind `batch`
+    # (`timed` is the batch it was armed for) and fired `stage_lead_s` before `ends`.
+    stage_timer: asyncio.TimerHandle | None = None
+    timed: Batch | None = None
     # When the worker is expected to be free: `ends`, plus the staged batch's expected time (read on every admission).
     free_at: float = math.inf
 
@@ -120,6 +125,7 @@ class GpuPool:
     quarantine: Quarantine | None = None  # where an input that failed alone is remembered (the door reads it)
     rules: dict[str, OutputRule] = field(default_factory=dict)  # model id -> its outputs' rule (warm-up's)
     stage_lead_s: float = 0.0  # --stage-lead-ms: how long before a batch's expected end its successor may form
+    _timer_late: float = 0.0  # how late the loop ran the staging timers lately (a decaying maximum, at most the lead)
     _healthy: int = 0
     # batchserve_batches_total's child per (model, cause): prometheus-client's `labels()` costs several µs a call
     _batch_counts: dict[tuple[str, str], Counter] = field(default_factory=dict)
@@ -145,6 +151,7 @@ class GpuPool:
         for w in self.workers:
             if w.watchdog is not None:
                 w.watchdog.cancel()
+            self._disarm(w)
 
     # -- capacity, for admission and health ----------------------------------------------------------------
     def healthy_count(self) -> int:
@@ -213,6 +220,7 @@ class GpuPool:
         """Settle the batch just run, and give the worker its next one at once when one is due. Resolving
         futures only schedules the handlers, so the worker thread is woken before they run."""
         answer = self._finish(w, *finished) if finished is not None else None
+        self._disarm(w)  # the batch it was armed for has ended
         staged, w.staged = w.staged, None
         if staged is not None:  # the thread went straight on to it
             self._begin(w, staged, w.staged_cost)
@@ -248,28 +256,73 @@ class GpuPool:
     # -- staging: the next full batch into a busy worker's inbox ---------------------------------------------
     def _open_staging(self) -> None:
         """Tell the batcher from when an arrival may stage (`Batcher.stage_after`): `stage_lead_s` before the
-        soonest expected end of a healthy worker's batch with nothing staged behind it (inf: none)."""
+        soonest expected end of a healthy worker's batch with nothing staged behind it (inf: none). And arm such a
+        worker's staging timer (`_arm`) while a full batch waits; while none does, ask the batcher to call again
+        when an arrival fills a queue (`Batcher.stage_when_full`)."""
         lead = self.stage_lead_s
         if lead <= 0:
             return
         soonest = math.inf
+        full: bool | None = None  # whether a full batch waits: read once, and only for a worker without its timer
+        unarmed = False
         for w in self.workers:
-            if w.healthy and w.batch is not None and w.staged is None and w.ends < soonest:
-                soonest = w.ends
+            if w.healthy and w.batch is not None and w.staged is None:
+                if w.ends < soonest:
+                    soonest = w.ends
+                if w.timed is not w.batch:
+                    if full is None:
+                        full = self.batcher.full_waiting()
+                    if full:
+                        self._arm(w)
+                    else:
+                        unarmed = True
         self.batcher.stage_after = soonest - lead
+        self.batcher.stage_when_full = unarmed
+
+    def _arm(self, w: Worker) -> None:
+        """A full batch waits behind `w`'s batch: stage it `stage_lead_s` before the batch's expected end even
+        if no arrival comes then to ask (`stage`). Closed-loop callers send again right after their answers, so
+        near a batch's end nothing arrives, and without this every batch waited for the loop to hear of the end
+        of the one before (bench/fair_service: the device idle ~5 % of the time while inputs waited). One timer
+        per batch, and only while a full batch waits: an idle loop (nothing queued) is never woken for it.
+
+        The end is reckoned from when the thread began the batch where it already has (a staged batch: the loop
+        hears of it a hop later), and the timer is set early by the loop's recent lateness in running timers
+        (`_timer_late`, at most the lead): on a busy machine they ran 3-8 ms late, often after the batch had
+        ended, so that the batch forms about `stage_lead_s` before the end as the lead means."""
+        batch = w.batch
+        assert batch is not None
+        w.timed = batch
+        ends = w.ends
+        if w.running is batch and w.running_since < w.started:
+            ends -= w.started - w.running_since
+        now = self.clock()
+        at = max(now, ends - self.stage_lead_s - self._timer_late)
+        w.stage_timer = self.loop.call_later(at - now, self._stage_on_time, w, batch, at)
+
+    def _disarm(self, w: Worker) -> None:
+        if w.stage_timer is not None:
+            w.stage_timer.cancel()
+            w.stage_timer = None
+
+    def _stage_on_time(self, w: Worker, batch: Batch, at: float) -> None:
+        """`w`'s staging timer: stage into `w` now (`_stage_into`, with all its rules) if the batch it was armed
+        for still runs on a healthy worker with nothing staged behind it."""
+        w.stage_timer = None
+        now, lead = self.clock(), self.stage_lead_s
+        # Set early by the most recent lateness, decaying: being early costs little (a full batch holds nearly
+        # the same a few ms later), being late the whole hop.
+        late = min(max(0.0, now - at), lead)
+        self._timer_late = max(late, self._timer_late * (1.0 - TIMER_LATE_DECAY))
+        if w.healthy and w.batch is batch and w.staged is None and not self._overdue(w, now):
+            if self._stage_into(w, now):
+                self._open_staging()
 
     def stage(self) -> None:
         """An item arrived within `stage_lead_s` of a busy worker's expected end (`Batcher.submit`): when a full
-        batch waits, form it and put it in that worker's inbox. Without it the device idles from the end of each
-        batch until the loop has heard of it (a thread hop and a wake-up, more on a busy machine: measured ~2 ms a
-        batch on the sim at 950 req/s, up to 14) and handed the next one. Only a full batch
-        (`Batcher.take_full`): it holds nearly what it would hold formed a moment later, while a partial batch
-        formed early would leave out what arrives meanwhile. Not behind a batch overdue by more than the lead and
-        still running (a long batch, a hang): a batch staged behind it could wait long, while work of a higher
-        tier arrives that a batch formed when the worker frees would take first; once its thread has ended it
-        (the loop has not yet heard), a staged batch begins at once. Asked by arrivals, not by a timer: under the load
-        where staging matters they come every millisecond or so, and a timer per batch would wake an idle loop
-        for nothing (~2 % of the CPU of a request in bench/hotpath, where no request arrives while a batch runs)."""
+        batch waits, form it and put it in that worker's inbox (`_stage_into`). Also asked by an arrival that
+        fills a queue while a busy worker has no staging timer yet (`Batcher.stage_when_full`): `_open_staging`
+        then arms it (`_arm`)."""
         now, lead = self.clock(), self.stage_lead_s
         for w in self.workers:
             if (
@@ -277,18 +330,34 @@ class GpuPool:
                 and w.batch is not None
                 and w.staged is None
                 and now >= w.ends - lead
-                and (now <= w.ends + lead or w.finished is w.batch)
+                and not self._overdue(w, now)
             ):
-                staged = self.batcher.take_full(w.index, starts=max(now, w.ends))
-                if staged is None:
-                    return  # no full batch waits: the next arrival asks again
-                w.staged, w.staged_cost = staged, staged.cost
-                w.free_at = w.ends + self.batcher.batch_s.at(staged.model, w.staged_cost)  # begun as `batch` ends
-                w.inbox.put(staged)
-                self._count_batch(staged)
-                self.metrics.batches_staged.labels(staged.model).inc()
-                break
+                self._stage_into(w, now)  # none when no full batch waits (or a retry or an idle worker goes
+                break  # first): an arrival asks again
         self._open_staging()
+
+    def _stage_into(self, w: Worker, now: float) -> bool:
+        """Put the next full batch into busy `w`'s inbox; False when none is staged. Without it the device idles
+        from the end of each batch until the loop has heard of it (a thread hop and a wake-up, more on a busy
+        machine: measured ~2 ms a batch on the sim at 950 req/s, up to 14) and handed the next one. Only a full
+        batch (`Batcher.take_full`): it holds nearly what it would hold formed a moment later, while a partial
+        batch formed early would leave out what arrives meanwhile (the callers asked `_overdue` first)."""
+        staged = self.batcher.take_full(w.index, starts=max(now, w.ends))
+        if staged is None:
+            return False
+        w.staged, w.staged_cost = staged, staged.cost
+        w.free_at = w.ends + self.batcher.batch_s.at(staged.model, w.staged_cost)  # begun as `batch` ends
+        w.inbox.put(staged)
+        self._count_batch(staged)
+        self.metrics.batches_staged.labels(staged.model).inc()
+        return True
+
+    def _overdue(self, w: Worker, now: float) -> bool:
+        """Nothing is staged behind a batch overdue by more than the lead and still running (a long batch, a
+        hang): a batch staged behind it could wait long, while work of a higher tier arrives that a batch formed
+        when the worker frees would take first. Once its thread has ended it (the loop has not yet heard), the
+        device is free and a staged batch begins at once."""
+        return now > w.ends + self.stage_lead_s and w.finished is not w.batch
 
     def _count_batch(self, batch: Batch) -> None:
         """A batch formed for a worker, into the metrics: its size, its cause, its items' queue waits."""
@@ -496,6 +565,7 @@ class GpuPool:
                 return  # (its turnaround, already queued, settles the batch)
             staged, w.staged = w.staged, None
             self.batcher.return_items(staged.items)
+        self._disarm(w)
         log.error(
             "worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
             w.name,

@@ -130,6 +130,9 @@ class Batcher:
         # asks the pool to put a full batch into that worker's inbox; the pool keeps both up to date.
         self.stage_after = math.inf
         self.on_stage: Callable[[], None] = _nothing
+        # ... and while a busy worker has no staging timer yet (the pool arms one while a full batch waits), an
+        # arrival that fills its queue asks the pool too, which then arms it.
+        self.stage_when_full = False
 
     # -- the handlers' side ------------------------------------------------------------------------------
     def submit(self, item: Item) -> None:
@@ -147,6 +150,10 @@ class Batcher:
         if self._waiting and (len(q) == 1 or len(q) >= self.costs.limit(item.model)):
             self._wake.set()
         if item.arrived >= self.stage_after:  # within the lead of a busy worker's end: stage a full batch for it
+            self.on_stage()
+        elif self.stage_when_full and (
+            len(q) >= self.costs.limit(item.model) or q.cost_sum >= self.costs.budget(item.model)
+        ):  # a full batch waits now: the pool arms a busy worker's staging timer
             self.on_stage()
 
     def _new_queue(self, key: tuple[str, int]) -> FairQueue:
@@ -222,14 +229,18 @@ class Batcher:
         worker takes the batch now)."""
         if self.closed or self._turn.locked() or self.retries.interactive or self.retries.background:
             return None
-        costs = self.costs  # asked by each arrival near a batch's end: no queue full, no pass of the flush policy
-        if not any(len(q) >= costs.limit(m) or q.cost_sum >= costs.budget(m) for (m, _), q in self.queues.items()):
+        if not self.full_waiting():  # asked by each arrival near a batch's end: no pass of the flush policy
             return None
         now = self.clock()
         key, due, cause = self.most_urgent(now)
         if key is None or cause != "full" or due > now:
             return None
         return self.form(key, now, cause, due, starts)
+
+    def full_waiting(self) -> bool:
+        """Whether some queue holds a full batch (by count or by cost): a cheap look, no pass of the policy."""
+        costs = self.costs
+        return any(len(q) >= costs.limit(m) or q.cost_sum >= costs.budget(m) for (m, _), q in self.queues.items())
 
     def _take(self, worker: int, now: float) -> tuple[Batch | None, str, float]:
         """The flush policy's one pass, for `take_now` and `_wait_for_batch` alike: an interactive retry first;

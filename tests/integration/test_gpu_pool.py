@@ -177,6 +177,36 @@ def test_full_batches_are_staged_and_every_caller_gets_its_own_answer(server_fac
         assert metric(text, "batchserve_batch_size_count", model="sim@v1") >= 15
 
 
+def test_closed_loop_callers_have_full_batches_staged_by_the_timer(server_factory):
+    # 30 closed loops at batches of 10 taking 50 ms: each caller sends again right after its answer, so nothing
+    # arrives near a batch's end, yet two full batches wait behind each one: the staging timer stages them
+    # (issue 49: without it every batch waited for the loop to hear of the end of the one before).
+    server = server_factory("--max-batch-size", "10", "--sim-batch-ms", "50", "--slo-ms", "10000")
+
+    async def closed_loops(url: str) -> list[tuple[int, str, dict]]:
+        results: list[tuple[int, str, dict]] = []
+        stop = time.monotonic() + 1.5
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=30)) as s:
+
+            async def loop(n: int) -> None:
+                i = 0
+                while time.monotonic() < stop:
+                    text = f"loop-{n}-{i}"
+                    async with s.post(url + "/v1/inference", json={"input": text, "timeout_ms": 20000}) as r:
+                        results.append((r.status, text, await r.json()))
+                    i += 1
+
+            await asyncio.gather(*(loop(n) for n in range(30)))
+        return results
+
+    results = asyncio.run(closed_loops(server.url))
+    assert results and all(s == 200 and b["output"] == t[::-1] for s, t, b in results), results[:3]
+    with server.client() as c:
+        text = c.get("/metrics").text
+    batches = metric(text, "batchserve_batch_size_count", model="sim@v1")
+    assert batches >= 10 and metric(text, "batchserve_batches_staged_total", model="sim@v1") >= batches / 2
+
+
 def test_sigterm_drains_every_queued_item_then_exits(server_factory):
     server = server_factory("--devices", "1", "--sim-batch-ms", "400", "--slo-ms", "5000", "--max-batch-size", "4")
 
