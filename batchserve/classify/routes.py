@@ -10,35 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
 
 from starlette.routing import Route
 
-from batchserve.backends import Backend
 from batchserve.backends.hf import pair_input, single_input
 from batchserve.classify.parse import Classify, parse_classify, parse_predict
 from batchserve.classify.render import answer, answer_predict
-from batchserve.config import Settings
 from batchserve.core.fairqueue import ItemResult
-from batchserve.core.service import InferenceService
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, Endpoint
-from batchserve.http.guards import Guard
-from batchserve.http.model_choice import CLASSIFICATION, pick_model
-from batchserve.models import ModelRegistry
+from batchserve.http.model_choice import CLASSIFICATION, EncoderHost, pick_model
 
 
 Parse = Callable[[bytes, int, float], Classify]
-
-
-class ClassifyHost(Protocol):
-    """What the classify routes read from `app.state.rt` (the runtime, which app.py wires)."""
-
-    settings: Settings
-    guard: Guard
-    registry: ModelRegistry
-    service: InferenceService
-    backends: dict[str, Backend]
 
 
 @dataclass(slots=True)
@@ -49,7 +33,7 @@ class Job:
     inputs: list[str]
 
 
-def parse_request(rt: ClassifyHost, call: Call, body: bytes, parse: Parse = parse_classify) -> Job:
+def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse_classify) -> Job:
     """`parse`: the route's body shape, vLLM's (`/v1/classify`, the default) or TEI's (`/predict`)."""
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms)
@@ -61,25 +45,25 @@ def parse_request(rt: ClassifyHost, call: Call, body: bytes, parse: Parse = pars
     return Job(req, inputs)
 
 
-async def classify(rt: ClassifyHost, call: Call, job: Job) -> tuple[list[ItemResult], int]:
+async def classify(rt: EncoderHost, call: Call, job: Job) -> tuple[list[ItemResult], int]:
     """Each input its own item, admitted together, and their tokens."""
     return await rt.service.infer_counted(call.work, job.inputs)
 
 
-def render(rt: ClassifyHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:
+def render(rt: EncoderHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:
     results, tokens = done
     return Answer(answer([r.output for r in results], call.work.model, tokens))
 
 
-def render_predict(rt: ClassifyHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:
+def render_predict(rt: EncoderHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:
     results, _ = done
     return Answer(answer_predict([r.output for r in results], job.req.raw_scores, job.req.batch))
 
 
-classify_endpoint: Endpoint[ClassifyHost, Job, tuple[list[ItemResult], int]] = Endpoint(
+classify_endpoint: Endpoint[EncoderHost, Job, tuple[list[ItemResult], int]] = Endpoint(
     OPENAI, parse_request, classify, render, tokens=lambda job: len(job.inputs)
 )
-predict_endpoint: Endpoint[ClassifyHost, Job, tuple[list[ItemResult], int]] = Endpoint(
+predict_endpoint: Endpoint[EncoderHost, Job, tuple[list[ItemResult], int]] = Endpoint(
     OPENAI, partial(parse_request, parse=parse_predict), classify, render_predict, tokens=lambda job: len(job.inputs)
 )
 

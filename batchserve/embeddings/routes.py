@@ -10,35 +10,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Protocol
 
 from starlette.routing import Route
 
 from batchserve.backends import Backend
-from batchserve.config import Settings
 from batchserve.core.fairqueue import ItemResult
-from batchserve.core.service import InferenceService
 from batchserve.embeddings.parse import EmbeddingRequest, parse
 from batchserve.embeddings.render import answer
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, Endpoint
-from batchserve.http.guards import Guard
-from batchserve.http.model_choice import EMBEDDING, pick_model
-from batchserve.models import ModelRegistry
+from batchserve.http.model_choice import EMBEDDING, EncoderHost, pick_model
 
 log = logging.getLogger("batchserve.embeddings")
 
 COUNT_INLINE_CHARS = 8192  # token counting of more text than this runs on a thread, beside the inference
-
-
-class EmbeddingsHost(Protocol):
-    """What the embeddings route reads from `app.state.rt` (the runtime, which app.py wires): this much only."""
-
-    settings: Settings
-    guard: Guard
-    registry: ModelRegistry
-    service: InferenceService
-    backends: dict[str, Backend]
 
 
 async def prompt_tokens(backend: Backend, inputs: list[str], counting: asyncio.Future | None) -> int:
@@ -65,7 +50,7 @@ class Embed:
     backend: Backend
 
 
-def parse_request(rt: EmbeddingsHost, call: Call, body: bytes) -> Embed:
+def parse_request(rt: EncoderHost, call: Call, body: bytes) -> Embed:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms)
     model_id, backend = pick_model(rt, EMBEDDING, req.model, call.who.key_id)
@@ -75,7 +60,7 @@ def parse_request(rt: EmbeddingsHost, call: Call, body: bytes) -> Embed:
     return Embed(req, backend)
 
 
-async def embed(rt: EmbeddingsHost, call: Call, e: Embed) -> tuple[list[ItemResult], int]:
+async def embed(rt: EncoderHost, call: Call, e: Embed) -> tuple[list[ItemResult], int]:
     """Every input as its own item, admitted together (the door predicts the batches they will make); the
     prompt tokens counted beside them (on a thread for a long text)."""
     inputs = e.req.inputs
@@ -88,12 +73,12 @@ async def embed(rt: EmbeddingsHost, call: Call, e: Embed) -> tuple[list[ItemResu
     return results, tokens
 
 
-def render(rt: EmbeddingsHost, call: Call, e: Embed, done: tuple[list[ItemResult], int]) -> Answer:
+def render(rt: EncoderHost, call: Call, e: Embed, done: tuple[list[ItemResult], int]) -> Answer:
     results, tokens = done
     return Answer(answer([r.output for r in results], e.req.base64, call.work.model, tokens, e.req.dimensions))
 
 
-embeddings: Endpoint[EmbeddingsHost, Embed, tuple[list[ItemResult], int]] = Endpoint(
+embeddings: Endpoint[EncoderHost, Embed, tuple[list[ItemResult], int]] = Endpoint(
     OPENAI, parse_request, embed, render, tokens=lambda e: len(e.req.inputs)
 )
 

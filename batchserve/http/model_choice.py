@@ -11,8 +11,10 @@ from typing import Protocol
 
 from batchserve import errors
 from batchserve.backends import Backend
-from batchserve.config import ModelSpec
+from batchserve.config import ModelSpec, Settings
+from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
+from batchserve.http.guards import Guard
 from batchserve.http.openai_error import bad, unknown_model
 from batchserve.models import ModelRegistry
 
@@ -22,6 +24,15 @@ class Models(Protocol):
 
     registry: ModelRegistry
     backends: dict[str, Backend]
+
+
+class EncoderHost(Models, Protocol):
+    """What the encoder wings (`/v1/embeddings`, `/v1/rerank`, `/v1/classify`) read from `app.state.rt` (the
+    runtime, which app.py wires): this much only."""
+
+    settings: Settings
+    guard: Guard
+    service: InferenceService
 
 
 @dataclass(frozen=True)

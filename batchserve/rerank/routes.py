@@ -9,32 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
 
 from starlette.routing import Route
 
-from batchserve.backends import Backend
 from batchserve.backends.hf import pair_input
-from batchserve.config import Settings
 from batchserve.core.fairqueue import ItemResult
-from batchserve.core.service import InferenceService
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, Endpoint
-from batchserve.http.guards import Guard
-from batchserve.http.model_choice import RERANKING, pick_model
-from batchserve.models import ModelRegistry
+from batchserve.http.model_choice import RERANKING, EncoderHost, pick_model
 from batchserve.rerank.parse import V1, V2, RerankRequest, Shape, parse
 from batchserve.rerank.render import answer, answer_v2
-
-
-class RerankHost(Protocol):
-    """What the rerank route reads from `app.state.rt` (the runtime, which app.py wires)."""
-
-    settings: Settings
-    guard: Guard
-    registry: ModelRegistry
-    service: InferenceService
-    backends: dict[str, Backend]
 
 
 @dataclass(slots=True)
@@ -45,7 +29,7 @@ class Rerank:
     pairs: list[str]
 
 
-def parse_request(rt: RerankHost, call: Call, body: bytes, shape: Shape = V1) -> Rerank:
+def parse_request(rt: EncoderHost, call: Call, body: bytes, shape: Shape = V1) -> Rerank:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms, shape)
     model_id, _ = pick_model(rt, RERANKING, req.model, call.who.key_id)
@@ -56,12 +40,12 @@ def parse_request(rt: RerankHost, call: Call, body: bytes, shape: Shape = V1) ->
     return Rerank(req, pairs)
 
 
-async def score(rt: RerankHost, call: Call, r: Rerank) -> tuple[list[ItemResult], int]:
+async def score(rt: EncoderHost, call: Call, r: Rerank) -> tuple[list[ItemResult], int]:
     """Each pair its own item, admitted together, and their tokens."""
     return await rt.service.infer_counted(call.work, r.pairs)
 
 
-def render(rt: RerankHost, call: Call, r: Rerank, done: tuple[list[ItemResult], int]) -> Answer:
+def render(rt: EncoderHost, call: Call, r: Rerank, done: tuple[list[ItemResult], int]) -> Answer:
     results, tokens = done
     req = r.req
     return Answer(
@@ -69,15 +53,15 @@ def render(rt: RerankHost, call: Call, r: Rerank, done: tuple[list[ItemResult], 
     )
 
 
-def render_v2(rt: RerankHost, call: Call, r: Rerank, done: tuple[list[ItemResult], int]) -> Answer:
+def render_v2(rt: EncoderHost, call: Call, r: Rerank, done: tuple[list[ItemResult], int]) -> Answer:
     results, tokens = done
     return Answer(answer_v2([x.output for x in results], r.req.top_n, tokens))
 
 
-rerank: Endpoint[RerankHost, Rerank, tuple[list[ItemResult], int]] = Endpoint(
+rerank: Endpoint[EncoderHost, Rerank, tuple[list[ItemResult], int]] = Endpoint(
     OPENAI, parse_request, score, render, tokens=lambda r: len(r.pairs)
 )
-rerank_v2: Endpoint[RerankHost, Rerank, tuple[list[ItemResult], int]] = Endpoint(
+rerank_v2: Endpoint[EncoderHost, Rerank, tuple[list[ItemResult], int]] = Endpoint(
     OPENAI, partial(parse_request, shape=V2), score, render_v2, tokens=lambda r: len(r.pairs)
 )
 
