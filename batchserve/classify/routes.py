@@ -19,7 +19,7 @@ from batchserve.classify.render import answer, answer_predict
 from batchserve.core.fairqueue import ItemResult
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, Endpoint
-from batchserve.http.model_choice import CLASSIFICATION, EncoderHost, pick_model
+from batchserve.http.model_choice import CLASSIFICATION, EncoderHost, choose
 
 
 Parse = Callable[[bytes, int, float], Classify]
@@ -37,10 +37,7 @@ def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse
     """`parse`: the route's body shape, vLLM's (`/v1/classify`, the default) or TEI's (`/predict`)."""
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms)
-    model_id, _ = pick_model(rt, CLASSIFICATION, req.model, call.who.key_id)
-    call.work.model = model_id
-    call.work.due_in(rt.registry.deadlines[model_id].timeout_s if req.timeout_s is None else req.timeout_s)
-    call.run_at(req.service_tier, "service_tier")
+    choose(rt, call, CLASSIFICATION, req.model, req.timeout_s, req.service_tier)
     inputs = [single_input(seq) if isinstance(seq, str) else pair_input(*seq) for seq in req.sequences]
     return Job(req, inputs)
 

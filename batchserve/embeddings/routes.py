@@ -19,7 +19,7 @@ from batchserve.embeddings.parse import EmbeddingRequest, parse
 from batchserve.embeddings.render import answer
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, Endpoint
-from batchserve.http.model_choice import EMBEDDING, EncoderHost, pick_model
+from batchserve.http.model_choice import EMBEDDING, EncoderHost, choose
 
 log = logging.getLogger("batchserve.embeddings")
 
@@ -53,11 +53,7 @@ class Embed:
 def parse_request(rt: EncoderHost, call: Call, body: bytes) -> Embed:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms)
-    model_id, backend = pick_model(rt, EMBEDDING, req.model, call.who.key_id)
-    call.work.model = model_id
-    call.work.due_in(rt.registry.deadlines[model_id].timeout_s if req.timeout_s is None else req.timeout_s)
-    call.run_at(req.service_tier, "service_tier")
-    return Embed(req, backend)
+    return Embed(req, choose(rt, call, EMBEDDING, req.model, req.timeout_s, req.service_tier))
 
 
 async def embed(rt: EncoderHost, call: Call, e: Embed) -> tuple[list[ItemResult], int]:

@@ -14,6 +14,7 @@ from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
+from batchserve.http.endpoint import Call
 from batchserve.http.guards import Guard
 from batchserve.http.openai_error import bad, unknown_model
 from batchserve.models import ModelRegistry
@@ -104,3 +105,15 @@ CLASSIFICATION = Task(
     ),
     reason="model_not_classifier",
 )
+
+
+def choose(
+    rt: EncoderHost, call: Call, task: Task, model: str | None, timeout_s: float | None, tier: str | None
+) -> Backend:
+    """The model that answers the request (`pick_model`), named on its request value with the deadline: the one
+    the body gave (`timeout_s`), else that model's own default timeout; and the tier it asked for."""
+    model_id, backend = pick_model(rt, task, model, call.who.key_id)
+    call.work.model = model_id
+    call.work.due_in(rt.registry.deadlines[model_id].timeout_s if timeout_s is None else timeout_s)
+    call.run_at(tier, "service_tier")
+    return backend

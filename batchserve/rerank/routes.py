@@ -16,7 +16,7 @@ from batchserve.backends.hf import pair_input
 from batchserve.core.fairqueue import ItemResult
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, Endpoint
-from batchserve.http.model_choice import RERANKING, EncoderHost, pick_model
+from batchserve.http.model_choice import RERANKING, EncoderHost, choose
 from batchserve.rerank.parse import V1, V2, RerankRequest, Shape, parse
 from batchserve.rerank.render import answer, answer_v2
 
@@ -32,10 +32,7 @@ class Rerank:
 def parse_request(rt: EncoderHost, call: Call, body: bytes, shape: Shape = V1) -> Rerank:
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms, shape)
-    model_id, _ = pick_model(rt, RERANKING, req.model, call.who.key_id)
-    call.work.model = model_id
-    call.work.due_in(rt.registry.deadlines[model_id].timeout_s if req.timeout_s is None else req.timeout_s)
-    call.run_at(req.service_tier, "service_tier")
+    choose(rt, call, RERANKING, req.model, req.timeout_s, req.service_tier)
     pairs = [pair_input(req.query, doc) for doc in req.documents]
     return Rerank(req, pairs)
 
