@@ -274,10 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_log": report.log_lines(server.log_path),
     }
     rep["result"]["goals"]["server still ready after the run"] = alive_after
-    md = markdown(rep)
-    print(md)
-    print("\n" + report.written(report.write(name, rep, md, common.out_dir(a)), logs))
-    return 0 if all(rep["result"]["goals"].values()) else 1
+    return report.judged(name, rep, markdown(rep), common.out_dir(a), logs)
 
 
 if __name__ == "__main__":

@@ -246,10 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "client_cpu_s": result.client_cpu_s,
         "server_log": report.log_lines(server.log_path),
     }
-    md = markdown(rep)
-    print(md)
-    print("\n" + report.written(report.write(name, rep, md, common.out_dir(a)), logs))
-    return 0 if all(rep["result"]["goals"].values()) else 1
+    return report.judged(name, rep, markdown(rep), common.out_dir(a), logs)
 
 
 if __name__ == "__main__":

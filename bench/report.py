@@ -132,6 +132,14 @@ def write(
     return js, md
 
 
+def judged(name: str, rep: dict, md: str, directory: Path | None, logs: Path | None) -> int:
+    """The end of a bench that judges its goals (`rep["result"]["goals"]`): print the markdown, write it when
+    asked, say where; the exit status 0 only when every goal held."""
+    print(md)
+    print("\n" + written(write(name, rep, md, directory), logs))
+    return 0 if all(rep["result"]["goals"].values()) else 1
+
+
 def written(paths: tuple[Path, Path] | None, logs: Path | None = None) -> str:
     """The closing line of a run: what was written, or how to write it."""
     where = f"; server logs in {logs}" if logs is not None else ""
