@@ -60,7 +60,7 @@ JSON_MEDIA = b"application/json"
 
 class Served(Protocol):
     """What the skeleton reads from `app.state.rt`: the guard and the body limit. Each wing's host Protocol
-    (`InferenceHost`, `EmbeddingsHost`, ...) adds what its own functions read."""
+    (`InferenceHost`, `EncoderHost`, ...) adds what its own functions read."""
 
     settings: Settings
     guard: Guard

@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from batchserve.config import Settings
-from batchserve.embeddings.routes import EmbeddingsHost
+from batchserve.http.model_choice import EncoderHost
 from batchserve.generation.serving import GenerationHost
 from batchserve.http.endpoint import Served
 from batchserve.ops.routes import OpsHost
@@ -18,7 +18,7 @@ from batchserve.jobs.routes import JobsHost
 from batchserve.kserve.routes import KServeHost
 from batchserve.runtime import Runtime
 
-HOSTS = (InferenceHost, OpsHost, EmbeddingsHost, KServeHost, GenerationHost, JobsHost, Served)
+HOSTS = (InferenceHost, OpsHost, EncoderHost, KServeHost, GenerationHost, JobsHost, Served)
 
 
 def members(protocol: type) -> set[str]:
