@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -112,3 +114,44 @@ def test_v2_priority_over_http_and_grpc_books_the_tier_it_ran_at(server: LiveSer
     assert result.as_numpy("output")[0] == b"cba"
     after = booked(server)
     assert {t: after[t] - before[t] for t in NAMES} == {"enterprise": 1, "paid": 0, "free": 0, "batch": 1}
+
+
+@pytest.mark.parametrize(("slo_ms", "first"), [(1000, "priority"), (200, "waited")])
+def test_a_head_start_counts_in_the_models_slo(tmp_path, slo_ms: int, first: str) -> None:
+    """One device of 600 ms batches of one input. While a first request runs, a default request arrives, then
+    0.4 s later one asking priority. When the device frees, the default one has waited 0.55 s. At a 1 s SLO a
+    `paid` input yields to a higher tier for a whole SLO, so the priority request goes first; at 200 ms its head
+    start is 0.2 s, long passed, so the default one goes first. (A fixed 0.1 s, as before, would put the default
+    one first at any SLO.) The wide admission slack keeps the door from refusing the short backlog."""
+    config = tmp_path / "bs.toml"
+    config.write_text(
+        f'[[keys]]\ntenant = "lifted"\ntier = "paid"\nbest_tier = "enterprise"\nsha256 = "{digest(LIFTED)}"\n'
+    )
+    s = start_server(
+        "--config", str(config), "--devices", "1", "--max-batch-size", "1", "--sim-batch-ms", "600",
+        "--slo-ms", str(slo_ms), "--timeout-ms", "10000", "--admission-slack", "100",
+    )  # fmt: skip
+    done: list[str] = []
+
+    def send(name: str, body: dict, delay: float) -> None:
+        time.sleep(delay)
+        r = httpx.post(s.url + "/v1/inference", json=body, headers={"Authorization": f"Bearer {LIFTED}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        done.append(name)
+
+    try:
+        threads = [
+            threading.Thread(target=send, args=(name, body, delay))
+            for name, body, delay in (
+                ("running", {"input": "a"}, 0.0),
+                ("waited", {"input": "b"}, 0.05),
+                ("priority", {"input": "c", "priority": "priority"}, 0.45),
+            )
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        s.stop()
+    assert done[0] == "running" and done[1] == first, done

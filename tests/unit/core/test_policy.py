@@ -77,6 +77,20 @@ def test_head_starts_follow_the_models_slo_but_the_batch_tier_s_does_not():
     assert tiers.aging_for(1.0) == pytest.approx((0.0, 1.0, 2.5, 30.0))
 
 
+def test_each_models_queues_take_the_head_starts_of_its_own_slo_and_follow_a_derived_one(loop):
+    from batchserve.slo import Deadlines
+
+    b = make_batcher(Clock(1000.0), models=("fast", "slow"))
+    b.deadlines["slow"] = Deadlines(slo_s=1.0, timeout_s=10.0, max_timeout_s=60.0)
+    for model in ("fast", "slow"):
+        b.submit(make_item(loop, model=model))
+    assert b.queues[("fast", 0)].aging == pytest.approx(tiers.aging_for(0.2))  # the server's SLO: none of its own
+    assert b.queues[("slow", 0)].aging == pytest.approx(tiers.aging_for(1.0))
+    b.deadlines["fast"] = Deadlines(slo_s=0.5, timeout_s=5.0, max_timeout_s=60.0)  # derived after its queue was made
+    b.deadlines_changed()
+    assert b.queues[("fast", 0)].aging == pytest.approx(tiers.aging_for(0.5))
+
+
 def test_fair_queue_tenants_of_a_tier_take_turns(loop):
     q = FairQueue()
     for i in range(4):
