@@ -157,31 +157,7 @@ def write_config(directory: Path, root: Path) -> tuple[Path, dict[str, str]]:
     """A config with the minilm model and a paid key per tenant, made by `batchserve keys add` of `root`."""
     config = directory / "bs.toml"
     config.write_text('[[models]]\nname = "minilm"\nbackend = "minilm"\n')
-    keys = {}
-    for tenant in SCENARIO:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "batchserve",
-                "keys",
-                "add",
-                "--config",
-                str(config),
-                "--tenant",
-                tenant,
-                "--tier",
-                "paid",
-                "--rate",
-                "100000",
-            ],
-            cwd=root,
-            env=env_for(root),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        keys[tenant] = done.stdout.strip()
+    keys = {tenant: servers.add_key(config, tenant, "paid", root=root) for tenant in SCENARIO}
     return config, keys
 
 

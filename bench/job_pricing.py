@@ -130,32 +130,6 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=20)
 
 
-def add_key(repo: Path, config: Path, tenant: str) -> str:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchserve",
-            "keys",
-            "add",
-            "--config",
-            str(config),
-            "--tenant",
-            tenant,
-            "--tier",
-            "paid",
-            "--rate",
-            "100000",
-        ],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**servers.clean_env(), "PYTHONPATH": str(repo)},
-    )
-    return out.stdout.strip()
-
-
 def summarize(name: str, rows: list[tuple[int, float, str]]) -> Phase:
     lat = np.array([ms for status, ms, _ in rows if status == 200])
     msgs = Counter(re.sub(r"\d[\d,.]*", "N", m) for status, _, m in rows if status == 503)
@@ -278,7 +252,7 @@ def one_checkout(label: str, repo: Path, a: argparse.Namespace, logs: Path, comm
     with tempfile.TemporaryDirectory(prefix="job-pricing-") as d:
         tmp = Path(d)
         (tmp / "bs.toml").write_text('[[models]]\nname = "minilm"\nbackend = "minilm"\n')
-        keys = {t: add_key(repo, tmp / "bs.toml", t) for t in ("web", "batch")}
+        keys = {t: servers.add_key(tmp / "bs.toml", t, "paid", root=repo) for t in ("web", "batch")}
         proc, url = start_server(repo, tmp, logs, f"job-pricing-{label}")
         try:
             asyncio.run(scenario(url, keys, a, run))

@@ -99,6 +99,20 @@ def start(
     raise ServerFailed(f"{name} was not ready within {timeout_s:.0f}s:\n{server.log_tail()}")
 
 
+def add_key(config: Path, tenant: str, tier: str, rate: float | None = 100000.0, root: Path = REPO) -> str:
+    """`batchserve keys add` of the tree at `root` (another commit's, for a base run): it appends only the key's
+    digest to `config` and prints the key, returned here. `rate`: the key's own limit, by default far above what
+    a bench sends, so only the fair queue and admission act (None: its tier's)."""
+    cmd = [sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config), "--tenant", tenant]
+    cmd += ["--tier", tier, *(["--rate", f"{rate:g}"] if rate is not None else [])]
+    env = {**clean_env(), "PYTHONPATH": str(root)}
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    key = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    if not key:
+        raise RuntimeError(f"keys add failed ({out.returncode}): {out.stderr.strip()}")
+    return key
+
+
 def ready(base: str) -> bool:
     try:
         with urllib.request.urlopen(base + "/readyz", timeout=2) as resp:

@@ -113,31 +113,6 @@ def curl_upload(base: str, path: Path, key: str) -> tuple[int, dict]:
         return int(code or 0), {"error": out.stderr.decode(errors="replace")[-200:]}
 
 
-def add_key(config: Path, tenant: str) -> str:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchserve",
-            "keys",
-            "add",
-            "--config",
-            str(config),
-            "--tenant",
-            tenant,
-            "--tier",
-            "enterprise",
-            "--rate",
-            "100000",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=servers.REPO,
-    )
-    return out.stdout.strip()
-
-
 def start(
     name: str, a: argparse.Namespace, work: Path, extra: list[str], env: dict[str, str] | None = None
 ) -> servers.Server:
@@ -149,7 +124,7 @@ def start(
 def part_a(a: argparse.Namespace, work: Path) -> dict:
     config = work / "a.toml"
     config.write_text("")
-    key = add_key(config, "uploader")
+    key = servers.add_key(config, "uploader", "enterprise")
     server = start("storage-a", a, work, ["--config", str(config), "--allow-anonymous", "--slo-ms", "200"])
     base = server.base
     big = work / "upload.jsonl"

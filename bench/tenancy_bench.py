@@ -41,7 +41,6 @@ import math
 import multiprocessing as mp
 import os
 import secrets
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -161,30 +160,6 @@ def config_text(sc: Scenario, batch_ms: float) -> str:
     for tier, (rate, burst) in sc.tiers.items():
         lines += ["", f"[tiers.{tier}]", f"rate = {rate:g}", f"burst = {burst:g}"]
     return "\n".join(lines) + "\n"
-
-
-def add_key(config: Path, s: Stream) -> str:
-    """`batchserve keys add`: it prints the key once and appends only its digest to the config."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "batchserve",
-        "keys",
-        "add",
-        "--config",
-        str(config),
-        "--tenant",
-        s.tenant,
-        "--tier",
-        s.tier,
-    ]
-    if s.key_rate is not None:
-        cmd += ["--rate", f"{s.key_rate:g}"]
-    out = subprocess.run(cmd, cwd=servers.REPO, env=servers.clean_env(), capture_output=True, text=True, timeout=60)
-    key = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
-    if not key:
-        raise RuntimeError(f"keys add failed ({out.returncode}): {out.stderr.strip()}")
-    return key
 
 
 # -- load ----------------------------------------------------------------------------------------------------
@@ -498,7 +473,7 @@ def run_scenario(sc: Scenario, a: argparse.Namespace, log_dir: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"batchserve-tenancy-s{sc.number}-") as tmp:
         cfg = Path(tmp) / "batchserve.toml"
         cfg.write_text(config_text(sc, a.sim_batch_ms))
-        keys = {s.name: add_key(cfg, s) for s in sc.streams}
+        keys = {s.name: servers.add_key(cfg, s.tenant, s.tier, s.key_rate) for s in sc.streams}
         config_used = cfg.read_text()  # digests only: the keys themselves are never written down
         extra = ["--config", str(cfg), *common.sim_server_flags(a), *a.server_arg]
         server = servers.start(

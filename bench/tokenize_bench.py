@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,12 +71,7 @@ def write_config(directory: Path) -> tuple[Path, dict[str, str]]:
     config.write_text(
         f'[[models]]\nname = "minilm"\nbackend = "minilm"\n\n[[models]]\nname = "rerank"\npath = "{folder}"\n'
     )
-    keys = {}
-    for tenant, tier in (("hostile", "free"), ("other", "paid")):
-        cmd = [sys.executable, "-m", "batchserve", "keys", "add", "--config", str(config)]
-        cmd += ["--tenant", tenant, "--tier", tier, "--rate", "100000"]
-        done = subprocess.run(cmd, cwd=servers.REPO, capture_output=True, text=True, check=True)
-        keys[tenant] = done.stdout.strip()
+    keys = {tenant: servers.add_key(config, tenant, tier) for tenant, tier in (("hostile", "free"), ("other", "paid"))}
     return config, keys
 
 
