@@ -116,42 +116,56 @@ def test_v2_priority_over_http_and_grpc_books_the_tier_it_ran_at(server: LiveSer
     assert {t: after[t] - before[t] for t in NAMES} == {"enterprise": 1, "paid": 0, "free": 0, "batch": 1}
 
 
-@pytest.mark.parametrize(("slo_ms", "first"), [(1000, "priority"), (200, "waited")])
+@pytest.mark.parametrize(("slo_ms", "first"), [(2000, "priority"), (200, "waited")])
 def test_a_head_start_counts_in_the_models_slo(tmp_path, slo_ms: int, first: str) -> None:
-    """One device of 600 ms batches of one input. While a first request runs, a default request arrives, then
-    0.4 s later one asking priority. When the device frees, the default one has waited 0.55 s. At a 1 s SLO a
-    `paid` input yields to a higher tier for a whole SLO, so the priority request goes first; at 200 ms its head
-    start is 0.2 s, long passed, so the default one goes first. (A fixed 0.1 s, as before, would put the default
-    one first at any SLO.) The wide admission slack keeps the door from refusing the short backlog."""
+    """One device of 2.5 s batches of one input. While a first request runs, a default request arrives, then
+    0.6 s later one asking priority; both wait for the device. The queue takes the head with the smallest
+    `arrived + head start`: at a 2 s SLO a `paid` input yields to a higher tier for a whole SLO (0.6 < 2), so the
+    priority request goes first; at 200 ms its head start is 0.2 s (0.6 > 0.2), so the default one goes first. (A
+    fixed 0.1 s, as before, would put the default one first at any SLO.) Each request is sent only once the server
+    counts the one before it in flight, so a slow machine cannot reorder arrivals; the 0.6 s gap may stretch by
+    up to 1.4 s (or shrink by 0.4 s) and the verdict holds. The wide admission slack keeps the door from refusing
+    the short backlog."""
     config = tmp_path / "bs.toml"
     config.write_text(
         f'[[keys]]\ntenant = "lifted"\ntier = "paid"\nbest_tier = "enterprise"\nsha256 = "{digest(LIFTED)}"\n'
     )
     s = start_server(
-        "--config", str(config), "--devices", "1", "--max-batch-size", "1", "--sim-batch-ms", "600",
-        "--slo-ms", str(slo_ms), "--timeout-ms", "10000", "--admission-slack", "100",
+        "--config", str(config), "--devices", "1", "--max-batch-size", "1", "--sim-batch-ms", "2500",
+        "--slo-ms", str(slo_ms), "--timeout-ms", "20000", "--admission-slack", "100",
     )  # fmt: skip
     done: list[str] = []
 
-    def send(name: str, body: dict, delay: float) -> None:
-        time.sleep(delay)
+    def send(name: str, body: dict) -> None:
         r = httpx.post(s.url + "/v1/inference", json=body, headers={"Authorization": f"Bearer {LIFTED}"}, timeout=30)
         assert r.status_code == 200, r.text
         done.append(name)
 
+    def in_flight(n: int) -> float:
+        """Waits until the server counts `n` requests admitted and unanswered; returns when it saw them."""
+        until = time.monotonic() + 10
+        while metric(httpx.get(s.url + "/metrics").text, "batchserve_inflight_requests") != n:
+            assert time.monotonic() < until, f"the server never counted {n} requests in flight"
+            time.sleep(0.01)
+        return time.monotonic()
+
+    threads: list[threading.Thread] = []
     try:
-        threads = [
-            threading.Thread(target=send, args=(name, body, delay))
-            for name, body, delay in (
+        for n, (name, body, gap) in enumerate(
+            (
                 ("running", {"input": "a"}, 0.0),
-                ("waited", {"input": "b"}, 0.05),
-                ("priority", {"input": "c", "priority": "priority"}, 0.45),
-            )
-        ]
-        for t in threads:
-            t.start()
+                ("waited", {"input": "b"}, 0.0),
+                ("priority", {"input": "c", "priority": "priority"}, 0.6),
+            ),
+            start=1,
+        ):
+            time.sleep(gap)
+            threads.append(threading.Thread(target=send, args=(name, body)))
+            threads[-1].start()
+            in_flight(n)
+        assert not done, f"{done} ended before all three were in flight: the batch is too short for this machine"
         for t in threads:
             t.join(30)
     finally:
         s.stop()
-    assert done[0] == "running" and done[1] == first, done
+    assert done == ["running", first, "waited" if first == "priority" else "priority"], done
