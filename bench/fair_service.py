@@ -68,6 +68,7 @@ import orjson
 import uvloop
 
 from bench import common, plot, report, servers
+from bench.fair_metrics import DeviceReading, idle_while_waiting, jain
 from bench.loadgen import parse_metrics
 from bench.procstat import raise_fd_limit
 from bench.report import fmt, table
@@ -272,11 +273,6 @@ async def drive(
 
 
 # -- analysis ------------------------------------------------------------------------------------------------
-def jain(xs: list[float]) -> float:
-    s, sq = sum(xs), sum(x * x for x in xs)
-    return s * s / (len(xs) * sq) if sq else math.nan
-
-
 def busy_total(s: Sample, offset: float) -> float:
     """The device's busy seconds at the health call: completed batches' compute time, plus the running batch's
     time so far when no batch ended between the health and metrics calls (their batch counts agree)."""
@@ -331,12 +327,7 @@ def analyse(samples: list[Sample], names: tuple[str, str], unit: float, window_s
             break
         lo, hi = inside[0], inside[-1]
         span = [s for s in judged if lo.t <= s.t <= hi.t]
-        waiting_s = idle_s = 0.0
-        for s0, s1 in zip(span, span[1:], strict=False):
-            if s0.queue_depth > 0 and s1.queue_depth > 0:
-                step = s1.t_health - s0.t_health
-                waiting_s += step
-                idle_s += step - (busy_total(s1, offset) - busy_total(s0, offset))
+        idle = idle_while_waiting([DeviceReading(s.t_health, s.queue_depth, 1, busy_total(s, offset)) for s in span])
         got = served(lo, hi)
         d_in = [abs(d) / unit for t, d in diff if lo.t - t0 - 1e-9 <= t <= hi.t - t0 + 1e-9]
         windows.append(
@@ -346,9 +337,9 @@ def analyse(samples: list[Sample], names: tuple[str, str], unit: float, window_s
                 "served": got,
                 "jain": jain(list(got.values())),
                 "max_abs_d": max(d_in) if d_in else math.nan,
-                "waiting_s": waiting_s,
-                "idle_ms": idle_s * 1000,
-                "idle_share": idle_s / waiting_s if waiting_s else math.nan,
+                "waiting_s": idle["waiting_s"],
+                "idle_ms": idle["idle_ms"],
+                "idle_share": idle["idle_share"],
                 "free_with_waiting": sum(1 for s in span if s.busy is False and s.queue_depth > 0),
                 "samples": len(span),
                 "readings": len(inside),

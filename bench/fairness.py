@@ -37,6 +37,8 @@ if __package__ in (None, ""):  # run as `python bench/fairness.py`
 
 import argparse
 import asyncio
+import contextlib
+import math
 import os
 import shutil
 import subprocess
@@ -47,8 +49,9 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 import orjson
 
-from bench import report, servers
+from bench import plot, report, servers
 from bench.common import add_output_flags, guarded, log_dir, out_dir, run_name
+from bench.fair_metrics import Answer, DeviceSampler, difference, idle_while_waiting, windows
 
 BASE_COMMIT = "b6ba887"
 # 218 words of this sentence are 220 minilm tokens (with [CLS] and [SEP]); the short input is 8.
@@ -85,6 +88,8 @@ async def closed_loops(
     timeout_ms: float | None = None,
     min_answers: int = 0,
     max_s: float = 0.0,
+    log: list[Answer] | None = None,
+    sampler: DeviceSampler | None = None,
 ) -> dict[str, Served]:
     """Each tenant of `keys` (tenant -> API key) runs `loops[tenant]` closed loops (default `LOOPS`) of its
     `SCENARIO` request for
@@ -92,8 +97,11 @@ async def closed_loops(
     `min_answers` answers in it: a long request is ~880 tokens, so a share measured over a handful of them is
     mostly rounding (a busy machine serves few). Answers and refusals that come back inside the window are
     counted. A refused request is sent again after `backoff_s`. `timeout_ms`: each request's (None: the
-    server's default)."""
+    server's default). `log` gets every answer of the run (warm-up too; seconds from the start, its tokens);
+    `sampler` reads the server's devices meanwhile, on the same clock."""
     start = time.monotonic()
+    if sampler is not None:
+        sampler.start = start
     measure_from = start + warmup_s
     stop = [measure_from + duration_s]
     last = measure_from + max(duration_s, max_s)
@@ -128,6 +136,8 @@ async def closed_loops(
                 now = time.monotonic()
                 counted = measure_from <= now and not over(now)
                 if status == 200:
+                    if log is not None:
+                        log.append(Answer(now - start, tenant, int(payload["usage"]["prompt_tokens"])))
                     if counted:
                         got.tokens += int(payload["usage"]["prompt_tokens"])
                         got.answered += 1
@@ -141,7 +151,12 @@ async def closed_loops(
                 await asyncio.sleep(backoff_s)
 
         counts = {**LOOPS, **(loops or {})}
+        watch = asyncio.create_task(sampler.run(session, math.inf)) if sampler is not None else None
         await asyncio.gather(*(loop(tenant) for tenant in keys for _ in range(counts[tenant])))
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
     for s in out.values():
         s.window_s = stop[0] - measure_from
     return out
@@ -175,6 +190,25 @@ def extract(commit: str, into: Path) -> Path:
     return into
 
 
+def literature(log: list[Answer], sampler: DeviceSampler, t0: float, t1: float, window_s: float) -> dict:
+    """The measured window [t0, t1] in the literature's terms (`bench.fair_metrics`): the accumulated tokens
+    served to `long` less those to `short`, over U, the largest answer's tokens; Jain's index and the device's
+    idle time while inputs waited, per window of `window_s`."""
+    inside = [x for x in log if t0 <= x.t <= t1]
+    unit = max((x.cost for x in inside), default=math.nan)
+    diff = difference(inside, ("long", "short"), t0)
+    per = windows(inside, tuple(SCENARIO), t0, t1, window_s)
+    for w in per:
+        w |= idle_while_waiting(sampler.readings, w["from_s"], w["to_s"])
+    return {
+        "unit": unit,
+        "diff": [(round(t, 3), d) for t, d in diff],
+        "max_abs_d": max(abs(d) for _, d in diff) / unit,
+        "windows": per,
+        "idle": idle_while_waiting(sampler.readings, t0, t1),
+    }
+
+
 def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         config, keys = write_config(Path(tmp), root)
@@ -195,6 +229,8 @@ def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
         server = servers.start(label, cmd, logs, timeout_s=300, env=env_for(root))
         try:
             load_before = os.getloadavg()[0]
+            log: list[Answer] = []
+            sampler = DeviceSampler(server.base, 0.0, a.sample_ms / 1000)
             served = asyncio.run(
                 closed_loops(
                     server.base,
@@ -206,6 +242,8 @@ def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
                     a.timeout_ms or None,
                     a.min_answers,
                     a.max_s,
+                    log,
+                    sampler,
                 )
             )
             load_after = os.getloadavg()[0]
@@ -216,6 +254,7 @@ def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
         "served": {t: asdict(s) for t, s in served.items()},
         "ratio": ratio(served),
         "loadavg": [round(load_before, 2), round(load_after, 2)],
+        "fair": literature(log, sampler, a.warmup, a.warmup + next(iter(served.values())).window_s, a.window_s),
     }
 
 
@@ -249,6 +288,21 @@ def markdown(rows: list[dict], a: argparse.Namespace, prov: dict) -> str:
                     f"{row['loadavg'][0]} → {row['loadavg'][1]}",
                 ]
             )
+    fair_rows = []
+    for row in rows:
+        f = row["fair"]
+        for w in f["windows"] or [{"from_s": math.nan, "to_s": math.nan, "jain": math.nan, "served": {}} | f["idle"]]:
+            fair_rows.append(
+                [
+                    row["label"],
+                    f"{f['max_abs_d']:.2f} (U {report.fmt(f['unit'], '.0f')})",
+                    f"{w['from_s']:.1f}-{w['to_s']:.1f}",
+                    " / ".join(report.fmt(w["served"].get(t), ".0f") for t in SCENARIO),
+                    report.fmt(w["jain"], ".4f"),
+                    report.fmt(w["idle_ms"], ".0f"),
+                    report.fmt(w["idle_share"] * 100, ".2f"),
+                ]
+            )
     machine, git = prov["machine"], prov["git"]
     return "\n".join(
         [
@@ -263,6 +317,26 @@ def markdown(rows: list[dict], a: argparse.Namespace, prov: dict) -> str:
             f"`base` is commit {a.base} (tenants took turns one item a turn), extracted with `git archive`.",
             "",
             report.table(head, lines),
+            "",
+            "In the literature's terms (`bench/fair_metrics.py`), over the measured window from its start t0: the "
+            "accumulated service difference D = (tokens served to `long` - to `short`) / U, U the largest answer's "
+            "tokens (a long request), as its largest |D| (the bound start-time fair queuing and VTC give two "
+            f"backlogged tenants is 2); tokens and Jain's index per {a.window_s:g} s window; the device's idle time "
+            f"while inputs waited (read every {a.sample_ms:g} ms from /internal/health and /metrics; the hand-off "
+            "between two batches counts as idle). Answers are stamped as the client reads them.",
+            "",
+            report.table(
+                [
+                    "run",
+                    "max abs D / U",
+                    "window s",
+                    "tokens " + " / ".join(SCENARIO),
+                    "Jain",
+                    "idle ms while waiting",
+                    "idle % of waiting",
+                ],
+                fair_rows,
+            ),
             "",
             f"Machine: {machine['cpu_model']}, {machine['cores_usable']} usable cores, load average at start "
             f"{machine['loadavg_at_start']} (shared by other sessions: noisy). Commit {git['commit'][:12]}"
@@ -288,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         default=20000.0,
         help="each request's timeout_ms (0: the server's default, derived from its warm-up)",
     )
+    p.add_argument("--window-s", type=float, default=10.0, help="Jain's index window (default %(default)g)")
+    p.add_argument("--sample-ms", type=float, default=200.0, help="how often the devices are read (default 200)")
     p.add_argument("--base", default=BASE_COMMIT, help="the commit of the old behaviour ('' skips it)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for `batchserve serve`")
     add_output_flags(p, name="fairness")
@@ -307,8 +383,22 @@ def main(argv: list[str] | None = None) -> int:
         if base_dir is not None:
             shutil.rmtree(base_dir, ignore_errors=True)
     md = markdown(rows, a, prov)
+    if out_dir(a) is not None and rows:
+        md += f"\n\n![the service difference over time]({name}.png)"
     print(md)
-    print(report.written(report.write(name, rep, md, out_dir(a)), logs if out_dir(a) else None))
+    paths = report.write(name, rep, md, out_dir(a))
+    if paths is not None and rows:
+        series = {
+            row["label"]: (
+                [a.warmup + t for t, _ in row["fair"]["diff"]],
+                [d / row["fair"]["unit"] for _, d in row["fair"]["diff"]],
+            )
+            for row in rows
+        }
+        title = "Accumulated service difference, tokens to `long` less to `short` (minilm, 2 paid tenants)"
+        png = plot.series_png(series, title, "seconds of load", "difference / largest request's tokens", (2.0, -2.0))
+        paths[1].with_suffix(".png").write_bytes(png)
+    print(report.written(paths, logs if out_dir(a) else None))
     return 0
 
 

@@ -52,6 +52,7 @@ import numpy as np
 import uvloop
 
 from bench import common, report, servers
+from bench.fair_metrics import DeviceSampler, idle_while_waiting
 from bench.loadgen import (
     INFERENCE_PATH,
     SPAWN_TIMEOUT_S,
@@ -197,10 +198,14 @@ async def snap(base: str, pid: int) -> tuple[Snapshot, dict[str, float]]:
 
 
 async def snaps_around(
-    base: str, pid: int, window: tuple[float, float]
+    base: str, pid: int, window: tuple[float, float], sampler: DeviceSampler
 ) -> tuple[tuple[Snapshot, dict[str, float]], tuple[Snapshot, dict[str, float]]]:
+    """/metrics and the server's CPU at the window's edges; the devices (`sampler`) all through it."""
     await sleep_until(window[0])
     first = await snap(base, pid)
+    sampler.start = window[0]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        await sampler.run(session, window[1])
     await sleep_until(window[1])
     return first, await snap(base, pid)
 
@@ -226,10 +231,10 @@ def classify(errors: dict[str, int], ok: int) -> dict[str, int]:
 
 
 def run_load(
-    server: servers.Server, sc: Scenario, keys: dict[str, str], a: argparse.Namespace
+    server: servers.Server, sc: Scenario, keys: dict[str, str], a: argparse.Namespace, sampler: DeviceSampler
 ) -> tuple[list[StreamResult], tuple, tuple]:
     """Every stream at once, each in its own client process(es) (`loadgen._client_process`), one shared t0;
-    this process only reads /metrics and the server's CPU at the window's edges."""
+    this process only reads /metrics and the server's CPU at the window's edges, and its devices through it."""
     raise_fd_limit()
     ctx = mp.get_context("spawn")
     url = server.base + INFERENCE_PATH
@@ -262,7 +267,8 @@ def run_load(
         t0 = time.monotonic() + START_DELAY_S
         for _, pipe, _ in jobs:
             pipe.send(t0)
-        first, last = uvloop.run(snaps_around(server.base, server.pid, (t0 + offsets[0], t0 + offsets[1])))
+        window = (t0 + offsets[0], t0 + offsets[1])
+        first, last = uvloop.run(snaps_around(server.base, server.pid, window, sampler))
         parts: list[list[Part]] = [[] for _ in sc.streams]
         for si, pipe, _ in jobs:
             if not pipe.poll(a.timeout + 30):
@@ -479,8 +485,9 @@ def run_scenario(sc: Scenario, a: argparse.Namespace, log_dir: Path) -> dict:
         server = servers.start(
             f"tenancy-s{sc.number}", servers.batchserve_cmd(sc.devices, a.sim_batch_ms, batch_size(a), extra), log_dir
         )
+        sampler = DeviceSampler(server.base, 0.0, a.sample_ms / 1000)
         try:
-            res, first, last = run_load(server, sc, keys, a)
+            res, first, last = run_load(server, sc, keys, a, sampler)
         finally:
             servers.stop(server)
     window = last[0].at - first[0].at
@@ -494,6 +501,7 @@ def run_scenario(sc: Scenario, a: argparse.Namespace, log_dir: Path) -> dict:
         "mean_queue_ms": x.server_mean_queue_ms,
         "client_cores": sum(r.load.client_cores for r in res),
         **per_model(first[1], last[1], sc.models, window),
+        "idle_while_waiting": idle_while_waiting(sampler.readings),
     }
     checks = judge(sc, res)
     return {
@@ -506,6 +514,7 @@ def run_scenario(sc: Scenario, a: argparse.Namespace, log_dir: Path) -> dict:
         "server_log": str(server.log_path),
         "server_log_notable": report.log_lines(server.log_path),
         "loadavg_before": loadavg,
+        "sample_ms": a.sample_ms,
         "streams": [
             {
                 "stream": asdict(r.stream),
@@ -604,6 +613,16 @@ def scenario_markdown(s: dict) -> str:
         f"{sv['rejected_by_reason'] or 'none'}. Client processes used "
         f"{report.fmt(sv['client_cores'], '.2f')} cores. Load average before: {s['loadavg_before']:.2f}."
     )
+    idle = sv["idle_while_waiting"]
+    share = report.fmt(idle["idle_share"] * 100, ".2f")
+    lines += [
+        "",
+        f"Work conservation (`bench/fair_metrics.py`, the devices read every {s['sample_ms']:g} ms): inputs "
+        f"waited {report.fmt(idle['waiting_s'], '.1f')} s of the window, the devices idle "
+        f"{report.fmt(idle['idle_ms'], '.0f')} device-ms meanwhile ({share} %; the hand-off between batches "
+        "counts as idle). D and Jain's index are not judged here: the light streams are open loop, not "
+        "backlogged (`bench/fairness.py` and `bench/fair_service.py` measure two backlogged tenants).",
+    ]
     if s["notes"]:
         lines += ["", "Notes:", *[f"- {n}" for n in s["notes"]]]
     return "\n".join(lines) + "\n"
@@ -646,6 +665,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Issue 4's tenancy scenarios against local sim servers (127.0.0.1)")
     common.add_load_flags(p, connections=True)
     p.add_argument("--scenarios", default="1,2,3", help="which scenarios, e.g. 1,3 (default 1,2,3)")
+    p.add_argument("--sample-ms", type=float, default=200.0, help="how often the devices are read (default 200)")
     p.add_argument("--s1-free-rps", type=float, default=3000.0)
     p.add_argument("--s1-paid-rps", type=float, default=50.0)
     p.add_argument(

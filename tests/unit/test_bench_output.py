@@ -160,7 +160,8 @@ def test_the_fair_service_reads_whole_usage_readings_only() -> None:
     """bench/fair_service.py: D and Jain's index come from usage readings taken between two batches' answers; a
     reading taken while a batch's answers were being recorded (one tenant's counted, the other's not yet) is left
     out, and the device's idle time is the interval less its busy time's growth."""
-    from bench.fair_service import Sample, analyse, jain
+    from bench.fair_metrics import jain
+    from bench.fair_service import Sample, analyse
     from bench.plot import PNG_MAGIC, series_png
 
     assert jain([5.0, 5.0]) == 1.0 and jain([1.0, 0.0]) == 0.5
@@ -194,3 +195,38 @@ def test_the_fair_service_reads_whole_usage_readings_only() -> None:
     assert not res["goals"]["device idle while inputs wait <= 1% of each window"]
     png = series_png({"D": ([0.0, 1.0], [0.0, 0.5])}, "t", "s", "D", bounds=(2.0, -2.0))
     assert png.startswith(PNG_MAGIC)
+
+
+def test_fair_metrics_difference_windows_and_idle_time() -> None:
+    """bench/fair_metrics.py: the accumulated difference moves by each answer's cost from t0 on, Jain's index is
+    per whole window, and idle time counts only intervals with inputs waiting at both ends, per worker."""
+    from bench.fair_metrics import Answer, DeviceReading, DeviceSampler, difference, idle_while_waiting, windows
+
+    # a: one 880-token answer a second; b: 110 tokens every 1/8 s; and a warm-up answer of b before t0 = 1
+    log = [Answer(0.5, "b", 999.0)]
+    log += [Answer(1.0 + k, "a", 880.0) for k in range(20)]
+    log += [Answer(1.0 + k / 8, "b", 110.0) for k in range(1, 161)]
+    diff = difference(log, ("a", "b"), t0=1.0)
+    assert diff[0] == (0.0, 0.0) and max(abs(d) for _, d in diff) == 880.0 + 110.0  # a answered before b at 2 s
+    assert diff[-1][1] == 20 * 880.0 - 160 * 110.0  # the warm-up answer is not counted
+    per = windows(log, ("a", "b"), t0=1.0, t1=25.0, window_s=10.0)
+    assert [(w["from_s"], w["to_s"]) for w in per] == [(1.0, 11.0), (11.0, 21.0)]  # 21-25 is under 90 % of 10 s
+    assert per[0]["served"] == {"a": 8800.0, "b": 79 * 110.0} and 0.99 < per[0]["jain"] < 1.0
+
+    # 2 workers read every 0.2 s, busy 0.38 of every 0.4 device-seconds while 50 inputs wait; idle 0.2 s at rest
+    readings = [DeviceReading(0.2 * k, 50 if k < 10 else 0, 2, 0.38 * k) for k in range(15)]
+    idle = idle_while_waiting(readings)
+    assert idle["waiting_s"] == pytest.approx(9 * 0.2) and idle["idle_ms"] == pytest.approx(9 * 20.0)
+    assert idle["idle_share"] == pytest.approx(0.1)
+
+    sampler = DeviceSampler("http://x", start=0.0)
+    worker = {"busy": True, "running_ms": 40, "batches": 3}
+    first = sampler.reading(1.0, {"queue_depth": 7, "workers": [worker]}, {
+        "batchserve_batch_compute_seconds_sum": 0.3, "batchserve_batch_compute_seconds_count": 3.0,
+    })  # fmt: skip
+    assert (first.queue_depth, first.workers, first.busy_s) == (7, 1, pytest.approx(0.34))
+    # a batch ended between the health and metrics calls: its time is in the sum, the running time not added
+    torn = sampler.reading(1.2, {"queue_depth": 7, "workers": [worker | {"running_ms": 95}]}, {
+        "batchserve_batch_compute_seconds_sum": 0.4, "batchserve_batch_compute_seconds_count": 4.0,
+    })  # fmt: skip
+    assert torn.busy_s == pytest.approx(0.4)
