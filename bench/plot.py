@@ -75,7 +75,7 @@ def series_png(
     fig = Figure(figsize=(11, 4.2), dpi=100)
     axes = fig.subplots(1, 1)
     for label, (xs, ys) in series.items():
-        axes.plot(xs, ys, label=label, linewidth=1.2)
+        axes.plot(xs, ys, label=label, linewidth=1.2, drawstyle="steps-post")  # service moves by whole answers
     for bound in bounds:
         axes.axhline(bound, linestyle=":", color="grey", label=f"goal {bound:g}" if bound >= 0 else None)
     axes.axhline(0, color="black", linewidth=0.6)
