@@ -620,8 +620,9 @@ def scenario_markdown(s: dict) -> str:
         f"Work conservation (`bench/fair_metrics.py`, the devices read every {s['sample_ms']:g} ms): inputs "
         f"waited {report.fmt(idle['waiting_s'], '.1f')} s of the window, the devices idle "
         f"{report.fmt(idle['idle_ms'], '.0f')} device-ms meanwhile ({share} %; the hand-off between batches "
-        "counts as idle). D and Jain's index are not judged here: the light streams are open loop, not "
-        "backlogged (`bench/fairness.py` and `bench/fair_service.py` measure two backlogged tenants).",
+        "counts as idle, and so does a hold for a fuller batch while a device is below saturation). D and "
+        "Jain's index are not judged here: the light streams are open loop, not backlogged "
+        "(`bench/fairness.py` and `bench/fair_service.py` measure two backlogged tenants).",
     ]
     if s["notes"]:
         lines += ["", "Notes:", *[f"- {n}" for n in s["notes"]]]
