@@ -26,15 +26,14 @@ import math
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from prometheus_client import Counter
 
 from batchserve import errors
 from batchserve.backends import Backend, running_batch
 from batchserve.backends.outputs import OutputRule, check_outputs
-from batchserve.core.batch import Batch
+from batchserve.core.batch import Batch, BatchTracer
 from batchserve.core.batcher import Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
@@ -90,22 +89,6 @@ def callers_gone(items: list[Item]) -> bool:
     """Read from the worker thread while its batch runs: has every caller an answer (a deadline, a drain) or
     hung up? Reading a future's state from another thread is a plain attribute read."""
     return all(item.future.done() or (item.gone is not None and item.gone()) for item in items)
-
-
-class BatchTracer(Protocol):
-    """What the workers ask of tracing (`batchserve.tracing.Tracing`, present only when it is on)."""
-
-    def batch(
-        self,
-        model: str,
-        size: int,
-        worker: str,
-        cause: str,
-        started: float,
-        ended: float,
-        requests: Iterable[object],
-        failed: str | None = None,
-    ) -> object: ...
 
 
 @dataclass

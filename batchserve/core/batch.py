@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from batchserve.core.fairqueue import Item
 
@@ -26,3 +28,21 @@ class Batch:
         if fn is not None:
             return float(fn([item.text for item in self.items]))
         return len(self.items) * max([item.cost for item in self.items]) if self.items else 0.0
+
+
+class BatchTracer(Protocol):
+    """What the paths that run batches ask of tracing (`batchserve.tracing.Tracing`, present only when it is on):
+    a span for one batch run, linked to its requests' spans (`attributes`: the path's own)."""
+
+    def batch(
+        self,
+        model: str,
+        size: int,
+        worker: str,
+        cause: str,
+        started: float,
+        ended: float,
+        requests: Iterable[object],
+        failed: str | None = None,
+        attributes: Mapping[str, str | int | float] | None = None,
+    ) -> object: ...

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
-from collections.abc import Iterable, Mapping
 
+from batchserve.core.batch import BatchTracer
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 
 WORKER = "stepper"  # the `batchserve.worker` of a sequence's span: the engine's stepper, not a batch worker
@@ -56,25 +56,12 @@ class InferenceHistograms(Protocol):
     def batch_size(self) -> LabelledHistogram: ...
 
 
-class SequenceTracer(Protocol):
+class SequenceTracer(BatchTracer, Protocol):
     """What is asked of tracing (`batchserve.tracing.Tracing`, present only when it is on)."""
 
     def admitted(self, model: str, tier: str) -> object: ...
 
     def answered(self, model: str, arrived: float, queue_s: float, batch: object, outcome: str) -> None: ...
-
-    def batch(
-        self,
-        model: str,
-        size: int,
-        worker: str,
-        cause: str,
-        started: float,
-        ended: float,
-        requests: Iterable[object],
-        failed: str | None = None,
-        attributes: Mapping[str, str | int | float] | None = None,
-    ) -> object: ...
 
 
 @dataclass
