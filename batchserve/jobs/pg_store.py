@@ -949,20 +949,7 @@ class PostgresStore:
                 )
                 row = await cur.fetchone()
                 if row is not None:
-                    job = _job(row)
-                    progress.append(
-                        Progress(
-                            job.id,
-                            job.model,
-                            job.status,
-                            {
-                                "completed": job.completed,
-                                "failed": job.failed,
-                                "cancelled": job.cancelled,
-                                "pending": job.pending,
-                            },
-                        )
-                    )
+                    progress.append(Progress.of(_job(row)))
             return progress
 
         written = sum(len(o.output or "") + len(o.error or "") + len(o.message or "") for o in outcomes)

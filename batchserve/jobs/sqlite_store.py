@@ -691,23 +691,7 @@ class SQLiteStore:
                     (now, job_id),
                 )
             rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(by_job)).fetchall()
-        progress = []
-        for r in rows:
-            job = _job(r)
-            progress.append(
-                Progress(
-                    job.id,
-                    job.model,
-                    job.status,
-                    {
-                        "completed": job.completed,
-                        "failed": job.failed,
-                        "cancelled": job.cancelled,
-                        "pending": job.pending,
-                    },
-                )
-            )
-        return progress
+        return [Progress.of(_job(r)) for r in rows]
 
     def _close(self) -> None:
         if self._conn is not None:

@@ -243,6 +243,11 @@ class Progress:
     status: str
     counts: dict[str, int] = field(default_factory=dict)  # completed, failed, cancelled, pending
 
+    @classmethod
+    def of(cls, job: Job) -> Progress:
+        counts = {"completed": job.completed, "failed": job.failed, "cancelled": job.cancelled, "pending": job.pending}
+        return cls(job.id, job.model, job.status, counts)
+
 
 class JobStore(FileStore, Protocol):
     async def create(self, job: NewJob) -> tuple[Job, bool]:
