@@ -384,7 +384,7 @@ class Settings:
     )
     runtime: str = knob(
         "torch",
-        "what runs the encoder models (embedder and reranker folders, minilm): torch = the model's own "
+        "what runs the encoder models (embedder, reranker and classifier folders, minilm): torch = the model's own "
         "code (CPU or CUDA); onnx = ONNX Runtime on the CPU, the model exported once into --weights-cache "
         "(refused on a host with CUDA devices; docs/backends.md)",
         ("torch", "onnx"),

@@ -100,10 +100,16 @@ def cross_encoder(folder: Path) -> Path:
     return folder
 
 
-def classifier(folder: Path, labels: tuple[str, ...] = ("negative", "neutral", "positive"), multi_label=False) -> Path:
+def classifier(
+    folder: Path,
+    labels: tuple[str, ...] = ("negative", "neutral", "positive"),
+    multi_label: bool = False,
+    initializer_range: float = 0.5,
+) -> Path:
     """A BERT sequence classifier built from its config (`from_config`, random weights) with these `id2label`
     names; `multi_label`: `problem_type: multi_label_classification` (scored with sigmoid, not softmax). Saved
-    with its tokenizer."""
+    with its tokenizer. Weights of the default range give logits far enough apart that the scores differ visibly,
+    and a network so chaotic that int8 weights change its classes; 0.15 keeps them under int8."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -114,7 +120,7 @@ def classifier(folder: Path, labels: tuple[str, ...] = ("negative", "neutral", "
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
         problem_type="multi_label_classification" if multi_label else "single_label_classification",
-        initializer_range=0.5,  # logits far enough apart that the scores differ visibly
+        initializer_range=initializer_range,
     )
     AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

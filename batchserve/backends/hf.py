@@ -448,7 +448,7 @@ class HFModel:
         info = model_of(spec)
         options = {"threads": settings.torch_threads, **spec.options}
         devices = pick_devices(settings.devices)
-        if info.task in ("embeddings", "reranking") and settings.runtime == "onnx":  # a classifier: torch
+        if info.task in ("embeddings", "reranking", "classification") and settings.runtime == "onnx":
             options["onnx"] = onnx_runtime.plan_of(settings, devices)
         if info.task == "embeddings":
             return FolderEmbedder(info, devices, **options)

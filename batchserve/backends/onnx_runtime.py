@@ -1,18 +1,20 @@
-"""ONNX Runtime for the encoder models (`--runtime onnx`, `--quantize int8`; docs/backends.md): embedder and
-reranker folders and minilm run their transformer as an ONNX graph on the CPU instead of torch.
+"""ONNX Runtime for the encoder models (`--runtime onnx`, `--quantize int8`; docs/backends.md): embedder,
+reranker and classifier folders and minilm run their transformer as an ONNX graph on the CPU instead of torch.
 
 - Exported once, at the first start, into the weights cache (`backends.cache_root`: `--weights-cache` when set)
   under `onnx/<key>/`, the key a hash of the folder's content (config.json and the weight files' bytes, not
   their times) and the task: a second start, or a copy of the folder elsewhere, reuses it; changed weights
   export anew. Torch's legacy exporter (`dynamo=False`: it needs only the `onnx` package), batch and sequence
   axes dynamic. The export is checked against torch's outputs once, when it is made.
-- The graph ends where the model's own code ends (`last_hidden_state`, or a cross-encoder's `logits`); pooling,
-  normalisation and the score's activation stay the torch backend's code (`hf.FolderEmbedder.pool`,
-  `hf.FolderReranker.score`), run on the graph's outputs, so the two runtimes pool alike by construction.
+- The graph ends where the model's own code ends (`last_hidden_state`, or a cross-encoder's or classifier's
+  `logits`); pooling, normalisation and the score's activation stay the torch backend's code
+  (`hf.FolderEmbedder.pool`, `hf.FolderReranker.score`, `hf.FolderClassifier.classify`), run on the graph's
+  outputs, so the two runtimes pool and score alike by construction.
 - int8: `onnxruntime.quantization.quantize_dynamic` (per channel, MatMul only, QInt8 weights), saved beside the
   fp32 graph. At every start the int8 graph's answers on a probe set (`PROBE_TEXTS`) are compared with the fp32
   graph's: below `--quantize-cosine-floor` (an embedder: the lowest cosine of its vectors; a reranker: the
-  correlation of its scores) the start is refused in one line (exit status 2).
+  correlation of its scores; a classifier: the lowest cosine of an input's logits) the start is refused in one
+  line (exit status 2).
 - The session: intra-op threads for every core the process may use (`backends.default_threads`, or the model's
   `threads`), sequential execution, and idle threads that sleep rather than spin (as torch's do here: a spinning
   thread holds the core the event loop needs).
@@ -34,7 +36,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from batchserve.backends import cache_root, default_threads
 from batchserve.backends.content_key import file_digest, sha256_of
@@ -104,7 +106,7 @@ class QuantizationRefused(RuntimeError):
 
 
 class Encoder(Protocol):
-    """What this module needs of an embedder or reranker (`hf.TokenModel`)."""
+    """What this module needs of an embedder, reranker or classifier (`hf.TokenModel`)."""
 
     info: FolderModel
     threads: int
@@ -176,7 +178,7 @@ def export_dir(plan: OnnxPlan, info: FolderModel) -> Path:
 
 
 def output_name(info: FolderModel) -> str:
-    return "logits" if info.task == "reranking" else "last_hidden_state"
+    return "last_hidden_state" if info.task == "embeddings" else "logits"
 
 
 def export(encoder: Encoder, target: Path) -> None:
@@ -358,9 +360,12 @@ def load(plan: OnnxPlan, encoder: Encoder, device: str) -> OnnxModel:
 
 def agreement(task: str, reference: Sequence[object], other: Sequence[object]) -> float:
     """How close `other` is to `reference`: an embedder's lowest cosine between the two vectors of an input;
-    a reranker's correlation of the two score lists (scores are one number each: their cosine says nothing)."""
+    a reranker's correlation of the two score lists (scores are one number each: their cosine says nothing); a
+    classifier's lowest cosine between the two logit vectors of an input (its scores follow from them)."""
     import numpy as np
 
+    if task == "classification":
+        reference, other = logits_of(reference), logits_of(other)
     a = np.asarray(reference, dtype=np.float64)
     b = np.asarray(other, dtype=np.float64)
     if task == "reranking":
@@ -372,8 +377,13 @@ def agreement(task: str, reference: Sequence[object], other: Sequence[object]) -
     return float(((a * b).sum(axis=1) / norms).min())
 
 
+def logits_of(answers: Sequence[object]) -> list[list[float]]:
+    """A classifier's answers (each every class's `{label, score, logit}`) as their logit vectors."""
+    return [[float(c["logit"]) for c in cast(list[dict[str, float]], row)] for row in answers]
+
+
 def measure_name(task: str) -> str:
-    return "score correlation" if task == "reranking" else "lowest cosine"
+    return {"reranking": "score correlation", "classification": "lowest logit cosine"}.get(task, "lowest cosine")
 
 
 def check_int8(plan: OnnxPlan, encoder: Encoder, device: str, fp32: OnnxModel, int8: OnnxModel) -> None:

@@ -1,9 +1,9 @@
 """`--runtime onnx` and `--quantize int8` (backends/onnx_runtime.py) on small folders the test builds (random
-weights, hidden size 32, 2 layers, `tests/hf_folders.py`): the ONNX fp32 graph gives torch's vectors and scores
-(the backend objects, and a live server's /v1/embeddings and /v1/rerank against sentence-transformers' own
-answers); int8 stays within the cosine floor and is refused, exit 2 in one line, above a floor it cannot reach;
-the export is made once, kept in the weights cache by the folder's content (a touched file reuses it, a changed
-byte exports anew) and reused by the next server start."""
+weights, hidden size 32, 2 layers, `tests/hf_folders.py`): the ONNX fp32 graph gives torch's vectors, scores and
+classes (the backend objects, and a live server's /v1/embeddings, /v1/rerank and /v1/classify against
+sentence-transformers' and transformers' pipeline's own answers); int8 stays within the cosine floor and is
+refused, exit 2 in one line, above a floor it cannot reach; the export is made once, kept in the weights cache by
+the folder's content (a touched file reuses it, a changed byte exports anew) and reused by the next server start."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 from batchserve.backends import onnx_runtime
 from batchserve.backends.folder import inspect_folder
-from batchserve.backends.hf import FolderEmbedder, FolderReranker, TokenModel, pair_input
+from batchserve.backends.hf import FolderClassifier, FolderEmbedder, FolderReranker, TokenModel, pair_input
 from tests import hf_folders
 from tests.conftest import start_server
 
@@ -56,12 +56,15 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "emb": hf_folders.embedder(root / "emb"),
         "cls": hf_folders.embedder(root / "cls", pooling="cls", normalize=False, max_seq_length=16),
         "rr": cross_encoder(root / "rr"),
+        "clf": hf_folders.classifier(root / "clf", initializer_range=0.15),
+        "chaotic": hf_folders.classifier(root / "chaotic"),  # int8 weights change its classes
     }
 
 
 def backend(path: Path, plan: onnx_runtime.OnnxPlan | None) -> TokenModel:
     info = inspect_folder(str(path))
-    made = (FolderReranker if info.task == "reranking" else FolderEmbedder)(info, ["cpu"], onnx=plan)
+    kind = {"reranking": FolderReranker, "classification": FolderClassifier}.get(info.task, FolderEmbedder)
+    made = kind(info, ["cpu"], onnx=plan)
     made.setup("cpu")
     return made
 
@@ -82,6 +85,47 @@ def test_onnx_fp32_gives_torchs_answers(folders: dict[str, Path], tmp_path: Path
     if name == "rr":
         assert np.ptp(want) > 0.05  # scores that differ, so equal ones say something
         assert list(np.argsort(got)) == list(np.argsort(want))
+
+
+def classes(answers: list) -> tuple[list[list[str]], np.ndarray, np.ndarray]:
+    """A classifier's answers as their labels, scores and logits, in the model's label order."""
+    labels = [[c["label"] for c in row] for row in answers]
+    return (
+        labels,
+        np.array([[c["score"] for c in row] for row in answers]),
+        np.array([[c["logit"] for c in row] for row in answers]),
+    )
+
+
+def test_a_classifier_on_onnx_gives_torchs_classes_and_int8_keeps_the_floor(
+    folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The classifier's graph ends at its logits; the softmax and the labels stay the torch backend's code. fp32
+    gives torch's logits and scores; int8 differs from them but keeps the floor, on the lowest cosine of an
+    input's logits, and is refused above what it reaches, and at the default floor where it changes classes."""
+    texts = TEXTS + DOCUMENTS
+    labels, scores, logits = classes(backend(folders["clf"], None).batch(texts, "cpu"))
+    fp32 = backend(folders["clf"], onnx_runtime.OnnxPlan("none", cache=tmp_path))
+    assert isinstance(fp32.models["cpu"], onnx_runtime.OnnxModel)
+    got_labels, got_scores, got_logits = classes(fp32.batch(texts, "cpu"))
+    assert got_labels == labels and labels[0] == ["negative", "neutral", "positive"]
+    np.testing.assert_allclose(got_logits, logits, atol=1e-4)
+    np.testing.assert_allclose(got_scores, scores, atol=1e-4)
+    assert np.ptp(scores[:, 0]) > 0.03  # scores that differ between inputs (by 0.045), so equal ones say something
+    with caplog.at_level(logging.INFO, logger="batchserve.onnx"):
+        int8 = backend(folders["clf"], onnx_runtime.OnnxPlan("int8", 0.98, tmp_path))
+    assert "lowest logit cosine" in caplog.text, caplog.text
+    _, int8_scores, int8_logits = classes(int8.batch(texts, "cpu"))
+    assert onnx_runtime.agreement("embeddings", logits.tolist(), int8_logits.tolist()) >= 0.98
+    assert np.abs(int8_logits - logits).max() > 1e-6  # int8 weights: not fp32's logits exactly
+    np.testing.assert_allclose(int8_scores.sum(1), 1.0, atol=1e-5)  # still a softmax over the classes
+    with pytest.raises(onnx_runtime.QuantizationRefused, match=r"lowest logit cosine 0\.9\d+ .* --quantize-cosine"):
+        backend(folders["clf"], onnx_runtime.OnnxPlan("int8", 0.9999999, tmp_path))
+    # random weights of a wide range: a network so chaotic that int8 flips its classes is refused at the default
+    with pytest.raises(
+        onnx_runtime.QuantizationRefused, match=r"lowest logit cosine 0\.[0-8]\d+ .* --quantize-cosine-floor 0\.98:"
+    ):
+        backend(folders["chaotic"], onnx_runtime.OnnxPlan("int8", 0.98, tmp_path))
 
 
 def test_int8_serves_within_the_floor_and_is_refused_above_it(
@@ -139,7 +183,8 @@ def test_a_server_on_onnx_answers_as_torch_and_a_restart_reuses_the_export(
     cache = tmp_path / "cache"
     common = ("--runtime", "onnx", "--weights-cache", str(cache), "--jobs-db", "")
     server = start_server(
-        "--model", f"emb={folders['emb']}", "--model", f"rr={folders['rr']}", *common, "--slo-ms", "2000",
+        "--model", f"emb={folders['emb']}", "--model", f"rr={folders['rr']}", "--model", f"clf={folders['clf']}",
+        *common, "--slo-ms", "2000",
         "--timeout-ms", "20000", timeout=180,
     )  # fmt: skip
     try:
@@ -149,12 +194,24 @@ def test_a_server_on_onnx_answers_as_torch_and_a_restart_reuses_the_export(
         r = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60)
         assert r.status_code == 200, r.text
         scores = {item["index"]: item["relevance_score"] for item in r.json()["results"]}
+        r = httpx.post(server.url + "/v1/classify", json={"input": TEXTS, "model": "clf"}, timeout=60)
+        assert r.status_code == 200, r.text
+        classified = r.json()["data"]
     finally:
         server.stop()
-    assert server.log().count("exported") == 2, server.log()
+    assert server.log().count("exported") == 3, server.log()
     np.testing.assert_allclose(got, SentenceTransformer(str(folders["emb"]), device="cpu").encode(TEXTS), atol=1e-4)
     want = CrossEncoder(str(folders["rr"]), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])
     np.testing.assert_allclose([scores[i] for i in range(len(DOCUMENTS))], want, atol=1e-4)
+    from transformers import pipeline
+
+    pipe = pipeline("text-classification", model=str(folders["clf"]), top_k=None, device="cpu")
+    for got_class, expected in zip(classified, pipe(TEXTS), strict=True):
+        by_label = {p["label"]: p["score"] for p in expected}
+        assert got_class["label"] == expected[0]["label"]
+        np.testing.assert_allclose(
+            got_class["probs"], [by_label[n] for n in ("negative", "neutral", "positive")], atol=1e-4
+        )
 
     # The next start reads the export (and makes int8 beside it), then refuses a floor int8 cannot reach.
     done = subprocess.run(

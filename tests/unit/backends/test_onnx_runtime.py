@@ -75,6 +75,18 @@ def test_a_reranker_is_judged_by_the_correlation_of_its_scores() -> None:
     assert onnx_runtime.agreement("reranking", scores, [0.5, 0.5001, 0.5002, 0.4999]) < 0.0
 
 
+def test_a_classifier_is_judged_by_its_worst_logit_vector() -> None:
+    def answer(*logits: float) -> list[dict]:
+        return [{"label": f"L{i}", "score": 0.0, "logit": x} for i, x in enumerate(logits)]
+
+    reference = [answer(2.0, -1.0, 0.5), answer(0.0, 3.0, 1.0)]
+    assert onnx_runtime.agreement("classification", reference, reference) == pytest.approx(1.0)
+    # the second input's logits turned to another class: its cosine (3 / sqrt(10) / sqrt(10)) is the minimum
+    turned = [answer(2.0, -1.0, 0.5), answer(3.0, 0.0, 1.0)]
+    assert onnx_runtime.agreement("classification", reference, turned) == pytest.approx(0.1)
+    assert onnx_runtime.measure_name("classification") == "lowest logit cosine"
+
+
 @pytest.mark.parametrize(
     "values,says",
     [
