@@ -398,7 +398,7 @@ class Settings:
     quantize_cosine_floor: float = knob(
         0.98,
         "with --quantize int8: the start is refused (exit 2) when an int8 model's vectors fall below this "
-        "cosine to fp32's on the probe set (a reranker: its scores' correlation)",
+        "cosine to fp32's on the probe set (a reranker: its scores' correlation; a classifier: its logits' cosine)",
     )
     log_level: str = knob("info", "log level", ("debug", "info", "warning", "error"))
 
