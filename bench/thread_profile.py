@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import os
 import shutil
+import sys
 import subprocess
 import tempfile
 import time
@@ -63,7 +64,9 @@ class Recorder:
 
     def start(self) -> None:
         self.before, self.at = thread_cpu(self.pid), time.monotonic()
-        spy = shutil.which("py-spy")
+        # on PATH, or beside this interpreter (a venv's bin/, where `pip install py-spy` puts it, when the bench
+        # runs as .venv/bin/python without the venv activated)
+        spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
         if spy:
             self.spy = subprocess.Popen(
                 [
