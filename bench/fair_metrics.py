@@ -11,7 +11,7 @@ service difference over time, Jain's index per window, and the device's idle tim
   batches counts as idle, so it is a small share, never exactly 0.
 
 `bench/fair_service.py` reads costs from the server (`/v1/usage`); `bench/fairness.py` from its answers
-(`usage.prompt_tokens`, `Answer`); `bench/tenancy_bench.py` reports work conservation (its light streams are open
+(`usage.prompt_tokens`, `Answered`); `bench/tenancy_bench.py` reports work conservation (its light streams are open
 loop, not backlogged, so D and Jain's bound do not apply there)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from bench.loadgen import parse_metrics
 
 
 @dataclass(frozen=True)
-class Answer:
+class Answered:
     """One answer a client counted: when (seconds from the load's start), whose, and its cost."""
 
     t: float
@@ -41,7 +41,7 @@ def jain(xs: list[float]) -> float:
     return s * s / (len(xs) * sq) if sq else math.nan
 
 
-def difference(answers: list[Answer], names: tuple[str, str], t0: float) -> list[tuple[float, float]]:
+def difference(answers: list[Answered], names: tuple[str, str], t0: float) -> list[tuple[float, float]]:
     """(t - t0, W_a - W_b) after each answer from t0 on: the accumulated service difference."""
     a, b = names
     got = {a: 0.0, b: 0.0}
@@ -54,7 +54,7 @@ def difference(answers: list[Answer], names: tuple[str, str], t0: float) -> list
     return out
 
 
-def windows(answers: list[Answer], names: tuple[str, ...], t0: float, t1: float, window_s: float) -> list[dict]:
+def windows(answers: list[Answered], names: tuple[str, ...], t0: float, t1: float, window_s: float) -> list[dict]:
     """Each tenant's cost served and Jain's index in consecutive windows of `window_s` from t0; a last window
     shorter than 90 % of `window_s` is left out (none is left when [t0, t1] is shorter than one window)."""
     out = []

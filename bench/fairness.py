@@ -51,7 +51,7 @@ import orjson
 
 from bench import plot, report, servers
 from bench.common import add_output_flags, guarded, log_dir, out_dir, run_name
-from bench.fair_metrics import Answer, DeviceSampler, difference, idle_while_waiting, windows
+from bench.fair_metrics import Answered, DeviceSampler, difference, idle_while_waiting, windows
 
 BASE_COMMIT = "b6ba887"
 # 218 words of this sentence are 220 minilm tokens (with [CLS] and [SEP]); the short input is 8.
@@ -88,7 +88,7 @@ async def closed_loops(
     timeout_ms: float | None = None,
     min_answers: int = 0,
     max_s: float = 0.0,
-    log: list[Answer] | None = None,
+    log: list[Answered] | None = None,
     sampler: DeviceSampler | None = None,
 ) -> dict[str, Served]:
     """Each tenant of `keys` (tenant -> API key) runs `loops[tenant]` closed loops (default `LOOPS`) of its
@@ -137,7 +137,7 @@ async def closed_loops(
                 counted = measure_from <= now and not over(now)
                 if status == 200:
                     if log is not None:
-                        log.append(Answer(now - start, tenant, int(payload["usage"]["prompt_tokens"])))
+                        log.append(Answered(now - start, tenant, int(payload["usage"]["prompt_tokens"])))
                     if counted:
                         got.tokens += int(payload["usage"]["prompt_tokens"])
                         got.answered += 1
@@ -190,7 +190,7 @@ def extract(commit: str, into: Path) -> Path:
     return into
 
 
-def literature(log: list[Answer], sampler: DeviceSampler, t0: float, t1: float, window_s: float) -> dict:
+def literature(log: list[Answered], sampler: DeviceSampler, t0: float, t1: float, window_s: float) -> dict:
     """The measured window [t0, t1] in the literature's terms (`bench.fair_metrics`): the accumulated tokens
     served to `long` less those to `short`, over U, the largest answer's tokens; Jain's index and the device's
     idle time while inputs waited, per window of `window_s`."""
@@ -229,7 +229,7 @@ def run_one(label: str, root: Path, a: argparse.Namespace, logs: Path) -> dict:
         server = servers.start(label, cmd, logs, timeout_s=300, env=env_for(root))
         try:
             load_before = os.getloadavg()[0]
-            log: list[Answer] = []
+            log: list[Answered] = []
             sampler = DeviceSampler(server.base, 0.0, a.sample_ms / 1000)
             served = asyncio.run(
                 closed_loops(

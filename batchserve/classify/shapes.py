@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import Answer, Operation
+from batchserve.http.openapi import DocAnswer, Operation
 from batchserve.http.shapes import OPENAI, NonNegative, Priority
 
 MAX_INPUTS = 2048  # inputs per request, as /v1/embeddings
@@ -98,7 +98,7 @@ def _classify_operation(path: str, op_id: str) -> Operation:
         path,
         op_id,
         "Classify texts (vLLM's shape): every class's score per input; each input rides the batcher on its own",
-        (Answer(200, "one result per input, in input order", ClassifyResponse),),
+        (DocAnswer(200, "one result per input, in input order", ClassifyResponse),),
         OPENAI,
         errors=(400, 401, 404, 413, 429, 500, 503, 504),
         request=Annotated[ClassifyRequest, Meta(examples=[{"input": ["a great film", "a dull film"]}])],
@@ -114,7 +114,7 @@ OPERATIONS = (
         "predict",
         "Classify a text, a pair or a batch of them (Hugging Face TEI's shape); each rides the batcher on its own",
         (
-            Answer(
+            DocAnswer(
                 200,
                 "every class's prediction, highest score first; for a batch (a list of lists), one such list per "
                 "input, in input order",

@@ -15,13 +15,13 @@ from batchserve.http.decoding import BodyRefusal, decode
 from batchserve.errors import ApiError
 from batchserve.http.openai_error import bad, timeout_s
 
-__all__ = ["MAX_INPUTS", "EmbeddingRequest", "parse"]
+__all__ = ["MAX_INPUTS", "ParsedEmbedding", "parse"]
 
 _DECODER = msgspec.json.Decoder(shapes.EmbeddingRequest)
 
 
 @dataclass
-class EmbeddingRequest:
+class ParsedEmbedding:
     inputs: list[str]
     model: str | None  # None: the first model that serves embeddings
     base64: bool
@@ -39,7 +39,7 @@ def refused(r: BodyRefusal) -> ApiError:
     return bad(r.field, r.message)
 
 
-def parse(body: bytes, max_chars: int, max_timeout_ms: float) -> EmbeddingRequest:
+def parse(body: bytes, max_chars: int, max_timeout_ms: float) -> ParsedEmbedding:
     try:
         req = decode(_DECODER, body)
     except BodyRefusal as r:
@@ -48,7 +48,7 @@ def parse(body: bytes, max_chars: int, max_timeout_ms: float) -> EmbeddingReques
     for i, text in enumerate(inputs):
         if len(text) > max_chars:
             raise bad("input", f"input[{i}] is over the {max_chars}-character limit", "string_above_max_length")
-    return EmbeddingRequest(
+    return ParsedEmbedding(
         inputs,
         req.model,
         req.encoding_format == "base64",

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from batchserve.backends import Backend
 from batchserve.core.fairqueue import ItemResult
-from batchserve.embeddings.parse import EmbeddingRequest, parse
+from batchserve.embeddings.parse import ParsedEmbedding, parse
 from batchserve.embeddings.render import answer
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, Endpoint
@@ -46,7 +46,7 @@ def _retrieve(task: asyncio.Future) -> None:
 class Embed:
     """A parsed request and the model version that answers it."""
 
-    req: EmbeddingRequest
+    req: ParsedEmbedding
     backend: Backend
 
 

@@ -17,7 +17,7 @@ import orjson
 from batchserve.config import Settings
 from batchserve.generation.engine import Engine, SamplingParams
 from batchserve.generation.parse import GenRequest, bad, parse
-from batchserve.generation.render import Answer
+from batchserve.generation.render import ResponseShape
 from batchserve.http.openai_error import unknown_model
 
 
@@ -72,7 +72,7 @@ async def complete(
     if prep.req.stream:
         raise bad("stream", "a batch line is answered whole; leave out 'stream'")
     seq = engine.submit(prep.prompt_ids, prep.params, tier=tier, streamed=False, tenant=tenant, max_wait_s=max_wait_s)
-    answer = Answer(
+    answer = ResponseShape(
         chat,
         ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
         engine.cfg.model_id,

@@ -11,7 +11,7 @@ import orjson
 
 
 @dataclass
-class Answer:
+class ResponseShape:
     """The fixed parts of one response, and how a chunk of text is shaped for this endpoint."""
 
     chat: bool

@@ -23,9 +23,9 @@ from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
 from batchserve.generation.engine import Delta, Engine, Sequence, enabled
-from batchserve.generation.render import Answer, sse
+from batchserve.generation.render import ResponseShape, sse
 from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import Answer as EndpointAnswer
+from batchserve.http.endpoint import Answer
 from batchserve.http.endpoint import Call, Endpoint, Gone, Stream
 from batchserve.http.guards import Guard
 from batchserve.http.plumbing import client_host
@@ -130,7 +130,7 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
         raise
     endpoint = "chat" if chat else "completions"
     model = call.work.model
-    answer = Answer(
+    answer = ResponseShape(
         chat,
         ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
         engine.cfg.model_id,
@@ -184,13 +184,15 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
         raise
 
 
-def render(rt: GenerationHost, call: Call, body: bytes, out: Generated) -> EndpointAnswer | Stream:
+def render(rt: GenerationHost, call: Call, body: bytes, out: Generated) -> Answer | Stream:
     if out.stream is not None and out.close is not None:
         return Stream(out.stream, out.close)
-    return EndpointAnswer(out.body)
+    return Answer(out.body)
 
 
-async def stream_events(seq: Sequence, first: Delta, answer: Answer, include_usage: bool) -> AsyncIterator[bytes]:
+async def stream_events(
+    seq: Sequence, first: Delta, answer: ResponseShape, include_usage: bool
+) -> AsyncIterator[bytes]:
     yield sse(answer.chunk("", role=True) if answer.chat else answer.chunk(""))
     delta = first
     while True:

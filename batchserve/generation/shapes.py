@@ -1,5 +1,5 @@
 """The declared shapes of the generation routes (OpenAI's chat and text completions, `generation/routes.py`):
-the requests `parse.parse` takes, the answers `render.Answer` renders, and their operations in /openapi.json. Errors
+the requests `parse.parse` takes, the answers `render.DocAnswer` renders, and their operations in /openapi.json. Errors
 in OpenAI's shape, `{"error": {message, type, param, code}}`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import Answer, Operation
+from batchserve.http.openapi import DocAnswer, Operation
 from batchserve.http.shapes import NATIVE, OPENAI, NonNegative, Priority
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
@@ -153,7 +153,7 @@ def _operation(path: str, op_id: str, summary: str, request: Any, answer: Any) -
         path,
         op_id,
         summary,
-        (Answer(200, "the whole answer, or with stream: true, text/event-stream chunks", answer, also=_STREAM),),
+        (DocAnswer(200, "the whole answer, or with stream: true, text/event-stream chunks", answer, also=_STREAM),),
         OPENAI,
         errors=(400, 401, 404, 413, 429, 500, 503, 504),
         request=request,
@@ -180,7 +180,7 @@ OPERATIONS = (
         "/internal/generation",
         "generationStatus",
         "The generation engine: sequences, KV blocks, step time (with --metrics-key set, only with that key)",
-        (Answer(200, "engine state", GenerationStatus, headers=()),),
+        (DocAnswer(200, "engine state", GenerationStatus, headers=()),),
         NATIVE,
         errors=(401,),
         public=True,

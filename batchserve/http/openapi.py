@@ -5,8 +5,9 @@ status, its error dialect) next to the msgspec `Struct`s its parser decodes (`<w
 `app.create_app` builds the document from the operations of the routes it mounts. Every schema in the document
 comes from `msgspec.json.schema_components` over those types: the shapes a request is decoded into are the
 shapes the document describes, so the two cannot drift apart. Error answers take their dialect's shape
-(`Dialect`): `{error, message, request_id}` (docs/contract.md#errors) on batchserve's routes, narrowed per status to the
-codes that status carries; OpenAI's `{"error": {...}}` on the OpenAI routes; KServe v2's `{"error": message}`.
+(`DocDialect`): `{error, message, request_id}` (docs/contract.md#errors) on batchserve's routes, narrowed per
+status to the codes that status carries; OpenAI's `{"error": {...}}` on the OpenAI routes; KServe v2's
+`{"error": message}`.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ RATE_HEADERS = (
 
 
 @dataclass(frozen=True)
-class Answer:
+class DocAnswer:
     """One documented answer of an operation: its status, and its body's type per media type
     (JSON unless said; `None`: no body)."""
 
@@ -107,7 +108,7 @@ class Param:
 
 
 @dataclass(frozen=True)
-class Dialect:
+class DocDialect:
     """How a family of routes words its errors: the error body's type, and whether it is narrowed per status to
     the codes that status carries (the native shape's machine-readable `error`)."""
 
@@ -129,8 +130,8 @@ class Operation:
     path: str
     operation_id: str
     summary: str
-    answers: tuple[Answer, ...]
-    dialect: Dialect
+    answers: tuple[DocAnswer, ...]
+    dialect: DocDialect
     errors: tuple[int, ...] = ()
     request: Any = None  # the body's type (`None`: no body)
     request_media: str = JSON
@@ -256,7 +257,7 @@ def _headers(types: _Collector, headers: Iterable[Header]) -> dict[str, Any]:
     return {h.name: {"description": h.description, "schema": _Schema(types.add(h.type))} for h in headers}
 
 
-def _error_headers(status: int, dialect: Dialect) -> tuple[Header, ...]:
+def _error_headers(status: int, dialect: DocDialect) -> tuple[Header, ...]:
     if not dialect.headers:
         return ()
     out: tuple[Header, ...] = (REQUEST_ID,)

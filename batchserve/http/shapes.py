@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.core.ledger import DEFAULT_WINDOW_S, MAX_WINDOW_S
-from batchserve.http.openapi import Answer, Dialect, Operation, Param
+from batchserve.http.openapi import DocAnswer, DocDialect, Operation, Param
 
 NonNegative = Annotated[int, Meta(ge=0)]
 # A request's own priority (`priority` on the native and v2 routes, `service_tier` on OpenAI's): core/tiers.ASKABLE.
@@ -49,8 +49,8 @@ class OpenAIError(Struct, forbid_unknown_fields=True):
     error: OpenAIErrorDetail
 
 
-NATIVE = Dialect("native", Error, per_status=True)
-OPENAI = Dialect("OpenAI", OpenAIError)
+NATIVE = DocDialect("native", Error, per_status=True)
+OPENAI = DocDialect("OpenAI", OpenAIError)
 
 
 # -- /v1/usage ------------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ USAGE = (
         "/v1/usage",
         "usage",
         "Your tenant's SLO ledger: requests by outcome, cost served, latency",
-        (Answer(200, "the figures", UsageList),),
+        (DocAnswer(200, "the figures", UsageList),),
         NATIVE,
         errors=(400, 401),
         description=_USAGE_DESCRIPTION,
@@ -152,7 +152,7 @@ USAGE = (
 
 def docs_operations(assets: list[str], media_types: list[str]) -> tuple[Operation, ...]:
     """`/docs`: Swagger UI's page, its initializer and its files (named by `docs_page.ASSETS`)."""
-    page = Answer(200, "the page", str, media="text/html", headers=())
+    page = DocAnswer(200, "the page", str, media="text/html", headers=())
     return (
         Operation("GET", "/docs", "docs", "Swagger UI over /openapi.json (assets served locally)", (page,), NATIVE),
         Operation(
@@ -160,7 +160,7 @@ def docs_operations(assets: list[str], media_types: list[str]) -> tuple[Operatio
             "/docs/init.js",
             "docsInit",
             "the page's Swagger UI initializer",
-            (Answer(200, "JavaScript", str, media="text/javascript", headers=()),),
+            (DocAnswer(200, "JavaScript", str, media="text/javascript", headers=()),),
             NATIVE,
         ),
         Operation(
@@ -169,7 +169,7 @@ def docs_operations(assets: list[str], media_types: list[str]) -> tuple[Operatio
             "docsAsset",
             "Swagger UI's files, from the swagger-ui-py package",
             (
-                Answer(
+                DocAnswer(
                     200,
                     "the file",
                     str,

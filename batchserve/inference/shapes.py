@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import REQUEST_ID, Answer, Header, Operation, Param
+from batchserve.http.openapi import REQUEST_ID, DocAnswer, Header, Operation, Param
 from batchserve.http.shapes import NATIVE, NonNegative, Priority
 
 
@@ -126,7 +126,7 @@ def _inference(path: str, operation_id: str, summary: str) -> Operation:
         path,
         operation_id,
         summary,
-        (Answer(200, "the input's output", InferenceResponse, headers=(REQUEST_ID, _SERVER_TIMING)),),
+        (DocAnswer(200, "the input's output", InferenceResponse, headers=(REQUEST_ID, _SERVER_TIMING)),),
         NATIVE,
         errors=(400, 401, 404, 413, 429, 500, 503, 504),
         request=Annotated[InferenceRequest, Meta(examples=[{"input": "hello", "model": "sim"}])],
@@ -142,7 +142,7 @@ OPERATIONS = (
         "/v1/requests/{request_id}",
         "requestStatus",
         "Status of a recent request on this node, with timings",
-        (Answer(200, "the request's status", RequestStatus),),
+        (DocAnswer(200, "the request's status", RequestStatus),),
         NATIVE,
         errors=(401, 404, 429),
         params=(Param("request_id", "path"),),
@@ -152,7 +152,7 @@ OPERATIONS = (
         "/v1/models",
         "listModels",
         "The models and versions served here (OpenAI list shape)",
-        (Answer(200, "the served models", ModelList),),
+        (DocAnswer(200, "the served models", ModelList),),
         NATIVE,
         errors=(401, 429),
     ),

@@ -188,10 +188,10 @@ def accepted(svc: JobService, job: Job, created: bool) -> Answer | Stream:
         svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
         assert svc.scheduler is not None
         svc.scheduler.add(job)
-    return json_answer(public(job), 202 if created else 200, ((b"location", b"/v1/batches/%s" % job.id.encode()),))
+    return json_answer(job_view(job), 202 if created else 200, ((b"location", b"/v1/batches/%s" % job.id.encode()),))
 
 
-def public(job: Job) -> dict[str, Any]:
+def job_view(job: Job) -> dict[str, Any]:
     """The job in the shape it was created in: OpenAI's batch object, or batchserve's own."""
     return batch_object(job) if job.openai is not None else job.public()
 
@@ -305,7 +305,7 @@ async def get_batch(request: Request, rt: JobsHost, svc: JobService, caller: Cal
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None:
         raise errors.batch_not_found(job_id)
-    return json_answer(public(job))
+    return json_answer(job_view(job))
 
 
 async def batch_results(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
@@ -330,7 +330,7 @@ async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
     if svc.scheduler is not None:
         svc.scheduler.cancel(job_id)
     svc.metrics.progress(Progress(job.id, job.model, job.status, {}))  # a cancelled job leaves the gauges
-    return json_answer(public(job))
+    return json_answer(job_view(job))
 
 
 async def delete_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
@@ -359,7 +359,7 @@ async def list_batches(request: Request, rt: JobsHost, svc: JobService, caller: 
     after = request.query_params.get("after")
     store = await svc.existing_store()
     jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
-    data: list[dict[str, Any]] = [public(j) for j in jobs[:limit]]
+    data: list[dict[str, Any]] = [job_view(j) for j in jobs[:limit]]
     return json_answer(
         {
             "object": "list",

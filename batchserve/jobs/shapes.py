@@ -10,7 +10,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import Answer, Operation, Param, one_of
+from batchserve.http.openapi import DocAnswer, Operation, Param, one_of
 from batchserve.http.shapes import NATIVE, NonNegative
 
 Epoch = Annotated[float, Meta(description="seconds since the epoch")]
@@ -201,7 +201,7 @@ _LIMIT = Param("limit", "query", Annotated[int, Meta(ge=1, le=100)], "at most th
 _JOB_ERRORS = (401, 404, 429, 503)
 
 
-def _op(method: str, path: str, op_id: str, summary: str, *answers: Answer, **kw: Any) -> Operation:
+def _op(method: str, path: str, op_id: str, summary: str, *answers: DocAnswer, **kw: Any) -> Operation:
     return Operation(method, path, op_id, summary, answers, NATIVE, **kw)
 
 
@@ -211,8 +211,8 @@ OPERATIONS = (
         "/v1/batches",
         "createBatch",
         "Submit a batch job: stored durably (all items) before the answer, run from spare capacity",
-        Answer(202, "the new job", AnyBatch),
-        Answer(200, "the job created earlier with this Idempotency-Key", AnyBatch),
+        DocAnswer(202, "the new job", AnyBatch),
+        DocAnswer(200, "the job created earlier with this Idempotency-Key", AnyBatch),
         request=Annotated[
             Any, one_of(BatchRequest, OpenAIBatchRequest), Meta(examples=[{"inputs": ["a", "b"], "model": "sim"}])
         ],
@@ -232,7 +232,7 @@ OPERATIONS = (
         "/v1/batches",
         "listBatches",
         "The caller's jobs, newest first",
-        Answer(200, "the caller's jobs", BatchJobList),
+        DocAnswer(200, "the caller's jobs", BatchJobList),
         errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query", str, "a job id: list the jobs older than it")),
     ),
@@ -241,7 +241,7 @@ OPERATIONS = (
         "/v1/batches/{batch_id}",
         "getBatch",
         "A job's status and counts",
-        Answer(200, "the job", AnyBatch),
+        DocAnswer(200, "the job", AnyBatch),
         errors=_JOB_ERRORS,
         params=(_BATCH_ID,),
     ),
@@ -250,7 +250,7 @@ OPERATIONS = (
         "/v1/batches/{batch_id}",
         "deleteBatch",
         "Delete a finished job with its items and output and error files (frees its bytes)",
-        Answer(200, "deleted", BatchDeleted),
+        DocAnswer(200, "deleted", BatchDeleted),
         errors=(409, *_JOB_ERRORS),
         params=(_BATCH_ID,),
     ),
@@ -259,7 +259,7 @@ OPERATIONS = (
         "/v1/batches/{batch_id}/results",
         "batchResults",
         "One NDJSON line per item, in input order",
-        Answer(200, "NDJSON, one BatchResultLine per line", BatchResultLine, media="application/x-ndjson"),
+        DocAnswer(200, "NDJSON, one BatchResultLine per line", BatchResultLine, media="application/x-ndjson"),
         errors=_JOB_ERRORS,
         params=(_BATCH_ID,),
     ),
@@ -268,7 +268,7 @@ OPERATIONS = (
         "/v1/batches/{batch_id}/cancel",
         "cancelBatch",
         "Cancel the items not yet run (a finished job is returned as it is)",
-        Answer(200, "the job after cancelling", AnyBatch),
+        DocAnswer(200, "the job after cancelling", AnyBatch),
         errors=_JOB_ERRORS,
         params=(_BATCH_ID,),
     ),
@@ -277,7 +277,7 @@ OPERATIONS = (
         "/v1/files",
         "createFile",
         "Upload a JSONL batch input file (multipart: file, purpose=batch), OpenAI's Files API",
-        Answer(200, "the stored file", File),
+        DocAnswer(200, "the stored file", File),
         request=FileUpload,
         request_media="multipart/form-data",
         errors=(400, 409, 413, *_JOB_ERRORS),
@@ -287,7 +287,7 @@ OPERATIONS = (
         "/v1/files",
         "listFiles",
         "The caller's uploaded files, newest first",
-        Answer(200, "the caller's files", FileList),
+        DocAnswer(200, "the caller's files", FileList),
         errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query"), Param("purpose", "query")),
     ),
@@ -296,7 +296,7 @@ OPERATIONS = (
         "/v1/files/{file_id}",
         "getFile",
         "A file's metadata (uploads, and finished jobs' output and error files)",
-        Answer(200, "the file", File),
+        DocAnswer(200, "the file", File),
         errors=_JOB_ERRORS,
         params=(_FILE_ID,),
     ),
@@ -305,7 +305,7 @@ OPERATIONS = (
         "/v1/files/{file_id}",
         "deleteFile",
         "Delete an uploaded file (frees its bytes and a --files-max-count place)",
-        Answer(200, "deleted", FileDeleted),
+        DocAnswer(200, "deleted", FileDeleted),
         errors=_JOB_ERRORS,
         params=(_FILE_ID,),
     ),
@@ -314,7 +314,7 @@ OPERATIONS = (
         "/v1/files/{file_id}/content",
         "fileContent",
         "The file's bytes: JSONL",
-        Answer(200, "the file", str, media="application/jsonl"),
+        DocAnswer(200, "the file", str, media="application/jsonl"),
         errors=_JOB_ERRORS,
         params=(_FILE_ID,),
     ),

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import Answer, Dialect, Operation, Param
+from batchserve.http.openapi import DocAnswer, DocDialect, Operation, Param
 from batchserve.http.shapes import Priority
 
 MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
@@ -26,7 +26,7 @@ class V2Error(Struct):
     error: str
 
 
-KSERVE = Dialect("KServe v2", V2Error)
+KSERVE = DocDialect("KServe v2", V2Error)
 
 
 class V2Live(Struct):
@@ -130,9 +130,9 @@ def _params(path: str) -> tuple[Param, ...]:
 
 
 def _get(path: str, op_id: str, summary: str, shape: Any, *errors: int) -> Operation:
-    answers: tuple[Answer, ...] = (Answer(200, summary, shape, headers=()),)
+    answers: tuple[DocAnswer, ...] = (DocAnswer(200, summary, shape, headers=()),)
     if shape is V2Ready:
-        answers += (Answer(400, "not ready (v2: a 4xx means false)", V2Ready, headers=()),)
+        answers += (DocAnswer(400, "not ready (v2: a 4xx means false)", V2Ready, headers=()),)
     return Operation("GET", path, op_id, summary, answers, KSERVE, errors=errors, params=_params(path), tags=_TAGS)
 
 
@@ -146,7 +146,7 @@ def _infer(path: str, op_id: str) -> Operation:
         op_id,
         "KServe v2 infer: each element of the BYTES input rides the batcher",
         (
-            Answer(
+            DocAnswer(
                 200,
                 "the output tensor: BYTES, or FP32 [..., dim] for embedding models; binary when asked "
                 "(Inference-Header-Content-Length)",

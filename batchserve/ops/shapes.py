@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from batchserve.http.openapi import Answer, Operation
+from batchserve.http.openapi import DocAnswer, Operation
 from batchserve.http.shapes import NATIVE, NonNegative
 
 Ratio = Annotated[float, Meta(ge=0, le=1)]
@@ -112,15 +112,15 @@ class InternalHealth(Struct):
     process: ProcessSlot | None = None
 
 
-def _get(path: str, op_id: str, summary: str, *answers: Answer, errors: tuple[int, ...] = ()) -> Operation:
+def _get(path: str, op_id: str, summary: str, *answers: DocAnswer, errors: tuple[int, ...] = ()) -> Operation:
     return Operation("GET", path, op_id, summary, answers, NATIVE, errors=errors, public=True)
 
 
-_READY = Answer(200, "ready", Readiness, headers=())
-_NOT_READY = Answer(503, "not ready (status not_ready, with the reason)", Readiness, headers=())
+_READY = DocAnswer(200, "ready", Readiness, headers=())
+_NOT_READY = DocAnswer(503, "not ready (status not_ready, with the reason)", Readiness, headers=())
 
 OPERATIONS = (
-    _get("/healthz", "healthz", "Liveness: the process answers", Answer(200, "alive", Liveness, headers=())),
+    _get("/healthz", "healthz", "Liveness: the process answers", DocAnswer(200, "alive", Liveness, headers=())),
     _get(
         "/readyz", "readyz", "Readiness: models warmed, at least one healthy worker, not draining", _READY, _NOT_READY
     ),
@@ -136,15 +136,15 @@ OPERATIONS = (
         "/internal/health",
         "internalHealth",
         "Workers, queue depth, utilisation and rate (with --metrics-key set, only with that key)",
-        Answer(200, "the node's health", InternalHealth, headers=()),
+        DocAnswer(200, "the node's health", InternalHealth, headers=()),
         errors=(401,),
     ),
     _get(
         "/metrics",
         "metrics",
         "Prometheus metrics, batchserve_ prefix (with --metrics-key set, only with that key)",
-        Answer(200, "Prometheus text exposition format", str, media="text/plain", headers=()),
+        DocAnswer(200, "Prometheus text exposition format", str, media="text/plain", headers=()),
         errors=(401,),
     ),
-    _get("/openapi.json", "openapi", "This document", Answer(200, "OpenAPI 3.1", dict[str, Any], headers=())),
+    _get("/openapi.json", "openapi", "This document", DocAnswer(200, "OpenAPI 3.1", dict[str, Any], headers=())),
 )

@@ -12,7 +12,7 @@ from batchserve.http.openai_error import bad, timeout_s
 from batchserve.rerank import shapes
 from batchserve.rerank.shapes import MAX_DOCUMENTS
 
-__all__ = ["MAX_DOCUMENTS", "RerankRequest", "parse"]
+__all__ = ["MAX_DOCUMENTS", "ParsedRerank", "parse"]
 
 Shape = msgspec.json.Decoder[shapes.RerankRequest | shapes.V2RerankRequest]
 V1: Shape = msgspec.json.Decoder(shapes.RerankRequest)
@@ -20,7 +20,7 @@ V2: Shape = msgspec.json.Decoder(shapes.V2RerankRequest)  # Cohere's v2: strings
 
 
 @dataclass
-class RerankRequest:
+class ParsedRerank:
     query: str
     documents: list[str]
     top_n: int | None  # None: every document
@@ -35,7 +35,7 @@ def parse(
     max_chars: int,
     max_timeout_ms: float,
     shape: Shape = V1,
-) -> RerankRequest:
+) -> ParsedRerank:
     """`shape`: the body's declared shape, Cohere's v1 (`/v1/rerank`, the default) or v2 (`/v2/rerank`)."""
     try:
         req = decode(shape, body)
@@ -47,7 +47,7 @@ def parse(
     for name, text in [("query", req.query), *(("documents", d) for d in documents)]:
         if len(text) > max_chars:
             raise bad(name, f"a {name.rstrip('s')} is over the {max_chars}-character limit", "string_above_max_length")
-    return RerankRequest(
+    return ParsedRerank(
         query=req.query,
         documents=documents,
         top_n=req.top_n,

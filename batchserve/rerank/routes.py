@@ -17,7 +17,7 @@ from batchserve.core.fairqueue import ItemResult
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer, Call, Endpoint
 from batchserve.http.model_choice import RERANKING, EncoderHost, choose
-from batchserve.rerank.parse import V1, V2, RerankRequest, Shape, parse
+from batchserve.rerank.parse import V1, V2, ParsedRerank, Shape, parse
 from batchserve.rerank.render import answer, answer_v2
 
 
@@ -25,7 +25,7 @@ from batchserve.rerank.render import answer, answer_v2
 class Rerank:
     """A parsed request and its (query, document) pairs."""
 
-    req: RerankRequest
+    req: ParsedRerank
     pairs: list[str]
 
 

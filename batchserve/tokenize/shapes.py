@@ -8,7 +8,7 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from batchserve.http.openapi import Answer, Operation
+from batchserve.http.openapi import DocAnswer, Operation
 from batchserve.http.shapes import OPENAI, NonNegative
 
 MAX_INPUTS = 1000  # TEI's `inputs` per request
@@ -62,7 +62,7 @@ OPERATIONS = (
         "/tokenize",
         "tokenize",
         "A text's token ids under a served model's tokenizer (vLLM's shape, or TEI's with `inputs`); no batch runs",
-        (Answer(200, "the token ids", TokenizeResponse | list[list[TeiToken]]),),
+        (DocAnswer(200, "the token ids", TokenizeResponse | list[list[TeiToken]]),),
         OPENAI,
         errors=(400, 401, 404, 413, 429, 500, 503),
         request=Annotated[TokenizeRequest, Meta(examples=[{"prompt": "hello world"}])],
@@ -72,7 +72,7 @@ OPERATIONS = (
         "/detokenize",
         "detokenize",
         "The text of token ids under a served model's tokenizer (vLLM's shape); no batch runs",
-        (Answer(200, "the text", DetokenizeResponse),),
+        (DocAnswer(200, "the text", DetokenizeResponse),),
         OPENAI,
         errors=(400, 401, 404, 413, 429, 500, 503),
         request=Annotated[DetokenizeRequest, Meta(examples=[{"tokens": [1, 2, 3]}])],

@@ -200,12 +200,12 @@ def test_the_fair_service_reads_whole_usage_readings_only() -> None:
 def test_fair_metrics_difference_windows_and_idle_time() -> None:
     """bench/fair_metrics.py: the accumulated difference moves by each answer's cost from t0 on, Jain's index is
     per whole window, and idle time counts only intervals with inputs waiting at both ends, per worker."""
-    from bench.fair_metrics import Answer, DeviceReading, DeviceSampler, difference, idle_while_waiting, windows
+    from bench.fair_metrics import Answered, DeviceReading, DeviceSampler, difference, idle_while_waiting, windows
 
     # a: one 880-token answer a second; b: 110 tokens every 1/8 s; and a warm-up answer of b before t0 = 1
-    log = [Answer(0.5, "b", 999.0)]
-    log += [Answer(1.0 + k, "a", 880.0) for k in range(20)]
-    log += [Answer(1.0 + k / 8, "b", 110.0) for k in range(1, 161)]
+    log = [Answered(0.5, "b", 999.0)]
+    log += [Answered(1.0 + k, "a", 880.0) for k in range(20)]
+    log += [Answered(1.0 + k / 8, "b", 110.0) for k in range(1, 161)]
     diff = difference(log, ("a", "b"), t0=1.0)
     assert diff[0] == (0.0, 0.0) and max(abs(d) for _, d in diff) == 880.0 + 110.0  # a answered before b at 2 s
     assert diff[-1][1] == 20 * 880.0 - 160 * 110.0  # the warm-up answer is not counted

@@ -166,7 +166,7 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
 
     from batchserve import errors
     from batchserve.generation.engine import Delta
-    from batchserve.generation.render import Answer
+    from batchserve.generation.render import ResponseShape
     from batchserve.generation.serving import stream_events
 
     async def events(deltas: list[Delta], later: list[Delta]) -> list[dict]:
@@ -181,7 +181,7 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
                 seq.deltas.put_nowait(d)
 
         feeder = asyncio.create_task(feed())
-        async for raw in stream_events(seq, deltas[0], Answer(True, "c", "m", 0, 3), include_usage=True):
+        async for raw in stream_events(seq, deltas[0], ResponseShape(True, "c", "m", 0, 3), include_usage=True):
             assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
             out.append("[DONE]" if raw == b"data: [DONE]\n\n" else orjson.loads(raw[6:]))
         await feeder
