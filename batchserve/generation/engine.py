@@ -67,7 +67,7 @@ from batchserve.generation.shares import (
 from batchserve.generation.sizing import auto_gpu_slots, kv_tokens_for
 from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
 
-__all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "Sequence", "enabled", "start_generation"]
+__all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "EngineSequence", "enabled", "start_generation"]
 
 log = logging.getLogger("batchserve.generation")
 
@@ -175,7 +175,7 @@ WAITING, RUNNING, DONE = "waiting", "running", "done"
 
 
 @dataclass(eq=False)
-class Sequence:
+class EngineSequence:
     id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -193,7 +193,7 @@ class Sequence:
     streamed: bool = True  # False: the caller wants the whole text once, so no delta per token
     held: list[str] = field(default_factory=list)  # text of a sequence that is not streamed, until it ends
     token_ids: list[int] | None = None  # every token generated, when the caller asked to keep them
-    on_start: Callable[[Sequence], None] | None = None  # called as it joins the stepper (leaves the queue)
+    on_start: Callable[[EngineSequence], None] | None = None  # called as it joins the stepper (leaves the queue)
     tenant: str = ""  # whose share it counts in (`shares.py`)
     order: int = 0  # arrival order: ties in the queue, and a preempted sequence keeps its place
     made: list[int] = field(default_factory=list)  # every token generated: a preempted sequence resumes from them
@@ -399,11 +399,11 @@ class Engine:
         self.eos_ids = {tokenizer.eos_token_id}
         self.longest_token_chars = longest_token_chars(tokenizer)
         self._tokenize_pool: ThreadPoolExecutor | None = None  # made on first use
-        self.running: dict[str, Sequence] = {}  # by run id (`Sequence.run_id`)
+        self.running: dict[str, EngineSequence] = {}  # by run id (`EngineSequence.run_id`)
         # waiting sequences, a heap of (tier, arrival order, sequence) per lane (`shares.py`), and what runs by lane
-        self.queues: dict[Lane, list[tuple[int, int, Sequence]]] = {}
+        self.queues: dict[Lane, list[tuple[int, int, EngineSequence]]] = {}
         self.waiting_count = 0
-        self.lane_running: dict[Lane, dict[str, Sequence]] = {}
+        self.lane_running: dict[Lane, dict[str, EngineSequence]] = {}
         self.lane_held: dict[Lane, int] = {}  # blocks held by each lane's running sequences
         self.idle_since: dict[Lane, float] = {}  # interactive lanes whose last sequence ended lately (LINGER_S)
         self.preemptions = 0
@@ -496,7 +496,7 @@ class Engine:
         return self.stepper.is_running()
 
     @property
-    def waiting(self) -> list[tuple[int, int, Sequence]]:
+    def waiting(self) -> list[tuple[int, int, EngineSequence]]:
         """Every waiting sequence as (tier, arrival order, sequence), in no particular order."""
         return [entry for queue in self.queues.values() for entry in queue]
 
@@ -538,9 +538,9 @@ class Engine:
         max_wait_s: float | None = None,
         start_by_s: float | None = None,
         keep_tokens: bool = False,
-        on_start: Callable[[Sequence], None] | None = None,
+        on_start: Callable[[EngineSequence], None] | None = None,
         tenant: str = "",
-    ) -> Sequence:
+    ) -> EngineSequence:
         """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits, or when
         its lane may pause another's sequence for it (`shares.py`).
         `streamed` False: its caller gets one delta, the whole text, when it ends (a per-token delta wakes the
@@ -580,7 +580,7 @@ class Engine:
         from batchserve.generation.textstream import TextStream
 
         now = time.monotonic()
-        seq = Sequence(
+        seq = EngineSequence(
             id="gen_" + secrets.token_hex(8),
             prompt_ids=prompt_ids,
             params=params,
@@ -613,7 +613,7 @@ class Engine:
         self.metrics.waiting.set(self.waiting_count)
         return seq
 
-    def predicted_wait_s(self, seq: Sequence, queued: bool = False) -> float:
+    def predicted_wait_s(self, seq: EngineSequence, queued: bool = False) -> float:
         """Seconds until `seq` (queued already, or a probe) would start.
 
         A lane alone in the engine (one tenant's interactive work, the common case and every burst): behind
@@ -640,12 +640,12 @@ class Engine:
         made, replay = kept
         return max(0.0, replay.place(seq.claim(), commit=queued) - (now - made))
 
-    def _alone(self, seq: Sequence) -> bool:
+    def _alone(self, seq: EngineSequence) -> bool:
         """Whether every running and waiting sequence is of `seq`'s lane (no shares to weigh)."""
         lane = seq.lane
         return all(other == lane for other in self.queues) and all(other == lane for other in self.lane_running)
 
-    def _shared_wait_s(self, seq: Sequence) -> float:
+    def _shared_wait_s(self, seq: EngineSequence) -> float:
         """The wait of `seq` where lanes share the engine, replayed as admission will run (`shares.replay_wait`):
         the running sequences it could not pause stay until their end (those its lane's next preemptions would
         pick free their place now); each freed place goes to the lane furthest under its share, interactive
@@ -714,7 +714,7 @@ class Engine:
             replay.place(ahead.claim())
         return replay.place(Claim(blocks, max_tokens), commit=False)
 
-    def cancel(self, seq: Sequence, reason: str = "client_disconnect") -> None:
+    def cancel(self, seq: EngineSequence, reason: str = "client_disconnect") -> None:
         """Drop a sequence that nobody will read: its KV blocks and slot go to the next waiting sequence now."""
         if seq.finished:
             return
@@ -722,7 +722,7 @@ class Engine:
         self.metrics.cancelled.labels(reason).inc()
         self._finish(seq, finish_reason="cancelled")
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[Delta]:
+    async def stream(self, seq: EngineSequence) -> AsyncIterator[Delta]:
         """The sequence's deltas, up to and including the one with its finish reason or error."""
         while True:
             delta: Delta = await seq.deltas.get()
@@ -736,11 +736,11 @@ class Engine:
         """Whether the stepper can resume a dropped sequence (so the engine may preempt)."""
         return bool(getattr(self.stepper, "resumable", False))
 
-    def _queue(self, seq: Sequence) -> None:
+    def _queue(self, seq: EngineSequence) -> None:
         heapq.heappush(self.queues.setdefault(seq.lane, []), (seq.tier, seq.order, seq))
         self.waiting_count += 1
 
-    def _unqueue(self, seq: Sequence) -> None:
+    def _unqueue(self, seq: EngineSequence) -> None:
         lane = seq.lane
         queue = [entry for entry in self.queues.get(lane, []) if entry[2] is not seq]
         self.waiting_count -= len(self.queues.get(lane, [])) - len(queue)
@@ -789,11 +789,11 @@ class Engine:
         return lanes, shares(lanes, self.budget.total_blocks)
 
     @staticmethod
-    def _victim_order(seq: Sequence) -> tuple[int, float, int]:
+    def _victim_order(seq: EngineSequence) -> tuple[int, float, int]:
         """Within a lane, the sequence paused first is the greatest: lowest-priority tier, latest (re)started."""
         return (seq.tier, seq.run_started, seq.order)
 
-    def _fits(self, seq: Sequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]) -> bool:
+    def _fits(self, seq: EngineSequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]) -> bool:
         """Whether `seq` may start now: its worst case fits, a batch line leaves the interactive headroom, and a
         lane at or over its share leaves one place for each lingering lane (`shares.LINGER_S`)."""
         lane = seq.lane
@@ -806,7 +806,7 @@ class Engine:
             )
         return self.budget.fits(seq.blocks, kept, kept)
 
-    def _start(self, seq: Sequence) -> None:
+    def _start(self, seq: EngineSequence) -> None:
         """Put `seq` in the stepper: a first run with its prompt; a resumed one (preempted) with its prompt and
         the tokens it had made, under a new run id, to recompute their K/V and go on from there."""
         self.budget.take(seq.blocks)
@@ -828,7 +828,7 @@ class Engine:
             seq.on_start(seq)
         self._gauges()
 
-    def _unrun(self, seq: Sequence) -> None:
+    def _unrun(self, seq: EngineSequence) -> None:
         """Take a running sequence off the books (its blocks back to the budget)."""
         lane = seq.lane
         self.running.pop(seq.run_id, None)
@@ -844,7 +844,7 @@ class Engine:
         self.budget.give(seq.blocks)
         self._went_idle(lane)
 
-    def _preempt(self, seq: Sequence, reason: str) -> None:
+    def _preempt(self, seq: EngineSequence, reason: str) -> None:
         """Pause a running sequence: the stepper drops it (and its K/V), it waits again in its lane at its old
         place, and it resumes by recomputing (`_start`). A started sequence is answered: it never expires."""
         self._unrun(seq)
@@ -917,8 +917,8 @@ class Engine:
         self._gauges()
 
     def _victim(
-        self, lane: Lane, seq: Sequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]
-    ) -> Sequence | None:
+        self, lane: Lane, seq: EngineSequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]
+    ) -> EngineSequence | None:
         """The running sequence to pause so that `seq` (of `lane`) can start, or None (`shares.victim_lane`)."""
         if not self.resumable:
             return None
@@ -946,7 +946,7 @@ class Engine:
                 self._finish(seq, error=errors.inference_failed(f"{type(exc).__name__}: {exc}"))
         self.metrics.output_tokens.inc(self.generated_tokens - before)
 
-    def _take(self, seq: Sequence, update: TokenUpdate, now: float) -> None:
+    def _take(self, seq: EngineSequence, update: TokenUpdate, now: float) -> None:
         if update.error is not None:
             self._finish(seq, error=errors.inference_failed(update.error), ended=True)
             return
@@ -985,7 +985,7 @@ class Engine:
 
     def _finish(
         self,
-        seq: Sequence,
+        seq: EngineSequence,
         text: str = "",
         finish_reason: str | None = None,
         error: ApiError | None = None,

@@ -39,7 +39,7 @@ from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
-from batchserve.generation.engine import Engine, SamplingParams, Sequence, enabled
+from batchserve.generation.engine import Engine, SamplingParams, EngineSequence, enabled
 from batchserve.generation.inference_records import StepperRecords
 
 log = logging.getLogger("batchserve.generation")
@@ -103,7 +103,7 @@ class StepperInference:
             encode = lambda texts: prompt_ids(tokenizer, texts)  # noqa: E731
         self._encode = encode
         self._pool: ThreadPoolExecutor | None = None
-        self._watched: dict[Sequence, Callable[[], bool]] = {}  # running for a caller that may hang up
+        self._watched: dict[EngineSequence, Callable[[], bool]] = {}  # running for a caller that may hang up
         self._watcher: asyncio.Task | None = None
 
     # -- admission ---------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ class StepperInference:
 
     def _submit(
         self, ids: list[int], model: str, tier: int, arrived: float, left_s: float, joined: Joined, tenant: str = ""
-    ) -> Sequence:
+    ) -> EngineSequence:
         """Admit one prompt with `left_s` of its deadline left, or raise the 503 / 504 that fits."""
         run_s = self.run_s()
         if run_s >= left_s:
@@ -134,7 +134,7 @@ class StepperInference:
                 f"{self.params.max_tokens} tokens takes here: it cannot be met",
             )
 
-        def started(seq: Sequence) -> None:
+        def started(seq: EngineSequence) -> None:
             joined.at, joined.rows = seq.started, len(self.engine.running)
             self.records.joined(model, tier, joined.at - arrived, joined.rows)
 
@@ -151,7 +151,7 @@ class StepperInference:
         )
 
     async def _answer(
-        self, seq: Sequence, joined: Joined, arrived: float, model: str, trace: object = None
+        self, seq: EngineSequence, joined: Joined, arrived: float, model: str, trace: object = None
     ) -> ItemResult:
         """Wait for the sequence's one delta (its end) and make the batch path's answer of it; its compute time
         and span go to `records` (`trace`: the request's span context)."""
@@ -178,7 +178,7 @@ class StepperInference:
         model, tier, tenant, arrived, deadline = work.model, work.tier, work.tenant, work.arrived, work.deadline
         work.inputs = len(texts)
         trace = self.records.admitted(model, tier)
-        seqs: list[tuple[Sequence, Joined]] = []
+        seqs: list[tuple[EngineSequence, Joined]] = []
         try:
             prompts = await self.prompts(texts)
             # prompt tokens plus the most it decodes: the batch path's `cost_of` of the same input
@@ -238,12 +238,12 @@ class StepperInference:
         return [self.submit_background(text, model, tenant, deadline_s) for text in texts]
 
     async def _background(self, item: Item) -> None:
-        seq: Sequence | None = None
+        seq: EngineSequence | None = None
         try:
             ids = (await self.prompts([item.text]))[0]
             joined = Joined()
 
-            def started(s: Sequence) -> None:
+            def started(s: EngineSequence) -> None:
                 joined.at, joined.rows = s.started, len(self.engine.running)
                 item.dispatched = s.started
                 self.records.joined(item.model, item.tier, joined.at - item.arrived, joined.rows)
@@ -273,7 +273,7 @@ class StepperInference:
                 self.engine.cancel(seq, "batch_cancelled")
 
     # -- callers that hang up --------------------------------------------------------------------------------
-    def _watch(self, seq: Sequence, gone: Callable[[], bool]) -> None:
+    def _watch(self, seq: EngineSequence, gone: Callable[[], bool]) -> None:
         self._watched[seq] = gone
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch_loop())

@@ -22,7 +22,7 @@ from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
-from batchserve.generation.engine import Delta, Engine, Sequence, enabled
+from batchserve.generation.engine import Delta, Engine, EngineSequence, enabled
 from batchserve.generation.render import ResponseShape, sse
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer
@@ -42,7 +42,7 @@ class GenerationHost(Protocol):
     refusals: RefusalThrottle  # callers refused often of late wait before their next body is read
 
 
-async def next_or_gone(call: Call, seq: Sequence) -> Delta | None:
+async def next_or_gone(call: Call, seq: EngineSequence) -> Delta | None:
     """The sequence's next delta, or None if the caller hung up first."""
     getter = asyncio.ensure_future(seq.deltas.get())
     watcher = asyncio.ensure_future(call.hung_up())
@@ -191,7 +191,7 @@ def render(rt: GenerationHost, call: Call, body: bytes, out: Generated) -> Answe
 
 
 async def stream_events(
-    seq: Sequence, first: Delta, answer: ResponseShape, include_usage: bool
+    seq: EngineSequence, first: Delta, answer: ResponseShape, include_usage: bool
 ) -> AsyncIterator[bytes]:
     yield sse(answer.chunk("", role=True) if answer.chat else answer.chunk(""))
     delta = first
