@@ -68,15 +68,29 @@ def corpus(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40))) + f" {i}" for i in range(n)]
 
 
+def rates_by_batch(run: Callable[[list[str]], object], texts: list[str], sizes: list[int], seconds: float) -> dict:
+    """Inputs per second `run` gets through at each batch size, one batch a call for about `seconds` each (a slow
+    configuration, such as two spinning threads, still ends near `seconds`)."""
+    out = {}
+    for bs in sizes:
+        done, k, started = 0, 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            chunk = texts[k : k + bs] if k + bs <= len(texts) else texts[:bs]
+            k = (k + bs) % len(texts)
+            run(chunk)
+            done += len(chunk)
+        out[bs] = done / (time.perf_counter() - started)
+    return out
+
+
 def int8_child(folder: str, sizes: list[int], seconds: float, seed: int, cache: str) -> None:
     """In a child process: the int8 ONNX graph alone (exported into `cache` as the int8 server does) through
     the embedder's batch path, per batch size, on ONNX Runtime's default threads (every core); one JSON line."""
+    import logging
+
     from batchserve.backends import onnx_runtime
     from batchserve.backends.folder import inspect_folder
     from batchserve.backends.hf import FolderEmbedder
-
-    import logging
-
     from batchserve.backends.token_cache import TokenCache
 
     said: list[str] = []  # the floor check's own line (onnx_runtime.check_int8)
@@ -91,17 +105,13 @@ def int8_child(folder: str, sizes: list[int], seconds: float, seed: int, cache: 
     model.setup("cpu")
     texts = corpus(8192, seed)
     model.batch(texts[:32], "cpu")  # warm
-    out = {}
-    for bs in sizes:
-        done, k, started = 0, 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            chunk = texts[k : k + bs] if k + bs <= len(texts) else texts[:bs]
-            k = (k + bs) % len(texts)
-            model.kept = TokenCache(model.cache_bytes)  # each batch tokenized in one call, as encode does
-            model.tokenize(chunk)
-            model.batch(chunk, "cpu")
-            done += len(chunk)
-        out[bs] = done / (time.perf_counter() - started)
+
+    def run(chunk: list[str]) -> object:
+        model.kept = TokenCache(model.cache_bytes)  # each batch tokenized in one call, as encode does
+        model.tokenize(chunk)
+        return model.batch(chunk, "cpu")
+
+    out = rates_by_batch(run, texts, sizes, seconds)
     floor = next((line for line in said if line.startswith("int8 of")), "")
     print(json.dumps({"rates": out, "threads": 0, "floor": floor}))
 
@@ -117,15 +127,9 @@ def offline_child(folder: str, sizes: list[int], seconds: float, seed: int, thre
     model = SentenceTransformer(folder, device="cpu")
     texts = corpus(8192, seed)
     model.encode(texts[:32], batch_size=32, show_progress_bar=False)  # warm
-    out = {}
-    for bs in sizes:  # one batch a call: a slow configuration (two spinning threads) still ends near `seconds`
-        done, k, started = 0, 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            chunk = texts[k : k + bs] if k + bs <= len(texts) else texts[:bs]
-            k = (k + bs) % len(texts)
-            model.encode(chunk, batch_size=bs, show_progress_bar=False)
-            done += len(chunk)
-        out[bs] = done / (time.perf_counter() - started)
+    out = rates_by_batch(
+        lambda chunk: model.encode(chunk, batch_size=len(chunk), show_progress_bar=False), texts, sizes, seconds
+    )
     if threads != 1:  # the CPU figures below are per thread: measured once, on one thread
         print(json.dumps({"rates": out, "threads": torch.get_num_threads()}))
         return
