@@ -172,9 +172,9 @@ GROUPS: dict[str, tuple[str, tuple[Bench, ...]]] = {
             ),
             Bench(
                 "capacity_embed",
-                "all-MiniLM-L6-v2 capacity (highest rate answered in full at p95 <= 1 s, 8-40-word "
-                "requests, open loop): batchserve after and before tokenize-once beside offline encode and Infinity "
-                "(issue 36)",
+                "all-MiniLM-L6-v2 capacity (highest rate served with at most 1 % refused at p95 <= 1 s, 8-40-word "
+                "requests, open loop): batchserve on torch and on int8 ONNX beside offline encode, the int8 graph "
+                "alone and Infinity, with a profile of the server (issues 36, 48)",
                 "~10 min",
                 "real model (CPU); Infinity optional",
                 ("--smoke",),
