@@ -140,6 +140,19 @@ def scheduler(door: QueueDoor, lines: list[str], settings: Settings | None = Non
     return s
 
 
+@pytest.fixture(autouse=True)
+def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line's answer counts its tokens in a worker thread (`asyncio.to_thread`), whose end reaches the loop only
+    when the thread has run: on a busy machine after more than `settle`'s turns, so how far a test got depended on
+    the machine (CI once leased 8 lines where 7 was the most). Here the (trivial) count runs inline, and the turns
+    below are all a line's answer needs."""
+
+    async def inline(fn, /, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", inline)
+
+
 async def settle() -> None:
     for _ in range(5):  # done callbacks and the lines' answer tasks run on the next turns of the loop
         await asyncio.sleep(0)
