@@ -285,7 +285,11 @@ def test_small_refusals_json_type_echoes_and_unmeetable_deadlines(server_factory
             assert r.status_code == 400 and r.json()["error"] == "TIMEOUT_TOO_SHORT", r.text
             assert "ask for at least 55 ms" in r.json()["message"]
             assert "retry_after_ms" not in r.json() and "retry-after" not in r.headers
-        assert c.post("/v1/inference", json={"input": "a", "timeout_ms": 60}).status_code == 200
+        # Just above the least timeout the door takes the request (a busy machine may still miss 60 ms: a 504 is
+        # then the batch's lateness, not the door's refusal).
+        r = c.post("/v1/inference", json={"input": "a", "timeout_ms": 60})
+        assert r.status_code in (200, 504) and r.json().get("error") != "TIMEOUT_TOO_SHORT", r.text
+        assert c.post("/v1/inference", json={"input": "a", "timeout_ms": 2000}).status_code == 200
 
 
 def test_one_slow_first_batch_does_not_shut_the_door_for_good(server_factory):
