@@ -264,6 +264,7 @@ class DoorFigures(msgspec.Struct, gc=False):
     budget: float  # the most one batch may cost (inf: none)
     full_n: int  # inputs in a full batch
     capacity: float  # inputs per second the healthy workers serve (`_pressure`)
+    backlog: float  # inputs queued past which arrivals over `capacity` are pressure (`_capacity`)
     lost: bool  # fewer healthy workers than workers
 
 
@@ -318,14 +319,15 @@ class Admission:
         """`under_pressure` with the figures the door has already read: healthy workers, a full batch's inputs
         and its S."""
         assert self.capacity is not None
-        capacity = self._capacity(model, healthy, full_n, full_s)
+        capacity, backlog = self._capacity(model, healthy, full_n, full_s)
         now = self.clock()
         above = math.inf  # since when the short horizon is above capacity, as the door saw it (else: from now)
         if self.arrivals_fast.current(now) > capacity:
             above = self.fast_above.get(model, now)
             above = now if above == math.inf else above
         flood = fast_rate > FAST_SPIKE * capacity and now >= self._flood_at(model, above)
-        return rate > capacity or flood or healthy < self.capacity.worker_count()
+        over = (rate > capacity or flood) and self.batcher.depth.get(model, 0) > backlog
+        return over or healthy < self.capacity.worker_count()
 
     def flood_from(self, model: str, now: float, fast_rate: float, capacity: float) -> float:
         """From when the short-horizon rate (`arrivals_fast`, just ticked at `now` to `fast_rate`) is a flood's
@@ -356,14 +358,20 @@ class Admission:
             return -math.inf
         return since + FAST_HELD_S
 
-    def _capacity(self, model: str, healthy: int, full_n: int, full_s: float) -> float:
-        """Inputs per second the healthy workers serve: full batches at their S, or a costed model's batches as
-        they really were (`served_rate`)."""
-        capacity = healthy * full_n / full_s
+    def _capacity(self, model: str, healthy: int, full_n: int, full_s: float) -> tuple[float, float]:
+        """Inputs per second the healthy workers serve, and the backlog past which arrivals above it are pressure.
+        Full batches at their S: arrivals above that are over capacity, whatever is queued (backlog -1). A costed
+        model's batches as they really were (`served_rate`), where lower: a worker that keeps up serves just what
+        arrives, in batches as small as that, so below capacity the arrival rate is above the served one half
+        the time, by chance (the short horizon's a flood's start as often), while each batch still takes all
+        that waits (it would form larger batches, which serve more a second, if more arrived). Arrivals above
+        it are pressure only once more waits than the next batch on each worker takes, as recent batches went:
+        the queue is growing."""
+        capacity, backlog = healthy * full_n / full_s, -1.0
         got = self.batcher.costs.served.get(model)
-        if got is not None and got[1] > 0:
-            capacity = min(capacity, healthy * (got[0] / got[1]))
-        return capacity
+        if got is not None and got[1] > 0 and healthy * (got[0] / got[1]) < capacity:
+            capacity, backlog = healthy * (got[0] / got[1]), healthy * got[0]
+        return capacity, backlog
 
     def read_figures(self, model: str, healthy: int) -> DoorFigures:
         """The model's `DoorFigures` with `healthy` workers, read afresh and kept (`admit_ticket` asks when the
@@ -380,7 +388,7 @@ class Admission:
             most_n,
             budget,
             full_n,
-            self._capacity(model, healthy, full_n, batch_s),
+            *self._capacity(model, healthy, full_n, batch_s),
             healthy < self.capacity.worker_count(),
         )
         return got
@@ -535,8 +543,10 @@ class Admission:
         if idle and n <= full_n:
             self._joined(model, bucket, now, n)
             return Ticket(False, now)
-        # `_pressure`: the long horizon over capacity, a flood's start (the short one well over it), a worker lost
-        pressure = rate > cap or (fast_rate > FAST_SPIKE * cap and now >= flood_at) or fig.lost
+        # `_pressure`: the long horizon over capacity or a flood's start (the short one well over it), with the
+        # queue growing; a worker lost
+        over = rate > cap or (fast_rate > FAST_SPIKE * cap and now >= flood_at)
+        pressure = (over and queued > fig.backlog) or fig.lost
         other_classes = bucket is not None and self._classes(model, bucket)
         if not pressure and n == 1 and not other_classes:
             # Without pressure only the deadline can refuse: when no prediction could reach it, admitted as the

@@ -15,9 +15,10 @@ import pytest
 
 from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher
-from batchserve.core.admission import Admission, predict
+from batchserve.core.admission import FAST_SPIKE, Admission, predict
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item
+from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.gpu_pool import GPU_TIMEOUT_BATCHES, GPU_TIMEOUT_FLOOR_S, GpuPool
 from tests.unit.fakes import Clock, Workers as FakeWorkers, token_s
@@ -271,7 +272,8 @@ def test_other_length_classes_ahead_count_as_the_batches_they_will_make(loop) ->
 
 def test_pressure_reads_what_a_costed_models_batches_really_serve(loop) -> None:
     # The full batch says 1,000 tokens of 10-token inputs, 100 inputs in ~0.5 s: 200 a second. Its length
-    # classes and padding made batches of 10 taking 0.2 s: 50 a second. 80 arrivals a second is overload.
+    # classes and padding made batches of 10 taking 0.2 s: 50 a second. 80 arrivals a second is overload once
+    # the queue grows past the next batch's 10 inputs; while each batch takes all that waits, it is chance.
     clock = Clock()
     b = make_batcher(clock, budget=1000)
     for _ in range(50):
@@ -282,7 +284,16 @@ def test_pressure_reads_what_a_costed_models_batches_really_serve(loop) -> None:
     for _ in range(20):
         b.costs.observe(M, 0.2, 10 * 10.0, rows=10)
     assert b.costs.served_rate(M) == pytest.approx(50.0)
-    assert d.under_pressure(M, 80.0, 80.0) and not d.under_pressure(M, 40.0, 40.0)
+    assert not d.under_pressure(M, 80.0, 80.0)  # nothing waits past the next batch
+    for depth in range(1, 12):
+        submit(b, item(loop, 10.0, bucket=0))
+        assert d.under_pressure(M, 80.0, 80.0) == (depth > 10), depth
+    assert not d.under_pressure(M, 40.0, 40.0)
+    # The short horizon's flood reads the same backlog: a worker that takes all that waits is not flooded.
+    fast = d.arrivals_fast.tick(clock.t, 30)  # 30 at once: 120 a second on the 0.25 s horizon
+    assert fast > FAST_SPIKE * 50.0 and d.under_pressure(M, 40.0, fast)
+    b.drop_all(errors.draining())  # the worker took all that waited
+    assert b.depth.get(M, 0) == 0 and not d.under_pressure(M, 40.0, fast)
     # A model whose inputs all cost 1 (the sim, a plugin without cost_of) keeps the full batch's figure.
     sim = Batcher(max_batch_size=100, slo_s=0.2, margin_s=0.005, batch_s=BatchTimes(100, {"sim": 0.1}), clock=clock)
     sim.costs.observe("sim", 0.1, 10, rows=10)
