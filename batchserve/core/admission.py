@@ -402,21 +402,6 @@ class Admission:
         if self.capacity.healthy_count() == 0:
             raise errors.no_healthy_worker()
 
-    def admit(
-        self,
-        model: str,
-        tier: int,
-        tenant: str,
-        deadline_s: float,
-        costs: Sequence[float] = (1.0,),
-        bucket: int | None = None,
-    ) -> bool:
-        """Raise the 503 (or 413) that fits, or return when the request's inputs may join the queue
-        (`deadline_s`: the time left before the request's deadline; `costs`: what each input costs). True when
-        the request goes as a probe: its inputs run even if the learned time says they will be late.
-        `bucket`: the length class of its first input, so the other classes' queues count as their batches."""
-        return self.admit_ticket(model, tier, tenant, deadline_s, costs, bucket).probe
-
     def class_rates(self, model: str, now: float) -> dict[int, float]:
         """Admitted inputs per second joining each of the model's length classes, lately."""
         return {b: meter.current(now) for (m, b), meter in self.class_arrivals.items() if m == model}
@@ -482,7 +467,11 @@ class Admission:
         bucket: int | None = None,
         timeout_s: float | None = None,
     ) -> Ticket:
-        """`admit`, returning what the door predicted, for `observed` to compare with what happened.
+        """Raise the 503 (or 413) that fits, or return when the request's inputs may join the queue
+        (`deadline_s`: the time left before the request's deadline; `costs`: what each input costs), with what
+        the door predicted, for `observed` to compare with what happened. `Ticket.probe`: the request goes as a
+        probe, its inputs run even if the learned time says they will be late. `bucket`: the length class of its
+        first input, so the other classes' queues count as their batches.
         `timeout_s`: the request's whole timeout, from its first byte (`deadline_s` when not given): what a
         timeout too short to be met is judged by, where `deadline_s` is what is left of it now."""
         batcher, capacity = self.batcher, self.capacity
