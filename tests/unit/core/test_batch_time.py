@@ -186,11 +186,11 @@ def test_admission_predicts_a_lone_item_by_its_own_small_batch(loop) -> None:
     clock = Clock()
     b = batcher(clock, gpu_like())
     door = Admission(b, Idle(), max_queue=1000, slo_s=0.2, slack=1.0, clock=clock)
-    door.admit_ticket(M, tier=1, tenant="", deadline_s=0.1).probe  # S(1) = 20 ms fits a 100 ms deadline: admitted
+    door.admit_ticket(M, tier=1, tenant="", deadline_s=0.1)  # S(1) = 20 ms fits a 100 ms deadline: admitted
     for item in items(loop, 150, clock.t):
         b.submit(item)
     with pytest.raises(ApiError) as refused:  # a full batch ahead (400 ms) plus its own: past the deadline
-        door.admit_ticket(M, tier=1, tenant="", deadline_s=0.3).probe
+        door.admit_ticket(M, tier=1, tenant="", deadline_s=0.3)
     assert refused.value.code == "SERVICE_OVERLOADED"
 
 

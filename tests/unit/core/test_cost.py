@@ -240,7 +240,7 @@ def test_a_request_of_many_inputs_is_predicted_as_the_batches_it_will_make(loop)
     d = door(b, clock, FakeWorkers(until_free=0.01))
     assert d.admit_ticket(M, 1, "t", deadline_s=60.0, costs=[12.0] * 2048).probe is False  # fits its 60 s: served
     with pytest.raises(ApiError) as refused:
-        d.admit_ticket(M, 1, "t", deadline_s=p.last_s / 2, costs=[12.0] * 2048).probe
+        d.admit_ticket(M, 1, "t", deadline_s=p.last_s / 2, costs=[12.0] * 2048)
     assert refused.value.status == 503 and refused.value.code == "SERVICE_OVERLOADED"
 
 
@@ -308,11 +308,9 @@ def test_a_flood_of_many_inputs_still_admits_what_fits_its_deadline(loop) -> Non
     for _ in range(200):
         b.costs.note_cost(M, 12.0)
     d = door(b, clock, FakeWorkers(until_free=0.01))
-    d.admit_ticket(M, 1, "t", deadline_s=60.0, costs=[12.0] * 2048).probe
+    d.admit_ticket(M, 1, "t", deadline_s=60.0, costs=[12.0] * 2048)
     assert d.under_pressure(M, d.arrivals.current(clock.t), d.arrivals_fast.current(clock.t))
-    d.admit_ticket(
-        M, 1, "t2", deadline_s=60.0, costs=[12.0] * 10
-    ).probe  # behind the first: its objective, not its size
+    d.admit_ticket(M, 1, "t2", deadline_s=60.0, costs=[12.0] * 10)  # behind the first: its objective, not its size
 
 
 def test_refusal_is_by_the_cost_of_the_work_ahead_with_a_truthful_retry(loop) -> None:
@@ -324,29 +322,27 @@ def test_refusal_is_by_the_cost_of_the_work_ahead_with_a_truthful_retry(loop) ->
     ahead_s = 0.5 + 3 * b.batch_s[M]
     assert b.batch_s[M] > 9
     with pytest.raises(ApiError) as refused:
-        d.admit_ticket(M, 1, "t", deadline_s=2.0, costs=[10.0]).probe
+        d.admit_ticket(M, 1, "t", deadline_s=2.0, costs=[10.0])
     retry_ms = refused.value.retry_after_ms
     assert retry_ms is not None and 0 < retry_ms <= (ahead_s + b.batch_s[M]) * 1000
-    d.admit_ticket(
-        M, 1, "t", deadline_s=ahead_s + b.batch_s[M] + 1.0, costs=[10.0]
-    ).probe  # a deadline past it: admitted
+    d.admit_ticket(M, 1, "t", deadline_s=ahead_s + b.batch_s[M] + 1.0, costs=[10.0])  # a deadline past it: admitted
     # Another tenant waits behind one input of each busy tenant (its fair share), not the whole queue.
-    d.admit_ticket(M, 1, "new", deadline_s=2.0, costs=[10.0]).probe
+    d.admit_ticket(M, 1, "new", deadline_s=2.0, costs=[10.0])
 
 
 def test_an_input_costlier_than_a_whole_batch_is_refused_413(loop) -> None:
     clock = Clock()
     b = make_batcher(clock, budget=1000)
     with pytest.raises(ApiError) as refused:
-        door(b, clock).admit_ticket(M, 1, "t", deadline_s=60.0, costs=[12.0, 1500.0]).probe
+        door(b, clock).admit_ticket(M, 1, "t", deadline_s=60.0, costs=[12.0, 1500.0])
     assert refused.value.status == 413 and "1500" in refused.value.message
-    door(b, clock).admit_ticket(M, 1, "t", deadline_s=60.0, costs=[12.0, 1000.0]).probe
+    door(b, clock).admit_ticket(M, 1, "t", deadline_s=60.0, costs=[12.0, 1000.0])
     # No budget set, but alone it would outlast half the longest timeout (1 s here): it can never run in time.
     unbounded = make_batcher(clock, max_batch_s=1.0)
     with pytest.raises(ApiError) as refused:
-        door(unbounded, clock).admit_ticket(M, 1, "t", deadline_s=60.0, costs=[2500.0]).probe
+        door(unbounded, clock).admit_ticket(M, 1, "t", deadline_s=60.0, costs=[2500.0])
     assert refused.value.status == 413
-    door(unbounded, clock).admit_ticket(M, 1, "t", deadline_s=60.0, costs=[1500.0]).probe  # 0.76 s alone: it runs
+    door(unbounded, clock).admit_ticket(M, 1, "t", deadline_s=60.0, costs=[1500.0])  # 0.76 s alone: it runs
 
 
 def test_one_tenants_long_inputs_are_shed_before_anothers_short_ones(loop) -> None:
@@ -359,9 +355,9 @@ def test_one_tenants_long_inputs_are_shed_before_anothers_short_ones(loop) -> No
     d.arrivals_fast.tick(clock.t, 200)  # a flood: pressure
     assert d.under_pressure(M, 0.0, d.arrivals_fast.current(clock.t))
     with pytest.raises(ApiError) as refused:
-        d.admit_ticket(M, 1, "long", deadline_s=30.0, costs=[256.0] * 4).probe
+        d.admit_ticket(M, 1, "long", deadline_s=30.0, costs=[256.0] * 4)
     assert refused.value.status == 503 and "latency objective" in refused.value.message
-    d.admit_ticket(M, 1, "short", deadline_s=30.0, costs=[16.0]).probe
+    d.admit_ticket(M, 1, "short", deadline_s=30.0, costs=[16.0])
 
 
 # -- the watchdog's limit per batch -------------------------------------------------------------------------
@@ -451,7 +447,7 @@ def test_the_door_costs_inputs_by_the_declared_batch_cost(loop) -> None:
     b = make_batcher(clock, budget=100)
     d = door(b, clock)
     with pytest.raises(ApiError) as refused:
-        d.admit_ticket(M, 1, "t", deadline_s=30.0, costs=[fn([" ".join(["w"] * 120)])]).probe
+        d.admit_ticket(M, 1, "t", deadline_s=30.0, costs=[fn([" ".join(["w"] * 120)])])
     assert refused.value.status == 413
 
 

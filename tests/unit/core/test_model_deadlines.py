@@ -137,9 +137,9 @@ def test_under_pressure_admission_sheds_by_the_models_own_slo(loop) -> None:
     door.deadlines = b.deadlines
     assert door.tier_bound_s(FREE, FAST) < 0.25 < door.tier_bound_s(FREE, SLOW)
     with pytest.raises(ApiError) as refused:
-        door.admit_ticket(FAST, FREE, "t", deadline_s=2.0).probe
+        door.admit_ticket(FAST, FREE, "t", deadline_s=2.0)
     assert refused.value.status == 503 and "latency objective" in refused.value.message
-    door.admit_ticket(SLOW, FREE, "t", deadline_s=2.0).probe  # the same wait is well within the slow model's objective
+    door.admit_ticket(SLOW, FREE, "t", deadline_s=2.0)  # the same wait is well within the slow model's objective
 
 
 def test_a_timeout_too_short_is_judged_by_the_models_own_longest_timeout(loop) -> None:
@@ -149,10 +149,10 @@ def test_a_timeout_too_short_is_judged_by_the_models_own_longest_timeout(loop) -
     door = Admission(b, FakeCapacity(until_free=0.05), 10000, 0.5, 1.25, clock=clock)
     door.deadlines = b.deadlines
     with pytest.raises(ApiError) as own_fault:
-        door.admit_ticket(FAST, ENT, "t", deadline_s=0.05).probe  # it could ask for a timeout that fits: its mistake
+        door.admit_ticket(FAST, ENT, "t", deadline_s=0.05)  # it could ask for a timeout that fits: its mistake
     assert (own_fault.value.status, own_fault.value.code) == (400, "TIMEOUT_TOO_SHORT")
     with pytest.raises(ApiError) as unmeetable:
-        door.admit_ticket(SLOW, ENT, "t", deadline_s=0.05).probe  # nothing it may ask for fits: not the caller's fault
+        door.admit_ticket(SLOW, ENT, "t", deadline_s=0.05)  # nothing it may ask for fits: not the caller's fault
     assert unmeetable.value.status == 504
 
 

@@ -570,10 +570,10 @@ def test_admission_refuses_what_would_miss_the_deadline(loop):
     clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity(until_free=0.05), queued=300)
     with pytest.raises(ApiError) as refused:
-        adm.admit_ticket("m", PAID, "t", deadline_s=0.3).probe  # predicted 0.05 + 0.3 + 0.1 = 0.45 s
+        adm.admit_ticket("m", PAID, "t", deadline_s=0.3)  # predicted 0.05 + 0.3 + 0.1 = 0.45 s
     assert refused.value.status == 503 and refused.value.code == "SERVICE_OVERLOADED"
     assert refused.value.retry_after_ms > 0
-    adm.admit_ticket("m", PAID, "t", deadline_s=1.0).probe  # the same wait fits a longer deadline
+    adm.admit_ticket("m", PAID, "t", deadline_s=1.0)  # the same wait fits a longer deadline
 
 
 def test_a_stale_slow_batch_time_does_not_refuse_what_a_free_worker_can_try(loop):
@@ -588,21 +588,21 @@ def test_a_stale_slow_batch_time_does_not_refuse_what_a_free_worker_can_try(loop
     # (an idle worker, none in the last PROBE_EVERY_S) runs as a probe, and the figure learns from it.
     assert adm.admit_ticket("m", PAID, "t", deadline_s=0.05).probe is True
     with pytest.raises(ApiError) as refused:
-        adm.admit_ticket("m", PAID, "t", deadline_s=0.05).probe  # the next one within the interval is refused
+        adm.admit_ticket("m", PAID, "t", deadline_s=0.05)  # the next one within the interval is refused
     assert refused.value.status == 504
     clock.now += PROBE_EVERY_S
     assert adm.admit_ticket("m", PAID, "t", deadline_s=0.05).probe is True
     busy = make_admission(loop, clock, FakeCapacity(until_free=0.05))
     busy.batcher.batch_s.observe("m", 1, 2.5)
     with pytest.raises(ApiError) as refused:
-        busy.admit_ticket("m", PAID, "t", deadline_s=1.0).probe
+        busy.admit_ticket("m", PAID, "t", deadline_s=1.0)
     assert refused.value.status == 503
 
 
 def test_a_burst_within_capacity_is_queued_not_shed(loop):
     clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity(until_free=0.05), queued=150)
-    adm.admit_ticket("m", FREE, "t", deadline_s=2.0).probe  # predicted 0.25 s > free's bound 0.2 s, but no pressure
+    adm.admit_ticket("m", FREE, "t", deadline_s=2.0)  # predicted 0.25 s > free's bound 0.2 s, but no pressure
 
 
 def test_under_pressure_lower_tiers_are_shed_first(loop):
@@ -611,8 +611,8 @@ def test_under_pressure_lower_tiers_are_shed_first(loop):
     adm = make_admission(loop, clock, FakeCapacity(healthy=1, workers=2, until_free=0.05), queued=150)
     assert adm.tier_bound_s(FREE) < 0.25 < adm.tier_bound_s(ENT)
     with pytest.raises(ApiError):
-        adm.admit_ticket("m", FREE, "t", deadline_s=2.0).probe  # bound 0.2 s
-    adm.admit_ticket("m", ENT, "t", deadline_s=2.0).probe  # bound 0.3 s
+        adm.admit_ticket("m", FREE, "t", deadline_s=2.0)  # bound 0.2 s
+    adm.admit_ticket("m", ENT, "t", deadline_s=2.0)  # bound 0.3 s
 
 
 def test_a_flood_is_pressure_within_a_quarter_second(loop):
@@ -631,15 +631,15 @@ def test_admission_says_why_nothing_can_be_admitted(loop):
     clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity(healthy=0, workers=2))
     with pytest.raises(ApiError) as none:
-        adm.admit_ticket("m", PAID, "t", 1.0).probe
+        adm.admit_ticket("m", PAID, "t", 1.0)
     assert none.value.code == "NO_HEALTHY_WORKER"
     adm.capacity = None
     with pytest.raises(ApiError) as warming:
-        adm.admit_ticket("m", PAID, "t", 1.0).probe
+        adm.admit_ticket("m", PAID, "t", 1.0)
     assert warming.value.code == "NO_HEALTHY_WORKER" and "warming up" in warming.value.message
     adm.batcher.start_drain()
     with pytest.raises(ApiError) as draining:
-        adm.admit_ticket("m", PAID, "t", 1.0).probe
+        adm.admit_ticket("m", PAID, "t", 1.0)
     assert draining.value.code == "DRAINING"
 
 
@@ -647,7 +647,7 @@ def test_a_full_queue_is_refused(loop):
     clock = Clock(1000.0)
     adm = make_admission(loop, clock, FakeCapacity(), queued=5, max_queue=5)
     with pytest.raises(ApiError) as full:
-        adm.admit_ticket("m", ENT, "t", 60.0).probe
+        adm.admit_ticket("m", ENT, "t", 60.0)
     assert "queue" in full.value.message
 
 
@@ -669,7 +669,7 @@ def test_a_timeout_shorter_than_one_batch_is_the_requests_fault_when_a_longer_on
     adm.max_timeout_s = 60.0
     for _ in range(2):
         with pytest.raises(ApiError) as refused:
-            adm.admit_ticket("m", PAID, "t", deadline_s=0.05).probe
+            adm.admit_ticket("m", PAID, "t", deadline_s=0.05)
         assert (refused.value.status, refused.value.code) == (400, "TIMEOUT_TOO_SHORT")
         assert refused.value.message.endswith("ask for at least 105 ms")
     assert adm.admit_ticket("m", PAID, "t", deadline_s=0.1051).probe is False
