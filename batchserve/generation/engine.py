@@ -76,7 +76,11 @@ REPLAY_TTL_S = 0.1  # a kept replay of the queue answers arrivals this long (see
 TOKENIZE_THREADS = 2  # chat templating and tokenization run here, off the event loop (the tokenizer frees the GIL)
 UNKNOWN_TOKEN_CHARS = 1 << 30  # a tokenizer without a vocabulary to measure: no bound from characters
 CPU_KV_TOKENS = 16384  # KV capacity on a CPU when none is configured (~720 MB for SmolLM2 in float32)
-CPU_MAX_BATCH_TOKENS = 512  # prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes
+# Prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes, and what a chat arriving while
+# another key's long prompt is prefilled waits before its own turn (a forward is never cut). At 512 (~3 s on 2
+# slow cores) short chats beside 4 streams of 1,500-token prompts took 4.1x their time alone; at 256, 2.6x, while
+# such a prompt alone took as long (9.0 / 8.9 s against 9.5 / 8.7 s, bench.gen_share's prompts scenario).
+CPU_MAX_BATCH_TOKENS = 256
 GPU_MAX_BATCH_TOKENS = 8192  # the same on a GPU
 MANAGER_GPU_SEQS = 256  # transformers' manager on a GPU when none is configured (host-bound past that)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)

@@ -2,8 +2,8 @@
 many prompt tokens a lane may prefill while another lane's rows decode. Pure policy, no torch.
 
 Why: a prompt's prefill runs between two decode steps, so every sequence decoding waits on it, and on a CPU it is
-dear: 512 prompt tokens of SmolLM2 take seconds against a decode step's ~60 ms. Chunking alone bounded only the
-size of that wait (at most the step budget, 512 tokens on a CPU, between two steps, oldest prompt first), not who
+dear: 256 prompt tokens of SmolLM2 take over a second against a decode step's ~60 ms. Chunking alone bounded only
+the size of that wait (at most the step budget, 256 tokens on a CPU, between two steps, oldest prompt first), not who
 paid for it: another key's 1,538-token prompts (`max_tokens` 1) made a short chat wait behind their whole queue
 for its own prefill and then on up to 512 of their tokens before each of its tokens (one answer in 20 s, 0.8 s
 alone); a chat batch's long prompts did the same through every step the batch ledger let batch rows into (p50
