@@ -33,21 +33,18 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from batchserve import __version__, errors
-from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
-from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError, ClientGone
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.core.work import Work
 from batchserve.http.budget import connection_budget
-from batchserve.http.guards import Guard
 from batchserve.http.plumbing import first_values, request_id_from
 from batchserve.kserve import render
 from batchserve.kserve.parse import bad, bytes_elements
 from batchserve.kserve.grpc_messages import SERVICE, Messages, load
+from batchserve.kserve.host import KServeHost, find_model
 from batchserve.kserve.render import model_metadata
 from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME
-from batchserve.models import ModelRegistry
 from batchserve.tenancy import Caller
 
 if TYPE_CHECKING:
@@ -116,33 +113,12 @@ class InferRequest(Protocol):
     parameters: Mapping[str, Parameter]
 
 
-class GrpcHost(Protocol):
-    """What the gRPC service reads of the runtime: the same few attributes as the HTTP v2 routes."""
-
-    settings: Settings
-    guard: Guard
-    registry: ModelRegistry
-    service: InferenceService
-    backends: dict[str, Backend]
-
-    def not_ready_reason(self) -> str | None:
-        """Why the node takes no traffic now (None when ready)."""
-        ...
-
-
-def find_model(rt: GrpcHost, name: str, version: str, field: str = "name") -> ModelSpec:
-    """The model named (its versions split by weight when `version` is empty), or a 404 in v2's words; an empty
-    name is a 400 naming `field` (HTTP's v2 paths always name a model: none is picked for the caller)."""
+def model_called(rt: KServeHost, name: str, version: str, field: str = "name") -> ModelSpec:
+    """The model a call names (`find_model`); an empty name is a 400 naming `field` (HTTP's v2 paths always name
+    a model: none is picked for the caller)."""
     if not name:
         raise bad(f"'{field}' is required: the model to call (see ServerMetadata and ModelMetadata)")
-    spec = rt.registry.by_id.get(f"{name}@{version}") if version else rt.registry.resolve(name)
-    if spec is None:
-        raise ApiError(
-            404,
-            "MODEL_NOT_FOUND",
-            f"unknown model '{errors.short(name)}'" + (f" version '{errors.short(version)}'" if version else ""),
-        )
-    return spec
+    return find_model(rt, name, version)
 
 
 def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[int], float | None]:
@@ -205,7 +181,7 @@ class InferenceServicer:
     """The six v2 methods over the runtime's door; a method the service does not declare is gRPC's UNIMPLEMENTED.
     Each is handed `read` for its request message, so a method can refuse a caller before its message is read."""
 
-    def __init__(self, rt: GrpcHost) -> None:
+    def __init__(self, rt: KServeHost) -> None:
         self.rt = rt
 
     async def ServerLive(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802 - v2's names
@@ -219,7 +195,7 @@ class InferenceServicer:
     async def ModelReady(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
         request: ModelRef = await read()  # type: ignore[assignment]
         try:
-            spec = find_model(self.rt, request.name, request.version)
+            spec = model_called(self.rt, request.name, request.version)
         except ApiError as err:
             if err.status != 404:  # no name at all: the 400 that names the field
                 raise
@@ -233,7 +209,7 @@ class InferenceServicer:
 
     async def ModelMetadata(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
         request: ModelRef = await read()  # type: ignore[assignment]
-        spec = find_model(self.rt, request.name, request.version)
+        spec = model_called(self.rt, request.name, request.version)
         backend = self.rt.backends.get(spec.id)
         kind = backend.output_kind if backend is not None else "text"
         versions = [s.version for s in self.rt.registry.by_name.get(spec.name, [])]
@@ -260,7 +236,7 @@ class InferenceServicer:
             work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
             guard.check(caller)  # as HTTP's `enter`: a caller who may not send is refused before its message is read
             request: InferRequest = await read()  # type: ignore[assignment]
-            spec = find_model(rt, request.model_name, request.model_version, "model_name")
+            spec = model_called(rt, request.model_name, request.model_version, "model_name")
             work.model = spec.id
             texts, shape, timeout_us = parse_request(request, s.max_input_chars)
             work.inputs = len(texts)
@@ -397,7 +373,7 @@ def server_options(s: Settings, max_connections: int) -> list[tuple[str, int]]:
     ]
 
 
-async def start_grpc(rt: GrpcHost, host: str, port: int) -> tuple[aio.Server, int]:
+async def start_grpc(rt: KServeHost, host: str, port: int) -> tuple[aio.Server, int]:
     """The gRPC server on `host:port` (0 = a free port), on the running event loop: (server, bound port)."""
     s = rt.settings
     cap = connection_budget(s).grpc

@@ -13,54 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
-
 import orjson
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from batchserve import __version__, errors
 from batchserve.backends import Backend
-from batchserve.config import ModelSpec, Settings
+from batchserve.config import ModelSpec
 from batchserve.core.fairqueue import ItemResult
-from batchserve.core.service import InferenceService
-from batchserve.errors import ApiError
 from batchserve.http.dialects import KSERVE
 from batchserve.http.endpoint import Answer, Call, Endpoint, public
-from batchserve.http.guards import Guard
+from batchserve.kserve.host import KServeHost, find_model
 from batchserve.kserve.parse import InferRequest, parse_infer
 from batchserve.kserve.render import infer_answer, model_metadata
 from batchserve.kserve.shapes import EXTENSIONS, HEADER_LENGTH
-from batchserve.models import ModelRegistry
 
 
-class KServeHost(Protocol):
-    """What the v2 routes read from `app.state.rt` (the runtime, which app.py wires): this much only."""
-
-    settings: Settings
-    guard: Guard
-    registry: ModelRegistry
-    service: InferenceService
-    backends: dict[str, Backend]
-
-    def not_ready_reason(self) -> str | None:
-        """Why the node takes no traffic now (None when ready): /readyz's reason."""
-        ...
-
-
-def find_model(rt: KServeHost, name: str, version: str | None) -> ModelSpec:
-    """The model the path names: `name` (its versions split by weight, as `model` on /v1/inference) or
-    `name` + `version`; 404 in v2's words when unknown."""
-    spec = rt.registry.by_id.get(f"{name}@{version}") if version is not None else rt.registry.resolve(name)
-    if spec is None:
-        raise ApiError(
-            404,
-            "MODEL_NOT_FOUND",
-            f"unknown model '{errors.short(name)}'"
-            + (f" version '{errors.short(version)}'" if version is not None else "")
-            + " (see GET /v1/models)",
-        )
-    return spec
+def model_named(rt: KServeHost, name: str, version: str | None) -> ModelSpec:
+    """The model a v2 path names (`find_model`), a 404 pointing at the model list."""
+    return find_model(rt, name, version, " (see GET /v1/models)")
 
 
 def json(status: int = 200) -> Callable[[KServeHost, Call, None, dict[str, object]], Answer]:
@@ -91,7 +62,7 @@ def render_ready(rt: KServeHost, call: Call, req: None, reason: str | None) -> A
 
 def path_spec(rt: KServeHost, call: Call) -> ModelSpec:
     params = call.scope["path_params"]
-    return find_model(rt, params["model"], params.get("version"))
+    return model_named(rt, params["model"], params.get("version"))
 
 
 async def metadata(rt: KServeHost, call: Call, req: None) -> dict[str, object]:
@@ -143,7 +114,7 @@ def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
     params = scope.get("path_params") or infer_path_params(scope["path"]) or {}
     scope["path_params"] = params  # for the request span's route name (tracing.py)
     req = parse_infer(body, call.headers.get(HEADER_LENGTH), s.max_input_chars)
-    spec = find_model(rt, params.get("model", ""), params.get("version"))
+    spec = model_named(rt, params.get("model", ""), params.get("version"))
     call.work.model = spec.id
     backend = rt.backends.get(spec.id)
     if backend is None:
