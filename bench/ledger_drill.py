@@ -3,13 +3,18 @@ seconds, each client counting its own answers, and the server's SLO ledger is re
 of `batchserve_slo_requests_total` against the requests sent, its `met` against the clients' own count of
 answers within the SLO, and each key's `GET /v1/usage` against that client's counts.
 
-Two client-side counts of "within the SLO": by the `latency_ms` the server put in each answer (the time the
-server held the request, route to answer, which is what it holds to `--slo-ms`), and by the client's own clock
-(send to answer read, which adds the connection, uvicorn's parsing and the client's own event loop: on a shared
-2-core machine with the client beside the server, tens of ms under overload). The first is the honest check
-of the server's books; the second is what a client would see, shown beside it.
+Two client-side counts of "within the SLO": by the `latency_ms` the server put in each answer (rounded to the
+ms, stamped as the answer is made), and by the client's own clock (the request's write to its answer's bytes
+arriving). The ledger's clock runs from the request's first byte read to its answer written, so it sits
+between the two; issue 46 asks it to agree with the client's clock within 1 % of the requests at <= 0.8x
+capacity. What still parts them is each side's wake-up (the server reading the request, the client reading the
+answer: about 0.6 ms together on a shared 2-core machine), so how far they part depends on how many answers
+land within that much of the SLO: at the contract's 100 ms batches and a 200 ms SLO,
 
-    python -m bench.ledger_drill                     # ~15 s: the table
+    python -m bench.ledger_drill --seconds 30 --sim-batch-ms 100 --max-batch-size 10 --max-queue 20 \
+        --slo-ms 200 --rates 50,30       # 0.8x capacity: the agreement issue 46 asks for
+
+    python -m bench.ledger_drill                     # ~15 s: the overload drill's table
     python -m bench.ledger_drill --record            # and bench/results/ledger-drill-<time>.{md,json}
 
 The integration test tests/integration/core/test_ledger.py runs `drill` against its own server.
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import common, report, servers
@@ -72,9 +78,9 @@ class Tally:
 
 async def drive(url: str, tenant: Tenant, seconds: float, slo_ms: float, timeout_ms: float, tally: Tally) -> None:
     """Open-loop load: one request every 1/rate s for `seconds`, whatever the answers; then waits for all. Sent by
-    the raw client (`bench/rawclient.py`): its clock runs from the request's write to its answer parsed (a
-    connection opened for it included), with a fraction of aiohttp's CPU, whose own event loop lag would
-    otherwise be most of what the client's clock adds to the server's."""
+    the raw client (`bench/rawclient.py`) on uvloop: its clock runs from the request's write to its answer's
+    bytes arriving (a connection opened for it included), with a fraction of aiohttp's CPU, whose own event
+    loop lag would otherwise be most of what the client's clock adds to the server's."""
     n = int(seconds * tenant.rate)
     out = await drive_raw(
         url + "/v1/inference",
@@ -130,7 +136,7 @@ def drill(url: str, tenants: list[Tenant], seconds: float, slo_ms: float, timeou
     async def all_of() -> None:
         await asyncio.gather(*(drive(url, t, seconds, slo_ms, timeout_ms, tallies[t.name]) for t in tenants))
 
-    asyncio.run(all_of())
+    uvloop.run(all_of())
     ledger = ledger_of(get(url + "/metrics").decode())
     usage = {t.name: orjson.loads(get(url + "/v1/usage", t.key))["data"][0] for t in tenants}
     return {
@@ -207,10 +213,14 @@ def markdown(rep: dict, result: dict) -> str:
         "Each cell: the client's own count / the server's (the tenant's GET /v1/usage; the last row: the sum "
         "of `batchserve_slo_requests_total`). Client `met` counts 2xx answers whose `latency_ms` (the "
         "server's time, which the SLO is held to) is within the SLO; `met by client clock` counts those the "
-        "client itself saw within it (the raw client's clock, from the request's write to its answer parsed, a "
-        "connection opened for it included)."
+        "client itself saw within it (the raw client's clock, on uvloop, from the request's write to its "
+        "answer's last bytes arriving, a connection opened for it included)."
     )
+    by_clock = sum(t.met_by_client_clock for t in result["tallies"].values())
+    apart = server["met"] - by_clock
     summary = (
+        f"The ledger's `met` against the clients' clock: {server['met']} / {by_clock}, {apart:+d} "
+        f"({abs(apart) / max(1, sent):.2%} of the requests sent; issue 46 asks within 1 % at <= 0.8x capacity). "
         f"SLO attainment of admitted requests (met / (met + slow + expired + failed)): "
         f"{rep['attainment']:.3f}; of all requests sent (met / sent): {server['met'] / max(1, sent):.3f}. "
         f"Per tier, from /metrics: {tiers}."

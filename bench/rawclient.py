@@ -60,6 +60,7 @@ class _Conn(asyncio.Protocol):
         self.transport.write(request)
 
     def data_received(self, data: bytes) -> None:
+        now = time.monotonic()  # the answer's clock stops when its bytes arrive, before any parsing
         self.buf += data
         if self.need < 0:
             end = self.buf.find(b"\r\n\r\n")
@@ -84,7 +85,7 @@ class _Conn(asyncio.Protocol):
             del self.buf[: self.need]
             j, status = self.j, self.status
             self.j, self.need, self.body_at = -1, -1, -1
-            self.sender.answered(self, j, status, body)
+            self.sender.answered(self, j, status, body, now)
 
     def fail(self, outcome: str) -> None:
         j, self.j = self.j, -1
@@ -173,8 +174,7 @@ class _Sender:
         if self.waiting:
             self.dispatch(*self.waiting.popleft())
 
-    def answered(self, conn: _Conn, j: int, status: int, body: bytes) -> None:
-        end = time.monotonic()
+    def answered(self, conn: _Conn, j: int, status: int, body: bytes, end: float) -> None:
         try:
             answer = orjson.loads(body) if body else {}
         except orjson.JSONDecodeError:
