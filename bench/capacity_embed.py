@@ -470,6 +470,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="more `batchserve serve` flags for 'after' alone, e.g. '--torch-threads 2' (split on spaces)",
     )
     p.add_argument(
+        "--int8-flags",
+        default="",
+        help="more `batchserve serve` flags for 'int8' alone, e.g. '--max-batch-size 128' (split on spaces)",
+    )
+    p.add_argument(
         "--infinity-threads",
         type=int,
         default=0,
@@ -533,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 elif which == "int8":
                     flags = ["--runtime", "onnx", "--quantize", "int8", "--weights-cache", int8_cache]
+                    flags += a.int8_flags.split()
                     targets.append(start_batchserve("int8", REPO, ["--model", f"minilm={folder}"], flags, logs))
                 elif which == "before":
                     if a.before:

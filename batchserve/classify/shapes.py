@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import DocAnswer, Operation
+from batchserve.http.openapi import DocAnswer, Operation, model_post
 from batchserve.http.shapes import OPENAI, NonNegative, Priority
 
 MAX_INPUTS = 2048  # inputs per request, as /v1/embeddings
@@ -93,36 +93,30 @@ class Prediction(Struct):
 
 
 def _classify_operation(path: str, op_id: str) -> Operation:
-    return Operation(
-        "POST",
+    return model_post(
         path,
         op_id,
         "Classify texts (vLLM's shape): every class's score per input; each input rides the batcher on its own",
-        (DocAnswer(200, "one result per input, in input order", ClassifyResponse),),
+        DocAnswer(200, "one result per input, in input order", ClassifyResponse),
         OPENAI,
-        errors=(400, 401, 404, 413, 429, 500, 503, 504),
-        request=Annotated[ClassifyRequest, Meta(examples=[{"input": ["a great film", "a dull film"]}])],
+        Annotated[ClassifyRequest, Meta(examples=[{"input": ["a great film", "a dull film"]}])],
     )
 
 
 OPERATIONS = (
     _classify_operation("/v1/classify", "classify"),
     _classify_operation("/classify", "classifyUnversioned"),
-    Operation(
-        "POST",
+    model_post(
         "/predict",
         "predict",
         "Classify a text, a pair or a batch of them (Hugging Face TEI's shape); each rides the batcher on its own",
-        (
-            DocAnswer(
-                200,
-                "every class's prediction, highest score first; for a batch (a list of lists), one such list per "
-                "input, in input order",
-                list[Prediction | list[Prediction]],
-            ),
+        DocAnswer(
+            200,
+            "every class's prediction, highest score first; for a batch (a list of lists), one such list per "
+            "input, in input order",
+            list[Prediction | list[Prediction]],
         ),
         OPENAI,
-        errors=(400, 401, 404, 413, 429, 500, 503, 504),
-        request=Annotated[PredictRequest, Meta(examples=[{"inputs": "a great film"}])],
+        Annotated[PredictRequest, Meta(examples=[{"inputs": "a great film"}])],
     ),
 )

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import DocAnswer, Operation
+from batchserve.http.openapi import DocAnswer, model_post
 from batchserve.http.shapes import OPENAI, NonNegative, Priority
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
@@ -65,14 +65,12 @@ class EmbeddingList(Struct):
 
 
 OPERATIONS = (
-    Operation(
-        "POST",
+    model_post(
         "/v1/embeddings",
         "createEmbedding",
         "OpenAI-compatible embeddings; each input rides the batcher on its own",
-        (DocAnswer(200, "one vector per input, in input order", EmbeddingList),),
+        DocAnswer(200, "one vector per input, in input order", EmbeddingList),
         OPENAI,
-        errors=(400, 401, 404, 413, 429, 500, 503, 504),
-        request=Annotated[EmbeddingRequest, Meta(examples=[{"input": ["hello", "world"]}])],
+        Annotated[EmbeddingRequest, Meta(examples=[{"input": ["hello", "world"]}])],
     ),
 )

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import DocAnswer, Operation
+from batchserve.http.openapi import DocAnswer, Operation, model_post
 from batchserve.http.shapes import NATIVE, OPENAI, NonNegative, Priority
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
@@ -148,16 +148,8 @@ _STREAM = (("text/event-stream", Annotated[str, Meta(description="`data: <chunk 
 
 
 def _operation(path: str, op_id: str, summary: str, request: Any, answer: Any) -> Operation:
-    return Operation(
-        "POST",
-        path,
-        op_id,
-        summary,
-        (DocAnswer(200, "the whole answer, or with stream: true, text/event-stream chunks", answer, also=_STREAM),),
-        OPENAI,
-        errors=(400, 401, 404, 413, 429, 500, 503, 504),
-        request=request,
-    )
+    streamed = DocAnswer(200, "the whole answer, or with stream: true, text/event-stream chunks", answer, also=_STREAM)
+    return model_post(path, op_id, summary, streamed, OPENAI, request)
 
 
 OPERATIONS = (

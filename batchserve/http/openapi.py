@@ -142,6 +142,17 @@ class Operation:
     tags: tuple[str, ...] = ()
 
 
+MODEL_ERRORS = (400, 401, 404, 413, 429, 500, 503, 504)  # every route whose inputs ride the batcher: `model_post`
+
+
+def model_post(
+    path: str, op_id: str, summary: str, answer: DocAnswer, dialect: DocDialect, request: Any, **more: Any
+) -> Operation:
+    """A POST whose inputs ride the batcher: its one 200 `answer`, and the errors every such route gives (a bad
+    body, no key, no such model, too large, the caller's rate, overload, its deadline)."""
+    return Operation("POST", path, op_id, summary, (answer,), dialect, errors=MODEL_ERRORS, request=request, **more)
+
+
 def one_of(*types: type, description: str = "") -> msgspec.Meta:
     """`Annotated[Any, one_of(A, B)]`: a value of any of these types, for the untagged unions msgspec does not
     decode (two object types with no tag field): the document says `anyOf` over their components; the types join

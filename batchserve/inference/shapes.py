@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import REQUEST_ID, DocAnswer, Header, Operation, Param
+from batchserve.http.openapi import REQUEST_ID, DocAnswer, Header, Operation, model_post, Param
 from batchserve.http.shapes import NATIVE, NonNegative, Priority
 
 
@@ -121,15 +121,13 @@ _SERVER_TIMING = Header("Server-Timing", "queue;dur=<ms>, compute;dur=<ms>")
 
 
 def _inference(path: str, operation_id: str, summary: str) -> Operation:
-    return Operation(
-        "POST",
+    return model_post(
         path,
         operation_id,
         summary,
-        (DocAnswer(200, "the input's output", InferenceResponse, headers=(REQUEST_ID, _SERVER_TIMING)),),
+        DocAnswer(200, "the input's output", InferenceResponse, headers=(REQUEST_ID, _SERVER_TIMING)),
         NATIVE,
-        errors=(400, 401, 404, 413, 429, 500, 503, 504),
-        request=Annotated[InferenceRequest, Meta(examples=[{"input": "hello", "model": "sim"}])],
+        Annotated[InferenceRequest, Meta(examples=[{"input": "hello", "model": "sim"}])],
         params=(_REQUEST_ID_PARAM,),
     )
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import DocAnswer, DocDialect, Operation, Param
+from batchserve.http.openapi import DocAnswer, DocDialect, Operation, model_post, Param
 from batchserve.http.shapes import Priority
 
 MAX_ELEMENTS = 2048  # strings per request, as /v1/embeddings: each is an item on the batcher
@@ -140,23 +140,19 @@ _BINARY = (("application/octet-stream", Annotated[bytes, Meta(description="JSON 
 
 
 def _infer(path: str, op_id: str) -> Operation:
-    return Operation(
-        "POST",
+    return model_post(
         path,
         op_id,
         "KServe v2 infer: each element of the BYTES input rides the batcher",
-        (
-            DocAnswer(
-                200,
-                "the output tensor: BYTES, or FP32 [..., dim] for embedding models; binary when asked "
-                "(Inference-Header-Content-Length)",
-                V2InferResponse,
-                also=_BINARY,
-            ),
+        DocAnswer(
+            200,
+            "the output tensor: BYTES, or FP32 [..., dim] for embedding models; binary when asked "
+            "(Inference-Header-Content-Length)",
+            V2InferResponse,
+            also=_BINARY,
         ),
         KSERVE,
-        errors=(400, 401, 404, 413, 429, 500, 503, 504),
-        request=Annotated[V2InferRequest, Meta(examples=[_INFER_EXAMPLE])],
+        Annotated[V2InferRequest, Meta(examples=[_INFER_EXAMPLE])],
         request_also=_BINARY,
         params=(
             *_params(path),

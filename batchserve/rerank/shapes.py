@@ -8,7 +8,7 @@ from typing import Annotated
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import DocAnswer, Operation
+from batchserve.http.openapi import DocAnswer, Operation, model_post
 from batchserve.http.shapes import OPENAI, NonNegative, Priority
 
 MAX_DOCUMENTS = 1000  # documents per request (Cohere's limit)
@@ -114,27 +114,23 @@ class V2RerankResponse(Struct):
 
 
 def _operation(path: str, op_id: str) -> Operation:
-    return Operation(
-        "POST",
+    return model_post(
         path,
         op_id,
         "Rerank documents against a query (Cohere's shape); each pair rides the batcher on its own",
-        (DocAnswer(200, "the documents' scores, best first", RerankResponse),),
+        DocAnswer(200, "the documents' scores, best first", RerankResponse),
         OPENAI,
-        errors=(400, 401, 404, 413, 429, 500, 503, 504),
-        request=Annotated[RerankRequest, Meta(examples=[{"query": "capital", "documents": ["Paris", "a cat"]}])],
+        Annotated[RerankRequest, Meta(examples=[{"query": "capital", "documents": ["Paris", "a cat"]}])],
     )
 
 
-V2_OPERATION = Operation(
-    "POST",
+V2_OPERATION = model_post(
     "/v2/rerank",
     "rerankV2",
     "Rerank documents against a query (Cohere's v2 shape); each pair rides the batcher on its own",
-    (DocAnswer(200, "the documents' scores, best first", V2RerankResponse),),
+    DocAnswer(200, "the documents' scores, best first", V2RerankResponse),
     OPENAI,
-    errors=(400, 401, 404, 413, 429, 500, 503, 504),
-    request=Annotated[V2RerankRequest, Meta(examples=[{"model": "rr", "query": "capital", "documents": ["Paris"]}])],
+    Annotated[V2RerankRequest, Meta(examples=[{"model": "rr", "query": "capital", "documents": ["Paris"]}])],
 )
 
 OPERATIONS = (_operation("/v1/rerank", "rerank"), _operation("/rerank", "rerankUnversioned"), V2_OPERATION)
