@@ -30,7 +30,7 @@ from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.requests_log import RequestLog
 from batchserve.core.service import InferenceService, tokens_in
 from batchserve.gc_tuning import freeze_late_startup_objects
-from batchserve.generation.engine import Engine, start_generation
+from batchserve.decoding.engine import Engine, start_generation
 from batchserve.generation.routes import model_cards
 from batchserve.generation.inference import StepperInference, serve_on_stepper, stepper_models
 from batchserve.generation.inference_records import StepperRecords

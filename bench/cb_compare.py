@@ -218,7 +218,7 @@ def make_manager(
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     if sampling == "ours":
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from batchserve.generation import sampling as ours
+        from batchserve.decoding import sampling as ours
 
         manager.logit_processor = ours.processors(sync_free=model.device.type != "cpu")
     manager.warmup()
@@ -283,9 +283,9 @@ def run_slots(
     import asyncio
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
-    from batchserve.generation.stepper import SamplingParams, TokenUpdate
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
+    from batchserve.decoding.stepper import SamplingParams, TokenUpdate
 
     on_gpu = model.device.type == "cuda"
     graphs = on_gpu and cuda_graphs != "off"

@@ -70,10 +70,10 @@ async def one_run(tokenizer: Any, sequences: int, steps: int, seed: int, streame
     """(wall s, loop CPU s) to take sequences x steps tokens."""
     from prometheus_client import CollectorRegistry
 
-    from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
-    from batchserve.generation.stepper import TokenUpdate
+    from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+    from batchserve.decoding.stepper import TokenUpdate
 
-    from batchserve.generation.stepper import KvCapacity
+    from batchserve.decoding.stepper import KvCapacity
 
     stepper = FeedStepper(KvCapacity(blocks=sequences, page_size=4096, max_seqs=sequences, max_sequence_tokens=4096))
     engine = Engine(EngineConfig(max_tokens=steps), tokenizer, stepper, CollectorRegistry(), 8192, 49152)

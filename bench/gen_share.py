@@ -24,7 +24,7 @@
    first from `--prompt-streams` interactive callers in closed loops, then from a chat batch of `--prompt-lines`
    lines of them. Reported per phase: chats answered, p50 alone and beside, the ratio (goal: all answered,
    <= 3x). The issue measured one answer in 20 s beside the interactive prompts (0.8 s alone) and p50 16.2 s
-   beside the batch, before prefill was priced (`generation/prefill_share.py`).
+   beside the batch, before prefill was priced (`decoding/prefill_share.py`).
 
 A fresh server per scenario (each with its own temporary TOML config of keys); every server stopped by PID.
 The machine is shared: the load average is printed and recorded with the results; quote ratios from one run.

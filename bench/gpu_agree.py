@@ -44,9 +44,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from batchserve.backends.static_decode import StaticDecoder
-from batchserve.generation.slot_decoder import SlotDecoder
-from batchserve.generation.slot_stepper import SlotStepper
-from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from batchserve.decoding.slot_decoder import SlotDecoder
+from batchserve.decoding.slot_stepper import SlotStepper
+from batchserve.decoding.stepper import SamplingParams, TokenUpdate
 from bench.cb_compare import TINY_VOCAB, machine, random_model
 
 PAD = 0

@@ -31,9 +31,9 @@ import torch
 
 from bench import common, report
 from bench.cb_compare import random_model
-from batchserve.generation.slot_decoder import SlotDecoder
-from batchserve.generation.slot_stepper import SlotStepper
-from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from batchserve.decoding.slot_decoder import SlotDecoder
+from batchserve.decoding.slot_stepper import SlotStepper
+from batchserve.decoding.stepper import SamplingParams, TokenUpdate
 
 NO_BUDGET = 10**9
 

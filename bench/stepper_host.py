@@ -56,8 +56,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from batchserve.generation.slot_decoder import PREFILL_ROWS, SlotDecoder
-from batchserve.generation.stepper import SamplingParams
+from batchserve.decoding.slot_decoder import PREFILL_ROWS, SlotDecoder
+from batchserve.decoding.stepper import SamplingParams
 from batchserve.gc_tuning import tune_gc
 from bench.device_clock import DeviceClock
 from batchserve.http.server import SWITCH_INTERVAL_S
@@ -155,8 +155,8 @@ def workload(requests: int, seed: int) -> Workload:
 async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: int) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
-    from batchserve.generation.engine import Engine, EngineConfig
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.engine import Engine, EngineConfig
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     device = DeviceStandIn(a.slots, 2048, a.step_ms / 1000, a.prefill_ms / 1000)
     stepper = SlotStepper(device, a.step_ms / 1000)  # type: ignore[arg-type]  # the stand-in has its interface
@@ -205,9 +205,9 @@ def serve_stand_in(argv: list[str]) -> int:
     from types import SimpleNamespace
 
     import batchserve.backends.smollm2 as smollm2
-    import batchserve.generation.engine as engine_module
+    import batchserve.decoding.engine as engine_module
     from batchserve.cli import main as cli_main
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     step_s, prefill_s = float(argv[0]) / 1000, float(argv[1]) / 1000
     rest = argv[argv.index("--") + 1 :]

@@ -39,7 +39,7 @@ from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
-from batchserve.generation.engine import Engine, SamplingParams, EngineSequence, enabled
+from batchserve.decoding.engine import Engine, SamplingParams, EngineSequence, enabled
 from batchserve.generation.inference_records import StepperRecords
 
 log = logging.getLogger("batchserve.generation")

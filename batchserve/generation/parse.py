@@ -12,7 +12,7 @@ import msgspec
 
 from batchserve.errors import ApiError
 from batchserve.generation import shapes
-from batchserve.generation.engine import SamplingParams
+from batchserve.decoding.engine import SamplingParams
 from batchserve.http.decoding import BodyRefusal, decode
 from batchserve.http.openai_error import bad
 

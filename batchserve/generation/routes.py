@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from starlette.routing import Route
 
-from batchserve.generation.engine import Engine, enabled
+from batchserve.decoding.engine import Engine, enabled
 from batchserve.generation.serving import GenerationHost, endpoint
 from batchserve.http.dialects import NATIVE
 from batchserve.http.endpoint import Answer, Call, Endpoint, operational

@@ -22,7 +22,7 @@ from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
-from batchserve.generation.engine import Delta, Engine, EngineSequence, enabled
+from batchserve.decoding.engine import Delta, Engine, EngineSequence, enabled
 from batchserve.generation.render import ResponseShape, sse
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer

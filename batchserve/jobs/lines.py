@@ -40,7 +40,7 @@ from batchserve.embeddings.render import answer as embeddings_answer
 from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.generation.complete import complete
-from batchserve.generation.engine import Engine
+from batchserve.decoding.engine import Engine
 from batchserve.inference.parse import parse_inference
 from batchserve.http.dialects import OPENAI
 

@@ -27,7 +27,7 @@ from batchserve.backends import Backend
 from batchserve.config import Settings
 from batchserve.errors import ApiError
 from batchserve.generation.complete import model_aliases
-from batchserve.generation.engine import Engine
+from batchserve.decoding.engine import Engine
 from batchserve.http.dialects import NATIVE_ANY_KEY
 from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Stream, json_answer
 from batchserve.http.guards import Guard

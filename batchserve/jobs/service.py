@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from batchserve import errors
 from batchserve.config import Settings
 from batchserve.errors import ApiError
-from batchserve.generation.engine import Engine
+from batchserve.decoding.engine import Engine
 from batchserve.jobs.breaker import CircuitBreaker
 from batchserve.jobs.files import StorageLimits
 from batchserve.jobs.lines import LineRunner, TokenCounter

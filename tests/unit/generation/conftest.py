@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchserve.generation import engine as engine_module
+from batchserve.decoding import engine as engine_module
 from tests.unit.fakes import Clock
 
 

@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 from batchserve.config import Settings
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
-from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
+from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
 from batchserve.generation.inference import StepperInference, stepper_models
-from tests.unit.generation.test_engine import FakeStepper
-from tests.unit.generation.test_units import CHARS, char_tokenizer
+from tests.unit.decoding.test_engine import FakeStepper
+from tests.unit.decoding.test_units import CHARS, char_tokenizer
 from tests.unit.fakes import Clock
 
 EOS = CHARS.index("!")

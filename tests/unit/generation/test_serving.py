@@ -16,13 +16,13 @@ from starlette.applications import Starlette
 from batchserve.config import Settings
 from batchserve.core.refusals import RefusalThrottle
 from batchserve.generation import routes
-from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
-from batchserve.generation.stepper import KvCapacity, TokenUpdate
+from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+from batchserve.decoding.stepper import KvCapacity, TokenUpdate
 from batchserve.http.guards import Guard
 from batchserve.metrics import make_metrics
 from batchserve.tenancy import Tenancy
 from bench.engine_loop import FeedStepper
-from tests.unit.generation.test_units import CHARS, char_tokenizer
+from tests.unit.decoding.test_units import CHARS, char_tokenizer
 
 HOLD = 9  # a prompt starting with this token id is never answered: it holds its slot
 

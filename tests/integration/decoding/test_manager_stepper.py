@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchserve.generation.engine import EngineConfig, build_stepper
-from batchserve.generation.manager_stepper import ManagerStepper
-from batchserve.generation.stepper import SamplingParams, TokenUpdate
-from tests.integration.generation.test_slot_decoder import run_updates
+from batchserve.decoding.engine import EngineConfig, build_stepper
+from batchserve.decoding.manager_stepper import ManagerStepper
+from batchserve.decoding.stepper import SamplingParams, TokenUpdate
+from tests.integration.decoding.test_slot_decoder import run_updates
 from tests.integration.backends.test_static_decode import PAD, prompts, reference
 
 

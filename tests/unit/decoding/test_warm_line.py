@@ -1,9 +1,9 @@
-"""The slot decoder's warm-up line (generation/slot_decoder.py): on CPU nothing is captured, and "checked 0
+"""The slot decoder's warm-up line (decoding/slot_decoder.py): on CPU nothing is captured, and "checked 0
 decode steps and 0 prefills" read as if nothing had warmed."""
 
 from __future__ import annotations
 
-from batchserve.generation.slot_decoder import warm_summary
+from batchserve.decoding.slot_decoder import warm_summary
 
 
 def test_the_warm_line_says_what_was_done_with_and_without_graphs() -> None:

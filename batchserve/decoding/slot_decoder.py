@@ -41,9 +41,9 @@ from collections.abc import Sequence
 
 import torch
 
-from batchserve.generation.sampling import GREEDY, MASK31, choice_key, choose_tokens, mask_top_p
-from batchserve.generation.sizing import ROW_BUCKETS, row_buckets
-from batchserve.generation.stepper import SamplingParams
+from batchserve.decoding.sampling import GREEDY, MASK31, choice_key, choose_tokens, mask_top_p
+from batchserve.decoding.sizing import ROW_BUCKETS, row_buckets
+from batchserve.decoding.stepper import SamplingParams
 
 log = logging.getLogger("batchserve.slot_decoder")
 

@@ -4,7 +4,7 @@ CPU, that a prompt prefilled in pieces, between the decode steps of others, stil
 tokens, and that a burst of joins never puts more than one step's prefill budget between two steps.
 
 In process (no server), on the 2-layer random Llama of tests/integration/backends/test_static_decode.py; the parts
-without a model are tests/unit/generation/test_sizing.py.
+without a model are tests/unit/decoding/test_sizing.py.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from batchserve.generation.stepper import SamplingParams
-from tests.integration.generation.test_slot_decoder import alone, run_stepper
+from batchserve.decoding.stepper import SamplingParams
+from tests.integration.decoding.test_slot_decoder import alone, run_stepper
 from tests.integration.backends.test_static_decode import PAD, prompts
 
 
 def test_a_decoder_captures_row_buckets_up_to_its_slots(model: Any) -> None:
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     dec = SlotDecoder(model, slots=1100, slot_tokens=128, eos_ids=[], pad_id=PAD, fixed_shapes=True)
     rows = sorted({r for r, _ in dec.shapes()})
@@ -32,7 +32,7 @@ def test_a_prompt_prefilled_in_pieces_between_steps_decodes_as_generate(model: A
     (and its held row runs along in the steps between pieces), then both decode to the end: each gets what
     `generate` gives it alone. `gpu-layout`: padded rows, widths and spans as CUDA graphs run them, later
     pieces attending to the whole slot."""
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     short, long = prompts(model, (5, 23), seed=31)
     greedy = SamplingParams(max_tokens=10, temperature=0)
@@ -71,8 +71,8 @@ def test_the_stepper_spreads_a_burst_over_steps_and_keeps_generates_tokens(model
     sequences than slots. Between two decode steps the stepper prefills at most its step budget (the old
     behaviour prefilled the whole burst before the next step), long prompts go in pieces, and every sequence
     ends with `generate`'s tokens."""
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     batch = prompts(model, (3, 6, 5, 19, 4, 7, 22, 2, 5), seed=41)
     limits = [14, 6, 6, 6, 6, 6, 6, 6, 6]
@@ -106,8 +106,8 @@ def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> N
     """Driven by hand (no thread): a 13-token prompt prefilled 4 tokens a step is cancelled after its first
     piece; its slot is free and held, nothing is reported for it, and the next sequence in that slot gets
     `generate`'s tokens."""
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import Join, SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import Join, SlotStepper
 
     dec = SlotDecoder(model, slots=2, slot_tokens=48, eos_ids=[], pad_id=PAD, chunk_tokens=4)
     stepper = SlotStepper(dec, step_s=0.01, prefill_step_tokens=4)
@@ -131,8 +131,8 @@ def test_another_tenants_long_prompt_is_prefilled_between_a_chats_steps_and_both
     injected clock makes every prefill look dear, so only the starvation bound lets a piece through), so b gets a
     token at every turn while a's prompt is spread over many of b's steps. a's prompt waited in the highest slot,
     and is moved down next to b's once live; both get `generate`'s tokens. Driven by hand, turn by turn."""
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import Join, SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import Join, SlotStepper
 
     chat, long = prompts(model, (5, 24), seed=61)
     ticks = iter(range(10**6))

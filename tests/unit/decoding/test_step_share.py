@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from batchserve.generation.step_share import MAX_SKIP, StepShare
+from batchserve.decoding.step_share import MAX_SKIP, StepShare
 
 FG, ALL = 1, 8  # rows of a step of the interactive rows alone, and of one with the batch rows (high slots)
 

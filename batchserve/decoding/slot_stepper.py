@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from batchserve.generation.prefill_share import (
+from batchserve.decoding.prefill_share import (
     LaneCharges,
     Piece,
     PrefillLedger,
@@ -53,10 +53,10 @@ from batchserve.generation.prefill_share import (
     limited_lanes,
     plan_prefill,
 )
-from batchserve.generation.shares import INTERACTIVE, SPARE, Lane
-from batchserve.generation.slot_decoder import SlotDecoder, LaunchedStep
-from batchserve.generation.step_share import Booking, StepShare
-from batchserve.generation.stepper import KvCapacity, Deliver, SamplingParams, TokenUpdate
+from batchserve.decoding.shares import INTERACTIVE, SPARE, Lane
+from batchserve.decoding.slot_decoder import SlotDecoder, LaunchedStep
+from batchserve.decoding.step_share import Booking, StepShare
+from batchserve.decoding.stepper import KvCapacity, Deliver, SamplingParams, TokenUpdate
 
 log = logging.getLogger("batchserve.generation")
 

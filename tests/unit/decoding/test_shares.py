@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from batchserve.core.tiers import BATCH
 from batchserve.errors import ApiError
-from batchserve.generation import engine as engine_module
-from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
-from batchserve.generation.shares import (
+from batchserve.decoding import engine as engine_module
+from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+from batchserve.decoding.shares import (
     BATCH_BESIDE_INTERACTIVE,
     INTERACTIVE,
     LINGER_S,
@@ -31,8 +31,8 @@ from batchserve.generation.shares import (
     victim_lane,
 )
 from tests.unit.fakes import Clock
-from tests.unit.generation.test_engine import CHARS, EOS, FakeStepper, drain, engine, params
-from tests.unit.generation.test_units import char_tokenizer
+from tests.unit.decoding.test_engine import CHARS, EOS, FakeStepper, drain, engine, params
+from tests.unit.decoding.test_units import char_tokenizer
 
 A, B, C = (INTERACTIVE, "a"), (INTERACTIVE, "b"), (INTERACTIVE, "c")
 BA = (SPARE, "a")

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import pytest
 
-from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from batchserve.decoding.stepper import SamplingParams, TokenUpdate
 from tests.integration.backends.test_static_decode import PAD, an_eos, prompts, reference
 
 if TYPE_CHECKING:
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
@@ -68,7 +68,7 @@ def drive(dec: SlotDecoder, work: list[tuple[int, list[int], SamplingParams]]) -
 def test_greedy_tokens_are_generates_whatever_joins_and_leaves(model: Any) -> None:
     """Six prompts of mixed lengths through three slots: they join at different steps, reuse freed slots, end
     at an EOS or at their own max_tokens, and each gets exactly what `generate` gives it alone."""
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     batch = prompts(model, (5, 9, 3, 12, 1, 7))
     eos = an_eos(model, batch)
@@ -87,7 +87,7 @@ def test_greedy_tokens_are_generates_whatever_joins_and_leaves(model: Any) -> No
 def test_the_gpu_layout_pads_rows_and_spans_without_changing_a_token(model: Any) -> None:
     """The shapes CUDA graphs use, checked on the CPU: rows padded up to a row bucket (idle slots run along,
     held by their done flag) and the attended span up to a span bucket (masked)."""
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     batch = prompts(model, (5, 9, 3, 12, 1, 7, 2, 6, 4, 8), seed=4)
     work = [(join, p, SamplingParams(max_tokens=10, temperature=0)) for join, p in zip(range(0, 20, 2), batch)]
@@ -99,7 +99,7 @@ def test_the_gpu_layout_pads_rows_and_spans_without_changing_a_token(model: Any)
 
 
 def test_prefill_of_several_prompts_at_once_gives_the_same_tokens(model: Any) -> None:
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     batch = prompts(model, (4, 11, 2))
     dec = SlotDecoder(model, slots=4, slot_tokens=32, eos_ids=[], pad_id=PAD)
@@ -110,7 +110,7 @@ def test_prefill_of_several_prompts_at_once_gives_the_same_tokens(model: Any) ->
 def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model: Any) -> None:
     """The GPU's prefill layout on the CPU: three joins padded up to 4 rows and 16 tokens; the padding row
     writes into the scratch slot past the last real one, and the three sequences decode as `generate` does."""
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     batch = prompts(model, (4, 11, 2), seed=12)
     dec = SlotDecoder(model, slots=6, slot_tokens=48, eos_ids=[], pad_id=PAD, fixed_shapes=True)
@@ -136,7 +136,7 @@ def test_a_padded_prefill_writes_its_padding_rows_to_the_scratch_slot_only(model
 
 def test_a_released_slot_is_held_still(model: Any) -> None:
     """A cancelled sequence's row stops where it is (a row left running would walk its position past the slot)."""
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     dec.prefill([0, 1], prompts(model, (3, 4)), [GREEDY] * 2)
@@ -147,7 +147,7 @@ def test_a_released_slot_is_held_still(model: Any) -> None:
 
 
 def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> None:
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     prompt = prompts(model, (6,))[0]
     seeded = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.9, seed=1234)
@@ -162,7 +162,7 @@ def test_seeded_sampling_is_repeatable_whatever_shares_the_step(model: Any) -> N
 
 
 def test_greedy_rows_beside_sampled_rows_keep_generates_tokens(model: Any) -> None:
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     batch = prompts(model, (5, 7, 2))
     work = [
@@ -181,7 +181,7 @@ def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
     runs every op the greedy one does (its last op is the same argmax)."""
     import torch
 
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     batch = prompts(model, (3, 6))
     for sampling in (True,):
@@ -199,7 +199,7 @@ def test_the_decode_step_traces_as_one_graph(model: Any) -> None:
 def test_the_prefill_traces_as_one_graph(model: Any) -> None:
     import torch
 
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     batch = prompts(model, (3, 6))
     for sampling in (True,):  # as for the step: the greedy variant's ops are a subset
@@ -215,7 +215,7 @@ def test_the_prefill_traces_as_one_graph(model: Any) -> None:
 def test_no_cuda_capture_without_cuda(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     def refuse(*a: Any, **kw: Any) -> None:
         raise AssertionError("a CUDA graph was asked for on the CPU")
@@ -232,7 +232,7 @@ def test_no_cuda_capture_without_cuda(model: Any, monkeypatch: pytest.MonkeyPatc
 def test_a_failed_capture_leaves_the_steps_eager(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     dec.use_graphs = dec.fixed_shapes = True  # as on CUDA
@@ -255,7 +255,7 @@ def test_the_capture_records_every_bucket_of_step_and_prefill(model: Any, monkey
     would only show as the eager fallback's log line)."""
     import torch
 
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     recorded: list[str] = []
 
@@ -300,8 +300,8 @@ def test_the_capture_records_every_bucket_of_step_and_prefill(model: Any, monkey
 def test_the_stepper_thread_runs_more_sequences_than_slots_and_drops_cancelled_ones(model: Any) -> None:
     """Through the thread, with an event loop: 7 sequences, 2 slots, small prefill groups; one is cancelled
     while it runs and one before it could join. The rest end with `generate`'s tokens, one update per token."""
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     batch = prompts(model, (5, 9, 3, 12, 1, 7, 4), seed=2)
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD, prefill_tokens=8)
@@ -382,8 +382,8 @@ def test_long_sequences_left_in_high_slots_move_down_without_changing_a_token(mo
     longest prompts, so they take the highest slots. Once the short ones end, the two fit a quarter of the
     rows: they move down into free slots (K/V and row state) mid-flight, and every token is what it would
     have been."""
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     short = prompts(model, (1, 2, 3, 4, 5, 6), seed=8)
     long = prompts(model, (9, 12), seed=9)
@@ -405,8 +405,8 @@ def test_the_gpu_configuration_end_to_end_on_the_cpu(model: Any) -> None:
     """Everything a GPU runs but the capture: padded rows, spans and prefills (scratch rows), joins gathered
     and grouped by the prefill buckets, moves, through the stepper's thread; 20 sequences through 12 slots,
     greedy and seeded, each against its reference."""
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     batch = prompts(model, tuple(1 + (i * 7) % 15 for i in range(20)), seed=21)
     limits = [4 if i % 3 else 14 for i in range(20)]
@@ -428,8 +428,8 @@ def test_the_gpu_configuration_end_to_end_on_the_cpu(model: Any) -> None:
 
 
 def test_a_failing_prefill_fails_its_sequences_only(model: Any) -> None:
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     dec = SlotDecoder(model, slots=2, slot_tokens=32, eos_ids=[], pad_id=PAD)
     stepper = SlotStepper(dec, step_s=0.01)
@@ -453,7 +453,7 @@ def test_slot_path_gives_generates_greedy_answers_on_the_real_weights() -> None:
 
     from batchserve.backends.smollm2 import load_model, load_tokenizer, source_dir
     from batchserve.config import Settings
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     source = source_dir(Settings(backend="smollm2"))
     tok = load_tokenizer(source)
@@ -498,7 +498,7 @@ def test_a_sequence_dropped_and_resumed_from_its_tokens_goes_on_as_it_would_have
     `resumed` = how many, makes the tokens it would have made without the pause: greedy ones token for token,
     a seeded draw keyed by the same token index, and it ends at the same max_tokens. Without `resumed` the
     seeded draws restart from index 0 and the length end comes max_tokens after the pause."""
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     prompt, other = prompts(model, (6, 9), seed=11)
     for params in (

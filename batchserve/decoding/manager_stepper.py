@@ -16,12 +16,12 @@ import math
 import time
 from typing import Any
 
-from batchserve.generation.stepper import GPU_MEMORY_SHARE, KvCapacity, Deliver, SamplingParams, TokenUpdate
+from batchserve.decoding.stepper import GPU_MEMORY_SHARE, KvCapacity, Deliver, SamplingParams, TokenUpdate
 
 
 def processor_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Per-request arguments of the manager's logits processors (see sampling.py)."""
-    from batchserve.generation import sampling  # torch: imported only where generation runs
+    from batchserve.decoding import sampling  # torch: imported only where generation runs
 
     if params.greedy:
         return {"temperature": 1.0, "top_p": 1.0, sampling.SEED_KEY: sampling.GREEDY}
@@ -46,7 +46,7 @@ def build_manager(
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from batchserve.generation import sampling
+    from batchserve.decoding import sampling
 
     on_cpu = model.device.type == "cpu"
     # Greedy: sampling.py's processors turn the argmax into each request's own draw.

@@ -2,13 +2,13 @@
 turn over a stand-in decoder on an injected clock (a decode step 60 ms, 5 ms a prompt token: this CPU's
 proportions), so a long prompt's effect on another tenant's short chat is counted in steps and in the clock's
 seconds, never in wall time. The decoder prefilling in pieces on a model is
-tests/integration/generation/test_sizing.py."""
+tests/integration/decoding/test_sizing.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchserve.generation.prefill_share import (
+from batchserve.decoding.prefill_share import (
     BESIDE_DECODE,
     MIN_PIECE,
     LaneCharges,
@@ -19,11 +19,11 @@ from batchserve.generation.prefill_share import (
     limited_lanes,
     plan_prefill,
 )
-from batchserve.generation.shares import INTERACTIVE, SPARE
-from batchserve.generation.slot_decoder import LaunchedStep
-from batchserve.generation.slot_stepper import Join, Pending, SlotStepper
-from batchserve.generation.step_share import MAX_SKIP
-from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from batchserve.decoding.shares import INTERACTIVE, SPARE
+from batchserve.decoding.slot_decoder import LaunchedStep
+from batchserve.decoding.slot_stepper import Join, Pending, SlotStepper
+from batchserve.decoding.step_share import MAX_SKIP
+from batchserve.decoding.stepper import SamplingParams, TokenUpdate
 
 A, B = (INTERACTIVE, "a"), (INTERACTIVE, "b")
 BATCH_A = (SPARE, "a")

@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batchserve.errors import ApiError
-from batchserve.generation.engine import Engine, EngineConfig, SamplingParams
-from batchserve.generation.shares import lane_of
-from batchserve.generation.stepper import KvCapacity, TokenUpdate
+from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+from batchserve.decoding.shares import lane_of
+from batchserve.decoding.stepper import KvCapacity, TokenUpdate
 from bench.engine_loop import FeedStepper
-from tests.unit.generation.test_units import CHARS, char_tokenizer
+from tests.unit.decoding.test_units import CHARS, char_tokenizer
 
 EOS = CHARS.index("!")
 
@@ -131,8 +131,8 @@ def test_the_kept_replay_of_the_queue_predicts_what_replaying_everything_predict
     # The engine continues one replay of the queue per tier from arrival to arrival (a burst would otherwise cost
     # n^2/2 placements); across tiers, admissions and its time limit it must agree with a replay from scratch.
     # (It is kept for a lane alone in the engine: one tenant's interactive tiers.)
-    from batchserve.generation import engine as engine_module
-    from batchserve.generation.kv_budget import Claim, predicted_wait_s
+    from batchserve.decoding import engine as engine_module
+    from batchserve.decoding.kv_budget import Claim, predicted_wait_s
 
     clock = [100.0]
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
@@ -165,8 +165,8 @@ def test_the_kept_replay_of_the_queue_predicts_what_replaying_everything_predict
 def test_a_burst_of_queued_arrivals_replays_the_queue_once(monkeypatch: Any) -> None:
     # Each arrival continues the kept replay: 200 queued arrivals of one tier, within its time limit, make one
     # replay of the queue, not one each (which made a burst quadratic: 3.6 s for 1,536).
-    from batchserve.generation import engine as engine_module
-    from batchserve.generation.kv_budget import Replay
+    from batchserve.decoding import engine as engine_module
+    from batchserve.decoding.kv_budget import Replay
 
     made: list[Replay] = []
 

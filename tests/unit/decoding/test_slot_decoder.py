@@ -1,6 +1,6 @@
 """The slot decoder's arithmetic without a model (issue 13): bucket sizes, the slot plan, when joins gather, the
 device's step key. The decoder itself, on a 2-layer random Llama and on the real weights, is
-tests/integration/generation/test_slot_decoder.py."""
+tests/integration/decoding/test_slot_decoder.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import random
 
 import torch
 
-from batchserve.generation.engine import EngineConfig, slot_plan
-from batchserve.generation.sampling import step_key
-from batchserve.generation.slot_decoder import bucket_up, device_step_key
-from batchserve.generation.slot_stepper import join_now
+from batchserve.decoding.engine import EngineConfig, slot_plan
+from batchserve.decoding.sampling import step_key
+from batchserve.decoding.slot_decoder import bucket_up, device_step_key
+from batchserve.decoding.slot_stepper import join_now
 
 
 def test_device_step_key_is_the_hosts() -> None:
@@ -30,7 +30,7 @@ def test_buckets_and_slot_plan() -> None:
     # CPU, auto: what 16384 tokens hold at 2048 each
     assert slot_plan(EngineConfig(), cpu, 0, 100, 8192) == (8, 2048)
     # GPU, auto: what half the free memory holds, a multiple of 64 (the H200's and H100's:
-    # tests/unit/generation/test_sizing.py)
+    # tests/unit/decoding/test_sizing.py)
     assert slot_plan(EngineConfig(), gpu, 80_000 * mb, 23040, 8192) == (832, 2048)
     assert slot_plan(EngineConfig(), gpu, 2_000 * mb, 23040, 8192) == (22, 2048)
     # asked for: the model's positions and kv_tokens bound them

@@ -1,14 +1,14 @@
 """Where the slot stepper puts background (batch) rows and which rows a step covers (issue 33), on a stand-in
 decoder that records what it is asked: no model. That excluded rows keep their state and resumed ones answer
-token for token is tests/integration/generation/test_background_rows.py, on a model."""
+token for token is tests/integration/decoding/test_background_rows.py, on a model."""
 
 from __future__ import annotations
 
 
-from batchserve.generation.slot_decoder import LaunchedStep, bucket_up
-from batchserve.generation.sizing import ROW_BUCKETS
-from batchserve.generation.slot_stepper import Join, Live, SlotStepper
-from batchserve.generation.stepper import SamplingParams
+from batchserve.decoding.slot_decoder import LaunchedStep, bucket_up
+from batchserve.decoding.sizing import ROW_BUCKETS
+from batchserve.decoding.slot_stepper import Join, Live, SlotStepper
+from batchserve.decoding.stepper import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 

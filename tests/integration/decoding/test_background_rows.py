@@ -9,16 +9,16 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 
-from batchserve.generation.stepper import SamplingParams, TokenUpdate
+from batchserve.decoding.stepper import SamplingParams, TokenUpdate
 from tests.integration.backends.test_static_decode import PAD, prompts
-from tests.integration.generation.test_slot_decoder import alone, drive
+from tests.integration.decoding.test_slot_decoder import alone, drive
 
 if TYPE_CHECKING:
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_stepper import SlotStepper
 
 
 def test_a_row_left_out_of_steps_keeps_its_state_and_goes_on_as_it_would_have(model: Any) -> None:
-    from batchserve.generation.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_decoder import SlotDecoder
 
     fg, bg = prompts(model, (5, 7), seed=31)
     params = SamplingParams(max_tokens=12, temperature=0)
@@ -97,8 +97,8 @@ def test_batch_rows_sitting_out_steps_beside_interactive_ones_answer_token_for_t
     """Three batch lines (two greedy, one seeded draw) run alone, then interactive sequences join: they take the
     low slots (one swapped below the batch rows), and two steps in three leave the batch rows out. Every
     sequence's tokens are what it makes alone."""
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     batch = prompts(model, (6, 9, 4), seed=41)
     chats = prompts(model, (3, 8, 5), seed=42)
@@ -130,8 +130,8 @@ def test_batch_rows_sitting_out_steps_beside_interactive_ones_answer_token_for_t
 def test_the_gpu_layout_with_batch_rows_sitting_out_gives_the_same_tokens(model: Any) -> None:
     """Padded rows (the GPU's buckets, on the CPU): batch rows at the top of their bucket, interactive ones
     below; the ledger's real decisions on measured times. Every sequence's tokens are its own alone."""
-    from batchserve.generation.slot_decoder import SlotDecoder
-    from batchserve.generation.slot_stepper import SlotStepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     batch = prompts(model, (6, 9, 4, 7), seed=51)
     chats = prompts(model, (3, 8), seed=52)

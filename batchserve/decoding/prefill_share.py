@@ -46,8 +46,8 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from batchserve.generation.shares import INTERACTIVE, SPARE, Lane
-from batchserve.generation.step_share import MAX_SKIP
+from batchserve.decoding.shares import INTERACTIVE, SPARE, Lane
+from batchserve.decoding.step_share import MAX_SKIP
 
 BESIDE_DECODE = 1.0  # another interactive lane's prefill: at most this x the decode steps' time it sits between
 MIN_PIECE = 16  # the fewest prompt tokens a budgeted piece carries (fewer waits for more credit)

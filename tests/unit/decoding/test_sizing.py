@@ -1,11 +1,11 @@
 """Rows to the memory (issue 25) without a device or a model: the slot count and KV budget from made-up free-memory
 figures, the row buckets up to it (the per-step prefill plan: test_prefill_share.py). The decoder prefilling in
-pieces, on a 2-layer random Llama, is tests/integration/generation/test_sizing.py."""
+pieces, on a 2-layer random Llama, is tests/integration/decoding/test_sizing.py."""
 
 from __future__ import annotations
 
-from batchserve.generation.engine import EngineConfig, slot_plan
-from batchserve.generation.sizing import GPU_MAX_SEQS, auto_gpu_slots, kv_tokens_for, row_buckets
+from batchserve.decoding.engine import EngineConfig, slot_plan
+from batchserve.decoding.sizing import GPU_MAX_SEQS, auto_gpu_slots, kv_tokens_for, row_buckets
 
 GB = 10**9
 SMOLLM2_TOKEN = 30 * 2 * 3 * 64 * 2  # bytes of K and V a token: 30 layers x K,V x 3 heads x 64 x bf16 = 23,040

@@ -37,7 +37,7 @@ MASK31 = 0x7FFFFFFF
 
 
 if TYPE_CHECKING:
-    from batchserve.generation.stepper import SamplingParams
+    from batchserve.decoding.stepper import SamplingParams
 
 
 def choice_key(params: SamplingParams) -> int:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
 
-from batchserve.generation.kv_budget import Claim, KvBudget, Replay, predicted_wait_s
-from batchserve.generation.sampling import GREEDY, SAMPLE, TokenChoice, TopP, step_key
-from batchserve.generation.textstream import TextStream
+from batchserve.decoding.kv_budget import Claim, KvBudget, Replay, predicted_wait_s
+from batchserve.decoding.sampling import GREEDY, SAMPLE, TokenChoice, TopP, step_key
+from batchserve.decoding.textstream import TextStream
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz ,.!")
 
@@ -165,7 +165,7 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
     import orjson
 
     from batchserve import errors
-    from batchserve.generation.engine import Delta
+    from batchserve.decoding.engine import Delta
     from batchserve.generation.render import ResponseShape
     from batchserve.generation.serving import stream_events
 

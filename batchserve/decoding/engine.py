@@ -44,8 +44,8 @@ from batchserve.core.tenant_cost import CostAccount
 from batchserve.core.tiers import TIERS
 from batchserve.errors import ApiError
 from batchserve.metrics import HistogramChild, LoopHistogram
-from batchserve.generation.kv_budget import Claim, KvBudget, Replay
-from batchserve.generation.shares import (
+from batchserve.decoding.kv_budget import Claim, KvBudget, Replay
+from batchserve.decoding.shares import (
     BATCH_BESIDE_INTERACTIVE,
     LINGER_S,
     SPARE,
@@ -64,8 +64,8 @@ from batchserve.generation.shares import (
     tier_weight,
     victim_lane,
 )
-from batchserve.generation.sizing import auto_gpu_slots, kv_tokens_for
-from batchserve.generation.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
+from batchserve.decoding.sizing import auto_gpu_slots, kv_tokens_for
+from batchserve.decoding.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
 
 __all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "EngineSequence", "enabled", "start_generation"]
 
@@ -315,7 +315,7 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
     on_gpu = model.device.type == "cuda"
     max_batch_tokens = cfg.max_batch_tokens or (GPU_MAX_BATCH_TOKENS if on_gpu else CPU_MAX_BATCH_TOKENS)
     if cfg.stepper == "manager":
-        from batchserve.generation.manager_stepper import ManagerStepper, build_manager, warm
+        from batchserve.decoding.manager_stepper import ManagerStepper, build_manager, warm
 
         max_seqs = cfg.max_seqs or (MANAGER_GPU_SEQS if on_gpu else 64)
         manager = build_manager(
@@ -332,7 +332,7 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
         return ManagerStepper(manager, cfg.page_size, max_seqs, warm(manager, tokenizer))
     import torch
 
-    from batchserve.generation.slot_stepper import build_slot_stepper
+    from batchserve.decoding.slot_stepper import build_slot_stepper
 
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -581,7 +581,7 @@ class Engine:
             raise errors.overloaded(
                 f"{queued} sequences are already waiting for KV-cache capacity", retry_after_ms=self.step_s * 1000 * 16
             )
-        from batchserve.generation.textstream import TextStream
+        from batchserve.decoding.textstream import TextStream
 
         now = time.monotonic()
         seq = EngineSequence(
