@@ -70,7 +70,11 @@ async def one_run(tokenizer: Any, sequences: int, steps: int, seed: int, streame
     """(wall s, loop CPU s) to take sequences x steps tokens."""
     from prometheus_client import CollectorRegistry
 
-    from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+    from batchserve.decoding.build import EngineConfig
+
+    from batchserve.decoding.engine import Engine
+
+    from batchserve.decoding.stepper import SamplingParams
     from batchserve.decoding.stepper import TokenUpdate
 
     from batchserve.decoding.stepper import KvCapacity

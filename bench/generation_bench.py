@@ -73,7 +73,8 @@ async def run_engine(model: Any, tokenizer: Any, work: Workload, a: argparse.Nam
     from prometheus_client import CollectorRegistry
 
     from batchserve.cli import add_settings_flags, settings_from
-    from batchserve.decoding.engine import Engine, SamplingParams
+    from batchserve.decoding.engine import Engine
+    from batchserve.decoding.stepper import SamplingParams
 
     parser = argparse.ArgumentParser()
     add_settings_flags(parser)

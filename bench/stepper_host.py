@@ -155,7 +155,9 @@ def workload(requests: int, seed: int) -> Workload:
 async def one_run(tokenizer: Any, a: argparse.Namespace, streamed: bool, seed: int) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
-    from batchserve.decoding.engine import Engine, EngineConfig
+    from batchserve.decoding.build import EngineConfig
+
+    from batchserve.decoding.engine import Engine
     from batchserve.decoding.slot_stepper import SlotStepper
 
     device = DeviceStandIn(a.slots, 2048, a.step_ms / 1000, a.prefill_ms / 1000)
@@ -205,7 +207,7 @@ def serve_stand_in(argv: list[str]) -> int:
     from types import SimpleNamespace
 
     import batchserve.backends.smollm2 as smollm2
-    import batchserve.decoding.engine as engine_module
+    import batchserve.decoding.build as build_module
     from batchserve.cli import main as cli_main
     from batchserve.decoding.slot_stepper import SlotStepper
 
@@ -220,7 +222,7 @@ def serve_stand_in(argv: list[str]) -> int:
         return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192, vocab_size=49152))
 
     smollm2.load_model = stand_in_model
-    engine_module.build_stepper = stand_in_stepper
+    build_module.build_stepper = stand_in_stepper
     return cli_main(["serve", *rest])
 
 

@@ -99,7 +99,7 @@ class TokenizerConfig(msgspec.Struct):
 
 
 class GenerationConfig(msgspec.Struct):
-    """generation_config.json: the sampling defaults the generation engine reads (engine.sampling_defaults)."""
+    """generation_config.json: the sampling defaults the decoding engine reads (`build.sampling_defaults`)."""
 
     temperature: float | None = None
     top_p: float | None = None

@@ -32,21 +32,18 @@ import math
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import AsyncIterator, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from batchserve import errors
 from batchserve.config import Settings
 from batchserve.core.tenant_cost import CostAccount
 from batchserve.core.tiers import TIERS
 from batchserve.errors import ApiError
-from batchserve.metrics import HistogramChild, LoopHistogram
 from batchserve.decoding.kv_budget import Claim, KvBudget, Replay
 from batchserve.decoding.shares import (
-    BATCH_BESIDE_INTERACTIVE,
     LINGER_S,
     SPARE,
     WEIGHTED,
@@ -64,292 +61,24 @@ from batchserve.decoding.shares import (
     tier_weight,
     victim_lane,
 )
-from batchserve.decoding.sizing import auto_gpu_slots, kv_tokens_for
-from batchserve.decoding.stepper import GPU_MEMORY_SHARE, SamplingParams, Stepper, TokenUpdate
-
-__all__ = ["Delta", "Engine", "EngineConfig", "SamplingParams", "EngineSequence", "enabled", "start_generation"]
+from batchserve.decoding import build
+from batchserve.decoding.build import (
+    EngineConfig,
+    end_tokens,
+    default_device,
+    enabled,
+    longest_token_chars,
+    sampling_defaults,
+)
+from batchserve.decoding.metrics import GenerationMetrics
+from batchserve.decoding.sequence import DONE, RUNNING, WAITING, Delta, EngineSequence
+from batchserve.decoding.stepper import SamplingParams, Stepper, TokenUpdate
 
 log = logging.getLogger("batchserve.generation")
 
 TICK_S = 0.25  # gauges, tokens/s and queue expiry are refreshed this often
 REPLAY_TTL_S = 0.1  # a kept replay of the queue answers arrivals this long (see Engine.predicted_wait_s)
 TOKENIZE_THREADS = 2  # chat templating and tokenization run here, off the event loop (the tokenizer frees the GIL)
-UNKNOWN_TOKEN_CHARS = 1 << 30  # a tokenizer without a vocabulary to measure: no bound from characters
-CPU_KV_TOKENS = 16384  # KV capacity on a CPU when none is configured (~720 MB for SmolLM2 in float32)
-# Prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes, and what a chat arriving while
-# another key's long prompt is prefilled waits before its own turn (a forward is never cut). At 512 (~3 s on 2
-# slow cores) short chats beside 4 streams of 1,500-token prompts took 4.1x their time alone; at 256, 2.6x, while
-# such a prompt alone took as long (9.0 / 8.9 s against 9.5 / 8.7 s, bench.gen_share's prompts scenario).
-CPU_MAX_BATCH_TOKENS = 256
-GPU_MAX_BATCH_TOKENS = 8192  # the same on a GPU
-MANAGER_GPU_SEQS = 256  # transformers' manager on a GPU when none is configured (host-bound past that)
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
-ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
-
-
-def enabled(settings: Settings) -> bool:
-    """Generation runs with the real model, or when asked for: the sim server stays light."""
-    if settings.generation != "auto":
-        return settings.generation == "on"
-    return any(spec.generates for spec in settings.models)
-
-
-@dataclass
-class EngineConfig:
-    model_id: str = "SmolLM2-135M-Instruct"
-    backend: str = "smollm2"  # the served model's backend: smollm2, or hf for a causal LM folder (`--model`)
-    max_tokens: int = 512  # cap on a request's max_tokens, and its default
-    kv_tokens: int = 0  # KV capacity in tokens; 0 = auto (GPU: from free memory, CPU: CPU_KV_TOKENS)
-    max_seqs: int = 0  # sequences decoding at once; 0 = auto (what the KV budget holds: slot_plan)
-    max_context: int = 2048  # slot stepper: tokens of one sequence (prompt + max_tokens)
-    max_batch_tokens: int = 0  # prompt tokens per prefill forward; 0 = auto
-    page_size: int = 32  # manager stepper: tokens per KV block, the granularity of reservations
-    queue_timeout_s: float = 30.0  # longest wait for KV capacity before a sequence starts
-    max_waiting: int = 1000  # sequences waiting for capacity before 503
-    cuda_graphs: bool = True  # on CUDA, decode steps are replayed as CUDA graphs
-    stepper: str = "slots"  # slots (batchserve's) or manager (transformers')
-    batch_beside_interactive: float = BATCH_BESIDE_INTERACTIVE  # of the places, batch lines' beside interactive work
-    batch_slowdown: float = 1.25  # the most batch rows may lengthen an interactive decode step (with / without)
-    defaults: SamplingDefaults = field(default_factory=lambda: SamplingDefaults())  # the model's own
-
-    @classmethod
-    def from_settings(cls, s: Settings) -> EngineConfig:
-        return cls(
-            model_id=s.generation_model,
-            # As `generation_folder` picks what to load: a causal LM folder, else smollm2's weights.
-            backend=next((m.backend for m in s.models if m.generates), "smollm2"),
-            max_tokens=s.generation_max_tokens,
-            kv_tokens=s.generation_kv_tokens,
-            max_seqs=s.generation_max_seqs,
-            max_context=s.generation_max_context,
-            queue_timeout_s=s.generation_queue_timeout_ms / 1000,
-            max_waiting=s.max_queue,
-            cuda_graphs=s.generation_cuda_graphs,
-            stepper=s.generation_engine,
-            batch_beside_interactive=s.generation_batch_beside_interactive,
-            batch_slowdown=s.generation_batch_slowdown,
-        )
-
-
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """What a request that leaves temperature / top_p out gets: the model's generation_config.json (as vLLM
-    does), else OpenAI's 1.0; `source` says which, for the start-up log line."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    source: str = "OpenAI's (the model's generation_config.json sets none)"
-    ignored: tuple[str, ...] = ()  # what the config sets that the steppers cannot apply (top_k, ...)
-
-    def describe(self) -> str:
-        ignored = f"; ignored: {', '.join(self.ignored)}" if self.ignored else ""
-        return f"temperature={self.temperature:g} top_p={self.top_p:g} from {self.source}{ignored}"
-
-
-def sampling_defaults(model: Any) -> SamplingDefaults:
-    """The model's generation_config.json as request defaults, as vLLM reads it: its temperature and top_p
-    when it sets them (do_sample is not read: vLLM does not either); top_k and the like are logged as ignored."""
-    gen = getattr(model, "generation_config", None)
-    try:
-        diff = gen.to_diff_dict() if gen is not None else {}
-    except Exception:  # noqa: BLE001 - an odd config: OpenAI's defaults
-        diff = {}
-    ignored = tuple(f"{k}={diff[k]}" for k in ("top_k", "min_p", "repetition_penalty") if k in diff)
-    if "temperature" not in diff and "top_p" not in diff:
-        return SamplingDefaults(ignored=ignored)
-    return SamplingDefaults(
-        float(diff.get("temperature", 1.0)),
-        float(diff.get("top_p", 1.0)),
-        "the model's generation_config.json",
-        ignored,
-    )
-
-
-@dataclass
-class Delta:
-    """What the loop hands a caller: new text, and at the end a finish reason (or an error)."""
-
-    text: str
-    tokens: int  # completion tokens so far
-    finish_reason: str | None = None  # "stop" | "length" once finished
-    error: ApiError | None = None
-
-
-WAITING, RUNNING, DONE = "waiting", "running", "done"
-
-
-@dataclass(eq=False)
-class EngineSequence:
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    tier: int
-    blocks: int
-    arrived: float
-    deadline: float  # latest start (admission into the stepper)
-    text: Any  # textstream.TextStream
-    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
-    state: str = WAITING
-    tokens: int = 0
-    started: float = 0.0
-    last_token: float = 0.0
-    finish_reason: str | None = None
-    streamed: bool = True  # False: the caller wants the whole text once, so no delta per token
-    held: list[str] = field(default_factory=list)  # text of a sequence that is not streamed, until it ends
-    token_ids: list[int] | None = None  # every token generated, when the caller asked to keep them
-    on_start: Callable[[EngineSequence], None] | None = None  # called as it joins the stepper (leaves the queue)
-    tenant: str = ""  # whose share it counts in (`shares.py`)
-    order: int = 0  # arrival order: ties in the queue, and a preempted sequence keeps its place
-    made: list[int] = field(default_factory=list)  # every token generated: a preempted sequence resumes from them
-    run_id: str = ""  # its id in the stepper for this run (a resumed run gets a new one: stale tokens are ignored)
-    runs: int = 0  # times it joined the stepper (more than 1: it was preempted and resumed)
-    run_started: float = 0.0  # when this run joined (the latest started is preempted first)
-    resumed: bool = False  # its next token is the first of a resumed run: the gap is the pause, not a step
-
-    @property
-    def finished(self) -> bool:
-        return self.state == DONE
-
-    @property
-    def lane(self) -> Lane:
-        return lane_of(self.tenant, self.tier)
-
-    def claim(self) -> Claim:
-        return Claim(self.blocks, max(0, self.params.max_tokens - self.tokens))
-
-
-@dataclass
-class GenerationMetrics:
-    ttft: HistogramChild  # written on the event loop only: per token, a locked prometheus Histogram cost ~5 us
-    itl: HistogramChild
-    output_tokens: Counter
-    tokens_per_second: Gauge
-    running: Gauge
-    waiting: Gauge
-    kv_usage: Gauge
-    kv_reserved: Gauge
-    requests: Counter
-    cancelled: Counter
-    rejected: Counter
-    preempted: Counter
-
-    @classmethod
-    def create(cls, registry: CollectorRegistry) -> GenerationMetrics:
-        p = "batchserve_generation_"
-        return cls(
-            ttft=LoopHistogram(
-                p + "time_to_first_token_seconds",
-                "Arrival to first generated token (queue + prefill)",
-                (),
-                TTFT_BUCKETS,
-                registry,
-            ).labels(),
-            itl=LoopHistogram(
-                p + "inter_token_latency_seconds",
-                "Gap between consecutive tokens of one sequence",
-                (),
-                ITL_BUCKETS,
-                registry,
-            ).labels(),
-            output_tokens=Counter(p + "output_tokens", "Generated tokens", registry=registry),
-            tokens_per_second=Gauge(
-                p + "output_tokens_per_second", "Generated tokens per second over the last 0.25 s", registry=registry
-            ),
-            running=Gauge(p + "running_sequences", "Sequences holding KV blocks in the engine", registry=registry),
-            waiting=Gauge(p + "waiting_sequences", "Sequences waiting for KV capacity", registry=registry),
-            kv_usage=Gauge(p + "kv_cache_usage_ratio", "Share of the KV cache in use", registry=registry),
-            kv_reserved=Gauge(
-                p + "kv_cache_reserved_ratio",
-                "Share of KV-cache blocks reserved by admitted sequences",
-                registry=registry,
-            ),
-            requests=Counter(p + "requests", "Finished generation requests", ["endpoint", "status"], registry=registry),
-            cancelled=Counter(
-                p + "cancelled", "Sequences dropped before their end, freeing their slot", ["reason"], registry=registry
-            ),
-            rejected=Counter(p + "rejected", "Generation requests refused at the door", ["reason"], registry=registry),
-            preempted=Counter(
-                p + "preempted",
-                "Running sequences paused to honour a share (resumed later by recomputing their prompt and tokens)",
-                ["reason"],
-                registry=registry,
-            ),
-        )
-
-
-def default_device(settings: Settings) -> str:
-    from batchserve.backends import pick_devices
-
-    return pick_devices(settings.devices)[0]
-
-
-def slot_plan(
-    cfg: EngineConfig, on_gpu: bool, free_bytes: int, bytes_per_token: int, max_position: int
-) -> tuple[int, int]:
-    """(slots, tokens per slot) of the slot stepper: the context a sequence may have (`max_context`, within the
-    model's positions), and as many slots as asked, else as the KV budget holds (`kv_tokens`, or by default
-    GPU_MEMORY_SHARE of the device's free memory on a GPU, CPU_KV_TOKENS on a CPU; on a GPU rounded and capped
-    by `sizing.auto_gpu_slots`: ~1,400 on an H200, ~830 on an H100 for SmolLM2's 23 KB a token)."""
-    slot_tokens = max(16, min(cfg.max_context, max_position))
-    kv_tokens = cfg.kv_tokens
-    if not kv_tokens:
-        kv_tokens = kv_tokens_for(free_bytes, GPU_MEMORY_SHARE, bytes_per_token) if on_gpu else CPU_KV_TOKENS
-    fit = kv_tokens // slot_tokens
-    if cfg.max_seqs:
-        slots = min(cfg.max_seqs, fit)
-    else:
-        slots = auto_gpu_slots(fit) if on_gpu else fit
-    return max(1, slots), slot_tokens
-
-
-def end_tokens(model: Any, tokenizer: Any) -> list[int]:
-    """The tokens that end a sequence: the tokenizer's end of sequence and the model's generation config's
-    (a list for some models: Llama 3 ends a turn with <|eot_id|>)."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    found = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    return sorted({t for t in (tokenizer.eos_token_id, *found) if isinstance(t, int)})
-
-
-def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
-    """The configured stepper on `model`, warmed (CUDA graphs captured) and ready to start."""
-    on_gpu = model.device.type == "cuda"
-    max_batch_tokens = cfg.max_batch_tokens or (GPU_MAX_BATCH_TOKENS if on_gpu else CPU_MAX_BATCH_TOKENS)
-    if cfg.stepper == "manager":
-        from batchserve.decoding.manager_stepper import ManagerStepper, build_manager, warm
-
-        max_seqs = cfg.max_seqs or (MANAGER_GPU_SEQS if on_gpu else 64)
-        manager = build_manager(
-            model,
-            tokenizer,
-            cfg.max_tokens,
-            cfg.kv_tokens or (0 if on_gpu else CPU_KV_TOKENS),
-            cfg.page_size,
-            max_seqs,
-            max_batch_tokens,
-            cfg.cuda_graphs,
-        )
-        manager.start()
-        return ManagerStepper(manager, cfg.page_size, max_seqs, warm(manager, tokenizer))
-    import torch
-
-    from batchserve.decoding.slot_stepper import build_slot_stepper
-
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
-    free = torch.cuda.mem_get_info(model.device)[0] if on_gpu else 0
-    slots, slot_tokens = slot_plan(cfg, on_gpu, free, per_token, int(getattr(c, "max_position_embeddings", 8192)))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return build_slot_stepper(
-        model,
-        end_tokens(model, tokenizer),
-        pad,
-        slots,
-        slot_tokens,
-        max_batch_tokens,
-        cfg.cuda_graphs,
-        slowdown=cfg.batch_slowdown,
-    )
 
 
 async def start_generation(settings: Settings, registry: CollectorRegistry) -> Engine | None:
@@ -365,18 +94,6 @@ async def start_generation(settings: Settings, registry: CollectorRegistry) -> E
     if not enabled(settings):
         return None
     return await Engine.start(settings, registry)
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """The most characters one token of this tokenizer stands for (81 for SmolLM2's: a vocabulary entry in
-    byte-level BPE spells one character per byte, so this bounds characters too)."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return UNKNOWN_TOKEN_CHARS
-    try:
-        return max(1, max((len(token) for token in get_vocab()), default=UNKNOWN_TOKEN_CHARS))
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot list its vocabulary: no bound from characters
-        return UNKNOWN_TOKEN_CHARS
 
 
 class Engine:
@@ -457,7 +174,7 @@ class Engine:
             tok = tokenizer if tokenizer is not None else load_tokenizer(source)
             mdl = model if model is not None else load_model(device, source)
             cfg.defaults = sampling_defaults(mdl)
-            return tok, mdl, build_stepper(mdl, tok, cfg)
+            return tok, mdl, build.build_stepper(mdl, tok, cfg)  # looked up now: a bench stands a device in
 
         tok, mdl, stepper = await asyncio.to_thread(load)
         engine = cls(

@@ -15,7 +15,8 @@ from typing import cast
 import orjson
 
 from batchserve.config import Settings
-from batchserve.decoding.engine import Engine, SamplingParams
+from batchserve.decoding.engine import Engine
+from batchserve.decoding.stepper import SamplingParams
 from batchserve.generation.parse import GenRequest, bad, parse
 from batchserve.generation.render import ResponseShape
 from batchserve.http.openai_error import unknown_model

@@ -39,7 +39,10 @@ from batchserve.core.requests_log import RequestLog
 from batchserve.core.tiers import BATCH
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
-from batchserve.decoding.engine import Engine, SamplingParams, EngineSequence, enabled
+from batchserve.decoding.build import enabled
+from batchserve.decoding.engine import Engine
+from batchserve.decoding.sequence import EngineSequence
+from batchserve.decoding.stepper import SamplingParams
 from batchserve.generation.inference_records import StepperRecords
 
 log = logging.getLogger("batchserve.generation")

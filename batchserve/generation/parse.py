@@ -12,7 +12,7 @@ import msgspec
 
 from batchserve.errors import ApiError
 from batchserve.generation import shapes
-from batchserve.decoding.engine import SamplingParams
+from batchserve.decoding.stepper import SamplingParams
 from batchserve.http.decoding import BodyRefusal, decode
 from batchserve.http.openai_error import bad
 
@@ -55,7 +55,7 @@ def parse(
 ) -> GenRequest:
     """The body decoded into its declared shape (`shapes.ChatCompletionRequest` / `CompletionRequest`), then
     the checks types cannot say: the parameters this server does not do, one prompt per request. Temperature and
-    top_p left out take the defaults (the model's generation_config.json, `engine.SamplingDefaults`)."""
+    top_p left out take the defaults (the model's generation_config.json, `decoding.build.SamplingDefaults`)."""
     try:
         req: shapes.ChatCompletionRequest | shapes.CompletionRequest = (
             decode(_CHAT, body) if chat else decode(_COMPLETION, body)

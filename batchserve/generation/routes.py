@@ -8,7 +8,9 @@ from typing import Any
 import orjson
 from starlette.routing import Route
 
-from batchserve.decoding.engine import Engine, enabled
+from batchserve.decoding.build import enabled
+
+from batchserve.decoding.engine import Engine
 from batchserve.generation.serving import GenerationHost, endpoint
 from batchserve.http.dialects import NATIVE
 from batchserve.http.endpoint import Answer, Call, Endpoint, operational

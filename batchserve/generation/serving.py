@@ -22,7 +22,9 @@ from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.generation.complete import prepare
-from batchserve.decoding.engine import Delta, Engine, EngineSequence, enabled
+from batchserve.decoding.build import enabled
+from batchserve.decoding.engine import Engine
+from batchserve.decoding.sequence import Delta, EngineSequence
 from batchserve.generation.render import ResponseShape, sse
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import Answer

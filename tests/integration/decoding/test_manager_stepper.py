@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchserve.decoding.engine import EngineConfig, build_stepper
+from batchserve.decoding.build import EngineConfig, build_stepper
 from batchserve.decoding.manager_stepper import ManagerStepper
 from batchserve.decoding.stepper import SamplingParams, TokenUpdate
 from tests.integration.decoding.test_slot_decoder import run_updates

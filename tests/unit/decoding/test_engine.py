@@ -13,7 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batchserve.errors import ApiError
-from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+from batchserve.decoding.build import EngineConfig
+from batchserve.decoding.engine import Engine
+from batchserve.decoding.stepper import SamplingParams
 from batchserve.decoding.shares import lane_of
 from batchserve.decoding.stepper import KvCapacity, TokenUpdate
 from bench.engine_loop import FeedStepper

@@ -16,7 +16,9 @@ from prometheus_client import CollectorRegistry
 from batchserve.core.tiers import BATCH
 from batchserve.errors import ApiError
 from batchserve.decoding import engine as engine_module
-from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+from batchserve.decoding.build import EngineConfig
+from batchserve.decoding.engine import Engine
+from batchserve.decoding.stepper import SamplingParams
 from batchserve.decoding.shares import (
     BATCH_BESIDE_INTERACTIVE,
     INTERACTIVE,

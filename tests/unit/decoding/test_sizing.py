@@ -4,7 +4,7 @@ pieces, on a 2-layer random Llama, is tests/integration/decoding/test_sizing.py.
 
 from __future__ import annotations
 
-from batchserve.decoding.engine import EngineConfig, slot_plan
+from batchserve.decoding.build import EngineConfig, slot_plan
 from batchserve.decoding.sizing import GPU_MAX_SEQS, auto_gpu_slots, kv_tokens_for, row_buckets
 
 GB = 10**9

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from batchserve.decoding.engine import EngineConfig, slot_plan
+from batchserve.decoding.build import EngineConfig, slot_plan
 from batchserve.decoding.sampling import step_key
 from batchserve.decoding.slot_decoder import bucket_up, device_step_key
 from batchserve.decoding.slot_stepper import join_now

@@ -165,7 +165,7 @@ def test_deltas_already_waiting_go_out_in_one_chunk_and_the_end_stays_last() -> 
     import orjson
 
     from batchserve import errors
-    from batchserve.decoding.engine import Delta
+    from batchserve.decoding.sequence import Delta
     from batchserve.generation.render import ResponseShape
     from batchserve.generation.serving import stream_events
 

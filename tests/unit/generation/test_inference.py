@@ -14,7 +14,9 @@ from prometheus_client import CollectorRegistry
 from batchserve.config import Settings
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
-from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+from batchserve.decoding.build import EngineConfig
+from batchserve.decoding.engine import Engine
+from batchserve.decoding.stepper import SamplingParams
 from batchserve.generation.inference import StepperInference, stepper_models
 from tests.unit.decoding.test_engine import FakeStepper
 from tests.unit.decoding.test_units import CHARS, char_tokenizer

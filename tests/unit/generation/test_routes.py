@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from batchserve.config import ModelSpec, Settings
-from batchserve.decoding.engine import EngineConfig
+from batchserve.decoding.build import EngineConfig
 from batchserve.generation.routes import model_cards
 
 

@@ -16,7 +16,9 @@ from starlette.applications import Starlette
 from batchserve.config import Settings
 from batchserve.core.refusals import RefusalThrottle
 from batchserve.generation import routes
-from batchserve.decoding.engine import Engine, EngineConfig, SamplingParams
+from batchserve.decoding.build import EngineConfig
+from batchserve.decoding.engine import Engine
+from batchserve.decoding.stepper import SamplingParams
 from batchserve.decoding.stepper import KvCapacity, TokenUpdate
 from batchserve.http.guards import Guard
 from batchserve.metrics import make_metrics
