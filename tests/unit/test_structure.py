@@ -8,6 +8,7 @@ test."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 import importlib.util
 import pkgutil
 import re
@@ -242,3 +243,104 @@ def test_the_route_check_sees_what_it_forbids(tmp_path):
     )
     findings = route_findings(hand_written)
     assert len(findings) == 6, findings
+
+
+# -- the size limits (issue 45) -------------------------------------------------------------------------------------
+MODULE_LINES, FUNCTION_LINES, CLASS_LINES, CLASS_FIELDS = 600, 60, 400, 40
+# What is past a limit today, at its size today: the debt, which may only shrink. A new module, function or class
+# past a limit fails, and so does one of these grown; one brought within its limit fails until its line here goes.
+OVER_LIMIT = {
+    "backends/plugin.py:adapt": 66,
+    "cli.py:main": 86,
+    "config.py": 620,
+    "config.py:Settings": 469,
+    "config.py:Settings fields": 95,
+    "config.py:Settings.check": 106,
+    "config_file.py:load": 70,
+    "core/admission.py:predict": 64,
+    "core/admission.py:Admission.admit_ticket": 118,
+    "core/batcher.py:Batcher": 533,
+    "core/batcher.py:Batcher.__init__": 64,
+    "core/batcher.py:Batcher.most_urgent": 64,
+    "core/batcher.py:Batcher.form": 95,
+    "core/class_turns.py:drain": 65,
+    "core/service.py:InferenceService.infer_many": 68,
+    "decoding/engine.py": 785,
+    "decoding/engine.py:Engine": 687,
+    "decoding/engine.py:Engine.submit": 83,
+    "decoding/slot_decoder.py:SlotDecoder": 415,
+    "decoding/slot_decoder.py:SlotDecoder.__init__": 64,
+    "decoding/slot_decoder.py:SlotDecoder.prefill": 71,
+    "decoding/slot_stepper.py:SlotStepper": 446,
+    "generation/serving.py:run": 70,
+    "gpu_pool.py:GpuPool": 492,
+    "gpu_pool.py:GpuPool._finish": 90,
+    "gpu_pool.py:GpuPool._retry_or_fail": 71,
+    "http/endpoint.py:Endpoint.__call__": 85,
+    "http/processes.py:child_main": 61,
+    "http/processes.py:serve_processes": 149,
+    "http/server.py:serve": 66,
+    "jobs/file_routes.py:_receive": 66,
+    "jobs/pg_store.py": 966,
+    "jobs/pg_store.py:PostgresStore": 668,
+    "jobs/pg_store.py:PostgresStore.record": 88,
+    "jobs/pg_store.py:PostgresStore.record.tx": 76,
+    "jobs/scheduler.py": 693,
+    "jobs/scheduler.py:Scheduler": 528,
+    "jobs/scheduler.py:Scheduler._refill": 63,
+    "jobs/sqlite_store.py": 782,
+    "jobs/sqlite_store.py:SQLiteStore": 618,
+    "metrics.py:make_metrics": 78,
+    "ops/routes.py:internal_health": 66,
+    "plan.py": 989,
+    "plan.py:add_arguments": 87,
+    "plan.py:measured_contract": 62,
+    "plan.py:render": 66,
+    "runtime.py:Runtime.start": 78,
+}
+
+
+def definitions(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.AST]]:
+    """Every function and class under `node`, nested ones too, by qualified name (`Class.method`)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield prefix + child.name, child
+            yield from definitions(child, prefix + child.name + ".")
+
+
+def sizes_past_limits(package: Path) -> dict[str, int]:
+    """Every module over MODULE_LINES lines, function over FUNCTION_LINES, class over CLASS_LINES or with more than
+    CLASS_FIELDS annotated fields, in `package`: `path`, `path:Qual.name` or `path:Class fields` -> its size."""
+    out: dict[str, int] = {}
+    for path in sorted(package.rglob("*.py")):
+        source, rel = path.read_text(), path.relative_to(package).as_posix()
+        if len(source.splitlines()) > MODULE_LINES:
+            out[rel] = len(source.splitlines())
+        for name, node in definitions(ast.parse(source)):
+            assert isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if isinstance(node, ast.ClassDef):
+                if lines > CLASS_LINES:
+                    out[f"{rel}:{name}"] = lines
+                fields = sum(isinstance(b, ast.AnnAssign) for b in node.body)
+                if fields > CLASS_FIELDS:
+                    out[f"{rel}:{name} fields"] = fields
+            elif lines > FUNCTION_LINES:
+                out[f"{rel}:{name}"] = lines
+    return out
+
+
+def test_nothing_grows_past_the_size_limits():
+    found = sizes_past_limits(PACKAGE)
+    new = {k: v for k, v in found.items() if k not in OVER_LIMIT}
+    grown = {k: (OVER_LIMIT[k], v) for k, v in found.items() if k in OVER_LIMIT and v > OVER_LIMIT[k]}
+    within = sorted(set(OVER_LIMIT) - set(found))
+    assert not new, f"past a size limit (module {MODULE_LINES}, function {FUNCTION_LINES}, class {CLASS_LINES}): {new}"
+    assert not grown, f"grown past their recorded size (was, now): {grown}"
+    assert not within, f"within the limits now: take these out of OVER_LIMIT, so they stay so: {within}"
+
+
+def test_the_size_check_sees_a_long_function(tmp_path: Path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"class C:\n    def f(self):\n{body}\n")
+    assert sizes_past_limits(tmp_path) == {"m.py:C.f": FUNCTION_LINES + 1}
