@@ -25,6 +25,7 @@ from typing import Generic, Protocol, TypeVar
 
 import msgspec
 import orjson
+from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -36,7 +37,14 @@ from batchserve.errors import ApiError, ClientGone
 from batchserve.http.dialects import Dialect
 from batchserve.http.disconnect import Watcher
 from batchserve.http.guards import Guard
-from batchserve.http.plumbing import REQUEST_ID_OK, new_request_id, read_body_from, request_id_from, send_json
+from batchserve.http.plumbing import (
+    REQUEST_ID_OK,
+    body_chunks,
+    new_request_id,
+    read_body_from,
+    request_id_from,
+    send_json,
+)
 from batchserve.http.uvicorn_protocol import FIRST_BYTE, whole_answer_sender
 from batchserve.logsafe import printable
 from batchserve.tenancy import Caller
@@ -104,6 +112,18 @@ class Call(msgspec.Struct, eq=False):
             return
         caller = self.who
         self.caller = caller.at(self.work.ask(value, caller.tier, caller.ceiling, field))
+
+    def path(self, name: str) -> str:
+        """A path parameter of the route (`batch_id` of `/v1/batches/{batch_id}`)."""
+        return str(self.scope["path_params"][name])
+
+    def query(self) -> QueryParams:
+        """The query string's parameters."""
+        return QueryParams(self.scope.get("query_string", b""))
+
+    def body(self) -> AsyncIterator[bytes]:
+        """The body as it streams in, for a route that reads it itself (`body=False`): a job, a file."""
+        return body_chunks(self.receive)
 
     @property
     def who(self) -> Caller:

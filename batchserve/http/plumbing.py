@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import AsyncIterator, Collection, Iterable
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -157,6 +157,21 @@ async def read_body_from(receive: Receive, limit: int, declared: str | None) -> 
         if not message.get("more_body", False):
             return b"".join(chunks)
         message = await receive()
+
+
+async def body_chunks(receive: Receive) -> AsyncIterator[bytes]:
+    """The body as it streams in, chunk by chunk (as Starlette's `Request.stream`, ending with b""), for a route
+    whose body is parsed as it comes; ClientDisconnect when the caller hangs up first."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        body = message.get("body", b"")
+        if body:
+            yield body
+        if not message.get("more_body", False):
+            break
+    yield b""
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -20,12 +20,11 @@ import time
 from collections.abc import AsyncIterator
 
 from python_multipart.multipart import parse_options_header
-from starlette.requests import Request
 from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.endpoint import Answer, Stream, json_answer
+from batchserve.http.endpoint import Answer, Call, Stream, json_answer
 from batchserve.http.plumbing import ascii_count
 from batchserve.jobs.routes import LIST_DEFAULT, LIST_MAX, JobsHost, list_limit, route
 from batchserve.jobs.files import CHUNK_BYTES, FileLimitReached, StoredFile
@@ -69,10 +68,10 @@ def boundary_of(content_type: str) -> bytes:
     return boundary
 
 
-async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+async def create_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     limit = rt.settings.files_max_bytes
-    boundary = boundary_of(request.headers.get("content-type", ""))
-    declared = request.headers.get("content-length")
+    boundary = boundary_of(call.headers.get("content-type", ""))
+    declared = call.headers.get("content-length")
     size = None
     if declared is not None:
         size = ascii_count(declared, limit + MULTIPART_SLACK)
@@ -84,7 +83,7 @@ async def create_file(request: Request, rt: JobsHost, svc: JobService, caller: C
         await refuse_doomed(svc, caller, size - MULTIPART_SLACK)
     svc.uploads.enter(caller.tenant, anonymous=not caller.key_id)
     try:
-        return await _receive(request, rt, svc, caller, boundary, limit)
+        return await _receive(call, rt, svc, caller, boundary, limit)
     finally:
         svc.uploads.leave(caller.tenant)
 
@@ -98,7 +97,7 @@ async def refuse_doomed(svc: JobService, caller: Caller, least: int) -> None:
 
 
 async def _receive(
-    request: Request, rt: JobsHost, svc: JobService, caller: Caller, boundary: bytes, limit: int
+    call: Call, rt: JobsHost, svc: JobService, caller: Caller, boundary: bytes, limit: int
 ) -> Answer | Stream:
     store = await svc.open_store()
     now = time.time()
@@ -125,7 +124,7 @@ async def _receive(
         seq += 1
 
     try:
-        body = request.stream().__aiter__()
+        body = call.body().__aiter__()
         while True:
             try:
                 async with asyncio.timeout_at(pace.deadline(received)):
@@ -206,8 +205,8 @@ def file_lines(store: JobStore, job: Job, kind: str) -> AsyncIterator[bytes]:
     return pages(store, job.id, lambda row: file_line(job.id, row, kind), with_input=True)
 
 
-async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    file_id = request.path_params["file_id"]
+async def get_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    file_id = call.path("file_id")
     store = await svc.existing_store()
     if store is not None:
         meta = await store.get_file(caller.owner, file_id)
@@ -219,8 +218,8 @@ async def get_file(request: Request, rt: JobsHost, svc: JobService, caller: Call
     raise not_found(file_id)
 
 
-async def file_content(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    file_id = request.path_params["file_id"]
+async def file_content(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    file_id = call.path("file_id")
     store = await svc.existing_store()
     if store is not None:
         meta = await store.get_file(caller.owner, file_id)
@@ -232,17 +231,17 @@ async def file_content(request: Request, rt: JobsHost, svc: JobService, caller: 
     raise not_found(file_id)
 
 
-async def delete_file(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    file_id = request.path_params["file_id"]
+async def delete_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    file_id = call.path("file_id")
     store = await svc.existing_store()
     if store is None or not await store.delete_file(caller.owner, file_id):
         raise not_found(file_id)  # a job's output file goes with its job; it is not deleted alone
     return json_answer({"id": file_id, "object": "file", "deleted": True})
 
 
-async def list_files(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    limit = list_limit(request, LIST_DEFAULT, LIST_MAX)
-    after, purpose = request.query_params.get("after"), request.query_params.get("purpose")
+async def list_files(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    limit = list_limit(call, LIST_DEFAULT, LIST_MAX)
+    after, purpose = call.query().get("after"), call.query().get("purpose")
     store = await svc.existing_store()
     files = await store.list_files(caller.owner, limit + 1, after, purpose) if store is not None else []
     data = [f.public() for f in files[:limit]]

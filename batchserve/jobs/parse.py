@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import ijson
-from starlette.requests import Request
 
 from batchserve import errors
 from batchserve.http.plumbing import ascii_count, check_input, check_json_content_type, check_unicode
@@ -189,16 +189,21 @@ class JobBodyParser:
 
 
 async def read_job_body(
-    request: Request, content_type: str, body_limit: int, max_items: int, max_input_chars: int
+    chunks: AsyncIterator[bytes],
+    content_type: str,
+    declared: str | None,
+    body_limit: int,
+    max_items: int,
+    max_input_chars: int,
 ) -> JobBody:
-    """The job's inputs, model and metadata, parsed as the body streams in (see the module docstring)."""
+    """The job's inputs, model and metadata, parsed as the body (`chunks`, `declared` long) streams in (see the
+    module docstring)."""
     check_json_content_type(content_type)
-    declared = request.headers.get("content-length")
     if declared is not None and (ascii_count(declared, body_limit) or 0) > body_limit:
         raise errors.payload_too_large(f"the body is over the {body_limit}-byte limit")
     parser = JobBodyParser(max_items, max_input_chars)
     size = 0
-    async for chunk in request.stream():
+    async for chunk in chunks:
         size += len(chunk)
         if size > body_limit:
             raise errors.payload_too_large(f"the body is over the {body_limit}-byte limit")

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 from collections.abc import Awaitable, Callable
 
 import orjson
-from starlette.requests import Request
 from starlette.routing import Route
 
 from batchserve import errors
@@ -58,6 +57,7 @@ from batchserve.tenancy import Caller
 log = logging.getLogger("batchserve.jobs")
 
 MAX_IDEMPOTENCY_KEY = 255
+IDEMPOTENCY_KEY = b"idempotency-key"  # the header a job's creator may send, read by the skeleton
 LIST_DEFAULT, LIST_MAX = 20, 100
 
 
@@ -75,7 +75,7 @@ class JobsHost(Protocol):
     def draining(self) -> bool: ...
 
 
-Handler = Callable[[Request, JobsHost, JobService, Caller], Awaitable[Answer | Stream]]
+Handler = Callable[[Call, JobsHost, JobService, Caller], Awaitable[Answer | Stream]]
 
 
 def service(rt: JobsHost, call: Call, body: bytes) -> JobService:
@@ -92,7 +92,7 @@ def store_errors(handler: Handler) -> Callable[[JobsHost, Call, JobService], Awa
 
     async def handle(rt: JobsHost, call: Call, svc: JobService) -> Answer | Stream:
         try:
-            return await handler(Request(call.scope, call.receive), rt, svc, call.who)
+            return await handler(call, rt, svc, call.who)
         except StorageFull as full:
             raise (
                 errors.overloaded(full.message, 60_000) if full.server else errors.payload_too_large(full.message)
@@ -117,12 +117,14 @@ def route(handler: Handler) -> Endpoint[JobsHost, JobService, Answer | Stream]:
     configured, as OpenAI's clients always send one) and one rate token taken, every answer counted, errors in
     the native shape. Its body, when it has one, is read as it streams in by its own parser (`parse.py`,
     `upload.py`): a job or a file may be far larger than a request body."""
-    return Endpoint(NATIVE_ANY_KEY, service, store_errors(handler), as_is, book=COUNTED, body=False)
+    return Endpoint(
+        NATIVE_ANY_KEY, service, store_errors(handler), as_is, book=COUNTED, body=False, headers=(IDEMPOTENCY_KEY,)
+    )
 
 
 # -- POST /v1/batches ----------------------------------------------------------------------------------------
-def idempotency_key(request: Request) -> str | None:
-    key = request.headers.get("idempotency-key")
+def idempotency_key(call: Call) -> str | None:
+    key = call.headers.get("idempotency-key")
     if key is None:
         return None
     if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isprintable():
@@ -136,13 +138,18 @@ def request_hash(inputs: list[str], model: str | None, metadata: dict | None) ->
     return hashlib.sha256(canon).hexdigest()
 
 
-async def create_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+async def create_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     if rt.draining:
         raise errors.draining()
-    key = idempotency_key(request)
+    key = idempotency_key(call)
     s = rt.settings
     body = await read_job_body(  # a caller gone meanwhile: ClientDisconnect, counted by the skeleton
-        request, request.headers.get("content-type", ""), s.jobs_max_body_bytes, s.jobs_max_items, s.max_input_chars
+        call.body(),
+        call.headers.get("content-type", ""),
+        call.headers.get("content-length"),
+        s.jobs_max_body_bytes,
+        s.jobs_max_items,
+        s.max_input_chars,
     )
     if body.openai:
         return await create_openai_batch(body.values, key, rt, svc, caller)
@@ -299,8 +306,8 @@ async def store_openai_batch(
 
 
 # -- reads and cancel ----------------------------------------------------------------------------------------
-async def get_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    job_id = request.path_params["batch_id"]
+async def get_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    job_id = call.path("batch_id")
     store = await svc.existing_store()
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None:
@@ -308,8 +315,8 @@ async def get_batch(request: Request, rt: JobsHost, svc: JobService, caller: Cal
     return json_answer(job_view(job))
 
 
-async def batch_results(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    job_id = request.path_params["batch_id"]
+async def batch_results(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    job_id = call.path("batch_id")
     store = await svc.existing_store()
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None or store is None:
@@ -321,8 +328,8 @@ def ndjson_line(row: ItemRow) -> bytes:
     return orjson.dumps(row.public()) + b"\n"
 
 
-async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    job_id = request.path_params["batch_id"]
+async def cancel_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    job_id = call.path("batch_id")
     store = await svc.existing_store()
     job = await store.cancel(caller.owner, job_id, time.time()) if store is not None else None
     if job is None:
@@ -333,9 +340,9 @@ async def cancel_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
     return json_answer(job_view(job))
 
 
-async def delete_batch(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+async def delete_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     """Delete a finished job with its items and output and error files (frees its bytes at once)."""
-    job_id = request.path_params["batch_id"]
+    job_id = call.path("batch_id")
     store = await svc.existing_store()
     job = await store.delete_job(caller.owner, job_id) if store is not None else None
     if job is None:
@@ -347,16 +354,16 @@ async def delete_batch(request: Request, rt: JobsHost, svc: JobService, caller: 
     return json_answer({"id": job_id, "object": "batch", "deleted": True})
 
 
-def list_limit(request: Request, default: int, most: int) -> int:
-    limit = ascii_count(request.query_params.get("limit", str(default)), most)
+def list_limit(call: Call, default: int, most: int) -> int:
+    limit = ascii_count(call.query().get("limit", str(default)), most)
     if limit is None or not 1 <= limit <= most:
         raise errors.invalid(f"limit must be an integer in [1, {most}]")
     return limit
 
 
-async def list_batches(request: Request, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    limit = list_limit(request, LIST_DEFAULT, LIST_MAX)
-    after = request.query_params.get("after")
+async def list_batches(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    limit = list_limit(call, LIST_DEFAULT, LIST_MAX)
+    after = call.query().get("after")
     store = await svc.existing_store()
     jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
     data: list[dict[str, Any]] = [job_view(j) for j in jobs[:limit]]
