@@ -205,30 +205,31 @@ def file_lines(store: JobStore, job: Job, kind: str) -> AsyncIterator[bytes]:
     return pages(store, job.id, lambda row: file_line(job.id, row, kind), with_input=True)
 
 
-async def get_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+async def found_file(
+    call: Call, svc: JobService, caller: Caller
+) -> tuple[JobStore, StoredFile, tuple[Job, str] | None]:
+    """The file the path names, of this caller, with its store: an uploaded one, or a finished job's output or
+    error file (then also the job and which file of it); 404 when neither."""
     file_id = call.path("file_id")
     store = await svc.existing_store()
     if store is not None:
         meta = await store.get_file(caller.owner, file_id)
         if meta is not None:
-            return json_answer(meta.public())
+            return store, meta, None
         made = await generated(store, caller, file_id)
         if made is not None:
-            return json_answer(made[2].public())
+            return store, made[2], (made[0], made[1])
     raise not_found(file_id)
+
+
+async def get_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    return json_answer((await found_file(call, svc, caller))[1].public())
 
 
 async def file_content(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    file_id = call.path("file_id")
-    store = await svc.existing_store()
-    if store is not None:
-        meta = await store.get_file(caller.owner, file_id)
-        if meta is not None:
-            return Stream(store.file_chunks(caller.owner, file_id), media=b"application/jsonl")
-        made = await generated(store, caller, file_id)
-        if made is not None:
-            return Stream(file_lines(store, made[0], made[1]), media=b"application/jsonl")
-    raise not_found(file_id)
+    store, meta, made = await found_file(call, svc, caller)
+    lines = file_lines(store, *made) if made is not None else store.file_chunks(caller.owner, meta.id)
+    return Stream(lines, media=b"application/jsonl")
 
 
 async def delete_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:

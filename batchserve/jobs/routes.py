@@ -306,22 +306,23 @@ async def store_openai_batch(
 
 
 # -- reads and cancel ----------------------------------------------------------------------------------------
-async def get_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    job_id = call.path("batch_id")
-    store = await svc.existing_store()
-    job = await store.get(caller.owner, job_id) if store is not None else None
-    if job is None:
-        raise errors.batch_not_found(job_id)
-    return json_answer(job_view(job))
-
-
-async def batch_results(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+async def found_job(call: Call, svc: JobService, caller: Caller) -> tuple[JobStore, Job]:
+    """The job the path names, of this caller, with its store; 404 when there is none."""
     job_id = call.path("batch_id")
     store = await svc.existing_store()
     job = await store.get(caller.owner, job_id) if store is not None else None
     if job is None or store is None:
         raise errors.batch_not_found(job_id)
-    return Stream(pages(store, job_id, ndjson_line), media=b"application/x-ndjson")
+    return store, job
+
+
+async def get_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    return json_answer(job_view((await found_job(call, svc, caller))[1]))
+
+
+async def batch_results(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
+    store, job = await found_job(call, svc, caller)
+    return Stream(pages(store, job.id, ndjson_line), media=b"application/x-ndjson")
 
 
 def ndjson_line(row: ItemRow) -> bytes:
