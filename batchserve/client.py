@@ -23,9 +23,12 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 from collections.abc import Callable, Iterable, Mapping
 
 import httpx
+
+H = TypeVar("H", httpx.Client, httpx.AsyncClient)  # the connection pool of a client: sync or async
 
 RETRY_STATUSES = frozenset({429, 503})
 MAX_MESSAGE_CHARS = 2000  # of a server's error message kept in the raised error (a proxy may send megabytes)
@@ -188,9 +191,24 @@ class _Tries:
         return wait
 
 
-class Client:
-    """Sync client; one connection pool, reuse it (a `with` block closes it). `on_retry(attempt, wait_s,
-    error)` is told about every retry (for logs or tests)."""
+def _vectors(answer: httpx.Response) -> list[list[float]]:
+    """An embeddings answer's vectors, in input order."""
+    return [item["embedding"] for item in sorted(answer.json()["data"], key=lambda item: item["index"])]
+
+
+def _finished(job: dict, give_up: float | None, timeout_s: float | None) -> bool:
+    """Whether a polled job is done; TimeoutError once `give_up` (monotonic) has passed and it is not."""
+    if job["status"] in JOB_DONE:
+        return True
+    if give_up is not None and time.monotonic() > give_up:
+        raise TimeoutError(f"job {job['id']} still {job['status']} after {timeout_s} s")
+    return False
+
+
+class _Connected(Generic[H]):
+    """What both clients hold: one connection pool (`http`, of `pool`'s kind), the retry policy and its hook."""
+
+    pool: Callable[..., H]
 
     def __init__(
         self,
@@ -201,7 +219,14 @@ class Client:
         on_retry: Callable[[int, float, BatchserveError], None] | None = None,
     ) -> None:
         self.retry, self.on_retry = retry, on_retry
-        self.http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout_s)
+        self.http: H = type(self).pool(base_url=base_url, headers=_headers(api_key), timeout=timeout_s)
+
+
+class Client(_Connected[httpx.Client]):
+    """Sync client; one connection pool, reuse it (a `with` block closes it). `on_retry(attempt, wait_s,
+    error)` is told about every retry (for logs or tests)."""
+
+    pool = httpx.Client
 
     def __enter__(self) -> Client:
         return self
@@ -231,8 +256,7 @@ class Client:
 
     def embed(self, inputs: str | list[str], model: str) -> list[list[float]]:
         """`POST /v1/embeddings`: one vector per input, in input order."""
-        data = self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model}).json()["data"]
-        return [item["embedding"] for item in sorted(data, key=lambda item: item["index"])]
+        return _vectors(self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model}))
 
     def submit_job(
         self,
@@ -269,26 +293,15 @@ class Client:
             job = self.get_job(job_id)
             if on_progress is not None:
                 on_progress(job)
-            if job["status"] in JOB_DONE:
+            if _finished(job, give_up, timeout_s):
                 return job
-            if give_up is not None and time.monotonic() > give_up:
-                raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s} s")
             time.sleep(poll_s)
 
 
-class AsyncClient:
+class AsyncClient(_Connected[httpx.AsyncClient]):
     """The same calls as `Client`, for asyncio code (`async with AsyncClient(...) as bs`)."""
 
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8000",
-        api_key: str | None = None,
-        retry: Retry = Retry(),
-        timeout_s: float = 120.0,
-        on_retry: Callable[[int, float, BatchserveError], None] | None = None,
-    ) -> None:
-        self.retry, self.on_retry = retry, on_retry
-        self.http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout_s)
+    pool = httpx.AsyncClient
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -315,8 +328,7 @@ class AsyncClient:
         return (await self.request("POST", "/v1/inference", json=_inference_body(text, model, timeout_ms))).json()
 
     async def embed(self, inputs: str | list[str], model: str) -> list[list[float]]:
-        data = (await self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model})).json()["data"]
-        return [item["embedding"] for item in sorted(data, key=lambda item: item["index"])]
+        return _vectors(await self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model}))
 
     async def submit_job(
         self,
@@ -351,10 +363,8 @@ class AsyncClient:
             job = await self.get_job(job_id)
             if on_progress is not None:
                 on_progress(job)
-            if job["status"] in JOB_DONE:
+            if _finished(job, give_up, timeout_s):
                 return job
-            if give_up is not None and time.monotonic() > give_up:
-                raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s} s")
             await asyncio.sleep(poll_s)
 
 

@@ -118,3 +118,35 @@ def test_a_zero_hint_spaces_the_client_s_retries():
     with client, pytest.raises(BatchserveError):
         client.infer("a")
     assert len(waits) == 3 and sum(waits) >= 0.35
+
+
+def test_waiting_on_a_job_gives_up_at_its_timeout_naming_the_job_and_both_clients_read_vectors_in_input_order():
+    import asyncio
+
+    from batchserve.client import AsyncClient, Client
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/embeddings":  # out of order, as a server may send them
+            return httpx.Response(
+                200, json={"data": [{"index": 1, "embedding": [2.0]}, {"index": 0, "embedding": [1.0]}]}
+            )
+        return httpx.Response(200, json={"id": "batch_7", "status": "in_progress"})
+
+    client = Client()
+    client.http = httpx.Client(base_url="http://test", transport=httpx.MockTransport(answer))
+    polls: list[str] = []
+    with client, pytest.raises(TimeoutError, match="batch_7 still in_progress"):
+        client.wait_job("batch_7", poll_s=0.01, timeout_s=0.05, on_progress=lambda job: polls.append(job["status"]))
+    assert len(polls) >= 2
+    with Client() as sync:
+        sync.http = httpx.Client(base_url="http://test", transport=httpx.MockTransport(answer))
+        assert sync.embed(["a", "b"], "m") == [[1.0], [2.0]]
+
+    async def both() -> list[list[float]]:
+        async with AsyncClient() as bs:
+            bs.http = httpx.AsyncClient(base_url="http://test", transport=httpx.MockTransport(answer))
+            with pytest.raises(TimeoutError, match="batch_7"):
+                await bs.wait_job("batch_7", poll_s=0.01, timeout_s=0.05)
+            return await bs.embed(["a", "b"], "m")
+
+    assert asyncio.run(both()) == [[1.0], [2.0]]
