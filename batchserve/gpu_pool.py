@@ -49,7 +49,7 @@ LOGGED_CHARS = 4096  # most characters of a backend's exception text kept (the l
 
 
 @dataclass(eq=False)
-class Worker:
+class DeviceWorker:
     index: int
     name: str
     healthy: bool = True
@@ -101,7 +101,7 @@ class GpuPool:
     gpu_timeout_s: float = 0.0  # 0 = derived per batch from its expected time
     gpu_timeout_ceiling_s: float = 60.0  # a derived limit never passes this (the longest allowed timeout)
     threads: list[DeviceThread] = field(default_factory=list)  # one per device (made here when not given)
-    workers: list[Worker] = field(default_factory=list)
+    workers: list[DeviceWorker] = field(default_factory=list)
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
     clock: Clock = time.monotonic  # injected in the policy's unit tests
     tracing: BatchTracer | None = None  # OpenTelemetry on: a span per batch, linked to its requests
@@ -122,7 +122,7 @@ class GpuPool:
         if not self.threads:
             self.threads = [DeviceThread(name) for name in self.device_names]
         for i, name in enumerate(self.device_names):
-            self.workers.append(Worker(i, name, thread=self.threads[i]))
+            self.workers.append(DeviceWorker(i, name, thread=self.threads[i]))
             self.metrics.worker_healthy.labels(name).set(1)
         self._update_health()
         for w in self.workers:
@@ -146,7 +146,7 @@ class GpuPool:
 
     def seconds_until_free(self, now: float) -> float:
         """Time until the first healthy worker should be free again (0 when one is idle): its batch's time at its
-        own cost and a staged batch's, as expected when each was handed (`Worker.free_at`)."""
+        own cost and a staged batch's, as expected when each was handed (`DeviceWorker.free_at`)."""
         soonest = math.inf  # read on every admission: a loop, not a list and min()
         for w in self.workers:
             if w.healthy:
@@ -173,7 +173,7 @@ class GpuPool:
         )
 
     # -- the worker thread -----------------------------------------------------------------------------------
-    def _work(self, w: Worker) -> None:
+    def _work(self, w: DeviceWorker) -> None:
         finished: tuple | None = None
         while True:
             try:
@@ -199,7 +199,7 @@ class GpuPool:
             w.finished, w.running = batch, None
             finished = (generation, batch, outputs, problem, bad, elapsed, running.stopped_early)
 
-    def _turnaround(self, w: Worker, finished: tuple | None) -> None:
+    def _turnaround(self, w: DeviceWorker, finished: tuple | None) -> None:
         """Settle the batch just run, and give the worker its next one at once when one is due. Resolving
         futures only schedules the handlers, so the worker thread is woken before they run."""
         answer = self._finish(w, *finished) if finished is not None else None
@@ -217,10 +217,10 @@ class GpuPool:
         if answer is not None:  # after the hand-off: the worker runs its next batch while the loop answers
             answer()
 
-    async def _wait_and_hand(self, w: Worker) -> None:
+    async def _wait_and_hand(self, w: DeviceWorker) -> None:
         self._hand(w, await self.batcher.next_batch(w.index))
 
-    def _hand(self, w: Worker, batch: Batch | None) -> None:
+    def _hand(self, w: DeviceWorker, batch: Batch | None) -> None:
         if batch is None:
             w.inbox.put(None)
             return
@@ -228,7 +228,7 @@ class GpuPool:
         w.inbox.put(batch)
         self._count_batch(batch)
 
-    def _begin(self, w: Worker, batch: Batch, cost: float) -> None:
+    def _begin(self, w: DeviceWorker, batch: Batch, cost: float) -> None:
         """`batch` is the worker's now (handed, or staged and begun by the thread): its clock and its watchdog."""
         w.batch, w.started, w.batch_cost = batch, self.clock(), cost
         w.ends = w.free_at = w.started + self.batcher.batch_s.at(batch.model, cost)
@@ -262,7 +262,7 @@ class GpuPool:
         self.batcher.stage_after = soonest - lead
         self.batcher.stage_when_full = unarmed
 
-    def _arm(self, w: Worker) -> None:
+    def _arm(self, w: DeviceWorker) -> None:
         """A full batch waits behind `w`'s batch: stage it `stage_lead_s` before the batch's expected end even
         if no arrival comes then to ask (`stage`). Closed-loop callers send again right after their answers, so
         near a batch's end nothing arrives, and without this every batch waited for the loop to hear of the end
@@ -283,12 +283,12 @@ class GpuPool:
         at = max(now, ends - self.stage_lead_s - self._timer_late)
         w.stage_timer = self.loop.call_later(at - now, self._stage_on_time, w, batch, at)
 
-    def _disarm(self, w: Worker) -> None:
+    def _disarm(self, w: DeviceWorker) -> None:
         if w.stage_timer is not None:
             w.stage_timer.cancel()
             w.stage_timer = None
 
-    def _stage_on_time(self, w: Worker, batch: Batch, at: float) -> None:
+    def _stage_on_time(self, w: DeviceWorker, batch: Batch, at: float) -> None:
         """`w`'s staging timer: stage into `w` now (`_stage_into`, with all its rules) if the batch it was armed
         for still runs on a healthy worker with nothing staged behind it."""
         w.stage_timer = None
@@ -319,7 +319,7 @@ class GpuPool:
                 break  # first): an arrival asks again
         self._open_staging()
 
-    def _stage_into(self, w: Worker, now: float) -> bool:
+    def _stage_into(self, w: DeviceWorker, now: float) -> bool:
         """Put the next full batch into busy `w`'s inbox; False when none is staged. Without it the device idles
         from the end of each batch until the loop has heard of it (a thread hop and a wake-up, more on a busy
         machine: measured ~2 ms a batch on the sim at 950 req/s, up to 14) and handed the next one. Only a full
@@ -335,7 +335,7 @@ class GpuPool:
         self.metrics.batches_staged.labels(staged.model).inc()
         return True
 
-    def _overdue(self, w: Worker, now: float) -> bool:
+    def _overdue(self, w: DeviceWorker, now: float) -> bool:
         """Nothing is staged behind a batch overdue by more than the lead and still running (a long batch, a
         hang): a batch staged behind it could wait long, while work of a higher tier arrives that a batch formed
         when the worker frees would take first. Once its thread has ended it (the loop has not yet heard), the
@@ -359,7 +359,7 @@ class GpuPool:
     # -- back on the event loop --------------------------------------------------------------------------
     def _finish(
         self,
-        w: Worker,
+        w: DeviceWorker,
         generation: int,
         batch: Batch,
         outputs: object,
@@ -448,7 +448,7 @@ class GpuPool:
 
         return answer
 
-    def _retry_or_fail(self, batch: Batch, w: Worker, problem: str, cause: str, parts: int = 2) -> None:
+    def _retry_or_fail(self, batch: Batch, w: DeviceWorker, problem: str, cause: str, parts: int = 2) -> None:
         """Find the input that broke a batch, re-running as little as possible.
 
         After an error (exception or malformed output), bisect one half at a time: the first half runs alone
@@ -521,7 +521,7 @@ class GpuPool:
         item.future.set_exception(err)
 
     # -- hung workers ----------------------------------------------------------------------------------------
-    def _abandon(self, w: Worker, batch: Batch, limit: float) -> None:
+    def _abandon(self, w: DeviceWorker, batch: Batch, limit: float) -> None:
         """The batch ran past gpu_timeout: give up on this worker until its call returns.
 
         Which input hung it cannot be known, so its items are re-run once, spread over every healthy worker

@@ -67,7 +67,7 @@ def _new_bucket(index: int) -> list[float]:
 
 
 @dataclass(slots=True)
-class TenantUsage:
+class TenantBook:
     """One tenant's counts per time bucket (`buckets`, the newest `row` until `row_end`), what older buckets
     held (`evicted`: since start = evicted + buckets), and its served answers' latest latencies, of all its
     models (`latencies`) and of each (`by_model`)."""
@@ -132,7 +132,7 @@ class UsageBook:
     all its models and for each model served (the registry's and the generation engine's)."""
 
     clock: Callable[[], float] = time.monotonic
-    tenants: dict[str, TenantUsage] = field(default_factory=dict)
+    tenants: dict[str, TenantBook] = field(default_factory=dict)
 
     def record(
         self, tenant: str, tier: str, outcome: int, inputs: int, cost: float, latency_s: float, model: str
@@ -142,7 +142,7 @@ class UsageBook:
         now = self.clock()
         usage = self.tenants.get(tenant)
         if usage is None:
-            usage = self.tenants[tenant] = TenantUsage(tier)
+            usage = self.tenants[tenant] = TenantBook(tier)
         usage.tier = tier
         row = usage.row if now < usage.row_end else usage.roll(now)
         row[_REQ + outcome] += 1
@@ -160,7 +160,7 @@ class UsageBook:
         """`tenant`'s figures over the last `window_s` (rounded out to whole buckets) and since start."""
         usage = self.tenants.get(tenant)
         if usage is None:
-            usage = TenantUsage("")
+            usage = TenantBook("")
         now = self.clock()
         first = int((now - window_s) // BUCKET_S)
         window = _new_bucket(-1)

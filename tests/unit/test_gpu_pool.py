@@ -14,7 +14,7 @@ import math
 import pytest
 
 from batchserve.core.batch import Batch
-from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.gpu_pool import GpuPool, DeviceWorker
 from batchserve.metrics import make_metrics
 from tests.unit.core.test_policy import S, make_batcher, make_item
 from tests.unit.fakes import Clock
@@ -34,12 +34,12 @@ def staging_pool(loop: asyncio.AbstractEventLoop, clock: Clock, workers: int = 1
         clock=clock,
         stage_lead_s=LEAD_S,
     )
-    pool.workers = [Worker(i, f"d{i}") for i in range(workers)]
+    pool.workers = [DeviceWorker(i, f"d{i}") for i in range(workers)]
     pool._update_health()
     return pool
 
 
-def running(pool: GpuPool, loop: asyncio.AbstractEventLoop, clock: Clock, n: int = 4) -> tuple[Worker, Batch]:
+def running(pool: GpuPool, loop: asyncio.AbstractEventLoop, clock: Clock, n: int = 4) -> tuple[DeviceWorker, Batch]:
     """Worker 0 running a batch of `n` handed now (taken from its inbox, as its thread would)."""
     w = pool.workers[0]
     batch = Batch("m", [make_item(loop, f"run-{i}", arrived=clock.now) for i in range(n)], clock.now, "full")
@@ -53,7 +53,9 @@ def queue(pool: GpuPool, loop: asyncio.AbstractEventLoop, clock: Clock, n: int, 
         pool.batcher.submit(make_item(loop, f"q-{i}", arrived=clock.now, deadline=deadline))
 
 
-def near_its_end(loop: asyncio.AbstractEventLoop, clock: Clock, workers: int = 1) -> tuple[GpuPool, Worker, Batch]:
+def near_its_end(
+    loop: asyncio.AbstractEventLoop, clock: Clock, workers: int = 1
+) -> tuple[GpuPool, DeviceWorker, Batch]:
     """A pool whose worker 0 runs a batch that is expected to end within the lead from now."""
     pool = staging_pool(loop, clock, workers=workers)
     w, batch = running(pool, loop, clock)
@@ -63,7 +65,7 @@ def near_its_end(loop: asyncio.AbstractEventLoop, clock: Clock, workers: int = 1
 
 def staged(
     loop: asyncio.AbstractEventLoop, clock: Clock, queued: int, workers: int = 1
-) -> tuple[GpuPool, Worker, Batch]:
+) -> tuple[GpuPool, DeviceWorker, Batch]:
     """A pool whose worker 0 runs a batch and has staged the next one: `queued` items arrived near its end."""
     pool, w, batch = near_its_end(loop, clock, workers)
     queue(pool, loop, clock, queued)
@@ -200,13 +202,13 @@ def test_a_batch_that_ends_as_its_watchdog_fires_is_not_taken_for_a_hang(loop):
 
 
 # -- the staging timer: a full batch staged with no arrival near the end (closed-loop callers) -----------------
-def delay(loop: asyncio.AbstractEventLoop, w: Worker) -> float:
+def delay(loop: asyncio.AbstractEventLoop, w: DeviceWorker) -> float:
     """How long until `w`'s staging timer runs (loop time)."""
     assert w.stage_timer is not None and not w.stage_timer.cancelled()
     return w.stage_timer.when() - loop.time()
 
 
-def fire(w: Worker) -> None:
+def fire(w: DeviceWorker) -> None:
     """Run `w`'s staging timer now, as the loop would (its callback directly, so an error fails the test)."""
     handle = w.stage_timer
     assert handle is not None and not handle.cancelled()

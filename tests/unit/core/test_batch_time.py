@@ -16,7 +16,7 @@ from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher
 from batchserve.core.admission import Admission, predicted_latency_s
 from batchserve.core.fairqueue import Item
-from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.gpu_pool import GpuPool, DeviceWorker
 from tests.unit.fakes import Clock
 
 M = "m@v1"
@@ -162,7 +162,7 @@ def test_a_small_running_batch_frees_its_worker_after_its_own_time(loop) -> None
     times = gpu_like()
     b = batcher(clock, times)
     pool = GpuPool({}, b, None, loop, ["gpu:0"], clock=clock)  # type: ignore[arg-type]
-    w = Worker(0, "gpu:0")
+    w = DeviceWorker(0, "gpu:0")
     pool.workers.append(w)
     batch = Batch(M, items(loop, 1, clock.t), clock.t, "deadline")
     pool._begin(w, batch, batch.cost)

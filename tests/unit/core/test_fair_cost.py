@@ -20,7 +20,7 @@ from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import FairQueue, Item
 from batchserve.core.tenant_cost import CostAccount
 from batchserve.errors import ApiError
-from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.gpu_pool import GpuPool, DeviceWorker
 from batchserve.metrics import make_metrics
 from tests.unit.fakes import Clock
 
@@ -267,7 +267,7 @@ def test_the_account_adds_cost_answered_per_model_tier_and_tenant(loop):
     clock = Clock(1000.0)
     b = batcher(clock)
     pool = GpuPool({}, b, make_metrics(), loop, ["d0"], gpu_timeout_s=1.0, clock=clock)
-    w = Worker(0, "d0")
+    w = DeviceWorker(0, "d0")
     pool.workers = [w]
     items = [
         item(loop, "long", LONG, bucket=4),

@@ -21,7 +21,7 @@ from batchserve.errors import ApiError
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.deadlines import KEYS_KEPT, DeadlineWatch
 from batchserve.core.fairqueue import Item
-from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.gpu_pool import GpuPool, DeviceWorker
 from batchserve.metrics import make_metrics
 from batchserve.tenancy import ANONYMOUS_CACHE, Tenancy
 from tests.unit.fakes import Clock
@@ -45,7 +45,7 @@ def test_the_running_batch_is_costed_once_when_handed_not_on_every_admission(loo
     times = BatchTimes(100, {M: 0.1})
     batcher = Batcher(max_batch_size=100, slo_s=1.0, margin_s=0.01, batch_s=times, clock=clock)
     pool = GpuPool({}, batcher, make_metrics(), loop, ["gpu:0"], clock=clock)
-    worker = Worker(0, "gpu:0")
+    worker = DeviceWorker(0, "gpu:0")
     pool.workers.append(worker)
     costing = CountingCost()
     items = [

@@ -16,7 +16,7 @@ from batchserve.core import tiers
 from batchserve.core.admission import PROBE_EVERY_S, Admission, predicted_latency_s
 from batchserve.core.fairqueue import FairQueue, Item
 from batchserve.errors import ApiError
-from batchserve.gpu_pool import GpuPool, Worker
+from batchserve.gpu_pool import GpuPool, DeviceWorker
 from batchserve.metrics import make_metrics
 from tests.unit.fakes import Clock
 
@@ -446,7 +446,7 @@ def test_ahead_of_counts_higher_tiers_and_a_fair_share_of_its_own(loop):
 # -- the pool: retries and bisection ------------------------------------------------------------------------
 def make_pool(loop, b: Batcher, healthy: int = 2, demand: float = 0.0) -> GpuPool:
     pool = GpuPool({}, b, make_metrics(), loop, [f"d{i}" for i in range(healthy)], gpu_timeout_s=1.0, clock=b.clock)
-    pool.workers = [Worker(i, f"d{i}") for i in range(healthy)]
+    pool.workers = [DeviceWorker(i, f"d{i}") for i in range(healthy)]
     pool.demand = lambda: demand
     pool._update_health()
     return pool
