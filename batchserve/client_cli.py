@@ -79,7 +79,7 @@ def read_inputs(path: str, stdin: TextIO = sys.stdin) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-class Progress(Protocol):
+class ProgressShown(Protocol):
     def update(self, job: dict) -> None: ...
 
     def close(self) -> None: ...
@@ -127,7 +127,7 @@ class TqdmProgress:
         self.bar.close()
 
 
-def progress_for(stream: TextIO, use_tqdm: bool | None = None) -> Progress:
+def progress_for(stream: TextIO, use_tqdm: bool | None = None) -> ProgressShown:
     """A bar on a terminal (tqdm if installed), nothing in a pipe or a log file."""
     if not stream.isatty():
         return NoProgress()

@@ -26,41 +26,41 @@ Parse = Callable[[bytes, int, float], Classify]
 
 
 @dataclass(slots=True)
-class Job:
+class Classified:
     """A parsed request and its inputs as the door takes them."""
 
     req: Classify
     inputs: list[str]
 
 
-def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse_classify) -> Job:
+def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse_classify) -> Classified:
     """`parse`: the route's body shape, vLLM's (`/v1/classify`, the default) or TEI's (`/predict`)."""
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms)
     choose(rt, call, CLASSIFICATION, req.model, req.timeout_s, req.service_tier)
     inputs = [single_input(seq) if isinstance(seq, str) else pair_input(*seq) for seq in req.sequences]
-    return Job(req, inputs)
+    return Classified(req, inputs)
 
 
-async def classify(rt: EncoderHost, call: Call, job: Job) -> tuple[list[ItemResult], int]:
+async def classify(rt: EncoderHost, call: Call, job: Classified) -> tuple[list[ItemResult], int]:
     """Each input its own item, admitted together, and their tokens."""
     return await rt.service.infer_counted(call.work, job.inputs)
 
 
-def render(rt: EncoderHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:
+def render(rt: EncoderHost, call: Call, job: Classified, done: tuple[list[ItemResult], int]) -> Answer:
     results, tokens = done
     return Answer(answer([r.output for r in results], call.work.model, tokens))
 
 
-def render_predict(rt: EncoderHost, call: Call, job: Job, done: tuple[list[ItemResult], int]) -> Answer:
+def render_predict(rt: EncoderHost, call: Call, job: Classified, done: tuple[list[ItemResult], int]) -> Answer:
     results, _ = done
     return Answer(answer_predict([r.output for r in results], job.req.raw_scores, job.req.batch))
 
 
-classify_endpoint: Endpoint[EncoderHost, Job, tuple[list[ItemResult], int]] = Endpoint(
+classify_endpoint: Endpoint[EncoderHost, Classified, tuple[list[ItemResult], int]] = Endpoint(
     OPENAI, parse_request, classify, render, tokens=lambda job: len(job.inputs)
 )
-predict_endpoint: Endpoint[EncoderHost, Job, tuple[list[ItemResult], int]] = Endpoint(
+predict_endpoint: Endpoint[EncoderHost, Classified, tuple[list[ItemResult], int]] = Endpoint(
     OPENAI, partial(parse_request, parse=parse_predict), classify, render_predict, tokens=lambda job: len(job.inputs)
 )
 

@@ -85,7 +85,7 @@ def predicted_latency_s(
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass is built through object.__setattr__, ~3x slower per request
-class Prediction:
+class WaitPrediction:
     """Seconds from now: the request's first batch starts (`wait_s`, the queue part), its first and last
     inputs are answered."""
 
@@ -93,10 +93,10 @@ class Prediction:
     last_s: float
     wait_s: float = 0.0
 
-    def scaled(self, factor: float) -> Prediction:
+    def scaled(self, factor: float) -> WaitPrediction:
         """The same with its queue part multiplied by `factor` (the door's learned error, `WaitCalibration`)."""
         extra = self.wait_s * (factor - 1.0)
-        return Prediction(self.first_s + extra, self.last_s + extra, self.wait_s + extra)
+        return WaitPrediction(self.first_s + extra, self.last_s + extra, self.wait_s + extra)
 
 
 def predict(
@@ -108,7 +108,7 @@ def predict(
     costs: Sequence[float],
     bucket: int | None = None,
     rates: Mapping[int, float] | None = None,
-) -> Prediction:
+) -> WaitPrediction:
     """The batches ahead (full ones of the model's mean input) and the request's own (rows of its longest
     input, as many as the budget holds), each at its cost (module docstring). With `bucket` (the request's
     length class), the classes' turns are replayed (`class_turns.drain`), with `rates` the inputs per second
@@ -153,7 +153,7 @@ def predict(
         rem = 0
     first = base + times.at(model, min((rem + 1) * own_unit, cap))
     if len(costs) <= 1:  # one input (nearly every request): the last is the first (the formula gives the same)
-        return Prediction(first, first, base)
+        return WaitPrediction(first, first, base)
     total = rem + len(costs)
     k = -(-total // per_batch)
     last_rows = total - (k - 1) * per_batch
@@ -162,7 +162,7 @@ def predict(
         + (k - 1) * times.at(model, min(per_batch * own_unit, cap)) / share
         + times.at(model, min(last_rows * own_unit, cap))
     )
-    return Prediction(first, max(first, last), base)
+    return WaitPrediction(first, max(first, last), base)
 
 
 def _rows(limit: int, budget: float, cost: float) -> int:
@@ -189,7 +189,7 @@ def _by_turns(
     bucket: int,
     rates: Mapping[int, float],
     per: Callable[[float], int],
-) -> Prediction:
+) -> WaitPrediction:
     """`predict` for a model of length classes: their queues as the request sees them (its tier's share of
     each, `ahead` of the model's depth), replayed turn by turn."""
     depth = batcher.depth.get(model, 0)
@@ -229,7 +229,7 @@ def _by_turns(
     d = drain(
         batcher.clock(), until_free_s, share, own, others, lambda rows, cost: times.at(model, min(rows * cost, cap))
     )
-    return Prediction(d.first_s, d.last_s, d.wait_s)
+    return WaitPrediction(d.first_s, d.last_s, d.wait_s)
 
 
 @dataclass

@@ -154,7 +154,7 @@ class JobState:
 
 
 @dataclass(order=True)
-class Retry:
+class ItemRetry:
     due: float
     seq: int
     job: JobState = field(compare=False)
@@ -170,7 +170,7 @@ class Scheduler:
     metrics: JobMetrics
     lines: LineRunner | None = None  # runs the lines of OpenAI Batch API jobs
     jobs: dict[str, JobState] = field(default_factory=dict)  # unfinished, oldest first
-    retries: list[Retry] = field(default_factory=list)  # a heap by due time
+    retries: list[ItemRetry] = field(default_factory=list)  # a heap by due time
     outcomes: list[Outcome] = field(default_factory=list)  # waiting to be recorded
     ledger: Ledger = field(default_factory=Ledger)  # job inputs in flight, by path, tenant and model
     job_unit: dict[str, float] = field(default_factory=dict)  # per model: the mean cost of its job inputs
@@ -600,7 +600,7 @@ class Scheduler:
         delay = min(RETRY_CAP_S, self.settings.jobs_retry_base_ms / 1000 * 2 ** (attempts - 1))
         self._seq += 1
         heapq.heappush(
-            self.retries, Retry(time.monotonic() + delay * random.uniform(0.5, 1.0), self._seq, job, index, text)
+            self.retries, ItemRetry(time.monotonic() + delay * random.uniform(0.5, 1.0), self._seq, job, index, text)
         )
         self.metrics.count(job.model, "retried")
         log.info("batch %s item %d: %s, retry %d in %.1fs", job.id, index, code, attempts, delay)

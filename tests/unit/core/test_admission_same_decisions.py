@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from batchserve.core.admission import Admission, Prediction, _by_turns, predict
+from batchserve.core.admission import Admission, WaitPrediction, _by_turns, predict
 from batchserve.core.batch_time import MEMO_KEPT, BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import Item
@@ -37,7 +37,7 @@ def reference(
     costs: Sequence[float],
     bucket: int | None = None,
     rates: Mapping[int, float] | None = None,
-) -> Prediction:
+) -> WaitPrediction:
     """`admission.predict` as it was before the hot-path cuts (ebee825), line for line."""
     times = batcher.batch_s
     full_n, limit, budget = batcher.costs.full_n(model), batcher.costs.limit(model), batcher.costs.budget(model)
@@ -75,7 +75,7 @@ def reference(
         + (k - 1) * times.at(model, batcher.costs.estimate_cost(model, per_batch, own_unit)) / share
         + times.at(model, batcher.costs.estimate_cost(model, last_rows, own_unit))
     )
-    return Prediction(first, max(first, last), base)
+    return WaitPrediction(first, max(first, last), base)
 
 
 def fresh_s(times: BatchTimes, model: str, cost: float) -> float:

@@ -18,7 +18,7 @@ import pytest
 
 from batchserve.core.batcher import Batcher
 from batchserve.core.burst import Bursts
-from batchserve.core.admission import Admission, Prediction, predict
+from batchserve.core.admission import Admission, WaitPrediction, predict
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.class_turns import ClassQueue, Own, drain
 from batchserve.core.fairqueue import Item
@@ -225,7 +225,7 @@ def test_under_pressure_the_door_keeps_its_margin_below_the_bound(loop) -> None:
 
 
 def test_scaled_moves_only_the_queue_part() -> None:
-    p = Prediction(first_s=0.3, last_s=0.5, wait_s=0.2)
+    p = WaitPrediction(first_s=0.3, last_s=0.5, wait_s=0.2)
     q = p.scaled(1.5)
     assert (q.wait_s, q.first_s, q.last_s) == pytest.approx((0.3, 0.4, 0.6))
     assert math.isclose(p.scaled(1.0).first_s, p.first_s)
