@@ -227,7 +227,7 @@ def simulate(arrivals: list[float], c: Contract) -> tuple[list[float], list[int]
 
 
 @dataclass
-class Arrivals:
+class PoissonArrivals:
     """Unit-exponential gaps drawn once per seed; `at(rate, seconds)` scales them, so every rate sees the same
     draws (common random numbers) and a prediction moves smoothly with the rate."""
 
@@ -251,13 +251,13 @@ class Arrivals:
 
 
 def latency_at(
-    rate: float, c: Contract, arrivals: Arrivals | None = None, sim_s: float = SIM_S, warmup_s: float = WARMUP_S
+    rate: float, c: Contract, arrivals: PoissonArrivals | None = None, sim_s: float = SIM_S, warmup_s: float = WARMUP_S
 ) -> LatencyAtRate:
     """Latency percentiles of one node at `rate` requests/s, over `sim_s` seconds after a warm-up."""
     if rate <= 0:
         base = (c.batch_time(1) + c.overhead_s) * 1000
         return LatencyAtRate(rate, base, base, base, 0.0, 0.0, 0.0)
-    times = (arrivals or Arrivals()).at(rate, warmup_s + sim_s)
+    times = (arrivals or PoissonArrivals()).at(rate, warmup_s + sim_s)
     done, sizes = simulate(times, c)
     latencies, expired, counted = [], 0, 0
     for t, d in zip(times, done):
@@ -282,7 +282,7 @@ def latency_at(
 
 def capacity(
     c: Contract,
-    arrivals: Arrivals | None = None,
+    arrivals: PoissonArrivals | None = None,
     sim_s: float = SIM_S,
     steps: int = BISECT_STEPS,
     below: float | None = None,
@@ -301,7 +301,7 @@ def capacity(
     next slow one, and it stays slow. Whether a finite window tips depends on its draws, so p95 is not
     monotone in the rate and a bisection can land on a lucky rate just above unlucky ones. The rates of a
     grid under the bisected one are checked, and a miss among them starts the search over beneath it."""
-    arrivals = arrivals or Arrivals()
+    arrivals = arrivals or PoissonArrivals()
     top = c.ceiling() * c.max_busy if below is None else min(below, c.ceiling() * c.max_busy)
     for _ in range(RECHECKS):
         cap = _bisect_capacity(c, arrivals, sim_s, steps, top, top_known_to_miss=below is not None)
@@ -317,7 +317,7 @@ def capacity(
     return 0.0  # it keeps tipping lower: no rate can be trusted
 
 
-def _meets(rate: float, c: Contract, arrivals: Arrivals, sim_s: float) -> bool:
+def _meets(rate: float, c: Contract, arrivals: PoissonArrivals, sim_s: float) -> bool:
     """Whether one node meets the SLO at `rate`; a rate so low that nothing arrived in the window is a
     request alone (p95 NaN is no evidence of a miss)."""
     p = latency_at(rate, c, arrivals, sim_s)
@@ -325,7 +325,7 @@ def _meets(rate: float, c: Contract, arrivals: Arrivals, sim_s: float) -> bool:
 
 
 def _bisect_capacity(
-    c: Contract, arrivals: Arrivals, sim_s: float, steps: int, top: float, top_known_to_miss: bool
+    c: Contract, arrivals: PoissonArrivals, sim_s: float, steps: int, top: float, top_known_to_miss: bool
 ) -> float:
     lo, hi = 0.0, top
     if not top_known_to_miss and _meets(hi, c, arrivals, sim_s):
@@ -411,7 +411,7 @@ def make_plan(
 ) -> Plan:
     if target_rate <= 0:
         raise ValueError("the target rate must be positive")
-    arrivals = Arrivals(seed)
+    arrivals = PoissonArrivals(seed)
     proc = c.per_process()
     device_cap = capacity(proc, arrivals, sim_s) * c.processes
     notes: list[str] = []

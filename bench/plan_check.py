@@ -26,7 +26,7 @@ import datetime as dt
 import json
 from dataclasses import asdict, dataclass
 
-from batchserve.plan import Arrivals, BatchTime, Contract, LatencyAtRate, latency_at
+from batchserve.plan import PoissonArrivals, BatchTime, Contract, LatencyAtRate, latency_at
 from bench import common
 from bench.report import git_info, write, written
 from bench.run_standard import parse_rows
@@ -92,8 +92,8 @@ def check(report: dict, rows: list[tuple[int, float]], sim_s: float, seed: int) 
         load = row["load"]
         per_s = load.get("batches_per_s")
         batch_ms = devices * 1000 / per_s if per_s else load.get("server_mean_compute_ms")
-        planned = latency_at(rate, contract(s["sim_batch_ms"]), Arrivals(seed), sim_s)
-        as_run = latency_at(rate, contract(batch_ms), Arrivals(seed), sim_s) if batch_ms else None
+        planned = latency_at(rate, contract(s["sim_batch_ms"]), PoissonArrivals(seed), sim_s)
+        as_run = latency_at(rate, contract(batch_ms), PoissonArrivals(seed), sim_s) if batch_ms else None
         out.append(
             Check(
                 devices,

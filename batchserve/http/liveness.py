@@ -27,7 +27,7 @@ PROBE_EVERY_S = 0.5  # how often each child is asked
 
 
 @dataclass
-class Liveness:
+class ChildLiveness:
     """One child's verdict from its probes' answers; pure (the clock is the caller's), so it is tested alone."""
 
     hang_s: float  # silence that makes a child hung; 0 = never
@@ -63,7 +63,7 @@ def probe(host: str, port: int, timeout_s: float) -> bool:
 
 
 class Prober:
-    """A daemon thread that probes one child's own port every `PROBE_EVERY_S` and keeps its `Liveness`; the
+    """A daemon thread that probes one child's own port every `PROBE_EVERY_S` and keeps its `ChildLiveness`; the
     parent's supervision loop reads `hung()` and does the killing (one place decides a child's fate)."""
 
     def __init__(
@@ -76,7 +76,7 @@ class Prober:
     ) -> None:
         self.host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
         self.port, self.clock, self.ask = port, clock, ask
-        self.liveness = Liveness(hang_s, clock())
+        self.liveness = ChildLiveness(hang_s, clock())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"probe-{port}", daemon=True)

@@ -11,7 +11,7 @@ import pytest
 from batchserve import cli
 from batchserve.plan import (
     HOURS_PER_MONTH,
-    Arrivals,
+    PoissonArrivals,
     BatchTime,
     Contract,
     Prices,
@@ -73,7 +73,7 @@ def test_the_model_matches_bench_ideal_on_the_same_arrivals(devices, rate):
 
 def test_capacity_is_where_p95_meets_the_slo_when_the_slo_binds():
     c = Contract(BatchTime.constant(100), max_busy=0.99)  # a cap loose enough that the SLO binds first
-    arrivals = Arrivals(3)
+    arrivals = PoissonArrivals(3)
     cap = capacity(c, arrivals)
     assert 0 < cap < c.max_busy * c.ceiling()
     assert latency_at(cap, c, arrivals).p95_ms <= 200 < latency_at(cap * 1.02, c, arrivals).p95_ms
@@ -90,7 +90,7 @@ def test_p95_rises_with_the_rate_towards_the_ceiling(devices, rates):
     """(Below that the deadline policy holds p95 near slo - margin on one device, and near S + S/G on four,
     whatever the rate.) Common random numbers: every rate sees the same draws, so the rise is smooth."""
     c = Contract(BatchTime.constant(100), devices=devices)
-    arrivals = Arrivals(1)
+    arrivals = PoissonArrivals(1)
     p95s = [latency_at(rate, c, arrivals, sim_s=10).p95_ms for rate in rates]
     assert p95s == sorted(p95s) and p95s[-1] > 2 * p95s[0]
 
@@ -195,11 +195,11 @@ def test_one_process_on_eight_devices_is_bound_by_its_cpu():
 def test_processes_split_the_devices_and_each_runs_its_own_batcher():
     """Two processes of 2 devices are two batchers: the node's capacity is twice one of them, and its latency
     that of one 2-device process at half the node's rate (pacing S/2, not S/4)."""
-    arrivals = Arrivals(1)
+    arrivals = PoissonArrivals(1)
     two = Contract(BatchTime.constant(100), devices=4, processes=2, max_busy=0.99)
     half = Contract(BatchTime.constant(100), devices=2, max_busy=0.99)
     plan = make_plan(3000, two, sim_s=10)
-    assert plan.device_capacity == pytest.approx(2 * capacity(half, Arrivals(1), sim_s=10))
+    assert plan.device_capacity == pytest.approx(2 * capacity(half, PoissonArrivals(1), sim_s=10))
     assert plan.at_target.p95_ms == pytest.approx(latency_at(3000 / plan.nodes / 2, half, arrivals, sim_s=10).p95_ms)
     four = make_plan(3000, Contract(BatchTime.constant(100), devices=4, max_busy=0.99), sim_s=10)
     assert four.at_target.p95_ms < plan.at_target.p95_ms  # one batcher over 4 devices paces 25 ms apart
@@ -317,7 +317,7 @@ def test_a_plan_meets_its_own_prediction_where_p95_is_not_monotone_in_the_rate()
     assert plan.at_target.meets(c.slo_s), plan.at_target
     assert plan.target_rate / plan.nodes <= plan.capacity
     assert "not monotone" in plan.note
-    arrivals = Arrivals(1)
+    arrivals = PoissonArrivals(1)
     assert all(latency_at(plan.capacity * k / 8, c, arrivals).meets(c.slo_s) for k in range(1, 9))
 
 

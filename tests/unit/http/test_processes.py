@@ -30,24 +30,24 @@ def test_devices_split_evenly_and_cuda_children_see_only_their_gpus(monkeypatch:
 
 # -- a hung child (issue 34, item 3): the verdict from the probes' answers, with an injected clock --------------
 def test_a_child_is_hung_only_after_the_whole_threshold_of_silence():
-    from batchserve.http.liveness import Liveness
+    from batchserve.http.liveness import ChildLiveness
 
-    live = Liveness(hang_s=3.0, last_answer=100.0)
+    live = ChildLiveness(hang_s=3.0, last_answer=100.0)
     assert not live.hung(102.9) and live.silent_for(102.9) == pytest.approx(2.9)
     assert live.hung(103.0)
     live.answered(102.95)  # a late answer still counts: the loop turned
     assert not live.hung(105.9) and live.hung(105.95)
     live.answered(101.0)  # an answer older than the newest changes nothing
     assert live.last_answer == 102.95
-    assert not Liveness(hang_s=0.0, last_answer=0.0).hung(1e9)  # 0: never
+    assert not ChildLiveness(hang_s=0.0, last_answer=0.0).hung(1e9)  # 0: never
 
 
 def test_a_busy_child_answering_slowly_within_the_threshold_is_never_hung():
     """A loop that answers every probe 2.5 s late (the prober waits up to the threshold for each) is alive;
     one that stops answering is hung the threshold after its last answer, whatever a probe in flight does."""
-    from batchserve.http.liveness import PROBE_EVERY_S, Liveness
+    from batchserve.http.liveness import PROBE_EVERY_S, ChildLiveness
 
-    now, live = 0.0, Liveness(hang_s=3.0, last_answer=0.0)
+    now, live = 0.0, ChildLiveness(hang_s=3.0, last_answer=0.0)
     for _ in range(20):  # each probe: sent, answered 2.5 s later, the next sent PROBE_EVERY_S after the send
         for t in (0.5, 1.0, 1.5, 2.0, 2.5):
             assert not live.hung(now + t)
