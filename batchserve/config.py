@@ -51,7 +51,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class ProcessSlot:
+class ChildPlace:
     """Which of `--processes` this server is, and the port where it alone answers."""
 
     index: int
@@ -408,7 +408,7 @@ class Settings:
     # [[keys]] storage_mb of the config file: a tenant's byte quota in place of --tenant-storage-mb
     tenant_storage_mb_by_tenant: dict[str, float] = field(default_factory=dict, metadata={"cli": False})
     tier_rates: dict[str, tuple[float, float]] = field(default_factory=dict, metadata={"cli": False})
-    process_slot: ProcessSlot | None = field(default=None, metadata={"cli": False})  # set in --processes' children
+    process_slot: ChildPlace | None = field(default=None, metadata={"cli": False})  # set in --processes' children
     # Where each value the user set came from ("--port", "BATCHSERVE_PORT", "bs.toml:3 models[0].backend"):
     # errors name it, and knobs the user did not set may be derived (slo_ms and timeout_ms from the warm-up).
     given: dict[str, str] = field(default_factory=dict, metadata={"cli": False})

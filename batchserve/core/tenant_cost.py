@@ -18,7 +18,7 @@ from batchserve.core.tiers import TIERS
 
 
 @dataclass(slots=True)
-class Served:
+class ServedCost:
     """What one (model, tier, tenant) was served: inputs answered and their summed cost."""
 
     inputs: int = 0
@@ -30,43 +30,43 @@ class CostAccount:
     """Cost served per (model, tier rank, tenant), totals since start. Cheap to add to (a dict update per
     input), read by copying (`snapshot`) or summing (`by_tier`, `of_tenant`)."""
 
-    served: dict[tuple[str, int, str], Served] = field(default_factory=dict)
+    served: dict[tuple[str, int, str], ServedCost] = field(default_factory=dict)
 
     def add(self, model: str, tier: int, tenant: str, cost: float, inputs: int = 1) -> None:
         """`inputs` inputs of this model, tier and tenant were answered, costing `cost` in all."""
         key = (model, tier, tenant)
         got = self.served.get(key)
         if got is None:
-            got = self.served[key] = Served()
+            got = self.served[key] = ServedCost()
         got.inputs += inputs
         got.cost += cost
 
-    def row(self, model: str, tier: int, tenant: str) -> Served:
+    def row(self, model: str, tier: int, tenant: str) -> ServedCost:
         """The running totals of (model, tier, tenant), created at zero: for a writer that adds many inputs of
         one key in a row (a batch's answers) with one look-up, as `add` would one by one."""
         key = (model, tier, tenant)
         got = self.served.get(key)
         if got is None:
-            got = self.served[key] = Served()
+            got = self.served[key] = ServedCost()
         return got
 
-    def snapshot(self) -> dict[tuple[str, int, str], Served]:
+    def snapshot(self) -> dict[tuple[str, int, str], ServedCost]:
         """A copy of every total, for a reader that compares two moments."""
-        return {key: Served(s.inputs, s.cost) for key, s in self.served.items()}
+        return {key: ServedCost(s.inputs, s.cost) for key, s in self.served.items()}
 
-    def by_tier(self, model: str | None = None) -> list[Served]:
+    def by_tier(self, model: str | None = None) -> list[ServedCost]:
         """Per tier rank (the `tiers.TIERS` order), every tenant summed: what /metrics may show. `model`: only
         that model's."""
-        out = [Served() for _ in TIERS]
+        out = [ServedCost() for _ in TIERS]
         for (m, tier, _), s in self.served.items():
             if model is None or m == model:
                 out[tier].inputs += s.inputs
                 out[tier].cost += s.cost
         return out
 
-    def of_tenant(self, tenant: str) -> dict[tuple[str, int], Served]:
+    def of_tenant(self, tenant: str) -> dict[tuple[str, int], ServedCost]:
         """One tenant's totals per (model, tier rank): what its /v1/usage shows."""
-        return {(m, tier): Served(s.inputs, s.cost) for (m, tier, t), s in self.served.items() if t == tenant}
+        return {(m, tier): ServedCost(s.inputs, s.cost) for (m, tier, t), s in self.served.items() if t == tenant}
 
     def tenants(self) -> set[str]:
         return {t for _, _, t in self.served}

@@ -52,7 +52,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from batchserve import logsafe
-from batchserve.config import ProcessSlot, Settings
+from batchserve.config import ChildPlace, Settings
 from batchserve.config import is_postgres_url
 from batchserve.http.liveness import Prober
 
@@ -168,7 +168,7 @@ def child_main(
     own_port = own.getsockname()[1]
     if own_port_out is not None:
         own_port_out.value = own_port
-    slot = ProcessSlot(index, settings.processes, own_port)
+    slot = ChildPlace(index, settings.processes, own_port)
     from batchserve.backends import default_threads
 
     # the CPU's cores are split among the children as the devices are (each child's torch would take them all)
