@@ -83,7 +83,7 @@ class Contents(Protocol):
     bytes_contents: Sequence[bytes]
 
 
-class InputTensor(Protocol):
+class InferInputTensor(Protocol):
     name: str
     datatype: str
     shape: Sequence[int]
@@ -101,13 +101,13 @@ class Parameter(Protocol):
     def WhichOneof(self, group: str) -> str | None: ...  # noqa: N802 - protobuf's name
 
 
-class InferRequest(Protocol):
-    """ModelInferRequest."""
+class ModelInferRequest(Protocol):
+    """The fields of the gRPC message (grpc_inference.proto) the servicer reads."""
 
     id: str
     model_name: str
     model_version: str
-    inputs: Sequence[InputTensor]
+    inputs: Sequence[InferInputTensor]
     raw_input_contents: Sequence[bytes]
     outputs: Sequence[OutputRequest]
     parameters: Mapping[str, Parameter]
@@ -121,7 +121,7 @@ def model_called(rt: KServeHost, name: str, version: str, field: str = "name") -
     return find_model(rt, name, version)
 
 
-def parse_request(req: InferRequest, max_chars: int) -> tuple[list[str], list[int], float | None]:
+def parse_request(req: ModelInferRequest, max_chars: int) -> tuple[list[str], list[int], float | None]:
     """The request's strings (row-major), its shape, and its `timeout` parameter in microseconds (or None)."""
     inputs = req.inputs
     if len(inputs) != 1:
@@ -235,7 +235,7 @@ class InferenceServicer:
             caller = guard.identify(metadata.get("authorization"), {"client": peer_address(context.peer())})
             work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
             guard.check(caller)  # as HTTP's `enter`: a caller who may not send is refused before its message is read
-            request: InferRequest = await read()  # type: ignore[assignment]
+            request: ModelInferRequest = await read()  # type: ignore[assignment]
             spec = model_called(rt, request.model_name, request.model_version, "model_name")
             work.model = spec.id
             texts, shape, timeout_us = parse_request(request, s.max_input_chars)
