@@ -174,10 +174,6 @@ async def body_chunks(receive: Receive) -> AsyncIterator[bytes]:
     yield b""
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    return await read_body_from(request.receive, limit, request.headers.get("content-length"))
-
-
 async def send_json(send: Send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
     """A JSON answer written straight to the ASGI `send` (the hot route skips Starlette's Response)."""
     raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
