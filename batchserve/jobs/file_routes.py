@@ -241,8 +241,9 @@ async def delete_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller)
 
 
 async def list_files(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    limit = list_limit(call, LIST_DEFAULT, LIST_MAX)
-    after, purpose = call.query().get("after"), call.query().get("purpose")
+    query = call.query()
+    limit = list_limit(query, LIST_DEFAULT, LIST_MAX)
+    after, purpose = query.get("after"), query.get("purpose")
     store = await svc.existing_store()
     files = await store.list_files(caller.owner, limit + 1, after, purpose) if store is not None else []
     data = [f.public() for f in files[:limit]]

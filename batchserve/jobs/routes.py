@@ -16,7 +16,7 @@ import secrets
 import sqlite3
 import time
 from typing import Any, Protocol
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 from starlette.routing import Route
@@ -355,16 +355,16 @@ async def delete_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller
     return json_answer({"id": job_id, "object": "batch", "deleted": True})
 
 
-def list_limit(call: Call, default: int, most: int) -> int:
-    limit = ascii_count(call.query().get("limit", str(default)), most)
+def list_limit(query: Mapping[str, str], default: int, most: int) -> int:
+    limit = ascii_count(query.get("limit", str(default)), most)
     if limit is None or not 1 <= limit <= most:
         raise errors.invalid(f"limit must be an integer in [1, {most}]")
     return limit
 
 
 async def list_batches(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    limit = list_limit(call, LIST_DEFAULT, LIST_MAX)
-    after = call.query().get("after")
+    query = call.query()
+    limit, after = list_limit(query, LIST_DEFAULT, LIST_MAX), query.get("after")
     store = await svc.existing_store()
     jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
     data: list[dict[str, Any]] = [job_view(j) for j in jobs[:limit]]
