@@ -12,7 +12,7 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from bench.ledger_drill import OUTCOMES, Tenant, drill, write_keys
+from bench.ledger_drill import OUTCOMES, Tenant, by_outcome, drill, ledger_of, write_keys
 
 SLO_MS = 150.0
 TIMEOUT_MS = 600.0
@@ -128,3 +128,25 @@ def test_usage_has_each_models_percentiles_beside_the_tenants(server_factory, tm
     assert set(by_model) == {"fast@v1", "slow@v1"}, by_model
     assert by_model["fast@v1"]["count"] == 4 and by_model["slow@v1"]["count"] == 1
     assert by_model["slow@v1"]["p50"] >= 300 > by_model["fast@v1"]["p50"], by_model
+
+
+def test_a_deadline_shorter_than_possible_is_the_callers_own_outcome(server_factory, tmp_path):
+    """Issue 46 item 5: a tenant asking for deadlines no batch can meet is refused at the door (400
+    TIMEOUT_TOO_SHORT) and books nothing: no SLO outcome of its own, of its tier, or of another tenant beside it."""
+    tenants = [Tenant("hasty", "paid", 0.0), Tenant("steady", "paid", 0.0)]
+    config = tmp_path / "keys.toml"
+    write_keys(config, tenants)
+    server = server_factory("--config", str(config), "--sim-batch-ms", "40", "--slo-ms", "1000")
+    hasty, steady = ({"Authorization": f"Bearer {t.key}"} for t in tenants)
+    with server.client() as c:
+        for i in range(10):
+            r = c.post("/v1/inference", json={"input": f"h{i}", "timeout_ms": 1}, headers=hasty)
+            assert r.status_code == 400 and r.json()["error"] == "TIMEOUT_TOO_SHORT", r.text
+        for i in range(3):
+            assert c.post("/v1/inference", json={"input": f"s{i}"}, headers=steady).status_code == 200
+        mine = c.get("/v1/usage", headers=hasty).json()["data"][0]["requests"]
+        theirs = c.get("/v1/usage", headers=steady).json()["data"][0]["requests"]
+        text = c.get("/metrics").text
+    assert mine == dict.fromkeys(OUTCOMES, 0), mine
+    assert theirs == {**dict.fromkeys(OUTCOMES, 0), "met": 3}, theirs
+    assert by_outcome(ledger_of(text), "paid") == {**dict.fromkeys(OUTCOMES, 0), "met": 3}  # the tier: steady's alone
