@@ -808,11 +808,6 @@ DEFAULT_SLO_MS = 200.0
 DEFAULT_TIMEOUT_MS = 2000.0
 
 
-def contract_from(a: argparse.Namespace) -> tuple[Contract, str]:
-    contract, source, _ = measured_contract(a)
-    return contract, source
-
-
 def measured_contract(a: argparse.Namespace) -> tuple[Contract, str, Measured | None]:
     """The contract the flags describe, what it was read from, and what `--measure` read (None without it):
     the SLO and deadline left unset are the measured server's, else DEFAULT_SLO_MS / DEFAULT_TIMEOUT_MS."""

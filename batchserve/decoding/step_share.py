@@ -139,8 +139,3 @@ class StepShare:
 
     def _debt_floor(self) -> float:
         return DEBT_STEPS * self.slowdown * max(self.seconds.values(), default=0.0)
-
-    def duty(self) -> float:
-        """Share of the booked steps that included the background rows (1 when none were booked)."""
-        booked = self.full_steps + self.foreground_steps
-        return self.full_steps / booked if booked else 1.0

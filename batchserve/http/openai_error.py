@@ -6,10 +6,8 @@ like every other; `http/dialects.OPENAI` renders them as `{"error": {message, ty
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import msgspec
-import orjson
 
 from batchserve import errors
 from batchserve.errors import ApiError
@@ -40,14 +38,3 @@ def unknown_model(requested: str | None) -> ApiError:
         param="model",
         reason="model_not_found",
     )
-
-
-def json_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or the OpenAI-shaped 400 that says why not."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad(None, f"the body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad(None, "the body must be a JSON object", "invalid_json")
-    return data

@@ -7,19 +7,13 @@ import os
 import re
 from collections.abc import AsyncIterator, Collection, Iterable
 
-import orjson
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
 
 REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 JSON = "application/json"
-
-
-def json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status_code=status, headers=headers, media_type=JSON)
 
 
 class RandomIds:
@@ -62,34 +56,16 @@ def client_host(scope: Scope) -> str:
     return client[0] if client else ""
 
 
-INFERENCE_HEADERS = {
-    b"x-request-id": "x-request-id",
-    b"authorization": "authorization",
-    b"content-type": "content-type",
-    b"content-length": "content-length",
-}
-
-
 def first_values(pairs: Iterable[tuple[str, str | bytes]], names: Collection[str]) -> dict[str, str]:
     """The first value of each of `names` (lower-case) among header or metadata pairs: where a name comes twice
     (two `authorization` entries), the first wins, as the HTTP request path reads its headers (`endpoint.py`,
-    `inference_headers`); the gRPC listener reads its metadata through this, so the two read a caller alike.
+    `Endpoint.__call__`); the gRPC listener reads its metadata through this, so the two read a caller alike.
     Binary values (gRPC's `-bin` keys) are skipped."""
     found: dict[str, str] = {}
     for name, value in pairs:
         key = name.lower()
         if key in names and key not in found and isinstance(value, str):
             found[key] = value
-    return found
-
-
-def inference_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The four headers the inference path reads, in one pass over the raw list (not four lookups)."""
-    found: dict[str, str] = {}
-    for name, value in raw:
-        key = INFERENCE_HEADERS.get(name.lower())
-        if key is not None and key not in found:
-            found[key] = value.decode("latin-1")
     return found
 
 
@@ -198,15 +174,3 @@ def is_json_media_type(content_type: str) -> bool:
 def check_json_content_type(content_type: str) -> None:
     if content_type and not is_json_media_type(content_type):
         raise errors.invalid(f"Content-Type must be application/json, not {errors.short(content_type, 60)!r}")
-
-
-def parse_json_object(body: bytes, content_type: str) -> dict:
-    """The body as a JSON object, or 400 saying why not (wrong Content-Type, not JSON, not UTF-8, not an object)."""
-    check_json_content_type(content_type)
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise errors.invalid(f"the body is not valid JSON in UTF-8: {exc}") from None
-    if not isinstance(data, dict):
-        raise errors.invalid("the body must be a JSON object")
-    return data

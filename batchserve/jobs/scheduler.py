@@ -257,11 +257,6 @@ class Scheduler:
         """Job inputs riding in shared batches, in the batcher or on a worker."""
         return self.ledger.shared
 
-    @property
-    def isolated_inflight(self) -> int:
-        """Inputs of isolated jobs in flight (their own budget, `isolated_limit`)."""
-        return self.ledger.isolated
-
     def model_room(self, model: str) -> int | None:
         """Job inputs of `model` that may be added now (`refill.model_spare`); None where the door queues
         nothing of it (the generation engine admits its own work)."""
