@@ -252,7 +252,8 @@ def test_the_route_check_sees_what_it_forbids(tmp_path):
 # -- the size limits (issue 45) -------------------------------------------------------------------------------------
 MODULE_LINES, FUNCTION_LINES, CLASS_LINES, CLASS_FIELDS = 600, 60, 400, 40
 # What is past a limit today, at its size today: the debt, which may only shrink. A new module, function or class
-# past a limit fails, and so does one of these grown; one brought within its limit fails until its line here goes.
+# past a limit fails, and so does one of these grown; one that shrank or came within its limit fails until its line
+# here says so.
 OVER_LIMIT = {
     "backends/plugin.py:adapt": 66,
     "cli.py:main": 86,
@@ -289,14 +290,14 @@ OVER_LIMIT = {
     "jobs/pg_store.py:PostgresStore": 668,
     "jobs/pg_store.py:PostgresStore.record": 88,
     "jobs/pg_store.py:PostgresStore.record.tx": 76,
-    "jobs/scheduler.py": 693,
-    "jobs/scheduler.py:Scheduler": 528,
+    "jobs/scheduler.py": 688,
+    "jobs/scheduler.py:Scheduler": 523,
     "jobs/scheduler.py:Scheduler._refill": 63,
     "jobs/sqlite_store.py": 782,
     "jobs/sqlite_store.py:SQLiteStore": 618,
     "metrics.py:make_metrics": 78,
     "ops/routes.py:internal_health": 66,
-    "plan.py": 989,
+    "plan.py": 984,
     "plan.py:add_arguments": 87,
     "plan.py:measured_contract": 62,
     "plan.py:render": 66,
@@ -338,10 +339,12 @@ def test_nothing_grows_past_the_size_limits():
     found = sizes_past_limits(PACKAGE)
     new = {k: v for k, v in found.items() if k not in OVER_LIMIT}
     grown = {k: (OVER_LIMIT[k], v) for k, v in found.items() if k in OVER_LIMIT and v > OVER_LIMIT[k]}
+    shrunk = {k: (OVER_LIMIT[k], v) for k, v in found.items() if k in OVER_LIMIT and v < OVER_LIMIT[k]}
     within = sorted(set(OVER_LIMIT) - set(found))
     assert not new, f"past a size limit (module {MODULE_LINES}, function {FUNCTION_LINES}, class {CLASS_LINES}): {new}"
     assert not grown, f"grown past their recorded size (was, now): {grown}"
     assert not within, f"within the limits now: take these out of OVER_LIMIT, so they stay so: {within}"
+    assert not shrunk, f"smaller now (was, now): record the new sizes in OVER_LIMIT, so they cannot grow back: {shrunk}"
 
 
 def test_the_size_check_sees_a_long_function(tmp_path: Path):
