@@ -63,16 +63,22 @@ def proxy_url():
             os.environ["PYTHONPATH"] = saved
 
 
-def replicas_health(client: httpx.Client, want: int = 2, tries: int = 200) -> dict[int, dict]:
-    """/internal/health of each replica by pid: Ray's router sends each GET to one of them, so ask until every
-    replica has answered."""
+def replicas_health(client: httpx.Client, want: int = 2, within_s: float = 60.0) -> dict[int, dict]:
+    """/internal/health of each replica by pid. Ray's router sends each GET to one replica, preferring the one
+    with fewer requests in flight, and its proxy learns of a replica some time after the app reads RUNNING:
+    so ask in rounds of concurrent GETs (two in flight at once split between idle replicas) until every replica
+    has answered, for a time rather than a count (200 quick sequential GETs once all met one replica)."""
     seen: dict[int, dict] = {}
-    for _ in range(tries):
-        health = client.get("/internal/health").raise_for_status().json()
-        seen[health["pid"]] = health
-        if len(seen) == want:
-            return seen
-    raise AssertionError(f"only {len(seen)} replica(s) answered /internal/health in {tries} tries")
+    give_up = time.monotonic() + within_s
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        while time.monotonic() < give_up:
+            for response in pool.map(lambda _: client.get("/internal/health"), range(8)):
+                health = response.raise_for_status().json()
+                seen[health["pid"]] = health
+            if len(seen) == want:
+                return seen
+            time.sleep(0.2)
+    raise AssertionError(f"only {len(seen)} replica(s) answered /internal/health in {within_s:.0f} s")
 
 
 def served_batches(health: dict) -> int:
