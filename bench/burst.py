@@ -98,13 +98,14 @@ def pick(rows: tuple[tuple[int, float], ...], asked: list[str] | None) -> list[t
     return [row for name, row in known.items() if name in want]
 
 
-def closed_loop(url: str, users: int, pace: float, seconds: float, work: Path) -> dict[str, float]:
-    """One locust run; its client and server rows from the stats CSV."""
+def closed_loop(url: str, users: int, pace: float, seconds: float, work: Path, processes: int = 0) -> dict[str, float]:
+    """One locust run (`processes`: locust's --processes, its users split over that many worker processes); its
+    client and server rows from the stats CSV."""
     prefix = work / f"locust-{users}x{pace:g}"
     cmd = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(users), "-r", "1000",
         "-t", f"{seconds:g}s", "-H", url, "--csv", str(prefix), "--only-summary", "--bs-pace", f"{pace:g}",
-        "--bs-surfaces", "inference", "InferenceUser",
+        "--bs-surfaces", "inference", *(["--processes", str(processes)] if processes else []), "InferenceUser",
     ]  # fmt: skip
     subprocess.run(cmd, cwd=servers.REPO, capture_output=True, text=True, timeout=seconds + 60, check=False)
     rows = {row["Name"]: row for row in csv.DictReader(open(f"{prefix}_stats.csv"))}
@@ -137,7 +138,7 @@ def run(a: argparse.Namespace) -> dict:
             for name, base in commits.items():
                 server = servers.start(f"{name}-closed-{users}", server_cmd(1, base), logs)
                 try:
-                    row = closed_loop(server.base, users, pace, a.duration, work)
+                    row = closed_loop(server.base, users, pace, a.duration, work, a.locust_processes)
                     door = door_figures(server.base)
                 finally:
                     servers.stop(server)
@@ -177,9 +178,11 @@ def markdown(rep: dict) -> str:
         [[r["commit"], r["devices"], r["rate"], r["answered"], r["p50"], r["p95"], r["errors"]] for r in rep["open"]],
     )
     load = rep["provenance"]["machine"]["loadavg_at_start"]
+    n = rep["settings"].get("locust_processes") or 0
+    procs = f"locust --processes {n}" if n else "one locust process"
     return (
         f"# A burst rides one batch ({rep['provenance']['git']['commit'][:8]}, load at start {load})\n\n"
-        f"Closed loop (locust, users spawned at once), one sim device:\n\n{closed}\n\n"
+        f"Closed loop (locust, users spawned at once, {procs}), one sim device:\n\n{closed}\n\n"
         f"What the door learned under pressure by each closed-loop row's end, and its batches by cause:\n\n{door}\n\n"
         f"Open loop (bench.loadgen, Poisson):\n\n{opened}\n"
     )
@@ -193,6 +196,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--closed", action="append", help="closed-loop rows to run, e.g. 300x3 (repeat or comma-separate)")
     p.add_argument("--open", action="append", help="open-loop rows to run, e.g. 1x900 or 4x1800; none: no row")
+    p.add_argument(
+        "--locust-processes",
+        type=int,
+        default=0,
+        help="closed loop: locust --processes (one process sends a 60-user burst over ~40 ms of its own CPU here)",
+    )
     p.add_argument("--burst-off", action="store_true", help="also run this checkout with the burst rule off")
     p.add_argument("--max-load", type=float, default=1.5, help="--record refuses to start at this load or more")
     common.add_output_flags(p)

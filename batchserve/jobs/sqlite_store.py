@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import os
 import sqlite3
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
-from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 
 import orjson
 
@@ -45,6 +46,19 @@ from batchserve.jobs.store import (
 )
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def on_store_thread(
+    fn: Callable[Concatenate[SQLiteStore, P], T],
+) -> Callable[Concatenate[SQLiteStore, P], Coroutine[Any, Any, T]]:
+    """A `JobStore` method from the event loop: `fn` runs on the store's one thread (see the module docstring)."""
+
+    async def on_loop(store: SQLiteStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await store._run(functools.partial(fn, store, *args, **kwargs))
+
+    return on_loop
+
 
 SCHEMA_VERSION = 2  # PRAGMA user_version; see SQLiteStore._migrate
 SCHEMA = """
@@ -283,7 +297,8 @@ class SQLiteStore:
         if self.limits.bounded:
             self.limits.check(tenant, *self._usage(c, tenant), adding, what)
 
-    def _usage_now(self, tenant: str) -> tuple[int, int]:
+    @on_store_thread
+    def usage(self, tenant: str) -> tuple[int, int]:
         assert self._conn is not None
         mine, _ = self._usage(self._conn, tenant)
         total = self._conn.execute(
@@ -292,7 +307,8 @@ class SQLiteStore:
         return mine, total
 
     # -- jobs ------------------------------------------------------------------------------------------------
-    def _create(self, job: NewJob) -> tuple[Job, bool]:
+    @on_store_thread
+    def create(self, job: NewJob) -> tuple[Job, bool]:
         adding = job.stored_bytes() if job.source_file is None else job.input_bytes
         with self._tx() as c:
             if job.idempotency_key is not None:
@@ -364,7 +380,8 @@ class SQLiteStore:
         ).fetchone()
         return _job(row) if row is not None else None
 
-    def _list(self, tenant: str, limit: int, after: str | None) -> list[Job]:
+    @on_store_thread
+    def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
         assert self._conn is not None
         if after is None:
             rows = self._conn.execute(
@@ -378,7 +395,10 @@ class SQLiteStore:
             )
         return [_job(r) for r in rows]
 
-    def _results(self, job_id: str, after_index: int, limit: int, with_input: bool, max_bytes: int) -> list[ItemRow]:
+    @on_store_thread
+    def results(
+        self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
+    ) -> list[ItemRow]:
         """Rows are taken from the cursor one at a time (SQLite computes each value's size, Python holds only
         what is kept), until the next would pass `max_bytes`."""
         assert self._conn is not None
@@ -407,7 +427,8 @@ class SQLiteStore:
         rows.close()
         return page
 
-    def _output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
+    @on_store_thread
+    def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
         """Read with SQLite's incremental I/O, which reads only the pages that hold the piece (substr would load
         the whole value for each piece); a file from before items had rowids reads it with substr."""
         assert self._conn is not None
@@ -430,7 +451,8 @@ class SQLiteStore:
             return blob.read(size)
 
     # -- files -----------------------------------------------------------------------------------------------
-    def _begin_file(self, meta: StoredFile, max_count: int) -> None:
+    @on_store_thread
+    def begin_file(self, meta: StoredFile, max_count: int) -> None:
         with self._tx() as c:
             held = c.execute("SELECT count(*) FROM files WHERE tenant = ?", (meta.tenant,)).fetchone()[0]
             if held >= max_count:
@@ -441,13 +463,15 @@ class SQLiteStore:
                 (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
             )
 
-    def _put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
+    @on_store_thread
+    def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
         with self._tx() as c:
             self._check(c, tenant, len(data), "this upload")
             c.execute("INSERT INTO file_chunks (file_id, seq, data) VALUES (?, ?, ?)", (file_id, seq, data))
             c.execute("UPDATE files SET bytes = bytes + ? WHERE id = ?", (len(data), file_id))
 
-    def _finish_file(self, meta: StoredFile) -> None:
+    @on_store_thread
+    def finish_file(self, meta: StoredFile) -> None:
         with self._tx() as c:
             c.execute(
                 "UPDATE files SET status = 'processed', filename = ?, purpose = ?, bytes = ?, expires_at = ? "
@@ -455,7 +479,8 @@ class SQLiteStore:
                 (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
             )
 
-    def _abort_file(self, file_id: str) -> None:
+    @on_store_thread
+    def abort_file(self, file_id: str) -> None:
         with self._tx() as c:
             self._drop_file(c, file_id)
         self._vacuum()  # the chunks stored so far give their pages back, as a delete's do
@@ -465,7 +490,8 @@ class SQLiteStore:
         c.execute("DELETE FROM file_chunks WHERE file_id = ?", (file_id,))
         c.execute("DELETE FROM files WHERE id = ?", (file_id,))
 
-    def _get_file(self, tenant: str, file_id: str) -> StoredFile | None:
+    @on_store_thread
+    def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         assert self._conn is not None
         row = self._conn.execute(
             f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
@@ -479,7 +505,8 @@ class SQLiteStore:
         ).fetchone()
         return (row[0], bytes(row[1])) if row is not None else None
 
-    def _list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
+    @on_store_thread
+    def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
         assert self._conn is not None
         where, args = "tenant = ? AND status = 'processed'", [tenant]
         if purpose is not None:
@@ -492,7 +519,8 @@ class SQLiteStore:
         )
         return [_file(r) for r in rows]
 
-    def _delete_file(self, tenant: str, file_id: str) -> bool:
+    @on_store_thread
+    def delete_file(self, tenant: str, file_id: str) -> bool:
         with self._tx() as c:
             found = c.execute(
                 "SELECT 1 FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
@@ -504,7 +532,8 @@ class SQLiteStore:
         return found is not None
 
     # -- cancel, delete, expire ------------------------------------------------------------------------------
-    def _cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
+    @on_store_thread
+    def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         with self._tx() as c:
             row = c.execute("SELECT status, openai FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
             if row is None:
@@ -543,7 +572,8 @@ class SQLiteStore:
                 sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
         return sizes
 
-    def _delete_job(self, tenant: str, job_id: str) -> Job | None:
+    @on_store_thread
+    def delete_job(self, tenant: str, job_id: str) -> Job | None:
         with self._tx() as c:
             row = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
             if row is None:
@@ -555,7 +585,8 @@ class SQLiteStore:
         self._vacuum()
         return job
 
-    def _sweep(self, now: float) -> tuple[int, int]:
+    @on_store_thread
+    def sweep(self, now: float) -> tuple[int, int]:
         assert self._conn is not None
         files = [
             r[0]
@@ -590,7 +621,8 @@ class SQLiteStore:
         self._conn.executescript("PRAGMA incremental_vacuum;")
         self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
-    def _active(self, models: list[str]) -> list[Job]:
+    @on_store_thread
+    def active(self, models: list[str]) -> list[Job]:
         assert self._conn is not None
         marks = ", ".join("?" * len(models))
         rows = self._conn.execute(
@@ -599,7 +631,8 @@ class SQLiteStore:
         )
         return [_job(r) for r in rows]
 
-    def _claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
+    @on_store_thread
+    def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
         assert self._conn is not None
         clock = time.monotonic()
         leases = self._leases.setdefault(job_id, {})
@@ -620,7 +653,8 @@ class SQLiteStore:
             )
         return claimed
 
-    def _renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
+    @on_store_thread
+    def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
         leases = self._leases.get(job_id, {})
         until = time.monotonic() + lease_s
         held = [i for i in indexes if i in leases]
@@ -628,12 +662,16 @@ class SQLiteStore:
             leases[index] = until
         return len(held)
 
-    def _release(self, job_id: str, indexes: list[int]) -> None:
+    @on_store_thread
+    def release(self, job_id: str, indexes: list[int]) -> None:
         leases = self._leases.get(job_id, {})
         for index in indexes:
             leases.pop(index, None)
 
-    def _record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
+    @on_store_thread
+    def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
+        if not outcomes:
+            return []
         by_job: dict[str, list[Outcome]] = {}
         for o in outcomes:
             by_job.setdefault(o.job_id, []).append(o)
@@ -702,37 +740,8 @@ class SQLiteStore:
             self._lock_fd = None
 
     # -- the JobStore interface, from the event loop ---------------------------------------------------------
-    async def create(self, job: NewJob) -> tuple[Job, bool]:
-        return await self._run(self._create, job)
-
     async def get(self, tenant: str, job_id: str) -> Job | None:
         return await self._run(self._get, tenant, job_id)
-
-    async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
-        return await self._run(self._list, tenant, limit, after)
-
-    async def results(
-        self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
-    ) -> list[ItemRow]:
-        return await self._run(self._results, job_id, after_index, limit, with_input, max_bytes)
-
-    async def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
-        return await self._run(self._output_piece, job_id, index, start, size)
-
-    async def begin_file(self, meta: StoredFile, max_count: int) -> None:
-        await self._run(self._begin_file, meta, max_count)
-
-    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
-        await self._run(self._put_chunk, tenant, file_id, seq, data)
-
-    async def finish_file(self, meta: StoredFile) -> None:
-        await self._run(self._finish_file, meta)
-
-    async def abort_file(self, file_id: str) -> None:
-        await self._run(self._abort_file, file_id)
-
-    async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
-        return await self._run(self._get_file, tenant, file_id)
 
     async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
         if await self.get_file(tenant, file_id) is None:
@@ -741,41 +750,6 @@ class SQLiteStore:
         while (found := await self._run(self._chunk, file_id, seq)) is not None:
             seq, data = found
             yield data
-
-    async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
-        return await self._run(self._list_files, tenant, limit, after, purpose)
-
-    async def delete_file(self, tenant: str, file_id: str) -> bool:
-        return await self._run(self._delete_file, tenant, file_id)
-
-    async def usage(self, tenant: str) -> tuple[int, int]:
-        return await self._run(self._usage_now, tenant)
-
-    async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
-        return await self._run(self._cancel, tenant, job_id, now)
-
-    async def delete_job(self, tenant: str, job_id: str) -> Job | None:
-        return await self._run(self._delete_job, tenant, job_id)
-
-    async def sweep(self, now: float) -> tuple[int, int]:
-        return await self._run(self._sweep, now)
-
-    async def active(self, models: list[str]) -> list[Job]:
-        return await self._run(self._active, models)
-
-    async def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
-        return await self._run(self._claim, job_id, limit, lease_s, now)
-
-    async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
-        return await self._run(self._renew, job_id, indexes, lease_s)
-
-    async def release(self, job_id: str, indexes: list[int]) -> None:
-        await self._run(self._release, job_id, indexes)
-
-    async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
-        if not outcomes:
-            return []
-        return await self._run(self._record, outcomes, now)
 
     async def close(self) -> None:
         await self._run(self._close)
