@@ -20,7 +20,7 @@ import os
 import sys
 from typing import NoReturn
 
-from batchserve import client_cli, logsafe, plan
+from batchserve import client_cli, logsafe, plan_command
 from batchserve.config import Settings, cli_fields, did_you_mean, env_defaults, env_name, env_sources, flag_name
 from batchserve.core.tiers import CALLER_NAMES
 from batchserve.jobs.store import is_postgres_url, redact_url
@@ -187,10 +187,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     plan_parser = sub.add_parser(
         "plan",
         help="nodes needed for a target rate at the SLO, predicted p50/p95 and headroom (docs/capacity.md)",
-        description=plan.DESCRIPTION,
-        formatter_class=plan.HelpFormatter,
+        description=plan_command.DESCRIPTION,
+        formatter_class=plan_command.HelpFormatter,
     )
-    plan.add_arguments(plan_parser)
+    plan_command.add_arguments(plan_parser)
     infer_parser = sub.add_parser(
         "infer", help="send one input to a server, print its output (retries 503/429 as the server asks)"
     )
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.command == "plan":
-        return plan.main(args)
+        return plan_command.main(args)
 
     if args.command in ("infer", "jobs"):
         name = args.command if args.command == "infer" else f"jobs {args.jobs_command}"

@@ -50,7 +50,8 @@ import urllib.request
 import json
 from dataclasses import asdict, dataclass
 
-from batchserve.plan import BatchTime, Contract, Prices, make_plan, render
+from batchserve.plan import BatchTime, Contract, Prices, make_plan
+from batchserve.plan_command import render
 from bench import common, report, servers
 from bench.loadgen import measure
 from bench.procstat import machine_busy_s, tree_cpu_s

@@ -672,9 +672,7 @@ class SQLiteStore:
     def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         if not outcomes:
             return []
-        by_job: dict[str, list[Outcome]] = {}
-        for o in outcomes:
-            by_job.setdefault(o.job_id, []).append(o)
+        by_job = {j: [o for o in outcomes if o.job_id == j] for j in dict.fromkeys(o.job_id for o in outcomes)}
         with self._tx() as c:
             marks = ", ".join("?" * len(by_job))
             owners = {

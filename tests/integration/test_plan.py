@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from batchserve.plan import BatchTime, cpu_per_request, measure
+from batchserve.plan import BatchTime
+from batchserve.plan_measure import cpu_per_request, measure
 
 
 def test_measure_reads_devices_and_batch_time_from_a_running_server(server_factory):

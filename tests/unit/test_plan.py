@@ -17,11 +17,11 @@ from batchserve.plan import (
     Prices,
     capacity,
     make_plan,
-    metric_sum,
     percentile,
     latency_at,
     simulate,
 )
+from batchserve.plan_measure import metric_sum
 
 SEED = Contract(BatchTime.constant(100))  # the seed contract: 100 ms per batch of 1..100, SLO 200 ms
 
@@ -291,7 +291,7 @@ def test_metric_sum_adds_every_label_set_of_one_name_only():
 def test_measure_of_a_model_on_the_generation_engines_stepper_says_it_has_no_batch_time(monkeypatch):
     import json
 
-    from batchserve import plan
+    from batchserve import plan_measure
 
     health = {
         "workers": [{"healthy": True}],
@@ -299,10 +299,10 @@ def test_measure_of_a_model_on_the_generation_engines_stepper_says_it_has_no_bat
         "answer_ms": {"smollm2": 780.0},
         "inference_path": {"smollm2": "stepper"},
     }
-    monkeypatch.setattr(plan, "_get", lambda url, timeout=10.0: json.dumps(health).encode())
+    monkeypatch.setattr(plan_measure, "_get", lambda url, timeout=10.0: json.dumps(health).encode())
     for model in (None, "smollm2"):
         with pytest.raises(OSError, match="smollm2 on the generation engine's stepper .780 ms"):
-            plan.measure("http://127.0.0.1:1", model, [])
+            plan_measure.measure("http://127.0.0.1:1", model, [])
 
 
 def test_a_plan_meets_its_own_prediction_where_p95_is_not_monotone_in_the_rate():
@@ -334,10 +334,10 @@ def health_of(monkeypatch, **members):
     """/internal/health answering these members (beside one healthy worker and a learned batch time)."""
     import json
 
-    from batchserve import plan
+    from batchserve import plan_measure
 
     health = {"status": "ok", "workers": [{"healthy": True}], "batch_ms": {"m@v1": 300.0}, **members}
-    monkeypatch.setattr(plan, "_get", lambda url, timeout=10.0: json.dumps(health).encode())
+    monkeypatch.setattr(plan_measure, "_get", lambda url, timeout=10.0: json.dumps(health).encode())
 
 
 @pytest.mark.parametrize(

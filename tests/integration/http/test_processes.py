@@ -17,7 +17,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from batchserve.plan import measure
+from batchserve.plan_measure import measure
 from tests import hf_folders
 from tests.conftest import LiveServer
 from tests.integration.jobs.test_routes import wait_for
