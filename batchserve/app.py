@@ -17,7 +17,7 @@ import orjson
 from starlette.applications import Starlette
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from batchserve.backends.loading import LoadedModels
@@ -27,6 +27,7 @@ from batchserve.config import Settings
 from batchserve.embeddings import routes as embeddings_routes
 from batchserve.embeddings import shapes as embeddings_shapes
 from batchserve.http.dialects import http_error, internal_error, unexpected_error
+from batchserve.http.endpoint import Endpoint
 from batchserve.generation import routes as generation_routes
 from batchserve.generation import shapes as generation_shapes
 from batchserve.http import docs_page, openapi, usage
@@ -87,10 +88,10 @@ def openapi_document() -> dict:
 
 
 class FastPath:
-    """The hot routes (`inference.FAST_ROUTES`, and KServe v2's infer by its path's shape) answered ahead of
-    Starlette's middleware and router, which cost as much CPU as the rest of a bare endpoint; everything else goes
-    to the Starlette app as usual. The hot endpoints render their own errors, so the error middleware has nothing
-    to add for them."""
+    """Every route on the skeleton (`fast_routes`: an `Endpoint` at a fixed path, and KServe v2's infer by its
+    path's shape) answered ahead of Starlette's middleware and router, which cost as much CPU as the rest of a
+    bare endpoint; everything else goes to the Starlette app as usual. An `Endpoint` renders its own errors, so
+    the error middleware has nothing to add for it."""
 
     def __init__(
         self,
@@ -137,6 +138,19 @@ class FastPath:
             await internal_error(send)  # when nothing was answered yet; nothing when it was
 
 
+def fast_routes(routes: list[BaseRoute]) -> dict[tuple[str, str], ASGIApp]:
+    """(method, path) -> endpoint of every route whose endpoint is the skeleton's (`Endpoint`) at a path with no
+    parameters: by construction, so a new wing's routes take the fast path as /v1/inference does (HEAD stays
+    with Starlette, which answers it from GET)."""
+    return {
+        (method, route.path): route.endpoint
+        for route in routes
+        if isinstance(route, Route) and isinstance(route.endpoint, Endpoint) and not route.param_convertors
+        for method in route.methods or ()
+        if method != "HEAD"
+    }
+
+
 def create_app(
     settings: Settings, loaded: LoadedModels | None = None, on_startup_failure: Callable[[str, int], None] | None = None
 ) -> FastPath | RequestSpans:
@@ -176,5 +190,5 @@ def create_app(
     app.router.redirect_slashes = False
     app.state = AppState()
     app.state.openapi = orjson.dumps(openapi_document())
-    fast = FastPath(app, inference.FAST_ROUTES, (kserve_routes.fast_route,))
+    fast = FastPath(app, fast_routes(app.routes), (kserve_routes.fast_route,))
     return tracing.wrap(fast) if tracing is not None else fast

@@ -9,9 +9,9 @@
 A wing declares an endpoint as its dialect (`http/dialects.py`) and three functions: `parse` (body → request;
 may pick the model, `call.work.model`), `handle` (request → result, through the door) and `render` (result → the
 answer's bytes). It never reads a body, takes rate tokens, renders an error or counts an answer itself
-(tests/unit/test_structure.py keeps it so). The skeleton is a plain ASGI app, so the hot routes
-(`app.FastPath`) run it without Starlette's Request/Response, and it writes a whole answer in one write through
-`http/uvicorn_protocol.py`'s `send_whole` where that is there (head and body in one segment)."""
+(tests/unit/test_structure.py keeps it so). The skeleton is a plain ASGI app, so `app.FastPath` runs it (every
+skeleton route at a fixed path) without Starlette's Request/Response, and it writes a whole answer in one write
+through `http/uvicorn_protocol.py`'s `send_whole` where that is there (head and body in one segment)."""
 
 from __future__ import annotations
 

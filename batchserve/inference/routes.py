@@ -129,9 +129,6 @@ request_status: Endpoint[InferenceHost, None, Record] = Endpoint(
 )
 list_models: Endpoint[InferenceHost, None, list[dict[str, object]]] = public(NATIVE, models, render_models)
 
-# (method, path) -> ASGI app, served by `app.FastPath` ahead of Starlette's router and middleware.
-FAST_ROUTES = {("POST", "/v1/inference"): inference, ("POST", "/api/inference"): inference}
-
 ROUTES = [
     Route("/v1/inference", inference, methods=["POST"]),
     Route("/api/inference", inference, methods=["POST"]),
