@@ -13,22 +13,16 @@ Free places are shared round-robin between tenants, and no tenant holds more tha
 others wait (so a tenant whose items take longer, failing or retried, cannot crowd the others out); a tenant's
 jobs run oldest first.
 
-A job whose inputs fail often enough to cost re-runs (failures found by failing batches, not named by the
-backend) is isolated: its items run in small groups of their own (`Door.submit_group`), sized to its failure
-rate (about 1 / (2 x rate): a group with no culprit answers all of it in one run; alone at 50 %), in the
-background share of the workers (at most one batch in `BACKGROUND_EVERY + 1` while other work waits, one in
-`BACKGROUND_FLOOR_EVERY + 1` while interactive items wait: a floor, so it moves under steady load), with a
-budget of its own (`isolated_limit`). So another tenant's clean job
-never shares a batch with the failing inputs and keeps most of the workers, and the failing job still moves.
+A job whose inputs fail often enough to cost re-runs is isolated: its items run in small groups of their own, in
+the background share of the workers (`job_state.py` says how and why).
 
-Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once;
-so is a hang once the item has been re-run after one (by the pool, or by a retry here): as on the interactive
-path, each try of a hanging input costs a worker. Anything else (deadline,
-drain, a first hang) is transient and retried with exponential backoff and jitter,
-up to `jobs_max_attempts` runs. Results are buffered and written in batches of rows (`record`), every
-`FLUSH_S` or `FLUSH_ROWS`, which keeps commits cheap. An item whose result was not yet written when the
-process died is still `pending` in the store and runs again after a restart (at-least-once execution, results
-recorded once).
+Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once; so is a
+hang once the item has been re-run after one (by the pool, or by a retry here): as on the interactive path, each
+try of a hanging input costs a worker. Anything else (deadline, drain, a first hang) is transient and retried with
+exponential backoff and jitter, up to `jobs_max_attempts` runs. Results are buffered and written in batches of rows
+(`record`), every `FLUSH_S` or `FLUSH_ROWS`, which keeps commits cheap. An item whose result was not yet written
+when the process died is still `pending` in the store and runs again after a restart (at-least-once execution,
+results recorded once).
 
 Many nodes may share one store. Items are claimed under a lease (`jobs_lease_s`) that this node renews every
 third of it for every item it holds (read, queued, running, waiting to retry or to be recorded), so another
@@ -44,7 +38,6 @@ import asyncio
 import functools
 import heapq
 import logging
-import math
 import random
 import time
 from collections import deque
@@ -56,6 +49,7 @@ import orjson
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
+from batchserve.jobs.job_state import ItemRetry, JobState
 from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response, line_texts, window_end
 from batchserve.jobs.refill import Budget, Ledger, Room, mean_cost, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
@@ -83,83 +77,9 @@ class Door(Protocol):
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
 FEED_TICK_S = 0.1  # the feeder looks again at least this often (healthy workers, drain)
-CLAIM_CHUNK = 128  # fewest pending inputs claimed from the store at a time, per job (more leased = less shared)
-FIRST_LINES = 4  # lines of an OpenAI batch claimed before any of its lines has shown how many inputs a line holds
 FLUSH_S = 0.05
 FLUSH_ROWS = 1000
 RETRY_CAP_S = 60.0
-# A job whose recent items fail at a cost (found by failing batches: each costs the batch-mates re-runs) is
-# isolated: its items run in groups of their own, in the background share, instead of riding in shared batches.
-FAILING_WINDOW = 64  # the last outcomes of a job looked at
-ISOLATE_FAILURES = 2  # isolated while at least this many of them were costly failures
-
-
-@dataclass(eq=False)
-class JobState:
-    """What the scheduler holds for one unfinished job on this node."""
-
-    id: str
-    tenant: str  # the scheduling lane of the job's owner (`tenancy.lane_of`)
-    model: str
-    endpoint: str | None = None  # an OpenAI Batch API job: each item is a line for this endpoint (`lines.py`)
-    exhausted: bool = False  # the last claim found nothing more to lease; the next poll of the store clears it
-    buffer: deque[tuple[int, str]] = field(default_factory=deque)  # read, not yet submitted
-    inflight: dict[int, Item | LineRun] = field(default_factory=dict)
-    held: set[int] = field(default_factory=set)  # leased to this node and not yet recorded: renewed
-    added: float = field(default_factory=time.monotonic)
-    attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
-    hung: set[int] = field(default_factory=set)  # indexes that were in a hung batch once already
-    shared: set[int] = field(default_factory=set)  # indexes in flight on the shared path (`Scheduler._feed`)
-    open: dict[int, LineRun] = field(default_factory=dict)  # lines in flight with inputs not fed yet, oldest first
-    charged: dict[int, int] = field(default_factory=dict)  # per index in flight: its inputs holding places
-    line_inputs: float = 1.0  # the mean inputs of its lines started so far (1 for a native job): a row's price
-    lines_seen: int = 0
-    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=FAILING_WINDOW))  # True = costly failure
-    retrying: int = 0
-    cancelled: bool = False
-    expires_at: float | None = None  # an OpenAI batch's completion window closes (`lines.window_end`)
-
-    def group_size(self, limit: int) -> int:
-        """0 while the job rides in shared batches; once isolated, how many of its items share one batch of
-        their own: about 1 / (2 x failure rate), so most groups hold no culprit and answer in one run (alone
-        from 50 % on; a group of g with one culprit costs about 2 log2 g more runs)."""
-        failed = sum(self.recent)
-        if failed < ISOLATE_FAILURES:
-            return 0
-        return max(1, min(limit, int(0.5 * len(self.recent) / failed)))
-
-    def has_work(self) -> bool:
-        return not self.cancelled and (bool(self.buffer) or bool(self.open) or not self.exhausted)
-
-    def ready_inputs(self) -> float:
-        """Inputs read and waiting to be fed: its open lines' unfed inputs, and its rows at their mean price."""
-        return len(self.buffer) * self.line_inputs + sum(run.unfed for run in self.open.values())
-
-    def claim_size(self, deficit: float) -> int:
-        """Rows to claim for `deficit` more inputs: at least `CLAIM_CHUNK` inputs' worth, as rows of its mean
-        price, so a node leases a few lines of 2,048 inputs, not 128 of them; `FIRST_LINES` while the price
-        of its lines is unknown."""
-        if self.endpoint is not None and not self.lines_seen:
-            return FIRST_LINES
-        return max(1, math.ceil(deficit / self.line_inputs), math.ceil(CLAIM_CHUNK / self.line_inputs))
-
-    def ready(self) -> bool:
-        """Something read is waiting to be fed: a row, or a line's next inputs."""
-        return not self.cancelled and (bool(self.buffer) or bool(self.open))
-
-    def idle(self) -> bool:
-        return self.cancelled or (
-            self.exhausted and not self.buffer and not self.inflight and not self.retrying and not self.held
-        )
-
-
-@dataclass(order=True)
-class ItemRetry:
-    due: float
-    seq: int
-    job: JobState = field(compare=False)
-    index: int = field(compare=False)
-    text: str = field(compare=False)
 
 
 @dataclass(eq=False)
@@ -274,11 +194,9 @@ class Scheduler:
     # -- feeding ---------------------------------------------------------------------------------------------
     async def _feed_loop(self) -> None:
         while True:
-            timeout = FEED_TICK_S
-            if self.retries:
-                timeout = min(timeout, max(0.0, self.retries[0].due - time.monotonic()))
+            due = self.retries[0].due - time.monotonic() if self.retries else FEED_TICK_S
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                await asyncio.wait_for(self._wake.wait(), min(FEED_TICK_S, max(0.0, due)))
             except TimeoutError:
                 pass
             self._wake.clear()
@@ -577,20 +495,14 @@ class Scheduler:
         if costly and not was_isolated and self._isolated(job):
             self._reroute(job)
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
-        message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
-        attempts = job.attempts.get(index, 0) + 1
-        final = attempts >= self.settings.jobs_max_attempts
-        if isinstance(exc, ApiError):
-            final = final or exc.status == 500 or exc.hung == "again" or (exc.hung == "once" and index in job.hung)
-            if exc.hung:
-                job.hung.add(index)
-        if final:
+        if job.failed_for_good(index, exc, self.settings.jobs_max_attempts):
+            message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
             output = None
             if job.endpoint is not None and isinstance(exc, ApiError):  # the line's response, for the error file
                 output = failed_response(exc, job.endpoint)
             self._outcome(job, Outcome(job.id, index, "failed", output=output, error=code, message=message))
             return
-        job.attempts[index] = attempts
+        attempts = job.attempts[index]
         job.retrying += 1
         delay = min(RETRY_CAP_S, self.settings.jobs_retry_base_ms / 1000 * 2 ** (attempts - 1))
         self._seq += 1

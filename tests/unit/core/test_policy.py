@@ -149,7 +149,7 @@ def test_background_batches_take_one_dispatch_in_five_while_job_work_is_due_and_
 
 
 def test_an_isolated_jobs_group_size_follows_its_failure_rate():
-    from batchserve.jobs.scheduler import FAILING_WINDOW, JobState
+    from batchserve.jobs.job_state import FAILING_WINDOW, JobState
 
     job = JobState("batch_x", "acme", "m@v1")
     job.recent.extend([False] * FAILING_WINDOW)

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item
 from batchserve.jobs.metrics import JobMetrics
-from batchserve.jobs.scheduler import FAILING_WINDOW, JobState, Scheduler
+from batchserve.jobs.job_state import FAILING_WINDOW, JobState
+from batchserve.jobs.scheduler import Scheduler
 from batchserve.jobs.store import Job
 
 
