@@ -21,7 +21,8 @@ import sys
 from typing import NoReturn
 
 from batchserve import client_cli, logsafe, plan_command
-from batchserve.config import Settings, cli_fields, did_you_mean, env_defaults, env_name, env_sources, flag_name
+from batchserve.config import Settings, cli_fields, did_you_mean, flag_name
+from batchserve.config_env import env_defaults, env_name, env_sources
 from batchserve.core.tiers import CALLER_NAMES
 from batchserve.jobs.store import is_postgres_url, redact_url
 

@@ -1,7 +1,7 @@
 """Every knob of the server in one dataclass, with its flag and its BATCHSERVE_* twin.
 
-Each field's metadata carries its help text; `cli.py` turns the fields into argparse flags so the flag
-list, the environment names and the defaults cannot drift apart.
+Each field's metadata carries its help text; `cli.py` turns the fields into argparse flags and `config_env.py`
+reads their BATCHSERVE_* twins, so the flag list, the environment names and the defaults cannot drift apart.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -567,10 +565,6 @@ def cli_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(Settings) if f.metadata.get("cli", True)]
 
 
-def env_name(field_name: str) -> str:
-    return "BATCHSERVE_" + field_name.upper()
-
-
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
@@ -579,42 +573,3 @@ def did_you_mean(word: str, choices: Any) -> str:
     """' (did you mean 'x'?)' when a choice is close to `word`, else ''."""
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-def coerce(f: dataclasses.Field, raw: str) -> Any:
-    """A variable's text as the field's type; a ValueError says what was expected (the caller names where)."""
-    kind: type[Any] = type(f.default)
-    if kind is bool:
-        word = raw.strip().lower()
-        if word not in TRUE + FALSE:
-            raise ValueError(f"expected {KIND_NAMES[bool]} (1/0, yes/no, on/off)")
-        return word in TRUE
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"expected {KIND_NAMES[kind]}") from None
-
-
-def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Values from BATCHSERVE_* variables; flags given on the command line win over these. A bad value is a
-    ValueError that names the variable."""
-    env = os.environ if environ is None else environ
-    out = {}
-    for f in cli_fields():
-        name = env_name(f.name)
-        if name in env:
-            try:
-                out[f.name] = coerce(f, env[name])
-            except ValueError as exc:
-                raise ValueError(f"{name}={env[name]!r}: {exc}") from None
-    return out
-
-
-def env_sources(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The BATCHSERVE_* variable that set each knob."""
-    env = os.environ if environ is None else environ
-    return {f.name: env_name(f.name) for f in cli_fields() if env_name(f.name) in env}

@@ -4,7 +4,8 @@
 import sys
 from pathlib import Path
 
-from batchserve.config import Settings, cli_fields, env_name
+from batchserve.config import Settings, cli_fields
+from batchserve.config_env import env_name
 
 HEADER = "| flag | environment | default | what it does |"
 

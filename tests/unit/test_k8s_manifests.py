@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from batchserve.backends import NEEDS_MODEL_EXTRA
-from batchserve.config import cli_fields, env_name
+from batchserve.config import cli_fields
+from batchserve.config_env import env_name
 from batchserve.metrics import make_metrics
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"

@@ -13,7 +13,8 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from batchserve.config import cli_fields, env_name
+from batchserve.config import cli_fields
+from batchserve.config_env import env_name
 from batchserve.metrics import make_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
