@@ -35,6 +35,7 @@ are released so another node takes them at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import logging
@@ -195,10 +196,9 @@ class Scheduler:
     async def _feed_loop(self) -> None:
         while True:
             due = self.retries[0].due - time.monotonic() if self.retries else FEED_TICK_S
-            try:
-                await asyncio.wait_for(self._wake.wait(), min(FEED_TICK_S, max(0.0, due)))
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can drop stop()'s cancellation
+                async with asyncio.timeout(min(FEED_TICK_S, max(0.0, due))):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 self.metrics.inflight.set(self.ledger.total)  # here, not per item: the loop's time is the SLO's
@@ -523,10 +523,9 @@ class Scheduler:
     # -- writing ---------------------------------------------------------------------------------------------
     async def _flush_loop(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._flush_now.wait(), FLUSH_S)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):  # as the feed loop's wait
+                async with asyncio.timeout(FLUSH_S):
+                    await self._flush_now.wait()
             self._flush_now.clear()
             try:
                 await self.flush()

@@ -286,8 +286,9 @@ class InferenceServicer:
 async def read_request(context: aio.ServicerContext, message: type, timeout_s: float) -> object:
     """The call's one request message, decoded: 408 (DEADLINE_EXCEEDED) when it has not arrived whole within
     `timeout_s` of the call (`--body-timeout-s`, as HTTP bodies), 400 when it is missing or not `message`."""
-    try:
-        raw = await asyncio.wait_for(context.read(), timeout_s)
+    try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can drop a cancellation (the call's end, a stop)
+        async with asyncio.timeout(timeout_s):
+            raw = await context.read()
     except TimeoutError:
         raise errors.request_timeout(f"the request message did not arrive within {timeout_s:g} s") from None
     if not isinstance(raw, bytes):  # aio.EOF: the client half-closed without a message
