@@ -303,8 +303,7 @@ class PostgresStore:
         self.limits = StorageLimits()
         self._pool = self._new_pool()
         self._closing: set[asyncio.Task] = set()  # old pools being closed after a recovery
-        self._down_since = 0.0  # when the outage being logged began (0: the store is up)
-        self._refused = 0  # calls refused during it
+        self._down_since, self._refused = 0.0, 0  # when the outage being logged began (0: up), calls refused in it
 
     def _new_pool(self) -> AsyncConnectionPool:
         return AsyncConnectionPool(
@@ -370,17 +369,18 @@ class PostgresStore:
         if probe:
             await self._reopen(deadline)
         for attempt in range(TX_ATTEMPTS):
+            conn = await self._pool.getconn(timeout=max(0.001, deadline - time.monotonic()))
+            held.append(conn)
             try:
-                async with self._pool.connection(timeout=max(0.001, deadline - time.monotonic())) as conn:
-                    held.append(conn)
-                    async with conn.transaction():
-                        return await fn(conn)
+                async with conn.transaction():
+                    return await fn(conn)
             except (errors.DeadlockDetected, errors.SerializationFailure):
                 if attempt == TX_ATTEMPTS - 1:
                     raise StoreUnavailable("the job store kept deadlocking; try again") from None
                 await asyncio.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
-            finally:
-                held.clear()  # after the pool took it back
+            finally:  # out of `held` first: `within` must never cut a connection the pool may hand to another call
+                held.clear()
+                await self._pool.putconn(conn)
         raise AssertionError("unreachable")
 
     def _unreachable(self, reason: str) -> StoreDown:

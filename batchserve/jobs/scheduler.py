@@ -1,35 +1,32 @@
 """Feeds batch-job items into the batcher from spare capacity, and writes their results back.
 
 Job items enter the batcher at tier `batch` (the lowest; `fairqueue` takes them last), with the job's owner as
-tenant, so they only fill the places interactive requests leave in each batch. Job work is priced by the inputs
-it holds (an OpenAI batch line of 2,048 embeddings inputs is 2,048, fed to the door an input at a time), and
-only a bounded number of inputs are in the batcher or on a worker at once: the places (`jobs_max_inflight`, by
-default 2 x max_batch_size x healthy workers: one batch's worth running and one waiting per worker), the
-model's spare capacity by cost, and a quarter of its `--max-queue` (the policy: `refill.py`), so the queue never
-holds more job inputs than a batch or two can take and interactive admission sees no difference; job items
-never make a batch go sooner than the workers' pace (`Batcher._paced_by_jobs`), so the workers stay staggered
-and interactive latency sees none either (issue 28: it used to, +30 % p95 in the soak while a clean job ran).
-Free places are shared round-robin between tenants, and no tenant holds more than its share of them while
-others wait (so a tenant whose items take longer, failing or retried, cannot crowd the others out); a tenant's
-jobs run oldest first.
+tenant, so they only fill the places interactive requests leave in each batch. Job work is priced by the inputs it
+holds (an OpenAI batch line of 2,048 embeddings inputs is 2,048, fed to the door an input at a time), and only a
+bounded number of inputs are in the batcher or on a worker at once: the places (`jobs_max_inflight`, by default 2 x
+max_batch_size x healthy workers: one batch's worth running and one waiting per worker), the model's spare capacity
+by cost, and a quarter of its `--max-queue` (the policy: `refill.py`), so the queue never holds more job inputs
+than a batch or two can take and interactive admission sees no difference; job items never make a batch go sooner
+than the workers' pace (`Batcher._paced_by_jobs`), so the workers stay staggered and interactive latency sees none
+either (issue 28: it used to, +30 % p95 in the soak while a clean job ran). Free places are shared round-robin
+between tenants, and no tenant holds more than its share of them while others wait (so a tenant whose items take
+longer, failing or retried, cannot crowd the others out); a tenant's jobs run oldest first.
 
-A job whose inputs fail often enough to cost re-runs is isolated: its items run in small groups of their own, in
-the background share of the workers (`job_state.py` says how and why).
+A job whose inputs fail often enough to cost re-runs runs isolated, in groups of its own (`job_state.py`).
 
-Outcomes: a result is completed; a 500 (the input failed alone after bisection: poison) is failed at once; so is a
-hang once the item has been re-run after one (by the pool, or by a retry here): as on the interactive path, each
-try of a hanging input costs a worker. Anything else (deadline, drain, a first hang) is transient and retried with
-exponential backoff and jitter, up to `jobs_max_attempts` runs. Results are buffered and written in batches of rows
-(`record`), every `FLUSH_S` or `FLUSH_ROWS`, which keeps commits cheap. An item whose result was not yet written
-when the process died is still `pending` in the store and runs again after a restart (at-least-once execution,
-results recorded once).
+Outcomes: a result is completed; a failure is final (failed alone after bisection: poison; a hang once the item was
+re-run after one, since each try of a hanging input costs a worker; its attempts spent) or retried with exponential
+backoff and jitter (`JobState.failed_for_good`). Results are buffered and written in batches of rows (`record`),
+every `FLUSH_S` or `FLUSH_ROWS`, which keeps commits cheap. An item whose result was not yet written when the
+process died is still `pending` in the store and runs again after a restart (at-least-once execution, results
+recorded once).
 
-Many nodes may share one store. Items are claimed under a lease (`jobs_lease_s`) that this node renews every
-third of it for every item it holds (read, queued, running, waiting to retry or to be recorded), so another
-node never takes them while this one lives; when a node dies its leases run out and the others claim those
-items again. Every `jobs_poll_s` the store is read for unfinished jobs: that is how a node finds jobs created
-on other nodes, items whose lease ran out, and jobs cancelled elsewhere. On stop, the leases of items not run
-are released so another node takes them at once.
+Many nodes may share one store. Items are claimed under a lease (`jobs_lease_s`) that this node renews every third
+of it for every item it holds (read, queued, running, waiting to retry or to be recorded), so another node never
+takes them while this one lives; when a node dies its leases run out and the others claim those items again. Every
+`jobs_poll_s` the store is read for unfinished jobs: that is how a node finds jobs created on other nodes, items
+whose lease ran out, and jobs cancelled elsewhere. On stop, the leases of items not run are released so another
+node takes them at once.
 """
 
 from __future__ import annotations
@@ -79,6 +76,7 @@ class Door(Protocol):
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
 FEED_TICK_S = 0.1  # the feeder looks again at least this often (healthy workers, drain)
 FLUSH_S = 0.05
+STOP_RETRY_S = 1.0  # a lease release refused at stop is tried again this much later (the breaker's OPEN_S)
 FLUSH_ROWS = 1000
 RETRY_CAP_S = 60.0
 
@@ -121,22 +119,13 @@ class Scheduler:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for job in self.jobs.values():
-            for item in list(job.inflight.values()):
-                item.future.cancel()
+        for item in [item for job in self.jobs.values() for item in job.inflight.values()]:
+            item.future.cancel()
         try:
             await self.flush()
         finally:
-            for job in self.jobs.values():
-                if job.held and not job.cancelled:
-                    try:
-                        await self.store.release(job.id, sorted(job.held))
-                    except Exception:  # noqa: BLE001 - the leases then run out by themselves
-                        log.warning(
-                            "could not release the leases of batch %s; they expire in %.0fs",
-                            job.id,
-                            self.settings.jobs_lease_s,
-                        )
+            for job in [j for j in self.jobs.values() if j.held and not j.cancelled]:
+                await release_on_stop(self.store, job, self.settings.jobs_lease_s)
 
     def add(self, job: Job) -> None:
         if job.id not in self.jobs:
@@ -597,3 +586,15 @@ class Scheduler:
             if state.id not in ids and state.added < started:
                 self.cancel(state.id)
         self._wake.set()
+
+
+async def release_on_stop(store: JobStore, job: JobState, lease_s: float) -> None:
+    """Give back the leases of `job`'s unrecorded items; once more a breaker's open time later if the store
+    refused (the cancelled loops may have cut a connection under it): no node should wait the leases out."""
+    for last in (False, True):
+        try:
+            return await store.release(job.id, sorted(job.held))
+        except Exception:  # noqa: BLE001 - the leases then run out by themselves
+            if not last:
+                await asyncio.sleep(STOP_RETRY_S)
+    log.warning("batch %s: leases not given back; they expire in %.0fs", job.id, lease_s)

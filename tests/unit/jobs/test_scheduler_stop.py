@@ -1,4 +1,6 @@
-"""The scheduler stops when told, even when a loop's wake-up and the stop come in the same turn of the event loop.
+"""The scheduler stops when told, and gives its leases back on the way out.
+
+It stops even when a loop's wake-up and the stop come in the same turn of the event loop.
 
 On Python 3.11 `asyncio.wait_for` returns the awaited result and drops a cancellation that arrives in the turn its
 awaited future completes, so a loop written `while True: await wait_for(event.wait(), t)` ran on after
@@ -8,14 +10,16 @@ such a node after 30 s). The scheduler's loops wait with `asyncio.timeout` inste
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
 from batchserve.config import Settings
+from batchserve.jobs import scheduler
+from batchserve.jobs.job_state import JobState
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.scheduler import Scheduler
-from batchserve.jobs.store import Job
+from batchserve.jobs.store import Job, StoreDown
 
 
 @dataclass
@@ -53,3 +57,34 @@ def test_the_loops_stop_when_their_wake_up_and_the_stop_come_together() -> None:
         await s.stop()
 
     asyncio.run(main())
+
+
+@dataclass
+class RefusingStore:
+    """A store whose first `refusals` releases are refused as an outage (`StoreDown`), as a store whose breaker
+    opened when the stop's cancellations cut a connection; what it was asked to release."""
+
+    refusals: int
+    released: list[tuple[str, list[int]]] = field(default_factory=list)
+
+    async def release(self, job_id: str, indexes: list[int]) -> None:
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise StoreDown("the job store is unreachable (test)")
+        self.released.append((job_id, indexes))
+
+
+def test_a_stopping_node_gives_its_leases_back_after_one_refusal(monkeypatch, caplog) -> None:
+    """The leases of unrecorded items are released on stop, tried again once (the breaker's open time later) when
+    the store refused, so another node takes the items at once; after a second refusal they are left to expire,
+    and the log says so."""
+    monkeypatch.setattr(scheduler, "STOP_RETRY_S", 0.01)
+    job = JobState("batch_a", "acme", "m")
+    job.held.update({3, 1, 2})
+    once = RefusingStore(refusals=1)
+    asyncio.run(scheduler.release_on_stop(once, job, 60.0))  # type: ignore[arg-type]
+    assert once.released == [("batch_a", [1, 2, 3])]
+    twice = RefusingStore(refusals=2)
+    with caplog.at_level("WARNING", logger="batchserve.jobs"):
+        asyncio.run(scheduler.release_on_stop(twice, job, 60.0))  # type: ignore[arg-type]
+    assert twice.released == [] and "batch_a: leases not given back; they expire in 60s" in caplog.text
