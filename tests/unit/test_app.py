@@ -4,12 +4,12 @@ ahead of Starlette's router."""
 
 from __future__ import annotations
 
+from starlette.applications import Starlette
 from starlette.datastructures import State
-from starlette.routing import Route
 
 from batchserve.app import AppState, FastPath, create_app
 from batchserve.config import Settings
-from batchserve.http.endpoint import Endpoint
+from tests.unit.http.test_request_path import Cycle, post, running, scope_for
 
 
 def test_the_state_reads_as_starlettes_and_as_plain_attributes() -> None:
@@ -27,17 +27,50 @@ def test_the_state_reads_as_starlettes_and_as_plain_attributes() -> None:
     assert "rt" not in state._state
 
 
-def test_every_skeleton_route_at_a_fixed_path_is_served_ahead_of_the_router() -> None:
-    """`fast_routes` by construction: each `Endpoint` route with no path parameter, every method but HEAD (which
-    Starlette answers from GET); a route of another kind, or with a parameter, stays with the router."""
-    app = create_app(Settings())
-    assert isinstance(app, FastPath)
-    skeleton = [r for r in app.routes if isinstance(r, Route) and isinstance(r.endpoint, Endpoint)]
-    fixed = [r for r in skeleton if "{" not in r.path]
-    assert {"/v1/inference", "/v1/embeddings", "/v1/chat/completions", "/v1/rerank"} <= {r.path for r in fixed}
-    expected = {(m, r.path): r.endpoint for r in fixed for m in r.methods or () if m != "HEAD"}
-    assert app.fast == expected
-    assert all("{" not in path for _, path in app.fast) and ("HEAD", "/healthz") not in app.fast
-    assert any("{" in r.path for r in skeleton)  # e.g. /v1/batches/{batch_id}: left to the router
-    others = [r for r in app.routes if isinstance(r, Route) and not isinstance(r.endpoint, Endpoint)]
-    assert not any((m, r.path) in app.fast for r in others for m in r.methods or ())
+class RouterSpy:
+    """Starlette's app, counting the requests that reach it (FastPath falls back to it)."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app, self.paths = app, []
+
+    @property
+    def state(self) -> State:
+        return self.app.state
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        self.paths.append((scope["method"], scope["path"]))
+        await self.app(scope, receive, send)  # type: ignore[arg-type]
+
+
+def test_skeleton_routes_at_a_fixed_path_are_answered_without_starlettes_router(loop) -> None:
+    """`fast_routes` by construction: every `Endpoint` route with no path parameter, every method but HEAD, is
+    answered by its endpoint ahead of the router; a route with a parameter, and HEAD, still reach the router.
+    Through the real app, started, with real answers."""
+
+    async def main() -> tuple[RouterSpy, dict[str, int]]:
+        async with running() as app:
+            assert isinstance(app, FastPath)
+            spy = RouterSpy(app.app)
+            app.app = spy  # type: ignore[assignment]
+            statuses = {
+                "embeddings": (await post(app, "/v1/embeddings", {"input": ["a b"], "model": "embed"})).status,
+                "inference": (await post(app, "/v1/inference", {"input": "x", "model": "echo"})).status,
+                "job": (await get(app, "/v1/batches/batch_nothing")).status,
+            }
+            return spy, statuses
+
+    spy, statuses = loop.run_until_complete(main())
+    assert statuses["embeddings"] == 200 and statuses["inference"] == 200, statuses
+    assert statuses["job"] == 404, statuses  # answered, by the router's route with its {batch_id}
+    assert spy.paths == [("GET", "/v1/batches/batch_nothing")]
+    fast = create_app(Settings())
+    assert isinstance(fast, FastPath)
+    assert {("POST", "/v1/embeddings"), ("POST", "/v1/chat/completions"), ("GET", "/metrics")} <= set(fast.fast)
+    assert not any(method == "HEAD" or "{" in path for method, path in fast.fast)
+
+
+async def get(app: FastPath, path: str) -> Cycle:
+    cycle = Cycle(b"")
+    scope = scope_for(path, b"") | {"method": "GET", "headers": [(b"host", b"127.0.0.1")]}
+    await app(scope, cycle.receive, cycle.send)
+    return cycle
