@@ -13,6 +13,7 @@ pointer to `-h`), never the whole usage: with ~60 flags the usage buried the lin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import importlib.util
 import logging
@@ -25,6 +26,7 @@ from batchserve.config import Settings, cli_fields, did_you_mean, flag_name
 from batchserve.config_env import env_defaults, env_name, env_sources
 from batchserve.core.tiers import CALLER_NAMES
 from batchserve.jobs.store import is_postgres_url, redact_url
+from batchserve.knobs import GROUPS
 
 log = logging.getLogger("batchserve")
 
@@ -48,15 +50,18 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         "repeatable; the first is the default model unless --backend is given "
         f"(docs/backends.md) [env {MODEL_ENV}, comma-separated]",
     )
-    for f in cli_fields():
-        flag = flag_name(f.name)
-        help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {shown_default(f.name)}]"
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(
-                flag, type=type(f.default), default=None, choices=f.metadata.get("choices"), help=help_text
-            )
+    for group in GROUPS:  # one section of -h per group of knobs
+        title, _, what = (group.__doc__ or "").partition(": ")
+        section = parser.add_argument_group(title.lower(), what)
+        for f in dataclasses.fields(group):
+            flag = flag_name(f.name)
+            help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {shown_default(f.name)}]"
+            if isinstance(f.default, bool):
+                section.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            else:
+                section.add_argument(
+                    flag, type=type(f.default), default=None, choices=f.metadata.get("choices"), help=help_text
+                )
 
 
 def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
@@ -236,24 +241,32 @@ def main(argv: list[str] | None = None) -> int:
         return client_cli.run(parsers[name].prog, args)
 
     if args.command == "keys":
-        from batchserve.config_file import append_key
-        from batchserve.tenancy import digest, new_key
+        return add_key(args, parsers["add"])
+    return run_serve(args, parsers["serve"])
 
-        key = new_key()
-        try:
-            append_key(args.config, args.tenant, args.tier, digest(key), args.rate, args.admin, args.best_tier)
-        except (ValueError, OSError) as exc:
-            parsers["add"].error(f"{exc} (the file was not changed)")
-        print(key)
-        print(
-            f"(stored only its SHA-256 digest in {args.config}; this is the one time the key is shown)", file=sys.stderr
-        )
-        return 0
 
+def add_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`batchserve keys add`: a new key printed once, its digest appended to the config file."""
+    from batchserve.config_file import append_key
+    from batchserve.tenancy import digest, new_key
+
+    key = new_key()
+    try:
+        append_key(args.config, args.tenant, args.tier, digest(key), args.rate, args.admin, args.best_tier)
+    except (ValueError, OSError) as exc:
+        parser.error(f"{exc} (the file was not changed)")
+    print(key)
+    print(f"(stored only its SHA-256 digest in {args.config}; this is the one time the key is shown)", file=sys.stderr)
+    return 0
+
+
+def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`batchserve serve`: settings checked and the logs set up before the port opens, then one process or
+    `--processes` children."""
     try:
         settings = settings_from(args)
     except (ValueError, OSError) as exc:
-        fail(parsers["serve"].prog, str(exc))
+        fail(parser.prog, str(exc))
     quiet_progress_bars(sys.stderr.isatty())
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logsafe.install()  # one record, one line: a caller's control characters are escaped
@@ -270,16 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sleeping_idle_threads()  # before any model (or a --processes child) loads torch
     if settings.processes > 1:  # the children load the models, each on its share of the devices
-        from batchserve.http.processes import serve_processes
-
-        try:
-            from batchserve.app import create_app
-            from batchserve.generation.inference import stepper_models
-
-            return serve_processes(settings, create_app, tuple(stepper_models(settings)))
-        except (ValueError, OSError) as exc:
-            print(f"batchserve: error: {exc}", file=sys.stderr)
-            return 2 if isinstance(exc, ValueError) else 1
+        return run_processes(settings)
     if os.getcwd() not in sys.path:  # `--backend mymodel:batch` finds mymodel.py here (searched last)
         sys.path.append(os.getcwd())
     # The port opens at once and the backends are built, set up and warmed behind it (/healthz 200, /readyz
@@ -297,6 +301,18 @@ def main(argv: list[str] | None = None) -> int:
     from batchserve.http.server import serve
 
     return serve(settings, create_app)
+
+
+def run_processes(settings: Settings) -> int:
+    from batchserve.app import create_app
+    from batchserve.generation.inference import stepper_models
+    from batchserve.http.processes import serve_processes
+
+    try:
+        return serve_processes(settings, create_app, tuple(stepper_models(settings)))
+    except (ValueError, OSError) as exc:
+        print(f"batchserve: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
 
 
 if __name__ == "__main__":

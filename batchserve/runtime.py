@@ -24,7 +24,8 @@ from batchserve.backends.loading import EXIT_BACKEND_FAILED, EXIT_STARTUP_FAILED
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core import load_signal
-from batchserve.config import Settings, proxy_list
+from batchserve.config import Settings
+from batchserve.knobs import proxy_list
 from batchserve.core.admission import Admission
 from batchserve.core.refusals import RefusalThrottle
 from batchserve.core.requests_log import RequestLog
@@ -269,50 +270,11 @@ class Runtime:
             self.derive_deadlines(
                 {m: loaded.measured.get(m) for m in self.registry.by_id if m not in elsewhere}, "the warm-up batch time"
             )
-            self.backends.update(loaded.backends)
-            for model, seconds in loaded.batch_s.items():
-                self.batcher.batch_s.seed(model, seconds)
-            for model, timings in loaded.batch_s_by_size.items():
-                for size, seconds in timings.items():
-                    self.batcher.batch_s.observe(model, size, seconds)
-            self.batcher.costs.model_limits.update(loaded.max_batch)
-            for model in loaded.backends:  # a full batch the warm-up says would outlast the timeouts: fewer
-                self.batcher.costs.fit_budget(model)
-            devices = loaded.devices
-            self.pool = GpuPool(
-                self.backends,
-                self.batcher,
-                self.metrics,
-                asyncio.get_running_loop(),
-                devices,
-                self.settings.gpu_timeout_ms / 1000,
-                threads=loaded.threads,
-                rules=dict(loaded.rules or {}),
-                gpu_timeout_ceiling_s=self.settings.max_timeout_ms / 1000,
-                stage_lead_s=self.settings.stage_lead_ms / 1000,
-            )
-            self.pool.demand = self.admission.arrival_rate
-            self.pool.tracing = self.tracing
-            self.pool.quarantine = self.service.quarantine
-            self.pool.start()
+            pool = self.start_pool(loaded)
             # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
             # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
-            self.generation = await start_generation(self.settings, self.metrics.registry)
-            if self.generation is not None:
-                self.generation.account = self.service.cost_account  # one account of cost served (issue 33)
-                stepper = serve_on_stepper(
-                    self.service, self.generation, self.settings, StepperRecords(self.metrics, self.tracing)
-                )
-                self.stepper = stepper
-                if stepper is not None:  # no warm-up batch of theirs: their deadlines follow the stepper's answer
-                    self.derive_deadlines({m: stepper.run_s() for m in elsewhere}, "the stepper's answer time")
-                # The engine's own model (/v1/chat/completions, booked under its id) is the generating model.
-                generating = next((spec.id for spec in self.settings.models if spec.generates), None)
-                if generating is not None:
-                    self.registry.deadlines.setdefault(
-                        self.generation.cfg.model_id, self.registry.deadlines[generating]
-                    )
-            self.service.attach(self.pool)
+            await self.start_engine(elsewhere)
+            self.service.attach(pool)
             self.jobs = await JobService.start(
                 self.service, self.settings, self.metrics.registry, self.prompt_tokens, self.generation
             )
@@ -320,7 +282,10 @@ class Runtime:
             self.ready = True
             self._tasks.append(asyncio.create_task(self._tick()))
             log.info(
-                "ready: %d worker(s) on %s; models %s", len(devices), ", ".join(devices), ", ".join(self.registry.by_id)
+                "ready: %d worker(s) on %s; models %s",
+                len(loaded.devices),
+                ", ".join(loaded.devices),
+                ", ".join(self.registry.by_id),
             )
         except PluginError as exc:  # the backend's own one line (the CLI prints it last), then exit 2
             self.startup_error = str(exc)
@@ -333,6 +298,51 @@ class Runtime:
             log.error("start-up failed: %s", self.startup_error)
             if self.on_startup_failure is not None:
                 self.on_startup_failure(self.startup_error, EXIT_STARTUP_FAILED)
+
+    def start_pool(self, loaded: LoadedModels) -> GpuPool:
+        """The batcher seeded with what the warm-up measured, and a worker per device started."""
+        self.backends.update(loaded.backends)
+        for model, seconds in loaded.batch_s.items():
+            self.batcher.batch_s.seed(model, seconds)
+        for model, timings in loaded.batch_s_by_size.items():
+            for size, seconds in timings.items():
+                self.batcher.batch_s.observe(model, size, seconds)
+        self.batcher.costs.model_limits.update(loaded.max_batch)
+        for model in loaded.backends:  # a full batch the warm-up says would outlast the timeouts: fewer
+            self.batcher.costs.fit_budget(model)
+        pool = self.pool = GpuPool(
+            self.backends,
+            self.batcher,
+            self.metrics,
+            asyncio.get_running_loop(),
+            loaded.devices,
+            self.settings.gpu_timeout_ms / 1000,
+            threads=loaded.threads,
+            rules=dict(loaded.rules or {}),
+            gpu_timeout_ceiling_s=self.settings.max_timeout_ms / 1000,
+            stage_lead_s=self.settings.stage_lead_ms / 1000,
+        )
+        pool.demand = self.admission.arrival_rate
+        pool.tracing = self.tracing
+        pool.quarantine = self.service.quarantine
+        pool.start()
+        return pool
+
+    async def start_engine(self, elsewhere: list[str]) -> None:
+        """The generation engine on its own replica, and the models it answers on its stepper."""
+        self.generation = await start_generation(self.settings, self.metrics.registry)
+        if self.generation is not None:
+            self.generation.account = self.service.cost_account  # one account of cost served (issue 33)
+            stepper = serve_on_stepper(
+                self.service, self.generation, self.settings, StepperRecords(self.metrics, self.tracing)
+            )
+            self.stepper = stepper
+            if stepper is not None:  # no warm-up batch of theirs: their deadlines follow the stepper's answer
+                self.derive_deadlines({m: stepper.run_s() for m in elsewhere}, "the stepper's answer time")
+            # The engine's own model (/v1/chat/completions, booked under its id) is the generating model.
+            generating = next((spec.id for spec in self.settings.models if spec.generates), None)
+            if generating is not None:
+                self.registry.deadlines.setdefault(self.generation.cfg.model_id, self.registry.deadlines[generating])
 
     def derive_deadlines(self, times: dict[str, float | None], what: str) -> None:
         """Each model's own SLO and default timeout (issue 46 item 7): from its own measured time in `times`

@@ -1,11 +1,14 @@
 """Print the markdown table of every `batchserve serve` flag, for README.md (kept in step by tests/unit/test_docs.py);
-`--write` puts it in README.md in place of the table there."""
+`--write` puts it in README.md in place of the table there. The flags come in their groups (`knobs.py`), each
+under a row that names it, as `batchserve serve -h` shows them."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
-from batchserve.config import Settings, cli_fields
+from batchserve.config import Settings
 from batchserve.config_env import env_name
+from batchserve.knobs import GROUPS
 
 HEADER = "| flag | environment | default | what it does |"
 
@@ -20,12 +23,15 @@ MODEL_ROW = (
 def table() -> str:
     defaults = Settings()
     rows = [HEADER, "| --- | --- | --- | --- |"]
-    for f in cli_fields():
-        value = getattr(defaults, f.name)
-        shown = "(backend's name)" if f.name == "model_name" else repr(value)
-        rows.append(f"| `--{f.name.replace('_', '-')}` | `{env_name(f.name)}` | `{shown}` | {f.metadata['help']} |")
-        if f.name == "model_version":  # the one repeatable flag, not a Settings knob (cli.py adds it)
-            rows.append(MODEL_ROW)
+    for group in GROUPS:
+        title, _, what = (group.__doc__ or "").partition(": ")
+        rows.append(f"| **{title.lower()}** | | | {what} |")
+        for f in dataclasses.fields(group):
+            value = getattr(defaults, f.name)
+            shown = "(backend's name)" if f.name == "model_name" else repr(value)
+            rows.append(f"| `--{f.name.replace('_', '-')}` | `{env_name(f.name)}` | `{shown}` | {f.metadata['help']} |")
+            if f.name == "model_version":  # the one repeatable flag, not a Settings knob (cli.py adds it)
+                rows.append(MODEL_ROW)
     return "\n".join(rows)
 
 

@@ -27,7 +27,8 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from batchserve.backends.loading import EXIT_BACKEND_FAILED, LoadedModels, loading_abandoned
-from batchserve.config import Settings, proxy_list
+from batchserve.config import Settings
+from batchserve.knobs import proxy_list
 from batchserve.gc_tuning import tune_gc
 from batchserve.http.budget import connection_budget
 from batchserve.http.uvicorn_protocol import ConnectionGuard, ConnectionLimits, GuardedHttpToolsProtocol
@@ -215,6 +216,38 @@ def connection_guard(settings: Settings) -> ConnectionGuard:
     )
 
 
+def uvicorn_config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
+    """uvicorn's configuration: uvloop, the guarded httptools protocol (JSON errors, bounded heads, read timeouts,
+    the connection cap), and proxy headers believed only from the proxies the operator names."""
+    guard = connection_guard(settings)
+    log.info(
+        "connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
+        guard.cap,
+        settings.header_timeout_s,
+        settings.max_header_bytes,
+        settings.body_timeout_s,
+        settings.keep_alive_timeout_s,
+    )
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        # httptools, with JSON errors, bounded heads, read timeouts and a connection cap
+        http=functools.partial(GuardedHttpToolsProtocol, guard=guard),  # type: ignore[arg-type]
+        # Proxy headers are believed only from the proxies the operator names (uvicorn's default believes
+        # loopback, so any local caller could pose as another address and own its anonymous jobs).
+        proxy_headers=bool(proxy_list(settings.forwarded_allow_ips)),
+        forwarded_allow_ips=proxy_list(settings.forwarded_allow_ips) or ["127.0.0.1"],
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
+        lifespan="on",
+        access_log=False,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+        backlog=BACKLOG,
+    )
+
+
 def serve(
     settings: Settings,
     app_factory: AppFactory,
@@ -236,33 +269,7 @@ def serve(
         failed.append((reason, status))
         server.should_exit = True
 
-    guard = connection_guard(settings)
-    log.info(
-        "connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
-        guard.cap,
-        settings.header_timeout_s,
-        settings.max_header_bytes,
-        settings.body_timeout_s,
-        settings.keep_alive_timeout_s,
-    )
-    config = uvicorn.Config(
-        app_factory(settings, loaded, on_startup_failure=startup_failed),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        # httptools, with JSON errors, bounded heads, read timeouts and a connection cap
-        http=functools.partial(GuardedHttpToolsProtocol, guard=guard),  # type: ignore[arg-type]
-        # Proxy headers are believed only from the proxies the operator names (uvicorn's default believes
-        # loopback, so any local caller could pose as another address and own its anonymous jobs).
-        proxy_headers=bool(proxy_list(settings.forwarded_allow_ips)),
-        forwarded_allow_ips=proxy_list(settings.forwarded_allow_ips) or ["127.0.0.1"],
-        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
-        lifespan="on",
-        access_log=False,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=5,
-        backlog=BACKLOG,
-    )
+    config = uvicorn_config(settings, app_factory(settings, loaded, on_startup_failure=startup_failed))
     server = DrainingServer(config, grace_s=settings.drain_grace_s, group=group)
     tune_gc()  # before the first request (objects the models leave are frozen once they are up)
     server.run(sockets=sockets)
