@@ -14,44 +14,25 @@ Any node accepts a job; any node runs its items. Why each part is as it is:
   once; the job's counters move in the same transaction.
 Tables are prefixed `batchserve_` so the database can be shared with other applications; the schema is
 created at open, under an advisory lock so nodes starting together do not race.
-- Outages (issue 28, item 5; issue 34, item 4): every call is bounded on the client, whatever the server does:
-  the whole call (waiting for a pooled connection, connecting, every statement, the commit) runs as a task
-  given `CALL_BOUND_S` (2 s; a call that moves many rows or bytes more, `bound_for`), and when the bound passes the
-  socket
-  of the connection it holds is shut down, so the call fails at once instead of waiting for a server that
-  may never answer (a stopped or black-holed server answers nothing and refuses nothing: the server's own
-  `statement_timeout` never fires, and TCP keepalives never fire on a unix socket or while the peer's kernel
-  still acknowledges). A failure that says the database is unreachable, the bound passing among them, opens a
-  circuit breaker (`breaker.py`) that refuses every call at once (503) while one probe per second tries a
-  fresh connection, inside the same bound. When the probe gets through, a fresh pool replaces the old one
-  (whose connections are dead, and whose reconnection backoff can grow to minutes), so the store is in use
-  again about a second after the database returns. The outage is logged once as it begins and once as it
-  ends (`job store down` / `job store back up`); the calls it fails raise `StoreDown`, which the callers
-  answer (503) or retry without a line each.
+How each call reaches the database, bounded and behind a circuit breaker, is `pg_calls.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import random
 import secrets
 import socket
-import time
 from collections import Counter
-from typing import Any, TypeVar
-from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
-import psycopg
-from psycopg import AsyncConnection, errors
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg import AsyncConnection
 
-from batchserve.jobs.breaker import CircuitBreaker
-from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
+from batchserve.jobs.files import LineSplitter, StorageFull
 from batchserve.jobs.openai_batch import line_size
+from batchserve.jobs.pg_calls import READ_BYTES, PgCalls, bound_for
+from batchserve.jobs.pg_files import BIG_DELETE_S, PgFileStore
 from batchserve.jobs.store import (
     ACTIVE,
     PAGE_BYTES,
@@ -63,32 +44,11 @@ from batchserve.jobs.store import (
     Outcome,
     Progress,
     Sizes,
-    StoreDown,
-    StoreUnavailable,
     UnstorableInput,
     whole_bytes,
 )
 
-T = TypeVar("T")
-log = logging.getLogger("batchserve")
-# The pool warns once per discarded connection and per failed reconnection, a line every second or two for as
-# long as an outage lasts: the store's own two lines (down, back up) say it once.
-logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
 
-POOL_MAX = 4  # connections per node: the feeder, the writer, the lease keeper and the API rarely all at once
-OPEN_TIMEOUT_S = 10  # the first pool's connections at start-up
-CONNECT_TIMEOUT_S = 2  # libpq's connect_timeout (its least): an unreachable host fails in 2 s, not the OS's minutes
-STATEMENT_TIMEOUT_MS = 5000  # the server's own bound on a statement (a 50,000-item COPY takes well under a second)
-CALL_BOUND_S = 2.0  # the longest a store call touching a few rows takes on the client, pool wait included
-BODY_BYTES_PER_S = 20 << 20  # a call that moves many bytes gets 1 s more per 20 MiB of them (`bound_for`)
-ROWS_PER_S = 10_000  # and 1 s more per 10,000 rows it writes or reads (a 50,000-item COPY took 2.1 s on a
-# loaded 2-core machine, a cancel of as many 1.9 s: one bound for every call would take those for outages)
-# A read whose size is not known before it runs (a file's content, a page of results, claimed items' inputs):
-# as for the default --files-max-bytes (60 MiB): 5 s, and its rows.
-READ_BYTES = 60 << 20
-CUT_GRACE_S = 0.5  # after its socket is shut down, how long a call is given to fail before it is left behind
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
-TX_ATTEMPTS = 3  # a deadlock or serialization failure is retried this many times before the caller sees it
 SCHEMA_LOCK = 0x6261746368  # pg_advisory_xact_lock key taken while the schema is created
 
 SCHEMA = """
@@ -170,17 +130,8 @@ JOB_COLUMNS = (
     "id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
     "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason"
 )
-FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
 ABANDONED_S = 3600.0  # an upload still `uploading` this long after it began was abandoned (its node died)
 QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
-USAGE = (
-    "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files WHERE tenant = %(t)s) + "
-    "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs WHERE tenant = %(t)s)"
-)
-TOTAL = (
-    "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files) + "
-    "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs)"
-)
 LEASE = "clock_timestamp() + %(lease_s)s * interval '1 second'"
 NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one is stored with this instead
 
@@ -209,262 +160,83 @@ def _job(row: tuple[Any, ...]) -> Job:
     )
 
 
-def _file(row: tuple[Any, ...]) -> StoredFile:
-    return StoredFile(*row)
-
-
 def _text(value: str | None) -> str | None:
     return value.replace("\x00", NUL_FREE) if value is not None and "\x00" in value else value
 
 
-def with_timeouts(url: str) -> str:
-    """The connection string with the short connect and statement timeouts and keepalives added (options the
-    URL already sets, such as a search_path, are kept)."""
-    options = conninfo_to_dict(url).get("options") or ""
-    return make_conninfo(
-        url,
-        connect_timeout=CONNECT_TIMEOUT_S,
-        options=f"{options} -c statement_timeout={STATEMENT_TIMEOUT_MS}".strip(),
-        **KEEPALIVES,
+async def book_job(
+    conn: AsyncConnection,
+    job_id: str,
+    counts: Counter[str],
+    size: Sizes,
+    reasons: dict[str, str],
+    openai: bool,
+    now: float,
+) -> Progress | None:
+    """A job's counters and bytes moved by what was just recorded of it (and, failed for its quota, the rest of
+    its items ended), then its status once every item is final."""
+    reason = reasons.get(job_id)
+    if reason is not None:
+        rest = await end_pending(conn, job_id, openai, "failed", QUOTA_CODE, reason, now)
+        counts["failed"] += rest.count
+        size.merge(rest)
+    await conn.execute(
+        "UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s, "
+        "bytes = bytes + %s, output_bytes = output_bytes + %s, "
+        "error_bytes = error_bytes + %s, reason = COALESCE(reason, %s) WHERE id = %s",
+        (counts["completed"], counts["failed"], size.stored, size.output, size.errors, reason, job_id),
     )
+    cur = await conn.execute(
+        f"UPDATE batchserve_jobs SET status = CASE WHEN status NOT IN ('queued', 'running') "
+        f"THEN status WHEN completed + failed + cancelled < total THEN status "
+        f"WHEN reason IS NOT NULL THEN 'failed' "
+        f"WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
+        f"finished_at = CASE WHEN status IN ('queued', 'running') AND completed + failed + cancelled "
+        f">= total THEN %s ELSE finished_at END WHERE id = %s RETURNING {JOB_COLUMNS}",
+        (now, job_id),
+    )
+    row = await cur.fetchone()
+    return Progress.of(_job(row)) if row is not None else None
 
 
-def bound_for(nbytes: int = 0, rows: int = 0) -> float:
-    """The client-side bound of a call that moves `nbytes` (a job's inputs, an uploaded file, results) in
-    `rows` rows: `CALL_BOUND_S`, and more for a large call, so a healthy one is never taken for an outage."""
-    return CALL_BOUND_S + nbytes / BODY_BYTES_PER_S + rows / ROWS_PER_S
+async def end_pending(
+    conn: AsyncConnection, job_id: str, openai: bool, status: str, error: str, message: str, now: float
+) -> Sizes:
+    """Make every pending item of the job final with this error; the bytes that adds."""
+    cur = await conn.execute(
+        "UPDATE batchserve_items SET status = %s, error = %s, message = %s, finished_at = %s, lease_until = NULL "
+        f"WHERE job_id = %s AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
+        (status, error, message, now, job_id),
+    )
+    rows = await cur.fetchall()
+    sizes = Sizes(count=len(rows))
+    if openai and rows:
+
+        def measure() -> Sizes:
+            for idx, text in rows:
+                sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
+            return sizes
+
+        await asyncio.to_thread(measure)
+    return sizes
 
 
-BIG_DELETE_S = bound_for(256 << 20, 50_000)  # deletes of a whole file or job: they free what uploads and batches kept
-
-
-def cut(conn: AsyncConnection) -> None:
-    """Shut the connection's socket down under whatever is waiting on it: the wait sees end-of-file and fails
-    at once (psycopg's own cancellation would ask the server, which does not answer, for up to 10 s more)."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
-    except (OSError, psycopg.Error):  # already closed
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.close()  # the duplicate only: the connection's own descriptor is closed by psycopg
-
-
-class NoAnswer(Exception):
-    """A bounded call passed its bound (`within`)."""
-
-
-_LEFT_BEHIND: set[asyncio.Future] = set()  # calls still ending after their bound passed and their socket was cut
-
-
-async def within(bound_s: float, run: Callable[[list[AsyncConnection]], Awaitable[T]]) -> T:
-    """`run(held)` as a task given `bound_s`; `run` keeps the connection it uses in `held`. Past the bound, that
-    connection is cut (the call then fails in a moment) or, while it holds none (waiting for the pool, or
-    connecting: nothing waits on the server), the task is cancelled; `NoAnswer` is raised either way. A call
-    that still has not ended `CUT_GRACE_S` later is left to end in the background. The caller's own
-    cancellation cuts and cancels the same way."""
-    held: list[AsyncConnection] = []
-    task = asyncio.ensure_future(run(held))
-    try:
-        done, _ = await asyncio.wait({task}, timeout=bound_s)
-    except asyncio.CancelledError:
-        for conn in held:
-            cut(conn)
-        task.cancel()
-        raise
-    if done:
-        return task.result()
-    if held:
-        for conn in held:
-            cut(conn)
-    else:
-        task.cancel()
-    await asyncio.wait({task}, timeout=CUT_GRACE_S)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is seen, never "unretrieved"
-    if not task.done():
-        task.cancel()
-        _LEFT_BEHIND.add(task)
-        task.add_done_callback(_LEFT_BEHIND.discard)
-    raise NoAnswer(f"no answer within {bound_s:g} s")
-
-
-class PostgresStore:
+class PostgresStore(PgFileStore):
     """See the module docstring; build it with `await PostgresStore.open(url)`."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.conninfo = with_timeouts(url)
+    def __init__(self, calls: PgCalls) -> None:
+        super().__init__(calls)
         # Who holds a lease: readable in the table, so an operator can tell which node runs (or ran) an item.
         self.holder = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
-        self.breaker = CircuitBreaker()
-        self.limits = StorageLimits()
-        self._pool = self._new_pool()
-        self._closing: set[asyncio.Task] = set()  # old pools being closed after a recovery
-        self._down_since, self._refused = 0.0, 0  # when the outage being logged began (0: up), calls refused in it
-
-    def _new_pool(self) -> AsyncConnectionPool:
-        return AsyncConnectionPool(
-            self.conninfo, min_size=1, max_size=POOL_MAX, open=False, timeout=CALL_BOUND_S, name="batchserve-jobs"
-        )
 
     @classmethod
     async def open(cls, url: str) -> PostgresStore:
-        # One plain connection first: a database that is down or refuses us fails at once with the server's
-        # own words, where the pool would retry quietly until its timeout.
-        async def first(held: list[AsyncConnection]) -> None:
-            async with await AsyncConnection.connect(with_timeouts(url)) as conn:
-                held.append(conn)
-                async with conn.transaction():
-                    await cls._create_schema(conn)
-
-        try:
-            await within(OPEN_TIMEOUT_S, first)
-        except psycopg.Error as exc:
-            raise StoreUnavailable(str(exc).strip() or type(exc).__name__) from None
-        except NoAnswer as exc:
-            raise StoreUnavailable(f"the PostgreSQL job store: {exc}") from None
-        store = cls(url)
-        try:
-            await store._pool.open(wait=True, timeout=OPEN_TIMEOUT_S)
-        except PoolTimeout as exc:
-            await store._pool.close()
-            raise StoreUnavailable(str(exc)) from None
-        return store
-
-    async def _tx(self, fn: Callable[[AsyncConnection], Awaitable[T]], bound_s: float = CALL_BOUND_S) -> T:
-        """Run `fn` in one transaction within `bound_s` on the client; a deadlock or serialization failure runs
-        it again (it wrote nothing). Refused at once (`StoreDown`) while the breaker is open; an unreachable
-        database, or no answer within the bound, opens it (`StoreDown` too: the outage is logged once)."""
-        try:
-            probe = self.breaker.before()
-        except StoreDown:
-            self._refused += 1
-            raise
-        deadline = time.monotonic() + bound_s
-        try:
-            try:
-                result = await within(bound_s, lambda held: self._attempts(fn, probe, held, deadline))
-            except NoAnswer as exc:
-                raise self._unreachable(str(exc)) from None
-            except (PoolTimeout, psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                raise self._unreachable(_first_line(exc)) from None
-            except psycopg.Error as exc:  # the database answered (a constraint, a trigger): it is up
-                self._reachable()
-                raise StoreUnavailable(f"the PostgreSQL job store failed: {exc}") from None
-            except (StoreUnavailable, IdempotencyConflict, FileLimitReached):
-                self._reachable()  # it answered (a conflict, a limit, a deadlock three times)
-                raise
-            self._reachable()
-            return result
-        finally:
-            if probe:
-                self.breaker.abandon_probe()  # no-op once a verdict was given
-
-    async def _attempts(
-        self, fn: Callable[[AsyncConnection], Awaitable[T]], probe: bool, held: list[AsyncConnection], deadline: float
-    ) -> T:
-        if probe:
-            await self._reopen(deadline)
-        for attempt in range(TX_ATTEMPTS):
-            conn = await self._pool.getconn(timeout=max(0.001, deadline - time.monotonic()))
-            held.append(conn)
-            try:
-                async with conn.transaction():
-                    return await fn(conn)
-            except (errors.DeadlockDetected, errors.SerializationFailure):
-                if attempt == TX_ATTEMPTS - 1:
-                    raise StoreUnavailable("the job store kept deadlocking; try again") from None
-                await asyncio.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
-            finally:  # out of `held` first: `within` must never cut a connection the pool may hand to another call
-                held.clear()
-                await self._pool.putconn(conn)
-        raise AssertionError("unreachable")
-
-    def _unreachable(self, reason: str) -> StoreDown:
-        """Open the breaker (one log line as the outage begins, none for the calls that fail during it)."""
-        was_up = self.breaker.closed
-        self.breaker.failure(reason)
-        if was_up:
-            self._down_since, self._refused = time.monotonic(), 0
-            log.warning(
-                "job store down: %s; /v1/batches answers 503 JOBS_UNAVAILABLE and a fresh connection is "
-                "tried once a second",
-                reason,
-            )
-        return StoreDown(f"the job store is unreachable ({reason}); tried again every {self.breaker.open_s:g} s")
-
-    def _reachable(self) -> None:
-        was_down = not self.breaker.closed
-        self.breaker.success()
-        if was_down and self._down_since:
-            log.warning(
-                "job store back up after %.1f s down (%d store calls refused meanwhile)",
-                time.monotonic() - self._down_since,
-                self._refused,
-            )
-            self._down_since = 0.0
-
-    async def _reopen(self, deadline: float) -> None:
-        """The probe after an outage: one fresh connection (fails in milliseconds while the server refuses, in
-        `CONNECT_TIMEOUT_S` at most, and within the call's bound), then a fresh pool in place of the old, whose
-        connections died with the server and whose reconnection backoff may have grown long. Failures raise
-        psycopg's errors, which `_tx` turns into a verdict."""
-        conn = await AsyncConnection.connect(self.conninfo)
-        await conn.close()
-        pool = self._new_pool()
-        try:
-            await pool.open(wait=True, timeout=max(0.001, deadline - time.monotonic()))
-        except BaseException:
-            await pool.close(timeout=0)
-            raise
-        old, self._pool = self._pool, pool
-        task = asyncio.create_task(old.close(timeout=1.0))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        return cls(await PgCalls.open(url, cls._create_schema))
 
     @staticmethod
     async def _create_schema(conn: AsyncConnection) -> None:
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
         await conn.execute(SCHEMA)
-
-    # -- the JobStore interface ------------------------------------------------------------------------------
-    # -- bytes kept ------------------------------------------------------------------------------------------
-    async def _check(self, conn: AsyncConnection, tenant: str, adding: int, what: str) -> None:
-        """StorageFull when `adding` bytes would pass a bound. The tenant's own writers are serialized by an
-        advisory lock (taken first in every transaction that adds bytes, so they never deadlock), so two
-        nodes cannot both pass its quota; the server total is checked without one (it may pass by what
-        concurrent writers add at the same instant)."""
-        if not self.limits.bounded or adding <= 0:
-            return
-        await self._lock_tenant(conn, tenant)
-        mine, total = await self._usage(conn, tenant)
-        self.limits.check(tenant, mine, total, adding, what)
-
-    async def _lock_tenant(self, conn: AsyncConnection, tenant: str) -> None:
-        await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ("batchserve-storage/" + tenant,))
-
-    async def _usage(self, conn: AsyncConnection, tenant: str) -> tuple[int, int]:
-        cur = await conn.execute(USAGE, {"t": tenant})
-        row = await cur.fetchone()
-        mine = int(row[0]) if row is not None else 0
-        if not self.limits.total_bytes:
-            return mine, 0
-        cur = await conn.execute(TOTAL)
-        row = await cur.fetchone()
-        return mine, int(row[0]) if row is not None else 0
-
-    async def usage(self, tenant: str) -> tuple[int, int]:
-        async def tx(conn: AsyncConnection) -> tuple[int, int]:
-            cur = await conn.execute(USAGE, {"t": tenant})
-            mine = await cur.fetchone()
-            cur = await conn.execute(TOTAL)
-            total = await cur.fetchone()
-            return int(mine[0]) if mine else 0, int(total[0]) if total else 0
-
-        return await self._tx(tx)
 
     # -- the JobStore interface ------------------------------------------------------------------------------
     async def create(self, job: NewJob) -> tuple[Job, bool]:
@@ -518,7 +290,7 @@ class PostgresStore:
                 await self._copy_lines(conn, job)
             return job.queued(adding), True
 
-        return await self._tx(tx, bound_for(adding, job.count()))  # a file's copy: its bytes and lines
+        return await self.calls.tx(tx, bound_for(adding, job.count()))  # a file's copy: its bytes and lines
 
     async def _copy_lines(self, conn: AsyncConnection, job: NewJob) -> None:
         """The file's lines become the job's items, one stored chunk at a time (never the whole file): each
@@ -558,7 +330,7 @@ class PostgresStore:
             row = await cur.fetchone()
             return _job(row) if row is not None else None
 
-        return await self._tx(tx)
+        return await self.calls.tx(tx)
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
         async def tx(conn: AsyncConnection) -> list[Job]:
@@ -575,7 +347,7 @@ class PostgresStore:
                 )
             return [_job(r) for r in await cur.fetchall()]
 
-        return await self._tx(tx)
+        return await self.calls.tx(tx)
 
     async def results(
         self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
@@ -612,7 +384,7 @@ class PostgresStore:
             )
             return [ItemRow(*r) for r in await cur.fetchall()]
 
-        return await self._tx(tx, bound_for(READ_BYTES, limit))  # a held input's custom_id is parsed there
+        return await self.calls.tx(tx, bound_for(READ_BYTES, limit))  # a held input's custom_id is parsed there
 
     async def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
         async def tx(conn: AsyncConnection) -> bytes | None:
@@ -624,126 +396,7 @@ class PostgresStore:
             row = await cur.fetchone()
             return None if row is None else bytes(row[0])
 
-        return await self._tx(tx, bound_for(READ_BYTES))  # the whole output is decompressed for each piece
-
-    async def begin_file(self, meta: StoredFile, max_count: int) -> None:
-        async def tx(conn: AsyncConnection) -> None:
-            # Serialize one tenant's uploads, so two at once cannot both pass the count.
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ("batchserve-files/" + meta.tenant,))
-            cur = await conn.execute("SELECT count(*) FROM batchserve_files WHERE tenant = %s", (meta.tenant,))
-            row = await cur.fetchone()
-            if row is not None and row[0] >= max_count:
-                raise FileLimitReached(meta.tenant)
-            await conn.execute(
-                "INSERT INTO batchserve_files (id, tenant, filename, purpose, bytes, created_at, "
-                "status, expires_at) VALUES (%s, %s, %s, %s, 0, %s, 'uploading', %s)",
-                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
-            )
-
-        await self._tx(tx)
-
-    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
-        async def tx(conn: AsyncConnection) -> None:
-            await self._check(conn, tenant, len(data), "this upload")
-            await conn.execute(
-                "INSERT INTO batchserve_file_chunks (file_id, seq, data) VALUES (%s, %s, %s)", (file_id, seq, data)
-            )
-            await conn.execute("UPDATE batchserve_files SET bytes = bytes + %s WHERE id = %s", (len(data), file_id))
-
-        await self._tx(tx, bound_for(len(data)))
-
-    async def finish_file(self, meta: StoredFile) -> None:
-        async def tx(conn: AsyncConnection) -> None:
-            await conn.execute(
-                "UPDATE batchserve_files SET status = 'processed', filename = %s, purpose = %s, "
-                "bytes = %s, expires_at = %s WHERE id = %s",
-                (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
-            )
-
-        await self._tx(tx)
-
-    async def abort_file(self, file_id: str) -> None:
-        async def tx(conn: AsyncConnection) -> None:
-            await conn.execute("DELETE FROM batchserve_files WHERE id = %s", (file_id,))  # chunks: ON DELETE CASCADE
-
-        await self._tx(tx, BIG_DELETE_S)  # the chunks stored so far
-
-    async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
-        async def tx(conn: AsyncConnection) -> StoredFile | None:
-            cur = await conn.execute(
-                f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'",
-                (file_id, tenant),
-            )
-            row = await cur.fetchone()
-            return _file(row) if row is not None else None
-
-        return await self._tx(tx)
-
-    async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
-        if await self.get_file(tenant, file_id) is None:
-            return
-        seq = -1
-        while True:
-
-            async def tx(conn: AsyncConnection, after: int = seq) -> tuple[int, bytes] | None:
-                cur = await conn.execute(
-                    "SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s ORDER BY seq LIMIT 1",
-                    (file_id, after),
-                )
-                row = await cur.fetchone()
-                return (row[0], bytes(row[1])) if row is not None else None
-
-            found = await self._tx(tx, bound_for(2 << 20))  # one chunk (1 MB) a call
-            if found is None:
-                return
-            seq, data = found
-            yield data
-
-    async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
-        where, args = "tenant = %s AND status = 'processed'", [tenant]
-        if purpose is not None:
-            where, args = where + " AND purpose = %s", args + [purpose]
-        if after is not None:
-            where += " AND seq < (SELECT seq FROM batchserve_files WHERE id = %s AND tenant = %s)"
-            args += [after, tenant]
-
-        async def tx(conn: AsyncConnection) -> list[StoredFile]:
-            cur = await conn.execute(
-                f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE {where} ORDER BY seq DESC LIMIT %s", (*args, limit)
-            )
-            return [_file(r) for r in await cur.fetchall()]
-
-        return await self._tx(tx)
-
-    async def delete_file(self, tenant: str, file_id: str) -> bool:
-        async def tx(conn: AsyncConnection) -> bool:
-            cur = await conn.execute(
-                "DELETE FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'", (file_id, tenant)
-            )
-            return cur.rowcount > 0
-
-        return await self._tx(tx, BIG_DELETE_S)  # a file's chunks: up to --files-max-bytes
-
-    async def _end_pending(
-        self, conn: AsyncConnection, job_id: str, openai: bool, status: str, error: str, message: str, now: float
-    ) -> Sizes:
-        """Make every pending item of the job final with this error; the bytes that adds."""
-        cur = await conn.execute(
-            "UPDATE batchserve_items SET status = %s, error = %s, message = %s, finished_at = %s, lease_until = NULL "
-            f"WHERE job_id = %s AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
-            (status, error, message, now, job_id),
-        )
-        rows = await cur.fetchall()
-        sizes = Sizes(count=len(rows))
-        if openai and rows:
-
-            def measure() -> Sizes:
-                for idx, text in rows:
-                    sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
-                return sizes
-
-            await asyncio.to_thread(measure)
-        return sizes
+        return await self.calls.tx(tx, bound_for(READ_BYTES))  # the whole output is decompressed for each piece
 
     async def delete_job(self, tenant: str, job_id: str) -> Job | None:
         async def tx(conn: AsyncConnection) -> Job | None:
@@ -758,7 +411,7 @@ class PostgresStore:
                 await conn.execute("DELETE FROM batchserve_jobs WHERE id = %s", (job_id,))  # items: ON DELETE CASCADE
             return job
 
-        return await self._tx(tx, BIG_DELETE_S)  # a job's items and results
+        return await self.calls.tx(tx, BIG_DELETE_S)  # a job's items and results
 
     async def sweep(self, now: float) -> tuple[int, int]:
         async def tx(conn: AsyncConnection) -> tuple[int, int]:
@@ -774,7 +427,7 @@ class PostgresStore:
             )
             return files.rowcount, jobs.rowcount
 
-        return await self._tx(tx, BIG_DELETE_S)  # whatever expired since the last sweep
+        return await self.calls.tx(tx, BIG_DELETE_S)  # whatever expired since the last sweep
 
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         # Items first, then the job row: the order `record` takes its locks in, so the two never deadlock.
@@ -786,7 +439,7 @@ class PostgresStore:
             if row is None:
                 return None
             if row[0] in ACTIVE:
-                sizes = await self._end_pending(
+                sizes = await end_pending(
                     conn,
                     job_id,
                     row[1] is not None,
@@ -808,7 +461,7 @@ class PostgresStore:
         job = await self.get(tenant, job_id)  # how many items it may mark, for its bound (fewer by then, never more)
         if job is None:
             return None
-        return await self._tx(tx, bound_for(rows=job.pending))
+        return await self.calls.tx(tx, bound_for(rows=job.pending))
 
     async def active(self, models: list[str]) -> list[Job]:
         async def tx(conn: AsyncConnection) -> list[Job]:
@@ -819,7 +472,7 @@ class PostgresStore:
             )
             return [_job(r) for r in await cur.fetchall()]
 
-        return await self._tx(tx)
+        return await self.calls.tx(tx)
 
     async def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
         async def tx(conn: AsyncConnection) -> list[tuple[int, str]]:
@@ -843,7 +496,7 @@ class PostgresStore:
                 )
             return claimed
 
-        return await self._tx(tx, bound_for(READ_BYTES, limit))  # the claimed items' inputs come back with it
+        return await self.calls.tx(tx, bound_for(READ_BYTES, limit))  # the claimed items' inputs come back with it
 
     async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
         async def tx(conn: AsyncConnection) -> int:
@@ -854,7 +507,7 @@ class PostgresStore:
             )
             return cur.rowcount
 
-        return await self._tx(tx, bound_for(rows=len(indexes)))
+        return await self.calls.tx(tx, bound_for(rows=len(indexes)))
 
     async def release(self, job_id: str, indexes: list[int]) -> None:
         async def tx(conn: AsyncConnection) -> None:
@@ -864,7 +517,23 @@ class PostgresStore:
                 (job_id, indexes, self.holder),
             )
 
-        await self._tx(tx, bound_for(rows=len(indexes)))
+        await self.calls.tx(tx, bound_for(rows=len(indexes)))
+
+    async def _within_quota(
+        self, conn: AsyncConnection, by_job: dict[str, list[Outcome]], owners: dict[str, tuple[str, bool]]
+    ) -> dict[str, str]:
+        """Each job whose outputs would pass its tenant's quota fails whole, saying why (its outcomes in `by_job`
+        replaced by failures that keep nothing): job id -> the reason."""
+        reasons: dict[str, str] = {}
+        for job_id in sorted(by_job):
+            outs = by_job[job_id]
+            tenant, _ = owners.get(job_id, ("", False))
+            try:
+                await self._check(conn, tenant, sum(o.stored_bytes() for o in outs), f"the outputs of batch {job_id}")
+            except StorageFull as full:
+                reasons[job_id] = full.message
+                by_job[job_id] = [Outcome(o.job_id, o.index, "failed", None, QUOTA_CODE, full.message) for o in outs]
+        return reasons
 
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         if not outcomes:
@@ -882,20 +551,10 @@ class PostgresStore:
             if quota:  # tenant locks before any row lock, in one order: the order every writer takes them in
                 for tenant in sorted({t for t, _ in owners.values()}):
                     await self._lock_tenant(conn, tenant)
-            reasons: dict[str, str] = {}
+            reasons = await self._within_quota(conn, by_job, owners)
             columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
             for job_id in job_ids:
-                tenant, _ = owners.get(job_id, ("", False))
-                outs = by_job[job_id]
-                try:
-                    await self._check(
-                        conn, tenant, sum(o.stored_bytes() for o in outs), f"the outputs of batch {job_id}"
-                    )
-                except StorageFull as full:  # the job fails whole, saying why; nothing more of it is kept
-                    reasons[job_id] = full.message
-                    outs = [Outcome(o.job_id, o.index, "failed", None, QUOTA_CODE, full.message) for o in outs]
-                by_job[job_id] = outs
-                for o in outs:
+                for o in by_job[job_id]:
                     for column, value in zip(
                         columns, (o.job_id, o.index, o.status, _text(o.output), _text(o.error), _text(o.message))
                     ):
@@ -925,42 +584,11 @@ class PostgresStore:
             await asyncio.to_thread(measure)  # parses each line's custom_id: off the event loop
             progress = []
             for job_id in job_ids:
-                counts, size, reason = written[job_id], sizes[job_id], reasons.get(job_id)
-                if reason is not None:
-                    rest = await self._end_pending(
-                        conn, job_id, owners.get(job_id, ("", False))[1], "failed", QUOTA_CODE, reason, now
-                    )
-                    counts["failed"] += rest.count
-                    size.merge(rest)
-                await conn.execute(
-                    "UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s, "
-                    "bytes = bytes + %s, output_bytes = output_bytes + %s, "
-                    "error_bytes = error_bytes + %s, reason = COALESCE(reason, %s) WHERE id = %s",
-                    (counts["completed"], counts["failed"], size.stored, size.output, size.errors, reason, job_id),
-                )
-                cur = await conn.execute(
-                    f"UPDATE batchserve_jobs SET status = CASE WHEN status NOT IN ('queued', 'running') "
-                    f"THEN status WHEN completed + failed + cancelled < total THEN status "
-                    f"WHEN reason IS NOT NULL THEN 'failed' "
-                    f"WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
-                    f"finished_at = CASE WHEN status IN ('queued', 'running') AND completed + failed + cancelled "
-                    f">= total THEN %s ELSE finished_at END WHERE id = %s RETURNING {JOB_COLUMNS}",
-                    (now, job_id),
-                )
-                row = await cur.fetchone()
-                if row is not None:
-                    progress.append(Progress.of(_job(row)))
+                openai = owners.get(job_id, ("", False))[1]
+                done = await book_job(conn, job_id, written[job_id], sizes[job_id], reasons, openai, now)
+                if done is not None:
+                    progress.append(done)
             return progress
 
         written = sum(len(o.output or "") + len(o.error or "") + len(o.message or "") for o in outcomes)
-        return await self._tx(tx, bound_for(written, len(outcomes)))
-
-    async def close(self) -> None:
-        await self._pool.close()
-        if self._closing:  # an old pool closing under a stopped server gives up on its own, in a second
-            await asyncio.gather(*self._closing, return_exceptions=True)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
+        return await self.calls.tx(tx, bound_for(written, len(outcomes)))

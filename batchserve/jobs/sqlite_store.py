@@ -14,22 +14,18 @@ file's items, and a process that dies takes its leases with it, so a restart res
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import fcntl
-import functools
 import os
 import sqlite3
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Concatenate, ParamSpec, TypeVar
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import ParamSpec, TypeVar
 
 import orjson
 
-from batchserve.jobs.files import FileLimitReached, LineSplitter, StorageFull, StorageLimits, StoredFile
+from batchserve.jobs.files import LineSplitter, StorageFull
 from batchserve.jobs.openai_batch import line_size
+from batchserve.jobs.sqlite_files import SQLiteFileStore, on_store_thread
 from batchserve.jobs.store import (
     ACTIVE,
     PAGE_BYTES,
@@ -47,17 +43,6 @@ from batchserve.jobs.store import (
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-def on_store_thread(
-    fn: Callable[Concatenate[SQLiteStore, P], T],
-) -> Callable[Concatenate[SQLiteStore, P], Coroutine[Any, Any, T]]:
-    """A `JobStore` method from the event loop: `fn` runs on the store's one thread (see the module docstring)."""
-
-    async def on_loop(store: SQLiteStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await store._run(functools.partial(fn, store, *args, **kwargs))
-
-    return on_loop
 
 
 SCHEMA_VERSION = 2  # PRAGMA user_version; see SQLiteStore._migrate
@@ -137,7 +122,6 @@ JOB_COLUMNS = (
     "id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
     "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason"
 )
-FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
 ABANDONED_S = 3600.0  # an upload row this old and still `uploading` was abandoned (its process died)
 QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
 
@@ -170,22 +154,36 @@ def _job(row: sqlite3.Row) -> Job:
     )
 
 
-def _file(row: sqlite3.Row) -> StoredFile:
-    return StoredFile(
-        row["id"], row["tenant"], row["filename"], row["purpose"], row["bytes"], row["created_at"], row["expires_at"]
-    )
+def add_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """The columns a file made by an older version lacks."""
+    have = {r["name"] for r in conn.execute(f"PRAGMA table_info({table})")}
+    for name, decl in columns.items():
+        if name not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
 
-class SQLiteStore:
+def end_pending(
+    c: sqlite3.Connection, job_id: str, openai: bool, status: str, error: str, message: str, now: float
+) -> Sizes:
+    """Make every pending item of the job final with this error; the bytes that adds."""
+    rows = c.execute(
+        "UPDATE items SET status = ?, error = ?, message = ?, finished_at = ? "
+        f"WHERE job_id = ? AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
+        (status, error, message, now, job_id),
+    ).fetchall()
+    sizes = Sizes(count=len(rows))
+    for idx, text in rows:
+        if openai:
+            sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
+    return sizes
+
+
+class SQLiteStore(SQLiteFileStore):
     """See the module docstring; build it with `await SQLiteStore.open(path)`."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
-        self._conn: sqlite3.Connection | None = None
-        self._lock_fd: int | None = None
+        super().__init__(path)
         self._leases: dict[str, dict[int, float]] = {}  # job id -> index -> lease end (monotonic clock)
-        self.limits = StorageLimits()
 
     @classmethod
     async def open(cls, path: str) -> SQLiteStore:
@@ -196,9 +194,6 @@ class SQLiteStore:
             store._exec.shutdown(wait=False)
             raise
         return store
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
     # -- on the store thread ---------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -230,20 +225,12 @@ class SQLiteStore:
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(SCHEMA)
-        self._add_columns("jobs", JOB_EXTRA)
-        self._add_columns("files", FILE_EXTRA)
-        self._add_columns("items", ITEM_EXTRA)
+        for table, columns in (("jobs", JOB_EXTRA), ("files", FILE_EXTRA), ("items", ITEM_EXTRA)):
+            add_columns(conn, table, columns)
         self._migrate()
         with self._tx() as c:  # uploads cut short by the process's death (one process holds the file)
             for (file_id,) in c.execute("SELECT id FROM files WHERE status = 'uploading'").fetchall():
                 self._drop_file(c, file_id)
-
-    def _add_columns(self, table: str, columns: dict[str, str]) -> None:
-        assert self._conn is not None
-        have = {r["name"] for r in self._conn.execute(f"PRAGMA table_info({table})")}
-        for name, decl in columns.items():
-            if name not in have:
-                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     def _migrate(self) -> None:
         """Version 1: outputs are stored as JSON text (any JSON value). A file from before held the string
@@ -266,45 +253,6 @@ class SQLiteStore:
                 "FROM items WHERE items.job_id = jobs.id)"
             )
             c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        conn = self._conn
-        assert conn is not None, "the store is closed"
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-
-    # -- bytes kept ------------------------------------------------------------------------------------------
-    def _usage(self, c: sqlite3.Connection, tenant: str) -> tuple[int, int]:
-        mine = c.execute(
-            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?) + "
-            "(SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?)",
-            (tenant, tenant),
-        ).fetchone()[0]
-        if not self.limits.total_bytes:
-            return mine, 0
-        total = c.execute(
-            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
-        ).fetchone()[0]
-        return mine, total
-
-    def _check(self, c: sqlite3.Connection, tenant: str, adding: int, what: str) -> None:
-        if self.limits.bounded:
-            self.limits.check(tenant, *self._usage(c, tenant), adding, what)
-
-    @on_store_thread
-    def usage(self, tenant: str) -> tuple[int, int]:
-        assert self._conn is not None
-        mine, _ = self._usage(self._conn, tenant)
-        total = self._conn.execute(
-            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
-        ).fetchone()[0]
-        return mine, total
 
     # -- jobs ------------------------------------------------------------------------------------------------
     @on_store_thread
@@ -450,87 +398,6 @@ class SQLiteStore:
             blob.seek(min(start, len(blob)))
             return blob.read(size)
 
-    # -- files -----------------------------------------------------------------------------------------------
-    @on_store_thread
-    def begin_file(self, meta: StoredFile, max_count: int) -> None:
-        with self._tx() as c:
-            held = c.execute("SELECT count(*) FROM files WHERE tenant = ?", (meta.tenant,)).fetchone()[0]
-            if held >= max_count:
-                raise FileLimitReached(meta.tenant)
-            c.execute(
-                "INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, status, expires_at) "
-                "VALUES (?, ?, ?, ?, 0, ?, 'uploading', ?)",
-                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
-            )
-
-    @on_store_thread
-    def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
-        with self._tx() as c:
-            self._check(c, tenant, len(data), "this upload")
-            c.execute("INSERT INTO file_chunks (file_id, seq, data) VALUES (?, ?, ?)", (file_id, seq, data))
-            c.execute("UPDATE files SET bytes = bytes + ? WHERE id = ?", (len(data), file_id))
-
-    @on_store_thread
-    def finish_file(self, meta: StoredFile) -> None:
-        with self._tx() as c:
-            c.execute(
-                "UPDATE files SET status = 'processed', filename = ?, purpose = ?, bytes = ?, expires_at = ? "
-                "WHERE id = ?",
-                (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
-            )
-
-    @on_store_thread
-    def abort_file(self, file_id: str) -> None:
-        with self._tx() as c:
-            self._drop_file(c, file_id)
-        self._vacuum()  # the chunks stored so far give their pages back, as a delete's do
-
-    @staticmethod
-    def _drop_file(c: sqlite3.Connection, file_id: str) -> None:
-        c.execute("DELETE FROM file_chunks WHERE file_id = ?", (file_id,))
-        c.execute("DELETE FROM files WHERE id = ?", (file_id,))
-
-    @on_store_thread
-    def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
-        assert self._conn is not None
-        row = self._conn.execute(
-            f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
-        ).fetchone()
-        return _file(row) if row is not None else None
-
-    def _chunk(self, file_id: str, after: int) -> tuple[int, bytes] | None:
-        assert self._conn is not None
-        row = self._conn.execute(
-            "SELECT seq, data FROM file_chunks WHERE file_id = ? AND seq > ? ORDER BY seq LIMIT 1", (file_id, after)
-        ).fetchone()
-        return (row[0], bytes(row[1])) if row is not None else None
-
-    @on_store_thread
-    def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
-        assert self._conn is not None
-        where, args = "tenant = ? AND status = 'processed'", [tenant]
-        if purpose is not None:
-            where, args = where + " AND purpose = ?", args + [purpose]
-        if after is not None:
-            where += " AND seq < (SELECT seq FROM files WHERE id = ? AND tenant = ?)"
-            args += [after, tenant]
-        rows = self._conn.execute(
-            f"SELECT {FILE_COLUMNS} FROM files WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit)
-        )
-        return [_file(r) for r in rows]
-
-    @on_store_thread
-    def delete_file(self, tenant: str, file_id: str) -> bool:
-        with self._tx() as c:
-            found = c.execute(
-                "SELECT 1 FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
-            ).fetchone()
-            if found is not None:
-                self._drop_file(c, file_id)
-        if found is not None:
-            self._vacuum()
-        return found is not None
-
     # -- cancel, delete, expire ------------------------------------------------------------------------------
     @on_store_thread
     def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
@@ -539,7 +406,7 @@ class SQLiteStore:
             if row is None:
                 return None
             if row["status"] in ACTIVE:
-                sizes = self._end_pending(
+                sizes = end_pending(
                     c,
                     job_id,
                     row["openai"] is not None,
@@ -555,22 +422,6 @@ class SQLiteStore:
                 )
                 self._leases.pop(job_id, None)
         return self._get(tenant, job_id)
-
-    @staticmethod
-    def _end_pending(
-        c: sqlite3.Connection, job_id: str, openai: bool, status: str, error: str, message: str, now: float
-    ) -> Sizes:
-        """Make every pending item of the job final with this error; the bytes that adds."""
-        rows = c.execute(
-            "UPDATE items SET status = ?, error = ?, message = ?, finished_at = ? "
-            f"WHERE job_id = ? AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
-            (status, error, message, now, job_id),
-        ).fetchall()
-        sizes = Sizes(count=len(rows))
-        for idx, text in rows:
-            if openai:
-                sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
-        return sizes
 
     @on_store_thread
     def delete_job(self, tenant: str, job_id: str) -> Job | None:
@@ -612,14 +463,6 @@ class SQLiteStore:
         if files or jobs:
             self._vacuum()
         return len(files), len(jobs)
-
-    def _vacuum(self) -> None:
-        """Give freed pages back to the file system (a file made with auto_vacuum; else a no-op) and fold the
-        write-ahead log back, so deleting shrinks what is on disk, not only what is counted."""
-        assert self._conn is not None
-        # executescript steps the pragma to its end (one `execute` step frees a single page)
-        self._conn.executescript("PRAGMA incremental_vacuum;")
-        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     @on_store_thread
     def active(self, models: list[str]) -> list[Job]:
@@ -707,7 +550,7 @@ class SQLiteStore:
                                 line_size(job_id, ItemRow(o.index, o.status, o.output, o.error, o.message, row[0]))
                             )
                 if reason is not None:
-                    rest = self._end_pending(c, job_id, openai, "failed", QUOTA_CODE, reason, now)
+                    rest = end_pending(c, job_id, openai, "failed", QUOTA_CODE, reason, now)
                     counts["failed"] += rest.count
                     sizes.merge(rest)
                     self._leases.pop(job_id, None)
@@ -729,26 +572,5 @@ class SQLiteStore:
             rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(by_job)).fetchall()
         return [Progress.of(_job(r)) for r in rows]
 
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    # -- the JobStore interface, from the event loop ---------------------------------------------------------
     async def get(self, tenant: str, job_id: str) -> Job | None:
         return await self._run(self._get, tenant, job_id)
-
-    async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
-        if await self.get_file(tenant, file_id) is None:
-            return
-        seq = -1
-        while (found := await self._run(self._chunk, file_id, seq)) is not None:
-            seq, data = found
-            yield data
-
-    async def close(self) -> None:
-        await self._run(self._close)
-        self._exec.shutdown(wait=True)

@@ -348,7 +348,7 @@ def test_a_call_caught_mid_statement_by_a_stopped_server_fails_at_its_bound_and_
     bound (CALL_BOUND_S), not after the outage; the next call is refused by the breaker at once; a call that
     moves many rows or bytes is given more (`bound_for`); and after SIGCONT the store is used again within seconds.
     (Before: the first call waited for as long as the server stayed stopped.)"""
-    from batchserve.jobs.pg_store import BODY_BYTES_PER_S, CALL_BOUND_S, CUT_GRACE_S, ROWS_PER_S, bound_for
+    from batchserve.jobs.pg_calls import BODY_BYTES_PER_S, CALL_BOUND_S, CUT_GRACE_S, ROWS_PER_S, bound_for
     from batchserve.jobs.store import StoreDown
     from tests.pg_server import PgServer
 
@@ -366,7 +366,7 @@ def test_a_call_caught_mid_statement_by_a_stopped_server_fails_at_its_bound_and_
                 await conn.execute("SELECT pg_sleep(0.5)")
 
             began = time.monotonic()
-            call = asyncio.ensure_future(store._tx(slow))
+            call = asyncio.ensure_future(store.calls.tx(slow))
             await asyncio.sleep(0.2)  # the statement is running on the server
             frozen = pg.freeze()
             with pytest.raises(StoreDown, match=f"no answer within {CALL_BOUND_S:g} s"):

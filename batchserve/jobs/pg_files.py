@@ -1,0 +1,171 @@
+"""The PostgreSQL job store's files and the bytes each tenant keeps: uploads stored a chunk at a time, and the
+quota every write that adds bytes checks first (`PostgresStore` adds the jobs)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from batchserve.jobs.files import FileLimitReached, StoredFile, StorageLimits
+from batchserve.jobs.pg_calls import PgCalls, bound_for
+
+FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
+USAGE = (
+    "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files WHERE tenant = %(t)s) + "
+    "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs WHERE tenant = %(t)s)"
+)
+TOTAL = (
+    "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files) + "
+    "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs)"
+)
+BIG_DELETE_S = bound_for(256 << 20, 50_000)  # deletes of a whole file or job: they free what uploads and batches kept
+
+
+def _file(row: tuple[Any, ...]) -> StoredFile:
+    return StoredFile(*row)
+
+
+class PgFileStore:
+    """Files and quotas on PostgreSQL, over `calls`."""
+
+    def __init__(self, calls: PgCalls) -> None:
+        self.calls = calls
+        self.limits = StorageLimits()
+
+    # -- bytes kept ------------------------------------------------------------------------------------------
+    async def _check(self, conn: AsyncConnection, tenant: str, adding: int, what: str) -> None:
+        """StorageFull when `adding` bytes would pass a bound. The tenant's own writers are serialized by an
+        advisory lock (taken first in every transaction that adds bytes, so they never deadlock), so two
+        nodes cannot both pass its quota; the server total is checked without one (it may pass by what
+        concurrent writers add at the same instant)."""
+        if not self.limits.bounded or adding <= 0:
+            return
+        await self._lock_tenant(conn, tenant)
+        mine, total = await self._usage(conn, tenant)
+        self.limits.check(tenant, mine, total, adding, what)
+
+    async def _lock_tenant(self, conn: AsyncConnection, tenant: str) -> None:
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ("batchserve-storage/" + tenant,))
+
+    async def _usage(self, conn: AsyncConnection, tenant: str) -> tuple[int, int]:
+        cur = await conn.execute(USAGE, {"t": tenant})
+        row = await cur.fetchone()
+        mine = int(row[0]) if row is not None else 0
+        if not self.limits.total_bytes:
+            return mine, 0
+        cur = await conn.execute(TOTAL)
+        row = await cur.fetchone()
+        return mine, int(row[0]) if row is not None else 0
+
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        async def tx(conn: AsyncConnection) -> tuple[int, int]:
+            cur = await conn.execute(USAGE, {"t": tenant})
+            mine = await cur.fetchone()
+            cur = await conn.execute(TOTAL)
+            total = await cur.fetchone()
+            return int(mine[0]) if mine else 0, int(total[0]) if total else 0
+
+        return await self.calls.tx(tx)
+
+    async def begin_file(self, meta: StoredFile, max_count: int) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            # Serialize one tenant's uploads, so two at once cannot both pass the count.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ("batchserve-files/" + meta.tenant,))
+            cur = await conn.execute("SELECT count(*) FROM batchserve_files WHERE tenant = %s", (meta.tenant,))
+            row = await cur.fetchone()
+            if row is not None and row[0] >= max_count:
+                raise FileLimitReached(meta.tenant)
+            await conn.execute(
+                "INSERT INTO batchserve_files (id, tenant, filename, purpose, bytes, created_at, "
+                "status, expires_at) VALUES (%s, %s, %s, %s, 0, %s, 'uploading', %s)",
+                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
+            )
+
+        await self.calls.tx(tx)
+
+    async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            await self._check(conn, tenant, len(data), "this upload")
+            await conn.execute(
+                "INSERT INTO batchserve_file_chunks (file_id, seq, data) VALUES (%s, %s, %s)", (file_id, seq, data)
+            )
+            await conn.execute("UPDATE batchserve_files SET bytes = bytes + %s WHERE id = %s", (len(data), file_id))
+
+        await self.calls.tx(tx, bound_for(len(data)))
+
+    async def finish_file(self, meta: StoredFile) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            await conn.execute(
+                "UPDATE batchserve_files SET status = 'processed', filename = %s, purpose = %s, "
+                "bytes = %s, expires_at = %s WHERE id = %s",
+                (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
+            )
+
+        await self.calls.tx(tx)
+
+    async def abort_file(self, file_id: str) -> None:
+        async def tx(conn: AsyncConnection) -> None:
+            await conn.execute("DELETE FROM batchserve_files WHERE id = %s", (file_id,))  # chunks: ON DELETE CASCADE
+
+        await self.calls.tx(tx, BIG_DELETE_S)  # the chunks stored so far
+
+    async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
+        async def tx(conn: AsyncConnection) -> StoredFile | None:
+            cur = await conn.execute(
+                f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'",
+                (file_id, tenant),
+            )
+            row = await cur.fetchone()
+            return _file(row) if row is not None else None
+
+        return await self.calls.tx(tx)
+
+    async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
+        if await self.get_file(tenant, file_id) is None:
+            return
+        seq = -1
+        while True:
+
+            async def tx(conn: AsyncConnection, after: int = seq) -> tuple[int, bytes] | None:
+                cur = await conn.execute(
+                    "SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s ORDER BY seq LIMIT 1",
+                    (file_id, after),
+                )
+                row = await cur.fetchone()
+                return (row[0], bytes(row[1])) if row is not None else None
+
+            found = await self.calls.tx(tx, bound_for(2 << 20))  # one chunk (1 MB) a call
+            if found is None:
+                return
+            seq, data = found
+            yield data
+
+    async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
+        where, args = "tenant = %s AND status = 'processed'", [tenant]
+        if purpose is not None:
+            where, args = where + " AND purpose = %s", args + [purpose]
+        if after is not None:
+            where += " AND seq < (SELECT seq FROM batchserve_files WHERE id = %s AND tenant = %s)"
+            args += [after, tenant]
+
+        async def tx(conn: AsyncConnection) -> list[StoredFile]:
+            cur = await conn.execute(
+                f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE {where} ORDER BY seq DESC LIMIT %s", (*args, limit)
+            )
+            return [_file(r) for r in await cur.fetchall()]
+
+        return await self.calls.tx(tx)
+
+    async def delete_file(self, tenant: str, file_id: str) -> bool:
+        async def tx(conn: AsyncConnection) -> bool:
+            cur = await conn.execute(
+                "DELETE FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'", (file_id, tenant)
+            )
+            return cur.rowcount > 0
+
+        return await self.calls.tx(tx, BIG_DELETE_S)  # a file's chunks: up to --files-max-bytes
+
+    async def close(self) -> None:
+        await self.calls.close()

@@ -1,0 +1,197 @@
+"""One SQLite job store's thread and transactions, its files and the bytes each tenant keeps (`SQLiteStore`
+adds the schema, the file's lock and the jobs; its module docstring says why one thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from batchserve.jobs.files import FileLimitReached, StorageLimits, StoredFile
+
+T = TypeVar("T")
+P = ParamSpec("P")
+S = TypeVar("S", bound="SQLiteFileStore")
+FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
+
+
+def on_store_thread(
+    fn: Callable[Concatenate[S, P], T],
+) -> Callable[Concatenate[S, P], Coroutine[Any, Any, T]]:
+    """A `JobStore` method from the event loop: `fn` runs on the store's one thread (see the module docstring)."""
+
+    async def on_loop(store: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await store._run(functools.partial(fn, store, *args, **kwargs))
+
+    return on_loop
+
+
+def _file(row: sqlite3.Row) -> StoredFile:
+    return StoredFile(
+        row["id"], row["tenant"], row["filename"], row["purpose"], row["bytes"], row["created_at"], row["expires_at"]
+    )
+
+
+class SQLiteFileStore:
+    """Files and quotas on the store's one thread; build the whole store with `await SQLiteStore.open(path)`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
+        self._conn: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
+        self.limits = StorageLimits()
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        conn = self._conn
+        assert conn is not None, "the store is closed"
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _usage(self, c: sqlite3.Connection, tenant: str) -> tuple[int, int]:
+        mine = c.execute(
+            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?) + "
+            "(SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?)",
+            (tenant, tenant),
+        ).fetchone()[0]
+        if not self.limits.total_bytes:
+            return mine, 0
+        total = c.execute(
+            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
+        ).fetchone()[0]
+        return mine, total
+
+    def _check(self, c: sqlite3.Connection, tenant: str, adding: int, what: str) -> None:
+        if self.limits.bounded:
+            self.limits.check(tenant, *self._usage(c, tenant), adding, what)
+
+    @on_store_thread
+    def usage(self, tenant: str) -> tuple[int, int]:
+        assert self._conn is not None
+        mine, _ = self._usage(self._conn, tenant)
+        total = self._conn.execute(
+            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
+        ).fetchone()[0]
+        return mine, total
+
+    @on_store_thread
+    def begin_file(self, meta: StoredFile, max_count: int) -> None:
+        with self._tx() as c:
+            held = c.execute("SELECT count(*) FROM files WHERE tenant = ?", (meta.tenant,)).fetchone()[0]
+            if held >= max_count:
+                raise FileLimitReached(meta.tenant)
+            c.execute(
+                "INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, status, expires_at) "
+                "VALUES (?, ?, ?, ?, 0, ?, 'uploading', ?)",
+                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
+            )
+
+    @on_store_thread
+    def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
+        with self._tx() as c:
+            self._check(c, tenant, len(data), "this upload")
+            c.execute("INSERT INTO file_chunks (file_id, seq, data) VALUES (?, ?, ?)", (file_id, seq, data))
+            c.execute("UPDATE files SET bytes = bytes + ? WHERE id = ?", (len(data), file_id))
+
+    @on_store_thread
+    def finish_file(self, meta: StoredFile) -> None:
+        with self._tx() as c:
+            c.execute(
+                "UPDATE files SET status = 'processed', filename = ?, purpose = ?, bytes = ?, expires_at = ? "
+                "WHERE id = ?",
+                (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
+            )
+
+    @on_store_thread
+    def abort_file(self, file_id: str) -> None:
+        with self._tx() as c:
+            self._drop_file(c, file_id)
+        self._vacuum()  # the chunks stored so far give their pages back, as a delete's do
+
+    @staticmethod
+    def _drop_file(c: sqlite3.Connection, file_id: str) -> None:
+        c.execute("DELETE FROM file_chunks WHERE file_id = ?", (file_id,))
+        c.execute("DELETE FROM files WHERE id = ?", (file_id,))
+
+    @on_store_thread
+    def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
+        assert self._conn is not None
+        row = self._conn.execute(
+            f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
+        ).fetchone()
+        return _file(row) if row is not None else None
+
+    def _chunk(self, file_id: str, after: int) -> tuple[int, bytes] | None:
+        assert self._conn is not None
+        row = self._conn.execute(
+            "SELECT seq, data FROM file_chunks WHERE file_id = ? AND seq > ? ORDER BY seq LIMIT 1", (file_id, after)
+        ).fetchone()
+        return (row[0], bytes(row[1])) if row is not None else None
+
+    @on_store_thread
+    def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
+        assert self._conn is not None
+        where, args = "tenant = ? AND status = 'processed'", [tenant]
+        if purpose is not None:
+            where, args = where + " AND purpose = ?", args + [purpose]
+        if after is not None:
+            where += " AND seq < (SELECT seq FROM files WHERE id = ? AND tenant = ?)"
+            args += [after, tenant]
+        rows = self._conn.execute(
+            f"SELECT {FILE_COLUMNS} FROM files WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit)
+        )
+        return [_file(r) for r in rows]
+
+    @on_store_thread
+    def delete_file(self, tenant: str, file_id: str) -> bool:
+        with self._tx() as c:
+            found = c.execute(
+                "SELECT 1 FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
+            ).fetchone()
+            if found is not None:
+                self._drop_file(c, file_id)
+        if found is not None:
+            self._vacuum()
+        return found is not None
+
+    def _vacuum(self) -> None:
+        """Give freed pages back to the file system (a file made with auto_vacuum; else a no-op) and fold the
+        write-ahead log back, so deleting shrinks what is on disk, not only what is counted."""
+        assert self._conn is not None
+        # executescript steps the pragma to its end (one `execute` step frees a single page)
+        self._conn.executescript("PRAGMA incremental_vacuum;")
+        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
+        if await self.get_file(tenant, file_id) is None:
+            return
+        seq = -1
+        while (found := await self._run(self._chunk, file_id, seq)) is not None:
+            seq, data = found
+            yield data
+
+    async def close(self) -> None:
+        await self._run(self._close)
+        self._exec.shutdown(wait=True)
