@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import heapq
 import itertools
 import logging
 import math
@@ -42,23 +41,17 @@ from batchserve.config import Settings
 from batchserve.core.tenant_cost import CostAccount
 from batchserve.core.tiers import TIERS
 from batchserve.errors import ApiError
-from batchserve.decoding.kv_budget import Claim, KvBudget, Replay
+from batchserve.decoding.kv_budget import KvBudget
 from batchserve.decoding.shares import (
-    LINGER_S,
     SPARE,
-    WEIGHTED,
     Lane,
     LaneLoad,
-    Queued,
     batch_excess,
     batch_row_cap,
     headroom,
     lane_of,
     order_key,
     rows_within_slowdown,
-    replay_wait,
-    shares,
-    tier_weight,
     victim_lane,
 )
 from batchserve.decoding import build
@@ -70,6 +63,8 @@ from batchserve.decoding.build import (
     longest_token_chars,
     sampling_defaults,
 )
+from batchserve.decoding.forecast import WaitForecast
+from batchserve.decoding.lanes import Lanes, victim_order
 from batchserve.decoding.metrics import GenerationMetrics
 from batchserve.decoding.sequence import DONE, RUNNING, WAITING, Delta, EngineSequence
 from batchserve.decoding.stepper import SamplingParams, Stepper, TokenUpdate
@@ -77,7 +72,6 @@ from batchserve.decoding.stepper import SamplingParams, Stepper, TokenUpdate
 log = logging.getLogger("batchserve.generation")
 
 TICK_S = 0.25  # gauges, tokens/s and queue expiry are refreshed this often
-REPLAY_TTL_S = 0.1  # a kept replay of the queue answers arrivals this long (see Engine.predicted_wait_s)
 TOKENIZE_THREADS = 2  # chat templating and tokenization run here, off the event loop (the tokenizer frees the GIL)
 
 
@@ -120,13 +114,8 @@ class Engine:
         self.eos_ids = {tokenizer.eos_token_id}
         self.longest_token_chars = longest_token_chars(tokenizer)
         self._tokenize_pool: ThreadPoolExecutor | None = None  # made on first use
-        self.running: dict[str, EngineSequence] = {}  # by run id (`EngineSequence.run_id`)
-        # waiting sequences, a heap of (tier, arrival order, sequence) per lane (`shares.py`), and what runs by lane
-        self.queues: dict[Lane, list[tuple[int, int, EngineSequence]]] = {}
-        self.waiting_count = 0
-        self.lane_running: dict[Lane, dict[str, EngineSequence]] = {}
-        self.lane_held: dict[Lane, int] = {}  # blocks held by each lane's running sequences
-        self.idle_since: dict[Lane, float] = {}  # interactive lanes whose last sequence ended lately (LINGER_S)
+        self.lanes = Lanes(self.budget)  # who waits and who runs, by lane (`shares.py`)
+        self.forecast = WaitForecast(self.lanes)
         self.preemptions = 0
         # the most batch lines running while interactive work is there (`shares.batch_row_cap`). A stepper that
         # shares steps (the slot stepper) holds the slowdown itself by leaving batch rows out of some steps
@@ -140,8 +129,6 @@ class Engine:
         # cost served per (model, tier, tenant), shared with the batcher's workers (`core/tenant_cost.py`): the
         # runtime hands the service's account in; a bare engine (tests, benches) keeps its own
         self.account = CostAccount()
-        # tier -> (when made, the replay of the future after every waiting sequence of that tier or one served before)
-        self._replays: dict[int, tuple[float, Replay]] = {}
         self.draining = False
         self._order = itertools.count()
         self._tick_task: asyncio.Task | None = None
@@ -217,9 +204,17 @@ class Engine:
         return self.stepper.is_running()
 
     @property
+    def running(self) -> dict[str, EngineSequence]:
+        return self.lanes.running
+
+    @property
     def waiting(self) -> list[tuple[int, int, EngineSequence]]:
         """Every waiting sequence as (tier, arrival order, sequence), in no particular order."""
-        return [entry for queue in self.queues.values() for entry in queue]
+        return self.lanes.waiting
+
+    @property
+    def waiting_count(self) -> int:
+        return self.lanes.waiting_count
 
     # -- requests -------------------------------------------------------------------------------------------
     def check_prompt_chars(self, chars: int, max_tokens: int) -> None:
@@ -272,32 +267,8 @@ class Engine:
         generated ids are kept in `token_ids`; `on_start` is called when it joins the stepper. `tenant`: whose
         share of the capacity it counts in (with `tier`: its lane)."""
         wait_limit = self.cfg.queue_timeout_s if max_wait_s is None else max_wait_s
-        if self.draining:
-            raise errors.draining()
-        if not self.healthy:
-            raise errors.no_healthy_worker("the generation engine has stopped")
-        total = len(prompt_ids) + params.max_tokens
-        if not prompt_ids:
-            raise errors.invalid("the prompt is empty")
-        if total > self.max_context:
-            raise errors.invalid(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"over the {self.max_context} tokens one sequence may hold here "
-                "(--generation-max-context)"
-            )
-        blocks = self.budget.blocks_for(total)
         lane = lane_of(tenant, tier)
-        # batch lines waiting never refuse an interactive caller: it counts only the interactive queue
-        queued = (
-            self.waiting_count
-            if lane[0] == SPARE
-            else sum(len(q) for other, q in self.queues.items() if other[0] != SPARE)
-        )
-        if queued >= self.cfg.max_waiting:
-            self.metrics.rejected.labels("queue_full").inc()
-            raise errors.overloaded(
-                f"{queued} sequences are already waiting for KV-cache capacity", retry_after_ms=self.step_s * 1000 * 16
-            )
+        self._check_room(prompt_ids, params, lane)
         from batchserve.decoding.textstream import TextStream
 
         now = time.monotonic()
@@ -306,7 +277,7 @@ class Engine:
             prompt_ids=prompt_ids,
             params=params,
             tier=tier,
-            blocks=blocks,
+            blocks=self.budget.blocks_for(len(prompt_ids) + params.max_tokens),
             arrived=now,
             deadline=now + (wait_limit if start_by_s is None else start_by_s),
             text=TextStream(self.tokenizer.backend_tokenizer, params.stop),
@@ -317,13 +288,13 @@ class Engine:
             order=next(self._order),
         )
         seq.run_id = seq.id
-        self._queue(seq)
+        self.lanes.queue(seq)
         self._admit_waiting()
         if seq.state == RUNNING:
             return seq
         wait_s = self.predicted_wait_s(seq)
         if wait_s > wait_limit:
-            self._unqueue(seq)  # the kept replays never held it: they stay valid
+            self.lanes.unqueue(seq)  # the kept replays never held it: they stay valid
             self.metrics.rejected.labels("kv_capacity").inc()
             retry_ms = 1000 * (self.step_s * 16 if math.isinf(wait_s) else wait_s - wait_limit)
             raise errors.overloaded(
@@ -334,106 +305,36 @@ class Engine:
         self.metrics.waiting.set(self.waiting_count)
         return seq
 
+    def _check_room(self, prompt_ids: list[int], params: SamplingParams, lane: Lane) -> None:
+        """The 400 or 503 a sequence gets before it queues: a draining or stopped engine, an empty or too long
+        prompt, or a full queue (batch lines waiting never refuse an interactive caller: it counts only the
+        interactive queue)."""
+        if self.draining:
+            raise errors.draining()
+        if not self.healthy:
+            raise errors.no_healthy_worker("the generation engine has stopped")
+        if not prompt_ids:
+            raise errors.invalid("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise errors.invalid(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"over the {self.max_context} tokens one sequence may hold here "
+                "(--generation-max-context)"
+            )
+        queued = self.waiting_count if lane[0] == SPARE else self.lanes.interactive_waiting()
+        if queued >= self.cfg.max_waiting:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise errors.overloaded(
+                f"{queued} sequences are already waiting for KV-cache capacity", retry_after_ms=self.step_s * 1000 * 16
+            )
+
     def predicted_wait_s(self, seq: EngineSequence, queued: bool = False) -> float:
-        """Seconds until `seq` (queued already, or a probe) would start.
-
-        A lane alone in the engine (one tenant's interactive work, the common case and every burst): behind
-        the waiting sequences of its tier and of the tiers served before it (`kv_budget.Replay`). That replay is
-        kept per tier and continued by the next arrival of that tier, so a burst of n queued arrivals costs n
-        placements rather than n^2/2. `queued`: `seq` has just joined the queue's tail, and the kept replay
-        takes it. A kept replay is dropped when a sequence leaves the queue or one of a tier served earlier joins
-        ahead, and is used for REPLAY_TTL_S at most (its running sequences may end early: that only makes it
-        pessimistic meanwhile). Lanes sharing the engine: `_shared_wait_s`, made afresh."""
-        if not self._alone(seq):
-            self._replays.clear()
-            return 0.0 if queued else self._shared_wait_s(seq)
-        now = time.monotonic()
-        kept = self._replays.get(seq.tier)
-        if kept is None or now - kept[0] > REPLAY_TTL_S:
-            replay = Replay(self.budget, [s.claim() for s in self.running.values()], self.step_s)
-            for _, _, ahead in sorted(self.waiting):
-                if ahead.tier <= seq.tier and ahead is not seq:
-                    replay.place(ahead.claim())
-            kept = self._replays[seq.tier] = (now, replay)
-        if queued:
-            for tier in [t for t in self._replays if t > seq.tier]:
-                del self._replays[tier]
-        made, replay = kept
-        return max(0.0, replay.place(seq.claim(), commit=queued) - (now - made))
-
-    def _alone(self, seq: EngineSequence) -> bool:
-        """Whether every running and waiting sequence is of `seq`'s lane (no shares to weigh)."""
-        lane = seq.lane
-        return all(other == lane for other in self.queues) and all(other == lane for other in self.lane_running)
-
-    def _shared_wait_s(self, seq: EngineSequence) -> float:
-        """The wait of `seq` where lanes share the engine, replayed as admission will run (`shares.replay_wait`):
-        the running sequences it could not pause stay until their end (those its lane's next preemptions would
-        pick free their place now); each freed place goes to the lane furthest under its share, interactive
-        lanes before batch lines. So a tenant under its share is predicted to start ahead of a tenant that holds
-        every slot and has a long queue, as it will. Made afresh for each arrival: O(running + waiting)."""
-        lanes, share = self._shares()
-        lane = seq.lane
-        if lane not in lanes:
-            lanes[lane] = LaneLoad(0, tier_weight(seq.tier))
-            share = shares(lanes, self.budget.total_blocks)
-        movable: set[str] = set()  # run ids that would be paused for it
-        if self.resumable:
-            own = lanes[lane].held
-            for other, runs in self.lane_running.items():
-                if other == lane or (other[0] == lane[0] and own >= share[lane]):
-                    continue
-                if other[0] != lane[0] and not (other[0] == SPARE and lane[0] != SPARE):
-                    continue
-                left = lanes[other].held
-                for run in sorted(runs.values(), key=self._victim_order, reverse=True):
-                    if other[0] == lane[0] and left - run.blocks < share[other]:
-                        break  # a lane of its class gives up only what it holds past its share
-                    movable.add(run.run_id)
-                    left -= run.blocks
-        stay = [
-            (s.lane, s.blocks, s.claim().steps * self.step_s) for s in self.running.values() if s.run_id not in movable
-        ]
-        freed = [s for s in self.running.values() if s.run_id in movable]
-        held = {other: load.held for other, load in lanes.items()}
-        for s in freed:
-            held[s.lane] -= s.blocks
-        queues: dict[Lane, list[Queued]] = {}
-        target: Queued | None = None
-        for other, queue in self.queues.items():
-            if other[0] > lane[0]:
-                continue  # batch lines wait behind an interactive caller
-            queues[other] = []
-            for tier, order, s in sorted(queue):
-                queues[other].append(Queued(s.blocks, s.claim().steps, tier, order))
-                if s is seq:
-                    target = queues[other][-1]
-        if target is None:  # a probe: at its lane's tail
-            target = Queued(seq.blocks, seq.claim().steps, seq.tier, seq.order)
-            queues.setdefault(lane, []).append(target)
-        budget = self.budget
-        return replay_wait(
-            budget.total_blocks - budget.used_blocks + sum(s.blocks for s in freed),
-            budget.max_seqs - budget.running + len(freed),
-            stay,
-            queues,
-            share,
-            held,
-            target,
-            self.step_s,
-        )
+        """Seconds until `seq` (queued already, or a probe) would start (`forecast.WaitForecast.wait_s`)."""
+        return self.forecast.wait_s(seq, self.step_s, self.resumable, queued)
 
     def predicted_start_s(self, max_tokens: int) -> float:
-        """Seconds until a new sequence of up to `max_tokens` new tokens (and a prompt within one KV block) would
-        start behind everything running and waiting now, as admission would predict it; queues nothing. The load
-        signal's predicted wait (`core/load_signal.py`), read at scrape time: one replay of the queue."""
-        blocks = self.budget.blocks_for(max_tokens + 1)
-        if not self.waiting_count and self.budget.fits(blocks):
-            return 0.0
-        replay = Replay(self.budget, [s.claim() for s in self.running.values()], self.step_s)
-        for _, _, ahead in sorted(self.waiting):
-            replay.place(ahead.claim())
-        return replay.place(Claim(blocks, max_tokens), commit=False)
+        """Seconds until a new sequence of up to `max_tokens` new tokens would start (`WaitForecast.start_s`)."""
+        return self.forecast.start_s(max_tokens, self.step_s)
 
     def cancel(self, seq: EngineSequence, reason: str = "client_disconnect") -> None:
         """Drop a sequence that nobody will read: its KV blocks and slot go to the next waiting sequence now."""
@@ -457,70 +358,13 @@ class Engine:
         """Whether the stepper can resume a dropped sequence (so the engine may preempt)."""
         return bool(getattr(self.stepper, "resumable", False))
 
-    def _queue(self, seq: EngineSequence) -> None:
-        heapq.heappush(self.queues.setdefault(seq.lane, []), (seq.tier, seq.order, seq))
-        self.waiting_count += 1
-
-    def _unqueue(self, seq: EngineSequence) -> None:
-        lane = seq.lane
-        queue = [entry for entry in self.queues.get(lane, []) if entry[2] is not seq]
-        self.waiting_count -= len(self.queues.get(lane, [])) - len(queue)
-        if queue:
-            heapq.heapify(queue)
-            self.queues[lane] = queue
-        else:
-            self.queues.pop(lane, None)
-            self._went_idle(lane)
-
-    def _went_idle(self, lane: Lane) -> None:
-        """Note when an interactive lane's last sequence left: it lingers (`shares.LINGER_S`)."""
-        if lane[0] != SPARE and lane not in self.queues and lane not in self.lane_running:
-            self.idle_since[lane] = time.monotonic()
-
-    def _lingering(self) -> list[Lane]:
-        """Interactive lanes without work whose last sequence ended within LINGER_S (expired ones forgotten)."""
-        if not self.idle_since:
-            return []
-        now = time.monotonic()
-        for lane in [
-            lane
-            for lane, since in self.idle_since.items()
-            if now - since > LINGER_S or lane in self.queues or lane in self.lane_running
-        ]:
-            del self.idle_since[lane]
-        return list(self.idle_since)
-
-    def _weight(self, lane: Lane) -> float:
-        """A lane's weight: that of the highest tier among its work (1 for all while the tiers have no weights)."""
-        if not WEIGHTED:
-            return 1.0
-        tiers = [s.tier for s in self.lane_running.get(lane, {}).values()]
-        if queue := self.queues.get(lane):
-            tiers.append(queue[0][0])
-        return tier_weight(min(tiers)) if tiers else 1.0
-
-    def _shares(self) -> tuple[dict[Lane, LaneLoad], dict[Lane, float]]:
-        """The lanes with work, and those lingering, with their shares."""
-        lanes = {
-            lane: LaneLoad(self.lane_held.get(lane, 0), self._weight(lane))
-            for lane in {*self.queues, *self.lane_running}
-        }
-        for lane in self._lingering():
-            lanes[lane] = LaneLoad(0, 1.0)
-        return lanes, shares(lanes, self.budget.total_blocks)
-
-    @staticmethod
-    def _victim_order(seq: EngineSequence) -> tuple[int, float, int]:
-        """Within a lane, the sequence paused first is the greatest: lowest-priority tier, latest (re)started."""
-        return (seq.tier, seq.run_started, seq.order)
-
     def _fits(self, seq: EngineSequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]) -> bool:
         """Whether `seq` may start now: its worst case fits, a batch line leaves the interactive headroom, and a
         lane at or over its share leaves one place for each lingering lane (`shares.LINGER_S`)."""
         lane = seq.lane
-        kept = 0 if lanes[lane].held < share[lane] else len(self.idle_since)  # _shares() pruned it just now
+        kept = 0 if lanes[lane].held < share[lane] else len(self.lanes.idle_since)  # _shares() pruned it just now
         if lane[0] == SPARE:
-            if self._spare_running() >= self.batch_cap and self._interactive_present():
+            if self.lanes.spare_running() >= self.batch_cap and self.lanes.interactive_present():
                 return False  # the rows batch lines may hold beside interactive work (`shares.batch_row_cap`)
             return self.budget.fits(
                 seq.blocks, headroom(self.budget.total_blocks) + kept, headroom(self.budget.max_seqs) + kept
@@ -530,7 +374,6 @@ class Engine:
     def _start(self, seq: EngineSequence) -> None:
         """Put `seq` in the stepper: a first run with its prompt; a resumed one (preempted) with its prompt and
         the tokens it had made, under a new run id, to recompute their K/V and go on from there."""
-        self.budget.take(seq.blocks)
         now = time.monotonic()
         seq.state, seq.run_started = RUNNING, now
         seq.runs += 1
@@ -540,53 +383,22 @@ class Engine:
         else:
             seq.run_id, seq.resumed = f"{seq.id}.{seq.runs}", True
             prompt, params = seq.prompt_ids + seq.made, dataclasses.replace(seq.params, resumed=len(seq.made))
-        lane = seq.lane
-        self.running[seq.run_id] = seq
-        self.lane_running.setdefault(lane, {})[seq.run_id] = seq
-        self.lane_held[lane] = self.lane_held.get(lane, 0) + seq.blocks
-        self.stepper.add(seq.run_id, prompt, params, background=lane[0] == SPARE, tenant=seq.tenant)
+        self.lanes.run(seq)
+        self.stepper.add(seq.run_id, prompt, params, background=seq.lane[0] == SPARE, tenant=seq.tenant)
         if seq.on_start is not None and seq.runs == 1:
             seq.on_start(seq)
         self._gauges()
 
-    def _unrun(self, seq: EngineSequence) -> None:
-        """Take a running sequence off the books (its blocks back to the budget)."""
-        lane = seq.lane
-        self.running.pop(seq.run_id, None)
-        runs = self.lane_running.get(lane, {})
-        runs.pop(seq.run_id, None)
-        if not runs:
-            self.lane_running.pop(lane, None)
-        held = self.lane_held.get(lane, 0) - seq.blocks
-        if held > 0:
-            self.lane_held[lane] = held
-        else:
-            self.lane_held.pop(lane, None)
-        self.budget.give(seq.blocks)
-        self._went_idle(lane)
-
     def _preempt(self, seq: EngineSequence, reason: str) -> None:
         """Pause a running sequence: the stepper drops it (and its K/V), it waits again in its lane at its old
         place, and it resumes by recomputing (`_start`). A started sequence is answered: it never expires."""
-        self._unrun(seq)
+        self.lanes.unrun(seq)
         self.stepper.cancel(seq.run_id)
         seq.state, seq.deadline = WAITING, math.inf
         self.preemptions += 1
         self.metrics.preempted.labels(reason).inc()
-        self._queue(seq)
-        self._replays.clear()
-
-    def _spare_running(self) -> int:
-        """Batch lines running now (every spare lane's sequences)."""
-        return sum(len(runs) for lane, runs in self.lane_running.items() if lane[0] == SPARE)
-
-    def _interactive_present(self) -> bool:
-        """Whether interactive work runs, waits, or lingers (`shares.LINGER_S`): batch lines keep to their cap."""
-        return (
-            any(lane[0] != SPARE for lane in self.lane_running)
-            or any(lane[0] != SPARE for lane in self.queues)
-            or bool(self._lingering())
-        )
+        self.lanes.queue(seq)
+        self.forecast.forget()
 
     def _pause_batch_to_cap(self) -> None:
         """Interactive work has arrived while batch lines hold more rows than their cap beside it: pause the
@@ -594,15 +406,15 @@ class Engine:
         least to recompute). They resume when the interactive work is gone."""
         if not self.resumable or self.batch_cap >= self.budget.max_seqs:
             return
-        running = self._spare_running()
+        running = self.lanes.spare_running()
         if running <= self.batch_cap:
             return
-        for _ in range(batch_excess(running, self.batch_cap, self._interactive_present())):
+        for _ in range(batch_excess(running, self.batch_cap, self.lanes.interactive_present())):
             lane = max(
-                (lane for lane in self.lane_running if lane[0] == SPARE),
-                key=lambda ln: (self.lane_held.get(ln, 0), ln[1]),
+                (lane for lane in self.lanes.lane_running if lane[0] == SPARE),
+                key=lambda ln: (self.lanes.lane_held.get(ln, 0), ln[1]),
             )
-            self._preempt(max(self.lane_running[lane].values(), key=self._victim_order), "batch")
+            self._preempt(max(self.lanes.lane_running[lane].values(), key=victim_order), "batch")
 
     def _admit_waiting(self) -> None:
         """Start waiting sequences while they fit, the lane furthest under its share first (`shares.py`);
@@ -613,9 +425,9 @@ class Engine:
             self._pause_batch_to_cap()
         pauses = len(self.running)  # each pause lets one more start: never more than there are running
         while self.waiting_count and not self.draining:
-            lanes, share = self._shares()
+            lanes, share = self.lanes.shares()
             lane, seq = min(
-                ((lane, queue[0][2]) for lane, queue in self.queues.items()),
+                ((lane, queue[0][2]) for lane, queue in self.lanes.queues.items()),
                 key=lambda ls: (
                     *order_key(ls[0], lanes[ls[0]].held, ls[1].blocks, share[ls[0]]),
                     ls[1].tier,
@@ -629,11 +441,8 @@ class Engine:
                 pauses -= 1
                 self._preempt(victim, "batch" if victim.lane[0] == SPARE and lane[0] != SPARE else "share")
                 continue
-            heapq.heappop(self.queues[lane])
-            if not self.queues[lane]:
-                del self.queues[lane]
-            self.waiting_count -= 1
-            self._replays.clear()
+            self.lanes.pop(lane)
+            self.forecast.forget()
             self._start(seq)
         self._gauges()
 
@@ -645,11 +454,11 @@ class Engine:
             return None
         # what each lane would give up: the blocks of its latest started (every sequence's, with slots); the
         # victim itself is looked for in the chosen lane only (a finish with a queue runs this: O(lanes))
-        gives = {other: next(reversed(runs.values())).blocks for other, runs in self.lane_running.items()}
+        gives = {other: next(reversed(runs.values())).blocks for other, runs in self.lanes.lane_running.items()}
         chosen = victim_lane(lane, seq.blocks, lanes, share, gives)
         if chosen is None:
             return None
-        return max(self.lane_running[chosen].values(), key=self._victim_order)
+        return max(self.lanes.lane_running[chosen].values(), key=victim_order)
 
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
         """Runs on the loop (via the stepper's call_soon_threadsafe) with one step's new tokens: at 256
@@ -717,12 +526,12 @@ class Engine:
         if seq.finished:
             return
         if seq.state == RUNNING:
-            self._unrun(seq)
+            self.lanes.unrun(seq)
             if not ended:
                 self.stepper.cancel(seq.run_id)
         elif seq.state == WAITING:
-            self._unqueue(seq)
-            self._replays.clear()
+            self.lanes.unqueue(seq)
+            self.forecast.forget()
         seq.state, seq.finish_reason = DONE, finish_reason
         if error is None and finish_reason in ("stop", "length"):  # answered: its prompt and tokens were served
             self.account.add(self.cfg.model_id, seq.tier, seq.tenant, float(len(seq.prompt_ids) + seq.tokens))
@@ -743,7 +552,7 @@ class Engine:
                 if now > seq.deadline:  # never a preempted one (its deadline is gone): a started one is answered
                     self.metrics.rejected.labels("queue_timeout").inc()
                     self._finish(seq, error=errors.deadline_exceeded())
-            if self.idle_since and self.waiting_count:
+            if self.lanes.idle_since and self.waiting_count:
                 self._admit_waiting()  # a lingering lane's kept place goes to whoever waits once LINGER_S passes
             self._gauges()
 
@@ -761,9 +570,9 @@ class Engine:
             "running": len(self.running),
             "waiting": self.waiting_count,
             "running_ids": sorted(s.id for s in self.running.values()),
-            "lanes": len({*self.queues, *self.lane_running}),  # tenants x (interactive, batch) with work
+            "lanes": len(self.lanes.with_work()),  # tenants x (interactive, batch) with work
             "preempted": self.preemptions,
-            "batch_running": self._spare_running(),  # batch lines running (tier batch)
+            "batch_running": self.lanes.spare_running(),  # batch lines running (tier batch)
             "batch_rows_beside_interactive": self.batch_cap,
             # the stepper's steps: how many ran batch rows beside interactive ones, how many the interactive rows
             # alone while batch work waited (`step_share`; empty where the stepper cannot leave rows out)

@@ -133,11 +133,11 @@ def test_the_kept_replay_of_the_queue_predicts_what_replaying_everything_predict
     # The engine continues one replay of the queue per tier from arrival to arrival (a burst would otherwise cost
     # n^2/2 placements); across tiers, admissions and its time limit it must agree with a replay from scratch.
     # (It is kept for a lane alone in the engine: one tenant's interactive tiers.)
-    from batchserve.decoding import engine as engine_module
+    from batchserve.decoding import forecast as forecast_module
     from batchserve.decoding.kv_budget import Claim, predicted_wait_s
 
     clock = [100.0]
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(forecast_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     e = engine(blocks=64, max_seqs=2, step_s=0.01, queue_timeout_s=1000)
     first, _ = e.submit([1], params(30)), e.submit([1], params(50))
 
@@ -159,7 +159,7 @@ def test_the_kept_replay_of_the_queue_predicts_what_replaying_everything_predict
     assert e.predicted_wait_s(probe(2)) > e.predicted_wait_s(probe(0)) > 0
     e.stepper.emit(first.id, "ab!", finished=True)  # a slot frees: the queue's head starts
     agree()
-    clock[0] += engine_module.REPLAY_TTL_S + 0.01  # past its time limit a replay is made afresh
+    clock[0] += forecast_module.REPLAY_TTL_S + 0.01  # past its time limit a replay is made afresh
     e.stepper.emit(next(iter(e.running)), "a")  # its tokens move on
     agree()
 
@@ -167,7 +167,7 @@ def test_the_kept_replay_of_the_queue_predicts_what_replaying_everything_predict
 def test_a_burst_of_queued_arrivals_replays_the_queue_once(monkeypatch: Any) -> None:
     # Each arrival continues the kept replay: 200 queued arrivals of one tier, within its time limit, make one
     # replay of the queue, not one each (which made a burst quadratic: 3.6 s for 1,536).
-    from batchserve.decoding import engine as engine_module
+    from batchserve.decoding import forecast as forecast_module
     from batchserve.decoding.kv_budget import Replay
 
     made: list[Replay] = []
@@ -177,8 +177,8 @@ def test_a_burst_of_queued_arrivals_replays_the_queue_once(monkeypatch: Any) -> 
             super().__init__(*args)
             made.append(self)
 
-    monkeypatch.setattr(engine_module, "Replay", Counted)
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: 100.0))
+    monkeypatch.setattr(forecast_module, "Replay", Counted)
+    monkeypatch.setattr(forecast_module, "time", SimpleNamespace(monotonic=lambda: 100.0))
     e = engine(blocks=64, max_seqs=2, step_s=0.01, queue_timeout_s=1000)
     e.submit([1], params(30)), e.submit([1], params(50))
     for _ in range(200):

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry
 from batchserve.core.tiers import BATCH
 from batchserve.errors import ApiError
 from batchserve.decoding import engine as engine_module
+from batchserve.decoding import forecast as forecast_module
+from batchserve.decoding import lanes as lanes_module
 from batchserve.decoding.build import EngineConfig
 from batchserve.decoding.engine import Engine
 from batchserve.decoding.stepper import SamplingParams
@@ -159,12 +161,13 @@ def slots(
 @pytest.fixture
 def clock(monkeypatch: Any) -> Clock:
     c = Clock()
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=c))
+    for module in (engine_module, lanes_module, forecast_module):  # the engine, its books and its forecast
+        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=c))
     return c
 
 
 def held(e: Engine, tenant: str, lane: int = INTERACTIVE) -> int:
-    return e.lane_held.get((lane, tenant), 0)
+    return e.lanes.lane_held.get((lane, tenant), 0)
 
 
 def test_a_tenant_holding_every_slot_gives_them_up_to_its_share_as_another_arrives(clock: Clock) -> None:
@@ -365,16 +368,16 @@ def test_without_pausing_the_cap_holds_back_every_batch_tenants_lines_while_inte
     async def main() -> None:
         e = slots(8, beside=0.25, resumable=False)  # nothing can be paused: the cap only holds admission back
         lines = [e.submit([1], params(60), tier=BATCH.rank, tenant=t, max_wait_s=1e6) for t in "acacacacac"]
-        assert e._spare_running() == 7  # 8 slots less the headroom, shared by the two batch tenants
+        assert e.lanes.spare_running() == 7  # 8 slots less the headroom, shared by the two batch tenants
         mine = e.submit([1], params(5), tenant="b")  # the headroom's place
-        assert mine.state == "running" and e._spare_running() == 7
+        assert mine.state == "running" and e.lanes.spare_running() == 7
         for line in lines[:2]:
             e.stepper.emit(line.id, "ab!", finished=True)
-        assert e._spare_running() == 5 and e.budget.running == 6  # over the cap: no line takes a freed row
+        assert e.lanes.spare_running() == 5 and e.budget.running == 6  # over the cap: no line takes a freed row
         e.stepper.emit(mine.id, "ab!", finished=True)
         clock.t += LINGER_S + 0.01  # b gone for good: lines fill all but the headroom again, both tenants'
         e._admit_waiting()
-        assert e._spare_running() == 7 and {s.tenant for s in e.running.values()} == {"a", "c"}
+        assert e.lanes.spare_running() == 7 and {s.tenant for s in e.running.values()} == {"a", "c"}
 
     asyncio.run(main())
 
