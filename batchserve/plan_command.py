@@ -9,7 +9,7 @@ import math
 import sys
 from dataclasses import replace
 
-from batchserve.plan import HOURS_PER_MONTH, SIM_S, BatchTime, Contract, Plan, Prices, make_plan
+from batchserve.plan import HOURS_PER_MONTH, SIM_S, BatchTime, Contract, LatencyAtRate, Plan, Prices, make_plan
 from batchserve.plan_measure import Measured, measure
 
 
@@ -32,6 +32,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`batchserve plan`'s flags, in three sections of its -h."""
+    add_workload(p.add_argument_group("the workload"))
+    add_measure(p.add_argument_group("a running server"))
+    add_node(p.add_argument_group("the node"))
+
+
+def add_workload(p: argparse._ArgumentGroup) -> None:
+    """What to plan for: the rate, the SLO and the batch time (given, or measured with --measure)."""
     p.add_argument("--rate", type=float, required=True, help="target requests/s across the service")
     p.add_argument(
         "--slo-ms", type=float, default=None, help="p95 latency objective [200, or with --measure the server's]"
@@ -52,6 +60,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--measure is required)",
     )
     p.add_argument(
+        "--timeout-ms",
+        type=float,
+        default=None,
+        help="request deadline (--timeout-ms) [2000, or with --measure the server's]",
+    )
+    p.add_argument("--margin-ms", type=float, default=5.0, help="the server's --dispatch-margin-ms")
+
+
+def add_measure(p: argparse._ArgumentGroup) -> None:
+    """Reading a running server (`--measure`)."""
+    p.add_argument(
         "--measure",
         default=None,
         metavar="URL",
@@ -66,13 +85,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--api-key", default="", help="with --probe: the key to send")
     p.add_argument("--model", default=None, help="with --measure: which model's batch time (default: the first)")
-    p.add_argument("--margin-ms", type=float, default=5.0, help="the server's --dispatch-margin-ms")
     p.add_argument(
-        "--timeout-ms",
+        "--cpu-window-s",
         type=float,
-        default=None,
-        help="request deadline (--timeout-ms) [2000, or with --measure the server's]",
+        default=5.0,
+        help="with --measure: seconds between the two /metrics reads that give CPU per request",
     )
+
+
+def add_node(p: argparse._ArgumentGroup) -> None:
+    """A node's bounds and prices, and the simulation's own knobs."""
     p.add_argument(
         "--overhead-ms",
         type=float,
@@ -91,12 +113,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="one server process's CPU per request, microseconds (with --measure: read from the "
         "server's own counters over --cpu-window-s unless given)",
-    )
-    p.add_argument(
-        "--cpu-window-s",
-        type=float,
-        default=5.0,
-        help="with --measure: seconds between the two /metrics reads that give CPU per request",
     )
     p.add_argument(
         "--processes",
@@ -162,12 +178,7 @@ def measured_contract(a: argparse.Namespace) -> tuple[Contract, str, Measured | 
     processes = 1 if processes is None else processes
     slo_ms = DEFAULT_SLO_MS if slo_ms is None else slo_ms
     timeout_ms = DEFAULT_TIMEOUT_MS if timeout_ms is None else timeout_ms
-    if devices < 1 or a.max_batch < 1 or slo_ms <= 0 or not 0 < a.max_busy <= 1:
-        raise ValueError("--devices and --max-batch must be >= 1, --slo-ms positive, --max-busy in (0, 1]")
-    if processes < 1 or a.cores < 0 or not 0 < a.max_cpu_busy <= 1:
-        raise ValueError("--processes must be >= 1, --cores 0 or more, --max-cpu-busy in (0, 1]")
-    if a.gpu_cost_per_hour < 0 or a.node_cost_per_hour < 0:
-        raise ValueError("--gpu-cost-per-hour and --node-cost-per-hour must be 0 or more")
+    check_bounds(a, devices, processes, slo_ms)
     return (
         Contract(
             batch_time,
@@ -186,6 +197,15 @@ def measured_contract(a: argparse.Namespace) -> tuple[Contract, str, Measured | 
         source,
         m,
     )
+
+
+def check_bounds(a: argparse.Namespace, devices: int, processes: int, slo_ms: float) -> None:
+    if devices < 1 or a.max_batch < 1 or slo_ms <= 0 or not 0 < a.max_busy <= 1:
+        raise ValueError("--devices and --max-batch must be >= 1, --slo-ms positive, --max-busy in (0, 1]")
+    if processes < 1 or a.cores < 0 or not 0 < a.max_cpu_busy <= 1:
+        raise ValueError("--processes must be >= 1, --cores 0 or more, --max-cpu-busy in (0, 1]")
+    if a.gpu_cost_per_hour < 0 or a.node_cost_per_hour < 0:
+        raise ValueError("--gpu-cost-per-hour and --node-cost-per-hour must be 0 or more")
 
 
 def prices_from(a: argparse.Namespace) -> Prices | None:
@@ -209,6 +229,23 @@ def limits_line(plan: Plan) -> str:
     devices = f"devices {plan.device_capacity:.0f}"
     name = {"cpu": "the CPU", "devices": "the devices (full-batch cap)", "slo": "the SLO on the devices"}
     return f"limits            {devices}; {cpu}: {name[plan.binding]} binds"
+
+
+def one_down_line(plan: Plan, d: LatencyAtRate) -> str:
+    """What the other nodes serve while one is down, and whether that holds the SLO."""
+    c = plan.contract
+    each = plan.target_rate / (plan.nodes - 1)
+    over_cpu = each > plan.cpu_capacity
+    verdict = (
+        "within the SLO"
+        if d.meets(c.slo_s) and not over_cpu
+        else (
+            f"{'past the CPU ceiling' if over_cpu else 'over the SLO'}"
+            f"{f', {d.expired:.0%} time out' if d.expired else ''}: plan "
+            f"{plan.nodes_for_one_down} nodes to lose one (or restart one at a time) safely"
+        )
+    )
+    return f"one node down     {plan.nodes - 1} nodes at {each:.0f} requests/s each: p95 {d.p95_ms:.0f} ms, {verdict}"
 
 
 def render(plan: Plan, source: str) -> str:
@@ -240,21 +277,7 @@ def render(plan: Plan, source: str) -> str:
     if plan.note:
         lines.append(f"note              {plan.note}")
     if plan.one_down is not None:
-        d = plan.one_down
-        each = plan.target_rate / (plan.nodes - 1)
-        over_cpu = each > plan.cpu_capacity
-        verdict = (
-            "within the SLO"
-            if d.meets(c.slo_s) and not over_cpu
-            else (
-                f"{'past the CPU ceiling' if over_cpu else 'over the SLO'}"
-                f"{f', {d.expired:.0%} time out' if d.expired else ''}: plan "
-                f"{plan.nodes_for_one_down} nodes to lose one (or restart one at a time) safely"
-            )
-        )
-        lines.append(
-            f"one node down     {plan.nodes - 1} nodes at {each:.0f} requests/s each: p95 {d.p95_ms:.0f} ms, {verdict}"
-        )
+        lines.append(one_down_line(plan, plan.one_down))
     if plan.processes_for_cpu:
         p = plan.processes_for_cpu
         lines.append(

@@ -132,6 +132,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def _become_child(settings: Settings, index: int, share: Share) -> None:
+    """A fresh child's own process group, devices and log lines (each names its process)."""
+    _die_with_parent()
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only, which drains the group in order
+    if share.cuda_visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = share.cuda_visible
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s [process {index} pid {os.getpid()}] %(message)s",
+    )
+    logsafe.install()  # as the parent's: a caller's control characters never forge a child's log line
+
+
 def child_main(
     settings: Settings,
     app_factory: AppFactory,
@@ -147,15 +160,7 @@ def child_main(
     """One child: load and warm its models on its devices (`elsewhere`: those answered by another path, built as
     shells: `backends/loading.py`), then serve the shared port and its own (told to the parent through
     `own_port_out`, where it probes the child's liveness)."""
-    _die_with_parent()
-    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only, which drains the group in order
-    if share.cuda_visible is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = share.cuda_visible
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s [process {index} pid {os.getpid()}] %(message)s",
-    )
-    logsafe.install()  # as the parent's: a caller's control characters never forge a child's log line
+    _become_child(settings, index, share)
     from batchserve.backends.loading import PluginError, load_models
     from batchserve.http.server import serve
 
@@ -222,7 +227,6 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
     """Start the children, replace any that exits on its own, drain them all on SIGTERM/SIGINT. 0 after a
     clean drain; a child's status when one could not start. `elsewhere`: the models whose batch backends the
     children build as shells (the wiring's choice: smollm2 on the generation engine's stepper)."""
-    shares = device_shares(settings)
     if settings.jobs_db and not is_postgres_url(settings.jobs_db):
         # The default SQLite job store belongs to one process, and the shared port would send a job's GET to a
         # process that never saw it (an explicit SQLite --jobs-db is refused by Settings.check).
@@ -235,15 +239,55 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
     # The port, reserved by the parent (bound with SO_REUSEPORT, never listening: it takes no connection) so
     # that port 0 names one port for every child, and a replacement can always bind it again.
     reserve = bind_socket(settings.host, settings.port, reuse_port=True)
-    port = reserve.getsockname()[1]
-    ctx = mp.get_context("spawn")  # a fresh interpreter per child: no threads or event loop forked half-way
-    draining = ctx.Event()
-    slots = [Slot(k, shares[k]) for k in range(settings.processes)]
-    stopping: list[int] = []
+    try:
+        return Supervisor(settings, app_factory, elsewhere, reserve.getsockname()[1]).run()
+    finally:
+        reserve.close()
 
-    def start(slot: Slot) -> None:
+
+class Supervisor:
+    """The parent of `--processes` children: one `Slot` each, started, watched, replaced and drained."""
+
+    def __init__(self, settings: Settings, app_factory: AppFactory, elsewhere: tuple[str, ...], port: int) -> None:
+        self.settings, self.app_factory, self.elsewhere, self.port = settings, app_factory, elsewhere, port
+        self.ctx = mp.get_context("spawn")  # a fresh interpreter per child: no threads or event loop forked half-way
+        self.draining = self.ctx.Event()
+        self.shares = device_shares(settings)
+        self.slots = [Slot(k, self.shares[k]) for k in range(settings.processes)]
+        self.stopping: list[int] = []  # the signal that began the drain, once one has
+        self.status = 0
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        log.info(
+            "%d processes on %s:%d (SO_REUSEPORT), %s device(s) each",
+            len(self.slots),
+            self.settings.host,
+            self.port,
+            self.shares[0].devices or "auto",
+        )
+        for slot in self.slots:
+            self.start(slot)
+        try:
+            while alive := [s.process.sentinel for s in self.slots if s.process and s.process.exitcode is None]:
+                wait(alive, timeout=0.5)
+                for slot in self.slots:
+                    self.watch(slot)
+                    self.reap(slot)
+                if self.stopping and all(s.process is None or s.process.exitcode is not None for s in self.slots):
+                    break
+        finally:
+            for slot in self.slots:
+                if slot.prober is not None:
+                    slot.prober.stop()
+        log.info("all processes stopped")
+        return self.status
+
+    def start(self, slot: Slot) -> None:
         if slot.prober is not None:
             slot.prober.stop()
+        ctx, settings = self.ctx, self.settings
         slot.listening, slot.own_port, slot.prober, slot.killed_hung = ctx.Event(), ctx.Value("i", 0), None, 0.0
         own = settings.process_port_base + slot.index if settings.process_port_base else 0
         slot.process = ctx.Process(
@@ -251,37 +295,31 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
             name=f"batchserve-{slot.index}",
             args=(
                 settings,
-                app_factory,
+                self.app_factory,
                 slot.index,
                 slot.share,
-                port,
+                self.port,
                 own,
-                draining,
+                self.draining,
                 slot.listening,
-                elsewhere,
+                self.elsewhere,
                 slot.own_port,
             ),
         )
         slot.started_at = time.monotonic()
         slot.process.start()
 
-    def watch(slot: Slot) -> None:
-        """Probe a child once it listens; kill it (then it is replaced below) once it has answered nothing
+    def watch(self, slot: Slot) -> None:
+        """Probe a child once it listens; kill it (then it is replaced by `reap`) once it has answered nothing
         for --process-hang-s."""
-        proc = slot.process
-        if (
-            settings.process_hang_s <= 0
-            or stopping
-            or proc is None
-            or proc.exitcode is not None
-            or slot.killed_hung
-            or slot.listening is None
-            or not slot.listening.is_set()
-        ):
+        proc, hang_s = slot.process, self.settings.process_hang_s
+        if hang_s <= 0 or self.stopping or proc is None or proc.exitcode is not None or slot.killed_hung:
+            return
+        if slot.listening is None or not slot.listening.is_set():
             return
         if slot.prober is None:
             assert slot.own_port is not None
-            slot.prober = Prober(settings.host, slot.own_port.value, settings.process_hang_s).start()
+            slot.prober = Prober(self.settings.host, slot.own_port.value, hang_s).start()
             return
         if slot.prober.hung() and proc.pid:
             slot.killed_hung = slot.prober.silent_for()
@@ -295,75 +333,48 @@ def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tupl
             )
             kill_group(proc.pid)
 
-    def on_signal(sig: int, frame: FrameType | None) -> None:
-        if stopping:
-            if sig == signal.SIGINT:  # a second Ctrl-C: the children stop at once
-                for s in slots:
-                    if s.process is not None and s.process.pid and s.process.is_alive():
-                        os.kill(s.process.pid, signal.SIGINT)
+    def reap(self, slot: Slot) -> None:
+        """A child that exited: its status kept while draining, else replaced (or, one that never listened, the
+        end of them all)."""
+        proc = slot.process
+        if proc is None or proc.exitcode is None:
             return
-        stopping.append(sig)
-        log.info("received %s: draining all %d processes", signal.Signals(sig).name, len(slots))
-        draining.set()
-        for s in slots:
-            if s.process is not None and s.process.pid and s.process.is_alive():
-                os.kill(s.process.pid, signal.SIGTERM)
+        if slot.prober is not None:
+            slot.prober.stop()
+            slot.prober = None
+        if self.stopping:
+            self.status = self.status or (proc.exitcode if proc.exitcode > 0 else 0)
+            return
+        assert slot.listening is not None
+        # It never served and exited by itself (a model that cannot load, a port taken): a replacement would
+        # fail the same way. Killed by a signal while warming (a lone SIGTERM, the OOM killer), it is replaced
+        # like any child.
+        if not slot.listening.is_set() and proc.exitcode > 0:
+            log.error(
+                "process %d (pid %s) exited with %s before it listened: stopping the others",
+                slot.index,
+                proc.pid,
+                proc.exitcode,
+            )
+            self.status = proc.exitcode
+            self.on_signal(signal.SIGTERM, None)
+            return
+        log.info("process %d (pid %s) exited with %s: starting a replacement", slot.index, proc.pid, proc.exitcode)
+        time.sleep(max(0.0, slot.started_at + RESPAWN_GAP_S - time.monotonic()))
+        if not self.stopping:
+            self.start(slot)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    log.info(
-        "%d processes on %s:%d (SO_REUSEPORT), %s device(s) each",
-        len(slots),
-        settings.host,
-        port,
-        shares[0].devices or "auto",
-    )
-    for slot in slots:
-        start(slot)
-    status = 0
-    try:
-        while True:
-            alive = [s.process.sentinel for s in slots if s.process is not None and s.process.exitcode is None]
-            if not alive:
-                break
-            wait(alive, timeout=0.5)
-            for slot in slots:
-                watch(slot)
-                proc = slot.process
-                if proc is None or proc.exitcode is None:
-                    continue
-                if slot.prober is not None:
-                    slot.prober.stop()
-                    slot.prober = None
-                if stopping:
-                    status = status or (proc.exitcode if proc.exitcode > 0 else 0)
-                    continue
-                assert slot.listening is not None
-                # It never served and exited by itself (a model that cannot load, a port taken): a replacement
-                # would fail the same way. Killed by a signal while warming (a lone SIGTERM, the OOM killer), it
-                # is replaced like any child.
-                if not slot.listening.is_set() and proc.exitcode > 0:
-                    log.error(
-                        "process %d (pid %s) exited with %s before it listened: stopping the others",
-                        slot.index,
-                        proc.pid,
-                        proc.exitcode,
-                    )
-                    status = proc.exitcode if proc.exitcode and proc.exitcode > 0 else 1
-                    on_signal(signal.SIGTERM, None)
-                    continue
-                log.info(
-                    "process %d (pid %s) exited with %s: starting a replacement", slot.index, proc.pid, proc.exitcode
-                )
-                time.sleep(max(0.0, slot.started_at + RESPAWN_GAP_S - time.monotonic()))
-                if not stopping:
-                    start(slot)
-            if stopping and all(s.process is None or s.process.exitcode is not None for s in slots):
-                break
-    finally:
-        for slot in slots:
-            if slot.prober is not None:
-                slot.prober.stop()
-        reserve.close()
-    log.info("all processes stopped")
-    return status
+    def on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self.stopping:
+            if sig == signal.SIGINT:  # a second Ctrl-C: the children stop at once
+                self.signal_children(signal.SIGINT)
+            return
+        self.stopping.append(sig)
+        log.info("received %s: draining all %d processes", signal.Signals(sig).name, len(self.slots))
+        self.draining.set()
+        self.signal_children(signal.SIGTERM)
+
+    def signal_children(self, sig: int) -> None:
+        for s in self.slots:
+            if s.process is not None and s.process.pid and s.process.is_alive():
+                os.kill(s.process.pid, sig)
