@@ -220,7 +220,12 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
     c = Checker(path, Lines(raw.decode("utf-8")))
     c.known(data, (), TOP)
+    keys, storage = read_keys(c, data)
+    return ConfigFile(read_models(c, data, sim_batch_ms), read_tiers(c, data), keys, storage)
 
+
+def read_models(c: Checker, data: dict[str, Any], sim_batch_ms: float) -> list[ModelSpec]:
+    """[[models]]: each a version of its own, a folder only with backend "hf"."""
     models = []
     for i, m in enumerate(c.tables(data, "models")):
         where: Path = ("models", i)
@@ -249,7 +254,11 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         if spec.id in seen:
             raise c.fail(("models", i), f"{spec.id} is already [[models]] number {seen[spec.id] + 1}")
         seen[spec.id] = i
+    return models
 
+
+def read_tiers(c: Checker, data: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """[tiers.<tier>]: a tier's rate and burst."""
     tier_tables = data.get("tiers", {})
     if not isinstance(tier_tables, dict):
         raise c.fail(("tiers",), "must be tables written [tiers.<tier>]")
@@ -265,7 +274,11 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         c.known(limits, where, TIER_KEYS)
         rate = float(c.value(limits, where, "rate", positive, required=True))
         tier_rates[tier] = (rate, float(c.value(limits, where, "burst", positive, rate)))
+    return tier_rates
 
+
+def read_keys(c: Checker, data: dict[str, Any]) -> tuple[list[dict], dict[str, float]]:
+    """[[keys]], and the byte quotas some of them set (storage_mb, by tenant)."""
     keys = []
     storage: dict[str, float] = {}
     for i, k in enumerate(c.tables(data, "keys")):
@@ -279,7 +292,7 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
         if "storage_mb" in entry:
             storage[entry["tenant"]] = float(entry.pop("storage_mb"))
         keys.append(entry)
-    return ConfigFile(models, tier_rates, keys, storage)
+    return keys, storage
 
 
 def apply_config_file(settings: Settings, path: str) -> None:

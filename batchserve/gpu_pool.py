@@ -383,30 +383,13 @@ class GpuPool:
         # the backend's own time goes to the compute histogram and the answers.
         cycle = self.clock() - w.started
         if self.tracing is not None and not stopped_early:
-            span = self.tracing.batch(
-                batch.model,
-                len(batch.items),
-                w.name,
-                batch.cause,
-                w.started,
-                self.clock(),
-                (item.trace for item in batch.items),
-                problem,
-            )
-            for item in batch.items:
-                item.batch_trace = span
+            self._trace(self.tracing, w, batch, problem)
         w.batch = None
         w.busy_s += elapsed
         w.batches += 1
         n = len(batch.items)
         if stopped_early:  # every caller had left: nobody to answer, nothing learned about the batch time
-            self.metrics.batches_stopped_early.labels(batch.model).inc()
-            self.batcher.freed_early(batch.model)
-            if batch.held:
-                self.batcher.return_items(batch.held)
-            for item in batch.items:
-                if not item.future.done():
-                    item.future.set_exception(errors.ClientGone())
+            self._stopped_early(batch)
             return None
         if problem is not None:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
@@ -425,6 +408,28 @@ class GpuPool:
                 len(bad),
                 next(iter(bad.values())),
             )
+
+        return self._answers(batch, outputs, bad, elapsed)
+
+    def _trace(self, tracing: BatchTracer, w: DeviceWorker, batch: Batch, problem: str | None) -> None:
+        traces, n = (item.trace for item in batch.items), len(batch.items)
+        span = tracing.batch(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem)
+        for item in batch.items:
+            item.batch_trace = span
+
+    def _stopped_early(self, batch: Batch) -> None:
+        self.metrics.batches_stopped_early.labels(batch.model).inc()
+        self.batcher.freed_early(batch.model)
+        if batch.held:
+            self.batcher.return_items(batch.held)
+        for item in batch.items:
+            if not item.future.done():
+                item.future.set_exception(errors.ClientGone())
+
+    def _answers(self, batch: Batch, outputs: list, bad: dict[int, str], elapsed: float) -> Callable[[], None]:
+        """The function that answers a clean batch's items (an input that failed alone gets its error) and books
+        the cost served."""
+        n = len(batch.items)
 
         def answer() -> None:
             account = self.batcher.account  # cost served per (model, tier, tenant): core/tenant_cost.py
@@ -506,7 +511,12 @@ class GpuPool:
                 Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:], isolated=batch.isolated)
             )
             return
-        item = items[0]
+        self._retry_or_fail_one(batch, items[0], w, problem, cause, now)
+
+    def _retry_or_fail_one(
+        self, batch: Batch, item: Item, w: DeviceWorker, problem: str, cause: str, now: float
+    ) -> None:
+        """A lone failing input: once more on another worker (a transient fault), else its error (quarantined)."""
         if cause != "hang" and item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
             item.attempts += 1
             self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index, isolated=batch.isolated))

@@ -192,17 +192,7 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     obj = build(resolved, spec, settings, shell)
     err = resolved.error
     plain = _is_function(obj)
-    if plain:
-        batch_fn: Callable[..., list] = obj  # type: ignore[assignment]  # a plain function is the batch function
-    else:
-        found = getattr(obj, "batch", None)
-        if found is None and callable(obj) and not inspect.isclass(obj):
-            found = obj
-        if not callable(found):
-            raise err(f"{type(obj).__name__} has no batch(inputs) method and is not callable")
-        batch_fn = found
-    if not _is_batch_function(batch_fn):
-        raise err(f"wrong signature {_shows(batch_fn)}: the batch method takes (inputs) or (inputs, device)")
+    batch_fn = _batch_function(obj, plain, err)
 
     def optional(name: str, *args: Any) -> Callable[..., Any] | None:
         fn = None if plain else getattr(obj, name, None)
@@ -225,25 +215,16 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     if warm_fn is not None and not warm_takes_device and not _accepts(warm_fn):
         raise err(f"wrong signature {_shows(warm_fn)}: warm takes () or (device)")
 
-    devices = _devices(None if plain else obj, settings, err)
-    max_batch = getattr(obj, "max_batch_size", None)
-    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
-        raise err(f"max_batch_size must be a positive integer, not {max_batch!r}")
-    kind = getattr(obj, "output_kind", "json")  # undeclared: any JSON value (a plugin may answer objects)
-    if kind not in OUTPUT_KINDS:
-        raise err(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, not {kind!r}")
-    initial = getattr(obj, "initial_batch_s", None)
-    if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int | float) or initial <= 0):
-        raise err(f"initial_batch_s must be a positive number of seconds, not {initial!r}")
+    max_batch, kind, initial = _declared(obj, err)
     return PluginBackend(
         source=resolved,
         plugin=obj,
-        devices=devices,
+        devices=_devices(None if plain else obj, settings, err),
         batch_fn=batch_fn,
         batch_takes_device=_takes_device(batch_fn),
         output_kind=kind,
         max_batch_size=max_batch,
-        initial_batch_s=float(initial) if initial is not None else None,
+        initial_batch_s=initial,
         setup_fn=setup_fn,
         warm_fn=warm_fn,
         warm_takes_device=warm_takes_device,
@@ -253,6 +234,36 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
         batch_cost_fn=batch_cost_fn,
         tokenize_fn=tokenize_fn,
     )
+
+
+def _batch_function(obj: object, plain: bool, err: Callable[[str], Exception]) -> Callable[..., list]:
+    """The plugin's batch function: a plain function itself, else its batch method, else the object if callable."""
+    if plain:
+        batch_fn: Callable[..., list] = obj  # type: ignore[assignment]  # a plain function is the batch function
+    else:
+        found = getattr(obj, "batch", None)
+        if found is None and callable(obj) and not inspect.isclass(obj):
+            found = obj
+        if not callable(found):
+            raise err(f"{type(obj).__name__} has no batch(inputs) method and is not callable")
+        batch_fn = found
+    if not _is_batch_function(batch_fn):
+        raise err(f"wrong signature {_shows(batch_fn)}: the batch method takes (inputs) or (inputs, device)")
+    return batch_fn
+
+
+def _declared(obj: object, err: Callable[[str], Exception]) -> tuple[int | None, str, float | None]:
+    """What the plugin declares of itself: max_batch_size, output_kind, initial_batch_s (each checked)."""
+    max_batch = getattr(obj, "max_batch_size", None)
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        raise err(f"max_batch_size must be a positive integer, not {max_batch!r}")
+    kind = getattr(obj, "output_kind", "json")  # undeclared: any JSON value (a plugin may answer objects)
+    if kind not in OUTPUT_KINDS:
+        raise err(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, not {kind!r}")
+    initial = getattr(obj, "initial_batch_s", None)
+    if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int | float) or initial <= 0):
+        raise err(f"initial_batch_s must be a positive number of seconds, not {initial!r}")
+    return max_batch, kind, float(initial) if initial is not None else None
 
 
 def _devices(obj: object | None, settings: Settings, err: Callable[[str], Exception]) -> list[str]:

@@ -7,8 +7,6 @@ body → check the model → size the prompt → tokenize (off the event loop) �
 from __future__ import annotations
 
 import dataclasses
-import secrets
-import time
 from dataclasses import dataclass
 from typing import cast
 
@@ -73,13 +71,7 @@ async def complete(
     if prep.req.stream:
         raise bad("stream", "a batch line is answered whole; leave out 'stream'")
     seq = engine.submit(prep.prompt_ids, prep.params, tier=tier, streamed=False, tenant=tenant, max_wait_s=max_wait_s)
-    answer = ResponseShape(
-        chat,
-        ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
-        engine.cfg.model_id,
-        int(time.time()),
-        len(prep.prompt_ids),
-    )
+    answer = ResponseShape.new(chat, engine.cfg.model_id, len(prep.prompt_ids))
     try:
         text: list[str] = []
         while True:

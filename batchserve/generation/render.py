@@ -4,6 +4,8 @@ event chunks, in the declared shapes (`shapes.ChatCompletion`, `shapes.Completio
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,12 @@ class ResponseShape:
     model: str
     created: int
     prompt_tokens: int
+
+    @classmethod
+    def new(cls, chat: bool, model: str, prompt_tokens: int) -> ResponseShape:
+        """A new response's parts: its id (OpenAI's prefix for the endpoint) and creation time."""
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return cls(chat, prefix + secrets.token_hex(12), model, int(time.time()), prompt_tokens)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         return {

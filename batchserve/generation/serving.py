@@ -9,7 +9,6 @@ answers itself (`EngineBook`, and each sequence's `cleanup`).
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -128,17 +127,11 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
         seq = engine.submit(prompt_ids, params, tier=caller.tier, streamed=req.stream, tenant=caller.tenant)
     except ApiError as err:
         if err.status == 503:
-            rt.guard.shed(err)
+            rt.guard.shed(err)  # a refusal for capacity counts as the door's own
         raise
     endpoint = "chat" if chat else "completions"
     model = call.work.model
-    answer = ResponseShape(
-        chat,
-        ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
-        engine.cfg.model_id,
-        int(time.time()),
-        len(prompt_ids),
-    )
+    answer = ResponseShape.new(chat, engine.cfg.model_id, len(prompt_ids))
     rt.service.hold()
     done = False
     first_s = 0.0  # arrival to the first delta: what the SLO ledger holds a generation answer to
@@ -168,22 +161,31 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
             raise first.error
         if req.stream:
             return Generated(stream=stream_events(seq, first, answer, req.include_usage), close=cleanup)
-        text, delta = [first.text], first
-        while delta.finish_reason is None and delta.error is None:
-            nxt = await next_or_gone(call, seq)
-            if nxt is None:
-                cleanup("499")
-                raise Gone()
-            delta = nxt
-            text.append(delta.text)
-        if delta.error is not None:
-            cleanup(str(delta.error.status))
-            raise delta.error
+        text, last = await whole_text(call, seq, first)
+        if last is None:
+            cleanup("499")
+            raise Gone()
+        if last.error is not None:
+            cleanup(str(last.error.status))
+            raise last.error
         cleanup("200")
-        return Generated(orjson.dumps(answer.full("".join(text), delta.finish_reason or "stop", seq.tokens)))
+        return Generated(orjson.dumps(answer.full(text, last.finish_reason or "stop", seq.tokens)))
     except BaseException:
         cleanup("500")
         raise
+
+
+async def whole_text(call: Call, seq: EngineSequence, first: Delta) -> tuple[str, Delta | None]:
+    """The answer's text from `first` to its last delta (a finish reason or an error), and that delta; None in
+    its place when the caller left first."""
+    text, delta = [first.text], first
+    while delta.finish_reason is None and delta.error is None:
+        nxt = await next_or_gone(call, seq)
+        if nxt is None:
+            return "", None
+        delta = nxt
+        text.append(delta.text)
+    return "".join(text), delta
 
 
 def render(rt: GenerationHost, call: Call, body: bytes, out: Generated) -> Answer | Stream:

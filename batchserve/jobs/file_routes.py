@@ -103,26 +103,10 @@ async def _receive(
     now = time.time()
     meta = StoredFile("file-" + secrets.token_hex(12), caller.owner, "upload.jsonl", "batch", 0, now)
     form = FormStream(boundary)
-    seq, received, blank, began, done = 0, 0, True, False, False
+    received, blank, done = 0, True, False
     loop = asyncio.get_running_loop()
     pace = UploadPace(rt.settings.files_upload_min_kbps * 1000, rt.settings.files_upload_grace_s, loop.time())
-
-    async def store_chunk(chunk: bytes | bytearray) -> None:
-        nonlocal seq, began
-        if not began:  # the file row is made with the first chunk: a refusal of the form comes first
-            check_purpose(form.fields.get("purpose", PURPOSES[0]))
-            upload_filename(form.filename)  # a control character is refused before anything is stored
-            try:
-                await store.begin_file(meta, rt.settings.files_max_count)
-            except FileLimitReached:
-                raise errors.conflict(
-                    f"you already keep {rt.settings.files_max_count} files (--files-max-count); "
-                    f"DELETE /v1/files/{{id}} the ones you are done with"
-                ) from None
-            began = True
-        await store.put_chunk(caller.owner, meta.id, seq, chunk)
-        seq += 1
-
+    stored = StoredChunks(store, meta, form, rt.settings.files_max_count)
     try:
         body = call.body().__aiter__()
         while True:
@@ -142,7 +126,7 @@ async def _receive(
             if len(form.pending) >= CHUNK_BYTES:
                 chunk = form.take()
                 blank = blank and not chunk.strip()
-                await store_chunk(chunk)
+                await stored.put(chunk)
         form.finish()
         if form.filename is None:
             raise errors.invalid("the form has no 'file' part")
@@ -151,7 +135,7 @@ async def _receive(
         last = form.take()
         if blank and not last.strip():
             raise errors.invalid("the file is empty")
-        await store_chunk(last)
+        await stored.put(last)
         meta.filename, meta.purpose, meta.bytes = upload_filename(form.filename), purpose, form.file_bytes
         meta.expires_at = now + seconds if seconds else None
         await store.finish_file(meta)
@@ -159,9 +143,33 @@ async def _receive(
     except FormError as exc:
         raise errors.invalid(f"the multipart body cannot be read: {exc}") from None
     finally:
-        if began and not done:
+        if stored.began and not done:
             await asyncio.shield(store.abort_file(meta.id))
     return json_answer(meta.public())
+
+
+class StoredChunks:
+    """An upload's chunks as they are stored, in order; the file row is made with the first chunk, after the
+    form's own refusals (its purpose, a control character in its name) and within --files-max-count."""
+
+    def __init__(self, store: JobStore, meta: StoredFile, form: FormStream, max_count: int) -> None:
+        self.store, self.meta, self.form, self.max_count = store, meta, form, max_count
+        self.seq, self.began = 0, False
+
+    async def put(self, chunk: bytes | bytearray) -> None:
+        if not self.began:
+            check_purpose(self.form.fields.get("purpose", PURPOSES[0]))
+            upload_filename(self.form.filename)
+            try:
+                await self.store.begin_file(self.meta, self.max_count)
+            except FileLimitReached:
+                raise errors.conflict(
+                    f"you already keep {self.max_count} files (--files-max-count); "
+                    f"DELETE /v1/files/{{id}} the ones you are done with"
+                ) from None
+            self.began = True
+        await self.store.put_chunk(self.meta.tenant, self.meta.id, self.seq, chunk)
+        self.seq += 1
 
 
 def check_purpose(purpose: str | None) -> str:

@@ -73,23 +73,28 @@ def render_ready(rt: OpsHost, call: Call, req: None, body: dict[str, object]) ->
     return Answer(orjson.dumps(body), status=200 if body["status"] == "ready" else 503)
 
 
-async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, object]:
+def worker_states(rt: OpsHost) -> list[dict[str, object]]:
+    """Each device worker as /internal/health shows it: health, the batch it runs now, its busy share."""
+    if rt.pool is None:
+        return []
     now = time.monotonic()
-    workers = []
-    if rt.pool is not None:
-        for w in rt.pool.workers:
-            workers.append(
-                {
-                    "id": w.index,
-                    "device": w.name,
-                    "healthy": w.healthy,
-                    "busy": w.batch is not None,
-                    "batch_size": len(w.batch.items) if w.batch is not None else 0,
-                    "running_ms": round((now - w.started) * 1000) if w.batch is not None else 0,
-                    "batches": w.batches,
-                    "busy_ratio": round(rt.busy_ratios.get(w.name, 0.0), 3),
-                }
-            )
+    return [
+        {
+            "id": w.index,
+            "device": w.name,
+            "healthy": w.healthy,
+            "busy": w.batch is not None,
+            "batch_size": len(w.batch.items) if w.batch is not None else 0,
+            "running_ms": round((now - w.started) * 1000) if w.batch is not None else 0,
+            "batches": w.batches,
+            "busy_ratio": round(rt.busy_ratios.get(w.name, 0.0), 3),
+        }
+        for w in rt.pool.workers
+    ]
+
+
+async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, object]:
+    workers = worker_states(rt)
     healthy = sum(1 for w in workers if w["healthy"])
     load = rt.load_reading()
     batch_times, answer_times = rt.batch_times(), rt.answer_times()
