@@ -150,24 +150,24 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
         engine.metrics.requests.labels(endpoint, status).inc()
         rt.guard.settle(model, caller, int(status), first_s, 1, float(len(prompt_ids) + seq.tokens))
 
-    try:
-        first = await next_or_gone(call, seq)  # before any byte: a queue timeout can still be a 504
-        first_s = time.monotonic() - call.work.arrived
-        if first is None:
+    def answered(delta: Delta | None) -> Delta:
+        """The delta, unless the caller left (499) or the sequence failed (its error): then the end is booked."""
+        if delta is None:
             cleanup("499")
             raise Gone()
-        if first.error is not None:
-            cleanup(str(first.error.status))
-            raise first.error
+        if delta.error is not None:
+            cleanup(str(delta.error.status))
+            raise delta.error
+        return delta
+
+    try:
+        got = await next_or_gone(call, seq)  # before any byte: a queue timeout can still be a 504
+        first_s = time.monotonic() - call.work.arrived
+        first = answered(got)
         if req.stream:
             return Generated(stream=stream_events(seq, first, answer, req.include_usage), close=cleanup)
-        text, last = await whole_text(call, seq, first)
-        if last is None:
-            cleanup("499")
-            raise Gone()
-        if last.error is not None:
-            cleanup(str(last.error.status))
-            raise last.error
+        text, end = await whole_text(call, seq, first)
+        last = answered(end)
         cleanup("200")
         return Generated(orjson.dumps(answer.full(text, last.finish_reason or "stop", seq.tokens)))
     except BaseException:

@@ -186,3 +186,15 @@ class LineSplitter:
         line = b"".join(self._parts).strip()
         self._parts, self._held = [], 0
         return [line] if line else []
+
+
+def files_where(tenant: str, after: str | None, purpose: str | None, mark: str, table: str) -> tuple[str, list[str]]:
+    """The WHERE clause and its arguments of a tenant's processed files, of one purpose or any, those listed
+    before `after` (newest first), in a dialect's parameter mark (`%s`, `?`) over its files table."""
+    where, args = f"tenant = {mark} AND status = 'processed'", [tenant]
+    if purpose is not None:
+        where, args = where + f" AND purpose = {mark}", args + [purpose]
+    if after is not None:
+        where += f" AND seq < (SELECT seq FROM {table} WHERE id = {mark} AND tenant = {mark})"
+        args += [after, tenant]
+    return where, args

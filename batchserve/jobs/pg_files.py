@@ -8,7 +8,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from batchserve.jobs.files import FileLimitReached, StoredFile, StorageLimits
+from batchserve.jobs.files import FileLimitReached, StoredFile, StorageLimits, files_where
 from batchserve.jobs.pg_calls import PgCalls, bound_for
 
 FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
@@ -143,12 +143,7 @@ class PgFileStore:
             yield data
 
     async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
-        where, args = "tenant = %s AND status = 'processed'", [tenant]
-        if purpose is not None:
-            where, args = where + " AND purpose = %s", args + [purpose]
-        if after is not None:
-            where += " AND seq < (SELECT seq FROM batchserve_files WHERE id = %s AND tenant = %s)"
-            args += [after, tenant]
+        where, args = files_where(tenant, after, purpose, "%s", "batchserve_files")
 
         async def tx(conn: AsyncConnection) -> list[StoredFile]:
             cur = await conn.execute(

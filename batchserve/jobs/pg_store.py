@@ -39,6 +39,7 @@ from batchserve.jobs.store import (
     FileGone,
     IdempotencyConflict,
     ItemRow,
+    JOB_COLUMNS,
     Job,
     NewJob,
     Outcome,
@@ -126,38 +127,10 @@ ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION
 ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS reason TEXT;
 """
 
-JOB_COLUMNS = (
-    "id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
-    "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason"
-)
 ABANDONED_S = 3600.0  # an upload still `uploading` this long after it began was abandoned (its node died)
 QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
 LEASE = "clock_timestamp() + %(lease_s)s * interval '1 second'"
 NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one is stored with this instead
-
-
-def _job(row: tuple[Any, ...]) -> Job:
-    meta = row[11]
-    return Job(
-        row[0],
-        row[1],
-        row[2],
-        row[3],
-        row[4],
-        row[5],
-        row[6],
-        row[7],
-        row[8],
-        row[9],
-        row[10],
-        orjson.loads(meta) if meta is not None else None,
-        orjson.loads(row[12]) if row[12] is not None else None,
-        row[13],
-        row[14],
-        row[15],
-        row[16],
-        row[17],
-    )
 
 
 def _text(value: str | None) -> str | None:
@@ -196,7 +169,7 @@ async def book_job(
         (now, job_id),
     )
     row = await cur.fetchone()
-    return Progress.of(_job(row)) if row is not None else None
+    return Progress.of(Job.of_row(row)) if row is not None else None
 
 
 async def end_pending(
@@ -278,7 +251,7 @@ class PostgresStore(PgFileStore):
                 assert row is not None
                 if row[18] != job.request_hash:
                     raise IdempotencyConflict(job.idempotency_key)
-                return _job(row), False
+                return Job.of_row(row), False
             await self._check(conn, job.tenant, adding, "this batch's inputs")
             await conn.execute("UPDATE batchserve_jobs SET bytes = %s WHERE id = %s", (adding, job.id))
             if job.source_file is None:
@@ -328,7 +301,7 @@ class PostgresStore(PgFileStore):
                 f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
             )
             row = await cur.fetchone()
-            return _job(row) if row is not None else None
+            return Job.of_row(row) if row is not None else None
 
         return await self.calls.tx(tx)
 
@@ -345,7 +318,7 @@ class PostgresStore(PgFileStore):
                     f"(SELECT seq FROM batchserve_jobs WHERE id = %s AND tenant = %s) ORDER BY seq DESC LIMIT %s",
                     (tenant, after, tenant, limit),
                 )
-            return [_job(r) for r in await cur.fetchall()]
+            return [Job.of_row(r) for r in await cur.fetchall()]
 
         return await self.calls.tx(tx)
 
@@ -406,7 +379,7 @@ class PostgresStore(PgFileStore):
             row = await cur.fetchone()
             if row is None:
                 return None
-            job = _job(row)
+            job = Job.of_row(row)
             if job.status not in ACTIVE:
                 await conn.execute("DELETE FROM batchserve_jobs WHERE id = %s", (job_id,))  # items: ON DELETE CASCADE
             return job
@@ -456,7 +429,7 @@ class PostgresStore(PgFileStore):
                 )
             cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s", (job_id,))
             found = await cur.fetchone()
-            return _job(found) if found is not None else None
+            return Job.of_row(found) if found is not None else None
 
         job = await self.get(tenant, job_id)  # how many items it may mark, for its bound (fewer by then, never more)
         if job is None:
@@ -470,7 +443,7 @@ class PostgresStore(PgFileStore):
                 f"('queued', 'running') AND model = ANY(%s) ORDER BY seq",
                 (models,),
             )
-            return [_job(r) for r in await cur.fetchall()]
+            return [Job.of_row(r) for r in await cur.fetchall()]
 
         return await self.calls.tx(tx)
 

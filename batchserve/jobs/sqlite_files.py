@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from batchserve.jobs.files import FileLimitReached, StorageLimits, StoredFile
+from batchserve.jobs.files import FileLimitReached, StorageLimits, StoredFile, files_where
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -145,12 +145,7 @@ class SQLiteFileStore:
     @on_store_thread
     def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
         assert self._conn is not None
-        where, args = "tenant = ? AND status = 'processed'", [tenant]
-        if purpose is not None:
-            where, args = where + " AND purpose = ?", args + [purpose]
-        if after is not None:
-            where += " AND seq < (SELECT seq FROM files WHERE id = ? AND tenant = ?)"
-            args += [after, tenant]
+        where, args = files_where(tenant, after, purpose, "?", "files")
         rows = self._conn.execute(
             f"SELECT {FILE_COLUMNS} FROM files WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit)
         )

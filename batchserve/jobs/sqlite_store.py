@@ -32,6 +32,7 @@ from batchserve.jobs.store import (
     FileGone,
     IdempotencyConflict,
     ItemRow,
+    JOB_COLUMNS,
     Job,
     NewJob,
     Outcome,
@@ -118,40 +119,12 @@ FILE_EXTRA = {"status": "TEXT NOT NULL DEFAULT 'processed'", "expires_at": "REAL
 # which does not, came in 3.43), 60 ms for 16 MB. NULL: recorded before the column, its size read from the value.
 ITEM_EXTRA = {"output_bytes": "INTEGER"}
 
-JOB_COLUMNS = (
-    "id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
-    "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason"
-)
 ABANDONED_S = 3600.0  # an upload row this old and still `uploading` was abandoned (its process died)
 QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
 
 
 class StoreBusy(Exception):
     """Another process holds the jobs file."""
-
-
-def _job(row: sqlite3.Row) -> Job:
-    meta = row["metadata"]
-    return Job(
-        row["id"],
-        row["tenant"],
-        row["model"],
-        row["status"],
-        row["total"],
-        row["completed"],
-        row["failed"],
-        row["cancelled"],
-        row["created_at"],
-        row["started_at"],
-        row["finished_at"],
-        orjson.loads(meta) if meta is not None else None,
-        orjson.loads(row["openai"]) if row["openai"] is not None else None,
-        row["bytes"],
-        row["output_bytes"],
-        row["error_bytes"],
-        row["expires_at"],
-        row["reason"],
-    )
 
 
 def add_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
@@ -267,7 +240,7 @@ class SQLiteStore(SQLiteFileStore):
                 if row is not None:
                     if row["request_hash"] != job.request_hash:
                         raise IdempotencyConflict(job.idempotency_key)
-                    return _job(row), False
+                    return Job.of_row(row), False
             self._check(c, job.tenant, adding, "this batch's inputs")
             meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
             openai = orjson.dumps(job.openai).decode() if job.openai is not None else None
@@ -326,7 +299,7 @@ class SQLiteStore(SQLiteFileStore):
         row = self._conn.execute(
             f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)
         ).fetchone()
-        return _job(row) if row is not None else None
+        return Job.of_row(row) if row is not None else None
 
     @on_store_thread
     def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
@@ -341,7 +314,7 @@ class SQLiteStore(SQLiteFileStore):
                 f"(SELECT seq FROM jobs WHERE id = ? AND tenant = ?) ORDER BY seq DESC LIMIT ?",
                 (tenant, after, tenant, limit),
             )
-        return [_job(r) for r in rows]
+        return [Job.of_row(r) for r in rows]
 
     @on_store_thread
     def results(
@@ -429,7 +402,7 @@ class SQLiteStore(SQLiteFileStore):
             row = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
             if row is None:
                 return None
-            job = _job(row)
+            job = Job.of_row(row)
             if job.status not in ACTIVE:
                 c.execute("DELETE FROM items WHERE job_id = ?", (job_id,))
                 c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
@@ -472,7 +445,7 @@ class SQLiteStore(SQLiteFileStore):
             f"SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ('queued', 'running') AND model IN ({marks}) ORDER BY seq",
             models,
         )
-        return [_job(r) for r in rows]
+        return [Job.of_row(r) for r in rows]
 
     @on_store_thread
     def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
@@ -570,7 +543,7 @@ class SQLiteStore(SQLiteFileStore):
                     (now, job_id),
                 )
             rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(by_job)).fetchall()
-        return [Progress.of(_job(r)) for r in rows]
+        return [Progress.of(Job.of_row(r)) for r in rows]
 
     async def get(self, tenant: str, job_id: str) -> Job | None:
         return await self._run(self._get, tenant, job_id)

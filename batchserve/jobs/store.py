@@ -19,6 +19,7 @@ when that process dies, its leases die with it). `PostgresStore` is the shared o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -121,6 +122,13 @@ class NewJob:
         )  # fmt: skip
 
 
+# The columns a job row is read back from, in `Job`'s order, in both stores' tables.
+JOB_COLUMNS = (
+    "id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
+    "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason"
+)
+
+
 @dataclass(slots=True)
 class Job:
     id: str
@@ -167,6 +175,15 @@ class Job:
         if self.reason is not None:
             out["reason"] = self.reason
         return out
+
+    @classmethod
+    def of_row(cls, row: Sequence[Any]) -> Job:
+        """A job from a store's row whose first columns are `JOB_COLUMNS` (a SQLite or a PostgreSQL row: the
+        metadata and OpenAI columns hold JSON text)."""
+        values = list(row[:18])
+        for i in (11, 12):  # metadata, openai
+            values[i] = orjson.loads(values[i]) if values[i] is not None else None
+        return cls(*values)
 
 
 @dataclass(slots=True)
