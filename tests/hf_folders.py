@@ -65,8 +65,15 @@ def bert_config(tokenizer, **extra):
     )
 
 
-def embedder(folder: Path, pooling: str = "mean", normalize: bool = True, max_seq_length: int = 64) -> Path:
-    """A sentence-transformers embedder (Transformer, Pooling, and Normalize when `normalize`), saved."""
+def embedder(
+    folder: Path,
+    pooling: str = "mean",
+    normalize: bool = True,
+    max_seq_length: int = 64,
+    initializer_range: float | None = None,
+) -> Path:
+    """A sentence-transformers embedder (Transformer, Pooling, and Normalize when `normalize`), saved.
+    `initializer_range`: BERT's own default (0.02) unless given; wider weights make int8's error measurable."""
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -79,7 +86,8 @@ def embedder(folder: Path, pooling: str = "mean", normalize: bool = True, max_se
     torch.manual_seed(0)
     tokenizer = wordpiece_tokenizer()
     raw = folder.parent / (folder.name + "-raw")
-    BertModel(bert_config(tokenizer)).save_pretrained(raw)
+    extra = {} if initializer_range is None else {"initializer_range": initializer_range}
+    BertModel(bert_config(tokenizer, **extra)).save_pretrained(raw)
     tokenizer.save_pretrained(raw)
     modules = [Transformer(str(raw), max_seq_length=max_seq_length), Pooling(32, pooling_mode=pooling)]
     if normalize:

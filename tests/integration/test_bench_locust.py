@@ -113,5 +113,9 @@ def test_past_capacity_the_refusals_are_counted_apart(tmp_path: Path) -> None:
     refused = [r for r in rows if r["Name"].endswith(" refused 503")]
     assert refused and sum(int(r["Request Count"]) for r in refused) > 20, rows
     assert all(r["Failure Count"] == "0" for r in rows), rows
-    answered = {r["Name"]: int(r["Request Count"]) for r in rows}
-    assert answered["/v1/inference"] > 0 and answered["/v2/models/{name}/infer"] > 0, answered
+    counts = {r["Name"]: int(r["Request Count"]) for r in rows}
+    surfaces = ("/v1/inference", "/v2/models/{name}/infer")
+    # Both classes sent, and answers came back; one class may have been refused throughout 3 s at 3x capacity (its
+    # users spawned after the other's had filled the queue), which is the door's doing, not the locustfile's.
+    assert all(counts.get(name, 0) + counts.get(f"{name} refused 503", 0) > 0 for name in surfaces), counts
+    assert sum(counts.get(name, 0) for name in surfaces) > 0, counts
