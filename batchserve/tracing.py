@@ -131,6 +131,9 @@ class Tracing:
         if outcome == "ok":
             span.set_attribute("gen_ai.response.model", model)
             start = wall_ns(arrived)
+            began = getattr(span, "start_time", None)
+            if isinstance(began, int):  # the same instant read through two pairs of clock readings: never before it
+                start = max(start, began)
             links = [self._link(batch)] if isinstance(batch, self._context) else None
             queue = self.tracer.start_span(
                 "queue", start_time=start, links=links, attributes={"batchserve.queue_ms": round(queue_s * 1000, 3)}
