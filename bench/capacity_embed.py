@@ -37,7 +37,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -47,6 +46,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+
+import uvloop
 
 from bench import common, report, servers, thread_profile
 from bench.embed_bench import INFINITY_VENV, Row, Target, drive, free_port, start_infinity
@@ -321,7 +322,7 @@ def ramp(
         for target in targets:
             if stopping or misses[target.name] >= 2:
                 continue
-            row = asyncio.run(drive(target, rate, a.duration, a.warmup, a.seed + k, texts, a.timeout))
+            row = uvloop.run(drive(target, rate, a.duration, a.warmup, a.seed + k, texts, a.timeout))
             rows.append(row)
             full = answered_in_full(row)
             misses[target.name] = 0 if within_refusals(row) else misses[target.name] + 1
@@ -355,7 +356,7 @@ def profile_at(target: Target, rate: float, a: argparse.Namespace, texts: list[s
 
     watcher = threading.Thread(target=record, daemon=True)
     watcher.start()
-    row = asyncio.run(drive(target, rate, a.duration, a.warmup, a.seed, texts, a.timeout))
+    row = uvloop.run(drive(target, rate, a.duration, a.warmup, a.seed, texts, a.timeout))
     watcher.join(a.duration + 60)
     prof = got.get("profile")
     return row, (prof.text() if prof is not None else "(no profile: the recorder did not finish)")
@@ -471,8 +472,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--int8-flags",
-        default="",
-        help="more `batchserve serve` flags for 'int8' alone, e.g. '--max-batch-size 128' (split on spaces)",
+        default="--max-batch-size 128",
+        help="more `batchserve serve` flags for 'int8' alone (split on spaces; default: batches up to the largest "
+        "offline batch size, where the int8 graph alone is fastest, so the server may form what offline measures)",
     )
     p.add_argument(
         "--infinity-threads",
@@ -656,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             "words": "8-40",
             "smoke": a.smoke,
             "after_flags": a.after_flags,
+            "int8_flags": a.int8_flags,
             "infinity_threads": a.infinity_threads,
         },
         "verdict": verdict,

@@ -29,6 +29,16 @@ import orjson
 SWEEP_S = 0.1  # how often requests past the client timeout are looked for
 
 
+Judge = Callable[[str, int, dict], "str | None"]  # (input text, status, answer): None if right, else the outcome
+
+
+def reversed_output(text: str, status: int, answer: dict) -> str | None:
+    """The sim's answer: a 200 whose output is the input reversed."""
+    if status != 200:
+        return f"{status} {answer.get('error', '?')}"
+    return None if answer.get("output") == text[::-1] else "mismatch"
+
+
 @dataclass
 class RawOutcome:
     latency_s: np.ndarray  # NaN unless answered 200 with the right output
@@ -112,6 +122,7 @@ class _Sender:
         connections: int,
         headers: dict[str, str] | None,
         extra: dict | None,
+        judge: Judge,
     ) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -120,7 +131,7 @@ class _Sender:
             if name.lower() != "content-type":
                 head += f"{name}: {value}\r\n"
         self.head = head + "Content-Length: "
-        self.text_of, self.idx, self.extra = text_of, idx, extra
+        self.text_of, self.idx, self.extra, self.judge = text_of, idx, extra, judge
         self.timeout_s, self.connections = timeout_s, connections
         self.latency, self.lag, self.server_ms = np.full(k, np.nan), np.full(k, np.nan), np.full(k, np.nan)
         self.due = np.zeros(k)
@@ -179,16 +190,14 @@ class _Sender:
             answer = orjson.loads(body) if body else {}
         except orjson.JSONDecodeError:
             answer = None
+        i = int(self.idx[j])
         if not isinstance(answer, dict):
-            self.errors.append((int(self.idx[j]), "non-JSON answer" if answer is None else f"{status} non-object"))
-        elif status == 200:
-            if answer.get("output") != self.text_of(int(self.idx[j]))[::-1]:
-                self.errors.append((int(self.idx[j]), "mismatch"))
-            else:
-                self.latency[j] = end - self.due[j]
-                self.server_ms[j] = answer.get("latency_ms", math.nan)
+            self.errors.append((i, "non-JSON answer" if answer is None else f"{status} non-object"))
+        elif (wrong := self.judge(self.text_of(i), status, answer)) is not None:
+            self.errors.append((i, wrong))
         else:
-            self.errors.append((int(self.idx[j]), f"{status} {answer.get('error', '?')}"))
+            self.latency[j] = end - self.due[j]
+            self.server_ms[j] = answer.get("latency_ms", math.nan)
         self.done_one()
         if conn.close_after:
             self.busy.discard(conn)
@@ -238,10 +247,11 @@ async def drive_raw(
     connections: int,
     headers: dict[str, str] | None = None,
     extra: dict | None = None,
+    judge: Judge = reversed_output,
 ) -> RawOutcome:
     """Send request i (body `{"input": text_of(i), **extra}`) at t0 + sched[i] for every i in idx, whatever
-    the answers; return when every one is answered or has failed."""
-    sender = _Sender(url, len(idx), text_of, idx, timeout_s, connections, headers, extra)
+    the answers; return when every one is answered or has failed (`judge` tells a right answer)."""
+    sender = _Sender(url, len(idx), text_of, idx, timeout_s, connections, headers, extra, judge)
 
     async def sweeper() -> None:
         while not sender.all_done.is_set():

@@ -164,3 +164,59 @@ def test_the_agreement_check_runs_both_paths_on_the_cpu(tmp_path: Path) -> None:
     assert [r["path"] for r in rows] == ["static", "slots"] and all(r["agree"] for r in rows)
     assert all(r["ended_at_eos"] > 0 for r in rows) and rows[1]["sampled"] > 0 and rows[1]["requests"] == 16
     assert "**yes**" in out.read_text()
+
+
+FAKE_EMBEDDER = """
+import json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as the bench's client expects
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        text = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["input"]
+        status, width = (503, 0) if text == "refuse" else (200, 3 if text == "short" else 384)
+        answer = {"data": [{"embedding": [0.5] * width}]} if status == 200 else {"error": {"code": "busy"}}
+        body = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def test_the_embedding_load_counts_each_answer_by_what_it_was() -> None:
+    """bench/embed_bench.drive (capacity_embed's load, sent by bench/rawclient.py): every scheduled request after
+    the warm-up is counted once, as answered (a 200 with one vector of the model's width), refused (by its
+    status) or wrong, against an HTTP/1.1 server that answers each input its own way."""
+    import numpy as np
+    import uvloop
+
+    from bench import servers
+    from bench.embed_bench import Target, drive
+    from bench.schedule import poisson_schedule
+
+    server = servers.Server("fake", [sys.executable, "-c", FAKE_EMBEDDER], Path(os.devnull))
+    server.proc = subprocess.Popen(server.cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.proc.stdout is not None
+        url = f"http://127.0.0.1:{int(server.proc.stdout.readline())}/v1/embeddings"
+        texts = ["a", "refuse", "short"]
+        row = uvloop.run(drive(Target("fake", server, url, False), 90.0, 1.5, 0.5, 7, texts, 5.0))
+    finally:
+        server.proc.kill()
+        server.proc.wait()
+    index = np.arange(len(poisson_schedule(90.0, 2.0, 7)))
+    measured = index[poisson_schedule(90.0, 2.0, 7) >= 0.5]
+    kinds = [int((measured % 3 == k).sum()) for k in range(3)]
+    assert row.count == len(measured) and min(kinds) > 10
+    assert row.ok == kinds[0] and row.errors == {"503": kinds[1], "wrong length": kinds[2]}
+    assert row.p95_ms < 1000
