@@ -205,6 +205,15 @@ def _op(method: str, path: str, op_id: str, summary: str, *answers: DocAnswer, *
     return Operation(method, path, op_id, summary, answers, NATIVE, **kw)
 
 
+def _one(
+    method: str, path: str, op_id: str, summary: str, answer: DocAnswer, errors: tuple[int, ...] = _JOB_ERRORS
+) -> Operation:
+    """An operation on the one job or file its path names."""
+    return _op(
+        method, path, op_id, summary, answer, errors=errors, params=(_BATCH_ID if "{batch_id}" in path else _FILE_ID,)
+    )
+
+
 OPERATIONS = (
     _op(
         "POST",
@@ -236,41 +245,28 @@ OPERATIONS = (
         errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query", str, "a job id: list the jobs older than it")),
     ),
-    _op(
-        "GET",
-        "/v1/batches/{batch_id}",
-        "getBatch",
-        "A job's status and counts",
-        DocAnswer(200, "the job", AnyBatch),
-        errors=_JOB_ERRORS,
-        params=(_BATCH_ID,),
-    ),
-    _op(
+    _one("GET", "/v1/batches/{batch_id}", "getBatch", "A job's status and counts", DocAnswer(200, "the job", AnyBatch)),
+    _one(
         "DELETE",
         "/v1/batches/{batch_id}",
         "deleteBatch",
         "Delete a finished job with its items and output and error files (frees its bytes)",
         DocAnswer(200, "deleted", BatchDeleted),
         errors=(409, *_JOB_ERRORS),
-        params=(_BATCH_ID,),
     ),
-    _op(
+    _one(
         "GET",
         "/v1/batches/{batch_id}/results",
         "batchResults",
         "One NDJSON line per item, in input order",
         DocAnswer(200, "NDJSON, one BatchResultLine per line", BatchResultLine, media="application/x-ndjson"),
-        errors=_JOB_ERRORS,
-        params=(_BATCH_ID,),
     ),
-    _op(
+    _one(
         "POST",
         "/v1/batches/{batch_id}/cancel",
         "cancelBatch",
         "Cancel the items not yet run (a finished job is returned as it is)",
         DocAnswer(200, "the job after cancelling", AnyBatch),
-        errors=_JOB_ERRORS,
-        params=(_BATCH_ID,),
     ),
     _op(
         "POST",
@@ -291,31 +287,25 @@ OPERATIONS = (
         errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query"), Param("purpose", "query")),
     ),
-    _op(
+    _one(
         "GET",
         "/v1/files/{file_id}",
         "getFile",
         "A file's metadata (uploads, and finished jobs' output and error files)",
         DocAnswer(200, "the file", File),
-        errors=_JOB_ERRORS,
-        params=(_FILE_ID,),
     ),
-    _op(
+    _one(
         "DELETE",
         "/v1/files/{file_id}",
         "deleteFile",
         "Delete an uploaded file (frees its bytes and a --files-max-count place)",
         DocAnswer(200, "deleted", FileDeleted),
-        errors=_JOB_ERRORS,
-        params=(_FILE_ID,),
     ),
-    _op(
+    _one(
         "GET",
         "/v1/files/{file_id}/content",
         "fileContent",
         "The file's bytes: JSONL",
         DocAnswer(200, "the file", str, media="application/jsonl"),
-        errors=_JOB_ERRORS,
-        params=(_FILE_ID,),
     ),
 )
