@@ -266,34 +266,9 @@ def start_batchserve(
         "warning",
         *extra,
     ]
-    env = {**servers.clean_env(), "PYTHONPATH": str(tree)}
-    server = servers.Server(name, cmd, log_dir / f"{name}.log", port=port)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(server.log_path, "wb") as log:
-        server.proc = subprocess.Popen(
-            cmd,
-            cwd=tree,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    import urllib.request
-
-    give_up = time.monotonic() + 300
-    while time.monotonic() < give_up:
-        if server.proc.poll() is not None:
-            raise servers.ServerFailed(f"{name} exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return Target(name, server, f"http://127.0.0.1:{port}/v1/embeddings", True)
-        except OSError:
-            pass
-        time.sleep(0.25)
-    servers.stop(server)
-    raise servers.ServerFailed(f"{name} was not ready in 300 s:\n{server.log_tail()}")
+    # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
+    server = servers.start(name, cmd, log_dir, 300, {"PYTHONPATH": str(tree)}, port=port, cwd=tree)
+    return Target(name, server, f"http://127.0.0.1:{port}/v1/embeddings", True)
 
 
 def answered_in_full(row: Row) -> bool:

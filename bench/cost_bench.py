@@ -47,7 +47,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import common, report, servers
-from bench.embed_bench import INFINITY_VENV, WORDS, Target, free_port, start, start_infinity, torch_threads
+from bench.embed_bench import INFINITY_VENV, WORDS, Target, free_port, start_infinity, torch_threads
 from bench.model_load import bins, histogram_counts
 from bench.procstat import raise_fd_limit
 from bench.schedule import poisson_schedule
@@ -74,7 +74,7 @@ def start_batchserve(mode: str, threads: int, log_dir: Path) -> Target:
     log_dir.mkdir(parents=True, exist_ok=True)
     config.write_text('[[models]]\nname = "minilm"\nbackend = "minilm"\n[models.options]\n' + "\n".join(options) + "\n")
     cmd += ["--config", str(config)]
-    server = start(f"batchserve-{mode}", cmd, port, "/readyz", servers.clean_env(), log_dir, 300)
+    server = servers.start(f"batchserve-{mode}", cmd, log_dir, 300, port=port)
     return Target(f"batchserve-{mode}", server, f"http://127.0.0.1:{port}/v1/embeddings", True)
 
 

@@ -42,7 +42,6 @@ import random
 import socket
 import subprocess
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -145,37 +144,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(
-    name: str, cmd: list[str], port: int, health: str, env: dict[str, str], log_dir: Path, timeout_s: float
-) -> servers.Server:
-    """Start a server on a known port and wait for `health` to answer 200; stopped by PID later."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    server = servers.Server(name, cmd, log_dir / f"{name}.log", port=port)
-    with open(server.log_path, "wb") as log:
-        server.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
-        if server.proc.poll() is not None:
-            raise servers.ServerFailed(f"{name} exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{health}", timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.25)
-    servers.stop(server)
-    raise servers.ServerFailed(f"{name} was not ready within {timeout_s:.0f}s:\n{server.log_tail()}")
-
-
 def start_batchserve(threads: int, log_dir: Path) -> Target:
     port = free_port()
     cmd = [
@@ -196,7 +164,7 @@ def start_batchserve(threads: int, log_dir: Path) -> Target:
     if threads != torch_threads():
         config.write_text(f'[[models]]\nname = "minilm"\nbackend = "minilm"\n[models.options]\nthreads = {threads}\n')
         cmd += ["--config", str(config)]
-    server = start("batchserve", cmd, port, "/readyz", servers.clean_env(), log_dir, 300)
+    server = servers.start("batchserve", cmd, log_dir, 300, port=port)
     return Target("batchserve", server, f"http://127.0.0.1:{port}/v1/embeddings", True)
 
 
@@ -226,7 +194,6 @@ def start_infinity(venv: Path, model_dir: Path, threads: int, log_dir: Path, wai
         "warning",
     ]
     env = {
-        **servers.clean_env(),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "DO_NOT_TRACK": "1",
@@ -234,7 +201,7 @@ def start_infinity(venv: Path, model_dir: Path, threads: int, log_dir: Path, wai
         "OMP_NUM_THREADS": str(threads),
         **({"OMP_WAIT_POLICY": wait_policy} if wait_policy else {}),
     }
-    server = start("infinity", cmd, port, "/health", env, log_dir, 300)
+    server = servers.start("infinity", cmd, log_dir, 300, env, port=port, health="/health")
     return Target("infinity", server, f"http://127.0.0.1:{port}/embeddings", False)
 
 

@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import tempfile
 import time
@@ -74,60 +73,11 @@ class Run:
     error: str = ""
 
 
-def start_server(repo: Path, tmp: Path, log_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
+def start_server(repo: Path, tmp: Path, log_dir: Path, name: str) -> servers.Server:
     """`batchserve serve` of the checkout at `repo` (its own package: cwd and PYTHONPATH), port from the log."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}.log"
-    env = {**servers.clean_env(), "PYTHONPATH": str(repo)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "batchserve",
-        "serve",
-        "--port",
-        "0",
-        "--config",
-        str(tmp / "bs.toml"),
-        "--jobs-db",
-        str(tmp / "jobs.db"),
-        "--drain-grace-s",
-        "0",
-        "--log-level",
-        "info",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=repo,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    give_up = time.monotonic() + 300
-    port = 0
-    while time.monotonic() < give_up:
-        if proc.poll() is not None:
-            raise servers.ServerFailed(f"{name} exited:\n{log_path.read_text(errors='replace')[-3000:]}")
-        if not port:
-            found = RUNNING.search(log_path.read_text(errors="replace"))
-            port = int(found.group(1)) if found else 0
-        if port and servers.ready(f"http://127.0.0.1:{port}"):
-            return proc, f"http://127.0.0.1:{port}"
-        time.sleep(0.2)
-    stop(proc)
-    raise servers.ServerFailed(f"{name} was not ready in 300 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+    cmd = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--config", str(tmp / "bs.toml")]
+    cmd += ["--jobs-db", str(tmp / "jobs.db"), "--drain-grace-s", "0", "--log-level", "info"]
+    return servers.start(name, cmd, log_dir, 300, {"PYTHONPATH": str(repo)}, cwd=repo)
 
 
 def summarize(name: str, rows: list[tuple[int, float, str]]) -> Phase:
@@ -253,14 +203,14 @@ def one_checkout(label: str, repo: Path, a: argparse.Namespace, logs: Path, comm
         tmp = Path(d)
         (tmp / "bs.toml").write_text('[[models]]\nname = "minilm"\nbackend = "minilm"\n')
         keys = {t: servers.add_key(tmp / "bs.toml", t, "paid", root=repo) for t in ("web", "batch")}
-        proc, url = start_server(repo, tmp, logs, f"job-pricing-{label}")
+        server = start_server(repo, tmp, logs, f"job-pricing-{label}")
         try:
-            asyncio.run(scenario(url, keys, a, run))
+            asyncio.run(scenario(server.base, keys, a, run))
         except Exception as exc:  # noqa: BLE001 - reported in the row, the other checkout still runs
             run.error = f"{type(exc).__name__}: {exc}"
         finally:
             run.load_avg = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            stop(proc)
+            servers.stop(server)
     return run
 
 

@@ -62,27 +62,39 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("BATCHSERVE_")}
 
 
-def start(
-    name: str, cmd: list[str], log_dir: Path, timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None
-) -> Server:
-    """Start `cmd`, read the port from uvicorn's "running on" line, wait for GET /readyz to answer 200. `env`:
-    variables added to the (BATCHSERVE_*-free) environment."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    server = Server(name, cmd, log_dir / f"{name}.log")
-    log = open(server.log_path, "wb")
-    try:
+def spawn(server: Server, env: dict[str, str] | None = None, cwd: Path = REPO) -> Server:
+    """Start `server.cmd` in `cwd`, in a session of its own, its output in its log; the run guard stops it
+    however the run ends (`stop_all`). `env`: variables added to the (BATCHSERVE_*-free) environment."""
+    server.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(server.log_path, "wb") as log:
         server.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
+            server.cmd,
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**clean_env(), **(env or {})},
             start_new_session=True,
         )
-    finally:
-        log.close()
     _started.append(server)
+    return server
+
+
+def start(
+    name: str,
+    cmd: list[str],
+    log_dir: Path,
+    timeout_s: float = START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+    *,
+    port: int = 0,
+    health: str = "/readyz",
+    cwd: Path = REPO,
+) -> Server:
+    """`spawn` `cmd`, then wait for GET `health` to answer 200 on `port`, or, port 0, on the port uvicorn's
+    "running on" line names."""
+    server = spawn(Server(name, cmd, log_dir / f"{name}.log", port=port), env, cwd)
+    assert server.proc is not None
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
         if server.proc.poll() is not None:
@@ -91,7 +103,7 @@ def start(
             found = RUNNING.search(server.log_path.read_text(errors="replace"))
             if found:
                 server.port = int(found.group(1))
-        if server.port and ready(server.base):
+        if server.port and ready(server.base, health):
             server.ready_s = time.monotonic() - server.started_at
             return server
         time.sleep(0.1)
@@ -113,9 +125,9 @@ def add_key(config: Path, tenant: str, tier: str, rate: float | None = 100000.0,
     return key
 
 
-def ready(base: str) -> bool:
+def ready(base: str, health: str = "/readyz") -> bool:
     try:
-        with urllib.request.urlopen(base + "/readyz", timeout=2) as resp:
+        with urllib.request.urlopen(base + health, timeout=2) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False

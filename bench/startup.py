@@ -22,7 +22,6 @@ if __package__ in (None, ""):  # `python bench/startup.py`
 import argparse
 import re
 import statistics
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -63,20 +62,9 @@ def status(url: str) -> int:
 
 def measure(code: str, cmd: list[str], pythonpath: str, log_path: Path, poll_s: float, timeout_s: float) -> Start:
     """One start, polled from the moment the process is spawned."""
-    env = {**servers.clean_env(), "PYTHONPATH": pythonpath}
-    server = servers.Server(code, cmd, log_path)
-    with open(log_path, "wb") as log:
-        # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
-        server.proc = subprocess.Popen(
-            cmd,
-            cwd=pythonpath,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    servers._started.append(server)  # the run guard stops it however the run ends
+    # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
+    server = servers.spawn(servers.Server(code, cmd, log_path), {"PYTHONPATH": pythonpath}, Path(pythonpath))
+    assert server.proc is not None
     began = time.monotonic()
     out = Start(code)
     try:
