@@ -108,14 +108,7 @@ def offline_reference_s(off: Offline, batch_sizes: dict[str, int], mean_batch: f
 
 
 def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "batchserve",
-        "serve",
-        "--port",
-        "0",
-        "--backend",
+    cmd = servers.serve_cmd(
         a.backend,
         "--generation",
         a.generation,
@@ -135,7 +128,7 @@ def server_cmd(a: argparse.Namespace, executor: str) -> list[str]:
         str(a.timeout_s * 1000),
         "--jobs-db",
         "",
-    ]
+    )
     return cmd + (["--smollm2-dir", a.smollm2_dir] if a.smollm2_dir else [])
 
 

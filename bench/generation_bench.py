@@ -181,17 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         with common.guarded():
             server = servers.start(
                 "generation-bench",
-                [
-                    sys.executable,
-                    "-m",
-                    "batchserve",
-                    "serve",
-                    "--port",
-                    "0",
-                    "--backend",
+                servers.serve_cmd(
                     "smollm2",
                     *engine_settings(a),
-                ],
+                ),
                 log_dir,
             )
             results.append(asyncio.run(run_http(server.base, work, a)))

@@ -199,21 +199,12 @@ def main() -> int:
         "offline": {"sentence_transformers": st_rate, "backend": own_rate},
         "server": [],
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "batchserve",
-        "serve",
-        "--port",
-        "0",
-        "--backend",
+    cmd = servers.serve_cmd(
         "minilm",
-        "--drain-grace-s",
-        "0",
         "--log-level",
         "info",
         *(["--devices", "1"] if cuda else []),
-    ]
+    )
     servers.stop_on_signals()
     agreement = float("nan")
     try:

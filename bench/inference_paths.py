@@ -181,17 +181,8 @@ def server_cmd(a: argparse.Namespace, path: str) -> list[str]:
     """The server of one path. The static one runs without the generation engine (it is not used there, and
     its start, CUDA graphs included, would only lengthen the run); the stepper one decodes its (unused) batch
     path with `generate`, which warms without capturing the static decoder's graphs."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "batchserve",
-        "serve",
-        "--port",
-        "0",
-        "--backend",
+    cmd = servers.serve_cmd(
         "smollm2",
-        "--drain-grace-s",
-        "0",
         "--inference-path",
         path,
         "--max-new-tokens",
@@ -202,7 +193,7 @@ def server_cmd(a: argparse.Namespace, path: str) -> list[str]:
         f"{max(a.timeout_ms, 60000):g}",
         "--jobs-db",
         "",
-    ]
+    )
     if a.model_dir:
         cmd += ["--smollm2-dir", a.model_dir]
     cmd += ["--generation", "off"] if path == "static" else ["--decode", "generate"]

@@ -240,19 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             if a.backend == "sim":
                 cmd = servers.batchserve_cmd(a.devices, a.sim_batch_ms, a.max_batch_size, own)
             else:
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "batchserve",
-                    "serve",
-                    "--port",
-                    "0",
-                    "--backend",
+                cmd = servers.serve_cmd(
                     a.backend,
-                    "--drain-grace-s",
-                    "0",
                     *own,
-                ]
+                )
             server = servers.start("batchserve", cmd, common.log_dir(a, name), timeout_s=600)
             if a.capacity:
                 capacity, source = a.capacity, "given"

@@ -154,27 +154,17 @@ def stop_all() -> None:
         stop(_started.pop())
 
 
+def serve_cmd(backend: str, *flags: str) -> list[str]:
+    """`batchserve serve` of `backend` on a free port, with no drain grace (a bench stops its server with nobody
+    left to answer); `flags` come after, so they may give one."""
+    serve = [sys.executable, "-m", "batchserve", "serve", "--port", "0", "--backend", backend]
+    return [*serve, "--drain-grace-s", "0", *flags]
+
+
 def batchserve_cmd(devices: int, sim_batch_ms: float, max_batch_size: int, extra: list[str]) -> list[str]:
-    # No drain grace (a bench stops its server with nobody left to answer); `extra` may give one.
-    return [
-        sys.executable,
-        "-m",
-        "batchserve",
-        "serve",
-        "--port",
-        "0",
-        "--backend",
-        "sim",
-        "--devices",
-        str(devices),
-        "--sim-batch-ms",
-        f"{sim_batch_ms:g}",
-        "--max-batch-size",
-        str(max_batch_size),
-        "--drain-grace-s",
-        "0",
-        *extra,
-    ]
+    """The sim on `devices` devices, `sim_batch_ms` a batch, batches up to `max_batch_size`."""
+    sim = ["--devices", str(devices), "--sim-batch-ms", f"{sim_batch_ms:g}", "--max-batch-size", str(max_batch_size)]
+    return serve_cmd("sim", *sim, *extra)
 
 
 def bare_cmd(hold_ms: float = 0.0) -> list[str]:

@@ -176,23 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     name = common.run_name(a, "startup")
     logs = common.log_dir(a, name)
     logs.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "batchserve",
-        "serve",
-        "--port",
-        "0",
-        "--backend",
+    cmd = servers.serve_cmd(
         a.backend,
         "--jobs-db",
         "",
-        "--drain-grace-s",
-        "0",
         "--log-level",
         "info",
         *a.server_arg,
-    ]
+    )
     trees = [(Path(d).name or d, str(Path(d).resolve())) for d in a.code] + [("this checkout", str(servers.REPO))]
     rep: dict = {
         "provenance": report.provenance(),
