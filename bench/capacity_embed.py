@@ -266,9 +266,15 @@ def start_batchserve(
         "warning",
         *extra,
     ]
+    own: tuple[str, ...] = ()  # with --processes: each process's own port, where its /metrics is read
+    if "--processes" in extra:
+        processes = int(extra[extra.index("--processes") + 1])
+        first = free_port(processes)
+        cmd += ["--process-port-base", str(first)]
+        own = tuple(f"http://127.0.0.1:{first + k}" for k in range(processes))
     # cwd too: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
     server = servers.start(name, cmd, log_dir, 300, {"PYTHONPATH": str(tree)}, port=port, cwd=tree)
-    return Target(name, server, f"http://127.0.0.1:{port}/v1/embeddings", True)
+    return Target(name, server, f"http://127.0.0.1:{port}/v1/embeddings", True, own)
 
 
 def answered_in_full(row: Row) -> bool:
@@ -447,9 +453,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--int8-flags",
-        default="--max-batch-size 128",
+        default=f"--max-batch-size 128 --processes {len(os.sched_getaffinity(0))}",
         help="more `batchserve serve` flags for 'int8' alone (split on spaces; default: batches up to the largest "
-        "offline batch size, where the int8 graph alone is fastest, so the server may form what offline measures)",
+        "offline batch size, where the int8 graph alone is fastest, so the server may form what offline measures, "
+        "and one process per core, as docs/backends.md advises for an int8 encoder on a CPU)",
     )
     p.add_argument(
         "--infinity-threads",

@@ -50,7 +50,7 @@ import uvloop
 
 from bench import common, report, servers
 from bench.plot import Curves, Point
-from bench.procstat import process_cpu_s, raise_fd_limit
+from bench.procstat import raise_fd_limit, tree_cpu_s
 from bench.rawclient import drive_raw
 from bench.schedule import poisson_schedule
 
@@ -136,12 +136,31 @@ class Target:
     server: servers.Server
     url: str  # the embeddings endpoint
     metrics: bool  # batchserve's /metrics (batch sizes)
+    # where /metrics is read: each process's own port for a `serve --processes` server (its figures are per
+    # process), else the server's
+    metric_bases: tuple[str, ...] = ()
+
+    def bases(self) -> tuple[str, ...]:
+        return (self.metric_bases or (self.url.rsplit("/", 2)[0],)) if self.metrics else ()
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
+    """A free loopback port, the first of `count` free in a row (a `serve --processes` server's own ports)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count <= 65536 and all(_free(first + k) for k in range(1, count)):
+            return first
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def start_batchserve(threads: int, log_dir: Path) -> Target:
@@ -259,7 +278,7 @@ async def drive(
     client shares the machine with the server, and aiohttp's client took 0.65-0.78 ms of CPU per request here
     (0.25 cores at 350/s), CPU every server measured beside it lost."""
     sched = poisson_schedule(rate, warmup + duration, seed)
-    base = target.url.rsplit("/", 2)[0] if target.metrics else ""
+    bases = target.bases()
     # the window's edges ("start", "end"): when, the server's CPU seconds, its batch-size metrics (sum, count)
     edge_at: dict[str, float] = {}
     edge_cpu: dict[str, float] = {}
@@ -269,9 +288,11 @@ async def drive(
         for key, at in (("start", t0 + warmup), ("end", t0 + warmup + duration)):
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             edge_at[key] = time.monotonic()
-            edge_cpu[key] = process_cpu_s(target.server.pid)
-            if target.metrics:
-                edge_batch[key] = await batch_metrics(base)
+            edge_cpu[key] = tree_cpu_s(target.server.pid)  # with its children: `serve --processes`
+            if bases:
+                read = [r for r in [await batch_metrics(base) for base in bases] if r is not None]
+                whole = len(read) == len(bases)  # a process not read: no mean batch for this window
+                edge_batch[key] = (sum(r[0] for r in read), sum(r[1] for r in read)) if whole else None
 
     t0 = time.monotonic() + 0.2
     watcher = asyncio.create_task(window())
@@ -298,7 +319,7 @@ async def drive(
     cpu = edge_cpu["end"] - edge_cpu["start"]
     mean_batch = None
     start_batch, end_batch = edge_batch.get("start"), edge_batch.get("end")
-    if target.metrics and start_batch and end_batch:
+    if bases and start_batch and end_batch:
         (s0, c0), (s1, c1) = start_batch, end_batch
         mean_batch = (s1 - s0) / (c1 - c0) if c1 > c0 else None
     return Row(
