@@ -64,7 +64,7 @@ from batchserve.decoding.build import (
     sampling_defaults,
 )
 from batchserve.decoding.forecast import WaitForecast
-from batchserve.decoding.lanes import Lanes, victim_order
+from batchserve.decoding.lanes import LaneBooks, victim_order
 from batchserve.decoding.metrics import GenerationMetrics
 from batchserve.decoding.sequence import DONE, RUNNING, WAITING, Delta, EngineSequence
 from batchserve.decoding.stepper import SamplingParams, Stepper, TokenUpdate
@@ -114,7 +114,7 @@ class Engine:
         self.eos_ids = {tokenizer.eos_token_id}
         self.longest_token_chars = longest_token_chars(tokenizer)
         self._tokenize_pool: ThreadPoolExecutor | None = None  # made on first use
-        self.lanes = Lanes(self.budget)  # who waits and who runs, by lane (`shares.py`)
+        self.lanes = LaneBooks(self.budget)  # who waits and who runs, by lane (`shares.py`)
         self.forecast = WaitForecast(self.lanes)
         self.preemptions = 0
         # the most batch lines running while interactive work is there (`shares.batch_row_cap`). A stepper that

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from batchserve.decoding.kv_budget import Claim, Replay
-from batchserve.decoding.lanes import Lanes, victim_order
+from batchserve.decoding.lanes import LaneBooks, victim_order
 from batchserve.decoding.sequence import EngineSequence
 from batchserve.decoding.shares import SPARE, Lane, LaneLoad, Queued, replay_wait, shares, tier_weight
 
@@ -17,7 +17,7 @@ REPLAY_TTL_S = 0.1  # a kept replay of the queue answers arrivals this long (see
 class WaitForecast:
     """Predicted waits over the engine's books, with the replays kept per tier between arrivals."""
 
-    def __init__(self, lanes: Lanes) -> None:
+    def __init__(self, lanes: LaneBooks) -> None:
         self.lanes = lanes
         # tier -> (when made, the replay of the future after every waiting sequence of that tier or one served before)
         self._replays: dict[int, tuple[float, Replay]] = {}

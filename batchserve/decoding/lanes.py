@@ -22,7 +22,7 @@ def victim_order(seq: EngineSequence) -> tuple[int, float, int]:
     return (seq.tier, seq.run_started, seq.order)
 
 
-class Lanes:
+class LaneBooks:
     """Waiting sequences in a heap per lane, running ones by run id (`EngineSequence.run_id`) and by lane, the
     blocks each lane holds, and the interactive lanes lingering after their last sequence (`shares.LINGER_S`)."""
 
