@@ -1,9 +1,9 @@
 """Job lines priced by the inputs they hold (issue 33, item 4), through real HTTP on the real minilm model: an
 OpenAI embeddings batch of 2,048-input lines runs beside another tenant's interactive /v1/embeddings requests,
 and the interactive tenant is never refused while the batch completes with every embedding. Before, each line
-counted as one item in flight, so all 4,096 inputs entered minilm's queue at once, past `--max-queue` (3,000
-here: issue 33's 6-line file did the same to the default 10,000), and the interactive tenant got 503 "the queue
-for minilm@v1 is full" until the batch had drained below it. And `--jobs-max-items` counts those inputs: a file
+counted as one item in flight, so all 2,048 inputs of a line entered minilm's queue at once, past `--max-queue`
+(1,500 here: issue 33's 6-line file did the same to the default 10,000), and the interactive tenant got 503 "the
+queue for minilm@v1 is full" until the batch had drained below it. And `--jobs-max-items` counts those inputs: a file
 of one line more than it allows is refused with a 400 naming the line (before, it counted lines). The in-process
 rules: tests/unit/jobs/test_job_pricing.py; the figures, before and after: bench/job_pricing.py."""
 
@@ -20,7 +20,8 @@ import pytest
 from tests.conftest import start_server
 from tests.integration.test_tenancy import add_key
 
-LINES, INPUTS = 2, 2048
+LINES, INPUTS = 1, 2048
+MAX_QUEUE = 1500  # below the file's inputs: all of them at once would fill the queue
 RATE = 4.0  # interactive requests/s: a modest load, well within the interactive tenant's share
 
 
@@ -35,7 +36,7 @@ def test_an_embeddings_batch_of_2048_input_lines_beside_interactive_requests(tmp
         "--jobs-db",
         str(tmp_path / "jobs.db"),
         "--max-queue",
-        "3000",
+        str(MAX_QUEUE),
         "--jobs-max-items",
         str(LINES * INPUTS),
         timeout=300,
@@ -69,7 +70,7 @@ def test_an_embeddings_batch_of_2048_input_lines_beside_interactive_requests(tmp
         ]
         auth = {"Authorization": f"Bearer {batch_key}"}
         with httpx.Client(base_url=server.url, timeout=60, headers=auth) as c:
-            # --jobs-max-items counts inputs: one line more (3 x 2,048 inputs, 3 lines) is refused, naming the line
+            # --jobs-max-items counts inputs: one line more (2 x 2,048 inputs, 2 lines) is refused, naming the line
             more = lines + [{**lines[0], "custom_id": "one-more"}]
             up = c.post(
                 "/v1/files",
