@@ -50,6 +50,7 @@ from dataclasses import asdict
 import uvloop
 
 from bench import common, report, servers, thread_profile
+from bench.procstat import process_cpu_s, tree_pids
 from bench.embed_bench import INFINITY_VENV, Row, Target, drive, free_port, start_infinity
 
 REPO = Path(__file__).resolve().parent.parent
@@ -326,7 +327,10 @@ def profile_at(target: Target, rate: float, a: argparse.Namespace, texts: list[s
     CPU, and py-spy's busy samples by function where py-spy is installed."""
     import threading
 
-    recorder = thread_profile.Recorder(target.server.pid, a.duration)
+    # a `serve --processes` server: the serving process that has used the most CPU (they share the load; the
+    # parent only supervises, and multiprocessing's fork server only forks)
+    busiest = max(tree_pids(target.server.pid), key=process_cpu_s)
+    recorder = thread_profile.Recorder(busiest, a.duration)
     got: dict[str, thread_profile.ThreadProfile] = {}
 
     def record() -> None:
@@ -448,8 +452,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--after-flags",
-        default="",
-        help="more `batchserve serve` flags for 'after' alone, e.g. '--torch-threads 2' (split on spaces)",
+        default=f"--processes {len(os.sched_getaffinity(0))}",
+        help="more `batchserve serve` flags for 'after' alone (split on spaces; default: one process per core, "
+        "as docs/backends.md advises for an encoder on a CPU)",
     )
     p.add_argument(
         "--int8-flags",
