@@ -42,7 +42,6 @@ import numpy as np
 
 from bench import common, report, servers
 
-RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 @dataclass
