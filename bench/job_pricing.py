@@ -43,7 +43,6 @@ import numpy as np
 from bench import common, report, servers
 
 
-
 @dataclass
 class Phase:
     name: str
