@@ -1,22 +1,9 @@
 """The door's policy: refuse at once, not after a wait, what cannot be served in time (docs/contract.md#admission).
 
-Predicted by the cost of the work ahead (issue 22). For a request of n inputs of tier t and tenant u:
-
-    ahead  = items it would wait behind (every higher tier, and its tenant's fair share of its own tier by cost:
-             `Batcher.ahead_of`, so a tenant over its share waits behind more and is refused first)
-    F      = inputs in a full batch of the model (`Batcher.full_n`: the batch size, or what its cost budget holds)
-    the first of its inputs is answered at  until_free + (ahead // F) x S(full) / healthy + S(its batch)
-    the last                              at  until_free + (ahead // F) x S(full) / healthy
-                                              + (k - 1) x S(one of its batches) / healthy + S(its last batch)
-                                          with k its own batches: as many of its inputs as the budget holds each,
-
-where S is the learned batch time at a batch's cost (`batch_time.BatchTimes`; its own batches cost rows x its
-longest input: inputs of like length share a batch, `bucket_of`). That is the formula for a model of one queue;
-a model of length classes has its classes' turns replayed instead (`class_turns.drain`): other classes take a
-batch whenever their turn comes with items — those arriving while the request waits included (their admitted
-rate, `class_arrivals`) — and every class's batches are read at the padded cost of a row (`Batcher.row_cost`).
-Under pressure the queue part of the prediction is multiplied by what such predictions really turned out to be
-lately (`wait_calibration.WaitCalibration`, fed by the service with each admitted request's first batch).
+Predicted by the cost of the work ahead (`wait_prediction.predict`: the batches ahead of it and its own, each at its
+learned time; a model of length classes has its classes' turns replayed). Under pressure the queue part of the
+prediction is multiplied by what such predictions really turned out to be lately (`wait_calibration.WaitCalibration`,
+fed by the service with each admitted request's first batch).
 
 The last input is checked against the request's deadline: a many-input request is predicted as the batches it
 will make and served when they fit its timeout.
@@ -43,15 +30,15 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from batchserve import errors
 from batchserve.core.batcher import Batcher
-from batchserve.core.class_turns import ClassQueue, Own, drain
 from batchserve.core.tiers import SHED
 from batchserve.core.wait_calibration import WaitCalibration
+from batchserve.core.wait_prediction import WaitPrediction, predict
 from batchserve.slo import Deadlines
 
 FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once (a flood's start)...
@@ -73,163 +60,6 @@ class WorkerCapacity(Protocol):
     def healthy_count(self) -> int: ...
     def worker_count(self) -> int: ...
     def seconds_until_free(self, now: float) -> float: ...
-
-
-def predicted_latency_s(
-    until_free_s: float, ahead: int, max_batch_size: int, batch_s: float, healthy: int, own_batch_s: float | None = None
-) -> float:
-    """When a new item would be answered: the first free worker, the full batches ahead of it (`batch_s`
-    each) shared by the healthy workers, then its own batch (`own_batch_s`, by default a full one)."""
-    own = batch_s if own_batch_s is None else own_batch_s
-    return until_free_s + (ahead // max_batch_size) * batch_s / max(1, healthy) + own
-
-
-@dataclass(slots=True)  # not frozen: a frozen dataclass is built through object.__setattr__, ~3x slower per request
-class WaitPrediction:
-    """Seconds from now: the request's first batch starts (`wait_s`, the queue part), its first and last
-    inputs are answered."""
-
-    first_s: float
-    last_s: float
-    wait_s: float = 0.0
-
-    def scaled(self, factor: float) -> WaitPrediction:
-        """The same with its queue part multiplied by `factor` (the door's learned error, `WaitCalibration`)."""
-        extra = self.wait_s * (factor - 1.0)
-        return WaitPrediction(self.first_s + extra, self.last_s + extra, self.wait_s + extra)
-
-
-def predict(
-    batcher: Batcher,
-    model: str,
-    until_free_s: float,
-    healthy: int,
-    ahead: int,
-    costs: Sequence[float],
-    bucket: int | None = None,
-    rates: Mapping[int, float] | None = None,
-) -> WaitPrediction:
-    """The batches ahead (full ones of the model's mean input) and the request's own (rows of its longest
-    input, as many as the budget holds), each at its cost (module docstring). With `bucket` (the request's
-    length class), the classes' turns are replayed (`class_turns.drain`), with `rates` the inputs per second
-    joining each class: each class forms batches of its own and takes a turn whenever it has items, those that
-    arrive while the request waits included."""
-    times = batcher.batch_s
-    limit, budget = batcher.costs.limit(model), batcher.costs.budget(model)
-    unit = batcher.costs.unit.get(model, 1.0)
-    # Its own batches: inputs of like length (the backend groups them, `bucket_of`), padded to its longest.
-    own_unit = max(costs, default=1.0)
-    share = max(1, healthy)
-    if bucket is not None and _other_class_busy(batcher, model, bucket, rates):
-        return _by_turns(
-            batcher,
-            model,
-            until_free_s,
-            share,
-            ahead,
-            costs,
-            bucket,
-            rates or {},
-            lambda cost: _rows(limit, budget, cost),
-        )
-    # One queue (the sim, a plugin without bucket_of, or a costed model whose other classes are quiet): FIFO
-    # batches, the formula above; a class's batches at the padded cost of a row, as in the replay.
-    if bucket is not None:
-        row = batcher.costs.row_cost.get((model, bucket), 0.0)
-        own_q = batcher.queues.get((model, bucket))
-        unit = max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
-        own_unit = max(own_unit, row)
-        full_n = _rows(limit, budget, unit)
-        full_s = times.at(model, batcher.costs.estimate_cost(model, full_n, unit))
-    else:
-        full_n, full_s = batcher.costs.full_n(model), times[model]
-    per_batch = _rows(limit, budget, own_unit)
-    # A batch's cost is rows x cost within the budget (`Batcher.estimate_cost`), written out: this runs per request.
-    cap = math.inf if budget == math.inf else max(1.0, budget)
-    base = until_free_s + (ahead // full_n) * full_s / share
-    rem = ahead % full_n
-    if rem + 1 > per_batch:  # the partial batch ahead leaves without it
-        base += times.at(model, min(rem * unit, cap)) / share
-        rem = 0
-    first = base + times.at(model, min((rem + 1) * own_unit, cap))
-    if len(costs) <= 1:  # one input (nearly every request): the last is the first (the formula gives the same)
-        return WaitPrediction(first, first, base)
-    total = rem + len(costs)
-    k = -(-total // per_batch)
-    last_rows = total - (k - 1) * per_batch
-    last = (
-        base
-        + (k - 1) * times.at(model, min(per_batch * own_unit, cap)) / share
-        + times.at(model, min(last_rows * own_unit, cap))
-    )
-    return WaitPrediction(first, max(first, last), base)
-
-
-def _rows(limit: int, budget: float, cost: float) -> int:
-    """Rows of inputs of this cost in one batch of a model: its limit, or what its budget holds."""
-    return limit if budget == math.inf else max(1, min(limit, int(budget // cost)))
-
-
-def _other_class_busy(batcher: Batcher, model: str, bucket: int, rates: Mapping[int, float] | None) -> bool:
-    """Whether another length class of the model has items queued or inputs joining (then the turns are
-    replayed)."""
-    for (m, b), q in batcher.queues.items():
-        if m == model and b != bucket and (len(q) or (rates and rates.get(b))):
-            return True
-    return False
-
-
-def _by_turns(
-    batcher: Batcher,
-    model: str,
-    until_free_s: float,
-    share: int,
-    ahead: int,
-    costs: Sequence[float],
-    bucket: int,
-    rates: Mapping[int, float],
-    per: Callable[[float], int],
-) -> WaitPrediction:
-    """`predict` for a model of length classes: their queues as the request sees them (its tier's share of
-    each, `ahead` of the model's depth), replayed turn by turn."""
-    depth = batcher.depth.get(model, 0)
-    part = min(1.0, ahead / depth) if depth else 0.0  # of the queued items, the share ahead by tier
-    served, unit, padded = batcher.bucket_served_at, batcher.costs.unit.get(model, 1.0), batcher.costs.row_cost
-    others: list[ClassQueue] = []
-    own_q = None
-    for (m, b), q in batcher.queues.items():
-        if m != model:
-            continue
-        if b == bucket:
-            own_q = q
-            continue
-        rate = rates.get(b, 0.0)
-        if len(q) or rate > 0:
-            # A row of its batches costs what the batch's longest input does (padding), not its mean input.
-            cost = max(q.mean_cost() if len(q) else unit, padded.get((m, b), 0.0))
-            others.append(ClassQueue(float(math.ceil(len(q) * part)), cost, per(cost), rate, served.get((m, b), 0.0)))
-    row = padded.get((model, bucket), 0.0)
-    own_unit = max(max(costs, default=1.0), row)
-    queued = len(own_q) if own_q is not None else 0
-    ahead_unit = max(own_q.mean_cost() if own_q is not None and queued else own_unit, row)
-    own = Own(
-        math.ceil(queued * part),
-        ahead_unit,
-        per(ahead_unit),
-        max(1, len(costs)),
-        own_unit,
-        per(own_unit),
-        rates.get(bucket, 0.0),
-        served.get((model, bucket), 0.0),
-    )
-    times, cap = (
-        batcher.batch_s,
-        max(1.0, batcher.costs.budget(model)),
-    )  # a batch's cost: rows x cost, within the budget
-    d = drain(
-        batcher.clock(), until_free_s, share, own, others, lambda rows, cost: times.at(model, min(rows * cost, cap))
-    )
-    return WaitPrediction(d.first_s, d.last_s, d.wait_s)
 
 
 @dataclass
@@ -457,6 +287,37 @@ class Admission:
             for model, (pred, actual, n) in c.totals().items()
         }
 
+    def _probe(self, model: str, bucket: int | None, now: float, n: int) -> Ticket:
+        """The ticket of a request let through as a probe, counted as it joins."""
+        self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
+        self._joined(model, bucket, now, n)
+        return Ticket(True, now)
+
+    def _goes_as_probe(
+        self, model: str, widest: float, deadline_s: float, timeout_s: float | None, idle: bool, now: float
+    ) -> bool:
+        """For a deadline its slowest batch alone could miss: raise the refusal that says why it cannot be met
+        (a timeout too short to ask for, a deadline gone while the body was read, one no idle worker could
+        reach), or return whether it goes as a probe (an idle worker, and none lately: the figure may be wrong,
+        and running is how it is learned). False: judged as any other request."""
+        batcher, times = self.batcher, self.batcher.batch_s
+        # the quickest any answer can come: a batch of its own longest input alone
+        fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
+        least_s = fastest_s + batcher.margin_s  # one batch, and the dispatch margin the batcher keeps
+        asked_s = deadline_s if timeout_s is None else timeout_s
+        d = self.deadlines.get(model)
+        if asked_s < least_s <= (self.max_timeout_s if d is None else d.max_timeout_s):  # it can ask for enough
+            raise errors.timeout_too_short(least_s * 1000)
+        if deadline_s < fastest_s <= asked_s:  # enough was asked, but it went before the request was read
+            raise errors.deadline_exceeded()
+        if deadline_s >= fastest_s:
+            return False
+        # not even an idle worker could answer in time: retrying would not help...
+        if not (idle and now - self.probed.get(model, -math.inf) >= PROBE_EVERY_S):
+            raise errors.deadline_unmeetable(fastest_s * 1000)
+        self.probed[model] = now  # ...unless the figure is wrong: a probe now and then runs anyway
+        return True
+
     def admit_ticket(
         self,
         model: str,
@@ -481,100 +342,113 @@ class Admission:
         assert capacity is not None
         # Runs on every request: the common case (one input of cost 1, a count model, a deadline no batch time
         # could reach) is decided by comparisons of figures read once, without the calls that would say the same.
-        if len(costs) == 1:
-            n, widest = 1, costs[0]
-        else:
-            n, widest = max(1, len(costs)), max(costs, default=1.0)
-        if widest != 1.0 or batcher.costs.max_batch_cost > 0:  # else nothing can be too costly (`too_costly`)
-            too_costly = batcher.costs.too_costly(model, widest)
-            if too_costly is not None:
-                raise errors.payload_too_large(f"{too_costly}: shorten it")
-        times = batcher.batch_s
+        n, widest = self._sized(model, costs)
         fig = self._figures.get(model)
-        if fig is None or fig.version != times.version or fig.healthy != healthy:
+        if fig is None or fig.version != batcher.batch_s.version or fig.healthy != healthy:  # stale: read anew
             fig = self.read_figures(model, healthy)
-        batch_s, most_s = fig.batch_s, fig.most_s
         now = self.clock()
         until_free = capacity.seconds_until_free(now)
         queued = batcher.depth.get(model, 0)
         idle = queued == 0 and until_free <= 0
-        if not deadline_s >= most_s + batcher.margin_s:  # else its slowest batch alone ends in time: nothing to refuse
-            # the quickest any answer can come: a batch of its own longest input alone
-            fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
-            least_s = fastest_s + batcher.margin_s  # one batch, and the dispatch margin the batcher keeps
-            asked_s = deadline_s if timeout_s is None else timeout_s
-            d = self.deadlines.get(model)
-            if asked_s < least_s <= (self.max_timeout_s if d is None else d.max_timeout_s):  # it can ask for enough
-                raise errors.timeout_too_short(least_s * 1000)
-            if deadline_s < fastest_s <= asked_s:  # enough was asked, but it went before the request was read
-                raise errors.deadline_exceeded()
-            if deadline_s < fastest_s:  # not even an idle worker could answer in time: retrying would not help...
-                if not (idle and now - self.probed.get(model, -math.inf) >= PROBE_EVERY_S):
-                    raise errors.deadline_unmeetable(fastest_s * 1000)
-                # ...unless the figure is wrong: a probe now and then runs anyway, and what it takes is learned
-                self.probed[model] = now
-                self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
+        if not deadline_s >= fig.most_s + batcher.margin_s:  # else its slowest batch alone ends in time
+            if self._goes_as_probe(model, widest, deadline_s, timeout_s, idle, now):
+                return self._probe(model, bucket, now, n)
+        pressure = self._door_pressure(model, fig, now, n, queued)
+        # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
+        # (refused, a batch time learned from one slow batch would refuse every request for good). Decided
+        # before the prediction, which cannot change it.
+        if idle and n <= fig.full_n:
+            self._joined(model, bucket, now, n)
+            return Ticket(False, now)
+        other_classes = bucket is not None and self._classes(model, bucket)
+        # Without pressure only the deadline can refuse: when no prediction could reach it, admitted as the
+        # prediction would admit it (nothing learned from a request admitted without pressure).
+        if not pressure and n == 1 and not other_classes:
+            if self._in_time_anyway(model, tier, tenant, widest, until_free, deadline_s, fig):
                 self._joined(model, bucket, now, n)
-                return Ticket(True, now)
+                return Ticket(False, now)
+        ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
+        rates = self.class_rates(model, now) if other_classes else None  # read by `predict` only then
+        p = predict(batcher, model, until_free, healthy, ahead, costs, bucket, rates)
+        raw_wait_s = p.wait_s
+        if pressure:  # the queue part as long as such predictions really turned out lately
+            p = p.scaled(self.calibration.factor(model))
+        if pressure or p.last_s > deadline_s:
+            self._refuse_if_late(model, tier, p, pressure, p.last_s - deadline_s, fig, until_free, ahead)
+        self._joined(model, bucket, now, n)
+        return Ticket(False, now, raw_wait_s if pressure else None)
+
+    def _in_time_anyway(
+        self, model: str, tier: int, tenant: str, widest: float, until_free: float, deadline_s: float, fig: DoorFigures
+    ) -> bool:
+        """Whether no prediction could put a one-input request past its deadline (`_surely_in_time`): first with
+        the whole queue ahead (`ahead_of` is at most the depth), which needs no count of the tenants' shares."""
+        rows = fig.most_n if fig.budget == math.inf else 1  # the batches ahead: at least this many inputs each
+        most_s = fig.most_s
+        return self._surely_in_time(
+            model, until_free, self.batcher.depth.get(model, 0), deadline_s, most_s, rows
+        ) or self._surely_in_time(
+            model, until_free, self.batcher.ahead_of(tier, tenant, model, widest), deadline_s, most_s, rows
+        )
+
+    def _sized(self, model: str, costs: Sequence[float]) -> tuple[int, float]:
+        """The request's inputs and its widest one's cost; a 413 when that one is more than a batch may hold."""
+        if len(costs) == 1:
+            n, widest = 1, costs[0]
+        else:
+            n, widest = max(1, len(costs)), max(costs, default=1.0)
+        if widest != 1.0 or self.batcher.costs.max_batch_cost > 0:  # else nothing can be too costly
+            too_costly = self.batcher.costs.too_costly(model, widest)
+            if too_costly is not None:
+                raise errors.payload_too_large(f"{too_costly}: shorten it")
+        return n, widest
+
+    def _door_pressure(self, model: str, fig: DoorFigures, now: float, n: int, queued: int) -> bool:
+        """For a request of `n` inputs joining `queued` ones: the 503 when the queue has no room for them, else
+        tick the arrival meters and say whether the door is under pressure (`_pressure` with the kept figures):
+        the long horizon over capacity or a flood's start (the short one well over it), with the queue growing;
+        or a worker lost."""
         if queued + n > self.max_queue:
             raise errors.overloaded(
-                f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=batch_s * 1000
+                f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=fig.batch_s * 1000
             )
         rate, fast_rate = self.arrivals.tick(now, n), self.arrivals_fast.tick(now, n)
         cap = fig.capacity
         # `flood_from`, written out for the common case: the short-horizon rate below capacity, nothing on record
         flood_at = self.flood_from(model, now, fast_rate, cap) if fast_rate > cap or self.fast_above else math.inf
-        most_n, budget, full_n = fig.most_n, fig.budget, fig.full_n
-        rows = most_n if budget == math.inf else 1  # `_surely_in_time`'s batches ahead: at least this many inputs each
-        # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
-        # (refused, a batch time learned from one slow batch would refuse every request for good). Decided
-        # before the prediction, which cannot change it.
-        if idle and n <= full_n:
-            self._joined(model, bucket, now, n)
-            return Ticket(False, now)
-        # `_pressure`: the long horizon over capacity or a flood's start (the short one well over it), with the
-        # queue growing; a worker lost
         over = rate > cap or (fast_rate > FAST_SPIKE * cap and now >= flood_at)
-        pressure = (over and queued > fig.backlog) or fig.lost
-        other_classes = bucket is not None and self._classes(model, bucket)
-        if not pressure and n == 1 and not other_classes:
-            # Without pressure only the deadline can refuse: when no prediction could reach it, admitted as the
-            # prediction would admit it (nothing learned from a request admitted without pressure). First with
-            # the whole queue ahead (`ahead_of` is at most the depth), which needs no count of the tenants' shares.
-            if self._surely_in_time(model, until_free, queued, deadline_s, most_s, rows) or self._surely_in_time(
-                model, until_free, batcher.ahead_of(tier, tenant, model, widest), deadline_s, most_s, rows
-            ):
-                meter = self.class_arrivals.get((model, bucket)) if bucket is not None else None
-                if meter is not None:  # `_joined`, written out for the common case: the class is metered already
-                    meter.tick(now, n)
-                else:
-                    self._joined(model, bucket, now, n)
-                return Ticket(False, now)
-        ahead = batcher.ahead_of(tier, tenant, model, costs[0] if costs else 1.0)
-        # The classes' rates only where the prediction can read them: another class of the model is known.
-        rates = self.class_rates(model, now) if other_classes else None
-        p = predict(batcher, model, until_free, healthy, ahead, costs, bucket, rates)
-        raw_wait_s = p.wait_s
-        if pressure:  # the queue part as long as such predictions really turned out lately
-            p = p.scaled(self.calibration.factor(model))
+        return (over and queued > fig.backlog) or fig.lost
+
+    def _refuse_if_late(
+        self,
+        model: str,
+        tier: int,
+        p: WaitPrediction,
+        pressure: bool,
+        late_s: float,
+        fig: DoorFigures,
+        until_free: float,
+        ahead: int,
+    ) -> None:
+        """The 503 for a request predicted (`p`) to end `late_s` past its deadline or, under pressure, to start
+        past its tier's latency bound."""
+        batch_s = fig.batch_s
         bound_s = self.tier_bound_s(tier, model) if pressure else math.inf
         # An objective tighter than the model's own batch time (a real model on a CPU) would refuse everything:
         # then allow at most one batch ahead of this one.
         bound_s = max(bound_s, 2 * batch_s)
         if pressure:  # 95 % of admitted requests within the bound, not half of those near it; never half of it
             bound_s -= min(self.calibration.margin(model), bound_s / 2)
-        late_s = max(p.first_s - bound_s, p.last_s - deadline_s)
-        if late_s > 0:
-            limit = "deadline" if p.last_s - deadline_s >= p.first_s - bound_s else "latency objective"
-            # Truthful: the work ahead drains at its own pace, so this much later the same request fits; never
-            # more than the whole queue ahead takes to run.
-            wait_ahead_s = max(p.first_s, until_free + (ahead // full_n + 1) * batch_s / max(1, healthy))
-            raise errors.overloaded(
-                f"predicted latency {p.last_s * 1000:.0f} ms would miss the request's {limit}",
-                retry_after_ms=min(late_s + batch_s, wait_ahead_s) * 1000,
-            )
-        self._joined(model, bucket, now, n)
-        return Ticket(False, now, raw_wait_s if pressure else None)
+        if p.first_s - bound_s <= 0 and late_s <= 0:
+            return
+        limit = "deadline" if late_s >= p.first_s - bound_s else "latency objective"
+        # Truthful: the work ahead drains at its own pace, so this much later the same request fits; never more
+        # than the whole queue ahead takes to run.
+        wait_ahead_s = max(p.first_s, until_free + (ahead // fig.full_n + 1) * batch_s / max(1, fig.healthy))
+        raise errors.overloaded(
+            f"predicted latency {p.last_s * 1000:.0f} ms would miss the request's {limit}",
+            retry_after_ms=(min(max(p.first_s - bound_s, late_s) + batch_s, wait_ahead_s)) * 1000,
+        )
 
 
 class Ticket(msgspec.Struct, gc=False):

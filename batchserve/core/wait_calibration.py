@@ -1,6 +1,6 @@
 """The door's own error, learned: observed queue wait over predicted, per model (issue 22).
 
-Admission predicts when an admitted request's first batch starts (`admission.predict`: the class turns, the
+Admission predicts when an admitted request's first batch starts (`wait_prediction.predict`: the class turns, the
 learned batch times); the answer says when it really did. Whatever the model of the queue leaves out — the event
 loop and the GIL on a small CPU, hand-offs between batches, turns it does not foresee — shows as a ratio between
 the two. Like `BatchTimes` learns S from the batches that ran, this learns the ratio from the requests that were

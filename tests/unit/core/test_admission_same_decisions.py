@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from batchserve.core.admission import Admission, WaitPrediction, _by_turns, predict
+from batchserve.core.admission import Admission
+from batchserve.core.wait_prediction import WaitPrediction, _by_turns, predict
 from batchserve.core.batch_time import MEMO_KEPT, BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import Item
@@ -38,7 +39,7 @@ def reference(
     bucket: int | None = None,
     rates: Mapping[int, float] | None = None,
 ) -> WaitPrediction:
-    """`admission.predict` as it was before the hot-path cuts (ebee825), line for line."""
+    """`wait_prediction.predict` as it was before the hot-path cuts (ebee825), line for line."""
     times = batcher.batch_s
     full_n, limit, budget = batcher.costs.full_n(model), batcher.costs.limit(model), batcher.costs.budget(model)
     unit = batcher.costs.unit.get(model, 1.0)
@@ -52,7 +53,7 @@ def reference(
     if bucket is not None and any(
         m == model and b != bucket and (len(q) or (rates and rates.get(b))) for (m, b), q in batcher.queues.items()
     ):
-        return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {}, per)
+        return _by_turns(batcher, model, until_free_s, share, ahead, costs, bucket, rates or {}, limit, budget)
     full_s = times[model]
     if bucket is not None:
         row = batcher.costs.row_cost.get((model, bucket), 0.0)

@@ -2,7 +2,7 @@
 
 In-process, injected clock: a `Batcher` with queues of several length classes is drained the way a worker drains
 it (`most_urgent`, `form`, the clock advanced by each batch's time, arrivals submitted as they come), and the
-moment a request's batch forms is compared with what `admission.predict` said when it was admitted. The batch
+moment a request's batch forms is compared with what `wait_prediction.predict` said when it was admitted. The batch
 time is exact here (10 ms + 0.5 ms a padded token, the line `BatchTimes` learns from two points), so any gap is
 the model of the queue: on minilm it predicted ~0.75 of the wait admitted requests had at 1.3x capacity, because
 (1) a class drained at admission refills while the request waits and takes a turn every round, and (2) a batch
@@ -18,7 +18,8 @@ import pytest
 
 from batchserve.core.batcher import Batcher
 from batchserve.core.burst import Bursts
-from batchserve.core.admission import Admission, WaitPrediction, predict
+from batchserve.core.admission import Admission
+from batchserve.core.wait_prediction import WaitPrediction, predict
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.class_turns import ClassQueue, Own, drain
 from batchserve.core.fairqueue import Item

@@ -14,7 +14,8 @@ from batchserve.core.batch_time import BatchTimes, size_bucket
 from batchserve.errors import ApiError
 from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher
-from batchserve.core.admission import Admission, predicted_latency_s
+from batchserve.core.admission import Admission
+from batchserve.core.wait_prediction import predicted_latency_s
 from batchserve.core.fairqueue import Item
 from batchserve.gpu_pool import GpuPool, DeviceWorker
 from tests.unit.fakes import Clock

@@ -15,7 +15,8 @@ import pytest
 
 from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher
-from batchserve.core.admission import FAST_SPIKE, Admission, predict
+from batchserve.core.admission import FAST_SPIKE, Admission
+from batchserve.core.wait_prediction import predict
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item
 from batchserve import errors

@@ -13,7 +13,8 @@ from batchserve.core.batch_time import BatchTimes
 from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher
 from batchserve.core import tiers
-from batchserve.core.admission import PROBE_EVERY_S, Admission, predicted_latency_s
+from batchserve.core.admission import PROBE_EVERY_S, Admission
+from batchserve.core.wait_prediction import predicted_latency_s
 from batchserve.core.fairqueue import FairQueue, Item
 from batchserve.errors import ApiError
 from batchserve.gpu_pool import GpuPool, DeviceWorker
