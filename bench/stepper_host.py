@@ -56,7 +56,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from batchserve.decoding.slot_decoder import PREFILL_ROWS, SlotDecoder
+from batchserve.decoding.prefill_pieces import PREFILL_ROWS
+from batchserve.decoding.slot_decoder import SlotDecoder
 from batchserve.decoding.stepper import SamplingParams
 from batchserve.gc_tuning import tune_gc
 from bench.device_clock import DeviceClock

@@ -43,13 +43,19 @@ import torch
 
 from batchserve.decoding.sampling import GREEDY, MASK31, choice_key, choose_tokens, mask_top_p
 from batchserve.decoding.sizing import ROW_BUCKETS, row_buckets
+from batchserve.decoding.prefill_pieces import (
+    PREFILL_ROWS,
+    PREFILL_WIDTHS,
+    PrefillBuffers,
+    check_pieces,
+    prefill_row_buckets,
+    prefill_span,
+)
 from batchserve.decoding.stepper import SamplingParams
 
 log = logging.getLogger("batchserve.slot_decoder")
 
 SPAN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # attended positions, padded up likewise
-PREFILL_ROWS = (1, 4, 16, 64, 128)  # joining prompts in one prefill, padded up to one of these
-PREFILL_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # their longest prompt, padded up likewise
 
 
 def bucket_up(n: int, buckets: Sequence[int], top: int) -> int:
@@ -75,6 +81,15 @@ def warm_summary(graphs: bool, steps: int, prefills: int) -> str:
     if graphs:
         return f"captured {steps} decode steps and {prefills} prefills as CUDA graphs"
     return "warmed the decode steps and prefills eagerly (no CUDA graphs: timed a full step)"
+
+
+def graph_modes(device: torch.device, use_graphs: bool | None, fixed_shapes: bool | None) -> tuple[bool, bool]:
+    """(use_graphs, fixed_shapes) from the constructor's arguments: graphs default to on exactly on CUDA and need
+    it, and a captured graph has fixed shapes, so graphs imply fixed shapes whatever was asked."""
+    graphs = device.type == "cuda" if use_graphs is None else use_graphs
+    if graphs and device.type != "cuda":
+        raise ValueError("CUDA graphs need a CUDA device")
+    return graphs, graphs if fixed_shapes is None else fixed_shapes or graphs
 
 
 @dataclass(frozen=True)
@@ -169,13 +184,9 @@ class SlotDecoder:
         self.slots, self.slot_tokens = slots, slot_tokens
         self.prefill_tokens = prefill_tokens
         self.chunk_tokens = max(1, min(chunk_tokens or 512, prefill_tokens, slot_tokens))
-        # joins in one prefill: PREFILL_ROWS below the slots, and the slots themselves if fewer than the largest
-        self.prefill_rows = tuple(sorted({r for r in PREFILL_ROWS if r < slots} | {min(slots, max(PREFILL_ROWS))}))
+        self.prefill_rows = prefill_row_buckets(slots)  # joins in one prefill, padded up to one of these
         self.pad_id = int(pad_id)
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        self.fixed_shapes = self.use_graphs if fixed_shapes is None else fixed_shapes or self.use_graphs
+        self.use_graphs, self.fixed_shapes = graph_modes(self.device, use_graphs, fixed_shapes)
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.head = model.get_output_embeddings()
         self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "flash_attention_2")
@@ -196,13 +207,8 @@ class SlotDecoder:
         self.pad = torch.tensor(self.pad_id, dtype=torch.long, device=dev)
         self.positions = torch.arange(slot_tokens, device=dev)
         self.graphs: dict[tuple[int, int, bool], Any] = {}  # (rows, span, sampling) -> torch.cuda.CUDAGraph
-        # Prefill's inputs, read by its graphs: prompts (right-padded), their lengths, their slots.
-        most_rows = max(PREFILL_ROWS)
-        self.prompt_ids = torch.full((most_rows, slot_tokens), self.pad_id, dtype=torch.long, device=dev)
-        self.prompt_len = torch.ones(most_rows, dtype=torch.long, device=dev)
-        self.prompt_slot = torch.full((most_rows,), self.scratch, dtype=torch.long, device=dev)
-        self.prompt_start = torch.zeros(most_rows, dtype=torch.long, device=dev)  # a piece's first position
-        self.prompt_last = torch.ones(most_rows, dtype=torch.bool, device=dev)  # the piece ends its prompt
+        # Prefill's inputs, read by its graphs: prompt pieces (right-padded), their lengths, slots, starts, ends.
+        self.pieces = PrefillBuffers.padding(max(PREFILL_ROWS), slot_tokens, self.pad_id, self.scratch, dev)
         self.prefill_graphs: dict[tuple[int, int, bool], Any] = {}  # (joins, width, sampling) -> graph
         self.chunk_graphs: dict[tuple[int, int, bool], Any] = {}  # continuation pieces: the same keys
         # Two host copies of a step's tokens and done flags: one step can run while the last one's are read.
@@ -243,7 +249,7 @@ class SlotDecoder:
         them so)."""
         if self.fixed_shapes:
             return self.prefill_shape(joins, width, continued) is not None
-        return joins <= len(self.prompt_slot) and joins * width <= self.prefill_tokens
+        return joins <= len(self.pieces.slot) and joins * width <= self.prefill_tokens
 
     def prefill_shapes(self, continued: bool = False) -> list[tuple[int, int]]:
         top = self.chunk_tokens if continued else self.slot_tokens
@@ -360,32 +366,13 @@ class SlotDecoder:
         k, width = len(slots), max(len(p) for p in prompts)
         starts = list(starts) if starts is not None else [0] * k
         last = list(last) if last is not None else [True] * k
-        if any(
-            s + len(p) + (q.left if end else 0) > self.slot_tokens
-            for s, p, q, end in zip(starts, prompts, params, last)
-        ):
-            raise ValueError(f"a prompt plus its max_tokens is over the slot's {self.slot_tokens} tokens")
-        if k > len(self.prompt_slot):
-            raise ValueError(f"{k} joins in one prefill: at most {len(self.prompt_slot)} (see prefill_fits)")
+        check_pieces(k, prompts, params, starts, last, self.slot_tokens, len(self.pieces.slot))
         continued = any(starts)
         shape = self.prefill_shape(k, width, continued)
         rows, wide = shape if shape is not None else (k, width)
-        span = 0  # a first piece attends to itself only
-        if continued:  # a captured shape attends to the whole slot; an exact one to what it needs
-            span = (
-                self.slot_tokens
-                if shape is not None and self.fixed_shapes
-                else max(s + len(p) for s, p in zip(starts, prompts))
-            )
+        span = prefill_span(starts, prompts, self.slot_tokens if shape is not None and self.fixed_shapes else 0)
+        host = PrefillBuffers.pack((rows, wide), self.pad_id, self.scratch, slots, prompts, starts, last)
         dev = self.device
-        ids = torch.full((rows, wide), self.pad_id, dtype=torch.long)
-        lengths = torch.ones(rows, dtype=torch.long)
-        where = torch.full((rows,), self.scratch, dtype=torch.long)
-        first = torch.zeros(rows, dtype=torch.long)
-        ends = torch.ones(rows, dtype=torch.bool)
-        for row, (slot, p) in enumerate(zip(slots, prompts)):  # right padding: a piece starts at its start
-            ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
-            lengths[row], where[row], first[row], ends[row] = len(p), slot, starts[row], last[row]
         sampling = any(not q.greedy for q in params)
         with torch.inference_mode(), self._device():
             index = torch.tensor(list(slots), dtype=torch.long, device=dev)
@@ -402,11 +389,7 @@ class SlotDecoder:
             # its seeded draws (keyed by token index) are those it would have had without the pause
             self.count[index] = torch.tensor([q.resumed for q in params], dtype=torch.long).to(dev)
             self.done[index] = False
-            self.prompt_ids[:rows, :wide] = ids.to(dev)
-            self.prompt_len[:rows] = lengths.to(dev)
-            self.prompt_slot[:rows] = where.to(dev)
-            self.prompt_start[:rows] = first.to(dev)
-            self.prompt_last[:rows] = ends.to(dev)
+            self.pieces.load(host)
             table = self.chunk_graphs if continued else self.prefill_graphs
             graph = table.get((rows, wide, sampling)) if shape is not None else None
             if graph is not None:
@@ -420,8 +403,9 @@ class SlotDecoder:
         """The prefill over the first `rows` pieces of the prefill buffers, `wide` tokens each (so it can be
         captured): causal attention within each piece (and, `span` > 0, to the slot's first `span` positions,
         which hold its earlier pieces), its K/V into its slot, and for a last piece its first token drawn."""
-        ids, lengths, where = self.prompt_ids[:rows, :wide], self.prompt_len[:rows], self.prompt_slot[:rows]
-        start, ends = self.prompt_start[:rows], self.prompt_last[:rows]
+        buffers = self.pieces
+        ids, lengths, where = buffers.ids[:rows, :wide], buffers.length[:rows], buffers.slot[:rows]
+        start, ends = buffers.start[:rows], buffers.last[:rows]
         at = self.positions[:wide]
         if span:
             pos = start[:, None] + at[None, :]  # each query's position in its sequence
