@@ -262,68 +262,132 @@ class Metrics:
 
 
 def make_metrics() -> Metrics:
+    """The app's metrics on a registry of their own, one helper per group; the groups are made in the order of the
+    `Metrics` fields, which is the order /metrics lists them in."""
     r = CollectorRegistry()
     # process_cpu_seconds_total, process_resident_memory_bytes, ...: read from /proc at scrape time, nothing per
     # request. `batchserve plan --measure` divides the CPU by the requests answered (docs/capacity.md).
     ProcessCollector(registry=r)
-    p = "batchserve_"
+    requests, request_duration, queue_wait, batch_compute, batch_size = _loop_series(r)
+    queue_depth, inflight, worker_busy_ratio, worker_healthy = _occupancy_gauges(r)
+    rejected, batch_retries, batches = _dispatch_counters(r)
+    load_ratio, predicted_wait_ratio = _autoscaling_gauges(r)
+    batches_stopped_early, batches_staged = _stop_and_stage_counters(r)
+    slo_requests, cost_served, inputs_served = _ledger_counters(r)
     return Metrics(
         registry=r,
-        requests=LoopCounter(p + "requests", "Answered inference requests", ("model", "status"), r),
-        request_duration=LoopHistogram(
-            p + "request_duration_seconds", "Arrival to answer", ("model",), LATENCY_BUCKETS, r
-        ),
-        queue_wait=LoopHistogram(
-            p + "queue_wait_seconds", "Arrival to dispatch in a batch", ("model",), LATENCY_BUCKETS, r
-        ),
-        batch_compute=LoopHistogram(
-            p + "batch_compute_seconds", "Backend time of one batch", ("model",), LATENCY_BUCKETS, r
-        ),
-        batch_size=LoopHistogram(
+        requests=requests,
+        request_duration=request_duration,
+        queue_wait=queue_wait,
+        batch_compute=batch_compute,
+        batch_size=batch_size,
+        queue_depth=queue_depth,
+        inflight=inflight,
+        worker_busy_ratio=worker_busy_ratio,
+        worker_healthy=worker_healthy,
+        rejected=rejected,
+        batch_retries=batch_retries,
+        batches=batches,
+        load_ratio=load_ratio,
+        predicted_wait_ratio=predicted_wait_ratio,
+        batches_stopped_early=batches_stopped_early,
+        batches_staged=batches_staged,
+        slo_requests=slo_requests,
+        cost_served=cost_served,
+        inputs_served=inputs_served,
+    )
+
+
+def _loop_series(
+    r: CollectorRegistry,
+) -> tuple[LoopCounter, LoopHistogram, LoopHistogram, LoopHistogram, LoopHistogram]:
+    """The series written per request or per batch: kept by the loop without a lock (module docstring)."""
+    p = "batchserve_"
+    return (
+        LoopCounter(p + "requests", "Answered inference requests", ("model", "status"), r),
+        LoopHistogram(p + "request_duration_seconds", "Arrival to answer", ("model",), LATENCY_BUCKETS, r),
+        LoopHistogram(p + "queue_wait_seconds", "Arrival to dispatch in a batch", ("model",), LATENCY_BUCKETS, r),
+        LoopHistogram(p + "batch_compute_seconds", "Backend time of one batch", ("model",), LATENCY_BUCKETS, r),
+        LoopHistogram(
             p + "batch_size", "Inputs per dispatched batch", ("model",), tuple(float(b) for b in BATCH_SIZE_BUCKETS), r
         ),
-        queue_depth=Gauge(p + "queue_depth", "Items waiting for a batch", ["model"], registry=r),
-        inflight=Gauge(p + "inflight_requests", "Inference requests admitted and not yet answered", registry=r),
-        worker_busy_ratio=Gauge(
-            p + "worker_busy_ratio", "Share of the last second spent running batches", ["worker"], registry=r
-        ),
-        worker_healthy=Gauge(p + "worker_healthy", "1 while the worker takes batches", ["worker"], registry=r),
-        rejected=Counter(p + "rejected", "Requests refused before reaching a batch", ["reason"], registry=r),
-        batch_retries=Counter(
-            p + "batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"], registry=r
-        ),
-        batches=Counter(
+    )
+
+
+def _occupancy_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge, Gauge, Gauge]:
+    """The node's state as levels, not counts: what waits, what is in flight, each worker's busy share and health.
+    Set by the runtime's tick, at scrape time or when a worker's health changes: never per request."""
+    p = "batchserve_"
+    return (
+        Gauge(p + "queue_depth", "Items waiting for a batch", ["model"], registry=r),
+        Gauge(p + "inflight_requests", "Inference requests admitted and not yet answered", registry=r),
+        Gauge(p + "worker_busy_ratio", "Share of the last second spent running batches", ["worker"], registry=r),
+        Gauge(p + "worker_healthy", "1 while the worker takes batches", ["worker"], registry=r),
+    )
+
+
+def _dispatch_counters(r: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
+    """Refusals, and batches by why they left or ran again: counted per refusal or per batch, not per answer, so
+    prometheus-client's own (locked) Counter costs nothing that matters."""
+    p = "batchserve_"
+    return (
+        Counter(p + "rejected", "Requests refused before reaching a batch", ["reason"], registry=r),
+        Counter(p + "batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"], registry=r),
+        Counter(
             p + "batches",
             "Dispatched batches by what flushed them: full, deadline, pace, burst, hold, drain, retry, isolated",
             ["model", "cause"],
             registry=r,
         ),
-        load_ratio=Gauge(
+    )
+
+
+def _autoscaling_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
+    """The autoscaling signals, computed at scrape time (batchserve/core/load_signal.py)."""
+    p = "batchserve_"
+    return (
+        Gauge(
             p + "load_ratio",
             "Arrivals over what the healthy workers serve at full batches (1 = "
             "the node's ceiling): the autoscaling signal",
             registry=r,
         ),
-        predicted_wait_ratio=Gauge(
+        Gauge(
             p + "predicted_wait_ratio",
             "Predicted wait of a request arriving now before "
             "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
             registry=r,
         ),
-        batches_stopped_early=Counter(
+    )
+
+
+def _stop_and_stage_counters(r: CollectorRegistry) -> tuple[Counter, Counter]:
+    """Batches off their usual course: cut short with no caller left, or staged behind a busy device (gpu_pool.py).
+    Counted per batch, so prometheus-client's own Counter."""
+    p = "batchserve_"
+    return (
+        Counter(
             p + "batches_stopped_early",
             "Batches the backend cut short because every caller had left (answered, timed out or hung up)",
             ["model"],
             registry=r,
         ),
-        batches_staged=Counter(
+        Counter(
             p + "batches_staged",
             "Full batches formed while their device was busy and begun by its thread the moment the running "
             "batch ended (--stage-lead-ms)",
             ["model"],
             registry=r,
         ),
-        slo_requests=LoopCounter(
+    )
+
+
+def _ledger_counters(r: CollectorRegistry) -> tuple[LoopCounter, LoopCounter, LoopCounter]:
+    """The SLO ledger (core/ledger.py): answers by model, tier and outcome, and the cost and inputs served. Every
+    answer of a model route counts here, so they are loop-kept too."""
+    p = "batchserve_"
+    return (
+        LoopCounter(
             p + "slo_requests",
             "Answers of the model routes by SLO outcome: met (2xx within "
             "the SLO), slow (2xx past it), refused (429/503), expired (504), failed (other "
@@ -331,11 +395,11 @@ def make_metrics() -> Metrics:
             ("model", "tier", "outcome"),
             r,
         ),
-        cost_served=LoopCounter(
+        LoopCounter(
             p + "cost_served",
             "Cost units served in 2xx answers: tokens where the model costs by tokens, else inputs",
             ("model", "tier"),
             r,
         ),
-        inputs_served=LoopCounter(p + "inputs_served", "Inputs served in 2xx answers", ("model", "tier"), r),
+        LoopCounter(p + "inputs_served", "Inputs served in 2xx answers", ("model", "tier"), r),
     )

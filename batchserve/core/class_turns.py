@@ -68,17 +68,7 @@ def drain(
     """Replay the class turns from `now` (module docstring). `share`: healthy workers, each batch takes 1/share
     of a worker's time; `until_free_s`: the time until the first of them is free."""
     share = max(1, share)
-    t = max(0.0, until_free_s)
-    memo: dict[tuple[float, float], float] = {}  # most turns are full batches of a few classes: read S once each
-
-    def seconds(rows: float, unit: float) -> float:
-        got = memo.get((rows, unit))
-        if got is None:
-            got = memo[(rows, unit)] = batch_s(rows, unit)
-        return got
-
-    for q in others:
-        q.rows += q.rate * t
+    t, seconds = _replay_start(until_free_s, others, batch_s)
     own_last, ahead, left = own.last, own.ahead, max(1, own.n)
     wait_s = first_s = -1.0
     own_turns = 0
@@ -105,7 +95,7 @@ def drain(
                 rows = min(float(own.per), rows + own.rate * t)
             took = seconds(rows, own.unit)
             if wait_s < 0:
-                # Its first input as `admission.predict` has always counted it: in a batch of the rows ahead and
+                # Its first input as `wait_prediction.predict` has always counted it: in a batch of the rows ahead and
                 # itself (a request of many inputs is bounded by the objective at its first, the deadline at its
                 # last: an idle server serves 2,048 inputs whose batches fit the timeout).
                 wait_s, first_s = t, t + (took if left == 1 else seconds(ahead + 1, own.unit))
@@ -127,3 +117,21 @@ def drain(
         wait_s = t + math.ceil(ahead / max(1, own.ahead_per)) * pace
         first_s = wait_s + seconds(min(own.per, left), own.unit)
     return Drained(wait_s, first_s, max(first_s, end))
+
+
+def _replay_start(until_free_s: float, others: list[ClassQueue], batch_s: BatchSeconds) -> tuple[float, BatchSeconds]:
+    """Where `drain`'s turns begin, apart so that `drain` reads as the turns alone: the time until the first worker
+    is free, the other classes grown by what joins them meanwhile, and `batch_s` memoized (most turns are full
+    batches of a few classes: S is read once each)."""
+    t = max(0.0, until_free_s)
+    memo: dict[tuple[float, float], float] = {}
+
+    def seconds(rows: float, unit: float) -> float:
+        got = memo.get((rows, unit))
+        if got is None:
+            got = memo[(rows, unit)] = batch_s(rows, unit)
+        return got
+
+    for q in others:
+        q.rows += q.rate * t
+    return t, seconds

@@ -255,24 +255,17 @@ MODULE_LINES, FUNCTION_LINES, CLASS_LINES, CLASS_FIELDS = 600, 60, 400, 40
 # past a limit fails, and so does one of these grown; one that shrank or came within its limit fails until its line
 # here says so.
 OVER_LIMIT = {
-    "core/admission.py:Admission.admit_ticket": 118,
-    "core/admission.py:predict": 64,
     "core/batcher.py:Batcher": 533,
     "core/batcher.py:Batcher.__init__": 64,
     "core/batcher.py:Batcher.form": 95,
     "core/batcher.py:Batcher.most_urgent": 64,
-    "core/class_turns.py:drain": 65,
     "core/service.py:InferenceService.infer_many": 68,
     "decoding/engine.py:Engine": 502,
-    "decoding/slot_decoder.py:SlotDecoder": 415,
-    "decoding/slot_decoder.py:SlotDecoder.__init__": 64,
-    "decoding/slot_decoder.py:SlotDecoder.prefill": 71,
     "decoding/slot_stepper.py:SlotStepper": 446,
     "gpu_pool.py:GpuPool": 502,
     "http/endpoint.py:Endpoint.__call__": 85,
     "jobs/scheduler.py:Scheduler": 504,
     "jobs/scheduler.py:Scheduler._refill": 63,
-    "metrics.py:make_metrics": 78,
 }
 
 
