@@ -45,7 +45,7 @@ class JobState:
     added: float = field(default_factory=time.monotonic)
     attempts: dict[int, int] = field(default_factory=dict)  # transient failures per index
     hung: set[int] = field(default_factory=set)  # indexes that were in a hung batch once already
-    shared: set[int] = field(default_factory=set)  # indexes in flight on the shared path (`Scheduler._feed`)
+    shared: set[int] = field(default_factory=set)  # indexes in flight on the shared path (`Feeder.feed`)
     open: dict[int, LineRun] = field(default_factory=dict)  # lines in flight with inputs not fed yet, oldest first
     charged: dict[int, int] = field(default_factory=dict)  # per index in flight: its inputs holding places
     line_inputs: float = 1.0  # the mean inputs of its lines started so far (1 for a native job): a row's price

@@ -11,6 +11,8 @@ than the workers' pace (`Batcher._paced_by_jobs`), so the workers stay staggered
 either (issue 28: it used to, +30 % p95 in the soak while a clean job ran). Free places are shared round-robin
 between tenants, and no tenant holds more than its share of them while others wait (so a tenant whose items take
 longer, failing or retried, cannot crowd the others out); a tenant's jobs run oldest first.
+Putting the inputs through the door, and keeping the account of the places they hold until each is answered, is
+the feeder's (`feeder.py`).
 
 A job whose inputs fail often enough to cost re-runs runs isolated, in groups of its own (`job_state.py`).
 
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import heapq
 import logging
 import random
@@ -45,11 +46,11 @@ from typing import Protocol
 import orjson
 
 from batchserve.config import Settings
-from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError
+from batchserve.jobs.feeder import Entrance, Feeder
 from batchserve.jobs.job_state import ItemRetry, JobState
-from batchserve.jobs.lines import LineResult, LineRun, LineRunner, failed_response, line_texts, window_end
-from batchserve.jobs.refill import Budget, Ledger, Room, mean_cost, model_spare, places, shares
+from batchserve.jobs.lines import LineResult, LineRunner, failed_response, line_texts, window_end
+from batchserve.jobs.refill import Budget, Room, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome, StoreDown
 from batchserve.tenancy import lane_of
@@ -57,9 +58,9 @@ from batchserve.tenancy import lane_of
 log = logging.getLogger("batchserve.jobs")
 
 
-class Door(Protocol):
+class Door(Entrance, Protocol):
     """What the scheduler needs of the inference service (`core.service.InferenceService`): the one door to
-    the batcher, and the little it must know of the workers."""
+    the batcher (its two entrances, `feeder.Entrance`), and the little it must know of the workers."""
 
     @property
     def draining(self) -> bool: ...
@@ -67,14 +68,11 @@ class Door(Protocol):
     def max_batch_size(self) -> int: ...
     def healthy_workers(self) -> int: ...
     def models(self) -> list[str]: ...
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item: ...
-    def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
     def job_room(self, model: str) -> Room | None: ...
     async def pretokenize(self, model: str, texts: list[str], tenant: str = "") -> None: ...
 
 
-ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
-FEED_TICK_S = 0.1  # the feeder looks again at least this often (healthy workers, drain)
+FEED_TICK_S = 0.1  # the feed loop looks again at least this often (healthy workers, drain)
 FLUSH_S = 0.05
 STOP_RETRY_S = 1.0  # a lease release refused at stop is tried again this much later (the breaker's OPEN_S)
 FLUSH_ROWS = 1000
@@ -91,14 +89,16 @@ class Scheduler:
     jobs: dict[str, JobState] = field(default_factory=dict)  # unfinished, oldest first
     retries: list[ItemRetry] = field(default_factory=list)  # a heap by due time
     outcomes: list[Outcome] = field(default_factory=list)  # waiting to be recorded
-    ledger: Ledger = field(default_factory=Ledger)  # job inputs in flight, by path, tenant and model
-    job_unit: dict[str, float] = field(default_factory=dict)  # per model: the mean cost of its job inputs
     _model_tenants: dict[str, set[str]] = field(default_factory=dict)  # per model: tenants with work, this refill
     _seq: int = 0
     _turn: int = 0  # rotates which tenant is served first
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _flush_now: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    feeder: Feeder = field(init=False)  # puts job work through the door and keeps the places it holds
+
+    def __post_init__(self) -> None:
+        self.feeder = Feeder(self.door, self.lines, self._wake, self._answered)
 
     async def start(self) -> None:
         """Resume every unfinished job on a model served here, then start feeding and flushing."""
@@ -165,7 +165,7 @@ class Scheduler:
     @property
     def inflight(self) -> int:
         """Job inputs riding in shared batches, in the batcher or on a worker."""
-        return self.ledger.shared
+        return self.feeder.ledger.shared
 
     def model_room(self, model: str) -> int | None:
         """Job inputs of `model` that may be added now (`refill.model_spare`); None where the door queues
@@ -175,8 +175,8 @@ class Scheduler:
             return None
         return model_spare(
             room,
-            self.job_unit.get(model, 1.0),
-            self.ledger.models.get(model, 0),
+            self.feeder.job_unit.get(model, 1.0),
+            self.feeder.ledger.models.get(model, 0),
             self.settings.jobs_max_inflight,
             len(self._model_tenants.get(model, ())),
         )
@@ -190,9 +190,10 @@ class Scheduler:
                     await self._wake.wait()
             self._wake.clear()
             try:
-                self.metrics.inflight.set(self.ledger.total)  # here, not per item: the loop's time is the SLO's
+                # here, not per item: the loop's time is the SLO's
+                self.metrics.inflight.set(self.feeder.ledger.total)
                 if self.door.draining:
-                    self._release_queued()
+                    self.feeder.release_queued(self.jobs.values())
                     continue
                 await self._refill()
             except StoreDown:  # an outage the store logged once as it began: no line per tick
@@ -211,21 +212,11 @@ class Scheduler:
             r.job.retrying -= 1
             if not r.job.cancelled:
                 r.job.buffer.appendleft((r.index, r.text))
-        by_tenant: dict[str, list[JobState]] = {}
-        isolated: list[JobState] = []
-        for job in list(self.jobs.values()):
-            if job.idle():
-                del self.jobs[job.id]
-                self.metrics.active_jobs.set(len(self.jobs))
-            elif job.has_work():
-                if self._isolated(job):
-                    isolated.append(job)
-                else:
-                    by_tenant.setdefault(job.tenant, []).append(job)
+        isolated, by_tenant = self._with_work()
         self._model_tenants = {}
         for job in isolated + [j for jobs in by_tenant.values() for j in jobs]:
             self._model_tenants.setdefault(job.model, set()).add(job.tenant)
-        iso_free = self.isolated_limit() - self.ledger.isolated
+        iso_free = self.isolated_limit() - self.feeder.ledger.isolated
         if iso_free > 0 and isolated:
             await self._refill_isolated(isolated, Budget(iso_free, self.model_room))
         if not by_tenant:
@@ -235,7 +226,7 @@ class Scheduler:
         )
         if total <= 0:
             return
-        allowed = shares(total, self.ledger.tenants, list(by_tenant))
+        allowed = shares(total, self.feeder.ledger.tenants, list(by_tenant))
         budget = Budget(sum(allowed.values()), self.model_room, allowed)
         if budget.free <= 0:
             return
@@ -261,9 +252,25 @@ class Scheduler:
                 can = min(budget.can(tenant, job.model), self._chunk(job.model))
                 if can <= 0:
                     continue  # its share, the places or its model's room are spent: its turn is over
-                budget.take(tenant, self._feed(job, can, alone=False))
+                budget.take(tenant, self.feeder.feed(job, can, alone=False))
             if q:
                 rotation.append((tenant, q))
+
+    def _with_work(self) -> tuple[list[JobState], dict[str, list[JobState]]]:
+        """The jobs with work to feed: the isolated ones, and the others by tenant, each tenant's oldest first.
+        Idle jobs are forgotten on the way (every job is looked at here anyway)."""
+        by_tenant: dict[str, list[JobState]] = {}
+        isolated: list[JobState] = []
+        for job in list(self.jobs.values()):
+            if job.idle():
+                del self.jobs[job.id]
+                self.metrics.active_jobs.set(len(self.jobs))
+            elif job.has_work():
+                if self._isolated(job):
+                    isolated.append(job)
+                else:
+                    by_tenant.setdefault(job.tenant, []).append(job)
+        return isolated, by_tenant
 
     async def _refill_isolated(self, jobs: list[JobState], budget: Budget) -> None:
         """Feed isolated jobs in turn, a group of their own at a time (a line's inputs each alone), within
@@ -281,12 +288,12 @@ class Scheduler:
             if job.cancelled:
                 continue
             if job.endpoint is not None and self.lines is not None:  # lines: fed an input at a time, alone
-                fed = self._feed(job, size, alone=True)
+                fed = self.feeder.feed(job, size, alone=True)
             else:
                 group = [job.buffer.popleft() for _ in range(min(size, len(job.buffer)))]
                 if not group:
                     continue
-                self._submit_group(job, group)
+                self.feeder.submit_group(job, group)
                 fed = len(group)
             budget.take(job.tenant, fed)
             if fed and job.ready():
@@ -295,7 +302,7 @@ class Scheduler:
     def _chunk(self, model: str) -> int:
         """Inputs fed in one turn: a batch's worth; one while the model's job inputs have no known cost yet,
         so the room (which reads their cost) is read again once it is known."""
-        return self.door.max_batch_size if model in self.job_unit else 1
+        return self.door.max_batch_size if model in self.feeder.job_unit else 1
 
     def _isolated(self, job: JobState) -> bool:
         return job.group_size(self.door.max_batch_size) > 0
@@ -321,147 +328,10 @@ class Scheduler:
         if len(rows) < n:
             job.exhausted = True
 
-    def _feed(self, job: JobState, n: int, alone: bool) -> int:
-        """Feed up to `n` of the job's inputs: its open lines' next inputs first, then its next rows (a row
-        after a hang goes alone, in the isolated count). Returns the inputs fed on this budget."""
-        fed = 0
-        while fed < n:
-            if job.open:
-                index, run = next(iter(job.open.items()))
-                fed += self._feed_line(job, index, run, n - fed, alone or index not in job.shared)
-                continue
-            if not job.buffer:
-                break
-            index, text = job.buffer.popleft()
-            if index in job.hung:  # after a hang, an item runs alone: the culprit hangs only itself
-                self._submit_group(job, [(index, text)])
-                continue
-            if job.endpoint is not None and self.lines is not None:  # an OpenAI Batch API line
-                self._track(
-                    job,
-                    index,
-                    text,
-                    self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, job.expires_at),
-                    shared=not alone,
-                )
-                continue
-            if alone:
-                self._submit_group(job, [(index, text)])
-                fed += 1
-                continue
-            item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
-            self._track(job, index, text, item, shared=True)
-            self._priced(job, index, item, 1)
-            fed += 1
-        return fed
-
-    def _feed_line(self, job: JobState, index: int, run: LineRun, n: int, alone: bool) -> int:
-        """Feed up to `n` inputs of one line, each priced as it goes in (its place held until it is answered)."""
-        fed = 0
-        while fed < n and run.unfed:
-            item = run.feed(alone)
-            self._priced(job, index, item, 1)
-            if item is not None:
-                item.future.add_done_callback(functools.partial(self._input_done, job, index, run))
-            fed += 1
-        if not run.unfed:
-            job.open.pop(index, None)
-        return fed
-
-    def _track(self, job: JobState, index: int, text: str, item: Item | LineRun, shared: bool) -> None:
-        """The row is in flight (its inputs priced as they are fed); a line with inputs to feed is open."""
-        job.inflight[index] = item
-        job.charged[index] = 0
-        if shared:
-            job.shared.add(index)
-        if isinstance(item, LineRun):
-            if item.inputs:  # a line's price, learned: how many rows to claim for the inputs wanted
-                job.lines_seen += 1
-                job.line_inputs += (item.inputs - job.line_inputs) / min(job.lines_seen, 20)
-            if item.unfed:
-                job.open[index] = item
-        item.future.add_done_callback(functools.partial(self._done, job, index, text))
-
-    def _priced(self, job: JobState, index: int, item: Item | None, n: int) -> None:
-        """`n` inputs of the row are in flight: they take places (shared, or isolated) and their model's room."""
-        job.charged[index] = job.charged.get(index, 0) + n
-        self.ledger.add(job.tenant, job.model, n, index in job.shared)
-        self.job_unit[job.model] = mean_cost(self.job_unit.get(job.model), item.cost if item is not None else 1.0)
-
-    def _release(self, job: JobState, index: int, n: int | None = None) -> None:
-        """`n` (None: all) of the row's priced inputs are answered or withdrawn: their places are free."""
-        held = job.charged.get(index, 0)
-        n = held if n is None else min(n, held)
-        if n <= 0:
-            return
-        job.charged[index] = held - n
-        self.ledger.add(job.tenant, job.model, -n, index in job.shared)
-        self._wake.set()
-
-    def _input_done(self, job: JobState, index: int, run: LineRun, fut: asyncio.Future) -> None:
-        if job.inflight.get(index) is run:  # not a line taken back (`_reroute`) or answered already
-            self._release(job, index, 1)
-
-    def _submit_group(self, job: JobState, rows: list[tuple[int, str]]) -> None:
-        """Items of one job as a batch of their own, in the background share (isolated job, or after a hang);
-        a line is started and fed alone, an input at a time, by the isolated path (`_feed`)."""
-        if job.endpoint is not None and self.lines is not None:  # OpenAI lines: each its own run, alone
-            for index, text in rows:
-                run = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, job.expires_at)
-                self._track(job, index, text, run, shared=False)
-                self._feed_line(job, index, run, 1, alone=True)
-            return
-        items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
-        for (index, text), item in zip(rows, items):
-            self._track(job, index, text, item, shared=False)
-            self._priced(job, index, item, 1)
-
-    def _reroute(self, job: JobState) -> None:
-        """The job was just isolated: take its items no batch has taken yet off the shared path (each would
-        cost its batch-mates re-runs there) and give them back to the job, to run in groups of its own."""
-        back = []
-        for index in sorted(job.shared):
-            item = job.inflight[index]
-            if not item.dispatched and not item.future.done():
-                self._release(job, index)
-                del job.inflight[index]
-                job.charged.pop(index, None)
-                job.open.pop(index, None)
-                item.future.cancel()  # the batcher drops it (a line: every input it fed)
-                back.append((index, item.text))
-            else:  # running, or in a bisection re-run (background batches): counted with the isolated now
-                self.ledger.isolate(job.tenant, job.charged.get(index, 0))
-        job.shared.clear()
-        job.buffer.extendleft(reversed(back))
-        log.info(
-            "batch %s: isolated after %d costly failures in its last %d items; %d queued item(s) moved to "
-            "its own batches",
-            job.id,
-            sum(job.recent),
-            len(job.recent),
-            len(back),
-        )
-
-    def _release_queued(self) -> None:
-        """Draining: take back the items no batch has taken yet (they stay pending for the next start)."""
-        for job in self.jobs.values():
-            for item in list(job.inflight.values()):
-                if not item.dispatched:
-                    item.future.cancel()
-
     # -- outcomes --------------------------------------------------------------------------------------------
-    def _done(self, job: JobState, index: int, text: str, fut: asyncio.Future) -> None:
-        current = job.inflight.get(index)
-        if current is None or current.future is not fut:
-            return  # taken off the shared path by `_reroute` (which settled its counts), perhaps resubmitted
-        self._release(job, index)
-        del job.inflight[index]
-        job.charged.pop(index, None)
-        job.open.pop(index, None)
-        job.shared.discard(index)
-        self._wake.set()
-        if fut.cancelled() or job.cancelled:
-            return
+    def _answered(self, job: JobState, index: int, text: str, fut: asyncio.Future) -> None:
+        """A row of a job still wanted was answered, its places already given back (`Feeder`): its outcome, or
+        its retry."""
         exc = fut.exception()
         if exc is None:
             result = fut.result()
@@ -482,7 +352,7 @@ class Scheduler:
         was_isolated = self._isolated(job)
         job.recent.append(costly)
         if costly and not was_isolated and self._isolated(job):
-            self._reroute(job)
+            self.feeder.reroute(job)
         code = exc.code if isinstance(exc, ApiError) else "INTERNAL"
         if job.failed_for_good(index, exc, self.settings.jobs_max_attempts):
             message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"

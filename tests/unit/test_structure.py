@@ -264,8 +264,6 @@ OVER_LIMIT = {
     "decoding/slot_stepper.py:SlotStepper": 446,
     "gpu_pool.py:GpuPool": 502,
     "http/endpoint.py:Endpoint.__call__": 85,
-    "jobs/scheduler.py:Scheduler": 504,
-    "jobs/scheduler.py:Scheduler._refill": 63,
 }
 
 

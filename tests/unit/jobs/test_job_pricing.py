@@ -195,7 +195,7 @@ def test_the_job_goes_on_as_inputs_are_answered_and_each_line_gets_every_embeddi
             await asyncio.sleep(0.001)
         bodies = {o.index: orjson.loads(o.output)["body"] for o in s.outcomes}
         firsts = [[d["embedding"][0] for d in bodies[i]["data"][:3]] for i in sorted(bodies)]
-        return door.peak, firsts, sum(len(b["data"]) for b in bodies.values()), s.ledger.total
+        return door.peak, firsts, sum(len(b["data"]) for b in bodies.values()), s.feeder.ledger.total
 
     peak, firsts, embeddings, left = asyncio.run(main())
     assert peak <= 2 * 64, peak
@@ -257,7 +257,7 @@ def test_a_failing_input_fails_its_line_withdraws_the_rest_and_frees_every_place
         await settle()
         await s._refill()
         queued = sum(not i.future.done() for i in door.queue)
-        return queued, s.ledger.total, [o.status for o in s.outcomes]
+        return queued, s.feeder.ledger.total, [o.status for o in s.outcomes]
 
     queued, held, statuses = asyncio.run(main())
     assert queued == 0 and held == 0
