@@ -30,7 +30,7 @@ The rule, per queue, when a worker is free (pacing due) and the queue is neither
   that batch's own time (about what the inputs would have waited had the worker still been busy: more lets a
   CPU worker's length classes reach larger batches, less makes a burst's tail wait less for company that stopped
   coming); never past the dispatch deadline (the batcher's rule, unchanged). Decided once per batch
-  (`Batcher._held`): when the wait ends the batch goes with what came, so the end of a burst is not held again
+  (`Holds.until`): when the wait ends the batch goes with what came, so the end of a burst is not held again
   and again for company that stopped coming. A full queue goes at once, as before.
 
 So holds act between about a third of capacity and ~85 % of it, where a CPU worker would otherwise run batches
@@ -38,15 +38,22 @@ of 1-3 back to back, and fade out where throughput is at stake. With the default
 ends within 100 ms of its oldest input: what the door admitted is answered in time.
 
 Arrival rates are counted where batches form (items that joined a queue since its last batch), decayed
-exponentially over `RATE_TAU_S`, plus those queued since (`Batcher._hold`): no work per request. Pure arithmetic
+exponentially over `RATE_TAU_S`, plus those queued since (`Holds._decide`): no work per request. Pure arithmetic
 over numbers and an injected clock, so the unit tests drive it directly (tests/unit/core/test_batch_hold.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from batchserve.core.batch_budget import BatchBudget
+from batchserve.core.batch_time import BatchTimes
+
+if TYPE_CHECKING:
+    from batchserve.core.fairqueue import FairQueue
 
 BUSY_HOLD = 0.75  # hold only where taking what waits would keep the workers busier than this
 LOAD_MIN = 1 / 3  # ... and where full batches would keep them at least this busy (the load, at full batches)
@@ -152,3 +159,79 @@ def _bisect(lo: int, hi: int, turned: Callable[[int], bool]) -> tuple[int, int]:
         else:
             lo = mid
     return lo, hi
+
+
+Key = tuple[str, int]  # a queue: (model, length class)
+
+
+@dataclass
+class Holds:
+    """What the batcher keeps for holding (`hold_until`): arrivals per queue and per model, counted where batches
+    form; each queue's length after its last batch; and each queue's hold, decided once per batch. Apart from the
+    batcher because only its pace rung reads them, and batch formation writes them."""
+
+    costs: BatchBudget
+    batch_s: BatchTimes
+    arrivals: dict[Key, Arrivals] = field(default_factory=dict)
+    model_arrivals: dict[str, Arrivals] = field(default_factory=dict)
+    left: dict[Key, int] = field(default_factory=dict)
+    left_model: dict[str, int] = field(default_factory=dict)  # the same summed over a model's queues
+    # Per queue: when its next batch's hold was decided, and until when it holds (the same: it does not).
+    held: dict[Key, tuple[float, float]] = field(default_factory=dict)
+
+    def until(self, key: Key, q: FairQueue, oldest: float, now: float, depth: int, workers: int, slo_s: float) -> float:
+        """Until when a free worker holds queue `key`'s batch (not full; its oldest item arrived at `oldest`;
+        `depth` items of its model queued, `workers` healthy): decided once per batch, so the wait does not renew
+        itself."""
+        hold = self.held.get(key)
+        if hold is None:
+            hold = self.held[key] = (now, self._decide(key, q, oldest, now, depth, workers, slo_s))
+        return hold[1]
+
+    def _decide(
+        self, key: Key, q: FairQueue, oldest: float, now: float, depth: int, workers: int, slo_s: float
+    ) -> float:
+        """Now, or later while the load is high and a larger batch would cost its inputs much less."""
+        model_rate = self.model_arrivals.get(key[0])
+        queue_rate = self.arrivals.get(key)
+        if model_rate is None or queue_rate is None:
+            return now
+        model, costs, unit = key[0], self.costs, q.mean_cost()
+        # The rates count arrivals where batches form: those since (still queued) count now too, or a busy
+        # worker's rate would read low by the time one batch takes.
+        tau = queue_rate.tau_s
+        pending = max(0, len(q) - self.left.get(key, 0)) / tau
+        pending_model = max(0, depth - self.left_model.get(model, 0)) / tau
+        budget, limit = costs.budget(model), costs.limit(model)
+        full_n = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
+        return hold_until(
+            now,
+            oldest,
+            len(q),
+            full_n,
+            lambda k: self.batch_s.at(model, costs.estimate_cost(model, k, unit)),
+            model_rate.current(now) + pending_model,
+            queue_rate.current(now) + pending,
+            workers,
+            slo_s,
+        )
+
+    def count(self, key: Key, now: float, queued: int) -> None:
+        """The items that joined queue `key` since its last batch (it holds `queued` now), into its and its
+        model's arrival rates: counted once per batch, not per request."""
+        seen = queued - self.left.get(key, 0)
+        if seen <= 0:
+            return
+        self.arrivals.setdefault(key, Arrivals()).add(now, seen)
+        self.model_arrivals.setdefault(key[0], Arrivals()).add(now, seen)
+
+    def left_after(self, key: Key, left: int) -> None:
+        """Queue `key` holds `left` items once its batch was taken."""
+        self.left_model[key[0]] = self.left_model.get(key[0], 0) + left - self.left.get(key, 0)
+        self.left[key] = left
+
+    def ended(self, key: Key, cause: str) -> str:
+        """A batch of queue `key` went: its hold is over. Its cause: "hold" where a paced batch had waited (the
+        batch it waited for came, or the wait it was worth passed)."""
+        hold = self.held.pop(key, None)
+        return "hold" if hold is not None and hold[1] > hold[0] and cause == "pace" else cause

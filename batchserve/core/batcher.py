@@ -25,10 +25,11 @@ may hold and cost, and how the budget is lowered to fit the time bounds, is the 
 Every pass of the policy is one ladder (`_take`), for a worker that just finished (`take_now`, no trip through
 the loop) and for the worker holding the turn (`_wait_for_batch`, which sleeps until the next queue is due).
 
-Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend.
-Re-runs and the background share of job work are `core/retries.py`'s: the ladder asks it first. The
-job items' pacing (`_paced_by_jobs`) and one tenant's job items per batch (`form`) are how batches are dispatched,
-not job policy: which job inputs to feed, and how many, is the job scheduler's (`jobs/refill.py`).
+Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend: what a
+batch takes from its queue is the queue's (`FairQueue.take_batch`). Re-runs and the background share of job work are
+`core/retries.py`'s: the ladder asks it first. The job items' pacing (`FairQueue.paced_by_jobs`) and one
+tenant's job items per batch (`FairQueue.take_batch`) are how batches are dispatched, not job policy: which
+job inputs to feed, and how many, is the job scheduler's (`jobs/refill.py`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from collections.abc import Callable
 from batchserve import errors
 from batchserve.core.batch import Batch
 from batchserve.core.batch_budget import BatchBudget
-from batchserve.core.batch_hold import Arrivals, hold_until
+from batchserve.core.batch_hold import Holds
 from batchserve.core.burst import Bursts
 from batchserve.core.batch_time import BatchTimes
 from batchserve.core import tiers
@@ -58,7 +59,6 @@ log = logging.getLogger("batchserve")
 # asks for its next batch this close to the pace (several devices) takes it at once instead of idling.
 PACE_EARLY_S = 0.002
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
-LATE_FOR_BATCH = "the request's deadline would pass before its batch could end"  # an item dropped by `form`
 
 
 def _nothing() -> None:
@@ -111,14 +111,8 @@ class Batcher:
         self.last_dispatch = 0.0
         self.served_at: dict[str, float] = {}  # per model: when a batch of it last went out
         self.bucket_served_at: dict[tuple[str, int], float] = {}  # the same per queue
-        # Holding a free worker's batch while the load is high (`core/batch_hold.py`): arrivals per second per
-        # queue and per model, counted where batches form, and each queue's length after its last batch.
-        self.arrivals: dict[tuple[str, int], Arrivals] = {}
-        self.model_arrivals: dict[str, Arrivals] = {}
-        self._left: dict[tuple[str, int], int] = {}
-        self._left_model: dict[str, int] = {}  # the same summed over a model's queues
-        # Per queue: when its next batch's hold was decided, and until when it holds (the same: it does not).
-        self._held: dict[tuple[str, int], tuple[float, float]] = {}
+        # Holding a free worker's batch while the load is high (`core/batch_hold.py`): arrivals and holds.
+        self.holds = Holds(self.costs, batch_s)
         self.bursts: dict[str, Bursts] = {}  # per model: whether its inputs arrive in bursts (`core/burst.py`)
         # The workers' side: one waits for its batch at a time (`_turn`), woken by new work or a timer.
         self.draining = False
@@ -182,14 +176,7 @@ class Batcher:
         if not model:
             model = next(iter(self.shares), "")
         shares = self.shares.get(model)
-        depth = self.depth.get(model, 0)
-        if shares is None or not depth:
-            return 0
-        total = sum(shares.tier_queued)
-        if total <= 0:
-            return 0
-        ahead = shares.ahead(tier, tenant, cost)
-        return min(depth, math.ceil(depth * ahead / total - 1e-9))
+        return 0 if shares is None else shares.inputs_ahead(self.depth.get(model, 0), tier, tenant, cost)
 
     def _count(self, item: Item, sign: int) -> None:
         self.depth[item.model] = self.depth.get(item.model, 0) + sign
@@ -366,7 +353,9 @@ class Batcher:
             head = q.oldest()
             if head is None:
                 continue
-            paced, head = self._paced_by_jobs(q, key[0], head)
+            paced = False
+            if self.healthy_workers > 1 and not self.draining:  # one worker: nothing to keep staggered
+                paced, head = q.paced_by_jobs(self.costs.limit(key[0]), self.costs.budget(key[0]), head)
             full_count = len(q) >= self.costs.limit(key[0]) and not paced
             if full_count or (q.cost_sum >= self.costs.budget(key[0]) and not paced):
                 due, cause = now, "full"
@@ -378,27 +367,7 @@ class Batcher:
                 deadline_due = (
                     head.arrived + self.dispatch_delay(key[0], size) if head.tier < tiers.BATCH.rank else math.inf
                 )  # job items only: in no hurry, they go at the pace
-                pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
-                pace_cause = "pace"
-                if self.healthy_workers <= 1 or pace_due - now <= PACE_EARLY_S:
-                    # One device: the worker asking is the device, free now, and there is nothing to stagger
-                    # (the pace S only estimated when it would free: a smaller or quicker batch frees sooner).
-                    # Several: a worker that frees a hair before the learned pace goes at once.
-                    pace_due = min(pace_due, now)
-                    # ... unless the inputs come in bursts and the rest of this one is still arriving
-                    # (`core/burst.py`): then it waits a few ms for them, so the burst rides one batch ...
-                    bursts = self.bursts.get(key[0])
-                    burst_due = bursts.until(head.arrived, self.batch_s.at(key[0], size)) if bursts else -math.inf
-                    # ... or the load is high and a larger batch, soon, would cost its inputs much less
-                    # (`core/batch_hold.py`): then it waits for it, within the SLO.
-                    if burst_due > now:
-                        pace_due, pace_cause = burst_due, "burst"
-                    else:
-                        hold = self._held.get(key)  # decided once per batch: the wait does not renew itself
-                        if hold is None:
-                            hold = self._held[key] = (now, self._hold(key, q, head.arrived, now))
-                        if hold[1] > now:
-                            pace_due, pace_cause = hold[1], "hold"
+                pace_due, pace_cause = self._pace(key, q, head.arrived, size, now)
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, pace_cause)
             # Among queues due now, a model served least recently goes first (then the earliest deadline), so
             # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
@@ -420,155 +389,48 @@ class Batcher:
                 best, best_rank, best_cause, best_due = key, rank, cause, due
         return best, (best_due if best is not None else best_rank[0]), best_cause
 
-    def _hold(self, key: tuple[str, int], q: FairQueue, oldest: float, now: float) -> float:
-        """When a free worker should take this (not full) queue's batch: now, or later while the load is high
-        and a larger batch would cost its inputs much less (`batch_hold.hold_until`)."""
-        model_rate = self.model_arrivals.get(key[0])
-        queue_rate = self.arrivals.get(key)
-        if model_rate is None or queue_rate is None:
-            return now
-        model, costs, unit = key[0], self.costs, q.mean_cost()
-        # The rates count arrivals where batches form: those since (still queued) count now too, or a busy
-        # worker's rate would read low by the time one batch takes.
-        tau = queue_rate.tau_s
-        pending = max(0, len(q) - self._left.get(key, 0)) / tau
-        pending_model = max(0, self.depth.get(model, 0) - self._left_model.get(model, 0)) / tau
-        budget, limit = costs.budget(model), costs.limit(model)
-        full_n = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
-        return hold_until(
-            now,
-            oldest,
-            len(q),
-            full_n,
-            lambda k: self.batch_s.at(model, costs.estimate_cost(model, k, unit)),
-            model_rate.current(now) + pending_model,
-            queue_rate.current(now) + pending,
-            self.healthy_workers,
-            self.slo_of(model),
-        )
-
-    def _count_arrivals(self, key: tuple[str, int], now: float, queued: int) -> None:
-        """The items that joined queue `key` since its last batch (it holds `queued` now), into its and its
-        model's arrival rates (what `_hold` reads): counted once per batch, not per request."""
-        seen = queued - self._left.get(key, 0)
-        if seen <= 0:
-            return
-        rate = self.arrivals.get(key)
-        if rate is None:
-            rate = self.arrivals[key] = Arrivals()
-        rate.add(now, seen)
-        rate = self.model_arrivals.get(key[0])
-        if rate is None:
-            rate = self.model_arrivals[key[0]] = Arrivals()
-        rate.add(now, seen)
-
-    def _paced_by_jobs(self, q: FairQueue, model: str, head: Item) -> tuple[bool, Item]:
-        """Whether batch-job items are what makes this queue due at once (full by count or cost, or an old
-        job item's deadline), and the head whose deadline counts. With several workers such a queue goes at
-        the pace instead: job items fill batches but never hurry them. Taking every job-filled batch the moment
-        a worker frees lets the workers fall into step (both free, both take, both run), and an interactive
-        item then waits for the next of them up to a whole batch time instead of half of it (issue 28: a clean
-        job beside interactive load at half the capacity moved that p95 from 150 to 196 ms)."""
-        if self.healthy_workers <= 1 or self.draining:
-            return False, head
-        jobs, jobs_cost = 0, 0.0
-        first: Item | None = None
-        for lane in q.lanes.values():
-            if not lane.items:
-                continue
-            if lane.tier >= tiers.BATCH.rank:
-                jobs += len(lane.items)
-                jobs_cost += sum(item.cost for item in lane.items)
-            elif first is None or lane.items[0].arrived < first.arrived:
-                first = lane.items[0]
-        if not jobs or len(q) - jobs >= self.costs.limit(model) or q.cost_sum - jobs_cost >= self.costs.budget(model):
-            return False, head  # no job items, or the interactive ones fill a batch by themselves
-        return True, first if first is not None else head
+    def _pace(self, key: tuple[str, int], q: FairQueue, oldest: float, size: float, now: float) -> tuple[float, str]:
+        """When queue `key` (not full; its oldest item arrived at `oldest`, its batch would cost `size`) is due by
+        pacing, and why: the pace, the rest of a burst, or a hold."""
+        pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
+        if not (self.healthy_workers <= 1 or pace_due - now <= PACE_EARLY_S):
+            return pace_due, "pace"
+        # One device: the worker asking is the device, free now, and there is nothing to stagger (the pace S only
+        # estimated when it would free: a smaller or quicker batch frees sooner). Several: a worker that frees a
+        # hair before the learned pace goes at once ...
+        pace_due = min(pace_due, now)
+        # ... unless the inputs come in bursts and the rest of this one is still arriving (`core/burst.py`): then
+        # it waits a few ms for them, so the burst rides one batch ...
+        bursts = self.bursts.get(key[0])
+        burst_due = bursts.until(oldest, self.batch_s.at(key[0], size)) if bursts else -math.inf
+        if burst_due > now:
+            return burst_due, "burst"
+        # ... or the load is high and a larger batch, soon, would cost its inputs much less (`core/batch_hold.py`):
+        # then it waits for it, within the SLO.
+        depth, slo_s = self.depth.get(key[0], 0), self.slo_of(key[0])
+        held = self.holds.until(key, q, oldest, now, depth, self.healthy_workers, slo_s)
+        return (held, "hold") if held > now else (pace_due, "pace")
 
     def form(
         self, key: tuple[str, int], now: float, cause: str, due: float = 0.0, starts: float | None = None
     ) -> Batch | None:
         """The batch of queue `key`, formed now to start at `starts` (now when None; later when staged)."""
         q = self.queues[key]
-        self._count_arrivals(key, now, len(q))
-        items: list[Item] = []
-        limit = self.costs.limit(key[0])
-        # An item whose deadline falls before a batch formed now would end is answered 504 here, not sent: its
-        # answer would come too late, and its place goes to an item that can still make it (under overload,
-        # batches of items that expire while they run would serve nobody: goodput would collapse). The batch's
-        # least expected time (`lower_bound`), so that a time learned from one slow batch cannot drop every item
-        # and leave nothing running to correct it.
-        budget = self.costs.budget(key[0])
+        self.holds.count(key, now, len(q))
+        limit, budget = self.costs.limit(key[0]), self.costs.budget(key[0])
+        # Its items must be able to end in time (`FairQueue.take_batch`): by the batch's least expected time
+        # (`lower_bound`), so that a time learned from one slow batch cannot drop every item and leave nothing
+        # running to correct it.
         size = self.costs.estimate_cost(key[0], min(limit, len(q)), q.mean_cost())
         ends = (now if starts is None else starts) + self.batch_s.lower_bound(key[0], size)
-        widest = 0.0
-        # Job places go to one tenant per batch (tenants take turns batch by batch), so one tenant's failing
-        # job inputs never fail, and drag into bisection, another tenant's job items.
-        stick: dict[int, str] = {}
-        shares = q.shares
         taken = [0] * len(self.tier_depth)  # items taken out of the queue, per tier: counted once after the loop
-        sole = q.sole_lane()
-        # One tenant of one tier waiting and no budget (the common case): its lane's items are taken in runs and
-        # charged to the tenant once the batch is made (`FairQueue.pop_run`), the queue and shares left as one
-        # by one. Otherwise one at a time, each charged as it is taken: the next place goes to the least served.
-        runs = sole is not None and budget == math.inf
-        while len(items) < limit:
-            if runs:
-                assert sole is not None
-                taken_now = q.pop_run(sole, limit - len(items))
-                if not taken_now:
-                    break
-            else:
-                # The budget: rows x the longest row. The first input always goes (one alone over the budget was
-                # refused at the door, or the budget was lowered after it was admitted: it still runs).
-                # A backend's own batch cost is asked only when it declares one and a budget applies.
-                if items and budget != math.inf:
-                    head = q.peek(stick)
-                    if head is None:
-                        break
-                    if (
-                        head.batch_cost([*(i.text for i in items), head.text]) > budget
-                        if head.batch_cost is not None
-                        else (len(items) + 1) * max(widest, head.cost) > budget
-                    ):
-                        break
-                # A lone lane under a budget: its head, as `pop` would find it, unsearched.
-                item = q.pop_head(sole, charge=False) if sole is not None and sole.items else q.pop(stick, charge=False)
-                if item is None:
-                    break
-                if item.tier == tiers.BATCH.rank and not stick:
-                    stick[item.tier] = item.tenant
-                taken_now = [item]
-            for item in taken_now:
-                taken[item.tier] += 1
-                # `item.alive(now)` where it is False (it answers the item); the common case without the call
-                if item.future.done() or now >= item.deadline or (item.gone is not None and item.gone()):
-                    item.alive(now)
-                    continue
-                if item.deadline < ends and not item.probe:
-                    item.future.set_exception(errors.deadline_exceeded(LATE_FOR_BATCH))
-                    continue
-                items.append(item)
-                if not runs:
-                    shares.charge(item)
-                if item.cost > widest:
-                    widest = item.cost
-                item.dispatched = now
-                if item.record is not None:
-                    item.record.status = "processing"
-        if runs:
-            assert sole is not None
-            shares.charge_run(sole.tier, sole.tenant, items)
+        items, widest = q.take_batch(limit, budget, now, ends, taken)
         self._uncount(key[0], taken)
-        left = len(q)
-        self._left_model[key[0]] = self._left_model.get(key[0], 0) + left - self._left.get(key, 0)
-        self._left[key] = left
+        self.holds.left_after(key, len(q))
         if not items:
             return None
-        shares.owed_cap = budget if budget != math.inf else limit * widest  # a batch's cost, at most
-        hold = self._held.pop(key, None)
-        if hold is not None and hold[1] > hold[0] and cause == "pace":
-            cause = "hold"  # its hold ended: the batch it waited for came, or the wait it was worth passed
+        q.shares.owed_cap = budget if budget != math.inf else limit * widest  # a batch's cost, at most
+        cause = self.holds.ended(key, cause)
         # A paced dispatch a little late (timer granularity, a busy loop) keeps its slot, so lateness does not
         # pile up into wider spacing than S/G; a late one by half an interval or more starts a new rhythm.
         batch = Batch(key[0], items, now, cause)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -35,8 +36,11 @@ import msgspec
 
 from batchserve import errors
 from batchserve.core.requests_log import Record
+from batchserve.core import tiers
 from batchserve.core.tiers import AGING_S, TIERS
 from batchserve.core.work import Work
+
+LATE_FOR_BATCH = "the request's deadline would pass before its batch could end"  # an item dropped by `take_batch`
 
 
 class ItemResult(msgspec.Struct, gc=False):
@@ -278,6 +282,13 @@ class Shares:
             same += min(self.tier_queued[tier] - own, others * (self.lag(tier, tenant) + own + cost))
         return sum(self.tier_queued[:tier]) + same
 
+    def inputs_ahead(self, depth: int, tier: int, tenant: str, cost: float) -> int:
+        """`ahead` in inputs of the model's queued mix, of its `depth` queued inputs."""
+        total = sum(self.tier_queued)
+        if not depth or total <= 0:
+            return 0
+        return min(depth, math.ceil(depth * self.ahead(tier, tenant, cost) / total - 1e-9))
+
 
 @dataclass
 class Lane:
@@ -438,6 +449,104 @@ class FairQueue:
         """The item `pop(stick)` would return next, left in place."""
         lane = self._next_lane(stick)
         return lane.items[0] if lane is not None else None
+
+    def take_batch(
+        self, limit: int, budget: float, now: float, ends: float, taken: list[int]
+    ) -> tuple[list[Item], float]:
+        """The items of this queue for a batch formed `now` that ends no sooner than `ends`, at most `limit` of them
+        and within `budget` (rows x the longest row), and the cost of its widest row. `taken[tier]` counts every item
+        taken out of the queue, sent or not. An item whose deadline falls before `ends` is answered 504 here, not
+        sent: its answer would come too late, and its place goes to an item that can still make it (under overload,
+        batches of items that expire while they run would serve nobody: goodput would collapse)."""
+        items: list[Item] = []
+        widest = 0.0
+        # Job places go to one tenant per batch (tenants take turns batch by batch), so one tenant's failing
+        # job inputs never fail, and drag into bisection, another tenant's job items.
+        stick: dict[int, str] = {}
+        shares = self.shares
+        sole = self.sole_lane()
+        # One tenant of one tier waiting and no budget (the common case): its lane's items are taken in runs and
+        # charged to the tenant once the batch is made (`FairQueue.pop_run`), the queue and shares left as one
+        # by one. Otherwise one at a time, each charged as it is taken: the next place goes to the least served.
+        runs = sole is not None and budget == math.inf
+        while len(items) < limit:
+            if runs:
+                assert sole is not None
+                taken_now = self.pop_run(sole, limit - len(items))
+                if not taken_now:
+                    break
+            else:
+                item = self._next_one(sole, stick, items, widest, budget)
+                if item is None:
+                    break
+                taken_now = [item]
+            for item in taken_now:
+                taken[item.tier] += 1
+                # `item.alive(now)` where it is False (it answers the item); the common case without the call
+                if item.future.done() or now >= item.deadline or (item.gone is not None and item.gone()):
+                    item.alive(now)
+                    continue
+                if item.deadline < ends and not item.probe:
+                    item.future.set_exception(errors.deadline_exceeded(LATE_FOR_BATCH))
+                    continue
+                items.append(item)
+                if not runs:
+                    shares.charge(item)
+                if item.cost > widest:
+                    widest = item.cost
+                item.dispatched = now
+                if item.record is not None:
+                    item.record.status = "processing"
+        if runs:
+            assert sole is not None
+            shares.charge_run(sole.tier, sole.tenant, items)
+        return items, widest
+
+    def _next_one(
+        self, sole: Lane | None, stick: dict[int, str], items: list[Item], widest: float, budget: float
+    ) -> Item | None:
+        """`take_batch`'s next item taken one at a time (several lanes, or a budget), uncharged; None when nothing
+        is left or the batch is full by cost. The first input always goes (one alone over the budget was refused at
+        the door, or the budget was lowered after it was admitted: it still runs)."""
+        if items and budget != math.inf and self._full_by_cost(stick, items, widest, budget):
+            return None
+        # A lone lane under a budget: its head, as `pop` would find it, unsearched.
+        item = self.pop_head(sole, charge=False) if sole is not None and sole.items else self.pop(stick, charge=False)
+        if item is not None and item.tier == tiers.BATCH.rank and not stick:
+            stick[item.tier] = item.tenant  # the batch's job places go to this tenant only
+        return item
+
+    def _full_by_cost(self, stick: dict[int, str], items: list[Item], widest: float, budget: float) -> bool:
+        """Whether the batch of `items` (its widest row costing `widest`) is full by its cost budget: nothing left to
+        take, or the next item would pass it (rows x the longest row; a backend's own batch cost where it declares
+        one, asked only here, where a budget applies)."""
+        head = self.peek(stick)
+        if head is None:
+            return True
+        if head.batch_cost is not None:
+            return head.batch_cost([*(i.text for i in items), head.text]) > budget
+        return (len(items) + 1) * max(widest, head.cost) > budget
+
+    def paced_by_jobs(self, limit: int, budget: float, head: Item) -> tuple[bool, Item]:
+        """Whether batch-job items are what makes this queue due at once (full by count or cost, or an old job
+        item's deadline), and the head whose deadline counts. With several workers such a queue goes at the pace
+        instead (`Batcher.most_urgent`): job items fill batches but never hurry them. Taking every job-filled batch
+        the moment a worker frees lets the workers fall into step (both free, both take, both run), and an
+        interactive item then waits for the next of them up to a whole batch time instead of half of it (issue 28:
+        a clean job beside interactive load at half the capacity moved that p95 from 150 to 196 ms)."""
+        jobs, jobs_cost = 0, 0.0
+        first: Item | None = None
+        for lane in self.lanes.values():
+            if not lane.items:
+                continue
+            if lane.tier >= tiers.BATCH.rank:
+                jobs += len(lane.items)
+                jobs_cost += sum(item.cost for item in lane.items)
+            elif first is None or lane.items[0].arrived < first.arrived:
+                first = lane.items[0]
+        if not jobs or len(self) - jobs >= limit or self.cost_sum - jobs_cost >= budget:
+            return False, head  # no job items, or the interactive ones fill a batch by themselves
+        return True, first if first is not None else head
 
     def lag(self) -> float:
         """How far the tenant of the next item is ahead of the least served waiting tenant of its tier in the

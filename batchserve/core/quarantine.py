@@ -36,29 +36,29 @@ class Quarantine:
     capacity: int = QUARANTINE_ENTRIES
     ttl_s: float = QUARANTINE_TTL_S
     clock: Callable[[], float] = time.monotonic
-    _entries: OrderedDict[bytes, tuple[float, str]] = field(default_factory=OrderedDict)  # key -> (until, why)
+    entries: OrderedDict[bytes, tuple[float, str]] = field(default_factory=OrderedDict)  # key -> (until, why)
 
     def add(self, model: str, text: str, why: str) -> None:
         """`text` failed alone on `model` (after bisection and a retry): answer it at once from now on."""
         key = _key(model, text)
-        self._entries.pop(key, None)
-        self._entries[key] = (self.clock() + self.ttl_s, why)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self.entries.pop(key, None)
+        self.entries[key] = (self.clock() + self.ttl_s, why)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
 
     def reason(self, model: str, text: str) -> str | None:
         """Why `text` is quarantined on `model`, or None when it is not (or no longer)."""
-        if not self._entries:  # the common case: one dict-length check per request
+        if not self.entries:  # the common case: one dict-length check per request
             return None
         key = _key(model, text)
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         if entry is None:
             return None
         until, why = entry
         if until <= self.clock():
-            del self._entries[key]
+            del self.entries[key]
             return None
         return why
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)

@@ -210,7 +210,7 @@ class InferenceService:
             shares.charge_work(tier, tenant, seconds * full / max(1e-6, self.batcher.batch_s.at(model, full)))
 
     def _check_quarantine(self, model: str, text: str) -> None:
-        why = self.quarantine.reason(model, text)
+        why = self.quarantine.reason(model, text) if self.quarantine.entries else None  # none quarantined: no call
         if why is not None:
             raise self._quarantined(why)
 
@@ -254,7 +254,7 @@ class InferenceService:
         backend = self.backends.get(model)
         if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
             raise errors.warming_up()
-        why = self.quarantine.reason(model, text)  # `_check_quarantine`, without its call
+        why = self.quarantine.reason(model, text) if self.quarantine.entries else None  # `_check_quarantine`, inline
         if why is not None:
             raise self._quarantined(why)
         tokenize = self._tokenizers[model] if model in self._tokenizers else self._tokenizer(model, backend)

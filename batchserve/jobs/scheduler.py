@@ -7,7 +7,7 @@ bounded number of inputs are in the batcher or on a worker at once: the places (
 max_batch_size x healthy workers: one batch's worth running and one waiting per worker), the model's spare capacity
 by cost, and a quarter of its `--max-queue` (the policy: `refill.py`), so the queue never holds more job inputs
 than a batch or two can take and interactive admission sees no difference; job items never make a batch go sooner
-than the workers' pace (`Batcher._paced_by_jobs`), so the workers stay staggered and interactive latency sees none
+than the workers' pace (`FairQueue.paced_by_jobs`), so the workers stay staggered and interactive latency sees none
 either (issue 28: it used to, +30 % p95 in the soak while a clean job ran). Free places are shared round-robin
 between tenants, and no tenant holds more than its share of them while others wait (so a tenant whose items take
 longer, failing or retried, cannot crowd the others out); a tenant's jobs run oldest first.

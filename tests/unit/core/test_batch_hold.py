@@ -218,10 +218,10 @@ def test_a_held_batch_is_counted_as_a_hold_and_a_full_queue_goes_at_once(loop) -
         b.submit(make_item(loop, clock.now))
         clock.now += 0.025
         b.take_now(0)
-    assert b.model_arrivals[M].current(clock.now) > 20
+    assert b.holds.model_arrivals[M].current(clock.now) > 20
     while b.take_now(0) is not None:
         pass
-    clock.now = max([clock.now, *(due for _, due in b._held.values())])
+    clock.now = max([clock.now, *(due for _, due in b.holds.held.values())])
     while b.take_now(0) is not None:  # whatever was held goes: an empty queue
         pass
     assert b.depth[M] == 0
@@ -245,8 +245,8 @@ def test_the_dispatch_deadline_still_bounds_a_hold(loop) -> None:
     # SLO 120 ms: the dispatch deadline (120 - S - 5 ms) comes before any hold could end
     clock = Clock(1000.0)
     b = make_batcher(clock, slo_s=0.12)
-    b.arrivals[(M, 0)] = Arrivals(rate=80.0, last=clock.now)
-    b.model_arrivals[M] = Arrivals(rate=80.0, last=clock.now)
+    b.holds.arrivals[(M, 0)] = Arrivals(rate=80.0, last=clock.now)
+    b.holds.model_arrivals[M] = Arrivals(rate=80.0, last=clock.now)
     for _ in range(2):
         b.submit(make_item(loop, clock.now))
     _, due, cause = b.most_urgent(clock.now)
@@ -267,8 +267,8 @@ def test_a_hold_is_decided_once_per_batch(loop) -> None:
     ends, not after another and another (each new look at the still high rate would hold them again)."""
     clock = Clock(1000.0)
     b = make_batcher(clock)
-    b.arrivals[(M, 0)] = Arrivals(rate=60.0, last=clock.now)
-    b.model_arrivals[M] = Arrivals(rate=60.0, last=clock.now)
+    b.holds.arrivals[(M, 0)] = Arrivals(rate=60.0, last=clock.now)
+    b.holds.model_arrivals[M] = Arrivals(rate=60.0, last=clock.now)
     for _ in range(2):
         b.submit(make_item(loop, clock.now))
     assert b.take_now(0) is None
@@ -283,8 +283,8 @@ def test_a_hold_is_decided_once_per_batch(loop) -> None:
             2,
             64,
             cpu_s,
-            b.model_arrivals[M].current(clock.now),
-            b.arrivals[(M, 0)].current(clock.now),
+            b.holds.model_arrivals[M].current(clock.now),
+            b.holds.arrivals[(M, 0)].current(clock.now),
             1,
             1.0,
         )
