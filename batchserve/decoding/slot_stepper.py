@@ -8,8 +8,8 @@ launch the next step (one graph replay and an async copy of its tokens), then co
 host reads the last one and the event loop takes the interpreter lock to stream it: the host's work and the
 loop's hide behind the GPU's. The price is one step of lag: a sequence that ended in step N is still in step
 N+1 (its row held by its done flag, its token ignored), and a position here can run one ahead of the device's,
-which only rounds the attended span up. Which slots are live, and each one's position, is kept here as plain
-ints, so choosing the step's shape needs nothing from the device.
+which only rounds the attended span up. Which slots are live, and each one's position, is kept on the host as
+plain ints (`slot_map.SlotMap`), so choosing the step's shape needs nothing from the device.
 
 Prefill (issue 25): joins take their slots at once and are prefilled over the following steps, at most
 `prefill_step_tokens` prompt tokens a step, each prompt in pieces of the decoder's `chunk_tokens`. So a burst of
@@ -19,23 +19,19 @@ is live from its last piece on. Prefill is priced and shared by lane (`prefill_s
 tenant with the fewest prompt tokens prefilled first, and while another tenant's rows decode a tenant's prefill
 takes at most what a ledger of their steps' time affords (batch prefill: what the slowdown ledger does).
 
-Rows: a step covers the slots up to the highest live one, padded up to a bucket, and new sequences take the
-lowest free slot. When the live sequences would fit a bucket half the size or less (the long sequences of a
-burst, left in high slots after the short ones ended), they are moved down into free low slots first.
+Rows: a step covers the slots up to the highest live one, padded up to a bucket; which slot a sequence takes,
+and when live ones move down to keep that few, is `slot_map.SlotMap`'s.
 
-Background rows (issue 33: batch lines, `add(..., background=True)`): they take the highest free slot within the
-bucket the occupied slots need (so a full step covers no more rows than before), foreground ones the lowest, and
-a foreground sequence left above a background one is moved below it (into a free slot, or swapped with it). So a
-step over the foreground rows' prefix leaves the background rows out: rows not in a step keep their state and
-do not advance. While foreground rows are live, `step_share.StepShare` decides per step whether the background
-rows go in, and background prefill runs only in steps they go in, so the foreground rows' steps stay within
-`slowdown` x their time alone; with no foreground rows live every step runs them all.
+Background rows (issue 33: batch lines, `add(..., background=True)`): the slot map seats them above the
+foreground rows, so a step over the foreground rows' prefix leaves the background rows out: rows not in a step
+keep their state and do not advance. While foreground rows are live, `step_share.StepShare` decides per step
+whether the background rows go in, and background prefill runs only in steps they go in, so the foreground rows'
+steps stay within `slowdown` x their time alone; with no foreground rows live every step runs them all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import threading
 import time
@@ -55,6 +51,7 @@ from batchserve.decoding.prefill_share import (
 )
 from batchserve.decoding.shares import INTERACTIVE, SPARE, Lane
 from batchserve.decoding.slot_decoder import SlotDecoder, LaunchedStep
+from batchserve.decoding.slot_map import Filling, Join, Live, SlotMap
 from batchserve.decoding.step_share import Booking, StepShare
 from batchserve.decoding.stepper import KvCapacity, Deliver, SamplingParams, TokenUpdate
 
@@ -72,44 +69,6 @@ def join_now(waiting: int, room: int, live: int, waited_steps: int, join_batch: 
     if n == 0 or live == 0 or n >= join_batch or waited_steps >= delay_steps:
         return n
     return 0
-
-
-@dataclass(eq=False)
-class Live:
-    """A sequence in a slot, as the host tracks it."""
-
-    seq_id: str
-    slot: int  # where it is now (a step launched earlier remembers where it was then)
-    pos: int  # the position its next input token is written at (counting the steps launched)
-    sampling: bool
-    ended: bool = False  # its slot was freed: later steps' tokens for it are ignored
-    background: bool = False  # a batch line: kept out of the steps the foreground rows need alone
-    tenant: str = ""  # whose rows these are (another tenant's prefill beside them is priced: `prefill_share`)
-
-
-@dataclass(frozen=True)
-class Join:
-    seq_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    step: int  # steps launched when it was added
-    background: bool = False
-    tenant: str = ""
-
-    @property
-    def lane(self) -> Lane:
-        return (SPARE if self.background else INTERACTIVE, self.tenant)
-
-
-@dataclass(eq=False)
-class Filling:
-    """A sequence in its slot whose prompt is being prefilled, piece by piece."""
-
-    join: Join
-    slot: int
-    done: int = 0  # prompt tokens whose K/V are in the slot
-    over: bool = False  # live now, or failed: leaves the prefilling list
-    high: bool = False  # a prompt longer than a piece, in the highest free slot (see `_take_slots`)
 
 
 @dataclass(frozen=True)
@@ -149,6 +108,7 @@ class SlotStepper:
         self.steps = 0  # steps launched
         self.moved = 0  # sequences moved to lower slots
         self.share = StepShare(slowdown, seed=decoder.step_times)
+        self.slot_map = SlotMap(decoder, self.share)  # who sits in which slot (stepper thread only)
         self._clock = clock
         self.charges = LaneCharges()  # prompt tokens prefilled by lane (`prefill_share`)
         self.prefill_ledger = PrefillLedger()  # interactive prefill beside another tenant's decoding rows
@@ -175,10 +135,6 @@ class SlotStepper:
         self._cancels: list[str] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._live: dict[int, Live] = {}  # slot -> sequence (stepper thread only)
-        self._filling: list[Filling] = []  # sequences in their slots, being prefilled, oldest first
-        self._slot_of: dict[str, int] = {}
-        self._free = list(range(decoder.slots))  # a heap: the lowest free slot first keeps the step's rows few
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Deliver | None = None
         self.failure: BaseException | None = None
@@ -209,7 +165,7 @@ class SlotStepper:
         return self._thread is not None and self._thread.is_alive()
 
     def kv_usage(self) -> float:
-        return (len(self._live) + len(self._filling)) / self.decoder.slots
+        return (len(self.slot_map.live) + len(self.slot_map.filling)) / self.decoder.slots
 
     def step_mix(self) -> dict[str, float]:
         """Steps launched, and while foreground rows ran beside background work: how many included the background
@@ -233,11 +189,12 @@ class SlotStepper:
     # -- the stepper thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         pending: Pending | None = None  # the launched step not yet collected
+        seats = self.slot_map
         try:
             while True:
                 with self._cond:
                     while not (
-                        self._joins or self._cancels or self._live or self._filling or pending or self._stopping
+                        self._joins or self._cancels or seats.live or seats.filling or pending or self._stopping
                     ):
                         self._cond.wait()
                     if self._stopping:
@@ -246,13 +203,13 @@ class SlotStepper:
                     if cancels:  # a sequence cancelled before it joined never starts
                         gone = set(cancels)
                         self._joins = [j for j in self._joins if j.seq_id not in gone]
-                    room = len(self._free) + sum(1 for c in cancels if c in self._slot_of)
+                    room = len(seats.free) + sum(1 for c in cancels if c in seats.slot_of)
                     take = 0
                     if self._joins:
                         take = join_now(
                             len(self._joins),
                             room,
-                            max(0, len(self._live) - len(cancels)),
+                            max(0, len(seats.live) - len(cancels)),
                             self.steps - self._joins[0].step,
                             self.join_batch,
                             self.join_delay_steps,
@@ -271,8 +228,8 @@ class SlotStepper:
                 [
                     TokenUpdate(seq_id, [], True, error)
                     for seq_id in [
-                        *(live.seq_id for live in self._live.values()),
-                        *(f.join.seq_id for f in self._filling if not f.over),
+                        *(live.seq_id for live in seats.live.values()),
+                        *(f.join.seq_id for f in seats.filling if not f.over),
                         *waiting,
                     ]
                 ]
@@ -284,14 +241,15 @@ class SlotStepper:
         """One turn of the thread: drop the cancelled, seat the joins, this step's prefill, launch the next step,
         collect the previous one. Returns the updates to hand over and the step now in flight."""
         updates: list[TokenUpdate] = []
-        self._drop(cancels)
+        seats = self.slot_map
+        seats.drop(cancels)
         if joins:
-            self._take_slots(joins)
+            seats.seat(joins)
         include = self._include()  # decided before the prefill: background prefill goes with its rows
-        if self._filling:
+        if seats.filling:
             updates += self._prefill(include)
-        self._compact()
-        launched = self._launch(include) if self._live else None
+        self.moved += seats.compact()
+        launched = self._launch(include) if seats.live else None
         if pending is not None:
             updates += self._collect(pending)
         return updates, launched
@@ -303,66 +261,19 @@ class SlotStepper:
         except RuntimeError:  # the loop has closed: nobody is waiting
             pass
 
-    def _drop(self, seq_ids: list[str]) -> None:
-        slots = [self._slot_of[s] for s in seq_ids if s in self._slot_of]
-        self.decoder.release(slots)
-        filling = {f.slot: f for f in self._filling}
-        for slot in slots:
-            if slot in filling:  # cancelled while its prompt was being prefilled
-                filling[slot].over = True
-                del self._slot_of[filling[slot].join.seq_id]
-                heapq.heappush(self._free, slot)
-            else:
-                self._free_slot(slot)
-        if slots and filling:
-            self._filling = [f for f in self._filling if not f.over]
-
-    def _free_slot(self, slot: int) -> None:
-        live = self._live.pop(slot)
-        live.ended = True
-        del self._slot_of[live.seq_id]
-        heapq.heappush(self._free, slot)
-
-    def _take_slots(self, joins: list[Join]) -> None:
-        """The joins take their slots, shortest prompts first, and queue for prefill: a foreground join the
-        lowest free slot; a background one the highest free slot within the bucket that holds the occupied
-        slots with it and a slot above every foreground one (at least one is free there), so a full step
-        covers no more rows than it needs to and the foreground prefix stays below it. A prompt longer than one
-        piece (either kind) takes the highest free slot: it is prefilled over several steps, and a short chat
-        joining meanwhile takes a low slot rather than one above it, so the decode steps do not cover its held
-        row (on a CPU a step's second row adds ~66%); once live, `_compact` moves it down if that halves the
-        rows, and `_separate` puts a foreground one below background ones."""
-        for join in sorted(joins, key=lambda j: len(j.prompt_ids)):
-            high = len(join.prompt_ids) > self.decoder.chunk_tokens
-            if high:
-                slot = max(self._free)
-                self._free.remove(slot)
-                heapq.heapify(self._free)
-            elif join.background:
-                front = [slot for slot, live in self._live.items() if not live.background]
-                front += [f.slot for f in self._filling if not f.join.background and not f.high]
-                need = max(len(self._slot_of) + 1, max(front, default=-1) + 2)
-                within = self.decoder.shape(min(need, self.decoder.slots), 1)[0]
-                slot = max(s for s in self._free if s < within)
-                self._free.remove(slot)
-                heapq.heapify(self._free)
-            else:
-                slot = heapq.heappop(self._free)
-            self._slot_of[join.seq_id] = slot
-            self._filling.append(Filling(join, slot, high=high))
-
     def _prefill(self, background: bool = True) -> list[TokenUpdate]:
         """This step's share of the prefill (`prefill_share.plan_prefill`: by lane, the fewest prompt tokens
         charged first, within the step budget and, beside another tenant's decoding rows, what the ledgers
         afford), in forwards that one prefill holds (the decoder's prefill_tokens, and on a GPU a captured shape):
         first pieces and later pieces apart, shortest first. `background` False: the background joins wait (this
         step leaves their rows out)."""
-        self.charges.present({f.join.lane for f in self._filling})
-        decoding = {live.tenant for live in self._live.values() if not live.background}
-        prompts = [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in self._filling]
+        seats = self.slot_map
+        self.charges.present({f.join.lane for f in seats.filling})
+        decoding = {live.tenant for live in seats.live.values() if not live.background}
+        prompts = [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in seats.filling]
         first = first_lane(prompts, self.charges.tokens, self.decoder.chunk_tokens)
-        limited = limited_lanes({f.join.lane for f in self._filling}, decoding, first)
-        filling = [f for f in self._filling if background or not f.join.background]
+        limited = limited_lanes({f.join.lane for f in seats.filling}, decoding, first)
+        filling = [f for f in seats.filling if background or not f.join.background]
         pools: dict[int, int] = {}
         if any(lane[0] == INTERACTIVE for lane in limited):
             ledger = self.prefill_ledger
@@ -393,13 +304,14 @@ class SlotStepper:
                 group.append(piece)
             if group:
                 updates += self._prefill_group(filling, group, limited)
-        self._filling = [f for f in self._filling if not f.over]
+        seats.filling = [f for f in seats.filling if not f.over]
         return updates
 
     def _rows(self) -> tuple[int, int]:
         """The rows (padded) of a step over the foreground rows alone, and over every live row."""
-        front = [slot for slot, live in self._live.items() if not live.background]
-        top = max(self._live, default=-1) + 1
+        seats = self.slot_map
+        front = [slot for slot, live in seats.live.items() if not live.background]
+        top = max(seats.live, default=-1) + 1
         return self.decoder.shape(max(front, default=-1) + 1, 1)[0], self.decoder.shape(top, 1)[0]
 
     def _prefill_group(self, filling: list[Filling], group: list[Piece], limited: set[Lane]) -> list[TokenUpdate]:
@@ -421,9 +333,7 @@ class SlotStepper:
             log.exception("prefill of %d sequences failed", len(group))
             self.decoder.release(slots)
             for f in fills:
-                f.over = True
-                del self._slot_of[f.join.seq_id]
-                heapq.heappush(self._free, f.slot)
+                self.slot_map.unseat(f)
             return [TokenUpdate(f.join.seq_id, [], True, f"{type(exc).__name__}: {exc}") for f in fills]
         seconds = self._clock() - began
         self.prefills += 1
@@ -447,7 +357,7 @@ class SlotStepper:
             if not piece.last:
                 continue
             f.over = True
-            self._live[f.slot] = Live(
+            self.slot_map.live[f.slot] = Live(
                 f.join.seq_id,
                 f.slot,
                 len(f.join.prompt_ids),
@@ -457,80 +367,27 @@ class SlotStepper:
             )
             updates.append(TokenUpdate(f.join.seq_id, [token], ended))
             if ended:
-                self._free_slot(f.slot)
+                self.slot_map.end(f.slot)
         return updates
-
-    def _compact(self) -> None:
-        """Move the live sequences in slots at or past the bucket their number needs into free slots below it,
-        when that bucket is at most half the one the step would otherwise cover (foreground ones into the lowest
-        of those slots, background ones the highest); then keep the foreground rows below the background ones."""
-        if not self._live:
-            return
-        need = self.decoder.shape(len(self._live), 1)[0]
-        if 2 * need <= self.decoder.shape(max(self._live) + 1, 1)[0]:
-            targets = sorted(slot for slot in self._free if slot < need)
-            movers = sorted(slot for slot in self._live if slot >= need)[: len(targets)]  # prefilling slots take some
-            if movers:
-                front = [slot for slot in movers if not self._live[slot].background]
-                back = [slot for slot in movers if self._live[slot].background]
-                targets = targets[: len(front)] + targets[len(targets) - len(back) :]
-                self._move(front + back, targets)
-        self._separate()
-
-    def _move(self, sources: list[int], targets: list[int]) -> None:
-        """Move live sequences to free slots (K/V and row state)."""
-        span = max(self._live[slot].pos for slot in sources) + 1
-        self.decoder.move(sources, targets, span)
-        for source, target in zip(sources, targets):
-            live = self._live.pop(source)
-            live.slot = target
-            self._live[target] = live
-            self._slot_of[live.seq_id] = target
-        self._free = sorted(set(self._free) - set(targets) | set(sources))  # a sorted list is a heap
-        self.moved += len(sources)
-
-    def _separate(self) -> None:
-        """While a foreground sequence sits above a background one, move the highest foreground one down: into a
-        free slot below every background one if there is one, else swap it with the lowest background one. Then
-        a step over the foreground prefix leaves every background row out. Not where no step could: the
-        foreground rows alone need the bucket all the rows do (a GPU's padding), or a full step costs no more
-        than the slowdown allows (rows nearly free: the ledger includes them in every step, a move is waste)."""
-        while True:
-            front = [slot for slot, live in self._live.items() if not live.background]
-            back = [slot for slot, live in self._live.items() if live.background]
-            if not front or not back or max(front) < min(back):
-                return
-            alone, rows = self.decoder.shape(len(front), 1)[0], self.decoder.shape(max(self._live) + 1, 1)[0]
-            if alone >= rows or not self.share.dear(alone, rows):
-                return
-            top, low = max(front), min(back)
-            below = [slot for slot in self._free if slot < low]
-            if below:
-                self._move([top], [min(below)])
-                continue
-            a, b = self._live.pop(top), self._live.pop(low)
-            self.decoder.swap(top, low, max(a.pos, b.pos) + 1)
-            a.slot, b.slot = low, top
-            self._live[low], self._live[top] = a, b
-            self._slot_of[a.seq_id], self._slot_of[b.seq_id] = low, top
-            self.moved += 2
 
     def _include(self) -> bool:
         """Whether the next step covers the background rows: always but while foreground rows are live beside
         background work (live or being prefilled); then as the ledger says (`step_share.StepShare`)."""
-        front = [slot for slot, live in self._live.items() if not live.background]
-        if not front or not (len(front) < len(self._live) or any(f.join.background for f in self._filling)):
+        seats = self.slot_map
+        front = [slot for slot, live in seats.live.items() if not live.background]
+        if not front or not (len(front) < len(seats.live) or any(f.join.background for f in seats.filling)):
             return True
         return self.share.include(
-            self.decoder.shape(max(front) + 1, 1)[0], self.decoder.shape(max(self._live) + 1, 1)[0]
+            self.decoder.shape(max(front) + 1, 1)[0], self.decoder.shape(max(seats.live) + 1, 1)[0]
         )
 
     def _launch(self, include: bool = True) -> Pending:
         """Start a step over the live slots (`include` False: the foreground rows' prefix only, padded up to its
         bucket: background rows past it sit this step out); returns it with who was in it, and where."""
-        front = [slot for slot, live in self._live.items() if not live.background]
+        seats = self.slot_map
+        front = [slot for slot, live in seats.live.items() if not live.background]
         limit = self.decoder.shape(max(front) + 1, 1)[0] if front and not include else self.decoder.slots
-        members = [(live, slot) for slot, live in self._live.items() if slot < limit]
+        members = [(live, slot) for slot, live in seats.live.items() if slot < limit]
         rows = max(slot for _, slot in members) + 1
         span = max(live.pos for live, _ in members) + 1
         ticket = self.decoder.launch(rows, span, any(live.sampling for live, _ in members))
@@ -539,8 +396,8 @@ class SlotStepper:
             live.pos += 1
         counted = self.decoder.shape(rows, 1)[0]
         booking = None
-        waiting = len(front) < len(self._live) or self._background_prefilled
-        if front and (waiting or any(f.join.background for f in self._filling)):
+        waiting = len(front) < len(seats.live) or self._background_prefilled
+        if front and (waiting or any(f.join.background for f in seats.filling)):
             ran = self._background_prefilled or any(live.background for live, _ in members)
             booking = self.share.book(counted, self.decoder.shape(max(front) + 1, 1)[0], ran)
             if any(live.background for live, _ in members):
@@ -557,8 +414,9 @@ class SlotStepper:
         tokens, done = self.decoder.collect(pending.ticket)
         seconds = self.decoder.step_seconds(pending.ticket)
         self.share.measured(pending.rows, seconds, pending.booking)
-        decoding = {live.tenant for live in self._live.values() if not live.background}
-        if any(not f.join.background and decoding - {f.join.tenant} for f in self._filling):
+        seats = self.slot_map
+        decoding = {live.tenant for live in seats.live.values() if not live.background}
+        if any(not f.join.background and decoding - {f.join.tenant} for f in seats.filling):
             self.prefill_ledger.earn(seconds)  # another tenant's prefill waited beside these rows
         updates = []
         for live, slot in pending.members:
@@ -566,7 +424,7 @@ class SlotStepper:
                 continue
             updates.append(TokenUpdate(live.seq_id, [tokens[slot]], done[slot]))
             if done[slot]:
-                self._free_slot(live.slot)
+                seats.end(live.slot)
         return updates
 
 

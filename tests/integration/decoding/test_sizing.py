@@ -107,17 +107,18 @@ def test_a_sequence_cancelled_between_its_pieces_frees_its_slot(model: Any) -> N
     piece; its slot is free and held, nothing is reported for it, and the next sequence in that slot gets
     `generate`'s tokens."""
     from batchserve.decoding.slot_decoder import SlotDecoder
-    from batchserve.decoding.slot_stepper import Join, SlotStepper
+    from batchserve.decoding.slot_map import Join
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     dec = SlotDecoder(model, slots=2, slot_tokens=48, eos_ids=[], pad_id=PAD, chunk_tokens=4)
     stepper = SlotStepper(dec, step_s=0.01, prefill_step_tokens=4)
     long, short = prompts(model, (13, 5), seed=51)
     greedy = SamplingParams(max_tokens=6, temperature=0)
-    stepper._take_slots([Join("long", long, greedy, 0)])
-    assert stepper._prefill() == [] and stepper._filling[0].done == 4  # one piece, no token yet
+    stepper.slot_map.seat([Join("long", long, greedy, 0)])
+    assert stepper._prefill() == [] and stepper.slot_map.filling[0].done == 4  # one piece, no token yet
     assert stepper.kv_usage() == 0.5
-    stepper._drop(["long"])
-    assert stepper._filling == [] and sorted(stepper._free) == [0, 1] and stepper.kv_usage() == 0
+    stepper.slot_map.drop(["long"])
+    assert stepper.slot_map.filling == [] and sorted(stepper.slot_map.free) == [0, 1] and stepper.kv_usage() == 0
     assert bool(dec.done[0])
     got = run_stepper(stepper, [(short, greedy)])
     assert got["0"] == alone(model, short, None, 6)
@@ -132,7 +133,8 @@ def test_another_tenants_long_prompt_is_prefilled_between_a_chats_steps_and_both
     token at every turn while a's prompt is spread over many of b's steps. a's prompt waited in the highest slot,
     and is moved down next to b's once live; both get `generate`'s tokens. Driven by hand, turn by turn."""
     from batchserve.decoding.slot_decoder import SlotDecoder
-    from batchserve.decoding.slot_stepper import Join, SlotStepper
+    from batchserve.decoding.slot_map import Join
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     chat, long = prompts(model, (5, 24), seed=61)
     ticks = iter(range(10**6))
@@ -149,7 +151,7 @@ def test_another_tenants_long_prompt_is_prefilled_between_a_chats_steps_and_both
         for u in updates:
             assert u.error is None
             got[u.seq_id] += u.tokens
-        filling = {f.join.seq_id: f.done for f in stepper._filling}
+        filling = {f.join.seq_id: f.done for f in stepper.slot_map.filling}
         turns.append((filling.get("a", len(long)), len(got["b"])))
         if len(got["a"]) == 4 and len(got["b"]) == 24:
             break

@@ -21,7 +21,8 @@ from batchserve.decoding.prefill_share import (
 )
 from batchserve.decoding.shares import INTERACTIVE, SPARE
 from batchserve.decoding.slot_decoder import LaunchedStep
-from batchserve.decoding.slot_stepper import Join, Pending, SlotStepper
+from batchserve.decoding.slot_map import Join
+from batchserve.decoding.slot_stepper import Pending, SlotStepper
 from batchserve.decoding.step_share import MAX_SKIP
 from batchserve.decoding.stepper import SamplingParams, TokenUpdate
 

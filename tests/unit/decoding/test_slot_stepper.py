@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from batchserve.decoding.slot_decoder import LaunchedStep, bucket_up
 from batchserve.decoding.sizing import ROW_BUCKETS
-from batchserve.decoding.slot_stepper import Join, Live, SlotStepper
+from batchserve.decoding.slot_map import Join, Live
+from batchserve.decoding.slot_stepper import SlotStepper
 from batchserve.decoding.stepper import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -44,15 +45,15 @@ class Decoder:
 
 def join(stepper: SlotStepper, seq_id: str, background: bool) -> int:
     """`seq_id` joins and its prefill is done (live at position 4); its slot."""
-    stepper._take_slots([Join(seq_id, [1, 2, 3, 4], GREEDY, stepper.steps, background)])
-    filling = stepper._filling.pop()
-    stepper._live[filling.slot] = Live(seq_id, filling.slot, 4, False, background=background)
-    stepper._compact()
-    return stepper._slot_of[seq_id]
+    stepper.slot_map.seat([Join(seq_id, [1, 2, 3, 4], GREEDY, stepper.steps, background)])
+    filling = stepper.slot_map.filling.pop()
+    stepper.slot_map.live[filling.slot] = Live(seq_id, filling.slot, 4, False, background=background)
+    stepper.slot_map.compact()
+    return stepper.slot_map.slot_of[seq_id]
 
 
 def slots_of(stepper: SlotStepper, background: bool) -> list[int]:
-    return sorted(slot for slot, live in stepper._live.items() if live.background == background)
+    return sorted(slot for slot, live in stepper.slot_map.live.items() if live.background == background)
 
 
 class Says:
@@ -75,9 +76,10 @@ def test_background_rows_take_high_slots_and_a_foreground_join_below_them_is_swa
     assert join(stepper, "fg1", False) == 1  # took slot 3, above both: swapped with the lowest background row
     assert dec.swaps == [(3, 1)]
     assert slots_of(stepper, False) == [0, 1] and slots_of(stepper, True) == [2, 3]
-    del stepper._live[0], stepper._slot_of["fg0"]  # fg0 ended: slot 0 is free below every background row
-    stepper._free.append(0)
-    stepper._compact()
+    # fg0 ended: slot 0 is free below every background row
+    del stepper.slot_map.live[0], stepper.slot_map.slot_of["fg0"]
+    stepper.slot_map.free.append(0)
+    stepper.slot_map.compact()
     assert slots_of(stepper, False) == [1]  # nothing above a background row: nothing moves
     assert join(stepper, "fg2", False) == 0
 
@@ -87,8 +89,8 @@ def test_a_background_join_goes_above_the_foreground_rows_even_past_a_hole_below
     stepper = SlotStepper(dec, step_s=0.01)  # type: ignore[arg-type]
     for i in range(3):
         join(stepper, f"fg{i}", False)  # 0, 1, 2
-    del stepper._live[1], stepper._slot_of["fg1"]  # fg1 ended: a hole at 1
-    stepper._free.append(1)
+    del stepper.slot_map.live[1], stepper.slot_map.slot_of["fg1"]  # fg1 ended: a hole at 1
+    stepper.slot_map.free.append(1)
     assert join(stepper, "bg", True) == 3
     assert join(stepper, "late", False) == 1 and dec.swaps == [] and dec.moves == []
 
@@ -97,13 +99,13 @@ def test_a_foreground_sequence_above_background_ones_moves_into_a_free_slot_belo
     dec = Decoder(8)
     stepper = SlotStepper(dec, step_s=0.01)  # type: ignore[arg-type]
     for slot, seq_id, background in ((5, "bg", True), (6, "fg", False)):  # as a compaction could leave them
-        stepper._live[slot] = Live(seq_id, slot, 4, False, background=background)
-        stepper._slot_of[seq_id] = slot
-    stepper._free = [0, 1, 2, 3, 4, 7]
-    stepper._separate()
+        stepper.slot_map.live[slot] = Live(seq_id, slot, 4, False, background=background)
+        stepper.slot_map.slot_of[seq_id] = slot
+    stepper.slot_map.free = [0, 1, 2, 3, 4, 7]
+    stepper.slot_map.separate()
     assert dec.moves == [([6], [0])] and dec.swaps == []
     assert slots_of(stepper, False) == [0] and slots_of(stepper, True) == [5]
-    assert stepper._free == [1, 2, 3, 4, 6, 7]
+    assert stepper.slot_map.free == [1, 2, 3, 4, 6, 7]
 
 
 def test_a_step_the_ledger_keeps_background_rows_out_of_covers_the_foreground_prefix_only() -> None:
@@ -116,10 +118,10 @@ def test_a_step_the_ledger_keeps_background_rows_out_of_covers_the_foreground_pr
     stepper.share.include = says  # type: ignore[method-assign]
     pending = stepper._launch(stepper._include())
     assert dec.launched == [1] and [live.seq_id for live, _ in pending.members] == ["fg"]
-    assert {live.seq_id: live.pos for live in stepper._live.values()} == {"fg": 5, "bg0": 4, "bg1": 4}
+    assert {live.seq_id: live.pos for live in stepper.slot_map.live.values()} == {"fg": 5, "bg0": 4, "bg1": 4}
     pending = stepper._launch(stepper._include())
     assert dec.launched == [1, 3] and len(pending.members) == 3
-    assert {live.seq_id: live.pos for live in stepper._live.values()} == {"fg": 6, "bg0": 5, "bg1": 5}
+    assert {live.seq_id: live.pos for live in stepper.slot_map.live.values()} == {"fg": 6, "bg0": 5, "bg1": 5}
     assert stepper.step_mix() == {"steps": 2, "full": 1, "interactive_only": 1, "unseparated": 0, "forced": 0}
 
 
