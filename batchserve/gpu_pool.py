@@ -23,9 +23,8 @@ import asyncio
 import functools
 import logging
 import math
-import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from collections.abc import Callable
 
 from prometheus_client import Counter
@@ -39,56 +38,49 @@ from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.tiers import BATCH
 from batchserve.backends.device_thread import DeviceThread
+from batchserve.gpu_pool_staging import DeviceWorker, Staging
 from batchserve.metrics import Metrics
 
 log = logging.getLogger("batchserve.pool")
 GPU_TIMEOUT_FLOOR_S = 1.0
 GPU_TIMEOUT_BATCHES = 10  # derived gpu_timeout: this many learned batch times, at least the floor
-TIMER_LATE_DECAY = 0.2  # `GpuPool._timer_late` loses this share of itself with each staging timer run in time
 LOGGED_CHARS = 4096  # most characters of a backend's exception text kept (the log line; the retry's reason)
-
-
-@dataclass(eq=False)
-class DeviceWorker:
-    index: int
-    name: str
-    healthy: bool = True
-    batch: Batch | None = None
-    started: float = 0.0
-    # `batch.cost`, read once when the batch is handed: admission asks every request how long the running
-    # batch has left, and the property walks every item (or tokenizes, for a model with cost_of_batch).
-    batch_cost: float = 1.0
-    busy_s: float = 0.0  # completed batch time, for the busy ratio
-    batches: int = 0
-    generation: int = 0  # bumped when the worker is abandoned, so a late answer is recognised and dropped
-    # Written by the worker thread, read by the watchdog: the batch it runs and when it began it, by the
-    # thread's own clock, and the last batch it finished (a stalled loop may not have heard of it yet).
-    running: Batch | None = None
-    running_since: float = 0.0
-    finished: Batch | None = None
-    thread: DeviceThread | None = None  # the device's own thread: setup and warm-up ran on it too
-    watchdog: asyncio.TimerHandle | None = None  # fires at started + gpu_timeout unless the batch ends first
-    inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # the loop hands batches to the thread
-    # A full batch formed while `batch` runs and already in the inbox (`GpuPool.stage`): the thread begins it the
-    # moment `batch` ends, without waiting for the loop to hear of the end. Its cost, read once as `batch_cost`.
-    staged: Batch | None = None
-    staged_cost: float = 1.0
-    ends: float = math.inf  # when `batch` is expected to end (this clock): staging opens `stage_lead_s` before
-    # The staging timer (`GpuPool._arm`): at most one per batch, armed while a full batch waits behind `batch`
-    # (`timed` is the batch it was armed for) and fired `stage_lead_s` before `ends`.
-    stage_timer: asyncio.TimerHandle | None = None
-    timed: Batch | None = None
-    # When the worker is expected to be free: `ends`, plus the staged batch's expected time (read on every admission).
-    free_at: float = math.inf
-
-    def busy_total(self, now: float) -> float:
-        return self.busy_s + (now - self.started if self.batch is not None else 0.0)
 
 
 def callers_gone(items: list[Item]) -> bool:
     """Read from the worker thread while its batch runs: has every caller an answer (a deadline, a drain) or
     hung up? Reading a future's state from another thread is a plain attribute read."""
     return all(item.future.done() or (item.gone is not None and item.gone()) for item in items)
+
+
+@dataclass(eq=False)
+class BatchRecords:
+    """What the outside sees of each batch: its size, cause and queue waits in the metrics when it is formed for a
+    worker (handed, or staged: `Staging`), and its span when it ends. Apart from `GpuPool` because it decides
+    nothing there: it only writes what /metrics and the traces read."""
+
+    metrics: Metrics
+    clock: Clock
+    # batchserve_batches_total's child per (model, cause): prometheus-client's `labels()` costs several µs a call
+    _counts: dict[tuple[str, str], Counter] = field(default_factory=dict)
+
+    def count(self, batch: Batch) -> None:
+        """A batch formed for a worker, into the metrics: its size, its cause, its items' queue waits."""
+        self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
+        counted = self._counts.get((batch.model, batch.cause))
+        if counted is None:
+            counted = self._counts[(batch.model, batch.cause)] = self.metrics.batches.labels(batch.model, batch.cause)
+        counted.inc()
+        formed, interactive = batch.formed, BATCH.rank  # job items wait for spare capacity by design: no queue delay
+        self.metrics.queue_wait.labels(batch.model).observe_all(
+            [formed - item.arrived for item in batch.items if item.tier < interactive]
+        )
+
+    def trace(self, tracing: BatchTracer, w: DeviceWorker, batch: Batch, problem: str | None) -> None:
+        traces, n = (item.trace for item in batch.items), len(batch.items)
+        span = tracing.batch(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem)
+        for item in batch.items:
+            item.batch_trace = span
 
 
 @dataclass
@@ -101,20 +93,23 @@ class GpuPool:
     gpu_timeout_s: float = 0.0  # 0 = derived per batch from its expected time
     gpu_timeout_ceiling_s: float = 60.0  # a derived limit never passes this (the longest allowed timeout)
     threads: list[DeviceThread] = field(default_factory=list)  # one per device (made here when not given)
-    workers: list[DeviceWorker] = field(default_factory=list)
+    workers: list[DeviceWorker] = field(default_factory=list)  # `staging` holds this list too: never rebound
     demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
     clock: Clock = time.monotonic  # injected in the policy's unit tests
     tracing: BatchTracer | None = None  # OpenTelemetry on: a span per batch, linked to its requests
     quarantine: Quarantine | None = None  # where an input that failed alone is remembered (the door reads it)
     rules: dict[str, OutputRule] = field(default_factory=dict)  # model id -> its outputs' rule (warm-up's)
-    stage_lead_s: float = 0.0  # --stage-lead-ms: how long before a batch's expected end its successor may form
-    _timer_late: float = 0.0  # how late the loop ran the staging timers lately (a decaying maximum, at most the lead)
+    stage_lead_s: InitVar[float] = 0.0  # --stage-lead-ms: how long before a batch's expected end its successor may form
     _healthy: int = 0
-    # batchserve_batches_total's child per (model, cause): prometheus-client's `labels()` costs several µs a call
-    _batch_counts: dict[tuple[str, str], Counter] = field(default_factory=dict)
+    records: BatchRecords = field(init=False)  # each batch's metrics and span
+    staging: Staging = field(init=False)  # the next full batch into a busy worker's inbox (gpu_pool_staging.py)
 
-    def __post_init__(self) -> None:
-        self.batcher.on_stage = self.stage  # asked only while `stage_after` is finite (`_open_staging`)
+    def __post_init__(self, stage_lead_s: float) -> None:
+        self.records = BatchRecords(self.metrics, self.clock)
+        self.staging = Staging(
+            self.workers, self.batcher, self.metrics, self.loop, self.clock, self.records.count, stage_lead_s
+        )
+        self.batcher.on_stage = self.staging.stage  # asked only while `stage_after` is finite (`Staging.open`)
 
     def start(self) -> None:
         for model, backend in self.backends.items():
@@ -134,7 +129,7 @@ class GpuPool:
         for w in self.workers:
             if w.watchdog is not None:
                 w.watchdog.cancel()
-            self._disarm(w)
+            self.staging.disarm(w)
 
     # -- capacity, for admission and health ----------------------------------------------------------------
     def healthy_count(self) -> int:
@@ -203,7 +198,7 @@ class GpuPool:
         """Settle the batch just run, and give the worker its next one at once when one is due. Resolving
         futures only schedules the handlers, so the worker thread is woken before they run."""
         answer = self._finish(w, *finished) if finished is not None else None
-        self._disarm(w)  # the batch it was armed for has ended
+        self.staging.disarm(w)  # the batch it was armed for has ended
         staged, w.staged = w.staged, None
         if staged is not None:  # the thread went straight on to it
             self._begin(w, staged, w.staged_cost)
@@ -212,7 +207,7 @@ class GpuPool:
             if batch is not None:
                 self._hand(w, batch)
             else:
-                self._open_staging()  # this worker is idle now
+                self.staging.open()  # this worker is idle now
                 self.loop.create_task(self._wait_and_hand(w))
         if answer is not None:  # after the hand-off: the worker runs its next batch while the loop answers
             answer()
@@ -226,7 +221,7 @@ class GpuPool:
             return
         self._begin(w, batch, batch.cost)
         w.inbox.put(batch)
-        self._count_batch(batch)
+        self.records.count(batch)
 
     def _begin(self, w: DeviceWorker, batch: Batch, cost: float) -> None:
         """`batch` is the worker's now (handed, or staged and begun by the thread): its clock and its watchdog."""
@@ -234,127 +229,7 @@ class GpuPool:
         w.ends = w.free_at = w.started + self.batcher.batch_s.at(batch.model, cost)
         limit = self.timeout_s(batch, cost)
         w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
-        self._open_staging()
-
-    # -- staging: the next full batch into a busy worker's inbox ---------------------------------------------
-    def _open_staging(self) -> None:
-        """Tell the batcher from when an arrival may stage (`Batcher.stage_after`): `stage_lead_s` before the
-        soonest expected end of a healthy worker's batch with nothing staged behind it (inf: none). And arm such a
-        worker's staging timer (`_arm`) while a full batch waits; while none does, ask the batcher to call again
-        when an arrival fills a queue (`Batcher.stage_when_full`)."""
-        lead = self.stage_lead_s
-        if lead <= 0:
-            return
-        soonest = math.inf
-        full: bool | None = None  # whether a full batch waits: read once, and only for a worker without its timer
-        unarmed = False
-        for w in self.workers:
-            if w.healthy and w.batch is not None and w.staged is None:
-                if w.ends < soonest:
-                    soonest = w.ends
-                if w.timed is not w.batch:
-                    if full is None:
-                        full = self.batcher.full_waiting()
-                    if full:
-                        self._arm(w)
-                    else:
-                        unarmed = True
-        self.batcher.stage_after = soonest - lead
-        self.batcher.stage_when_full = unarmed
-
-    def _arm(self, w: DeviceWorker) -> None:
-        """A full batch waits behind `w`'s batch: stage it `stage_lead_s` before the batch's expected end even
-        if no arrival comes then to ask (`stage`). Closed-loop callers send again right after their answers, so
-        near a batch's end nothing arrives, and without this every batch waited for the loop to hear of the end
-        of the one before (bench/fair_service: the device idle ~5 % of the time while inputs waited). One timer
-        per batch, and only while a full batch waits: an idle loop (nothing queued) is never woken for it.
-
-        The end is reckoned from when the thread began the batch where it already has (a staged batch: the loop
-        hears of it a hop later), and the timer is set early by the loop's recent lateness in running timers
-        (`_timer_late`, at most the lead): on a busy machine they ran 3-8 ms late, often after the batch had
-        ended, so that the batch forms about `stage_lead_s` before the end as the lead means."""
-        batch = w.batch
-        assert batch is not None
-        w.timed = batch
-        ends = w.ends
-        if w.running is batch and w.running_since < w.started:
-            ends -= w.started - w.running_since
-        now = self.clock()
-        at = max(now, ends - self.stage_lead_s - self._timer_late)
-        w.stage_timer = self.loop.call_later(at - now, self._stage_on_time, w, batch, at)
-
-    def _disarm(self, w: DeviceWorker) -> None:
-        if w.stage_timer is not None:
-            w.stage_timer.cancel()
-            w.stage_timer = None
-
-    def _stage_on_time(self, w: DeviceWorker, batch: Batch, at: float) -> None:
-        """`w`'s staging timer: stage into `w` now (`_stage_into`, with all its rules) if the batch it was armed
-        for still runs on a healthy worker with nothing staged behind it."""
-        w.stage_timer = None
-        now, lead = self.clock(), self.stage_lead_s
-        # Set early by the most recent lateness, decaying: being early costs little (a full batch holds nearly
-        # the same a few ms later), being late the whole hop.
-        late = min(max(0.0, now - at), lead)
-        self._timer_late = max(late, self._timer_late * (1.0 - TIMER_LATE_DECAY))
-        if w.healthy and w.batch is batch and w.staged is None and not self._overdue(w, now):
-            if self._stage_into(w, now):
-                self._open_staging()
-
-    def stage(self) -> None:
-        """An item arrived within `stage_lead_s` of a busy worker's expected end (`Batcher.submit`): when a full
-        batch waits, form it and put it in that worker's inbox (`_stage_into`). Also asked by an arrival that
-        fills a queue while a busy worker has no staging timer yet (`Batcher.stage_when_full`): `_open_staging`
-        then arms it (`_arm`)."""
-        now, lead = self.clock(), self.stage_lead_s
-        for w in self.workers:
-            if (
-                w.healthy
-                and w.batch is not None
-                and w.staged is None
-                and now >= w.ends - lead
-                and not self._overdue(w, now)
-            ):
-                self._stage_into(w, now)  # none when no full batch waits (or a retry or an idle worker goes
-                break  # first): an arrival asks again
-        self._open_staging()
-
-    def _stage_into(self, w: DeviceWorker, now: float) -> bool:
-        """Put the next full batch into busy `w`'s inbox; False when none is staged. Without it the device idles
-        from the end of each batch until the loop has heard of it (a thread hop and a wake-up, more on a busy
-        machine: measured ~2 ms a batch on the sim at 950 req/s, up to 14) and handed the next one. Only a full
-        batch (`Batcher.take_full`): it holds nearly what it would hold formed a moment later, while a partial
-        batch formed early would leave out what arrives meanwhile (the callers asked `_overdue` first)."""
-        staged = self.batcher.take_full(w.index, starts=max(now, w.ends))
-        if staged is None:
-            return False
-        w.staged, w.staged_cost = staged, staged.cost
-        w.free_at = w.ends + self.batcher.batch_s.at(staged.model, w.staged_cost)  # begun as `batch` ends
-        w.inbox.put(staged)
-        self._count_batch(staged)
-        self.metrics.batches_staged.labels(staged.model).inc()
-        return True
-
-    def _overdue(self, w: DeviceWorker, now: float) -> bool:
-        """Nothing is staged behind a batch overdue by more than the lead and still running (a long batch, a
-        hang): a batch staged behind it could wait long, while work of a higher tier arrives that a batch formed
-        when the worker frees would take first. Once its thread has ended it (the loop has not yet heard), the
-        device is free and a staged batch begins at once."""
-        return now > w.ends + self.stage_lead_s and w.finished is not w.batch
-
-    def _count_batch(self, batch: Batch) -> None:
-        """A batch formed for a worker, into the metrics: its size, its cause, its items' queue waits."""
-        self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
-        counted = self._batch_counts.get((batch.model, batch.cause))
-        if counted is None:
-            counted = self._batch_counts[(batch.model, batch.cause)] = self.metrics.batches.labels(
-                batch.model, batch.cause
-            )
-        counted.inc()
-        formed, interactive = batch.formed, BATCH.rank  # job items wait for spare capacity by design: no queue delay
-        self.metrics.queue_wait.labels(batch.model).observe_all(
-            [formed - item.arrived for item in batch.items if item.tier < interactive]
-        )
+        self.staging.open()
 
     # -- back on the event loop --------------------------------------------------------------------------
     def _finish(
@@ -383,7 +258,7 @@ class GpuPool:
         # the backend's own time goes to the compute histogram and the answers.
         cycle = self.clock() - w.started
         if self.tracing is not None and not stopped_early:
-            self._trace(self.tracing, w, batch, problem)
+            self.records.trace(self.tracing, w, batch, problem)
         w.batch = None
         w.busy_s += elapsed
         w.batches += 1
@@ -410,12 +285,6 @@ class GpuPool:
             )
 
         return self._answers(batch, outputs, bad, elapsed)
-
-    def _trace(self, tracing: BatchTracer, w: DeviceWorker, batch: Batch, problem: str | None) -> None:
-        traces, n = (item.trace for item in batch.items), len(batch.items)
-        span = tracing.batch(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem)
-        for item in batch.items:
-            item.batch_trace = span
 
     def _stopped_early(self, batch: Batch) -> None:
         self.metrics.batches_stopped_early.labels(batch.model).inc()
@@ -551,14 +420,8 @@ class GpuPool:
         else:  # handed over but not begun yet (the thread waited for the interpreter): its time starts later
             w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
             return
-        if w.staged is not None:  # take the staged batch back from the inbox: its items run elsewhere
-            try:
-                w.inbox.get_nowait()
-            except queue.Empty:  # the thread ended the batch just now and began the staged one: not hung after all
-                return  # (its turnaround, already queued, settles the batch)
-            staged, w.staged = w.staged, None
-            self.batcher.return_items(staged.items)
-        self._disarm(w)
+        if not self.staging.withdraw(w):  # its staged batch back from the inbox: its items run elsewhere
+            return  # the thread began the staged one just now: not hung after all
         log.error(
             "worker %s ran a batch of %d for %.2fs (gpu_timeout %.2fs): marked unhealthy",
             w.name,

@@ -120,7 +120,7 @@ class Batcher:
         self._turn = asyncio.Lock()
         self._wake = asyncio.Event()
         self._waiting = False
-        # Staging (`GpuPool.stage`): an item arriving from `stage_after` on (inf: no busy worker is near its end)
+        # Staging (`Staging.stage`): an item arriving from `stage_after` on (inf: no busy worker is near its end)
         # asks the pool to put a full batch into that worker's inbox; the pool keeps both up to date.
         self.stage_after = math.inf
         self.on_stage: Callable[[], None] = _nothing
@@ -211,7 +211,7 @@ class Batcher:
 
     def take_full(self, worker: int, starts: float) -> Batch | None:
         """A full batch for a busy worker to begin the moment its batch ends (`starts`, expected): staged in its
-        thread's inbox (`GpuPool.stage`). None unless the most urgent queue is due because it is full, no
+        thread's inbox (`Staging.stage`). None unless the most urgent queue is due because it is full, no
         retry waits (retries go first, to a worker as it frees) and no other worker waits for its turn (an idle
         worker takes the batch now)."""
         if self.closed or self._turn.locked() or self.retries.interactive or self.retries.background:

@@ -1,4 +1,4 @@
-"""Staging (`GpuPool.stage`, `Batcher.take_full`) on an injected clock: no server, no threads.
+"""Staging (`Staging.stage`, `Batcher.take_full`) on an injected clock: no server, no threads.
 
 A full batch waiting while a worker is busy goes into that worker's inbox shortly before its batch ends (asked
 by an arrival, or by the worker's staging timer), so the thread begins it without waiting for the loop; these
@@ -14,7 +14,8 @@ import math
 import pytest
 
 from batchserve.core.batch import Batch
-from batchserve.gpu_pool import GpuPool, DeviceWorker
+from batchserve.gpu_pool import GpuPool
+from batchserve.gpu_pool_staging import DeviceWorker
 from batchserve.metrics import make_metrics
 from tests.unit.core.test_policy import S, make_batcher, make_item
 from tests.unit.fakes import Clock
@@ -34,7 +35,7 @@ def staging_pool(loop: asyncio.AbstractEventLoop, clock: Clock, workers: int = 1
         clock=clock,
         stage_lead_s=LEAD_S,
     )
-    pool.workers = [DeviceWorker(i, f"d{i}") for i in range(workers)]
+    pool.workers.extend(DeviceWorker(i, f"d{i}") for i in range(workers))  # the list its staging reads too
     pool._update_health()
     return pool
 
@@ -108,10 +109,10 @@ def test_nothing_is_staged_for_an_idle_worker_or_with_staging_off(loop):
     pool = staging_pool(loop, clock)
     w, _ = running(pool, loop, clock)
     w.batch = None  # it ended and nothing was due: the worker waits in `next_batch`
-    pool._open_staging()
+    pool.staging.open()
     assert pool.batcher.stage_after == math.inf  # idle: a free worker takes its own batch
     off = staging_pool(loop, clock)
-    off.stage_lead_s = 0.0
+    off.staging.lead_s = 0.0
     w_off, _ = running(off, loop, clock)
     clock.now += S - LEAD_S
     queue(off, loop, clock, 8)
@@ -262,7 +263,7 @@ def test_no_timer_while_nothing_waits_or_only_a_partial_batch(loop):
     clock.now += S - LEAD_S
     assert w.stage_timer is None and w.staged is None
     off = staging_pool(loop, clock)
-    off.stage_lead_s = 0.0
+    off.staging.lead_s = 0.0
     queue(off, loop, clock, 8)
     w_off, _ = running(off, loop, clock)
     assert w_off.stage_timer is None and not off.batcher.stage_when_full
@@ -312,7 +313,7 @@ def test_the_timer_stages_nothing_behind_an_overdue_batch(loop):
     assert w.staged is None and pool.batcher.depth["m"] == 4
     w.finished = batch  # had the thread ended it, the device would be free: staged, and begun at once
     w.timed = None
-    pool._open_staging()
+    pool.staging.open()
     fire(w)
     assert w.staged is not None
 
@@ -324,7 +325,7 @@ def test_a_late_loop_sets_the_next_timer_early_by_its_lateness(loop):
     w, batch = running(pool, loop, clock)
     clock.now += S - LEAD_S + 0.004  # the loop ran the timer 4 ms late
     fire(w)
-    assert pool._timer_late == pytest.approx(0.004)
+    assert pool.staging._timer_late == pytest.approx(0.004)
     staged_batch = w.inbox.get_nowait()
     # The thread began the staged batch as `batch` ended (it runs); the loop hears of it 3 ms later.
     w.running, w.running_since = staged_batch, clock.now + LEAD_S - 0.004
@@ -334,7 +335,7 @@ def test_a_late_loop_sets_the_next_timer_early_by_its_lateness(loop):
     # Its end reckoned from the thread's start (3 ms earlier) and the timer set 4 ms earlier again.
     assert delay(loop, w) == pytest.approx(w.ends - clock.now - 0.003 - LEAD_S - 0.004, abs=0.002)
     # Lateness beyond the lead counts as the lead: the timer never runs more than twice the lead early.
-    clock.now = w.ends - LEAD_S - pool._timer_late + 0.5
+    clock.now = w.ends - LEAD_S - pool.staging._timer_late + 0.5
     w.finished = w.batch  # (ended, so not overdue: it stages)
     fire(w)
-    assert pool._timer_late == pytest.approx(LEAD_S)
+    assert pool.staging._timer_late == pytest.approx(LEAD_S)
