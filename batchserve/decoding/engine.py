@@ -16,7 +16,7 @@ Why this shape:
   engine pauses (preempts) a running sequence of the lane furthest over its share, or a batch line for an
   interactive caller: its place is freed at once and it waits again, to be resumed by recomputing its prompt and
   the tokens it had made (on a `resumable` stepper: the slot stepper). It is never failed for it, and its text
-  goes on where it stopped.
+  goes on where it stopped. Who starts and who is paused is decided in `admitter.py`.
 - Cancelling (client gone, stop string reached) tells the stepper to drop the sequence and frees its place at
   once for the next waiting sequence.
 """
@@ -24,7 +24,6 @@ Why this shape:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import math
@@ -41,19 +40,9 @@ from batchserve.config import Settings
 from batchserve.core.tenant_cost import CostAccount
 from batchserve.core.tiers import TIERS
 from batchserve.errors import ApiError
+from batchserve.decoding.admitter import Admitter
 from batchserve.decoding.kv_budget import KvBudget
-from batchserve.decoding.shares import (
-    SPARE,
-    Lane,
-    LaneLoad,
-    batch_excess,
-    batch_row_cap,
-    headroom,
-    lane_of,
-    order_key,
-    rows_within_slowdown,
-    victim_lane,
-)
+from batchserve.decoding.shares import SPARE, Lane, lane_of
 from batchserve.decoding import build
 from batchserve.decoding.build import (
     EngineConfig,
@@ -64,7 +53,7 @@ from batchserve.decoding.build import (
     sampling_defaults,
 )
 from batchserve.decoding.forecast import WaitForecast
-from batchserve.decoding.lanes import LaneBooks, victim_order
+from batchserve.decoding.lanes import LaneBooks
 from batchserve.decoding.metrics import GenerationMetrics
 from batchserve.decoding.sequence import DONE, RUNNING, WAITING, Delta, EngineSequence
 from batchserve.decoding.stepper import SamplingParams, Stepper, TokenUpdate
@@ -116,20 +105,11 @@ class Engine:
         self._tokenize_pool: ThreadPoolExecutor | None = None  # made on first use
         self.lanes = LaneBooks(self.budget)  # who waits and who runs, by lane (`shares.py`)
         self.forecast = WaitForecast(self.lanes)
-        self.preemptions = 0
-        # the most batch lines running while interactive work is there (`shares.batch_row_cap`). A stepper that
-        # shares steps (the slot stepper) holds the slowdown itself by leaving batch rows out of some steps
-        # (`step_share`): there more batch rows in fewer steps cost the interactive callers least. Elsewhere the
-        # rows are fewer where each one lengthens the interactive callers' steps by much (`rows_within_slowdown`).
-        self.batch_cap = batch_row_cap(self.budget.max_seqs, cfg.batch_beside_interactive)
-        if not stepper.shares_steps:
-            self.batch_cap = min(
-                self.batch_cap, rows_within_slowdown(stepper.row_growth, cfg.batch_slowdown, self.budget.max_seqs)
-            )
+        # who of the waiting runs and who is paused for it (`admitter.py`), on the clock the engine stamps with
+        self.admitter = Admitter(cfg, self.lanes, self.forecast, stepper, self.metrics, time.monotonic)
         # cost served per (model, tier, tenant), shared with the batcher's workers (`core/tenant_cost.py`): the
         # runtime hands the service's account in; a bare engine (tests, benches) keeps its own
         self.account = CostAccount()
-        self.draining = False
         self._order = itertools.count()
         self._tick_task: asyncio.Task | None = None
         self._tokens_at_tick = 0
@@ -183,13 +163,13 @@ class Engine:
             engine.budget.max_seqs,
             engine.max_context,
             engine.step_s * 1000,
-            engine.batch_cap,
+            engine.admitter.batch_cap,
             cfg.defaults.describe(),
         )
         return engine
 
     async def stop(self) -> None:
-        self.draining = True
+        self.admitter.draining = True
         if self._tick_task is not None:
             self._tick_task.cancel()
         err = errors.draining("the server stopped before this generation finished")
@@ -289,7 +269,7 @@ class Engine:
         )
         seq.run_id = seq.id
         self.lanes.queue(seq)
-        self._admit_waiting()
+        self.admitter.admit()
         if seq.state == RUNNING:
             return seq
         wait_s = self.predicted_wait_s(seq)
@@ -309,7 +289,7 @@ class Engine:
         """The 400 or 503 a sequence gets before it queues: a draining or stopped engine, an empty or too long
         prompt, or a full queue (batch lines waiting never refuse an interactive caller: it counts only the
         interactive queue)."""
-        if self.draining:
+        if self.admitter.draining:
             raise errors.draining()
         if not self.healthy:
             raise errors.no_healthy_worker("the generation engine has stopped")
@@ -330,7 +310,7 @@ class Engine:
 
     def predicted_wait_s(self, seq: EngineSequence, queued: bool = False) -> float:
         """Seconds until `seq` (queued already, or a probe) would start (`forecast.WaitForecast.wait_s`)."""
-        return self.forecast.wait_s(seq, self.step_s, self.resumable, queued)
+        return self.forecast.wait_s(seq, self.step_s, self.admitter.resumable, queued)
 
     def predicted_start_s(self, max_tokens: int) -> float:
         """Seconds until a new sequence of up to `max_tokens` new tokens would start (`WaitForecast.start_s`)."""
@@ -353,113 +333,6 @@ class Engine:
                 return
 
     # -- inside ---------------------------------------------------------------------------------------------
-    @property
-    def resumable(self) -> bool:
-        """Whether the stepper can resume a dropped sequence (so the engine may preempt)."""
-        return bool(getattr(self.stepper, "resumable", False))
-
-    def _fits(self, seq: EngineSequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]) -> bool:
-        """Whether `seq` may start now: its worst case fits, a batch line leaves the interactive headroom, and a
-        lane at or over its share leaves one place for each lingering lane (`shares.LINGER_S`)."""
-        lane = seq.lane
-        kept = 0 if lanes[lane].held < share[lane] else len(self.lanes.idle_since)  # _shares() pruned it just now
-        if lane[0] == SPARE:
-            if self.lanes.spare_running() >= self.batch_cap and self.lanes.interactive_present():
-                return False  # the rows batch lines may hold beside interactive work (`shares.batch_row_cap`)
-            return self.budget.fits(
-                seq.blocks, headroom(self.budget.total_blocks) + kept, headroom(self.budget.max_seqs) + kept
-            )
-        return self.budget.fits(seq.blocks, kept, kept)
-
-    def _start(self, seq: EngineSequence) -> None:
-        """Put `seq` in the stepper: a first run with its prompt; a resumed one (preempted) with its prompt and
-        the tokens it had made, under a new run id, to recompute their K/V and go on from there."""
-        now = time.monotonic()
-        seq.state, seq.run_started = RUNNING, now
-        seq.runs += 1
-        prompt, params = seq.prompt_ids, seq.params
-        if seq.runs == 1:
-            seq.started, seq.run_id = now, seq.id
-        else:
-            seq.run_id, seq.resumed = f"{seq.id}.{seq.runs}", True
-            prompt, params = seq.prompt_ids + seq.made, dataclasses.replace(seq.params, resumed=len(seq.made))
-        self.lanes.run(seq)
-        self.stepper.add(seq.run_id, prompt, params, background=seq.lane[0] == SPARE, tenant=seq.tenant)
-        if seq.on_start is not None and seq.runs == 1:
-            seq.on_start(seq)
-        self._gauges()
-
-    def _preempt(self, seq: EngineSequence, reason: str) -> None:
-        """Pause a running sequence: the stepper drops it (and its K/V), it waits again in its lane at its old
-        place, and it resumes by recomputing (`_start`). A started sequence is answered: it never expires."""
-        self.lanes.unrun(seq)
-        self.stepper.cancel(seq.run_id)
-        seq.state, seq.deadline = WAITING, math.inf
-        self.preemptions += 1
-        self.metrics.preempted.labels(reason).inc()
-        self.lanes.queue(seq)
-        self.forecast.forget()
-
-    def _pause_batch_to_cap(self) -> None:
-        """Interactive work has arrived while batch lines hold more rows than their cap beside it: pause the
-        excess (`shares.batch_excess`), from the batch lane holding the most, its latest (re)started first (the
-        least to recompute). They resume when the interactive work is gone."""
-        if not self.resumable or self.batch_cap >= self.budget.max_seqs:
-            return
-        running = self.lanes.spare_running()
-        if running <= self.batch_cap:
-            return
-        for _ in range(batch_excess(running, self.batch_cap, self.lanes.interactive_present())):
-            lane = max(
-                (lane for lane in self.lanes.lane_running if lane[0] == SPARE),
-                key=lambda ln: (self.lanes.lane_held.get(ln, 0), ln[1]),
-            )
-            self._preempt(max(self.lanes.lane_running[lane].values(), key=victim_order), "batch")
-
-    def _admit_waiting(self) -> None:
-        """Start waiting sequences while they fit, the lane furthest under its share first (`shares.py`);
-        when the next one does not fit, pause a sequence of a lane over its share (or a batch line for an
-        interactive caller) if the policy allows, else stop: the next to free a place serves it. First, batch
-        lines over their cap beside interactive work are paused down to it."""
-        if not self.draining:
-            self._pause_batch_to_cap()
-        pauses = len(self.running)  # each pause lets one more start: never more than there are running
-        while self.waiting_count and not self.draining:
-            lanes, share = self.lanes.shares()
-            lane, seq = min(
-                ((lane, queue[0][2]) for lane, queue in self.lanes.queues.items()),
-                key=lambda ls: (
-                    *order_key(ls[0], lanes[ls[0]].held, ls[1].blocks, share[ls[0]]),
-                    ls[1].tier,
-                    ls[1].order,
-                ),
-            )
-            if not self._fits(seq, lanes, share):
-                victim = self._victim(lane, seq, lanes, share) if pauses > 0 else None
-                if victim is None:
-                    break
-                pauses -= 1
-                self._preempt(victim, "batch" if victim.lane[0] == SPARE and lane[0] != SPARE else "share")
-                continue
-            self.lanes.pop(lane)
-            self.forecast.forget()
-            self._start(seq)
-        self._gauges()
-
-    def _victim(
-        self, lane: Lane, seq: EngineSequence, lanes: dict[Lane, LaneLoad], share: dict[Lane, float]
-    ) -> EngineSequence | None:
-        """The running sequence to pause so that `seq` (of `lane`) can start, or None (`shares.victim_lane`)."""
-        if not self.resumable:
-            return None
-        # what each lane would give up: the blocks of its latest started (every sequence's, with slots); the
-        # victim itself is looked for in the chosen lane only (a finish with a queue runs this: O(lanes))
-        gives = {other: next(reversed(runs.values())).blocks for other, runs in self.lanes.lane_running.items()}
-        chosen = victim_lane(lane, seq.blocks, lanes, share, gives)
-        if chosen is None:
-            return None
-        return max(self.lanes.lane_running[chosen].values(), key=victim_order)
-
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
         """Runs on the loop (via the stepper's call_soon_threadsafe) with one step's new tokens: at 256
         sequences that is ~20,000 tokens a second through here, so per-step work is done once a step."""
@@ -539,7 +412,7 @@ class Engine:
             text = "".join(seq.held) + text
             seq.held.clear()
         seq.deltas.put_nowait(Delta(text, seq.tokens, finish_reason, error))
-        self._admit_waiting()
+        self.admitter.admit()
 
     async def _tick(self) -> None:
         last = time.monotonic()
@@ -553,14 +426,8 @@ class Engine:
                     self.metrics.rejected.labels("queue_timeout").inc()
                     self._finish(seq, error=errors.deadline_exceeded())
             if self.lanes.idle_since and self.waiting_count:
-                self._admit_waiting()  # a lingering lane's kept place goes to whoever waits once LINGER_S passes
-            self._gauges()
-
-    def _gauges(self) -> None:
-        self.metrics.running.set(len(self.running))
-        self.metrics.waiting.set(self.waiting_count)
-        self.metrics.kv_reserved.set(self.budget.reserved_ratio)
-        self.metrics.kv_usage.set(self.stepper.kv_usage())
+                self.admitter.admit()  # a lingering lane's kept place goes to whoever waits once LINGER_S passes
+            self.admitter.gauges()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -571,9 +438,9 @@ class Engine:
             "waiting": self.waiting_count,
             "running_ids": sorted(s.id for s in self.running.values()),
             "lanes": len(self.lanes.with_work()),  # tenants x (interactive, batch) with work
-            "preempted": self.preemptions,
+            "preempted": self.admitter.preemptions,
             "batch_running": self.lanes.spare_running(),  # batch lines running (tier batch)
-            "batch_rows_beside_interactive": self.batch_cap,
+            "batch_rows_beside_interactive": self.admitter.batch_cap,
             # the stepper's steps: how many ran batch rows beside interactive ones, how many the interactive rows
             # alone while batch work waited (`step_share`; empty where the stepper cannot leave rows out)
             "steps": self.stepper.step_mix(),

@@ -115,7 +115,7 @@ def test_the_engine_keeps_batch_rows_to_the_fewer_of_its_share_and_what_the_slow
         stepper.row_growth, stepper.shares_steps = row_growth, shares_steps
         tokenizer = SimpleNamespace(backend_tokenizer=char_tokenizer(), eos_token_id=EOS)
         e = Engine(cfg, tokenizer, stepper, CollectorRegistry(), max_position=4096, vocab_size=len(CHARS))
-        return e.batch_cap
+        return e.admitter.batch_cap
 
     assert cap(row_growth=0.3, beside=0.25, slowdown=1.25) == 1  # the CPU: dear rows
     assert cap(row_growth=0.0, beside=0.25, slowdown=1.25) == 2  # a GPU: the share of the places
@@ -150,10 +150,11 @@ def slots(
     of the slots batch lines may hold beside interactive work (`--generation-batch-beside-interactive`; 1 = no
     cap, as every test here but the cap's own assumes)."""
     e = engine(blocks=n, max_seqs=n, step_s=step_s, queue_timeout_s=queue_timeout_s)
-    e.batch_cap = batch_row_cap(n, beside)
+    e.admitter.batch_cap = batch_row_cap(n, beside)
     stepper = Recording(n, n, 16)
     stepper.step_s, stepper.resumable = step_s, resumable
-    e.stepper, e.budget.page_size, e.max_context = stepper, 4096, 4096  # every sequence one block: a slot
+    e.stepper = e.admitter.stepper = stepper
+    e.budget.page_size, e.max_context = 4096, 4096  # every sequence one block: a slot
     stepper.start(None, e._on_updates)
     return e
 
@@ -185,7 +186,7 @@ def test_a_tenant_holding_every_slot_gives_them_up_to_its_share_as_another_arriv
         second = e.submit([1], params(5), tenant="b")
         assert second.state == "running" and hog[2].state == "waiting"
         third = e.submit([1], params(5), tenant="b")  # b holds its share (2 of 4): it waits
-        assert third.state == "waiting" and held(e, "a") == held(e, "b") == 2 and e.preemptions == 2
+        assert third.state == "waiting" and held(e, "a") == held(e, "b") == 2 and e.admitter.preemptions == 2
         assert all(s.state != "done" for s in hog)  # paused, never failed
 
     asyncio.run(main())
@@ -236,7 +237,7 @@ def test_a_preempted_sequence_resumes_from_its_tokens_and_its_caller_sees_one_un
         e.stepper.emit(other.id, "x!", finished=True)  # b done: its place is kept for it a moment (LINGER_S)
         assert seq.state == "waiting"
         clock.t += LINGER_S + 0.01
-        e._admit_waiting()  # (the engine's tick): a resumes under a new run id
+        e.admitter.admit()  # (the engine's tick): a resumes under a new run id
         assert seq.state == "running" and seq.run_id != seq.id and seq.runs == 2
         prompt, resumed = e.stepper.runs[seq.run_id]
         abc = [CHARS.index(c) for c in "abc"]
@@ -245,7 +246,7 @@ def test_a_preempted_sequence_resumes_from_its_tokens_and_its_caller_sees_one_un
         e.stepper.emit(seq.run_id, "defgh", finished=True)
         deltas = drain(seq)
         assert [d.text for d in deltas] == ["abcdefgh"] and deltas[-1].finish_reason == "length"
-        assert seq.tokens == 8 and e.preemptions == 1
+        assert seq.tokens == 8 and e.admitter.preemptions == 1
 
     asyncio.run(main())
 
@@ -257,15 +258,15 @@ def test_a_lane_that_just_finished_finds_its_place_kept_rather_than_pausing_some
             e.submit([1], params(60), tenant="a", max_wait_s=1e6)
             clock.t += 1
         mine = e.submit([1], params(3), tenant="b")
-        assert e.preemptions == 1
+        assert e.admitter.preemptions == 1
         e.stepper.emit(mine.id, "ab!", finished=True)
         assert held(e, "a") == 3 and e.budget.running == 3  # the place b freed stays free a moment: a waits
         clock.t += LINGER_S / 2
         again = e.submit([1], params(3), tenant="b")  # a closed loop's next request: no pause needed
-        assert again.state == "running" and e.preemptions == 1
+        assert again.state == "running" and e.admitter.preemptions == 1
         e.stepper.emit(again.id, "ab!", finished=True)
         clock.t += LINGER_S + 0.01  # b is gone for good: its place goes to a
-        e._admit_waiting()
+        e.admitter.admit()
         assert held(e, "a") == 4
 
     asyncio.run(main())
@@ -302,9 +303,9 @@ def test_batch_lines_leave_headroom_and_are_paused_first_for_interactive_callers
         mine = e.submit([1], params(5), tenant="b")
         # the stepper is told which are batch lines (background rows it may leave out of steps: `step_share`)
         assert e.stepper.background == {line.id: True for line in lines[:7]} | {mine.id: False}
-        assert mine.state == "running" and e.preemptions == 0  # the headroom
+        assert mine.state == "running" and e.admitter.preemptions == 0  # the headroom
         again = e.submit([1], params(5), tenant="a")  # the batch's own tenant, interactive: a line pauses
-        assert again.state == "running" and lines[6].state == "waiting" and e.preemptions == 1
+        assert again.state == "running" and lines[6].state == "waiting" and e.admitter.preemptions == 1
         e.stepper.emit(mine.id, "x!", finished=True)  # a place frees: no batch line takes the headroom back
         assert held(e, "a", SPARE) == 6 and lines[6].state == "waiting"
 
@@ -344,20 +345,20 @@ def test_beside_interactive_work_batch_lines_are_paused_down_to_their_cap_and_fi
         assert held(e, "a", SPARE) == 7  # alone: everything but the headroom
         mine = e.submit([1], params(5), tenant="b")
         # the interactive arrival starts at once and the latest started lines are paused down to the cap
-        assert mine.state == "running" and held(e, "a", SPARE) == 2 and e.preemptions == 5
+        assert mine.state == "running" and held(e, "a", SPARE) == 2 and e.admitter.preemptions == 5
         assert [s.state for s in lines[:2]] == ["running"] * 2 and all(s.state == "waiting" for s in lines[2:])
         assert all(s.state != "done" for s in lines)  # paused, never failed
         e.stepper.emit(lines[0].id, "ab!", finished=True)  # a line ends: another line takes its row, no more
         assert held(e, "a", SPARE) == 2 and e.budget.running == 3
         e.stepper.emit(mine.id, "x!", finished=True)  # b's last sequence ends: it lingers, the cap holds
-        e._admit_waiting()
+        e.admitter.admit()
         assert held(e, "a", SPARE) == 2
         again = e.submit([1], params(5), tenant="b")  # a closed loop's next request: nothing to pause
-        assert again.state == "running" and e.preemptions == 5
+        assert again.state == "running" and e.admitter.preemptions == 5
         e.stepper.emit(again.id, "x!", finished=True)
         clock.t += LINGER_S + 0.01  # b gone for good: batch lines fill all but the headroom again
-        e._admit_waiting()
-        assert held(e, "a", SPARE) == 7 and e.preemptions == 5
+        e.admitter.admit()
+        assert held(e, "a", SPARE) == 7 and e.admitter.preemptions == 5
 
     asyncio.run(main())
 
@@ -376,7 +377,7 @@ def test_without_pausing_the_cap_holds_back_every_batch_tenants_lines_while_inte
         assert e.lanes.spare_running() == 5 and e.budget.running == 6  # over the cap: no line takes a freed row
         e.stepper.emit(mine.id, "ab!", finished=True)
         clock.t += LINGER_S + 0.01  # b gone for good: lines fill all but the headroom again, both tenants'
-        e._admit_waiting()
+        e.admitter.admit()
         assert e.lanes.spare_running() == 7 and {s.tenant for s in e.running.values()} == {"a", "c"}
 
     asyncio.run(main())
