@@ -304,23 +304,8 @@ class InferenceService:
             return await self._elsewhere(handler, work, texts)
         tracing = self.tracing
         trace = tracing.admitted(model, TIER_NAMES[work.tier]) if tracing is not None else None
-        backend = self.backends.get(model)
         try:
-            if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
-                raise errors.warming_up()
-            for text in texts:
-                self._check_quarantine(model, text)
-            tokenize = self._tokenizer(model, backend)
-            if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
-                await self._tokenize(tokenize, texts, model, work.tier, work.tenant)
-            batch_cost = self._batch_cost(model, backend)
-            costs = (
-                [float(backend.cost_of(text)) for text in texts]
-                if batch_cost is None
-                else [float(batch_cost([text])) for text in texts]
-            )
-            buckets = [backend.bucket_of(text) for text in texts]
-            ticket = self._admit(work, costs, buckets[0])
+            costs, buckets, batch_cost, ticket = await self._priced(work, texts)
         except ApiError as err:
             if tracing is not None:
                 tracing.answered(model, work.arrived, 0.0, None, err.code)
@@ -360,6 +345,29 @@ class InferenceService:
             for item, result in zip(items, results):
                 tracing.answered(model, work.arrived, result.queue_s, item.batch_trace, "ok")
         return results
+
+    async def _priced(
+        self, work: Work, texts: list[str]
+    ) -> tuple[list[float], list[int], Callable[[list[str]], float] | None, Ticket]:
+        """`infer_many`'s inputs checked (the model loaded, none quarantined), tokenized on the stage, priced
+        (each input's cost and length class, and the backend's own batch cost if it declares one) and admitted."""
+        model = work.model
+        backend = self.backends.get(model)
+        if backend is None:  # still loading behind the open port (/readyz 503 "warming up")
+            raise errors.warming_up()
+        for text in texts:
+            self._check_quarantine(model, text)
+        tokenize = self._tokenizer(model, backend)
+        if tokenize is not None:  # its tokens made on the stage's thread: costing below is a look-up
+            await self._tokenize(tokenize, texts, model, work.tier, work.tenant)
+        batch_cost = self._batch_cost(model, backend)
+        costs = (
+            [float(backend.cost_of(text)) for text in texts]
+            if batch_cost is None
+            else [float(batch_cost([text])) for text in texts]
+        )
+        buckets = [backend.bucket_of(text) for text in texts]
+        return costs, buckets, batch_cost, self._admit(work, costs, buckets[0])
 
     async def _elsewhere(self, handler: InferenceHandler, work: Work, texts: list[str]) -> list[ItemResult]:
         """A request for a model another handler answers: refused while draining, counted in flight (the

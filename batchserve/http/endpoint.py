@@ -74,6 +74,21 @@ class Served(Protocol):
     guard: Guard
 
 
+def answer_head(answer: Answer, call: Call) -> bytes:
+    """The answer's header lines for the one-write answer: its media type, the request id, its own headers, the
+    caller's rate-limit headers and, where the request asked for a priority, the tier it ran at (as OpenAI
+    answers `service_tier`)."""
+    work = call.work
+    head = b"content-type: %s\r\nx-request-id: %s\r\n" % (answer.media, work.request_id.encode())
+    for name, value in answer.headers:
+        head += b"%s: %s\r\n" % (name, value)
+    for key, text in call.answer_headers.items():
+        head += b"%s: %s\r\n" % (key.encode(), text.encode())
+    if work.asked:
+        head += b"x-service-tier: %s\r\n" % TIER_NAMES[work.tier].encode()
+    return head
+
+
 class Call(msgspec.Struct, eq=False):
     """One HTTP request on its way through the skeleton: what the wing's functions read (the caller, the scope,
     the headers) and the request's `Work`, the one value handed down to the door and read back by the
@@ -280,16 +295,7 @@ class Endpoint(Generic[Host, Req, Res]):
             if self.ops_key:
                 guard.check_ops_key(headers.get("authorization"))
             if self.identify:
-                caller = call.caller = guard.identify(
-                    headers.get("authorization"), scope, self.dialect.any_key_anonymous
-                )
-                work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
-                if guard.gateways and any(name in headers for name in GATEWAY_NAMES):
-                    self.from_gateway(guard, call)
-                if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
-                    call.answer_headers = guard.take(caller)
-                elif self.take_by_body:
-                    guard.check(caller)
+                caller = self.identified(guard, call)
             # The request id once the caller may send (beside the body read, in the same module: the path's
             # steps in order, tests/unit/http/test_request_path.py); a refusal above makes it when it renders.
             given = headers.get("x-request-id")  # `request_id_from`, written out: every request
@@ -308,13 +314,7 @@ class Endpoint(Generic[Host, Req, Res]):
                 call.answer_headers = guard.take(caller, self.tokens(req))
             answer = self.render(rt, call, req, await self.handle(rt, call, req))
         except ApiError as err:
-            if not call.work.request_id:
-                call.work.request_id = request_id_from(headers.get("x-request-id"))
-            self.refused(rt, call, err)
-            out, err_headers = self.dialect.render(err, call.work.request_id)
-            if call.answer_headers and not err.headers:
-                err_headers.update(call.answer_headers)
-            await send_json(send, err.status, out, err_headers)
+            await self.send_refusal(rt, call, err, send)
             return
         except (ClientGone, ClientDisconnect, Gone):
             if not call.booked:
@@ -322,12 +322,7 @@ class Endpoint(Generic[Host, Req, Res]):
             return
         except Exception:
             log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
-            if not call.work.request_id:
-                call.work.request_id = request_id_from(headers.get("x-request-id"))
-            failed = errors.internal_error()
-            self.refused(rt, call, failed)
-            out, err_headers = self.dialect.render(failed, call.work.request_id)
-            await send_json(send, 500, out, err_headers)
+            await self.send_refusal(rt, call, errors.internal_error(), send, rate_headers=False)
             return
         if isinstance(answer, Stream):
             if not call.booked:
@@ -337,18 +332,37 @@ class Endpoint(Generic[Host, Req, Res]):
         # The answer in one write under batchserve's own protocol, else as the usual ASGI messages.
         send_whole = whole_answer_sender(send)
         if send_whole is not None:
-            head = b"content-type: %s\r\nx-request-id: %s\r\n" % (answer.media, call.work.request_id.encode())
-            for name, value in answer.headers:
-                head += b"%s: %s\r\n" % (name, value)
-            for key, text in call.answer_headers.items():
-                head += b"%s: %s\r\n" % (key.encode(), text.encode())
-            if work.asked:  # the tier it ran at, as OpenAI answers `service_tier`
-                head += b"x-service-tier: %s\r\n" % TIER_NAMES[work.tier].encode()
-            await send_whole(answer.status, head, answer.body)
+            await send_whole(answer.status, answer_head(answer, call), answer.body)
         else:
             await self.send_messages(answer, call, send)
         if not call.booked:  # booked once written: the ledger's clock runs from the first byte to the last
             self.book.ok(rt, call)
+
+    def identified(self, guard: Guard, call: Call) -> Caller:
+        """The caller by its key (401 / 403 as the dialect says), its tier and tenant on the request's work, a
+        gateway's headers read where it is trusted, and its rate tokens taken: one for a request of one, or
+        checked here and taken by the body's size once parsed (`take_by_body`)."""
+        headers, work = call.headers, call.work
+        caller = call.caller = guard.identify(headers.get("authorization"), call.scope, self.dialect.any_key_anonymous)
+        work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
+        if guard.gateways and any(name in headers for name in GATEWAY_NAMES):
+            self.from_gateway(guard, call)
+        if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
+            call.answer_headers = guard.take(caller)
+        elif self.take_by_body:
+            guard.check(caller)
+        return caller
+
+    async def send_refusal(self, rt: Host, call: Call, err: ApiError, send: Send, rate_headers: bool = True) -> None:
+        """Answer `err` in the endpoint's dialect, booked as refused; with the rate-limit headers where the
+        error brings none of its own (`rate_headers`: not for an unexpected failure)."""
+        if not call.work.request_id:
+            call.work.request_id = request_id_from(call.headers.get("x-request-id"))
+        self.refused(rt, call, err)
+        out, err_headers = self.dialect.render(err, call.work.request_id)
+        if rate_headers and call.answer_headers and not err.headers:
+            err_headers.update(call.answer_headers)
+        await send_json(send, err.status, out, err_headers)
 
     @staticmethod
     async def send_messages(answer: Answer, call: Call, send: Send) -> None:

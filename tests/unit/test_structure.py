@@ -251,13 +251,9 @@ def test_the_route_check_sees_what_it_forbids(tmp_path):
 
 # -- the size limits (issue 45) -------------------------------------------------------------------------------------
 MODULE_LINES, FUNCTION_LINES, CLASS_LINES, CLASS_FIELDS = 600, 60, 400, 40
-# What is past a limit today, at its size today: the debt, which may only shrink. A new module, function or class
-# past a limit fails, and so does one of these grown; one that shrank or came within its limit fails until its line
-# here says so.
-OVER_LIMIT = {
-    "core/service.py:InferenceService.infer_many": 68,
-    "http/endpoint.py:Endpoint.__call__": 85,
-}
+# What is past a limit, at its size: nothing now. Kept so that a limit ever let go is let go here, in sight, and
+# may then only shrink: a module, function or class past a limit and not named here fails.
+OVER_LIMIT: dict[str, int] = {}
 
 
 def definitions(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.AST]]:
