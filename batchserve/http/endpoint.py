@@ -74,6 +74,34 @@ class Served(Protocol):
     guard: Guard
 
 
+def identify(guard: Guard, call: Call, any_key_anonymous: bool = False) -> Caller:
+    """The caller by its key (401 / 403; `any_key_anonymous`: with no keys configured, any key is anonymous, as
+    the OpenAI clients always send one), its tier, tenant and owner on the request's work, and an inference
+    gateway's headers read where the peer is trusted: every surface that serves work identifies its callers so
+    (the HTTP skeleton, the gRPC servicer)."""
+    headers, work = call.headers, call.work
+    caller = call.caller = guard.identify(headers.get("authorization"), call.scope, any_key_anonymous)
+    work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
+    if guard.gateways and any(name in headers for name in GATEWAY_NAMES):
+        from_gateway(guard, call)
+    return caller
+
+
+def from_gateway(guard: Guard, call: Call) -> None:
+    """An inference gateway's headers, believed from a `--gateway-ips` peer only: its fairness id names the fair
+    queue's lane (so the gateway's per-tenant fairness and the server's are one), and its objective, where it
+    names a tier or a `service_tier`, the tier the request runs at, within its key's."""
+    if not guard.via_gateway(call.scope):
+        return
+    headers = call.headers
+    fairness = headers.get("x-llm-d-inference-fairness-id") or headers.get("x-gateway-inference-fairness-id")
+    if fairness and len(fairness) <= MAX_LANE_CHARS and fairness.isprintable():
+        call.work.tenant = "gateway:" + fairness
+    objective = headers.get("x-llm-d-inference-objective") or headers.get("x-gateway-inference-objective")
+    if objective in ASKABLE:
+        call.run_at(objective, "x-llm-d-inference-objective")
+
+
 def answer_head(answer: Answer, call: Call) -> bytes:
     """The answer's header lines for the one-write answer: its media type, the request id, its own headers, the
     caller's rate-limit headers and, where the request asked for a priority, the tier it ran at (as OpenAI
@@ -339,14 +367,9 @@ class Endpoint(Generic[Host, Req, Res]):
             self.book.ok(rt, call)
 
     def identified(self, guard: Guard, call: Call) -> Caller:
-        """The caller by its key (401 / 403 as the dialect says), its tier and tenant on the request's work, a
-        gateway's headers read where it is trusted, and its rate tokens taken: one for a request of one, or
-        checked here and taken by the body's size once parsed (`take_by_body`)."""
-        headers, work = call.headers, call.work
-        caller = call.caller = guard.identify(headers.get("authorization"), call.scope, self.dialect.any_key_anonymous)
-        work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
-        if guard.gateways and any(name in headers for name in GATEWAY_NAMES):
-            self.from_gateway(guard, call)
+        """The caller (`identify`), and its rate tokens taken: one for a request of one, or checked here and taken
+        by the body's size once parsed (`take_by_body`)."""
+        caller = identify(guard, call, self.dialect.any_key_anonymous)
         if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
             call.answer_headers = guard.take(caller)
         elif self.take_by_body:
@@ -376,21 +399,6 @@ class Endpoint(Generic[Host, Req, Res]):
         raw.append((b"content-length", b"%d" % len(answer.body)))
         await send({"type": "http.response.start", "status": answer.status, "headers": raw})
         await send({"type": "http.response.body", "body": answer.body})
-
-    @staticmethod
-    def from_gateway(guard: Guard, call: Call) -> None:
-        """An inference gateway's headers, believed from a `--gateway-ips` peer only: its fairness id names the
-        fair queue's lane (so the gateway's per-tenant fairness and the server's are one), and its objective,
-        where it names a tier or a `service_tier`, the tier the request runs at, within its key's."""
-        if not guard.via_gateway(call.scope):
-            return
-        headers = call.headers
-        fairness = headers.get("x-llm-d-inference-fairness-id") or headers.get("x-gateway-inference-fairness-id")
-        if fairness and len(fairness) <= MAX_LANE_CHARS and fairness.isprintable():
-            call.work.tenant = "gateway:" + fairness
-        objective = headers.get("x-llm-d-inference-objective") or headers.get("x-gateway-inference-objective")
-        if objective in ASKABLE:
-            call.run_at(objective, "x-llm-d-inference-objective")
 
     def refused(self, rt: Host, call: Call, err: ApiError) -> None:
         if not call.booked:

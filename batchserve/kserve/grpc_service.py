@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
+from starlette.types import Message
 
 from batchserve import __version__, errors
 from batchserve.config import ModelSpec, Settings
@@ -38,6 +39,7 @@ from batchserve.errors import ApiError, ClientGone
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.core.work import Work
 from batchserve.http.budget import connection_budget
+from batchserve.http.endpoint import GATEWAY_NAMES, MODEL, Call, identify
 from batchserve.http.plumbing import first_values, request_id_from
 from batchserve.kserve import render
 from batchserve.kserve.parse import bad, bytes_elements
@@ -45,7 +47,6 @@ from batchserve.kserve.grpc_messages import SERVICE, Messages, load
 from batchserve.kserve.host import KServeHost, find_model
 from batchserve.kserve.render import model_metadata
 from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME
-from batchserve.tenancy import Caller
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -57,7 +58,7 @@ MAX_STREAMS = 100  # calls open at once on one connection (HTTP/2's SETTINGS_MAX
 MAX_AGE_S = 3600.0  # a connection is asked to close (GOAWAY) after about this long, so none is held for ever
 KEEPALIVE_S = 60.0  # the server pings a connection with calls open this often: a vanished peer is found
 KEEPALIVE_TIMEOUT_S = 20.0
-METADATA = ("authorization", "x-request-id")  # what the service reads of a call's metadata
+METADATA = ("authorization", "x-request-id", *GATEWAY_NAMES)  # what the service reads of a call's metadata
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -230,10 +231,11 @@ class InferenceServicer:
         arrived = time.monotonic()
         metadata = first_values(context.invocation_metadata() or (), METADATA)
         work = Work(request_id_from(metadata.get("x-request-id")), arrived, gone=context.cancelled)
-        caller: Caller | None = None  # known once identified: a 429 or a 5xx is booked to it (the SLO ledger)
+        # The HTTP skeleton's request value and its steps: the caller identified as every surface identifies it
+        # (a trusted gateway's headers included), the answer booked by the model book (metrics, SLO ledger).
+        call = Call({"client": peer_address(context.peer())}, no_body, work, metadata)
         try:
-            caller = guard.identify(metadata.get("authorization"), {"client": peer_address(context.peer())})
-            work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
+            caller = identify(guard, call)
             guard.check(caller)  # as HTTP's `enter`: a caller who may not send is refused before its message is read
             request: ModelInferRequest = await read()  # type: ignore[assignment]
             spec = model_called(rt, request.model_name, request.model_version, "model_name")
@@ -245,7 +247,7 @@ class InferenceServicer:
                 kind = asked.WhichOneof("parameter_choice")
                 if kind not in ("string_param", "int64_param", "uint64_param"):  # a name, or a Triton level
                     raise bad("'parameters.priority' must be a tier name or Triton's priority level")
-                caller = caller.at(work.ask(getattr(asked, kind), caller.tier, caller.ceiling, "parameters.priority"))
+                call.run_at(getattr(asked, kind), "parameters.priority")
             backend = rt.backends.get(spec.id)
             if backend is None:
                 raise errors.warming_up()
@@ -256,21 +258,21 @@ class InferenceServicer:
                 timeout_ms = min(timeout_ms, remaining * 1000)
             if timeout_ms > s.max_timeout_ms:
                 raise bad(f"'parameters.timeout' is over --max-timeout-ms ({s.max_timeout_ms:.0f} ms)")
-            guard.take(caller, len(texts))
+            guard.take(call.who, len(texts))
             try:
                 results = await rt.service.infer_many(work.due_in(timeout_ms / 1000), texts)
             except ClientGone:
-                guard.gone(work.model)
+                MODEL.gone(rt, call)
                 return protos.ModelInferResponse()  # nobody reads it: the call was cancelled
             datatype, out_shape, raw = output_tensor([r.output for r in results], shape, backend.output_kind)
-            guard.ok(work.model, time.monotonic() - arrived, caller, work.inputs, work.cost)
+            MODEL.ok(rt, call)
         except ApiError as err:
-            guard.refused(work.model, err, caller, work.inputs)
+            MODEL.refused(rt, call, err)
             await abort(context, err, work.request_id)
         except Exception:  # as the HTTP skeleton: logged, an INTERNAL status that says nothing of it, counted
             log.exception("unhandled error in ModelInfer")
             failed = errors.internal_error()
-            guard.refused(work.model, failed, caller, work.inputs)
+            MODEL.refused(rt, call, failed)
             await abort(context, failed, work.request_id)
         head: tuple[tuple[str, str], ...] = (("x-request-id", work.request_id),)
         if work.asked:
@@ -326,6 +328,11 @@ def method_handler(name: str, impl: Impl, message: type, timeout_s: float) -> gr
 
 def serialize(message: object) -> bytes:
     return message.SerializeToString()  # type: ignore[attr-defined]
+
+
+async def no_body() -> Message:
+    """The `receive` of a gRPC call's `Call`: its message is read by gRPC itself, never through this."""
+    return {"type": "http.disconnect"}
 
 
 def peer_address(peer: str) -> tuple[str, int] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -220,3 +221,41 @@ def test_a_protobuf_that_cannot_build_the_messages_is_one_line_and_exit_2(tmp_pa
     assert "Traceback" not in out.stderr and len([ln for ln in lines if "batchserve: error" in ln]) == 1, out.stderr
     assert lines[-1].startswith("batchserve: error: --grpc-port") and "pip install 'protobuf>=" in lines[-1]
     assert "3.19.0" in lines[-1]
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_a_gateways_fairness_id_and_objective_hold_over_grpc_from_its_address_only(tmp_path, trusted: bool):
+    """ModelInfer identifies its caller as the HTTP skeleton does (`http/endpoint.identify`, whose unit test shows
+    the fairness id naming the fair queue's lane): behind a `--gateway-ips` peer llm-d's objective is the tier the
+    request runs at (said back in `x-service-tier`, and booked so); from any other peer it is ignored. Either way
+    the key's tenant is who the usage ledger books."""
+    config = tmp_path / "bs.toml"
+    admin = hashlib.sha256(b"sk-admin").hexdigest()
+    app = hashlib.sha256(b"sk-app").hexdigest()
+    config.write_text(
+        f'[[keys]]\ntenant = "ops"\ntier = "paid"\nsha256 = "{admin}"\nadmin = true\n\n'
+        f'[[keys]]\ntenant = "app"\ntier = "paid"\nsha256 = "{app}"\n'
+    )
+    network = "127.0.0.0/8" if trusted else "10.0.0.0/8"
+    s = start_server("--config", str(config), "--grpc-port", "0", "--gateway-ips", network, "--sim-batch-ms", "5")
+    try:
+        gateway = (
+            ("authorization", "Bearer sk-app"),
+            ("x-llm-d-inference-fairness-id", "team-7"),
+            ("x-llm-d-inference-objective", "flex"),
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port(s)}") as channel:
+            _, call = channel.unary_unary(INFER).with_call(infer_message("sim"), metadata=gateway, timeout=10)
+        head = dict(call.initial_metadata())
+        usage = httpx.get(s.url + "/v1/usage", headers={"Authorization": "Bearer sk-admin"}).json()["data"]
+        served = {u["tenant"]: u["since_start"]["requests"]["met"] for u in usage}
+        assert served.get("app") == 1, served
+        metrics = httpx.get(s.url + "/metrics").text
+        ran = "batch" if trusted else "paid"  # anyone else could name another tier
+        assert re.search(rf'batchserve_slo_requests_total\{{[^}}]*tier="{ran}"[^}}]*\}} 1', metrics), metrics
+        if trusted:
+            assert head.get("x-service-tier") == "batch", head
+        else:
+            assert "x-service-tier" not in head, head
+    finally:
+        s.stop()
