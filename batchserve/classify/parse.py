@@ -10,8 +10,9 @@ import msgspec
 
 from batchserve.classify import shapes
 from batchserve.classify.shapes import MAX_INPUTS
-from batchserve.http.decoding import BodyRefusal, decode
-from batchserve.http.openai_error import bad, timeout_s
+from batchserve.http.plumbing import BodyRefusal, decode
+from batchserve.http.openai_error import bad
+from batchserve.http.plumbing import timeout_s
 from batchserve.errors import ApiError
 
 __all__ = ["MAX_INPUTS", "Classify", "parse_classify", "parse_predict"]

@@ -11,9 +11,10 @@ import msgspec
 
 from batchserve.embeddings import shapes
 from batchserve.embeddings.shapes import MAX_INPUTS
-from batchserve.http.decoding import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.errors import ApiError
-from batchserve.http.openai_error import bad, timeout_s
+from batchserve.http.openai_error import bad
+from batchserve.http.plumbing import timeout_s
 
 __all__ = ["MAX_INPUTS", "ParsedEmbedding", "parse"]
 

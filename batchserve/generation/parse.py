@@ -13,7 +13,7 @@ import msgspec
 from batchserve.errors import ApiError
 from batchserve.generation import shapes
 from batchserve.decoding.stepper import SamplingParams
-from batchserve.http.decoding import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.http.openai_error import bad
 
 __all__ = ["bad", "GenRequest", "parse"]

@@ -1,16 +1,24 @@
 """HTTP plumbing under the one request path (`http/endpoint.py`): request ids, bounded body reads, JSON in and
-out. Errors are rendered by `http/dialects.py`."""
+out, and a body decoded straight into its declared shape (a msgspec `Struct`: parsing and type checking in one
+pass, and when it fails, which field was wrong; each wing turns a `BodyRefusal` into its dialect's 400). Errors
+are rendered by `http/dialects.py`."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import AsyncIterator, Collection, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
+from batchserve.http.openai_error import bad
 
 REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 JSON = "application/json"
@@ -174,3 +182,77 @@ def is_json_media_type(content_type: str) -> bool:
 def check_json_content_type(content_type: str) -> None:
     if content_type and not is_json_media_type(content_type):
         raise errors.invalid(f"Content-Type must be application/json, not {errors.short(content_type, 60)!r}")
+
+
+# -- a body decoded into its declared shape ---------------------------------------------------------------------
+T = TypeVar("T")
+NOT_JSON = "the body is not valid JSON in UTF-8"
+TOO_DEEP = f"{NOT_JSON}: it is nested too deeply"
+
+_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.S)
+_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
+_FIELD = re.compile(r"^\.(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
+_GOT = re.compile(r"got `(?P<got>[a-z]+)`")
+
+
+@dataclass
+class BodyRefusal(Exception):
+    """Why a body is not its declared shape. `field`: the top-level member at fault (None: the body itself);
+    `path`: where exactly (`input[3]`); `got`: the JSON type found where another was expected ("" if not said)."""
+
+    message: str
+    field: str | None = None
+    path: str = ""
+    got: str = ""
+    not_json: bool = False  # not JSON in UTF-8 at all (as opposed to JSON of the wrong shape)
+
+
+def decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    """The body as the decoder's type, or a `BodyRefusal` naming the field.
+
+    UTF-8 is checked first for non-ASCII bodies: msgspec validates the strings it keeps, not those of members
+    it skips, and a body that is not UTF-8 is refused whole on every route (as orjson did)."""
+    try:
+        if not body.isascii():
+            body.decode()
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise refusal(str(exc)) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise BodyRefusal(f"{NOT_JSON}: {exc}", not_json=True) from None
+    except RecursionError:  # msgspec's bound on nesting (as orjson's, which refused past 1024 levels)
+        raise BodyRefusal(TOO_DEEP, not_json=True) from None
+
+
+def refusal(text: str) -> BodyRefusal:
+    """msgspec's validation message reworded to name the field first: "`input`: expected `str`, got `int`"."""
+    if m := _MISSING.match(text):
+        name = m["name"]
+        return BodyRefusal(f"`{name}` is required", name, name)
+    m = _AT.match(text)
+    if m is None:  # the body itself: "Expected `object`, got `array`"
+        return BodyRefusal("the body must be a JSON object", got=_got(text))
+    what, path = m["what"], m["path"]
+    field = _FIELD.match(path)
+    name = field["name"] if field else None
+    where = path.removeprefix(".")
+    missing = _MISSING.match(what)
+    if missing:
+        where = f"{where}.{missing['name']}" if where else missing["name"]
+        return BodyRefusal(f"`{where}` is required", name, where)
+    return BodyRefusal(f"`{where}`: {what[:1].lower()}{what[1:]}", name, where, _got(what))
+
+
+def _got(text: str) -> str:
+    m = _GOT.search(text)
+    return m["got"] if m else ""
+
+
+def timeout_s(timeout_ms: float | msgspec.UnsetType, max_timeout_ms: float) -> float | None:
+    """A body's `timeout_ms` in seconds; None when it names none (the model's own default applies,
+    `slo.Deadlines`). Outside (0, max] it is a 400 naming the field."""
+    if timeout_ms is msgspec.UNSET:
+        return None
+    if not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms):
+        raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
+    return timeout_ms / 1000

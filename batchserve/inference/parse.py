@@ -9,7 +9,7 @@ import msgspec
 
 from batchserve import errors
 from batchserve.config import Settings
-from batchserve.http.decoding import TOO_DEEP, BodyRefusal, decode, refusal
+from batchserve.http.plumbing import TOO_DEEP, BodyRefusal, decode, refusal
 from batchserve.http.plumbing import JSON, check_json_content_type
 from batchserve.inference.shapes import InferenceRequest
 

@@ -26,7 +26,7 @@ import msgspec
 import orjson
 
 from batchserve import errors
-from batchserve.http.decoding import NOT_JSON, BodyRefusal, decode, refusal
+from batchserve.http.plumbing import NOT_JSON, BodyRefusal, decode, refusal
 from batchserve.jobs import shapes
 from batchserve.jobs.files import LineSplitter, LineTooLong
 from batchserve.jobs.lines import GENERATION, RAW_LINE, RUNNABLE, line_inputs

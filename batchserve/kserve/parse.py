@@ -18,7 +18,7 @@ import msgspec
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.decoding import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.kserve import shapes
 from batchserve.kserve.shapes import INPUT_NAME, MAX_DIMS, MAX_ELEMENTS, OUTPUT_NAME
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from batchserve.http.decoding import BodyRefusal, decode
-from batchserve.http.openai_error import bad, timeout_s
+from batchserve.http.plumbing import BodyRefusal, decode
+from batchserve.http.openai_error import bad
+from batchserve.http.plumbing import timeout_s
 from batchserve.rerank import shapes
 from batchserve.rerank.shapes import MAX_DOCUMENTS
 

@@ -17,7 +17,7 @@ from batchserve.backends import Backend
 from batchserve.backends.tokenizer_of import TextTokenizer, tokenizer_of
 from batchserve.config import Settings
 from batchserve.errors import ApiError, warming_up
-from batchserve.http.decoding import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, json_answer
 from batchserve.http.guards import Guard

@@ -1,4 +1,5 @@
-"""A body decoded into a declared shape, and msgspec's refusal reworded to name the member at fault."""
+"""`http/plumbing.py` decode: a body decoded into a declared shape, and msgspec's refusal reworded to name the member
+at fault."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Annotated
 import msgspec
 import pytest
 
-from batchserve.http.decoding import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, decode
 
 
 class Doc(msgspec.Struct):
