@@ -42,10 +42,12 @@ class ModelSpec:
     options: dict[str, Any] = field(default_factory=dict)  # [models.options]: keyword arguments of the plugin
     path: str = ""  # backend "hf": a Hugging Face model folder, or a hub id in the local cache (--model)
     task: str = ""  # backend "hf": embeddings, generation, reranking or classification; "" = read from the folder
+    # name@version: what batches, metrics and the ledger key the version by. Made once, not per read: every
+    # request reads it.
+    id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def id(self) -> str:
-        return f"{self.name}@{self.version}"
+    def __post_init__(self) -> None:
+        self.id = f"{self.name}@{self.version}"
 
     @property
     def generates(self) -> bool:

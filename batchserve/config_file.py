@@ -188,7 +188,7 @@ def sha256_hex(value: Any) -> str | None:
 # backends/folder.py's TASKS (config stays below backends)
 FOLDER_TASKS = ("embeddings", "generation", "reranking", "classification")
 TOP = {"models": "[[models]]", "tiers": "[tiers.<tier>]", "keys": "[[keys]]"}
-MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec)}
+MODEL_KEYS = {f.name: f for f in dataclasses.fields(ModelSpec) if f.init}
 TIER_KEYS = {"rate": positive, "burst": positive}
 KEY_KEYS = {
     "tenant": text,
