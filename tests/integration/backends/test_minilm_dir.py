@@ -10,6 +10,7 @@ parts without the weights are tests/unit/backends/test_minilm_dir.py.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import httpx
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from batchserve.backends import minilm
-from batchserve.config import ModelSpec, Settings
+from batchserve.config import Settings
 from tests.conftest import start_server
 
 TEXTS = ["A man is playing a guitar.", "Hi", "Embeddings turn text into vectors that can be compared.", "word " * 300]
@@ -91,5 +92,5 @@ def test_a_server_serves_the_folder_the_variable_names(copies: dict[str, Path], 
 def test_model_spec_option_path_is_accepted(copies: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(minilm, "pick_devices", lambda n: ["cpu"])
     s = Settings(backend="minilm")
-    spec = ModelSpec(**{**s.models[0].__dict__, "options": {"path": str(copies["float16"])}})
+    spec = dataclasses.replace(s.models[0], options={"path": str(copies["float16"])})
     assert minilm.MiniLM.from_settings(spec, s).path == copies["float16"]
