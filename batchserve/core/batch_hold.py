@@ -222,8 +222,14 @@ class Holds:
         seen = queued - self.left.get(key, 0)
         if seen <= 0:
             return
-        self.arrivals.setdefault(key, Arrivals()).add(now, seen)
-        self.model_arrivals.setdefault(key[0], Arrivals()).add(now, seen)
+        rate = self.arrivals.get(key)
+        if rate is None:  # not `setdefault`: that builds a meter every batch only to throw it away
+            rate = self.arrivals[key] = Arrivals()
+        rate.add(now, seen)
+        model_rate = self.model_arrivals.get(key[0])
+        if model_rate is None:
+            model_rate = self.model_arrivals[key[0]] = Arrivals()
+        model_rate.add(now, seen)
 
     def left_after(self, key: Key, left: int) -> None:
         """Queue `key` holds `left` items once its batch was taken."""
