@@ -196,13 +196,25 @@ def _vectors(answer: httpx.Response) -> list[list[float]]:
     return [item["embedding"] for item in sorted(answer.json()["data"], key=lambda item: item["index"])]
 
 
-def _finished(job: dict, give_up: float | None, timeout_s: float | None) -> bool:
-    """Whether a polled job is done; TimeoutError once `give_up` (monotonic) has passed and it is not."""
-    if job["status"] in JOB_DONE:
-        return True
-    if give_up is not None and time.monotonic() > give_up:
-        raise TimeoutError(f"job {job['id']} still {job['status']} after {timeout_s} s")
-    return False
+@dataclass
+class _JobWatch:
+    """What `wait_job` keeps between polls: when to give up (monotonic), and whom to tell of each poll."""
+
+    timeout_s: float | None
+    on_progress: Callable[[dict], None] | None
+
+    def __post_init__(self) -> None:
+        self.give_up = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+
+    def done(self, job: dict) -> bool:
+        """Whether a polled job is done; TimeoutError once `give_up` has passed and it is not."""
+        if self.on_progress is not None:
+            self.on_progress(job)
+        if job["status"] in JOB_DONE:
+            return True
+        if self.give_up is not None and time.monotonic() > self.give_up:
+            raise TimeoutError(f"job {job['id']} still {job['status']} after {self.timeout_s} s")
+        return False
 
 
 class _Connected(Generic[H]):
@@ -288,14 +300,10 @@ class Client(_Connected[httpx.Client]):
         on_progress: Callable[[dict], None] | None = None,
     ) -> dict:
         """Poll until the job is completed, failed or cancelled; `on_progress(job)` after every poll."""
-        give_up = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            job = self.get_job(job_id)
-            if on_progress is not None:
-                on_progress(job)
-            if _finished(job, give_up, timeout_s):
-                return job
+        watch = _JobWatch(timeout_s, on_progress)
+        while not watch.done(job := self.get_job(job_id)):
             time.sleep(poll_s)
+        return job
 
 
 class AsyncClient(_Connected[httpx.AsyncClient]):
@@ -358,14 +366,10 @@ class AsyncClient(_Connected[httpx.AsyncClient]):
         timeout_s: float | None = None,
         on_progress: Callable[[dict], None] | None = None,
     ) -> dict:
-        give_up = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            job = await self.get_job(job_id)
-            if on_progress is not None:
-                on_progress(job)
-            if _finished(job, give_up, timeout_s):
-                return job
+        watch = _JobWatch(timeout_s, on_progress)
+        while not watch.done(job := await self.get_job(job_id)):
             await asyncio.sleep(poll_s)
+        return job
 
 
 __all__ = ["AsyncClient", "BatchserveError", "Client", "Retry"]

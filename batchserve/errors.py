@@ -36,6 +36,8 @@ class ApiError(Exception):
 class ClientGone(Exception):
     """The caller disconnected before its answer was ready; nobody reads this answer."""
 
+    code = "CLIENT_DISCONNECTED"  # what the request's record says of it, as an ApiError's code would
+
 
 # -- 4xx: the caller's request -----------------------------------------------------------------------------
 def invalid(message: str) -> ApiError:

@@ -32,7 +32,7 @@ from prometheus_client import Counter
 from batchserve import errors
 from batchserve.backends import Backend, running_batch
 from batchserve.backends.outputs import OutputRule, check_outputs
-from batchserve.core.batch import Batch, BatchTracer
+from batchserve.core.batch import Batch, BatchRun, BatchTracer
 from batchserve.core.batcher import Batcher, Clock
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
@@ -78,7 +78,7 @@ class BatchRecords:
 
     def trace(self, tracing: BatchTracer, w: DeviceWorker, batch: Batch, problem: str | None) -> None:
         traces, n = (item.trace for item in batch.items), len(batch.items)
-        span = tracing.batch(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem)
+        span = tracing.batch(BatchRun(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem))
         for item in batch.items:
             item.batch_trace = span
 

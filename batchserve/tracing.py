@@ -31,11 +31,12 @@ import time
 
 from batchserve.http.uvicorn_protocol import FIRST_BYTE
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
+    from batchserve.core.batch import BatchRun
     from opentelemetry.trace import SpanContext, Tracer
 
 P = ParamSpec("P")
@@ -142,39 +143,27 @@ class Tracing:
 
     # -- the workers ---------------------------------------------------------------------------------------------
     @_never_raises
-    def batch(
-        self,
-        model: str,
-        size: int,
-        worker: str,
-        cause: str,
-        started: float,
-        ended: float,
-        requests: Iterable[object],
-        failed: str | None = None,
-        attributes: Mapping[str, str | int | float] | None = None,
-    ) -> SpanContext | None:
-        """A span for one batch run, linked to the request spans of the items it carried (`attributes`: the
-        path's own, e.g. a stepper sequence's rows and tokens)."""
-        contexts = {c.span_id: c for c in requests if isinstance(c, self._context)}
+    def batch(self, run: BatchRun) -> SpanContext | None:
+        """A span for one batch run, linked to the request spans of the items it carried."""
+        contexts = {c.span_id: c for c in run.requests if isinstance(c, self._context)}
         links = [self._link(c) for c in contexts.values()]
         span = self.tracer.start_span(
-            f"batch {model}",
-            start_time=wall_ns(started),
+            f"batch {run.model}",
+            start_time=wall_ns(run.started),
             links=links,
             kind=self._kind.INTERNAL,
             attributes={
-                "batchserve.model": model,
-                "gen_ai.request.model": model,
-                "batchserve.batch.size": size,
-                "batchserve.worker": worker,
-                "batchserve.batch.cause": cause,
-                **(attributes or {}),
+                "batchserve.model": run.model,
+                "gen_ai.request.model": run.model,
+                "batchserve.batch.size": run.size,
+                "batchserve.worker": run.worker,
+                "batchserve.batch.cause": run.cause,
+                **(run.attributes or {}),
             },
         )
-        if failed is not None:
-            span.set_status(self._error, failed[:200])
-        span.end(end_time=wall_ns(ended))
+        if run.failed is not None:
+            span.set_status(self._error, run.failed[:200])
+        span.end(end_time=wall_ns(run.ended))
         return span.get_span_context()
 
     # -- the request -------------------------------------------------------------------------------------------

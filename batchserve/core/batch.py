@@ -30,19 +30,23 @@ class Batch:
         return len(self.items) * max([item.cost for item in self.items]) if self.items else 0.0
 
 
-class BatchTracer(Protocol):
-    """What the paths that run batches ask of tracing (`batchserve.tracing.Tracing`, present only when it is on):
-    a span for one batch run, linked to its requests' spans (`attributes`: the path's own)."""
+@dataclass(frozen=True)
+class BatchRun:
+    """One batch run as tracing sees it: a span's figures, linked to its requests' spans (`attributes`: the
+    path's own, e.g. a stepper sequence's rows and tokens)."""
 
-    def batch(
-        self,
-        model: str,
-        size: int,
-        worker: str,
-        cause: str,
-        started: float,
-        ended: float,
-        requests: Iterable[object],
-        failed: str | None = None,
-        attributes: Mapping[str, str | int | float] | None = None,
-    ) -> object: ...
+    model: str
+    size: int
+    worker: str
+    cause: str
+    started: float
+    ended: float
+    requests: Iterable[object]
+    failed: str | None = None
+    attributes: Mapping[str, str | int | float] | None = None
+
+
+class BatchTracer(Protocol):
+    """What the paths that run batches ask of tracing (`batchserve.tracing.Tracing`, present only when it is on)."""
+
+    def batch(self, run: BatchRun) -> object: ...

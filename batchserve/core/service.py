@@ -273,11 +273,8 @@ class InferenceService:
         self.inflight += 1
         try:
             result: ItemResult = await future
-        except ApiError as err:
+        except (ApiError, ClientGone) as err:
             record.status, record.error = "failed", err.code
-            raise
-        except ClientGone:
-            record.status, record.error = "failed", "CLIENT_DISCONNECTED"
             raise
         finally:
             self.inflight -= 1
@@ -325,15 +322,12 @@ class InferenceService:
                 results: list[ItemResult] = [await items[0].future]
             else:
                 results = list(await asyncio.gather(*(item.future for item in items)))
-        except ApiError as err:
+        except (ApiError, ClientGone) as err:
             record.status, record.error = "failed", err.code
-            if tracing is not None:
+            if tracing is not None and isinstance(err, ApiError):
                 tracing.answered(
                     model, work.arrived, 0.0, next((i.batch_trace for i in items if i.batch_trace), None), err.code
                 )
-            raise
-        except ClientGone:
-            record.status, record.error = "failed", "CLIENT_DISCONNECTED"
             raise
         finally:
             self.inflight -= 1

@@ -203,14 +203,11 @@ class StepperInference:
             results = list(
                 await asyncio.gather(*(self._answer(seq, joined, arrived, model, trace) for seq, joined in seqs))
             )
-        except ApiError as err:
+        except (ApiError, ClientGone) as err:
             if record is not None:
                 record.status, record.error = "failed", err.code
-            self.records.refused(model, arrived, err.code, next((j.span for _, j in seqs if j.span), None))
-            raise
-        except ClientGone:
-            if record is not None:
-                record.status, record.error = "failed", "CLIENT_DISCONNECTED"
+            if isinstance(err, ApiError):
+                self.records.refused(model, arrived, err.code, next((j.span for _, j in seqs if j.span), None))
             raise
         finally:
             for seq, _ in seqs:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from batchserve.core.batch import BatchTracer
+from batchserve.core.batch import BatchRun, BatchTracer
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 
 WORKER = "stepper"  # the `batchserve.worker` of a sequence's span: the engine's stepper, not a batch worker
@@ -92,17 +92,12 @@ class StepperRecords:
             self.metrics.batch_compute.labels(model).observe(max(0.0, ended - started))
         if self.tracing is None:
             return None
-        return self.tracing.batch(
-            model,
-            rows,
-            WORKER,
-            CAUSE,
-            started,
-            ended,
-            (trace,),
-            failed,
-            {"batchserve.path": WORKER, "batchserve.stepper.rows": rows, "gen_ai.usage.output_tokens": tokens},
-        )
+        path: dict[str, str | int | float] = {
+            "batchserve.path": WORKER,
+            "batchserve.stepper.rows": rows,
+            "gen_ai.usage.output_tokens": tokens,
+        }
+        return self.tracing.batch(BatchRun(model, rows, WORKER, CAUSE, started, ended, (trace,), failed, path))
 
     def answered(self, model: str, arrived: float, queue_s: float, span: object) -> None:
         """One input of a request answered: its queue wait as a child span of the request, linked to its own."""

@@ -52,8 +52,7 @@ class Task:
 
 
 def served(rt: Models, task: Task) -> list[ModelSpec]:
-    """The versions that do the task, in the configured order (read by id: `ModelSpec.id` is computed at each
-    use)."""
+    """The versions that do the task, in the configured order."""
     return [spec for model_id, spec in rt.registry.by_id.items() if task.does(spec, rt.backends.get(model_id))]
 
 

@@ -26,46 +26,25 @@ import socket
 from collections import Counter
 from typing import Any
 
-import orjson
 from psycopg import AsyncConnection
 
 from batchserve.jobs.files import LineSplitter, StorageFull
 from batchserve.jobs.openai_batch import line_size
 from batchserve.jobs.pg_calls import READ_BYTES, PgCalls, bound_for
 from batchserve.jobs.pg_files import BIG_DELETE_S, PgFileStore
-from batchserve.jobs.store import (
-    ACTIVE,
-    PAGE_BYTES,
-    FileGone,
-    IdempotencyConflict,
-    ItemRow,
-    JOB_COLUMNS,
-    Job,
-    NewJob,
-    Outcome,
-    Progress,
-    Sizes,
-    UnstorableInput,
-    whole_bytes,
-)
+from batchserve.jobs.store import JOB_COLUMNS, JOB_TABLE_COLUMNS, NEW_JOB_COLUMNS, NEW_JOB_VALUES
+from batchserve.jobs.store import ACTIVE, PAGE_BYTES, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome
+from batchserve.jobs.store import Progress, Sizes, UnstorableInput, whole_bytes
 
 
 SCHEMA_LOCK = 0x6261746368  # pg_advisory_xact_lock key taken while the schema is created
 
-SCHEMA = """
+SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS batchserve_jobs (
-    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    id TEXT NOT NULL UNIQUE,
-    tenant TEXT NOT NULL,
-    model TEXT NOT NULL,
-    status TEXT NOT NULL,
-    total INTEGER NOT NULL,
-    completed INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0,
-    cancelled INTEGER NOT NULL DEFAULT 0,
-    metadata TEXT,
-    idempotency_key TEXT,
-    request_hash TEXT NOT NULL,
+    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"""
+    + JOB_TABLE_COLUMNS
+    + """
     created_at DOUBLE PRECISION NOT NULL,
     started_at DOUBLE PRECISION,
     finished_at DOUBLE PRECISION,
@@ -126,6 +105,7 @@ ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS error_bytes BIGINT NOT NULL
 ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION;
 ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS reason TEXT;
 """
+)
 
 ABANDONED_S = 3600.0  # an upload still `uploading` this long after it began was abandoned (its node died)
 QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
@@ -216,30 +196,15 @@ class PostgresStore(PgFileStore):
         for i, text in enumerate(job.inputs):
             if "\x00" in text:
                 raise UnstorableInput(i, "contains a NUL character (\\u0000), which the job store cannot hold")
-        meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
-        openai = orjson.dumps(job.openai).decode() if job.openai is not None else None
         adding = job.stored_bytes()
 
         async def tx(conn: AsyncConnection) -> tuple[Job, bool]:
             if self.limits.bounded:
                 await self._lock_tenant(conn, job.tenant)
             cur = await conn.execute(
-                "INSERT INTO batchserve_jobs (id, tenant, model, status, total, metadata, idempotency_key, "
-                "request_hash, created_at, openai, bytes, expires_at) "
-                "VALUES (%s, %s, %s, 'queued', %s, %s, %s, %s, %s, %s, 0, %s) "
+                f"INSERT INTO batchserve_jobs ({NEW_JOB_COLUMNS}) VALUES ({NEW_JOB_VALUES.replace('?', '%s')}) "
                 "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq",
-                (
-                    job.id,
-                    job.tenant,
-                    job.model,
-                    job.count(),
-                    meta,
-                    job.idempotency_key,
-                    job.request_hash,
-                    job.created_at,
-                    openai,
-                    job.expires_at,
-                ),
+                job.row(0),
             )
             if await cur.fetchone() is None:  # the key was used before (perhaps on another node just now)
                 cur = await conn.execute(

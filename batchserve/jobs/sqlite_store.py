@@ -21,46 +21,25 @@ import time
 from collections import Counter
 from typing import ParamSpec, TypeVar
 
-import orjson
 
 from batchserve.jobs.files import LineSplitter, StorageFull
 from batchserve.jobs.openai_batch import line_size
 from batchserve.jobs.sqlite_files import SQLiteFileStore, on_store_thread
-from batchserve.jobs.store import (
-    ACTIVE,
-    PAGE_BYTES,
-    FileGone,
-    IdempotencyConflict,
-    ItemRow,
-    JOB_COLUMNS,
-    Job,
-    NewJob,
-    Outcome,
-    Progress,
-    Sizes,
-    row_cost,
-    whole_bytes,
-)
+from batchserve.jobs.store import JOB_COLUMNS, JOB_TABLE_COLUMNS, NEW_JOB_COLUMNS, NEW_JOB_VALUES
+from batchserve.jobs.store import ACTIVE, PAGE_BYTES, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome
+from batchserve.jobs.store import Progress, Sizes, row_cost, whole_bytes
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
 
 SCHEMA_VERSION = 2  # PRAGMA user_version; see SQLiteStore._migrate
-SCHEMA = """
+SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    tenant TEXT NOT NULL,
-    model TEXT NOT NULL,
-    status TEXT NOT NULL,
-    total INTEGER NOT NULL,
-    completed INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0,
-    cancelled INTEGER NOT NULL DEFAULT 0,
-    metadata TEXT,
-    idempotency_key TEXT,
-    request_hash TEXT NOT NULL,
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,"""
+    + JOB_TABLE_COLUMNS
+    + """
     created_at REAL NOT NULL,
     started_at REAL,
     finished_at REAL,
@@ -105,6 +84,7 @@ CREATE TABLE IF NOT EXISTS file_chunks (
     UNIQUE (file_id, seq)
 );
 """
+)
 # Columns added since the first schema (a file from before gets them at open).
 JOB_EXTRA = {
     "openai": "TEXT",
@@ -242,26 +222,7 @@ class SQLiteStore(SQLiteFileStore):
                         raise IdempotencyConflict(job.idempotency_key)
                     return Job.of_row(row), False
             self._check(c, job.tenant, adding, "this batch's inputs")
-            meta = orjson.dumps(job.metadata).decode() if job.metadata is not None else None
-            openai = orjson.dumps(job.openai).decode() if job.openai is not None else None
-            c.execute(
-                "INSERT INTO jobs (id, tenant, model, status, total, metadata, idempotency_key, "
-                "request_hash, created_at, openai, bytes, expires_at) "
-                "VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    job.id,
-                    job.tenant,
-                    job.model,
-                    job.count(),
-                    meta,
-                    job.idempotency_key,
-                    job.request_hash,
-                    job.created_at,
-                    openai,
-                    adding,
-                    job.expires_at,
-                ),
-            )
+            c.execute(f"INSERT INTO jobs ({NEW_JOB_COLUMNS}) VALUES ({NEW_JOB_VALUES})", job.row(adding))
             if job.source_file is None:
                 c.executemany(
                     "INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",

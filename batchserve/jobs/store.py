@@ -114,6 +114,15 @@ class NewJob:
             return self.input_bytes
         return sum(len(text) if text.isascii() else len(text.encode()) for text in self.inputs)
 
+    def row(self, stored_bytes: int) -> tuple[object, ...]:
+        """The new row's values in `NEW_JOB_COLUMNS`' order, JSON as text: one INSERT for both stores."""
+        meta = orjson.dumps(self.metadata).decode() if self.metadata is not None else None
+        openai = orjson.dumps(self.openai).decode() if self.openai is not None else None
+        return (
+            self.id, self.tenant, self.model, self.count(), meta, self.idempotency_key, self.request_hash,
+            self.created_at, openai, stored_bytes, self.expires_at,
+        )  # fmt: skip
+
     def queued(self, stored_bytes: int) -> Job:
         """The job as a store answers its creation: queued, nothing run yet, `stored_bytes` charged."""
         return Job(
@@ -121,6 +130,26 @@ class NewJob:
             self.metadata, self.openai, stored_bytes, 0, 0, self.expires_at,
         )  # fmt: skip
 
+
+# The jobs table's columns both stores declare alike (after its `seq`; the times, typed per database, follow).
+JOB_TABLE_COLUMNS = """
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    model TEXT NOT NULL,
+    status TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    cancelled INTEGER NOT NULL DEFAULT 0,
+    metadata TEXT,
+    idempotency_key TEXT,
+    request_hash TEXT NOT NULL,"""
+
+# The columns a new job's row is written with (`NewJob.row`), its status 'queued'; in both stores' tables.
+NEW_JOB_COLUMNS = (
+    "id, tenant, model, status, total, metadata, idempotency_key, request_hash, created_at, openai, bytes, expires_at"
+)
+NEW_JOB_VALUES = "?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?"  # SQLite's placeholders (psycopg: %s for ?)
 
 # The columns a job row is read back from, in `Job`'s order, in both stores' tables.
 JOB_COLUMNS = (

@@ -6,10 +6,9 @@ sequence with the stepper's attributes), and a refusal's outcome."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
-
 import pytest
 
+from batchserve.core.batch import BatchRun
 from batchserve.errors import ApiError
 from batchserve.generation.inference_records import StepperRecords
 from batchserve.metrics import make_metrics
@@ -32,27 +31,16 @@ class Tracer:
     def answered(self, model: str, arrived: float, queue_s: float, batch: object, outcome: str) -> None:
         self.answers.append((queue_s, batch, outcome))
 
-    def batch(
-        self,
-        model: str,
-        size: int,
-        worker: str,
-        cause: str,
-        started: float,
-        ended: float,
-        requests: Iterable[object],
-        failed: str | None = None,
-        attributes: Mapping[str, str | int | float] | None = None,
-    ) -> object:
+    def batch(self, run: BatchRun) -> object:
         self.batches.append(
             {
-                "size": size,
-                "worker": worker,
-                "cause": cause,
-                "s": ended - started,
-                "requests": list(requests),
-                "failed": failed,
-                **(attributes or {}),
+                "size": run.size,
+                "worker": run.worker,
+                "cause": run.cause,
+                "s": run.ended - run.started,
+                "requests": list(run.requests),
+                "failed": run.failed,
+                **(run.attributes or {}),
             }
         )
         return f"span-{len(self.batches)}"
