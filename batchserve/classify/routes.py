@@ -8,7 +8,6 @@ callers share batches → the answer (`render.py`, by the route's shape). Errors
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 from starlette.routing import Route
@@ -16,21 +15,13 @@ from starlette.routing import Route
 from batchserve.backends.hf import pair_input, single_input
 from batchserve.classify.parse import Classify, parse_classify, parse_predict
 from batchserve.classify.render import answer, answer_predict
-from batchserve.core.fairqueue import ItemResult
-from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import Answer, Call, Endpoint
+from batchserve.http.encoder_wing import EncoderJob, encoder_endpoint
+from batchserve.http.endpoint import Call
 from batchserve.http.model_choice import CLASSIFICATION, EncoderHost, choose
 
 
 Parse = Callable[[bytes, int, float], Classify]
-
-
-@dataclass(slots=True)
-class Classified:
-    """A parsed request and its inputs as the door takes them."""
-
-    req: Classify
-    inputs: list[str]
+Classified = EncoderJob[Classify]
 
 
 def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse_classify) -> Classified:
@@ -39,29 +30,13 @@ def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse
     req = parse(body, s.max_input_chars, s.max_timeout_ms)
     choose(rt, call, CLASSIFICATION, req.model, req.timeout_s, req.service_tier)
     inputs = [single_input(seq) if isinstance(seq, str) else pair_input(*seq) for seq in req.sequences]
-    return Classified(req, inputs)
+    return EncoderJob(req, inputs)
 
 
-async def classify(rt: EncoderHost, call: Call, job: Classified) -> tuple[list[ItemResult], int]:
-    """Each input its own item, admitted together, and their tokens."""
-    return await rt.service.infer_counted(call.work, job.inputs)
-
-
-def render(rt: EncoderHost, call: Call, job: Classified, done: tuple[list[ItemResult], int]) -> Answer:
-    results, tokens = done
-    return Answer(answer([r.output for r in results], call.work.model, tokens))
-
-
-def render_predict(rt: EncoderHost, call: Call, job: Classified, done: tuple[list[ItemResult], int]) -> Answer:
-    results, _ = done
-    return Answer(answer_predict([r.output for r in results], job.req.raw_scores, job.req.batch))
-
-
-classify_endpoint: Endpoint[EncoderHost, Classified, tuple[list[ItemResult], int]] = Endpoint(
-    OPENAI, parse_request, classify, render, tokens=lambda job: len(job.inputs)
-)
-predict_endpoint: Endpoint[EncoderHost, Classified, tuple[list[ItemResult], int]] = Endpoint(
-    OPENAI, partial(parse_request, parse=parse_predict), classify, render_predict, tokens=lambda job: len(job.inputs)
+classify_endpoint = encoder_endpoint(parse_request, lambda job, outputs, tokens, model: answer(outputs, model, tokens))
+predict_endpoint = encoder_endpoint(
+    partial(parse_request, parse=parse_predict),
+    lambda job, outputs, tokens, model: answer_predict(outputs, job.req.raw_scores, job.req.batch),
 )
 
 ROUTES = [
