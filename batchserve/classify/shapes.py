@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import DocAnswer, Operation, model_post
+from batchserve.http.openapi import DocAnswer, model_post, versioned_posts
 from batchserve.http.shapes import OPENAI, NonNegative, Priority
 
 MAX_INPUTS = 2048  # inputs per request, as /v1/embeddings
@@ -92,20 +92,15 @@ class Prediction(Struct):
     label: str
 
 
-def _classify_operation(path: str, op_id: str) -> Operation:
-    return model_post(
-        path,
-        op_id,
+OPERATIONS = (
+    *versioned_posts(
+        "/v1/classify",
+        "classify",
         "Classify texts (vLLM's shape): every class's score per input; each input rides the batcher on its own",
         DocAnswer(200, "one result per input, in input order", ClassifyResponse),
         OPENAI,
         Annotated[ClassifyRequest, Meta(examples=[{"input": ["a great film", "a dull film"]}])],
-    )
-
-
-OPERATIONS = (
-    _classify_operation("/v1/classify", "classify"),
-    _classify_operation("/classify", "classifyUnversioned"),
+    ),
     model_post(
         "/predict",
         "predict",

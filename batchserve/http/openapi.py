@@ -153,6 +153,12 @@ def model_post(
     return Operation("POST", path, op_id, summary, (answer,), dialect, errors=MODEL_ERRORS, request=request, **more)
 
 
+def versioned_posts(path: str, op_id: str, *args: Any) -> tuple[Operation, Operation]:
+    """`model_post` at `path` (`/v1/...`) and at the same path without its version, as other servers serve it."""
+    bare = "/" + path.split("/", 2)[2]
+    return model_post(path, op_id, *args), model_post(bare, op_id + "Unversioned", *args)
+
+
 def one_of(*types: type, description: str = "") -> msgspec.Meta:
     """`Annotated[Any, one_of(A, B)]`: a value of any of these types, for the untagged unions msgspec does not
     decode (two object types with no tag field): the document says `anyOf` over their components; the types join

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from batchserve.http.openapi import DocAnswer, Operation, model_post
+from batchserve.http.openapi import DocAnswer, model_post, versioned_posts
 from batchserve.http.shapes import OPENAI, NonNegative, Priority
 
 MAX_DOCUMENTS = 1000  # documents per request (Cohere's limit)
@@ -113,24 +113,21 @@ class V2RerankResponse(Struct):
     meta: V2RerankMeta
 
 
-def _operation(path: str, op_id: str) -> Operation:
-    return model_post(
-        path,
-        op_id,
+OPERATIONS = (
+    *versioned_posts(
+        "/v1/rerank",
+        "rerank",
         "Rerank documents against a query (Cohere's shape); each pair rides the batcher on its own",
         DocAnswer(200, "the documents' scores, best first", RerankResponse),
         OPENAI,
         Annotated[RerankRequest, Meta(examples=[{"query": "capital", "documents": ["Paris", "a cat"]}])],
-    )
-
-
-V2_OPERATION = model_post(
-    "/v2/rerank",
-    "rerankV2",
-    "Rerank documents against a query (Cohere's v2 shape); each pair rides the batcher on its own",
-    DocAnswer(200, "the documents' scores, best first", V2RerankResponse),
-    OPENAI,
-    Annotated[V2RerankRequest, Meta(examples=[{"model": "rr", "query": "capital", "documents": ["Paris"]}])],
+    ),
+    model_post(
+        "/v2/rerank",
+        "rerankV2",
+        "Rerank documents against a query (Cohere's v2 shape); each pair rides the batcher on its own",
+        DocAnswer(200, "the documents' scores, best first", V2RerankResponse),
+        OPENAI,
+        Annotated[V2RerankRequest, Meta(examples=[{"model": "rr", "query": "capital", "documents": ["Paris"]}])],
+    ),
 )
-
-OPERATIONS = (_operation("/v1/rerank", "rerank"), _operation("/rerank", "rerankUnversioned"), V2_OPERATION)
