@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 def add_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`batchserve keys add`: a new key printed once, its digest appended to the config file."""
     from batchserve.config_file import append_key
-    from batchserve.tenancy import digest, new_key
+    from batchserve.http.guards import digest, new_key
 
     key = new_key()
     try:

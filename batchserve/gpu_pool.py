@@ -3,7 +3,7 @@
 A worker thread asks the batcher for its next batch only when it is free (pull, never push), calls the
 backend in its own thread, and hands the outcome back to the event loop, where every future is resolved.
 The worker thread checks the answer (a list, one output per input that fits the model's output kind:
-`backends/outputs.py`); a batch that raised or
+`backends/`); a batch that raised or
 answered a malformed list is split in two and both halves retried (bisection), so a poison input fails alone
 with 500 and its batch-mates get their answers; a single input that fails is retried once on another worker
 (transient faults); an input isolated so is quarantined (`core/quarantine.py`: a retry of it is answered at the
@@ -30,10 +30,9 @@ from collections.abc import Callable
 from prometheus_client import Counter
 
 from batchserve import errors
-from batchserve.backends import Backend, running_batch
-from batchserve.backends.outputs import OutputRule, check_outputs
-from batchserve.core.batch import Batch, BatchRun, BatchTracer
+from batchserve.backends import Backend, running_batch, OutputRule, check_outputs
 from batchserve.core.batcher import Batcher, Clock
+from batchserve.core.batch import Batch, BatchRun, BatchTracer
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.tiers import BATCH

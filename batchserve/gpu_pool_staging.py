@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchserve.backends.device_thread import DeviceThread
-from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher, Clock
+from batchserve.core.batch import Batch
 from batchserve.metrics import Metrics
 
 TIMER_LATE_DECAY = 0.2  # `Staging._timer_late` loses this share of itself with each staging timer run in time

@@ -21,14 +21,15 @@ from batchserve import errors
 from batchserve.backends import Backend, PluginError
 from batchserve.backends.warmup import deadlines_for, log_deadlines
 from batchserve.backends.loading import EXIT_BACKEND_FAILED, EXIT_STARTUP_FAILED, LOAD_THREAD, LoadedModels, load_models
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core import load_signal
 from batchserve.config import Settings
+from batchserve.http.model_choice import ModelRegistry
 from batchserve.knobs import proxy_list
 from batchserve.core.admission import Admission
 from batchserve.core.refusals import RefusalThrottle
-from batchserve.core.requests_log import RequestLog
+from batchserve.core.ledger import RequestLog
 from batchserve.core.service import InferenceService, tokens_in
 from batchserve.gc_tuning import freeze_late_startup_objects
 from batchserve.decoding.engine import Engine, start_generation
@@ -38,10 +39,8 @@ from batchserve.generation.inference_records import StepperRecords
 from batchserve.gpu_pool import GpuPool
 from batchserve.jobs.service import JobService
 from batchserve.metrics import AdmissionWaitCollector, Metrics, make_metrics
-from batchserve.models import ModelRegistry
 from batchserve.slo import Deadlines
-from batchserve.http.guards import Guard
-from batchserve.tenancy import Tenancy
+from batchserve.http.guards import Guard, Tenancy
 from batchserve.tracing import Tracing
 
 log = logging.getLogger("batchserve")

@@ -1,9 +1,9 @@
 """Each served model's own latency objective and timeouts (issue 46 item 7): `Deadlines`, one per model id, in
 the one table the runtime keeps (`ModelRegistry.deadlines`) and shares with the door, the batcher and the guard.
 
-A leaf: it imports nothing of batchserve, so the policy (`core/`), the ground (`models.py`, `backends/warmup.py`)
-and the HTTP layer all read it without a cycle (`config.py` imports `core`, so the settings are seen here through
-the `Knobs` protocol, not imported).
+A leaf: it imports nothing of batchserve, so the policy (`core/`), the ground (`backends/warmup.py`) and the
+HTTP layer (the model registry, `http/model_choice.py`) all read it without a cycle (`config.py` imports `core`,
+so the settings are seen here through the `Knobs` protocol, not imported).
 """
 
 from __future__ import annotations

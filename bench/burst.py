@@ -12,7 +12,7 @@ row, each commit's rows run in turns:
 - open loop: `bench.loadgen`'s Poisson arrivals at each rate, and at 4 devices, p50 / p95 and errors.
 
 `--closed 300x3` / `--open 1x900` run only the rows named (`--open none`: no open-loop row); `--burst-off` runs
-this checkout a second time with the burst rule off (commit "off": `core/burst.py`'s BURSTY_SHARE set past 1 as
+this checkout a second time with the burst rule off (commit "off": `core/batch_hold.py`'s BURSTY_SHARE set past 1 as
 the server starts), so both are measured in the same run on the same busy machine. Each closed-loop row reports
 too what the server's door learned (its /metrics at the row's end): the queue wait it predicted and observed for
 requests admitted under pressure, the factor and margin it applies, and its batches by cause.
@@ -51,7 +51,7 @@ def server_cmd(devices: int, base: str) -> list[str]:
     if not base:
         return cmd
     if base == BURST_OFF:  # never bursty: `Bursts.until` holds nothing
-        pre = "import batchserve.core.burst as b; b.BURSTY_SHARE = 2.0; "
+        pre = "import batchserve.core.batch_hold as b; b.BURSTY_SHARE = 2.0; "
     else:
         pre = f"sys.path.insert(0, {str(Path(base).resolve())!r}); "
     boot = f"import runpy, sys; {pre}runpy.run_module('batchserve', run_name='__main__', alter_sys=True)"

@@ -121,7 +121,7 @@ class Sample:
 def write_keys(config: Path, tenants: list[Tenant]) -> str:
     """The tenants' keys (paid, rates far above the offer) and the observer's (admin); returns the observer's."""
     from batchserve.config_file import append_key
-    from batchserve.tenancy import digest, new_key
+    from batchserve.http.guards import digest, new_key
 
     for t in tenants:
         t.key = new_key()

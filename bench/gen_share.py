@@ -54,7 +54,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def keyed(directory: Path, tenants: tuple[str, ...]) -> tuple[Path, dict[str, str]]:
     """A TOML config with one paid key per tenant (docs/configuration.md), and the keys."""
-    from batchserve.tenancy import digest, new_key
+    from batchserve.http.guards import digest, new_key
 
     keys = {t: new_key() for t in tenants}
     config = directory / "keys.toml"

@@ -150,7 +150,7 @@ def drill(url: str, tenants: list[Tenant], seconds: float, slo_ms: float, timeou
 
 def write_keys(config: Path, tenants: list[Tenant]) -> None:
     from batchserve.config_file import append_key
-    from batchserve.tenancy import digest, new_key
+    from batchserve.http.guards import digest, new_key
 
     for t in tenants:
         t.key = new_key()

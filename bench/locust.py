@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from batchserve.config_file import append_key
-from batchserve.tenancy import digest, new_key
+from batchserve.http.guards import digest, new_key
 from bench import common, report, servers
 from bench.ledger_drill import OUTCOMES, Tenant, by_outcome, ledger_of, write_keys
 

@@ -52,7 +52,7 @@ def write_key(config: Path) -> str:
     """One key: tenant `one`, tier paid, allowed to ask up to enterprise; its rate far above the offer (only
     admission refuses)."""
     from batchserve.config_file import append_key
-    from batchserve.tenancy import digest, new_key
+    from batchserve.http.guards import digest, new_key
 
     key = new_key()
     append_key(str(config), "one", "paid", digest(key), 1_000_000, best_tier="enterprise")

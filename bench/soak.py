@@ -58,7 +58,7 @@ import numpy as np
 import orjson
 import uvloop
 
-from batchserve.tenancy import digest, new_key
+from batchserve.http.guards import digest, new_key
 from bench import common, report, servers
 from bench.procstat import raise_fd_limit, rss_mb
 

@@ -28,9 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Callable, Collection, Iterator
 
-from batchserve.backends import Backend, PluginError, describe
+from batchserve.backends import Backend, PluginError, describe, OutputRule, check_warm_answer
 from batchserve.errors import short as errors_short
-from batchserve.backends.outputs import OutputRule, check_warm_answer
 from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
 from batchserve.backends.device_thread import DeviceThread
@@ -202,7 +201,7 @@ def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int
 
 def _check(backends: dict[str, Backend], device: int, rules: dict[str, OutputRule]) -> dict[str, float]:
     """One batch of CHECK_INPUTS per backend, whose answer must fit the model's output rule as every later
-    batch's will (`backends/outputs.py`)."""
+    batch's will (`backends/`)."""
     took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]

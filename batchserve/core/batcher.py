@@ -20,7 +20,7 @@ that declares none) and a batch's cost is rows x its longest row. S is read at t
 question; a batch stops filling at the model's cost budget as well as at its batch size; inputs are grouped by
 length through the backend's `bucket_of`, so a short input does not pay for a long batch-mate. What one batch
 may hold and cost, and how the budget is lowered to fit the time bounds, is the cost model's
-(`core/batch_budget.py`, `Batcher.costs`); the batcher's methods of the same names read it.
+(`core/batch.py`, `Batcher.costs`); the batcher's methods of the same names read it.
 
 Every pass of the policy is one ladder (`_take`), for a worker that just finished (`take_now`, no trip through
 the loop) and for the worker holding the turn (`_wait_for_batch`, which sleeps until the next queue is due).
@@ -41,15 +41,12 @@ import time
 from collections.abc import Callable
 
 from batchserve import errors
-from batchserve.core.batch import Batch
-from batchserve.core.batch_budget import BatchBudget
-from batchserve.core.batch_hold import Holds
-from batchserve.core.burst import Bursts
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import Batch, BatchBudget, BatchTimes
+from batchserve.core.batch_hold import Holds, Bursts
 from batchserve.core import tiers
 from batchserve.core.fairqueue import FairQueue, Item, Shares
 from batchserve.core.retries import Retries
-from batchserve.core.tenant_cost import CostAccount
+from batchserve.core.ledger import CostAccount
 from batchserve.slo import Deadlines
 
 Clock = Callable[[], float]
@@ -67,7 +64,7 @@ def _nothing() -> None:
 
 class Batcher:
     """The queues of every model and the flush policy over them (module docstring). What one batch may hold and
-    cost is the cost model's (`costs`: `core/batch_budget.py`); the batcher forms batches within it."""
+    cost is the cost model's (`costs`: `core/batch.py`); the batcher forms batches within it."""
 
     def __init__(
         self,
@@ -113,7 +110,7 @@ class Batcher:
         self.bucket_served_at: dict[tuple[str, int], float] = {}  # the same per queue
         # Holding a free worker's batch while the load is high (`core/batch_hold.py`): arrivals and holds.
         self.holds = Holds(self.costs, batch_s)
-        self.bursts: dict[str, Bursts] = {}  # per model: whether its inputs arrive in bursts (`core/burst.py`)
+        self.bursts: dict[str, Bursts] = {}  # per model: whether its inputs arrive in bursts (`core/batch_hold.py`)
         # The workers' side: one waits for its batch at a time (`_turn`), woken by new work or a timer.
         self.draining = False
         self.closed = False
@@ -399,7 +396,7 @@ class Batcher:
         # estimated when it would free: a smaller or quicker batch frees sooner). Several: a worker that frees a
         # hair before the learned pace goes at once ...
         pace_due = min(pace_due, now)
-        # ... unless the inputs come in bursts and the rest of this one is still arriving (`core/burst.py`): then
+        # ... unless the inputs come in bursts and the rest of this one is still arriving (`core/batch_hold.py`):
         # it waits a few ms for them, so the burst rides one batch ...
         bursts = self.bursts.get(key[0])
         burst_due = bursts.until(oldest, self.batch_s.at(key[0], size)) if bursts else -math.inf

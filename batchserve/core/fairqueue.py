@@ -35,7 +35,7 @@ from collections.abc import Callable
 import msgspec
 
 from batchserve import errors
-from batchserve.core.requests_log import Record
+from batchserve.core.ledger import Record
 from batchserve.core import tiers
 from batchserve.core.tiers import AGING_S, TIERS
 from batchserve.core.work import Work

@@ -1,4 +1,5 @@
-"""The SLO ledger (docs/contract.md#observability): what the server promised each answer and whether it kept it.
+"""The books of what was answered: the SLO ledger (what the server promised each answer and whether it kept it,
+docs/contract.md#observability), the account of cost served, and the recent requests' records.
 
 Every answer of a model route (/v1/inference, /v1/embeddings, KServe v2 infer, /v1/chat/completions,
 /v1/completions) is one of five outcomes:
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import deque, OrderedDict
 from dataclasses import dataclass, field
 from collections.abc import Callable
+from batchserve.core.tiers import TIERS
+import msgspec
 
 OUTCOMES = ("met", "slow", "refused", "expired", "failed")
 MET, SLOW, REFUSED, EXPIRED, FAILED = range(5)
@@ -187,3 +190,155 @@ class UsageBook:
     def reports(self, window_s: float = DEFAULT_WINDOW_S) -> list[dict[str, object]]:
         """Every tenant's figures (an admin's view), by tenant name."""
         return [self.report(t, window_s) for t in sorted(self.tenants)]
+
+
+# -- the account of cost served, per (model, tier, tenant) ----------------------------------------------------
+# One notion of what work costs, counted where it is answered. Cost is what the backend says an input costs
+# (`cost_of`: minilm's tokens; 1 for a plugin that declares none), the figure the fair queue shares by and
+# admission predicts with. The batcher's workers add every input answered with an output (`GpuPool`), once,
+# however many times its batch was re-run; failed, expired and refused inputs cost nothing here. Readers: the
+# ledger (per-tier aggregates for /metrics, where no tenant id may appear; a tenant's own at /v1/usage), the job
+# scheduler (a tenant's share by cost), the generation engine (which adds its own answers to the same account).
+# Totals since the process started, so a reader takes differences over its window; with `--processes N` each
+# process keeps its own.
+@dataclass(slots=True)
+class ServedCost:
+    """What one (model, tier, tenant) was served: inputs answered and their summed cost."""
+
+    inputs: int = 0
+    cost: float = 0.0
+
+
+@dataclass
+class CostAccount:
+    """Cost served per (model, tier rank, tenant), totals since start. Cheap to add to (a dict update per
+    input), read by copying (`snapshot`) or summing (`by_tier`, `of_tenant`)."""
+
+    served: dict[tuple[str, int, str], ServedCost] = field(default_factory=dict)
+
+    def add(self, model: str, tier: int, tenant: str, cost: float, inputs: int = 1) -> None:
+        """`inputs` inputs of this model, tier and tenant were answered, costing `cost` in all."""
+        key = (model, tier, tenant)
+        got = self.served.get(key)
+        if got is None:
+            got = self.served[key] = ServedCost()
+        got.inputs += inputs
+        got.cost += cost
+
+    def row(self, model: str, tier: int, tenant: str) -> ServedCost:
+        """The running totals of (model, tier, tenant), created at zero: for a writer that adds many inputs of
+        one key in a row (a batch's answers) with one look-up, as `add` would one by one."""
+        key = (model, tier, tenant)
+        got = self.served.get(key)
+        if got is None:
+            got = self.served[key] = ServedCost()
+        return got
+
+    def snapshot(self) -> dict[tuple[str, int, str], ServedCost]:
+        """A copy of every total, for a reader that compares two moments."""
+        return {key: ServedCost(s.inputs, s.cost) for key, s in self.served.items()}
+
+    def by_tier(self, model: str | None = None) -> list[ServedCost]:
+        """Per tier rank (the `tiers.TIERS` order), every tenant summed: what /metrics may show. `model`: only
+        that model's."""
+        out = [ServedCost() for _ in TIERS]
+        for (m, tier, _), s in self.served.items():
+            if model is None or m == model:
+                out[tier].inputs += s.inputs
+                out[tier].cost += s.cost
+        return out
+
+    def of_tenant(self, tenant: str) -> dict[tuple[str, int], ServedCost]:
+        """One tenant's totals per (model, tier rank): what its /v1/usage shows."""
+        return {(m, tier): ServedCost(s.inputs, s.cost) for (m, tier, t), s in self.served.items() if t == tenant}
+
+    def tenants(self) -> set[str]:
+        return {t for _, _, t in self.served}
+
+
+# -- recent requests --------------------------------------------------------------------
+# Recent requests by owner and id, for `GET /v1/requests/{id}`: a bounded, insertion-ordered map.
+#
+# A record belongs to the tenant that made the request (for anonymous callers, their address): it is stored
+# and found under (owner, id), so another tenant neither reads it nor, by sending the same `X-Request-ID`,
+# overwrites it.
+#
+# In memory and per process: behind a load balancer a status lookup must reach the node that served the
+# request (the answer's `X-Request-ID` and the node's logs are the durable record).
+class Record(msgspec.Struct, gc=False):
+    """A request's status as `GET /v1/requests/{id}` shows it. A Struct: one per request, built in C and not
+    tracked by the collector (strings and numbers only)."""
+
+    request_id: str
+    model: str
+    owner: str = ""  # the tenant (or anonymous@address) that made the request; not shown
+    status: str = "queued"  # queued | processing | completed | failed
+    created_at: float = 0.0  # wall clock, seconds since the epoch
+    latency_ms: float | None = None
+    queue_ms: float | None = None
+    compute_ms: float | None = None
+    batch_size: int | None = None
+    error: str | None = None
+
+    def completed(self, latency_ms: float, queue_ms: float, compute_ms: float, batch_size: int) -> None:
+        """Kept as measured, rounded when read (`public`): every answer comes here, few are ever read, and
+        `round(x, 1)` costs ~0.5 µs each."""
+        self.status = "completed"
+        self.latency_ms, self.queue_ms, self.compute_ms = latency_ms, queue_ms, compute_ms
+        self.batch_size = batch_size
+
+    def public(self) -> dict:
+        out = msgspec.structs.asdict(self)
+        del out["owner"]
+        for name in ("latency_ms", "queue_ms", "compute_ms"):
+            if out[name] is not None:
+                out[name] = round(out[name], 1)
+        return out
+
+
+class RequestLog:
+    """At most `capacity` records in all, kept per owner. When full, the owner holding the most records loses
+    its oldest one: a tenant that floods the history evicts its own records, never another's that holds fewer
+    (one shared buffer let any tenant's traffic push every other tenant's records out). The flooder is almost
+    always the one adding, so the common eviction is O(1); otherwise the largest owner is found by a scan."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._by_owner: dict[str, OrderedDict[str, Record]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, owner: str, request_id: str, model: str) -> Record:
+        rec = Record(request_id, model, owner, "queued", time.time())  # positional: ~0.4 µs less per request
+        mine = self._by_owner.get(owner)
+        if mine is None:
+            mine = self._by_owner[owner] = OrderedDict()
+        if mine.pop(request_id, None) is not None:  # a reused id is the owner's newest request: the youngest
+            self._count -= 1
+        mine[request_id] = rec
+        self._count += 1
+        if self._count > self.capacity:  # full (the steady state): one goes for each added
+            if len(mine) * len(self._by_owner) >= self._count:  # `_evict`'s common case, inline: the adder's oldest
+                mine.popitem(last=False)
+                self._count -= 1
+                if not mine:
+                    del self._by_owner[owner]
+            else:
+                self._evict(owner, mine)
+        return rec
+
+    def _evict(self, adding: str, mine: OrderedDict[str, Record]) -> None:
+        if len(mine) * len(self._by_owner) >= self._count:  # the adder holds at least its share: its own oldest
+            victim, records = adding, mine
+        else:
+            victim, records = max(self._by_owner.items(), key=lambda kv: len(kv[1]))
+        records.popitem(last=False)
+        self._count -= 1
+        if not records:
+            del self._by_owner[victim]
+
+    def get(self, owner: str, request_id: str) -> Record | None:
+        mine = self._by_owner.get(owner)
+        return mine.get(request_id) if mine is not None else None

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 from batchserve import errors
 from batchserve.core import tiers
-from batchserve.core.batch import Batch
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import Batch, BatchTimes
 from batchserve.core.fairqueue import Item
 
 BACKGROUND_EVERY = 4  # regular dispatches between two background batches while both wait (a 1/5 share)

@@ -22,15 +22,13 @@ from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
 from batchserve.core.batcher import Batcher
 from batchserve.core.admission import Admission, Ticket, WorkerCapacity
-from batchserve.core.deadlines import DeadlineWatch
+from batchserve.core.work import DeadlineWatch, Work
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.handler import InferenceHandler
 from batchserve.core.quarantine import Quarantine
-from batchserve.core.requests_log import Record, RequestLog
-from batchserve.core.tenant_cost import CostAccount
+from batchserve.core.ledger import Record, RequestLog, CostAccount
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
 from batchserve.core.tokenize_stage import Tokenize, TokenizeStage, tokenizer_of
-from batchserve.core.work import Work
 
 
 log = logging.getLogger("batchserve")

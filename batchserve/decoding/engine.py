@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from batchserve import errors
 from batchserve.config import Settings
-from batchserve.core.tenant_cost import CostAccount
+from batchserve.core.ledger import CostAccount
 from batchserve.core.tiers import TIERS
 from batchserve.errors import ApiError
 from batchserve.decoding.admitter import Admitter
@@ -107,7 +107,7 @@ class Engine:
         self.forecast = WaitForecast(self.lanes)
         # who of the waiting runs and who is paused for it (`admitter.py`), on the clock the engine stamps with
         self.admitter = Admitter(cfg, self.lanes, self.forecast, stepper, self.metrics, time.monotonic)
-        # cost served per (model, tier, tenant), shared with the batcher's workers (`core/tenant_cost.py`): the
+        # cost served per (model, tier, tenant), shared with the batcher's workers (`core/ledger.py`): the
         # runtime hands the service's account in; a bare engine (tests, benches) keeps its own
         self.account = CostAccount()
         self._order = itertools.count()

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item, ItemResult
 from batchserve.core.handler import InferenceHandler
-from batchserve.core.requests_log import RequestLog
+from batchserve.core.ledger import RequestLog
 from batchserve.core.tiers import BATCH
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone

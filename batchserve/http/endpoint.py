@@ -36,7 +36,7 @@ from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.dialects import Dialect
 from batchserve.http.disconnect import Watcher
-from batchserve.http.guards import Guard
+from batchserve.http.guards import Guard, Caller
 from batchserve.http.plumbing import (
     REQUEST_ID_OK,
     body_chunks,
@@ -45,9 +45,8 @@ from batchserve.http.plumbing import (
     request_id_from,
     send_json,
 )
-from batchserve.http.uvicorn_protocol import FIRST_BYTE, whole_answer_sender
+from batchserve.http.uvicorn_protocol import FIRST_BYTE, GuardedCycle
 from batchserve.logsafe import printable
-from batchserve.tenancy import Caller
 
 log = logging.getLogger("batchserve.http")
 
@@ -271,6 +270,13 @@ class Uncounted:
 MODEL = ModelBook()
 COUNTED = Counted()
 UNCOUNTED = Uncounted()
+
+
+def whole_answer_sender(send: object) -> Callable[[int, bytes, bytes], Awaitable[None]] | None:
+    """`send_whole` of the guarded cycle behind an ASGI `send`, or None under another server (or a test's
+    in-process transport): the caller then sends the ASGI messages."""
+    cycle = getattr(send, "__self__", None)
+    return cycle.send_whole if isinstance(cycle, GuardedCycle) and not cycle.access_log else None
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Awaitable, Callable
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
@@ -205,7 +204,7 @@ class _HeadFirst:
         return self.transport.is_closing()
 
 
-class _GuardedCycle(RequestResponseCycle):
+class GuardedCycle(RequestResponseCycle):
     """uvicorn's request cycle, with two changes:
     - one write per answer: the head of a response of known length is held and written with its first body
       bytes (streams send their head at once), so a small JSON answer leaves in one write (one syscall, one
@@ -282,15 +281,6 @@ class _GuardedCycle(RequestResponseCycle):
         if not self.keep_alive:
             self.transport.close()
         self.on_response()
-
-
-def whole_answer_sender(send: object) -> Callable[[int, bytes, bytes], Awaitable[None]] | None:
-    """`send_whole` of the guarded cycle behind an ASGI `send`, or None under another server (or a test's
-    in-process transport): the caller then sends the ASGI messages."""
-    cycle = getattr(send, "__self__", None)
-    if isinstance(cycle, _GuardedCycle) and not cycle.access_log:
-        return cycle.send_whole
-    return None
 
 
 class _Refused(Exception):
@@ -434,7 +424,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.guard.waiting.pop(self, None)
         self.deadline = self.loop.time() + self.limits.body_timeout_s
         if self.cycle is not None and type(self.cycle) is RequestResponseCycle:
-            self.cycle.__class__ = _GuardedCycle  # same object, one method more: no allocation
+            self.cycle.__class__ = GuardedCycle  # same object, one method more: no allocation
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

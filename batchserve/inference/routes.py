@@ -18,15 +18,15 @@ from starlette.routing import Route
 from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.config import Settings
+from batchserve.http.model_choice import ModelRegistry
 from batchserve.core.handler import InferenceHandler
 from batchserve.core.fairqueue import ItemResult
-from batchserve.core.requests_log import Record, RequestLog
+from batchserve.core.ledger import Record, RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import NATIVE
 from batchserve.http.endpoint import COUNTED, JSON_MEDIA, Answer, Call, Endpoint, no_body, public
 from batchserve.http.guards import Guard
 from batchserve.inference.parse import parse_inference
-from batchserve.models import ModelRegistry
 
 
 class InferenceHost(Protocol):

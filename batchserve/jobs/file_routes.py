@@ -33,7 +33,7 @@ from batchserve.jobs.pages import pages
 from batchserve.jobs.service import JobService
 from batchserve.jobs.store import OUTPUT, Job, JobStore
 from batchserve.jobs.upload import FormError, FormStream, UploadPace
-from batchserve.tenancy import Caller
+from batchserve.http.guards import Caller
 
 PURPOSES = ("batch",)
 MULTIPART_SLACK = 64 << 10  # the form's other fields and part headers, on top of the file itself

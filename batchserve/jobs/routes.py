@@ -24,13 +24,13 @@ from starlette.routing import Route
 from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.config import Settings
+from batchserve.http.model_choice import ModelRegistry, EMBEDDING, pick_model
 from batchserve.errors import ApiError
 from batchserve.generation.complete import model_aliases
 from batchserve.decoding.engine import Engine
 from batchserve.http.dialects import NATIVE_ANY_KEY
 from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Stream, json_answer
-from batchserve.http.guards import Guard
-from batchserve.http.model_choice import EMBEDDING, pick_model
+from batchserve.http.guards import Guard, Caller
 from batchserve.http.plumbing import ascii_count
 from batchserve.jobs.parse import MAX_METADATA_BYTES, read_job_body
 from batchserve.jobs.lines import EMBEDDINGS, GENERATION
@@ -51,8 +51,6 @@ from batchserve.jobs.store import (
     StoreUnavailable,
     UnstorableInput,
 )
-from batchserve.models import ModelRegistry
-from batchserve.tenancy import Caller
 
 log = logging.getLogger("batchserve.jobs")
 

@@ -53,7 +53,7 @@ from batchserve.jobs.lines import LineResult, LineRunner, failed_response, line_
 from batchserve.jobs.refill import Budget, Room, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome, StoreDown
-from batchserve.tenancy import lane_of
+from batchserve.http.guards import lane_of
 
 log = logging.getLogger("batchserve.jobs")
 

@@ -7,10 +7,10 @@ from typing import Protocol
 from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
+from batchserve.http.model_choice import ModelRegistry
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
 from batchserve.http.guards import Guard
-from batchserve.models import ModelRegistry
 
 
 class KServeHost(Protocol):

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
 from batchserve.config import Settings
+from batchserve.http.model_choice import ModelRegistry
 from batchserve.core.admission import Admission
 from batchserve.core.batcher import Batcher
 from batchserve.core.load_signal import Reading
@@ -22,7 +23,6 @@ from batchserve.http.dialects import NATIVE
 from batchserve.http.guards import Guard
 from batchserve.http.endpoint import Answer, Call, Endpoint, operational, public
 from batchserve.metrics import Metrics
-from batchserve.models import ModelRegistry
 
 
 class OpsHost(Protocol):

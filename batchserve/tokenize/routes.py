@@ -16,13 +16,13 @@ from starlette.routing import Route
 from batchserve.backends import Backend
 from batchserve.backends.tokenizer_of import TextTokenizer, tokenizer_of
 from batchserve.config import Settings
+from batchserve.http.model_choice import ModelRegistry
 from batchserve.errors import ApiError, warming_up
 from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, json_answer
 from batchserve.http.guards import Guard
 from batchserve.http.openai_error import bad, unknown_model
-from batchserve.models import ModelRegistry
 from batchserve.tokenize import shapes
 
 TOKENIZE = msgspec.json.Decoder(shapes.TokenizeRequest)

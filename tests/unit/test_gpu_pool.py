@@ -121,7 +121,7 @@ def test_nothing_is_staged_for_an_idle_worker_or_with_staging_off(loop):
 
 def test_nothing_is_staged_behind_an_overdue_batch(loop):
     # A batch running past its expected end by more than the lead (a long one, a hang) may run on for long: a
-    # batch staged behind it would keep later work of a higher tier waiting (tests/integration/test_tenancy.py).
+    # batch staged behind it would keep later work of a higher tier waiting (tests/integration/http/test_tenancy.py).
     clock = Clock(1000.0)
     pool = staging_pool(loop, clock)
     w, _ = running(pool, loop, clock)

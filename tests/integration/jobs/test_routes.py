@@ -16,7 +16,7 @@ import jsonschema
 import orjson
 import pytest
 
-from batchserve.tenancy import digest, new_key
+from batchserve.http.guards import digest, new_key
 from tests.conftest import LiveServer, start_server
 
 

@@ -13,7 +13,7 @@ from batchserve.backends.plugin import make_backend
 from batchserve.backends.sim import SimBackend
 from batchserve.config import ModelSpec, Settings, default_model_name
 from batchserve.gpu_pool import check_outputs
-from batchserve.tenancy import TokenBucket
+from batchserve.http.guards import TokenBucket
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_check_outputs_one_encode_for_a_good_batch_and_names_each_bad_output():
 
 
 def test_outputs_are_held_to_their_kind():
-    from batchserve.backends.outputs import OutputRule, check_warm_answer
+    from batchserve.backends import OutputRule, check_warm_answer
 
     nan, inf = float("nan"), float("inf")
     assert check_outputs(["a", 5, None], 3, OutputRule("text"))[1].keys() == {1, 2}

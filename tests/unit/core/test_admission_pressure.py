@@ -18,7 +18,7 @@ import pytest
 
 from batchserve.core import tiers
 from batchserve.core.admission import FAST_HELD_S, FAST_SPIKE, Admission
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError

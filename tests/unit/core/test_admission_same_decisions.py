@@ -20,7 +20,7 @@ import pytest
 
 from batchserve.core.admission import Admission
 from batchserve.core.wait_prediction import WaitPrediction, _by_turns, predict
-from batchserve.core.batch_time import MEMO_KEPT, BatchTimes
+from batchserve.core.batch import MEMO_KEPT, BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import Item
 from batchserve.errors import ApiError

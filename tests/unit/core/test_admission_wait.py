@@ -17,10 +17,10 @@ import math
 import pytest
 
 from batchserve.core.batcher import Batcher
-from batchserve.core.burst import Bursts
+from batchserve.core.batch_hold import Bursts
 from batchserve.core.admission import Admission
 from batchserve.core.wait_prediction import WaitPrediction, predict
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import BatchTimes
 from batchserve.core.class_turns import ClassQueue, Own, drain
 from batchserve.core.fairqueue import Item
 from batchserve.core.wait_calibration import MIN_OBSERVED, WaitCalibration
@@ -51,7 +51,7 @@ def drain_until(b: Batcher, clock: Clock, loop, target: Item, arrivals: list[tup
     while True:
         key, due, cause = b.most_urgent(clock.t)
         assert key is not None
-        if due > clock.t:  # holding for the rest of a burst (core/burst.py): the worker sleeps until then
+        if due > clock.t:  # holding for the rest of a burst (core/batch_hold.py): the worker sleeps until then
             clock.t = due
             continue
         batch = b.form(key, clock.t, cause, due)
@@ -112,7 +112,7 @@ def test_a_class_batch_is_as_long_as_its_longest_input(loop) -> None:
     p = predict(b, M, 0.0, 1, b.ahead_of(1, "t"), [18.0], bucket=1)
     admitted = clock.t
     target = submit(b, loop, 18.0, 1, clock.t)
-    b.bursts[M] = Bursts(share=0.0)  # these came at once, a burst (core/burst.py): the class's wait alone
+    b.bursts[M] = Bursts(share=0.0)  # these came at once, a burst (core/batch_hold.py): the class's wait alone
     waited = drain_until(b, clock, loop, target, []) - admitted
     assert waited == pytest.approx(token_s(4 * 32.0))  # one batch of 4 ahead of it
     assert p.wait_s == pytest.approx(waited)

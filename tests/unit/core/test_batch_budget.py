@@ -1,4 +1,4 @@
-"""The batch's size and cost model (`core/batch_budget.py`, split out of the batcher in issue 35 item 5): what one
+"""The batch's size and cost model (`core/batch.py`, split out of the batcher in issue 35 item 5): what one
 batch of a model may hold and cost, the mean input cost it is read at, the budget lowered to fit the time bounds,
 and the padded cost of a queue's rows. Numbers only: no queue, no loop, no clock (the batch times are learned
 from the observations the tests make). The batcher's own use of it (batches filled to the budget, the door's
@@ -11,8 +11,7 @@ import math
 
 import pytest
 
-from batchserve.core.batch_budget import ROW_ALPHA, UNIT_ALPHA, BatchBudget
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import ROW_ALPHA, UNIT_ALPHA, BatchBudget, BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import Item
 from tests.unit.fakes import Clock, token_s

@@ -22,9 +22,9 @@ from batchserve.core.batch_hold import (
     greedy_busy,
     hold_until,
 )
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import BatchTimes
 from batchserve.core.batcher import Batcher
-from batchserve.core.burst import Bursts
+from batchserve.core.batch_hold import Bursts
 from batchserve.core.fairqueue import Item
 from tests.unit.fakes import Clock
 

@@ -10,9 +10,8 @@ import math
 
 import pytest
 
-from batchserve.core.batch_time import BatchTimes, size_bucket
+from batchserve.core.batch import BatchTimes, size_bucket, Batch
 from batchserve.errors import ApiError
-from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher
 from batchserve.core.admission import Admission
 from batchserve.core.wait_prediction import predicted_latency_s

@@ -1,4 +1,4 @@
-"""A burst rides one batch (`core/burst.py`): the rule on arrival times, then the batcher on an injected clock."""
+"""A burst rides one batch (`core/batch_hold.py`): the rule on arrival times, then the batcher on an injected clock."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import BatchTimes
 from batchserve.core.batcher import Batcher
-from batchserve.core.burst import GAP_MAX_S, QUIET_MIN_S, WINDOW_BATCH_SHARE, WINDOW_MAX_S, Bursts
+from batchserve.core.batch_hold import GAP_MAX_S, QUIET_MIN_S, WINDOW_BATCH_SHARE, WINDOW_MAX_S, Bursts
 from batchserve.core.fairqueue import Item
 from tests.unit.fakes import Clock
 

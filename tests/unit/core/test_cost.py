@@ -13,11 +13,10 @@ import math
 
 import pytest
 
-from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher
+from batchserve.core.batch import Batch, BatchTimes
 from batchserve.core.admission import FAST_SPIKE, Admission
 from batchserve.core.wait_prediction import predict
-from batchserve.core.batch_time import BatchTimes
 from batchserve.core.fairqueue import Item
 from batchserve import errors
 from batchserve.errors import ApiError

@@ -14,11 +14,10 @@ import pytest
 
 from batchserve.core import tiers
 from batchserve.core.admission import Admission
-from batchserve.core.batch_time import BatchTimes
-from batchserve.core.batch import Batch
+from batchserve.core.batch import BatchTimes, Batch
 from batchserve.core.batcher import Batcher
 from batchserve.core.fairqueue import FairQueue, Item
-from batchserve.core.tenant_cost import CostAccount
+from batchserve.core.ledger import CostAccount
 from batchserve.errors import ApiError
 from batchserve.gpu_pool import GpuPool, DeviceWorker
 from batchserve.metrics import make_metrics

@@ -15,15 +15,14 @@ from collections import deque
 
 import pytest
 
-from batchserve.core.batch import Batch
 from batchserve.core.batcher import Batcher
+from batchserve.core.batch import Batch, BatchTimes
 from batchserve.errors import ApiError
-from batchserve.core.batch_time import BatchTimes
-from batchserve.core.deadlines import KEYS_KEPT, DeadlineWatch
+from batchserve.core.work import KEYS_KEPT, DeadlineWatch
 from batchserve.core.fairqueue import Item
 from batchserve.gpu_pool import GpuPool, DeviceWorker
 from batchserve.metrics import make_metrics
-from batchserve.tenancy import ANONYMOUS_CACHE, Tenancy
+from batchserve.http.guards import ANONYMOUS_CACHE, Tenancy
 from tests.unit.fakes import Clock
 
 M = "m@v1"

@@ -13,7 +13,7 @@ import pytest
 
 from batchserve.core.batcher import Batcher
 from batchserve.core import tiers
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import BatchTimes
 from batchserve.core.fairqueue import Item
 from tests.unit.fakes import Clock
 

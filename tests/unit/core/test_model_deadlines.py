@@ -15,7 +15,7 @@ from batchserve.backends.warmup import deadlines_for
 from batchserve.config import ModelSpec, Settings
 from batchserve.core import tiers
 from batchserve.core.admission import Admission
-from batchserve.core.batch_time import BatchTimes
+from batchserve.core.batch import BatchTimes
 from batchserve.core.batcher import Batcher
 from batchserve.errors import ApiError
 from batchserve.inference.routes import models as model_cards

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchserve.core.batch_time import BatchTimes
-from batchserve.core.batch import Batch
+from batchserve.core.batch import BatchTimes, Batch
 from batchserve.core.batcher import Batcher
 from batchserve.core import tiers
 from batchserve.core.admission import PROBE_EVERY_S, Admission

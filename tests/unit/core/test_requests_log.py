@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def test_the_request_history_evicts_the_largest_owners_oldest():
-    from batchserve.core.requests_log import RequestLog
+    from batchserve.core.ledger import RequestLog
 
     log = RequestLog(10)
     log.add("a", "a0", "m")
@@ -22,7 +22,7 @@ def test_the_request_history_evicts_the_largest_owners_oldest():
 def test_a_history_smaller_than_its_owners_keeps_its_bound():
     """More owners than places: an owner holding one record is as large as any, so its own record goes (its
     entry with it) and the history stays at its capacity."""
-    from batchserve.core.requests_log import RequestLog
+    from batchserve.core.ledger import RequestLog
 
     log = RequestLog(2)
     for owner in ("a", "b", "c"):

@@ -18,11 +18,9 @@ from batchserve.core.refusals import RefusalThrottle
 from batchserve.generation import routes
 from batchserve.decoding.build import EngineConfig
 from batchserve.decoding.engine import Engine
-from batchserve.decoding.stepper import SamplingParams
-from batchserve.decoding.stepper import KvCapacity, TokenUpdate
-from batchserve.http.guards import Guard
+from batchserve.decoding.stepper import SamplingParams, KvCapacity, TokenUpdate
+from batchserve.http.guards import Guard, Tenancy
 from batchserve.metrics import make_metrics
-from batchserve.tenancy import Tenancy
 from bench.engine_loop import FeedStepper
 from tests.unit.decoding.test_units import CHARS, char_tokenizer
 

@@ -23,9 +23,8 @@ from batchserve.core.work import Work
 from batchserve.errors import ClientGone
 from batchserve.http.dialects import KSERVE, NATIVE, OPENAI, Dialect
 from batchserve.http.endpoint import Answer, Call, Endpoint, Stream
-from batchserve.http.guards import Guard
+from batchserve.http.guards import Guard, Tenancy, digest
 from batchserve.metrics import make_metrics
-from batchserve.tenancy import Tenancy, digest
 
 KEY = "bs_unit-key"
 

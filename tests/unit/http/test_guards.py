@@ -10,9 +10,8 @@ import pytest
 
 import batchserve
 from batchserve import errors
-from batchserve.http.guards import Guard
+from batchserve.http.guards import Guard, ANONYMOUS_OWNER, KeyEntry, Tenancy, digest
 from batchserve.metrics import make_metrics
-from batchserve.tenancy import ANONYMOUS_OWNER, KeyEntry, Tenancy, digest
 
 KEY = "bs_test-key"
 

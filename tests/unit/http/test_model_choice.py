@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 
 from batchserve.config import ModelSpec
+from batchserve.http.model_choice import ModelRegistry, CLASSIFICATION, EMBEDDING, RERANKING, Task, pick_model
 from batchserve.errors import ApiError
-from batchserve.http.model_choice import CLASSIFICATION, EMBEDDING, RERANKING, Task, pick_model
-from batchserve.models import ModelRegistry
 
 
 @dataclass

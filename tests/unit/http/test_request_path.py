@@ -32,7 +32,7 @@ import orjson
 from bench.hotpath import Cycle as HotpathCycle
 from batchserve.app import create_app
 from batchserve.config import ModelSpec, Settings
-from batchserve.tenancy import digest
+from batchserve.http.guards import digest
 
 MAX_RETURNS = 2  # issue 23's "Done when"
 SMALL_KEY = "bs_small-key"  # a bucket of one token, refilled once in 100 s
@@ -215,10 +215,9 @@ def test_embeddings_refuses_a_caller_before_reading_its_body(loop: asyncio.Abstr
         assert (b"x-request-id", b"path-test") in cycle.headers
 
 
-# Issue 45's goal is 22 files; 32 is what one 2-input /v1/embeddings crosses now, every thread counted (the
-# issue counted 31 at 2b97623), so the count may only go down: lower this as modules fold, and the test fails
-# when a change adds one to the path.
-FILES_CROSSED = 32
+# Issue 45's goal: one 2-input /v1/embeddings crosses at most 22 files, every thread counted (the issue counted
+# 31 at 2b97623). The test fails when a change adds one to the path, and when one folds away unnoticed.
+FILES_CROSSED = 22
 
 
 async def files_crossed() -> tuple[set[str], set[str], Cycle]:

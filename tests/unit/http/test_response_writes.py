@@ -18,8 +18,8 @@ from batchserve.http.uvicorn_protocol import (
     ConnectionGuard,
     ConnectionLimits,
     GuardedHttpToolsProtocol,
-    whole_answer_sender,
 )
+from batchserve.http.endpoint import whole_answer_sender
 
 
 class RecordingTransport(asyncio.Transport):

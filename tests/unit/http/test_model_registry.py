@@ -1,4 +1,4 @@
-"""Which model version serves a request (`batchserve/models.py`): `resolve_id`, the hot path's look-up, names the
+"""Which model version serves a request (`batchserve/config.py`): `resolve_id`, the hot path's look-up, names the
 version `resolve` picks, for every kind of request: no model named, a name, an id, a canary split, an unknown."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 
 from batchserve.config import ModelSpec
-from batchserve.models import ModelRegistry
+from batchserve.http.model_choice import ModelRegistry
 
 
 def test_resolve_id_names_the_version_resolve_picks() -> None:
