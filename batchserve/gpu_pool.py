@@ -300,7 +300,7 @@ class GpuPool:
         n = len(batch.items)
 
         def answer() -> None:
-            account = self.batcher.account  # cost served per (model, tier, tenant): core/tenant_cost.py
+            account = self.batcher.account  # cost served per (model, tier, tenant): core/ledger.py
             formed = batch.formed
             # A batch's items are one model's, and mostly one tenant's in a row: its account row is looked up once
             # per run of them, and added to input by input as `CostAccount.add` would.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -153,37 +153,38 @@ class AdmissionWaitCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         p = "batchserve_admission_"
-        predicted = CounterMetricFamily(
-            p + "predicted_wait_seconds",
-            "Queue wait admission predicted for requests admitted under pressure (before calibration)",
-            labels=["model"],
-        )
-        actual = CounterMetricFamily(
-            p + "actual_wait_seconds", "Queue wait those requests had, admission to their first batch", labels=["model"]
-        )
-        count = CounterMetricFamily(
-            p + "calibrated_requests",
-            "Requests admitted under pressure whose wait was compared with the prediction",
-            labels=["model"],
-        )
-        factor = GaugeMetricFamily(
-            p + "wait_factor",
-            "What admission multiplies its predicted queue wait by: the observed over predicted waits lately, clamped",
-            labels=["model"],
-        )
-        margin = GaugeMetricFamily(
-            p + "wait_margin_seconds",
-            "What admission keeps below its latency bound under "
-            "pressure: the 95th percentile of its corrected wait error",
-            labels=["model"],
-        )
-        for model, (pred_s, actual_s, n, f, m) in sorted(self.read().items()):
-            predicted.add_metric([model], pred_s)
-            actual.add_metric([model], actual_s)
-            count.add_metric([model], n)
-            factor.add_metric([model], f)
-            margin.add_metric([model], m)
-        yield from (predicted, actual, count, factor, margin)
+        rows = self.read()
+        counters = {
+            p + "predicted_wait_seconds": "Queue wait admission predicted for requests admitted under pressure "
+            "(before calibration)",
+            p + "actual_wait_seconds": "Queue wait those requests had, admission to their first batch",
+            p + "calibrated_requests": "Requests admitted under pressure whose wait was compared with the prediction",
+        }
+        gauges = {
+            p + "wait_factor": "What admission multiplies its predicted queue wait by: the observed over predicted "
+            "waits lately, clamped",
+            p + "wait_margin_seconds": "What admission keeps below its latency bound under pressure: the 95th "
+            "percentile of its corrected wait error",
+        }
+        yield from per_model(CounterMetricFamily, counters, {m: row[:3] for m, row in rows.items()})
+        yield from per_model(GaugeMetricFamily, gauges, {m: row[3:] for m, row in rows.items()})
+
+
+def per_model(
+    kind: type[GaugeMetricFamily | CounterMetricFamily],
+    helps: Mapping[str, str],
+    rows: Mapping[str, Sequence[float | None]],
+) -> list[GaugeMetricFamily | CounterMetricFamily]:
+    """Families of `kind` (name: help), one series per model, read at scrape time: per model its value in each
+    family, in the same order (None: no series of that family for that model)."""
+    out: list[GaugeMetricFamily | CounterMetricFamily] = [
+        kind(name, text, labels=["model"]) for name, text in helps.items()
+    ]
+    for model, values in sorted(rows.items()):
+        for family, value in zip(out, values):
+            if value is not None:
+                family.add_metric([model], value)
+    return out
 
 
 @dataclass

@@ -278,7 +278,7 @@ class BatchTimes:
 # whose inputs have costs also has it lowered to fit half the latency objective (`fit_budget`).
 #
 # This is the arithmetic the batcher forms batches by and the door predicts with; it holds no queue and no clock
-# (the learned batch times are `batch_time.BatchTimes`, shared with the batcher), so its unit tests drive it with
+# (the learned batch times are `core/batch.BatchTimes`, shared with the batcher), so its unit tests drive it with
 # numbers alone. A model whose inputs all cost 1 (the sim, a plugin without `cost_of`) never reaches the costed
 # branches: its budget is infinite and a full batch is its batch size.
 log = logging.getLogger("batchserve")

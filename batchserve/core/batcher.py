@@ -11,7 +11,7 @@ others queue behind it. The waiting worker takes a batch as soon as one of these
 - ... unless the load is high and a larger batch, soon, would cost its inputs much less: then the free worker
   waits for it, within half the SLO (`core/batch_hold.py`; the batch's cause is "hold");
 
-S is learned by batch size (`batch_time.BatchTimes`): deadlines and pacing use the S of the batch that would be
+S is learned by batch size (`core/batch.BatchTimes`): deadlines and pacing use the S of the batch that would be
 formed now, from the queue's length;
 - the server is draining.
 

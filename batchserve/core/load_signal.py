@@ -26,11 +26,13 @@ node needs more replicas when either is short.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from batchserve.metrics import per_model
 
 SATURATED = 100.0
 
@@ -146,24 +148,10 @@ class GatewayGauges(Collector):
         return iter(self._families(self.read()))
 
     @staticmethod
-    def _families(loads: dict[str, ModelLoad]) -> list[Metric]:
-        p = "batchserve_"
-        waiting = GaugeMetricFamily(
-            p + "num_requests_waiting",
-            "Requests waiting for a batch (generation: for KV capacity), per model",
-            labels=["model"],
-        )
-        running = GaugeMetricFamily(
-            p + "num_requests_running",
-            "Requests in a running batch (generation: decoding), per model",
-            labels=["model"],
-        )
-        kv = GaugeMetricFamily(
-            p + "kv_cache_usage_perc", "Share of the generation model's KV cache in use (0..1)", labels=["model"]
-        )
-        for model, load in sorted(loads.items()):
-            waiting.add_metric([model], load.waiting)
-            running.add_metric([model], load.running)
-            if load.kv_usage is not None:
-                kv.add_metric([model], load.kv_usage)
-        return [waiting, running, kv]
+    def _families(loads: dict[str, ModelLoad]) -> Sequence[Metric]:
+        helps = {
+            "batchserve_num_requests_waiting": "Requests waiting for a batch (generation: for KV capacity), per model",
+            "batchserve_num_requests_running": "Requests in a running batch (generation: decoding), per model",
+            "batchserve_kv_cache_usage_perc": "Share of the generation model's KV cache in use (0..1)",
+        }
+        return per_model(GaugeMetricFamily, helps, {m: (x.waiting, x.running, x.kv_usage) for m, x in loads.items()})

@@ -137,7 +137,7 @@ class InferenceService:
 
     @property
     def cost_account(self) -> CostAccount:
-        """Cost answered per (model, tier, tenant) (core/tenant_cost.py): the ledger's and schedulers' source."""
+        """Cost answered per (model, tier, tenant) (core/ledger.py): the ledger's and schedulers' source."""
         return self.batcher.account
 
     def attach(self, capacity: WorkerCapacity) -> None:

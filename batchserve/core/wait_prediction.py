@@ -10,7 +10,7 @@ Predicted by the cost of the work ahead. For a request of n inputs of tier t and
                                               + (k - 1) x S(one of its batches) / healthy + S(its last batch)
                                           with k its own batches: as many of its inputs as the budget holds each,
 
-where S is the learned batch time at a batch's cost (`batch_time.BatchTimes`; its own batches cost rows x its
+where S is the learned batch time at a batch's cost (`core/batch.BatchTimes`; its own batches cost rows x its
 longest input: inputs of like length share a batch, `bucket_of`). That is the formula for a model of one queue;
 a model of length classes has its classes' turns replayed instead (`class_turns.drain`): other classes take a
 batch whenever their turn comes with items — those arriving while the request waits included (their admitted

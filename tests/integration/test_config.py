@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchserve.cli import version
-from tests.integration.test_tenancy import add_key
+from tests.integration.http.test_tenancy import add_key
 
 OPENED = "Uvicorn running on"
 

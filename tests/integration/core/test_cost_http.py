@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import start_server
 from tests.integration.backends.test_plugin import write_plugins
-from tests.integration.test_tenancy import add_key
+from tests.integration.http.test_tenancy import add_key
 
 # An unsteady plugin (rounds of 50 and 80 ms in turn never agree within 15 %) whose 8th call — the last warm-up
 # round — takes 2.5 s; call 9 is the answer check, and every batch served after it takes 0.5 s. The slower of the

@@ -17,7 +17,7 @@ from tests.integration.inference.test_routes import metric
 from tests.integration.jobs.test_routes import finished, results, wait_for
 from tests.integration.backends.test_plugin import write_plugins
 from batchserve.http.guards import digest, new_key
-from tests.integration.test_tenancy import bearer
+from tests.integration.http.test_tenancy import bearer
 
 PER_INPUT_PLUGIN = """
 import time

@@ -21,7 +21,7 @@ import pytest
 
 from bench.fairness import closed_loops, ratio
 from tests.conftest import start_server
-from tests.integration.test_tenancy import add_key
+from tests.integration.http.test_tenancy import add_key
 
 WARMUP_S = 3.0
 WINDOW_S = 20.0  # extended (up to MAX_S) until each tenant has MIN_ANSWERS answers: a long request is 880 tokens

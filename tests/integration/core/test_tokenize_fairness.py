@@ -24,7 +24,7 @@ import pytest
 
 from tests import hf_folders
 from tests.conftest import start_server
-from tests.integration.test_tenancy import add_key, bearer
+from tests.integration.http.test_tenancy import add_key, bearer
 
 PHASE_S = 4.0
 BIG_INPUTS, BIG_CHARS, BIG_LOOPS, SMALL_LOOPS = 60, 16_000, 4, 2

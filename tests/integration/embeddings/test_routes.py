@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import LiveServer, hang_up_behind_a_busy_worker, start_server
 from tests.integration.inference.test_routes import metric
 from tests.integration.http.test_openapi import response_schema, validate
-from tests.integration.test_tenancy import add_key
+from tests.integration.http.test_tenancy import add_key
 
 if TYPE_CHECKING:
     import openai

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import LiveServer, start_server
 from tests.integration.inference.test_routes import metric
-from tests.integration.test_tenancy import add_key
+from tests.integration.http.test_tenancy import add_key
 
 FAIL = "FAILS-HERE"
 EMBED_PLUGIN = f'''

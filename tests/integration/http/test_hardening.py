@@ -24,7 +24,7 @@ import pytest
 from tests.conftest import LiveServer, start_server
 from tests.integration.inference.test_routes import metric
 from tests.integration.jobs.test_routes import finished, results, wait_for
-from tests.integration.test_tenancy import add_key, bearer
+from tests.integration.http.test_tenancy import add_key, bearer
 
 
 # A real server (the real serve function) with a route added that raises: `python -c BOOM_SERVER PORT`.

@@ -84,7 +84,7 @@ def test_rate_limit_headers_have_one_case_on_a_200_and_a_429(tmp_path, server_fa
     429 (and on every other route): one spelling now, lower-case like every other header batchserve writes."""
     import httpx
 
-    from tests.integration.test_tenancy import add_key, bearer
+    from tests.integration.http.test_tenancy import add_key, bearer
 
     config = tmp_path / "bs.toml"
     config.write_text("[tiers.free]\nrate = 1\nburst = 2\n")

@@ -8,7 +8,7 @@ Python function the route's own module calls, in order:
 - the route is the spine: the one request path (`http/endpoint`) and the wing's module, whose functions are the
   skeleton's declared parts (parse, handle, render) and its helpers (`pick_model`, `prompt_tokens`), so a call
   from one of them counts as the route's, and a call into one is not a step;
-- only the route's callees are steps: what the guard or the door call in turn (`tenancy`, `core/admission`) is
+- only the route's callees are steps: what the guard or the door call in turn (`core/admission`, `core/ledger`) is
   inside that step (the door, `core/service`, is the other spine: its own path is its own business);
 - starlette, asyncio, orjson and the standard library are not modules of the path (only `batchserve.*` is);
 - consecutive repeats collapse. Resuming a coroutine also fires a 'call' event: when the door's frame resumes
