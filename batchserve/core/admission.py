@@ -244,25 +244,13 @@ class Admission:
                 return True
         return False
 
-    def _surely_in_time(
-        self,
-        model: str,
-        until_free: float,
-        ahead: int,
-        deadline_s: float,
-        most_s: float | None = None,
-        rows: int | None = None,
-    ) -> bool:
+    def _surely_in_time(self, until_free: float, ahead: int, deadline_s: float, most_s: float, rows: int) -> bool:
         """Whether a one-input request of a model of one queue is answered before `deadline_s` by any
-        prediction `predict` could make: its batches ahead (at least `limit` inputs each without a budget, at
-        least 1 with one), a partial one and its own, each at most the model's longest batch (`BatchTimes.most`).
-        A request with a deadline this far needs no prediction (the sim's or a count model's usual case);
-        a costed model's line has no top, so it is always predicted."""
-        batcher = self.batcher
-        if rows is None:  # as the door passes it: the batch size without a budget, 1 with one
-            rows = batcher.costs.limit(model) if batcher.costs.budget(model) == math.inf else 1
-        most = batcher.batch_s.most(model) if most_s is None else most_s
-        worst = until_free + (ahead // rows + 2) * most
+        prediction `predict` could make: its batches ahead (at least `rows` inputs each), a partial one and its
+        own, each at most the model's longest batch (`most_s`, `BatchTimes.most`). A request with a deadline
+        this far needs no prediction (the sim's or a count model's usual case); a costed model's line has no
+        top, so it is always predicted. A method, not a function: a test counts the calls."""
+        worst = until_free + (ahead // rows + 2) * most_s
         return worst < deadline_s * (1 - 1e-9) - 1e-6  # clear of float rounding in the sums it bounds
 
     def _joined(self, model: str, bucket: int | None, now: float, n: int) -> None:
@@ -385,10 +373,9 @@ class Admission:
         the whole queue ahead (`ahead_of` is at most the depth), which needs no count of the tenants' shares."""
         rows = fig.most_n if fig.budget == math.inf else 1  # the batches ahead: at least this many inputs each
         most_s = fig.most_s
-        return self._surely_in_time(
-            model, until_free, self.batcher.depth.get(model, 0), deadline_s, most_s, rows
-        ) or self._surely_in_time(
-            model, until_free, self.batcher.ahead_of(tier, tenant, model, widest), deadline_s, most_s, rows
+        depth = self.batcher.depth.get(model, 0)
+        return self._surely_in_time(until_free, depth, deadline_s, most_s, rows) or self._surely_in_time(
+            until_free, self.batcher.ahead_of(tier, tenant, model, widest), deadline_s, most_s, rows
         )
 
     def _sized(self, model: str, costs: Sequence[float]) -> tuple[int, float]:
