@@ -67,11 +67,9 @@ WINGS = (
 
 
 class AppState(State):
-    """Starlette's `app.state`, each value also kept as a plain attribute. Every request's endpoint reads
-    `app.state.rt` (http/endpoint.py), and State keeps its values in a dict behind `__getattr__`, which Python
-    calls only after the ordinary lookup has raised and caught an AttributeError: ~1.1 µs a read, about 1 % of the
-    inference route's CPU (bench/hotpath), for a value set once at start-up. Found in the instance's own
-    `__dict__`, the read is an ordinary attribute's."""
+    """Starlette's `app.state`, each value also kept as a plain attribute. Every request reads `app.state.rt`, and
+    State's `__getattr__` runs only after the ordinary lookup has raised an AttributeError (about 1 % of the
+    inference route's CPU); in the instance's own `__dict__` the read is an ordinary attribute's."""
 
     def __setattr__(self, key: str, value: object) -> None:
         super().__setattr__(key, value)  # State's own dict, as Starlette and its users expect
@@ -88,10 +86,9 @@ def openapi_document() -> dict:
 
 
 class FastPath:
-    """Every route on the skeleton (`fast_routes`: an `Endpoint` at a fixed path, and KServe v2's infer by its
-    path's shape) answered ahead of Starlette's middleware and router, which cost as much CPU as the rest of a
-    bare endpoint; everything else goes to the Starlette app as usual. An `Endpoint` renders its own errors, so
-    the error middleware has nothing to add for it."""
+    """Every route on the skeleton answered ahead of Starlette's middleware and router, which cost as much CPU as
+    the rest of a bare endpoint; everything else goes to the Starlette app. An `Endpoint` renders its own errors,
+    so the error middleware has nothing to add for it."""
 
     def __init__(
         self,
@@ -131,17 +128,15 @@ class FastPath:
         except Exception:  # logged here, answered JSON 500 by Starlette's error middleware
             if scope["type"] != "http":
                 raise
-            # Starlette answers the 500, then re-raises for the server to log; uvicorn would then close the
-            # connection, resetting a request the client had already sent on it (keep-alive). Logged here
-            # instead, the connection lives on (uvicorn still closes it when the answer was left unfinished).
+            # Starlette re-raises after its 500 and uvicorn would then close the connection, resetting a request
+            # already sent on it (keep-alive). Logged here instead, the connection lives on.
             log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
             await internal_error(send)  # when nothing was answered yet; nothing when it was
 
 
 def fast_routes(routes: list[BaseRoute]) -> dict[tuple[str, str], ASGIApp]:
-    """(method, path) -> endpoint of every route whose endpoint is the skeleton's (`Endpoint`) at a path with no
-    parameters: by construction, so a new wing's routes take the fast path as /v1/inference does (HEAD stays
-    with Starlette, which answers it from GET)."""
+    """(method, path) -> endpoint of every `Endpoint` route at a path with no parameters, so a new wing's routes
+    take the fast path by construction (HEAD stays with Starlette, which answers it from GET)."""
     return {
         (method, route.path): route.endpoint
         for route in routes
@@ -154,8 +149,7 @@ def fast_routes(routes: list[BaseRoute]) -> dict[tuple[str, str], ASGIApp]:
 def create_app(
     settings: Settings, loaded: LoadedModels | None = None, on_startup_failure: Callable[[str, int], None] | None = None
 ) -> FastPath | RequestSpans:
-    """The app; wrapped in a span per request when OpenTelemetry is on (an OTLP endpoint in the environment),
-    and not touched at all when it is off."""
+    """The app; wrapped in a span per request when OpenTelemetry is on."""
     tracing = Tracing.from_env()
 
     @contextlib.asynccontextmanager

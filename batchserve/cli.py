@@ -4,8 +4,8 @@ Exit codes: 0 after a clean stop, 1 when the server could not start (one line sa
 configuration mistake (caught before the port opens), for a backend that cannot load or warm (after the port
 opened: /healthz answers while the models load) and for `batchserve` with no command (it prints help).
 
-A mistake prints one line (`batchserve serve: error: ...`; argparse's own, such as a mistyped flag, end with a
-pointer to `-h`), never the whole usage: with ~60 flags the usage buried the line that matters.
+A mistake prints one line (`batchserve serve: error: ...`), never the whole usage: with ~60 flags the usage
+buries the line that matters.
 
 `batchserve infer` and `batchserve jobs` are the client side (client_cli.py).
 """
@@ -32,8 +32,7 @@ log = logging.getLogger("batchserve")
 
 
 def shown_default(name: str) -> str:
-    """A setting's default as `-h` and the README's flag table show it. The model's name follows the backend
-    (Settings() would say 'sim', the default backend's)."""
+    """A setting's default as `-h` and the README's flag table show it (the model's name follows the backend)."""
     return "the backend's name" if name == "model_name" else repr(getattr(Settings(), name))
 
 
@@ -114,8 +113,8 @@ DERIVABLE = ("slo_ms", "timeout_ms")  # left unset, each model's derived from it
 
 
 def effective(settings: Settings) -> str:
-    """The settings line. An unset SLO or timeout is marked provisional: a model whose warm-up is measured has
-    its own (its 'deadlines of MODEL ...' line), so the figure shown here may not be the one in force."""
+    """The settings line. An unset SLO or timeout is marked provisional: a model whose warm-up is measured gets
+    its own."""
     shown = {f.name: getattr(settings, f.name) for f in cli_fields() if f.name != "config" or settings.config}
     shown["models"] = [m.id for m in settings.models]
     shown["jobs_db"] = redact_url(settings.jobs_db)  # a postgresql:// URL may carry a password
@@ -141,15 +140,15 @@ def version() -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a mistake is its one line and a pointer to -h (the usage only on -h)."""
+    """argparse, but a mistake is its one line and a pointer to -h."""
 
     def error(self, message: str) -> NoReturn:
         fail(self.prog, f"{message} (see '{self.prog} -h')")
 
 
 def flag_hints(parser: argparse.ArgumentParser, extra: list[str]) -> str:
-    """' (did you mean '--max-batch-size'?)' for each mistyped flag close to one the parser knows (Python 3.11's
-    argparse suggests nothing; config keys and backend names already do)."""
+    """' (did you mean '--max-batch-size'?)' for each mistyped flag close to a known one (Python 3.11's argparse
+    suggests nothing)."""
     known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
     return "".join(did_you_mean(word.split("=", 1)[0], known) for word in extra if word.startswith("--"))
 
@@ -161,9 +160,8 @@ def fail(prog: str, message: str) -> NoReturn:
 
 
 def quiet_progress_bars(stderr_is_tty: bool) -> None:
-    """No tqdm bars (the hub's downloads, transformers' "Loading weights") in a log file or a container's log:
-    each redraw is a line there. Before transformers is imported (it reads the variable once); a terminal
-    keeps them. An explicit setting in the environment wins."""
+    """No tqdm bars in a log file or a container's log: each redraw is a line there. Before transformers is
+    imported (it reads the variable once); a terminal keeps them; an explicit setting wins."""
     if stderr_is_tty:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -261,8 +259,7 @@ def add_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`batchserve serve`: settings checked and the logs set up before the port opens, then one process or
-    `--processes` children."""
+    """`batchserve serve`: settings checked and logs set up before the port opens, then one process or children."""
     try:
         settings = settings_from(args)
     except (ValueError, OSError) as exc:
@@ -286,9 +283,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return run_processes(settings)
     if os.getcwd() not in sys.path:  # `--backend mymodel:batch` finds mymodel.py here (searched last)
         sys.path.append(os.getcwd())
-    # The port opens at once and the backends are built, set up and warmed behind it (/healthz 200, /readyz
-    # 503 "warming up"): a plugin that cannot serve still says why in one line and the process exits 2, rather
-    # than listening with /readyz 503 forever.
+    # The port opens at once and the backends warm behind it: a plugin that cannot serve still says why in one
+    # line and the process exits 2, rather than listening with /readyz 503 forever.
     from batchserve.backends import PluginError, resolve_backend
 
     try:  # a name that cannot be imported is known in a moment: said before the port opens

@@ -1,12 +1,10 @@
 """A small Python client for batchserve's own routes: `/v1/inference`, `/v1/embeddings` and the native batch
 jobs (`/v1/batches`), sync (`Client`) and async (`AsyncClient`), on httpx.
 
-Why: every caller otherwise writes the same retry loop by hand. The server says when a retry can help (503
-overloaded / draining / warming up, 429 rate limited) and how long to wait (`retry_after_ms` in the JSON body,
-`Retry-After` in seconds as a header); the client waits that long and retries, at most `Retry.attempts` times
-and never past `Retry.deadline_s` from the first try. A refused connection (a node restarting) is retried the
-same way: the request never reached a server. Any other error raises `BatchserveError` with the server's
-`error` code, `message` and `request_id`.
+Why: every caller otherwise writes the same retry loop by hand. The server says when a retry can help (503, 429)
+and how long to wait (`retry_after_ms`, or `Retry-After`); the client waits that long and retries within `Retry`.
+A refused connection (a node restarting) is retried the same way: the request never reached a server. Any other
+error raises `BatchserveError`.
 
     from batchserve.client import Client
     with Client("http://127.0.0.1:8000") as bs:
@@ -37,11 +35,10 @@ JOB_DONE = frozenset({"completed", "failed", "cancelled"})
 
 @dataclass(frozen=True)
 class Retry:
-    """How long to keep trying. `attempts` counts every try (1 = never retry); without a server hint the
-    wait doubles from `backoff_s` up to `max_wait_s`; a hint is honoured as given (plus up to `jitter` of it,
-    so a crowd told the same wait does not come back in one burst), but never below `min_wait_s`, doubled at
-    each try (a hint of 0, negative or not a number would otherwise spend every try in a few milliseconds);
-    and a wait past the deadline is not taken: the error is raised at once."""
+    """How long to keep trying. `attempts` counts every try (1 = never retry); without a server hint the wait
+    doubles from `backoff_s` up to `max_wait_s`; a hint is honoured plus up to `jitter` of it (so a crowd told the
+    same wait does not come back in one burst), but never below `min_wait_s` doubled at each try (a hint of 0
+    would otherwise spend every try in milliseconds). A wait past `deadline_s` is not taken: the error is raised."""
 
     attempts: int = 8
     deadline_s: float = 60.0
@@ -104,8 +101,7 @@ def server_wait_s(response: httpx.Response) -> float | None:
 
 
 def _seconds(wait: float) -> float | None:
-    """A hint as a wait: negative is 0 (the floor in `next_wait_s` applies), not a number is no hint, and an
-    infinite one stays infinite (past any deadline: the error is raised, never an OverflowError)."""
+    """A hint as a wait: negative is 0 (`next_wait_s` floors it), NaN is no hint, infinity stays infinite."""
     return None if math.isnan(wait) else max(0.0, wait)
 
 
@@ -159,7 +155,7 @@ def _job_body(inputs: Iterable[str], model: str | None, metadata: Mapping[str, s
 
 @dataclass
 class _Tries:
-    """The retry bookkeeping both clients share: which try this is, and how long to wait before the next."""
+    """The retry bookkeeping both clients share."""
 
     retry: Retry
     on_retry: Callable[[int, float, BatchserveError], None] | None
@@ -198,7 +194,7 @@ def _vectors(answer: httpx.Response) -> list[list[float]]:
 
 @dataclass
 class _JobWatch:
-    """What `wait_job` keeps between polls: when to give up (monotonic), and whom to tell of each poll."""
+    """What `wait_job` keeps between polls."""
 
     timeout_s: float | None
     on_progress: Callable[[dict], None] | None

@@ -1,6 +1,5 @@
 """`batchserve infer TEXT` and `batchserve jobs submit|get|results|cancel`: the client (`batchserve.client`)
-from a shell, with its retries, and a progress bar while `jobs submit --wait` watches a job (on a terminal
-only: tqdm when it is installed, else one line redrawn; a pipe or log file gets no progress, only results)."""
+from a shell, with its retries, and a progress bar on a terminal while `jobs submit --wait` watches a job."""
 
 from __future__ import annotations
 

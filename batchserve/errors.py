@@ -1,9 +1,7 @@
 """Every error the API answers, as one exception type with a factory per code (docs/contract.md#errors).
 
-`ApiError` is raised anywhere on the request path and rendered once, by the HTTP face in the route's dialect
-(`http/dialects.py`: the native shape, OpenAI's, KServe v2's; gRPC's status in `kserve/grpc_service.py`).
-Building errors only through these factories keeps each code's status, wording and retry hint the same at every
-site that raises it.
+`ApiError` is raised anywhere on the request path and rendered once, in the route's dialect (`http/dialects.py`).
+Building errors only through these factories keeps each code's status, wording and retry hint the same everywhere.
 """
 
 from __future__ import annotations
@@ -130,18 +128,16 @@ def deadline_exceeded(message: str = "the request's deadline passed before it co
 
 
 def worker_hung(again: bool) -> ApiError:
-    """A 504 because the item's batch hung a worker; `again`: it had been re-run once after a hang already.
-    The job scheduler retries a job item after its first hang only (each try of a hanging input costs a
-    worker), as the pool re-runs an interactive item once."""
+    """A 504 because the item's batch hung a worker; `again`: it had been re-run once after a hang already (each
+    try of a hanging input costs a worker, so the job scheduler retries only after the first)."""
     return ApiError(
         504, "DEADLINE_EXCEEDED", "the batch holding this request hung its worker", hung="again" if again else "once"
     )
 
 
 def timeout_too_short(least_ms: float) -> ApiError:
-    """The request's timeout is shorter than one batch of its model (and the dispatch margin): no answer could
-    come in time whatever the load, so it is the request's fault, a 400 naming the least timeout to ask for (not
-    an outcome of the server's: the SLO ledger does not count it)."""
+    """The request's timeout is shorter than one batch of its model: no answer could come in time whatever the
+    load, so it is the request's fault, a 400 naming the least timeout to ask for (not in the SLO ledger)."""
     least = max(1, math.ceil(round(least_ms, 3)))
     return ApiError(
         400,
@@ -151,8 +147,7 @@ def timeout_too_short(least_ms: float) -> ApiError:
 
 
 def deadline_unmeetable(batch_ms: float) -> ApiError:
-    """No timeout a caller may ask for is as long as one batch of the model (by the door's figures): a 504 with no
-    retry hint, while a probe now and then tests the figure."""
+    """No timeout a caller may ask for is as long as one batch of the model: a 504 with no retry hint."""
     return ApiError(
         504,
         "DEADLINE_EXCEEDED",

@@ -1,18 +1,13 @@
 """The cyclic garbage collector, tuned for a server that allocates a few dozen short-lived objects per request.
 
-With CPython's default thresholds (700, 10, 10) the sim server at 900 requests/s spent ~0.7 s in the collector
-per 20 s (460 young collections of ~0.8 ms, 3 full ones of 55-70 ms): a full collection stalls the loop and
-delays the running batch's hand-back, one such batch teaches the learned batch time a 46 ms outlier, and the
-capacity estimate falls below the arrival rate (the 503s of the 900 RPS row). Freezing what start-up built
-(modules, app, models: never garbage) and collecting the young generation every 50,000 allocations instead of
-700 cut the collector's time to ~40 ms per 20 s and the longest pause to ~4 ms (same load, one run each).
+With CPython's default thresholds a full collection stalls the loop for tens of milliseconds under load: it
+delays the running batch's hand-back, teaches the learned batch time an outlier, and the capacity estimate falls
+below the arrival rate (503s). Freezing what start-up built (never garbage) and collecting the young generation far
+less often cuts the collector's time and pauses by an order of magnitude.
 
-Start-up builds in two places: `batchserve serve` imports and builds the app before the port opens
-(`tune_gc`), and the lifespan loads the models behind the open port (the batch backends, on a start-up thread,
-and the generation engine's own model replica). What the lifespan loads is frozen once it is up
-(`freeze_late_startup_objects`): measured with SmolLM2 on this 2-core CPU, its ~370,000 objects left in the
-collector's reach made each full collection take 230-285 ms, and in a run of the slot stepper with the GPU
-stood in (`bench/stepper_host.py`) such a pause left the device idle for 250-290 ms (device busy 0.81 -> 0.94).
+Start-up builds in two places: before the port opens (`tune_gc`) and behind it, where the lifespan loads the models
+(`freeze_late_startup_objects`); a loaded model left in the collector's reach makes each full collection take
+hundreds of milliseconds, with the device idle meanwhile.
 """
 
 from __future__ import annotations

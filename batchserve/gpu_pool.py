@@ -1,20 +1,11 @@
 """Device workers: one thread per device, each pulling one batch at a time (docs/contract.md#workers-and-failures).
 
-A worker thread asks the batcher for its next batch only when it is free (pull, never push), calls the
-backend in its own thread, and hands the outcome back to the event loop, where every future is resolved.
-The worker thread checks the answer (a list, one output per input that fits the model's output kind:
-`backends/`); a batch that raised or
-answered a malformed list is split in two and both halves retried (bisection), so a poison input fails alone
-with 500 and its batch-mates get their answers; a single input that fails is retried once on another worker
-(transient faults); an input isolated so is quarantined (`core/quarantine.py`: a retry of it is answered at the
-door, not run). A backend may report a failure per input, an exception object in place of that input's output:
-that input alone is answered 500 and nothing is re-run, as for an output that cannot be JSON-encoded: its index
-already names the culprit, so bisection is only for backends that cannot say which input failed. A backend's
-exception text is cut to `LOGGED_CHARS` for the log (and shorter again for the caller, `errors.inference_failed`).
-A watchdog marks a worker whose batch runs past its limit unhealthy — `--gpu-timeout-ms` when set, else
-GPU_TIMEOUT_BATCHES x that batch's expected time at its cost, between a floor and a ceiling (issue 28: a batch
-of long inputs is expected to be slow and is not taken for a hang): its thread cannot be killed, so it is
-abandoned (and taken back if the call ever returns) and the batch's items are retried on a healthy worker.
+A worker asks the batcher for its next batch only when it is free (pull, never push), calls the backend in its
+own thread, and hands the outcome back to the event loop, where every future is resolved. A batch that raised or
+answered a malformed list is bisected (`_retry_or_fail`) so a poison input fails alone; a backend that reports a
+failure per input (an exception object in place of that output) already names the culprit, so only that input is
+answered 500 and nothing is re-run. A watchdog abandons a worker whose batch runs past its limit (`_abandon`):
+the limit scales with the batch's expected time, so a batch of long inputs is not taken for a hang.
 """
 
 from __future__ import annotations
@@ -47,16 +38,15 @@ LOGGED_CHARS = 4096  # most characters of a backend's exception text kept (the l
 
 
 def callers_gone(items: list[Item]) -> bool:
-    """Read from the worker thread while its batch runs: has every caller an answer (a deadline, a drain) or
-    hung up? Reading a future's state from another thread is a plain attribute read."""
+    """Has every caller an answer or hung up? Read from the worker thread, safely: a future's state is a plain
+    attribute read."""
     return all(item.future.done() or (item.gone is not None and item.gone()) for item in items)
 
 
 @dataclass(eq=False)
 class BatchRecords:
-    """What the outside sees of each batch: its size, cause and queue waits in the metrics when it is formed for a
-    worker (handed, or staged: `Staging`), and its span when it ends. Apart from `GpuPool` because it decides
-    nothing there: it only writes what /metrics and the traces read."""
+    """What the outside sees of each batch: its metrics when formed for a worker, its span when it ends. Apart
+    from `GpuPool` because it decides nothing."""
 
     metrics: Metrics
     clock: Clock
@@ -64,7 +54,6 @@ class BatchRecords:
     _counts: dict[tuple[str, str], Counter] = field(default_factory=dict)
 
     def count(self, batch: Batch) -> None:
-        """A batch formed for a worker, into the metrics: its size, its cause, its items' queue waits."""
         self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
         counted = self._counts.get((batch.model, batch.cause))
         if counted is None:
@@ -90,18 +79,18 @@ class GpuPool:
     loop: asyncio.AbstractEventLoop
     device_names: list[str]
     gpu_timeout_s: float = 0.0  # 0 = derived per batch from its expected time
-    gpu_timeout_ceiling_s: float = 60.0  # a derived limit never passes this (the longest allowed timeout)
+    gpu_timeout_ceiling_s: float = 60.0  # a derived limit never passes this
     threads: list[DeviceThread] = field(default_factory=list)  # one per device (made here when not given)
     workers: list[DeviceWorker] = field(default_factory=list)  # `staging` holds this list too: never rebound
-    demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second (set by the runtime)
+    demand: Callable[[], float] = lambda: 0.0  # recent arrivals per second
     clock: Clock = time.monotonic  # injected in the policy's unit tests
     tracing: BatchTracer | None = None  # OpenTelemetry on: a span per batch, linked to its requests
-    quarantine: Quarantine | None = None  # where an input that failed alone is remembered (the door reads it)
+    quarantine: Quarantine | None = None  # inputs that failed alone: a retry is answered at the door, not run
     rules: dict[str, OutputRule] = field(default_factory=dict)  # model id -> its outputs' rule (warm-up's)
     stage_lead_s: InitVar[float] = 0.0  # --stage-lead-ms: how long before a batch's expected end its successor may form
     _healthy: int = 0
-    records: BatchRecords = field(init=False)  # each batch's metrics and span
-    staging: Staging = field(init=False)  # the next full batch into a busy worker's inbox (gpu_pool_staging.py)
+    records: BatchRecords = field(init=False)
+    staging: Staging = field(init=False)  # the next full batch into a busy worker's inbox
 
     def __post_init__(self, stage_lead_s: float) -> None:
         self.records = BatchRecords(self.metrics, self.clock)
@@ -132,15 +121,14 @@ class GpuPool:
 
     # -- capacity, for admission and health ----------------------------------------------------------------
     def healthy_count(self) -> int:
-        """Workers taking batches now (kept by `_update_health`: read on every admission)."""
+        """Workers taking batches now (cached by `_update_health`: read on every admission)."""
         return self._healthy
 
     def worker_count(self) -> int:
         return len(self.workers)
 
     def seconds_until_free(self, now: float) -> float:
-        """Time until the first healthy worker should be free again (0 when one is idle): its batch's time at its
-        own cost and a staged batch's, as expected when each was handed (`DeviceWorker.free_at`)."""
+        """Time until the first healthy worker should be free again (0 when one is idle; `DeviceWorker.free_at`)."""
         soonest = math.inf  # read on every admission: a loop, not a list and min()
         for w in self.workers:
             if w.healthy:
@@ -152,8 +140,8 @@ class GpuPool:
 
     def timeout_s(self, batch: Batch | None = None, cost: float | None = None) -> float:
         """How long `batch` may run before its worker is taken for hung: --gpu-timeout-ms when set, else
-        GPU_TIMEOUT_BATCHES x its expected time at its cost (`cost` when known, else `batch.cost`; without a
-        batch: the slowest model's full batch), at least the floor and at most the ceiling."""
+        GPU_TIMEOUT_BATCHES x its expected time at its cost (without a batch: the slowest model's full batch),
+        between the floor and the ceiling."""
         if self.gpu_timeout_s > 0:
             return self.gpu_timeout_s
         times = self.batcher.batch_s
@@ -223,7 +211,7 @@ class GpuPool:
         self.records.count(batch)
 
     def _begin(self, w: DeviceWorker, batch: Batch, cost: float) -> None:
-        """`batch` is the worker's now (handed, or staged and begun by the thread): its clock and its watchdog."""
+        """Start `batch`'s clock and watchdog (handed, or staged and begun by the thread)."""
         w.batch, w.started, w.batch_cost = batch, self.clock(), cost
         w.ends = w.free_at = w.started + self.batcher.batch_s.at(batch.model, cost)
         limit = self.timeout_s(batch, cost)
@@ -295,15 +283,13 @@ class GpuPool:
                 item.future.set_exception(errors.ClientGone())
 
     def _answers(self, batch: Batch, outputs: list, bad: dict[int, str], elapsed: float) -> Callable[[], None]:
-        """The function that answers a clean batch's items (an input that failed alone gets its error) and books
-        the cost served."""
+        """The function that answers a clean batch's items and books the cost served."""
         n = len(batch.items)
 
         def answer() -> None:
-            account = self.batcher.account  # cost served per (model, tier, tenant): core/ledger.py
+            account = self.batcher.account  # core/ledger.py
             formed = batch.formed
-            # A batch's items are one model's, and mostly one tenant's in a row: its account row is looked up once
-            # per run of them, and added to input by input as `CostAccount.add` would.
+            # Items are mostly one tenant's in a row: the account row is looked up once per run, as `CostAccount.add`.
             model, tier, tenant = batch.model, -1, ""
             row = None
             for i, (item, output) in enumerate(zip(batch.items, outputs)):
@@ -324,12 +310,11 @@ class GpuPool:
     def _retry_or_fail(self, batch: Batch, w: DeviceWorker, problem: str, cause: str, parts: int = 2) -> None:
         """Find the input that broke a batch, re-running as little as possible.
 
-        After an error (exception or malformed output), bisect one half at a time: the first half runs alone
-        while the second is held. If the half fails, the held half is presumed clean and goes back to the head
-        of the queue to ride in the next regular batch (at no extra batch of its own); if it succeeds, the held
-        half runs alone next. A lone failing input is retried once on another worker (a transient fault), then
-        answered 500. Each retry prefers another worker than the one that failed (a broken device then fails
-        nothing alone). After a hang, see `_abandon`: the items are spread over `parts` groups at once."""
+        After an error, bisect one half at a time: the first half runs alone while the second is held. If it
+        fails, the held half is presumed clean and rides in the next regular batch (no extra batch of its own);
+        if it succeeds, the held half runs alone next. A lone failing input is retried once on another worker (a
+        transient fault), then answered 500 and quarantined. Retries prefer another worker, so a broken device
+        fails nothing alone. After a hang (`_abandon`) the items are spread over `parts` groups at once."""
         now = self.clock()
         if batch.held:
             if batch.isolated:  # a failing job's half stays in its own batches: it may hold a culprit too
@@ -384,7 +369,7 @@ class GpuPool:
     def _retry_or_fail_one(
         self, batch: Batch, item: Item, w: DeviceWorker, problem: str, cause: str, now: float
     ) -> None:
-        """A lone failing input: once more on another worker (a transient fault), else its error (quarantined)."""
+        """Once more on another worker (a transient fault), else its error, quarantined."""
         if cause != "hang" and item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
             item.attempts += 1
             self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index, isolated=batch.isolated))
@@ -400,13 +385,13 @@ class GpuPool:
 
     # -- hung workers ----------------------------------------------------------------------------------------
     def _abandon(self, w: DeviceWorker, batch: Batch, limit: float) -> None:
-        """The batch ran past gpu_timeout: give up on this worker until its call returns.
+        """The batch ran past gpu_timeout: give up on this worker (its thread cannot be killed) until its call
+        returns.
 
-        Which input hung it cannot be known, so its items are re-run once, spread over every healthy worker
-        in one round: the groups without the culprit are answered one batch later, and the culprit can take
-        down at most one more worker and its own small group (answered 504 when that one hangs too). That
-        second loss is risked only while the workers left after it could still serve twice the recent
-        arrival rate; otherwise the items are answered 504 at once and capacity is kept."""
+        Which input hung it cannot be known, so its items are re-run once, spread over every healthy worker: the
+        groups without the culprit are answered one batch later, and the culprit takes down at most one more
+        worker. That loss is risked only while the workers left could still serve twice the recent arrival rate;
+        otherwise the items are answered 504 at once and capacity is kept."""
         if w.batch is not batch or not w.healthy:
             return
         if w.finished is batch:

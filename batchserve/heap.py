@@ -1,11 +1,9 @@
 """Give the heap that a burst of connections freed back to the operating system (glibc's `malloc_trim`).
 
-Why: 18,000 idle connections opened and closed took the sim server from 40 MB to 147 MB and left it at
-114-128 MB for good: the freed memory stays in glibc's free lists, scattered between live blocks, and
-`free` only returns the top of the heap. `malloc_trim(0)` hands every free page back (`madvise`): 114 MB
--> 55 MB in the same run. It walks the heap (milliseconds for ~100 MB), so it runs on a helper thread, and
-only after the open connections fell well below a large peak (`ConnectionGuard`), not on every close.
-Elsewhere than glibc (musl, macOS) it does nothing.
+Why: memory freed by a flood of connections stays in glibc's free lists, scattered between live blocks, and
+`free` only returns the top of the heap; `malloc_trim(0)` hands every free page back, roughly halving the resident
+size after a flood. It walks the heap, so it runs on a helper thread, and only after the open connections fell well
+below a large peak (`ConnectionGuard`). Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 header) are escaped before they reach the log, so one record stays one line and no caller writes a line that
 reads as the server's own.
 
-`printable` is for the places that log a caller's text (the paths of unexpected errors); `EscapeControlChars`
-is a logging filter `batchserve serve` puts on the root handlers, so every record of the server process is
-one line whatever its arguments held (a traceback, added after the message, keeps its lines).
+`printable` is for the places that log a caller's text; `EscapeControlChars` is a filter on the root handlers, so
+every record is one line whatever its arguments held (a traceback keeps its lines).
 """
 
 from __future__ import annotations

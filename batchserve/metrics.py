@@ -3,11 +3,9 @@
 Queue wait and compute are separate histograms so "slow because we wait to batch" and "slow because the model
 is slow" can be told apart.
 
-The series touched once per request or per item (answers by status, request duration, queue wait, and the
-per-batch size and compute) are `LoopCounter` / `LoopHistogram`: plain counts kept by the event-loop thread,
-the only one that writes them, and rendered by prometheus-client at scrape time (also on the loop). The
-library's own Counter and Histogram take a lock per increment, which on the request path cost several
-microseconds per request for nothing.
+The series touched once per request or per item are `LoopCounter` / `LoopHistogram`: plain counts kept by the
+event-loop thread, their only writer, and rendered at scrape time. prometheus-client's own Counter and Histogram
+take a lock per increment, which costs several microseconds per request for nothing.
 """
 
 from __future__ import annotations
@@ -139,10 +137,9 @@ class LoopCounter(Collector):
 
 
 class AdmissionWaitCollector(Collector):
-    """Admission's prediction against what happened, per model, read at scrape time (nothing per request):
-    the queue waits predicted and observed for requests admitted under pressure, summed (their increase over a
-    window, divided, is how far the door's model of the queue was off), and the factor it applies now
-    (`core/wait_calibration.py`) and the margin it keeps below its latency bound. `read` gives per model
+    """Admission's prediction against what happened, per model, read at scrape time: the summed queue waits
+    predicted and observed for requests admitted under pressure (their ratio over a window is how far the door's
+    model was off), and its current factor (`core/wait_calibration.py`) and margin. `read` gives per model
     (predicted s, observed s, requests, factor, margin s)."""
 
     def __init__(
@@ -175,8 +172,8 @@ def per_model(
     helps: Mapping[str, str],
     rows: Mapping[str, Sequence[float | None]],
 ) -> list[GaugeMetricFamily | CounterMetricFamily]:
-    """Families of `kind` (name: help), one series per model, read at scrape time: per model its value in each
-    family, in the same order (None: no series of that family for that model)."""
+    """Families of `kind` (name: help), one series per model, read at scrape time (None: no series of that
+    family for that model)."""
     out: list[GaugeMetricFamily | CounterMetricFamily] = [
         kind(name, text, labels=["model"]) for name, text in helps.items()
     ]
@@ -202,11 +199,11 @@ class Metrics:
     rejected: Counter
     batch_retries: Counter
     batches: Counter
-    load_ratio: Gauge  # autoscaling signals, computed at scrape time (batchserve/core/load_signal.py)
+    load_ratio: Gauge  # computed at scrape time (core/load_signal.py)
     predicted_wait_ratio: Gauge
     batches_stopped_early: Counter
     batches_staged: Counter
-    slo_requests: LoopCounter  # the SLO ledger (core/ledger.py): answers by model, tier and outcome
+    slo_requests: LoopCounter  # the SLO ledger (core/ledger.py)
     cost_served: LoopCounter  # cost units (tokens, or inputs where a model costs 1 each) served, by model and tier
     inputs_served: LoopCounter
     # (model, tier, outcome) of a 200 -> its status count and duration, then its `_ledger` children
@@ -219,8 +216,8 @@ class Metrics:
     def count_ok(
         self, model: str, latency_s: float, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0
     ) -> None:
-        """One 200 answer of a model: its status count and duration, and its entry in the SLO ledger
-        (`count_outcome`): the hot path, so its five labelled children are found by one lookup."""
+        """One 200 answer of a model, with its SLO ledger entry: the hot path, so its five labelled children are
+        found by one lookup."""
         children = self._ok.get((model, tier, outcome))
         if children is None:
             children = self._ok[(model, tier, outcome)] = (
@@ -237,8 +234,7 @@ class Metrics:
         children[4].value += cost
 
     def count_outcome(self, model: str, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0) -> None:
-        """One answer in the SLO ledger; `inputs` and `cost` are added to what was served (pass them only for a
-        served answer). Every answer of a model route comes here: its three children are found by one lookup."""
+        """One answer in the SLO ledger; pass `inputs` and `cost` only for a served answer."""
         children = self._ledger.get((model, tier, outcome))
         if children is None:
             children = self._ledger_children(model, tier, outcome)
@@ -263,11 +259,9 @@ class Metrics:
 
 
 def make_metrics() -> Metrics:
-    """The app's metrics on a registry of their own, one helper per group; the groups are made in the order of the
-    `Metrics` fields, which is the order /metrics lists them in."""
+    """The app's metrics on a registry of their own; groups are made in `Metrics` field order, /metrics' order."""
     r = CollectorRegistry()
-    # process_cpu_seconds_total, process_resident_memory_bytes, ...: read from /proc at scrape time, nothing per
-    # request. `batchserve plan --measure` divides the CPU by the requests answered (docs/capacity.md).
+    # process_cpu_seconds_total, ...: `batchserve plan --measure` divides the CPU by the requests answered.
     ProcessCollector(registry=r)
     requests, request_duration, queue_wait, batch_compute, batch_size = _loop_series(r)
     queue_depth, inflight, worker_busy_ratio, worker_healthy = _occupancy_gauges(r)
@@ -302,7 +296,7 @@ def make_metrics() -> Metrics:
 def _loop_series(
     r: CollectorRegistry,
 ) -> tuple[LoopCounter, LoopHistogram, LoopHistogram, LoopHistogram, LoopHistogram]:
-    """The series written per request or per batch: kept by the loop without a lock (module docstring)."""
+    """The series written per request or per batch, loop-kept (module docstring)."""
     p = "batchserve_"
     return (
         LoopCounter(p + "requests", "Answered inference requests", ("model", "status"), r),
@@ -316,8 +310,7 @@ def _loop_series(
 
 
 def _occupancy_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge, Gauge, Gauge]:
-    """The node's state as levels, not counts: what waits, what is in flight, each worker's busy share and health.
-    Set by the runtime's tick, at scrape time or when a worker's health changes: never per request."""
+    """The node's state as levels; never set per request."""
     p = "batchserve_"
     return (
         Gauge(p + "queue_depth", "Items waiting for a batch", ["model"], registry=r),
@@ -328,8 +321,7 @@ def _occupancy_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge, Gauge, Gauge]
 
 
 def _dispatch_counters(r: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
-    """Refusals, and batches by why they left or ran again: counted per refusal or per batch, not per answer, so
-    prometheus-client's own (locked) Counter costs nothing that matters."""
+    """Refusals, and batches by cause: counted per refusal or batch, not per answer, so the locked Counter is fine."""
     p = "batchserve_"
     return (
         Counter(p + "rejected", "Requests refused before reaching a batch", ["reason"], registry=r),
@@ -344,7 +336,7 @@ def _dispatch_counters(r: CollectorRegistry) -> tuple[Counter, Counter, Counter]
 
 
 def _autoscaling_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
-    """The autoscaling signals, computed at scrape time (batchserve/core/load_signal.py)."""
+    """The autoscaling signals, computed at scrape time (core/load_signal.py)."""
     p = "batchserve_"
     return (
         Gauge(
@@ -363,8 +355,7 @@ def _autoscaling_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
 
 
 def _stop_and_stage_counters(r: CollectorRegistry) -> tuple[Counter, Counter]:
-    """Batches off their usual course: cut short with no caller left, or staged behind a busy device (gpu_pool.py).
-    Counted per batch, so prometheus-client's own Counter."""
+    """Batches cut short with no caller left, or staged behind a busy device: per batch, so the locked Counter."""
     p = "batchserve_"
     return (
         Counter(
@@ -384,8 +375,7 @@ def _stop_and_stage_counters(r: CollectorRegistry) -> tuple[Counter, Counter]:
 
 
 def _ledger_counters(r: CollectorRegistry) -> tuple[LoopCounter, LoopCounter, LoopCounter]:
-    """The SLO ledger (core/ledger.py): answers by model, tier and outcome, and the cost and inputs served. Every
-    answer of a model route counts here, so they are loop-kept too."""
+    """The SLO ledger (core/ledger.py): every answer of a model route counts here, so they are loop-kept."""
     p = "batchserve_"
     return (
         LoopCounter(

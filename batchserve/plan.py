@@ -1,27 +1,20 @@
 """`batchserve plan`: how many nodes a target rate needs at the SLO, and the latency they will give.
 
-Why a simulation and not a formula: what a request waits is set by the batcher's policy, which no queueing
-formula describes — a batch leaves when it is full (`max_batch_size`), when its oldest item's dispatch deadline
-arrives (`arrived + slo − S − margin`), or by pacing (`S/G` after the previous dispatch; S = learned batch time,
-G = devices), and only when a device is free. So the planner runs that policy, event by event, with zero
-overhead, on Poisson arrivals: the same model as `bench/ideal.py` (which the tests check it against), in pure
-Python so the package needs nothing more. The batch time may depend on the batch size (`BatchTime`); S is
-learned as the server learns it (an exponentially weighted average of the batch times, weight 0.2).
+Why a simulation and not a formula: no queueing formula describes the batcher's policy — a batch leaves when it
+is full, when its oldest item's dispatch deadline arrives (`arrived + slo − S − margin`), or by pacing (`S/G`
+after the previous dispatch; S = learned batch time, G = devices), and only when a device is free. So the planner
+runs that policy event by event on Poisson arrivals: the same model as `bench/ideal.py` (the tests check them
+against each other), in pure Python so the package needs nothing more.
 
-A node's capacity at the SLO is the highest arrival rate whose simulated p95 stays within the SLO with nothing
-timing out; nodes = ceil(target / capacity), with the load balancer splitting arrivals evenly (a Poisson stream
-split at random stays Poisson). Every rate is simulated on the same unit-exponential gaps scaled by 1/rate
-(common random numbers), so p95 rises smoothly with the rate and the bisection for the capacity is stable.
-What the model leaves out — HTTP, the event loop, the client, admission's refusals near overload — makes
-measured latency higher; `--overhead-ms` adds a fixed per-request amount, and docs/capacity.md gives the error
-against the measured bench rows.
+A node's capacity is the highest arrival rate whose simulated p95 stays within the SLO with nothing timing out;
+nodes = ceil(target / capacity) (a Poisson stream split at random stays Poisson). Every rate is simulated on the
+same unit-exponential gaps scaled by 1/rate (common random numbers), so p95 rises smoothly with the rate and the
+bisection is stable. What the model leaves out (HTTP, the event loop, admission's refusals) makes measured
+latency higher; `--overhead-ms` adds a fixed per-request amount, and docs/capacity.md gives the error.
 
-The host's CPU is the other ceiling: one server process runs one event loop, on one core, and every request
-costs it a fixed amount of CPU (parsing, admission, answering), so a process serves at most
-`max_cpu_busy / cpu per request` whatever its devices. With `--processes P` a node is P such processes, each
-with devices/P devices (`batchserve serve --processes`); the node's capacity is the lower of the devices' (the
-simulation, per process) and the CPU's, and the plan says which binds. Prices turn the node count into a cost
-per 1,000 requests and per month.
+The host's CPU is the other ceiling: a process runs one event loop on one core at a fixed CPU cost per request,
+so it serves at most `max_cpu_busy / cpu per request`. With `--processes P` a node is P processes of devices/P
+devices each; its capacity is the lower of the devices' and the CPU's, and the plan says which binds.
 """
 
 from __future__ import annotations
@@ -133,8 +126,7 @@ class Contract:
 
 @dataclass
 class LatencyAtRate:
-    """One node's latency percentiles at a request rate, as the planner's simulation gives them (not admission's
-    per-request `core.admission.Prediction`)."""
+    """One node's simulated latency percentiles at a request rate (not admission's `core.admission.Prediction`)."""
 
     rate: float  # per node
     p50_ms: float
@@ -159,12 +151,8 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def simulate(arrivals: list[float], c: Contract) -> tuple[list[float], list[int]]:
-    """The batcher's policy on these arrival times (sorted, seconds): each arrival's answer time (NaN when it
-    expired in the queue) and the size of each batch.
-
-    One free device at a time waits for its batch and takes it at the first of: full; the oldest item's
-    dispatch deadline; `S/G` after the previous dispatch. The batch is formed at that instant, runs
-    `batch_time(size)`, and its items are answered at the end."""
+    """The batcher's policy on these sorted arrival times (s): each arrival's answer time (NaN when it expired
+    in the queue) and the size of each batch. Items are answered when their batch ends."""
     n = len(arrivals)
     done = [math.nan] * n
     sizes: list[int] = []
@@ -217,8 +205,7 @@ def simulate(arrivals: list[float], c: Contract) -> tuple[list[float], list[int]
 
 @dataclass
 class PoissonArrivals:
-    """Unit-exponential gaps drawn once per seed; `at(rate, seconds)` scales them, so every rate sees the same
-    draws (common random numbers) and a prediction moves smoothly with the rate."""
+    """Unit-exponential gaps drawn once per seed and scaled per rate (common random numbers, module docstring)."""
 
     seed: int = 1
     gaps: list[float] = field(default_factory=list)
@@ -280,16 +267,12 @@ def capacity(
     rate and at every rate checked below it — and at most `max_busy` of the ceiling (and under `below`, a rate
     known to miss); 0 when even a lone request misses the SLO.
 
-    Why the cap: close to the ceiling a queue's steady state takes far longer to reach than any window one
-    can simulate (or than the load stays Poisson), so a finite window would call a node that slowly drowns
-    healthy. With several devices the SLO alone binds only there: the dispatch deadline leaves room for
-    many paced batches, so p95 stays flat until the devices saturate.
+    Why the cap: near the ceiling a queue's steady state takes far longer to reach than any window one can
+    simulate, so a finite window would call a node that slowly drowns healthy.
 
-    Why the check below: when a big batch takes much longer than a small one (a batch time that jumps with
-    the size), the queue is bistable: one burst forms a slow batch, during which enough arrive to form the
-    next slow one, and it stays slow. Whether a finite window tips depends on its draws, so p95 is not
-    monotone in the rate and a bisection can land on a lucky rate just above unlucky ones. The rates of a
-    grid under the bisected one are checked, and a miss among them starts the search over beneath it."""
+    Why the check below: when a big batch takes much longer than a small one, the queue is bistable (a slow
+    batch lets enough arrive to form the next slow one), so p95 is not monotone in the rate and a bisection can
+    land on a lucky rate just above unlucky ones. A miss on the grid below restarts the search beneath it."""
     arrivals = arrivals or PoissonArrivals()
     top = c.ceiling() * c.max_busy if below is None else min(below, c.ceiling() * c.max_busy)
     for _ in range(RECHECKS):
@@ -307,8 +290,7 @@ def capacity(
 
 
 def _meets(rate: float, c: Contract, arrivals: PoissonArrivals, sim_s: float) -> bool:
-    """Whether one node meets the SLO at `rate`; a rate so low that nothing arrived in the window is a
-    request alone (p95 NaN is no evidence of a miss)."""
+    """Whether one node meets the SLO at `rate`; a window where nothing arrived counts as a request alone."""
     p = latency_at(rate, c, arrivals, sim_s)
     return (latency_at(0.0, c) if math.isnan(p.p95_ms) else p).meets(c.slo_s)
 
@@ -412,8 +394,7 @@ def make_plan(
         at_target = latency_at(target_rate / per_proc, proc, arrivals, sim_s)
         if at_target.meets(c.slo_s):
             break
-        # The plan's own rate misses although a higher one met: p95 is not monotone in the rate here (see
-        # `capacity`), so the capacity is what meets beneath the rate that missed.
+        # p95 is not monotone in the rate here (`capacity`): the capacity is what meets beneath the rate that missed.
         missed = target_rate / per_proc
         notes.append(
             f"at {missed:.0f} requests/s a process, p95 is {at_target.p95_ms:.0f} ms"

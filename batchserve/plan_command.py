@@ -20,8 +20,7 @@ DESCRIPTION = (
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default beside it, `(required)` on a required one; no default shown where there is none to
-    show (None, False, "": the help text says what happens then)."""
+    """Each flag's default beside it, `(required)` on a required one; none shown for None, False or ""."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.required:
@@ -141,8 +140,8 @@ DEFAULT_TIMEOUT_MS = 2000.0
 
 
 def measured_contract(a: argparse.Namespace) -> tuple[Contract, str, Measured | None]:
-    """The contract the flags describe, what it was read from, and what `--measure` read (None without it):
-    the SLO and deadline left unset are the measured server's, else DEFAULT_SLO_MS / DEFAULT_TIMEOUT_MS."""
+    """The contract the flags describe, what it was read from, and what `--measure` read (None without it); an
+    unset SLO and deadline are the measured server's, else the defaults."""
     given = [x for x in (a.batch_ms, a.batch_ms_by_size, a.measure) if x is not None]
     if len(given) != 1:
         raise ValueError("give exactly one of --batch-ms, --batch-ms-by-size, --measure URL")

@@ -42,16 +42,13 @@ def metric_sum(metrics_text: str, name: str) -> float | None:
 
 
 def cpu_per_request(base: str, window_s: float, api_key: str = "") -> tuple[float | None, str]:
-    """CPU seconds per answered request of one server process, from its own counters: `process_cpu_seconds_total`
-    over `batchserve_requests_total` (every status: a refusal costs CPU too), read twice `window_s` apart on
-    ONE connection, so both readings come from the same process behind a shared (`--processes`) port.
-    Totals since start would count the start-up (imports, model loading); the window counts only the load
-    the server carries now, so measure a node under its real traffic.
+    """CPU seconds per answered request of one server process: `process_cpu_seconds_total` over
+    `batchserve_requests_total` (every status: a refusal costs CPU too), read twice `window_s` apart on ONE
+    connection, so both readings come from the same process behind a shared (`--processes`) port. A window, not
+    totals since start, so start-up is not counted: measure a node under its real traffic.
 
-    Why the pings: the server closes a connection idle for `--keep-alive-timeout-s` (5 s by default, as long as
-    the default window), so the connection is kept busy with a `GET /healthz` (counted in neither counter) every
-    `KEEP_ALIVE_PING_S`. Should the server close it all the same (a shorter keep-alive), the window starts over
-    on a fresh connection with pings twice as often, a few times, before it gives up with the reason."""
+    Why the pings: the server closes a connection idle for `--keep-alive-timeout-s`, so a `GET /healthz` (counted
+    in neither counter) keeps it busy; should it close all the same, the window starts over with more pings."""
     ping_s = KEEP_ALIVE_PING_S
     for attempt in range(1, CPU_WINDOW_TRIES + 1):
         try:
@@ -83,7 +80,7 @@ def cpu_per_request(base: str, window_s: float, api_key: str = "") -> tuple[floa
 def _cpu_window(
     base: str, window_s: float, api_key: str, ping_s: float
 ) -> tuple[float | None, float | None, float | None, float | None]:
-    """Both /metrics readings (CPU, requests) `window_s` apart on one connection, pinged every `ping_s`."""
+    """Both /metrics readings (CPU, requests) `window_s` apart on one connection."""
     u = urlsplit(base)
     conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(u.hostname or "127.0.0.1", u.port, timeout=10)
@@ -132,8 +129,7 @@ def histogram_mean(metrics_text: str, name: str, model: str) -> float | None:
 
 
 def probe(base: str, sizes: list[int], api_key: str = "", rounds: int = 3) -> BatchTime:
-    """Batch time by size from the server's own answers: bursts of `size` concurrent requests, each answer
-    carrying the `batch_size` it ran in and its `compute_ms`; the median per observed size."""
+    """Batch time by size from bursts of concurrent requests: the median `compute_ms` per observed `batch_size`."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     body = json.dumps({"input": "batchserve plan probe"}).encode()
 
@@ -166,9 +162,8 @@ def _get_request(req: urllib.request.Request) -> bytes:
 def measure(
     base: str, model: str | None, probe_sizes: list[int], api_key: str = "", cpu_window_s: float = 0.0
 ) -> Measured:
-    """Devices from /internal/health's workers; the batch time as the server learned it (its `batch_ms`, the
-    same at every size: true of the sim, a first guess for a real model), or by size from a probe; with a
-    `cpu_window_s`, the process's CPU per request over that window (`cpu_per_request`)."""
+    """Devices from /internal/health's workers; the batch time as the server learned it (the same at every size: a
+    first guess for a real model), or by size from a probe; the CPU per request with a `cpu_window_s`."""
     base = base.rstrip("/")
     health = json.loads(_get(base + "/internal/health"))
     if health.get("status") == "starting":  # no workers, no batch time yet: nothing to read

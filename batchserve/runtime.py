@@ -1,9 +1,8 @@
 """What one server process holds while it runs, and its life: load and warm, serve, drain, stop.
 
-The runtime wires the wings together: the batcher and its door (`core.service.InferenceService`, which owns
-admission), the worker pool, the batch jobs and the generation engine. Route modules read it from
-`app.state.rt` through a Protocol of their own wing (`inference.routes.InferenceHost`, `jobs.routes.JobsHost`, ...),
-so no wing imports this module; the wings' services receive only the narrow parts they need.
+The runtime wires the wings together: the batcher and its door (`core.service.InferenceService`), the worker
+pool, the batch jobs and the generation engine. Route modules read it from `app.state.rt` through a Protocol of
+their own wing (`inference.routes.InferenceHost`, ...), so no wing imports this module.
 """
 
 from __future__ import annotations
@@ -88,18 +87,17 @@ class Runtime:
     batcher: Batcher
     admission: Admission
     service: InferenceService
-    guard: Guard  # who is calling and whether they may; the count of answers (http/guards.py)
+    guard: Guard
     backends: dict[str, Backend]
     loaded: LoadedModels | None = None  # the backends, set up and warmed (given by an embedder, or start's)
     pool: GpuPool | None = None
-    jobs: JobService | None = None  # batch jobs (/v1/batches), started once the workers are
-    generation: Engine | None = None  # token generation (/v1/chat/completions), when enabled
+    jobs: JobService | None = None  # started once the workers are
+    generation: Engine | None = None  # when enabled
     stepper: StepperInference | None = None  # /v1/inference of the stepper models, on the engine
-    tracing: Tracing | None = None  # OpenTelemetry, when an OTLP endpoint is configured (batchserve/tracing.py)
-    refusals: RefusalThrottle = field(default_factory=lambda: RefusalThrottle(0.0))  # set from the settings
+    tracing: Tracing | None = None  # when an OTLP endpoint is configured
+    refusals: RefusalThrottle = field(default_factory=lambda: RefusalThrottle(0.0))
     ready: bool = False
     startup_error: str = ""
-    # the server exits with this status (EXIT_*) when start-up fails
     on_startup_failure: Callable[[str, int], None] | None = None
     requests_per_second: float = 0.0
     gpu_utilization: float = 0.0
@@ -131,8 +129,7 @@ class Runtime:
         service = InferenceService(batcher, admission, backends, requests)
         metrics = make_metrics()
         registry = ModelRegistry(settings.models)
-        # Each model's own SLO and timeouts, as set or by default until its warm-up says otherwise (`start`): one
-        # dict, read by the batcher, admission and the guard alike.
+        # Each model's own SLO and timeouts, until its warm-up says otherwise: one dict, shared by every reader.
         registry.deadlines.update((spec.id, Deadlines.of_settings(settings)) for spec in settings.models)
         batcher.deadlines = admission.deadlines = registry.deadlines
         rt = cls(
@@ -162,9 +159,8 @@ class Runtime:
         return rt
 
     def model_loads(self) -> dict[str, load_signal.ModelLoad]:
-        """Each model's waiting and running requests now (the gateway gauges, read at scrape time): items
-        queued and items in the batches the workers run; for the generation model, its sequences and KV cache.
-        An element of a multi-input request (embeddings, KServe v2) counts as one."""
+        """Each model's waiting and running requests now, for the gateway gauges (an element of a multi-input
+        request counts as one); for the generation model, its sequences and KV cache."""
         counts = {model: [self.batcher.depth.get(model, 0), 0] for model in self.registry.by_id}
         if self.pool is not None:
             for w in self.pool.workers:
@@ -180,8 +176,7 @@ class Runtime:
         return loads
 
     def load_reading(self) -> load_signal.Reading:
-        """What the autoscaling signals are computed from, now: the batcher's models (not those another handler
-        answers: their learned batch time is an unused seed) and the generation engine's sequences."""
+        """What the autoscaling signals are computed from, now."""
         now = time.monotonic()
         pool = self.pool
         healthy = pool.healthy_count() if pool is not None else 0
@@ -199,8 +194,8 @@ class Runtime:
         )
 
     def engine_load(self) -> load_signal.EngineLoad | None:
-        """The generation engine's demand against its slots, and its predicted wait for a new sequence of
-        `--max-new-tokens` (None when the engine is off)."""
+        """The generation engine's demand against its slots, and its predicted wait for a new sequence (None when
+        the engine is off)."""
         engine = self.generation
         if engine is None:
             return None
@@ -215,11 +210,12 @@ class Runtime:
         )
 
     def batch_times(self) -> dict[str, float]:
-        """The learned full-batch time of each model the batcher serves."""
+        """The learned full-batch time of each model the batcher serves (not those another handler answers: their
+        batch time is an unused seed)."""
         return {m: v for m, v in self.batcher.batch_s.items() if m not in self.service.handlers}
 
     def answer_times(self) -> dict[str, float]:
-        """The answer time of each model the generation engine's stepper serves (`StepperInference.run_s`)."""
+        """The answer time of each model the generation engine's stepper serves."""
         stepper = self.stepper
         return {m: stepper.run_s() for m, h in self.service.handlers.items() if h is stepper} if stepper else {}
 
@@ -240,8 +236,7 @@ class Runtime:
         return None
 
     def model_cards(self) -> list[dict[str, object]]:
-        """GET /v1/models' entries for the models outside the batcher (the generation engine's), with the SLO
-        its answers are held to (its requests name no timeout)."""
+        """GET /v1/models' entries for the generation engine's models, with the SLO its answers are held to."""
         cards = model_cards(self.generation)
         for card in cards:
             d = self.registry.deadlines.get(str(card["id"]))
@@ -250,29 +245,24 @@ class Runtime:
         return cards
 
     def prompt_tokens(self, model: str, texts: list[str]) -> int:
-        """The model's token count of these texts (0 when its backend cannot count): OpenAI's usage, for the
-        embeddings lines of batch jobs, as the embeddings route reports it."""
+        """The model's token count of these texts (0 when its backend cannot count), for OpenAI's usage."""
         return tokens_in(self.backends.get(model), texts)
 
     # -- start ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load and warm the backends off the event loop while the port is already open (or take the ones the
-        caller loaded), then start the workers; /healthz is 200 throughout, /readyz turns 200 after."""
+        """Load and warm the backends off the event loop while the port is already open, then start the workers;
+        /healthz is 200 throughout, /readyz turns 200 after."""
         try:
             elsewhere = stepper_models(self.settings)  # answered by the engine: their batch backends stay shells
             loaded = self.loaded
             if loaded is None:
                 loaded = await in_daemon_thread(lambda: load_models(self.settings, elsewhere), LOAD_THREAD)
             self.loaded = loaded
-            # Each model's own deadlines, from its own warm-up where it was measured; the stepper's models' once
-            # its answer time is known (below).
             self.derive_deadlines(
                 {m: loaded.measured.get(m) for m in self.registry.by_id if m not in elsewhere}, "the warm-up batch time"
             )
             pool = self.start_pool(loaded)
-            # The generation engine loads its own replica (seconds): until it is up the server is not ready, and
-            # the door says so too (503 NO_HEALTHY_WORKER, "warming up"), as /readyz does.
-            await self.start_engine(elsewhere)
+            await self.start_engine(elsewhere)  # not ready (at /readyz and at the door) until its replica is up
             self.service.attach(pool)
             self.jobs = await JobService.start(
                 self.service, self.settings, self.metrics.registry, self.prompt_tokens, self.generation
@@ -299,7 +289,7 @@ class Runtime:
                 self.on_startup_failure(self.startup_error, EXIT_STARTUP_FAILED)
 
     def start_pool(self, loaded: LoadedModels) -> GpuPool:
-        """The batcher seeded with what the warm-up measured, and a worker per device started."""
+        """Seed the batcher with what the warm-up measured, and start a worker per device."""
         self.backends.update(loaded.backends)
         for model, seconds in loaded.batch_s.items():
             self.batcher.batch_s.seed(model, seconds)
@@ -331,22 +321,20 @@ class Runtime:
         """The generation engine on its own replica, and the models it answers on its stepper."""
         self.generation = await start_generation(self.settings, self.metrics.registry)
         if self.generation is not None:
-            self.generation.account = self.service.cost_account  # one account of cost served (issue 33)
+            self.generation.account = self.service.cost_account  # one account of cost served
             stepper = serve_on_stepper(
                 self.service, self.generation, self.settings, StepperRecords(self.metrics, self.tracing)
             )
             self.stepper = stepper
             if stepper is not None:  # no warm-up batch of theirs: their deadlines follow the stepper's answer
                 self.derive_deadlines({m: stepper.run_s() for m in elsewhere}, "the stepper's answer time")
-            # The engine's own model (/v1/chat/completions, booked under its id) is the generating model.
             generating = next((spec.id for spec in self.settings.models if spec.generates), None)
             if generating is not None:
                 self.registry.deadlines.setdefault(self.generation.cfg.model_id, self.registry.deadlines[generating])
 
     def derive_deadlines(self, times: dict[str, float | None], what: str) -> None:
-        """Each model's own SLO and default timeout (issue 46 item 7): from its own measured time in `times`
-        (`what` says which: a warm-up batch, the stepper's answer), for the figures the user left unset; a model
-        whose time is None (the sim declares its own) keeps the settings' figures. One log line per model."""
+        """Each model's own SLO and default timeout, from its measured time in `times`, for the figures the user
+        left unset; a model whose time is None keeps the settings' figures."""
         for model, seconds in times.items():
             if seconds is not None:
                 self.registry.deadlines[model] = deadlines_for(self.settings, seconds, what)
@@ -354,9 +342,8 @@ class Runtime:
         self._deadlines_changed()
 
     def _deadlines_changed(self) -> None:
-        """A model's SLO may have been derived from its measured batch or answer time (`warmup.deadlines_for`):
-        the batcher, admission and the SLO ledger read it from the shared `registry.deadlines`; a costed model's
-        batches are fitted within half of its own SLO with its slack (`BatchBudget.fit_budget`)."""
+        """The shared `registry.deadlines` changed: a costed model's batches are fitted within half of its own SLO
+        with its slack (`BatchBudget.fit_budget`)."""
         half_slack = self.settings.admission_slack / 2
         self.batcher.deadlines_changed()
         self.batcher.costs.latency_fits = {m: d.slo_s * half_slack for m, d in self.registry.deadlines.items()}

@@ -1,9 +1,8 @@
-"""Each served model's own latency objective and timeouts (issue 46 item 7): `Deadlines`, one per model id, in
-the one table the runtime keeps (`ModelRegistry.deadlines`) and shares with the door, the batcher and the guard.
+"""Each served model's own latency objective and timeouts: `Deadlines`, one per model id, in one shared table
+(`ModelRegistry.deadlines`).
 
-A leaf: it imports nothing of batchserve, so the policy (`core/`), the ground (`backends/warmup.py`) and the
-HTTP layer (the model registry, `http/model_choice.py`) all read it without a cycle (`config.py` imports `core`,
-so the settings are seen here through the `Knobs` protocol, not imported).
+A leaf: it imports nothing of batchserve, so `core/`, `backends/warmup.py` and the HTTP layer all read it without
+a cycle (the settings are seen through the `Knobs` protocol, since `config.py` imports `core`).
 """
 
 from __future__ import annotations
@@ -26,13 +25,9 @@ SET, DEFAULT, DERIVED = "set", "default", "derived"  # where a figure of `Deadli
 
 @dataclass(slots=True)
 class Deadlines:
-    """One model's latency objective and timeouts (issue 46 item 7): every served model has its own, so an
-    embedder beside a chat model is not held to the chat model's seconds. A figure the user set (`--slo-ms`,
-    `--timeout-ms`, `--max-timeout-ms`) applies to every model; one left unset follows the model's own measured
-    batch time (its warm-up) or answer time (the generation engine's stepper: `backends/warmup.py`), else the
-    default. Read by the door (the default deadline, the 400 TIMEOUT_TOO_SHORT and 504 checks, admission's
-    objective under pressure), the batcher (dispatch deadlines, holds, the budget's latency fit) and the SLO
-    ledger; shown by the start-up log, /internal/health and /v1/models."""
+    """One model's latency objective and timeouts, so an embedder beside a chat model is not held to the chat
+    model's seconds. A figure the user set applies to every model; one left unset follows the model's own measured
+    batch or answer time (`backends/warmup.py`), else the default."""
 
     slo_s: float  # the latency objective (p95) its answers are held to
     timeout_s: float  # the deadline of a request that names none

@@ -1,25 +1,17 @@
 """OpenTelemetry traces (docs/contract.md#observability), with the standard SDK and its OTLP/HTTP exporter, on only when
 `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set.
 
-Off, nothing of it runs: `Tracing.from_env` returns None, the app is not wrapped, and the door and the workers
-skip one `is None` test (the SDK is not even imported, so the `otel` extra is optional). On:
+Off, nothing of it runs and the SDK is not even imported (the `otel` extra is optional). On:
 
-- `RequestSpans` wraps the whole ASGI app (ahead of the hot route's fast path): a SERVER span per HTTP request
-  named `METHOD route` (the route's template: `/v2/models/{model}/infer`), its parent taken from an incoming
-  `traceparent` (W3C Trace Context, the SDK's default propagator), the status code as its outcome, and GenAI
-  semantic-convention attributes on the OpenAI routes (`gen_ai.operation.name`).
-- The door (`core/service.py`) sets the model, the caller's tier and the outcome on the current request span
-  (`gen_ai.request.model`, `batchserve.tier`, `batchserve.outcome`), hands each item the span's context, and,
-  once answered, records the item's queue wait as a child span `queue` (arrival to the batch's formation).
-- The workers (`gpu_pool.py`) record a span per batch, `batch <model>`, from hand-off to outcome, linked to the
-  request span of every item it carried (a batch serves many traces: links, not a parent), with its size,
-  worker and flush cause; each item's `queue` span links back to it.
-- A generative model's `/v1/inference` on the generation engine's stepper (`generation/inference_records.py`)
-  gets the same spans: the request span's attributes, a `queue` span, and a `batch <model>` span per sequence
-  (worker `stepper`, cause `joined`, size the rows of the step it joined, `batchserve.path` = `stepper`).
+- `RequestSpans`: a SERVER span per HTTP request named `METHOD route` (the route's template), its parent from an
+  incoming `traceparent`, with GenAI semantic-convention attributes on the OpenAI routes.
+- The door (`core/service.py`) sets the model, tier and outcome on the request span and records each item's
+  queue wait as a child span `queue`.
+- The workers (`gpu_pool.py`) record a span per batch, `batch <model>`, linked to the request span of every item
+  it carried (a batch serves many traces: links, not a parent). The generation engine's stepper
+  (`generation/inference_records.py`) records the same spans per sequence.
 
-Everything the SDK's environment variables configure (endpoint, headers, sampler, service name, batch export
-delay) is left to them. The exporter runs on the SDK's own thread; spans are handed to it in batches.
+Everything the SDK's environment variables configure is left to them.
 """
 
 from __future__ import annotations
@@ -59,8 +51,7 @@ log = logging.getLogger("batchserve.tracing")
 
 
 def _never_raises(method: Callable[P, R]) -> Callable[P, R | None]:
-    """Tracing runs on the request path and in the workers' hand-off: a fault of its own is logged, never
-    allowed to cost an answer."""
+    """A fault of tracing's own is logged, never allowed to cost an answer."""
 
     @functools.wraps(method)
     def guarded(*args: P.args, **kwargs: P.kwargs) -> R | None:

@@ -21,7 +21,7 @@ abandoned batch frees its device for the next one. Its outputs are then thrown a
 `warm` may return batch seconds by batch cost measured while warming (a GPU backend times each of its batch
 buckets; minilm times two batches of different token counts), which seed the learned batch time by cost
 (`core/batch.py`). `cost_of(text)` says what one input costs to run (tokens for the built-ins; a plugin
-that declares none costs 1 per input): batches are budgeted, timed and admitted by cost (issue 22). A backend
+that declares none costs 1 per input): batches are budgeted, timed and admitted by cost. A backend
 may also declare `cost_of_batch(texts)` (optional, not in the protocol: `core/service.BatchCoster`) when a
 batch's cost is not rows x its longest input's.
 """
@@ -53,8 +53,8 @@ OUTPUT_KINDS = ("text", "json", "embedding")  # "embedding": each output is a li
 
 @dataclass
 class RunningBatch:
-    """The batch a worker thread is running: how to ask whether its callers are all gone, and whether the
-    backend asked and was told yes (then the batch stopped early and its time says nothing about the model)."""
+    """The batch a worker thread runs; `stopped_early` (the backend was told its callers are gone) means its
+    time says nothing about the model."""
 
     callers_gone: Callable[[], bool]
     stopped_early: bool = False
@@ -75,21 +75,17 @@ def running_batch(callers_gone: Callable[[], bool]) -> Iterator[RunningBatch]:
 
 
 def default_threads(processes: int = 1, decode: bool = False) -> int:
-    """torch's intra-op threads on a CPU: every usable core, split evenly among `processes` serving processes
-    (`--processes`; at least one each). The event loop's share of an embedding server is small beside the
-    model's (docs/backends.md), so leaving it a core of its own gave away half the capacity of a 2-core machine;
-    `sleeping_idle_threads` keeps the threads from holding the loop's core between ops. `decode`: a causal LM's
-    decode steps (a few rows of small products) keep one core fewer, as before: on the quiet 2-core machine a
-    step of 1 / 2 / 8 rows took 59-65 / 97-103 / 127-137 ms on one thread, 67-72 / 108-113 / 130-132 on two
-    spinning and 68-87 / 143-196 / 153-269 on two sleeping ones."""
+    """torch's intra-op threads on a CPU: every usable core, split among `processes` (at least one each). The
+    event loop needs little beside the model (docs/backends.md), so it gets no core of its own;
+    `sleeping_idle_threads` keeps the threads off its core between ops. `decode`: a causal LM's decode steps (a
+    few rows of small products) keep one core free, since on 2 cores a second thread made them slower."""
     cores = max(1, len(os.sched_getaffinity(0)) // processes)
     return max(1, cores - 1) if decode else cores
 
 
 def cache_root(settings: Settings | None = None) -> Path:
-    """Where extracted weights live: `--weights-cache` when set (as smollm2's converted copy), else
-    $BATCHSERVE_CACHE_DIR (its older name, kept as an alias), else $XDG_CACHE_HOME/batchserve, else
-    ~/.cache/batchserve."""
+    """Where extracted weights live: `--weights-cache`, else $BATCHSERVE_CACHE_DIR (an alias), else
+    $XDG_CACHE_HOME/batchserve, else ~/.cache/batchserve."""
     if settings is not None and "weights_cache" in settings.given and settings.weights_cache:
         return Path(os.path.expanduser(settings.weights_cache))
     if os.environ.get("BATCHSERVE_CACHE_DIR"):
@@ -99,16 +95,14 @@ def cache_root(settings: Settings | None = None) -> Path:
 
 
 def sleeping_idle_threads() -> None:
-    """Let OpenMP threads sleep between ops (OMP_WAIT_POLICY=PASSIVE) unless the environment says otherwise.
-    A spinning thread holds a core the event loop or a neighbour needs, and a thread preempted at a barrier
-    keeps the others spinning: on a loaded 2-core machine two spinning threads served 8-9 inputs/s where two
-    sleeping ones served 29-53. Call it before torch loads: the OpenMP runtime reads it once."""
+    """Let OpenMP threads sleep between ops (OMP_WAIT_POLICY=PASSIVE) unless the environment says otherwise: a
+    spinning thread holds a core the event loop or a neighbour needs (on a loaded 2-core machine spinning
+    threads served a third as many inputs). Call it before torch loads: the OpenMP runtime reads it once."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pick_devices(requested: int) -> list[str]:
-    """The devices a built-in torch backend runs on: the first `requested` CUDA GPUs (0 = all of them), or
-    the CPU when there is none."""
+    """The first `requested` CUDA GPUs (0 = all of them), or the CPU when there is none."""
     import torch
 
     if torch.cuda.is_available():
@@ -179,9 +173,8 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-# The built-in backends, as pyproject.toml registers them: also found when batchserve runs from a source tree
-# that was never pip-installed (no entry-point metadata; e.g. the copy the GPU check runs on), and checked
-# against pyproject.toml by a test.
+# The built-in backends as pyproject.toml registers them (a test checks), so a source tree that was never
+# pip-installed (no entry-point metadata) finds them too.
 BUILTIN = {
     "sim": "batchserve.backends.sim:SimBackend",
     "smollm2": "batchserve.backends.smollm2:SmolLM2Backend",
@@ -195,8 +188,8 @@ def installed_names() -> list[str]:
 
 
 def resolve_backend(name: str) -> Resolved:
-    """The object a backend name points at, imported; PluginError when it cannot be found or imported.
-    `package.module:attribute` (the attribute may be dotted) or the name of an installed entry point."""
+    """Import what `package.module:attribute` (the attribute may be dotted) or an installed entry point names;
+    PluginError when it cannot."""
     if ":" in name:
         module, _, attribute = name.partition(":")
         if not module or not attribute:
@@ -228,8 +221,8 @@ def resolve_backend(name: str) -> Resolved:
     return Resolved(name, module, attribute, target)
 
 
-# What each built-in model backend imports from the `model` extra: missing, the start fails at once with the
-# install command rather than, minutes later, with "No module named 'torch'".
+# What each built-in model backend needs from the `model` extra, so a missing one fails the start at once with
+# the install command rather than later with "No module named 'torch'".
 NEEDS_MODEL_EXTRA = {
     "smollm2": ("torch", "transformers", "gguf"),
     "minilm": ("torch", "transformers", "tokenizers"),
@@ -239,7 +232,7 @@ MODEL_EXTRA_HINT = "pip install 'batchserve[model]' (README: Install)"
 
 
 def missing_extra(name: str) -> str | None:
-    """The one line saying which package the built-in backend `name` lacks and how to install it, or None."""
+    """Which packages the built-in backend `name` lacks and how to install them, or None."""
     missing = [m for m in NEEDS_MODEL_EXTRA.get(name, ()) if importlib.util.find_spec(m) is None]
     if not missing:
         return None
@@ -247,8 +240,8 @@ def missing_extra(name: str) -> str | None:
 
 
 def backend_name_problem(name: str) -> str | None:
-    """Why `name` cannot name a backend, or None: checked with the configuration file, before anything is
-    imported. A name with a ':' is left to `resolve_backend` (a `package.module:attribute` plugin)."""
+    """Why `name` cannot name a backend, or None, checked before anything is imported (a name with ':' is left to
+    `resolve_backend`)."""
     installed = installed_names()
     if ":" in name:
         return None
@@ -258,29 +251,23 @@ def backend_name_problem(name: str) -> str | None:
 
 
 # -- checking what a backend answered ------------------------------------------------------------------------------
-# What a backend's answer to a batch must be, per output kind, checked once per batch on the worker thread.
-#
-# Why: an output goes to its caller as it is, so a wrong one used to become a wrong 200: a NaN or a None
-# became `"output": null`, an "embedding" of strings or of the wrong length went out, and an infinite float
-# broke the base64 encoding with a 500 in the wrong shape. Each kind has one rule, and the same rules check
-# the warm-up batch before the port opens (`check_warm_answer`), so a plugin that answers wrongly fails at
-# start with one line rather than on the first caller:
+# What a backend's answer to a batch must be, per output kind, checked once per batch on the worker thread: an
+# output goes to its caller as it is, so without this a NaN would become a wrong 200 or break the encoding. The
+# same rules check the warm-up batch (`check_warm_answer`), so a wrong plugin fails at start, not on a caller:
 #
 # - `text`: a string (encodable as UTF-8: no lone surrogate);
 # - `json`: any JSON value but a top-level null, with no NaN or infinity anywhere in it;
 # - `embedding`: a list of finite numbers, every one of the model's dimension (the warm-up's vector length).
 #
-# The common case costs one pass: a type check per output (text), one `orjson.dumps` of the batch (json; the
-# outputs are walked only when the encoding holds a `null`, which is where orjson puts NaN and infinity), or a
-# set of element types and a sum per vector (embedding). A batch that is not a list of n outputs is a problem
-# of the whole batch (bisected by the pool); a bad output fails its own input only.
+# The common case costs one pass (json: one `orjson.dumps`, walking the outputs only when it holds a `null`,
+# where orjson puts NaN and infinity). A batch that is not a list of n outputs fails whole (bisected by the
+# pool); a bad output fails its own input only.
 NUMBER_TYPES = frozenset({float, int})
 
 
 @dataclass
 class OutputRule:
-    """The rule a model's outputs are held to: its kind, and for embeddings the vector length (None until
-    the warm-up batch has shown it)."""
+    """The rule a model's outputs are held to; `dims` (embeddings) is None until the warm-up batch shows it."""
 
     kind: str = "json"
     dims: int | None = None
@@ -294,10 +281,9 @@ ANY_JSON = OutputRule("json")
 
 
 def check_outputs(outputs: object, n: int, rule: OutputRule = ANY_JSON) -> tuple[str | None, dict[int, str]]:
-    """Why `outputs` is not an answer to n inputs at all (None when it is), and the outputs among it that
-    break the rule, by index (each message short: a type and an index, never the output itself). An exception
-    object in an output's place is the backend's own verdict on that input (docs/backends.md): its text is
-    the message."""
+    """Why `outputs` is no answer to n inputs at all (or None), and the outputs that break the rule, by index
+    (short messages, never the output itself). An exception in an output's place is the backend's verdict on
+    that input (docs/backends.md): its text is the message."""
     if not isinstance(outputs, list):
         return f"backend returned {type(outputs).__name__}, not a list", {}
     if len(outputs) != n:
@@ -358,8 +344,7 @@ def _not_finite_json(output: object) -> str:
 
 def _bad_vectors(outputs: list, dims: int | None) -> dict[int, str]:
     bad: dict[int, str] = {}
-    # No dimension known (the warm-up check raised): the batch's first vector sets it, so at least a batch
-    # never mixes lengths.
+    # No dimension known (the warm-up check raised): the first vector sets it, so a batch never mixes lengths.
     want = dims if dims is not None else next((len(o) for o in outputs if isinstance(o, list)), 0)
     for i, v in enumerate(outputs):
         if not isinstance(v, list):
@@ -375,8 +360,8 @@ def _bad_vectors(outputs: list, dims: int | None) -> dict[int, str]:
 
 
 def check_warm_answer(outputs: object, n: int, rule: OutputRule) -> str | None:
-    """The warm-up batch's answer checked as every batch's will be; a sentence saying what is wrong with it
-    (the first bad output), or None. An embedding model's dimension is learned here, from its first vector."""
+    """What is wrong with the warm-up batch's answer (its first bad output), or None; learns an embedding
+    model's dimension from its first vector."""
     if (
         rule.kind == "embedding"
         and rule.dims is None

@@ -12,10 +12,8 @@ Read from the folder's own files, as sentence-transformers and transformers woul
 `--task` overrides the guess. Everything that cannot be served is a `FolderError`: one line, said before the port
 opens (the CLI exits 2), never a stack trace from transformers minutes later.
 
-Each JSON file is decoded into the shape the server reads of it (the msgspec Structs below: only the members it
-uses, each of its type; the rest is transformers' to read), so a file of the wrong shape (a list for an object, a
-string for a length, a module that is a number) is refused naming the file and the member. `inspect_folder` turns
-any other error of a file's shape into a FolderError too: no malformed folder ends in a traceback.
+Each JSON file is decoded into msgspec Structs holding only the members the server reads, so a file of the wrong
+shape is refused naming the file and the member, never with a traceback.
 
 A name that is not a directory is taken as a hub id and looked up in the local Hugging Face cache only
 (`huggingface_hub.snapshot_download(local_files_only=True)`): the server never downloads at start.
@@ -191,8 +189,7 @@ POOLING_ALIASES = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max
 
 
 def read_pooling(path: Path) -> Pooling:
-    """The pooling mode of a sentence-transformers Pooling config (6.x's `pooling_mode`, or the older
-    `pooling_mode_*_token(s)` booleans)."""
+    """The pooling mode of a sentence-transformers Pooling config (6.x's or the older booleans)."""
     config = read_as(path, PoolingConfig)
     mode = config.pooling_mode
     if mode is None:
@@ -219,8 +216,7 @@ def positions_cut(folder: Path, positions: int) -> int:
 
 
 def st_pipeline(folder: Path) -> Pooling:
-    """The Pooling (and Normalize) of sentence-transformers' modules.json; FolderError for a module this server
-    cannot run (a Dense layer, a second transformer...)."""
+    """The Pooling (and Normalize) of modules.json; FolderError for a module this server cannot run."""
     listed = folder / "modules.json"
     pooling: Pooling | None = None
     normalize = False
@@ -277,8 +273,7 @@ def reranker_activation(config: ModelConfig) -> str:
 
 
 def classifier_activation(config: ModelConfig) -> str:
-    """What transformers' text-classification pipeline applies to a classifier's logits by default: none for
-    regression, sigmoid for multi-label (or one label), else softmax."""
+    """What transformers' text-classification pipeline applies to a classifier's logits by default."""
     if config.problem_type == "regression":
         return "identity"
     if config.problem_type == "multi_label_classification" or labels(config) == 1:
@@ -287,8 +282,7 @@ def classifier_activation(config: ModelConfig) -> str:
 
 
 def inspect_folder(name: str, task: str = "") -> FolderModel:
-    """Read a folder (or a cached hub id) and decide what it serves; FolderError says why it cannot. An error
-    no reader foresaw (a file's shape the Structs let through) is a FolderError naming the folder too."""
+    """Read a folder (or a cached hub id) and decide what it serves; FolderError (any error at all) says why not."""
     if task and task not in TASKS:
         raise FolderError(f"task {task!r} is not one of {', '.join(TASKS)}")
     folder = resolve_path(name)

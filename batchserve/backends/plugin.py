@@ -1,10 +1,8 @@
 """The adapter from a user's plugin (docs/backends.md) to the server's `Backend` protocol.
 
-Everything a plugin may get wrong in its shape is found here, once, before the server turns ready: a class whose
-constructor does not take the `[models.options]`, a batch callable that does not take `(inputs)` or
-`(inputs, device)`, an optional method with the wrong parameters, a `max_batch_size` that is not a positive
-integer. What it may get wrong at run time (raising, a wrong-length list, an output that is not JSON) is the
-worker pool's business (`gpu_pool.check_outputs`).
+Everything a plugin may get wrong in its shape (constructor options, the batch callable's or an optional method's
+parameters, `max_batch_size`) is found here, once, before the server turns ready; what it gets wrong at run time
+is the worker pool's business (`backends.check_outputs`).
 
 What the plugin names may be:
 - a function taking `inputs` (and optionally `device`): the batch function itself;
@@ -108,7 +106,7 @@ class PluginBackend:
             # Only a plugin that declares it has the attribute: the door's BatchCoster check finds it.
             self.cost_of_batch = self.batch_cost_fn
         if self.tokenize_fn is not None:
-            # The door's tokenizer stage finds it (core/tokenize_stage.py): only a plugin that declares it has it.
+            # Likewise for the door's tokenizer stage (core/tokenize_stage.py).
             self.tokenize = self.tokenize_fn
 
     def device_names(self) -> list[str]:
@@ -145,9 +143,8 @@ class PluginBackend:
 
 
 def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool = False) -> object:
-    """The plugin object the name points at, built with the model's options. A `shell` is the server-side
-    twin of a plugin whose batches run in device processes (`--executor process`): a class's `shell(settings)`
-    when it has one (it knows devices and buckets but loads no model), else the plugin itself."""
+    """The plugin object built with the model's options. `shell`: the server-side twin of a plugin whose batches
+    run elsewhere, a class's `shell(settings)` (no model) when it has one, else the plugin itself."""
     target, options = resolved.target, spec.options
     if inspect.isclass(target):
         if shell and callable(make_shell := getattr(target, "shell", None)):
@@ -283,9 +280,8 @@ def _devices(obj: object | None, settings: Settings, err: Callable[[str], Except
 
 
 def make_backend(spec: ModelSpec, settings: Settings, shell: bool = False) -> Backend:
-    """Resolve, build and adapt the backend of one model version; PluginError when it cannot be served. With
-    `--executor process` its batches run in one spawned process per device (process.py). `shell`: the
-    plugin's `shell(settings)` only (no model; its batches run elsewhere), in this process."""
+    """Resolve, build and adapt one model version's backend; PluginError when it cannot be served. With
+    `--executor process` its batches run in a process per device (process.py); `shell`: see `build_plugin`."""
     resolved = resolve_backend(spec.backend)
     if shell:
         return adapt(resolved, spec, settings, shell=True)

@@ -1,19 +1,13 @@
-"""`--executor process`: each device's backend runs in its own spawned process (issue 13).
+"""`--executor process`: each device's backend runs in its own spawned process.
 
-Why: a worker thread shares the server's interpreter lock. A backend whose batch holds it for long stretches
-(transformers' `generate` launching ~600 kernels a step from Python, a CPU model's per-op dispatch, tokenizing
-and detokenizing) slows the event loop, and the event loop slows the batch. In its own process a device's batch
-holds only its own interpreter: the server's worker thread just waits on a pipe, with the lock released.
+Why: a worker thread shares the server's GIL, so a backend that holds it for long stretches (Python-launched
+kernels, per-op dispatch, tokenizing) slows the event loop and is slowed by it. In its own process a batch holds
+only its own interpreter; the server's worker thread waits on a pipe with the lock released.
 
-The pool's contract is unchanged: `ProcessBackend` is a Backend, so the worker threads still pull one batch at
-a time per device, and bisection, the watchdog and hang handling work as before (a hung child keeps its worker
-thread waiting, exactly like a hung call in a thread). The batch and its outputs travel over a pipe (pickled
-lists of strings: microseconds to a few milliseconds, beside a batch of tens of milliseconds or more).
-
-Each child is spawned (never forked: CUDA and threads do not survive a fork), sees only its own GPU
-(`CUDA_VISIBLE_DEVICES`), builds the backend for one device and answers `warm` and `run` requests until the pipe
-closes. A failure in a batch comes back as an exception in the parent (bisection takes it from there); a child
-that dies is respawned by the next batch sent to its device.
+`ProcessBackend` is a Backend, so the pool's contract (one batch at a time per device, bisection, watchdog, hang
+handling) is unchanged. Each child is spawned (never forked: CUDA and threads do not survive a fork), sees only
+its own GPU (`CUDA_VISIBLE_DEVICES`) and answers `warm` and `run` until the pipe closes. A batch's failure comes
+back as an exception in the parent; a child that dies is respawned by the next batch sent to its device.
 """
 
 from __future__ import annotations
@@ -86,8 +80,7 @@ def serve_device(
 
 @dataclass
 class DeviceProcess:
-    """One device's child process and the parent's end of its pipe. Used by one thread at a time (the device's
-    worker, or start-up before the workers exist)."""
+    """One device's child process and the parent's end of its pipe; used by one thread at a time."""
 
     factory: Factory
     spec: ModelSpec
@@ -160,8 +153,7 @@ class DeviceProcess:
 
 @dataclass
 class ProcessBackend:
-    """A Backend whose batches run in one child process per device. `local` answers what needs no model
-    (device names, buckets, the first guess of the batch time) in the server process."""
+    """A Backend whose batches run in one child process per device; `local` answers what needs no model."""
 
     local: Any  # the backend's lightweight twin: never asked to run a batch here
     devices: list[DeviceProcess]

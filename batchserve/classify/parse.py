@@ -1,6 +1,5 @@
-"""The bodies of `POST /v1/classify` and `POST /predict`, decoded into their declared shapes (`shapes.py`) and
-checked against the server's limits: 400 in OpenAI's error shape naming the `param`. Both become one
-`Classify`: the texts (or pairs) in order, and how the answer is to be written (`render.py`)."""
+"""The bodies of `POST /v1/classify` and `POST /predict`, decoded and checked against the server's limits (400
+naming the `param`); both become one `Classify`."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ Sequence = str | tuple[str, str]  # one text, or a (text, text_pair)
 class Classify:
     sequences: list[Sequence]
     model: str | None  # None: the first classification model
-    timeout_s: float | None  # None: none named, the model's own default applies (`slo.Deadlines`)
+    timeout_s: float | None  # None: the model's own default applies
     service_tier: str | None = None
     raw_scores: bool = False  # /predict: the logits
     batch: bool = False  # /predict: the inputs were a list of lists, answered with a list per input

@@ -1,8 +1,6 @@
-"""The answers of `POST /v1/classify` (vLLM's shape: per input, the best `label`, every class's score in label
-order as `probs`, `num_classes`; usage in tokens) and `POST /predict` (TEI's: per input, every class as
-`{score, label}`, highest score first; the logits with `raw_scores`; one such list for a text or a pair, a list
-of them for a batch). Each input's output is the model's classes in label order, `{label, score, logit}`
-(`backends/hf.FolderClassifier`); anything else is the model's fault (500)."""
+"""The answers of `POST /v1/classify` (vLLM's shape) and `POST /predict` (TEI's). Each input's output is the
+model's classes in label order, `{label, score, logit}` (`backends/hf.FolderClassifier`); anything else is the
+model's fault (500)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,21 @@
 """The door's policy: refuse at once, not after a wait, what cannot be served in time (docs/contract.md#admission).
 
-Predicted by the cost of the work ahead (`wait_prediction.predict`: the batches ahead of it and its own, each at its
-learned time; a model of length classes has its classes' turns replayed). Under pressure the queue part of the
-prediction is multiplied by what such predictions really turned out to be lately (`wait_calibration.WaitCalibration`,
-fed by the service with each admitted request's first batch).
+Predicted by the cost of the work ahead (`wait_prediction.predict`: the batches ahead and its own, each at its
+learned time); under pressure the queue part is scaled by how such predictions turned out lately
+(`wait_calibration.WaitCalibration`, fed with each admitted request's first batch). The last input is checked
+against the request's deadline, so a many-input request is served when the batches it makes fit its timeout.
 
-The last input is checked against the request's deadline: a many-input request is predicted as the batches it
-will make and served when they fit its timeout.
-Under pressure — arrivals faster than the healthy workers serve (over ~2 s; or, a flood's start, over ~0.25 s
-well above it, where bursts passed lately only once it held above it `FAST_HELD_S`), or a worker lost — the first
-input is also checked against `slo_ms x slack x tier factor` (the model's own SLO: `slo.Deadlines`), so lower
-tiers are refused first and admitted requests stay near the objective; since a long input makes its own batch
-costlier, one tenant's long inputs pass that bound before another's short ones do, and are shed first. Without
-pressure a passing burst is queued, not refused.
+Under pressure (`under_pressure`) the first input is also checked against `slo_ms x slack x tier factor` (the
+model's own SLO: `slo.Deadlines`), so lower tiers are refused first and admitted requests stay near the objective;
+a long input makes its own batch costlier, so one tenant's long inputs are shed before another's short ones.
+Without pressure a passing burst is queued, not refused.
 
-No lock-out: a free worker with nothing queued ahead admits what its deadline might allow (the quickest a batch
-may take, `BatchTimes.lower_bound`), and when even that says no, one request now and then (`PROBE_EVERY_S`) is
-let through as a probe that runs whatever the figure says: only running corrects a batch time learned wrong.
-An input that costs more than a whole batch may (`--max-batch-tokens`, or alone longer than half the longest
-allowed timeout) is refused with 413: it can never run in time.
+No lock-out: a free worker with nothing queued admits what its deadline might allow (`BatchTimes.lower_bound`), and
+when even that says no, one request now and then (`PROBE_EVERY_S`) runs as a probe: only running corrects a batch
+time learned wrong. An input that costs more than a whole batch may is refused with 413: it can never run in time.
 
-Everything here is policy over numbers: the clock is injected, the pool is seen through `WorkerCapacity`, so the
-unit tests drive it without a server, threads or sleeps.
+Policy over numbers: the clock is injected and the pool seen through `WorkerCapacity`, so unit tests need no
+server, threads or sleeps.
 """
 
 from __future__ import annotations
@@ -43,11 +37,9 @@ from batchserve.slo import Deadlines
 
 FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once (a flood's start)...
 # ... unless a burst passed lately (that rate rose above capacity and fell back below BURST_LOW of it within
-# BURST_MEMORY_S): then only once it has stayed above capacity FAST_HELD_S without a dip. Closed-loop users
-# answered together send together (300 locust users at 0.9x capacity: ~300 inputs every 333 ms, the 0.25 s rate
-# peaking at ~1.7x capacity and well below it between bursts): within capacity, yet read as a flood at every
-# burst, the tail of each was refused by the latency objective, slow answers turned into errors (issue 47). A
-# flood out of steady traffic is still seen at once; one that follows bursts, FAST_HELD_S later.
+# BURST_MEMORY_S): then only once it has stayed above capacity FAST_HELD_S without a dip. Closed-loop users answered
+# together send together: traffic within capacity peaks well above it at every burst, and read as a flood, each
+# burst's tail would be refused. A flood out of steady traffic is still seen at once.
 FAST_HELD_S = 0.25
 BURST_MEMORY_S = 2.0  # the long horizon: bursts that passed this lately are expected again
 BURST_LOW = 0.8  # a burst has passed once that rate is back this far below capacity (not the wobble of a rise)
@@ -82,9 +74,8 @@ class RateMeter:
 
 
 class DoorFigures(msgspec.Struct, gc=False):
-    """What the door reads of a model on every request, read together once each time what it is read from
-    moves (`BatchTimes.version`: a batch observed, a seed, a budget or a mean cost) or the healthy workers
-    change: between two batches every request read the same numbers through seven calls."""
+    """What the door reads of a model on every request, read afresh only when `BatchTimes.version` or the
+    healthy workers change: between two batches every request would read the same numbers."""
 
     version: int  # the BatchTimes.version they were read at
     healthy: int  # the healthy workers they were read with
@@ -146,8 +137,7 @@ class Admission:
         )
 
     def _pressure(self, model: str, rate: float, fast_rate: float, healthy: int, full_n: int, full_s: float) -> bool:
-        """`under_pressure` with the figures the door has already read: healthy workers, a full batch's inputs
-        and its S."""
+        """`under_pressure` with the figures the door has already read."""
         assert self.capacity is not None
         capacity, backlog = self._capacity(model, healthy, full_n, full_s)
         now = self.clock()
@@ -161,10 +151,9 @@ class Admission:
 
     def flood_from(self, model: str, now: float, fast_rate: float, capacity: float) -> float:
         """From when the short-horizon rate (`arrivals_fast`, just ticked at `now` to `fast_rate`) is a flood's
-        start while it is above FAST_SPIKE x capacity: at once, or where a burst passed lately FAST_HELD_S after
-        it rose above capacity (inf: it is below capacity). Between ticks the rate only decays, so its lowest
-        since the tick before is what it had decayed to (`RateMeter.before`): a dip below capacity there starts
-        the hold anew, and one below BURST_LOW x capacity after a rise above it is a burst that passed."""
+        start: at once, or where a burst passed lately FAST_HELD_S after it rose above capacity (inf: below
+        capacity). The rate only decays between ticks, so `RateMeter.before` is its lowest since the last one: a dip
+        below capacity starts the hold anew, one below BURST_LOW x capacity after a rise is a burst that passed."""
         above = self.fast_above.get(model)
         meter = self.arrivals_fast
         lowest, low = meter.before, BURST_LOW * capacity
@@ -191,12 +180,9 @@ class Admission:
     def _capacity(self, model: str, healthy: int, full_n: int, full_s: float) -> tuple[float, float]:
         """Inputs per second the healthy workers serve, and the backlog past which arrivals above it are pressure.
         Full batches at their S: arrivals above that are over capacity, whatever is queued (backlog -1). A costed
-        model's batches as they really were (`served_rate`), where lower: a worker that keeps up serves just what
-        arrives, in batches as small as that, so below capacity the arrival rate is above the served one half
-        the time, by chance (the short horizon's a flood's start as often), while each batch still takes all
-        that waits (it would form larger batches, which serve more a second, if more arrived). Arrivals above
-        it are pressure only once more waits than the next batch on each worker takes, as recent batches went:
-        the queue is growing."""
+        model's batches as they really were (`served_rate`), where lower: a worker that keeps up serves what arrives
+        in batches as small as that, so the arrival rate is above the served one half the time, by chance; arrivals
+        above it are pressure only once more waits than each worker's next batch takes (the queue is growing)."""
         capacity, backlog = healthy * full_n / full_s, -1.0
         got = self.batcher.costs.served.get(model)
         if got is not None and got[1] > 0 and healthy * (got[0] / got[1]) < capacity:
@@ -204,8 +190,7 @@ class Admission:
         return capacity, backlog
 
     def read_figures(self, model: str, healthy: int) -> DoorFigures:
-        """The model's `DoorFigures` with `healthy` workers, read afresh and kept (`admit_ticket` asks when the
-        kept ones are stale)."""
+        """The model's `DoorFigures` with `healthy` workers, read afresh and kept until stale."""
         times = self.batcher.batch_s
         assert self.capacity is not None
         batch_s = times[model]
@@ -245,11 +230,9 @@ class Admission:
         return False
 
     def _surely_in_time(self, until_free: float, ahead: int, deadline_s: float, most_s: float, rows: int) -> bool:
-        """Whether a one-input request of a model of one queue is answered before `deadline_s` by any
-        prediction `predict` could make: its batches ahead (at least `rows` inputs each), a partial one and its
-        own, each at most the model's longest batch (`most_s`, `BatchTimes.most`). A request with a deadline
-        this far needs no prediction (the sim's or a count model's usual case); a costed model's line has no
-        top, so it is always predicted. A method, not a function: a test counts the calls."""
+        """Whether any prediction `predict` could make answers a one-input request of a one-queue model before
+        `deadline_s`: its batches ahead (at least `rows` inputs each), a partial one and its own, each at most
+        `most_s` (`BatchTimes.most`). Then no prediction is needed. A method, not a function: a test counts calls."""
         worst = until_free + (ahead // rows + 2) * most_s
         return worst < deadline_s * (1 - 1e-9) - 1e-6  # clear of float rounding in the sums it bounds
 
@@ -284,10 +267,9 @@ class Admission:
     def _goes_as_probe(
         self, model: str, widest: float, deadline_s: float, timeout_s: float | None, idle: bool, now: float
     ) -> bool:
-        """For a deadline its slowest batch alone could miss: raise the refusal that says why it cannot be met
-        (a timeout too short to ask for, a deadline gone while the body was read, one no idle worker could
-        reach), or return whether it goes as a probe (an idle worker, and none lately: the figure may be wrong,
-        and running is how it is learned). False: judged as any other request."""
+        """For a deadline its slowest batch alone could miss: raise the refusal that says why it cannot be met (a
+        timeout too short, a deadline gone while the body was read, one no idle worker could reach), or return
+        whether it goes as a probe (an idle worker, and none lately); False: judged as any other request."""
         batcher, times = self.batcher, self.batcher.batch_s
         # the quickest any answer can come: a batch of its own longest input alone
         fastest_s = times.lower_bound(model, batcher.costs.estimate_cost(model, 1, widest))
@@ -316,13 +298,11 @@ class Admission:
         bucket: int | None = None,
         timeout_s: float | None = None,
     ) -> Ticket:
-        """Raise the 503 (or 413) that fits, or return when the request's inputs may join the queue
-        (`deadline_s`: the time left before the request's deadline; `costs`: what each input costs), with what
-        the door predicted, for `observed` to compare with what happened. `Ticket.probe`: the request goes as a
-        probe, its inputs run even if the learned time says they will be late. `bucket`: the length class of its
-        first input, so the other classes' queues count as their batches.
-        `timeout_s`: the request's whole timeout, from its first byte (`deadline_s` when not given): what a
-        timeout too short to be met is judged by, where `deadline_s` is what is left of it now."""
+        """Raise the 503 (or 413) that fits, or return the ticket on which the request's inputs join the queue,
+        with what the door predicted for `observed`. `deadline_s`: the time left before the deadline; `costs`: what
+        each input costs; `bucket`: the first input's length class, so other classes' queues count as their
+        batches; `timeout_s`: the whole timeout from the first byte (default `deadline_s`), which judges a timeout
+        too short to be met. `Ticket.probe`: its inputs run even if the learned time says they will be late."""
         batcher, capacity = self.batcher, self.capacity
         healthy = capacity.healthy_count() if capacity is not None else 0  # read once: nothing below changes it
         if batcher.draining or not healthy:
@@ -342,8 +322,7 @@ class Admission:
             if self._goes_as_probe(model, widest, deadline_s, timeout_s, idle, now):
                 return self._probe(model, bucket, now, n)
         pressure = self._door_pressure(model, fig, now, n, queued)
-        # A free worker and nothing ahead: this request runs now, and running is what corrects a stale estimate
-        # (refused, a batch time learned from one slow batch would refuse every request for good). Decided
+        # A free worker and nothing ahead: it runs now, since running is what corrects a stale estimate; decided
         # before the prediction, which cannot change it.
         if idle and n <= fig.full_n:
             self._joined(model, bucket, now, n)
@@ -392,9 +371,7 @@ class Admission:
 
     def _door_pressure(self, model: str, fig: DoorFigures, now: float, n: int, queued: int) -> bool:
         """For a request of `n` inputs joining `queued` ones: the 503 when the queue has no room for them, else
-        tick the arrival meters and say whether the door is under pressure (`_pressure` with the kept figures):
-        the long horizon over capacity or a flood's start (the short one well over it), with the queue growing;
-        or a worker lost."""
+        tick the arrival meters and say whether the door is under pressure (`_pressure`, with the kept figures)."""
         if queued + n > self.max_queue:
             raise errors.overloaded(
                 f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=fig.batch_s * 1000

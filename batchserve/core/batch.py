@@ -57,27 +57,17 @@ class BatchTracer(Protocol):
 
 
 # -- the learned batch time ------------------------------------------------------------------------------------
-# The learned batch time S, per model and by batch cost (issues 13 and 22).
+# The learned batch time S, per model and by batch cost (the built-ins: padded tokens; a plugin that says nothing: 1
+# per input, so cost reads as size). Not one S per model: a real model's batch of 1 runs in a fraction of a batch of
+# 100's time, so a full batch's S would dispatch a lone item far too early and a lone item's S too late.
 #
-# Cost, not count (issue 22): a batch's cost is what the backend says it costs to run — for the built-ins its
-# padded tokens (rows x the longest row's tokens); for a plugin that says nothing, 1 per input, so its cost is
-# its size and everything below reads as "by size". One axis serves both: the sim and plain plugins learn S by
-# size exactly as before, a tokenizing model learns S by tokens, and a batch of 60 long inputs is expected to take
-# what such batches took, not what a batch of 60 short ones did.
-#
-# Why by size: the sim takes the same time for 1 input as for 100, but a real model on a GPU does not (a batch of 1
-# decodes in a fraction of a batch of 100's time), and one S per model, learned from whatever sizes happened to
-# run, is wrong for every other size: a deadline computed with a full batch's S dispatches a lone item far too
-# early, one computed with a lone item's S too late.
-#
-# How: sizes fall in power-of-two buckets (1, 2, 3-4, 5-8, ..., 65-128); each bucket keeps an exponentially
-# weighted mean of the sizes it saw and of their batch times, one point (n, S) per bucket. S at any size is read
-# off the line through the measured points:
+# Costs fall in power-of-two buckets (1, 2, 3-4, 5-8, ...), each an EWMA point (n, S). S at any cost is read off the
+# line through the points:
 # - between two points: linear interpolation;
 # - below the smallest: that point's S (a smaller batch is not slower; no guess at how much faster);
 # - above the largest: the line through the smallest and largest points (the widest baseline, so two noisy
-#   neighbours cannot fake a steep slope), never falling and never steeper than proportional growth from the
-#   largest point (S(n) <= S(largest) x n / largest: a batch costs at most its inputs one by one);
+#   neighbours cannot fake a steep slope), never falling and never steeper than S(largest) x n / largest (a batch
+#   costs at most its inputs one by one);
 # - no point yet: the model's seed (the backend's first guess, or a warm-up measurement).
 EWMA_ALPHA = 0.2  # weight of the newest batch in a bucket's mean
 DEFAULT_SEED_S = 1.0  # a model with neither a seed nor a measurement
@@ -102,9 +92,8 @@ class _Line:
     sizes: list[float]
     seconds: list[float]
     slope: float
-    # S read off this line by cost: a count model's batches (1..100 inputs) are read again and again, ~8 times
-    # per admitted request, between two batches; a new line (an observation) starts empty. Bounded, since a
-    # costed model's costs are floats that rarely repeat.
+    # S by cost, memoised: a count model's few sizes are read ~8 times per admitted request between two batches.
+    # Bounded, since a costed model's float costs rarely repeat; a new line (an observation) starts empty.
     memo: dict[float, float] = field(default_factory=dict, compare=False)
     # `BatchTimes.most` by the cap it was read at: the door asks it on every request, the line changes per batch.
     tops: dict[float, float] = field(default_factory=dict, compare=False)
@@ -119,7 +108,7 @@ class _Line:
         return cls([p.size for p in points], [p.seconds for p in points], slope)
 
     def read(self, n: float) -> float:
-        """S at cost n (>= 1) off the points (module docstring); at least one point."""
+        """S at cost n (>= 1) off the points, by the rules above `EWMA_ALPHA`; needs at least one point."""
         sizes, secs = self.sizes, self.seconds
         i = bisect.bisect_right(sizes, n)  # the points at or below n: sizes[:i]
         if i == 0:
@@ -145,12 +134,10 @@ class BatchTimes:
     caps: dict[str, float] = field(default_factory=dict)
     points: dict[str, dict[int, Point]] = field(default_factory=dict)
     alpha: float = EWMA_ALPHA
-    # Each model's line, read on every request (at its own size, which changes with every arrival: a memo by
-    # size missed nearly always) and rebuilt only after an observation.
+    # Each model's line: read on every request, rebuilt only after an observation.
     _lines: dict[str, _Line] = field(default_factory=dict, repr=False)
-    # Bumped by whatever may change what `at` or `most` read for any model (a point, a seed, a cap or a full
-    # batch's cost, and `BatchBudget`'s budgets and mean costs, which it bumps): what the door keeps per model
-    # between two batches is stale once it moved (`admission.DoorFigures`).
+    # Bumped by anything that may change what `at` or `most` read (a point, seed, cap or full batch's cost;
+    # `BatchBudget` bumps it for budgets and mean costs): the door's `admission.DoorFigures` are stale once it moves.
     version: int = 0
 
     def seed(self, model: str, seconds: float) -> None:
@@ -171,9 +158,8 @@ class BatchTimes:
         p.seconds += self.alpha * (seconds - p.seconds)
 
     def forget_above(self, model: str, cost: float) -> None:
-        """Drop the points of batches costlier than `cost` (the model's budget was lowered below them): a
-        slow point nothing will run at again must not keep the budget low for good; the line above the
-        points left is extrapolated, and a budget raised on it is measured again."""
+        """Drop the points costlier than `cost` (the budget was lowered below them): a slow point nothing runs at
+        again must not hold the budget low for good; a budget raised on the extrapolated line is measured again."""
         buckets = self.points.get(model, {})
         for key in [k for k, p in buckets.items() if p.size > cost]:
             del buckets[key]
@@ -200,10 +186,9 @@ class BatchTimes:
         return got
 
     def most(self, model: str) -> float:
-        """The longest any batch of this model is expected to take (`at` of any cost is at most this): the
-        slowest point, or the line read at the model's cap where it rises past them (inf: a costed model's
-        batches are capped by no count, so a rising line has no top). Lets the door skip a prediction that could
-        not matter."""
+        """The longest any batch of this model is expected to take (`at` never exceeds it), so the door can skip a
+        prediction that could not matter: the slowest point, or the line at the cap where it rises past them (inf:
+        a costed model has no count cap, so a rising line has no top)."""
         cap = self.caps.get(model, self.max_batch_size)
         line = self._lines.get(model)
         if line is not None:
@@ -223,11 +208,9 @@ class BatchTimes:
         return top
 
     def lower_bound(self, model: str, size: float) -> float:
-        """The least a batch of `size` may be expected to take, for refusing or dropping work that could not
-        finish in time: the learned S(size), or the seed (the backend's own guess, or its warm-up time) where
-        that is lower. Not the learned S alone: one slow first batch (a cold start, a hang that ended) set it,
-        every request was then refused at the door or dropped before its batch, and with nothing running
-        nothing could teach it otherwise: the model refused all traffic for good."""
+        """The least a batch of `size` may take, for refusing or dropping work that could not finish in time: the
+        learned S(size) or the seed, whichever is lower. Not the learned S alone: after one slow first batch (a cold
+        start) every request would be refused, and with nothing running nothing could lower it again."""
         learned = self.at(model, size)
         seed = self.seeds.get(model)
         return learned if seed is None else min(learned, seed)
@@ -266,21 +249,11 @@ class BatchTimes:
 
 
 # -- a batch's size and cost budget, per model -----------------------------------------------------------------
-# A batch's size and cost per model: how many inputs and how much cost one batch may hold, the mean cost of an
-# input, and the budget lowered so a full batch fits its time bounds (issue 22; split out of the batcher, issue 35
-# item 5).
-#
-# Cost, not count: every input carries its cost (the backend's `cost_of`, e.g. tokens; 1 for a plugin that
-# declares none) and a batch's cost is rows x its longest row. A batch stops filling at `--max-batch-tokens` (the
-# cost budget) as well as at the batch size (`limit`: the model's own lower limit when it has one). When a full
-# batch would outlast half the longest allowed timeout, the model's budget is lowered to what fits (one log
-# line), and the points learned above it are forgotten so the budget can grow back when they were wrong; a model
-# whose inputs have costs also has it lowered to fit half the latency objective (`fit_budget`).
-#
-# This is the arithmetic the batcher forms batches by and the door predicts with; it holds no queue and no clock
-# (the learned batch times are `core/batch.BatchTimes`, shared with the batcher), so its unit tests drive it with
-# numbers alone. A model whose inputs all cost 1 (the sim, a plugin without `cost_of`) never reaches the costed
-# branches: its budget is infinite and a full batch is its batch size.
+# Every input carries its cost (the backend's `cost_of`, e.g. tokens; 1 for a plugin that declares none) and a
+# batch stops filling at `--max-batch-tokens` (the cost budget) or at the batch size (`limit`), whichever comes
+# first; the budget is lowered so a full batch fits its time bounds (`fit_budget`). The arithmetic the batcher forms
+# batches by and the door predicts with: no queue and no clock, so unit tests drive it with numbers alone. A model
+# whose inputs all cost 1 never reaches the costed branches: its budget is infinite, a full batch its batch size.
 log = logging.getLogger("batchserve")
 UNIT_ALPHA = 0.02  # weight of the newest input in a model's mean input cost (a full batch's cost is read off it)
 ROW_ALPHA = 0.2  # weight of the newest batch in a length class's padded cost per row (`row_cost`)
@@ -318,8 +291,8 @@ class BatchBudget:
         return self.model_limits.get(model, self.max_batch_size)
 
     def budget(self, model: str) -> float:
-        """The most one batch of this model may cost (inf: no budget). Called ~10 times per admitted request:
-        a comparison rather than min() and two infinities."""
+        """The most one batch of this model may cost (inf: no budget). Comparisons, not min(): ~10 calls per
+        admitted request."""
         own = self.max_batch_cost
         lowered = self.cost_limits.get(model)
         if lowered is None:
@@ -344,7 +317,7 @@ class BatchBudget:
 
     def note_cost(self, model: str, cost: float) -> None:
         """An input of this cost was admitted: keep the model's mean input cost, and with it the cost of a full
-        batch (`batch_s[model]`). A model whose inputs all cost 1 is left exactly as before."""
+        batch (`batch_s[model]`). A model whose inputs all cost 1 is left untouched."""
         unit = self.unit.get(model)
         if unit is None:
             if cost == 1.0 and (
@@ -372,14 +345,10 @@ class BatchBudget:
         return min(cost, max(1.0, budget))
 
     def fit_budget(self, model: str) -> None:
-        """Lower the model's cost budget so a full batch fits: within `max_batch_s` (half the longest allowed
-        timeout) always, and, for a model whose inputs have costs (tokens), within `latency_fit_s` (half the latency
-        objective with its slack, the model's own: `latency_fits`; an input may wait for the batch running, then run
-        in its own): one batch of
-        long inputs must not hold the worker for seconds while other callers' short inputs wait behind it. The
-        price on a CPU, where a batch has a large fixed part: fewer inputs a second than batches of 64 would
-        serve (bench/cost_bench.py measures it). Raised back toward the configured budget once a
-        larger batch fits. One log line the first time a model's budget is lowered (later moves: debug)."""
+        """Lower the model's cost budget so a full batch fits within `max_batch_s` (half the longest allowed
+        timeout) and, for a costed model, within `latency_fits` or `latency_fit_s` (half the latency objective with
+        its slack: an input may wait for the running batch, then run in its own), so one batch of long inputs does
+        not hold the worker while short inputs wait. Raised back once a larger batch fits."""
         unit = self.unit.get(model, 1.0)
         configured = self.max_batch_cost if self.max_batch_cost > 0 else math.inf
         top = min(self.limit(model) * max(unit, self.widest.get(model, 1.0)), configured)  # a batch of the longest
@@ -396,11 +365,8 @@ class BatchBudget:
             times.forget_above(model, hard)  # a slow point above the budget would hold it down for good
         before = self.cost_limits.get(model, math.inf)
         if before < fitted:
-            # A lowered budget rises by at most twice the costliest batch measured (slow start). Past the points
-            # the time is a line's guess, and one cheap long-input batch can flatten that line enough to promise
-            # that a batch a hundred times costlier fits: it then held the only worker for seconds (the soak's
-            # first request of 60 long inputs: 4.3 s, the worker marked hung). Each batch that fits lets the next
-            # be twice as costly.
+            # Slow start: at most twice the costliest batch measured. Past the points the time is a line's guess,
+            # and one cheap long-input batch can flatten it enough to promise a hundred-times-costlier batch fits.
             fitted = min(fitted, max(before, 2 * times.largest(model)))
         if fitted >= top:
             if before != math.inf:
@@ -446,9 +412,8 @@ class BatchBudget:
         return None
 
     def observe(self, model: str, seconds: float, cost: float, rows: int = 0) -> None:
-        """A batch of this cost (and `rows` inputs) took `seconds`: learn it, and keep the model's budget within
-        max_batch_s. For a model whose inputs have costs, also the inputs a worker served per second of batch
-        time (`served_rate`)."""
+        """A batch of this cost (and `rows` inputs) took `seconds`: learn it, refit the model's budget, and for a
+        costed model keep `served_rate`."""
         self.batch_s.observe(model, cost, seconds)
         self.fit_budget(model)
         if rows > 0 and model in self.unit:
@@ -456,16 +421,15 @@ class BatchBudget:
             self.served[model] = (r + SERVED_ALPHA * (rows - r), t + SERVED_ALPHA * (seconds - t))
 
     def served_rate(self, model: str) -> float | None:
-        """Inputs one worker served per second of batch time, lately (None: not measured; count models). A
-        costed model's full batch (`full_n` at S of a full batch) overstates it: its length classes make
-        smaller batches, each padded to its longest input. When the worker keeps up, this is at least the
-        arrival rate; past capacity, it is the capacity."""
+        """Inputs one worker served per second of batch time, lately (None: not measured; count models). Not
+        `full_n` over a full batch's S, which overstates it: length classes make smaller batches, each padded to its
+        longest input. At least the arrival rate while the worker keeps up; past capacity, the capacity."""
         got = self.served.get(model)
         return got[0] / got[1] if got is not None and got[1] > 0 else None
 
     def note_row(self, key: tuple[str, int], widest: float) -> None:
-        """A batch of queue `key` (model, length class) was formed, its longest input costing `widest`: every row
-        of it costs that much (padding), kept per queue as `row_cost`. Nothing for a queue of inputs costing 1."""
+        """A batch of queue `key` was formed, its longest input costing `widest`: every row of it costs that much
+        (padding), kept as `row_cost`."""
         if widest > 1.0 or key in self.row_cost:
             before = self.row_cost.get(key, widest)
             self.row_cost[key] = before + ROW_ALPHA * (widest - before)

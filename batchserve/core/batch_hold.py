@@ -1,45 +1,32 @@
-"""Holding a free worker's batch for company while the load is high (issue 36): the flush rule "a worker is
-free and waiting longer would not help" (docs/contract.md#batching), "would not help" judged by the learned batch times.
+"""Holding a free worker's batch for company while the load is high: the flush rule "a worker is free and waiting
+longer would not help" (docs/contract.md#batching), "would not help" judged by the learned batch times.
 
-Why: a free worker takes what waits (one device: nothing to stagger, `Batcher.most_urgent`). Under low load
-that is right: one input alone, answered at once. Near capacity it is not: batches are whatever arrived while
-the last one ran, so the worker runs small batches back to back, busy all the time, at the cost per input of a
-small batch. On a CPU a batch has a large fixed part (minilm on this machine: ~16 ms of CPU per input in batches
-of 2-6, ~11 ms at 64), so the worker spends a third more CPU per input than it needs to, CPU the event loop and
-the tokenizer share, and admission, reading what the small batches serve (`BatchBudget.served_rate`), sees
-pressure at a rate the model could serve.
+Why: a free worker takes what waits (`Batcher.most_urgent`). Under low load that is right: one input alone, answered
+at once. Near capacity, batches are whatever arrived while the last one ran, so the worker runs small batches back to
+back at a small batch's cost per input. On a CPU a batch has a large fixed part (minilm: ~16 ms of CPU per input in
+batches of 2-6, ~11 ms at 64), CPU the event loop and the tokenizer share, and admission, reading what the small
+batches serve (`BatchBudget.served_rate`), sees pressure at a rate the model could serve.
 
 The rule, per queue, when a worker is free (pacing due) and the queue is neither full nor draining:
 
-- only under load: where taking what waits would keep the workers busier than `BUSY_HOLD` (`greedy_busy`:
-  at the model's arrival rate, all its length classes, its batches settle at the smallest k that arrives no
-  faster than it runs, k >= rate x S(k)), and where even full batches would keep them at least `LOAD_MIN` busy;
-  below either the batch goes now (low load, lone inputs answered at once). The second matters where a batch's
-  time hardly grows with its size (a GPU, the sim): there taking what waits keeps the device "busy" at any
-  rate, yet waiting buys nothing the device lacks, and a hold only adds its length to every answer;
-- and not near capacity: where even the batches it would wait for keep the workers busier than `BUSY_MAX`,
-  a worker idling while inputs wait loses time it cannot make up (and the door, seeing waits longer than it
-  predicts, refuses more: measured here at 38/s on ~0.5 cores, 149 refusals against 8 taking what waits), so
-  the batch goes now and batches grow by the backlog alone, as before;
-- the batch worth waiting for: the smallest whose inputs cost at most `EFFICIENT_WITHIN` more each than in a
-  full batch, "where the per-input cost flattens", read off the learned batch times (`BatchTimes`); a queue
-  already that large goes now, and a device whose time grows in proportion to its inputs never holds;
-- how long: until this queue is expected to hold it (its own arrival rate), lowered to the largest batch that,
-  formed then, would end within `SLO_SHARE` of the SLO after its oldest input arrived (the rest of the SLO is
-  for a batch running ahead and the machine's noise: p95 stays within it), and at most `HOLD_BATCHES` times
-  that batch's own time (about what the inputs would have waited had the worker still been busy: more lets a
-  CPU worker's length classes reach larger batches, less makes a burst's tail wait less for company that stopped
-  coming); never past the dispatch deadline (the batcher's rule, unchanged). Decided once per batch
-  (`Holds.until`): when the wait ends the batch goes with what came, so the end of a burst is not held again
-  and again for company that stopped coming. A full queue goes at once, as before.
+- only under load: where taking what waits would keep the workers busier than `BUSY_HOLD` (`greedy_busy`), and where
+  even full batches would keep them at least `LOAD_MIN` busy; else the batch goes now. The second matters where a
+  batch's time hardly grows with its size (a GPU, the sim): taking what waits keeps the device "busy" at any rate,
+  yet waiting buys nothing the device lacks and only adds its length to every answer;
+- not near capacity: where even the batches it would wait for keep the workers busier than `BUSY_MAX`, a worker
+  idling while inputs wait loses time it cannot make up (and the door, seeing longer waits than it predicts, refuses
+  more), so the batch goes now and batches grow by the backlog alone;
+- the batch worth waiting for: the smallest whose inputs cost at most `EFFICIENT_WITHIN` more each than in a full
+  batch, read off `BatchTimes`; a queue already that large goes now, and a device whose time grows in proportion to
+  its inputs never holds;
+- how long: until this queue is expected to hold it (its own arrival rate), lowered to the largest batch that would
+  end within `SLO_SHARE` of the SLO after its oldest input arrived (the rest is for a batch running ahead and the
+  machine's noise), at most `HOLD_BATCHES` of that batch's time, never past the dispatch deadline. Decided once per
+  batch (`Holds.until`), so the end of a burst is not held again and again for company that stopped coming.
 
-So holds act between about a third of capacity and ~85 % of it, where a CPU worker would otherwise run batches
-of 1-3 back to back, and fade out where throughput is at stake. With the default 200 ms SLO a held batch still
-ends within 100 ms of its oldest input: what the door admitted is answered in time.
-
-Arrival rates are counted where batches form (items that joined a queue since its last batch), decayed
-exponentially over `RATE_TAU_S`, plus those queued since (`Holds._decide`): no work per request. Pure arithmetic
-over numbers and an injected clock, so the unit tests drive it directly (tests/unit/core/test_batch_hold.py).
+So holds act between about a third of capacity and ~85 % of it, and fade out where throughput is at stake; with the
+default 200 ms SLO a held batch still ends within 100 ms of its oldest input. Pure arithmetic over numbers and an
+injected clock; arrivals are counted where batches form (`Holds.count`), not per request.
 """
 
 from __future__ import annotations
@@ -94,10 +81,9 @@ def hold_until(
     workers: int,
     slo_s: float,
 ) -> float:
-    """When a free worker should take this queue's batch (`now`: at once). `oldest`: when its oldest input
-    arrived; `n`: inputs waiting, `full_n`: a full batch of them; `seconds(k)`: the learned time of a batch of k
-    of them; the model's and this queue's arrival rates (inputs/s); healthy workers; the SLO (module docstring).
-    The dispatch deadline is the caller's, and comes first when earlier."""
+    """When a free worker should take this queue's batch (`now`: at once), by the rule in the module docstring.
+    `n`: inputs waiting; `seconds(k)`: the learned time of a batch of k; rates in inputs/s. The dispatch deadline is
+    the caller's, and comes first when earlier."""
     if n <= 0 or n >= full_n or model_rate <= 0.0 or queue_rate <= 0.0:
         return now
     share = model_rate / max(1, workers)  # inputs per second each worker serves
@@ -165,9 +151,8 @@ Key = tuple[str, int]  # a queue: (model, length class)
 
 @dataclass
 class Holds:
-    """What the batcher keeps for holding (`hold_until`): arrivals per queue and per model, counted where batches
-    form; each queue's length after its last batch; and each queue's hold, decided once per batch. Apart from the
-    batcher because only its pace rung reads them, and batch formation writes them."""
+    """What the batcher keeps for holding (`hold_until`): arrivals per queue and per model, each queue's length
+    after its last batch, and each queue's hold. Apart from the batcher: only its pace rung reads them."""
 
     costs: BatchBudget
     batch_s: BatchTimes
@@ -179,9 +164,8 @@ class Holds:
     held: dict[Key, tuple[float, float]] = field(default_factory=dict)
 
     def until(self, key: Key, q: FairQueue, oldest: float, now: float, depth: int, workers: int, slo_s: float) -> float:
-        """Until when a free worker holds queue `key`'s batch (not full; its oldest item arrived at `oldest`;
-        `depth` items of its model queued, `workers` healthy): decided once per batch, so the wait does not renew
-        itself."""
+        """Until when a free worker holds queue `key`'s batch (not full; `depth` items of its model queued): decided
+        once per batch, so the wait does not renew itself."""
         hold = self.held.get(key)
         if hold is None:
             hold = self.held[key] = (now, self._decide(key, q, oldest, now, depth, workers, slo_s))
@@ -244,36 +228,20 @@ class Holds:
 
 # -- bursts --------------------------------------------------------------------------------------------------------
 # A burst rides one batch: how long a free worker waits for the rest of a burst whose first inputs it sees.
-#
-# Why: closed-loop clients (locust's users, a UI's fan-out, a job runner's workers) send in bursts: spawned
-# together, each paced from its previous send, so their next sends come together again. A free device takes what
-# waits at once (`Batcher.most_urgent`), so a burst's first input went alone and the rest waited a whole batch
-# behind it: every caller's latency doubled at any load, though the device was idle.
-#
-# The rule, per model, from the gaps between the arrivals the door sees (`arrived`, the requests' first byte):
-#
-# - a gap of at most `GAP_MAX_S` is a gap inside a burst; the share of arrivals that come so (`share`) and the
-#   typical such gap (`gap_s`) are decayed means over the last ten or so arrivals (one burst teaches them);
-# - while at least `BURSTY_SHARE` of arrivals come inside bursts, a free worker waits until no input has arrived
-#   for `QUIET_GAPS` typical gaps (at least `QUIET_MIN_S`, at most `GAP_MAX_S`): the burst is over;
-# - never longer than a share of one batch's time after the oldest waiting input arrived (`WINDOW_BATCH_SHARE`, at
-#   most `WINDOW_MAX_S`), and never past its dispatch deadline (the batcher's rule, unchanged), so an input that
-#   waited through a running batch goes at once;
-# - arrivals that are spread (open-loop, Poisson at a rate where gaps of a few ms are rare) hold nothing, and
-#   neither do arrivals so dense that they never fall quiet (a run of close arrivals longer than the window is a
-#   stream, not a burst: several devices at high rates would otherwise each wait out the window).
-#
-# A full queue goes at once. Pure arithmetic over arrival times, so the unit tests drive it with an injected
-# clock (tests/unit/core/test_burst.py).
+# Closed-loop clients (locust's users, a UI's fan-out, a job runner's workers) send in bursts, and a free device
+# takes what waits at once: a burst's first input would go alone and the rest wait a whole batch behind it,
+# doubling every caller's latency though the device was idle. Per model, from the gaps between arrivals at the door
+# (`Bursts.arrived`): while bursts are the rule, a free worker waits for a quiet gap, within a window short enough
+# that an input that waited through a running batch goes at once (and never past its dispatch deadline). Spread
+# arrivals hold nothing, nor do arrivals so dense they never fall quiet (a stream: several devices would each wait
+# out the window). A full queue goes at once.
 GAP_MAX_S = 0.008  # a gap this short or shorter is inside a burst; also the longest quiet a worker waits for
 QUIET_GAPS = 8.0  # the burst is over once no input came for this many typical in-burst gaps
-# ... but at least this long: the door's own hiccups inside a burst (its first request's cold path, a batch's
-# answers written meanwhile) and the client's (one locust process sends 60 users' requests over ~30 ms) part two
-# requests sent together by 1-8 ms on this machine, where most are 0.1 ms apart
+# ... but at least this long: hiccups of the door (a cold path, answers written meanwhile) and of the client can
+# part two requests sent together by 1-8 ms, where most are 0.1 ms apart
 QUIET_MIN_S = 0.006
-# The most a burst holds its first input, from its arrival: a share of one batch's time, and never more than
-# WINDOW_MAX_S. A burst of 60 users from one locust process takes ~20 ms to arrive; an input that waited through a
-# running batch (its wait already a batch time long) is past its window, so a busy device never idles for one.
+# The most a burst holds its first input, from its arrival: a share of one batch's time, at most WINDOW_MAX_S (a
+# burst of 60 users from one locust process takes ~20 ms to arrive).
 WINDOW_BATCH_SHARE = 0.4
 WINDOW_MAX_S = 0.040
 BURSTY_SHARE = 0.5  # arrivals come in bursts when at least this share of them follow another within GAP_MAX_S

@@ -1,35 +1,25 @@
 """Queues and the flush policy: which items go into the next batch, and when (docs/contract.md#batching).
 
-Batches are formed at the moment a free worker asks for one (`next_batch`), never earlier, so a batch keeps
-filling until a worker actually takes it. One worker at a time waits for "its" batch (the `_turn` lock); the
-others queue behind it. The waiting worker takes a batch as soon as one of these holds:
+Batches are formed when a free worker asks for one (`next_batch`), never earlier, so a batch keeps filling until a
+worker takes it. One worker at a time waits for "its" batch (the `_turn` lock); the others queue behind it. It takes
+a batch as soon as one of these holds:
 
-- some queue holds a full batch (`max_batch_size` items, or the model's own lower limit: `limit(model)`);
+- some queue holds a full batch (`limit(model)` items, or the model's cost budget);
 - the oldest item's dispatch deadline arrives: `arrived + slo − expected batch time − margin`;
-- pacing: `S / G` has passed since the last dispatch (S = learned batch time, G = healthy workers), so with
-  G devices dispatches are staggered about S/G apart and every device runs a full-as-possible batch;
-- ... unless the load is high and a larger batch, soon, would cost its inputs much less: then the free worker
-  waits for it, within half the SLO (`core/batch_hold.py`; the batch's cause is "hold");
-
-S is learned by batch size (`core/batch.BatchTimes`): deadlines and pacing use the S of the batch that would be
-formed now, from the queue's length;
+- pacing: `S / G` has passed since the last dispatch (S = learned batch time, G = healthy workers), so G devices
+  are dispatched about S/G apart and each runs a full-as-possible batch ... unless the load is high and a larger
+  batch, soon, would cost its inputs much less: then the worker waits for it, within half the SLO
+  (`core/batch_hold.py`; the batch's cause is "hold");
 - the server is draining.
 
-Cost, not count (issue 22): every item carries its cost (the backend's `cost_of`, e.g. tokens; 1 for a plugin
-that declares none) and a batch's cost is rows x its longest row. S is read at the cost of the batch in
-question; a batch stops filling at the model's cost budget as well as at its batch size; inputs are grouped by
-length through the backend's `bucket_of`, so a short input does not pay for a long batch-mate. What one batch
-may hold and cost, and how the budget is lowered to fit the time bounds, is the cost model's
-(`core/batch.py`, `Batcher.costs`); the batcher's methods of the same names read it.
+S is read at the cost of the batch that would be formed now (`core/batch.BatchTimes`); inputs are grouped by length
+(`bucket_of`) so a short input does not pay for a long batch-mate; what one batch may hold and cost is `costs`'s.
 
 Every pass of the policy is one ladder (`_take`), for a worker that just finished (`take_now`, no trip through
-the loop) and for the worker holding the turn (`_wait_for_batch`, which sleeps until the next queue is due).
+the loop) and for the worker holding the turn (`_wait_for_batch`).
 
-Items whose deadline passed, or whose caller left, are dropped at formation and never reach a backend: what a
-batch takes from its queue is the queue's (`FairQueue.take_batch`). Re-runs and the background share of job work are
-`core/retries.py`'s: the ladder asks it first. The job items' pacing (`FairQueue.paced_by_jobs`) and one
-tenant's job items per batch (`FairQueue.take_batch`) are how batches are dispatched, not job policy: which
-job inputs to feed, and how many, is the job scheduler's (`jobs/refill.py`).
+Items whose deadline passed or whose caller left are dropped at formation (`FairQueue.take_batch`). Re-runs come
+first (`core/retries.py`). Which job inputs to feed, and how many, is `jobs/refill.py`'s; the batcher only paces them.
 """
 
 from __future__ import annotations
@@ -63,8 +53,7 @@ def _nothing() -> None:
 
 
 class Batcher:
-    """The queues of every model and the flush policy over them (module docstring). What one batch may hold and
-    cost is the cost model's (`costs`: `core/batch.py`); the batcher forms batches within it."""
+    """The queues of every model and the flush policy over them (module docstring)."""
 
     def __init__(
         self,
@@ -86,7 +75,6 @@ class Batcher:
         self.margin_s = margin_s
         self.batch_s = batch_s
         self.clock = clock
-        # What a batch may hold and cost, per model, and the figures it is read from.
         self.costs = BatchBudget(
             max_batch_size,
             batch_s,
@@ -95,13 +83,11 @@ class Batcher:
             max_batch_s,
             latency_fit_s,
         )
-        # The queues: per (model, length class), the tenants' cost counters per model, the counts per model and tier.
         self.queues: dict[tuple[str, int], FairQueue] = {}
         self.shares: dict[str, Shares] = {}  # per model: the tenants' cost counters (fairqueue)
         self.account = CostAccount()  # cost answered per (model, tier, tenant)
         self.depth: dict[str, int] = {}  # queued items per model
         self.tier_depth: list[int] = tiers.counters()  # queued items per tier rank
-        # Re-runs (bisection, hangs) and the background share of job work.
         self.retries = Retries()
         # Pacing: when batches went out, per model and per queue.
         self.healthy_workers = healthy_workers
@@ -117,12 +103,11 @@ class Batcher:
         self._turn = asyncio.Lock()
         self._wake = asyncio.Event()
         self._waiting = False
-        # Staging (`Staging.stage`): an item arriving from `stage_after` on (inf: no busy worker is near its end)
-        # asks the pool to put a full batch into that worker's inbox; the pool keeps both up to date.
+        # Staging (`Staging.stage`), kept up to date by the pool: an item arriving from `stage_after` on (inf: no
+        # busy worker is near its end) asks the pool to put a full batch into that worker's inbox ...
         self.stage_after = math.inf
         self.on_stage: Callable[[], None] = _nothing
-        # ... and while a busy worker has no staging timer yet (the pool arms one while a full batch waits), an
-        # arrival that fills its queue asks the pool too, which then arms it.
+        # ... and while a busy worker has no staging timer yet, an arrival that fills its queue asks it to arm one.
         self.stage_when_full = False
 
     # -- the handlers' side ------------------------------------------------------------------------------
@@ -165,11 +150,9 @@ class Batcher:
         return sum(self.depth.values())
 
     def ahead_of(self, tier: int, tenant: str, model: str = "", cost: float = 1.0) -> int:
-        """Inputs of `model` a new input of this tier and tenant (costing `cost`) would wait behind: every higher
-        tier, and its fair share of its own tier by cost (`Shares.ahead`: its own waiting inputs, and of each
-        other waiting tenant as much as brings it level with this one), in inputs of the model's queued mix.
-        A tenant over its share so waits longer than one under it, and under pressure is refused first.
-        Without `model`: the first model with a queue (a server of one model). Costs O(1) in the queue's length."""
+        """Inputs of `model` (in its queued mix) a new input of this tier and tenant, costing `cost`, would wait
+        behind: every higher tier, and its fair share of its own tier by cost (`Shares.ahead`), so a tenant over its
+        share waits longer and under pressure is refused first. Without `model`: the first model with a queue. O(1)."""
         if not model:
             model = next(iter(self.shares), "")
         shares = self.shares.get(model)
@@ -207,10 +190,9 @@ class Batcher:
         return self._take(worker, self.clock())[0]
 
     def take_full(self, worker: int, starts: float) -> Batch | None:
-        """A full batch for a busy worker to begin the moment its batch ends (`starts`, expected): staged in its
-        thread's inbox (`Staging.stage`). None unless the most urgent queue is due because it is full, no
-        retry waits (retries go first, to a worker as it frees) and no other worker waits for its turn (an idle
-        worker takes the batch now)."""
+        """A full batch for a busy worker to begin the moment its batch ends (`starts`, expected), staged in its
+        inbox (`Staging.stage`). None unless the most urgent queue is due because it is full, no retry waits (they
+        go to a worker as it frees) and no other worker waits for its turn (an idle one takes the batch now)."""
         if self.closed or self._turn.locked() or self.retries.interactive or self.retries.background:
             return None
         if not self.full_waiting():  # asked by each arrival near a batch's end: no pass of the flush policy
@@ -227,12 +209,10 @@ class Batcher:
         return any(len(q) >= costs.limit(m) or q.cost_sum >= costs.budget(m) for (m, _), q in self.queues.items())
 
     def _take(self, worker: int, now: float) -> tuple[Batch | None, str, float]:
-        """The flush policy's one pass, for `take_now` and `_wait_for_batch` alike: an interactive retry first;
-        a background batch when its share or floor is due (`_background_turn`); the most urgent queue when it
-        is due; a background batch while no interactive item waits. Returns the batch, or None with what the
-        waiting worker does next: "again" (the due queue held only items that could not run: look again),
-        "aside" (retries wait that this worker must leave to another), or "sleep" until the returned time (the
-        next queue due; inf: nothing queued)."""
+        """The flush policy's one pass: interactive retry, due background share, most urgent due queue, background
+        while no interactive item waits. Returns the batch, or None with what the waiting worker does next: "again"
+        (the due queue held only items that could not run), "aside" (retries wait that this worker must leave to
+        another), or "sleep" until the returned time (inf: nothing queued)."""
         retries = self.retries
         batch = self.take_retry(worker, now, background=False)
         if batch is not None:
@@ -269,14 +249,12 @@ class Batcher:
         return None, False
 
     def requeue(self, batch: Batch) -> None:
-        """Run these items again as they are (a half of a failed batch): before any new work when it holds an
-        interactive item, else (only batch-job items) once no interactive item waits."""
+        """Run these items again as they are (a half of a failed batch): `Retries.requeue`."""
         self.retries.requeue(batch, self.clock())
         self._wake.set()
 
     def submit_group(self, items: list[Item]) -> None:
-        """Batch-job items of one job that run as a batch of their own, in the background share (their job
-        fails often: in a shared batch each failure would cost the batch-mates of other jobs a re-run)."""
+        """Batch-job items of one failing job, run as a batch of their own in the background share."""
         self.retries.isolate(items, self.clock())
         self._wake.set()
 
@@ -330,13 +308,12 @@ class Batcher:
 
     # -- policy ------------------------------------------------------------------------------------------
     def slo_of(self, model: str) -> float:
-        """The model's own SLO (issue 46 item 7), or the server's for a model without figures of its own."""
+        """The model's own SLO, or the server's for a model without figures of its own."""
         d = self.deadlines.get(model)
         return self.slo_s if d is None else d.slo_s
 
     def dispatch_delay(self, model: str, size: float) -> float:
-        """How long the oldest item may wait for company: the model's SLO less one batch (of cost `size`) and a
-        margin."""
+        """How long the oldest item may wait for company: the model's SLO less one batch of cost `size` and a margin."""
         return max(0.0, self.slo_of(model) - self.batch_s.at(model, size) - self.margin_s)
 
     def most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
@@ -366,19 +343,15 @@ class Batcher:
                 )  # job items only: in no hurry, they go at the pace
                 pace_due, pace_cause = self._pace(key, q, head.arrived, size, now)
                 due, cause = (deadline_due, "deadline") if deadline_due <= pace_due else (pace_due, pace_cause)
-            # Among queues due now, a model served least recently goes first (then the earliest deadline), so
-            # a quiet model's item waits one dispatch slot at most, not until its head outranks a busy model's.
-            # Inside a model, its length classes (buckets) take turns the same way: a queue of long inputs is
-            # always full by cost, and must not keep a short input waiting until its deadline.
-            # A queue holding for the rest of a burst ranks as due now (its wait is a few ms): the worker then waits
-            # for it rather than letting a queue behind it in turn go first, a whole batch ahead of the burst.
+            # Among queues due now, the model served least recently goes first, so a quiet model's item waits one
+            # dispatch slot at most; a model's length classes take turns the same way (a queue of long inputs, always
+            # full by cost, must not hold a short input to its deadline). A queue holding for the rest of a burst
+            # ranks as due now (a few ms), so the worker waits for it rather than serve a queue behind it first.
             at = now if cause == "burst" else due
             recency = self.served_at.get(key[0], 0.0) if at <= now and not full_count else 0.0
-            # Queues due at once are shared by cost between tenants too (issue 33): one whose next tenant is
-            # behind the least served waiting tenant of its tier goes before one whose next tenant is ahead (a
-            # tenant of short inputs and one of long ones land in different length classes, and the short
-            # ones' queue, full by count, would otherwise always go first); a lone tenant, the same tenant or
-            # tenants level (lag 0) leave it to the order below.
+            # Then by cost between tenants: a queue whose next tenant is behind its tier's least served waiting
+            # tenant goes first (else the short inputs' queue, full by count, would always beat the long ones');
+            # lag 0 leaves it to the order below.
             lag = q.lag() if at <= now else 0.0
             turn = self.bucket_served_at.get(key, 0.0) if at <= now else 0.0
             rank = (max(at, now), lag, recency, turn, q.earliest_deadline())
@@ -392,9 +365,8 @@ class Batcher:
         pace_due = self.last_dispatch + self.batch_s.at(key[0], size) / max(1, self.healthy_workers)
         if not (self.healthy_workers <= 1 or pace_due - now <= PACE_EARLY_S):
             return pace_due, "pace"
-        # One device: the worker asking is the device, free now, and there is nothing to stagger (the pace S only
-        # estimated when it would free: a smaller or quicker batch frees sooner). Several: a worker that frees a
-        # hair before the learned pace goes at once ...
+        # One device: the worker asking is the device, free now, with nothing to stagger (the pace only estimated
+        # when it would free). Several: a worker that frees a hair before the learned pace goes at once ...
         pace_due = min(pace_due, now)
         # ... unless the inputs come in bursts and the rest of this one is still arriving (`core/batch_hold.py`):
         # it waits a few ms for them, so the burst rides one batch ...
@@ -402,8 +374,7 @@ class Batcher:
         burst_due = bursts.until(oldest, self.batch_s.at(key[0], size)) if bursts else -math.inf
         if burst_due > now:
             return burst_due, "burst"
-        # ... or the load is high and a larger batch, soon, would cost its inputs much less (`core/batch_hold.py`):
-        # then it waits for it, within the SLO.
+        # ... or the load is high and a larger batch, soon, would cost its inputs much less: it waits for that.
         depth, slo_s = self.depth.get(key[0], 0), self.slo_of(key[0])
         held = self.holds.until(key, q, oldest, now, depth, self.healthy_workers, slo_s)
         return (held, "hold") if held > now else (pace_due, "pace")
@@ -415,9 +386,8 @@ class Batcher:
         q = self.queues[key]
         self.holds.count(key, now, len(q))
         limit, budget = self.costs.limit(key[0]), self.costs.budget(key[0])
-        # Its items must be able to end in time (`FairQueue.take_batch`): by the batch's least expected time
-        # (`lower_bound`), so that a time learned from one slow batch cannot drop every item and leave nothing
-        # running to correct it.
+        # Its items must be able to end in time by the batch's least expected time (`lower_bound`): a time learned
+        # from one slow batch must not drop every item and leave nothing running to correct it.
         size = self.costs.estimate_cost(key[0], min(limit, len(q)), q.mean_cost())
         ends = (now if starts is None else starts) + self.batch_s.lower_bound(key[0], size)
         taken = [0] * len(self.tier_depth)  # items taken out of the queue, per tier: counted once after the loop

@@ -1,19 +1,15 @@
-"""When a new input's batch starts, given the length classes' turns (issue 22).
+"""When a new input's batch starts, given the length classes' turns.
 
-A costed model's queue is one queue per length class (`bucket_of`), and the batcher serves them in turns: among
-the classes with items waiting, the one served least recently goes next (`Batcher.most_urgent`), one batch a
-turn. So a new input waits for its own class's batches ahead of it, and between two of them, for one batch of
-every other class that has items at that moment — including items that arrive while it waits. Counting only
-the other classes' items queued at admission (a fixed number of batches each) predicted ~2/3 of the wait on
-minilm at 1.3x its capacity, about half of it in the longest class (bench/cost_bench.py): under sustained load a class
-that is drained refills, so it takes a turn in every round, and a queue of long inputs (few a batch) waits
-through more rounds than a short one.
+A costed model has one queue per length class (`bucket_of`), served in turns: among the classes with items waiting,
+the one served least recently goes next (`Batcher.most_urgent`), one batch a turn. So a new input waits for its own
+class's batches ahead of it and, between two of them, for one batch of every other class with items at that moment,
+including items that arrive while it waits: under sustained load a drained class refills and takes a turn every
+round (counting only the items queued at admission predicted ~2/3 of the wait, bench/cost_bench.py).
 
-`drain` replays the turns: the current batch ends, then, turn by turn, the least recently served class with
-items takes a batch (ties: the other classes before the new input's, which is the later arrival); the other
-classes grow by their arrival rates as time passes; the new input's class first serves the rows ahead of it,
-then its own batch (rows ahead, its inputs, and later arrivals up to the batch's limit, which make that batch
-costlier but no later). Pure arithmetic over numbers, so unit tests drive it directly.
+`drain` replays the turns: the current batch ends, then, turn by turn, the least recently served class with items
+takes a batch (ties: the other classes before the new input's, the later arrival); the other classes grow by their
+arrival rates; the new input's class first serves the rows ahead of it, then its own batch (later arrivals up to
+the batch's limit make that batch costlier but no later). Pure arithmetic over numbers.
 """
 
 from __future__ import annotations
@@ -95,9 +91,8 @@ def drain(
                 rows = min(float(own.per), rows + own.rate * t)
             took = seconds(rows, own.unit)
             if wait_s < 0:
-                # Its first input as `wait_prediction.predict` has always counted it: in a batch of the rows ahead and
-                # itself (a request of many inputs is bounded by the objective at its first, the deadline at its
-                # last: an idle server serves 2,048 inputs whose batches fit the timeout).
+                # Its first input as `wait_prediction.predict` counts it: in a batch of the rows ahead and itself (a
+                # request of many inputs is bounded by the objective at its first, by the deadline at its last).
                 wait_s, first_s = t, t + (took if left == 1 else seconds(ahead + 1, own.unit))
             left -= mine
             ahead = 0

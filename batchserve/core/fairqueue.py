@@ -1,25 +1,19 @@
 """One model's waiting items, ordered by tier with aging, and shared between the tenants of a tier by cost.
 
-`Item` (one caller's input and the future that carries its answer) lives here, with the queue that holds it.
 A batch is filled by repeatedly taking the lane head with the smallest `arrived + aging[tier]` (each tier's head
-start on this model, `tiers.aging_for` its SLO): a higher tier goes first, but an item of a lower tier that has
-waited longer than the gap between the two tiers' offsets overtakes, so no tier waits forever.
+start, `tiers.aging_for` the model's SLO): a higher tier goes first, but a lower tier's item that has waited longer
+than the gap between the two tiers' offsets overtakes, so no tier waits forever.
 
-Inside a tier, backlogged tenants receive equal shares of COST served, not one item a turn (issue 33, item 2):
-a virtual-token counter per (tier, tenant) of the model (`Shares`, shared by the model's length-class queues)
-grows by each input's cost (its tokens; 1 for a plugin that declares no cost, where this is plain round-robin)
-as it is taken into a batch, and the tier offers the head of the tenant whose counter is least. A tenant alone
-gets everything; a tenant that starts waiting is lifted to the least counter of those already waiting (or, with
-none, to the tier's virtual time), so its idle time earns it no burst, as in the Virtual Token Counter
-(Sheng et al., OSDI '24) and start-time fair queuing. The counters compare only within a tier: a tier's weight is
-its place in the order above, unchanged. A tier may be made to stick to the tenant it started a batch with
-(`pop(stick=...)`, the batch-job tier): that tier's places in the batch then go to that tenant only, and tenants
-take turns batch by batch instead, so one tenant's failing inputs never fail the batches of another tenant's job
-(issue 28, item 3).
+Inside a tier, backlogged tenants receive equal shares of COST served, not one item a turn: a virtual-token counter
+per (tier, tenant) (`Shares`, shared by the model's length-class queues) grows by each input's cost as it is taken
+into a batch (1 per input for a plugin without costs: plain round-robin), and the tier offers the head of the tenant
+whose counter is least. A tenant that starts waiting is lifted to the least counter of those waiting, so its idle
+time earns it no burst, as in the Virtual Token Counter (Sheng et al., OSDI '24) and start-time fair queuing. The
+batch-job tier sticks to the tenant it started a batch with (`pop(stick=...)`), tenants taking turns batch by batch,
+so one tenant's failing inputs never fail the batches of another tenant's job.
 
-Each tenant's least-counter lane is found through a heap per tier whose entries may be stale (a counter only
-grows, so a stale entry is too low and is re-keyed when it reaches the top): a pop costs O(log tenants), never a
-walk of the queue.
+Lanes are found through a heap per tier whose entries may be stale (a counter only grows, so a stale entry is too
+low and is re-keyed when it reaches the top): a pop costs O(log tenants), never a walk of the queue.
 """
 
 from __future__ import annotations
@@ -44,9 +38,8 @@ LATE_FOR_BATCH = "the request's deadline would pass before its batch could end" 
 
 
 class ItemResult(msgspec.Struct, gc=False):
-    """A caller's answer: its output and how long it waited and ran. A Struct, not a dataclass: one is built per
-    answer, and msgspec builds it in C (~0.4 µs less), untracked by the collector (it holds no container of its
-    own that could close a cycle: the output is the backend's value)."""
+    """A caller's answer: its output and how long it waited and ran. A Struct: one is built per answer, in C,
+    untracked by the collector (it holds no container of its own that could close a cycle)."""
 
     output: object  # the JSON value the backend returned for this input
     queue_s: float
@@ -55,9 +48,8 @@ class ItemResult(msgspec.Struct, gc=False):
 
 
 class Item(msgspec.Struct, eq=False):
-    """One caller's input on its way through a batch; `future` carries its answer back. A Struct (fields by
-    position or keyword, mutable, compared by identity as before): msgspec builds one per request in C, ~0.6 µs
-    less than a dataclass's generated `__init__` of 17 stores."""
+    """One caller's input on its way through a batch; `future` carries its answer back. A Struct (mutable,
+    compared by identity): one is built per request, in C, ~0.6 µs less than a dataclass."""
 
     text: str
     model: str
@@ -137,9 +129,8 @@ def _tier_lists() -> list[float]:
 
 @dataclass
 class Shares:
-    """One model's account of what each tenant of each tier was served, in virtual cost (module docstring), and
-    of what each has waiting, summed over the model's length-class queues: the fair queue picks by the counters,
-    the door predicts a new request's wait from them (`ahead`)."""
+    """One model's account, over its length-class queues, of what each (tier, tenant) was served in virtual cost
+    and has waiting: the fair queue picks by it, the door predicts a new request's wait from it (`ahead`)."""
 
     counter: dict[Key, float] = field(default_factory=dict)  # virtual cost served (lifted when it starts waiting)
     vtime: list[float] = field(default_factory=_tier_lists)  # per tier: the counter of the last input served
@@ -193,17 +184,15 @@ class Shares:
         else:  # no float drift left behind; its heap entry goes when it reaches the top
             del self.depth[key], self.queued[key]
             self.active[item.tier] -= 1
-            # What it is still owed: a closed-loop client's queue empties each time its last inputs are taken
-            # (the worker takes its next batch before their answers go out, and the client sends again only
-            # then); the deficit it had then was earned waiting, and lifting it away would hand the tenant of
-            # costlier batches the next turn every time. Only the time it then spends idle earns nothing.
+            # Keep what it is still owed: a closed-loop client's queue empties each time its last inputs are taken,
+            # and lifting away the deficit it earned waiting would hand the tenant of costlier batches the next
+            # turn every time. Only the time it then spends idle earns nothing.
             if self.active[item.tier]:
                 self.behind[key] = self.least(item.tier)
         self.tier_queued[item.tier] = self.tier_queued[item.tier] - item.cost if self.active[item.tier] else 0.0
 
     def left_run(self, tier: int, tenant: str, run: list[Item]) -> None:
-        """`left(item)` for each of `run` in order, all of one tenant of one tier (a lone tenant's batch): the same
-        float steps in the same order, at one call for the run."""
+        """`left(item)` for each of `run` (one tenant of one tier), the same float steps in order, in one call."""
         key = (tier, tenant)
         after = self.depth[key] - len(run)
         tier_queued = self.tier_queued[tier]
@@ -241,9 +230,8 @@ class Shares:
             self.vtime[item.tier] = start
 
     def charge_work(self, tier: int, tenant: str, cost: float) -> None:
-        """Work done for the tenant before its inputs reach a queue (the tokenizer stage's time, in this model's
-        cost units), refused at the door or not: its counter grows as if it had been served that much (counters
-        only grow, so the heaps' entries stay valid: a stale one is too low and re-keyed at the top)."""
+        """Work done for the tenant before its inputs reach a queue (the tokenizer stage's time, in cost units),
+        refused or not: its counter grows as if served that much (it only grows, so heap entries stay valid)."""
         key = (tier, tenant)
         self.counter[key] = self.counter.get(key, 0.0) + cost
 
@@ -399,9 +387,8 @@ class FairQueue:
         return None if lane is None else self.pop_head(lane, charge)
 
     def sole_lane(self) -> Lane | None:
-        """The lane `pop` takes from until it is empty, when it is the only one with items and listed alone in
-        its tier's heap (one tenant of one tier waiting: the common case), else None. Nothing pushed meanwhile,
-        its items are then what `pop` returns, in order, without its search for the lane (`pop_head`)."""
+        """The only lane with items, listed alone in its tier's heap (one tenant of one tier: the common case), else
+        None: until something is pushed, its items are what `pop` returns, in order, without the search."""
         found: Lane | None = None
         for tier, heap in self.ready.items():
             if not heap:
@@ -414,8 +401,7 @@ class FairQueue:
         return found
 
     def pop_head(self, lane: Lane, charge: bool = True) -> Item:
-        """The head of `lane` (which has items), taken out: `pop` once it has found the lane, or the batcher with
-        the `sole_lane` it already knows."""
+        """The head of `lane` (which has items), taken out: `pop` once the lane is found (or is the `sole_lane`)."""
         self.size -= 1
         item = lane.items.popleft()
         self.cost_sum = self.cost_sum - item.cost if self.size else 0.0
@@ -423,9 +409,8 @@ class FairQueue:
         return item
 
     def pop_run(self, lane: Lane, n: int) -> list[Item]:
-        """Up to `n` items from the head of `lane` (the `sole_lane`), taken out uncharged: what as many calls of
-        `pop_head(lane, charge=False)` take, leaving the queue and its shares as they would, at one call for the
-        run (the batcher fills a lone tenant's batch by it: ~2 µs an item less, bench/hotpath.py)."""
+        """Up to `n` items from the head of the `sole_lane`, uncharged: as many `pop_head(lane, charge=False)` calls
+        would take, in one call (~2 µs an item less for a lone tenant's batch, bench/hotpath.py)."""
         items = lane.items
         run = [items.popleft() for _ in range(min(n, len(items)))]
         if not run:
@@ -455,19 +440,17 @@ class FairQueue:
     ) -> tuple[list[Item], float]:
         """The items of this queue for a batch formed `now` that ends no sooner than `ends`, at most `limit` of them
         and within `budget` (rows x the longest row), and the cost of its widest row. `taken[tier]` counts every item
-        taken out of the queue, sent or not. An item whose deadline falls before `ends` is answered 504 here, not
-        sent: its answer would come too late, and its place goes to an item that can still make it (under overload,
-        batches of items that expire while they run would serve nobody: goodput would collapse)."""
+        taken out, sent or not. An item whose deadline falls before `ends` is answered 504 here, not sent: under
+        overload, batches of items that expire while they run would serve nobody."""
         items: list[Item] = []
         widest = 0.0
-        # Job places go to one tenant per batch (tenants take turns batch by batch), so one tenant's failing
-        # job inputs never fail, and drag into bisection, another tenant's job items.
+        # Job places go to one tenant per batch (module docstring), so one tenant's failing inputs never drag
+        # another tenant's job items into bisection.
         stick: dict[int, str] = {}
         shares = self.shares
         sole = self.sole_lane()
-        # One tenant of one tier waiting and no budget (the common case): its lane's items are taken in runs and
-        # charged to the tenant once the batch is made (`FairQueue.pop_run`), the queue and shares left as one
-        # by one. Otherwise one at a time, each charged as it is taken: the next place goes to the least served.
+        # One tenant of one tier and no budget (the common case): items taken in runs (`pop_run`), charged once the
+        # batch is made. Otherwise one at a time, each charged as taken: the next place goes to the least served.
         runs = sole is not None and budget == math.inf
         while len(items) < limit:
             if runs:
@@ -506,8 +489,7 @@ class FairQueue:
         self, sole: Lane | None, stick: dict[int, str], items: list[Item], widest: float, budget: float
     ) -> Item | None:
         """`take_batch`'s next item taken one at a time (several lanes, or a budget), uncharged; None when nothing
-        is left or the batch is full by cost. The first input always goes (one alone over the budget was refused at
-        the door, or the budget was lowered after it was admitted: it still runs)."""
+        is left or the batch is full by cost. The first input always goes, even over a budget lowered since."""
         if items and budget != math.inf and self._full_by_cost(stick, items, widest, budget):
             return None
         # A lone lane under a budget: its head, as `pop` would find it, unsearched.
@@ -517,9 +499,8 @@ class FairQueue:
         return item
 
     def _full_by_cost(self, stick: dict[int, str], items: list[Item], widest: float, budget: float) -> bool:
-        """Whether the batch of `items` (its widest row costing `widest`) is full by its cost budget: nothing left to
-        take, or the next item would pass it (rows x the longest row; a backend's own batch cost where it declares
-        one, asked only here, where a budget applies)."""
+        """Whether the batch of `items` is full by its cost budget: nothing left to take, or the next item would pass
+        it (rows x the longest row, or the backend's own batch cost, asked only here where a budget applies)."""
         head = self.peek(stick)
         if head is None:
             return True
@@ -530,10 +511,8 @@ class FairQueue:
     def paced_by_jobs(self, limit: int, budget: float, head: Item) -> tuple[bool, Item]:
         """Whether batch-job items are what makes this queue due at once (full by count or cost, or an old job
         item's deadline), and the head whose deadline counts. With several workers such a queue goes at the pace
-        instead (`Batcher.most_urgent`): job items fill batches but never hurry them. Taking every job-filled batch
-        the moment a worker frees lets the workers fall into step (both free, both take, both run), and an
-        interactive item then waits for the next of them up to a whole batch time instead of half of it (issue 28:
-        a clean job beside interactive load at half the capacity moved that p95 from 150 to 196 ms)."""
+        instead (`Batcher.most_urgent`): job items fill batches but never hurry them, or the workers fall into step
+        and an interactive item waits up to a whole batch time for the next one instead of half of it."""
         jobs, jobs_cost = 0, 0.0
         first: Item | None = None
         for lane in self.lanes.values():
@@ -549,9 +528,8 @@ class FairQueue:
         return True, first if first is not None else head
 
     def lag(self) -> float:
-        """How far the tenant of the next item is ahead of the least served waiting tenant of its tier in the
-        model (0 when it is that tenant): the batcher serves a length class whose next tenant is behind before
-        one whose next tenant is ahead."""
+        """How far the next item's tenant is ahead of its tier's least served waiting tenant in the model (0: it is
+        that tenant), for the batcher's order between length classes."""
         lane = self._next_lane()
         return self.shares.lag(lane.tier, lane.tenant) if lane is not None else 0.0
 

@@ -1,14 +1,10 @@
 """What answers a model's `/v1/inference` inputs: the one interface the route, the job scheduler and the other
 callers of the door read, whichever path runs the model.
 
-Two implementations:
-- `core.service.InferenceService`, the door to the batcher: an input rides a batch on a worker thread
-  (every model; for a generative one, the static batch decoder, `--inference-path static`);
-- `generation.inference.StepperInference`: a generative model's input joins the generation engine's running
-  continuous batch as one sequence (`--inference-path stepper`, the default when the engine serves the model).
-
-The door stays the one entrance: it hands a model's work to the handler registered for it
-(`InferenceService.serve_with`), so a route, a KServe request and a batch job all reach the stepper the same way.
+Two implementations: `core.service.InferenceService`, the door to the batcher (an input rides a batch on a worker
+thread), and `generation.inference.StepperInference` (a generative model's input joins the generation engine's
+continuous batch as one sequence, `--inference-path stepper`). The door stays the one entrance: it hands a model's
+work to the handler registered for it (`InferenceService.serve_with`), so every caller reaches the stepper alike.
 """
 
 from __future__ import annotations

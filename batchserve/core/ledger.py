@@ -14,13 +14,9 @@ Every answer of a model route (/v1/inference, /v1/embeddings, KServe v2 infer, /
 Other 4xx (a bad body, an unknown model or key, a body too large) are the caller's mistakes, not a promise the
 server made, and a caller who hangs up before its answer (499) reads no answer: neither is an outcome.
 
-This module is the policy only: the classification and the per-tenant usage window read by `GET /v1/usage`
-(`UsageBook`, bounded: per tenant, counts in `BUCKET_S` time buckets over at most `MAX_WINDOW_S`, older ones
-folded into one row, and the latest `LATENCIES` latencies for percentiles, of all its models and of each model
-apart: a tenant's p95 over a fast embedder and a slow LM describes neither). It runs on every answer, so a
-record touches one row of counts and rolls a bucket at most once per BUCKET_S. The Prometheus counters, per model
-and tier and never per
-tenant, are `batchserve/metrics.py`'s; `http/guards.py` feeds both from the one place every answer passes.
+This module is the policy only: the classification and the per-tenant usage window of `GET /v1/usage`
+(`UsageBook`). The Prometheus counters, per model and tier and never per tenant, are `batchserve/metrics.py`'s;
+`http/guards.py` feeds both from the one place every answer passes.
 """
 
 from __future__ import annotations
@@ -129,10 +125,9 @@ def _counts(row: list[float]) -> dict[str, object]:
 
 @dataclass
 class UsageBook:
-    """Per tenant (the scheduling lane: a configured tenant, or all anonymous callers as one): requests and
-    inputs by outcome, cost served, latencies of served answers. Written by the event loop only (no lock);
-    its size is bounded by the tenants configured, each by MAX_WINDOW_S / BUCKET_S buckets and LATENCIES for
-    all its models and for each model served (the registry's and the generation engine's)."""
+    """Per tenant (a configured one, or all anonymous callers as one): requests and inputs by outcome, cost served,
+    latencies of all its models and of each apart (a p95 over a fast embedder and a slow LM describes neither).
+    Written by the event loop only (no lock); bounded by the tenants configured and MAX_WINDOW_S / BUCKET_S."""
 
     clock: Callable[[], float] = time.monotonic
     tenants: dict[str, TenantBook] = field(default_factory=dict)
@@ -193,14 +188,10 @@ class UsageBook:
 
 
 # -- the account of cost served, per (model, tier, tenant) ----------------------------------------------------
-# One notion of what work costs, counted where it is answered. Cost is what the backend says an input costs
-# (`cost_of`: minilm's tokens; 1 for a plugin that declares none), the figure the fair queue shares by and
-# admission predicts with. The batcher's workers add every input answered with an output (`GpuPool`), once,
-# however many times its batch was re-run; failed, expired and refused inputs cost nothing here. Readers: the
-# ledger (per-tier aggregates for /metrics, where no tenant id may appear; a tenant's own at /v1/usage), the job
-# scheduler (a tenant's share by cost), the generation engine (which adds its own answers to the same account).
-# Totals since the process started, so a reader takes differences over its window; with `--processes N` each
-# process keeps its own.
+# Cost is what the backend says an input costs (`cost_of`, e.g. tokens; 1 for a plugin that declares none), the
+# figure the fair queue shares by and admission predicts with. Workers (`GpuPool`) add every input answered with an
+# output, once however many times its batch was re-run; failed, expired and refused inputs cost nothing. Totals since
+# the process started (each process its own with `--processes N`): a reader takes differences over its window.
 @dataclass(slots=True)
 class ServedCost:
     """What one (model, tier, tenant) was served: inputs answered and their summed cost."""
@@ -226,8 +217,7 @@ class CostAccount:
         got.cost += cost
 
     def row(self, model: str, tier: int, tenant: str) -> ServedCost:
-        """The running totals of (model, tier, tenant), created at zero: for a writer that adds many inputs of
-        one key in a row (a batch's answers) with one look-up, as `add` would one by one."""
+        """The running totals of (model, tier, tenant), created at zero: one look-up for a batch's answers."""
         key = (model, tier, tenant)
         got = self.served.get(key)
         if got is None:
@@ -239,8 +229,7 @@ class CostAccount:
         return {key: ServedCost(s.inputs, s.cost) for key, s in self.served.items()}
 
     def by_tier(self, model: str | None = None) -> list[ServedCost]:
-        """Per tier rank (the `tiers.TIERS` order), every tenant summed: what /metrics may show. `model`: only
-        that model's."""
+        """Per tier rank, every tenant summed (what /metrics may show); `model`: only that model's."""
         out = [ServedCost() for _ in TIERS]
         for (m, tier, _), s in self.served.items():
             if model is None or m == model:
@@ -257,14 +246,9 @@ class CostAccount:
 
 
 # -- recent requests --------------------------------------------------------------------
-# Recent requests by owner and id, for `GET /v1/requests/{id}`: a bounded, insertion-ordered map.
-#
-# A record belongs to the tenant that made the request (for anonymous callers, their address): it is stored
-# and found under (owner, id), so another tenant neither reads it nor, by sending the same `X-Request-ID`,
-# overwrites it.
-#
-# In memory and per process: behind a load balancer a status lookup must reach the node that served the
-# request (the answer's `X-Request-ID` and the node's logs are the durable record).
+# Recent requests for `GET /v1/requests/{id}`, stored under (owner, id): the tenant that made the request (for
+# anonymous callers, their address), so another tenant neither reads it nor overwrites it by reusing `X-Request-ID`.
+# In memory and per process: behind a load balancer a lookup must reach the node that served the request.
 class Record(msgspec.Struct, gc=False):
     """A request's status as `GET /v1/requests/{id}` shows it. A Struct: one per request, built in C and not
     tracked by the collector (strings and numbers only)."""
@@ -298,9 +282,8 @@ class Record(msgspec.Struct, gc=False):
 
 class RequestLog:
     """At most `capacity` records in all, kept per owner. When full, the owner holding the most records loses
-    its oldest one: a tenant that floods the history evicts its own records, never another's that holds fewer
-    (one shared buffer let any tenant's traffic push every other tenant's records out). The flooder is almost
-    always the one adding, so the common eviction is O(1); otherwise the largest owner is found by a scan."""
+    its oldest one: a tenant that floods the history evicts its own records, never another's that holds fewer.
+    The flooder is almost always the one adding, so the common eviction is O(1); otherwise a scan finds it."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)

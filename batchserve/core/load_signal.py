@@ -1,26 +1,21 @@
 """Autoscaling signals that lead the SLO, exported as gauges read at scrape time (nothing runs per request).
 
-Why not GPU busy or queue depth: with the paced batcher a device runs a batch every S/G whenever anything
-waits, so it is "busy" from a small fraction of its capacity on; and the queue stays under a batch until the
-node is already at its limit, so depth moves only once latency has. What leads is demand against capacity:
+Not GPU busy or queue depth: with the paced batcher a device runs a batch every S/G whenever anything waits, so it
+is "busy" from a small fraction of its capacity on, and the queue stays under a batch until the node is already at
+its limit. What leads is demand against capacity:
 
-- `batchserve_load_ratio` = arrivals/s (admission's ~2 s average, refused requests included: they are demand
-  too) over what the healthy workers serve at full batches (healthy x max_batch_size / learned batch time).
-  1.0 is the node's ceiling; latency degrades some way before it (the planner, docs/capacity.md, puts the SLO's
-  limit near 0.95 on the seed contract), so an autoscaler targets ~0.7-0.8.
-- `batchserve_predicted_wait_ratio` = the wait a new request would face before its batch leaves (the first
-  healthy worker's time to free + the full batches queued ahead of it) over the wait the SLO leaves it
-  (slo - batch time). Above 1 a request arriving now misses the SLO; it is instantaneous, so it spikes.
+- `batchserve_load_ratio` = arrivals/s (admission's ~2 s average, refused requests included: they are demand too)
+  over what the healthy workers serve at full batches (healthy x max_batch_size / learned batch time). 1.0 is the
+  node's ceiling; latency degrades before it (docs/capacity.md puts the SLO's limit near 0.95), so an autoscaler
+  targets ~0.7-0.8.
+- `batchserve_predicted_wait_ratio` = the wait a new request would face before its batch leaves (the first healthy
+  worker's time to free + the full batches queued ahead) over the wait the SLO leaves it (slo - batch time). Above
+  1 a request arriving now misses the SLO; it is instantaneous, so it spikes.
 
-With several models the slowest batch time is used (the lower capacity), against that model's own SLO. With no
-healthy worker but demand, both read `SATURATED`, a large finite number
-(an autoscaler's arithmetic should not meet +Inf).
-
-The generation engine's work (`/v1/chat/completions`, and `/v1/inference` of a model on its stepper, which never
-reaches the batcher or its arrival count) is read as its own demand against its own capacity (`EngineLoad`):
-sequences running and waiting over its slots, and the engine's predicted wait for a new sequence over what its
-model's own SLO leaves after its answer time. Each signal is the larger of the batcher's and the engine's: the
-node needs more replicas when either is short.
+With several models the slowest batch time is used, against that model's own SLO. With no healthy worker but
+demand, both read `SATURATED`, a large finite number (an autoscaler's arithmetic should not meet +Inf). The
+generation engine's work, which never reaches the batcher, is read as its own demand against its own capacity
+(`EngineLoad`); each signal is the larger of the two: the node needs more replicas when either is short.
 """
 
 from __future__ import annotations

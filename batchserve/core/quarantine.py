@@ -1,4 +1,4 @@
-"""Inputs that failed alone, remembered for a while so a retry of one is answered at once (issue 28, item 3).
+"""Inputs that failed alone, remembered for a while so a retry of one is answered at once.
 
 Finding a poison input among its batch-mates costs re-runs (bisection: about two batch runs per halving), and
 every new batch the same input rides in fails again and pays that price again, for everyone in it. So an input

@@ -1,14 +1,11 @@
 """A caller whose requests keep being refused for what they hold waits its turn before the next is read.
 
-Why (issue 28, the soak): two clients looping ~1 MB chat prompts, each refused 400 at once, were answered
-~650 times a second; reading and parsing 650 MB/s of bodies that are thrown away took the event loop (and
-the machine's cores) from every other caller, and another tenant's interactive p95 rose by a tenth. A
-refusal is cheap only once: a client that never stops sending is answered no faster than the server spends
-on it. So each caller has a bucket of refusals (`--refused-per-s` a second, a burst of twice that): while it
-is empty, that caller's next request on the guarded routes waits until a refusal is due again (at most
-`MAX_WAIT_S`) BEFORE its body is read, so its unread bytes stay in the socket (the server reads none of them
-meanwhile) and the client is slowed to the rate, not the server. Other callers never wait; a caller that is
-refused rarely never notices.
+Why: a refusal is cheap only once. Clients looping ~1 MB bodies, each refused at once, make the server read and
+parse hundreds of MB a second only to throw them away, taking the event loop from every other caller. So each
+caller has a bucket of refusals (`--refused-per-s` a second, a burst of twice that): while it is empty, its next
+request on the guarded routes waits until a refusal is due again (at most `MAX_WAIT_S`) BEFORE its body is read, so
+its unread bytes stay in the socket and the client is slowed to the rate, not the server. Other callers never wait;
+a caller that is refused rarely never notices.
 
 A caller is its key's tenant, or its address when anonymous. The table is bounded (`MAX_CALLERS`, the least
 recently refused forgotten first), and policy only: the clock is injected, the unit tests drive it.

@@ -1,11 +1,10 @@
 """Re-runs and the background share: the batches that do not come from the queues.
 
-Retried sub-batches (bisection after a failure, a hang's re-runs: `gpu_pool`) of interactive items go before
-new work; those of batch-job items go after it, as background batches (a failing job must not hold the
-workers). These background batches (job re-runs, and the groups of a job isolated for failing) take at most
-one dispatch in `BACKGROUND_EVERY + 1` while other work is due, so another tenant's clean job keeps most of the
-workers and the failing job still moves; while interactive items wait they take one in
-`BACKGROUND_FLOOR_EVERY + 1`, a floor that keeps them moving under steady interactive load.
+Retried sub-batches (bisection after a failure, a hang's re-runs: `gpu_pool`) of interactive items go before new
+work; those of batch-job items, and the groups of a job isolated for failing, go after it as background batches (a
+failing job must not hold the workers): at most one dispatch in `BACKGROUND_EVERY + 1` while other work is due, so
+another tenant's clean job keeps most of the workers and the failing job still moves, and one in
+`BACKGROUND_FLOOR_EVERY + 1` while interactive items wait.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The inference service: the one door to the batcher (in the spirit of TEI's `Infer`).
 
-Every piece of work that rides a batch enters here: `infer` for a caller waiting on the answer (the
-inference route, and the embeddings route), `submit_background` for batch-job items that fill the places
-interactive work leaves, and `check_open` for the generation routes, whose own admission is the KV cache but
-which must refuse in the same words while the server drains or has no worker. The service owns admission
-state, builds each `Item`, arms its deadline and counts what is in flight; nothing else calls
-`Batcher.submit`. A model registered with `serve_with` (smollm2 on the generation engine's stepper,
-`generation/inference.py`) is handed to its own `InferenceHandler` instead: same door, another path.
+Every piece of work that rides a batch enters here: `infer` for a waiting caller, `submit_background` for batch-job
+items that fill the places interactive work leaves, and `check_open` for the generation routes, whose admission is
+the KV cache but which must refuse in the same words while the server drains or has no worker. The service owns
+admission state, builds each `Item`, arms its deadline and counts what is in flight; nothing else calls
+`Batcher.submit`. A model registered with `serve_with` is handed to its own `InferenceHandler`: same door.
 """
 
 from __future__ import annotations
@@ -118,11 +116,9 @@ class InferenceService:
         self.tracing: ItemTracer | None = None  # set when OpenTelemetry is on: spans per request and queue wait
         # Per model: the backend's cost_of_batch or None, looked up once (the protocol check is not free).
         self._batch_costs: dict[str, Callable[[list[str]], float] | None] = {}
-        # Models whose inputs another handler answers instead of the batcher (a generative model on the
-        # generation engine's stepper, `--inference-path stepper`): the door hands their work over.
+        # Models another handler answers instead of the batcher (`serve_with`): the door hands their work over.
         self.handlers: dict[str, InferenceHandler] = {}
-        # Per model: the backend's `tokenize` (the tokenizer stage makes the inputs' tokens before they are
-        # costed, off the loop) or None, looked up once.
+        # Per model: the backend's `tokenize` (run on the tokenizer stage before costing) or None, looked up once.
         self.tokenizing = TokenizeStage()
         self._tokenizers: dict[str, Tokenize | None] = {}
 
@@ -167,8 +163,7 @@ class InferenceService:
         )
 
     def check_open(self, needs_workers: bool = True) -> None:
-        """503 DRAINING (or, for work that runs on the batch workers, NO_HEALTHY_WORKER) when nothing can be
-        admitted now."""
+        """503 DRAINING (or, for work on the batch workers, NO_HEALTHY_WORKER) when nothing can be admitted now."""
         if needs_workers:
             self.admission.check_open()
         elif self.batcher.draining:
@@ -197,9 +192,8 @@ class InferenceService:
         return self._tokenizers[model]
 
     async def _tokenize(self, tokenize: Tokenize, texts: list[str], model: str, tier: int, tenant: str) -> None:
-        """The inputs' tokens made on the tokenizer stage, in its fair order by tenant; the tokenizer time they
-        took is charged to the tenant's counter in the model's fair queue, in the model's cost units (what a full
-        batch costs per second of its learned time), whether the door then admits them or not."""
+        """The inputs' tokens made on the tokenizer stage; the time they took is charged to the tenant in the model's
+        fair queue, in cost units (a full batch's cost per second of its time), admitted or not."""
         seconds = await self.tokenizing.run(tokenize, texts, tenant)
         shares = self.batcher.shares.get(model)
         if seconds > 0 and shares is not None:
@@ -219,18 +213,16 @@ class InferenceService:
         )
 
     def _admit(self, work: Work, costs: Sequence[float], bucket: int) -> Ticket:
-        """The door for a request of inputs costing `costs` (its first in length class `bucket`), for `infer` and
-        `infer_many` alike: raises the 503 / 413 that fits, or returns its ticket (a probe or not; what the door
-        predicted, for `_answered` to learn from). The request's cost is booked on `work` here."""
+        """The door for `infer` and `infer_many` alike: books the request's cost on `work`, raises the 503 / 413 that
+        fits, or returns its ticket (`bucket`: its first input's length class)."""
         work.cost = sum(costs) if len(costs) > 1 else costs[0]
         return self.admission.admit_ticket(
             work.model, work.tier, work.tenant, work.deadline - self.clock(), costs, bucket, work.timeout_s
         )
 
     def _answered(self, record: Record, work: Work, ticket: Ticket, first: ItemResult, last: ItemResult) -> None:
-        """A request has all its answers (`first` / `last`: its first and last input's), for `infer` and
-        `infer_many` alike. When its first batch started against what the door predicted: the door learns its
-        own error."""
+        """A request has all its answers (its first and last input's), for `infer` and `infer_many` alike: the door
+        learns its own error from when its first batch started."""
         arrived = work.arrived
         if ticket.wait_s is not None:  # what `Admission.observed` learns from; None for most requests
             self.admission.observed(work.model, ticket, arrived + first.queue_s)
@@ -240,12 +232,11 @@ class InferenceService:
     async def infer(self, work: Work, text: str) -> ItemResult:
         """Admit one input, queue it, and wait for its answer; raises the ApiError that fits (503 at the door,
         504 at the deadline, 500 when it failed alone), or ClientGone when `work.gone` says the caller left.
-        An admitted request is recorded under (`work.record_owner`, `work.request_id`) with its status as it moves.
+        An admitted request is recorded under (`work.record_owner`, `work.request_id`).
 
-        `infer_many` for one input, written out: the hot path of /v1/inference, where its lists, zips and
-        gather cost ~3 µs a request (bench/hotpath.py). With tracing on, `infer_many` serves it (the spans).
-        Both paths pass the same door (`_admit`) and book the same answer (`_answered`): what admission decides
-        or learns per request goes there, never into one path only."""
+        `infer_many` for one input, written out: its lists and gather cost ~3 µs a request on this hot path
+        (bench/hotpath.py). Both pass the same door (`_admit`) and book the same answer (`_answered`): what
+        admission decides or learns per request goes there, never into one path only."""
         model = work.model
         if self.tracing is not None or model in self.handlers:  # spans, or a model answered elsewhere
             return (await self.infer_many(work, [text]))[0]
@@ -282,16 +273,14 @@ class InferenceService:
         return result
 
     async def infer_counted(self, work: Work, texts: list[str]) -> tuple[list[ItemResult], int]:
-        """`infer_many`, and the inputs' tokens for the answer's usage (`tokens_in`: no tokenizing, the backend
-        reads its kept encodings)."""
+        """`infer_many`, and the inputs' tokens for the answer's usage (`tokens_in`, from the kept encodings)."""
         results = await self.infer_many(work, texts)
         return results, tokens_in(self.backends.get(work.model), texts)
 
     async def infer_many(self, work: Work, texts: list[str]) -> list[ItemResult]:
-        """`infer` for a request of several inputs: one admission decision for all of them, predicted as the
-        batches they will make (so a request of 2,048 inputs is served when they fit its timeout), then each
-        input as its own item, so they share batches with other callers' inputs. The first failure fails the
-        request and withdraws the others (a cancelled item never takes a place in a batch)."""
+        """`infer` for a request of several inputs: one admission decision for all, then each input as its own item,
+        so they share batches with other callers' inputs. The first failure fails the request and withdraws the
+        others (a cancelled item never takes a place in a batch)."""
         model = work.model
         work.inputs = len(texts)
         handler = self.handlers.get(model)
@@ -373,11 +362,9 @@ class InferenceService:
             self.inflight -= 1
 
     async def pretokenize(self, model: str, texts: list[str], tenant: str = "") -> None:
-        """Batch-job inputs, read ahead of their feeding: their tokens made on the tokenizer stage's thread (as an
-        interactive request's are), so `submit_background` costs them by a look-up and the device thread runs
-        the kept tokens; the event loop tokenizes none of them. In chunks, so an interactive request's texts
-        queued meanwhile go in the next call rather than after the whole read (a no-op for a backend without a
-        `tokenize`, or a model another handler answers)."""
+        """Batch-job inputs, read ahead of their feeding: their tokens made on the tokenizer stage's thread, so
+        `submit_background` costs them by a look-up and the event loop tokenizes none. In chunks, so interactive
+        texts queued meanwhile go next rather than after the whole read. A no-op without a backend `tokenize`."""
         backend = self.backends.get(model)
         if backend is None or model in self.handlers:
             return
@@ -388,10 +375,9 @@ class InferenceService:
             await self._tokenize(tokenize, texts[start : start + PRETOKENIZE_CHUNK], model, BATCH.rank, tenant)
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
-        """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places
-        interactive work leaves, and the job scheduler bounds how many wait); its future carries an
-        `ItemResult` or the error, its `dispatched` says whether a batch has taken it yet. `alone`: the item
-        runs in a batch of its own, in the background share (after a hang)."""
+        """Queue a batch-job item at the lowest tier, past the latency admission (it only takes places interactive
+        work leaves; the job scheduler bounds how many wait). Its future carries an `ItemResult` or the error, its
+        `dispatched` says whether a batch took it. `alone`: in a batch of its own (after a hang)."""
         handler = self.handlers.get(model)
         if handler is not None:
             return handler.submit_background(text, model, tenant, deadline_s, alone)
@@ -403,9 +389,8 @@ class InferenceService:
         return item
 
     def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]:
-        """Batch-job items of one job, run as one batch of their own in the background share (at most one
-        dispatch in a few while other work waits, never while an interactive item waits): the job's inputs
-        fail often, and in a shared batch each failure costs the batch-mates re-runs (issue 28, item 3)."""
+        """Batch-job items of one job, run as one batch of their own in the background share: the job's inputs
+        fail often, and in a shared batch each failure costs the batch-mates re-runs."""
         handler = self.handlers.get(model)
         if handler is not None:
             return handler.submit_group(texts, model, tenant, deadline_s)

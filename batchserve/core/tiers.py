@@ -5,10 +5,9 @@ lower tier needs before it overtakes, in the model's SLOs), is shed last under p
 `slo x slack`), and gets a larger default rate limit per key (`rate`, `burst`). Adding a tier is one line here.
 
 Head starts count in the model's SLO, not in seconds: a model's queue waits scale with its SLO (admission lets
-them reach `slo x slack x shed`), so a fixed 0.1 s lead of a higher tier was most of it for a 200 ms model and
-next to nothing for a 1 s one (its priority requests waited 0.86x the default's, issue 49). A `paid` input
-overtakes once it has waited one SLO, about when admission's bound says it would start to miss: before that the
-higher tier goes first. Batch-job work keeps a fixed 30 s: it fills spare capacity whatever the model.
+them reach `slo x slack x shed`), so a fixed lead would be most of the wait on a fast model and next to nothing on a
+slow one. A `paid` input overtakes once it has waited one SLO, about when admission's bound says it would start to
+miss. Batch-job work keeps a fixed 30 s: it fills spare capacity whatever the model.
 """
 
 from __future__ import annotations

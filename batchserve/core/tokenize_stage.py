@@ -1,22 +1,17 @@
-"""The tokenizer stage (issue 36, "tokenize once, off the loop"): a backend that declares `tokenize(texts)` has
-every input's tokens made here, on a worker thread, before the door costs it, so the event loop never runs a
-tokenizer. The backend keeps what it made (by text) and reads it twice: on the loop to cost and bucket the input
-(`cost_of`, `bucket_of`: a dictionary look-up), and on the device thread to run it (`batch`).
+"""The tokenizer stage: a backend that declares `tokenize(texts)` has every input's tokens made here, on a worker
+thread, before the door costs it, so the event loop never runs a tokenizer. The backend keeps what it made (by text)
+and reads it on the loop to cost and bucket the input (a dictionary look-up) and on the device thread to run it.
 
 The stage runs before admission, so nothing downstream can price its work: it shares itself. Requests wait in one
-lane per tenant, and each tokenizer call takes texts lane by lane, from the tenant charged the fewest characters
-(a virtual counter per tenant, as the fair queue's by cost: `fairqueue.Shares`), up to `CALL_CHARS` characters a
-call (at least one text; a request's texts may span calls). A tenant that starts waiting is lifted to the least
-counter of those waiting, less one call's characters (idle time earns no burst, but a short request that comes
-back goes before the next chunk of a tenant that never stops). So a tenant of huge inputs, refused at the door or
-not, takes the stage's time only in turn: another tenant's request waits at most about one call.
+lane per tenant, and each call takes texts from the tenant charged the fewest characters (a virtual counter, as
+`fairqueue.Shares`), up to `CALL_CHARS` characters a call (at least one text). A tenant that starts waiting is lifted
+to the least counter waiting, less one call's characters (idle time earns no burst, but a short request that comes
+back goes before the next chunk of a tenant that never stops). So a tenant of huge inputs, refused or not, takes the
+stage's time only in turn: another tenant's request waits at most about one call. `run` returns what a request cost
+here, which the door charges to the tenant in the model's fair queue.
 
-What a request cost here comes back from `run`: its characters' share of its calls' time, which the door charges to
-the tenant's counter in the model's fair queue (`InferenceService`), refused or not.
-
-The texts gathered in one call go in one batch call of the backend (a fast tokenizer's batch call, which also
-leaves the interpreter lock to Rust's threads). A failure here fails nobody: the backend tokenizes what it lacks
-where it needs it.
+One call's texts go in one batch call of the backend (a fast tokenizer's also leaves the GIL to Rust's threads). A
+failure here fails nobody: the backend tokenizes what it lacks where it needs it.
 """
 
 from __future__ import annotations

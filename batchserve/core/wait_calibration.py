@@ -1,24 +1,20 @@
-"""The door's own error, learned: observed queue wait over predicted, per model (issue 22).
+"""The door's own error, learned: observed queue wait over predicted, per model.
 
-Admission predicts when an admitted request's first batch starts (`wait_prediction.predict`: the class turns, the
-learned batch times); the answer says when it really did. Whatever the model of the queue leaves out — the event
-loop and the GIL on a small CPU, hand-offs between batches, turns it does not foresee — shows as a ratio between
-the two. Like `BatchTimes` learns S from the batches that ran, this learns the ratio from the requests that were
-admitted under pressure (the ones whose prediction decided anything: without pressure only the deadline, seconds
-away, bounds them), and admission multiplies the queue part of its prediction by it.
+Admission predicts when an admitted request's first batch starts (`wait_prediction.predict`); the answer says when it
+really did. Whatever the model of the queue leaves out (the event loop and the GIL on a small CPU, hand-offs between
+batches, turns it does not foresee) shows as a ratio between the two, learned from the requests admitted under
+pressure (the only ones whose prediction decided anything); admission multiplies its queue part by it.
 
-Both waits are kept as exponentially weighted means and divided (not a mean of per-request ratios): a request
-predicted to wait 1 ms that waited 5 must not weigh like one predicted 200 ms that waited 1,000. The factor is
-clamped, so one odd stretch cannot shut the door (too high) or open it wide (too low), and it starts at 1 until
-`MIN_OBSERVED` requests were seen. Totals are kept for /metrics (`batchserve_admission_*_wait_seconds_total`):
-their increase over a window is the ratio a benchmark reports.
+Both waits are EWMAs, divided (not a mean of per-request ratios): a request predicted to wait 1 ms that waited 5
+must not weigh like one predicted 200 ms that waited 1,000. The factor is clamped, so one odd stretch cannot shut the
+door or open it wide, and is 1 until `MIN_OBSERVED` requests were seen. Totals feed /metrics
+(`batchserve_admission_*_wait_seconds_total`).
 
-A mean that is right still leaves half the requests later than predicted, and under pressure the queue fills
-until the prediction of a new request reaches the bound: without more, ~half of those admitted near it would
-miss it, and the p95 of admitted requests would sit at the bound times the spread of the error (~1.2-1.3 on
-minilm at 1.3x). So the 95th percentile of the error left after the factor (observed minus factor x predicted,
-seconds) is tracked too (a streaming quantile: up by 0.95 of a step when an error lands above it, down by 0.05
-when below, the step a twentieth of the mean predicted wait), and the door keeps that `margin` below the bound.
+A right mean still leaves half the requests later than predicted: under pressure the queue fills until a new
+request's prediction reaches the bound, and ~half of those admitted near it would miss it. So the 95th percentile
+of the error left after the factor (observed minus factor x predicted, s) is tracked too, as a streaming quantile
+(up 0.95 of a step above it, down 0.05 below, the step a twentieth of the mean predicted wait), and the door keeps
+that `margin` below the bound.
 """
 
 from __future__ import annotations

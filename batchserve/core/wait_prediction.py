@@ -4,19 +4,15 @@ Predicted by the cost of the work ahead. For a request of n inputs of tier t and
 
     ahead  = items it would wait behind (every higher tier, and its tenant's fair share of its own tier by cost:
              `Batcher.ahead_of`, so a tenant over its share waits behind more and is refused first)
-    F      = inputs in a full batch of the model (`Batcher.full_n`: the batch size, or what its cost budget holds)
+    F      = inputs in a full batch of the model (`BatchBudget.full_n`: the batch size, or what its budget holds)
     the first of its inputs is answered at  until_free + (ahead // F) x S(full) / healthy + S(its batch)
     the last                              at  until_free + (ahead // F) x S(full) / healthy
                                               + (k - 1) x S(one of its batches) / healthy + S(its last batch)
                                           with k its own batches: as many of its inputs as the budget holds each,
 
 where S is the learned batch time at a batch's cost (`core/batch.BatchTimes`; its own batches cost rows x its
-longest input: inputs of like length share a batch, `bucket_of`). That is the formula for a model of one queue;
-a model of length classes has its classes' turns replayed instead (`class_turns.drain`): other classes take a
-batch whenever their turn comes with items — those arriving while the request waits included (their admitted
-rate, `class_arrivals`) — and every class's batches are read at the padded cost of a row (`Batcher.row_cost`).
-Under pressure the queue part of the prediction is multiplied by what such predictions really turned out to be
-lately (`wait_calibration.WaitCalibration`, fed by the service with each admitted request's first batch).
+longest input). That is for a model of one queue; a model of length classes has its classes' turns replayed instead
+(`class_turns.drain`), every class's batches read at the padded cost of a row (`BatchBudget.row_cost`).
 Pure arithmetic over the batcher's queues and learned times: no clock, no state of its own.
 """
 
@@ -66,10 +62,8 @@ def predict(
     rates: Mapping[int, float] | None = None,
 ) -> WaitPrediction:
     """The batches ahead (full ones of the model's mean input) and the request's own (rows of its longest
-    input, as many as the budget holds), each at its cost (module docstring). With `bucket` (the request's
-    length class), the classes' turns are replayed (`class_turns.drain`), with `rates` the inputs per second
-    joining each class: each class forms batches of its own and takes a turn whenever it has items, those that
-    arrive while the request waits included."""
+    input, as many as the budget holds), each at its cost (module docstring). With `bucket` (the request's length
+    class) and other classes busy, their turns are replayed, `rates` being the inputs per second joining each."""
     times = batcher.batch_s
     limit, budget = batcher.costs.limit(model), batcher.costs.budget(model)
     unit = batcher.costs.unit.get(model, 1.0)
@@ -88,7 +82,7 @@ def predict(
     else:
         full_n, full_s = batcher.costs.full_n(model), times[model]
     per_batch = _rows(limit, budget, own_unit)
-    # A batch's cost is rows x cost within the budget (`Batcher.estimate_cost`), written out: this runs per request.
+    # A batch's cost is rows x cost within the budget (`BatchBudget.estimate_cost`), written out: runs per request.
     cap = math.inf if budget == math.inf else max(1.0, budget)
     base = until_free_s + (ahead // full_n) * full_s / share
     rem = ahead % full_n

@@ -1,10 +1,8 @@
 """One request's value from the door to the device: who asked, for which model, by when, and what it costs.
 
-Made once per request where the caller is identified (the HTTP skeleton, the gRPC servicer, a batch job's
-feeder); the wing's parse names the model and the deadline; the door (`InferenceService.infer` / `infer_many`)
-fills in the inputs and their cost as it prices them; every path below it (the batcher's items, the generation
-engine's sequences, the request log) reads this value rather than a row of positional arguments; accounting (the
-ledger, the metrics, the answer's headers) reads it back. Nothing else sets its fields. `DeadlineWatch` answers
+Made once per request where the caller is identified; the wing's parse names the model and the deadline, and the
+door (`InferenceService.infer` / `infer_many`) fills in the inputs and their cost as it prices them. Every path below
+reads this value rather than a row of positional arguments; nothing else sets its fields. `DeadlineWatch` answers
 504 at a waiting request's deadline.
 """
 
@@ -68,15 +66,11 @@ class Work(msgspec.Struct, eq=False):
 
 
 # -- the deadline watch --------------------------------------------------------------------------------------------
-# Answer 504 at each waiting caller's deadline, with one loop timer per timeout value instead of one per
-# request.
-#
-# Callers that share a timeout (almost all use their model's default) arrive in deadline order, so each timeout
-# value keeps a FIFO of (deadline, future) and one timer armed for its head: watching a request costs an append,
-# and an answered request is dropped from the head when a later one is watched (or skipped when its turn comes).
-# A per-request `loop.call_at` + `cancel` costs about 4.5 µs on uvloop; this costs well under one. An entry that
-# arrives out of order (its body took longer to read) is answered when the entry ahead of it is, a few milliseconds
-# late at most: the batcher never puts an item past its deadline into a batch either way (`Item.alive`).
+# Answer 504 at each waiting caller's deadline with one loop timer per timeout value, not one per request (a
+# `loop.call_at` + `cancel` costs ~4.5 µs on uvloop; an append costs well under one). Callers that share a timeout
+# arrive in deadline order, so each value keeps a FIFO of (deadline, future) with one timer armed for its head. An
+# entry out of order (its body took longer to read) is answered with the one ahead of it, a few ms late at most; the
+# batcher never batches an item past its deadline either way (`Item.alive`).
 KEYS_KEPT = 1024  # distinct timeouts whose lane key is remembered (callers may send any timeout_ms)
 
 
@@ -99,8 +93,7 @@ class DeadlineWatch:
             lane = self._lanes[key] = deque()
         else:
             # The answered entries at its head go now rather than at the sweep: a lane then holds about the
-            # requests in flight, not every request of the last timeout (30 s of futures and their answers kept
-            # alive: ~3 objects a request that the young collections had to scan, in the hot path's profile).
+            # requests in flight, not a whole timeout's worth of futures for the collector to scan.
             while lane and lane[0][1].done():
                 lane.popleft()
         lane.append((deadline, future))

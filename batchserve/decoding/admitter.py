@@ -1,11 +1,8 @@
 """Who of the waiting sequences runs, and whose running sequence is paused for it: the engine's admission from
 its queue into the stepper under the shares (`shares.py`).
 
-Why apart from `engine.py`: the engine takes requests in, refuses them at the door, turns each step's tokens into
-text and hands callers their deltas; none of that weighs lanes against each other. This is the one place that
-does, and the one place a sequence joins the stepper or leaves it for capacity (`_start`, `_preempt`): the engine
-calls `admit` whenever a place may have freed or work has arrived. It decides over the engine's books
-(`lanes.py`), which the engine keeps too (a sequence queues and finishes there).
+The one place that weighs lanes against each other, and the one place a sequence joins the stepper or leaves it
+for capacity (`_start`, `_preempt`); the engine calls `admit` whenever a place may have freed or work arrived.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ from batchserve.decoding.stepper import Stepper
 
 
 class Admitter:
-    """Starts waiting sequences while they fit, the lane furthest under its share first, and pauses (preempts)
-    running ones where a share or the batch lines' row cap calls for it."""
+    """Starts waiting sequences and pauses (preempts) running ones, as the shares say."""
 
     def __init__(
         self,
@@ -54,10 +50,8 @@ class Admitter:
         self.clock = clock  # the engine's: a sequence's start is compared with its arrival
         self.draining = False  # the engine is stopping: nothing more starts
         self.preemptions = 0
-        # the most batch lines running while interactive work is there (`shares.batch_row_cap`). A stepper that
-        # shares steps (the slot stepper) holds the slowdown itself by leaving batch rows out of some steps
-        # (`step_share`): there more batch rows in fewer steps cost the interactive callers least. Elsewhere the
-        # rows are fewer where each one lengthens the interactive callers' steps by much (`rows_within_slowdown`).
+        # the most batch lines running beside interactive work (`shares.batch_row_cap`); a stepper that does not
+        # share steps also keeps them within the slowdown (`rows_within_slowdown`)
         self.batch_cap = batch_row_cap(self.budget.max_seqs, cfg.batch_beside_interactive)
         if not stepper.shares_steps:
             self.batch_cap = min(
@@ -70,10 +64,8 @@ class Admitter:
         return bool(getattr(self.stepper, "resumable", False))
 
     def admit(self) -> None:
-        """Start waiting sequences while they fit, the lane furthest under its share first (`shares.py`);
-        when the next one does not fit, pause a sequence of a lane over its share (or a batch line for an
-        interactive caller) if the policy allows, else stop: the next to free a place serves it. First, batch
-        lines over their cap beside interactive work are paused down to it."""
+        """Start waiting sequences while they fit, in the shares' order; when the next does not fit, pause one for
+        it if the policy allows, else stop (the next freed place serves it). Batch lines over their cap go first."""
         if not self.draining:
             self._pause_batch_to_cap()
         pauses = len(self.lanes.running)  # each pause lets one more start: never more than there are running
@@ -113,8 +105,7 @@ class Admitter:
         return self.budget.fits(seq.blocks, kept, kept)
 
     def _start(self, seq: EngineSequence) -> None:
-        """Put `seq` in the stepper: a first run with its prompt; a resumed one (preempted) with its prompt and
-        the tokens it had made, under a new run id, to recompute their K/V and go on from there."""
+        """Put `seq` in the stepper; a resumed (preempted) one under a new run id, with the tokens it had made."""
         now = self.clock()
         seq.state, seq.run_started = RUNNING, now
         seq.runs += 1
@@ -131,8 +122,7 @@ class Admitter:
         self.gauges()
 
     def _preempt(self, seq: EngineSequence, reason: str) -> None:
-        """Pause a running sequence: the stepper drops it (and its K/V), it waits again in its lane at its old
-        place, and it resumes by recomputing (`_start`). A started sequence is answered: it never expires."""
+        """Pause a running sequence: it waits again at its old place and resumes by recomputing; it never expires."""
         self.lanes.unrun(seq)
         self.stepper.cancel(seq.run_id)
         seq.state, seq.deadline = WAITING, math.inf
@@ -142,9 +132,8 @@ class Admitter:
         self.forecast.forget()
 
     def _pause_batch_to_cap(self) -> None:
-        """Interactive work has arrived while batch lines hold more rows than their cap beside it: pause the
-        excess (`shares.batch_excess`), from the batch lane holding the most, its latest (re)started first (the
-        least to recompute). They resume when the interactive work is gone."""
+        """Pause the batch lines over their cap beside interactive work (`shares.batch_excess`), the latest
+        started of the lane holding the most first (the least to recompute)."""
         if not self.resumable or self.batch_cap >= self.budget.max_seqs:
             return
         running = self.lanes.spare_running()
@@ -163,8 +152,7 @@ class Admitter:
         """The running sequence to pause so that `seq` (of `lane`) can start, or None (`shares.victim_lane`)."""
         if not self.resumable:
             return None
-        # what each lane would give up: the blocks of its latest started (every sequence's, with slots); the
-        # victim itself is looked for in the chosen lane only (a finish with a queue runs this: O(lanes))
+        # the blocks each lane would give up; the victim is looked for in the chosen lane only (O(lanes))
         gives = {other: next(reversed(runs.values())).blocks for other, runs in self.lanes.lane_running.items()}
         chosen = victim_lane(lane, seq.blocks, lanes, share, gives)
         if chosen is None:

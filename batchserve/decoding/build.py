@@ -17,10 +17,8 @@ from batchserve.decoding.stepper import GPU_MEMORY_SHARE, Stepper
 
 UNKNOWN_TOKEN_CHARS = 1 << 30  # a tokenizer without a vocabulary to measure: no bound from characters
 CPU_KV_TOKENS = 16384  # KV capacity on a CPU when none is configured (~720 MB for SmolLM2 in float32)
-# Prompt tokens per prefill forward on a CPU: bounds its latency hit on decodes, and what a chat arriving while
-# another key's long prompt is prefilled waits before its own turn (a forward is never cut). At 512 (~3 s on 2
-# slow cores) short chats beside 4 streams of 1,500-token prompts took 4.1x their time alone; at 256, 2.6x, while
-# such a prompt alone took as long (9.0 / 8.9 s against 9.5 / 8.7 s, bench.gen_share's prompts scenario).
+# Prompt tokens per prefill forward on a CPU: bounds what decodes and a newly arriving chat wait on it (a forward
+# is never cut); 256 rather than 512 made short chats beside long prompts much faster, long prompts no slower.
 CPU_MAX_BATCH_TOKENS = 256
 GPU_MAX_BATCH_TOKENS = 8192  # the same on a GPU
 MANAGER_GPU_SEQS = 256  # transformers' manager on a GPU when none is configured (host-bound past that)
@@ -73,7 +71,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request that leaves temperature / top_p out gets: the model's generation_config.json (as vLLM
-    does), else OpenAI's 1.0; `source` says which, for the start-up log line."""
+    does), else OpenAI's 1.0."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -86,8 +84,8 @@ class SamplingDefaults:
 
 
 def sampling_defaults(model: Any) -> SamplingDefaults:
-    """The model's generation_config.json as request defaults, as vLLM reads it: its temperature and top_p
-    when it sets them (do_sample is not read: vLLM does not either); top_k and the like are logged as ignored."""
+    """The model's generation_config.json as request defaults, read as vLLM does (not do_sample); top_k and the
+    like are logged as ignored."""
     gen = getattr(model, "generation_config", None)
     try:
         diff = gen.to_diff_dict() if gen is not None else {}
@@ -113,10 +111,9 @@ def default_device(settings: Settings) -> str:
 def slot_plan(
     cfg: EngineConfig, on_gpu: bool, free_bytes: int, bytes_per_token: int, max_position: int
 ) -> tuple[int, int]:
-    """(slots, tokens per slot) of the slot stepper: the context a sequence may have (`max_context`, within the
-    model's positions), and as many slots as asked, else as the KV budget holds (`kv_tokens`, or by default
-    GPU_MEMORY_SHARE of the device's free memory on a GPU, CPU_KV_TOKENS on a CPU; on a GPU rounded and capped
-    by `sizing.auto_gpu_slots`: ~1,400 on an H200, ~830 on an H100 for SmolLM2's 23 KB a token)."""
+    """(slots, tokens per slot): `max_context` within the model's positions, and as many slots as asked, else as
+    the KV budget holds (`kv_tokens`, else GPU_MEMORY_SHARE of free memory or CPU_KV_TOKENS; on a GPU capped by
+    `sizing.auto_gpu_slots`)."""
     slot_tokens = max(16, min(cfg.max_context, max_position))
     kv_tokens = cfg.kv_tokens
     if not kv_tokens:
@@ -180,8 +177,7 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
 
 
 def longest_token_chars(tokenizer: Any) -> int:
-    """The most characters one token of this tokenizer stands for (81 for SmolLM2's: a vocabulary entry in
-    byte-level BPE spells one character per byte, so this bounds characters too)."""
+    """The most characters one token of this tokenizer stands for (byte-level BPE: one per byte at most)."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
     if get_vocab is None:
         return UNKNOWN_TOKEN_CHARS

@@ -1,24 +1,16 @@
 """Token generation with continuous batching: who runs, decided on the event loop; a stepper runs them.
 
-Why this shape:
-- A stepper (`stepper.py`) runs the sequences on the device on a thread of its own and schedules at the
-  iteration level: a finished sequence frees its place at the next step, a new one joins mid-flight. The
-  default is batchserve's slot stepper (`slot_stepper.py`: a slot KV cache and CUDA-graph steps with sampling on
-  the device); `--generation-engine manager` runs transformers' `ContinuousBatchingManager` instead.
+- A stepper (`stepper.py`) runs the sequences on a thread of its own and schedules at the iteration level: a
+  finished sequence frees its place at the next step, a new one joins mid-flight. The default is the slot
+  stepper (`slot_stepper.py`); `--generation-engine manager` runs transformers' `ContinuousBatchingManager`.
 - Each step's new tokens come back to the loop with one `call_soon_threadsafe`, so the loop never blocks on
-  model work and never polls. The loop sees each token as it is made (time to first token, inter-token
-  latency, stop strings, early cancel) even when the HTTP answer is not streamed.
+  model work nor polls, and sees each token as it is made (TTFT, stop strings, early cancel) even unstreamed.
 - KV-cache capacity is the admission resource (`kv_budget.py`): a sequence enters the stepper only when its
   worst case fits; otherwise it waits here, and is refused at the door (503) when the predicted wait passes
   its deadline.
-- The capacity is shared by tenant and tier (`shares.py`): the lane furthest under its share is admitted
-  first, the `batch` tier only fills what interactive work leaves (less a headroom), and to honour a share the
-  engine pauses (preempts) a running sequence of the lane furthest over its share, or a batch line for an
-  interactive caller: its place is freed at once and it waits again, to be resumed by recomputing its prompt and
-  the tokens it had made (on a `resumable` stepper: the slot stepper). It is never failed for it, and its text
-  goes on where it stopped. Who starts and who is paused is decided in `admitter.py`.
-- Cancelling (client gone, stop string reached) tells the stepper to drop the sequence and frees its place at
-  once for the next waiting sequence.
+- The capacity is shared by tenant and tier (`shares.py`); to honour a share a running sequence may be paused
+  (preempted) and later resumed by recomputing its tokens, never failed (`admitter.py` decides).
+- Cancelling (client gone, stop string reached) frees the sequence's place at once.
 """
 
 from __future__ import annotations
@@ -67,13 +59,10 @@ TOKENIZE_THREADS = 2  # chat templating and tokenization run here, off the event
 async def start_generation(settings: Settings, registry: CollectorRegistry) -> Engine | None:
     """The engine, when generation is enabled, on a model replica and tokenizer of its own.
 
-    Never the batch backend's objects: transformers' forward wrapper writes each call's `is_causal` into the
-    shared `model.config` for the length of the call and restores it after (transformers/utils/generic.py). The
-    manager stepper's steps pass `is_causal=False` (SDPA with an explicit mask) from their own thread, so a
-    `generate` in a worker thread that overlaps one builds a non-causal mask (garbage), and two overlapping
-    restores can leave `config.is_causal = False` for good (every later answer wrong). The tokenizer is not
-    shared either: a padded batch call sets padding on the fast tokenizer that an unpadded call from the loop
-    then clears."""
+    Never the batch backend's objects: transformers' forward writes each call's `is_causal` into the shared
+    `model.config` for the call's length, so the manager stepper's `is_causal=False` steps overlapping a
+    worker's `generate` corrupt its mask (or leave the flag False for good). A shared fast tokenizer's padding
+    setting would race likewise."""
     if not enabled(settings):
         return None
     return await Engine.start(settings, registry)
@@ -105,10 +94,9 @@ class Engine:
         self._tokenize_pool: ThreadPoolExecutor | None = None  # made on first use
         self.lanes = LaneBooks(self.budget)  # who waits and who runs, by lane (`shares.py`)
         self.forecast = WaitForecast(self.lanes)
-        # who of the waiting runs and who is paused for it (`admitter.py`), on the clock the engine stamps with
+        # who of the waiting runs and who is paused for it, on the engine's clock
         self.admitter = Admitter(cfg, self.lanes, self.forecast, stepper, self.metrics, time.monotonic)
-        # cost served per (model, tier, tenant), shared with the batcher's workers (`core/ledger.py`): the
-        # runtime hands the service's account in; a bare engine (tests, benches) keeps its own
+        # cost served per (model, tier, tenant) (`core/ledger.py`); the runtime hands the service's account in
         self.account = CostAccount()
         self._order = itertools.count()
         self._tick_task: asyncio.Task | None = None
@@ -121,8 +109,7 @@ class Engine:
     async def start(
         cls, settings: Settings, registry: CollectorRegistry, model: Any = None, tokenizer: Any = None
     ) -> Engine:
-        """Load its own model replica off the loop (or use the one given: benchmarks), build and warm the
-        stepper, start it."""
+        """Load its own model replica off the loop (or use the one given), build, warm and start the stepper."""
         cfg = EngineConfig.from_settings(settings)
 
         def load() -> tuple[Any, Any, Stepper]:
@@ -134,8 +121,7 @@ class Engine:
             if device == "cpu" and model is None:
                 import torch
 
-                # As the batch backends set it (hf.py `setup`): with no batch backend loaded (the stepper alone
-                # answers) nothing else would, and --torch-threads must reach this model too.
+                # with no batch backend loaded nothing else sets it, and --torch-threads must reach this model
                 torch.set_num_threads(settings.torch_threads or default_threads(decode=True))
             source = generation_folder(settings)  # a --model folder, or smollm2's package folder
             tok = tokenizer if tokenizer is not None else load_tokenizer(source)
@@ -198,9 +184,8 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def check_prompt_chars(self, chars: int, max_tokens: int) -> None:
-        """400 when a prompt of `chars` characters cannot fit however it tokenizes: no token covers more than
-        `longest_token_chars` characters, so it is at least chars / that many tokens. Checked before any
-        tokenizer runs: a 1 MB prompt once took the tokenizer ~0.3 s of the event loop to be refused."""
+        """400 when a prompt of `chars` characters cannot fit however it tokenizes (no token covers more than
+        `longest_token_chars`), checked before tokenizing so a huge prompt costs the event loop nothing."""
         fewest = -(-chars // self.longest_token_chars)
         if fewest + max_tokens > self.max_context:
             raise errors.invalid(
@@ -210,9 +195,8 @@ class Engine:
             )
 
     async def tokenize(self, prompt: list[dict[str, str]] | str) -> list[int]:
-        """The prompt's token ids (chat messages through the chat template), computed on the engine's small
-        thread pool: templating and tokenizing a long prompt take tens of milliseconds, which every other
-        caller would wait on if they ran on the event loop."""
+        """The prompt's token ids (chat messages through the chat template), on the engine's small thread pool:
+        a long prompt takes tens of milliseconds that would stall the event loop."""
         if self._tokenize_pool is None:
             self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         fn = self.encode if isinstance(prompt, str) else self.encode_chat
@@ -237,15 +221,11 @@ class Engine:
         on_start: Callable[[EngineSequence], None] | None = None,
         tenant: str = "",
     ) -> EngineSequence:
-        """Queue a sequence, or raise the 400/503 that fits. It starts at once when its worst case fits, or when
-        its lane may pause another's sequence for it (`shares.py`).
-        `streamed` False: its caller gets one delta, the whole text, when it ends (a per-token delta wakes the
-        caller's coroutine each time: at tens of thousands of tokens a second that is the loop's main cost).
-        `max_wait_s`: the longest predicted wait admitted (default `--generation-queue-timeout-ms`);
-        `start_by_s`: how long it may then wait before it gets 504 (default `max_wait_s`). A caller with a
-        deadline of its own (`/v1/inference` on the stepper, `inference.py`) sets both. `keep_tokens`: the
-        generated ids are kept in `token_ids`; `on_start` is called when it joins the stepper. `tenant`: whose
-        share of the capacity it counts in (with `tier`: its lane)."""
+        """Queue a sequence, or raise the 400/503 that fits. `streamed` False: one delta, the whole text, at the
+        end (per-token wake-ups are the loop's main cost at high token rates). `max_wait_s`: the longest predicted
+        wait admitted (default `--generation-queue-timeout-ms`); `start_by_s`: how long it may then wait before a
+        504 (default `max_wait_s`). `keep_tokens`: keep the ids in `token_ids`; `on_start`: called when it joins
+        the stepper; `tenant` and `tier`: its lane."""
         wait_limit = self.cfg.queue_timeout_s if max_wait_s is None else max_wait_s
         lane = lane_of(tenant, tier)
         self._check_room(prompt_ids, params, lane)
@@ -286,9 +266,8 @@ class Engine:
         return seq
 
     def _check_room(self, prompt_ids: list[int], params: SamplingParams, lane: Lane) -> None:
-        """The 400 or 503 a sequence gets before it queues: a draining or stopped engine, an empty or too long
-        prompt, or a full queue (batch lines waiting never refuse an interactive caller: it counts only the
-        interactive queue)."""
+        """The 400 or 503 a sequence gets before it queues (waiting batch lines never fill an interactive
+        caller's queue)."""
         if self.admitter.draining:
             raise errors.draining()
         if not self.healthy:
@@ -334,8 +313,8 @@ class Engine:
 
     # -- inside ---------------------------------------------------------------------------------------------
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
-        """Runs on the loop (via the stepper's call_soon_threadsafe) with one step's new tokens: at 256
-        sequences that is ~20,000 tokens a second through here, so per-step work is done once a step."""
+        """One step's new tokens, on the loop; tens of thousands of tokens a second pass here, so per-step work is
+        done once a step."""
         now = time.monotonic()
         before = self.generated_tokens
         for update in updates:
@@ -394,8 +373,7 @@ class Engine:
         error: ApiError | None = None,
         ended: bool = False,
     ) -> None:
-        """Hand the caller its last delta and free the sequence's place; `ended`: the stepper ended it itself
-        (else it is told to drop it)."""
+        """Hand the caller its last delta and free its place; `ended`: the stepper ended it (else it drops it)."""
         if seq.finished:
             return
         if seq.state == RUNNING:
@@ -441,11 +419,9 @@ class Engine:
             "preempted": self.admitter.preemptions,
             "batch_running": self.lanes.spare_running(),  # batch lines running (tier batch)
             "batch_rows_beside_interactive": self.admitter.batch_cap,
-            # the stepper's steps: how many ran batch rows beside interactive ones, how many the interactive rows
-            # alone while batch work waited (`step_share`; empty where the stepper cannot leave rows out)
+            # steps with batch rows beside interactive ones, and without them while batch work waited
             "steps": self.stepper.step_mix(),
-            # this model's cost served (prompt + generated tokens of answered sequences) per tier, every
-            # tenant summed (no tenant ids here, as on /metrics); a tenant's own is at /v1/usage
+            # cost served per tier, tenants summed (no tenant ids here; a tenant's own is at /v1/usage)
             "cost_served": {
                 tier.name: {"inputs": got.inputs, "cost": got.cost}
                 for tier, got in zip(TIERS, self.account.by_tier(self.cfg.model_id))

@@ -1,11 +1,8 @@
-"""transformers' `ContinuousBatchingManager` as a stepper (`--generation-engine manager`): the library's own
-continuous batching, kept beside batchserve's slot stepper so the two can be measured side by side
-(`bench/cb_compare.py`).
+"""transformers' `ContinuousBatchingManager` as a stepper (`--generation-engine manager`), kept beside the slot
+stepper so the two can be measured side by side (`bench/cb_compare.py`).
 
-The manager runs its own generation thread with a paged KV cache and hands each step's outputs to the event
-loop through `register_result_handler` (one `call_soon_threadsafe` per output). Every sequence is submitted
-`streaming=True`, so the loop sees each token as it is made. The manager samples greedily; batchserve's
-per-request processors (`sampling.py`) turn the argmax into each request's own draw.
+Every sequence is submitted `streaming=True`, so the loop sees each token as it is made. The manager samples
+greedily; the per-request processors of `sampling.py` turn the argmax into each request's own draw.
 """
 
 from __future__ import annotations
@@ -49,7 +46,6 @@ def build_manager(
     from batchserve.decoding import sampling
 
     on_cpu = model.device.type == "cpu"
-    # Greedy: sampling.py's processors turn the argmax into each request's own draw.
     generation_config = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_tokens,
@@ -111,8 +107,7 @@ class ManagerStepper:
         self.step_s = step_s
         self.row_growth = 0.0  # not measured: the share of the places alone bounds batch rows
         self.resumable = False  # its requests have no token offset to resume from: the engine never preempts here
-        # the library schedules every request in every step: it cannot leave batch rows out of one, so the engine
-        # bounds batch rows by the slowdown itself (`shares.rows_within_slowdown`; row_growth 0: the share rules)
+        # the library runs every request in every step, so the engine bounds batch rows itself
         self.shares_steps = False
         self.description = f"transformers' ContinuousBatchingManager on {manager.model.device}"
         self._deliver: Deliver | None = None

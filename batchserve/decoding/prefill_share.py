@@ -1,43 +1,29 @@
 """Prefill priced and shared: which prompt pieces the slot stepper prefills before its next decode step, and how
 many prompt tokens a lane may prefill while another lane's rows decode. Pure policy, no torch.
 
-Why: a prompt's prefill runs between two decode steps, so every sequence decoding waits on it, and on a CPU it is
-dear: 256 prompt tokens of SmolLM2 take over a second against a decode step's ~60 ms. Chunking alone bounded only
-the size of that wait (at most the step budget, 256 tokens on a CPU, between two steps, oldest prompt first), not who
-paid for it: another key's 1,538-token prompts (`max_tokens` 1) made a short chat wait behind their whole queue
-for its own prefill and then on up to 512 of their tokens before each of its tokens (one answer in 20 s, 0.8 s
-alone); a chat batch's long prompts did the same through every step the batch ledger let batch rows into (p50
-16.2 s), their time charged only after it was spent and forgiven past the ledger's debt floor.
+Why: a prompt's prefill runs between two decode steps, so every decoding sequence waits on it, and on a CPU it is
+dear (256 SmolLM2 prompt tokens take over a second against a ~60 ms step). Chunking bounds the size of that wait,
+not who pays for it: without sharing, one key's long prompts made another's short chat wait behind their queue.
+A chunk small enough to bound a CPU step would be a few tokens and slow a tenant alone too, so the budget applies
+only while another lane decodes. The budget lives in the slot stepper: transformers' manager schedules every
+request by its own rules, so there only the engine's share of the places holds (`shares.py`).
 
-Chosen: a per-step prefill budget, priced in time and shared by lane, on the chunked prefill the stepper already
-does (pieces of at most the decoder's chunk, at most `step_tokens` a step). Not chunking alone: it was there, and
-a chunk small enough to keep a decode step within a bound on a CPU would be a few tokens, which would also slow a
-tenant alone in the engine with nothing to protect; a budget that applies only while another lane decodes costs
-nothing then. Not transformers' manager: it chunks to its `max_batch_tokens` but schedules every request in every
-step by its own rules, so the budget lives in the slot stepper; with `--generation-engine manager` the engine's
-share of the places is all that holds (`shares.py`).
-
-- **Order.** Pieces go to the lane (tenant x interactive/batch, as `shares.Lane`) with the fewest prompt tokens
-  charged: each piece prefilled is charged to its lane in tokens (`LaneCharges`); a lane that starts prefilling
-  begins at the least charge among those prefilling, so time without prefill banks nothing; at equal charges the
-  shorter piece first. Interactive lanes go before batch lanes; within a lane, oldest first. A piece past the
-  step's budget is cut to the room left, or, with less than `MIN_PIECE` left, ends the plan (nothing overtakes
-  it). So a short prompt is prefilled in the next step, not behind another key's queue of long ones, and two
-  tenants prefilling alternate.
-- **Priced beside decodes.** While rows of another interactive lane decode, a lane's prefill is time those rows
-  wait. Interactive prefill then draws on a ledger (`PrefillLedger`) that earns `BESIDE_DECODE` x each decode
-  step's measured time and spends each prefill's measured time: the decoding rows' time in steps and waiting on
-  others' prefill stays within (1 + `BESIDE_DECODE`) x their steps' time (2x: the prefilling lanes and the
-  decoding ones halve the device, as two equal shares do; another key's long completions cost a CPU step about
-  that much too, a second row adds ~66%). Batch prefill beside interactive rows draws on the batch slowdown ledger
-  (`step_share.StepShare`, `--generation-batch-slowdown`), before it runs, as batch rows do: what the credit left
-  after the coming step affords. So a batch tier's long prompts and its rows together keep to the one bound.
-- **In tokens.** A ledger's seconds become tokens at the learned seconds per prompt token (an EMA of measured
-  prefills; not yet measured: one `MIN_PIECE` to measure). A piece is cut to what its pool affords; less than
-  `MIN_PIECE` waits for more credit (a forward has a fixed cost).
+- **Order.** Pieces go to the lane (as `shares.Lane`) with the fewest prompt tokens charged (`LaneCharges`); a
+  lane that starts prefilling begins at the least charge among those prefilling, so time without prefill banks
+  nothing; at equal charges the shorter piece first. Interactive lanes go before batch lanes; within a lane,
+  oldest first. A piece past the step's budget is cut to the room left, or, with less than `MIN_PIECE` left, ends
+  the plan (nothing overtakes it). So a short prompt is prefilled in the next step and two tenants alternate.
+- **Priced beside decodes.** While another interactive lane's rows decode, interactive prefill draws on a ledger
+  (`PrefillLedger`) that earns `BESIDE_DECODE` x each decode step's measured time and spends each prefill's, so
+  the decoding rows' time stays within (1 + `BESIDE_DECODE`) x their steps' time (2x: two equal shares of the
+  device). Batch prefill beside interactive rows draws on the batch slowdown ledger (`step_share.StepShare`,
+  `--generation-batch-slowdown`) before it runs, so a batch tier's prompts and its rows keep to the one bound.
+- **In tokens.** A ledger's seconds become tokens at the learned seconds per prompt token (an EMA; not yet
+  measured: one `MIN_PIECE`). A piece is cut to what its pool affords; less than `MIN_PIECE` waits for more
+  credit (a forward has a fixed cost).
 - **Never starved.** After `MAX_SKIP` steps in a row in which a pool's prefill waited and got nothing, one
   `MIN_PIECE` goes whatever the credit, and is charged (the debt is paid back before more goes).
-- With no other lane decoding (a tenant alone, or beside batch rows only) the step budget alone holds, as before.
+- With no other lane decoding the step budget alone holds.
 """
 
 from __future__ import annotations
@@ -81,8 +67,7 @@ class LaneCharges:
     tokens: dict[Lane, float] = field(default_factory=dict)
 
     def present(self, lanes: Collection[Lane]) -> None:
-        """`lanes` have prefill waiting now: a lane new to it starts at the least charge among them (others
-        forgotten)."""
+        """`lanes` have prefill waiting now: a new one starts at their least charge (others are forgotten)."""
         kept = {lane: self.tokens[lane] for lane in lanes if lane in self.tokens}
         floor = min(kept.values(), default=0.0)
         self.tokens = {lane: kept.get(lane, floor) for lane in lanes}
@@ -99,12 +84,9 @@ def plan_prefill(
     pools: Mapping[int, int] | None = None,
     limited: Collection[Lane] = (),
 ) -> list[Piece]:
-    """This step's prefill pieces for `prompts` (oldest first): each prompt's next `chunk` tokens at most, taken
-    lane by lane, the lane with the least `charged` (plus what this plan gives it) first (at equal charges the
-    shorter piece), interactive lanes before batch ones, within a lane oldest first, while their sum stays
-    within `step_tokens` (the first piece always goes; one past it is cut to the room left, and one that cannot
-    keep `MIN_PIECE` ends the plan). A lane in `limited` draws on its class's pool in `pools` (tokens): a piece
-    is cut to what is left of it, and none goes from a pool under `MIN_PIECE`."""
+    """This step's prefill pieces for `prompts` (oldest first), at most `chunk` tokens each and `step_tokens` in
+    all (the first piece always goes), in the module doc's order. A lane in `limited` draws on its class's pool in
+    `pools` (tokens): a piece is cut to what is left, and none goes from a pool under `MIN_PIECE`."""
     charges = dict(charged or {})
     left = dict(pools or {})
     heads: dict[Lane, list[int]] = {}
@@ -155,8 +137,7 @@ def first_lane(prompts: Sequence[Prompt], charges: Mapping[Lane, float], chunk: 
 
 @dataclass
 class PrefillLedger:
-    """Seconds of prefill that lanes may still run beside another lane's decoding rows (a credit), and the
-    learned seconds per prompt token that turns it into tokens (see the module's doc)."""
+    """Seconds of prefill lanes may still run beside another lane's decoding rows (a credit)."""
 
     beside: float = BESIDE_DECODE
     credit: float = 0.0
@@ -184,8 +165,8 @@ class TokenRate:
         self.per_token = rate if self.per_token is None else self.per_token + EMA_WEIGHT * (rate - self.per_token)
 
     def afford(self, seconds: float, skipped: int, max_skip: int = MAX_SKIP) -> int:
-        """Prompt tokens that `seconds` of credit buys: 0 under `MIN_PIECE` (it waits) unless the pool has waited
-        `max_skip` steps in a row, then `MIN_PIECE`; not yet measured, `MIN_PIECE` to measure it."""
+        """Prompt tokens that `seconds` of credit buys: 0 under `MIN_PIECE`, unless starved or not yet measured
+        (then `MIN_PIECE`)."""
         if self.per_token is None:
             return MIN_PIECE
         tokens = math.floor(max(0.0, seconds) / self.per_token) if self.per_token > 0 else MIN_PIECE
@@ -195,10 +176,9 @@ class TokenRate:
 
 
 def limited_lanes(prefilling: Collection[Lane], decoding: Collection[str], first: Lane | None = None) -> set[Lane]:
-    """Of the lanes with prefill waiting, those whose prefill draws on a pool: an interactive lane while another
-    tenant's interactive rows decode (`decoding`: their tenants) or another interactive lane is served first
-    (`first`: the lane charged least, whose sequence's first token would otherwise wait on this one's piece);
-    a batch lane while any interactive rows decode or any interactive prompt is being prefilled."""
+    """The lanes whose prefill draws on a pool: an interactive lane while another tenant's interactive rows decode
+    (`decoding`) or another interactive lane is served first (`first`); a batch lane while any interactive rows
+    decode or any interactive prompt is being prefilled."""
     out: set[Lane] = set()
     for lane in prefilling:
         if lane[0] == SPARE:

@@ -9,13 +9,10 @@ processors make the argmax a sample:
   softmax) and leaves only that token's score finite. A seeded row's uniform is a hash of (seed, token index), so it
   gets the same tokens whatever else shares its batches. Greedy rows are left alone.
 
-Where the work happens (issue 13): per request, on the host, only each row's argument is gathered, as the
-library's own processors do (`prepare_tensor_args`: a top_p, or the seeded row's hash key); the library copies
-those arguments to the device in one block. The sampling itself is tensor work over all rows at once (a sort,
-a softmax, a cumulative sum, a search, a scatter), run on the device inside the manager's step. On CUDA the
-processors are built `sync_free`: no host sync and no branch on values, so the manager can capture them in its
-CUDA graph with the forward. On a CPU, where a sync is free and a vocabulary sort is not (34 ms for 16 rows), they
-first look which rows asked and work on those only.
+On the host only each row's argument is gathered (`prepare_tensor_args`); the sampling is tensor work over all
+rows, on the device inside the manager's step. On CUDA the processors are `sync_free` (no host sync, no branch
+on values), so the manager can capture them in its CUDA graph. On a CPU, where a sync is free and a vocabulary
+sort is not, they first pick the rows that asked and work on those only.
 """
 
 from __future__ import annotations
@@ -77,10 +74,8 @@ def choose_tokens(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     seeded = keys >= 0
     fresh = torch.rand(keys.shape, dtype=torch.float64, device=scores.device)
     u = torch.where(seeded, (keys.to(torch.float64) + 0.5) / (MASK31 + 1), fresh)
-    # float64: a float32 running sum over ~50,000 tokens drifts by ~1e-5, as much as a tail token's own
-    # probability, and differently for each batch shape, so the same seed could land on a neighbouring token
-    # depending on what shared the step. (The logits themselves still differ by rounding between batch shapes:
-    # a draw within that of a boundary can still go either way.)
+    # float64: a float32 running sum over the vocabulary drifts as much as a tail token's probability, differently
+    # per batch shape, so the same seed could land on another token depending on what shared the step.
     cdf = scores.softmax(dim=-1, dtype=torch.float64).cumsum(dim=-1)
     drawn = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:]).clamp_(max=scores.size(-1) - 1)
     chosen = torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
@@ -151,11 +146,9 @@ class TokenChoice(ContinuousBatchingLogitsProcessor):
 
 
 def processors(sync_free: bool = False) -> ContinuousBatchingLogitsProcessorList:
-    """The per-request processor list for a greedy manager: temperature (the library's), TopP, TokenChoice.
-    `sync_free` (for CUDA) keeps every step free of host syncs, so a CUDA graph can hold it.
-
-    Assign it to `manager.logit_processor` before the manager builds its batch processor, which sizes the
-    per-request argument tensor from `tensors_required`."""
+    """The per-request processor list for a greedy manager: temperature (the library's), TopP, TokenChoice;
+    `sync_free` for CUDA graphs. Assign it to `manager.logit_processor` before the manager builds its batch
+    processor, which sizes the per-request argument tensor from `tensors_required`."""
     plist = ContinuousBatchingLogitsProcessorList(
         LogitsProcessorList([TemperatureLogitsWarper(0.5)]), per_request_processors=True
     )

@@ -1,8 +1,7 @@
-"""How the generation engine shares its KV capacity between tenants and tiers (issue 33): pure policy, no I/O.
+"""How the generation engine shares its KV capacity between tenants and tiers: pure policy, no I/O.
 
-Why: counted by sequences in arrival order, one tenant holding every slot with long chats locked every other
-tenant out (0 of 10 short chats answered), and the chat lines of a batch took the slots interactive callers
-needed. So capacity is shared by lane, and a running sequence may be paused (preempted) to honour the shares.
+Why: in plain arrival order one tenant's long chats, or a batch's lines, can hold every slot and lock others out.
+So capacity is shared by lane, and a running sequence may be paused (preempted) to honour the shares.
 
 - A **lane** is a tenant in a class: `INTERACTIVE` (every tier a key may have) or `SPARE` (the `batch` tier, the
   lines of batch jobs). A tenant's interactive work and its batch lines are two lanes.
@@ -16,20 +15,15 @@ needed. So capacity is shared by lane, and a running sequence may be paused (pre
 - **Order**: the next sequence admitted is of the lane furthest under its share, read as (held + this
   sequence's blocks) / share; interactive lanes before spare ones; ties by tier, then arrival.
 - **Lingering**: an interactive lane whose last sequence just ended keeps its share, and one free place, for
-  `LINGER_S`: a closed-loop client's next request finds its place free instead of pausing someone again (the
-  place it freed would otherwise go to a lane over its share, be recomputed into, and be taken back). Only a
-  lane under its share may take a kept place; past `LINGER_S` it goes to whoever waits.
+  `LINGER_S`, so a closed-loop client's next request finds its place free instead of pausing someone again. Only
+  a lane under its share may take a kept place; past `LINGER_S` it goes to whoever waits.
 - **Rows beside interactive work** (`batch_row_cap`): while any interactive lane has work or lingers, the spare
-  lanes together hold at most a fraction of the places (`--generation-batch-beside-interactive`, default
-  `BATCH_BESIDE_INTERACTIVE`, at least one row): a decode step's time grows with its rows on a CPU (batch lines
-  filling 7 of 8 slots made another tenant's interactive chats 2.6x slower), and an interactive caller's every
-  token waits on that step. The slot stepper then holds `--generation-batch-slowdown` itself by leaving batch
-  rows out of some steps (`step_share.py`): a row cap alone cannot, where one batch row already costs more (on
-  this 2-core CPU a second row adds ~66% to a one-row step). A stepper that cannot leave rows out (the manager)
-  keeps batch lines to fewer rows still where rows are dear (`rows_within_slowdown`: the warm-up's row timing;
-  on a GPU rows are nearly free and the fraction rules). Spare lanes over the cap when interactive work arrives
-  are paused down to it (`batch_excess`); with no interactive work they fill everything but the headroom again.
-  At least one row keeps every batch line moving toward its completion window.
+  lanes together hold at most a fraction of the places (`--generation-batch-beside-interactive`, at least one
+  row, so every batch line progresses): on a CPU a step's time grows with its rows, and every interactive token
+  waits on that step. The slot stepper holds `--generation-batch-slowdown` by leaving batch rows out of some
+  steps (`step_share.py`); a stepper that cannot (the manager) keeps batch lines to fewer rows where rows are
+  dear (`rows_within_slowdown`). Spare lanes over the cap when interactive work arrives are paused down to it
+  (`batch_excess`).
 - **Preemption** (`victim_lane`): an interactive sequence that cannot start pauses a spare-lane sequence if one
   runs; otherwise a sequence of a lane under its share pauses one of the lane furthest over its share, if that
   lane stays at least as far along its share as the taker becomes (so two lanes never trade a slot back and
@@ -76,17 +70,16 @@ def headroom(total: int) -> int:
 
 
 def batch_row_cap(places: int, fraction: float) -> int:
-    """The most sequences (decode rows) the spare lanes together may hold beside interactive work, of `places`:
-    `fraction` of them rounded down, at least 1 (batch lines always progress); 1 or more: no cap."""
+    """The most decode rows the spare lanes may hold beside interactive work: `fraction` of `places` rounded down,
+    at least 1; a fraction of 1 or more: no cap."""
     if fraction >= 1:
         return places
     return max(1, min(places, math.floor(places * max(0.0, fraction))))
 
 
 def rows_within_slowdown(row_growth: float, slowdown: float, places: int) -> int:
-    """The most batch rows beside an interactive row that keep its decode step within `slowdown` x its time
-    alone, when each row lengthens a step by `row_growth` of a one-row step: at least 1 (batch lines always
-    progress), `places` where rows cost nothing measurable."""
+    """The most batch rows that keep an interactive row's step within `slowdown` x its time alone, each row
+    lengthening a step by `row_growth`: at least 1, `places` where rows cost nothing measurable."""
     if row_growth <= 0:
         return places
     return max(1, min(places, math.floor((slowdown - 1) / row_growth + 1e-9)))
@@ -106,8 +99,7 @@ class LaneLoad:
 
 
 def shares(lanes: dict[Lane, LaneLoad], total: int) -> dict[Lane, float]:
-    """Each lane's share of `total` blocks: interactive lanes split all of it by weight; spare lanes split by
-    weight what the interactive lanes hold less of it, less the headroom."""
+    """Each lane's share of `total` blocks (module doc: Shares)."""
     out: dict[Lane, float] = {}
     interactive = {lane: load for lane, load in lanes.items() if lane[0] == INTERACTIVE}
     spare = {lane: load for lane, load in lanes.items() if lane[0] == SPARE}
@@ -177,11 +169,9 @@ def replay_wait(
     target: Queued,
     step_s: float,
 ) -> float:
-    """Seconds until `target` (in one of `queues`) would start, replaying admission as it will run: each time
-    places free up (`running`: (lane, blocks, seconds left) of the sequences that stay), the lane furthest under
-    its share (`order_key` on what the replay has it hold) takes the next, each lane's queue in its order. So a
-    tenant under its share is seen to take the places its own short sequences free, rather than waiting behind a
-    hog's long queue. inf: it never fits."""
+    """Seconds until `target` (in one of `queues`) would start, replaying admission as it will run as places free
+    up (`running`: (lane, blocks, seconds left)), so a tenant under its share is seen to take the places its own
+    short sequences free rather than wait behind a hog's queue. inf: it never fits."""
     ends = [(left, blocks, lane) for lane, blocks, left in running]
     heapq.heapify(ends)
     holding = dict(held)

@@ -1,31 +1,26 @@
 """The device side of continuous batching: a KV cache of fixed slots, one sequence per slot, and a decode step
-over all slots that is replayed as a CUDA graph (issue 13).
+over all slots that is replayed as a CUDA graph.
 
-Why not transformers' `ContinuousBatchingManager` (still selectable: `--generation-engine manager`): measured
-on an H100 it made ~3,400 output tokens/s at 256 sequences, host-bound: every step it schedules requests one by
-one in Python, rebuilds its paged-attention index tensors and copies them to the GPU, and gathers each
-request's sampling arguments. Here every per-sequence value lives on the device from the moment the sequence
-joins, so a step is one graph replay plus one copy of the new tokens back:
+transformers' `ContinuousBatchingManager` (`--generation-engine manager`) is host-bound (~3,400 tokens/s at 256
+sequences on an H100): it schedules, rebuilds index tensors and gathers sampling arguments in Python every step.
+Here every per-sequence value lives on the device from the moment the sequence joins, so a step is one graph
+replay plus one copy of the new tokens back:
 
-- `SlotCache`: one K and one V buffer per layer, `[slots, kv_heads, slot_tokens, head_dim]`. Each slot is one
-  sequence's whole context; its write position is its own (`pos`), so sequences of any age share a step. It
-  stands in for transformers' cache object (the model only calls `update`), so the model's own forward, RoPE
-  and attention run unchanged; the attention mask is passed ready-made (4-D), which the library uses as is.
-- A decode step reads only the first `rows` slots (new sequences take the lowest free slot) and attends to the
-  first `span` positions of each; both are padded up to buckets and each `(rows, span, sampling)` is a graph
-  captured at warm-up. Rows of finished or empty slots run along and are ignored (their `done` flag holds them).
-- Sampling is tensor work inside the step, per row: temperature, top_p and a seeded or unseeded draw
-  (`sampling.mask_top_p`, `sampling.choose_tokens`, and the seeded key hashed on the device from the seed and
-  the token index, the same key the host computed before). Greedy-only steps use a graph without the sort.
-- Prefill (sequences joining): the joining prompts right-padded into one forward that writes each prompt's K/V
-  into its slot, then each first token drawn the same way as in a step. It too reads only the decoder's
-  buffers, so on CUDA it is a graph per (joins, width) bucket (eagerly, a forward is ~20 ms of host work on an
-  H100 whatever its size); padding rows write into a scratch slot past the last real one, which no step reads.
-- Chunked prefill (issue 25): a prompt may be prefilled in pieces, each a forward over the next tokens that
-  attends to the slot's earlier positions as well as its own (`starts`); only its last piece draws a first
-  token. Between pieces the slot's row is held (done) with its position at the next piece's start, so the
-  decode steps that run meanwhile write only where that piece will write. On CUDA continuation pieces have
-  graphs of their own (`chunk_graphs`, widths up to `chunk_tokens`, attending to the whole slot).
+- `SlotCache`: one K and one V buffer per layer, `[slots, kv_heads, slot_tokens, head_dim]`, a slot per sequence
+  with its own write position (`pos`), so sequences of any age share a step. It stands in for transformers'
+  cache object, so the model's own forward, RoPE and attention run unchanged, with a ready-made 4-D mask.
+- A step reads the first `rows` slots (joins take the lowest free slot) and attends to the first `span`
+  positions; both are padded up to buckets, one graph per `(rows, span, sampling)`. Finished or empty rows run
+  along, held by their `done` flag.
+- Sampling (temperature, top_p, seeded or unseeded draw) is tensor work inside the step; greedy-only steps use a
+  graph without the sort.
+- Prefill writes the joining prompts' K/V (right-padded, one forward) and draws each first token. On CUDA it is a
+  graph per (joins, width) bucket too (an eager forward costs ~20 ms of host work whatever its size); padding
+  rows write a scratch slot that no step reads.
+- Chunked prefill: a prompt may be prefilled in pieces (`starts`), each attending to the slot's earlier
+  positions; only the last piece draws a token. Between pieces the row is held with its position at the next
+  piece's start, so steps meanwhile write only where that piece will write. Continuation pieces have their own
+  graphs (`chunk_graphs`, widths up to `chunk_tokens`).
 
 On a CPU the same code runs eagerly with exact row and span counts.
 """
@@ -76,16 +71,14 @@ def device_step_key(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 def warm_summary(graphs: bool, steps: int, prefills: int) -> str:
-    """What the warm-up did, for its log line: without CUDA graphs nothing is captured, and "checked 0 decode
-    steps and 0 prefills" read as if nothing had warmed."""
+    """What the warm-up did, for its log line (without CUDA graphs there is nothing captured to count)."""
     if graphs:
         return f"captured {steps} decode steps and {prefills} prefills as CUDA graphs"
     return "warmed the decode steps and prefills eagerly (no CUDA graphs: timed a full step)"
 
 
 def graph_modes(device: torch.device, use_graphs: bool | None, fixed_shapes: bool | None) -> tuple[bool, bool]:
-    """(use_graphs, fixed_shapes) from the constructor's arguments: graphs default to on exactly on CUDA and need
-    it, and a captured graph has fixed shapes, so graphs imply fixed shapes whatever was asked."""
+    """Graphs default to on exactly on CUDA and need it; a captured graph has fixed shapes, so graphs imply them."""
     graphs = device.type == "cuda" if use_graphs is None else use_graphs
     if graphs and device.type != "cuda":
         raise ValueError("CUDA graphs need a CUDA device")
@@ -105,10 +98,9 @@ class LaunchedStep:
 
 
 class SlotCache:
-    """Per-layer K/V slot buffers, and what transformers' attention asks of a cache: `update` stores this
-    forward's keys and values and returns what to attend to. Two modes, set before each forward:
-    decode (one token per row: scatter at each row's `pos`, return the first `span` positions of the first `rows`
-    slots) and prefill (whole prompts: copy into their slots from position 0, return the prompts' own K/V)."""
+    """Per-layer K/V slot buffers behind transformers' cache interface (`update` stores and returns what to attend
+    to). The mode is set before each forward: decode (scatter at each row's `pos`), prefill (copy from position 0)
+    or continuation (a later prefill piece)."""
 
     def __init__(self, config: Any, slots: int, slot_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         heads = config.num_key_value_heads
@@ -175,10 +167,8 @@ class SlotDecoder:
         prefill_tokens: int = 8192,
         chunk_tokens: int = 0,
     ) -> None:
-        """`use_graphs` (default: on CUDA) captures every bucket's step and prefill; `fixed_shapes` (default: when
-        graphs are used; tests turn it on for the CPU) pads rows, spans and prefills up to the buckets;
-        `prefill_tokens`: the most padded prompt tokens (joins x width) in one prefill; `chunk_tokens`: the
-        most tokens of one prompt in one prefill piece (default: 512, or prefill_tokens if fewer)."""
+        """`fixed_shapes` (default: with graphs; tests set it on a CPU) pads to the buckets; `prefill_tokens`: the
+        most padded tokens (joins x width) in one prefill; `chunk_tokens`: the most of one prompt per piece."""
         self.model = model
         self.device = model.device
         self.slots, self.slot_tokens = slots, slot_tokens
@@ -232,9 +222,8 @@ class SlotDecoder:
         return [(r, s) for r in rows for s in spans]
 
     def prefill_shape(self, joins: int, width: int, continued: bool = False) -> tuple[int, int] | None:
-        """The (joins, width) a prefill runs at: exact on a CPU; on a GPU padded up to a captured bucket, or
-        None when none holds it (then it runs eagerly at its exact shape). `continued`: a piece after the
-        first of its prompt (its widths stop at `chunk_tokens`)."""
+        """Exact on a CPU; on a GPU padded up to a captured bucket, or None when none holds it (then it runs
+        eagerly). `continued`: a later piece of its prompt (widths stop at `chunk_tokens`)."""
         if not self.fixed_shapes:
             return joins, width
         top = self.chunk_tokens if continued else self.slot_tokens
@@ -245,8 +234,7 @@ class SlotDecoder:
         return rows, wide
 
     def prefill_fits(self, joins: int, width: int, continued: bool = False) -> bool:
-        """Whether `joins` prompts (or pieces) of up to `width` tokens go in one prefill (the stepper groups
-        them so)."""
+        """Whether `joins` prompts (or pieces) of up to `width` tokens go in one prefill."""
         if self.fixed_shapes:
             return self.prefill_shape(joins, width, continued) is not None
         return joins <= len(self.pieces.slot) and joins * width <= self.prefill_tokens
@@ -269,8 +257,7 @@ class SlotDecoder:
         )
 
     def _pick(self, logits: torch.Tensor, rows: slice | torch.Tensor, sampling: bool) -> torch.Tensor:
-        """Each row's next token: argmax, or (sampling) temperature, top_p and the row's draw, all on the
-        device. `count` is the index of the token being drawn, which keys a seeded row's draw."""
+        """Each row's next token, on the device; `count` (the token's index) keys a seeded row's draw."""
         if not sampling:
             return logits.argmax(-1)
         seed = self.seed[rows]
@@ -307,9 +294,9 @@ class SlotDecoder:
         self.pos[:rows] = pos + live.long()
 
     def launch(self, rows: int, span: int, sampling: bool) -> LaunchedStep:
-        """Run one decode step over the first `rows` slots (every live row's position < `span`) and queue the
-        copy of its tokens to the host. On CUDA this only enqueues work: the host may launch the next step
-        before it `collect`s this one (two buffers), so the GPU is not idle while the host hands tokens over."""
+        """Run one decode step over the first `rows` slots (live positions < `span`) and queue its tokens' copy to
+        the host. On CUDA this only enqueues: the next step may launch before this one is `collect`ed (two
+        buffers), so the GPU is not idle while the host hands tokens over."""
         shape = self.shape(rows, span)
         buffer, self._buffer = self._buffer, self._buffer ^ 1
         cuda = self.device.type == "cuda"
@@ -340,8 +327,7 @@ class SlotDecoder:
         return ticket.seconds
 
     def collect(self, ticket: LaunchedStep) -> tuple[list[int], list[bool]]:
-        """A launched step's token and done flag of its rows (waits for it; on CUDA with the interpreter lock
-        released)."""
+        """Waits for a launched step (on CUDA with the GIL released); its rows' tokens and done flags."""
         if ticket.event is not None:
             ticket.event.synchronize()
         return (
@@ -358,11 +344,9 @@ class SlotDecoder:
         starts: Sequence[int] | None = None,
         last: Sequence[bool] | None = None,
     ) -> tuple[list[int], list[bool]]:
-        """Start sequences in free slots, or carry their prefill on: write these prompt pieces' K/V (piece i holds
-        the prompt's tokens from position `starts[i]`, default 0: the whole prompt) and, for each piece that
-        ends its prompt (`last`, default all), draw the first token. Returns each row's first token and whether
-        its sequence is already done (EOS or max_tokens 1); for a piece that is not last, (pad, True): its row
-        is held until its last piece."""
+        """Write these prompt pieces' K/V (piece i from position `starts[i]`, default 0) and, for each piece that
+        ends its prompt (`last`, default all), draw the first token. Returns each row's first token and whether it
+        is already done; a piece that is not last gives (pad, True), its row held until its last piece."""
         k, width = len(slots), max(len(p) for p in prompts)
         starts = list(starts) if starts is not None else [0] * k
         last = list(last) if last is not None else [True] * k
@@ -385,8 +369,8 @@ class SlotDecoder:
             }
             for tensor, values in row_values.items():
                 tensor[index] = torch.tensor(values, dtype=tensor.dtype).to(dev)
-            # a resumed sequence (preempted, recomputed) counts on from the tokens it had made: its length end and
-            # its seeded draws (keyed by token index) are those it would have had without the pause
+            # a resumed (preempted) sequence counts on from its made tokens, so its length end and seeded draws
+            # match an unpaused run
             self.count[index] = torch.tensor([q.resumed for q in params], dtype=torch.long).to(dev)
             self.done[index] = False
             self.pieces.load(host)
@@ -400,9 +384,8 @@ class SlotDecoder:
         return tokens, done
 
     def _prefill_step(self, rows: int, wide: int, sampling: bool, span: int = 0) -> None:
-        """The prefill over the first `rows` pieces of the prefill buffers, `wide` tokens each (so it can be
-        captured): causal attention within each piece (and, `span` > 0, to the slot's first `span` positions,
-        which hold its earlier pieces), its K/V into its slot, and for a last piece its first token drawn."""
+        """Prefill the first `rows` buffered pieces at width `wide` (capturable); `span` > 0 also attends to the
+        slot's first `span` positions (earlier pieces)."""
         buffers = self.pieces
         ids, lengths, where = buffers.ids[:rows, :wide], buffers.length[:rows], buffers.slot[:rows]
         start, ends = buffers.start[:rows], buffers.last[:rows]
@@ -437,8 +420,8 @@ class SlotDecoder:
                 self.done[torch.tensor(list(slots), dtype=torch.long, device=self.device)] = True
 
     def move(self, sources: Sequence[int], targets: Sequence[int], span: int) -> None:
-        """Move sequences to other (free) slots: their first `span` cache positions and all their row state;
-        the sources are left held. Stream-ordered after any step in flight, so what that step writes moves too."""
+        """Move sequences to free slots (first `span` cache positions and row state), leaving the sources held.
+        Stream-ordered after any step in flight, so what that step writes moves too."""
         if not sources:
             return
         with torch.inference_mode(), self._device():
@@ -463,16 +446,15 @@ class SlotDecoder:
             self.done[src] = True
 
     def swap(self, a: int, b: int, span: int) -> None:
-        """Swap two live sequences' slots (their first `span` cache positions and row state), through the scratch
-        slot (no step reads it; prefill's padding rows only write it)."""
+        """Swap two live sequences' slots through the scratch slot (no step reads it)."""
         self.move([a], [self.scratch], span)
         self.move([b], [a], span)
         self.move([self.scratch], [b], span)
 
     # -- warm-up ------------------------------------------------------------------------------------------
     def warm(self) -> float:
-        """Capture every (rows, span, sampling) step on CUDA (a failed capture logs why and leaves the steps
-        eager), then time a step of all slots (best of three), for the engine's first wait predictions."""
+        """Capture the graphs on CUDA (a failed capture falls back to eager), then time a full step (best of
+        three) for the engine's first wait predictions."""
         started = time.monotonic()
         if self.use_graphs:
             try:
@@ -512,9 +494,8 @@ class SlotDecoder:
         return min(timings[self.slots])
 
     def _capture(self) -> None:
-        """Warm each step's and prefill's kernels on a side stream (as the PyTorch docs and the shared anchor
-        do), then capture every bucket of both into one memory pool. Safe to share: every graph writes only the
-        decoder's own buffers, its temporaries are its own, and a device runs one graph at a time."""
+        """Warm the kernels on a side stream (as the PyTorch docs do), then capture every bucket into one memory
+        pool, safe to share: every graph writes only the decoder's own buffers and a device runs one at a time."""
 
         # (graph table, the function captured, its shapes); the prefill buffers hold padding: scratch slot, length 1
         def continued(rows: int, wide: int, sampling: bool) -> None:

@@ -1,17 +1,12 @@
-"""Which sequence sits in which of a `SlotDecoder`'s slots, and which slot each one takes: the seating of
-`slot_stepper.SlotStepper`. Apart from the stepper because where a sequence sits is a policy of its own, over
-plain ints and the decoder's row buckets: the stepper decides when sequences join, are prefilled, go live and
-step; this decides the slot a join takes and when live sequences move, so that a step covers as few rows as it
-can. Kept on the stepper's thread, so choosing a step's shape needs nothing from the device.
+"""Which sequence sits in which of a `SlotDecoder`'s slots: the seating policy of `slot_stepper.SlotStepper`, over
+plain ints on the stepper's thread, so that a step covers as few rows as it can.
 
 Rows: a step covers the slots up to the highest live one, padded up to a bucket, and new sequences take the
-lowest free slot. When the live sequences would fit a bucket half the size or less (the long sequences of a
-burst, left in high slots after the short ones ended), they are moved down into free low slots first.
+lowest free slot. When the live sequences would fit a bucket half the size or less, they are moved down first.
 
-Background rows (issue 33: batch lines): they take the highest free slot within the bucket the occupied slots
-need (so a full step covers no more rows than before), foreground ones the lowest, and a foreground sequence
-left above a background one is moved below it (into a free slot, or swapped with it). So a step over the
-foreground rows' prefix leaves the background rows out.
+Background rows (batch lines) take the highest free slot within the bucket the occupied slots need, and a
+foreground sequence left above a background one is moved below it, so a step over the foreground prefix leaves
+the background rows out.
 """
 
 from __future__ import annotations
@@ -64,13 +59,10 @@ class Filling:
 
 
 class SlotMap:
-    """The slots' occupants (live, or being prefilled) and the free slots, and the placement over them: the slot
-    a join takes (`seat`) and the moves (`compact`) that keep a step's rows few and the foreground rows below
-    the background ones. The stepper reads `live` and `filling` to prefill, launch and collect."""
+    """The slots' occupants (`live`, `filling`), the free slots, and the placement over them (`seat`, `compact`)."""
 
     def __init__(self, decoder: SlotDecoder, share: StepShare) -> None:
-        """`share`: the stepper's step ledger, which says whether keeping the foreground rows below the
-        background ones is worth a move (`StepShare.dear`)."""
+        """`share`: the step ledger, which says whether separating foreground and background rows is worth a move."""
         self.decoder = decoder
         self.share = share
         self.live: dict[int, Live] = {}  # slot -> sequence
@@ -79,14 +71,10 @@ class SlotMap:
         self.free = list(range(decoder.slots))  # a heap: the lowest free slot first keeps the step's rows few
 
     def seat(self, joins: list[Join]) -> None:
-        """The joins take their slots, shortest prompts first, and queue for prefill: a foreground join the
-        lowest free slot; a background one the highest free slot within the bucket that holds the occupied
-        slots with it and a slot above every foreground one (at least one is free there), so a full step
-        covers no more rows than it needs to and the foreground prefix stays below it. A prompt longer than one
-        piece (either kind) takes the highest free slot: it is prefilled over several steps, and a short chat
-        joining meanwhile takes a low slot rather than one above it, so the decode steps do not cover its held
-        row (on a CPU a step's second row adds ~66%); once live, `compact` moves it down if that halves the
-        rows, and `separate` puts a foreground one below background ones."""
+        """The joins take their slots, shortest prompts first, and queue for prefill: a foreground join the lowest
+        free slot, a background one the highest within the bucket the occupied slots need. A prompt longer than
+        one piece takes the highest free slot, so decode steps do not cover its held row while it is prefilled
+        over several steps; once live, `compact` and `separate` move it."""
         for join in sorted(joins, key=lambda j: len(j.prompt_ids)):
             high = len(join.prompt_ids) > self.decoder.chunk_tokens
             if high:
@@ -120,8 +108,7 @@ class SlotMap:
             self.filling = [f for f in self.filling if not f.over]
 
     def unseat(self, fill: Filling) -> None:
-        """A sequence being prefilled leaves its slot (cancelled, or its prefill failed): it is over, and stays
-        in `filling` until the caller prunes it."""
+        """A sequence being prefilled leaves its slot; it stays in `filling`, over, until the caller prunes it."""
         fill.over = True
         del self.slot_of[fill.join.seq_id]
         heapq.heappush(self.free, fill.slot)
@@ -134,10 +121,8 @@ class SlotMap:
         heapq.heappush(self.free, slot)
 
     def compact(self) -> int:
-        """Move the live sequences in slots at or past the bucket their number needs into free slots below it,
-        when that bucket is at most half the one the step would otherwise cover (foreground ones into the lowest
-        of those slots, background ones the highest); then keep the foreground rows below the background ones.
-        Returns how many sequences moved."""
+        """Move live sequences down when that at least halves the step's bucket, then `separate`; returns how many
+        moved."""
         if not self.live:
             return 0
         moved = 0
@@ -165,12 +150,9 @@ class SlotMap:
         return len(sources)
 
     def separate(self) -> int:
-        """While a foreground sequence sits above a background one, move the highest foreground one down: into a
-        free slot below every background one if there is one, else swap it with the lowest background one. Then
-        a step over the foreground prefix leaves every background row out. Not where no step could: the
-        foreground rows alone need the bucket all the rows do (a GPU's padding), or a full step costs no more
-        than the slowdown allows (rows nearly free: the ledger includes them in every step, a move is waste).
-        Returns how many sequences moved."""
+        """While a foreground sequence sits above a background one, move the highest foreground one below (into a
+        free slot, else by swapping). Skipped where it gains nothing: the foreground rows alone need the same
+        bucket, or rows are nearly free. Returns how many sequences moved."""
         moved = 0
         while True:
             front = [slot for slot, live in self.live.items() if not live.background]

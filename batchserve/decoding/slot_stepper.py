@@ -1,32 +1,20 @@
 """The thread that runs a `SlotDecoder`: sequences join free slots, every step advances them all, each step's
 new tokens go to the event loop in one `call_soon_threadsafe`.
 
-Per step the host does: take the joins and cancels the loop queued, prefill the joins (grouped so one prefill
-holds at most the decoder's `prefill_tokens` prompt tokens, which bounds how long running sequences wait),
-launch the next step (one graph replay and an async copy of its tokens), then collect the previous step's tokens
-(the one wait, with the interpreter lock released) and hand them over. So one step runs on the GPU while the
-host reads the last one and the event loop takes the interpreter lock to stream it: the host's work and the
-loop's hide behind the GPU's. The price is one step of lag: a sequence that ended in step N is still in step
-N+1 (its row held by its done flag, its token ignored), and a position here can run one ahead of the device's,
-which only rounds the attended span up. Which slots are live, and each one's position, is kept on the host as
-plain ints (`slot_map.SlotMap`), so choosing the step's shape needs nothing from the device.
+Per step the host takes the queued joins and cancels, prefills, launches the next step (a graph replay and an
+async copy of its tokens), then collects the previous step's tokens (the one wait, GIL released) and hands them
+over. So the host's and the loop's work hide behind the GPU's; the price is one step of lag (a sequence that
+ended in step N is still in step N+1, held by its done flag). Live slots and their positions are kept on the
+host as plain ints (`slot_map.SlotMap`), so choosing a step's shape needs nothing from the device.
 
-Prefill (issue 25): joins take their slots at once and are prefilled over the following steps, at most
-`prefill_step_tokens` prompt tokens a step, each prompt in pieces of the decoder's `chunk_tokens`. So a burst of
-new sequences, or one long prompt, costs the running sequences a bounded pause per step rather than all of its
-prefill before their next token; a sequence being prefilled holds its slot (its row held still by the decoder) and
-is live from its last piece on. Prefill is priced and shared by lane (`prefill_share.py`): pieces go to the
-tenant with the fewest prompt tokens prefilled first, and while another tenant's rows decode a tenant's prefill
-takes at most what a ledger of their steps' time affords (batch prefill: what the slowdown ledger does).
+Prefill: joins take their slots at once and are prefilled over the following steps, at most
+`prefill_step_tokens` prompt tokens a step, in pieces of the decoder's `chunk_tokens`, so a burst or a long prompt
+costs running sequences a bounded pause per step. Prefill is shared by lane (`prefill_share.py`).
 
-Rows: a step covers the slots up to the highest live one, padded up to a bucket; which slot a sequence takes,
-and when live ones move down to keep that few, is `slot_map.SlotMap`'s.
-
-Background rows (issue 33: batch lines, `add(..., background=True)`): the slot map seats them above the
-foreground rows, so a step over the foreground rows' prefix leaves the background rows out: rows not in a step
-keep their state and do not advance. While foreground rows are live, `step_share.StepShare` decides per step
-whether the background rows go in, and background prefill runs only in steps they go in, so the foreground rows'
-steps stay within `slowdown` x their time alone; with no foreground rows live every step runs them all.
+Background rows (batch lines, `add(..., background=True)`) sit above the foreground rows, so a step over the
+foreground prefix leaves them out (they keep their state). While foreground rows are live, `step_share.StepShare`
+decides per step whether they go in (with their prefill), keeping foreground steps within `slowdown` x their
+time alone.
 """
 
 from __future__ import annotations
@@ -61,10 +49,9 @@ JOIN_DELAY_STEPS = 4  # a waiting sequence joins within this many steps even whe
 
 
 def join_now(waiting: int, room: int, live: int, waited_steps: int, join_batch: int, delay_steps: int) -> int:
-    """How many waiting sequences to prefill before the next step. Every prefill pauses the running sequences
-    for a forward over its padded shape (a graph replay on a GPU, a few joins cost about what many do), so
-    while others run, joins are gathered until `join_batch` wait or the oldest has waited `delay_steps` steps;
-    with nothing running there is nothing to protect, and they start at once."""
+    """How many waiting sequences to prefill before the next step. A prefill pauses the running sequences and a
+    few joins cost about what many do, so while others run, joins gather until `join_batch` wait or the oldest
+    has waited `delay_steps` steps; with nothing running they start at once."""
     n = min(waiting, room)
     if n == 0 or live == 0 or n >= join_batch or waited_steps >= delay_steps:
         return n
@@ -94,10 +81,9 @@ class SlotStepper:
         slowdown: float = 1.25,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """`join_batch` (default: a sixteenth of the slots, at least 1) and `join_delay_steps`: see join_now;
-        `prefill_step_tokens`: prompt tokens prefilled between two steps at most (default: the decoder's
-        prefill_tokens, what one prefill forward holds); `slowdown`: the most background rows (and their prefill)
-        may lengthen the foreground rows' steps (`step_share.StepShare`); `clock` times prefills."""
+        """`join_batch` and `join_delay_steps`: see join_now; `prefill_step_tokens`: prompt tokens prefilled
+        between two steps at most (default: the decoder's prefill_tokens); `slowdown`: how much background rows
+        may lengthen the foreground rows' steps (`step_share.StepShare`)."""
         self.decoder = decoder
         self.prefill_step_tokens = prefill_step_tokens or decoder.prefill_tokens
         self.prefills = 0  # prefill forwards run
@@ -168,9 +154,7 @@ class SlotStepper:
         return (len(self.slot_map.live) + len(self.slot_map.filling)) / self.decoder.slots
 
     def step_mix(self) -> dict[str, float]:
-        """Steps launched, and while foreground rows ran beside background work: how many included the background
-        rows, how many ran the foreground rows alone (and of the full ones, how many could not leave them out,
-        or were forced in by the starvation bound)."""
+        """Steps launched and, beside background work, how many included it or left it out."""
         return {
             "steps": self.steps,
             "full": self.full_steps,
@@ -238,8 +222,7 @@ class SlotStepper:
     def _turn(
         self, cancels: list[str], joins: list[Join], pending: Pending | None
     ) -> tuple[list[TokenUpdate], Pending | None]:
-        """One turn of the thread: drop the cancelled, seat the joins, this step's prefill, launch the next step,
-        collect the previous one. Returns the updates to hand over and the step now in flight."""
+        """One turn of the thread; returns the updates to hand over and the step now in flight."""
         updates: list[TokenUpdate] = []
         seats = self.slot_map
         seats.drop(cancels)
@@ -262,11 +245,8 @@ class SlotStepper:
             pass
 
     def _prefill(self, background: bool = True) -> list[TokenUpdate]:
-        """This step's share of the prefill (`prefill_share.plan_prefill`: by lane, the fewest prompt tokens
-        charged first, within the step budget and, beside another tenant's decoding rows, what the ledgers
-        afford), in forwards that one prefill holds (the decoder's prefill_tokens, and on a GPU a captured shape):
-        first pieces and later pieces apart, shortest first. `background` False: the background joins wait (this
-        step leaves their rows out)."""
+        """This step's share of the prefill (`prefill_share.plan_prefill`), in forwards one prefill holds: first
+        and later pieces apart, shortest first. `background` False: the background joins wait."""
         seats = self.slot_map
         self.charges.present({f.join.lane for f in seats.filling})
         decoding = {live.tenant for live in seats.live.values() if not live.background}
@@ -315,9 +295,8 @@ class SlotStepper:
         return self.decoder.shape(max(front, default=-1) + 1, 1)[0], self.decoder.shape(top, 1)[0]
 
     def _prefill_group(self, filling: list[Filling], group: list[Piece], limited: set[Lane]) -> list[TokenUpdate]:
-        """One prefill forward of these pieces (indexes into `filling`). Its tokens are charged to their lanes,
-        and the time of those of `limited` lanes to their ledger: an interactive lane's to the prefill ledger, a
-        background one's to the slowdown ledger."""
+        """One prefill forward of these pieces (indexes into `filling`), charged to their lanes; `limited` lanes'
+        time goes to their ledger (interactive: the prefill ledger; background: the slowdown ledger)."""
         fills = [filling[p.index] for p in group]
         slots = [f.slot for f in fills]
         began = self._clock()
@@ -371,8 +350,8 @@ class SlotStepper:
         return updates
 
     def _include(self) -> bool:
-        """Whether the next step covers the background rows: always but while foreground rows are live beside
-        background work (live or being prefilled); then as the ledger says (`step_share.StepShare`)."""
+        """Whether the next step covers the background rows: always, unless foreground rows are live beside them;
+        then as `step_share.StepShare` says."""
         seats = self.slot_map
         front = [slot for slot, live in seats.live.items() if not live.background]
         if not front or not (len(front) < len(seats.live) or any(f.join.background for f in seats.filling)):
@@ -382,8 +361,7 @@ class SlotStepper:
         )
 
     def _launch(self, include: bool = True) -> Pending:
-        """Start a step over the live slots (`include` False: the foreground rows' prefix only, padded up to its
-        bucket: background rows past it sit this step out); returns it with who was in it, and where."""
+        """Start a step over the live slots (`include` False: the foreground prefix only); returns who is in it."""
         seats = self.slot_map
         front = [slot for slot, live in seats.live.items() if not live.background]
         limit = self.decoder.shape(max(front) + 1, 1)[0] if front and not include else self.decoder.slots
@@ -409,8 +387,7 @@ class SlotStepper:
         return Pending(ticket, members, counted, booking)
 
     def _collect(self, pending: Pending) -> list[TokenUpdate]:
-        """The step's token for each member still live; members whose row the device marked done leave. Its
-        time goes to the ledger."""
+        """The step's token for each live member; members the device marked done leave."""
         tokens, done = self.decoder.collect(pending.ticket)
         seconds = self.decoder.step_seconds(pending.ticket)
         self.share.measured(pending.rows, seconds, pending.booking)
@@ -439,8 +416,8 @@ def build_slot_stepper(
     chunk_tokens: int = 0,
     slowdown: float = 1.25,
 ) -> SlotStepper:
-    """A warmed stepper (graphs captured on CUDA) for `model`: one prefill forward, and the prefill between two
-    steps, hold `max_prefill_tokens` prompt tokens at most; a prompt is prefilled in pieces of `chunk_tokens`."""
+    """A warmed stepper for `model`; a prefill forward, and the prefill between two steps, hold at most
+    `max_prefill_tokens` prompt tokens; prompts are prefilled in pieces of `chunk_tokens`."""
     decoder = SlotDecoder(
         model,
         slots,

@@ -1,33 +1,22 @@
-"""Which decode steps batch rows take part in, beside interactive ones (issue 33): pure policy, no torch.
+"""Which decode steps batch rows take part in, beside interactive ones: pure policy, no torch.
 
-Why: on a CPU a decode step's time grows with its first extra rows (on the 2-core machine a second row adds
-~66% to a one-row step, eight rows cost barely more than two), and every interactive token waits on its step.
-Capping batch rows cannot help once one batch row already costs more than the slowdown allowed: even a single
-batch line beside one interactive chat made each of its tokens ~1.6x slower. So the slot stepper keeps the
-background rows (spare lanes: the `batch` tier) out of some steps: it places them in high slots and runs a step
-over the foreground rows' prefix alone (rows not in a step keep their state and do not advance), and this
-ledger decides, step by step, whether the background rows go in.
+Why: on a CPU a decode step's time grows with its first extra rows (a second row adds ~66% to a one-row step),
+and every interactive token waits on its step, so even one batch row can cost more than the slowdown allows and
+capping rows cannot help. So the slot stepper seats background rows (the `batch` tier) in high slots and may run
+a step over the foreground prefix alone; this ledger decides, step by step, whether the background rows go in.
 
-The ledger (a "slowdown ledger"): it learns what a step of `rows` rows costs (an EMA per row count, from the
-stepper's measured step times; a GPU's padded row bucket is the count), and keeps a credit in seconds. Each step
-that runs while foreground rows are live and background work waits is booked at its cost less `slowdown` x
-what a foreground-only step costs: a foreground-only step earns credit ((slowdown - 1) x its time), a full step
-spends it (its extra time over slowdown x a foreground-only step), and background prefill run meanwhile spends
-its time too (and may take only what the credit leaves after the step: `prefill_room`, `prefill_share.py`). The
-background rows go into a step when the credit, after booking that step, stays at or above zero. So the time
-foreground rows spend in steps (and waiting on background prefill) stays within `slowdown` x what
-foreground-only steps would have cost, over every stretch of steps, to within one step. A step is booked
-when it is launched, at its estimated cost, and corrected when its measured time comes back (one step later).
+The slowdown ledger learns each row count's step time (an EMA of measured steps) and keeps a credit in seconds.
+Each step run while foreground rows are live and background work waits is booked at its cost less `slowdown` x
+a foreground-only step's: a foreground-only step earns credit, a full step spends it, and background prefill
+spends its time too (`prefill_room`). The background rows go in when the credit stays >= 0 after booking, so the
+foreground rows' time stays within `slowdown` x foreground-only steps', to within one step. A step is booked at
+launch, at its estimate, and corrected when its measured time comes back (one step later).
 
-- With no foreground rows live there is nothing to protect: the stepper does not ask, every step runs all rows.
-- Where rows are nearly free (a GPU: a full step costs about a foreground-only one) a full step costs less than
-  slowdown x a foreground-only one: it earns credit too, and every step includes the background rows.
-- Credit is capped at what one full step spends (never less than one foreground-only step earns), so a long
-  stretch without background work does not bank a burst of full steps; debt is floored likewise.
-- Never starved: after `max_skip` foreground-only steps in a row the next step includes the background rows
-  whatever the credit, so while foreground work runs background rows advance in at least one step of every
-  `max_skip` + 1 (`MAX_SKIP` = 8: a batch line's tokens come at least a ninth as often as with every step;
-  a batch line's completion window is hours, a step tens of milliseconds). Without foreground work every step.
+- With no foreground rows live every step runs all rows.
+- Where rows are nearly free (a GPU) a full step earns credit too, and every step includes the background rows.
+- Credit is capped at what one full step spends, so idle stretches bank no burst; debt is floored likewise.
+- Never starved: after `max_skip` foreground-only steps in a row the next includes the background rows whatever
+  the credit (a batch line's window is hours, a step tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -52,8 +41,7 @@ class StepShare:
     """The slowdown ledger: whether background rows go into the next decode step (see the module's doc)."""
 
     def __init__(self, slowdown: float, max_skip: int = MAX_SKIP, seed: dict[int, float] | None = None) -> None:
-        """`slowdown`: the most background work may lengthen the foreground rows' steps (>= 1); `seed`: step
-        times by rows already measured (the decoder's warm-up)."""
+        """`slowdown` (>= 1): see the module doc; `seed`: step times by rows already measured (the warm-up)."""
         self.slowdown = max(1.0, slowdown)
         self.max_skip = max(0, max_skip)
         self.seconds: dict[int, float] = dict(seed or {})  # a step's time by rows (EMA)
@@ -65,8 +53,8 @@ class StepShare:
         self._timing: set[int] = set()  # row counts booked but not yet measured
 
     def include(self, foreground_rows: int, rows: int) -> bool:
-        """Whether the next step covers the background rows (`rows` rows in all) or only the foreground prefix
-        (`foreground_rows`). A step time not yet measured is measured first: the full one, then the other."""
+        """Whether the next step covers the background rows (`rows` in all) or only `foreground_rows`; an unmeasured
+        step time is measured first."""
         if self.skipped >= self.max_skip:
             return True
         full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
@@ -77,15 +65,14 @@ class StepShare:
         return self.credit + self.slowdown * alone - full >= 0
 
     def dear(self, foreground_rows: int, rows: int) -> bool:
-        """Whether a step of `rows` rows may cost more than slowdown x one of `foreground_rows` (not yet known:
-        it may): only then is it worth moving rows so that steps can leave the background ones out."""
+        """Whether a step of `rows` may cost more than slowdown x one of `foreground_rows` (unknown: it may); only
+        then is moving rows worth it."""
         full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
         return full is None or alone is None or full > self.slowdown * alone
 
     def book(self, rows: int, foreground_rows: int, background: bool) -> Booking:
-        """A step is launched with foreground rows live while background work waits: `rows` rows, `background`
-        whether the background rows (or any) took part. Books its estimated cost now (a step's measured time
-        comes back one step later)."""
+        """Book a step launched while background work waits at its estimated cost; `background`: whether the
+        background rows took part."""
         full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
         booked = full - self.slowdown * alone if full is not None and alone is not None else 0.0
         if full is None:
@@ -117,9 +104,8 @@ class StepShare:
         self._bound(booking)
 
     def prefill_room(self, foreground_rows: int, rows: int) -> float:
-        """Seconds of background prefill the credit affords before a step of `rows` rows (background prefill
-        runs only in steps the background rows go in), once that step is booked: spent before it runs, so the
-        prefill keeps to the slowdown as the rows do (`prefill_share`)."""
+        """Seconds of background prefill the credit affords once a step of `rows` rows is booked, so the prefill
+        keeps to the slowdown as the rows do."""
         full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
         if full is None or alone is None:
             return self.credit

@@ -78,12 +78,9 @@ class Stepper(Protocol):
     def add(
         self, seq_id: str, prompt_ids: list[int], params: SamplingParams, background: bool = False, tenant: str = ""
     ) -> None:
-        """Start a sequence (admission has checked that it fits). Called on the loop. A resumed (preempted)
-        sequence comes back under a new id, its prompt followed by the tokens it had made, and
-        `params.resumed` = how many: a resumable stepper counts its tokens and keys its seeded draws from there.
-        `background`: a batch line (spare lane), which a stepper that `shares_steps` keeps out of some steps
-        while foreground sequences run. `tenant`: whose it is (with `background`, its lane): a stepper that
-        `shares_steps` shares and prices prefill by it (`prefill_share`)."""
+        """Start a sequence that admission found fits; called on the loop. A resumed (preempted) one comes back
+        under a new id, its prompt followed by its made tokens (`params.resumed` of them). `background` and
+        `tenant`: its lane, for a stepper that `shares_steps` (`step_share`, `prefill_share`)."""
 
     def cancel(self, seq_id: str) -> None:
         """Drop a sequence now; no more updates matter for it. Called on the loop."""
@@ -94,8 +91,7 @@ class Stepper(Protocol):
         """Share of the KV cache in use."""
 
     def step_mix(self) -> dict[str, float]:
-        """Counts of its steps for /internal/generation: with foreground and background rows, and foreground
-        rows alone while background work waited (empty where it does not share steps)."""
+        """Step counts for /internal/generation (empty where it does not share steps)."""
 
     def stop(self, timeout: float) -> None:
         """Stop running (blocking; called off the loop)."""

@@ -1,7 +1,5 @@
-"""OpenAI's embeddings answer, with each vector as a JSON list of floats or, with `encoding_format: "base64"`,
-as the base64 of its little-endian float32 bytes (what OpenAI sends, and what the official client asks for).
-What a request may say is `parse.py`'s: the route enters each module once, the body before the door and the
-answer after it."""
+"""OpenAI's embeddings answer, each vector a JSON list of floats or, with `encoding_format: "base64"`, the base64
+of its little-endian float32 bytes (what the official client asks for)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""`POST /v1/embeddings` (OpenAI's shape), on the one request path (`http/endpoint.py`: it identifies the caller,
-refuses an empty bucket before the body is read, reads the body, takes one rate-limit token per input once
-`parse_request` has said how many, counts the answer and renders errors in OpenAI's shape). Here: parse the body
-(`parse.py`) and pick an embedding model → each input through the door on its own (`InferenceService.infer_many`:
-one admission for the request, then each input its own item), so inputs of concurrent callers share batches →
-count the tokens → the answer (`render.py`)."""
+"""`POST /v1/embeddings` (OpenAI's shape), on the one request path (`http/endpoint.py`): each input goes through
+the door as its own item (one admission for the request), so inputs of concurrent callers share batches."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ COUNT_INLINE_CHARS = 8192  # token counting of more text than this runs on a thr
 
 
 async def prompt_tokens(backend: Backend, inputs: list[str], counting: asyncio.Future | None) -> int:
-    """usage.prompt_tokens from the backend's tokenizer; 0 when it cannot count (a plugin without
-    count_tokens, or one that failed: the vectors are still the answer)."""
+    """usage.prompt_tokens from the backend's tokenizer; 0 when it cannot count (the vectors are still the answer)."""
     try:
         counts = await counting if counting is not None else backend.count_tokens(inputs)
     except Exception:
@@ -57,8 +52,7 @@ def parse_request(rt: EncoderHost, call: Call, body: bytes) -> Embed:
 
 
 async def embed(rt: EncoderHost, call: Call, e: Embed) -> tuple[list[ItemResult], int]:
-    """Every input as its own item, admitted together (the door predicts the batches they will make); the
-    prompt tokens counted beside them (on a thread for a long text)."""
+    """Every input as its own item, admitted together; the prompt tokens counted beside them."""
     inputs = e.req.inputs
     counting = None
     if sum(map(len, inputs)) > COUNT_INLINE_CHARS:

@@ -1,25 +1,17 @@
 """`/v1/inference` for a generative model on the generation engine's slot stepper (`--inference-path stepper`).
 
-Why: on the static batch path (`backends/static_decode.py`) a batch of up to 100 inputs runs to its longest
-answer and a new input waits for the whole batch ahead of it; on an H200 that path gets a third of what the same
-GPU does for `/v1/completions` (issue 25). Here each input joins the engine's running continuous batch as one
-sequence with the model's `--max-new-tokens` and leaves at its end-of-sequence token, so a short answer never
-waits for a long batch-mate and a freed slot is refilled at the next step.
+Why: on the static batch path (`backends/static_decode.py`) a batch runs to its longest answer and a new input
+waits for the whole batch ahead (a third of the `/v1/completions` throughput on an H200). Here each input joins the
+running continuous batch as one sequence and leaves at its end-of-sequence token.
 
-The answer is the static path's, token for token: the same prompt shaping (`smollm2.prompt_ids`: the chat
-template around the input, tokenized as the batch backend does), greedy decoding, the same cut at the first
-end-of-sequence token and the same `skip_special_tokens` decode, stripped.
+The answer is the static path's, token for token (`smollm2.prompt_ids`, greedy, the same cut and decode).
+`queue_ms` is arrival to joining the stepper, `compute_ms` joining to the last token, `batch_size` the sequences
+in the step it joined (itself included).
 
-The response contract is kept: `queue_ms` is arrival to joining the stepper (waiting for a slot), `compute_ms`
-joining to the last token (prefill and decode), `batch_size` the sequences in the continuous batch of the step it
-joined (itself included).
-
-Admission is the engine's (KV capacity, `kv_budget.py`) with this request's own deadline: the answer needs about
-(max_new_tokens + 2) decode steps once started, so the predicted wait for a slot may be at most `timeout_ms` less
-that; a longer predicted wait is refused at the door with 503 and `retry_after_ms`, and a timeout shorter than
-the generation itself with 504 at once (no retry can meet it, as on the batch path). Once admitted a request is
-answered: a started sequence runs to its end even if predicted short (docs/contract.md#deadlines-and-timeouts). Only a
-sequence still waiting when the whole deadline has passed gets 504 (it could not be answered in time at all).
+Admission is the engine's with this request's own deadline: the predicted wait may be at most `timeout_ms` less
+the (max_new_tokens + 2) steps the answer takes; longer is refused with 503 and `retry_after_ms`, and a timeout
+shorter than the generation itself with 504 at once. A started sequence runs to its end
+(docs/contract.md#deadlines-and-timeouts); only one still waiting when the whole deadline has passed gets 504.
 """
 
 from __future__ import annotations
@@ -62,9 +54,8 @@ class HandlerRegistry(Protocol):
 
 
 def stepper_models(settings: Settings) -> list[str]:
-    """The model ids whose `/v1/inference` the generation engine answers when the path is the stepper and the
-    engine is on: the smollm2 models (the engine's own model, loaded from the same weights). The runtime builds
-    only their backends' shells (no static batch decoder, no warm-up: `backends/loading.py`)."""
+    """The model ids whose `/v1/inference` the generation engine answers (the smollm2 models, the engine's own);
+    the runtime builds only their backends' shells (`backends/loading.py`)."""
     if settings.inference_path != "stepper" or not enabled(settings):
         return []
     return [spec.id for spec in settings.models if spec.generates]
@@ -72,8 +63,7 @@ def stepper_models(settings: Settings) -> list[str]:
 
 @dataclass
 class Joined:
-    """When a sequence joined the stepper and how many sequences shared the step it joined; its span, once
-    traced (for the request's `queue` span to link to)."""
+    """When a sequence joined the stepper, how many shared that step, and its span once traced."""
 
     at: float = 0.0
     rows: int = 0
@@ -115,8 +105,7 @@ class StepperInference:
         return (self.params.max_tokens + RUN_SLACK_STEPS) * self.engine.step_s
 
     async def prompts(self, texts: list[str]) -> list[list[int]]:
-        """The inputs as the batch backend shapes them, tokenized on a thread of their own (a long prompt's
-        tokenizer would otherwise hold every other caller)."""
+        """The inputs as the batch backend shapes them, tokenized off the event loop."""
         for text in texts:  # a bound from characters first: a huge input is refused before any tokenizer runs
             self.engine.check_prompt_chars(len(text), self.params.max_tokens)
         if self._pool is None:
@@ -156,8 +145,7 @@ class StepperInference:
     async def _answer(
         self, seq: EngineSequence, joined: Joined, arrived: float, model: str, trace: object = None
     ) -> ItemResult:
-        """Wait for the sequence's one delta (its end) and make the batch path's answer of it; its compute time
-        and span go to `records` (`trace`: the request's span context)."""
+        """Wait for the sequence's end and make the batch path's answer of it, recorded in `records`."""
         delta = await seq.deltas.get()
         end = max(seq.last_token, joined.at)  # its last token, as the engine saw it arrive
         if delta.error is not None:
@@ -224,9 +212,8 @@ class StepperInference:
         return results
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item:
-        """A batch-job input as a sequence at the batch tier (interactive sequences start first); `dispatched`
-        is set when it joins the stepper, and cancelling its future withdraws it. `alone` changes nothing
-        here: a sequence never shares a failure with another."""
+        """A batch-job input as a batch-tier sequence; `dispatched` is set when it joins the stepper, cancelling its
+        future withdraws it. `alone` changes nothing: a sequence never shares a failure."""
         loop = asyncio.get_running_loop()
         now = self.clock()
         item = Item(text, model, 0, loop.create_future(), now, now + deadline_s, None, BATCH.rank, tenant)
@@ -279,8 +266,7 @@ class StepperInference:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_loop())
 
     async def _watch_loop(self) -> None:
-        """Every GONE_POLL_S, cancel the sequences whose caller has left: their slot goes to the next waiting
-        sequence (the batch path drops such an input when a batch forms). Ends when nothing is watched."""
+        """Every GONE_POLL_S, cancel the sequences whose caller has left; ends when nothing is watched."""
         while self._watched:
             await asyncio.sleep(GONE_POLL_S)
             for seq, gone in list(self._watched.items()):

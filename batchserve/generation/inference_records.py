@@ -1,26 +1,17 @@
 """What a `/v1/inference` input answered on the generation engine's stepper (`generation/inference.py`) books in
 the server's metrics and traces, so that it shows in the same series and spans as one answered by a batch.
 
-Why: an operator's dashboards and alerts read `batchserve_queue_wait_seconds`, `batchserve_batch_compute_seconds`
-and `batchserve_batch_size` per model, and a trace of a `/v1/inference` request has a `queue` span linked to the
-`batch <model>` span that carried it. With `--inference-path stepper` (the default for smollm2) none of it was
-recorded: the model looked idle while it answered.
-
-On the stepper a sequence is its own "batch": it joins the running continuous batch and leaves at its end.
+Why: dashboards and alerts read these series per model, so a model answered on the stepper must not look idle.
+A sequence is its own "batch":
 - `batchserve_queue_wait_seconds{model}`: arrival to joining the stepper (interactive tiers only: batch-job items
-  wait for spare capacity by design, as on the batch path), observed when it joins;
-- `batchserve_batch_size{model}`: the rows of the step it joined (itself included), observed when it joins: one
-  observation per sequence, not per batch;
-- `batchserve_batch_compute_seconds{model}`: joining to its last token, observed when it is answered;
-- `batchserve_requests_total` and `batchserve_request_duration_seconds` are the route's, as on the batch path.
+  wait for spare capacity by design);
+- `batchserve_batch_size{model}`: the rows of the step it joined, one observation per sequence;
+- `batchserve_batch_compute_seconds{model}`: joining to its last token.
 
-Traces: the request span gets the model, tier and outcome (`Tracing.admitted` / `answered`, as the door does), a
-`queue` child span linked to a `batch <model>` span per sequence (worker `stepper`, cause `joined`, size the rows
-it joined) with the stepper's own attributes: `batchserve.path` = `stepper`, `batchserve.stepper.rows` (the
-rows sharing the step it joined) and `gen_ai.usage.output_tokens`.
+Traces: a `queue` child span of the request, linked to a `batch <model>` span per sequence (worker `stepper`,
+cause `joined`, with `batchserve.path`, `batchserve.stepper.rows` and `gen_ai.usage.output_tokens`).
 
-Everything here runs on the event loop (the engine calls a sequence's `on_start` there), the only writer of the
-loop-owned histograms (`metrics.LoopHistogram`).
+Everything here runs on the event loop, the only writer of the loop-owned histograms (`metrics.LoopHistogram`).
 """
 
 from __future__ import annotations
@@ -86,8 +77,7 @@ class StepperRecords:
     def ended(
         self, model: str, started: float, ended: float, rows: int, tokens: int, trace: object, failed: str | None = None
     ) -> object:
-        """A sequence that joined at `started` ended at `ended` with `tokens` new tokens (or `failed`): its compute
-        time, and its span linked to the request's; that span's context (for the request's `queue` span)."""
+        """Book a sequence's compute time and span; returns that span's context (for the request's `queue` span)."""
         if self.metrics is not None and failed is None:
             self.metrics.batch_compute.labels(model).observe(max(0.0, ended - started))
         if self.tracing is None:

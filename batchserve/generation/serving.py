@@ -1,9 +1,6 @@
-"""One generation request's walk on the one request path (`http/endpoint.py`: request id, identify and one rate
-token, the refusal throttle's wait, the body, errors in OpenAI's shape): the door is open (not draining) → parse
-the OpenAI body → tokenize (`complete.prepare`, shared with batch lines) → `Engine.submit` (KV-cache admission:
-start now, wait, or 503) → deltas from the engine, as one JSON answer or as server-sent events ending in
-`data: [DONE]`. A caller that hangs up cancels its sequence, which frees its KV blocks. The engine counts its
-answers itself (`EngineBook`, and each sequence's `cleanup`).
+"""One generation request on the one request path (`http/endpoint.py`): parse the OpenAI body, tokenize
+(`complete.prepare`), `Engine.submit` (start, wait or 503), then deltas as one JSON answer or server-sent events
+ending in `data: [DONE]`. A caller that hangs up cancels its sequence, freeing its KV blocks.
 """
 
 from __future__ import annotations
@@ -86,8 +83,7 @@ class Generated:
 
 @dataclass(frozen=True)
 class EngineBook:
-    """The generation routes count their answers in the engine's metrics (by endpoint) and the SLO ledger; a
-    refusal for what the caller sent also counts against it in the refusal throttle."""
+    """Books answers in the engine's metrics and the SLO ledger, and client-side refusals in the throttle."""
 
     endpoint: str  # "chat" | "completions"
 
@@ -200,9 +196,8 @@ async def stream_events(
     yield sse(answer.chunk("", role=True) if answer.chat else answer.chunk(""))
     delta = first
     while True:
-        # Every delta already waiting goes in this one chunk: when the loop falls behind the steps, each stream
-        # writes once per turn of the loop rather than once per token (a write and its ASGI send stack per
-        # chunk were the largest share of a streaming server's CPU).
+        # Every delta already waiting goes in this one chunk: a loop behind the steps writes once per turn, not
+        # once per token (per-chunk sends were a streaming server's largest CPU cost).
         text = delta.text
         while delta.finish_reason is None and delta.error is None and not seq.deltas.empty():
             delta = seq.deltas.get_nowait()
@@ -240,7 +235,6 @@ def not_serving(rt: GenerationHost) -> ApiError:
 
 
 def endpoint(chat: bool) -> Endpoint[GenerationHost, bytes, Generated]:
-    """POST /v1/chat/completions (`chat`) or /v1/completions on the one request path: one rate token before
-    the body, the refusal throttle's wait, the engine's own accounting."""
+    """POST /v1/chat/completions (`chat`) or /v1/completions on the one request path."""
     name = "chat" if chat else "completions"
     return Endpoint(OPENAI, read, generator(chat), render, book=EngineBook(name), before_body=throttle)

@@ -1,12 +1,9 @@
-"""The process's descriptor budget, split between its listeners: one function both the HTTP and the gRPC listener
-size their connection caps from, so the two together stay under the descriptor limit whatever the clients of either
-port do (a flood of idle gRPC connections cannot take the descriptors HTTP's /healthz needs, nor the reverse).
+"""The process's descriptor budget, split between its listeners, so HTTP and gRPC together stay under the
+descriptor limit whatever the clients of either port do (a flood of idle gRPC connections cannot take the
+descriptors HTTP's /healthz needs, nor the reverse).
 
-The budget is the descriptor limit (RLIMIT_NOFILE, its soft limit raised to the hard one) less a reserve for the
-process's own files (the jobs database, logs, model weights, the listeners, gRPC's own event descriptors): an
-eighth, at least 32. With gRPC off, HTTP may hold all of it; with `--grpc-port`, gRPC's cap is a quarter of it and
-HTTP's the rest (each as configured instead, when `--max-connections` / `--grpc-max-connections` say). With the
-common limit of 20,000: a reserve of 2,500, gRPC 4,375 connections, HTTP 13,125 (17,500 when gRPC is off).
+The budget is the descriptor limit (soft raised to hard) less a reserve for the process's own files: an eighth, at
+least 32. With `--grpc-port`, gRPC's cap is a quarter of it and HTTP's the rest, unless configured.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ class ConnectionBudget:
 
 
 def descriptor_limit() -> int | None:
-    """The soft descriptor limit, raised to the hard one first (so the caps are as high as the system allows);
-    None when unlimited."""
+    """The soft descriptor limit, raised to the hard one first; None when unlimited."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
         try:
@@ -54,5 +50,4 @@ def split(limit: int | None, http_configured: int, grpc_configured: int, grpc_on
 
 
 def connection_budget(settings: Settings) -> ConnectionBudget:
-    """The caps of this process's listeners, from its settings and its descriptor limit."""
     return split(descriptor_limit(), settings.max_connections, settings.grpc_max_connections, settings.grpc_port >= 0)

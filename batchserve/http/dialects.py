@@ -1,11 +1,7 @@
-"""One error type, `ApiError`, rendered in each dialect the server speaks: the native shape of docs/contract.md#errors
-(`{error, message, request_id}`), OpenAI's (`{"error": {message, type, param, code}}`) and KServe v2's
-(`{"error": message}`). A dialect is a small renderer chosen per route (`http/endpoint.py`'s declarations), so an
-error is raised once, with one set of codes and retry hints, and each protocol only says how it looks.
-
-The headers are the same in every dialect: the request id, Retry-After where retrying later helps, the error's
-own (WWW-Authenticate, X-RateLimit-*), and `Connection: close` on DRAINING (the client should reconnect
-elsewhere, not reuse a connection about to close)."""
+"""One error type, `ApiError`, rendered in each dialect the server speaks: the native shape of
+docs/contract.md#errors, OpenAI's and KServe v2's. A dialect is chosen per route, so an error is raised once, with
+one set of codes and retry hints, and each protocol only says how it looks. The headers are the same in every
+dialect (`error_headers`)."""
 
 from __future__ import annotations
 
@@ -39,7 +35,8 @@ OPENAI_TYPES = {
 
 
 def error_headers(err: ApiError, request_id: str) -> dict[str, str]:
-    """The headers of an error answer, whatever its dialect."""
+    """The headers of an error answer, whatever its dialect; `Connection: close` on DRAINING, so the client
+    reconnects elsewhere rather than reuse a connection about to close."""
     headers = {"X-Request-ID": request_id}
     if err.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
@@ -78,8 +75,8 @@ class Native(Dialect):
 
 @dataclass(frozen=True)
 class OpenAI(Dialect):
-    """OpenAI's `{"error": {message, type, param, code}}`: `code` is the error's `reason` when it names a finer
-    one (`invalid_value`, `model_not_found`), else its native code in lower case."""
+    """OpenAI's `{"error": {message, type, param, code}}`: `code` is the error's `reason` when it has one, else
+    its native code in lower case."""
 
     def error_body(self, err: ApiError, request_id: str) -> bytes:
         kind = OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
@@ -104,15 +101,14 @@ KSERVE = KServe("kserve")
 
 
 def error_response(err: ApiError, request_id: str, dialect: Dialect = NATIVE) -> Response:
-    """The error as a Starlette Response, for the handlers that answer through Starlette (its exception
-    handlers, the docs page)."""
+    """The error as a Starlette Response, for the handlers that answer through Starlette."""
     body, headers = dialect.render(err, request_id)
     return Response(body, status_code=err.status, headers=headers, media_type=JSON)
 
 
 async def internal_error(send: Send, request_id: str = "", dialect: Dialect = NATIVE) -> None:
-    """A JSON 500 for an error no handler expected (the traceback goes to the log, never to the caller);
-    nothing when the answer had already started (nothing more can be said on this connection)."""
+    """A JSON 500 for an error no handler expected (the traceback goes to the log, never to the caller); nothing
+    when the answer had already started."""
     body, headers = dialect.render(errors.internal_error(), request_id or new_request_id())
     try:
         await send_json(send, 500, body, headers)
@@ -121,8 +117,7 @@ async def internal_error(send: Send, request_id: str = "", dialect: Dialect = NA
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:
-    """Starlette's handler of any exception no route expected (the endpoints catch their own): a JSON 500 that
-    says nothing of it; the traceback goes to the log."""
+    """Starlette's handler of any exception no route expected: a JSON 500 that says nothing of it."""
     log.error("unexpected error on %s %s", request.method, printable(request.url.path), exc_info=exc)
     return error_response(errors.internal_error(), request_id_of(request))
 

@@ -1,10 +1,8 @@
 """`GET /docs`: Swagger UI over `/openapi.json`, every asset served by batchserve itself.
 
-The UI's files come from the `swagger-ui-py` package (Swagger UI 5, which reads OpenAPI 3.1), never from a
-CDN: the page must work on a host with no way out, and a docs page should not tell a third party who reads
-it. A Content-Security-Policy of `'self'` makes the browser refuse anything else (the initializer is a file
-of ours, not an inline script, so the policy needs no `unsafe-inline` for scripts); Swagger UI's validator
-badge, which calls validator.swagger.io, is switched off.
+The UI's files come from the `swagger-ui-py` package, never from a CDN: the page must work on a host with no way
+out, and should not tell a third party who reads it. A Content-Security-Policy of `'self'` refuses anything else
+(the initializer is a file, not an inline script); the validator badge, which calls out, is off.
 """
 
 from __future__ import annotations

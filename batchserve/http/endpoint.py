@@ -1,4 +1,4 @@
-"""THE request path, written once: every HTTP route runs through `Endpoint` (issue 35 item 2).
+"""THE request path, written once: every HTTP route runs through `Endpoint`.
 
     request id → identify + rate tokens → bounded body read → parse (the wing's) → tokens by the body →
     handle (the wing's: the call to the door, with the disconnect watch) → render (the wing's) →
@@ -7,11 +7,10 @@
          anything unexpected → logged, a 500 in the dialect, counted
 
 A wing declares an endpoint as its dialect (`http/dialects.py`) and three functions: `parse` (body → request;
-may pick the model, `call.work.model`), `handle` (request → result, through the door) and `render` (result → the
-answer's bytes). It never reads a body, takes rate tokens, renders an error or counts an answer itself
-(tests/unit/test_structure.py keeps it so). The skeleton is a plain ASGI app, so `app.FastPath` runs it (every
-skeleton route at a fixed path) without Starlette's Request/Response, and it writes a whole answer in one write
-through `http/uvicorn_protocol.py`'s `send_whole` where that is there (head and body in one segment)."""
+may pick the model), `handle` (request → result, through the door) and `render` (result → the answer's bytes).
+It never reads a body, takes rate tokens, renders an error or counts an answer itself (tests/unit/test_structure.py
+keeps it so). The skeleton is a plain ASGI app, so `app.FastPath` runs it without Starlette's Request/Response,
+and under our protocol it writes a whole answer in one write (`send_whole`)."""
 
 from __future__ import annotations
 
@@ -59,25 +58,22 @@ GATEWAY_HEADERS = (
 )
 GATEWAY_NAMES = tuple(name.decode() for name in GATEWAY_HEADERS)
 MAX_LANE_CHARS = 128  # a fairness id longer than this names no lane
-# The request headers every endpoint reads, by their lower-case wire name (one pass over the raw list).
 READ_HEADERS = (b"x-request-id", b"authorization", b"content-type", b"content-length", *GATEWAY_HEADERS)
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 JSON_MEDIA = b"application/json"
 
 
 class Served(Protocol):
-    """What the skeleton reads from `app.state.rt`: the guard and the body limit. Each wing's host Protocol
-    (`InferenceHost`, `EncoderHost`, ...) adds what its own functions read."""
+    """What the skeleton reads from `app.state.rt`; each wing's host Protocol adds what its own functions read."""
 
     settings: Settings
     guard: Guard
 
 
 def identify(guard: Guard, call: Call, any_key_anonymous: bool = False) -> Caller:
-    """The caller by its key (401 / 403; `any_key_anonymous`: with no keys configured, any key is anonymous, as
-    the OpenAI clients always send one), its tier, tenant and owner on the request's work, and an inference
-    gateway's headers read where the peer is trusted: every surface that serves work identifies its callers so
-    (the HTTP skeleton, the gRPC servicer)."""
+    """The caller by its key (401 / 403), its tier, tenant and owner set on the request's work, and a trusted
+    gateway's headers read; shared by HTTP and gRPC. `any_key_anonymous`: with no keys configured any key is
+    anonymous, as the OpenAI clients always send one."""
     headers, work = call.headers, call.work
     caller = call.caller = guard.identify(headers.get("authorization"), call.scope, any_key_anonymous)
     work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
@@ -88,8 +84,8 @@ def identify(guard: Guard, call: Call, any_key_anonymous: bool = False) -> Calle
 
 def from_gateway(guard: Guard, call: Call) -> None:
     """An inference gateway's headers, believed from a `--gateway-ips` peer only: its fairness id names the fair
-    queue's lane (so the gateway's per-tenant fairness and the server's are one), and its objective, where it
-    names a tier or a `service_tier`, the tier the request runs at, within its key's."""
+    queue's lane (so the gateway's per-tenant fairness and ours are one), and its objective the tier the request
+    runs at, within its key's."""
     if not guard.via_gateway(call.scope):
         return
     headers = call.headers
@@ -102,9 +98,8 @@ def from_gateway(guard: Guard, call: Call) -> None:
 
 
 def answer_head(answer: Answer, call: Call) -> bytes:
-    """The answer's header lines for the one-write answer: its media type, the request id, its own headers, the
-    caller's rate-limit headers and, where the request asked for a priority, the tier it ran at (as OpenAI
-    answers `service_tier`)."""
+    """The answer's header lines for the one-write answer; where the request asked for a priority, the tier it
+    ran at (as OpenAI answers `service_tier`)."""
     work = call.work
     head = b"content-type: %s\r\nx-request-id: %s\r\n" % (answer.media, work.request_id.encode())
     for name, value in answer.headers:
@@ -117,24 +112,21 @@ def answer_head(answer: Answer, call: Call) -> bytes:
 
 
 class Call(msgspec.Struct, eq=False):
-    """One HTTP request on its way through the skeleton: what the wing's functions read (the caller, the scope,
-    the headers) and the request's `Work`, the one value handed down to the door and read back by the
-    accounting (the model, the inputs served and their cost). A Struct: one per request, built in C with its
-    defaults (a class with an `__init__` cost ~0.5 µs more)."""
+    """One HTTP request on its way through the skeleton: what the wing's functions read, and the request's
+    `Work`, handed down to the door and read back by the accounting. A Struct, built in C: cheaper per request
+    than a class with an `__init__`."""
 
     scope: Scope
     receive: Receive
     work: Work
     headers: dict[str, str]  # the request headers the endpoint reads, by lower-case name
-    # What a wing may set, by default:
     caller: Caller | None = None
     answer_headers: Mapping[str, str] = NO_HEADERS  # on every answer: the X-RateLimit-* headers
     booked: bool = False  # the wing booked this answer itself (a generation sequence books its own outcome)
 
     def gone(self) -> Callable[[], bool]:
-        """The door's "has the caller hung up?" check, read when a batch is formed: uvicorn's receive() is a method
-        of its per-request cycle, which flags the disconnect, so the check reads that flag (a C-level partial, no
-        Python call per read); other ASGI servers get a watcher task instead."""
+        """The door's "has the caller hung up?" check: under uvicorn, a C-level partial reading the cycle's
+        `disconnected` flag (no Python call per read); other ASGI servers get a watcher task."""
         receive = self.receive
         cycle = getattr(receive, "__self__", None)
         if cycle is not None and isinstance(getattr(cycle, "disconnected", None), bool):
@@ -142,14 +134,12 @@ class Call(msgspec.Struct, eq=False):
         return Watcher(receive)
 
     async def hung_up(self) -> None:
-        """Returns when the caller hangs up: for a wing that waits on something other than the door (the
-        generation engine's deltas) and must stop when nobody will read its answer."""
+        """Returns when the caller hangs up: for a wing that waits on something other than the door."""
         while (await self.receive())["type"] != "http.disconnect":
             pass
 
     def run_at(self, value: str | int | None, field: str) -> None:
-        """The request's own priority (`Work.ask`): its Work and its caller (what the books and the rate limits
-        read) both at the tier it runs at."""
+        """The request's own priority (`Work.ask`): its Work and its caller both move to the tier it runs at."""
         if value is None:
             return
         caller = self.who
@@ -160,7 +150,6 @@ class Call(msgspec.Struct, eq=False):
         return str(self.scope["path_params"][name])
 
     def query(self) -> QueryParams:
-        """The query string's parameters."""
         return QueryParams(self.scope.get("query_string", b""))
 
     def body(self) -> AsyncIterator[bytes]:
@@ -176,8 +165,7 @@ class Call(msgspec.Struct, eq=False):
 
 
 class Answer(msgspec.Struct, gc=False):
-    """A whole answer: its body, media type and the route's own headers (name, value), of values the route built
-    itself, so they skip uvicorn's per-header checks. A Struct: one per answer, built in C, untracked (bytes only)."""
+    """A whole answer. `headers` are values the route built itself, so they skip uvicorn's per-header checks."""
 
     body: bytes
     media: bytes = JSON_MEDIA
@@ -186,15 +174,13 @@ class Answer(msgspec.Struct, gc=False):
 
 
 def json_answer(body: object, status: int = 200, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Answer:
-    """A JSON answer of `body` (what orjson can write)."""
     return Answer(orjson.dumps(body), headers=headers, status=status)
 
 
 @dataclass(slots=True)
 class Stream:
-    """An answer written as it is made (server-sent events). `close(status)` runs exactly once when the stream
-    ends ("200"), fails ("500") or the caller leaves ("499"): the wing's own accounting of a stream, whose
-    outcome is known only at its end."""
+    """An answer written as it is made (server-sent events). `close(status)` runs exactly once, with "200",
+    "500" or "499": the wing's own accounting of a stream, whose outcome is known only at its end."""
 
     chunks: AsyncIterator[bytes]
     close: Callable[[str], None] = lambda status: None
@@ -211,10 +197,8 @@ Host = TypeVar("Host", bound=Served, contravariant=True)
 
 
 class Book(Protocol[Host]):
-    """How an endpoint's answers are counted: `MODEL` (the default: the model's metrics and the SLO ledger, from
-    the request's `Work`), `COUNTED` for the routes that serve no model, `UNCOUNTED` for probes, or a wing's own
-    (the generation engine's metrics). The one place an answer is counted; a wing that books an answer itself
-    (a stream, at its end) marks `call.booked` and is not counted again."""
+    """How an endpoint's answers are counted: `MODEL`, `COUNTED`, `UNCOUNTED`, or a wing's own. The one place
+    an answer is counted; a wing that books an answer itself marks `call.booked` and is not counted again."""
 
     def ok(self, rt: Host, call: Call) -> None: ...
 
@@ -240,8 +224,7 @@ class ModelBook:
 
 
 class Counted:
-    """The answers of a route that serves no model: in the answered count only (not the model metrics, nor the
-    SLO ledger)."""
+    """A route that serves no model: in the answered count only (not the model metrics, nor the SLO ledger)."""
 
     def ok(self, rt: Served, call: Call) -> None:
         rt.guard.counted()
@@ -254,8 +237,8 @@ class Counted:
 
 
 class Uncounted:
-    """The answers of a public route that is not a request for work (health, metadata, the model list): not
-    counted at all, so probes do not inflate the requests per second the 1 s tick reads."""
+    """A public route that asks for no work (health, metadata): not counted, so probes do not inflate the
+    request rate."""
 
     def ok(self, rt: Served, call: Call) -> None:
         pass
@@ -273,24 +256,21 @@ UNCOUNTED = Uncounted()
 
 
 def whole_answer_sender(send: object) -> Callable[[int, bytes, bytes], Awaitable[None]] | None:
-    """`send_whole` of the guarded cycle behind an ASGI `send`, or None under another server (or a test's
-    in-process transport): the caller then sends the ASGI messages."""
+    """`send_whole` of the guarded cycle behind an ASGI `send`, or None under another server (then send ASGI
+    messages)."""
     cycle = getattr(send, "__self__", None)
     return cycle.send_whole if isinstance(cycle, GuardedCycle) and not cycle.access_log else None
 
 
 @dataclass(frozen=True)
 class Endpoint(Generic[Host, Req, Res]):
-    """One route's declaration, and the ASGI app that serves it (see the module docstring).
+    """One route's declaration, and the ASGI app that serves it.
 
-    `tokens`: rate-limit tokens known only from the request (a list of N inputs costs N): the caller is refused
-    (429) before its body is read when its bucket is empty, and the N tokens taken once parsed; None takes one
-    token before the body; `rate` False: a caller is identified but takes no token (GET /v1/usage: how a refused
-    caller finds out why). `identify` False: a public route (no caller, no tokens); `ops_key`: an operational
-    route, served only with `--metrics-key` when one is set (401 before anything else); `book`: how its answers are
-    counted (`Book`: a model's by default); `body` False: a GET; `before_body`: what waits
-    before the body is read (the generation routes' refusal throttle). `headers`: request headers beyond the
-    four every endpoint reads."""
+    `tokens`: rate-limit tokens known only from the request (N inputs cost N): an empty bucket is refused (429)
+    before the body is read, and the N tokens taken once parsed; None takes one token before the body. `rate`
+    False: identified but takes no token (GET /v1/usage: how a refused caller finds out why). `identify` False:
+    a public route. `ops_key`: served only with `--metrics-key` when one is set. `before_body`: what waits
+    before the body is read (the generation routes' refusal throttle)."""
 
     dialect: Dialect
     parse: Callable[[Host, Call, bytes], Req]
@@ -330,9 +310,8 @@ class Endpoint(Generic[Host, Req, Res]):
                 guard.check_ops_key(headers.get("authorization"))
             if self.identify:
                 caller = self.identified(guard, call)
-            # The request id once the caller may send (beside the body read, in the same module: the path's
-            # steps in order, tests/unit/http/test_request_path.py); a refusal above makes it when it renders.
-            given = headers.get("x-request-id")  # `request_id_from`, written out: every request
+            # The request id once the caller may send; a refusal above makes it when it renders.
+            given = headers.get("x-request-id")  # `request_id_from`, inlined: every request
             work.request_id = given if given and REQUEST_ID_OK.match(given) else new_request_id()
             if self.before_body is not None:
                 await self.before_body(rt, call)
@@ -363,7 +342,6 @@ class Endpoint(Generic[Host, Req, Res]):
                 self.book.ok(rt, call)
             await self.stream(answer, call, send)
             return
-        # The answer in one write under batchserve's own protocol, else as the usual ASGI messages.
         send_whole = whole_answer_sender(send)
         if send_whole is not None:
             await send_whole(answer.status, answer_head(answer, call), answer.body)
@@ -373,8 +351,7 @@ class Endpoint(Generic[Host, Req, Res]):
             self.book.ok(rt, call)
 
     def identified(self, guard: Guard, call: Call) -> Caller:
-        """The caller (`identify`), and its rate tokens taken: one for a request of one, or checked here and taken
-        by the body's size once parsed (`take_by_body`)."""
+        """The caller, and one rate token taken (or the bucket checked, when tokens go by the body)."""
         caller = identify(guard, call, self.dialect.any_key_anonymous)
         if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
             call.answer_headers = guard.take(caller)
@@ -384,7 +361,7 @@ class Endpoint(Generic[Host, Req, Res]):
 
     async def send_refusal(self, rt: Host, call: Call, err: ApiError, send: Send, rate_headers: bool = True) -> None:
         """Answer `err` in the endpoint's dialect, booked as refused; with the rate-limit headers where the
-        error brings none of its own (`rate_headers`: not for an unexpected failure)."""
+        error brings none of its own."""
         if not call.work.request_id:
             call.work.request_id = request_id_from(call.headers.get("x-request-id"))
         self.refused(rt, call, err)
@@ -395,7 +372,7 @@ class Endpoint(Generic[Host, Req, Res]):
 
     @staticmethod
     async def send_messages(answer: Answer, call: Call, send: Send) -> None:
-        """The answer as the usual ASGI messages, under a server other than batchserve's own protocol."""
+        """The answer as ASGI messages, under a server other than batchserve's own protocol."""
         work = call.work
         raw = [(b"content-type", answer.media), (b"x-request-id", call.work.request_id.encode()), *answer.headers]
         if work.asked:
@@ -412,7 +389,7 @@ class Endpoint(Generic[Host, Req, Res]):
 
     @staticmethod
     async def stream(answer: Stream, call: Call, send: Send) -> None:
-        """A streamed answer: its head, then each chunk as it comes; `close` says how it ended."""
+        """Its head, then each chunk as it comes; `close` says how it ended."""
         status = "500"
         raw = [(b"content-type", answer.media), (b"x-request-id", call.work.request_id.encode())]
         raw += [(k.encode(), v.encode()) for k, v in call.answer_headers.items()]
@@ -456,6 +433,6 @@ def operational(
     handle: Callable[[Host, Call, None], Awaitable[Res]],
     render: Callable[[Host, Call, None, Res], Answer | Stream],
 ) -> Endpoint[Host, None, Res]:
-    """A GET of the node's own state (health details, metrics): only with `--metrics-key` when one is set, since
-    it names workers, queue depths and rates that callers need not see; not counted."""
+    """A GET of the node's own state: only with `--metrics-key` when one is set, since it names workers, queue
+    depths and rates that callers need not see; not counted."""
     return Endpoint(dialect, no_body, handle, render, identify=False, ops_key=True, book=UNCOUNTED, body=False)

@@ -1,8 +1,7 @@
-"""Who is calling and whether they may, in one place for every route (issue 23): the caller from its key and
-its client address, its rate-limit tokens, the metrics key of the operational routes, and the count of what was
-answered: the status counts and the SLO ledger (`core/ledger.py`: per model and tier in /metrics, per tenant at
-GET /v1/usage), so every model route books its answers alike; and below it the policy it applies (keys, tiers of
-callers, token buckets: `Tenancy`), which the gRPC listener and the batch jobs read too."""
+"""Who is calling and whether they may, in one place for every route: the caller from its key and client address,
+its rate-limit tokens, the metrics key of the operational routes, and the count of what was answered (status
+counts and the SLO ledger, `core/ledger.py`), so every model route books its answers alike. Below it, the policy
+it applies (keys, tiers, token buckets: `Tenancy`)."""
 
 from __future__ import annotations
 
@@ -31,18 +30,15 @@ class Guard:
     tenancy: Tenancy
     metrics: Metrics
     metrics_key: str = ""  # --metrics-key: what the operational routes ask for ("" = open)
-    answered: int = 0  # requests answered since start, any status (the 1 s tick's requests per second)
-    slo_s: float = 0.2  # the latency objective the ledger holds 2xx answers of a model without its own figures to
-    # Each model's own SLO (and timeouts): the ledger holds a model's answers to its own (issue 46 item 7). The
-    # runtime shares `ModelRegistry.deadlines`, which the door and the batcher read too.
-    deadlines: dict[str, Deadlines] = field(default_factory=dict)
+    answered: int = 0  # requests answered since start, any status
+    slo_s: float = 0.2  # the SLO for a model without its own in `deadlines`
+    deadlines: dict[str, Deadlines] = field(default_factory=dict)  # shared with `ModelRegistry.deadlines`
     usage: UsageBook = field(default_factory=UsageBook)  # per tenant, for GET /v1/usage
-    # --gateway-ips: the inference gateway whose fairness and objective headers are believed (`via_gateway`)
     gateways: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
     def via_gateway(self, scope: Scope) -> bool:
-        """Whether the request's peer is a configured gateway: only then do its fairness-id and objective headers
-        say anything (anyone else could send them to jump a queue or another tenant's lane)."""
+        """Whether the request's peer is a configured gateway (`--gateway-ips`): only then are its fairness-id and
+        objective headers believed (anyone else could send them to jump a queue or another tenant's lane)."""
         client = scope.get("client")
         if not client or not self.gateways:
             return False
@@ -53,36 +49,32 @@ class Guard:
         return any(peer in network for network in self.gateways)
 
     def identify(self, authorization: str | None, scope: Scope, openai: bool = False) -> Caller:
-        """The caller (401 when keys are configured and its key is missing or wrong). The peer's address, read
-        from the request's `scope` here so no route can forget it, tells anonymous callers apart as owners of
-        jobs and request records. On the OpenAI routes (`openai`) a key is always sent by the clients: with no
-        keys configured, any key is anonymous (as vLLM does)."""
+        """The caller (401 when keys are configured and its key is missing or wrong). The peer's address is read
+        here so no route can forget it: it tells anonymous callers apart as owners of jobs and records. On the
+        OpenAI routes clients always send a key: with no keys configured, any key is anonymous (as vLLM does)."""
         if openai and not self.tenancy.keys:
             authorization = None
-        client = scope.get("client")  # http/plumbing.client_host, inline: once per request of every route
+        client = scope.get("client")  # http/plumbing.client_host, inlined: every request
         return self.tenancy.identify(authorization, client[0] if client else "")
 
     def enter(self, authorization: str | None, scope: Scope, openai: bool = False) -> Caller:
-        """Identify, and refuse (429) a caller whose bucket holds not even one token, taking none: for a route
-        whose cost is known only from its body (a list of N inputs costs N), so a caller who may not send is
-        refused before its body is read, and its tokens are taken (`take`) once the body says how many."""
+        """Identify, and refuse (429) a caller whose bucket is empty, taking no token: for a route whose cost is
+        known only from its body, so the refusal comes before the body is read (`take` once it is)."""
         caller = self.identify(authorization, scope, openai)
         self.tenancy.check_token(caller)
         return caller
 
     def check(self, caller: Caller) -> None:
-        """`enter`'s second half, for a route that keeps the caller to book a 429 to: 429 unless the caller's
-        bucket holds a token now (none is taken)."""
+        """`enter`'s second half, for a route that keeps the caller to book a 429 to."""
         self.tenancy.check_token(caller)
 
     def take(self, caller: Caller, count: int = 1) -> dict[str, str]:
-        """Spend `count` tokens (the inputs of a list) from the caller's bucket: the X-RateLimit-* headers, or 429."""
+        """Spend `count` tokens: the X-RateLimit-* headers, or 429."""
         return self.tenancy.take_token(caller, count)
 
     def admit(
         self, authorization: str | None, scope: Scope, count: int = 1, openai: bool = False
     ) -> tuple[Caller, dict[str, str]]:
-        """Identify, then take `count` tokens: the caller and its rate-limit headers."""
         caller = self.identify(authorization, scope, openai)
         return caller, self.tenancy.take_token(caller, count)
 
@@ -91,13 +83,13 @@ class Guard:
         self.answered += 1
         d = self.deadlines.get(model)
         outcome = ledger.MET if latency_s <= (self.slo_s if d is None else d.slo_s) else ledger.SLOW
-        tier = TIER_NAMES[caller.tier]  # `_book` for a served answer, inline: once per answer of every model route
+        tier = TIER_NAMES[caller.tier]  # `_book`, inlined: every answer of every model route
         self.metrics.count_ok(model, latency_s, tier, ledger.OUTCOMES[outcome], inputs, cost)
         self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s, model)
 
     def refused(self, model: str, err: ApiError, caller: Caller | None, inputs: int = 1) -> None:
-        """An error went out, counted by its code (`model` is "unknown" before one was picked), and in the
-        SLO ledger when it is an outcome (429, 5xx) of a known caller (a 401 has none: it is no outcome)."""
+        """An error went out, counted by its code, and in the SLO ledger when it is an outcome (429, 5xx) of a
+        known caller."""
         self.answered += 1
         self.metrics.count_error(model, err)
         self.settle(model, caller, err.status, 0.0, inputs)
@@ -106,7 +98,7 @@ class Guard:
         self, model: str, caller: Caller | None, status: int, latency_s: float, inputs: int = 1, cost: float = 1.0
     ) -> None:
         """The SLO ledger's entry of an answer with `status` (nothing for a 4xx other than 429, or a 499); for
-        the routes that count their answers' statuses themselves (the generation engine's)."""
+        routes that count their statuses themselves."""
         if caller is None:
             return
         if 200 <= status < 300:
@@ -126,22 +118,20 @@ class Guard:
         self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s, model)
 
     def shed(self, err: ApiError) -> None:
-        """A refusal of work outside the batcher (the generation engine's 503s): `batchserve_rejected_total`
-        by its code, as the door's refusals are; the answer itself is counted when it goes out."""
+        """A refusal of work outside the batcher, counted as the door's refusals are; the answer itself is counted
+        when it goes out."""
         self.metrics.rejected.labels(err.code).inc()
 
     def gone(self, model: str) -> None:
-        """The caller hung up before its answer: a 499 in the model's status counts, as the generation routes
-        count theirs; no SLO outcome (nobody read an answer)."""
+        """The caller hung up: a 499 in the model's status counts; no SLO outcome (nobody read an answer)."""
         self.metrics.requests.labels(model, "499").inc()
 
     def counted(self) -> None:
-        """An answer went out that the model metrics do not count (a route's own refusal shape, a job route)."""
+        """An answer went out that the model metrics do not count."""
         self.answered += 1
 
     def check_ops_key(self, authorization: str | None) -> None:
-        """401 unless the caller shows `--metrics-key` (when one is set): the operational routes name workers,
-        queue depths and rates that callers need not see."""
+        """401 unless the caller shows `--metrics-key` (when one is set)."""
         key = self.metrics_key
         if not key:
             return
@@ -151,16 +141,12 @@ class Guard:
 
 
 # -- the caller policy: keys, tiers of callers, token buckets ------------------------------------------------------
-# Who is calling: API keys (stored as SHA-256 digests, compared in constant time), tiers and rate limits.
-#
-# `Tenancy.identify(authorization_header)` returns the `Caller` or raises 401; `Tenancy.take_token(caller)`
-# raises 429 with `Retry-After` and `X-RateLimit-*` headers when the caller's token bucket is empty.
-# Keys and tier rates come from the TOML config file (`config_file.py`); `batchserve keys add` writes them.
+# API keys are stored as SHA-256 digests and compared in constant time; keys and tier rates come from the TOML
+# config file (`config_file.py`), which `batchserve keys add` writes.
 ANONYMOUS = "anonymous"
 ANONYMOUS_OWNER = ANONYMOUS + "@"  # + the client's address: who owns an anonymous caller's jobs and records
 ANONYMOUS_CACHE = 4096  # anonymous Callers kept, one per client address
 
-# Requests per second and burst of each tier unless the config file says otherwise.
 DEFAULT_TIER_RATES: dict[str, tuple[float, float]] = {t.name: (t.rate, t.burst) for t in tiers.TIERS}
 
 
@@ -178,7 +164,7 @@ class Caller:
         return self.tier if self.best < 0 else self.best
 
     def at(self, tier: int) -> Caller:
-        """This caller running one request at `tier` (its own priority, `Work.ask`): what the books read."""
+        """This caller running one request at `tier` (its own priority, `Work.ask`)."""
         return self if tier == self.tier else replace(self, tier=tier)
 
 
@@ -207,7 +193,7 @@ class TokenBucket:
     updated: float
 
     def has(self, now: float, count: int = 1) -> bool:
-        """Whether `count` tokens are there now (refilled to `now`), none taken."""
+        """Whether `count` tokens are there now, none taken."""
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
         return self.tokens >= count
@@ -219,13 +205,10 @@ class TokenBucket:
         return False
 
     def headers(self) -> dict[str, str]:
-        """Limit is the bucket's size (the most requests the key may send at once), so Remaining (whole
-        requests left in it now) never passes it; Reset is the seconds until the bucket is full again. The rate
-        it refills at is the tier's (or the key's) requests per second; Retry-After on a 429 says when the next
-        request is allowed."""
+        """Limit is the bucket's size (the most requests the key may send at once), so Remaining never passes
+        it; Reset is the seconds until the bucket is full again."""
         refill = (self.burst - self.tokens) / self.rate
-        # Lower-case, as every other header batchserve writes (Starlette lower-cases what it sends; the hot
-        # route writes these names as given): one spelling on a 200 and a 429.
+        # Lower-case, as Starlette sends them (the hot route writes names as given): one spelling on a 200 and a 429.
         return {
             "x-ratelimit-limit": f"{self.burst:g}",
             "x-ratelimit-remaining": str(int(self.tokens)),
@@ -251,8 +234,8 @@ class Tenancy:
 
     def __post_init__(self) -> None:
         self._anonymous_rank = tiers.by_name(self.anonymous_tier).rank
-        # The anonymous Caller of each client address, built once (a frozen dataclass costs ~0.5 us a request);
-        # emptied past ANONYMOUS_CACHE addresses, so a sweep of addresses cannot grow it without bound.
+        # The anonymous Caller per client address, built once rather than per request; emptied past
+        # ANONYMOUS_CACHE addresses, so a sweep of addresses cannot grow it without bound.
         self._anonymous: dict[str, Caller] = {}
 
     @classmethod
@@ -265,8 +248,8 @@ class Tenancy:
         )
 
     def identify(self, authorization: str | None, client: str = "") -> Caller:
-        """The caller of a request, from its Authorization header; `client` (the peer's address) tells
-        anonymous callers apart as owners of jobs and request records."""
+        """The caller, from its Authorization header; `client` (the peer's address) tells anonymous callers
+        apart as owners."""
         token = ""
         if authorization:
             scheme, _, token = authorization.partition(" ")
@@ -296,8 +279,7 @@ class Tenancy:
         return Caller(found.tenant, rank, wanted[:12], found.tenant, found.admin, best)
 
     def take_token(self, caller: Caller, count: int = 1) -> dict[str, str]:
-        """Spend `count` requests (the inputs of a list, on /v1/embeddings) from the caller's bucket; returns the
-        X-RateLimit-* headers, or raises 429."""
+        """Spend `count` tokens; returns the X-RateLimit-* headers, or raises 429."""
         if not caller.key_id:
             return {}
         bucket = self._bucket(caller.key_id)
@@ -306,8 +288,7 @@ class Tenancy:
         raise self._over(bucket, count)
 
     def check_token(self, caller: Caller, count: int = 1) -> None:
-        """429 unless `count` tokens could be taken now; none are taken. For a route whose cost is known only
-        from its body (a list of inputs): a caller with an empty bucket is refused before its body is read."""
+        """429 unless `count` tokens could be taken now; none are taken."""
         if not caller.key_id:
             return
         bucket = self._bucket(caller.key_id)
@@ -323,7 +304,6 @@ class Tenancy:
 
     @staticmethod
     def _over(bucket: TokenBucket, count: int) -> errors.ApiError:
-        """The 429 for `count` tokens the bucket cannot give."""
         headers = bucket.headers()
         if count > bucket.burst:
             return errors.rate_limited(

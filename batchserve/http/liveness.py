@@ -1,18 +1,13 @@
-"""Whether a `--processes` child still answers (issue 34, item 3): the parent's probe of each child's own port.
+"""Whether a `--processes` child still answers: the parent's probe of each child's own port.
 
-What "hung" means here: the child's event loop has answered no `GET /healthz` on the child's own port for
-`--process-hang-s` seconds (default 3) while a probe is sent every `PROBE_EVERY_S`. The probe is answered by
-the event loop itself, the same loop that answers every request, so it says what a caller would see: a
-SIGSTOPped process, a deadlocked loop, or one held by a call for that long fails it. A heartbeat thread would
-not: it keeps beating while the loop is stuck. A busy child is not hung: /healthz costs the loop a few tens of
-microseconds, and a loop that turns at all answers it within milliseconds even under full load (a request
-waits for its batch off the loop, and a worker thread gives the loop the interpreter back within
-`server.SWITCH_INTERVAL_S`). The threshold is ~15 x the default SLO, so only a loop that every caller already
-finds dead is killed.
+"Hung": the child's event loop has answered no `GET /healthz` on its own port for `--process-hang-s`. The probe is
+answered by the same loop that answers every request, so it says what a caller would see (a SIGSTOPped process, a
+deadlocked loop); a heartbeat thread would keep beating while the loop is stuck. A busy child is not hung: a loop
+that turns at all answers /healthz within milliseconds even under full load, and the threshold is many times the
+default SLO, so only a loop that every caller already finds dead is killed.
 
-Only silence counts: a refused connection (the child has closed its own port on its way out of a drain, or
-has exited) is an answer of sorts, since a stopped process's port still accepts connections in the kernel and
-never refuses them. A child's exit is watched by the parent through its process sentinel, not here.
+Only silence counts: a refused connection means the child is leaving (a stopped process's port still accepts
+connections in the kernel, never refuses them). A child's exit is watched through its process sentinel.
 """
 
 from __future__ import annotations
@@ -44,9 +39,8 @@ class ChildLiveness:
 
 
 def probe(host: str, port: int, timeout_s: float) -> bool:
-    """One `GET /healthz` on a new connection: True when the child answered (any status: its loop turned) or
-    refused the connection (its port is closed: it is leaving, not hung); False when nothing came back within
-    `timeout_s`."""
+    """One `GET /healthz` on a new connection: True when the child answered (any status) or refused the
+    connection (leaving, not hung); False when nothing came back within `timeout_s`."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         conn.request("GET", "/healthz")
@@ -63,8 +57,8 @@ def probe(host: str, port: int, timeout_s: float) -> bool:
 
 
 class Prober:
-    """A daemon thread that probes one child's own port every `PROBE_EVERY_S` and keeps its `ChildLiveness`; the
-    parent's supervision loop reads `hung()` and does the killing (one place decides a child's fate)."""
+    """A daemon thread that probes one child's own port; the parent's supervision loop reads `hung()` and does the
+    killing (one place decides a child's fate)."""
 
     def __init__(
         self,

@@ -1,7 +1,6 @@
 """Which model answers a request for work only some models do (embeddings, reranking, classification): the one it
-names, or the first served that does that work; refused in OpenAI's words (`param: model`) when it names none that
-does. One function for `/v1/embeddings`, `/v1/rerank`, `/v1/classify` and `/predict`, and the OpenAI batches of
-embeddings lines, so a batch line lands on the model its online route would pick."""
+names, or the first served that does that work. One function for every such route and for batch lines, so a batch
+line lands on the model its online route would pick."""
 
 from __future__ import annotations
 
@@ -22,18 +21,15 @@ from batchserve.http.openai_error import bad, unknown_model
 from batchserve.slo import Deadlines
 
 
-# Which model version serves a request: `"name"` picks a version by weight, `"name@version"` names one; and
-# each version's own latency objective and timeouts (`slo.Deadlines`).
+# Which model version serves a request: `"name"` picks a version by weight, `"name@version"` names one.
 @dataclass
 class ModelRegistry:
     specs: list[ModelSpec]
     by_id: dict[str, ModelSpec] = field(default_factory=dict)
     by_name: dict[str, list[ModelSpec]] = field(default_factory=dict)
-    # What a request naming no model, a name of one version or an id is answered by: its version's id, read by
-    # one look-up on the hot path (`resolve_id`); names of several versions are split as `resolve` splits them.
+    # No model, a name of one version, or an id -> its version's id: one look-up on the hot path (`resolve_id`).
     fixed_ids: dict[str, str] = field(default_factory=dict)
-    # Each model id's own SLO and timeouts; the batcher, admission and the guard read this same dict (the
-    # runtime shares it), so a figure derived after the warm-up is seen by all of them at once.
+    # Shared by the batcher, admission and the guard, so a figure derived after warm-up is seen by all at once.
     deadlines: dict[str, Deadlines] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -78,7 +74,7 @@ class ModelRegistry:
         return versions[-1]
 
     def resolve_id(self, requested: str | None, sticky_key: str = "") -> str | None:
-        """`resolve`'s version id: the id of the version that serves `requested`, or None when unknown."""
+        """The id of the version that serves `requested`, or None when unknown."""
         found = self.fixed_ids.get(requested or "")
         if found is not None:
             return found
@@ -94,8 +90,7 @@ class Models(Protocol):
 
 
 class EncoderHost(Models, Protocol):
-    """What the encoder wings (`/v1/embeddings`, `/v1/rerank`, `/v1/classify`) read from `app.state.rt` (the
-    runtime, which app.py wires): this much only."""
+    """What the encoder wings read from `app.state.rt`."""
 
     settings: Settings
     guard: Guard
@@ -104,16 +99,14 @@ class EncoderHost(Models, Protocol):
 
 @dataclass(frozen=True)
 class Task:
-    """A kind of work: which versions do it (`does`: the spec, and its backend when loaded), and the words of
-    the refusals (`none_served`: the 404 when none does; `not_this`: the 400 for a version that does not, given
-    its id and backend; `reason`: OpenAI's finer code of that 400)."""
+    """A kind of work: which versions do it (`does`), and the words of its refusals (`none_served`: the 404;
+    `not_this`: the 400 for a version that does not; `reason`: OpenAI's finer code of that 400)."""
 
     does: Callable[[ModelSpec, Backend | None], bool]
     none_served: str
     not_this: Callable[[str, Backend], str]
     reason: str
-    # Whether a version whose backend is still loading may turn out to do the task (what its spec says
-    # before the backend does: a folder's task is read at start, a plugin's output kind only once loaded).
+    # Whether a version whose backend is still loading may turn out to do the task (its spec's word until then).
     may_do: Callable[[ModelSpec], bool] = lambda spec: True
 
 
@@ -123,9 +116,8 @@ def served(rt: Models, task: Task) -> list[ModelSpec]:
 
 
 def pick_model(rt: Models, task: Task, requested: str | None, sticky_key: str) -> tuple[str, Backend]:
-    """The id of the model version that answers and its backend: 404 when unknown (or none does the task),
-    503 while it warms up (the one named, or with none named, a version that may do the task), 400 when it
-    does not do the task."""
+    """The id of the model version that answers and its backend: 404 when unknown (or none does the task), 503
+    while it warms up, 400 when it does not do the task."""
     if requested is None:
         doing = served(rt, task)
         if not doing:
@@ -175,8 +167,8 @@ CLASSIFICATION = Task(
 def choose(
     rt: EncoderHost, call: Call, task: Task, model: str | None, timeout_s: float | None, tier: str | None
 ) -> Backend:
-    """The model that answers the request (`pick_model`), named on its request value with the deadline: the one
-    the body gave (`timeout_s`), else that model's own default timeout; and the tier it asked for."""
+    """Pick the model (`pick_model`) and set it on the request's work, with the deadline (the body's `timeout_s`,
+    else the model's default) and the tier it asked for."""
     model_id, backend = pick_model(rt, task, model, call.who.key_id)
     call.work.model = model_id
     call.work.due_in(rt.registry.deadlines[model_id].timeout_s if timeout_s is None else timeout_s)

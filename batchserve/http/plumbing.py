@@ -1,7 +1,6 @@
 """HTTP plumbing under the one request path (`http/endpoint.py`): request ids, bounded body reads, JSON in and
-out, and a body decoded straight into its declared shape (a msgspec `Struct`: parsing and type checking in one
-pass, and when it fails, which field was wrong; each wing turns a `BodyRefusal` into its dialect's 400). Errors
-are rendered by `http/dialects.py`."""
+out, and a body decoded straight into its declared msgspec `Struct` (parsing and type checking in one pass, and
+on failure the field that was wrong)."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ JSON = "application/json"
 
 
 class RandomIds:
-    """Generated request ids: 96 bits from the OS's CSPRNG each, so no id can be guessed from another (a
-    record is also readable only by its tenant). One `getrandom` call serves 340 ids, so the hot path pays a
-    slice and a hex, not a syscall."""
+    """Generated request ids: 96 bits from the OS's CSPRNG each, so no id can be guessed from another. One
+    `getrandom` call serves many ids, so the hot path pays a slice and a hex, not a syscall."""
 
     ID_BYTES = 12
     POOL = ID_BYTES * 340
@@ -65,10 +63,8 @@ def client_host(scope: Scope) -> str:
 
 
 def first_values(pairs: Iterable[tuple[str, str | bytes]], names: Collection[str]) -> dict[str, str]:
-    """The first value of each of `names` (lower-case) among header or metadata pairs: where a name comes twice
-    (two `authorization` entries), the first wins, as the HTTP request path reads its headers (`endpoint.py`,
-    `Endpoint.__call__`); the gRPC listener reads its metadata through this, so the two read a caller alike.
-    Binary values (gRPC's `-bin` keys) are skipped."""
+    """The first value of each of `names` (lower-case) among header or metadata pairs, as `Endpoint.__call__`
+    reads headers, so gRPC and HTTP read a caller alike. Binary values (gRPC's `-bin` keys) are skipped."""
     found: dict[str, str] = {}
     for name, value in pairs:
         key = name.lower()
@@ -79,8 +75,7 @@ def first_values(pairs: Iterable[tuple[str, str | bytes]], names: Collection[str
 
 def check_input(text: object, name: str, max_chars: int) -> str:
     """One rule for an input, on every route that takes one: a non-empty string of at most `max_chars`
-    characters, valid Unicode (no lone surrogate: orjson refuses `"\\ud800"` in a body, but the streaming job
-    parser passes it on, and it was once silently stored as "?")."""
+    characters, valid Unicode (no lone surrogate: the streaming job parser passes one on, though orjson refuses it)."""
     if not isinstance(text, str) or not text:
         raise errors.invalid(f"{name} must be a non-empty string")
     if len(text) > max_chars:
@@ -99,9 +94,8 @@ def check_unicode(text: str, name: str) -> None:
 
 
 def ascii_count(text: str, cap: int) -> int | None:
-    """A count written in ASCII digits (a Content-Length, a `?limit=`), or None when it is not one; a value
-    past `cap` comes back as `cap + 1`. Why not `int(text)`: Python refuses to convert more than 4,300 digits
-    (ValueError, a 500), and a count that long is only ever "too large"."""
+    """A count written in ASCII digits (a Content-Length, a `?limit=`), or None; past `cap` it is `cap + 1`. Not
+    `int(text)`: Python refuses to convert more than 4,300 digits (a 500), and such a count is only "too large"."""
     if not (text.isascii() and text.isdigit()):
         return None
     digits = text.lstrip("0") or "0"
@@ -144,8 +138,8 @@ async def read_body_from(receive: Receive, limit: int, declared: str | None) -> 
 
 
 async def body_chunks(receive: Receive) -> AsyncIterator[bytes]:
-    """The body as it streams in, chunk by chunk (as Starlette's `Request.stream`, ending with b""), for a route
-    whose body is parsed as it comes; ClientDisconnect when the caller hangs up first."""
+    """The body as it streams in (as Starlette's `Request.stream`, ending with b""); ClientDisconnect when the
+    caller hangs up first."""
     while True:
         message = await receive()
         if message["type"] != "http.request":
@@ -197,8 +191,8 @@ _GOT = re.compile(r"got `(?P<got>[a-z]+)`")
 
 @dataclass
 class BodyRefusal(Exception):
-    """Why a body is not its declared shape. `field`: the top-level member at fault (None: the body itself);
-    `path`: where exactly (`input[3]`); `got`: the JSON type found where another was expected ("" if not said)."""
+    """Why a body is not its declared shape; each wing turns it into its dialect's 400. `field`: the top-level
+    member at fault (None: the body itself); `path`: where exactly (`input[3]`); `got`: the JSON type found."""
 
     message: str
     field: str | None = None
@@ -210,8 +204,8 @@ class BodyRefusal(Exception):
 def decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
     """The body as the decoder's type, or a `BodyRefusal` naming the field.
 
-    UTF-8 is checked first for non-ASCII bodies: msgspec validates the strings it keeps, not those of members
-    it skips, and a body that is not UTF-8 is refused whole on every route (as orjson did)."""
+    UTF-8 is checked first for non-ASCII bodies: msgspec validates only the strings it keeps, and a body that is
+    not UTF-8 is refused whole on every route."""
     try:
         if not body.isascii():
             body.decode()
@@ -220,7 +214,7 @@ def decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
         raise refusal(str(exc)) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise BodyRefusal(f"{NOT_JSON}: {exc}", not_json=True) from None
-    except RecursionError:  # msgspec's bound on nesting (as orjson's, which refused past 1024 levels)
+    except RecursionError:  # msgspec's bound on nesting
         raise BodyRefusal(TOO_DEEP, not_json=True) from None
 
 
@@ -249,8 +243,8 @@ def _got(text: str) -> str:
 
 
 def timeout_s(timeout_ms: float | msgspec.UnsetType, max_timeout_ms: float) -> float | None:
-    """A body's `timeout_ms` in seconds; None when it names none (the model's own default applies,
-    `slo.Deadlines`). Outside (0, max] it is a 400 naming the field."""
+    """A body's `timeout_ms` in seconds; None when it names none (the model's default applies). Outside (0, max]
+    it is a 400 naming the field."""
     if timeout_ms is msgspec.UNSET:
         return None
     if not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms):

@@ -1,38 +1,19 @@
 """`batchserve serve --processes N`: N whole servers on one port, the devices split evenly between them.
 
-Why: a server process runs one event loop on one core, and every request costs that loop a fixed amount of
-CPU, so one process saturates its core before a host with many GPUs runs out of devices (docs/capacity.md).
-Each child here is the design's "one server, pull-based pool" unchanged — its own batcher, admission and
-workers over its share of the devices — and the port is shared with SO_REUSEPORT: every child binds its own
-listening socket to it, and the kernel deals each new connection to one of them by a hash of its addresses
-(a keep-alive connection stays with the child that accepted it).
+Why: a process runs one event loop on one core at a fixed CPU cost per request, so it saturates its core before a
+host with many GPUs runs out of devices (docs/capacity.md). Each child is a whole server (its own batcher,
+admission and workers over its share of the devices); the port is shared with SO_REUSEPORT and the kernel deals
+each new connection to one child. Drains, replacements and per-child metrics:
+docs/deploy.md#several-processes-on-one-host---processes-n.
 
-- Devices: `--devices D` gives each child D/N (they must split evenly). On CUDA each child sees only its GPUs
-  (CUDA_VISIBLE_DEVICES); sim and plugin devices are counts.
-- Drain: SIGTERM or SIGINT to the parent drains the group: the parent raises the group's flag and sends each
-  child SIGTERM, each drains as a lone server does (listener open for `--drain-grace-s` answering 503
-  DRAINING, /readyz 503), and the parent exits 0 once all have. SIGTERM to one child alone (flag down): it
-  closes its share of the port at once — the kernel gives new connections to its siblings — answers what it
-  holds, and exits; the parent starts a replacement on the same devices, which joins the port once ready. A
-  request that arrives meanwhile on one of its open keep-alive connections gets 503 DRAINING with
-  Connection: close: it never ran, and its retry on a new connection reaches a sibling.
-- Joining the port: a child listens on the shared port only once it is ready (its models loaded and warmed
-  here, its runtime started behind its own port: `server.DrainingServer.join_when_ready`), and only then sets
-  its `listening` event. The kernel deals new connections to every listening socket at once, so a replacement
-  that listened while warming would answer its share 503 "warming up"; until it joins, its siblings take them.
-- Metrics and readiness: each child also listens on a port of its own (`--process-port-base` + index, or a
-  free one), logged and shown in /internal/health (`process`), where its /metrics, /readyz and
-  /internal/health are its alone; scrape each. (Prometheus' multiprocess mode was not used: the server's
-  per-request counters are plain loop-owned counts, and a merged view would hide one child's readiness.)
-- A child that exits after it joined the shared port, or is killed by a signal, is replaced (at most one start a
-  second); one that exits by itself before it ever joined (a model that cannot load, a port in use) stops the
-  group with its exit status.
-- A hung child (issue 34, item 3) is killed and replaced: once a child has joined, the parent asks its own port
-  `GET /healthz` every 0.5 s (`liveness.py`, which says what "hung" means), and a child whose event loop has
-  answered none for `--process-hang-s` (3 s) gets SIGKILL (its process group: its device workers too), after
-  which it is replaced as any killed child. Until then the kernel still deals it new connections, which wait;
-  at the kill, those and its open connections are reset (a request it had taken is lost with it, as with any
-  SIGKILL), and from then on every connection reaches a live child.
+- A child listens on the shared port only once ready (`server.DrainingServer.join_when_ready`): the kernel deals
+  connections to every listening socket at once, so a child warming up would answer its share 503.
+- Each child also listens on a port of its own, where its /metrics, /readyz and /internal/health are its alone.
+  (Not Prometheus' multiprocess mode: a merged view would hide one child's readiness.)
+- A child that exits after it joined, or is killed, is replaced (at most one start a second); one that exits by
+  itself before it ever joined (a model that cannot load, a port in use) would fail again, so it stops the group.
+- A hung child (no answer on its own port's /healthz for `--process-hang-s`; `liveness.py`) is killed with its
+  process group and replaced.
 """
 
 from __future__ import annotations
@@ -76,8 +57,7 @@ class Share:
 
 
 def device_shares(settings: Settings) -> list[Share]:
-    """Split the devices evenly over the processes (`Settings.check` refused an uneven split of a given
-    count). CUDA GPUs are split by index; anything else (the sim, plugins, a CPU) is a count per child."""
+    """Split the devices evenly over the processes: CUDA GPUs by index, anything else as a count per child."""
     n = settings.processes
     if all(m.backend == "sim" for m in settings.models):
         return [Share(max(1, settings.devices // n) if settings.devices else 1, None)] * n
@@ -157,9 +137,8 @@ def child_main(
     elsewhere: tuple[str, ...] = (),
     own_port_out: Synchronized[int] | None = None,
 ) -> None:
-    """One child: load and warm its models on its devices (`elsewhere`: those answered by another path, built as
-    shells: `backends/loading.py`), then serve the shared port and its own (told to the parent through
-    `own_port_out`, where it probes the child's liveness)."""
+    """One child: load and warm its models (`elsewhere`: built as shells, `backends/loading.py`), then serve the
+    shared port and its own (told to the parent through `own_port_out`, for the liveness probe)."""
     _become_child(settings, index, share)
     from batchserve.backends.loading import PluginError, load_models
     from batchserve.http.server import serve
@@ -176,7 +155,7 @@ def child_main(
     slot = ChildPlace(index, settings.processes, own_port)
     from batchserve.backends import default_threads
 
-    # the CPU's cores are split among the children as the devices are (each child's torch would take them all)
+    # cores split among the children as the devices are (each child's torch would take them all)
     threads = settings.torch_threads or default_threads(settings.processes)
     settings = replace(
         settings, port=port, devices=share.devices, processes=1, process_slot=slot, torch_threads=threads
@@ -225,19 +204,17 @@ def kill_group(pid: int) -> None:
 
 def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tuple[str, ...] = ()) -> int:
     """Start the children, replace any that exits on its own, drain them all on SIGTERM/SIGINT. 0 after a
-    clean drain; a child's status when one could not start. `elsewhere`: the models whose batch backends the
-    children build as shells (the wiring's choice: smollm2 on the generation engine's stepper)."""
+    clean drain; a child's status when one could not start."""
     if settings.jobs_db and not is_postgres_url(settings.jobs_db):
-        # The default SQLite job store belongs to one process, and the shared port would send a job's GET to a
-        # process that never saw it (an explicit SQLite --jobs-db is refused by Settings.check).
+        # The shared port would send a job's GET to a process whose SQLite store never saw it.
         log.warning(
             "--processes %d: batch jobs are off (the default SQLite job store belongs to one process); "
             "give --jobs-db postgresql://... to serve /v1/batches from every process",
             settings.processes,
         )
         settings = replace(settings, jobs_db="")
-    # The port, reserved by the parent (bound with SO_REUSEPORT, never listening: it takes no connection) so
-    # that port 0 names one port for every child, and a replacement can always bind it again.
+    # Reserved by the parent (bound, never listening) so port 0 names one port for every child, and a
+    # replacement can always bind it again.
     reserve = bind_socket(settings.host, settings.port, reuse_port=True)
     try:
         return Supervisor(settings, app_factory, elsewhere, reserve.getsockname()[1]).run()
@@ -334,8 +311,7 @@ class Supervisor:
             kill_group(proc.pid)
 
     def reap(self, slot: Slot) -> None:
-        """A child that exited: its status kept while draining, else replaced (or, one that never listened, the
-        end of them all)."""
+        """A child that exited: its status kept while draining, else replaced (or the group stopped)."""
         proc = slot.process
         if proc is None or proc.exitcode is None:
             return
@@ -346,9 +322,8 @@ class Supervisor:
             self.status = self.status or (proc.exitcode if proc.exitcode > 0 else 0)
             return
         assert slot.listening is not None
-        # It never served and exited by itself (a model that cannot load, a port taken): a replacement would
-        # fail the same way. Killed by a signal while warming (a lone SIGTERM, the OOM killer), it is replaced
-        # like any child.
+        # Never served and exited by itself: a replacement would fail the same way. Killed by a signal while
+        # warming (a lone SIGTERM, the OOM killer), it is replaced like any child.
         if not slot.listening.is_set() and proc.exitcode > 0:
             log.error(
                 "process %d (pid %s) exited with %s before it listened: stopping the others",

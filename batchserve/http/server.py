@@ -1,12 +1,9 @@
 """Run the app on uvicorn + uvloop, with a graceful drain on SIGTERM/SIGINT (docs/contract.md#drain).
 
-uvicorn's own handling closes the listening socket at the first signal; we keep serving instead, so
-`/readyz` can say 503 and new requests get a JSON 503 DRAINING while queued and running work is answered.
-The listener stays open at least `--drain-grace-s` after the signal: a balancer that polls `/readyz` takes the
-node out meanwhile, and a client that still connects gets an answer it can retry elsewhere rather than a
-refused or reset connection. When it closes, the connections still waiting in the listen backlog are
-accepted and answered first (they would be reset). Only then is uvicorn told to exit. A second SIGINT forces
-the exit.
+uvicorn closes the listening socket at the first signal; we keep serving instead, so `/readyz` says 503 and new
+requests get a JSON 503 DRAINING while queued and running work is answered. The listener stays open at least
+`--drain-grace-s`: a balancer polling `/readyz` takes the node out meanwhile, and a client that still connects
+gets an answer it can retry elsewhere rather than a refused or reset connection. A second SIGINT forces the exit.
 """
 
 from __future__ import annotations
@@ -36,20 +33,20 @@ from batchserve.http.uvicorn_protocol import ConnectionGuard, ConnectionLimits, 
 log = logging.getLogger("batchserve")
 
 
-BACKLOG = 4096  # the listen backlog (uvicorn.Config below): the most connections waiting to be accepted
+BACKLOG = 4096  # the listen backlog
 DRAIN_LINGER_S = 0.5  # after the drain: listener closed, open connections still answered
-LINGER_POLL_S = 0.02  # how often the linger looks whether any connection is still open
-JOIN_POLL_S = 0.02  # how often a --processes child that warms looks whether its runtime is ready
+LINGER_POLL_S = 0.02
+JOIN_POLL_S = 0.02  # how often a warming --processes child looks whether its runtime is ready
 
 
 class Group(Protocol):
-    """The `--processes` group a child server belongs to (batchserve/http/processes.py)."""
+    """The `--processes` group a child server belongs to (`http/processes.py`)."""
 
     def draining(self) -> bool:
         """True when the whole group drains (SIGTERM to the parent), False when this process drains alone."""
 
     def listening(self) -> None:
-        """Called once the child listens on the group's shared port (when its runtime is ready)."""
+        """Called once the child listens on the group's shared port."""
 
 
 class AppFactory(Protocol):
@@ -64,10 +61,8 @@ class AppFactory(Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn with the drain above. In a `--processes` group (`group`), the first socket is the shared port and
-    the child listens on it only once its runtime is ready (`join_when_ready`): with SO_REUSEPORT the kernel
-    deals new connections to every listening socket at once, so a replacement listening while it warms would
-    answer its share 503 "warming up" while its siblings could have served them. Its own port opens at once."""
+    """uvicorn with the drain above. In a `--processes` group, the first socket is the shared port, listened on
+    only once the runtime is ready (`join_when_ready`, see `http/processes.py`); its own port opens at once."""
 
     def __init__(self, config: uvicorn.Config, grace_s: float = 0.0, group: Group | None = None) -> None:
         super().__init__(config)
@@ -97,7 +92,7 @@ class DrainingServer(uvicorn.Server):
 
     async def join_when_ready(self, sock: socket.socket) -> None:
         """Listen on the group's shared port once the runtime is ready (never, if start-up fails or a drain
-        comes first), then tell the group (the parent's hang probes start then)."""
+        comes first), then tell the group."""
         while not getattr(self.runtime(), "ready", False):
             if self.should_exit or self._drain_task is not None:
                 return
@@ -117,7 +112,6 @@ class DrainingServer(uvicorn.Server):
         return getattr(getattr(app, "state", None), "rt", None)
 
     def protocol(self) -> asyncio.Protocol:
-        """A connection's protocol, as uvicorn makes one for its listeners."""
         config = self.config
         return config.http_protocol_class(config=config, server_state=self.server_state, app_state=self.lifespan.state)  # type: ignore[call-arg]
 
@@ -133,10 +127,8 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         grace_over = time.monotonic() + self.grace_s
         runtime = self.runtime()
-        # One of --processes drained alone: its share of the shared port closes now (or is never opened, when it
-        # was still warming), so the kernel gives new connections to its siblings (a grace would only send them
-        # 503s: no balancer polls this process's /readyz to take it out, the kernel does at the close). Its own
-        # port stays open for /readyz.
+        # One of --processes drained alone: its share of the shared port closes now, so the kernel gives new
+        # connections to its siblings (no balancer polls this process's /readyz: a grace would only send 503s).
         if self.group is not None and not self.group.draining():
             log.info(
                 "draining this process alone: its listener on the shared port is closed; the other "
@@ -148,12 +140,10 @@ class DrainingServer(uvicorn.Server):
         try:
             if runtime is not None:
                 await runtime.drain()
-            # Until the grace is over, new connections are still accepted and answered 503 DRAINING with
-            # Connection: close (a balancer retries those elsewhere: they never ran), never refused or reset.
             await asyncio.sleep(max(0.0, grace_over - time.monotonic()))
             log.info("drain grace over: closing the listener")
-            # Stop accepting connections, but keep answering DRAINING (with Connection: close) a moment on the
-            # open keep-alive ones, so a request already on its way over one is answered, not reset.
+            # Keep answering DRAINING a moment on open keep-alive connections, so a request already on its way
+            # over one is answered, not reset.
             served = 0
             for listener in self.servers:
                 served += self.serve_the_backlog(listener)
@@ -163,18 +153,16 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
     async def linger(self, served: int) -> None:
-        """Wait DRAIN_LINGER_S for the open connections, or less once none is open: with the listener closed
-        no new one can come, so a drain with nobody connected (every test server's stop, an idle node) ends at
-        once instead of 0.5 s later. Connections taken from the backlog are waited for in full: their protocols
-        are still being made."""
+        """Wait DRAIN_LINGER_S for the open connections, or less once none is open (no new one can come).
+        Connections taken from the backlog are waited for in full: their protocols are still being made."""
         over = time.monotonic() + DRAIN_LINGER_S
         while time.monotonic() < over and (served or self.server_state.connections):
             await asyncio.sleep(min(LINGER_POLL_S, max(0.0, over - time.monotonic())))
 
     def serve_the_backlog(self, listener: asyncio.AbstractServer) -> int:
         """Connections the kernel has completed but the loop has not accepted yet are reset when the listening
-        socket closes (7 of every drain, with 8 clients reconnecting in a loop): accept them here, in the same
-        turn of the loop as the close, and serve them (503 DRAINING, `Connection: close`). Returns how many."""
+        socket closes: accept them in the same turn of the loop as the close, and serve them (503 DRAINING).
+        Returns how many."""
         loop = asyncio.get_running_loop()
         served = 0
         for listening in getattr(listener, "sockets", None) or ():
@@ -196,15 +184,14 @@ class DrainingServer(uvicorn.Server):
         return served
 
 
-# Worker threads sleep in the backend (GPU kernels, or the sim's timer) and must get the GIL back at once when
-# their batch ends; at the default 5 ms switch interval a busy event loop delays every batch by up to 5 ms
-# (measured on the sim at 900 RPS: 0.5 ms gave batches of 100.6 ms, 0.1 ms gave 100.2 ms).
+# Worker threads must get the GIL back at once when their batch ends; at the default 5 ms switch interval a busy
+# event loop delays every batch by up to 5 ms.
 SWITCH_INTERVAL_S = 0.0001
 
 
 def connection_guard(settings: Settings) -> ConnectionGuard:
     """The limits every connection is held to (docs/hardening.md); the cap is HTTP's share of the descriptor
-    budget (`budget.py`: gRPC's share taken out when `--grpc-port` is on)."""
+    budget (`budget.py`)."""
     return ConnectionGuard.create(
         ConnectionLimits(
             max_header_bytes=settings.max_header_bytes,
@@ -217,8 +204,7 @@ def connection_guard(settings: Settings) -> ConnectionGuard:
 
 
 def uvicorn_config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
-    """uvicorn's configuration: uvloop, the guarded httptools protocol (JSON errors, bounded heads, read timeouts,
-    the connection cap), and proxy headers believed only from the proxies the operator names."""
+    """uvicorn's configuration: uvloop, the guarded httptools protocol, proxy headers from named proxies only."""
     guard = connection_guard(settings)
     log.info(
         "connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
@@ -233,7 +219,6 @@ def uvicorn_config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        # httptools, with JSON errors, bounded heads, read timeouts and a connection cap
         http=functools.partial(GuardedHttpToolsProtocol, guard=guard),  # type: ignore[arg-type]
         # Proxy headers are believed only from the proxies the operator names (uvicorn's default believes
         # loopback, so any local caller could pose as another address and own its anonymous jobs).
@@ -256,12 +241,10 @@ def serve(
     group: Group | None = None,
 ) -> int:
     """Run until stopped: 0 after a drain; when start-up failed, 2 for a backend that cannot be served (its one
-    line, `batchserve: error: ...`, printed last on stderr) and 1 for anything else. The process exits rather
-    than answer 503 for ever: a supervisor restarts it or shows the failure. `sockets` (bound, not listening)
-    replace host:port: one of `--processes` gets its share of the shared port first, then its own port.
+    line printed last on stderr) and 1 for anything else. The process exits rather than answer 503 for ever: a
+    supervisor restarts it or shows the failure. `sockets` (bound, not listening) replace host:port.
 
-    The port opens at once: the models load and warm (`Runtime.start`) while /healthz answers 200 and /readyz
-    and every model route 503 "warming up"."""
+    The port opens at once: the models load and warm while /healthz answers 200 and the rest 503 "warming up"."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     failed: list[tuple[str, int]] = []
 
@@ -279,10 +262,8 @@ def serve(
         if status == EXIT_BACKEND_FAILED:
             print(f"batchserve: error: {reason}", file=sys.stderr)
     if loading_abandoned():
-        # Stopped (SIGTERM) while the models were still loading or warming: that thread may be inside torch,
-        # whose C++ runtime aborts the process (SIGABRT, "terminate called without an active exception") when
-        # the interpreter finalizes under it. Nothing is left that the OS does not clean up: leave without
-        # finalizing, with the status the stop deserves.
+        # Stopped while the models were still loading: that thread may be inside torch, whose C++ runtime aborts
+        # the process (SIGABRT) when the interpreter finalizes under it. Leave without finalizing.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,13 +1,9 @@
-"""`GET /v1/usage`: a tenant's own SLO ledger (issue 33 item 5): its requests and inputs by outcome (met, slow,
-refused, expired, failed: `core/ledger.py`), the cost units it was served (tokens, or inputs where a model costs 1
-an input) and the p50 / p95 latency of its served answers (of all its models, and of each: `by_model`; over the
-latest `ledger.LATENCIES` answers at most, said as `sample_max`), over the last `window_s` seconds and since start.
+"""`GET /v1/usage`: a tenant's own SLO ledger (`core/ledger.py`): requests and inputs by outcome, cost served and
+latency percentiles, over the last `window_s` seconds and since start.
 
-Per-tenant figures are never in /metrics (docs/contract.md#observability): here a caller sees its own tenant's, found
-from its key as every route finds it (`guard.identify`); a key with `admin = true` in the config file sees every
-tenant's. Anonymous callers are one tenant, "anonymous", as they are one lane of the fair queue. Reading it takes
-no rate-limit token: it is how a caller who is being refused finds out why. Each server process keeps its own
-ledger (with `--processes`, ask each process's own port, as for /metrics)."""
+Per-tenant figures are never in /metrics (docs/contract.md#observability): a caller sees its own tenant's; a key
+with `admin = true` sees every tenant's. Reading it takes no rate-limit token: it is how a caller who is being
+refused finds out why. Each server process keeps its own ledger (with `--processes`, ask each process's own port)."""
 
 from __future__ import annotations
 
@@ -55,7 +51,7 @@ def render(rt: Served, call: Call, window_s: float, data: list[dict[str, Any]]) 
     return Answer(orjson.dumps({"object": "list", "window_s": window_s, "data": data}))
 
 
-# The caller identified as on every route, but no token taken; counted as an answer, not a model's.
+# Identified, but no token taken; counted as an answer, not a model's.
 usage: Endpoint[Served, float, list[dict[str, Any]]] = Endpoint(
     NATIVE, parse, reports, render, rate=False, book=COUNTED, body=False
 )

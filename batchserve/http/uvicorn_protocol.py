@@ -1,31 +1,23 @@
 """uvicorn's httptools protocol, hardened: the native JSON error body for requests broken at the HTTP level,
 bounded request heads, read timeouts and a connection cap (docs/hardening.md).
 
-A request the HTTP parser cannot read (a bad Content-Length, a malformed request line, bad chunk framing)
-never reaches the app: uvicorn answers it itself, in plain text. Clients and tests rely on one error shape, so
-this answers the same 400 as JSON `{"error": "INVALID_REQUEST", "message", "request_id"}` (and still closes
-the connection, as uvicorn does: after a parse error the stream cannot be trusted).
+uvicorn answers a request its parser cannot read in plain text; clients rely on one error shape, so this answers
+the same 400 as JSON `{"error": "INVALID_REQUEST", "message", "request_id"}`, and closes the connection (after a
+parse error the stream cannot be trusted).
 
 What httptools and uvicorn leave open, and how it is closed here:
 - Head size. httptools buffers a header line whole before its callback sees it, so the head is measured in
-  `data_received`, in bytes as they arrive (one addition per read): past `max_header_bytes` (or past
-  `max_headers` header lines) the answer is 431 `HEADERS_TOO_LARGE` and the connection closes.
-- Slow heads and bodies. Each connection carries one deadline: the head must arrive within
-  `header_timeout_s` of its first byte (or of the connection, for a fresh one), the body within
-  `body_timeout_s` of the head. One sweep a fraction of a second apart closes the connections past theirs
-  (408 `REQUEST_TIMEOUT`, or silently when not a byte of a request came): no timer per request.
-- Idle floods. At most `max_connections` are open: a connection past the cap evicts the one that has waited
-  longest without a request in the app (idle keep-alive, or a head still trickling in), so a health check on
-  a fresh connection is always served and descriptors are never exhausted.
-- Unread bodies. An answer given before the request body was read whole (401, 413, any early refusal) says
-  `Connection: close`, and the connection is not reused. It lingers, as nginx's does: the answer goes out
-  followed by a FIN, the rest of the body is read and thrown away (`LINGER_BYTES` at most, within
-  `LINGER_S` of silence, `LINGER_MAX_S` in all), and the connection closes once the body ends. Closing at once, with
-  the body still arriving,
-  made the kernel reset the connection, and a client that writes its whole body before reading (httpx's
-  async client) got a reset instead of its 413.
-- Transfer codings other than `chunked` (e.g. `gzip, chunked`) are refused with 501: the body would reach
-  the app still encoded.
+  `data_received` as bytes arrive: past `max_header_bytes` (or `max_headers` lines) the answer is 431.
+- Slow heads and bodies. One deadline per connection (head within `header_timeout_s`, body within
+  `body_timeout_s` of the head), checked by one periodic sweep rather than a timer per request (408, or a silent
+  close when not a byte of a request came).
+- Idle floods. Past `max_connections`, the connection that has waited longest without a request in the app is
+  evicted, so a health check on a fresh connection is always served and descriptors are never exhausted.
+- Unread bodies. An answer given before the body was read whole (401, 413, ...) says `Connection: close` and
+  lingers, as nginx does: a FIN follows the answer, the rest of the body is read and discarded (`LINGER_BYTES`,
+  `LINGER_S` of silence, `LINGER_MAX_S` in all), then the connection closes. Closing at once makes the kernel
+  reset it, and a client that writes its whole body before reading (httpx's async client) gets a reset, not a 413.
+- Transfer codings other than `chunked` are refused with 501: the body would reach the app still encoded.
 """
 
 from __future__ import annotations
@@ -48,7 +40,7 @@ from batchserve.http.plumbing import new_request_id
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """The knobs, from Settings (`http/server.py` builds this)."""
+    """Built from Settings by `http/server.py`."""
 
     max_header_bytes: int = 32768
     max_headers: int = 100
@@ -58,8 +50,7 @@ class ConnectionLimits:
 
 
 def connection_cap(configured: int) -> int:
-    """The connection cap: as configured, or (0) the whole descriptor budget (`budget.py`; the server passes
-    HTTP's share of it, gRPC's taken out, as configured)."""
+    """The connection cap: as configured, or (0) the whole descriptor budget (`budget.py`)."""
     return split(descriptor_limit(), configured, 0, grpc_on=False).http
 
 
@@ -96,10 +87,9 @@ class ConnectionGuard:
         self._sweep = loop.call_later(self.sweep_s, self._tick, loop, connections) if connections else None
 
     def _after_a_flood(self, loop: asyncio.AbstractEventLoop, open_now: int) -> None:
-        """Once the open connections have fallen to a quarter of a peak of TRIM_PEAK or more and stopped
-        falling (or are all gone: the sweep then stops), give the heap they freed back to the OS (`heap.py`: a
-        flood of 18,000 idle connections otherwise left +70-90 MB for good). Trimming while they still close
-        returns only part of it."""
+        """Once open connections have fallen to a quarter of a peak of TRIM_PEAK or more and stopped falling, give
+        the heap they freed back to the OS (`heap.py`; a flood of idle connections otherwise keeps tens of MB for
+        good). Trimming while they still close returns only part of it."""
         falling, self._last_open = open_now < self._last_open, open_now
         if open_now > self.peak:
             self.peak = open_now
@@ -122,12 +112,10 @@ class ConnectionGuard:
 
 TRIM_PEAK = 1024  # open connections that make a peak worth trimming the heap after
 COALESCE_MAX_BYTES = 65536  # a larger body is not copied to go out with its head
-# A refused body is read and discarded after the answer (then: close) up to LINGER_BYTES, for at most
-# LINGER_MAX_S, and while its bytes keep coming (LINGER_S without one ends it). It was 64 MiB and 5 s in all:
-# an upload of more than 64 MiB refused with its 413 at once (its Content-Length) got a reset instead.
-# The scope key under which a request carries the time.monotonic() of its first byte (an extension of ours):
-# the request's clock (its deadline, its latency in the SLO ledger) starts there, as the client's does.
+# Scope key carrying the time.monotonic() of a request's first byte: its deadline and SLO latency start there,
+# as the client's clock does.
 FIRST_BYTE = "batchserve.first_byte"
+# Lingering close (module docstring): the cap must exceed any upload refused by Content-Length, or it gets a reset.
 LINGER_BYTES = 1 << 30
 LINGER_S = 5.0
 LINGER_MAX_S = 30.0
@@ -136,13 +124,12 @@ LINGER_MAX_S = 30.0
 def _can_write_eof(transport: asyncio.Transport) -> bool:
     try:
         return transport.can_write_eof()
-    except NotImplementedError:  # a transport that cannot half-close: close at once, as before
+    except NotImplementedError:  # a transport that cannot half-close: close at once
         return False
 
 
 class _Lingering:
-    """Stands in for the transport of a cycle answered before its body was read whole: `close` lingers
-    (`GuardedHttpToolsProtocol.linger`) instead of closing with the body still arriving."""
+    """Transport of a cycle answered before its body was read whole: `close` lingers (`linger`)."""
 
     __slots__ = ("transport", "protocol")
 
@@ -176,8 +163,8 @@ class _HeadHeld:
 
 
 class _HeadFirst:
-    """Stands in for the transport while uvicorn writes the first body bytes: the held head goes out in the
-    same write (or alone, before anything else the cycle does to the transport)."""
+    """Transport while uvicorn writes the first body bytes: the held head goes out in the same write (or alone,
+    before anything else the cycle does to the transport)."""
 
     __slots__ = ("transport", "head")
 
@@ -207,17 +194,14 @@ class _HeadFirst:
 class GuardedCycle(RequestResponseCycle):
     """uvicorn's request cycle, with two changes:
     - one write per answer: the head of a response of known length is held and written with its first body
-      bytes (streams send their head at once), so a small JSON answer leaves in one write (one syscall, one
-      TCP segment) rather than two;
-    - an answer started before the request body was read whole closes the connection (`Connection: close`)
-      instead of reading the rest of the body to reuse it."""
+      bytes, so a small JSON answer is one syscall and one TCP segment rather than two (streams send it at once);
+    - an answer started before the request body was read whole closes the connection instead of reusing it."""
 
     held_head: bytes | None = None
 
     def answer_before_body(self) -> None:
-        """The answer starts before the body was read whole: no keep-alive, and the close lingers. The
-        connection is found through `on_response` (its bound method) rather than kept on the cycle, which would
-        make a reference cycle per request for the garbage collector."""
+        """No keep-alive, and the close lingers. The connection is found through `on_response` (its bound method)
+        rather than kept on the cycle, which would make a reference cycle per request for the garbage collector."""
         self.keep_alive = False
         protocol = getattr(self.on_response, "__self__", None)
         if isinstance(protocol, GuardedHttpToolsProtocol) and not isinstance(self.transport, _Lingering):
@@ -252,10 +236,9 @@ class GuardedCycle(RequestResponseCycle):
             first.flush()  # a HEAD answer, or an error: the head still goes out, in order
 
     async def send_whole(self, status: int, head: bytes, body: bytes) -> None:
-        """A whole answer of known length in one write, for a route that builds its headers itself from values
-        it knows are safe (`head`: its header lines, each ending in CRLF, no Content-Length): the same bytes
-        `send` would write, without its per-header regular expressions and message dicts (the inference
-        route's answer; a measurable share of its CPU at 900 requests/s)."""
+        """A whole answer of known length in one write, for a route whose headers are known safe (`head`: header
+        lines ending in CRLF, no Content-Length): the bytes `send` would write, without its per-header regular
+        expressions and message dicts, which cost the hot inference route a measurable share of its CPU."""
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
         if self.disconnected:
@@ -305,7 +288,7 @@ def json_error_answer(err: ApiError) -> bytes:
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """One connection. `guard` is bound per server with functools.partial (see `http/server.py`)."""
+    """One connection. `guard` is bound per server with functools.partial (`http/server.py`)."""
 
     def __init__(self, *args: Any, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -325,9 +308,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         guard = self.guard
         guard.waiting[self] = None
-        # A fresh connection's first head is due within 1 to 1.5 header timeouts, spread at random: a flood
-        # of connections opened at once that never speak is then closed, and comes back, over half a timeout
-        # rather than in one burst of accepts that would stall the loop.
+        # Jittered first deadline (1-1.5 header timeouts): a flood of silent connections is closed, and comes
+        # back, spread over half a timeout rather than in one burst of accepts that would stall the loop.
         self.deadline = self.loop.time() + self.limits.header_timeout_s * (1.0 + 0.5 * random.random())
         guard.start_sweeping(self.loop, self.connections)
         if not guard.make_room(self, len(self.connections)):
@@ -353,9 +335,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- reading ------------------------------------------------------------------------------------------
     def linger(self) -> None:
-        """Close after an answer given before the body was read whole, nginx's lingering close: the answer is
-        followed by a FIN, the rest of the body is parsed and discarded until it ends (then close), up to
-        LINGER_BYTES or LINGER_S (then close anyway)."""
+        """nginx's lingering close (module docstring), for an answer given before the body was read whole."""
         transport = self.transport
         if self.lingering or transport.is_closing():
             return
@@ -391,7 +371,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.head_bytes += len(data)
             super().data_received(data)
             return
-        # The head may end inside this read: feed what fits; if the head is still open after that, it is too big.
+        # The head may end inside this read: feed what fits; if it is still open after that, it is too big.
         view = memoryview(data)
         self.head_bytes += room
         super().data_received(view[:room])  # type: ignore[arg-type]  # httptools feeds any buffer; uvicorn says bytes
@@ -405,7 +385,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.data_received(view[room:])
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # uvicorn's, plus the header count and the transfer coding (one comparison per header line).
+        # uvicorn's, plus the header count and the transfer coding.
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True

@@ -1,9 +1,8 @@
 """The inference routes (docs/contract.md#api): `POST /v1/inference` (and `/api/inference`), `GET /v1/requests/{id}`,
 `GET /v1/models`, each declared on the one request path (`http/endpoint.py`).
 
-`POST /v1/inference`, the hot path: the skeleton identifies the caller and takes its rate token, reads the body →
-`parse` (validate it, pick the model version) → `handle` (through the door, `InferenceService.infer`: admission,
-the batcher's queue, a worker thread runs the batch) → `render` (the output and its timings).
+`POST /v1/inference` is the hot path: `parse` (pick the model version) → `handle` (the door,
+`InferenceService.infer`) → `render` (the output and its timings).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from batchserve.inference.parse import parse_inference
 
 
 class InferenceHost(Protocol):
-    """What the inference routes read from `app.state.rt` (the runtime, which app.py wires): this much only."""
+    """What the inference routes read from `app.state.rt`."""
 
     settings: Settings
     guard: Guard
@@ -62,9 +61,8 @@ def parse(rt: InferenceHost, call: Call, body: bytes) -> str:
 
 
 def infer(rt: InferenceHost, call: Call, text: str) -> Awaitable[ItemResult]:
-    """The one door, read as the narrow handler: it answers on the batcher, or hands a generative model to the
-    generation engine's stepper (`--inference-path`, generation/inference.py). Its awaitable, handed back to the
-    skeleton as it is (no coroutine of this route's own in between: the hot path)."""
+    """The door's awaitable, handed back to the skeleton as it is (no coroutine of this route's own in between:
+    the hot path)."""
     handler: InferenceHandler = rt.service
     return handler.infer(call.work, text)
 
@@ -87,8 +85,7 @@ def render(rt: InferenceHost, call: Call, text: str, result: ItemResult) -> Answ
 
 
 async def find_request(rt: InferenceHost, call: Call, req: None) -> Record:
-    """A recent request's status, to the tenant that made it only: another tenant's id answers 404 exactly like
-    an unknown one."""
+    """A recent request's status, to its own tenant only: another tenant's id answers 404 like an unknown one."""
     record = rt.requests.get(call.who.owner, call.scope["path_params"]["request_id"])
     if record is None:
         raise errors.request_not_found()

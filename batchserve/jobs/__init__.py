@@ -1,4 +1,4 @@
-"""Async batch jobs (issue 5): durable, ordered, idempotent, and fed to the GPUs from spare capacity.
+"""Async batch jobs: durable, ordered, idempotent, and fed to the GPUs from spare capacity.
 
 - `store`: the `JobStore` interface and its records; `sqlite_store`: the default store (one SQLite file, WAL);
   `pg_store`: a store shared by many nodes (PostgreSQL; items leased with `FOR UPDATE SKIP LOCKED`).

@@ -1,12 +1,10 @@
-"""A circuit breaker for the job store (issue 28, item 5): while the store is down, refuse at once.
+"""A circuit breaker for the job store: while the store is down, refuse at once instead of letting every call wait
+for a connection and pile up.
 
-Without it every `/v1/batches` call during a database outage waited for a connection (the pool's 30 s) and
-then failed: clients piled up, each holding a connection of their own to the server. With it, the first
-failure that says "unreachable" opens the circuit: for `open_s` every call is refused in microseconds
-(`StoreDown`, answered 503 `JOBS_UNAVAILABLE` with a retry hint); then one call goes through as a probe while
-the others are still refused: its success closes the circuit, its failure opens it for another `open_s`. So a
-store that comes back is in use again within about `open_s` of its return, and a dead one costs one attempt
-per `open_s`, not one per request.
+The first failure that says "unreachable" opens the circuit: for `open_s` every call is refused in microseconds
+(`StoreDown`, answered 503 `JOBS_UNAVAILABLE` with a retry hint); then one call goes through as a probe: its success
+closes the circuit, its failure opens it for another `open_s`. So a store that comes back is in use again within
+about `open_s`, and a dead one costs one attempt per `open_s`, not one per request.
 """
 
 from __future__ import annotations

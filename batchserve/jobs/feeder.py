@@ -1,6 +1,5 @@
-"""How job work goes through the door, and the account of it while it is there: the scheduler (`scheduler.py`)
-decides which jobs feed and how many inputs (the refill policy, `refill.py`); the feeder puts those inputs in, as
-rows, lines or groups of their own, and keeps the places they hold true until each is answered or taken back.
+"""How job work goes through the door, and the account of it while it is there: the scheduler decides which jobs
+feed and how many inputs (`refill.py`); the feeder puts them in, as rows, lines or groups of their own.
 
 Every write to the places (`Ledger`) and to a job's rows in flight (`JobState.inflight`, `charged`, `open`,
 `shared`) is here, so what the scheduler reads of them is always what the batcher holds: an input takes its place
@@ -27,8 +26,7 @@ ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it 
 
 
 class Entrance(Protocol):
-    """The two ways job work enters the batcher (`scheduler.Door` has them): an input in the shared background
-    share, or a group of one job's inputs as a batch of their own."""
+    """How job work enters the batcher: an input in the shared background share, or a group as a batch of its own."""
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item: ...
     def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
@@ -39,8 +37,7 @@ Answered = Callable[[JobState, int, str, asyncio.Future], None]  # (job, index, 
 
 @dataclass(eq=False)
 class Feeder:
-    """Feeds a job's rows and its lines' inputs through the door and keeps their account until each is answered:
-    kept apart from the scheduler so the ledger it reads has one writer, and the refill reads as policy alone."""
+    """The one writer of the places job inputs hold, kept apart so the scheduler's refill reads as policy alone."""
 
     door: Entrance
     lines: LineRunner | None  # runs the lines of OpenAI Batch API jobs
@@ -64,7 +61,7 @@ class Feeder:
             if index in job.hung:  # after a hang, an item runs alone: the culprit hangs only itself
                 self.submit_group(job, [(index, text)])
                 continue
-            if job.endpoint is not None and self.lines is not None:  # an OpenAI Batch API line
+            if job.endpoint is not None and self.lines is not None:
                 self._track(
                     job,
                     index,
@@ -86,7 +83,7 @@ class Feeder:
     def submit_group(self, job: JobState, rows: list[tuple[int, str]]) -> None:
         """Items of one job as a batch of their own, in the background share (isolated job, or after a hang);
         a line is started and fed alone, an input at a time, by the isolated path (`feed`)."""
-        if job.endpoint is not None and self.lines is not None:  # OpenAI lines: each its own run, alone
+        if job.endpoint is not None and self.lines is not None:
             for index, text in rows:
                 run = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, job.expires_at)
                 self._track(job, index, text, run, shared=False)
@@ -178,8 +175,7 @@ class Feeder:
             self._release(job, index, 1)
 
     def _done(self, job: JobState, index: int, text: str, fut: asyncio.Future) -> None:
-        """The row's future is done: it leaves the flight and gives its places back; an answer for a job still
-        wanted goes on to the scheduler (`answered`)."""
+        """The row's future is done: its places are given back, and an answer for a job still wanted goes on."""
         current = job.inflight.get(index)
         if current is None or current.future is not fut:
             return  # taken off the shared path by `reroute` (which settled its counts), perhaps resubmitted

@@ -1,15 +1,12 @@
 """`/v1/files`: OpenAI's Files API, for the Batch API's input files and its output and error files.
 
 Uploads are multipart (`file`, `purpose=batch`, optionally `expires_after[anchor]=created_at` and
-`expires_after[seconds]`), parsed as they stream in (`upload.py`) and stored a chunk at a time (`files.py`):
-413 past `--files-max-bytes` while the body streams in (and at once for a larger Content-Length), at most
-`--files-max-count` files per caller, upload places shared per tenant (`upload.UploadGate`: 429, and 503 past
-`--files-max-uploads` in all), an upload slower than `--files-upload-min-kbps` ended (408), and no upload that
-would pass the caller's byte quota (413; at once when its Content-Length says so). The
-caller is identified and rate-limited as on `/v1/batches`, and sees only its own files: another tenant's file
-id answers 404 exactly as an unknown one. Content is streamed from the store chunk by chunk; a job's output
-and error files (`openai_batch.py`) are its items, read a page bounded in bytes at a time (`pages.py`);
-metadata never reads content.
+`expires_after[seconds]`), parsed as they stream in (`upload.py`) and stored a chunk at a time (`files.py`): 413 past
+`--files-max-bytes` (at once for a larger Content-Length), at most `--files-max-count` files per caller, upload places
+shared per tenant (`upload.UploadGate`: 429, and 503 past `--files-max-uploads` in all), an upload slower than
+`--files-upload-min-kbps` ended (408), and no upload that would pass the caller's byte quota (413). The caller sees
+only its own files: another tenant's file id answers 404 exactly as an unknown one. A job's output and error files
+(`openai_batch.py`) are its items, read a page bounded in bytes at a time (`pages.py`).
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ def not_found(file_id: str) -> ApiError:
 
 
 def upload_filename(given: str | None) -> str:
-    """The name an upload is stored under: the part's filename cut to MAX_FILENAME, or a refusal (400) for one
-    holding a control character. A NUL is refused by PostgreSQL's text type (it was a 503 JOBS_UNAVAILABLE
-    with a retry hint and an ERROR line per request), and a newline or escape would reach logs and listings."""
+    """The part's filename cut to MAX_FILENAME, or a 400 for one holding a control character: PostgreSQL's text
+    type refuses a NUL, and a newline or escape would reach logs and listings."""
     name = given or "upload.jsonl"
     if any(ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in name):
         raise errors.invalid("the file's name holds a control character (NUL, newline, ...): rename it")

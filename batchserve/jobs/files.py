@@ -6,12 +6,10 @@ same database), so a node that never saw the upload can still read it, and a job
 with the job. Its bytes are kept in chunks (`CHUNK_BYTES` each, a `file_chunks` table), written as the upload
 streams in and read back chunk by chunk, so no upload, batch creation or download holds a whole file.
 
-Storage is accounted in bytes per tenant across everything it causes to be kept (`StorageLimits`): its files
-(an upload in progress counts as it grows), and its jobs (their inputs: a batch's copy of its input file, and
-their outputs and errors, as they are written). `--tenant-storage-mb` bounds a tenant, `--storage-max-mb` the
-whole store; each store checks them in the transaction that adds the bytes, so concurrent writers cannot pass
-them together. Files and finished jobs carry an expiry (`expires_at`); a sweep deletes what has expired, and
-deleting frees the bytes at once.
+Storage is accounted in bytes per tenant (`StorageLimits`): its files (uploads in progress included) and its jobs'
+inputs, outputs and errors. `--tenant-storage-mb` bounds a tenant, `--storage-max-mb` the whole store; each store
+checks them in the transaction that adds the bytes, so concurrent writers cannot pass them together. Files and
+finished jobs expire (`expires_at`); a sweep deletes them, and deleting frees the bytes at once.
 """
 
 from __future__ import annotations
@@ -144,10 +142,9 @@ class LineTooLong(ValueError):
 
 
 class LineSplitter:
-    """A file's non-blank lines, stripped, from its chunks as they come (a line may span chunks): the one
-    reading of an input file's lines, shared by the checking pass and the stores' copy into job items, so the
-    two cannot disagree about where a line ends. A line longer than `max_line` bytes raises LineTooLong (it is
-    never gathered whole)."""
+    """A file's non-blank lines, stripped, from its chunks as they come: shared by the checking pass and the stores'
+    copy into job items, so the two cannot disagree about where a line ends. A line longer than `max_line` bytes
+    raises LineTooLong (it is never gathered whole)."""
 
     __slots__ = ("max_line", "_parts", "_held")
 

@@ -3,12 +3,9 @@ from it: how much to claim from the store at a time, when a failed item is final
 run in groups of their own.
 
 A job whose inputs fail often enough to cost re-runs (failures found by failing batches, not named by the backend)
-is isolated: its items run in small groups of their own (`Door.submit_group`), sized to its failure rate (about 1 /
-(2 x rate): a group with no culprit answers all of it in one run; alone at 50 %), in the background share of the
-workers (at most one batch in `BACKGROUND_EVERY + 1` while other work waits, one in `BACKGROUND_FLOOR_EVERY + 1`
-while interactive items wait: a floor, so it moves under steady load), with a budget of its own (`isolated_limit`).
-So another tenant's clean job never shares a batch with the failing inputs and keeps most of the workers, and the
-failing job still moves.
+is isolated: its items run in small groups of their own (`group_size`) in the workers' background share
+(`core/retries.py`), on a budget of its own (`Scheduler.isolated_limit`). So another tenant's clean job never shares
+a batch with the failing inputs and keeps most of the workers, and the failing job still moves.
 """
 
 from __future__ import annotations
@@ -24,8 +21,6 @@ from batchserve.jobs.lines import LineRun
 
 CLAIM_CHUNK = 128  # fewest pending inputs claimed from the store at a time, per job (more leased = less shared)
 FIRST_LINES = 4  # lines of an OpenAI batch claimed before any of its lines has shown how many inputs a line holds
-# A job whose recent items fail at a cost (found by failing batches: each costs the batch-mates re-runs) is
-# isolated: its items run in groups of their own, in the background share, instead of riding in shared batches.
 FAILING_WINDOW = 64  # the last outcomes of a job looked at
 ISOLATE_FAILURES = 2  # isolated while at least this many of them were costly failures
 
@@ -56,9 +51,9 @@ class JobState:
     expires_at: float | None = None  # an OpenAI batch's completion window closes (`lines.window_end`)
 
     def group_size(self, limit: int) -> int:
-        """0 while the job rides in shared batches; once isolated, how many of its items share one batch of
-        their own: about 1 / (2 x failure rate), so most groups hold no culprit and answer in one run (alone
-        from 50 % on; a group of g with one culprit costs about 2 log2 g more runs)."""
+        """0 while the job rides in shared batches; once isolated, how many of its items share a batch: about
+        1 / (2 x failure rate), so most groups hold no culprit and answer in one run (a group of g with one culprit
+        costs about 2 log2 g more runs)."""
         failed = sum(self.recent)
         if failed < ISOLATE_FAILURES:
             return 0

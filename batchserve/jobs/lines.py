@@ -1,21 +1,18 @@
-"""Running one line of an OpenAI batch input file: the same body the online route would answer, built by the
-same code (the embeddings wing's `parse.parse` and `render.answer`, the inference route's `parse_inference`), with
-each input entering the batcher through the one door (`Door.submit_background`, tier `batch`) like any job item,
-an input at a time as the job scheduler finds room for it (`LineRun.feed`: a line is priced by the inputs it
-holds, `line_inputs`, and never floods the model's queue; `refill.py`).
+"""Running one line of an OpenAI batch input file: the same body the online route would answer, built by the same
+code (the embeddings wing's `parse.parse` and `render.answer`, the inference route's `parse_inference`), each input
+entering the batcher through the one door (`Door.submit_background`, tier `batch`) as the job scheduler finds room
+for it (`LineRun.feed`; a line is priced by the inputs it holds, `line_inputs`, so it never floods the queue).
 
-A line of /v1/chat/completions or /v1/completions runs on the generation engine instead (it has its own
-continuous batching, not the batcher): `generation.complete.complete`, the online route's own code, at tier
-`batch` and in its tenant's share, so it only fills capacity interactive callers leave (and is paused for
-them). It waits for capacity until the batch's completion window closes (`window_end`): in the engine's queue,
-and when refused for capacity anyway (its queue full) here, with exponential backoff and jitter (issue 33: 84 of
-100 lines failed SERVICE_OVERLOADED after the scheduler's few quick retries). Past the window, or for any other
-error, it is raised like a door error, and the scheduler retries or records it.
+A line of /v1/chat/completions or /v1/completions runs on the generation engine instead (it batches on its own):
+`generation.complete.complete`, the online route's code, at tier `batch` in its tenant's share, so it only fills
+capacity interactive callers leave. Refused for capacity, it waits with backoff until the batch's completion window
+closes (`window_end`), since the scheduler's few quick retries would fail most lines under load; past the window,
+or for any other error, it is raised like a door error.
 
-A line's outcome is OpenAI's `response` object, `{status_code, request_id, body}`. A body the online route
-would refuse with a 4xx is answered here the same way, at once and for good (running it again cannot help).
-An error from the door (deadline, drain, a worker lost; a 500 after bisection) is raised instead, so the
-scheduler retries or records it as it does every job item.
+A line's outcome is OpenAI's `response` object, `{status_code, request_id, body}`. A body the online route would
+refuse with a 4xx is answered the same way, at once and for good (running it again cannot help). An error from the
+door (deadline, drain, a worker lost; a 500 after bisection) is raised, so the scheduler retries or records it as it
+does every job item.
 """
 
 from __future__ import annotations
@@ -56,8 +53,7 @@ CAPACITY_CODES = ("SERVICE_OVERLOADED", "DEADLINE_EXCEEDED")  # the engine had n
 
 
 def window_end(created_at: float, openai: dict[str, Any] | None) -> float | None:
-    """When an OpenAI batch's completion window closes (seconds since the epoch), or None for a native job:
-    until then a generation line refused for capacity waits for it."""
+    """When an OpenAI batch's completion window closes (seconds since the epoch); None for a native job."""
     if not openai:
         return None
     window = str(openai.get("completion_window") or "24h")
@@ -69,9 +65,8 @@ def window_end(created_at: float, openai: dict[str, Any] | None) -> float | None
 
 
 def capacity_backoff_s(attempt: int, base_s: float, retry_after_ms: int | None, left_s: float) -> float:
-    """How long a line refused for capacity waits before trying again: exponential from `base_s` (with
-    jitter), at least the engine's Retry-After hint, at most CAPACITY_BACKOFF_CAP_S and what is left of the
-    window."""
+    """How long a line refused for capacity waits: exponential with jitter, at least the engine's Retry-After hint,
+    never past what is left of the window."""
     delay = min(CAPACITY_BACKOFF_CAP_S, base_s * 2**attempt) * random.uniform(0.5, 1.0)
     if retry_after_ms:
         delay = max(delay, min(CAPACITY_BACKOFF_CAP_S, retry_after_ms / 1000))
@@ -102,10 +97,9 @@ class LineResult:
 
 @dataclass(eq=False)
 class LineRun:
-    """One line in flight, fed to the door an input at a time by the scheduler (`feed`), which prices it by the
-    inputs it holds (`inputs`) and stops feeding while the model has no room (`jobs/refill.py`). Looks like an
-    `Item` to the scheduler (`future`, `dispatched`, `text`); cancelling the future withdraws every input fed
-    and feeds no more. The first input that fails fails the line (its other inputs leave the queue)."""
+    """One line in flight, fed to the door an input at a time (`feed`). Looks like an `Item` to the scheduler
+    (`future`, `dispatched`, `text`); cancelling the future withdraws every input fed and feeds no more. The first
+    input that fails fails the line (its other inputs leave the queue)."""
 
     future: asyncio.Future
     text: str = ""  # the line itself: an isolated job takes back the lines no batch has taken yet
@@ -173,9 +167,8 @@ class LineRun:
 
 
 def line_inputs(endpoint: str, body: object) -> int:
-    """The inputs a line's body holds, its price: an `/v1/embeddings` line's `input` list counts each of its
-    inputs (up to 2,048), any other line one. A body its route will refuse still counts what it names (at
-    least 1), so `--jobs-max-items` bounds what a file may bring."""
+    """The inputs a line's body holds, its price: each of an `/v1/embeddings` line's `input` list, else one. A body
+    its route will refuse still counts what it names, so `--jobs-max-items` bounds what a file may bring."""
     if endpoint == EMBEDDINGS and isinstance(body, dict):
         raw = body.get("input")
         if isinstance(raw, list):
@@ -205,9 +198,8 @@ _INPUT_LINE = msgspec.json.Decoder(StoredLine[_Input])
 
 
 def line_texts(endpoint: str, line: str) -> list[str]:
-    """The input texts a line of `endpoint` will put through the door (an `/v1/embeddings` line's `input`, an
-    `/v1/inference` line's), read ahead so the tokenizer stage makes their tokens before they are fed
-    (`Scheduler._read`); [] for a line of another endpoint or one its route will refuse (`start` answers it)."""
+    """The texts a line will put through the door, read ahead so the tokenizer stage tokenizes them before they are
+    fed (`Scheduler._read`); [] for another endpoint's line or one its route will refuse (`start` answers it)."""
     if endpoint not in RUNNABLE:
         return []
     try:
@@ -255,9 +247,8 @@ class LineRunner:
     def start(
         self, endpoint: str, line: str, model: str, tenant: str, deadline_s: float, expires_at: float | None = None
     ) -> LineRun:
-        """Parse the line; its inputs go to the door as the scheduler feeds them (`LineRun.feed`), and the
-        run's future resolves to its LineResult. `expires_at`: the batch's completion window closes then
-        (`window_end`); a generation line waits for capacity until then (default: `deadline_s` from now)."""
+        """Parse the line; its inputs go to the door as the scheduler feeds them, and the run's future resolves to
+        its LineResult. A generation line waits for capacity until `expires_at` (default: `deadline_s` from now)."""
         loop = asyncio.get_running_loop()
         request_id = "req_" + secrets.token_hex(8)
         body = bytes(RAW_LINE.decode(line).body)  # the body's own bytes, for the route's parse to decode
@@ -311,7 +302,6 @@ class LineRunner:
                 except ApiError as err:
                     if err.status < 500:  # what the route answers with a 4xx: the line's answer, for good
                         return refused(err, request_id, True)
-                    # no room for it now: wait for capacity while its window is open
                     left_s = until - self.clock()
                     if err.code not in CAPACITY_CODES or left_s <= 0:
                         raise

@@ -1,10 +1,9 @@
 """Prometheus metrics of batch jobs, on the app's own registry (so `/metrics` shows them beside the server's own).
 
 No series names a job or a tenant: `/metrics` may be scraped by people who must not learn other tenants' job
-ids, and a label per job would let any caller grow the exposition without bound (issue 12, item 9). Progress
-is summed per model over the unfinished jobs; a finished or cancelled job leaves the sums at once (its items
-are counted for good in `batchserve_job_items_processed_total`). A job's own progress is on
-`GET /v1/batches/{id}`, to its owner.
+ids, and a label per job would let any caller grow the exposition without bound. Progress is summed per model over
+the unfinished jobs; a finished or cancelled job leaves the sums at once (its items are counted for good in
+`batchserve_job_items_processed_total`). A job's own progress is on `GET /v1/batches/{id}`, to its owner.
 """
 
 from __future__ import annotations

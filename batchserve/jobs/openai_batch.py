@@ -1,20 +1,17 @@
 """OpenAI's Batch API on the job store: checking an input file before it becomes job items, and writing a job
 back as OpenAI's batch object and its output and error files.
 
-An input file is JSONL, one request per line: `{"custom_id", "method": "POST", "url", "body"}`. It is checked
-whole when the batch is created, in one streaming pass over its stored chunks, each chunk parsed on a worker
-thread (`InputCheck`), each line decoded into its declared shape (`shapes.BatchInputLine`): a line that is not
-such an object, a repeated custom_id, a url other than the batch's endpoint, a body nested deeper than 254
-levels: 400 naming the line and the member, and no job is stored.
-Each non-blank line then becomes one job item as it is (the store copies them chunk by chunk, `NewJob.source_file`);
-what is in the body is checked when the line runs, by the online route's own parser, so a bad body becomes that
-line's 400 in the error file, as OpenAI does.
+An input file is JSONL, one request per line: `{"custom_id", "method": "POST", "url", "body"}`. It is checked whole
+when the batch is created, in one streaming pass (`InputCheck`): a line not in its declared shape
+(`shapes.BatchInputLine`), a repeated custom_id, a url other than the batch's endpoint, or a body nested too deep is
+a 400 naming the line and the member, and no job is stored. Each non-blank line then becomes one job item as it is
+(`NewJob.source_file`); its body is checked when the line runs, by the online route's own parser, so a bad body
+becomes that line's 400 in the error file, as OpenAI does.
 
-Output and error files (`file-<batch id>-output`, `file-<batch id>-errors`) are the job's items, written as
-the batch runs (each line's response is stored when it is recorded, and the file's size grows with it:
-`line_size`, kept by the store on the job row), and read back in input order a page at a time. A line is in
-the output file when its response was 2xx, else in the error file (with its `response`, or with `error` alone
-when it never ran: cancelled, or refused because its outputs would pass a storage quota).
+Output and error files (`file-<batch id>-output`, `file-<batch id>-errors`) are the job's items, written as the
+batch runs (their sizes kept on the job row as lines are recorded: `line_size`) and read back in input order a page
+at a time. A line is in the output file when its response was 2xx, else in the error file (with its `response`, or
+with `error` alone when it never ran: cancelled, or refused because its outputs would pass a storage quota).
 """
 
 from __future__ import annotations
@@ -46,17 +43,16 @@ STATUS = {
 
 @dataclass(eq=False)
 class InputCheck:
-    """One streaming pass over an input file: `feed` each chunk (on a worker thread: it parses JSON), then
-    `end`. Raises a 400 naming the first line that is not a request for `endpoint`; keeps only what the batch
-    needs to know (the models named, how many lines, their bytes, the custom_ids seen), never the lines."""
+    """One streaming pass over an input file: `feed` each chunk (on a worker thread: it parses JSON), then `end`.
+    Keeps only what the batch needs to know, never the lines."""
 
     endpoint: str
-    max_inputs: int  # --jobs-max-items: inputs, not lines (an embeddings line of 2,048 inputs counts 2,048)
+    max_inputs: int  # --jobs-max-items: inputs, not lines (`lines.line_inputs`)
     max_line_bytes: int
     models: set[str | None] = field(default_factory=set)  # the body models named (None: a line named none)
     lines: int = 0
     nbytes: int = 0  # the lines' bytes: what the batch's copy adds to its tenant's storage
-    inputs: int = 0  # the inputs the lines hold (`lines.line_inputs`): what --jobs-max-items bounds
+    inputs: int = 0  # the inputs the lines hold
     _seen: set[str] = field(default_factory=set)
     _split: LineSplitter = field(default_factory=LineSplitter)
 
@@ -112,8 +108,7 @@ class InputCheck:
             )
         body = line.body
         try:
-            # A bound on what a line may hold, said before anything is stored: orjson's 254 levels (the line
-            # runner once encoded bodies again with it; it now hands the route the body's own bytes).
+            # A bound on what a line may hold, said before anything is stored: orjson's 254 levels.
             orjson.dumps(body)
         except TypeError:
             # orjson refuses an integer past 64 bits too: JSON has no such bound, and the route's own parser
@@ -201,9 +196,8 @@ _EXPLAINED = {  # what each member must be, said before msgspec's words on what 
 
 
 def check_batch_request(values: dict[str, Any], generating: bool) -> shapes.OpenAIBatchRequest:
-    """A `POST /v1/batches` in OpenAI's shape: the streamed body's top-level values (`parse.JobBody.values`)
-    converted to the declared `shapes.OpenAIBatchRequest`, each refusal naming the member.
-    `generating`: the generation engine is on here, so chat and completions lines can run."""
+    """A `POST /v1/batches` in OpenAI's shape (`parse.JobBody.values`) as `shapes.OpenAIBatchRequest`, each refusal
+    naming the member. `generating`: the generation engine is on here, so chat and completions lines can run."""
     try:
         req = msgspec.convert(values, shapes.OpenAIBatchRequest)
     except msgspec.ValidationError as exc:

@@ -1,11 +1,9 @@
 """Reading a `POST /v1/batches` body: parsed as it streams in, a slice at a time, never in one go.
 
-A job body may be megabytes. Parsed whole, 16 MB of one-character inputs (`"a",` × 4 M) holds the event loop
-(and, since the parser holds the GIL, every thread) for most of a second and takes a gigabyte before the item
-limit can refuse it; every caller's answer waits meanwhile. So the body is fed to an incremental parser
-(ijson's yajl2 C backend) as it arrives, in slices of `SLICE` bytes with a yield to the loop after each, and
-the item limit, the input length limit and the metadata bound are checked per value: a body with one item too
-many is refused after that item, without reading the rest.
+A job body may be megabytes: parsed whole, 16 MB of one-character inputs holds the event loop (and, through the GIL,
+every thread) for most of a second and takes a gigabyte before the item limit can refuse it. So the body is fed to an
+incremental parser (ijson's yajl2 C backend) as it arrives, in slices of `SLICE` bytes with a yield to the loop after
+each, and the limits are checked per value: a body with one item too many is refused after that item.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from batchserve.http.plumbing import ascii_count, check_input, check_json_conten
 
 SLICE = 64 << 10  # bytes parsed between two yields to the event loop (~1 ms of parsing)
 MAX_METADATA_BYTES = 16 << 10
-MAX_METADATA_DEPTH = 32  # containers nested inside "metadata" (orjson cannot encode 255 deep: it was a 500)
+MAX_METADATA_DEPTH = 32  # containers nested inside "metadata" (orjson cannot encode 255 deep)
 MAX_OTHER_EVENTS = 4 * MAX_METADATA_BYTES  # values outside "inputs" (metadata, unknown keys): a bound, not a target
 SCALARS = ("string", "number", "boolean", "null")
 # A `\uD800`-`\uDBFF` escape (at the start of a run of backslashes of odd length, so not an escaped backslash
@@ -78,8 +76,7 @@ class JobBodyParser:
             self._coro.send(data)  # type: ignore[attr-defined]
         except ijson.JSONError as exc:
             raise not_json(exc) from None
-        except UnicodeDecodeError:  # yajl's escape of a lone surrogate: the parser is dead after it (once a
-            # silent loss: the job was stored without the values after it)
+        except UnicodeDecodeError:  # yajl's escape of a lone surrogate: the parser is dead after it
             raise errors.invalid("the body holds a string that is not valid Unicode text (a lone surrogate)") from None
         self._take()
 

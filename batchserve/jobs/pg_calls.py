@@ -1,17 +1,14 @@
 """How the PostgreSQL job store's calls reach the database: pooled, bounded on the client, behind a breaker.
 
-Every call is bounded on the client, whatever the server does: the whole call (waiting for a pooled connection,
-connecting, every statement, the commit) runs as a task given `CALL_BOUND_S` (2 s; a call that moves many rows
-or bytes more, `bound_for`), and when the bound passes the socket of the connection it holds is shut down, so
-the call fails at once instead of waiting for a server that may never answer (a stopped or black-holed server
-answers nothing and refuses nothing: the server's own `statement_timeout` never fires, and TCP keepalives never
-fire on a unix socket or while the peer's kernel still acknowledges). A failure that says the database is
-unreachable, the bound passing among them, opens a circuit breaker (`breaker.py`) that refuses every call at
-once (503) while one probe per second tries a fresh connection, inside the same bound. When the probe gets
-through, a fresh pool replaces the old one (whose connections are dead, and whose reconnection backoff can grow
-to minutes), so the store is in use again about a second after the database returns. The outage is logged once
-as it begins and once as it ends (`job store down` / `job store back up`); the calls it fails raise
-`StoreDown`, which the callers answer (503) or retry without a line each.
+Every call (pool wait, connect, every statement, the commit) runs as a task bounded on the client (`bound_for`);
+past the bound, the socket of the connection it holds is shut down, so the call fails at once instead of waiting for
+a server that may never answer (a stopped or black-holed server refuses nothing: `statement_timeout` never fires,
+and TCP keepalives never fire on a unix socket or while the peer's kernel still acknowledges). A failure that says
+the database is unreachable, the bound passing among them, opens a circuit breaker (`breaker.py`) that refuses every
+call at once (503) while one probe per second tries a fresh connection. When the probe gets through, a fresh pool
+replaces the old one (whose connections are dead and whose reconnection backoff can grow to minutes), so the store
+is back about a second after the database. The outage is logged once as it begins and once as it ends; the calls it
+fails raise `StoreDown`, which callers answer (503) or retry without a log line each.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ from batchserve.jobs.store import IdempotencyConflict, StoreDown, StoreUnavailab
 
 T = TypeVar("T")
 log = logging.getLogger("batchserve")
-# The pool warns once per discarded connection and per failed reconnection, a line every second or two for as
-# long as an outage lasts: the store's own two lines (down, back up) say it once.
+# The pool would warn every second or two for as long as an outage lasts; the store's own two lines say it once.
 logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
 
 POOL_MAX = 4  # connections per node: the feeder, the writer, the lease keeper and the API rarely all at once
@@ -46,10 +42,8 @@ CONNECT_TIMEOUT_S = 2  # libpq's connect_timeout (its least): an unreachable hos
 STATEMENT_TIMEOUT_MS = 5000  # the server's own bound on a statement (a 50,000-item COPY takes well under a second)
 CALL_BOUND_S = 2.0  # the longest a store call touching a few rows takes on the client, pool wait included
 BODY_BYTES_PER_S = 20 << 20  # a call that moves many bytes gets 1 s more per 20 MiB of them (`bound_for`)
-ROWS_PER_S = 10_000  # and 1 s more per 10,000 rows it writes or reads (a 50,000-item COPY took 2.1 s on a
-# loaded 2-core machine, a cancel of as many 1.9 s: one bound for every call would take those for outages)
-# A read whose size is not known before it runs (a file's content, a page of results, claimed items' inputs):
-# as for the default --files-max-bytes (60 MiB): 5 s, and its rows.
+ROWS_PER_S = 10_000  # and 1 s more per 10,000 rows: a 50,000-item COPY takes ~2 s loaded, and is no outage
+# A read of unknown size (a file, a page of results, claimed inputs) is bounded as one of the default --files-max-bytes.
 READ_BYTES = 60 << 20
 CUT_GRACE_S = 0.5  # after its socket is shut down, how long a call is given to fail before it is left behind
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
@@ -57,8 +51,7 @@ TX_ATTEMPTS = 3  # a deadlock or serialization failure is retried this many time
 
 
 def with_timeouts(url: str) -> str:
-    """The connection string with the short connect and statement timeouts and keepalives added (options the
-    URL already sets, such as a search_path, are kept)."""
+    """The connection string with short connect and statement timeouts and keepalives (its own options kept)."""
     options = conninfo_to_dict(url).get("options") or ""
     return make_conninfo(
         url,
@@ -69,8 +62,7 @@ def with_timeouts(url: str) -> str:
 
 
 def bound_for(nbytes: int = 0, rows: int = 0) -> float:
-    """The client-side bound of a call that moves `nbytes` (a job's inputs, an uploaded file, results) in
-    `rows` rows: `CALL_BOUND_S`, and more for a large call, so a healthy one is never taken for an outage."""
+    """`CALL_BOUND_S`, more for a call moving `nbytes` in `rows` rows, so a healthy large call is not an outage."""
     return CALL_BOUND_S + nbytes / BODY_BYTES_PER_S + rows / ROWS_PER_S
 
 
@@ -98,10 +90,9 @@ _LEFT_BEHIND: set[asyncio.Future] = set()  # calls still ending after their boun
 
 async def within(bound_s: float, run: Callable[[list[AsyncConnection]], Awaitable[T]]) -> T:
     """`run(held)` as a task given `bound_s`; `run` keeps the connection it uses in `held`. Past the bound, that
-    connection is cut (the call then fails in a moment) or, while it holds none (waiting for the pool, or
-    connecting: nothing waits on the server), the task is cancelled; `NoAnswer` is raised either way. A call
-    that still has not ended `CUT_GRACE_S` later is left to end in the background. The caller's own
-    cancellation cuts and cancels the same way."""
+    connection is cut or, while it holds none (pool wait or connect: nothing waits on the server), the task is
+    cancelled; `NoAnswer` is raised either way, and a call not ended `CUT_GRACE_S` later is left behind. The
+    caller's own cancellation cuts and cancels the same way."""
     held: list[AsyncConnection] = []
     task = asyncio.ensure_future(run(held))
     try:
@@ -144,9 +135,8 @@ class PgCalls:
 
     @classmethod
     async def open(cls, url: str, first: Callable[[AsyncConnection], Awaitable[None]]) -> PgCalls:
-        """`first(conn)` in one transaction on one plain connection, then the pool: a database that is down or
-        refuses us fails at once with the server's own words (`StoreUnavailable`), where the pool would retry
-        quietly until its timeout."""
+        """`first(conn)` in one transaction on a plain connection, then the pool: a database that is down or refuses
+        us fails at once with the server's own words (`StoreUnavailable`); the pool would retry quietly."""
 
         async def once(held: list[AsyncConnection]) -> None:
             async with await AsyncConnection.connect(with_timeouts(url)) as conn:
@@ -169,9 +159,8 @@ class PgCalls:
         return calls
 
     async def tx(self, fn: Callable[[AsyncConnection], Awaitable[T]], bound_s: float = CALL_BOUND_S) -> T:
-        """Run `fn` in one transaction within `bound_s` on the client; a deadlock or serialization failure runs
-        it again (it wrote nothing). Refused at once (`StoreDown`) while the breaker is open; an unreachable
-        database, or no answer within the bound, opens it (`StoreDown` too: the outage is logged once)."""
+        """Run `fn` in one transaction within `bound_s`; a deadlock or serialization failure runs it again (it wrote
+        nothing). `StoreDown` while the breaker is open, or when the database is unreachable (which opens it)."""
         try:
             probe = self.breaker.before()
         except StoreDown:
@@ -242,10 +231,8 @@ class PgCalls:
             self._down_since = 0.0
 
     async def _reopen(self, deadline: float) -> None:
-        """The probe after an outage: one fresh connection (fails in milliseconds while the server refuses, in
-        `CONNECT_TIMEOUT_S` at most, and within the call's bound), then a fresh pool in place of the old, whose
-        connections died with the server and whose reconnection backoff may have grown long. Failures raise
-        psycopg's errors, which `_tx` turns into a verdict."""
+        """The probe after an outage: one fresh connection, then a fresh pool in place of the old. Failures raise
+        psycopg's errors, which `tx` turns into a verdict."""
         conn = await AsyncConnection.connect(self.conninfo)
         await conn.close()
         pool = self._new_pool()

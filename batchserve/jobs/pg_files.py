@@ -36,10 +36,9 @@ class PgFileStore:
 
     # -- bytes kept ------------------------------------------------------------------------------------------
     async def _check(self, conn: AsyncConnection, tenant: str, adding: int, what: str) -> None:
-        """StorageFull when `adding` bytes would pass a bound. The tenant's own writers are serialized by an
-        advisory lock (taken first in every transaction that adds bytes, so they never deadlock), so two
-        nodes cannot both pass its quota; the server total is checked without one (it may pass by what
-        concurrent writers add at the same instant)."""
+        """StorageFull when `adding` bytes would pass a bound. A tenant's writers are serialized by an advisory lock
+        (taken first in every transaction that adds bytes, so they never deadlock), so two nodes cannot both pass
+        its quota; the server total is checked without one (concurrent writers may pass it by what they add)."""
         if not self.limits.bounded or adding <= 0:
             return
         await self._lock_tenant(conn, tenant)

@@ -2,19 +2,16 @@
 
 Any node accepts a job; any node runs its items. Why each part is as it is:
 - `create` is one transaction: the job row with `ON CONFLICT (tenant, idempotency_key) DO NOTHING`, then the
-  items by `COPY`. Two nodes that receive the same key at once: the second insert waits for the first to commit,
-  does nothing, and reads the first job back, so a key holds across nodes.
-- `claim` is `UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)`: pending items whose lease is absent or past
-  are leased to this store (`holder`, `lease_until`), skipping rows another node is claiming at that instant.
-  Lease times are the database's clock (`clock_timestamp()`), never a node's, so a node with a skewed clock can
-  neither keep nor steal leases. The holder renews its leases while the items are in flight; a node that dies
-  stops renewing, and once the lease is past another node claims the items again.
-- `record` updates each item only while it is still `pending` (`writes = writes + 1`, and a trigger refuses any
-  second change of a final item), so an item run twice — a lease that ran out under a slow node — is recorded
-  once; the job's counters move in the same transaction.
-Tables are prefixed `batchserve_` so the database can be shared with other applications; the schema is
-created at open, under an advisory lock so nodes starting together do not race.
-How each call reaches the database, bounded and behind a circuit breaker, is `pg_calls.py`'s.
+  items by `COPY`. A second node inserting the same key waits for the first to commit and reads its job back, so
+  a key holds across nodes.
+- `claim` is `UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED)`, skipping rows another node is claiming at that
+  instant. Lease times are the database's clock (`clock_timestamp()`), never a node's, so a node with a skewed
+  clock can neither keep nor steal leases.
+- `record` updates an item only while it is still `pending` (and a trigger refuses any second change of a final
+  item), so an item run twice (a lease that ran out under a slow node) is recorded once.
+Tables are prefixed `batchserve_` so the database can be shared with other applications; the schema is created at
+open, under an advisory lock so nodes starting together do not race. How each call reaches the database is
+`pg_calls.py`'s.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""The job scheduler's refill policy in one place: what a piece of job work costs, and how much of it may be
-put in the batcher now (issue 33, item 4).
+"""The job scheduler's refill policy: what a piece of job work costs, and how much of it may be put in the batcher
+now.
 
-Job work is priced by the inputs it holds: a native job item is one input, an OpenAI batch line as many as it
-holds (an `/v1/embeddings` line with a list of 2,048 inputs is 2,048: `lines.line_inputs`). Every count below is
-in inputs. Before (issue 33), a line counted as one item in flight whatever it held, so 128 places held
-128 lines of 2,048 inputs: minilm's queue reached 409,570 items and another tenant's interactive requests got
-"the queue ... is full".
+Job work is priced by the inputs it holds, not by rows: a native job item is one input, an OpenAI batch line as many
+as it holds (`lines.line_inputs`), so a few lines of 2,048 inputs cannot fill a model's queue. Every count here is in
+inputs, and the scheduler feeds while all three bounds have room (`Budget.can`):
+- the places (`places`), shared so no tenant holds more than its share while others wait (`shares`);
+- the model's spare capacity by cost (`model_spare`), so a model of long inputs takes fewer;
+- the model's queue: job inputs never bring it (every tier) past `BATCH_QUEUE_SHARE` of `--max-queue`, so
+  interactive callers always keep the rest.
 
-Three bounds, each in inputs, and the scheduler feeds while all three have room (`Budget.can`):
-- the places: `--jobs-max-inflight` job inputs queued or running at once (0 = 2 x max_batch_size x healthy
-  workers; with several tenants 2 batches per tenant), shared between tenants (`shares`: no tenant holds more
-  than its share while others wait);
-- the model's spare capacity, measured by cost (`model_spare`): two full batches per healthy worker, a full
-  batch being as many inputs of the job's mean cost as the model's cost budget holds (`--max-batch-tokens`,
-  or the budget the batcher lowered to fit the latency objective), so a model of long inputs takes fewer;
-- the model's queue: job inputs never bring a model's queue (every tier) past `BATCH_QUEUE_SHARE` of
-  `--max-queue`, so interactive callers always keep the rest of it.
-
-A line is fed an input at a time (the scheduler stops when a bound is reached and goes on when inputs are
-answered), so a line of 2,048 inputs cannot push the queue past these bounds either. Everything here is
-arithmetic over numbers the door reads (`Room`): the unit tests drive it without a batcher or a clock.
+A line is fed an input at a time, so it cannot push past these bounds either. Everything here is arithmetic over
+numbers the door reads (`Room`): the unit tests drive it without a batcher or a clock.
 """
 
 from __future__ import annotations
@@ -29,9 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from collections.abc import Callable
 
-# The most of a model's `--max-queue` that job inputs may fill (every tier's queued items counted): the rest
-# is the interactive callers'. Job inputs are bounded far lower by the spare capacity anyway; this bound holds
-# when an operator sets --jobs-max-inflight high.
+# Job inputs are bounded far lower by the spare capacity; this holds when an operator sets --jobs-max-inflight high.
 BATCH_QUEUE_SHARE = 0.25
 
 
@@ -63,10 +52,9 @@ def places(configured: int, max_batch_size: int, healthy: int, tenants: int = 1)
 
 
 def shares(total: int, held: dict[str, int], tenants: list[str]) -> dict[str, int]:
-    """Inputs each tenant may add now: its share of `total` less what it holds. No tenant holds more than its
-    share while others wait, and each may fill its share whatever the others hold now (places taken before it
-    came, and held in slow re-runs, must not keep it waiting), so the places held pass `total` for a while by
-    what others hold beyond their shares, never more."""
+    """Inputs each tenant may add now: its share of `total` less what it holds. Each may fill its share whatever
+    the others hold (places taken before it came, or held in slow re-runs, must not keep it waiting), so the places
+    held may pass `total` by what others hold beyond their shares, never more."""
     if not tenants:
         return {}
     cap = -(-total // len(tenants))
@@ -83,9 +71,8 @@ def batch_rows(room: Room, job_unit: float) -> int:
 
 
 def model_cap(room: Room, job_unit: float, configured: int = 0, tenants: int = 1) -> int:
-    """The most job inputs of one model queued or running at once: two full batches (by cost, `batch_rows`)
-    per healthy worker, grown to two per tenant with work on the model as `places` grows (a batch takes job
-    inputs of one tenant only), or the operator's --jobs-max-inflight; never more than `BATCH_QUEUE_SHARE` of
+    """The most job inputs of one model queued or running at once: the operator's --jobs-max-inflight, or two full
+    batches (`batch_rows`) per healthy worker or per tenant, as in `places`; never more than `BATCH_QUEUE_SHARE` of
     the model's --max-queue. 0 with no healthy worker."""
     if room.healthy <= 0:
         return 0
@@ -103,10 +90,8 @@ def model_spare(room: Room, job_unit: float, held: int, configured: int = 0, ten
 
 @dataclass
 class Budget:
-    """What one refill may still feed: places left (`free`) and per tenant (`allowed`; None: no shares, the
-    isolated jobs' own budget), both taken from as inputs are fed; and each model's room, read afresh each time
-    (`room_of`: `model_spare` over the live queue and the inputs in flight; None for a model the door does not
-    queue, the generation engine, which admits its own work)."""
+    """What one refill may still feed: places left (`free`), per tenant (`allowed`; None for the isolated jobs'
+    budget), and each model's room, read afresh each time (`room_of`; None where the door does not queue the model)."""
 
     free: int
     room_of: Callable[[str], int | None]

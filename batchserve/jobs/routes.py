@@ -1,10 +1,8 @@
 """`/v1/batches`: submit a batch job, follow it, read its results in input order, cancel it, list your jobs.
 
-Every route is a declaration on the one request path (`http/endpoint.py`: it identifies the caller, API key or
-anonymous where allowed, takes one token from its rate bucket, counts the answer and renders errors); a caller
-only ever sees its own jobs (another tenant's job id answers 404, as an unknown one does). A job is validated
-whole before anything is stored, so a limit breached by any item refuses the job (400/413) and no partial job
-exists.
+Every route is a declaration on the one request path (`route`). A caller only ever sees its own jobs (another
+tenant's job id answers 404, as an unknown one does). A job is validated whole before anything is stored, so a limit
+breached by any item refuses the job (400/413) and no partial job exists.
 """
 
 from __future__ import annotations
@@ -111,10 +109,9 @@ def as_is(rt: JobsHost, call: Call, svc: JobService, answer: Answer | Stream) ->
 
 
 def route(handler: Handler) -> Endpoint[JobsHost, JobService, Answer | Stream]:
-    """A job or file route on the one request path: the caller identified (any key anonymous with no keys
-    configured, as OpenAI's clients always send one) and one rate token taken, every answer counted, errors in
-    the native shape. Its body, when it has one, is read as it streams in by its own parser (`parse.py`,
-    `upload.py`): a job or a file may be far larger than a request body."""
+    """A job or file route on the one request path (`http/endpoint.py`: caller identified, one rate token taken,
+    native errors); any key is anonymous with no keys configured, as OpenAI's clients always send one. Its body is
+    read as it streams in by its own parser (`parse.py`, `upload.py`): a job or a file may exceed any request body."""
     return Endpoint(
         NATIVE_ANY_KEY, service, store_errors(handler), as_is, book=COUNTED, body=False, headers=(IDEMPOTENCY_KEY,)
     )
@@ -241,8 +238,7 @@ async def create_openai_batch(
 
 def batch_model(rt: JobsHost, endpoint: str, requested: str | None, caller: Caller) -> str:
     """The model an OpenAI batch runs on: the generation model for chat and completions lines, else the one its
-    lines name, or for an embeddings batch that names none the first embedder: picked and refused as the online
-    route does (`http/model_choice.pick_model`)."""
+    lines name (an embeddings batch naming none: the first embedder), as the online route picks it (`pick_model`)."""
     sticky = caller.key_id or caller.tenant
     if endpoint in GENERATION:
         assert rt.generation is not None  # checked by check_batch_request

@@ -1,34 +1,20 @@
 """Feeds batch-job items into the batcher from spare capacity, and writes their results back.
 
-Job items enter the batcher at tier `batch` (the lowest; `fairqueue` takes them last), with the job's owner as
-tenant, so they only fill the places interactive requests leave in each batch. Job work is priced by the inputs it
-holds (an OpenAI batch line of 2,048 embeddings inputs is 2,048, fed to the door an input at a time), and only a
-bounded number of inputs are in the batcher or on a worker at once: the places (`jobs_max_inflight`, by default 2 x
-max_batch_size x healthy workers: one batch's worth running and one waiting per worker), the model's spare capacity
-by cost, and a quarter of its `--max-queue` (the policy: `refill.py`), so the queue never holds more job inputs
-than a batch or two can take and interactive admission sees no difference; job items never make a batch go sooner
-than the workers' pace (`FairQueue.paced_by_jobs`), so the workers stay staggered and interactive latency sees none
-either (issue 28: it used to, +30 % p95 in the soak while a clean job ran). Free places are shared round-robin
-between tenants, and no tenant holds more than its share of them while others wait (so a tenant whose items take
-longer, failing or retried, cannot crowd the others out); a tenant's jobs run oldest first.
-Putting the inputs through the door, and keeping the account of the places they hold until each is answered, is
-the feeder's (`feeder.py`).
+Job items enter the batcher at tier `batch` (the lowest), with the job's owner as tenant, so they only fill the
+places interactive requests leave in each batch; how many may be in flight is `refill.py`'s, and `feeder.py` puts
+them through the door. They never make a batch go sooner than the workers' pace (`FairQueue.paced_by_jobs`), so
+interactive latency is unaffected. Places are shared round-robin between tenants, so a tenant whose items fail or
+retry cannot crowd the others out; a tenant's jobs run oldest first, and a failing job runs isolated (`job_state.py`).
 
-A job whose inputs fail often enough to cost re-runs runs isolated, in groups of its own (`job_state.py`).
-
-Outcomes: a result is completed; a failure is final (failed alone after bisection: poison; a hang once the item was
-re-run after one, since each try of a hanging input costs a worker; its attempts spent) or retried with exponential
-backoff and jitter (`JobState.failed_for_good`). Results are buffered and written in batches of rows (`record`),
-every `FLUSH_S` or `FLUSH_ROWS`, which keeps commits cheap. An item whose result was not yet written when the
-process died is still `pending` in the store and runs again after a restart (at-least-once execution, results
-recorded once).
+A failure is final (poison after bisection, a second hang since each try of a hanging input costs a worker, or its
+attempts spent: `JobState.failed_for_good`) or retried with exponential backoff and jitter. Results are written in
+batches of rows every `FLUSH_S` or `FLUSH_ROWS`, to keep commits cheap. An item not recorded when the process died
+is still `pending` and runs again after a restart (at-least-once execution, results recorded once).
 
 Many nodes may share one store. Items are claimed under a lease (`jobs_lease_s`) that this node renews every third
-of it for every item it holds (read, queued, running, waiting to retry or to be recorded), so another node never
-takes them while this one lives; when a node dies its leases run out and the others claim those items again. Every
-`jobs_poll_s` the store is read for unfinished jobs: that is how a node finds jobs created on other nodes, items
-whose lease ran out, and jobs cancelled elsewhere. On stop, the leases of items not run are released so another
-node takes them at once.
+of it for every item it holds, so no other node takes them while it lives; a dead node's leases run out and others
+claim its items. The store is polled every `jobs_poll_s` (`poll`). On stop, the leases of items not run are
+released so another node takes them at once.
 """
 
 from __future__ import annotations
@@ -59,8 +45,7 @@ log = logging.getLogger("batchserve.jobs")
 
 
 class Door(Entrance, Protocol):
-    """What the scheduler needs of the inference service (`core.service.InferenceService`): the one door to
-    the batcher (its two entrances, `feeder.Entrance`), and the little it must know of the workers."""
+    """What the scheduler needs of the inference service (`core.service.InferenceService`)."""
 
     @property
     def draining(self) -> bool: ...
@@ -168,8 +153,7 @@ class Scheduler:
         return self.feeder.ledger.shared
 
     def model_room(self, model: str) -> int | None:
-        """Job inputs of `model` that may be added now (`refill.model_spare`); None where the door queues
-        nothing of it (the generation engine admits its own work)."""
+        """Job inputs of `model` that may be added now (`refill.model_spare`); None where the door does not queue it."""
         room = self.door.job_room(model)
         if room is None:
             return None
@@ -203,9 +187,8 @@ class Scheduler:
                 await asyncio.sleep(1.0)
 
     async def _refill(self) -> None:
-        """Feed what the bounds allow (`refill.py`): retries that are due go back to the front of their job,
-        isolated jobs take their own budget, the others take turns by tenant within their shares; every input
-        fed takes a place, its tenant's share and its model's room, and a line is fed an input at a time."""
+        """Feed what the bounds allow (`refill.py`): due retries first in their job, isolated jobs on their own
+        budget, the others by tenant in turn within their shares."""
         now = time.monotonic()
         while self.retries and self.retries[0].due <= now:
             r = heapq.heappop(self.retries)
@@ -257,8 +240,7 @@ class Scheduler:
                 rotation.append((tenant, q))
 
     def _with_work(self) -> tuple[list[JobState], dict[str, list[JobState]]]:
-        """The jobs with work to feed: the isolated ones, and the others by tenant, each tenant's oldest first.
-        Idle jobs are forgotten on the way (every job is looked at here anyway)."""
+        """The jobs with work: the isolated ones, and the others by tenant, oldest first; idle jobs are forgotten."""
         by_tenant: dict[str, list[JobState]] = {}
         isolated: list[JobState] = []
         for job in list(self.jobs.values()):
@@ -273,8 +255,7 @@ class Scheduler:
         return isolated, by_tenant
 
     async def _refill_isolated(self, jobs: list[JobState], budget: Budget) -> None:
-        """Feed isolated jobs in turn, a group of their own at a time (a line's inputs each alone), within
-        their budget."""
+        """Feed isolated jobs in turn, a group of their own at a time (a line's inputs each alone)."""
         rotation = deque(jobs)
         rotation.rotate(-(self._turn % len(rotation)))
         while rotation:
@@ -311,8 +292,7 @@ class Scheduler:
         rows = await self.store.claim(job.id, n, self.settings.jobs_lease_s, time.time())
         if job.cancelled:
             return
-        # Their tokens made now, on the tokenizer stage's thread, as an interactive request's are: fed later,
-        # each is costed by a look-up and run with the kept tokens (the event loop tokenizes none of them).
+        # Tokenized now on the tokenizer stage's thread, so feeding later costs a look-up, not the event loop's time.
         if job.endpoint is not None and self.lines is not None:
             texts = [t for _, line in rows for t in line_texts(job.endpoint, line)]
         else:
@@ -330,8 +310,7 @@ class Scheduler:
 
     # -- outcomes --------------------------------------------------------------------------------------------
     def _answered(self, job: JobState, index: int, text: str, fut: asyncio.Future) -> None:
-        """A row of a job still wanted was answered, its places already given back (`Feeder`): its outcome, or
-        its retry."""
+        """A row of a job still wanted was answered (its places already given back): record or retry it."""
         exc = fut.exception()
         if exc is None:
             result = fut.result()
@@ -412,7 +391,6 @@ class Scheduler:
 
     # -- leases and the shared store -------------------------------------------------------------------------
     async def _lease_loop(self) -> None:
-        """Renew every held lease each third of the lease, so no other node takes an item this one still has."""
         while True:
             lease_s = self.settings.jobs_lease_s
             await asyncio.sleep(lease_s / 3)
@@ -421,7 +399,7 @@ class Scheduler:
                     continue
                 try:
                     kept = await self.store.renew(job.id, sorted(job.held), lease_s)
-                except StoreDown:  # the store logged the outage once; the next round tries again
+                except StoreDown:
                     continue
                 except Exception:
                     log.exception("renewing the leases of batch %s failed; retrying", job.id)
@@ -434,7 +412,7 @@ class Scheduler:
             await asyncio.sleep(self.settings.jobs_poll_s)
             try:
                 await self.poll()
-            except StoreDown:  # the store logged the outage once; the next poll tries again
+            except StoreDown:
                 pass
             except Exception:
                 log.exception("reading the unfinished batch jobs failed; retrying")

@@ -1,12 +1,12 @@
 """`JobStore` on one SQLite file in WAL mode: the default, for a single node.
 
-Every call runs on one dedicated thread that owns the connection, never on the event loop: SQLite calls
-block, and one thread means one writer, so transactions never wait on each other inside the process. The file
-is also `flock`ed, so a second server process pointed at the same file refuses it instead of running the
-same items twice. `synchronous=FULL`: a committed job survives a power cut, not only a killed process.
+Every call runs on one dedicated thread that owns the connection, never on the event loop: SQLite calls block,
+and one thread means one writer, so transactions never wait on each other inside the process. The file is also
+`flock`ed, so a second server process pointed at the same file refuses it instead of running the same items twice.
+`synchronous=FULL`: a committed job survives a power cut, not only a killed process.
 
-A trigger refuses any second write of an item's result (an item leaves `pending` once), and `writes` counts
-the result writes per item, so tests can prove "recorded exactly once" from the file itself.
+A trigger refuses any second write of an item's result, and `writes` counts the result writes per item, so tests
+can prove "recorded exactly once" from the file itself.
 
 Leases are kept in memory, not in the file: the `flock` already makes this process the only one running the
 file's items, and a process that dies takes its leases with it, so a restart resumes every pending item at once.
@@ -95,8 +95,8 @@ JOB_EXTRA = {
     "reason": "TEXT",
 }
 FILE_EXTRA = {"status": "TEXT NOT NULL DEFAULT 'processed'", "expires_at": "REAL"}
-# An output's size in bytes, kept as it is recorded: SQLite's length() reads a whole TEXT value (octet_length,
-# which does not, came in 3.43), 60 ms for 16 MB. NULL: recorded before the column, its size read from the value.
+# An output's size in bytes, kept as it is recorded since length() reads a whole TEXT value (60 ms for 16 MB).
+# NULL: recorded before the column; its size is read from the value.
 ITEM_EXTRA = {"output_bytes": "INTEGER"}
 
 ABANDONED_S = 3600.0  # an upload row this old and still `uploading` was abandoned (its process died)
@@ -186,10 +186,8 @@ class SQLiteStore(SQLiteFileStore):
                 self._drop_file(c, file_id)
 
     def _migrate(self) -> None:
-        """Version 1: outputs are stored as JSON text (any JSON value). A file from before held the string
-        output itself; quoting it as a JSON string keeps what the API answers for those items the same.
-        Version 2: a file's bytes live in `file_chunks` (they were one `content` value), and each job counts
-        the bytes it keeps (storage quotas)."""
+        """Version 1: outputs are JSON text; an older file's string outputs are quoted so the API answers the same.
+        Version 2: a file's bytes live in `file_chunks`, and each job counts the bytes it keeps (storage quotas)."""
         assert self._conn is not None
         version = self._conn.execute("PRAGMA user_version").fetchone()[0]
         if version >= SCHEMA_VERSION:

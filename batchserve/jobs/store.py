@@ -12,8 +12,8 @@ The contract every store keeps:
   transaction, and a job whose items are all final gets its final status there.
 - Reads are scoped by tenant: a job of another tenant is indistinguishable from a missing one.
 
-`SQLiteStore` is the single-node implementation (its leases live in the process that holds the file's lock:
-when that process dies, its leases die with it). `PostgresStore` is the shared one for many nodes.
+`SQLiteStore` is the single-node implementation (its leases die with its process); `PostgresStore` is shared by
+many nodes.
 """
 
 from __future__ import annotations
@@ -25,15 +25,14 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import orjson
 
-from batchserve.config import is_postgres_url as is_postgres_url  # jobs/service.py and cli.py read it here
+from batchserve.config import is_postgres_url as is_postgres_url
 from batchserve.jobs.files import FileStore
 
 ACTIVE = ("queued", "running")
 OUTPUT, ERRORS = "-output", "-errors"  # an OpenAI job's two files (`openai_batch.py`)
 PAGE_BYTES = 1 << 20  # the most of its rows' outputs and inputs one page of results holds (`results`)
-# A held output is read this much at a time. Each read finds its offset from the value's start (SQLite walks the
-# value's overflow pages, PostgreSQL decompresses it), so small pieces of a large value cost quadratic time: four
-# 16 MB outputs read in 1 MiB pieces took ~10x the store time of reading them whole, in 2 MiB ~4x, in 4 MiB ~2.5x.
+# A held output is read this much at a time: each read seeks from the value's start (SQLite walks its overflow
+# pages, PostgreSQL decompresses it), so small pieces cost quadratic time (1 MiB pieces: ~10x a whole read).
 PIECE_BYTES = 2 << 20
 
 
@@ -44,8 +43,7 @@ def whole_bytes(max_bytes: int) -> int:
 
 
 def row_cost(output_bytes: int, input_bytes: int, message: str | None, max_bytes: int) -> int:
-    """What a row of `results` holds: its output and input, each at most `whole_bytes` (a larger one is left in
-    the store, counted at that bound), and its message."""
+    """What a row of `results` holds: its output and input, each counted at most `whole_bytes`, and its message."""
     whole = whole_bytes(max_bytes)
     return min(output_bytes, whole) + min(input_bytes, whole) + (len(message) if message else 0)
 
@@ -98,8 +96,8 @@ class NewJob:
     request_hash: str  # of the canonical body, to tell a repeat from a conflicting reuse of the key
     created_at: float  # seconds since the epoch
     openai: dict[str, Any] | None = None  # an OpenAI Batch API job: endpoint, input_file_id, completion_window
-    # An OpenAI batch: its items are the non-blank lines of this file (`inputs` is then empty), copied in the
-    # store's own transaction chunk by chunk; `total` and `input_bytes` are what the checking pass counted.
+    # An OpenAI batch: its items are this file's non-blank lines (`inputs` is empty), copied in the store's own
+    # transaction; `total` and `input_bytes` are what the checking pass counted.
     source_file: str | None = None
     total: int = 0
     input_bytes: int = 0
@@ -207,8 +205,7 @@ class Job:
 
     @classmethod
     def of_row(cls, row: Sequence[Any]) -> Job:
-        """A job from a store's row whose first columns are `JOB_COLUMNS` (a SQLite or a PostgreSQL row: the
-        metadata and OpenAI columns hold JSON text)."""
+        """A job from a store's row whose first columns are `JOB_COLUMNS` (metadata and openai hold JSON text)."""
         values = list(row[:18])
         for i in (11, 12):  # metadata, openai
             values[i] = orjson.loads(values[i]) if values[i] is not None else None
@@ -309,10 +306,9 @@ class JobStore(FileStore, Protocol):
     async def results(
         self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
     ) -> list[ItemRow]:
-        """Items in input order, from `after_index + 1` (the caller has checked the tenant); their inputs too
-        when `with_input` (an OpenAI job's output file names each line's custom_id). At most `limit` rows, and
-        no more than fit in `max_bytes` of outputs, inputs and messages (one row at least). An output or input
-        over `whole_bytes(max_bytes)` is left out of its row: `output_bytes` then says the output's size
+        """Items in input order from `after_index + 1` (the caller has checked the tenant), with their inputs when
+        `with_input`: at most `limit` rows and `max_bytes` of outputs, inputs and messages (one row at least). An
+        output or input over `whole_bytes(max_bytes)` is left out: `output_bytes` then says the output's size
         (`ItemRow.held`), and `custom_id` stands in for the input."""
         ...
 
@@ -326,8 +322,7 @@ class JobStore(FileStore, Protocol):
         ...
 
     async def active(self, models: list[str]) -> list[Job]:
-        """Unfinished jobs on these models, oldest first (what a node resumes on start-up, and polls for jobs
-        created on other nodes)."""
+        """Unfinished jobs on these models, oldest first (resumed at start-up, polled for other nodes' jobs)."""
         ...
 
     async def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
@@ -354,8 +349,7 @@ class JobStore(FileStore, Protocol):
         ...
 
     async def sweep(self, now: float) -> tuple[int, int]:
-        """Delete expired files, finished jobs past their expiry, and uploads abandoned midway; (files, jobs)
-        deleted."""
+        """Delete expired files, expired finished jobs and abandoned uploads; (files, jobs) deleted."""
         ...
 
     async def close(self) -> None: ...

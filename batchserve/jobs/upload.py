@@ -1,10 +1,9 @@
 """Reading an upload as it streams in: a multipart/form-data body parsed incrementally (python-multipart's
 streaming parser), the file part's bytes handed out a chunk at a time, and the cap on uploads in progress.
 
-Why not Starlette's form parser: it gathers each file part (in memory up to 1 MB, then in a temporary file)
-before the route sees any of it, and the route then read it back whole. Here the route feeds each body
-message to `FormStream` and stores the file's bytes every `CHUNK_BYTES` (`files.py`): what an upload holds in
-memory is one chunk, and no step holds the event loop for longer than parsing one body message.
+Not Starlette's form parser: it gathers each file part (in memory, then in a temporary file) before the route sees
+any of it. Here the route feeds each body message to `FormStream` and stores the file's bytes every `CHUNK_BYTES`, so
+an upload holds one chunk in memory, and no step holds the event loop longer than parsing one body message.
 """
 
 from __future__ import annotations
@@ -134,11 +133,10 @@ class FormStream:
 
 @dataclass(eq=False)
 class UploadGate:
-    """Upload places: at most `total` uploads in progress in all and `per_tenant` per tenant (0 = no cap), a
-    tenant being a scheduling lane (all callers without a key are one). An upload holds a chunk in memory, a
-    store writer and a share of the event loop for as long as its body takes to arrive, so no tenant, and not
-    the anonymous crowd, may hold every place: besides its own cap, a tenant already holding a place may not
-    take one of the last `kept_free` free places, which are kept for tenants holding none."""
+    """Upload places: at most `total` uploads in progress and `per_tenant` per tenant (0 = no cap), a tenant being a
+    scheduling lane (all callers without a key are one). An upload holds memory, a store writer and event-loop time
+    while its body arrives, so no tenant (nor the anonymous crowd) may hold every place: a tenant already holding
+    one may not take the last `kept_free` free places, kept for tenants holding none."""
 
     total: int
     per_tenant: int

@@ -1,12 +1,10 @@
 """The v2 gRPC messages, built at start from the descriptor shipped in the package (`grpc_descriptor.py`, protoc's
 output for `grpc_inference.proto`) into a descriptor pool of their own.
 
-Why not generated `*_pb2.py` files: those register `inference.*` in protobuf's process-wide default pool, the names
-`tritonclient.grpc`'s own generated code registers, so the two could not be imported in one process ("duplicate
-symbol 'inference.ServerLiveRequest'"); and each stamps the protobuf release that generated it, which the runtime
-refuses when older (`VersionError`). A pool of our own needs neither: it works with every protobuf in
-`PROTOBUF_RANGE`, the range `tritonclient[grpc]` installs beside. When the installed protobuf (or grpcio) cannot
-build them, `GrpcUnavailable` says so in one line naming the install that fixes it.
+Why not generated `*_pb2.py` files: those register `inference.*` in protobuf's process-wide default pool, as
+`tritonclient.grpc`'s own code does, so the two could not be imported in one process; and each stamps the protobuf
+release that generated it, which the runtime refuses when older. A pool of our own works with every protobuf in
+`PROTOBUF_RANGE`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """KServe Open Inference Protocol v2 over gRPC (`--grpc-port`): the service Triton's gRPC clients call.
 
-The same model view as the HTTP v2 routes (`parse.py`, `render.py`: one BYTES input `input`, one output `output`,
-BYTES or FP32) and the same request path: identify the caller as HTTP does (the FIRST `authorization` entry,
-`plumbing.first_values`, then `Guard.identify`), one rate-limit token per element, every element through the door
-(`InferenceService.infer_many`) as its own item, so gRPC callers share batches with every HTTP route, and each
-answer counted by the guard. The messages are built from the descriptor shipped in the package
-(`grpc_messages.py`), never compiled at start.
+The same model view as the HTTP v2 routes (`parse.py`, `render.py`) and the same request path: the caller
+identified as HTTP does, one rate-limit token per element, every element through the door as its own item (so gRPC
+callers share batches with every HTTP route), each answer counted by the guard.
 
-The listener is held to the limits HTTP's connections are (docs/hardening.md): its own share of the descriptor
-budget as a connection cap (`http/budget.py`), connections without a call closed after `--keep-alive-timeout-s`
-(and those that never finish the HTTP/2 preface after `--header-timeout-s`), at most MAX_STREAMS calls at once on
-one connection, and a call's request message read within `--body-timeout-s` of the call (each method is
-registered as client-streaming so the read is ours to bound: unary clients send the same bytes). A message that
-is not the method's protobuf is INVALID_ARGUMENT, and no refusal names a Python exception.
+The listener is held to HTTP's connection limits (docs/hardening.md): its own share of the descriptor budget as a
+connection cap, idle and handshake timeouts, at most MAX_STREAMS calls per connection, and the request message read
+within `--body-timeout-s` (each method is registered client-streaming so the read is ours to bound: unary clients
+send the same bytes). No refusal names a Python exception.
 
-Refusals are gRPC status codes (400 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 408 DEADLINE_EXCEEDED,
-413 INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 5xx INTERNAL) with the
-message as details and, where retrying later helps, `retry-after-ms` in the trailing metadata.
+Refusals are gRPC status codes (`STATUS_CODES`) with the message as details and, where retrying later helps,
+`retry-after-ms` in the trailing metadata.
 """
 
 from __future__ import annotations
@@ -56,9 +50,9 @@ protos: Messages = load()  # cli.py loads them first, so an unfit protobuf is on
 
 MAX_STREAMS = 100  # calls open at once on one connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS)
 MAX_AGE_S = 3600.0  # a connection is asked to close (GOAWAY) after about this long, so none is held for ever
-KEEPALIVE_S = 60.0  # the server pings a connection with calls open this often: a vanished peer is found
+KEEPALIVE_S = 60.0  # pings on a connection with calls open find a vanished peer
 KEEPALIVE_TIMEOUT_S = 20.0
-METADATA = ("authorization", "x-request-id", *GATEWAY_NAMES)  # what the service reads of a call's metadata
+METADATA = ("authorization", "x-request-id", *GATEWAY_NAMES)
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -115,8 +109,7 @@ class ModelInferRequest(Protocol):
 
 
 def model_called(rt: KServeHost, name: str, version: str, field: str = "name") -> ModelSpec:
-    """The model a call names (`find_model`); an empty name is a 400 naming `field` (HTTP's v2 paths always name
-    a model: none is picked for the caller)."""
+    """The model a call names; an empty name is a 400 naming `field` (as on HTTP's v2 paths, none is picked)."""
     if not name:
         raise bad(f"'{field}' is required: the model to call (see ServerMetadata and ModelMetadata)")
     return find_model(rt, name, version)
@@ -169,8 +162,7 @@ def parse_request(req: ModelInferRequest, max_chars: int) -> tuple[list[str], li
 
 
 def output_tensor(outputs: Sequence[object], shape: list[int], kind: str) -> tuple[str, list[int], bytes]:
-    """(datatype, shape, raw contents) of the answer: the HTTP route's tensor (`render.output_tensor`: FP32
-    `[*shape, dim]` for embeddings, BYTES otherwise), packed as its binary extension packs it."""
+    """(datatype, shape, raw contents) of the answer: the HTTP route's tensor, packed as its binary extension."""
     tensor, flat = render.output_tensor(list(outputs), shape, kind)
     return tensor["datatype"], tensor["shape"], render.to_binary(tensor["datatype"], flat)
 
@@ -179,8 +171,8 @@ Read = Callable[[], Awaitable[object]]  # the call's request message, read withi
 
 
 class InferenceServicer:
-    """The six v2 methods over the runtime's door; a method the service does not declare is gRPC's UNIMPLEMENTED.
-    Each is handed `read` for its request message, so a method can refuse a caller before its message is read."""
+    """The six v2 methods over the runtime's door. Each is handed `read` for its request message, so a method
+    can refuse a caller before its message is read."""
 
     def __init__(self, rt: KServeHost) -> None:
         self.rt = rt
@@ -231,8 +223,7 @@ class InferenceServicer:
         arrived = time.monotonic()
         metadata = first_values(context.invocation_metadata() or (), METADATA)
         work = Work(request_id_from(metadata.get("x-request-id")), arrived, gone=context.cancelled)
-        # The HTTP skeleton's request value and its steps: the caller identified as every surface identifies it
-        # (a trusted gateway's headers included), the answer booked by the model book (metrics, SLO ledger).
+        # The HTTP skeleton's request value and its steps: identified as HTTP, booked by the model book.
         call = Call({"client": peer_address(context.peer())}, no_body, work, metadata)
         try:
             caller = identify(guard, call)
@@ -251,7 +242,6 @@ class InferenceServicer:
             backend = rt.backends.get(spec.id)
             if backend is None:
                 raise errors.warming_up()
-            # none named: the model's own default (`slo.Deadlines`)
             timeout_ms = rt.registry.deadlines[spec.id].timeout_s * 1000 if timeout_us is None else timeout_us / 1000
             remaining = context.time_remaining()  # the client's own gRPC deadline, when it set one
             if remaining is not None:
@@ -286,8 +276,8 @@ class InferenceServicer:
 
 
 async def read_request(context: aio.ServicerContext, message: type, timeout_s: float) -> object:
-    """The call's one request message, decoded: 408 (DEADLINE_EXCEEDED) when it has not arrived whole within
-    `timeout_s` of the call (`--body-timeout-s`, as HTTP bodies), 400 when it is missing or not `message`."""
+    """The call's one request message, decoded: 408 when not arrived whole within `timeout_s` of the call, 400
+    when it is missing or not `message`."""
     try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can drop a cancellation (the call's end, a stop)
         async with asyncio.timeout(timeout_s):
             raw = await context.read()
@@ -305,9 +295,8 @@ Impl = Callable[[Read, aio.ServicerContext], Awaitable[object]]
 
 
 def method_handler(name: str, impl: Impl, message: type, timeout_s: float) -> grpc.RpcMethodHandler:
-    """One method, registered client-streaming (a unary client's bytes are the same) so that reading its request
-    is `read_request`'s: bounded in time, decoded here. An error of the method that is no ApiError is logged and
-    answered INTERNAL without its name, never gRPC's "Unexpected <class ...>"."""
+    """One method, registered client-streaming so that reading its request is `read_request`'s, bounded in time.
+    An unexpected error is logged and answered INTERNAL without its name, never gRPC's "Unexpected <class ...>"."""
 
     async def call(requests: object, context: aio.ServicerContext) -> object:
         async def read() -> object:
@@ -345,8 +334,8 @@ def peer_address(peer: str) -> tuple[str, int] | None:
 
 
 def grpc_status(err: ApiError, request_id: str = "") -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    """The one ApiError in gRPC's words, as `http/dialects.py` renders it for each HTTP dialect: the status code
-    that fits its HTTP status, its message as details, and the request id and retry hint as trailing metadata."""
+    """The ApiError in gRPC's words, as `http/dialects.py` renders it for HTTP: status code, details, and the
+    request id and retry hint as trailing metadata."""
     trailing: list[tuple[str, str]] = [("x-request-id", request_id)] if request_id else []
     if err.retry_after_ms is not None:
         trailing.append(("retry-after-ms", str(err.retry_after_ms)))

@@ -1,9 +1,6 @@
 """The body of a KServe v2 `infer` (the REST flavour Triton's clients speak) → the request's strings and how to
-answer: the JSON header decoded into its declared shape (`shapes.V2InferRequest`), then what types cannot say (the
-data against the shape). With the binary tensor data extension the body is the JSON header
-(`Inference-Header-Content-Length` bytes) followed by the raw tensor: that tail is not JSON, so it is sliced by
-hand here (each BYTES element a 4-byte little-endian length, then its bytes) and checked against the header's
-`binary_data_size`. No HTTP and no server state here; the answer is `render.py`'s.
+answer. With the binary tensor data extension the body is the JSON header (`Inference-Header-Content-Length`
+bytes) followed by the raw tensor, which is not JSON, so it is sliced by hand here. No HTTP and no server state.
 """
 
 from __future__ import annotations
@@ -47,7 +44,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """(JSON header, binary tail) of an infer body; the whole body is JSON when no header length is given."""
     if header_length is None:
         return body, b""
-    # At most 19 digits, checked before int(): 4,301 digits pass Python's int-string limit and raised (a 500).
+    # At most 19 digits, checked before int(): past Python's int-string limit int() raises (a 500).
     if (
         len(header_length) > MAX_LENGTH_DIGITS
         or not (header_length.isascii() and header_length.isdigit())
@@ -126,9 +123,8 @@ def _refused(r: BodyRefusal) -> ApiError:
 
 
 def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> InferRequest:
-    """The request's strings and answer format, or a 400 saying what is wrong: the JSON header decoded into its
-    declared shape (`shapes.V2InferRequest`), then what types cannot say (the data against the shape, the binary
-    tail against its declared size)."""
+    """The request's strings and answer format, or a 400 saying what is wrong: the JSON header decoded into
+    `shapes.V2InferRequest`, then what types cannot say (the data against the shape, the binary tail's size)."""
     head, tail = split_body(body, header_length)
     try:
         req = decode(_DECODER, head)

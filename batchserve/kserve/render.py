@@ -1,8 +1,6 @@
-"""KServe v2's answers: the output tensor of an `infer` (JSON, or with the binary extension the JSON header
-followed by the raw tensor) and a model's metadata. A batchserve model looks to a v2 client like a model with one
-BYTES input named `input` (every element one string, one item on the batcher) and one output named `output`:
-BYTES for text and JSON outputs (a JSON output that is not a string is sent as its JSON text), FP32
-`[*input shape, dim]` for embedding models. What a request may say is `parse.py`'s.
+"""KServe v2's answers: the output tensor of an `infer` and a model's metadata. A batchserve model looks to a v2
+client like one BYTES input `input` (every element one item on the batcher) and one output `output`: BYTES for
+text and JSON outputs, FP32 `[*input shape, dim]` for embedding models.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """KServe Open Inference Protocol v2 over HTTP (`/v2/...`), the protocol of Triton's clients and KServe.
 
-Every route is a declaration on the one request path (`http/endpoint.py`), in the KServe dialect (errors are
-v2's `{"error": message}`, with X-Request-ID and, where retrying later helps, Retry-After). `infer`: the skeleton
-identifies the caller and reads the body (bounded) → `parse_request`: the v2 tensor (`parse.py`), the model by name
-(and version) → (one rate-limit token per element) → each element through the door as its own item, so v2 clients
-share batches with every other route → the output tensor, JSON or binary as asked. It is served ahead of
-Starlette's router (`app.FastPath`), as `/v1/inference` is: the same load through v2 should cost the server about
-what it costs through v1 (bench/protocols.py).
+Every route is a declaration on the one request path (`http/endpoint.py`) in the KServe dialect. `infer` sends each
+element through the door as its own item, so v2 clients share batches with every other route, and is served ahead of
+Starlette's router (`app.FastPath`) as `/v1/inference` is, so the same load costs about what it costs through v1.
 """
 
 from __future__ import annotations
@@ -108,7 +104,7 @@ class Infer:
 
 
 def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
-    """The v2 tensor (`parse.py`) → the model by the path's name (and version) → its timeout."""
+    """The v2 tensor → the model by the path's name (and version) → its timeout."""
     s = rt.settings
     scope = call.scope
     params = scope.get("path_params") or infer_path_params(scope["path"]) or {}
@@ -119,7 +115,7 @@ def parse_request(rt: KServeHost, call: Call, body: bytes) -> Infer:
     backend = rt.backends.get(spec.id)
     if backend is None:
         raise errors.warming_up()
-    # none named: the model's own default (`slo.Deadlines`)
+    # none named: the model's own default
     timeout_ms = rt.registry.deadlines[spec.id].timeout_s * 1000 if req.timeout_us is None else req.timeout_us / 1000
     if timeout_ms > s.max_timeout_ms:
         raise errors.invalid(
@@ -156,7 +152,7 @@ model_ready_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE
 
 
 def fast_route(method: str, path: str) -> ASGIApp | None:
-    """The v2 infer endpoint for a path of its shape (`app.FastPath` serves it ahead of the router), else None."""
+    """The v2 infer endpoint for a path of its shape, else None."""
     if method == "POST" and infer_path_params(path) is not None:
         return infer
     return None

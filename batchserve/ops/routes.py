@@ -1,6 +1,5 @@
-"""Operational routes, each a declaration on the one request path (`http/endpoint.py`): liveness, readiness, the
-node's health, Prometheus metrics (these two only with `--metrics-key` when one is set) and the OpenAPI
-document. (The router's own 404/405 are rendered by `http/dialects.http_error`.)"""
+"""Operational routes: liveness, readiness, the node's health and Prometheus metrics (these two only with
+`--metrics-key` when one is set) and the OpenAPI document."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from batchserve.metrics import Metrics
 
 
 class OpsHost(Protocol):
-    """What the operational routes read from `app.state.rt` (the runtime): the node's state, to report it."""
+    """What the operational routes read from `app.state.rt`."""
 
     settings: Settings
     guard: Guard
@@ -116,12 +115,11 @@ async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, objec
         "queue_depth": rt.batcher.total_depth(),
         "requests_per_second": round(rt.requests_per_second, 1),
         "inflight": rt.service.inflight,
-        # The batcher's models by their learned batch time; the stepper's (their /v1/inference runs on the
-        # generation engine, docs/capacity.md) by their answer time, and each model by the path that answers it.
+        # The batcher's models by learned batch time, the stepper's by answer time (docs/capacity.md).
         "batch_ms": {m: round(v * 1000, 1) for m, v in batch_times.items()},
         "answer_ms": {m: round(v * 1000, 1) for m, v in answer_times.items()},
         "inference_path": {**{m: "batcher" for m in batch_times}, **{m: "stepper" for m in answer_times}},
-        # Each model's own SLO, default and longest timeout (set, or derived from its own warm-up or answer time)
+        # Each model's own SLO and timeouts (set, or derived)
         "slo_ms": {m: d["slo_ms"] for m, d in deadlines.items()},
         "timeout_ms": {m: d["timeout_ms"] for m, d in deadlines.items()},
         "max_timeout_ms": {m: d["max_timeout_ms"] for m, d in deadlines.items()},
@@ -135,8 +133,7 @@ async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, objec
         "load_ratio": round(load.load_ratio(), 3),  # the autoscaling signals (core/load_signal.py)
         "predicted_wait_ratio": round(load.predicted_wait_ratio(), 3),
         "workers": workers,
-        # Which process answered: with --processes the shared port reaches any of them; each one's own port
-        # reaches it alone (batchserve/http/processes.py).
+        # Which process answered: with --processes the shared port reaches any of them.
         "pid": os.getpid(),
         "process": (
             {"index": slot.index, "of": slot.of, "own_port": slot.own_port}

@@ -1,7 +1,5 @@
-"""The answers of `POST /v1/rerank`: Cohere's v1 shape (as vLLM and Infinity send it): `results` sorted by
-`relevance_score`, highest first, each with the document's `index` in the request and, when asked, the
-`document` as `{"text": ...}`; the model that answered; usage in tokens. And of `POST /v2/rerank`: Cohere's v2
-shape, the same `results` and the tokens in Cohere's `meta`."""
+"""The answers of `POST /v1/rerank` (Cohere's v1 shape, as vLLM and Infinity send it) and `POST /v2/rerank`
+(Cohere's v2 shape): `results` sorted by `relevance_score`, highest first."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""`POST /tokenize` and `POST /detokenize` on the one request path (`http/endpoint.py`): parse the body
-(`shapes.py`) and pick a served model with a tokenizer (`backends/tokenizer_of.py`: the generation engine's,
-or a folder embedder's or reranker's) → run the tokenizer on a thread (no batch: the door is for model work,
-and a long text would hold the event loop) → vLLM's answer, or TEI's for `inputs`. Texts are bounded by
---max-input-chars, token lists by as many tokens. Counted among the answers, not in a model's SLO ledger."""
+"""`POST /tokenize` and `POST /detokenize`: a served model's tokenizer (`backends/tokenizer_of.py`) run on a
+thread, not through the door (it is for model work, and a long text would hold the event loop); vLLM's answer, or
+TEI's for `inputs`. Not in a model's SLO ledger."""
 
 from __future__ import annotations
 
