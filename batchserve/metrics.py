@@ -149,19 +149,19 @@ class AdmissionWaitCollector(Collector):
         registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
-        p = "batchserve_admission_"
         rows = self.read()
         counters = {
-            p + "predicted_wait_seconds": "Queue wait admission predicted for requests admitted under pressure "
-            "(before calibration)",
-            p + "actual_wait_seconds": "Queue wait those requests had, admission to their first batch",
-            p + "calibrated_requests": "Requests admitted under pressure whose wait was compared with the prediction",
+            "batchserve_admission_predicted_wait_seconds": "Queue wait admission predicted for requests admitted "
+            "under pressure (before calibration)",
+            "batchserve_admission_actual_wait_seconds": "Queue wait those requests had, admission to their first batch",
+            "batchserve_admission_calibrated_requests": "Requests admitted under pressure whose wait was compared "
+            "with the prediction",
         }
         gauges = {
-            p + "wait_factor": "What admission multiplies its predicted queue wait by: the observed over predicted "
-            "waits lately, clamped",
-            p + "wait_margin_seconds": "What admission keeps below its latency bound under pressure: the 95th "
-            "percentile of its corrected wait error",
+            "batchserve_admission_wait_factor": "What admission multiplies its predicted queue wait by: the observed "
+            "over predicted waits lately, clamped",
+            "batchserve_admission_wait_margin_seconds": "What admission keeps below its latency bound under pressure: "
+            "the 95th percentile of its corrected wait error",
         }
         yield from per_model(CounterMetricFamily, counters, {m: row[:3] for m, row in rows.items()})
         yield from per_model(GaugeMetricFamily, gauges, {m: row[3:] for m, row in rows.items()})
@@ -297,37 +297,40 @@ def _loop_series(
     r: CollectorRegistry,
 ) -> tuple[LoopCounter, LoopHistogram, LoopHistogram, LoopHistogram, LoopHistogram]:
     """The series written per request or per batch, loop-kept (module docstring)."""
-    p = "batchserve_"
     return (
-        LoopCounter(p + "requests", "Answered inference requests", ("model", "status"), r),
-        LoopHistogram(p + "request_duration_seconds", "Arrival to answer", ("model",), LATENCY_BUCKETS, r),
-        LoopHistogram(p + "queue_wait_seconds", "Arrival to dispatch in a batch", ("model",), LATENCY_BUCKETS, r),
-        LoopHistogram(p + "batch_compute_seconds", "Backend time of one batch", ("model",), LATENCY_BUCKETS, r),
+        LoopCounter("batchserve_requests", "Answered inference requests", ("model", "status"), r),
+        LoopHistogram("batchserve_request_duration_seconds", "Arrival to answer", ("model",), LATENCY_BUCKETS, r),
         LoopHistogram(
-            p + "batch_size", "Inputs per dispatched batch", ("model",), tuple(float(b) for b in BATCH_SIZE_BUCKETS), r
+            "batchserve_queue_wait_seconds", "Arrival to dispatch in a batch", ("model",), LATENCY_BUCKETS, r
+        ),
+        LoopHistogram("batchserve_batch_compute_seconds", "Backend time of one batch", ("model",), LATENCY_BUCKETS, r),
+        LoopHistogram(
+            "batchserve_batch_size",
+            "Inputs per dispatched batch",
+            ("model",),
+            tuple(float(b) for b in BATCH_SIZE_BUCKETS),
+            r,
         ),
     )
 
 
 def _occupancy_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge, Gauge, Gauge]:
     """The node's state as levels; never set per request."""
-    p = "batchserve_"
     return (
-        Gauge(p + "queue_depth", "Items waiting for a batch", ["model"], registry=r),
-        Gauge(p + "inflight_requests", "Inference requests admitted and not yet answered", registry=r),
-        Gauge(p + "worker_busy_ratio", "Share of the last second spent running batches", ["worker"], registry=r),
-        Gauge(p + "worker_healthy", "1 while the worker takes batches", ["worker"], registry=r),
+        Gauge("batchserve_queue_depth", "Items waiting for a batch", ["model"], registry=r),
+        Gauge("batchserve_inflight_requests", "Inference requests admitted and not yet answered", registry=r),
+        Gauge("batchserve_worker_busy_ratio", "Share of the last second spent running batches", ["worker"], registry=r),
+        Gauge("batchserve_worker_healthy", "1 while the worker takes batches", ["worker"], registry=r),
     )
 
 
 def _dispatch_counters(r: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
     """Refusals, and batches by cause: counted per refusal or batch, not per answer, so the locked Counter is fine."""
-    p = "batchserve_"
     return (
-        Counter(p + "rejected", "Requests refused before reaching a batch", ["reason"], registry=r),
-        Counter(p + "batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"], registry=r),
+        Counter("batchserve_rejected", "Requests refused before reaching a batch", ["reason"], registry=r),
+        Counter("batchserve_batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"], registry=r),
         Counter(
-            p + "batches",
+            "batchserve_batches",
             "Dispatched batches by what flushed them: full, deadline, pace, burst, hold, drain, retry, isolated",
             ["model", "cause"],
             registry=r,
@@ -337,16 +340,15 @@ def _dispatch_counters(r: CollectorRegistry) -> tuple[Counter, Counter, Counter]
 
 def _autoscaling_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
     """The autoscaling signals, computed at scrape time (core/load_signal.py)."""
-    p = "batchserve_"
     return (
         Gauge(
-            p + "load_ratio",
+            "batchserve_load_ratio",
             "Arrivals over what the healthy workers serve at full batches (1 = "
             "the node's ceiling): the autoscaling signal",
             registry=r,
         ),
         Gauge(
-            p + "predicted_wait_ratio",
+            "batchserve_predicted_wait_ratio",
             "Predicted wait of a request arriving now before "
             "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
             registry=r,
@@ -356,16 +358,15 @@ def _autoscaling_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
 
 def _stop_and_stage_counters(r: CollectorRegistry) -> tuple[Counter, Counter]:
     """Batches cut short with no caller left, or staged behind a busy device: per batch, so the locked Counter."""
-    p = "batchserve_"
     return (
         Counter(
-            p + "batches_stopped_early",
+            "batchserve_batches_stopped_early",
             "Batches the backend cut short because every caller had left (answered, timed out or hung up)",
             ["model"],
             registry=r,
         ),
         Counter(
-            p + "batches_staged",
+            "batchserve_batches_staged",
             "Full batches formed while their device was busy and begun by its thread the moment the running "
             "batch ended (--stage-lead-ms)",
             ["model"],
@@ -376,10 +377,9 @@ def _stop_and_stage_counters(r: CollectorRegistry) -> tuple[Counter, Counter]:
 
 def _ledger_counters(r: CollectorRegistry) -> tuple[LoopCounter, LoopCounter, LoopCounter]:
     """The SLO ledger (core/ledger.py): every answer of a model route counts here, so they are loop-kept."""
-    p = "batchserve_"
     return (
         LoopCounter(
-            p + "slo_requests",
+            "batchserve_slo_requests",
             "Answers of the model routes by SLO outcome: met (2xx within "
             "the SLO), slow (2xx past it), refused (429/503), expired (504), failed (other "
             "5xx); other 4xx are not counted",
@@ -387,10 +387,10 @@ def _ledger_counters(r: CollectorRegistry) -> tuple[LoopCounter, LoopCounter, Lo
             r,
         ),
         LoopCounter(
-            p + "cost_served",
+            "batchserve_cost_served",
             "Cost units served in 2xx answers: tokens where the model costs by tokens, else inputs",
             ("model", "tier"),
             r,
         ),
-        LoopCounter(p + "inputs_served", "Inputs served in 2xx answers", ("model", "tier"), r),
+        LoopCounter("batchserve_inputs_served", "Inputs served in 2xx answers", ("model", "tier"), r),
     )
