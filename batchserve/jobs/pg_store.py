@@ -29,11 +29,30 @@ from batchserve.jobs.files import LineSplitter, StorageFull
 from batchserve.jobs.openai_batch import line_size
 from batchserve.jobs.pg_calls import READ_BYTES, PgCalls, bound_for
 from batchserve.jobs.pg_files import BIG_DELETE_S, PgFileStore
-from batchserve.jobs.store import JOB_COLUMNS, JOB_TABLE_COLUMNS, NEW_JOB_COLUMNS, NEW_JOB_VALUES
-from batchserve.jobs.store import ACTIVE, PAGE_BYTES, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome
-from batchserve.jobs.store import Progress, Sizes, UnstorableInput, whole_bytes
+from batchserve.jobs.store import (
+    JOB_COLUMNS,
+    JOB_TABLE_COLUMNS,
+    NEW_JOB_COLUMNS,
+    NEW_JOB_VALUES,
+    ACTIVE,
+    PAGE_BYTES,
+    FileGone,
+    IdempotencyConflict,
+    ItemRow,
+    Job,
+    NewJob,
+    Outcome,
+    Progress,
+    Sizes,
+    UnstorableInput,
+    whole_bytes,
+)
 
 
+INSERT_JOB = (
+    f"INSERT INTO batchserve_jobs ({NEW_JOB_COLUMNS}) VALUES ({NEW_JOB_VALUES.replace('?', '%s')}) "
+    "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq"
+)
 SCHEMA_LOCK = 0x6261746368  # pg_advisory_xact_lock key taken while the schema is created
 
 SCHEMA = (
@@ -199,8 +218,7 @@ class PostgresStore(PgFileStore):
             if self.limits.bounded:
                 await self._lock_tenant(conn, job.tenant)
             cur = await conn.execute(
-                f"INSERT INTO batchserve_jobs ({NEW_JOB_COLUMNS}) VALUES ({NEW_JOB_VALUES.replace('?', '%s')}) "
-                "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq",
+                INSERT_JOB,
                 job.row(0),
             )
             if await cur.fetchone() is None:  # the key was used before (perhaps on another node just now)

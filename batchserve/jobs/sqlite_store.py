@@ -25,9 +25,24 @@ from typing import ParamSpec, TypeVar
 from batchserve.jobs.files import LineSplitter, StorageFull
 from batchserve.jobs.openai_batch import line_size
 from batchserve.jobs.sqlite_files import SQLiteFileStore, on_store_thread
-from batchserve.jobs.store import JOB_COLUMNS, JOB_TABLE_COLUMNS, NEW_JOB_COLUMNS, NEW_JOB_VALUES
-from batchserve.jobs.store import ACTIVE, PAGE_BYTES, FileGone, IdempotencyConflict, ItemRow, Job, NewJob, Outcome
-from batchserve.jobs.store import Progress, Sizes, row_cost, whole_bytes
+from batchserve.jobs.store import (
+    JOB_COLUMNS,
+    JOB_TABLE_COLUMNS,
+    NEW_JOB_COLUMNS,
+    NEW_JOB_VALUES,
+    ACTIVE,
+    PAGE_BYTES,
+    FileGone,
+    IdempotencyConflict,
+    ItemRow,
+    Job,
+    NewJob,
+    Outcome,
+    Progress,
+    Sizes,
+    row_cost,
+    whole_bytes,
+)
 
 T = TypeVar("T")
 P = ParamSpec("P")
