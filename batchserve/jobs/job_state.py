@@ -30,7 +30,7 @@ class JobState:
     """What the scheduler holds for one unfinished job on this node."""
 
     id: str
-    tenant: str  # the scheduling lane of the job's owner (`tenancy.lane_of`)
+    tenant: str  # the scheduling lane of the job's owner (`http/guards.lane_of`)
     model: str
     endpoint: str | None = None  # an OpenAI Batch API job: each item is a line for this endpoint (`lines.py`)
     exhausted: bool = False  # the last claim found nothing more to lease; the next poll of the store clears it
