@@ -23,7 +23,7 @@ from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.http.endpoint import Answer, Call, Stream, json_answer
 from batchserve.http.plumbing import ascii_count
-from batchserve.jobs.routes import LIST_DEFAULT, LIST_MAX, JobsHost, list_limit, route
+from batchserve.jobs.routes import LIST_DEFAULT, LIST_MAX, JobsHost, list_answer, list_limit, route
 from batchserve.jobs.files import CHUNK_BYTES, FileLimitReached, StoredFile
 from batchserve.jobs.openai_batch import check_expires_after, file_line, job_of_file
 from batchserve.jobs.pages import pages
@@ -68,14 +68,12 @@ async def create_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller)
     limit = rt.settings.files_max_bytes
     boundary = boundary_of(call.headers.get("content-type", ""))
     declared = call.headers.get("content-length")
-    size = None
     if declared is not None:
         size = ascii_count(declared, limit + MULTIPART_SLACK)
         if size is None:
             raise errors.invalid("Content-Length is not a number")
         if size > limit + MULTIPART_SLACK:
             raise too_large(limit)
-    if size is not None:
         await refuse_doomed(svc, caller, size - MULTIPART_SLACK)
     svc.uploads.enter(caller.tenant, anonymous=not caller.key_id)
     try:
@@ -250,16 +248,7 @@ async def list_files(call: Call, rt: JobsHost, svc: JobService, caller: Caller) 
     after, purpose = query.get("after"), query.get("purpose")
     store = await svc.existing_store()
     files = await store.list_files(caller.owner, limit + 1, after, purpose) if store is not None else []
-    data = [f.public() for f in files[:limit]]
-    return json_answer(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": len(files) > limit,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-        }
-    )
+    return list_answer([f.public() for f in files[:limit]], len(files) > limit)
 
 
 ROUTES = [

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from collections.abc import AsyncIterator
 
 CHUNK_BYTES = 1 << 20  # one stored chunk of a file: what an upload buffers, and a download reads, at once
-UPLOADING, PROCESSED = "uploading", "processed"  # a file's status: only a processed file is visible
+FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"  # `StoredFile`'s, in both stores
 
 
 class FileLimitReached(Exception):
@@ -105,36 +105,29 @@ class FileStore(Protocol):
     async def begin_file(self, meta: StoredFile, max_count: int) -> None:
         """Start an upload (invisible until `finish_file`); FileLimitReached when its tenant already keeps
         `max_count` files (uploads in progress included)."""
-        ...
 
     async def put_chunk(self, tenant: str, file_id: str, seq: int, data: bytes | bytearray) -> None:
         """Store the upload's next chunk; StorageFull when its bytes would pass a bound (the caller then
         `abort_file`s)."""
-        ...
 
     async def finish_file(self, meta: StoredFile) -> None:
         """Make the upload a visible file (`meta.bytes`: its size)."""
-        ...
 
     async def abort_file(self, file_id: str) -> None:
         """Drop an upload that did not finish, with its chunks."""
-        ...
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None: ...
 
     def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
         """The file's bytes, chunk by chunk (nothing for an unknown file or another tenant's)."""
-        ...
 
     async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
         """The tenant's files, newest first, starting after the file `after` (a cursor)."""
-        ...
 
     async def delete_file(self, tenant: str, file_id: str) -> bool: ...
 
     async def usage(self, tenant: str) -> tuple[int, int]:
         """(bytes the tenant keeps, bytes the store keeps in all)."""
-        ...
 
 
 class LineTooLong(ValueError):

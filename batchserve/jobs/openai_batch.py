@@ -16,6 +16,8 @@ with `error` alone when it never ran: cancelled, or refused because its outputs 
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,7 @@ from batchserve.jobs import shapes
 from batchserve.jobs.files import LineSplitter, LineTooLong
 from batchserve.jobs.lines import GENERATION, RAW_LINE, RUNNABLE, line_inputs
 from batchserve.jobs.shapes import MAX_CUSTOM_ID, MAX_EXPIRY_S
-from batchserve.jobs.store import ERRORS, OUTPUT, ItemRow, Job
+from batchserve.jobs.store import ERRORS, OUTPUT, ItemRow, Job, Outcome
 
 ENDPOINTS = ("/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/inference")
 COMPLETION_WINDOWS = ("24h",)
@@ -60,28 +62,21 @@ class InputCheck:
         self._split = LineSplitter(self.max_line_bytes)
 
     def feed(self, chunk: bytes) -> None:
-        try:
-            raws = self._split.feed(chunk)
-        except LineTooLong:
-            raise self._too_long() from None
-        self._check(raws)
+        self._check(lambda: self._split.feed(chunk))
 
     def end(self) -> None:
-        try:
-            raws = self._split.end()
-        except LineTooLong:
-            raise self._too_long() from None
-        self._check(raws)
+        self._check(self._split.end)
         if not self.lines:
             raise errors.invalid("the input file holds no requests")
 
-    def _too_long(self) -> Exception:
-        return errors.invalid(
-            f"line {self.lines + 1} of the input file is over {self.max_line_bytes} bytes "
-            f"(a request is at most --jobs-max-body-bytes)"
-        )
-
-    def _check(self, raws: list[bytes]) -> None:
+    def _check(self, split: Callable[[], list[bytes]]) -> None:
+        try:
+            raws = split()
+        except LineTooLong:
+            raise errors.invalid(
+                f"line {self.lines + 1} of the input file is over {self.max_line_bytes} bytes "
+                f"(a request is at most --jobs-max-body-bytes)"
+            ) from None
         for raw in raws:
             self.lines += 1
             self.nbytes += len(raw)
@@ -297,3 +292,45 @@ def line_size(job_id: str, row: ItemRow) -> tuple[str, int]:
     output = row.output
     extra = 0 if output is None else (len(output) if output.isascii() else len(output.encode())) - 1
     return kind, len(line) + extra
+
+
+@dataclass(slots=True)
+class Sizes:
+    """What a store write adds to a job: its items made final, by status, and the bytes kept in all and in its
+    OpenAI output and error files."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    stored: int = 0
+    output: int = 0
+    errors: int = 0
+
+    def add(self, o: Outcome, stored: int, line: str | None) -> None:
+        """`o` was written, keeping `stored` bytes; `line`: its item's input, where an OpenAI file holds its line."""
+        self.counts[o.status] += 1
+        self.stored += stored
+        if line is not None:
+            kind, size = line_size(o.job_id, ItemRow(o.index, o.status, o.output, o.error, o.message, line))
+            if kind == OUTPUT:
+                self.output += size
+            else:
+                self.errors += size
+
+    @classmethod
+    def ended(cls, job_id: str, rows: Sequence[Any], status: str, error: str, message: str, openai: bool) -> Sizes:
+        """What `end_pending` adds: its `rows` (index, input) made final with this error."""
+        if not openai:
+            return cls(Counter({status: len(rows)}))
+        sizes = cls()
+        for idx, text in rows:
+            sizes.add(Outcome(job_id, idx, status, None, error, message), 0, text)
+        return sizes
+
+    def grows(self) -> tuple[int, int, int, int, int]:
+        """What the job row's completed, failed, bytes, output_bytes and error_bytes grow by."""
+        return self.counts["completed"], self.counts["failed"], self.stored, self.output, self.errors
+
+    def merge(self, other: Sizes) -> None:
+        self.counts.update(other.counts)
+        self.stored += other.stored
+        self.output += other.output
+        self.errors += other.errors

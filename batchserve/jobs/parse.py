@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import ijson
@@ -28,6 +28,7 @@ SCALARS = ("string", "number", "boolean", "null")
 # without a word (a lone low one it refuses), so it is looked for in the bytes, before the parser sees them.
 LONE_HIGH = re.compile(rb"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 SCAN_TAIL = 12  # bytes of a slice scanned again with the next one: an escape pair may straddle the two
+LONE_SURROGATE = "the body holds a string that is not valid Unicode text (a lone surrogate)"
 
 
 def not_json(exc: Exception) -> errors.ApiError:
@@ -72,23 +73,11 @@ class JobBodyParser:
 
     def feed(self, data: bytes) -> None:
         self._scan(data)
-        try:
-            self._coro.send(data)  # type: ignore[attr-defined]
-        except ijson.JSONError as exc:
-            raise not_json(exc) from None
-        except UnicodeDecodeError:  # yajl's escape of a lone surrogate: the parser is dead after it
-            raise errors.invalid("the body holds a string that is not valid Unicode text (a lone surrogate)") from None
-        self._take()
+        self._parse(lambda: self._coro.send(data))  # type: ignore[attr-defined]
 
     def finish(self) -> JobBody:
         self._scan(b"", final=True)
-        try:
-            self._coro.close()  # type: ignore[attr-defined]
-        except ijson.JSONError as exc:
-            raise not_json(exc) from None
-        except UnicodeDecodeError:
-            raise errors.invalid("the body holds a string that is not valid Unicode text (a lone surrogate)") from None
-        self._take()
+        self._parse(self._coro.close)  # type: ignore[attr-defined]
         if "input_file_id" in self._seen:  # OpenAI's shape: checked by jobs/openai_batch.py
             if "inputs" in self._seen:
                 raise errors.invalid('give either "inputs" or "input_file_id", not both')
@@ -103,6 +92,16 @@ class JobBodyParser:
             raise errors.invalid('"metadata" must be an object when given')
         return JobBody(self.inputs, model, metadata, self.values)
 
+    def _parse(self, step: Callable[[], object]) -> None:
+        """`step` the parser, then take the events it made."""
+        try:
+            step()
+        except ijson.JSONError as exc:
+            raise not_json(exc) from None
+        except UnicodeDecodeError:  # yajl's escape of a lone surrogate: the parser is dead after it
+            raise errors.invalid(LONE_SURROGATE) from None
+        self._take()
+
     def _scan(self, data: bytes, final: bool = False) -> None:
         """400 at a lone high surrogate escape. A match within 6 bytes of the end may yet be followed by its low
         half in the next slice: it is judged then (the tail, widened over a run of backslashes, is kept)."""
@@ -110,7 +109,7 @@ class JobBodyParser:
         if b"\\u" in text:
             for match in LONE_HIGH.finditer(text):
                 if final or match.end() + 6 <= len(text):
-                    raise errors.invalid("the body holds a string that is not valid Unicode text (a lone surrogate)")
+                    raise errors.invalid(LONE_SURROGATE)
         start = max(0, len(text) - SCAN_TAIL)
         floor = max(0, start - 64)  # a longer run of backslashes (absurd in a job) is not followed further
         while start > floor and text[start - 1 : start] == b"\\":

@@ -20,7 +20,7 @@ import random
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection, errors
@@ -185,6 +185,22 @@ class PgCalls:
         finally:
             if probe:
                 self.breaker.abandon_probe()  # no-op once a verdict was given
+
+    async def rows(self, sql: str, args: Any = None, bound_s: float = CALL_BOUND_S) -> list[Any]:
+        """One query in a transaction of its own (`tx`): its rows."""
+
+        async def tx(conn: AsyncConnection) -> list[Any]:
+            return await (await conn.execute(sql, args)).fetchall()
+
+        return await self.tx(tx, bound_s)
+
+    async def change(self, sql: str, args: Any, bound_s: float = CALL_BOUND_S) -> int:
+        """One statement in a transaction of its own (`tx`): how many rows it changed."""
+
+        async def tx(conn: AsyncConnection) -> int:
+            return (await conn.execute(sql, args)).rowcount
+
+        return await self.tx(tx, bound_s)
 
     async def _attempts(
         self, fn: Callable[[AsyncConnection], Awaitable[T]], probe: bool, held: list[AsyncConnection], deadline: float

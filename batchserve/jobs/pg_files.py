@@ -4,14 +4,12 @@ quota every write that adds bytes checks first (`PostgresStore` adds the jobs)."
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from psycopg import AsyncConnection
 
-from batchserve.jobs.files import FileLimitReached, StoredFile, StorageLimits, files_where
+from batchserve.jobs.files import FILE_COLUMNS, FileLimitReached, StoredFile, StorageLimits, files_where
 from batchserve.jobs.pg_calls import PgCalls, bound_for
 
-FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
 USAGE = (
     "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files WHERE tenant = %(t)s) + "
     "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs WHERE tenant = %(t)s)"
@@ -21,10 +19,6 @@ TOTAL = (
     "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs)"
 )
 BIG_DELETE_S = bound_for(256 << 20, 50_000)  # deletes of a whole file or job: they free what uploads and batches kept
-
-
-def _file(row: tuple[Any, ...]) -> StoredFile:
-    return StoredFile(*row)
 
 
 class PgFileStore:
@@ -42,31 +36,25 @@ class PgFileStore:
         if not self.limits.bounded or adding <= 0:
             return
         await self._lock_tenant(conn, tenant)
-        mine, total = await self._usage(conn, tenant)
-        self.limits.check(tenant, mine, total, adding, what)
+        self.limits.check(tenant, *await self._usage(conn, tenant, bool(self.limits.total_bytes)), adding, what)
 
     async def _lock_tenant(self, conn: AsyncConnection, tenant: str) -> None:
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", ("batchserve-storage/" + tenant,))
 
-    async def _usage(self, conn: AsyncConnection, tenant: str) -> tuple[int, int]:
+    @staticmethod
+    async def _usage(conn: AsyncConnection, tenant: str, with_total: bool) -> tuple[int, int]:
+        """(bytes the tenant keeps, bytes the store keeps in all, or 0 unless `with_total`)."""
         cur = await conn.execute(USAGE, {"t": tenant})
         row = await cur.fetchone()
         mine = int(row[0]) if row is not None else 0
-        if not self.limits.total_bytes:
+        if not with_total:
             return mine, 0
         cur = await conn.execute(TOTAL)
         row = await cur.fetchone()
         return mine, int(row[0]) if row is not None else 0
 
     async def usage(self, tenant: str) -> tuple[int, int]:
-        async def tx(conn: AsyncConnection) -> tuple[int, int]:
-            cur = await conn.execute(USAGE, {"t": tenant})
-            mine = await cur.fetchone()
-            cur = await conn.execute(TOTAL)
-            total = await cur.fetchone()
-            return int(mine[0]) if mine else 0, int(total[0]) if total else 0
-
-        return await self.calls.tx(tx)
+        return await self.calls.tx(lambda conn: self._usage(conn, tenant, True))
 
     async def begin_file(self, meta: StoredFile, max_count: int) -> None:
         async def tx(conn: AsyncConnection) -> None:
@@ -95,71 +83,49 @@ class PgFileStore:
         await self.calls.tx(tx, bound_for(len(data)))
 
     async def finish_file(self, meta: StoredFile) -> None:
-        async def tx(conn: AsyncConnection) -> None:
-            await conn.execute(
-                "UPDATE batchserve_files SET status = 'processed', filename = %s, purpose = %s, "
-                "bytes = %s, expires_at = %s WHERE id = %s",
-                (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
-            )
-
-        await self.calls.tx(tx)
+        await self.calls.change(
+            "UPDATE batchserve_files SET status = 'processed', filename = %s, purpose = %s, "
+            "bytes = %s, expires_at = %s WHERE id = %s",
+            (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
+        )
 
     async def abort_file(self, file_id: str) -> None:
-        async def tx(conn: AsyncConnection) -> None:
-            await conn.execute("DELETE FROM batchserve_files WHERE id = %s", (file_id,))  # chunks: ON DELETE CASCADE
-
-        await self.calls.tx(tx, BIG_DELETE_S)  # the chunks stored so far
+        # chunks: ON DELETE CASCADE (the bound: the chunks stored so far)
+        await self.calls.change("DELETE FROM batchserve_files WHERE id = %s", (file_id,), BIG_DELETE_S)
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
-        async def tx(conn: AsyncConnection) -> StoredFile | None:
-            cur = await conn.execute(
-                f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'",
-                (file_id, tenant),
-            )
-            row = await cur.fetchone()
-            return _file(row) if row is not None else None
-
-        return await self.calls.tx(tx)
+        rows = await self.calls.rows(
+            f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'",
+            (file_id, tenant),
+        )
+        return StoredFile(*rows[0]) if rows else None
 
     async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
         if await self.get_file(tenant, file_id) is None:
             return
         seq = -1
-        while True:
-
-            async def tx(conn: AsyncConnection, after: int = seq) -> tuple[int, bytes] | None:
-                cur = await conn.execute(
-                    "SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s ORDER BY seq LIMIT 1",
-                    (file_id, after),
-                )
-                row = await cur.fetchone()
-                return (row[0], bytes(row[1])) if row is not None else None
-
-            found = await self.calls.tx(tx, bound_for(2 << 20))  # one chunk (1 MB) a call
-            if found is None:
-                return
-            seq, data = found
-            yield data
+        while rows := await self.calls.rows(
+            "SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s ORDER BY seq LIMIT 1",
+            (file_id, seq),
+            bound_for(2 << 20),  # one chunk (1 MB) a call
+        ):
+            seq, data = rows[0]
+            yield bytes(data)
 
     async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
         where, args = files_where(tenant, after, purpose, "%s", "batchserve_files")
-
-        async def tx(conn: AsyncConnection) -> list[StoredFile]:
-            cur = await conn.execute(
-                f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE {where} ORDER BY seq DESC LIMIT %s", (*args, limit)
-            )
-            return [_file(r) for r in await cur.fetchall()]
-
-        return await self.calls.tx(tx)
+        rows = await self.calls.rows(
+            f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE {where} ORDER BY seq DESC LIMIT %s", (*args, limit)
+        )
+        return [StoredFile(*r) for r in rows]
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
-        async def tx(conn: AsyncConnection) -> bool:
-            cur = await conn.execute(
-                "DELETE FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'", (file_id, tenant)
-            )
-            return cur.rowcount > 0
-
-        return await self.calls.tx(tx, BIG_DELETE_S)  # a file's chunks: up to --files-max-bytes
+        deleted = await self.calls.change(
+            "DELETE FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'",
+            (file_id, tenant),
+            BIG_DELETE_S,  # a file's chunks: up to --files-max-bytes
+        )
+        return deleted > 0
 
     async def close(self) -> None:
         await self.calls.close()

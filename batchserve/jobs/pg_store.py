@@ -20,13 +20,12 @@ import asyncio
 import os
 import secrets
 import socket
-from collections import Counter
-from typing import Any
+from collections.abc import Iterable
 
 from psycopg import AsyncConnection
 
 from batchserve.jobs.files import LineSplitter, StorageFull
-from batchserve.jobs.openai_batch import line_size
+from batchserve.jobs.openai_batch import Sizes
 from batchserve.jobs.pg_calls import READ_BYTES, PgCalls, bound_for
 from batchserve.jobs.pg_files import BIG_DELETE_S, PgFileStore
 from batchserve.jobs.store import (
@@ -35,15 +34,15 @@ from batchserve.jobs.store import (
     NEW_JOB_COLUMNS,
     NEW_JOB_VALUES,
     ACTIVE,
+    CANCELLED,
     PAGE_BYTES,
+    QUOTA_CODE,
     FileGone,
-    IdempotencyConflict,
     ItemRow,
     Job,
     NewJob,
     Outcome,
     Progress,
-    Sizes,
     UnstorableInput,
     whole_bytes,
 )
@@ -124,7 +123,6 @@ ALTER TABLE batchserve_jobs ADD COLUMN IF NOT EXISTS reason TEXT;
 )
 
 ABANDONED_S = 3600.0  # an upload still `uploading` this long after it began was abandoned (its node died)
-QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
 LEASE = "clock_timestamp() + %(lease_s)s * interval '1 second'"
 NUL_FREE = "\ufffd"  # PostgreSQL text cannot hold NUL: an output carrying one is stored with this instead
 
@@ -134,26 +132,17 @@ def _text(value: str | None) -> str | None:
 
 
 async def book_job(
-    conn: AsyncConnection,
-    job_id: str,
-    counts: Counter[str],
-    size: Sizes,
-    reasons: dict[str, str],
-    openai: bool,
-    now: float,
+    conn: AsyncConnection, job_id: str, size: Sizes, reason: str | None, openai: bool, now: float
 ) -> Progress | None:
     """A job's counters and bytes moved by what was just recorded of it (and, failed for its quota, the rest of
     its items ended), then its status once every item is final."""
-    reason = reasons.get(job_id)
     if reason is not None:
-        rest = await end_pending(conn, job_id, openai, "failed", QUOTA_CODE, reason, now)
-        counts["failed"] += rest.count
-        size.merge(rest)
+        size.merge(await end_pending(conn, job_id, openai, "failed", QUOTA_CODE, reason, now))
     await conn.execute(
         "UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s, "
         "bytes = bytes + %s, output_bytes = output_bytes + %s, "
         "error_bytes = error_bytes + %s, reason = COALESCE(reason, %s) WHERE id = %s",
-        (counts["completed"], counts["failed"], size.stored, size.output, size.errors, reason, job_id),
+        (*size.grows(), reason, job_id),
     )
     cur = await conn.execute(
         f"UPDATE batchserve_jobs SET status = CASE WHEN status NOT IN ('queued', 'running') "
@@ -171,23 +160,24 @@ async def book_job(
 async def end_pending(
     conn: AsyncConnection, job_id: str, openai: bool, status: str, error: str, message: str, now: float
 ) -> Sizes:
-    """Make every pending item of the job final with this error; the bytes that adds."""
+    """Make every pending item of the job final with this error; what that adds."""
     cur = await conn.execute(
         "UPDATE batchserve_items SET status = %s, error = %s, message = %s, finished_at = %s, lease_until = NULL "
         f"WHERE job_id = %s AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
         (status, error, message, now, job_id),
     )
     rows = await cur.fetchall()
-    sizes = Sizes(count=len(rows))
-    if openai and rows:
+    if openai and rows:  # each line's custom_id is parsed: off the event loop
+        return await asyncio.to_thread(Sizes.ended, job_id, rows, status, error, message, openai)
+    return Sizes.ended(job_id, rows, status, error, message, False)
 
-        def measure() -> Sizes:
-            for idx, text in rows:
-                sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
-            return sizes
 
-        await asyncio.to_thread(measure)
-    return sizes
+async def copy_items(conn: AsyncConnection, job_id: str, start: int, texts: Iterable[str]) -> None:
+    """The job's items from index `start`, by COPY."""
+    async with conn.cursor() as items:
+        async with items.copy("COPY batchserve_items (job_id, idx, input) FROM STDIN") as copy:
+            for i, text in enumerate(texts, start):
+                await copy.write_row((job_id, i, text))
 
 
 class PostgresStore(PgFileStore):
@@ -217,10 +207,7 @@ class PostgresStore(PgFileStore):
         async def tx(conn: AsyncConnection) -> tuple[Job, bool]:
             if self.limits.bounded:
                 await self._lock_tenant(conn, job.tenant)
-            cur = await conn.execute(
-                INSERT_JOB,
-                job.row(0),
-            )
+            cur = await conn.execute(INSERT_JOB, job.row(0))
             if await cur.fetchone() is None:  # the key was used before (perhaps on another node just now)
                 cur = await conn.execute(
                     f"SELECT {JOB_COLUMNS}, request_hash FROM batchserve_jobs "
@@ -229,16 +216,11 @@ class PostgresStore(PgFileStore):
                 )
                 row = await cur.fetchone()
                 assert row is not None
-                if row[18] != job.request_hash:
-                    raise IdempotencyConflict(job.idempotency_key)
-                return Job.of_row(row), False
+                return job.repeat(row)
             await self._check(conn, job.tenant, adding, "this batch's inputs")
             await conn.execute("UPDATE batchserve_jobs SET bytes = %s WHERE id = %s", (adding, job.id))
             if job.source_file is None:
-                async with conn.cursor() as items:
-                    async with items.copy("COPY batchserve_items (job_id, idx, input) FROM STDIN") as copy:
-                        for i, text in enumerate(job.inputs):
-                            await copy.write_row((job.id, i, text))
+                await copy_items(conn, job.id, 0, job.inputs)
             else:
                 await self._copy_lines(conn, job)
             return job.queued(adding), True
@@ -264,11 +246,8 @@ class PostgresStore(PgFileStore):
             row = await cur.fetchone()
             lines = split.end() if row is None else await asyncio.to_thread(split.feed, bytes(row[1]))
             if lines:
-                async with conn.cursor() as items:
-                    async with items.copy("COPY batchserve_items (job_id, idx, input) FROM STDIN") as copy:
-                        for line in lines:
-                            await copy.write_row((job.id, index, line.decode()))
-                            index += 1
+                await copy_items(conn, job.id, index, (line.decode() for line in lines))
+                index += len(lines)
             if row is None:
                 break
             seq = row[0]
@@ -276,31 +255,24 @@ class PostgresStore(PgFileStore):
             raise FileGone(job.source_file or "")
 
     async def get(self, tenant: str, job_id: str) -> Job | None:
-        async def tx(conn: AsyncConnection) -> Job | None:
-            cur = await conn.execute(
-                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
-            )
-            row = await cur.fetchone()
-            return Job.of_row(row) if row is not None else None
-
-        return await self.calls.tx(tx)
+        rows = await self.calls.rows(
+            f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
+        )
+        return Job.of_row(rows[0]) if rows else None
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
-        async def tx(conn: AsyncConnection) -> list[Job]:
-            if after is None:
-                cur = await conn.execute(
-                    f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s ORDER BY seq DESC LIMIT %s",
-                    (tenant, limit),
-                )
-            else:
-                cur = await conn.execute(
-                    f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s AND seq < "
-                    f"(SELECT seq FROM batchserve_jobs WHERE id = %s AND tenant = %s) ORDER BY seq DESC LIMIT %s",
-                    (tenant, after, tenant, limit),
-                )
-            return [Job.of_row(r) for r in await cur.fetchall()]
-
-        return await self.calls.tx(tx)
+        if after is None:
+            rows = await self.calls.rows(
+                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s ORDER BY seq DESC LIMIT %s",
+                (tenant, limit),
+            )
+        else:
+            rows = await self.calls.rows(
+                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s AND seq < "
+                f"(SELECT seq FROM batchserve_jobs WHERE id = %s AND tenant = %s) ORDER BY seq DESC LIMIT %s",
+                (tenant, after, tenant, limit),
+            )
+        return [Job.of_row(r) for r in rows]
 
     async def results(
         self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
@@ -314,42 +286,30 @@ class PostgresStore(PgFileStore):
             if with_input
             else "NULL"
         )
-
-        async def tx(conn: AsyncConnection) -> list[ItemRow]:
-            cur = await conn.execute(
-                "SELECT i.idx, i.status, CASE WHEN octet_length(i.output) <= %(whole)s THEN i.output END, "
-                f"i.error, i.message, {line}, COALESCE(octet_length(i.output), 0), "
-                f"{custom_id} "
-                "FROM (SELECT idx, row_number() OVER w AS n, SUM(cost) OVER w AS upto "
-                "FROM (SELECT idx, LEAST(COALESCE(octet_length(output), 0), %(whole)s) "
-                f"+ LEAST({in_bytes}, %(whole)s) + COALESCE(length(message), 0) AS cost "
-                "FROM batchserve_items WHERE job_id = %(job)s AND idx > %(after)s ORDER BY idx LIMIT %(limit)s) s "
-                "WINDOW w AS (ORDER BY idx)) c "
-                "JOIN batchserve_items i ON i.job_id = %(job)s AND i.idx = c.idx "
-                "WHERE c.n = 1 OR c.upto <= %(max)s ORDER BY i.idx",
-                {
-                    "job": job_id,
-                    "after": after_index,
-                    "limit": limit,
-                    "whole": whole_bytes(max_bytes),
-                    "max": max_bytes,
-                },
-            )
-            return [ItemRow(*r) for r in await cur.fetchall()]
-
-        return await self.calls.tx(tx, bound_for(READ_BYTES, limit))  # a held input's custom_id is parsed there
+        rows = await self.calls.rows(
+            "SELECT i.idx, i.status, CASE WHEN octet_length(i.output) <= %(whole)s THEN i.output END, "
+            f"i.error, i.message, {line}, COALESCE(octet_length(i.output), 0), "
+            f"{custom_id} "
+            "FROM (SELECT idx, row_number() OVER w AS n, SUM(cost) OVER w AS upto "
+            "FROM (SELECT idx, LEAST(COALESCE(octet_length(output), 0), %(whole)s) "
+            f"+ LEAST({in_bytes}, %(whole)s) + COALESCE(length(message), 0) AS cost "
+            "FROM batchserve_items WHERE job_id = %(job)s AND idx > %(after)s ORDER BY idx LIMIT %(limit)s) s "
+            "WINDOW w AS (ORDER BY idx)) c "
+            "JOIN batchserve_items i ON i.job_id = %(job)s AND i.idx = c.idx "
+            "WHERE c.n = 1 OR c.upto <= %(max)s ORDER BY i.idx",
+            {"job": job_id, "after": after_index, "limit": limit, "whole": whole_bytes(max_bytes), "max": max_bytes},
+            bound_for(READ_BYTES, limit),  # a held input's custom_id is parsed there
+        )
+        return [ItemRow(*r) for r in rows]
 
     async def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
-        async def tx(conn: AsyncConnection) -> bytes | None:
-            cur = await conn.execute(
-                "SELECT substring(convert_to(COALESCE(output, ''), 'UTF8') FROM %s FOR %s) FROM batchserve_items "
-                "WHERE job_id = %s AND idx = %s",
-                (start + 1, size, job_id, index),
-            )
-            row = await cur.fetchone()
-            return None if row is None else bytes(row[0])
-
-        return await self.calls.tx(tx, bound_for(READ_BYTES))  # the whole output is decompressed for each piece
+        rows = await self.calls.rows(
+            "SELECT substring(convert_to(COALESCE(output, ''), 'UTF8') FROM %s FOR %s) FROM batchserve_items "
+            "WHERE job_id = %s AND idx = %s",
+            (start + 1, size, job_id, index),
+            bound_for(READ_BYTES),  # the whole output is decompressed for each piece
+        )
+        return bytes(rows[0][0]) if rows else None
 
     async def delete_job(self, tenant: str, job_id: str) -> Job | None:
         async def tx(conn: AsyncConnection) -> Job | None:
@@ -392,20 +352,12 @@ class PostgresStore(PgFileStore):
             if row is None:
                 return None
             if row[0] in ACTIVE:
-                sizes = await end_pending(
-                    conn,
-                    job_id,
-                    row[1] is not None,
-                    "cancelled",
-                    "CANCELLED",
-                    "the job was cancelled before this item ran",
-                    now,
-                )
+                sizes = await end_pending(conn, job_id, row[1] is not None, *CANCELLED, now)
                 await conn.execute(
                     "UPDATE batchserve_jobs SET status = 'cancelled', cancelled = cancelled + %s, finished_at = %s, "
                     "bytes = bytes + %s, error_bytes = error_bytes + %s "
                     "WHERE id = %s AND status IN ('queued', 'running')",
-                    (sizes.count, now, sizes.stored, sizes.errors, job_id),
+                    (sizes.counts["cancelled"], now, sizes.stored, sizes.errors, job_id),
                 )
             cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s", (job_id,))
             found = await cur.fetchone()
@@ -417,15 +369,12 @@ class PostgresStore(PgFileStore):
         return await self.calls.tx(tx, bound_for(rows=job.pending))
 
     async def active(self, models: list[str]) -> list[Job]:
-        async def tx(conn: AsyncConnection) -> list[Job]:
-            cur = await conn.execute(
-                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE status IN "
-                f"('queued', 'running') AND model = ANY(%s) ORDER BY seq",
-                (models,),
-            )
-            return [Job.of_row(r) for r in await cur.fetchall()]
-
-        return await self.calls.tx(tx)
+        rows = await self.calls.rows(
+            f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE status IN "
+            f"('queued', 'running') AND model = ANY(%s) ORDER BY seq",
+            (models,),
+        )
+        return [Job.of_row(r) for r in rows]
 
     async def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
         async def tx(conn: AsyncConnection) -> list[tuple[int, str]]:
@@ -452,25 +401,20 @@ class PostgresStore(PgFileStore):
         return await self.calls.tx(tx, bound_for(READ_BYTES, limit))  # the claimed items' inputs come back with it
 
     async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
-        async def tx(conn: AsyncConnection) -> int:
-            cur = await conn.execute(
-                f"UPDATE batchserve_items SET lease_until = {LEASE} WHERE job_id = %(job)s AND idx = ANY(%(idx)s) "
-                f"AND status = 'pending' AND holder = %(holder)s",
-                {"lease_s": lease_s, "job": job_id, "idx": indexes, "holder": self.holder},
-            )
-            return cur.rowcount
-
-        return await self.calls.tx(tx, bound_for(rows=len(indexes)))
+        return await self.calls.change(
+            f"UPDATE batchserve_items SET lease_until = {LEASE} WHERE job_id = %(job)s AND idx = ANY(%(idx)s) "
+            f"AND status = 'pending' AND holder = %(holder)s",
+            {"lease_s": lease_s, "job": job_id, "idx": indexes, "holder": self.holder},
+            bound_for(rows=len(indexes)),
+        )
 
     async def release(self, job_id: str, indexes: list[int]) -> None:
-        async def tx(conn: AsyncConnection) -> None:
-            await conn.execute(
-                "UPDATE batchserve_items SET lease_until = NULL WHERE job_id = %s "
-                "AND idx = ANY(%s) AND status = 'pending' AND holder = %s",
-                (job_id, indexes, self.holder),
-            )
-
-        await self.calls.tx(tx, bound_for(rows=len(indexes)))
+        await self.calls.change(
+            "UPDATE batchserve_items SET lease_until = NULL WHERE job_id = %s "
+            "AND idx = ANY(%s) AND status = 'pending' AND holder = %s",
+            (job_id, indexes, self.holder),
+            bound_for(rows=len(indexes)),
+        )
 
     async def _within_quota(
         self, conn: AsyncConnection, by_job: dict[str, list[Outcome]], owners: dict[str, tuple[str, bool]]
@@ -485,7 +429,7 @@ class PostgresStore(PgFileStore):
                 await self._check(conn, tenant, sum(o.stored_bytes() for o in outs), f"the outputs of batch {job_id}")
             except StorageFull as full:
                 reasons[job_id] = full.message
-                by_job[job_id] = [Outcome(o.job_id, o.index, "failed", None, QUOTA_CODE, full.message) for o in outs]
+                by_job[job_id] = [o.over_quota(full.message) for o in outs]
         return reasons
 
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
@@ -505,13 +449,12 @@ class PostgresStore(PgFileStore):
                 for tenant in sorted({t for t, _ in owners.values()}):
                     await self._lock_tenant(conn, tenant)
             reasons = await self._within_quota(conn, by_job, owners)
-            columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
-            for job_id in job_ids:
-                for o in by_job[job_id]:
-                    for column, value in zip(
-                        columns, (o.job_id, o.index, o.status, _text(o.output), _text(o.error), _text(o.message))
-                    ):
-                        column.append(value)
+            rows = [
+                (o.job_id, o.index, o.status, _text(o.output), _text(o.error), _text(o.message))
+                for job_id in job_ids
+                for o in by_job[job_id]
+            ]
+            columns = [list(column) for column in zip(*rows)]  # one array per column
             cur = await conn.execute(
                 "UPDATE batchserve_items AS i SET status = o.status, output = o.output, error = o.error, "
                 "message = o.message, writes = i.writes + 1, finished_at = %s, holder = %s, lease_until = NULL "
@@ -522,23 +465,19 @@ class PostgresStore(PgFileStore):
                 (now, self.holder, *columns),
             )
             changed = await cur.fetchall()
-            written: dict[str, Counter[str]] = {job_id: Counter() for job_id in job_ids}
             sizes = {job_id: Sizes() for job_id in job_ids}
             found = {(o.job_id, o.index): o for outs in by_job.values() for o in outs}
 
             def measure() -> None:
-                for job_id, idx, status, text in changed:
-                    written[job_id][status] += 1
+                for job_id, idx, _, text in changed:
                     o = found[(job_id, idx)]
-                    sizes[job_id].stored += o.stored_bytes()
-                    if owners.get(job_id, ("", False))[1]:
-                        sizes[job_id].add(line_size(job_id, ItemRow(idx, status, o.output, o.error, o.message, text)))
+                    sizes[job_id].add(o, o.stored_bytes(), text if owners.get(job_id, ("", False))[1] else None)
 
             await asyncio.to_thread(measure)  # parses each line's custom_id: off the event loop
             progress = []
             for job_id in job_ids:
                 openai = owners.get(job_id, ("", False))[1]
-                done = await book_job(conn, job_id, written[job_id], sizes[job_id], reasons, openai, now)
+                done = await book_job(conn, job_id, sizes[job_id], reasons.get(job_id), openai, now)
                 if done is not None:
                     progress.append(done)
             return progress

@@ -148,9 +148,7 @@ async def create_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller
     )
     if body.openai:
         return await create_openai_batch(body.values, key, rt, svc, caller)
-    inputs, requested, metadata = body.inputs, body.model, body.metadata
-    if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
-        raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
+    inputs, requested, metadata = body.inputs, body.model, check_metadata(body.metadata)
     spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
     if spec is None:
         raise errors.model_not_found(requested)
@@ -167,13 +165,13 @@ async def create_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller
         now,
         expires_at=expiry(now, None, s.batches_expire_days),
     )
-    try:
-        job, created = await store.create(new)
-    except IdempotencyConflict:
-        raise errors.conflict("this Idempotency-Key was used before with a different body") from None
-    except UnstorableInput as exc:
-        raise errors.invalid(str(exc)) from None
-    return accepted(svc, job, created)
+    return await stored(svc, store, new)
+
+
+def check_metadata(metadata: dict | None) -> dict | None:
+    if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+        raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
+    return metadata
 
 
 def expiry(now: float, seconds: float | None, default_days: float) -> float | None:
@@ -183,8 +181,17 @@ def expiry(now: float, seconds: float | None, default_days: float) -> float | No
     return now + default_days * 86400 if default_days > 0 else None
 
 
-def accepted(svc: JobService, job: Job, created: bool) -> Answer | Stream:
-    """A stored job: start running it (when new), and answer 202 (200 for a repeat of an idempotent one)."""
+async def stored(svc: JobService, store: JobStore, new: NewJob) -> Answer | Stream:
+    """Store the job (an OpenAI one's file lines copied in the store's transaction), start running it (when new),
+    and answer 202 (200 for a repeat of an idempotent one)."""
+    try:
+        job, created = await store.create(new)
+    except IdempotencyConflict:
+        raise errors.conflict("this Idempotency-Key was used before with a different body") from None
+    except UnstorableInput as exc:
+        raise errors.invalid(str(exc)) from None
+    except FileGone:
+        raise file_missing(new.source_file or "") from None
     if created:
         svc.metrics.created.inc()
         svc.metrics.progress(Progress(job.id, job.model, job.status, {"pending": job.total}))
@@ -203,9 +210,7 @@ async def create_openai_batch(
 ) -> Answer | Stream:
     """OpenAI's `POST /v1/batches`: the input file's lines become the job's items (`openai_batch.py`)."""
     req = check_batch_request(values, rt.generation is not None)
-    file_id, endpoint, window, metadata = req.input_file_id, req.endpoint, req.completion_window, req.metadata
-    if metadata is not None and len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
-        raise errors.payload_too_large(f'"metadata" is over {MAX_METADATA_BYTES} bytes')
+    file_id, endpoint, metadata = req.input_file_id, req.endpoint, check_metadata(req.metadata)
     store = await svc.open_store()
     meta = await store.get_file(caller.owner, file_id)
     if meta is None or meta.purpose != "batch":
@@ -219,21 +224,26 @@ async def create_openai_batch(
     named = {m for m in parsed.models if m is not None}
     if len(named) > 1:
         raise errors.invalid("the lines name different models; one batch runs on one model")
-    requested = next(iter(named), None)
-    model = batch_model(rt, endpoint, requested, caller)
-    return await store_openai_batch(
-        svc,
-        store,
-        caller,
-        key,
+    model = batch_model(rt, endpoint, next(iter(named), None), caller)
+    openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": req.completion_window}
+    canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
+    now = time.time()
+    new = NewJob(
+        "batch_" + secrets.token_hex(12),
+        caller.owner,
         model,
-        parsed,
-        endpoint,
-        file_id,
-        window,
+        [],
         metadata,
-        expiry(time.time(), expires_s(req), rt.settings.batches_expire_days),
+        key,
+        hashlib.sha256(canon).hexdigest(),
+        now,
+        openai,
+        source_file=file_id,
+        total=parsed.lines,
+        input_bytes=parsed.nbytes,
+        expires_at=expiry(now, expires_s(req), rt.settings.batches_expire_days),
     )
+    return await stored(svc, store, new)
 
 
 def batch_model(rt: JobsHost, endpoint: str, requested: str | None, caller: Caller) -> str:
@@ -257,46 +267,6 @@ def file_missing(file_id: str) -> ApiError:
     return ApiError(
         404, "FILE_NOT_FOUND", f"no file {errors.short(file_id)!r} with purpose 'batch' (upload it with POST /v1/files)"
     )
-
-
-async def store_openai_batch(
-    svc: JobService,
-    store: JobStore,
-    caller: Caller,
-    key: str | None,
-    model: str,
-    parsed: InputCheck,
-    endpoint: str,
-    file_id: str,
-    window: str,
-    metadata: dict | None,
-    expires_at: float | None,
-) -> Answer | Stream:
-    """Store the job; the store copies the file's lines into its items, chunk by chunk, in its transaction."""
-    openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": window}
-    canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
-    new = NewJob(
-        "batch_" + secrets.token_hex(12),
-        caller.owner,
-        model,
-        [],
-        metadata,
-        key,
-        hashlib.sha256(canon).hexdigest(),
-        time.time(),
-        openai,
-        source_file=file_id,
-        total=parsed.lines,
-        input_bytes=parsed.nbytes,
-        expires_at=expires_at,
-    )
-    try:
-        job, created = await store.create(new)
-    except IdempotencyConflict:
-        raise errors.conflict("this Idempotency-Key was used before with a different body") from None
-    except FileGone:
-        raise file_missing(file_id) from None
-    return accepted(svc, job, created)
 
 
 # -- reads and cancel ----------------------------------------------------------------------------------------
@@ -361,16 +331,13 @@ async def list_batches(call: Call, rt: JobsHost, svc: JobService, caller: Caller
     limit, after = list_limit(query, LIST_DEFAULT, LIST_MAX), query.get("after")
     store = await svc.existing_store()
     jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
-    data: list[dict[str, Any]] = [job_view(j) for j in jobs[:limit]]
-    return json_answer(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": len(jobs) > limit,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-        }
-    )
+    return list_answer([job_view(j) for j in jobs[:limit]], len(jobs) > limit)
+
+
+def list_answer(data: list[dict[str, Any]], has_more: bool) -> Answer:
+    """A page of a list, in OpenAI's shape."""
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return json_answer({"object": "list", "data": data, "has_more": has_more, "first_id": first, "last_id": last})
 
 
 ROUTES = [

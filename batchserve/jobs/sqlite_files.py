@@ -12,12 +12,11 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from batchserve.jobs.files import FileLimitReached, StorageLimits, StoredFile, files_where
+from batchserve.jobs.files import FILE_COLUMNS, FileLimitReached, StorageLimits, StoredFile, files_where
 
 T = TypeVar("T")
 P = ParamSpec("P")
 S = TypeVar("S", bound="SQLiteFileStore")
-FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at, expires_at"
 
 
 def on_store_thread(
@@ -29,12 +28,6 @@ def on_store_thread(
         return await store._run(functools.partial(fn, store, *args, **kwargs))
 
     return on_loop
-
-
-def _file(row: sqlite3.Row) -> StoredFile:
-    return StoredFile(
-        row["id"], row["tenant"], row["filename"], row["purpose"], row["bytes"], row["created_at"], row["expires_at"]
-    )
 
 
 class SQLiteFileStore:
@@ -50,10 +43,14 @@ class SQLiteFileStore:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
+    @property
+    def _db(self) -> sqlite3.Connection:
+        assert self._conn is not None, "the store is closed"
+        return self._conn
+
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        conn = self._conn
-        assert conn is not None, "the store is closed"
+        conn = self._db
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
@@ -62,13 +59,15 @@ class SQLiteFileStore:
             raise
         conn.execute("COMMIT")
 
-    def _usage(self, c: sqlite3.Connection, tenant: str) -> tuple[int, int]:
+    @staticmethod
+    def _usage(c: sqlite3.Connection, tenant: str, with_total: bool) -> tuple[int, int]:
+        """(bytes the tenant keeps, bytes the store keeps in all, or 0 unless `with_total`)."""
         mine = c.execute(
             "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?) + "
             "(SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?)",
             (tenant, tenant),
         ).fetchone()[0]
-        if not self.limits.total_bytes:
+        if not with_total:
             return mine, 0
         total = c.execute(
             "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
@@ -77,16 +76,11 @@ class SQLiteFileStore:
 
     def _check(self, c: sqlite3.Connection, tenant: str, adding: int, what: str) -> None:
         if self.limits.bounded:
-            self.limits.check(tenant, *self._usage(c, tenant), adding, what)
+            self.limits.check(tenant, *self._usage(c, tenant, bool(self.limits.total_bytes)), adding, what)
 
     @on_store_thread
     def usage(self, tenant: str) -> tuple[int, int]:
-        assert self._conn is not None
-        mine, _ = self._usage(self._conn, tenant)
-        total = self._conn.execute(
-            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
-        ).fetchone()[0]
-        return mine, total
+        return self._usage(self._db, tenant, True)
 
     @on_store_thread
     def begin_file(self, meta: StoredFile, max_count: int) -> None:
@@ -129,27 +123,24 @@ class SQLiteFileStore:
 
     @on_store_thread
     def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
-        assert self._conn is not None
-        row = self._conn.execute(
+        row = self._db.execute(
             f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
         ).fetchone()
-        return _file(row) if row is not None else None
+        return StoredFile(*row) if row is not None else None
 
     def _chunk(self, file_id: str, after: int) -> tuple[int, bytes] | None:
-        assert self._conn is not None
-        row = self._conn.execute(
+        row = self._db.execute(
             "SELECT seq, data FROM file_chunks WHERE file_id = ? AND seq > ? ORDER BY seq LIMIT 1", (file_id, after)
         ).fetchone()
         return (row[0], bytes(row[1])) if row is not None else None
 
     @on_store_thread
     def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
-        assert self._conn is not None
         where, args = files_where(tenant, after, purpose, "?", "files")
-        rows = self._conn.execute(
+        rows = self._db.execute(
             f"SELECT {FILE_COLUMNS} FROM files WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit)
         )
-        return [_file(r) for r in rows]
+        return [StoredFile(*r) for r in rows]
 
     @on_store_thread
     def delete_file(self, tenant: str, file_id: str) -> bool:
@@ -166,10 +157,9 @@ class SQLiteFileStore:
     def _vacuum(self) -> None:
         """Give freed pages back to the file system (a file made with auto_vacuum; else a no-op) and fold the
         write-ahead log back, so deleting shrinks what is on disk, not only what is counted."""
-        assert self._conn is not None
         # executescript steps the pragma to its end (one `execute` step frees a single page)
-        self._conn.executescript("PRAGMA incremental_vacuum;")
-        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        self._db.executescript("PRAGMA incremental_vacuum;")
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     def _close(self) -> None:
         if self._conn is not None:

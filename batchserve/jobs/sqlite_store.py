@@ -18,12 +18,10 @@ import fcntl
 import os
 import sqlite3
 import time
-from collections import Counter
-from typing import ParamSpec, TypeVar
-
+from itertools import chain
 
 from batchserve.jobs.files import LineSplitter, StorageFull
-from batchserve.jobs.openai_batch import line_size
+from batchserve.jobs.openai_batch import Sizes
 from batchserve.jobs.sqlite_files import SQLiteFileStore, on_store_thread
 from batchserve.jobs.store import (
     JOB_COLUMNS,
@@ -31,22 +29,18 @@ from batchserve.jobs.store import (
     NEW_JOB_COLUMNS,
     NEW_JOB_VALUES,
     ACTIVE,
+    CANCELLED,
     PAGE_BYTES,
+    QUOTA_CODE,
     FileGone,
-    IdempotencyConflict,
     ItemRow,
     Job,
     NewJob,
     Outcome,
     Progress,
-    Sizes,
     row_cost,
     whole_bytes,
 )
-
-T = TypeVar("T")
-P = ParamSpec("P")
-
 
 SCHEMA_VERSION = 2  # PRAGMA user_version; see SQLiteStore._migrate
 SCHEMA = (
@@ -114,9 +108,6 @@ FILE_EXTRA = {"status": "TEXT NOT NULL DEFAULT 'processed'", "expires_at": "REAL
 # NULL: recorded before the column; its size is read from the value.
 ITEM_EXTRA = {"output_bytes": "INTEGER"}
 
-ABANDONED_S = 3600.0  # an upload row this old and still `uploading` was abandoned (its process died)
-QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"
-
 
 class StoreBusy(Exception):
     """Another process holds the jobs file."""
@@ -133,17 +124,13 @@ def add_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -
 def end_pending(
     c: sqlite3.Connection, job_id: str, openai: bool, status: str, error: str, message: str, now: float
 ) -> Sizes:
-    """Make every pending item of the job final with this error; the bytes that adds."""
+    """Make every pending item of the job final with this error; what that adds."""
     rows = c.execute(
         "UPDATE items SET status = ?, error = ?, message = ?, finished_at = ? "
         f"WHERE job_id = ? AND status = 'pending' RETURNING idx, {'input' if openai else 'NULL'}",
         (status, error, message, now, job_id),
     ).fetchall()
-    sizes = Sizes(count=len(rows))
-    for idx, text in rows:
-        if openai:
-            sizes.add(line_size(job_id, ItemRow(idx, status, None, error, message, text)))
-    return sizes
+    return Sizes.ended(job_id, rows, status, error, message, openai)
 
 
 class SQLiteStore(SQLiteFileStore):
@@ -203,8 +190,7 @@ class SQLiteStore(SQLiteFileStore):
     def _migrate(self) -> None:
         """Version 1: outputs are JSON text; an older file's string outputs are quoted so the API answers the same.
         Version 2: a file's bytes live in `file_chunks`, and each job counts the bytes it keeps (storage quotas)."""
-        assert self._conn is not None
-        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version >= SCHEMA_VERSION:
             return
         with self._tx() as c:
@@ -223,7 +209,7 @@ class SQLiteStore(SQLiteFileStore):
     # -- jobs ------------------------------------------------------------------------------------------------
     @on_store_thread
     def create(self, job: NewJob) -> tuple[Job, bool]:
-        adding = job.stored_bytes() if job.source_file is None else job.input_bytes
+        adding = job.stored_bytes()
         with self._tx() as c:
             if job.idempotency_key is not None:
                 row = c.execute(
@@ -231,9 +217,7 @@ class SQLiteStore(SQLiteFileStore):
                     (job.tenant, job.idempotency_key),
                 ).fetchone()
                 if row is not None:
-                    if row["request_hash"] != job.request_hash:
-                        raise IdempotencyConflict(job.idempotency_key)
-                    return Job.of_row(row), False
+                    return job.repeat(row)
             self._check(c, job.tenant, adding, "this batch's inputs")
             c.execute(f"INSERT INTO jobs ({NEW_JOB_COLUMNS}) VALUES ({NEW_JOB_VALUES})", job.row(adding))
             if job.source_file is None:
@@ -255,35 +239,30 @@ class SQLiteStore(SQLiteFileStore):
         split = LineSplitter()
         index = 0
         chunks = c.execute("SELECT data FROM file_chunks WHERE file_id = ? ORDER BY seq", (job.source_file,))
-        for (data,) in chunks:
-            lines = split.feed(bytes(data))
+        for data in chain((bytes(d) for (d,) in chunks), [None]):  # None: the file's end
+            lines = split.end() if data is None else split.feed(data)
             c.executemany(
                 "INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
                 ((job.id, index + k, line.decode()) for k, line in enumerate(lines)),
             )
             index += len(lines)
-        for line in split.end():
-            c.execute("INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)", (job.id, index, line.decode()))
-            index += 1
         if index != job.total:
             raise FileGone(job.source_file or "")  # not the file that was checked (it cannot change: never)
 
     def _get(self, tenant: str, job_id: str) -> Job | None:
-        assert self._conn is not None
-        row = self._conn.execute(
+        row = self._db.execute(
             f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)
         ).fetchone()
         return Job.of_row(row) if row is not None else None
 
     @on_store_thread
     def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
-        assert self._conn is not None
         if after is None:
-            rows = self._conn.execute(
+            rows = self._db.execute(
                 f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? ORDER BY seq DESC LIMIT ?", (tenant, limit)
             )
         else:
-            rows = self._conn.execute(
+            rows = self._db.execute(
                 f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? AND seq < "
                 f"(SELECT seq FROM jobs WHERE id = ? AND tenant = ?) ORDER BY seq DESC LIMIT ?",
                 (tenant, after, tenant, limit),
@@ -296,7 +275,6 @@ class SQLiteStore(SQLiteFileStore):
     ) -> list[ItemRow]:
         """Rows are taken from the cursor one at a time (SQLite computes each value's size, Python holds only
         what is kept), until the next would pass `max_bytes`."""
-        assert self._conn is not None
         # A value's bytes: length() of TEXT counts characters, of a BLOB bytes. An input's size is read from the
         # value: a large one is rare (a line of thousands of inputs), a large output is not (their embeddings).
         extra = (
@@ -305,7 +283,7 @@ class SQLiteStore(SQLiteFileStore):
             if with_input
             else ", NULL, 0, NULL"
         )
-        rows = self._conn.execute(
+        rows = self._db.execute(
             f"SELECT idx, status, CASE WHEN ob <= :whole THEN output END, ob, error, message{extra} "
             "FROM (SELECT idx, status, output, error, message, input, "
             "COALESCE(output_bytes, length(CAST(output AS BLOB)), 0) AS ob, length(CAST(input AS BLOB)) AS ib "
@@ -326,13 +304,12 @@ class SQLiteStore(SQLiteFileStore):
     def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
         """Read with SQLite's incremental I/O, which reads only the pages that hold the piece (substr would load
         the whole value for each piece); a file from before items had rowids reads it with substr."""
-        assert self._conn is not None
         try:
-            found = self._conn.execute(
+            found = self._db.execute(
                 "SELECT rowid, output IS NULL FROM items WHERE job_id = ? AND idx = ?", (job_id, index)
             ).fetchone()
         except sqlite3.OperationalError:  # a WITHOUT ROWID table
-            row = self._conn.execute(
+            row = self._db.execute(
                 "SELECT substr(CAST(COALESCE(output, '') AS BLOB), ?, ?) FROM items WHERE job_id = ? AND idx = ?",
                 (start + 1, size, job_id, index),
             ).fetchone()
@@ -341,7 +318,7 @@ class SQLiteStore(SQLiteFileStore):
             return None
         if found[1]:
             return b""
-        with self._conn.blobopen("items", "output", found[0], readonly=True) as blob:
+        with self._db.blobopen("items", "output", found[0], readonly=True) as blob:
             blob.seek(min(start, len(blob)))
             return blob.read(size)
 
@@ -353,19 +330,11 @@ class SQLiteStore(SQLiteFileStore):
             if row is None:
                 return None
             if row["status"] in ACTIVE:
-                sizes = end_pending(
-                    c,
-                    job_id,
-                    row["openai"] is not None,
-                    "cancelled",
-                    "CANCELLED",
-                    "the job was cancelled before this item ran",
-                    now,
-                )
+                sizes = end_pending(c, job_id, row["openai"] is not None, *CANCELLED, now)
                 c.execute(
                     "UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ?, "
                     "bytes = bytes + ?, error_bytes = error_bytes + ? WHERE id = ?",
-                    (sizes.count, now, sizes.stored, sizes.errors, job_id),
+                    (sizes.counts["cancelled"], now, sizes.stored, sizes.errors, job_id),
                 )
                 self._leases.pop(job_id, None)
         return self._get(tenant, job_id)
@@ -373,22 +342,24 @@ class SQLiteStore(SQLiteFileStore):
     @on_store_thread
     def delete_job(self, tenant: str, job_id: str) -> Job | None:
         with self._tx() as c:
-            row = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
-            if row is None:
+            job = self._get(tenant, job_id)
+            if job is None:
                 return None
-            job = Job.of_row(row)
             if job.status not in ACTIVE:
-                c.execute("DELETE FROM items WHERE job_id = ?", (job_id,))
-                c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+                self._drop_job(c, job_id)
         self._vacuum()
         return job
 
+    @staticmethod
+    def _drop_job(c: sqlite3.Connection, job_id: str) -> None:
+        c.execute("DELETE FROM items WHERE job_id = ?", (job_id,))
+        c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+
     @on_store_thread
     def sweep(self, now: float) -> tuple[int, int]:
-        assert self._conn is not None
         files = [
             r[0]
-            for r in self._conn.execute(
+            for r in self._db.execute(
                 "SELECT id FROM files WHERE status = 'processed' AND expires_at IS NOT NULL AND expires_at <= ?", (now,)
             ).fetchall()
         ]
@@ -397,7 +368,7 @@ class SQLiteStore(SQLiteFileStore):
                 self._drop_file(c, file_id)
         jobs = [
             r[0]
-            for r in self._conn.execute(
+            for r in self._db.execute(
                 "SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND expires_at IS NOT NULL "
                 "AND expires_at <= ?",
                 (now,),
@@ -405,17 +376,15 @@ class SQLiteStore(SQLiteFileStore):
         ]
         for job_id in jobs:
             with self._tx() as c:
-                c.execute("DELETE FROM items WHERE job_id = ?", (job_id,))
-                c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+                self._drop_job(c, job_id)
         if files or jobs:
             self._vacuum()
         return len(files), len(jobs)
 
     @on_store_thread
     def active(self, models: list[str]) -> list[Job]:
-        assert self._conn is not None
         marks = ", ".join("?" * len(models))
-        rows = self._conn.execute(
+        rows = self._db.execute(
             f"SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ('queued', 'running') AND model IN ({marks}) ORDER BY seq",
             models,
         )
@@ -423,12 +392,11 @@ class SQLiteStore(SQLiteFileStore):
 
     @on_store_thread
     def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
-        assert self._conn is not None
         clock = time.monotonic()
         leases = self._leases.setdefault(job_id, {})
         for index in [i for i, until in leases.items() if until <= clock]:
             del leases[index]  # expired: claimable again
-        rows = self._conn.execute(
+        rows = self._db.execute(
             "SELECT idx, input FROM items WHERE job_id = ? AND status = 'pending' ORDER BY idx LIMIT ?",
             (job_id, limit + len(leases)),
         )
@@ -436,7 +404,7 @@ class SQLiteStore(SQLiteFileStore):
         for index, _ in claimed:
             leases[index] = clock + lease_s
         if claimed:
-            self._conn.execute(
+            self._db.execute(
                 "UPDATE jobs SET status = 'running', started_at = COALESCE(started_at, ?) "
                 "WHERE id = ? AND status = 'queued'",
                 (now, job_id),
@@ -476,9 +444,8 @@ class SQLiteStore(SQLiteFileStore):
                     self._check(c, tenant, sum(o.stored_bytes() for o in outs), f"the outputs of batch {job_id}")
                 except StorageFull as full:  # the job fails whole, saying why; nothing more of it is kept
                     reason = full.message
-                    outs = [Outcome(o.job_id, o.index, "failed", None, QUOTA_CODE, reason) for o in outs]
+                    outs = [o.over_quota(reason) for o in outs]
                 sizes = Sizes()
-                counts: Counter[str] = Counter()
                 leases = self._leases.get(job_id, {})
                 for o in outs:
                     stored = o.stored_bytes()
@@ -490,16 +457,9 @@ class SQLiteStore(SQLiteFileStore):
                     ).fetchone()
                     leases.pop(o.index, None)
                     if row is not None:
-                        counts[o.status] += 1
-                        sizes.stored += stored
-                        if openai:
-                            sizes.add(
-                                line_size(job_id, ItemRow(o.index, o.status, o.output, o.error, o.message, row[0]))
-                            )
+                        sizes.add(o, stored, row[0])
                 if reason is not None:
-                    rest = end_pending(c, job_id, openai, "failed", QUOTA_CODE, reason, now)
-                    counts["failed"] += rest.count
-                    sizes.merge(rest)
+                    sizes.merge(end_pending(c, job_id, openai, "failed", QUOTA_CODE, reason, now))
                     self._leases.pop(job_id, None)
                 elif not self._leases.get(job_id, True):
                     del self._leases[job_id]
@@ -507,7 +467,7 @@ class SQLiteStore(SQLiteFileStore):
                     "UPDATE jobs SET completed = completed + ?, failed = failed + ?, bytes = bytes + ?, "
                     "output_bytes = output_bytes + ?, error_bytes = error_bytes + ?, "
                     "reason = COALESCE(reason, ?) WHERE id = ?",
-                    (counts["completed"], counts["failed"], sizes.stored, sizes.output, sizes.errors, reason, job_id),
+                    (*sizes.grows(), reason, job_id),
                 )
                 c.execute(
                     "UPDATE jobs SET status = CASE WHEN reason IS NOT NULL THEN 'failed' "
@@ -519,5 +479,4 @@ class SQLiteStore(SQLiteFileStore):
             rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(by_job)).fetchall()
         return [Progress.of(Job.of_row(r)) for r in rows]
 
-    async def get(self, tenant: str, job_id: str) -> Job | None:
-        return await self._run(self._get, tenant, job_id)
+    get = on_store_thread(_get)

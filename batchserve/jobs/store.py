@@ -18,8 +18,8 @@ many nodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -34,6 +34,8 @@ PAGE_BYTES = 1 << 20  # the most of its rows' outputs and inputs one page of res
 # A held output is read this much at a time: each read seeks from the value's start (SQLite walks its overflow
 # pages, PostgreSQL decompresses it), so small pieces cost quadratic time (1 MiB pieces: ~10x a whole read).
 PIECE_BYTES = 2 << 20
+QUOTA_CODE = "STORAGE_QUOTA_EXCEEDED"  # the error of items failed because their outputs would pass a storage quota
+CANCELLED = ("cancelled", "CANCELLED", "the job was cancelled before this item ran")  # (status, error, message)
 
 
 def whole_bytes(max_bytes: int) -> int:
@@ -120,6 +122,12 @@ class NewJob:
             self.id, self.tenant, self.model, self.count(), meta, self.idempotency_key, self.request_hash,
             self.created_at, openai, stored_bytes, self.expires_at,
         )  # fmt: skip
+
+    def repeat(self, row: Sequence[Any]) -> tuple[Job, bool]:
+        """The job its idempotency key made before (`row`: `JOB_COLUMNS`, then request_hash), or a conflict."""
+        if row[18] != self.request_hash:
+            raise IdempotencyConflict(self.idempotency_key)
+        return Job.of_row(row), False
 
     def queued(self, stored_bytes: int) -> Job:
         """The job as a store answers its creation: queued, nothing run yet, `stored_bytes` charged."""
@@ -254,27 +262,9 @@ class Outcome:
         out = self.output
         return 0 if out is None else len(out) if out.isascii() else len(out.encode())
 
-
-@dataclass(slots=True)
-class Sizes:
-    """Bytes a store write adds to a job: kept in all, and to its OpenAI output and error files."""
-
-    count: int = 0
-    stored: int = 0
-    output: int = 0
-    errors: int = 0
-
-    def add(self, line: tuple[str, int]) -> None:
-        kind, size = line
-        if kind == OUTPUT:
-            self.output += size
-        else:
-            self.errors += size
-
-    def merge(self, other: Sizes) -> None:
-        self.stored += other.stored
-        self.output += other.output
-        self.errors += other.errors
+    def over_quota(self, reason: str) -> Outcome:
+        """This outcome failed for its job's storage quota: nothing of it is kept."""
+        return Outcome(self.job_id, self.index, "failed", None, QUOTA_CODE, reason)
 
 
 @dataclass(slots=True)
@@ -295,13 +285,11 @@ class Progress:
 class JobStore(FileStore, Protocol):
     async def create(self, job: NewJob) -> tuple[Job, bool]:
         """Commit the job and all its items; (job, True), or (the earlier job, False) on a repeat."""
-        ...
 
     async def get(self, tenant: str, job_id: str) -> Job | None: ...
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
         """The tenant's jobs, newest first, starting after the job `after` (a cursor)."""
-        ...
 
     async def results(
         self, job_id: str, after_index: int, limit: int, with_input: bool = False, max_bytes: int = PAGE_BYTES
@@ -310,46 +298,36 @@ class JobStore(FileStore, Protocol):
         `with_input`: at most `limit` rows and `max_bytes` of outputs, inputs and messages (one row at least). An
         output or input over `whole_bytes(max_bytes)` is left out: `output_bytes` then says the output's size
         (`ItemRow.held`), and `custom_id` stands in for the input."""
-        ...
 
     async def output_piece(self, job_id: str, index: int, start: int, size: int) -> bytes | None:
         """Up to `size` bytes of the item's stored output (UTF-8) from byte `start`: empty past its end, None
         when the item is gone (its job was deleted)."""
-        ...
 
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         """Mark pending items cancelled and the job cancelled (a finished job is left as it is)."""
-        ...
 
     async def active(self, models: list[str]) -> list[Job]:
         """Unfinished jobs on these models, oldest first (resumed at start-up, polled for other nodes' jobs)."""
-        ...
 
     async def claim(self, job_id: str, limit: int, lease_s: float, now: float) -> list[tuple[int, str]]:
         """Up to `limit` pending (index, input) that no one holds a live lease on, lowest index first, leased
         to this store for `lease_s` seconds; marks the job running (`now` is its start time)."""
-        ...
 
     async def renew(self, job_id: str, indexes: list[int], lease_s: float) -> int:
         """Extend this store's leases on these items (still pending) by `lease_s` from now; how many it still
         held (fewer: a lease ran out and another holder took the item, which is then run twice, recorded once)."""
-        ...
 
     async def release(self, job_id: str, indexes: list[int]) -> None:
         """Give back leases on items this holder will not run (stopping), so another can claim them at once."""
-        ...
 
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         """Write these results (each at most once, in one transaction); the touched jobs' progress."""
-        ...
 
     async def delete_job(self, tenant: str, job_id: str) -> Job | None:
         """Delete a finished job with its items (frees its bytes); the job as it was, None when the tenant has
         no such job. An unfinished job is returned unchanged and kept (cancel it first)."""
-        ...
 
     async def sweep(self, now: float) -> tuple[int, int]:
         """Delete expired files, expired finished jobs and abandoned uploads; (files, jobs) deleted."""
-        ...
 
     async def close(self) -> None: ...
