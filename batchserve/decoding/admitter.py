@@ -95,7 +95,7 @@ class Admitter:
         """Whether `seq` may start now: its worst case fits, a batch line leaves the interactive headroom, and a
         lane at or over its share leaves one place for each lingering lane (`shares.LINGER_S`)."""
         lane = seq.lane
-        kept = 0 if lanes[lane].held < share[lane] else len(self.lanes.idle_since)  # _shares() pruned it just now
+        kept = 0 if lanes[lane].held < share[lane] else len(self.lanes.idle_since)  # shares() pruned it just now
         if lane[0] == SPARE:
             if self.lanes.spare_running() >= self.batch_cap and self.lanes.interactive_present():
                 return False  # the rows batch lines may hold beside interactive work (`shares.batch_row_cap`)

@@ -83,7 +83,7 @@ class Engine:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.stepper = stepper
-        self.metrics = GenerationMetrics.create(registry)
+        self.metrics = GenerationMetrics(registry)
         cap = stepper.capacity
         self.budget = KvBudget(total_blocks=cap.blocks, page_size=cap.page_size, max_seqs=cap.max_seqs)
         self.max_context = min(max_position, cap.max_sequence_tokens)
@@ -94,7 +94,6 @@ class Engine:
         self._tokenize_pool: ThreadPoolExecutor | None = None  # made on first use
         self.lanes = LaneBooks(self.budget)  # who waits and who runs, by lane (`shares.py`)
         self.forecast = WaitForecast(self.lanes)
-        # who of the waiting runs and who is paused for it, on the engine's clock
         self.admitter = Admitter(cfg, self.lanes, self.forecast, stepper, self.metrics, time.monotonic)
         # cost served per (model, tier, tenant) (`core/ledger.py`); the runtime hands the service's account in
         self.account = CostAccount()
@@ -130,14 +129,8 @@ class Engine:
             return tok, mdl, build.build_stepper(mdl, tok, cfg)  # looked up now: a bench stands a device in
 
         tok, mdl, stepper = await asyncio.to_thread(load)
-        engine = cls(
-            cfg,
-            tok,
-            stepper,
-            registry,
-            int(getattr(mdl.config, "max_position_embeddings", 8192)),
-            int(mdl.config.vocab_size),
-        )
+        c = mdl.config
+        engine = cls(cfg, tok, stepper, registry, int(getattr(c, "max_position_embeddings", 8192)), int(c.vocab_size))
         engine.eos_ids.update(end_tokens(mdl, tok))
         stepper.start(asyncio.get_running_loop(), engine._on_updates)
         engine._tick_task = asyncio.create_task(engine._tick())
@@ -186,12 +179,15 @@ class Engine:
     def check_prompt_chars(self, chars: int, max_tokens: int) -> None:
         """400 when a prompt of `chars` characters cannot fit however it tokenizes (no token covers more than
         `longest_token_chars`), checked before tokenizing so a huge prompt costs the event loop nothing."""
-        fewest = -(-chars // self.longest_token_chars)
-        if fewest + max_tokens > self.max_context:
+        self._check_context(-(-chars // self.longest_token_chars), max_tokens, chars)
+
+    def _check_context(self, tokens: int, max_tokens: int, chars: int | None = None) -> None:
+        """400 when a prompt of `tokens` (at least, from `chars` characters) plus max_tokens is over one sequence."""
+        if tokens + max_tokens > self.max_context:
+            size = f"{tokens} tokens" if chars is None else f"{chars} characters, so at least {tokens} tokens"
             raise errors.invalid(
-                f"the prompt ({chars} characters, so at least {fewest} tokens) plus max_tokens "
-                f"({max_tokens}) is over the {self.max_context} tokens one sequence may hold here "
-                "(--generation-max-context)"
+                f"the prompt ({size}) plus max_tokens ({max_tokens}) is over the {self.max_context} tokens "
+                "one sequence may hold here (--generation-max-context)"
             )
 
     async def tokenize(self, prompt: list[dict[str, str]] | str) -> list[int]:
@@ -227,8 +223,7 @@ class Engine:
         504 (default `max_wait_s`). `keep_tokens`: keep the ids in `token_ids`; `on_start`: called when it joins
         the stepper; `tenant` and `tier`: its lane."""
         wait_limit = self.cfg.queue_timeout_s if max_wait_s is None else max_wait_s
-        lane = lane_of(tenant, tier)
-        self._check_room(prompt_ids, params, lane)
+        self._check_room(prompt_ids, params, lane_of(tenant, tier))
         from batchserve.decoding.textstream import TextStream
 
         now = time.monotonic()
@@ -266,20 +261,14 @@ class Engine:
         return seq
 
     def _check_room(self, prompt_ids: list[int], params: SamplingParams, lane: Lane) -> None:
-        """The 400 or 503 a sequence gets before it queues (waiting batch lines never fill an interactive
-        caller's queue)."""
+        """The 400 or 503 a sequence gets before it queues (waiting batch lines never fill an interactive queue)."""
         if self.admitter.draining:
             raise errors.draining()
         if not self.healthy:
             raise errors.no_healthy_worker("the generation engine has stopped")
         if not prompt_ids:
             raise errors.invalid("the prompt is empty")
-        if len(prompt_ids) + params.max_tokens > self.max_context:
-            raise errors.invalid(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"over the {self.max_context} tokens one sequence may hold here "
-                "(--generation-max-context)"
-            )
+        self._check_context(len(prompt_ids), params.max_tokens)
         queued = self.waiting_count if lane[0] == SPARE else self.lanes.interactive_waiting()
         if queued >= self.cfg.max_waiting:
             self.metrics.rejected.labels("queue_full").inc()

@@ -9,7 +9,7 @@ import time
 from batchserve.decoding.kv_budget import Claim, Replay
 from batchserve.decoding.lanes import LaneBooks, victim_order
 from batchserve.decoding.sequence import EngineSequence
-from batchserve.decoding.shares import SPARE, Lane, LaneLoad, Queued, replay_wait, shares, tier_weight
+from batchserve.decoding.shares import Lane, LaneLoad, Queued, replay_wait, shares, tier_weight
 
 REPLAY_TTL_S = 0.1  # a kept replay of the queue answers arrivals this long (see WaitForecast.wait_s)
 
@@ -48,9 +48,8 @@ class WaitForecast:
                 if ahead.tier <= seq.tier and ahead is not seq:
                     replay.place(ahead.claim())
             kept = self._replays[seq.tier] = (now, replay)
-        if queued:
-            for tier in [t for t in self._replays if t > seq.tier]:
-                del self._replays[tier]
+        if queued:  # the tiers served after it replayed without it
+            self._replays = {tier: entry for tier, entry in self._replays.items() if tier <= seq.tier}
         made, replay = kept
         return max(0.0, replay.place(seq.claim(), commit=queued) - (now - made))
 
@@ -102,10 +101,8 @@ class WaitForecast:
         movable: set[str] = set()
         own = lanes[lane].held
         for other, runs in self.lanes.lane_running.items():
-            if other == lane or (other[0] == lane[0] and own >= share[lane]):
-                continue
-            if other[0] != lane[0] and not (other[0] == SPARE and lane[0] != SPARE):
-                continue
+            if other == lane or other[0] < lane[0] or (other[0] == lane[0] and own >= share[lane]):
+                continue  # an interactive lane is never paused for a batch line
             left = lanes[other].held
             for run in sorted(runs.values(), key=victim_order, reverse=True):
                 if other[0] == lane[0] and left - run.blocks < share[other]:

@@ -60,12 +60,10 @@ class Replay:
     """The future as `predicted_wait_s` replays it, kept so that the queue's next arrival continues it instead of
     replaying every sequence ahead again (a burst of n queued arrivals would cost n^2/2 placements)."""
 
-    def __init__(self, budget: KvBudget, running: list[Claim], step_s: float, freed: tuple[int, int] = (0, 0)) -> None:
-        """`freed`: (blocks, sequences) of running sequences left out of `running` that would give their
-        place up at once (preempted for the sequence asked about)."""
+    def __init__(self, budget: KvBudget, running: list[Claim], step_s: float) -> None:
         self.total_blocks = budget.total_blocks
-        self.free_blocks = budget.total_blocks - budget.used_blocks + freed[0]
-        self.free_slots = budget.max_seqs - budget.running + freed[1]
+        self.free_blocks = budget.total_blocks - budget.used_blocks
+        self.free_slots = budget.max_seqs - budget.running
         self.ends = [(c.steps * step_s, c.blocks) for c in running]  # (time it frees its blocks, blocks): a heap
         heapq.heapify(self.ends)
         self.step_s = step_s
@@ -81,18 +79,17 @@ class Replay:
         free_blocks, free_slots, now = self.free_blocks, self.free_slots, self.now
         while free_blocks < claim.blocks or free_slots < 1:
             if not self.ends:
-                for end in freed:
-                    heapq.heappush(self.ends, end)
-                self.stuck = commit
-                return math.inf
+                now = math.inf
+                break
             end = heapq.heappop(self.ends)
             freed.append(end)
             now = max(now, end[0])
             free_blocks += end[1]
             free_slots += 1
-        if not commit:
+        if not commit or now == math.inf:
             for end in freed:
                 heapq.heappush(self.ends, end)
+            self.stuck = commit and now == math.inf
             return now
         self.free_blocks, self.free_slots, self.now = free_blocks - claim.blocks, free_slots - 1, now
         heapq.heappush(self.ends, (now + claim.steps * self.step_s, claim.blocks))

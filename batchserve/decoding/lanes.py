@@ -107,24 +107,19 @@ class LaneBooks:
 
     def lingering(self) -> list[Lane]:
         """Interactive lanes without work whose last sequence ended within LINGER_S (expired ones forgotten)."""
-        if not self.idle_since:
-            return []
-        now = time.monotonic()
-        for lane in [
-            lane
-            for lane, since in self.idle_since.items()
-            if now - since > LINGER_S or lane in self.queues or lane in self.lane_running
-        ]:
-            del self.idle_since[lane]
+        if self.idle_since:
+            now = time.monotonic()
+            self.idle_since = {
+                lane: since
+                for lane, since in self.idle_since.items()
+                if now - since <= LINGER_S and lane not in self.queues and lane not in self.lane_running
+            }
         return list(self.idle_since)
 
     def interactive_present(self) -> bool:
         """Whether interactive work runs, waits, or lingers (`shares.LINGER_S`): batch lines keep to their cap."""
-        return (
-            any(lane[0] != SPARE for lane in self.lane_running)
-            or any(lane[0] != SPARE for lane in self.queues)
-            or bool(self.lingering())
-        )
+        busy = any(lane[0] != SPARE for lanes in (self.lane_running, self.queues) for lane in lanes)
+        return busy or bool(self.lingering())
 
     def alone(self, seq: EngineSequence) -> bool:
         """Whether every running and waiting sequence is of `seq`'s lane (no shares to weigh)."""

@@ -20,11 +20,10 @@ def processor_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Per-request arguments of the manager's logits processors (see sampling.py)."""
     from batchserve.decoding import sampling  # torch: imported only where generation runs
 
-    if params.greedy:
-        return {"temperature": 1.0, "top_p": 1.0, sampling.SEED_KEY: sampling.GREEDY}
+    greedy = params.greedy
     return {
-        "temperature": float(params.temperature),
-        "top_p": float(params.top_p),
+        "temperature": 1.0 if greedy else float(params.temperature),
+        "top_p": 1.0 if greedy else float(params.top_p),
         sampling.SEED_KEY: sampling.choice_key(params),
     }
 
@@ -56,9 +55,8 @@ def build_manager(
     size_field = (
         "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
     )
-    size: dict[str, Any] = {size_field: page_size}
     cb_config = ContinuousBatchingConfig(
-        **size,
+        **{size_field: page_size},
         num_blocks=math.ceil(kv_tokens / page_size) if kv_tokens else None,
         max_batch_tokens=max_batch_tokens or None,
         max_memory_percent=None if on_cpu else GPU_MEMORY_SHARE,
@@ -126,16 +124,8 @@ class ManagerStepper:
             new = list(out.generated_tokens[seen:])
             seen += len(new)
             assert self._deliver is not None
-            self._deliver(
-                [
-                    TokenUpdate(
-                        seq_id,
-                        new,
-                        out.is_finished() or out.error is not None,
-                        None if out.error is None else str(out.error),
-                    )
-                ]
-            )
+            error = None if out.error is None else str(out.error)
+            self._deliver([TokenUpdate(seq_id, new, out.is_finished() or error is not None, error)])
 
         self.manager.register_result_handler(seq_id, on_output)
         self.manager.add_request(

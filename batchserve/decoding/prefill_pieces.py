@@ -23,7 +23,6 @@ def prefill_row_buckets(slots: int) -> tuple[int, ...]:
 
 
 def check_pieces(
-    joins: int,
     prompts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     starts: Sequence[int],
@@ -35,8 +34,8 @@ def check_pieces(
     its prompt) within its slot's `slot_tokens`, and at most `most_joins` pieces (the prefill buffers' rows)."""
     if any(s + len(p) + (q.left if end else 0) > slot_tokens for s, p, q, end in zip(starts, prompts, params, last)):
         raise ValueError(f"a prompt plus its max_tokens is over the slot's {slot_tokens} tokens")
-    if joins > most_joins:
-        raise ValueError(f"{joins} joins in one prefill: at most {most_joins} (see prefill_fits)")
+    if len(prompts) > most_joins:
+        raise ValueError(f"{len(prompts)} joins in one prefill: at most {most_joins} (see prefill_fits)")
 
 
 def prefill_span(starts: Sequence[int], prompts: Sequence[Sequence[int]], whole_slot: int) -> int:

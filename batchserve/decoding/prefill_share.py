@@ -139,14 +139,13 @@ def first_lane(prompts: Sequence[Prompt], charges: Mapping[Lane, float], chunk: 
 class PrefillLedger:
     """Seconds of prefill lanes may still run beside another lane's decoding rows (a credit)."""
 
-    beside: float = BESIDE_DECODE
     credit: float = 0.0
     skipped: int = 0  # steps in a row its prefill waited and got nothing
 
     def earn(self, step_seconds: float) -> None:
         """A decode step of `step_seconds` ran while this ledger's prefill waited beside decoding rows."""
         if step_seconds > 0:
-            self.credit = min(self.credit + self.beside * step_seconds, CREDIT_STEPS * self.beside * step_seconds)
+            self.credit = min(self.credit + BESIDE_DECODE * step_seconds, CREDIT_STEPS * BESIDE_DECODE * step_seconds)
 
     def spend(self, seconds: float) -> None:
         self.credit -= seconds
@@ -164,7 +163,7 @@ class TokenRate:
         rate = seconds / tokens
         self.per_token = rate if self.per_token is None else self.per_token + EMA_WEIGHT * (rate - self.per_token)
 
-    def afford(self, seconds: float, skipped: int, max_skip: int = MAX_SKIP) -> int:
+    def afford(self, seconds: float, skipped: int) -> int:
         """Prompt tokens that `seconds` of credit buys: 0 under `MIN_PIECE`, unless starved or not yet measured
         (then `MIN_PIECE`)."""
         if self.per_token is None:
@@ -172,7 +171,7 @@ class TokenRate:
         tokens = math.floor(max(0.0, seconds) / self.per_token) if self.per_token > 0 else MIN_PIECE
         if tokens >= MIN_PIECE:
             return tokens
-        return MIN_PIECE if skipped >= max_skip else 0
+        return MIN_PIECE if skipped >= MAX_SKIP else 0
 
 
 def limited_lanes(prefilling: Collection[Lane], decoding: Collection[str], first: Lane | None = None) -> set[Lane]:

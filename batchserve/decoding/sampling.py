@@ -17,7 +17,8 @@ sort is not, they first pick the rows that asked and work on those only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import (
@@ -31,6 +32,7 @@ GREEDY = -2  # argmax
 SEED_KEY = "choice_seed"  # per-request kwarg: SAMPLE, GREEDY or a seed >= 0
 STEP_KEY = "choice_step"  # tokens drawn so far by a seeded request (kept in its kwargs: survives offloading)
 MASK31 = 0x7FFFFFFF
+Key = TypeVar("Key", int, torch.Tensor)
 
 
 if TYPE_CHECKING:
@@ -44,12 +46,12 @@ def choice_key(params: SamplingParams) -> int:
     return SAMPLE if params.seed is None else params.seed & MASK31
 
 
-def step_key(seed: int, step: int) -> int:
-    """A 31-bit seed per (request seed, token index)."""
+def step_key(seed: Key, step: Key) -> Key:
+    """A 31-bit seed per (request seed, token index): on ints, or on int64 tensors (the same bits, on the device)."""
     x = (seed * 0x9E3779B1 + step * 0x85EBCA77) & 0xFFFFFFFF
-    x ^= x >> 15
+    x = x ^ (x >> 15)
     x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
-    x ^= x >> 12
+    x = x ^ (x >> 12)
     return x & MASK31
 
 
@@ -82,14 +84,29 @@ def choose_tokens(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.where((keys == GREEDY).unsqueeze(-1), scores, chosen)
 
 
-class TopP(ContinuousBatchingLogitsProcessor):
+class _PerRequest(ContinuousBatchingLogitsProcessor):
+    def __init__(self, sync_free: bool = False) -> None:
+        self.sync_free = sync_free
+
+    def _on_rows(
+        self, scores: torch.Tensor, arg: torch.Tensor, asked: torch.Tensor, fn: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """`fn(scores, arg)` on every row (sync-free), or only on the rows that `asked`."""
+        if self.sync_free:
+            return fn(scores, arg)
+        rows = asked.nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            return scores
+        out = scores.clone()
+        out[rows] = fn(scores[rows], arg[rows])
+        return out
+
+
+class TopP(_PerRequest):
     """Nucleus filtering per request (`top_p`)."""
 
     supported_kwargs: dict[str, type] = {"top_p": float}
     ignored_kwargs: tuple[str, ...] = ()
-
-    def __init__(self, sync_free: bool = False) -> None:
-        self.sync_free = sync_free
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.copy_(torch.ones_like(int32_tensor, dtype=torch.float32).view(dtype=torch.int32))
@@ -99,24 +116,14 @@ class TopP(ContinuousBatchingLogitsProcessor):
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         top_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32).to(scores.device)
-        if self.sync_free:
-            return mask_top_p(scores, top_p)
-        rows = (top_p < 1.0).nonzero().squeeze(-1)
-        if rows.numel() == 0:
-            return scores
-        out = scores.clone()
-        out[rows] = mask_top_p(scores[rows], top_p[rows])
-        return out
+        return self._on_rows(scores, top_p, top_p < 1.0, mask_top_p)
 
 
-class TokenChoice(ContinuousBatchingLogitsProcessor):
+class TokenChoice(_PerRequest):
     """The last processor: each sampling row draws its token by inverse CDF and leaves only it for the argmax."""
 
     supported_kwargs: dict[str, type] = {SEED_KEY: int}
     ignored_kwargs: tuple[str, ...] = (STEP_KEY,)
-
-    def __init__(self, sync_free: bool = False) -> None:
-        self.sync_free = sync_free
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(GREEDY)
@@ -135,14 +142,7 @@ class TokenChoice(ContinuousBatchingLogitsProcessor):
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         keys = tensor_arg[: scores.size(0)].to(scores.device)
-        if self.sync_free:
-            return choose_tokens(scores, keys)
-        rows = (keys != GREEDY).nonzero().squeeze(-1)
-        if rows.numel() == 0:
-            return scores
-        out = scores.clone()
-        out[rows] = choose_tokens(scores[rows], keys[rows])
-        return out
+        return self._on_rows(scores, keys, keys != GREEDY, choose_tokens)
 
 
 def processors(sync_free: bool = False) -> ContinuousBatchingLogitsProcessorList:

@@ -100,17 +100,13 @@ class LaneLoad:
 
 def shares(lanes: dict[Lane, LaneLoad], total: int) -> dict[Lane, float]:
     """Each lane's share of `total` blocks (module doc: Shares)."""
-    out: dict[Lane, float] = {}
     interactive = {lane: load for lane, load in lanes.items() if lane[0] == INTERACTIVE}
     spare = {lane: load for lane, load in lanes.items() if lane[0] == SPARE}
     weights = sum(load.weight for load in interactive.values())
-    for lane, load in interactive.items():
-        out[lane] = total * load.weight / weights
+    out = {lane: total * load.weight / weights for lane, load in interactive.items()}
     room = max(0, total - headroom(total) - sum(load.held for load in interactive.values()))
     weights = sum(load.weight for load in spare.values())
-    for lane, load in spare.items():
-        out[lane] = max(TINY_SHARE, room * load.weight / weights)
-    return out
+    return out | {lane: max(TINY_SHARE, room * load.weight / weights) for lane, load in spare.items()}
 
 
 def use(held: float, share: float) -> float:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchserve.decoding.sampling import GREEDY, MASK31, choice_key, choose_tokens, mask_top_p
+from batchserve.decoding.sampling import GREEDY, choice_key, choose_tokens, mask_top_p, step_key as device_step_key
 from batchserve.decoding.sizing import ROW_BUCKETS, row_buckets
 from batchserve.decoding.prefill_pieces import (
     PREFILL_ROWS,
@@ -51,6 +51,8 @@ from batchserve.decoding.stepper import SamplingParams
 log = logging.getLogger("batchserve.slot_decoder")
 
 SPAN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # attended positions, padded up likewise
+# a sequence's row state on the device, beside its K/V (what `SlotDecoder.move` carries)
+ROW_STATE = ("ids", "pos", "count", "max_tokens", "done", "stop_at_eos", "temperature", "top_p", "seed", "out")
 
 
 def bucket_up(n: int, buckets: Sequence[int], top: int) -> int:
@@ -61,28 +63,11 @@ def bucket_up(n: int, buckets: Sequence[int], top: int) -> int:
     return top
 
 
-def device_step_key(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """`sampling.step_key` on int64 tensors: the 31-bit key of (request seed, token index), the same bits."""
-    x = (seed * 0x9E3779B1 + step * 0x85EBCA77) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
-    x = x ^ (x >> 12)
-    return x & MASK31
-
-
 def warm_summary(graphs: bool, steps: int, prefills: int) -> str:
     """What the warm-up did, for its log line (without CUDA graphs there is nothing captured to count)."""
     if graphs:
         return f"captured {steps} decode steps and {prefills} prefills as CUDA graphs"
     return "warmed the decode steps and prefills eagerly (no CUDA graphs: timed a full step)"
-
-
-def graph_modes(device: torch.device, use_graphs: bool | None, fixed_shapes: bool | None) -> tuple[bool, bool]:
-    """Graphs default to on exactly on CUDA and need it; a captured graph has fixed shapes, so graphs imply them."""
-    graphs = device.type == "cuda" if use_graphs is None else use_graphs
-    if graphs and device.type != "cuda":
-        raise ValueError("CUDA graphs need a CUDA device")
-    return graphs, graphs if fixed_shapes is None else fixed_shapes or graphs
 
 
 @dataclass(frozen=True)
@@ -176,7 +161,11 @@ class SlotDecoder:
         self.chunk_tokens = max(1, min(chunk_tokens or 512, prefill_tokens, slot_tokens))
         self.prefill_rows = prefill_row_buckets(slots)  # joins in one prefill, padded up to one of these
         self.pad_id = int(pad_id)
-        self.use_graphs, self.fixed_shapes = graph_modes(self.device, use_graphs, fixed_shapes)
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs  # on exactly on CUDA
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        # a captured graph has fixed shapes, so graphs imply them
+        self.fixed_shapes = self.use_graphs if fixed_shapes is None else fixed_shapes or self.use_graphs
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.head = model.get_output_embeddings()
         self.bool_mask = getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "flash_attention_2")
@@ -217,9 +206,8 @@ class SlotDecoder:
         return bucket_up(rows, ROW_BUCKETS, self.slots), bucket_up(span, SPAN_BUCKETS, self.slot_tokens)
 
     def shapes(self) -> list[tuple[int, int]]:
-        rows = row_buckets(self.slots)
         spans = sorted({bucket_up(s, SPAN_BUCKETS, self.slot_tokens) for s in (*SPAN_BUCKETS, self.slot_tokens)})
-        return [(r, s) for r in rows for s in spans]
+        return [(r, s) for r in row_buckets(self.slots) for s in spans]
 
     def prefill_shape(self, joins: int, width: int, continued: bool = False) -> tuple[int, int] | None:
         """Exact on a CPU; on a GPU padded up to a captured bucket, or None when none holds it (then it runs
@@ -350,7 +338,7 @@ class SlotDecoder:
         k, width = len(slots), max(len(p) for p in prompts)
         starts = list(starts) if starts is not None else [0] * k
         last = list(last) if last is not None else [True] * k
-        check_pieces(k, prompts, params, starts, last, self.slot_tokens, len(self.pieces.slot))
+        check_pieces(prompts, params, starts, last, self.slot_tokens, len(self.pieces.slot))
         continued = any(starts)
         shape = self.prefill_shape(k, width, continued)
         rows, wide = shape if shape is not None else (k, width)
@@ -366,12 +354,12 @@ class SlotDecoder:
                 self.temperature: [1.0 if q.greedy else float(q.temperature) for q in params],
                 self.top_p: [1.0 if q.greedy else float(q.top_p) for q in params],
                 self.seed: [choice_key(q) for q in params],
+                # a resumed (preempted) sequence counts on from its made tokens, so its length end and seeded
+                # draws match an unpaused run
+                self.count: [q.resumed for q in params],
             }
             for tensor, values in row_values.items():
                 tensor[index] = torch.tensor(values, dtype=tensor.dtype).to(dev)
-            # a resumed (preempted) sequence counts on from its made tokens, so its length end and seeded draws
-            # match an unpaused run
-            self.count[index] = torch.tensor([q.resumed for q in params], dtype=torch.long).to(dev)
             self.done[index] = False
             self.pieces.load(host)
             table = self.chunk_graphs if continued else self.prefill_graphs
@@ -380,8 +368,7 @@ class SlotDecoder:
                 graph.replay()
             else:
                 self._prefill_step(rows, wide, sampling, span)
-            tokens, done = self.out[index].tolist(), self.done[index].tolist()
-        return tokens, done
+            return self.out[index].tolist(), self.done[index].tolist()
 
     def _prefill_step(self, rows: int, wide: int, sampling: bool, span: int = 0) -> None:
         """Prefill the first `rows` buffered pieces at width `wide` (capturable); `span` > 0 also attends to the
@@ -430,18 +417,8 @@ class SlotDecoder:
             for buffers in (self.cache.keys, self.cache.values):
                 for layer in buffers:
                     layer[dst, :, :span] = layer[src, :, :span]
-            for row in (
-                self.ids,
-                self.pos,
-                self.count,
-                self.max_tokens,
-                self.done,
-                self.stop_at_eos,
-                self.temperature,
-                self.top_p,
-                self.seed,
-                self.out,
-            ):
+            for name in ROW_STATE:
+                row = getattr(self, name)
                 row[dst] = row[src]
             self.done[src] = True
 
@@ -461,9 +438,8 @@ class SlotDecoder:
                 self._capture()
             except Exception:  # serve eagerly rather than not at all; the log says why
                 log.exception("capturing the decode steps failed: generation runs them eagerly (slower)")
-                self.graphs.clear()
-                self.prefill_graphs.clear()
-                self.chunk_graphs.clear()
+                for table in (self.graphs, self.prefill_graphs, self.chunk_graphs):
+                    table.clear()
                 self.use_graphs = self.fixed_shapes = False
                 torch.cuda.synchronize(self.device)
         with torch.inference_mode(), self._device():
@@ -478,8 +454,7 @@ class SlotDecoder:
                     timings[rows].append(time.perf_counter() - t0)
         self.step_times = {self.shape(rows, span)[0]: min(times) for rows, times in timings.items() if times}
         if self.slots > 2:
-            one, two = min(timings[1]), min(timings[2])
-            self.row_growth = max(0.0, (two - one) / one)
+            self.row_growth = max(0.0, min(timings[2]) / min(timings[1]) - 1)
         log.info(
             "%s for %d slots x %d tokens on %s in %.1f s (KV %.2f GB, %.1f ms a full step, a second row adds %.0f%%)",
             warm_summary(self.use_graphs, len(self.graphs), len(self.prefill_graphs) + len(self.chunk_graphs)),
@@ -506,21 +481,18 @@ class SlotDecoder:
             (self.prefill_graphs, self._prefill_step, self.prefill_shapes()),
             (self.chunk_graphs, continued, self.prefill_shapes(continued=True)),
         )
+        todo = [(table, run, (a, b, g)) for table, run, shapes in kinds for a, b in shapes for g in (False, True)]
         with torch.inference_mode(), self._device():
             pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                for _, run, shapes in kinds:
-                    for a, b in shapes:
-                        for sampling in (False, True):
-                            run(a, b, sampling)
+                for _, run, key in todo:
+                    run(*key)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            for table, run, shapes in kinds:
-                for a, b in shapes:
-                    for sampling in (False, True):
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                            run(a, b, sampling)
-                        table[(a, b, sampling)] = graph
+            for table, run, key in todo:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    run(*key)
+                table[key] = graph
             torch.cuda.current_stream(self.device).synchronize()

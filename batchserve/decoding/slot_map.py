@@ -77,22 +77,23 @@ class SlotMap:
         over several steps; once live, `compact` and `separate` move it."""
         for join in sorted(joins, key=lambda j: len(j.prompt_ids)):
             high = len(join.prompt_ids) > self.decoder.chunk_tokens
-            if high:
-                slot = max(self.free)
-                self.free.remove(slot)
-                heapq.heapify(self.free)
-            elif join.background:
-                front = [slot for slot, live in self.live.items() if not live.background]
-                front += [f.slot for f in self.filling if not f.join.background and not f.high]
-                need = max(len(self.slot_of) + 1, max(front, default=-1) + 2)
-                within = self.decoder.shape(min(need, self.decoder.slots), 1)[0]
+            if not high and not join.background:
+                slot = heapq.heappop(self.free)
+            else:
+                within = self.decoder.slots
+                if not high:
+                    front = self.front() + [f.slot for f in self.filling if not f.join.background and not f.high]
+                    need = max(len(self.slot_of) + 1, max(front, default=-1) + 2)
+                    within = self.decoder.shape(min(need, self.decoder.slots), 1)[0]
                 slot = max(s for s in self.free if s < within)
                 self.free.remove(slot)
                 heapq.heapify(self.free)
-            else:
-                slot = heapq.heappop(self.free)
             self.slot_of[join.seq_id] = slot
             self.filling.append(Filling(join, slot, high=high))
+
+    def front(self) -> list[int]:
+        """The slots of the live foreground rows."""
+        return [slot for slot, live in self.live.items() if not live.background]
 
     def drop(self, seq_ids: list[str]) -> None:
         """The cancelled sequences leave their slots (live, or being prefilled), which the decoder releases."""
@@ -121,8 +122,7 @@ class SlotMap:
         heapq.heappush(self.free, slot)
 
     def compact(self) -> int:
-        """Move live sequences down when that at least halves the step's bucket, then `separate`; returns how many
-        moved."""
+        """Move live rows down when that at least halves the step's bucket, then `separate`; returns how many moved."""
         if not self.live:
             return 0
         moved = 0
@@ -155,7 +155,7 @@ class SlotMap:
         bucket, or rows are nearly free. Returns how many sequences moved."""
         moved = 0
         while True:
-            front = [slot for slot, live in self.live.items() if not live.background]
+            front = self.front()
             back = [slot for slot, live in self.live.items() if live.background]
             if not front or not back or max(front) < min(back):
                 return moved

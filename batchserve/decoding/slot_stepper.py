@@ -188,16 +188,14 @@ class SlotStepper:
                         gone = set(cancels)
                         self._joins = [j for j in self._joins if j.seq_id not in gone]
                     room = len(seats.free) + sum(1 for c in cancels if c in seats.slot_of)
-                    take = 0
-                    if self._joins:
-                        take = join_now(
-                            len(self._joins),
-                            room,
-                            max(0, len(seats.live) - len(cancels)),
-                            self.steps - self._joins[0].step,
-                            self.join_batch,
-                            self.join_delay_steps,
-                        )
+                    take = join_now(
+                        len(self._joins),
+                        room,
+                        max(0, len(seats.live) - len(cancels)),
+                        self.steps - self._joins[0].step if self._joins else 0,
+                        self.join_batch,
+                        self.join_delay_steps,
+                    )
                     joins, self._joins = self._joins[:take], self._joins[take:]
                 updates, pending = self._turn(cancels, joins, pending)
                 if updates:
@@ -208,16 +206,9 @@ class SlotStepper:
             with self._cond:
                 waiting, self._joins = [j.seq_id for j in self._joins], []
             error = f"the generation stepper stopped: {type(exc).__name__}: {exc}"
-            self._send(
-                [
-                    TokenUpdate(seq_id, [], True, error)
-                    for seq_id in [
-                        *(live.seq_id for live in seats.live.values()),
-                        *(f.join.seq_id for f in seats.filling if not f.over),
-                        *waiting,
-                    ]
-                ]
-            )
+            filling = [f.join.seq_id for f in seats.filling if not f.over]
+            ids = [*(live.seq_id for live in seats.live.values()), *filling, *waiting]
+            self._send([TokenUpdate(seq_id, [], True, error) for seq_id in ids])
 
     def _turn(
         self, cancels: list[str], joins: list[Join], pending: Pending | None
@@ -248,19 +239,19 @@ class SlotStepper:
         """This step's share of the prefill (`prefill_share.plan_prefill`), in forwards one prefill holds: first
         and later pieces apart, shortest first. `background` False: the background joins wait."""
         seats = self.slot_map
-        self.charges.present({f.join.lane for f in seats.filling})
+        lanes = {f.join.lane for f in seats.filling}
+        self.charges.present(lanes)
         decoding = {live.tenant for live in seats.live.values() if not live.background}
         prompts = [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in seats.filling]
         first = first_lane(prompts, self.charges.tokens, self.decoder.chunk_tokens)
-        limited = limited_lanes({f.join.lane for f in seats.filling}, decoding, first)
+        limited = limited_lanes(lanes, decoding, first)
         filling = [f for f in seats.filling if background or not f.join.background]
         pools: dict[int, int] = {}
         if any(lane[0] == INTERACTIVE for lane in limited):
             ledger = self.prefill_ledger
             pools[INTERACTIVE] = self.prefill_rate.afford(ledger.credit, ledger.skipped)
         if background and any(lane[0] == SPARE for lane in limited):
-            alone, rows = self._rows()
-            room = self.share.prefill_room(alone, rows)
+            room = self.share.prefill_room(*self._rows(seats.front()))
             pools[SPARE] = self.prefill_rate.afford(room, self.batch_prefill_skipped)
         pieces = plan_prefill(
             [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in filling],
@@ -276,23 +267,20 @@ class SlotStepper:
         self.batch_prefill_skipped = self.batch_prefill_skipped + 1 if SPARE in waited - went else 0
         updates: list[TokenUpdate] = []
         for continued in (False, True):
-            group: list[Piece] = []
+            groups: list[list[Piece]] = []
             for piece in sorted((p for p in pieces if (p.start > 0) == continued), key=lambda p: p.length):
-                if group and not self.decoder.prefill_fits(len(group) + 1, piece.length, continued):
-                    updates += self._prefill_group(filling, group, limited)
-                    group = []
-                group.append(piece)
-            if group:
+                if not groups or not self.decoder.prefill_fits(len(groups[-1]) + 1, piece.length, continued):
+                    groups.append([])
+                groups[-1].append(piece)
+            for group in groups:
                 updates += self._prefill_group(filling, group, limited)
         seats.filling = [f for f in seats.filling if not f.over]
         return updates
 
-    def _rows(self) -> tuple[int, int]:
-        """The rows (padded) of a step over the foreground rows alone, and over every live row."""
-        seats = self.slot_map
-        front = [slot for slot, live in seats.live.items() if not live.background]
-        top = max(seats.live, default=-1) + 1
-        return self.decoder.shape(max(front, default=-1) + 1, 1)[0], self.decoder.shape(top, 1)[0]
+    def _rows(self, front: list[int]) -> tuple[int, int]:
+        """The rows (padded) of a step over the foreground rows (`front`) alone, and over every live row."""
+        shape = self.decoder.shape
+        return shape(max(front, default=-1) + 1, 1)[0], shape(max(self.slot_map.live, default=-1) + 1, 1)[0]
 
     def _prefill_group(self, filling: list[Filling], group: list[Piece], limited: set[Lane]) -> list[TokenUpdate]:
         """One prefill forward of these pieces (indexes into `filling`), charged to their lanes; `limited` lanes'
@@ -319,8 +307,7 @@ class SlotStepper:
         self.pieces += len(group)
         tokens = sum(p.length for p in group)
         self.prefill_rate.measured(seconds, tokens)
-        background = sum(p.length for f, p in zip(fills, group) if f.join.background)
-        self._background_prefilled |= background > 0
+        self._background_prefilled |= any(f.join.background for f in fills)
         priced = {INTERACTIVE: 0, SPARE: 0}
         for f, p in zip(fills, group):
             self.charges.charge(f.join.lane, p.length)
@@ -353,17 +340,15 @@ class SlotStepper:
         """Whether the next step covers the background rows: always, unless foreground rows are live beside them;
         then as `step_share.StepShare` says."""
         seats = self.slot_map
-        front = [slot for slot, live in seats.live.items() if not live.background]
+        front = seats.front()
         if not front or not (len(front) < len(seats.live) or any(f.join.background for f in seats.filling)):
             return True
-        return self.share.include(
-            self.decoder.shape(max(front) + 1, 1)[0], self.decoder.shape(max(seats.live) + 1, 1)[0]
-        )
+        return self.share.include(*self._rows(front))
 
     def _launch(self, include: bool = True) -> Pending:
         """Start a step over the live slots (`include` False: the foreground prefix only); returns who is in it."""
         seats = self.slot_map
-        front = [slot for slot, live in seats.live.items() if not live.background]
+        front = seats.front()
         limit = self.decoder.shape(max(front) + 1, 1)[0] if front and not include else self.decoder.slots
         members = [(live, slot) for slot, live in seats.live.items() if slot < limit]
         rows = max(slot for _, slot in members) + 1
@@ -428,5 +413,4 @@ def build_slot_stepper(
         prefill_tokens=max_prefill_tokens,
         chunk_tokens=chunk_tokens,
     )
-    step_s = decoder.warm()
-    return SlotStepper(decoder, step_s, slowdown=slowdown)
+    return SlotStepper(decoder, decoder.warm(), slowdown=slowdown)

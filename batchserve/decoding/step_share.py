@@ -113,8 +113,7 @@ class StepShare:
 
     def charge(self, seconds: float) -> None:
         """Background work outside the steps (its prefill) held the foreground rows up `seconds`."""
-        self.credit -= seconds
-        self.credit = max(self.credit, -self._debt_floor())
+        self.credit = max(self.credit - seconds, -self._debt_floor())
 
     def _bound(self, booking: Booking) -> None:
         alone = self.seconds.get(booking.foreground_rows, 0.0)

@@ -15,9 +15,9 @@ import orjson
 from batchserve.config import Settings
 from batchserve.decoding.engine import Engine
 from batchserve.decoding.stepper import SamplingParams
-from batchserve.generation.parse import GenRequest, bad, parse
+from batchserve.generation.parse import GenRequest, parse
 from batchserve.generation.render import ResponseShape
-from batchserve.http.openai_error import unknown_model
+from batchserve.http.openai_error import bad, unknown_model
 
 
 @dataclass(slots=True)

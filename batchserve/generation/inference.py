@@ -21,13 +21,12 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 from collections.abc import Callable
 
 from batchserve.config import Settings
 from batchserve.core.fairqueue import Item, ItemResult
-from batchserve.core.handler import InferenceHandler
 from batchserve.core.ledger import RequestLog
+from batchserve.core.service import InferenceService
 from batchserve.core.tiers import BATCH
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
@@ -42,15 +41,6 @@ log = logging.getLogger("batchserve.generation")
 RUN_SLACK_STEPS = 2  # steps beyond max_new_tokens an answer is expected to take: the prefill and the join delay
 GONE_POLL_S = 0.1  # how often the callers of running sequences are asked whether they hung up
 TOKENIZE_THREADS = 1  # chat templating and tokenizing, off the event loop
-
-
-class HandlerRegistry(Protocol):
-    """What the wiring needs of the door (`core.service.InferenceService`): its request log, and where to
-    register the handler of a model."""
-
-    requests: RequestLog
-
-    def serve_with(self, model: str, handler: InferenceHandler) -> None: ...
 
 
 def stepper_models(settings: Settings) -> list[str]:
@@ -113,11 +103,20 @@ class StepperInference:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts)
 
     def _submit(
-        self, ids: list[int], model: str, tier: int, arrived: float, left_s: float, joined: Joined, tenant: str = ""
-    ) -> EngineSequence:
-        """Admit one prompt with `left_s` of its deadline left, or raise the 503 / 504 that fits."""
+        self,
+        ids: list[int],
+        model: str,
+        tier: int,
+        arrived: float,
+        left_s: float,
+        tenant: str = "",
+        item: Item | None = None,
+    ) -> tuple[EngineSequence, Joined]:
+        """Admit one prompt with `left_s` of its deadline left, or raise the 503 / 504 that fits; a batch-job
+        `item` is marked dispatched when it joins (and never gets the early 504: its window is long)."""
         run_s = self.run_s()
-        if run_s >= left_s:
+        joined = Joined()
+        if item is None and run_s >= left_s:
             raise ApiError(
                 504,
                 "DEADLINE_EXCEEDED",
@@ -128,19 +127,22 @@ class StepperInference:
 
         def started(seq: EngineSequence) -> None:
             joined.at, joined.rows = seq.started, len(self.engine.running)
+            if item is not None:
+                item.dispatched = seq.started
             self.records.joined(model, tier, joined.at - arrived, joined.rows)
 
-        return self.engine.submit(
+        seq = self.engine.submit(
             ids,
             self.params,
             tier=tier,
             streamed=False,
-            max_wait_s=left_s - run_s,
+            max_wait_s=max(0.0, left_s - run_s),
             start_by_s=left_s,
             keep_tokens=True,
             on_start=started,
             tenant=tenant,
         )
+        return seq, joined
 
     async def _answer(
         self, seq: EngineSequence, joined: Joined, arrived: float, model: str, trace: object = None
@@ -148,16 +150,15 @@ class StepperInference:
         """Wait for the sequence's end and make the batch path's answer of it, recorded in `records`."""
         delta = await seq.deltas.get()
         end = max(seq.last_token, joined.at)  # its last token, as the engine saw it arrive
+        tokens = len(seq.token_ids or [])
         if delta.error is not None:
             if joined.at:  # it ran: its span says how it ended
-                joined.span = self.records.ended(
-                    model, joined.at, end, joined.rows, len(seq.token_ids or []), trace, str(delta.error)
-                )
+                joined.span = self.records.ended(model, joined.at, end, joined.rows, tokens, trace, str(delta.error))
             raise delta.error
         if delta.finish_reason == "cancelled":
             raise ClientGone()
         text = self.engine.tokenizer.decode(seq.token_ids or [], skip_special_tokens=True).strip()
-        joined.span = self.records.ended(model, joined.at, end, joined.rows, len(seq.token_ids or []), trace)
+        joined.span = self.records.ended(model, joined.at, end, joined.rows, tokens, trace)
         return ItemResult(text, max(0.0, joined.at - arrived), end - joined.at, joined.rows)
 
     # -- InferenceHandler ------------------------------------------------------------------------------------
@@ -175,8 +176,7 @@ class StepperInference:
             # prompt tokens plus the most it decodes: the batch path's `cost_of` of the same input
             work.cost = float(sum(len(ids) + self.params.max_tokens for ids in prompts))
             for ids in prompts:
-                joined = Joined()
-                seqs.append((self._submit(ids, model, tier, arrived, deadline - self.clock(), joined, tenant), joined))
+                seqs.append(self._submit(ids, model, tier, arrived, deadline - self.clock(), tenant))
         except ApiError as err:
             for seq, _ in seqs:
                 self.engine.cancel(seq, "withdrawn")
@@ -228,25 +228,8 @@ class StepperInference:
         seq: EngineSequence | None = None
         try:
             ids = (await self.prompts([item.text]))[0]
-            joined = Joined()
-
-            def started(s: EngineSequence) -> None:
-                joined.at, joined.rows = s.started, len(self.engine.running)
-                item.dispatched = s.started
-                self.records.joined(item.model, item.tier, joined.at - item.arrived, joined.rows)
-
             left_s = item.deadline - self.clock()
-            seq = self.engine.submit(
-                ids,
-                self.params,
-                tier=item.tier,
-                streamed=False,
-                max_wait_s=max(0.0, left_s - self.run_s()),
-                start_by_s=left_s,
-                keep_tokens=True,
-                on_start=started,
-                tenant=item.tenant,
-            )
+            seq, joined = self._submit(ids, item.model, item.tier, item.arrived, left_s, item.tenant, item)
             result = await self._answer(seq, joined, item.arrived, item.model)
             if not item.future.done():
                 item.future.set_result(result)
@@ -282,7 +265,7 @@ class StepperInference:
 
 
 def serve_on_stepper(
-    door: HandlerRegistry, engine: Engine, settings: Settings, records: StepperRecords | None = None
+    door: InferenceService, engine: Engine, settings: Settings, records: StepperRecords | None = None
 ) -> StepperInference | None:
     """Hand the stepper models' `/v1/inference` (and batch-job items) to the engine, through the door; their
     answers feed `records` (the batch path's histograms and spans)."""

@@ -21,30 +21,10 @@ from typing import Protocol
 
 from batchserve.core.batch import BatchRun, BatchTracer
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
+from batchserve.metrics import Metrics
 
 WORKER = "stepper"  # the `batchserve.worker` of a sequence's span: the engine's stepper, not a batch worker
 CAUSE = "joined"  # its `batchserve.batch.cause`: it joined the running batch (no flush made it leave)
-
-
-class Histogram(Protocol):
-    def observe(self, value: float) -> None: ...
-
-
-class LabelledHistogram(Protocol):
-    def labels(self, *values: str) -> Histogram: ...
-
-
-class InferenceHistograms(Protocol):
-    """The batch path's per-model histograms (`batchserve.metrics.Metrics`)."""
-
-    @property
-    def queue_wait(self) -> LabelledHistogram: ...
-
-    @property
-    def batch_compute(self) -> LabelledHistogram: ...
-
-    @property
-    def batch_size(self) -> LabelledHistogram: ...
 
 
 class SequenceTracer(BatchTracer, Protocol):
@@ -59,7 +39,7 @@ class SequenceTracer(BatchTracer, Protocol):
 class StepperRecords:
     """The metrics and tracing a stepper answer feeds; either may be absent (a unit test, tracing off)."""
 
-    metrics: InferenceHistograms | None = None
+    metrics: Metrics | None = None  # the batch path's per-model histograms
     tracing: SequenceTracer | None = None
 
     def admitted(self, model: str, tier: int) -> object:

@@ -16,8 +16,6 @@ from batchserve.decoding.stepper import SamplingParams
 from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.http.openai_error import bad
 
-__all__ = ["bad", "GenRequest", "parse"]
-
 
 @dataclass
 class GenRequest:

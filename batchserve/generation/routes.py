@@ -9,7 +9,6 @@ import orjson
 from starlette.routing import Route
 
 from batchserve.decoding.build import enabled
-
 from batchserve.decoding.engine import Engine
 from batchserve.generation.serving import GenerationHost, endpoint
 from batchserve.http.dialects import NATIVE
@@ -43,11 +42,9 @@ async def generation_status(rt: GenerationHost, call: Call, req: None) -> dict[s
     return {"enabled": True, "ready": True, **engine.stats()}
 
 
-def render_status(rt: GenerationHost, call: Call, req: None, status: dict[str, Any]) -> Answer:
-    return Answer(orjson.dumps(status))
-
-
-status: Endpoint[GenerationHost, None, dict[str, Any]] = operational(NATIVE, generation_status, render_status)
+status: Endpoint[GenerationHost, None, dict[str, Any]] = operational(
+    NATIVE, generation_status, lambda rt, call, req, status: Answer(orjson.dumps(status))
+)
 
 
 ROUTES = [

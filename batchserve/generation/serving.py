@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import orjson
@@ -23,8 +24,7 @@ from batchserve.decoding.engine import Engine
 from batchserve.decoding.sequence import Delta, EngineSequence
 from batchserve.generation.render import ResponseShape, sse
 from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import Answer
-from batchserve.http.endpoint import Call, Endpoint, Gone, Stream
+from batchserve.http.endpoint import Answer, Call, Endpoint, Gone, Stream
 from batchserve.http.guards import Guard
 from batchserve.http.plumbing import client_host
 
@@ -100,13 +100,6 @@ class EngineBook:
 
     def gone(self, rt: GenerationHost, call: Call) -> None:
         rt.guard.counted()
-
-
-def generator(chat: bool) -> Callable[[GenerationHost, Call, bytes], Awaitable[Generated]]:
-    async def generate(rt: GenerationHost, call: Call, body: bytes) -> Generated:
-        return await run(rt, call, body, chat)
-
-    return generate
 
 
 async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Generated:
@@ -193,7 +186,7 @@ def render(rt: GenerationHost, call: Call, body: bytes, out: Generated) -> Answe
 async def stream_events(
     seq: EngineSequence, first: Delta, answer: ResponseShape, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    yield sse(answer.chunk("", role=True) if answer.chat else answer.chunk(""))
+    yield sse(answer.chunk("", role=True))  # a text completion's chunk has no role
     delta = first
     while True:
         # Every delta already waiting goes in this one chunk: a loop behind the steps writes once per turn, not
@@ -208,7 +201,7 @@ async def stream_events(
             yield sse(orjson.loads(OPENAI.error_body(delta.error, "")))
             break
         if delta.finish_reason is not None:
-            yield sse(answer.chunk(None, delta.finish_reason) if answer.chat else answer.chunk("", delta.finish_reason))
+            yield sse(answer.chunk(None, delta.finish_reason))
             if include_usage:
                 yield sse(answer.usage_chunk(seq.tokens))
             break
@@ -237,4 +230,4 @@ def not_serving(rt: GenerationHost) -> ApiError:
 def endpoint(chat: bool) -> Endpoint[GenerationHost, bytes, Generated]:
     """POST /v1/chat/completions (`chat`) or /v1/completions on the one request path."""
     name = "chat" if chat else "completions"
-    return Endpoint(OPENAI, read, generator(chat), render, book=EngineBook(name), before_body=throttle)
+    return Endpoint(OPENAI, read, partial(run, chat=chat), render, book=EngineBook(name), before_body=throttle)
