@@ -127,7 +127,7 @@ class Backend(Protocol):
     """A model as the server drives it. `run` is called from device `device`'s own thread, one batch at a
     time per device; `setup` and `warm` run on that same thread before the first batch."""
 
-    # Read-only (properties): a plain attribute fits, and so does a wrapper that forwards them (ProcessBackend).
+    # Read-only (properties): a plain attribute fits.
     @property
     def source(self) -> Resolved: ...  # what the configured name pointed at, for messages
     @property
@@ -231,23 +231,18 @@ NEEDS_MODEL_EXTRA = {
 MODEL_EXTRA_HINT = "pip install 'batchserve[model]' (README: Install)"
 
 
-def missing_extra(name: str) -> str | None:
-    """Which packages the built-in backend `name` lacks and how to install them, or None."""
-    missing = [m for m in NEEDS_MODEL_EXTRA.get(name, ()) if importlib.util.find_spec(m) is None]
-    if not missing:
-        return None
-    return f"backend {name!r} needs {', '.join(missing)}, not installed here: {MODEL_EXTRA_HINT}"
-
-
 def backend_name_problem(name: str) -> str | None:
     """Why `name` cannot name a backend, or None, checked before anything is imported (a name with ':' is left to
     `resolve_backend`)."""
-    installed = installed_names()
     if ":" in name:
         return None
-    if name in installed:
-        return missing_extra(name)
-    return f"unknown backend {name!r}{did_you_mean(name, installed)} (installed: {', '.join(installed)})"
+    installed = installed_names()
+    if name not in installed:
+        return f"unknown backend {name!r}{did_you_mean(name, installed)} (installed: {', '.join(installed)})"
+    missing = [m for m in NEEDS_MODEL_EXTRA.get(name, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"backend {name!r} needs {', '.join(missing)}, not installed here: {MODEL_EXTRA_HINT}"
+    return None
 
 
 # -- checking what a backend answered ------------------------------------------------------------------------------
@@ -362,15 +357,9 @@ def _bad_vectors(outputs: list, dims: int | None) -> dict[int, str]:
 def check_warm_answer(outputs: object, n: int, rule: OutputRule) -> str | None:
     """What is wrong with the warm-up batch's answer (its first bad output), or None; learns an embedding
     model's dimension from its first vector."""
-    if (
-        rule.kind == "embedding"
-        and rule.dims is None
-        and isinstance(outputs, list)
-        and outputs
-        and isinstance(outputs[0], list)
-        and outputs[0]
-    ):
-        rule.dims = len(outputs[0])
+    first = outputs[0] if isinstance(outputs, list) and outputs else None
+    if rule.kind == "embedding" and rule.dims is None and isinstance(first, list) and first:
+        rule.dims = len(first)
     problem, bad = check_outputs(outputs, n, rule)
     if problem is not None:
         return f"the warm-up batch of {n} input(s) got a wrong answer: {problem}"

@@ -172,10 +172,6 @@ def resolve_path(name: str) -> Path:
         ) from None
 
 
-def st_role(module_type: str) -> str:
-    return module_type.rsplit(".", 1)[-1]
-
-
 # older sentence-transformers' pooling booleans, by the mode each turns on
 POOLING_FLAGS = (
     ("cls", "pooling_mode_cls_token"),
@@ -188,7 +184,7 @@ POOLING_FLAGS = (
 POOLING_ALIASES = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max", "last": "lasttoken"}
 
 
-def read_pooling(path: Path) -> Pooling:
+def read_pooling(path: Path) -> str:
     """The pooling mode of a sentence-transformers Pooling config (6.x's or the older booleans)."""
     config = read_as(path, PoolingConfig)
     mode = config.pooling_mode
@@ -202,7 +198,7 @@ def read_pooling(path: Path) -> Pooling:
     mode = POOLING_ALIASES.get(mode, mode)
     if mode not in POOLING_MODES:
         raise FolderError(f"{path}: pooling {mode!r} is not supported (one of {', '.join(POOLING_MODES)})")
-    return Pooling(mode=mode)
+    return mode
 
 
 def tokenizer_max_length(folder: Path) -> int | None:
@@ -218,14 +214,14 @@ def positions_cut(folder: Path, positions: int) -> int:
 def st_pipeline(folder: Path) -> Pooling:
     """The Pooling (and Normalize) of modules.json; FolderError for a module this server cannot run."""
     listed = folder / "modules.json"
-    pooling: Pooling | None = None
+    mode: str | None = None
     normalize = False
     for i, module in enumerate(read_as(listed, list[StModule])):
-        role = st_role(module.type)
+        role = module.type.rsplit(".", 1)[-1]
         if role == ST_TRANSFORMER and i == 0:
             continue
-        if role == ST_POOLING and pooling is None:
-            pooling = read_pooling(folder / module.path / "config.json")
+        if role == ST_POOLING and mode is None:
+            mode = read_pooling(folder / module.path / "config.json")
         elif role == ST_NORMALIZE:
             normalize = True
         else:
@@ -233,9 +229,9 @@ def st_pipeline(folder: Path) -> Pooling:
                 f"{listed}: module {i} ({module.type}) is not supported "
                 f"here (a Transformer, then Pooling, then optionally Normalize)"
             )
-    if pooling is None:
+    if mode is None:
         raise FolderError(f"{listed}: no Pooling module")
-    return Pooling(pooling.mode, normalize)
+    return Pooling(mode, normalize)
 
 
 def embedder_settings(folder: Path, positions: int) -> tuple[Pooling, int, bool]:

@@ -16,6 +16,7 @@ input (one it cannot cut safely is refused, 413).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import threading
@@ -53,22 +54,24 @@ WARM_TEXTS = [
 ] * 4
 
 
+def finite(values: list[float]) -> list[float]:
+    return [v if math.isfinite(v) else 0.0 for v in values]
+
+
 def pair_input(query: str, document: str) -> str:
     """One reranker input: the pair as a JSON array of two strings (one text through the door, any content)."""
     return orjson.dumps([query, document]).decode()
 
 
-def read_pair(text: str) -> tuple[str, str] | None:
-    """The (query, document) an input spells, or None when it is not a pair."""
+def json_strings(text: str) -> list[str] | None:
+    """The strings of the JSON array of strings an input spells, or None when it spells none."""
     if not text.startswith("["):
         return None
     try:
-        pair = orjson.loads(text)
+        value = orjson.loads(text)
     except orjson.JSONDecodeError:
         return None
-    if isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair):
-        return pair[0], pair[1]
-    return None
+    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
 
 
 def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
@@ -88,15 +91,11 @@ def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]
 def load_fast_tokenizer(path: Path, max_tokens: int) -> Any:
     """The folder's `tokenizer.json`, truncation and padding fixed once so threads may encode with it at once;
     RuntimeError for a tokenizer `tokenizer_guard.check_tokenizer` refuses."""
-    from tokenizers import Tokenizer
-
     try:
-        check_tokenizer(path)
+        tok = check_tokenizer(path)
     except TokenizerRefused as exc:
         raise RuntimeError(str(exc)) from None
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok.enable_truncation(max_tokens, strategy="longest_first")
-    tok.no_padding()
     return tok
 
 
@@ -133,7 +132,9 @@ class TokenModel:
         return self.tokenizer.encode_batch([self.cut(t) for t in texts])
 
     def cut(self, text: str) -> str:
-        return text if len(text) <= self.max_chars else text[: self.max_chars]
+        """The text as the tokenizer is given it: its first `max_chars`, lowered for a `do_lower_case` embedder."""
+        text = text if len(text) <= self.max_chars else text[: self.max_chars]
+        return text.lower() if self.info.lower_case else text
 
     def whole(self, text: str, encoding: Any) -> bool:
         """Whether `encoding` holds the text's own first tokens: it was not cut, or the cut is safe."""
@@ -142,13 +143,12 @@ class TokenModel:
     def make(self, texts: list[str]) -> list[Kept]:
         """Each text's tokens, or a TooLong when its cut is not provably safe. Only ids and type ids are kept: an
         encoding holds every overflowing window of a long input."""
-        out: list[Kept] = []
-        for text, enc in zip(texts, self.encode_many(texts)):
-            if self.whole(text, enc):
-                out.append(Tokens(text, list(enc.ids), list(enc.type_ids)))
-            else:
-                out.append(TooLong(text, too_long(len(text), self.max_chars, self.info.max_tokens)))
-        return out
+        return [
+            Tokens(text, list(enc.ids), list(enc.type_ids))
+            if self.whole(text, enc)
+            else TooLong(text, too_long(len(text), self.max_chars, self.info.max_tokens))
+            for text, enc in zip(texts, self.encode_many(texts))
+        ]
 
     def tokenize(self, texts: list[str]) -> None:
         """The tokenizer stage (a worker thread): make what is not kept yet in one batch call, and keep it."""
@@ -169,9 +169,6 @@ class TokenModel:
             raise errors.payload_too_large(found.message)
         return found
 
-    def encodings(self, texts: list[str]) -> list[Tokens]:
-        return [self.encoding(t) for t in texts]
-
     def tokens(self, text: str) -> int:
         return len(self.encoding(text).ids)
 
@@ -182,13 +179,7 @@ class TokenModel:
         return float(len(texts) * max((self.tokens(t) for t in texts), default=1))
 
     def bucket_of(self, text: str) -> int:
-        if not self.group_by_length:
-            return 0
-        n = self.tokens(text)
-        for i, bound in enumerate(LENGTH_CLASSES):
-            if n <= bound:
-                return i
-        return len(LENGTH_CLASSES)
+        return bisect.bisect_left(LENGTH_CLASSES, self.tokens(text)) if self.group_by_length else 0
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         return [self.tokens(t) for t in texts]
@@ -239,7 +230,7 @@ class TokenModel:
         import torch
 
         model = self.models[device]
-        encodings = self.encodings(texts)
+        encodings = [self.encoding(t) for t in texts]
         lengths = [max(1, len(e.ids)) for e in encodings]
         order = sorted(range(len(texts)), key=lengths.__getitem__)
         budget = self.pass_tokens or (GPU_PASS_TOKENS if device.startswith("cuda") else CPU_PASS_TOKENS)
@@ -247,17 +238,18 @@ class TokenModel:
         with torch.inference_mode():
             for rows in passes(order, lengths, budget):
                 width = lengths[rows[-1]]
-                ids = [encodings[i].ids + [0] * (width - len(encodings[i].ids)) for i in rows]
-                mask = [[1] * len(encodings[i].ids) + [0] * (width - len(encodings[i].ids)) for i in rows]
+                kept = [encodings[i] for i in rows]
+                sizes = [len(e.ids) for e in kept]
+                pads = [[0] * (width - n) for n in sizes]
                 kwargs = {
-                    "input_ids": torch.tensor(ids, device=device),
-                    "attention_mask": torch.tensor(mask, device=device),
+                    "input_ids": torch.tensor([e.ids + pad for e, pad in zip(kept, pads)], device=device),
+                    "attention_mask": torch.tensor([[1] * n + pad for n, pad in zip(sizes, pads)], device=device),
                 }
                 if self._types:
                     kwargs["token_type_ids"] = torch.tensor(
-                        [encodings[i].type_ids + [0] * (width - len(encodings[i].ids)) for i in rows], device=device
+                        [e.type_ids + pad for e, pad in zip(kept, pads)], device=device
                     )
-                values = head(model(**kwargs), kwargs["attention_mask"], [len(encodings[i].ids) for i in rows])
+                values = head(model(**kwargs), kwargs["attention_mask"], sizes)
                 for i, value in zip(rows, values):
                     out[i] = value
         return out
@@ -268,12 +260,6 @@ class FolderEmbedder(TokenModel):
     """A sentence-transformers embedder from its folder: `output_kind = "embedding"` (/v1/embeddings)."""
 
     output_kind: str = "embedding"
-
-    def encode_many(self, texts: list[str]) -> list[Any]:
-        texts = [self.cut(t) for t in texts]
-        if self.info.lower_case:
-            texts = [t.lower() for t in texts]
-        return self.tokenizer.encode_batch(texts)
 
     def load(self, device: str, dtype: Any) -> Any:
         from transformers import AutoModel
@@ -310,11 +296,14 @@ class SequenceModel(TokenModel):
     `pair_input` pair, tokenized as the tokenizer's pair with each side cut alone."""
 
     output_kind: str = "json"
+    singles = False  # (not a field) a classifier reads a JSON array of one string (`single_input`) as that string
 
     def sides(self, text: str) -> tuple[str, str] | str:
         """The (query, document) an input spells (`pair_input`), or the text itself when it is no pair."""
-        pair = read_pair(text)
-        return pair if pair is not None else text
+        strings = json_strings(text)
+        if strings is not None and len(strings) == 2:
+            return strings[0], strings[1]
+        return strings[0] if strings is not None and len(strings) == 1 and self.singles else text
 
     def encode_many(self, texts: list[str]) -> list[Any]:
         """Each input as the pair it spells (`sides`), else as one text (a /v1/inference input, the warm-up)."""
@@ -357,7 +346,7 @@ class FolderReranker(SequenceModel):
         logits = outputs.logits.float()[:, 0]
         if self.info.activation == "sigmoid":
             logits = logits.sigmoid()
-        return [v if math.isfinite(v) else 0.0 for v in logits.cpu().tolist()]
+        return finite(logits.cpu().tolist())
 
 
 def single_input(text: str) -> str:
@@ -371,26 +360,13 @@ def class_labels(config: ModelConfig | None, count: int) -> list[str]:
     return [str(names.get(str(i), f"LABEL_{i}")) for i in range(count)]
 
 
-def finite(values: list[float]) -> list[float]:
-    return [v if math.isfinite(v) else 0.0 for v in values]
-
-
 @dataclass
 class FolderClassifier(SequenceModel):
     """A sequence classifier: each input a text (`single_input`) or a pair (`pair_input`), its output every
     class's `{label, score, logit}` in label order, scored as transformers' text-classification pipeline does
     (`folder.classifier_activation`)."""
 
-    def sides(self, text: str) -> tuple[str, str] | str:
-        """As a cross-encoder's, and a JSON array of one string (`single_input`) is that string alone."""
-        if text.startswith("["):
-            try:
-                one = orjson.loads(text)
-            except orjson.JSONDecodeError:
-                return text
-            if isinstance(one, list) and len(one) == 1 and isinstance(one[0], str):
-                return one[0]
-        return super().sides(text)
+    singles = True
 
     def batch(self, inputs: list[str], device: str) -> list[list[dict[str, Any]]]:
         return self.forward(inputs, device, self.classify)
@@ -425,17 +401,15 @@ class HFModel:
         info = model_of(spec)
         options = {"threads": settings.torch_threads, **spec.options}
         devices = pick_devices(settings.devices)
-        if info.task in ("embeddings", "reranking", "classification") and settings.runtime == "onnx":
-            options["onnx"] = onnx_runtime.plan_of(settings, devices)
-        if info.task == "embeddings":
-            return FolderEmbedder(info, devices, **options)
-        if info.task == "reranking":
-            return FolderReranker(info, devices, **options)
-        if info.task == "classification":
-            return FolderClassifier(info, devices, **options)
-        from batchserve.backends.smollm2 import SmolLM2Backend
+        tasks = {"embeddings": FolderEmbedder, "reranking": FolderReranker, "classification": FolderClassifier}
+        made: type[TokenModel] | None = tasks.get(info.task)
+        if made is None:  # generation
+            from batchserve.backends.smollm2 import SmolLM2Backend
 
-        return SmolLM2Backend.from_source(str(info.path), settings)
+            return SmolLM2Backend.from_source(str(info.path), settings)
+        if settings.runtime == "onnx":
+            options["onnx"] = onnx_runtime.plan_of(settings, devices)
+        return made(info, devices, **options)
 
     @classmethod
     def shell(cls, settings: Settings, spec: ModelSpec) -> object:

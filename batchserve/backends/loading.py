@@ -17,19 +17,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Callable, Collection, Iterator
+from typing import TypeVar
 
 from batchserve.backends import Backend, PluginError, describe, OutputRule, check_warm_answer
 from batchserve.errors import short as errors_short
 from batchserve.backends.plugin import make_backend
 from batchserve.config import Settings
 from batchserve.backends.device_thread import DeviceThread
-from batchserve.backends.warmup import ms, robust, warm_until_stable
+from batchserve.backends.warmup import WarmUp, ms, robust, warm_until_stable
 
 log = logging.getLogger("batchserve")
+T = TypeVar("T")
 
 # The batch whose answer is checked before the port opens: two inputs, so an answer of the wrong length (n+1,
 # or always one) shows. Checked once per device after the warm-up.
@@ -61,26 +62,18 @@ class LoadedModels:
 def load_models(settings: Settings, elsewhere: Collection[str] = ()) -> LoadedModels:
     """Everything the workers need, ready to serve; PluginError (one line) when a backend cannot be served.
     The models in `elsewhere` are answered by another path: their backend is a shell, not loaded or warmed."""
-    backends: dict[str, Backend] = {}
-    shells: dict[str, Backend] = {}
+    backends: dict[str, Backend] = {}  # set up, warmed and checked on the default model's devices
+    every: dict[str, Backend] = {}  # and the shells, in the models' order
     for spec in settings.models:
         if spec.id in elsewhere:
-            shells[spec.id] = make_backend(spec, settings, shell=True)
+            every[spec.id] = make_backend(spec, settings, shell=True)
             log.info("not loading %s's batch backend: its /v1/inference runs elsewhere (--inference-path)", spec.id)
             continue
         log.info("loading %s (backend %s)", spec.id, spec.backend)
         started = time.perf_counter()
-        backends[spec.id] = make_backend(spec, settings)
+        backends[spec.id] = every[spec.id] = make_backend(spec, settings)
         log.info("loaded %s in %.1f s", spec.id, time.perf_counter() - started)
-    loaded = _load(settings, backends, {**shells, **backends})
-    loaded.backends = {spec.id: loaded.backends[spec.id] for spec in settings.models}  # the models' order
-    return loaded
-
-
-def _load(settings: Settings, backends: dict[str, Backend], every: dict[str, Backend]) -> LoadedModels:
-    """Set up, warm and check `backends` on the default model's devices; `every` adds the shells."""
-    default = every[settings.models[0].id]
-    devices = default.device_names()
+    devices = every[settings.models[0].id].device_names()
     for model, backend in every.items():
         if len(backend.device_names()) < len(devices):
             raise backend.source.error(
@@ -88,33 +81,27 @@ def _load(settings: Settings, backends: dict[str, Backend], every: dict[str, Bac
                 f"{len(devices)}; each worker runs every model on its own device"
             )
     threads = [DeviceThread(name) for name in devices]
-    _on_every_device(threads, backends, lambda device: _set_up(backends, device))
+    _on_every_device(threads, lambda device: _set_up(backends, device))
     by_size: dict[str, dict[int, float]] = {model: {} for model in backends}
-    warm_s = _on_every_device(threads, backends, lambda device: _warm(backends, device, by_size))
+    warm_s = _on_every_device(threads, lambda device: _warm(backends, device, by_size))
     rules = {model: OutputRule(b.output_kind) for model, b in every.items()}
-    _on_every_device(threads, backends, lambda device: _check(backends, device, rules))
+    _on_every_device(threads, lambda device: _check(backends, device, rules))
     batch_s = {
-        model: b.initial_batch_s if b.initial_batch_s is not None else max(warm_s[model])
+        model: b.initial_batch_s if b.initial_batch_s is not None else max(w[model] for w in warm_s)
         for model, b in backends.items()
     }
     measured = {model: batch_s[model] for model, b in backends.items() if b.initial_batch_s is None}
     max_batch = {
         model: min(settings.max_batch_size, b.max_batch_size or settings.max_batch_size) for model, b in every.items()
     }
-    return LoadedModels(dict(every), devices, threads, batch_s, by_size, max_batch, rules, measured)
+    return LoadedModels(every, devices, threads, batch_s, by_size, max_batch, rules, measured)
 
 
-def _on_every_device(
-    threads: list[DeviceThread], models: Collection[str], step: Callable[[int], dict[str, float]]
-) -> dict[str, list[float]]:
-    """Run `step(device)` for every device, each on its own thread (in parallel); the seconds each took, per
-    model. The first failure raises PluginError."""
-    futures: list[Future[dict[str, float]]] = [t.call(step, i) for i, t in enumerate(threads)]
-    took: dict[str, list[float]] = {model: [] for model in models}
-    for future in futures:
-        for model, seconds in future.result().items():
-            took[model].append(seconds)
-    return took
+def _on_every_device(threads: list[DeviceThread], step: Callable[[int], T]) -> list[T]:
+    """Run `step(device)` for every device, each on its own thread (in parallel); the results by device. The
+    first failure raises PluginError."""
+    futures = [t.call(step, i) for i, t in enumerate(threads)]
+    return [future.result() for future in futures]
 
 
 @contextmanager
@@ -126,17 +113,14 @@ def _failure_named(backend: Backend, step: str, where: str) -> Iterator[None]:
         raise backend.source.error(f"{step} on {where} raised {describe(exc)}") from None
 
 
-def _set_up(backends: dict[str, Backend], device: int) -> dict[str, float]:
+def _set_up(backends: dict[str, Backend], device: int) -> None:
     """`setup` of every backend on `device`, once."""
-    took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]
         started = time.perf_counter()
         with _failure_named(backend, "setup", where):
             backend.setup(device)
-        took[model] = time.perf_counter() - started
-        log.info("set up %s on %s: %.0f ms", model, where, took[model] * 1000)
-    return took
+        log.info("set up %s on %s: %.0f ms", model, where, (time.perf_counter() - started) * 1000)
 
 
 def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int, float]]) -> dict[str, float]:
@@ -145,34 +129,15 @@ def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int
     took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]
-        started = time.perf_counter()
-        if backend.initial_batch_s is not None:
+        if backend.initial_batch_s is not None:  # its batch time is known: `took` is not read
+            started = time.perf_counter()
             with _failure_named(backend, "warm", where):
                 backend.warm(device)
-            took[model] = time.perf_counter() - started
-            log.info("warmed %s on %s: %.0f ms", model, where, took[model] * 1000)
+            log.info("warmed %s on %s: %.0f ms", model, where, (time.perf_counter() - started) * 1000)
             continue
         reported: list[dict[int, float]] = []
-        rounds = [0]
-
-        def round_(
-            backend: Backend = backend,
-            model: str = model,
-            where: str = where,
-            rounds: list[int] = rounds,
-            reported: list[dict[int, float]] = reported,
-        ) -> float | None:
-            # A backend that timed its batches by size or cost says what a batch takes: its slowest, not the round.
-            began = time.perf_counter()
-            timings = backend.warm(device)
-            rounds[0] += 1
-            log.info("warm-up round %d of %s on %s: %s ms", rounds[0], model, where, ms(time.perf_counter() - began))
-            if timings:
-                reported.append(timings)
-            return max(timings.values()) if timings else None
-
         with _failure_named(backend, "warm", where):
-            warm = warm_until_stable(round_)
+            warm = _warm_rounds(backend, model, device, where, reported)
         log.info(
             "warmed %s on %s: %s ms%s",
             model,
@@ -189,12 +154,28 @@ def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int
     return took
 
 
-def _check(backends: dict[str, Backend], device: int, rules: dict[str, OutputRule]) -> dict[str, float]:
+def _warm_rounds(backend: Backend, model: str, device: int, where: str, reported: list[dict[int, float]]) -> WarmUp:
+    """`warm_until_stable` over the backend's `warm`; the batch times by size or cost it reports go to `reported`."""
+    rounds = 0
+
+    def round_() -> float | None:
+        # A backend that timed its batches by size or cost says what a batch takes: its slowest, not the round.
+        nonlocal rounds
+        began = time.perf_counter()
+        timings = backend.warm(device)
+        rounds += 1
+        log.info("warm-up round %d of %s on %s: %s ms", rounds, model, where, ms(time.perf_counter() - began))
+        if timings:
+            reported.append(timings)
+        return max(timings.values()) if timings else None
+
+    return warm_until_stable(round_)
+
+
+def _check(backends: dict[str, Backend], device: int, rules: dict[str, OutputRule]) -> None:
     """One batch of CHECK_INPUTS per backend, whose answer must fit the model's output rule."""
-    took = {}
     for model, backend in backends.items():
         where = backend.device_names()[device]
-        started = time.perf_counter()
         try:
             outputs = backend.run(device, list(CHECK_INPUTS))
         except Exception as exc:  # noqa: BLE001 - a batch that raises is the pool's to isolate (a flaky device)
@@ -208,8 +189,6 @@ def _check(backends: dict[str, Backend], device: int, rules: dict[str, OutputRul
         wrong = check_warm_answer(outputs, len(CHECK_INPUTS), rules[model])
         if wrong is not None:
             raise backend.source.error(f"{wrong} on {where}")
-        took[model] = time.perf_counter() - started
-    return took
 
 
 __all__ = ["LoadedModels", "PluginError", "load_models"]

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from batchserve.backends import pick_devices
-from batchserve.backends import default_threads  # noqa: F401 - minilm.default_threads, as before
 from batchserve.backends import cache_root  # where the package is extracted (the ONNX cache shares it)
-from batchserve.backends.hf import passes  # noqa: F401 - minilm.passes, as before
+from batchserve.backends.hf import passes  # noqa: F401 - minilm.passes (its tests)
 from batchserve.backends.onnx_runtime import OnnxPlan, plan_of
 from batchserve.config import ModelSpec, Settings
 
@@ -161,11 +160,10 @@ def size_for_device(settings: Settings, devices: list[str]) -> None:
     if "max_batch_tokens" not in settings.given:
         settings.max_batch_tokens = tokens
     log.info(
-        "minilm on %s: max_batch_size=%d, max_batch_tokens=%d (%s)",
+        "minilm on %s: max_batch_size=%d, max_batch_tokens=%d (sized for the device where not set)",
         devices[0],
         settings.max_batch_size,
         settings.max_batch_tokens,
-        "sized for the device where not set",
     )
 
 
@@ -228,8 +226,7 @@ class MiniLM:
         self.embedder.setup(device)
 
     def warm(self, device: str) -> dict[int, float]:
-        """Two batches of different token counts, timed by batch cost, so the learned batch time starts as a line,
-        not a single point."""
+        """Two batches timed by cost, so the learned batch time starts as a line, not a single point."""
         return self.embedder.warm(device)
 
     def tokenize(self, texts: list[str]) -> None:
@@ -237,14 +234,12 @@ class MiniLM:
         self.embedder.tokenize(texts)
 
     def tokens(self, text: str) -> int:
-        """Tokens of one input after truncation (kept by text)."""
         return self.embedder.tokens(text)
 
     def cost_of(self, text: str) -> float:
         return self.embedder.cost_of(text)
 
     def padded_cost(self, texts: list[str]) -> float:
-        """Rows x the longest row: what the server counts a batch of these inputs as."""
         return self.embedder.padded_cost(texts)
 
     def bucket_of(self, text: str) -> int:

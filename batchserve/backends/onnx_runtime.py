@@ -245,11 +245,9 @@ def check_export(path: Path, graph: Any, inputs: tuple[Any, ...], names: list[st
         raise OnnxError(f"the ONNX export differs from torch's outputs by {worst:.2g}: serve it with --runtime torch")
 
 
-class QuantizerChatter(logging.Filter):
-    """Drops what onnxruntime's quantizer logs below ERROR ("Ignore MatMul due to non constant B", advice)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or "onnxruntime" not in record.pathname
+def quantizer_chatter(record: logging.LogRecord) -> bool:
+    """A log filter: drops what onnxruntime's quantizer logs below ERROR ("Ignore MatMul due to non constant B")."""
+    return record.levelno >= logging.ERROR or "onnxruntime" not in record.pathname
 
 
 def quantize(fp32: Path, target: Path) -> None:
@@ -259,15 +257,14 @@ def quantize(fp32: Path, target: Path) -> None:
     partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     started = time.perf_counter()
     root = logging.getLogger()
-    quiet = QuantizerChatter()
-    root.addFilter(quiet)  # it logs a line per tensor it leaves alone, on the root logger
+    root.addFilter(quantizer_chatter)  # it logs a line per tensor it leaves alone, on the root logger
     try:
         quantize_dynamic(
             str(fp32), str(partial), per_channel=True, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8
         )
         os.replace(partial, target)
     finally:
-        root.removeFilter(quiet)
+        root.removeFilter(quantizer_chatter)
         partial.unlink(missing_ok=True)
     log.info("quantized %s to int8 in %.1f s: %s", fp32, time.perf_counter() - started, target)
 

@@ -26,6 +26,16 @@ from batchserve.backends import OUTPUT_KINDS, Backend, PluginError, Resolved, de
 from batchserve.config import ModelSpec, Settings
 
 WARM_UP_INPUTS = ["warm-up"]  # what a plugin without its own warm() is warmed with
+# The plugin's own methods the backend takes as they are, with the parameter each must take: no extra frame on the
+# hot path (bucket_of, cost_of), and only a plugin that declares cost_of_batch or tokenize has the attribute the
+# door looks for (core/service.BatchCoster, core/tokenize_stage.py).
+OWN_METHODS = (
+    ("bucket_of", "text"),
+    ("count_tokens", "texts"),
+    ("cost_of", "text"),
+    ("cost_of_batch", "texts"),
+    ("tokenize", "texts"),
+)
 
 
 def _accepts(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
@@ -52,10 +62,6 @@ def _takes_device(fn: Callable[..., Any]) -> bool:
         return False
 
 
-def _is_batch_function(fn: Callable[..., Any]) -> bool:
-    return _accepts(fn, []) or _accepts(fn, [], device="")
-
-
 def _needs_an_argument(fn: Callable[..., Any]) -> bool:
     """True for `def batch(inputs)`, False for a factory such as `def make(*, threshold=0.5)` or `make(**kw)`."""
     try:
@@ -71,43 +77,27 @@ def _is_function(obj: object) -> TypeGuard[Callable[..., Any]]:
 
 @dataclass
 class PluginBackend:
-    """`Backend` over a plugin object: device indices become the plugin's device names, missing optional
-    methods get their defaults."""
+    """`Backend` over a plugin object: device indices become the plugin's device names; the plugin's own
+    `OWN_METHODS` replace the defaults below (`adapt` sets them on the instance)."""
 
     source: Resolved
     plugin: object
     devices: list[str]
     batch_fn: Callable[..., list]
-    batch_takes_device: bool
     output_kind: str = "json"
     max_batch_size: int | None = None
     initial_batch_s: float | None = None
     setup_fn: Callable[[str], Any] | None = None
     warm_fn: Callable[..., Any] | None = None
     warm_takes_device: bool = False
-    bucket_fn: Callable[[str], int] | None = None
-    count_fn: Callable[[list[str]], list[int]] | None = None
-    cost_fn: Callable[[str], float] | None = None
-    batch_cost_fn: Callable[[list[str]], float] | None = None
-    tokenize_fn: Callable[[list[str]], None] | None = None
-    _runs: list[Callable[[list[str]], list]] = field(default_factory=list, repr=False)
+    _runs: list[Callable[[list[str]], list]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # One bound callable per device, so a batch costs one call, not a signature decision.
+        takes_device = _takes_device(self.batch_fn)
         self._runs = [
-            functools.partial(self.batch_fn, device=d) if self.batch_takes_device else self.batch_fn
-            for d in self.devices
+            functools.partial(self.batch_fn, device=d) if takes_device else self.batch_fn for d in self.devices
         ]
-        if self.bucket_fn is not None:
-            self.bucket_of = self.bucket_fn  # type: ignore[assignment]  # the hot path: no extra frame
-        if self.cost_fn is not None:
-            self.cost_of = self.cost_fn  # type: ignore[assignment]  # the hot path too
-        if self.batch_cost_fn is not None:
-            # Only a plugin that declares it has the attribute: the door's BatchCoster check finds it.
-            self.cost_of_batch = self.batch_cost_fn
-        if self.tokenize_fn is not None:
-            # Likewise for the door's tokenizer stage (core/tokenize_stage.py).
-            self.tokenize = self.tokenize_fn
 
     def device_names(self) -> list[str]:
         return list(self.devices)
@@ -139,7 +129,7 @@ class PluginBackend:
         return 1.0
 
     def count_tokens(self, texts: list[str]) -> list[int] | None:
-        return self.count_fn(texts) if self.count_fn is not None else None
+        return None
 
 
 def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool = False) -> object:
@@ -149,11 +139,8 @@ def build(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
     if inspect.isclass(target):
         if shell and callable(make_shell := getattr(target, "shell", None)):
             # shell(settings), or shell(settings, spec) for a backend that serves many models (`hf`: a folder)
-            maker: Callable[..., object] = (
-                functools.partial(make_shell, settings, spec)
-                if _accepts(make_shell, settings, spec)
-                else functools.partial(make_shell, settings)
-            )
+            args = (settings, spec) if _accepts(make_shell, settings, spec) else (settings,)
+            maker: Callable[..., object] = functools.partial(make_shell, *args)
         elif callable(from_settings := getattr(target, "from_settings", None)):
             maker = functools.partial(from_settings, spec, settings)
         else:
@@ -198,39 +185,25 @@ def adapt(resolved: Resolved, spec: ModelSpec, settings: Settings, shell: bool =
         if not callable(fn):
             raise err(f"{name} is not callable")
         if args and not _accepts(fn, *args):
-            raise err(f"wrong signature {_shows(fn)}: {name} takes ({', '.join(a for a in args)})")
+            raise err(f"wrong signature {_shows(fn)}: {name} takes ({', '.join(args)})")
         return fn
 
     setup_fn = optional("setup", "device")
-    bucket_fn = optional("bucket_of", "text")
-    count_fn = optional("count_tokens", "texts")
-    cost_fn = optional("cost_of", "text")
-    batch_cost_fn = optional("cost_of_batch", "texts")
-    tokenize_fn = optional("tokenize", "texts")
+    own = {name: optional(name, arg) for name, arg in OWN_METHODS}
     warm_fn = optional("warm")
     warm_takes_device = warm_fn is not None and _accepts(warm_fn, "device")
     if warm_fn is not None and not warm_takes_device and not _accepts(warm_fn):
         raise err(f"wrong signature {_shows(warm_fn)}: warm takes () or (device)")
 
     max_batch, kind, initial = _declared(obj, err)
-    return PluginBackend(
-        source=resolved,
-        plugin=obj,
-        devices=_devices(None if plain else obj, settings, err),
-        batch_fn=batch_fn,
-        batch_takes_device=_takes_device(batch_fn),
-        output_kind=kind,
-        max_batch_size=max_batch,
-        initial_batch_s=initial,
-        setup_fn=setup_fn,
-        warm_fn=warm_fn,
-        warm_takes_device=warm_takes_device,
-        bucket_fn=bucket_fn,
-        count_fn=count_fn,
-        cost_fn=cost_fn,
-        batch_cost_fn=batch_cost_fn,
-        tokenize_fn=tokenize_fn,
+    devices = _devices(None if plain else obj, settings, err)
+    backend = PluginBackend(
+        resolved, obj, devices, batch_fn, kind, max_batch, initial, setup_fn, warm_fn, warm_takes_device
     )
+    for name, fn in own.items():
+        if fn is not None:
+            setattr(backend, name, fn)
+    return backend
 
 
 def _batch_function(obj: object, plain: bool, err: Callable[[str], Exception]) -> Callable[..., list]:
@@ -244,7 +217,7 @@ def _batch_function(obj: object, plain: bool, err: Callable[[str], Exception]) -
         if not callable(found):
             raise err(f"{type(obj).__name__} has no batch(inputs) method and is not callable")
         batch_fn = found
-    if not _is_batch_function(batch_fn):
+    if not (_accepts(batch_fn, []) or _accepts(batch_fn, [], device="")):
         raise err(f"wrong signature {_shows(batch_fn)}: the batch method takes (inputs) or (inputs, device)")
     return batch_fn
 

@@ -28,7 +28,7 @@ from batchserve.config import ModelSpec, Settings
 
 log = logging.getLogger("batchserve.process")
 
-Factory = Callable[[ModelSpec, Settings], Any]  # builds the backend in the child (a module-level function)
+Factory = Callable[[ModelSpec, Settings], Any]  # builds the Backend in the child (a module-level function)
 
 
 class DeviceProcessError(RuntimeError):
@@ -58,9 +58,7 @@ def serve_device(
     )
     try:
         backend = factory(spec, child_settings(settings, device))
-        setup = getattr(backend, "setup", None)
-        if setup is not None:
-            setup(0)  # in the child, on the thread that will run its batches
+        backend.setup(0)  # in the child, on the thread that will run its batches
         conn.send(("ok", None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails its start-up
         conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -157,10 +155,18 @@ class ProcessBackend:
 
     local: Any  # the backend's lightweight twin: never asked to run a batch here
     devices: list[DeviceProcess]
+    # What the twin says of the model (set from it)
+    source: Any = field(init=False)
+    output_kind: str = field(init=False)
+    max_batch_size: int | None = field(init=False)
+    initial_batch_s: float | None = field(init=False)
 
     def __post_init__(self) -> None:
+        local = self.local
+        self.source, self.output_kind = local.source, local.output_kind
+        self.max_batch_size, self.initial_batch_s = local.max_batch_size, local.initial_batch_s
         # The twin's batch-level cost, when it declares one, answered here like cost_of (no child involved).
-        batch_cost = getattr(self.local, "cost_of_batch", None)
+        batch_cost = getattr(local, "cost_of_batch", None)
         if batch_cost is not None:
             self.cost_of_batch = batch_cost
 
@@ -181,22 +187,6 @@ class ProcessBackend:
             raise
         log.info("%s runs in %d device process(es)", spec.id, len(devices))
         return cls(local, devices)
-
-    @property
-    def initial_batch_s(self) -> float | None:
-        return self.local.initial_batch_s
-
-    @property
-    def source(self) -> Any:
-        return self.local.source
-
-    @property
-    def output_kind(self) -> str:
-        return self.local.output_kind
-
-    @property
-    def max_batch_size(self) -> int | None:
-        return self.local.max_batch_size
 
     def setup(self, device: int) -> None:
         """Done in the device's process when it starts."""

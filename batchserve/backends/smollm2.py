@@ -9,6 +9,7 @@ whose callers have all left stops between decode steps (`backends.all_callers_go
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import importlib.util
@@ -287,10 +288,7 @@ class SmolLM2Backend:
         return cls(devices=pick_devices(s.devices), max_new_tokens=s.max_new_tokens)
 
     def bucket_of(self, text: str) -> int:
-        for i, edge in enumerate(BUCKET_EDGES):
-            if len(text) <= edge:
-                return i
-        return len(BUCKET_EDGES)
+        return bisect.bisect_left(BUCKET_EDGES, len(text))
 
     def prompt_tokens(self, text: str) -> int:
         """The input's prompt tokens, counted once per distinct text (it runs on the event loop); without a
@@ -299,10 +297,7 @@ class SmolLM2Backend:
         if n is None:
             if len(self._prompt_tokens) >= COST_CACHE:
                 self._prompt_tokens.clear()
-            if self.tokenizer is None:
-                n = SHELL_PROMPT_TOKENS + max(1, len(text) // 4)
-            else:
-                n = len(self.encode([text])[0])
+            n = SHELL_PROMPT_TOKENS + max(1, len(text) // 4) if self.tokenizer is None else len(self.encode([text])[0])
             self._prompt_tokens[text] = n
         return n
 
@@ -317,17 +312,15 @@ class SmolLM2Backend:
     def warm(self, device: str) -> dict[int, float]:
         """Capture the decode graphs (GPU), run a batch of full-length answers (the time deadlines start from), and
         on a GPU time each batch bucket (minutes on a CPU): batch seconds by batch cost."""
-        timings: dict[int, float] = {}
-        index = self.devices.index(device)
-        decoder = self.decoders[index] if self.decoders else None
-        if decoder is not None:
-            decoder.warm()
-        started = time.monotonic()
-        if decoder is not None:
-            decoder.generate(self.encode(WARM_INPUTS), min_tokens=self.max_new_tokens)
-        else:
+        decoder = self.decoders[self.devices.index(device)] if self.decoders else None
+        if decoder is None:
+            started = time.monotonic()
             self.run_generate(device, WARM_INPUTS, full_length=True)
-        timings[self.padded_cost(WARM_INPUTS)] = time.monotonic() - started
+        else:
+            decoder.warm()
+            started = time.monotonic()
+            decoder.generate(self.encode(WARM_INPUTS), min_tokens=self.max_new_tokens)
+        timings = {self.padded_cost(WARM_INPUTS): time.monotonic() - started}
         if decoder is not None and decoder.use_graphs:
             ids = self.encode(WARM_INPUTS[:1])
             for size in decoder.batch_buckets:
@@ -335,9 +328,6 @@ class SmolLM2Backend:
                 decoder.generate(ids * size, min_tokens=self.max_new_tokens)
                 timings[self.padded_cost(WARM_INPUTS[:1] * size)] = time.monotonic() - started
         return timings
-
-    def prompts(self, inputs: list[str]) -> list[str]:
-        return chat_prompts(self.tokenizer, inputs)
 
     def encode(self, inputs: list[str]) -> list[list[int]]:
         return prompt_ids(self.tokenizer, inputs)
@@ -356,7 +346,7 @@ class SmolLM2Backend:
         import torch
 
         model = self.models[self.devices.index(device)]
-        enc = self.tokenizer(self.prompts(inputs), return_tensors="pt", padding=True).to(device)
+        enc = self.tokenizer(chat_prompts(self.tokenizer, inputs), return_tensors="pt", padding=True).to(device)
         with torch.inference_mode():
             out = model.generate(
                 **enc,

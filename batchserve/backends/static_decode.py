@@ -25,6 +25,7 @@ while the host, perhaps late by a GIL hand-over, reads them; the price is up to 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import time
@@ -58,10 +59,8 @@ class MadeAlready:
 
 def bucket_up(n: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket holding n, or None when n is past the largest."""
-    for b in buckets:
-        if n <= b:
-            return b
-    return None
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:

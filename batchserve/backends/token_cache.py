@@ -50,17 +50,13 @@ class TooLong:
 Kept = Tokens | TooLong
 
 
-def _size(value: Kept) -> int:
-    return value.nbytes
-
-
 class TokenCache:
     """Text -> `Kept`, least recently used first out, within `budget` bytes; safe to share between the stage's
     thread, the event loop and the device threads (one lock around each call)."""
 
     def __init__(self, budget: int = CACHE_BYTES) -> None:
         self.budget = budget
-        self._lru: LRUCache[str, Kept] = LRUCache(maxsize=max(1, budget), getsizeof=_size)
+        self._lru: LRUCache[str, Kept] = LRUCache(maxsize=max(1, budget), getsizeof=lambda kept: kept.nbytes)
         self._lock = threading.Lock()
 
     def get(self, text: str) -> Kept | None:

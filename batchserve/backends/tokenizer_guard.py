@@ -79,8 +79,9 @@ class TokenizerRefused(ValueError):
     """A tokenizer that makes too much of a probe input; its message is one line."""
 
 
-def check_tokenizer(path: Path) -> None:
-    """TokenizerRefused for a `tokenizer.json` that makes too much of the probe, or that the library cannot read."""
+def check_tokenizer(path: Path) -> Any:
+    """The folder's `tokenizer.json` (without truncation and padding); TokenizerRefused for one that makes too much
+    of the probe, or that the library cannot read."""
     from tokenizers import Tokenizer
 
     file = path / "tokenizer.json"
@@ -107,3 +108,4 @@ def check_tokenizer(path: Path) -> None:
                 f"{file}: it makes {tokens} tokens of {len(probe)} characters (over {MAX_TOKENS_PER_CHAR:g} a "
                 f"character): refused"
             )
+    return tok

@@ -34,13 +34,13 @@ class WarmUp:
 
     @property
     def batch_s(self) -> float:
-        """The batch time to start from: the median of the rounds after the cold first one, which shrugs off one
-        round slowed by a busy machine."""
+        """The batch time to start from (`robust`)."""
         return robust(self.rounds_s)
 
 
 def robust(rounds: list[float]) -> float:
-    """The median of the rounds after the first (the first alone when there is only one)."""
+    """The median of the rounds after the cold first one (the first alone when there is only one), which shrugs
+    off one round slowed by a busy machine."""
     return statistics.median(rounds[1:] or rounds)
 
 
