@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import time
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 from collections.abc import Callable
 
 from prometheus_client import Counter
@@ -43,34 +43,6 @@ def callers_gone(items: list[Item]) -> bool:
     return all(item.future.done() or (item.gone is not None and item.gone()) for item in items)
 
 
-@dataclass(eq=False)
-class BatchRecords:
-    """What the outside sees of each batch: its metrics when formed for a worker, its span when it ends. Apart
-    from `GpuPool` because it decides nothing."""
-
-    metrics: Metrics
-    clock: Clock
-    # batchserve_batches_total's child per (model, cause): prometheus-client's `labels()` costs several µs a call
-    _counts: dict[tuple[str, str], Counter] = field(default_factory=dict)
-
-    def count(self, batch: Batch) -> None:
-        self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
-        counted = self._counts.get((batch.model, batch.cause))
-        if counted is None:
-            counted = self._counts[(batch.model, batch.cause)] = self.metrics.batches.labels(batch.model, batch.cause)
-        counted.inc()
-        formed, interactive = batch.formed, BATCH.rank  # job items wait for spare capacity by design: no queue delay
-        self.metrics.queue_wait.labels(batch.model).observe_all(
-            [formed - item.arrived for item in batch.items if item.tier < interactive]
-        )
-
-    def trace(self, tracing: BatchTracer, w: DeviceWorker, batch: Batch, problem: str | None) -> None:
-        traces, n = (item.trace for item in batch.items), len(batch.items)
-        span = tracing.batch(BatchRun(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem))
-        for item in batch.items:
-            item.batch_trace = span
-
-
 @dataclass
 class GpuPool:
     backends: dict[str, Backend]  # model id -> backend
@@ -89,13 +61,13 @@ class GpuPool:
     rules: dict[str, OutputRule] = field(default_factory=dict)  # model id -> its outputs' rule (warm-up's)
     stage_lead_s: InitVar[float] = 0.0  # --stage-lead-ms: how long before a batch's expected end its successor may form
     _healthy: int = 0
-    records: BatchRecords = field(init=False)
+    # batchserve_batches_total's child per (model, cause): prometheus-client's `labels()` costs several µs a call
+    _counts: dict[tuple[str, str], Counter] = field(default_factory=dict)
     staging: Staging = field(init=False)  # the next full batch into a busy worker's inbox
 
     def __post_init__(self, stage_lead_s: float) -> None:
-        self.records = BatchRecords(self.metrics, self.clock)
         self.staging = Staging(
-            self.workers, self.batcher, self.metrics, self.loop, self.clock, self.records.count, stage_lead_s
+            self.workers, self.batcher, self.metrics, self.loop, self.clock, self._count, stage_lead_s
         )
         self.batcher.on_stage = self.staging.stage  # asked only while `stage_after` is finite (`Staging.open`)
 
@@ -108,9 +80,8 @@ class GpuPool:
             self.workers.append(DeviceWorker(i, name, thread=self.threads[i]))
             self.metrics.worker_healthy.labels(name).set(1)
         self._update_health()
-        for w in self.workers:
-            assert w.thread is not None
-            w.thread.call(self._work, w)
+        for w, thread in zip(self.workers, self.threads):
+            thread.call(self._work, w)
 
     def stop(self) -> None:
         self.batcher.close()
@@ -149,10 +120,7 @@ class GpuPool:
             expected = times.at(batch.model, batch.cost if cost is None else cost)
         else:
             expected = max(times.values(), default=0.0)
-        return min(
-            max(GPU_TIMEOUT_FLOOR_S, self.gpu_timeout_ceiling_s),
-            max(GPU_TIMEOUT_FLOOR_S, GPU_TIMEOUT_BATCHES * expected),
-        )
+        return max(GPU_TIMEOUT_FLOOR_S, min(self.gpu_timeout_ceiling_s, GPU_TIMEOUT_BATCHES * expected))
 
     # -- the worker thread -----------------------------------------------------------------------------------
     def _work(self, w: DeviceWorker) -> None:
@@ -189,13 +157,11 @@ class GpuPool:
         staged, w.staged = w.staged, None
         if staged is not None:  # the thread went straight on to it
             self._begin(w, staged, w.staged_cost)
+        elif (batch := self.batcher.take_now(w.index)) is not None:
+            self._hand(w, batch)
         else:
-            batch = self.batcher.take_now(w.index)
-            if batch is not None:
-                self._hand(w, batch)
-            else:
-                self.staging.open()  # this worker is idle now
-                self.loop.create_task(self._wait_and_hand(w))
+            self.staging.open()  # this worker is idle now
+            self.loop.create_task(self._wait_and_hand(w))
         if answer is not None:  # after the hand-off: the worker runs its next batch while the loop answers
             answer()
 
@@ -208,7 +174,7 @@ class GpuPool:
             return
         self._begin(w, batch, batch.cost)
         w.inbox.put(batch)
-        self.records.count(batch)
+        self._count(batch)
 
     def _begin(self, w: DeviceWorker, batch: Batch, cost: float) -> None:
         """Start `batch`'s clock and watchdog (handed, or staged and begun by the thread)."""
@@ -219,6 +185,25 @@ class GpuPool:
         self.staging.open()
 
     # -- back on the event loop --------------------------------------------------------------------------
+    def _count(self, batch: Batch) -> None:
+        """A batch formed for a worker, in the metrics."""
+        self.metrics.batch_size.labels(batch.model).observe(len(batch.items))
+        counted = self._counts.get((batch.model, batch.cause))
+        if counted is None:
+            counted = self._counts[(batch.model, batch.cause)] = self.metrics.batches.labels(batch.model, batch.cause)
+        counted.inc()
+        formed, interactive = batch.formed, BATCH.rank  # job items wait for spare capacity by design: no queue delay
+        self.metrics.queue_wait.labels(batch.model).observe_all(
+            [formed - item.arrived for item in batch.items if item.tier < interactive]
+        )
+
+    def _trace(self, tracing: BatchTracer, w: DeviceWorker, batch: Batch, problem: str | None) -> None:
+        """An ended batch's span, linked to its requests' spans."""
+        traces, n = (item.trace for item in batch.items), len(batch.items)
+        span = tracing.batch(BatchRun(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem))
+        for item in batch.items:
+            item.batch_trace = span
+
     def _finish(
         self,
         w: DeviceWorker,
@@ -245,7 +230,7 @@ class GpuPool:
         # the backend's own time goes to the compute histogram and the answers.
         cycle = self.clock() - w.started
         if self.tracing is not None and not stopped_early:
-            self.records.trace(self.tracing, w, batch, problem)
+            self._trace(self.tracing, w, batch, problem)
         w.batch = None
         w.busy_s += elapsed
         w.batches += 1
@@ -317,10 +302,7 @@ class GpuPool:
         fails nothing alone. After a hang (`_abandon`) the items are spread over `parts` groups at once."""
         now = self.clock()
         if batch.held:
-            if batch.isolated:  # a failing job's half stays in its own batches: it may hold a culprit too
-                self.batcher.requeue(Batch(batch.model, batch.held, now, "retry", isolated=True))
-            else:
-                self.batcher.return_items(batch.held)
+            self._release_held(batch, now)
         items = [i for i in batch.items if i.alive(now)]
         if not items:
             return
@@ -329,21 +311,7 @@ class GpuPool:
             # Interactive items and job items are isolated apart: the job items' re-runs go behind interactive
             # work (the batcher's background retries), so a job full of failing inputs cannot hold the workers.
             for part in ([i for i in items if i.tier < BATCH.rank], jobs):
-                self._retry_or_fail(
-                    Batch(
-                        batch.model,
-                        part,
-                        batch.formed,
-                        batch.cause,
-                        batch.avoid_worker,
-                        batch.after_hang,
-                        isolated=batch.isolated,
-                    ),
-                    w,
-                    problem,
-                    cause,
-                    parts,
-                )
+                self._retry_or_fail(replace(batch, items=part, held=[]), w, problem, cause, parts)
             return
         if cause == "hang" and jobs:
             # Job items are not re-run in groups here: the job scheduler retries each one alone (it is in no
@@ -365,6 +333,14 @@ class GpuPool:
             )
             return
         self._retry_or_fail_one(batch, items[0], w, problem, cause, now)
+
+    def _release_held(self, batch: Batch, now: float) -> None:
+        """A failed or hung half's held sibling, presumed clean, back to the queue; a failing job's half stays in
+        batches of its own (it may hold a culprit too)."""
+        if batch.isolated:
+            self.batcher.requeue(Batch(batch.model, batch.held, now, "retry", isolated=True))
+        else:
+            self.batcher.return_items(batch.held)
 
     def _retry_or_fail_one(
         self, batch: Batch, item: Item, w: DeviceWorker, problem: str, cause: str, now: float
@@ -422,10 +398,7 @@ class GpuPool:
         self._update_health()
         healthy = self.healthy_count()
         if batch.held:  # a bisection half hung: its held sibling is presumed clean
-            if batch.isolated:
-                self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=True))
-            else:
-                self.batcher.return_items(batch.held)
+            self._release_held(batch, self.clock())
             batch.held = []
         batch_s = self.batcher.batch_s[batch.model]
         spare_after_loss = (healthy - 1) * self.batcher.costs.full_n(batch.model) / batch_s

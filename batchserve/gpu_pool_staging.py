@@ -63,7 +63,7 @@ class Staging:
     metrics: Metrics
     loop: asyncio.AbstractEventLoop
     clock: Clock
-    count: Callable[[Batch], None]  # `gpu_pool.BatchRecords.count`
+    count: Callable[[Batch], None]  # `GpuPool._count`
     lead_s: float = 0.0  # --stage-lead-ms: how long before a batch's expected end its successor may form
     _timer_late: float = 0.0  # how late the loop ran staging timers lately (a decaying maximum, at most the lead)
 

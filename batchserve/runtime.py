@@ -8,6 +8,7 @@ their own wing (`inference.routes.InferenceHost`, ...), so no wing imports this 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import logging
 import threading
@@ -52,30 +53,17 @@ async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
     """`fn()` on a daemon thread of its own, awaited. Not `asyncio.to_thread`: the loop's default executor is
     joined at exit, so a SIGTERM during a minutes-long model load would wait for the load to finish before
     the process could stop."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(ok: bool, value: object) -> None:
-        if done.done():  # cancelled: the server stopped while this ran
-            return
-        if ok:
-            done.set_result(value)  # type: ignore[arg-type]
-        else:
-            done.set_exception(value)  # type: ignore[arg-type]
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
-        try:
-            result: object = fn()
-            ok = True
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, ok = exc, False
-        try:
-            loop.call_soon_threadsafe(settle, ok, result)
-        except RuntimeError:  # the loop closed meanwhile (the server stopped while loading): nobody waits
-            pass
+        if done.set_running_or_notify_cancel():  # False: the server stopped before the thread began
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                done.set_exception(exc)
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    return await done
+    return await asyncio.wrap_future(done)
 
 
 @dataclass
@@ -106,51 +94,31 @@ class Runtime:
 
     @classmethod
     def create(cls, settings: Settings, loaded: LoadedModels | None = None) -> Runtime:
+        slo_s, max_timeout_s = settings.slo_ms / 1000, settings.max_timeout_ms / 1000
         batcher = Batcher(
             max_batch_size=settings.max_batch_size,
-            slo_s=settings.slo_ms / 1000,
+            slo_s=slo_s,
             margin_s=settings.dispatch_margin_ms / 1000,
             batch_s=BatchTimes(
                 settings.max_batch_size, {spec.id: spec.sim_batch_ms / 1000 for spec in settings.models}
             ),
             max_batch_cost=settings.max_batch_tokens,
-            max_batch_s=settings.max_timeout_ms / 1000 / 2,
+            max_batch_s=max_timeout_s / 2,
         )
         admission = Admission(
-            batcher,
-            None,
-            settings.max_queue,
-            settings.slo_ms / 1000,
-            settings.admission_slack,
-            max_timeout_s=settings.max_timeout_ms / 1000,
+            batcher, None, settings.max_queue, slo_s, settings.admission_slack, max_timeout_s=max_timeout_s
         )
         requests = RequestLog(settings.request_history)
         backends: dict[str, Backend] = {}
         service = InferenceService(batcher, admission, backends, requests)
         metrics = make_metrics()
         registry = ModelRegistry(settings.models)
+        gateways = tuple(ipaddress.ip_network(p, strict=False) for p in proxy_list(settings.gateway_ips))
+        guard = Guard(Tenancy.from_settings(settings), metrics, settings.metrics_key, slo_s=slo_s, gateways=gateways)
         # Each model's own SLO and timeouts, until its warm-up says otherwise: one dict, shared by every reader.
         registry.deadlines.update((spec.id, Deadlines.of_settings(settings)) for spec in settings.models)
-        batcher.deadlines = admission.deadlines = registry.deadlines
-        rt = cls(
-            settings,
-            registry,
-            metrics,
-            requests,
-            batcher,
-            admission,
-            service,
-            Guard(
-                Tenancy.from_settings(settings),
-                metrics,
-                settings.metrics_key,
-                slo_s=settings.slo_ms / 1000,
-                gateways=tuple(ipaddress.ip_network(p, strict=False) for p in proxy_list(settings.gateway_ips)),
-            ),
-            backends,
-            loaded,
-        )
-        rt.guard.deadlines = registry.deadlines
+        batcher.deadlines = admission.deadlines = guard.deadlines = registry.deadlines
+        rt = cls(settings, registry, metrics, requests, batcher, admission, service, guard, backends, loaded)
         rt.refusals = RefusalThrottle(settings.refused_per_s)
         rt.metrics.inflight.set_function(lambda: service.inflight)  # read at scrape time: nothing per request
         load_signal.export(rt.metrics.load_ratio, rt.metrics.predicted_wait_ratio, rt.load_reading)
@@ -334,16 +302,12 @@ class Runtime:
 
     def derive_deadlines(self, times: dict[str, float | None], what: str) -> None:
         """Each model's own SLO and default timeout, from its measured time in `times`, for the figures the user
-        left unset; a model whose time is None keeps the settings' figures."""
+        left unset; a model whose time is None keeps the settings' figures. A costed model's batches are then
+        fitted within half of its own SLO with its slack (`BatchBudget.fit_budget`)."""
         for model, seconds in times.items():
             if seconds is not None:
                 self.registry.deadlines[model] = deadlines_for(self.settings, seconds, what)
             log_deadlines(model, self.registry.deadlines[model])
-        self._deadlines_changed()
-
-    def _deadlines_changed(self) -> None:
-        """The shared `registry.deadlines` changed: a costed model's batches are fitted within half of its own SLO
-        with its slack (`BatchBudget.fit_budget`)."""
         half_slack = self.settings.admission_slack / 2
         self.batcher.deadlines_changed()
         self.batcher.costs.latency_fits = {m: d.slo_s * half_slack for m, d in self.registry.deadlines.items()}

@@ -8,13 +8,9 @@ from dataclasses import dataclass
 import msgspec
 
 from batchserve.classify import shapes
-from batchserve.classify.shapes import MAX_INPUTS
-from batchserve.http.plumbing import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
 from batchserve.http.openai_error import bad
-from batchserve.http.plumbing import timeout_s
 from batchserve.errors import ApiError
-
-__all__ = ["MAX_INPUTS", "Classify", "parse_classify", "parse_predict"]
 
 CLASSIFY = msgspec.json.Decoder(shapes.ClassifyRequest)
 PREDICT = msgspec.json.Decoder(shapes.PredictRequest)
@@ -33,6 +29,8 @@ class Classify:
 
 
 def refused(r: BodyRefusal) -> ApiError:
+    if r.field == "input" and r.path.startswith("input[") and r.got in ("int", "array"):  # /v1/classify's
+        return bad("input", "token-id arrays are not supported here: send the text", "unsupported_value")
     return bad(None if r.not_json else r.field, r.message, "invalid_json" if r.field is None else "invalid_value")
 
 
@@ -52,8 +50,6 @@ def parse_classify(body: bytes, max_chars: int, max_timeout_ms: float) -> Classi
     try:
         req = decode(CLASSIFY, body)
     except BodyRefusal as r:
-        if r.field == "input" and r.path.startswith("input[") and r.got in ("int", "array"):
-            raise bad("input", "token-id arrays are not supported here: send the text", "unsupported_value") from None
         raise refused(r) from None
     sequences: list[Sequence] = [req.input] if isinstance(req.input, str) else list(req.input)
     timeout_s = checked(sequences, "input", max_chars, req.timeout_ms, max_timeout_ms)

@@ -1,9 +1,7 @@
 """`POST /v1/classify` and `/classify` (vLLM's shape) and `POST /predict` (TEI's shape) on the one request path
-(`http/endpoint.py`), as `/v1/embeddings` and `/v1/rerank`: parse the body (`parse.py`, by the route's shape) and
-pick a classification model → (the skeleton takes one rate-limit token per input) → each text or pair through
-the door as one input (`InferenceService.infer_many`: one admission for the request, each input its own item,
-costed by its tokens on the fair queue and counted on the ledger like every other), so the inputs of concurrent
-callers share batches → the answer (`render.py`, by the route's shape). Errors in OpenAI's shape."""
+(`http/endpoint.py`), as `/v1/embeddings` and `/v1/rerank`: each text or pair is one input through the door (one
+rate-limit token each, one admission for the request), so the inputs of concurrent callers share batches. Errors
+in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -21,10 +19,9 @@ from batchserve.http.model_choice import CLASSIFICATION, EncoderHost, choose
 
 
 Parse = Callable[[bytes, int, float], Classify]
-Classified = EncoderJob[Classify]
 
 
-def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse_classify) -> Classified:
+def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse_classify) -> EncoderJob[Classify]:
     """`parse`: the route's body shape, vLLM's (`/v1/classify`, the default) or TEI's (`/predict`)."""
     s = rt.settings
     req = parse(body, s.max_input_chars, s.max_timeout_ms)

@@ -10,13 +10,9 @@ from dataclasses import dataclass
 import msgspec
 
 from batchserve.embeddings import shapes
-from batchserve.embeddings.shapes import MAX_INPUTS
-from batchserve.http.plumbing import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
 from batchserve.errors import ApiError
 from batchserve.http.openai_error import bad
-from batchserve.http.plumbing import timeout_s
-
-__all__ = ["MAX_INPUTS", "ParsedEmbedding", "parse"]
 
 _DECODER = msgspec.json.Decoder(shapes.EmbeddingRequest)
 

@@ -9,8 +9,7 @@ import msgspec
 
 from batchserve import errors
 from batchserve.config import Settings
-from batchserve.http.plumbing import TOO_DEEP, BodyRefusal, decode, refusal
-from batchserve.http.plumbing import JSON, check_json_content_type
+from batchserve.http.plumbing import JSON, TOO_DEEP, BodyRefusal, check_json_content_type, decode, refusal
 from batchserve.inference.shapes import InferenceRequest
 
 _DECODER = msgspec.json.Decoder(InferenceRequest)

@@ -16,23 +16,18 @@ from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.backends import Backend
-from batchserve.config import Settings
 from batchserve.http.model_choice import ModelRegistry
-from batchserve.core.handler import InferenceHandler
 from batchserve.core.fairqueue import ItemResult
 from batchserve.core.ledger import Record, RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import COUNTED, JSON_MEDIA, Answer, Call, Endpoint, no_body, public
-from batchserve.http.guards import Guard
+from batchserve.http.endpoint import COUNTED, JSON_MEDIA, Answer, Call, Endpoint, Served, no_body, public
 from batchserve.inference.parse import parse_inference
 
 
-class InferenceHost(Protocol):
+class InferenceHost(Served, Protocol):
     """What the inference routes read from `app.state.rt`."""
 
-    settings: Settings
-    guard: Guard
     registry: ModelRegistry
     service: InferenceService
     requests: RequestLog
@@ -63,8 +58,7 @@ def parse(rt: InferenceHost, call: Call, body: bytes) -> str:
 def infer(rt: InferenceHost, call: Call, text: str) -> Awaitable[ItemResult]:
     """The door's awaitable, handed back to the skeleton as it is (no coroutine of this route's own in between:
     the hot path)."""
-    handler: InferenceHandler = rt.service
-    return handler.infer(call.work, text)
+    return rt.service.infer(call.work, text)
 
 
 def render(rt: InferenceHost, call: Call, text: str, result: ItemResult) -> Answer:

@@ -57,9 +57,7 @@ def load() -> Messages:
 
         pool = descriptor_pool.DescriptorPool()
         file = pool.AddSerializedFile(SERIALIZED)
-        classes: dict[str, type] = {}
-        for message in file.message_types_by_name.values():
-            classes[message.full_name] = message_factory.GetMessageClass(message)
+        classes = {m.full_name: message_factory.GetMessageClass(m) for m in file.message_types_by_name.values()}
         service = file.services_by_name[SERVICE.rpartition(".")[2]]
         methods = tuple(
             Method(m.name, classes[m.input_type.full_name], classes[m.output_type.full_name]) for m in service.methods

@@ -39,7 +39,6 @@ from batchserve.kserve import render
 from batchserve.kserve.parse import bad, bytes_elements
 from batchserve.kserve.grpc_messages import SERVICE, Messages, load
 from batchserve.kserve.host import KServeHost, find_model
-from batchserve.kserve.render import model_metadata
 from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME
 
 if TYPE_CHECKING:
@@ -91,7 +90,6 @@ class OutputRequest(Protocol):
 
 class Parameter(Protocol):
     int64_param: int
-    string_param: str
 
     def WhichOneof(self, group: str) -> str | None: ...  # noqa: N802 - protobuf's name
 
@@ -117,10 +115,9 @@ def model_called(rt: KServeHost, name: str, version: str, field: str = "name") -
 
 def parse_request(req: ModelInferRequest, max_chars: int) -> tuple[list[str], list[int], float | None]:
     """The request's strings (row-major), its shape, and its `timeout` parameter in microseconds (or None)."""
-    inputs = req.inputs
-    if len(inputs) != 1:
+    if len(req.inputs) != 1:
         raise bad(f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see ModelMetadata)")
-    tensor = inputs[0]
+    tensor = req.inputs[0]
     if tensor.name != INPUT_NAME:
         raise bad(f"unknown input '{tensor.name[:64]}': this model's one input is '{INPUT_NAME}'")
     if tensor.datatype != "BYTES":
@@ -203,18 +200,7 @@ class InferenceServicer:
     async def ModelMetadata(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
         request: ModelRef = await read()  # type: ignore[assignment]
         spec = model_called(self.rt, request.name, request.version)
-        backend = self.rt.backends.get(spec.id)
-        kind = backend.output_kind if backend is not None else "text"
-        versions = [s.version for s in self.rt.registry.by_name.get(spec.name, [])]
-        meta = model_metadata(spec.name, versions, spec.backend, kind)
-        tensors = protos.ModelMetadataResponse.TensorMetadata  # type: ignore[attr-defined]
-        return protos.ModelMetadataResponse(
-            name=meta["name"],
-            versions=meta["versions"],
-            platform=meta["platform"],
-            inputs=[tensors(**t) for t in meta["inputs"]],
-            outputs=[tensors(**t) for t in meta["outputs"]],
-        )
+        return protos.ModelMetadataResponse(**render.metadata_of(self.rt, spec))
 
     async def ModelInfer(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
         rt = self.rt
@@ -268,8 +254,7 @@ class InferenceServicer:
         if work.asked:
             head += (("x-service-tier", TIER_NAMES[work.tier]),)
         await context.send_initial_metadata(head)
-        output = protos.ModelInferResponse.InferOutputTensor  # type: ignore[attr-defined]
-        tensor = output(name=OUTPUT_NAME, datatype=datatype, shape=out_shape)
+        tensor = {"name": OUTPUT_NAME, "datatype": datatype, "shape": out_shape}
         return protos.ModelInferResponse(
             model_name=spec.name, model_version=spec.version, id=request.id, outputs=[tensor], raw_output_contents=[raw]
         )
@@ -312,11 +297,7 @@ def method_handler(name: str, impl: Impl, message: type, timeout_s: float) -> gr
             log.exception("unhandled error in %s", name)
             await abort(context, errors.internal_error())
 
-    return grpc.stream_unary_rpc_method_handler(call, response_serializer=serialize)
-
-
-def serialize(message: object) -> bytes:
-    return message.SerializeToString()  # type: ignore[attr-defined]
+    return grpc.stream_unary_rpc_method_handler(call, response_serializer=lambda m: m.SerializeToString())
 
 
 async def no_body() -> Message:

@@ -6,19 +6,17 @@ from typing import Protocol
 
 from batchserve import errors
 from batchserve.backends import Backend
-from batchserve.config import ModelSpec, Settings
+from batchserve.config import ModelSpec
 from batchserve.http.model_choice import ModelRegistry
 from batchserve.core.service import InferenceService
 from batchserve.errors import ApiError
-from batchserve.http.guards import Guard
+from batchserve.http.endpoint import Served
 
 
-class KServeHost(Protocol):
+class KServeHost(Served, Protocol):
     """The runtime as both v2 surfaces see it (app.py wires `app.state.rt`; `start_grpc` takes the same): this
     much only."""
 
-    settings: Settings
-    guard: Guard
     registry: ModelRegistry
     service: InferenceService
     backends: dict[str, Backend]

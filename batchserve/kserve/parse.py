@@ -20,11 +20,7 @@ from batchserve.kserve import shapes
 from batchserve.kserve.shapes import INPUT_NAME, MAX_DIMS, MAX_ELEMENTS, OUTPUT_NAME
 
 MAX_LENGTH_DIGITS = 19  # of Inference-Header-Content-Length: more than any body holds
-
-
-def bad(message: str) -> ApiError:
-    """A 400 for what the body says (rendered `{"error": message}` by `http/dialects.KSERVE`)."""
-    return errors.invalid(message)
+bad = errors.invalid  # a 400 for what the body says (rendered `{"error": message}` by `http/dialects.KSERVE`)
 
 
 @dataclass
@@ -103,6 +99,7 @@ def bytes_elements(raw: bytes, count: int, what: str = "the binary BYTES data") 
 
 
 _DECODER = msgspec.json.Decoder(shapes.V2InferRequest)
+_NO_PARAMETERS = shapes.InferParameters()  # read only
 # What each member of the declared shape means, said first when a body breaks it (the path of the refusal).
 _WHAT = {
     "inputs": f"'inputs' must hold exactly one tensor, named '{INPUT_NAME}' (see GET /v2/models/{{model}})",
@@ -155,13 +152,9 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
             raise bad("every element must be a non-empty string")
         if len(text) > max_chars:
             raise errors.payload_too_large(f"an element is over the {max_chars}-character limit")
-    params = req.parameters
-    binary_output = params is not None and params.binary_data_output is True
+    params = _NO_PARAMETERS if req.parameters is None else req.parameters
+    binary_output = params.binary_data_output is True
     for o in req.outputs or ():
         binary_output = o.parameters is not None and o.parameters.binary_data is True
-    timeout = params.timeout if params is not None else None
-    given = msgspec.structs.asdict(params) if params is not None else {}
-    priority = params.priority if params is not None else None
-    return InferRequest(
-        req.id, texts, shape, binary_output, timeout, {k: v for k, v in given.items() if v is not None}, priority
-    )
+    given = {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
+    return InferRequest(req.id, texts, shape, binary_output, params.timeout, given, params.priority)

@@ -12,7 +12,9 @@ from typing import Any, cast
 
 import orjson
 
+from batchserve.config import ModelSpec
 from batchserve.errors import ApiError
+from batchserve.kserve.host import KServeHost
 from batchserve.kserve.parse import InferRequest
 from batchserve.kserve.shapes import INPUT_NAME, OUTPUT_NAME
 
@@ -68,3 +70,10 @@ def model_metadata(name: str, versions: list[str], backend: str, kind: str) -> d
         "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
         "outputs": [{"name": OUTPUT_NAME, "datatype": out_type, "shape": out_shape}],
     }
+
+
+def metadata_of(rt: KServeHost, spec: ModelSpec) -> dict[str, Any]:
+    """A model version's `model_metadata`, as v2's HTTP route and gRPC method answer it."""
+    backend = rt.backends.get(spec.id)
+    versions = [s.version for s in rt.registry.by_name.get(spec.name, [])]
+    return model_metadata(spec.name, versions, spec.backend, backend.output_kind if backend is not None else "text")

@@ -7,7 +7,6 @@ Starlette's router (`app.FastPath`) as `/v1/inference` is, so the same load cost
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 import orjson
 from starlette.routing import Route
@@ -21,7 +20,7 @@ from batchserve.http.dialects import KSERVE
 from batchserve.http.endpoint import Answer, Call, Endpoint, public
 from batchserve.kserve.host import KServeHost, find_model
 from batchserve.kserve.parse import InferRequest, parse_infer
-from batchserve.kserve.render import infer_answer, model_metadata
+from batchserve.kserve.render import infer_answer, metadata_of
 from batchserve.kserve.shapes import EXTENSIONS, HEADER_LENGTH
 
 
@@ -30,11 +29,8 @@ def model_named(rt: KServeHost, name: str, version: str | None) -> ModelSpec:
     return find_model(rt, name, version, " (see GET /v1/models)")
 
 
-def json(status: int = 200) -> Callable[[KServeHost, Call, None, dict[str, object]], Answer]:
-    def render(rt: KServeHost, call: Call, req: None, body: dict[str, object]) -> Answer:
-        return Answer(orjson.dumps(body), status=status)
-
-    return render
+def as_json(rt: KServeHost, call: Call, req: None, body: dict[str, object]) -> Answer:
+    return Answer(orjson.dumps(body))
 
 
 async def live(rt: KServeHost, call: Call, req: None) -> dict[str, object]:
@@ -45,15 +41,17 @@ async def server_metadata(rt: KServeHost, call: Call, req: None) -> dict[str, ob
     return {"name": "batchserve", "version": __version__, "extensions": EXTENSIONS}
 
 
-async def readiness(rt: KServeHost, call: Call, req: None) -> str | None:
-    return rt.not_ready_reason()
+def ready_body(reason: str | None) -> dict[str, object]:
+    return {"ready": True} if reason is None else {"ready": False, "reason": reason}
 
 
-def render_ready(rt: KServeHost, call: Call, req: None, reason: str | None) -> Answer:
-    """200 when the server takes traffic; v2 says a false answer is a 4xx (this one: 400, with the reason)."""
-    if reason is None:
-        return Answer(orjson.dumps({"ready": True}))
-    return Answer(orjson.dumps({"ready": False, "reason": reason}), status=400)
+async def readiness(rt: KServeHost, call: Call, req: None) -> dict[str, object]:
+    return ready_body(rt.not_ready_reason())
+
+
+def render_ready(rt: KServeHost, call: Call, req: None, body: dict[str, object]) -> Answer:
+    """200 when the server (or the model) takes traffic; v2 says a false answer is a 4xx: 400, with the reason."""
+    return Answer(orjson.dumps(body), status=200 if body["ready"] else 400)
 
 
 def path_spec(rt: KServeHost, call: Call) -> ModelSpec:
@@ -62,21 +60,13 @@ def path_spec(rt: KServeHost, call: Call) -> ModelSpec:
 
 
 async def metadata(rt: KServeHost, call: Call, req: None) -> dict[str, object]:
-    spec = path_spec(rt, call)
-    backend = rt.backends.get(spec.id)
-    kind = backend.output_kind if backend is not None else "text"
-    versions = [s.version for s in rt.registry.by_name.get(spec.name, [])]
-    return model_metadata(spec.name, versions, spec.backend, kind)
+    return metadata_of(rt, path_spec(rt, call))
 
 
 async def model_readiness(rt: KServeHost, call: Call, req: None) -> dict[str, object]:
     spec = path_spec(rt, call)
     reason = rt.not_ready_reason() or (None if spec.id in rt.backends else "warming up")
-    return {"name": spec.name, "ready": reason is None, **({"reason": reason} if reason else {})}
-
-
-def render_model_ready(rt: KServeHost, call: Call, req: None, body: dict[str, object]) -> Answer:
-    return Answer(orjson.dumps(body), status=200 if body["ready"] else 400)
+    return {"name": spec.name, **ready_body(reason)}
 
 
 MODELS_PREFIX, INFER_SUFFIX = "/v2/models/", "/infer"
@@ -144,11 +134,11 @@ def render(rt: KServeHost, call: Call, x: Infer, results: list[ItemResult]) -> A
 infer: Endpoint[KServeHost, Infer, list[ItemResult]] = Endpoint(
     KSERVE, parse_request, infer_many, render, tokens=lambda x: len(x.req.texts), headers=(HEADER_LENGTH.encode(),)
 )
-live_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, live, json())
-ready_route: Endpoint[KServeHost, None, str | None] = public(KSERVE, readiness, render_ready)
-server_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, server_metadata, json())
-metadata_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, metadata, json())
-model_ready_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, model_readiness, render_model_ready)
+live_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, live, as_json)
+ready_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, readiness, render_ready)
+server_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, server_metadata, as_json)
+metadata_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, metadata, as_json)
+model_ready_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, model_readiness, render_ready)
 
 
 def fast_route(method: str, path: str) -> ASGIApp | None:

@@ -137,6 +137,12 @@ def _get(path: str, op_id: str, summary: str, shape: Any, *errors: int) -> Opera
 
 
 _BINARY = (("application/octet-stream", Annotated[bytes, Meta(description="JSON header, then the raw tensors")]),)
+_HEADER_LENGTH = Param(
+    "Inference-Header-Content-Length",
+    "header",
+    Annotated[int, Meta(ge=0)],
+    "with the binary extension: the length of the JSON header",
+)
 
 
 def _infer(path: str, op_id: str) -> Operation:
@@ -154,39 +160,24 @@ def _infer(path: str, op_id: str) -> Operation:
         KSERVE,
         Annotated[V2InferRequest, Meta(examples=[_INFER_EXAMPLE])],
         request_also=_BINARY,
-        params=(
-            *_params(path),
-            Param(
-                "Inference-Header-Content-Length",
-                "header",
-                Annotated[int, Meta(ge=0)],
-                "with the binary extension: the length of the JSON header",
-            ),
-        ),
+        params=(*_params(path), _HEADER_LENGTH),
         tags=_TAGS,
     )
+
+
+def _versions(suffix: str, op_id: str, summary: str) -> list[tuple[str, str, str]]:
+    """(path, operationId, summary) of `/v2/models/{model}<suffix>`, and of the same path of one version."""
+    return [
+        (f"/v2/models/{{model}}{path}{suffix}", f"v2Model{name}{op_id}", f"KServe v2 model {said}{summary}")
+        for path, name, said in (("", "", ""), ("/versions/{version}", "Version", "version "))
+    ]
 
 
 OPERATIONS = (
     _get("/v2/health/live", "v2ServerLive", "KServe v2 server liveness", V2Live),
     _get("/v2/health/ready", "v2ServerReady", "KServe v2 server readiness", V2Ready),
     _get("/v2", "v2ServerMetadata", "KServe v2 server metadata", V2ServerMetadata),
-    _get("/v2/models/{model}", "v2ModelMetadata", "KServe v2 model metadata", V2ModelMetadata, 404),
-    _get(
-        "/v2/models/{model}/versions/{version}",
-        "v2ModelVersionMetadata",
-        "KServe v2 model version metadata",
-        V2ModelMetadata,
-        404,
-    ),
-    _get("/v2/models/{model}/ready", "v2ModelReady", "KServe v2 model readiness", V2Ready, 404),
-    _get(
-        "/v2/models/{model}/versions/{version}/ready",
-        "v2ModelVersionReady",
-        "KServe v2 model version readiness",
-        V2Ready,
-        404,
-    ),
-    _infer("/v2/models/{model}/infer", "v2ModelInfer"),
-    _infer("/v2/models/{model}/versions/{version}/infer", "v2ModelVersionInfer"),
+    *(_get(*op, V2ModelMetadata, 404) for op in _versions("", "Metadata", "metadata")),
+    *(_get(*op, V2Ready, 404) for op in _versions("/ready", "Ready", "readiness")),
+    *(_infer(path, op_id) for path, op_id, _ in _versions("/infer", "Infer", "infer")),
 )

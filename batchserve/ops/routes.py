@@ -11,7 +11,6 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
-from batchserve.config import Settings
 from batchserve.http.model_choice import ModelRegistry
 from batchserve.core.admission import Admission
 from batchserve.core.batcher import Batcher
@@ -19,16 +18,13 @@ from batchserve.core.load_signal import Reading
 from batchserve.core.service import InferenceService
 from batchserve.gpu_pool import GpuPool
 from batchserve.http.dialects import NATIVE
-from batchserve.http.guards import Guard
-from batchserve.http.endpoint import Answer, Call, Endpoint, operational, public
+from batchserve.http.endpoint import Answer, Call, Endpoint, Served, operational, public
 from batchserve.metrics import Metrics
 
 
-class OpsHost(Protocol):
+class OpsHost(Served, Protocol):
     """What the operational routes read from `app.state.rt`."""
 
-    settings: Settings
-    guard: Guard
     metrics: Metrics
     registry: ModelRegistry
     batcher: Batcher
@@ -98,17 +94,12 @@ async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, objec
     load = rt.load_reading()
     batch_times, answer_times = rt.batch_times(), rt.answer_times()
     deadlines = {m: d.public() for m, d in rt.registry.deadlines.items()}
-    status = (
-        "draining"
-        if rt.draining
-        else "starting"
-        if not rt.ready
-        else "ok"
-        if healthy == len(workers)
-        else "degraded"
-        if healthy
-        else "unavailable"
-    )
+    if rt.draining:
+        status = "draining"
+    elif not rt.ready:
+        status = "starting"
+    else:
+        status = "ok" if healthy == len(workers) else "degraded" if healthy else "unavailable"
     return {
         "status": status,
         "gpu_utilization": round(rt.gpu_utilization, 3),

@@ -7,13 +7,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from batchserve.http.plumbing import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
 from batchserve.http.openai_error import bad
-from batchserve.http.plumbing import timeout_s
 from batchserve.rerank import shapes
-from batchserve.rerank.shapes import MAX_DOCUMENTS
-
-__all__ = ["MAX_DOCUMENTS", "ParsedRerank", "parse"]
 
 Shape = msgspec.json.Decoder[shapes.RerankRequest | shapes.V2RerankRequest]
 V1: Shape = msgspec.json.Decoder(shapes.RerankRequest)
@@ -31,12 +27,7 @@ class ParsedRerank:
     service_tier: str | None = None  # the priority it asks for (`Work.ask`)
 
 
-def parse(
-    body: bytes,
-    max_chars: int,
-    max_timeout_ms: float,
-    shape: Shape = V1,
-) -> ParsedRerank:
+def parse(body: bytes, max_chars: int, max_timeout_ms: float, shape: Shape = V1) -> ParsedRerank:
     """`shape`: the body's declared shape, Cohere's v1 (`/v1/rerank`, the default) or v2 (`/v2/rerank`)."""
     try:
         req = decode(shape, body)

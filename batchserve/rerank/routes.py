@@ -1,9 +1,7 @@
 """`POST /v1/rerank` and `/rerank` (Cohere's v1 shape) and `POST /v2/rerank` (Cohere's v2 shape) on the one
-request path (`http/endpoint.py`), as `/v1/embeddings`: parse the body (`parse.py`, by the route's shape) and
-pick a reranking model → (the skeleton takes one rate-limit token per document) → each (query, document) pair
-through the door as one input (`InferenceService.infer_many`: one admission for the request, each pair its own
-item), so the pairs of concurrent callers share batches → sort by score, cut at top_n (`render.py`, by the
-route's shape). Errors in OpenAI's shape."""
+request path (`http/endpoint.py`), as `/v1/embeddings`: each (query, document) pair is one input through the door
+(one rate-limit token each, one admission for the request), so the pairs of concurrent callers share batches; the
+answer sorted by score and cut at top_n. Errors in OpenAI's shape."""
 
 from __future__ import annotations
 

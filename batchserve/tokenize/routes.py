@@ -13,13 +13,11 @@ from starlette.routing import Route
 
 from batchserve.backends import Backend
 from batchserve.backends.tokenizer_of import TextTokenizer, tokenizer_of
-from batchserve.config import Settings
 from batchserve.http.model_choice import ModelRegistry
 from batchserve.errors import ApiError, warming_up
 from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, json_answer
-from batchserve.http.guards import Guard
+from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Served, json_answer
 from batchserve.http.openai_error import bad, unknown_model
 from batchserve.tokenize import shapes
 
@@ -27,11 +25,9 @@ TOKENIZE = msgspec.json.Decoder(shapes.TokenizeRequest)
 DETOKENIZE = msgspec.json.Decoder(shapes.DetokenizeRequest)
 
 
-class TokenizeHost(Protocol):
+class TokenizeHost(Served, Protocol):
     """What these routes read from `app.state.rt`."""
 
-    settings: Settings
-    guard: Guard
     registry: ModelRegistry
     backends: dict[str, Backend]
 
