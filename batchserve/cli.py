@@ -80,9 +80,8 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
         from batchserve.config_file import apply_config_file
 
         apply_config_file(settings, settings.config)  # its [[models]] are checked there, with their lines
-    paths = list(getattr(args, "model", None) or [])
-    if not paths and (environ if environ is not None else os.environ).get(MODEL_ENV):
-        paths = [p.strip() for p in (environ if environ is not None else os.environ)[MODEL_ENV].split(",") if p.strip()]
+    from_env = (os.environ if environ is None else environ).get(MODEL_ENV, "")
+    paths = list(getattr(args, "model", None) or []) or [p.strip() for p in from_env.split(",") if p.strip()]
     if paths:
         from batchserve.backends.hf import folder_spec
 
@@ -217,8 +216,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 def main(argv: list[str] | None = None) -> int:
     parser, parsers = build_parser()
     args, extra = parser.parse_known_args(argv)
+    name = f"jobs {args.jobs_command}" if getattr(args, "jobs_command", None) else args.command or ""
     if extra:  # said by the command's own parser, whose -h lists its flags
-        name = f"jobs {args.jobs_command}" if getattr(args, "jobs_command", None) else args.command or ""
         own = parsers.get(name, parser)
         own.error(f"unrecognized arguments: {' '.join(extra)}{flag_hints(own, extra)}")
 
@@ -235,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         return plan_command.main(args)
 
     if args.command in ("infer", "jobs"):
-        name = args.command if args.command == "infer" else f"jobs {args.jobs_command}"
         return client_cli.run(parsers[name].prog, args)
 
     if args.command == "keys":

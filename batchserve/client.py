@@ -21,7 +21,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 from collections.abc import Callable, Iterable, Mapping
 
 import httpx
@@ -92,17 +92,13 @@ def server_wait_s(response: httpx.Response) -> float | None:
     if hint is not None:
         if isinstance(hint, int) and abs(hint) > 10**300:  # JSON allows 10**400: past float, and any deadline
             return math.inf if hint > 0 else 0.0
-        return _seconds(hint / 1000)
-    header = response.headers.get("Retry-After", "")
-    try:
-        return _seconds(float(header))
-    except ValueError:
-        return None
-
-
-def _seconds(wait: float) -> float | None:
-    """A hint as a wait: negative is 0 (`next_wait_s` floors it), NaN is no hint, infinity stays infinite."""
-    return None if math.isnan(wait) else max(0.0, wait)
+        wait = hint / 1000
+    else:
+        try:
+            wait = float(response.headers.get("Retry-After", ""))
+        except ValueError:
+            return None
+    return None if math.isnan(wait) else max(0.0, wait)  # negative: 0 (`next_wait_s` floors it); NaN: no hint
 
 
 def next_wait_s(
@@ -131,26 +127,21 @@ def _ndjson(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def _given(**fields: object) -> dict:
+    """A JSON body of the fields that are not None (the server's default holds for the rest)."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def _inference_body(text: str, model: str | None, timeout_ms: int | None) -> dict:
-    body: dict = {"input": text}
-    if model:
-        body["model"] = model
-    if timeout_ms is not None:
-        body["timeout_ms"] = timeout_ms
-    return body
+    return _given(input=text, model=model or None, timeout_ms=timeout_ms)
 
 
-def _job_body(inputs: Iterable[str], model: str | None, metadata: Mapping[str, str] | None) -> dict:
-    body: dict = {"inputs": list(inputs)}
-    if model:
-        body["model"] = model
-    if metadata:
-        body["metadata"] = dict(metadata)
-    return body
+def _submission(
+    inputs: Iterable[str], model: str | None, metadata: Mapping[str, str] | None, idempotency_key: str | None
+) -> dict:
+    """`POST /v1/batches`'s body and headers, as keyword arguments of `request`."""
+    body = _given(inputs=list(inputs), model=model or None, metadata=dict(metadata) if metadata else None)
+    return {"json": body, "headers": {"Idempotency-Key": idempotency_key} if idempotency_key else {}}
 
 
 @dataclass
@@ -192,25 +183,20 @@ def _vectors(answer: httpx.Response) -> list[list[float]]:
     return [item["embedding"] for item in sorted(answer.json()["data"], key=lambda item: item["index"])]
 
 
-@dataclass
-class _JobWatch:
-    """What `wait_job` keeps between polls."""
+def _job_done(timeout_s: float | None, on_progress: Callable[[dict], None] | None) -> Callable[[dict], bool]:
+    """`wait_job`'s test of each polled job: whether it is done; TimeoutError once `timeout_s` has passed."""
+    give_up = time.monotonic() + (math.inf if timeout_s is None else timeout_s)
 
-    timeout_s: float | None
-    on_progress: Callable[[dict], None] | None
-
-    def __post_init__(self) -> None:
-        self.give_up = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-
-    def done(self, job: dict) -> bool:
-        """Whether a polled job is done; TimeoutError once `give_up` has passed and it is not."""
-        if self.on_progress is not None:
-            self.on_progress(job)
+    def done(job: dict) -> bool:
+        if on_progress is not None:
+            on_progress(job)
         if job["status"] in JOB_DONE:
             return True
-        if self.give_up is not None and time.monotonic() > self.give_up:
-            raise TimeoutError(f"job {job['id']} still {job['status']} after {self.timeout_s} s")
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"job {job['id']} still {job['status']} after {timeout_s} s")
         return False
+
+    return done
 
 
 class _Connected(Generic[H]):
@@ -227,7 +213,8 @@ class _Connected(Generic[H]):
         on_retry: Callable[[int, float, BatchserveError], None] | None = None,
     ) -> None:
         self.retry, self.on_retry = retry, on_retry
-        self.http: H = type(self).pool(base_url=base_url, headers=_headers(api_key), timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http: H = type(self).pool(base_url=base_url, headers=headers, timeout=timeout_s)
 
 
 class Client(_Connected[httpx.Client]):
@@ -245,13 +232,12 @@ class Client(_Connected[httpx.Client]):
     def close(self) -> None:
         self.http.close()
 
-    def request(self, method: str, path: str, **kw: object) -> httpx.Response:
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """One call, retried while the server says a retry can help; the 2xx response, else BatchserveError."""
         tries = _Tries(self.retry, self.on_retry)
         while True:
-            response: httpx.Response | httpx.ConnectError
             try:
-                response = self.http.request(method, path, **kw)  # type: ignore[arg-type]
+                response: httpx.Response | httpx.ConnectError = self.http.request(method, path, **kw)
             except httpx.ConnectError as exc:
                 response = exc
             if isinstance(response, httpx.Response) and response.status_code not in RETRY_STATUSES:
@@ -275,8 +261,7 @@ class Client(_Connected[httpx.Client]):
     ) -> dict:
         """`POST /v1/batches`: the job as stored (durable before this returns). With `idempotency_key`, a retry
         of a submit whose answer was lost returns the same job."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return self.request("POST", "/v1/batches", json=_job_body(inputs, model, metadata), headers=headers).json()
+        return self.request("POST", "/v1/batches", **_submission(inputs, model, metadata, idempotency_key)).json()
 
     def get_job(self, job_id: str) -> dict:
         return self.request("GET", f"/v1/batches/{job_id}").json()
@@ -296,8 +281,8 @@ class Client(_Connected[httpx.Client]):
         on_progress: Callable[[dict], None] | None = None,
     ) -> dict:
         """Poll until the job is completed, failed or cancelled; `on_progress(job)` after every poll."""
-        watch = _JobWatch(timeout_s, on_progress)
-        while not watch.done(job := self.get_job(job_id)):
+        done = _job_done(timeout_s, on_progress)
+        while not done(job := self.get_job(job_id)):
             time.sleep(poll_s)
         return job
 
@@ -316,12 +301,11 @@ class AsyncClient(_Connected[httpx.AsyncClient]):
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def request(self, method: str, path: str, **kw: object) -> httpx.Response:
+    async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         tries = _Tries(self.retry, self.on_retry)
         while True:
-            response: httpx.Response | httpx.ConnectError
             try:
-                response = await self.http.request(method, path, **kw)  # type: ignore[arg-type]
+                response: httpx.Response | httpx.ConnectError = await self.http.request(method, path, **kw)
             except httpx.ConnectError as exc:
                 response = exc
             if isinstance(response, httpx.Response) and response.status_code not in RETRY_STATUSES:
@@ -341,9 +325,8 @@ class AsyncClient(_Connected[httpx.AsyncClient]):
         metadata: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
     ) -> dict:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return (
-            await self.request("POST", "/v1/batches", json=_job_body(inputs, model, metadata), headers=headers)
+            await self.request("POST", "/v1/batches", **_submission(inputs, model, metadata, idempotency_key))
         ).json()
 
     async def get_job(self, job_id: str) -> dict:
@@ -362,8 +345,8 @@ class AsyncClient(_Connected[httpx.AsyncClient]):
         timeout_s: float | None = None,
         on_progress: Callable[[dict], None] | None = None,
     ) -> dict:
-        watch = _JobWatch(timeout_s, on_progress)
-        while not watch.done(job := await self.get_job(job_id)):
+        done = _job_done(timeout_s, on_progress)
+        while not done(job := await self.get_job(job_id)):
             await asyncio.sleep(poll_s)
         return job
 

@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Protocol, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:  # imported when a command runs: `batchserve serve` need not load httpx
     from batchserve.client import Client
@@ -78,12 +78,6 @@ def read_inputs(path: str, stdin: TextIO = sys.stdin) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-class ProgressShown(Protocol):
-    def update(self, job: dict) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class NoProgress:
     def update(self, job: dict) -> None:
         pass
@@ -126,7 +120,7 @@ class TqdmProgress:
         self.bar.close()
 
 
-def progress_for(stream: TextIO, use_tqdm: bool | None = None) -> ProgressShown:
+def progress_for(stream: TextIO, use_tqdm: bool | None = None) -> NoProgress | LineProgress | TqdmProgress:
     """A bar on a terminal (tqdm if installed), nothing in a pipe or a log file."""
     if not stream.isatty():
         return NoProgress()
@@ -143,10 +137,6 @@ def client_of(args: argparse.Namespace) -> Client:
     return Client(args.url, api_key=args.api_key, retry=Retry(deadline_s=args.deadline_s))
 
 
-def print_output(output: object) -> None:
-    print(output if isinstance(output, str) else json.dumps(output))
-
-
 def print_results(results: list[dict]) -> None:
     for item in results:
         print(json.dumps(item))
@@ -155,10 +145,8 @@ def print_results(results: list[dict]) -> None:
 def infer_main(args: argparse.Namespace) -> int:
     with client_of(args) as bs:
         answer = bs.infer(args.text, model=args.model, timeout_ms=args.timeout_ms)
-    if args.json:
-        print(json.dumps(answer))
-    else:
-        print_output(answer["output"])
+    output = json.dumps(answer) if args.json else answer["output"]
+    print(output if isinstance(output, str) else json.dumps(output))
     return 0
 
 
@@ -194,9 +182,6 @@ def run(prog: str, args: argparse.Namespace) -> int:
 
     try:
         return infer_main(args) if args.command == "infer" else jobs_main(args)
-    except (BatchserveError, httpx.HTTPError) as exc:
+    except (BatchserveError, httpx.HTTPError, OSError, ValueError) as exc:  # OSError, ValueError: the inputs file
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as exc:  # the inputs file
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, BatchserveError | httpx.HTTPError) else 2

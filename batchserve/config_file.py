@@ -67,9 +67,8 @@ class Lines:
             line = raw.strip()
             if m := ARRAY_HEADER.match(line):
                 name = tuple(_parts(m.group(1)))
-                index = arrays.get(name, 0)
-                arrays[name] = index + 1
-                table = (*name, index)
+                arrays[name] = arrays.get(name, -1) + 1
+                table = (*name, arrays[name])
             elif m := TABLE_HEADER.match(line):
                 table = tuple(_parts(m.group(1)))
             elif m := KEY_LINE.match(line):
@@ -86,10 +85,7 @@ class Lines:
         inside = [n for p, n in self.at.items() if p[: len(path)] == path]
         if inside:
             return min(inside)
-        for end in range(len(path) - 1, 0, -1):
-            if path[:end] in self.at:
-                return self.at[path[:end]]
-        return None
+        return next((self.at[path[:end]] for end in range(len(path) - 1, 0, -1) if path[:end] in self.at), None)
 
 
 def show(path: Path) -> str:
@@ -284,10 +280,8 @@ def read_keys(c: Checker, data: dict[str, Any]) -> tuple[list[dict], dict[str, f
     for i, k in enumerate(c.tables(data, "keys")):
         where = ("keys", i)
         c.known(k, where, KEY_KEYS)
-        for name in ("tenant", "tier", "sha256"):
-            c.value(k, where, name, KEY_KEYS[name], required=True)
-        for name in ("rate", "burst", "admin", "storage_mb", "best_tier"):
-            c.value(k, where, name, KEY_KEYS[name])
+        for name, rule in KEY_KEYS.items():  # the required ones first
+            c.value(k, where, name, rule, required=name in ("tenant", "tier", "sha256"))
         entry = dict(k)
         if "storage_mb" in entry:
             storage[entry["tenant"]] = float(entry.pop("storage_mb"))

@@ -63,17 +63,15 @@ class BatchTime:
                 raise ValueError(
                     f"batch times must read size:ms,size:ms (sizes >= 1, times > 0), not {part!r}"
                 ) from None
-        ordered = sorted(points.items())
-        return cls(tuple(s for s, _ in ordered), tuple(t for _, t in ordered))
+        sizes, seconds = zip(*sorted(points.items()))
+        return cls(sizes, seconds)
 
     def __call__(self, size: int) -> float:
         i = bisect.bisect_left(self.sizes, size)
-        if i < len(self.sizes) and self.sizes[i] == size:
-            return self.seconds[i]
-        if i == 0:
-            return self.seconds[0]
         if i == len(self.sizes):
             return self.seconds[-1]
+        if i == 0 or self.sizes[i] == size:
+            return self.seconds[i]
         s0, s1, t0, t1 = self.sizes[i - 1], self.sizes[i], self.seconds[i - 1], self.seconds[i]
         return t0 + (t1 - t0) * (size - s0) / (s1 - s0)
 
@@ -235,23 +233,15 @@ def latency_at(
         return LatencyAtRate(rate, base, base, base, 0.0, 0.0, 0.0)
     times = (arrivals or PoissonArrivals()).at(rate, warmup_s + sim_s)
     done, sizes = simulate(times, c)
-    latencies, expired, counted = [], 0, 0
-    for t, d in zip(times, done):
-        if t < warmup_s:
-            continue
-        counted += 1
-        if math.isnan(d):
-            expired += 1
-        else:
-            latencies.append((d - t + c.overhead_s) * 1000)
-    latencies.sort()
+    counted = [d - t for t, d in zip(times, done) if t >= warmup_s]  # NaN: expired
+    latencies = sorted((x + c.overhead_s) * 1000 for x in counted if not math.isnan(x))
     return LatencyAtRate(
         rate,
         percentile(latencies, 50),
         percentile(latencies, 95),
         percentile(latencies, 99),
         statistics.fmean(sizes) if sizes else 0.0,
-        expired / max(1, counted),
+        (len(counted) - len(latencies)) / max(1, len(counted)),
         rate / c.ceiling(),
     )
 
@@ -319,9 +309,6 @@ class Prices:
     gpu_per_hour: float = 0.0
     node_per_hour: float = 0.0
 
-    def node_hour(self, devices: int) -> float:
-        return devices * self.gpu_per_hour + self.node_per_hour
-
 
 @dataclass
 class Cost:
@@ -362,17 +349,15 @@ class Plan:
 def processes_for_cpu(c: Contract) -> int | None:
     """The fewest processes (dividing the devices, within `cores`) whose CPU ceiling reaches the devices' cap,
     when the CPU binds now; None when it does not bind or no split lifts it."""
-    if c.cpu_ceiling() >= c.max_busy * c.ceiling():
+    needed = c.max_busy * c.ceiling()
+    if c.cpu_ceiling() >= needed:
         return None
-    for p in range(c.processes + 1, c.devices + 1):
-        if c.devices % p == 0 and (not c.cores or p <= c.cores):
-            if replace(c, processes=p).cpu_ceiling() >= c.max_busy * c.ceiling():
-                return p
-    return None
+    splits = (p for p in range(c.processes + 1, c.devices + 1) if c.devices % p == 0 and (not c.cores or p <= c.cores))
+    return next((p for p in splits if replace(c, processes=p).cpu_ceiling() >= needed), None)
 
 
 def plan_cost(target_rate: float, nodes: int, c: Contract, prices: Prices) -> Cost:
-    node_hour = prices.node_hour(c.devices)
+    node_hour = c.devices * prices.gpu_per_hour + prices.node_per_hour
     per_hour = nodes * node_hour
     return Cost(node_hour, per_hour, per_hour / (target_rate * 3600) * 1000, per_hour * HOURS_PER_MONTH)
 

@@ -225,9 +225,8 @@ def limits_line(plan: Plan) -> str:
         else f"CPU {plan.cpu_capacity:.0f} ({procs} at {c.max_cpu_busy:.0%}, "
         f"{c.cpu_s_per_request * 1e6:.0f} us per request)"
     )
-    devices = f"devices {plan.device_capacity:.0f}"
     name = {"cpu": "the CPU", "devices": "the devices (full-batch cap)", "slo": "the SLO on the devices"}
-    return f"limits            {devices}; {cpu}: {name[plan.binding]} binds"
+    return f"limits            devices {plan.device_capacity:.0f}; {cpu}: {name[plan.binding]} binds"
 
 
 def one_down_line(plan: Plan, d: LatencyAtRate) -> str:
@@ -253,18 +252,12 @@ def render(plan: Plan, source: str) -> str:
     capped = plan.device_capacity >= c.max_busy * c.ceiling() * (1 - 1e-9)
     bound = f"capped at {c.max_busy:.0%} of" if capped else "ceiling"
     split = f" in {c.processes} processes of {c.devices // c.processes}" if c.processes > 1 else ""
-    serves = (
-        f"one node serves {plan.capacity:.0f} requests/s within the SLO, bound by its CPU (devices alone: "
-        f"{plan.device_capacity:.0f}, {bound} {c.ceiling():.0f} at full batches)"
-        if plan.binding == "cpu"
-        else f"one node serves {plan.capacity:.0f} requests/s within the SLO ({bound} {c.ceiling():.0f} at full "
-        f"batches)"
-    )
+    cpu = f", bound by its CPU (devices alone: {plan.device_capacity:.0f}, " if plan.binding == "cpu" else " ("
     lines = [
         f"target {plan.target_rate:g} requests/s at p95 <= {slo:g} ms",
         f"node: {c.devices} device(s){split}, batches of 1..{c.max_batch}, batch time {c.batch_time.describe()} "
         f"({source}), dispatch margin {c.margin_s * 1000:g} ms, overhead {c.overhead_s * 1000:g} ms",
-        serves,
+        f"one node serves {plan.capacity:.0f} requests/s within the SLO{cpu}{bound} {c.ceiling():.0f} at full batches)",
         limits_line(plan),
         "",
         f"nodes needed      {plan.nodes}  ({plan.target_rate / plan.nodes:.0f} requests/s each)",

@@ -112,19 +112,15 @@ def _cpu_window(
     return cpu0, req0, cpu1, req1
 
 
-def _get(url: str, timeout: float = 10.0) -> bytes:
+def _get(url: str | urllib.request.Request, timeout: float = 10.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:  # an operator-given http(s) URL
         return r.read()
 
 
 def histogram_mean(metrics_text: str, name: str, model: str) -> float | None:
     """sum / count of a Prometheus histogram's series for `model`, from /metrics text."""
-    total = count = None
-    for line in metrics_text.splitlines():
-        if line.startswith(f'{name}_sum{{model="{model}"}}'):
-            total = float(line.rsplit(" ", 1)[1])
-        elif line.startswith(f'{name}_count{{model="{model}"}}'):
-            count = float(line.rsplit(" ", 1)[1])
+    total = metric_sum(metrics_text, f'{name}_sum{{model="{model}"}}')
+    count = metric_sum(metrics_text, f'{name}_count{{model="{model}"}}')
     return total / count if total is not None and count else None
 
 
@@ -136,7 +132,7 @@ def probe(base: str, sizes: list[int], api_key: str = "", rounds: int = 3) -> Ba
     def one(_: int) -> tuple[int, float] | None:
         req = urllib.request.Request(base + "/v1/inference", data=body, headers=headers, method="POST")
         try:
-            answer = json.loads(_get_request(req))
+            answer = json.loads(_get(req, timeout=30))
         except OSError:
             return None
         return int(answer["batch_size"]), float(answer["compute_ms"])
@@ -152,11 +148,6 @@ def probe(base: str, sizes: list[int], api_key: str = "", rounds: int = 3) -> Ba
         raise OSError(f"no probe request to {base} succeeded")
     points = sorted((size, statistics.median(ms)) for size, ms in seen.items())
     return BatchTime(tuple(s for s, _ in points), tuple(ms / 1000 for _, ms in points))
-
-
-def _get_request(req: urllib.request.Request) -> bytes:
-    with urllib.request.urlopen(req, timeout=30) as r:  # an operator-given http(s) URL
-        return r.read()
 
 
 def measure(
@@ -185,39 +176,30 @@ def measure(
     name = model if model is not None else next(iter(learned))
     if name not in learned:
         raise OSError(f"{base} serves {', '.join(learned)}, not {name}")
-    slo_ms, timeout_ms = _positive(_of_model(health, "slo_ms", name)), _positive(_of_model(health, "timeout_ms", name))
     cpu_s, cpu_note = cpu_per_request(base, cpu_window_s, api_key) if cpu_window_s > 0 else (None, "")
     if probe_sizes:
-        return Measured(
-            devices,
-            probe(base, probe_sizes, api_key),
-            "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x),
-            cpu_s,
-            processes,
-            slo_ms,
-            timeout_ms,
-            probed=True,
+        batch_time = probe(base, probe_sizes, api_key)
+        source = "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x)
+    else:
+        batch_time = BatchTime.constant(learned[name])
+        mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
+        source = (
+            f"{base} ({name}): learned batch time {learned[name]:g} ms, taken as the same at every size "
+            f"(--probe 1,50,100 measures it by size, which a model whose big batches are slower needs)"
         )
-    mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
-    source = (
-        f"{base} ({name}): learned batch time {learned[name]:g} ms, taken as the same at every size "
-        f"(--probe 1,50,100 measures it by size, which a model whose big batches are slower needs)"
-    )
-    if mean_compute is not None:
-        source += f", mean batch compute {mean_compute * 1000:.1f} ms since start"
-    if cpu_note:
-        source += f"; {cpu_note}"
-    if processes > 1:
-        source += f"; {processes} processes of {devices // processes} device(s)"
-    return Measured(devices, BatchTime.constant(learned[name]), source, cpu_s, processes, slo_ms, timeout_ms)
+        if mean_compute is not None:
+            source += f", mean batch compute {mean_compute * 1000:.1f} ms since start"
+        if cpu_note:
+            source += f"; {cpu_note}"
+        if processes > 1:
+            source += f"; {processes} processes of {devices // processes} device(s)"
+    slo_ms, timeout_ms = (_model_figure(health, member, name) for member in ("slo_ms", "timeout_ms"))
+    return Measured(devices, batch_time, source, cpu_s, processes, slo_ms, timeout_ms, probed=bool(probe_sizes))
 
 
-def _of_model(health: dict, member: str, model: str) -> object:
-    """A figure of /internal/health for `model`: each model's own (a map by model id), or an older server's one."""
+def _model_figure(health: dict, member: str, model: str) -> float | None:
+    """A positive figure of /internal/health for `model`: each model's own (a map by model id), or an older
+    server's one (None when absent)."""
     value = health.get(member)
-    return value.get(model) if isinstance(value, dict) else value
-
-
-def _positive(value: object) -> float | None:
-    """A number from /internal/health, when it is one above 0 (an older server has no such member)."""
+    value = value.get(model) if isinstance(value, dict) else value
     return float(value) if isinstance(value, (int, float)) and value > 0 else None

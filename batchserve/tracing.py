@@ -67,12 +67,12 @@ def _never_raises(method: Callable[P, R]) -> Callable[P, R | None]:
 class Tracing:
     """The tracer and the three places that make spans (request, queue wait, batch)."""
 
-    def __init__(self, tracer: Tracer, shutdown: Any = None) -> None:
+    def __init__(self, tracer: Tracer, shutdown: Callable[[], object] = lambda: None) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
         self.tracer = tracer
-        self._shutdown = shutdown
+        self.shutdown = shutdown  # exports what is left (called once the server has drained)
         self._trace, self._link, self._kind = trace, Link, SpanKind
         self._context = SpanContext  # the handles callers carry are opaque to them (`object`): narrowed here
         self._error = Status(StatusCode.ERROR)
@@ -95,11 +95,6 @@ class Tracing:
         provider = TracerProvider(resource=Resource.create(attributes))
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         return cls(provider.get_tracer("batchserve", __version__), provider.shutdown)
-
-    def shutdown(self) -> None:
-        """Export what is left (called once the server has drained)."""
-        if self._shutdown is not None:
-            self._shutdown()
 
     # -- the door ----------------------------------------------------------------------------------------------
     @_never_raises
