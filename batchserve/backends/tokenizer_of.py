@@ -87,14 +87,17 @@ def tokenizer_of(backend: object) -> TextTokenizer | None:
     made = _MADE.get(id(backend))
     if made is not None and made[0] is backend:
         return made[1]
-    obj: object = backend
+    chain: list[object] = [backend]  # the backend, then what each wraps
     for _ in range(4):
+        obj = chain[-1]
         inner = next((getattr(obj, name) for name in WRAPPERS if getattr(obj, name, None) is not None), None)
-        if inner is None or getattr(obj, "tokenizer", None) is not None:
+        if inner is None:
             break
-        obj = inner
-    info = getattr(obj, "info", None)
-    longest = getattr(info, "max_tokens", 0) or getattr(obj, "max_context", 0)  # a folder's; the engine's
-    out = adapt(getattr(obj, "tokenizer", None), int(longest or 0))
+        chain.append(inner)
+    tok = next((t for obj in chain if (t := getattr(obj, "tokenizer", None)) is not None), None)
+    # The window may sit deeper than the tokenizer: MiniLM forwards its embedder's tokenizer, not its `info`.
+    longest = next((n for obj in chain if (n := getattr(getattr(obj, "info", None), "max_tokens", 0))), 0)
+    longest = longest or next((n for obj in chain if (n := getattr(obj, "max_context", 0))), 0)  # the engine's
+    out = adapt(tok, int(longest))
     _MADE[id(backend)] = (backend, out)
     return out

@@ -115,6 +115,14 @@ def test_the_openai_client_gets_one_vector_and_a_list(server: LiveServer, refere
     assert np.abs(np.array(decoded.data[0].embedding) - want[1]).max() < 1e-4
 
 
+def test_tokenize_counts_with_the_model_and_says_its_window(server: LiveServer, reference):
+    r = httpx.post(server.url + "/tokenize", json={"model": "minilm", "prompt": SENTENCES[0]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == reference.tokenizer(SENTENCES[0])["input_ids"]
+    assert body["max_model_len"] == 256  # the embedder's window, found behind the MiniLM wrapper
+
+
 def test_inference_route_answers_384_floats(server: LiveServer):
     r = httpx.post(server.url + "/v1/inference", json={"input": "What is the capital of France?"}, timeout=60)
     assert r.status_code == 200 and r.json()["model"] == "minilm@v1"
