@@ -32,7 +32,8 @@ from batchserve import errors
 from batchserve.core.batcher import Batcher
 from batchserve.core.tiers import SHED
 from batchserve.core.wait_calibration import WaitCalibration
-from batchserve.core.wait_prediction import WaitPrediction, predict
+from batchserve.core.class_turns import WaitPrediction
+from batchserve.core.wait_prediction import predict
 from batchserve.slo import Deadlines
 
 FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pressure at once (a flood's start)...
@@ -84,7 +85,7 @@ class DoorFigures(msgspec.Struct, gc=False):
     most_n: int  # the most inputs in one batch
     budget: float  # the most one batch may cost (inf: none)
     full_n: int  # inputs in a full batch
-    capacity: float  # inputs per second the healthy workers serve (`_pressure`)
+    capacity: float  # inputs per second the healthy workers serve (`_door_pressure`)
     backlog: float  # inputs queued past which arrivals over `capacity` are pressure (`_capacity`)
     lost: bool  # fewer healthy workers than workers
 
@@ -127,19 +128,9 @@ class Admission:
         a flood, before the slow average sees it; where bursts passed lately, once it held: `flood_from`), or a
         worker lost. `fast_rate` is `arrivals_fast` as the door ticked it."""
         assert self.capacity is not None
-        return self._pressure(
-            model,
-            rate,
-            fast_rate,
-            self.capacity.healthy_count(),
-            self.batcher.costs.full_n(model),
-            self.batcher.batch_s[model],
-        )
-
-    def _pressure(self, model: str, rate: float, fast_rate: float, healthy: int, full_n: int, full_s: float) -> bool:
-        """`under_pressure` with the figures the door has already read."""
-        assert self.capacity is not None
-        capacity, backlog = self._capacity(model, healthy, full_n, full_s)
+        healthy = self.capacity.healthy_count()
+        batch_s = self.batcher.batch_s[model]
+        capacity, backlog = self._capacity(model, healthy, self.batcher.costs.full_n(model), batch_s)
         now = self.clock()
         above = math.inf  # since when the short horizon is above capacity, as the door saw it (else: from now)
         if self.arrivals_fast.current(now) > capacity:
@@ -371,7 +362,7 @@ class Admission:
 
     def _door_pressure(self, model: str, fig: DoorFigures, now: float, n: int, queued: int) -> bool:
         """For a request of `n` inputs joining `queued` ones: the 503 when the queue has no room for them, else
-        tick the arrival meters and say whether the door is under pressure (`_pressure`, with the kept figures)."""
+        tick the arrival meters and say whether the door is under pressure (`under_pressure`, with the kept figures)."""
         if queued + n > self.max_queue:
             raise errors.overloaded(
                 f"the queue for {model} is full ({self.max_queue} items)", retry_after_ms=fig.batch_s * 1000

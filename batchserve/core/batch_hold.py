@@ -98,7 +98,7 @@ def hold_until(
         return now + (k - n) / queue_rate + seconds(k) <= ends_by
 
     efficient = _first(n, full_n, lambda k: seconds(k) / k <= best)
-    target = efficient if fits(efficient) else _last_fitting(n, efficient, fits)
+    target = efficient if fits(efficient) else _bisect(n, efficient, lambda k: not fits(k))[0]  # the largest fitting
     if target <= n:
         return now  # no larger batch would end in time
     if share * seconds(target) / target > BUSY_MAX:
@@ -128,11 +128,6 @@ def _first(n: int, top: int, ok: Callable[[int], bool]) -> int:
             break
         lo, step = hi, step * 2
     return _bisect(lo, hi, ok)[1]  # not ok(lo) (or lo == n), ok(hi) (or hi == top)
-
-
-def _last_fitting(n: int, top: int, ok: Callable[[int], bool]) -> int:
-    """The largest k in [n, top) with ok(k), or n, for ok true up to some k and false from there on (not ok(top))."""
-    return _bisect(n, top, lambda k: not ok(k))[0]
 
 
 def _bisect(lo: int, hi: int, turned: Callable[[int], bool]) -> tuple[int, int]:

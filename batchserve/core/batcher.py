@@ -48,10 +48,6 @@ PACE_EARLY_S = 0.002
 RETRY_STEP_ASIDE_S = 0.005  # how long a worker leaves the turn to others when a retry must avoid it
 
 
-def _nothing() -> None:
-    pass
-
-
 class Batcher:
     """The queues of every model and the flush policy over them (module docstring)."""
 
@@ -106,7 +102,7 @@ class Batcher:
         # Staging (`Staging.stage`), kept up to date by the pool: an item arriving from `stage_after` on (inf: no
         # busy worker is near its end) asks the pool to put a full batch into that worker's inbox ...
         self.stage_after = math.inf
-        self.on_stage: Callable[[], None] = _nothing
+        self.on_stage: Callable[[], None] = lambda: None
         # ... and while a busy worker has no staging timer yet, an arrival that fills its queue asks it to arm one.
         self.stage_when_full = False
 

@@ -154,29 +154,25 @@ class Shares:
             self.queued[key] += item.cost
             self.tier_queued[item.tier] += item.cost
             return
-        if before == 0:
-            floor = self.least(item.tier)
-            behind = self.behind.pop(key, None)
-            if behind is not None:  # at most one batch's cost: a client that never keeps a batch's worth
-                floor -= min(self.owed_cap, max(0.0, behind - self.counter[key]))  # waiting is not backlogged
-            if self.counter.get(key, -1.0) < floor:
-                self.counter[key] = floor
-            self.active[item.tier] += 1
-            if key not in self._listed:
-                self._listed.add(key)
-                heapq.heappush(self._waiting[item.tier], (self.counter[key], next(self._order), item.tenant))
-        self.depth[key] = before + 1
-        self.queued[key] = self.queued.get(key, 0.0) + item.cost
+        floor = self.least(item.tier)
+        behind = self.behind.pop(key, None)
+        if behind is not None:  # at most one batch's cost: a client that never keeps a batch's worth
+            floor -= min(self.owed_cap, max(0.0, behind - self.counter[key]))  # waiting is not backlogged
+        if self.counter.get(key, -1.0) < floor:
+            self.counter[key] = floor
+        self.active[item.tier] += 1
+        if key not in self._listed:
+            self._listed.add(key)
+            heapq.heappush(self._waiting[item.tier], (self.counter[key], next(self._order), item.tenant))
+        self.depth[key] = 1
+        self.queued[key] = item.cost
         self.tier_queued[item.tier] += item.cost
 
     def left(self, item: Item, served: bool = False) -> None:
         """An input stops waiting (taken into a batch, or dropped); `served`: and is charged (`charge`)."""
         key = (item.tier, item.tenant)
         if served:
-            start = self.counter[key]
-            self.counter[key] = start + item.cost
-            if start > self.vtime[item.tier]:
-                self.vtime[item.tier] = start
+            self.charge(item)
         after = self.depth[key] - 1
         if after:
             self.depth[key] = after
@@ -534,11 +530,4 @@ class FairQueue:
         return self.shares.lag(lane.tier, lane.tenant) if lane is not None else 0.0
 
     def drain_all(self) -> list[Item]:
-        out = [item for lane in self.lanes.values() for item in lane.items]
-        for lane in self.lanes.values():
-            lane.items.clear()
-        for item in out:
-            self.shares.left(item)
-        self.size = 0
-        self.cost_sum = 0.0
-        return out
+        return self.prune(lambda item: False)

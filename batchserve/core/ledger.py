@@ -25,7 +25,7 @@ import math
 import time
 from collections import deque, OrderedDict
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from batchserve.core.tiers import TIERS
 import msgspec
 
@@ -88,17 +88,17 @@ class TenantBook:
         buckets.append(row)
         oldest = index - int(MAX_WINDOW_S // BUCKET_S)
         while buckets[0][0] < oldest:
-            gone = buckets.popleft()
-            for i in range(1, len(gone)):
-                self.evicted[i] += gone[i]
+            self.evicted = _summed([self.evicted, buckets.popleft()])
         return row
 
-    def since_start(self) -> list[float]:
-        total = list(self.evicted)
-        for row in self.buckets:
-            for i in range(1, len(row)):
-                total[i] += row[i]
-        return total
+
+def _summed(rows: Iterable[list[float]]) -> list[float]:
+    """The rows' counts added up, in a new bucket."""
+    total = _new_bucket(-1)
+    for row in rows:
+        for i in range(1, len(row)):
+            total[i] += row[i]
+    return total
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -161,11 +161,7 @@ class UsageBook:
             usage = TenantBook("")
         now = self.clock()
         first = int((now - window_s) // BUCKET_S)
-        window = _new_bucket(-1)
-        for row in usage.buckets:
-            if row[0] >= first:
-                for i in range(1, len(row)):
-                    window[i] += row[i]
+        window = _summed(row for row in usage.buckets if row[0] >= first)
         since = now - window_s
         by_model = {m: _latency(kept, since) for m, kept in sorted(usage.by_model.items())}
         latency = {
@@ -179,7 +175,7 @@ class UsageBook:
             "window_s": window_s,
             **_counts(window),
             "latency_ms": latency,
-            "since_start": _counts(usage.since_start()),
+            "since_start": _counts(_summed([usage.evicted, *usage.buckets])),
         }
 
     def reports(self, window_s: float = DEFAULT_WINDOW_S) -> list[dict[str, object]]:
@@ -303,20 +299,18 @@ class RequestLog:
         mine[request_id] = rec
         self._count += 1
         if self._count > self.capacity:  # full (the steady state): one goes for each added
-            if len(mine) * len(self._by_owner) >= self._count:  # `_evict`'s common case, inline: the adder's oldest
+            if len(mine) * len(self._by_owner) >= self._count:  # the adder holds at least its share: its own oldest
                 mine.popitem(last=False)
                 self._count -= 1
                 if not mine:
                     del self._by_owner[owner]
             else:
-                self._evict(owner, mine)
+                self._evict()
         return rec
 
-    def _evict(self, adding: str, mine: OrderedDict[str, Record]) -> None:
-        if len(mine) * len(self._by_owner) >= self._count:  # the adder holds at least its share: its own oldest
-            victim, records = adding, mine
-        else:
-            victim, records = max(self._by_owner.items(), key=lambda kv: len(kv[1]))
+    def _evict(self) -> None:
+        """The owner holding the most records loses its oldest (the adder holds less than its share)."""
+        victim, records = max(self._by_owner.items(), key=lambda kv: len(kv[1]))
         records.popitem(last=False)
         self._count -= 1
         if not records:

@@ -32,6 +32,13 @@ from batchserve.metrics import per_model
 SATURATED = 100.0
 
 
+def _ratio(demand: float, supply: float) -> float:
+    """`demand / supply`, at most SATURATED; with no supply, SATURATED once there is any demand."""
+    if supply <= 0:
+        return SATURATED if demand > 0 else 0.0
+    return min(SATURATED, demand / supply)
+
+
 @dataclass(frozen=True)
 class EngineLoad:
     """The generation engine's side of the reading: the sequences it holds, its slots, the wait its admission
@@ -47,21 +54,12 @@ class EngineLoad:
     slo_s: float | None = None  # the engine's model's own SLO (None: the reading's)
 
     def load_ratio(self) -> float:
-        demand = self.running + self.waiting
-        if demand <= 0:
-            return 0.0
-        if not self.healthy or self.slots <= 0:
-            return SATURATED
-        return min(SATURATED, demand / self.slots)
+        return _ratio(self.running + self.waiting, self.slots if self.healthy else 0)
 
     def predicted_wait_ratio(self, slo_s: float) -> float:
         if not self.healthy:
-            return SATURATED if self.running or self.waiting else 0.0
-        wait_s = self.predicted_start_s()
-        budget = slo_s - self.answer_s
-        if budget <= 0:  # the answer alone takes the whole objective
-            return SATURATED if wait_s > 0 else 0.0
-        return min(SATURATED, wait_s / budget)
+            return _ratio(self.running + self.waiting, 0)
+        return _ratio(self.predicted_start_s(), slo_s - self.answer_s)  # an answer alone past the SLO: saturated
 
 
 @dataclass(frozen=True)
@@ -78,31 +76,20 @@ class Reading:
     engine: EngineLoad | None = None  # the generation engine, when it is on
 
     def load_ratio(self) -> float:
-        batcher = self.batcher_load_ratio()
+        supply = self.healthy * self.max_batch / self.batch_s if self.batch_s > 0 else 0  # inputs/s at full batches
+        batcher = _ratio(self.arrivals_per_s, supply)
         return batcher if self.engine is None else max(batcher, self.engine.load_ratio())
 
     def predicted_wait_ratio(self) -> float:
-        batcher = self.batcher_predicted_wait_ratio()
+        if self.healthy <= 0:
+            batcher = _ratio(self.depth + self.arrivals_per_s, 0)
+        else:  # a batch alone past the SLO (a real model on a CPU): saturated
+            wait = self.until_free_s + (self.depth // self.max_batch) * self.batch_s / self.healthy
+            batcher = _ratio(wait, self.slo_s - self.batch_s)
         engine = self.engine
         if engine is None:
             return batcher
         return max(batcher, engine.predicted_wait_ratio(self.slo_s if engine.slo_s is None else engine.slo_s))
-
-    def batcher_load_ratio(self) -> float:
-        if self.arrivals_per_s <= 0:
-            return 0.0
-        if self.healthy <= 0 or self.batch_s <= 0:
-            return SATURATED
-        return min(SATURATED, self.arrivals_per_s * self.batch_s / (self.healthy * self.max_batch))
-
-    def batcher_predicted_wait_ratio(self) -> float:
-        if self.healthy <= 0:
-            return SATURATED if self.depth or self.arrivals_per_s > 0 else 0.0
-        wait = self.until_free_s + (self.depth // self.max_batch) * self.batch_s / self.healthy
-        budget = self.slo_s - self.batch_s
-        if budget <= 0:  # the batch alone takes the whole objective (a real model on a CPU)
-            return SATURATED if wait > 0 else 0.0
-        return min(SATURATED, wait / budget)
 
 
 def export(load_ratio: Gauge, predicted_wait_ratio: Gauge, read: Callable[[], Reading]) -> None:

@@ -26,7 +26,7 @@ from batchserve.core.handler import InferenceHandler
 from batchserve.core.quarantine import Quarantine
 from batchserve.core.ledger import Record, RequestLog, CostAccount
 from batchserve.core.tiers import BATCH, NAMES as TIER_NAMES
-from batchserve.core.tokenize_stage import Tokenize, TokenizeStage, tokenizer_of
+from batchserve.core.tokenize_stage import Pretokenizer, Tokenize, TokenizeStage
 
 
 log = logging.getLogger("batchserve")
@@ -188,7 +188,7 @@ class InferenceService:
 
     def _tokenizer(self, model: str, backend: object) -> Tokenize | None:
         if model not in self._tokenizers:
-            self._tokenizers[model] = tokenizer_of(backend)
+            self._tokenizers[model] = backend.tokenize if isinstance(backend, Pretokenizer) else None
         return self._tokenizers[model]
 
     async def _tokenize(self, tokenize: Tokenize, texts: list[str], model: str, tier: int, tenant: str) -> None:

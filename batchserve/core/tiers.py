@@ -26,10 +26,6 @@ class Tier:
     interactive: bool = True  # False for work that only fills spare places (batch jobs)
     fixed_s: float | None = None  # a head start in seconds instead, whatever the SLO (the batch tier)
 
-    def aging_s(self, slo_s: float) -> float:
-        """The head start in seconds on a model of this SLO."""
-        return self.fixed_s if self.fixed_s is not None else self.head_start * slo_s
-
 
 TIERS: tuple[Tier, ...] = (
     Tier("enterprise", 0, rate=1000.0, burst=2000.0, shed=1.2, head_start=0.0),
@@ -46,7 +42,7 @@ BATCH: Tier = BY_NAME["batch"]
 
 def aging_for(slo_s: float) -> tuple[float, ...]:
     """Each tier's head start in seconds on a model of this SLO, by rank (the fair queue's hot loop reads it)."""
-    return tuple(t.aging_s(slo_s) for t in TIERS)
+    return tuple(t.head_start * slo_s if t.fixed_s is None else t.fixed_s for t in TIERS)
 
 
 AGING_S: tuple[float, ...] = aging_for(0.2)  # a queue's until its model's SLO is known (the default SLO's)

@@ -41,10 +41,6 @@ class Pretokenizer(Protocol):
     def tokenize(self, texts: list[str]) -> None: ...
 
 
-def tokenizer_of(backend: object) -> Tokenize | None:
-    return backend.tokenize if isinstance(backend, Pretokenizer) else None
-
-
 @dataclass(eq=False)
 class Request:
     """One caller's texts, taken from the front as calls have room; `done` once every one is tokenized."""

@@ -21,10 +21,9 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from batchserve.core.batcher import Batcher
-from batchserve.core.class_turns import ClassQueue, Own, drain
+from batchserve.core.class_turns import ClassQueue, Own, WaitPrediction, drain
 
 
 def predicted_latency_s(
@@ -34,21 +33,6 @@ def predicted_latency_s(
     each) shared by the healthy workers, then its own batch (`own_batch_s`, by default a full one)."""
     own = batch_s if own_batch_s is None else own_batch_s
     return until_free_s + (ahead // max_batch_size) * batch_s / max(1, healthy) + own
-
-
-@dataclass(slots=True)  # not frozen: a frozen dataclass is built through object.__setattr__, ~3x slower per request
-class WaitPrediction:
-    """Seconds from now: the request's first batch starts (`wait_s`, the queue part), its first and last
-    inputs are answered."""
-
-    first_s: float
-    last_s: float
-    wait_s: float = 0.0
-
-    def scaled(self, factor: float) -> WaitPrediction:
-        """The same with its queue part multiplied by `factor` (the door's learned error, `WaitCalibration`)."""
-        extra = self.wait_s * (factor - 1.0)
-        return WaitPrediction(self.first_s + extra, self.last_s + extra, self.wait_s + extra)
 
 
 def predict(
@@ -169,11 +153,7 @@ def _by_turns(
         rates.get(bucket, 0.0),
         served.get((model, bucket), 0.0),
     )
-    times, cap = (
-        batcher.batch_s,
-        max(1.0, batcher.costs.budget(model)),
-    )  # a batch's cost: rows x cost, within the budget
-    d = drain(
+    times, cap = batcher.batch_s, max(1.0, budget)  # a batch's cost: rows x cost, within the budget
+    return drain(
         batcher.clock(), until_free_s, share, own, others, lambda rows, cost: times.at(model, min(rows * cost, cap))
     )
-    return WaitPrediction(d.first_s, d.last_s, d.wait_s)
