@@ -13,23 +13,15 @@ import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from batchserve.core.fairqueue import Item
 from batchserve.jobs.job_state import JobState
-from batchserve.jobs.lines import LineRun, LineRunner
+from batchserve.jobs.lines import Entrance, LineRun, LineRunner
 from batchserve.jobs.refill import Ledger, mean_cost
 
 log = logging.getLogger("batchserve.jobs")
 
 ITEM_DEADLINE_S = 600.0  # a job item is in no hurry; past this in the queue it is answered 504 and retried
-
-
-class Entrance(Protocol):
-    """How job work enters the batcher: an input in the shared background share, or a group as a batch of its own."""
-
-    def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item: ...
-    def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
 
 
 Answered = Callable[[JobState, int, str, asyncio.Future], None]  # (job, index, row text, its done future)
@@ -62,13 +54,7 @@ class Feeder:
                 self.submit_group(job, [(index, text)])
                 continue
             if job.endpoint is not None and self.lines is not None:
-                self._track(
-                    job,
-                    index,
-                    text,
-                    self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, job.expires_at),
-                    shared=not alone,
-                )
+                self._start_line(job, index, text, shared=not alone)
                 continue
             if alone:
                 self.submit_group(job, [(index, text)])
@@ -85,9 +71,7 @@ class Feeder:
         a line is started and fed alone, an input at a time, by the isolated path (`feed`)."""
         if job.endpoint is not None and self.lines is not None:
             for index, text in rows:
-                run = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, job.expires_at)
-                self._track(job, index, text, run, shared=False)
-                self._feed_line(job, index, run, 1, alone=True)
+                self._feed_line(job, index, self._start_line(job, index, text, shared=False), 1, alone=True)
             return
         items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
         for (index, text), item in zip(rows, items):
@@ -101,10 +85,7 @@ class Feeder:
         for index in sorted(job.shared):
             item = job.inflight[index]
             if not item.dispatched and not item.future.done():
-                self._release(job, index)
-                del job.inflight[index]
-                job.charged.pop(index, None)
-                job.open.pop(index, None)
+                self._forget(job, index)
                 item.future.cancel()  # the batcher drops it (a line: every input it fed)
                 back.append((index, item.text))
             else:  # running, or in a bisection re-run (background batches): counted with the isolated now
@@ -140,6 +121,12 @@ class Feeder:
             job.open.pop(index, None)
         return fed
 
+    def _start_line(self, job: JobState, index: int, text: str, shared: bool) -> LineRun:
+        assert job.endpoint is not None and self.lines is not None
+        run = self.lines.start(job.endpoint, text, job.model, job.tenant, ITEM_DEADLINE_S, job.expires_at)
+        self._track(job, index, text, run, shared)
+        return run
+
     def _track(self, job: JobState, index: int, text: str, item: Item | LineRun, shared: bool) -> None:
         """The row is in flight (its inputs priced as they are fed); a line with inputs to feed is open."""
         job.inflight[index] = item
@@ -170,6 +157,14 @@ class Feeder:
         self.ledger.add(job.tenant, job.model, -n, index in job.shared)
         self.wake.set()
 
+    def _forget(self, job: JobState, index: int) -> None:
+        """The row is no longer in flight: its places are given back."""
+        self._release(job, index)
+        del job.inflight[index]
+        job.charged.pop(index, None)
+        job.open.pop(index, None)
+        job.shared.discard(index)
+
     def _input_done(self, job: JobState, index: int, run: LineRun, fut: asyncio.Future) -> None:
         if job.inflight.get(index) is run:  # not a line taken back (`reroute`) or answered already
             self._release(job, index, 1)
@@ -179,11 +174,7 @@ class Feeder:
         current = job.inflight.get(index)
         if current is None or current.future is not fut:
             return  # taken off the shared path by `reroute` (which settled its counts), perhaps resubmitted
-        self._release(job, index)
-        del job.inflight[index]
-        job.charged.pop(index, None)
-        job.open.pop(index, None)
-        job.shared.discard(index)
+        self._forget(job, index)
         self.wake.set()
         if fut.cancelled() or job.cancelled:
             return

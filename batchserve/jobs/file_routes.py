@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Mapping
 
 from python_multipart.multipart import parse_options_header
 from starlette.routing import Route
@@ -23,12 +23,12 @@ from batchserve import errors
 from batchserve.errors import ApiError
 from batchserve.http.endpoint import Answer, Call, Stream, json_answer
 from batchserve.http.plumbing import ascii_count
-from batchserve.jobs.routes import LIST_DEFAULT, LIST_MAX, JobsHost, list_answer, list_limit, route
+from batchserve.jobs.routes import JobsHost, listed, route
 from batchserve.jobs.files import CHUNK_BYTES, FileLimitReached, StoredFile
 from batchserve.jobs.openai_batch import check_expires_after, file_line, job_of_file
 from batchserve.jobs.pages import pages
 from batchserve.jobs.service import JobService
-from batchserve.jobs.store import OUTPUT, Job, JobStore
+from batchserve.jobs.store import ACTIVE, OUTPUT, Job, JobStore
 from batchserve.jobs.upload import FormError, FormStream, UploadPace
 from batchserve.http.guards import Caller
 
@@ -190,23 +190,6 @@ def job_file(job: Job, file_id: str, kind: str) -> StoredFile:
     )
 
 
-async def generated(store: JobStore, caller: Caller, file_id: str) -> tuple[Job, str, StoredFile] | None:
-    """A job's output or error file (None: no such job of this caller, or not finished)."""
-    found = job_of_file(file_id)
-    if found is None:
-        return None
-    job_id, kind = found
-    job = await store.get(caller.owner, job_id)
-    if job is None or job.openai is None or job.status in ("queued", "running"):
-        return None
-    return job, kind, job_file(job, file_id, kind)
-
-
-def file_lines(store: JobStore, job: Job, kind: str) -> AsyncIterator[bytes]:
-    """The file's lines in input order, a page of at most about `PAGE_BYTES` at a time (`pages.py`)."""
-    return pages(store, job.id, lambda row: file_line(job.id, row, kind), with_input=True)
-
-
 async def found_file(
     call: Call, svc: JobService, caller: Caller
 ) -> tuple[JobStore, StoredFile, tuple[Job, str] | None]:
@@ -218,9 +201,10 @@ async def found_file(
         meta = await store.get_file(caller.owner, file_id)
         if meta is not None:
             return store, meta, None
-        made = await generated(store, caller, file_id)
-        if made is not None:
-            return store, made[2], (made[0], made[1])
+        job_id, kind = job_of_file(file_id) or ("", "")
+        job = await store.get(caller.owner, job_id) if job_id else None
+        if job is not None and job.openai is not None and job.status not in ACTIVE:  # finished: its file is whole
+            return store, job_file(job, file_id, kind), (job, kind)
     raise not_found(file_id)
 
 
@@ -230,8 +214,12 @@ async def get_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller) ->
 
 async def file_content(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     store, meta, made = await found_file(call, svc, caller)
-    lines = file_lines(store, *made) if made is not None else store.file_chunks(caller.owner, meta.id)
-    return Stream(lines, media=b"application/jsonl")
+    if made is None:
+        return Stream(store.file_chunks(caller.owner, meta.id), media=b"application/jsonl")
+    job, kind = made  # its lines in input order, a page bounded in bytes at a time (`pages.py`)
+    return Stream(
+        pages(store, job.id, lambda row: file_line(job.id, row, kind), with_input=True), media=b"application/jsonl"
+    )
 
 
 async def delete_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
@@ -243,12 +231,10 @@ async def delete_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller)
 
 
 async def list_files(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    query = call.query()
-    limit = list_limit(query, LIST_DEFAULT, LIST_MAX)
-    after, purpose = query.get("after"), query.get("purpose")
-    store = await svc.existing_store()
-    files = await store.list_files(caller.owner, limit + 1, after, purpose) if store is not None else []
-    return list_answer([f.public() for f in files[:limit]], len(files) > limit)
+    def fetch(store: JobStore, n: int, query: Mapping[str, str]) -> Awaitable[list[StoredFile]]:
+        return store.list_files(caller.owner, n, query.get("after"), query.get("purpose"))
+
+    return await listed(call, svc, fetch, StoredFile.public)
 
 
 ROUTES = [

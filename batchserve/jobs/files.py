@@ -178,13 +178,16 @@ class LineSplitter:
         return [line] if line else []
 
 
-def files_where(tenant: str, after: str | None, purpose: str | None, mark: str, table: str) -> tuple[str, list[str]]:
-    """The WHERE clause and its arguments of a tenant's processed files, of one purpose or any, those listed
-    before `after` (newest first), in a dialect's parameter mark (`%s`, `?`) over its files table."""
-    where, args = f"tenant = {mark} AND status = 'processed'", [tenant]
-    if purpose is not None:
-        where, args = where + f" AND purpose = {mark}", args + [purpose]
+def listing(
+    table: str, columns: str, mark: str, tenant: str, limit: int, after: str | None, **equal: str | None
+) -> tuple[str, list[object]]:
+    """The SELECT of a tenant's rows newest first, those listed after the row `after` (a cursor), with these
+    column values (one given as None: any), in a dialect's parameter mark (`%s`, `?`)."""
+    where, args = f"tenant = {mark}", [tenant]
+    for column, value in equal.items():
+        if value is not None:
+            where, args = where + f" AND {column} = {mark}", [*args, value]
     if after is not None:
         where += f" AND seq < (SELECT seq FROM {table} WHERE id = {mark} AND tenant = {mark})"
         args += [after, tenant]
-    return where, args
+    return f"SELECT {columns} FROM {table} WHERE {where} ORDER BY seq DESC LIMIT {mark}", [*args, limit]

@@ -73,10 +73,12 @@ def capacity_backoff_s(attempt: int, base_s: float, retry_after_ms: int | None, 
     return max(0.0, min(delay, left_s))
 
 
-class Submitter(Protocol):
-    """The one door, as a line needs it (`core.service.InferenceService.submit_background`)."""
+class Entrance(Protocol):
+    """How job work enters the batcher, through the one door (`core.service.InferenceService`): an input in the
+    shared background share, or a group as a batch of its own."""
 
     def submit_background(self, text: str, model: str, tenant: str, deadline_s: float, alone: bool = False) -> Item: ...
+    def submit_group(self, texts: list[str], model: str, tenant: str, deadline_s: float) -> list[Item]: ...
 
 
 @dataclass(slots=True)
@@ -233,7 +235,7 @@ def failed_response(err: ApiError, endpoint: str) -> str:
 
 @dataclass(eq=False)
 class LineRunner:
-    door: Submitter
+    door: Entrance
     settings: Settings
     count_tokens: TokenCounter
     engine: Engine | None = None  # the generation engine, when it is on: runs chat and completions lines
@@ -292,13 +294,10 @@ class LineRunner:
             while True:
                 left_s = until - self.clock()
                 try:
-                    return LineResult(
-                        200,
-                        request_id,
-                        await complete(
-                            self.settings, engine, body, chat, BATCH.rank, tenant=tenant, max_wait_s=max(0.0, left_s)
-                        ),
+                    done = await complete(
+                        self.settings, engine, body, chat, BATCH.rank, tenant=tenant, max_wait_s=max(0.0, left_s)
                     )
+                    return LineResult(200, request_id, done)
                 except ApiError as err:
                     if err.status < 500:  # what the route answers with a 4xx: the line's answer, for good
                         return refused(err, request_id, True)

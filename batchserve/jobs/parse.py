@@ -100,7 +100,9 @@ class JobBodyParser:
             raise not_json(exc) from None
         except UnicodeDecodeError:  # yajl's escape of a lone surrogate: the parser is dead after it
             raise errors.invalid(LONE_SURROGATE) from None
-        self._take()
+        events, self._events[:] = list(self._events), []
+        for event, value in events:
+            self._event(event, value)
 
     def _scan(self, data: bytes, final: bool = False) -> None:
         """400 at a lone high surrogate escape. A match within 6 bytes of the end may yet be followed by its low
@@ -115,11 +117,6 @@ class JobBodyParser:
         while start > floor and text[start - 1 : start] == b"\\":
             start -= 1
         self._tail = text[start:]
-
-    def _take(self) -> None:
-        events, self._events[:] = list(self._events), []
-        for event, value in events:
-            self._event(event, value)
 
     def _event(self, event: str, value: object) -> None:
         depth = self._depth

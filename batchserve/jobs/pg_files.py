@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from psycopg import AsyncConnection
 
-from batchserve.jobs.files import FILE_COLUMNS, FileLimitReached, StoredFile, StorageLimits, files_where
+from batchserve.jobs.files import FILE_COLUMNS, FileLimitReached, StoredFile, StorageLimits, listing
 from batchserve.jobs.pg_calls import PgCalls, bound_for
 
 USAGE = (
@@ -113,11 +113,10 @@ class PgFileStore:
             yield bytes(data)
 
     async def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
-        where, args = files_where(tenant, after, purpose, "%s", "batchserve_files")
-        rows = await self.calls.rows(
-            f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE {where} ORDER BY seq DESC LIMIT %s", (*args, limit)
+        sql, args = listing(
+            "batchserve_files", FILE_COLUMNS, "%s", tenant, limit, after, status="processed", purpose=purpose
         )
-        return [StoredFile(*r) for r in rows]
+        return [StoredFile(*r) for r in await self.calls.rows(sql, args)]
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
         deleted = await self.calls.change(

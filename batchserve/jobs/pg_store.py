@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 from psycopg import AsyncConnection
 
-from batchserve.jobs.files import LineSplitter, StorageFull
+from batchserve.jobs.files import LineSplitter, StorageFull, listing
 from batchserve.jobs.openai_batch import Sizes
 from batchserve.jobs.pg_calls import READ_BYTES, PgCalls, bound_for
 from batchserve.jobs.pg_files import BIG_DELETE_S, PgFileStore
@@ -261,17 +261,7 @@ class PostgresStore(PgFileStore):
         return Job.of_row(rows[0]) if rows else None
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
-        if after is None:
-            rows = await self.calls.rows(
-                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s ORDER BY seq DESC LIMIT %s",
-                (tenant, limit),
-            )
-        else:
-            rows = await self.calls.rows(
-                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE tenant = %s AND seq < "
-                f"(SELECT seq FROM batchserve_jobs WHERE id = %s AND tenant = %s) ORDER BY seq DESC LIMIT %s",
-                (tenant, after, tenant, limit),
-            )
+        rows = await self.calls.rows(*listing("batchserve_jobs", JOB_COLUMNS, "%s", tenant, limit, after))
         return [Job.of_row(r) for r in rows]
 
     async def results(
@@ -416,22 +406,6 @@ class PostgresStore(PgFileStore):
             bound_for(rows=len(indexes)),
         )
 
-    async def _within_quota(
-        self, conn: AsyncConnection, by_job: dict[str, list[Outcome]], owners: dict[str, tuple[str, bool]]
-    ) -> dict[str, str]:
-        """Each job whose outputs would pass its tenant's quota fails whole, saying why (its outcomes in `by_job`
-        replaced by failures that keep nothing): job id -> the reason."""
-        reasons: dict[str, str] = {}
-        for job_id in sorted(by_job):
-            outs = by_job[job_id]
-            tenant, _ = owners.get(job_id, ("", False))
-            try:
-                await self._check(conn, tenant, sum(o.stored_bytes() for o in outs), f"the outputs of batch {job_id}")
-            except StorageFull as full:
-                reasons[job_id] = full.message
-                by_job[job_id] = [o.over_quota(full.message) for o in outs]
-        return reasons
-
     async def record(self, outcomes: list[Outcome], now: float) -> list[Progress]:
         if not outcomes:
             return []
@@ -444,11 +418,20 @@ class PostgresStore(PgFileStore):
         async def tx(conn: AsyncConnection) -> list[Progress]:
             cur = await conn.execute("SELECT id, tenant, openai FROM batchserve_jobs WHERE id = ANY(%s)", (job_ids,))
             owners = {r[0]: (r[1], r[2] is not None) for r in await cur.fetchall()}
-            any_openai = any(openai for _, openai in owners.values())  # only then are inputs read back
+            openai = {job_id: owners.get(job_id, ("", False))[1] for job_id in job_ids}  # only then are inputs read
             if quota:  # tenant locks before any row lock, in one order: the order every writer takes them in
                 for tenant in sorted({t for t, _ in owners.values()}):
                     await self._lock_tenant(conn, tenant)
-            reasons = await self._within_quota(conn, by_job, owners)
+            reasons: dict[str, str] = {}
+            for job_id in job_ids:
+                outs, (tenant, _) = by_job[job_id], owners.get(job_id, ("", False))
+                try:
+                    await self._check(
+                        conn, tenant, sum(o.stored_bytes() for o in outs), f"the outputs of batch {job_id}"
+                    )
+                except StorageFull as full:  # the job fails whole, saying why; nothing more of it is kept
+                    reasons[job_id] = full.message
+                    by_job[job_id] = [o.over_quota(full.message) for o in outs]
             rows = [
                 (o.job_id, o.index, o.status, _text(o.output), _text(o.error), _text(o.message))
                 for job_id in job_ids
@@ -461,7 +444,7 @@ class PostgresStore(PgFileStore):
                 "FROM unnest(%s::text[], %s::int[], %s::text[], %s::text[], %s::text[], %s::text[]) "
                 "AS o(job_id, idx, status, output, error, message) "
                 "WHERE i.job_id = o.job_id AND i.idx = o.idx AND i.status = 'pending' "
-                f"RETURNING i.job_id, i.idx, i.status, {'i.input' if any_openai else 'NULL'}",
+                f"RETURNING i.job_id, i.idx, i.status, {'i.input' if any(openai.values()) else 'NULL'}",
                 (now, self.holder, *columns),
             )
             changed = await cur.fetchall()
@@ -471,13 +454,12 @@ class PostgresStore(PgFileStore):
             def measure() -> None:
                 for job_id, idx, _, text in changed:
                     o = found[(job_id, idx)]
-                    sizes[job_id].add(o, o.stored_bytes(), text if owners.get(job_id, ("", False))[1] else None)
+                    sizes[job_id].add(o, o.stored_bytes(), text if openai[job_id] else None)
 
             await asyncio.to_thread(measure)  # parses each line's custom_id: off the event loop
             progress = []
             for job_id in job_ids:
-                openai = owners.get(job_id, ("", False))[1]
-                done = await book_job(conn, job_id, sizes[job_id], reasons.get(job_id), openai, now)
+                done = await book_job(conn, job_id, sizes[job_id], reasons.get(job_id), openai[job_id], now)
                 if done is not None:
                     progress.append(done)
             return progress

@@ -13,7 +13,7 @@ import logging
 import secrets
 import sqlite3
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
@@ -31,7 +31,7 @@ from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Stream, js
 from batchserve.http.guards import Guard, Caller
 from batchserve.http.plumbing import ascii_count
 from batchserve.jobs.parse import MAX_METADATA_BYTES, read_job_body
-from batchserve.jobs.lines import EMBEDDINGS, GENERATION
+from batchserve.jobs.lines import EMBEDDINGS, GENERATION, INFERENCE
 from batchserve.jobs.files import StorageFull
 from batchserve.jobs.openai_batch import InputCheck, batch_object, check_batch_request, expires_s
 from batchserve.jobs.pages import pages
@@ -55,6 +55,7 @@ log = logging.getLogger("batchserve.jobs")
 MAX_IDEMPOTENCY_KEY = 255
 IDEMPOTENCY_KEY = b"idempotency-key"  # the header a job's creator may send, read by the skeleton
 LIST_DEFAULT, LIST_MAX = 20, 100
+T = TypeVar("T")
 
 
 class JobsHost(Protocol):
@@ -127,12 +128,6 @@ def idempotency_key(call: Call) -> str | None:
     return key
 
 
-def request_hash(inputs: list[str], model: str | None, metadata: dict | None) -> str:
-    """The body's meaning, not its bytes: key order and spacing do not make a repeat a different request."""
-    canon = orjson.dumps({"inputs": inputs, "model": model, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
-    return hashlib.sha256(canon).hexdigest()
-
-
 async def create_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     if rt.draining:
         raise errors.draining()
@@ -149,22 +144,10 @@ async def create_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller
     if body.openai:
         return await create_openai_batch(body.values, key, rt, svc, caller)
     inputs, requested, metadata = body.inputs, body.model, check_metadata(body.metadata)
-    spec = rt.registry.resolve(requested, caller.key_id or caller.tenant)
-    if spec is None:
-        raise errors.model_not_found(requested)
+    model = batch_model(rt, INFERENCE, requested, caller)  # as /v1/inference resolves it
     store = await svc.open_store()
-    now = time.time()
-    new = NewJob(
-        "batch_" + secrets.token_hex(12),
-        caller.owner,
-        spec.id,
-        inputs,
-        metadata,
-        key,
-        request_hash(inputs, requested, metadata),
-        now,
-        expires_at=expiry(now, None, s.batches_expire_days),
-    )
+    canon = {"inputs": inputs, "model": requested, "metadata": metadata}
+    new = new_job(caller, model, key, canon, None, s.batches_expire_days, inputs=inputs, metadata=metadata)
     return await stored(svc, store, new)
 
 
@@ -174,11 +157,25 @@ def check_metadata(metadata: dict | None) -> dict | None:
     return metadata
 
 
-def expiry(now: float, seconds: float | None, default_days: float) -> float | None:
-    """When a job (anchored at its creation) expires: `seconds` after, else the server's default (0: never)."""
-    if seconds is not None:
-        return now + seconds
-    return now + default_days * 86400 if default_days > 0 else None
+def new_job(
+    caller: Caller, model: str, key: str | None, canon: dict[str, Any], seconds: float | None, days: float, **more: Any
+) -> NewJob:
+    """A new job of the caller's. Its hash is of its body's meaning (`canon`), not its bytes: key order and spacing
+    do not make a repeat a different request. It expires `seconds` after its creation, else the server's default
+    `days` after (0: never)."""
+    now = time.time()
+    if seconds is None and days > 0:
+        seconds = days * 86400
+    return NewJob(
+        "batch_" + secrets.token_hex(12),
+        caller.owner,
+        model,
+        idempotency_key=key,
+        request_hash=hashlib.sha256(orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)).hexdigest(),
+        created_at=now,
+        expires_at=now + seconds if seconds is not None else None,
+        **more,
+    )
 
 
 async def stored(svc: JobService, store: JobStore, new: NewJob) -> Answer | Stream:
@@ -226,29 +223,27 @@ async def create_openai_batch(
         raise errors.invalid("the lines name different models; one batch runs on one model")
     model = batch_model(rt, endpoint, next(iter(named), None), caller)
     openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": req.completion_window}
-    canon = orjson.dumps({"openai": openai, "metadata": metadata}, option=orjson.OPT_SORT_KEYS)
-    now = time.time()
-    new = NewJob(
-        "batch_" + secrets.token_hex(12),
-        caller.owner,
+    canon = {"openai": openai, "metadata": metadata}
+    new = new_job(
+        caller,
         model,
-        [],
-        metadata,
         key,
-        hashlib.sha256(canon).hexdigest(),
-        now,
-        openai,
+        canon,
+        expires_s(req),
+        rt.settings.batches_expire_days,
+        inputs=[],
+        metadata=metadata,
+        openai=openai,
         source_file=file_id,
         total=parsed.lines,
         input_bytes=parsed.nbytes,
-        expires_at=expiry(now, expires_s(req), rt.settings.batches_expire_days),
     )
     return await stored(svc, store, new)
 
 
 def batch_model(rt: JobsHost, endpoint: str, requested: str | None, caller: Caller) -> str:
-    """The model an OpenAI batch runs on: the generation model for chat and completions lines, else the one its
-    lines name (an embeddings batch naming none: the first embedder), as the online route picks it (`pick_model`)."""
+    """The model a batch runs on: the generation model for chat and completions lines, else the one its lines name
+    (an embeddings batch naming none: the first embedder), as the online route picks it (`pick_model`)."""
     sticky = caller.key_id or caller.tenant
     if endpoint in GENERATION:
         assert rt.generation is not None  # checked by check_batch_request
@@ -270,11 +265,17 @@ def file_missing(file_id: str) -> ApiError:
 
 
 # -- reads and cancel ----------------------------------------------------------------------------------------
-async def found_job(call: Call, svc: JobService, caller: Caller) -> tuple[JobStore, Job]:
-    """The job the path names, of this caller, with its store; 404 when there is none."""
+Act = Callable[[JobStore, str, str], Awaitable[Job | None]]  # (store, tenant, job id): the job, None: no such job
+
+
+async def found_job(
+    call: Call, svc: JobService, caller: Caller, act: Act = lambda store, tenant, job_id: store.get(tenant, job_id)
+) -> tuple[JobStore, Job]:
+    """The job the path names, of this caller, with its store, after `act` on it (default: read it); 404 when
+    there is none."""
     job_id = call.path("batch_id")
     store = await svc.existing_store()
-    job = await store.get(caller.owner, job_id) if store is not None else None
+    job = await act(store, caller.owner, job_id) if store is not None else None
     if job is None or store is None:
         raise errors.batch_not_found(job_id)
     return store, job
@@ -294,50 +295,46 @@ def ndjson_line(row: ItemRow) -> bytes:
 
 
 async def cancel_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    job_id = call.path("batch_id")
-    store = await svc.existing_store()
-    job = await store.cancel(caller.owner, job_id, time.time()) if store is not None else None
-    if job is None:
-        raise errors.batch_not_found(job_id)
+    _, job = await found_job(call, svc, caller, lambda store, tenant, job_id: store.cancel(tenant, job_id, time.time()))
     if svc.scheduler is not None:
-        svc.scheduler.cancel(job_id)
+        svc.scheduler.cancel(job.id)
     svc.metrics.progress(Progress(job.id, job.model, job.status, {}))  # a cancelled job leaves the gauges
     return json_answer(job_view(job))
 
 
 async def delete_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     """Delete a finished job with its items and output and error files (frees its bytes at once)."""
-    job_id = call.path("batch_id")
-    store = await svc.existing_store()
-    job = await store.delete_job(caller.owner, job_id) if store is not None else None
-    if job is None:
-        raise errors.batch_not_found(job_id)
+    _, job = await found_job(call, svc, caller, lambda store, tenant, job_id: store.delete_job(tenant, job_id))
     if job.status in ACTIVE:
         raise errors.conflict(
-            f"batch {job_id} is still {job.status}; cancel it first (POST /v1/batches/{job_id}/cancel)"
+            f"batch {job.id} is still {job.status}; cancel it first (POST /v1/batches/{job.id}/cancel)"
         )
-    return json_answer({"id": job_id, "object": "batch", "deleted": True})
+    return json_answer({"id": job.id, "object": "batch", "deleted": True})
 
 
-def list_limit(query: Mapping[str, str], default: int, most: int) -> int:
-    limit = ascii_count(query.get("limit", str(default)), most)
-    if limit is None or not 1 <= limit <= most:
-        raise errors.invalid(f"limit must be an integer in [1, {most}]")
-    return limit
+async def listed(
+    call: Call,
+    svc: JobService,
+    fetch: Callable[[JobStore, int, Mapping[str, str]], Awaitable[list[T]]],
+    view: Callable[[T], dict[str, Any]],
+) -> Answer:
+    """A page of the caller's jobs or files, in OpenAI's shape: `fetch(store, n, query)` reads `n` of them."""
+    query = call.query()
+    limit = ascii_count(query.get("limit", str(LIST_DEFAULT)), LIST_MAX)
+    if limit is None or not 1 <= limit <= LIST_MAX:
+        raise errors.invalid(f"limit must be an integer in [1, {LIST_MAX}]")
+    store = await svc.existing_store()
+    found = await fetch(store, limit + 1, query) if store is not None else []
+    data = [view(x) for x in found[:limit]]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    page = {"object": "list", "data": data, "has_more": len(found) > limit, "first_id": first, "last_id": last}
+    return json_answer(page)
 
 
 async def list_batches(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
-    query = call.query()
-    limit, after = list_limit(query, LIST_DEFAULT, LIST_MAX), query.get("after")
-    store = await svc.existing_store()
-    jobs = await store.list_jobs(caller.owner, limit + 1, after) if store is not None else []
-    return list_answer([job_view(j) for j in jobs[:limit]], len(jobs) > limit)
-
-
-def list_answer(data: list[dict[str, Any]], has_more: bool) -> Answer:
-    """A page of a list, in OpenAI's shape."""
-    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-    return json_answer({"object": "list", "data": data, "has_more": has_more, "first_id": first, "last_id": last})
+    return await listed(
+        call, svc, lambda store, n, query: store.list_jobs(caller.owner, n, query.get("after")), job_view
+    )
 
 
 ROUTES = [

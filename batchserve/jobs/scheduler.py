@@ -26,6 +26,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,9 +34,9 @@ import orjson
 
 from batchserve.config import Settings
 from batchserve.errors import ApiError
-from batchserve.jobs.feeder import Entrance, Feeder
+from batchserve.jobs.feeder import Feeder
 from batchserve.jobs.job_state import ItemRetry, JobState
-from batchserve.jobs.lines import LineResult, LineRunner, failed_response, line_texts, window_end
+from batchserve.jobs.lines import Entrance, LineResult, LineRunner, failed_response, line_texts, window_end
 from batchserve.jobs.refill import Budget, Room, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome, StoreDown
@@ -138,14 +139,12 @@ class Scheduler:
         """Models whose jobs run here: the door's, and the generation model (its chat and completions lines)."""
         return self.door.models() + (self.lines.models() if self.lines is not None else [])
 
-    def limit(self) -> int:
-        """Job inputs queued or running at once, one tenant's view (`refill.places`)."""
-        return places(self.settings.jobs_max_inflight, self.door.max_batch_size, self.door.healthy_workers())
-
     def isolated_limit(self) -> int:
         """Inputs of isolated jobs in flight at once, all of them together: a batch's worth per worker (their
-        batches take a small share of the workers anyway; more waiting would only hold leases and memory)."""
-        return min(self.limit(), self.door.max_batch_size * max(1, self.door.healthy_workers()))
+        batches take a small share of the workers anyway; more waiting would only hold leases and memory), within
+        the places one tenant sees (`refill.places`)."""
+        rows, workers = self.door.max_batch_size, self.door.healthy_workers()
+        return min(places(self.settings.jobs_max_inflight, rows, workers), rows * max(1, workers))
 
     @property
     def inflight(self) -> int:
@@ -169,22 +168,15 @@ class Scheduler:
     async def _feed_loop(self) -> None:
         while True:
             due = self.retries[0].due - time.monotonic() if self.retries else FEED_TICK_S
-            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can drop stop()'s cancellation
-                async with asyncio.timeout(min(FEED_TICK_S, max(0.0, due))):
-                    await self._wake.wait()
-            self._wake.clear()
-            try:
-                # here, not per item: the loop's time is the SLO's
-                self.metrics.inflight.set(self.feeder.ledger.total)
-                if self.door.draining:
-                    self.feeder.release_queued(self.jobs.values())
-                    continue
-                await self._refill()
-            except StoreDown:  # an outage the store logged once as it began: no line per tick
-                await asyncio.sleep(1.0)
-            except Exception:
-                log.exception("batch job feeding failed; retrying")
-                await asyncio.sleep(1.0)
+            await woken(self._wake, min(FEED_TICK_S, max(0.0, due)))
+            await guarded(self._feed, "batch job feeding failed; retrying")
+
+    async def _feed(self) -> None:
+        self.metrics.inflight.set(self.feeder.ledger.total)  # here, not per item: the loop's time is the SLO's
+        if self.door.draining:
+            self.feeder.release_queued(self.jobs.values())
+        else:
+            await self._refill()
 
     async def _refill(self) -> None:
         """Feed what the bounds allow (`refill.py`): due retries first in their job, isolated jobs on their own
@@ -196,9 +188,6 @@ class Scheduler:
             if not r.job.cancelled:
                 r.job.buffer.appendleft((r.index, r.text))
         isolated, by_tenant = self._with_work()
-        self._model_tenants = {}
-        for job in isolated + [j for jobs in by_tenant.values() for j in jobs]:
-            self._model_tenants.setdefault(job.model, set()).add(job.tenant)
         iso_free = self.isolated_limit() - self.feeder.ledger.isolated
         if iso_free > 0 and isolated:
             await self._refill_isolated(isolated, Budget(iso_free, self.model_room))
@@ -240,14 +229,17 @@ class Scheduler:
                 rotation.append((tenant, q))
 
     def _with_work(self) -> tuple[list[JobState], dict[str, list[JobState]]]:
-        """The jobs with work: the isolated ones, and the others by tenant, oldest first; idle jobs are forgotten."""
+        """The jobs with work: the isolated ones, and the others by tenant, oldest first (and each model's tenants
+        with work noted); idle jobs are forgotten."""
         by_tenant: dict[str, list[JobState]] = {}
         isolated: list[JobState] = []
+        self._model_tenants = {}
         for job in list(self.jobs.values()):
             if job.idle():
                 del self.jobs[job.id]
                 self.metrics.active_jobs.set(len(self.jobs))
             elif job.has_work():
+                self._model_tenants.setdefault(job.model, set()).add(job.tenant)
                 if self._isolated(job):
                     isolated.append(job)
                 else:
@@ -317,15 +309,9 @@ class Scheduler:
             job.recent.append(False)  # a line refused for its body (4xx) is no sign the inputs fail batches
             if isinstance(result, LineResult):
                 status = "completed" if result.error is None else "failed"
-                self._outcome(
-                    job,
-                    Outcome(
-                        job.id, index, status, output=result.response_json(), error=result.error, message=result.message
-                    ),
-                )
-                return
-            stored = orjson.dumps(result.output).decode()  # any JSON value, stored as JSON text
-            self._outcome(job, Outcome(job.id, index, "completed", output=stored))
+                self._outcome(job, Outcome(job.id, index, status, result.response_json(), result.error, result.message))
+            else:  # any JSON value, stored as JSON text
+                self._outcome(job, Outcome(job.id, index, "completed", orjson.dumps(result.output).decode()))
             return
         costly = isinstance(exc, ApiError) and exc.costly
         was_isolated = self._isolated(job)
@@ -361,17 +347,8 @@ class Scheduler:
     # -- writing ---------------------------------------------------------------------------------------------
     async def _flush_loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):  # as the feed loop's wait
-                async with asyncio.timeout(FLUSH_S):
-                    await self._flush_now.wait()
-            self._flush_now.clear()
-            try:
-                await self.flush()
-            except StoreDown:  # the store logged the outage once; the rows are kept for the next try
-                await asyncio.sleep(1.0)
-            except Exception:
-                log.exception("writing batch job results failed; retrying")
-                await asyncio.sleep(1.0)
+            await woken(self._flush_now, FLUSH_S)
+            await guarded(self.flush, "writing batch job results failed; retrying")  # the rows wait for the next try
 
     async def flush(self) -> None:
         if not self.outcomes:
@@ -410,30 +387,43 @@ class Scheduler:
     async def _poll_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.jobs_poll_s)
-            try:
-                await self.poll()
-            except StoreDown:
-                pass
-            except Exception:
-                log.exception("reading the unfinished batch jobs failed; retrying")
+            await guarded(self.poll, "reading the unfinished batch jobs failed; retrying", pause_s=0.0)
 
     async def poll(self) -> None:
         """Pick up jobs created on other nodes, look again at jobs whose items were all leased (a lease may
         have run out), and drop jobs finished or cancelled elsewhere."""
         started = time.monotonic()
         active = await self.store.active(self.models())
-        ids = set()
         for job in active:
-            ids.add(job.id)
-            state = self.jobs.get(job.id)
-            if state is None:
-                self.add(job)
+            if job.id in self.jobs:
+                self.jobs[job.id].exhausted = False
             else:
-                state.exhausted = False
+                self.add(job)
+        ids = {job.id for job in active}
         for state in list(self.jobs.values()):
             if state.id not in ids and state.added < started:
                 self.cancel(state.id)
         self._wake.set()
+
+
+async def woken(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait for `event` at most `timeout_s`, then clear it; not wait_for: on 3.11 it can drop stop()'s cancellation."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    event.clear()
+
+
+async def guarded(step: Callable[[], Awaitable[None]], failed: str, pause_s: float = 1.0) -> None:
+    """One round of a loop: an error is logged, a store outage not (the store logged it once as it began), and
+    either is followed by `pause_s`, so a failing round is not retried in a tight loop."""
+    try:
+        await step()
+    except StoreDown:
+        await asyncio.sleep(pause_s)
+    except Exception:
+        log.exception(failed)
+        await asyncio.sleep(pause_s)
 
 
 async def release_on_stop(store: JobStore, job: JobState, lease_s: float) -> None:

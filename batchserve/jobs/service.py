@@ -15,6 +15,7 @@ every `--storage-sweep-s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sqlite3
@@ -63,24 +64,19 @@ class JobService:
         door: Door,
         settings: Settings,
         registry: CollectorRegistry,
-        count_tokens: TokenCounter | None = None,
+        count_tokens: TokenCounter,
         generation: Engine | None = None,
     ) -> JobService:
         svc = cls(
             door,
             settings,
             JobMetrics.create(registry),
+            count_tokens=count_tokens,
             generation=generation,
             uploads=UploadGate(settings.files_max_uploads, settings.files_max_uploads_per_tenant),
         )
-        if count_tokens is not None:
-            svc.count_tokens = count_tokens
-        path = settings.jobs_db
-        if path and (is_postgres_url(path) or os.path.exists(path)):
-            try:
-                await svc.open_store()
-            except ApiError:
-                pass  # logged; the routes answer 503 and try again
+        with contextlib.suppress(ApiError):  # logged; the routes answer 503 and try again
+            await svc.existing_store()  # one that exists: its unfinished jobs resume now
         return svc
 
     @property
@@ -107,7 +103,7 @@ class JobService:
                 except StoreUnavailable:
                     raise self._unavailable() from None
                 try:
-                    store, scheduler = await self._open_and_resume()
+                    store, scheduler = await self._open()
                 except (StoreBusy, StoreUnavailable, sqlite3.Error, OSError, ImportError) as exc:
                     problem = f"the job store {redact_url(self.path)} cannot be opened: {exc}"
                     if problem != self.problem:  # once per outage (and reason), not once per try
@@ -123,23 +119,8 @@ class JobService:
         assert self.store is not None
         return self.store
 
-    async def _open_and_resume(self) -> tuple[JobStore, Scheduler]:
-        store = await self._open()
-        try:
-            scheduler = Scheduler(
-                store,
-                self.door,
-                self.settings,
-                self.metrics,
-                LineRunner(self.door, self.settings, self.count_tokens, self.generation),
-            )
-            await scheduler.start()
-        except BaseException:
-            await store.close()
-            raise
-        return store, scheduler
-
-    async def _open(self) -> JobStore:
+    async def _open(self) -> tuple[JobStore, Scheduler]:
+        """The store, with its bounds, and its scheduler resuming the unfinished jobs."""
         store: JobStore
         if not is_postgres_url(self.path):
             store = await SQLiteStore.open(self.path)
@@ -157,7 +138,14 @@ class JobService:
             int(s.storage_max_mb * mb),
             {t: int(v * mb) for t, v in s.tenant_storage_mb_by_tenant.items()},
         )
-        return store
+        lines = LineRunner(self.door, self.settings, self.count_tokens, self.generation)
+        try:
+            scheduler = Scheduler(store, self.door, self.settings, self.metrics, lines)
+            await scheduler.start()
+        except BaseException:
+            await store.close()
+            raise
+        return store, scheduler
 
     async def _sweep_loop(self) -> None:
         """Delete expired files and finished jobs past their expiry, now and every --storage-sweep-s."""

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from batchserve.jobs.files import FILE_COLUMNS, FileLimitReached, StorageLimits, StoredFile, files_where
+from batchserve.jobs.files import FILE_COLUMNS, FileLimitReached, StorageLimits, StoredFile, listing
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -136,11 +136,8 @@ class SQLiteFileStore:
 
     @on_store_thread
     def list_files(self, tenant: str, limit: int, after: str | None, purpose: str | None) -> list[StoredFile]:
-        where, args = files_where(tenant, after, purpose, "?", "files")
-        rows = self._db.execute(
-            f"SELECT {FILE_COLUMNS} FROM files WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit)
-        )
-        return [StoredFile(*r) for r in rows]
+        sql, args = listing("files", FILE_COLUMNS, "?", tenant, limit, after, status="processed", purpose=purpose)
+        return [StoredFile(*r) for r in self._db.execute(sql, args)]
 
     @on_store_thread
     def delete_file(self, tenant: str, file_id: str) -> bool:

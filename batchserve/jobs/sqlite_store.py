@@ -20,7 +20,7 @@ import sqlite3
 import time
 from itertools import chain
 
-from batchserve.jobs.files import LineSplitter, StorageFull
+from batchserve.jobs.files import LineSplitter, StorageFull, listing
 from batchserve.jobs.openai_batch import Sizes
 from batchserve.jobs.sqlite_files import SQLiteFileStore, on_store_thread
 from batchserve.jobs.store import (
@@ -257,17 +257,7 @@ class SQLiteStore(SQLiteFileStore):
 
     @on_store_thread
     def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
-        if after is None:
-            rows = self._db.execute(
-                f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? ORDER BY seq DESC LIMIT ?", (tenant, limit)
-            )
-        else:
-            rows = self._db.execute(
-                f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = ? AND seq < "
-                f"(SELECT seq FROM jobs WHERE id = ? AND tenant = ?) ORDER BY seq DESC LIMIT ?",
-                (tenant, after, tenant, limit),
-            )
-        return [Job.of_row(r) for r in rows]
+        return [Job.of_row(r) for r in self._db.execute(*listing("jobs", JOB_COLUMNS, "?", tenant, limit, after))]
 
     @on_store_thread
     def results(
@@ -357,26 +347,18 @@ class SQLiteStore(SQLiteFileStore):
 
     @on_store_thread
     def sweep(self, now: float) -> tuple[int, int]:
-        files = [
-            r[0]
-            for r in self._db.execute(
-                "SELECT id FROM files WHERE status = 'processed' AND expires_at IS NOT NULL AND expires_at <= ?", (now,)
-            ).fetchall()
-        ]
-        for file_id in files:  # one short transaction each: other store calls go between them
-            with self._tx() as c:
-                self._drop_file(c, file_id)
-        jobs = [
-            r[0]
-            for r in self._db.execute(
-                "SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND expires_at IS NOT NULL "
-                "AND expires_at <= ?",
-                (now,),
-            ).fetchall()
-        ]
-        for job_id in jobs:
-            with self._tx() as c:
-                self._drop_job(c, job_id)
+        files = self._db.execute(
+            "SELECT id FROM files WHERE status = 'processed' AND expires_at IS NOT NULL AND expires_at <= ?", (now,)
+        ).fetchall()
+        jobs = self._db.execute(
+            "SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND expires_at IS NOT NULL "
+            "AND expires_at <= ?",
+            (now,),
+        ).fetchall()
+        for drop, ids in ((self._drop_file, files), (self._drop_job, jobs)):
+            for (one,) in ids:  # one short transaction each: other store calls go between them
+                with self._tx() as c:
+                    drop(c, one)
         if files or jobs:
             self._vacuum()
         return len(files), len(jobs)

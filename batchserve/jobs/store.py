@@ -164,6 +164,12 @@ JOB_COLUMNS = (
 )
 
 
+# A native job's members after its id and object, in their order on the wire (`shapes.BatchJob`).
+PUBLIC_JOB = (
+    "status model total completed failed cancelled pending created_at started_at finished_at metadata bytes expires_at"
+).split()
+
+
 @dataclass(slots=True)
 class Job:
     id: str
@@ -190,23 +196,7 @@ class Job:
         return self.total - self.completed - self.failed - self.cancelled
 
     def public(self) -> dict[str, Any]:
-        out = {
-            "id": self.id,
-            "object": "batch",
-            "status": self.status,
-            "model": self.model,
-            "total": self.total,
-            "completed": self.completed,
-            "failed": self.failed,
-            "cancelled": self.cancelled,
-            "pending": self.pending,
-            "created_at": self.created_at,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "metadata": self.metadata,
-            "bytes": self.bytes,
-            "expires_at": self.expires_at,
-        }
+        out = {"id": self.id, "object": "batch"} | {name: getattr(self, name) for name in PUBLIC_JOB}
         if self.reason is not None:
             out["reason"] = self.reason
         return out

@@ -35,7 +35,7 @@ class FormStream:
     filename: str | None = None  # set once the file part's headers are read
     file_bytes: int = 0  # bytes of the file part so far
     pending: bytearray = field(default_factory=bytearray)
-    _parser: MultipartParser | None = None
+    _parser: MultipartParser = field(init=False)
     _header: bytearray = field(default_factory=bytearray)
     _value: bytearray = field(default_factory=bytearray)
     _disposition: bytes = b""
@@ -61,7 +61,6 @@ class FormStream:
         )
 
     def feed(self, data: bytes) -> None:
-        assert self._parser is not None
         try:
             self._parser.write(data)
         except FormError:
@@ -70,7 +69,6 @@ class FormStream:
             raise FormError(str(exc) or type(exc).__name__) from None
 
     def finish(self) -> None:
-        assert self._parser is not None
         self._parser.finalize()
         if not self._ended:
             raise FormError("the body ended before the form's closing boundary")
@@ -155,24 +153,22 @@ class UploadGate:
         held = self.active[tenant]
         who = "callers without a key (together one tenant) already have" if anonymous else "you already have"
         if self.per_tenant and held >= self.per_tenant:
-            raise ApiError(
-                429,
-                "RATE_LIMITED",
+            raise errors.rate_limited(
                 f"{who} {held} uploads in progress, the most one tenant may "
                 f"(--files-max-uploads-per-tenant {self.per_tenant}); retry when one ends",
-                retry_after_ms=1000,
+                1000,
+                {},
             )
         if self.total and self.count >= self.total:
             raise errors.overloaded(
                 f"the server already has {self.total} uploads in progress (--files-max-uploads); retry shortly", 1000
             )
         if held and self.total - self.count <= self.kept_free:
-            raise ApiError(
-                429,
-                "RATE_LIMITED",
+            raise errors.rate_limited(
                 f"{who} {held} uploads in progress and the server's last {self.kept_free} upload places are kept "
                 f"for tenants with none (--files-max-uploads {self.total}); retry when one of yours ends",
-                retry_after_ms=1000,
+                1000,
+                {},
             )
         self.active[tenant] += 1
         self.count += 1
