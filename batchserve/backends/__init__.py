@@ -1,29 +1,14 @@
-"""Backends: where a batch runs. Two faces, one adapter between them.
+"""Backends: where a batch runs. Two faces, one adapter between them (`plugin.PluginBackend`, signatures checked
+once at start-up):
 
-- The plugin contract (docs/backends.md, "Serve your own model") is what a user writes: a plain function
-  `batch(inputs: list[str]) -> list`, or an object with `batch(inputs[, device])` and, optionally, `setup`,
-  `devices`, `warm`, `bucket_of`, `cost_of`, `count_tokens`, `max_batch_size`, `output_kind`, `initial_batch_s`.
-  The built-ins (`sim`, `smollm2`, `minilm`) are plugins too.
-- `Backend` below is what the worker pool, the batcher and the routes call: device indices, every method
-  present. `plugin.make_backend` builds a model's plugin and adapts it (`plugin.PluginBackend`), checking
-  signatures once at start-up.
+- the plugin contract (docs/backends.md, "Serve your own model") is what a user writes: a plain function
+  `batch(inputs: list[str]) -> list`, or an object with `batch(inputs[, device])` and optional methods. The
+  built-ins (`sim`, `smollm2`, `minilm`, `hf`) are plugins too;
+- `Backend` below is what the worker pool, the batcher and the routes call: device indices, every method present.
 
-A backend name resolves in one place, `resolve_backend`: an entry point of the group `batchserve.backends`
-(the built-ins are registered so in pyproject.toml, and any installed package can add a name), or
-`package.module:attribute`. Every way that can fail raises `PluginError`, one line naming the module, the
-attribute and the cause, printed as the process's last line (exit status 2): by the CLI before the port opens
-when the name cannot be imported, by the server when building, setup or warm-up fails behind the open port.
-
-While `run` executes, `all_callers_gone()` (called from the same thread) says whether every caller of the batch
-has its answer or has left; a backend that works in steps may check it between steps and return early, so an
-abandoned batch frees its device for the next one. Its outputs are then thrown away, so any will do.
-
-`warm` may return batch seconds by batch cost measured while warming (a GPU backend times each of its batch
-buckets; minilm times two batches of different token counts), which seed the learned batch time by cost
-(`core/batch.py`). `cost_of(text)` says what one input costs to run (tokens for the built-ins; a plugin
-that declares none costs 1 per input): batches are budgeted, timed and admitted by cost. A backend
-may also declare `cost_of_batch(texts)` (optional, not in the protocol: `core/service.BatchCoster`) when a
-batch's cost is not rows x its longest input's.
+Batches are budgeted, timed and admitted by cost (`cost_of`: tokens for the built-ins, 1 per input for a plugin
+that declares none); a backend may also declare `cost_of_batch(texts)` (`core/service.BatchCoster`) when a batch's
+cost is not rows x its longest input's.
 """
 
 from __future__ import annotations
@@ -115,7 +100,8 @@ def pick_devices(requested: int) -> list[str]:
 
 
 def all_callers_gone() -> bool:
-    """True when no caller of the running batch waits for its output any more; False outside a batch."""
+    """True when no caller of the running batch waits for its output any more; False outside a batch. A backend
+    that works in steps may ask between steps and return early (any outputs: they are thrown away)."""
     batch: RunningBatch | None = getattr(_current, "batch", None)
     if batch is None or not batch.callers_gone():
         return False
@@ -125,7 +111,8 @@ def all_callers_gone() -> bool:
 
 class Backend(Protocol):
     """A model as the server drives it. `run` is called from device `device`'s own thread, one batch at a
-    time per device; `setup` and `warm` run on that same thread before the first batch."""
+    time per device; `setup` and `warm` run on that same thread before the first batch. `warm` may return the
+    batch seconds by batch cost it measured, which seed the learned batch time (`core/batch.py`)."""
 
     # Read-only (properties): a plain attribute fits.
     @property
@@ -315,10 +302,7 @@ def _bad_encodings(outputs: list) -> tuple[str | None, dict[int, str]]:
             bad[i] = f"output {type(output).__name__} is not JSON-encodable ({str(exc)[:200]})"
     if not bad:  # only the whole fails (nesting depth): no single culprit
         return "backend returned outputs that cannot be JSON-encoded together", {}
-    for i, output in enumerate(outputs):
-        if i not in bad and (why := _not_finite_json(output)):
-            bad[i] = why
-    return None, bad
+    return None, bad | {i: why for i, o in enumerate(outputs) if i not in bad and (why := _not_finite_json(o))}
 
 
 def _not_finite_json(output: object) -> str:

@@ -18,7 +18,6 @@ DIGESTS = ".content-digests.json"  # in the memo folder: {real path: {"size", "m
 
 
 def sha256_of(path: str) -> str:
-    """The hex SHA-256 of the file's bytes."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

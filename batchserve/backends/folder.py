@@ -172,15 +172,8 @@ def resolve_path(name: str) -> Path:
         ) from None
 
 
-# older sentence-transformers' pooling booleans, by the mode each turns on
-POOLING_FLAGS = (
-    ("cls", "pooling_mode_cls_token"),
-    ("mean", "pooling_mode_mean_tokens"),
-    ("max", "pooling_mode_max_tokens"),
-    ("mean_sqrt_len_tokens", "pooling_mode_mean_sqrt_len_tokens"),
-    ("lasttoken", "pooling_mode_lasttoken"),
-    ("weightedmean", "pooling_mode_weightedmean_tokens"),
-)
+# older sentence-transformers' pooling booleans (`pooling_mode_<flag>`): a mode, or an alias of one
+POOLING_FLAGS = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken", "weightedmean_tokens")
 POOLING_ALIASES = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max", "last": "lasttoken"}
 
 
@@ -189,7 +182,7 @@ def read_pooling(path: Path) -> str:
     config = read_as(path, PoolingConfig)
     mode = config.pooling_mode
     if mode is None:
-        chosen = [m for m, flag in POOLING_FLAGS if getattr(config, flag)]
+        chosen = [POOLING_ALIASES.get(f, f) for f in POOLING_FLAGS if getattr(config, f"pooling_mode_{f}")]
         if len(chosen) != 1:
             raise FolderError(
                 f"{path}: pooling {'+'.join(chosen) or 'none'} is not supported (one of {', '.join(POOLING_MODES)})"
@@ -232,14 +225,6 @@ def st_pipeline(folder: Path) -> Pooling:
     if mode is None:
         raise FolderError(f"{listed}: no Pooling module")
     return Pooling(mode, normalize)
-
-
-def embedder_settings(folder: Path, positions: int) -> tuple[Pooling, int, bool]:
-    """(pooling, max_seq_length, do_lower_case) from sentence-transformers' files."""
-    pooling = st_pipeline(folder)
-    st = read_if_there(folder / "sentence_bert_config.json", SentenceBertConfig)
-    length = st.max_seq_length or tokenizer_max_length(folder) or positions
-    return pooling, min(length, positions), st.do_lower_case
 
 
 def guess_task(folder: Path, architecture: str, config: ModelConfig) -> str:
@@ -305,8 +290,10 @@ def _inspect(folder: Path, task: str) -> FolderModel:
     if task == "embeddings":
         if not (folder / "modules.json").exists():  # --task embeddings on a bare encoder: mean + normalise
             return replace(model, max_tokens=positions_cut(folder, positions))
-        pooling, length, lower = embedder_settings(folder, positions)
-        return replace(model, max_tokens=length, pooling=pooling, lower_case=lower)
+        pooling = st_pipeline(folder)
+        st = read_if_there(folder / "sentence_bert_config.json", SentenceBertConfig)
+        length = min(st.max_seq_length or tokenizer_max_length(folder) or positions, positions)
+        return replace(model, max_tokens=length, pooling=pooling, lower_case=st.do_lower_case)
     if task == "reranking":
         if not architecture.endswith("ForSequenceClassification") or labels(config) != 1:
             raise FolderError(

@@ -17,9 +17,9 @@ input (one it cannot cut safely is refused, 413).
 from __future__ import annotations
 
 import bisect
+import inspect
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,26 +77,11 @@ def json_strings(text: str) -> list[str] | None:
 def passes(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """Split inputs sorted by length into forward passes of at most `budget` padded tokens each."""
     out: list[list[int]] = []
-    rows: list[int] = []
     for i in order:
-        if rows and (len(rows) + 1) * lengths[i] > budget:
-            out.append(rows)
-            rows = []
-        rows.append(i)
-    if rows:
-        out.append(rows)
+        if not out or (len(out[-1]) + 1) * lengths[i] > budget:
+            out.append([])
+        out[-1].append(i)
     return out
-
-
-def load_fast_tokenizer(path: Path, max_tokens: int) -> Any:
-    """The folder's `tokenizer.json`, truncation and padding fixed once so threads may encode with it at once;
-    RuntimeError for a tokenizer `tokenizer_guard.check_tokenizer` refuses."""
-    try:
-        tok = check_tokenizer(path)
-    except TokenizerRefused as exc:
-        raise RuntimeError(str(exc)) from None
-    tok.enable_truncation(max_tokens, strategy="longest_first")
-    return tok
 
 
 @dataclass
@@ -115,10 +100,13 @@ class TokenModel:
     models: dict[str, Any] = field(default_factory=dict)
     tokenized_on_demand: int = 0  # texts tokenized outside the stage (the warm-up, a cache miss): for tests and logs
     onnx: onnx_runtime.OnnxPlan | None = None  # --runtime onnx: ONNX Runtime on the CPU in place of torch
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        self.tokenizer = load_fast_tokenizer(self.info.path, self.info.max_tokens)
+        try:  # truncation fixed once, so threads may encode with it at once
+            self.tokenizer = check_tokenizer(self.info.path)
+        except TokenizerRefused as exc:
+            raise RuntimeError(str(exc)) from None
+        self.tokenizer.enable_truncation(self.info.max_tokens, strategy="longest_first")
         self.kept = TokenCache(self.cache_bytes)  # text -> its tokens (or why it is refused)
         self.max_chars = char_bound(self.info.max_tokens, self.chars_per_token)
         self._types = False  # whether the model's forward takes token_type_ids (set in setup)
@@ -128,7 +116,6 @@ class TokenModel:
 
     # -- tokens ------------------------------------------------------------------------------------------
     def encode_many(self, texts: list[str]) -> list[Any]:
-        """`tokenizers.Encoding`s of `texts`, each cut to `max_chars` first."""
         return self.tokenizer.encode_batch([self.cut(t) for t in texts])
 
     def cut(self, text: str) -> str:
@@ -193,8 +180,6 @@ class TokenModel:
             self._types = True
             self.models[device] = onnx_runtime.load(self.onnx, self, device)
             return
-        import inspect
-
         import torch
 
         if device == "cpu":
@@ -321,6 +306,12 @@ class SequenceModel(TokenModel):
         long = [self.cut(side) for side in seq if len(side) > self.max_chars]
         return not long or all(safe_cut(e) for e in self.tokenizer.encode_batch(long))
 
+    def activated(self, logits: Any) -> Any:
+        """The logits through the folder's activation (`folder.reranker_activation`, `classifier_activation`)."""
+        if self.info.activation == "softmax":
+            return logits.softmax(-1)
+        return logits.sigmoid() if self.info.activation == "sigmoid" else logits
+
     def load(self, device: str, dtype: Any) -> Any:
         from transformers import AutoModelForSequenceClassification
 
@@ -343,10 +334,7 @@ class FolderReranker(SequenceModel):
         return self.forward(inputs, device, self.score)
 
     def score(self, outputs: Any, attention: Any, lengths: list[int]) -> list[float]:
-        logits = outputs.logits.float()[:, 0]
-        if self.info.activation == "sigmoid":
-            logits = logits.sigmoid()
-        return finite(logits.cpu().tolist())
+        return finite(self.activated(outputs.logits.float()[:, 0]).cpu().tolist())
 
 
 def single_input(text: str) -> str:
@@ -373,16 +361,10 @@ class FolderClassifier(SequenceModel):
 
     def classify(self, outputs: Any, attention: Any, lengths: list[int]) -> list[list[dict[str, Any]]]:
         logits = outputs.logits.float()
-        if self.info.activation == "softmax":
-            scores = logits.softmax(-1)
-        elif self.info.activation == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits
         names = class_labels(self.info.config, logits.shape[-1])
         return [
             [{"label": name, "score": s, "logit": x} for name, s, x in zip(names, finite(row), finite(raw))]
-            for row, raw in zip(scores.cpu().tolist(), logits.cpu().tolist())
+            for row, raw in zip(self.activated(logits).cpu().tolist(), logits.cpu().tolist())
         ]
 
 

@@ -114,7 +114,6 @@ def _failure_named(backend: Backend, step: str, where: str) -> Iterator[None]:
 
 
 def _set_up(backends: dict[str, Backend], device: int) -> None:
-    """`setup` of every backend on `device`, once."""
     for model, backend in backends.items():
         where = backend.device_names()[device]
         started = time.perf_counter()
@@ -146,11 +145,9 @@ def _warm(backends: dict[str, Backend], device: int, by_size: dict[str, dict[int
             "" if warm.stable else " (not stable)",
         )
         took[model] = warm.batch_s
-        if reported:
-            sizes = by_size[model]  # the dicts are per model; devices run in parallel threads
-            for size in reported[-1]:  # per size or cost: the median of its rounds after the first
-                seconds = robust([r[size] for r in reported if size in r])
-                sizes[size] = max(seconds, sizes.get(size, 0.0))
+        sizes = by_size[model]  # the dicts are per model; devices run in parallel threads
+        for size in reported[-1] if reported else ():  # per size or cost: the median of its rounds after the first
+            sizes[size] = max(robust([r[size] for r in reported if size in r]), sizes.get(size, 0.0))
     return took
 
 

@@ -30,7 +30,8 @@ from typing import Any
 
 from batchserve.backends import pick_devices
 from batchserve.backends import cache_root  # where the package is extracted (the ONNX cache shares it)
-from batchserve.backends.hf import passes  # noqa: F401 - minilm.passes (its tests)
+from batchserve.backends.folder import inspect_folder
+from batchserve.backends.hf import FolderEmbedder, passes  # noqa: F401 - minilm.passes (its tests)
 from batchserve.backends.onnx_runtime import OnnxPlan, plan_of
 from batchserve.config import ModelSpec, Settings
 
@@ -170,7 +171,7 @@ def size_for_device(settings: Settings, devices: list[str]) -> None:
 @dataclass
 class MiniLM:
     """The backend (plugin contract of docs/backends.md) on `hf.FolderEmbedder`: the package's weights are one
-    more sentence-transformers folder."""
+    more sentence-transformers folder, and what is not here is the embedder's (`__getattr__`)."""
 
     device_list: list[str]
     threads: int = 0  # torch intra-op threads on a CPU; 0 = every usable core
@@ -193,9 +194,6 @@ class MiniLM:
         return cls(devices, **options)
 
     def __post_init__(self) -> None:
-        from batchserve.backends.folder import inspect_folder
-        from batchserve.backends.hf import FolderEmbedder
-
         self.path = Path(self.path)
         check_weights_dir(self.path)
         info = inspect_folder(str(self.path), "embeddings")
@@ -211,43 +209,6 @@ class MiniLM:
             info, list(self.device_list), self.threads, self.pass_tokens, self.group_by_length, onnx=self.onnx
         )
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.embedder.tokenizer
-
-    @property
-    def models(self) -> dict[str, Any]:
-        return self.embedder.models
-
-    def devices(self) -> list[str]:
-        return list(self.device_list)
-
-    def setup(self, device: str) -> None:
-        self.embedder.setup(device)
-
-    def warm(self, device: str) -> dict[int, float]:
-        """Two batches timed by cost, so the learned batch time starts as a line, not a single point."""
-        return self.embedder.warm(device)
-
-    def tokenize(self, texts: list[str]) -> None:
-        """The door's tokenizer stage (core/tokenize_stage.py), on its worker thread."""
-        self.embedder.tokenize(texts)
-
-    def tokens(self, text: str) -> int:
-        return self.embedder.tokens(text)
-
-    def cost_of(self, text: str) -> float:
-        return self.embedder.cost_of(text)
-
-    def padded_cost(self, texts: list[str]) -> float:
-        return self.embedder.padded_cost(texts)
-
-    def bucket_of(self, text: str) -> int:
-        return self.embedder.bucket_of(text)
-
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Tokens each input is embedded from (after truncation at MAX_TOKENS), for usage.prompt_tokens."""
-        return self.embedder.count_tokens(texts)
-
-    def batch(self, inputs: list[str], device: str) -> list[list[float]]:
-        return self.embedder.batch(inputs, device)
+    def __getattr__(self, name: str) -> Any:
+        # setup, warm, tokenize, costs, batch, tokenizer, models: the embedder's own, so a call costs no frame here
+        return getattr(self.embedder, name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol, cast
 
 from batchserve.backends import cache_root, default_threads
@@ -171,8 +173,6 @@ def output_name(info: FolderModel) -> str:
 def export(encoder: Encoder, target: Path) -> None:
     """Export the folder's torch model (fp32, CPU) to `target` atomically (no process reads half a graph), and
     check it against torch once."""
-    import inspect
-
     import torch
 
     info = encoder.info
@@ -283,14 +283,6 @@ def open_session(path: Path, threads: int) -> Any:
 
 
 @dataclass
-class Outputs:
-    """A graph's output where the torch model's pooling and scoring read it."""
-
-    last_hidden_state: Any = None
-    logits: Any = None
-
-
-@dataclass
 class OnnxModel:
     """An ONNX session called as the torch model is, so the batch path does not tell them apart. It feeds the
     inputs its graph has (missing token type ids are zeros)."""
@@ -302,14 +294,14 @@ class OnnxModel:
     def __post_init__(self) -> None:
         self.inputs = tuple(i.name for i in self.session.get_inputs())
 
-    def __call__(self, **tensors: Any) -> Outputs:
+    def __call__(self, **tensors: Any) -> SimpleNamespace:
         import numpy as np
         import torch
 
         arrays = {name: t.numpy() for name, t in tensors.items()}
         feed = {name: arrays[name] if name in arrays else np.zeros_like(arrays["input_ids"]) for name in self.inputs}
         (out,) = self.session.run([self.output], feed)
-        return Outputs(**{self.output: torch.from_numpy(out)})
+        return SimpleNamespace(**{self.output: torch.from_numpy(out)})  # where pooling and scoring read it
 
 
 def load(plan: OnnxPlan, encoder: Encoder, device: str) -> OnnxModel:

@@ -107,7 +107,6 @@ class PluginBackend:
             self.setup_fn(self.devices[device])
 
     def warm(self, device: int) -> dict[int, float] | None:
-        """Warm the device; the plugin's warm may return batch seconds by batch size it measured."""
         if self.warm_fn is None:
             self.run(device, list(WARM_UP_INPUTS))
             return None
@@ -125,7 +124,6 @@ class PluginBackend:
         return 0
 
     def cost_of(self, text: str) -> float:
-        """What one input costs to run; a plugin that declares no `cost_of` costs 1 per input."""
         return 1.0
 
     def count_tokens(self, texts: list[str]) -> list[int] | None:
@@ -254,7 +252,7 @@ def _devices(obj: object | None, settings: Settings, err: Callable[[str], Except
 
 def make_backend(spec: ModelSpec, settings: Settings, shell: bool = False) -> Backend:
     """Resolve, build and adapt one model version's backend; PluginError when it cannot be served. With
-    `--executor process` its batches run in a process per device (process.py); `shell`: see `build_plugin`."""
+    `--executor process` its batches run in a process per device (process.py); `shell`: see `build`."""
     resolved = resolve_backend(spec.backend)
     if shell:
         return adapt(resolved, spec, settings, shell=True)

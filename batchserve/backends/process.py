@@ -102,21 +102,17 @@ class DeviceProcess:
         child.close()
         self.conn = parent
 
-    def ready(self) -> None:
-        """Wait for the child to have built its backend; raise its error if it could not."""
-        self._answer()
-
     def call(self, op: str, args: Any = None) -> Any:
         with self.lock:
             if self.conn is None or not self.proc.is_alive():
                 log.warning("device %d's process is gone: starting a new one", self.index)
                 self.stop()
                 self.start()
-                self.ready()
+                self.answer()  # its backend built
                 self._send(("warm", None))  # a fresh process pays its one-time costs before the batch
-                self._answer()
+                self.answer()
             self._send((op, args))
-            return self._answer()
+            return self.answer()
 
     def _send(self, message: tuple) -> None:
         assert self.conn is not None
@@ -126,7 +122,8 @@ class DeviceProcess:
             self.conn = None
             raise DeviceProcessError(f"device {self.index}'s process is gone ({exc})") from None
 
-    def _answer(self) -> Any:
+    def answer(self) -> Any:
+        """The child's next reply: its backend built, or a warm-up's or batch's result; its error raised."""
         assert self.conn is not None
         try:
             reply = self.conn.recv()  # blocks with the interpreter lock released
@@ -180,7 +177,7 @@ class ProcessBackend:
             d.start()
         try:
             for d in devices:
-                d.ready()
+                d.answer()  # its backend built
         except BaseException:
             for d in devices:
                 d.stop()

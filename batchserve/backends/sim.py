@@ -67,9 +67,6 @@ class SimBackend:
     def devices(self) -> list[str]:
         return [f"sim:{i}" for i in range(self.device_count)]
 
-    def bucket_of(self, text: str) -> int:
-        return 0
-
     def warm(self, device: str) -> None:
         if device != self._flaky:
             self.batch(["warm-up"], device)

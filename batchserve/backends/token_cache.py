@@ -1,15 +1,12 @@
 """The tokens an embedder or reranker keeps per input text, bounded in bytes.
 
 The tokenizer stage makes an input's tokens once and the backend reads them twice (to cost it on the event loop,
-to run it on the device thread), so they are kept by text. What is kept is only what those readers use: the ids
-and the type ids, as plain lists. Never a `tokenizers.Encoding`: an encoding of a truncated input carries every
-overflowing window of it (`Encoding.overflowing`, with each window's tokens, offsets and masks), hundreds of
-kilobytes for one long input, kept until the cache was cleared.
+to run it on the device thread), so they are kept by text: only the ids and type ids, as plain lists, never a
+`tokenizers.Encoding` (a truncated input's carries every overflowing window: hundreds of kilobytes).
 
-The cache is an LRU with a budget in bytes (`cachetools.LRUCache` sized by each entry's own estimate, the text's
-bytes included), not a count of texts: long inputs and many short ones fill it alike, and the entries of a request
-refused at the door are the least recently used once others come, so they go first. A text it no longer holds is
-tokenized again where it is needed (a cost in time, never a wrong answer).
+An LRU with a budget in bytes (each entry's own estimate, its text included), not a count of texts: long inputs
+and many short ones fill it alike, and a refused request's entries go first. A text it no longer holds is
+tokenized again where needed (a cost in time, never a wrong answer).
 """
 
 from __future__ import annotations
@@ -55,7 +52,6 @@ class TokenCache:
     thread, the event loop and the device threads (one lock around each call)."""
 
     def __init__(self, budget: int = CACHE_BYTES) -> None:
-        self.budget = budget
         self._lru: LRUCache[str, Kept] = LRUCache(maxsize=max(1, budget), getsizeof=lambda kept: kept.nbytes)
         self._lock = threading.Lock()
 

@@ -44,7 +44,6 @@ PROBE = (SHORT_PROBE * 8)[:2000]
 
 
 def char_bound(max_tokens: int, chars_per_token: int = CHARS_PER_TOKEN) -> int:
-    """The most characters of an input the tokenizer is given."""
     return max(1, max_tokens) * max(1, chars_per_token)
 
 

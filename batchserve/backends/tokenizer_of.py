@@ -95,7 +95,7 @@ def tokenizer_of(backend: object) -> TextTokenizer | None:
             break
         chain.append(inner)
     tok = next((t for obj in chain if (t := getattr(obj, "tokenizer", None)) is not None), None)
-    # The window may sit deeper than the tokenizer: MiniLM forwards its embedder's tokenizer, not its `info`.
+    # The window may sit on another object of the chain than the tokenizer.
     longest = next((n for obj in chain if (n := getattr(getattr(obj, "info", None), "max_tokens", 0))), 0)
     longest = longest or next((n for obj in chain if (n := getattr(obj, "max_context", 0))), 0)  # the engine's
     out = adapt(tok, int(longest))

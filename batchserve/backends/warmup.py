@@ -34,7 +34,6 @@ class WarmUp:
 
     @property
     def batch_s(self) -> float:
-        """The batch time to start from (`robust`)."""
         return robust(self.rounds_s)
 
 
