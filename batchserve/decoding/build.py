@@ -70,8 +70,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """What a request that leaves temperature / top_p out gets: the model's generation_config.json (as vLLM
-    does), else OpenAI's 1.0."""
+    """A request's temperature / top_p if left out: the model's generation_config.json (as vLLM), else OpenAI's 1."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -84,8 +83,7 @@ class SamplingDefaults:
 
 
 def sampling_defaults(model: Any) -> SamplingDefaults:
-    """The model's generation_config.json as request defaults, read as vLLM does (not do_sample); top_k and the
-    like are logged as ignored."""
+    """generation_config.json as request defaults, read as vLLM does (not do_sample); top_k & co logged as ignored."""
     gen = getattr(model, "generation_config", None)
     try:
         diff = gen.to_diff_dict() if gen is not None else {}
@@ -100,12 +98,6 @@ def sampling_defaults(model: Any) -> SamplingDefaults:
         "the model's generation_config.json",
         ignored,
     )
-
-
-def default_device(settings: Settings) -> str:
-    from batchserve.backends import pick_devices
-
-    return pick_devices(settings.devices)[0]
 
 
 def slot_plan(
@@ -156,7 +148,8 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
         return ManagerStepper(manager, cfg.page_size, max_seqs, warm(manager, tokenizer))
     import torch
 
-    from batchserve.decoding.slot_stepper import build_slot_stepper
+    from batchserve.decoding.slot_decoder import SlotDecoder
+    from batchserve.decoding.slot_stepper import SlotStepper
 
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -164,16 +157,11 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
     free = torch.cuda.mem_get_info(model.device)[0] if on_gpu else 0
     slots, slot_tokens = slot_plan(cfg, on_gpu, free, per_token, int(getattr(c, "max_position_embeddings", 8192)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return build_slot_stepper(
-        model,
-        end_tokens(model, tokenizer),
-        pad,
-        slots,
-        slot_tokens,
-        max_batch_tokens,
-        cfg.cuda_graphs,
-        slowdown=cfg.batch_slowdown,
+    eos = end_tokens(model, tokenizer)
+    decoder = SlotDecoder(
+        model, slots, slot_tokens, eos, pad, use_graphs=cfg.cuda_graphs and on_gpu, prefill_tokens=max_batch_tokens
     )
+    return SlotStepper(decoder, decoder.warm(), slowdown=cfg.batch_slowdown)
 
 
 def longest_token_chars(tokenizer: Any) -> int:

@@ -39,7 +39,6 @@ from batchserve.decoding import build
 from batchserve.decoding.build import (
     EngineConfig,
     end_tokens,
-    default_device,
     enabled,
     longest_token_chars,
     sampling_defaults,
@@ -112,11 +111,11 @@ class Engine:
         cfg = EngineConfig.from_settings(settings)
 
         def load() -> tuple[Any, Any, Stepper]:
-            from batchserve.backends import default_threads
+            from batchserve.backends import default_threads, pick_devices
             from batchserve.backends.hf import generation_folder
             from batchserve.backends.smollm2 import load_model, load_tokenizer
 
-            device = default_device(settings)
+            device = pick_devices(settings.devices)[0]
             if device == "cpu" and model is None:
                 import torch
 
@@ -195,15 +194,13 @@ class Engine:
         a long prompt takes tens of milliseconds that would stall the event loop."""
         if self._tokenize_pool is None:
             self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
-        fn = self.encode if isinstance(prompt, str) else self.encode_chat
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, prompt)  # type: ignore[arg-type]
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.encode, prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode(self, prompt: list[dict[str, str]] | str) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def submit(
         self,
@@ -302,8 +299,7 @@ class Engine:
 
     # -- inside ---------------------------------------------------------------------------------------------
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
-        """One step's new tokens, on the loop; tens of thousands of tokens a second pass here, so per-step work is
-        done once a step."""
+        """One step's new tokens, on the loop: tens of thousands a second pass here, so per-step work is done once."""
         now = time.monotonic()
         before = self.generated_tokens
         for update in updates:

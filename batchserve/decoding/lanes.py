@@ -123,8 +123,7 @@ class LaneBooks:
 
     def alone(self, seq: EngineSequence) -> bool:
         """Whether every running and waiting sequence is of `seq`'s lane (no shares to weigh)."""
-        lane = seq.lane
-        return all(other == lane for other in self.queues) and all(other == lane for other in self.lane_running)
+        return self.with_work() <= {seq.lane}
 
     def weight(self, lane: Lane) -> float:
         """A lane's weight: that of the highest tier among its work (1 for all while the tiers have no weights)."""

@@ -8,7 +8,6 @@ greedily; the per-request processors of `sampling.py` turn the argmax into each 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import time
 from typing import Any
@@ -51,12 +50,8 @@ def build_manager(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    # transformers >= 5.18 calls it page_size, 5.17 block_size
-    size_field = (
-        "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
-    )
     cb_config = ContinuousBatchingConfig(
-        **{size_field: page_size},
+        page_size=page_size,
         num_blocks=math.ceil(kv_tokens / page_size) if kv_tokens else None,
         max_batch_tokens=max_batch_tokens or None,
         max_memory_percent=None if on_cpu else GPU_MEMORY_SHARE,
@@ -99,9 +94,7 @@ class ManagerStepper:
     def __init__(self, manager: Any, page_size: int, max_seqs: int, step_s: float) -> None:
         self.manager = manager
         blocks = int(manager.batch_processor.cache.num_blocks)
-        self.capacity = KvCapacity(
-            blocks=blocks, page_size=page_size, max_seqs=max_seqs, max_sequence_tokens=blocks * page_size
-        )
+        self.capacity = KvCapacity(blocks, page_size, max_seqs, blocks * page_size)
         self.step_s = step_s
         self.row_growth = 0.0  # not measured: the share of the places alone bounds batch rows
         self.resumable = False  # its requests have no token offset to resume from: the engine never preempts here
@@ -150,13 +143,9 @@ class ManagerStepper:
         return {}
 
     def kv_usage(self) -> float:
-        """Share of the cache the library has in use (its API moved between transformers 5.17 and 5.24)."""
+        """Share of the cache the library has in use."""
         cache = self.manager.batch_processor.cache if self.manager.batch_processor is not None else None
-        if cache is None:
-            return 0.0
-        if hasattr(cache, "compute_free_capacity"):
-            return 1.0 - cache.compute_free_capacity()
-        return 1.0 - cache.get_num_free_blocks() / cache.num_blocks
+        return 0.0 if cache is None else 1.0 - cache.compute_free_capacity()
 
     def stop(self, timeout: float) -> None:
         self.manager.stop(block=True, timeout=timeout)

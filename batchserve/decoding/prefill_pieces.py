@@ -91,12 +91,9 @@ class PrefillBuffers:
         return host
 
     def load(self, host: PrefillBuffers) -> None:
-        """Copy packed pieces into the first rows of these (device) buffers in place: the captured graphs read
-        these very tensors."""
+        """Copy packed pieces into these device buffers' first rows, in place: the captured graphs read them."""
         rows, width = host.ids.shape
         dev = self.ids.device
         self.ids[:rows, :width] = host.ids.to(dev)
-        self.length[:rows] = host.length.to(dev)
-        self.slot[:rows] = host.slot.to(dev)
-        self.start[:rows] = host.start.to(dev)
-        self.last[:rows] = host.last.to(dev)
+        for name in ("length", "slot", "start", "last"):
+            getattr(self, name)[:rows] = getattr(host, name).to(dev)

@@ -164,8 +164,7 @@ class TokenRate:
         self.per_token = rate if self.per_token is None else self.per_token + EMA_WEIGHT * (rate - self.per_token)
 
     def afford(self, seconds: float, skipped: int) -> int:
-        """Prompt tokens that `seconds` of credit buys: 0 under `MIN_PIECE`, unless starved or not yet measured
-        (then `MIN_PIECE`)."""
+        """Prompt tokens `seconds` of credit buys: 0 under `MIN_PIECE`, unless starved or unmeasured (`MIN_PIECE`)."""
         if self.per_token is None:
             return MIN_PIECE
         tokens = math.floor(max(0.0, seconds) / self.per_token) if self.per_token > 0 else MIN_PIECE

@@ -55,11 +55,6 @@ def step_key(seed: Key, step: Key) -> Key:
     return x & MASK31
 
 
-def _floats(values: list[float]) -> torch.Tensor:
-    """float32 values in the int32 argument tensor the library hands each processor."""
-    return torch.tensor(values, dtype=torch.float32, device="cpu").view(dtype=torch.int32)
-
-
 def mask_top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Nucleus filtering, row by row: beyond the smallest set of top tokens holding `top_p` of the probability
     the scores become -inf (the top token is always kept). Rows with top_p >= 1 are returned unchanged."""
@@ -112,7 +107,9 @@ class TopP(_PerRequest):
         int32_tensor.copy_(torch.ones_like(int32_tensor, dtype=torch.float32).view(dtype=torch.int32))
 
     def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
-        return _floats([r.state.logit_processor_kwargs.get("top_p", 1.0) for r in requests_with_new_token])
+        top_p = [r.state.logit_processor_kwargs.get("top_p", 1.0) for r in requests_with_new_token]
+        # float32 values in the int32 argument tensor the library hands each processor
+        return torch.tensor(top_p, dtype=torch.float32, device="cpu").view(dtype=torch.int32)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         top_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32).to(scores.device)

@@ -160,6 +160,8 @@ class SlotDecoder:
         self.prefill_tokens = prefill_tokens
         self.chunk_tokens = max(1, min(chunk_tokens or 512, prefill_tokens, slot_tokens))
         self.prefill_rows = prefill_row_buckets(slots)  # joins in one prefill, padded up to one of these
+        tops = {False: slot_tokens, True: self.chunk_tokens}  # a prompt's first piece, and a continued one
+        self.widths = {c: sorted({w for w in (*PREFILL_WIDTHS, top) if w <= top}) for c, top in tops.items()}
         self.pad_id = int(pad_id)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs  # on exactly on CUDA
         if self.use_graphs and self.device.type != "cuda":
@@ -214,9 +216,8 @@ class SlotDecoder:
         eagerly). `continued`: a later piece of its prompt (widths stop at `chunk_tokens`)."""
         if not self.fixed_shapes:
             return joins, width
-        top = self.chunk_tokens if continued else self.slot_tokens
         rows = next((r for r in self.prefill_rows if joins <= r), None)
-        wide = next((w for w in (*PREFILL_WIDTHS, top) if width <= w <= top), None)
+        wide = next((w for w in self.widths[continued] if width <= w), None)
         if rows is None or wide is None or rows * wide > self.prefill_tokens:
             return None
         return rows, wide
@@ -228,21 +229,20 @@ class SlotDecoder:
         return joins <= len(self.pieces.slot) and joins * width <= self.prefill_tokens
 
     def prefill_shapes(self, continued: bool = False) -> list[tuple[int, int]]:
-        top = self.chunk_tokens if continued else self.slot_tokens
-        widths = sorted({w for w in (*PREFILL_WIDTHS, top) if w <= top})
-        return [(r, w) for r in self.prefill_rows for w in widths if r * w <= self.prefill_tokens]
+        return [(r, w) for r in self.prefill_rows for w in self.widths[continued] if r * w <= self.prefill_tokens]
 
     def _device(self) -> contextlib.AbstractContextManager:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     # -- the step -----------------------------------------------------------------------------------------
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A ready 4-D mask from a boolean one (True = attend): as is for SDPA, additive for eager attention."""
-        if self.bool_mask:
-            return allowed
-        return torch.zeros(allowed.shape, dtype=self.model.dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(self.model.dtype).min
-        )
+    def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The model's last hidden states for `ids` at positions `pos` over the slots, attending where `allowed` (a
+        4-D boolean mask, True = attend: as is for SDPA, made additive for eager attention)."""
+        mask, dtype = allowed, self.model.dtype
+        if not self.bool_mask:
+            mask = torch.zeros_like(allowed, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True)
+        return out.last_hidden_state
 
     def _pick(self, logits: torch.Tensor, rows: slice | torch.Tensor, sampling: bool) -> torch.Tensor:
         """Each row's next token, on the device; `count` (the token's index) keys a seeded row's draw."""
@@ -269,14 +269,7 @@ class SlotDecoder:
         pos = self.pos[:rows]
         allowed = (self.positions[:span][None, :] <= pos[:, None]).view(rows, 1, 1, span)
         self.cache.decode(rows, span, pos)
-        hidden = self.base(
-            input_ids=self.ids[:rows],
-            attention_mask=self._mask(allowed),
-            position_ids=pos[:, None],
-            cache=self.cache,
-            use_cache=True,
-        ).last_hidden_state
-        logits = self.head(hidden[:, -1]).float()
+        logits = self.head(self._forward(self.ids[:rows], allowed, pos[:, None])[:, -1]).float()
         live = ~self.done[:rows]
         self._advance(slice(0, rows), self._pick(logits, slice(0, rows), sampling), live)
         self.pos[:rows] = pos + live.long()
@@ -388,14 +381,7 @@ class SlotDecoder:
             pos = at[None, :].expand(rows, wide)
             allowed = (at[None, :] <= at[:, None])[None] & (at[None, None, :] < lengths[:, None, None])
             self.cache.prefill(where)
-        hidden = self.base(
-            input_ids=ids,
-            attention_mask=self._mask(allowed[:, None]),
-            position_ids=pos,
-            cache=self.cache,
-            use_cache=True,
-        ).last_hidden_state
-        last = hidden[torch.arange(rows, device=ids.device), lengths - 1]
+        last = self._forward(ids, allowed[:, None], pos)[torch.arange(rows, device=ids.device), lengths - 1]
         logits = self.head(last).float()
         self._advance(where, self._pick(logits, where, sampling), ends)
         self.pos[where] = start + lengths

@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from batchserve.decoding.prefill_share import (
     LaneCharges,
@@ -106,12 +105,8 @@ class SlotStepper:
         self._background_prefilled = False  # background prefill ran before the step being launched
         self.resumable = True  # a cancelled sequence added again with `resumed` recomputes its K/V (preemption)
         self.shares_steps = True  # background rows sit out steps as the ledger says (`step_share`)
-        self.capacity = KvCapacity(
-            blocks=decoder.slots,
-            page_size=decoder.slot_tokens,
-            max_seqs=decoder.slots,
-            max_sequence_tokens=decoder.slot_tokens,
-        )
+        # a slot is one block of a whole sequence's tokens
+        self.capacity = KvCapacity(decoder.slots, decoder.slot_tokens, decoder.slots, decoder.slot_tokens)
         self.description = (
             f"slots: {decoder.slots} x {decoder.slot_tokens} tokens, "
             f"{'CUDA graphs' if decoder.use_graphs else 'eager'} on {decoder.device}"
@@ -388,29 +383,3 @@ class SlotStepper:
             if done[slot]:
                 seats.end(live.slot)
         return updates
-
-
-def build_slot_stepper(
-    model: Any,
-    eos_ids: list[int],
-    pad_id: int,
-    slots: int,
-    slot_tokens: int,
-    max_prefill_tokens: int,
-    use_graphs: bool,
-    chunk_tokens: int = 0,
-    slowdown: float = 1.25,
-) -> SlotStepper:
-    """A warmed stepper for `model`; a prefill forward, and the prefill between two steps, hold at most
-    `max_prefill_tokens` prompt tokens; prompts are prefilled in pieces of `chunk_tokens`."""
-    decoder = SlotDecoder(
-        model,
-        slots,
-        slot_tokens,
-        eos_ids,
-        pad_id,
-        use_graphs=use_graphs and model.device.type == "cuda",
-        prefill_tokens=max_prefill_tokens,
-        chunk_tokens=chunk_tokens,
-    )
-    return SlotStepper(decoder, decoder.warm(), slowdown=slowdown)

@@ -53,8 +53,7 @@ class StepShare:
         self._timing: set[int] = set()  # row counts booked but not yet measured
 
     def include(self, foreground_rows: int, rows: int) -> bool:
-        """Whether the next step covers the background rows (`rows` in all) or only `foreground_rows`; an unmeasured
-        step time is measured first."""
+        """Whether the next step covers all `rows` or only `foreground_rows`; an unmeasured step is timed first."""
         if self.skipped >= self.max_skip:
             return True
         full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
@@ -65,14 +64,12 @@ class StepShare:
         return self.credit + self.slowdown * alone - full >= 0
 
     def dear(self, foreground_rows: int, rows: int) -> bool:
-        """Whether a step of `rows` may cost more than slowdown x one of `foreground_rows` (unknown: it may); only
-        then is moving rows worth it."""
+        """Whether `rows` may cost over slowdown x `foreground_rows` (unknown: may): only then are moves worth it."""
         full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
         return full is None or alone is None or full > self.slowdown * alone
 
     def book(self, rows: int, foreground_rows: int, background: bool) -> Booking:
-        """Book a step launched while background work waits at its estimated cost; `background`: whether the
-        background rows took part."""
+        """Book a step launched while background work waits, at its estimate; `background`: its rows took part."""
         full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
         booked = full - self.slowdown * alone if full is not None and alone is not None else 0.0
         if full is None:

@@ -41,5 +41,5 @@ class TextStream:
 
     def flush(self) -> str:
         """What was held back, once the sequence has ended without reaching a stop string."""
-        out, self._held = self._held, ""
-        return "" if self.stopped else out
+        out, self._held = self._held, ""  # nothing is held once a stop string is found
+        return out

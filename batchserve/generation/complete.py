@@ -7,7 +7,6 @@ body → check the model → size the prompt → tokenize (off the event loop) �
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import cast
 
 import orjson
@@ -20,17 +19,10 @@ from batchserve.generation.render import ResponseShape
 from batchserve.http.openai_error import bad, unknown_model
 
 
-@dataclass(slots=True)
-class Prepared:
-    """A parsed body and its prompt, ready for `Engine.submit`."""
-
-    req: GenRequest
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -> Prepared:
-    """The body as the engine takes it, or the ApiError (4xx) the route answers."""
+async def prepare(
+    settings: Settings, engine: Engine, body: bytes, chat: bool
+) -> tuple[GenRequest, list[int], SamplingParams]:
+    """The parsed body, its prompt ids and sampling for `Engine.submit`; or the ApiError (4xx) the route answers."""
     defaults = engine.cfg.defaults
     req = parse(body, chat, engine.cfg.max_tokens, defaults.temperature, defaults.top_p)
     if req.model is not None and req.model not in model_aliases(settings, engine):
@@ -48,7 +40,7 @@ async def prepare(settings: Settings, engine: Engine, body: bytes, chat: bool) -
     if not req.max_tokens_given and 0 < engine.max_context - len(prompt_ids) < params.max_tokens:
         # as OpenAI does: without max_tokens the answer may run to the end of the context
         params = dataclasses.replace(params, max_tokens=engine.max_context - len(prompt_ids))
-    return Prepared(req, prompt_ids, params)
+    return req, prompt_ids, params
 
 
 async def complete(
@@ -67,20 +59,16 @@ async def complete(
     engine's (503 no KV capacity now, 504 waited too long, draining, 500): a batch line's caller retries those
     later rather than failing the line. Cancelling the caller frees the sequence's KV blocks.
     """
-    prep = await prepare(settings, engine, body, chat)
-    if prep.req.stream:
+    req, prompt_ids, params = await prepare(settings, engine, body, chat)
+    if req.stream:
         raise bad("stream", "a batch line is answered whole; leave out 'stream'")
-    seq = engine.submit(prep.prompt_ids, prep.params, tier=tier, streamed=False, tenant=tenant, max_wait_s=max_wait_s)
-    answer = ResponseShape.new(chat, engine.cfg.model_id, len(prep.prompt_ids))
+    seq = engine.submit(prompt_ids, params, tier=tier, streamed=False, tenant=tenant, max_wait_s=max_wait_s)
+    answer = ResponseShape.new(chat, engine.cfg.model_id, len(prompt_ids))
     try:
-        text: list[str] = []
-        while True:
-            delta = await seq.deltas.get()
-            if delta.error is not None:
-                raise delta.error
-            text.append(delta.text)
-            if delta.finish_reason is not None:
-                return orjson.dumps(answer.full("".join(text), delta.finish_reason, seq.tokens))
+        delta = await seq.deltas.get()  # not streamed: one delta, the whole text, at the end
+        if delta.error is not None:
+            raise delta.error
+        return orjson.dumps(answer.full(delta.text, delta.finish_reason or "stop", seq.tokens))
     finally:
         if not seq.finished:
             engine.cancel(seq, "batch_cancelled")

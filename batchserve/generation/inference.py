@@ -21,6 +21,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from collections.abc import Callable
 
 from batchserve.config import Settings
@@ -29,6 +30,7 @@ from batchserve.core.ledger import RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.core.tiers import BATCH
 from batchserve.core.work import Work
+from batchserve import errors
 from batchserve.errors import ApiError, ClientGone
 from batchserve.decoding.build import enabled
 from batchserve.decoding.engine import Engine
@@ -82,8 +84,7 @@ class StepperInference:
         if encode is None:
             from batchserve.backends.smollm2 import prompt_ids
 
-            tokenizer = engine.tokenizer
-            encode = lambda texts: prompt_ids(tokenizer, texts)  # noqa: E731
+            encode = partial(prompt_ids, engine.tokenizer)
         self._encode = encode
         self._pool: ThreadPoolExecutor | None = None
         self._watched: dict[EngineSequence, Callable[[], bool]] = {}  # running for a caller that may hang up
@@ -117,12 +118,9 @@ class StepperInference:
         run_s = self.run_s()
         joined = Joined()
         if item is None and run_s >= left_s:
-            raise ApiError(
-                504,
-                "DEADLINE_EXCEEDED",
-                f"timeout_ms leaves {left_s * 1000:.0f} ms, less than the "
-                f"{run_s * 1000:.0f} ms an answer of up to "
-                f"{self.params.max_tokens} tokens takes here: it cannot be met",
+            raise errors.deadline_exceeded(
+                f"timeout_ms leaves {left_s * 1000:.0f} ms, less than the {run_s * 1000:.0f} ms an answer of up to "
+                f"{self.params.max_tokens} tokens takes here: it cannot be met"
             )
 
         def started(seq: EngineSequence) -> None:
@@ -180,13 +178,12 @@ class StepperInference:
         except ApiError as err:
             for seq, _ in seqs:
                 self.engine.cancel(seq, "withdrawn")
-            self.records.refused(model, arrived, err.code)
+            self.records.answered(model, arrived, 0.0, None, err.code)
             raise
         record = self.requests.add(work.record_owner, work.request_id, model) if self.requests is not None else None
-        gone = work.gone
-        if gone is not None:
+        if work.gone is not None:
             for seq, _ in seqs:
-                self._watch(seq, gone)
+                self._watch(seq, work.gone)
         try:
             results = list(
                 await asyncio.gather(*(self._answer(seq, joined, arrived, model, trace) for seq, joined in seqs))
@@ -195,7 +192,7 @@ class StepperInference:
             if record is not None:
                 record.status, record.error = "failed", err.code
             if isinstance(err, ApiError):
-                self.records.refused(model, arrived, err.code, next((j.span for _, j in seqs if j.span), None))
+                self.records.answered(model, arrived, 0.0, next((j.span for _, j in seqs if j.span), None), err.code)
             raise
         finally:
             for seq, _ in seqs:

@@ -69,12 +69,8 @@ class StepperRecords:
         }
         return self.tracing.batch(BatchRun(model, rows, WORKER, CAUSE, started, ended, (trace,), failed, path))
 
-    def answered(self, model: str, arrived: float, queue_s: float, span: object) -> None:
-        """One input of a request answered: its queue wait as a child span of the request, linked to its own."""
+    def answered(self, model: str, arrived: float, queue_s: float, span: object, outcome: str = "ok") -> None:
+        """One input of a request answered: its queue wait as a child span of the request, linked to its own; or the
+        request failed with `outcome`, its code (at the door, or after joining: `span` is then its sequence's)."""
         if self.tracing is not None:
-            self.tracing.answered(model, arrived, queue_s, span, "ok")
-
-    def refused(self, model: str, arrived: float, code: str, span: object = None) -> None:
-        """The request failed with `code` (at the door, or after joining: `span` is then its sequence's)."""
-        if self.tracing is not None:
-            self.tracing.answered(model, arrived, 0.0, span, code)
+            self.tracing.answered(model, arrived, queue_s, span, outcome)

@@ -36,39 +36,27 @@ class ResponseShape:
         }
 
     def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict[str, Any]:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        part = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {
-            **self._head("chat.completion" if self.chat else "text_completion", [choice]),
+            **self._head("chat.completion" if self.chat else "text_completion", part, finish_reason),
             "usage": self.usage(completion_tokens),
         }
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._head(self._chunk_object, [choice])
+        if not self.chat:
+            return self._head("text_completion", {"text": text or ""}, finish_reason)
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return self._head("chat.completion.chunk", {"delta": delta}, finish_reason)
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        return {**self._head(self._chunk_object, []), "usage": self.usage(completion_tokens)}
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj, None), "usage": self.usage(completion_tokens)}
 
-    @property
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
-    def _head(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        """What every answer and chunk of this response starts with."""
+    def _head(self, obj: str, part: dict[str, Any] | None, finish_reason: str | None = None) -> dict[str, Any]:
+        """What every answer and chunk of this response starts with, and its one choice (`part`; None: no choice)."""
+        choices = [] if part is None else [{"index": 0, **part, "logprobs": None, "finish_reason": finish_reason}]
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
 

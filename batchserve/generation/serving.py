@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -72,15 +72,6 @@ def read(rt: GenerationHost, call: Call, body: bytes) -> bytes:
     return body
 
 
-@dataclass(slots=True)
-class Generated:
-    """A whole answer's body, or the stream of one."""
-
-    body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
-    close: Callable[[str], None] | None = None
-
-
 @dataclass(frozen=True)
 class EngineBook:
     """Books answers in the engine's metrics and the SLO ledger, and client-side refusals in the throttle."""
@@ -102,14 +93,13 @@ class EngineBook:
         rt.guard.counted()
 
 
-async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Generated:
+async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Answer | Stream:
     """Tokenize, submit to the engine (KV-cache admission), then the whole answer, or its stream."""
     engine = rt.generation
     if engine is None:
         raise not_serving(rt)
     rt.service.check_open(needs_workers=False)  # the engine is its own worker; draining still refuses
-    prep = await prepare(rt.settings, engine, body, chat)
-    req, prompt_ids, params = prep.req, prep.prompt_ids, prep.params
+    req, prompt_ids, params = await prepare(rt.settings, engine, body, chat)
     call.run_at(req.service_tier, "service_tier")
     caller = call.who
     try:
@@ -139,48 +129,22 @@ async def run(rt: GenerationHost, call: Call, body: bytes, chat: bool) -> Genera
         engine.metrics.requests.labels(endpoint, status).inc()
         rt.guard.settle(model, caller, int(status), first_s, 1, float(len(prompt_ids) + seq.tokens))
 
-    def answered(delta: Delta | None) -> Delta:
-        """The delta, unless the caller left (499) or the sequence failed (its error): then the end is booked."""
-        if delta is None:
+    try:
+        first = await next_or_gone(call, seq)  # before any byte: a queue timeout can still be a 504
+        first_s = time.monotonic() - call.work.arrived
+        if first is None:  # the caller left
             cleanup("499")
             raise Gone()
-        if delta.error is not None:
-            cleanup(str(delta.error.status))
-            raise delta.error
-        return delta
-
-    try:
-        got = await next_or_gone(call, seq)  # before any byte: a queue timeout can still be a 504
-        first_s = time.monotonic() - call.work.arrived
-        first = answered(got)
+        if first.error is not None:
+            cleanup(str(first.error.status))
+            raise first.error
         if req.stream:
-            return Generated(stream=stream_events(seq, first, answer, req.include_usage), close=cleanup)
-        text, end = await whole_text(call, seq, first)
-        last = answered(end)
-        cleanup("200")
-        return Generated(orjson.dumps(answer.full(text, last.finish_reason or "stop", seq.tokens)))
+            return Stream(stream_events(seq, first, answer, req.include_usage), cleanup)
+        cleanup("200")  # not streamed: the one delta is the whole text, at the end
+        return Answer(orjson.dumps(answer.full(first.text, first.finish_reason or "stop", seq.tokens)))
     except BaseException:
         cleanup("500")
         raise
-
-
-async def whole_text(call: Call, seq: EngineSequence, first: Delta) -> tuple[str, Delta | None]:
-    """The answer's text from `first` to its last delta (a finish reason or an error), and that delta; None in
-    its place when the caller left first."""
-    text, delta = [first.text], first
-    while delta.finish_reason is None and delta.error is None:
-        nxt = await next_or_gone(call, seq)
-        if nxt is None:
-            return "", None
-        delta = nxt
-        text.append(delta.text)
-    return "".join(text), delta
-
-
-def render(rt: GenerationHost, call: Call, body: bytes, out: Generated) -> Answer | Stream:
-    if out.stream is not None and out.close is not None:
-        return Stream(out.stream, out.close)
-    return Answer(out.body)
 
 
 async def stream_events(
@@ -227,7 +191,11 @@ def not_serving(rt: GenerationHost) -> ApiError:
     )
 
 
-def endpoint(chat: bool) -> Endpoint[GenerationHost, bytes, Generated]:
+def render(rt: GenerationHost, call: Call, body: bytes, out: Answer | Stream) -> Answer | Stream:
+    return out  # `run` makes the answer: a stream's end is booked by its sequence
+
+
+def endpoint(chat: bool) -> Endpoint[GenerationHost, bytes, Answer | Stream]:
     """POST /v1/chat/completions (`chat`) or /v1/completions on the one request path."""
     name = "chat" if chat else "completions"
     return Endpoint(OPENAI, read, partial(run, chat=chat), render, book=EngineBook(name), before_body=throttle)
