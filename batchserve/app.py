@@ -109,6 +109,7 @@ class FastPath:
         return self.app.routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app: ASGIApp = self.app
         if scope["type"] == "http":
             endpoint = self.fast.get((scope["method"], scope["path"]))
             if endpoint is None:
@@ -117,18 +118,13 @@ class FastPath:
                         break
             if endpoint is not None:
                 scope["app"] = self.app
-                try:
-                    await endpoint(scope, receive, send)
-                except Exception:  # as Starlette's ServerErrorMiddleware: log, answer JSON 500
-                    log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
-                    await internal_error(send)
-                return
+                app = endpoint
         try:
-            await self.app(scope, receive, send)
-        except Exception:  # logged here, answered JSON 500 by Starlette's error middleware
+            await app(scope, receive, send)
+        except Exception:  # as Starlette's ServerErrorMiddleware: log, answer JSON 500
             if scope["type"] != "http":
                 raise
-            # Starlette re-raises after its 500 and uvicorn would then close the connection, resetting a request
+            # Starlette re-raises after its own 500 and uvicorn would then close the connection, resetting a request
             # already sent on it (keep-alive). Logged here instead, the connection lives on.
             log.exception("unhandled error on %s %s", scope["method"], printable(scope["path"]))
             await internal_error(send)  # when nothing was answered yet; nothing when it was
@@ -185,4 +181,4 @@ def create_app(
     app.state = AppState()
     app.state.openapi = orjson.dumps(openapi_document())
     fast = FastPath(app, fast_routes(app.routes), (kserve_routes.fast_route,))
-    return tracing.wrap(fast) if tracing is not None else fast
+    return RequestSpans(fast, tracing) if tracing is not None else fast

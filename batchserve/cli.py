@@ -23,17 +23,12 @@ from typing import NoReturn
 
 from batchserve import client_cli, logsafe, plan_command
 from batchserve.config import Settings, cli_fields, did_you_mean, flag_name
-from batchserve.config_env import env_defaults, env_name, env_sources
+from batchserve.config_env import env_name, env_values
 from batchserve.core.tiers import CALLER_NAMES
 from batchserve.jobs.store import is_postgres_url, redact_url
 from batchserve.knobs import GROUPS
 
 log = logging.getLogger("batchserve")
-
-
-def shown_default(name: str) -> str:
-    """A setting's default as `-h` and the README's flag table show it (the model's name follows the backend)."""
-    return "the backend's name" if name == "model_name" else repr(getattr(Settings(), name))
 
 
 MODEL_ENV = "BATCHSERVE_MODEL"  # --model's twin: [name=]PATH, several separated by commas
@@ -54,7 +49,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         section = parser.add_argument_group(title.lower(), what)
         for f in dataclasses.fields(group):
             flag = flag_name(f.name)
-            help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {shown_default(f.name)}]"
+            shown = "the backend's name" if f.name == "model_name" else repr(f.default)  # as the README's table
+            help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {shown}]"
             if isinstance(f.default, bool):
                 section.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             else:
@@ -67,8 +63,7 @@ def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
     """Defaults, then BATCHSERVE_* variables, then flags; every mistake is a ValueError naming its source."""
     from batchserve.backends import backend_name_problem
 
-    values = env_defaults(environ)
-    given = env_sources(environ)
+    values, given = env_values(environ)
     for f in cli_fields():
         value = getattr(args, f.name, None)
         if value is not None:
@@ -221,11 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         own = parsers.get(name, parser)
         own.error(f"unrecognized arguments: {' '.join(extra)}{flag_hints(own, extra)}")
 
-    if (
-        args.command is None
-        or (args.command == "keys" and args.keys_command is None)
-        or (args.command == "jobs" and args.jobs_command is None)
-    ):
+    if args.command is None or getattr(args, f"{args.command}_command", "") is None:  # `keys`, `jobs` alone
         # A bare command shows what it can do, on stderr, with the usage-error status.
         (parser if args.command is None else parsers[args.command]).print_help(sys.stderr)
         return 2

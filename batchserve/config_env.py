@@ -33,22 +33,17 @@ def coerce(f: dataclasses.Field, raw: str) -> Any:
         raise ValueError(f"expected {KIND_NAMES[kind]}") from None
 
 
-def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Values from BATCHSERVE_* variables; flags given on the command line win over these. A bad value is a
-    ValueError that names the variable."""
+def env_values(environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Values from BATCHSERVE_* variables, and the variable that set each; a bad value is a ValueError that names
+    the variable."""
     env = os.environ if environ is None else environ
-    out = {}
+    values, given = {}, {}
     for f in cli_fields():
         name = env_name(f.name)
         if name in env:
             try:
-                out[f.name] = coerce(f, env[name])
+                values[f.name] = coerce(f, env[name])
             except ValueError as exc:
                 raise ValueError(f"{name}={env[name]!r}: {exc}") from None
-    return out
-
-
-def env_sources(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The BATCHSERVE_* variable that set each knob."""
-    env = os.environ if environ is None else environ
-    return {f.name: env_name(f.name) for f in cli_fields() if env_name(f.name) in env}
+            given[f.name] = name
+    return values, given

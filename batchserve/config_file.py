@@ -140,22 +140,21 @@ class Checker:
         return items
 
 
-def text(value: Any) -> str | None:
-    return None if isinstance(value, str) and value else "expected a non-empty string"
+def expect(ok: Callable[[Any], object], expected: str) -> Callable[[Any], str | None]:
+    """A rule: None when `ok(value)`, else what was expected."""
+    return lambda value: None if ok(value) else f"expected {expected}"
 
 
-def positive(value: Any) -> str | None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    return None if ok else "expected a positive number"
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def non_negative(value: Any) -> str | None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-    return None if ok else "expected a number, 0 or more"
-
-
-def boolean(value: Any) -> str | None:
-    return None if isinstance(value, bool) else "expected true or false"
+text = expect(lambda v: isinstance(v, str) and v, "a non-empty string")
+positive = expect(lambda v: _number(v) and v > 0, "a positive number")
+non_negative = expect(lambda v: _number(v) and v >= 0, "a number, 0 or more")
+boolean = expect(lambda v: isinstance(v, bool), "true or false")
+a_table = expect(lambda v: isinstance(v, dict), "a table ([models.options])")
+sha256_hex = expect(lambda v: isinstance(v, str) and HEX64.match(v), "64 lowercase hex digits")
 
 
 def one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
@@ -171,14 +170,6 @@ def backend_name(value: Any) -> str | None:
     from batchserve.backends import backend_name_problem
 
     return text(value) or backend_name_problem(value)
-
-
-def a_table(value: Any) -> str | None:
-    return None if isinstance(value, dict) else "expected a table ([models.options])"
-
-
-def sha256_hex(value: Any) -> str | None:
-    return None if isinstance(value, str) and HEX64.match(value) else "expected 64 lowercase hex digits"
 
 
 # backends/folder.py's TASKS (config stays below backends)
@@ -222,35 +213,29 @@ def load(path: str, sim_batch_ms: float = 100.0) -> ConfigFile:
 
 def read_models(c: Checker, data: dict[str, Any], sim_batch_ms: float) -> list[ModelSpec]:
     """[[models]]: each a version of its own, a folder only with backend "hf"."""
-    models = []
+    models: dict[str, ModelSpec] = {}  # by id
     for i, m in enumerate(c.tables(data, "models")):
         where: Path = ("models", i)
         c.known(m, where, MODEL_KEYS)
         path = c.value(m, where, "path", text, "")
-        models.append(
-            ModelSpec(
-                name=c.value(m, where, "name", text, required=True),
-                version=c.value(m, where, "version", text, "v1"),
-                backend=c.value(m, where, "backend", backend_name, "hf" if path else "sim"),
-                path=path,
-                task=c.value(m, where, "task", one_of(FOLDER_TASKS), ""),
-                sim_batch_ms=float(c.value(m, where, "sim_batch_ms", positive, sim_batch_ms)),
-                weight=float(c.value(m, where, "weight", non_negative, 100)),
-                options=dict(c.value(m, where, "options", a_table, {})),
-            )
+        spec = ModelSpec(
+            name=c.value(m, where, "name", text, required=True),
+            version=c.value(m, where, "version", text, "v1"),
+            backend=c.value(m, where, "backend", backend_name, "hf" if path else "sim"),
+            path=path,
+            task=c.value(m, where, "task", one_of(FOLDER_TASKS), ""),
+            sim_batch_ms=float(c.value(m, where, "sim_batch_ms", positive, sim_batch_ms)),
+            weight=float(c.value(m, where, "weight", non_negative, 100)),
+            options=dict(c.value(m, where, "options", a_table, {})),
         )
-    seen: dict[str, int] = {}
-    for i, spec in enumerate(models):
-        if spec.backend == "hf" and not spec.path:
-            raise c.fail(("models", i), "backend 'hf' serves a model folder: give its path = \"...\"")
-        if spec.path and spec.backend != "hf":
-            raise c.fail(
-                ("models", i, "path"), f"path is for a model folder (backend 'hf'), not backend {spec.backend!r}"
-            )
-        if spec.id in seen:
-            raise c.fail(("models", i), f"{spec.id} is already [[models]] number {seen[spec.id] + 1}")
-        seen[spec.id] = i
-    return models
+        if spec.backend == "hf" and not path:
+            raise c.fail(where, "backend 'hf' serves a model folder: give its path = \"...\"")
+        if path and spec.backend != "hf":
+            raise c.fail((*where, "path"), f"path is for a model folder (backend 'hf'), not backend {spec.backend!r}")
+        if spec.id in models:
+            raise c.fail(where, f"{spec.id} is already [[models]] number {list(models).index(spec.id) + 1}")
+        models[spec.id] = spec
+    return list(models.values())
 
 
 def read_tiers(c: Checker, data: dict[str, Any]) -> dict[str, tuple[float, float]]:

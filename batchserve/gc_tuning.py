@@ -17,16 +17,11 @@ import gc
 GC_THRESHOLDS = (50_000, 10, 10)
 
 
-def freeze_startup_objects() -> None:
-    """Collect, then move everything alive out of the collector's scans (it is never garbage)."""
-    gc.collect()
-    gc.freeze()
-
-
 def tune_gc() -> None:
     """Freeze what start-up built so far and collect the young generation less often: the serving process's
     settings (`batchserve serve`), not a library's to impose on a process that embeds the app."""
-    freeze_startup_objects()
+    gc.collect()
+    gc.freeze()  # what is alive now is never garbage: out of the collector's scans
     gc.set_threshold(*GC_THRESHOLDS)
 
 
@@ -34,4 +29,5 @@ def freeze_late_startup_objects() -> None:
     """Freeze what the lifespan loaded, in a process `tune_gc` tuned (only there: a process that embeds the app,
     such as a test run, keeps its collector as it set it)."""
     if gc.get_threshold() == GC_THRESHOLDS:
-        freeze_startup_objects()
+        gc.collect()
+        gc.freeze()

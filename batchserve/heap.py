@@ -10,24 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 from collections.abc import Callable
 
-log = logging.getLogger("batchserve")
-
-
-def _load_trim() -> Callable[[int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-_TRIM = _load_trim()
+_TRIM: Callable[[int], int] | None
+try:  # glibc's; elsewhere there is none
+    _TRIM = trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+except (OSError, AttributeError):
+    _TRIM = None
 
 
 def release_free_memory() -> bool:

@@ -37,8 +37,8 @@ class EscapeControlChars(logging.Filter):
         return True
 
 
-def install(root: logging.Logger | None = None) -> None:
+def install() -> None:
     """Put the filter on every handler of the root logger (after `logging.basicConfig`)."""
-    for handler in (root or logging.getLogger()).handlers:
+    for handler in logging.getLogger().handlers:
         if not any(isinstance(f, EscapeControlChars) for f in handler.filters):
             handler.addFilter(EscapeControlChars())

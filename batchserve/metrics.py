@@ -11,7 +11,7 @@ take a lock per increment, which costs several microseconds per request for noth
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
@@ -69,8 +69,44 @@ class HistogramChild:
         self.sum = total
 
 
-class LoopHistogram(Collector):
-    """A labelled histogram written only by the event-loop thread (no lock), exposed as a Prometheus one."""
+class _CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+C = TypeVar("C", HistogramChild, _CounterChild)
+
+
+class _LoopFamily(Collector, Generic[C]):
+    """A labelled family written only by the event-loop thread (no lock), rendered at scrape time."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...],
+        registry: CollectorRegistry,
+        child: Callable[[], C],
+    ) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self._new_child: Callable[[], C] = child
+        self._children: dict[tuple[str, ...], C] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> C:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._new_child()
+        return child
+
+
+class LoopHistogram(_LoopFamily[HistogramChild]):
+    """Exposed as a Prometheus histogram."""
 
     def __init__(
         self,
@@ -80,15 +116,8 @@ class LoopHistogram(Collector):
         buckets: tuple[float, ...],
         registry: CollectorRegistry,
     ) -> None:
-        self.name, self.documentation, self.labelnames, self.buckets = name, documentation, labelnames, buckets
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> HistogramChild:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = HistogramChild(self.buckets)
-        return child
+        self.buckets = buckets  # before `register` collects
+        super().__init__(name, documentation, labelnames, registry, lambda: HistogramChild(buckets))
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
@@ -101,33 +130,15 @@ class LoopHistogram(Collector):
         yield family
 
 
-class _CounterChild:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-
-
 # A model's 200s of one tier and outcome: its status count, its duration, and its SLO ledger's three children.
 OkChildren = tuple[_CounterChild, HistogramChild, _CounterChild, _CounterChild, _CounterChild]
 
 
-class LoopCounter(Collector):
-    """A labelled counter written only by the event-loop thread (no lock), exposed as `<name>_total`."""
+class LoopCounter(_LoopFamily[_CounterChild]):
+    """Exposed as `<name>_total`."""
 
     def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], registry: CollectorRegistry) -> None:
-        self.name, self.documentation, self.labelnames = name, documentation, labelnames
-        self._children: dict[tuple[str, ...], _CounterChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> _CounterChild:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = _CounterChild()
-        return child
+        super().__init__(name, documentation, labelnames, registry, _CounterChild)
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
@@ -184,34 +195,108 @@ def per_model(
     return out
 
 
-@dataclass
 class Metrics:
-    registry: CollectorRegistry
-    requests: LoopCounter
-    request_duration: LoopHistogram
-    queue_wait: LoopHistogram
-    batch_compute: LoopHistogram
-    batch_size: LoopHistogram
-    queue_depth: Gauge
-    inflight: Gauge
-    worker_busy_ratio: Gauge
-    worker_healthy: Gauge
-    rejected: Counter
-    batch_retries: Counter
-    batches: Counter
-    load_ratio: Gauge  # computed at scrape time (core/load_signal.py)
-    predicted_wait_ratio: Gauge
-    batches_stopped_early: Counter
-    batches_staged: Counter
-    slo_requests: LoopCounter  # the SLO ledger (core/ledger.py)
-    cost_served: LoopCounter  # cost units (tokens, or inputs where a model costs 1 each) served, by model and tier
-    inputs_served: LoopCounter
-    # (model, tier, outcome) of a 200 -> its status count and duration, then its `_ledger` children
-    _ok: dict[tuple[str, str, str], OkChildren] = field(default_factory=dict)
-    # (model, tier, outcome) -> its slo_requests, inputs_served and cost_served children
-    _ledger: dict[tuple[str, str, str], tuple[_CounterChild, _CounterChild, _CounterChild]] = field(
-        default_factory=dict
-    )
+    """The app's metrics on a registry of their own, made in /metrics' order. The series written per request or per
+    answer are loop-kept (module docstring); those counted per refusal or per batch take prometheus-client's locked
+    Counter."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        # process_cpu_seconds_total, ...: `batchserve plan --measure` divides the CPU by the requests answered.
+        ProcessCollector(registry=r)
+        self.requests = LoopCounter("batchserve_requests", "Answered inference requests", ("model", "status"), r)
+        self.request_duration = LoopHistogram(
+            "batchserve_request_duration_seconds", "Arrival to answer", ("model",), LATENCY_BUCKETS, r
+        )
+        self.queue_wait = LoopHistogram(
+            "batchserve_queue_wait_seconds", "Arrival to dispatch in a batch", ("model",), LATENCY_BUCKETS, r
+        )
+        self.batch_compute = LoopHistogram(
+            "batchserve_batch_compute_seconds", "Backend time of one batch", ("model",), LATENCY_BUCKETS, r
+        )
+        self.batch_size = LoopHistogram(
+            "batchserve_batch_size",
+            "Inputs per dispatched batch",
+            ("model",),
+            tuple(float(b) for b in BATCH_SIZE_BUCKETS),
+            r,
+        )
+        self._gauges_and_locked_counters(r)
+        # the SLO ledger (core/ledger.py): every answer of a model route counts here
+        self.slo_requests = LoopCounter(
+            "batchserve_slo_requests",
+            "Answers of the model routes by SLO outcome: met (2xx within "
+            "the SLO), slow (2xx past it), refused (429/503), expired (504), failed (other "
+            "5xx); other 4xx are not counted",
+            ("model", "tier", "outcome"),
+            r,
+        )
+        self.cost_served = LoopCounter(
+            "batchserve_cost_served",
+            "Cost units served in 2xx answers: tokens where the model costs by tokens, else inputs",
+            ("model", "tier"),
+            r,
+        )
+        self.inputs_served = LoopCounter(
+            "batchserve_inputs_served", "Inputs served in 2xx answers", ("model", "tier"), r
+        )
+
+        # (model, tier, outcome) of a 200 -> its status count and duration, then its `_ledger` children
+        self._ok: dict[tuple[str, str, str], OkChildren] = {}
+        # (model, tier, outcome) -> its slo_requests, inputs_served and cost_served children
+        self._ledger: dict[tuple[str, str, str], tuple[_CounterChild, _CounterChild, _CounterChild]] = {}
+
+    def _gauges_and_locked_counters(self, r: CollectorRegistry) -> None:
+        """Levels, and counts per refusal or per batch (not per answer)."""
+        # the node's state as levels; never set per request
+        self.queue_depth = Gauge("batchserve_queue_depth", "Items waiting for a batch", ["model"], registry=r)
+        self.inflight = Gauge(
+            "batchserve_inflight_requests", "Inference requests admitted and not yet answered", registry=r
+        )
+        self.worker_busy_ratio = Gauge(
+            "batchserve_worker_busy_ratio", "Share of the last second spent running batches", ["worker"], registry=r
+        )
+        self.worker_healthy = Gauge(
+            "batchserve_worker_healthy", "1 while the worker takes batches", ["worker"], registry=r
+        )
+        self.rejected = Counter(
+            "batchserve_rejected", "Requests refused before reaching a batch", ["reason"], registry=r
+        )
+        self.batch_retries = Counter(
+            "batchserve_batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"], registry=r
+        )
+        self.batches = Counter(
+            "batchserve_batches",
+            "Dispatched batches by what flushed them: full, deadline, pace, burst, hold, drain, retry, isolated",
+            ["model", "cause"],
+            registry=r,
+        )
+        # the autoscaling signals, computed at scrape time (core/load_signal.py)
+        self.load_ratio = Gauge(
+            "batchserve_load_ratio",
+            "Arrivals over what the healthy workers serve at full batches (1 = "
+            "the node's ceiling): the autoscaling signal",
+            registry=r,
+        )
+        self.predicted_wait_ratio = Gauge(
+            "batchserve_predicted_wait_ratio",
+            "Predicted wait of a request arriving now before "
+            "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
+            registry=r,
+        )
+        self.batches_stopped_early = Counter(
+            "batchserve_batches_stopped_early",
+            "Batches the backend cut short because every caller had left (answered, timed out or hung up)",
+            ["model"],
+            registry=r,
+        )
+        self.batches_staged = Counter(
+            "batchserve_batches_staged",
+            "Full batches formed while their device was busy and begun by its thread the moment the running "
+            "batch ended (--stage-lead-ms)",
+            ["model"],
+            registry=r,
+        )
 
     def count_ok(
         self, model: str, latency_s: float, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0
@@ -235,9 +320,7 @@ class Metrics:
 
     def count_outcome(self, model: str, tier: str, outcome: str, inputs: int = 0, cost: float = 0.0) -> None:
         """One answer in the SLO ledger; pass `inputs` and `cost` only for a served answer."""
-        children = self._ledger.get((model, tier, outcome))
-        if children is None:
-            children = self._ledger_children(model, tier, outcome)
+        children = self._ledger.get((model, tier, outcome)) or self._ledger_children(model, tier, outcome)
         children[0].value += 1
         children[1].value += inputs
         children[2].value += cost
@@ -259,138 +342,4 @@ class Metrics:
 
 
 def make_metrics() -> Metrics:
-    """The app's metrics on a registry of their own; groups are made in `Metrics` field order, /metrics' order."""
-    r = CollectorRegistry()
-    # process_cpu_seconds_total, ...: `batchserve plan --measure` divides the CPU by the requests answered.
-    ProcessCollector(registry=r)
-    requests, request_duration, queue_wait, batch_compute, batch_size = _loop_series(r)
-    queue_depth, inflight, worker_busy_ratio, worker_healthy = _occupancy_gauges(r)
-    rejected, batch_retries, batches = _dispatch_counters(r)
-    load_ratio, predicted_wait_ratio = _autoscaling_gauges(r)
-    batches_stopped_early, batches_staged = _stop_and_stage_counters(r)
-    slo_requests, cost_served, inputs_served = _ledger_counters(r)
-    return Metrics(
-        registry=r,
-        requests=requests,
-        request_duration=request_duration,
-        queue_wait=queue_wait,
-        batch_compute=batch_compute,
-        batch_size=batch_size,
-        queue_depth=queue_depth,
-        inflight=inflight,
-        worker_busy_ratio=worker_busy_ratio,
-        worker_healthy=worker_healthy,
-        rejected=rejected,
-        batch_retries=batch_retries,
-        batches=batches,
-        load_ratio=load_ratio,
-        predicted_wait_ratio=predicted_wait_ratio,
-        batches_stopped_early=batches_stopped_early,
-        batches_staged=batches_staged,
-        slo_requests=slo_requests,
-        cost_served=cost_served,
-        inputs_served=inputs_served,
-    )
-
-
-def _loop_series(
-    r: CollectorRegistry,
-) -> tuple[LoopCounter, LoopHistogram, LoopHistogram, LoopHistogram, LoopHistogram]:
-    """The series written per request or per batch, loop-kept (module docstring)."""
-    return (
-        LoopCounter("batchserve_requests", "Answered inference requests", ("model", "status"), r),
-        LoopHistogram("batchserve_request_duration_seconds", "Arrival to answer", ("model",), LATENCY_BUCKETS, r),
-        LoopHistogram(
-            "batchserve_queue_wait_seconds", "Arrival to dispatch in a batch", ("model",), LATENCY_BUCKETS, r
-        ),
-        LoopHistogram("batchserve_batch_compute_seconds", "Backend time of one batch", ("model",), LATENCY_BUCKETS, r),
-        LoopHistogram(
-            "batchserve_batch_size",
-            "Inputs per dispatched batch",
-            ("model",),
-            tuple(float(b) for b in BATCH_SIZE_BUCKETS),
-            r,
-        ),
-    )
-
-
-def _occupancy_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge, Gauge, Gauge]:
-    """The node's state as levels; never set per request."""
-    return (
-        Gauge("batchserve_queue_depth", "Items waiting for a batch", ["model"], registry=r),
-        Gauge("batchserve_inflight_requests", "Inference requests admitted and not yet answered", registry=r),
-        Gauge("batchserve_worker_busy_ratio", "Share of the last second spent running batches", ["worker"], registry=r),
-        Gauge("batchserve_worker_healthy", "1 while the worker takes batches", ["worker"], registry=r),
-    )
-
-
-def _dispatch_counters(r: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
-    """Refusals, and batches by cause: counted per refusal or batch, not per answer, so the locked Counter is fine."""
-    return (
-        Counter("batchserve_rejected", "Requests refused before reaching a batch", ["reason"], registry=r),
-        Counter("batchserve_batch_retries", "Batches re-run after a failure, by cause", ["model", "cause"], registry=r),
-        Counter(
-            "batchserve_batches",
-            "Dispatched batches by what flushed them: full, deadline, pace, burst, hold, drain, retry, isolated",
-            ["model", "cause"],
-            registry=r,
-        ),
-    )
-
-
-def _autoscaling_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
-    """The autoscaling signals, computed at scrape time (core/load_signal.py)."""
-    return (
-        Gauge(
-            "batchserve_load_ratio",
-            "Arrivals over what the healthy workers serve at full batches (1 = "
-            "the node's ceiling): the autoscaling signal",
-            registry=r,
-        ),
-        Gauge(
-            "batchserve_predicted_wait_ratio",
-            "Predicted wait of a request arriving now before "
-            "its batch leaves, over the wait the SLO leaves it (slo - batch time)",
-            registry=r,
-        ),
-    )
-
-
-def _stop_and_stage_counters(r: CollectorRegistry) -> tuple[Counter, Counter]:
-    """Batches cut short with no caller left, or staged behind a busy device: per batch, so the locked Counter."""
-    return (
-        Counter(
-            "batchserve_batches_stopped_early",
-            "Batches the backend cut short because every caller had left (answered, timed out or hung up)",
-            ["model"],
-            registry=r,
-        ),
-        Counter(
-            "batchserve_batches_staged",
-            "Full batches formed while their device was busy and begun by its thread the moment the running "
-            "batch ended (--stage-lead-ms)",
-            ["model"],
-            registry=r,
-        ),
-    )
-
-
-def _ledger_counters(r: CollectorRegistry) -> tuple[LoopCounter, LoopCounter, LoopCounter]:
-    """The SLO ledger (core/ledger.py): every answer of a model route counts here, so they are loop-kept."""
-    return (
-        LoopCounter(
-            "batchserve_slo_requests",
-            "Answers of the model routes by SLO outcome: met (2xx within "
-            "the SLO), slow (2xx past it), refused (429/503), expired (504), failed (other "
-            "5xx); other 4xx are not counted",
-            ("model", "tier", "outcome"),
-            r,
-        ),
-        LoopCounter(
-            "batchserve_cost_served",
-            "Cost units served in 2xx answers: tokens where the model costs by tokens, else inputs",
-            ("model", "tier"),
-            r,
-        ),
-        LoopCounter("batchserve_inputs_served", "Inputs served in 2xx answers", ("model", "tier"), r),
-    )
+    return Metrics()

@@ -30,15 +30,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`batchserve plan`'s flags, in three sections of its -h."""
-    add_workload(p.add_argument_group("the workload"))
-    add_measure(p.add_argument_group("a running server"))
-    add_node(p.add_argument_group("the node"))
-
-
-def add_workload(p: argparse._ArgumentGroup) -> None:
-    """What to plan for: the rate, the SLO and the batch time (given, or measured with --measure)."""
+    p = parser.add_argument_group("the workload")
     p.add_argument("--rate", type=float, required=True, help="target requests/s across the service")
     p.add_argument(
         "--slo-ms", type=float, default=None, help="p95 latency objective [200, or with --measure the server's]"
@@ -65,10 +59,7 @@ def add_workload(p: argparse._ArgumentGroup) -> None:
         help="request deadline (--timeout-ms) [2000, or with --measure the server's]",
     )
     p.add_argument("--margin-ms", type=float, default=5.0, help="the server's --dispatch-margin-ms")
-
-
-def add_measure(p: argparse._ArgumentGroup) -> None:
-    """Reading a running server (`--measure`)."""
+    p = parser.add_argument_group("a running server")
     p.add_argument(
         "--measure",
         default=None,
@@ -90,9 +81,10 @@ def add_measure(p: argparse._ArgumentGroup) -> None:
         default=5.0,
         help="with --measure: seconds between the two /metrics reads that give CPU per request",
     )
+    add_node_arguments(parser.add_argument_group("the node"))
 
 
-def add_node(p: argparse._ArgumentGroup) -> None:
+def add_node_arguments(p: argparse._ArgumentGroup) -> None:
     """A node's bounds and prices, and the simulation's own knobs."""
     p.add_argument(
         "--overhead-ms",
@@ -145,26 +137,22 @@ def measured_contract(a: argparse.Namespace) -> tuple[Contract, str, Measured | 
     given = [x for x in (a.batch_ms, a.batch_ms_by_size, a.measure) if x is not None]
     if len(given) != 1:
         raise ValueError("give exactly one of --batch-ms, --batch-ms-by-size, --measure URL")
-    devices, processes, source = a.devices, a.processes, "given"
-    slo_ms, timeout_ms, m = a.slo_ms, a.timeout_ms, None
     if a.cpu_us_per_request is not None and a.cpu_us_per_request <= 0:
         raise ValueError("--cpu-us-per-request must be positive")
     cpu_s = a.cpu_us_per_request / 1e6 if a.cpu_us_per_request is not None else 0.0
+    m, source, server = None, "given", {}  # server: the figures --measure read, for those the flags leave unset
     if a.measure is not None:
         sizes = [int(x) for x in a.probe.split(",") if x.strip()] if a.probe else []
         window = a.cpu_window_s if a.cpu_us_per_request is None else 0.0
         m = measure(a.measure, a.model, sizes, a.api_key, window)
         batch_time, source = m.batch_time, m.source
-        devices = devices if devices is not None else m.devices
-        processes = processes if processes is not None else m.processes
         cpu_s = cpu_s or (m.cpu_s_per_request or 0.0)
-        read = []
-        if slo_ms is None and m.slo_ms is not None:
-            slo_ms = m.slo_ms
-            read.append(f"SLO {slo_ms:g} ms")
-        if timeout_ms is None and m.timeout_ms is not None:
-            timeout_ms = m.timeout_ms
-            read.append(f"timeout {timeout_ms:g} ms")
+        server = {"devices": m.devices, "processes": m.processes, "slo_ms": m.slo_ms, "timeout_ms": m.timeout_ms}
+        read = [
+            f"{what} {server[name]:g} ms"
+            for name, what in (("slo_ms", "SLO"), ("timeout_ms", "timeout"))
+            if getattr(a, name) is None and server[name] is not None
+        ]
         if read:
             source += f"; the server's {' and '.join(read)}"
     elif a.batch_ms_by_size is not None:
@@ -173,10 +161,15 @@ def measured_contract(a: argparse.Namespace) -> tuple[Contract, str, Measured | 
         if a.batch_ms <= 0:
             raise ValueError("--batch-ms must be positive")
         batch_time = BatchTime.constant(a.batch_ms)
-    devices = 1 if devices is None else devices
-    processes = 1 if processes is None else processes
-    slo_ms = DEFAULT_SLO_MS if slo_ms is None else slo_ms
-    timeout_ms = DEFAULT_TIMEOUT_MS if timeout_ms is None else timeout_ms
+
+    def figure(name: str, default: float) -> float:
+        """The flag's value, else the measured server's, else the default."""
+        value = getattr(a, name)
+        value = server.get(name) if value is None else value
+        return default if value is None else value
+
+    devices, processes = int(figure("devices", 1)), int(figure("processes", 1))
+    slo_ms, timeout_ms = figure("slo_ms", DEFAULT_SLO_MS), figure("timeout_ms", DEFAULT_TIMEOUT_MS)
     check_bounds(a, devices, processes, slo_ms)
     return (
         Contract(
@@ -205,12 +198,6 @@ def check_bounds(a: argparse.Namespace, devices: int, processes: int, slo_ms: fl
         raise ValueError("--processes must be >= 1, --cores 0 or more, --max-cpu-busy in (0, 1]")
     if a.gpu_cost_per_hour < 0 or a.node_cost_per_hour < 0:
         raise ValueError("--gpu-cost-per-hour and --node-cost-per-hour must be 0 or more")
-
-
-def prices_from(a: argparse.Namespace) -> Prices | None:
-    if not a.gpu_cost_per_hour and not a.node_cost_per_hour:
-        return None
-    return Prices(a.gpu_cost_per_hour, a.node_cost_per_hour)
 
 
 def limits_line(plan: Plan) -> str:
@@ -300,8 +287,9 @@ def main(a: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"batchserve plan: {exc}", file=sys.stderr)
         return 2
+    prices = Prices(a.gpu_cost_per_hour, a.node_cost_per_hour)
     try:
-        plan = make_plan(a.rate, contract, a.sim_s, a.seed, prices_from(a))
+        plan = make_plan(a.rate, contract, a.sim_s, a.seed, prices if prices != Prices() else None)  # unpriced: no cost
     except ValueError as exc:
         hint = ""
         if m is not None and not m.probed:  # the learned batch time at every size: small batches may be faster

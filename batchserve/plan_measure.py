@@ -179,20 +179,18 @@ def measure(
     cpu_s, cpu_note = cpu_per_request(base, cpu_window_s, api_key) if cpu_window_s > 0 else (None, "")
     if probe_sizes:
         batch_time = probe(base, probe_sizes, api_key)
-        source = "; ".join(x for x in (f"probe of {base} ({name})", cpu_note) if x)
+        said = [f"probe of {base} ({name})", cpu_note]
     else:
         batch_time = BatchTime.constant(learned[name])
         mean_compute = histogram_mean(_get(base + "/metrics").decode(), "batchserve_batch_compute_seconds", name)
-        source = (
+        said = [
             f"{base} ({name}): learned batch time {learned[name]:g} ms, taken as the same at every size "
             f"(--probe 1,50,100 measures it by size, which a model whose big batches are slower needs)"
-        )
-        if mean_compute is not None:
-            source += f", mean batch compute {mean_compute * 1000:.1f} ms since start"
-        if cpu_note:
-            source += f"; {cpu_note}"
-        if processes > 1:
-            source += f"; {processes} processes of {devices // processes} device(s)"
+            + (f", mean batch compute {mean_compute * 1000:.1f} ms since start" if mean_compute is not None else ""),
+            cpu_note,
+            f"{processes} processes of {devices // processes} device(s)" if processes > 1 else "",
+        ]
+    source = "; ".join(x for x in said if x)
     slo_ms, timeout_ms = (_model_figure(health, member, name) for member in ("slo_ms", "timeout_ms"))
     return Measured(devices, batch_time, source, cpu_s, processes, slo_ms, timeout_ms, probed=bool(probe_sizes))
 

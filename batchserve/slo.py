@@ -41,17 +41,14 @@ class Deadlines:
     @classmethod
     def of_settings(cls, settings: Knobs) -> Deadlines:
         """The figures of a model with nothing measured: the settings' values, set or default."""
-
-        def source(name: str) -> str:
-            return SET if name in settings.given else DEFAULT
-
+        given = settings.given
         return cls(
             settings.slo_ms / 1000,
             settings.timeout_ms / 1000,
             settings.max_timeout_ms / 1000,
-            slo_from=source("slo_ms"),
-            timeout_from=source("timeout_ms"),
-            max_timeout_from=source("max_timeout_ms"),
+            slo_from=SET if "slo_ms" in given else DEFAULT,
+            timeout_from=SET if "timeout_ms" in given else DEFAULT,
+            max_timeout_from=SET if "max_timeout_ms" in given else DEFAULT,
         )
 
     def public(self) -> dict[str, float]:

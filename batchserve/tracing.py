@@ -152,10 +152,6 @@ class Tracing:
         span.end(end_time=wall_ns(run.ended))
         return span.get_span_context()
 
-    # -- the request -------------------------------------------------------------------------------------------
-    def wrap(self, app: ASGIApp) -> RequestSpans:
-        return RequestSpans(app, self)
-
 
 class RequestSpans:
     """ASGI middleware: one SERVER span per HTTP request, the caller's `traceparent` honoured."""
