@@ -9,8 +9,7 @@ import msgspec
 
 from batchserve.classify import shapes
 from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
-from batchserve.http.openai_error import bad
-from batchserve.errors import ApiError
+from batchserve.http.openai_error import bad, refused
 
 CLASSIFY = msgspec.json.Decoder(shapes.ClassifyRequest)
 PREDICT = msgspec.json.Decoder(shapes.PredictRequest)
@@ -26,12 +25,6 @@ class Classify:
     service_tier: str | None = None
     raw_scores: bool = False  # /predict: the logits
     batch: bool = False  # /predict: the inputs were a list of lists, answered with a list per input
-
-
-def refused(r: BodyRefusal) -> ApiError:
-    if r.field == "input" and r.path.startswith("input[") and r.got in ("int", "array"):  # /v1/classify's
-        return bad("input", "token-id arrays are not supported here: send the text", "unsupported_value")
-    return bad(None if r.not_json else r.field, r.message, "invalid_json" if r.field is None else "invalid_value")
 
 
 def checked(

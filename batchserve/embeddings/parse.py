@@ -11,8 +11,7 @@ import msgspec
 
 from batchserve.embeddings import shapes
 from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
-from batchserve.errors import ApiError
-from batchserve.http.openai_error import bad
+from batchserve.http.openai_error import bad, refused
 
 _DECODER = msgspec.json.Decoder(shapes.EmbeddingRequest)
 
@@ -25,15 +24,6 @@ class ParsedEmbedding:
     timeout_s: float | None  # None: none named, the model's own default applies (`slo.Deadlines`)
     dimensions: int | None = None  # keep the first this many components, then L2-normalise again (Matryoshka)
     service_tier: str | None = None  # the priority it asks for (`Work.ask`)
-
-
-def refused(r: BodyRefusal) -> ApiError:
-    """The OpenAI 400 for a body that is not the declared shape."""
-    if r.not_json or r.field is None:
-        return bad(None, r.message, "invalid_json")
-    if r.field == "input" and r.path.startswith("input[") and r.got in ("int", "array"):
-        return bad("input", "token-id arrays are not supported here: send the text", "unsupported_value")
-    return bad(r.field, r.message)
 
 
 def parse(body: bytes, max_chars: int, max_timeout_ms: float) -> ParsedEmbedding:

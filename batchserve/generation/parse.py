@@ -4,7 +4,6 @@ and checked: 400 in OpenAI's shape naming the offending `param`. Shared by the r
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +13,7 @@ from batchserve.errors import ApiError
 from batchserve.generation import shapes
 from batchserve.decoding.stepper import SamplingParams
 from batchserve.http.plumbing import BodyRefusal, decode
-from batchserve.http.openai_error import bad
+from batchserve.http.openai_error import bad, refused
 
 
 @dataclass
@@ -30,18 +29,6 @@ class GenRequest:
 
 _CHAT = msgspec.json.Decoder(shapes.ChatCompletionRequest)
 _COMPLETION = msgspec.json.Decoder(shapes.CompletionRequest)
-_MESSAGE_MEMBER = re.compile(r"^messages\[\d+\](\.[a-z_]+)?")
-
-
-def refused(r: BodyRefusal) -> ApiError:
-    """The OpenAI 400 for a body that is not the declared shape: `param` is the member at fault (a message's
-    own member for chat messages, `messages[2].content`)."""
-    if r.field is None:
-        return bad(None, r.message, "invalid_json")
-    param = r.field
-    if r.field == "messages" and (m := _MESSAGE_MEMBER.match(r.path)):
-        param = m[0]
-    return bad(param, r.message)
 
 
 def _unsupported(name: str, message: str) -> ApiError:

@@ -8,6 +8,7 @@ least 32. With `--grpc-port`, gRPC's cap is a quarter of it and HTTP's the rest,
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from dataclasses import dataclass
 
@@ -20,8 +21,7 @@ MIN_CAP = 16
 
 @dataclass(frozen=True)
 class ConnectionBudget:
-    descriptors: int  # the descriptor limit in force (UNLIMITED_BUDGET when there is none)
-    total: int  # what the listeners may hold together: the limit less the reserve
+    total: int  # what the listeners may hold together: the limit less the reserve (UNLIMITED_BUDGET with no limit)
     http: int  # HTTP's connection cap
     grpc: int  # gRPC's connection cap (0 when --grpc-port is off)
 
@@ -30,23 +30,18 @@ def descriptor_limit() -> int | None:
     """The soft descriptor limit, raised to the hard one first; None when unlimited."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
-        except (ValueError, OSError):
-            pass
     return None if soft == resource.RLIM_INFINITY else soft
 
 
 def split(limit: int | None, http_configured: int, grpc_configured: int, grpc_on: bool) -> ConnectionBudget:
     """The caps for a descriptor limit (None: unlimited); a configured cap (> 0) is taken as it is."""
-    if limit is None:
-        descriptors = total = UNLIMITED_BUDGET
-    else:
-        descriptors, total = limit, max(MIN_CAP, limit - max(32, limit // 8))
+    total = UNLIMITED_BUDGET if limit is None else max(MIN_CAP, limit - max(32, limit // 8))
     grpc = (grpc_configured or max(MIN_CAP, total // GRPC_SHARE)) if grpc_on else 0
     http = http_configured or max(MIN_CAP, total - grpc)
-    return ConnectionBudget(descriptors, total, http, grpc)
+    return ConnectionBudget(total, http, grpc)
 
 
 def connection_budget(settings: Settings) -> ConnectionBudget:

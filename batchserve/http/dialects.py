@@ -5,8 +5,10 @@ dialect (`error_headers`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -17,7 +19,7 @@ from starlette.types import Send
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.plumbing import JSON, new_request_id, request_id_of, send_json
+from batchserve.http.plumbing import JSON, new_request_id, request_id_from, send_json
 from batchserve.logsafe import printable
 
 log = logging.getLogger("batchserve.http")
@@ -47,57 +49,46 @@ def error_headers(err: ApiError, request_id: str) -> dict[str, str]:
     return headers
 
 
+def native_body(err: ApiError, request_id: str) -> bytes:
+    """docs/contract.md#errors: `{error: CODE, message, request_id[, retry_after_ms]}`."""
+    body: dict[str, object] = {"error": err.code, "message": err.message, "request_id": request_id}
+    if err.retry_after_ms is not None:
+        body["retry_after_ms"] = int(err.retry_after_ms)
+    return orjson.dumps(body)
+
+
+def openai_body(err: ApiError, request_id: str) -> bytes:
+    """OpenAI's `{"error": {message, type, param, code}}`: `code` is the error's `reason` when it has one, else
+    its native code in lower case."""
+    kind = OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
+    code = err.reason or err.code.lower()
+    return orjson.dumps({"error": {"message": err.message, "type": kind, "param": err.param, "code": code}})
+
+
+def kserve_body(err: ApiError, request_id: str) -> bytes:
+    """KServe v2's `{"error": message}`."""
+    return orjson.dumps({"error": err.message})
+
+
 @dataclass(frozen=True)
 class Dialect:
     """How one protocol writes an error, and how it identifies callers."""
 
     name: str
+    error_body: Callable[[ApiError, str], bytes]
     any_key_anonymous: bool = False  # OpenAI's clients always send a key: with no keys configured, any is anonymous
-
-    def error_body(self, err: ApiError, request_id: str) -> bytes:
-        raise NotImplementedError
 
     def render(self, err: ApiError, request_id: str) -> tuple[bytes, dict[str, str]]:
         """The error's body and headers in this dialect."""
         return self.error_body(err, request_id), error_headers(err, request_id)
 
 
-@dataclass(frozen=True)
-class Native(Dialect):
-    """docs/contract.md#errors: `{error: CODE, message, request_id[, retry_after_ms]}`."""
-
-    def error_body(self, err: ApiError, request_id: str) -> bytes:
-        body: dict[str, object] = {"error": err.code, "message": err.message, "request_id": request_id}
-        if err.retry_after_ms is not None:
-            body["retry_after_ms"] = int(err.retry_after_ms)
-        return orjson.dumps(body)
-
-
-@dataclass(frozen=True)
-class OpenAI(Dialect):
-    """OpenAI's `{"error": {message, type, param, code}}`: `code` is the error's `reason` when it has one, else
-    its native code in lower case."""
-
-    def error_body(self, err: ApiError, request_id: str) -> bytes:
-        kind = OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
-        code = err.reason or err.code.lower()
-        return orjson.dumps({"error": {"message": err.message, "type": kind, "param": err.param, "code": code}})
-
-
-@dataclass(frozen=True)
-class KServe(Dialect):
-    """KServe v2's `{"error": message}`."""
-
-    def error_body(self, err: ApiError, request_id: str) -> bytes:
-        return orjson.dumps({"error": err.message})
-
-
-NATIVE = Native("native")
+NATIVE = Dialect("native", native_body)
 # The native shape on the routes OpenAI's clients call too (batches, files): any key is anonymous when no keys
 # are configured, as on the OpenAI routes.
-NATIVE_ANY_KEY = Native("native", any_key_anonymous=True)
-OPENAI = OpenAI("openai", any_key_anonymous=True)
-KSERVE = KServe("kserve")
+NATIVE_ANY_KEY = Dialect("native", native_body, any_key_anonymous=True)
+OPENAI = Dialect("openai", openai_body, any_key_anonymous=True)
+KSERVE = Dialect("kserve", kserve_body)
 
 
 def error_response(err: ApiError, request_id: str, dialect: Dialect = NATIVE) -> Response:
@@ -106,20 +97,18 @@ def error_response(err: ApiError, request_id: str, dialect: Dialect = NATIVE) ->
     return Response(body, status_code=err.status, headers=headers, media_type=JSON)
 
 
-async def internal_error(send: Send, request_id: str = "", dialect: Dialect = NATIVE) -> None:
+async def internal_error(send: Send) -> None:
     """A JSON 500 for an error no handler expected (the traceback goes to the log, never to the caller); nothing
     when the answer had already started."""
-    body, headers = dialect.render(errors.internal_error(), request_id or new_request_id())
-    try:
+    body, headers = NATIVE.render(errors.internal_error(), new_request_id())
+    with contextlib.suppress(RuntimeError):
         await send_json(send, 500, body, headers)
-    except RuntimeError:
-        pass
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:
     """Starlette's handler of any exception no route expected: a JSON 500 that says nothing of it."""
     log.error("unexpected error on %s %s", request.method, printable(request.url.path), exc_info=exc)
-    return error_response(errors.internal_error(), request_id_of(request))
+    return error_response(errors.internal_error(), request_id_from(request.headers.get("x-request-id")))
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -133,4 +122,4 @@ async def http_error(request: Request, exc: Exception) -> Response:
         err = errors.method_not_allowed(str(exc.detail))
     else:
         err = errors.ApiError(exc.status_code, "HTTP_ERROR", str(exc.detail))
-    return error_response(err, request_id_of(request))
+    return error_response(err, request_id_from(request.headers.get("x-request-id")))

@@ -29,7 +29,6 @@ CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
     "connect-src 'self'; frame-ancestors 'none'"
 )
-CACHE = "public, max-age=86400"
 
 PAGE = b"""<!doctype html>
 <html lang="en">
@@ -58,20 +57,16 @@ INIT = b"""window.ui = SwaggerUIBundle({
 """
 
 
-def assets_dir() -> Path:
-    return Path(str(importlib.resources.files("swagger_ui") / "static"))
-
-
-def _headers() -> dict[str, str]:
-    return {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"}
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"}
+CACHED = {**HEADERS, "Cache-Control": "public, max-age=86400"}
 
 
 async def page(request: Request) -> Response:
-    return Response(PAGE, media_type="text/html; charset=utf-8", headers=_headers())
+    return Response(PAGE, media_type="text/html; charset=utf-8", headers=HEADERS)
 
 
 async def init(request: Request) -> Response:
-    return Response(INIT, media_type="text/javascript", headers={**_headers(), "Cache-Control": CACHE})
+    return Response(INIT, media_type="text/javascript", headers=CACHED)
 
 
 async def asset(request: Request) -> Response:
@@ -79,7 +74,8 @@ async def asset(request: Request) -> Response:
     media = ASSETS.get(name)
     if media is None:
         raise HTTPException(404, f"no asset {errors.short(name)!r} under /docs/assets")  # app's 404 shape
-    return FileResponse(assets_dir() / name, media_type=media, headers={**_headers(), "Cache-Control": CACHE})
+    assets = Path(str(importlib.resources.files("swagger_ui") / "static"))
+    return FileResponse(assets / name, media_type=media, headers=CACHED)
 
 
 ROUTES = [

@@ -223,19 +223,6 @@ class ModelBook:
         rt.guard.gone(call.work.model)
 
 
-class Counted:
-    """A route that serves no model: in the answered count only (not the model metrics, nor the SLO ledger)."""
-
-    def ok(self, rt: Served, call: Call) -> None:
-        rt.guard.counted()
-
-    def refused(self, rt: Served, call: Call, err: ApiError) -> None:
-        rt.guard.counted()
-
-    def gone(self, rt: Served, call: Call) -> None:
-        pass
-
-
 class Uncounted:
     """A public route that asks for no work (health, metadata): not counted, so probes do not inflate the
     request rate."""
@@ -248,6 +235,16 @@ class Uncounted:
 
     def gone(self, rt: Served, call: Call) -> None:
         pass
+
+
+class Counted(Uncounted):
+    """A route that serves no model: in the answered count only (not the model metrics, nor the SLO ledger)."""
+
+    def ok(self, rt: Served, call: Call) -> None:
+        rt.guard.counted()
+
+    def refused(self, rt: Served, call: Call, err: ApiError) -> None:
+        rt.guard.counted()
 
 
 MODEL = ModelBook()
@@ -315,11 +312,9 @@ class Endpoint(Generic[Host, Req, Res]):
             work.request_id = given if given and REQUEST_ID_OK.match(given) else new_request_id()
             if self.before_body is not None:
                 await self.before_body(rt, call)
-            body = (
-                await read_body_from(receive, rt.settings.max_body_bytes, headers.get("content-length"))
-                if self.body
-                else b""
-            )
+            body = b""
+            if self.body:
+                body = await read_body_from(receive, rt.settings.max_body_bytes, headers.get("content-length"))
             if caller is not None:  # after the body: elsewhere than uvicorn the check reads `receive` itself
                 work.gone = call.gone()
             req = self.parse(rt, call, body)
@@ -364,7 +359,8 @@ class Endpoint(Generic[Host, Req, Res]):
         error brings none of its own."""
         if not call.work.request_id:
             call.work.request_id = request_id_from(call.headers.get("x-request-id"))
-        self.refused(rt, call, err)
+        if not call.booked:
+            self.book.refused(rt, call, err)
         out, err_headers = self.dialect.render(err, call.work.request_id)
         if rate_headers and call.answer_headers and not err.headers:
             err_headers.update(call.answer_headers)
@@ -382,10 +378,6 @@ class Endpoint(Generic[Host, Req, Res]):
         raw.append((b"content-length", b"%d" % len(answer.body)))
         await send({"type": "http.response.start", "status": answer.status, "headers": raw})
         await send({"type": "http.response.body", "body": answer.body})
-
-    def refused(self, rt: Host, call: Call, err: ApiError) -> None:
-        if not call.booked:
-            self.book.refused(rt, call, err)
 
     @staticmethod
     async def stream(answer: Stream, call: Call, send: Send) -> None:

@@ -83,7 +83,7 @@ class Guard:
         self.answered += 1
         d = self.deadlines.get(model)
         outcome = ledger.MET if latency_s <= (self.slo_s if d is None else d.slo_s) else ledger.SLOW
-        tier = TIER_NAMES[caller.tier]  # `_book`, inlined: every answer of every model route
+        tier = TIER_NAMES[caller.tier]  # `settle`'s booking, inlined: every answer of every model route
         self.metrics.count_ok(model, latency_s, tier, ledger.OUTCOMES[outcome], inputs, cost)
         self.usage.record(caller.tenant, tier, outcome, inputs, cost, latency_s, model)
 
@@ -106,10 +106,8 @@ class Guard:
             outcome: int | None = ledger.MET if latency_s <= (self.slo_s if d is None else d.slo_s) else ledger.SLOW
         else:
             outcome = ledger.error_outcome(status) if status != 499 else None
-        if outcome is not None:
-            self._book(model, caller, outcome, inputs, cost, latency_s)
-
-    def _book(self, model: str, caller: Caller, outcome: int, inputs: int, cost: float, latency_s: float) -> None:
+        if outcome is None:
+            return
         tier = TIER_NAMES[caller.tier]
         served = outcome <= ledger.SLOW
         self.metrics.count_outcome(

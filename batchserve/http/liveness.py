@@ -46,12 +46,10 @@ def probe(host: str, port: int, timeout_s: float) -> bool:
         conn.request("GET", "/healthz")
         conn.getresponse().read()
         return True
-    except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected):
-        return True
+    except (ConnectionRefusedError, ConnectionResetError, http.client.HTTPException):
+        return True  # leaving; or a garbled answer, still an answer from a turning loop
     except OSError:  # socket.timeout (TimeoutError) above all: silence
         return False
-    except http.client.HTTPException:  # a garbled answer is still an answer from a turning loop
-        return True
     finally:
         conn.close()
 

@@ -110,18 +110,14 @@ class Task:
     may_do: Callable[[ModelSpec], bool] = lambda spec: True
 
 
-def served(rt: Models, task: Task) -> list[ModelSpec]:
-    """The versions that do the task, in the configured order."""
-    return [spec for model_id, spec in rt.registry.by_id.items() if task.does(spec, rt.backends.get(model_id))]
-
-
 def pick_model(rt: Models, task: Task, requested: str | None, sticky_key: str) -> tuple[str, Backend]:
     """The id of the model version that answers and its backend: 404 when unknown (or none does the task), 503
     while it warms up, 400 when it does not do the task."""
     if requested is None:
-        doing = served(rt, task)
+        by_id = rt.registry.by_id.items()
+        doing = [spec for model_id, spec in by_id if task.does(spec, rt.backends.get(model_id))]
         if not doing:
-            if any(model_id not in rt.backends and task.may_do(spec) for model_id, spec in rt.registry.by_id.items()):
+            if any(model_id not in rt.backends and task.may_do(spec) for model_id, spec in by_id):
                 raise errors.warming_up()  # which model embeds is known once the backends are loaded
             raise ApiError(404, "MODEL_NOT_FOUND", task.none_served, param="model", reason="model_not_found")
         requested = doing[0].name

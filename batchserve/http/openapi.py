@@ -13,7 +13,7 @@ status to the codes that status carries; OpenAI's `{"error": {...}}` on the Open
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -172,38 +172,30 @@ def _native_error_by_status(base: type) -> dict[int, type]:
     """`Error<status>`: the native error body with `error` narrowed to that status's codes (so a test can check
     status and code agree), and `retry_after_ms` required where retrying helps."""
     fields = {f.name: f for f in msgspec.structs.fields(base)}
+    retry = fields["retry_after_ms"]
     out: dict[int, type] = {}
     for status, codes in ERROR_CODES.items():
-        retry = fields["retry_after_ms"]
         spec: list[Any] = [
             ("error", Annotated[Literal[codes], msgspec.Meta(description="machine-readable code")]),
             ("message", fields["message"].type),
             ("request_id", fields["request_id"].type),
+            ("retry_after_ms", Annotated[int, msgspec.Meta(ge=1)])
+            if status in RETRYABLE
+            else ("retry_after_ms", retry.type, retry.default),
         ]
-        if status in RETRYABLE:
-            spec.append(("retry_after_ms", Annotated[int, msgspec.Meta(ge=1)]))
-        else:
-            spec.append(("retry_after_ms", retry.type, retry.default))
-        out[status] = msgspec.defstruct(
-            f"{base.__name__}{status}",
-            spec,
-            forbid_unknown_fields=True,
-            omit_defaults=True,
-        )
+        name = f"{base.__name__}{status}"
+        out[status] = msgspec.defstruct(name, spec, forbid_unknown_fields=True, omit_defaults=True)
         out[status].__doc__ = f"{base.__name__} of status {status}: {ERROR_WHEN[status]}"
     return out
 
 
 # -- the document ---------------------------------------------------------------------------------------------
-@dataclass
-class _Collector:
+class _Collector(list[Any]):
     """Types in the order met, each later replaced by its schema (a `$ref` for Structs)."""
 
-    types: list[Any] = field(default_factory=list)
-
     def add(self, t: Any) -> int:
-        self.types.append(t)
-        return len(self.types) - 1
+        self.append(t)
+        return len(self) - 1
 
 
 def build(operations: Iterable[Operation], also_documented: Sequence[Any] = ()) -> dict[str, Any]:
@@ -211,20 +203,13 @@ def build(operations: Iterable[Operation], also_documented: Sequence[Any] = ()) 
     named only through `one_of` (their components must exist)."""
     ops = list(operations)
     types = _Collector()
-    by_status: dict[str, dict[int, type]] = {}
-    for d in {op.dialect.name: op.dialect for op in ops}.values():
-        if d.per_status:
-            by_status[d.name] = _native_error_by_status(d.shape)
+    dialects = {op.dialect.name: op.dialect for op in ops}.values()
+    by_status = {d.name: _native_error_by_status(d.shape) for d in dialects if d.per_status}
+    plan = [(op, _operation_plan(op, types, by_status.get(op.dialect.name))) for op in ops]
+    types += also_documented
+    types += [d.shape for d in dialects]  # the unnarrowed shape is always a component (tests and clients name it)
 
-    plan: list[tuple[Operation, dict[str, Any]]] = []
-    for op in ops:
-        plan.append((op, _operation_plan(op, types, by_status.get(op.dialect.name))))
-    for t in also_documented:
-        types.add(t)
-    for d in {op.dialect.name: op.dialect for op in ops}.values():
-        types.add(d.shape)  # the unnarrowed shape is always a component (tests and clients name it)
-
-    schemas, components = msgspec.json.schema_components(types.types, ref_template=REF)
+    schemas, components = msgspec.json.schema_components(types, ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
     for op, p in plan:
         paths.setdefault(op.path, {})[op.method.lower()] = _resolve(p, schemas)
@@ -257,13 +242,11 @@ def build(operations: Iterable[Operation], also_documented: Sequence[Any] = ()) 
     }
 
 
+@dataclass(frozen=True, slots=True)
 class _Schema:
     """A placeholder for the schema of the collected type at `index`, filled in by `_resolve`."""
 
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
+    index: int
 
 
 def _content(types: _Collector, media: str, shape: Any, also: tuple[tuple[str, Any], ...]) -> dict[str, Any]:

@@ -13,11 +13,10 @@ from typing import TypeVar
 
 import msgspec
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from batchserve import errors
-from batchserve.http.openai_error import bad
 
 REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 JSON = "application/json"
@@ -29,10 +28,8 @@ class RandomIds:
 
     ID_BYTES = 12
     POOL = ID_BYTES * 340
-
-    def __init__(self) -> None:
-        self._pool = b""
-        self._at = 0
+    _pool = b""  # this instance's own once the first id is made
+    _at = 0
 
     def __call__(self) -> str:
         at = self._at
@@ -50,10 +47,6 @@ def request_id_from(given: str | None) -> str:
     if given and REQUEST_ID_OK.match(given):
         return given
     return new_request_id()
-
-
-def request_id_of(request: Request, given: str | None = None) -> str:
-    return request_id_from(request.headers.get("x-request-id") if given is None else given)
 
 
 def client_host(scope: Scope) -> str:
@@ -161,20 +154,15 @@ async def send_json(send: Send, status: int, body: bytes, headers: dict[str, str
     await send({"type": "http.response.body", "body": body})
 
 
-def is_json_media_type(content_type: str) -> bool:
-    """application/json or a structured `+json` type (application/problem+json), any parameters; none given
-    counts as JSON. Not any type that merely contains "json" (application/notjson)."""
-    if content_type == JSON:  # what nearly every client sends: no parsing
-        return True
-    media = content_type.partition(";")[0].strip().lower()
-    if not media or media == JSON:
-        return True
-    kind, slash, subtype = media.partition("/")
-    return bool(slash) and kind == "application" and subtype.endswith("+json") and len(subtype) > 5
-
-
 def check_json_content_type(content_type: str) -> None:
-    if content_type and not is_json_media_type(content_type):
+    """400 unless application/json or a structured `+json` type (application/problem+json), any parameters; none
+    given counts as JSON. Not any type that merely contains "json" (application/notjson)."""
+    if content_type == JSON:  # what nearly every client sends: no parsing
+        return
+    media = content_type.partition(";")[0].strip().lower()
+    kind, slash, subtype = media.partition("/")
+    structured = slash and kind == "application" and subtype.endswith("+json") and len(subtype) > 5
+    if media and media != JSON and not structured:
         raise errors.invalid(f"Content-Type must be application/json, not {errors.short(content_type, 60)!r}")
 
 
@@ -244,9 +232,10 @@ def _got(text: str) -> str:
 
 def timeout_s(timeout_ms: float | msgspec.UnsetType, max_timeout_ms: float) -> float | None:
     """A body's `timeout_ms` in seconds; None when it names none (the model's default applies). Outside (0, max]
-    it is a 400 naming the field."""
+    it is a 400 naming the field, in OpenAI's words (`openai_error.bad`'s, built here: that module imports this)."""
     if timeout_ms is msgspec.UNSET:
         return None
     if not (0 < timeout_ms <= max_timeout_ms) or not math.isfinite(timeout_ms):
-        raise bad("timeout_ms", f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]")
+        message = f"'timeout_ms' must be a number of milliseconds in (0, {max_timeout_ms:.0f}]"
+        raise errors.ApiError(400, "INVALID_REQUEST", message, param="timeout_ms", reason="invalid_value")
     return timeout_ms / 1000

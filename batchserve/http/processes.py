@@ -18,6 +18,7 @@ docs/deploy.md#several-processes-on-one-host---processes-n.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -91,30 +92,11 @@ def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-class ChildGroup:
-    """What a child knows of its group (batchserve.http.server.Group)."""
-
-    def __init__(self, draining: Event, listening: Event) -> None:
-        self._draining, self._listening = draining, listening
-
-    def draining(self) -> bool:
-        return self._draining.is_set()
-
-    def listening(self) -> None:
-        self._listening.set()
-
-
-def _die_with_parent() -> None:
-    """SIGTERM (a drain) when the parent dies, even by SIGKILL: no child outlives its group."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def _become_child(settings: Settings, index: int, share: Share) -> None:
-    """A fresh child's own process group, devices and log lines (each names its process)."""
-    _die_with_parent()
+    """A fresh child's own process group, devices and log lines (each names its process); SIGTERM (a drain) when
+    the parent dies, even by SIGKILL: no child outlives its group."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent only, which drains the group in order
     if share.cuda_visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = share.cuda_visible
@@ -141,7 +123,7 @@ def child_main(
     shared port and its own (told to the parent through `own_port_out`, for the liveness probe)."""
     _become_child(settings, index, share)
     from batchserve.backends.loading import PluginError, load_models
-    from batchserve.http.server import serve
+    from batchserve.http.server import Group, serve
 
     try:
         shared = bind_socket(settings.host, port, reuse_port=True)
@@ -176,7 +158,7 @@ def child_main(
         settings.host,
         own_port,
     )
-    sys.exit(serve(settings, app_factory, loaded, sockets=[shared, own], group=ChildGroup(draining, listening)))
+    sys.exit(serve(settings, app_factory, loaded, sockets=[shared, own], group=Group(draining.is_set, listening.set)))
 
 
 @dataclass
@@ -196,10 +178,8 @@ def kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except OSError:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def serve_processes(settings: Settings, app_factory: AppFactory, elsewhere: tuple[str, ...] = ()) -> int:
@@ -262,8 +242,6 @@ class Supervisor:
         return self.status
 
     def start(self, slot: Slot) -> None:
-        if slot.prober is not None:
-            slot.prober.stop()
         ctx, settings = self.ctx, self.settings
         slot.listening, slot.own_port, slot.prober, slot.killed_hung = ctx.Event(), ctx.Value("i", 0), None, 0.0
         own = settings.process_port_base + slot.index if settings.process_port_base else 0

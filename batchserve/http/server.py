@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 from collections.abc import Callable
@@ -39,14 +40,12 @@ LINGER_POLL_S = 0.02
 JOIN_POLL_S = 0.02  # how often a warming --processes child looks whether its runtime is ready
 
 
-class Group(Protocol):
+@dataclass(frozen=True)
+class Group:
     """The `--processes` group a child server belongs to (`http/processes.py`)."""
 
-    def draining(self) -> bool:
-        """True when the whole group drains (SIGTERM to the parent), False when this process drains alone."""
-
-    def listening(self) -> None:
-        """Called once the child listens on the group's shared port."""
+    draining: Callable[[], bool]  # True when the whole group drains (SIGTERM to the parent), not this process alone
+    listening: Callable[[], None]  # called once the child listens on the group's shared port
 
 
 class AppFactory(Protocol):
@@ -189,10 +188,10 @@ class DrainingServer(uvicorn.Server):
 SWITCH_INTERVAL_S = 0.0001
 
 
-def connection_guard(settings: Settings) -> ConnectionGuard:
-    """The limits every connection is held to (docs/hardening.md); the cap is HTTP's share of the descriptor
-    budget (`budget.py`)."""
-    return ConnectionGuard.create(
+def uvicorn_config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
+    """uvicorn's configuration: uvloop, the guarded httptools protocol, proxy headers from named proxies only. Every
+    connection is held to the limits of docs/hardening.md; the cap is HTTP's share of the descriptor budget."""
+    guard = ConnectionGuard.create(
         ConnectionLimits(
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
@@ -201,11 +200,6 @@ def connection_guard(settings: Settings) -> ConnectionGuard:
             max_connections=connection_budget(settings).http,
         )
     )
-
-
-def uvicorn_config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
-    """uvicorn's configuration: uvloop, the guarded httptools protocol, proxy headers from named proxies only."""
-    guard = connection_guard(settings)
     log.info(
         "connections: at most %d open; heads within %g s and %d bytes, bodies within %g s, idle %g s",
         guard.cap,

@@ -1,11 +1,9 @@
-"""The shapes the HTTP face itself answers: the error body of each dialect as the code renders it (the native
-`{error, message, request_id}` from `plumbing.error_body`, OpenAI's `{"error": {message, type, param, code}}`
-from `openai_error.OpenAIError.body`), `/v1/usage`'s answer, and the operations of the routes this package serves
-(`/v1/usage`, `/docs`)."""
+"""The shapes the HTTP face itself answers: the error body of each dialect as `dialects.py` renders it,
+`/v1/usage`'s answer, and the operations of the routes this package serves (`/v1/usage`, `/docs`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
@@ -103,13 +101,10 @@ class Latency(Struct, forbid_unknown_fields=True):
     by_model: Annotated[dict[str, ModelLatency], Meta(description="per model id (name@version) served in the window")]
 
 
-class TenantUsage(Struct, forbid_unknown_fields=True):
+class TenantUsage(Counts, forbid_unknown_fields=True):
     tenant: str
     tier: Annotated[str | None, Meta(description="the tier of its latest request")]
     window_s: float
-    requests: Annotated[ByOutcome, Meta(description=_REQUESTS)]
-    inputs: Annotated[ByOutcome, Meta(description="the inputs those requests held, by outcome")]
-    cost_served: Annotated[float, Meta(ge=0, description=_COST)]
     latency_ms: Latency
     since_start: Counts
 
@@ -152,33 +147,20 @@ USAGE = (
 
 def docs_operations(assets: list[str], media_types: list[str]) -> tuple[Operation, ...]:
     """`/docs`: Swagger UI's page, its initializer and its files (named by `docs_page.ASSETS`)."""
-    page = DocAnswer(200, "the page", str, media="text/html", headers=())
+
+    def get(path: str, op_id: str, summary: str, what: str, media: list[str], **more: Any) -> Operation:
+        answer = DocAnswer(200, what, str, media=media[0], also=tuple((m, str) for m in media[1:]), headers=())
+        return Operation("GET", path, op_id, summary, (answer,), NATIVE, **more)
+
     return (
-        Operation("GET", "/docs", "docs", "Swagger UI over /openapi.json (assets served locally)", (page,), NATIVE),
-        Operation(
-            "GET",
-            "/docs/init.js",
-            "docsInit",
-            "the page's Swagger UI initializer",
-            (DocAnswer(200, "JavaScript", str, media="text/javascript", headers=()),),
-            NATIVE,
-        ),
-        Operation(
-            "GET",
+        get("/docs", "docs", "Swagger UI over /openapi.json (assets served locally)", "the page", ["text/html"]),
+        get("/docs/init.js", "docsInit", "the page's Swagger UI initializer", "JavaScript", ["text/javascript"]),
+        get(
             "/docs/assets/{name}",
             "docsAsset",
             "Swagger UI's files, from the swagger-ui-py package",
-            (
-                DocAnswer(
-                    200,
-                    "the file",
-                    str,
-                    media=media_types[0],
-                    also=tuple((m, str) for m in media_types[1:]),
-                    headers=(),
-                ),
-            ),
-            NATIVE,
+            "the file",
+            media_types,
             errors=(404,),
             params=(Param("name", "path", Literal[tuple(assets)]),),
         ),

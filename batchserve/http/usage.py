@@ -12,7 +12,6 @@ import math
 from typing import Any
 
 import orjson
-from starlette.datastructures import QueryParams
 from starlette.routing import Route
 
 from batchserve import errors
@@ -39,7 +38,7 @@ def window_of(given: str | None) -> float:
 
 
 def parse(rt: Served, call: Call, body: bytes) -> float:
-    return window_of(QueryParams(call.scope["query_string"]).get("window_s"))
+    return window_of(call.query().get("window_s"))
 
 
 async def reports(rt: Served, call: Call, window_s: float) -> list[dict[str, Any]]:

@@ -46,12 +46,7 @@ class ConnectionLimits:
     max_headers: int = 100
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
-    max_connections: int = 0  # 0 = derived from the descriptor limit (`connection_cap`)
-
-
-def connection_cap(configured: int) -> int:
-    """The connection cap: as configured, or (0) the whole descriptor budget (`budget.py`)."""
-    return split(descriptor_limit(), configured, 0, grpc_on=False).http
+    max_connections: int = 0  # 0 = the whole descriptor budget (`budget.py`)
 
 
 @dataclass(eq=False)
@@ -71,7 +66,8 @@ class ConnectionGuard:
     @classmethod
     def create(cls, limits: ConnectionLimits) -> ConnectionGuard:
         shortest = min(limits.header_timeout_s, limits.body_timeout_s)
-        return cls(limits, connection_cap(limits.max_connections), sweep_s=min(1.0, max(0.02, shortest / 5)))
+        cap = split(descriptor_limit(), limits.max_connections, 0, grpc_on=False).http
+        return cls(limits, cap, sweep_s=min(1.0, max(0.02, shortest / 5)))
 
     def start_sweeping(self, loop: asyncio.AbstractEventLoop, connections: set) -> None:
         if self._sweep is None:
@@ -128,49 +124,38 @@ def _can_write_eof(transport: asyncio.Transport) -> bool:
         return False
 
 
+@dataclass(slots=True, eq=False)
 class _Lingering:
-    """Transport of a cycle answered before its body was read whole: `close` lingers (`linger`)."""
+    """Transport of a cycle answered before its body was read whole: `close` lingers (`linger`); the rest is the
+    transport's."""
 
-    __slots__ = ("transport", "protocol")
-
-    def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpToolsProtocol) -> None:
-        self.transport = transport
-        self.protocol = protocol
-
-    def write(self, data: bytes) -> None:
-        self.transport.write(data)
+    transport: asyncio.Transport
+    protocol: GuardedHttpToolsProtocol
 
     def close(self) -> None:
         self.protocol.linger()
-
-    def is_closing(self) -> bool:
-        return self.transport.is_closing()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.transport, name)
 
 
+@dataclass(slots=True, eq=False)
 class _HeadHeld:
     """Stands in for the transport while uvicorn writes a response head: the head is kept, not sent."""
 
-    __slots__ = ("head",)
-
-    def __init__(self) -> None:
-        self.head: bytes | None = None
+    head: bytes | None = None
 
     def write(self, data: bytes) -> None:
         self.head = data if self.head is None else self.head + data
 
 
+@dataclass(slots=True, eq=False)
 class _HeadFirst:
     """Transport while uvicorn writes the first body bytes: the held head goes out in the same write (or alone,
     before anything else the cycle does to the transport)."""
 
-    __slots__ = ("transport", "head")
-
-    def __init__(self, transport: asyncio.Transport, head: bytes) -> None:
-        self.transport = transport
-        self.head: bytes | None = head
+    transport: asyncio.Transport
+    head: bytes | None
 
     def flush(self) -> None:
         if self.head is not None and not self.transport.is_closing():
@@ -274,17 +259,8 @@ def json_error_answer(err: ApiError) -> bytes:
     """A whole error answer in the native shape, written by the protocol itself (the app never saw it)."""
     request_id = new_request_id()
     body = orjson.dumps({"error": err.code, "message": err.message, "request_id": request_id})
-    return b"".join(
-        [
-            STATUS_LINE[err.status],
-            b"content-type: application/json\r\nx-request-id: ",
-            request_id.encode(),
-            b"\r\ncontent-length: ",
-            str(len(body)).encode(),
-            b"\r\nconnection: close\r\n\r\n",
-            body,
-        ]
-    )
+    head = b"content-type: application/json\r\nx-request-id: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+    return STATUS_LINE[err.status] + head % (request_id.encode(), len(body)) + body
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -418,31 +394,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- refusing -----------------------------------------------------------------------------------------
     def expire(self) -> None:
         """The sweep found this connection past its deadline."""
-        if self.lingering:
-            self.close_quietly()
-            return
-        if self.in_head and self.cycle is not None and not self.cycle.response_complete:
+        cycle = self.cycle if self.cycle is not None and not self.cycle.response_complete else None  # in the app
+        if self.in_head and cycle is not None and not self.lingering:
             # The next request of a pipelining client trickles in while the app still answers this one: its
             # clock starts once the answer is out.
             self.deadline = self.loop.time() + self.limits.header_timeout_s
             return
-        if self.in_head and self.head_bytes == 0:
-            self.close_quietly()  # not a byte of a request: nobody to answer
+        # Lingering over, not a byte of a request (nobody to answer), or an answer under way: close.
+        if self.lingering or (self.in_head and self.head_bytes == 0) or (cycle is not None and cycle.response_started):
+            self.close_quietly()
             return
-        if not self.in_head and self.cycle is not None and not self.cycle.response_complete:
-            if self.cycle.response_started:
-                self.close_quietly()
-                return
+        late, limit_s = "head", self.limits.header_timeout_s
+        if cycle is not None:
             # The app is waiting on the body: it sees a disconnect, and writes nothing after this answer.
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
-            self.refuse(
-                errors.request_timeout(f"the request body did not arrive within {self.limits.body_timeout_s:g} s")
-            )
-            return
-        self.refuse(
-            errors.request_timeout(f"the request head did not arrive within {self.limits.header_timeout_s:g} s")
-        )
+            cycle.disconnected = True
+            cycle.message_event.set()
+            late, limit_s = "body", self.limits.body_timeout_s
+        self.refuse(errors.request_timeout(f"the request {late} did not arrive within {limit_s:g} s"))
 
     def refuse(self, err: ApiError) -> None:
         self.refusal = err
@@ -454,8 +422,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.close_quietly()
             return
         err = self.refusal or errors.invalid(f"malformed HTTP request: {msg}")
-        self.guard.waiting.pop(self, None)
-        self.deadline = 0.0
         if not self.transport.is_closing():
             self.transport.write(json_error_answer(err))
-            self.transport.close()
+        self.close_quietly()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgspec
 
 from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
-from batchserve.http.openai_error import bad
+from batchserve.http.openai_error import bad, refused
 from batchserve.rerank import shapes
 
 Shape = msgspec.json.Decoder[shapes.RerankRequest | shapes.V2RerankRequest]
@@ -32,9 +32,7 @@ def parse(body: bytes, max_chars: int, max_timeout_ms: float, shape: Shape = V1)
     try:
         req = decode(shape, body)
     except BodyRefusal as r:
-        raise bad(
-            None if r.not_json else r.field, r.message, "invalid_json" if r.field is None else "invalid_value"
-        ) from None
+        raise refused(r) from None
     documents = [d if isinstance(d, str) else d.text for d in req.documents]
     for name, text in [("query", req.query), *(("documents", d) for d in documents)]:
         if len(text) > max_chars:

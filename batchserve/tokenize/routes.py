@@ -18,7 +18,7 @@ from batchserve.errors import ApiError, warming_up
 from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Served, json_answer
-from batchserve.http.openai_error import bad, unknown_model
+from batchserve.http.openai_error import bad, refused, unknown_model
 from batchserve.tokenize import shapes
 
 TOKENIZE = msgspec.json.Decoder(shapes.TokenizeRequest)
@@ -83,10 +83,6 @@ def pick(rt: TokenizeHost, call: Call, requested: str | None) -> TextTokenizer:
         raise bad("model", f"the model '{spec.id}' has no tokenizer (a Hugging Face folder has)", "model_no_tokenizer")
     call.work.model = spec.id
     return tok
-
-
-def refused(r: BodyRefusal) -> ApiError:
-    return bad(None if r.not_json else r.field, r.message, "invalid_json" if r.field is None else "invalid_value")
 
 
 def parse_tokenize(rt: TokenizeHost, call: Call, body: bytes) -> Texts:
