@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgspec
 
 from batchserve.classify import shapes
-from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
+from batchserve.http.plumbing import decode, timeout_s
 from batchserve.http.openai_error import bad, refused
 
 CLASSIFY = msgspec.json.Decoder(shapes.ClassifyRequest)
@@ -40,10 +40,7 @@ def checked(
 
 def parse_classify(body: bytes, max_chars: int, max_timeout_ms: float) -> Classify:
     """`/v1/classify`: `input` a text or a list of texts."""
-    try:
-        req = decode(CLASSIFY, body)
-    except BodyRefusal as r:
-        raise refused(r) from None
+    req = decode(CLASSIFY, body, refused)
     sequences: list[Sequence] = [req.input] if isinstance(req.input, str) else list(req.input)
     timeout_s = checked(sequences, "input", max_chars, req.timeout_ms, max_timeout_ms)
     return Classify(sequences, req.model, timeout_s, req.service_tier)
@@ -56,10 +53,7 @@ def sequence(items: list[str]) -> Sequence:
 def parse_predict(body: bytes, max_chars: int, max_timeout_ms: float) -> Classify:
     """`/predict`, as TEI reads `inputs`: a text; a list of strings, one text or one pair (two strings); or a
     batch, a list of lists of one or two strings. Strings and lists mixed in one list are refused, as TEI does."""
-    try:
-        req = decode(PREDICT, body)
-    except BodyRefusal as r:
-        raise refused(r) from None
+    req = decode(PREDICT, body, refused)
     inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
     texts = [x for x in inputs if isinstance(x, str)]
     lists = [x for x in inputs if isinstance(x, list)]

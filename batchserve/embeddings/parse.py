@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import msgspec
 
 from batchserve.embeddings import shapes
-from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
+from batchserve.http.plumbing import decode, timeout_s
 from batchserve.http.openai_error import bad, refused
 
 _DECODER = msgspec.json.Decoder(shapes.EmbeddingRequest)
@@ -27,10 +27,7 @@ class ParsedEmbedding:
 
 
 def parse(body: bytes, max_chars: int, max_timeout_ms: float) -> ParsedEmbedding:
-    try:
-        req = decode(_DECODER, body)
-    except BodyRefusal as r:
-        raise refused(r) from None
+    req = decode(_DECODER, body, refused)
     inputs = [req.input] if isinstance(req.input, str) else req.input
     for i, text in enumerate(inputs):
         if len(text) > max_chars:

@@ -12,7 +12,7 @@ import msgspec
 from batchserve.errors import ApiError
 from batchserve.generation import shapes
 from batchserve.decoding.stepper import SamplingParams
-from batchserve.http.plumbing import BodyRefusal, decode
+from batchserve.http.plumbing import decode
 from batchserve.http.openai_error import bad, refused
 
 
@@ -41,12 +41,9 @@ def parse(
     """The body decoded into its declared shape (`shapes.ChatCompletionRequest` / `CompletionRequest`), then
     the checks types cannot say: the parameters this server does not do, one prompt per request. Temperature and
     top_p left out take the defaults (the model's generation_config.json, `decoding.build.SamplingDefaults`)."""
-    try:
-        req: shapes.ChatCompletionRequest | shapes.CompletionRequest = (
-            decode(_CHAT, body) if chat else decode(_COMPLETION, body)
-        )
-    except BodyRefusal as r:
-        raise refused(r) from None
+    req: shapes.ChatCompletionRequest | shapes.CompletionRequest = (
+        decode(_CHAT, body, refused) if chat else decode(_COMPLETION, body, refused)
+    )
     prompt: Any
     max_tokens = req.max_tokens
     if isinstance(req, shapes.ChatCompletionRequest):

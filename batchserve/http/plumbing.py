@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import AsyncIterator, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -189,8 +189,11 @@ class BodyRefusal(Exception):
     not_json: bool = False  # not JSON in UTF-8 at all (as opposed to JSON of the wrong shape)
 
 
-def decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
-    """The body as the decoder's type, or a `BodyRefusal` naming the field.
+def decode(
+    decoder: msgspec.json.Decoder[T], body: bytes, refuse: Callable[[BodyRefusal], Exception] | None = None
+) -> T:
+    """The body as the decoder's type, or a `BodyRefusal` naming the field, raised as is or as `refuse` words it
+    (the OpenAI routes' 400, `http/openai_error.refused`).
 
     UTF-8 is checked first for non-ASCII bodies: msgspec validates only the strings it keeps, and a body that is
     not UTF-8 is refused whole on every route."""
@@ -199,11 +202,12 @@ def decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
             body.decode()
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise refusal(str(exc)) from None
+        why = refusal(str(exc))
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise BodyRefusal(f"{NOT_JSON}: {exc}", not_json=True) from None
+        why = BodyRefusal(f"{NOT_JSON}: {exc}", not_json=True)
     except RecursionError:  # msgspec's bound on nesting
-        raise BodyRefusal(TOO_DEEP, not_json=True) from None
+        why = BodyRefusal(TOO_DEEP, not_json=True)
+    raise (why if refuse is None else refuse(why)) from None
 
 
 def refusal(text: str) -> BodyRefusal:

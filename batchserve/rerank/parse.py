@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from batchserve.http.plumbing import BodyRefusal, decode, timeout_s
+from batchserve.http.plumbing import decode, timeout_s
 from batchserve.http.openai_error import bad, refused
 from batchserve.rerank import shapes
 
@@ -29,10 +29,7 @@ class ParsedRerank:
 
 def parse(body: bytes, max_chars: int, max_timeout_ms: float, shape: Shape = V1) -> ParsedRerank:
     """`shape`: the body's declared shape, Cohere's v1 (`/v1/rerank`, the default) or v2 (`/v2/rerank`)."""
-    try:
-        req = decode(shape, body)
-    except BodyRefusal as r:
-        raise refused(r) from None
+    req = decode(shape, body, refused)
     documents = [d if isinstance(d, str) else d.text for d in req.documents]
     for name, text in [("query", req.query), *(("documents", d) for d in documents)]:
         if len(text) > max_chars:

@@ -15,9 +15,9 @@ from batchserve.backends import Backend
 from batchserve.backends.tokenizer_of import TextTokenizer, tokenizer_of
 from batchserve.http.model_choice import ModelRegistry
 from batchserve.errors import ApiError, warming_up
-from batchserve.http.plumbing import BodyRefusal, decode
 from batchserve.http.dialects import OPENAI
 from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Served, json_answer
+from batchserve.http.plumbing import decode
 from batchserve.http.openai_error import bad, refused, unknown_model
 from batchserve.tokenize import shapes
 
@@ -86,10 +86,7 @@ def pick(rt: TokenizeHost, call: Call, requested: str | None) -> TextTokenizer:
 
 
 def parse_tokenize(rt: TokenizeHost, call: Call, body: bytes) -> Texts:
-    try:
-        req = decode(TOKENIZE, body)
-    except BodyRefusal as r:
-        raise refused(r) from None
+    req = decode(TOKENIZE, body, refused)
     if (req.prompt is None) == (req.inputs is None):
         raise bad("prompt", "give one of 'prompt' (vLLM's shape) or 'inputs' (TEI's)")
     texts = [req.prompt] if req.prompt is not None else [req.inputs] if isinstance(req.inputs, str) else req.inputs
@@ -111,10 +108,7 @@ def render_tokenize(rt: TokenizeHost, call: Call, t: Texts, ids: list[list[int]]
 
 
 def parse_detokenize(rt: TokenizeHost, call: Call, body: bytes) -> Ids:
-    try:
-        req = decode(DETOKENIZE, body)
-    except BodyRefusal as r:
-        raise refused(r) from None
+    req = decode(DETOKENIZE, body, refused)
     limit = rt.settings.max_input_chars
     if len(req.tokens) > limit:
         raise bad("tokens", f"over the {limit}-token limit (--max-input-chars)", "array_above_max_length")
