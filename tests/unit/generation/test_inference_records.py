@@ -43,7 +43,7 @@ class Tracer:
                 **(run.attributes or {}),
             }
         )
-        return f"span-{len(self.batches)}"
+        return f"span-{run.ended - run.started:.1f}"  # named by its sequence's compute time: unique in a test
 
 
 def test_answers_feed_the_histograms_and_spans_a_batch_would(clock: Clock) -> None:
@@ -76,22 +76,30 @@ def test_answers_feed_the_histograms_and_spans_a_batch_would(clock: Clock) -> No
     assert sum(rows.counts) == 4 and rows.sum == 1 + 2 + 2 + 1
     compute = metrics.batch_compute.labels(MODEL)
     assert sum(compute.counts) == 4 and compute.sum == pytest.approx(0.3 + 0.8 + 0.5 + 0.2)
-    assert [
-        (s["size"], s["worker"], s["cause"], s["batchserve.path"], s["batchserve.stepper.rows"]) for s in tracer.batches
-    ] == [
-        (1, "stepper", "joined", "stepper", 1),
-        (2, "stepper", "joined", "stepper", 2),
-        (2, "stepper", "joined", "stepper", 2),
-        (1, "stepper", "joined", "stepper", 1),
-    ]
-    assert [s["gen_ai.usage.output_tokens"] for s in tracer.batches] == [3, 3, 4, 3]
-    assert [s["requests"] for s in tracer.batches[:3]] == [["request-paid"]] * 3  # linked to their requests
-    assert tracer.batches[3]["requests"] == [None]  # a job item has no request span
-    # Each answered input's queue span links to its own sequence's span (a: span-1, b: span-2, c: span-3).
+    # A span is made as its sequence's answer is read, in whatever order the loop reads them: each is found by
+    # its compute time (a 0.3 s, b 0.8 s, c 0.5 s, the job item 0.2 s).
+    spans = {f"{s['s']:.1f}": s for s in tracer.batches}
+    assert {
+        t: (s["size"], s["worker"], s["cause"], s["batchserve.path"], s["batchserve.stepper.rows"])
+        for t, s in spans.items()
+    } == {
+        "0.3": (1, "stepper", "joined", "stepper", 1),
+        "0.8": (2, "stepper", "joined", "stepper", 2),
+        "0.5": (2, "stepper", "joined", "stepper", 2),
+        "0.2": (1, "stepper", "joined", "stepper", 1),
+    }
+    assert {t: s["gen_ai.usage.output_tokens"] for t, s in spans.items()} == {"0.3": 3, "0.8": 3, "0.5": 4, "0.2": 3}
+    assert {t: s["requests"] for t, s in spans.items()} == {
+        "0.3": ["request-paid"],  # linked to their requests
+        "0.8": ["request-paid"],
+        "0.5": ["request-paid"],
+        "0.2": [None],  # a job item has no request span
+    }
+    # Each answered input's queue span links to its own sequence's span: a and b waited 0, c 0.3 s.
     assert sorted((round(q, 6), span, outcome) for q, span, outcome in tracer.answers) == [
-        (0.0, "span-1", "ok"),
-        (0.0, "span-2", "ok"),
-        (0.3, "span-3", "ok"),
+        (0.0, "span-0.3", "ok"),
+        (0.0, "span-0.8", "ok"),
+        (0.3, "span-0.5", "ok"),
     ]
 
 
