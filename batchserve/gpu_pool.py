@@ -107,7 +107,7 @@ class GpuPool:
                     return 0.0
                 if w.free_at < soonest:
                     soonest = w.free_at
-        return max(0.0, soonest - now) if soonest != math.inf else soonest
+        return max(0.0, soonest - now)  # inf when no worker is healthy
 
     def timeout_s(self, batch: Batch | None = None, cost: float | None = None) -> float:
         """How long `batch` may run before its worker is taken for hung: --gpu-timeout-ms when set, else
@@ -197,13 +197,6 @@ class GpuPool:
             [formed - item.arrived for item in batch.items if item.tier < interactive]
         )
 
-    def _trace(self, tracing: BatchTracer, w: DeviceWorker, batch: Batch, problem: str | None) -> None:
-        """An ended batch's span, linked to its requests' spans."""
-        traces, n = (item.trace for item in batch.items), len(batch.items)
-        span = tracing.batch(BatchRun(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem))
-        for item in batch.items:
-            item.batch_trace = span
-
     def _finish(
         self,
         w: DeviceWorker,
@@ -229,12 +222,17 @@ class GpuPool:
         # The batch time as the loop sees it (hand-offs and GIL waits included) paces dispatch and admission;
         # the backend's own time goes to the compute histogram and the answers.
         cycle = self.clock() - w.started
-        if self.tracing is not None and not stopped_early:
-            self._trace(self.tracing, w, batch, problem)
+        n = len(batch.items)
+        if self.tracing is not None and not stopped_early:  # the batch's span, linked to its requests' spans
+            traces = (item.trace for item in batch.items)
+            span = self.tracing.batch(
+                BatchRun(batch.model, n, w.name, batch.cause, w.started, self.clock(), traces, problem)
+            )
+            for item in batch.items:
+                item.batch_trace = span
         w.batch = None
         w.busy_s += elapsed
         w.batches += 1
-        n = len(batch.items)
         if stopped_early:  # every caller had left: nobody to answer, nothing learned about the batch time
             self._stopped_early(batch)
             return None
@@ -242,7 +240,7 @@ class GpuPool:
             log.warning("batch of %d on %s failed: %s", n, w.name, problem)
             self._retry_or_fail(batch, w, problem, "error")
             return None
-        self.batcher.costs.observe(batch.model, cycle, batch.cost, len(batch.items))
+        self.batcher.costs.observe(batch.model, cycle, batch.cost, n)
         assert isinstance(outputs, list)
         if batch.held:  # this half was clean: the culprit is in the other one, which now runs alone
             self.batcher.requeue(Batch(batch.model, batch.held, self.clock(), "retry", isolated=batch.isolated))
@@ -332,7 +330,18 @@ class GpuPool:
                 Batch(batch.model, items[:mid], now, "retry", w.index, held=items[mid:], isolated=batch.isolated)
             )
             return
-        self._retry_or_fail_one(batch, items[0], w, problem, cause, now)
+        item = items[0]
+        if cause == "hang":
+            item.future.set_exception(errors.worker_hung(again=batch.after_hang))
+        elif item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:  # perhaps a transient fault
+            item.attempts += 1
+            self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index, isolated=batch.isolated))
+        else:
+            if self.quarantine is not None:
+                self.quarantine.add(batch.model, item.text, problem)
+            err = errors.inference_failed(problem)
+            err.costly = True  # found by failing batches, not named by the backend: jobs that hit it are isolated
+            item.future.set_exception(err)
 
     def _release_held(self, batch: Batch, now: float) -> None:
         """A failed or hung half's held sibling, presumed clean, back to the queue; a failing job's half stays in
@@ -341,23 +350,6 @@ class GpuPool:
             self.batcher.requeue(Batch(batch.model, batch.held, now, "retry", isolated=True))
         else:
             self.batcher.return_items(batch.held)
-
-    def _retry_or_fail_one(
-        self, batch: Batch, item: Item, w: DeviceWorker, problem: str, cause: str, now: float
-    ) -> None:
-        """Once more on another worker (a transient fault), else its error, quarantined."""
-        if cause != "hang" and item.attempts == 0 and self.healthy_count() > 1 and not batch.after_hang:
-            item.attempts += 1
-            self.batcher.requeue(Batch(batch.model, [item], now, "retry", w.index, isolated=batch.isolated))
-            return
-        if cause == "hang":
-            item.future.set_exception(errors.worker_hung(again=batch.after_hang))
-            return
-        if self.quarantine is not None:
-            self.quarantine.add(batch.model, item.text, problem)
-        err = errors.inference_failed(problem)
-        err.costly = True  # found by failing batches, not named by the backend: the job scheduler isolates such jobs
-        item.future.set_exception(err)
 
     # -- hung workers ----------------------------------------------------------------------------------------
     def _abandon(self, w: DeviceWorker, batch: Batch, limit: float) -> None:
@@ -368,10 +360,8 @@ class GpuPool:
         groups without the culprit are answered one batch later, and the culprit takes down at most one more
         worker. That loss is risked only while the workers left could still serve twice the recent arrival rate;
         otherwise the items are answered 504 at once and capacity is kept."""
-        if w.batch is not batch or not w.healthy:
-            return
-        if w.finished is batch:
-            return  # it ended in time; the loop has not yet run its turnaround (it was busy, or stalled)
+        if w.batch is not batch or not w.healthy or w.finished is batch:
+            return  # ended (`finished`: in time, the loop not yet at its turnaround, busy or stalled) or given up
         if w.running is batch:
             ran = self.clock() - w.running_since  # when the thread began it: a late timer is no evidence
             if ran < limit:

@@ -92,13 +92,10 @@ class Staging:
         self.batcher.stage_when_full = unarmed
 
     def _arm(self, w: DeviceWorker) -> None:
-        """A full batch waits behind `w`'s batch: stage it `lead_s` before the batch's expected end even if no
-        arrival comes then to ask. Closed-loop callers send nothing near a batch's end (they wait for answers), so
-        without this the device idled between batches. One timer per batch, only while a full batch waits: an idle
-        loop is never woken for it.
-
-        The timer is set early by the loop's recent lateness in running timers (`_timer_late`): on a busy machine
-        they run late, often after the batch has ended."""
+        """Stage the full batch waiting behind `w`'s `lead_s` before its expected end even if no arrival comes then
+        to ask (closed-loop callers wait for answers: the device would idle between batches). One timer per batch,
+        so an idle loop is never woken for it; set early by the loop's recent lateness in running timers
+        (`_timer_late`): on a busy machine they run late, often after the batch has ended."""
         batch = w.batch
         assert batch is not None
         w.timed = batch
@@ -135,22 +132,15 @@ class Staging:
         # the same a few ms later), being late the whole hop.
         late = min(max(0.0, now - at), lead)
         self._timer_late = max(late, self._timer_late * (1.0 - TIMER_LATE_DECAY))
-        if w.healthy and w.batch is batch and w.staged is None and not self._overdue(w, now):
-            if self._stage_into(w, now):
-                self.open()
+        if w.batch is batch and self._stageable(w, now) and self._stage_into(w, now):
+            self.open()
 
     def stage(self) -> None:
         """An item arrived within `lead_s` of a busy worker's expected end, or filled a queue while a busy worker
         has no staging timer yet: stage into that worker, then `open` (which arms the timer)."""
         now, lead = self.clock(), self.lead_s
         for w in self.workers:
-            if (
-                w.healthy
-                and w.batch is not None
-                and w.staged is None
-                and now >= w.ends - lead
-                and not self._overdue(w, now)
-            ):
+            if w.staged is None and w.batch is not None and now >= w.ends - lead and self._stageable(w, now):
                 self._stage_into(w, now)  # none when no full batch waits (or a retry or an idle worker goes
                 break  # first): an arrival asks again
         self.open()
@@ -169,7 +159,8 @@ class Staging:
         self.metrics.batches_staged.labels(staged.model).inc()
         return True
 
-    def _overdue(self, w: DeviceWorker, now: float) -> bool:
-        """Nothing is staged behind a batch overdue by more than the lead and still running (a long batch, a
-        hang): it could wait long, while higher-tier work arriving meanwhile would go first in a batch formed later."""
-        return now > w.ends + self.lead_s and w.finished is not w.batch
+    def _stageable(self, w: DeviceWorker, now: float) -> bool:
+        """Whether a batch may be staged behind busy `w`'s: not when it is unhealthy or has one staged, nor behind a
+        batch overdue by more than the lead and still running (a long batch, a hang): it could wait long, while
+        higher-tier work arriving meanwhile would go first in a batch formed later."""
+        return w.healthy and w.staged is None and (now <= w.ends + self.lead_s or w.finished is w.batch)

@@ -222,10 +222,9 @@ class Runtime:
         /healthz is 200 throughout, /readyz turns 200 after."""
         try:
             elsewhere = stepper_models(self.settings)  # answered by the engine: their batch backends stay shells
+            if self.loaded is None:
+                self.loaded = await in_daemon_thread(lambda: load_models(self.settings, elsewhere), LOAD_THREAD)
             loaded = self.loaded
-            if loaded is None:
-                loaded = await in_daemon_thread(lambda: load_models(self.settings, elsewhere), LOAD_THREAD)
-            self.loaded = loaded
             self.derive_deadlines(
                 {m: loaded.measured.get(m) for m in self.registry.by_id if m not in elsewhere}, "the warm-up batch time"
             )
@@ -290,10 +289,9 @@ class Runtime:
         self.generation = await start_generation(self.settings, self.metrics.registry)
         if self.generation is not None:
             self.generation.account = self.service.cost_account  # one account of cost served
-            stepper = serve_on_stepper(
+            stepper = self.stepper = serve_on_stepper(
                 self.service, self.generation, self.settings, StepperRecords(self.metrics, self.tracing)
             )
-            self.stepper = stepper
             if stepper is not None:  # no warm-up batch of theirs: their deadlines follow the stepper's answer
                 self.derive_deadlines({m: stepper.run_s() for m in elsewhere}, "the stepper's answer time")
             generating = next((spec.id for spec in self.settings.models if spec.generates), None)

@@ -33,9 +33,7 @@ class InferenceHost(Served, Protocol):
     requests: RequestLog
     backends: dict[str, Backend]
 
-    def model_cards(self) -> list[dict[str, object]]:
-        """GET /v1/models' entries for the models outside the batcher (the generation engine's)."""
-        ...
+    def model_cards(self) -> list[dict[str, object]]: ...  # the generation engine's, outside the batcher
 
 
 def parse(rt: InferenceHost, call: Call, body: bytes) -> str:

@@ -28,7 +28,7 @@ from grpc import aio
 from starlette.types import Message
 
 from batchserve import __version__, errors
-from batchserve.config import ModelSpec, Settings
+from batchserve.config import Settings
 from batchserve.errors import ApiError, ClientGone
 from batchserve.core.tiers import NAMES as TIER_NAMES
 from batchserve.core.work import Work
@@ -39,7 +39,7 @@ from batchserve.kserve import render
 from batchserve.kserve.parse import bad, bytes_elements
 from batchserve.kserve.grpc_messages import SERVICE, Messages, load
 from batchserve.kserve.host import KServeHost, find_model
-from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_ELEMENTS, OUTPUT_NAME
+from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_DIMS, MAX_ELEMENTS, OUTPUT_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -106,13 +106,6 @@ class ModelInferRequest(Protocol):
     parameters: Mapping[str, Parameter]
 
 
-def model_called(rt: KServeHost, name: str, version: str, field: str = "name") -> ModelSpec:
-    """The model a call names; an empty name is a 400 naming `field` (as on HTTP's v2 paths, none is picked)."""
-    if not name:
-        raise bad(f"'{field}' is required: the model to call (see ServerMetadata and ModelMetadata)")
-    return find_model(rt, name, version)
-
-
 def parse_request(req: ModelInferRequest, max_chars: int) -> tuple[list[str], list[int], float | None]:
     """The request's strings (row-major), its shape, and its `timeout` parameter in microseconds (or None)."""
     if len(req.inputs) != 1:
@@ -123,7 +116,7 @@ def parse_request(req: ModelInferRequest, max_chars: int) -> tuple[list[str], li
     if tensor.datatype != "BYTES":
         raise bad(f"input '{INPUT_NAME}' must have datatype BYTES (strings), not {tensor.datatype[:16]}")
     shape = list(tensor.shape)
-    if len(shape) > 8 or any(d < 0 or d > MAX_ELEMENTS for d in shape):
+    if len(shape) > MAX_DIMS or any(d < 0 or d > MAX_ELEMENTS for d in shape):
         raise bad("'shape' must be at most 8 non-negative dimensions")
     count = math.prod(shape)
     if count < 1 or count > MAX_ELEMENTS:
@@ -185,7 +178,7 @@ class InferenceServicer:
     async def ModelReady(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
         request: ModelRef = await read()  # type: ignore[assignment]
         try:
-            spec = model_called(self.rt, request.name, request.version)
+            spec = find_model(self.rt, request.name, request.version)
         except ApiError as err:
             if err.status != 404:  # no name at all: the 400 that names the field
                 raise
@@ -199,23 +192,21 @@ class InferenceServicer:
 
     async def ModelMetadata(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
         request: ModelRef = await read()  # type: ignore[assignment]
-        spec = model_called(self.rt, request.name, request.version)
+        spec = find_model(self.rt, request.name, request.version)
         return protos.ModelMetadataResponse(**render.metadata_of(self.rt, spec))
 
     async def ModelInfer(self, read: Read, context: aio.ServicerContext) -> object:  # noqa: N802
         rt = self.rt
-        s = rt.settings
-        guard = rt.guard
-        arrived = time.monotonic()
+        s, guard = rt.settings, rt.guard
         metadata = first_values(context.invocation_metadata() or (), METADATA)
-        work = Work(request_id_from(metadata.get("x-request-id")), arrived, gone=context.cancelled)
+        work = Work(request_id_from(metadata.get("x-request-id")), time.monotonic(), gone=context.cancelled)
         # The HTTP skeleton's request value and its steps: identified as HTTP, booked by the model book.
         call = Call({"client": peer_address(context.peer())}, no_body, work, metadata)
         try:
             caller = identify(guard, call)
             guard.check(caller)  # as HTTP's `enter`: a caller who may not send is refused before its message is read
             request: ModelInferRequest = await read()  # type: ignore[assignment]
-            spec = model_called(rt, request.model_name, request.model_version, "model_name")
+            spec = find_model(rt, request.model_name, request.model_version, field="model_name")
             work.model = spec.id
             texts, shape, timeout_us = parse_request(request, s.max_input_chars)
             work.inputs = len(texts)

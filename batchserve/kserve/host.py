@@ -21,14 +21,15 @@ class KServeHost(Served, Protocol):
     service: InferenceService
     backends: dict[str, Backend]
 
-    def not_ready_reason(self) -> str | None:
-        """Why the node takes no traffic now (None when ready): /readyz's reason."""
-        ...
+    def not_ready_reason(self) -> str | None: ...  # /readyz's reason; None when ready
 
 
-def find_model(rt: KServeHost, name: str, version: str | None, where: str = "") -> ModelSpec:
+def find_model(rt: KServeHost, name: str, version: str | None, where: str = "", field: str = "name") -> ModelSpec:
     """The model named: `name` (its versions split by weight, as `model` on /v1/inference) or `name` + `version`
-    (an empty version is none); a 404 in v2's words when unknown, ending with `where` (where to look)."""
+    (an empty version is none); a 404 in v2's words when unknown, ending with `where` (where to look). An empty
+    name (only gRPC can send one: HTTP's v2 paths always name a model) is a 400 naming `field`: none is picked."""
+    if not name:
+        raise errors.invalid(f"'{field}' is required: the model to call (see ServerMetadata and ModelMetadata)")
     spec = rt.registry.by_id.get(f"{name}@{version}") if version else rt.registry.resolve(name)
     if spec is None:
         raise ApiError(

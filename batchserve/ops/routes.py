@@ -111,9 +111,7 @@ async def internal_health(rt: OpsHost, call: Call, req: None) -> dict[str, objec
         "answer_ms": {m: round(v * 1000, 1) for m, v in answer_times.items()},
         "inference_path": {**{m: "batcher" for m in batch_times}, **{m: "stepper" for m in answer_times}},
         # Each model's own SLO and timeouts (set, or derived)
-        "slo_ms": {m: d["slo_ms"] for m, d in deadlines.items()},
-        "timeout_ms": {m: d["timeout_ms"] for m, d in deadlines.items()},
-        "max_timeout_ms": {m: d["max_timeout_ms"] for m, d in deadlines.items()},
+        **{key: {m: d[key] for m, d in deadlines.items()} for key in ("slo_ms", "timeout_ms", "max_timeout_ms")},
         "batch_ms_by_size": {
             m: {str(n): round(v * 1000, 1) for n, v in rt.batcher.batch_s.by_size(m).items()}
             for m in rt.batcher.batch_s.models()
@@ -143,8 +141,7 @@ def render_metrics(rt: OpsHost, call: Call, req: None, text: bytes) -> Answer:
 
 
 async def openapi_json(rt: OpsHost, call: Call, req: None) -> bytes:
-    document: bytes = call.scope["app"].state.openapi
-    return document
+    return call.scope["app"].state.openapi
 
 
 def render_document(rt: OpsHost, call: Call, req: None, document: bytes) -> Answer:

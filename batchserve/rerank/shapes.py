@@ -15,6 +15,9 @@ MAX_DOCUMENTS = 1000  # documents per request (Cohere's limit)
 
 
 Text = Annotated[str, Meta(min_length=1)]  # an empty document has nothing to score: 400, as /v1/embeddings
+Model = Annotated[Text | None, Meta(description="a reranking model (GET /v1/models); default: the first")]
+TopN = Annotated[int, Meta(ge=1, description="answer the best N only (default: all)")]
+Timeout = Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")]
 
 
 class Document(Struct):
@@ -24,7 +27,7 @@ class Document(Struct):
 class RerankRequest(Struct):
     """What `POST /v1/rerank` takes; members it does not know are ignored."""
 
-    query: Annotated[str, Meta(min_length=1)]
+    query: Text
     documents: Annotated[
         list[Text | Document],
         Meta(
@@ -33,15 +36,10 @@ class RerankRequest(Struct):
             description="strings, or Cohere's {text}; each (query, document) pair is one input on the batcher",
         ),
     ]
-    top_n: Annotated[int, Meta(ge=1, description="answer the best N only (default: all)")] | None = None
+    top_n: TopN | None = None
     return_documents: Annotated[bool, Meta(description="echo each document's text in its result")] = False
-    model: Annotated[
-        Annotated[str, Meta(min_length=1)] | None,
-        Meta(description="a reranking model (GET /v1/models); default: the first"),
-    ] = None
-    timeout_ms: (
-        Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")] | UnsetType
-    ) = UNSET
+    model: Model = None
+    timeout_ms: Timeout | UnsetType = UNSET
     service_tier: Priority | None = None
 
 
@@ -70,22 +68,17 @@ class V2RerankRequest(Struct):
     """What `POST /v2/rerank` takes (Cohere's v2: documents are strings); members it does not know are ignored
     (`relevant_spans`, `priority`)."""
 
-    query: Annotated[str, Meta(min_length=1)]
+    query: Text
     documents: Annotated[
         list[Text],
         Meta(min_length=1, max_length=MAX_DOCUMENTS, description="each (query, document) pair is one input"),
     ]
-    model: Annotated[
-        Annotated[str, Meta(min_length=1)] | None,
-        Meta(description="a reranking model (GET /v1/models); default: the first"),
-    ] = None
-    top_n: Annotated[int, Meta(ge=1, description="answer the best N only (default: all)")] | None = None
+    model: Model = None
+    top_n: TopN | None = None
     max_tokens_per_doc: (
         Annotated[int, Meta(ge=1, description="accepted; a pair is cut at the model's own sequence length")] | None
     ) = None
-    timeout_ms: (
-        Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")] | UnsetType
-    ) = UNSET
+    timeout_ms: Timeout | UnsetType = UNSET
     service_tier: Priority | None = None
 
 
