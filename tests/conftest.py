@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -79,6 +80,31 @@ class LiveServer:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def add_key(config: Path, tenant: str, tier: str, *extra: str) -> str:
+    """A new API key for `tenant` in `tier`, written to `config` by the real `batchserve keys add`."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchserve",
+            "keys",
+            "add",
+            "--config",
+            str(config),
+            "--tenant",
+            tenant,
+            "--tier",
+            tier,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return out.stdout.strip()
 
 
 def start_server(

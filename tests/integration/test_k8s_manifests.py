@@ -12,33 +12,12 @@ def test_the_manifest_configuration_serves_batch_jobs_on_postgresql(pg_server, t
     """The pod's environment as rendered above, with only the node's parts swapped for this machine (the sim
     for the GPU model, a loopback port, this test's PostgreSQL for the docs' URL, a keys file made as the docs
     say): the server starts on it and a batch job runs to the end on the postgresql:// store."""
-    import subprocess
-    import sys
 
     from batchserve.client import Client
-    from tests.conftest import start_server
+    from tests.conftest import add_key, start_server
 
     config = tmp_path / "config.toml"
-    made = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchserve",
-            "keys",
-            "add",
-            "--config",
-            str(config),
-            "--tenant",
-            "acme",
-            "--tier",
-            "paid",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    key = made.stdout.strip()
+    key = add_key(config, "acme", "paid")
     env = rendered_env()
     assert env["BATCHSERVE_JOBS_DB"].startswith("postgresql://") and env["BATCHSERVE_BACKEND"] == "smollm2"
     env.update(

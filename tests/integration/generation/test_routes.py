@@ -20,7 +20,7 @@ import pytest
 from bench.ledger_drill import ledger_of
 from tests.conftest import LiveServer, start_server
 from tests.integration.generation.conftest import Reference
-from tests.integration.http.test_tenancy import add_key
+from tests.conftest import add_key
 
 if TYPE_CHECKING:
     import openai

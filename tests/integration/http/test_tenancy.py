@@ -10,30 +10,8 @@ from pathlib import Path
 
 import aiohttp
 
+from tests.conftest import add_key
 from tests.integration.inference.test_routes import metric
-
-
-def add_key(config: Path, tenant: str, tier: str, *extra: str) -> str:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchserve",
-            "keys",
-            "add",
-            "--config",
-            str(config),
-            "--tenant",
-            tenant,
-            "--tier",
-            tier,
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
 
 
 def bearer(key: str) -> dict[str, str]:

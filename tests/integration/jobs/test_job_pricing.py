@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from tests.conftest import start_server
-from tests.integration.http.test_tenancy import add_key
+from tests.conftest import add_key
 
 LINES, INPUTS = 1, 2048
 MAX_QUEUE = 1500  # below the file's inputs: all of them at once would fill the queue

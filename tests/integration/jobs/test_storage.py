@@ -21,7 +21,7 @@ import pytest
 
 from batchserve.jobs.openai_batch import file_line
 from batchserve.jobs.store import OUTPUT, ItemRow
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, add_key
 from tests.integration.jobs.test_openai_batch import jsonl, launch
 
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "embed", "input": "x"}}
@@ -342,8 +342,6 @@ def test_native_jobs_count_against_the_quota_and_are_deleted_with_their_data(ser
 def test_a_keys_storage_mb_in_the_config_file_is_its_tenants_quota(tmp_path, db):
     """`[[keys]] storage_mb` gives one tenant its own quota beside --tenant-storage-mb for the others."""
     import os
-    import subprocess
-    import sys
 
     from tests.conftest import start_server
     from tests.integration.embeddings.test_routes import EMBED_PLUGIN
@@ -353,28 +351,8 @@ def test_a_keys_storage_mb_in_the_config_file_is_its_tenants_quota(tmp_path, db)
     config = tmp_path / "bs.toml"
     config.write_text(CONFIG)
 
-    def add(tenant: str) -> str:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "batchserve",
-                "keys",
-                "add",
-                "--config",
-                str(config),
-                "--tenant",
-                tenant,
-                "--tier",
-                "paid",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-
-    small = add("small")
-    big = add("big")
+    small = add_key(config, "small", "paid")
+    big = add_key(config, "big", "paid")
     with config.open("a") as fh:
         fh.write("storage_mb = 0.1\n")  # the last [[keys]] table: big keeps up to 100 kB
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}

@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import LiveServer, start_server
+from tests.conftest import LiveServer, add_key, start_server
 from tests.integration.jobs.test_openai_batch import launch
 from tests.integration.jobs.test_storage import lines, upload, wait_for
 
@@ -73,24 +71,7 @@ def serve(tmp_path: Path) -> Iterator:
         token = ""
         if key:  # launch wrote the config afresh: add the key and start again on it
             s.stop()
-            token = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "batchserve",
-                    "keys",
-                    "add",
-                    "--config",
-                    str(tmp_path / "bs.toml"),
-                    "--tenant",
-                    "keyed",
-                    "--tier",
-                    "paid",
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
+            token = add_key(tmp_path / "bs.toml", "keyed", "paid")
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
             s = start_server(
                 "--config",
