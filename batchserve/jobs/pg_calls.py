@@ -14,6 +14,7 @@ fails raise `StoreDown`, which callers answer (503) or retry without a log line 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -73,12 +74,8 @@ def cut(conn: AsyncConnection) -> None:
         sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
     except (OSError, psycopg.Error):  # already closed
         return
-    try:
+    with sock, contextlib.suppress(OSError):  # closes the duplicate only: psycopg closes the connection's own
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.close()  # the duplicate only: the connection's own descriptor is closed by psycopg
 
 
 class NoAnswer(Exception):
@@ -104,10 +101,9 @@ async def within(bound_s: float, run: Callable[[list[AsyncConnection]], Awaitabl
         raise
     if done:
         return task.result()
-    if held:
-        for conn in held:
-            cut(conn)
-    else:
+    for conn in held:
+        cut(conn)
+    if not held:
         task.cancel()
     await asyncio.wait({task}, timeout=CUT_GRACE_S)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is seen, never "unretrieved"
@@ -168,18 +164,18 @@ class PgCalls:
             raise
         deadline = time.monotonic() + bound_s
         try:
-            try:
-                result = await within(bound_s, lambda held: self._attempts(fn, probe, held, deadline))
-            except NoAnswer as exc:
-                raise self._unreachable(str(exc)) from None
-            except (PoolTimeout, psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                raise self._unreachable(_first_line(exc)) from None
-            except psycopg.Error as exc:  # the database answered (a constraint, a trigger): it is up
-                self._reachable()
-                raise StoreUnavailable(f"the PostgreSQL job store failed: {exc}") from None
-            except (StoreUnavailable, IdempotencyConflict, FileLimitReached):
-                self._reachable()  # it answered (a conflict, a limit, a deadlock three times)
-                raise
+            result = await within(bound_s, lambda held: self._attempts(fn, probe, held, deadline))
+        except NoAnswer as exc:
+            raise self._unreachable(str(exc)) from None
+        except (PoolTimeout, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            raise self._unreachable((str(exc).strip() or type(exc).__name__).splitlines()[0]) from None
+        except psycopg.Error as exc:  # the database answered (a constraint, a trigger): it is up
+            self._reachable()
+            raise StoreUnavailable(f"the PostgreSQL job store failed: {exc}") from None
+        except (StoreUnavailable, IdempotencyConflict, FileLimitReached):
+            self._reachable()  # it answered (a conflict, a limit, a deadlock three times)
+            raise
+        else:
             self._reachable()
             return result
         finally:
@@ -266,8 +262,3 @@ class PgCalls:
         await self._pool.close()
         if self._closing:  # an old pool closing under a stopped server gives up on its own, in a second
             await asyncio.gather(*self._closing, return_exceptions=True)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

@@ -9,15 +9,8 @@ from psycopg import AsyncConnection
 
 from batchserve.jobs.files import FILE_COLUMNS, FileLimitReached, StoredFile, StorageLimits, listing
 from batchserve.jobs.pg_calls import PgCalls, bound_for
+from batchserve.jobs.store import POSTGRES
 
-USAGE = (
-    "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files WHERE tenant = %(t)s) + "
-    "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs WHERE tenant = %(t)s)"
-)
-TOTAL = (
-    "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM batchserve_files) + "
-    "(SELECT COALESCE(SUM(bytes), 0) FROM batchserve_jobs)"
-)
 BIG_DELETE_S = bound_for(256 << 20, 50_000)  # deletes of a whole file or job: they free what uploads and batches kept
 
 
@@ -44,14 +37,10 @@ class PgFileStore:
     @staticmethod
     async def _usage(conn: AsyncConnection, tenant: str, with_total: bool) -> tuple[int, int]:
         """(bytes the tenant keeps, bytes the store keeps in all, or 0 unless `with_total`)."""
-        cur = await conn.execute(USAGE, {"t": tenant})
+        cur = await conn.execute(POSTGRES.usage_total if with_total else POSTGRES.usage, (tenant, tenant))
         row = await cur.fetchone()
-        mine = int(row[0]) if row is not None else 0
-        if not with_total:
-            return mine, 0
-        cur = await conn.execute(TOTAL)
-        row = await cur.fetchone()
-        return mine, int(row[0]) if row is not None else 0
+        assert row is not None  # sums: always one row
+        return int(row[0]), int(row[1])
 
     async def usage(self, tenant: str) -> tuple[int, int]:
         return await self.calls.tx(lambda conn: self._usage(conn, tenant, True))
@@ -65,9 +54,7 @@ class PgFileStore:
             if row is not None and row[0] >= max_count:
                 raise FileLimitReached(meta.tenant)
             await conn.execute(
-                "INSERT INTO batchserve_files (id, tenant, filename, purpose, bytes, created_at, "
-                "status, expires_at) VALUES (%s, %s, %s, %s, 0, %s, 'uploading', %s)",
-                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
+                POSTGRES.new_file, (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at)
             )
 
         await self.calls.tx(tx)
@@ -84,9 +71,7 @@ class PgFileStore:
 
     async def finish_file(self, meta: StoredFile) -> None:
         await self.calls.change(
-            "UPDATE batchserve_files SET status = 'processed', filename = %s, purpose = %s, "
-            "bytes = %s, expires_at = %s WHERE id = %s",
-            (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
+            POSTGRES.finish_file, (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id)
         )
 
     async def abort_file(self, file_id: str) -> None:
@@ -94,21 +79,15 @@ class PgFileStore:
         await self.calls.change("DELETE FROM batchserve_files WHERE id = %s", (file_id,), BIG_DELETE_S)
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
-        rows = await self.calls.rows(
-            f"SELECT {FILE_COLUMNS} FROM batchserve_files WHERE id = %s AND tenant = %s AND status = 'processed'",
-            (file_id, tenant),
-        )
+        rows = await self.calls.rows(POSTGRES.get_file, (file_id, tenant))
         return StoredFile(*rows[0]) if rows else None
 
     async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes]:
         if await self.get_file(tenant, file_id) is None:
             return
         seq = -1
-        while rows := await self.calls.rows(
-            "SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s ORDER BY seq LIMIT 1",
-            (file_id, seq),
-            bound_for(2 << 20),  # one chunk (1 MB) a call
-        ):
+        # one chunk (1 MB) a call
+        while rows := await self.calls.rows(POSTGRES.next_chunk, (file_id, seq), bound_for(2 << 20)):
             seq, data = rows[0]
             yield bytes(data)
 

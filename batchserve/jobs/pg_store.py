@@ -21,6 +21,7 @@ import os
 import secrets
 import socket
 from collections.abc import Iterable
+from typing import Any
 
 from psycopg import AsyncConnection
 
@@ -31,8 +32,7 @@ from batchserve.jobs.pg_files import BIG_DELETE_S, PgFileStore
 from batchserve.jobs.store import (
     JOB_COLUMNS,
     JOB_TABLE_COLUMNS,
-    NEW_JOB_COLUMNS,
-    NEW_JOB_VALUES,
+    POSTGRES,
     ACTIVE,
     CANCELLED,
     PAGE_BYTES,
@@ -48,10 +48,7 @@ from batchserve.jobs.store import (
 )
 
 
-INSERT_JOB = (
-    f"INSERT INTO batchserve_jobs ({NEW_JOB_COLUMNS}) VALUES ({NEW_JOB_VALUES.replace('?', '%s')}) "
-    "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq"
-)
+INSERT_JOB = POSTGRES.new_job + " ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING seq"
 SCHEMA_LOCK = 0x6261746368  # pg_advisory_xact_lock key taken while the schema is created
 
 SCHEMA = (
@@ -138,21 +135,8 @@ async def book_job(
     its items ended), then its status once every item is final."""
     if reason is not None:
         size.merge(await end_pending(conn, job_id, openai, "failed", QUOTA_CODE, reason, now))
-    await conn.execute(
-        "UPDATE batchserve_jobs SET completed = completed + %s, failed = failed + %s, "
-        "bytes = bytes + %s, output_bytes = output_bytes + %s, "
-        "error_bytes = error_bytes + %s, reason = COALESCE(reason, %s) WHERE id = %s",
-        (*size.grows(), reason, job_id),
-    )
-    cur = await conn.execute(
-        f"UPDATE batchserve_jobs SET status = CASE WHEN status NOT IN ('queued', 'running') "
-        f"THEN status WHEN completed + failed + cancelled < total THEN status "
-        f"WHEN reason IS NOT NULL THEN 'failed' "
-        f"WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
-        f"finished_at = CASE WHEN status IN ('queued', 'running') AND completed + failed + cancelled "
-        f">= total THEN %s ELSE finished_at END WHERE id = %s RETURNING {JOB_COLUMNS}",
-        (now, job_id),
-    )
+    await conn.execute(POSTGRES.book_job, (*size.grows(), reason, job_id))
+    cur = await conn.execute(POSTGRES.finish_job, (now, job_id))
     row = await cur.fetchone()
     return Progress.of(Job.of_row(row)) if row is not None else None
 
@@ -209,11 +193,7 @@ class PostgresStore(PgFileStore):
                 await self._lock_tenant(conn, job.tenant)
             cur = await conn.execute(INSERT_JOB, job.row(0))
             if await cur.fetchone() is None:  # the key was used before (perhaps on another node just now)
-                cur = await conn.execute(
-                    f"SELECT {JOB_COLUMNS}, request_hash FROM batchserve_jobs "
-                    f"WHERE tenant = %s AND idempotency_key = %s",
-                    (job.tenant, job.idempotency_key),
-                )
+                cur = await conn.execute(POSTGRES.keyed_job, (job.tenant, job.idempotency_key))
                 row = await cur.fetchone()
                 assert row is not None
                 return job.repeat(row)
@@ -230,34 +210,25 @@ class PostgresStore(PgFileStore):
     async def _copy_lines(self, conn: AsyncConnection, job: NewJob) -> None:
         """The file's lines become the job's items, one stored chunk at a time (never the whole file): each
         chunk read, split on a worker thread, and its lines copied in, in the job's transaction."""
-        cur = await conn.execute(
-            "SELECT tenant FROM batchserve_files WHERE id = %s AND status = 'processed'", (job.source_file,)
-        )
+        cur = await conn.execute(POSTGRES.file_owner, (job.source_file,))
         owner = await cur.fetchone()
         if owner is None or owner[0] != job.tenant:
             raise FileGone(job.source_file or "")
         split = LineSplitter()
-        index, seq = 0, -1
-        while True:
-            cur = await conn.execute(
-                "SELECT seq, data FROM batchserve_file_chunks WHERE file_id = %s AND seq > %s ORDER BY seq LIMIT 1",
-                (job.source_file, seq),
-            )
+        index = 0
+        row: tuple[Any, ...] | None = (-1, b"")  # the last chunk read (seq, data); None past the file's end
+        while row is not None:
+            cur = await conn.execute(POSTGRES.next_chunk, (job.source_file, row[0]))
             row = await cur.fetchone()
             lines = split.end() if row is None else await asyncio.to_thread(split.feed, bytes(row[1]))
             if lines:
                 await copy_items(conn, job.id, index, (line.decode() for line in lines))
                 index += len(lines)
-            if row is None:
-                break
-            seq = row[0]
         if index != job.total:
             raise FileGone(job.source_file or "")
 
     async def get(self, tenant: str, job_id: str) -> Job | None:
-        rows = await self.calls.rows(
-            f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
-        )
+        rows = await self.calls.rows(POSTGRES.get_job, (job_id, tenant))
         return Job.of_row(rows[0]) if rows else None
 
     async def list_jobs(self, tenant: str, limit: int, after: str | None) -> list[Job]:
@@ -303,9 +274,7 @@ class PostgresStore(PgFileStore):
 
     async def delete_job(self, tenant: str, job_id: str) -> Job | None:
         async def tx(conn: AsyncConnection) -> Job | None:
-            cur = await conn.execute(
-                f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
-            )
+            cur = await conn.execute(POSTGRES.get_job, (job_id, tenant))
             row = await cur.fetchone()
             if row is None:
                 return None
@@ -335,21 +304,16 @@ class PostgresStore(PgFileStore):
     async def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         # Items first, then the job row: the order `record` takes its locks in, so the two never deadlock.
         async def tx(conn: AsyncConnection) -> Job | None:
-            cur = await conn.execute(
-                "SELECT status, openai FROM batchserve_jobs WHERE id = %s AND tenant = %s", (job_id, tenant)
-            )
+            cur = await conn.execute(POSTGRES.job_state, (job_id, tenant))
             row = await cur.fetchone()
             if row is None:
                 return None
             if row[0] in ACTIVE:
                 sizes = await end_pending(conn, job_id, row[1] is not None, *CANCELLED, now)
                 await conn.execute(
-                    "UPDATE batchserve_jobs SET status = 'cancelled', cancelled = cancelled + %s, finished_at = %s, "
-                    "bytes = bytes + %s, error_bytes = error_bytes + %s "
-                    "WHERE id = %s AND status IN ('queued', 'running')",
-                    (sizes.counts["cancelled"], now, sizes.stored, sizes.errors, job_id),
+                    POSTGRES.cancel_job, (sizes.counts["cancelled"], now, sizes.stored, sizes.errors, job_id)
                 )
-            cur = await conn.execute(f"SELECT {JOB_COLUMNS} FROM batchserve_jobs WHERE id = %s", (job_id,))
+            cur = await conn.execute(POSTGRES.get_job, (job_id, tenant))
             found = await cur.fetchone()
             return Job.of_row(found) if found is not None else None
 
@@ -381,11 +345,7 @@ class PostgresStore(PgFileStore):
             )
             claimed = sorted((r[0], r[1]) for r in await cur.fetchall())
             if claimed:
-                await conn.execute(
-                    "UPDATE batchserve_jobs SET status = 'running', "
-                    "started_at = COALESCE(started_at, %s) WHERE id = %s AND status = 'queued'",
-                    (now, job_id),
-                )
+                await conn.execute(POSTGRES.job_running, (now, job_id))
             return claimed
 
         return await self.calls.tx(tx, bound_for(READ_BYTES, limit))  # the claimed items' inputs come back with it
@@ -413,13 +373,13 @@ class PostgresStore(PgFileStore):
         for o in outcomes:
             by_job.setdefault(o.job_id, []).append(o)
         job_ids = sorted(by_job)  # job rows locked in one order on every node
-        quota = self.limits.bounded
 
         async def tx(conn: AsyncConnection) -> list[Progress]:
             cur = await conn.execute("SELECT id, tenant, openai FROM batchserve_jobs WHERE id = ANY(%s)", (job_ids,))
             owners = {r[0]: (r[1], r[2] is not None) for r in await cur.fetchall()}
             openai = {job_id: owners.get(job_id, ("", False))[1] for job_id in job_ids}  # only then are inputs read
-            if quota:  # tenant locks before any row lock, in one order: the order every writer takes them in
+            # Tenant locks before any row lock, in one order: the order every writer takes them in.
+            if self.limits.bounded:
                 for tenant in sorted({t for t, _ in owners.values()}):
                     await self._lock_tenant(conn, tenant)
             reasons: dict[str, str] = {}

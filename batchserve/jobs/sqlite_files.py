@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from batchserve.jobs.files import FILE_COLUMNS, FileLimitReached, StorageLimits, StoredFile, listing
+from batchserve.jobs.store import SQLITE
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -62,16 +63,7 @@ class SQLiteFileStore:
     @staticmethod
     def _usage(c: sqlite3.Connection, tenant: str, with_total: bool) -> tuple[int, int]:
         """(bytes the tenant keeps, bytes the store keeps in all, or 0 unless `with_total`)."""
-        mine = c.execute(
-            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?) + "
-            "(SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?)",
-            (tenant, tenant),
-        ).fetchone()[0]
-        if not with_total:
-            return mine, 0
-        total = c.execute(
-            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs)"
-        ).fetchone()[0]
+        mine, total = c.execute(SQLITE.usage_total if with_total else SQLITE.usage, (tenant, tenant)).fetchone()
         return mine, total
 
     def _check(self, c: sqlite3.Connection, tenant: str, adding: int, what: str) -> None:
@@ -89,9 +81,7 @@ class SQLiteFileStore:
             if held >= max_count:
                 raise FileLimitReached(meta.tenant)
             c.execute(
-                "INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, status, expires_at) "
-                "VALUES (?, ?, ?, ?, 0, ?, 'uploading', ?)",
-                (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at),
+                SQLITE.new_file, (meta.id, meta.tenant, meta.filename, meta.purpose, meta.created_at, meta.expires_at)
             )
 
     @on_store_thread
@@ -104,11 +94,7 @@ class SQLiteFileStore:
     @on_store_thread
     def finish_file(self, meta: StoredFile) -> None:
         with self._tx() as c:
-            c.execute(
-                "UPDATE files SET status = 'processed', filename = ?, purpose = ?, bytes = ?, expires_at = ? "
-                "WHERE id = ?",
-                (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id),
-            )
+            c.execute(SQLITE.finish_file, (meta.filename, meta.purpose, meta.bytes, meta.expires_at, meta.id))
 
     @on_store_thread
     def abort_file(self, file_id: str) -> None:
@@ -123,15 +109,11 @@ class SQLiteFileStore:
 
     @on_store_thread
     def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
-        row = self._db.execute(
-            f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
-        ).fetchone()
+        row = self._db.execute(SQLITE.get_file, (file_id, tenant)).fetchone()
         return StoredFile(*row) if row is not None else None
 
     def _chunk(self, file_id: str, after: int) -> tuple[int, bytes] | None:
-        row = self._db.execute(
-            "SELECT seq, data FROM file_chunks WHERE file_id = ? AND seq > ? ORDER BY seq LIMIT 1", (file_id, after)
-        ).fetchone()
+        row = self._db.execute(SQLITE.next_chunk, (file_id, after)).fetchone()
         return (row[0], bytes(row[1])) if row is not None else None
 
     @on_store_thread
@@ -142,9 +124,7 @@ class SQLiteFileStore:
     @on_store_thread
     def delete_file(self, tenant: str, file_id: str) -> bool:
         with self._tx() as c:
-            found = c.execute(
-                "SELECT 1 FROM files WHERE id = ? AND tenant = ? AND status = 'processed'", (file_id, tenant)
-            ).fetchone()
+            found = c.execute(SQLITE.get_file, (file_id, tenant)).fetchone()
             if found is not None:
                 self._drop_file(c, file_id)
         if found is not None:

@@ -26,8 +26,7 @@ from batchserve.jobs.sqlite_files import SQLiteFileStore, on_store_thread
 from batchserve.jobs.store import (
     JOB_COLUMNS,
     JOB_TABLE_COLUMNS,
-    NEW_JOB_COLUMNS,
-    NEW_JOB_VALUES,
+    SQLITE,
     ACTIVE,
     CANCELLED,
     PAGE_BYTES,
@@ -94,31 +93,25 @@ CREATE TABLE IF NOT EXISTS file_chunks (
 );
 """
 )
-# Columns added since the first schema (a file from before gets them at open).
-JOB_EXTRA = {
-    "openai": "TEXT",
-    "bytes": "INTEGER NOT NULL DEFAULT 0",
-    "output_bytes": "INTEGER NOT NULL DEFAULT 0",
-    "error_bytes": "INTEGER NOT NULL DEFAULT 0",
-    "expires_at": "REAL",
-    "reason": "TEXT",
+# Columns added since the first schema, by table (a file from before gets them at open).
+EXTRA = {
+    "jobs": {
+        "openai": "TEXT",
+        "bytes": "INTEGER NOT NULL DEFAULT 0",
+        "output_bytes": "INTEGER NOT NULL DEFAULT 0",
+        "error_bytes": "INTEGER NOT NULL DEFAULT 0",
+        "expires_at": "REAL",
+        "reason": "TEXT",
+    },
+    "files": {"status": "TEXT NOT NULL DEFAULT 'processed'", "expires_at": "REAL"},
+    # An output's size in bytes, kept as it is recorded since length() reads a whole TEXT value (60 ms for 16 MB).
+    # NULL: recorded before the column; its size is read from the value.
+    "items": {"output_bytes": "INTEGER"},
 }
-FILE_EXTRA = {"status": "TEXT NOT NULL DEFAULT 'processed'", "expires_at": "REAL"}
-# An output's size in bytes, kept as it is recorded since length() reads a whole TEXT value (60 ms for 16 MB).
-# NULL: recorded before the column; its size is read from the value.
-ITEM_EXTRA = {"output_bytes": "INTEGER"}
 
 
 class StoreBusy(Exception):
     """Another process holds the jobs file."""
-
-
-def add_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
-    """The columns a file made by an older version lacks."""
-    have = {r["name"] for r in conn.execute(f"PRAGMA table_info({table})")}
-    for name, decl in columns.items():
-        if name not in have:
-            conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
 
 def end_pending(
@@ -155,37 +148,37 @@ class SQLiteStore(SQLiteFileStore):
         """Lock and open the file; on any failure (a corrupt file, a refused WAL) release both the lock and the
         connection, so the next try (after a repair) starts clean instead of finding its own lock."""
         try:
-            self._open_locked()
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise StoreBusy(f"{self.path} is in use by another batchserve process") from None
+            # The fd stays open while the connection lives: closing any fd of the file drops SQLite's POSIX locks.
+            self._lock_fd = fd
+            conn = self._conn = sqlite3.connect(self.path, isolation_level=None)
+            conn.row_factory = sqlite3.Row
+            # A new file gives deleted pages back to the file system (`_vacuum`), so deleting and expiring shrink
+            # it; a file from before keeps reusing its free pages instead. Set before anything else writes the file.
+            conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise RuntimeError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            conn.executescript(SCHEMA)
+            for table, columns in EXTRA.items():
+                have = {r["name"] for r in conn.execute(f"PRAGMA table_info({table})")}
+                for name, decl in columns.items():
+                    if name not in have:
+                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+            self._migrate()
+            with self._tx() as c:  # uploads cut short by the process's death (one process holds the file)
+                for (file_id,) in c.execute("SELECT id FROM files WHERE status = 'uploading'").fetchall():
+                    self._drop_file(c, file_id)
         except BaseException:
             self._close()
             raise
-
-    def _open_locked(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreBusy(f"{self.path} is in use by another batchserve process") from None
-        # The fd stays open while the connection lives: closing any fd of the file drops SQLite's POSIX locks.
-        self._lock_fd = fd
-        conn = self._conn = sqlite3.connect(self.path, isolation_level=None)
-        conn.row_factory = sqlite3.Row
-        # A new file gives deleted pages back to the file system (`_vacuum`), so deleting and expiring shrink
-        # it; a file from before keeps reusing its free pages instead. Set before anything else writes the file.
-        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if mode.lower() != "wal":
-            raise RuntimeError(f"{self.path}: SQLite refused WAL mode (journal_mode={mode})")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("PRAGMA busy_timeout=5000")
-        conn.executescript(SCHEMA)
-        for table, columns in (("jobs", JOB_EXTRA), ("files", FILE_EXTRA), ("items", ITEM_EXTRA)):
-            add_columns(conn, table, columns)
-        self._migrate()
-        with self._tx() as c:  # uploads cut short by the process's death (one process holds the file)
-            for (file_id,) in c.execute("SELECT id FROM files WHERE status = 'uploading'").fetchall():
-                self._drop_file(c, file_id)
 
     def _migrate(self) -> None:
         """Version 1: outputs are JSON text; an older file's string outputs are quoted so the API answers the same.
@@ -212,14 +205,11 @@ class SQLiteStore(SQLiteFileStore):
         adding = job.stored_bytes()
         with self._tx() as c:
             if job.idempotency_key is not None:
-                row = c.execute(
-                    f"SELECT {JOB_COLUMNS}, request_hash FROM jobs WHERE tenant = ? AND idempotency_key = ?",
-                    (job.tenant, job.idempotency_key),
-                ).fetchone()
+                row = c.execute(SQLITE.keyed_job, (job.tenant, job.idempotency_key)).fetchone()
                 if row is not None:
                     return job.repeat(row)
             self._check(c, job.tenant, adding, "this batch's inputs")
-            c.execute(f"INSERT INTO jobs ({NEW_JOB_COLUMNS}) VALUES ({NEW_JOB_VALUES})", job.row(adding))
+            c.execute(SQLITE.new_job, job.row(adding))
             if job.source_file is None:
                 c.executemany(
                     "INSERT INTO items (job_id, idx, input) VALUES (?, ?, ?)",
@@ -231,9 +221,7 @@ class SQLiteStore(SQLiteFileStore):
 
     def _copy_lines(self, c: sqlite3.Connection, job: NewJob) -> None:
         """The file's lines become the job's items, one stored chunk at a time (never the whole file)."""
-        owner = c.execute(
-            "SELECT tenant FROM files WHERE id = ? AND status = 'processed'", (job.source_file,)
-        ).fetchone()
+        owner = c.execute(SQLITE.file_owner, (job.source_file,)).fetchone()
         if owner is None or owner[0] != job.tenant:
             raise FileGone(job.source_file or "")
         split = LineSplitter()
@@ -250,9 +238,7 @@ class SQLiteStore(SQLiteFileStore):
             raise FileGone(job.source_file or "")  # not the file that was checked (it cannot change: never)
 
     def _get(self, tenant: str, job_id: str) -> Job | None:
-        row = self._db.execute(
-            f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)
-        ).fetchone()
+        row = self._db.execute(SQLITE.get_job, (job_id, tenant)).fetchone()
         return Job.of_row(row) if row is not None else None
 
     @on_store_thread
@@ -316,16 +302,12 @@ class SQLiteStore(SQLiteFileStore):
     @on_store_thread
     def cancel(self, tenant: str, job_id: str, now: float) -> Job | None:
         with self._tx() as c:
-            row = c.execute("SELECT status, openai FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
+            row = c.execute(SQLITE.job_state, (job_id, tenant)).fetchone()
             if row is None:
                 return None
             if row["status"] in ACTIVE:
                 sizes = end_pending(c, job_id, row["openai"] is not None, *CANCELLED, now)
-                c.execute(
-                    "UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ?, "
-                    "bytes = bytes + ?, error_bytes = error_bytes + ? WHERE id = ?",
-                    (sizes.counts["cancelled"], now, sizes.stored, sizes.errors, job_id),
-                )
+                c.execute(SQLITE.cancel_job, (sizes.counts["cancelled"], now, sizes.stored, sizes.errors, job_id))
                 self._leases.pop(job_id, None)
         return self._get(tenant, job_id)
 
@@ -386,11 +368,7 @@ class SQLiteStore(SQLiteFileStore):
         for index, _ in claimed:
             leases[index] = clock + lease_s
         if claimed:
-            self._db.execute(
-                "UPDATE jobs SET status = 'running', started_at = COALESCE(started_at, ?) "
-                "WHERE id = ? AND status = 'queued'",
-                (now, job_id),
-            )
+            self._db.execute(SQLITE.job_running, (now, job_id))
         return claimed
 
     @on_store_thread
@@ -413,6 +391,7 @@ class SQLiteStore(SQLiteFileStore):
         if not outcomes:
             return []
         by_job = {j: [o for o in outcomes if o.job_id == j] for j in dict.fromkeys(o.job_id for o in outcomes)}
+        progress: list[Progress] = []
         with self._tx() as c:
             marks = ", ".join("?" * len(by_job))
             owners = {
@@ -445,20 +424,9 @@ class SQLiteStore(SQLiteFileStore):
                     self._leases.pop(job_id, None)
                 elif not self._leases.get(job_id, True):
                     del self._leases[job_id]
-                c.execute(
-                    "UPDATE jobs SET completed = completed + ?, failed = failed + ?, bytes = bytes + ?, "
-                    "output_bytes = output_bytes + ?, error_bytes = error_bytes + ?, "
-                    "reason = COALESCE(reason, ?) WHERE id = ?",
-                    (*sizes.grows(), reason, job_id),
-                )
-                c.execute(
-                    "UPDATE jobs SET status = CASE WHEN reason IS NOT NULL THEN 'failed' "
-                    "WHEN completed > 0 THEN 'completed' ELSE 'failed' END, "
-                    "finished_at = ? WHERE id = ? AND status IN ('queued', 'running') "
-                    "AND completed + failed + cancelled >= total",
-                    (now, job_id),
-                )
-            rows = c.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", list(by_job)).fetchall()
-        return [Progress.of(Job.of_row(r)) for r in rows]
+                c.execute(SQLITE.book_job, (*sizes.grows(), reason, job_id))
+                for row in c.execute(SQLITE.finish_job, (now, job_id)).fetchall():
+                    progress.append(Progress.of(Job.of_row(row)))
+        return progress
 
     get = on_store_thread(_get)

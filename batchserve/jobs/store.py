@@ -18,15 +18,16 @@ many nodes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import orjson
 
 from batchserve.config import is_postgres_url as is_postgres_url
-from batchserve.jobs.files import FileStore
+from batchserve.jobs.files import FILE_COLUMNS, FileStore
 
 ACTIVE = ("queued", "running")
 OUTPUT, ERRORS = "-output", "-errors"  # an OpenAI job's two files (`openai_batch.py`)
@@ -115,7 +116,7 @@ class NewJob:
         return sum(len(text) if text.isascii() else len(text.encode()) for text in self.inputs)
 
     def row(self, stored_bytes: int) -> tuple[object, ...]:
-        """The new row's values in `NEW_JOB_COLUMNS`' order, JSON as text: one INSERT for both stores."""
+        """The new row's values in `Sql.new_job`'s order, JSON as text."""
         meta = orjson.dumps(self.metadata).decode() if self.metadata is not None else None
         openai = orjson.dumps(self.openai).decode() if self.openai is not None else None
         return (
@@ -151,17 +152,67 @@ JOB_TABLE_COLUMNS = """
     idempotency_key TEXT,
     request_hash TEXT NOT NULL,"""
 
-# The columns a new job's row is written with (`NewJob.row`), its status 'queued'; in both stores' tables.
-NEW_JOB_COLUMNS = (
-    "id, tenant, model, status, total, metadata, idempotency_key, request_hash, created_at, openai, bytes, expires_at"
-)
-NEW_JOB_VALUES = "?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?"  # SQLite's placeholders (psycopg: %s for ?)
-
 # The columns a job row is read back from, in `Job`'s order, in both stores' tables.
 JOB_COLUMNS = (
     "id, tenant, model, status, total, completed, failed, cancelled, created_at, started_at, "
     "finished_at, metadata, openai, bytes, output_bytes, error_bytes, expires_at, reason"
 )
+
+
+def pg(sql: str) -> str:
+    """A statement from SQLite's words to PostgreSQL's: its tables prefixed `batchserve_`, `%s` for `?`."""
+    return re.sub(r"\b(jobs|items|files|file_chunks)\b", r"batchserve_\1", sql).replace("?", "%s")
+
+
+def _kept(where: str = "") -> str:
+    return f"(SELECT COALESCE(SUM(bytes), 0) FROM files{where}) + (SELECT COALESCE(SUM(bytes), 0) FROM jobs{where})"
+
+
+class Sql(NamedTuple):
+    """The statements both stores run alike, in SQLite's words (`SQLITE`) and PostgreSQL's (`POSTGRES`)."""
+
+    # (bytes the tenant keeps, 0 or bytes the store keeps in all), given the tenant twice
+    usage: str = f"SELECT {_kept(' WHERE tenant = ?')}, 0"
+    usage_total: str = f"SELECT {_kept(' WHERE tenant = ?')}, {_kept()}"
+    new_file: str = (
+        "INSERT INTO files (id, tenant, filename, purpose, bytes, created_at, status, expires_at) "
+        "VALUES (?, ?, ?, ?, 0, ?, 'uploading', ?)"
+    )
+    finish_file: str = (
+        "UPDATE files SET status = 'processed', filename = ?, purpose = ?, bytes = ?, expires_at = ? WHERE id = ?"
+    )
+    get_file: str = f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND tenant = ? AND status = 'processed'"
+    next_chunk: str = "SELECT seq, data FROM file_chunks WHERE file_id = ? AND seq > ? ORDER BY seq LIMIT 1"
+    file_owner: str = "SELECT tenant FROM files WHERE id = ? AND status = 'processed'"
+    new_job: str = (  # `NewJob.row`'s values, its status 'queued'
+        "INSERT INTO jobs (id, tenant, model, status, total, metadata, idempotency_key, request_hash, created_at, "
+        "openai, bytes, expires_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)"
+    )
+    get_job: str = f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?"
+    keyed_job: str = f"SELECT {JOB_COLUMNS}, request_hash FROM jobs WHERE tenant = ? AND idempotency_key = ?"
+    job_state: str = "SELECT status, openai FROM jobs WHERE id = ? AND tenant = ?"
+    cancel_job: str = (  # how many items it ended, the time, the bytes they add (kept, and to its error file)
+        "UPDATE jobs SET status = 'cancelled', cancelled = cancelled + ?, finished_at = ?, bytes = bytes + ?, "
+        "error_bytes = error_bytes + ? WHERE id = ? AND status IN ('queued', 'running')"
+    )
+    job_running: str = (
+        "UPDATE jobs SET status = 'running', started_at = COALESCE(started_at, ?) WHERE id = ? AND status = 'queued'"
+    )
+    book_job: str = (  # `Sizes.grows()`, the reason a job failed for its quota (or None), its id
+        "UPDATE jobs SET completed = completed + ?, failed = failed + ?, bytes = bytes + ?, "
+        "output_bytes = output_bytes + ?, error_bytes = error_bytes + ?, reason = COALESCE(reason, ?) WHERE id = ?"
+    )
+    finish_job: str = (  # the time, its id: the job's status once every item is final; the job as it is then
+        "UPDATE jobs SET status = CASE WHEN status NOT IN ('queued', 'running') THEN status "
+        "WHEN completed + failed + cancelled < total THEN status WHEN reason IS NOT NULL THEN 'failed' "
+        "WHEN completed > 0 THEN 'completed' ELSE 'failed' END, finished_at = CASE WHEN status IN "
+        "('queued', 'running') AND completed + failed + cancelled >= total THEN ? ELSE finished_at END "
+        f"WHERE id = ? RETURNING {JOB_COLUMNS}"
+    )
+
+
+SQLITE = Sql()
+POSTGRES = Sql(*map(pg, SQLITE))
 
 
 # A native job's members after its id and object, in their order on the wire (`shapes.BatchJob`).
