@@ -53,16 +53,12 @@ class Feeder:
             if index in job.hung:  # after a hang, an item runs alone: the culprit hangs only itself
                 self.submit_group(job, [(index, text)])
                 continue
-            if job.endpoint is not None and self.lines is not None:
+            if job.endpoint is not None and self.lines is not None:  # rows go alone by `submit_group`, not here
                 self._start_line(job, index, text, shared=not alone)
-                continue
-            if alone:
-                self.submit_group(job, [(index, text)])
-                fed += 1
                 continue
             item = self.door.submit_background(text, job.model, job.tenant, ITEM_DEADLINE_S)
             self._track(job, index, text, item, shared=True)
-            self._priced(job, index, item, 1)
+            self._priced(job, index, item)
             fed += 1
         return fed
 
@@ -76,7 +72,7 @@ class Feeder:
         items = self.door.submit_group([text for _, text in rows], job.model, job.tenant, ITEM_DEADLINE_S)
         for (index, text), item in zip(rows, items):
             self._track(job, index, text, item, shared=False)
-            self._priced(job, index, item, 1)
+            self._priced(job, index, item)
 
     def reroute(self, job: JobState) -> None:
         """The job was just isolated: take its items no batch has taken yet off the shared path (each would
@@ -113,7 +109,7 @@ class Feeder:
         fed = 0
         while fed < n and run.unfed:
             item = run.feed(alone)
-            self._priced(job, index, item, 1)
+            self._priced(job, index, item)
             if item is not None:
                 item.future.add_done_callback(functools.partial(self._input_done, job, index, run))
             fed += 1
@@ -141,10 +137,10 @@ class Feeder:
                 job.open[index] = item
         item.future.add_done_callback(functools.partial(self._done, job, index, text))
 
-    def _priced(self, job: JobState, index: int, item: Item | None, n: int) -> None:
-        """`n` inputs of the row are in flight: they take places (shared, or isolated) and their model's room."""
-        job.charged[index] = job.charged.get(index, 0) + n
-        self.ledger.add(job.tenant, job.model, n, index in job.shared)
+    def _priced(self, job: JobState, index: int, item: Item | None) -> None:
+        """One more input of the row is in flight: it takes a place (shared, or isolated) and its model's room."""
+        job.charged[index] = job.charged.get(index, 0) + 1
+        self.ledger.add(job.tenant, job.model, 1, index in job.shared)
         self.job_unit[job.model] = mean_cost(self.job_unit.get(job.model), item.cost if item is not None else 1.0)
 
     def _release(self, job: JobState, index: int, n: int | None = None) -> None:

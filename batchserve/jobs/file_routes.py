@@ -74,20 +74,16 @@ async def create_file(call: Call, rt: JobsHost, svc: JobService, caller: Caller)
             raise errors.invalid("Content-Length is not a number")
         if size > limit + MULTIPART_SLACK:
             raise too_large(limit)
-        await refuse_doomed(svc, caller, size - MULTIPART_SLACK)
+        # 413 at once where the declared size alone would pass the caller's quota (503: the server's total):
+        # refused later, as its bytes arrive, the upload would hold what it stored (and refuse others) until then.
+        store = await svc.open_store()
+        if size > MULTIPART_SLACK and store.limits.bounded:
+            store.limits.check(caller.owner, *await store.usage(caller.owner), size - MULTIPART_SLACK, "this upload")
     svc.uploads.enter(caller.tenant, anonymous=not caller.key_id)
     try:
         return await _receive(call, rt, svc, caller, boundary, limit)
     finally:
         svc.uploads.leave(caller.tenant)
-
-
-async def refuse_doomed(svc: JobService, caller: Caller, least: int) -> None:
-    """413 at once for an upload whose declared size alone would pass the caller's quota or the server's total:
-    refused later, as its bytes arrive, it would hold what it stored (and refuse others) until then."""
-    store = await svc.open_store()
-    if least > 0 and store.limits.bounded:  # StorageFull: 413 past the caller's quota, 503 past the total
-        store.limits.check(caller.owner, *await store.usage(caller.owner), least, "this upload")
 
 
 async def _receive(

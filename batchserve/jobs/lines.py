@@ -23,6 +23,7 @@ import secrets
 from collections import deque
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 from collections.abc import Awaitable, Callable
 
@@ -47,21 +48,15 @@ RUNNABLE = (EMBEDDINGS, INFERENCE)  # endpoints whose lines ride the batcher (se
 GENERATION = (CHAT, COMPLETIONS)  # endpoints whose lines run on the generation engine, when it is on
 
 TokenCounter = Callable[[str, list[str]], int]  # (model id, texts) -> prompt tokens (0 when it cannot count)
-DEFAULT_WINDOW_S = 24 * 3600.0  # OpenAI's one completion window
+WINDOW_S = 24 * 3600.0  # OpenAI's one completion window
 CAPACITY_BACKOFF_CAP_S = 30.0  # a generation line refused for capacity tries again at least this often
 CAPACITY_CODES = ("SERVICE_OVERLOADED", "DEADLINE_EXCEEDED")  # the engine had no room (yet): wait, don't fail
 
 
 def window_end(created_at: float, openai: dict[str, Any] | None) -> float | None:
-    """When an OpenAI batch's completion window closes (seconds since the epoch); None for a native job."""
-    if not openai:
-        return None
-    window = str(openai.get("completion_window") or "24h")
-    try:
-        seconds = float(window[:-1]) * 3600 if window.endswith("h") else DEFAULT_WINDOW_S
-    except ValueError:
-        seconds = DEFAULT_WINDOW_S
-    return created_at + seconds
+    """When an OpenAI batch's completion window closes (seconds since the epoch); None for a native job. Its one
+    window is 24h (`shapes.OpenAIBatchRequest.completion_window`)."""
+    return created_at + WINDOW_S if openai else None
 
 
 def capacity_backoff_s(attempt: int, base_s: float, retry_after_ms: int | None, left_s: float) -> float:
@@ -154,9 +149,22 @@ class LineRun:
             return
         self._answered += 1
         if self._answered == self.inputs and not self.pending and self.finish is not None:
-            task = asyncio.ensure_future(self.finish([i.future.result() for i in self.items]))
-            task.add_done_callback(lambda t: _settle(self.future, t))
-            self._task = task
+            self.answer_with(self.finish([i.future.result() for i in self.items]))
+
+    def answer_with(self, work: Awaitable[LineResult]) -> None:
+        """The line's answer is what `work` ends with, run as a task (cancelled with the line)."""
+        self._task = asyncio.ensure_future(work)
+        self._task.add_done_callback(self._settle)
+
+    def _settle(self, task: asyncio.Future) -> None:
+        if self.future.done():
+            return
+        if task.cancelled():
+            self.future.cancel()
+        elif (exc := task.exception()) is not None:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(task.result())
 
     def _withdraw(self, fut: asyncio.Future) -> None:
         self.pending.clear()
@@ -260,10 +268,10 @@ class LineRunner:
         try:
             if endpoint == EMBEDDINGS:
                 req = parse_embeddings(body, self.settings.max_input_chars, self.settings.max_timeout_ms)
-                texts, finish = req.inputs, self._embeddings(model, req.inputs, req.base64, request_id)
+                texts, finish = req.inputs, partial(self._embeddings, model, req.inputs, req.base64, request_id)
             elif endpoint == INFERENCE:
                 text, _, _, _ = parse_inference(body, "application/json", self.settings)
-                texts, finish = [text], self._inference(model, request_id)
+                texts, finish = [text], partial(self._inference, model, request_id)
             else:
                 raise AssertionError(f"{endpoint} lines are refused when the batch is created")
         except ApiError as err:
@@ -309,53 +317,31 @@ class LineRunner:
                     )
                     attempt += 1
 
-        def begin() -> None:  # fed by the scheduler: the line starts on the engine
-            task = asyncio.ensure_future(answer())
-            task.add_done_callback(lambda t: _settle(run.future, t))
-            run.future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
-
-        run.begin = begin
+        run.begin = lambda: run.answer_with(answer())  # fed by the scheduler: the line starts on the engine
         return run
 
-    def _embeddings(
-        self, model: str, texts: list[str], as_base64: bool, request_id: str
-    ) -> Callable[[list[ItemResult]], Any]:
-        async def finish(results: list[ItemResult]) -> LineResult:
-            tokens = await asyncio.to_thread(self.count_tokens, model, texts)
-            try:
-                body = embeddings_answer([r.output for r in results], as_base64, model, tokens)
-            except ApiError as err:  # the backend's outputs are not vectors: as the online route, a 500
-                return refused(err, request_id, True)
-            return LineResult(200, request_id, body)
+    async def _embeddings(
+        self, model: str, texts: list[str], as_base64: bool, request_id: str, results: list[ItemResult]
+    ) -> LineResult:
+        tokens = await asyncio.to_thread(self.count_tokens, model, texts)
+        try:
+            body = embeddings_answer([r.output for r in results], as_base64, model, tokens)
+        except ApiError as err:  # the backend's outputs are not vectors: as the online route, a 500
+            return refused(err, request_id, True)
+        return LineResult(200, request_id, body)
 
-        return finish
-
-    def _inference(self, model: str, request_id: str) -> Callable[[list[ItemResult]], Any]:
-        async def finish(results: list[ItemResult]) -> LineResult:
-            r = results[0]
-            queue_ms, compute_ms = r.queue_s * 1000, r.compute_s * 1000
-            body = orjson.dumps(
-                {
-                    "request_id": request_id,
-                    "output": r.output,
-                    "model": model,
-                    "latency_ms": round(queue_ms + compute_ms),
-                    "queue_ms": round(queue_ms),
-                    "compute_ms": round(compute_ms),
-                    "batch_size": r.batch_size,
-                }
-            )
-            return LineResult(200, request_id, body)
-
-        return finish
-
-
-def _settle(future: asyncio.Future, task: asyncio.Future) -> None:
-    if future.done():
-        return
-    if task.cancelled():
-        future.cancel()
-    elif (exc := task.exception()) is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(task.result())
+    async def _inference(self, model: str, request_id: str, results: list[ItemResult]) -> LineResult:
+        r = results[0]
+        queue_ms, compute_ms = r.queue_s * 1000, r.compute_s * 1000
+        body = orjson.dumps(
+            {
+                "request_id": request_id,
+                "output": r.output,
+                "model": model,
+                "latency_ms": round(queue_ms + compute_ms),
+                "queue_ms": round(queue_ms),
+                "compute_ms": round(compute_ms),
+                "batch_size": r.batch_size,
+            }
+        )
+        return LineResult(200, request_id, body)

@@ -62,9 +62,6 @@ class JobMetrics:
             self.unfinished[p.id] = (p.model, p.counts)
         elif self.unfinished.pop(p.id, None) is None:
             return
-        total: Tally[str] = Tally()
-        for model, counts in self.unfinished.values():
-            if model == p.model:
-                total.update(counts)
+        total = sum((Tally(counts) for model, counts in self.unfinished.values() if model == p.model), Tally())
         for status in COUNTED:
             self.items.labels(p.model, status).set(total.get(status, 0))

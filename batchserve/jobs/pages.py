@@ -38,18 +38,11 @@ def around_output(render: Render, row: ItemRow) -> tuple[bytes, bytes] | None:
     return (head, tail) if found else None
 
 
-async def pages(
-    store: JobStore,
-    job_id: str,
-    render: Render,
-    with_input: bool = False,
-    max_bytes: int = PAGE_BYTES,
-    piece_bytes: int = PIECE_BYTES,
-) -> AsyncIterator[bytes]:
-    """The job's lines in input order: pages of at most about `max_bytes` (rendered on a worker thread), and
-    pieces of `piece_bytes` of a held output."""
+async def pages(store: JobStore, job_id: str, render: Render, with_input: bool = False) -> AsyncIterator[bytes]:
+    """The job's lines in input order: pages of at most about `PAGE_BYTES` (rendered on a worker thread), and
+    pieces of `PIECE_BYTES` of a held output."""
     after = -1
-    while rows := await store.results(job_id, after, RESULTS_PAGE, with_input, max_bytes):
+    while rows := await store.results(job_id, after, RESULTS_PAGE, with_input, PAGE_BYTES):
         run: list[ItemRow] = []
         for row in rows:
             parts = around_output(render, row) if row.held else None
@@ -68,14 +61,14 @@ async def pages(
             yield head
             start = 0
             while True:
-                piece = await store.output_piece(job_id, row.index, start, piece_bytes)
+                piece = await store.output_piece(job_id, row.index, start, PIECE_BYTES)
                 if piece is None:
                     return  # the job was deleted meanwhile: its lines end here
                 size = len(piece)
                 if piece:
                     yield piece
                 piece = b""  # not held while the next one is read
-                if size < piece_bytes:
+                if size < PIECE_BYTES:
                     break
                 start += size
             yield tail

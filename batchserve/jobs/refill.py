@@ -17,28 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 from collections.abc import Callable
+
+from batchserve.core.service import JobRoom as Room  # what the door says of one model's queue and batches
 
 # Job inputs are bounded far lower by the spare capacity; this holds when an operator sets --jobs-max-inflight high.
 BATCH_QUEUE_SHARE = 0.25
-
-
-class Room(Protocol):
-    """What the door says of one model's queue and batches (`core.service.InferenceService.job_room`)."""
-
-    @property
-    def depth(self) -> int: ...  # inputs queued for the model now, every tier
-    @property
-    def max_queue(self) -> int: ...  # --max-queue
-    @property
-    def rows(self) -> int: ...  # the most inputs in one batch of the model
-    @property
-    def budget(self) -> float: ...  # the most one batch may cost (math.inf: no cost budget)
-    @property
-    def unit(self) -> float: ...  # the batcher's mean cost of an input of the model
-    @property
-    def healthy(self) -> int: ...  # healthy workers
 
 
 def places(configured: int, max_batch_size: int, healthy: int, tenants: int = 1) -> int:
@@ -55,9 +39,7 @@ def shares(total: int, held: dict[str, int], tenants: list[str]) -> dict[str, in
     """Inputs each tenant may add now: its share of `total` less what it holds. Each may fill its share whatever
     the others hold (places taken before it came, or held in slow re-runs, must not keep it waiting), so the places
     held may pass `total` by what others hold beyond their shares, never more."""
-    if not tenants:
-        return {}
-    cap = -(-total // len(tenants))
+    cap = -(-total // max(1, len(tenants)))
     return {t: max(0, cap - held.get(t, 0)) for t in tenants}
 
 

@@ -40,7 +40,6 @@ from batchserve.jobs.store import (
     ACTIVE,
     FileGone,
     IdempotencyConflict,
-    ItemRow,
     Job,
     JobStore,
     NewJob,
@@ -84,8 +83,11 @@ def service(rt: JobsHost, call: Call, body: bytes) -> JobService:
     return rt.jobs
 
 
-def store_errors(handler: Handler) -> Callable[[JobsHost, Call, JobService], Awaitable[Answer | Stream]]:
-    """The handler, with the job store's own failures said as the ApiErrors they are to the caller."""
+def route(handler: Handler) -> Endpoint[JobsHost, JobService, Answer | Stream]:
+    """A job or file route on the one request path (`http/endpoint.py`: caller identified, one rate token taken,
+    native errors); any key is anonymous with no keys configured, as OpenAI's clients always send one. Its body is
+    read as it streams in by its own parser (`parse.py`, `upload.py`): a job or a file may exceed any request body.
+    The job store's own failures are said as the ApiErrors they are to the caller."""
 
     async def handle(rt: JobsHost, call: Call, svc: JobService) -> Answer | Stream:
         try:
@@ -102,28 +104,17 @@ def store_errors(handler: Handler) -> Callable[[JobsHost, Call, JobService], Awa
                 f"the job store failed on this request ({type(exc).__name__}; the server log says more)", 1000
             ) from None
 
-    return handle
+    return Endpoint(NATIVE_ANY_KEY, service, handle, as_is, book=COUNTED, body=False, headers=(IDEMPOTENCY_KEY,))
 
 
 def as_is(rt: JobsHost, call: Call, svc: JobService, answer: Answer | Stream) -> Answer | Stream:
     return answer
 
 
-def route(handler: Handler) -> Endpoint[JobsHost, JobService, Answer | Stream]:
-    """A job or file route on the one request path (`http/endpoint.py`: caller identified, one rate token taken,
-    native errors); any key is anonymous with no keys configured, as OpenAI's clients always send one. Its body is
-    read as it streams in by its own parser (`parse.py`, `upload.py`): a job or a file may exceed any request body."""
-    return Endpoint(
-        NATIVE_ANY_KEY, service, store_errors(handler), as_is, book=COUNTED, body=False, headers=(IDEMPOTENCY_KEY,)
-    )
-
-
 # -- POST /v1/batches ----------------------------------------------------------------------------------------
 def idempotency_key(call: Call) -> str | None:
     key = call.headers.get("idempotency-key")
-    if key is None:
-        return None
-    if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isprintable():
+    if key is not None and (not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isprintable()):
         raise errors.invalid(f"Idempotency-Key must be 1..{MAX_IDEMPOTENCY_KEY} printable characters")
     return key
 
@@ -145,10 +136,8 @@ async def create_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller
         return await create_openai_batch(body.values, key, rt, svc, caller)
     inputs, requested, metadata = body.inputs, body.model, check_metadata(body.metadata)
     model = batch_model(rt, INFERENCE, requested, caller)  # as /v1/inference resolves it
-    store = await svc.open_store()
     canon = {"inputs": inputs, "model": requested, "metadata": metadata}
-    new = new_job(caller, model, key, canon, None, s.batches_expire_days, inputs=inputs, metadata=metadata)
-    return await stored(svc, store, new)
+    return await stored(caller, svc, model, key, canon, None, inputs=inputs, metadata=metadata)
 
 
 def check_metadata(metadata: dict | None) -> dict | None:
@@ -157,16 +146,17 @@ def check_metadata(metadata: dict | None) -> dict | None:
     return metadata
 
 
-def new_job(
-    caller: Caller, model: str, key: str | None, canon: dict[str, Any], seconds: float | None, days: float, **more: Any
-) -> NewJob:
-    """A new job of the caller's. Its hash is of its body's meaning (`canon`), not its bytes: key order and spacing
-    do not make a repeat a different request. It expires `seconds` after its creation, else the server's default
-    `days` after (0: never)."""
-    now = time.time()
+async def stored(
+    caller: Caller, svc: JobService, model: str, key: str | None, canon: Any, seconds: float | None, **more: Any
+) -> Answer | Stream:
+    """Store a new job of the caller's (an OpenAI one's file lines copied in the store's transaction), start running
+    it (when new), and answer 202 (200 for a repeat of an idempotent one). Its hash is of its body's meaning
+    (`canon`), not its bytes: key order and spacing do not make a repeat a different request. It expires `seconds`
+    after its creation, else --batches-expire-days after (0: never)."""
+    now, days = time.time(), svc.settings.batches_expire_days
     if seconds is None and days > 0:
         seconds = days * 86400
-    return NewJob(
+    new = NewJob(
         "batch_" + secrets.token_hex(12),
         caller.owner,
         model,
@@ -176,11 +166,7 @@ def new_job(
         expires_at=now + seconds if seconds is not None else None,
         **more,
     )
-
-
-async def stored(svc: JobService, store: JobStore, new: NewJob) -> Answer | Stream:
-    """Store the job (an OpenAI one's file lines copied in the store's transaction), start running it (when new),
-    and answer 202 (200 for a repeat of an idempotent one)."""
+    store = await svc.open_store()  # the OpenAI route opened it already: then this is a look-up
     try:
         job, created = await store.create(new)
     except IdempotencyConflict:
@@ -224,13 +210,13 @@ async def create_openai_batch(
     model = batch_model(rt, endpoint, next(iter(named), None), caller)
     openai = {"endpoint": endpoint, "input_file_id": file_id, "completion_window": req.completion_window}
     canon = {"openai": openai, "metadata": metadata}
-    new = new_job(
+    return await stored(
         caller,
+        svc,
         model,
         key,
         canon,
         expires_s(req),
-        rt.settings.batches_expire_days,
         inputs=[],
         metadata=metadata,
         openai=openai,
@@ -238,7 +224,6 @@ async def create_openai_batch(
         total=parsed.lines,
         input_bytes=parsed.nbytes,
     )
-    return await stored(svc, store, new)
 
 
 def batch_model(rt: JobsHost, endpoint: str, requested: str | None, caller: Caller) -> str:
@@ -287,11 +272,7 @@ async def get_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -
 
 async def batch_results(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:
     store, job = await found_job(call, svc, caller)
-    return Stream(pages(store, job.id, ndjson_line), media=b"application/x-ndjson")
-
-
-def ndjson_line(row: ItemRow) -> bytes:
-    return orjson.dumps(row.public()) + b"\n"
+    return Stream(pages(store, job.id, lambda row: orjson.dumps(row.public()) + b"\n"), media=b"application/x-ndjson")
 
 
 async def cancel_batch(call: Call, rt: JobsHost, svc: JobService, caller: Caller) -> Answer | Stream:

@@ -33,11 +33,12 @@ from typing import Protocol
 import orjson
 
 from batchserve.config import Settings
+from batchserve.core.service import JobRoom
 from batchserve.errors import ApiError
 from batchserve.jobs.feeder import Feeder
 from batchserve.jobs.job_state import ItemRetry, JobState
 from batchserve.jobs.lines import Entrance, LineResult, LineRunner, failed_response, line_texts, window_end
-from batchserve.jobs.refill import Budget, Room, model_spare, places, shares
+from batchserve.jobs.refill import Budget, model_spare, places, shares
 from batchserve.jobs.metrics import JobMetrics
 from batchserve.jobs.store import Job, JobStore, Outcome, StoreDown
 from batchserve.http.guards import lane_of
@@ -54,7 +55,7 @@ class Door(Entrance, Protocol):
     def max_batch_size(self) -> int: ...
     def healthy_workers(self) -> int: ...
     def models(self) -> list[str]: ...
-    def job_room(self, model: str) -> Room | None: ...
+    def job_room(self, model: str) -> JobRoom | None: ...
     async def pretokenize(self, model: str, texts: list[str], tenant: str = "") -> None: ...
 
 
@@ -85,6 +86,7 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.feeder = Feeder(self.door, self.lines, self._wake, self._answered)
+        self.metrics.active_jobs.set_function(lambda: len(self.jobs))  # read at scrape time
 
     async def start(self) -> None:
         """Resume every unfinished job on a model served here, then start feeding and flushing."""
@@ -119,7 +121,6 @@ class Scheduler:
             self.jobs[job.id] = JobState(
                 job.id, lane_of(job.tenant), job.model, endpoint, expires_at=window_end(job.created_at, job.openai)
             )
-            self.metrics.active_jobs.set(len(self.jobs))
             self._wake.set()
 
     def cancel(self, job_id: str) -> None:
@@ -132,7 +133,6 @@ class Scheduler:
         job.open.clear()
         for item in list(job.inflight.values()):
             item.future.cancel()
-        self.metrics.active_jobs.set(len(self.jobs))
         self._wake.set()
 
     def models(self) -> list[str]:
@@ -191,16 +191,12 @@ class Scheduler:
         iso_free = self.isolated_limit() - self.feeder.ledger.isolated
         if iso_free > 0 and isolated:
             await self._refill_isolated(isolated, Budget(iso_free, self.model_room))
-        if not by_tenant:
-            return
         total = places(
             self.settings.jobs_max_inflight, self.door.max_batch_size, self.door.healthy_workers(), len(by_tenant)
         )
-        if total <= 0:
-            return
         allowed = shares(total, self.feeder.ledger.tenants, list(by_tenant))
         budget = Budget(sum(allowed.values()), self.model_room, allowed)
-        if budget.free <= 0:
+        if budget.free <= 0:  # no tenant with work, no places, or every share held
             return
         for tenant, tenant_jobs in by_tenant.items():  # read enough of each tenant's oldest jobs for its share
             need: float = allowed[tenant]
@@ -237,7 +233,6 @@ class Scheduler:
         for job in list(self.jobs.values()):
             if job.idle():
                 del self.jobs[job.id]
-                self.metrics.active_jobs.set(len(self.jobs))
             elif job.has_work():
                 self._model_tenants.setdefault(job.model, set()).add(job.tenant)
                 if self._isolated(job):
@@ -264,9 +259,8 @@ class Scheduler:
                 fed = self.feeder.feed(job, size, alone=True)
             else:
                 group = [job.buffer.popleft() for _ in range(min(size, len(job.buffer)))]
-                if not group:
-                    continue
-                self.feeder.submit_group(job, group)
+                if group:
+                    self.feeder.submit_group(job, group)
                 fed = len(group)
             budget.take(job.tenant, fed)
             if fed and job.ready():
@@ -394,11 +388,9 @@ class Scheduler:
         have run out), and drop jobs finished or cancelled elsewhere."""
         started = time.monotonic()
         active = await self.store.active(self.models())
-        for job in active:
-            if job.id in self.jobs:
-                self.jobs[job.id].exhausted = False
-            else:
-                self.add(job)
+        for job in active:  # the new ones added, and every one claimed from again
+            self.add(job)
+            self.jobs[job.id].exhausted = False
         ids = {job.id for job in active}
         for state in list(self.jobs.values()):
             if state.id not in ids and state.added < started:

@@ -202,16 +202,10 @@ _JOB_ERRORS = (401, 404, 429, 503)
 
 
 def _op(method: str, path: str, op_id: str, summary: str, *answers: DocAnswer, **kw: Any) -> Operation:
+    """An operation on the jobs' routes; one on the job or file its path names takes that id."""
+    kw.setdefault("errors", _JOB_ERRORS)
+    kw.setdefault("params", (_BATCH_ID,) if "{batch_id}" in path else (_FILE_ID,) if "{file_id}" in path else ())
     return Operation(method, path, op_id, summary, answers, NATIVE, **kw)
-
-
-def _one(
-    method: str, path: str, op_id: str, summary: str, answer: DocAnswer, errors: tuple[int, ...] = _JOB_ERRORS
-) -> Operation:
-    """An operation on the one job or file its path names."""
-    return _op(
-        method, path, op_id, summary, answer, errors=errors, params=(_BATCH_ID if "{batch_id}" in path else _FILE_ID,)
-    )
 
 
 OPERATIONS = (
@@ -245,8 +239,8 @@ OPERATIONS = (
         errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query", str, "a job id: list the jobs older than it")),
     ),
-    _one("GET", "/v1/batches/{batch_id}", "getBatch", "A job's status and counts", DocAnswer(200, "the job", AnyBatch)),
-    _one(
+    _op("GET", "/v1/batches/{batch_id}", "getBatch", "A job's status and counts", DocAnswer(200, "the job", AnyBatch)),
+    _op(
         "DELETE",
         "/v1/batches/{batch_id}",
         "deleteBatch",
@@ -254,14 +248,14 @@ OPERATIONS = (
         DocAnswer(200, "deleted", BatchDeleted),
         errors=(409, *_JOB_ERRORS),
     ),
-    _one(
+    _op(
         "GET",
         "/v1/batches/{batch_id}/results",
         "batchResults",
         "One NDJSON line per item, in input order",
         DocAnswer(200, "NDJSON, one BatchResultLine per line", BatchResultLine, media="application/x-ndjson"),
     ),
-    _one(
+    _op(
         "POST",
         "/v1/batches/{batch_id}/cancel",
         "cancelBatch",
@@ -287,21 +281,21 @@ OPERATIONS = (
         errors=(400, *_JOB_ERRORS),
         params=(_LIMIT, Param("after", "query"), Param("purpose", "query")),
     ),
-    _one(
+    _op(
         "GET",
         "/v1/files/{file_id}",
         "getFile",
         "A file's metadata (uploads, and finished jobs' output and error files)",
         DocAnswer(200, "the file", File),
     ),
-    _one(
+    _op(
         "DELETE",
         "/v1/files/{file_id}",
         "deleteFile",
         "Delete an uploaded file (frees its bytes and a --files-max-count place)",
         DocAnswer(200, "deleted", FileDeleted),
     ),
-    _one(
+    _op(
         "GET",
         "/v1/files/{file_id}/content",
         "fileContent",

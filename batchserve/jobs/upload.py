@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -42,7 +43,6 @@ class FormStream:
     _name: str | None = None
     _field: bytearray = field(default_factory=bytearray)
     _in_file = False
-    _files = 0
     _ended = False
 
     def __post_init__(self) -> None:
@@ -52,8 +52,8 @@ class FormStream:
                 "on_part_begin": self._part_begin,
                 "on_part_data": self._part_data,
                 "on_part_end": self._part_end,
-                "on_header_field": self._header_field,
-                "on_header_value": self._header_value,
+                "on_header_field": partial(self._gather, self._header),
+                "on_header_value": partial(self._gather, self._value),
                 "on_header_end": self._header_end,
                 "on_headers_finished": self._headers_finished,
                 "on_end": self._end,
@@ -83,11 +83,8 @@ class FormStream:
         self._disposition, self._name, self._in_file = b"", None, False
         self._field.clear()
 
-    def _header_field(self, data: bytes, start: int, end: int) -> None:
-        self._header += data[start:end]
-
-    def _header_value(self, data: bytes, start: int, end: int) -> None:
-        self._value += data[start:end]
+    def _gather(self, into: bytearray, data: bytes, start: int, end: int) -> None:
+        into += data[start:end]  # a header's name or value, in pieces
 
     def _header_end(self) -> None:
         if bytes(self._header).lower() == b"content-disposition":
@@ -102,8 +99,7 @@ class FormStream:
             raise FormError("a part has no name in its Content-Disposition")
         self._name = name.decode("latin-1")
         if self._name == FILE_FIELD:
-            self._files += 1
-            if self._files > 1:
+            if self.filename is not None:
                 raise FormError("the form has more than one 'file' part")
             self._in_file = True
             raw = options.get(b"filename")
@@ -144,31 +140,24 @@ class UploadGate:
     @property
     def kept_free(self) -> int:
         """Places only a tenant holding none may take: one tenant's share, where the server has room beyond it."""
-        if not self.total or not self.per_tenant:
-            return 0
         return min(self.per_tenant, max(0, self.total - self.per_tenant))
 
     def enter(self, tenant: str, anonymous: bool = False) -> None:
         """Take a place, or refuse: 429 when the tenant holds its share, 503 when the server is full."""
         held = self.active[tenant]
         who = "callers without a key (together one tenant) already have" if anonymous else "you already have"
+        busy = f"{who} {held} uploads in progress"
         if self.per_tenant and held >= self.per_tenant:
-            raise errors.rate_limited(
-                f"{who} {held} uploads in progress, the most one tenant may "
-                f"(--files-max-uploads-per-tenant {self.per_tenant}); retry when one ends",
-                1000,
-                {},
-            )
+            why = f"the most one tenant may (--files-max-uploads-per-tenant {self.per_tenant}); retry when one ends"
+            raise errors.rate_limited(f"{busy}, {why}", 1000, {})
         if self.total and self.count >= self.total:
             raise errors.overloaded(
                 f"the server already has {self.total} uploads in progress (--files-max-uploads); retry shortly", 1000
             )
         if held and self.total - self.count <= self.kept_free:
+            why = f"the server's last {self.kept_free} upload places are kept for tenants with none"
             raise errors.rate_limited(
-                f"{who} {held} uploads in progress and the server's last {self.kept_free} upload places are kept "
-                f"for tenants with none (--files-max-uploads {self.total}); retry when one of yours ends",
-                1000,
-                {},
+                f"{busy} and {why} (--files-max-uploads {self.total}); retry when one of yours ends", 1000, {}
             )
         self.active[tenant] += 1
         self.count += 1
