@@ -73,11 +73,7 @@ class Admitter:
             lanes, share = self.lanes.shares()
             lane, seq = min(
                 ((lane, queue[0][2]) for lane, queue in self.lanes.queues.items()),
-                key=lambda ls: (
-                    *order_key(ls[0], lanes[ls[0]].held, ls[1].blocks, share[ls[0]]),
-                    ls[1].tier,
-                    ls[1].order,
-                ),
+                key=lambda ls: order_key(ls[0], lanes[ls[0]].held, share[ls[0]], ls[1].blocks, ls[1].tier, ls[1].order),
             )
             if not self._fits(seq, lanes, share):
                 victim = self._victim(lane, seq, lanes, share) if pauses > 0 else None

@@ -84,10 +84,9 @@ class SamplingDefaults:
 
 def sampling_defaults(model: Any) -> SamplingDefaults:
     """generation_config.json as request defaults, read as vLLM does (not do_sample); top_k & co logged as ignored."""
-    gen = getattr(model, "generation_config", None)
     try:
-        diff = gen.to_diff_dict() if gen is not None else {}
-    except Exception:  # noqa: BLE001 - an odd config: OpenAI's defaults
+        diff = model.generation_config.to_diff_dict()
+    except Exception:  # noqa: BLE001 - none, or an odd config: OpenAI's defaults
         diff = {}
     ignored = tuple(f"{k}={diff[k]}" for k in ("top_k", "min_p", "repetition_penalty") if k in diff)
     if "temperature" not in diff and "top_p" not in diff:
@@ -107,14 +106,11 @@ def slot_plan(
     the KV budget holds (`kv_tokens`, else GPU_MEMORY_SHARE of free memory or CPU_KV_TOKENS; on a GPU capped by
     `sizing.auto_gpu_slots`)."""
     slot_tokens = max(16, min(cfg.max_context, max_position))
-    kv_tokens = cfg.kv_tokens
-    if not kv_tokens:
-        kv_tokens = kv_tokens_for(free_bytes, GPU_MEMORY_SHARE, bytes_per_token) if on_gpu else CPU_KV_TOKENS
+    kv_tokens = cfg.kv_tokens or (
+        kv_tokens_for(free_bytes, GPU_MEMORY_SHARE, bytes_per_token) if on_gpu else CPU_KV_TOKENS
+    )
     fit = kv_tokens // slot_tokens
-    if cfg.max_seqs:
-        slots = min(cfg.max_seqs, fit)
-    else:
-        slots = auto_gpu_slots(fit) if on_gpu else fit
+    slots = min(cfg.max_seqs, fit) if cfg.max_seqs else auto_gpu_slots(fit) if on_gpu else fit
     return max(1, slots), slot_tokens
 
 
@@ -166,10 +162,7 @@ def build_stepper(model: Any, tokenizer: Any, cfg: EngineConfig) -> Stepper:
 
 def longest_token_chars(tokenizer: Any) -> int:
     """The most characters one token of this tokenizer stands for (byte-level BPE: one per byte at most)."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return UNKNOWN_TOKEN_CHARS
     try:
-        return max(1, max((len(token) for token in get_vocab()), default=UNKNOWN_TOKEN_CHARS))
+        return max(1, max(map(len, tokenizer.get_vocab()), default=UNKNOWN_TOKEN_CHARS))
     except Exception:  # noqa: BLE001 - a tokenizer that cannot list its vocabulary: no bound from characters
         return UNKNOWN_TOKEN_CHARS

@@ -22,7 +22,7 @@ import math
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry
@@ -53,6 +53,8 @@ log = logging.getLogger("batchserve.generation")
 
 TICK_S = 0.25  # gauges, tokens/s and queue expiry are refreshed this often
 TOKENIZE_THREADS = 2  # chat templating and tokenization run here, off the event loop (the tokenizer frees the GIL)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 async def start_generation(settings: Settings, registry: CollectorRegistry) -> Engine | None:
@@ -167,8 +169,7 @@ class Engine:
 
     @property
     def waiting(self) -> list[tuple[int, int, EngineSequence]]:
-        """Every waiting sequence as (tier, arrival order, sequence), in no particular order."""
-        return self.lanes.waiting
+        return self.lanes.waiting  # (tier, arrival order, sequence), in no particular order
 
     @property
     def waiting_count(self) -> int:
@@ -190,11 +191,15 @@ class Engine:
             )
 
     async def tokenize(self, prompt: list[dict[str, str]] | str) -> list[int]:
-        """The prompt's token ids (chat messages through the chat template), on the engine's small thread pool:
-        a long prompt takes tens of milliseconds that would stall the event loop."""
+        """The prompt's token ids (chat messages through the chat template), off the loop."""
+        return await self.off_loop(self.encode, prompt)
+
+    async def off_loop(self, fn: Callable[[T], R], arg: T) -> R:
+        """`fn(arg)` on the engine's small tokenizing pool: a long prompt takes tens of milliseconds that would
+        stall the event loop."""
         if self._tokenize_pool is None:
             self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.encode, prompt)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, arg)
 
     def encode(self, prompt: list[dict[str, str]] | str) -> list[int]:
         if isinstance(prompt, str):

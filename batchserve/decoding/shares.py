@@ -139,10 +139,10 @@ def victim_lane(
     return best
 
 
-def order_key(lane: Lane, held: float, blocks: float, share: float) -> tuple[int, float]:
-    """Where a lane's next waiting sequence (of `blocks`, after `held` held or queued ahead of it in its lane)
-    stands in the admission order: lower first."""
-    return (lane[0], use(held + blocks, share))
+def order_key(lane: Lane, held: float, share: float, blocks: int, tier: int, order: int) -> tuple[int, float, int, int]:
+    """Where a lane's next waiting sequence (of `blocks`, after `held` held or queued ahead of it in its lane; then
+    its tier and arrival `order`) stands in the admission order: lower first."""
+    return (lane[0], use(held + blocks, share), tier, order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,15 +173,13 @@ def replay_wait(
     holding = dict(held)
     heads = {lane: 0 for lane, queue in queues.items() if queue}
     now = 0.0
+
+    def rank(lane: Lane) -> tuple[int, float, int, int]:
+        head = queues[lane][heads[lane]]
+        return order_key(lane, holding.get(lane, 0), share.get(lane, TINY_SHARE), head.blocks, head.tier, head.order)
+
     while heads:
-        lane = min(
-            heads,
-            key=lambda ln: (
-                *order_key(ln, holding.get(ln, 0), queues[ln][heads[ln]].blocks, share.get(ln, TINY_SHARE)),
-                queues[ln][heads[ln]].tier,
-                queues[ln][heads[ln]].order,
-            ),
-        )
+        lane = min(heads, key=rank)
         nxt = queues[lane][heads[lane]]
         if free_blocks < nxt.blocks or free_seqs < 1:  # the next place to free; then who is furthest under again
             if not ends:

@@ -75,24 +75,23 @@ class SlotStepper:
         decoder: SlotDecoder,
         step_s: float,
         join_batch: int = 0,
-        join_delay_steps: int = JOIN_DELAY_STEPS,
         prefill_step_tokens: int = 0,
         slowdown: float = 1.25,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """`join_batch` and `join_delay_steps`: see join_now; `prefill_step_tokens`: prompt tokens prefilled
-        between two steps at most (default: the decoder's prefill_tokens); `slowdown`: how much background rows
-        may lengthen the foreground rows' steps (`step_share.StepShare`)."""
+        """`join_batch`: see join_now; `prefill_step_tokens`: prompt tokens prefilled between two steps at most
+        (default: the decoder's prefill_tokens); `slowdown`: how much background rows may lengthen the foreground
+        rows' steps (`step_share.StepShare`)."""
         self.decoder = decoder
         self.prefill_step_tokens = prefill_step_tokens or decoder.prefill_tokens
         self.prefills = 0  # prefill forwards run
         self.pieces = 0  # prompt pieces prefilled (more than the sequences when prompts were chunked)
         self.step_s = step_s
         self.join_batch = join_batch or max(1, decoder.slots // 16)
-        self.join_delay_steps = join_delay_steps
         self.steps = 0  # steps launched
         self.moved = 0  # sequences moved to lower slots
         self.share = StepShare(slowdown, seed=decoder.step_times)
+        self.row_growth = decoder.row_growth  # both measured by the decoder's warm-up, which runs first
         self.slot_map = SlotMap(decoder, self.share)  # who sits in which slot (stepper thread only)
         self._clock = clock
         self.charges = LaneCharges()  # prompt tokens prefilled by lane (`prefill_share`)
@@ -119,10 +118,6 @@ class SlotStepper:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Deliver | None = None
         self.failure: BaseException | None = None
-
-    @property
-    def row_growth(self) -> float:
-        return self.decoder.row_growth
 
     # -- the loop's side ----------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
@@ -189,7 +184,7 @@ class SlotStepper:
                         max(0, len(seats.live) - len(cancels)),
                         self.steps - self._joins[0].step if self._joins else 0,
                         self.join_batch,
-                        self.join_delay_steps,
+                        JOIN_DELAY_STEPS,
                     )
                     joins, self._joins = self._joins[:take], self._joins[take:]
                 updates, pending = self._turn(cancels, joins, pending)
@@ -237,10 +232,10 @@ class SlotStepper:
         lanes = {f.join.lane for f in seats.filling}
         self.charges.present(lanes)
         decoding = {live.tenant for live in seats.live.values() if not live.background}
-        prompts = [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in seats.filling]
-        first = first_lane(prompts, self.charges.tokens, self.decoder.chunk_tokens)
-        limited = limited_lanes(lanes, decoding, first)
         filling = [f for f in seats.filling if background or not f.join.background]
+        prompts = [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in filling]
+        # the background prompts left out change nothing here: the first lane is an interactive one
+        limited = limited_lanes(lanes, decoding, first_lane(prompts, self.charges.tokens, self.decoder.chunk_tokens))
         pools: dict[int, int] = {}
         if any(lane[0] == INTERACTIVE for lane in limited):
             ledger = self.prefill_ledger
@@ -249,12 +244,7 @@ class SlotStepper:
             room = self.share.prefill_room(*self._rows(seats.front()))
             pools[SPARE] = self.prefill_rate.afford(room, self.batch_prefill_skipped)
         pieces = plan_prefill(
-            [Prompt(f.join.lane, f.done, len(f.join.prompt_ids)) for f in filling],
-            self.prefill_step_tokens,
-            self.decoder.chunk_tokens,
-            self.charges.tokens,
-            pools,
-            limited,
+            prompts, self.prefill_step_tokens, self.decoder.chunk_tokens, self.charges.tokens, pools, limited
         )
         went = {filling[p.index].join.lane[0] for p in pieces if filling[p.index].join.lane in limited}
         waited = {lane[0] for lane in limited}

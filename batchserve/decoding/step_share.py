@@ -54,25 +54,20 @@ class StepShare:
 
     def include(self, foreground_rows: int, rows: int) -> bool:
         """Whether the next step covers all `rows` or only `foreground_rows`; an unmeasured step is timed first."""
-        if self.skipped >= self.max_skip:
+        if self.skipped >= self.max_skip or (rows not in self.seconds and rows not in self._timing):
             return True
-        full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
-        if full is None and rows not in self._timing:
-            return True
-        if full is None or alone is None:  # the one step being timed, then the other; meanwhile the cheap one
-            return False
-        return self.credit + self.slowdown * alone - full >= 0
+        cost = self._cost(foreground_rows, rows)  # None: one step is being timed; meanwhile the cheap one
+        return cost is not None and self.credit - cost >= 0
 
     def dear(self, foreground_rows: int, rows: int) -> bool:
         """Whether `rows` may cost over slowdown x `foreground_rows` (unknown: may): only then are moves worth it."""
-        full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
-        return full is None or alone is None or full > self.slowdown * alone
+        cost = self._cost(foreground_rows, rows)
+        return cost is None or cost > 0
 
     def book(self, rows: int, foreground_rows: int, background: bool) -> Booking:
         """Book a step launched while background work waits, at its estimate; `background`: its rows took part."""
-        full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
-        booked = full - self.slowdown * alone if full is not None and alone is not None else 0.0
-        if full is None:
+        booked = self._cost(foreground_rows, rows) or 0.0
+        if rows not in self.seconds:
             self._timing.add(rows)
         if background:
             if self.skipped >= self.max_skip and self.credit - booked < 0:
@@ -92,32 +87,27 @@ class StepShare:
             return
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + EMA_WEIGHT * (seconds - old)
-        if booking is None:
-            return
-        alone = self.seconds.get(booking.foreground_rows)
-        if alone is None:
+        if booking is None or (alone := self.seconds.get(booking.foreground_rows)) is None:
             return
         self.credit += booking.booked - (seconds - self.slowdown * alone)
-        self._bound(booking)
+        # bounded: enough for the dearest step known, or one foreground-only step's earning, whichever is more
+        top = max(max(self.seconds.values()) - self.slowdown * alone, (self.slowdown - 1) * alone, 0.0)
+        self.credit = min(top, max(self.credit, -self._debt_floor()))
 
     def prefill_room(self, foreground_rows: int, rows: int) -> float:
         """Seconds of background prefill the credit affords once a step of `rows` rows is booked, so the prefill
         keeps to the slowdown as the rows do."""
+        cost = self._cost(foreground_rows, rows)
+        return self.credit if cost is None else self.credit - cost
+
+    def _cost(self, foreground_rows: int, rows: int) -> float | None:
+        """A step of `rows`' estimated time less slowdown x one of `foreground_rows` (None: either unmeasured)."""
         full, alone = self.seconds.get(rows), self.seconds.get(foreground_rows)
-        if full is None or alone is None:
-            return self.credit
-        return self.credit + self.slowdown * alone - full
+        return None if full is None or alone is None else full - self.slowdown * alone
 
     def charge(self, seconds: float) -> None:
         """Background work outside the steps (its prefill) held the foreground rows up `seconds`."""
         self.credit = max(self.credit - seconds, -self._debt_floor())
-
-    def _bound(self, booking: Booking) -> None:
-        alone = self.seconds.get(booking.foreground_rows, 0.0)
-        dearest = max(self.seconds.values())
-        # enough for the dearest step known, or one foreground-only step's earning, whichever is more
-        top = max(dearest - self.slowdown * alone, (self.slowdown - 1) * alone, 0.0)
-        self.credit = min(top, max(self.credit, -self._debt_floor()))
 
     def _debt_floor(self) -> float:
         return DEBT_STEPS * self.slowdown * max(self.seconds.values(), default=0.0)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from collections.abc import Callable
@@ -42,7 +41,6 @@ log = logging.getLogger("batchserve.generation")
 
 RUN_SLACK_STEPS = 2  # steps beyond max_new_tokens an answer is expected to take: the prefill and the join delay
 GONE_POLL_S = 0.1  # how often the callers of running sequences are asked whether they hung up
-TOKENIZE_THREADS = 1  # chat templating and tokenizing, off the event loop
 
 
 def stepper_models(settings: Settings) -> list[str]:
@@ -86,7 +84,6 @@ class StepperInference:
 
             encode = partial(prompt_ids, engine.tokenizer)
         self._encode = encode
-        self._pool: ThreadPoolExecutor | None = None
         self._watched: dict[EngineSequence, Callable[[], bool]] = {}  # running for a caller that may hang up
         self._watcher: asyncio.Task | None = None
 
@@ -96,12 +93,10 @@ class StepperInference:
         return (self.params.max_tokens + RUN_SLACK_STEPS) * self.engine.step_s
 
     async def prompts(self, texts: list[str]) -> list[list[int]]:
-        """The inputs as the batch backend shapes them, tokenized off the event loop."""
+        """The inputs as the batch backend shapes them, tokenized off the event loop (on the engine's pool)."""
         for text in texts:  # a bound from characters first: a huge input is refused before any tokenizer runs
             self.engine.check_prompt_chars(len(text), self.params.max_tokens)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inference-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts)
+        return await self.engine.off_loop(self._encode, texts)
 
     def _submit(
         self,
@@ -181,9 +176,10 @@ class StepperInference:
             self.records.answered(model, arrived, 0.0, None, err.code)
             raise
         record = self.requests.add(work.record_owner, work.request_id, model) if self.requests is not None else None
-        if work.gone is not None:
-            for seq, _ in seqs:
-                self._watch(seq, work.gone)
+        if work.gone is not None:  # polled by one task while anything is watched
+            self._watched.update((seq, work.gone) for seq, _ in seqs)
+            if self._watcher is None or self._watcher.done():
+                self._watcher = asyncio.get_running_loop().create_task(self._watch_loop())
         try:
             results = list(
                 await asyncio.gather(*(self._answer(seq, joined, arrived, model, trace) for seq, joined in seqs))
@@ -240,11 +236,6 @@ class StepperInference:
                 self.engine.cancel(seq, "batch_cancelled")
 
     # -- callers that hang up --------------------------------------------------------------------------------
-    def _watch(self, seq: EngineSequence, gone: Callable[[], bool]) -> None:
-        self._watched[seq] = gone
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.get_running_loop().create_task(self._watch_loop())
-
     async def _watch_loop(self) -> None:
         """Every GONE_POLL_S, cancel the sequences whose caller has left; ends when nothing is watched."""
         while self._watched:
@@ -253,12 +244,6 @@ class StepperInference:
                 if not seq.finished and gone():
                     self._watched.pop(seq, None)
                     self.engine.cancel(seq, "client_disconnect")
-
-    def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def serve_on_stepper(

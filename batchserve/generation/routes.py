@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from starlette.routing import Route
 
 from batchserve.decoding.build import enabled
 from batchserve.decoding.engine import Engine
 from batchserve.generation.serving import GenerationHost, endpoint
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import Answer, Call, Endpoint, operational
+from batchserve.http.endpoint import Call, Endpoint, operational
 
 
 chat_completions = endpoint(chat=True)
@@ -42,9 +41,7 @@ async def generation_status(rt: GenerationHost, call: Call, req: None) -> dict[s
     return {"enabled": True, "ready": True, **engine.stats()}
 
 
-status: Endpoint[GenerationHost, None, dict[str, Any]] = operational(
-    NATIVE, generation_status, lambda rt, call, req, status: Answer(orjson.dumps(status))
-)
+status: Endpoint[GenerationHost, None, dict[str, Any]] = operational(NATIVE, generation_status)
 
 
 ROUTES = [
