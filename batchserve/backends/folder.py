@@ -194,14 +194,10 @@ def read_pooling(path: Path) -> str:
     return mode
 
 
-def tokenizer_max_length(folder: Path) -> int | None:
-    n = read_if_there(folder / "tokenizer_config.json", TokenizerConfig).model_max_length
-    return int(n) if n is not None and 0 < n < UNBOUNDED_LENGTH else None
-
-
 def positions_cut(folder: Path, positions: int) -> int:
     """Tokens per input: the model's positions, or fewer when the tokenizer's model_max_length says so."""
-    return min(positions, tokenizer_max_length(folder) or positions)
+    n = read_if_there(folder / "tokenizer_config.json", TokenizerConfig).model_max_length
+    return min(positions, int(n)) if n is not None and 1 <= n < UNBOUNDED_LENGTH else positions
 
 
 def st_pipeline(folder: Path) -> Pooling:
@@ -292,7 +288,7 @@ def _inspect(folder: Path, task: str) -> FolderModel:
             return replace(model, max_tokens=positions_cut(folder, positions))
         pooling = st_pipeline(folder)
         st = read_if_there(folder / "sentence_bert_config.json", SentenceBertConfig)
-        length = min(st.max_seq_length or tokenizer_max_length(folder) or positions, positions)
+        length = min(st.max_seq_length or positions_cut(folder, positions), positions)
         return replace(model, max_tokens=length, pooling=pooling, lower_case=st.do_lower_case)
     if task == "reranking":
         if not architecture.endswith("ForSequenceClassification") or labels(config) != 1:

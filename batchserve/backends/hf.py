@@ -23,7 +23,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -90,7 +89,7 @@ class TokenModel:
     like lengths, one model replica per device."""
 
     info: FolderModel
-    device_list: list[str]
+    devices: list[str]  # the plugin contract's device names
     threads: int = 0
     pass_tokens: int = 0
     group_by_length: bool = True
@@ -110,9 +109,6 @@ class TokenModel:
         self.kept = TokenCache(self.cache_bytes)  # text -> its tokens (or why it is refused)
         self.max_chars = char_bound(self.info.max_tokens, self.chars_per_token)
         self._types = False  # whether the model's forward takes token_type_ids (set in setup)
-
-    def devices(self) -> list[str]:
-        return list(self.device_list)
 
     # -- tokens ------------------------------------------------------------------------------------------
     def encode_many(self, texts: list[str]) -> list[Any]:
@@ -189,8 +185,8 @@ class TokenModel:
         self._types = "token_type_ids" in inspect.signature(model.forward).parameters
         self.models[device] = model
 
-    def batch(self, inputs: list[str], device: str) -> Sequence[object]:
-        """One forward pass over `inputs` on `device`: the embedder's vectors, the reranker's scores."""
+    def head(self, outputs: Any, attention: Any, lengths: list[int]) -> list[Any]:
+        """A forward pass's outputs as one value per row: the embedder's vectors, the reranker's scores, ..."""
         raise NotImplementedError
 
     def warm(self, device: str) -> dict[int, float]:
@@ -209,17 +205,17 @@ class TokenModel:
         """The inputs an int8 graph is checked on against fp32 (onnx_runtime.check_int8)."""
         return list(onnx_runtime.PROBE_TEXTS)
 
-    def forward(self, texts: list[str], device: str, head: Any) -> list[Any]:
-        """Run `texts` in passes of like lengths; `head` turns a pass's outputs into one value per row; values
-        come back in input order."""
+    def batch(self, inputs: list[str], device: str) -> list[Any]:
+        """`inputs` in forward passes of like lengths on `device`, each pass's outputs made one value per row by
+        `head`; the values in input order."""
         import torch
 
         model = self.models[device]
-        encodings = [self.encoding(t) for t in texts]
+        encodings = [self.encoding(t) for t in inputs]
         lengths = [max(1, len(e.ids)) for e in encodings]
-        order = sorted(range(len(texts)), key=lengths.__getitem__)
+        order = sorted(range(len(inputs)), key=lengths.__getitem__)
         budget = self.pass_tokens or (GPU_PASS_TOKENS if device.startswith("cuda") else CPU_PASS_TOKENS)
-        out: list[Any] = [None] * len(texts)
+        out: list[Any] = [None] * len(inputs)
         with torch.inference_mode():
             for rows in passes(order, lengths, budget):
                 width = lengths[rows[-1]]
@@ -234,7 +230,7 @@ class TokenModel:
                     kwargs["token_type_ids"] = torch.tensor(
                         [e.type_ids + pad for e, pad in zip(kept, pads)], device=device
                     )
-                values = head(model(**kwargs), kwargs["attention_mask"], sizes)
+                values = self.head(model(**kwargs), kwargs["attention_mask"], sizes)
                 for i, value in zip(rows, values):
                     out[i] = value
         return out
@@ -251,10 +247,7 @@ class FolderEmbedder(TokenModel):
 
         return AutoModel.from_pretrained(str(self.info.path), dtype=dtype)
 
-    def batch(self, inputs: list[str], device: str) -> list[list[float]]:
-        return self.forward(inputs, device, self.pool)
-
-    def pool(self, outputs: Any, attention: Any, lengths: list[int]) -> list[list[float]]:
+    def head(self, outputs: Any, attention: Any, lengths: list[int]) -> list[list[float]]:
         import torch
 
         hidden = outputs.last_hidden_state.float()
@@ -330,10 +323,7 @@ class FolderReranker(SequenceModel):
         texts = onnx_runtime.PROBE_TEXTS
         return [pair_input(q, texts[(i * 7 + k) % len(texts)]) for i, q in enumerate(texts) for k in (0, 3)]
 
-    def batch(self, inputs: list[str], device: str) -> list[float]:
-        return self.forward(inputs, device, self.score)
-
-    def score(self, outputs: Any, attention: Any, lengths: list[int]) -> list[float]:
+    def head(self, outputs: Any, attention: Any, lengths: list[int]) -> list[float]:
         return finite(self.activated(outputs.logits.float()[:, 0]).cpu().tolist())
 
 
@@ -356,10 +346,7 @@ class FolderClassifier(SequenceModel):
 
     singles = True
 
-    def batch(self, inputs: list[str], device: str) -> list[list[dict[str, Any]]]:
-        return self.forward(inputs, device, self.classify)
-
-    def classify(self, outputs: Any, attention: Any, lengths: list[int]) -> list[list[dict[str, Any]]]:
+    def head(self, outputs: Any, attention: Any, lengths: list[int]) -> list[list[dict[str, Any]]]:
         logits = outputs.logits.float()
         names = class_labels(self.info.config, logits.shape[-1])
         return [

@@ -82,19 +82,17 @@ def model_dir(settings: Settings | None = None) -> Path:
         return target
     source = model_zip()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
-    try:
-        with zipfile.ZipFile(source) as zf:
-            zf.extractall(tmp)
+    with (
+        tempfile.TemporaryDirectory(prefix=".extract-", dir=target.parent, ignore_cleanup_errors=True) as tmp,
+        zipfile.ZipFile(source) as zf,
+    ):
+        zf.extractall(tmp)
         try:
             os.rename(tmp, target)
             log.info("extracted all-MiniLM-L6-v2 to %s", target)
         except OSError:
             if not (target / "model.safetensors").exists():
                 raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -173,7 +171,7 @@ class MiniLM:
     """The backend (plugin contract of docs/backends.md) on `hf.FolderEmbedder`: the package's weights are one
     more sentence-transformers folder, and what is not here is the embedder's (`__getattr__`)."""
 
-    device_list: list[str]
+    devices: list[str]
     threads: int = 0  # torch intra-op threads on a CPU; 0 = every usable core
     pass_tokens: int = 0  # padded tokens per forward pass; 0 = CPU_PASS_TOKENS on a CPU, GPU_PASS_TOKENS on CUDA
     path: Path = field(default_factory=weights_path)  # option `path`, else $BATCHSERVE_MINILM_DIR, else the package
@@ -206,7 +204,7 @@ class MiniLM:
                 info.pooling.normalize,
             )
         self.embedder = FolderEmbedder(
-            info, list(self.device_list), self.threads, self.pass_tokens, self.group_by_length, onnx=self.onnx
+            info, list(self.devices), self.threads, self.pass_tokens, self.group_by_length, onnx=self.onnx
         )
 
     def __getattr__(self, name: str) -> Any:

@@ -5,7 +5,7 @@ reranker and classifier folders and minilm run their transformer as an ONNX grap
   so a copy of the folder reuses it and changed weights export anew. Torch's legacy exporter (`dynamo=False`:
   it needs only the `onnx` package), dynamic axes, checked against torch once when made.
 - The graph ends where the model's own code ends (`last_hidden_state` or `logits`); pooling and scoring stay the
-  torch backend's code (`hf.FolderEmbedder.pool`, ...), so the two runtimes agree by construction.
+  torch backend's code (`hf.FolderEmbedder.head`, ...), so the two runtimes agree by construction.
 - int8: `onnxruntime.quantization.quantize_dynamic` (per channel, MatMul only), saved beside the fp32 graph and
   compared with it on `PROBE_TEXTS` at every start: below `--quantize-cosine-floor` (see `agreement`) the start
   is refused in one line (exit status 2).

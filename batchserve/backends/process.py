@@ -148,31 +148,26 @@ class DeviceProcess:
 
 @dataclass
 class ProcessBackend:
-    """A Backend whose batches run in one child process per device; `local` answers what needs no model."""
+    """A Backend whose batches run in one child process per device; what needs no model is `local`'s own, taken
+    as it is (no frame of this class's on the event loop)."""
 
     local: Any  # the backend's lightweight twin: never asked to run a batch here
     devices: list[DeviceProcess]
-    # What the twin says of the model (set from it)
-    source: Any = field(init=False)
-    output_kind: str = field(init=False)
-    max_batch_size: int | None = field(init=False)
-    initial_batch_s: float | None = field(init=False)
 
     def __post_init__(self) -> None:
         local = self.local
         self.source, self.output_kind = local.source, local.output_kind
         self.max_batch_size, self.initial_batch_s = local.max_batch_size, local.initial_batch_s
-        # The twin's batch-level cost, when it declares one, answered here like cost_of (no child involved).
-        batch_cost = getattr(local, "cost_of_batch", None)
-        if batch_cost is not None:
+        self.device_names, self.count_tokens = local.device_names, local.count_tokens
+        self.bucket_of, self.cost_of = local.bucket_of, local.cost_of
+        if (batch_cost := getattr(local, "cost_of_batch", None)) is not None:  # only when the twin declares one
             self.cost_of_batch = batch_cost
 
     @classmethod
     def start(cls, spec: ModelSpec, settings: Settings, local: Any, factory: Factory) -> ProcessBackend:
         """Spawn a child per device of `local`, each building its backend with `factory`."""
-        names = local.device_names()
-        cuda = [name.split(":", 1)[1] if name.startswith("cuda:") else "" for name in names]
-        devices = [DeviceProcess(factory, spec, settings, i, cuda[i]) for i in range(len(names))]
+        cuda = [name.removeprefix("cuda:") if name.startswith("cuda:") else "" for name in local.device_names()]
+        devices = [DeviceProcess(factory, spec, settings, i, gpu) for i, gpu in enumerate(cuda)]
         for d in devices:  # every child loads its model at once
             d.start()
         try:
@@ -187,18 +182,6 @@ class ProcessBackend:
 
     def setup(self, device: int) -> None:
         """Done in the device's process when it starts."""
-
-    def count_tokens(self, texts: list[str]) -> list[int] | None:
-        return self.local.count_tokens(texts)
-
-    def device_names(self) -> list[str]:
-        return list(self.local.device_names())
-
-    def bucket_of(self, text: str) -> int:
-        return int(self.local.bucket_of(text))
-
-    def cost_of(self, text: str) -> float:
-        return float(self.local.cost_of(text))
 
     def warm(self, device: int) -> dict[int, float] | None:
         return self.devices[device].call("warm")

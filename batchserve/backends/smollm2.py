@@ -69,14 +69,10 @@ def gguf_read_once() -> Iterator[None]:
         yield
         return
     with _GGUF_LOAD:
-        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-        readers: dict[tuple[str, str], gguf.GGUFReader] = {}
+        read, real_map = functools.cache(gguf.GGUFReader), gguf.get_tensor_name_map
 
         def reader(path: os.PathLike[str] | str, mode: Literal["r", "r+", "c"] = "r") -> gguf.GGUFReader:
-            key = (os.path.realpath(os.fspath(path)), mode)
-            if key not in readers:
-                readers[key] = real_reader(path, mode)
-            return readers[key]
+            return read(os.path.realpath(os.fspath(path)), mode)
 
         with (
             mock.patch.object(gguf, "GGUFReader", reader),
