@@ -119,7 +119,7 @@ class GpuPool:
         if batch is not None:
             expected = times.at(batch.model, batch.cost if cost is None else cost)
         else:
-            expected = max(times.values(), default=0.0)
+            expected = max((times[m] for m in times), default=0.0)
         return max(GPU_TIMEOUT_FLOOR_S, min(self.gpu_timeout_ceiling_s, GPU_TIMEOUT_BATCHES * expected))
 
     # -- the worker thread -----------------------------------------------------------------------------------
@@ -362,13 +362,11 @@ class GpuPool:
         otherwise the items are answered 504 at once and capacity is kept."""
         if w.batch is not batch or not w.healthy or w.finished is batch:
             return  # ended (`finished`: in time, the loop not yet at its turnaround, busy or stalled) or given up
-        if w.running is batch:
-            ran = self.clock() - w.running_since  # when the thread began it: a late timer is no evidence
-            if ran < limit:
-                w.watchdog = self.loop.call_later(limit - ran, self._abandon, w, batch, limit)
-                return
-        else:  # handed over but not begun yet (the thread waited for the interpreter): its time starts later
-            w.watchdog = self.loop.call_later(limit, self._abandon, w, batch, limit)
+        # Its time runs from when the thread began it (a late timer is no evidence); handed over but not begun yet
+        # (the thread waited for the interpreter), it starts later.
+        ran = self.clock() - w.running_since if w.running is batch else 0.0
+        if ran < limit:  # `limit` > 0: `timeout_s` is at least its floor
+            w.watchdog = self.loop.call_later(limit - ran, self._abandon, w, batch, limit)
             return
         if not self.staging.withdraw(w):  # its staged batch back from the inbox: its items run elsewhere
             return  # the thread began the staged one just now: not hung after all

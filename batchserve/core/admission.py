@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from batchserve import errors
+from batchserve.core.batch_hold import Arrivals
 from batchserve.core.batcher import Batcher
 from batchserve.core.tiers import SHED
 from batchserve.core.wait_calibration import WaitCalibration
@@ -44,6 +45,7 @@ FAST_SPIKE = 1.2  # a short-horizon arrival rate this far above capacity is pres
 FAST_HELD_S = 0.25
 BURST_MEMORY_S = 2.0  # the long horizon: bursts that passed this lately are expected again
 BURST_LOW = 0.8  # a burst has passed once that rate is back this far below capacity (not the wobble of a rise)
+RATE_TAU_S, FAST_TAU_S = 2.0, 0.25  # the arrival rates' two horizons (s)
 PROBE_EVERY_S = 5.0  # an idle model that refuses everything on its learned time lets one request run this often
 
 
@@ -53,25 +55,6 @@ class WorkerCapacity(Protocol):
     def healthy_count(self) -> int: ...
     def worker_count(self) -> int: ...
     def seconds_until_free(self, now: float) -> float: ...
-
-
-@dataclass
-class RateMeter:
-    """Arrivals per second, an exponentially weighted average over about `tau_s` seconds."""
-
-    tau_s: float = 2.0
-    rate: float = 0.0
-    last: float = 0.0
-    before: float = 0.0  # the rate just before the latest tick: its lowest since the tick before (it only decays)
-
-    def tick(self, now: float, n: int = 1) -> float:
-        self.before = self.rate * math.exp(-(now - self.last) / self.tau_s)
-        self.rate = self.before + n / self.tau_s
-        self.last = now
-        return self.rate
-
-    def current(self, now: float) -> float:
-        return self.rate * math.exp(-(now - self.last) / self.tau_s)
 
 
 class DoorFigures(msgspec.Struct, gc=False):
@@ -103,11 +86,11 @@ class Admission:
     max_timeout_s: float = math.inf  # --max-timeout-ms: the longest timeout a caller may ask for (the same)
     # Each model's own SLO and timeouts (the runtime shares `ModelRegistry.deadlines`, as the batcher does).
     deadlines: dict[str, Deadlines] = field(default_factory=dict)
-    arrivals: RateMeter = field(default_factory=RateMeter)
-    arrivals_fast: RateMeter = field(default_factory=lambda: RateMeter(tau_s=0.25))
+    arrivals: Arrivals = field(default_factory=lambda: Arrivals(RATE_TAU_S))
+    arrivals_fast: Arrivals = field(default_factory=lambda: Arrivals(FAST_TAU_S))
     probed: dict[str, float] = field(default_factory=dict)  # per model: when a probe was last let through
     # Per (model, length class): admitted inputs per second, for the class turns the prediction replays.
-    class_arrivals: dict[tuple[str, int], RateMeter] = field(default_factory=dict)
+    class_arrivals: dict[tuple[str, int], Arrivals] = field(default_factory=dict)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)  # the prediction's learned error
     _figures: dict[str, DoorFigures] = field(default_factory=dict)  # per model: `read_figures`, kept until stale
     # Per model, while the short-horizon rate is above its capacity or has not fallen back below BURST_LOW of it
@@ -128,22 +111,20 @@ class Admission:
         a flood, before the slow average sees it; where bursts passed lately, once it held: `flood_from`), or a
         worker lost. `fast_rate` is `arrivals_fast` as the door ticked it."""
         assert self.capacity is not None
-        healthy = self.capacity.healthy_count()
-        batch_s = self.batcher.batch_s[model]
-        capacity, backlog = self._capacity(model, healthy, self.batcher.costs.full_n(model), batch_s)
+        fig = self.read_figures(model, self.capacity.healthy_count())
         now = self.clock()
         above = math.inf  # since when the short horizon is above capacity, as the door saw it (else: from now)
-        if self.arrivals_fast.current(now) > capacity:
+        if self.arrivals_fast.current(now) > fig.capacity:
             above = self.fast_above.get(model, now)
             above = now if above == math.inf else above
-        flood = fast_rate > FAST_SPIKE * capacity and now >= self._flood_at(model, above)
-        over = (rate > capacity or flood) and self.batcher.depth.get(model, 0) > backlog
-        return over or healthy < self.capacity.worker_count()
+        flood = fast_rate > FAST_SPIKE * fig.capacity and now >= self._flood_at(model, above)
+        over = (rate > fig.capacity or flood) and self.batcher.depth.get(model, 0) > fig.backlog
+        return over or fig.lost
 
     def flood_from(self, model: str, now: float, fast_rate: float, capacity: float) -> float:
         """From when the short-horizon rate (`arrivals_fast`, just ticked at `now` to `fast_rate`) is a flood's
         start: at once, or where a burst passed lately FAST_HELD_S after it rose above capacity (inf: below
-        capacity). The rate only decays between ticks, so `RateMeter.before` is its lowest since the last one: a dip
+        capacity). The rate only decays between ticks, so `Arrivals.before` is its lowest since the last one: a dip
         below capacity starts the hold anew, one below BURST_LOW x capacity after a rise is a burst that passed."""
         above = self.fast_above.get(model)
         meter = self.arrivals_fast
@@ -231,7 +212,7 @@ class Admission:
         if bucket is not None:
             meter = self.class_arrivals.get((model, bucket))
             if meter is None:
-                meter = self.class_arrivals[(model, bucket)] = RateMeter()
+                meter = self.class_arrivals[(model, bucket)] = Arrivals(RATE_TAU_S)
             meter.tick(now, n)
 
     def observed(self, model: str, ticket: Ticket, started_s: float) -> None:

@@ -241,9 +241,6 @@ class BatchTimes:
     def __iter__(self) -> Iterator[str]:
         return iter(self.models())
 
-    def values(self) -> list[float]:
-        return [self[m] for m in self.models()]
-
     def items(self) -> list[tuple[str, float]]:
         return [(m, self[m]) for m in self.models()]
 
@@ -258,6 +255,11 @@ log = logging.getLogger("batchserve")
 UNIT_ALPHA = 0.02  # weight of the newest input in a model's mean input cost (a full batch's cost is read off it)
 ROW_ALPHA = 0.2  # weight of the newest batch in a length class's padded cost per row (`row_cost`)
 SERVED_ALPHA = 0.2  # weight of the newest batch in the served-rate average (`served_rate`)
+
+
+def rows_in(limit: int, budget: float, cost: float) -> int:
+    """Rows of inputs of this cost in one batch of a model: its limit, or what its budget holds."""
+    return limit if budget == math.inf else max(1, min(limit, int(budget // cost)))
 
 
 @dataclass
@@ -310,10 +312,8 @@ class BatchBudget:
     def full_n(self, model: str) -> int:
         """Inputs in a full batch of this model: the batch size, or fewer when its budget holds fewer of its
         mean input. Capacity (inputs per second) is this over a full batch's S."""
-        budget, limit = self.budget(model), self.limit(model)
-        if budget == math.inf:
-            return limit
-        return max(1, min(limit, int(budget // self.unit.get(model, 1.0))))
+        budget, limit = self.budget(model), self.model_limits.get(model, self.max_batch_size)
+        return limit if budget == math.inf else rows_in(limit, budget, self.unit.get(model, 1.0))
 
     def note_cost(self, model: str, cost: float) -> None:
         """An input of this cost was admitted: keep the model's mean input cost, and with it the cost of a full

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from batchserve.core.batch import BatchBudget, BatchTimes
+from batchserve.core.batch import BatchBudget, BatchTimes, rows_in
 
 if TYPE_CHECKING:
     from batchserve.core.fairqueue import FairQueue
@@ -53,21 +53,24 @@ RATE_TAU_S = 1.0  # the arrival rates' horizon (seconds)
 
 @dataclass
 class Arrivals:
-    """Items per second joining a queue (or a model), an exponentially decayed count over `tau_s`, fed where
-    batches form: `seen` items joined since the last call."""
+    """Items per second, an exponentially weighted average over about `tau_s` seconds: the door's (ticked per
+    request) and those of a queue or a model here (fed where batches form, with the items joined since)."""
 
     tau_s: float = RATE_TAU_S
     rate: float = 0.0
-    last: float = -math.inf
+    last: float = 0.0
+    before: float = 0.0  # the rate just before the latest tick: its lowest since the tick before (it only decays)
 
-    def add(self, now: float, seen: int) -> None:
-        self.rate = self.current(now) + seen / self.tau_s
+    def tick(self, now: float, n: int = 1) -> float:
+        self.before = self.rate * math.exp(-(now - self.last) / self.tau_s)
+        self.rate = self.before + n / self.tau_s
         self.last = now
+        return self.rate
+
+    add = tick  # the hold's name for it: fed the items seen since the last batch
 
     def current(self, now: float) -> float:
-        if self.last == -math.inf:
-            return 0.0
-        return self.rate * math.exp(-max(0.0, now - self.last) / self.tau_s)
+        return self.rate * math.exp(-(now - self.last) / self.tau_s)
 
 
 def hold_until(
@@ -159,40 +162,34 @@ class Holds:
     held: dict[Key, tuple[float, float]] = field(default_factory=dict)
 
     def until(self, key: Key, q: FairQueue, oldest: float, now: float, depth: int, workers: int, slo_s: float) -> float:
-        """Until when a free worker holds queue `key`'s batch (not full; `depth` items of its model queued): decided
-        once per batch, so the wait does not renew itself."""
+        """Until when a free worker holds queue `key`'s batch (not full; `depth` items of its model queued): now, or
+        later while the load is high and a larger batch would cost its inputs much less. Decided once per batch, so
+        the wait does not renew itself."""
         hold = self.held.get(key)
-        if hold is None:
-            hold = self.held[key] = (now, self._decide(key, q, oldest, now, depth, workers, slo_s))
-        return hold[1]
-
-    def _decide(
-        self, key: Key, q: FairQueue, oldest: float, now: float, depth: int, workers: int, slo_s: float
-    ) -> float:
-        """Now, or later while the load is high and a larger batch would cost its inputs much less."""
-        model_rate = self.model_arrivals.get(key[0])
-        queue_rate = self.arrivals.get(key)
-        if model_rate is None or queue_rate is None:
-            return now
-        model, costs, unit = key[0], self.costs, q.mean_cost()
-        # The rates count arrivals where batches form: those since (still queued) count now too, or a busy
-        # worker's rate would read low by the time one batch takes.
-        tau = queue_rate.tau_s
-        pending = max(0, len(q) - self.left.get(key, 0)) / tau
-        pending_model = max(0, depth - self.left_model.get(model, 0)) / tau
-        budget, limit = costs.budget(model), costs.limit(model)
-        full_n = limit if budget == math.inf else max(1, min(limit, int(budget // unit)))
-        return hold_until(
-            now,
-            oldest,
-            len(q),
-            full_n,
-            lambda k: self.batch_s.at(model, costs.estimate_cost(model, k, unit)),
-            model_rate.current(now) + pending_model,
-            queue_rate.current(now) + pending,
-            workers,
-            slo_s,
-        )
+        if hold is not None:
+            return hold[1]
+        until = now
+        model, model_rate, queue_rate = key[0], self.model_arrivals.get(key[0]), self.arrivals.get(key)
+        if model_rate is not None and queue_rate is not None:
+            costs, unit = self.costs, q.mean_cost()
+            # The rates count arrivals where batches form: those since (still queued) count now too, or a busy
+            # worker's rate would read low by the time one batch takes.
+            tau = queue_rate.tau_s
+            pending = max(0, len(q) - self.left.get(key, 0)) / tau
+            pending_model = max(0, depth - self.left_model.get(model, 0)) / tau
+            until = hold_until(
+                now,
+                oldest,
+                len(q),
+                rows_in(costs.limit(model), costs.budget(model), unit),
+                lambda k: self.batch_s.at(model, costs.estimate_cost(model, k, unit)),
+                model_rate.current(now) + pending_model,
+                queue_rate.current(now) + pending,
+                workers,
+                slo_s,
+            )
+        self.held[key] = (now, until)
+        return until
 
     def count(self, key: Key, now: float, queued: int) -> None:
         """The items that joined queue `key` since its last batch (it holds `queued` now), into its and its

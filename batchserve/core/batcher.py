@@ -83,7 +83,7 @@ class Batcher:
         self.shares: dict[str, Shares] = {}  # per model: the tenants' cost counters (fairqueue)
         self.account = CostAccount()  # cost answered per (model, tier, tenant)
         self.depth: dict[str, int] = {}  # queued items per model
-        self.tier_depth: list[int] = tiers.counters()  # queued items per tier rank
+        self.tier_depth = [0] * len(tiers.TIERS)  # queued items per tier rank
         self.retries = Retries()
         # Pacing: when batches went out, per model and per queue.
         self.healthy_workers = healthy_workers
@@ -131,9 +131,7 @@ class Batcher:
     def _new_queue(self, key: tuple[str, int]) -> FairQueue:
         """A queue for a (model, length class): its tenants' counters are the model's, shared by its classes,
         so a tenant's share is counted over all its inputs, whatever their length."""
-        shares = self.shares.get(key[0])
-        if shares is None:
-            shares = self.shares[key[0]] = Shares()
+        shares = self.shares.setdefault(key[0], Shares())  # a new queue is rare: the spare Shares() costs nothing
         q = self.queues[key] = FairQueue(shares, aging=tiers.aging_for(self.slo_of(key[0])))
         return q
 
@@ -295,7 +293,7 @@ class Batcher:
         """Answer every queued item with `err` (drain timeout); returns how many were answered."""
         answered = 0
         for q in self.queues.values():
-            for item in q.drain_all():
+            for item in q.prune(lambda item: False):  # every item, dropped
                 self._count(item, -1)
                 if not item.future.done():
                     item.future.set_exception(err)
@@ -314,9 +312,7 @@ class Batcher:
 
     def most_urgent(self, now: float) -> tuple[tuple[str, int] | None, float, str]:
         best: tuple[str, int] | None = None
-        best_rank = (float("inf"), float("inf"), float("inf"), float("inf"), float("inf"))
-        best_cause = ""
-        best_due = float("inf")
+        best_rank, best_cause, best_due = (math.inf,) * 5, "", math.inf
         for key, q in self.queues.items():
             for item in q.prune(lambda i: i.alive(now)):
                 self._count(item, -1)

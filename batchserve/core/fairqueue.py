@@ -316,8 +316,7 @@ class FairQueue:
     def push_front(self, item: Item) -> None:
         """Put an item back at the head of its lane (it already waited its turn once)."""
         self.push(item)
-        lane = self.lanes[(item.tier, item.tenant)]
-        lane.items.rotate(1)  # the item just appended becomes the head
+        self.lanes[(item.tier, item.tenant)].items.rotate(1)  # the item just appended becomes the head
 
     def prune(self, alive: Callable[[Item], bool]) -> list[Item]:
         """Drop dead items from the lane heads; returns them (the caller keeps its counts)."""
@@ -426,11 +425,6 @@ class FairQueue:
         """`item`, taken by `pop(charge=False)`, is served: its tenant's counter grows by its cost."""
         self.shares.charge(item)
 
-    def peek(self, stick: dict[int, str] | None = None) -> Item | None:
-        """The item `pop(stick)` would return next, left in place."""
-        lane = self._next_lane(stick)
-        return lane.items[0] if lane is not None else None
-
     def take_batch(
         self, limit: int, budget: float, now: float, ends: float, taken: list[int]
     ) -> tuple[list[Item], float]:
@@ -497,9 +491,10 @@ class FairQueue:
     def _full_by_cost(self, stick: dict[int, str], items: list[Item], widest: float, budget: float) -> bool:
         """Whether the batch of `items` is full by its cost budget: nothing left to take, or the next item would pass
         it (rows x the longest row, or the backend's own batch cost, asked only here where a budget applies)."""
-        head = self.peek(stick)
-        if head is None:
+        lane = self._next_lane(stick)  # the lane `pop(stick)` takes from next
+        if lane is None:
             return True
+        head = lane.items[0]
         if head.batch_cost is not None:
             return head.batch_cost([*(i.text for i in items), head.text]) > budget
         return (len(items) + 1) * max(widest, head.cost) > budget
@@ -528,6 +523,3 @@ class FairQueue:
         that tenant), for the batcher's order between length classes."""
         lane = self._next_lane()
         return self.shares.lag(lane.tier, lane.tenant) if lane is not None else 0.0
-
-    def drain_all(self) -> list[Item]:
-        return self.prune(lambda item: False)

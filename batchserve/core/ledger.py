@@ -44,15 +44,12 @@ def served_outcome(latency_s: float, slo_s: float) -> int:
     return MET if latency_s <= slo_s else SLOW
 
 
+_ERROR_OUTCOMES = {429: REFUSED, 503: REFUSED, 504: EXPIRED}  # any other 5xx: FAILED
+
+
 def error_outcome(status: int) -> int | None:
     """The outcome of an error answer, or None when it is no SLO outcome (a 4xx other than 429: the caller's)."""
-    if status == 429 or status == 503:
-        return REFUSED
-    if status == 504:
-        return EXPIRED
-    if status >= 500:
-        return FAILED
-    return None
+    return _ERROR_OUTCOMES.get(status, FAILED if status >= 500 else None)
 
 
 # A bucket: [bucket index, requests x 5 outcomes, inputs x 5 outcomes, cost served]
@@ -156,9 +153,7 @@ class UsageBook:
 
     def report(self, tenant: str, window_s: float = DEFAULT_WINDOW_S) -> dict[str, object]:
         """`tenant`'s figures over the last `window_s` (rounded out to whole buckets) and since start."""
-        usage = self.tenants.get(tenant)
-        if usage is None:
-            usage = TenantBook("")
+        usage = self.tenants.get(tenant) or TenantBook("")
         now = self.clock()
         first = int((now - window_s) // BUCKET_S)
         window = _summed(row for row in usage.buckets if row[0] >= first)
@@ -299,22 +294,13 @@ class RequestLog:
         mine[request_id] = rec
         self._count += 1
         if self._count > self.capacity:  # full (the steady state): one goes for each added
-            if len(mine) * len(self._by_owner) >= self._count:  # the adder holds at least its share: its own oldest
-                mine.popitem(last=False)
-                self._count -= 1
-                if not mine:
-                    del self._by_owner[owner]
-            else:
-                self._evict()
+            if len(mine) * len(self._by_owner) < self._count:  # the adder holds less than its share: the largest
+                owner, mine = max(self._by_owner.items(), key=lambda kv: len(kv[1]))
+            mine.popitem(last=False)  # loses its oldest
+            self._count -= 1
+            if not mine:
+                del self._by_owner[owner]
         return rec
-
-    def _evict(self) -> None:
-        """The owner holding the most records loses its oldest (the adder holds less than its share)."""
-        victim, records = max(self._by_owner.items(), key=lambda kv: len(kv[1]))
-        records.popitem(last=False)
-        self._count -= 1
-        if not records:
-            del self._by_owner[victim]
 
     def get(self, owner: str, request_id: str) -> Record | None:
         mine = self._by_owner.get(owner)

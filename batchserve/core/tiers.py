@@ -79,8 +79,3 @@ def asked(value: str | int, tier: int, best: int) -> int | None:
         return BATCH.rank
     found = BY_NAME.get(value)
     return None if found is None else max(found.rank, best)
-
-
-def counters() -> list[int]:
-    """A zeroed per-tier counter list."""
-    return [0] * len(TIERS)

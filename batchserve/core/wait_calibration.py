@@ -40,7 +40,6 @@ class _Model:
 
 @dataclass
 class WaitCalibration:
-    alpha: float = ALPHA
     low: float = LOW
     high: float = HIGH
     models: dict[str, _Model] = field(default_factory=dict)
@@ -56,8 +55,8 @@ class WaitCalibration:
                 error = actual_s - self.factor(model) * predicted_s
                 step = max(0.0005, TAIL_STEP * m.predicted)
                 m.tail = max(0.0, m.tail + (step * TAIL_Q if error > m.tail else -step * (1 - TAIL_Q)))
-            m.predicted += self.alpha * (predicted_s - m.predicted)
-            m.actual += self.alpha * (actual_s - m.actual)
+            m.predicted += ALPHA * (predicted_s - m.predicted)
+            m.actual += ALPHA * (actual_s - m.actual)
         m.seen += 1
         m.predicted_total += predicted_s
         m.actual_total += actual_s

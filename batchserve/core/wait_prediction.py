@@ -22,6 +22,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
+from batchserve.core.batch import rows_in
 from batchserve.core.batcher import Batcher
 from batchserve.core.class_turns import ClassQueue, Own, WaitPrediction, drain
 
@@ -59,13 +60,15 @@ def predict(
     # One queue (the sim, a plugin without bucket_of, or a costed model whose other classes are quiet): FIFO
     # batches, the formula above; a class's batches at the padded cost of a row, as in the replay.
     if bucket is not None:
-        row = batcher.costs.row_cost.get((model, bucket), 0.0)
-        unit, own_unit = _class_unit(batcher, model, bucket, unit, row), max(own_unit, row)
-        full_n = _rows(limit, budget, unit)
+        # A row ahead costs its queue's mean input (the model's when it is empty), never below its padded `row`.
+        row, own_q = batcher.costs.row_cost.get((model, bucket), 0.0), batcher.queues.get((model, bucket))
+        unit = max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
+        own_unit = max(own_unit, row)
+        full_n = rows_in(limit, budget, unit)
         full_s = times.at(model, batcher.costs.estimate_cost(model, full_n, unit))
     else:
         full_n, full_s = batcher.costs.full_n(model), times[model]
-    per_batch = _rows(limit, budget, own_unit)
+    per_batch = rows_in(limit, budget, own_unit)
     # A batch's cost is rows x cost within the budget (`BatchBudget.estimate_cost`), written out: runs per request.
     cap = math.inf if budget == math.inf else max(1.0, budget)
     base = until_free_s + (ahead // full_n) * full_s / share
@@ -85,18 +88,6 @@ def predict(
         + times.at(model, min(last_rows * own_unit, cap))
     )
     return WaitPrediction(first, max(first, last), base)
-
-
-def _class_unit(batcher: Batcher, model: str, bucket: int, unit: float, row: float) -> float:
-    """The cost of a row of a length class's batches ahead: its queue's mean input (the model's `unit` when it
-    is empty), never below its padded `row` (a batch costs what its longest input does)."""
-    own_q = batcher.queues.get((model, bucket))
-    return max(own_q.mean_cost() if own_q is not None and len(own_q) else unit, row)
-
-
-def _rows(limit: int, budget: float, cost: float) -> int:
-    """Rows of inputs of this cost in one batch of a model: its limit, or what its budget holds."""
-    return limit if budget == math.inf else max(1, min(limit, int(budget // cost)))
 
 
 def _other_class_busy(batcher: Batcher, model: str, bucket: int, rates: Mapping[int, float] | None) -> bool:
@@ -121,8 +112,8 @@ def _by_turns(
     budget: float,
 ) -> WaitPrediction:
     """`predict` for a model of length classes: their queues as the request sees them (its tier's share of
-    each, `ahead` of the model's depth), replayed turn by turn; a batch holds `_rows(limit, budget, cost)`."""
-    per = functools.partial(_rows, limit, budget)
+    each, `ahead` of the model's depth), replayed turn by turn; a batch holds `rows_in(limit, budget, cost)`."""
+    per = functools.partial(rows_in, limit, budget)
     depth = batcher.depth.get(model, 0)
     part = min(1.0, ahead / depth) if depth else 0.0  # of the queued items, the share ahead by tier
     served, unit, padded = batcher.bucket_served_at, batcher.costs.unit.get(model, 1.0), batcher.costs.row_cost
