@@ -23,8 +23,7 @@ Parse = Callable[[bytes, int, float], Classify]
 
 def parse_request(rt: EncoderHost, call: Call, body: bytes, parse: Parse = parse_classify) -> EncoderJob[Classify]:
     """`parse`: the route's body shape, vLLM's (`/v1/classify`, the default) or TEI's (`/predict`)."""
-    s = rt.settings
-    req = parse(body, s.max_input_chars, s.max_timeout_ms)
+    req = parse(body, rt.settings.max_input_chars, rt.settings.max_timeout_ms)
     choose(rt, call, CLASSIFICATION, req.model, req.timeout_s, req.service_tier)
     inputs = [single_input(seq) if isinstance(seq, str) else pair_input(*seq) for seq in req.sequences]
     return EncoderJob(req, inputs)

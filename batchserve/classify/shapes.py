@@ -11,12 +11,10 @@ from typing import Annotated, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import DocAnswer, model_post, versioned_posts
-from batchserve.http.shapes import OPENAI, NonNegative, Priority
+from batchserve.http.shapes import OPENAI, NonNegative, Priority, Text, Timeout
 
 MAX_INPUTS = 2048  # inputs per request, as /v1/embeddings
 
-Text = Annotated[str, Meta(min_length=1)]  # an empty text has nothing to classify: 400, as /v1/embeddings
-Timeout = Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")]
 Model = Annotated[
     Text | None, Meta(description="a classification model (GET /v1/models); default: the first such model")
 ]

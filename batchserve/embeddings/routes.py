@@ -46,8 +46,7 @@ class Embed:
 
 
 def parse_request(rt: EncoderHost, call: Call, body: bytes) -> Embed:
-    s = rt.settings
-    req = parse(body, s.max_input_chars, s.max_timeout_ms)
+    req = parse(body, rt.settings.max_input_chars, rt.settings.max_timeout_ms)
     return Embed(req, choose(rt, call, EMBEDDING, req.model, req.timeout_s, req.service_tier))
 
 

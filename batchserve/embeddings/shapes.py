@@ -8,11 +8,9 @@ from typing import Annotated, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import DocAnswer, model_post
-from batchserve.http.shapes import OPENAI, NonNegative, Priority
+from batchserve.http.shapes import OPENAI, NonNegative, Priority, Text, Timeout
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
-
-Text = Annotated[str, Meta(min_length=1)]
 
 
 class EmbeddingRequest(Struct):
@@ -38,9 +36,7 @@ class EmbeddingRequest(Struct):
         ),
     ] = None
     user: Annotated[str | None, Meta(description="accepted and ignored")] = None
-    timeout_ms: (
-        Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")] | UnsetType
-    ) = UNSET
+    timeout_ms: Timeout | UnsetType = UNSET
     service_tier: Priority | None = None
 
 

@@ -24,16 +24,9 @@ from batchserve.logsafe import printable
 
 log = logging.getLogger("batchserve.http")
 
-# OpenAI's error `type` by status (what its clients switch on); a 5xx is a server_error.
-OPENAI_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
+# OpenAI's error `type` by status (what its clients switch on); any other 4xx is an invalid_request_error, a 5xx a
+# server_error.
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 
 
 def error_headers(err: ApiError, request_id: str) -> dict[str, str]:

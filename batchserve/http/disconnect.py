@@ -4,22 +4,18 @@ a batch. Shared by every route that waits on the door (inference, embeddings, KS
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from starlette.types import Receive
 
 
-class Watcher:
-    """For ASGI servers without a disconnect flag: a task that notes the caller hanging up. Under uvicorn the
-    check is its per-request cycle's `disconnected` flag, read by `Call.gone` (http/endpoint.py) instead."""
+async def hung_up(receive: Receive) -> None:
+    """Returns when the caller hangs up."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
-    def __init__(self, receive: Receive) -> None:
-        self.gone = False
-        self.task = asyncio.ensure_future(self._watch(receive))
 
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gone = True
-
-    def __call__(self) -> bool:
-        return self.gone
+def watch(receive: Receive) -> Callable[[], bool]:
+    """For ASGI servers without a disconnect flag: the check of a task that ends when the caller hangs up. Under
+    uvicorn the check is its per-request cycle's `disconnected` flag, read by `Call.gone` (http/endpoint.py)."""
+    return asyncio.ensure_future(hung_up(receive)).done

@@ -34,7 +34,7 @@ from batchserve.core.tiers import ASKABLE, NAMES as TIER_NAMES
 from batchserve.core.work import Work
 from batchserve.errors import ApiError, ClientGone
 from batchserve.http.dialects import Dialect
-from batchserve.http.disconnect import Watcher
+from batchserve.http.disconnect import hung_up, watch
 from batchserve.http.guards import Guard, Caller
 from batchserve.http.plumbing import (
     REQUEST_ID_OK,
@@ -49,7 +49,7 @@ from batchserve.logsafe import printable
 
 log = logging.getLogger("batchserve.http")
 
-# An inference gateway's headers (llm-d's endpoint picker), read only from a `--gateway-ips` peer (`from_gateway`).
+# An inference gateway's headers (llm-d's endpoint picker), read only from a `--gateway-ips` peer (`identify`).
 GATEWAY_HEADERS = (
     b"x-llm-d-inference-fairness-id",
     b"x-gateway-inference-fairness-id",
@@ -77,24 +77,16 @@ def identify(guard: Guard, call: Call, any_key_anonymous: bool = False) -> Calle
     headers, work = call.headers, call.work
     caller = call.caller = guard.identify(headers.get("authorization"), call.scope, any_key_anonymous)
     work.tier, work.tenant, work.owner = caller.tier, caller.tenant, caller.owner
-    if guard.gateways and any(name in headers for name in GATEWAY_NAMES):
-        from_gateway(guard, call)
+    if guard.gateways and any(name in headers for name in GATEWAY_NAMES) and guard.via_gateway(call.scope):
+        # Believed from a `--gateway-ips` peer only: its fairness id names the fair queue's lane (so the gateway's
+        # per-tenant fairness and ours are one), and its objective the tier the request runs at, within its key's.
+        fairness = headers.get("x-llm-d-inference-fairness-id") or headers.get("x-gateway-inference-fairness-id")
+        if fairness and len(fairness) <= MAX_LANE_CHARS and fairness.isprintable():
+            work.tenant = "gateway:" + fairness
+        objective = headers.get("x-llm-d-inference-objective") or headers.get("x-gateway-inference-objective")
+        if objective in ASKABLE:
+            call.run_at(objective, "x-llm-d-inference-objective")
     return caller
-
-
-def from_gateway(guard: Guard, call: Call) -> None:
-    """An inference gateway's headers, believed from a `--gateway-ips` peer only: its fairness id names the fair
-    queue's lane (so the gateway's per-tenant fairness and ours are one), and its objective the tier the request
-    runs at, within its key's."""
-    if not guard.via_gateway(call.scope):
-        return
-    headers = call.headers
-    fairness = headers.get("x-llm-d-inference-fairness-id") or headers.get("x-gateway-inference-fairness-id")
-    if fairness and len(fairness) <= MAX_LANE_CHARS and fairness.isprintable():
-        call.work.tenant = "gateway:" + fairness
-    objective = headers.get("x-llm-d-inference-objective") or headers.get("x-gateway-inference-objective")
-    if objective in ASKABLE:
-        call.run_at(objective, "x-llm-d-inference-objective")
 
 
 def answer_head(answer: Answer, call: Call) -> bytes:
@@ -131,12 +123,11 @@ class Call(msgspec.Struct, eq=False):
         cycle = getattr(receive, "__self__", None)
         if cycle is not None and isinstance(getattr(cycle, "disconnected", None), bool):
             return partial(getattr, cycle, "disconnected")
-        return Watcher(receive)
+        return watch(receive)
 
-    async def hung_up(self) -> None:
+    def hung_up(self) -> Awaitable[None]:
         """Returns when the caller hangs up: for a wing that waits on something other than the door."""
-        while (await self.receive())["type"] != "http.disconnect":
-            pass
+        return hung_up(self.receive)
 
     def run_at(self, value: str | int | None, field: str) -> None:
         """The request's own priority (`Work.ask`): its Work and its caller both move to the tier it runs at."""
@@ -177,6 +168,11 @@ def json_answer(body: object, status: int = 200, headers: tuple[tuple[bytes, byt
     return Answer(orjson.dumps(body), headers=headers, status=status)
 
 
+def as_json(rt: object, call: Call, req: object, body: object) -> Answer:
+    """The `render` of a route whose `handle` gives the answer's JSON value."""
+    return Answer(orjson.dumps(body))
+
+
 @dataclass(slots=True)
 class Stream:
     """An answer written as it is made (server-sent events). `close(status)` runs exactly once, with "200",
@@ -211,8 +207,7 @@ class ModelBook:
     """The answers of a model route: the model's metrics and the SLO ledger, by the caller's tier and tenant."""
 
     def ok(self, rt: Served, call: Call) -> None:
-        work = call.work
-        caller = call.caller
+        work, caller = call.work, call.caller
         if caller is not None:
             rt.guard.ok(work.model, time.monotonic() - work.arrived, caller, work.inputs, work.cost)
 
@@ -305,8 +300,12 @@ class Endpoint(Generic[Host, Req, Res]):
         try:
             if self.ops_key:
                 guard.check_ops_key(headers.get("authorization"))
-            if self.identify:
-                caller = self.identified(guard, call)
+            if self.identify:  # one rate token taken, or the bucket checked when tokens go by the body
+                caller = identify(guard, call, self.dialect.any_key_anonymous)
+                if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
+                    call.answer_headers = guard.take(caller)
+                elif self.take_by_body:
+                    guard.check(caller)
             # The request id once the caller may send; a refusal above makes it when it renders.
             given = headers.get("x-request-id")  # `request_id_from`, inlined: every request
             work.request_id = given if given and REQUEST_ID_OK.match(given) else new_request_id()
@@ -344,15 +343,6 @@ class Endpoint(Generic[Host, Req, Res]):
             await self.send_messages(answer, call, send)
         if not call.booked:  # booked once written: the ledger's clock runs from the first byte to the last
             self.book.ok(rt, call)
-
-    def identified(self, guard: Guard, call: Call) -> Caller:
-        """The caller, and one rate token taken (or the bucket checked, when tokens go by the body)."""
-        caller = identify(guard, call, self.dialect.any_key_anonymous)
-        if self.take_one and caller.key_id:  # an anonymous caller has no bucket: no headers
-            call.answer_headers = guard.take(caller)
-        elif self.take_by_body:
-            guard.check(caller)
-        return caller
 
     async def send_refusal(self, rt: Host, call: Call, err: ApiError, send: Send, rate_headers: bool = True) -> None:
         """Answer `err` in the endpoint's dialect, booked as refused; with the rate-limit headers where the
@@ -414,7 +404,7 @@ def no_body(rt: object, call: Call, body: bytes) -> None:
 def public(
     dialect: Dialect,
     handle: Callable[[Host, Call, None], Awaitable[Res]],
-    render: Callable[[Host, Call, None, Res], Answer | Stream],
+    render: Callable[[Host, Call, None, Res], Answer | Stream] = as_json,
 ) -> Endpoint[Host, None, Res]:
     """A GET that anyone may make and that asks for no work (health, metadata): no caller, no body, not counted."""
     return Endpoint(dialect, no_body, handle, render, identify=False, book=UNCOUNTED, body=False)
@@ -423,7 +413,7 @@ def public(
 def operational(
     dialect: Dialect,
     handle: Callable[[Host, Call, None], Awaitable[Res]],
-    render: Callable[[Host, Call, None, Res], Answer | Stream],
+    render: Callable[[Host, Call, None, Res], Answer | Stream] = as_json,
 ) -> Endpoint[Host, None, Res]:
     """A GET of the node's own state: only with `--metrics-key` when one is set, since it names workers, queue
     depths and rates that callers need not see; not counted."""

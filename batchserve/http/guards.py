@@ -105,7 +105,7 @@ class Guard:
             d = self.deadlines.get(model)
             outcome: int | None = ledger.MET if latency_s <= (self.slo_s if d is None else d.slo_s) else ledger.SLOW
         else:
-            outcome = ledger.error_outcome(status) if status != 499 else None
+            outcome = ledger.error_outcome(status)  # None for a 499 too
         if outcome is None:
             return
         tier = TIER_NAMES[caller.tier]
@@ -296,7 +296,10 @@ class Tenancy:
     def _bucket(self, key_id: str) -> TokenBucket:
         bucket = self.buckets.get(key_id)
         if bucket is None:
-            rate, burst = self._limits(key_id)
+            entry = next(e for e in self.keys if e.sha256.startswith(key_id))
+            rate, burst = self.tier_rates.get(entry.tier, DEFAULT_TIER_RATES[entry.tier])
+            rate = entry.rate if entry.rate is not None else rate
+            burst = entry.burst if entry.burst is not None else max(burst, rate)
             bucket = self.buckets[key_id] = TokenBucket(rate, burst, burst, time.monotonic())
         return bucket
 
@@ -312,10 +315,3 @@ class Tenancy:
             )
         retry_ms = (count - bucket.tokens) / bucket.rate * 1000
         return errors.rate_limited(f"over the rate of {bucket.rate:g} requests/s for this key", retry_ms, headers)
-
-    def _limits(self, key_id: str) -> tuple[float, float]:
-        entry = next(e for e in self.keys if e.sha256.startswith(key_id))
-        rate, burst = self.tier_rates.get(entry.tier, DEFAULT_TIER_RATES[entry.tier])
-        rate = entry.rate if entry.rate is not None else rate
-        burst = entry.burst if entry.burst is not None else max(burst, rate)
-        return rate, burst

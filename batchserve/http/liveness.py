@@ -58,17 +58,10 @@ class Prober:
     """A daemon thread that probes one child's own port; the parent's supervision loop reads `hung()` and does the
     killing (one place decides a child's fate)."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        hang_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        ask: Callable[[str, int, float], bool] = probe,
-    ) -> None:
+    def __init__(self, host: str, port: int, hang_s: float, ask: Callable[[str, int, float], bool] = probe) -> None:
         self.host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
-        self.port, self.clock, self.ask = port, clock, ask
-        self.liveness = ChildLiveness(hang_s, clock())
+        self.port, self.ask = port, ask
+        self.liveness = ChildLiveness(hang_s, time.monotonic())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"probe-{port}", daemon=True)
@@ -82,18 +75,18 @@ class Prober:
 
     def hung(self) -> bool:
         with self._lock:
-            return self.liveness.hung(self.clock())
+            return self.liveness.hung(time.monotonic())
 
     def silent_for(self) -> float:
         with self._lock:
-            return self.liveness.silent_for(self.clock())
+            return self.liveness.silent_for(time.monotonic())
 
     def _run(self) -> None:
         # Each probe may wait as long as the whole threshold: a loop late by less than that is alive.
         timeout_s = max(self.liveness.hang_s, PROBE_EVERY_S)
         while not self._stop.is_set():
-            sent = self.clock()
+            sent = time.monotonic()
             if self.ask(self.host, self.port, timeout_s):
                 with self._lock:
-                    self.liveness.answered(self.clock())
-            self._stop.wait(max(0.0, sent + PROBE_EVERY_S - self.clock()))
+                    self.liveness.answered(time.monotonic())
+            self._stop.wait(max(0.0, sent + PROBE_EVERY_S - time.monotonic()))

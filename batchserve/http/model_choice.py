@@ -14,10 +14,9 @@ from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.config import ModelSpec, Settings
 from batchserve.core.service import InferenceService
-from batchserve.errors import ApiError
 from batchserve.http.endpoint import Call
 from batchserve.http.guards import Guard
-from batchserve.http.openai_error import bad, unknown_model
+from batchserve.http.openai_error import bad, no_model, unknown_model
 from batchserve.slo import Deadlines
 
 
@@ -119,7 +118,7 @@ def pick_model(rt: Models, task: Task, requested: str | None, sticky_key: str) -
         if not doing:
             if any(model_id not in rt.backends and task.may_do(spec) for model_id, spec in by_id):
                 raise errors.warming_up()  # which model embeds is known once the backends are loaded
-            raise ApiError(404, "MODEL_NOT_FOUND", task.none_served, param="model", reason="model_not_found")
+            raise no_model(task.none_served)
         requested = doing[0].name
     spec = rt.registry.resolve(requested, sticky_key)
     if spec is None:

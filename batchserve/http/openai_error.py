@@ -32,11 +32,10 @@ def refused(r: BodyRefusal) -> ApiError:
     return bad(r.field, r.message)
 
 
+def no_model(message: str) -> ApiError:
+    """The 404 for a `model` that names none served here, or none that does the work."""
+    return ApiError(404, "MODEL_NOT_FOUND", message, param="model", reason="model_not_found")
+
+
 def unknown_model(requested: str | None) -> ApiError:
-    return ApiError(
-        404,
-        "MODEL_NOT_FOUND",
-        f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)",
-        param="model",
-        reason="model_not_found",
-    )
+    return no_model(f"the model '{errors.short(requested)}' does not exist here (see GET /v1/models)")

@@ -101,10 +101,9 @@ class DocAnswer:
 @dataclass(frozen=True)
 class Param:
     name: str
-    where: Literal["path", "query", "header"]
+    where: Literal["path", "query", "header"]  # a path parameter is required, any other optional
     type: Any = str
     description: str = ""
-    required: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,6 @@ class DocDialect:
     name: str
     shape: Any
     per_status: bool = False
-    headers: bool = True  # X-Request-ID and, where retrying helps, Retry-After
 
 
 @dataclass(frozen=True)
@@ -253,21 +251,6 @@ def _content(types: _Collector, media: str, shape: Any, also: tuple[tuple[str, A
     return {m: {"schema": _Schema(types.add(t))} for m, t in ((media, shape), *also)}
 
 
-def _headers(types: _Collector, headers: Iterable[Header]) -> dict[str, Any]:
-    return {h.name: {"description": h.description, "schema": _Schema(types.add(h.type))} for h in headers}
-
-
-def _error_headers(status: int, dialect: DocDialect) -> tuple[Header, ...]:
-    if not dialect.headers:
-        return ()
-    out: tuple[Header, ...] = (REQUEST_ID,)
-    if status in RETRYABLE:
-        out += (RETRY_AFTER,)
-    if status == 429:
-        out += RATE_HEADERS
-    return out
-
-
 def _operation_plan(op: Operation, types: _Collector, narrowed: dict[int, type] | None) -> dict[str, Any]:
     out: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary}
     if op.description:
@@ -280,7 +263,7 @@ def _operation_plan(op: Operation, types: _Collector, narrowed: dict[int, type] 
         {
             "name": p.name,
             "in": p.where,
-            "required": p.required or p.where == "path",
+            "required": p.where == "path",
             **({"description": p.description} if p.description else {}),
             "schema": _Schema(types.add(p.type)),
         }
@@ -293,24 +276,23 @@ def _operation_plan(op: Operation, types: _Collector, narrowed: dict[int, type] 
             "required": True,
             "content": _content(types, op.request_media, op.request, op.request_also),
         }
+    answers = list(op.answers)
+    for status in sorted({*op.errors, *ALWAYS} - {a.status for a in answers}):  # in the dialect's error shape
+        shape = narrowed[status] if narrowed is not None else op.dialect.shape
+        codes = f"{' / '.join(ERROR_CODES[status])}: " if narrowed is not None else ""
+        headers: tuple[Header, ...] = (REQUEST_ID, RETRY_AFTER) if status in RETRYABLE else (REQUEST_ID,)
+        headers += RATE_HEADERS if status == 429 else ()
+        answers.append(DocAnswer(status, codes + ERROR_WHEN[status], shape, headers=headers))
     responses: dict[str, Any] = {}
-    for a in op.answers:
+    for a in answers:
         answer: dict[str, Any] = {"description": a.description}
         if a.headers:
-            answer["headers"] = _headers(types, a.headers)
+            answer["headers"] = {
+                h.name: {"description": h.description, "schema": _Schema(types.add(h.type))} for h in a.headers
+            }
         if a.shape is not None:
             answer["content"] = _content(types, a.media, a.shape, a.also)
         responses[str(a.status)] = answer
-    for status in sorted({*op.errors, *ALWAYS}):
-        if str(status) in responses:
-            continue
-        shape = narrowed[status] if narrowed is not None else op.dialect.shape
-        codes = f"{' / '.join(ERROR_CODES[status])}: " if narrowed is not None else ""
-        err: dict[str, Any] = {"description": f"{codes}{ERROR_WHEN[status]}"}
-        if headers := _error_headers(status, op.dialect):
-            err["headers"] = _headers(types, headers)
-        err["content"] = _content(types, JSON, shape, ())
-        responses[str(status)] = err
     out["responses"] = responses  # every status it answers, and no `default`: an undeclared status is a defect
     return out
 

@@ -145,11 +145,10 @@ async def body_chunks(receive: Receive) -> AsyncIterator[bytes]:
     yield b""
 
 
-async def send_json(send: Send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+async def send_json(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:
     """A JSON answer written straight to the ASGI `send` (the hot route skips Starlette's Response)."""
     raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    if headers:
-        raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 

@@ -11,6 +11,8 @@ from batchserve.core.ledger import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from batchserve.http.openapi import DocAnswer, DocDialect, Operation, Param
 
 NonNegative = Annotated[int, Meta(ge=0)]
+Text = Annotated[str, Meta(min_length=1)]  # an empty text has nothing to encode, score or classify: 400
+Timeout = Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")]
 # A request's own priority (`priority` on the native and v2 routes, `service_tier` on OpenAI's): core/tiers.ASKABLE.
 Priority = Annotated[
     Literal["auto", "default", "priority", "flex", "enterprise", "paid", "free", "batch"],
@@ -84,13 +86,10 @@ class ModelLatency(Struct, forbid_unknown_fields=True):
     p95: float | None
 
 
-class Latency(Struct, forbid_unknown_fields=True):
+class Latency(ModelLatency, forbid_unknown_fields=True):
     """Arrival to answer of the served (2xx) answers in the window; on the generation routes, arrival to the
     first token. The tenant's figures mix its models; `by_model` has each model's apart."""
 
-    count: NonNegative
-    p50: float | None
-    p95: float | None
     sample_max: Annotated[
         NonNegative,
         Meta(

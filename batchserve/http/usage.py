@@ -11,13 +11,12 @@ import math
 
 from typing import Any
 
-import orjson
 from starlette.routing import Route
 
 from batchserve import errors
 from batchserve.core.ledger import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Served
+from batchserve.http.endpoint import COUNTED, Call, Endpoint, Served, as_json
 from batchserve.http.shapes import USAGE
 
 
@@ -41,18 +40,15 @@ def parse(rt: Served, call: Call, body: bytes) -> float:
     return window_of(call.query().get("window_s"))
 
 
-async def reports(rt: Served, call: Call, window_s: float) -> list[dict[str, Any]]:
+async def reports(rt: Served, call: Call, window_s: float) -> dict[str, Any]:
     book, caller = rt.guard.usage, call.who
-    return book.reports(window_s) if caller.admin else [book.report(caller.tenant, window_s)]
-
-
-def render(rt: Served, call: Call, window_s: float, data: list[dict[str, Any]]) -> Answer:
-    return Answer(orjson.dumps({"object": "list", "window_s": window_s, "data": data}))
+    data = book.reports(window_s) if caller.admin else [book.report(caller.tenant, window_s)]
+    return {"object": "list", "window_s": window_s, "data": data}
 
 
 # Identified, but no token taken; counted as an answer, not a model's.
-usage: Endpoint[Served, float, list[dict[str, Any]]] = Endpoint(
-    NATIVE, parse, reports, render, rate=False, book=COUNTED, body=False
+usage: Endpoint[Served, float, dict[str, Any]] = Endpoint(
+    NATIVE, parse, reports, as_json, rate=False, book=COUNTED, body=False
 )
 
 ROUTES = [Route("/v1/usage", usage, methods=["GET"])]

@@ -18,10 +18,10 @@ from batchserve import errors
 from batchserve.backends import Backend
 from batchserve.http.model_choice import ModelRegistry
 from batchserve.core.fairqueue import ItemResult
-from batchserve.core.ledger import Record, RequestLog
+from batchserve.core.ledger import RequestLog
 from batchserve.core.service import InferenceService
 from batchserve.http.dialects import NATIVE
-from batchserve.http.endpoint import COUNTED, JSON_MEDIA, Answer, Call, Endpoint, Served, no_body, public
+from batchserve.http.endpoint import COUNTED, JSON_MEDIA, Answer, Call, Endpoint, Served, as_json, no_body, public
 from batchserve.inference.parse import parse_inference
 
 
@@ -76,16 +76,12 @@ def render(rt: InferenceHost, call: Call, text: str, result: ItemResult) -> Answ
     return Answer(out, JSON_MEDIA, ((b"server-timing", timing),))  # positional: the hot path
 
 
-async def find_request(rt: InferenceHost, call: Call, req: None) -> Record:
+async def find_request(rt: InferenceHost, call: Call, req: None) -> dict:
     """A recent request's status, to its own tenant only: another tenant's id answers 404 like an unknown one."""
     record = rt.requests.get(call.who.owner, call.scope["path_params"]["request_id"])
     if record is None:
         raise errors.request_not_found()
-    return record
-
-
-def render_record(rt: InferenceHost, call: Call, req: None, record: Record) -> Answer:
-    return Answer(orjson.dumps(record.public()))
+    return record.public()
 
 
 async def models(rt: InferenceHost, call: Call, req: None) -> list[dict[str, object]]:
@@ -113,8 +109,8 @@ def render_models(rt: InferenceHost, call: Call, req: None, data: list[dict[str,
 
 
 inference: Endpoint[InferenceHost, str, ItemResult] = Endpoint(NATIVE, parse, infer, render)
-request_status: Endpoint[InferenceHost, None, Record] = Endpoint(
-    NATIVE, no_body, find_request, render_record, book=COUNTED, body=False
+request_status: Endpoint[InferenceHost, None, dict] = Endpoint(
+    NATIVE, no_body, find_request, as_json, book=COUNTED, body=False
 )
 list_models: Endpoint[InferenceHost, None, list[dict[str, object]]] = public(NATIVE, models, render_models)
 

@@ -36,7 +36,7 @@ from batchserve.http.budget import connection_budget
 from batchserve.http.endpoint import GATEWAY_NAMES, MODEL, Call, identify
 from batchserve.http.plumbing import first_values, request_id_from
 from batchserve.kserve import render
-from batchserve.kserve.parse import bad, bytes_elements
+from batchserve.kserve.parse import bad, bytes_elements, texts_of
 from batchserve.kserve.grpc_messages import SERVICE, Messages, load
 from batchserve.kserve.host import KServeHost, find_model
 from batchserve.kserve.shapes import EXTENSIONS, INPUT_NAME, MAX_DIMS, MAX_ELEMENTS, OUTPUT_NAME
@@ -130,15 +130,7 @@ def parse_request(req: ModelInferRequest, max_chars: int) -> tuple[list[str], li
         elements = list(tensor.contents.bytes_contents)
         if len(elements) != count:
             raise bad(f"input '{INPUT_NAME}' holds {len(elements)} element(s), its shape {shape} says {count}")
-    try:
-        texts = [e.decode() for e in elements]
-    except UnicodeDecodeError:
-        raise bad("a BYTES element is not valid UTF-8") from None
-    for text in texts:
-        if not text:
-            raise bad("every element must be a non-empty string")
-        if len(text) > max_chars:
-            raise errors.payload_too_large(f"an element is over the {max_chars}-character limit")
+    texts = texts_of(elements, max_chars)
     for out in req.outputs:
         if out.name != OUTPUT_NAME:
             raise bad(f"unknown output '{out.name[:64]}': this model's one output is '{OUTPUT_NAME}'")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -15,11 +16,10 @@ import msgspec
 
 from batchserve import errors
 from batchserve.errors import ApiError
-from batchserve.http.plumbing import BodyRefusal, decode
+from batchserve.http.plumbing import BodyRefusal, ascii_count, decode
 from batchserve.kserve import shapes
 from batchserve.kserve.shapes import INPUT_NAME, MAX_DIMS, MAX_ELEMENTS, OUTPUT_NAME
 
-MAX_LENGTH_DIGITS = 19  # of Inference-Header-Content-Length: more than any body holds
 bad = errors.invalid  # a 400 for what the body says (rendered `{"error": message}` by `http/dialects.KSERVE`)
 
 
@@ -40,14 +40,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """(JSON header, binary tail) of an infer body; the whole body is JSON when no header length is given."""
     if header_length is None:
         return body, b""
-    # At most 19 digits, checked before int(): past Python's int-string limit int() raises (a 500).
-    if (
-        len(header_length) > MAX_LENGTH_DIGITS
-        or not (header_length.isascii() and header_length.isdigit())
-        or int(header_length) > len(body)
-    ):
+    n = ascii_count(header_length, len(body))
+    if n is None or n > len(body):
         raise bad(f"Inference-Header-Content-Length must be a byte count within the body ({len(body)} bytes)")
-    n = int(header_length)
     return body[:n], body[n:]
 
 
@@ -98,6 +93,20 @@ def bytes_elements(raw: bytes, count: int, what: str = "the binary BYTES data") 
     return out
 
 
+def texts_of(elements: Sequence[str | bytes], max_chars: int) -> list[str]:
+    """The elements as text (BYTES as UTF-8), each non-empty and within `max_chars`: v2's HTTP and gRPC alike."""
+    try:
+        texts = [e if isinstance(e, str) else e.decode() for e in elements]
+    except UnicodeDecodeError:
+        raise bad("a BYTES element is not valid UTF-8") from None
+    for text in texts:
+        if not text:
+            raise bad("every element must be a non-empty string")
+        if len(text) > max_chars:
+            raise errors.payload_too_large(f"an element is over the {max_chars}-character limit")
+    return texts
+
+
 _DECODER = msgspec.json.Decoder(shapes.V2InferRequest)
 _NO_PARAMETERS = shapes.InferParameters()  # read only
 # What each member of the declared shape means, said first when a body breaks it (the path of the refusal).
@@ -133,25 +142,19 @@ def parse_infer(body: bytes, header_length: str | None, max_chars: int) -> Infer
     if count < 1 or count > MAX_ELEMENTS:
         raise bad(f"input '{INPUT_NAME}' must hold 1 to {MAX_ELEMENTS} elements, its shape {shape} holds {count}")
     binary_size = tensor.parameters.binary_data_size if tensor.parameters is not None else None
+    elements: Sequence[str | bytes]
     if binary_size is not None:
         if binary_size != len(tail):
             raise bad(f"'binary_data_size' must equal the {len(tail)} bytes after the JSON header")
-        try:
-            texts = [b.decode() for b in bytes_elements(tail, count)]
-        except UnicodeDecodeError:
-            raise bad("a BYTES element is not valid UTF-8") from None
+        elements = bytes_elements(tail, count)
     else:
         if tail:
             raise bad("binary data follows the JSON header but no input declares 'binary_data_size'")
-        elements = _elements(tensor.data, shape)
-        if len(elements) != count or not all(isinstance(e, str) for e in elements):
+        data = _elements(tensor.data, shape)
+        if len(data) != count or not all(isinstance(e, str) for e in data):
             raise bad(f"input '{INPUT_NAME}' 'data' must hold {count} string(s), as its shape {shape} says")
-        texts = cast(list[str], elements)
-    for text in texts:
-        if not text:
-            raise bad("every element must be a non-empty string")
-        if len(text) > max_chars:
-            raise errors.payload_too_large(f"an element is over the {max_chars}-character limit")
+        elements = cast(list[str], data)
+    texts = texts_of(elements, max_chars)
     params = _NO_PARAMETERS if req.parameters is None else req.parameters
     binary_output = params.binary_data_output is True
     for o in req.outputs or ():

@@ -29,10 +29,6 @@ def model_named(rt: KServeHost, name: str, version: str | None) -> ModelSpec:
     return find_model(rt, name, version, " (see GET /v1/models)")
 
 
-def as_json(rt: KServeHost, call: Call, req: None, body: dict[str, object]) -> Answer:
-    return Answer(orjson.dumps(body))
-
-
 async def live(rt: KServeHost, call: Call, req: None) -> dict[str, object]:
     return {"live": True}
 
@@ -134,10 +130,10 @@ def render(rt: KServeHost, call: Call, x: Infer, results: list[ItemResult]) -> A
 infer: Endpoint[KServeHost, Infer, list[ItemResult]] = Endpoint(
     KSERVE, parse_request, infer_many, render, tokens=lambda x: len(x.req.texts), headers=(HEADER_LENGTH.encode(),)
 )
-live_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, live, as_json)
+live_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, live)
 ready_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, readiness, render_ready)
-server_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, server_metadata, as_json)
-metadata_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, metadata, as_json)
+server_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, server_metadata)
+metadata_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, metadata)
 model_ready_route: Endpoint[KServeHost, None, dict[str, object]] = public(KSERVE, model_readiness, render_ready)
 
 

@@ -48,10 +48,6 @@ class OpsHost(Served, Protocol):
     def answer_times(self) -> dict[str, float]: ...
 
 
-def as_json(rt: OpsHost, call: Call, req: None, body: dict[str, object]) -> Answer:
-    return Answer(orjson.dumps(body))
-
-
 async def healthz(rt: OpsHost, call: Call, req: None) -> dict[str, object]:
     return {"status": "ok"}
 
@@ -148,9 +144,9 @@ def render_document(rt: OpsHost, call: Call, req: None, document: bytes) -> Answ
     return Answer(document)
 
 
-liveness: Endpoint[OpsHost, None, dict[str, object]] = public(NATIVE, healthz, as_json)
+liveness: Endpoint[OpsHost, None, dict[str, object]] = public(NATIVE, healthz)
 ready: Endpoint[OpsHost, None, dict[str, object]] = public(NATIVE, readiness, render_ready)
-health: Endpoint[OpsHost, None, dict[str, object]] = operational(NATIVE, internal_health, as_json)
+health: Endpoint[OpsHost, None, dict[str, object]] = operational(NATIVE, internal_health)
 scrape: Endpoint[OpsHost, None, bytes] = operational(NATIVE, metrics, render_metrics)
 document: Endpoint[OpsHost, None, bytes] = public(NATIVE, openapi_json, render_document)
 

@@ -22,8 +22,7 @@ Rerank = EncoderJob[ParsedRerank]  # `inputs`: the (query, document) pairs
 
 
 def parse_request(rt: EncoderHost, call: Call, body: bytes, shape: Shape = V1) -> Rerank:
-    s = rt.settings
-    req = parse(body, s.max_input_chars, s.max_timeout_ms, shape)
+    req = parse(body, rt.settings.max_input_chars, rt.settings.max_timeout_ms, shape)
     choose(rt, call, RERANKING, req.model, req.timeout_s, req.service_tier)
     return EncoderJob(req, [pair_input(req.query, doc) for doc in req.documents])
 

@@ -9,15 +9,12 @@ from typing import Annotated
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from batchserve.http.openapi import DocAnswer, model_post, versioned_posts
-from batchserve.http.shapes import OPENAI, NonNegative, Priority
+from batchserve.http.shapes import OPENAI, NonNegative, Priority, Text, Timeout
 
 MAX_DOCUMENTS = 1000  # documents per request (Cohere's limit)
 
-
-Text = Annotated[str, Meta(min_length=1)]  # an empty document has nothing to score: 400, as /v1/embeddings
 Model = Annotated[Text | None, Meta(description="a reranking model (GET /v1/models); default: the first")]
 TopN = Annotated[int, Meta(ge=1, description="answer the best N only (default: all)")]
-Timeout = Annotated[float, Meta(gt=0, description="extension: the request's deadline, as on /v1/inference")]
 
 
 class Document(Struct):

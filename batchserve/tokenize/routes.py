@@ -14,11 +14,11 @@ from starlette.routing import Route
 from batchserve.backends import Backend
 from batchserve.backends.tokenizer_of import TextTokenizer, tokenizer_of
 from batchserve.http.model_choice import ModelRegistry
-from batchserve.errors import ApiError, warming_up
+from batchserve.errors import warming_up
 from batchserve.http.dialects import OPENAI
-from batchserve.http.endpoint import COUNTED, Answer, Call, Endpoint, Served, json_answer
+from batchserve.http.endpoint import COUNTED, Call, Endpoint, Served, as_json
 from batchserve.http.plumbing import decode
-from batchserve.http.openai_error import bad, refused, unknown_model
+from batchserve.http.openai_error import bad, no_model, refused, unknown_model
 from batchserve.tokenize import shapes
 
 TOKENIZE = msgspec.json.Decoder(shapes.TokenizeRequest)
@@ -69,9 +69,7 @@ def pick(rt: TokenizeHost, call: Call, requested: str | None) -> TextTokenizer:
                 return tok
         if len(rt.backends) < len(rt.registry.by_id):
             raise warming_up()
-        raise ApiError(
-            404, "MODEL_NOT_FOUND", "no model served here has a tokenizer", param="model", reason="model_not_found"
-        )
+        raise no_model("no model served here has a tokenizer")
     spec = rt.registry.resolve(requested, call.who.key_id)
     if spec is None:
         raise unknown_model(requested)
@@ -97,14 +95,11 @@ def parse_tokenize(rt: TokenizeHost, call: Call, body: bytes) -> Texts:
     return Texts(list(texts or ()), req.inputs is not None, req.add_special_tokens, pick(rt, call, req.model))
 
 
-async def tokenize(rt: TokenizeHost, call: Call, t: Texts) -> list[list[int]]:
-    return await asyncio.to_thread(lambda: [t.tok.encode(text, t.special) for text in t.texts])
-
-
-def render_tokenize(rt: TokenizeHost, call: Call, t: Texts, ids: list[list[int]]) -> Answer:
+async def tokenize(rt: TokenizeHost, call: Call, t: Texts) -> object:
+    ids = await asyncio.to_thread(lambda: [t.tok.encode(text, t.special) for text in t.texts])
     if t.tei:
-        return json_answer([[{"id": i, "text": s} for i, s in zip(one, t.tok.token_texts(one))] for one in ids])
-    return json_answer({"count": len(ids[0]), "max_model_len": t.tok.max_model_len, "tokens": ids[0]})
+        return [[{"id": i, "text": s} for i, s in zip(one, t.tok.token_texts(one))] for one in ids]
+    return {"count": len(ids[0]), "max_model_len": t.tok.max_model_len, "tokens": ids[0]}
 
 
 def parse_detokenize(rt: TokenizeHost, call: Call, body: bytes) -> Ids:
@@ -119,19 +114,15 @@ def parse_detokenize(rt: TokenizeHost, call: Call, body: bytes) -> Ids:
     return Ids(req.tokens, tok)
 
 
-async def detokenize(rt: TokenizeHost, call: Call, d: Ids) -> str:
-    return await asyncio.to_thread(d.tok.decode, d.ids)
+async def detokenize(rt: TokenizeHost, call: Call, d: Ids) -> dict[str, str]:
+    return {"prompt": await asyncio.to_thread(d.tok.decode, d.ids)}
 
 
-def render_detokenize(rt: TokenizeHost, call: Call, d: Ids, text: str) -> Answer:
-    return json_answer({"prompt": text})
-
-
-tokenize_route: Endpoint[TokenizeHost, Texts, list[list[int]]] = Endpoint(
-    OPENAI, parse_tokenize, tokenize, render_tokenize, book=COUNTED
+tokenize_route: Endpoint[TokenizeHost, Texts, object] = Endpoint(
+    OPENAI, parse_tokenize, tokenize, as_json, book=COUNTED
 )
-detokenize_route: Endpoint[TokenizeHost, Ids, str] = Endpoint(
-    OPENAI, parse_detokenize, detokenize, render_detokenize, book=COUNTED
+detokenize_route: Endpoint[TokenizeHost, Ids, dict[str, str]] = Endpoint(
+    OPENAI, parse_detokenize, detokenize, as_json, book=COUNTED
 )
 
 ROUTES = [
