@@ -268,8 +268,17 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from batchserve.backends import sleeping_idle_threads
 
     sleeping_idle_threads()  # before any model (or a --processes child) loads torch
+    from batchserve.app import create_app
+
     if settings.processes > 1:  # the children load the models, each on its share of the devices
-        return run_processes(settings)
+        from batchserve.generation.inference import stepper_models
+        from batchserve.http.processes import serve_processes
+
+        try:
+            return serve_processes(settings, create_app, tuple(stepper_models(settings)))
+        except (ValueError, OSError) as exc:
+            print(f"batchserve: error: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, ValueError) else 1
     if os.getcwd() not in sys.path:  # `--backend mymodel:batch` finds mymodel.py here (searched last)
         sys.path.append(os.getcwd())
     # The port opens at once and the backends warm behind it: a plugin that cannot serve still says why in one
@@ -282,22 +291,9 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except PluginError as exc:
         print(f"batchserve: error: {exc}", file=sys.stderr)
         return 2
-    from batchserve.app import create_app
     from batchserve.http.server import serve
 
     return serve(settings, create_app)
-
-
-def run_processes(settings: Settings) -> int:
-    from batchserve.app import create_app
-    from batchserve.generation.inference import stepper_models
-    from batchserve.http.processes import serve_processes
-
-    try:
-        return serve_processes(settings, create_app, tuple(stepper_models(settings)))
-    except (ValueError, OSError) as exc:
-        print(f"batchserve: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ValueError) else 1
 
 
 if __name__ == "__main__":

@@ -22,11 +22,15 @@ import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import httpx
 
 H = TypeVar("H", httpx.Client, httpx.AsyncClient)  # the connection pool of a client: sync or async
+# What a call gives (`_Connected`): the answer, or its awaitable.
+Obj = TypeVar("Obj")
+Rows = TypeVar("Rows")
+Vectors = TypeVar("Vectors")
 
 RETRY_STATUSES = frozenset({429, 503})
 MAX_MESSAGE_CHARS = 2000  # of a server's error message kept in the raised error (a proxy may send megabytes)
@@ -123,25 +127,13 @@ def _raise_for(response: httpx.Response) -> httpx.Response:
     return response
 
 
-def _ndjson(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def _given(**fields: object) -> dict:
     """A JSON body of the fields that are not None (the server's default holds for the rest)."""
     return {name: value for name, value in fields.items() if value is not None}
 
 
-def _inference_body(text: str, model: str | None, timeout_ms: int | None) -> dict:
-    return _given(input=text, model=model or None, timeout_ms=timeout_ms)
-
-
-def _submission(
-    inputs: Iterable[str], model: str | None, metadata: Mapping[str, str] | None, idempotency_key: str | None
-) -> dict:
-    """`POST /v1/batches`'s body and headers, as keyword arguments of `request`."""
-    body = _given(inputs=list(inputs), model=model or None, metadata=dict(metadata) if metadata else None)
-    return {"json": body, "headers": {"Idempotency-Key": idempotency_key} if idempotency_key else {}}
+def _ndjson(answer: httpx.Response) -> list[dict]:
+    return [json.loads(line) for line in answer.text.splitlines() if line.strip()]
 
 
 @dataclass
@@ -199,8 +191,10 @@ def _job_done(timeout_s: float | None, on_progress: Callable[[dict], None] | Non
     return done
 
 
-class _Connected(Generic[H]):
-    """What both clients hold: one connection pool (`http`, of `pool`'s kind), the retry policy and its hook."""
+class _Connected(Generic[H, Obj, Rows, Vectors]):
+    """What both clients hold: one connection pool (`http`, of `pool`'s kind), the retry policy and its hook, and
+    the calls, each written once: `_call` sends one and reads its answer, at once (`Client`) or awaited
+    (`AsyncClient`), so a call gives `Obj`, `Rows` or `Vectors`: the value, or its awaitable."""
 
     pool: Callable[..., H]
 
@@ -216,8 +210,43 @@ class _Connected(Generic[H]):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http: H = type(self).pool(base_url=base_url, headers=headers, timeout=timeout_s)
 
+    def _call(self, read: Callable[[httpx.Response], Any], method: str, path: str, **kw: Any) -> Any:
+        raise NotImplementedError
 
-class Client(_Connected[httpx.Client]):
+    def infer(self, text: str, model: str | None = None, timeout_ms: int | None = None) -> Obj:
+        """`POST /v1/inference`: {"output", "model", "latency_ms", "queue_ms", "compute_ms", ...}."""
+        body = _given(input=text, model=model or None, timeout_ms=timeout_ms)
+        return self._call(httpx.Response.json, "POST", "/v1/inference", json=body)
+
+    def embed(self, inputs: str | list[str], model: str) -> Vectors:
+        """`POST /v1/embeddings`: one vector per input, in input order."""
+        return self._call(_vectors, "POST", "/v1/embeddings", json={"input": inputs, "model": model})
+
+    def submit_job(
+        self,
+        inputs: Iterable[str],
+        model: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> Obj:
+        """`POST /v1/batches`: the job as stored (durable before this returns). With `idempotency_key`, a retry
+        of a submit whose answer was lost returns the same job."""
+        body = _given(inputs=list(inputs), model=model or None, metadata=dict(metadata) if metadata else None)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._call(httpx.Response.json, "POST", "/v1/batches", json=body, headers=headers)
+
+    def get_job(self, job_id: str) -> Obj:
+        return self._call(httpx.Response.json, "GET", f"/v1/batches/{job_id}")
+
+    def job_results(self, job_id: str) -> Rows:
+        """Every item in input order: {"index", "status", "output"} or {"index", "status", "error"}."""
+        return self._call(_ndjson, "GET", f"/v1/batches/{job_id}/results")
+
+    def cancel_job(self, job_id: str) -> Obj:
+        return self._call(httpx.Response.json, "POST", f"/v1/batches/{job_id}/cancel")
+
+
+class Client(_Connected[httpx.Client, dict, list[dict], list[list[float]]]):
     """Sync client; one connection pool, reuse it (a `with` block closes it). `on_retry(attempt, wait_s,
     error)` is told about every retry (for logs or tests)."""
 
@@ -244,34 +273,8 @@ class Client(_Connected[httpx.Client]):
                 return _raise_for(response)
             time.sleep(tries.wait_after(response))
 
-    def infer(self, text: str, model: str | None = None, timeout_ms: int | None = None) -> dict:
-        """`POST /v1/inference`: {"output", "model", "latency_ms", "queue_ms", "compute_ms", ...}."""
-        return self.request("POST", "/v1/inference", json=_inference_body(text, model, timeout_ms)).json()
-
-    def embed(self, inputs: str | list[str], model: str) -> list[list[float]]:
-        """`POST /v1/embeddings`: one vector per input, in input order."""
-        return _vectors(self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model}))
-
-    def submit_job(
-        self,
-        inputs: Iterable[str],
-        model: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        idempotency_key: str | None = None,
-    ) -> dict:
-        """`POST /v1/batches`: the job as stored (durable before this returns). With `idempotency_key`, a retry
-        of a submit whose answer was lost returns the same job."""
-        return self.request("POST", "/v1/batches", **_submission(inputs, model, metadata, idempotency_key)).json()
-
-    def get_job(self, job_id: str) -> dict:
-        return self.request("GET", f"/v1/batches/{job_id}").json()
-
-    def job_results(self, job_id: str) -> list[dict]:
-        """Every item in input order: {"index", "status", "output"} or {"index", "status", "error"}."""
-        return _ndjson(self.request("GET", f"/v1/batches/{job_id}/results").text)
-
-    def cancel_job(self, job_id: str) -> dict:
-        return self.request("POST", f"/v1/batches/{job_id}/cancel").json()
+    def _call(self, read: Callable[[httpx.Response], Any], method: str, path: str, **kw: Any) -> Any:
+        return read(self.request(method, path, **kw))
 
     def wait_job(
         self,
@@ -287,7 +290,7 @@ class Client(_Connected[httpx.Client]):
         return job
 
 
-class AsyncClient(_Connected[httpx.AsyncClient]):
+class AsyncClient(_Connected[httpx.AsyncClient, Awaitable[dict], Awaitable[list[dict]], Awaitable[list[list[float]]]]):
     """The same calls as `Client`, for asyncio code (`async with AsyncClient(...) as bs`)."""
 
     pool = httpx.AsyncClient
@@ -312,31 +315,8 @@ class AsyncClient(_Connected[httpx.AsyncClient]):
                 return _raise_for(response)
             await asyncio.sleep(tries.wait_after(response))
 
-    async def infer(self, text: str, model: str | None = None, timeout_ms: int | None = None) -> dict:
-        return (await self.request("POST", "/v1/inference", json=_inference_body(text, model, timeout_ms))).json()
-
-    async def embed(self, inputs: str | list[str], model: str) -> list[list[float]]:
-        return _vectors(await self.request("POST", "/v1/embeddings", json={"input": inputs, "model": model}))
-
-    async def submit_job(
-        self,
-        inputs: Iterable[str],
-        model: str | None = None,
-        metadata: Mapping[str, str] | None = None,
-        idempotency_key: str | None = None,
-    ) -> dict:
-        return (
-            await self.request("POST", "/v1/batches", **_submission(inputs, model, metadata, idempotency_key))
-        ).json()
-
-    async def get_job(self, job_id: str) -> dict:
-        return (await self.request("GET", f"/v1/batches/{job_id}")).json()
-
-    async def job_results(self, job_id: str) -> list[dict]:
-        return _ndjson((await self.request("GET", f"/v1/batches/{job_id}/results")).text)
-
-    async def cancel_job(self, job_id: str) -> dict:
-        return (await self.request("POST", f"/v1/batches/{job_id}/cancel")).json()
+    async def _call(self, read: Callable[[httpx.Response], Any], method: str, path: str, **kw: Any) -> Any:
+        return read(await self.request(method, path, **kw))
 
     async def wait_job(
         self,

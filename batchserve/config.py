@@ -99,23 +99,23 @@ class Settings(GenerationKnobs, JobKnobs, SimKnobs, ModelKnobs, BatchKnobs, Door
         for f in cli_fields():
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
-                p.add(
+                p.found.append(
                     f"{self.source(f.name)} must be one of {', '.join(choices)} (got "
                     f"{getattr(self, f.name)!r}){did_you_mean(str(getattr(self, f.name)), choices)}"
                 )
         if self.processes > 1 and "jobs_db" in self.given and self.jobs_db and not is_postgres_url(self.jobs_db):
-            p.add(
+            p.found.append(
                 f"{self.source('jobs_db')} is a SQLite file, which belongs to one process: with "
                 f"{self.source('processes')} {self.processes} use a postgresql:// URL the processes "
                 f"share, or an empty value (no batch jobs)"
             )
         if self.processes > 1 and self.devices and self.devices % self.processes:
-            p.add(
+            p.found.append(
                 f"{self.source('devices')} {self.devices} does not split evenly over "
                 f"{self.source('processes')} {self.processes} (each process gets the same number)"
             )
         if not self.keys and not self.allow_anonymous and not is_loopback(self.host):
-            p.add(f"serving on {self.host} with no API keys needs --allow-anonymous (or [[keys]] in --config)")
+            p.found.append(f"serving on {self.host} with no API keys needs --allow-anonymous (or [[keys]] in --config)")
         if p.found:
             raise ValueError("; ".join(p.found))
 

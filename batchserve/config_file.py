@@ -1,28 +1,5 @@
-"""The TOML config file (`--config`): models and versions, tier rates, API keys. See docs/configuration.md.
-
-```toml
-[[models]]             # one table per model version
-name = "echo"
-version = "v1"
-backend = "sim"        # or "smollm2", "minilm", a plugin's name or package.module:attribute
-sim_batch_ms = 100
-weight = 90            # share of its name's traffic among versions (canary), sticky per API key
-[models.options]       # keyword arguments for the plugin of the [[models]] table above (docs/backends.md)
-threshold = 0.5
-[[models]]             # a Hugging Face model folder (or a hub id in the local cache): backend "hf"
-name = "bge"
-path = "/models/bge-small-en-v1.5"
-task = "embeddings"    # optional: read from the folder (embeddings, generation, reranking, classification)
-[tiers.free]           # also paid, enterprise: requests per second and burst per key
-rate = 10
-burst = 20
-[[keys]]               # written by `batchserve keys add`; only the digest is stored
-tenant = "acme"
-tier = "paid"
-sha256 = "<hex digest of the key>"
-rate = 50              # optional per-key override (and burst)
-admin = true           # optional: GET /v1/usage shows this key every tenant's figures
-```
+"""The TOML config file (`--config`): models and versions, tier rates, API keys, in the format docs/configuration.md
+shows (`[[models]]` with their `[models.options]`, `[tiers.<tier>]`, `[[keys]]`).
 
 Strict: an unknown table or key, or a value of the wrong kind, is an error that names the file, the line and
 the key (with a "did you mean" when a known key is close), so a misspelled `wieght` is not silently ignored.
@@ -30,6 +7,7 @@ the key (with a "did you mean" when a known key is close), so a misspelled `wieg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -294,22 +272,10 @@ def append_key(
 ) -> None:
     """Add a [[keys]] table to the file (created if missing); TOML basic strings are JSON strings. A file that
     does not pass `load` is left alone (ValueError): appending would bury its mistake under a new key."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         load(path)
-    except FileNotFoundError:
-        pass
-    lines = [
-        "",
-        "[[keys]]",
-        f"tenant = {json.dumps(tenant)}",
-        f"tier = {json.dumps(tier)}",
-        f"sha256 = {json.dumps(sha256)}",
-    ]
-    if rate is not None:
-        lines.append(f"rate = {rate}")
-    if admin:
-        lines.append("admin = true")
-    if best_tier is not None:
-        lines.append(f"best_tier = {json.dumps(best_tier)}")
+    fields = {"tenant": tenant, "tier": tier, "sha256": sha256, "rate": rate, "admin": admin or None}
+    fields["best_tier"] = best_tier  # each optional key written only when given
+    lines = ["", "[[keys]]", *(f"{key} = {json.dumps(value)}" for key, value in fields.items() if value is not None)]
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")

@@ -7,7 +7,7 @@ Building errors only through these factories keeps each code's status, wording a
 from __future__ import annotations
 
 import math
-
+from collections.abc import Callable
 from dataclasses import dataclass
 
 RETRY_SOON_MS = 1000  # retry hint where another node (or this one in a moment) can serve
@@ -38,8 +38,18 @@ class ClientGone(Exception):
 
 
 # -- 4xx: the caller's request -----------------------------------------------------------------------------
-def invalid(message: str) -> ApiError:
-    return ApiError(400, "INVALID_REQUEST", message)
+def _worded(status: int, code: str) -> Callable[[str], ApiError]:
+    """The factory of a code whose every error its caller words."""
+    return lambda message: ApiError(status, code, message)
+
+
+invalid = _worded(400, "INVALID_REQUEST")
+not_found = _worded(404, "NOT_FOUND")
+method_not_allowed = _worded(405, "METHOD_NOT_ALLOWED")
+request_timeout = _worded(408, "REQUEST_TIMEOUT")
+conflict = _worded(409, "CONFLICT")
+payload_too_large = _worded(413, "PAYLOAD_TOO_LARGE")
+headers_too_large = _worded(431, "HEADERS_TOO_LARGE")
 
 
 def unauthorized(message: str) -> ApiError:
@@ -58,42 +68,17 @@ def batch_not_found(job_id: str) -> ApiError:
     return ApiError(404, "BATCH_NOT_FOUND", f"no batch job {short(job_id)!r} belongs to this caller")
 
 
-def not_found(message: str) -> ApiError:
-    return ApiError(404, "NOT_FOUND", message)
-
-
-def method_not_allowed(message: str) -> ApiError:
-    return ApiError(405, "METHOD_NOT_ALLOWED", message)
-
-
-def conflict(message: str) -> ApiError:
-    return ApiError(409, "CONFLICT", message)
-
-
-def payload_too_large(message: str) -> ApiError:
-    return ApiError(413, "PAYLOAD_TOO_LARGE", message)
-
-
 def rate_limited(message: str, retry_after_ms: float, headers: dict[str, str]) -> ApiError:
     return ApiError(429, "RATE_LIMITED", message, retry_after_ms=max(1, int(retry_after_ms)), headers=headers)
 
 
-def request_timeout(message: str) -> ApiError:
-    return ApiError(408, "REQUEST_TIMEOUT", message)
-
-
-def headers_too_large(message: str) -> ApiError:
-    return ApiError(431, "HEADERS_TOO_LARGE", message)
-
-
 # -- 5xx: the server's state ------------------------------------------------------------------------------
+not_implemented = _worded(501, "NOT_IMPLEMENTED")
+
+
 def internal_error() -> ApiError:
     """An exception nobody expected: the answer says nothing of it (the log has the traceback)."""
     return ApiError(500, "INTERNAL_ERROR", "the server failed on this request; it is logged")
-
-
-def not_implemented(message: str) -> ApiError:
-    return ApiError(501, "NOT_IMPLEMENTED", message)
 
 
 CLIENT_DETAIL_CHARS = 1000  # most characters of a backend's failure shown to the caller (the log keeps more)

@@ -46,9 +46,6 @@ class Problems:
         for name in names:
             self.need(test(getattr(self.values, name)), name, says)
 
-    def add(self, sentence: str) -> None:
-        self.found.append(sentence)
-
 
 def proxy_list(value: str) -> list[str]:
     """`--forwarded-allow-ips` as its entries (blanks dropped)."""
@@ -178,7 +175,7 @@ class DoorKnobs:
         p.need(not bad_gateways, "gateway_ips", "addresses or networks (10.0.0.0/8), comma-separated")
         bad_proxies = [x for x in proxy_list(self.forwarded_allow_ips) if not is_address_or_network(x)]
         if bad_proxies:
-            p.add(
+            p.found.append(
                 f"{p.source('forwarded_allow_ips')} must list addresses or networks (10.0.0.0/8) "
                 f"or *, separated by commas (not {short(bad_proxies[0])!r})"
             )
@@ -329,7 +326,7 @@ class ModelKnobs:
     def check_knobs(self, p: Problems) -> None:
         p.need(self.torch_threads >= 0, "torch_threads", "0 (auto) or more")
         if self.quantize == "int8" and self.runtime != "onnx":
-            p.add(f"{p.source('quantize')} int8 needs --runtime onnx (torch runs the model's own weights)")
+            p.found.append(f"{p.source('quantize')} int8 needs --runtime onnx (torch runs the model's own weights)")
         p.need(0 < self.quantize_cosine_floor <= 1, "quantize_cosine_floor", "in (0, 1]")
 
 

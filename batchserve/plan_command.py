@@ -81,50 +81,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="with --measure: seconds between the two /metrics reads that give CPU per request",
     )
-    add_node_arguments(parser.add_argument_group("the node"))
-
-
-def add_node_arguments(p: argparse._ArgumentGroup) -> None:
-    """A node's bounds and prices, and the simulation's own knobs."""
-    p.add_argument(
-        "--overhead-ms",
-        type=float,
-        default=0.0,
-        help="per-request time outside the batcher (HTTP, event loop, network), added to every latency",
-    )
-    p.add_argument(
-        "--max-busy",
-        type=float,
-        default=0.95,
-        help="the most device time a node is planned at, whatever the SLO allows",
-    )
-    p.add_argument(
-        "--cpu-us-per-request",
-        type=float,
-        default=None,
-        help="one server process's CPU per request, microseconds (with --measure: read from the "
-        "server's own counters over --cpu-window-s unless given)",
-    )
-    p.add_argument(
-        "--processes",
-        type=int,
-        default=None,
-        help="server processes per node (batchserve serve --processes), the devices split evenly [1, or measured]",
-    )
-    p.add_argument(
-        "--cores", type=float, default=0.0, help="cores the node's server processes may use (0 = one per process)"
-    )
-    p.add_argument("--max-cpu-busy", type=float, default=0.9, help="the most of a core one process is planned at")
-    p.add_argument("--gpu-cost-per-hour", type=float, default=0.0, help="price of one device (GPU) an hour")
-    p.add_argument(
-        "--node-cost-per-hour",
-        type=float,
-        default=0.0,
-        help="price of a node an hour beside its GPUs (CPUs, memory, network)",
-    )
-    p.add_argument("--sim-s", type=float, default=SIM_S, help="simulated seconds per point")
+    p = parser.add_argument_group("the node")
+    for flag, kind, default, help in NODE_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=help)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+# A node's bounds and prices, and the simulation's own knobs: (flag, type, default, help).
+NODE_FLAGS = (
+    (
+        "--overhead-ms",
+        float,
+        0.0,
+        "per-request time outside the batcher (HTTP, event loop, network), added to every latency",
+    ),
+    ("--max-busy", float, 0.95, "the most device time a node is planned at, whatever the SLO allows"),
+    (
+        "--cpu-us-per-request",
+        float,
+        None,
+        "one server process's CPU per request, microseconds (with --measure: read from the "
+        "server's own counters over --cpu-window-s unless given)",
+    ),
+    (
+        "--processes",
+        int,
+        None,
+        "server processes per node (batchserve serve --processes), the devices split evenly [1, or measured]",
+    ),
+    ("--cores", float, 0.0, "cores the node's server processes may use (0 = one per process)"),
+    ("--max-cpu-busy", float, 0.9, "the most of a core one process is planned at"),
+    ("--gpu-cost-per-hour", float, 0.0, "price of one device (GPU) an hour"),
+    ("--node-cost-per-hour", float, 0.0, "price of a node an hour beside its GPUs (CPUs, memory, network)"),
+    ("--sim-s", float, SIM_S, "simulated seconds per point"),
+)
 
 
 DEFAULT_SLO_MS = 200.0

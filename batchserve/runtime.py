@@ -144,12 +144,24 @@ class Runtime:
         return loads
 
     def load_reading(self) -> load_signal.Reading:
-        """What the autoscaling signals are computed from, now."""
+        """What the autoscaling signals are computed from, now: the batcher's, and the generation engine's demand
+        against its slots with its predicted wait for a new sequence (None when the engine is off)."""
         now = time.monotonic()
-        pool = self.pool
+        pool, engine = self.pool, self.generation
         healthy = pool.healthy_count() if pool is not None else 0
         times = self.batch_times()
         slowest = max(times, key=times.__getitem__, default="")  # its batch time is read: so is its SLO
+        engine_load = None
+        if engine is not None:
+            engine_load = load_signal.EngineLoad(
+                len(engine.running),
+                len(engine.waiting),
+                engine.budget.max_seqs,
+                lambda: engine.predicted_start_s(self.settings.max_new_tokens),
+                self.stepper.run_s() if self.stepper is not None else 0.0,
+                engine.healthy,
+                self.batcher.slo_of(engine.cfg.model_id),
+            )
         return load_signal.Reading(
             self.admission.arrivals.current(now),
             healthy,
@@ -158,23 +170,7 @@ class Runtime:
             pool.seconds_until_free(now) if pool is not None and healthy else 0.0,
             self.batcher.total_depth(),
             self.batcher.slo_of(slowest),
-            self.engine_load(),
-        )
-
-    def engine_load(self) -> load_signal.EngineLoad | None:
-        """The generation engine's demand against its slots, and its predicted wait for a new sequence (None when
-        the engine is off)."""
-        engine = self.generation
-        if engine is None:
-            return None
-        return load_signal.EngineLoad(
-            len(engine.running),
-            len(engine.waiting),
-            engine.budget.max_seqs,
-            lambda: engine.predicted_start_s(self.settings.max_new_tokens),
-            self.stepper.run_s() if self.stepper is not None else 0.0,
-            engine.healthy,
-            self.batcher.slo_of(engine.cfg.model_id),
+            engine_load,
         )
 
     def batch_times(self) -> dict[str, float]:
@@ -243,17 +239,14 @@ class Runtime:
                 ", ".join(loaded.devices),
                 ", ".join(self.registry.by_id),
             )
-        except PluginError as exc:  # the backend's own one line (the CLI prints it last), then exit 2
-            self.startup_error = str(exc)
-            log.error("start-up failed: %s", self.startup_error)
-            if self.on_startup_failure is not None:
-                self.on_startup_failure(self.startup_error, EXIT_BACKEND_FAILED)
         except Exception as exc:  # one line, then the process exits (it could never serve)
-            self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.debug("start-up failed", exc_info=True)
+            plugin = isinstance(exc, PluginError)  # the backend's own line (the CLI prints it last), then exit 2
+            self.startup_error = str(exc) if plugin else f"{type(exc).__name__}: {exc}"
+            if not plugin:
+                log.debug("start-up failed", exc_info=True)
             log.error("start-up failed: %s", self.startup_error)
             if self.on_startup_failure is not None:
-                self.on_startup_failure(self.startup_error, EXIT_STARTUP_FAILED)
+                self.on_startup_failure(self.startup_error, EXIT_BACKEND_FAILED if plugin else EXIT_STARTUP_FAILED)
 
     def start_pool(self, loaded: LoadedModels) -> GpuPool:
         """Seed the batcher with what the warm-up measured, and start a worker per device."""
