@@ -67,8 +67,6 @@ class Arrivals:
         self.last = now
         return self.rate
 
-    add = tick  # the hold's name for it: fed the items seen since the last batch
-
     def current(self, now: float) -> float:
         return self.rate * math.exp(-(now - self.last) / self.tau_s)
 
@@ -200,11 +198,11 @@ class Holds:
         rate = self.arrivals.get(key)
         if rate is None:  # not `setdefault`: that builds a meter every batch only to throw it away
             rate = self.arrivals[key] = Arrivals()
-        rate.add(now, seen)
+        rate.tick(now, seen)
         model_rate = self.model_arrivals.get(key[0])
         if model_rate is None:
             model_rate = self.model_arrivals[key[0]] = Arrivals()
-        model_rate.add(now, seen)
+        model_rate.tick(now, seen)
 
     def left_after(self, key: Key, left: int) -> None:
         """Queue `key` holds `left` items once its batch was taken."""

@@ -151,7 +151,7 @@ def test_several_workers_share_the_load() -> None:
 def test_arrivals_decay_between_batches() -> None:
     a = Arrivals(tau_s=1.0)
     assert a.current(5.0) == 0.0
-    a.add(5.0, 10)
+    a.tick(5.0, 10)
     assert a.current(5.0) == pytest.approx(10.0)
     assert a.current(6.0) == pytest.approx(10.0 * math.exp(-1))
 
